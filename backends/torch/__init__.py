@@ -1,0 +1,5 @@
+"""damcha_torch: work in progress."""
+
+from __future__ import annotations
+
+__all__: list[str] = []

@@ -1,0 +1,67 @@
+"""The backend adapter protocol, and the NumPy reference's own adapter."""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+import damcha_core as dc
+
+from ._cases import Case, CaseData
+
+
+@runtime_checkable
+class BackendAdapter(Protocol):
+    """What a port implements to be held to the reference by ``run_conformance``.
+
+    An adapter loads the canonical float64 params of a case into its own
+    framework (cast to ``dtype``), runs the layer and hands back NumPy arrays.
+    Masks arrive 4-D (B|1, H|1, N|1, M) with True = may attend; the adapter
+    converts to its framework's convention at its boundary.
+
+    Attributes:
+        name: short id shown in the report, e.g. "torch".
+        dtypes: the dtype names (keys of ``TOLERANCES``) it should be run in.
+        supports_gradients: whether ``gradients`` is implemented.
+    """
+
+    name: str
+    dtypes: Sequence[str]
+    supports_gradients: bool
+
+    def unsupported(self, case: Case) -> str | None:
+        """``None`` if the adapter can run ``case``, else the reason it cannot
+        (reported as "unsupported", never as a pass)."""
+        ...
+
+    def forward(self, data: CaseData, dtype: str) -> np.ndarray:
+        """The output (B, N, E_o) of ``data.case`` computed in ``dtype``."""
+        ...
+
+    def gradients(self, data: CaseData, dtype: str) -> dict[str, np.ndarray]:
+        """Gradients of ``sum(output * data.cotangent)`` with respect to
+        "query", "context" (cross-attention only) and every canonical
+        parameter name, each shaped like that tensor."""
+        ...
+
+
+class ReferenceAdapter:
+    """The NumPy reference through the same runner: a check of the runner and
+    the catalogue (a broken case generator fails here first). The reference
+    has no autodiff, so it reports outputs only."""
+
+    name = "reference"
+    dtypes: Sequence[str] = ("float64",)
+    supports_gradients = False
+
+    def unsupported(self, case: Case) -> str | None:
+        return None
+
+    def forward(self, data: CaseData, dtype: str) -> np.ndarray:
+        return dc.damcha_attention(
+            data.params, data.config, data.query, data.context, mask=data.mask, causal=data.causal
+        )
+
+    def gradients(self, data: CaseData, dtype: str) -> dict[str, np.ndarray]:
+        raise NotImplementedError("the NumPy reference has no gradients")

@@ -1,0 +1,230 @@
+"""The catalogue: named, seeded cases whose expected values come from the reference."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import numpy as np
+
+import damcha_core as dc
+
+MASK_KINDS = ("padding", "per_head", "all_masked_row")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One conformance case: a config, input sizes, mask kind and seed.
+
+    Args:
+        name: unique readable id.
+        group: the column of the report table this case counts towards.
+        config: the layer.
+        batch, query_len: B and N.
+        context_len: M for cross-attention; ``None`` is self-attention.
+        mask: ``None``, "padding" ((B, 1, 1, M): some trailing keys hidden per
+            batch row), "per_head" ((B, H, N, M) random) or "all_masked_row"
+            (per-head mask where one query row sees no key at all).
+        causal: top-left causal rule.
+        seed: seeds params, inputs, mask and gradient directions.
+        gradients: whether the case checks gradients (off only where central
+            differences over every tensor would be slow).
+    """
+
+    name: str
+    group: str
+    config: dc.DamchaConfig
+    batch: int
+    query_len: int
+    context_len: int | None = None
+    mask: str | None = None
+    causal: bool = False
+    seed: int = 0
+    gradients: bool = True
+
+    @property
+    def self_attention(self) -> bool:
+        return self.context_len is None
+
+
+@dataclasses.dataclass(frozen=True)
+class CaseData:
+    """Everything an adapter needs to run a case, as float64/bool NumPy arrays.
+
+    ``mask`` is always 4-D, (B|1, H|1, N|1, M), True = may attend; ``context``
+    is ``None`` for self-attention. ``cotangent`` defines the scalar loss
+    ``sum(output * cotangent)`` whose gradients the adapters return.
+    """
+
+    case: Case
+    params: dict[str, np.ndarray]
+    query: np.ndarray
+    context: np.ndarray | None
+    mask: np.ndarray | None
+    expected: np.ndarray
+    cotangent: np.ndarray
+
+    @property
+    def config(self) -> dc.DamchaConfig:
+        return self.case.config
+
+    @property
+    def causal(self) -> bool:
+        return self.case.causal
+
+    def reference(self, params: dict[str, np.ndarray] | None = None, query=None, context=None) -> np.ndarray:
+        """The reference output with some tensors replaced (used by central differences)."""
+        return dc.damcha_attention(
+            self.params if params is None else params,
+            self.config,
+            self.query if query is None else query,
+            self.context if context is None else context,
+            mask=self.mask,
+            causal=self.causal,
+        )
+
+
+def _cfg(**kw: Any) -> dc.DamchaConfig:
+    base = dict(query_dim=16, num_heads=4, key_dim=4)
+    base.update(kw)
+    return dc.DamchaConfig(**base)
+
+
+def _build_catalogue() -> tuple[Case, ...]:
+    lr = dict(metric="lowrank", metric_rank=3)
+    cases = [
+        # MHA special case and the three metric structures.
+        Case("mha-none-self", "mha", _cfg(metric="none"), 2, 6),
+        Case("mha-none-gqa-cross", "mha", _cfg(metric="none", num_kv_heads=2, context_dim=12), 2, 5, 7),
+        Case("heads-tied-self", "heads", _cfg(), 2, 6),
+        Case("heads-tied-nobias", "heads", _cfg(use_bias=False), 2, 6),
+        Case("heads-tied-scale-dims", "heads", _cfg(value_dim=6, output_dim=10, scale=0.3), 2, 5),
+        Case("heads-separate-cross", "heads", _cfg(coupling="separate", context_dim=12), 2, 5, 8),
+        Case("heads-query-cross", "heads", _cfg(coupling="query", context_dim=10), 2, 6, 4),
+        Case("lowrank-tied-self", "lowrank", _cfg(**lr), 2, 6),
+        Case("lowrank-separate-cross", "lowrank", _cfg(coupling="separate", context_dim=12, **lr), 2, 5, 7),
+        Case("lowrank-query-nobias", "lowrank", _cfg(coupling="query", use_bias=False, **lr), 2, 6),
+        # Grouped and multi-query attention.
+        Case("heads-query-gqa", "gqa-mqa", _cfg(coupling="query", num_kv_heads=2), 2, 6),
+        Case("heads-separate-gqa-cross", "gqa-mqa", _cfg(coupling="separate", num_kv_heads=2, context_dim=8), 2, 5, 7),
+        Case("heads-query-mqa", "gqa-mqa", _cfg(coupling="query", num_kv_heads=1), 2, 6),
+        Case("lowrank-separate-mqa", "gqa-mqa", _cfg(coupling="separate", num_kv_heads=1, **lr), 2, 6),
+        # Masks.
+        Case("heads-tied-padding", "masks", _cfg(), 2, 6, mask="padding"),
+        Case("heads-separate-per-head-cross", "masks", _cfg(coupling="separate", context_dim=12), 2, 5, 7, mask="per_head"),
+        Case("heads-tied-all-masked-row", "masks", _cfg(), 2, 6, mask="all_masked_row"),
+        Case("lowrank-query-gqa-padding", "masks", _cfg(coupling="query", num_kv_heads=2, **lr), 2, 6, mask="padding"),
+        # Causal, square and non-square (top-left aligned).
+        Case("heads-tied-causal", "causal", _cfg(), 2, 7, causal=True),
+        Case("heads-tied-causal-wide", "causal", _cfg(), 2, 4, 7, causal=True),
+        Case("heads-query-causal-tall", "causal", _cfg(coupling="query", num_kv_heads=2), 2, 7, 4, causal=True),
+        Case("heads-tied-causal-padding", "causal", _cfg(), 2, 6, mask="padding", causal=True),
+        Case("mha-none-causal-batch1", "causal", _cfg(metric="none"), 1, 6, causal=True),
+        # Batch 1 and a long-ish sequence.
+        Case("heads-separate-batch1", "shapes", _cfg(coupling="separate"), 1, 3, 5),
+        Case("heads-tied-long-512", "long", _cfg(query_dim=32, num_heads=4, key_dim=8), 1, 512, causal=True, gradients=False),
+        Case("lowrank-query-long-cross-600", "long", _cfg(query_dim=32, num_heads=4, key_dim=8, coupling="query", num_kv_heads=2, **lr), 1, 520, 600, mask="padding", gradients=False),
+    ]
+    cases = [dataclasses.replace(c, seed=1000 + i) for i, c in enumerate(cases)]
+    names = [c.name for c in cases]
+    assert len(set(names)) == len(names), "case names must be unique"
+    return tuple(cases)
+
+
+CATALOGUE: tuple[Case, ...] = _build_catalogue()
+GROUPS: tuple[str, ...] = tuple(dict.fromkeys(c.group for c in CATALOGUE))
+
+
+def catalogue(names: list[str] | None = None, groups: list[str] | None = None) -> list[Case]:
+    """The catalogue, optionally filtered by case names and/or groups."""
+    known = {c.name for c in CATALOGUE}
+    for name in names or ():
+        if name not in known:
+            raise dc.DamchaValueError(f"`names` has an unknown case {name!r}. Expected some of {sorted(known)}")
+    for group in groups or ():
+        if group not in GROUPS:
+            raise dc.DamchaValueError(f"`groups` has an unknown group {group!r}. Expected some of {list(GROUPS)}")
+    return [
+        c for c in CATALOGUE if (not names or c.name in names) and (not groups or c.group in groups)
+    ]
+
+
+def case_params(config: dc.DamchaConfig, seed: int) -> dict[str, np.ndarray]:
+    """Parameters that exercise every term: open gates, non-zero biases.
+
+    Fresh ``init_params`` have gates at 0 (plain MHA), which would let a port
+    that ignores the metric pass; here gates are drawn in +-[0.3, 1.0].
+    """
+    rng = np.random.default_rng([seed, 1])
+    params = dc.init_params(config, seed)
+    for name, value in params.items():
+        leaf = name.rsplit(".", 1)[1]
+        if leaf == "gate":
+            params[name] = rng.uniform(0.3, 1.0, value.shape) * rng.choice([-1.0, 1.0], value.shape)
+        elif leaf == "bias":
+            params[name] = rng.normal(0.0, 0.3, value.shape)
+        elif name.startswith("metric.") and leaf == "kernel":
+            params[name] = value * 2.0  # a visibly data-dependent map
+    return params
+
+
+def _make_mask(case: Case, rng: np.random.Generator, M: int) -> np.ndarray | None:
+    B, H, N = case.batch, case.config.num_heads, case.query_len
+    if case.mask is None:
+        return None
+    if case.mask == "padding":
+        # Batch row b keeps its first M - b keys (at least one).
+        lengths = np.maximum(M - np.arange(B) * max(1, M // 3), 1)
+        return (np.arange(M)[None, :] < lengths[:, None])[:, None, None, :]
+    mask = rng.random((B, H, N, M)) < 0.7
+    mask[..., 0] |= ~mask.any(-1)  # every row sees a key unless we hide it on purpose
+    if case.mask == "all_masked_row":
+        mask[0, :, 1, :] = False  # query 1 of batch 0 sees nothing, in every head
+        mask[-1, 1, -1, :] = False  # and one (batch, head, query) row alone
+    return mask
+
+
+@functools.lru_cache(maxsize=None)
+def materialise(case: Case) -> CaseData:
+    """Params, inputs, mask and the reference output of ``case`` (cached)."""
+    cfg = case.config
+    rng = np.random.default_rng([case.seed, 2])
+    params = case_params(cfg, case.seed)
+    query = rng.normal(size=(case.batch, case.query_len, cfg.query_dim))
+    context = None if case.self_attention else rng.normal(size=(case.batch, case.context_len, cfg.context_dim))
+    M = case.query_len if case.self_attention else case.context_len
+    mask = _make_mask(case, rng, M)
+    expected = dc.damcha_attention(params, cfg, query, context, mask=mask, causal=case.causal)
+    cotangent = rng.normal(size=expected.shape) / np.sqrt(expected.size)
+    return CaseData(case, params, query, context, mask, expected, cotangent)
+
+
+def gradient_targets(data: CaseData) -> list[str]:
+    """Tensors whose gradients are checked: the inputs, then every parameter."""
+    return ["query"] + ([] if data.context is None else ["context"]) + list(data.params)
+
+
+@functools.lru_cache(maxsize=None)
+def reference_directional(case: Case, eps: float = 1e-5) -> dict[str, tuple[np.ndarray, float]]:
+    """For each target tensor: a seeded unit direction V and the central difference
+    (loss(T + eps V) - loss(T - eps V)) / (2 eps) of the float64 reference, where
+    loss = sum(output * cotangent)."""
+    data = materialise(case)
+    rng = np.random.default_rng([case.seed, 3])
+    out = {}
+    for target in gradient_targets(data):
+        base = getattr(data, target) if target in ("query", "context") else data.params[target]
+        direction = rng.normal(size=base.shape)
+        direction /= np.linalg.norm(direction)
+
+        def loss(sign: float) -> float:
+            moved = base + sign * eps * direction
+            if target in ("query", "context"):
+                y = data.reference(**{target: moved})
+            else:
+                y = data.reference(params={**data.params, target: moved})
+            return float(np.sum(y * data.cotangent))
+
+        out[target] = (direction, (loss(1.0) - loss(-1.0)) / (2 * eps))
+    return out

@@ -1,0 +1,177 @@
+"""Run the catalogue through an adapter and compare against the reference."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import traceback
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from ._adapter import BackendAdapter
+from ._cases import CATALOGUE, GROUPS, Case, gradient_targets, materialise, reference_directional
+from ._tolerances import tolerance
+
+STATUSES = ("pass", "fail", "error", "unsupported")
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    """One check of one case on one backend in one dtype.
+
+    ``check`` is "output" or "gradients"; ``ratio`` is the worst error over
+    its allowance (pass iff <= 1); ``detail`` names the worst tensor or the
+    error raised.
+    """
+
+    backend: str
+    case: str
+    group: str
+    dtype: str
+    check: str
+    status: str
+    max_error: float = float("nan")
+    ratio: float = float("nan")
+    detail: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class Report:
+    """All results of one or more runs; ``passed`` is False on any fail/error."""
+
+    results: list[Result] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.results) and all(r.status in ("pass", "unsupported") for r in self.results) and not any(
+            n.startswith("FAIL") for n in self.notes
+        )
+
+    def failures(self) -> list[Result]:
+        return [r for r in self.results if r.status in ("fail", "error")]
+
+    def extend(self, other: "Report") -> None:
+        self.results.extend(other.results)
+        self.notes.extend(other.notes)
+
+    def summary(self) -> str:
+        """The table plus one line per failure: what an assertion message needs."""
+        lines = [self.table()]
+        for r in self.failures():
+            lines.append(f"{r.status.upper()} {r.backend}/{r.dtype} {r.case} [{r.check}] err={r.max_error:.3g} ratio={r.ratio:.3g} {r.detail}")
+        return "\n".join(lines)
+
+    def table(self) -> str:
+        """Backend/dtype x case group: passed/total and the worst max error."""
+        rows = sorted({(r.backend, r.dtype) for r in self.results}, key=lambda t: t[0])
+        groups = [g for g in GROUPS if any(r.group == g for r in self.results)]
+        header = ["backend", "dtype"] + groups + ["all"]
+        body = []
+        for backend, dtype in rows:
+            row = [backend, dtype]
+            mine = [r for r in self.results if r.backend == backend and r.dtype == dtype]
+            for group in groups + [None]:
+                cell = [r for r in mine if group is None or r.group == group]
+                row.append(_cell(cell))
+            body.append(row)
+        widths = [max(len(str(x)) for x in col) for col in zip(header, *body)] if body else [len(h) for h in header]
+        fmt = lambda row: "  ".join(str(x).ljust(w) for x, w in zip(row, widths))  # noqa: E731
+        out = [fmt(header), fmt(["-" * w for w in widths])] + [fmt(row) for row in body]
+        out += [f"note: {n}" for n in self.notes]
+        out.append("cells: checks passed/run (outputs and gradients), worst max |error|; "
+                   "'unsup' counts cases the backend declares it cannot run")
+        return "\n".join(out)
+
+    def to_json(self) -> str:
+        return json.dumps({"passed": self.passed, "notes": self.notes, "results": [r.to_dict() for r in self.results]}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Report":
+        data = json.loads(text)
+        return cls([Result(**r) for r in data["results"]], list(data.get("notes", [])))
+
+
+def _cell(results: list[Result]) -> str:
+    if not results:
+        return "-"
+    ran = [r for r in results if r.status != "unsupported"]
+    ok = sum(r.status == "pass" for r in ran)
+    errs = [r.max_error for r in ran if np.isfinite(r.max_error)]
+    text = f"{ok}/{len(ran)}"
+    if ok < len(ran):
+        text = "FAIL " + text
+    if errs:
+        text += f" {max(errs):.1e}"
+    unsup = len(results) - len(ran)
+    if unsup:
+        text += f" ({unsup} unsup)"
+    return text
+
+
+def check_case(adapter: BackendAdapter, case: Case, dtype: str, gradients: bool = True) -> list[Result]:
+    """Run one case on ``adapter`` in ``dtype``: the output check, then the
+    gradient check (when asked, supported and the case has one)."""
+    tol = tolerance(dtype)
+    base = dict(backend=adapter.name, case=case.name, group=case.group, dtype=dtype)
+    reason = adapter.unsupported(case)
+    if reason:
+        return [Result(**base, check="output", status="unsupported", detail=reason)]
+    data = materialise(case)
+    results = []
+    try:
+        out = np.asarray(adapter.forward(data, dtype), dtype=np.float64)
+        err, ratio = tol.output_ratio(out, data.expected)
+        detail = "" if out.shape == data.expected.shape else f"shape {out.shape} != expected {data.expected.shape}"
+        results.append(Result(**base, check="output", status="pass" if ratio <= 1 else "fail", max_error=err, ratio=ratio, detail=detail))
+    except Exception as exc:  # a crash is a reported failure, not the end of the run
+        results.append(Result(**base, check="output", status="error", detail=_describe_exc(exc)))
+    if not (gradients and case.gradients and adapter.supports_gradients):
+        return results
+    try:
+        grads = adapter.gradients(data, dtype)
+        expected_keys = set(gradient_targets(data))
+        if set(grads) != expected_keys:
+            raise KeyError(f"gradients keys {sorted(grads)} != expected {sorted(expected_keys)}")
+        worst = (0.0, 0.0, "")
+        for target, (direction, dd_ref) in reference_directional(case).items():
+            g = np.asarray(grads[target], dtype=np.float64)
+            if g.shape != direction.shape:
+                raise ValueError(f"gradient of {target} has shape {g.shape}, expected {direction.shape}")
+            err, ratio = tol.grad_ratio(float(np.sum(g * direction)), dd_ref, float(np.linalg.norm(g)))
+            if ratio > worst[1]:  # grad_ratio never returns NaN: a NaN gradient is inf
+                worst = (err, ratio, target)
+        status = "pass" if worst[1] <= 1 else "fail"
+        results.append(Result(**base, check="gradients", status=status, max_error=worst[0], ratio=worst[1], detail=f"worst: {worst[2]}"))
+    except Exception as exc:
+        results.append(Result(**base, check="gradients", status="error", detail=_describe_exc(exc)))
+    return results
+
+
+def _describe_exc(exc: Exception) -> str:
+    tb = traceback.extract_tb(exc.__traceback__)
+    where = f" at {tb[-1].filename.rsplit('/', 1)[-1]}:{tb[-1].lineno}" if tb else ""
+    return f"{type(exc).__name__}: {exc}{where}"
+
+
+def run_conformance(
+    adapter: BackendAdapter,
+    cases: Iterable[Case] | None = None,
+    dtypes: Sequence[str] | None = None,
+    gradients: bool = True,
+) -> Report:
+    """Run ``cases`` (default: the whole catalogue) on ``adapter`` in each of
+    ``dtypes`` (default: ``adapter.dtypes``) and return the report."""
+    cases = list(CATALOGUE if cases is None else cases)
+    dtypes = list(adapter.dtypes if dtypes is None else dtypes)
+    for dtype in dtypes:
+        tolerance(dtype)  # unknown dtype names fail before any work
+    report = Report()
+    for dtype in dtypes:
+        for case in cases:
+            report.results.extend(check_case(adapter, case, dtype, gradients))
+    return report

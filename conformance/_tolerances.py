@@ -1,0 +1,61 @@
+"""Tolerances, declared once per dtype, for every comparison against the reference."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerance:
+    """``|x - ref| <= atol + rtol * |ref|`` elementwise for outputs; for a
+    directional derivative along a unit direction, ``|dd - dd_ref| <=
+    grad_atol + grad_rtol * ||grad||`` (the gradient norm bounds |dd|)."""
+
+    rtol: float
+    atol: float
+    grad_rtol: float
+    grad_atol: float
+
+    def output_ratio(self, actual: np.ndarray, expected: np.ndarray) -> tuple[float, float]:
+        """(max abs error, worst error / allowed); the check passes when the ratio <= 1."""
+        actual = np.asarray(actual, dtype=np.float64)
+        expected = np.asarray(expected, dtype=np.float64)
+        if actual.shape != expected.shape:
+            return float("inf"), float("inf")
+        if not np.all(np.isfinite(actual)):
+            return float("nan"), float("inf")
+        err = np.abs(actual - expected)
+        allowed = self.atol + self.rtol * np.abs(expected)
+        return float(err.max(initial=0.0)), float((err / allowed).max(initial=0.0))
+
+    def grad_ratio(self, dd: float, dd_ref: float, grad_norm: float) -> tuple[float, float]:
+        if not (np.isfinite(dd) and np.isfinite(grad_norm)):
+            return float("nan"), float("inf")
+        err = abs(dd - dd_ref)
+        return err, err / (self.grad_atol + self.grad_rtol * grad_norm)
+
+
+# Outputs are O(1) by construction of the catalogue. float64 is limited by
+# summation order; float32 by ~1e-7 eps over a few chained einsums; the 16-bit
+# types by their 8 (bfloat16) and 11 (float16) bit mantissas. Gradient
+# tolerances are looser: the float64 reference's central differences carry
+# ~1e-10 error, and low-precision backward passes accumulate more rounding.
+TOLERANCES: dict[str, Tolerance] = {
+    "float64": Tolerance(rtol=1e-9, atol=1e-10, grad_rtol=1e-6, grad_atol=1e-7),
+    "float32": Tolerance(rtol=2e-4, atol=2e-5, grad_rtol=2e-3, grad_atol=2e-4),
+    "float16": Tolerance(rtol=1e-2, atol=1e-2, grad_rtol=5e-2, grad_atol=2e-2),
+    "bfloat16": Tolerance(rtol=5e-2, atol=5e-2, grad_rtol=2e-1, grad_atol=1e-1),
+}
+
+DTYPES = tuple(TOLERANCES)
+
+
+def tolerance(dtype: str) -> Tolerance:
+    """The tolerance of ``dtype`` (one of ``DTYPES``)."""
+    from damcha_core import DamchaValueError
+
+    if dtype not in TOLERANCES:
+        raise DamchaValueError(f"`dtype` must be one of {DTYPES}. Received: dtype={dtype!r}")
+    return TOLERANCES[dtype]

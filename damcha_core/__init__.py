@@ -1,0 +1,50 @@
+"""damcha_core: the NumPy float64 reference that *is* the DAMCHA v1 specification.
+
+Only NumPy is imported here; ``save_params``/``load_params`` import
+safetensors when called. No deep-learning framework is ever imported.
+"""
+
+from __future__ import annotations
+
+from ._config import COUPLINGS, METRICS, DamchaConfig
+from ._convert import fold_static_metric, params_from_mha, projection_names
+from ._errors import DamchaError, DamchaTypeError, DamchaValueError
+from ._io import load_params, save_params
+from ._params import init_params, validate_params
+from ._reference import (
+    RMS_EPS,
+    check_shapes,
+    damcha_attention,
+    float_dtype_error,
+    mask_dtype_error,
+    metric_penalty,
+    rms_normalise,
+    side_of,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "COUPLINGS",
+    "METRICS",
+    "RMS_EPS",
+    "DamchaConfig",
+    "DamchaError",
+    "DamchaTypeError",
+    "DamchaValueError",
+    "__version__",
+    "check_shapes",
+    "damcha_attention",
+    "float_dtype_error",
+    "fold_static_metric",
+    "init_params",
+    "load_params",
+    "mask_dtype_error",
+    "metric_penalty",
+    "params_from_mha",
+    "projection_names",
+    "rms_normalise",
+    "save_params",
+    "side_of",
+    "validate_params",
+]

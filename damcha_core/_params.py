@@ -1,0 +1,132 @@
+"""Canonical parameters: initialisation and validation.
+
+Initialisers (every backend draws from the same distributions; the values
+differ per framework RNG, the reference's are fixed by ``seed``):
+
+=====================================  =========================================
+parameter                              distribution
+=====================================  =========================================
+query/key/value ``.kernel`` (E,S,d)    Glorot uniform, fan_in=E, fan_out=S*d
+output ``.kernel`` (H,d_v,E_o)         Glorot uniform, fan_in=H*d_v, fan_out=E_o
+every projection ``.bias``             zeros
+``metric.SIDE.gate`` (S,)              zeros: a fresh layer is exactly MHA
+heads ``metric.SIDE.kernel`` (E,S,S)   normal, std 1/sqrt(E*S)
+heads ``metric.SIDE.bias`` (S,S)       zeros
+lowrank ``metric.SIDE.kernel`` (E,r)   normal, std 1/sqrt(E)
+lowrank ``metric.SIDE.bias`` (r,)      zeros
+lowrank ``metric.SIDE.u`` (S,d,r)      normal, std 1/sqrt(r)
+lowrank ``metric.SIDE.v`` (S,d,r)      normal, std 1/sqrt(S*d)
+=====================================  =========================================
+
+The generator kernels are random, not zero, because gate = 0 *and* kernel = 0
+would be a saddle: neither would receive a gradient. The stds make phi(t)·W
+entries O(1/sqrt(S)) so that Delta(t) y has the scale of y once the gate opens.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import numpy as np
+
+from ._config import DamchaConfig
+from ._errors import DamchaTypeError, DamchaValueError, describe
+
+
+def _is_real_float(dtype: np.dtype) -> bool:
+    # ml_dtypes' bfloat16 is not an np.floating subtype, but it is a real float.
+    return np.issubdtype(dtype, np.floating) or dtype.name == "bfloat16"
+
+
+def _glorot(rng: np.random.Generator, shape: tuple[int, ...], fan_in: int, fan_out: int) -> np.ndarray:
+    limit = math.sqrt(6.0 / (fan_in + fan_out))
+    return rng.uniform(-limit, limit, size=shape)
+
+
+def init_params(config: DamchaConfig, seed: int = 0) -> dict[str, np.ndarray]:
+    """Fresh float64 parameters with canonical names; gates are 0 (exactly MHA).
+
+    Args:
+        config: the layer's ``DamchaConfig``.
+        seed: seed of the NumPy generator; tensors are drawn in canonical order.
+
+    Returns:
+        A dict ``name -> np.ndarray`` with the shapes of ``config.param_shapes()``.
+    """
+    if not isinstance(config, DamchaConfig):
+        raise DamchaTypeError(f"`config` must be a DamchaConfig. Received: config={describe(config)}")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise DamchaTypeError(f"`seed` must be an int. Received: seed={describe(seed)}")
+    rng = np.random.default_rng(seed)
+    params: dict[str, np.ndarray] = {}
+    for name, shape in config.param_shapes().items():
+        group, leaf = name.rsplit(".", 1)
+        if leaf in ("bias", "gate"):
+            value = np.zeros(shape)
+        elif group == "output":
+            H, d_v, E_o = shape
+            value = _glorot(rng, shape, H * d_v, E_o)
+        elif not group.startswith("metric."):
+            E, S, d = shape
+            value = _glorot(rng, shape, E, S * d)
+        elif leaf == "kernel" and config.metric == "heads":
+            E, S, _ = shape
+            value = rng.normal(0.0, 1.0 / math.sqrt(E * S), size=shape)
+        elif leaf == "kernel":
+            value = rng.normal(0.0, 1.0 / math.sqrt(shape[0]), size=shape)
+        elif leaf == "u":
+            value = rng.normal(0.0, 1.0 / math.sqrt(shape[2]), size=shape)
+        else:  # lowrank v
+            S, d, _ = shape
+            value = rng.normal(0.0, 1.0 / math.sqrt(S * d), size=shape)
+        params[name] = value
+    return params
+
+
+def validate_params(
+    params: Mapping[str, Any], config: DamchaConfig, *, argument: str = "params"
+) -> dict[str, np.ndarray]:
+    """Check names, shapes and dtypes against ``config``; return float64 copies.
+
+    Raises:
+        DamchaTypeError: ``params`` is not a mapping, or a tensor is not a real
+            floating array.
+        DamchaValueError: a name is missing or unexpected, a shape is wrong, or
+            a value is not finite.
+    """
+    if not isinstance(config, DamchaConfig):
+        raise DamchaTypeError(f"`config` must be a DamchaConfig. Received: config={describe(config)}")
+    if not isinstance(params, Mapping):
+        raise DamchaTypeError(f"`{argument}` must be a mapping of name -> array. Received: {argument}={describe(params)}")
+    expected = config.param_shapes()
+    missing = [n for n in expected if n not in params]
+    extra = sorted(n for n in params if n not in expected)
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"missing {missing}")
+        if extra:
+            parts.append(f"unexpected {extra}")
+        raise DamchaValueError(
+            f"`{argument}` does not match the config ({'; '.join(parts)}). "
+            f"Expected exactly: {list(expected)}"
+        )
+    out: dict[str, np.ndarray] = {}
+    for name, shape in expected.items():
+        value = params[name]
+        array = np.asarray(value)
+        if not _is_real_float(array.dtype):
+            raise DamchaTypeError(
+                f"`{argument}[{name!r}]` must be a real floating array. Received: {describe(array)}"
+            )
+        if array.shape != shape:
+            raise DamchaValueError(
+                f"`{argument}[{name!r}]` must have shape {shape} for this config. "
+                f"Received: {argument}[{name!r}].shape={array.shape}"
+            )
+        array = array.astype(np.float64)
+        if not np.all(np.isfinite(array)):
+            raise DamchaValueError(f"`{argument}[{name!r}]` contains NaN or inf values.")
+        out[name] = array
+    return out

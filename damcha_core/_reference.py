@@ -1,0 +1,381 @@
+"""The NumPy float64 reference: DAMCHA v1 as executable math.
+
+Two code paths compute the same function:
+
+* ``path="fast"``: project, apply each token's cross-head map to its own
+  query/key heads (q~ = L_q(x) q, k~ = L_k(c) k), then plain scaled dot-product
+  attention on (q~, k~, v). Cost beyond MHA is per token, never N x M.
+* ``path="explicit"``: build each token's dense (S*d x S*d) map, then every
+  head's cross-head metric M_h(i, j) = L_q(x_i)[h]^T L_k(c_j)[g(h)] and the
+  N x M logits q_i^T M_h(i, j) k_j directly. Slow; it exists so the tests can
+  check that the fast path computes the Mahalanobis form the spec defines.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, Mapping
+
+import numpy as np
+
+from ._config import DamchaConfig
+from ._errors import DamchaTypeError, DamchaValueError, describe
+from ._params import _is_real_float, validate_params
+
+RMS_EPS = 1e-6
+PATHS = ("fast", "explicit")
+
+
+# --------------------------------------------------------------------- checks
+
+
+def _check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise DamchaTypeError(f"`{name}` must be a bool. Received: {name}={describe(value)}")
+    return bool(value)
+
+
+def check_token_shape(name: str, shape: tuple[int, ...], features: int, feature_arg: str) -> None:
+    """Rank-3 (batch, length, features) with the configured feature size, non-empty."""
+    shape = tuple(shape)
+    if len(shape) != 3:
+        raise DamchaValueError(
+            f"`{name}` must have rank 3, (batch, length, features). Received: {name}.shape={shape}"
+        )
+    if shape[-1] != features:
+        raise DamchaValueError(
+            f"`{name}` must have {features} features (config.{feature_arg}). Received: {name}.shape={shape}"
+        )
+    if 0 in shape:
+        raise DamchaValueError(f"`{name}` must be non-empty. Received: {name}.shape={shape}")
+
+
+def float_dtype_error(name: str, value: Any) -> DamchaTypeError:
+    """The error every backend raises for a non-float input tensor."""
+    return DamchaTypeError(
+        f"`{name}` must be a real floating tensor (float16/32/64 or bfloat16). Received: {name}={describe(value)}"
+    )
+
+
+def mask_dtype_error(value: Any, name: str = "mask") -> DamchaTypeError:
+    """The error every backend raises for a non-boolean mask."""
+    return DamchaTypeError(
+        f"`{name}` must be boolean (True = may attend); convert additive or 0/1 masks "
+        f"explicitly. Received: {name}={describe(value)}"
+    )
+
+
+def check_shapes(
+    config: DamchaConfig,
+    query_shape: tuple[int, ...],
+    context_shape: tuple[int, ...] | None = None,
+    mask_shape: tuple[int, ...] | None = None,
+) -> tuple[int, int, int]:
+    """Shape rules shared by every backend; returns (B, N, M).
+
+    ``context_shape=None`` is self-attention and needs context_dim == query_dim.
+    The mask may be (N, M) or (B, H, N, M), any dim may be 1. A 3-D mask is
+    rejected rather than guessed: NumPy-style broadcasting would read
+    (B, N, M) as (H, N, M), a silent and common bug.
+    """
+    check_token_shape("query", query_shape, config.query_dim, "query_dim")
+    if context_shape is None:
+        if config.context_dim != config.query_dim:
+            raise DamchaValueError(
+                "`context` is required when config.context_dim != config.query_dim (self-attention "
+                f"reuses the query). Received: context=None, query_dim={config.query_dim}, "
+                f"context_dim={config.context_dim}"
+            )
+        context_shape = query_shape
+    else:
+        check_token_shape("context", context_shape, config.context_dim, "context_dim")
+        if context_shape[0] != query_shape[0]:
+            raise DamchaValueError(
+                "`query` and `context` must have the same batch size. "
+                f"Received: query.shape={tuple(query_shape)}, context.shape={tuple(context_shape)}"
+            )
+    B, N, M = int(query_shape[0]), int(query_shape[1]), int(context_shape[1])
+    if mask_shape is not None:
+        mask_shape = tuple(mask_shape)
+        target = (B, config.num_heads, N, M)
+        if len(mask_shape) not in (2, 4):
+            hint = " For a (B, N, M) mask pass mask[:, None]." if len(mask_shape) == 3 else ""
+            raise DamchaValueError(
+                f"`mask` must have shape (N, M) or (B, H, N, M) with size-1 dims allowed, expected "
+                f"broadcastable to {target}.{hint} Received: mask.shape={mask_shape}"
+            )
+        if any(s not in (1, t) for s, t in zip(mask_shape[::-1], target[::-1])):
+            raise DamchaValueError(
+                f"`mask` must be broadcastable to (B, H, N, M) = {target} (each dim equal or 1). "
+                f"Received: mask.shape={mask_shape}"
+            )
+    return B, N, M
+
+
+def _as_float64(name: str, value: Any) -> np.ndarray:
+    array = np.asarray(value)
+    if not _is_real_float(array.dtype):
+        raise float_dtype_error(name, value)
+    return array.astype(np.float64)
+
+
+def _check_offset(query_offset: Any) -> int:
+    if isinstance(query_offset, bool) or not isinstance(query_offset, numbers.Integral) or query_offset < 0:
+        raise DamchaValueError(f"`query_offset` must be an int >= 0. Received: query_offset={describe(query_offset)}")
+    return int(query_offset)
+
+
+def visibility(
+    batch: int,
+    heads: int,
+    n: int,
+    m: int,
+    mask: np.ndarray | None = None,
+    causal: bool = False,
+    query_offset: int = 0,
+) -> np.ndarray:
+    """Boolean (B, H, N, M): may query i attend key j.
+
+    Causal is top-left aligned (query i sees keys j <= i) as in PyTorch, Keras
+    and JAX; ``query_offset=P`` places query i at position P + i, which is how
+    a decoder with P cached tokens sees its keys (bottom-right when P = M - N).
+    """
+    visible = np.ones((batch, heads, n, m), dtype=bool)
+    if mask is not None:
+        visible &= mask
+    if causal:
+        rows = np.arange(n)[:, None] + query_offset
+        visible &= np.arange(m)[None, :] <= rows
+    return visible
+
+
+# ----------------------------------------------------------------------- math
+
+
+def rms_normalise(t: np.ndarray) -> np.ndarray:
+    """phi(t) = t / sqrt(mean(t^2 over features) + 1e-6): the generator's input."""
+    return t / np.sqrt(np.mean(t * t, axis=-1, keepdims=True) + RMS_EPS)
+
+
+def side_of(config: DamchaConfig, role: str) -> str | None:
+    """Canonical metric side that adapts ``role`` ("q" or "k"), or None (identity)."""
+    if config.metric == "none":
+        return None
+    if config.coupling == "tied":
+        return "qk"
+    if config.coupling == "query" and role == "k":
+        return None
+    return role
+
+
+def generator(params: Mapping[str, np.ndarray], config: DamchaConfig, side: str, tokens: np.ndarray) -> np.ndarray:
+    """The data-adaptive coefficients of ``side`` for each token.
+
+    Returns A(t) (B, T, S, S) for metric "heads", u(t) (B, T, r) for "lowrank".
+    """
+    p = f"metric.{side}"
+    phi = rms_normalise(tokens)
+    if config.metric == "heads":
+        return np.einsum("bte,ehk->bthk", phi, params[f"{p}.kernel"]) + params[f"{p}.bias"]
+    return phi @ params[f"{p}.kernel"] + params[f"{p}.bias"]
+
+
+def apply_map(
+    params: Mapping[str, np.ndarray], config: DamchaConfig, side: str, tokens: np.ndarray, y: np.ndarray
+) -> np.ndarray:
+    """L(t) y for stacked heads y (B, T, S, d), without forming L."""
+    p = f"metric.{side}"
+    coeff = generator(params, config, side, tokens)
+    if config.metric == "heads":
+        delta = np.einsum("btha,btad->bthd", coeff, y)
+    else:
+        z = np.einsum("btad,adr->btr", y, params[f"{p}.v"])
+        delta = np.einsum("hdr,btr->bthd", params[f"{p}.u"], coeff * z)
+    return y + params[f"{p}.gate"][:, None] * delta
+
+
+def dense_map(params: Mapping[str, np.ndarray], config: DamchaConfig, side: str, tokens: np.ndarray) -> np.ndarray:
+    """L(t) as a dense (B, T, S, d, S, d) array: L[h, i, a, j] maps y[a, j] to (Ly)[h, i]."""
+    p = f"metric.{side}"
+    S, d = config.side_heads(side), config.key_dim
+    coeff = generator(params, config, side, tokens)
+    if config.metric == "heads":
+        delta = np.einsum("btha,ij->bthiaj", coeff, np.eye(d))
+    else:
+        delta = np.einsum("hir,btr,ajr->bthiaj", params[f"{p}.u"], coeff, params[f"{p}.v"])
+    identity = np.eye(S * d).reshape(S, d, S, d)
+    return identity + params[f"{p}.gate"][:, None, None, None] * delta
+
+
+def head_map(params: Mapping[str, np.ndarray], config: DamchaConfig, side: str, tokens: np.ndarray) -> np.ndarray:
+    """The per-token factor a user inspects: l(t) = I + diag(g) A(t) (B, T, S, S) for
+    metric "heads"; the dense L(t) (B, T, S, d, S, d) for "lowrank"."""
+    if config.metric == "heads":
+        A = generator(params, config, side, tokens)
+        S = A.shape[-1]
+        return np.eye(S) + params[f"metric.{side}.gate"][:, None] * A
+    return dense_map(params, config, side, tokens)
+
+
+def project(params: Mapping[str, np.ndarray], config: DamchaConfig, x: np.ndarray, c: np.ndarray):
+    """q (B, N, H, d), k (B, M, G, d), v (B, M, G, d_v) before any cross-head map."""
+    out = []
+    for name, tokens in (("query", x), ("key", c), ("value", c)):
+        y = np.einsum("bte,ehd->bthd", tokens, params[f"{name}.kernel"])
+        if config.use_bias:
+            y = y + params[f"{name}.bias"]
+        out.append(y)
+    return tuple(out)
+
+
+def softmax_attend(logits: np.ndarray, visible: np.ndarray) -> np.ndarray:
+    """Masked softmax over the last axis of (B, H, N, M) logits.
+
+    A row with no visible key would be exp(-inf)/0 = NaN; v1 defines its
+    probabilities as 0 instead, so that query's attention output is 0.
+    """
+    logits = np.where(visible, logits, -np.inf)
+    row_max = np.max(logits, axis=-1, keepdims=True)
+    row_max = np.where(np.isfinite(row_max), row_max, 0.0)
+    e = np.exp(logits - row_max)  # exp(-inf) = 0 at hidden keys
+    total = np.sum(e, axis=-1, keepdims=True)
+    return e / np.where(total > 0, total, 1.0)
+
+
+def _logits_explicit(params, config, x, c, q, k):
+    """N x M logits through each head's explicit cross-head metric M_h(i, j)."""
+    B, N, H, d = q.shape
+    M, G = k.shape[1], k.shape[2]
+    sq, sk = side_of(config, "q"), side_of(config, "k")
+    Lq = dense_map(params, config, sq, x) if sq else np.broadcast_to(np.eye(H * d).reshape(H, d, H, d), (B, N, H, d, H, d))
+    Lk = dense_map(params, config, sk, c) if sk else np.broadcast_to(np.eye(G * d).reshape(G, d, G, d), (B, M, G, d, G, d))
+    qf, kf = q.reshape(B, N, H * d), k.reshape(B, M, G * d)
+    Lq, Lk = Lq.reshape(B, N, H, d, H * d), Lk.reshape(B, M, G, d, G * d)
+    logits = np.empty((B, H, N, M))
+    for h in range(H):
+        g = h // config.group_size
+        # M_h(i, j)[a, c] = sum_r Lq(x_i)[h, r, a] Lk(c_j)[g, r, c]: (B, N, M, H*d, G*d)
+        metric = np.einsum("bnra,bmrc->bnmac", Lq[:, :, h], Lk[:, :, g])
+        logits[:, h] = np.einsum("bna,bnmac,bmc->bnm", qf, metric, kf)
+    return config.softmax_scale * logits
+
+
+def damcha_attention(
+    params: Mapping[str, Any],
+    config: DamchaConfig,
+    query: Any,
+    context: Any = None,
+    *,
+    mask: Any = None,
+    causal: bool = False,
+    return_weights: bool = False,
+    return_metric: bool = False,
+    query_offset: int = 0,
+    path: str = "fast",
+):
+    """DAMCHA v1 forward pass in float64 (inference: no dropout).
+
+    Args:
+        params: canonical parameters (see ``DamchaConfig.param_shapes``).
+        config: the layer's ``DamchaConfig``.
+        query: x (B, N, E_q), any real float dtype; computed in float64.
+        context: c (B, M, E_kv); ``None`` for self-attention (c = x).
+        mask: boolean, True = may attend, shape (N, M) or (B, H, N, M) with
+            size-1 dims allowed.
+        causal: hide key j from query i when j > i + query_offset.
+        return_weights: also return the attention probabilities (B, H, N, M).
+        return_metric: also return the per-token map factors as a dict
+            ``{"q": ..., "k": ...}`` (a role is absent when its map is the
+            identity): l(t) (B, T, S, S) for metric "heads", the dense L(t)
+            (B, T, S, d, S, d) for "lowrank".
+        query_offset: position of query 0 for the causal rule, P when P keys
+            were cached before these queries.
+        path: "fast" (default) or "explicit" (builds every cross-head metric;
+            small inputs only).
+
+    Returns:
+        y (B, N, E_o) float64 alone, or a tuple ``(y, weights?, metric?)`` with
+        the asked-for extras in that order. A query with no visible key gets
+        probabilities 0, so its attention output is 0 and y = output.bias.
+    """
+    if not isinstance(config, DamchaConfig):
+        raise DamchaTypeError(f"`config` must be a DamchaConfig. Received: config={describe(config)}")
+    p = validate_params(params, config)
+    x = _as_float64("query", query)
+    c = x if context is None else _as_float64("context", context)
+    if mask is not None:
+        mask = np.asarray(mask)
+        if mask.dtype != np.bool_:
+            raise mask_dtype_error(mask)
+    B, N, M = check_shapes(config, x.shape, None if context is None else c.shape, None if mask is None else mask.shape)
+    H = config.num_heads
+    causal = _check_bool("causal", causal)
+    return_weights = _check_bool("return_weights", return_weights)
+    return_metric = _check_bool("return_metric", return_metric)
+    query_offset = _check_offset(query_offset)
+    if path not in PATHS:
+        raise DamchaValueError(f"`path` must be one of {PATHS}. Received: path={path!r}")
+    if mask is not None:
+        mask = np.broadcast_to(mask.reshape((1, 1) * (4 - mask.ndim) + mask.shape), (B, H, N, M))
+
+    q, k, v = project(p, config, x, c)
+    if path == "fast":
+        sq, sk = side_of(config, "q"), side_of(config, "k")
+        if sq:
+            q = apply_map(p, config, sq, x, q)
+        if sk:
+            k = apply_map(p, config, sk, c, k)
+        k_h = np.repeat(k, config.group_size, axis=2)  # head h reads kv head h // (H/G)
+        logits = config.softmax_scale * np.einsum("bnhd,bmhd->bhnm", q, k_h)
+    else:
+        logits = _logits_explicit(p, config, x, c, q, k)
+    probs = softmax_attend(logits, visibility(B, H, N, M, mask, causal, query_offset))
+    o = np.einsum("bhnm,bmhd->bnhd", probs, np.repeat(v, config.group_size, axis=2))
+    y = np.einsum("bnhd,hde->bne", o, p["output.kernel"])
+    if config.use_bias:
+        y = y + p["output.bias"]
+    extras: list[Any] = []
+    if return_weights:
+        extras.append(probs)
+    if return_metric:
+        metric = {}
+        for role, tokens in (("q", x), ("k", c)):
+            side = side_of(config, role)
+            if side:
+                metric[role] = head_map(p, config, side, tokens)
+        extras.append(metric)
+    return (y, *extras) if extras else y
+
+
+def metric_penalty(params: Mapping[str, Any], config: DamchaConfig, query: Any, context: Any = None) -> float:
+    """Mean over adapted roles of mean_t ||L(t) - I||_F^2 / (S*d).
+
+    Roles are the queries (tokens of ``query``) and, unless coupling is
+    "query", the keys (tokens of ``context``); tied coupling adapts both with
+    one generator. Returns 0.0 for metric "none".
+    """
+    if not isinstance(config, DamchaConfig):
+        raise DamchaTypeError(f"`config` must be a DamchaConfig. Received: config={describe(config)}")
+    p = validate_params(params, config)
+    x = _as_float64("query", query)
+    c = x if context is None else _as_float64("context", context)
+    check_shapes(config, x.shape, None if context is None else c.shape)
+    d = config.key_dim
+    per_role = []
+    for role, tokens in (("q", x), ("k", c)):
+        side = side_of(config, role)
+        if side is None:
+            continue
+        g = p[f"metric.{side}.gate"]
+        S = g.shape[0]
+        coeff = generator(p, config, side, tokens)
+        if config.metric == "heads":
+            # L - I = (diag(g) A) (x) I_d, whose squared norm is d * ||diag(g) A||^2.
+            sq = np.sum((g[:, None] * coeff) ** 2, axis=(-2, -1)) * d
+        else:
+            # L - I = P diag(u) Q^T with P = g*U, Q = V, both (S*d, r): O(r^2) per token.
+            P = (g[:, None, None] * p[f"metric.{side}.u"]).reshape(S * d, -1)
+            Q = p[f"metric.{side}.v"].reshape(S * d, -1)
+            sq = np.einsum("btr,bts,rs->bt", coeff, coeff, (P.T @ P) * (Q.T @ Q))
+        per_role.append(np.mean(sq) / (S * d))
+    return float(np.mean(per_role)) if per_role else 0.0
