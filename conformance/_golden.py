@@ -1,0 +1,50 @@
+"""The frozen golden file: catches the reference (or the catalogue) drifting silently.
+
+``data/golden.npz`` holds, per case, the reference output (every 37th row of
+the long cases, to stay small) and the central-difference directional
+derivatives. Regenerate it only for an intended spec change, and say so in the
+commit message: ``python -m damcha_conformance._golden --write``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from ._cases import CATALOGUE, Case, materialise, reference_directional
+
+PATH = Path(__file__).parent / "data" / "golden.npz"
+LONG_STRIDE = 37
+
+
+def golden_entries(case: Case) -> dict[str, np.ndarray]:
+    """The frozen arrays of ``case``: its output (thinned when long) and directional derivatives."""
+    out = materialise(case).expected
+    if out.shape[1] >= 256:
+        out = out[:, ::LONG_STRIDE]
+    entries = {f"{case.name}/output": out}
+    if case.gradients:
+        entries[f"{case.name}/directional"] = np.array([dd for _, dd in reference_directional(case).values()])
+    return entries
+
+
+def write(path: Path = PATH) -> None:
+    arrays: dict[str, np.ndarray] = {}
+    for case in CATALOGUE:
+        arrays.update(golden_entries(case))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(path, **arrays)
+
+
+def load(path: Path = PATH) -> dict[str, np.ndarray]:
+    with np.load(path) as f:
+        return {k: f[k] for k in f.files}
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--write"]:
+        raise SystemExit("usage: python -m damcha_conformance._golden --write")
+    write()
+    print(f"wrote {PATH}")

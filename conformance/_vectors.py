@@ -1,0 +1,75 @@
+"""Language-neutral test vectors: JSON descriptions plus safetensors tensors.
+
+A port in any language with a safetensors reader checks itself with them:
+
+1. Read ``index.json``; for each case read ``<name>.json`` and ``<name>.safetensors``.
+2. Build the layer from ``config`` and the ``params.*`` tensors (canonical names).
+3. Run it on ``inputs.query`` (and ``inputs.context`` when present) with
+   ``inputs.mask`` (bool, True = may attend, 4-D broadcastable to (B, H, N, M))
+   and the ``causal`` flag; compare with ``expected.output`` using the dtype's
+   tolerance: ``|y - expected| <= atol + rtol * |expected|``.
+4. Gradients: with loss = sum(output * ``gradients.cotangent``), the
+   directional derivative ``sum(grad_T * gradients.direction.T)`` of each
+   listed tensor T must match ``directional_derivatives[T]`` within
+   ``grad_atol + grad_rtol * ||grad_T||``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from ._cases import Case, materialise, reference_directional
+from ._tolerances import TOLERANCES
+
+FORMAT = "damcha-conformance-vectors-v1"
+
+
+def export_vectors(directory: str | os.PathLike, cases: list[Case]) -> list[Path]:
+    """Write ``cases`` under ``directory``; returns the JSON paths written."""
+    from safetensors.numpy import save_file
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for case in cases:
+        data = materialise(case)
+        tensors = {f"params.{k}": v for k, v in data.params.items()}
+        tensors["inputs.query"] = data.query
+        if data.context is not None:
+            tensors["inputs.context"] = data.context
+        if data.mask is not None:
+            tensors["inputs.mask"] = np.ascontiguousarray(data.mask)
+        tensors["expected.output"] = data.expected
+        description = {
+            "format": FORMAT,
+            "name": case.name,
+            "group": case.group,
+            "config": case.config.to_dict(),
+            "causal": case.causal,
+            "self_attention": case.self_attention,
+            "mask_semantics": "bool, True = may attend; 4-D, broadcastable to (B, H, N, M)",
+            "tensors": f"{case.name}.safetensors",
+            "tolerances": {k: vars(v) for k, v in TOLERANCES.items()},
+            "gradients": None,
+        }
+        if case.gradients:
+            tensors["gradients.cotangent"] = data.cotangent
+            directional = {}
+            for target, (direction, dd) in reference_directional(case).items():
+                tensors[f"gradients.direction.{target}"] = direction
+                directional[target] = dd
+            description["gradients"] = {
+                "loss": "sum(output * gradients.cotangent)",
+                "directional_derivatives": directional,
+            }
+        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(out / f"{case.name}.safetensors"))
+        path = out / f"{case.name}.json"
+        path.write_text(json.dumps(description, indent=1))
+        written.append(path)
+    index = {"format": FORMAT, "procedure": __doc__, "cases": [c.name for c in cases]}
+    (out / "index.json").write_text(json.dumps(index, indent=1))
+    return written
