@@ -22,16 +22,16 @@ from ._runner import Report, Result, check_case, run_conformance
 from ._tolerances import DTYPES, TOLERANCES, Tolerance, tolerance
 
 __all__ = [
-    "CATALOGUE",
-    "DTYPES",
-    "GROUPS",
-    "TOLERANCES",
     "BackendAdapter",
+    "CATALOGUE",
     "Case",
     "CaseData",
+    "DTYPES",
+    "GROUPS",
     "ReferenceAdapter",
     "Report",
     "Result",
+    "TOLERANCES",
     "Tolerance",
     "case_params",
     "catalogue",

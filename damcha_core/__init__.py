@@ -26,12 +26,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "COUPLINGS",
-    "METRICS",
-    "RMS_EPS",
     "DamchaConfig",
     "DamchaError",
     "DamchaTypeError",
     "DamchaValueError",
+    "METRICS",
+    "RMS_EPS",
     "__version__",
     "check_shapes",
     "damcha_attention",

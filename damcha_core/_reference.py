@@ -316,7 +316,7 @@ def damcha_attention(
     if path not in PATHS:
         raise DamchaValueError(f"`path` must be one of {PATHS}. Received: path={path!r}")
     if mask is not None:
-        mask = np.broadcast_to(mask.reshape((1, 1) * (4 - mask.ndim) + mask.shape), (B, H, N, M))
+        mask = np.broadcast_to(mask.reshape((1,) * (4 - mask.ndim) + mask.shape), (B, H, N, M))
 
     q, k, v = project(p, config, x, c)
     if path == "fast":

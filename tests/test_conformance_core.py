@@ -1,0 +1,215 @@
+"""The conformance core: the catalogue spans the spec, the runner catches wrong
+ports, the golden file pins the reference, and exported vectors let a foreign
+implementation check itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from _naive import naive_damcha
+from safetensors.numpy import load_file
+
+import damcha_conformance as dcf
+import damcha_core as dc
+from damcha_conformance import _golden
+
+
+def test_catalogue_spans_the_required_features():
+    cases = dcf.CATALOGUE
+    cfgs = [c.config for c in cases]
+    assert {c.metric for c in cfgs} == {"heads", "lowrank", "none"}
+    assert {c.coupling for c in cfgs if c.metric != "none"} == {"tied", "separate", "query"}
+    assert any(c.num_kv_heads == c.num_heads for c in cfgs)  # MHA
+    assert any(1 < c.num_kv_heads < c.num_heads for c in cfgs)  # GQA
+    assert any(c.num_kv_heads == 1 for c in cfgs)  # MQA
+    assert any(c.self_attention for c in cases)
+    assert any(not c.self_attention and c.context_len != c.query_len and c.config.context_dim != c.config.query_dim for c in cases)
+    assert {c.config.use_bias for c in cases} == {True, False}
+    assert {c.mask for c in cases} >= {None, "padding", "per_head", "all_masked_row"}
+    causal = [c for c in cases if c.causal]
+    lens = [(c.query_len, c.query_len if c.self_attention else c.context_len) for c in causal]
+    assert any(n == m for n, m in lens) and any(n < m for n, m in lens) and any(n > m for n, m in lens)
+    assert {c.batch for c in cases} >= {1, 2}
+    assert any(c.query_len >= 512 for c in cases)
+    data = dcf.materialise(next(c for c in cases if c.mask == "all_masked_row"))
+    assert np.any(~np.any(data.mask, axis=-1)), "the all-masked-row case must hide every key from some query"
+
+
+def test_case_params_open_every_gate():
+    for case in dcf.CATALOGUE:
+        p = dcf.materialise(case).params
+        for side in case.config.metric_sides:
+            assert np.all(np.abs(p[f"metric.{side}.gate"]) >= 0.3)
+
+
+def test_reference_passes_through_the_runner():
+    report = dcf.run_conformance(dcf.ReferenceAdapter())
+    assert report.passed, report.summary()
+    assert len(report.results) == len(dcf.CATALOGUE)
+
+
+def test_golden_file_pins_the_reference():
+    frozen = _golden.load()
+    expected_keys = set()
+    for case in dcf.CATALOGUE:
+        for key, value in _golden.golden_entries(case).items():
+            expected_keys.add(key)
+            np.testing.assert_allclose(value, frozen[key], rtol=1e-10, atol=1e-12, err_msg=key)
+    assert expected_keys == set(frozen), "golden file and catalogue disagree on cases"
+
+
+class _Wrong(dcf.ReferenceAdapter):
+    """A port with one deliberate bug, to prove the runner can fail."""
+
+    def __init__(self, bug):
+        self.bug = bug
+        self.name = f"wrong-{bug}"
+
+    def forward(self, data, dtype):
+        if self.bug == "ignores-metric":
+            cfg = data.config.replace(metric="none", metric_rank=None)
+            p = {k: v for k, v in data.params.items() if not k.startswith("metric.")}
+            return dc.damcha_attention(p, cfg, data.query, data.context, mask=data.mask, causal=data.causal)
+        if self.bug == "nan-masked-rows":
+            y = super().forward(data, dtype)
+            if data.mask is not None:
+                y[~np.any(data.mask, axis=(1, 3))] = np.nan
+            return y
+        if self.bug == "no-causal":
+            return dc.damcha_attention(data.params, data.config, data.query, data.context, mask=data.mask)
+        if self.bug == "crash":
+            raise RuntimeError("boom")
+        if self.bug == "float32-rounding":
+            return super().forward(data, dtype).astype(np.float32)
+        raise AssertionError(self.bug)
+
+
+@pytest.mark.parametrize(
+    "bug, failing_groups",
+    [("ignores-metric", {"heads", "lowrank"}), ("nan-masked-rows", {"masks"}), ("no-causal", {"causal"}), ("crash", {"mha"})],
+)
+def test_runner_catches_a_wrong_port(bug, failing_groups):
+    report = dcf.run_conformance(_Wrong(bug))
+    assert not report.passed
+    failed = {r.group for r in report.failures()}
+    assert failing_groups <= failed
+    if bug == "crash":
+        assert all(r.status == "error" and "RuntimeError: boom" in r.detail for r in report.results)
+
+
+def test_float32_rounding_fails_float64_tolerance_but_passes_float32():
+    cases = dcf.catalogue(groups=["heads"])
+    assert not dcf.run_conformance(_Wrong("float32-rounding"), cases, ["float64"]).passed
+    assert dcf.run_conformance(_Wrong("float32-rounding"), cases, ["float32"]).passed
+
+
+class _FiniteDifferenceGradients(dcf.ReferenceAdapter):
+    """Full gradients by per-element central differences of the reference: an
+    honest (slow) port for tiny cases, plus an optional deliberate error."""
+
+    supports_gradients = True
+
+    def __init__(self, scale=1.0, drop=None):
+        self.scale, self.drop, self.name = scale, drop, "fd"
+
+    def gradients(self, data, dtype):
+        eps = 1e-6
+        targets = {"query": data.query, **({} if data.context is None else {"context": data.context}), **data.params}
+        grads = {}
+        for name, base in targets.items():
+            g = np.zeros_like(base)
+            for idx in np.ndindex(base.shape):
+                vals = []
+                for sign in (1, -1):
+                    moved = base.copy()
+                    moved[idx] += sign * eps
+                    if name in ("query", "context"):
+                        y = data.reference(**{name: moved})
+                    else:
+                        y = data.reference(params={**data.params, name: moved})
+                    vals.append(np.sum(y * data.cotangent))
+                g[idx] = (vals[0] - vals[1]) / (2 * eps)
+            grads[name] = g * (self.scale if name == "metric.qk.gate" else 1.0)
+        if self.drop:
+            grads.pop(self.drop)
+        return grads
+
+
+TINY = dcf.Case("tiny", "heads", dc.DamchaConfig(query_dim=4, num_heads=2, key_dim=2), 1, 3, mask="per_head", seed=3)
+
+
+def test_gradient_check_passes_correct_and_fails_wrong_gradients():
+    ok = dcf.check_case(_FiniteDifferenceGradients(), TINY, "float64")
+    assert [r.status for r in ok] == ["pass", "pass"], ok
+    wrong = dcf.check_case(_FiniteDifferenceGradients(scale=1.01), TINY, "float64")
+    assert wrong[1].status == "fail" and wrong[1].detail == "worst: metric.qk.gate"
+    missing = dcf.check_case(_FiniteDifferenceGradients(drop="key.bias"), TINY, "float64")
+    assert missing[1].status == "error" and "key.bias" in missing[1].detail
+
+
+def test_exported_vectors_let_a_foreign_port_check_itself(tmp_path):
+    """The naive loop implementation stands in for a port in another language:
+    it reads only the JSON and safetensors files."""
+    names = ["heads-separate-per-head-cross", "lowrank-query-gqa-padding", "heads-tied-causal-wide"]
+    from damcha_conformance._vectors import export_vectors
+
+    export_vectors(tmp_path, dcf.catalogue(names))
+    index = json.loads((tmp_path / "index.json").read_text())
+    assert index["cases"] == names and "True = may attend" in index["procedure"]
+    for name in names:
+        desc = json.loads((tmp_path / f"{name}.json").read_text())
+        t = load_file(str(tmp_path / desc["tensors"]))
+        cfg = dc.DamchaConfig.from_dict(desc["config"])
+        params = {k[len("params."):]: v for k, v in t.items() if k.startswith("params.")}
+        assert set(params) == set(cfg.param_shapes())
+        ctx = t.get("inputs.context")
+        assert (ctx is None) == desc["self_attention"]
+        y = naive_damcha(params, cfg, t["inputs.query"], ctx, mask=t.get("inputs.mask"), causal=desc["causal"])
+        tol = desc["tolerances"]["float64"]
+        assert np.all(np.abs(y - t["expected.output"]) <= tol["atol"] + tol["rtol"] * np.abs(t["expected.output"]))
+        # gradients: the foreign port's own central differences along the stored directions
+        dd = desc["gradients"]["directional_derivatives"]
+        for target in ("query", "metric." + cfg.metric_sides[0] + ".gate"):
+            direction = t[f"gradients.direction.{target}"]
+
+            def loss(s):
+                if target == "query":
+                    out = naive_damcha(params, cfg, t["inputs.query"] + s * direction, ctx, t.get("inputs.mask"), desc["causal"])
+                else:
+                    out = naive_damcha({**params, target: params[target] + s * direction}, cfg, t["inputs.query"], ctx, t.get("inputs.mask"), desc["causal"])
+                return np.sum(out * t["gradients.cotangent"])
+
+            assert (loss(1e-5) - loss(-1e-5)) / 2e-5 == pytest.approx(dd[target], rel=1e-6, abs=1e-8)
+
+
+def test_cli_reference_run_and_json(tmp_path):
+    out = tmp_path / "report.json"
+    proc = subprocess.run([sys.executable, "-m", "damcha_core._cli", "conform", "--backend", "reference", "--json", str(out)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "reference" in proc.stdout and "PASSED" in proc.stdout
+    report = dcf.Report.from_json(out.read_text())
+    assert report.passed and len(report.results) == len(dcf.CATALOGUE)
+
+
+def test_cli_third_party_adapter_failure_exits_nonzero(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "damcha_core._cli", "conform", "--adapter", "_conformance_fixtures:WrongMask", "--group", "masks"],
+        capture_output=True, text=True, cwd=str(tmp_path),
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)},
+    )
+    assert proc.returncode == 1
+    assert "FAIL" in proc.stdout and "wrong-mask" in proc.stdout
+
+
+def test_cli_export_vectors(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "damcha_core._cli", "conform", "--export-vectors", str(tmp_path), "--group", "long"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in tmp_path.glob("*.json")) == sorted(["index.json"] + [f"{c.name}.json" for c in dcf.catalogue(groups=["long"])])

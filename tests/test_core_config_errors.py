@@ -1,0 +1,169 @@
+"""Config validation and the reference's input errors: every rule names the
+argument, the value received and what was expected."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import damcha_core as dc
+
+BASE = dict(query_dim=8, num_heads=4, key_dim=2)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, pattern",
+    [
+        (dict(query_dim=0), dc.DamchaValueError, r"`query_dim` must be >= 1\. Received: query_dim=0"),
+        (dict(num_heads=2.0), dc.DamchaTypeError, r"`num_heads` must be an int.*Received: num_heads=2\.0"),
+        (dict(key_dim=True), dc.DamchaTypeError, r"`key_dim` must be an int.*Received: key_dim=True"),
+        (dict(num_kv_heads=3, coupling="query"), dc.DamchaValueError, r"divisible by `num_kv_heads`.*num_heads=4, num_kv_heads=3"),
+        (dict(num_kv_heads=2), dc.DamchaValueError, r"coupling='tied'.*num_kv_heads == num_heads.*num_heads=4, num_kv_heads=2"),
+        (dict(context_dim=6), dc.DamchaValueError, r"coupling='tied'.*context_dim == query_dim.*query_dim=8, context_dim=6"),
+        (dict(metric="full"), dc.DamchaValueError, r"`metric` must be one of \('heads', 'lowrank', 'none'\)\. Received: metric='full'"),
+        (dict(coupling=None), dc.DamchaTypeError, r"`coupling` must be one of.*Received: coupling=None"),
+        (dict(metric="lowrank"), dc.DamchaValueError, r"`metric_rank` is required with metric='lowrank'"),
+        (dict(metric="lowrank", metric_rank=0), dc.DamchaValueError, r"`metric_rank` must be >= 1\. Received: metric_rank=0"),
+        (dict(metric_rank=2), dc.DamchaValueError, r"only used with metric='lowrank'.*metric='heads', metric_rank=2"),
+        (dict(scale=0.0), dc.DamchaValueError, r"`scale` must be a finite number > 0.*scale=0\.0"),
+        (dict(scale=float("nan")), dc.DamchaValueError, r"`scale` must be a finite number > 0"),
+        (dict(scale="1"), dc.DamchaTypeError, r"`scale` must be a real number"),
+        (dict(dropout=1.0), dc.DamchaValueError, r"`dropout` must be in \[0, 1\)\. Received: dropout=1\.0"),
+        (dict(use_bias=1), dc.DamchaTypeError, r"`use_bias` must be a bool\. Received: use_bias=1"),
+        (dict(value_dim=-1), dc.DamchaValueError, r"`value_dim` must be >= 1\. Received: value_dim=-1"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
+def test_invalid_config_raises_clear_error(kwargs, error, pattern):
+    with pytest.raises(error, match=pattern) as info:
+        dc.DamchaConfig(**{**BASE, **kwargs})
+    assert isinstance(info.value, dc.DamchaError)
+
+
+def test_errors_are_value_and_type_error_subclasses():
+    assert issubclass(dc.DamchaValueError, ValueError) and issubclass(dc.DamchaValueError, dc.DamchaError)
+    assert issubclass(dc.DamchaTypeError, TypeError) and issubclass(dc.DamchaTypeError, dc.DamchaError)
+
+
+def test_metric_none_lifts_coupling_constraints():
+    cfg = dc.DamchaConfig(**BASE, metric="none", num_kv_heads=1, context_dim=5)
+    assert cfg.metric_sides == ()
+    assert not any(n.startswith("metric.") for n in cfg.param_shapes())
+
+
+def test_defaults_are_resolved():
+    cfg = dc.DamchaConfig(**BASE)
+    assert (cfg.value_dim, cfg.num_kv_heads, cfg.context_dim, cfg.output_dim) == (2, 4, 8, 8)
+    assert cfg.scale is None and cfg.softmax_scale == pytest.approx(1 / np.sqrt(2))
+    assert cfg == dc.DamchaConfig(**BASE, value_dim=2, num_kv_heads=4, context_dim=8, output_dim=8)
+
+
+configs = st.builds(
+    lambda H, per, d, metric, coupling, r, bias, scale, drop: dict(
+        query_dim=6, num_heads=H * per if coupling != "tied" else H, key_dim=d,
+        num_kv_heads=H if coupling != "tied" else None, metric=metric,
+        metric_rank=r if metric == "lowrank" else None, coupling=coupling, use_bias=bias, scale=scale, dropout=drop,
+        context_dim=None if coupling == "tied" else 5,
+    ),
+    st.integers(1, 4), st.integers(1, 3), st.integers(1, 8), st.sampled_from(dc.METRICS), st.sampled_from(dc.COUPLINGS),
+    st.integers(1, 4), st.booleans(), st.one_of(st.none(), st.floats(0.01, 10)), st.floats(0, 0.9),
+)
+
+
+@given(configs)
+def test_to_dict_from_dict_round_trip_through_json(kwargs):
+    cfg = dc.DamchaConfig(**kwargs)
+    again = dc.DamchaConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))
+    assert again == cfg
+    assert again.param_shapes() == cfg.param_shapes()
+
+
+def test_from_dict_rejects_unknown_keys():
+    with pytest.raises(dc.DamchaValueError, match=r"not DamchaConfig fields: \['heads'\]"):
+        dc.DamchaConfig.from_dict({**BASE, "heads": 3})
+
+
+def test_param_shapes_follow_the_canonical_table():
+    cfg = dc.DamchaConfig(query_dim=8, num_heads=6, key_dim=2, value_dim=3, num_kv_heads=2, context_dim=5,
+                          output_dim=7, metric="lowrank", metric_rank=4, coupling="separate")
+    assert cfg.param_shapes() == {
+        "query.kernel": (8, 6, 2), "query.bias": (6, 2),
+        "key.kernel": (5, 2, 2), "key.bias": (2, 2),
+        "value.kernel": (5, 2, 3), "value.bias": (2, 3),
+        "output.kernel": (6, 3, 7), "output.bias": (7,),
+        "metric.q.gate": (6,), "metric.q.kernel": (8, 4), "metric.q.bias": (4,), "metric.q.u": (6, 2, 4), "metric.q.v": (6, 2, 4),
+        "metric.k.gate": (2,), "metric.k.kernel": (5, 4), "metric.k.bias": (4,), "metric.k.u": (2, 2, 4), "metric.k.v": (2, 2, 4),
+    }
+    heads = dc.DamchaConfig(**BASE, use_bias=False)
+    assert heads.param_shapes() == {
+        "query.kernel": (8, 4, 2), "key.kernel": (8, 4, 2), "value.kernel": (8, 4, 2), "output.kernel": (4, 2, 8),
+        "metric.qk.gate": (4,), "metric.qk.kernel": (8, 4, 4), "metric.qk.bias": (4, 4),
+    }
+
+
+# ----------------------------------------------------------------- input errors
+
+CFG = dc.DamchaConfig(query_dim=8, num_heads=4, key_dim=2, coupling="separate", context_dim=6)
+P = dc.init_params(CFG)
+X = np.zeros((2, 3, 8))
+C = np.zeros((2, 5, 6))
+
+
+@pytest.mark.parametrize(
+    "call, error, pattern",
+    [
+        (lambda: dc.damcha_attention(P, CFG, X[0], C), dc.DamchaValueError, r"`query` must have rank 3.*Received: query.shape=\(3, 8\)"),
+        (lambda: dc.damcha_attention(P, CFG, X[..., :7], C), dc.DamchaValueError, r"`query` must have 8 features \(config.query_dim\)\. Received: query.shape=\(2, 3, 7\)"),
+        (lambda: dc.damcha_attention(P, CFG, X, C[..., :5]), dc.DamchaValueError, r"`context` must have 6 features.*context.shape=\(2, 5, 5\)"),
+        (lambda: dc.damcha_attention(P, CFG, X, C[:1]), dc.DamchaValueError, r"same batch size.*query.shape=\(2, 3, 8\), context.shape=\(1, 5, 6\)"),
+        (lambda: dc.damcha_attention(P, CFG, X), dc.DamchaValueError, r"`context` is required.*query_dim=8, context_dim=6"),
+        (lambda: dc.damcha_attention(P, CFG, X[:, :0], C), dc.DamchaValueError, r"`query` must be non-empty"),
+        (lambda: dc.damcha_attention(P, CFG, X.astype(int), C), dc.DamchaTypeError, r"`query` must be a real floating tensor.*dtype=int64"),
+        (lambda: dc.damcha_attention(P, CFG, X, C.astype(complex)), dc.DamchaTypeError, r"`context` must be a real floating"),
+        (lambda: dc.damcha_attention(P, CFG, X, C, mask=np.ones((2, 3, 5))), dc.DamchaTypeError, r"`mask` must be boolean.*dtype=float64"),
+        (lambda: dc.damcha_attention(P, CFG, X, C, mask=np.ones((2, 3, 5), bool)), dc.DamchaValueError, r"pass mask\[:, None\].*mask.shape=\(2, 3, 5\)"),
+        (lambda: dc.damcha_attention(P, CFG, X, C, mask=np.ones((2, 4, 3, 4), bool)), dc.DamchaValueError, r"broadcastable to \(B, H, N, M\) = \(2, 4, 3, 5\).*mask.shape=\(2, 4, 3, 4\)"),
+        (lambda: dc.damcha_attention(P, CFG, X, C, mask=np.ones((3, 5), bool)[None]), dc.DamchaValueError, r"mask.shape=\(1, 3, 5\)"),
+        (lambda: dc.damcha_attention(P, CFG, X, C, causal=1), dc.DamchaTypeError, r"`causal` must be a bool\. Received: causal=1"),
+        (lambda: dc.damcha_attention(P, CFG, X, C, return_weights="yes"), dc.DamchaTypeError, r"`return_weights` must be a bool"),
+        (lambda: dc.damcha_attention(P, CFG, X, C, query_offset=-1), dc.DamchaValueError, r"`query_offset` must be an int >= 0\. Received: query_offset=-1"),
+        (lambda: dc.damcha_attention(P, CFG, X, C, path="slow"), dc.DamchaValueError, r"`path` must be one of \('fast', 'explicit'\)"),
+        (lambda: dc.damcha_attention(P, {"query_dim": 8}, X, C), dc.DamchaTypeError, r"`config` must be a DamchaConfig"),
+        (lambda: dc.damcha_attention({k: v for k, v in P.items() if k != "key.bias"}, CFG, X, C), dc.DamchaValueError, r"missing \['key.bias'\]"),
+        (lambda: dc.damcha_attention({**P, "extra": np.zeros(1)}, CFG, X, C), dc.DamchaValueError, r"unexpected \['extra'\]"),
+        (lambda: dc.damcha_attention({**P, "metric.q.gate": np.zeros(3)}, CFG, X, C), dc.DamchaValueError, r"`params\['metric.q.gate'\]` must have shape \(4,\).*Received: params\['metric.q.gate'\].shape=\(3,\)"),
+        (lambda: dc.damcha_attention({**P, "query.bias": np.zeros((4, 2), int)}, CFG, X, C), dc.DamchaTypeError, r"`params\['query.bias'\]` must be a real floating array"),
+        (lambda: dc.damcha_attention({**P, "query.bias": np.full((4, 2), np.nan)}, CFG, X, C), dc.DamchaValueError, r"`params\['query.bias'\]` contains NaN"),
+        (lambda: dc.init_params(CFG, seed=1.5), dc.DamchaTypeError, r"`seed` must be an int\. Received: seed=1\.5"),
+        (lambda: dc.metric_penalty(P, CFG, X), dc.DamchaValueError, r"`context` is required"),
+    ],
+    ids=lambda v: None,
+)
+def test_bad_input_raises_clear_error(call, error, pattern):
+    with pytest.raises(error, match=pattern):
+        call()
+
+
+def test_importing_damcha_core_imports_no_framework():
+    code = (
+        "import sys, damcha_core, damcha_conformance;"
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'jax', 'tensorflow', 'keras', 'flax', 'onnx', 'onnxruntime', 'safetensors')];"
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_public_api_all_is_sorted_and_importable():
+    import damcha_conformance
+
+    for module in (dc, damcha_conformance):
+        assert list(module.__all__) == sorted(module.__all__)
+        for name in module.__all__:
+            assert hasattr(module, name), name
