@@ -1,0 +1,62 @@
+"""The onnxruntime backend of the conformance runner (forward only)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from damcha_core import DamchaValueError
+
+from ._export import build_model, check_opset
+from ._graph import ATTENTION_OPSET
+from ._runtime import run_ort, run_reference
+
+RUNTIMES = ("onnxruntime", "reference")
+
+
+class ConformanceAdapter:
+    """Exports each catalogue case and runs it in onnxruntime's CPU provider.
+
+    Args:
+        opset: export opset; the default 23 uses the standard ``Attention``
+            op, 17-22 the decomposed MatMul/Softmax graph.
+        runtime: "onnxruntime" (default) or "reference"
+            (``onnx.reference.ReferenceEvaluator``; slow, a cross-check).
+
+    ONNX graphs carry no autodiff, so only outputs are checked. Both float32
+    and float64 graphs are exported: the softmax scale is folded into the
+    query weights in float64, so no float32 attribute limits float64 accuracy.
+    """
+
+    supports_gradients = False
+    dtypes: Sequence[str] = ("float32", "float64")
+
+    def __init__(self, opset: int = ATTENTION_OPSET, runtime: str = "onnxruntime") -> None:
+        self.opset, self.form = check_opset(opset)
+        if runtime not in RUNTIMES:
+            raise DamchaValueError(f"`runtime` must be one of {RUNTIMES}. Received: runtime={runtime!r}")
+        self.runtime = runtime
+        base = "onnxruntime" if runtime == "onnxruntime" else "onnx-reference"
+        self.name = base if opset == ATTENTION_OPSET else f"{base}-opset{opset}"
+
+    def unsupported(self, case) -> str | None:
+        if self.runtime == "reference" and max(case.query_len, case.context_len or 0) > 64:
+            return "ReferenceEvaluator is pure Python; long cases are left to onnxruntime"
+        return None  # every catalogue case (masks, causal, GQA/MQA, cross) is expressible
+
+    def forward(self, data, dtype: str) -> np.ndarray:
+        cross = data.context is not None
+        model = build_model(
+            data.params, data.config, opset=self.opset, causal=data.causal, cross=cross, mask=data.mask is not None, dtype=dtype
+        )
+        inputs = {"query": data.query}
+        if cross:
+            inputs["context"] = data.context
+        if data.mask is not None:
+            inputs["mask"] = data.mask
+        run = run_ort if self.runtime == "onnxruntime" else run_reference
+        return run(model, inputs)
+
+    def gradients(self, data, dtype: str) -> dict[str, np.ndarray]:
+        raise NotImplementedError("exported ONNX inference graphs have no gradients")

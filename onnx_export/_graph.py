@@ -1,0 +1,321 @@
+"""Graph building blocks: one DAMCHA layer as ONNX nodes, from canonical params.
+
+Everything here is framework-free: the graph is assembled with ``onnx.helper``
+from float64 NumPy parameters, which are folded and cast once at export time.
+
+Layouts inside the graph (B batch, N query length, M context length):
+
+* tokens stay (B, T, E) and stacked heads (B, T, S*d), so projections are a
+  single MatMul each and the cross-head map never needs a transpose;
+* the opset >= 23 form feeds (B, N, H*d) / (B, M, G*d) to ``Attention`` in its
+  3-D layout (``q_num_heads``/``kv_num_heads``), which handles GQA natively;
+* the opset 17/18 form regroups query heads as (B, G, R*N, d), R = H/G, so one
+  batched MatMul against (B, G, d, M) computes every head without repeating
+  keys or values.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Mapping, Sequence
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+import damcha_core as dc
+from damcha_core import DamchaConfig
+
+#: First opset with the standard ``Attention`` operator.
+ATTENTION_OPSET = 23
+#: Oldest opset the decomposed MatMul/Softmax form targets (LayerNormalization, Shape slicing).
+MIN_OPSET = 17
+
+DTYPES: dict[str, int] = {"float32": TensorProto.FLOAT, "float64": TensorProto.DOUBLE}
+
+
+class GraphBuilder:
+    """Accumulates nodes and initialisers with unique names.
+
+    Floating initialisers are cast to the graph's dtype once, here, so the
+    exported file stores exactly the weights the runtime multiplies with.
+    """
+
+    def __init__(self, dtype: str, opset: int) -> None:
+        self.dtype = dtype
+        self.np_dtype = np.dtype(dtype)
+        self.onnx_dtype = DTYPES[dtype]
+        self.opset = opset
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers: list[onnx.TensorProto] = []
+        self._names: set[str] = set()
+        self._counter = itertools.count()
+        self._consts: dict[tuple, str] = {}
+
+    def fresh(self, hint: str) -> str:
+        name = hint
+        while name in self._names:
+            name = f"{hint}_{next(self._counter)}"
+        self._names.add(name)
+        return name
+
+    def weight(self, name: str, array: np.ndarray) -> str:
+        """A floating initialiser in the graph dtype."""
+        name = self.fresh(name)
+        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array, dtype=self.np_dtype), name))
+        return name
+
+    def ints(self, values: Sequence[int]) -> str:
+        """An int64 1-D constant (shapes, axes), shared between nodes."""
+        key = ("i64", tuple(int(v) for v in values))
+        if key not in self._consts:
+            name = self.fresh("const_" + "_".join(str(v).replace("-", "m") for v in key[1]) if key[1] else "const_empty")
+            self.initializers.append(numpy_helper.from_array(np.asarray(key[1], dtype=np.int64), name))
+            self._consts[key] = name
+        return self._consts[key]
+
+    def scalar(self, value: float) -> str:
+        """A floating scalar constant in the graph dtype, shared between nodes."""
+        key = ("f", float(value))
+        if key not in self._consts:
+            self._consts[key] = self.weight("const_scalar", np.asarray(value))
+        return self._consts[key]
+
+    def op(self, op_type: str, inputs: Sequence[str], hint: str | None = None, **attrs) -> str:
+        out = self.fresh(hint or op_type.lower())
+        self.nodes.append(helper.make_node(op_type, list(inputs), [out], name=self.fresh(f"n_{out}"), **attrs))
+        return out
+
+    # -------------------------------------------------------------- helpers
+
+    def reshape(self, x: str, shape: Sequence[int], hint: str) -> str:
+        # 0 copies the input's dim (dynamic batch/length), -1 infers one dim.
+        return self.op("Reshape", [x, self.ints(shape)], hint)
+
+    def linear(self, x: str, kernel: np.ndarray, bias: np.ndarray | None, hint: str) -> str:
+        """x (..., E) @ kernel (E, F) (+ bias (F,))."""
+        y = self.op("MatMul", [x, self.weight(f"{hint}.kernel", kernel)], hint if bias is None else f"{hint}_mm")
+        if bias is not None:
+            y = self.op("Add", [y, self.weight(f"{hint}.bias", bias)], hint)
+        return y
+
+    def reduce_mean_last(self, x: str, hint: str) -> str:
+        # ReduceMean takes axes as an attribute up to opset 17, as an input from 18.
+        if self.opset >= 18:
+            return self.op("ReduceMean", [x, self.ints([-1])], hint, keepdims=1)
+        return self.op("ReduceMean", [x], hint, axes=[-1], keepdims=1)
+
+    def reduce_max(self, x: str, axes: Sequence[int], hint: str, keepdims: int = 1) -> str:
+        if self.opset >= 18:
+            return self.op("ReduceMax", [x, self.ints(axes)], hint, keepdims=keepdims)
+        return self.op("ReduceMax", [x], hint, axes=list(axes), keepdims=keepdims)
+
+    def dim(self, x: str, index: int, hint: str) -> str:
+        """A 1-element int64 tensor holding x.shape[index]."""
+        end = index + 1 if index != -1 else None
+        attrs = {"start": index} if end is None else {"start": index, "end": end}
+        return self.op("Shape", [x], hint, **attrs)
+
+    def rms_normalise(self, x: str, hint: str) -> str:
+        """phi(t) = t / sqrt(mean(t^2) + 1e-6), the generator's input."""
+        sq = self.op("Mul", [x, x], f"{hint}_sq")
+        ms = self.reduce_mean_last(sq, f"{hint}_ms")
+        rms = self.op("Sqrt", [self.op("Add", [ms, self.scalar(dc.RMS_EPS)], f"{hint}_mseps")], f"{hint}_rms")
+        return self.op("Div", [x, rms], hint)
+
+
+# --------------------------------------------------------------------- layer
+
+
+def fold_params(params: Mapping[str, np.ndarray], config: DamchaConfig) -> dict[str, np.ndarray]:
+    """Canonical params -> the matrices the graph multiplies with (float64).
+
+    Folding is exact algebra done once in float64: the softmax scale goes into
+    the query projection (L(x) is linear, so L(x)(s q) = s L(x) q), and for
+    metric "heads" the gate and the identity go into the generator,
+    l(t) = I + diag(g) A(t) = phi(t) (g W_A) + (I + diag(g) b_A), so applying
+    the map is one small batched MatMul. Keys:
+    ``q/k/v/o.kernel`` (E, S*d) or (H*d_v, E_o), ``q/k/v/o.bias`` or absent,
+    and per side ``SIDE.gen.kernel/bias`` plus, for "lowrank", ``SIDE.v``
+    (S*d, r) and ``SIDE.ut`` (r, S*d) with the gate folded into U.
+    """
+    p = dc.validate_params(params, config)
+    H, d_v = config.num_heads, config.value_dim
+    s = config.softmax_scale
+    out: dict[str, np.ndarray] = {}
+    for short, name, factor in (("q", "query", s), ("k", "key", 1.0), ("v", "value", 1.0)):
+        kernel = p[f"{name}.kernel"]
+        out[f"{short}.kernel"] = factor * kernel.reshape(kernel.shape[0], -1)
+        if config.use_bias:
+            out[f"{short}.bias"] = factor * p[f"{name}.bias"].reshape(-1)
+    out["o.kernel"] = p["output.kernel"].reshape(H * d_v, -1)
+    if config.use_bias:
+        out["o.bias"] = p["output.bias"]
+    for side in config.metric_sides:
+        pre = f"metric.{side}"
+        g = p[f"{pre}.gate"]
+        S = g.shape[0]
+        if config.metric == "heads":
+            kernel = g[None, :, None] * p[f"{pre}.kernel"]  # (E, S, S): row h scaled by g_h
+            out[f"{side}.gen.kernel"] = kernel.reshape(kernel.shape[0], S * S)
+            out[f"{side}.gen.bias"] = (np.eye(S) + g[:, None] * p[f"{pre}.bias"]).reshape(S * S)
+        else:
+            r = config.metric_rank
+            out[f"{side}.gen.kernel"] = p[f"{pre}.kernel"]
+            out[f"{side}.gen.bias"] = p[f"{pre}.bias"]
+            out[f"{side}.v"] = p[f"{pre}.v"].reshape(-1, r)
+            out[f"{side}.ut"] = (g[:, None, None] * p[f"{pre}.u"]).reshape(-1, r).T
+    return out
+
+
+def _generator(g: GraphBuilder, f: Mapping[str, np.ndarray], side: str, phi: str, hint: str) -> str:
+    """A'(t) = l(t) flattened (B, T, S*S) for "heads"; u(t) (B, T, r) for "lowrank"."""
+    return g.linear(phi, f[f"{side}.gen.kernel"], f[f"{side}.gen.bias"], hint)
+
+
+def _apply_map(
+    g: GraphBuilder, f: Mapping[str, np.ndarray], config: DamchaConfig, side: str, coeff: str, y: str, S: int, hint: str
+) -> str:
+    """L(t) y on stacked heads y (B, T, S*d) -> (B, T, S*d)."""
+    d = config.key_dim
+    if config.metric == "heads":
+        l_t = g.reshape(coeff, [0, 0, S, S], f"{hint}_l")
+        heads = g.reshape(y, [0, 0, S, d], f"{hint}_heads")
+        mixed = g.op("MatMul", [l_t, heads], f"{hint}_mixed")  # (B, T, S, d)
+        return g.reshape(mixed, [0, 0, S * d], hint)
+    z = g.op("MatMul", [y, g.weight(f"{side}.v", f[f"{side}.v"])], f"{hint}_z")  # (B, T, r)
+    uz = g.op("Mul", [coeff, z], f"{hint}_uz")
+    delta = g.op("MatMul", [uz, g.weight(f"{side}.ut", f[f"{side}.ut"])], f"{hint}_delta")
+    return g.op("Add", [y, delta], hint)
+
+
+def attention_layer(
+    g: GraphBuilder,
+    params: Mapping[str, np.ndarray],
+    config: DamchaConfig,
+    query: str,
+    context: str | None,
+    *,
+    mask: str | None,
+    causal: bool,
+    form: str,
+    prefix: str,
+) -> str:
+    """Nodes of one DAMCHA layer; returns the name of y (B, N, E_o).
+
+    ``query`` is x (B, N, E_q); ``context`` is c (B, M, E_kv) or ``None`` for
+    self-attention; ``mask`` is a boolean (B|1, H|1, N|1, M) graph value or
+    ``None``; ``form`` is "attention" (standard op, opset >= 23) or
+    "decomposed" (MatMul/Softmax).
+    """
+    f = fold_params(params, config)
+    H, G, d, d_v = config.num_heads, config.num_kv_heads, config.key_dim, config.value_dim
+    R = config.group_size
+    P = prefix
+    self_attn = context is None
+    if not self_attn:
+        # Reshape to (B_query, M, E_kv): a context whose batch differs from the
+        # query's fails here (element count) instead of broadcasting in MatMul.
+        target = g.op(
+            "Concat", [g.dim(query, 0, f"{P}batch"), g.op("Shape", [context], f"{P}ctx_shape", start=1)], f"{P}ctx_target", axis=0
+        )
+        context = g.op("Reshape", [context, target], f"{P}context")
+    c = query if self_attn else context
+
+    q = g.linear(query, f["q.kernel"], f.get("q.bias"), f"{P}q")  # (B, N, H*d), pre-scaled
+    k = g.linear(c, f["k.kernel"], f.get("k.bias"), f"{P}k")  # (B, M, G*d)
+    v = g.linear(c, f["v.kernel"], f.get("v.bias"), f"{P}v")  # (B, M, G*d_v)
+
+    sq, sk = dc.side_of(config, "q"), dc.side_of(config, "k")
+    coeff_x: dict[str, str] = {}
+    phi_x = g.rms_normalise(query, f"{P}phi_x") if (sq or (sk and self_attn)) else None
+    if sq:
+        coeff_x[sq] = _generator(g, f, sq, phi_x, f"{P}{sq}_coeff_x")
+        q = _apply_map(g, f, config, sq, coeff_x[sq], q, H, f"{P}q_mapped")
+    if sk:
+        if self_attn and sk in coeff_x:
+            coeff_c = coeff_x[sk]  # tied self-attention: one generator pass serves q and k
+        else:
+            phi_c = phi_x if self_attn else g.rms_normalise(c, f"{P}phi_c")
+            coeff_c = _generator(g, f, sk, phi_c, f"{P}{sk}_coeff_c")
+        k = _apply_map(g, f, config, sk, coeff_c, k, config.side_heads(sk), f"{P}k_mapped")
+
+    visible = None
+    if mask is not None:
+        # (B, H, N, M): Expand accepts size-1 dims; the Reshape rejects a mask
+        # dim larger than the target's (Expand alone would grow the batch).
+        target = g.op(
+            "Concat",
+            [g.dim(query, 0, f"{P}mB"), g.ints([H]), g.dim(query, 1, f"{P}mN"), g.dim(c, 1, f"{P}mM")],
+            f"{P}mask_shape",
+            axis=0,
+        )
+        visible = g.op("Reshape", [g.op("Expand", [mask, target], f"{P}mask_expanded"), target], f"{P}mask_full")
+
+    if form == "attention":
+        inputs = [q, k, v] + ([visible] if visible is not None else [])
+        o = g.op(
+            "Attention", inputs, f"{P}attn", q_num_heads=H, kv_num_heads=G, scale=1.0, is_causal=int(causal)
+        )  # (B, N, H*d_v); scale already folded into q
+        if visible is not None:
+            o = _zero_empty_rows_3d(g, o, visible, H, d_v, causal, query, c, P)
+    else:
+        o = _decomposed_attention(g, q, k, v, visible, causal, query, c, H, G, R, d, d_v, P)
+    return g.linear(o, f["o.kernel"], f.get("o.bias"), f"{P}out")
+
+
+def _causal_visible(g: GraphBuilder, query: str, context: str, P: str) -> str:
+    """(N, M) bool, key j visible to query i iff j <= i (top-left, as the reference)."""
+    n = g.op("Squeeze", [g.dim(query, 1, f"{P}cN")], f"{P}cN_s")
+    m = g.op("Squeeze", [g.dim(context, 1, f"{P}cM")], f"{P}cM_s")
+    zero, one = g.op("Constant", [], f"{P}c0", value_int=0), g.op("Constant", [], f"{P}c1", value_int=1)
+    rows = g.op("Unsqueeze", [g.op("Range", [zero, n, one], f"{P}rows_r"), g.ints([1])], f"{P}rows")
+    cols = g.op("Range", [zero, m, one], f"{P}cols")
+    return g.op("LessOrEqual", [cols, rows], f"{P}causal_visible")
+
+
+def _row_has_key(g: GraphBuilder, visible: str, P: str) -> str:
+    """(B, H, N, 1) bool: does the query row see at least one key."""
+    as_float = g.op("Cast", [visible], f"{P}vis_f", to=g.onnx_dtype)
+    return g.op("Cast", [g.reduce_max(as_float, [3], f"{P}row_any_f")], f"{P}row_any", to=TensorProto.BOOL)
+
+
+def _zero_empty_rows_3d(g, o, visible, H, d_v, causal, query, c, P):
+    # v1 defines a query with no visible key to have probabilities 0, so output
+    # 0. Runtimes disagree on this corner (NaN, uniform, 0), so force it here.
+    if causal:
+        visible = g.op("And", [visible, _causal_visible(g, query, c, P)], f"{P}vis_all")
+    row = g.op("Transpose", [_row_has_key(g, visible, P)], f"{P}row_any_t", perm=[0, 2, 1, 3])  # (B, N, H, 1)
+    heads = g.reshape(o, [0, 0, H, d_v], f"{P}attn_heads")
+    zeroed = g.op("Where", [row, heads, g.scalar(0.0)], f"{P}attn_zeroed")
+    return g.reshape(zeroed, [0, 0, H * d_v], f"{P}attn_masked")
+
+
+def _decomposed_attention(g, q, k, v, visible, causal, query, c, H, G, R, d, d_v, P):
+    """Scaled dot-product attention from MatMul/Softmax for opsets without Attention."""
+    # Query head h = g*R + r reads kv head g: group query heads by kv head.
+    qg = g.op("Transpose", [g.reshape(q, [0, 0, G, R, d], f"{P}q5")], f"{P}q5t", perm=[0, 2, 3, 1, 4])
+    qg = g.reshape(qg, [0, 0, -1, d], f"{P}qg")  # (B, G, R*N, d)
+    kt = g.op("Transpose", [g.reshape(k, [0, 0, G, d], f"{P}k4")], f"{P}kt", perm=[0, 2, 3, 1])  # (B, G, d, M)
+    vg = g.op("Transpose", [g.reshape(v, [0, 0, G, d_v], f"{P}v4")], f"{P}vg", perm=[0, 2, 1, 3])  # (B, G, M, d_v)
+    logits = g.reshape(g.op("MatMul", [qg, kt], f"{P}logits_g"), [0, H, -1, 0], f"{P}logits")  # (B, H, N, M)
+    has_mask = visible is not None
+    if causal:
+        # Top-left causal never hides every key of a row (key 0 is always
+        # visible), so only a user mask can produce an empty row.
+        cv = _causal_visible(g, query, c, P)
+        visible = cv if visible is None else g.op("And", [visible, cv], f"{P}vis_all")
+    if visible is not None:
+        # The lowest finite value rather than -inf: exp(lowest - max) is still
+        # exactly 0, and an all-hidden row stays finite (uniform) instead of
+        # NaN in runtimes that compute x - max; it is zeroed just below.
+        lowest = float(np.finfo(g.np_dtype).min)
+        logits = g.op("Where", [visible, logits, g.scalar(lowest)], f"{P}logits_masked")
+    probs = g.op("Softmax", [logits], f"{P}probs", axis=-1)
+    if has_mask:
+        # v1 defines a query with no visible key to have probabilities 0.
+        probs = g.op("Where", [_row_has_key(g, visible, P), probs, g.scalar(0.0)], f"{P}probs_safe")
+    pg = g.reshape(probs, [0, G, -1, 0], f"{P}probs_g")  # (B, G, R*N, M)
+    o = g.reshape(g.op("MatMul", [pg, vg], f"{P}o_g"), [0, H, -1, d_v], f"{P}o4")  # (B, H, N, d_v)
+    o = g.op("Transpose", [o], f"{P}o_t", perm=[0, 2, 1, 3])
+    return g.reshape(o, [0, 0, H * d_v], f"{P}o")
