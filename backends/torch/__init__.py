@@ -1,5 +1,40 @@
-"""damcha_torch: work in progress."""
+"""damcha_torch: DAMCHA for PyTorch, a drop-in for ``nn.MultiheadAttention``.
+
+``DamchaAttention`` mixes each token's query/key heads with a per-token
+cross-head map, then runs one fused ``scaled_dot_product_attention`` call.
+See docs/torch.md.
+"""
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from ._attention import DamchaAttention, DamchaKVCache, replace_mha
+from ._conformance import ConformanceAdapter
+from ._functional import causal_visibility, damcha_attention, safe_attention
+from ._metric import MetricGenerator
+from ._transformer import (
+    DamchaTransformerDecoder,
+    DamchaTransformerDecoderLayer,
+    DamchaTransformerEncoder,
+    DamchaTransformerEncoderLayer,
+    build_decoder,
+    build_encoder,
+    metric_penalty,
+)
+
+__all__ = [
+    "ConformanceAdapter",
+    "DamchaAttention",
+    "DamchaKVCache",
+    "DamchaTransformerDecoder",
+    "DamchaTransformerDecoderLayer",
+    "DamchaTransformerEncoder",
+    "DamchaTransformerEncoderLayer",
+    "MetricGenerator",
+    "build_decoder",
+    "build_encoder",
+    "causal_visibility",
+    "damcha_attention",
+    "metric_penalty",
+    "replace_mha",
+    "safe_attention",
+]

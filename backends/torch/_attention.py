@@ -1,0 +1,649 @@
+"""DamchaAttention: a drop-in for ``nn.MultiheadAttention`` computing DAMCHA v1."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Mapping
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+import damcha_core as dc
+from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError
+from damcha_core._errors import describe
+
+from ._functional import safe_attention
+from ._metric import MetricGenerator
+
+__all__ = ["DamchaAttention", "DamchaKVCache"]
+
+
+class DamchaKVCache:
+    """Key/value cache for incremental decoding.
+
+    It stores the *transformed* keys k~ = L_k(c) k (B, G, P, d) and the values
+    (B, G, P, d_v) of the P tokens seen so far: the same size as an MHA cache,
+    and the keys never need their map again. Pass one cache per layer as
+    ``layer(x, x, x, is_causal=True, need_weights=False, kv_cache=cache)``;
+    the layer appends the new tokens and attends over all of them, query i of
+    the call sitting at position P + i (bottom-right causal alignment).
+    """
+
+    def __init__(self) -> None:
+        self.key: Tensor | None = None
+        self.value: Tensor | None = None
+
+    def __len__(self) -> int:
+        return 0 if self.key is None else int(self.key.shape[2])
+
+    def update(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        """Append key (B, G, M, d) and value (B, G, M, d_v); return the full cache."""
+        if self.key is None:
+            self.key, self.value = key, value
+        else:
+            if key.shape[:2] != self.key.shape[:2]:
+                raise DamchaValueError(
+                    "`kv_cache` holds a different batch or head count than this call. "
+                    f"Received: cached key shape {tuple(self.key.shape)}, new key shape {tuple(key.shape)}"
+                )
+            self.key = torch.cat([self.key, key], dim=2)
+            self.value = torch.cat([self.value, value], dim=2)  # type: ignore[list-item]
+        return self.key, self.value  # type: ignore[return-value]
+
+    def reset(self) -> None:
+        """Forget every cached token."""
+        self.key = self.value = None
+
+
+def _check_float(name: str, value: Any) -> None:
+    if not isinstance(value, Tensor) or not value.is_floating_point():
+        raise dc.float_dtype_error(name, value)
+
+
+def _check_torch_mask(name: str, value: Any) -> None:
+    if not isinstance(value, Tensor) or not (value.dtype == torch.bool or value.is_floating_point()):
+        # torch's convention, not the reference's: the error says which one applies here.
+        raise DamchaTypeError(
+            f"`{name}` must be a bool tensor (True = masked out, as in nn.MultiheadAttention) or a float "
+            f"additive mask (-inf = masked out). Received: {name}={describe(value)}"
+        )
+
+
+def _as_additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """A bool *visible* mask (True = may attend) as an additive float mask."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+
+
+class DamchaAttention(nn.Module):
+    """Data-Adaptive Mahalanobis Cross-Head Attention, a drop-in for ``nn.MultiheadAttention``.
+
+    Each token's query heads (and key heads) are mixed by a per-token
+    cross-head map q~ = L_q(x) q, k~ = L_k(c) k, then one fused
+    ``scaled_dot_product_attention`` call runs on (q~, k~, v). With the gates
+    at 0 (a fresh layer, or ``from_mha``) it computes exactly MHA.
+
+    Args:
+        embed_dim: E_q, query feature size (and, by default, output size).
+        num_heads: H, number of query heads.
+        dropout: attention-probability dropout, training only.
+        bias: biases on the four projections.
+        add_bias_kv, add_zero_attn: accepted for signature compatibility;
+            only ``False`` is supported.
+        kdim, vdim: E_kv, feature size of key and value inputs (must be
+            equal: DAMCHA projects one context). Default ``embed_dim``.
+        batch_first: inputs/outputs are (B, N, E) instead of (N, B, E).
+        device, dtype: factory kwargs for the parameters.
+        key_dim: d, per-head query/key size; default ``embed_dim // num_heads``.
+        value_dim: d_v, per-head value size; default ``key_dim``.
+        num_kv_heads: G, key/value heads (GQA/MQA); default ``num_heads``.
+        output_dim: E_o; default ``embed_dim``.
+        metric: "heads" (default), "lowrank" or "none" (exactly MHA).
+        metric_rank: r for "lowrank".
+        coupling: "tied" (default), "separate" or "query".
+        scale: logit scale; default 1/sqrt(key_dim).
+        metric_generator: a ``MetricGenerator`` to share with other layers
+            (tied/query coupling), or a mapping ``{"q": ..., "k": ...}``
+            (separate); the layer keeps its own gates.
+        recompute: in training, recompute the q/k projections and maps in
+            backward instead of storing them, so activation memory stays at
+            MHA's (costs one extra q/k projection in backward).
+
+    Parameters (``nn.MultiheadAttention`` layout, so ``from_mha`` is a copy):
+    ``in_proj_weight`` (H*d + G*d + G*d_v, E) when ``kdim == embed_dim``,
+    else ``q_proj_weight``, ``k_proj_weight``, ``v_proj_weight``;
+    ``in_proj_bias``; ``out_proj`` (``nn.Linear``); ``metric_gates[side]``
+    (S,); ``metric_generators[side]`` (``MetricGenerator``).
+    """
+
+    __constants__ = ["batch_first"]
+    # Why: nn.TransformerEncoder(Layer) run a fused native kernel that reads
+    # in_proj_weight directly when this flag is True, which would skip the
+    # cross-head map. False keeps them on the path that calls forward().
+    _qkv_same_embed_dim = False
+    bias_k = None
+    bias_v = None
+    add_zero_attn = False
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        bias: bool = True,
+        add_bias_kv: bool = False,
+        add_zero_attn: bool = False,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        batch_first: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        key_dim: int | None = None,
+        value_dim: int | None = None,
+        num_kv_heads: int | None = None,
+        output_dim: int | None = None,
+        metric: str = "heads",
+        metric_rank: int | None = None,
+        coupling: str = "tied",
+        scale: float | None = None,
+        metric_generator: MetricGenerator | Mapping[str, MetricGenerator] | None = None,
+        recompute: bool = True,
+    ) -> None:
+        super().__init__()
+        if add_bias_kv or add_zero_attn:
+            raise DamchaValueError(
+                "`add_bias_kv` and `add_zero_attn` are not supported by DamchaAttention. "
+                f"Received: add_bias_kv={add_bias_kv!r}, add_zero_attn={add_zero_attn!r}"
+            )
+        if kdim is not None and vdim is not None and kdim != vdim:
+            raise DamchaValueError(
+                "`kdim` and `vdim` must be equal: DAMCHA projects keys and values from one context. "
+                f"Received: kdim={kdim}, vdim={vdim}"
+            )
+        if key_dim is None:
+            if isinstance(embed_dim, int) and isinstance(num_heads, int) and num_heads > 0 and embed_dim % num_heads:
+                raise DamchaValueError(
+                    "`embed_dim` must be divisible by `num_heads` when `key_dim` is not given. "
+                    f"Received: embed_dim={embed_dim}, num_heads={num_heads}"
+                )
+            key_dim = embed_dim // num_heads if isinstance(embed_dim, int) and isinstance(num_heads, int) and num_heads > 0 else key_dim
+        if not isinstance(batch_first, bool):
+            raise DamchaTypeError(f"`batch_first` must be a bool. Received: batch_first={describe(batch_first)}")
+        if not isinstance(recompute, bool):
+            raise DamchaTypeError(f"`recompute` must be a bool. Received: recompute={describe(recompute)}")
+        cfg = DamchaConfig(
+            query_dim=embed_dim, num_heads=num_heads, key_dim=key_dim,  # type: ignore[arg-type]
+            value_dim=value_dim, num_kv_heads=num_kv_heads, context_dim=kdim if kdim is not None else vdim,
+            output_dim=output_dim, use_bias=bias, metric=metric, metric_rank=metric_rank, coupling=coupling,
+            scale=scale, dropout=dropout,
+        )
+        self._init_from_config(cfg, batch_first, device, dtype, metric_generator, recompute)
+
+    def _init_from_config(self, cfg: DamchaConfig, batch_first: bool, device: Any, dtype: Any,
+                          metric_generator: Any, recompute: bool) -> None:
+        self.config = cfg
+        kw: dict[str, Any] = {"device": device, "dtype": dtype}
+        E, Ekv = cfg.query_dim, cfg.context_dim
+        H, G, d, dv = cfg.num_heads, cfg.num_kv_heads, cfg.key_dim, cfg.value_dim
+        # The nn.MultiheadAttention attribute names, for code that inspects them.
+        self.embed_dim, self.kdim, self.vdim = E, Ekv, Ekv
+        self.num_heads, self.head_dim, self.dropout = H, d, cfg.dropout
+        self.batch_first, self.recompute = batch_first, recompute
+        # Opt-in: forward stores its metric penalty for damcha_torch.metric_penalty(model).
+        self.track_metric_penalty = False
+        self.last_metric_penalty: Tensor | None = None
+        self._sizes = (H * d, G * d, G * dv)
+        if Ekv == E:
+            self.in_proj_weight = nn.Parameter(torch.empty(sum(self._sizes), E, **kw))
+            self.register_parameter("q_proj_weight", None)
+            self.register_parameter("k_proj_weight", None)
+            self.register_parameter("v_proj_weight", None)
+        else:
+            self.register_parameter("in_proj_weight", None)
+            self.q_proj_weight = nn.Parameter(torch.empty(H * d, E, **kw))
+            self.k_proj_weight = nn.Parameter(torch.empty(G * d, Ekv, **kw))
+            self.v_proj_weight = nn.Parameter(torch.empty(G * dv, Ekv, **kw))
+        if cfg.use_bias:
+            self.in_proj_bias = nn.Parameter(torch.empty(sum(self._sizes), **kw))
+        else:
+            self.register_parameter("in_proj_bias", None)
+        self.out_proj = nn.Linear(H * dv, cfg.output_dim, bias=cfg.use_bias, **kw)  # type: ignore[arg-type]
+        self.metric_gates = nn.ParameterDict()
+        self.metric_generators = nn.ModuleDict()
+        shared = self._shared_generators(metric_generator)
+        for side in cfg.metric_sides:
+            S, Es = cfg.side_heads(side), cfg.side_features(side)
+            self.metric_gates[side] = nn.Parameter(torch.zeros(S, **kw))
+            gen = shared.get(side)
+            if gen is None:
+                gen = MetricGenerator(Es, S, d, cfg.metric, cfg.metric_rank, **kw)
+            elif not gen.matches(Es, S, d, cfg.metric, cfg.metric_rank):
+                raise DamchaValueError(
+                    f"`metric_generator` for side {side!r} does not fit this layer: it has ({gen.extra_repr()}), "
+                    f"expected features={Es}, heads={S}, head_dim={d}, metric={cfg.metric!r}"
+                    + (f", rank={cfg.metric_rank}" if cfg.metric == "lowrank" else "")
+                )
+            self.metric_generators[side] = gen
+        self._reset_projections()
+
+    def _shared_generators(self, metric_generator: Any) -> dict[str, MetricGenerator]:
+        sides = self.config.metric_sides
+        if metric_generator is None:
+            return {}
+        if not sides:
+            raise DamchaValueError("`metric_generator` must be None with metric='none'. Received: a generator")
+        if isinstance(metric_generator, MetricGenerator):
+            if len(sides) != 1:
+                raise DamchaValueError(
+                    "`metric_generator` must be a mapping {'q': ..., 'k': ...} with coupling='separate'. "
+                    f"Received: metric_generator={type(metric_generator).__name__}"
+                )
+            return {sides[0]: metric_generator}
+        if isinstance(metric_generator, Mapping):
+            unknown = sorted(set(metric_generator) - set(sides))
+            if unknown or not all(isinstance(g, MetricGenerator) for g in metric_generator.values()):
+                raise DamchaValueError(
+                    f"`metric_generator` must map sides {list(sides)} to MetricGenerator modules. "
+                    f"Received keys {sorted(metric_generator)}"
+                )
+            return dict(metric_generator)
+        raise DamchaTypeError(
+            "`metric_generator` must be a MetricGenerator, a mapping of side -> MetricGenerator, or None. "
+            f"Received: metric_generator={describe(metric_generator)}"
+        )
+
+    def _reset_projections(self) -> None:
+        """Canonical initialisers: Glorot per projection, zero biases, zero gates."""
+        with torch.no_grad():
+            for w in self._proj_weights():
+                nn.init.xavier_uniform_(w)
+            nn.init.xavier_uniform_(self.out_proj.weight)
+            if self.in_proj_bias is not None:
+                self.in_proj_bias.zero_()
+                self.out_proj.bias.zero_()
+            for gate in self.metric_gates.values():
+                gate.zero_()
+
+    def reset_parameters(self) -> None:
+        """Fresh projections and zero gates (a fresh layer is exactly MHA); shared
+        generators are left alone, unshared ones are redrawn."""
+        self._reset_projections()
+
+    def extra_repr(self) -> str:
+        c = self.config
+        parts = [f"embed_dim={c.query_dim}", f"num_heads={c.num_heads}", f"key_dim={c.key_dim}"]
+        if c.num_kv_heads != c.num_heads:
+            parts.append(f"num_kv_heads={c.num_kv_heads}")
+        if c.context_dim != c.query_dim:
+            parts.append(f"kdim={c.context_dim}")
+        parts += [f"metric={c.metric!r}", f"coupling={c.coupling!r}", f"batch_first={self.batch_first}"]
+        return ", ".join(parts)
+
+    # ------------------------------------------------------------- weights
+
+    def _proj_weights(self) -> tuple[Tensor, Tensor, Tensor]:
+        if self.in_proj_weight is not None:
+            return tuple(self.in_proj_weight.split(self._sizes))  # type: ignore[return-value]
+        return self.q_proj_weight, self.k_proj_weight, self.v_proj_weight  # type: ignore[return-value]
+
+    def _proj_biases(self) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        if self.in_proj_bias is None:
+            return None, None, None
+        return tuple(self.in_proj_bias.split(self._sizes))  # type: ignore[return-value]
+
+    # ------------------------------------------------------------- forward
+
+    def _map(self, role: str, tokens: Tensor, y: Tensor) -> Tensor:
+        side = dc.side_of(self.config, role)
+        if side is None:
+            return y
+        return self.metric_generators[side](tokens, y, self.metric_gates[side])
+
+    def _queries_keys(self, query: Tensor, key: Tensor, self_attention: bool) -> tuple[Tensor, Tensor]:
+        """q~ (B, N, H, d) and k~ (B, M, G, d)."""
+        cfg = self.config
+        (W_q, W_k, _), (b_q, b_k, _) = self._proj_weights(), self._proj_biases()
+        H, G, d = cfg.num_heads, cfg.num_kv_heads, cfg.key_dim
+        if self_attention:
+            n_qk = self._sizes[0] + self._sizes[1]
+            b_qk = None if self.in_proj_bias is None else self.in_proj_bias[:n_qk]
+            q, k = F.linear(query, self.in_proj_weight[:n_qk], b_qk).split(self._sizes[:2], dim=-1)  # type: ignore[index]
+        else:
+            q, k = F.linear(query, W_q, b_q), F.linear(key, W_k, b_k)
+        q, k = q.unflatten(-1, (H, d)), k.unflatten(-1, (G, d))
+        return self._apply_maps(query, key, q, k, self_attention)
+
+    def _apply_maps(self, query: Tensor, key: Tensor, q: Tensor, k: Tensor, self_attention: bool) -> tuple[Tensor, Tensor]:
+        cfg = self.config
+        if self_attention and cfg.coupling == "tied" and cfg.metric == "heads":
+            # One generator, one set of tokens: build l(t) once for both sides.
+            gen, gate = self.metric_generators["qk"], self.metric_gates["qk"]
+            l = gen.head_map(query, gate)
+            return torch.matmul(l, q), torch.matmul(l, k)
+        return self._map("q", query, q), self._map("k", key, k)
+
+    def _project(self, query: Tensor, key: Tensor, value: Tensor, self_attention: bool) -> tuple[Tensor, Tensor, Tensor]:
+        cfg = self.config
+        (_, _, W_v), (_, _, b_v) = self._proj_weights(), self._proj_biases()
+        recompute = self.recompute and self.training and torch.is_grad_enabled() and cfg.metric != "none"
+        if self_attention and not recompute:
+            q, k, v = F.linear(query, self.in_proj_weight, self.in_proj_bias).split(self._sizes, dim=-1)  # type: ignore[arg-type]
+            q = q.unflatten(-1, (cfg.num_heads, cfg.key_dim))
+            k = k.unflatten(-1, (cfg.num_kv_heads, cfg.key_dim))
+            q, k = self._apply_maps(query, key, q, k, True)
+        elif recompute:
+            # Storing q, k and q~, k~ would cost 2E floats per token more than MHA;
+            # recomputing them in backward costs one q/k projection instead.
+            q, k = checkpoint(self._queries_keys, query, key, self_attention, use_reentrant=False)
+        else:
+            q, k = self._queries_keys(query, key, False)
+        if not (self_attention and not recompute):
+            v = F.linear(value, W_v, b_v)
+        return q, k, v.unflatten(-1, (cfg.num_kv_heads, cfg.value_dim))
+
+    def _merge_masks(self, key_padding_mask: Tensor | None, attn_mask: Tensor | None,
+                     B: int, N: int, M: int, dtype: torch.dtype) -> Tensor | None:
+        """One mask broadcastable to (B, H, N, M): bool True = may attend, or additive float."""
+        cfg = self.config
+        H = cfg.num_heads
+        masks: list[Tensor] = []
+        if key_padding_mask is not None:
+            _check_torch_mask("key_padding_mask", key_padding_mask)
+            if tuple(key_padding_mask.shape) != (B, M):
+                raise DamchaValueError(
+                    f"`key_padding_mask` must have shape (B, M) = {(B, M)}. "
+                    f"Received: key_padding_mask.shape={tuple(key_padding_mask.shape)}"
+                )
+            masks.append(key_padding_mask[:, None, None, :])
+        if attn_mask is not None:
+            _check_torch_mask("attn_mask", attn_mask)
+            if attn_mask.dim() == 3:
+                # nn.MultiheadAttention's (B*H, N, M) layout, batch-major.
+                if tuple(attn_mask.shape) != (B * H, N, M):
+                    raise DamchaValueError(
+                        f"A 3-D `attn_mask` must have shape (B*H, N, M) = {(B * H, N, M)}. "
+                        f"Received: attn_mask.shape={tuple(attn_mask.shape)}"
+                    )
+                attn_mask = attn_mask.view(B, H, N, M)
+            else:
+                try:
+                    dc.check_shapes(cfg, (B, N, cfg.query_dim), (B, M, cfg.context_dim), tuple(attn_mask.shape))
+                except DamchaValueError as exc:
+                    raise DamchaValueError(
+                        str(exc).replace("`mask`", "`attn_mask`").replace("mask.shape", "attn_mask.shape")
+                        + " (or (B*H, N, M) as in nn.MultiheadAttention)"
+                    ) from None
+            masks.append(attn_mask)
+        if not masks:
+            return None
+        if all(m.dtype == torch.bool for m in masks):
+            visible = ~masks[0]
+            for m in masks[1:]:
+                visible = visible & ~m
+            return visible
+        out = None
+        for m in masks:
+            add = _as_additive(~m, dtype) if m.dtype == torch.bool else m.to(dtype)
+            out = add if out is None else out + add
+        return out
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        key_padding_mask: Tensor | None = None,
+        need_weights: bool = True,
+        attn_mask: Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+        *,
+        kv_cache: DamchaKVCache | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Attend ``query`` to ``key``/``value`` with the cross-head maps.
+
+        Args:
+            query: (N, B, E_q), or (B, N, E_q) with ``batch_first``.
+            key, value: (M, B, E_kv) or (B, M, E_kv). Pass the same tensor
+                object three times for self-attention (one packed projection).
+            key_padding_mask: (B, M); bool True = ignore that key, or additive float.
+            need_weights: also return attention weights; this takes the explicit
+                path that builds the (B, H, N, M) probabilities. Pass ``False``
+                for the fused SDPA path (as ``nn.TransformerEncoderLayer`` does).
+            attn_mask: (N, M), (B*H, N, M) or (B|1, H|1, N|1, M); bool True =
+                masked out, or additive float. Combined with ``key_padding_mask``
+                and ``is_causal``.
+            average_attn_weights: average the returned weights over heads.
+            is_causal: apply the causal rule (query i sees keys j <= i, or
+                j <= P + i after P cached tokens). Unlike nn.MultiheadAttention,
+                it needs no ``attn_mask``; with one, both apply.
+            kv_cache: a ``DamchaKVCache``; the new keys/values are appended and
+                queries attend over the whole cache.
+
+        Returns:
+            ``(output, weights)``: output (N, B, E_o) or (B, N, E_o); weights
+            (B, N, M) averaged, (B, H, N, M) per head, or ``None``. A query that
+            sees no key gets output ``out_proj.bias`` (attention output 0), never NaN.
+        """
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            _check_float(name, t)
+        self_attention = query is key and key is value
+        if not self.batch_first:
+            query, key, value = (t.transpose(0, 1) for t in (query, key, value))
+        B, N, M = dc.check_shapes(self.config, tuple(query.shape), tuple(key.shape))
+        if tuple(value.shape) != tuple(key.shape):
+            raise DamchaValueError(
+                "`value` must have the shape of `key` (DAMCHA projects one context). "
+                f"Received: key.shape={tuple(key.shape)}, value.shape={tuple(value.shape)}"
+            )
+        if self.track_metric_penalty:
+            self.last_metric_penalty = self._penalty(query, key)
+        offset = 0 if kv_cache is None else len(kv_cache)
+        mask = self._merge_masks(key_padding_mask, attn_mask, B, N, M + offset, query.dtype)
+        q, k, v = self._project(query, key, value, self_attention)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+        if kv_cache is not None:
+            k, v = kv_cache.update(k, v)
+        o, weights = safe_attention(
+            q.transpose(1, 2), k, v, mask=mask, is_causal=bool(is_causal), query_offset=offset,
+            scale=self.config.softmax_scale, dropout_p=self.dropout if self.training else 0.0,
+            need_weights=bool(need_weights),
+        )
+        out = self.out_proj(o.transpose(1, 2).flatten(-2))
+        if not self.batch_first:
+            out = out.transpose(0, 1)
+        if weights is not None and average_attn_weights:
+            weights = weights.mean(dim=1)
+        return out, weights
+
+    # ------------------------------------------------------------ training
+
+    def metric_penalty(self, query: Tensor, key: Tensor | None = None) -> Tensor:
+        """The v1 metric penalty: mean over adapted roles of mean_t ||L(t) - I||_F^2 / (S*d).
+
+        Args:
+            query: the layer's query input, in the layer's layout.
+            key: the key input; ``None`` for self-attention.
+
+        Returns:
+            A 0-d tensor (0 for metric "none") to add, times a coefficient, to the loss.
+        """
+        _check_float("query", query)
+        key = query if key is None else key
+        _check_float("key", key)
+        if not self.batch_first:
+            query, key = query.transpose(0, 1), key.transpose(0, 1)
+        dc.check_shapes(self.config, tuple(query.shape), tuple(key.shape))
+        return self._penalty(query, key)
+
+    def _penalty(self, query: Tensor, key: Tensor) -> Tensor:
+        terms = []
+        for role, tokens in (("q", query), ("k", key)):
+            side = dc.side_of(self.config, role)
+            if side is not None:
+                terms.append(self.metric_generators[side].penalty(tokens, self.metric_gates[side]))
+        if not terms:
+            return query.new_zeros(())
+        return torch.stack(terms).mean()
+
+    # ------------------------------------------------------- canonical I/O
+
+    def _canonical_views(self, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """Canonical name -> tensor, from module-name -> tensor (params or their grads)."""
+        cfg = self.config
+        E, Ekv, Eo = cfg.query_dim, cfg.context_dim, cfg.output_dim
+        H, G, d, dv = cfg.num_heads, cfg.num_kv_heads, cfg.key_dim, cfg.value_dim
+        if self.in_proj_weight is not None:
+            Wq, Wk, Wv = tensors["in_proj_weight"].split(self._sizes)
+        else:
+            Wq, Wk, Wv = tensors["q_proj_weight"], tensors["k_proj_weight"], tensors["v_proj_weight"]
+        out = {
+            "query.kernel": Wq.T.reshape(E, H, d),
+            "key.kernel": Wk.T.reshape(Ekv, G, d),
+            "value.kernel": Wv.T.reshape(Ekv, G, dv),
+            "output.kernel": tensors["out_proj.weight"].T.reshape(H, dv, Eo),
+        }
+        if cfg.use_bias:
+            bq, bk, bv = tensors["in_proj_bias"].split(self._sizes)
+            out.update({"query.bias": bq.view(H, d), "key.bias": bk.view(G, d), "value.bias": bv.view(G, dv),
+                        "output.bias": tensors["out_proj.bias"]})
+        for side in cfg.metric_sides:
+            S, Es, p = cfg.side_heads(side), cfg.side_features(side), f"metric_generators.{side}"
+            out[f"metric.{side}.gate"] = tensors[f"metric_gates.{side}"]
+            if cfg.metric == "heads":
+                out[f"metric.{side}.kernel"] = tensors[f"{p}.weight"].T.reshape(Es, S, S)
+                out[f"metric.{side}.bias"] = tensors[f"{p}.bias"].view(S, S)
+            else:
+                out[f"metric.{side}.kernel"] = tensors[f"{p}.weight"].T
+                out[f"metric.{side}.bias"] = tensors[f"{p}.bias"]
+                out[f"metric.{side}.u"] = tensors[f"{p}.u"]
+                out[f"metric.{side}.v"] = tensors[f"{p}.v"]
+        return {name: out[name] for name in cfg.param_shapes()}
+
+    def to_canonical(self) -> dict[str, np.ndarray]:
+        """Canonical float64 NumPy params (exact: every torch float widens losslessly)."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        return {n: t.detach().to("cpu", torch.float64).numpy().copy() for n, t in self._canonical_views(params).items()}
+
+    def canonical_grads(self) -> dict[str, np.ndarray]:
+        """``.grad`` of every parameter in canonical names/layout (zeros where unset)."""
+        grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p))
+                 for n, p in self.named_parameters(remove_duplicate=False)}
+        return {n: t.detach().to("cpu", torch.float64).numpy().copy() for n, t in self._canonical_views(grads).items()}
+
+    @torch.no_grad()
+    def load_canonical(self, params: Mapping[str, Any]) -> DamchaAttention:
+        """Copy canonical params (validated against ``self.config``) into this layer; returns self."""
+        checked = dc.validate_params(params, self.config)
+        targets = self._canonical_views(dict(self.named_parameters(remove_duplicate=False)))
+        for name, value in checked.items():
+            target = targets[name]
+            # The views share storage with the parameters, so copy_ writes through.
+            target.copy_(torch.from_numpy(value).to(target.dtype).reshape(target.shape))
+        return self
+
+    @classmethod
+    def from_canonical(
+        cls,
+        params: Mapping[str, Any],
+        config: DamchaConfig,
+        *,
+        batch_first: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        metric_generator: MetricGenerator | Mapping[str, MetricGenerator] | None = None,
+        recompute: bool = True,
+    ) -> DamchaAttention:
+        """A layer with ``config`` whose parameters are the canonical ``params``."""
+        if not isinstance(config, DamchaConfig):
+            raise DamchaTypeError(f"`config` must be a DamchaConfig. Received: config={describe(config)}")
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer._init_from_config(config, batch_first, device, dtype, metric_generator, recompute)
+        return layer.load_canonical(params)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Save canonical params and config as safetensors (``damcha_core.save_params``)."""
+        dc.save_params(path, self.to_canonical(), self.config)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, **kwargs: Any) -> DamchaAttention:
+        """Load a file written by ``save`` (or any backend); kwargs go to ``from_canonical``."""
+        params, config = dc.load_params(path)
+        return cls.from_canonical(params, config, **kwargs)
+
+    # ------------------------------------------------------------ from MHA
+
+    @classmethod
+    @torch.no_grad()
+    def from_mha(
+        cls,
+        mha: nn.MultiheadAttention,
+        *,
+        metric: str = "heads",
+        metric_rank: int | None = None,
+        coupling: str | None = None,
+        metric_generator: MetricGenerator | Mapping[str, MetricGenerator] | None = None,
+        recompute: bool = True,
+    ) -> DamchaAttention:
+        """A DamchaAttention computing exactly what ``mha`` computes (gates at 0).
+
+        Weights are copied (same layout, any dtype/device). ``coupling=None``
+        picks "tied" when ``mha`` has kdim == embed_dim, else "separate".
+        """
+        if not isinstance(mha, nn.MultiheadAttention):
+            raise DamchaTypeError(f"`mha` must be an nn.MultiheadAttention. Received: mha={describe(mha)}")
+        if mha.bias_k is not None or mha.add_zero_attn:
+            raise DamchaValueError(
+                "`mha` uses add_bias_kv or add_zero_attn, which DAMCHA does not support. "
+                f"Received: add_bias_kv={mha.bias_k is not None}, add_zero_attn={mha.add_zero_attn}"
+            )
+        ref = mha.out_proj.weight
+        layer = cls(
+            mha.embed_dim, mha.num_heads, dropout=mha.dropout, bias=mha.in_proj_bias is not None,
+            kdim=mha.kdim, vdim=mha.vdim, batch_first=mha.batch_first, device=ref.device, dtype=ref.dtype,
+            metric=metric, metric_rank=metric_rank,
+            coupling=coupling if coupling is not None else ("tied" if mha.kdim == mha.embed_dim else "separate"),
+            metric_generator=metric_generator, recompute=recompute,
+        )
+        if mha._qkv_same_embed_dim:
+            w_q, w_k, w_v = mha.in_proj_weight.chunk(3)
+        else:
+            w_q, w_k, w_v = mha.q_proj_weight, mha.k_proj_weight, mha.v_proj_weight
+        for dst, src in zip(layer._proj_weights(), (w_q, w_k, w_v)):
+            dst.copy_(src)
+        if mha.in_proj_bias is not None:
+            layer.in_proj_bias.copy_(mha.in_proj_bias)  # type: ignore[union-attr]
+            layer.out_proj.bias.copy_(mha.out_proj.bias)
+        layer.out_proj.weight.copy_(mha.out_proj.weight)
+        layer.train(mha.training)
+        return layer
+
+
+def replace_mha(model: nn.Module, **kwargs: Any) -> nn.Module:
+    """Swap every ``nn.MultiheadAttention`` inside ``model`` for ``DamchaAttention.from_mha``.
+
+    In place; returns ``model``. Outputs are unchanged (gates start at 0). A
+    module instance used in several places stays shared. ``kwargs`` go to
+    ``from_mha`` (metric, coupling, ...).
+    """
+    if not isinstance(model, nn.Module):
+        raise DamchaTypeError(f"`model` must be an nn.Module. Received: model={describe(model)}")
+    if isinstance(model, nn.MultiheadAttention):
+        raise DamchaValueError("`model` is itself an nn.MultiheadAttention; use DamchaAttention.from_mha(model).")
+    done: dict[int, DamchaAttention] = {}
+
+    def visit(parent: nn.Module) -> None:
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.MultiheadAttention):
+                if id(child) not in done:
+                    done[id(child)] = DamchaAttention.from_mha(child, **kwargs)
+                setattr(parent, name, done[id(child)])
+            else:
+                visit(child)
+
+    visit(model)
+    return model

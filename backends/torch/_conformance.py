@@ -1,0 +1,65 @@
+"""The conformance adapter: runs catalogue cases through ``DamchaAttention``."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from damcha_conformance import Case, CaseData
+
+from ._attention import DamchaAttention
+
+__all__ = ["ConformanceAdapter"]
+
+_DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class ConformanceAdapter:
+    """``damcha_conformance.BackendAdapter`` for PyTorch.
+
+    Each case builds ``DamchaAttention.from_canonical`` (batch_first) on
+    ``device`` in the asked dtype and takes the fused path
+    (``need_weights=False``); the catalogue's True = may-attend masks are
+    inverted to torch's True = masked-out ``attn_mask`` at this boundary.
+    """
+
+    name = "torch"
+    dtypes: Sequence[str] = ("float64", "float32", "bfloat16")
+    supports_gradients = True
+
+    def __init__(self, device: str | torch.device = "cpu") -> None:
+        self.device = torch.device(device)
+
+    def unsupported(self, case: Case) -> str | None:
+        return None
+
+    def _run(self, data: CaseData, dtype: str, grad: bool):
+        tdtype = _DTYPES[dtype]
+        layer = DamchaAttention.from_canonical(data.params, data.config, batch_first=True, device=self.device, dtype=tdtype)
+        layer.eval()  # conformance is the inference function: no dropout
+        def tensor(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(self.device, tdtype).requires_grad_(grad)
+        query = tensor(data.query)
+        context = None if data.context is None else tensor(data.context)
+        kv = query if context is None else context
+        mask = None if data.mask is None else ~torch.from_numpy(data.mask).to(self.device)
+        out, _ = layer(query, kv, kv, attn_mask=mask, need_weights=False, is_causal=data.causal)
+        return layer, query, context, out
+
+    def forward(self, data: CaseData, dtype: str) -> np.ndarray:
+        with torch.no_grad():
+            _, _, _, out = self._run(data, dtype, grad=False)
+        return out.to(torch.float64).cpu().numpy()
+
+    def gradients(self, data: CaseData, dtype: str) -> dict[str, np.ndarray]:
+        layer, query, context, out = self._run(data, dtype, grad=True)
+        cot = torch.from_numpy(data.cotangent).to(self.device, torch.float64)
+        (out.to(torch.float64) * cot).sum().backward()
+        grads = {"query": query.grad.to(torch.float64).cpu().numpy()}
+        if context is not None:
+            grads["context"] = context.grad.to(torch.float64).cpu().numpy()
+        grads.update(layer.canonical_grads())
+        return grads

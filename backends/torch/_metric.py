@@ -1,0 +1,123 @@
+"""MetricGenerator: the data-adaptive part of the cross-head map, shareable by
+the layers of a stack (each layer keeps its own gate)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import damcha_core as dc
+from damcha_core import DamchaValueError
+
+__all__ = ["MetricGenerator"]
+
+
+class MetricGenerator(nn.Module):
+    """Per-token coefficients of the cross-head map L(t), from phi(t) = RMS(t).
+
+    ``metric="heads"``: A(t) = phi(t) W_A + b_A (S, S) and
+    (L y)^h = y^h + g_h sum_a A[h, a] y^a. ``metric="lowrank"``:
+    u(t) = phi(t) W_u + b_u (r,) and (L y)[h, i] = y[h, i] + g_h sum_r
+    U[h, i, r] u_r z_r with z_r = sum_{a, i} V[a, i, r] y[a, i].
+
+    Parameters are stored so that each step is one ``F.linear``/``matmul``:
+    ``weight`` (S*S, E) or (r, E) in ``nn.Linear`` layout, ``bias`` (S*S,) or
+    (r,), and for lowrank ``u``, ``v`` (S, d, r) as in the canonical format.
+
+    Args:
+        features: E, feature size of the tokens that drive the map.
+        heads: S, number of heads the map mixes.
+        head_dim: d, size of each head (used by "lowrank" only).
+        metric: "heads" or "lowrank".
+        rank: r, required for "lowrank".
+    """
+
+    def __init__(
+        self,
+        features: int,
+        heads: int,
+        head_dim: int,
+        metric: str = "heads",
+        rank: int | None = None,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if metric not in ("heads", "lowrank"):
+            raise DamchaValueError(f"`metric` must be 'heads' or 'lowrank' for a MetricGenerator. Received: metric={metric!r}")
+        # DamchaConfig validates the ints and the rank rule with the shared messages.
+        dc.DamchaConfig(query_dim=features, num_heads=heads, key_dim=head_dim, metric=metric, metric_rank=rank, coupling="query")
+        self.features, self.heads, self.head_dim, self.metric, self.rank = features, heads, head_dim, metric, rank
+        kw = {"device": device, "dtype": dtype}
+        out = heads * heads if metric == "heads" else rank
+        self.weight = nn.Parameter(torch.empty(out, features, **kw))  # type: ignore[arg-type]
+        self.bias = nn.Parameter(torch.empty(out, **kw))  # type: ignore[arg-type]
+        if metric == "lowrank":
+            self.u = nn.Parameter(torch.empty(heads, head_dim, rank, **kw))  # type: ignore[arg-type]
+            self.v = nn.Parameter(torch.empty(heads, head_dim, rank, **kw))  # type: ignore[arg-type]
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The canonical initialisers (damcha_core._params), drawn from torch's RNG."""
+        E, S = self.features, self.heads
+        with torch.no_grad():
+            if self.metric == "heads":
+                self.weight.normal_(0.0, 1.0 / math.sqrt(E * S))
+            else:
+                self.weight.normal_(0.0, 1.0 / math.sqrt(E))
+                self.u.normal_(0.0, 1.0 / math.sqrt(self.rank))  # type: ignore[arg-type]
+                self.v.normal_(0.0, 1.0 / math.sqrt(S * self.head_dim))
+            self.bias.zero_()
+
+    def extra_repr(self) -> str:
+        rank = f", rank={self.rank}" if self.metric == "lowrank" else ""
+        return f"features={self.features}, heads={self.heads}, head_dim={self.head_dim}, metric={self.metric!r}{rank}"
+
+    def matches(self, features: int, heads: int, head_dim: int, metric: str, rank: int | None) -> bool:
+        """Whether this generator can serve a side with these sizes."""
+        if (self.features, self.heads, self.metric, self.rank) != (features, heads, metric, rank):
+            return False
+        return metric == "heads" or self.head_dim == head_dim
+
+    def head_map(self, tokens: Tensor, gate: Tensor) -> Tensor:
+        """l(t) = I + diag(g) A(t), (B, T, S, S); metric "heads" only.
+
+        The gate is folded into the small (S*S, E) weight rather than into
+        the (B, T, S, S) activations: one ``addmm`` per token yields l.
+        """
+        S = self.heads
+        eye = torch.eye(S, dtype=self.bias.dtype, device=self.bias.device)
+        weight = (self.weight.view(S, S, -1) * gate.view(S, 1, 1)).view(S * S, -1)
+        bias = (self.bias.view(S, S) * gate.view(S, 1) + eye).view(S * S)
+        phi = F.rms_norm(tokens, (tokens.shape[-1],), eps=dc.RMS_EPS)
+        return F.linear(phi, weight, bias).unflatten(-1, (S, S))
+
+    def forward(self, tokens: Tensor, y: Tensor, gate: Tensor) -> Tensor:
+        """L(t) y for tokens t (B, T, E) and their stacked heads y (B, T, S, d)."""
+        if self.metric == "heads":
+            return torch.matmul(self.head_map(tokens, gate), y)
+        phi = F.rms_norm(tokens, (tokens.shape[-1],), eps=dc.RMS_EPS)
+        u = F.linear(phi, self.weight, self.bias)  # (B, T, r)
+        flat = y.flatten(-2)  # (B, T, S*d)
+        z = torch.matmul(flat, self.v.flatten(0, 1))  # (B, T, r)
+        gated_u = (self.u * gate.view(-1, 1, 1)).flatten(0, 1)  # (S*d, r)
+        return (flat + torch.matmul(u * z, gated_u.transpose(0, 1))).view_as(y)
+
+    def penalty(self, tokens: Tensor, gate: Tensor) -> Tensor:
+        """mean over tokens of ||L(t) - I||_F^2 / (S*d), a 0-d tensor."""
+        S, d = self.heads, self.head_dim
+        phi = F.rms_norm(tokens, (tokens.shape[-1],), eps=dc.RMS_EPS)
+        coeff = F.linear(phi, self.weight, self.bias)
+        if self.metric == "heads":
+            # L - I = (diag(g) A) (x) I_d, whose squared norm is d * ||diag(g) A||^2.
+            gated = coeff.unflatten(-1, (S, S)) * gate.view(S, 1)
+            return gated.square().sum(dim=(-2, -1)).mean() / S
+        # L - I = P diag(u) Q^T with P = g U, Q = V (S*d, r): O(r^2) per token.
+        P = (self.u * gate.view(-1, 1, 1)).flatten(0, 1)
+        Q = self.v.flatten(0, 1)
+        gram = (P.transpose(0, 1) @ P) * (Q.transpose(0, 1) @ Q)
+        return torch.einsum("...r,...s,rs->...", coeff, coeff, gram).mean() / (S * d)

@@ -1,0 +1,229 @@
+"""Transformer layers and stacks with DAMCHA, with stack-wise metric sharing.
+
+The layers subclass ``nn.TransformerEncoderLayer``/``nn.TransformerDecoderLayer``
+and only swap their attention modules, so norms, feed-forward, dropout and
+mask handling are torch's own.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+
+from damcha_core import DamchaTypeError, DamchaValueError
+from damcha_core._errors import describe
+
+from ._attention import DamchaAttention
+from ._metric import MetricGenerator
+
+__all__ = [
+    "DamchaTransformerDecoder",
+    "DamchaTransformerDecoderLayer",
+    "DamchaTransformerEncoder",
+    "DamchaTransformerEncoderLayer",
+    "build_decoder",
+    "build_encoder",
+    "metric_penalty",
+]
+
+_ATTENTION_KEYS = ("metric", "metric_rank", "coupling", "num_kv_heads", "key_dim", "value_dim", "scale", "recompute")
+
+
+def _attention_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    unknown = sorted(set(kwargs) - set(_ATTENTION_KEYS))
+    if unknown:
+        raise DamchaValueError(f"Unknown DAMCHA attention arguments {unknown}. Expected some of {list(_ATTENTION_KEYS)}")
+    return kwargs
+
+
+class DamchaTransformerEncoderLayer(nn.TransformerEncoderLayer):
+    """``nn.TransformerEncoderLayer`` whose ``self_attn`` is a ``DamchaAttention``.
+
+    Takes torch's arguments, plus ``metric_generator`` (share one across
+    layers) and DAMCHA attention kwargs (metric, metric_rank, coupling,
+    num_kv_heads, key_dim, value_dim, scale, recompute).
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        nhead: int,
+        dim_feedforward: int = 2048,
+        dropout: float = 0.1,
+        activation: str | Callable[[Tensor], Tensor] = "relu",
+        layer_norm_eps: float = 1e-5,
+        batch_first: bool = False,
+        norm_first: bool = False,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        metric_generator: MetricGenerator | dict[str, MetricGenerator] | None = None,
+        **attention: Any,
+    ) -> None:
+        super().__init__(d_model, nhead, dim_feedforward, dropout, activation, layer_norm_eps, batch_first,
+                         norm_first, bias, device, dtype)
+        self.self_attn = DamchaAttention(  # type: ignore[assignment]
+            d_model, nhead, dropout=dropout, bias=bias, batch_first=batch_first, device=device, dtype=dtype,
+            metric_generator=metric_generator, **_attention_kwargs(attention),
+        )
+
+
+class DamchaTransformerDecoderLayer(nn.TransformerDecoderLayer):
+    """``nn.TransformerDecoderLayer`` with DAMCHA self- and cross-attention.
+
+    ``metric_generator`` is shared by self-attention, ``cross_metric_generator``
+    by cross-attention (queries from the target, keys from the memory);
+    ``cross_coupling`` defaults to the self-attention coupling.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        nhead: int,
+        dim_feedforward: int = 2048,
+        dropout: float = 0.1,
+        activation: str | Callable[[Tensor], Tensor] = "relu",
+        layer_norm_eps: float = 1e-5,
+        batch_first: bool = False,
+        norm_first: bool = False,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        metric_generator: MetricGenerator | dict[str, MetricGenerator] | None = None,
+        cross_metric_generator: MetricGenerator | dict[str, MetricGenerator] | None = None,
+        cross_coupling: str | None = None,
+        **attention: Any,
+    ) -> None:
+        super().__init__(d_model, nhead, dim_feedforward, dropout, activation, layer_norm_eps, batch_first,
+                         norm_first, bias, device, dtype)
+        attention = _attention_kwargs(attention)
+        common = dict(dropout=dropout, bias=bias, batch_first=batch_first, device=device, dtype=dtype)
+        self.self_attn = DamchaAttention(d_model, nhead, metric_generator=metric_generator, **common, **attention)  # type: ignore[assignment]
+        cross = dict(attention)
+        if cross_coupling is not None:
+            cross["coupling"] = cross_coupling
+        self.multihead_attn = DamchaAttention(  # type: ignore[assignment]
+            d_model, nhead, metric_generator=cross_metric_generator, **common, **cross
+        )
+
+
+def _share(layers: nn.ModuleList, attr: str) -> None:
+    """Make every layer's ``attr`` attention use layer 0's generators (gates stay per layer)."""
+    first = getattr(layers[0], attr)
+    for layer in layers[1:]:
+        attn = getattr(layer, attr)
+        for side, gen in first.metric_generators.items():
+            attn.metric_generators[side] = gen
+
+
+class DamchaTransformerEncoder(nn.TransformerEncoder):
+    """``nn.TransformerEncoder`` of DAMCHA layers; ``share_metric=True`` ties the
+    metric generator of every layer to the first one's (stack-wise sharing)."""
+
+    def __init__(self, encoder_layer: nn.TransformerEncoderLayer, num_layers: int, norm: nn.Module | None = None,
+                 *, share_metric: bool = True) -> None:
+        if not isinstance(getattr(encoder_layer, "self_attn", None), DamchaAttention):
+            raise DamchaTypeError(
+                "`encoder_layer` must have a DamchaAttention self_attn (e.g. DamchaTransformerEncoderLayer). "
+                f"Received: encoder_layer={describe(encoder_layer)}"
+            )
+        # Nested tensors are MHA's fused inference path; DAMCHA never takes it.
+        super().__init__(encoder_layer, num_layers, norm=norm, enable_nested_tensor=False)
+        self.share_metric = bool(share_metric)
+        if self.share_metric:
+            _share(self.layers, "self_attn")
+
+
+class DamchaTransformerDecoder(nn.TransformerDecoder):
+    """``nn.TransformerDecoder`` of DAMCHA layers; ``share_metric=True`` shares the
+    self-attention generator across layers, and the cross-attention one."""
+
+    def __init__(self, decoder_layer: nn.TransformerDecoderLayer, num_layers: int, norm: nn.Module | None = None,
+                 *, share_metric: bool = True) -> None:
+        if not isinstance(getattr(decoder_layer, "self_attn", None), DamchaAttention):
+            raise DamchaTypeError(
+                "`decoder_layer` must have DamchaAttention attention (e.g. DamchaTransformerDecoderLayer). "
+                f"Received: decoder_layer={describe(decoder_layer)}"
+            )
+        super().__init__(decoder_layer, num_layers, norm=norm)
+        self.share_metric = bool(share_metric)
+        if self.share_metric:
+            _share(self.layers, "self_attn")
+            if isinstance(getattr(decoder_layer, "multihead_attn", None), DamchaAttention):
+                _share(self.layers, "multihead_attn")
+
+
+def build_encoder(
+    d_model: int,
+    nhead: int,
+    num_layers: int,
+    *,
+    dim_feedforward: int = 2048,
+    dropout: float = 0.1,
+    activation: str | Callable[[Tensor], Tensor] = "relu",
+    batch_first: bool = True,
+    norm_first: bool = False,
+    final_norm: bool = False,
+    share_metric: bool = True,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    **attention: Any,
+) -> DamchaTransformerEncoder:
+    """A stack of ``num_layers`` DAMCHA encoder layers (``batch_first`` by default).
+
+    With ``share_metric=True`` the stack holds one generator (E*H^2 + H^2
+    parameters for metric "heads", tied coupling) plus H gates per layer;
+    with False, every layer has its own generator.
+    """
+    layer = DamchaTransformerEncoderLayer(
+        d_model, nhead, dim_feedforward, dropout, activation, batch_first=batch_first, norm_first=norm_first,
+        device=device, dtype=dtype, **attention,
+    )
+    norm = nn.LayerNorm(d_model, device=device, dtype=dtype) if final_norm else None
+    return DamchaTransformerEncoder(layer, num_layers, norm, share_metric=share_metric)
+
+
+def build_decoder(
+    d_model: int,
+    nhead: int,
+    num_layers: int,
+    *,
+    dim_feedforward: int = 2048,
+    dropout: float = 0.1,
+    activation: str | Callable[[Tensor], Tensor] = "relu",
+    batch_first: bool = True,
+    norm_first: bool = False,
+    final_norm: bool = False,
+    share_metric: bool = True,
+    cross_coupling: str | None = None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    **attention: Any,
+) -> DamchaTransformerDecoder:
+    """A stack of ``num_layers`` DAMCHA decoder layers (self- and cross-attention)."""
+    layer = DamchaTransformerDecoderLayer(
+        d_model, nhead, dim_feedforward, dropout, activation, batch_first=batch_first, norm_first=norm_first,
+        device=device, dtype=dtype, cross_coupling=cross_coupling, **attention,
+    )
+    norm = nn.LayerNorm(d_model, device=device, dtype=dtype) if final_norm else None
+    return DamchaTransformerDecoder(layer, num_layers, norm, share_metric=share_metric)
+
+
+def metric_penalty(model: nn.Module) -> Tensor:
+    """Mean metric penalty of every ``DamchaAttention`` in ``model`` over its last forward.
+
+    Set ``track_metric_penalty = True`` on the layers (``model.apply(...)`` or
+    this function's caller) before the forward; layers that did not record one
+    are skipped. Returns a 0-d tensor (0.0 when none recorded).
+    """
+    if not isinstance(model, nn.Module):
+        raise DamchaTypeError(f"`model` must be an nn.Module. Received: model={describe(model)}")
+    values = [m.last_metric_penalty for m in model.modules()
+              if isinstance(m, DamchaAttention) and m.last_metric_penalty is not None]
+    if not values:
+        return torch.zeros(())
+    return torch.stack(values).mean()
