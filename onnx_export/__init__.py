@@ -12,18 +12,43 @@ from __future__ import annotations
 from ._adapter import ConformanceAdapter
 from ._export import build_model, check_opset, export, validate_model
 from ._graph import ATTENTION_OPSET, MIN_OPSET, fold_params
+from ._quantize import quantization_error, quantize_int8
 from ._runtime import ort_session, run_ort, run_reference
+from ._stack import (
+    EncoderConfig,
+    TokenModelConfig,
+    encoder_forward,
+    export_encoder,
+    export_token_model,
+    init_encoder_params,
+    init_token_model_params,
+    token_model_forward,
+    validate_stack_params,
+)
+from ._torch import export_torch
 
 __all__ = [
     "ATTENTION_OPSET",
     "MIN_OPSET",
     "ConformanceAdapter",
+    "EncoderConfig",
+    "TokenModelConfig",
     "build_model",
     "check_opset",
+    "encoder_forward",
     "export",
+    "export_encoder",
+    "export_token_model",
+    "export_torch",
     "fold_params",
+    "init_encoder_params",
+    "init_token_model_params",
     "ort_session",
+    "quantization_error",
+    "quantize_int8",
     "run_ort",
     "run_reference",
+    "token_model_forward",
     "validate_model",
+    "validate_stack_params",
 ]

@@ -65,6 +65,13 @@ class GraphBuilder:
         self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array, dtype=self.np_dtype), name))
         return name
 
+    def shared_weight(self, key: str, array: np.ndarray) -> str:
+        """A floating initialiser stored once per ``key`` (stack-wise sharing)."""
+        ckey = ("shared", key)
+        if ckey not in self._consts:
+            self._consts[ckey] = self.weight(key, array)
+        return self._consts[ckey]
+
     def ints(self, values: Sequence[int]) -> str:
         """An int64 1-D constant (shapes, axes), shared between nodes."""
         key = ("i64", tuple(int(v) for v in values))
@@ -127,7 +134,9 @@ class GraphBuilder:
 # --------------------------------------------------------------------- layer
 
 
-def fold_params(params: Mapping[str, np.ndarray], config: DamchaConfig) -> dict[str, np.ndarray]:
+def fold_params(
+    params: Mapping[str, np.ndarray], config: DamchaConfig, *, fold_gate: bool = True
+) -> dict[str, np.ndarray]:
     """Canonical params -> the matrices the graph multiplies with (float64).
 
     Folding is exact algebra done once in float64: the softmax scale goes into
@@ -138,6 +147,11 @@ def fold_params(params: Mapping[str, np.ndarray], config: DamchaConfig) -> dict[
     ``q/k/v/o.kernel`` (E, S*d) or (H*d_v, E_o), ``q/k/v/o.bias`` or absent,
     and per side ``SIDE.gen.kernel/bias`` plus, for "lowrank", ``SIDE.v``
     (S*d, r) and ``SIDE.ut`` (r, S*d) with the gate folded into U.
+
+    ``fold_gate=False`` (stack-wise sharing) keeps the generator exactly as
+    shared by every layer and returns the per-layer gate separately as
+    ``SIDE.gate_rows``: (S*S,) for "heads" (with ``SIDE.eye``, the flat
+    identity) or (S*d,) for "lowrank", applied to the generator's output.
     """
     p = dc.validate_params(params, config)
     H, d_v = config.num_heads, config.value_dim
@@ -155,26 +169,56 @@ def fold_params(params: Mapping[str, np.ndarray], config: DamchaConfig) -> dict[
         pre = f"metric.{side}"
         g = p[f"{pre}.gate"]
         S = g.shape[0]
+        gate = g if fold_gate else np.ones_like(g)
         if config.metric == "heads":
-            kernel = g[None, :, None] * p[f"{pre}.kernel"]  # (E, S, S): row h scaled by g_h
+            kernel = gate[None, :, None] * p[f"{pre}.kernel"]  # (E, S, S): row h scaled by g_h
             out[f"{side}.gen.kernel"] = kernel.reshape(kernel.shape[0], S * S)
-            out[f"{side}.gen.bias"] = (np.eye(S) + g[:, None] * p[f"{pre}.bias"]).reshape(S * S)
+            bias = gate[:, None] * p[f"{pre}.bias"]
+            out[f"{side}.gen.bias"] = ((np.eye(S) + bias) if fold_gate else bias).reshape(S * S)
+            if not fold_gate:
+                out[f"{side}.gate_rows"] = np.repeat(g, S)
+                out[f"{side}.eye"] = np.eye(S).reshape(S * S)
         else:
             r = config.metric_rank
             out[f"{side}.gen.kernel"] = p[f"{pre}.kernel"]
             out[f"{side}.gen.bias"] = p[f"{pre}.bias"]
             out[f"{side}.v"] = p[f"{pre}.v"].reshape(-1, r)
-            out[f"{side}.ut"] = (g[:, None, None] * p[f"{pre}.u"]).reshape(-1, r).T
+            out[f"{side}.ut"] = (gate[:, None, None] * p[f"{pre}.u"]).reshape(-1, r).T
+            if not fold_gate:
+                out[f"{side}.gate_rows"] = np.repeat(g, config.key_dim)
     return out
 
 
-def _generator(g: GraphBuilder, f: Mapping[str, np.ndarray], side: str, phi: str, hint: str) -> str:
-    """A'(t) = l(t) flattened (B, T, S*S) for "heads"; u(t) (B, T, r) for "lowrank"."""
-    return g.linear(phi, f[f"{side}.gen.kernel"], f[f"{side}.gen.bias"], hint)
+def _gen_weight(g: GraphBuilder, f: Mapping[str, np.ndarray], key: str, shared: str | None) -> str:
+    # A shared generator is stored once and read by every layer of the stack.
+    if shared is None:
+        return g.weight(key, f[key])
+    return g.shared_weight(f"{shared}{key}", f[key])
+
+
+def _generator(
+    g: GraphBuilder, f: Mapping[str, np.ndarray], config: DamchaConfig, side: str, phi: str, hint: str, shared: str | None
+) -> str:
+    """l(t) flattened (B, T, S*S) for "heads"; u(t) (B, T, r) for "lowrank"."""
+    mm = g.op("MatMul", [phi, _gen_weight(g, f, f"{side}.gen.kernel", shared)], f"{hint}_mm")
+    coeff = g.op("Add", [mm, _gen_weight(g, f, f"{side}.gen.bias", shared)], hint if shared is None else f"{hint}_raw")
+    if shared is not None and config.metric == "heads":
+        # The layer's own gate on the shared A(t): l(t) = I + diag(g) A(t).
+        gated = g.op("Mul", [coeff, g.weight(f"{hint}.gate_rows", f[f"{side}.gate_rows"])], f"{hint}_gated")
+        coeff = g.op("Add", [gated, g.weight(f"{hint}.eye", f[f"{side}.eye"])], hint)
+    return coeff
 
 
 def _apply_map(
-    g: GraphBuilder, f: Mapping[str, np.ndarray], config: DamchaConfig, side: str, coeff: str, y: str, S: int, hint: str
+    g: GraphBuilder,
+    f: Mapping[str, np.ndarray],
+    config: DamchaConfig,
+    side: str,
+    coeff: str,
+    y: str,
+    S: int,
+    hint: str,
+    shared: str | None,
 ) -> str:
     """L(t) y on stacked heads y (B, T, S*d) -> (B, T, S*d)."""
     d = config.key_dim
@@ -183,9 +227,11 @@ def _apply_map(
         heads = g.reshape(y, [0, 0, S, d], f"{hint}_heads")
         mixed = g.op("MatMul", [l_t, heads], f"{hint}_mixed")  # (B, T, S, d)
         return g.reshape(mixed, [0, 0, S * d], hint)
-    z = g.op("MatMul", [y, g.weight(f"{side}.v", f[f"{side}.v"])], f"{hint}_z")  # (B, T, r)
+    z = g.op("MatMul", [y, _gen_weight(g, f, f"{side}.v", shared)], f"{hint}_z")  # (B, T, r)
     uz = g.op("Mul", [coeff, z], f"{hint}_uz")
-    delta = g.op("MatMul", [uz, g.weight(f"{side}.ut", f[f"{side}.ut"])], f"{hint}_delta")
+    delta = g.op("MatMul", [uz, _gen_weight(g, f, f"{side}.ut", shared)], f"{hint}_delta")
+    if shared is not None:
+        delta = g.op("Mul", [delta, g.weight(f"{hint}.gate_rows", f[f"{side}.gate_rows"])], f"{hint}_gated")
     return g.op("Add", [y, delta], hint)
 
 
@@ -200,15 +246,17 @@ def attention_layer(
     causal: bool,
     form: str,
     prefix: str,
+    shared: str | None = None,
 ) -> str:
     """Nodes of one DAMCHA layer; returns the name of y (B, N, E_o).
 
     ``query`` is x (B, N, E_q); ``context`` is c (B, M, E_kv) or ``None`` for
     self-attention; ``mask`` is a boolean (B|1, H|1, N|1, M) graph value or
     ``None``; ``form`` is "attention" (standard op, opset >= 23) or
-    "decomposed" (MatMul/Softmax).
+    "decomposed" (MatMul/Softmax). ``shared`` names the stack-wise shared
+    metric generator: its weights are stored once under that prefix.
     """
-    f = fold_params(params, config)
+    f = fold_params(params, config, fold_gate=shared is None)
     H, G, d, d_v = config.num_heads, config.num_kv_heads, config.key_dim, config.value_dim
     R = config.group_size
     P = prefix
@@ -230,15 +278,15 @@ def attention_layer(
     coeff_x: dict[str, str] = {}
     phi_x = g.rms_normalise(query, f"{P}phi_x") if (sq or (sk and self_attn)) else None
     if sq:
-        coeff_x[sq] = _generator(g, f, sq, phi_x, f"{P}{sq}_coeff_x")
-        q = _apply_map(g, f, config, sq, coeff_x[sq], q, H, f"{P}q_mapped")
+        coeff_x[sq] = _generator(g, f, config, sq, phi_x, f"{P}{sq}_coeff_x", shared)
+        q = _apply_map(g, f, config, sq, coeff_x[sq], q, H, f"{P}q_mapped", shared)
     if sk:
         if self_attn and sk in coeff_x:
             coeff_c = coeff_x[sk]  # tied self-attention: one generator pass serves q and k
         else:
             phi_c = phi_x if self_attn else g.rms_normalise(c, f"{P}phi_c")
-            coeff_c = _generator(g, f, sk, phi_c, f"{P}{sk}_coeff_c")
-        k = _apply_map(g, f, config, sk, coeff_c, k, config.side_heads(sk), f"{P}k_mapped")
+            coeff_c = _generator(g, f, config, sk, phi_c, f"{P}{sk}_coeff_c", shared)
+        k = _apply_map(g, f, config, sk, coeff_c, k, config.side_heads(sk), f"{P}k_mapped", shared)
 
     visible = None
     if mask is not None:
