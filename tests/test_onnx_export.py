@@ -1,0 +1,202 @@
+"""The framework-free ONNX exporter against the NumPy reference.
+
+Every catalogue case runs in onnxruntime (Attention op and decomposed form)
+and in onnx.reference.ReferenceEvaluator; batch and sequence lengths change
+after export; bad input fails loudly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime.capi.onnxruntime_pybind11_state as ort_errors
+import pytest
+
+import damcha_core as dc
+import damcha_onnx as do
+from damcha_conformance import CATALOGUE, case_params, materialise, run_conformance, tolerance
+
+SHORT = [c for c in CATALOGUE if max(c.query_len, c.context_len or 0) <= 64]
+
+
+def _inputs(data):
+    inputs = {"query": data.query}
+    if data.context is not None:
+        inputs["context"] = data.context
+    if data.mask is not None:
+        inputs["mask"] = data.mask
+    return inputs
+
+
+def _export_case(data, opset, dtype):
+    return do.export(
+        data.params, data.config, None, opset=opset, causal=data.causal, cross=data.context is not None,
+        mask=data.mask is not None, dtype=dtype,
+    )
+
+
+@pytest.mark.parametrize("opset", [17, 18, 23, 24], ids=lambda o: f"opset{o}")
+def test_conformance_catalogue_in_onnxruntime(opset):
+    # Every catalogue case, float32 and float64, through the conformance runner.
+    report = run_conformance(do.ConformanceAdapter(opset=opset))
+    assert report.passed, report.summary()
+    assert not any(r.status == "unsupported" for r in report.results)
+
+
+@pytest.mark.parametrize("opset", [17, 23], ids=lambda o: f"opset{o}")
+@pytest.mark.parametrize("case", SHORT, ids=lambda c: c.name)
+def test_reference_evaluator_matches(case, opset):
+    data = materialise(case)
+    model = _export_case(data, opset, "float64")
+    out = do.run_reference(model, _inputs(data))
+    _, ratio = tolerance("float64").output_ratio(out, data.expected)
+    assert ratio <= 1, f"ReferenceEvaluator error ratio {ratio}"
+
+
+def test_uses_standard_attention_op_only_at_opset_23():
+    data = materialise(CATALOGUE[2])
+    ops23 = {n.op_type for n in _export_case(data, 23, "float32").graph.node}
+    ops17 = {n.op_type for n in _export_case(data, 17, "float32").graph.node}
+    assert "Attention" in ops23 and "Softmax" not in ops23
+    assert "Attention" not in ops17 and "Softmax" in ops17
+
+
+@pytest.mark.parametrize("opset", [17, 23], ids=lambda o: f"opset{o}")
+@pytest.mark.parametrize(
+    "kw",
+    [dict(metric="heads"), dict(metric="lowrank", metric_rank=2, coupling="separate", num_kv_heads=2, context_dim=12)],
+    ids=["heads-tied", "lowrank-separate-gqa"],
+)
+def test_dynamic_batch_and_lengths_after_export(kw, opset):
+    config = dc.DamchaConfig(query_dim=16, num_heads=4, key_dim=4, **kw)
+    params = case_params(config, 5)
+    cross = config.context_dim != config.query_dim
+    model = do.export(params, config, None, opset=opset, cross=cross, mask=True, causal=not cross)
+    session = do.ort_session(model)
+    rng = np.random.default_rng(0)
+    for B, N, M in [(1, 1, 1), (3, 9, 4), (2, 5, 11)]:
+        M = M if cross else N
+        x = rng.normal(size=(B, N, 16))
+        c = rng.normal(size=(B, M, config.context_dim)) if cross else None
+        mask = rng.random((B, 1, 1, M)) < 0.6
+        inputs = {"query": x, "mask": mask} | ({"context": c} if cross else {})
+        out = do.run_ort(model, inputs, session=session)
+        expected = dc.damcha_attention(params, config, x, c, mask=mask, causal=not cross)
+        _, ratio = tolerance("float32").output_ratio(out, expected)
+        assert ratio <= 1, (B, N, M, ratio)
+
+
+@pytest.mark.parametrize("opset", [17, 23], ids=lambda o: f"opset{o}")
+@pytest.mark.parametrize("runtime", ["onnxruntime", "reference"])
+def test_all_masked_rows_give_output_bias_not_nan(opset, runtime):
+    config = dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4)
+    params = case_params(config, 1)
+    model = do.export(params, config, None, opset=opset, mask=True, dtype="float64")
+    x = np.random.default_rng(1).normal(size=(2, 4, 8))
+    mask = np.ones((2, 2, 4, 4), dtype=bool)
+    mask[0, :, 2, :] = False  # every head of one query row
+    mask[1, 1, :, :] = False  # one whole head
+    run = do.run_ort if runtime == "onnxruntime" else do.run_reference
+    out = run(model, {"query": x, "mask": mask})
+    assert np.all(np.isfinite(out))
+    np.testing.assert_allclose(out[0, 2], params["output.bias"], rtol=0, atol=1e-12)
+    np.testing.assert_allclose(out, dc.damcha_attention(params, config, x, mask=mask), rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("opset", [17, 23], ids=lambda o: f"opset{o}")
+def test_static_export_fixes_shapes_and_validates(tmp_path, opset):
+    config = dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4, metric="none")
+    params = case_params(config, 2)
+    path = tmp_path / "layer.onnx"
+    do.export(params, config, path, opset=opset, dynamic=False, batch_size=2, query_len=3)
+    model = onnx.load(path)
+    onnx.checker.check_model(model, full_check=True)
+    dims = [d.dim_value for d in model.graph.output[0].type.tensor_type.shape.dim]
+    assert dims == [2, 3, 8]
+    x = np.random.default_rng(2).normal(size=(2, 3, 8))
+    np.testing.assert_allclose(do.run_ort(model, {"query": x}), dc.damcha_attention(params, config, x), atol=2e-5, rtol=2e-4)
+
+
+# ------------------------------------------------------------------ errors
+
+CFG = dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4)
+
+
+def test_params_not_matching_config_are_rejected():
+    params = dc.init_params(CFG)
+    del params["metric.qk.gate"]
+    with pytest.raises(dc.DamchaValueError, match=r"missing \['metric.qk.gate'\]"):
+        do.export(params, CFG, None)
+    params = dc.init_params(CFG)
+    params["query.kernel"] = np.zeros((8, 2, 5))
+    with pytest.raises(dc.DamchaValueError, match=r"query.kernel.*\(8, 2, 4\).*\(8, 2, 5\)"):
+        do.export(params, CFG, None)
+
+
+@pytest.mark.parametrize("opset", [16, 11, 1000], ids=["opset16", "opset11", "opset1000"])
+def test_opset_out_of_range_is_rejected(opset):
+    with pytest.raises(dc.DamchaValueError, match=rf"`opset` must be in \[17, \d+\].*opset={opset}"):
+        do.export(dc.init_params(CFG), CFG, None, opset=opset)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, pattern",
+    [
+        (dict(opset="23"), dc.DamchaTypeError, r"`opset` must be an int.*'23'"),
+        (dict(form="attention", opset=18), dc.DamchaValueError, r"form='attention' needs opset >= 23"),
+        (dict(dtype="float16"), dc.DamchaValueError, r"`dtype` must be one of.*'float16'"),
+        (dict(causal=1), dc.DamchaTypeError, r"`causal` must be a bool"),
+        (dict(dynamic=False), dc.DamchaValueError, r"dynamic=False needs `batch_size`"),
+        (dict(batch_size=2), dc.DamchaValueError, r"`batch_size` fixes a dimension, so it needs dynamic=False"),
+    ],
+    ids=["opset-type", "attention-form-old-opset", "dtype", "causal-type", "static-needs-sizes", "sizes-need-static"],
+)
+def test_bad_export_options_are_rejected(kwargs, error, pattern):
+    with pytest.raises(error, match=pattern):
+        do.export(dc.init_params(CFG), CFG, None, **kwargs)
+
+
+def test_self_attention_export_needs_equal_dims():
+    config = dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4, context_dim=6, coupling="query")
+    with pytest.raises(dc.DamchaValueError, match="pass cross=True"):
+        do.export(dc.init_params(config), config, None)
+
+
+@pytest.mark.parametrize("opset", [17, 23], ids=lambda o: f"opset{o}")
+@pytest.mark.parametrize(
+    "bad",
+    ["features", "rank", "context-batch", "mask-rank3", "mask-batch-larger", "mask-heads"],
+)
+def test_onnxruntime_rejects_wrong_input_shapes(bad, opset):
+    # Nothing may broadcast silently: each of these must raise in the runtime.
+    config = dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4, coupling="separate", context_dim=6)
+    model = do.export(dc.init_params(config), config, None, opset=opset, cross=True, mask=True)
+    session = do.ort_session(model)
+    rng = np.random.default_rng(0)
+    feeds = {
+        "query": rng.normal(size=(2, 3, 8)).astype(np.float32),
+        "context": rng.normal(size=(2, 5, 6)).astype(np.float32),
+        "mask": np.ones((2, 1, 1, 5), dtype=bool),
+    }
+    session.run(None, feeds)  # the well-formed feed runs
+    if bad == "features":
+        feeds["query"] = feeds["query"][..., :7]
+    elif bad == "rank":
+        feeds["query"] = feeds["query"][0]
+    elif bad == "context-batch":
+        feeds["context"] = feeds["context"][:1]
+    elif bad == "mask-rank3":
+        feeds["mask"] = feeds["mask"][:, 0]
+    elif bad == "mask-batch-larger":
+        feeds["query"], feeds["context"] = feeds["query"][:1], feeds["context"][:1]
+    else:
+        feeds["mask"] = np.ones((2, 3, 1, 5), dtype=bool)
+    with pytest.raises((ort_errors.Fail, ort_errors.InvalidArgument, ort_errors.RuntimeException)):
+        session.run(None, feeds)
+
+
+def test_float_mask_is_rejected_by_feeds_helper():
+    model = do.export(dc.init_params(CFG), CFG, None, mask=True)
+    x = np.zeros((1, 2, 8))
+    with pytest.raises(dc.DamchaTypeError, match="`mask` must be boolean"):
+        do.run_ort(model, {"query": x, "mask": np.ones((1, 1, 2, 2))})
