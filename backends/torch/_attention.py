@@ -318,11 +318,9 @@ class DamchaAttention(nn.Module):
 
     def _apply_maps(self, query: Tensor, key: Tensor, q: Tensor, k: Tensor, self_attention: bool) -> tuple[Tensor, Tensor]:
         cfg = self.config
-        if self_attention and cfg.coupling == "tied" and cfg.metric == "heads":
+        if self_attention and cfg.metric != "none" and cfg.coupling == "tied":
             # One generator, one set of tokens: build l(t) once for both sides.
-            gen, gate = self.metric_generators["qk"], self.metric_gates["qk"]
-            l = gen.head_map(query, gate)
-            return torch.matmul(l, q), torch.matmul(l, k)
+            return self.metric_generators["qk"](query, q, self.metric_gates["qk"], k)
         return self._map("q", query, q), self._map("k", key, k)
 
     def _project(self, query: Tensor, key: Tensor, value: Tensor, self_attention: bool) -> tuple[Tensor, Tensor, Tensor]:

@@ -90,22 +90,47 @@ class MetricGenerator(nn.Module):
         the (B, T, S, S) activations: one ``addmm`` per token yields l.
         """
         S = self.heads
-        eye = torch.eye(S, dtype=self.bias.dtype, device=self.bias.device)
-        weight = (self.weight.view(S, S, -1) * gate.view(S, 1, 1)).view(S * S, -1)
-        bias = (self.bias.view(S, S) * gate.view(S, 1) + eye).view(S * S)
+        weight, bias = self.weight.to(tokens.dtype), self.bias.to(tokens.dtype)
+        gate = gate.to(tokens.dtype)
+        eye = torch.eye(S, dtype=tokens.dtype, device=tokens.device)
+        weight = (weight.view(S, S, -1) * gate.view(S, 1, 1)).view(S * S, -1)
+        bias = (bias.view(S, S) * gate.view(S, 1) + eye).view(S * S)
         phi = F.rms_norm(tokens, (tokens.shape[-1],), eps=dc.RMS_EPS)
         return F.linear(phi, weight, bias).unflatten(-1, (S, S))
 
-    def forward(self, tokens: Tensor, y: Tensor, gate: Tensor) -> Tensor:
-        """L(t) y for tokens t (B, T, E) and their stacked heads y (B, T, S, d)."""
+    def _apply(self, tokens: Tensor, gate: Tensor, ys: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
         if self.metric == "heads":
-            return torch.matmul(self.head_map(tokens, gate), y)
+            l = self.head_map(tokens, gate)
+            return tuple(torch.matmul(l, y) for y in ys)
+        dtype = tokens.dtype
         phi = F.rms_norm(tokens, (tokens.shape[-1],), eps=dc.RMS_EPS)
-        u = F.linear(phi, self.weight, self.bias)  # (B, T, r)
-        flat = y.flatten(-2)  # (B, T, S*d)
-        z = torch.matmul(flat, self.v.flatten(0, 1))  # (B, T, r)
-        gated_u = (self.u * gate.view(-1, 1, 1)).flatten(0, 1)  # (S*d, r)
-        return (flat + torch.matmul(u * z, gated_u.transpose(0, 1))).view_as(y)
+        u = F.linear(phi, self.weight.to(dtype), self.bias.to(dtype))  # (B, T, r)
+        v = self.v.to(dtype).flatten(0, 1)  # (S*d, r)
+        gated_u = (self.u.to(dtype) * gate.to(dtype).view(-1, 1, 1)).flatten(0, 1).transpose(0, 1)  # (r, S*d)
+        out = []
+        for y in ys:
+            flat = y.flatten(-2)  # (B, T, S*d)
+            z = torch.matmul(flat, v)  # (B, T, r)
+            out.append((flat + torch.matmul(u * z, gated_u)).view_as(y))
+        return tuple(out)
+
+    def forward(self, tokens: Tensor, y: Tensor, gate: Tensor, *more: Tensor) -> Tensor | tuple[Tensor, ...]:
+        """L(t) y for tokens t (B, T, E) and their stacked heads y (B, T, S, d).
+
+        Extra head tensors in ``more`` reuse the same per-token coefficients
+        (tied self-attention maps q and k with one generator call); then a
+        tuple is returned.
+        """
+        ys = (y, *more)
+        if y.dtype in (torch.float16, torch.bfloat16):
+            # l sits near I: in a 16-bit type it rounds q~ twice (l, then l q);
+            # the map is tiny next to attention, so it runs in float32.
+            with torch.autocast(y.device.type, enabled=False):
+                out = self._apply(tokens.float(), gate, tuple(t.float() for t in ys))
+            out = tuple(t.to(y.dtype) for t in out)
+        else:
+            out = self._apply(tokens.to(y.dtype), gate, ys)
+        return out if more else out[0]
 
     def penalty(self, tokens: Tensor, gate: Tensor) -> Tensor:
         """mean over tokens of ||L(t) - I||_F^2 / (S*d), a 0-d tensor."""
