@@ -351,7 +351,7 @@ def _stack_export(kind: str, params, config, path, *, opset, mask, dynamic, dtyp
         emb = g.op("Gather", [g.weight("embedding.table", p["embedding.table"]), "tokens"], "embedded", axis=0)
         n = g.op("Squeeze", [g.dim("tokens", 1, "seq_len")], "seq_len_s")
         zero, one = g.op("Constant", [], "pos0", value_int=0), g.op("Constant", [], "pos1", value_int=1)
-        # Gather fails in the runtime for N > max_len rather than clamping.
+        # N > max_len fails in the runtime (Gather or the Add after it), never clamps.
         positions = g.op("Range", [zero, n, one], "positions")
         pos = g.op("Gather", [g.weight("position.table", p["position.table"]), positions], "pos_embedded", axis=0)
         x = g.op("Add", [emb, pos], "x")

@@ -1,0 +1,167 @@
+"""Encoder stacks, the token model, int8 quantisation and the CLI, against NumPy references."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+import damcha_core as dc
+import damcha_onnx as do
+from damcha_conformance import tolerance
+
+
+def _open(params, rng):
+    # Fresh params have gates at 0 (plain MHA); open them so the metric matters.
+    out = dict(params)
+    for name, value in params.items():
+        if name.endswith(".gate") or name.endswith("norm1.bias") or name.endswith("ffn.in.bias"):
+            out[name] = rng.uniform(-1.0, 1.0, value.shape)
+    return out
+
+
+METRICS = {
+    "heads": dict(metric="heads"),
+    "lowrank": dict(metric="lowrank", metric_rank=3),
+    "none": dict(metric="none"),
+}
+
+
+def _encoder(metric, share, causal=False, layers=2):
+    attn = dc.DamchaConfig(query_dim=16, num_heads=4, key_dim=4, **METRICS[metric])
+    return do.EncoderConfig(attn, num_layers=layers, ffn_dim=24, share_metric=share, causal=causal)
+
+
+@pytest.mark.parametrize("opset", [17, 23], ids=lambda o: f"opset{o}")
+@pytest.mark.parametrize("share", [True, False], ids=["shared", "unshared"])
+@pytest.mark.parametrize("metric", list(METRICS))
+def test_encoder_matches_reference(metric, share, opset):
+    rng = np.random.default_rng(0)
+    config = _encoder(metric, share, causal=metric == "heads")
+    params = _open(do.init_encoder_params(config, 1), rng)
+    model = do.export_encoder(params, config, None, opset=opset, mask=True)
+    session = do.ort_session(model)
+    for B, N in [(2, 5), (1, 9)]:  # batch and length change after export
+        x = rng.normal(size=(B, N, 16))
+        mask = rng.random((B, 1, 1, N)) < 0.7
+        expected = do.encoder_forward(params, config, x, mask=mask)
+        _, ratio = tolerance("float32").output_ratio(do.run_ort(model, {"query": x, "mask": mask}, session=session), expected)
+        assert ratio <= 1, (B, N, ratio)
+    if opset == 23:
+        out = do.run_reference(model, {"query": x, "mask": mask})
+        assert tolerance("float32").output_ratio(out, expected)[1] <= 1
+
+
+@pytest.mark.parametrize("metric", ["heads", "lowrank"])
+def test_shared_generator_is_stored_once_and_gates_stay_per_layer(metric):
+    rng = np.random.default_rng(1)
+    shared, unshared = _encoder(metric, True, layers=3), _encoder(metric, False, layers=3)
+    params = _open(do.init_encoder_params(shared, 2), rng)
+    assert sum(k.startswith("shared.metric.qk.") for k in params) == (2 if metric == "heads" else 4)
+    assert all(f"layers.{i}.attention.metric.qk.gate" in params for i in range(3))
+    # The same weights in the unshared format: every layer copies the generator.
+    copied = {}
+    for name, value in params.items():
+        if name.startswith("shared."):
+            for i in range(3):
+                copied[f"layers.{i}.attention.{name[len('shared.'):]}"] = value
+        else:
+            copied[name] = value
+    x = rng.normal(size=(2, 6, 16))
+    np.testing.assert_allclose(
+        do.encoder_forward(params, shared, x), do.encoder_forward(copied, unshared, x), rtol=1e-12, atol=1e-12
+    )
+    m_shared = do.export_encoder(params, shared, None)
+    m_unshared = do.export_encoder(copied, unshared, None)
+    size = lambda m: sum(np.prod(t.dims) for t in m.graph.initializer)  # noqa: E731
+    gen = sum(np.prod(v.shape) for k, v in params.items() if k.startswith("shared."))
+    # Two of the three copies are saved; each layer adds at most 2*16 gate/identity rows.
+    assert size(m_unshared) - size(m_shared) >= 2 * gen - 3 * 2 * 16 > 0
+    np.testing.assert_allclose(do.run_ort(m_shared, {"query": x}), do.run_ort(m_unshared, {"query": x}), atol=1e-5)
+
+
+def test_gates_zero_stack_equals_mha_stack():
+    # Identity anchoring through a whole stack: gates 0 -> the metric "none" stack.
+    rng = np.random.default_rng(3)
+    damcha, mha = _encoder("heads", True), _encoder("none", True)
+    params = do.init_encoder_params(damcha, 4)
+    mha_params = {k: v for k, v in params.items() if ".metric." not in k and not k.startswith("shared.")}
+    x = rng.normal(size=(2, 7, 16))
+    out = do.run_ort(do.export_encoder(params, damcha, None), {"query": x})
+    ref = do.run_ort(do.export_encoder(mha_params, mha, None), {"query": x})
+    np.testing.assert_allclose(out, ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("opset", [17, 23], ids=lambda o: f"opset{o}")
+def test_token_model_end_to_end(opset, tmp_path):
+    rng = np.random.default_rng(5)
+    config = do.TokenModelConfig(_encoder("heads", True, causal=True), vocab_size=13, max_len=10, num_classes=3)
+    params = _open(do.init_token_model_params(config, 6), rng)
+    path = tmp_path / "model.onnx"
+    do.export_token_model(params, config, path, opset=opset)
+    model = onnx.load(path)
+    for B, N in [(2, 4), (3, 10)]:
+        tokens = rng.integers(0, 13, size=(B, N))
+        out = do.run_ort(model, {"tokens": tokens})
+        assert out.shape == (B, N, 3)
+        _, ratio = tolerance("float32").output_ratio(out, do.token_model_forward(params, config, tokens))
+        assert ratio <= 1
+    with pytest.raises(Exception, match="ONNXRuntimeError"):
+        do.run_ort(model, {"tokens": rng.integers(0, 13, size=(1, 11))})  # longer than max_len
+
+
+@pytest.mark.parametrize(
+    "make, error, pattern",
+    [
+        (lambda: do.EncoderConfig(dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4, output_dim=6), 2, 8),
+         dc.DamchaValueError, "context_dim == output_dim == query_dim"),
+        (lambda: do.EncoderConfig(dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4), 0, 8),
+         dc.DamchaValueError, "`num_layers` must be an int >= 1"),
+        (lambda: do.export_encoder(do.init_encoder_params(_encoder("heads", True)), _encoder("heads", False), None),
+         dc.DamchaValueError, r"does not match the config \(missing \['layers.0.attention.metric.qk.kernel'"),
+        (lambda: do.export_encoder(do.init_encoder_params(_encoder("none", True)), _encoder("none", True), None, dtype="float64"),
+         dc.DamchaValueError, "float32 only"),
+        (lambda: do.export_encoder(do.init_encoder_params(_encoder("none", True)), _encoder("none", True), None, opset=16),
+         dc.DamchaValueError, "`opset` must be in"),
+    ],
+    ids=["encoder-dims", "num-layers", "shared-params-for-unshared-config", "stack-float64", "stack-opset"],
+)
+def test_stack_errors(make, error, pattern):
+    with pytest.raises(error, match=pattern):
+        make()
+
+
+def test_int8_quantisation_accuracy_is_measured():
+    rng = np.random.default_rng(7)
+    config = do.EncoderConfig(dc.DamchaConfig(query_dim=32, num_heads=4, key_dim=8), 2, 64)
+    params = _open(do.init_encoder_params(config, 8), rng)
+    x = rng.normal(size=(2, 12, 32))
+    model = do.export_encoder(params, config, None)
+    q = do.quantize_int8(model)
+    assert any(n.op_type in ("MatMulInteger", "DynamicQuantizeLinear") for n in q.graph.node)
+    assert sum(t.data_type == onnx.TensorProto.INT8 for t in q.graph.initializer) >= 6
+    errors = do.quantization_error(model, q, {"query": x}, do.encoder_forward(params, config, x))
+    assert errors["max_abs_float32_vs_reference"] < 1e-4
+    # int8 changes the output (it is really quantised) but stays close: a few % RMS.
+    assert 1e-4 < errors["rel_rms_vs_float32"] < 0.1, errors
+
+
+def test_cli_exports_and_validates(tmp_path, capsys):
+    from damcha_onnx._cli import main
+
+    config = dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4, coupling="separate", context_dim=6)
+    params = dc.init_params(config, 3)
+    params["metric.q.gate"] = np.full(2, 0.7)
+    dc.save_params(tmp_path / "p.safetensors", params, config)
+    out = tmp_path / "m.onnx"
+    rc = main(["--params", str(tmp_path / "p.safetensors"), "--out", str(out), "--opset", "18", "--cross", "--mask"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "shape inference: ok" in text and text.count("-> ok") == 2
+    assert "Softmax" in {n.op_type for n in onnx.load(out).graph.node}
+    other = config.replace(key_dim=2)
+    rc = main(["--config", str(other.to_dict()).replace("'", '"').replace("True", "true").replace("None", "null"),
+               "--params", str(tmp_path / "p.safetensors"), "--out", str(out)])
+    assert rc == 2 and "differs from the config stored" in capsys.readouterr().err
+    rc = main(["--params", str(tmp_path / "p.safetensors"), "--out", str(out), "--opset", "12"])
+    assert rc == 2 and "`opset` must be in" in capsys.readouterr().err
