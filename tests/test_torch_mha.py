@@ -1,0 +1,122 @@
+"""DamchaAttention with metric "none" or zero gates is nn.MultiheadAttention (and SDPA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from damcha_torch import DamchaAttention, damcha_attention
+
+B, N, M, E, H = 2, 5, 7, 16, 4
+
+
+def _mask_kwargs(kind: str, n: int, m: int, dtype: torch.dtype) -> dict:
+    g = torch.Generator().manual_seed(3)
+    if kind == "none":
+        return {}
+    if kind == "padding":
+        kpm = torch.zeros(B, m, dtype=torch.bool)
+        kpm[1, m - 2:] = True  # True = ignore, torch's convention
+        return {"key_padding_mask": kpm}
+    if kind == "bool2d":
+        am = torch.rand(n, m, generator=g) < 0.3
+        am[:, 0] = False
+        return {"attn_mask": am}
+    if kind == "bool3d":
+        am = torch.rand(B * H, n, m, generator=g) < 0.3
+        am[..., 0] = False
+        return {"attn_mask": am}
+    if kind == "float2d":
+        return {"attn_mask": torch.randn(n, m, generator=g, dtype=dtype)}
+    if kind == "padding+float":
+        kpm = torch.zeros(B, m, dtype=torch.bool)
+        kpm[0, -1] = True
+        return {"key_padding_mask": kpm, "attn_mask": torch.randn(n, m, generator=g, dtype=dtype)}
+    raise AssertionError(kind)
+
+
+def _causal_mask(n: int, m: int) -> torch.Tensor:
+    return torch.ones(n, m, dtype=torch.bool).triu(1)  # True = masked out
+
+
+@pytest.mark.parametrize("need_weights", [True, False], ids=["weights", "fused"])
+@pytest.mark.parametrize("batch_first", [True, False], ids=["batch_first", "seq_first"])
+@pytest.mark.parametrize(
+    "mask", ["none", "padding", "bool2d", "bool3d", "float2d", "padding+float", "causal"]
+)
+@pytest.mark.parametrize("variant", ["zero-gates", "metric-none"])
+# MHA itself warns when a bool key_padding_mask meets a float attn_mask.
+@pytest.mark.filterwarnings("ignore:Support for mismatched key_padding_mask:UserWarning")
+def test_self_attention_equals_mha(variant, mask, batch_first, need_weights):
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(E, H, batch_first=batch_first, dtype=torch.float64).eval()
+    with torch.no_grad():
+        mha.in_proj_bias.normal_()
+        mha.out_proj.bias.normal_()
+    layer = DamchaAttention.from_mha(mha, metric="heads" if variant == "zero-gates" else "none").eval()
+    if variant == "zero-gates":
+        assert torch.all(layer.metric_gates["qk"] == 0)
+    x = torch.randn((B, N, E) if batch_first else (N, B, E), dtype=torch.float64)
+    kwargs = _mask_kwargs("none" if mask == "causal" else mask, N, N, torch.float64)
+    if mask == "causal":
+        # MHA needs the mask itself; is_causal is only a hint there.
+        kwargs = {"attn_mask": _causal_mask(N, N), "is_causal": True}
+    expected, w_expected = mha(x, x, x, need_weights=need_weights, **kwargs)
+    out, w = layer(x, x, x, need_weights=need_weights, **kwargs)
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-12)
+    if need_weights:
+        torch.testing.assert_close(w, w_expected, rtol=1e-10, atol=1e-12)
+    else:
+        assert w is None
+
+
+@pytest.mark.parametrize("need_weights", [True, False], ids=["weights", "fused"])
+@pytest.mark.parametrize("batch_first", [True, False], ids=["batch_first", "seq_first"])
+@pytest.mark.parametrize("mask", ["none", "padding", "bool3d"])
+@pytest.mark.parametrize("coupling", ["separate", "query"])
+def test_cross_attention_kdim_equals_mha(coupling, mask, batch_first, need_weights):
+    torch.manual_seed(1)
+    kdim = 12
+    mha = nn.MultiheadAttention(E, H, kdim=kdim, vdim=kdim, batch_first=batch_first, dtype=torch.float64).eval()
+    layer = DamchaAttention.from_mha(mha, coupling=coupling).eval()
+    q = torch.randn((B, N, E) if batch_first else (N, B, E), dtype=torch.float64)
+    c = torch.randn((B, M, kdim) if batch_first else (M, B, kdim), dtype=torch.float64)
+    kwargs = _mask_kwargs(mask, N, M, torch.float64)
+    expected, w_expected = mha(q, c, c, need_weights=need_weights, average_attn_weights=False, **kwargs)
+    out, w = layer(q, c, c, need_weights=need_weights, average_attn_weights=False, **kwargs)
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-12)
+    if need_weights:
+        torch.testing.assert_close(w, w_expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_functional_equals_sdpa(kv_heads, causal):
+    """No generators: damcha_attention is SDPA on repeated kv heads (h -> h // (H/G))."""
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(B, N, H, 8, generator=g, dtype=torch.float64)
+    k = torch.randn(B, M, kv_heads, 8, generator=g, dtype=torch.float64)
+    v = torch.randn(B, M, kv_heads, 6, generator=g, dtype=torch.float64)
+    rep = H // kv_heads
+    expected = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.repeat_interleave(rep, 2).transpose(1, 2), v.repeat_interleave(rep, 2).transpose(1, 2),
+        is_causal=causal,
+    ).transpose(1, 2)
+    for need_weights in (False, True):
+        out, _ = damcha_attention(q, k, v, is_causal=causal, need_weights=need_weights)
+        torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_float32_fresh_layer_equals_mha_fused():
+    """A fresh layer (gates 0) in float32 on the fused path: MHA to float32 rounding."""
+    torch.manual_seed(4)
+    mha = nn.MultiheadAttention(E, H, batch_first=True).eval()
+    layer = DamchaAttention.from_mha(mha).eval()
+    x = torch.randn(B, N, E)
+    kpm = torch.zeros(B, N, dtype=torch.bool)
+    kpm[0, -2:] = True
+    expected, _ = mha(x, x, x, key_padding_mask=kpm, need_weights=False)
+    out, _ = layer(x, x, x, key_padding_mask=kpm, need_weights=False)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
