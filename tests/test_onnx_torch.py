@@ -1,0 +1,49 @@
+"""torch.onnx.export (dynamo, opset 23) of a model containing damcha_torch.DamchaAttention."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+import damcha_core as dc
+import damcha_onnx as do
+import damcha_torch as dt
+from damcha_conformance import case_params, tolerance
+
+
+class _Block(torch.nn.Module):
+    """A small model around the layer: DAMCHA self-attention -> residual -> linear head."""
+
+    def __init__(self, layer: dt.DamchaAttention, causal: bool) -> None:
+        super().__init__()
+        self.attn = layer
+        self.causal = causal
+        self.head = torch.nn.Linear(layer.config.output_dim, 3, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, _ = self.attn(x, x, x, need_weights=False, is_causal=self.causal)
+        return self.head(x + y)
+
+
+def test_torch_dynamo_export_matches_reference_with_dynamic_shapes(tmp_path):
+    # One export only: dynamo tracing costs tens of seconds. The config covers
+    # an open cross-head map, GQA and the causal rule at once.
+    torch.manual_seed(0)
+    causal = True
+    config = dc.DamchaConfig(query_dim=16, num_heads=4, key_dim=4, metric="heads", coupling="query", num_kv_heads=2)
+    params = case_params(config, 11)
+    layer = dt.DamchaAttention.from_canonical(params, config, batch_first=True, dtype=torch.float64)
+    model = _Block(layer, causal).eval()
+    path = tmp_path / "torch.onnx"
+    proto = do.export_torch(model, (torch.randn(2, 6, 16, dtype=torch.float64),), path,
+                            input_names=["query"], output_names=["logits"])
+    assert 23 in {o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")}
+    session = do.ort_session(str(path))
+    w, b = model.head.weight.detach().numpy(), model.head.bias.detach().numpy()
+    rng = np.random.default_rng(1)
+    for B, N in [(2, 6), (3, 11), (1, 1)]:  # batch and length differ from the example input
+        x = rng.normal(size=(B, N, 16))
+        out = session.run(None, {"query": x})[0]
+        expected = (x + dc.damcha_attention(params, config, x, causal=causal)) @ w.T + b
+        _, ratio = tolerance("float32").output_ratio(out, expected)
+        assert ratio <= 1, (B, N, ratio)
