@@ -1,0 +1,270 @@
+"""DamchaAttention against the NumPy reference, conversion, stacks, decoding, training."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import damcha_core as dc
+from damcha_conformance import case_params
+from damcha_torch import (
+    DamchaAttention,
+    DamchaKVCache,
+    DamchaTransformerEncoderLayer,
+    MetricGenerator,
+    build_decoder,
+    build_encoder,
+    metric_penalty,
+    replace_mha,
+)
+
+CONFIGS = {
+    "heads-tied": dict(metric="heads", coupling="tied"),
+    "heads-separate": dict(metric="heads", coupling="separate"),
+    "lowrank-query-gqa": dict(metric="lowrank", metric_rank=3, coupling="query", num_kv_heads=2),
+}
+
+
+def _config(name: str, **kw) -> dc.DamchaConfig:
+    return dc.DamchaConfig(query_dim=16, num_heads=4, key_dim=4, **{**CONFIGS[name], **kw})
+
+
+def _layer(cfg: dc.DamchaConfig, seed: int = 0) -> tuple[DamchaAttention, dict[str, np.ndarray]]:
+    params = case_params(cfg, seed)  # open gates, non-zero biases
+    return DamchaAttention.from_canonical(params, cfg, batch_first=True, dtype=torch.float64).eval(), params
+
+
+def _x(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+# ------------------------------------------------------------ canonical I/O
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_canonical_round_trip_and_safetensors(name, tmp_path):
+    cfg = _config(name)
+    layer, params = _layer(cfg)
+    back = layer.to_canonical()
+    assert list(back) == list(cfg.param_shapes())
+    for key, value in params.items():
+        np.testing.assert_array_equal(back[key], value, err_msg=key)
+    layer.save(tmp_path / "layer.safetensors")
+    loaded = DamchaAttention.load(tmp_path / "layer.safetensors", batch_first=True, dtype=torch.float64).eval()
+    assert loaded.config == cfg
+    x = _x(2, 5, 16)
+    torch.testing.assert_close(loaded(x, x, x, need_weights=False)[0], layer(x, x, x, need_weights=False)[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_weights_path_equals_reference(name):
+    """need_weights=True (explicit) gives the reference's output and probabilities."""
+    cfg = _config(name)
+    layer, params = _layer(cfg, seed=3)
+    x = _x(2, 6, 16, seed=1)
+    keep = np.ones((2, 1, 1, 6), dtype=bool)
+    keep[1, ..., 4:] = False
+    y, probs = dc.damcha_attention(params, cfg, x.numpy(), mask=keep, causal=True, return_weights=True)
+    out, w = layer(x, x, x, key_padding_mask=torch.from_numpy(~keep[:, 0, 0]), is_causal=True,
+                   average_attn_weights=False)
+    np.testing.assert_allclose(out.detach().numpy(), y, rtol=1e-9, atol=1e-10)
+    np.testing.assert_allclose(w.detach().numpy(), probs, rtol=1e-9, atol=1e-10)
+
+
+def test_all_masked_rows_give_bias_and_finite_grads():
+    cfg = _config("heads-tied")
+    layer, params = _layer(cfg)
+    x = _x(2, 4, 16).requires_grad_(True)
+    am = torch.zeros(2 * 4, 4, 4, dtype=torch.bool)
+    am[0:4, 1, :] = True  # batch 0, query 1: every key hidden in every head
+    for need_weights in (False, True):
+        out, _ = layer(x, x, x, attn_mask=am, need_weights=need_weights)
+        torch.testing.assert_close(out[0, 1], layer.out_proj.bias, rtol=0, atol=1e-12)
+        expected = dc.damcha_attention(params, cfg, x.detach().numpy(), mask=~am.view(2, 4, 4, 4).numpy())
+        np.testing.assert_allclose(out.detach().numpy(), expected, rtol=1e-9, atol=1e-10)
+        x.grad = None
+        layer.zero_grad()
+        out.sum().backward()
+        assert torch.isfinite(x.grad).all()
+        assert all(torch.isfinite(p.grad).all() for p in layer.parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_metric_penalty_matches_reference(name):
+    cfg = _config(name)
+    layer, params = _layer(cfg, seed=5)
+    x = _x(2, 5, 16, seed=2)
+    expected = dc.metric_penalty(params, cfg, x.numpy())
+    torch.testing.assert_close(layer.metric_penalty(x).item(), expected, rtol=1e-10, atol=1e-12)
+    layer.track_metric_penalty = True
+    layer(x, x, x, need_weights=False)
+    torch.testing.assert_close(metric_penalty(nn.Sequential(layer)).item(), expected, rtol=1e-10, atol=1e-12)
+
+
+# --------------------------------------------------------------- causality
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_causal_future_tokens_do_not_leak(name):
+    layer, _ = _layer(_config(name))
+    x = _x(1, 8, 16)
+    y = x.clone()
+    y[:, 5:] += _x(1, 3, 16, seed=9)
+    out_x, _ = layer(x, x, x, is_causal=True, need_weights=False)
+    out_y, _ = layer(y, y, y, is_causal=True, need_weights=False)
+    torch.testing.assert_close(out_y[:, :5], out_x[:, :5], rtol=0, atol=1e-13)
+    assert (out_y[:, 5:] - out_x[:, 5:]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("chunks", [(1,) * 6, (3, 1, 2)], ids=["token-by-token", "chunked"])
+def test_kv_cache_decoding_equals_full_forward(name, chunks):
+    cfg = _config(name)
+    layer, params = _layer(cfg)
+    x = _x(2, sum(chunks), 16)
+    full, _ = layer(x, x, x, is_causal=True, need_weights=False)
+    cache, outs, start = DamchaKVCache(), [], 0
+    for size in chunks:
+        t = x[:, start:start + size]
+        outs.append(layer(t, t, t, is_causal=True, need_weights=False, kv_cache=cache)[0])
+        start += size
+    assert len(cache) == x.shape[1]
+    torch.testing.assert_close(torch.cat(outs, dim=1), full, rtol=1e-10, atol=1e-12)
+    # the cache holds transformed keys k~, as the reference's query_offset rule needs
+    P = chunks[0]
+    tail = x[:, P:]
+    y = dc.damcha_attention(params, cfg, tail.numpy(), x.numpy(), causal=True, query_offset=P)
+    torch.testing.assert_close(torch.cat(outs, dim=1)[:, P:], torch.from_numpy(y), rtol=1e-9, atol=1e-10)
+
+
+# ---------------------------------------------------- conversion and stacks
+
+
+def _vit_like() -> nn.Module:
+    layer = nn.TransformerEncoderLayer(16, 4, dim_feedforward=32, dropout=0.0, batch_first=True)
+    return nn.Sequential(nn.Linear(8, 16), nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), nn.LayerNorm(16))
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_replace_mha_keeps_outputs_then_gates_learn(mode):
+    torch.manual_seed(0)
+    model = _vit_like().train(mode == "train")
+    x = torch.randn(2, 6, 8)
+    kpm = torch.zeros(2, 6, dtype=torch.bool)
+    kpm[1, -2:] = True
+    with torch.no_grad():
+        expected = model[2](model[1](model[0](x), src_key_padding_mask=kpm))
+    replace_mha(model)
+    attns = [m for m in model.modules() if isinstance(m, DamchaAttention)]
+    assert len(attns) == 2 and not any(isinstance(m, nn.MultiheadAttention) for m in model.modules())
+    with torch.no_grad():
+        out = model[2](model[1](model[0](x), src_key_padding_mask=kpm))
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(x).square().mean().backward()
+    opt.step()
+    for attn in attns:
+        assert attn.metric_gates["qk"].abs().max() > 0
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["shared", "per-layer"])
+def test_encoder_stack_sharing_and_parameter_count(share):
+    E, H, L = 16, 4, 3
+    enc = build_encoder(E, H, L, dim_feedforward=32, dropout=0.0, share_metric=share)
+    gens = [layer.self_attn.metric_generators["qk"] for layer in enc.layers]
+    assert (len({id(g) for g in gens}) == 1) == share
+    gates = [layer.self_attn.metric_gates["qk"] for layer in enc.layers]
+    assert len({id(g) for g in gates}) == L  # every layer keeps its own gate
+    mha_stack = nn.TransformerEncoder(nn.TransformerEncoderLayer(E, H, 32, 0.0, batch_first=True), L,
+                                      enable_nested_tensor=False)
+    base = sum(p.numel() for p in mha_stack.parameters())
+    generator = E * H * H + H * H
+    expected = base + L * H + (1 if share else L) * generator
+    assert sum(p.numel() for p in enc.parameters()) == expected
+    # a shared generator gets the gradient of every layer
+    x = torch.randn(2, 5, E)
+    with torch.no_grad():
+        for g in gates:
+            g.fill_(0.5)
+    enc(x).sum().backward()
+    assert gens[0].weight.grad is not None and gens[0].weight.grad.abs().max() > 0
+
+
+def test_decoder_stack_runs_causal_with_memory():
+    dec = build_decoder(16, 4, 2, dim_feedforward=32, dropout=0.0, cross_coupling="separate")
+    tgt, memory = torch.randn(2, 5, 16), torch.randn(2, 7, 16)
+    mask = nn.Transformer.generate_square_subsequent_mask(5)
+    out = dec(tgt, memory, tgt_mask=mask, tgt_is_causal=True)
+    assert out.shape == (2, 5, 16) and torch.isfinite(out).all()
+    cross = [layer.multihead_attn for layer in dec.layers]
+    assert cross[0].metric_generators["q"] is cross[1].metric_generators["q"]
+    assert dec.layers[0].self_attn.metric_generators["qk"] is not cross[0].metric_generators["q"]
+
+
+def test_shared_generator_must_fit():
+    gen = MetricGenerator(16, 4, 4)
+    DamchaAttention(16, 4, metric_generator=gen)
+    with pytest.raises(dc.DamchaValueError, match="metric_generator"):
+        DamchaAttention(16, 2, metric_generator=gen)
+
+
+def test_encoder_layer_never_takes_the_native_fast_path():
+    """eval + batch_first + no grad is where nn.TransformerEncoderLayer would call
+    its fused kernel; the open gates must still change the output."""
+    torch.manual_seed(0)
+    layer = DamchaTransformerEncoderLayer(16, 4, 32, 0.0, batch_first=True).eval()
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        closed = layer(x)
+        layer.self_attn.metric_gates["qk"].fill_(1.0)
+        opened = layer(x)
+    assert (opened - closed).abs().max() > 1e-3
+
+
+# ------------------------------------------------------ dtypes and compile
+
+
+def test_autocast_bfloat16_close_to_float32():
+    cfg = _config("heads-tied")
+    params = case_params(cfg, 0)
+    layer = DamchaAttention.from_canonical(params, cfg, batch_first=True).eval()
+    x = _x(2, 6, 16).float()
+    expected = dc.damcha_attention(params, cfg, x.numpy())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = layer(x, x, x, need_weights=False)
+    assert out.dtype == torch.bfloat16
+    np.testing.assert_allclose(out.detach().float().numpy(), expected, rtol=5e-2, atol=5e-2)
+
+
+def test_torch_compile_fullgraph_forward_backward():
+    cfg = _config("heads-tied")
+    params = case_params(cfg, 0)
+    layer = DamchaAttention.from_canonical(params, cfg, batch_first=True).train()  # recompute path
+    x = _x(2, 5, 16).float().requires_grad_(True)
+    # aot_eager: dynamo must capture one graph (fullgraph) and AOTAutograd its
+    # backward; inductor's codegen is left out to keep the test fast.
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    out = compiled(x, x, x, need_weights=False, is_causal=True)[0]
+    out.square().sum().backward()
+    grad_compiled = x.grad.clone()
+    x.grad = None
+    eager = layer(x, x, x, need_weights=False, is_causal=True)[0]
+    eager.square().sum().backward()
+    torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad_compiled, x.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_recompute_gives_the_same_gradients():
+    cfg = _config("heads-separate")
+    params = case_params(cfg, 0)
+    grads = []
+    for recompute in (True, False):
+        layer = DamchaAttention.from_canonical(params, cfg, batch_first=True, dtype=torch.float64, recompute=recompute)
+        x = _x(2, 5, 16).requires_grad_(True)
+        layer(x, x, x, need_weights=False)[0].sum().backward()
+        grads.append([x.grad] + [torch.from_numpy(g) for g in layer.canonical_grads().values()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
