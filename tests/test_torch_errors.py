@@ -1,0 +1,92 @@
+"""Bad input to the PyTorch backend raises DamchaError subclasses that name the argument."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from damcha_core import DamchaTypeError, DamchaValueError
+from damcha_torch import DamchaAttention, damcha_attention
+
+x = torch.randn(2, 5, 16)
+
+
+def _layer(**kw) -> DamchaAttention:
+    return DamchaAttention(16, 4, batch_first=True, **kw)
+
+
+@pytest.mark.parametrize(
+    "build, error, pattern",
+    [
+        (lambda: DamchaAttention(16, 4, num_kv_heads=3, coupling="query"), DamchaValueError,
+         r"num_heads.*divisible by `num_kv_heads`.*num_heads=4, num_kv_heads=3"),
+        (lambda: DamchaAttention(16, 4, kdim=12, vdim=12), DamchaValueError,
+         r"coupling='tied'.*context_dim == query_dim.*context_dim=12"),
+        (lambda: DamchaAttention(16, 4, kdim=12, vdim=8, coupling="separate"), DamchaValueError,
+         r"`kdim` and `vdim` must be equal.*kdim=12, vdim=8"),
+        (lambda: DamchaAttention(18, 4), DamchaValueError, r"`embed_dim` must be divisible by `num_heads`.*embed_dim=18"),
+        (lambda: DamchaAttention(16, 4, metric="lowrank"), DamchaValueError, r"`metric_rank` is required"),
+        (lambda: DamchaAttention(16, 4, metric="full"), DamchaValueError, r"`metric` must be one of"),
+        (lambda: DamchaAttention(16, 4, add_bias_kv=True), DamchaValueError, r"add_bias_kv"),
+        (lambda: DamchaAttention(16, 4, metric_generator=nn.Linear(2, 2)), DamchaTypeError, r"`metric_generator` must be"),
+        (lambda: DamchaAttention.from_mha(nn.Linear(2, 2)), DamchaTypeError, r"`mha` must be an nn.MultiheadAttention"),
+    ],
+    ids=["heads-not-divisible", "kdim-with-tied", "kdim-ne-vdim", "embed-not-divisible", "lowrank-no-rank",
+         "unknown-metric", "bias-kv", "generator-type", "from-mha-type"],
+)
+def test_constructor_errors(build, error, pattern):
+    with pytest.raises(error, match=pattern):
+        build()
+
+
+@pytest.mark.parametrize(
+    "call, error, pattern",
+    [
+        (lambda l: l(torch.randn(2, 5, 12), torch.randn(2, 5, 12), torch.randn(2, 5, 12)), DamchaValueError,
+         r"`query` must have 16 features.*Received: query.shape=\(2, 5, 12\)"),
+        (lambda l: l(x.long(), x.long(), x.long()), DamchaTypeError, r"`query` must be a real floating tensor.*int64"),
+        (lambda l: l(x, x, torch.randn(2, 4, 16)), DamchaValueError, r"`value` must have the shape of `key`"),
+        (lambda l: l(torch.randn(5, 16), torch.randn(5, 16), torch.randn(5, 16)), DamchaValueError, r"`query` must have rank 3"),
+        (lambda l: l(x, x, x, key_padding_mask=torch.zeros(2, 4, dtype=torch.bool)), DamchaValueError,
+         r"`key_padding_mask` must have shape \(B, M\) = \(2, 5\).*\(2, 4\)"),
+        (lambda l: l(x, x, x, key_padding_mask=torch.zeros(2, 5, dtype=torch.int64)), DamchaTypeError,
+         r"`key_padding_mask` must be a bool tensor \(True = masked out.*int64"),
+        (lambda l: l(x, x, x, attn_mask=torch.zeros(5, 4, dtype=torch.bool)), DamchaValueError,
+         r"`attn_mask` must be broadcastable.*attn_mask.shape=\(5, 4\)"),
+        (lambda l: l(x, x, x, attn_mask=torch.zeros(2, 5, 5, dtype=torch.bool)), DamchaValueError,
+         r"3-D `attn_mask` must have shape \(B\*H, N, M\) = \(8, 5, 5\)"),
+        (lambda l: l(x, x, x, attn_mask=torch.zeros(5, 5, dtype=torch.uint8)), DamchaTypeError,
+         r"`attn_mask` must be a bool tensor.*uint8"),
+    ],
+    ids=["wrong-embed", "int-query", "value-shape", "unbatched", "padding-shape", "padding-dtype",
+         "mask-shape", "mask-3d-shape", "mask-dtype"],
+)
+def test_forward_errors(call, error, pattern):
+    with pytest.raises(error, match=pattern):
+        call(_layer())
+
+
+def test_separate_coupling_rejects_wrong_context_size():
+    layer = DamchaAttention(16, 4, kdim=12, vdim=12, coupling="separate", batch_first=True)
+    with pytest.raises(DamchaValueError, match=r"`context` must have 12 features"):
+        layer(x, x, x)
+
+
+def test_from_canonical_rejects_mismatched_params():
+    layer = _layer()
+    params = layer.to_canonical()
+    params["query.kernel"] = params["query.kernel"][:, :2]
+    with pytest.raises(DamchaValueError, match=r"query.kernel.*must have shape \(16, 4, 4\)"):
+        DamchaAttention.from_canonical(params, layer.config)
+
+
+def test_functional_mask_errors():
+    q = torch.randn(2, 5, 4, 4)
+    k = torch.randn(2, 6, 4, 4)
+    with pytest.raises(DamchaTypeError, match=r"`mask` must be boolean \(True = may attend\)"):
+        damcha_attention(q, k, k, mask=torch.zeros(5, 6, dtype=torch.int32))
+    with pytest.raises(DamchaValueError, match=r"`mask` must have shape \(N, M\) or \(B, H, N, M\)"):
+        damcha_attention(q, k, k, mask=torch.zeros(2, 5, 6, dtype=torch.bool))
+    with pytest.raises(DamchaValueError, match=r"G dividing H"):
+        damcha_attention(q, torch.randn(2, 6, 3, 4), torch.randn(2, 6, 3, 4))
