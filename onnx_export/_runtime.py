@@ -17,10 +17,14 @@ def _model_bytes(model: onnx.ModelProto | str | os.PathLike) -> bytes | str:
     return os.fspath(model)
 
 
-def ort_session(model: onnx.ModelProto | str | os.PathLike, *, threads: int | None = None, optimize: bool = True):
+def ort_session(
+    model: onnx.ModelProto | str | os.PathLike, *, threads: int | None = None, optimize: bool = True, spinning: bool = True
+):
     """An ``onnxruntime.InferenceSession`` on the CPU provider.
 
-    ``threads`` sets intra-op threads (``None``: onnxruntime's default).
+    ``threads`` sets intra-op threads (``None``: onnxruntime's default);
+    ``spinning=False`` stops idle worker threads from busy-waiting, which
+    matters when other work (another framework, a benchmark) shares the CPUs.
     """
     import onnxruntime as ort  # lazy: building a graph needs no runtime
 
@@ -29,6 +33,8 @@ def ort_session(model: onnx.ModelProto | str | os.PathLike, *, threads: int | No
     if threads is not None:
         options.intra_op_num_threads = int(threads)
         options.inter_op_num_threads = 1
+    if not spinning:
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if not optimize:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     return ort.InferenceSession(_model_bytes(model), options, providers=["CPUExecutionProvider"])
