@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import numbers
 import os
 from typing import Any, Mapping
@@ -144,7 +145,7 @@ def build_model(
         "mask: True = may attend; a query with no visible key outputs output.bias."
     )
     model = make_model(g, inputs, outputs, "damcha_attention", doc)
-    helper.set_model_props(model, {"damcha_config": repr(config.to_dict()), "damcha_form": form, "damcha_causal": str(causal)})
+    helper.set_model_props(model, {"damcha_config": json.dumps(config.to_dict(), sort_keys=True), "damcha_form": form, "damcha_causal": str(causal)})
     return model
 
 

@@ -8,7 +8,8 @@ from typing import Any, Mapping
 import numpy as np
 import onnx
 
-from damcha_core import DamchaValueError
+from damcha_core import DamchaTypeError, DamchaValueError, float_dtype_error, mask_dtype_error
+from damcha_core._errors import describe
 
 
 def _model_bytes(model: onnx.ModelProto | str | os.PathLike) -> bytes | str:
@@ -55,9 +56,12 @@ def feeds_for(model: onnx.ModelProto, inputs: Mapping[str, Any]) -> dict[str, np
         np_dtype = onnx.helper.tensor_dtype_to_np_dtype(declared[name])
         array = np.asarray(value)
         if np_dtype == np.bool_ and array.dtype != np.bool_:
-            from damcha_core import mask_dtype_error
-
             raise mask_dtype_error(value, name)
+        if np.issubdtype(np_dtype, np.floating) and not np.issubdtype(array.dtype, np.floating):
+            raise float_dtype_error(name, value)
+        if np.issubdtype(np_dtype, np.integer) and not np.issubdtype(array.dtype, np.integer):
+            raise DamchaTypeError(f"`{name}` must be an integer array. Received: {name}={describe(value)}")
+        # Float inputs are cast to the graph's dtype (e.g. float64 data into a float32 export).
         out[name] = array.astype(np_dtype, copy=False)
     return out
 

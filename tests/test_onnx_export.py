@@ -195,8 +195,12 @@ def test_onnxruntime_rejects_wrong_input_shapes(bad, opset):
         session.run(None, feeds)
 
 
-def test_float_mask_is_rejected_by_feeds_helper():
+def test_wrong_input_dtypes_are_rejected_by_feeds_helper():
     model = do.export(dc.init_params(CFG), CFG, None, mask=True)
     x = np.zeros((1, 2, 8))
     with pytest.raises(dc.DamchaTypeError, match="`mask` must be boolean"):
         do.run_ort(model, {"query": x, "mask": np.ones((1, 1, 2, 2))})
+    with pytest.raises(dc.DamchaTypeError, match="`query` must be a real floating tensor"):
+        do.run_ort(model, {"query": np.zeros((1, 2, 8), dtype=np.int64), "mask": np.ones((1, 1, 2, 2), bool)})
+    with pytest.raises(dc.DamchaValueError, match=r"missing=\['mask'\]"):
+        do.run_ort(model, {"query": x})
