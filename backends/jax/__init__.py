@@ -1,5 +1,13 @@
-"""damcha_jax: work in progress."""
+"""damcha_jax: DAMCHA for JAX (pure functions) and Flax NNX (modules)."""
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from ._conformance import ConformanceAdapter
+from ._functional import damcha_attention, metric_penalty, transformed_qkv
+
+__all__ = [
+    "ConformanceAdapter",
+    "damcha_attention",
+    "metric_penalty",
+    "transformed_qkv",
+]

@@ -1,0 +1,98 @@
+"""The conformance adapter: the pure functional API held to the NumPy reference."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from damcha_core import DamchaValueError
+
+from ._functional import damcha_attention
+
+_JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float64": jnp.float64}
+
+# The catalogue's programs are tiny and run once: XLA's CPU compile time is
+# all that counts, and the fusion emitters plus LLVM's optimisations cost ~5x
+# more than the legacy emitters at -O0 while giving the same IEEE arithmetic.
+_CPU_COMPILE_OPTIONS = {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 0}
+
+
+class ConformanceAdapter:
+    """``damcha_conformance.BackendAdapter`` for ``damcha_jax.damcha_attention``.
+
+    Each case and dtype is one jitted program computing the output and, for
+    cases with a gradient check, the gradients of ``sum(output * cotangent)``
+    through ``jax.value_and_grad`` (``forward`` keeps them for the
+    ``gradients`` call that follows it).
+
+    dtypes: float32 and bfloat16, plus float64 when ``jax_enable_x64`` is on
+    (``JAX_ENABLE_X64=1`` before importing jax). Without x64 JAX silently
+    computes "float64" in float32, so the adapter refuses float64 then
+    instead of reporting float32 numbers under its name.
+    """
+
+    name = "jax"
+    supports_gradients = True
+
+    def __init__(self) -> None:
+        x64 = bool(jax.config.jax_enable_x64)
+        self.dtypes: Sequence[str] = ("float32", "bfloat16", "float64") if x64 else ("float32", "bfloat16")
+        self._last: tuple[tuple[str, str], dict[str, np.ndarray]] | None = None
+
+    def unsupported(self, case: Any) -> str | None:
+        return None
+
+    @staticmethod
+    def _dtype(dtype: str) -> Any:
+        if dtype not in _JNP_DTYPES:
+            raise DamchaValueError(f"`dtype` must be one of {tuple(_JNP_DTYPES)}. Received: dtype={dtype!r}")
+        if dtype == "float64" and not jax.config.jax_enable_x64:
+            raise DamchaValueError(
+                "`dtype` float64 needs JAX's x64 mode (JAX_ENABLE_X64=1 or "
+                "jax.config.update('jax_enable_x64', True)). Received: dtype='float64' with x64 disabled"
+            )
+        return _JNP_DTYPES[dtype]
+
+    def _run(self, data: Any, dtype: str, gradients: bool) -> tuple[np.ndarray, dict[str, np.ndarray] | None]:
+        dt = self._dtype(dtype)
+        config, causal = data.config, data.causal
+        params = {n: jnp.asarray(v, dt) for n, v in data.params.items()}
+        inputs = {"query": jnp.asarray(data.query, dt)}
+        if data.context is not None:
+            inputs["context"] = jnp.asarray(data.context, dt)
+        mask = None if data.mask is None else jnp.asarray(data.mask)
+        cotangent = jnp.asarray(data.cotangent, dt)
+        # Report in float32 at least: NumPy has no bfloat16 arithmetic.
+        wide = jnp.promote_types(dt, jnp.float32)
+
+        def loss(params, inputs, mask):
+            out = damcha_attention(params, config, inputs["query"], inputs.get("context"), mask=mask, is_causal=causal)
+            return jnp.sum((out * cotangent).astype(wide)), out
+
+        fn = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True) if gradients else loss
+        options = _CPU_COMPILE_OPTIONS if jax.default_backend() == "cpu" else None
+        result = jax.jit(fn, compiler_options=options)(params, inputs, mask)
+        to_np = lambda a: np.asarray(a.astype(wide), dtype=np.float64)  # noqa: E731
+        if not gradients:
+            return to_np(result[1]), None
+        (_, out), (g_params, g_inputs) = result
+        grads = {name: to_np(g) for name, g in g_inputs.items()}
+        grads.update({name: to_np(g) for name, g in g_params.items()})
+        return to_np(out), grads
+
+    def forward(self, data: Any, dtype: str) -> np.ndarray:
+        out, grads = self._run(data, dtype, gradients=data.case.gradients)
+        self._last = ((data.case.name, dtype), grads) if grads is not None else None
+        return out
+
+    def gradients(self, data: Any, dtype: str) -> dict[str, np.ndarray]:
+        key = (data.case.name, dtype)
+        if self._last is not None and self._last[0] == key:
+            grads = self._last[1]
+        else:
+            grads = self._run(data, dtype, gradients=True)[1]
+        self._last = None
+        return grads
