@@ -106,21 +106,20 @@ def rms_normalise(t: Array) -> Array:
     return t * jax.lax.rsqrt(jnp.mean(t * t, axis=-1, keepdims=True) + RMS_EPS)
 
 
-def generator(params: Params, config: DamchaConfig, side: str, tokens: Array) -> Array:
-    """The data-adaptive coefficients of ``side`` for tokens (B, T, E).
-
-    Returns A(t) (B, T, S, S) for metric "heads", u(t) (B, T, r) for "lowrank",
-    in at least float32 (16-bit inputs keep float32 intermediates until the
-    attention kernel: rounding q and k twice would double their error).
-    """
-    p = f"metric.{side}"
+def coefficients(metric: str, kernel: Array, bias: Array, tokens: Array) -> Array:
+    """phi(tokens) (B, T, E) through a generator: A(t) (B, T, S, S) for metric
+    "heads", u(t) (B, T, r) for "lowrank", in at least float32 (16-bit inputs
+    keep float32 intermediates until the attention kernel: rounding q and k
+    twice would double their error)."""
     phi = rms_normalise(tokens)
-    acc = phi.dtype
-    if config.metric == "heads":
-        coeff = jnp.einsum("bte,ehk->bthk", phi, params[f"{p}.kernel"], preferred_element_type=acc)
-    else:
-        coeff = jnp.einsum("bte,er->btr", phi, params[f"{p}.kernel"], preferred_element_type=acc)
-    return coeff + params[f"{p}.bias"]
+    spec = "bte,ehk->bthk" if metric == "heads" else "bte,er->btr"
+    return jnp.einsum(spec, phi, kernel, preferred_element_type=phi.dtype) + bias
+
+
+def generator(params: Params, config: DamchaConfig, side: str, tokens: Array) -> Array:
+    """The data-adaptive coefficients of ``side`` for tokens (B, T, E)."""
+    p = f"metric.{side}"
+    return coefficients(config.metric, params[f"{p}.kernel"], params[f"{p}.bias"], tokens)
 
 
 def apply_map(
@@ -438,3 +437,95 @@ def metric_penalty(params: Params, config: DamchaConfig, query: Array, context: 
             sq = jnp.einsum("btr,bts,rs->bt", coeff, coeff, (P.T @ P) * (Q.T @ Q))
         per_role.append(jnp.mean(sq) / (S * d))
     return jnp.mean(jnp.stack(per_role)) if per_role else jnp.zeros((), x.dtype)
+
+
+# -------------------------------------------------------------------- decoding
+
+
+def init_cache(config: DamchaConfig, batch_size: int, max_length: int, dtype: Any = jnp.float32) -> dict[str, Array]:
+    """An empty decoding cache: transformed keys k~ (B, L, G, d), values v
+    (B, L, G, d_v) and the number of filled positions ``index`` (int32).
+
+    k~ is cached instead of k: the key map depends only on the key's own
+    token, so it never has to be recomputed, at no extra size.
+    """
+    _check_config(config)
+    for name, value in (("batch_size", batch_size), ("max_length", max_length)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise DamchaValueError(f"`{name}` must be an int >= 1. Received: {name}={describe(value)}")
+    G, d, d_v = config.num_kv_heads, config.key_dim, config.value_dim
+    return {
+        "key": jnp.zeros((batch_size, max_length, G, d), dtype),
+        "value": jnp.zeros((batch_size, max_length, G, d_v), dtype),
+        "index": jnp.zeros((), jnp.int32),
+    }
+
+
+def decode_step(
+    params: Params,
+    config: DamchaConfig,
+    cache: Mapping[str, Array],
+    query: Array,
+    context: Array | None = None,
+    *,
+    mask: Array | None = None,
+    dtype: Any = None,
+) -> tuple[Array, dict[str, Array]]:
+    """Append T tokens to ``cache`` and attend causally over every cached key.
+
+    Query i of this step sits at position ``index + i`` and sees cached keys
+    j <= index + i (the bottom-right causal rule of a decoder with a cache),
+    so a loop of steps equals one causal forward pass over the whole sequence.
+
+    Args:
+        params, config: as ``damcha_attention``.
+        cache: from ``init_cache`` or a previous step.
+        query: x (B, T, E_q), the new tokens.
+        context: the tokens whose keys/values are appended, (B, T, E_kv);
+            ``None`` means ``query`` (self-attention decoding).
+        mask: optional bool mask over the whole cache, (T, L) or (B, H, T, L).
+        dtype: computation dtype; default promotes inputs and params.
+
+    Returns:
+        ``(y (B, T, E_o), new_cache)``. When ``index`` is concrete, writing
+        past ``max_length`` raises; under ``jit`` the index is traced and such
+        a write would be clamped by ``dynamic_update_slice``, so size the
+        cache for the whole sequence.
+    """
+    config = _check_config(config)
+    if not isinstance(cache, Mapping) or set(cache) != {"key", "value", "index"}:
+        raise DamchaValueError(
+            f"`cache` must be the dict from init_cache with keys ['index', 'key', 'value']. Received: cache={describe(cache)}"
+            if not isinstance(cache, Mapping) else
+            f"`cache` must be the dict from init_cache with keys ['index', 'key', 'value']. Received keys: {sorted(cache)}"
+        )
+    cached_k, cached_v, index = cache["key"], cache["value"], cache["index"]
+    B, L = cached_k.shape[0], cached_k.shape[1]
+    p, config, x, c, _, mask = _prepare(params, config, query, context, None, None, dtype)
+    T = x.shape[1]
+    tokens = x if c is None else c
+    if tokens.shape[0] != B or tokens.shape[1] != T:
+        raise DamchaValueError(
+            f"`query` and `context` must be (B, T, .) with the cache's batch size B={B} and one key per query token. "
+            f"Received: query.shape={tuple(x.shape)}, context.shape={None if c is None else tuple(c.shape)}"
+        )
+    if mask is not None:
+        if getattr(mask, "dtype", None) is None or jnp.dtype(mask.dtype) != jnp.bool_:
+            raise mask_dtype_error(mask)
+        check_shapes(config, x.shape, (B, L, config.context_dim), mask.shape)
+        mask = jnp.asarray(mask)
+    if not isinstance(index, jax.core.Tracer) and int(index) + T > L:
+        raise DamchaValueError(
+            f"`cache` is full: {int(index)} of max_length={L} positions are used and {T} more were given. "
+            "Received: query.shape=" + str(tuple(x.shape))
+        )
+    q, k, v = _qkv(p, config, x, c, None)
+    start = (jnp.zeros((), jnp.int32), index.astype(jnp.int32), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
+    keys = jax.lax.dynamic_update_slice(cached_k, k.astype(cached_k.dtype), start)
+    values = jax.lax.dynamic_update_slice(cached_v, v.astype(cached_v.dtype), start)
+    o, _ = _attend(
+        config, q.astype(keys.dtype), keys, values, mask=mask, is_causal=True,
+        query_offset=index, return_weights=False, dropout_rng=None,
+    )
+    y = _output(p, config, o.astype(x.dtype))
+    return y, {"key": keys, "value": values, "index": index + T}
