@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     results = run_experiment(args.task, variants, args.seeds, args.steps, args.eval_size, progress=not args.no_progress)
     paths = write_results(results, args.out)
     print(markdown_table(results))
-    print(f"\nwall time {results['wall_s']:.0f} s; wrote " + ", ".join(str(p) for p in paths.values()))
+    print(f"\nwall time {results['wall_s']:.0f} s (CPU {results['cpu_s']:.0f} s); wrote " + ", ".join(str(p) for p in paths.values()))
     return 0
 
 

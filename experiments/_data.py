@@ -195,7 +195,7 @@ def _random_tree(rng: np.random.Generator, depth: int, max_args: int) -> object:
     return (op, [_random_tree(rng, depth - 1, max_args) for _ in range(int(rng.integers(2, max_args + 1)))])
 
 
-def make_listops(n: int, seed: int, *, max_depth: int = 3, max_args: int = 4, max_len: int = 64) -> Dataset:
+def make_listops(n: int, seed: int, *, max_depth: int = 3, max_args: int = 4, max_len: int = 48) -> Dataset:
     """ListOps-style expressions; the label is the value 0-9.
 
     Sequences are ``[CLS] tokens... [PAD]...`` of length ``max_len``; the label

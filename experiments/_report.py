@@ -115,8 +115,8 @@ def markdown_table(results: dict[str, Any]) -> str:
     """The results table (markdown) that docs/results.md quotes."""
     cmp = {c["variant"]: c for c in results["comparison_vs_mha"]}
     lines = [
-        f"| variant | params | {results['metric']} mean +- std | vs mha (diff, z) | exceeds seed noise | ms/step |",
-        "| --- | ---: | ---: | ---: | :---: | ---: |",
+        f"| variant | params | {results['metric']} mean +- std | vs mha (diff, z) | exceeds seed noise | ms/step (wall) | ms/step (CPU) |",
+        "| --- | ---: | ---: | ---: | :---: | ---: | ---: |",
     ]
     for name, r in results["variants"].items():
         c = cmp.get(name)
@@ -127,6 +127,6 @@ def markdown_table(results: dict[str, Any]) -> str:
             noise = {None: "n/a (1 seed)", True: "yes, " + c["direction"], False: "no"}[c["exceeds_noise"]]
         lines.append(
             f"| {name} | {r['params']:,} | {r['mean']:.4f} +- {r['std']:.4f} | {vs} | {noise} | "
-            f"{1000 * r['time_per_step_s']:.1f} |"
+            f"{1000 * r['time_per_step_s']:.1f} | {1000 * r.get('cpu_per_step_s', float('nan')):.1f} |"
         )
     return "\n".join(lines)

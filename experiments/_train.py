@@ -46,21 +46,24 @@ class TaskSpec:
     seq_len: int = 0  # language model window
 
 
+# Sized so that the 7 default variants x 3 seeds finish in under 10 minutes per
+# task on a shared 2-core CPU (one torch thread); evaluation is kept sparse
+# because on ListOps it would otherwise cost as much as training.
 TASKS: dict[str, TaskSpec] = {
     "crosshead": TaskSpec(
         "crosshead", "shifted-block retrieval: the match is split across heads (see make_crosshead)",
         "accuracy", True, steps=800, batch=64, lr=3e-3, embed_dim=32, num_heads=4, num_layers=2,
-        mlp_hidden=64, eval_every=50, eval_size=1000, train_size=20000,
+        mlp_hidden=64, eval_every=100, eval_size=1000, train_size=20000,
     ),
     "charlm": TaskSpec(
         "charlm", "byte-level language model on the Python standard library's own source",
-        "val_bits_per_char", False, steps=500, batch=32, lr=3e-3, embed_dim=64, num_heads=4, num_layers=2,
-        mlp_hidden=128, eval_every=50, eval_size=64, seq_len=64,
+        "val_bits_per_char", False, steps=400, batch=32, lr=3e-3, embed_dim=64, num_heads=4, num_layers=2,
+        mlp_hidden=128, eval_every=100, eval_size=64, seq_len=48,
     ),
     "listops": TaskSpec(
         "listops", "ListOps-style nested MAX/MIN/MED/SM expressions, classify the value 0-9",
-        "accuracy", True, steps=500, batch=32, lr=2e-3, embed_dim=64, num_heads=4, num_layers=2,
-        mlp_hidden=128, eval_every=50, eval_size=1000, train_size=10000,
+        "accuracy", True, steps=400, batch=32, lr=2e-3, embed_dim=64, num_heads=4, num_layers=2,
+        mlp_hidden=128, eval_every=100, eval_size=500, train_size=10000,
     ),
 }
 
@@ -193,10 +196,10 @@ def train_one(data: _TaskData, variant: Variant, mlp_hidden: int, seed: int, ste
         opt, lambda s: min(1.0, (s + 1) / warmup) * (0.55 + 0.45 * math.cos(math.pi * min(s, steps) / steps))
     )
     curve: dict[str, list[float]] = {"step": [], "train_loss": [], "val_loss": [], "val_metric": []}
-    train_time, window = 0.0, []
+    train_time, cpu_time, window = 0.0, 0.0, []
     for step in range(1, steps + 1):
         x, y = data.batch(rng)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         loss = _loss(model(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -204,6 +207,8 @@ def train_one(data: _TaskData, variant: Variant, mlp_hidden: int, seed: int, ste
         opt.step()
         sched.step()
         train_time += time.perf_counter() - t0
+        # CPU time too: on a shared, loaded machine wall time mostly measures the neighbours.
+        cpu_time += time.process_time() - c0
         window.append(loss.item())
         if not math.isfinite(window[-1]):
             raise DamchaValueError(f"training diverged: variant={variant.name}, seed={seed}, step={step}, loss={window[-1]}")
@@ -221,6 +226,7 @@ def train_one(data: _TaskData, variant: Variant, mlp_hidden: int, seed: int, ste
         "final_metric": curve["val_metric"][-1],
         "final_val_loss": curve["val_loss"][-1],
         "time_per_step_s": train_time / steps,
+        "cpu_per_step_s": cpu_time / steps,
         "curve": curve,
         "model": model,
     }
@@ -238,7 +244,7 @@ def head_maps(model: TinyTransformer, data: _TaskData, count: int = 256) -> list
     from damcha_core import damcha_attention
 
     layers = [b.attention.inner for b in model.blocks]
-    if not all(hasattr(a, "canonical_params") and hasattr(a, "config") for a in layers):
+    if not all(hasattr(a, "to_canonical") and hasattr(a, "config") for a in layers):
         return None
     captured: list[torch.Tensor] = []
     hooks = [b.attention.register_forward_hook(lambda m, args, out: captured.append(args[0].detach()))
@@ -253,7 +259,7 @@ def head_maps(model: TinyTransformer, data: _TaskData, count: int = 256) -> list
             h.remove()
     maps = []
     for layer, x in zip(layers, captured):
-        params = {k: np.asarray(v, dtype=np.float64) for k, v in _to_numpy(layer.canonical_params()).items()}
+        params = {k: np.asarray(v, dtype=np.float64) for k, v in layer.to_canonical().items()}
         _, metric = damcha_attention(params, layer.config, x.double().numpy(), return_metric=True)
         q = metric["q"]
         if q.ndim == 6:  # lowrank: dense L (B, T, S, d, S, d) -> per-head-pair block norms
@@ -261,11 +267,6 @@ def head_maps(model: TinyTransformer, data: _TaskData, count: int = 256) -> list
             q = np.sqrt(np.sum(q * q, axis=(3, 5)) / d)
         maps.append(np.mean(q, axis=(0, 1)).tolist())
     return maps
-
-
-def _to_numpy(params: Any) -> dict[str, np.ndarray]:
-    return {k: (v.detach().cpu().double().numpy() if isinstance(v, torch.Tensor) else np.asarray(v))
-            for k, v in dict(params).items()}
 
 
 def seed_noise_comparison(summary: dict[str, dict[str, float]], baseline: str, higher_is_better: bool) -> list[dict[str, Any]]:
@@ -318,7 +319,7 @@ def run_experiment(task: str, variants: list[str] | None = None, seeds: int = 3,
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(chosen) * seeds * steps, desc=task, unit="step", dynamic_ncols=True)
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     results: dict[str, Any] = {}
     try:
         for v in chosen:
@@ -339,6 +340,7 @@ def run_experiment(task: str, variants: list[str] | None = None, seeds: int = 3,
                 "params": n_params, "mlp_hidden": hidden,
                 "mean": float(finals.mean()), "std": float(finals.std(ddof=1)) if seeds > 1 else 0.0, "n": seeds,
                 "time_per_step_s": float(np.mean([r["time_per_step_s"] for r in runs])),
+                "cpu_per_step_s": float(np.mean([r["cpu_per_step_s"] for r in runs])),
                 "runs": runs, "head_maps_seed0": maps,
             }
     finally:
@@ -355,6 +357,7 @@ def run_experiment(task: str, variants: list[str] | None = None, seeds: int = 3,
         "variants": results,
         "comparison_vs_mha": seed_noise_comparison(summary, "mha", spec.higher_is_better),
         "wall_s": time.perf_counter() - started,
+        "cpu_s": time.process_time() - cpu_started,
         "environment": {
             "python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__,
             "machine": platform.machine(), "processor": platform.processor() or platform.machine(),
