@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 import torch
@@ -169,7 +169,8 @@ class DamchaAttention(nn.Module):
                     "`embed_dim` must be divisible by `num_heads` when `key_dim` is not given. "
                     f"Received: embed_dim={embed_dim}, num_heads={num_heads}"
                 )
-            key_dim = embed_dim // num_heads if isinstance(embed_dim, int) and isinstance(num_heads, int) and num_heads > 0 else key_dim
+            if isinstance(embed_dim, int) and isinstance(num_heads, int) and num_heads > 0:
+                key_dim = embed_dim // num_heads
         if not isinstance(batch_first, bool):
             raise DamchaTypeError(f"`batch_first` must be a bool. Received: batch_first={describe(batch_first)}")
         if not isinstance(recompute, bool):
@@ -268,8 +269,9 @@ class DamchaAttention(nn.Module):
                 gate.zero_()
 
     def reset_parameters(self) -> None:
-        """Fresh projections and zero gates (a fresh layer is exactly MHA); shared
-        generators are left alone, unshared ones are redrawn."""
+        """Fresh projections and zero gates (a fresh layer is exactly MHA). The
+        metric generators are left alone: they may be shared with other layers
+        (call their own ``reset_parameters``)."""
         self._reset_projections()
 
     def extra_repr(self) -> str:
@@ -408,6 +410,7 @@ class DamchaAttention(nn.Module):
             key, value: (M, B, E_kv) or (B, M, E_kv). Pass the same tensor
                 object three times for self-attention (one packed projection).
             key_padding_mask: (B, M); bool True = ignore that key, or additive float.
+                With ``kv_cache``, M counts the cached keys too (P + new).
             need_weights: also return attention weights; this takes the explicit
                 path that builds the (B, H, N, M) probabilities. Pass ``False``
                 for the fused SDPA path (as ``nn.TransformerEncoderLayer`` does).
@@ -558,9 +561,15 @@ class DamchaAttention(nn.Module):
         """A layer with ``config`` whose parameters are the canonical ``params``."""
         if not isinstance(config, DamchaConfig):
             raise DamchaTypeError(f"`config` must be a DamchaConfig. Received: config={describe(config)}")
-        layer = cls.__new__(cls)
-        nn.Module.__init__(layer)
-        layer._init_from_config(config, batch_first, device, dtype, metric_generator, recompute)
+        layer = cls(
+            config.query_dim, config.num_heads, dropout=config.dropout, bias=config.use_bias,
+            kdim=config.context_dim, vdim=config.context_dim, batch_first=batch_first, device=device, dtype=dtype,
+            key_dim=config.key_dim, value_dim=config.value_dim, num_kv_heads=config.num_kv_heads,
+            output_dim=config.output_dim, metric=config.metric, metric_rank=config.metric_rank,
+            coupling=config.coupling, scale=config.scale, metric_generator=metric_generator, recompute=recompute,
+        )
+        if layer.config != config:  # the constructor resolves defaults exactly as DamchaConfig does
+            raise DamchaValueError(f"internal: rebuilt config {layer.config} != {config}")
         return layer.load_canonical(params)
 
     def save(self, path: str | os.PathLike) -> None:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import damcha_core as dc
-from damcha_core import DamchaTypeError, DamchaValueError
+from damcha_core import DamchaValueError
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._metric import MetricGenerator
