@@ -1,0 +1,191 @@
+"""Transformer blocks in the KerasHub style, with DAMCHA self-attention."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+
+from damcha_core import DamchaTypeError, DamchaValueError
+from damcha_core._errors import describe
+
+from ._generator import MetricGenerator
+from ._layer import DamchaAttention
+
+
+class _Block(keras.layers.Layer):
+    """Shared body of the encoder and decoder blocks (post- or pre-norm)."""
+
+    _causal = False
+
+    def __init__(
+        self,
+        intermediate_dim: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        activation: Any = "relu",
+        layer_norm_epsilon: float = 1e-5,
+        kernel_initializer: Any = "glorot_uniform",
+        bias_initializer: Any = "zeros",
+        normalize_first: bool = False,
+        *,
+        metric: str = "heads",
+        metric_rank: int | None = None,
+        coupling: str = "tied",
+        num_kv_heads: int | None = None,
+        metric_l2: float = 0.0,
+        metric_generator: MetricGenerator | None = None,
+        seed: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        if isinstance(intermediate_dim, bool) or not isinstance(intermediate_dim, int) or intermediate_dim < 1:
+            raise DamchaValueError(
+                f"`intermediate_dim` must be an int >= 1. Received: intermediate_dim={describe(intermediate_dim)}"
+            )
+        if metric_generator is not None and not isinstance(metric_generator, MetricGenerator):
+            raise DamchaTypeError(
+                f"`metric_generator` must be a MetricGenerator or None. Received: metric_generator={describe(metric_generator)}"
+            )
+        self.supports_masking = True
+        self.intermediate_dim = intermediate_dim
+        self.num_heads = num_heads
+        self.dropout = dropout
+        self.activation = keras.activations.get(activation)
+        self.layer_norm_epsilon = layer_norm_epsilon
+        self.kernel_initializer = keras.initializers.get(kernel_initializer)
+        self.bias_initializer = keras.initializers.get(bias_initializer)
+        self.normalize_first = normalize_first
+        self.damcha_options = dict(
+            metric=metric, metric_rank=metric_rank, coupling=coupling, num_kv_heads=num_kv_heads, metric_l2=metric_l2
+        )
+        self.metric_generator = metric_generator
+        self.seed = seed
+
+    def build(self, inputs_shape: tuple) -> None:
+        hidden = inputs_shape[-1]
+        if hidden is None or hidden % self.num_heads:
+            raise DamchaValueError(
+                f"the feature size must be known and divisible by num_heads={self.num_heads} "
+                f"(key_dim = hidden // num_heads). Received: inputs.shape={tuple(inputs_shape)}"
+            )
+        init = lambda i: i.__class__.from_config(i.get_config())  # noqa: E731 (fresh instances)
+        self._attention = DamchaAttention(
+            num_heads=self.num_heads, key_dim=hidden // self.num_heads, dropout=self.dropout,
+            kernel_initializer=init(self.kernel_initializer), bias_initializer=init(self.bias_initializer),
+            seed=self.seed, metric_generator=self.metric_generator, dtype=self.dtype_policy,
+            name="self_attention", **self.damcha_options,
+        )
+        self._attention.build(inputs_shape, inputs_shape)
+        norm = lambda name: keras.layers.LayerNormalization(epsilon=self.layer_norm_epsilon, dtype=self.dtype_policy, name=name)  # noqa: E731
+        self._attention_norm = norm("self_attention_layer_norm")
+        self._attention_norm.build(inputs_shape)
+        self._attention_dropout = keras.layers.Dropout(self.dropout, seed=self.seed, dtype=self.dtype_policy)
+        dense = lambda units, name: keras.layers.Dense(  # noqa: E731
+            units, kernel_initializer=init(self.kernel_initializer), bias_initializer=init(self.bias_initializer),
+            dtype=self.dtype_policy, name=name,
+        )
+        self._ffn_in = dense(self.intermediate_dim, "feedforward_intermediate_dense")
+        self._ffn_in.build(inputs_shape)
+        self._ffn_out = dense(hidden, "feedforward_output_dense")
+        self._ffn_out.build(tuple(inputs_shape[:-1]) + (self.intermediate_dim,))
+        self._ffn_norm = norm("feedforward_layer_norm")
+        self._ffn_norm.build(inputs_shape)
+        self._ffn_dropout = keras.layers.Dropout(self.dropout, seed=self.seed, dtype=self.dtype_policy)
+        self.built = True
+
+    def _forward(self, x: Any, padding_mask: Any, attention_mask: Any, training: Any) -> Any:
+        residual = x
+        if self.normalize_first:
+            x = self._attention_norm(x)
+        x = self._attention(
+            x, x, query_mask=padding_mask, value_mask=padding_mask, attention_mask=attention_mask,
+            training=training, use_causal_mask=self._causal,
+        )
+        x = residual + self._attention_dropout(x, training=training)
+        if not self.normalize_first:
+            x = self._attention_norm(x)
+        residual = x
+        if self.normalize_first:
+            x = self._ffn_norm(x)
+        x = self._ffn_out(self.activation(self._ffn_in(x)))
+        x = residual + self._ffn_dropout(x, training=training)
+        if not self.normalize_first:
+            x = self._ffn_norm(x)
+        return x
+
+    def compute_output_shape(self, inputs_shape: tuple) -> tuple:
+        return tuple(inputs_shape)
+
+    def get_config(self) -> dict[str, Any]:
+        generator = self.metric_generator
+        return {
+            **super().get_config(),
+            "intermediate_dim": self.intermediate_dim,
+            "num_heads": self.num_heads,
+            "dropout": self.dropout,
+            "activation": keras.activations.serialize(self.activation),
+            "layer_norm_epsilon": self.layer_norm_epsilon,
+            "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
+            "bias_initializer": keras.initializers.serialize(self.bias_initializer),
+            "normalize_first": self.normalize_first,
+            **self.damcha_options,
+            # A shared-object id inside a .keras save: blocks that shared a generator share it again.
+            "metric_generator": None if generator is None else keras.saving.serialize_keras_object(generator),
+            "seed": self.seed,
+        }
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "_Block":
+        config = dict(config)
+        if config.get("metric_generator") is not None:
+            config["metric_generator"] = keras.saving.deserialize_keras_object(config["metric_generator"])
+        return cls(**config)
+
+
+@keras.saving.register_keras_serializable(package="damcha")
+class TransformerEncoder(_Block):
+    """A transformer encoder block (KerasHub's ``TransformerEncoder`` layout)
+    whose self-attention is ``DamchaAttention``.
+
+    Args:
+        intermediate_dim: width of the feed-forward layer.
+        num_heads: attention heads; key_dim = hidden // num_heads.
+        dropout, activation, layer_norm_epsilon, kernel_initializer,
+        bias_initializer, normalize_first: as in KerasHub.
+        metric, metric_rank, coupling, num_kv_heads, metric_l2: DAMCHA options.
+        metric_generator: a ``MetricGenerator`` shared by the blocks of a
+            stack (stack-wise sharing); ``None`` gives the block its own.
+        seed: dropout and initialiser seed.
+
+    Call arguments:
+        inputs: (B, N, hidden).
+        padding_mask: bool (B, N), True = real token; defaults to the
+            inputs' Keras mask (e.g. from ``Embedding(mask_zero=True)``).
+        attention_mask: bool (B, N, N), True = may attend.
+        training: enables dropout.
+    """
+
+    def call(self, inputs: Any, padding_mask: Any = None, attention_mask: Any = None,
+             training: Any = None, mask: Any = None) -> Any:
+        return self._forward(inputs, mask if padding_mask is None else padding_mask, attention_mask, training)
+
+
+@keras.saving.register_keras_serializable(package="damcha")
+class TransformerDecoder(_Block):
+    """A decoder-only (GPT-style) block: causal DAMCHA self-attention and a
+    feed-forward layer, KerasHub layout. There is no cross-attention.
+
+    Arguments and call arguments as ``TransformerEncoder``; the causal rule
+    (query i sees keys j <= i) is always applied, combined with the masks.
+    """
+
+    _causal = True
+
+    def call(self, decoder_sequence: Any, decoder_padding_mask: Any = None, decoder_attention_mask: Any = None,
+             training: Any = None, mask: Any = None) -> Any:
+        pad = mask if decoder_padding_mask is None else decoder_padding_mask
+        return self._forward(decoder_sequence, pad, decoder_attention_mask, training)
+
+    def build(self, decoder_sequence_shape: tuple) -> None:
+        super().build(decoder_sequence_shape)

@@ -1,0 +1,132 @@
+"""The conformance adapter: DamchaAttention under the current Keras backend.
+
+The layer itself is backend-neutral; gradients are not (Keras 3 has no
+``keras.ops`` autodiff), so ``gradients`` dispatches to the backend's own
+autodiff: ``tf.GradientTape``, ``jax.grad`` over ``stateless_call``, or
+``torch.autograd``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+import keras
+
+from damcha_conformance import Case, CaseData
+from damcha_core import DamchaValueError
+
+from ._layer import DamchaAttention
+
+
+def _backend_dtypes(backend: str) -> tuple[str, ...]:
+    if backend == "jax":
+        import jax
+
+        # JAX computes float64 only with x64 enabled (JAX_ENABLE_X64=1).
+        return ("float32", "float64") if jax.config.jax_enable_x64 else ("float32",)
+    return ("float32", "float64")
+
+
+class ConformanceAdapter:
+    """Runs ``DamchaAttention`` on the current ``KERAS_BACKEND``.
+
+    Masks arrive 4-D (B|1, H|1, N|1, M) and are passed as ``attention_mask``
+    (the layer accepts Keras's (B, N, M) and the 4-D form); the case's causal
+    flag becomes ``use_causal_mask``.
+    """
+
+    supports_gradients = True
+
+    def __init__(self) -> None:
+        self.backend = keras.backend.backend()
+        self.name = f"keras-{self.backend}"
+        self.dtypes: Sequence[str] = _backend_dtypes(self.backend)
+
+    def unsupported(self, case: Case) -> str | None:
+        return None
+
+    def _layer(self, data: CaseData, dtype: str) -> DamchaAttention:
+        return DamchaAttention.from_canonical(data.params, data.config, dtype=dtype)
+
+    def _inputs(self, data: CaseData, dtype: str) -> tuple[Any, Any, Any]:
+        query = keras.ops.convert_to_tensor(data.query.astype(dtype))
+        context = None if data.context is None else keras.ops.convert_to_tensor(data.context.astype(dtype))
+        mask = None if data.mask is None else keras.ops.convert_to_tensor(data.mask)
+        return query, context, mask
+
+    def forward(self, data: CaseData, dtype: str) -> np.ndarray:
+        layer = self._layer(data, dtype)
+        query, context, mask = self._inputs(data, dtype)
+        out = layer(query, query if context is None else context, attention_mask=mask, use_causal_mask=data.causal)
+        return np.asarray(keras.ops.convert_to_numpy(out), dtype=np.float64)
+
+    def gradients(self, data: CaseData, dtype: str) -> dict[str, np.ndarray]:
+        layer = self._layer(data, dtype)
+        query, context, mask = self._inputs(data, dtype)
+        cotangent = data.cotangent.astype(dtype)
+        grad_fn = {"tensorflow": _grads_tf, "jax": _grads_jax, "torch": _grads_torch}.get(self.backend)
+        if grad_fn is None:
+            raise DamchaValueError(f"no gradient support for Keras backend {self.backend!r}")
+        names = list(layer.canonical_variables())
+        inputs = {"query": query} if context is None else {"query": query, "context": context}
+
+        def loss_of(tensors: dict[str, Any], call: Callable[..., Any]) -> Any:
+            q = tensors["query"]
+            out = call(q, tensors.get("context", q), attention_mask=mask, use_causal_mask=data.causal)
+            return keras.ops.sum(out * keras.ops.convert_to_tensor(cotangent))
+
+        grads = grad_fn(layer, names, inputs, loss_of)
+        return {k: np.asarray(v, dtype=np.float64) for k, v in grads.items()}
+
+
+def _grads_tf(layer, names, inputs, loss_of):
+    import tensorflow as tf
+
+    variables = layer.canonical_variables()
+    tensors = {k: tf.convert_to_tensor(v) for k, v in inputs.items()}
+    with tf.GradientTape() as tape:
+        tape.watch(list(tensors.values()))
+        loss = loss_of(tensors, layer)
+    targets = list(tensors.values()) + [variables[n].value for n in names]
+    grads = tape.gradient(loss, targets)
+    keys = list(tensors) + names
+    return {k: np.zeros(t.shape) if g is None else g.numpy() for k, g, t in zip(keys, grads, targets)}
+
+
+def _grads_jax(layer, names, inputs, loss_of):
+    import jax
+
+    variables = layer.canonical_variables()
+    trainable = layer.trainable_variables
+    index = {id(v): i for i, v in enumerate(trainable)}
+    non_trainable = [v.value for v in layer.non_trainable_variables]
+
+    def f(train_values, tensors):
+        def call(q, c, **kw):
+            out, _ = layer.stateless_call(train_values, non_trainable, q, c, **kw)
+            return out
+
+        return loss_of(tensors, call)
+
+    g_vars, g_inputs = jax.grad(f, argnums=(0, 1))([v.value for v in trainable], dict(inputs))
+    out = {k: np.asarray(g_inputs[k]) for k in inputs}
+    out.update({n: np.asarray(g_vars[index[id(variables[n])]]) for n in names})
+    return out
+
+
+def _grads_torch(layer, names, inputs, loss_of):
+    import torch
+
+    variables = layer.canonical_variables()
+    tensors = {k: v.detach().clone().requires_grad_(True) for k, v in inputs.items()}
+    params = [variables[n].value for n in names]
+    loss = loss_of(tensors, layer)
+    grads = torch.autograd.grad(loss, list(tensors.values()) + params, allow_unused=True)
+    keys = list(tensors) + names
+    targets = list(tensors.values()) + params
+    return {
+        k: np.zeros(tuple(t.shape)) if g is None else g.detach().cpu().numpy()
+        for k, g, t in zip(keys, grads, targets)
+    }
