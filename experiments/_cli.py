@@ -24,6 +24,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="experiment-results", help="output folder (default ./experiment-results)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--from-json", metavar="PATH", default=None,
+                   help="do not train: redraw the plots and table from an earlier results JSON into --out")
     return p
 
 
@@ -44,6 +46,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps is not None and args.steps < 1:
         print(f"damcha experiment: error: --steps must be >= 1, got {args.steps}", file=sys.stderr)
         return 2
+    if args.from_json:
+        import json
+
+        from ._report import markdown_table, write_results
+
+        with open(args.from_json) as f:
+            results = json.load(f)
+        if results.get("task") != args.task:
+            print(f"damcha experiment: error: {args.from_json} holds task {results.get('task')!r}, not {args.task!r}",
+                  file=sys.stderr)
+            return 2
+        paths = write_results(results, args.out)
+        print(markdown_table(results))
+        print("\nwrote " + ", ".join(str(p) for p in paths.values()))
+        return 0
     import torch
 
     from ._report import markdown_table, write_results

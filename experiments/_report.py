@@ -83,29 +83,36 @@ def plot_final(results: dict[str, Any], path: Path) -> Path:
 
 
 def plot_head_maps(results: dict[str, Any], path: Path) -> Path | None:
-    """One heatmap per (DAMCHA variant, layer): the token-mean cross-head factor, seed 0."""
-    panels = [(name, i, np.array(m)) for name, r in results["variants"].items()
+    """Heatmaps of l(t) - I, the token-mean learned cross-head part, per (DAMCHA variant, layer), seed 0.
+
+    The identity (MHA) is subtracted because it would dominate the colour
+    scale; what is left is diag(g) A(t) averaged over tokens.
+    """
+    panels = [(name, i, np.array(m) - np.eye(len(m))) for name, r in results["variants"].items()
               for i, m in enumerate(r.get("head_maps_seed0") or [])]
     if not panels:
         return None
     plt = _pyplot()
     layers = max(i for _, i, _ in panels) + 1
     names = sorted({n for n, _, _ in panels}, key=list(results["variants"]).index)
-    fig, axes = plt.subplots(len(names), layers, figsize=(1.9 * layers + 0.6, 1.8 * len(names)), squeeze=False)
-    vmax = max(float(np.abs(m).max()) for _, _, m in panels)
+    fig, axes = plt.subplots(len(names), layers, figsize=(1.6 * layers + 2.6, 1.5 * len(names) + 0.6),
+                             squeeze=False)
+    vmax = max(max(float(np.abs(m).max()) for _, _, m in panels), 1e-6)
     for name, i, m in panels:
         ax = axes[names.index(name), i]
         im = ax.imshow(m, cmap="RdBu_r", vmin=-vmax, vmax=vmax)
-        ax.set_title(f"{name}\nlayer {i}", fontsize=6)
         ax.set_xticks(range(m.shape[1]))
         ax.set_yticks(range(m.shape[0]))
         ax.tick_params(labelsize=5)
+        if names.index(name) == 0:
+            ax.set_title(f"layer {i}", fontsize=7)
+        if i == 0:
+            ax.set_ylabel(name.replace("damcha-", ""), fontsize=6)
     for ax in axes.flat:
         if not ax.images:
             ax.axis("off")
-    fig.colorbar(im, ax=axes, shrink=0.6)
-    fig.suptitle(f"{results['task']}: mean query-side cross-head factor (row h: output head, col a: input head)",
-                 fontsize=7)
+    fig.colorbar(im, ax=axes, shrink=0.7).ax.tick_params(labelsize=5)
+    fig.suptitle(f"{results['task']}: mean l(t) - I (row: head formed, col: head read), seed 0", fontsize=7)
     fig.savefig(path, dpi=_DPI)
     plt.close(fig)
     return path

@@ -19,7 +19,7 @@ TINY = ["--seeds", "2", "--steps", "2", "--eval-size", "8", "--no-progress"]
 @pytest.mark.parametrize(
     "task, variants",
     [
-        ("crosshead", "mha,talking-heads,damcha-heads-tied-shared,damcha-lowrank-tied"),
+        ("crosshead", "mha,damcha-heads-tied-shared,damcha-lowrank-tied"),
         ("charlm", "mha,damcha-heads-query"),
         ("listops", "talking-heads,damcha-heads-separate"),
     ],
