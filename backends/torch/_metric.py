@@ -15,6 +15,17 @@ from damcha_core import DamchaValueError
 __all__ = ["MetricGenerator"]
 
 
+def generator_linear(tokens: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+    """phi(t) W + b with phi(t) = t / sqrt(mean(t^2) + eps), without building phi.
+
+    (t W) * rsqrt(...) + b is one GEMM on the raw tokens, which autograd
+    already keeps for the projections, plus a pass over the small output;
+    materialising phi would cost a pass and a stored (B, T, E) tensor.
+    """
+    mean_sq = torch.linalg.vecdot(tokens, tokens, dim=-1).unsqueeze(-1) / tokens.shape[-1]
+    return torch.addcmul(bias, F.linear(tokens, weight), torch.rsqrt(mean_sq + dc.RMS_EPS))
+
+
 class MetricGenerator(nn.Module):
     """Per-token coefficients of the cross-head map L(t), from phi(t) = RMS(t).
 
@@ -95,16 +106,14 @@ class MetricGenerator(nn.Module):
         eye = torch.eye(S, dtype=tokens.dtype, device=tokens.device)
         weight = (weight.view(S, S, -1) * gate.view(S, 1, 1)).view(S * S, -1)
         bias = (bias.view(S, S) * gate.view(S, 1) + eye).view(S * S)
-        phi = F.rms_norm(tokens, (tokens.shape[-1],), eps=dc.RMS_EPS)
-        return F.linear(phi, weight, bias).unflatten(-1, (S, S))
+        return generator_linear(tokens, weight, bias).unflatten(-1, (S, S))
 
     def _apply(self, tokens: Tensor, gate: Tensor, ys: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
         if self.metric == "heads":
             l = self.head_map(tokens, gate)
             return tuple(torch.matmul(l, y) for y in ys)
         dtype = tokens.dtype
-        phi = F.rms_norm(tokens, (tokens.shape[-1],), eps=dc.RMS_EPS)
-        u = F.linear(phi, self.weight.to(dtype), self.bias.to(dtype))  # (B, T, r)
+        u = generator_linear(tokens, self.weight.to(dtype), self.bias.to(dtype))  # (B, T, r)
         v = self.v.to(dtype).flatten(0, 1)  # (S*d, r)
         gated_u = (self.u.to(dtype) * gate.to(dtype).view(-1, 1, 1)).flatten(0, 1).transpose(0, 1)  # (r, S*d)
         out = []
@@ -135,8 +144,7 @@ class MetricGenerator(nn.Module):
     def penalty(self, tokens: Tensor, gate: Tensor) -> Tensor:
         """mean over tokens of ||L(t) - I||_F^2 / (S*d), a 0-d tensor."""
         S, d = self.heads, self.head_dim
-        phi = F.rms_norm(tokens, (tokens.shape[-1],), eps=dc.RMS_EPS)
-        coeff = F.linear(phi, self.weight, self.bias)
+        coeff = generator_linear(tokens, self.weight, self.bias)
         if self.metric == "heads":
             # L - I = (diag(g) A) (x) I_d, whose squared norm is d * ||diag(g) A||^2.
             gated = coeff.unflatten(-1, (S, S)) * gate.view(S, 1)
