@@ -214,13 +214,16 @@ def _attend(
     """Scaled dot-product attention on transformed heads; o (B, N, H, d_v).
 
     Without weights or dropout this is ``jax.nn.dot_product_attention`` (no
-    N x M tensor is built here; XLA's kernel builds what it needs).
+    N x M tensor is built here; XLA's kernel builds what it needs). float64
+    uses the equivalent einsum path, see below.
     """
     B, N, H, d = q.shape
     M, G, d_v = k.shape[1], k.shape[2], v.shape[-1]
     mask = _mask4(mask)
     static_offset = isinstance(query_offset, int)
-    explicit = return_weights or dropout_rng is not None
+    # jax.nn.dot_product_attention always takes its softmax in float32
+    # (its XLA path builds the logits too), so float64 gets the einsum path.
+    explicit = return_weights or dropout_rng is not None or q.dtype == jnp.float64
     if is_causal and (explicit or not (static_offset and query_offset == 0)):
         causal = _causal_mask(N, M, query_offset)
         visible = causal if mask is None else mask & causal

@@ -232,6 +232,7 @@ class DamchaAttention(nnx.Module):
             coupling=coupling, scale=scale, dropout_rate=dropout_rate, use_bias=use_bias,
         )
         cfg = self.config
+        given = self._given_generators(metric_generator, cfg)  # checked before any allocation
         H, G, d, d_v = cfg.num_heads, cfg.num_kv_heads, cfg.key_dim, cfg.value_dim
         # nnx.MultiHeadAttention's attribute names, so code reading them keeps working.
         self.num_heads, self.num_kv_heads, self.head_dim = H, G, d
@@ -248,33 +249,38 @@ class DamchaAttention(nnx.Module):
             (H, d_v), cfg.output_dim, axis=(-2, -1), kernel_init=out_kernel_init or kernel_init, **linear
         )
 
-        if isinstance(metric_generator, MetricGenerator):
-            if len(cfg.metric_sides) != 1:
-                raise DamchaValueError(
-                    f"`metric_generator` must be a dict side -> MetricGenerator for sides {cfg.metric_sides}. "
-                    f"Received: a single {describe(metric_generator)}"
-                )
-            metric_generator = {cfg.metric_sides[0]: metric_generator}
-        if metric_generator is None:
-            generators = make_metric_generators(cfg, param_dtype=param_dtype, rngs=rngs)
-        elif isinstance(metric_generator, Mapping):
-            if set(metric_generator) != set(cfg.metric_sides):
-                raise DamchaValueError(
-                    f"`metric_generator` must have exactly the sides {list(cfg.metric_sides)}. "
-                    f"Received: {sorted(metric_generator)}"
-                )
-            generators = {s: _check_generator(s, g, cfg) for s, g in metric_generator.items()}
-        else:
-            raise DamchaTypeError(
-                "`metric_generator` must be a MetricGenerator, a dict side -> MetricGenerator or None. "
-                f"Received: metric_generator={describe(metric_generator)}"
-            )
+        generators = given if given is not None else make_metric_generators(cfg, param_dtype=param_dtype, rngs=rngs)
         self.metric = nnx.Dict({s: CrossHeadMap(generators[s], param_dtype=param_dtype) for s in cfg.metric_sides})
 
         self.rngs = rngs.dropout.fork() if cfg.dropout > 0 else nnx.data(None)
         self.cached_key: nnx.Cache | None = nnx.data(None)
         self.cached_value: nnx.Cache | None = nnx.data(None)
         self.cache_index: nnx.Cache | None = nnx.data(None)
+
+
+    @staticmethod
+    def _given_generators(metric_generator: Any, config: DamchaConfig) -> dict[str, MetricGenerator] | None:
+        """The caller's shared generators, checked against ``config``; None = make fresh ones."""
+        if isinstance(metric_generator, MetricGenerator):
+            if len(config.metric_sides) != 1:
+                raise DamchaValueError(
+                    f"`metric_generator` must be a dict side -> MetricGenerator for sides {config.metric_sides}. "
+                    f"Received: a single {describe(metric_generator)}"
+                )
+            metric_generator = {config.metric_sides[0]: metric_generator}
+        if metric_generator is None:
+            return None
+        if isinstance(metric_generator, Mapping):
+            if set(metric_generator) != set(config.metric_sides):
+                raise DamchaValueError(
+                    f"`metric_generator` must have exactly the sides {list(config.metric_sides)}. "
+                    f"Received: {sorted(metric_generator)}"
+                )
+            return {s: _check_generator(s, g, config) for s, g in metric_generator.items()}
+        raise DamchaTypeError(
+            "`metric_generator` must be a MetricGenerator, a dict side -> MetricGenerator or None. "
+            f"Received: metric_generator={describe(metric_generator)}"
+        )
 
     # ------------------------------------------------------- canonical params
 

@@ -1,0 +1,55 @@
+"""The whole conformance catalogue on damcha_jax: outputs and gradients.
+
+float32 and bfloat16 run in-process; float64 needs JAX's x64 mode, which is
+process-wide, so it runs in a subprocess with JAX_ENABLE_X64=1.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import damcha_jax
+from damcha_conformance import CATALOGUE, run_conformance
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_catalogue_passes(dtype: str) -> None:
+    report = run_conformance(damcha_jax.ConformanceAdapter(), dtypes=[dtype])
+    ran = [r for r in report.results if r.status != "unsupported"]
+    assert len(ran) == len(report.results), "the JAX backend declares no case unsupported"
+    assert sum(r.check == "gradients" for r in ran) == sum(c.gradients for c in CATALOGUE)
+    assert report.passed, report.summary()
+
+
+_X64_SCRIPT = """
+import jax, damcha_jax
+from damcha_conformance import run_conformance
+assert jax.config.jax_enable_x64
+adapter = damcha_jax.ConformanceAdapter()
+assert "float64" in adapter.dtypes
+report = run_conformance(adapter, dtypes=["float64"])
+print(report.summary())
+raise SystemExit(0 if report.passed and len(report.results) > 26 else 1)
+"""
+
+
+def test_catalogue_passes_float64_with_x64() -> None:
+    env = {**os.environ, "JAX_ENABLE_X64": "1"}
+    proc = subprocess.run([sys.executable, "-c", _X64_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+
+
+def test_float64_is_refused_without_x64() -> None:
+    # Without x64 JAX would quietly compute in float32 under the float64 label.
+    import jax
+
+    assert not jax.config.jax_enable_x64
+    adapter = damcha_jax.ConformanceAdapter()
+    assert "float64" not in adapter.dtypes
+    report = run_conformance(adapter, cases=CATALOGUE[:1], dtypes=["float64"], gradients=False)
+    assert [r.status for r in report.results] == ["error"]
+    assert "x64" in report.results[0].detail

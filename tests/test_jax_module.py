@@ -1,0 +1,229 @@
+"""DamchaAttention (Flax NNX) against nnx.MultiHeadAttention and the NumPy reference."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import damcha_core as dc
+import damcha_jax as dj
+from damcha_conformance import case_params
+
+B, N, M, E = 2, 5, 6, 16
+
+# One compiled program per check: eager JAX compiles every op separately, and
+# on this CPU the fusion emitters and LLVM -O2 cost ~5x the legacy ones at -O0
+# for programs this small. The arithmetic is the same.
+FAST = {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 0}
+
+
+def run(fn, *args):
+    return jax.jit(fn, compiler_options=FAST)(*args)
+
+
+def build(factory):
+    """``factory()`` with its initialisers compiled as one program (eager
+    init compiles a random-number kernel per parameter shape)."""
+    graphdef, _ = nnx.split(nnx.eval_shape(factory))
+    return nnx.merge(graphdef, run(lambda: nnx.split(factory())[1]))
+
+# name -> (MultiHeadAttention kwargs, DAMCHA options, cross-attention?)
+ARCHS = {
+    "self": (dict(num_heads=4, in_features=E, qkv_features=16), dict(coupling="tied"), False),
+    "cross": (dict(num_heads=4, in_features=E, qkv_features=8, in_kv_features=12, out_features=10), dict(coupling="separate"), True),
+    "gqa": (dict(num_heads=4, in_features=E, qkv_features=16, num_kv_heads=2), dict(coupling="query"), False),
+    "mqa-lowrank": (dict(num_heads=4, in_features=E, qkv_features=16, num_kv_heads=1), dict(coupling="separate", metric="lowrank", metric_rank=2), True),
+}
+MASKS = ["none", "padding", "per_head", "causal", "causal+padding"]
+
+
+def _inputs(cross: bool, kv_features: int, seed: int = 0):
+    kx, kc = jax.random.split(jax.random.key(seed))
+    x = jax.random.normal(kx, (B, N, E))
+    c = jax.random.normal(kc, (B, M, kv_features)) if cross else None
+    return x, c
+
+
+def _mask(kind: str, heads: int, m: int):
+    rng = np.random.default_rng(0)
+    if kind in ("padding", "causal+padding"):
+        # Key 0 stays visible so no row is empty (nnx MHA would average there).
+        return jnp.asarray(np.arange(m)[None, None, None, :] < np.array([m, m - 2])[:, None, None, None])
+    if kind == "per_head":
+        mask = rng.random((B, heads, N, m)) < 0.6
+        mask[..., 0] = True
+        return jnp.asarray(mask)
+    return None
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_zero_gates_equal_flax_mha(arch: str) -> None:
+    mha_kwargs, options, cross = ARCHS[arch]
+    mha = build(lambda: nnx.MultiHeadAttention(**mha_kwargs, decode=False, rngs=nnx.Rngs(1)))
+    layer = build(lambda: dj.DamchaAttention.from_mha(mha, **options, rngs=nnx.Rngs(2)))
+    x, c = _inputs(cross, mha.in_kv_features)
+    masks = {kind: _mask(kind, mha.num_heads, M if cross else N) for kind in MASKS}
+
+    def both(x, c, masks):
+        out = {}
+        for kind, mask in masks.items():
+            causal = kind.startswith("causal")
+            out[kind] = (mha(x, c, mask=mask, is_causal=causal), layer(x, c, mask=mask, is_causal=causal))
+        return out
+
+    for kind, (expected, actual) in run(both, x, c, masks).items():
+        np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5, err_msg=f"mask: {kind}")
+    # The generator is live: opening the gates must change the output.
+    for cross_map in layer.metric.values():
+        cross_map.gate[...] = jnp.full(cross_map.gate.shape, 0.5)
+    opened = run(lambda x, c: layer(x, c), x, c)
+    assert np.abs(np.asarray(opened - mha(x, c))).max() > 1e-3
+
+
+def _open_layer(arch: str, seed: int = 3):
+    """A layer from ARCHS with the conformance suite's open gates and biases."""
+    mha_kwargs, options, _ = ARCHS[arch]
+    config = dj.attention_config(**mha_kwargs, **options)
+    params = case_params(config, seed)
+    return build(lambda: dj.DamchaAttention.from_params(params, config)), params, config
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_module_equals_reference(arch: str, causal: bool) -> None:
+    layer, params, config = _open_layer(arch)
+    x, c = _inputs(ARCHS[arch][2], config.context_dim, seed=1)
+    expected = dc.damcha_attention(params, config, np.asarray(x), None if c is None else np.asarray(c), causal=causal)
+    np.testing.assert_allclose(run(lambda x, c: layer(x, c, is_causal=causal), x, c), expected, rtol=2e-4, atol=2e-5)
+
+
+def test_separate_value_input_matches_mha() -> None:
+    mha = build(lambda: nnx.MultiHeadAttention(4, E, 16, in_kv_features=12, decode=False, rngs=nnx.Rngs(1)))
+    layer = build(lambda: dj.DamchaAttention.from_mha(mha, coupling="separate", rngs=nnx.Rngs(2)))
+    kq, kk, kv = jax.random.split(jax.random.key(4), 3)
+    x, k, v = jax.random.normal(kq, (B, N, E)), jax.random.normal(kk, (B, M, 12)), jax.random.normal(kv, (B, M, 12))
+    actual, expected = run(lambda x, k, v: (layer(x, k, v), mha(x, k, v)), x, k, v)
+    np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_canonical_params_round_trip_through_safetensors(tmp_path) -> None:
+    layer, params, config = _open_layer("mqa-lowrank")
+    assert layer.config == config
+    for name, value in layer.to_params().items():
+        np.testing.assert_allclose(value, params[name].astype(np.float32))
+    path = tmp_path / "layer.safetensors"
+    layer.save(path)
+    loaded = dj.DamchaAttention.load(path)
+    assert loaded.config == config
+    # A file written by the reference loads into the same numbers.
+    dc.save_params(tmp_path / "ref.safetensors", params, config)
+    from_ref = dj.DamchaAttention.load(tmp_path / "ref.safetensors")
+    for other in (loaded, from_ref):
+        for name, value in other.to_params().items():
+            np.testing.assert_array_equal(value, layer.to_params()[name], err_msg=name)
+
+
+@pytest.mark.parametrize("chunks", [(1,) * 7, (3, 1, 1, 2)], ids=["token-by-token", "prefill-then-steps"])
+def test_decode_loop_equals_causal_forward(chunks: tuple[int, ...]) -> None:
+    layer, _, config = _open_layer("gqa")
+    x = jax.random.normal(jax.random.key(5), (B, sum(chunks), E))
+    full = run(lambda x: layer(x, is_causal=True), x)
+    layer.init_cache(x.shape)
+    graphdef, state = nnx.split(layer)
+
+    def step(state, tokens):
+        module = nnx.merge(graphdef, state)
+        return module(tokens, decode=True), nnx.state(module)
+
+    step = jax.jit(step, compiler_options=FAST)
+    outs, start = [], 0
+    for size in chunks:
+        y, state = step(state, x[:, start : start + size])
+        outs.append(y)
+        start += size
+    nnx.update(layer, state)
+    np.testing.assert_allclose(jnp.concatenate(outs, axis=1), full, rtol=1e-5, atol=1e-5)
+    # The cache holds the transformed keys k~ = L(x) k, not the raw k.
+    _, k_tilde, _ = dj.transformed_qkv(layer.arrays(), config, x)
+    np.testing.assert_allclose(layer.cached_key[...], k_tilde, rtol=1e-5, atol=1e-6)
+    with pytest.raises(dc.DamchaValueError, match="cache` is full"):
+        layer(x[:, :1], decode=True)
+
+
+def test_decode_needs_init_cache() -> None:
+    layer = build(lambda: dj.DamchaAttention(4, E, rngs=nnx.Rngs(0)))
+    with pytest.raises(dc.DamchaValueError, match="init_cache"):
+        layer(jnp.ones((1, 1, E)), decode=True)
+
+
+def test_stack_shares_one_generator_and_sums_its_gradient() -> None:
+    kwargs = dict(num_layers=3, in_features=E, num_heads=4, mlp_features=32)
+    shared = build(lambda: dj.DamchaEncoder(**kwargs, share_metric=True, rngs=nnx.Rngs(0)))
+    gens = {id(layer.attention.metric["qk"].generator) for layer in shared.layers}
+    assert len(gens) == 1 and shared.metric_generators["qk"] is shared.layers[0].attention.metric["qk"].generator
+    for i, layer in enumerate(shared.layers):  # open the per-layer gates, differently
+        layer.attention.metric["qk"].gate[...] = jnp.full((4,), 0.2 * (i + 1))
+    unshared = build(lambda: dj.DamchaEncoder(**kwargs, share_metric=False, rngs=nnx.Rngs(1)))
+    for source, target in zip(shared.layers, unshared.layers):
+        nnx.update(target, nnx.state(source))  # a block's state includes the generator
+    nnx.update(unshared.final_norm, nnx.state(shared.final_norm))
+    n_shared = sum(v.size for v in jax.tree.leaves(nnx.state(shared, nnx.Param)))
+    n_unshared = sum(v.size for v in jax.tree.leaves(nnx.state(unshared, nnx.Param)))
+    assert n_unshared - n_shared == 2 * (E * 16 + 16)  # the generator is stored once
+
+    x = jax.random.normal(jax.random.key(6), (B, N, E))
+
+    (gd_shared, st_shared), (gd_unshared, st_unshared) = nnx.split(shared), nnx.split(unshared)
+
+    def outputs_and_grads(st_shared, st_unshared):
+        # split/merge keeps the graph: a plain pytree flatten would copy the shared node.
+        shared, unshared = nnx.merge(gd_shared, st_shared), nnx.merge(gd_unshared, st_unshared)
+        loss = lambda model: jnp.sum(model(x, is_causal=True) ** 2)  # noqa: E731
+        return shared(x, is_causal=True), unshared(x, is_causal=True), nnx.grad(loss)(shared), nnx.grad(loss)(unshared)
+
+    y_shared, y_unshared, g_shared, g_unshared = run(outputs_and_grads, st_shared, st_unshared)
+    np.testing.assert_allclose(y_shared, y_unshared, rtol=1e-5, atol=1e-5)
+    summed = sum(g_unshared["layers"][i]["attention"]["metric"]["qk"]["generator"]["kernel"][...] for i in range(3))
+    # NNX reports a shared variable once, at its first path: one gradient, the sum over layers.
+    kernels = [v for path, v in nnx.to_flat_state(g_shared) if path[-2:] == ("generator", "kernel")]
+    assert len(kernels) == 1
+    np.testing.assert_allclose(kernels[0][...], summed, rtol=1e-4, atol=1e-6)
+
+
+def test_attention_dropout_only_in_training() -> None:
+    layer, params, config = _open_layer("self")
+    dropping = build(lambda: dj.DamchaAttention.from_params(params, config.replace(dropout=0.5), rngs=nnx.Rngs(0, dropout=1)))
+    x, _ = _inputs(False, E)
+    key = jax.random.key(7)
+    inference, train, plain = run(
+        lambda x, key: (dropping(x, deterministic=True), dropping(x, deterministic=False, rngs=nnx.Rngs(dropout=key)), layer(x)),
+        x, key,
+    )
+    np.testing.assert_allclose(inference, plain, rtol=1e-6, atol=1e-6)
+    assert np.all(np.isfinite(train)) and np.abs(np.asarray(train - plain)).max() > 1e-3
+    with pytest.raises(ValueError, match="deterministic"):
+        dropping(x)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(num_heads=3, in_features=16), "qkv_features` must be divisible"),
+        (dict(num_heads=4, in_features=16, num_kv_heads=2), "coupling='tied'"),
+        (dict(num_heads=4, in_features=16, qkv_features=16, key_dim=8), "disagree"),
+        (dict(num_heads=4, in_features=16, metric="lowrank"), "metric_rank"),
+    ],
+    ids=["indivisible", "tied-gqa", "qkv-vs-key-dim", "lowrank-no-rank"],
+)
+def test_constructor_errors(kwargs, match) -> None:
+    with pytest.raises(dc.DamchaValueError, match=match):
+        dj.DamchaAttention(**kwargs, rngs=nnx.Rngs(0))
+
+
+def test_mismatched_shared_generator_is_rejected() -> None:
+    gen = build(lambda: dj.MetricGenerator(16, 2, rngs=nnx.Rngs(0)))
+    with pytest.raises(dc.DamchaValueError, match="does not fit"):
+        dj.DamchaAttention(4, 16, metric_generator=gen, rngs=nnx.Rngs(0))
