@@ -330,17 +330,18 @@ class DamchaAttention(nn.Module):
         (_, _, W_v), (_, _, b_v) = self._proj_weights(), self._proj_biases()
         recompute = self.recompute and self.training and torch.is_grad_enabled() and cfg.metric != "none"
         if self_attention and not recompute:
+            # One packed GEMM for q, k, v, as nn.MultiheadAttention does.
             q, k, v = F.linear(query, self.in_proj_weight, self.in_proj_bias).split(self._sizes, dim=-1)  # type: ignore[arg-type]
             q = q.unflatten(-1, (cfg.num_heads, cfg.key_dim))
             k = k.unflatten(-1, (cfg.num_kv_heads, cfg.key_dim))
             q, k = self._apply_maps(query, key, q, k, True)
-        elif recompute:
-            # Storing q, k and q~, k~ would cost 2E floats per token more than MHA;
-            # recomputing them in backward costs one q/k projection instead.
-            q, k = checkpoint(self._queries_keys, query, key, self_attention, use_reentrant=False)
         else:
-            q, k = self._queries_keys(query, key, False)
-        if not (self_attention and not recompute):
+            if recompute:
+                # Storing q, k and q~, k~ would cost 2E floats per token more than
+                # MHA; recomputing them in backward costs one q/k projection.
+                q, k = checkpoint(self._queries_keys, query, key, self_attention, use_reentrant=False)
+            else:
+                q, k = self._queries_keys(query, key, self_attention)
             v = F.linear(value, W_v, b_v)
         return q, k, v.unflatten(-1, (cfg.num_kv_heads, cfg.value_dim))
 
