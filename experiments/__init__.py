@@ -22,13 +22,13 @@ from ._data import (
 )
 
 __all__ = [
-    "DEFAULT_VARIANTS",
-    "TASKS",
-    "VARIANTS",
     "Corpus",
+    "DEFAULT_VARIANTS",
     "Dataset",
+    "TASKS",
     "TalkingHeadsAttention",
     "TinyTransformer",
+    "VARIANTS",
     "attention_factory",
     "crosshead_answer",
     "listops_eval",
