@@ -1,0 +1,203 @@
+"""The pure functional API: jit, grad, vmap, recompilation, masks, decoding, errors."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import damcha_core as dc
+import damcha_jax as dj
+from damcha_conformance import case_params
+
+# See test_jax_module.py: one cheaply compiled program per check.
+FAST = {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 0}
+fast_jit = functools.partial(jax.jit, compiler_options=FAST)
+
+CFG = dc.DamchaConfig(query_dim=16, num_heads=4, key_dim=4)
+CROSS = dc.DamchaConfig(query_dim=16, num_heads=4, key_dim=4, num_kv_heads=2, context_dim=12, coupling="separate")
+
+
+def _params(config: dc.DamchaConfig, seed: int = 0) -> dict[str, jax.Array]:
+    return {k: jnp.asarray(v, jnp.float32) for k, v in case_params(config, seed).items()}
+
+
+def _x(shape, seed: int = 0) -> jax.Array:
+    return jax.random.normal(jax.random.key(seed), shape)
+
+
+def test_jit_retraces_only_for_new_shapes() -> None:
+    traces = []
+
+    def fn(params, x, mask):
+        traces.append(x.shape)
+        return dj.damcha_attention(params, CFG, x, mask=mask, is_causal=True)
+
+    jitted = fast_jit(fn)
+    params = _params(CFG)
+    mask = jnp.ones((2, 1, 1, 6), bool)
+    y1 = jitted(params, _x((2, 6, 16)), mask)
+    jitted(_params(CFG, seed=1), _x((2, 6, 16), seed=1), mask.at[1, ..., 4:].set(False))  # new values
+    assert traces == [(2, 6, 16)]
+    jitted(params, _x((3, 6, 16)), jnp.ones((3, 1, 1, 6), bool))  # a new batch size: one trace
+    jitted(params, _x((2, 6, 16)), mask)  # back to the first: cached
+    assert traces == [(2, 6, 16), (3, 6, 16)] and jitted._cache_size() == 2
+    expected = dc.damcha_attention({k: np.asarray(v) for k, v in params.items()}, CFG, np.asarray(_x((2, 6, 16))), causal=True)
+    np.testing.assert_allclose(y1, expected, rtol=2e-4, atol=2e-5)
+
+
+def test_grad_matches_reference_directional_derivative() -> None:
+    params, x = _params(CROSS), _x((2, 5, 16))
+    c = _x((2, 7, 12), seed=1)
+    mask = jax.random.bernoulli(jax.random.key(2), 0.7, (2, 4, 5, 7)).at[..., 0].set(True)
+
+    def loss(params, x, c):
+        return jnp.sum(jnp.sin(dj.damcha_attention(params, CROSS, x, c, mask=mask)))
+
+    grads = fast_jit(jax.grad(loss, argnums=(0, 1, 2)))(params, x, c)
+    # Central difference of the float64 reference along one random direction per tensor.
+    np_params = {k: np.asarray(v, np.float64) for k, v in params.items()}
+    ref = lambda p, x, c: np.sum(np.sin(dc.damcha_attention(p, CROSS, x, c, mask=np.asarray(mask))))  # noqa: E731
+    rng = np.random.default_rng(0)
+    targets = {"query": (1, None), "context": (2, None), **{k: (0, k) for k in params}}
+    for name, (arg, key) in targets.items():
+        g = np.asarray(grads[arg] if key is None else grads[0][key], np.float64)
+        direction = rng.normal(size=g.shape)
+        args = [np_params, np.asarray(x, np.float64), np.asarray(c, np.float64)]
+
+        def moved(sign: float):
+            a = list(args)
+            if key is None:
+                a[arg] = a[arg] + sign * 1e-5 * direction
+            else:
+                a[0] = {**np_params, key: np_params[key] + sign * 1e-5 * direction}
+            return ref(*a)
+
+        fd = (moved(1.0) - moved(-1.0)) / 2e-5
+        assert abs(np.sum(g * direction) - fd) <= 1e-3 * (1 + abs(fd)), name
+
+
+def test_vmap_over_params_and_leading_axis() -> None:
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), _params(CFG, 0), _params(CFG, 1), _params(CFG, 2))
+    x = _x((3, 2, 5, 16))
+
+    def ensemble(stacked, x):
+        per_member = jax.vmap(lambda p, xi: dj.damcha_attention(p, CFG, xi, is_causal=True))(stacked, x)
+        shared_params = jax.vmap(lambda xi: dj.damcha_attention(_params(CFG, 0), CFG, xi))(x)
+        return per_member, shared_params
+
+    per_member, shared_params = fast_jit(ensemble)(stacked, x)
+    for i in range(3):
+        p = {k: np.asarray(v[i]) for k, v in stacked.items()}
+        np.testing.assert_allclose(per_member[i], dc.damcha_attention(p, CFG, np.asarray(x[i]), causal=True), rtol=2e-4, atol=2e-5)
+        p0 = {k: np.asarray(v) for k, v in _params(CFG, 0).items()}
+        np.testing.assert_allclose(shared_params[i], dc.damcha_attention(p0, CFG, np.asarray(x[i])), rtol=2e-4, atol=2e-5)
+
+
+def test_all_masked_rows_give_bias_and_finite_zero_gradients() -> None:
+    params, x, c = _params(CROSS), _x((2, 5, 16)), _x((2, 7, 12), seed=1)
+    mask = np.ones((2, 4, 5, 7), bool)
+    mask[0, :, 1, :] = False  # query 1 of batch 0 sees nothing in any head
+    mask[1, :, :, :3] = False  # with causal, queries 0-2 of batch 1 see nothing
+    mask = jnp.asarray(mask)
+
+    def fn(params, x, c):
+        y = dj.damcha_attention(params, CROSS, x, c, mask=mask, is_causal=True)
+        grads = jax.grad(lambda p, x, c: jnp.sum(dj.damcha_attention(p, CROSS, x, c, mask=mask, is_causal=True) ** 2), argnums=(0, 1, 2))(params, x, c)
+        return y, grads
+
+    y, (g_params, g_x, g_c) = fast_jit(fn)(params, x, c)
+    bias = np.asarray(params["output.bias"])
+    np.testing.assert_array_equal(y[0, 1], bias)
+    np.testing.assert_array_equal(y[1, :3], np.broadcast_to(bias, (3, bias.size)))
+    assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves((g_params, g_x, g_c)))
+    # Those rows' output is a constant: their queries get exactly zero gradient.
+    np.testing.assert_array_equal(g_x[0, 1], 0.0)
+    np.testing.assert_array_equal(g_x[1, :3], 0.0)
+    assert np.abs(np.asarray(g_x[0, 2:])).max() > 0  # rows that see several keys do get one
+    expected = dc.damcha_attention({k: np.asarray(v) for k, v in params.items()}, CROSS, np.asarray(x), np.asarray(c), mask=np.asarray(mask), causal=True)
+    np.testing.assert_allclose(y, expected, rtol=2e-4, atol=2e-5)
+
+
+def test_weights_path_equals_fused_path_and_reference() -> None:
+    params, x = _params(CFG), _x((2, 6, 16))
+    mask = jnp.asarray(np.arange(6)[None, None, None, :] < np.array([6, 3])[:, None, None, None])
+
+    def fn(params, x):
+        fused = dj.damcha_attention(params, CFG, x, mask=mask, is_causal=True)
+        y, w, metric = dj.damcha_attention(params, CFG, x, mask=mask, is_causal=True, return_weights=True, return_metric=True)
+        return fused, y, w, metric
+
+    fused, y, w, metric = fast_jit(fn)(params, x)
+    np_params = {k: np.asarray(v) for k, v in params.items()}
+    ref_y, ref_w, ref_metric = dc.damcha_attention(np_params, CFG, np.asarray(x), mask=np.asarray(mask), causal=True, return_weights=True, return_metric=True)
+    np.testing.assert_allclose(fused, y, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(w, ref_w, rtol=2e-4, atol=2e-6)
+    np.testing.assert_allclose(y, ref_y, rtol=2e-4, atol=2e-5)
+    assert set(metric) == set(ref_metric) == {"q", "k"}
+    np.testing.assert_allclose(metric["q"], ref_metric["q"], rtol=2e-4, atol=2e-5)
+
+
+def test_functional_decode_under_jit_equals_causal_forward() -> None:
+    params, x = _params(CROSS.replace(context_dim=16, coupling="query")), _x((2, 6, 16))
+    config = CROSS.replace(context_dim=16, coupling="query")
+
+    def fn(params, x):
+        cache = dj.init_cache(config, 2, 6)
+        ys = []
+        for t in range(6):  # the cache index is traced inside jit
+            y, cache = dj.decode_step(params, config, cache, x[:, t : t + 1])
+            ys.append(y)
+        return jnp.concatenate(ys, axis=1), dj.damcha_attention(params, config, x, is_causal=True)
+
+    steps, full = fast_jit(fn)(params, x)
+    np.testing.assert_allclose(steps, full, rtol=1e-5, atol=1e-5)
+
+
+def test_metric_penalty_matches_reference() -> None:
+    lowrank = CROSS.replace(metric="lowrank", metric_rank=3)
+    for config in (CFG, lowrank):
+        params = _params(config)
+        x = _x((2, 5, 16))
+        c = None if config is CFG else _x((2, 7, 12), seed=1)
+        actual = dj.metric_penalty(params, config, x, c)
+        expected = dc.metric_penalty({k: np.asarray(v) for k, v in params.items()}, config, np.asarray(x), None if c is None else np.asarray(c))
+        np.testing.assert_allclose(actual, expected, rtol=1e-4)
+
+
+# ---------------------------------------------------------------- bad input
+
+_P = {k: np.asarray(v, np.float32) for k, v in case_params(CFG, 0).items()}
+_X = np.ones((2, 5, 16), np.float32)
+
+BAD = {
+    "config-not-config": (dict(config={"query_dim": 16}), {}),
+    "query-int": (dict(query=np.ones((2, 5, 16), np.int32)), {}),
+    "query-rank-2": (dict(query=np.ones((5, 16), np.float32)), {}),
+    "query-features": (dict(query=np.ones((2, 5, 8), np.float32)), {}),
+    "context-batch": (dict(context=np.ones((3, 5, 16), np.float32)), {}),
+    "mask-int": (dict(mask=np.ones((5, 5), np.int32)), {}),
+    "mask-3d": (dict(mask=np.ones((2, 5, 5), bool)), {}),
+    "mask-wrong-len": (dict(mask=np.ones((5, 4), bool)), {}),
+    "param-missing": (dict(params={k: v for k, v in _P.items() if k != "key.bias"}), {}),
+    "param-shape": (dict(params={**_P, "query.kernel": np.ones((16, 4, 5), np.float32)}), {}),
+    "param-int": (dict(params={**_P, "metric.qk.gate": np.zeros(4, np.int32)}), {}),
+    "causal-not-bool": ({}, dict(causal="yes")),
+    "offset-negative": ({}, dict(query_offset=-1)),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_raises_the_reference_error(case: str) -> None:
+    args, flags = BAD[case]
+    call = {**dict(params=_P, config=CFG, query=_X, context=None, mask=None), **args}
+    with pytest.raises(dc.DamchaError) as ref:
+        dc.damcha_attention(call["params"], call["config"], call["query"], call["context"], mask=call["mask"], **flags)
+    jax_flags = {("is_causal" if k == "causal" else k): v for k, v in flags.items()}
+    with pytest.raises(dc.DamchaError) as got:
+        dj.damcha_attention(call["params"], call["config"], call["query"], call["context"], mask=call["mask"], **jax_flags)
+    assert type(got.value) is type(ref.value)
+    assert str(got.value) == str(ref.value).replace("`causal`", "`is_causal`").replace("causal=", "is_causal=")
