@@ -84,8 +84,11 @@ class MetricGenerator(keras.layers.Layer):
         self.metric_rank = probe.metric_rank
         self.seed = seed
         self.features: int | None = None
+        self._zero_init = False  # see DamchaAttention._zero_init
 
     def _initializer(self, stddev: float, offset: int) -> keras.initializers.Initializer:
+        if self._zero_init:
+            return keras.initializers.Zeros()
         seed = None if self.seed is None else self.seed + offset
         return keras.initializers.RandomNormal(stddev=stddev, seed=seed)
 

@@ -163,6 +163,9 @@ class DamchaAttention(keras.layers.Layer):
         self._metric_generator_arg = metric_generator
         self._dropout_layer = keras.layers.Dropout(rate=probe.dropout, seed=seed, dtype=self.dtype_policy)
         self.config: DamchaConfig | None = None
+        # Set by from_canonical/from_mha, whose values overwrite the initial ones:
+        # zeros skip the random draws (slow to compile per shape on JAX).
+        self._zero_init = False
 
     # ------------------------------------------------------------ properties
 
@@ -211,9 +214,14 @@ class DamchaAttention(keras.layers.Layer):
     def _dense_kwargs(self) -> dict[str, Any]:
         # Fresh initialiser instances so that seeded initialisers do not give
         # identical query/key/value kernels (MHA does the same).
+        if self._zero_init:
+            kernel_init, bias_init = "zeros", "zeros"
+        else:
+            kernel_init = self._kernel_initializer.__class__.from_config(self._kernel_initializer.get_config())
+            bias_init = self._bias_initializer.__class__.from_config(self._bias_initializer.get_config())
         return dict(
-            kernel_initializer=self._kernel_initializer.__class__.from_config(self._kernel_initializer.get_config()),
-            bias_initializer=self._bias_initializer.__class__.from_config(self._bias_initializer.get_config()),
+            kernel_initializer=kernel_init,
+            bias_initializer=bias_init,
             kernel_regularizer=self._kernel_regularizer,
             bias_regularizer=self._bias_regularizer,
             kernel_constraint=self._kernel_constraint,
@@ -263,6 +271,7 @@ class DamchaAttention(keras.layers.Layer):
                     seed=None if self.seed is None else self.seed + 101 * (i + 1),
                     name=f"metric_{side}", dtype=self.dtype_policy,
                 )
+                generator._zero_init = self._zero_init
             generator.check_compatible(E, S, d, cfg.metric, cfg.metric_rank, self.name)
             if not generator.built:
                 generator.build((None, None, E))
@@ -598,7 +607,9 @@ class DamchaAttention(keras.layers.Layer):
             metric=config.metric, metric_rank=config.metric_rank, coupling=config.coupling,
             num_kv_heads=config.num_kv_heads, scale=config.scale, **kwargs,
         )
+        layer._zero_init = True
         layer.build((None, None, config.query_dim), (None, None, config.context_dim))
+        layer._zero_init = False
         layer.load_canonical(params)
         return layer
 
