@@ -9,7 +9,7 @@ import keras
 from damcha_core import DamchaTypeError, DamchaValueError
 from damcha_core._errors import describe
 
-from ._generator import MetricGenerator
+from ._generator import MetricGenerator, serialize_generator
 from ._layer import DamchaAttention
 
 
@@ -130,8 +130,7 @@ class _Block(keras.layers.Layer):
             "bias_initializer": keras.initializers.serialize(self.bias_initializer),
             "normalize_first": self.normalize_first,
             **self.damcha_options,
-            # A shared-object id inside a .keras save: blocks that shared a generator share it again.
-            "metric_generator": None if generator is None else keras.saving.serialize_keras_object(generator),
+            "metric_generator": None if generator is None else serialize_generator(generator),
             "seed": self.seed,
         }
 

@@ -145,3 +145,16 @@ class MetricGenerator(keras.layers.Layer):
             "metric_rank": self.metric_rank,
             "seed": self.seed,
         }
+
+
+def serialize_generator(generator: MetricGenerator) -> dict[str, Any]:
+    """Serialise a generator so that a .keras load rebuilds one object for all its users.
+
+    Keras's ObjectSharingScope (active during ``save``/``load_model``) reuses
+    the object of a config that carries ``shared_object_id``; stamping the id
+    on every user's copy does not depend on the order or number of
+    ``get_config`` calls the saver makes. Outside a load, each copy is new.
+    """
+    config = keras.saving.serialize_keras_object(generator)
+    config["shared_object_id"] = id(generator)
+    return config

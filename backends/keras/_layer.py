@@ -13,7 +13,7 @@ import damcha_core as dc
 from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError
 from damcha_core._errors import describe
 
-from ._generator import MetricGenerator
+from ._generator import MetricGenerator, serialize_generator
 
 _FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 # Keras names of the four projections, in canonical order.
@@ -333,7 +333,7 @@ class DamchaAttention(keras.layers.Layer):
         """L(t) y for stacked heads y (B, T, S, d), without forming L."""
         cfg = self.config
         generator = self._generators[side]
-        coeff = generator(tokens)
+        coeff = generator.call(tokens)
         gate = ops.cast(self._gates[side], y.dtype)
         coeff = ops.cast(coeff, y.dtype)
         if cfg.metric == "heads":
@@ -407,9 +407,11 @@ class DamchaAttention(keras.layers.Layer):
         if key is None:
             key = value
         cfg = self.config
-        q = self._dense["query"](query)  # (B, N, H, d)
-        k = self._dense["key"](key)  # (B, M, G, d)
-        v = self._dense["value"](value)  # (B, M, G, d_v)
+        # Sublayers are invoked through .call: this layer already cast the inputs and
+        # consumed their Keras masks, which plain projections would warn about.
+        q = self._dense["query"].call(query)  # (B, N, H, d)
+        k = self._dense["key"].call(key)  # (B, M, G, d)
+        v = self._dense["value"].call(value)  # (B, M, G, d_v)
         penalties: list = []
         side_q, side_k = _side_of(cfg, "q"), _side_of(cfg, "k")
         if side_q:
@@ -448,7 +450,7 @@ class DamchaAttention(keras.layers.Layer):
             out, scores = self._explicit_attention(q, k, v, visible, training)
         else:
             out, scores = self._fused_attention(q, k, v, visible, causal_only), None
-        y = self._dense["output"](out)
+        y = self._dense["output"].call(out)
         return (y, scores) if return_attention_scores else y
 
     def _scaled(self, q: Any) -> Any:
@@ -506,11 +508,9 @@ class DamchaAttention(keras.layers.Layer):
     def get_config(self) -> dict[str, Any]:
         generator = self._metric_generator_arg
         if isinstance(generator, Mapping):
-            generator = {side: keras.saving.serialize_keras_object(g) for side, g in generator.items()}
+            generator = {side: serialize_generator(g) for side, g in generator.items()}
         elif generator is not None:
-            # Inside a .keras save this records a shared-object id, so layers
-            # that shared one generator share it again after loading.
-            generator = keras.saving.serialize_keras_object(generator)
+            generator = serialize_generator(generator)
         return {
             **super().get_config(),
             "num_heads": self._num_heads,

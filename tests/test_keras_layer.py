@@ -1,0 +1,316 @@
+"""DamchaAttention on the current Keras backend (tensorflow unless KERAS_BACKEND says
+otherwise): equality with keras.layers.MultiHeadAttention and with the NumPy
+reference, a Keras-style layer test, serialisation, sharing and bad input.
+The other Keras backends run test_keras_backends.py's checks in subprocesses."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import keras
+
+import damcha_core as dc
+from damcha_conformance import case_params
+from damcha_keras import DamchaAttention, MetricGenerator, TransformerDecoder, TransformerEncoder
+
+B, N, M, E, H, D = 2, 5, 7, 12, 3, 4
+
+
+def np_(x):
+    return np.asarray(keras.ops.convert_to_numpy(x), dtype=np.float64)
+
+
+def rng(seed=0):
+    return np.random.default_rng(seed)
+
+
+def built_mha(cross: bool, seed: int = 0) -> keras.layers.MultiHeadAttention:
+    mha = keras.layers.MultiHeadAttention(num_heads=H, key_dim=D, value_dim=D + 1, output_shape=E + 1, seed=seed)
+    x = rng(seed).normal(size=(B, N, E)).astype("float32")
+    c = rng(seed + 1).normal(size=(B, M if cross else N, E + 2 if cross else E)).astype("float32")
+    mha(x, c)
+    # Non-zero biases so that a dropped bias cannot pass.
+    for var in mha.weights:
+        if "bias" in var.path:
+            var.assign(rng(seed + 2).normal(size=var.shape).astype("float32"))
+    return mha
+
+
+# --------------------------------------------------------- MHA equivalence
+
+MASK_KINDS = ["none", "attention_mask", "causal", "query_value_masks", "causal_and_padding", "all_masked_row"]
+
+
+@pytest.mark.parametrize("metric", ["heads", "lowrank", "none"])
+@pytest.mark.parametrize("mask_kind", MASK_KINDS)
+def test_from_mha_equals_mha(mask_kind, metric):
+    """A converted MHA (gates 0) computes what keras MHA computes, through both
+    the fused and the explicit (scores) path; rows with no visible key give the
+    output bias where MHA gives a uniform average."""
+    cross = mask_kind in ("attention_mask", "all_masked_row")
+    mha = built_mha(cross)
+    kwargs = dict(metric=metric, coupling="separate" if cross else "tied")
+    if metric == "lowrank":
+        kwargs["metric_rank"] = 2
+    layer = DamchaAttention.from_mha(mha, **kwargs)
+    r = rng(3)
+    x = r.normal(size=(B, N, E)).astype("float32")
+    c = r.normal(size=(B, M, E + 2)).astype("float32") if cross else x
+    call = {}
+    visible = np.ones((B, N, c.shape[1]), bool)
+    if mask_kind in ("attention_mask", "all_masked_row"):
+        am = r.random((B, N, M)) < 0.6
+        am[..., 0] = True
+        if mask_kind == "all_masked_row":
+            am[1, 2] = False
+        call["attention_mask"] = am
+        visible &= am
+    if mask_kind in ("causal", "causal_and_padding"):
+        call["use_causal_mask"] = True
+        visible &= np.tril(np.ones((N, N), bool))
+    if mask_kind in ("query_value_masks", "causal_and_padding"):
+        pad = np.ones((B, N), bool)
+        pad[1, -2:] = False
+        call["value_mask"] = pad
+        visible &= pad[:, None, :]
+        if mask_kind == "query_value_masks":
+            call["query_mask"] = pad
+            visible &= pad[:, :, None]
+    seen = visible.any(-1)
+    expected = np_(mha(x, c, **call))
+    bias = np_(mha.output_dense.bias)
+    expected[~seen] = bias
+    got = np_(layer(x, c, **call))
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    got2, scores = layer(x, c, return_attention_scores=True, **call)
+    _, mha_scores = mha(x, c, return_attention_scores=True, **call)
+    np.testing.assert_allclose(np_(got2), expected, rtol=1e-5, atol=1e-5)
+    mha_scores = np_(mha_scores) * np.broadcast_to(seen[:, None, :, None], mha_scores.shape)
+    np.testing.assert_allclose(np_(scores), mha_scores, rtol=1e-5, atol=1e-6)
+    if mask_kind == "all_masked_row":
+        assert not seen.all()  # the case really has a row that sees nothing
+
+
+def test_from_mha_keeps_weights_and_names():
+    mha = built_mha(cross=False)
+    layer = DamchaAttention.from_mha(mha)
+    for name in ("query", "key", "value", "output"):
+        ours, theirs = getattr(layer, f"{name}_dense"), getattr(mha, f"{name}_dense")
+        np.testing.assert_array_equal(np_(ours.kernel), np_(theirs.kernel))
+        assert ours.kernel.path.split("/")[-2:] == theirs.kernel.path.split("/")[-2:]
+    canonical = layer.to_canonical()
+    assert list(canonical) == list(layer.config.param_shapes())
+    assert np.all(canonical["metric.qk.gate"] == 0)
+
+
+# ------------------------------------------------------ reference equality
+
+CONFIGS = {
+    "heads-tied": dict(metric="heads", coupling="tied"),
+    "heads-separate-gqa": dict(metric="heads", coupling="separate", num_kv_heads=1),
+    "lowrank-query-scale": dict(metric="lowrank", metric_rank=2, coupling="query", scale=0.7),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_matches_reference_with_keras_masks(name, causal):
+    """Open gates, Keras (B, N, M) and (B, M) masks, causal: equals damcha_core,
+    outputs and attention scores."""
+    cfg = dc.DamchaConfig(query_dim=E, num_heads=H + 1, key_dim=D, output_dim=6, **CONFIGS[name])
+    params = case_params(cfg, seed=7)
+    layer = DamchaAttention.from_canonical(params, cfg)
+    r = rng(5)
+    x = r.normal(size=(B, N, E))
+    am = r.random((B, N, N)) < 0.7
+    am[0, 1] = False  # a row that sees nothing
+    vm = np.array([[True] * N, [True] * (N - 2) + [False] * 2])
+    ref_mask = (am & vm[:, None, :])[:, None]
+    y_ref, w_ref = dc.damcha_attention(params, cfg, x, mask=ref_mask, causal=causal, return_weights=True)
+    xs = x.astype("float32")
+    y = layer(xs, xs, attention_mask=am, value_mask=vm, use_causal_mask=causal)
+    np.testing.assert_allclose(np_(y), y_ref, rtol=2e-4, atol=2e-5)
+    y2, w = layer(xs, xs, attention_mask=am, value_mask=vm, use_causal_mask=causal, return_attention_scores=True)
+    np.testing.assert_allclose(np_(y2), y_ref, rtol=2e-4, atol=2e-5)
+    np.testing.assert_allclose(np_(w), w_ref, rtol=2e-4, atol=2e-5)
+
+
+def test_distinct_key_feeds_key_side():
+    """`key` (same shape as value) feeds the key projection and key-side metric:
+    equals the reference with context=key for logits, value from `value`, which
+    with key == value is the reference itself; a different key changes the output."""
+    cfg = dc.DamchaConfig(query_dim=E, num_heads=H, key_dim=D, context_dim=8, coupling="separate")
+    params = case_params(cfg, seed=2)
+    layer = DamchaAttention.from_canonical(params, cfg)
+    r = rng(9)
+    x, c = r.normal(size=(B, N, E)).astype("float32"), r.normal(size=(B, M, 8)).astype("float32")
+    np.testing.assert_allclose(np_(layer(x, c, key=c)), dc.damcha_attention(params, cfg, x, c), rtol=2e-4, atol=2e-5)
+    other = np_(layer(x, c, key=c[:, ::-1]))
+    assert np.abs(other - np_(layer(x, c))).max() > 1e-3
+
+
+# ---------------------------------------------------------- layer test
+
+def test_layer_config_roundtrip_and_symbolic_call():
+    layer = DamchaAttention(2, 4, value_dim=3, output_shape=7, metric="lowrank", metric_rank=2,
+                            coupling="separate", num_kv_heads=1, scale=0.5, metric_l2=0.01, dropout=0.1, seed=1,
+                            kernel_regularizer="l2", name="att")
+    clone = DamchaAttention.from_config(layer.get_config())
+    assert clone.get_config() == layer.get_config()
+    q, c = keras.Input((None, 6)), keras.Input((9, 5))
+    out, scores = layer(q, c, return_attention_scores=True)
+    assert tuple(out.shape) == (None, None, 7) and tuple(scores.shape) == (None, 2, None, 9)
+    assert layer.config == dc.DamchaConfig(query_dim=6, context_dim=5, num_heads=2, key_dim=4, value_dim=3,
+                                           output_dim=7, metric="lowrank", metric_rank=2, coupling="separate",
+                                           num_kv_heads=1, scale=0.5, dropout=0.1)
+    eager = layer(np.ones((2, 3, 6), "float32"), np.ones((2, 9, 5), "float32"))
+    assert tuple(eager.shape) == (2, 3, 7)
+    assert len(layer.trainable_weights) == len(layer.config.param_shapes())
+
+
+def test_compiled_training_step_updates_metric_weights():
+    """model.fit runs the compiled graph; the gates open (they get gradients)
+    and the loss decreases."""
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((6, 8))
+    att = DamchaAttention(2, 4, seed=0)
+    model = keras.Model(inp, keras.layers.GlobalAveragePooling1D()(att(inp, inp)))
+    model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse", jit_compile=False)
+    r = rng(1)
+    x, y = r.normal(size=(32, 6, 8)).astype("float32"), r.normal(size=(32, 8)).astype("float32")
+    history = model.fit(x, y, epochs=4, batch_size=16, verbose=0)
+    assert history.history["loss"][-1] < history.history["loss"][0]
+    assert np.abs(np_(att.canonical_variables()["metric.qk.gate"])).max() > 0
+
+
+def test_mixed_precision_matches_float32():
+    layer32 = DamchaAttention(2, 4, seed=3)
+    x = rng(2).normal(size=(2, 5, 8)).astype("float32")
+    ref = np_(layer32(x, x))
+    for name, var in layer32.canonical_variables().items():
+        if name.endswith("gate"):
+            var.assign(np.full(var.shape, 0.5, "float32"))
+    ref = np_(layer32(x, x))
+    mixed = DamchaAttention.from_canonical(layer32.to_canonical(), layer32.config, dtype="mixed_float16")
+    out = mixed(x, x)
+    assert keras.backend.standardize_dtype(out.dtype) == "float16"
+    assert keras.backend.standardize_dtype(mixed.query_dense.kernel.dtype) == "float32"
+    np.testing.assert_allclose(np_(out), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_metric_l2_adds_reference_penalty():
+    cfg = dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4, metric="lowrank", metric_rank=3, coupling="separate")
+    params = case_params(cfg, seed=4)
+    layer = DamchaAttention.from_canonical(params, cfg, metric_l2=0.3)
+    r = rng(4)
+    x, c = r.normal(size=(2, 5, 8)), r.normal(size=(2, 6, 8))
+    layer(x.astype("float32"), c.astype("float32"))
+    assert len(layer.losses) == 1
+    np.testing.assert_allclose(np_(layer.losses[0]), 0.3 * dc.metric_penalty(params, cfg, x, c), rtol=1e-4)
+
+
+# ------------------------------------------------ serialisation, sharing
+
+def test_shared_generator_stack_saves_and_loads_bit_exactly(tmp_path):
+    keras.utils.set_random_seed(1)
+    gen = MetricGenerator(2, name="shared_metric")
+    inp = keras.Input((6,), dtype="int32")
+    h = keras.layers.Embedding(20, 8, mask_zero=True)(inp)
+    enc = [TransformerEncoder(16, 2, metric_generator=gen, name=f"enc{i}") for i in range(2)]
+    dec = TransformerDecoder(16, 2, metric_generator=gen, name="dec")
+    for block in enc:
+        h = block(h)
+    out = keras.layers.Dense(3)(dec(h))
+    model = keras.Model(inp, out)
+    for block in enc + [dec]:
+        assert block._attention.metric_generators["qk"] is gen
+    for block in enc + [dec]:  # open every gate so the generator matters
+        gate = block._attention.canonical_variables()["metric.qk.gate"]
+        gate.assign(rng(5).uniform(0.3, 1.0, gate.shape).astype("float32"))
+    tokens = np.array([[3, 4, 5, 0, 0, 0], [1, 2, 3, 4, 5, 6]], "int32")
+    before = np_(model(tokens))
+    path = tmp_path / "stack.keras"
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    np.testing.assert_array_equal(np_(loaded(tokens)), before)
+    gens = {id(loaded.get_layer(n)._attention.metric_generators["qk"]) for n in ("enc0", "enc1", "dec")}
+    assert len(gens) == 1  # still one shared generator after loading
+
+
+def test_automatic_keras_mask_equals_explicit_masks():
+    """Embedding(mask_zero=True) masks flow into query_mask/value_mask."""
+    keras.utils.set_random_seed(2)
+    emb = keras.layers.Embedding(10, 8, mask_zero=True)
+    att = DamchaAttention(2, 4, seed=2)
+    tokens = np.array([[1, 2, 3, 0], [4, 5, 0, 0]], "int32")
+    h = emb(tokens)
+    auto = np_(att(h, h))
+    pad = tokens != 0
+    explicit = np_(att(h, h, query_mask=pad, value_mask=pad))
+    unmasked = np_(att(emb.call(tokens), emb.call(tokens)))
+    np.testing.assert_array_equal(auto, explicit)
+    assert np.abs(auto - unmasked).max() > 1e-4
+
+
+def test_canonical_safetensors_roundtrip(tmp_path):
+    cfg = dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4)
+    params = case_params(cfg, seed=1)
+    layer = DamchaAttention.from_canonical(params, cfg)
+    layer.save_canonical(tmp_path / "a.safetensors")
+    again = DamchaAttention.load(tmp_path / "a.safetensors")
+    assert again.config == cfg
+    for name, value in again.to_canonical().items():
+        np.testing.assert_array_equal(value, params[name].astype("float32"))
+
+
+# ------------------------------------------------------------ bad input
+
+BAD_CONSTRUCTOR = {
+    "num_heads-zero": (dict(num_heads=0, key_dim=4), dc.DamchaValueError, "num_heads"),
+    "key_dim-float": (dict(num_heads=2, key_dim=4.0), dc.DamchaTypeError, "key_dim"),
+    "coupling-unknown": (dict(num_heads=2, key_dim=4, coupling="both"), dc.DamchaValueError, "coupling"),
+    "lowrank-without-rank": (dict(num_heads=2, key_dim=4, metric="lowrank"), dc.DamchaValueError, "metric_rank"),
+    "tied-gqa": (dict(num_heads=4, key_dim=4, num_kv_heads=2), dc.DamchaValueError, "num_kv_heads"),
+    "output_shape-2d": (dict(num_heads=2, key_dim=4, output_shape=(2, 3)), dc.DamchaValueError, "output_shape"),
+    "metric_l2-negative": (dict(num_heads=2, key_dim=4, metric_l2=-1.0), dc.DamchaValueError, "metric_l2"),
+    "generator-wrong-type": (dict(num_heads=2, key_dim=4, metric_generator="gen"), dc.DamchaTypeError, "metric_generator"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CONSTRUCTOR))
+def test_bad_constructor_arguments(case):
+    kwargs, error, name = BAD_CONSTRUCTOR[case]
+    with pytest.raises(error, match=name):
+        DamchaAttention(**kwargs)
+
+
+X = np.zeros((2, 5, 8), "float32")
+BAD_CALL = {
+    "int-query": (dict(query=np.zeros((2, 5, 8), "int32")), dc.DamchaTypeError, "query"),
+    "float-attention_mask": (dict(attention_mask=np.ones((2, 5, 5), "float32")), dc.DamchaTypeError, "attention_mask"),
+    "int-value_mask": (dict(value_mask=np.ones((2, 5), "int32")), dc.DamchaTypeError, "value_mask"),
+    "attention_mask-shape": (dict(attention_mask=np.ones((2, 5, 4), bool)), dc.DamchaValueError, "attention_mask"),
+    "attention_mask-rank5": (dict(attention_mask=np.ones((1, 2, 2, 5, 5), bool)), dc.DamchaValueError, "attention_mask"),
+    "query_mask-shape": (dict(query_mask=np.ones((2, 4), bool)), dc.DamchaValueError, "query_mask"),
+    "features-changed": (dict(query=np.zeros((2, 5, 6), "float32")), dc.DamchaValueError, "query"),
+    "rank-2-query": (dict(query=np.zeros((5, 8), "float32")), dc.DamchaValueError, "query"),
+    "batch-mismatch": (dict(value=np.zeros((3, 5, 8), "float32")), dc.DamchaValueError, "batch"),
+    "causal-not-bool": (dict(use_causal_mask="yes"), dc.DamchaTypeError, "use_causal_mask"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CALL))
+def test_bad_call_arguments(case):
+    layer = DamchaAttention(2, 4)
+    layer(X, X)
+    overrides, error, name = BAD_CALL[case]
+    args = {"query": X, "value": X, **overrides}
+    with pytest.raises(error, match=name):
+        layer(args.pop("query"), args.pop("value"), **args)
+
+
+def test_incompatible_shared_generator_is_rejected():
+    gen = MetricGenerator(3)
+    with pytest.raises(dc.DamchaValueError, match="metric_generator"):
+        DamchaAttention(2, 4, metric_generator=gen)(X, X)
