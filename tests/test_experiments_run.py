@@ -48,6 +48,11 @@ def test_tiny_run_writes_json_and_plots(task, variants, tmp_path, capsys):
         png = tmp_path / f"{task}_{suffix}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| variant | params |" in capsys.readouterr().out
+    # Replotting from the JSON reproduces the table without training.
+    again = tmp_path / "again"
+    assert _cli.main([task, "--from-json", str(tmp_path / f"{task}.json"), "--out", str(again)]) == 0
+    assert json.loads((again / f"{task}.json").read_text()) == result
+    assert (again / f"{task}_curves.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_models_are_matched_in_parameter_count():
@@ -109,6 +114,13 @@ def test_seed_noise_comparison_uses_two_standard_errors():
 def test_cli_rejects_bad_arguments(argv, message, capsys):
     assert _cli.main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_damcha_command_dispatches_to_experiments(capsys):
+    from damcha_core._cli import main as damcha_main
+
+    assert damcha_main(["experiment", "listops", "--seeds", "0"]) == 2
+    assert "--seeds must be >= 1" in capsys.readouterr().err
 
 
 def test_unknown_task_is_named():
