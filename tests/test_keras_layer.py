@@ -314,3 +314,28 @@ def test_incompatible_shared_generator_is_rejected():
     gen = MetricGenerator(3)
     with pytest.raises(dc.DamchaValueError, match="metric_generator"):
         DamchaAttention(2, 4, metric_generator=gen)(X, X)
+
+
+def test_dropout_only_in_training():
+    x = rng(6).normal(size=(2, 5, 8)).astype("float32")
+    plain = DamchaAttention(2, 4, seed=0)
+    plain(x, x)
+    dropped = DamchaAttention.from_canonical(plain.to_canonical(), plain.config.replace(dropout=0.5), seed=0)
+    np.testing.assert_allclose(np_(dropped(x, x)), np_(plain(x, x)), rtol=1e-6, atol=1e-6)
+    train = np_(dropped(x, x, training=True))
+    assert np.abs(train - np_(plain(x, x))).max() > 1e-3
+
+
+def test_export_saved_model_and_reload(tmp_path):
+    """model.export to a TensorFlow SavedModel (symbolic batch and length),
+    reloaded with TFSMLayer, gives the same predictions."""
+    inp = keras.Input((None, 8))
+    att = DamchaAttention(2, 4, seed=0)
+    model = keras.Model(inp, att(inp, inp, use_causal_mask=True))
+    for name, var in att.canonical_variables().items():
+        if name.endswith("gate"):
+            var.assign(np.full(var.shape, 0.7, "float32"))
+    model.export(str(tmp_path / "sm"), format="tf_saved_model", verbose=False)
+    served = keras.layers.TFSMLayer(str(tmp_path / "sm"), call_endpoint="serve")
+    x = rng(8).normal(size=(3, 6, 8)).astype("float32")
+    np.testing.assert_allclose(np_(served(x)), np_(model(x)), rtol=1e-5, atol=1e-6)
