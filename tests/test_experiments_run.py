@@ -11,7 +11,7 @@ import torch
 
 from damcha_core import DamchaValueError
 from damcha_experiments import _cli, _train
-from damcha_experiments._models import VARIANTS, attention_factory, count_parameters
+from damcha_experiments._models import VARIANTS, attention_factory
 
 TINY = ["--seeds", "2", "--steps", "2", "--eval-size", "8", "--no-progress"]
 
