@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ._config import COUPLINGS, METRICS, DamchaConfig
 from ._convert import fold_static_metric, params_from_mha, projection_names
-from ._errors import DamchaError, DamchaTypeError, DamchaValueError
+from ._errors import DamchaError, DamchaTypeError, DamchaValueError, describe
 from ._io import load_params, save_params
 from ._params import init_params, validate_params
 from ._reference import (
@@ -35,6 +35,7 @@ __all__ = [
     "__version__",
     "check_shapes",
     "damcha_attention",
+    "describe",
     "float_dtype_error",
     "fold_static_metric",
     "init_params",

@@ -57,11 +57,17 @@ def float_dtype_error(name: str, value: Any) -> DamchaTypeError:
     )
 
 
-def mask_dtype_error(value: Any, name: str = "mask") -> DamchaTypeError:
-    """The error every backend raises for a non-boolean mask."""
+def mask_dtype_error(
+    value: Any, name: str = "mask", expected: str = "boolean (True = may attend)"
+) -> DamchaTypeError:
+    """The error every backend raises for a mask of the wrong dtype.
+
+    ``expected`` states the convention of the argument at hand, e.g. a port
+    whose masks follow torch's convention passes "boolean (True = masked out)
+    or floating (additive)".
+    """
     return DamchaTypeError(
-        f"`{name}` must be boolean (True = may attend); convert additive or 0/1 masks "
-        f"explicitly. Received: {name}={describe(value)}"
+        f"`{name}` must be {expected}; convert other masks explicitly. Received: {name}={describe(value)}"
     )
 
 
@@ -70,6 +76,8 @@ def check_shapes(
     query_shape: tuple[int, ...],
     context_shape: tuple[int, ...] | None = None,
     mask_shape: tuple[int, ...] | None = None,
+    *,
+    mask_name: str = "mask",
 ) -> tuple[int, int, int]:
     """Shape rules shared by every backend; returns (B, N, M).
 
@@ -99,15 +107,15 @@ def check_shapes(
         mask_shape = tuple(mask_shape)
         target = (B, config.num_heads, N, M)
         if len(mask_shape) not in (2, 4):
-            hint = " For a (B, N, M) mask pass mask[:, None]." if len(mask_shape) == 3 else ""
+            hint = f" For a (B, N, M) mask pass {mask_name}[:, None]." if len(mask_shape) == 3 else ""
             raise DamchaValueError(
-                f"`mask` must have shape (N, M) or (B, H, N, M) with size-1 dims allowed, expected "
-                f"broadcastable to {target}.{hint} Received: mask.shape={mask_shape}"
+                f"`{mask_name}` must have shape (N, M) or (B, H, N, M) with size-1 dims allowed, expected "
+                f"broadcastable to {target}.{hint} Received: {mask_name}.shape={mask_shape}"
             )
         if any(s not in (1, t) for s, t in zip(mask_shape[::-1], target[::-1])):
             raise DamchaValueError(
-                f"`mask` must be broadcastable to (B, H, N, M) = {target} (each dim equal or 1). "
-                f"Received: mask.shape={mask_shape}"
+                f"`{mask_name}` must be broadcastable to (B, H, N, M) = {target} (each dim equal or 1). "
+                f"Received: {mask_name}.shape={mask_shape}"
             )
     return B, N, M
 
