@@ -339,3 +339,11 @@ def test_export_saved_model_and_reload(tmp_path):
     served = keras.layers.TFSMLayer(str(tmp_path / "sm"), call_endpoint="serve")
     x = rng(8).normal(size=(3, 6, 8)).astype("float32")
     np.testing.assert_allclose(np_(served(x)), np_(model(x)), rtol=1e-5, atol=1e-6)
+
+
+def test_symbolic_bad_input_fails_when_building_the_model():
+    q = keras.Input((5, 8))
+    with pytest.raises(dc.DamchaValueError, match="attention_mask"):
+        DamchaAttention(2, 4)(q, q, attention_mask=keras.Input((5, 4), dtype="bool"))
+    with pytest.raises(dc.DamchaTypeError, match="query"):
+        DamchaAttention(2, 4)(keras.Input((5, 8), dtype="int32"), q)

@@ -497,6 +497,9 @@ class DamchaAttention(keras.layers.Layer):
 
     def compute_output_spec(self, query, value, key=None, query_mask=None, value_mask=None, key_mask=None,
                             attention_mask=None, return_attention_scores=False, training=None, use_causal_mask=False):
+        # Functional models fail at model-building time, not at the first fit.
+        masks = dict(query_mask=query_mask, value_mask=value_mask, key_mask=key_mask, attention_mask=attention_mask)
+        self._check_inputs(query, value, key, masks)
         out = keras.KerasTensor(self.compute_output_shape(query.shape, value.shape), dtype=self.compute_dtype)
         if return_attention_scores:
             scores = keras.KerasTensor((query.shape[0], self._num_heads, query.shape[1], value.shape[1]), dtype=self.compute_dtype)
