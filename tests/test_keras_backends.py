@@ -48,18 +48,20 @@ def _main(backend: str, workdir: str) -> None:
     import keras
 
     from damcha_conformance import run_conformance
-    from damcha_keras import ConformanceAdapter, DamchaAttention, MetricGenerator
+    from damcha_keras import ConformanceAdapter, DamchaAttention, MetricGenerator, TransformerDecoder, TransformerEncoder
 
     assert keras.backend.backend() == backend
     adapter = ConformanceAdapter()
     report = run_conformance(adapter, dtypes=BACKENDS[backend])
     ran = [r for r in report.results if r.status != "unsupported"]
 
-    # A small functional model with a shared generator: fit, save, reload.
+    # A small functional model whose layers share one generator: fit, save, reload.
     keras.utils.set_random_seed(0)
     gen = MetricGenerator(2, name="shared")
     inp = keras.Input((6, 8))
     h = DamchaAttention(2, 4, metric_generator=gen, seed=0, name="a0")(inp, inp)
+    h = TransformerEncoder(16, 2, metric_generator=gen, name="enc")(h)
+    h = TransformerDecoder(16, 2, metric_generator=gen, name="dec")(h)
     h = DamchaAttention(2, 4, metric_generator=gen, seed=1, name="a1")(h, h, use_causal_mask=True)
     model = keras.Model(inp, keras.layers.GlobalAveragePooling1D()(h))
     model.compile(optimizer=keras.optimizers.Adam(0.05), loss="mse")
@@ -70,7 +72,8 @@ def _main(backend: str, workdir: str) -> None:
     model.save(path)
     loaded = keras.models.load_model(path)
     before, after = (keras.ops.convert_to_numpy(m(x[:4])) for m in (model, loaded))
-    shared_again = loaded.get_layer("a0").metric_generators["qk"] is loaded.get_layer("a1").metric_generators["qk"]
+    users = [loaded.get_layer(n) for n in ("a0", "a1")] + [loaded.get_layer(n)._attention for n in ("enc", "dec")]
+    shared_again = len({id(layer.metric_generators["qk"]) for layer in users}) == 1
     print(json.dumps({
         "backend": backend,
         "dtypes": list(adapter.dtypes),
