@@ -217,8 +217,8 @@ def _attend(
     N x M tensor is built here; XLA's kernel builds what it needs). float64
     uses the equivalent einsum path, see below.
     """
-    B, N, H, d = q.shape
-    M, G, d_v = k.shape[1], k.shape[2], v.shape[-1]
+    N, d = q.shape[1], q.shape[-1]
+    M, d_v = k.shape[1], v.shape[-1]
     mask = _mask4(mask)
     static_offset = isinstance(query_offset, int)
     # jax.nn.dot_product_attention always takes its softmax in float32
@@ -235,7 +235,7 @@ def _attend(
     if explicit:
         k_h = jnp.repeat(k, config.group_size, axis=2)  # head h reads kv head h // (H/G)
         v_h = jnp.repeat(v, config.group_size, axis=2)
-        logits = config.softmax_scale * jnp.einsum("bnhd,bmhd->bhnm", q, k_h)
+        logits = config.softmax_scale * jnp.einsum("bnhd,bmhd->bhnm", q, k_h, preferred_element_type=_acc(q.dtype))
         full = jnp.ones((1, 1, 1, 1), bool) if visible is None else visible
         probs = _safe_softmax(logits, jnp.broadcast_to(full, logits.shape))
         weights = probs
