@@ -9,7 +9,7 @@ import keras
 from keras import ops
 
 from damcha_core import RMS_EPS, DamchaConfig, DamchaTypeError, DamchaValueError
-from damcha_core._errors import describe
+from damcha_core import describe
 
 _METRICS = ("heads", "lowrank")
 

@@ -11,7 +11,7 @@ from keras import ops
 
 import damcha_core as dc
 from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError
-from damcha_core._errors import describe
+from damcha_core import describe
 
 from ._generator import MetricGenerator, serialize_generator
 
