@@ -6,8 +6,7 @@ from typing import Any
 
 import keras
 
-from damcha_core import DamchaTypeError, DamchaValueError
-from damcha_core import describe
+from damcha_core import DamchaTypeError, DamchaValueError, describe
 
 from ._generator import MetricGenerator, serialize_generator
 from ._layer import DamchaAttention

@@ -8,8 +8,7 @@ from typing import Any
 import keras
 from keras import ops
 
-from damcha_core import RMS_EPS, DamchaConfig, DamchaTypeError, DamchaValueError
-from damcha_core import describe
+from damcha_core import RMS_EPS, DamchaConfig, DamchaTypeError, DamchaValueError, describe
 
 _METRICS = ("heads", "lowrank")
 

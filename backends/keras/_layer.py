@@ -10,8 +10,7 @@ import keras
 from keras import ops
 
 import damcha_core as dc
-from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError
-from damcha_core import describe
+from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, describe
 
 from ._generator import MetricGenerator, serialize_generator
 
