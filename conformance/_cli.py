@@ -27,7 +27,7 @@ BACKENDS: dict[str, tuple[str, str, dict[str, str]]] = {
     "torch": ("damcha_torch", "torch", {}),
     "jax": ("damcha_jax", "jax", {"JAX_ENABLE_X64": "1"}),
     "keras-tensorflow": ("damcha_keras", "tensorflow", {"KERAS_BACKEND": "tensorflow"}),
-    "keras-jax": ("damcha_keras", "jax", {"KERAS_BACKEND": "jax"}),
+    "keras-jax": ("damcha_keras", "jax", {"KERAS_BACKEND": "jax", "JAX_ENABLE_X64": "1"}),
     "keras-torch": ("damcha_keras", "torch", {"KERAS_BACKEND": "torch"}),
     "onnxruntime": ("damcha_onnx", "onnxruntime", {}),
 }
