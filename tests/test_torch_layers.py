@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -294,3 +296,23 @@ def test_recompute_keeps_saved_activations_within_mha():
     with_recompute = _saved_activation_bytes(DamchaAttention(32, 4, batch_first=True), x)
     without = _saved_activation_bytes(DamchaAttention(32, 4, batch_first=True, recompute=False), x)
     assert with_recompute <= base < without
+
+
+@pytest.mark.parametrize("metric", ["heads", "lowrank"])
+def test_module_dtype_and_device_moves_keep_outputs(metric):
+    """nn.Module.to/.double/.float walk every submodule: the metric generator
+    must not shadow Module._apply, and the moved layer must still match."""
+    kw = {"metric_rank": 2} if metric == "lowrank" else {}
+    layer = DamchaAttention(16, 4, batch_first=True, metric=metric, **kw)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if "gate" in name:
+                p.uniform_(0.3, 1.0)
+    x = torch.randn(2, 5, 16)
+    y32, _ = layer(x, x, x, need_weights=False)
+    layer64 = copy.deepcopy(layer).double()
+    assert all(p.dtype == torch.float64 for p in layer64.parameters())
+    y64, _ = layer64(x.double(), x.double(), x.double(), need_weights=False)
+    torch.testing.assert_close(y64.float(), y32, rtol=1e-4, atol=1e-5)
+    back = layer64.to(torch.float32).to("cpu")
+    torch.testing.assert_close(back(x, x, x, need_weights=False)[0], y32, rtol=1e-5, atol=1e-6)

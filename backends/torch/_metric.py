@@ -108,7 +108,7 @@ class MetricGenerator(nn.Module):
         bias = (bias.view(S, S) * gate.view(S, 1) + eye).view(S * S)
         return generator_linear(tokens, weight, bias).unflatten(-1, (S, S))
 
-    def _apply(self, tokens: Tensor, gate: Tensor, ys: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    def _map_heads(self, tokens: Tensor, gate: Tensor, ys: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
         if self.metric == "heads":
             l = self.head_map(tokens, gate)
             return tuple(torch.matmul(l, y) for y in ys)
@@ -135,10 +135,10 @@ class MetricGenerator(nn.Module):
             # l sits near I: in a 16-bit type it rounds q~ twice (l, then l q);
             # the map is tiny next to attention, so it runs in float32.
             with torch.autocast(y.device.type, enabled=False):
-                out = self._apply(tokens.float(), gate, tuple(t.float() for t in ys))
+                out = self._map_heads(tokens.float(), gate, tuple(t.float() for t in ys))
             out = tuple(t.to(y.dtype) for t in out)
         else:
-            out = self._apply(tokens.to(y.dtype), gate, ys)
+            out = self._map_heads(tokens.to(y.dtype), gate, ys)
         return out if more else out[0]
 
     def penalty(self, tokens: Tensor, gate: Tensor) -> Tensor:
