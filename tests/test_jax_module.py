@@ -208,7 +208,7 @@ def test_attention_dropout_only_in_training() -> None:
     )
     np.testing.assert_allclose(inference, plain, rtol=1e-6, atol=1e-6)
     assert np.all(np.isfinite(train)) and np.abs(np.asarray(train - plain)).max() > 1e-3
-    with pytest.raises(ValueError, match="deterministic"):
+    with pytest.raises(dc.DamchaValueError, match="deterministic"):
         dropping(x)
 
 

@@ -384,10 +384,12 @@ class DamchaAttention(nnx.Module):
     def _dropout_rng(self, deterministic: bool | None, rngs: Any) -> Array | None:
         if self.dropout_rate == 0.0:
             return None
-        deterministic = nnx.module.first_from(
-            deterministic, self.deterministic,
-            error_msg="No `deterministic` argument was given to DamchaAttention as a __call__ argument or attribute.",
-        )
+        deterministic = self.deterministic if deterministic is None else deterministic
+        if deterministic is None:
+            raise DamchaValueError(
+                f"`deterministic` must be given (to __call__ or the constructor) when dropout_rate={self.dropout_rate} > 0. "
+                "Received: deterministic=None"
+            )
         if deterministic:
             return None
         stream = rngs.dropout if isinstance(rngs, nnx.Rngs) else (rngs or self.rngs)
@@ -422,7 +424,7 @@ class DamchaAttention(nnx.Module):
                 f"Received: inputs_k=None, inputs_v={describe(inputs_v)}"
             )
         value = None if inputs_v is None or inputs_v is inputs_k else inputs_v
-        decode = bool(nnx.module.first_from(decode, self.decode, False, error_msg=""))
+        decode = bool(self.decode if decode is None else decode)
         dropout_rng = self._dropout_rng(deterministic, rngs)
         if decode:
             if value is not None:
