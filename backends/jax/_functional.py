@@ -21,12 +21,12 @@ from damcha_core import (
     DamchaTypeError,
     DamchaValueError,
     check_shapes,
+    describe,
     float_dtype_error,
     mask_dtype_error,
     side_of,
     validate_params,
 )
-from damcha_core._errors import describe
 
 Array = jax.Array
 Params = Mapping[str, Any]

@@ -12,8 +12,7 @@ import numpy as np
 from flax import nnx
 
 import damcha_core as dc
-from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError
-from damcha_core._errors import describe
+from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, describe
 
 from . import _functional as F
 
