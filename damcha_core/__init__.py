@@ -10,7 +10,7 @@ from ._config import COUPLINGS, METRICS, DamchaConfig
 from ._convert import fold_static_metric, params_from_mha, projection_names
 from ._errors import DamchaError, DamchaTypeError, DamchaValueError, describe
 from ._io import load_params, save_params
-from ._params import init_params, validate_params
+from ._params import check_params, init_params, validate_params
 from ._reference import (
     RMS_EPS,
     check_shapes,
@@ -33,6 +33,7 @@ __all__ = [
     "METRICS",
     "RMS_EPS",
     "__version__",
+    "check_params",
     "check_shapes",
     "damcha_attention",
     "describe",

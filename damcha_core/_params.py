@@ -84,16 +84,23 @@ def init_params(config: DamchaConfig, seed: int = 0) -> dict[str, np.ndarray]:
     return params
 
 
-def validate_params(
-    params: Mapping[str, Any], config: DamchaConfig, *, argument: str = "params"
-) -> dict[str, np.ndarray]:
-    """Check names, shapes and dtypes against ``config``; return float64 copies.
+def _dtype_is_real_float(dtype: Any) -> bool:
+    try:
+        return _is_real_float(np.dtype(dtype))
+    except TypeError:  # a framework dtype NumPy does not know, e.g. torch.float32
+        return str(dtype).rsplit(".", 1)[-1] in ("float16", "float32", "float64", "bfloat16", "half", "float", "double")
+
+
+def check_params(params: Mapping[str, Any], config: DamchaConfig, *, argument: str = "params") -> None:
+    """Check names, shapes and dtypes against ``config`` without reading values.
+
+    Works on any array type with ``.shape`` and ``.dtype`` (NumPy, torch, JAX
+    tracers under ``jit``), so ports share the reference's rules and messages.
 
     Raises:
         DamchaTypeError: ``params`` is not a mapping, or a tensor is not a real
             floating array.
-        DamchaValueError: a name is missing or unexpected, a shape is wrong, or
-            a value is not finite.
+        DamchaValueError: a name is missing or unexpected, or a shape is wrong.
     """
     if not isinstance(config, DamchaConfig):
         raise DamchaTypeError(f"`config` must be a DamchaConfig. Received: config={describe(config)}")
@@ -112,20 +119,34 @@ def validate_params(
             f"`{argument}` does not match the config ({'; '.join(parts)}). "
             f"Expected exactly: {list(expected)}"
         )
-    out: dict[str, np.ndarray] = {}
     for name, shape in expected.items():
         value = params[name]
-        array = np.asarray(value)
-        if not _is_real_float(array.dtype):
+        if not (hasattr(value, "shape") and hasattr(value, "dtype")):
+            value = np.asarray(value)
+        if not _dtype_is_real_float(value.dtype):
             raise DamchaTypeError(
-                f"`{argument}[{name!r}]` must be a real floating array. Received: {describe(array)}"
+                f"`{argument}[{name!r}]` must be a real floating array. Received: {describe(value)}"
             )
-        if array.shape != shape:
+        if tuple(value.shape) != shape:
             raise DamchaValueError(
                 f"`{argument}[{name!r}]` must have shape {shape} for this config. "
-                f"Received: {argument}[{name!r}].shape={array.shape}"
+                f"Received: {argument}[{name!r}].shape={tuple(value.shape)}"
             )
-        array = array.astype(np.float64)
+
+
+def validate_params(
+    params: Mapping[str, Any], config: DamchaConfig, *, argument: str = "params"
+) -> dict[str, np.ndarray]:
+    """``check_params``, then finiteness; returns float64 NumPy copies.
+
+    Raises:
+        DamchaTypeError, DamchaValueError: as ``check_params``; also
+            DamchaValueError when a value is NaN or infinite.
+    """
+    check_params(params, config, argument=argument)
+    out: dict[str, np.ndarray] = {}
+    for name in config.param_shapes():
+        array = np.asarray(params[name]).astype(np.float64)
         if not np.all(np.isfinite(array)):
             raise DamchaValueError(f"`{argument}[{name!r}]` contains NaN or inf values.")
         out[name] = array

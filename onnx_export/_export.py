@@ -13,7 +13,7 @@ from onnx import TensorProto, helper
 
 import damcha_core as dc
 from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError
-from damcha_core._errors import describe
+from damcha_core import describe
 
 from ._graph import ATTENTION_OPSET, DTYPES, MIN_OPSET, GraphBuilder, attention_layer
 

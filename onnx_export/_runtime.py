@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 
 from damcha_core import DamchaTypeError, DamchaValueError, float_dtype_error, mask_dtype_error
-from damcha_core._errors import describe
+from damcha_core import describe
 
 
 def _model_bytes(model: onnx.ModelProto | str | os.PathLike) -> bytes | str:

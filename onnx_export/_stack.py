@@ -26,7 +26,7 @@ from onnx import TensorProto, helper
 
 import damcha_core as dc
 from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError
-from damcha_core._errors import describe
+from damcha_core import describe
 
 from ._export import _check_flag, _dims, check_opset, make_model, save_model, validate_model
 from ._graph import ATTENTION_OPSET, GraphBuilder, attention_layer

@@ -11,7 +11,7 @@ from typing import Any, Sequence
 import onnx
 
 from damcha_core import DamchaTypeError
-from damcha_core._errors import describe
+from damcha_core import describe
 
 from ._export import check_opset, validate_model
 from ._graph import ATTENTION_OPSET

@@ -167,3 +167,27 @@ def test_public_api_all_is_sorted_and_importable():
         assert list(module.__all__) == sorted(module.__all__)
         for name in module.__all__:
             assert hasattr(module, name), name
+
+
+class _FakeTensor:
+    """Stands in for a framework tensor: shape and dtype, values unreadable."""
+
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = shape, dtype
+
+    def __array__(self, *args, **kwargs):
+        raise AssertionError("check_params must not read values")
+
+
+@pytest.mark.parametrize("dtype", ["torch.float32", "torch.bfloat16", np.dtype("float16"), "float64"])
+def test_check_params_reads_only_shapes_and_dtypes(dtype):
+    fake = {k: _FakeTensor(s, dtype) for k, s in CFG.param_shapes().items()}
+    dc.check_params(fake, CFG)
+
+
+def test_check_params_rejects_like_validate_params():
+    fake = {k: _FakeTensor(s, "torch.float32") for k, s in CFG.param_shapes().items()}
+    with pytest.raises(dc.DamchaTypeError, match=r"`params\['query.kernel'\]` must be a real floating array"):
+        dc.check_params({**fake, "query.kernel": _FakeTensor((8, 4, 2), "torch.int64")}, CFG)
+    with pytest.raises(dc.DamchaValueError, match=r"`params\['key.bias'\]` must have shape \(4, 2\)"):
+        dc.check_params({**fake, "key.bias": _FakeTensor((4, 3), "torch.float32")}, CFG)

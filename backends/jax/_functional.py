@@ -20,12 +20,12 @@ from damcha_core import (
     DamchaConfig,
     DamchaTypeError,
     DamchaValueError,
+    check_params,
     check_shapes,
     describe,
     float_dtype_error,
     mask_dtype_error,
     side_of,
-    validate_params,
 )
 
 Array = jax.Array
@@ -45,25 +45,6 @@ def _check_bool(name: str, value: Any) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise DamchaTypeError(f"`{name}` must be a bool. Received: {name}={describe(value)}")
     return bool(value)
-
-
-def _check_params(params: Any, config: DamchaConfig) -> None:
-    """Names, shapes and dtypes through ``damcha_core.validate_params``.
-
-    The values may be tracers, which NumPy cannot read, so the reference
-    validator sees zero-strided stand-ins with the same shape and dtype; only
-    its finiteness check (a data check) is therefore not applied here.
-    """
-    if not isinstance(params, Mapping):
-        validate_params(params, config)  # raises the reference's TypeError
-    stand_ins = {}
-    for name, value in params.items():
-        shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
-        if shape is None or dtype is None:
-            stand_ins[name] = value  # not an array: let the reference describe it
-        else:
-            stand_ins[name] = np.broadcast_to(np.zeros((), dtype=np.dtype(dtype)), tuple(shape))
-    validate_params(stand_ins, config)
 
 
 def _check_float(name: str, value: Any) -> Array:
@@ -286,7 +267,8 @@ def _head_map(params: Params, config: DamchaConfig, side: str, tokens: Array) ->
 def _prepare(params, config, query, context, value, mask, dtype):
     """Validate everything once and cast to the computation dtype."""
     config = _check_config(config)
-    _check_params(params, config)
+    # Values may be tracers: names, shapes and dtypes only, no finiteness check.
+    check_params(params, config)
     x = _check_float("query", query)
     c = None if context is None else _check_float("context", context)
     v_tokens = None if value is None else _check_float("value", value)

@@ -13,7 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 import damcha_core as dc
 from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError
-from damcha_core._errors import describe
+from damcha_core import describe
 
 from ._functional import safe_attention
 from ._metric import MetricGenerator

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from damcha_core import DamchaTypeError, DamchaValueError
-from damcha_core._errors import describe
+from damcha_core import describe
 
 from ._attention import DamchaAttention
 from ._metric import MetricGenerator
