@@ -11,7 +11,7 @@ import numpy as np
 
 from ._adapter import BackendAdapter
 from ._cases import CATALOGUE, GROUPS, Case, gradient_targets, materialise, reference_directional
-from ._tolerances import tolerance
+from ._tolerances import DTYPES, tolerance
 
 STATUSES = ("pass", "fail", "error", "unsupported")
 
@@ -68,7 +68,7 @@ class Report:
 
     def table(self) -> str:
         """Backend/dtype x case group: passed/total and the worst max error."""
-        rows = sorted({(r.backend, r.dtype) for r in self.results}, key=lambda t: t[0])
+        rows = sorted({(r.backend, r.dtype) for r in self.results}, key=lambda t: (t[0], DTYPES.index(t[1])))
         groups = [g for g in GROUPS if any(r.group == g for r in self.results)]
         header = ["backend", "dtype"] + groups + ["all"]
         body = []
