@@ -14,6 +14,7 @@ from damcha_conformance import case_params
 from damcha_torch import (
     DamchaAttention,
     DamchaKVCache,
+    DamchaTransformerDecoderLayer,
     DamchaTransformerEncoderLayer,
     MetricGenerator,
     build_decoder,
@@ -316,3 +317,31 @@ def test_module_dtype_and_device_moves_keep_outputs(metric):
     torch.testing.assert_close(y64.float(), y32, rtol=1e-4, atol=1e-5)
     back = layer64.to(torch.float32).to("cpu")
     torch.testing.assert_close(back(x, x, x, need_weights=False)[0], y32, rtol=1e-5, atol=1e-6)
+
+
+def test_decoder_layer_equals_reference_composition():
+    """Post-norm decoder layer, open gates: torch's norms and feed-forward around
+    the reference's self- and cross-attention give the same output."""
+    torch.manual_seed(0)
+    layer = DamchaTransformerDecoderLayer(16, 4, dim_feedforward=32, dropout=0.0, batch_first=True,
+                                          cross_coupling="separate", dtype=torch.float64).eval()
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if "gate" in name:
+                p.uniform_(0.3, 1.0)
+    tgt, memory = torch.randn(2, 5, 16, dtype=torch.float64), torch.randn(2, 7, 16, dtype=torch.float64)
+    pad = torch.zeros(2, 7, dtype=torch.bool)
+    pad[1, -3:] = True  # torch convention: True = padding
+    out = layer(tgt, memory, tgt_mask=nn.Transformer.generate_square_subsequent_mask(5, dtype=torch.float64),
+                tgt_is_causal=True, memory_key_padding_mask=pad)
+
+    def attend(attn, x, c, **kw):
+        y = dc.damcha_attention(attn.to_canonical(), attn.config, x.numpy(), c.numpy(), **kw)
+        return torch.from_numpy(y)
+
+    with torch.no_grad():
+        x = layer.norm1(tgt + attend(layer.self_attn, tgt, tgt, causal=True))
+        x = layer.norm2(x + attend(layer.multihead_attn, x, memory, mask=(~pad).numpy()[:, None, None, :]))
+        want = layer.norm3(x + layer.linear2(layer.activation(layer.linear1(x))))
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
+    assert layer.multihead_attn.config.coupling == "separate"
