@@ -123,12 +123,29 @@ class GraphBuilder:
         attrs = {"start": index} if end is None else {"start": index, "end": end}
         return self.op("Shape", [x], hint, **attrs)
 
-    def rms_normalise(self, x: str, hint: str) -> str:
-        """phi(t) = t / sqrt(mean(t^2) + 1e-6), the generator's input."""
-        sq = self.op("Mul", [x, x], f"{hint}_sq")
+    def ones(self, size: int) -> str:
+        """A floating vector of ones, shared between nodes."""
+        key = ("ones", int(size))
+        if key not in self._consts:
+            self._consts[key] = self.weight(f"const_ones_{size}", np.ones(size))
+        return self._consts[key]
+
+    def rms_normalise(self, x: str, features: int, hint: str) -> str:
+        """phi(t) = t / sqrt(mean(t^2) + 1e-6), the generator's input.
+
+        One RMSNormalization node from opset 23 (float32); otherwise the exact node
+        pattern onnxruntime fuses into one SimplifiedLayerNormalization kernel
+        (Pow 2, ReduceMean, Add, Sqrt, Div, Mul by a unit scale). Either way a
+        single kernel instead of five passes over the tokens.
+        """
+        if self.opset >= 23 and self.onnx_dtype == TensorProto.FLOAT:
+            # float64 keeps the explicit pattern: stash_type=DOUBLE is not
+            # implemented everywhere (onnx's ReferenceEvaluator rejects it).
+            return self.op("RMSNormalization", [x, self.ones(features)], hint, axis=-1, epsilon=dc.RMS_EPS)
+        sq = self.op("Pow", [x, self.scalar(2.0)], f"{hint}_sq")
         ms = self.reduce_mean_last(sq, f"{hint}_ms")
         rms = self.op("Sqrt", [self.op("Add", [ms, self.scalar(dc.RMS_EPS)], f"{hint}_mseps")], f"{hint}_rms")
-        return self.op("Div", [x, rms], hint)
+        return self.op("Mul", [self.op("Div", [x, rms], f"{hint}_div"), self.ones(features)], hint)
 
 
 # --------------------------------------------------------------------- layer
@@ -201,12 +218,17 @@ def _generator(
 ) -> str:
     """l(t) flattened (B, T, S*S) for "heads"; u(t) (B, T, r) for "lowrank"."""
     mm = g.op("MatMul", [phi, _gen_weight(g, f, f"{side}.gen.kernel", shared)], f"{hint}_mm")
-    coeff = g.op("Add", [mm, _gen_weight(g, f, f"{side}.gen.bias", shared)], hint if shared is None else f"{hint}_raw")
+    bias = _gen_weight(g, f, f"{side}.gen.bias", shared)
     if shared is not None and config.metric == "heads":
-        # The layer's own gate on the shared A(t): l(t) = I + diag(g) A(t).
-        gated = g.op("Mul", [coeff, g.weight(f"{hint}.gate_rows", f[f"{side}.gate_rows"])], f"{hint}_gated")
-        coeff = g.op("Add", [gated, g.weight(f"{hint}.eye", f[f"{side}.eye"])], hint)
-    return coeff
+        # The layer's own gate on the shared A(t): l(t) = I + diag(g) A(t)
+        # = (phi W_A) * g_rows + (I + b_A * g_rows). The offset depends on
+        # initialisers only, so runtimes fold it once at load; W_A stays a
+        # stored initialiser (quantisable, stored once).
+        rows = g.weight(f"{hint}.gate_rows", f[f"{side}.gate_rows"])
+        offset = g.op("Add", [g.op("Mul", [bias, rows], f"{hint}_gated_bias"), g.weight(f"{hint}.eye", f[f"{side}.eye"])],
+                      f"{hint}_offset")
+        return g.op("Add", [g.op("Mul", [mm, rows], f"{hint}_gated"), offset], hint)
+    return g.op("Add", [mm, bias], hint)
 
 
 def _apply_map(
@@ -223,7 +245,9 @@ def _apply_map(
     """L(t) y on stacked heads y (B, T, S*d) -> (B, T, S*d)."""
     d = config.key_dim
     if config.metric == "heads":
-        l_t = g.reshape(coeff, [0, 0, S, S], f"{hint}_l")
+        # Tied self-attention maps q and k with the same l(t): reshape it once.
+        l_t = g._consts.get(("l", coeff)) or g.reshape(coeff, [0, 0, S, S], f"{hint}_l")
+        g._consts[("l", coeff)] = l_t
         heads = g.reshape(y, [0, 0, S, d], f"{hint}_heads")
         mixed = g.op("MatMul", [l_t, heads], f"{hint}_mixed")  # (B, T, S, d)
         return g.reshape(mixed, [0, 0, S * d], hint)
@@ -276,7 +300,7 @@ def attention_layer(
 
     sq, sk = dc.side_of(config, "q"), dc.side_of(config, "k")
     coeff_x: dict[str, str] = {}
-    phi_x = g.rms_normalise(query, f"{P}phi_x") if (sq or (sk and self_attn)) else None
+    phi_x = g.rms_normalise(query, config.query_dim, f"{P}phi_x") if (sq or (sk and self_attn)) else None
     if sq:
         coeff_x[sq] = _generator(g, f, config, sq, phi_x, f"{P}{sq}_coeff_x", shared)
         q = _apply_map(g, f, config, sq, coeff_x[sq], q, H, f"{P}q_mapped", shared)
@@ -284,7 +308,7 @@ def attention_layer(
         if self_attn and sk in coeff_x:
             coeff_c = coeff_x[sk]  # tied self-attention: one generator pass serves q and k
         else:
-            phi_c = phi_x if self_attn else g.rms_normalise(c, f"{P}phi_c")
+            phi_c = phi_x if self_attn else g.rms_normalise(c, config.context_dim, f"{P}phi_c")
             coeff_c = _generator(g, f, config, sk, phi_c, f"{P}{sk}_coeff_c", shared)
         k = _apply_map(g, f, config, sk, coeff_c, k, config.side_heads(sk), f"{P}k_mapped", shared)
 
