@@ -160,6 +160,26 @@ def test_functional_decode_under_jit_equals_causal_forward() -> None:
     np.testing.assert_allclose(steps, full, rtol=1e-5, atol=1e-5)
 
 
+def test_functional_decode_respects_padding_mask() -> None:
+    """The mask spans the cache (B, H|1, T, L); decoding with it equals the full
+    masked causal forward, and a float mask is rejected as in the full call."""
+    config = CROSS.replace(context_dim=16, coupling="query")
+    params, x = _params(config), _x((2, 6, 16))
+    pad = np.ones((2, 1, 1, 6), bool)
+    pad[1, ..., 2:4] = False  # batch row 1 hides keys 2 and 3
+    cache = dj.init_cache(config, 2, 6)
+    ys = []
+    for t in range(6):
+        y, cache = dj.decode_step(params, config, cache, x[:, t : t + 1], mask=jnp.asarray(pad))
+        ys.append(y)
+    full = dj.damcha_attention(params, config, x, mask=jnp.asarray(pad), is_causal=True)
+    np.testing.assert_allclose(jnp.concatenate(ys, axis=1), full, rtol=1e-5, atol=1e-5)
+    unmasked = dj.damcha_attention(params, config, x, is_causal=True)
+    assert np.max(np.abs(np.asarray(full) - np.asarray(unmasked))) > 1e-3  # the mask matters here
+    with pytest.raises(dc.DamchaTypeError, match="`mask` must be boolean"):
+        dj.decode_step(params, config, dj.init_cache(config, 2, 6), x[:, :1], mask=jnp.ones((2, 1, 1, 6)))
+
+
 def test_metric_penalty_matches_reference() -> None:
     lowrank = CROSS.replace(metric="lowrank", metric_rank=3)
     for config in (CFG, lowrank):

@@ -25,6 +25,8 @@ def _layer(**kw) -> DamchaAttention:
          r"coupling='tied'.*context_dim == query_dim.*context_dim=12"),
         (lambda: DamchaAttention(16, 4, kdim=12, vdim=8, coupling="separate"), DamchaValueError,
          r"`kdim` and `vdim` must be equal.*kdim=12, vdim=8"),
+        (lambda: DamchaAttention(16, 4, kdim=8, coupling="separate"), DamchaValueError,
+         r"`kdim` and `vdim` must be equal \(an omitted one means embed_dim.*kdim=8, vdim=None, embed_dim=16"),
         (lambda: DamchaAttention(18, 4), DamchaValueError, r"`embed_dim` must be divisible by `num_heads`.*embed_dim=18"),
         (lambda: DamchaAttention(16, 4, metric="lowrank"), DamchaValueError, r"`metric_rank` is required"),
         (lambda: DamchaAttention(16, 4, metric="full"), DamchaValueError, r"`metric` must be one of"),
@@ -32,7 +34,7 @@ def _layer(**kw) -> DamchaAttention:
         (lambda: DamchaAttention(16, 4, metric_generator=nn.Linear(2, 2)), DamchaTypeError, r"`metric_generator` must be"),
         (lambda: DamchaAttention.from_mha(nn.Linear(2, 2)), DamchaTypeError, r"`mha` must be an nn.MultiheadAttention"),
     ],
-    ids=["heads-not-divisible", "kdim-with-tied", "kdim-ne-vdim", "embed-not-divisible", "lowrank-no-rank",
+    ids=["heads-not-divisible", "kdim-with-tied", "kdim-ne-vdim", "kdim-without-vdim", "embed-not-divisible", "lowrank-no-rank",
          "unknown-metric", "bias-kv", "generator-type", "from-mha-type"],
 )
 def test_constructor_errors(build, error, pattern):
@@ -58,9 +60,11 @@ def test_constructor_errors(build, error, pattern):
          r"3-D `attn_mask` must have shape \(B\*H, N, M\) = \(8, 5, 5\)"),
         (lambda l: l(x, x, x, attn_mask=torch.zeros(5, 5, dtype=torch.uint8)), DamchaTypeError,
          r"`attn_mask` must be a bool tensor.*uint8"),
+        (lambda l: l(x, x, x, is_causal=True, need_weights=False, kv_cache=object()), DamchaTypeError,
+         r"`kv_cache` must be a DamchaKVCache or None\. Received: kv_cache=<object"),
     ],
     ids=["wrong-embed", "int-query", "value-shape", "unbatched", "padding-shape", "padding-dtype",
-         "mask-shape", "mask-3d-shape", "mask-dtype"],
+         "mask-shape", "mask-3d-shape", "mask-dtype", "kv-cache-type"],
 )
 def test_forward_errors(call, error, pattern):
     with pytest.raises(error, match=pattern):

@@ -173,6 +173,23 @@ def test_replace_mha_keeps_outputs_then_gates_learn(mode):
         assert attn.metric_gates["qk"].abs().max() > 0
 
 
+def test_replace_mha_on_default_encoder_with_padding_under_inference_mode():
+    """torch's default encoder packs padded batches into nested tensors in
+    inference; after replace_mha it must keep working and give the same output
+    (the padded positions are garbage in both, so compare the real ones)."""
+    torch.manual_seed(0)
+    enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True), 2).eval()
+    x = torch.randn(3, 5, 16)
+    kpm = torch.zeros(3, 5, dtype=torch.bool)
+    kpm[0, -2:] = True
+    with torch.inference_mode():
+        expected = enc(x, src_key_padding_mask=kpm)
+        replace_mha(enc)
+        out = enc(x, src_key_padding_mask=kpm)
+    keep = ~kpm
+    torch.testing.assert_close(out[keep], expected[keep], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("share", [True, False], ids=["shared", "per-layer"])
 def test_encoder_stack_sharing_and_parameter_count(share):
     E, H, L = 16, 4, 3

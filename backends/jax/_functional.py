@@ -486,7 +486,8 @@ def decode_step(
         )
     cached_k, cached_v, index = cache["key"], cache["value"], cache["index"]
     B, L = cached_k.shape[0], cached_k.shape[1]
-    p, config, x, c, _, mask = _prepare(params, config, query, context, None, None, dtype)
+    # The mask spans the whole cache (T, L), not (T, T): it is checked below, not by _prepare.
+    p, config, x, c, _, _ = _prepare(params, config, query, context, None, None, dtype)
     T = x.shape[1]
     tokens = x if c is None else c
     if tokens.shape[0] != B or tokens.shape[1] != T:

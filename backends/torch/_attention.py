@@ -158,10 +158,14 @@ class DamchaAttention(nn.Module):
                 "`add_bias_kv` and `add_zero_attn` are not supported by DamchaAttention. "
                 f"Received: add_bias_kv={add_bias_kv!r}, add_zero_attn={add_zero_attn!r}"
             )
-        if kdim is not None and vdim is not None and kdim != vdim:
+        # As in nn.MultiheadAttention, an omitted kdim or vdim means embed_dim.
+        if (kdim is not None or vdim is not None) and (kdim if kdim is not None else embed_dim) != (
+            vdim if vdim is not None else embed_dim
+        ):
             raise DamchaValueError(
-                "`kdim` and `vdim` must be equal: DAMCHA projects keys and values from one context. "
-                f"Received: kdim={kdim}, vdim={vdim}"
+                "`kdim` and `vdim` must be equal (an omitted one means embed_dim, as in nn.MultiheadAttention): "
+                f"DAMCHA projects keys and values from one context. Received: kdim={kdim}, vdim={vdim}, "
+                f"embed_dim={embed_dim}"
             )
         if key_dim is None:
             if isinstance(embed_dim, int) and isinstance(num_heads, int) and num_heads > 0 and embed_dim % num_heads:
@@ -443,6 +447,8 @@ class DamchaAttention(nn.Module):
             )
         if self.track_metric_penalty:
             self.last_metric_penalty = self._penalty(query, key)
+        if kv_cache is not None and not isinstance(kv_cache, DamchaKVCache):
+            raise DamchaTypeError(f"`kv_cache` must be a DamchaKVCache or None. Received: kv_cache={describe(kv_cache)}")
         offset = 0 if kv_cache is None else len(kv_cache)
         mask = self._merge_masks(key_padding_mask, attn_mask, B, N, M + offset, query.dtype)
         q, k, v = self._project(query, key, value, self_attention)
@@ -654,4 +660,11 @@ def replace_mha(model: nn.Module, **kwargs: Any) -> nn.Module:
                 visit(child)
 
     visit(model)
+    if done:
+        for module in model.modules():
+            # nn.TransformerEncoder decided at construction, while it still held
+            # nn.MultiheadAttention, that it may pack padded batches into nested
+            # tensors under no_grad; DamchaAttention takes dense tensors only.
+            if isinstance(module, nn.TransformerEncoder):
+                module.use_nested_tensor = False
     return model
