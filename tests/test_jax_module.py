@@ -231,3 +231,23 @@ def test_mismatched_shared_generator_is_rejected() -> None:
     gen = build(lambda: dj.MetricGenerator(16, 2, rngs=nnx.Rngs(0)))
     with pytest.raises(dc.DamchaValueError, match="does not fit"):
         dj.DamchaAttention(4, 16, metric_generator=gen, rngs=nnx.Rngs(0))
+
+
+def test_flax_mask_helpers_work_as_in_flax_mha() -> None:
+    """nnx.make_attention_mask / make_causal_mask return float 0/1 masks, which
+    Flax MHA reads as non-zero = attend; the module takes them the same way."""
+    mha_kwargs, options, _ = ARCHS["self"]
+    mha = build(lambda: nnx.MultiHeadAttention(**mha_kwargs, decode=False, rngs=nnx.Rngs(1)))
+    layer = build(lambda: dj.DamchaAttention.from_mha(mha, **options, rngs=nnx.Rngs(2)))
+    x, _ = _inputs(False, E)
+    tokens = jnp.asarray(np.array([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]))
+    padding = nnx.make_attention_mask(tokens > 0, tokens > 0)  # (B, 1, N, N) float32
+    mask = nnx.combine_masks(padding, nnx.make_causal_mask(tokens))
+    assert mask.dtype == jnp.float32
+    expected, actual, boolean = run(lambda x, m: (mha(x, mask=m), layer(x, mask=m), layer(x, mask=m > 0)), x, mask)
+    # Padded queries see no key: Flax averages the values there, DAMCHA gives
+    # attention output 0 (the spec's rule), so compare the real queries.
+    real = np.asarray(tokens > 0)
+    np.testing.assert_allclose(np.asarray(actual)[real], np.asarray(expected)[real], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(actual)[~real], np.broadcast_to(np.asarray(layer.out.bias[...]), (2, 16)), atol=1e-6)
+    np.testing.assert_array_equal(actual, boolean)

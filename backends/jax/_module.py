@@ -24,6 +24,18 @@ Initializer = Callable[..., Array]
 _glorot = nnx.initializers.glorot_uniform()
 
 
+def _flax_mask(mask: Array | None) -> Array | None:
+    """Flax's mask convention at the module boundary: ``nnx.make_attention_mask``
+    and ``make_causal_mask`` return float 0/1 masks and Flax reads any non-zero
+    entry as "attend"; the functional core takes bool masks only."""
+    if mask is None or getattr(mask, "dtype", None) is None:
+        return mask  # None, or not an array: the core's error describes it
+    dtype = jnp.dtype(mask.dtype)
+    if dtype == jnp.bool_ or not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)):
+        return mask
+    return jnp.asarray(mask) != 0
+
+
 class MetricGenerator(nnx.Module):
     """The data-adaptive part of one side's cross-head map: phi(t) -> A(t) or u(t).
 
@@ -411,8 +423,9 @@ class DamchaAttention(nnx.Module):
         """Attention of ``inputs_q`` (B, N, E_q) over ``inputs_k`` (B, M, E_kv).
 
         As ``nnx.MultiHeadAttention``: ``inputs_k=None`` is self-attention,
-        ``inputs_v`` defaults to ``inputs_k``; ``mask`` is bool True = attend,
-        (N, M) or (B, H, N, M) with size-1 dims. The key map is computed from
+        ``inputs_v`` defaults to ``inputs_k``; ``mask`` follows Flax: True or
+        non-zero = attend (``nnx.make_attention_mask``/``make_causal_mask``
+        return float 0/1 masks), shape (N, M) or (B, H, N, M) with size-1 dims. The key map is computed from
         ``inputs_k``'s tokens. With ``decode`` the new tokens are appended to
         the cache (``init_cache``) and attend causally over it (``is_causal``
         is implied). Returns (B, N, E_o).
@@ -423,6 +436,7 @@ class DamchaAttention(nnx.Module):
                 f"Received: inputs_k=None, inputs_v={describe(inputs_v)}"
             )
         value = None if inputs_v is None or inputs_v is inputs_k else inputs_v
+        mask = _flax_mask(mask)
         decode = bool(self.decode if decode is None else decode)
         dropout_rng = self._dropout_rng(deterministic, rngs)
         if decode:
