@@ -2,7 +2,9 @@
 metric "none" (MHA), and vs PyTorch eager; plus int8 accuracy and latency.
 
 Run: .venv/bin/python benchmarks/bench_onnx.py [--threads 2] [--repeats 7]
-Prints markdown tables. Ratios compare runs made in the same process.
+Prints markdown tables. Ratios compare runs made in the same process; the
+onnxruntime sessions are timed interleaved with each other, then the torch
+models with each other.
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ def main() -> None:
         ).eval()
 
     print(f"E={args.width}, H={args.heads}, d={args.width // args.heads}, layers={args.layers}, FFN={args.ffn}, "
-          f"threads={args.threads}, median of {args.repeats}; {platform.processor() or platform.machine()}, "
+          f"threads={args.threads}, median of {args.repeats} (x4 when B*N <= 1024); {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} CPUs; onnxruntime CPU provider\n")
     print("| B | N | ORT DAMCHA (Attention op, opset 23) ms | ORT MHA ms | DAMCHA/MHA | "
           "ORT decomposed (opset 18) DAMCHA/MHA | ORT int8 DAMCHA ms | torch eager DAMCHA ms | torch eager nn.MHA ms | "
@@ -96,12 +98,14 @@ def main() -> None:
         for N in (128, 512):
             x = rng.normal(size=(B, N, args.width)).astype(np.float32)
             xt = torch.from_numpy(x)
-            fns = {key: (lambda s=sess: s.run(None, {"query": x})) for key, sess in sessions.items()}
-            fns.update({("torch", key): (lambda n=net: n(xt)) for key, net in torch_models.items()})
+            # Small shapes take a few ms: more rounds for a stable median.
+            repeats = args.repeats * (4 if B * N <= 1024 else 1)
+            # onnxruntime and torch are timed in separate phases: interleaving
+            # them put a torch call (and its OpenMP threads winding down) right
+            # before some ORT sessions, which skewed the N=128 ratios.
+            t = _time_interleaved({key: (lambda s=sess: s.run(None, {"query": x})) for key, sess in sessions.items()}, repeats)
             with torch.inference_mode():
-                measured = _time_interleaved(fns, args.repeats)
-            t = {k: v for k, v in measured.items() if k[0] != "torch"}
-            row_t = {k[1]: v for k, v in measured.items() if k[0] == "torch"}
+                row_t = _time_interleaved({key: (lambda n=net: n(xt)) for key, net in torch_models.items()}, repeats)
             fmt = lambda v: f"{v:.1f}"  # noqa: E731
             cells = [B, N, fmt(t[("heads", 23)]), fmt(t[("none", 23)]), f"{t[('heads', 23)] / t[('none', 23)]:.2f}",
                      f"{t[('heads', 18)] / t[('none', 18)]:.2f}", fmt(t[("heads-int8", 23)]),
