@@ -96,14 +96,18 @@ def check_params(params: Mapping[str, Any], config: DamchaConfig, *, argument: s
 
     Works on any array type with ``.shape`` and ``.dtype`` (NumPy, torch, JAX
     tracers under ``jit``), so ports share the reference's rules and messages.
+    ``config`` is a ``DamchaConfig`` or any config with a ``param_shapes()``
+    mapping of name -> shape (e.g. a stack's), held to the same rules.
 
     Raises:
         DamchaTypeError: ``params`` is not a mapping, or a tensor is not a real
             floating array.
         DamchaValueError: a name is missing or unexpected, or a shape is wrong.
     """
-    if not isinstance(config, DamchaConfig):
-        raise DamchaTypeError(f"`config` must be a DamchaConfig. Received: config={describe(config)}")
+    if not isinstance(config, DamchaConfig) and not callable(getattr(config, "param_shapes", None)):
+        raise DamchaTypeError(
+            f"`config` must be a DamchaConfig (or a config with param_shapes()). Received: config={describe(config)}"
+        )
     if not isinstance(params, Mapping):
         raise DamchaTypeError(f"`{argument}` must be a mapping of name -> array. Received: {argument}={describe(params)}")
     expected = config.param_shapes()

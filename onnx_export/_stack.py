@@ -166,28 +166,9 @@ class TokenModelConfig:
 
 
 def validate_stack_params(params: Mapping[str, Any], config: EncoderConfig | TokenModelConfig) -> dict[str, np.ndarray]:
-    """Names and shapes against ``config``; float64 copies. Same rules as ``validate_params``."""
-    if not isinstance(params, Mapping):
-        raise DamchaTypeError(f"`params` must be a mapping of name -> array. Received: params={describe(params)}")
-    expected = config.param_shapes()
-    missing = [n for n in expected if n not in params]
-    extra = sorted(n for n in params if n not in expected)
-    if missing or extra:
-        raise DamchaValueError(
-            f"`params` does not match the config (missing {missing}; unexpected {extra}). Expected exactly: {list(expected)}"
-        )
-    out = {}
-    for name, shape in expected.items():
-        array = np.asarray(params[name])
-        if not np.issubdtype(array.dtype, np.floating):
-            raise DamchaTypeError(f"`params[{name!r}]` must be a real floating array. Received: {describe(array)}")
-        if array.shape != shape:
-            raise DamchaValueError(f"`params[{name!r}]` must have shape {shape}. Received: params[{name!r}].shape={array.shape}")
-        array = array.astype(np.float64)
-        if not np.all(np.isfinite(array)):
-            raise DamchaValueError(f"`params[{name!r}]` contains NaN or inf values.")
-        out[name] = array
-    return out
+    """Names, shapes, dtypes and finiteness against ``config``; float64 copies
+    (``damcha_core.validate_params``'s rules, on the stack's names)."""
+    return dc.validate_params(params, config)
 
 
 def init_encoder_params(config: EncoderConfig, seed: int = 0) -> dict[str, np.ndarray]:
