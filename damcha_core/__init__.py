@@ -19,6 +19,7 @@ from ._reference import (
     mask_dtype_error,
     metric_penalty,
     rms_normalise,
+    role_penalty,
     side_of,
 )
 
@@ -46,6 +47,7 @@ __all__ = [
     "params_from_mha",
     "projection_names",
     "rms_normalise",
+    "role_penalty",
     "save_params",
     "side_of",
     "validate_params",

@@ -368,22 +368,32 @@ def metric_penalty(params: Mapping[str, Any], config: DamchaConfig, query: Any, 
     x = _as_float64("query", query)
     c = x if context is None else _as_float64("context", context)
     check_shapes(config, x.shape, None if context is None else c.shape)
-    d = config.key_dim
     per_role = []
     for role, tokens in (("q", x), ("k", c)):
         side = side_of(config, role)
-        if side is None:
-            continue
-        g = p[f"metric.{side}.gate"]
-        S = g.shape[0]
-        coeff = generator(p, config, side, tokens)
-        if config.metric == "heads":
-            # L - I = (diag(g) A) (x) I_d, whose squared norm is d * ||diag(g) A||^2.
-            sq = np.sum((g[:, None] * coeff) ** 2, axis=(-2, -1)) * d
-        else:
-            # L - I = P diag(u) Q^T with P = g*U, Q = V, both (S*d, r): O(r^2) per token.
-            P = (g[:, None, None] * p[f"metric.{side}.u"]).reshape(S * d, -1)
-            Q = p[f"metric.{side}.v"].reshape(S * d, -1)
-            sq = np.einsum("btr,bts,rs->bt", coeff, coeff, (P.T @ P) * (Q.T @ Q))
-        per_role.append(np.mean(sq) / (S * d))
+        if side is not None:
+            per_role.append(role_penalty(np, p, config, side, generator(p, config, side, tokens)))
     return float(np.mean(per_role)) if per_role else 0.0
+
+
+def role_penalty(xp: Any, params: Mapping[str, Any], config: DamchaConfig, side: str, coeff: Any) -> Any:
+    """mean_t ||L(t) - I||_F^2 / (S*d) of one adapted role, from its generator
+    coefficients ``coeff`` (A(t) (B, T, S, S) or u(t) (B, T, r)).
+
+    ``xp`` is the array namespace (``numpy``, ``jax.numpy``, ``keras.ops``):
+    the formula is written once and the ports evaluate it with their own
+    arrays; it uses only ``sum``, ``mean``, ``reshape`` and ``einsum``.
+    """
+    d = config.key_dim
+    g = params[f"metric.{side}.gate"]
+    S = g.shape[0]
+    if config.metric == "heads":
+        # L - I = (diag(g) A) (x) I_d, whose squared norm is d * ||diag(g) A||^2.
+        sq = xp.sum((g[:, None] * coeff) ** 2, axis=(-2, -1)) * d
+    else:
+        # L - I = P diag(u) Q^T with P = g*U, Q = V, both (S*d, r): O(r^2) per token.
+        P = xp.reshape(g[:, None, None] * params[f"metric.{side}.u"], (S * d, -1))
+        Q = xp.reshape(params[f"metric.{side}.v"], (S * d, -1))
+        gram = xp.einsum("ir,is->rs", P, P) * xp.einsum("ir,is->rs", Q, Q)
+        sq = xp.einsum("btr,bts,rs->bt", coeff, coeff, gram)
+    return xp.mean(sq) / (S * d)

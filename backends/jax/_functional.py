@@ -25,6 +25,7 @@ from damcha_core import (
     describe,
     float_dtype_error,
     mask_dtype_error,
+    role_penalty,
     side_of,
 )
 
@@ -403,24 +404,11 @@ def metric_penalty(params: Params, config: DamchaConfig, query: Array, context: 
     """
     p, config, x, c, _, _ = _prepare(params, config, query, context, None, None, None)
     c = x if c is None else c
-    d = config.key_dim
     per_role = []
     for role, tokens in (("q", x), ("k", c)):
         side = side_of(config, role)
-        if side is None:
-            continue
-        g = p[f"metric.{side}.gate"]
-        S = g.shape[0]
-        coeff = generator(p, config, side, tokens)
-        if config.metric == "heads":
-            # L - I = (diag(g) A) (x) I_d, whose squared norm is d * ||diag(g) A||^2.
-            sq = jnp.sum((g[:, None] * coeff) ** 2, axis=(-2, -1)) * d
-        else:
-            # L - I = P diag(u) Q^T with P = g*U, Q = V, both (S*d, r): O(r^2) per token.
-            P = (g[:, None, None] * p[f"metric.{side}.u"]).reshape(S * d, -1)
-            Q = p[f"metric.{side}.v"].reshape(S * d, -1)
-            sq = jnp.einsum("btr,bts,rs->bt", coeff, coeff, (P.T @ P) * (Q.T @ Q))
-        per_role.append(jnp.mean(sq) / (S * d))
+        if side is not None:
+            per_role.append(role_penalty(jnp, p, config, side, generator(p, config, side, tokens)))
     return jnp.mean(jnp.stack(per_role)) if per_role else jnp.zeros((), x.dtype)
 
 

@@ -347,19 +347,13 @@ class DamchaAttention(keras.layers.Layer):
         return y + gate[:, None] * delta
 
     def _penalty(self, side: str, coeff: Any, gate: Any) -> Any:
-        # Mean over tokens of ||L(t) - I||_F^2 / (S*d), as damcha_core.metric_penalty.
-        cfg = self.config
-        coeff, gate = ops.cast(coeff, "float32"), ops.cast(gate, "float32")
-        S, d = cfg.side_heads(side), cfg.key_dim
-        if cfg.metric == "heads":
-            sq = ops.sum(ops.square(gate[:, None] * coeff), axis=(-2, -1)) * d
-        else:
+        # Mean over tokens of ||L(t) - I||_F^2 / (S*d): damcha_core's formula, in float32.
+        params = {f"metric.{side}.gate": ops.cast(gate, "float32")}
+        if self.config.metric == "lowrank":
             generator = self._generators[side]
-            P = ops.reshape(gate[:, None, None] * ops.cast(generator.u, "float32"), (S * d, -1))
-            Q = ops.reshape(ops.cast(generator.v, "float32"), (S * d, -1))
-            gram = ops.einsum("ir,is->rs", P, P) * ops.einsum("ir,is->rs", Q, Q)
-            sq = ops.einsum("btr,bts,rs->bt", coeff, coeff, gram)
-        return ops.mean(sq) / (S * d)
+            params[f"metric.{side}.u"] = ops.cast(generator.u, "float32")
+            params[f"metric.{side}.v"] = ops.cast(generator.v, "float32")
+        return dc.role_penalty(ops, params, self.config, side, ops.cast(coeff, "float32"))
 
     def _visibility(self, query: Any, value: Any, query_mask, value_mask, key_mask, attention_mask, use_causal_mask):
         """Boolean (B|1, H|1, N|1, M|1) True = may attend, or None if nothing is hidden."""
