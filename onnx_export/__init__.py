@@ -25,17 +25,18 @@ from ._stack import (
     token_model_forward,
     validate_stack_params,
 )
-from ._torch import export_torch
+from ._torch import encoder_from_torch, export_torch
 
 __all__ = [
     "ATTENTION_OPSET",
-    "MIN_OPSET",
     "ConformanceAdapter",
     "EncoderConfig",
+    "MIN_OPSET",
     "TokenModelConfig",
     "build_model",
     "check_opset",
     "encoder_forward",
+    "encoder_from_torch",
     "export",
     "export_encoder",
     "export_token_model",

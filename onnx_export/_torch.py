@@ -70,3 +70,79 @@ def export_torch(
     if path is not None:
         onnx.save_model(proto, os.fspath(path))
     return proto
+
+
+def encoder_from_torch(encoder: Any, *, causal: bool = False) -> tuple[dict[str, Any], Any]:
+    """Stack parameters and ``EncoderConfig`` of a trained ``damcha_torch`` encoder.
+
+    The encoder must have this package's stack architecture: built like
+    ``damcha_torch.build_encoder(..., norm_first=True, activation="gelu",
+    final_norm=True)`` (pre-norm layers, exact GELU, a final LayerNorm, biases
+    everywhere, one LayerNorm epsilon). ``share_metric`` is read from the
+    encoder; a shared generator is stored once. Pass the result to
+    ``export_encoder`` (or ``encoder_forward`` for the NumPy reference).
+
+    Args:
+        encoder: a ``damcha_torch.DamchaTransformerEncoder``.
+        causal: whether the exported stack applies the causal rule.
+
+    Returns:
+        ``(params, config)`` with float64 NumPy arrays.
+    """
+    import torch.nn.functional as F
+
+    import damcha_torch as dt
+
+    from damcha_core import DamchaValueError
+
+    from ._stack import SHARED, EncoderConfig
+
+    if not isinstance(encoder, dt.DamchaTransformerEncoder):
+        raise DamchaTypeError(f"`encoder` must be a damcha_torch.DamchaTransformerEncoder. Received: encoder={describe(encoder)}")
+    layers = list(encoder.layers)
+    first = layers[0]
+    eps = first.norm1.eps
+    problems = []
+    if encoder.norm is None or not hasattr(encoder.norm, "eps") or encoder.norm.eps != eps:
+        problems.append("a final LayerNorm with the layers' epsilon (final_norm=True)")
+    for i, layer in enumerate(layers):
+        if not layer.norm_first:
+            problems.append(f"pre-norm layers (layer {i} has norm_first=False)")
+        if layer.activation is not F.gelu:
+            problems.append(f"exact GELU (layer {i} has activation={getattr(layer.activation, '__name__', layer.activation)})")
+        if layer.linear1.bias is None or layer.norm1.bias is None:
+            problems.append(f"biases in the feed-forward and norms (layer {i} has bias=False)")
+        if layer.norm1.eps != eps or layer.norm2.eps != eps:
+            problems.append(f"one LayerNorm epsilon (layer {i} differs)")
+        if layer.self_attn.config != first.self_attn.config:
+            problems.append(f"one attention config (layer {i} differs)")
+    if problems:
+        raise DamchaValueError(
+            "`encoder` does not have the exported stack's architecture; it needs "
+            + "; ".join(dict.fromkeys(problems))
+            + f". Received: encoder={describe(encoder)}"
+        )
+    config = EncoderConfig(first.self_attn.config, num_layers=len(layers), ffn_dim=first.linear1.out_features,
+                           share_metric=encoder.share_metric, norm_eps=eps, causal=causal)
+
+    def np64(t: Any) -> Any:
+        return t.detach().to("cpu").double().numpy().copy()
+
+    params: dict[str, Any] = {}
+    for i, layer in enumerate(layers):
+        pre = f"layers.{i}."
+        for name, value in layer.self_attn.to_canonical().items():
+            if SHARED + name in config.param_shapes():
+                params.setdefault(SHARED + name, value)  # the one shared generator, from layer 0
+            else:
+                params[f"{pre}attention.{name}"] = value
+        for norm in ("norm1", "norm2"):
+            params[f"{pre}{norm}.scale"] = np64(getattr(layer, norm).weight)
+            params[f"{pre}{norm}.bias"] = np64(getattr(layer, norm).bias)
+        params[f"{pre}ffn.in.kernel"] = np64(layer.linear1.weight).T.copy()
+        params[f"{pre}ffn.in.bias"] = np64(layer.linear1.bias)
+        params[f"{pre}ffn.out.kernel"] = np64(layer.linear2.weight).T.copy()
+        params[f"{pre}ffn.out.bias"] = np64(layer.linear2.bias)
+    params["final_norm.scale"] = np64(encoder.norm.weight)
+    params["final_norm.bias"] = np64(encoder.norm.bias)
+    return params, config
