@@ -366,3 +366,23 @@ def test_decoder_layer_equals_reference_composition():
         want = layer.norm3(x + layer.linear2(layer.activation(layer.linear1(x))))
     torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
     assert layer.multihead_attn.config.coupling == "separate"
+
+
+# CUDA is exercised where a GPU exists (the same code path as the CPU); this
+# machine and CI have none, so there the list holds only "cpu".
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_layer_matches_reference_on_every_available_device(device):
+    cfg = _config("lowrank-query-gqa")
+    params = case_params(cfg, 1)
+    layer = DamchaAttention.from_canonical(params, cfg, batch_first=True, device=device)
+    x = _x(2, 6, 16).float()
+    pad = torch.zeros(2, 6, dtype=torch.bool)
+    pad[1, -2:] = True  # torch convention: True = padding
+    out, _ = layer(x.to(device), x.to(device), x.to(device), key_padding_mask=pad.to(device),
+                   need_weights=False, is_causal=True)
+    want = dc.damcha_attention(params, cfg, x.double().numpy(), mask=(~pad).numpy()[:, None, None, :], causal=True)
+    tol = TOLERANCES["float32"]
+    np.testing.assert_allclose(out.detach().cpu().double().numpy(), want, rtol=tol.rtol, atol=tol.atol)
