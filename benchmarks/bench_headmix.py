@@ -32,21 +32,10 @@ import subprocess
 import sys
 import time
 
+from _memory import peak_rss_bytes, reset_peak_rss, rss_bytes  # benchmarks/ is sys.path[0]
+
 B, E, H = 1, 128, 4
 IMPLS = ("mha", "damcha", "talking-heads")
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _peak_rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def worker(impl: str, n: int, repeats: int) -> dict:
@@ -83,15 +72,14 @@ def worker(impl: str, n: int, repeats: int) -> dict:
     step()
     # One-time allocations (kernel caches, lazy imports) belong to the warm-up:
     # measure from the steady state, with the kernel's high-water mark reset.
-    base = _rss_bytes()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    base = rss_bytes()
+    reset_peak_rss()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
-    peak = _peak_rss_bytes()
+    peak = peak_rss_bytes()
     return {"impl": impl, "n": n, "ms": 1000 * statistics.median(times), "peak_mb": max(0, peak - base) / 2**20}
 
 

@@ -32,26 +32,9 @@ import subprocess
 import sys
 import time
 
+from _memory import peak_rss_bytes, reset_peak_rss, rss_bytes  # benchmarks/ is sys.path[0]
+
 B, E, H = 4, 512, 8
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _reset_peak_rss() -> None:
-    # Linux >= 4.0: writing 5 resets VmHWM, the process's peak RSS, to its current RSS.
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
-def _peak_rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def _make(impl: str, n: int, mode: str):
@@ -88,10 +71,10 @@ def peak_memory(impl: str, n: int, mode: str) -> float:
     """Peak RSS increase (MiB) of one call after a warm-up, in this (fresh) process."""
     call = _make(impl, n, mode)
     call()  # warm-up: lazy library loading and first-touch pages stay out of the peak
-    _reset_peak_rss()
-    base = _rss_bytes()
+    reset_peak_rss()
+    base = rss_bytes()
     call()
-    return (_peak_rss_bytes() - base) / 2**20
+    return (peak_rss_bytes() - base) / 2**20
 
 
 def time_pair(n: int, mode: str, repeats: int) -> dict[str, dict[str, float]]:
