@@ -43,6 +43,11 @@ class Case:
     seed: int = 0
     gradients: bool = True
 
+    def __post_init__(self) -> None:
+        # _make_mask reads any other string as a random per-head mask: reject typos.
+        if self.mask is not None and self.mask not in MASK_KINDS:
+            raise dc.DamchaValueError(f"`mask` must be None or one of {MASK_KINDS}. Received: mask={self.mask!r}")
+
     @property
     def self_attention(self) -> bool:
         return self.context_len is None

@@ -213,3 +213,8 @@ def test_cli_export_vectors(tmp_path):
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in tmp_path.glob("*.json")) == sorted(["index.json"] + [f"{c.name}.json" for c in dcf.catalogue(groups=["long"])])
+
+
+def test_case_rejects_unknown_mask_kind():
+    with pytest.raises(dc.DamchaValueError, match=r"`mask` must be None or one of .*Received: mask='pading'"):
+        dcf.Case("typo", "masks", dc.DamchaConfig(query_dim=4, num_heads=2, key_dim=2), 1, 3, mask="pading")
