@@ -142,6 +142,29 @@ def test_kv_cache_decoding_equals_full_forward(name, chunks):
     torch.testing.assert_close(torch.cat(outs, dim=1)[:, P:], torch.from_numpy(y), rtol=1e-9, atol=1e-10)
 
 
+@pytest.mark.parametrize("name", ["heads-tied", "lowrank-query-gqa"])
+def test_kv_cache_decoding_under_torch_compile(name):
+    """A compiled decoding loop (fullgraph) equals the eager full forward, and the
+    growing cache does not recompile per token: dynamo marks its length dynamic."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    cfg = _config(name)
+    layer, _ = _layer(cfg)
+    x = _x(2, 8, 16)
+    full, _ = layer(x, x, x, is_causal=True, need_weights=False)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    step = torch.compile(layer, fullgraph=True, backend=counter)
+    cache, outs = DamchaKVCache(), []
+    with torch.no_grad():
+        for i in range(x.shape[1]):
+            t = x[:, i:i + 1]
+            outs.append(step(t, t, t, is_causal=True, need_weights=False, kv_cache=cache)[0])
+    torch.testing.assert_close(torch.cat(outs, dim=1), full, rtol=1e-10, atol=1e-12)
+    # empty cache, a one-token cache (dynamo specialises sizes 0/1), then one dynamic graph
+    assert counter.frame_count <= 3, counter.frame_count
+
+
 # ---------------------------------------------------- conversion and stacks
 
 
@@ -366,6 +389,60 @@ def test_decoder_layer_equals_reference_composition():
         want = layer.norm3(x + layer.linear2(layer.activation(layer.linear1(x))))
     torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
     assert layer.multihead_attn.config.coupling == "separate"
+
+
+def _meta_models() -> dict[str, tuple[nn.Module, bool]]:
+    kw = dict(device="meta", dtype=torch.float32)
+    return {
+        "heads-tied": (DamchaAttention(16, 4, batch_first=True, **kw), True),
+        "lowrank-separate-kdim": (DamchaAttention(16, 4, kdim=12, vdim=12, metric="lowrank", metric_rank=3,
+                                                  coupling="separate", batch_first=True, **kw), True),
+        "query-mqa-seq-first": (DamchaAttention(16, 4, num_kv_heads=1, coupling="query", **kw), True),
+        "encoder-stack": (build_encoder(16, 4, 2, dim_feedforward=32, **kw), False),
+        "decoder-stack": (build_decoder(16, 4, 2, dim_feedforward=32, **kw), False),
+    }
+
+
+@pytest.mark.parametrize("name", list(_meta_models()))
+def test_every_tensor_follows_the_input_device(name):
+    """Device-agnostic code, checked without a GPU: on the meta device any tensor
+    the forward or backward built on the CPU instead (a mask, an arange, a zero
+    penalty) raises a device-mismatch error, as it would on CUDA."""
+    model, is_attention = _meta_models()[name]
+    meta = dict(device="meta")
+    x = torch.randn(2, 5, 16, **meta, requires_grad=True)
+    pad = torch.zeros(2, 5, dtype=torch.bool, **meta)
+    if is_attention:
+        model.track_metric_penalty = True
+        c = torch.randn(2, 7, model.kdim, **meta) if model.kdim != 16 else x
+        if not model.batch_first:
+            x, c = x.transpose(0, 1), c.transpose(0, 1)
+        pad_c = torch.zeros(2, c.shape[0 if not model.batch_first else 1], dtype=torch.bool, **meta)
+        for need_weights in (False, True):
+            out, w = model(x, c, c, key_padding_mask=pad_c, need_weights=need_weights, is_causal=True,
+                           attn_mask=torch.zeros(5, pad_c.shape[1], **meta))
+            (out.sum() + metric_penalty(model)).backward()
+            assert out.device.type == "meta" and (w is None) != need_weights
+            assert w is None or w.device.type == "meta"
+        if c is x:
+            cache = DamchaKVCache()
+            with torch.no_grad():
+                for i in range(3):
+                    t = x[:, i:i + 1] if model.batch_first else x[i:i + 1]
+                    out, _ = model(t, t, t, is_causal=True, need_weights=False, kv_cache=cache)
+            assert len(cache) == 3 and out.device.type == "meta"
+    elif name == "encoder-stack":
+        out = model(x, is_causal=True, mask=torch.ones(5, 5, dtype=torch.bool, **meta).triu(1),
+                    src_key_padding_mask=pad)
+        out.sum().backward()
+    else:
+        out = model(x, torch.randn(2, 7, 16, **meta), tgt_is_causal=True,
+                    tgt_mask=nn.Transformer.generate_square_subsequent_mask(5, **meta),
+                    memory_key_padding_mask=torch.zeros(2, 7, dtype=torch.bool, **meta))
+        out.sum().backward()
+    assert out.device.type == "meta"
+    assert all(p.grad is None or p.grad.device.type == "meta" for p in model.parameters())
+    assert metric_penalty(model).device.type == "meta"  # recorded, or the zero of an untracked stack
 
 
 # CUDA is exercised where a GPU exists (the same code path as the CPU); this

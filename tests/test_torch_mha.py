@@ -120,3 +120,85 @@ def test_float32_fresh_layer_equals_mha_fused():
     expected, _ = mha(x, x, x, key_padding_mask=kpm, need_weights=False)
     out, _ = layer(x, x, x, key_padding_mask=kpm, need_weights=False)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+
+
+def _unbatched_masks(kind: str, n: int, m: int) -> dict:
+    g = torch.Generator().manual_seed(5)
+    if kind == "none":
+        return {}
+    if kind == "padding":
+        kpm = torch.zeros(m, dtype=torch.bool)
+        kpm[-2:] = True
+        return {"key_padding_mask": kpm}
+    if kind in ("bool2d", "bool3d"):
+        am = torch.rand(*((H,) if kind == "bool3d" else ()), n, m, generator=g) < 0.3
+        am[..., 0] = False
+        return {"attn_mask": am}
+    if kind == "padding+float":
+        kpm = torch.zeros(m, dtype=torch.bool)
+        kpm[-1] = True
+        return {"key_padding_mask": kpm, "attn_mask": torch.randn(n, m, generator=g, dtype=torch.float64)}
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("average", [True, False], ids=["avg-weights", "head-weights"])
+@pytest.mark.parametrize("need_weights", [True, False], ids=["weights", "fused"])
+@pytest.mark.parametrize("mask", ["none", "padding", "bool2d", "bool3d", "padding+float"])
+@pytest.mark.parametrize("attention", ["self", "cross-kdim"])
+@pytest.mark.filterwarnings("ignore:Support for mismatched key_padding_mask:UserWarning")
+def test_unbatched_inputs_equal_mha(attention, mask, need_weights, average):
+    """(N, E) inputs, (M,) padding and (H, N, M) masks, as nn.MultiheadAttention takes them."""
+    torch.manual_seed(6)
+    kdim = None if attention == "self" else 12
+    mha = nn.MultiheadAttention(E, H, kdim=kdim, vdim=kdim, dtype=torch.float64).eval()
+    with torch.no_grad():
+        mha.in_proj_bias.normal_()
+    layer = DamchaAttention.from_mha(mha).eval()
+    x = torch.randn(N, E, dtype=torch.float64)
+    c = x if attention == "self" else torch.randn(M, 12, dtype=torch.float64)
+    kwargs = _unbatched_masks(mask, N, c.shape[0])
+    expected, w_expected = mha(x, c, c, need_weights=need_weights, average_attn_weights=average, **kwargs)
+    out, w = layer(x, c, c, need_weights=need_weights, average_attn_weights=average, **kwargs)
+    assert out.shape == (N, E)
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-12)
+    if need_weights:
+        assert w.shape == w_expected.shape
+        torch.testing.assert_close(w, w_expected, rtol=1e-10, atol=1e-12)
+    else:
+        assert w is None
+
+
+@pytest.mark.parametrize("batch_first", [True, False], ids=["batch_first", "seq_first"])
+def test_unbatched_equals_batch_of_one_with_open_gates(batch_first):
+    """With the map active, unbatched input is the batch-of-one call, gradients included."""
+    torch.manual_seed(7)
+    layer = DamchaAttention(E, H, batch_first=batch_first, dtype=torch.float64)
+    with torch.no_grad():
+        layer.metric_gates["qk"].normal_()
+    x = torch.randn(N, E, dtype=torch.float64, requires_grad=True)
+    kpm = torch.tensor([False] * (N - 1) + [True])
+    out, w = layer(x, x, x, key_padding_mask=kpm, is_causal=True, average_attn_weights=False)
+    xb = x.unsqueeze(0 if batch_first else 1)
+    ref, w_ref = layer(xb, xb, xb, key_padding_mask=kpm[None], is_causal=True, average_attn_weights=False)
+    torch.testing.assert_close(out, ref.squeeze(0 if batch_first else 1), rtol=0, atol=0)
+    torch.testing.assert_close(w, w_ref.squeeze(0), rtol=0, atol=0)
+    (g,) = torch.autograd.grad(out.square().sum(), x)
+    (g_ref,) = torch.autograd.grad(ref.square().sum(), x)
+    torch.testing.assert_close(g, g_ref, rtol=1e-12, atol=1e-12)
+    penalty = layer.metric_penalty(x)
+    torch.testing.assert_close(penalty, layer.metric_penalty(xb), rtol=0, atol=0)
+    assert penalty > 0
+
+
+def test_unbatched_encoder_layer_equals_torch():
+    """nn.TransformerEncoderLayer takes (N, E); the DAMCHA layer (gates 0) agrees."""
+    from damcha_torch import DamchaTransformerEncoderLayer
+
+    torch.manual_seed(8)
+    ours = DamchaTransformerEncoderLayer(E, H, dim_feedforward=32, dropout=0.0, dtype=torch.float64).eval()
+    ref = nn.TransformerEncoderLayer(E, H, dim_feedforward=32, dropout=0.0, dtype=torch.float64).eval()
+    ref.load_state_dict({k: v for k, v in ours.state_dict().items() if not k.startswith("self_attn.metric_")})
+    x = torch.randn(N, E, dtype=torch.float64)
+    mask = nn.Transformer.generate_square_subsequent_mask(N, dtype=torch.float64)
+    torch.testing.assert_close(ours(x, src_mask=mask, is_causal=True), ref(x, src_mask=mask, is_causal=True),
+                               rtol=1e-10, atol=1e-12)

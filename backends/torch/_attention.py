@@ -72,6 +72,25 @@ def _check_torch_mask(name: str, value: Any) -> None:
         )
 
 
+def _add_batch_dim(query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Any
+                   ) -> tuple[Tensor, Tensor, Tensor, Any]:
+    """Unbatched inputs, as nn.MultiheadAttention takes them: query (N, E_q),
+    key/value (M, E_kv), key_padding_mask (M,); returned batch-first with B = 1."""
+    if key.dim() != 2 or value.dim() != 2:
+        raise DamchaValueError(
+            "With an unbatched (2-D) `query`, `key` and `value` must be 2-D too. "
+            f"Received: query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}, value.shape={tuple(value.shape)}"
+        )
+    if isinstance(key_padding_mask, Tensor):
+        if key_padding_mask.dim() != 1:
+            raise DamchaValueError(
+                f"With unbatched inputs `key_padding_mask` must have shape (M,) = ({key.shape[0]},). "
+                f"Received: key_padding_mask.shape={tuple(key_padding_mask.shape)}"
+            )
+        key_padding_mask = key_padding_mask.unsqueeze(0)
+    return query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0), key_padding_mask
+
+
 def _as_additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
     """A bool *visible* mask (True = may attend) as an additive float mask."""
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
@@ -411,15 +430,19 @@ class DamchaAttention(nn.Module):
         """Attend ``query`` to ``key``/``value`` with the cross-head maps.
 
         Args:
-            query: (N, B, E_q), or (B, N, E_q) with ``batch_first``.
-            key, value: (M, B, E_kv) or (B, M, E_kv). Pass the same tensor
-                object three times for self-attention (one packed projection).
-            key_padding_mask: (B, M); bool True = ignore that key, or additive float.
+            query: (N, B, E_q), or (B, N, E_q) with ``batch_first``, or
+                unbatched (N, E_q) as in nn.MultiheadAttention.
+            key, value: (M, B, E_kv), (B, M, E_kv) or unbatched (M, E_kv). Pass
+                the same tensor object three times for self-attention (one
+                packed projection).
+            key_padding_mask: (B, M), or (M,) when unbatched; bool True = ignore
+                that key, or additive float.
                 With ``kv_cache``, M counts the cached keys too (P + new).
             need_weights: also return attention weights; this takes the explicit
                 path that builds the (B, H, N, M) probabilities. Pass ``False``
                 for the fused SDPA path (as ``nn.TransformerEncoderLayer`` does).
-            attn_mask: (N, M), (B*H, N, M) or (B|1, H|1, N|1, M); bool True =
+            attn_mask: (N, M), (B*H, N, M) (H, N, M when unbatched) or
+                (B|1, H|1, N|1, M); bool True =
                 masked out, or additive float. Combined with ``key_padding_mask``
                 and ``is_causal``.
             average_attn_weights: average the returned weights over heads.
@@ -431,13 +454,24 @@ class DamchaAttention(nn.Module):
 
         Returns:
             ``(output, weights)``: output (N, B, E_o) or (B, N, E_o); weights
-            (B, N, M) averaged, (B, H, N, M) per head, or ``None``. A query that
+            (B, N, M) averaged, (B, H, N, M) per head, or ``None``. Unbatched
+            inputs drop the B dim from both. A query that
             sees no key gets output ``out_proj.bias`` (attention output 0), never NaN.
         """
         for name, t in (("query", query), ("key", key), ("value", value)):
             _check_float(name, t)
         self_attention = query is key and key is value
-        if not self.batch_first:
+        if query.dim() not in (2, 3) or (query.dim() == 3 and (key.dim() != 3 or value.dim() != 3)):
+            layout = "(B, N, E)" if self.batch_first else "(N, B, E)"
+            raise DamchaValueError(
+                f"`query`, `key` and `value` must all be batched {layout} or all unbatched (N, E), as in "
+                f"nn.MultiheadAttention. Received: query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}, "
+                f"value.shape={tuple(value.shape)}"
+            )
+        unbatched = query.dim() == 2
+        if unbatched:
+            query, key, value, key_padding_mask = _add_batch_dim(query, key, value, key_padding_mask)
+        elif not self.batch_first:
             query, key, value = (t.transpose(0, 1) for t in (query, key, value))
         B, N, M = dc.check_shapes(self.config, tuple(query.shape), tuple(key.shape))
         if tuple(value.shape) != tuple(key.shape):
@@ -461,10 +495,12 @@ class DamchaAttention(nn.Module):
             need_weights=bool(need_weights),
         )
         out = self.out_proj(o.transpose(1, 2).flatten(-2))
-        if not self.batch_first:
-            out = out.transpose(0, 1)
         if weights is not None and average_attn_weights:
             weights = weights.mean(dim=1)
+        if unbatched:
+            return out.squeeze(0), (None if weights is None else weights.squeeze(0))
+        if not self.batch_first:
+            out = out.transpose(0, 1)
         return out, weights
 
     # ------------------------------------------------------------ training
@@ -473,7 +509,7 @@ class DamchaAttention(nn.Module):
         """The v1 metric penalty: mean over adapted roles of mean_t ||L(t) - I||_F^2 / (S*d).
 
         Args:
-            query: the layer's query input, in the layer's layout.
+            query: the layer's query input, in the layer's layout (or unbatched (N, E_q)).
             key: the key input; ``None`` for self-attention.
 
         Returns:
@@ -482,7 +518,9 @@ class DamchaAttention(nn.Module):
         _check_float("query", query)
         key = query if key is None else key
         _check_float("key", key)
-        if not self.batch_first:
+        if query.dim() == 2:
+            query, key, _, _ = _add_batch_dim(query, key, key, None)
+        elif not self.batch_first:
             query, key = query.transpose(0, 1), key.transpose(0, 1)
         dc.check_shapes(self.config, tuple(query.shape), tuple(key.shape))
         return self._penalty(query, key)

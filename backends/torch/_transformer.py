@@ -218,12 +218,15 @@ def metric_penalty(model: nn.Module) -> Tensor:
 
     Set ``track_metric_penalty = True`` on the layers (``model.apply(...)`` or
     this function's caller) before the forward; layers that did not record one
-    are skipped. Returns a 0-d tensor (0.0 when none recorded).
+    are skipped. Returns a 0-d tensor (0.0, on the model's device, when none recorded).
     """
     if not isinstance(model, nn.Module):
         raise DamchaTypeError(f"`model` must be an nn.Module. Received: model={describe(model)}")
     values = [m.last_metric_penalty for m in model.modules()
               if isinstance(m, DamchaAttention) and m.last_metric_penalty is not None]
     if not values:
-        return torch.zeros(())
+        # On the model's device, so `loss + coef * metric_penalty(model)` never mixes devices.
+        ref = next(model.parameters(), None)
+        return torch.zeros((), device=None if ref is None else ref.device,
+                           dtype=None if ref is None or not ref.is_floating_point() else ref.dtype)
     return torch.stack(values).mean()
