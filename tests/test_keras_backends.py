@@ -40,6 +40,7 @@ def test_keras_backend(backend, tmp_path):
     assert result["dtypes"] == list(BACKENDS[backend])
     assert result["checks"] >= 2 * 24 * len(BACKENDS[backend])  # outputs + gradients of every case ran
     assert result["fit_loss_decreased"] and result["reload_bit_exact"], result
+    assert result["decode_within_float32_tolerance"], result
 
 
 def _main(backend: str, workdir: str) -> None:
@@ -74,7 +75,31 @@ def _main(backend: str, workdir: str) -> None:
     before, after = (keras.ops.convert_to_numpy(m(x[:4])) for m in (model, loaded))
     users = [loaded.get_layer(n) for n in ("a0", "a1")] + [loaded.get_layer(n)._attention for n in ("enc", "dec")]
     shared_again = len({id(layer.metric_generators["qk"]) for layer in users}) == 1
+    # Incremental decoding with a cache (token by token, bottom-right causal) equals one causal pass.
+    import damcha_core as dc
+    from damcha_conformance import case_params
+
+    cfg = dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4, metric="lowrank", metric_rank=2, coupling="separate")
+    params = case_params(cfg, 0)
+    dec = DamchaAttention.from_canonical(params, cfg, dtype="float32")
+    seq = rng.normal(size=(2, 5, 8)).astype("float32")
+    step = lambda t, c, i: dec(t, t, use_causal_mask=True, cache=c, cache_update_index=i)  # noqa: E731
+    if backend == "jax":
+        import jax
+
+        step = jax.jit(step)  # the index is traced: one compilation for every position
+    cache, outs = dec.init_cache(2, 5), []
+    for i in range(5):
+        y, cache = step(seq[:, i:i + 1], cache, np.int32(i))
+        outs.append(keras.ops.convert_to_numpy(y))
+    from damcha_conformance import TOLERANCES
+
+    _, decode_ratio = TOLERANCES["float32"].output_ratio(
+        np.concatenate(outs, axis=1), dc.damcha_attention(params, cfg, seq, causal=True)
+    )
+
     print(json.dumps({
+        "decode_within_float32_tolerance": decode_ratio <= 1.0,
         "backend": backend,
         "dtypes": list(adapter.dtypes),
         "conformance_passed": report.passed,

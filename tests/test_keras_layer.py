@@ -347,3 +347,141 @@ def test_symbolic_bad_input_fails_when_building_the_model():
         DamchaAttention(2, 4)(q, q, attention_mask=keras.Input((5, 4), dtype="bool"))
     with pytest.raises(dc.DamchaTypeError, match="query"):
         DamchaAttention(2, 4)(keras.Input((5, 8), dtype="int32"), q)
+
+
+# ------------------------------------------------------------ decoding cache
+
+from damcha_core import _reference as ref  # noqa: E402  (the spec's own projection and map)
+
+CACHE_CONFIGS = {
+    "heads-tied": dict(metric="heads", coupling="tied"),
+    "lowrank-separate": dict(metric="lowrank", metric_rank=2, coupling="separate"),
+    "heads-query-mqa": dict(metric="heads", coupling="query", num_kv_heads=1),
+}
+
+
+def _cache_layer(name: str, seed: int = 0):
+    cfg = dc.DamchaConfig(query_dim=E, num_heads=H, key_dim=D, **CACHE_CONFIGS[name])
+    params = case_params(cfg, seed)
+    return DamchaAttention.from_canonical(params, cfg, dtype="float64"), params, cfg
+
+
+@pytest.mark.parametrize("chunks", [(1,) * 6, (3, 1, 2)], ids=["token-by-token", "chunked"])
+@pytest.mark.parametrize("name", list(CACHE_CONFIGS))
+def test_cache_decoding_equals_full_causal_forward(name, chunks):
+    """Writing each step's tokens at cache_update_index with the bottom-right
+    causal rule reproduces one causal pass; the cache holds k~ = L_k(x) k."""
+    layer, params, cfg = _cache_layer(name)
+    x = rng(4).normal(size=(B, sum(chunks), E))
+    cache = layer.init_cache(B, sum(chunks) + 2)  # two slots never written
+    outs, pos = [], 0
+    for n in chunks:
+        t = x[:, pos:pos + n]
+        y, cache = layer(t, t, use_causal_mask=True, cache=cache, cache_update_index=pos)
+        outs.append(np_(y))
+        pos += n
+    full = dc.damcha_attention(params, cfg, x, causal=True)
+    np.testing.assert_allclose(np.concatenate(outs, axis=1), full, rtol=1e-10, atol=1e-12)
+    _, k, v = ref.project(params, cfg, x, x)
+    side = dc.side_of(cfg, "k")
+    k_mapped = k if side is None else ref.apply_map(params, cfg, side, x, k)
+    cached = np_(cache)
+    np.testing.assert_allclose(cached[:, 0, :pos], k_mapped, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(cached[:, 1, :pos], v, rtol=1e-10, atol=1e-12)
+    assert not cached[:, :, pos:].any()
+
+
+def test_cache_step_under_tf_function_with_tensor_index():
+    """A traced cache_update_index (tf.function, as in a generation loop) writes and masks correctly."""
+    import tensorflow as tf
+
+    layer, params, cfg = _cache_layer("heads-tied", seed=1)
+    x = rng(5).normal(size=(B, 5, E))
+    step = tf.function(lambda t, cache, i: layer(t, t, use_causal_mask=True, cache=cache, cache_update_index=i))
+    cache, outs = layer.init_cache(B, 5), []
+    for i in range(5):
+        y, cache = step(tf.constant(x[:, i:i + 1]), cache, tf.constant(i))
+        outs.append(np_(y))
+    assert step.experimental_get_tracing_count() == 1  # one trace for every position
+    np.testing.assert_allclose(np.concatenate(outs, axis=1), dc.damcha_attention(params, cfg, x, causal=True),
+                               rtol=1e-10, atol=1e-12)
+
+
+def test_read_only_cache_serves_cross_attention():
+    """Memory written once (index 0) is then read as is by later queries; its
+    keys were mapped by the memory's own tokens (separate coupling)."""
+    layer, params, cfg = _cache_layer("lowrank-separate", seed=2)
+    x, memory = rng(6).normal(size=(B, N, E)), rng(7).normal(size=(B, M, E))
+    y0, cache = layer(x[:, :1], memory, cache=layer.init_cache(B, M), cache_update_index=0)
+    y1, same = layer(x[:, 1:], x[:, 1:], cache=cache)  # value is ignored without an index
+    assert same is cache
+    want = dc.damcha_attention(params, cfg, x, memory)
+    np.testing.assert_allclose(np.concatenate([np_(y0), np_(y1)], axis=1), want, rtol=1e-10, atol=1e-12)
+
+
+def test_cache_masks_scores_and_all_hidden_row():
+    """attention_mask spans the cache; unwritten slots get probability 0; a row
+    that sees nothing outputs the output bias."""
+    layer, params, cfg = _cache_layer("heads-tied", seed=3)
+    x = rng(8).normal(size=(B, 4, E))
+    L = 6
+    _, cache = layer(x[:, :2], x[:, :2], use_causal_mask=True, cache=layer.init_cache(B, L), cache_update_index=0)
+    mask = np.ones((B, 2, L), bool)
+    mask[1, 0, :] = False  # batch 1, query 0 sees nothing
+    mask[0, 1, 0] = False
+    y, scores, _ = layer(x[:, 2:], x[:, 2:], attention_mask=mask, use_causal_mask=True, cache=cache,
+                         cache_update_index=2, return_attention_scores=True)
+    scores = np_(scores)
+    assert scores.shape == (B, H, 2, L)
+    np.testing.assert_array_equal(scores[..., 4:], 0.0)  # never written
+    want = dc.damcha_attention(params, cfg, x[:, 2:], x, mask=mask[:, None, :, :4], causal=True, query_offset=2)
+    np.testing.assert_allclose(np_(y), want, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(np_(y)[1, 0], params["output.bias"], rtol=0, atol=1e-12)
+
+
+def test_cache_in_a_functional_model():
+    layer, _, cfg = _cache_layer("heads-tied")
+    tokens = keras.Input((1, E), batch_size=B, dtype="float64")
+    cache_in = keras.Input((2, 4, cfg.num_kv_heads, D), batch_size=B, dtype="float64")
+    y, cache_out = layer(tokens, tokens, use_causal_mask=True, cache=cache_in, cache_update_index=0)
+    model = keras.Model([tokens, cache_in], [y, cache_out])
+    assert tuple(cache_out.shape) == (B, 2, 4, cfg.num_kv_heads, D)
+    t = rng(9).normal(size=(B, 1, E))
+    out, cache = model([t, np.zeros((B, 2, 4, cfg.num_kv_heads, D))])
+    np.testing.assert_allclose(np_(out), np_(layer(t, t)), rtol=1e-10, atol=1e-12)  # one token sees itself only
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, pattern",
+    [
+        (dict(cache_update_index=0), dc.DamchaValueError, r"`cache_update_index` needs a `cache`"),
+        (dict(cache=np.zeros((B, 2, 6, H, D + 1)), cache_update_index=0), dc.DamchaValueError,
+         r"`cache` must have shape \(B, 2, L, G, d\) = \(2, 2, L, 3, 4\)\. Received: cache.shape=\(2, 2, 6, 3, 5\)"),
+        (dict(cache=np.zeros((B, 2, 6, H, D), "int32"), cache_update_index=0), dc.DamchaTypeError, r"`cache`"),
+        (dict(cache_update_index=5), dc.DamchaValueError,
+         r"`cache_update_index` must be in \[0, L - M\] = \[0, 4\].*Received: cache_update_index=5"),
+        (dict(cache_update_index=1.0), dc.DamchaTypeError, r"`cache_update_index` must be an int"),
+        (dict(value_mask=np.ones((B, 2), bool), cache_update_index=0), dc.DamchaValueError,
+         r"`value_mask` is not supported with a cache"),
+        (dict(use_causal_mask=True), dc.DamchaValueError, r"read-only cache needs `cache_update_index`"),
+        (dict(attention_mask=np.ones((B, 2, 2), bool), cache_update_index=0), dc.DamchaValueError,
+         r"`attention_mask` must have shape.*\(2, 6\)"),
+    ],
+    ids=["index-without-cache", "cache-shape", "cache-dtype", "index-out-of-range", "index-type", "value-mask",
+         "causal-read-only", "mask-not-spanning-cache"],
+)
+def test_bad_cache_arguments(kwargs, error, pattern):
+    layer, _, _ = _cache_layer("heads-tied")
+    x = rng(0).normal(size=(B, 2, E))
+    if "cache" not in kwargs and kwargs != dict(cache_update_index=0):  # every case but the first has a cache
+        kwargs = dict(kwargs, cache=layer.init_cache(B, 6))
+    with pytest.raises(error, match=pattern):
+        layer(x, x, **kwargs)
+
+
+def test_cache_needs_equal_key_and_value_dims():
+    layer = DamchaAttention(H, D, value_dim=D + 1)
+    x = rng(0).normal(size=(B, 2, E)).astype("float32")
+    layer(x, x)
+    with pytest.raises(dc.DamchaValueError, match=r"needs value_dim == key_dim.*key_dim=4, value_dim=5"):
+        layer.init_cache(B, 4)

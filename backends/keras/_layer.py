@@ -23,6 +23,16 @@ def _dtype_name(x: Any) -> str:
     return keras.backend.standardize_dtype(x.dtype)
 
 
+def _concrete_int(value: Any) -> int | None:
+    """The value of an int or a concrete int tensor; None when traced (jit, tf.function)."""
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    try:
+        return int(np.asarray(ops.convert_to_numpy(value)))
+    except Exception:  # a tracer or symbolic tensor: its value is not known yet
+        return None
+
+
 def _side_of(config: DamchaConfig, role: str) -> str | None:
     return dc.side_of(config, role)
 
@@ -78,12 +88,27 @@ class DamchaAttention(keras.layers.Layer):
             broadcast), True = may attend.
         return_attention_scores: also return probabilities (B, H, N, M).
         training: enables dropout.
-        use_causal_mask: hide key j from query i when j > i (top-left).
+        use_causal_mask: hide key j from query i when j > i (top-left); with
+            a cache, j > cache_update_index + i (bottom-right).
+        cache: a key/value cache for incremental decoding, (B, 2, L, G, d)
+            (KerasHub's ``CachedMultiHeadAttention`` layout; needs
+            ``value_dim == key_dim``; ``init_cache`` makes one). It holds the
+            *mapped* keys k~ = L_k(c) k, so cached keys never need their map
+            again. With ``cache_update_index`` the new tokens' k~ and v are
+            written at that position and the queries attend over the slots
+            written so far (positions < index + M); without it the cache is
+            read as is (e.g. precomputed cross-attention memory) and
+            ``value``/``key`` are ignored. Masks then span the cache:
+            ``attention_mask`` (B, N, L); ``value_mask``/``key_mask`` are
+            refused.
+        cache_update_index: int or int scalar tensor, the position of the
+            first new token in ``cache``.
 
     Returns:
-        (B, N, E_o), or ``(output, scores)``. A query that may attend to no
-        key gets attention output 0 (not NaN, not uniform as in MHA), so its
-        output is the output bias.
+        (B, N, E_o), or ``(output, scores)``; with a cache, the updated cache
+        is appended: ``(output, cache)`` or ``(output, scores, cache)``. A query
+        that may attend to no key gets attention output 0 (not NaN, not
+        uniform as in MHA), so its output is the output bias.
     """
 
     def __init__(
@@ -281,7 +306,7 @@ class DamchaAttention(keras.layers.Layer):
 
     # ----------------------------------------------------------- validation
 
-    def _check_inputs(self, query: Any, value: Any, key: Any, masks: dict[str, Any]) -> None:
+    def _check_inputs(self, query: Any, value: Any, key: Any, masks: dict[str, Any], kv_len: int | None = None) -> None:
         for name, x in (("query", query), ("value", value), ("key", key)):
             if x is not None and _dtype_name(x) not in _FLOAT_DTYPES:
                 raise dc.float_dtype_error(name, x)
@@ -304,6 +329,8 @@ class DamchaAttention(keras.layers.Layer):
         qs = fill(qs, (B, N, None)) if len(qs) == 3 else qs
         vs = fill(vs, (B, M, None)) if len(vs) == 3 else vs
         dc.check_shapes(self.config, qs, vs)
+        if kv_len is not None:
+            M = kv_len  # with a cache, masks span its L slots
         H = self._num_heads
         for name, m, rank_shapes in (
             ("query_mask", masks.get("query_mask"), {2: (B, N)}),
@@ -391,26 +418,38 @@ class DamchaAttention(keras.layers.Layer):
         return_attention_scores: bool = False,
         training: bool | None = None,
         use_causal_mask: bool = False,
+        cache: Any = None,
+        cache_update_index: Any = None,
     ) -> Any:
         masks = dict(query_mask=query_mask, value_mask=value_mask, key_mask=key_mask, attention_mask=attention_mask)
-        self._check_inputs(query, value, key, masks)
         for name, flag in (("return_attention_scores", return_attention_scores), ("use_causal_mask", use_causal_mask)):
             if not isinstance(flag, (bool, np.bool_)):
                 raise DamchaTypeError(f"`{name}` must be a bool. Received: {name}={describe(flag)}")
+        kv_len = self._check_cache(query, value, masks, use_causal_mask, cache, cache_update_index)
+        self._check_inputs(query, value, key, masks, kv_len)
         if key is None:
             key = value
         cfg = self.config
         # Sublayers are invoked through .call: this layer already cast the inputs and
         # consumed their Keras masks, which plain projections would warn about.
         q = self._dense["query"].call(query)  # (B, N, H, d)
-        k = self._dense["key"].call(key)  # (B, M, G, d)
-        v = self._dense["value"].call(value)  # (B, M, G, d_v)
         penalties: list = []
         side_q, side_k = _side_of(cfg, "q"), _side_of(cfg, "k")
         if side_q:
             q = self._apply_map(side_q, query, q, penalties)
-        if side_k:
-            k = self._apply_map(side_k, key, k, penalties)
+        if cache is not None and cache_update_index is None:
+            k, v = ops.cast(cache[:, 0], q.dtype), ops.cast(cache[:, 1], q.dtype)  # read-only: k~ already mapped
+        else:
+            k = self._dense["key"].call(key)  # (B, M, G, d)
+            v = self._dense["value"].call(value)  # (B, M, G, d_v)
+            if side_k:
+                k = self._apply_map(side_k, key, k, penalties)
+            if cache is not None:
+                start = [0, cache_update_index, 0, 0]
+                k = ops.slice_update(cache[:, 0], start, ops.cast(k, cache.dtype))
+                v = ops.slice_update(cache[:, 1], start, ops.cast(v, cache.dtype))
+                cache = ops.stack([k, v], axis=1)
+                k, v = ops.cast(k, q.dtype), ops.cast(v, q.dtype)
         if penalties:
             self.add_loss(self._metric_l2 * ops.mean(ops.stack(penalties)))
         if cfg.group_size > 1:
@@ -422,11 +461,15 @@ class DamchaAttention(keras.layers.Layer):
         n_static, m_static = query.shape[1], value.shape[1]
         causal_only = (
             use_causal_mask and query_mask is None and value_mask is None and key_mask is None
-            and attention_mask is None and n_static is not None and n_static == m_static
+            and attention_mask is None and n_static is not None and n_static == m_static and cache is None
         )
-        visible = None if causal_only else self._visibility(
-            query, value, query_mask, value_mask, key_mask, attention_mask, use_causal_mask
-        )
+        if cache is not None:
+            visible = self._cache_visibility(query, value, query_mask, attention_mask, use_causal_mask,
+                                             cache, cache_update_index)
+        else:
+            visible = None if causal_only else self._visibility(
+                query, value, query_mask, value_mask, key_mask, attention_mask, use_causal_mask
+            )
         # float64 avoids dot_product_attention: Keras 3.15's torch backend computes it
         # in float32 (its result_type misreads torch dtypes), silently losing precision.
         # value_dim != key_dim too: jax.nn.dot_product_attention rejects it and Keras
@@ -444,7 +487,114 @@ class DamchaAttention(keras.layers.Layer):
         else:
             out, scores = self._fused_attention(q, k, v, visible, causal_only), None
         y = self._dense["output"].call(out)
-        return (y, scores) if return_attention_scores else y
+        result = (y, scores) if return_attention_scores else (y,)
+        if cache is not None:
+            result = result + (cache,)
+        return result if len(result) > 1 else y
+
+    # ------------------------------------------------------------ decoding
+
+    def init_cache(self, batch_size: int, max_length: int, dtype: Any = None) -> Any:
+        """A zero key/value cache (B, 2, L, G, d) for ``call(..., cache=...)``.
+
+        Args:
+            batch_size: B.
+            max_length: L, the most tokens the cache will hold.
+            dtype: defaults to the layer's compute dtype.
+        """
+        for name, value in (("batch_size", batch_size), ("max_length", max_length)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise DamchaValueError(f"`{name}` must be an int >= 1. Received: {name}={describe(value)}")
+        self._check_cache_layout()
+        cfg = self.config
+        shape = (int(batch_size), 2, int(max_length), cfg.num_kv_heads, cfg.key_dim)
+        return ops.zeros(shape, dtype=dtype or self.compute_dtype)
+
+    def _check_cache_layout(self) -> None:
+        if not self.built:
+            raise DamchaValueError("The layer must be built (called once, or `build`) before it can use a cache.")
+        if self.config.value_dim != self.config.key_dim:
+            raise DamchaValueError(
+                "A cache stacks keys and values in one (B, 2, L, G, d) tensor, so it needs value_dim == key_dim. "
+                f"Received: key_dim={self.config.key_dim}, value_dim={self.config.value_dim}"
+            )
+
+    def _check_cache(self, query: Any, value: Any, masks: dict[str, Any], use_causal_mask: bool,
+                     cache: Any, index: Any) -> int | None:
+        """Validate ``cache`` and ``cache_update_index``; returns the key length L masks span."""
+        if cache is None:
+            if index is not None:
+                raise DamchaValueError(
+                    f"`cache_update_index` needs a `cache`. Received: cache=None, cache_update_index={describe(index)}"
+                )
+            return None
+        if not self.built:
+            self.build(tuple(query.shape), tuple(value.shape))
+        self._check_cache_layout()
+        cfg = self.config
+        if _dtype_name(cache) not in _FLOAT_DTYPES:
+            raise dc.float_dtype_error("cache", cache)
+        shape = tuple(cache.shape)
+        B = query.shape[0]
+        expected = (B, 2, None, cfg.num_kv_heads, cfg.key_dim)
+        if len(shape) != 5 or any(e is not None and s is not None and s != e for s, e in zip(shape, expected)):
+            raise DamchaValueError(
+                f"`cache` must have shape (B, 2, L, G, d) = ({B}, 2, L, {cfg.num_kv_heads}, {cfg.key_dim}). "
+                f"Received: cache.shape={shape}"
+            )
+        for name in ("value_mask", "key_mask"):
+            if masks[name] is not None:
+                raise DamchaValueError(
+                    f"`{name}` is not supported with a cache: it would cover only the new tokens. Pass an "
+                    f"`attention_mask` (B, N, L) over the whole cache instead. Received: {name}.shape="
+                    f"{tuple(masks[name].shape)}"
+                )
+        if index is None:
+            if use_causal_mask:
+                raise DamchaValueError(
+                    "`use_causal_mask=True` with a read-only cache needs `cache_update_index` (the position of "
+                    "the first new token). Received: cache_update_index=None"
+                )
+            return shape[2]
+        if isinstance(index, bool) or not (isinstance(index, (int, np.integer)) or hasattr(index, "dtype")):
+            raise DamchaTypeError(f"`cache_update_index` must be an int or an int scalar tensor. Received: "
+                                  f"cache_update_index={describe(index)}")
+        if hasattr(index, "dtype") and ("int" not in _dtype_name(index) or len(index.shape) != 0):
+            raise DamchaTypeError(f"`cache_update_index` must be an int or an int scalar tensor. Received: "
+                                  f"cache_update_index={describe(index)}")
+        T = value.shape[1]
+        if use_causal_mask and T is not None and query.shape[1] is not None and T != query.shape[1]:
+            raise DamchaValueError(
+                "`use_causal_mask=True` with a cache needs one new key per query token (self-attention "
+                f"decoding). Received: query.shape={tuple(query.shape)}, value.shape={tuple(value.shape)}"
+            )
+        start = _concrete_int(index)
+        if start is not None and shape[2] is not None and T is not None and not 0 <= start <= shape[2] - T:
+            # Under jit the index is traced and slice_update would clamp it silently; here it is known.
+            raise DamchaValueError(
+                f"`cache_update_index` must be in [0, L - M] = [0, {shape[2] - T}] to write {T} tokens into a "
+                f"cache of L={shape[2]}. Received: cache_update_index={start}"
+            )
+        return shape[2]
+
+    def _cache_visibility(self, query: Any, value: Any, query_mask: Any, attention_mask: Any,
+                          use_causal_mask: bool, cache: Any, index: Any) -> Any:
+        """(B|1, H|1, N, L) bool over the cache's slots."""
+        visible = self._visibility(query, value, query_mask, None, None, attention_mask, False)
+        if index is None:
+            return visible
+        n, L, t = ops.shape(query)[1], ops.shape(cache)[2], ops.shape(value)[1]
+        start = ops.cast(index, "int32")
+        cols = ops.expand_dims(ops.arange(L, dtype="int32"), 0)
+        if use_causal_mask:
+            # Query i is token index + i: it sees slots j <= index + i (bottom-right).
+            limit = ops.expand_dims(ops.arange(n, dtype="int32"), 1) + start
+            slots = ops.less_equal(cols, limit)
+        else:
+            # Slots at or past index + M were never written: hide them.
+            slots = ops.less(cols, start + t)
+        slots = slots[None, None]
+        return slots if visible is None else ops.logical_and(visible, slots)
 
     def _scaled(self, q: Any) -> Any:
         # convert_to_tensor with the dtype keeps the scale exact in float64; the
@@ -489,15 +639,20 @@ class DamchaAttention(keras.layers.Layer):
         return tuple(query_shape[:-1]) + (E_o,)
 
     def compute_output_spec(self, query, value, key=None, query_mask=None, value_mask=None, key_mask=None,
-                            attention_mask=None, return_attention_scores=False, training=None, use_causal_mask=False):
+                            attention_mask=None, return_attention_scores=False, training=None, use_causal_mask=False,
+                            cache=None, cache_update_index=None):
         # Functional models fail at model-building time, not at the first fit.
         masks = dict(query_mask=query_mask, value_mask=value_mask, key_mask=key_mask, attention_mask=attention_mask)
-        self._check_inputs(query, value, key, masks)
+        kv_len = self._check_cache(query, value, masks, use_causal_mask, cache, cache_update_index)
+        self._check_inputs(query, value, key, masks, kv_len)
         out = keras.KerasTensor(self.compute_output_shape(query.shape, value.shape), dtype=self.compute_dtype)
+        result: tuple = (out,)
         if return_attention_scores:
-            scores = keras.KerasTensor((query.shape[0], self._num_heads, query.shape[1], value.shape[1]), dtype=self.compute_dtype)
-            return out, scores
-        return out
+            M = value.shape[1] if cache is None else cache.shape[2]
+            result += (keras.KerasTensor((query.shape[0], self._num_heads, query.shape[1], M), dtype=self.compute_dtype),)
+        if cache is not None:
+            result += (keras.KerasTensor(cache.shape, dtype=cache.dtype),)
+        return result if len(result) > 1 else out
 
     # -------------------------------------------------------- serialisation
 
