@@ -106,6 +106,28 @@ def test_metric_penalty_matches_reference(name):
     torch.testing.assert_close(metric_penalty(nn.Sequential(layer)).item(), expected, rtol=1e-10, atol=1e-12)
 
 
+def test_deepcopy_and_pickle_after_a_tracked_training_forward():
+    """An EMA or best-model copy taken mid-training: the recorded penalty is a
+    non-leaf tensor of the last graph, which deepcopy refuses; the copy must
+    work, compute the same, and not carry the stale penalty."""
+    import io
+    import pickle
+
+    enc = build_encoder(16, 4, 2, dim_feedforward=32, dropout=0.0, dtype=torch.float64)
+    enc.apply(lambda m: setattr(m, "track_metric_penalty", True) if isinstance(m, DamchaAttention) else None)
+    x = _x(2, 5, 16)
+    enc(x).sum().backward()
+    assert metric_penalty(enc).requires_grad
+    buffer = io.BytesIO()
+    torch.save(enc, buffer)
+    buffer.seek(0)
+    for twin in (copy.deepcopy(enc), pickle.loads(pickle.dumps(enc)), torch.load(buffer, weights_only=False)):
+        assert all(m.last_metric_penalty is None for m in twin.modules() if isinstance(m, DamchaAttention))
+        torch.testing.assert_close(twin(x), enc(x), rtol=0, atol=0)
+        gens = {id(layer.self_attn.metric_generators["qk"]) for layer in twin.layers}
+        assert len(gens) == 1  # the shared generator stays shared in the copy
+
+
 # --------------------------------------------------------------- causality
 
 

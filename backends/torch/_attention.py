@@ -297,6 +297,14 @@ class DamchaAttention(nn.Module):
         (call their own ``reset_parameters``)."""
         self._reset_projections()
 
+    def __getstate__(self) -> dict[str, Any]:
+        # The recorded penalty belongs to the last forward's autograd graph: a
+        # non-leaf tensor that copy.deepcopy refuses (and pickle would save).
+        # A copy or a loaded module has not run a forward yet.
+        state = super().__getstate__()
+        state["last_metric_penalty"] = None
+        return state
+
     def extra_repr(self) -> str:
         c = self.config
         parts = [f"embed_dim={c.query_dim}", f"num_heads={c.num_heads}", f"key_dim={c.key_dim}"]
