@@ -485,3 +485,33 @@ def test_cache_needs_equal_key_and_value_dims():
     layer(x, x)
     with pytest.raises(dc.DamchaValueError, match=r"needs value_dim == key_dim.*key_dim=4, value_dim=5"):
         layer.init_cache(B, 4)
+
+
+@pytest.mark.parametrize("normalize_first", [False, True], ids=["post-norm", "pre-norm"])
+def test_decoder_block_cache_decoding_equals_full_forward(normalize_first):
+    """A stack of two decoder blocks sharing a generator, decoded token by token
+    through per-block caches, equals the full causal forward of the same blocks."""
+    gen = MetricGenerator(2, name="dec_shared", dtype="float64")
+    blocks = [TransformerDecoder(16, 2, normalize_first=normalize_first, metric_generator=gen, seed=i,
+                                 dtype="float64", name=f"dec{i}") for i in range(2)]
+    x = rng(10).normal(size=(B, 5, 8))
+    h = x
+    for block in blocks:
+        h = block(h)
+    for block in blocks:  # open the gates so the maps act (fresh blocks are exactly MHA)
+        block._attention._gates["qk"].assign(rng(11).normal(size=2))
+    full = x
+    for block in blocks:
+        full = block(full)
+    caches, outs = [block.init_cache(B, 5) for block in blocks], []
+    for i in range(5):
+        h = x[:, i:i + 1]
+        for j, block in enumerate(blocks):
+            h, caches[j] = block(h, self_attention_cache=caches[j], self_attention_cache_update_index=i)
+        outs.append(np_(h))
+    np.testing.assert_allclose(np.concatenate(outs, axis=1), np_(full), rtol=1e-10, atol=1e-12)
+    with pytest.raises(dc.DamchaValueError, match=r"padding mask .* is not supported with `self_attention_cache`"):
+        blocks[0](x[:, :1], decoder_padding_mask=np.ones((B, 1), bool), self_attention_cache=caches[0],
+                  self_attention_cache_update_index=0)
+    with pytest.raises(dc.DamchaValueError, match=r"needs `self_attention_cache_update_index`"):
+        blocks[0](x[:, :1], self_attention_cache=caches[0])

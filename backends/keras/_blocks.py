@@ -93,14 +93,21 @@ class _Block(keras.layers.Layer):
         self._ffn_dropout = keras.layers.Dropout(self.dropout, seed=self.seed, dtype=self.dtype_policy)
         self.built = True
 
-    def _forward(self, x: Any, padding_mask: Any, attention_mask: Any, training: Any) -> Any:
+    def _forward(self, x: Any, padding_mask: Any, attention_mask: Any, training: Any,
+                 cache: Any = None, cache_update_index: Any = None) -> Any:
         residual = x
         if self.normalize_first:
             x = self._attention_norm(x)
-        x = self._attention(
-            x, x, query_mask=padding_mask, value_mask=padding_mask, attention_mask=attention_mask,
-            training=training, use_causal_mask=self._causal,
-        )
+        if cache is None:
+            x = self._attention(
+                x, x, query_mask=padding_mask, value_mask=padding_mask, attention_mask=attention_mask,
+                training=training, use_causal_mask=self._causal,
+            )
+        else:
+            x, cache = self._attention(
+                x, x, attention_mask=attention_mask, training=training, use_causal_mask=self._causal,
+                cache=cache, cache_update_index=cache_update_index,
+            )
         x = residual + self._attention_dropout(x, training=training)
         if not self.normalize_first:
             x = self._attention_norm(x)
@@ -111,7 +118,7 @@ class _Block(keras.layers.Layer):
         x = residual + self._ffn_dropout(x, training=training)
         if not self.normalize_first:
             x = self._ffn_norm(x)
-        return x
+        return x if cache is None else (x, cache)
 
     def compute_output_shape(self, inputs_shape: tuple) -> tuple:
         return tuple(inputs_shape)
@@ -176,14 +183,56 @@ class TransformerDecoder(_Block):
 
     Arguments and call arguments as ``TransformerEncoder``; the causal rule
     (query i sees keys j <= i) is always applied, combined with the masks.
+
+    Incremental decoding (KerasHub's argument names): pass
+    ``self_attention_cache`` (B, 2, L, G, d) from ``init_cache`` and
+    ``self_attention_cache_update_index`` (the position of the first new
+    token); the call returns ``(outputs, self_attention_cache)``. Query i then
+    sees cache slots j <= index + i. ``decoder_attention_mask`` must span
+    the cache, (B, N, L); a padding mask is refused with a cache (it would
+    describe only the new tokens): fold it into ``decoder_attention_mask``.
     """
 
     _causal = True
 
     def call(self, decoder_sequence: Any, decoder_padding_mask: Any = None, decoder_attention_mask: Any = None,
-             training: Any = None, mask: Any = None) -> Any:
+             training: Any = None, mask: Any = None, self_attention_cache: Any = None,
+             self_attention_cache_update_index: Any = None) -> Any:
         pad = mask if decoder_padding_mask is None else decoder_padding_mask
-        return self._forward(decoder_sequence, pad, decoder_attention_mask, training)
+        if self_attention_cache is None:
+            if self_attention_cache_update_index is not None:
+                raise DamchaValueError(
+                    "`self_attention_cache_update_index` needs a `self_attention_cache`. Received: "
+                    f"self_attention_cache=None, self_attention_cache_update_index={describe(self_attention_cache_update_index)}"
+                )
+            return self._forward(decoder_sequence, pad, decoder_attention_mask, training)
+        if self_attention_cache_update_index is None:
+            raise DamchaValueError(
+                "`self_attention_cache` needs `self_attention_cache_update_index` (the position of the first new "
+                "token). Received: self_attention_cache_update_index=None"
+            )
+        if pad is not None:
+            raise DamchaValueError(
+                "A padding mask (`decoder_padding_mask`, or the inputs' Keras mask) is not supported with "
+                "`self_attention_cache`: it would cover only the new tokens. Pass `decoder_attention_mask` "
+                f"(B, N, L) over the whole cache instead. Received: padding mask shape {tuple(pad.shape)}"
+            )
+        return self._forward(decoder_sequence, None, decoder_attention_mask, training,
+                             self_attention_cache, self_attention_cache_update_index)
+
+    def init_cache(self, batch_size: int, max_length: int, dtype: Any = None) -> Any:
+        """A zero self-attention cache (B, 2, L, G, d) for this (built) block."""
+        if not self.built:
+            raise DamchaValueError("The block must be built (called once, or `build`) before it can make a cache.")
+        return self._attention.init_cache(batch_size, max_length, dtype)
+
+    def compute_output_spec(self, decoder_sequence: Any, decoder_padding_mask: Any = None,
+                            decoder_attention_mask: Any = None, training: Any = None, mask: Any = None,
+                            self_attention_cache: Any = None, self_attention_cache_update_index: Any = None) -> Any:
+        out = keras.KerasTensor(decoder_sequence.shape, dtype=self.compute_dtype)
+        if self_attention_cache is None:
+            return out
+        return out, keras.KerasTensor(self_attention_cache.shape, dtype=self_attention_cache.dtype)
 
     def build(self, decoder_sequence_shape: tuple) -> None:
         super().build(decoder_sequence_shape)
