@@ -339,6 +339,32 @@ def test_recompute_gives_the_same_gradients():
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
+# functorch has no batching rule for CPU SDPA and says so; the fallback is exact.
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
+def test_torch_func_per_sample_grads_in_training_mode():
+    """vmap(grad(functional_call)) on a training-mode layer (recompute on by
+    default): torch.func rejects checkpoint's saved-tensor hooks, so the layer
+    must not use them there; per-sample grads equal a loop of backward calls."""
+    from torch.func import functional_call, grad, vmap
+
+    cfg = _config("heads-separate")
+    layer = DamchaAttention.from_canonical(case_params(cfg, 2), cfg, batch_first=True, dtype=torch.float64).train()
+    params = {n: p.detach() for n, p in layer.named_parameters()}
+    x = _x(3, 4, 16)
+
+    def loss(p, sample):
+        t = sample[None]
+        return functional_call(layer, p, (t, t, t), {"need_weights": False, "is_causal": True})[0].square().sum()
+
+    per_sample = vmap(grad(loss), in_dims=(None, 0))(params, x)
+    for i in range(x.shape[0]):
+        layer.zero_grad()
+        t = x[i:i + 1]
+        layer(t, t, t, need_weights=False, is_causal=True)[0].square().sum().backward()
+        for name, p in layer.named_parameters():
+            torch.testing.assert_close(per_sample[name][i], p.grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
 def _saved_activation_bytes(layer: nn.Module, x: torch.Tensor) -> int:
     """Bytes autograd keeps for backward, beyond the parameters and the input."""
     storages: dict[int, int] = {}

@@ -359,7 +359,10 @@ class DamchaAttention(nn.Module):
     def _project(self, query: Tensor, key: Tensor, value: Tensor, self_attention: bool) -> tuple[Tensor, Tensor, Tensor]:
         cfg = self.config
         (_, _, W_v), (_, _, b_v) = self._proj_weights(), self._proj_biases()
-        recompute = self.recompute and self.training and torch.is_grad_enabled() and cfg.metric != "none"
+        # torch.func's grad/vjp/jacrev reject the saved-tensor hooks checkpoint
+        # uses, so under a functorch transform the maps are stored instead.
+        recompute = (self.recompute and self.training and torch.is_grad_enabled() and cfg.metric != "none"
+                     and not torch._C._are_functorch_transforms_active())
         if self_attention and not recompute:
             # One packed GEMM for q, k, v, as nn.MultiheadAttention does.
             q, k, v = F.linear(query, self.in_proj_weight, self.in_proj_bias).split(self._sizes, dim=-1)  # type: ignore[arg-type]
