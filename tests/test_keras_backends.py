@@ -8,6 +8,9 @@ Coverage per backend: tensorflow and torch run every case, outputs and
 gradients, in float32 and float64; jax runs every case, outputs and gradients,
 in float32 (float64 needs JAX_ENABLE_X64=1 and is run by ``damcha conform``,
 kept out of this suite for time: each case is a separate XLA compilation).
+Every backend also decodes token by token with a cache (jitted on jax); the
+torch backend also exports a model with Keras's ``model.export(format="onnx")``
+and runs it in onnxruntime.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ def test_keras_backend(backend, tmp_path):
     assert result["checks"] >= 2 * 24 * len(BACKENDS[backend])  # outputs + gradients of every case ran
     assert result["fit_loss_decreased"] and result["reload_bit_exact"], result
     assert result["decode_within_float32_tolerance"], result
+    assert result["onnx_export_matches"] is (True if backend == "torch" else None), result
 
 
 def _main(backend: str, workdir: str) -> None:
@@ -98,7 +102,23 @@ def _main(backend: str, workdir: str) -> None:
         np.concatenate(outs, axis=1), dc.damcha_attention(params, cfg, seq, causal=True)
     )
 
+    onnx_ok = None
+    if backend == "torch":
+        # Keras's own ONNX export (torch.onnx under the hood) of a model with open gates,
+        # run in onnxruntime with a batch size the export never saw.
+        import onnxruntime as ort
+
+        inp = keras.Input((5, 8))
+        out = DamchaAttention.from_canonical(params, cfg, dtype="float32")(inp, inp, use_causal_mask=True)
+        exported = keras.Model(inp, out)
+        exported(seq[:1])
+        exported.export(str(Path(workdir) / "model.onnx"), format="onnx")
+        session = ort.InferenceSession(str(Path(workdir) / "model.onnx"), providers=["CPUExecutionProvider"])
+        got = session.run(None, {session.get_inputs()[0].name: seq})[0]
+        onnx_ok = TOLERANCES["float32"].output_ratio(got, dc.damcha_attention(params, cfg, seq, causal=True))[1] <= 1.0
+
     print(json.dumps({
+        "onnx_export_matches": onnx_ok,
         "decode_within_float32_tolerance": decode_ratio <= 1.0,
         "backend": backend,
         "dtypes": list(adapter.dtypes),
