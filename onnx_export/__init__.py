@@ -13,7 +13,7 @@ from ._adapter import ConformanceAdapter
 from ._export import build_model, check_opset, export, validate_model
 from ._graph import ATTENTION_OPSET, MIN_OPSET, fold_params
 from ._quantize import quantization_error, quantize_int8
-from ._runtime import ort_session, run_ort, run_reference
+from ._runtime import empty_kv_cache, ort_session, run_ort, run_reference
 from ._stack import (
     EncoderConfig,
     TokenModelConfig,
@@ -35,6 +35,7 @@ __all__ = [
     "TokenModelConfig",
     "build_model",
     "check_opset",
+    "empty_kv_cache",
     "encoder_forward",
     "encoder_from_torch",
     "export",

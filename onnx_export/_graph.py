@@ -16,6 +16,7 @@ Layouts inside the graph (B batch, N query length, M context length):
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Mapping, Sequence
 
@@ -24,7 +25,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 import damcha_core as dc
-from damcha_core import DamchaConfig
+from damcha_core import DamchaConfig, DamchaValueError
 
 #: First opset with the standard ``Attention`` operator.
 ATTENTION_OPSET = 23
@@ -32,6 +33,24 @@ ATTENTION_OPSET = 23
 MIN_OPSET = 17
 
 DTYPES: dict[str, int] = {"float32": TensorProto.FLOAT, "float64": TensorProto.DOUBLE}
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheNames:
+    """Graph value names of one layer's key/value cache (incremental decoding).
+
+    ``past_key`` (B, G, P, d) and ``past_value`` (B, G, P, d_v) are graph
+    inputs holding the P tokens decoded so far; ``present_key`` (B, G, P+n, d)
+    and ``present_value`` (B, G, P+n, d_v) are graph outputs with the n new
+    tokens appended. Keys are the transformed k~ = L_k(c) k in spec units (the
+    softmax scale is folded into the queries, never into the cache), exactly
+    what ``damcha_torch.DamchaKVCache`` holds.
+    """
+
+    past_key: str
+    past_value: str
+    present_key: str
+    present_value: str
 
 
 class GraphBuilder:
@@ -92,6 +111,13 @@ class GraphBuilder:
         out = self.fresh(hint or op_type.lower())
         self.nodes.append(helper.make_node(op_type, list(inputs), [out], name=self.fresh(f"n_{out}"), **attrs))
         return out
+
+    def named_op(self, op_type: str, inputs: Sequence[str], outputs: Sequence[str], **attrs) -> None:
+        """A node whose outputs get exactly these names (graph outputs, several outputs).
+
+        The caller reserves the names (``_names``), so ``fresh`` never hands them out again.
+        """
+        self.nodes.append(helper.make_node(op_type, list(inputs), list(outputs), name=self.fresh(f"n_{outputs[0]}"), **attrs))
 
     # -------------------------------------------------------------- helpers
 
@@ -271,6 +297,7 @@ def attention_layer(
     form: str,
     prefix: str,
     shared: str | None = None,
+    cache: KVCacheNames | None = None,
 ) -> str:
     """Nodes of one DAMCHA layer; returns the name of y (B, N, E_o).
 
@@ -279,7 +306,18 @@ def attention_layer(
     ``None``; ``form`` is "attention" (standard op, opset >= 23) or
     "decomposed" (MatMul/Softmax). ``shared`` names the stack-wise shared
     metric generator: its weights are stored once under that prefix.
+
+    ``cache`` (causal self-attention only) turns the layer into a decode step:
+    the new keys k~ and values are appended to ``cache.past_key``/``past_value``
+    (B, G, P, d/d_v), written to ``cache.present_key``/``present_value``, and
+    query i of the step attends keys j <= P + i of the P + N (bottom-right). A
+    ``mask`` then has M = P + N columns.
     """
+    if cache is not None and (context is not None or not causal):
+        raise DamchaValueError(
+            "A key/value cache needs causal self-attention. "
+            f"Received: context={context!r}, causal={causal}"
+        )
     f = fold_params(params, config, fold_gate=shared is None)
     H, G, d, d_v = config.num_heads, config.num_kv_heads, config.key_dim, config.value_dim
     R = config.group_size
@@ -312,36 +350,64 @@ def attention_layer(
             coeff_c = _generator(g, f, config, sk, phi_c, f"{P}{sk}_coeff_c", shared)
         k = _apply_map(g, f, config, sk, coeff_c, k, config.side_heads(sk), f"{P}k_mapped", shared)
 
+    # Key count M (1-element int64) and, with a cache, the causal offset P,
+    # both from input shapes: the mask feeds the Attention node, so it cannot
+    # be sized from that node's present_key.
+    offset = None
+    if cache is None:
+        key_len = g.dim(c, 1, f"{P}mM")
+    else:
+        past_len = g.dim(cache.past_key, 2, f"{P}past_len")
+        key_len = g.op("Add", [past_len, g.dim(query, 1, f"{P}new_len")], f"{P}total_len")
+        offset = g.op("Squeeze", [past_len], f"{P}past_len_s")
+
     visible = None
     if mask is not None:
         # (B, H, N, M): Expand accepts size-1 dims; the Reshape rejects a mask
         # dim larger than the target's (Expand alone would grow the batch).
         target = g.op(
             "Concat",
-            [g.dim(query, 0, f"{P}mB"), g.ints([H]), g.dim(query, 1, f"{P}mN"), g.dim(c, 1, f"{P}mM")],
+            [g.dim(query, 0, f"{P}mB"), g.ints([H]), g.dim(query, 1, f"{P}mN"), key_len],
             f"{P}mask_shape",
             axis=0,
         )
         visible = g.op("Reshape", [g.op("Expand", [mask, target], f"{P}mask_expanded"), target], f"{P}mask_full")
 
     if form == "attention":
-        inputs = [q, k, v] + ([visible] if visible is not None else [])
-        o = g.op(
-            "Attention", inputs, f"{P}attn", q_num_heads=H, kv_num_heads=G, scale=1.0, is_causal=int(causal)
-        )  # (B, N, H*d_v); scale already folded into q
+        inputs = [q, k, v] + [visible if visible is not None else ""]
+        outputs = [g.fresh(f"{P}attn")]
+        if cache is not None:
+            # is_causal with past_key is bottom-right (j <= P + i) in the ONNX
+            # spec (errata onnx/onnx#8068), in onnx.reference and in
+            # onnxruntime's CPU kernel; checked empirically (onnx 1.23,
+            # onnxruntime 1.32) and pinned by tests/test_onnx_kv_cache.py, so
+            # no explicit (N, P+N) mask is materialised for the fused kernel.
+            inputs += [cache.past_key, cache.past_value]
+            outputs += [cache.present_key, cache.present_value]
+        while inputs[-1] == "":
+            inputs.pop()  # trailing optional inputs are omitted, not named ""
+        g.named_op("Attention", inputs, outputs, q_num_heads=H, kv_num_heads=G, scale=1.0, is_causal=int(causal))
+        o = outputs[0]  # (B, N, H*d_v); scale already folded into q
         if visible is not None:
-            o = _zero_empty_rows_3d(g, o, visible, H, d_v, causal, query, c, P)
+            o = _zero_empty_rows_3d(g, o, visible, H, d_v, causal, query, key_len, offset, P)
     else:
-        o = _decomposed_attention(g, q, k, v, visible, causal, query, c, H, G, R, d, d_v, P)
+        o = _decomposed_attention(g, q, k, v, visible, causal, query, key_len, offset, cache, H, G, R, d, d_v, P)
     return g.linear(o, f["o.kernel"], f.get("o.bias"), f"{P}out")
 
 
-def _causal_visible(g: GraphBuilder, query: str, context: str, P: str) -> str:
-    """(N, M) bool, key j visible to query i iff j <= i (top-left, as the reference)."""
+def _causal_visible(g: GraphBuilder, query: str, key_len: str, offset: str | None, P: str) -> str:
+    """(N, M) bool, key j visible to query i iff j <= i + offset.
+
+    ``key_len`` is M as a 1-element int64 tensor; ``offset`` a scalar int64
+    (P cached tokens: bottom-right) or ``None`` for 0 (top-left, as the reference).
+    """
     n = g.op("Squeeze", [g.dim(query, 1, f"{P}cN")], f"{P}cN_s")
-    m = g.op("Squeeze", [g.dim(context, 1, f"{P}cM")], f"{P}cM_s")
+    m = g.op("Squeeze", [key_len], f"{P}cM_s")
     zero, one = g.op("Constant", [], f"{P}c0", value_int=0), g.op("Constant", [], f"{P}c1", value_int=1)
-    rows = g.op("Unsqueeze", [g.op("Range", [zero, n, one], f"{P}rows_r"), g.ints([1])], f"{P}rows")
+    rows = g.op("Range", [zero, n, one], f"{P}rows_r")
+    if offset is not None:
+        rows = g.op("Add", [rows, offset], f"{P}rows_pos")  # query i sits at position P + i
+    rows = g.op("Unsqueeze", [rows, g.ints([1])], f"{P}rows")
     cols = g.op("Range", [zero, m, one], f"{P}cols")
     return g.op("LessOrEqual", [cols, rows], f"{P}causal_visible")
 
@@ -352,30 +418,39 @@ def _row_has_key(g: GraphBuilder, visible: str, P: str) -> str:
     return g.op("Cast", [g.reduce_max(as_float, [3], f"{P}row_any_f")], f"{P}row_any", to=TensorProto.BOOL)
 
 
-def _zero_empty_rows_3d(g, o, visible, H, d_v, causal, query, c, P):
+def _zero_empty_rows_3d(g, o, visible, H, d_v, causal, query, key_len, offset, P):
     # v1 defines a query with no visible key to have probabilities 0, so output
     # 0. Runtimes disagree on this corner (NaN, uniform, 0), so force it here.
     if causal:
-        visible = g.op("And", [visible, _causal_visible(g, query, c, P)], f"{P}vis_all")
+        visible = g.op("And", [visible, _causal_visible(g, query, key_len, offset, P)], f"{P}vis_all")
     row = g.op("Transpose", [_row_has_key(g, visible, P)], f"{P}row_any_t", perm=[0, 2, 1, 3])  # (B, N, H, 1)
     heads = g.reshape(o, [0, 0, H, d_v], f"{P}attn_heads")
     zeroed = g.op("Where", [row, heads, g.scalar(0.0)], f"{P}attn_zeroed")
     return g.reshape(zeroed, [0, 0, H * d_v], f"{P}attn_masked")
 
 
-def _decomposed_attention(g, q, k, v, visible, causal, query, c, H, G, R, d, d_v, P):
+def _decomposed_attention(g, q, k, v, visible, causal, query, key_len, offset, cache, H, G, R, d, d_v, P):
     """Scaled dot-product attention from MatMul/Softmax for opsets without Attention."""
     # Query head h = g*R + r reads kv head g: group query heads by kv head.
     qg = g.op("Transpose", [g.reshape(q, [0, 0, G, R, d], f"{P}q5")], f"{P}q5t", perm=[0, 2, 3, 1, 4])
     qg = g.reshape(qg, [0, 0, -1, d], f"{P}qg")  # (B, G, R*N, d)
-    kt = g.op("Transpose", [g.reshape(k, [0, 0, G, d], f"{P}k4")], f"{P}kt", perm=[0, 2, 3, 1])  # (B, G, d, M)
-    vg = g.op("Transpose", [g.reshape(v, [0, 0, G, d_v], f"{P}v4")], f"{P}vg", perm=[0, 2, 1, 3])  # (B, G, M, d_v)
+    if cache is None:
+        kt = g.op("Transpose", [g.reshape(k, [0, 0, G, d], f"{P}k4")], f"{P}kt", perm=[0, 2, 3, 1])  # (B, G, d, M)
+        vg = g.op("Transpose", [g.reshape(v, [0, 0, G, d_v], f"{P}v4")], f"{P}vg", perm=[0, 2, 1, 3])  # (B, G, M, d_v)
+    else:
+        # The cache layout (B, G, P, d) is the Attention op's past_key layout.
+        k_new = g.op("Transpose", [g.reshape(k, [0, 0, G, d], f"{P}k4")], f"{P}k_new", perm=[0, 2, 1, 3])
+        v_new = g.op("Transpose", [g.reshape(v, [0, 0, G, d_v], f"{P}v4")], f"{P}v_new", perm=[0, 2, 1, 3])
+        g.named_op("Concat", [cache.past_key, k_new], [cache.present_key], axis=2)  # (B, G, P+N, d)
+        g.named_op("Concat", [cache.past_value, v_new], [cache.present_value], axis=2)  # (B, G, P+N, d_v)
+        kt = g.op("Transpose", [cache.present_key], f"{P}kt", perm=[0, 1, 3, 2])  # (B, G, d, M)
+        vg = cache.present_value
     logits = g.reshape(g.op("MatMul", [qg, kt], f"{P}logits_g"), [0, H, -1, 0], f"{P}logits")  # (B, H, N, M)
     has_mask = visible is not None
     if causal:
-        # Top-left causal never hides every key of a row (key 0 is always
-        # visible), so only a user mask can produce an empty row.
-        cv = _causal_visible(g, query, c, P)
+        # Causal never hides every key of a row (key 0 is visible to every
+        # query, also at offset P), so only a user mask can produce an empty row.
+        cv = _causal_visible(g, query, key_len, offset, P)
         visible = cv if visible is None else g.op("And", [visible, cv], f"{P}vis_all")
     if visible is not None:
         # The lowest finite value rather than -inf: exp(lowest - max) is still

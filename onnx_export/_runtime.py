@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import os
 from typing import Any, Mapping
 
@@ -66,14 +67,60 @@ def feeds_for(model: onnx.ModelProto, inputs: Mapping[str, Any]) -> dict[str, np
     return out
 
 
-def run_ort(model: onnx.ModelProto, inputs: Mapping[str, Any], *, session=None) -> np.ndarray:
-    """First output of ``model`` in onnxruntime's CPU provider."""
+def _first_or_all(model: onnx.ModelProto, outputs: list, all_outputs: bool) -> np.ndarray | dict[str, np.ndarray]:
+    if not all_outputs:
+        return outputs[0]
+    return {o.name: value for o, value in zip(model.graph.output, outputs)}
+
+
+def run_ort(
+    model: onnx.ModelProto, inputs: Mapping[str, Any], *, session=None, all_outputs: bool = False
+) -> np.ndarray | dict[str, np.ndarray]:
+    """First output of ``model`` in onnxruntime's CPU provider.
+
+    ``all_outputs=True`` returns every output by name instead (a decode step's
+    ``present_key``/``present_value`` next to ``output``).
+    """
     session = session or ort_session(model)
-    return session.run(None, feeds_for(model, inputs))[0]
+    return _first_or_all(model, session.run(None, feeds_for(model, inputs)), all_outputs)
 
 
-def run_reference(model: onnx.ModelProto, inputs: Mapping[str, Any]) -> np.ndarray:
-    """First output of ``model`` in ``onnx.reference.ReferenceEvaluator`` (pure Python)."""
-    from onnx.reference import ReferenceEvaluator
+def run_reference(
+    model: onnx.ModelProto, inputs: Mapping[str, Any], *, evaluator=None, all_outputs: bool = False
+) -> np.ndarray | dict[str, np.ndarray]:
+    """First output of ``model`` in ``onnx.reference.ReferenceEvaluator`` (pure Python).
 
-    return ReferenceEvaluator(model).run(None, feeds_for(model, inputs))[0]
+    ``evaluator`` reuses a ``ReferenceEvaluator(model)`` across calls;
+    ``all_outputs`` as for ``run_ort``.
+    """
+    if evaluator is None:
+        from onnx.reference import ReferenceEvaluator
+
+        evaluator = ReferenceEvaluator(model)
+    return _first_or_all(model, evaluator.run(None, feeds_for(model, inputs)), all_outputs)
+
+
+def empty_kv_cache(model: onnx.ModelProto, batch_size: int) -> dict[str, np.ndarray]:
+    """Zero-length ``past_*`` inputs (P = 0) of a ``kv_cache=True`` export: the first decode step's cache.
+
+    Args:
+        model: a layer, encoder or token model exported with ``kv_cache=True``.
+        batch_size: B.
+
+    Returns:
+        ``{"past_key[.i]": (B, G, 0, d), "past_value[.i]": (B, G, 0, d_v)}`` in the model's dtype.
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
+        raise DamchaValueError(f"`batch_size` must be an int >= 1. Received: batch_size={describe(batch_size)}")
+    cache = {}
+    for value in model.graph.input:
+        if value.name.startswith(("past_key", "past_value")):
+            t = value.type.tensor_type
+            dims = [d.dim_value for d in t.shape.dim]
+            cache[value.name] = np.zeros((int(batch_size), dims[1], 0, dims[3]), onnx.helper.tensor_dtype_to_np_dtype(t.elem_type))
+    if not cache:
+        raise DamchaValueError(
+            "`model` has no past_key/past_value inputs; export it with kv_cache=True. "
+            f"Received: inputs={[v.name for v in model.graph.input]}"
+        )
+    return cache
