@@ -28,7 +28,19 @@ import damcha_core as dc
 from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError
 from damcha_core import describe
 
-from ._export import _check_flag, _dims, check_opset, make_model, save_model, validate_model
+from ._export import (
+    PAST_KEY,
+    TOTAL_LEN,
+    _check_flag,
+    _dims,
+    cache_names,
+    cache_value_info,
+    check_kv_cache,
+    check_opset,
+    make_model,
+    save_model,
+    validate_model,
+)
 from ._graph import ATTENTION_OPSET, GraphBuilder, attention_layer
 
 SHARED = "shared."
@@ -264,7 +276,18 @@ def token_model_forward(params: Mapping[str, Any], config: TokenModelConfig, tok
 # ------------------------------------------------------------------ graphs
 
 
-def _encoder_nodes(g: GraphBuilder, p: Mapping[str, np.ndarray], config: EncoderConfig, x: str, mask: str | None, form: str, prefix: str) -> str:
+def _encoder_nodes(
+    g: GraphBuilder,
+    p: Mapping[str, np.ndarray],
+    config: EncoderConfig,
+    x: str,
+    mask: str | None,
+    form: str,
+    prefix: str,
+    kv_cache: bool = False,
+) -> str:
+    """Nodes of the stack on x (B, N, E); with ``kv_cache`` layer i reads
+    ``past_key.{i}``/``past_value.{i}`` and writes ``present_key.{i}``/``present_value.{i}``."""
     eps = float(config.norm_eps)
 
     def norm(h: str, name: str) -> str:
@@ -291,6 +314,7 @@ def _encoder_nodes(g: GraphBuilder, p: Mapping[str, np.ndarray], config: Encoder
             form=form,
             prefix=f"{prefix}{pre}attn_",
             shared=f"{prefix}{SHARED}" if config.share_metric else None,
+            cache=cache_names(f".{i}") if kv_cache else None,
         )
         h = g.op("Add", [h, attn], f"{prefix}{pre}res1")
         f_in = norm(h, f"{pre}norm2")
@@ -304,48 +328,66 @@ def _encoder_nodes(g: GraphBuilder, p: Mapping[str, np.ndarray], config: Encoder
     return norm(h, "final_norm")
 
 
-def _stack_export(kind: str, params, config, path, *, opset, mask, dynamic, dtype, form, batch_size, query_len):
+def _stack_export(kind: str, params, config, path, *, opset, mask, dynamic, dtype, form, batch_size, query_len, kv_cache):
     opset, form = check_opset(opset, form)
     if dtype != "float32":
         # onnxruntime's CPU provider has no float64 Erf kernel (exact GELU);
         # single layers (``export``) do support float64.
         raise DamchaValueError(f"Stacks and token models export in float32 only. Received: dtype={dtype!r}")
     mask, dynamic = _check_flag("mask", mask), _check_flag("dynamic", dynamic)
+    encoder = config if kind == "encoder" else config.encoder
+    kv_cache = check_kv_cache(kv_cache, causal=encoder.causal)
     B = _dims(dynamic, "batch_size", "batch", batch_size)
     N = _dims(dynamic, "query_len", "query_len", query_len)
+    # With a cache the mask covers the P cached keys too; P changes every step.
+    M = TOTAL_LEN if kv_cache else N
     p = validate_stack_params(params, config)
     g = GraphBuilder(dtype, opset)
-    encoder = config if kind == "encoder" else config.encoder
     H = encoder.attention.num_heads
     inputs = []
     if kind == "encoder":
         inputs.append(helper.make_tensor_value_info("query", g.onnx_dtype, [B, N, encoder.width]))
         x = "query"
+        out_name, out_shape = "output", [B, N, encoder.width]
     else:
         inputs.append(helper.make_tensor_value_info("tokens", TensorProto.INT64, [B, N]))
+        out_name, out_shape = "logits", [B, N, config.num_classes]
+    outputs = [helper.make_tensor_value_info(out_name, g.onnx_dtype, out_shape)]
+    if kv_cache:
+        for i in range(encoder.num_layers):
+            cache_in, cache_out = cache_value_info(g.onnx_dtype, encoder.attention, B, f".{i}")
+            inputs += cache_in
+            outputs += cache_out
     if mask:
-        m_dims = ["mask_batch", "mask_heads", "mask_query", N] if dynamic else [B, H, N, N]
+        m_dims = ["mask_batch", "mask_heads", "mask_query", M] if dynamic else [B, H, N, M]
         inputs.append(helper.make_tensor_value_info("mask", TensorProto.BOOL, m_dims))
-    for name in ("query", "tokens", "mask", "output", "logits"):
-        g._names.add(name)
+    for value in inputs + outputs:
+        g._names.add(value.name)
     if kind == "token_model":
         emb = g.op("Gather", [g.weight("embedding.table", p["embedding.table"]), "tokens"], "embedded", axis=0)
         n = g.op("Squeeze", [g.dim("tokens", 1, "seq_len")], "seq_len_s")
         zero, one = g.op("Constant", [], "pos0", value_int=0), g.op("Constant", [], "pos1", value_int=1)
-        # N > max_len fails in the runtime (Gather or the Add after it), never clamps.
         positions = g.op("Range", [zero, n, one], "positions")
+        if kv_cache:
+            # Token i of a decode step sits at position P + i; P is read from
+            # the first layer's cache, so callers pass no extra input. Added
+            # after the Range, not Range(P, P + N): onnxruntime rewrites
+            # Gather(table, Range) into a Slice, which clamps silently, and a
+            # clamped 1-row (or empty) table would broadcast in the Add below.
+            start = g.op("Squeeze", [g.dim(f"{PAST_KEY}.0", 2, "past_len")], "pos_start")
+            positions = g.op("Add", [positions, start], "positions_cached")
+        # P + N > max_len fails in the runtime (the Gather, or with P = 0 the
+        # Add after a clamped slice), never clamps.
         pos = g.op("Gather", [g.weight("position.table", p["position.table"]), positions], "pos_embedded", axis=0)
         x = g.op("Add", [emb, pos], "x")
         enc = {k[len("encoder."):]: v for k, v in p.items() if k.startswith("encoder.")}
-        h = _encoder_nodes(g, enc, encoder, x, "mask" if mask else None, form, "encoder.")
+        h = _encoder_nodes(g, enc, encoder, x, "mask" if mask else None, form, "encoder.", kv_cache)
         y = g.linear(h, p["head.kernel"], p["head.bias"], "head")
-        out_name, out_shape = "logits", [B, N, config.num_classes]
     else:
-        y = _encoder_nodes(g, p, config, x, "mask" if mask else None, form, "")
-        out_name, out_shape = "output", [B, N, encoder.width]
+        y = _encoder_nodes(g, p, config, x, "mask" if mask else None, form, "", kv_cache)
     g.nodes.append(helper.make_node("Identity", [y], [out_name], name=f"n_{out_name}"))
-    outputs = [helper.make_tensor_value_info(out_name, g.onnx_dtype, out_shape)]
-    model = make_model(g, inputs, outputs, f"damcha_{kind}", f"DAMCHA {kind} ({form} form)")
+    doc = f"DAMCHA {kind} ({form} form" + (", kv_cache: past_key.{i}/past_value.{i} -> present_key.{i}/present_value.{i})" if kv_cache else ")")
+    model = make_model(g, inputs, outputs, f"damcha_{kind}", doc)
     validate_model(model)
     if path is not None:
         save_model(model, path)
@@ -364,16 +406,20 @@ def export_encoder(
     form: str = "auto",
     batch_size: int | None = None,
     query_len: int | None = None,
+    kv_cache: bool = False,
 ) -> onnx.ModelProto:
     """Export an encoder stack; input ``query`` (B, N, E) [+ ``mask``], output ``output`` (B, N, E).
 
     With ``config.share_metric`` the shared generator is stored once in the
-    file. float32 only. Other arguments as for ``export``.
+    file. float32 only. ``kv_cache=True`` (needs ``config.causal``) exports a
+    decode step: inputs ``past_key.{i}`` (B, G, P, d) and ``past_value.{i}``
+    (B, G, P, d_v) per layer i, outputs ``present_key.{i}``/``present_value.{i}``
+    with P + N tokens; a ``mask`` has P + N columns. Other arguments as for ``export``.
     """
     if not isinstance(config, EncoderConfig):
         raise DamchaTypeError(f"`config` must be an EncoderConfig. Received: config={describe(config)}")
     return _stack_export("encoder", params, config, path, opset=opset, mask=mask, dynamic=dynamic, dtype=dtype,
-                         form=form, batch_size=batch_size, query_len=query_len)
+                         form=form, batch_size=batch_size, query_len=query_len, kv_cache=kv_cache)
 
 
 def export_token_model(
@@ -388,10 +434,17 @@ def export_token_model(
     form: str = "auto",
     batch_size: int | None = None,
     query_len: int | None = None,
+    kv_cache: bool = False,
 ) -> onnx.ModelProto:
     """Export embedding -> encoder -> head; input ``tokens`` (B, N) int64 [+ ``mask``],
-    output ``logits`` (B, N, C)."""
+    output ``logits`` (B, N, C).
+
+    ``kv_cache=True`` adds the encoder's per-layer cache as for
+    ``export_encoder``; the step's tokens take learned positions P .. P+N-1,
+    P read from ``past_key.0``'s shape, so decoding token by token gives the
+    logits of the full sequence. P + N > ``max_len`` fails in the runtime.
+    """
     if not isinstance(config, TokenModelConfig):
         raise DamchaTypeError(f"`config` must be a TokenModelConfig. Received: config={describe(config)}")
     return _stack_export("token_model", params, config, path, opset=opset, mask=mask, dynamic=dynamic, dtype=dtype,
-                         form=form, batch_size=batch_size, query_len=query_len)
+                         form=form, batch_size=batch_size, query_len=query_len, kv_cache=kv_cache)
