@@ -13,7 +13,10 @@ import damcha_core as dc
 
 from ._export import export
 from ._graph import ATTENTION_OPSET
-from ._runtime import run_ort, run_reference
+from ._runtime import empty_kv_cache, run_ort, run_reference
+
+#: Chunks of the validation decode with --kv-cache: a prefill, one token, the rest.
+DECODE_CHUNKS = (3, 1, 3)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -31,6 +34,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--causal", action="store_true", help="causal self-attention (top-left)")
     p.add_argument("--cross", action="store_true", help="add a context input (cross-attention)")
     p.add_argument("--mask", action="store_true", help="add a boolean mask input (B|1, H|1, N|1, M), True = may attend")
+    p.add_argument("--kv-cache", action="store_true",
+                   help="export one incremental decoding step: past_key/past_value in, present_key/present_value out "
+                   "(needs --causal, no --cross); validated by decoding in chunks")
     p.add_argument("--seed", type=int, default=0, help="seed of the validation inputs")
     return p
 
@@ -53,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"Received: --config={config.to_dict()}, stored={stored.to_dict()}"
             )
         model = export(params, config, args.out, opset=args.opset, causal=args.causal, cross=args.cross,
-                       mask=args.mask, dtype=args.dtype)
+                       mask=args.mask, dtype=args.dtype, kv_cache=args.kv_cache)
     except (dc.DamchaError, json.JSONDecodeError, OSError) as exc:
         print(f"damcha export: error: {exc}", file=sys.stderr)
         return 2
@@ -70,12 +76,30 @@ def main(argv: list[str] | None = None) -> int:
     ok = True
     print(f"wrote {args.out} (opset {args.opset}, {args.dtype}, {len(model.graph.node)} nodes)")
     print("onnx.checker (full_check) and shape inference: ok")
+    how = f"decoded in chunks {DECODE_CHUNKS} " if args.kv_cache else ""
     for name, run in (("onnxruntime CPU", run_ort), ("onnx.reference", run_reference)):
-        err = float(np.max(np.abs(run(model, inputs) - expected)))
+        actual = _decode(model, run, inputs, B) if args.kv_cache else run(model, inputs)
+        err = float(np.max(np.abs(actual - expected)))
         good = err <= atol * (1.0 + float(np.max(np.abs(expected))))
         ok &= good
-        print(f"{name:<16} vs NumPy reference: max |error| = {err:.2e} on (B={B}, N={N}, M={M}) -> {'ok' if good else 'MISMATCH'}")
+        print(f"{name:<16} vs NumPy reference: max |error| = {err:.2e} {how}on (B={B}, N={N}, M={M}) "
+              f"-> {'ok' if good else 'MISMATCH'}")
     return 0 if ok else 1
+
+
+def _decode(model, run, inputs: dict[str, np.ndarray], batch: int) -> np.ndarray:
+    """The layer's output on the whole sequence, fed step by step through its cache."""
+    cache, outs, start = empty_kv_cache(model, batch), [], 0
+    for n in DECODE_CHUNKS:
+        stop = start + n
+        feeds = {"query": inputs["query"][:, start:stop], **cache}
+        if "mask" in inputs:
+            feeds["mask"] = inputs["mask"][:, :, start:stop, :stop]  # this step's rows, cached + new keys
+        step = run(model, feeds, all_outputs=True)
+        cache = {"past_key": step["present_key"], "past_value": step["present_value"]}
+        outs.append(step["output"])
+        start = stop
+    return np.concatenate(outs, axis=1)
 
 
 if __name__ == "__main__":
