@@ -326,6 +326,33 @@ def test_torch_compile_fullgraph_forward_backward(backend):
     torch.testing.assert_close(grad_compiled, x.grad, rtol=tol.rtol, atol=tol.atol)
 
 
+def test_torch_export_with_dynamic_batch_and_length():
+    """torch.export.export (non-strict, its default) with dynamic B and N, as
+    for nn.MultiheadAttention: the shape checks must not pin the example sizes,
+    and the exported program must equal the layer at other sizes."""
+    cfg = _config("heads-tied")
+    layer = DamchaAttention.from_canonical(case_params(cfg, 4), cfg, batch_first=True).eval()
+    batch, length = torch.export.Dim("batch"), torch.export.Dim("length")
+
+    def inputs(b: int, n: int) -> tuple[tuple, dict]:
+        x = _x(b, n, 16, seed=b).float()
+        pad = torch.zeros(b, n, dtype=torch.bool)
+        pad[-1, -1] = True
+        bias = _x(n, n, seed=n).float()
+        return (x, x, x), {"key_padding_mask": pad, "attn_mask": bias, "need_weights": False, "is_causal": True}
+
+    args, kwargs = inputs(2, 5)
+    tokens = {0: batch, 1: length}
+    program = torch.export.export(layer, args, kwargs, dynamic_shapes={
+        "query": tokens, "key": tokens, "value": tokens, "key_padding_mask": tokens,
+        "attn_mask": {0: length, 1: length}, "need_weights": None, "is_causal": None,
+    })
+    for b, n in ((2, 5), (3, 7)):
+        args, kwargs = inputs(b, n)
+        torch.testing.assert_close(program.module()(*args, **kwargs)[0], layer(*args, **kwargs)[0],
+                                   rtol=1e-6, atol=1e-6)
+
+
 def test_recompute_gives_the_same_gradients():
     cfg = _config("heads-separate")
     params = case_params(cfg, 0)

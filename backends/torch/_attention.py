@@ -91,6 +91,29 @@ def _add_batch_dim(query: Tensor, key: Tensor, value: Tensor, key_padding_mask: 
     return query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0), key_padding_mask
 
 
+def _check_shapes(config: DamchaConfig, query_shape: tuple, key_shape: tuple,
+                  mask_shape: tuple | None = None) -> tuple[Any, Any, Any]:
+    """``dc.check_shapes`` for torch sizes; returns (B, N, M) as torch gives them.
+
+    Under ``torch.export`` (non-strict) the sizes are SymInts, and the int()
+    in ``dc.check_shapes`` would pin a dynamic batch or length to its example
+    value. Valid shapes are recognised here with comparisons only (which
+    torch records as shape guards, not constants); anything else goes to
+    ``dc.check_shapes``, which raises the shared error.
+    """
+    valid = (
+        len(query_shape) == 3 and len(key_shape) == 3
+        and query_shape[-1] == config.query_dim and key_shape[-1] == config.context_dim
+        and 0 not in query_shape and 0 not in key_shape and query_shape[0] == key_shape[0]
+    )
+    if valid and mask_shape is not None:
+        target = (query_shape[0], config.num_heads, query_shape[1], key_shape[1])
+        valid = len(mask_shape) in (2, 4) and all(s == 1 or s == t for s, t in zip(mask_shape[::-1], target[::-1]))
+    if not valid:
+        return dc.check_shapes(config, query_shape, key_shape, mask_shape)
+    return query_shape[0], query_shape[1], key_shape[1]
+
+
 def _as_additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
     """A bool *visible* mask (True = may attend) as an additive float mask."""
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
@@ -405,7 +428,7 @@ class DamchaAttention(nn.Module):
                 attn_mask = attn_mask.view(B, H, N, M)
             else:
                 try:
-                    dc.check_shapes(cfg, (B, N, cfg.query_dim), (B, M, cfg.context_dim), tuple(attn_mask.shape))
+                    _check_shapes(cfg, (B, N, cfg.query_dim), (B, M, cfg.context_dim), tuple(attn_mask.shape))
                 except DamchaValueError as exc:
                     raise DamchaValueError(
                         str(exc).replace("`mask`", "`attn_mask`").replace("mask.shape", "attn_mask.shape")
@@ -484,7 +507,7 @@ class DamchaAttention(nn.Module):
             query, key, value, key_padding_mask = _add_batch_dim(query, key, value, key_padding_mask)
         elif not self.batch_first:
             query, key, value = (t.transpose(0, 1) for t in (query, key, value))
-        B, N, M = dc.check_shapes(self.config, tuple(query.shape), tuple(key.shape))
+        B, N, M = _check_shapes(self.config, tuple(query.shape), tuple(key.shape))
         if tuple(value.shape) != tuple(key.shape):
             raise DamchaValueError(
                 "`value` must have the shape of `key` (DAMCHA projects one context). "
@@ -533,7 +556,7 @@ class DamchaAttention(nn.Module):
             query, key, _, _ = _add_batch_dim(query, key, key, None)
         elif not self.batch_first:
             query, key = query.transpose(0, 1), key.transpose(0, 1)
-        dc.check_shapes(self.config, tuple(query.shape), tuple(key.shape))
+        _check_shapes(self.config, tuple(query.shape), tuple(key.shape))
         return self._penalty(query, key)
 
     def _penalty(self, query: Tensor, key: Tensor) -> Tensor:
