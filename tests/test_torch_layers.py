@@ -106,6 +106,26 @@ def test_metric_penalty_matches_reference(name):
     torch.testing.assert_close(metric_penalty(nn.Sequential(layer)).item(), expected, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("name", ["heads-tied", "lowrank-query-gqa"])
+def test_metric_penalty_in_float16_with_large_tokens(name):
+    """phi(t) makes the penalty scale-free, but sum(t^2) over the features
+    overflows float16 (16 features of size 80 already pass 65504): like the
+    map, the penalty must be computed in float32 for 16-bit layers."""
+    cfg = _config(name)
+    params = case_params(cfg, 5)
+    layer = DamchaAttention.from_canonical(params, cfg, batch_first=True, dtype=torch.float16)
+    x = (80 * _x(2, 5, 16, seed=2)).half()
+    expected = dc.metric_penalty(params, cfg, x.double().numpy())
+    tol = TOLERANCES["float16"]
+    assert expected > 10 * tol.atol  # a zero (the overflow's result) would fail
+    penalty = layer.metric_penalty(x)
+    assert penalty.dtype == torch.float16
+    np.testing.assert_allclose(penalty.item(), expected, rtol=tol.rtol, atol=tol.atol)
+    layer.track_metric_penalty = True
+    layer(x, x, x, need_weights=False)
+    np.testing.assert_allclose(metric_penalty(layer).item(), expected, rtol=tol.rtol, atol=tol.atol)
+
+
 def test_deepcopy_and_pickle_after_a_tracked_training_forward():
     """An EMA or best-model copy taken mid-training: the recorded penalty is a
     non-leaf tensor of the last graph, which deepcopy refuses; the copy must

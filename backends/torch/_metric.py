@@ -142,15 +142,28 @@ class MetricGenerator(nn.Module):
         return out if more else out[0]
 
     def penalty(self, tokens: Tensor, gate: Tensor) -> Tensor:
-        """mean over tokens of ||L(t) - I||_F^2 / (S*d), a 0-d tensor."""
+        """mean over tokens of ||L(t) - I||_F^2 / (S*d), a 0-d tensor.
+
+        As in ``forward``, 16-bit tokens (or autocast) are computed in
+        float32: sum(t^2) over the features overflows float16 for moderately
+        large tokens. The result has the tokens' dtype.
+        """
+        dtype = torch.float32 if tokens.dtype in (torch.float16, torch.bfloat16) else tokens.dtype
+        device = tokens.device.type
+        if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+            with torch.autocast(device, enabled=False):
+                return self._penalty(tokens.to(dtype), gate.to(dtype), dtype).to(tokens.dtype)
+        return self._penalty(tokens.to(dtype), gate.to(dtype), dtype).to(tokens.dtype)
+
+    def _penalty(self, tokens: Tensor, gate: Tensor, dtype: torch.dtype) -> Tensor:
         S, d = self.heads, self.head_dim
-        coeff = generator_linear(tokens, self.weight, self.bias)
+        coeff = generator_linear(tokens, self.weight.to(dtype), self.bias.to(dtype))
         if self.metric == "heads":
             # L - I = (diag(g) A) (x) I_d, whose squared norm is d * ||diag(g) A||^2.
             gated = coeff.unflatten(-1, (S, S)) * gate.view(S, 1)
             return gated.square().sum(dim=(-2, -1)).mean() / S
         # L - I = P diag(u) Q^T with P = g U, Q = V (S*d, r): O(r^2) per token.
-        P = (self.u * gate.view(-1, 1, 1)).flatten(0, 1)
-        Q = self.v.flatten(0, 1)
+        P = (self.u.to(dtype) * gate.view(-1, 1, 1)).flatten(0, 1)
+        Q = self.v.to(dtype).flatten(0, 1)
         gram = (P.transpose(0, 1) @ P) * (Q.transpose(0, 1) @ Q)
         return torch.einsum("...r,...s,rs->...", coeff, coeff, gram).mean() / (S * d)
