@@ -101,3 +101,31 @@ def test_functional_mask_errors():
         damcha_attention(q, k, k, mask=torch.zeros(2, 5, 6, dtype=torch.bool))
     with pytest.raises(DamchaValueError, match=r"G dividing H"):
         damcha_attention(q, torch.randn(2, 6, 3, 4), torch.randn(2, 6, 3, 4))
+
+
+def test_kv_cache_mismatch_names_the_cache_and_leaves_it_intact():
+    """A call that does not fit the cache (other batch, head size, dtype) raises
+    before appending, so the cache still continues its sequence afterwards."""
+    from damcha_torch import DamchaKVCache
+
+    layer = _layer().double().eval()
+    t = x.double()[:, :1]
+    cache = DamchaKVCache()
+    layer(t, t, t, is_causal=True, need_weights=False, kv_cache=cache)
+    wider = DamchaAttention(16, 4, batch_first=True, key_dim=8, dtype=torch.float64)
+    bad = [
+        (lambda: layer(t[:1], t[:1], t[:1], is_causal=True, need_weights=False, kv_cache=cache),
+         r"`kv_cache` holds a different batch.*cached key shape \(2, 4, 1, 4\), new key shape \(1, 4, 1, 4\)"),
+        (lambda: wider(t, t, t, is_causal=True, need_weights=False, kv_cache=cache),
+         r"`kv_cache` holds a different batch, head count or head size.*new key shape \(2, 4, 1, 8\)"),
+        (lambda: _layer()(t.float(), t.float(), t.float(), is_causal=True, need_weights=False, kv_cache=cache),
+         r"`kv_cache` holds keys of another dtype.*cached torch.float64 on cpu, new torch.float32 on cpu"),
+    ]
+    for call, pattern in bad:
+        with pytest.raises(DamchaValueError, match=pattern):
+            call()
+        assert len(cache) == 1
+    s = x.double()[:, 1:2]
+    out, _ = layer(s, s, s, is_causal=True, need_weights=False, kv_cache=cache)
+    full, _ = layer(x.double()[:, :2], x.double()[:, :2], x.double()[:, :2], is_causal=True, need_weights=False)
+    torch.testing.assert_close(out, full[:, 1:], rtol=1e-12, atol=1e-12)

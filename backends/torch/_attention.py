@@ -44,10 +44,21 @@ class DamchaKVCache:
         if self.key is None:
             self.key, self.value = key, value
         else:
-            if key.shape[:2] != self.key.shape[:2]:
+            # Checked before anything is appended: a failed call leaves the cache as it was.
+            if key.shape[:2] != self.key.shape[:2] or key.shape[3:] != self.key.shape[3:] or (
+                value.shape[3:] != self.value.shape[3:]  # type: ignore[union-attr]
+            ):
                 raise DamchaValueError(
-                    "`kv_cache` holds a different batch or head count than this call. "
+                    "`kv_cache` holds a different batch, head count or head size than this call "
+                    "(call kv_cache.reset() to start a new sequence). "
                     f"Received: cached key shape {tuple(self.key.shape)}, new key shape {tuple(key.shape)}"
+                )
+            if key.dtype != self.key.dtype or key.device != self.key.device:
+                # torch.cat would silently promote the dtype, or fail later in SDPA.
+                raise DamchaValueError(
+                    "`kv_cache` holds keys of another dtype or device than this call "
+                    "(call kv_cache.reset() to start a new sequence). "
+                    f"Received: cached {self.key.dtype} on {self.key.device}, new {key.dtype} on {key.device}"
                 )
             self.key = torch.cat([self.key, key], dim=2)
             self.value = torch.cat([self.value, value], dim=2)  # type: ignore[list-item]
