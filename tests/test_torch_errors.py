@@ -22,7 +22,7 @@ def _layer(**kw) -> DamchaAttention:
         (lambda: DamchaAttention(16, 4, num_kv_heads=3, coupling="query"), DamchaValueError,
          r"num_heads.*divisible by `num_kv_heads`.*num_heads=4, num_kv_heads=3"),
         (lambda: DamchaAttention(16, 4, kdim=12, vdim=12), DamchaValueError,
-         r"coupling='tied'.*context_dim == query_dim.*context_dim=12"),
+         r"coupling='tied'.*kdim == embed_dim.*embed_dim=16, kdim=12"),
         (lambda: DamchaAttention(16, 4, kdim=12, vdim=8, coupling="separate"), DamchaValueError,
          r"`kdim` and `vdim` must be equal.*kdim=12, vdim=8"),
         (lambda: DamchaAttention(16, 4, kdim=8, coupling="separate"), DamchaValueError,
@@ -33,9 +33,14 @@ def _layer(**kw) -> DamchaAttention:
         (lambda: DamchaAttention(16, 4, add_bias_kv=True), DamchaValueError, r"add_bias_kv"),
         (lambda: DamchaAttention(16, 4, metric_generator=nn.Linear(2, 2)), DamchaTypeError, r"`metric_generator` must be"),
         (lambda: DamchaAttention.from_mha(nn.Linear(2, 2)), DamchaTypeError, r"`mha` must be an nn.MultiheadAttention"),
+        # nn.MultiheadAttention's argument names, not DamchaConfig's (query_dim, context_dim, use_bias)
+        (lambda: DamchaAttention(16.0, 4), DamchaTypeError, r"^`embed_dim` must be an int >= 1\. Received: embed_dim=16\.0"),
+        (lambda: DamchaAttention(16, 4, bias="no"), DamchaTypeError, r"^`bias` must be a bool\. Received: bias='no'"),
+        (lambda: DamchaAttention(16, 4, kdim=0, vdim=0, coupling="separate"), DamchaValueError,
+         r"^`kdim` must be >= 1\. Received: kdim=0"),
     ],
     ids=["heads-not-divisible", "kdim-with-tied", "kdim-ne-vdim", "kdim-without-vdim", "embed-not-divisible", "lowrank-no-rank",
-         "unknown-metric", "bias-kv", "generator-type", "from-mha-type"],
+         "unknown-metric", "bias-kv", "generator-type", "from-mha-type", "embed-type", "bias-type", "kdim-zero"],
 )
 def test_constructor_errors(build, error, pattern):
     with pytest.raises(error, match=pattern):
@@ -46,7 +51,10 @@ def test_constructor_errors(build, error, pattern):
     "call, error, pattern",
     [
         (lambda l: l(torch.randn(2, 5, 12), torch.randn(2, 5, 12), torch.randn(2, 5, 12)), DamchaValueError,
-         r"`query` must have 16 features.*Received: query.shape=\(2, 5, 12\)"),
+         r"`query` must have 16 features \(embed_dim\).*Received: query.shape=\(2, 5, 12\)"),
+        (lambda l: l(x, x[:1], x[:1]), DamchaValueError,
+         r"`query` and `key` must have the same batch size.*key.shape=\(1, 5, 16\)"),
+        (lambda l: l(x, x[:, :0], x[:, :0]), DamchaValueError, r"`key` must be non-empty.*key.shape=\(2, 0, 16\)"),
         (lambda l: l(x.long(), x.long(), x.long()), DamchaTypeError, r"`query` must be a real floating tensor.*int64"),
         (lambda l: l(x, x, torch.randn(2, 4, 16)), DamchaValueError, r"`value` must have the shape of `key`"),
         (lambda l: l(torch.randn(5, 16), x, x), DamchaValueError,
@@ -69,7 +77,7 @@ def test_constructor_errors(build, error, pattern):
         (lambda l: l(x, x, x, is_causal=True, need_weights=False, kv_cache=object()), DamchaTypeError,
          r"`kv_cache` must be a DamchaKVCache or None\. Received: kv_cache=<object"),
     ],
-    ids=["wrong-embed", "int-query", "value-shape", "unbatched-query-batched-key", "batched-query-unbatched-key",
+    ids=["wrong-embed", "key-batch", "empty-key", "int-query", "value-shape", "unbatched-query-batched-key", "batched-query-unbatched-key",
          "rank-4", "unbatched-padding-shape", "padding-shape", "padding-dtype",
          "mask-shape", "mask-3d-shape", "mask-dtype", "kv-cache-type"],
 )
@@ -80,7 +88,7 @@ def test_forward_errors(call, error, pattern):
 
 def test_separate_coupling_rejects_wrong_context_size():
     layer = DamchaAttention(16, 4, kdim=12, vdim=12, coupling="separate", batch_first=True)
-    with pytest.raises(DamchaValueError, match=r"`context` must have 12 features"):
+    with pytest.raises(DamchaValueError, match=r"`key` must have 12 features \(kdim\).*key.shape=\(2, 5, 16\)"):
         layer(x, x, x)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from typing import Any, Mapping
 
 import numpy as np
@@ -121,8 +122,23 @@ def _check_shapes(config: DamchaConfig, query_shape: tuple, key_shape: tuple,
         target = (query_shape[0], config.num_heads, query_shape[1], key_shape[1])
         valid = len(mask_shape) in (2, 4) and all(s == 1 or s == t for s, t in zip(mask_shape[::-1], target[::-1]))
     if not valid:
-        return dc.check_shapes(config, query_shape, key_shape, mask_shape)
+        try:
+            return dc.check_shapes(config, query_shape, key_shape, mask_shape, mask_name="attn_mask")
+        except (DamchaValueError, DamchaTypeError) as exc:
+            raise _torch_names(exc, _FORWARD_NAMES) from None
     return query_shape[0], query_shape[1], key_shape[1]
+
+
+# damcha_core names things as DamchaConfig and the reference do; the errors of
+# this module speak of the arguments the caller passed.
+_CONSTRUCTOR_NAMES = {"query_dim": "embed_dim", "context_dim": "kdim", "use_bias": "bias"}
+_FORWARD_NAMES = {"config.query_dim": "embed_dim", "config.context_dim": "kdim", "context": "key"}
+
+
+def _torch_names(exc: Exception, names: Mapping[str, str]) -> Exception:
+    """The same error with damcha_core's names replaced by this module's argument names."""
+    pattern = re.compile(r"(?<![\w.])(" + "|".join(re.escape(n) for n in names) + r")\b")
+    return type(exc)(pattern.sub(lambda m: names[m.group(1)], str(exc)))
 
 
 def _as_additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
@@ -232,12 +248,15 @@ class DamchaAttention(nn.Module):
             raise DamchaTypeError(f"`batch_first` must be a bool. Received: batch_first={describe(batch_first)}")
         if not isinstance(recompute, bool):
             raise DamchaTypeError(f"`recompute` must be a bool. Received: recompute={describe(recompute)}")
-        cfg = DamchaConfig(
-            query_dim=embed_dim, num_heads=num_heads, key_dim=key_dim,  # type: ignore[arg-type]
-            value_dim=value_dim, num_kv_heads=num_kv_heads, context_dim=kdim if kdim is not None else vdim,
-            output_dim=output_dim, use_bias=bias, metric=metric, metric_rank=metric_rank, coupling=coupling,
-            scale=scale, dropout=dropout,
-        )
+        try:
+            cfg = DamchaConfig(
+                query_dim=embed_dim, num_heads=num_heads, key_dim=key_dim,  # type: ignore[arg-type]
+                value_dim=value_dim, num_kv_heads=num_kv_heads, context_dim=kdim if kdim is not None else vdim,
+                output_dim=output_dim, use_bias=bias, metric=metric, metric_rank=metric_rank, coupling=coupling,
+                scale=scale, dropout=dropout,
+            )
+        except (DamchaValueError, DamchaTypeError) as exc:
+            raise _torch_names(exc, _CONSTRUCTOR_NAMES) from None
         self._init_from_config(cfg, batch_first, device, dtype, metric_generator, recompute)
 
     def _init_from_config(self, cfg: DamchaConfig, batch_first: bool, device: Any, dtype: Any,
@@ -442,7 +461,7 @@ class DamchaAttention(nn.Module):
                     _check_shapes(cfg, (B, N, cfg.query_dim), (B, M, cfg.context_dim), tuple(attn_mask.shape))
                 except DamchaValueError as exc:
                     raise DamchaValueError(
-                        str(exc).replace("`mask`", "`attn_mask`").replace("mask.shape", "attn_mask.shape")
+                        str(exc)
                         + " (or (B*H, N, M) as in nn.MultiheadAttention)"
                     ) from None
             masks.append(attn_mask)
