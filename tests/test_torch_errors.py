@@ -137,3 +137,12 @@ def test_kv_cache_mismatch_names_the_cache_and_leaves_it_intact():
     out, _ = layer(s, s, s, is_causal=True, need_weights=False, kv_cache=cache)
     full, _ = layer(x.double()[:, :2], x.double()[:, :2], x.double()[:, :2], is_causal=True, need_weights=False)
     torch.testing.assert_close(out, full[:, 1:], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("num_layers", [0, 2.0])
+def test_stack_builders_reject_bad_num_layers(num_layers):
+    from damcha_torch import build_decoder, build_encoder
+
+    for build in (build_encoder, build_decoder):
+        with pytest.raises(DamchaValueError, match=rf"`num_layers` must be an int >= 1\. Received: num_layers={num_layers}"):
+            build(16, 4, num_layers, dim_feedforward=8)

@@ -111,6 +111,12 @@ class DamchaTransformerDecoderLayer(nn.TransformerDecoderLayer):
         )
 
 
+def _check_num_layers(num_layers: Any) -> None:
+    # torch's stacks index layers[0] (and sharing points every layer at it).
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+        raise DamchaValueError(f"`num_layers` must be an int >= 1. Received: num_layers={describe(num_layers)}")
+
+
 def _share(layers: nn.ModuleList, attr: str) -> None:
     """Make every layer's ``attr`` attention use layer 0's generators (gates stay per layer)."""
     first = getattr(layers[0], attr)
@@ -131,6 +137,7 @@ class DamchaTransformerEncoder(nn.TransformerEncoder):
                 "`encoder_layer` must have a DamchaAttention self_attn (e.g. DamchaTransformerEncoderLayer). "
                 f"Received: encoder_layer={describe(encoder_layer)}"
             )
+        _check_num_layers(num_layers)
         # Nested tensors are MHA's fused inference path; DAMCHA never takes it.
         super().__init__(encoder_layer, num_layers, norm=norm, enable_nested_tensor=False)
         self.share_metric = bool(share_metric)
@@ -149,6 +156,7 @@ class DamchaTransformerDecoder(nn.TransformerDecoder):
                 "`decoder_layer` must have DamchaAttention attention (e.g. DamchaTransformerDecoderLayer). "
                 f"Received: decoder_layer={describe(decoder_layer)}"
             )
+        _check_num_layers(num_layers)
         super().__init__(decoder_layer, num_layers, norm=norm)
         self.share_metric = bool(share_metric)
         if self.share_metric:
