@@ -9,24 +9,31 @@ from __future__ import annotations
 from ._adapter import BackendAdapter, ReferenceAdapter
 from ._cases import (
     CATALOGUE,
+    CORRUPTIONS,
+    ERROR_CATALOGUE,
     GROUPS,
     Case,
     CaseData,
+    ErrorCase,
     case_params,
     catalogue,
     gradient_targets,
     materialise,
+    materialise_error,
     reference_directional,
 )
-from ._runner import Report, Result, check_case, run_conformance
+from ._runner import Report, Result, check_case, check_error, run_conformance
 from ._tolerances import DTYPES, TOLERANCES, Tolerance, tolerance
 
 __all__ = [
     "BackendAdapter",
     "CATALOGUE",
+    "CORRUPTIONS",
     "Case",
     "CaseData",
     "DTYPES",
+    "ERROR_CATALOGUE",
+    "ErrorCase",
     "GROUPS",
     "ReferenceAdapter",
     "Report",
@@ -36,8 +43,10 @@ __all__ = [
     "case_params",
     "catalogue",
     "check_case",
+    "check_error",
     "gradient_targets",
     "materialise",
+    "materialise_error",
     "reference_directional",
     "run_conformance",
     "tolerance",

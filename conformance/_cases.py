@@ -138,7 +138,7 @@ def _build_catalogue() -> tuple[Case, ...]:
 
 
 CATALOGUE: tuple[Case, ...] = _build_catalogue()
-GROUPS: tuple[str, ...] = tuple(dict.fromkeys(c.group for c in CATALOGUE))
+GROUPS: tuple[str, ...] = tuple(dict.fromkeys(c.group for c in CATALOGUE)) + ("errors",)
 
 
 def catalogue(names: list[str] | None = None, groups: list[str] | None = None) -> list[Case]:
@@ -203,6 +203,103 @@ def materialise(case: Case) -> CaseData:
     expected = dc.damcha_attention(params, cfg, query, context, mask=mask, causal=case.causal)
     cotangent = rng.normal(size=expected.shape) / np.sqrt(expected.size)
     return CaseData(case, params, query, context, mask, expected, cotangent)
+
+
+# ---------------------------------------------------------------- bad input
+
+# What the error message must name for each corruption: the reference's own
+# argument names first, then the names ports use for the same tensor.
+_NAMES = {
+    "query": ("query", "inputs_q"),
+    "context": ("context", "key", "value", "inputs_k", "inputs_kv"),
+    "mask": ("mask",),  # also matches attn_mask, attention_mask, key_padding_mask
+}
+CORRUPTIONS: dict[str, str] = {
+    "query-features": "query",  # one feature too many: never silently sliced
+    "query-empty": "query",  # N = 0: nothing to attend from
+    "query-rank": "query",  # (1, B, N, E): an extra leading axis, never silently squeezed
+    "context-features": "context",
+    "context-batch": "context",  # B + 1 context rows: never broadcast against B queries
+    "mask-keys": "mask",  # one key column too many
+    "mask-heads": "mask",  # a head axis that is neither 1 nor H
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ErrorCase:
+    """Bad input every port must reject with a clear error: a ``ValueError``
+    (in this project's ports, ``damcha_core.DamchaValueError``) whose message
+    names the offending argument and says what it received.
+
+    Args:
+        name: unique readable id.
+        base: the valid catalogue case the input is derived from.
+        corruption: one of ``CORRUPTIONS``.
+    """
+
+    name: str
+    base: Case
+    corruption: str
+
+    def __post_init__(self) -> None:
+        if self.corruption not in CORRUPTIONS:
+            raise dc.DamchaValueError(
+                f"`corruption` must be one of {tuple(CORRUPTIONS)}. Received: corruption={self.corruption!r}"
+            )
+
+    @property
+    def group(self) -> str:
+        return "errors"
+
+    @property
+    def argument(self) -> str:
+        """The argument the message must name (or a port's name for it, see ``names``)."""
+        return CORRUPTIONS[self.corruption]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return _NAMES[self.argument]
+
+
+def _build_error_catalogue() -> tuple[ErrorCase, ...]:
+    by_name = {c.name: c for c in CATALOGUE}
+    plan = [
+        ("query-features", "heads-tied-self"),
+        ("query-empty", "heads-tied-self"),
+        ("query-rank", "heads-tied-self"),
+        ("context-features", "heads-separate-cross"),
+        ("context-batch", "heads-separate-cross"),
+        ("mask-keys", "heads-tied-padding"),
+        ("mask-heads", "heads-separate-per-head-cross"),
+    ]
+    return tuple(ErrorCase(f"{corruption}:{base}", by_name[base], corruption) for corruption, base in plan)
+
+
+ERROR_CATALOGUE: tuple[ErrorCase, ...] = _build_error_catalogue()
+
+
+def materialise_error(case: ErrorCase) -> CaseData:
+    """The base case's data with one tensor corrupted; ``expected`` is the
+    valid output, which a port must *not* return."""
+    data = materialise(case.base)
+    query, context, mask = data.query, data.context, data.mask
+    kind = case.corruption
+    if kind == "query-features":
+        query = np.concatenate([query, query[..., :1]], axis=-1)
+    elif kind == "query-empty":
+        query = query[:, :0]
+    elif kind == "query-rank":
+        # Not (N, E): PyTorch's MHA convention reads a 2-D query as one unbatched sequence.
+        query = query[None]
+    elif kind == "context-features":
+        context = np.concatenate([context, context[..., :1]], axis=-1)  # type: ignore[index]
+    elif kind == "context-batch":
+        context = np.concatenate([context, context[:1]], axis=0)  # type: ignore[index]
+    elif kind == "mask-keys":
+        mask = np.concatenate([mask, mask[..., :1]], axis=-1)  # type: ignore[index]
+    elif kind == "mask-heads":
+        mask = np.concatenate([mask, mask[:, :1]], axis=1)  # type: ignore[index]
+    return dataclasses.replace(data, query=query, context=context, mask=mask)
 
 
 def gradient_targets(data: CaseData) -> list[str]:

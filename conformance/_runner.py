@@ -10,7 +10,17 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from ._adapter import BackendAdapter
-from ._cases import CATALOGUE, GROUPS, Case, gradient_targets, materialise, reference_directional
+from ._cases import (
+    CATALOGUE,
+    ERROR_CATALOGUE,
+    GROUPS,
+    Case,
+    ErrorCase,
+    gradient_targets,
+    materialise,
+    materialise_error,
+    reference_directional,
+)
 from ._tolerances import DTYPES, tolerance
 
 STATUSES = ("pass", "fail", "error", "unsupported")
@@ -20,9 +30,9 @@ STATUSES = ("pass", "fail", "error", "unsupported")
 class Result:
     """One check of one case on one backend in one dtype.
 
-    ``check`` is "output" or "gradients"; ``ratio`` is the worst error over
-    its allowance (pass iff <= 1); ``detail`` names the worst tensor or the
-    error raised.
+    ``check`` is "output", "gradients" or "rejects" (bad input must raise);
+    ``ratio`` is the worst error over its allowance (pass iff <= 1);
+    ``detail`` names the worst tensor or the error raised.
     """
 
     backend: str
@@ -83,8 +93,8 @@ class Report:
         fmt = lambda row: "  ".join(str(x).ljust(w) for x, w in zip(row, widths))  # noqa: E731
         out = [fmt(header), fmt(["-" * w for w in widths])] + [fmt(row) for row in body]
         out += [f"note: {n}" for n in self.notes]
-        out.append("cells: checks passed/run (outputs and gradients), worst max |error|; "
-                   "'unsup' counts cases the backend declares it cannot run")
+        out.append("cells: checks passed/run (outputs and gradients; 'errors': bad inputs rejected with a clear "
+                   "ValueError), worst max |error|; 'unsup' counts cases the backend declares it cannot run")
         return "\n".join(out)
 
     def to_json(self) -> str:
@@ -152,6 +162,34 @@ def check_case(adapter: BackendAdapter, case: Case, dtype: str, gradients: bool 
     return results
 
 
+def check_error(adapter: BackendAdapter, case: ErrorCase, dtype: str) -> Result:
+    """Feed ``adapter`` the bad input of ``case``: it passes when the port raises
+    a ``ValueError`` whose message names the argument (or a port's name for it)
+    and what it received. Returning anything, even the right-looking output, fails:
+    the input was silently broadcast, sliced or padded."""
+    base = dict(backend=adapter.name, case=case.name, group=case.group, dtype=dtype, check="rejects")
+    reason = adapter.unsupported(case.base)
+    if reason:
+        return Result(**base, status="unsupported", detail=reason)
+    data = materialise_error(case)
+    try:
+        out = adapter.forward(data, dtype)
+    except ValueError as exc:
+        message = str(exc)
+        named = any(f"`{n}" in message or f"{n}.shape" in message or f"{n}=" in message or f"_{n}" in message
+                    for n in case.names)
+        said = "Received" in message or "received" in message
+        status = "pass" if named and said else "fail"
+        why = "" if status == "pass" else (
+            f"message must name {case.argument!r} (or one of {case.names}) and say what it received: "
+        )
+        return Result(**base, status=status, detail=f"{why}{type(exc).__name__}: {message.strip()[:300]}")
+    except Exception as exc:  # a crash deep inside a kernel is not a clear error
+        return Result(**base, status="fail", detail="expected a ValueError naming the argument; got " + _describe_exc(exc))
+    shape = getattr(out, "shape", None)
+    return Result(**base, status="fail", detail=f"bad input accepted ({case.corruption}); returned shape {shape}")
+
+
 def _describe_exc(exc: Exception) -> str:
     tb = traceback.extract_tb(exc.__traceback__)
     where = f" at {tb[-1].filename.rsplit('/', 1)[-1]}:{tb[-1].lineno}" if tb else ""
@@ -163,15 +201,27 @@ def run_conformance(
     cases: Iterable[Case] | None = None,
     dtypes: Sequence[str] | None = None,
     gradients: bool = True,
+    errors: bool | Iterable[ErrorCase] = True,
 ) -> Report:
     """Run ``cases`` (default: the whole catalogue) on ``adapter`` in each of
-    ``dtypes`` (default: ``adapter.dtypes``) and return the report."""
+    ``dtypes`` (default: ``adapter.dtypes``) and return the report.
+
+    ``errors``: also feed the bad inputs of ``ERROR_CATALOGUE`` (or the given
+    error cases) and require a clear ``ValueError`` for each; they run once,
+    in the first dtype the adapter ran any case in (the rules are about
+    shapes, not precision).
+    """
     cases = list(CATALOGUE if cases is None else cases)
     dtypes = list(adapter.dtypes if dtypes is None else dtypes)
+    error_cases = list(ERROR_CATALOGUE if errors is True else (errors or ()))
     for dtype in dtypes:
         tolerance(dtype)  # unknown dtype names fail before any work
     report = Report()
     for dtype in dtypes:
         for case in cases:
             report.results.extend(check_case(adapter, case, dtype, gradients))
+    # A dtype the adapter refuses outright (every case an error) says nothing about bad input.
+    usable = [d for d in dtypes if not cases or any(r.dtype == d and r.status != "error" for r in report.results)]
+    if usable:
+        report.results.extend(check_error(adapter, case, usable[0]) for case in error_cases)
     return report

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import numbers
 import os
 from typing import Any, Mapping
@@ -64,7 +65,110 @@ def feeds_for(model: onnx.ModelProto, inputs: Mapping[str, Any]) -> dict[str, np
             raise DamchaTypeError(f"`{name}` must be an integer array. Received: {name}={describe(value)}")
         # Float inputs are cast to the graph's dtype (e.g. float64 data into a float32 export).
         out[name] = array.astype(np_dtype, copy=False)
+    check_feed_shapes(model, out)
     return out
+
+
+# A mask dim named mask_<x> broadcasts: it is 1 or the size of dim <x>.
+_MASK_DIMS = {"mask_batch": "batch", "mask_query": "query_len", "mask_heads": "heads"}
+
+
+def _model_facts(model: onnx.ModelProto) -> dict[str, int]:
+    """Sizes the graph fixes but its input shapes do not show (heads, vocabulary, positions)."""
+    props = {p.key: p.value for p in model.metadata_props}
+    facts = {}
+    for key in ("damcha_config", "damcha_attention_config"):
+        if key in props:
+            facts["heads"] = int(json.loads(props[key])["num_heads"])
+    for key, fact in (("damcha_vocab_size", "vocab_size"), ("damcha_max_len", "max_len")):
+        if key in props:
+            facts[fact] = int(props[key])
+    return facts
+
+
+def check_feed_shapes(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> None:
+    """Check ``feeds`` against the model's declared input shapes before running it.
+
+    onnxruntime would reject most bad shapes itself, but from deep inside a
+    node ("invalid expand shape") or not at all: a mask one key too long
+    used to fail in an Expand, a context with one extra batch row in a
+    Reshape, and token ids past the position table were clamped. Here each
+    rule names the input and the shape received.
+
+    Raises:
+        DamchaValueError: wrong rank, a fixed dim that differs, a symbolic dim
+            (batch, query_len, past_len, ...) that two inputs disagree on, an
+            empty sequence, a mask dim that is neither 1 nor its target, or
+            token ids outside the vocabulary or past the position table.
+    """
+    declared = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
+    facts = _model_facts(model)
+    sizes: dict[str, tuple[int, str]] = {}
+
+    def shape_text(dims: list) -> str:
+        return "(" + ", ".join(str(d) for d in dims) + ")"
+
+    for name, dims in declared.items():
+        array = feeds[name]
+        if array.ndim != len(dims):
+            raise DamchaValueError(
+                f"`{name}` must have rank {len(dims)}, shape {shape_text(dims)} as the model declares. "
+                f"Received: {name}.shape={array.shape}"
+            )
+        for axis, (dim, size) in enumerate(zip(dims, array.shape)):
+            if isinstance(dim, int) and dim > 0 and size != dim:
+                raise DamchaValueError(
+                    f"`{name}` must have shape {shape_text(dims)} (axis {axis} is fixed at {dim}). "
+                    f"Received: {name}.shape={array.shape}"
+                )
+            if not isinstance(dim, str) or dim in _MASK_DIMS:
+                continue
+            if size == 0 and dim != "past_len":  # an empty cache is the first decode step; nothing else may be empty
+                raise DamchaValueError(f"`{name}` must be non-empty ({dim} >= 1). Received: {name}.shape={array.shape}")
+            if dim in sizes and sizes[dim][0] != size:
+                other = sizes[dim][1]
+                raise DamchaValueError(
+                    f"`{name}` and `{other}` must agree on {dim} (the model declares {name} {shape_text(dims)}, "
+                    f"{other} {shape_text(declared[other])}). Received: {name}.shape={array.shape}, "
+                    f"{other}.shape={feeds[other].shape}"
+                )
+            sizes.setdefault(dim, (size, name))
+    if "total_len" in sizes and "past_len" in sizes and "query_len" in sizes:
+        total, owner = sizes["total_len"]
+        if total != sizes["past_len"][0] + sizes["query_len"][0]:
+            raise DamchaValueError(
+                f"`{owner}` must span the cache and the new tokens, total_len = past_len + query_len = "
+                f"{sizes['past_len'][0]} + {sizes['query_len'][0]}. Received: {owner}.shape={feeds[owner].shape}"
+            )
+    known = {dim: size for dim, (size, _) in sizes.items()}
+    if "heads" in facts:
+        known["heads"] = facts["heads"]
+    for name, dims in declared.items():
+        for axis, dim in enumerate(dims):
+            target = _MASK_DIMS.get(dim) if isinstance(dim, str) else None
+            size = feeds[name].shape[axis]
+            if target in known and size not in (1, known[target]):
+                full = tuple(known.get(_MASK_DIMS.get(d, d), d) if isinstance(d, str) else d for d in dims)
+                raise DamchaValueError(
+                    f"`{name}` must be broadcastable to {full} (axis {axis}, {target}, must be 1 or "
+                    f"{known[target]}). Received: {name}.shape={feeds[name].shape}"
+                )
+    tokens = feeds.get("tokens")
+    if tokens is not None and "vocab_size" in facts and tokens.size and not (
+        0 <= tokens.min() and tokens.max() < facts["vocab_size"]
+    ):
+        # Gather would read -1 as the last row: a silent wrap, not an error.
+        raise DamchaValueError(
+            f"`tokens` must be ids in [0, {facts['vocab_size']}) (the vocabulary). "
+            f"Received: tokens in [{tokens.min()}, {tokens.max()}]"
+        )
+    if tokens is not None and "max_len" in facts:
+        last = known.get("past_len", 0) + tokens.shape[-1]
+        if last > facts["max_len"]:
+            raise DamchaValueError(
+                f"`tokens` reach position {last - 1}, past the position table (max_len={facts['max_len']}). "
+                f"Received: tokens.shape={tokens.shape}" + (f" after {known['past_len']} cached" if known.get("past_len") else "")
+            )
 
 
 def _first_or_all(model: onnx.ModelProto, outputs: list, all_outputs: bool) -> np.ndarray | dict[str, np.ndarray]:

@@ -15,6 +15,7 @@ followed by a final LayerNorm. GELU is the exact erf form.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import numbers
 import os
@@ -388,6 +389,12 @@ def _stack_export(kind: str, params, config, path, *, opset, mask, dynamic, dtyp
     g.nodes.append(helper.make_node("Identity", [y], [out_name], name=f"n_{out_name}"))
     doc = f"DAMCHA {kind} ({form} form" + (", kv_cache: past_key.{i}/past_value.{i} -> present_key.{i}/present_value.{i})" if kv_cache else ")")
     model = make_model(g, inputs, outputs, f"damcha_{kind}", doc)
+    props = {"damcha_attention_config": json.dumps(encoder.attention.to_dict(), sort_keys=True),
+             "damcha_num_layers": str(encoder.num_layers), "damcha_causal": str(encoder.causal),
+             "damcha_kv_cache": str(kv_cache)}
+    if kind == "token_model":
+        props.update({"damcha_vocab_size": str(config.vocab_size), "damcha_max_len": str(config.max_len)})
+    helper.set_model_props(model, props)
     validate_model(model)
     if path is not None:
         save_model(model, path)

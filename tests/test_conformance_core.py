@@ -51,7 +51,9 @@ def test_case_params_open_every_gate():
 def test_reference_passes_through_the_runner():
     report = dcf.run_conformance(dcf.ReferenceAdapter())
     assert report.passed, report.summary()
-    assert len(report.results) == len(dcf.CATALOGUE)
+    assert len(report.results) == len(dcf.CATALOGUE) + len(dcf.ERROR_CATALOGUE)
+    rejects = [r for r in report.results if r.check == "rejects"]
+    assert len(rejects) == len(dcf.ERROR_CATALOGUE) and all("DamchaValueError" in r.detail for r in rejects)
 
 
 def test_golden_file_pins_the_reference():
@@ -100,7 +102,59 @@ def test_runner_catches_a_wrong_port(bug, failing_groups):
     failed = {r.group for r in report.failures()}
     assert failing_groups <= failed
     if bug == "crash":
-        assert all(r.status == "error" and "RuntimeError: boom" in r.detail for r in report.results)
+        assert all(r.status == "error" and "RuntimeError: boom" in r.detail
+                   for r in report.results if r.check != "rejects")
+        # boom is not a clear error about the bad input either
+        assert all(r.status == "fail" and "RuntimeError: boom" in r.detail
+                   for r in report.results if r.check == "rejects")
+
+
+def test_error_catalogue_covers_every_corruption_and_each_differs_from_its_base():
+    assert {c.corruption for c in dcf.ERROR_CATALOGUE} == set(dcf.CORRUPTIONS)
+    for case in dcf.ERROR_CATALOGUE:
+        bad, good = dcf.materialise_error(case), dcf.materialise(case.base)
+        changed = [n for n in ("query", "context", "mask") if getattr(bad, n) is not getattr(good, n)]
+        assert changed == [case.argument], (case.name, changed)
+        assert getattr(bad, case.argument).shape != getattr(good, case.argument).shape
+
+
+class _Lenient(dcf.ReferenceAdapter):
+    """Ports that mishandle bad input: fit it silently, or raise an unhelpful error."""
+
+    def __init__(self, flaw):
+        self.flaw, self.name = flaw, f"lenient-{flaw}"
+
+    def forward(self, data, dtype):
+        valid = dcf.materialise(data.case)  # what the port quietly makes of any input
+        if self.flaw == "fits-input":
+            return super().forward(valid, dtype)
+        if self.flaw == "vague-error":
+            if any(getattr(data, n) is not getattr(valid, n) for n in ("query", "context", "mask")):
+                raise ValueError("shape mismatch")
+            return super().forward(data, dtype)
+        raise AssertionError(self.flaw)
+
+
+@pytest.mark.parametrize("flaw", ["fits-input", "vague-error"])
+def test_runner_fails_ports_that_accept_bad_input_or_reject_it_vaguely(flaw):
+    report = dcf.run_conformance(_Lenient(flaw), cases=[])
+    rejects = [r for r in report.results if r.check == "rejects"]
+    assert len(rejects) == len(dcf.ERROR_CATALOGUE)
+    assert not report.passed
+    if flaw == "fits-input":
+        assert all(r.status == "fail" and "bad input accepted" in r.detail for r in rejects), report.summary()
+    else:
+        failed = {r.case.split(":")[0] for r in rejects if r.status == "fail"}
+        assert failed == set(dcf.CORRUPTIONS), report.summary()
+        assert all("must name" in r.detail for r in rejects)
+
+
+def test_errors_can_be_switched_off_or_narrowed():
+    assert dcf.run_conformance(dcf.ReferenceAdapter(), cases=[], errors=False).results == []
+    only = dcf.run_conformance(dcf.ReferenceAdapter(), cases=[], errors=dcf.ERROR_CATALOGUE[:2])
+    assert [r.case for r in only.results] == [c.name for c in dcf.ERROR_CATALOGUE[:2]]
+    with pytest.raises(dc.DamchaValueError, match=r"`corruption` must be one of .*Received: corruption='typo'"):
+        dcf.ErrorCase("x", dcf.CATALOGUE[0], "typo")
 
 
 def test_float32_rounding_fails_float64_tolerance_but_passes_float32():
@@ -195,7 +249,7 @@ def test_cli_reference_run_and_json(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "reference" in proc.stdout and "PASSED" in proc.stdout
     report = dcf.Report.from_json(out.read_text())
-    assert report.passed and len(report.results) == len(dcf.CATALOGUE)
+    assert report.passed and len(report.results) == len(dcf.CATALOGUE) + len(dcf.ERROR_CATALOGUE)
 
 
 def test_cli_third_party_adapter_failure_exits_nonzero(tmp_path):

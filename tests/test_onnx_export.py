@@ -193,6 +193,43 @@ def test_onnxruntime_rejects_wrong_input_shapes(bad, opset):
         feeds["mask"] = np.ones((2, 3, 1, 5), dtype=bool)
     with pytest.raises((ort_errors.Fail, ort_errors.InvalidArgument, ort_errors.RuntimeException)):
         session.run(None, feeds)
+    # run_ort checks the feeds first and names the input and the shape it received.
+    name = {"features": "query", "rank": "query", "context-batch": "context", "mask-batch-larger": "mask"}.get(bad, "mask")
+    with pytest.raises(dc.DamchaValueError, match=rf"`{name}`.*Received: .*{name}.shape="):
+        do.run_ort(model, feeds, session=session)
+
+
+@pytest.mark.parametrize(
+    "kind, pattern",
+    [
+        ("decode-mask-short", r"`mask` and `query` must agree on|`mask` must span the cache and the new tokens"),
+        ("decode-batch", r"`past_key` and `query` must agree on batch|`query` and `past_key` must agree on batch"),
+        ("decode-empty-query", r"`query` must be non-empty \(query_len >= 1\)"),
+        ("stack-mask-heads", r"`mask` must be broadcastable to \(2, 2, 3, 3\) \(axis 1, heads, must be 1 or 2\)"),
+    ],
+)
+def test_run_ort_checks_decode_and_stack_feeds(kind, pattern):
+    rng = np.random.default_rng(1)
+    if kind.startswith("decode"):
+        config = dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4, coupling="query", num_kv_heads=1)
+        model = do.export(dc.init_params(config), config, None, causal=True, kv_cache=True, mask=True)
+        feeds = {"query": rng.normal(size=(2, 2, 8)), "past_key": np.zeros((2, 1, 3, 4)),
+                 "past_value": np.zeros((2, 1, 3, 4)), "mask": np.ones((2, 1, 1, 5), bool)}
+        do.run_ort(model, feeds)  # the well-formed step runs
+        if kind == "decode-mask-short":
+            feeds["mask"] = feeds["mask"][..., :2]  # spans the new tokens only, not the cache
+        elif kind == "decode-batch":
+            feeds["past_key"] = feeds["past_value"] = np.zeros((1, 1, 3, 4))
+        else:
+            feeds["query"], feeds["mask"] = feeds["query"][:, :0], feeds["mask"][..., :3]
+    else:
+        config = do.EncoderConfig(dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4), num_layers=1, ffn_dim=8)
+        model = do.export_encoder(do.init_encoder_params(config), config, None, mask=True)
+        feeds = {"query": rng.normal(size=(2, 3, 8)), "mask": np.ones((2, 2, 3, 3), bool)}
+        do.run_ort(model, feeds)
+        feeds["mask"] = np.ones((2, 3, 3, 3), bool)
+    with pytest.raises(dc.DamchaValueError, match=pattern):
+        do.run_ort(model, feeds)
 
 
 def test_wrong_input_dtypes_are_rejected_by_feeds_helper():

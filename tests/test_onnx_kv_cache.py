@@ -271,11 +271,16 @@ def test_token_model_decode_past_max_len_fails():
     cache = {k.replace("present_", "past_"): v for k, v in step.items() if k.startswith("present_")}
     # Positions 3, 4 of max_len 4, and 4 alone: a clamped position table would
     # be 1 or 0 rows and broadcast silently, so each must raise.
+    # The graph refuses (raw onnxruntime users), and run_ort says why before running it.
     with pytest.raises(Exception, match="ONNXRuntimeError"):
+        session.run(None, {"tokens": tokens[:, 3:], **cache})
+    with pytest.raises(dc.DamchaValueError, match=r"`tokens` reach position 4, past the position table \(max_len=4\).*after 3 cached"):
         do.run_ort(model, {"tokens": tokens[:, 3:], **cache}, session=session)
     step = do.run_ort(model, {"tokens": tokens[:, 3:4], **cache}, session=session, all_outputs=True)
     cache = {k.replace("present_", "past_"): v for k, v in step.items() if k.startswith("present_")}
     with pytest.raises(Exception, match="ONNXRuntimeError"):
+        session.run(None, {"tokens": tokens[:, 4:], **cache})
+    with pytest.raises(dc.DamchaValueError, match=r"`tokens` reach position 4"):
         do.run_ort(model, {"tokens": tokens[:, 4:], **cache}, session=session)
 
 

@@ -106,8 +106,13 @@ def test_token_model_end_to_end(opset, tmp_path):
         assert out.shape == (B, N, 3)
         _, ratio = tolerance("float32").output_ratio(out, do.token_model_forward(params, config, tokens))
         assert ratio <= 1
+    too_long = rng.integers(0, 13, size=(1, 11))  # longer than max_len
     with pytest.raises(Exception, match="ONNXRuntimeError"):
-        do.run_ort(model, {"tokens": rng.integers(0, 13, size=(1, 11))})  # longer than max_len
+        do.ort_session(model).run(None, {"tokens": too_long})  # the graph itself refuses, for raw onnxruntime users
+    with pytest.raises(dc.DamchaValueError, match=r"`tokens` reach position 10, past the position table \(max_len=10\)"):
+        do.run_ort(model, {"tokens": too_long})
+    with pytest.raises(dc.DamchaValueError, match=r"`tokens` must be ids in \[0, 13\).*Received: tokens in \[-1, "):
+        do.run_ort(model, {"tokens": np.array([[0, -1, 3]])})  # Gather would wrap -1 to the last row
 
 
 @pytest.mark.parametrize(
