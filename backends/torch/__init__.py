@@ -19,6 +19,7 @@ from ._transformer import (
     build_decoder,
     build_encoder,
     metric_penalty,
+    shard_stack,
 )
 
 __all__ = [
@@ -37,4 +38,5 @@ __all__ = [
     "metric_penalty",
     "replace_mha",
     "safe_attention",
+    "shard_stack",
 ]

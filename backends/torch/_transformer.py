@@ -26,6 +26,7 @@ __all__ = [
     "build_decoder",
     "build_encoder",
     "metric_penalty",
+    "shard_stack",
 ]
 
 _ATTENTION_KEYS = ("metric", "metric_rank", "coupling", "num_kv_heads", "key_dim", "value_dim", "scale", "recompute")
@@ -117,13 +118,18 @@ def _check_num_layers(num_layers: Any) -> None:
         raise DamchaValueError(f"`num_layers` must be an int >= 1. Received: num_layers={describe(num_layers)}")
 
 
-def _share(layers: nn.ModuleList, attr: str) -> None:
-    """Make every layer's ``attr`` attention use layer 0's generators (gates stay per layer)."""
+def _share(layers: nn.ModuleList, attr: str) -> nn.ModuleDict:
+    """Make every layer's ``attr`` attention use layer 0's generators (gates stay
+    per layer); returns them, for the stack to register as its own children."""
     first = getattr(layers[0], attr)
     for layer in layers[1:]:
         attn = getattr(layer, attr)
         for side, gen in first.metric_generators.items():
             attn.metric_generators[side] = gen
+    # The stack holds the shared generators directly too: then they belong to
+    # the stack, not to one layer, in module-tree walks such as FSDP's (see
+    # shard_stack), and their state_dict entries appear under this name as well.
+    return nn.ModuleDict(dict(first.metric_generators.items()))
 
 
 class DamchaTransformerEncoder(nn.TransformerEncoder):
@@ -141,8 +147,7 @@ class DamchaTransformerEncoder(nn.TransformerEncoder):
         # Nested tensors are MHA's fused inference path; DAMCHA never takes it.
         super().__init__(encoder_layer, num_layers, norm=norm, enable_nested_tensor=False)
         self.share_metric = bool(share_metric)
-        if self.share_metric:
-            _share(self.layers, "self_attn")
+        self.metric_generators = _share(self.layers, "self_attn") if self.share_metric else nn.ModuleDict()
 
 
 class DamchaTransformerDecoder(nn.TransformerDecoder):
@@ -159,10 +164,9 @@ class DamchaTransformerDecoder(nn.TransformerDecoder):
         _check_num_layers(num_layers)
         super().__init__(decoder_layer, num_layers, norm=norm)
         self.share_metric = bool(share_metric)
-        if self.share_metric:
-            _share(self.layers, "self_attn")
-            if isinstance(getattr(decoder_layer, "multihead_attn", None), DamchaAttention):
-                _share(self.layers, "multihead_attn")
+        self.metric_generators = _share(self.layers, "self_attn") if self.share_metric else nn.ModuleDict()
+        cross = self.share_metric and isinstance(getattr(decoder_layer, "multihead_attn", None), DamchaAttention)
+        self.cross_metric_generators = _share(self.layers, "multihead_attn") if cross else nn.ModuleDict()
 
 
 def build_encoder(
@@ -219,6 +223,43 @@ def build_decoder(
     )
     norm = nn.LayerNorm(d_model, device=device, dtype=dtype) if final_norm else None
     return DamchaTransformerDecoder(layer, num_layers, norm, share_metric=share_metric)
+
+
+def shard_stack(stack: nn.Module, **fsdp_kwargs: Any) -> nn.Module:
+    """Apply FSDP2 (``torch.distributed.fsdp.fully_shard``) per layer, then to the stack.
+
+    Per-layer sharding is the usual FSDP recipe, but a generator shared by all
+    layers must not belong to any one layer's unit: the next layer would find
+    it already sharded. Here each layer's unit ignores the shared generators
+    and the stack's own unit (which holds them, ``stack.metric_generators``)
+    shards them once and all-gathers them for the whole forward, so their
+    gradients from every layer are reduced together. Without sharing this is
+    plain per-layer ``fully_shard``.
+
+    Args:
+        stack: a ``DamchaTransformerEncoder``/``DamchaTransformerDecoder``
+            (``build_encoder``/``build_decoder``).
+        **fsdp_kwargs: passed to every ``fully_shard`` call (``mesh``,
+            ``reshard_after_forward``, ``mp_policy``, ...).
+
+    Returns:
+        ``stack``, sharded in place (build the optimizer afterwards).
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    if not isinstance(stack, (DamchaTransformerEncoder, DamchaTransformerDecoder)):
+        raise DamchaTypeError(
+            "`stack` must be a DamchaTransformerEncoder or DamchaTransformerDecoder (build_encoder/build_decoder). "
+            f"Received: stack={describe(stack)}"
+        )
+    if "ignored_params" in fsdp_kwargs:
+        raise DamchaValueError("`ignored_params` is set by shard_stack (the shared generators). Received: ignored_params")
+    shared = set(stack.metric_generators.parameters())
+    shared |= set(getattr(stack, "cross_metric_generators", nn.ModuleDict()).parameters())
+    for layer in stack.layers:
+        fully_shard(layer, ignored_params=shared or None, **fsdp_kwargs)
+    fully_shard(stack, **fsdp_kwargs)
+    return stack
 
 
 def metric_penalty(model: nn.Module) -> Tensor:
