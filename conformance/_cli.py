@@ -33,24 +33,35 @@ BACKENDS: dict[str, tuple[str, str, dict[str, str]]] = {
 }
 
 
+# Run only when asked for (``--backend torch-cuda``): most machines have no GPU.
+ON_REQUEST: dict[str, tuple[str, str, dict[str, str]]] = {
+    "torch-cuda": ("damcha_torch", "torch", {}),
+}
+
+
 def load_adapter(spec: str) -> BackendAdapter:
     """A built-in backend name, or ``module:attr`` naming an adapter class,
     factory or instance (a third party's port)."""
     if spec == "reference":
         return ReferenceAdapter()
+    if spec == "torch-cuda":
+        return importlib.import_module("damcha_torch").ConformanceAdapter(device="cuda")
     if spec in BACKENDS:
         module = importlib.import_module(BACKENDS[spec][0])
         return module.ConformanceAdapter()
     module_name, _, attr = spec.partition(":")
     if not attr:
-        raise SystemExit(f"damcha conform: unknown backend {spec!r}; expected one of {list(BACKENDS)} or module:attr")
+        raise SystemExit(
+            f"damcha conform: unknown backend {spec!r}; expected one of {list(BACKENDS) + list(ON_REQUEST)} or module:attr"
+        )
     obj = getattr(importlib.import_module(module_name), attr)
     return obj() if callable(obj) else obj
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="damcha conform", description=__doc__.splitlines()[0])
-    p.add_argument("--backend", action="append", default=[], help=f"built-in backend, repeatable: {', '.join(BACKENDS)} (default: all)")
+    p.add_argument("--backend", action="append", default=[], help=f"built-in backend, repeatable: {', '.join(BACKENDS)} (default: all); also "
+                   f"{', '.join(ON_REQUEST)} on request")
     p.add_argument("--adapter", action="append", default=[], help="a third-party adapter as module:attr, repeatable")
     p.add_argument("--dtype", action="append", choices=DTYPES, help="dtypes to run (default: each adapter's own)")
     p.add_argument("--case", action="append", help="only these case names")
@@ -85,7 +96,7 @@ def _run_in_process(spec: str, args: argparse.Namespace) -> Report:
 def _run_subprocess(spec: str, args: argparse.Namespace, env_extra: dict[str, str]) -> Report:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "report.json"
-        flag = "--backend" if spec in BACKENDS else "--adapter"
+        flag = "--backend" if spec in BACKENDS or spec in ON_REQUEST else "--adapter"
         cmd = [sys.executable, "-m", "damcha_conformance._cli", "--in-process", flag, spec, "--json", str(out)] + _filters(args)
         proc = subprocess.run(cmd, env={**os.environ, **env_extra}, capture_output=True, text=True)
         if out.exists():
@@ -110,10 +121,13 @@ def main(argv: list[str] | None = None) -> int:
     else:
         report = Report()
         for spec in specs or list(BACKENDS):
-            package, framework, env_extra = BACKENDS.get(spec, ("", "", {}))
+            package, framework, env_extra = {**BACKENDS, **ON_REQUEST}.get(spec, ("", "", {}))
             if framework and importlib.util.find_spec(framework) is None:
                 verdict = "FAIL" if args.require_all else "skipped"
                 report.notes.append(f"{verdict} {spec}: {framework} is not installed")
+                continue
+            if spec == "torch-cuda" and not importlib.import_module("torch").cuda.is_available():
+                report.notes.append(f"FAIL {spec}: asked for, but torch sees no CUDA device")
                 continue
             print(f"running {spec} ...", file=sys.stderr, flush=True)
             report.extend(_run_subprocess(spec, args, env_extra))

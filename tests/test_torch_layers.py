@@ -7,6 +7,7 @@ import copy
 import numpy as np
 import pytest
 import torch
+from _devices import TORCH_DEVICES
 from torch import nn
 
 import damcha_core as dc
@@ -540,12 +541,7 @@ def test_every_tensor_follows_the_input_device(name):
     assert metric_penalty(model).device.type == "meta"  # recorded, or the zero of an untracked stack
 
 
-# CUDA is exercised where a GPU exists (the same code path as the CPU); this
-# machine and CI have none, so there the list holds only "cpu".
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-
-
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", TORCH_DEVICES)
 def test_layer_matches_reference_on_every_available_device(device):
     cfg = _config("lowrank-query-gqa")
     params = case_params(cfg, 1)
@@ -558,3 +554,44 @@ def test_layer_matches_reference_on_every_available_device(device):
     want = dc.damcha_attention(params, cfg, x.double().numpy(), mask=(~pad).numpy()[:, None, None, :], causal=True)
     tol = TOLERANCES["float32"]
     np.testing.assert_allclose(out.detach().cpu().double().numpy(), want, rtol=tol.rtol, atol=tol.atol)
+
+
+@pytest.mark.parametrize("device", TORCH_DEVICES)
+def test_decode_autocast_and_compile_on_every_available_device(device):
+    """What a GPU user runs besides the plain forward: the weights path and its
+    gradients, KV-cache decoding, bfloat16 autocast and an inductor-compiled step,
+    each against the reference or the same layer's eager float32 result."""
+    cfg = _config("heads-separate")
+    params = case_params(cfg, 2)
+    layer = DamchaAttention.from_canonical(params, cfg, batch_first=True, device=device).eval()
+    x = _x(2, 6, 16).float()
+    xd = x.to(device, copy=True).requires_grad_(True)
+    tol = TOLERANCES["float32"]
+    want = dc.damcha_attention(params, cfg, x.double().numpy(), causal=True)
+    out, weights = layer(xd, xd, xd, is_causal=True, average_attn_weights=False)
+    np.testing.assert_allclose(out.detach().cpu().double().numpy(), want, rtol=tol.rtol, atol=tol.atol)
+    assert weights.shape == (2, 4, 6, 6) and weights.device.type == device
+    (grad,) = torch.autograd.grad(out.square().sum(), xd)
+    x_cpu = x.clone().requires_grad_(True)
+    cpu_layer = DamchaAttention.from_canonical(params, cfg, batch_first=True).eval()
+    (grad_cpu,) = torch.autograd.grad(cpu_layer(x_cpu, x_cpu, x_cpu, is_causal=True)[0].square().sum(), x_cpu)
+    torch.testing.assert_close(grad.cpu(), grad_cpu, rtol=tol.grad_rtol, atol=tol.grad_atol)
+
+    cache, steps = DamchaKVCache(), []
+    with torch.no_grad():
+        for i in range(6):
+            t = x[:, i:i + 1].to(device)
+            steps.append(layer(t, t, t, is_causal=True, need_weights=False, kv_cache=cache)[0])
+    np.testing.assert_allclose(torch.cat(steps, 1).detach().cpu().double().numpy(), want, rtol=tol.rtol, atol=tol.atol)
+
+    bf16 = TOLERANCES["bfloat16"]
+    with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16):
+        low, _ = layer(x.to(device), x.to(device), x.to(device), is_causal=True, need_weights=False)
+    assert low.dtype == torch.bfloat16
+    np.testing.assert_allclose(low.detach().float().cpu().double().numpy(), want, rtol=bf16.rtol, atol=bf16.atol)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True)  # inductor: C++ kernels on CPU, Triton on CUDA
+    with torch.no_grad():
+        fast, _ = compiled(x.to(device), x.to(device), x.to(device), is_causal=True, need_weights=False)
+    np.testing.assert_allclose(fast.detach().cpu().double().numpy(), want, rtol=tol.rtol, atol=tol.atol)

@@ -32,6 +32,8 @@ class ConformanceAdapter:
 
     def __init__(self, device: str | torch.device = "cpu") -> None:
         self.device = torch.device(device)
+        if self.device.type != "cpu":
+            self.name = f"torch-{self.device.type}"  # the report says where it ran
 
     def unsupported(self, case: Case) -> str | None:
         return None
