@@ -251,3 +251,24 @@ def test_flax_mask_helpers_work_as_in_flax_mha() -> None:
     np.testing.assert_allclose(np.asarray(actual)[real], np.asarray(expected)[real], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(actual)[~real], np.broadcast_to(np.asarray(layer.out.bias[...]), (2, 16)), atol=1e-6)
     np.testing.assert_array_equal(actual, boolean)
+
+
+@pytest.mark.parametrize("x64", [False, True], ids=["bfloat16-params", "float32-params-under-x64"])
+def test_every_parameter_and_the_output_follow_param_dtype(x64: bool) -> None:
+    """param_dtype holds for the metric generator too (its init scale once
+    promoted bfloat16 to float32, and float32 to float64 under x64), so the
+    output dtype follows Flax's MHA with the same dtypes."""
+    param_dtype = jnp.float32 if x64 else jnp.bfloat16
+    with jax.enable_x64(x64):
+        for options in (dict(), dict(metric="lowrank", metric_rank=2, coupling="separate")):
+
+            def build_and_call():  # abstractly: shapes and dtypes only, nothing compiled
+                x = jnp.zeros((B, N, E), param_dtype)
+                layer = dj.DamchaAttention(4, E, param_dtype=param_dtype, rngs=nnx.Rngs(0), **options)
+                mha = nnx.MultiHeadAttention(4, E, param_dtype=param_dtype, decode=False, rngs=nnx.Rngs(0))
+                return nnx.state(layer, nnx.Param), layer(x), mha(x)
+
+            state, out, expected = jax.eval_shape(build_and_call)
+            dtypes = {path: v.dtype for path, v in nnx.to_flat_state(state)}
+            assert all(dt == param_dtype for dt in dtypes.values()), dtypes
+            assert out.dtype == expected.dtype == param_dtype

@@ -77,18 +77,24 @@ class MetricGenerator(nnx.Module):
         self.in_features, self.num_heads, self.metric = in_features, num_heads, metric
         self.rank, self.head_dim = rank, head_dim
         E, S = in_features, num_heads
-        normal = jax.random.normal
+
+        def normal(shape: tuple[int, ...], fan_in: int) -> Array:
+            # A Python float is weakly typed: the result stays in param_dtype (a
+            # NumPy scalar would promote bfloat16 to float32, and float32 to
+            # float64 under x64).
+            return jax.random.normal(rngs.params(), shape, param_dtype) / float(np.sqrt(fan_in))
+
         if metric == "heads":
-            self.kernel = nnx.Param(normal(rngs.params(), (E, S, S), param_dtype) / np.sqrt(E * S))
+            self.kernel = nnx.Param(normal((E, S, S), E * S))
             self.bias = nnx.Param(jnp.zeros((S, S), param_dtype))
             self.u = nnx.data(None)
             self.v = nnx.data(None)
         else:
             r, d = rank, head_dim
-            self.kernel = nnx.Param(normal(rngs.params(), (E, r), param_dtype) / np.sqrt(E))
+            self.kernel = nnx.Param(normal((E, r), E))
             self.bias = nnx.Param(jnp.zeros((r,), param_dtype))
-            self.u = nnx.Param(normal(rngs.params(), (S, d, r), param_dtype) / np.sqrt(r))
-            self.v = nnx.Param(normal(rngs.params(), (S, d, r), param_dtype) / np.sqrt(S * d))
+            self.u = nnx.Param(normal((S, d, r), r))
+            self.v = nnx.Param(normal((S, d, r), S * d))
 
     def __call__(self, tokens: Array) -> Array:
         """Coefficients for tokens (B, T, E): A (B, T, S, S) or u (B, T, r)."""
