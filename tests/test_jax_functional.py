@@ -224,3 +224,47 @@ def test_bad_input_raises_the_reference_error(case: str) -> None:
         dj.damcha_attention(call["params"], call["config"], call["query"], call["context"], mask=call["mask"], **jax_flags)
     assert type(got.value) is type(ref.value)
     assert str(got.value) == str(ref.value).replace("`causal`", "`is_causal`").replace("causal=", "is_causal=")
+
+
+_CACHE = {k: np.asarray(v) for k, v in dj.init_cache(CFG, 2, 6).items()}
+_OTHER = dc.DamchaConfig(query_dim=16, num_heads=4, key_dim=4, value_dim=3, num_kv_heads=2, coupling="query")
+BAD_DECODING = {
+    # A concrete negative offset is as wrong as -1 (a traced one cannot be checked).
+    "offset-negative-array": (dc.DamchaValueError, r"query_offset=-1 ",
+                              lambda: dj.damcha_attention(_P, CFG, _X, is_causal=True, query_offset=jnp.int32(-1))),
+    "offset-negative-numpy": (dc.DamchaValueError, r"query_offset=-2 ",
+                              lambda: dj.damcha_attention(_P, CFG, _X, is_causal=True, query_offset=np.int64(-2))),
+    "cache-of-other-kv-heads": (dc.DamchaValueError, r"`cache\['key'\]` must have shape .*\(B, max_length, 4, 4\).*shape=\(2, 6, 2, 4\)",
+                                lambda: dj.decode_step(_P, CFG, dj.init_cache(_OTHER, 2, 6), _X[:, :1])),
+    "cache-of-other-value-dim": (dc.DamchaValueError, r"`cache\['value'\]` must have shape .*shape=\(2, 6, 4, 3\)",
+                                 lambda: dj.decode_step(_P, CFG, {**_CACHE, "value": np.zeros((2, 6, 4, 3), np.float32)}, _X[:, :1])),
+    "cache-index-vector": (dc.DamchaValueError, r"`cache\['index'\]` must be an integer scalar",
+                           lambda: dj.decode_step(_P, CFG, {**_CACHE, "index": np.zeros(2, np.int32)}, _X[:, :1])),
+    "cache-int-dtype": (dc.DamchaTypeError, r"`dtype` must be a floating dtype. Received: dtype=",
+                        lambda: dj.init_cache(CFG, 2, 6, jnp.int32)),
+    "coefficients-metric": (dc.DamchaValueError, r"`metric` must be one of .*Received: metric='none'",
+                            lambda: dj.coefficients("none", _P["metric.qk.kernel"], _P["metric.qk.bias"], _X)),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_DECODING))
+def test_bad_offsets_caches_and_metrics_name_the_argument(case: str) -> None:
+    error, match, call = BAD_DECODING[case]
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_decode_step_takes_a_python_int_cache_index() -> None:
+    """A hand-built cache may hold a plain int index, like the Python int query_offset."""
+    params, x = _params(CFG), _x((2, 6, 16))
+
+    def fn(params, x):
+        cache = dj.init_cache(CFG, 2, 6)
+        _, cache = dj.decode_step(params, CFG, cache, x[:, :2])
+        y_int, c_int = dj.decode_step(params, CFG, {**cache, "index": 2}, x[:, 2:3])
+        y_arr, c_arr = dj.decode_step(params, CFG, cache, x[:, 2:3])
+        return y_int, y_arr, c_int["index"], c_arr["index"]
+
+    y_int, y_arr, i_int, i_arr = fast_jit(fn)(params, x)
+    np.testing.assert_array_equal(y_int, y_arr)
+    assert int(i_int) == int(i_arr) == 3

@@ -61,7 +61,12 @@ def _check_offset(query_offset: Any) -> Any:
         return int(query_offset)
     dtype = getattr(query_offset, "dtype", None)
     if dtype is not None and jnp.issubdtype(dtype, jnp.integer) and getattr(query_offset, "shape", None) == ():
-        return query_offset
+        if isinstance(query_offset, jax.core.Tracer) or int(query_offset) >= 0:
+            return query_offset  # a traced offset cannot be checked (as a traced cache index)
+        raise DamchaValueError(
+            f"`query_offset` must be an int >= 0. Received: query_offset={int(query_offset)} "
+            f"({describe(query_offset)})"
+        )
     raise DamchaValueError(f"`query_offset` must be an int >= 0. Received: query_offset={describe(query_offset)}")
 
 
@@ -93,6 +98,8 @@ def coefficients(metric: str, kernel: Array, bias: Array, tokens: Array) -> Arra
     "heads", u(t) (B, T, r) for "lowrank", in at least float32 (16-bit inputs
     keep float32 intermediates until the attention kernel: rounding q and k
     twice would double their error)."""
+    if metric not in ("heads", "lowrank"):
+        raise DamchaValueError(f"`metric` must be one of ('heads', 'lowrank'). Received: metric={metric!r}")
     phi = rms_normalise(tokens)
     spec = "bte,ehk->bthk" if metric == "heads" else "bte,er->btr"
     return jnp.einsum(spec, phi, kernel, preferred_element_type=phi.dtype) + bias
@@ -426,12 +433,46 @@ def init_cache(config: DamchaConfig, batch_size: int, max_length: int, dtype: An
     for name, value in (("batch_size", batch_size), ("max_length", max_length)):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
             raise DamchaValueError(f"`{name}` must be an int >= 1. Received: {name}={describe(value)}")
+    try:
+        floating = jnp.issubdtype(dtype, jnp.floating)
+    except TypeError:
+        floating = False
+    if not floating:
+        raise DamchaTypeError(f"`dtype` must be a floating dtype. Received: dtype={describe(dtype)}")
     G, d, d_v = config.num_kv_heads, config.key_dim, config.value_dim
     return {
         "key": jnp.zeros((batch_size, max_length, G, d), dtype),
         "value": jnp.zeros((batch_size, max_length, G, d_v), dtype),
         "index": jnp.zeros((), jnp.int32),
     }
+
+
+def _check_cache(cache: Mapping[str, Any], config: DamchaConfig) -> tuple[Array, Array, Array]:
+    """The cache's arrays, checked against ``config`` (a cache made for another
+    layer would otherwise fail inside ``dynamic_update_slice``)."""
+    cached_k, cached_v, index = cache["key"], cache["value"], cache["index"]
+    G, d, d_v = config.num_kv_heads, config.key_dim, config.value_dim
+    for name, array, width in (("key", cached_k, d), ("value", cached_v, d_v)):
+        shape = getattr(array, "shape", None)
+        dtype = getattr(array, "dtype", None)
+        if shape is None or len(shape) != 4 or tuple(shape[2:]) != (G, width) or tuple(shape[:2]) != tuple(cached_k.shape[:2]):
+            raise DamchaValueError(
+                f"`cache['{name}']` must have shape (B, max_length, G, {'d' if name == 'key' else 'd_v'}) = "
+                f"(B, max_length, {G}, {width}) for this config, as init_cache makes it. "
+                f"Received: cache['{name}']={describe(array)}"
+                + ("" if name == "key" else f", cache['key']={describe(cached_k)}")
+            )
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise DamchaTypeError(f"`cache['{name}']` must be floating. Received: cache['{name}']={describe(array)}")
+    if isinstance(index, numbers.Integral) and not isinstance(index, bool):
+        index = jnp.asarray(index, jnp.int32)
+    if getattr(index, "shape", None) != () or not jnp.issubdtype(index.dtype, jnp.integer):
+        raise DamchaValueError(
+            f"`cache['index']` must be an integer scalar (the number of filled positions). Received: cache['index']={describe(index)}"
+        )
+    if not isinstance(index, jax.core.Tracer) and int(index) < 0:
+        raise DamchaValueError(f"`cache['index']` must be >= 0. Received: cache['index']={int(index)}")
+    return jnp.asarray(cached_k), jnp.asarray(cached_v), index
 
 
 def decode_step(
@@ -472,7 +513,7 @@ def decode_step(
             if not isinstance(cache, Mapping) else
             f"`cache` must be the dict from init_cache with keys ['index', 'key', 'value']. Received keys: {sorted(cache)}"
         )
-    cached_k, cached_v, index = cache["key"], cache["value"], cache["index"]
+    cached_k, cached_v, index = _check_cache(cache, config)
     B, L = cached_k.shape[0], cached_k.shape[1]
     # The mask spans the whole cache (T, L), not (T, T): it is checked below, not by _prepare.
     p, config, x, c, _, _ = _prepare(params, config, query, context, None, None, dtype)
