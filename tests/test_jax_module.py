@@ -272,3 +272,12 @@ def test_every_parameter_and_the_output_follow_param_dtype(x64: bool) -> None:
             dtypes = {path: v.dtype for path, v in nnx.to_flat_state(state)}
             assert all(dt == param_dtype for dt in dtypes.values()), dtypes
             assert out.dtype == expected.dtype == param_dtype
+
+
+def test_initialiser_arguments_follow_flax_mha() -> None:
+    """Flax's constructor options are accepted: out_bias_init (default bias_init) sets the output bias only."""
+    inits = dict(bias_init=nnx.initializers.constant(0.5), out_bias_init=nnx.initializers.ones)
+    mha = build(lambda: nnx.MultiHeadAttention(4, E, 16, decode=False, **inits, rngs=nnx.Rngs(0)))
+    layer = build(lambda: dj.DamchaAttention(4, E, 16, **inits, rngs=nnx.Rngs(0)))
+    for name in ("query", "key", "value", "out"):
+        np.testing.assert_array_equal(getattr(layer, name).bias[...], getattr(mha, name).bias[...], err_msg=name)

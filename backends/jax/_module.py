@@ -210,8 +210,9 @@ class DamchaAttention(nnx.Module):
         dropout_rate: attention-probability dropout (training only).
         deterministic: default for ``__call__``'s ``deterministic``.
         use_bias: biases on the four projections.
-        kernel_init, out_kernel_init, bias_init: projection initialisers;
-            default Glorot uniform (as ``damcha_core.init_params``) and zeros.
+        kernel_init, out_kernel_init, bias_init, out_bias_init: projection
+            initialisers; default Glorot uniform (as ``damcha_core.init_params``)
+            and zeros; the ``out_`` ones default to the others, as in Flax.
         decode: default for ``__call__``'s ``decode`` (call ``init_cache`` first).
         rngs: RNGs (``params``, and ``dropout`` when dropout_rate > 0).
     """
@@ -240,6 +241,7 @@ class DamchaAttention(nnx.Module):
         kernel_init: Initializer = _glorot,
         out_kernel_init: Initializer | None = None,
         bias_init: Initializer = nnx.initializers.zeros_init(),
+        out_bias_init: Initializer | None = None,
         decode: bool | None = None,
         rngs: nnx.Rngs,
     ) -> None:
@@ -263,7 +265,8 @@ class DamchaAttention(nnx.Module):
         self.key = nnx.LinearGeneral(cfg.context_dim, (G, d), kernel_init=kernel_init, **linear)
         self.value = nnx.LinearGeneral(cfg.context_dim, (G, d_v), kernel_init=kernel_init, **linear)
         self.out = nnx.LinearGeneral(
-            (H, d_v), cfg.output_dim, axis=(-2, -1), kernel_init=out_kernel_init or kernel_init, **linear
+            (H, d_v), cfg.output_dim, axis=(-2, -1), kernel_init=out_kernel_init or kernel_init,
+            **{**linear, "bias_init": out_bias_init or bias_init},
         )
 
         generators = given if given is not None else make_metric_generators(cfg, param_dtype=param_dtype, rngs=rngs)
