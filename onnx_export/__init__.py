@@ -3,8 +3,10 @@
 The exporter builds graphs from canonical parameters with ``onnx.helper``
 alone (no deep-learning framework): opset >= 23 uses the standard
 ``Attention`` op, opsets 17-22 a decomposed MatMul/Softmax graph with the same
-semantics. ``export_torch`` wraps ``torch.onnx.export`` for PyTorch models and
-imports torch only when called.
+semantics. ``export_torch`` wraps ``torch.onnx.export`` for PyTorch models;
+``encoder_from_torch``/``encoder_from_keras``/``encoder_from_jax`` turn trained
+stacks of each port into the stack format. Frameworks are imported only when
+those are called.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from ._stack import (
     token_model_forward,
     validate_stack_params,
 )
+from ._frameworks import encoder_from_jax, encoder_from_keras
 from ._torch import encoder_from_torch, export_torch
 
 __all__ = [
@@ -37,6 +40,8 @@ __all__ = [
     "check_opset",
     "empty_kv_cache",
     "encoder_forward",
+    "encoder_from_jax",
+    "encoder_from_keras",
     "encoder_from_torch",
     "export",
     "export_encoder",

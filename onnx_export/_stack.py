@@ -57,9 +57,17 @@ def _generator_leaves(config: DamchaConfig) -> tuple[str, ...]:
     return ("kernel", "bias") if config.metric == "heads" else ("kernel", "bias", "u", "v")
 
 
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
+
+
 @dataclasses.dataclass(frozen=True)
 class EncoderConfig:
-    """A stack of pre-norm DAMCHA encoder layers.
+    """A stack of DAMCHA encoder layers (pre-norm by default).
+
+    Each layer is ``h + Attn(LN1(h))`` then ``h + FFN(LN2(h))`` (``norm_first``,
+    the default), or ``LN1(h + Attn(h))`` then ``LN2(h + FFN(h))`` (post-norm,
+    ``nn.TransformerEncoderLayer``'s and KerasHub's default); FFN is
+    ``act(h W_in + b_in) W_out + b_out``.
 
     Args:
         attention: the (self-attention) layer config shared by every layer;
@@ -70,6 +78,10 @@ class EncoderConfig:
             W_u, b_u, U, V) by every layer; each layer keeps its own gate.
         norm_eps: LayerNorm epsilon.
         causal: causal self-attention in every layer.
+        norm_first: pre-norm (True) or post-norm (False) layers.
+        activation: "gelu" (exact, erf), "gelu_tanh" (the tanh
+            approximation, JAX's default) or "relu".
+        final_norm: a LayerNorm after the last layer (``final_norm.*`` params).
     """
 
     attention: DamchaConfig
@@ -78,6 +90,9 @@ class EncoderConfig:
     share_metric: bool = True
     norm_eps: float = 1e-5
     causal: bool = False
+    norm_first: bool = True
+    activation: str = "gelu"
+    final_norm: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.attention, DamchaConfig):
@@ -92,6 +107,10 @@ class EncoderConfig:
         object.__setattr__(self, "ffn_dim", _check_int("ffn_dim", self.ffn_dim))
         _check_flag("share_metric", self.share_metric)
         _check_flag("causal", self.causal)
+        _check_flag("norm_first", self.norm_first)
+        _check_flag("final_norm", self.final_norm)
+        if self.activation not in ACTIVATIONS:
+            raise DamchaValueError(f"`activation` must be one of {ACTIVATIONS}. Received: activation={describe(self.activation)}")
         if isinstance(self.norm_eps, bool) or not isinstance(self.norm_eps, numbers.Real) or not self.norm_eps > 0:
             raise DamchaValueError(f"`norm_eps` must be a number > 0. Received: norm_eps={describe(self.norm_eps)}")
 
@@ -107,7 +126,7 @@ class EncoderConfig:
         ``shared.metric.<side>.<leaf>`` (gates stay per layer); then
         ``layers.{i}.norm1/norm2.scale|bias`` (E,), ``layers.{i}.ffn.in.kernel``
         (E, F), ``.ffn.in.bias`` (F,), ``.ffn.out.kernel`` (F, E), ``.ffn.out.bias``
-        (E,), and ``final_norm.scale|bias`` (E,).
+        (E,), and ``final_norm.scale|bias`` (E,) with ``final_norm``.
         """
         a, E, F = self.attention, self.width, self.ffn_dim
         layer = a.param_shapes()
@@ -128,8 +147,9 @@ class EncoderConfig:
             shapes[f"{pre}ffn.in.bias"] = (F,)
             shapes[f"{pre}ffn.out.kernel"] = (F, E)
             shapes[f"{pre}ffn.out.bias"] = (E,)
-        shapes["final_norm.scale"] = (E,)
-        shapes["final_norm.bias"] = (E,)
+        if self.final_norm:
+            shapes["final_norm.scale"] = (E,)
+            shapes["final_norm.bias"] = (E,)
         return shapes
 
     def _shared_names(self) -> list[str]:
@@ -210,7 +230,7 @@ def init_encoder_params(config: EncoderConfig, seed: int = 0) -> dict[str, np.nd
         params[f"{pre}ffn.out.bias"] = np.zeros(E)
     params["final_norm.scale"] = np.ones(E)
     params["final_norm.bias"] = np.zeros(E)
-    return {name: params[name] for name in config.param_shapes()}
+    return {name: params[name] for name in config.param_shapes()}  # final_norm.* only where configured
 
 
 def init_token_model_params(config: TokenModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
@@ -238,8 +258,11 @@ def _layer_norm(x: np.ndarray, scale: np.ndarray, bias: np.ndarray, eps: float) 
     return (x - mu) / np.sqrt(var + eps) * scale + bias
 
 
-def _gelu(x: np.ndarray) -> np.ndarray:
-    return 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0)))
+_ACTIVATION_FNS = {
+    "gelu": lambda x: 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0))),
+    "gelu_tanh": lambda x: 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3))),
+    "relu": lambda x: np.maximum(x, 0.0),
+}
 
 
 def encoder_forward(params: Mapping[str, Any], config: EncoderConfig, x: Any, *, mask: Any = None) -> np.ndarray:
@@ -249,15 +272,23 @@ def encoder_forward(params: Mapping[str, Any], config: EncoderConfig, x: Any, *,
     """
     p = validate_stack_params(params, config)
     h = np.asarray(x, dtype=np.float64)
-    eps = config.norm_eps
+    eps, act = config.norm_eps, _ACTIVATION_FNS[config.activation]
+
+    def norm(t: np.ndarray, name: str) -> np.ndarray:
+        return _layer_norm(t, p[f"{name}.scale"], p[f"{name}.bias"], eps)
+
     for i in range(config.num_layers):
         pre = f"layers.{i}."
-        a_in = _layer_norm(h, p[f"{pre}norm1.scale"], p[f"{pre}norm1.bias"], eps)
+        a_in = norm(h, f"{pre}norm1") if config.norm_first else h
         h = h + dc.damcha_attention(config.layer_params(p, i), config.attention, a_in, mask=mask, causal=config.causal)
-        f_in = _layer_norm(h, p[f"{pre}norm2.scale"], p[f"{pre}norm2.bias"], eps)
-        hidden = _gelu(f_in @ p[f"{pre}ffn.in.kernel"] + p[f"{pre}ffn.in.bias"])
+        if not config.norm_first:
+            h = norm(h, f"{pre}norm1")
+        f_in = norm(h, f"{pre}norm2") if config.norm_first else h
+        hidden = act(f_in @ p[f"{pre}ffn.in.kernel"] + p[f"{pre}ffn.in.bias"])
         h = h + hidden @ p[f"{pre}ffn.out.kernel"] + p[f"{pre}ffn.out.bias"]
-    return _layer_norm(h, p["final_norm.scale"], p["final_norm.bias"], eps)
+        if not config.norm_first:
+            h = norm(h, f"{pre}norm2")
+    return norm(h, "final_norm") if config.final_norm else h
 
 
 def token_model_forward(params: Mapping[str, Any], config: TokenModelConfig, tokens: Any, *, mask: Any = None) -> np.ndarray:
@@ -303,7 +334,7 @@ def _encoder_nodes(
     h = x
     for i in range(config.num_layers):
         pre = f"layers.{i}."
-        a_in = norm(h, f"{pre}norm1")
+        a_in = norm(h, f"{pre}norm1") if config.norm_first else h
         attn = attention_layer(
             g,
             config.layer_params(p, i),
@@ -318,15 +349,30 @@ def _encoder_nodes(
             cache=cache_names(f".{i}") if kv_cache else None,
         )
         h = g.op("Add", [h, attn], f"{prefix}{pre}res1")
-        f_in = norm(h, f"{pre}norm2")
+        if not config.norm_first:
+            h = norm(h, f"{pre}norm1")
+        f_in = norm(h, f"{pre}norm2") if config.norm_first else h
         hidden = g.linear(f_in, p[f"{pre}ffn.in.kernel"], p[f"{pre}ffn.in.bias"], f"{prefix}{pre}ffn_in")
-        # Exact GELU from Erf: the Gelu op only exists from opset 20.
-        erf = g.op("Erf", [g.op("Mul", [hidden, g.scalar(1.0 / math.sqrt(2.0))], f"{prefix}{pre}gelu_s")], f"{prefix}{pre}gelu_erf")
-        gate = g.op("Mul", [g.op("Add", [erf, g.scalar(1.0)], f"{prefix}{pre}gelu_1p"), g.scalar(0.5)], f"{prefix}{pre}gelu_h")
-        act = g.op("Mul", [hidden, gate], f"{prefix}{pre}gelu")
+        act = _activation(g, config.activation, hidden, f"{prefix}{pre}act")
         out = g.linear(act, p[f"{pre}ffn.out.kernel"], p[f"{pre}ffn.out.bias"], f"{prefix}{pre}ffn_out")
         h = g.op("Add", [h, out], f"{prefix}{pre}res2")
-    return norm(h, "final_norm")
+        if not config.norm_first:
+            h = norm(h, f"{pre}norm2")
+    return norm(h, "final_norm") if config.final_norm else h
+
+
+def _activation(g: GraphBuilder, kind: str, x: str, name: str) -> str:
+    """The FFN activation from primitive ops (the Gelu op exists only from opset 20)."""
+    if kind == "relu":
+        return g.op("Relu", [x], name)
+    if kind == "gelu":
+        inner = g.op("Erf", [g.op("Mul", [x, g.scalar(1.0 / math.sqrt(2.0))], f"{name}_s")], f"{name}_erf")
+    else:  # gelu_tanh: tanh(sqrt(2/pi) (x + 0.044715 x^3))
+        cube = g.op("Mul", [g.op("Mul", [x, x], f"{name}_x2"), x], f"{name}_x3")
+        poly = g.op("Add", [x, g.op("Mul", [cube, g.scalar(0.044715)], f"{name}_c")], f"{name}_poly")
+        inner = g.op("Tanh", [g.op("Mul", [poly, g.scalar(math.sqrt(2.0 / math.pi))], f"{name}_s")], f"{name}_tanh")
+    gate = g.op("Mul", [g.op("Add", [inner, g.scalar(1.0)], f"{name}_1p"), g.scalar(0.5)], f"{name}_h")
+    return g.op("Mul", [x, gate], name)
 
 
 def _stack_export(kind: str, params, config, path, *, opset, mask, dynamic, dtype, form, batch_size, query_len, kv_cache):

@@ -75,12 +75,13 @@ def export_torch(
 def encoder_from_torch(encoder: Any, *, causal: bool = False) -> tuple[dict[str, Any], Any]:
     """Stack parameters and ``EncoderConfig`` of a trained ``damcha_torch`` encoder.
 
-    The encoder must have this package's stack architecture: built like
-    ``damcha_torch.build_encoder(..., norm_first=True, activation="gelu",
-    final_norm=True)`` (pre-norm layers, exact GELU, a final LayerNorm, biases
-    everywhere, one LayerNorm epsilon). ``share_metric`` is read from the
-    encoder; a shared generator is stored once. Pass the result to
-    ``export_encoder`` (or ``encoder_forward`` for the NumPy reference).
+    Any ``damcha_torch.build_encoder`` stack converts: pre- or post-norm
+    layers (``norm_first``), ReLU or GELU (exact or tanh) feed-forward, with or
+    without a final LayerNorm, as long as every layer has the same attention
+    config, activation, norm placement and LayerNorm epsilon, and biases.
+    ``share_metric`` is read from the encoder; a shared generator is stored
+    once. Pass the result to ``export_encoder`` (or ``encoder_forward`` for the
+    NumPy reference).
 
     Args:
         encoder: a ``damcha_torch.DamchaTransformerEncoder``.
@@ -90,6 +91,7 @@ def encoder_from_torch(encoder: Any, *, causal: bool = False) -> tuple[dict[str,
         ``(params, config)`` with float64 NumPy arrays.
     """
     import torch.nn.functional as F
+    from torch import nn
 
     import damcha_torch as dt
 
@@ -99,17 +101,28 @@ def encoder_from_torch(encoder: Any, *, causal: bool = False) -> tuple[dict[str,
 
     if not isinstance(encoder, dt.DamchaTransformerEncoder):
         raise DamchaTypeError(f"`encoder` must be a damcha_torch.DamchaTransformerEncoder. Received: encoder={describe(encoder)}")
+
+    def activation_name(fn: Any) -> str | None:
+        if fn is F.relu or isinstance(fn, nn.ReLU):
+            return "relu"
+        if fn is F.gelu:
+            return "gelu"
+        if isinstance(fn, nn.GELU):
+            return "gelu" if fn.approximate == "none" else "gelu_tanh"
+        return None
+
     layers = list(encoder.layers)
     first = layers[0]
-    eps = first.norm1.eps
+    eps, act = first.norm1.eps, activation_name(first.activation)
     problems = []
-    if encoder.norm is None or not hasattr(encoder.norm, "eps") or encoder.norm.eps != eps:
-        problems.append("a final LayerNorm with the layers' epsilon (final_norm=True)")
+    if encoder.norm is not None and (not isinstance(encoder.norm, nn.LayerNorm) or encoder.norm.eps != eps):
+        problems.append("no final norm, or a final LayerNorm with the layers' epsilon")
     for i, layer in enumerate(layers):
-        if not layer.norm_first:
-            problems.append(f"pre-norm layers (layer {i} has norm_first=False)")
-        if layer.activation is not F.gelu:
-            problems.append(f"exact GELU (layer {i} has activation={getattr(layer.activation, '__name__', layer.activation)})")
+        name = activation_name(layer.activation)
+        if name is None:
+            problems.append(f"ReLU or GELU (layer {i} has activation={getattr(layer.activation, '__name__', layer.activation)})")
+        elif name != act or layer.norm_first != first.norm_first:
+            problems.append(f"one activation and norm placement (layer {i} differs)")
         if layer.linear1.bias is None or layer.norm1.bias is None:
             problems.append(f"biases in the feed-forward and norms (layer {i} has bias=False)")
         if layer.norm1.eps != eps or layer.norm2.eps != eps:
@@ -118,12 +131,13 @@ def encoder_from_torch(encoder: Any, *, causal: bool = False) -> tuple[dict[str,
             problems.append(f"one attention config (layer {i} differs)")
     if problems:
         raise DamchaValueError(
-            "`encoder` does not have the exported stack's architecture; it needs "
+            "`encoder` does not fit the exported stack format; it needs "
             + "; ".join(dict.fromkeys(problems))
             + f". Received: encoder={describe(encoder)}"
         )
     config = EncoderConfig(first.self_attn.config, num_layers=len(layers), ffn_dim=first.linear1.out_features,
-                           share_metric=encoder.share_metric, norm_eps=eps, causal=causal)
+                           share_metric=encoder.share_metric and len(layers) > 1, norm_eps=eps, causal=causal,
+                           norm_first=bool(first.norm_first), activation=act, final_norm=encoder.norm is not None)
 
     def np64(t: Any) -> Any:
         return t.detach().to("cpu").double().numpy().copy()
@@ -143,6 +157,7 @@ def encoder_from_torch(encoder: Any, *, causal: bool = False) -> tuple[dict[str,
         params[f"{pre}ffn.in.bias"] = np64(layer.linear1.bias)
         params[f"{pre}ffn.out.kernel"] = np64(layer.linear2.weight).T.copy()
         params[f"{pre}ffn.out.bias"] = np64(layer.linear2.bias)
-    params["final_norm.scale"] = np64(encoder.norm.weight)
-    params["final_norm.bias"] = np64(encoder.norm.bias)
+    if encoder.norm is not None:
+        params["final_norm.scale"] = np64(encoder.norm.weight)
+        params["final_norm.bias"] = np64(encoder.norm.bias)
     return params, config

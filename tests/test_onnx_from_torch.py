@@ -27,11 +27,20 @@ def _encoder(share: bool, **kw) -> dt.DamchaTransformerEncoder:
     return enc
 
 
+ARCHITECTURES = {
+    "pre-norm-gelu-final": {},
+    "post-norm-relu": dict(norm_first=False, activation="relu", final_norm=False),  # build_encoder's defaults
+    "pre-norm-gelu-tanh": dict(activation=torch.nn.GELU(approximate="tanh"), final_norm=False),
+}
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
 @pytest.mark.parametrize("share", [True, False], ids=["shared", "per-layer"])
-def test_torch_encoder_converts_to_onnx_stack(share):
-    enc = _encoder(share)
+def test_torch_encoder_converts_to_onnx_stack(share, arch):
+    enc = _encoder(share, **ARCHITECTURES[arch])
     params, config = do.encoder_from_torch(enc)
     assert config.share_metric == share and config.num_layers == 2 and config.ffn_dim == 32
+    assert (config.norm_first, config.final_norm) == (enc.layers[0].norm_first, enc.norm is not None)
     assert any(k.startswith("shared.") for k in params) == share
     x = np.random.default_rng(0).normal(size=(2, 5, 16))
     with torch.no_grad():
@@ -52,13 +61,29 @@ def test_causal_flag_is_carried_into_the_export():
     np.testing.assert_allclose(do.encoder_forward(params, config, x), expected, rtol=1e-10, atol=1e-10)
 
 
+def _mixed_eps() -> dt.DamchaTransformerEncoder:
+    enc = _encoder(True)
+    enc.layers[1].norm2.eps = 1e-3
+    return enc
+
+
+def _mixed_norm_placement() -> dt.DamchaTransformerEncoder:
+    enc = _encoder(True)
+    enc.layers[1].norm_first = False
+    return enc
+
+
 @pytest.mark.parametrize(
-    "kw, pattern",
-    [(dict(norm_first=False), "pre-norm"), (dict(activation="relu"), "exact GELU"), (dict(final_norm=False), "final LayerNorm")],
-    ids=["post-norm", "relu", "no-final-norm"],
+    "make, pattern",
+    [
+        (lambda: _encoder(True, activation=torch.nn.functional.silu), r"ReLU or GELU \(layer 0 has activation=silu\)"),
+        (_mixed_eps, r"one LayerNorm epsilon \(layer 1 differs\)"),
+        (_mixed_norm_placement, r"one activation and norm placement \(layer 1 differs\)"),
+    ],
+    ids=["silu", "mixed-eps", "mixed-norm-placement"],
 )
-def test_other_architectures_are_rejected_clearly(kw, pattern):
-    with pytest.raises(dc.DamchaValueError, match=pattern):
-        do.encoder_from_torch(_encoder(True, **kw))
+def test_other_architectures_are_rejected_clearly(make, pattern):
+    with pytest.raises(dc.DamchaValueError, match=pattern + r".*Received: encoder="):
+        do.encoder_from_torch(make())
     with pytest.raises(dc.DamchaTypeError, match="DamchaTransformerEncoder"):
         do.encoder_from_torch(torch.nn.Linear(2, 2))
