@@ -23,6 +23,16 @@ def _dtype_name(x: Any) -> str:
     return keras.backend.standardize_dtype(x.dtype)
 
 
+def _static_shape(x: Any) -> tuple:
+    """x's shape with every dim that is not a plain int as None.
+
+    Symbolic dims (jax2tf's shape polymorphism in ``model.export`` on JAX,
+    torch SymInts) cannot be compared or converted to int: checks skip them,
+    as they skip a None dim of a ``keras.Input``.
+    """
+    return tuple(int(s) if isinstance(s, (int, np.integer)) else None for s in x.shape)
+
+
 def _concrete_int(value: Any) -> int | None:
     """The value of an int or a concrete int tensor; None when traced (jit, tf.function)."""
     if isinstance(value, (int, np.integer)):
@@ -313,13 +323,16 @@ class DamchaAttention(keras.layers.Layer):
         for name, m in masks.items():
             if m is not None and _dtype_name(m) != "bool":
                 raise dc.mask_dtype_error(m, name)
-        if key is not None and tuple(key.shape) != tuple(value.shape):
-            if len(key.shape) != 3 or len(value.shape) != 3 or key.shape[:2] != value.shape[:2]:
+        qs, vs = _static_shape(query), _static_shape(value)
+        if key is not None:
+            ks = _static_shape(key)
+            if len(ks) != 3 or len(vs) != 3 or any(
+                a is not None and b is not None and a != b for a, b in zip(ks[:2], vs[:2])
+            ):
                 raise DamchaValueError(
                     "`key` must have the same (batch, length) as `value`. "
                     f"Received: key.shape={tuple(key.shape)}, value.shape={tuple(value.shape)}"
                 )
-        qs, vs = tuple(query.shape), tuple(value.shape)
         # Unknown (symbolic) dims take the value the other tensors imply, so only
         # real contradictions are reported by the shared shape rules.
         B = next((s for s in (qs[0] if qs else None, vs[0] if vs else None) if s is not None), 1)
@@ -340,7 +353,7 @@ class DamchaAttention(keras.layers.Layer):
         ):
             if m is None:
                 continue
-            shape = tuple(m.shape)
+            shape = _static_shape(m)
             target = rank_shapes.get(len(shape))
             broadcastable = name == "attention_mask"
             if target is None or any(
@@ -458,7 +471,7 @@ class DamchaAttention(keras.layers.Layer):
             k = ops.repeat(k, cfg.group_size, axis=2)
             v = ops.repeat(v, cfg.group_size, axis=2)
 
-        n_static, m_static = query.shape[1], value.shape[1]
+        n_static, m_static = _static_shape(query)[1], _static_shape(value)[1]
         causal_only = (
             use_causal_mask and query_mask is None and value_mask is None and key_mask is None
             and attention_mask is None and n_static is not None and n_static == m_static and cache is None
@@ -534,8 +547,8 @@ class DamchaAttention(keras.layers.Layer):
         cfg = self.config
         if _dtype_name(cache) not in _FLOAT_DTYPES:
             raise dc.float_dtype_error("cache", cache)
-        shape = tuple(cache.shape)
-        B = query.shape[0]
+        shape = _static_shape(cache)
+        B = _static_shape(query)[0]
         expected = (B, 2, None, cfg.num_kv_heads, cfg.key_dim)
         if len(shape) != 5 or any(e is not None and s is not None and s != e for s, e in zip(shape, expected)):
             raise DamchaValueError(
@@ -562,8 +575,8 @@ class DamchaAttention(keras.layers.Layer):
         if hasattr(index, "dtype") and ("int" not in _dtype_name(index) or len(index.shape) != 0):
             raise DamchaTypeError(f"`cache_update_index` must be an int or an int scalar tensor. Received: "
                                   f"cache_update_index={describe(index)}")
-        T = value.shape[1]
-        if use_causal_mask and T is not None and query.shape[1] is not None and T != query.shape[1]:
+        T, n = _static_shape(value)[1], _static_shape(query)[1]
+        if use_causal_mask and T is not None and n is not None and T != n:
             raise DamchaValueError(
                 "`use_causal_mask=True` with a cache needs one new key per query token (self-attention "
                 f"decoding). Received: query.shape={tuple(query.shape)}, value.shape={tuple(value.shape)}"
