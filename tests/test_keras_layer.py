@@ -515,3 +515,36 @@ def test_decoder_block_cache_decoding_equals_full_forward(normalize_first):
                   self_attention_cache_update_index=0)
     with pytest.raises(dc.DamchaValueError, match=r"needs `self_attention_cache_update_index`"):
         blocks[0](x[:, :1], self_attention_cache=caches[0])
+
+
+def test_mixed_precision_cache_in_a_compiled_generation_loop():
+    """A mixed_float16 layer makes a float16 cache that keeps its dtype through a
+    tf.function fori_loop (a loop carry must not change dtype) and decodes like the
+    layer's own causal pass; a float32 cache would come back float16 (Keras casts
+    floating call inputs), so init_cache refuses that dtype."""
+    import tensorflow as tf
+
+    _, params, cfg = _cache_layer("heads-tied", seed=4)
+    layer = DamchaAttention.from_canonical(params, cfg, dtype="mixed_float16")
+    x = keras.ops.convert_to_tensor(rng(12).normal(size=(B, 5, E)).astype("float32"))
+    cache = layer.init_cache(B, 5)
+    assert keras.backend.standardize_dtype(cache.dtype) == "float16"
+
+    @tf.function
+    def generate(cache):
+        def body(i, state):
+            cache, outs = state
+            t = x[:, i:i + 1]
+            y, cache = layer(t, t, use_causal_mask=True, cache=cache, cache_update_index=i)
+            return cache, keras.ops.slice_update(outs, [0, i, 0], y)
+        return keras.ops.fori_loop(0, 5, body, (cache, keras.ops.zeros((B, 5, E), "float16")))
+
+    cache, outs = generate(cache)
+    assert keras.backend.standardize_dtype(cache.dtype) == "float16"
+    np.testing.assert_allclose(np_(outs), np_(layer(x, x, use_causal_mask=True)), rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(np_(outs), dc.damcha_attention(params, cfg, np_(x), causal=True), rtol=2e-2, atol=2e-2)
+    with pytest.raises(dc.DamchaValueError, match=r"`dtype` of a cache must be the layer's compute dtype 'float16'.*"
+                                                   r"Received: dtype='float32'"):
+        layer.init_cache(B, 5, dtype="float32")
+    with pytest.raises(dc.DamchaTypeError, match=r"`dtype` of a cache must be a float dtype. Received: dtype="):
+        layer.init_cache(B, 5, dtype="int32")

@@ -513,12 +513,25 @@ class DamchaAttention(keras.layers.Layer):
         Args:
             batch_size: B.
             max_length: L, the most tokens the cache will hold.
-            dtype: defaults to the layer's compute dtype.
+            dtype: the layer's compute dtype (the default). Keras casts every
+                floating input of a call, the cache included, to that dtype, so
+                a cache of another float dtype would come back converted (and
+                break a ``while_loop``/``fori_loop`` carry); it is refused.
         """
         for name, value in (("batch_size", batch_size), ("max_length", max_length)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise DamchaValueError(f"`{name}` must be an int >= 1. Received: {name}={describe(value)}")
         self._check_cache_layout()
+        if dtype is not None:
+            wanted = keras.backend.standardize_dtype(dtype)
+            if wanted not in _FLOAT_DTYPES:
+                raise DamchaTypeError(f"`dtype` of a cache must be a float dtype. Received: dtype={describe(dtype)}")
+            if wanted != self.compute_dtype and self.autocast:
+                raise DamchaValueError(
+                    f"`dtype` of a cache must be the layer's compute dtype {self.compute_dtype!r}: Keras casts "
+                    f"floating call inputs to it, so the cache would come back as {self.compute_dtype}. "
+                    f"Received: dtype={wanted!r}"
+                )
         cfg = self.config
         shape = (int(batch_size), 2, int(max_length), cfg.num_kv_heads, cfg.key_dim)
         return ops.zeros(shape, dtype=dtype or self.compute_dtype)
