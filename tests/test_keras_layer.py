@@ -297,6 +297,14 @@ BAD_CALL = {
     "rank-2-query": (dict(query=np.zeros((5, 8), "float32")), dc.DamchaValueError, "query"),
     "batch-mismatch": (dict(value=np.zeros((3, 5, 8), "float32")), dc.DamchaValueError, "batch"),
     "causal-not-bool": (dict(use_causal_mask="yes"), dc.DamchaTypeError, "use_causal_mask"),
+    # The layer's argument names, not damcha_core's (`context`), and the received shape.
+    "value-features-changed": (dict(value=np.zeros((2, 5, 6), "float32")), dc.DamchaValueError,
+                               r"`value` must have 8 features.*Received: value\.shape=\(2, 5, 6\)"),
+    "value-batch": (dict(value=np.zeros((3, 5, 8), "float32")), dc.DamchaValueError,
+                    r"`query` and `value` must have the same batch size.*value\.shape=\(3, 5, 8\)"),
+    # A built layer used to pass this key to the projection (a backend reshape error).
+    "key-features-changed": (dict(key=np.zeros((2, 5, 6), "float32")), dc.DamchaValueError,
+                             r"`key` must have 8 features.*Received: key\.shape=\(2, 5, 6\)"),
 }
 
 
@@ -308,6 +316,14 @@ def test_bad_call_arguments(case):
     args = {"query": X, "value": X, **overrides}
     with pytest.raises(error, match=name):
         layer(args.pop("query"), args.pop("value"), **args)
+
+
+@pytest.mark.parametrize("block", [TransformerEncoder, TransformerDecoder])
+@pytest.mark.parametrize("num_heads, error", [(0, dc.DamchaValueError), (True, dc.DamchaValueError)])
+def test_block_rejects_bad_num_heads_at_construction(block, num_heads, error):
+    """Was accepted, then a ZeroDivisionError (0) in build."""
+    with pytest.raises(error, match=rf"`num_heads` must be an int >= 1. Received: num_heads={num_heads}"):
+        block(16, num_heads)
 
 
 def test_incompatible_shared_generator_is_rejected():

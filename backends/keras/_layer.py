@@ -324,6 +324,27 @@ class DamchaAttention(keras.layers.Layer):
             if m is not None and _dtype_name(m) != "bool":
                 raise dc.mask_dtype_error(m, name)
         qs, vs = _static_shape(query), _static_shape(value)
+        cfg = self.config
+        # The layer's own argument names (value, key), not damcha_core's (context).
+        for name, x, features in (("query", query, cfg.query_dim), ("value", value, cfg.context_dim),
+                                  ("key", key, cfg.context_dim)):
+            if x is None:
+                continue
+            shape = _static_shape(x)
+            if len(shape) != 3:
+                raise DamchaValueError(
+                    f"`{name}` must have rank 3, (batch, length, features). Received: {name}.shape={tuple(x.shape)}"
+                )
+            if shape[-1] != features:
+                raise DamchaValueError(
+                    f"`{name}` must have {features} features, the size the layer was built with. "
+                    f"Received: {name}.shape={tuple(x.shape)}"
+                )
+        if qs[0] is not None and vs[0] is not None and qs[0] != vs[0]:
+            raise DamchaValueError(
+                "`query` and `value` must have the same batch size. "
+                f"Received: query.shape={tuple(query.shape)}, value.shape={tuple(value.shape)}"
+            )
         if key is not None:
             ks = _static_shape(key)
             if len(ks) != 3 or len(vs) != 3 or any(
