@@ -42,6 +42,9 @@ class _Block(keras.layers.Layer):
             raise DamchaValueError(
                 f"`intermediate_dim` must be an int >= 1. Received: intermediate_dim={describe(intermediate_dim)}"
             )
+        if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+            # Checked here: build would otherwise divide by it (ZeroDivisionError).
+            raise DamchaValueError(f"`num_heads` must be an int >= 1. Received: num_heads={describe(num_heads)}")
         if metric_generator is not None and not isinstance(metric_generator, MetricGenerator):
             raise DamchaTypeError(
                 f"`metric_generator` must be a MetricGenerator or None. Received: metric_generator={describe(metric_generator)}"
