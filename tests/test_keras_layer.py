@@ -564,3 +564,12 @@ def test_mixed_precision_cache_in_a_compiled_generation_loop():
         layer.init_cache(B, 5, dtype="float32")
     with pytest.raises(dc.DamchaTypeError, match=r"`dtype` of a cache must be a float dtype. Received: dtype="):
         layer.init_cache(B, 5, dtype="int32")
+
+
+def test_cache_refuses_keras_mask_filled_value_mask_with_a_hint():
+    """Tokens from Embedding(mask_zero=True) carry a Keras mask that Keras passes as
+    value_mask; the refusal says where it came from."""
+    layer, _, _ = _cache_layer("heads-tied")
+    tokens = keras.layers.Embedding(10, E, mask_zero=True, dtype="float64")(np.array([[1], [2]]))
+    with pytest.raises(dc.DamchaValueError, match=r"`value_mask` is not supported with a cache.*Embedding\(mask_zero=True\)"):
+        layer(tokens, tokens, use_causal_mask=True, cache=layer.init_cache(B, 4), cache_update_index=0)

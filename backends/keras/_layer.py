@@ -593,7 +593,8 @@ class DamchaAttention(keras.layers.Layer):
             if masks[name] is not None:
                 raise DamchaValueError(
                     f"`{name}` is not supported with a cache: it would cover only the new tokens. Pass an "
-                    f"`attention_mask` (B, N, L) over the whole cache instead. Received: {name}.shape="
+                    f"`attention_mask` (B, N, L) over the whole cache instead (Keras also fills `{name}` from "
+                    f"the tensor's own mask, e.g. Embedding(mask_zero=True)). Received: {name}.shape="
                     f"{tuple(masks[name].shape)}"
                 )
         if index is None:
