@@ -386,6 +386,11 @@ def _stack_export(kind: str, params, config, path, *, opset, mask, dynamic, dtyp
     kv_cache = check_kv_cache(kv_cache, causal=encoder.causal)
     B = _dims(dynamic, "batch_size", "batch", batch_size)
     N = _dims(dynamic, "query_len", "query_len", query_len)
+    if kind == "token_model" and isinstance(N, int) and N > config.max_len:
+        raise DamchaValueError(
+            f"`query_len` must be <= max_len={config.max_len}: the token model's positions come from its "
+            f"position table, so a longer fixed length could never run. Received: query_len={N}"
+        )
     # With a cache the mask covers the P cached keys too; P changes every step.
     M = TOTAL_LEN if kv_cache else N
     p = validate_stack_params(params, config)
@@ -423,8 +428,13 @@ def _stack_export(kind: str, params, config, path, *, opset, mask, dynamic, dtyp
             # clamped 1-row (or empty) table would broadcast in the Add below.
             start = g.op("Squeeze", [g.dim(f"{PAST_KEY}.0", 2, "past_len")], "pos_start")
             positions = g.op("Add", [positions, start], "positions_cached")
-        # P + N > max_len fails in the runtime (the Gather, or with P = 0 the
-        # Add after a clamped slice), never clamps.
+        # P + N > max_len fails in the runtime (the Gather), never clamps.
+        # The indices are (1, N), not the Range itself: onnxruntime rewrites
+        # Gather(table, Range) into a Slice (extended optimisation level),
+        # which clamps silently; with max_len = 1 the clamped 1-row table
+        # broadcast over every token in the Add below, and the Reshape guard
+        # one would add after it is folded away by the same symbolic shapes.
+        positions = g.op("Unsqueeze", [positions, g.ints([0])], "positions_row")
         pos = g.op("Gather", [g.weight("position.table", p["position.table"]), positions], "pos_embedded", axis=0)
         x = g.op("Add", [emb, pos], "x")
         enc = {k[len("encoder."):]: v for k, v in p.items() if k.startswith("encoder.")}

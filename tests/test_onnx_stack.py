@@ -170,3 +170,23 @@ def test_cli_exports_and_validates(tmp_path, capsys):
     assert rc == 2 and "differs from the config stored" in capsys.readouterr().err
     rc = main(["--params", str(tmp_path / "p.safetensors"), "--out", str(out), "--opset", "12"])
     assert rc == 2 and "`opset` must be in" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("opset", [17, 23], ids=lambda o: f"opset{o}")
+def test_one_row_position_table_never_broadcasts(opset):
+    # onnxruntime (extended optimisation) rewrites Gather(table, Range) into a
+    # clamping Slice: with max_len = 1 the clamped 1-row table used to
+    # broadcast over every token and the model ran silently on 3 tokens.
+    config = do.TokenModelConfig(_encoder("heads", True), vocab_size=5, max_len=1, num_classes=2)
+    params = do.init_token_model_params(config, 9)
+    model = do.export_token_model(params, config, None, opset=opset)
+    tokens = np.array([[1, 2, 3]])
+    for optimize in (True, False):
+        session = do.ort_session(model, optimize=optimize)
+        one = do.run_ort(model, {"tokens": tokens[:, :1]}, session=session)  # within the table: runs
+        _, ratio = tolerance("float32").output_ratio(one, do.token_model_forward(params, config, tokens[:, :1]))
+        assert ratio <= 1
+        with pytest.raises(Exception, match="ONNXRuntimeError"):
+            session.run(None, {"tokens": tokens})
+    with pytest.raises(dc.DamchaValueError, match=r"`query_len` must be <= max_len=1.*Received: query_len=2"):
+        do.export_token_model(params, config, None, opset=opset, dynamic=False, batch_size=1, query_len=2)
