@@ -299,6 +299,12 @@ def token_model_forward(params: Mapping[str, Any], config: TokenModelConfig, tok
         raise DamchaValueError(f"`tokens` must be integer ids of shape (B, N). Received: tokens={describe(tokens)}")
     if tokens.shape[1] > config.max_len:
         raise DamchaValueError(f"`tokens` is longer than max_len={config.max_len}. Received: tokens.shape={tokens.shape}")
+    if tokens.size and not (0 <= tokens.min() and tokens.max() < config.vocab_size):
+        # NumPy indexing would read -1 as the last row: a silent wrap, as Gather's.
+        raise DamchaValueError(
+            f"`tokens` must be ids in [0, {config.vocab_size}) (the vocabulary). "
+            f"Received: tokens in [{tokens.min()}, {tokens.max()}]"
+        )
     x = p["embedding.table"][tokens] + p["position.table"][: tokens.shape[1]]
     enc = {k[len("encoder."):]: v for k, v in p.items() if k.startswith("encoder.")}
     h = encoder_forward(enc, config.encoder, x, mask=mask)

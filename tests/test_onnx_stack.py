@@ -190,3 +190,14 @@ def test_one_row_position_table_never_broadcasts(opset):
             session.run(None, {"tokens": tokens})
     with pytest.raises(dc.DamchaValueError, match=r"`query_len` must be <= max_len=1.*Received: query_len=2"):
         do.export_token_model(params, config, None, opset=opset, dynamic=False, batch_size=1, query_len=2)
+
+
+@pytest.mark.parametrize("bad", [-1, 5], ids=["negative", "past-vocab"])
+def test_token_model_reference_rejects_ids_outside_the_vocabulary(bad):
+    # The NumPy reference checks what run_ort checks: -1 used to read the last
+    # embedding row silently, 5 raised a raw IndexError.
+    config = do.TokenModelConfig(_encoder("none", False, layers=1), vocab_size=5, max_len=4, num_classes=2)
+    params = do.init_token_model_params(config, 1)
+    tokens = np.array([[0, bad, 2]])
+    with pytest.raises(dc.DamchaValueError, match=rf"`tokens` must be ids in \[0, 5\).*Received: tokens in \[{min(bad, 0)}, {max(bad, 2)}\]"):
+        do.token_model_forward(params, config, tokens)
