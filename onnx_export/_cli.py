@@ -42,16 +42,28 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _load_config(text: str) -> dc.DamchaConfig:
+    source = text
     if os.path.exists(text):
         with open(text, encoding="utf-8") as f:
             text = f.read()
-    return dc.DamchaConfig.from_dict(json.loads(text))
+    try:
+        return dc.DamchaConfig.from_dict(json.loads(text))
+    except (json.JSONDecodeError, TypeError) as exc:  # not JSON, or a dict lacking required fields
+        raise dc.DamchaValueError(
+            f"`--config` must be a DamchaConfig as JSON (a file or inline), e.g. the `config` of "
+            f"damcha_core.save_params. Received: --config={source[:200]!r} ({exc})"
+        ) from exc
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         params, stored = dc.load_params(args.params)
+    except Exception as exc:  # noqa: BLE001 - a missing, corrupt or foreign file is a bad argument (exit 2), not a mismatch
+        print(f"damcha export: error: --params {args.params!r} is not a readable damcha_core.save_params file: "
+              f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    try:
         config = stored if args.config is None else _load_config(args.config)
         if config != stored:
             raise dc.DamchaValueError(
@@ -60,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         model = export(params, config, args.out, opset=args.opset, causal=args.causal, cross=args.cross,
                        mask=args.mask, dtype=args.dtype, kv_cache=args.kv_cache)
-    except (dc.DamchaError, json.JSONDecodeError, OSError) as exc:
+    except (dc.DamchaError, OSError) as exc:
         print(f"damcha export: error: {exc}", file=sys.stderr)
         return 2
     rng = np.random.default_rng(args.seed)

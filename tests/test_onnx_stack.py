@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import onnx
 import pytest
@@ -201,3 +203,31 @@ def test_token_model_reference_rejects_ids_outside_the_vocabulary(bad):
     tokens = np.array([[0, bad, 2]])
     with pytest.raises(dc.DamchaValueError, match=rf"`tokens` must be ids in \[0, 5\).*Received: tokens in \[{min(bad, 0)}, {max(bad, 2)}\]"):
         do.token_model_forward(params, config, tokens)
+
+
+@pytest.mark.parametrize(
+    "which, pattern",
+    [
+        ("params-not-safetensors", r"--params '.*bad.safetensors' is not a readable damcha_core.save_params file"),
+        ("config-lacks-fields", r"`--config` must be a DamchaConfig as JSON.*Received: --config='\{\"query_dim\": 8\}'"),
+        ("config-not-json", r"`--config` must be a DamchaConfig as JSON.*Received: --config='.*bad.safetensors'"),
+    ],
+    ids=["params-not-safetensors", "config-lacks-fields", "config-not-json"],
+)
+def test_cli_bad_files_exit_2_not_1(tmp_path, capsys, which, pattern):
+    # Exit 1 means "the export does not match the reference"; a file that cannot
+    # be read is a bad argument (2). These used to end in a traceback (exit 1).
+    from damcha_onnx._cli import main
+
+    config = dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4)
+    good, bad = tmp_path / "p.safetensors", tmp_path / "bad.safetensors"
+    dc.save_params(good, dc.init_params(config), config)
+    bad.write_text("not a safetensors file")
+    args = {
+        "params-not-safetensors": ["--params", str(bad)],
+        "config-lacks-fields": ["--params", str(good), "--config", '{"query_dim": 8}'],
+        "config-not-json": ["--params", str(good), "--config", str(bad)],
+    }[which]
+    rc = main([*args, "--out", str(tmp_path / "m.onnx")])
+    assert rc == 2 and not (tmp_path / "m.onnx").exists()
+    assert re.search(pattern, capsys.readouterr().err)
