@@ -224,6 +224,8 @@ def validate_model(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def save_model(model: onnx.ModelProto, path: str | os.PathLike) -> None:
+    if not isinstance(path, (str, os.PathLike)):
+        raise DamchaTypeError(f"`path` must be a file path or None. Received: path={describe(path)}")
     path = os.fspath(path)
     if not isinstance(path, str) or not path:
         raise DamchaValueError(f"`path` must be a non-empty file path. Received: path={path!r}")

@@ -11,7 +11,7 @@ import onnx
 
 from damcha_core import DamchaValueError
 
-from ._runtime import run_ort
+from ._runtime import as_model, run_ort
 
 
 def quantize_int8(model: onnx.ModelProto | str | os.PathLike, path: str | os.PathLike | None = None) -> onnx.ModelProto:
@@ -24,12 +24,10 @@ def quantize_int8(model: onnx.ModelProto | str | os.PathLike, path: str | os.Pat
     """
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    if isinstance(model, onnx.ModelProto):
-        m = model
-    else:
-        m = onnx.load(os.fspath(model))
-    if any(i.type.tensor_type.elem_type == onnx.TensorProto.DOUBLE for i in m.graph.input):
-        raise DamchaValueError("`model` must be a float32 export to quantise; received a float64 model")
+    m = as_model(model)
+    doubles = [i.name for i in m.graph.input if i.type.tensor_type.elem_type == onnx.TensorProto.DOUBLE]
+    if doubles:
+        raise DamchaValueError(f"`model` must be a float32 export to quantise. Received: a float64 model (inputs {doubles})")
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, "model.onnx")
         dst = os.fspath(path) if path is not None else os.path.join(tmp, "model.int8.onnx")
@@ -43,8 +41,12 @@ def quantization_error(
 ) -> dict[str, float]:
     """Accuracy loss of the int8 model: max and relative RMS error against the
     float32 model's output (and against ``reference`` when given)."""
-    y32 = np.asarray(run_ort(float_model, inputs), dtype=np.float64)
-    y8 = np.asarray(run_ort(int8_model, inputs), dtype=np.float64)
+    y32 = np.asarray(run_ort(as_model(float_model, "float_model"), inputs), dtype=np.float64)
+    y8 = np.asarray(run_ort(as_model(int8_model, "int8_model"), inputs), dtype=np.float64)
+    if reference is not None and np.shape(reference) != y32.shape:
+        raise DamchaValueError(
+            f"`reference` must have the model's output shape {y32.shape}. Received: reference.shape={np.shape(reference)}"
+        )
     scale = float(np.sqrt(np.mean(y32 ** 2))) or 1.0
     out = {
         "max_abs_vs_float32": float(np.max(np.abs(y8 - y32))),

@@ -20,6 +20,18 @@ def _model_bytes(model: onnx.ModelProto | str | os.PathLike) -> bytes | str:
     return os.fspath(model)
 
 
+def as_model(model: Any, name: str = "model") -> onnx.ModelProto:
+    """``model`` as a ModelProto: a ModelProto itself, or the path of an ``.onnx`` file."""
+    if isinstance(model, onnx.ModelProto):
+        return model
+    if isinstance(model, (str, os.PathLike)):
+        path = os.fspath(model)
+        if not os.path.isfile(path):
+            raise DamchaValueError(f"`{name}` must be an onnx.ModelProto or the path of an .onnx file. Received: {name}={path!r} (no such file)")
+        return onnx.load(path)
+    raise DamchaTypeError(f"`{name}` must be an onnx.ModelProto or the path of an .onnx file. Received: {name}={describe(model)}")
+
+
 def ort_session(
     model: onnx.ModelProto | str | os.PathLike, *, threads: int | None = None, optimize: bool = True, spinning: bool = True
 ):
@@ -34,6 +46,8 @@ def ort_session(
     options = ort.SessionOptions()
     options.log_severity_level = 3  # errors surface as exceptions; no stderr noise
     if threads is not None:
+        if isinstance(threads, bool) or not isinstance(threads, numbers.Integral) or threads < 1:
+            raise DamchaValueError(f"`threads` must be an int >= 1 or None. Received: threads={describe(threads)}")
         options.intra_op_num_threads = int(threads)
         options.inter_op_num_threads = 1
     if not spinning:
@@ -45,6 +59,8 @@ def ort_session(
 
 def feeds_for(model: onnx.ModelProto, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
     """Cast ``inputs`` to the model's declared input dtypes; names must match exactly."""
+    if not isinstance(inputs, Mapping):
+        raise DamchaTypeError(f"`inputs` must be a mapping of input name -> array. Received: inputs={describe(inputs)}")
     declared = {i.name: i.type.tensor_type.elem_type for i in model.graph.input}
     unknown = sorted(set(inputs) - set(declared))
     missing = sorted(set(declared) - set(inputs))
@@ -178,25 +194,27 @@ def _first_or_all(model: onnx.ModelProto, outputs: list, all_outputs: bool) -> n
 
 
 def run_ort(
-    model: onnx.ModelProto, inputs: Mapping[str, Any], *, session=None, all_outputs: bool = False
+    model: onnx.ModelProto | str | os.PathLike, inputs: Mapping[str, Any], *, session=None, all_outputs: bool = False
 ) -> np.ndarray | dict[str, np.ndarray]:
-    """First output of ``model`` in onnxruntime's CPU provider.
+    """First output of ``model`` (a ModelProto or an ``.onnx`` path) in onnxruntime's CPU provider.
 
     ``all_outputs=True`` returns every output by name instead (a decode step's
     ``present_key``/``present_value`` next to ``output``).
     """
+    model = as_model(model)
     session = session or ort_session(model)
     return _first_or_all(model, session.run(None, feeds_for(model, inputs)), all_outputs)
 
 
 def run_reference(
-    model: onnx.ModelProto, inputs: Mapping[str, Any], *, evaluator=None, all_outputs: bool = False
+    model: onnx.ModelProto | str | os.PathLike, inputs: Mapping[str, Any], *, evaluator=None, all_outputs: bool = False
 ) -> np.ndarray | dict[str, np.ndarray]:
     """First output of ``model`` in ``onnx.reference.ReferenceEvaluator`` (pure Python).
 
     ``evaluator`` reuses a ``ReferenceEvaluator(model)`` across calls;
     ``all_outputs`` as for ``run_ort``.
     """
+    model = as_model(model)
     if evaluator is None:
         from onnx.reference import ReferenceEvaluator
 
@@ -204,11 +222,11 @@ def run_reference(
     return _first_or_all(model, evaluator.run(None, feeds_for(model, inputs)), all_outputs)
 
 
-def empty_kv_cache(model: onnx.ModelProto, batch_size: int) -> dict[str, np.ndarray]:
+def empty_kv_cache(model: onnx.ModelProto | str | os.PathLike, batch_size: int) -> dict[str, np.ndarray]:
     """Zero-length ``past_*`` inputs (P = 0) of a ``kv_cache=True`` export: the first decode step's cache.
 
     Args:
-        model: a layer, encoder or token model exported with ``kv_cache=True``.
+        model: a layer, encoder or token model exported with ``kv_cache=True`` (or its ``.onnx`` path).
         batch_size: B.
 
     Returns:
@@ -216,6 +234,7 @@ def empty_kv_cache(model: onnx.ModelProto, batch_size: int) -> dict[str, np.ndar
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
         raise DamchaValueError(f"`batch_size` must be an int >= 1. Received: batch_size={describe(batch_size)}")
+    model = as_model(model)
     cache = {}
     for value in model.graph.input:
         if value.name.startswith(("past_key", "past_value")):

@@ -207,6 +207,9 @@ def validate_stack_params(params: Mapping[str, Any], config: EncoderConfig | Tok
 def init_encoder_params(config: EncoderConfig, seed: int = 0) -> dict[str, np.ndarray]:
     """Float64 stack params: each layer from ``damcha_core.init_params`` (gates 0),
     LayerNorm scale 1 / bias 0, Glorot-uniform FFN kernels, zero FFN biases."""
+    if not isinstance(config, EncoderConfig):
+        raise DamchaTypeError(f"`config` must be an EncoderConfig. Received: config={describe(config)}")
+    seed = _check_int("seed", seed, minimum=0)
     rng = np.random.default_rng([seed, 7])
     params: dict[str, np.ndarray] = {}
     shared = config._shared_names()
@@ -234,6 +237,11 @@ def init_encoder_params(config: EncoderConfig, seed: int = 0) -> dict[str, np.nd
 
 
 def init_token_model_params(config: TokenModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
+    """Float64 token-model params: N(0, 1) embeddings, N(0, 0.1) positions, the
+    encoder from ``init_encoder_params``, a Glorot-uniform head with zero bias."""
+    if not isinstance(config, TokenModelConfig):
+        raise DamchaTypeError(f"`config` must be a TokenModelConfig. Received: config={describe(config)}")
+    seed = _check_int("seed", seed, minimum=0)
     rng = np.random.default_rng([seed, 8])
     E, C = config.encoder.width, config.num_classes
     params = {

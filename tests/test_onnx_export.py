@@ -241,3 +241,50 @@ def test_wrong_input_dtypes_are_rejected_by_feeds_helper():
         do.run_ort(model, {"query": np.zeros((1, 2, 8), dtype=np.int64), "mask": np.ones((1, 1, 2, 2), bool)})
     with pytest.raises(dc.DamchaValueError, match=r"missing=\['mask'\]"):
         do.run_ort(model, {"query": x})
+
+
+def test_helpers_take_a_saved_model_path(tmp_path):
+    # ort_session and quantize_int8 took a path, but run_ort/run_reference/
+    # empty_kv_cache crashed on it with AttributeError ('str' has no 'graph').
+    config = dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4, coupling="query", num_kv_heads=1)
+    params = case_params(config, 4)
+    path = tmp_path / "step.onnx"
+    model = do.export(params, config, path, causal=True, kv_cache=True, dtype="float64")
+    x = np.random.default_rng(4).normal(size=(2, 3, 8))
+    expected = dc.damcha_attention(params, config, x, causal=True)
+    for where in (path, str(path)):
+        cache = do.empty_kv_cache(where, 2)
+        assert cache.keys() == do.empty_kv_cache(model, 2).keys()
+        for run in (do.run_ort, do.run_reference):
+            out = run(where, {"query": x, **cache})
+            _, ratio = tolerance("float64").output_ratio(out, expected)
+            assert ratio <= 1, (run.__name__, ratio)
+
+
+@pytest.mark.parametrize(
+    "call, error, pattern",
+    [
+        (lambda m: do.run_ort(42, {}), dc.DamchaTypeError, r"`model` must be an onnx.ModelProto or the path.*Received: model=42"),
+        (lambda m: do.run_reference("/nonexistent/m.onnx", {}), dc.DamchaValueError,
+         r"`model` must be .*Received: model='/nonexistent/m.onnx' \(no such file\)"),
+        (lambda m: do.run_ort(m, [np.zeros((1, 2, 8))]), dc.DamchaTypeError, r"`inputs` must be a mapping.*Received: inputs="),
+        (lambda m: do.ort_session(m, threads="2"), dc.DamchaValueError, r"`threads` must be an int >= 1 or None. Received: threads='2'"),
+        (lambda m: do.quantize_int8(42), dc.DamchaTypeError, r"`model` must be an onnx.ModelProto.*Received: model=42"),
+        (lambda m: do.quantization_error(m, m, {"query": np.zeros((1, 2, 8))}, np.zeros((1, 3, 8))), dc.DamchaValueError,
+         r"`reference` must have the model's output shape \(1, 2, 8\). Received: reference.shape=\(1, 3, 8\)"),
+        (lambda m: do.export(dc.init_params(CFG), CFG, 7), dc.DamchaTypeError, r"`path` must be a file path or None. Received: path=7"),
+        (lambda m: do.init_encoder_params(CFG), dc.DamchaTypeError, r"`config` must be an EncoderConfig. Received: config=DamchaConfig"),
+        (lambda m: do.init_token_model_params(do.EncoderConfig(CFG, 1, 4)), dc.DamchaTypeError,
+         r"`config` must be a TokenModelConfig. Received: config=EncoderConfig"),
+        (lambda m: do.init_encoder_params(do.EncoderConfig(CFG, 1, 4), seed="0"), dc.DamchaValueError,
+         r"`seed` must be an int >= 0. Received: seed='0'"),
+    ],
+    ids=["run-ort-model-type", "run-reference-missing-file", "inputs-not-mapping", "threads", "quantize-model-type",
+         "quantization-error-reference-shape", "export-path-type", "init-encoder-config", "init-token-model-config",
+         "init-seed"],
+)
+def test_helper_errors_name_the_argument(call, error, pattern):
+    # Each of these raised a raw TypeError/AttributeError/ValueError (or, for
+    # threads='2', was silently int()-ed) instead of naming the argument.
+    with pytest.raises(error, match=pattern):
+        call(do.export(dc.init_params(CFG), CFG, None))
