@@ -335,7 +335,7 @@ class DamchaAttention(keras.layers.Layer):
                 raise DamchaValueError(
                     f"`{name}` must have rank 3, (batch, length, features). Received: {name}.shape={tuple(x.shape)}"
                 )
-            if shape[-1] != features:
+            if shape[-1] is not None and shape[-1] != features:  # None: traced (e.g. torch ONNX export)
                 raise DamchaValueError(
                     f"`{name}` must have {features} features, the size the layer was built with. "
                     f"Received: {name}.shape={tuple(x.shape)}"
@@ -360,8 +360,8 @@ class DamchaAttention(keras.layers.Layer):
         fill = lambda shape, dims: tuple(dims[i] if s is None else s for i, s in enumerate(shape))  # noqa: E731
         N = qs[1] if len(qs) > 1 and qs[1] is not None else 1
         M = vs[1] if len(vs) > 1 and vs[1] is not None else 1
-        qs = fill(qs, (B, N, None)) if len(qs) == 3 else qs
-        vs = fill(vs, (B, M, None)) if len(vs) == 3 else vs
+        qs = fill(qs, (B, N, cfg.query_dim)) if len(qs) == 3 else qs
+        vs = fill(vs, (B, M, cfg.context_dim)) if len(vs) == 3 else vs
         dc.check_shapes(self.config, qs, vs)
         if kv_len is not None:
             M = kv_len  # with a cache, masks span its L slots
