@@ -232,19 +232,20 @@ def fold_params(
     return out
 
 
-def _gen_weight(g: GraphBuilder, f: Mapping[str, np.ndarray], key: str, shared: str | None) -> str:
-    # A shared generator is stored once and read by every layer of the stack.
-    if shared is None:
-        return g.weight(key, f[key])
-    return g.shared_weight(f"{shared}{key}", f[key])
+def _gen_weight(g: GraphBuilder, f: Mapping[str, np.ndarray], key: str, shared: str | None, prefix: str) -> str:
+    # A shared generator is stored once and read by every layer of the stack;
+    # a layer's own generator is stored once per layer (tied cross-attention
+    # runs it on the query and on the context).
+    return g.shared_weight(f"{prefix if shared is None else shared}{key}", f[key])
 
 
 def _generator(
-    g: GraphBuilder, f: Mapping[str, np.ndarray], config: DamchaConfig, side: str, phi: str, hint: str, shared: str | None
+    g: GraphBuilder, f: Mapping[str, np.ndarray], config: DamchaConfig, side: str, phi: str, hint: str, shared: str | None,
+    prefix: str,
 ) -> str:
     """l(t) flattened (B, T, S*S) for "heads"; u(t) (B, T, r) for "lowrank"."""
-    mm = g.op("MatMul", [phi, _gen_weight(g, f, f"{side}.gen.kernel", shared)], f"{hint}_mm")
-    bias = _gen_weight(g, f, f"{side}.gen.bias", shared)
+    mm = g.op("MatMul", [phi, _gen_weight(g, f, f"{side}.gen.kernel", shared, prefix)], f"{hint}_mm")
+    bias = _gen_weight(g, f, f"{side}.gen.bias", shared, prefix)
     if shared is not None and config.metric == "heads":
         # The layer's own gate on the shared A(t): l(t) = I + diag(g) A(t)
         # = (phi W_A) * g_rows + (I + b_A * g_rows). The offset depends on
@@ -267,6 +268,7 @@ def _apply_map(
     S: int,
     hint: str,
     shared: str | None,
+    prefix: str,
 ) -> str:
     """L(t) y on stacked heads y (B, T, S*d) -> (B, T, S*d)."""
     d = config.key_dim
@@ -277,9 +279,9 @@ def _apply_map(
         heads = g.reshape(y, [0, 0, S, d], f"{hint}_heads")
         mixed = g.op("MatMul", [l_t, heads], f"{hint}_mixed")  # (B, T, S, d)
         return g.reshape(mixed, [0, 0, S * d], hint)
-    z = g.op("MatMul", [y, _gen_weight(g, f, f"{side}.v", shared)], f"{hint}_z")  # (B, T, r)
+    z = g.op("MatMul", [y, _gen_weight(g, f, f"{side}.v", shared, prefix)], f"{hint}_z")  # (B, T, r)
     uz = g.op("Mul", [coeff, z], f"{hint}_uz")
-    delta = g.op("MatMul", [uz, _gen_weight(g, f, f"{side}.ut", shared)], f"{hint}_delta")
+    delta = g.op("MatMul", [uz, _gen_weight(g, f, f"{side}.ut", shared, prefix)], f"{hint}_delta")
     if shared is not None:
         delta = g.op("Mul", [delta, g.weight(f"{hint}.gate_rows", f[f"{side}.gate_rows"])], f"{hint}_gated")
     return g.op("Add", [y, delta], hint)
@@ -340,15 +342,15 @@ def attention_layer(
     coeff_x: dict[str, str] = {}
     phi_x = g.rms_normalise(query, config.query_dim, f"{P}phi_x") if (sq or (sk and self_attn)) else None
     if sq:
-        coeff_x[sq] = _generator(g, f, config, sq, phi_x, f"{P}{sq}_coeff_x", shared)
-        q = _apply_map(g, f, config, sq, coeff_x[sq], q, H, f"{P}q_mapped", shared)
+        coeff_x[sq] = _generator(g, f, config, sq, phi_x, f"{P}{sq}_coeff_x", shared, P)
+        q = _apply_map(g, f, config, sq, coeff_x[sq], q, H, f"{P}q_mapped", shared, P)
     if sk:
         if self_attn and sk in coeff_x:
             coeff_c = coeff_x[sk]  # tied self-attention: one generator pass serves q and k
         else:
             phi_c = phi_x if self_attn else g.rms_normalise(c, config.context_dim, f"{P}phi_c")
-            coeff_c = _generator(g, f, config, sk, phi_c, f"{P}{sk}_coeff_c", shared)
-        k = _apply_map(g, f, config, sk, coeff_c, k, config.side_heads(sk), f"{P}k_mapped", shared)
+            coeff_c = _generator(g, f, config, sk, phi_c, f"{P}{sk}_coeff_c", shared, P)
+        k = _apply_map(g, f, config, sk, coeff_c, k, config.side_heads(sk), f"{P}k_mapped", shared, P)
 
     # Key count M (1-element int64) and, with a cache, the causal offset P,
     # both from input shapes: the mask feeds the Attention node, so it cannot

@@ -288,3 +288,22 @@ def test_helper_errors_name_the_argument(call, error, pattern):
     # threads='2', was silently int()-ed) instead of naming the argument.
     with pytest.raises(error, match=pattern):
         call(do.export(dc.init_params(CFG), CFG, None))
+
+
+@pytest.mark.parametrize("metric", ["heads", "lowrank"])
+def test_tied_cross_attention_stores_its_generator_once(metric):
+    # Tied coupling runs one generator on the query and on the context; the
+    # export used to store its weights twice (qk.gen.kernel and qk.gen.kernel_2, ...).
+    config = dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4, metric=metric, metric_rank=2 if metric == "lowrank" else None)
+    params = case_params(config, 6)
+    model = do.export(params, config, None, cross=True, dtype="float64")
+    stored = [onnx.numpy_helper.to_array(t) for t in model.graph.initializer]
+    for key, value in do.fold_params(params, config).items():
+        if key.startswith("qk."):
+            copies = sum(a.shape == value.shape and np.array_equal(a, value) for a in stored)
+            assert copies == 1, (key, copies)
+    rng = np.random.default_rng(6)
+    x, c = rng.normal(size=(2, 3, 8)), rng.normal(size=(2, 5, 8))
+    _, ratio = tolerance("float64").output_ratio(do.run_ort(model, {"query": x, "context": c}),
+                                                 dc.damcha_attention(params, config, x, c))
+    assert ratio <= 1
