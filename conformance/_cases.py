@@ -11,6 +11,7 @@ import numpy as np
 import damcha_core as dc
 
 MASK_KINDS = ("padding", "per_head", "all_masked_row")
+INPUT_KINDS = ("small-and-zero",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +31,10 @@ class Case:
         seed: seeds params, inputs, mask and gradient directions.
         gradients: whether the case checks gradients (off only where central
             differences over every tensor would be slow).
+        inputs: ``None`` (standard normal tokens) or "small-and-zero": every
+            other token scaled by 3e-3 (mean(t^2) ~ 10 x the RMS eps, so phi depends
+            on eps = 1e-6 and on the normalisation itself) and one token of
+            each input exactly 0 (phi(0) = 0, which a port must not turn into NaN).
     """
 
     name: str
@@ -42,11 +47,16 @@ class Case:
     causal: bool = False
     seed: int = 0
     gradients: bool = True
+    inputs: str | None = None
 
     def __post_init__(self) -> None:
         # _make_mask reads any other string as a random per-head mask: reject typos.
         if self.mask is not None and self.mask not in MASK_KINDS:
             raise dc.DamchaValueError(f"`mask` must be None or one of {MASK_KINDS}. Received: mask={self.mask!r}")
+        if self.inputs is not None and self.inputs not in INPUT_KINDS:
+            raise dc.DamchaValueError(
+                f"`inputs` must be None or one of {INPUT_KINDS}. Received: inputs={self.inputs!r}"
+            )
 
     @property
     def self_attention(self) -> bool:
@@ -130,6 +140,16 @@ def _build_catalogue() -> tuple[Case, ...]:
         Case("heads-separate-batch1", "shapes", _cfg(coupling="separate"), 1, 3, 5),
         Case("heads-tied-long-512", "long", _cfg(query_dim=32, num_heads=4, key_dim=8), 1, 512, causal=True, gradients=False),
         Case("lowrank-query-long-cross-600", "long", _cfg(query_dim=32, num_heads=4, key_dim=8, coupling="query", num_kv_heads=2, **lr), 1, 520, 600, mask="padding", gradients=False),
+        # Added later: appended so that every earlier case keeps its seed (and golden values).
+        # Cross-attention whose context has the query's shape: a port that drives
+        # the key-side map with the query tokens (or, separate, with the query
+        # side's generator) computes without error here, and must fail.
+        Case("heads-tied-cross-same-shape", "heads", _cfg(), 2, 5, 5),
+        Case("heads-separate-cross-same-shape-small-tokens", "heads", _cfg(coupling="separate"), 2, 5, 5,
+             inputs="small-and-zero"),
+        # Rank 1, and tokens whose phi depends on eps and on the normalisation itself.
+        Case("lowrank-tied-rank1-small-tokens", "lowrank", _cfg(metric="lowrank", metric_rank=1), 2, 6,
+             inputs="small-and-zero"),
     ]
     cases = [dataclasses.replace(c, seed=1000 + i) for i, c in enumerate(cases)]
     names = [c.name for c in cases]
@@ -190,6 +210,13 @@ def _make_mask(case: Case, rng: np.random.Generator, M: int) -> np.ndarray | Non
     return mask
 
 
+def _small_and_zero(tokens: np.ndarray) -> np.ndarray:
+    out = tokens.copy()
+    out[:, 1::2] *= 3e-3  # mean(t^2) ~ 1e-5: the RMS eps (1e-6) moves phi by ~5%
+    out[0, 0] = 0.0  # phi(0) = 0
+    return out
+
+
 @functools.lru_cache(maxsize=None)
 def materialise(case: Case) -> CaseData:
     """Params, inputs, mask and the reference output of ``case`` (cached)."""
@@ -200,6 +227,8 @@ def materialise(case: Case) -> CaseData:
     context = None if case.self_attention else rng.normal(size=(case.batch, case.context_len, cfg.context_dim))
     M = case.query_len if case.self_attention else case.context_len
     mask = _make_mask(case, rng, M)
+    if case.inputs == "small-and-zero":
+        query, context = _small_and_zero(query), None if context is None else _small_and_zero(context)
     expected = dc.damcha_attention(params, cfg, query, context, mask=mask, causal=case.causal)
     cotangent = rng.normal(size=expected.shape) / np.sqrt(expected.size)
     return CaseData(case, params, query, context, mask, expected, cotangent)
@@ -311,7 +340,11 @@ def gradient_targets(data: CaseData) -> list[str]:
 def reference_directional(case: Case, eps: float = 1e-5) -> dict[str, tuple[np.ndarray, float]]:
     """For each target tensor: a seeded unit direction V and the central difference
     (loss(T + eps V) - loss(T - eps V)) / (2 eps) of the float64 reference, where
-    loss = sum(output * cotangent)."""
+    loss = sum(output * cotangent).
+
+    Cases with ``inputs="small-and-zero"`` use the fourth-order stencil
+    (8 (l(e) - l(-e)) - (l(2e) - l(-2e))) / (12 e): phi curves sharply at tokens
+    whose RMS is near sqrt(eps), and the second-order one is off by ~1e-6 there."""
     data = materialise(case)
     rng = np.random.default_rng([case.seed, 3])
     out = {}
@@ -328,5 +361,8 @@ def reference_directional(case: Case, eps: float = 1e-5) -> dict[str, tuple[np.n
                 y = data.reference(params={**data.params, target: moved})
             return float(np.sum(y * data.cotangent))
 
-        out[target] = (direction, (loss(1.0) - loss(-1.0)) / (2 * eps))
+        if case.inputs is None:
+            out[target] = (direction, (loss(1.0) - loss(-1.0)) / (2 * eps))
+        else:
+            out[target] = (direction, (8 * (loss(1.0) - loss(-1.0)) - (loss(2.0) - loss(-2.0))) / (12 * eps))
     return out

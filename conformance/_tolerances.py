@@ -10,8 +10,16 @@ import numpy as np
 @dataclasses.dataclass(frozen=True)
 class Tolerance:
     """``|x - ref| <= atol + rtol * |ref|`` elementwise for outputs; for a
-    directional derivative along a unit direction, ``|dd - dd_ref| <=
-    grad_atol + grad_rtol * ||grad||`` (the gradient norm bounds |dd|)."""
+    directional derivative along a random unit direction,
+    ``|dd - dd_ref| <= grad_atol + grad_rtol * rms(grad)`` with
+    ``rms(grad) = ||grad|| / sqrt(grad.size)``.
+
+    A random unit direction sees ``1/sqrt(size)`` of any vector: both the
+    port's ``dd`` (about ``rms(grad)``) and its error (about ``rms(grad -
+    grad_ref)``). So the rule asks for a relative gradient error of about
+    ``grad_rtol``, whatever the tensor's size. (Scaling by ``||grad||`` instead
+    would allow ``grad_rtol * sqrt(size)``: a negated bfloat16 gradient of any
+    tensor over ~100 entries passed.)"""
 
     rtol: float
     atol: float
@@ -30,11 +38,13 @@ class Tolerance:
         allowed = self.atol + self.rtol * np.abs(expected)
         return float(err.max(initial=0.0)), float((err / allowed).max(initial=0.0))
 
-    def grad_ratio(self, dd: float, dd_ref: float, grad_norm: float) -> tuple[float, float]:
-        if not (np.isfinite(dd) and np.isfinite(grad_norm)):
+    def grad_ratio(self, dd: float, dd_ref: float, grad_rms: float) -> tuple[float, float]:
+        """(|dd - dd_ref|, that over its allowance); ``grad_rms`` is the port's
+        ``||grad|| / sqrt(grad.size)``. A non-finite dd or gradient is ratio inf."""
+        if not (np.isfinite(dd) and np.isfinite(grad_rms)):
             return float("nan"), float("inf")
         err = abs(dd - dd_ref)
-        return err, err / (self.grad_atol + self.grad_rtol * grad_norm)
+        return err, err / (self.grad_atol + self.grad_rtol * grad_rms)
 
 
 # Outputs are O(1) by construction of the catalogue. float64 is limited by
@@ -42,11 +52,15 @@ class Tolerance:
 # types by their 8 (bfloat16) and 11 (float16) bit mantissas. Gradient
 # tolerances are looser: the float64 reference's central differences carry
 # ~1e-10 error, and low-precision backward passes accumulate more rounding.
+# The 16-bit grad_atol is a floor for gradients that are ~0 in exact arithmetic
+# (key biases: softmax ignores a shift of a query's logits); measured honest
+# ports need < 2e-3 in bfloat16 on CPU, and the median |dd| of the catalogue
+# is ~0.09, so a larger floor would let wrong gradients of many tensors pass.
 TOLERANCES: dict[str, Tolerance] = {
     "float64": Tolerance(rtol=1e-9, atol=1e-10, grad_rtol=1e-6, grad_atol=1e-7),
     "float32": Tolerance(rtol=2e-4, atol=2e-5, grad_rtol=2e-3, grad_atol=2e-4),
     "float16": Tolerance(rtol=1e-2, atol=1e-2, grad_rtol=5e-2, grad_atol=2e-2),
-    "bfloat16": Tolerance(rtol=5e-2, atol=5e-2, grad_rtol=2e-1, grad_atol=1e-1),
+    "bfloat16": Tolerance(rtol=5e-2, atol=5e-2, grad_rtol=2e-1, grad_atol=2e-2),
 }
 
 DTYPES = tuple(TOLERANCES)

@@ -11,7 +11,7 @@ A port in any language with a safetensors reader checks itself with them:
 4. Gradients: with loss = sum(output * ``gradients.cotangent``), the
    directional derivative ``sum(grad_T * gradients.direction.T)`` of each
    listed tensor T must match ``directional_derivatives[T]`` within
-   ``grad_atol + grad_rtol * ||grad_T||``.
+   ``grad_atol + grad_rtol * rms(grad_T)``, rms(g) = ||g|| / sqrt(g.size).
 """
 
 from __future__ import annotations

@@ -151,7 +151,12 @@ def validate_params(
     out: dict[str, np.ndarray] = {}
     for name in config.param_shapes():
         array = np.asarray(params[name]).astype(np.float64)
-        if not np.all(np.isfinite(array)):
-            raise DamchaValueError(f"`{argument}[{name!r}]` contains NaN or inf values.")
+        finite = np.isfinite(array)
+        if not np.all(finite):
+            raise DamchaValueError(
+                f"`{argument}[{name!r}]` contains NaN or inf values; expected finite values. Received: "
+                f"{int(np.sum(np.isnan(array)))} NaN and {int(np.sum(np.isinf(array)))} inf of {array.size} "
+                f"entries, shape={array.shape}"
+            )
         out[name] = array
     return out

@@ -86,3 +86,30 @@ def naive_damcha(params, cfg, x, c=None, mask=None, causal=False, query_offset=0
             out = np.tensordot(o, params["output.kernel"], axes=([0, 1], [0, 1]))
             y[b, i] = out + params["output.bias"] if cfg.use_bias else out
     return y
+
+
+def naive_metric_penalty(params, cfg, x, c=None):
+    """mean over adapted roles of mean_t ||L(t) - I||_F^2 / (S d), with L(t) built
+    column by column by applying the naive map to basis vectors."""
+    c = x if c is None else c
+    if cfg.metric == "none":
+        return 0.0
+    sides = {"tied": ("qk", "qk"), "separate": ("q", "k"), "query": ("q", None)}[cfg.coupling]
+    d = cfg.key_dim
+    per_role = []
+    for side, tokens, S in ((sides[0], x, cfg.num_heads), (sides[1], c, cfg.num_kv_heads)):
+        if side is None:
+            continue
+        values = []
+        for b in range(tokens.shape[0]):
+            for t in range(tokens.shape[1]):
+                total = 0.0
+                for a in range(S):
+                    for j in range(d):
+                        e = np.zeros((S, d))
+                        e[a, j] = 1.0
+                        col = _apply(params, cfg.metric, side, tokens[b, t], e) - e
+                        total += float(np.sum(col * col))
+                values.append(total / (S * d))
+        per_role.append(sum(values) / len(values))
+    return sum(per_role) / len(per_role)

@@ -37,6 +37,15 @@ def test_catalogue_spans_the_required_features():
     assert any(n == m for n, m in lens) and any(n < m for n, m in lens) and any(n > m for n, m in lens)
     assert {c.batch for c in cases} >= {1, 2}
     assert any(c.query_len >= 512 for c in cases)
+    assert any(c.config.scale is not None for c in cases)
+    assert any(c.config.metric_rank == 1 for c in cases)
+    assert any(c.config.value_dim != c.config.key_dim and c.config.output_dim != c.config.query_dim for c in cases)
+    # cross-attention whose context could pass for the query (same length and features),
+    # tied and separate: a port feeding the query tokens to the key-side map must fail
+    same = {c.config.coupling for c in cases if not c.self_attention and c.context_len == c.query_len
+            and c.config.context_dim == c.config.query_dim and c.config.metric != "none"}
+    assert same >= {"tied", "separate"}
+    assert {c.config.metric for c in cases if c.inputs == "small-and-zero"} >= {"heads", "lowrank"}
     data = dcf.materialise(next(c for c in cases if c.mask == "all_masked_row"))
     assert np.any(~np.any(data.mask, axis=-1)), "the all-masked-row case must hide every key from some query"
 
@@ -272,3 +281,85 @@ def test_cli_export_vectors(tmp_path):
 def test_case_rejects_unknown_mask_kind():
     with pytest.raises(dc.DamchaValueError, match=r"`mask` must be None or one of .*Received: mask='pading'"):
         dcf.Case("typo", "masks", dc.DamchaConfig(query_dim=4, num_heads=2, key_dim=2), 1, 3, mask="pading")
+    with pytest.raises(dc.DamchaValueError, match=r"`inputs` must be None or one of .*Received: inputs='small'"):
+        dcf.Case("typo", "masks", dc.DamchaConfig(query_dim=4, num_heads=2, key_dim=2), 1, 3, inputs="small")
+
+
+def test_small_and_zero_inputs_hold_a_zero_token_and_tokens_near_the_rms_eps():
+    case = dcf.catalogue(["heads-separate-cross-same-shape-small-tokens"])[0]
+    data = dcf.materialise(case)
+    for tokens in (data.query, data.context):
+        assert np.all(tokens[0, 0] == 0)
+        ms = np.mean(tokens[:, 1::2] ** 2, axis=-1)
+        assert np.all(ms < 1e-4) and np.all(ms > 1e-7)
+    assert np.all(np.isfinite(data.expected))
+
+
+class _WrongMath(dcf.ReferenceAdapter):
+    """The reference with one internal step replaced: a port whose bug only shows
+    on some inputs. Each must fail at float32 tolerance on a catalogue case."""
+
+    def __init__(self, bug):
+        self.bug, self.name = bug, f"wrong-{bug}"
+
+    def forward(self, data, dtype):
+        from unittest import mock
+
+        from damcha_core import _reference as ref
+
+        calls = []
+        apply_map = ref.apply_map
+
+        def patched_apply_map(params, config, side, tokens, y):
+            calls.append(tokens)
+            if self.bug == "key-map-from-query-tokens" and len(calls) == 2 and tokens.shape == calls[0].shape:
+                tokens = calls[0]  # the key side's map driven by x instead of c
+            if self.bug == "key-side-uses-query-generator" and side == "k" and (
+                    params["metric.q.kernel"].shape == params["metric.k.kernel"].shape):
+                side = "q"
+            return apply_map(params, config, side, tokens, y)
+
+        patches = {"apply_map": patched_apply_map}
+        if self.bug == "rms-eps-1e-5":
+            patches["RMS_EPS"] = 1e-5
+        if self.bug == "rms-without-eps":  # t * rsqrt(mean(t^2)): NaN at a zero token
+            patches["rms_normalise"] = lambda t: t / np.sqrt(np.mean(t * t, axis=-1, keepdims=True))
+        with mock.patch.multiple(ref, **patches), np.errstate(invalid="ignore", divide="ignore"):
+            return super().forward(data, dtype)
+
+
+@pytest.mark.parametrize(
+    "bug, caught_by",
+    [
+        ("key-map-from-query-tokens", {"heads-tied-cross-same-shape", "heads-separate-cross-same-shape-small-tokens"}),
+        ("key-side-uses-query-generator", {"heads-separate-cross-same-shape-small-tokens"}),
+        ("rms-eps-1e-5", {"heads-separate-cross-same-shape-small-tokens", "lowrank-tied-rank1-small-tokens"}),
+        ("rms-without-eps", {"heads-separate-cross-same-shape-small-tokens", "lowrank-tied-rank1-small-tokens"}),
+    ],
+)
+def test_catalogue_catches_bugs_that_only_some_inputs_reveal(bug, caught_by):
+    report = dcf.run_conformance(_WrongMath(bug), dtypes=["float32"], errors=False)
+    assert caught_by <= {r.case for r in report.failures()}, report.summary()
+
+
+class _NegatedGradients(_FiniteDifferenceGradients):
+    """Honest gradients, negated for every tensor of 64 entries or more."""
+
+    def gradients(self, data, dtype):
+        return {k: -g if g.size >= 64 else g for k, g in super().gradients(data, dtype).items()}
+
+
+MID = dcf.Case("mid", "heads", dc.DamchaConfig(query_dim=16, num_heads=2, key_dim=4), 1, 3, seed=5)
+
+
+def test_gradient_check_scales_with_the_rms_not_the_norm_of_the_gradient():
+    """A random unit direction sees 1/sqrt(size) of a gradient, so an allowance of
+    grad_rtol * ||grad|| let a negated bfloat16 gradient of any tensor over ~100
+    entries pass; the rms keeps every dtype's check meaningful."""
+    for dtype in ("float64", "bfloat16"):
+        honest = dcf.check_case(_FiniteDifferenceGradients(), MID, dtype)
+        assert [r.status for r in honest] == ["pass", "pass"], (dtype, honest)
+    for dtype in ("float32", "float16", "bfloat16"):
+        wrong = dcf.check_case(_NegatedGradients(), MID, dtype)
+        assert wrong[1].status == "fail", (dtype, wrong)
+    assert dcf.tolerance("bfloat16").grad_ratio(0.0, 0.03, 0.0)[1] > 1  # a zero gradient where dd_ref = 0.03

@@ -139,7 +139,7 @@ C = np.zeros((2, 5, 6))
         (lambda: dc.damcha_attention({**P, "extra": np.zeros(1)}, CFG, X, C), dc.DamchaValueError, r"unexpected \['extra'\]"),
         (lambda: dc.damcha_attention({**P, "metric.q.gate": np.zeros(3)}, CFG, X, C), dc.DamchaValueError, r"`params\['metric.q.gate'\]` must have shape \(4,\).*Received: params\['metric.q.gate'\].shape=\(3,\)"),
         (lambda: dc.damcha_attention({**P, "query.bias": np.zeros((4, 2), int)}, CFG, X, C), dc.DamchaTypeError, r"`params\['query.bias'\]` must be a real floating array"),
-        (lambda: dc.damcha_attention({**P, "query.bias": np.full((4, 2), np.nan)}, CFG, X, C), dc.DamchaValueError, r"`params\['query.bias'\]` contains NaN"),
+        (lambda: dc.damcha_attention({**P, "query.bias": np.full((4, 2), np.nan)}, CFG, X, C), dc.DamchaValueError, r"`params\['query.bias'\]` contains NaN or inf values; expected finite values\. Received: 8 NaN and 0 inf of 8 entries, shape=\(4, 2\)"),
         (lambda: dc.init_params(CFG, seed=1.5), dc.DamchaTypeError, r"`seed` must be an int\. Received: seed=1\.5"),
         (lambda: dc.metric_penalty(P, CFG, X), dc.DamchaValueError, r"`context` is required"),
     ],

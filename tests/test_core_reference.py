@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _naive import naive_damcha
+from _naive import naive_damcha, naive_metric_penalty
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -358,3 +358,97 @@ def test_any_float_input_dtype_is_computed_in_float64(dtype):
 def test_structure_grid_is_complete():
     seen = {(m, c) for m, c, *_ in STRUCTURES}
     assert {("heads", c) for c in dc.COUPLINGS} <= seen and {("lowrank", c) for c in dc.COUPLINGS} <= seen
+
+
+# ------------------------------------------- broad random comparison with the naive loops
+
+
+@st.composite
+def _random_case(draw):
+    """Any config (dims, bias, scale, rank 1), any lengths (N != M, M = 1, B = 1),
+    broadcast masks, causal with a query offset, zero and extreme-magnitude tokens."""
+    metric = draw(st.sampled_from(dc.METRICS))
+    coupling = draw(st.sampled_from(dc.COUPLINGS))
+    G = draw(st.integers(1, 3))
+    H = G if (metric != "none" and coupling == "tied") else G * draw(st.integers(1, 3))
+    E_q = draw(st.integers(1, 5))
+    E_kv = E_q if (metric != "none" and coupling == "tied") else draw(st.integers(1, 5))
+    cfg = dc.DamchaConfig(
+        query_dim=E_q, num_heads=H, key_dim=draw(st.integers(1, 3)), value_dim=draw(st.integers(1, 3)),
+        num_kv_heads=G, context_dim=E_kv, output_dim=draw(st.integers(1, 4)), use_bias=draw(st.booleans()),
+        metric=metric, metric_rank=draw(st.integers(1, 3)) if metric == "lowrank" else None, coupling=coupling,
+        scale=draw(st.one_of(st.none(), st.floats(0.1, 3.0))),
+    )
+    B, N = draw(st.integers(1, 2)), draw(st.integers(1, 4))
+    self_attn = E_kv == E_q and draw(st.booleans())
+    M = N if self_attn else draw(st.integers(1, 5))
+    r = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    p = {k: r.normal(size=s) for k, s in cfg.param_shapes().items()}
+    magnitude = draw(st.sampled_from([1.0, 1e-3, 1e-30, 50.0]))
+    x = r.normal(size=(B, N, E_q)) * magnitude
+    c = None if self_attn else r.normal(size=(B, M, E_kv)) * magnitude
+    x[0, 0] = 0.0  # phi(0) = 0
+    if c is not None:
+        c[-1, -1] = 0.0
+    shape = draw(st.sampled_from([None, (N, M), (1, 1, N, M), (B, H, N, M), (B, 1, 1, M), (1, H, N, 1), (1, 1, 1, 1)]))
+    mask = None if shape is None else r.random(shape) < 0.6
+    causal = draw(st.booleans())
+    offset = draw(st.integers(0, 5)) if causal else 0
+    return cfg, p, x, c, mask, causal, offset
+
+
+@settings(max_examples=150, deadline=None)
+@given(_random_case())
+def test_random_configs_match_the_naive_loops_and_the_explicit_path(case):
+    cfg, p, x, c, mask, causal, offset = case
+    kw = dict(mask=mask, causal=causal, query_offset=offset)
+    y, w = dc.damcha_attention(p, cfg, x, c, return_weights=True, **kw)
+    want = naive_damcha(p, cfg, x, c, **kw)
+    tol = dict(rtol=1e-9, atol=1e-9 * max(1.0, float(np.max(np.abs(want)))))
+    np.testing.assert_allclose(y, want, **tol)
+    np.testing.assert_allclose(dc.damcha_attention(p, cfg, x, c, path="explicit", **kw), want, **tol)
+    # rows with no visible key: probabilities 0 and y = output bias (0 without bias)
+    empty = ~np.any(w > 0, axis=-1)  # (B, H, N)
+    assert np.all(np.isfinite(w)) and np.allclose(w.sum(-1)[~empty], 1.0)
+    rows = np.all(empty, axis=1)  # (B, N): every head empty
+    bias = p["output.bias"] if cfg.use_bias else np.zeros(cfg.output_dim)
+    np.testing.assert_allclose(y[rows], np.broadcast_to(bias, y[rows].shape), rtol=0, atol=1e-12)
+    assert dc.metric_penalty(p, cfg, x, c) == pytest.approx(naive_metric_penalty(p, cfg, x, c), rel=1e-9, abs=1e-12)
+
+
+def test_head_permutation_within_a_group_leaves_output_unchanged():
+    """Query heads that share a key/value head may be relabelled among themselves
+    (with G = 1 the group-wise permutation above is the identity)."""
+    for metric, coupling, G in (("heads", "query", 1), ("lowrank", "separate", 2), ("heads", "separate", 1)):
+        cfg, p = make(metric, coupling, G, 6)
+        x, c = inputs(cfg)
+        perm_q = np.array([1, 0, 3, 2]) if G == 2 else np.array([2, 0, 3, 1])
+        q = dict(p)
+        q["query.kernel"], q["query.bias"] = p["query.kernel"][:, perm_q], p["query.bias"][perm_q]
+        q["output.kernel"] = p["output.kernel"][perm_q]
+        pre = "metric.q"
+        q[f"{pre}.gate"] = p[f"{pre}.gate"][perm_q]
+        if metric == "heads":
+            q[f"{pre}.kernel"] = p[f"{pre}.kernel"][:, perm_q][:, :, perm_q]
+            q[f"{pre}.bias"] = p[f"{pre}.bias"][perm_q][:, perm_q]
+        else:
+            q[f"{pre}.u"], q[f"{pre}.v"] = p[f"{pre}.u"][perm_q], p[f"{pre}.v"][perm_q]
+        got = naive_damcha(q, cfg, x, c)
+        np.testing.assert_allclose(got, naive_damcha(p, cfg, x, c), rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(dc.damcha_attention(q, cfg, x, c), got, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("structure", STRUCTURES[1:], ids=STRUCTURE_IDS[1:])
+@pytest.mark.parametrize("use_bias", [True, False])
+def test_folded_mha_equals_the_naive_static_metric(structure, use_bias):
+    """Foldability against the independent loops: the naive DAMCHA with a static
+    metric (zero generator kernels, non-zero generator biases) equals the naive
+    MHA run on the folded kernels."""
+    cfg, p = make(*structure, use_bias=use_bias)
+    for side in cfg.metric_sides:
+        p[f"metric.{side}.kernel"] = np.zeros_like(p[f"metric.{side}.kernel"])
+    x, c = inputs(cfg)
+    folded, mha_cfg = dc.fold_static_metric(p, cfg)
+    assert set(folded) == set(mha_cfg.param_shapes())
+    np.testing.assert_allclose(naive_damcha(folded, mha_cfg, x, c, causal=True), naive_damcha(p, cfg, x, c, causal=True),
+                               rtol=1e-10, atol=1e-12)
