@@ -77,6 +77,10 @@ def safe_attention(
     """
     n, m = q.shape[-2], k.shape[-2]
     heads, kv_heads = q.shape[1], k.shape[1]
+    if is_causal and query_offset >= m - 1:
+        # Query 0 already sees every key (a one-token decoding step, or M = 1),
+        # so the rule hides nothing: skip building a mask on the hot path.
+        is_causal = False
     if is_causal and (mask is not None or query_offset or need_weights):
         mask = _combine(mask, causal_visibility(n, m, query_offset, q.device))
         is_causal = False
