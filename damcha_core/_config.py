@@ -218,6 +218,13 @@ class DamchaConfig:
             raise DamchaValueError(
                 f"`data` has keys that are not DamchaConfig fields: {unknown}. Expected a subset of {sorted(known)}"
             )
+        required = sorted(f.name for f in dataclasses.fields(cls)
+                          if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+        missing = [name for name in required if name not in data]
+        if missing:
+            raise DamchaValueError(
+                f"`data` lacks the required DamchaConfig fields {missing}. Received keys: {sorted(data)}"
+            )
         return cls(**dict(data))
 
     def replace(self, **changes: Any) -> "DamchaConfig":

@@ -191,3 +191,8 @@ def test_check_params_rejects_like_validate_params():
         dc.check_params({**fake, "query.kernel": _FakeTensor((8, 4, 2), "torch.int64")}, CFG)
     with pytest.raises(dc.DamchaValueError, match=r"`params\['key.bias'\]` must have shape \(4, 2\)"):
         dc.check_params({**fake, "key.bias": _FakeTensor((4, 3), "torch.float32")}, CFG)
+
+
+def test_from_dict_names_missing_required_fields():
+    with pytest.raises(dc.DamchaValueError, match=r"lacks the required DamchaConfig fields \['num_heads'\]\. Received keys: \['key_dim', 'query_dim'\]"):
+        dc.DamchaConfig.from_dict({"query_dim": 8, "key_dim": 4})
