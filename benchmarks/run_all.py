@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPTS = ["bench_torch.py", "bench_jax.py", "bench_keras.py", "bench_onnx.py", "bench_headmix.py"]
+SCRIPTS = ["bench_torch.py", "bench_decode.py", "bench_jax.py", "bench_keras.py", "bench_onnx.py", "bench_headmix.py"]
 
 
 def main() -> int:
