@@ -10,19 +10,22 @@ from ._adapter import BackendAdapter, ReferenceAdapter
 from ._cases import (
     CATALOGUE,
     CORRUPTIONS,
+    DECODE_CATALOGUE,
     ERROR_CATALOGUE,
     GROUPS,
     Case,
     CaseData,
+    DecodeCase,
     ErrorCase,
     case_params,
     catalogue,
     gradient_targets,
     materialise,
+    materialise_decode,
     materialise_error,
     reference_directional,
 )
-from ._runner import Report, Result, check_case, check_error, run_conformance
+from ._runner import Report, Result, check_case, check_decode, check_error, run_conformance
 from ._tolerances import DTYPES, TOLERANCES, Tolerance, tolerance
 
 __all__ = [
@@ -31,7 +34,9 @@ __all__ = [
     "CORRUPTIONS",
     "Case",
     "CaseData",
+    "DECODE_CATALOGUE",
     "DTYPES",
+    "DecodeCase",
     "ERROR_CATALOGUE",
     "ErrorCase",
     "GROUPS",
@@ -43,9 +48,11 @@ __all__ = [
     "case_params",
     "catalogue",
     "check_case",
+    "check_decode",
     "check_error",
     "gradient_targets",
     "materialise",
+    "materialise_decode",
     "materialise_error",
     "reference_directional",
     "run_conformance",

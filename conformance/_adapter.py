@@ -45,6 +45,12 @@ class BackendAdapter(Protocol):
         parameter name, each shaped like that tensor."""
         ...
 
+    # Optional: ``decode(data, dtype) -> np.ndarray``. For a ``DecodeCase``,
+    # ``data.query`` is the whole sequence (B, P + N, E); read its first
+    # ``data.case.prefix_len`` tokens into the port's key/value cache, then
+    # the rest, and return the outputs of the rest (B, N, E_o). Adapters
+    # without it report the decode cases as unsupported.
+
 
 class ReferenceAdapter:
     """The NumPy reference through the same runner: a check of the runner and
@@ -65,3 +71,9 @@ class ReferenceAdapter:
 
     def gradients(self, data: CaseData, dtype: str) -> dict[str, np.ndarray]:
         raise NotImplementedError("the NumPy reference has no gradients")
+
+    def decode(self, data: CaseData, dtype: str) -> np.ndarray:
+        """The reference has no cache: the new tokens attend to the whole
+        sequence with ``query_offset=P``, which is what a cache must reproduce."""
+        P = data.case.prefix_len
+        return dc.damcha_attention(data.params, data.config, data.query[:, P:], data.query, causal=True, query_offset=P)

@@ -158,7 +158,7 @@ def _build_catalogue() -> tuple[Case, ...]:
 
 
 CATALOGUE: tuple[Case, ...] = _build_catalogue()
-GROUPS: tuple[str, ...] = tuple(dict.fromkeys(c.group for c in CATALOGUE)) + ("errors",)
+GROUPS: tuple[str, ...] = tuple(dict.fromkeys(c.group for c in CATALOGUE)) + ("decode", "errors")
 
 
 def catalogue(names: list[str] | None = None, groups: list[str] | None = None) -> list[Case]:
@@ -232,6 +232,75 @@ def materialise(case: Case) -> CaseData:
     expected = dc.damcha_attention(params, cfg, query, context, mask=mask, causal=case.causal)
     cotangent = rng.normal(size=expected.shape) / np.sqrt(expected.size)
     return CaseData(case, params, query, context, mask, expected, cotangent)
+
+
+# ---------------------------------------------------------------- decoding
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeCase:
+    """Incremental decoding with a key/value cache: a port reads a prefix of
+    P tokens into its cache, then the remaining N tokens, and returns the
+    outputs of those N. They must equal rows P.. of one causal pass over the
+    whole sequence: query i of the second part sits at position P + i and
+    sees keys j <= P + i (the bottom-right rule of the design note).
+
+    Args:
+        name: unique readable id.
+        config: a self-attention layer with ``value_dim == key_dim`` (some
+            ports keep keys and values in one cache tensor).
+        batch: B.
+        prefix_len: P, tokens read into the cache first.
+        new_len: N, tokens decoded after the prefix.
+        seed: seeds params and inputs.
+    """
+
+    name: str
+    config: dc.DamchaConfig
+    batch: int
+    prefix_len: int
+    new_len: int
+    seed: int = 0
+
+    @property
+    def group(self) -> str:
+        return "decode"
+
+    @property
+    def query_len(self) -> int:  # adapters' unsupported() may read the lengths
+        return self.prefix_len + self.new_len
+
+    context_len = None
+    self_attention = True
+    gradients = False
+
+
+def _build_decode_catalogue() -> tuple[DecodeCase, ...]:
+    lr = dict(metric="lowrank", metric_rank=3)
+    cases = [
+        DecodeCase("decode-heads-tied", _cfg(), 2, 5, 3),
+        DecodeCase("decode-lowrank-separate", _cfg(coupling="separate", **lr), 2, 4, 3),
+        DecodeCase("decode-heads-query-gqa", _cfg(coupling="query", num_kv_heads=2), 1, 6, 2),
+        DecodeCase("decode-mha-none-mqa", _cfg(metric="none", num_kv_heads=1), 2, 3, 4),
+    ]
+    return tuple(dataclasses.replace(c, seed=2000 + i) for i, c in enumerate(cases))
+
+
+DECODE_CATALOGUE: tuple[DecodeCase, ...] = _build_decode_catalogue()
+
+
+@functools.lru_cache(maxsize=None)
+def materialise_decode(case: DecodeCase) -> CaseData:
+    """Params, the whole sequence as ``query`` (B, P + N, E) and the expected
+    outputs of the last N tokens (B, N, E_o), from the reference with
+    ``query_offset=P``."""
+    cfg = case.config
+    rng = np.random.default_rng([case.seed, 4])
+    params = case_params(cfg, case.seed)
+    x = rng.normal(size=(case.batch, case.prefix_len + case.new_len, cfg.query_dim))
+    P = case.prefix_len
+    expected = dc.damcha_attention(params, cfg, x[:, P:], x, causal=True, query_offset=P)
+    return CaseData(case, params, x, None, None, expected, np.zeros_like(expected))  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------- bad input

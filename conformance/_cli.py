@@ -90,7 +90,9 @@ def _run_in_process(spec: str, args: argparse.Namespace) -> Report:
     cases = catalogue(args.case, args.group)
     # The bad-input checks are the "errors" group: on unless the run is narrowed to other cases.
     errors = not args.case and (not args.group or "errors" in args.group)
-    return run_conformance(adapter, cases, args.dtype, gradients=not args.no_gradients, errors=errors)
+    decoding = not args.case and (not args.group or "decode" in args.group)
+    return run_conformance(adapter, cases, args.dtype, gradients=not args.no_gradients, errors=errors,
+                           decoding=decoding)
 
 
 def _run_subprocess(spec: str, args: argparse.Namespace, env_extra: dict[str, str]) -> Report:

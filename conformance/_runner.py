@@ -12,12 +12,15 @@ import numpy as np
 from ._adapter import BackendAdapter
 from ._cases import (
     CATALOGUE,
+    DECODE_CATALOGUE,
     ERROR_CATALOGUE,
     GROUPS,
     Case,
+    DecodeCase,
     ErrorCase,
     gradient_targets,
     materialise,
+    materialise_decode,
     materialise_error,
     reference_directional,
 )
@@ -30,7 +33,8 @@ STATUSES = ("pass", "fail", "error", "unsupported")
 class Result:
     """One check of one case on one backend in one dtype.
 
-    ``check`` is "output", "gradients" or "rejects" (bad input must raise);
+    ``check`` is "output", "gradients", "decode" (the outputs of tokens
+    decoded after a cached prefix) or "rejects" (bad input must raise);
     ``ratio`` is the worst error over its allowance (pass iff <= 1);
     ``detail`` names the worst tensor or the error raised.
     """
@@ -190,6 +194,26 @@ def check_error(adapter: BackendAdapter, case: ErrorCase, dtype: str) -> Result:
     return Result(**base, status="fail", detail=f"bad input accepted ({case.corruption}); returned shape {shape}")
 
 
+def check_decode(adapter: BackendAdapter, case: DecodeCase, dtype: str) -> Result:
+    """Decode ``case`` with the adapter's ``decode`` (prefix into the cache, then
+    the new tokens) and compare the new tokens' outputs with the reference."""
+    base = dict(backend=adapter.name, case=case.name, group=case.group, dtype=dtype, check="decode")
+    decode = getattr(adapter, "decode", None)
+    if decode is None:
+        return Result(**base, status="unsupported", detail="the adapter has no decode(data, dtype)")
+    reason = adapter.unsupported(case)  # type: ignore[arg-type]
+    if reason:
+        return Result(**base, status="unsupported", detail=reason)
+    data = materialise_decode(case)
+    try:
+        out = np.asarray(decode(data, dtype), dtype=np.float64)
+    except Exception as exc:
+        return Result(**base, status="error", detail=_describe_exc(exc))
+    err, ratio = tolerance(dtype).output_ratio(out, data.expected)
+    detail = "" if out.shape == data.expected.shape else f"shape {out.shape} != expected {data.expected.shape}"
+    return Result(**base, status="pass" if ratio <= 1 else "fail", max_error=err, ratio=ratio, detail=detail)
+
+
 def _describe_exc(exc: Exception) -> str:
     tb = traceback.extract_tb(exc.__traceback__)
     where = f" at {tb[-1].filename.rsplit('/', 1)[-1]}:{tb[-1].lineno}" if tb else ""
@@ -202,9 +226,14 @@ def run_conformance(
     dtypes: Sequence[str] | None = None,
     gradients: bool = True,
     errors: bool | Iterable[ErrorCase] = True,
+    decoding: bool | Iterable[DecodeCase] = True,
 ) -> Report:
     """Run ``cases`` (default: the whole catalogue) on ``adapter`` in each of
     ``dtypes`` (default: ``adapter.dtypes``) and return the report.
+
+    ``decoding``: also run ``DECODE_CATALOGUE`` (or the given decode cases)
+    through the adapter's optional ``decode`` method, in every dtype; an
+    adapter without one reports them "unsupported".
 
     ``errors``: also feed the bad inputs of ``ERROR_CATALOGUE`` (or the given
     error cases) and require a clear ``ValueError`` for each; they run once,
@@ -214,12 +243,14 @@ def run_conformance(
     cases = list(CATALOGUE if cases is None else cases)
     dtypes = list(adapter.dtypes if dtypes is None else dtypes)
     error_cases = list(ERROR_CATALOGUE if errors is True else (errors or ()))
+    decode_cases = list(DECODE_CATALOGUE if decoding is True else (decoding or ()))
     for dtype in dtypes:
         tolerance(dtype)  # unknown dtype names fail before any work
     report = Report()
     for dtype in dtypes:
         for case in cases:
             report.results.extend(check_case(adapter, case, dtype, gradients))
+        report.results.extend(check_decode(adapter, case, dtype) for case in decode_cases)
     # A dtype the adapter refuses outright (every case an error) says nothing about bad input.
     usable = [d for d in dtypes if not cases or any(r.dtype == d and r.status != "error" for r in report.results)]
     if usable:

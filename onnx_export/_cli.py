@@ -48,7 +48,7 @@ def _load_config(text: str) -> dc.DamchaConfig:
             text = f.read()
     try:
         return dc.DamchaConfig.from_dict(json.loads(text))
-    except (json.JSONDecodeError, TypeError) as exc:  # not JSON, or a dict lacking required fields
+    except (json.JSONDecodeError, TypeError, dc.DamchaValueError) as exc:  # not JSON, fields missing or invalid
         raise dc.DamchaValueError(
             f"`--config` must be a DamchaConfig as JSON (a file or inline), e.g. the `config` of "
             f"damcha_core.save_params. Received: --config={source[:200]!r} ({exc})"

@@ -60,7 +60,7 @@ def test_case_params_open_every_gate():
 def test_reference_passes_through_the_runner():
     report = dcf.run_conformance(dcf.ReferenceAdapter())
     assert report.passed, report.summary()
-    assert len(report.results) == len(dcf.CATALOGUE) + len(dcf.ERROR_CATALOGUE)
+    assert len(report.results) == len(dcf.CATALOGUE) + len(dcf.ERROR_CATALOGUE) + len(dcf.DECODE_CATALOGUE)
     rejects = [r for r in report.results if r.check == "rejects"]
     assert len(rejects) == len(dcf.ERROR_CATALOGUE) and all("DamchaValueError" in r.detail for r in rejects)
 
@@ -112,7 +112,7 @@ def test_runner_catches_a_wrong_port(bug, failing_groups):
     assert failing_groups <= failed
     if bug == "crash":
         assert all(r.status == "error" and "RuntimeError: boom" in r.detail
-                   for r in report.results if r.check != "rejects")
+                   for r in report.results if r.check in ("output", "gradients"))
         # boom is not a clear error about the bad input either
         assert all(r.status == "fail" and "RuntimeError: boom" in r.detail
                    for r in report.results if r.check == "rejects")
@@ -159,8 +159,8 @@ def test_runner_fails_ports_that_accept_bad_input_or_reject_it_vaguely(flaw):
 
 
 def test_errors_can_be_switched_off_or_narrowed():
-    assert dcf.run_conformance(dcf.ReferenceAdapter(), cases=[], errors=False).results == []
-    only = dcf.run_conformance(dcf.ReferenceAdapter(), cases=[], errors=dcf.ERROR_CATALOGUE[:2])
+    assert dcf.run_conformance(dcf.ReferenceAdapter(), cases=[], errors=False, decoding=False).results == []
+    only = dcf.run_conformance(dcf.ReferenceAdapter(), cases=[], errors=dcf.ERROR_CATALOGUE[:2], decoding=False)
     assert [r.case for r in only.results] == [c.name for c in dcf.ERROR_CATALOGUE[:2]]
     with pytest.raises(dc.DamchaValueError, match=r"`corruption` must be one of .*Received: corruption='typo'"):
         dcf.ErrorCase("x", dcf.CATALOGUE[0], "typo")
@@ -258,7 +258,8 @@ def test_cli_reference_run_and_json(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "reference" in proc.stdout and "PASSED" in proc.stdout
     report = dcf.Report.from_json(out.read_text())
-    assert report.passed and len(report.results) == len(dcf.CATALOGUE) + len(dcf.ERROR_CATALOGUE)
+    assert report.passed
+    assert len(report.results) == len(dcf.CATALOGUE) + len(dcf.ERROR_CATALOGUE) + len(dcf.DECODE_CATALOGUE)
 
 
 def test_cli_third_party_adapter_failure_exits_nonzero(tmp_path):
@@ -363,3 +364,49 @@ def test_gradient_check_scales_with_the_rms_not_the_norm_of_the_gradient():
         wrong = dcf.check_case(_NegatedGradients(), MID, dtype)
         assert wrong[1].status == "fail", (dtype, wrong)
     assert dcf.tolerance("bfloat16").grad_ratio(0.0, 0.03, 0.0)[1] > 1  # a zero gradient where dd_ref = 0.03
+
+
+class _WrongDecoder(dcf.ReferenceAdapter):
+    """Decoders with the classic cache bugs."""
+
+    def __init__(self, bug):
+        self.bug, self.name = bug, f"decoder-{bug}"
+
+    def decode(self, data, dtype):
+        P, x = data.case.prefix_len, data.query
+        if self.bug == "top-left":  # the new tokens' causal rule restarts at position 0
+            return dc.damcha_attention(data.params, data.config, x[:, P:], x, causal=True)
+        if self.bug == "forgets-prefix":  # the cache is not read
+            return dc.damcha_attention(data.params, data.config, x[:, P:], causal=True)
+        if self.bug == "no-causal":  # the chunk's tokens see each other's future
+            return dc.damcha_attention(data.params, data.config, x[:, P:], x)
+        raise AssertionError(self.bug)
+
+
+@pytest.mark.parametrize("bug", ["top-left", "forgets-prefix", "no-causal"])
+def test_decode_cases_catch_cache_bugs(bug):
+    report = dcf.run_conformance(_WrongDecoder(bug), cases=[], errors=False)
+    decode = [r for r in report.results if r.check == "decode"]
+    assert len(decode) == len(dcf.DECODE_CATALOGUE) and not report.passed
+    assert all(r.status == "fail" for r in decode), report.summary()
+
+
+def test_an_adapter_without_decode_reports_the_cases_unsupported():
+    class NoDecode:
+        name, dtypes, supports_gradients = "no-decode", ("float64",), False
+        unsupported = dcf.ReferenceAdapter.unsupported
+        forward = dcf.ReferenceAdapter.forward
+
+    report = dcf.run_conformance(NoDecode(), cases=[], errors=False)
+    assert [r.status for r in report.results] == ["unsupported"] * len(dcf.DECODE_CATALOGUE)
+    assert all("no decode" in r.detail for r in report.results)
+
+
+def test_decode_cases_expect_rows_of_one_causal_pass():
+    """Independent of query_offset: the expected outputs are the last N rows of
+    the naive loop implementation's causal pass over the whole sequence."""
+    for case in dcf.DECODE_CATALOGUE:
+        data = dcf.materialise_decode(case)
+        full = naive_damcha(data.params, case.config, data.query, None, None, True)
+        np.testing.assert_allclose(data.expected, full[:, case.prefix_len:], rtol=1e-10, atol=1e-12)
+        assert case.config.value_dim == case.config.key_dim and case.new_len >= 2

@@ -10,7 +10,7 @@ import numpy as np
 
 from damcha_core import DamchaValueError
 
-from ._functional import damcha_attention
+from ._functional import damcha_attention, decode_step, init_cache
 
 _JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float64": jnp.float64}
 
@@ -87,6 +87,22 @@ class ConformanceAdapter:
         out, grads = self._run(data, dtype, gradients=data.case.gradients)
         self._last = ((data.case.name, dtype), grads) if grads is not None else None
         return out
+
+    def decode(self, data: Any, dtype: str) -> np.ndarray:
+        """``init_cache`` + ``decode_step``: the prefix, one new token alone, then
+        the rest as one chunk (eager: three tiny programs, no jit needed)."""
+        dt = self._dtype(dtype)
+        params = {n: jnp.asarray(v, dt) for n, v in data.params.items()}
+        x = jnp.asarray(data.query, dt)
+        P = data.case.prefix_len
+        cache = init_cache(data.config, x.shape[0], x.shape[1], dt)
+        outs = []
+        for start, stop in ((0, P), (P, P + 1), (P + 1, x.shape[1])):
+            if stop > start:
+                y, cache = decode_step(params, data.config, cache, x[:, start:stop])
+                outs.append(y)
+        wide = jnp.promote_types(dt, jnp.float32)
+        return np.asarray(jnp.concatenate(outs[1:], axis=1).astype(wide), dtype=np.float64)
 
     def gradients(self, data: Any, dtype: str) -> dict[str, np.ndarray]:
         key = (data.case.name, dtype)
