@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 from ._adapter import BackendAdapter, ReferenceAdapter
-from ._cases import GROUPS, catalogue
+from ._cases import DECODE_CATALOGUE, GROUPS, catalogue
 from ._runner import Report, run_conformance
 from ._tolerances import DTYPES
 
@@ -112,7 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.export_vectors:
         from ._vectors import export_vectors
 
-        paths = export_vectors(args.export_vectors, catalogue(args.case, args.group))
+        with_decode = not args.case and (not args.group or "decode" in args.group)
+        paths = export_vectors(args.export_vectors, catalogue(args.case, args.group),
+                               DECODE_CATALOGUE if with_decode else ())
         print(f"wrote {len(paths)} cases to {args.export_vectors} (index.json describes the format)")
         return 0
     specs = list(args.backend) + list(args.adapter)

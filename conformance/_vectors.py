@@ -12,6 +12,11 @@ A port in any language with a safetensors reader checks itself with them:
    directional derivative ``sum(grad_T * gradients.direction.T)`` of each
    listed tensor T must match ``directional_derivatives[T]`` within
    ``grad_atol + grad_rtol * rms(grad_T)``, rms(g) = ||g|| / sqrt(g.size).
+5. Decoding cases (``decode`` is not null): ``inputs.query`` is a whole
+   sequence of P + N tokens, P = ``decode.prefix_len``. Read its first P
+   tokens into the port's key/value cache, then the remaining N, causally;
+   ``expected.output`` holds the outputs of those N tokens (query i of them
+   sits at position P + i and sees keys j <= P + i).
 """
 
 from __future__ import annotations
@@ -22,14 +27,16 @@ from pathlib import Path
 
 import numpy as np
 
-from ._cases import Case, materialise, reference_directional
+from ._cases import Case, DecodeCase, materialise, materialise_decode, reference_directional
 from ._tolerances import TOLERANCES
 
 FORMAT = "damcha-conformance-vectors-v1"
 
 
-def export_vectors(directory: str | os.PathLike, cases: list[Case]) -> list[Path]:
-    """Write ``cases`` under ``directory``; returns the JSON paths written."""
+def export_vectors(
+    directory: str | os.PathLike, cases: list[Case], decode_cases: list[DecodeCase] | tuple[DecodeCase, ...] = ()
+) -> list[Path]:
+    """Write ``cases`` (and ``decode_cases``) under ``directory``; returns the JSON paths written."""
     from safetensors.numpy import save_file
 
     out = Path(directory)
@@ -51,6 +58,7 @@ def export_vectors(directory: str | os.PathLike, cases: list[Case]) -> list[Path
             "config": case.config.to_dict(),
             "causal": case.causal,
             "self_attention": case.self_attention,
+            "decode": None,
             "mask_semantics": "bool, True = may attend; 4-D, broadcastable to (B, H, N, M)",
             "tensors": f"{case.name}.safetensors",
             "tolerances": {k: vars(v) for k, v in TOLERANCES.items()},
@@ -70,6 +78,28 @@ def export_vectors(directory: str | os.PathLike, cases: list[Case]) -> list[Path
         path = out / f"{case.name}.json"
         path.write_text(json.dumps(description, indent=1))
         written.append(path)
-    index = {"format": FORMAT, "procedure": __doc__, "cases": [c.name for c in cases]}
+    for case in decode_cases:
+        data = materialise_decode(case)
+        tensors = {f"params.{k}": v for k, v in data.params.items()}
+        tensors["inputs.query"] = data.query
+        tensors["expected.output"] = data.expected
+        description = {
+            "format": FORMAT,
+            "name": case.name,
+            "group": case.group,
+            "config": case.config.to_dict(),
+            "causal": True,
+            "self_attention": True,
+            "decode": {"prefix_len": case.prefix_len, "new_len": case.new_len},
+            "mask_semantics": None,
+            "tensors": f"{case.name}.safetensors",
+            "tolerances": {k: vars(v) for k, v in TOLERANCES.items()},
+            "gradients": None,
+        }
+        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(out / f"{case.name}.safetensors"))
+        path = out / f"{case.name}.json"
+        path.write_text(json.dumps(description, indent=1))
+        written.append(path)
+    index = {"format": FORMAT, "procedure": __doc__, "cases": [c.name for c in cases] + [c.name for c in decode_cases]}
     (out / "index.json").write_text(json.dumps(index, indent=1))
     return written

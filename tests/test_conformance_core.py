@@ -251,6 +251,26 @@ def test_exported_vectors_let_a_foreign_port_check_itself(tmp_path):
             assert (loss(1e-5) - loss(-1e-5)) / 2e-5 == pytest.approx(dd[target], rel=1e-6, abs=1e-8)
 
 
+def test_exported_decode_vectors_let_a_foreign_port_check_its_cache(tmp_path):
+    """A foreign port reads a decode case from the files alone; here the naive loops
+    run the prefix and the new tokens with an explicit query offset."""
+    from damcha_conformance._vectors import export_vectors
+
+    export_vectors(tmp_path, [], dcf.DECODE_CATALOGUE)
+    index = json.loads((tmp_path / "index.json").read_text())
+    assert index["cases"] == [c.name for c in dcf.DECODE_CATALOGUE] and "prefix_len" in index["procedure"]
+    for name in index["cases"]:
+        desc = json.loads((tmp_path / f"{name}.json").read_text())
+        t = load_file(str(tmp_path / desc["tensors"]))
+        cfg = dc.DamchaConfig.from_dict(desc["config"])
+        params = {k[len("params."):]: v for k, v in t.items() if k.startswith("params.")}
+        P, x = desc["decode"]["prefix_len"], t["inputs.query"]
+        assert x.shape[1] == P + desc["decode"]["new_len"] == P + t["expected.output"].shape[1]
+        y = naive_damcha(params, cfg, x[:, P:], x, causal=True, query_offset=P)
+        tol = desc["tolerances"]["float64"]
+        assert np.all(np.abs(y - t["expected.output"]) <= tol["atol"] + tol["rtol"] * np.abs(t["expected.output"]))
+
+
 def test_cli_reference_run_and_json(tmp_path):
     out = tmp_path / "report.json"
     proc = subprocess.run([sys.executable, "-m", "damcha_core._cli", "conform", "--backend", "reference", "--json", str(out)],
