@@ -573,3 +573,28 @@ def test_cache_refuses_keras_mask_filled_value_mask_with_a_hint():
     tokens = keras.layers.Embedding(10, E, mask_zero=True, dtype="float64")(np.array([[1], [2]]))
     with pytest.raises(dc.DamchaValueError, match=r"`value_mask` is not supported with a cache.*Embedding\(mask_zero=True\)"):
         layer(tokens, tokens, use_causal_mask=True, cache=layer.init_cache(B, 4), cache_update_index=0)
+
+
+def test_blocks_share_separate_generators_and_keep_them_through_save(tmp_path):
+    """coupling='separate' stacks share a {'q', 'k'} pair of generators across blocks,
+    and a .keras round trip keeps one pair for every block, bit-exactly."""
+    pair = {"q": MetricGenerator(2, name="gq"), "k": MetricGenerator(2, name="gk")}
+    inp = keras.Input((5, 8))
+    h = TransformerEncoder(16, 2, coupling="separate", metric_generator=pair, name="b0")(inp)
+    h = TransformerEncoder(16, 2, coupling="separate", metric_generator=pair, name="b1")(h)
+    model = keras.Model(inp, h)
+    blocks = [model.get_layer("b0"), model.get_layer("b1")]
+    assert all(b._attention.metric_generators["q"] is pair["q"] and b._attention.metric_generators["k"] is pair["k"]
+               for b in blocks)
+    for b in blocks:  # open the gates: the generators shape the output
+        for gate in b._attention._gates.values():
+            gate.assign(rng(12).uniform(0.3, 1.0, size=2))
+    path = tmp_path / "separate.keras"
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    x = rng(13).normal(size=(2, 5, 8)).astype("float32")
+    np.testing.assert_array_equal(np_(loaded(x)), np_(model(x)))
+    again = [loaded.get_layer("b0")._attention.metric_generators, loaded.get_layer("b1")._attention.metric_generators]
+    assert again[0]["q"] is again[1]["q"] and again[0]["k"] is again[1]["k"] and again[0]["q"] is not again[0]["k"]
+    with pytest.raises(dc.DamchaTypeError, match=r"a mapping \{'q': \.\.\., 'k': \.\.\.\} of them"):
+        TransformerEncoder(16, 2, coupling="separate", metric_generator={"q": 3})

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import keras
 
@@ -33,7 +33,7 @@ class _Block(keras.layers.Layer):
         coupling: str = "tied",
         num_kv_heads: int | None = None,
         metric_l2: float = 0.0,
-        metric_generator: MetricGenerator | None = None,
+        metric_generator: MetricGenerator | Mapping[str, MetricGenerator] | None = None,
         seed: int | None = None,
         **kwargs: Any,
     ) -> None:
@@ -45,10 +45,14 @@ class _Block(keras.layers.Layer):
         if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
             # Checked here: build would otherwise divide by it (ZeroDivisionError).
             raise DamchaValueError(f"`num_heads` must be an int >= 1. Received: num_heads={describe(num_heads)}")
-        if metric_generator is not None and not isinstance(metric_generator, MetricGenerator):
+        generators = metric_generator.values() if isinstance(metric_generator, Mapping) else [metric_generator]
+        if metric_generator is not None and not all(isinstance(g, MetricGenerator) for g in generators):
             raise DamchaTypeError(
-                f"`metric_generator` must be a MetricGenerator or None. Received: metric_generator={describe(metric_generator)}"
+                "`metric_generator` must be a MetricGenerator, a mapping {'q': ..., 'k': ...} of them "
+                f"(coupling='separate'), or None. Received: metric_generator={describe(metric_generator)}"
             )
+        if isinstance(metric_generator, Mapping):
+            metric_generator = dict(metric_generator)
         self.supports_masking = True
         self.intermediate_dim = intermediate_dim
         self.num_heads = num_heads
@@ -139,15 +143,21 @@ class _Block(keras.layers.Layer):
             "bias_initializer": keras.initializers.serialize(self.bias_initializer),
             "normalize_first": self.normalize_first,
             **self.damcha_options,
-            "metric_generator": None if generator is None else serialize_generator(generator),
+            "metric_generator": None if generator is None else (
+                {side: serialize_generator(g) for side, g in generator.items()} if isinstance(generator, dict)
+                else serialize_generator(generator)
+            ),
             "seed": self.seed,
         }
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "_Block":
         config = dict(config)
-        if config.get("metric_generator") is not None:
-            config["metric_generator"] = keras.saving.deserialize_keras_object(config["metric_generator"])
+        generator = config.get("metric_generator")
+        if isinstance(generator, dict) and "class_name" not in generator:  # {side: generator config}
+            config["metric_generator"] = {s: keras.saving.deserialize_keras_object(g) for s, g in generator.items()}
+        elif generator is not None:
+            config["metric_generator"] = keras.saving.deserialize_keras_object(generator)
         return cls(**config)
 
 
@@ -163,7 +173,8 @@ class TransformerEncoder(_Block):
         bias_initializer, normalize_first: as in KerasHub.
         metric, metric_rank, coupling, num_kv_heads, metric_l2: DAMCHA options.
         metric_generator: a ``MetricGenerator`` shared by the blocks of a
-            stack (stack-wise sharing); ``None`` gives the block its own.
+            stack (stack-wise sharing), or ``{"q": ..., "k": ...}`` for
+            ``coupling="separate"``; ``None`` gives the block its own.
         seed: dropout and initialiser seed.
 
     Call arguments:
