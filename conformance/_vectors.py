@@ -33,6 +33,24 @@ from ._tolerances import TOLERANCES
 FORMAT = "damcha-conformance-vectors-v1"
 
 
+def _entry(case: Case | DecodeCase, data, **fields) -> tuple[dict, dict]:
+    """The tensors and JSON description every case shares; ``fields`` fill in the rest."""
+    tensors = {f"params.{k}": v for k, v in data.params.items()}
+    tensors["inputs.query"] = data.query
+    tensors["expected.output"] = data.expected
+    description = {
+        "format": FORMAT,
+        "name": case.name,
+        "group": case.group,
+        "config": case.config.to_dict(),
+        "tensors": f"{case.name}.safetensors",
+        "tolerances": {k: vars(v) for k, v in TOLERANCES.items()},
+        "gradients": None,
+        **fields,
+    }
+    return tensors, description
+
+
 def export_vectors(
     directory: str | os.PathLike, cases: list[Case], decode_cases: list[DecodeCase] | tuple[DecodeCase, ...] = ()
 ) -> list[Path]:
@@ -41,29 +59,17 @@ def export_vectors(
 
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    written = []
+    entries = []
     for case in cases:
         data = materialise(case)
-        tensors = {f"params.{k}": v for k, v in data.params.items()}
-        tensors["inputs.query"] = data.query
+        tensors, description = _entry(
+            case, data, causal=case.causal, self_attention=case.self_attention, decode=None,
+            mask_semantics="bool, True = may attend; 4-D, broadcastable to (B, H, N, M)",
+        )
         if data.context is not None:
             tensors["inputs.context"] = data.context
         if data.mask is not None:
-            tensors["inputs.mask"] = np.ascontiguousarray(data.mask)
-        tensors["expected.output"] = data.expected
-        description = {
-            "format": FORMAT,
-            "name": case.name,
-            "group": case.group,
-            "config": case.config.to_dict(),
-            "causal": case.causal,
-            "self_attention": case.self_attention,
-            "decode": None,
-            "mask_semantics": "bool, True = may attend; 4-D, broadcastable to (B, H, N, M)",
-            "tensors": f"{case.name}.safetensors",
-            "tolerances": {k: vars(v) for k, v in TOLERANCES.items()},
-            "gradients": None,
-        }
+            tensors["inputs.mask"] = data.mask
         if case.gradients:
             tensors["gradients.cotangent"] = data.cotangent
             directional = {}
@@ -74,32 +80,19 @@ def export_vectors(
                 "loss": "sum(output * gradients.cotangent)",
                 "directional_derivatives": directional,
             }
-        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(out / f"{case.name}.safetensors"))
-        path = out / f"{case.name}.json"
-        path.write_text(json.dumps(description, indent=1))
-        written.append(path)
+        entries.append((case.name, tensors, description))
     for case in decode_cases:
-        data = materialise_decode(case)
-        tensors = {f"params.{k}": v for k, v in data.params.items()}
-        tensors["inputs.query"] = data.query
-        tensors["expected.output"] = data.expected
-        description = {
-            "format": FORMAT,
-            "name": case.name,
-            "group": case.group,
-            "config": case.config.to_dict(),
-            "causal": True,
-            "self_attention": True,
-            "decode": {"prefix_len": case.prefix_len, "new_len": case.new_len},
-            "mask_semantics": None,
-            "tensors": f"{case.name}.safetensors",
-            "tolerances": {k: vars(v) for k, v in TOLERANCES.items()},
-            "gradients": None,
-        }
-        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(out / f"{case.name}.safetensors"))
-        path = out / f"{case.name}.json"
+        tensors, description = _entry(
+            case, materialise_decode(case), causal=True, self_attention=True,
+            decode={"prefix_len": case.prefix_len, "new_len": case.new_len}, mask_semantics=None,
+        )
+        entries.append((case.name, tensors, description))
+    written = []
+    for name, tensors, description in entries:
+        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(out / f"{name}.safetensors"))
+        path = out / f"{name}.json"
         path.write_text(json.dumps(description, indent=1))
         written.append(path)
-    index = {"format": FORMAT, "procedure": __doc__, "cases": [c.name for c in cases] + [c.name for c in decode_cases]}
+    index = {"format": FORMAT, "procedure": __doc__, "cases": [name for name, _, _ in entries]}
     (out / "index.json").write_text(json.dumps(index, indent=1))
     return written
