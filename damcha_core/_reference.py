@@ -102,7 +102,9 @@ def check_shapes(
                 "`query` and `context` must have the same batch size. "
                 f"Received: query.shape={tuple(query_shape)}, context.shape={tuple(context_shape)}"
             )
-    B, N, M = int(query_shape[0]), int(query_shape[1]), int(context_shape[1])
+    # Returned as given, not int(): a port tracing symbolic sizes (torch.export's
+    # SymInts) would otherwise pin a dynamic batch or length to its example value.
+    B, N, M = query_shape[0], query_shape[1], context_shape[1]
     if mask_shape is not None:
         mask_shape = tuple(mask_shape)
         target = (B, config.num_heads, N, M)

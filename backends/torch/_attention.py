@@ -105,28 +105,12 @@ def _add_batch_dim(query: Tensor, key: Tensor, value: Tensor, key_padding_mask: 
 
 def _check_shapes(config: DamchaConfig, query_shape: tuple, key_shape: tuple,
                   mask_shape: tuple | None = None) -> tuple[Any, Any, Any]:
-    """``dc.check_shapes`` for torch sizes; returns (B, N, M) as torch gives them.
-
-    Under ``torch.export`` (non-strict) the sizes are SymInts, and the int()
-    in ``dc.check_shapes`` would pin a dynamic batch or length to its example
-    value. Valid shapes are recognised here with comparisons only (which
-    torch records as shape guards, not constants); anything else goes to
-    ``dc.check_shapes``, which raises the shared error.
-    """
-    valid = (
-        len(query_shape) == 3 and len(key_shape) == 3
-        and query_shape[-1] == config.query_dim and key_shape[-1] == config.context_dim
-        and 0 not in query_shape and 0 not in key_shape and query_shape[0] == key_shape[0]
-    )
-    if valid and mask_shape is not None:
-        target = (query_shape[0], config.num_heads, query_shape[1], key_shape[1])
-        valid = len(mask_shape) in (2, 4) and all(s == 1 or s == t for s, t in zip(mask_shape[::-1], target[::-1]))
-    if not valid:
-        try:
-            return dc.check_shapes(config, query_shape, key_shape, mask_shape, mask_name="attn_mask")
-        except (DamchaValueError, DamchaTypeError) as exc:
-            raise _torch_names(exc, _FORWARD_NAMES) from None
-    return query_shape[0], query_shape[1], key_shape[1]
+    """``dc.check_shapes`` with this module's argument names in its errors;
+    returns (B, N, M) as torch gives them (SymInts under ``torch.export``)."""
+    try:
+        return dc.check_shapes(config, query_shape, key_shape, mask_shape, mask_name="attn_mask")
+    except (DamchaValueError, DamchaTypeError) as exc:
+        raise _torch_names(exc, _FORWARD_NAMES) from None
 
 
 # damcha_core names things as DamchaConfig and the reference do; the errors of
