@@ -281,3 +281,36 @@ def test_initialiser_arguments_follow_flax_mha() -> None:
     layer = build(lambda: dj.DamchaAttention(4, E, 16, **inits, rngs=nnx.Rngs(0)))
     for name in ("query", "key", "value", "out"):
         np.testing.assert_array_equal(getattr(layer, name).bias[...], getattr(mha, name).bias[...], err_msg=name)
+
+
+def test_batch_axes_as_flax_takes_them():
+    """[batch..., N, E] and unbatched (N, E) inputs with [batch..., H|1, N|1, M] masks:
+    equal to Flax MHA with zero gates, and with open gates to the reference on the
+    folded batch."""
+    mha = build(lambda: nnx.MultiHeadAttention(num_heads=2, in_features=8, qkv_features=8, decode=False,
+                                               rngs=nnx.Rngs(0)))
+    layer = dj.DamchaAttention.from_mha(mha, rngs=nnx.Rngs(1))
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.normal(size=(2, 3, 5, 8)), jnp.float32)
+    pad = jnp.asarray(rng.random((2, 3, 5)) < 0.8).at[..., 0].set(True)
+    # Padded keys only: a query row that sees nothing is the documented v1 difference from Flax.
+    mask = nnx.combine_masks(nnx.make_causal_mask(pad), nnx.make_attention_mask(jnp.ones_like(pad), pad))  # (2, 3, 1, 5, 5)
+    want, got = run(lambda x, m: (mha(x, mask=m), layer(x, mask=m)), x, mask)
+    assert got.shape == (2, 3, 5, 8)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+    want, got = run(lambda x: (mha(x), layer(x)), x[0, 0])
+    assert got.shape == (5, 8)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+
+    params = layer.to_params()
+    params["metric.qk.gate"] = np.array([0.7, -0.5])
+    layer.set_params(params)
+    got = np.asarray(run(lambda x, m: layer(x, mask=m), x, mask), dtype=np.float64)
+    flat_mask = np.broadcast_to(np.asarray(mask, bool), (2, 3, 1, 5, 5)).reshape(6, 1, 5, 5)
+    ref = dc.damcha_attention(layer.to_params(), layer.config, np.asarray(x, np.float64).reshape(6, 5, 8), mask=flat_mask)
+    np.testing.assert_allclose(got.reshape(6, 5, 8), ref, rtol=2e-4, atol=2e-5)
+
+    with pytest.raises(dc.DamchaValueError, match=r"`inputs_k` must have the batch axes of `inputs_q`, \(2, 3\)"):
+        layer(x, x[:, :2])
+    with pytest.raises(dc.DamchaValueError, match=r"`mask` must be broadcastable to \[batch\.\.\., H, N, M\] with batch axes \(2, 3\)"):
+        layer(x, mask=jnp.ones((2, 2, 1, 5, 5), bool))

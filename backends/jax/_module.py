@@ -36,6 +36,34 @@ def _flax_mask(mask: Array | None) -> Array | None:
     return jnp.asarray(mask) != 0
 
 
+def _fold_batch_dims(inputs_q: Any, inputs_k: Any, value: Any, mask: Any) -> tuple[Any, Any, Any, Any, tuple]:
+    """Flax's ``[batch..., length, features]`` inputs as one batch axis.
+
+    Unbatched (N, E) and multi-axis (B1, B2, ..., N, E) inputs are folded to
+    (B, N, E), B the product of the batch axes (1 when there are none), and
+    back afterwards; a Flax mask ``[batch..., H|1, N|1, M]`` is broadcast over
+    the batch axes and folded the same way. (N, M) masks pass through.
+    """
+    lead = tuple(inputs_q.shape[:-2])
+    for name, t in (("inputs_k", inputs_k), ("inputs_v", value)):
+        if t is not None and (getattr(t, "ndim", None) != inputs_q.ndim or tuple(t.shape[:-2]) != lead):
+            raise DamchaValueError(
+                f"`{name}` must have the batch axes of `inputs_q`, {lead}. "
+                f"Received: inputs_q.shape={tuple(inputs_q.shape)}, {name}.shape={tuple(getattr(t, 'shape', ()))}"
+            )
+    B = int(np.prod(lead)) if lead else 1
+    fold = lambda t: None if t is None else jnp.reshape(t, (B,) + tuple(t.shape[-2:]))  # noqa: E731
+    if mask is not None and getattr(mask, "ndim", None) == len(lead) + 3:
+        tail = tuple(mask.shape[-3:])
+        if any(m not in (1, b) for m, b in zip(mask.shape[:-3], lead)):
+            raise DamchaValueError(
+                f"`mask` must be broadcastable to [batch..., H, N, M] with batch axes {lead}. "
+                f"Received: mask.shape={tuple(mask.shape)}"
+            )
+        mask = jnp.reshape(jnp.broadcast_to(mask, lead + tail), (B,) + tail)
+    return fold(inputs_q), fold(inputs_k), fold(value), mask, lead
+
+
 class MetricGenerator(nnx.Module):
     """The data-adaptive part of one side's cross-head map: phi(t) -> A(t) or u(t).
 
@@ -431,6 +459,10 @@ class DamchaAttention(nnx.Module):
     ) -> Array:
         """Attention of ``inputs_q`` (B, N, E_q) over ``inputs_k`` (B, M, E_kv).
 
+        As in Flax, inputs may also be unbatched (N, E) or carry several batch
+        axes ``[batch..., N, E]`` (not with ``decode``), with masks
+        ``[batch..., H|1, N|1, M]``; they are folded into one batch axis.
+
         As ``nnx.MultiHeadAttention``: ``inputs_k=None`` is self-attention,
         ``inputs_v`` defaults to ``inputs_k``; ``mask`` follows Flax: True or
         non-zero = attend (``nnx.make_attention_mask``/``make_causal_mask``
@@ -455,10 +487,14 @@ class DamchaAttention(nnx.Module):
                     f"Received: inputs_v={describe(inputs_v)}"
                 )
             return self._decode(inputs_q, inputs_k, mask)
-        return F.damcha_attention(
+        lead = None
+        if getattr(inputs_q, "ndim", 3) != 3:  # Flax also takes (N, E) and [batch..., N, E]
+            inputs_q, inputs_k, value, mask, lead = _fold_batch_dims(inputs_q, inputs_k, value, mask)
+        y = F.damcha_attention(
             self.arrays(), self.config, inputs_q, inputs_k, value=value, mask=mask, is_causal=is_causal,
             dropout_rng=dropout_rng, deterministic=dropout_rng is None, dtype=self.dtype,
         )
+        return y if lead is None else jnp.reshape(y, lead + tuple(y.shape[-2:]))
 
     def init_cache(self, input_shape: tuple[int, ...], dtype: Any = jnp.float32) -> None:
         """Allocate the decoding cache for inputs of shape (B, max_length, E_q)."""
