@@ -289,7 +289,7 @@ X = np.zeros((2, 5, 8), "float32")
 BAD_CALL = {
     "int-query": (dict(query=np.zeros((2, 5, 8), "int32")), dc.DamchaTypeError, "query"),
     "float-attention_mask": (dict(attention_mask=np.ones((2, 5, 5), "float32")), dc.DamchaTypeError, "attention_mask"),
-    "int-value_mask": (dict(value_mask=np.ones((2, 5), "int32")), dc.DamchaTypeError, "value_mask"),
+    "float16-value_mask": (dict(value_mask=np.ones((2, 5), "float16")), dc.DamchaTypeError, "value_mask"),
     "attention_mask-shape": (dict(attention_mask=np.ones((2, 5, 4), bool)), dc.DamchaValueError, "attention_mask"),
     "attention_mask-rank5": (dict(attention_mask=np.ones((1, 2, 2, 5, 5), bool)), dc.DamchaValueError, "attention_mask"),
     "query_mask-shape": (dict(query_mask=np.ones((2, 4), bool)), dc.DamchaValueError, "query_mask"),
@@ -598,3 +598,25 @@ def test_blocks_share_separate_generators_and_keep_them_through_save(tmp_path):
     assert again[0]["q"] is again[1]["q"] and again[0]["k"] is again[1]["k"] and again[0]["q"] is not again[0]["k"]
     with pytest.raises(dc.DamchaTypeError, match=r"a mapping \{'q': \.\.\., 'k': \.\.\.\} of them"):
         TransformerEncoder(16, 2, coupling="separate", metric_generator={"q": 3})
+
+
+@pytest.mark.parametrize("dtype", ["int32", "int64", "uint8"])
+def test_integer_masks_read_as_keras_mha_reads_them(dtype):
+    """Tokenizers hand out 0/1 integer masks; Keras MHA reads non-zero as attend, and so
+    does this layer (same output as the boolean masks, gates open)."""
+    cfg = dc.DamchaConfig(query_dim=E, num_heads=H, key_dim=D, coupling="separate", context_dim=E + 2)
+    params = case_params(cfg, 5)
+    layer = DamchaAttention.from_canonical(params, cfg, dtype="float64")
+    r = rng(14)
+    x, c = r.normal(size=(B, N, E)), r.normal(size=(B, M, E + 2))
+    attention = r.random((B, N, M)) < 0.7
+    attention[..., 0] = True
+    value = np.ones((B, M), bool)
+    value[1, -2:] = False
+    want = np_(layer(x, c, attention_mask=attention, value_mask=value))
+    got = np_(layer(x, c, attention_mask=attention.astype(dtype), value_mask=value.astype(dtype) * 3))
+    np.testing.assert_array_equal(got, want)
+    ref = dc.damcha_attention(params, cfg, x, c, mask=(attention & value[:, None, :])[:, None])
+    np.testing.assert_allclose(got, ref, rtol=1e-10, atol=1e-12)
+    with pytest.raises(dc.DamchaTypeError, match=r"`attention_mask` must be boolean or integer.*additive 0/-inf mask would be read inverted"):
+        layer(x, c, attention_mask=attention.astype("float32"))

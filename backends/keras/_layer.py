@@ -23,6 +23,17 @@ def _dtype_name(x: Any) -> str:
     return keras.backend.standardize_dtype(x.dtype)
 
 
+_MASK_EXPECTED = (
+    "boolean or integer (True / non-zero = may attend, as Keras MHA reads them); a float mask is refused "
+    "because an additive 0/-inf mask would be read inverted"
+)
+
+
+def _is_mask_dtype(m: Any) -> bool:
+    name = _dtype_name(m)
+    return name == "bool" or name.startswith(("int", "uint"))
+
+
 def _static_shape(x: Any) -> tuple:
     """x's shape with every dim that is not a plain int as None.
 
@@ -321,8 +332,8 @@ class DamchaAttention(keras.layers.Layer):
             if x is not None and _dtype_name(x) not in _FLOAT_DTYPES:
                 raise dc.float_dtype_error(name, x)
         for name, m in masks.items():
-            if m is not None and _dtype_name(m) != "bool":
-                raise dc.mask_dtype_error(m, name)
+            if m is not None and not _is_mask_dtype(m):
+                raise dc.mask_dtype_error(m, name, _MASK_EXPECTED)
         qs, vs = _static_shape(query), _static_shape(value)
         cfg = self.config
         # The layer's own argument names (value, key), not damcha_core's (context).
@@ -461,6 +472,10 @@ class DamchaAttention(keras.layers.Layer):
                 raise DamchaTypeError(f"`{name}` must be a bool. Received: {name}={describe(flag)}")
         kv_len = self._check_cache(query, value, masks, use_causal_mask, cache, cache_update_index)
         self._check_inputs(query, value, key, masks, kv_len)
+        # As Keras MHA does, an integer mask means non-zero = may attend.
+        query_mask, value_mask, key_mask, attention_mask = (
+            m if m is None or _dtype_name(m) == "bool" else ops.not_equal(m, 0) for m in masks.values()
+        )
         if key is None:
             key = value
         cfg = self.config
