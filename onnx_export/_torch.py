@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 import onnx
 
-from damcha_core import DamchaTypeError
+from damcha_core import DamchaTypeError, DamchaValueError
 from damcha_core import describe
 
 from ._export import check_opset, validate_model
@@ -26,6 +26,7 @@ def export_torch(
     dynamic: bool = True,
     input_names: Sequence[str] | None = None,
     output_names: Sequence[str] | None = None,
+    dynamic_shapes: Any = None,
 ) -> onnx.ModelProto:
     """Export a ``torch.nn.Module`` (e.g. one containing ``damcha_torch.DamchaAttention``)
     with the dynamo exporter, then validate it like ``export`` does.
@@ -39,6 +40,10 @@ def export_torch(
             dynamic (``torch.export.Dim.DYNAMIC``), so batch and lengths can
             change after export.
         input_names, output_names: graph input/output names.
+        dynamic_shapes: ``torch.export``'s own spec (one entry per positional
+            input), used instead of the default above, e.g. to make a mask's
+            key-length dim dynamic: ``({0: Dim.DYNAMIC, 1: Dim.DYNAMIC},
+            {0: Dim.DYNAMIC, 2: Dim.DYNAMIC, 3: Dim.DYNAMIC})``.
 
     Returns:
         The validated ``onnx.ModelProto``.
@@ -49,8 +54,16 @@ def export_torch(
         raise DamchaTypeError(f"`model` must be a torch.nn.Module. Received: model={describe(model)}")
     opset, _ = check_opset(opset)
     args = tuple(args)
-    dynamic_shapes = None
-    if dynamic:
+    if dynamic_shapes is not None:
+        if not dynamic:
+            raise DamchaValueError("`dynamic_shapes` needs dynamic=True. Received: dynamic=False and a dynamic_shapes spec")
+        if not isinstance(dynamic_shapes, (tuple, list)) or len(dynamic_shapes) != len(args):
+            raise DamchaValueError(
+                f"`dynamic_shapes` must have one entry per positional input ({len(args)}). "
+                f"Received: dynamic_shapes={describe(dynamic_shapes)}"
+            )
+        dynamic_shapes = tuple(dynamic_shapes)
+    elif dynamic:
         Dim = torch.export.Dim
         dynamic_shapes = tuple(
             {0: Dim.DYNAMIC, 1: Dim.DYNAMIC} if isinstance(a, torch.Tensor) and a.ndim >= 2 else None for a in args
@@ -94,8 +107,6 @@ def encoder_from_torch(encoder: Any, *, causal: bool = False) -> tuple[dict[str,
     from torch import nn
 
     import damcha_torch as dt
-
-    from damcha_core import DamchaValueError
 
     from ._stack import SHARED, EncoderConfig
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 import damcha_core as dc
@@ -47,3 +48,35 @@ def test_torch_dynamo_export_matches_reference_with_dynamic_shapes(tmp_path):
         expected = (x + dc.damcha_attention(params, config, x, causal=causal)) @ w.T + b
         _, ratio = tolerance("float32").output_ratio(out, expected)
         assert ratio <= 1, (B, N, ratio)
+
+
+class _Masked(torch.nn.Module):
+    def __init__(self, layer: dt.DamchaAttention) -> None:
+        super().__init__()
+        self.attn = layer
+
+    def forward(self, x: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return self.attn(x, x, x, attn_mask=hidden, need_weights=False)[0]  # torch convention: True = masked out
+
+
+def test_torch_export_with_a_4d_mask_and_a_dynamic_shapes_spec():
+    """A (B, 1, N, M) mask needs its length dims dynamic too: the caller's
+    torch.export spec is used instead of the batch/sequence default."""
+    config = dc.DamchaConfig(query_dim=16, num_heads=4, key_dim=4)
+    params = case_params(config, 12)
+    model = _Masked(dt.DamchaAttention.from_canonical(params, config, batch_first=True)).eval()
+    Dim = torch.export.Dim
+    example = (torch.randn(2, 6, 16), torch.zeros(2, 1, 6, 6, dtype=torch.bool))
+    spec = ({0: Dim.DYNAMIC, 1: Dim.DYNAMIC}, {0: Dim.DYNAMIC, 2: Dim.DYNAMIC, 3: Dim.DYNAMIC})
+    proto = do.export_torch(model, example, input_names=["query", "hidden"], dynamic_shapes=spec)
+    session = do.ort_session(proto)
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(3, 9, 16)).astype(np.float32)
+    hidden = rng.random((3, 1, 9, 9)) < 0.3
+    hidden[..., 0] = False
+    out = session.run(None, {"query": x, "hidden": hidden})[0]
+    expected = dc.damcha_attention(params, config, x.astype(np.float64), mask=~hidden)
+    _, ratio = tolerance("float32").output_ratio(out, expected)
+    assert ratio <= 1, ratio
+    with pytest.raises(dc.DamchaValueError, match=r"`dynamic_shapes` must have one entry per positional input \(2\)"):
+        do.export_torch(model, example, dynamic_shapes=spec[:1])
