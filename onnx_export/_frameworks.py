@@ -38,8 +38,12 @@ def _sharing(generators: list[dict[str, Any]]) -> bool:
     )
 
 
-def _collect(config: EncoderConfig, layers: list[dict[str, Any]]) -> dict[str, np.ndarray]:
-    """Stack params from per-layer dicts of canonical attention params, norms and FFN arrays."""
+def collect_stack_params(
+    config: EncoderConfig, layers: list[dict[str, Any]], final_norm: tuple[Any, Any] | None = None
+) -> dict[str, np.ndarray]:
+    """Float64 stack params from per-layer dicts of canonical attention params
+    (``"attention"``), norms and FFN arrays (``"norm1.scale"``, ...,
+    ``"ffn.out.bias"``), plus the final norm's (scale, bias) when the config has one."""
     params: dict[str, np.ndarray] = {}
     shapes = config.param_shapes()
     for i, layer in enumerate(layers):
@@ -52,6 +56,8 @@ def _collect(config: EncoderConfig, layers: list[dict[str, Any]]) -> dict[str, n
         for key in ("norm1.scale", "norm1.bias", "norm2.scale", "norm2.bias",
                     "ffn.in.kernel", "ffn.in.bias", "ffn.out.kernel", "ffn.out.bias"):
             params[pre + key] = layer[key]
+    if final_norm is not None:
+        params["final_norm.scale"], params["final_norm.bias"] = final_norm
     return {k: np.asarray(v, dtype=np.float64) for k, v in params.items()}
 
 
@@ -122,7 +128,7 @@ def encoder_from_keras(blocks: Sequence[Any], *, causal: bool | None = None) -> 
         "ffn.in.kernel": np_(b._ffn_in.kernel), "ffn.in.bias": np_(b._ffn_in.bias),
         "ffn.out.kernel": np_(b._ffn_out.kernel), "ffn.out.bias": np_(b._ffn_out.bias),
     } for b in blocks]
-    return _collect(config, layers), config
+    return collect_stack_params(config, layers), config
 
 
 def encoder_from_jax(encoder: Any, *, causal: bool = False) -> tuple[dict[str, np.ndarray], EncoderConfig]:
@@ -170,7 +176,5 @@ def encoder_from_jax(encoder: Any, *, causal: bool = False) -> tuple[dict[str, n
         "ffn.in.kernel": np_(block.mlp_in.kernel), "ffn.in.bias": np_(block.mlp_in.bias),
         "ffn.out.kernel": np_(block.mlp_out.kernel), "ffn.out.bias": np_(block.mlp_out.bias),
     } for block in layers]
-    params = _collect(config, converted)
-    params["final_norm.scale"] = np.asarray(np_(encoder.final_norm.scale), dtype=np.float64)
-    params["final_norm.bias"] = np.asarray(np_(encoder.final_norm.bias), dtype=np.float64)
-    return params, config
+    final = (np_(encoder.final_norm.scale), np_(encoder.final_norm.bias))
+    return collect_stack_params(config, converted, final), config

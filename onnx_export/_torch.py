@@ -108,7 +108,7 @@ def encoder_from_torch(encoder: Any, *, causal: bool = False) -> tuple[dict[str,
 
     import damcha_torch as dt
 
-    from ._stack import SHARED, EncoderConfig
+    from ._stack import EncoderConfig
 
     if not isinstance(encoder, dt.DamchaTransformerEncoder):
         raise DamchaTypeError(f"`encoder` must be a damcha_torch.DamchaTransformerEncoder. Received: encoder={describe(encoder)}")
@@ -150,25 +150,17 @@ def encoder_from_torch(encoder: Any, *, causal: bool = False) -> tuple[dict[str,
                            share_metric=encoder.share_metric and len(layers) > 1, norm_eps=eps, causal=causal,
                            norm_first=bool(first.norm_first), activation=act, final_norm=encoder.norm is not None)
 
-    def np64(t: Any) -> Any:
-        return t.detach().to("cpu").double().numpy().copy()
+    from ._frameworks import collect_stack_params
 
-    params: dict[str, Any] = {}
-    for i, layer in enumerate(layers):
-        pre = f"layers.{i}."
-        for name, value in layer.self_attn.to_canonical().items():
-            if SHARED + name in config.param_shapes():
-                params.setdefault(SHARED + name, value)  # the one shared generator, from layer 0
-            else:
-                params[f"{pre}attention.{name}"] = value
-        for norm in ("norm1", "norm2"):
-            params[f"{pre}{norm}.scale"] = np64(getattr(layer, norm).weight)
-            params[f"{pre}{norm}.bias"] = np64(getattr(layer, norm).bias)
-        params[f"{pre}ffn.in.kernel"] = np64(layer.linear1.weight).T.copy()
-        params[f"{pre}ffn.in.bias"] = np64(layer.linear1.bias)
-        params[f"{pre}ffn.out.kernel"] = np64(layer.linear2.weight).T.copy()
-        params[f"{pre}ffn.out.bias"] = np64(layer.linear2.bias)
-    if encoder.norm is not None:
-        params["final_norm.scale"] = np64(encoder.norm.weight)
-        params["final_norm.bias"] = np64(encoder.norm.bias)
-    return params, config
+    def np64(t: Any) -> Any:
+        return t.detach().to("cpu").double().numpy().copy()  # no alias of the live parameters
+
+    layer_arrays = [{
+        "attention": layer.self_attn.to_canonical(),
+        "norm1.scale": np64(layer.norm1.weight), "norm1.bias": np64(layer.norm1.bias),
+        "norm2.scale": np64(layer.norm2.weight), "norm2.bias": np64(layer.norm2.bias),
+        "ffn.in.kernel": np64(layer.linear1.weight).T, "ffn.in.bias": np64(layer.linear1.bias),
+        "ffn.out.kernel": np64(layer.linear2.weight).T, "ffn.out.bias": np64(layer.linear2.bias),
+    } for layer in layers]
+    final = None if encoder.norm is None else (np64(encoder.norm.weight), np64(encoder.norm.bias))
+    return collect_stack_params(config, layer_arrays, final), config
