@@ -274,6 +274,15 @@ class DecodeCase:
     self_attention = True
     gradients = False
 
+    @property
+    def steps(self) -> tuple[tuple[int, int], ...]:
+        """(start, stop) token ranges an adapter feeds in turn: the prefix, one
+        new token alone, then the other new tokens as one chunk, so the
+        single-token and the multi-token bottom-right paths are both run.
+        The outputs of every step after the first are the decoded ones."""
+        P, L = self.prefix_len, self.prefix_len + self.new_len
+        return tuple((a, b) for a, b in ((0, P), (P, P + 1), (P + 1, L)) if b > a)
+
 
 def _build_decode_catalogue() -> tuple[DecodeCase, ...]:
     lr = dict(metric="lowrank", metric_rank=3)

@@ -136,14 +136,7 @@ def check_case(adapter: BackendAdapter, case: Case, dtype: str, gradients: bool 
     if reason:
         return [Result(**base, check="output", status="unsupported", detail=reason)]
     data = materialise(case)
-    results = []
-    try:
-        out = np.asarray(adapter.forward(data, dtype), dtype=np.float64)
-        err, ratio = tol.output_ratio(out, data.expected)
-        detail = "" if out.shape == data.expected.shape else f"shape {out.shape} != expected {data.expected.shape}"
-        results.append(Result(**base, check="output", status="pass" if ratio <= 1 else "fail", max_error=err, ratio=ratio, detail=detail))
-    except Exception as exc:  # a crash is a reported failure, not the end of the run
-        results.append(Result(**base, check="output", status="error", detail=_describe_exc(exc)))
+    results = [_output_result(dict(base, check="output"), lambda: adapter.forward(data, dtype), data.expected, tol)]
     if not (gradients and case.gradients and adapter.supports_gradients):
         return results
     try:
@@ -205,12 +198,18 @@ def check_decode(adapter: BackendAdapter, case: DecodeCase, dtype: str) -> Resul
     if reason:
         return Result(**base, status="unsupported", detail=reason)
     data = materialise_decode(case)
+    return _output_result(base, lambda: decode(data, dtype), data.expected, tolerance(dtype))
+
+
+def _output_result(base: dict[str, Any], run: Any, expected: np.ndarray, tol: Any) -> Result:
+    """Run ``run()`` and judge its output against ``expected``; a crash is a
+    reported error, not the end of the run."""
     try:
-        out = np.asarray(decode(data, dtype), dtype=np.float64)
+        out = np.asarray(run(), dtype=np.float64)
     except Exception as exc:
         return Result(**base, status="error", detail=_describe_exc(exc))
-    err, ratio = tolerance(dtype).output_ratio(out, data.expected)
-    detail = "" if out.shape == data.expected.shape else f"shape {out.shape} != expected {data.expected.shape}"
+    err, ratio = tol.output_ratio(out, expected)
+    detail = "" if out.shape == expected.shape else f"shape {out.shape} != expected {expected.shape}"
     return Result(**base, status="pass" if ratio <= 1 else "fail", max_error=err, ratio=ratio, detail=detail)
 
 

@@ -59,17 +59,16 @@ class ConformanceAdapter:
         return run(model, inputs)
 
     def decode(self, data, dtype: str) -> np.ndarray:
-        """A ``kv_cache=True`` export: the prefix from an empty cache, one new
-        token alone, then the rest, feeding each step's present_* back as past_*."""
+        """``data.case.steps`` through a ``kv_cache=True`` export from an empty
+        cache, feeding each step's present_* back as past_*."""
         model = build_model(data.params, data.config, opset=self.opset, causal=True, kv_cache=True, dtype=dtype)
         run = run_ort if self.runtime == "onnxruntime" else run_reference
-        x, P = data.query, data.case.prefix_len
+        x = data.query
         cache, outs = empty_kv_cache(model, x.shape[0]), []
-        for start, stop in ((0, P), (P, P + 1), (P + 1, x.shape[1])):
-            if stop > start:
-                step = run(model, {"query": x[:, start:stop], **cache}, all_outputs=True)
-                cache = {"past_key": step["present_key"], "past_value": step["present_value"]}
-                outs.append(step["output"])
+        for start, stop in data.case.steps:
+            step = run(model, {"query": x[:, start:stop], **cache}, all_outputs=True)
+            cache = {"past_key": step["present_key"], "past_value": step["present_value"]}
+            outs.append(step["output"])
         return np.concatenate(outs[1:], axis=1)
 
     def gradients(self, data, dtype: str) -> dict[str, np.ndarray]:

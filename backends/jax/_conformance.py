@@ -89,18 +89,16 @@ class ConformanceAdapter:
         return out
 
     def decode(self, data: Any, dtype: str) -> np.ndarray:
-        """``init_cache`` + ``decode_step``: the prefix, one new token alone, then
-        the rest as one chunk (eager: three tiny programs, no jit needed)."""
+        """``data.case.steps`` through ``init_cache`` + ``decode_step`` (eager: a
+        few tiny programs, no jit needed)."""
         dt = self._dtype(dtype)
         params = {n: jnp.asarray(v, dt) for n, v in data.params.items()}
         x = jnp.asarray(data.query, dt)
-        P = data.case.prefix_len
         cache = init_cache(data.config, x.shape[0], x.shape[1], dt)
         outs = []
-        for start, stop in ((0, P), (P, P + 1), (P + 1, x.shape[1])):
-            if stop > start:
-                y, cache = decode_step(params, data.config, cache, x[:, start:stop])
-                outs.append(y)
+        for start, stop in data.case.steps:
+            y, cache = decode_step(params, data.config, cache, x[:, start:stop])
+            outs.append(y)
         wide = jnp.promote_types(dt, jnp.float32)
         return np.asarray(jnp.concatenate(outs[1:], axis=1).astype(wide), dtype=np.float64)
 

@@ -85,17 +85,15 @@ class ConformanceAdapter:
         return np.asarray(keras.ops.convert_to_numpy(out), dtype=np.float64)
 
     def decode(self, data: CaseData, dtype: str) -> np.ndarray:
-        """The layer's KerasHub-style cache: the prefix, one new token alone,
-        then the rest as one chunk, each written at its ``cache_update_index``."""
+        """``data.case.steps`` through the layer's KerasHub-style cache, each
+        written at its ``cache_update_index``."""
         layer = DamchaAttention.from_canonical(data.params, data.config, dtype=dtype)
         x = data.query.astype(dtype)
-        P, L = data.case.prefix_len, data.query.shape[1]
-        cache, outs = layer.init_cache(x.shape[0], L), []
-        for start, stop in ((0, P), (P, P + 1), (P + 1, L)):
-            if stop > start:
-                t = keras.ops.convert_to_tensor(x[:, start:stop])
-                y, cache = layer(t, t, use_causal_mask=True, cache=cache, cache_update_index=start)
-                outs.append(np.asarray(keras.ops.convert_to_numpy(y), dtype=np.float64))
+        cache, outs = layer.init_cache(x.shape[0], x.shape[1]), []
+        for start, stop in data.case.steps:
+            t = keras.ops.convert_to_tensor(x[:, start:stop])
+            y, cache = layer(t, t, use_causal_mask=True, cache=cache, cache_update_index=start)
+            outs.append(np.asarray(keras.ops.convert_to_numpy(y), dtype=np.float64))
         return np.concatenate(outs[1:], axis=1)
 
     def gradients(self, data: CaseData, dtype: str) -> dict[str, np.ndarray]:

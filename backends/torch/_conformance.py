@@ -57,19 +57,15 @@ class ConformanceAdapter:
         return out.to(torch.float64).cpu().numpy()
 
     def decode(self, data: CaseData, dtype: str) -> np.ndarray:
-        """Prefix into a ``DamchaKVCache``, then one new token alone and the rest
-        as one chunk (the single-token and the multi-token bottom-right paths)."""
+        """``data.case.steps`` through one ``DamchaKVCache``."""
         layer = DamchaAttention.from_canonical(data.params, data.config, batch_first=True, device=self.device,
                                                dtype=_DTYPES[dtype]).eval()
         x = torch.from_numpy(data.query).to(self.device, _DTYPES[dtype])
-        P = data.case.prefix_len
         cache, outs = DamchaKVCache(), []
         with torch.no_grad():
-            for start, stop in ((0, P), (P, P + 1), (P + 1, x.shape[1])):
-                if stop > start:
-                    t = x[:, start:stop]
-                    y, _ = layer(t, t, t, is_causal=True, need_weights=False, kv_cache=cache)
-                    outs.append(y)
+            for start, stop in data.case.steps:
+                t = x[:, start:stop]
+                outs.append(layer(t, t, t, is_causal=True, need_weights=False, kv_cache=cache)[0])
         return torch.cat(outs[1:], dim=1).to(torch.float64).cpu().numpy()
 
     def gradients(self, data: CaseData, dtype: str) -> dict[str, np.ndarray]:
