@@ -1,12 +1,14 @@
 """damcha_conformance: holds every backend, including third-party ports, to the reference.
 
 A port implements ``BackendAdapter`` and calls ``run_conformance``; the CLI
-``damcha conform`` runs every installed backend and prints a table.
+``damcha conform`` runs every installed backend and prints a table. This
+project's own adapters live in ``damcha_conformance.adapters`` (each imported
+on first use).
 """
 
 from __future__ import annotations
 
-from ._adapter import BackendAdapter, ReferenceAdapter
+from ._adapter import BackendAdapter
 from ._cases import (
     CATALOGUE,
     CORRUPTIONS,
@@ -27,6 +29,8 @@ from ._cases import (
 )
 from ._runner import Report, Result, check_case, check_decode, check_error, run_conformance
 from ._tolerances import DTYPES, TOLERANCES, Tolerance, tolerance
+from .adapters import load_adapter
+from .adapters._reference import ReferenceAdapter
 
 __all__ = [
     "BackendAdapter",
@@ -51,6 +55,7 @@ __all__ = [
     "check_decode",
     "check_error",
     "gradient_targets",
+    "load_adapter",
     "materialise",
     "materialise_decode",
     "materialise_error",

@@ -9,53 +9,19 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from ._adapter import BackendAdapter, ReferenceAdapter
 from ._cases import DECODE_CATALOGUE, GROUPS, catalogue
 from ._runner import Report, run_conformance
 from ._tolerances import DTYPES
+from .adapters import BUILTIN, load_adapter
 
-# name -> (package exporting ConformanceAdapter, framework module that must be installed, extra env)
-BACKENDS: dict[str, tuple[str, str, dict[str, str]]] = {
-    "reference": ("damcha_conformance", "numpy", {}),
-    "torch": ("damcha_torch", "torch", {}),
-    "jax": ("damcha_jax", "jax", {"JAX_ENABLE_X64": "1"}),
-    "keras-tensorflow": ("damcha_keras", "tensorflow", {"KERAS_BACKEND": "tensorflow"}),
-    "keras-jax": ("damcha_keras", "jax", {"KERAS_BACKEND": "jax", "JAX_ENABLE_X64": "1"}),
-    "keras-torch": ("damcha_keras", "torch", {"KERAS_BACKEND": "torch"}),
-    "onnxruntime": ("damcha_onnx", "onnxruntime", {}),
-}
-
-
-# Run only when asked for (``--backend torch-cuda``): most machines have no GPU.
-ON_REQUEST: dict[str, tuple[str, str, dict[str, str]]] = {
-    "torch-cuda": ("damcha_torch", "torch", {}),
-}
-
-
-def load_adapter(spec: str) -> BackendAdapter:
-    """A built-in backend name, or ``module:attr`` naming an adapter class,
-    factory or instance (a third party's port)."""
-    if spec == "reference":
-        return ReferenceAdapter()
-    if spec == "torch-cuda":
-        return importlib.import_module("damcha_torch").ConformanceAdapter(device="cuda")
-    if spec in BACKENDS:
-        module = importlib.import_module(BACKENDS[spec][0])
-        return module.ConformanceAdapter()
-    module_name, _, attr = spec.partition(":")
-    if not attr:
-        raise SystemExit(
-            f"damcha conform: unknown backend {spec!r}; expected one of {list(BACKENDS) + list(ON_REQUEST)} or module:attr"
-        )
-    obj = getattr(importlib.import_module(module_name), attr)
-    return obj() if callable(obj) else obj
+BACKENDS = [name for name, b in BUILTIN.items() if not b.on_request]
+ON_REQUEST = [name for name, b in BUILTIN.items() if b.on_request]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -98,7 +64,7 @@ def _run_in_process(spec: str, args: argparse.Namespace) -> Report:
 def _run_subprocess(spec: str, args: argparse.Namespace, env_extra: dict[str, str]) -> Report:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "report.json"
-        flag = "--backend" if spec in BACKENDS or spec in ON_REQUEST else "--adapter"
+        flag = "--backend" if spec in BUILTIN else "--adapter"
         cmd = [sys.executable, "-m", "damcha_conformance._cli", "--in-process", flag, spec, "--json", str(out)] + _filters(args)
         proc = subprocess.run(cmd, env={**os.environ, **env_extra}, capture_output=True, text=True)
         if out.exists():
@@ -125,11 +91,13 @@ def main(argv: list[str] | None = None) -> int:
     else:
         report = Report()
         for spec in specs or list(BACKENDS):
-            package, framework, env_extra = {**BACKENDS, **ON_REQUEST}.get(spec, ("", "", {}))
-            if framework and importlib.util.find_spec(framework) is None:
+            builtin = BUILTIN.get(spec)
+            missing = builtin.missing() if builtin else []
+            if missing:
                 verdict = "FAIL" if args.require_all else "skipped"
-                report.notes.append(f"{verdict} {spec}: {framework} is not installed")
+                report.notes.append(f"{verdict} {spec}: {', '.join(missing)} not installed")
                 continue
+            env_extra = dict(builtin.env) if builtin else {}
             if spec == "torch-cuda" and not importlib.import_module("torch").cuda.is_available():
                 report.notes.append(f"FAIL {spec}: asked for, but torch sees no CUDA device")
                 continue

@@ -11,7 +11,8 @@ those are called.
 
 from __future__ import annotations
 
-from ._adapter import ConformanceAdapter
+from typing import Any
+
 from ._export import build_model, check_opset, export, validate_model
 from ._graph import ATTENTION_OPSET, MIN_OPSET, fold_params
 from ._quantize import quantization_error, quantize_int8
@@ -32,7 +33,6 @@ from ._torch import encoder_from_torch, export_torch
 
 __all__ = [
     "ATTENTION_OPSET",
-    "ConformanceAdapter",
     "EncoderConfig",
     "MIN_OPSET",
     "TokenModelConfig",
@@ -59,3 +59,19 @@ __all__ = [
     "validate_model",
     "validate_stack_params",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # Deprecated for one release: the adapter moved to the conformance suite.
+    if name == "ConformanceAdapter":
+        import warnings
+
+        warnings.warn(
+            "damcha_onnx.ConformanceAdapter is deprecated; use damcha_conformance.adapters.OnnxAdapter",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        from damcha_conformance.adapters import OnnxAdapter
+
+        return OnnxAdapter
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -12,14 +12,15 @@ import sys
 
 import pytest
 
-import damcha_jax
 from damcha_conformance import CATALOGUE, run_conformance
+from damcha_conformance.adapters import JaxAdapter
 
 _X64_SCRIPT = """
-import jax, damcha_jax
+import jax
+from damcha_conformance.adapters import JaxAdapter
 from damcha_conformance import run_conformance
 assert jax.config.jax_enable_x64
-adapter = damcha_jax.ConformanceAdapter()
+adapter = JaxAdapter()
 assert "float64" in adapter.dtypes
 report = run_conformance(adapter, dtypes=["float64"])
 print(report.summary())
@@ -43,7 +44,7 @@ def float64_run():
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_catalogue_passes(dtype: str, float64_run) -> None:
-    report = run_conformance(damcha_jax.ConformanceAdapter(), dtypes=[dtype])
+    report = run_conformance(JaxAdapter(), dtypes=[dtype])
     ran = [r for r in report.results if r.status != "unsupported"]
     assert len(ran) == len(report.results), "the JAX backend declares no case unsupported"
     assert sum(r.check == "gradients" for r in ran) == sum(c.gradients for c in CATALOGUE)
@@ -60,7 +61,7 @@ def test_float64_is_refused_without_x64() -> None:
     import jax
 
     assert not jax.config.jax_enable_x64
-    adapter = damcha_jax.ConformanceAdapter()
+    adapter = JaxAdapter()
     assert "float64" not in adapter.dtypes
     report = run_conformance(adapter, cases=CATALOGUE[:1], dtypes=["float64"], gradients=False)
     assert report.results and all(r.status == "error" and "x64" in r.detail for r in report.results)

@@ -6,7 +6,7 @@ import pytest
 from _devices import TORCH_DEVICES
 
 from damcha_conformance import run_conformance
-from damcha_torch import ConformanceAdapter
+from damcha_conformance.adapters import TorchAdapter as ConformanceAdapter
 
 
 def test_adapter_declares_its_dtypes():

@@ -6,7 +6,8 @@ static ``DamchaConfig``; ``DamchaAttention`` mirrors ``nnx.MultiHeadAttention``.
 
 from __future__ import annotations
 
-from ._conformance import ConformanceAdapter
+from typing import Any
+
 from ._functional import (
     coefficients,
     damcha_attention,
@@ -26,7 +27,6 @@ from ._module import (
 )
 
 __all__ = [
-    "ConformanceAdapter",
     "CrossHeadMap",
     "DamchaAttention",
     "DamchaEncoder",
@@ -41,3 +41,19 @@ __all__ = [
     "metric_penalty",
     "transformed_qkv",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # Deprecated for one release: the adapter moved to the conformance suite.
+    if name == "ConformanceAdapter":
+        import warnings
+
+        warnings.warn(
+            "damcha_jax.ConformanceAdapter is deprecated; use damcha_conformance.adapters.JaxAdapter",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        from damcha_conformance.adapters import JaxAdapter
+
+        return JaxAdapter
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -3,8 +3,8 @@
 ``DamchaAttention`` is a drop-in for ``keras.layers.MultiHeadAttention``
 written with ``keras.ops`` only; ``MetricGenerator`` is the shareable,
 data-adaptive part; ``TransformerEncoder``/``TransformerDecoder`` are
-KerasHub-style blocks. ``ConformanceAdapter`` (imported on first use, as it
-pulls in the conformance suite) runs the catalogue on the current backend.
+KerasHub-style blocks. The conformance adapter is
+``damcha_conformance.adapters.KerasAdapter``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from ._generator import MetricGenerator, rms_normalise
 from ._layer import DamchaAttention
 
 __all__ = [
-    "ConformanceAdapter",
     "DamchaAttention",
     "MetricGenerator",
     "TransformerDecoder",
@@ -26,8 +25,16 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
+    # Deprecated for one release: the adapter moved to the conformance suite.
     if name == "ConformanceAdapter":
-        from ._conformance import ConformanceAdapter
+        import warnings
 
-        return ConformanceAdapter
-    raise AttributeError(f"module 'damcha_keras' has no attribute {name!r}")
+        warnings.warn(
+            "damcha_keras.ConformanceAdapter is deprecated; use damcha_conformance.adapters.KerasAdapter",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        from damcha_conformance.adapters import KerasAdapter
+
+        return KerasAdapter
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

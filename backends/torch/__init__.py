@@ -7,8 +7,9 @@ See docs/torch.md.
 
 from __future__ import annotations
 
+from typing import Any
+
 from ._attention import DamchaAttention, DamchaKVCache, replace_mha
-from ._conformance import ConformanceAdapter
 from ._functional import causal_visibility, damcha_attention, safe_attention
 from ._metric import MetricGenerator
 from ._transformer import (
@@ -23,7 +24,6 @@ from ._transformer import (
 )
 
 __all__ = [
-    "ConformanceAdapter",
     "DamchaAttention",
     "DamchaKVCache",
     "DamchaTransformerDecoder",
@@ -40,3 +40,19 @@ __all__ = [
     "safe_attention",
     "shard_stack",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # Deprecated for one release: the adapter moved to the conformance suite.
+    if name == "ConformanceAdapter":
+        import warnings
+
+        warnings.warn(
+            "damcha_torch.ConformanceAdapter is deprecated; use damcha_conformance.adapters.TorchAdapter",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        from damcha_conformance.adapters import TorchAdapter
+
+        return TorchAdapter
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""The conformance adapter: DamchaAttention under the current Keras backend.
+"""The Keras adapter: ``damcha_keras.DamchaAttention`` under the current Keras backend.
 
 The layer itself is backend-neutral; gradients are not (Keras 3 has no
 ``keras.ops`` autodiff), so ``gradients`` dispatches to the backend's own
@@ -14,10 +14,10 @@ import numpy as np
 
 import keras
 
-from damcha_conformance import Case, CaseData
 from damcha_core import DamchaValueError
+from damcha_keras import DamchaAttention
 
-from ._layer import DamchaAttention
+from .._cases import Case, CaseData
 
 
 def _backend_dtypes(backend: str) -> tuple[str, ...]:
@@ -29,7 +29,7 @@ def _backend_dtypes(backend: str) -> tuple[str, ...]:
     return ("float32", "float64")
 
 
-class ConformanceAdapter:
+class KerasAdapter:
     """Runs ``DamchaAttention`` on the current ``KERAS_BACKEND``.
 
     Masks arrive 4-D (B|1, H|1, N|1, M) and are passed as ``attention_mask``

@@ -1,4 +1,4 @@
-"""The onnxruntime backend of the conformance runner (forward only)."""
+"""The ONNX adapter: ``damcha_onnx`` exports run in onnxruntime (forward only)."""
 
 from __future__ import annotations
 
@@ -8,14 +8,12 @@ import numpy as np
 
 from damcha_core import DamchaValueError
 
-from ._export import build_model, check_opset
-from ._graph import ATTENTION_OPSET
-from ._runtime import empty_kv_cache, run_ort, run_reference
+from damcha_onnx import ATTENTION_OPSET, build_model, check_opset, empty_kv_cache, run_ort, run_reference
 
 RUNTIMES = ("onnxruntime", "reference")
 
 
-class ConformanceAdapter:
+class OnnxAdapter:
     """Exports each catalogue case and runs it in onnxruntime's CPU provider.
 
     Args:

@@ -1,4 +1,4 @@
-"""The conformance adapter: runs catalogue cases through ``DamchaAttention``."""
+"""The PyTorch adapter: runs catalogue cases through ``damcha_torch.DamchaAttention``."""
 
 from __future__ import annotations
 
@@ -7,17 +7,15 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 import torch
 
+from damcha_torch import DamchaAttention, DamchaKVCache
+
 if TYPE_CHECKING:  # pragma: no cover
-    from damcha_conformance import Case, CaseData
-
-from ._attention import DamchaAttention, DamchaKVCache
-
-__all__ = ["ConformanceAdapter"]
+    from .._cases import Case, CaseData
 
 _DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-class ConformanceAdapter:
+class TorchAdapter:
     """``damcha_conformance.BackendAdapter`` for PyTorch.
 
     Each case builds ``DamchaAttention.from_canonical`` (batch_first) on

@@ -1,4 +1,4 @@
-"""The conformance adapter: the pure functional API held to the NumPy reference."""
+"""The JAX adapter: ``damcha_jax``'s pure functional API held to the NumPy reference."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 
 from damcha_core import DamchaValueError
 
-from ._functional import damcha_attention, decode_step, init_cache
+from damcha_jax import damcha_attention, decode_step, init_cache
 
 _JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float64": jnp.float64}
 
@@ -20,7 +20,7 @@ _JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float64": jnp.
 _CPU_COMPILE_OPTIONS = {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 0}
 
 
-class ConformanceAdapter:
+class JaxAdapter:
     """``damcha_conformance.BackendAdapter`` for ``damcha_jax.damcha_attention``.
 
     Each case and dtype is one jitted program computing the output and, for

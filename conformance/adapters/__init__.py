@@ -1,0 +1,151 @@
+"""The built-in adapters: each port of this project, held to the reference.
+
+Each adapter lives in its own module and is imported on first use, so that
+``import damcha_conformance.adapters`` imports no framework:
+
+- ``ReferenceAdapter``: the NumPy reference itself (a check of the runner).
+- ``TorchAdapter(device="cpu")``: ``damcha_torch.DamchaAttention`` (fused path).
+- ``JaxAdapter()``: ``damcha_jax.damcha_attention`` (float64 with x64 enabled).
+- ``KerasAdapter()``: ``damcha_keras.DamchaAttention`` on the current ``KERAS_BACKEND``.
+- ``OnnxAdapter(opset=23, runtime="onnxruntime")``: ``damcha_onnx`` exports in onnxruntime.
+
+``BUILTIN`` names the backends ``damcha conform --backend`` knows, with the
+framework each needs and the environment its worker process runs in;
+``load_adapter`` turns a backend name or a third party's ``module:attr`` into
+an adapter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import os
+from typing import TYPE_CHECKING, Any, Mapping
+
+from damcha_core import DamchaValueError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .._adapter import BackendAdapter
+    from ._jax import JaxAdapter
+    from ._keras import KerasAdapter
+    from ._onnx import OnnxAdapter
+    from ._reference import ReferenceAdapter
+    from ._torch import TorchAdapter
+
+__all__ = [
+    "BUILTIN",
+    "Builtin",
+    "JaxAdapter",
+    "KerasAdapter",
+    "OnnxAdapter",
+    "ReferenceAdapter",
+    "TorchAdapter",
+    "load_adapter",
+]
+
+# class name -> module of this package that defines it
+_MODULES = {
+    "JaxAdapter": "_jax",
+    "KerasAdapter": "_keras",
+    "OnnxAdapter": "_onnx",
+    "ReferenceAdapter": "_reference",
+    "TorchAdapter": "_torch",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MODULES:
+        module = importlib.import_module(f"{__name__}.{_MODULES[name]}")
+        return getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_MODULES))
+
+
+@dataclasses.dataclass(frozen=True)
+class Builtin:
+    """A backend ``damcha conform --backend NAME`` runs.
+
+    Args:
+        adapter: the class name in ``damcha_conformance.adapters``.
+        requires: modules that must be importable (checked without importing them).
+        extra: the smallest ``damcha[...]`` extra that installs them.
+        env: environment of the backend's worker process (Keras reads its
+            backend, JAX its x64 mode, once at import).
+        kwargs: arguments of the adapter class.
+        on_request: run only when named (``torch-cuda``: most machines have no GPU).
+    """
+
+    adapter: str
+    requires: tuple[str, ...]
+    extra: str = ""
+    env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    on_request: bool = False
+
+    def missing(self) -> list[str]:
+        """The required modules that are not installed."""
+        return [m for m in self.requires if importlib.util.find_spec(m) is None]
+
+
+BUILTIN: dict[str, Builtin] = {
+    "reference": Builtin("ReferenceAdapter", ("numpy",)),
+    "torch": Builtin("TorchAdapter", ("torch",), "torch"),
+    "jax": Builtin("JaxAdapter", ("jax", "flax"), "jax", {"JAX_ENABLE_X64": "1"}),
+    "keras-tensorflow": Builtin("KerasAdapter", ("keras", "tensorflow"), "keras", {"KERAS_BACKEND": "tensorflow"}),
+    "keras-jax": Builtin("KerasAdapter", ("keras", "jax"), "keras,jax",
+                         {"KERAS_BACKEND": "jax", "JAX_ENABLE_X64": "1"}),
+    "keras-torch": Builtin("KerasAdapter", ("keras", "torch"), "keras,torch", {"KERAS_BACKEND": "torch"}),
+    "onnxruntime": Builtin("OnnxAdapter", ("onnx", "onnxruntime"), "onnx"),
+    "torch-cuda": Builtin("TorchAdapter", ("torch",), "torch", kwargs={"device": "cuda"}, on_request=True),
+}
+
+
+def load_adapter(spec: str) -> BackendAdapter:
+    """The adapter named by ``spec``: a key of ``BUILTIN``, or ``module:attr``
+    naming an adapter class, factory or instance (a third party's port).
+
+    A built-in backend's environment (``KERAS_BACKEND``, ``JAX_ENABLE_X64``)
+    is set here when it is not set yet; it takes effect only if the framework
+    was not imported before, so a Keras adapter on another backend than the
+    one asked for is refused rather than reported under the wrong name.
+
+    Raises:
+        DamchaValueError: an unknown name, a module that cannot be imported
+            or an attribute it does not have.
+    """
+    if not isinstance(spec, str) or not spec:
+        raise DamchaValueError(
+            f"`spec` must be a built-in backend ({', '.join(BUILTIN)}) or module:attr. Received: spec={spec!r}"
+        )
+    builtin = BUILTIN.get(spec)
+    if builtin is not None:
+        for key, value in builtin.env.items():
+            os.environ.setdefault(key, value)
+        adapter = __getattr__(builtin.adapter)(**builtin.kwargs)
+        if spec.startswith("keras-") and adapter.name != spec:
+            raise DamchaValueError(
+                f"`spec` {spec!r} needs KERAS_BACKEND={builtin.env['KERAS_BACKEND']} before Keras is imported. "
+                f"Received: Keras runs on {adapter.name.removeprefix('keras-')!r}"
+            )
+        return adapter
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise DamchaValueError(
+            f"`spec` must be a built-in backend ({', '.join(BUILTIN)}) or module:attr naming an adapter. "
+            f"Received: spec={spec!r}"
+        )
+    if importlib.util.find_spec(module_name.split(".")[0]) is None:
+        raise DamchaValueError(f"`spec` names a module that is not importable. Received: spec={spec!r} "
+                               f"(no module named {module_name.split('.')[0]!r})")
+    module = importlib.import_module(module_name)
+    try:
+        obj = getattr(module, attr)
+    except AttributeError:
+        raise DamchaValueError(
+            f"`spec` names an attribute the module does not have. Received: spec={spec!r}"
+        ) from None
+    return obj() if callable(obj) else obj
