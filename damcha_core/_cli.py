@@ -1,11 +1,17 @@
 """The ``damcha`` command: subcommands live in the packages that implement them
 and are imported only when called, so ``damcha conform`` needs no ONNX and
-``damcha export`` no PyTorch."""
+``damcha export`` no PyTorch.
+
+Exit statuses, for every subcommand: 0 ok, 1 a check failed (a mismatch),
+2 bad arguments (one line on stderr naming the flag; see ``_cliutil``).
+"""
 
 from __future__ import annotations
 
 import importlib
 import sys
+
+from ._cliutil import EXIT_USAGE, install_hint
 
 # subcommand -> (module, one-line help)
 SUBCOMMANDS = {
@@ -15,22 +21,52 @@ SUBCOMMANDS = {
 }
 
 
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("damcha")
+    except Exception:  # noqa: BLE001 - running from a source tree that is not installed
+        from . import __version__
+
+        return __version__
+
+
+def _help() -> str:
+    lines = ["usage: damcha {" + ",".join(SUBCOMMANDS) + "} [options]", "       damcha --version", ""]
+    lines += [f"  {name:<11} {text}" for name, (_, text) in SUBCOMMANDS.items()]
+    lines += ["", "'damcha COMMAND --help' describes a command's options.",
+              "Exit status: 0 ok, 1 a check failed (mismatch), 2 bad arguments."]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUBCOMMANDS:
-        print("usage: damcha {" + ",".join(SUBCOMMANDS) + "} [options]\n")
-        for name, (_, text) in SUBCOMMANDS.items():
-            print(f"  {name:<11} {text}")
-        if argv and argv[0] not in ("-h", "--help"):
-            print(f"\ndamcha: error: unknown command {argv[0]!r}", file=sys.stderr)
-            return 2
+    if argv and argv[0] in ("-h", "--help"):
+        print(_help())
         return 0
+    if argv and argv[0] == "--version":
+        print(f"damcha {_version()}")
+        return 0
+    if not argv:
+        print(_help(), file=sys.stderr)
+        return EXIT_USAGE
+    if argv[0] not in SUBCOMMANDS:
+        print(f"damcha: error: unknown command {argv[0]!r}; expected one of {', '.join(SUBCOMMANDS)} "
+              "(see damcha --help)", file=sys.stderr)
+        return EXIT_USAGE
     module_name = SUBCOMMANDS[argv[0]][0]
     try:
         module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        print(f"damcha {argv[0]}: not available ({exc}); install damcha[all]", file=sys.stderr)
-        return 2
+    except ImportError as exc:
+        # A port's own ImportError already names its extra; a bare
+        # ModuleNotFoundError gets the smallest extra that installs the module.
+        if isinstance(exc, ModuleNotFoundError) and exc.name and "pip install" not in str(exc):
+            message = f"needs {exc.name}, which is not installed: {install_hint(exc.name)}"
+        else:
+            message = " ".join(str(exc).split())
+        print(f"damcha {argv[0]}: error: {message}", file=sys.stderr)
+        return EXIT_USAGE
     return int(module.main(argv[1:]) or 0)
 
 

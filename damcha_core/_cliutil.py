@@ -1,0 +1,338 @@
+"""What every ``damcha`` subcommand shares: check every argument first, then work.
+
+The rules (docs/cli.md): a bad argument, an unusable output path or a missing
+optional dependency ends the command *before any work* with exit status 2
+and one line on stderr naming the flag; outputs are written atomically, so a
+failed run never leaves a partial file and never loses an earlier good one.
+Exit statuses: 0 ok, 1 a check failed (a mismatch), 2 bad arguments.
+
+- ``ArgumentParser``: ``argparse`` with one-line errors (exit 2).
+- ``usage_error(flag, message, prog=...)``: print one line, exit 2.
+- ``int_arg(minimum)``: an argparse ``type=`` for bounded integers.
+- ``check_output_file``/``check_output_dir``/``check_input_file``: path checks.
+- ``require(module, extra, flag, prog=...)``: an optional import, with the
+  smallest extra that installs it.
+- ``atomic_write``/``atomic_dir``: write a file, or a folder of files, so
+  that the target changes only once everything was written.
+- ``Progress``: a progress bar on a terminal (tqdm, from the ``reports``
+  extra), plain lines otherwise.
+
+This module imports the standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import IO, Any, Callable, Iterator, NoReturn
+
+#: The smallest ``damcha[...]`` extra that installs a module (top-level name).
+EXTRAS: dict[str, str] = {
+    "torch": "torch",
+    "jax": "jax",
+    "jaxlib": "jax",
+    "flax": "jax",
+    "keras": "keras",
+    "tensorflow": "keras",
+    "onnx": "onnx",
+    "onnxruntime": "onnx",
+    "onnxscript": "onnx",
+    "matplotlib": "reports",
+    "rich": "reports",
+    "tqdm": "reports",
+    "safetensors": "",  # a core dependency: a broken install, not an extra
+}
+
+EXIT_OK, EXIT_MISMATCH, EXIT_USAGE = 0, 1, 2
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def usage_error(flag: str, message: str, *, prog: str = "damcha") -> NoReturn:
+    """Print ``"<prog>: error: <flag>: <message>"`` as one line on stderr and
+    exit with status 2 (``SystemExit(2)``).
+
+    Args:
+        flag: the argument at fault as the user typed it (``--out``, ``TASK``).
+        message: what is wrong and what was received.
+        prog: the command, e.g. ``"damcha export"``.
+    """
+    head = f"{prog}: error: {flag}: " if flag else f"{prog}: error: "
+    print(head + _one_line(message), file=sys.stderr, flush=True)
+    raise SystemExit(EXIT_USAGE)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` whose errors are one line (plus a pointer
+    to ``--help``) and exit 2, like ``usage_error``."""
+
+    def error(self, message: str) -> NoReturn:
+        # argparse words it "argument --seed: invalid int value: 'x'": the flag comes first.
+        message = message.removeprefix("argument ")
+        print(f"{self.prog}: error: {_one_line(message)} (see {self.prog} --help)", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_USAGE)
+
+
+def int_arg(minimum: int | None = None, maximum: int | None = None) -> Callable[[str], int]:
+    """An argparse ``type=`` that reads an integer within ``[minimum, maximum]``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer. Received: {text!r}") from None
+        if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+            bounds = " and ".join(b for b in (
+                None if minimum is None else f">= {minimum}", None if maximum is None else f"<= {maximum}") if b)
+            raise argparse.ArgumentTypeError(f"must be an integer {bounds}. Received: {value}")
+        return value
+
+    parse.__name__ = "integer"  # argparse names the type in its own messages
+    return parse
+
+
+def _writable_dir(path: Path) -> bool:
+    # Probe with a real file: permission bits do not tell for root, nor for read-only mounts.
+    if not (path.is_dir() and os.access(path, os.W_OK | os.X_OK)):
+        return False
+    try:
+        with tempfile.TemporaryFile(dir=path):
+            return True
+    except OSError:
+        return False
+
+
+def read_only(path: str | os.PathLike[str]) -> bool:
+    """Whether an existing file is read-only: not writable by this user, or
+    without any write permission bit (refused even for root, who could
+    write it: the owner marked it as not to be replaced)."""
+    p = Path(path)
+    return not os.access(p, os.W_OK) or p.stat().st_mode & 0o222 == 0
+
+
+def check_output_file(path: str | os.PathLike[str] | None, flag: str, *, prog: str = "damcha",
+                      overwrite: bool = True) -> Path:
+    """Check that a file can be written at ``path`` before any work is done.
+
+    The folder must exist and be writable; ``path`` must not be a folder, nor
+    an existing read-only file (it would be silently replaced), nor any
+    existing file when ``overwrite`` is False.
+
+    Returns:
+        ``path`` as a ``Path``. Exits 2 (``usage_error``) otherwise.
+    """
+    if path is None or str(path).strip() == "":
+        usage_error(flag, f"needs a file path. Received: {path!r}", prog=prog)
+    p = Path(path)
+    if p.is_dir():
+        usage_error(flag, f"is a directory, expected a file path. Received: {str(p)!r}", prog=prog)
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        usage_error(flag, f"folder {str(parent)!r} does not exist. Received: {str(p)!r}", prog=prog)
+    if not _writable_dir(parent):
+        usage_error(flag, f"folder {str(parent)!r} is not writable. Received: {str(p)!r}", prog=prog)
+    if p.exists():
+        if not overwrite:
+            usage_error(flag, f"file exists (choose another path or remove it). Received: {str(p)!r}", prog=prog)
+        if read_only(p):
+            usage_error(flag, f"file exists and is read-only; it is not replaced. Received: {str(p)!r}", prog=prog)
+    return p
+
+
+def check_output_dir(path: str | os.PathLike[str] | None, flag: str, *, prog: str = "damcha") -> Path:
+    """Check that files can be written into the folder ``path`` (created when
+    missing, with its parents) before any work is done.
+
+    Returns:
+        ``path`` as a ``Path``. Exits 2 (``usage_error``) otherwise.
+    """
+    if path is None or str(path).strip() == "":
+        usage_error(flag, f"needs a folder path. Received: {path!r}", prog=prog)
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        usage_error(flag, f"exists and is not a folder. Received: {str(p)!r}", prog=prog)
+    existing = p
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        usage_error(flag, f"{str(existing)!r} is not a folder. Received: {str(p)!r}", prog=prog)
+    if not _writable_dir(existing):
+        usage_error(flag, f"folder {str(existing)!r} is not writable. Received: {str(p)!r}", prog=prog)
+    return p
+
+
+def check_input_file(path: str | os.PathLike[str] | None, flag: str, *, prog: str = "damcha") -> Path:
+    """Check that ``path`` is an existing, readable file.
+
+    Returns:
+        ``path`` as a ``Path``. Exits 2 (``usage_error``) otherwise.
+    """
+    if path is None or str(path).strip() == "":
+        usage_error(flag, f"needs a file path. Received: {path!r}", prog=prog)
+    p = Path(path)
+    if not p.exists():
+        usage_error(flag, f"file does not exist. Received: {str(p)!r}", prog=prog)
+    if not p.is_file():
+        usage_error(flag, f"is not a file. Received: {str(p)!r}", prog=prog)
+    if not os.access(p, os.R_OK):
+        usage_error(flag, f"file is not readable. Received: {str(p)!r}", prog=prog)
+    return p
+
+
+def install_hint(module: str, extra: str | None = None) -> str:
+    """``pip install "damcha[<extra>]"`` for ``module`` (``extra`` defaults to
+    the smallest one in ``EXTRAS``; never ``[all]``)."""
+    extra = EXTRAS.get(module.split(".")[0], "") if extra is None else extra
+    return f'pip install "damcha[{extra}]"' if extra else 'pip install --force-reinstall damcha'
+
+
+def available(module: str) -> bool:
+    """Whether ``module`` is installed, without importing it."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package missing, or a broken __spec__
+        return False
+
+
+def require(module: str, extra: str | None = None, flag: str = "", *, prog: str = "damcha",
+            why: str = "") -> None:
+    """Exit 2 with an install hint unless ``module`` is installed (checked
+    without importing it, so the check costs nothing before the work).
+
+    Args:
+        module: the import name, e.g. ``"matplotlib"``.
+        extra: the ``damcha[...]`` extra to name; default from ``EXTRAS``.
+        flag: the flag that asked for it (empty: the command itself).
+        prog: the command.
+        why: what needs it, e.g. ``"the plots"``.
+    """
+    if not available(module):
+        what = f" ({why})" if why else ""
+        usage_error(flag, f"needs {module}{what}, which is not installed: {install_hint(module, extra)}", prog=prog)
+
+
+def _file_mode(target: Path) -> int:
+    """Mode for a new output file: the existing file's, else what the umask gives."""
+    try:
+        return target.stat().st_mode & 0o7777
+    except FileNotFoundError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
+
+
+@contextlib.contextmanager
+def atomic_write(path: str | os.PathLike[str], mode: str = "w", encoding: str | None = "utf-8") -> Iterator[IO[Any]]:
+    """Open a temporary file next to ``path`` for writing; on a clean exit it
+    replaces ``path`` in one rename (with the old file's permissions, or the
+    umask's for a new file). On an exception the temporary file is removed
+    and ``path`` is untouched. A read-only ``path`` is refused
+    (``PermissionError``), never silently replaced.
+    """
+    target = Path(path)
+    if target.exists() and read_only(target):
+        raise PermissionError(f"{str(target)!r} is read-only; not replacing it")
+    binary = "b" in mode
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent if str(target.parent) else ".")
+    try:
+        with os.fdopen(fd, mode, encoding=None if binary else encoding) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, _file_mode(target))
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
+    """Write ``text`` to ``path`` atomically (see ``atomic_write``)."""
+    with atomic_write(path, "w") as f:
+        f.write(text)
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """Yield an empty temporary folder next to ``path``; write the outputs
+    there. On a clean exit each file is moved into ``path`` (created if
+    missing) with one rename per file, so files of ``path`` that were not
+    rewritten stay, and none is ever half-written. On an exception the
+    temporary folder is removed and ``path`` is untouched.
+    """
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    try:
+        yield tmp
+        target.mkdir(exist_ok=True)
+        for src in sorted(tmp.rglob("*")):
+            dest = target / src.relative_to(tmp)
+            if src.is_dir():
+                dest.mkdir(exist_ok=True)
+                continue
+            if dest.exists() and read_only(dest):
+                raise PermissionError(f"{str(dest)!r} is read-only; not replacing it")
+            os.chmod(src, _file_mode(dest))
+            os.replace(src, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+class Progress:
+    """Progress of ``total`` steps on stderr: a tqdm bar on a terminal when
+    tqdm (``damcha[reports]``) is installed, otherwise one plain line per step
+    (logs and CI stay readable).
+
+    Args:
+        total: the number of steps.
+        label: what is counted, shown before the bar or on each line.
+        enabled: False prints nothing.
+        stream: default ``sys.stderr``.
+    """
+
+    def __init__(self, total: int, label: str, *, enabled: bool = True, stream: IO[str] | None = None) -> None:
+        self.total, self.label, self.enabled = total, label, enabled
+        self.stream = sys.stderr if stream is None else stream
+        self.done, self.start = 0, time.perf_counter()
+        self._bar: Any = None
+        if enabled and total and self.stream.isatty() and available("tqdm"):
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, desc=label, file=self.stream, leave=False, dynamic_ncols=True)
+
+    def step(self, what: str) -> None:
+        """One step done; ``what`` names it."""
+        self.done += 1
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.set_postfix_str(what, refresh=False)
+            self._bar.update(1)
+        else:
+            print(f"{self.label} [{self.done}/{self.total}] {what}", file=self.stream, flush=True)
+
+    @property
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def __enter__(self) -> "Progress":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

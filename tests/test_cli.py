@@ -1,0 +1,199 @@
+"""The ``damcha`` dispatcher and the helpers every subcommand shares
+(damcha_core._cliutil): one-line usage errors with exit 2, path checks before
+any work, install hints naming the smallest extra, atomic outputs."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from damcha_core import _cliutil as cu
+
+
+def damcha(*args: str, **kw) -> subprocess.CompletedProcess:
+    """The real entry point, as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "damcha_core._cli", *args], capture_output=True, text=True, **kw)
+
+
+def test_no_arguments_prints_help_and_exits_2():
+    proc = damcha()
+    assert proc.returncode == 2
+    assert "usage: damcha" in proc.stderr and "conform" in proc.stderr and proc.stdout == ""
+
+
+def test_help_and_version_exit_0():
+    import damcha_core
+
+    proc = damcha("--help")
+    assert proc.returncode == 0 and "usage: damcha" in proc.stdout and "Exit status" in proc.stdout
+    proc = damcha("--version")
+    assert proc.returncode == 0 and proc.stdout.strip() == f"damcha {damcha_core.__version__}"
+
+
+def test_unknown_command_is_one_line_exit_2():
+    proc = damcha("frobnicate")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "damcha: error: unknown command 'frobnicate'; expected one of conform, export, experiment (see damcha --help)"
+    ]
+
+
+_BLOCKED = """
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] == {blocked!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+sys.meta_path.insert(0, Block())
+from damcha_core._cli import main
+sys.exit(main({argv!r}))
+"""
+
+
+def test_a_missing_framework_names_the_smallest_extra():
+    proc = subprocess.run([sys.executable, "-c", _BLOCKED.format(blocked="onnx", argv=["export", "--help"])],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2, proc.stderr
+    [line] = proc.stderr.strip().splitlines()
+    assert line.startswith("damcha export: error:") and 'pip install "damcha[onnx]"' in line and "[all]" not in line
+
+
+@pytest.mark.parametrize("module, extra", [("torch", "torch"), ("flax", "jax"), ("tensorflow", "keras"),
+                                           ("onnxruntime", "onnx"), ("matplotlib", "reports")])
+def test_install_hints_name_the_smallest_extra(module, extra):
+    assert cu.install_hint(module) == f'pip install "damcha[{extra}]"'
+    assert cu.install_hint(f"{module}.sub") == f'pip install "damcha[{extra}]"'
+
+
+def test_require_checks_without_importing(capsys):
+    cu.require("json", "", "--x")  # installed: nothing happens
+    with pytest.raises(SystemExit) as exc:
+        cu.require("no_such_module_xyz", "reports", "--plots", prog="damcha experiment", why="the plots")
+    assert exc.value.code == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line == ('damcha experiment: error: --plots: needs no_such_module_xyz (the plots), which is not installed: '
+                    'pip install "damcha[reports]"')
+
+
+def test_argument_parser_errors_are_one_line_naming_the_flag(capsys):
+    p = cu.ArgumentParser(prog="damcha test")
+    p.add_argument("--seed", type=cu.int_arg(minimum=0))
+    assert p.parse_args(["--seed", "3"]).seed == 3
+    for bad, says in (("-1", "must be an integer >= 0. Received: -1"), ("x", "must be an integer. Received: 'x'")):
+        with pytest.raises(SystemExit) as exc:
+            p.parse_args(["--seed", bad])
+        assert exc.value.code == 2
+        [line] = capsys.readouterr().err.strip().splitlines()
+        assert line.startswith("damcha test: error: --seed: ") and says in line
+
+
+def _usage(capsys, fn, *args, **kw) -> str:
+    with pytest.raises(SystemExit) as exc:
+        fn(*args, **kw)
+    assert exc.value.code == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    return line
+
+
+def unwritable_dir(tmp_path) -> Path:
+    """A folder this process cannot create files in: a mode-555 folder, or for
+    root (who ignores permission bits) /proc, which refuses new files."""
+    if os.geteuid() == 0:
+        return Path("/proc")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    return locked
+
+
+def test_output_checks_name_the_flag_and_the_problem(tmp_path, capsys):
+    assert cu.check_output_file(tmp_path / "r.json", "--json") == tmp_path / "r.json"
+    assert "--json: folder" in _usage(capsys, cu.check_output_file, tmp_path / "no" / "r.json", "--json")
+    assert "is a directory" in _usage(capsys, cu.check_output_file, tmp_path, "--json")
+    assert "--out: needs a file path. Received: ''" in _usage(capsys, cu.check_output_file, "", "--out")
+    existing = tmp_path / "old.json"
+    existing.write_text("{}")
+    assert "file exists" in _usage(capsys, cu.check_output_file, existing, "--out", overwrite=False)
+    existing.chmod(0o444)
+    assert "read-only" in _usage(capsys, cu.check_output_file, existing, "--out")
+    locked = unwritable_dir(tmp_path)
+    assert "not writable" in _usage(capsys, cu.check_output_file, locked / "r.json", "--json")
+    assert "not writable" in _usage(capsys, cu.check_output_dir, locked / "sub" / "deeper", "--export-vectors")
+    assert cu.check_output_dir(tmp_path / "new" / "dir", "--export-vectors") == tmp_path / "new" / "dir"
+    assert "not a folder" in _usage(capsys, cu.check_output_dir, existing, "--export-vectors")
+    assert "does not exist" in _usage(capsys, cu.check_input_file, tmp_path / "nope", "--params")
+    assert "is not a file" in _usage(capsys, cu.check_input_file, tmp_path, "--params")
+
+
+def test_atomic_write_keeps_the_old_file_on_failure_and_takes_the_umask(tmp_path):
+    target = tmp_path / "report.json"
+    target.write_text("good")
+    with pytest.raises(RuntimeError):
+        with cu.atomic_write(target) as f:
+            f.write("half")
+            raise RuntimeError("crash mid-write")
+    assert target.read_text() == "good"
+    assert os.listdir(tmp_path) == ["report.json"]  # no temporary file left behind
+    cu.atomic_write_text(target, "new")
+    assert target.read_text() == "new"
+    fresh = tmp_path / "fresh.bin"
+    old = os.umask(0o022)
+    try:
+        with cu.atomic_write(fresh, "wb") as f:
+            f.write(b"\x00")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(fresh.stat().st_mode) == 0o644  # not mkstemp's 0600
+    target.chmod(0o444)
+    with pytest.raises(PermissionError, match="read-only"):
+        cu.atomic_write_text(target, "replaced")
+    assert target.read_text() == "new"
+
+
+def test_atomic_dir_moves_files_in_only_when_everything_was_written(tmp_path):
+    out = tmp_path / "vectors"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    (out / "a.json").write_text("old a")
+    with pytest.raises(RuntimeError):
+        with cu.atomic_dir(out) as tmp:
+            (tmp / "a.json").write_text("new a")
+            raise RuntimeError("crash after one file")
+    assert sorted(p.name for p in out.iterdir()) == ["a.json", "keep.txt"] and (out / "a.json").read_text() == "old a"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["vectors"]  # no temporary folder left
+    with cu.atomic_dir(out) as tmp:
+        (tmp / "a.json").write_text("new a")
+        (tmp / "b.json").write_text("new b")
+    assert {p.name: p.read_text() for p in out.iterdir()} == {"a.json": "new a", "b.json": "new b", "keep.txt": "mine"}
+    fresh = tmp_path / "made" / "here"
+    with cu.atomic_dir(fresh) as tmp:
+        (tmp / "x").write_text("x")
+    assert (fresh / "x").read_text() == "x"
+
+
+def test_progress_prints_plain_lines_when_not_a_terminal(capsys):
+    with cu.Progress(2, "torch") as bar:
+        bar.step("case-a")
+        bar.step("case-b")
+    assert capsys.readouterr().err.splitlines() == ["torch [1/2] case-a", "torch [2/2] case-b"]
+    with cu.Progress(1, "quiet", enabled=False) as bar:
+        bar.step("x")
+    assert capsys.readouterr().err == ""
+
+
+def test_cliutil_imports_only_the_standard_library():
+    code = ("import sys; import damcha_core._cliutil;"
+            "bad = [m for m in ('numpy', 'torch', 'jax', 'tqdm', 'rich') if m in sys.modules]; assert not bad, bad")
+    # damcha_core itself imports numpy; the helper module must add nothing on top of that.
+    code = code.replace("'numpy', ", "")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+
+
+def test_usage_error_is_one_line(capsys):
+    line = _usage(capsys, cu.usage_error, "--case", "unknown case 'nosuch'.\nExpected one of [...]", prog="damcha conform")
+    assert line == "damcha conform: error: --case: unknown case 'nosuch'. Expected one of [...]"
