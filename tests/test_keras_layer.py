@@ -254,14 +254,43 @@ def test_automatic_keras_mask_equals_explicit_masks():
 
 
 def test_canonical_safetensors_roundtrip(tmp_path):
+    """save/load (the canonical vocabulary of every port); save_canonical is a
+    deprecated alias; load_canonical returns the layer."""
     cfg = dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4)
     params = case_params(cfg, seed=1)
     layer = DamchaAttention.from_canonical(params, cfg)
-    layer.save_canonical(tmp_path / "a.safetensors")
+    layer.save(tmp_path / "a.safetensors")
     again = DamchaAttention.load(tmp_path / "a.safetensors")
     assert again.config == cfg
     for name, value in again.to_canonical().items():
         np.testing.assert_array_equal(value, params[name].astype("float32"))
+    with pytest.warns(DeprecationWarning, match="save_canonical"):
+        layer.save_canonical(tmp_path / "b.safetensors")
+    assert DamchaAttention.load(tmp_path / "b.safetensors").config == cfg
+    fresh = DamchaAttention.from_canonical(dc.init_params(cfg, seed=3), cfg)
+    assert fresh.load_canonical(params) is fresh
+    np.testing.assert_array_equal(fresh.to_canonical()["query.kernel"], params["query.kernel"].astype("float32"))
+
+
+def test_functional_damcha_attention_matches_reference():
+    """_functional.damcha_attention, the forward as free keras.ops functions on
+    canonical tensors, equals damcha_core in float64 (open gates, lowrank,
+    GQA, mask and causal)."""
+    from damcha_keras import _functional as F
+
+    cfg = dc.DamchaConfig(query_dim=E, num_heads=4, key_dim=D, num_kv_heads=2, context_dim=6, metric="lowrank",
+                          metric_rank=2, coupling="separate", output_dim=5)
+    params = case_params(cfg, seed=4)
+    r = rng(11)
+    x, c = r.normal(size=(B, N, E)), r.normal(size=(B, M, 6))
+    mask = r.random((B, 1, N, M)) < 0.7
+    mask[1, 0, 2] = False
+    y_ref, w_ref = dc.damcha_attention(params, cfg, x, c, mask=mask, causal=True, return_weights=True)
+    tensors = {k: keras.ops.convert_to_tensor(v) for k, v in params.items()}
+    y, w = F.damcha_attention(tensors, cfg, keras.ops.convert_to_tensor(x), keras.ops.convert_to_tensor(c),
+                              mask=keras.ops.convert_to_tensor(mask), causal=True, return_weights=True)
+    np.testing.assert_allclose(np_(y), y_ref, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(np_(w), w_ref, rtol=1e-12, atol=1e-12)
 
 
 # ------------------------------------------------------------ bad input

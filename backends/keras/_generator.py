@@ -6,26 +6,14 @@ import math
 from typing import Any
 
 import keras
-from keras import ops
 
-from damcha_core import RMS_EPS, DamchaConfig, DamchaTypeError, DamchaValueError, describe
+from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, describe
+
+from ._functional import generator, rms_normalise
 
 _METRICS = ("heads", "lowrank")
 
-
-def rms_normalise(tokens: Any) -> Any:
-    """phi(t) = t / sqrt(mean(t^2 over features) + 1e-6), in at least float32.
-
-    16-bit compute dtypes would overflow t^2 for |t| > 256 (float16) and round
-    the mean coarsely, so the statistic is taken in float32 and cast back.
-    """
-    dtype = keras.backend.standardize_dtype(tokens.dtype)
-    wide = ops.cast(tokens, "float32") if dtype in ("float16", "bfloat16") else tokens
-    features = tokens.shape[-1]
-    # sum / E rather than ops.mean: Keras 3.15's torch mean runs float64 in float32.
-    mean_square = ops.sum(ops.square(wide), axis=-1, keepdims=True) / features
-    phi = wide * ops.rsqrt(mean_square + RMS_EPS)
-    return ops.cast(phi, dtype)
+__all__ = ["MetricGenerator", "rms_normalise", "serialize_generator"]
 
 
 @keras.saving.register_keras_serializable(package="damcha")
@@ -122,13 +110,13 @@ class MetricGenerator(keras.layers.Layer):
                 f"features={self.features}, the layer needs {theirs} and features={features}"
             )
 
+    def leaf_names(self) -> tuple[str, ...]:
+        """The canonical leaves this generator holds, in canonical order."""
+        return ("kernel", "bias") if self.metric == "heads" else ("kernel", "bias", "u", "v")
+
     def call(self, tokens: Any) -> Any:
         """Coefficients (B, T, S, S) for "heads", (B, T, r) for "lowrank"."""
-        phi = rms_normalise(tokens)
-        if self.metric == "heads":
-            return ops.einsum("bte,ehk->bthk", phi, self.kernel) + self.bias
-        # einsum, not matmul: Keras 3.15's torch matmul returns float32 for float64.
-        return ops.einsum("bte,er->btr", phi, self.kernel) + self.bias
+        return generator(self.metric, self.kernel, self.bias, tokens)
 
     def compute_output_shape(self, input_shape: tuple[int | None, ...]) -> tuple[int | None, ...]:
         if self.metric == "heads":

@@ -1,7 +1,14 @@
-"""DamchaAttention: a drop-in for keras.layers.MultiHeadAttention, written with keras.ops."""
+"""DamchaAttention: a drop-in for keras.layers.MultiHeadAttention, written with keras.ops.
+
+This module holds the layer: argument validation, building the sublayers and
+variables, and ``call``, which runs the projections (sublayers) and the math
+of ``_functional``. The cache (``_cache``), canonical I/O (``_canonical``)
+and MHA conversion (``_convert``) live in their own modules.
+"""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Mapping
 
 import numpy as np
@@ -12,16 +19,11 @@ from keras import ops
 import damcha_core as dc
 from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, describe
 
+from . import _cache, _canonical, _convert
+from . import _functional as F
+from ._cache import FLOAT_DTYPES, static_shape
+from ._functional import dtype_name
 from ._generator import MetricGenerator, serialize_generator
-
-_FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
-# Keras names of the four projections, in canonical order.
-_DENSE_NAMES = {"query": "query", "key": "key", "value": "value", "output": "attention_output"}
-
-
-def _dtype_name(x: Any) -> str:
-    return keras.backend.standardize_dtype(x.dtype)
-
 
 _MASK_EXPECTED = (
     "boolean or integer (True / non-zero = may attend, as Keras MHA reads them); a float mask is refused "
@@ -30,32 +32,8 @@ _MASK_EXPECTED = (
 
 
 def _is_mask_dtype(m: Any) -> bool:
-    name = _dtype_name(m)
+    name = dtype_name(m)
     return name == "bool" or name.startswith(("int", "uint"))
-
-
-def _static_shape(x: Any) -> tuple:
-    """x's shape with every dim that is not a plain int as None.
-
-    Symbolic dims (jax2tf's shape polymorphism in ``model.export`` on JAX,
-    torch SymInts) cannot be compared or converted to int: checks skip them,
-    as they skip a None dim of a ``keras.Input``.
-    """
-    return tuple(int(s) if isinstance(s, (int, np.integer)) else None for s in x.shape)
-
-
-def _concrete_int(value: Any) -> int | None:
-    """The value of an int or a concrete int tensor; None when traced (jit, tf.function)."""
-    if isinstance(value, (int, np.integer)):
-        return int(value)
-    try:
-        return int(np.asarray(ops.convert_to_numpy(value)))
-    except Exception:  # a tracer or symbolic tensor: its value is not known yet
-        return None
-
-
-def _side_of(config: DamchaConfig, role: str) -> str | None:
-    return dc.side_of(config, role)
 
 
 @keras.saving.register_keras_serializable(package="damcha")
@@ -223,10 +201,15 @@ class DamchaAttention(keras.layers.Layer):
     metric = property(lambda self: self._metric)
     coupling = property(lambda self: self._coupling)
     metric_l2 = property(lambda self: self._metric_l2)
-    query_dense = property(lambda self: self._dense["query"])
-    key_dense = property(lambda self: self._dense["key"])
-    value_dense = property(lambda self: self._dense["value"])
-    output_dense = property(lambda self: self._dense["output"])
+    query_dense = property(lambda self: self._query_dense)
+    key_dense = property(lambda self: self._key_dense)
+    value_dense = property(lambda self: self._value_dense)
+    output_dense = property(lambda self: self._output_dense)
+
+    @property
+    def metric_gates(self) -> dict[str, Any]:
+        """The gate variable (S,) of each metric side; empty before build and for metric "none"."""
+        return dict(self._gates) if self.built else {}
 
     @property
     def metric_generators(self) -> dict[str, MetricGenerator]:
@@ -294,17 +277,18 @@ class DamchaAttention(keras.layers.Layer):
         )
         cfg = self.config
         H, G, d, d_v = cfg.num_heads, cfg.num_kv_heads, cfg.key_dim, cfg.value_dim
-        bias = (lambda axes: axes if self._use_bias else None)
-        self._dense = {
-            "query": keras.layers.EinsumDense("abc,cde->abde", output_shape=(None, H, d), bias_axes=bias("de"), name="query", **self._dense_kwargs()),
-            "key": keras.layers.EinsumDense("abc,cde->abde", output_shape=(None, G, d), bias_axes=bias("de"), name="key", **self._dense_kwargs()),
-            "value": keras.layers.EinsumDense("abc,cde->abde", output_shape=(None, G, d_v), bias_axes=bias("de"), name="value", **self._dense_kwargs()),
-            "output": keras.layers.EinsumDense("abcd,cde->abe", output_shape=(None, cfg.output_dim), bias_axes=bias("e"), name="attention_output", **self._dense_kwargs()),
-        }
-        self._dense["query"].build(tuple(query_shape))
-        self._dense["key"].build(tuple(key_shape if key_shape is not None else value_shape))
-        self._dense["value"].build(tuple(value_shape))
-        self._dense["output"].build((None, None, H, d_v))
+        dense = lambda equation, shape, axes, name: keras.layers.EinsumDense(  # noqa: E731
+            equation, output_shape=shape, bias_axes=axes if self._use_bias else None, name=name, **self._dense_kwargs()
+        )
+        # Attribute names and sublayer names as Keras MHA's, so weight paths match.
+        self._query_dense = dense("abc,cde->abde", (None, H, d), "de", "query")
+        self._key_dense = dense("abc,cde->abde", (None, G, d), "de", "key")
+        self._value_dense = dense("abc,cde->abde", (None, G, d_v), "de", "value")
+        self._output_dense = dense("abcd,cde->abe", (None, cfg.output_dim), "e", "attention_output")
+        self._query_dense.build(tuple(query_shape))
+        self._key_dense.build(tuple(key_shape if key_shape is not None else value_shape))
+        self._value_dense.build(tuple(value_shape))
+        self._output_dense.build((None, None, H, d_v))
         self._generators: dict[str, MetricGenerator] = {}
         self._gates: dict[str, Any] = {}
         for i, side in enumerate(cfg.metric_sides):
@@ -329,19 +313,19 @@ class DamchaAttention(keras.layers.Layer):
 
     def _check_inputs(self, query: Any, value: Any, key: Any, masks: dict[str, Any], kv_len: int | None = None) -> None:
         for name, x in (("query", query), ("value", value), ("key", key)):
-            if x is not None and _dtype_name(x) not in _FLOAT_DTYPES:
+            if x is not None and dtype_name(x) not in FLOAT_DTYPES:
                 raise dc.float_dtype_error(name, x)
         for name, m in masks.items():
             if m is not None and not _is_mask_dtype(m):
                 raise dc.mask_dtype_error(m, name, _MASK_EXPECTED)
-        qs, vs = _static_shape(query), _static_shape(value)
+        qs, vs = static_shape(query), static_shape(value)
         cfg = self.config
         # The layer's own argument names (value, key), not damcha_core's (context).
         for name, x, features in (("query", query, cfg.query_dim), ("value", value, cfg.context_dim),
                                   ("key", key, cfg.context_dim)):
             if x is None:
                 continue
-            shape = _static_shape(x)
+            shape = static_shape(x)
             if len(shape) != 3:
                 raise DamchaValueError(
                     f"`{name}` must have rank 3, (batch, length, features). Received: {name}.shape={tuple(x.shape)}"
@@ -357,7 +341,7 @@ class DamchaAttention(keras.layers.Layer):
                 f"Received: query.shape={tuple(query.shape)}, value.shape={tuple(value.shape)}"
             )
         if key is not None:
-            ks = _static_shape(key)
+            ks = static_shape(key)
             if len(ks) != 3 or len(vs) != 3 or any(
                 a is not None and b is not None and a != b for a, b in zip(ks[:2], vs[:2])
             ):
@@ -385,7 +369,7 @@ class DamchaAttention(keras.layers.Layer):
         ):
             if m is None:
                 continue
-            shape = _static_shape(m)
+            shape = static_shape(m)
             target = rank_shapes.get(len(shape))
             broadcastable = name == "attention_mask"
             if target is None or any(
@@ -401,55 +385,14 @@ class DamchaAttention(keras.layers.Layer):
     # ------------------------------------------------------------------ math
 
     def _apply_map(self, side: str, tokens: Any, y: Any, penalties: list) -> Any:
-        """L(t) y for stacked heads y (B, T, S, d), without forming L."""
-        cfg = self.config
+        """L(t) y of ``side`` for stacked heads y (B, T, S, d)."""
         generator = self._generators[side]
         coeff = generator.call(tokens)
-        gate = ops.cast(self._gates[side], y.dtype)
-        coeff = ops.cast(coeff, y.dtype)
-        if cfg.metric == "heads":
-            delta = ops.einsum("btha,btad->bthd", coeff, y)
-        else:
-            v = ops.cast(generator.v, y.dtype)
-            u = ops.cast(generator.u, y.dtype)
-            z = ops.einsum("btad,adr->btr", y, v)
-            delta = ops.einsum("hdr,btr->bthd", u, coeff * z)
+        gate = self._gates[side]
+        u, v = (generator.u, generator.v) if self.config.metric == "lowrank" else (None, None)
         if self._metric_l2 > 0:
-            penalties.append(self._penalty(side, coeff, gate))
-        return y + gate[:, None] * delta
-
-    def _penalty(self, side: str, coeff: Any, gate: Any) -> Any:
-        # Mean over tokens of ||L(t) - I||_F^2 / (S*d): damcha_core's formula, in float32.
-        params = {f"metric.{side}.gate": ops.cast(gate, "float32")}
-        if self.config.metric == "lowrank":
-            generator = self._generators[side]
-            params[f"metric.{side}.u"] = ops.cast(generator.u, "float32")
-            params[f"metric.{side}.v"] = ops.cast(generator.v, "float32")
-        return dc.role_penalty(ops, params, self.config, side, ops.cast(coeff, "float32"))
-
-    def _visibility(self, query: Any, value: Any, query_mask, value_mask, key_mask, attention_mask, use_causal_mask):
-        """Boolean (B|1, H|1, N|1, M|1) True = may attend, or None if nothing is hidden."""
-        parts = []
-        if attention_mask is not None:
-            while len(attention_mask.shape) < 4:  # Keras convention: (N, M) -> (1, N, M) -> (1, 1, N, M)
-                attention_mask = ops.expand_dims(attention_mask, -3)
-            parts.append(attention_mask)
-        if query_mask is not None:
-            parts.append(query_mask[:, None, :, None])
-        for m in (value_mask, key_mask):
-            if m is not None:
-                parts.append(m[:, None, None, :])
-        if use_causal_mask:
-            n, m = ops.shape(query)[1], ops.shape(value)[1]
-            rows = ops.expand_dims(ops.arange(n, dtype="int32"), 1)
-            cols = ops.expand_dims(ops.arange(m, dtype="int32"), 0)
-            parts.append(ops.greater_equal(rows, cols)[None, None])
-        if not parts:
-            return None
-        visible = parts[0]
-        for p in parts[1:]:
-            visible = ops.logical_and(visible, p)
-        return visible
+            penalties.append(F.metric_penalty(self.config, side, coeff, gate, u, v))
+        return F.apply_map(y, coeff, gate, metric=self.config.metric, u=u, v=v)
 
     def call(
         self,
@@ -474,51 +417,44 @@ class DamchaAttention(keras.layers.Layer):
         self._check_inputs(query, value, key, masks, kv_len)
         # As Keras MHA does, an integer mask means non-zero = may attend.
         query_mask, value_mask, key_mask, attention_mask = (
-            m if m is None or _dtype_name(m) == "bool" else ops.not_equal(m, 0) for m in masks.values()
+            m if m is None or dtype_name(m) == "bool" else ops.not_equal(m, 0) for m in masks.values()
         )
         if key is None:
             key = value
         cfg = self.config
         # Sublayers are invoked through .call: this layer already cast the inputs and
         # consumed their Keras masks, which plain projections would warn about.
-        q = self._dense["query"].call(query)  # (B, N, H, d)
+        q = self._query_dense.call(query)  # (B, N, H, d)
         penalties: list = []
-        side_q, side_k = _side_of(cfg, "q"), _side_of(cfg, "k")
+        side_q, side_k = dc.side_of(cfg, "q"), dc.side_of(cfg, "k")
         if side_q:
             q = self._apply_map(side_q, query, q, penalties)
         if cache is not None and cache_update_index is None:
-            k, v = ops.cast(cache[:, 0], q.dtype), ops.cast(cache[:, 1], q.dtype)  # read-only: k~ already mapped
+            k, v = _cache.read_cache(cache, dtype_name(q))  # read-only: k~ already mapped
         else:
-            k = self._dense["key"].call(key)  # (B, M, G, d)
-            v = self._dense["value"].call(value)  # (B, M, G, d_v)
+            k = self._key_dense.call(key)  # (B, M, G, d)
+            v = self._value_dense.call(value)  # (B, M, G, d_v)
             if side_k:
                 k = self._apply_map(side_k, key, k, penalties)
             if cache is not None:
-                start = [0, cache_update_index, 0, 0]
-                k = ops.slice_update(cache[:, 0], start, ops.cast(k, cache.dtype))
-                v = ops.slice_update(cache[:, 1], start, ops.cast(v, cache.dtype))
-                cache = ops.stack([k, v], axis=1)
-                k, v = ops.cast(k, q.dtype), ops.cast(v, q.dtype)
+                cache, k, v = _cache.update_cache(cache, cache_update_index, k, v)
         if penalties:
             self.add_loss(self._metric_l2 * ops.mean(ops.stack(penalties)))
-        if cfg.group_size > 1:
-            # Query head h reads kv head h // (H/G); repeating keeps every backend's
-            # dot_product_attention on its plain MHA path.
-            k = ops.repeat(k, cfg.group_size, axis=2)
-            v = ops.repeat(v, cfg.group_size, axis=2)
 
-        n_static, m_static = _static_shape(query)[1], _static_shape(value)[1]
+        n, m = ops.shape(query)[1], ops.shape(value)[1]
+        n_static, m_static = static_shape(query)[1], static_shape(value)[1]
         causal_only = (
             use_causal_mask and query_mask is None and value_mask is None and key_mask is None
             and attention_mask is None and n_static is not None and n_static == m_static and cache is None
         )
         if cache is not None:
-            visible = self._cache_visibility(query, value, query_mask, attention_mask, use_causal_mask,
-                                             cache, cache_update_index)
+            visible = _cache.cache_visibility(n, m, cache, cache_update_index, query_mask=query_mask,
+                                              attention_mask=attention_mask, use_causal_mask=use_causal_mask)
+        elif causal_only:
+            visible = None
         else:
-            visible = None if causal_only else self._visibility(
-                query, value, query_mask, value_mask, key_mask, attention_mask, use_causal_mask
-            )
+            visible = F.visibility(n, m, query_mask=query_mask, value_mask=value_mask, key_mask=key_mask,
+                                   attention_mask=attention_mask, causal=use_causal_mask)
         # float64 avoids dot_product_attention: Keras 3.15's torch backend computes it
         # in float32 (its result_type misreads torch dtypes), silently losing precision.
         # value_dim != key_dim too: jax.nn.dot_product_attention rejects it and Keras
@@ -526,16 +462,13 @@ class DamchaAttention(keras.layers.Layer):
         explicit = (
             return_attention_scores
             or (self._dropout > 0 and bool(training))
-            or _dtype_name(q) == "float64"
+            or dtype_name(q) == "float64"
             or cfg.value_dim != cfg.key_dim
         )
-        if explicit:
-            if causal_only:
-                visible = self._visibility(query, value, None, None, None, None, True)
-            out, scores = self._explicit_attention(q, k, v, visible, training)
-        else:
-            out, scores = self._fused_attention(q, k, v, visible, causal_only), None
-        y = self._dense["output"].call(out)
+        dropout = (lambda p: self._dropout_layer(p, training=training)) if self._dropout > 0 else None
+        out, scores = F.attend(q, k, v, visible, scale=cfg.softmax_scale, causal_only=causal_only,
+                               explicit=explicit, dropout=dropout, flash_attention=self._flash_attention)
+        y = self._output_dense.call(out)
         result = (y, scores) if return_attention_scores else (y,)
         if cache is not None:
             result = result + (cache,)
@@ -554,148 +487,15 @@ class DamchaAttention(keras.layers.Layer):
                 a cache of another float dtype would come back converted (and
                 break a ``while_loop``/``fori_loop`` carry); it is refused.
         """
-        for name, value in (("batch_size", batch_size), ("max_length", max_length)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-                raise DamchaValueError(f"`{name}` must be an int >= 1. Received: {name}={describe(value)}")
-        self._check_cache_layout()
-        if dtype is not None:
-            wanted = keras.backend.standardize_dtype(dtype)
-            if wanted not in _FLOAT_DTYPES:
-                raise DamchaTypeError(f"`dtype` of a cache must be a float dtype. Received: dtype={describe(dtype)}")
-            if wanted != self.compute_dtype and self.autocast:
-                raise DamchaValueError(
-                    f"`dtype` of a cache must be the layer's compute dtype {self.compute_dtype!r}: Keras casts "
-                    f"floating call inputs to it, so the cache would come back as {self.compute_dtype}. "
-                    f"Received: dtype={wanted!r}"
-                )
-        cfg = self.config
-        shape = (int(batch_size), 2, int(max_length), cfg.num_kv_heads, cfg.key_dim)
-        return ops.zeros(shape, dtype=dtype or self.compute_dtype)
-
-    def _check_cache_layout(self) -> None:
         if not self.built:
             raise DamchaValueError("The layer must be built (called once, or `build`) before it can use a cache.")
-        if self.config.value_dim != self.config.key_dim:
-            raise DamchaValueError(
-                "A cache stacks keys and values in one (B, 2, L, G, d) tensor, so it needs value_dim == key_dim. "
-                f"Received: key_dim={self.config.key_dim}, value_dim={self.config.value_dim}"
-            )
+        return _cache.init_cache(self.config, batch_size, max_length, _cache.check_cache_dtype(self, dtype))
 
     def _check_cache(self, query: Any, value: Any, masks: dict[str, Any], use_causal_mask: bool,
                      cache: Any, index: Any) -> int | None:
-        """Validate ``cache`` and ``cache_update_index``; returns the key length L masks span."""
-        if cache is None:
-            if index is not None:
-                raise DamchaValueError(
-                    f"`cache_update_index` needs a `cache`. Received: cache=None, cache_update_index={describe(index)}"
-                )
-            return None
-        if not self.built:
+        if cache is not None and not self.built:
             self.build(tuple(query.shape), tuple(value.shape))
-        self._check_cache_layout()
-        cfg = self.config
-        if _dtype_name(cache) not in _FLOAT_DTYPES:
-            raise dc.float_dtype_error("cache", cache)
-        shape = _static_shape(cache)
-        B = _static_shape(query)[0]
-        expected = (B, 2, None, cfg.num_kv_heads, cfg.key_dim)
-        if len(shape) != 5 or any(e is not None and s is not None and s != e for s, e in zip(shape, expected)):
-            raise DamchaValueError(
-                f"`cache` must have shape (B, 2, L, G, d) = ({B}, 2, L, {cfg.num_kv_heads}, {cfg.key_dim}). "
-                f"Received: cache.shape={shape}"
-            )
-        for name in ("value_mask", "key_mask"):
-            if masks[name] is not None:
-                raise DamchaValueError(
-                    f"`{name}` is not supported with a cache: it would cover only the new tokens. Pass an "
-                    f"`attention_mask` (B, N, L) over the whole cache instead (Keras also fills `{name}` from "
-                    f"the tensor's own mask, e.g. Embedding(mask_zero=True)). Received: {name}.shape="
-                    f"{tuple(masks[name].shape)}"
-                )
-        if index is None:
-            if use_causal_mask:
-                raise DamchaValueError(
-                    "`use_causal_mask=True` with a read-only cache needs `cache_update_index` (the position of "
-                    "the first new token). Received: cache_update_index=None"
-                )
-            return shape[2]
-        if isinstance(index, bool) or not (isinstance(index, (int, np.integer)) or hasattr(index, "dtype")):
-            raise DamchaTypeError(f"`cache_update_index` must be an int or an int scalar tensor. Received: "
-                                  f"cache_update_index={describe(index)}")
-        if hasattr(index, "dtype") and ("int" not in _dtype_name(index) or len(index.shape) != 0):
-            raise DamchaTypeError(f"`cache_update_index` must be an int or an int scalar tensor. Received: "
-                                  f"cache_update_index={describe(index)}")
-        T, n = _static_shape(value)[1], _static_shape(query)[1]
-        if use_causal_mask and T is not None and n is not None and T != n:
-            raise DamchaValueError(
-                "`use_causal_mask=True` with a cache needs one new key per query token (self-attention "
-                f"decoding). Received: query.shape={tuple(query.shape)}, value.shape={tuple(value.shape)}"
-            )
-        start = _concrete_int(index)
-        if start is not None and shape[2] is not None and T is not None and not 0 <= start <= shape[2] - T:
-            # Under jit the index is traced and slice_update would clamp it silently; here it is known.
-            raise DamchaValueError(
-                f"`cache_update_index` must be in [0, L - M] = [0, {shape[2] - T}] to write {T} tokens into a "
-                f"cache of L={shape[2]}. Received: cache_update_index={start}"
-            )
-        return shape[2]
-
-    def _cache_visibility(self, query: Any, value: Any, query_mask: Any, attention_mask: Any,
-                          use_causal_mask: bool, cache: Any, index: Any) -> Any:
-        """(B|1, H|1, N, L) bool over the cache's slots."""
-        visible = self._visibility(query, value, query_mask, None, None, attention_mask, False)
-        if index is None:
-            return visible
-        n, L, t = ops.shape(query)[1], ops.shape(cache)[2], ops.shape(value)[1]
-        start = ops.cast(index, "int32")
-        cols = ops.expand_dims(ops.arange(L, dtype="int32"), 0)
-        if use_causal_mask:
-            # Query i is token index + i: it sees slots j <= index + i (bottom-right).
-            limit = ops.expand_dims(ops.arange(n, dtype="int32"), 1) + start
-            slots = ops.less_equal(cols, limit)
-        else:
-            # Slots at or past index + M were never written: hide them.
-            slots = ops.less(cols, start + t)
-        slots = slots[None, None]
-        return slots if visible is None else ops.logical_and(visible, slots)
-
-    def _scaled(self, q: Any) -> Any:
-        # convert_to_tensor with the dtype keeps the scale exact in float64; the
-        # TensorFlow backend rounds a Python float scale through float32.
-        return q * ops.convert_to_tensor(self.config.softmax_scale, dtype=_dtype_name(q))
-
-    def _fused_attention(self, q: Any, k: Any, v: Any, visible: Any, causal_only: bool) -> Any:
-        q, scale = self._scaled(q), 1.0
-        if visible is None:
-            return ops.dot_product_attention(
-                q, k, v, scale=scale, is_causal=causal_only, flash_attention=self._flash_attention
-            )
-        # A row with no visible key would be NaN (torch) or uniform (tensorflow, jax);
-        # unhide it for the kernel, then zero its output: probabilities 0 by spec.
-        any_visible = ops.any(visible, axis=-1, keepdims=True)  # (B|1, H|1, N|1, 1)
-        safe = ops.logical_or(visible, ops.logical_not(any_visible))
-        out = ops.dot_product_attention(q, k, v, mask=safe, scale=scale, flash_attention=self._flash_attention)
-        keep = ops.transpose(ops.cast(any_visible, out.dtype), (0, 2, 1, 3))  # (B|1, N|1, H|1, 1)
-        return out * keep
-
-    def _explicit_attention(self, q: Any, k: Any, v: Any, visible: Any, training: Any) -> tuple[Any, Any]:
-        logits = ops.einsum("bnhd,bmhd->bhnm", self._scaled(q), k)
-        # Softmax in at least float32, as dot_product_attention does.
-        wide = "float32" if _dtype_name(logits) in ("float16", "bfloat16") else _dtype_name(logits)
-        logits = ops.cast(logits, wide)
-        if visible is not None:
-            # A finite fill: a row that sees nothing then stays finite (uniform), and
-            # the product with `visible` below makes it exactly 0.
-            hidden = ops.convert_to_tensor(-1e9 if wide != "float64" else -1e300, dtype=wide)
-            logits = ops.where(visible, logits, hidden)
-        probs = ops.softmax(logits, axis=-1)
-        if visible is not None:
-            # Exact zeros at hidden keys, and for a row that sees nothing (softmax
-            # of equal large negatives would be uniform).
-            probs = probs * ops.cast(visible, wide)
-        probs = ops.cast(probs, q.dtype)
-        dropped = self._dropout_layer(probs, training=training) if self._dropout > 0 else probs
-        return ops.einsum("bhnm,bmhd->bnhd", dropped, v), probs
+        return _cache.check_cache(self.config, query, value, masks, use_causal_mask, cache, index)
 
     def compute_output_shape(self, query_shape: tuple, value_shape: tuple, key_shape: tuple | None = None) -> tuple:
         E_o = self._output_dim if self._output_dim else query_shape[-1]
@@ -762,44 +562,34 @@ class DamchaAttention(keras.layers.Layer):
 
     # ---------------------------------------------------- canonical weights
 
-    def _require_built(self, what: str) -> None:
-        if not self.built or self.config is None:
-            raise DamchaValueError(f"`{what}` needs a built layer; call it on data or use from_canonical first. "
-                                   f"Received: an unbuilt layer {self.name!r}")
-
     def canonical_variables(self) -> dict[str, Any]:
         """Canonical name -> ``keras.Variable``, in canonical order (the same
         variable object appears once per name, even for a shared generator)."""
-        self._require_built("canonical_variables")
-        out: dict[str, Any] = {}
-        for name, dense in self._dense.items():
-            out[f"{name}.kernel"] = dense.kernel
-            if self._use_bias:
-                out[f"{name}.bias"] = dense.bias
-        for side, generator in self._generators.items():
-            out[f"metric.{side}.gate"] = self._gates[side]
-            out[f"metric.{side}.kernel"] = generator.kernel
-            out[f"metric.{side}.bias"] = generator.bias
-            if self.config.metric == "lowrank":
-                out[f"metric.{side}.u"] = generator.u
-                out[f"metric.{side}.v"] = generator.v
-        return {name: out[name] for name in self.config.param_shapes()}
+        return _canonical.canonical_variables(self)
 
     def to_canonical(self) -> dict[str, np.ndarray]:
         """The weights as canonical NumPy arrays (the variables' dtype); with
         ``self.config`` they load into any DAMCHA backend or ``damcha_core``."""
-        return {name: np.asarray(keras.ops.convert_to_numpy(v)) for name, v in self.canonical_variables().items()}
+        return _canonical.to_canonical(self)
 
-    def load_canonical(self, params: Mapping[str, Any]) -> None:
-        """Assign canonical params (validated against ``self.config``) to this built layer."""
-        self._require_built("load_canonical")
-        checked = dc.validate_params(params, self.config)
-        for name, variable in self.canonical_variables().items():
-            variable.assign(checked[name].astype(keras.backend.standardize_dtype(variable.dtype)))
+    def load_canonical(self, params: Mapping[str, Any]) -> "DamchaAttention":
+        """Assign canonical params (validated against ``self.config``) to this
+        built layer; returns the layer."""
+        _canonical.load_canonical(self, params)
+        return self
+
+    def save(self, path: str) -> None:
+        """Write the weights and config as DAMCHA safetensors (``damcha_core.save_params``).
+
+        (``keras.Model.save`` writes ``.keras`` files; a layer has no such
+        method, so ``save`` here is the canonical file, as in every port.)
+        """
+        _canonical.save(self, path)
 
     def save_canonical(self, path: str) -> None:
-        """Write the weights and config as DAMCHA safetensors (``damcha_core.save_params``)."""
-        dc.save_params(path, self.to_canonical(), self.config)
+        """Deprecated alias of ``save``."""
+        warnings.warn("DamchaAttention.save_canonical is deprecated; use save", DeprecationWarning, stacklevel=2)
+        _canonical.save(self, path)
 
     @classmethod
     def from_canonical(cls, params: Mapping[str, Any], config: DamchaConfig, **kwargs: Any) -> "DamchaAttention":
@@ -812,26 +602,12 @@ class DamchaAttention(keras.layers.Layer):
             **kwargs: further constructor arguments (``name``, ``dtype``,
                 ``metric_l2``, ``metric_generator``, initialisers, ...).
         """
-        if not isinstance(config, DamchaConfig):
-            raise DamchaTypeError(f"`config` must be a DamchaConfig. Received: config={describe(config)}")
-        dc.validate_params(params, config)
-        layer = cls(
-            num_heads=config.num_heads, key_dim=config.key_dim, value_dim=config.value_dim,
-            dropout=config.dropout, use_bias=config.use_bias, output_shape=config.output_dim,
-            metric=config.metric, metric_rank=config.metric_rank, coupling=config.coupling,
-            num_kv_heads=config.num_kv_heads, scale=config.scale, **kwargs,
-        )
-        layer._zero_init = True
-        layer.build((None, None, config.query_dim), (None, None, config.context_dim))
-        layer._zero_init = False
-        layer.load_canonical(params)
-        return layer
+        return _canonical.from_canonical(cls, params, config, **kwargs)
 
     @classmethod
     def load(cls, path: str, **kwargs: Any) -> "DamchaAttention":
         """``from_canonical`` on a DAMCHA safetensors file."""
-        params, config = dc.load_params(path)
-        return cls.from_canonical(params, config, **kwargs)
+        return _canonical.load(cls, path, **kwargs)
 
     @classmethod
     def from_mha(cls, layer: keras.layers.MultiHeadAttention, **kwargs: Any) -> "DamchaAttention":
@@ -847,42 +623,4 @@ class DamchaAttention(keras.layers.Layer):
             **kwargs: DAMCHA options and overrides (``metric``, ``coupling``,
                 ``metric_rank``, ``seed``, ``name``, ...).
         """
-        if not isinstance(layer, keras.layers.MultiHeadAttention):
-            raise DamchaTypeError(f"`layer` must be a keras.layers.MultiHeadAttention. Received: layer={describe(layer)}")
-        if not layer.built:
-            raise DamchaValueError(f"`layer` must be built (call it once). Received: an unbuilt layer {layer.name!r}")
-        mha = layer.get_config()
-        for option, ok in (("use_gate", not mha.get("use_gate")), ("sliding_window", mha.get("sliding_window") is None),
-                           ("attention_axes", tuple(layer.attention_axes or (1,)) == (1,))):
-            if not ok:
-                raise DamchaValueError(
-                    f"`layer` uses {option}={mha.get(option)!r}, which DamchaAttention does not support."
-                )
-        qk, kk, vk, ok_ = (d.kernel for d in (layer.query_dense, layer.key_dense, layer.value_dense, layer.output_dense))
-        if len(qk.shape) != 3 or len(ok_.shape) != 3:
-            raise DamchaValueError(
-                "`layer` must have rank-3 inputs and a 1-D output (kernels (E, H, d) and (H, d_v, E_o)). "
-                f"Received: query kernel {tuple(qk.shape)}, output kernel {tuple(ok_.shape)}"
-            )
-        if kk.shape[0] != vk.shape[0]:
-            raise DamchaValueError(
-                "`layer` has different key and value feature sizes; DAMCHA has one context size. "
-                f"Received: key kernel {tuple(kk.shape)}, value kernel {tuple(vk.shape)}"
-            )
-        options = dict(
-            num_heads=mha["num_heads"], key_dim=mha["key_dim"], value_dim=mha["value_dim"],
-            dropout=mha["dropout"], use_bias=mha["use_bias"], output_shape=int(ok_.shape[-1]),
-            kernel_initializer=mha["kernel_initializer"], bias_initializer=mha["bias_initializer"],
-            kernel_regularizer=mha["kernel_regularizer"], bias_regularizer=mha["bias_regularizer"],
-            kernel_constraint=mha["kernel_constraint"], bias_constraint=mha["bias_constraint"],
-            seed=mha["seed"], dtype=layer.dtype_policy,
-        )
-        options.update(kwargs)
-        new = cls(**options)
-        new.build((None, None, int(qk.shape[0])), (None, None, int(vk.shape[0])))
-        for name, dense in (("query", layer.query_dense), ("key", layer.key_dense),
-                            ("value", layer.value_dense), ("output", layer.output_dense)):
-            new._dense[name].kernel.assign(dense.kernel)
-            if new.use_bias:
-                new._dense[name].bias.assign(dense.bias)
-        return new
+        return _convert.from_mha(cls, layer, **kwargs)

@@ -1,0 +1,168 @@
+"""The key/value cache of ``DamchaAttention`` (KerasHub's ``CachedMultiHeadAttention`` layout).
+
+A cache is one tensor (B, 2, L, G, d): slot 0 holds the *mapped* keys
+k~ = L_k(c) k, slot 1 the values, so a cached key never needs its map again
+and the cache is the size of an MHA cache. These functions make, check,
+write and mask it; the layer's ``call`` uses them when given ``cache=``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+import keras
+from keras import ops
+
+import damcha_core as dc
+from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, describe
+
+from ._functional import dtype_name, visibility
+
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def static_shape(x: Any) -> tuple:
+    """x's shape with every dim that is not a plain int as None.
+
+    Symbolic dims (jax2tf's shape polymorphism in ``model.export`` on JAX,
+    torch SymInts) cannot be compared or converted to int: checks skip them,
+    as they skip a None dim of a ``keras.Input``.
+    """
+    return tuple(int(s) if isinstance(s, (int, np.integer)) else None for s in x.shape)
+
+
+def concrete_int(value: Any) -> int | None:
+    """The value of an int or a concrete int tensor; None when traced (jit, tf.function)."""
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    try:
+        return int(np.asarray(ops.convert_to_numpy(value)))
+    except Exception:  # a tracer or symbolic tensor: its value is not known yet
+        return None
+
+
+def check_layout(config: DamchaConfig) -> None:
+    """Keys and values share one tensor: a cache needs value_dim == key_dim."""
+    if config.value_dim != config.key_dim:
+        raise DamchaValueError(
+            "A cache stacks keys and values in one (B, 2, L, G, d) tensor, so it needs value_dim == key_dim. "
+            f"Received: key_dim={config.key_dim}, value_dim={config.value_dim}"
+        )
+
+
+def init_cache(config: DamchaConfig, batch_size: int, max_length: int, dtype: str) -> Any:
+    """A zero cache (B, 2, L, G, d) of ``dtype``."""
+    for name, value in (("batch_size", batch_size), ("max_length", max_length)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise DamchaValueError(f"`{name}` must be an int >= 1. Received: {name}={describe(value)}")
+    check_layout(config)
+    shape = (int(batch_size), 2, int(max_length), config.num_kv_heads, config.key_dim)
+    return ops.zeros(shape, dtype=dtype)
+
+
+def check_cache(config: DamchaConfig, query: Any, value: Any, masks: dict[str, Any], use_causal_mask: bool,
+                cache: Any, index: Any) -> int | None:
+    """Validate ``cache`` and ``cache_update_index`` of a call; returns the
+    key length L the masks span (None without a cache)."""
+    if cache is None:
+        if index is not None:
+            raise DamchaValueError(
+                f"`cache_update_index` needs a `cache`. Received: cache=None, cache_update_index={describe(index)}"
+            )
+        return None
+    check_layout(config)
+    if dtype_name(cache) not in FLOAT_DTYPES:
+        raise dc.float_dtype_error("cache", cache)
+    shape = static_shape(cache)
+    B = static_shape(query)[0]
+    expected = (B, 2, None, config.num_kv_heads, config.key_dim)
+    if len(shape) != 5 or any(e is not None and s is not None and s != e for s, e in zip(shape, expected)):
+        raise DamchaValueError(
+            f"`cache` must have shape (B, 2, L, G, d) = ({B}, 2, L, {config.num_kv_heads}, {config.key_dim}). "
+            f"Received: cache.shape={shape}"
+        )
+    for name in ("value_mask", "key_mask"):
+        if masks[name] is not None:
+            raise DamchaValueError(
+                f"`{name}` is not supported with a cache: it would cover only the new tokens. Pass an "
+                f"`attention_mask` (B, N, L) over the whole cache instead (Keras also fills `{name}` from "
+                f"the tensor's own mask, e.g. Embedding(mask_zero=True)). Received: {name}.shape="
+                f"{tuple(masks[name].shape)}"
+            )
+    if index is None:
+        if use_causal_mask:
+            raise DamchaValueError(
+                "`use_causal_mask=True` with a read-only cache needs `cache_update_index` (the position of "
+                "the first new token). Received: cache_update_index=None"
+            )
+        return shape[2]
+    bad_index = isinstance(index, bool) or not (isinstance(index, (int, np.integer)) or hasattr(index, "dtype"))
+    if bad_index or (hasattr(index, "dtype") and ("int" not in dtype_name(index) or len(index.shape) != 0)):
+        raise DamchaTypeError(f"`cache_update_index` must be an int or an int scalar tensor. Received: "
+                              f"cache_update_index={describe(index)}")
+    T, n = static_shape(value)[1], static_shape(query)[1]
+    if use_causal_mask and T is not None and n is not None and T != n:
+        raise DamchaValueError(
+            "`use_causal_mask=True` with a cache needs one new key per query token (self-attention "
+            f"decoding). Received: query.shape={tuple(query.shape)}, value.shape={tuple(value.shape)}"
+        )
+    start = concrete_int(index)
+    if start is not None and shape[2] is not None and T is not None and not 0 <= start <= shape[2] - T:
+        # Under jit the index is traced and slice_update would clamp it silently; here it is known.
+        raise DamchaValueError(
+            f"`cache_update_index` must be in [0, L - M] = [0, {shape[2] - T}] to write {T} tokens into a "
+            f"cache of L={shape[2]}. Received: cache_update_index={start}"
+        )
+    return shape[2]
+
+
+def read_cache(cache: Any, dtype: str) -> tuple[Any, Any]:
+    """The cached (mapped) keys and values (B, L, G, d), in ``dtype``."""
+    return ops.cast(cache[:, 0], dtype), ops.cast(cache[:, 1], dtype)
+
+
+def update_cache(cache: Any, index: Any, k: Any, v: Any) -> tuple[Any, Any, Any]:
+    """Write the new tokens' mapped keys and values at ``index``; returns
+    ``(cache, keys, values)`` with every slot, keys and values in k's dtype."""
+    start = [0, index, 0, 0]
+    keys = ops.slice_update(cache[:, 0], start, ops.cast(k, cache.dtype))
+    values = ops.slice_update(cache[:, 1], start, ops.cast(v, cache.dtype))
+    cache = ops.stack([keys, values], axis=1)
+    return cache, ops.cast(keys, k.dtype), ops.cast(values, k.dtype)
+
+
+def cache_visibility(n: Any, m: Any, cache: Any, index: Any, *, query_mask: Any, attention_mask: Any,
+                     use_causal_mask: bool) -> Any:
+    """(B|1, H|1, N, L) bool over the cache's slots, or None when nothing is hidden.
+
+    With an index and ``use_causal_mask``, query i is token index + i and sees
+    slots j <= index + i (bottom-right); without causal, the slots written so
+    far (j < index + M). Without an index, the cache is read as it is.
+    """
+    if index is None:
+        return visibility(n, ops.shape(cache)[2], query_mask=query_mask, attention_mask=attention_mask)
+    L = ops.shape(cache)[2]
+    if use_causal_mask:
+        return visibility(n, L, query_mask=query_mask, attention_mask=attention_mask, causal=True,
+                          query_offset=index)
+    return visibility(n, L, query_mask=query_mask, attention_mask=attention_mask,
+                      valid_length=ops.cast(index, "int32") + m)
+
+
+def check_cache_dtype(layer: keras.layers.Layer, dtype: Any) -> str:
+    """The dtype of a new cache: the layer's compute dtype (Keras casts floating
+    call inputs to it, a cache included, so any other float dtype is refused)."""
+    if dtype is None:
+        return layer.compute_dtype
+    wanted = keras.backend.standardize_dtype(dtype)
+    if wanted not in FLOAT_DTYPES:
+        raise DamchaTypeError(f"`dtype` of a cache must be a float dtype. Received: dtype={describe(dtype)}")
+    if wanted != layer.compute_dtype and layer.autocast:
+        raise DamchaValueError(
+            f"`dtype` of a cache must be the layer's compute dtype {layer.compute_dtype!r}: Keras casts "
+            f"floating call inputs to it, so the cache would come back as {layer.compute_dtype}. "
+            f"Received: dtype={wanted!r}"
+        )
+    return wanted

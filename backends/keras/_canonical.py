@@ -1,0 +1,89 @@
+"""Canonical parameter I/O of ``DamchaAttention``: the weights under
+``damcha_core``'s names and shapes, so they move between every port.
+
+The layer's methods (``to_canonical``, ``load_canonical``, ``from_canonical``,
+``save``, ``load``) call these functions.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Mapping
+
+import numpy as np
+
+import keras
+
+import damcha_core as dc
+from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, describe
+
+if TYPE_CHECKING:
+    from ._layer import DamchaAttention
+
+
+def require_built(layer: "DamchaAttention", what: str) -> None:
+    if not layer.built or layer.config is None:
+        raise DamchaValueError(f"`{what}` needs a built layer; call it on data or use from_canonical first. "
+                               f"Received: an unbuilt layer {layer.name!r}")
+
+
+def canonical_variables(layer: "DamchaAttention") -> dict[str, Any]:
+    """Canonical name -> ``keras.Variable``, in canonical order (a shared
+    generator's variable appears once per name)."""
+    require_built(layer, "canonical_variables")
+    config = layer.config
+    out: dict[str, Any] = {}
+    for name, dense in (("query", layer.query_dense), ("key", layer.key_dense),
+                        ("value", layer.value_dense), ("output", layer.output_dense)):
+        out[f"{name}.kernel"] = dense.kernel
+        if config.use_bias:
+            out[f"{name}.bias"] = dense.bias
+    for side, generator in layer.metric_generators.items():
+        out[f"metric.{side}.gate"] = layer.metric_gates[side]
+        for leaf in generator.leaf_names():
+            out[f"metric.{side}.{leaf}"] = getattr(generator, leaf)
+    return {name: out[name] for name in config.param_shapes()}
+
+
+def to_canonical(layer: "DamchaAttention") -> dict[str, np.ndarray]:
+    """The weights as canonical NumPy arrays (in the variables' dtype)."""
+    return {name: np.asarray(keras.ops.convert_to_numpy(v)) for name, v in canonical_variables(layer).items()}
+
+
+def load_canonical(layer: "DamchaAttention", params: Mapping[str, Any]) -> None:
+    """Assign canonical params, validated against ``layer.config``."""
+    require_built(layer, "load_canonical")
+    checked = dc.validate_params(params, layer.config)
+    for name, variable in canonical_variables(layer).items():
+        variable.assign(checked[name].astype(keras.backend.standardize_dtype(variable.dtype)))
+
+
+def from_canonical(cls: type, params: Mapping[str, Any], config: DamchaConfig, **kwargs: Any) -> "DamchaAttention":
+    """A built ``cls`` holding ``params`` for ``config``."""
+    if not isinstance(config, DamchaConfig):
+        raise DamchaTypeError(f"`config` must be a DamchaConfig. Received: config={describe(config)}")
+    dc.validate_params(params, config)
+    layer = cls(
+        num_heads=config.num_heads, key_dim=config.key_dim, value_dim=config.value_dim,
+        dropout=config.dropout, use_bias=config.use_bias, output_shape=config.output_dim,
+        metric=config.metric, metric_rank=config.metric_rank, coupling=config.coupling,
+        num_kv_heads=config.num_kv_heads, scale=config.scale, **kwargs,
+    )
+    # Zeros skip the random draws (slow to compile per shape on JAX): the
+    # params overwrite every variable right after.
+    layer._zero_init = True
+    layer.build((None, None, config.query_dim), (None, None, config.context_dim))
+    layer._zero_init = False
+    load_canonical(layer, params)
+    return layer
+
+
+def save(layer: "DamchaAttention", path: str) -> None:
+    """Weights and config as DAMCHA safetensors (``damcha_core.save_params``)."""
+    require_built(layer, "save")
+    dc.save_params(path, to_canonical(layer), layer.config)
+
+
+def load(cls: type, path: str, **kwargs: Any) -> "DamchaAttention":
+    """``from_canonical`` on a DAMCHA safetensors file."""
+    params, config = dc.load_params(path)
+    return from_canonical(cls, params, config, **kwargs)

@@ -1,0 +1,265 @@
+"""The DAMCHA math in ``keras.ops``: free functions named after the reference's steps.
+
+Each function here computes one step of ``damcha_core`` (same name), on any
+Keras backend, without variables or layers: ``rms_normalise`` (phi),
+``generator`` (A(t) or u(t)), ``apply_map`` (L(t) y), ``visibility`` (the
+boolean may-attend mask), ``softmax_attend`` (the masked softmax with the
+all-masked-row rule), ``attend`` (attention on the mapped heads, fused or
+explicit), ``metric_penalty`` and ``damcha_attention`` (the whole forward from
+canonical tensors). ``DamchaAttention`` calls them with its sublayers' outputs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import keras
+from keras import ops
+
+import damcha_core as dc
+from damcha_core import RMS_EPS, DamchaConfig
+
+
+def dtype_name(x: Any) -> str:
+    return keras.backend.standardize_dtype(x.dtype)
+
+
+def _wide(dtype: str) -> str:
+    """At least float32: 16-bit statistics and softmaxes lose too much."""
+    return "float32" if dtype in ("float16", "bfloat16") else dtype
+
+
+def rms_normalise(tokens: Any) -> Any:
+    """phi(t) = t / sqrt(mean(t^2 over features) + 1e-6), in at least float32.
+
+    16-bit compute dtypes would overflow t^2 for |t| > 256 (float16) and round
+    the mean coarsely, so the statistic is taken in float32 and cast back.
+    """
+    dtype = dtype_name(tokens)
+    wide = ops.cast(tokens, "float32") if dtype != _wide(dtype) else tokens
+    features = tokens.shape[-1]
+    # sum / E rather than ops.mean: Keras 3.15's torch mean runs float64 in float32.
+    mean_square = ops.sum(ops.square(wide), axis=-1, keepdims=True) / features
+    phi = wide * ops.rsqrt(mean_square + RMS_EPS)
+    return ops.cast(phi, dtype)
+
+
+def generator(metric: str, kernel: Any, bias: Any, tokens: Any) -> Any:
+    """The data-adaptive coefficients of tokens (B, T, E): A(t) = phi(t)·W + b
+    (B, T, S, S) for metric "heads", u(t) (B, T, r) for "lowrank"."""
+    phi = rms_normalise(tokens)
+    if metric == "heads":
+        return ops.einsum("bte,ehk->bthk", phi, kernel) + bias
+    # einsum, not matmul: Keras 3.15's torch matmul returns float32 for float64.
+    return ops.einsum("bte,er->btr", phi, kernel) + bias
+
+
+def apply_map(y: Any, coeff: Any, gate: Any, *, metric: str, u: Any = None, v: Any = None) -> Any:
+    """L(t) y for stacked heads y (B, T, S, d), without forming L:
+    ``y^h + g_h * sum_a A[h, a] y^a`` ("heads") or
+    ``y + g * U diag(u(t)) V^T y`` ("lowrank"), in y's dtype."""
+    dtype = dtype_name(y)
+    coeff, gate = ops.cast(coeff, dtype), ops.cast(gate, dtype)
+    if metric == "heads":
+        delta = ops.einsum("btha,btad->bthd", coeff, y)
+    else:
+        z = ops.einsum("btad,adr->btr", y, ops.cast(v, dtype))
+        delta = ops.einsum("hdr,btr->bthd", ops.cast(u, dtype), coeff * z)
+    return y + gate[:, None] * delta
+
+
+def as_4d(mask: Any) -> Any:
+    """A Keras attention mask (N, M), (B, N, M) or (B, H, N, M) as (B|1, H|1, N|1, M|1)."""
+    while len(mask.shape) < 4:  # Keras convention: (N, M) -> (1, N, M) -> (1, 1, N, M)
+        mask = ops.expand_dims(mask, -3)
+    return mask
+
+
+def visibility(
+    n: Any,
+    m: Any,
+    *,
+    query_mask: Any = None,
+    value_mask: Any = None,
+    key_mask: Any = None,
+    attention_mask: Any = None,
+    causal: bool = False,
+    query_offset: Any = None,
+    valid_length: Any = None,
+) -> Any:
+    """Boolean (B|1, H|1, N|1, M|1), True = query i may attend key j, or None
+    when nothing is hidden.
+
+    The masks are boolean (True = may attend): ``query_mask`` (B, N),
+    ``value_mask``/``key_mask`` (B, M), ``attention_mask`` in a Keras shape.
+    ``causal`` hides key j from query i when j > i + ``query_offset`` (0:
+    top-left, as Keras); ``valid_length`` hides keys j >= it (cache slots not
+    yet written).
+    """
+    parts = []
+    if attention_mask is not None:
+        parts.append(as_4d(attention_mask))
+    if query_mask is not None:
+        parts.append(query_mask[:, None, :, None])
+    for key_side in (value_mask, key_mask):
+        if key_side is not None:
+            parts.append(key_side[:, None, None, :])
+    if causal or valid_length is not None:
+        cols = ops.expand_dims(ops.arange(m, dtype="int32"), 0)
+        if causal:
+            rows = ops.expand_dims(ops.arange(n, dtype="int32"), 1)
+            if query_offset is not None:
+                rows = rows + ops.cast(query_offset, "int32")
+            parts.append(ops.greater_equal(rows, cols)[None, None])
+        if valid_length is not None:
+            parts.append(ops.less(cols, ops.cast(valid_length, "int32"))[None, None])
+    if not parts:
+        return None
+    visible = parts[0]
+    for part in parts[1:]:
+        visible = ops.logical_and(visible, part)
+    return visible
+
+
+def softmax_attend(logits: Any, visible: Any) -> Any:
+    """Masked softmax over the last axis, in at least float32; hidden keys and
+    rows with no visible key get probability exactly 0 (v1's rule)."""
+    wide = _wide(dtype_name(logits))
+    logits = ops.cast(logits, wide)
+    if visible is None:
+        return ops.softmax(logits, axis=-1)
+    # A finite fill: a row that sees nothing then stays finite (uniform), and
+    # the product with `visible` below makes it exactly 0. NaN logits at
+    # visible keys stay NaN.
+    hidden = ops.convert_to_tensor(-1e9 if wide != "float64" else -1e300, dtype=wide)
+    probs = ops.softmax(ops.where(visible, logits, hidden), axis=-1)
+    return probs * ops.cast(visible, wide)
+
+
+def _scaled(q: Any, scale: float) -> Any:
+    # convert_to_tensor with the dtype keeps the scale exact in float64; the
+    # TensorFlow backend rounds a Python float scale through float32.
+    return q * ops.convert_to_tensor(scale, dtype=dtype_name(q))
+
+
+def attend(
+    q: Any,
+    k: Any,
+    v: Any,
+    visible: Any,
+    *,
+    scale: float,
+    causal_only: bool = False,
+    explicit: bool = False,
+    dropout: Callable[[Any], Any] | None = None,
+    flash_attention: bool | None = None,
+) -> tuple[Any, Any]:
+    """Scaled dot-product attention on the mapped heads.
+
+    Args:
+        q: (B, N, H, d) mapped queries.
+        k: (B, M, G, d) mapped keys; G divides H (query head h reads kv head
+            h // (H/G)).
+        v: (B, M, G, d_v).
+        visible: bool (B|1, H|1, N|1, M|1) or None (nothing hidden).
+        scale: the softmax scale.
+        causal_only: the only mask is top-left causal and ``visible`` is None:
+            the fused kernel's causal path.
+        explicit: the einsum/softmax path (attention probabilities, dropout,
+            float64) instead of ``keras.ops.dot_product_attention``.
+        dropout: applied to the probabilities on the explicit path.
+        flash_attention: passed to ``keras.ops.dot_product_attention``.
+
+    Returns:
+        ``(o, probs)``: o (B, N, H, d_v) and, on the explicit path, the
+        probabilities (B, H, N, M) before dropout (else None).
+    """
+    group = q.shape[2] // k.shape[2]
+    if group > 1:
+        # Repeating keeps every backend's dot_product_attention on its plain MHA path.
+        k, v = ops.repeat(k, group, axis=2), ops.repeat(v, group, axis=2)
+    q = _scaled(q, scale)
+    if explicit:
+        if causal_only:
+            visible = visibility(ops.shape(q)[1], ops.shape(k)[1], causal=True)
+        probs = softmax_attend(ops.einsum("bnhd,bmhd->bhnm", q, k), visible)
+        probs = ops.cast(probs, q.dtype)
+        dropped = dropout(probs) if dropout is not None else probs
+        return ops.einsum("bhnm,bmhd->bnhd", dropped, v), probs
+    if visible is None:
+        out = ops.dot_product_attention(q, k, v, scale=1.0, is_causal=causal_only, flash_attention=flash_attention)
+        return out, None
+    # A row with no visible key would be NaN (torch) or uniform (tensorflow, jax);
+    # unhide it for the kernel, then zero its output: probabilities 0 by spec.
+    any_visible = ops.any(visible, axis=-1, keepdims=True)  # (B|1, H|1, N|1, 1)
+    safe = ops.logical_or(visible, ops.logical_not(any_visible))
+    out = ops.dot_product_attention(q, k, v, mask=safe, scale=1.0, flash_attention=flash_attention)
+    # A product, not a select: NaN from the kernel stays NaN.
+    keep = ops.transpose(ops.cast(any_visible, out.dtype), (0, 2, 1, 3))  # (B|1, N|1, H|1, 1)
+    return out * keep, None
+
+
+def metric_penalty(config: DamchaConfig, side: str, coeff: Any, gate: Any, u: Any = None, v: Any = None) -> Any:
+    """mean_t ||L(t) - I||_F^2 / (S*d) of one side from its coefficients, in
+    float32 (``damcha_core.role_penalty``'s formula, evaluated with keras.ops)."""
+    params = {f"metric.{side}.gate": ops.cast(gate, "float32")}
+    if config.metric == "lowrank":
+        params[f"metric.{side}.u"] = ops.cast(u, "float32")
+        params[f"metric.{side}.v"] = ops.cast(v, "float32")
+    return dc.role_penalty(ops, params, config, side, ops.cast(coeff, "float32"))
+
+
+def _project(params: Mapping[str, Any], config: DamchaConfig, name: str, tokens: Any) -> Any:
+    y = ops.einsum("bte,ehd->bthd", tokens, ops.cast(params[f"{name}.kernel"], dtype_name(tokens)))
+    if config.use_bias:
+        y = y + ops.cast(params[f"{name}.bias"], dtype_name(tokens))
+    return y
+
+
+def damcha_attention(
+    params: Mapping[str, Any],
+    config: DamchaConfig,
+    query: Any,
+    context: Any = None,
+    *,
+    mask: Any = None,
+    causal: bool = False,
+    return_weights: bool = False,
+) -> Any:
+    """The whole DAMCHA forward from canonical tensors (inference: no dropout).
+
+    The same steps as ``damcha_core.damcha_attention``, in keras.ops and the
+    query's dtype; ``DamchaAttention.call`` runs them with its sublayers.
+
+    Args:
+        params: canonical name -> tensor or array (``config.param_shapes()``).
+        config: the layer's ``DamchaConfig``.
+        query: x (B, N, E_q).
+        context: c (B, M, E_kv); ``None`` for self-attention.
+        mask: boolean, True = may attend, (N, M), (B, N, M) or (B, H, N, M).
+        causal: hide key j from query i when j > i.
+        return_weights: also return the probabilities (B, H, N, M).
+
+    Returns:
+        y (B, N, E_o), or ``(y, weights)``.
+    """
+    c = query if context is None else context
+    q = _project(params, config, "query", query)
+    k = _project(params, config, "key", c)
+    v = _project(params, config, "value", c)
+    for role, tokens in (("q", query), ("k", c)):
+        side = dc.side_of(config, role)
+        if side is None:
+            continue
+        p = f"metric.{side}"
+        coeff = generator(config.metric, params[f"{p}.kernel"], params[f"{p}.bias"], tokens)
+        y = q if role == "q" else k
+        y = apply_map(y, coeff, params[f"{p}.gate"], metric=config.metric,
+                      u=params.get(f"{p}.u"), v=params.get(f"{p}.v"))
+        q, k = (y, k) if role == "q" else (q, y)
+    visible = visibility(ops.shape(q)[1], ops.shape(k)[1], attention_mask=mask, causal=causal)
+    o, weights = attend(q, k, v, visible, scale=config.softmax_scale, explicit=True)
+    y = ops.einsum("bnhd,hde->bne", o, ops.cast(params["output.kernel"], dtype_name(o)))
+    if config.use_bias:
+        y = y + ops.cast(params["output.bias"], dtype_name(o))
+    return (y, weights) if return_weights else y
