@@ -22,6 +22,15 @@ from ._reference import (
     role_penalty,
     side_of,
 )
+from ._stack import (
+    EncoderConfig,
+    TokenModelConfig,
+    encoder_forward,
+    init_encoder_params,
+    init_token_model_params,
+    token_model_forward,
+    validate_stack_params,
+)
 
 __version__ = "0.1.0"
 
@@ -31,16 +40,21 @@ __all__ = [
     "DamchaError",
     "DamchaTypeError",
     "DamchaValueError",
+    "EncoderConfig",
     "METRICS",
     "RMS_EPS",
+    "TokenModelConfig",
     "__version__",
     "check_params",
     "check_shapes",
     "damcha_attention",
     "describe",
+    "encoder_forward",
     "float_dtype_error",
     "fold_static_metric",
+    "init_encoder_params",
     "init_params",
+    "init_token_model_params",
     "load_params",
     "mask_dtype_error",
     "metric_penalty",
@@ -50,5 +64,7 @@ __all__ = [
     "role_penalty",
     "save_params",
     "side_of",
+    "token_model_forward",
     "validate_params",
+    "validate_stack_params",
 ]

@@ -5,16 +5,18 @@ alone (no deep-learning framework): opset >= 23 uses the standard
 ``Attention`` op, opsets 17-22 a decomposed MatMul/Softmax graph with the same
 semantics. ``export_torch`` wraps ``torch.onnx.export`` for PyTorch models;
 ``encoder_from_torch``/``encoder_from_keras``/``encoder_from_jax`` turn trained
-stacks of each port into the stack format. Frameworks are imported only when
-those are called.
+stacks of each port into the stack format (``damcha_core``'s, whose names
+are re-exported here). Frameworks are imported only when those are called.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ._export import build_model, check_opset, export, validate_model
+from ._export import build_model, export
 from ._graph import ATTENTION_OPSET, MIN_OPSET, fold_params
+from ._io import validate_model
+from ._options import ExportOptions, check_opset
 from ._quantize import quantization_error, quantize_int8
 from ._runtime import empty_kv_cache, ort_session, run_ort, run_reference
 from ._stack import (
@@ -34,6 +36,7 @@ from ._torch import encoder_from_torch, export_torch
 __all__ = [
     "ATTENTION_OPSET",
     "EncoderConfig",
+    "ExportOptions",
     "MIN_OPSET",
     "TokenModelConfig",
     "build_model",

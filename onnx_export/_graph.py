@@ -71,6 +71,10 @@ class GraphBuilder:
         self._counter = itertools.count()
         self._consts: dict[tuple, str] = {}
 
+    def reserve(self, name: str) -> None:
+        """Keep ``name`` (a graph input or output) from ever being handed out by ``fresh``."""
+        self._names.add(name)
+
     def fresh(self, hint: str) -> str:
         name = hint
         while name in self._names:

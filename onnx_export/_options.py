@@ -1,0 +1,176 @@
+"""``ExportOptions``: the export keywords of every exporter, validated in one place.
+
+``export``/``build_model`` (one layer), ``export_encoder`` and
+``export_token_model`` take the same keywords; each builds one
+``ExportOptions`` (checked on construction) and the graph builders read only
+that object.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from typing import Any
+
+import numpy as np
+import onnx
+
+from damcha_core import DamchaTypeError, DamchaValueError, describe
+
+from ._graph import ATTENTION_OPSET, DTYPES, MIN_OPSET
+
+FORMS = ("auto", "attention", "decomposed")
+#: What an exporter builds: one layer, an encoder stack, or the token model.
+KINDS = ("layer", "encoder", "token_model")
+#: Symbolic dims of the cache: P cached tokens, P + N after the step.
+PAST_LEN, TOTAL_LEN = "past_len", "total_len"
+
+
+def check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise DamchaTypeError(f"`{name}` must be a bool. Received: {name}={describe(value)}")
+    return bool(value)
+
+
+def check_opset(opset: Any, form: str = "auto") -> tuple[int, str]:
+    """Validate ``opset``/``form``; returns (opset, resolved form)."""
+    newest = onnx.defs.onnx_opset_version()
+    if isinstance(opset, bool) or not isinstance(opset, numbers.Integral):
+        raise DamchaTypeError(f"`opset` must be an int in [{MIN_OPSET}, {newest}]. Received: opset={describe(opset)}")
+    if not MIN_OPSET <= opset <= newest:
+        raise DamchaValueError(
+            f"`opset` must be in [{MIN_OPSET}, {newest}]: {MIN_OPSET}-{ATTENTION_OPSET - 1} export a decomposed "
+            f"MatMul/Softmax graph, >= {ATTENTION_OPSET} the standard Attention op. Received: opset={opset}"
+        )
+    if form not in FORMS:
+        raise DamchaValueError(f"`form` must be one of {FORMS}. Received: form={describe(form)}")
+    if form == "auto":
+        form = "attention" if opset >= ATTENTION_OPSET else "decomposed"
+    elif form == "attention" and opset < ATTENTION_OPSET:
+        raise DamchaValueError(
+            f"form='attention' needs opset >= {ATTENTION_OPSET} (the first with the Attention op). "
+            f"Received: opset={opset}"
+        )
+    return int(opset), form
+
+
+def check_dtype(dtype: Any) -> str:
+    if dtype not in DTYPES:
+        raise DamchaValueError(f"`dtype` must be one of {tuple(DTYPES)}. Received: dtype={describe(dtype)}")
+    return dtype
+
+
+def _dim(dynamic: bool, name: str, symbol: str, value: Any) -> str | int:
+    if dynamic:
+        if value is not None:
+            raise DamchaValueError(f"`{name}` fixes a dimension, so it needs dynamic=False. Received: {name}={describe(value)}")
+        return symbol
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise DamchaValueError(f"dynamic=False needs `{name}` as an int >= 1. Received: {name}={describe(value)}")
+    return int(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportOptions:
+    """How a layer, stack or token model is exported; validated on construction.
+
+    Args:
+        opset: 17-22 export a decomposed MatMul/Softmax graph; >= 23 (default)
+            one standard ``Attention`` op per layer.
+        form: "auto" (by opset), "attention" or "decomposed".
+        dtype: "float32" (default) or "float64" for inputs, weights and outputs.
+        causal: hide key j from query i when j > i (layers; a stack's comes
+            from its config).
+        cross: a ``context`` input (layers only).
+        mask: a boolean ``mask`` input, True = may attend.
+        dynamic: symbolic batch and sequence dims; ``False`` fixes them to
+            ``batch_size``, ``query_len`` (and ``context_len``).
+        batch_size, query_len, context_len: the fixed sizes with ``dynamic=False``.
+        kv_cache: export one decode step with a key/value cache (causal
+            self-attention only).
+        kind: "layer", "encoder" or "token_model" (which rules apply).
+    """
+
+    opset: int = ATTENTION_OPSET
+    form: str = "auto"
+    dtype: str = "float32"
+    causal: bool = False
+    cross: bool = False
+    mask: bool = False
+    dynamic: bool = True
+    batch_size: int | None = None
+    query_len: int | None = None
+    context_len: int | None = None
+    kv_cache: bool = False
+    kind: str = "layer"
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise DamchaValueError(f"`kind` must be one of {KINDS}. Received: kind={describe(self.kind)}")
+        opset, form = check_opset(self.opset, self.form)
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 - frozen dataclass
+        set_("opset", opset)
+        set_("form", form)
+        set_("dtype", check_dtype(self.dtype))
+        for name in ("causal", "cross", "mask", "dynamic", "kv_cache"):
+            set_(name, check_bool(name, getattr(self, name)))
+        stack = self.kind != "layer"
+        if stack and self.cross:
+            raise DamchaValueError(f"A {self.kind.replace('_', ' ')} is self-attention. Received: cross=True")
+        if self.kv_cache:
+            causal_name = "config.causal" if stack else "causal"
+            if not self.causal:
+                raise DamchaValueError(
+                    f"`kv_cache` exports an autoregressive decode step, so it needs {causal_name}=True (query i of a "
+                    f"step sees cached and new keys j <= P + i). Received: kv_cache=True, {causal_name}={self.causal}"
+                )
+            if self.cross:
+                raise DamchaValueError(
+                    "`kv_cache` caches the layer's own keys and values, so it needs self-attention; a "
+                    "cross-attention context is not a growing sequence. Received: kv_cache=True, cross=True"
+                )
+        # Validates batch_size/query_len/context_len against `dynamic` (raises here, not at build time).
+        self.batch_dim, self.query_dim  # noqa: B018
+        if self.cross:
+            _dim(self.dynamic, "context_len", "context_len", self.context_len)
+        elif self.context_len is not None:
+            raise DamchaValueError(f"`context_len` needs cross=True. Received: context_len={describe(self.context_len)}")
+
+    @property
+    def batch_dim(self) -> str | int:
+        """B: the symbol ``"batch"`` or ``batch_size``."""
+        return _dim(self.dynamic, "batch_size", "batch", self.batch_size)
+
+    @property
+    def query_dim(self) -> str | int:
+        """N: the symbol ``"query_len"`` or ``query_len``."""
+        return _dim(self.dynamic, "query_len", "query_len", self.query_len)
+
+    @property
+    def key_dim(self) -> str | int:
+        """M: the context length (cross), P + N with a cache (always symbolic:
+        P changes every step), else N."""
+        if self.cross:
+            return _dim(self.dynamic, "context_len", "context_len", self.context_len)
+        return TOTAL_LEN if self.kv_cache else self.query_dim
+
+    @classmethod
+    def resolve(cls, options: ExportOptions | None, kind: str, **keywords: Any) -> ExportOptions:
+        """``options`` itself (checked against ``kind``), or one built from an
+        exporter's keywords; passing both ``options`` and a keyword that
+        differs from its default is refused (one of them would be ignored)."""
+        if options is None:
+            return cls(kind=kind, **keywords)
+        if not isinstance(options, ExportOptions):
+            raise DamchaTypeError(f"`options` must be an ExportOptions or None. Received: options={describe(options)}")
+        if options.kind != kind:
+            raise DamchaValueError(
+                f"`options` must be of kind {kind!r} for this exporter. Received: options.kind={options.kind!r}"
+            )
+        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+        given = sorted(name for name, value in keywords.items() if value is not defaults[name] and value != defaults[name])
+        if given:
+            raise DamchaValueError(
+                f"Pass the export options either as `options` or as keywords, not both. Received: options and {given}"
+            )
+        return options
