@@ -4,41 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from typing import Any, Mapping
 
 from ._errors import DamchaTypeError, DamchaValueError, describe
-
-METRICS = ("heads", "lowrank", "none")
-COUPLINGS = ("tied", "separate", "query")
+from ._metrics import METRIC_STRUCTURES, GeneratorSpec, MetricStructure
+from ._validators import CONFIG_NAMES, COUPLINGS, METRICS, check_config_fields
 
 # Which side(s) carry a metric generator, and which input feeds each side.
 _SIDES = {"tied": ("qk",), "separate": ("q", "k"), "query": ("q",)}
-
-
-def _check_int(name: str, value: Any, *, minimum: int = 1, optional: bool = False) -> int | None:
-    if value is None and optional:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        expected = "an int or None" if optional else "an int"
-        raise DamchaTypeError(f"`{name}` must be {expected} >= {minimum}. Received: {name}={describe(value)}")
-    if value < minimum:
-        raise DamchaValueError(f"`{name}` must be >= {minimum}. Received: {name}={value}")
-    return int(value)
-
-
-def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
-    if not isinstance(value, str):
-        raise DamchaTypeError(f"`{name}` must be one of {choices}. Received: {name}={describe(value)}")
-    if value not in choices:
-        raise DamchaValueError(f"`{name}` must be one of {choices}. Received: {name}={value!r}")
-    return value
-
-
-def _check_real(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise DamchaTypeError(f"`{name}` must be a real number. Received: {name}={describe(value)}")
-    return float(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,14 +35,20 @@ class DamchaConfig:
         metric_rank: r, only for ``metric="lowrank"``, where it is required.
         coupling: ``"tied"`` (one generator for queries and keys; needs
             ``num_kv_heads == num_heads`` and ``context_dim == query_dim``),
-            ``"separate"`` (one per side) or ``"query"`` (queries only).
-            Ignored, and unconstrained, when ``metric="none"``.
+            ``"separate"`` (one per side), ``"query"`` (queries only) or
+            ``"auto"`` (default; also ``None``): "tied" when
+            ``num_kv_heads == num_heads`` and ``context_dim == query_dim``,
+            else "separate". Ignored, and unconstrained, when ``metric="none"``.
         scale: softmax temperature; ``None`` means ``1/sqrt(key_dim)``.
         dropout: attention-probability dropout rate in [0, 1), training only.
+        value_input_dim: E_v, feature size of the value tokens (B, M, E_v)
+            when they differ from the context's. Defaults to ``context_dim``.
 
     All defaults are resolved at construction (``value_dim`` etc. are ints
-    afterwards, ``scale`` stays ``None`` when defaulted) so two configs that
-    describe the same layer compare equal.
+    afterwards, ``coupling`` is one of tied/separate/query, ``scale`` stays
+    ``None`` when defaulted) so two configs that describe the same layer
+    compare equal. Errors name the fields; ``damcha_core.make_config`` builds
+    a config whose errors name a port's own arguments instead.
     """
 
     query_dim: int
@@ -82,70 +61,17 @@ class DamchaConfig:
     use_bias: bool = True
     metric: str = "heads"
     metric_rank: int | None = None
-    coupling: str = "tied"
+    coupling: str = "auto"
     scale: float | None = None
     dropout: float = 0.0
+    value_input_dim: int | None = None
 
     def __post_init__(self) -> None:
-        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
-        query_dim = _check_int("query_dim", self.query_dim)
-        num_heads = _check_int("num_heads", self.num_heads)
-        key_dim = _check_int("key_dim", self.key_dim)
-        set_("query_dim", query_dim)
-        set_("num_heads", num_heads)
-        set_("key_dim", key_dim)
-        for name, default in (
-            ("value_dim", key_dim),
-            ("num_kv_heads", num_heads),
-            ("context_dim", query_dim),
-            ("output_dim", query_dim),
-        ):
-            value = _check_int(name, getattr(self, name), optional=True)
-            set_(name, default if value is None else value)
-        if num_heads % self.num_kv_heads:
-            raise DamchaValueError(
-                "`num_heads` must be divisible by `num_kv_heads` (each key/value head serves a "
-                f"whole group of query heads). Received: num_heads={num_heads}, "
-                f"num_kv_heads={self.num_kv_heads}"
-            )
-        if not isinstance(self.use_bias, bool):
-            raise DamchaTypeError(f"`use_bias` must be a bool. Received: use_bias={describe(self.use_bias)}")
-        metric = _check_choice("metric", self.metric, METRICS)
-        coupling = _check_choice("coupling", self.coupling, COUPLINGS)
-        if metric == "lowrank":
-            if self.metric_rank is None:
-                raise DamchaValueError(
-                    "`metric_rank` is required with metric='lowrank' and must be an int >= 1. "
-                    "Received: metric_rank=None"
-                )
-            set_("metric_rank", _check_int("metric_rank", self.metric_rank))
-        elif self.metric_rank is not None:
-            raise DamchaValueError(
-                f"`metric_rank` is only used with metric='lowrank'; leave it None. "
-                f"Received: metric={metric!r}, metric_rank={describe(self.metric_rank)}"
-            )
-        if metric != "none" and coupling == "tied":
-            if self.num_kv_heads != num_heads:
-                raise DamchaValueError(
-                    "coupling='tied' shares one cross-head map between queries and keys, so it needs "
-                    "num_kv_heads == num_heads; use coupling='query' or 'separate' for GQA/MQA. "
-                    f"Received: num_heads={num_heads}, num_kv_heads={self.num_kv_heads}"
-                )
-            if self.context_dim != query_dim:
-                raise DamchaValueError(
-                    "coupling='tied' feeds queries and keys to one generator, so it needs "
-                    "context_dim == query_dim; use coupling='separate' or 'query' for other "
-                    f"context sizes. Received: query_dim={query_dim}, context_dim={self.context_dim}"
-                )
-        if self.scale is not None:
-            scale = _check_real("scale", self.scale)
-            if not (math.isfinite(scale) and scale > 0):
-                raise DamchaValueError(f"`scale` must be a finite number > 0 or None. Received: scale={scale}")
-            set_("scale", scale)
-        dropout = _check_real("dropout", self.dropout)
-        if not 0.0 <= dropout < 1.0:
-            raise DamchaValueError(f"`dropout` must be in [0, 1). Received: dropout={dropout}")
-        set_("dropout", dropout)
+        # One implementation of the rules (damcha_core._validators), with the
+        # caller's argument names when built through make_config(names=...).
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for name, value in check_config_fields(fields, CONFIG_NAMES.get()).items():
+            object.__setattr__(self, name, value)  # frozen: normalised once, here
 
     # ------------------------------------------------------------------ derived
 
@@ -172,33 +98,44 @@ class DamchaConfig:
         """E, the feature size of the tokens that feed the generator of ``side``."""
         return self.context_dim if side == "k" else self.query_dim  # type: ignore[return-value]
 
+    @property
+    def metric_structure(self) -> MetricStructure | None:
+        """The table entry of ``metric`` (damcha_core._metrics), None for "none"."""
+        return METRIC_STRUCTURES.get(self.metric)
+
+    def _check_side(self, side: str) -> None:
+        if side not in self.metric_sides:
+            raise DamchaValueError(
+                f"`side` must be one of this config's metric sides {self.metric_sides}. Received: side={describe(side)}"
+            )
+
+    def generator_spec(self, side: str) -> GeneratorSpec:
+        """What the generator of ``side`` must be: its features, heads, metric,
+        head size and rank (see ``damcha_core.resolve_generators``)."""
+        self._check_side(side)
+        return GeneratorSpec(
+            features=self.side_features(side), heads=self.side_heads(side), metric=self.metric,
+            head_dim=self.key_dim, rank=self.metric_rank,
+        )
+
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         """Canonical parameter names and shapes, in canonical order."""
-        E_q, E_kv, E_o = self.query_dim, self.context_dim, self.output_dim
+        E_q, E_kv, E_v, E_o = self.query_dim, self.context_dim, self.value_input_dim, self.output_dim
         H, G, d, d_v = self.num_heads, self.num_kv_heads, self.key_dim, self.value_dim
         shapes: dict[str, tuple[int, ...]] = {}
         for name, kernel, bias in (
             ("query", (E_q, H, d), (H, d)),
             ("key", (E_kv, G, d), (G, d)),
-            ("value", (E_kv, G, d_v), (G, d_v)),
+            ("value", (E_v, G, d_v), (G, d_v)),
             ("output", (H, d_v, E_o), (E_o,)),
         ):
             shapes[f"{name}.kernel"] = kernel  # type: ignore[assignment]
             if self.use_bias:
                 shapes[f"{name}.bias"] = bias  # type: ignore[assignment]
+        structure = self.metric_structure
         for side in self.metric_sides:
-            S, E = self.side_heads(side), self.side_features(side)
-            prefix = f"metric.{side}"
-            shapes[f"{prefix}.gate"] = (S,)
-            if self.metric == "heads":
-                shapes[f"{prefix}.kernel"] = (E, S, S)
-                shapes[f"{prefix}.bias"] = (S, S)
-            else:
-                r = self.metric_rank
-                shapes[f"{prefix}.kernel"] = (E, r)  # type: ignore[assignment]
-                shapes[f"{prefix}.bias"] = (r,)  # type: ignore[assignment]
-                shapes[f"{prefix}.u"] = (S, d, r)  # type: ignore[assignment]
-                shapes[f"{prefix}.v"] = (S, d, r)  # type: ignore[assignment]
+            leaves = structure.shapes(self.side_features(side), self.side_heads(side), d, self.metric_rank)  # type: ignore[union-attr,arg-type]
+            shapes.update({f"metric.{side}.{leaf}": shape for leaf, shape in leaves.items()})
         return shapes
 
     # ----------------------------------------------------------- serialisation
@@ -228,5 +165,12 @@ class DamchaConfig:
         return cls(**dict(data))
 
     def replace(self, **changes: Any) -> "DamchaConfig":
-        """A copy with some fields changed, validated again."""
+        """A copy with some fields changed, validated again.
+
+        Values that are the context tokens stay so: unless ``value_input_dim``
+        is among the changes, a config with ``value_input_dim == context_dim``
+        keeps them equal when ``context_dim`` changes.
+        """
+        if "value_input_dim" not in changes and self.value_input_dim == self.context_dim:
+            changes["value_input_dim"] = None
         return dataclasses.replace(self, **changes)

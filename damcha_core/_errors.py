@@ -6,7 +6,7 @@ conformance suite) can rely on ``except damcha_core.DamchaError`` everywhere.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -23,16 +23,51 @@ class DamchaTypeError(DamchaError, TypeError):
     """An argument has the wrong type or dtype."""
 
 
-def describe(value: Any) -> str:
-    """Short description of a received value for error messages.
+_MAX_REPR = 80
+_SCALARS = (int, float, complex, bool, str, type(None))
 
-    Arrays and tensors are described by shape and dtype, never by content, so
-    messages stay one line long.
+
+def describe(value: Any) -> str:
+    """Short, one-line description of a received value for error messages.
+
+    Never prints the contents of a large value: arrays and tensors (anything
+    with ``shape`` and ``dtype``) by type, shape and dtype; lists, tuples and
+    mappings by type and length (small flat ones of scalars, such as a shape
+    tuple, as written); strings and other objects by a ``repr`` cut to about
+    80 characters.
     """
+    if isinstance(value, np.generic):  # a NumPy scalar reads as the number it is
+        value = value.item()
     shape = getattr(value, "shape", None)
     dtype = getattr(value, "dtype", None)
     if shape is not None and dtype is not None:
-        return f"{type(value).__name__}(shape={tuple(shape)}, dtype={dtype})"
-    if isinstance(value, np.generic):
-        value = value.item()
-    return repr(value)
+        try:
+            shape = tuple(shape)
+        except TypeError:  # a symbolic shape that cannot be iterated
+            pass
+        return f"{type(value).__name__}(shape={shape}, dtype={dtype})"
+    if isinstance(value, (str, bytes)):
+        text = repr(value)
+        if len(text) <= _MAX_REPR:
+            return text
+        return f"{repr(value[:_MAX_REPR - 20])[:-1]}...' ({type(value).__name__} of length {len(value)})"
+    if isinstance(value, (list, tuple, set, frozenset)):
+        if len(value) <= 8 and all(isinstance(v, _SCALARS) for v in value):
+            text = repr(value)
+            if len(text) <= _MAX_REPR:
+                return text
+        kinds = sorted({type(v).__name__ for v in value})
+        elements = "" if not kinds else f", element type{'s' if len(kinds) > 1 else ''} {', '.join(kinds[:4])}"
+        return f"{type(value).__name__}(len={len(value)}{elements})"
+    if isinstance(value, Mapping):
+        keys = [repr(k) if isinstance(k, str) else type(k).__name__ for k in list(value)[:4]]
+        more = ", ..." if len(value) > 4 else ""
+        return f"{type(value).__name__}(len={len(value)}, keys=[{', '.join(keys)}{more}])"
+    try:
+        text = repr(value)
+    except Exception:  # a broken __repr__ must not hide the real error
+        text = f"<{type(value).__name__} object>"
+    text = " ".join(text.split())  # one line
+    if len(text) > _MAX_REPR:
+        text = f"{text[:_MAX_REPR - 3]}... ({type(value).__name__})"
+    return text

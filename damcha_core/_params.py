@@ -18,7 +18,8 @@ lowrank ``metric.SIDE.u`` (S,d,r)      normal, std 1/sqrt(r)
 lowrank ``metric.SIDE.v`` (S,d,r)      normal, std 1/sqrt(S*d)
 =====================================  =========================================
 
-The generator kernels are random, not zero, because gate = 0 *and* kernel = 0
+The metric rows are ``damcha_core.METRIC_STRUCTURES`` (damcha_core._metrics),
+the one table every port reads. The generator kernels are random, not zero, because gate = 0 *and* kernel = 0
 would be a saddle: neither would receive a gradient. The stds make phi(t)·W
 entries O(1/sqrt(S)) so that Delta(t) y has the scale of y once the gate opens.
 """
@@ -32,6 +33,7 @@ import numpy as np
 
 from ._config import DamchaConfig
 from ._errors import DamchaTypeError, DamchaValueError, describe
+from ._validators import check_seed
 
 
 def _is_real_float(dtype: np.dtype) -> bool:
@@ -49,37 +51,38 @@ def init_params(config: DamchaConfig, seed: int = 0) -> dict[str, np.ndarray]:
 
     Args:
         config: the layer's ``DamchaConfig``.
-        seed: seed of the NumPy generator; tensors are drawn in canonical order.
+        seed: seed of the NumPy generator, an int >= 0; tensors are drawn in
+            canonical order.
 
     Returns:
         A dict ``name -> np.ndarray`` with the shapes of ``config.param_shapes()``.
     """
     if not isinstance(config, DamchaConfig):
         raise DamchaTypeError(f"`config` must be a DamchaConfig. Received: config={describe(config)}")
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-        raise DamchaTypeError(f"`seed` must be an int. Received: seed={describe(seed)}")
+    seed = check_seed("seed", seed, optional=False)
     rng = np.random.default_rng(seed)
+    # The metric leaves' initialisers come from the metric table; tensors are
+    # drawn in canonical order, so the values depend on the seed alone.
+    metric_stds: dict[str, float] = {}
+    for side in config.metric_sides:
+        stds = config.metric_structure.stds(  # type: ignore[union-attr]
+            config.side_features(side), config.side_heads(side), config.key_dim, config.metric_rank
+        )
+        metric_stds.update({f"metric.{side}.{leaf}": std for leaf, std in stds.items()})
     params: dict[str, np.ndarray] = {}
     for name, shape in config.param_shapes().items():
         group, leaf = name.rsplit(".", 1)
-        if leaf in ("bias", "gate"):
+        if name in metric_stds:
+            std = metric_stds[name]
+            value = rng.normal(0.0, std, size=shape) if std else np.zeros(shape)
+        elif leaf == "bias":
             value = np.zeros(shape)
         elif group == "output":
             H, d_v, E_o = shape
             value = _glorot(rng, shape, H * d_v, E_o)
-        elif not group.startswith("metric."):
+        else:
             E, S, d = shape
             value = _glorot(rng, shape, E, S * d)
-        elif leaf == "kernel" and config.metric == "heads":
-            E, S, _ = shape
-            value = rng.normal(0.0, 1.0 / math.sqrt(E * S), size=shape)
-        elif leaf == "kernel":
-            value = rng.normal(0.0, 1.0 / math.sqrt(shape[0]), size=shape)
-        elif leaf == "u":
-            value = rng.normal(0.0, 1.0 / math.sqrt(shape[2]), size=shape)
-        else:  # lowrank v
-            S, d, _ = shape
-            value = rng.normal(0.0, 1.0 / math.sqrt(S * d), size=shape)
         params[name] = value
     return params
 

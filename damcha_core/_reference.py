@@ -21,33 +21,13 @@ import numpy as np
 from ._config import DamchaConfig
 from ._errors import DamchaTypeError, DamchaValueError, describe
 from ._params import _is_real_float, validate_params
+from ._policy import check_bool, check_choice, check_shapes
 
 RMS_EPS = 1e-6
 PATHS = ("fast", "explicit")
 
 
 # --------------------------------------------------------------------- checks
-
-
-def _check_bool(name: str, value: Any) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise DamchaTypeError(f"`{name}` must be a bool. Received: {name}={describe(value)}")
-    return bool(value)
-
-
-def check_token_shape(name: str, shape: tuple[int, ...], features: int, feature_arg: str) -> None:
-    """Rank-3 (batch, length, features) with the configured feature size, non-empty."""
-    shape = tuple(shape)
-    if len(shape) != 3:
-        raise DamchaValueError(
-            f"`{name}` must have rank 3, (batch, length, features). Received: {name}.shape={shape}"
-        )
-    if shape[-1] != features:
-        raise DamchaValueError(
-            f"`{name}` must have {features} features (config.{feature_arg}). Received: {name}.shape={shape}"
-        )
-    if 0 in shape:
-        raise DamchaValueError(f"`{name}` must be non-empty. Received: {name}.shape={shape}")
 
 
 def float_dtype_error(name: str, value: Any) -> DamchaTypeError:
@@ -71,57 +51,6 @@ def mask_dtype_error(
     )
 
 
-def check_shapes(
-    config: DamchaConfig,
-    query_shape: tuple[int, ...],
-    context_shape: tuple[int, ...] | None = None,
-    mask_shape: tuple[int, ...] | None = None,
-    *,
-    mask_name: str = "mask",
-) -> tuple[int, int, int]:
-    """Shape rules shared by every backend; returns (B, N, M).
-
-    ``context_shape=None`` is self-attention and needs context_dim == query_dim.
-    The mask may be (N, M) or (B, H, N, M), any dim may be 1. A 3-D mask is
-    rejected rather than guessed: NumPy-style broadcasting would read
-    (B, N, M) as (H, N, M), a silent and common bug.
-    """
-    check_token_shape("query", query_shape, config.query_dim, "query_dim")
-    if context_shape is None:
-        if config.context_dim != config.query_dim:
-            raise DamchaValueError(
-                "`context` is required when config.context_dim != config.query_dim (self-attention "
-                f"reuses the query). Received: context=None, query_dim={config.query_dim}, "
-                f"context_dim={config.context_dim}"
-            )
-        context_shape = query_shape
-    else:
-        check_token_shape("context", context_shape, config.context_dim, "context_dim")
-        if context_shape[0] != query_shape[0]:
-            raise DamchaValueError(
-                "`query` and `context` must have the same batch size. "
-                f"Received: query.shape={tuple(query_shape)}, context.shape={tuple(context_shape)}"
-            )
-    # Returned as given, not int(): a port tracing symbolic sizes (torch.export's
-    # SymInts) would otherwise pin a dynamic batch or length to its example value.
-    B, N, M = query_shape[0], query_shape[1], context_shape[1]
-    if mask_shape is not None:
-        mask_shape = tuple(mask_shape)
-        target = (B, config.num_heads, N, M)
-        if len(mask_shape) not in (2, 4):
-            hint = f" For a (B, N, M) mask pass {mask_name}[:, None]." if len(mask_shape) == 3 else ""
-            raise DamchaValueError(
-                f"`{mask_name}` must have shape (N, M) or (B, H, N, M) with size-1 dims allowed, expected "
-                f"broadcastable to {target}.{hint} Received: {mask_name}.shape={mask_shape}"
-            )
-        if any(s not in (1, t) for s, t in zip(mask_shape[::-1], target[::-1])):
-            raise DamchaValueError(
-                f"`{mask_name}` must be broadcastable to (B, H, N, M) = {target} (each dim equal or 1). "
-                f"Received: {mask_name}.shape={mask_shape}"
-            )
-    return B, N, M
-
-
 def _as_float64(name: str, value: Any) -> np.ndarray:
     array = np.asarray(value)
     if not _is_real_float(array.dtype):
@@ -130,7 +59,9 @@ def _as_float64(name: str, value: Any) -> np.ndarray:
 
 
 def _check_offset(query_offset: Any) -> int:
-    if isinstance(query_offset, bool) or not isinstance(query_offset, numbers.Integral) or query_offset < 0:
+    # One class and message for every bad offset: the JAX port, whose offset may be
+    # a traced array, raises exactly this one for the values it can inspect.
+    if isinstance(query_offset, (bool, np.bool_)) or not isinstance(query_offset, numbers.Integral) or query_offset < 0:
         raise DamchaValueError(f"`query_offset` must be an int >= 0. Received: query_offset={describe(query_offset)}")
     return int(query_offset)
 
@@ -178,59 +109,53 @@ def side_of(config: DamchaConfig, role: str) -> str | None:
     return role
 
 
+def _leaves(params: Mapping[str, Any], config: DamchaConfig, side: str) -> dict[str, Any]:
+    """The tensors of one metric side, by leaf name (the metric table's names)."""
+    return {leaf: params[f"metric.{side}.{leaf}"] for leaf in config.metric_structure.leaf_names}  # type: ignore[union-attr]
+
+
 def generator(params: Mapping[str, np.ndarray], config: DamchaConfig, side: str, tokens: np.ndarray) -> np.ndarray:
     """The data-adaptive coefficients of ``side`` for each token.
 
     Returns A(t) (B, T, S, S) for metric "heads", u(t) (B, T, r) for "lowrank".
     """
-    p = f"metric.{side}"
-    phi = rms_normalise(tokens)
-    if config.metric == "heads":
-        return np.einsum("bte,ehk->bthk", phi, params[f"{p}.kernel"]) + params[f"{p}.bias"]
-    return phi @ params[f"{p}.kernel"] + params[f"{p}.bias"]
+    return config.metric_structure.coefficients(np, rms_normalise(tokens), _leaves(params, config, side))  # type: ignore[union-attr]
 
 
 def apply_map(
     params: Mapping[str, np.ndarray], config: DamchaConfig, side: str, tokens: np.ndarray, y: np.ndarray
 ) -> np.ndarray:
     """L(t) y for stacked heads y (B, T, S, d), without forming L."""
-    p = f"metric.{side}"
     coeff = generator(params, config, side, tokens)
-    if config.metric == "heads":
-        delta = np.einsum("btha,btad->bthd", coeff, y)
-    else:
-        z = np.einsum("btad,adr->btr", y, params[f"{p}.v"])
-        delta = np.einsum("hdr,btr->bthd", params[f"{p}.u"], coeff * z)
-    return y + params[f"{p}.gate"][:, None] * delta
+    return config.metric_structure.apply(np, coeff, y, _leaves(params, config, side))  # type: ignore[union-attr]
 
 
 def dense_map(params: Mapping[str, np.ndarray], config: DamchaConfig, side: str, tokens: np.ndarray) -> np.ndarray:
     """L(t) as a dense (B, T, S, d, S, d) array: L[h, i, a, j] maps y[a, j] to (Ly)[h, i]."""
-    p = f"metric.{side}"
     S, d = config.side_heads(side), config.key_dim
     coeff = generator(params, config, side, tokens)
-    if config.metric == "heads":
-        delta = np.einsum("btha,ij->bthiaj", coeff, np.eye(d))
-    else:
-        delta = np.einsum("hir,btr,ajr->bthiaj", params[f"{p}.u"], coeff, params[f"{p}.v"])
+    leaves = _leaves(params, config, side)
+    delta = config.metric_structure.dense_delta(np, coeff, leaves, d)  # type: ignore[union-attr]
     identity = np.eye(S * d).reshape(S, d, S, d)
-    return identity + params[f"{p}.gate"][:, None, None, None] * delta
+    return identity + leaves["gate"][:, None, None, None] * delta
 
 
 def head_map(params: Mapping[str, np.ndarray], config: DamchaConfig, side: str, tokens: np.ndarray) -> np.ndarray:
     """The per-token factor a user inspects: l(t) = I + diag(g) A(t) (B, T, S, S) for
     metric "heads"; the dense L(t) (B, T, S, d, S, d) for "lowrank"."""
-    if config.metric == "heads":
-        A = generator(params, config, side, tokens)
-        S = A.shape[-1]
-        return np.eye(S) + params[f"metric.{side}.gate"][:, None] * A
+    structure = config.metric_structure
+    if structure.compact_head_map:  # type: ignore[union-attr]
+        coeff = generator(params, config, side, tokens)
+        return structure.head_map(np, coeff, _leaves(params, config, side))  # type: ignore[union-attr]
     return dense_map(params, config, side, tokens)
 
 
-def project(params: Mapping[str, np.ndarray], config: DamchaConfig, x: np.ndarray, c: np.ndarray):
-    """q (B, N, H, d), k (B, M, G, d), v (B, M, G, d_v) before any cross-head map."""
+def project(params: Mapping[str, np.ndarray], config: DamchaConfig, x: np.ndarray, c: np.ndarray,
+            v: np.ndarray | None = None):
+    """q (B, N, H, d), k (B, M, G, d), v (B, M, G, d_v) before any cross-head map;
+    the values are projected from ``v`` (default: the context ``c``)."""
     out = []
-    for name, tokens in (("query", x), ("key", c), ("value", c)):
+    for name, tokens in (("query", x), ("key", c), ("value", c if v is None else v)):
         y = np.einsum("bte,ehd->bthd", tokens, params[f"{name}.kernel"])
         if config.use_bias:
             y = y + params[f"{name}.bias"]
@@ -282,6 +207,7 @@ def damcha_attention(
     return_metric: bool = False,
     query_offset: int = 0,
     path: str = "fast",
+    value: Any = None,
 ):
     """DAMCHA v1 forward pass in float64 (inference: no dropout).
 
@@ -302,6 +228,8 @@ def damcha_attention(
             were cached before these queries.
         path: "fast" (default) or "explicit" (builds every cross-head metric;
             small inputs only).
+        value: the value tokens (B, M, E_v) when they are not the context
+            (``config.value_input_dim``); ``None``: the context.
 
     Returns:
         y (B, N, E_o) float64 alone, or a tuple ``(y, weights?, metric?)`` with
@@ -313,22 +241,23 @@ def damcha_attention(
     p = validate_params(params, config)
     x = _as_float64("query", query)
     c = x if context is None else _as_float64("context", context)
+    v_tokens = None if value is None else _as_float64("value", value)
     if mask is not None:
         mask = np.asarray(mask)
         if mask.dtype != np.bool_:
             raise mask_dtype_error(mask)
-    B, N, M = check_shapes(config, x.shape, None if context is None else c.shape, None if mask is None else mask.shape)
+    B, N, M = check_shapes(config, x.shape, None if context is None else c.shape, None if mask is None else mask.shape,
+                           value_shape=None if v_tokens is None else v_tokens.shape)
     H = config.num_heads
-    causal = _check_bool("causal", causal)
-    return_weights = _check_bool("return_weights", return_weights)
-    return_metric = _check_bool("return_metric", return_metric)
+    causal = check_bool("causal", causal)
+    return_weights = check_bool("return_weights", return_weights)
+    return_metric = check_bool("return_metric", return_metric)
     query_offset = _check_offset(query_offset)
-    if path not in PATHS:
-        raise DamchaValueError(f"`path` must be one of {PATHS}. Received: path={path!r}")
+    path = check_choice("path", path, PATHS)
     if mask is not None:
         mask = np.broadcast_to(mask.reshape((1,) * (4 - mask.ndim) + mask.shape), (B, H, N, M))
 
-    q, k, v = project(p, config, x, c)
+    q, k, v = project(p, config, x, c, v_tokens)
     if path == "fast":
         sq, sk = side_of(config, "q"), side_of(config, "k")
         if sq:
@@ -357,19 +286,25 @@ def damcha_attention(
     return (y, *extras) if extras else y
 
 
-def metric_penalty(params: Mapping[str, Any], config: DamchaConfig, query: Any, context: Any = None) -> float:
+def metric_penalty(
+    params: Mapping[str, Any], config: DamchaConfig, query: Any, context: Any = None, *, value: Any = None
+) -> float:
     """Mean over adapted roles of mean_t ||L(t) - I||_F^2 / (S*d).
 
     Roles are the queries (tokens of ``query``) and, unless coupling is
     "query", the keys (tokens of ``context``); tied coupling adapts both with
-    one generator. Returns 0.0 for metric "none".
+    one generator. Returns 0.0 for metric "none". ``value`` (B, M, E_v) is
+    checked as in ``damcha_attention`` but does not enter the penalty (the
+    values are never mapped).
     """
     if not isinstance(config, DamchaConfig):
         raise DamchaTypeError(f"`config` must be a DamchaConfig. Received: config={describe(config)}")
     p = validate_params(params, config)
     x = _as_float64("query", query)
     c = x if context is None else _as_float64("context", context)
-    check_shapes(config, x.shape, None if context is None else c.shape)
+    v_tokens = None if value is None else _as_float64("value", value)
+    check_shapes(config, x.shape, None if context is None else c.shape,
+                 value_shape=None if v_tokens is None else v_tokens.shape)
     per_role = []
     for role, tokens in (("q", x), ("k", c)):
         side = side_of(config, role)
@@ -387,15 +322,8 @@ def role_penalty(xp: Any, params: Mapping[str, Any], config: DamchaConfig, side:
     arrays; it uses only ``sum``, ``mean``, ``reshape`` and ``einsum``.
     """
     d = config.key_dim
-    g = params[f"metric.{side}.gate"]
-    S = g.shape[0]
-    if config.metric == "heads":
-        # L - I = (diag(g) A) (x) I_d, whose squared norm is d * ||diag(g) A||^2.
-        sq = xp.sum((g[:, None] * coeff) ** 2, axis=(-2, -1)) * d
-    else:
-        # L - I = P diag(u) Q^T with P = g*U, Q = V, both (S*d, r): O(r^2) per token.
-        P = xp.reshape(g[:, None, None] * params[f"metric.{side}.u"], (S * d, -1))
-        Q = xp.reshape(params[f"metric.{side}.v"], (S * d, -1))
-        gram = xp.einsum("ir,is->rs", P, P) * xp.einsum("ir,is->rs", Q, Q)
-        sq = xp.einsum("btr,bts,rs->bt", coeff, coeff, gram)
-    return xp.mean(sq) / (S * d)
+    # Ports may pass only the tensors the formula reads (the gate, and U, V for lowrank).
+    leaves = {leaf: params[f"metric.{side}.{leaf}"] for leaf in config.metric_structure.leaf_names  # type: ignore[union-attr]
+              if f"metric.{side}.{leaf}" in params}
+    S = leaves["gate"].shape[0]
+    return xp.mean(config.metric_structure.penalty_sq(xp, coeff, leaves, d)) / (S * d)  # type: ignore[union-attr]

@@ -49,9 +49,11 @@ def _proj(params, name, token, use_bias):
     return out + params[f"{name}.bias"] if use_bias else out
 
 
-def naive_damcha(params, cfg, x, c=None, mask=None, causal=False, query_offset=0):
-    """y (B, N, E_o) by loops over batch, tokens and heads."""
+def naive_damcha(params, cfg, x, c=None, mask=None, causal=False, query_offset=0, v=None):
+    """y (B, N, E_o) by loops over batch, tokens and heads; the values are
+    projected from ``v`` (B, M, E_v) when given, else from the context."""
     c = x if c is None else c
+    v_tokens = c if v is None else v
     B, N, _ = x.shape
     M = c.shape[1]
     H, G = cfg.num_heads, cfg.num_kv_heads
@@ -66,7 +68,7 @@ def naive_damcha(params, cfg, x, c=None, mask=None, causal=False, query_offset=0
     for b in range(B):
         q = [_apply(params, cfg.metric, sides[0], x[b, i], _proj(params, "query", x[b, i], cfg.use_bias)) for i in range(N)]
         k = [_apply(params, cfg.metric, sides[1], c[b, j], _proj(params, "key", c[b, j], cfg.use_bias)) for j in range(M)]
-        v = [_proj(params, "value", c[b, j], cfg.use_bias) for j in range(M)]
+        v = [_proj(params, "value", v_tokens[b, j], cfg.use_bias) for j in range(M)]
         for i in range(N):
             o = np.zeros((H, cfg.value_dim))
             for h in range(H):

@@ -1,0 +1,356 @@
+"""The argument policy every port follows, in one place.
+
+Ports call these functions instead of writing their own checks, probe configs
+or renaming core messages: each takes ``names``, a mapping from the canonical
+names (DamchaConfig's fields, the reference's arguments ``query``, ``context``,
+``value``, ``mask``, and ``metric_generator``) to the port's own argument
+names, and every message speaks of the port's names. For example PyTorch
+passes ``{"query_dim": "embed_dim", "context_dim": "kdim", "use_bias": "bias"}``
+to ``make_config`` and ``{"context": "key", "mask": "attn_mask", "query_dim":
+"embed_dim", "context_dim": "kdim"}`` to ``check_shapes``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Mapping
+
+from ._config import DamchaConfig
+from ._errors import DamchaTypeError, DamchaValueError, describe
+from ._metrics import GeneratorSpec
+from ._validators import (
+    COUPLING_CHOICES,
+    CONFIG_NAMES,
+    auto_coupling,
+    check_bool,
+    check_choice,
+    check_config_fields,
+    check_finite_nonneg,
+    check_int,
+    check_names,
+    check_rate,
+    check_real,
+    check_seed,
+    check_tied,
+    display,
+)
+
+__all__ = [
+    "GeneratorSpec",
+    "check_bool",
+    "check_choice",
+    "check_finite_nonneg",
+    "check_int",
+    "check_layer_args",
+    "check_rate",
+    "check_real",
+    "check_seed",
+    "check_shapes",
+    "make_config",
+    "resolve_coupling",
+    "resolve_generators",
+]
+
+
+def make_config(*, names: Mapping[str, str] | None = None, **fields: Any) -> DamchaConfig:
+    """A ``DamchaConfig`` whose errors name the port's arguments.
+
+    Args:
+        names: canonical field name -> the port's argument name, e.g. torch's
+            ``{"query_dim": "embed_dim", "context_dim": "kdim", "use_bias": "bias"}``.
+        **fields: DamchaConfig fields (``coupling=None`` means "auto").
+
+    Raises:
+        DamchaTypeError, DamchaValueError: as DamchaConfig, naming the port's
+            arguments; DamchaTypeError for a field DamchaConfig does not have.
+    """
+    names = check_names(names)
+    unknown = sorted(set(fields) - {f for f in DamchaConfig.__dataclass_fields__})
+    if unknown:
+        raise DamchaTypeError(
+            f"unknown DamchaConfig field(s) {unknown}. Expected a subset of {list(DamchaConfig.__dataclass_fields__)}"
+        )
+    token = CONFIG_NAMES.set(names)
+    try:
+        # Missing required fields reach __post_init__ as None and are reported there.
+        return DamchaConfig(**{"query_dim": None, "num_heads": None, "key_dim": None, **fields})
+    finally:
+        CONFIG_NAMES.reset(token)
+
+
+def check_layer_args(*, names: Mapping[str, str] | None = None, **fields: Any) -> dict[str, Any]:
+    """Validate the layer arguments that do not depend on the input feature sizes.
+
+    For layers built lazily (Keras) that know ``num_heads``, ``key_dim``,
+    ``metric`` ... at construction but ``query_dim``/``context_dim`` only at
+    their first call. Rules between fields apply where all of their fields are
+    given (e.g. ``num_heads % num_kv_heads``, the rank rule, tied coupling
+    with ``num_kv_heads``).
+
+    Args:
+        names: canonical field name -> the port's argument name.
+        **fields: any subset of DamchaConfig's fields.
+
+    Returns:
+        The given fields, normalised: ints as ``int``; ``value_dim=None``
+        becomes ``key_dim`` and ``num_kv_heads=None`` becomes ``num_heads``
+        when those are given (other sizes default to input sizes and stay
+        None); ``coupling`` None/"auto" stays "auto" unless ``query_dim`` and
+        ``context_dim`` are given too.
+    """
+    return check_config_fields(fields, check_names(names), partial=True)
+
+
+def resolve_coupling(
+    coupling: str | None,
+    *,
+    metric: str,
+    query_dim: int,
+    context_dim: int | None,
+    num_heads: int,
+    num_kv_heads: int | None,
+    same_inputs: bool | None = None,
+    names: Mapping[str, str] | None = None,
+) -> str:
+    """The coupling a layer uses: ``coupling`` itself, or for None/"auto"
+    "tied" when ``num_kv_heads == num_heads``, ``context_dim == query_dim`` and
+    ``same_inputs`` is not False, else "separate" (the rule of
+    ``DamchaConfig(coupling="auto")``). An explicit "tied" is checked against
+    the sizes when the metric is on.
+
+    Args:
+        coupling: "tied", "separate", "query", "auto" or None.
+        metric: the layer's metric.
+        query_dim, num_heads: E_q and H.
+        context_dim, num_kv_heads: E_kv and G; None means E_q and H.
+        same_inputs: False when the caller knows queries and keys come from
+            different inputs (then "auto" never ties).
+        names: canonical name -> the port's argument name, for messages.
+
+    Raises:
+        DamchaTypeError, DamchaValueError: a bad coupling, or "tied" with
+            sizes it cannot serve.
+    """
+    names = check_names(names)
+    if coupling is None:
+        coupling = "auto"
+    coupling = check_choice(display(names, "coupling"), coupling, COUPLING_CHOICES)
+    metric = check_choice(display(names, "metric"), metric, ("heads", "lowrank", "none"))
+    E_q = check_int(display(names, "query_dim"), query_dim)
+    H = check_int(display(names, "num_heads"), num_heads)
+    E_kv = check_int(display(names, "context_dim"), context_dim, optional=True)
+    G = check_int(display(names, "num_kv_heads"), num_kv_heads, optional=True)
+    E_kv = E_q if E_kv is None else E_kv
+    G = H if G is None else G
+    if same_inputs is not None:
+        same_inputs = check_bool("same_inputs", same_inputs)
+    if coupling == "auto":
+        return auto_coupling(H, G, E_q, E_kv, same_inputs)  # type: ignore[arg-type]
+    if coupling == "tied" and metric != "none":
+        check_tied(names, H, G, E_q, E_kv)
+    return coupling
+
+
+def resolve_generators(
+    given: Any,
+    config: DamchaConfig,
+    *,
+    generator_type: type | tuple[type, ...],
+    spec_of: Callable[[Any], GeneratorSpec],
+    names: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """The shared generators a user passed, one per metric side of ``config``.
+
+    One rule in every port:
+
+    * ``None`` -> ``{}``: the layer makes fresh generators.
+    * with metric "none", any generator -> DamchaValueError.
+    * a single generator where the config has one side (tied: "qk", query:
+      "q") -> that side; with coupling "separate" -> DamchaValueError (pass a
+      dict ``{"q": ..., "k": ...}``).
+    * a mapping must have exactly the config's sides (missing or extra keys ->
+      DamchaValueError naming them; a missing side never gets a silent fresh
+      generator).
+    * a value that is not a ``generator_type`` -> DamchaTypeError naming
+      ``metric_generator['q']``.
+    * a generator whose ``spec_of(generator)`` does not fit the side's
+      ``config.generator_spec(side)`` -> DamchaValueError naming the fields
+      that differ.
+
+    Args:
+        given: the user's ``metric_generator`` argument.
+        config: the layer's config.
+        generator_type: the port's generator class (or a tuple of classes).
+        spec_of: returns the ``GeneratorSpec`` of one of the port's generators.
+        names: ``{"metric_generator": ...}`` if the port calls it otherwise.
+
+    Returns:
+        side -> generator, for every metric side, or ``{}``.
+    """
+    if not isinstance(config, DamchaConfig):
+        raise DamchaTypeError(f"`config` must be a DamchaConfig. Received: config={describe(config)}")
+    names = check_names(names)
+    arg = display(names, "metric_generator")
+    sides = config.metric_sides
+    kind = generator_type.__name__ if isinstance(generator_type, type) else " or ".join(t.__name__ for t in generator_type)
+    if given is None:
+        return {}
+    if isinstance(given, generator_type):
+        if not sides:
+            raise DamchaValueError(
+                f"`{arg}` must be None with metric='none' (there is no cross-head map). "
+                f"Received: {arg}={describe(given)}"
+            )
+        if len(sides) != 1:
+            raise DamchaValueError(
+                f"`{arg}` must be a dict {{'q': ..., 'k': ...}} with coupling={config.coupling!r} "
+                f"(one generator per side). Received: {arg}={describe(given)}"
+            )
+        chosen = {sides[0]: given}
+        labels = {sides[0]: f"`{arg}`"}
+    elif isinstance(given, Mapping):
+        missing = [s for s in sides if s not in given]
+        extra = sorted(repr(k) for k in given if k not in sides)
+        if not sides and given:
+            raise DamchaValueError(
+                f"`{arg}` must be None with metric='none' (there is no cross-head map). "
+                f"Received: {arg} with keys {sorted(map(repr, given))}"
+            )
+        if missing or extra:
+            parts = ([f"missing sides {missing}"] if missing else []) + ([f"unexpected keys [{', '.join(extra)}]"] if extra else [])
+            raise DamchaValueError(
+                f"`{arg}` must have exactly this layer's metric sides {list(sides)} "
+                f"(coupling={config.coupling!r}): {'; '.join(parts)}. Received keys: {sorted(map(repr, given))}"
+            )
+        for side in sides:
+            if not isinstance(given[side], generator_type):
+                raise DamchaTypeError(
+                    f"`{arg}[{side!r}]` must be a {kind}. Received: {arg}[{side!r}]={describe(given[side])}"
+                )
+        chosen = {side: given[side] for side in sides}
+        labels = {side: f"`{arg}[{side!r}]`" for side in sides}
+    else:
+        raise DamchaTypeError(
+            f"`{arg}` must be a {kind}, a dict of side -> {kind} for sides {list(sides)}, or None. "
+            f"Received: {arg}={describe(given)}"
+        )
+    for side, generator in chosen.items():
+        spec = spec_of(generator)
+        if not isinstance(spec, GeneratorSpec):
+            raise TypeError(f"spec_of must return a damcha_core.GeneratorSpec; it returned {describe(spec)}")
+        differs = config.generator_spec(side).mismatches(spec)
+        if differs:
+            raise DamchaValueError(
+                f"{labels[side]} does not fit side {side!r} of this layer: {', '.join(differs)}. "
+                f"Received: {spec}"
+            )
+    return chosen
+
+
+def _feature_arg(names: Mapping[str, str], canonical: str) -> str:
+    """How a message refers to a configured feature size."""
+    return names.get(canonical, f"config.{canonical}")
+
+
+def check_token_shape(name: str, shape: tuple[int, ...], features: int, feature_arg: str) -> None:
+    """Rank-3 (batch, length, features) with the configured feature size, non-empty.
+
+    ``feature_arg`` is how the message names the configured size (e.g.
+    ``"config.query_dim"`` or a port's ``"embed_dim"``).
+    """
+    shape = tuple(shape)
+    if len(shape) != 3:
+        raise DamchaValueError(
+            f"`{name}` must have rank 3, (batch, length, features). Received: {name}.shape={shape}"
+        )
+    if shape[-1] != features:
+        raise DamchaValueError(
+            f"`{name}` must have {features} features ({feature_arg}). Received: {name}.shape={shape}"
+        )
+    if 0 in shape:
+        raise DamchaValueError(f"`{name}` must be non-empty. Received: {name}.shape={shape}")
+
+
+def check_shapes(
+    config: DamchaConfig,
+    query_shape: tuple[int, ...],
+    context_shape: tuple[int, ...] | None = None,
+    mask_shape: tuple[int, ...] | None = None,
+    *,
+    value_shape: tuple[int, ...] | None = None,
+    names: Mapping[str, str] | None = None,
+    mask_name: str | None = None,
+) -> tuple[Any, Any, Any]:
+    """Shape rules shared by every backend; returns (B, N, M).
+
+    ``context_shape=None`` is self-attention and needs context_dim == query_dim;
+    ``value_shape=None`` means the values are the context tokens and needs
+    value_input_dim == context_dim. The mask may be (N, M) or (B, H, N, M),
+    any dim may be 1. A 3-D mask is rejected rather than guessed: NumPy-style
+    broadcasting would read (B, N, M) as (H, N, M), a silent and common bug.
+
+    Args:
+        config: the layer's config.
+        query_shape, context_shape, value_shape, mask_shape: the shapes.
+        names: canonical name -> the port's argument name, for ``query``,
+            ``context``, ``value``, ``mask`` and the sizes ``query_dim``,
+            ``context_dim``, ``value_input_dim`` (these default to
+            ``config.query_dim`` etc. in messages).
+        mask_name: deprecated, use ``names={"mask": ...}``.
+    """
+    names = check_names(names)
+    if mask_name is not None:
+        warnings.warn("check_shapes(mask_name=...) is deprecated; pass names={'mask': ...}",
+                      DeprecationWarning, stacklevel=2)
+        names.setdefault("mask", mask_name)
+    n = lambda k: display(names, k)  # noqa: E731
+    query, context, value, mask = n("query"), n("context"), n("value"), n("mask")
+    check_token_shape(query, query_shape, config.query_dim, _feature_arg(names, "query_dim"))  # type: ignore[arg-type]
+    if context_shape is None:
+        if config.context_dim != config.query_dim:
+            raise DamchaValueError(
+                f"`{context}` is required when {_feature_arg(names, 'context_dim')} != "
+                f"{_feature_arg(names, 'query_dim')} (self-attention reuses the query). Received: {context}=None, "
+                f"{n('query_dim')}={config.query_dim}, {n('context_dim')}={config.context_dim}"
+            )
+        context_shape = query_shape
+    else:
+        check_token_shape(context, context_shape, config.context_dim, _feature_arg(names, "context_dim"))  # type: ignore[arg-type]
+        if context_shape[0] != query_shape[0]:
+            raise DamchaValueError(
+                f"`{query}` and `{context}` must have the same batch size. "
+                f"Received: {query}.shape={tuple(query_shape)}, {context}.shape={tuple(context_shape)}"
+            )
+    if value_shape is None:
+        if config.value_input_dim != config.context_dim:
+            raise DamchaValueError(
+                f"`{value}` is required when {_feature_arg(names, 'value_input_dim')} != "
+                f"{_feature_arg(names, 'context_dim')} (the values default to the {context} tokens). "
+                f"Received: {value}=None, {n('context_dim')}={config.context_dim}, "
+                f"{n('value_input_dim')}={config.value_input_dim}"
+            )
+    else:
+        check_token_shape(value, value_shape, config.value_input_dim, _feature_arg(names, "value_input_dim"))  # type: ignore[arg-type]
+        if tuple(value_shape[:2]) != tuple(context_shape[:2]):
+            raise DamchaValueError(
+                f"`{value}` must have the batch size and length of `{context}` (one value per key). "
+                f"Received: {context}.shape={tuple(context_shape)}, {value}.shape={tuple(value_shape)}"
+            )
+    # Returned as given, not int(): a port tracing symbolic sizes (torch.export's
+    # SymInts) would otherwise pin a dynamic batch or length to its example value.
+    B, N, M = query_shape[0], query_shape[1], context_shape[1]
+    if mask_shape is not None:
+        mask_shape = tuple(mask_shape)
+        target = (B, config.num_heads, N, M)
+        if len(mask_shape) not in (2, 4):
+            hint = f" For a (B, N, M) mask pass {mask}[:, None]." if len(mask_shape) == 3 else ""
+            raise DamchaValueError(
+                f"`{mask}` must have shape (N, M) or (B, H, N, M) with size-1 dims allowed, expected "
+                f"broadcastable to {target}.{hint} Received: {mask}.shape={mask_shape}"
+            )
+        if any(s not in (1, t) for s, t in zip(mask_shape[::-1], target[::-1])):
+            raise DamchaValueError(
+                f"`{mask}` must be broadcastable to (B, H, N, M) = {target} (each dim equal or 1). "
+                f"Received: {mask}.shape={mask_shape}"
+            )
+    return B, N, M
