@@ -1,52 +1,198 @@
-"""Canonical parameters in safetensors, with the config in the file's metadata."""
+"""Canonical parameters in safetensors, with the config in the file's metadata.
+
+A file holds the tensors under their canonical names and, in its metadata,
+``format = "damcha-v1"``, the config as JSON under ``damcha_config`` and a
+checksum of the tensors under ``damcha_checksum`` (``"sha256:<hex>"``, see
+``tensor_checksum``). Files written before the checksum existed still load.
+
+Writes are atomic (a temporary file in the same folder, fsync, one rename), so
+a target is never half-written and a failed write leaves an earlier file
+intact; new files get the permissions the user's umask gives, a replaced file
+keeps its own, and a read-only target is refused. Every problem with the file
+raises a ``DamchaError`` that names the path and what is wrong.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import struct
+from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
 
+from ._cliutil import atomic_write, read_only
 from ._config import DamchaConfig
-from ._errors import DamchaValueError
+from ._errors import DamchaError, DamchaTypeError, DamchaValueError, describe
 from ._params import validate_params
 
 FORMAT = "damcha-v1"
+CHECKSUM_KEY = "damcha_checksum"
+_HEADER_LIMIT = 100_000_000  # safetensors' own bound on the JSON header
+
+
+def tensor_checksum(tensors: Mapping[str, np.ndarray]) -> str:
+    """``"sha256:<hex>"`` over the tensors in sorted name order: for each, its
+    name, dtype name, shape and little-endian bytes, each length-prefixed so
+    that no two different sets of tensors hash the same stream."""
+    digest = hashlib.sha256()
+
+    def field(data: bytes) -> None:
+        digest.update(struct.pack("<Q", len(data)))
+        digest.update(data)
+
+    for name in sorted(tensors):
+        array = np.asarray(tensors[name])
+        little = np.ascontiguousarray(array.astype(array.dtype.newbyteorder("<"), copy=False))
+        field(name.encode("utf-8"))
+        field(array.dtype.name.encode("ascii"))
+        field(json.dumps(list(array.shape)).encode("ascii"))
+        field(little.view(np.uint8).tobytes() if little.size else b"")
+    return "sha256:" + digest.hexdigest()
+
+
+def _check_path(path: Any, *, argument: str = "path") -> Path:
+    if not isinstance(path, (str, os.PathLike)):
+        raise DamchaTypeError(f"`{argument}` must be a str or os.PathLike. Received: {argument}={describe(path)}")
+    text = os.fspath(path)
+    if isinstance(text, bytes) or not text.strip():
+        raise DamchaValueError(f"`{argument}` must be a non-empty file path. Received: {argument}={describe(path)}")
+    return Path(text)
+
+
+def _as_numpy(value: Any) -> Any:
+    # A framework tensor that tracks gradients refuses NumPy conversion; its values are what is saved.
+    if getattr(value, "requires_grad", False) and callable(getattr(value, "detach", None)):
+        value = value.detach()
+    return value
 
 
 def save_params(path: str | os.PathLike, params: Mapping[str, Any], config: DamchaConfig) -> None:
     """Write ``params`` (validated against ``config``) and the config to ``path``.
 
-    Tensors keep their floating dtype; the config goes into the metadata as
-    JSON under ``damcha_config`` with ``format = "damcha-v1"``.
-    """
-    from safetensors.numpy import save_file  # lazy: only I/O needs safetensors
+    Tensors keep their floating dtype; the metadata holds
+    ``format = "damcha-v1"``, the config as JSON under ``damcha_config`` and
+    a checksum of the tensors under ``damcha_checksum``. The file is written
+    atomically (see the module docstring).
 
+    Raises:
+        DamchaTypeError, DamchaValueError: ``params`` do not match ``config``;
+            ``path`` is not a usable file path (a folder, in a missing folder,
+            a read-only file) or cannot be written.
+    """
+    from safetensors.numpy import save  # lazy: only I/O needs safetensors
+
+    target = _check_path(path)
+    if not isinstance(params, Mapping):
+        raise DamchaTypeError(f"`params` must be a mapping of name -> array. Received: params={describe(params)}")
+    params = {name: _as_numpy(value) for name, value in params.items()}
     validate_params(params, config)
     tensors = {name: np.ascontiguousarray(np.asarray(params[name])) for name in config.param_shapes()}
-    metadata = {"format": FORMAT, "damcha_config": json.dumps(config.to_dict(), sort_keys=True)}
-    save_file(tensors, os.fspath(path), metadata=metadata)
+    metadata = {
+        "format": FORMAT,
+        "damcha_config": json.dumps(config.to_dict(), sort_keys=True),
+        CHECKSUM_KEY: tensor_checksum(tensors),
+    }
+    if target.is_dir():
+        raise DamchaValueError(f"`path` is a directory, expected a file path. Received: path={str(target)!r}")
+    folder = target.parent if str(target.parent) else Path(".")
+    if not folder.is_dir():
+        raise DamchaValueError(f"`path` is in a folder that does not exist ({str(folder)!r}). Received: path={str(target)!r}")
+    if target.exists() and read_only(target):
+        raise DamchaValueError(f"`path` is a read-only file; it is not replaced. Received: path={str(target)!r}")
+    data = save(tensors, metadata=metadata)
+    try:
+        with atomic_write(target, "wb") as f:
+            f.write(data)
+    except OSError as exc:
+        raise DamchaValueError(
+            f"`path` could not be written ({exc.strerror or exc}); an earlier file there is unchanged. "
+            f"Received: path={str(target)!r}"
+        ) from exc
+
+
+def _unreadable(path: Path, what: str) -> DamchaValueError:
+    return DamchaValueError(f"`path` is not a DAMCHA parameter file: {what}. Received: path={str(path)!r}")
+
+
+def _read_header(path: Path) -> dict[str, Any]:
+    """The safetensors JSON header of ``path``, after checking that the file is
+    one: long enough, a JSON header, and tensor data of the announced size."""
+    try:
+        if not path.exists():
+            raise DamchaValueError(f"`path` does not exist. Received: path={str(path)!r}")
+        if path.is_dir():
+            raise DamchaValueError(f"`path` is a directory, expected a safetensors file. Received: path={str(path)!r}")
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            if size == 0:
+                raise _unreadable(path, "the file is empty")
+            if len(prefix) < 8:
+                raise _unreadable(path, f"the file is {size} bytes long, too short for a safetensors header")
+            (length,) = struct.unpack("<Q", prefix)
+            if length > min(size - 8, _HEADER_LIMIT):
+                raise _unreadable(
+                    path, f"its first 8 bytes announce a {length}-byte header but the file is {size} bytes long "
+                    "(not a safetensors file, or truncated)"
+                )
+            raw = f.read(length)
+    except OSError as exc:
+        raise DamchaValueError(f"`path` cannot be read ({exc.strerror or exc}). Received: path={str(path)!r}") from exc
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise _unreadable(path, "its header is not safetensors JSON (not a safetensors file, or corrupted)") from None
+    if not isinstance(header, dict):
+        raise _unreadable(path, "its header is not a JSON object")
+    ends = [entry.get("data_offsets", [0, 0])[-1] for name, entry in header.items()
+            if name != "__metadata__" and isinstance(entry, dict)]
+    needed = max((e for e in ends if isinstance(e, int)), default=0)
+    held = size - 8 - length
+    if held < needed:
+        raise _unreadable(path, f"the file is truncated: its header describes {needed} bytes of tensors, it holds {held}")
+    return header
 
 
 def load_params(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], DamchaConfig]:
     """Read a file written by ``save_params``; returns ``(params, config)``.
 
     Raises:
-        DamchaValueError: the file has no DAMCHA metadata, or its tensors are
-            missing, extra or mis-shaped for the stored config.
+        DamchaValueError: ``path`` is missing, a folder, unreadable, not a
+            safetensors file or truncated; the file has no DAMCHA metadata or
+            an invalid config; its tensors fail their stored checksum
+            ("corrupted"); or they are missing, extra, mis-shaped or not
+            finite for the stored config. Every message names the path.
     """
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
-    path = os.fspath(path)
-    with safe_open(path, framework="numpy") as f:
-        metadata = f.metadata() or {}
-        if metadata.get("format") != FORMAT or "damcha_config" not in metadata:
-            raise DamchaValueError(
-                f"`path` is not a DAMCHA parameter file: its metadata must have format={FORMAT!r} and "
-                f"damcha_config. Received: path={path!r}, metadata keys={sorted(metadata)}"
-            )
+    path = _check_path(path)
+    header = _read_header(path)
+    metadata = header.get("__metadata__") or {}
+    if not isinstance(metadata, dict) or metadata.get("format") != FORMAT or "damcha_config" not in metadata:
+        keys = sorted(metadata) if isinstance(metadata, dict) else describe(metadata)
+        raise DamchaValueError(
+            f"`path` is not a DAMCHA parameter file: its metadata must have format={FORMAT!r} and "
+            f"damcha_config. Received: path={str(path)!r}, metadata keys={keys}"
+        )
+    try:
         config = DamchaConfig.from_dict(json.loads(metadata["damcha_config"]))
-        params = {name: f.get_tensor(name) for name in f.keys()}
-    validate_params(params, config, argument=f"tensors in {path!r}")
+    except json.JSONDecodeError:
+        raise _unreadable(path, "its damcha_config metadata is not valid JSON") from None
+    except DamchaError as exc:
+        raise _unreadable(path, f"its damcha_config metadata is not a valid config ({exc})") from None
+    try:
+        with safe_open(os.fspath(path), framework="numpy") as f:
+            params = {name: f.get_tensor(name) for name in f.keys()}
+    except (SafetensorError, OSError, ValueError, TypeError) as exc:
+        raise _unreadable(path, f"its tensors cannot be read ({' '.join(str(exc).split())})") from None
+    stored = metadata.get(CHECKSUM_KEY)
+    if stored is not None and stored != tensor_checksum(params):
+        raise DamchaValueError(
+            f"`path` is corrupted: its tensors do not match the checksum stored when it was saved "
+            f"({CHECKSUM_KEY}). Received: path={str(path)!r}"
+        )
+    validate_params(params, config, argument=f"tensors in {str(path)!r}")
     return params, config

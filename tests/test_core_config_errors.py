@@ -198,3 +198,36 @@ def test_check_params_rejects_like_validate_params():
 def test_from_dict_names_missing_required_fields():
     with pytest.raises(dc.DamchaValueError, match=r"lacks the required DamchaConfig fields \['num_heads'\]\. Received keys: \['key_dim', 'query_dim'\]"):
         dc.DamchaConfig.from_dict({"query_dim": 8, "key_dim": 4})
+
+
+@pytest.mark.parametrize(
+    "value, want",
+    [
+        (np.zeros((2, 3), np.float32), "ndarray(shape=(2, 3), dtype=float32)"),
+        (np.float32(0.5), "0.5"),
+        (np.bool_(True), "True"),
+        ((1, 16), "(1, 16)"),
+        ([[0.5] * 16] * 3, "list(len=3, element type list)"),
+        ([0.25] * 1000, "list(len=1000, element type float)"),
+        ((1, "a", None, 2.0, 3, 4, 5, 6, 7), "tuple(len=9, element types NoneType, float, int, str)"),
+        ({"q": 1, "k": 2}, "dict(len=2, keys=['q', 'k'])"),
+        ("x" * 300, "'" + "x" * 60 + "...' (str of length 300)"),
+        ("heads", "'heads'"),
+        (None, "None"),
+    ],
+    ids=["array", "np-float", "np-bool", "shape-tuple", "nested-list", "long-list", "mixed-tuple", "dict", "long-str", "str", "none"],
+)
+def test_describe_never_prints_large_contents(value, want):
+    assert dc.describe(value) == want
+
+
+def test_messages_stay_one_line_for_list_inputs():
+    """A query passed as a nested Python list of the wrong shape: one line, no contents."""
+    nested = [[[0.125] * 8] * 50]  # (1, 50, 8): the wrong feature size for CFG below
+    cfg = dc.DamchaConfig(query_dim=4, num_heads=2, key_dim=2)
+    with pytest.raises(dc.DamchaValueError) as info:
+        dc.damcha_attention(dc.init_params(cfg), cfg, nested)
+    assert "\n" not in str(info.value) and "0.125" not in str(info.value)
+    with pytest.raises(dc.DamchaTypeError) as info:
+        dc.check_bool("causal", nested)
+    assert str(info.value) == "`causal` must be a bool. Received: causal=list(len=1, element type list)"

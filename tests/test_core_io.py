@@ -79,3 +79,178 @@ def test_save_rejects_params_that_do_not_match_config(tmp_path):
     with pytest.raises(dc.DamchaValueError, match=r"output.kernel.*must have shape \(4, 2, 8\)"):
         dc.save_params(tmp_path / "x.safetensors", params, CFG)
     assert not (tmp_path / "x.safetensors").exists()
+
+
+# ------------------------------------------------ files that are not what they should be
+
+
+def _saved(tmp_path, name="layer.safetensors"):
+    path = tmp_path / name
+    dc.save_params(path, dc.init_params(CFG, seed=1), CFG)
+    return path
+
+
+def _truncated(tmp_path):
+    path = _saved(tmp_path)
+    data = path.read_bytes()
+    path.write_bytes(data[:-40])
+    return path
+
+
+def _npz(tmp_path):
+    path = tmp_path / "params.npz"
+    np.savez(path, **dc.init_params(CFG))
+    return path
+
+
+def _text(tmp_path):
+    path = tmp_path / "notes.safetensors"
+    path.write_text("query.kernel = [[1, 2], [3, 4]]\n" * 20)
+    return path
+
+
+def _empty(tmp_path):
+    path = tmp_path / "empty.safetensors"
+    path.write_bytes(b"")
+    return path
+
+
+def _short(tmp_path):
+    path = tmp_path / "short.safetensors"
+    path.write_bytes(b"\x05\x00")
+    return path
+
+
+def _header_garbage(tmp_path):
+    path = tmp_path / "garbage.safetensors"
+    path.write_bytes((16).to_bytes(8, "little") + b"{not json at all" + b"\x00" * 32)
+    return path
+
+
+def _bad_config(tmp_path):
+    path = tmp_path / "badcfg.safetensors"
+    save_file({"x": np.zeros(2)}, str(path), metadata={"format": "damcha-v1", "damcha_config": "{'query_dim': 8"})
+    return path
+
+
+def _invalid_config(tmp_path):
+    path = tmp_path / "invalidcfg.safetensors"
+    bad = {**CFG.to_dict(), "num_heads": 0}
+    save_file({"x": np.zeros(2)}, str(path), metadata={"format": "damcha-v1", "damcha_config": json.dumps(bad)})
+    return path
+
+
+@pytest.mark.parametrize(
+    "make, pattern",
+    [
+        (lambda t: t / "missing.safetensors", r"`path` does not exist"),
+        (lambda t: t, r"`path` is a directory, expected a safetensors file"),
+        (_empty, r"not a DAMCHA parameter file: the file is empty"),
+        (_short, r"the file is 2 bytes long, too short"),
+        (_text, r"announce a \d+-byte header but the file is \d+ bytes long"),
+        (_npz, r"announce a \d+-byte header|header is not safetensors JSON"),
+        (_header_garbage, r"its header is not safetensors JSON"),
+        (_truncated, r"the file is truncated: its header describes \d+ bytes of tensors, it holds \d+"),
+        (_bad_config, r"its damcha_config metadata is not valid JSON"),
+        (_invalid_config, r"its damcha_config metadata is not a valid config \(`num_heads` must be >= 1"),
+    ],
+    ids=["missing", "directory", "empty", "short", "text", "npz", "header-garbage", "truncated", "config-json", "config-invalid"],
+)
+def test_load_rejects_bad_files_naming_the_path(tmp_path, make, pattern):
+    path = make(tmp_path)
+    with pytest.raises(dc.DamchaValueError, match=pattern) as info:
+        dc.load_params(path)
+    assert f"path={str(path)!r}" in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_load_rejects_a_flipped_payload_byte_as_corrupted(tmp_path):
+    path = _saved(tmp_path)
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x10  # a byte of the last tensor: still a finite float, a silent change without the checksum
+    path.write_bytes(bytes(data))
+    with pytest.raises(dc.DamchaValueError, match=rf"`path` is corrupted: .*checksum.*Received: path={str(path)!r}"):
+        dc.load_params(path)
+
+
+def test_checksum_is_stored_and_files_without_it_still_load(tmp_path):
+    from safetensors import safe_open
+
+    params = dc.init_params(CFG, seed=2)
+    path = _saved(tmp_path)
+    with safe_open(str(path), framework="numpy") as f:
+        stored = f.metadata()["damcha_checksum"]
+    assert stored.startswith("sha256:") and len(stored) == 7 + 64
+    # an independent recomputation: sha256 over (name, dtype, shape, bytes), each length-prefixed, names sorted
+    import hashlib
+    import struct
+
+    raw = load_file(str(path))
+    h = hashlib.sha256()
+    for name in sorted(raw):
+        for part in (name.encode(), raw[name].dtype.name.encode(), json.dumps(list(raw[name].shape)).encode(), raw[name].tobytes()):
+            h.update(struct.pack("<Q", len(part)) + part)
+    assert stored == "sha256:" + h.hexdigest()
+    old = tmp_path / "old.safetensors"
+    _rewrite(old, params)  # written as before the checksum existed
+    loaded, cfg = dc.load_params(old)
+    assert cfg == CFG and all(np.array_equal(loaded[k], params[k]) for k in params)
+
+
+def test_save_uses_the_umask_and_replaces_atomically(tmp_path):
+    import os
+    import stat
+
+    old_umask = os.umask(0o022)
+    try:
+        path = _saved(tmp_path)
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644
+        os.umask(0o027)
+        other = _saved(tmp_path, "other.safetensors")
+        assert stat.S_IMODE(other.stat().st_mode) == 0o640
+    finally:
+        os.umask(old_umask)
+    params = dc.init_params(CFG, seed=5)
+    dc.save_params(path, params, CFG)  # replaces the earlier file
+    assert np.array_equal(dc.load_params(path)[0]["query.kernel"], params["query.kernel"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["layer.safetensors", "other.safetensors"]  # no temp files left
+
+
+def test_failed_save_leaves_the_earlier_file_intact(tmp_path, monkeypatch):
+    import os
+
+    path = _saved(tmp_path)
+    before = path.read_bytes()
+
+    def no_space(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", no_space)
+    with pytest.raises(dc.DamchaValueError, match=rf"could not be written \(No space left on device\).*unchanged.*path={str(path)!r}"):
+        dc.save_params(path, dc.init_params(CFG, seed=9), CFG)
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["layer.safetensors"]
+
+
+@pytest.mark.parametrize(
+    "make, error, pattern",
+    [
+        (lambda t: t, dc.DamchaValueError, r"`path` is a directory, expected a file path"),
+        (lambda t: t / "nowhere" / "x.safetensors", dc.DamchaValueError, r"in a folder that does not exist"),
+        (lambda t: "", dc.DamchaValueError, r"`path` must be a non-empty file path"),
+        (lambda t: 3, dc.DamchaTypeError, r"`path` must be a str or os.PathLike\. Received: path=3"),
+    ],
+    ids=["directory", "missing-folder", "empty", "type"],
+)
+def test_save_rejects_unusable_paths(tmp_path, make, error, pattern):
+    with pytest.raises(error, match=pattern):
+        dc.save_params(make(tmp_path), dc.init_params(CFG), CFG)
+
+
+def test_save_refuses_a_read_only_target(tmp_path):
+    path = _saved(tmp_path)
+    before = path.read_bytes()
+    path.chmod(0o444)
+    with pytest.raises(dc.DamchaValueError, match=rf"`path` is a read-only file; it is not replaced\. Received: path={str(path)!r}"):
+        dc.save_params(path, dc.init_params(CFG, seed=4), CFG)
+    assert path.read_bytes() == before
