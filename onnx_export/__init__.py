@@ -13,6 +13,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from damcha_core._imports import require as _require
+
+_require("onnx", "onnx", "damcha_onnx")  # one-line ImportError naming the extra
+
 from ._export import build_model, export
 from ._graph import ATTENTION_OPSET, MIN_OPSET, fold_params
 from ._io import validate_model

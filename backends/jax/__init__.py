@@ -8,6 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from damcha_core._imports import require as _require
+
+_require("jax", "jax", "damcha_jax")  # one-line ImportError naming the extra
+_require("flax", "jax", "damcha_jax")
+
 from ._functional import (
     coefficients,
     damcha_attention,

@@ -11,6 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from damcha_core._imports import require as _require
+
+_require("keras", "keras", "damcha_keras")  # one-line ImportError naming the extra
+
 from ._blocks import TransformerDecoder, TransformerEncoder
 from ._generator import MetricGenerator, rms_normalise
 from ._layer import DamchaAttention

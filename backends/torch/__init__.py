@@ -9,6 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from damcha_core._imports import require as _require
+
+_require("torch", "torch", "damcha_torch")  # one-line ImportError naming the extra
+
 from ._attention import DamchaAttention, DamchaKVCache, replace_mha
 from ._functional import causal_visibility, damcha_attention, safe_attention
 from ._metric import MetricGenerator
