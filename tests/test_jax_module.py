@@ -93,7 +93,7 @@ def _open_layer(arch: str, seed: int = 3):
     mha_kwargs, options, _ = ARCHS[arch]
     config = dj.attention_config(**mha_kwargs, **options)
     params = case_params(config, seed)
-    return build(lambda: dj.DamchaAttention.from_params(params, config)), params, config
+    return build(lambda: dj.DamchaAttention.from_canonical(params, config)), params, config
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -116,7 +116,7 @@ def test_separate_value_input_matches_mha() -> None:
 def test_canonical_params_round_trip_through_safetensors(tmp_path) -> None:
     layer, params, config = _open_layer("mqa-lowrank")
     assert layer.config == config
-    for name, value in layer.to_params().items():
+    for name, value in layer.to_canonical().items():
         np.testing.assert_allclose(value, params[name].astype(np.float32))
     path = tmp_path / "layer.safetensors"
     layer.save(path)
@@ -126,8 +126,8 @@ def test_canonical_params_round_trip_through_safetensors(tmp_path) -> None:
     dc.save_params(tmp_path / "ref.safetensors", params, config)
     from_ref = build(lambda: dj.DamchaAttention.load(tmp_path / "ref.safetensors"))
     for other in (loaded, from_ref):
-        for name, value in other.to_params().items():
-            np.testing.assert_array_equal(value, layer.to_params()[name], err_msg=name)
+        for name, value in other.to_canonical().items():
+            np.testing.assert_array_equal(value, layer.to_canonical()[name], err_msg=name)
 
 
 @pytest.mark.parametrize("chunks", [(1,) * 7, (3, 1, 1, 2)], ids=["token-by-token", "prefill-then-steps"])
@@ -199,7 +199,7 @@ def test_stack_shares_one_generator_and_sums_its_gradient() -> None:
 
 def test_attention_dropout_only_in_training() -> None:
     layer, params, config = _open_layer("self")
-    dropping = build(lambda: dj.DamchaAttention.from_params(params, config.replace(dropout=0.5), rngs=nnx.Rngs(0, dropout=1)))
+    dropping = build(lambda: dj.DamchaAttention.from_canonical(params, config.replace(dropout=0.5), rngs=nnx.Rngs(0, dropout=1)))
     x, _ = _inputs(False, E)
     key = jax.random.key(7)
     inference, train, plain = run(
@@ -302,15 +302,36 @@ def test_batch_axes_as_flax_takes_them():
     assert got.shape == (5, 8)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
 
-    params = layer.to_params()
+    params = layer.to_canonical()
     params["metric.qk.gate"] = np.array([0.7, -0.5])
-    layer.set_params(params)
+    layer.load_canonical(params)
     got = np.asarray(run(lambda x, m: layer(x, mask=m), x, mask), dtype=np.float64)
     flat_mask = np.broadcast_to(np.asarray(mask, bool), (2, 3, 1, 5, 5)).reshape(6, 1, 5, 5)
-    ref = dc.damcha_attention(layer.to_params(), layer.config, np.asarray(x, np.float64).reshape(6, 5, 8), mask=flat_mask)
+    ref = dc.damcha_attention(layer.to_canonical(), layer.config, np.asarray(x, np.float64).reshape(6, 5, 8), mask=flat_mask)
     np.testing.assert_allclose(got.reshape(6, 5, 8), ref, rtol=2e-4, atol=2e-5)
 
     with pytest.raises(dc.DamchaValueError, match=r"`inputs_k` must have the batch axes of `inputs_q`, \(2, 3\)"):
         layer(x, x[:, :2])
     with pytest.raises(dc.DamchaValueError, match=r"`mask` must be broadcastable to \[batch\.\.\., H, N, M\] with batch axes \(2, 3\)"):
         layer(x, mask=jnp.ones((2, 2, 1, 5, 5), bool))
+
+
+def test_canonical_vocabulary_and_deprecated_aliases() -> None:
+    """to_canonical (float64) / load_canonical (returns self) / from_canonical,
+    and the old to_params / set_params / from_params still work with a DeprecationWarning."""
+    layer, params, config = _open_layer("self")
+    canonical = layer.to_canonical()
+    assert all(v.dtype == np.float64 for v in canonical.values())
+    assert list(canonical) == list(config.param_shapes())
+    other = build(lambda: dj.DamchaAttention(4, E, 16, rngs=nnx.Rngs(9)))
+    assert other.load_canonical(params) is other
+    for name, value in other.to_canonical().items():
+        np.testing.assert_array_equal(value, canonical[name], err_msg=name)
+    with pytest.warns(DeprecationWarning, match="to_canonical"):
+        old = layer.to_params()
+    assert old.keys() == canonical.keys()
+    with pytest.warns(DeprecationWarning, match="load_canonical"):
+        assert other.set_params(params) is other
+    with pytest.warns(DeprecationWarning, match="from_canonical"):
+        again = dj.DamchaAttention.from_params(params, config)
+    np.testing.assert_array_equal(again.to_canonical()["metric.qk.kernel"], canonical["metric.qk.kernel"])

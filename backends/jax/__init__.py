@@ -13,23 +13,11 @@ from damcha_core._imports import require as _require
 _require("jax", "jax", "damcha_jax")  # one-line ImportError naming the extra
 _require("flax", "jax", "damcha_jax")
 
-from ._functional import (
-    coefficients,
-    damcha_attention,
-    decode_step,
-    init_cache,
-    metric_penalty,
-    transformed_qkv,
-)
-from ._module import (
-    CrossHeadMap,
-    DamchaAttention,
-    DamchaEncoder,
-    DamchaEncoderBlock,
-    MetricGenerator,
-    attention_config,
-    make_metric_generators,
-)
+from ._blocks import DamchaEncoder, DamchaEncoderBlock
+from ._cache import decode_step, init_cache
+from ._functional import coefficients, damcha_attention, metric_penalty, transformed_qkv
+from ._generator import CrossHeadMap, MetricGenerator, make_metric_generators
+from ._layer import DamchaAttention, attention_config
 
 __all__ = [
     "CrossHeadMap",

@@ -1,0 +1,113 @@
+"""Canonical parameter I/O of the NNX modules: ``to_canonical``,
+``load_canonical``, ``from_canonical``, ``save``/``load`` (the vocabulary every
+port shares), with the old ``to_params``/``set_params``/``from_params`` kept
+one release as deprecated aliases."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import damcha_core as dc
+from damcha_core import DamchaConfig, DamchaTypeError, describe
+
+Array = jax.Array
+
+_PROJECTIONS = (("query", "query"), ("key", "key"), ("value", "value"), ("output", "out"))
+
+
+def _deprecated(old: str, new: str) -> None:
+    warnings.warn(f"`{old}` is deprecated; use `{new}` (same result).", DeprecationWarning, stacklevel=3)
+
+
+def variables(layer: Any) -> dict[str, nnx.Variable]:
+    """Canonical name -> the NNX variable of ``layer`` (a ``DamchaAttention``) holding it."""
+    out: dict[str, nnx.Variable] = {}
+    for name, attr in _PROJECTIONS:
+        module = getattr(layer, attr)
+        out[f"{name}.kernel"] = module.kernel
+        if layer.use_bias:
+            out[f"{name}.bias"] = module.bias
+    for side, cross in layer.metric.items():
+        out[f"metric.{side}.gate"] = cross.gate
+        out.update({f"metric.{side}.{leaf}": var for leaf, var in cross.generator.leaves().items()})
+    return {name: out[name] for name in layer.config.param_shapes()}
+
+
+class CanonicalIO:
+    """Canonical I/O of ``DamchaAttention`` (a base class; needs ``config``,
+    ``param_dtype`` and the variables that ``variables`` reads)."""
+
+    config: DamchaConfig
+    param_dtype: Any
+
+    def _variables(self) -> dict[str, nnx.Variable]:
+        return variables(self)
+
+    def arrays(self) -> dict[str, Array]:
+        """The canonical params as JAX arrays in ``param_dtype`` (what ``damcha_attention`` takes)."""
+        return {name: var[...] for name, var in self._variables().items()}
+
+    def to_canonical(self) -> dict[str, np.ndarray]:
+        """The canonical params as float64 NumPy arrays (``damcha_core``'s names and shapes)."""
+        return {name: np.asarray(value, dtype=np.float64) for name, value in self.arrays().items()}
+
+    def load_canonical(self, params: Mapping[str, Any]) -> Any:
+        """Load canonical params (validated against ``self.config``: names,
+        shapes, dtypes, finite values), cast to ``param_dtype``; returns self.
+        A shared generator is shared: loading it here sets it for every layer
+        that holds it."""
+        dc.validate_params(params, self.config)
+        for name, var in self._variables().items():
+            var[...] = jnp.asarray(params[name], self.param_dtype)
+        return self
+
+    @classmethod
+    def from_canonical(
+        cls, params: Mapping[str, Any], config: DamchaConfig, *, rngs: nnx.Rngs | None = None, **kwargs: Any
+    ) -> Any:
+        """A layer with ``config``'s shape holding ``params``; ``kwargs`` are
+        the non-shape arguments (dtype, param_dtype, decode, deterministic, ...)."""
+        if not isinstance(config, DamchaConfig):
+            raise DamchaTypeError(f"`config` must be a DamchaConfig. Received: config={describe(config)}")
+        layer = cls(  # type: ignore[call-arg]
+            config.num_heads, config.query_dim, None, config.output_dim, config.num_kv_heads, config.context_dim,
+            key_dim=config.key_dim, value_dim=config.value_dim, metric=config.metric,
+            metric_rank=config.metric_rank, coupling=config.coupling, scale=config.scale,
+            dropout_rate=config.dropout, use_bias=config.use_bias, rngs=rngs or nnx.Rngs(0), **kwargs,
+        )
+        return layer.load_canonical(params)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the canonical params and config as safetensors (``damcha_core.save_params``)."""
+        dc.save_params(path, self.to_canonical(), self.config)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, *, rngs: nnx.Rngs | None = None, **kwargs: Any) -> Any:
+        """Read a file written by ``save`` (or any port's ``save_params``)."""
+        params, config = dc.load_params(path)
+        return cls.from_canonical(params, config, rngs=rngs, **kwargs)
+
+    # ------------------------------------------------ deprecated (one release)
+
+    def to_params(self) -> dict[str, np.ndarray]:
+        """Deprecated alias of ``to_canonical``."""
+        _deprecated("to_params", "to_canonical")
+        return self.to_canonical()
+
+    def set_params(self, params: Mapping[str, Any]) -> Any:
+        """Deprecated alias of ``load_canonical``."""
+        _deprecated("set_params", "load_canonical")
+        return self.load_canonical(params)
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any], config: DamchaConfig, **kwargs: Any) -> Any:
+        """Deprecated alias of ``from_canonical``."""
+        _deprecated("from_params", "from_canonical")
+        return cls.from_canonical(params, config, **kwargs)
