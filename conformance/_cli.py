@@ -2,7 +2,13 @@
 
 Each backend runs in its own subprocess: Keras fixes its backend at import
 (one per process), and frameworks that bundle different OpenMP runtimes are
-kept apart. A worker writes its report as JSON; the parent prints one table.
+kept apart. A worker streams its progress on stdout and writes its report as
+JSON; the parent shows the progress, then prints one table and the verdict.
+
+Exit status: 0 every backend checked everything asked for and passed;
+1 a check failed, or the run was PARTIAL (something asked for was not
+checked: a backend not installed, a dtype or gradients an adapter does not
+have, unsupported cases); 2 bad arguments (nothing is run).
 """
 
 from __future__ import annotations
@@ -13,32 +19,85 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
-from ._cases import DECODE_CATALOGUE, GROUPS, catalogue
-from ._runner import Report, run_conformance
+from damcha_core import _cliutil as cu
+
+from ._cases import CATALOGUE, DECODE_CATALOGUE, GROUPS, catalogue
+from ._runner import Report, Result, run_conformance
 from ._tolerances import DTYPES
 from .adapters import BUILTIN, load_adapter
 
+PROG = "damcha conform"
 BACKENDS = [name for name, b in BUILTIN.items() if not b.on_request]
 ON_REQUEST = [name for name, b in BUILTIN.items() if b.on_request]
+_PROGRESS = "@damcha-progress"  # worker -> parent protocol on the worker's stdout
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="damcha conform", description=__doc__.splitlines()[0])
-    p.add_argument("--backend", action="append", default=[], help=f"built-in backend, repeatable: {', '.join(BACKENDS)} (default: all); also "
+    p = cu.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0].splitlines()[0],
+                          epilog="Exit status: 0 passed, 1 failed or partial, 2 bad arguments.")
+    p.add_argument("--backend", action="append", default=[], choices=list(BUILTIN), metavar="NAME",
+                   help=f"built-in backend, repeatable: {', '.join(BACKENDS)} (default: all); also "
                    f"{', '.join(ON_REQUEST)} on request")
-    p.add_argument("--adapter", action="append", default=[], help="a third-party adapter as module:attr, repeatable")
-    p.add_argument("--dtype", action="append", choices=DTYPES, help="dtypes to run (default: each adapter's own)")
-    p.add_argument("--case", action="append", help="only these case names")
+    p.add_argument("--adapter", action="append", default=[], metavar="MODULE:ATTR",
+                   help="a third-party adapter as module:attr (class, factory or instance), repeatable")
+    p.add_argument("--dtype", action="append", choices=DTYPES, help="only these dtypes (default: each adapter's own)")
+    p.add_argument("--case", action="append", metavar="NAME", help="only these catalogue cases")
     p.add_argument("--group", action="append", choices=GROUPS, help="only these case groups")
     p.add_argument("--no-gradients", action="store_true", help="check outputs only")
     p.add_argument("--json", metavar="PATH", help="also write the full report as JSON")
     p.add_argument("--export-vectors", metavar="DIR", help="write the catalogue as language-neutral test vectors and exit")
     p.add_argument("--require-all", action="store_true", default=os.environ.get("DAMCHA_REQUIRE_ALL_BACKENDS") == "1",
-                   help="a backend that is not installed is a failure (default when DAMCHA_REQUIRE_ALL_BACKENDS=1)")
+                   help="a backend that is not installed is a failure, not only a gap "
+                   "(default when DAMCHA_REQUIRE_ALL_BACKENDS=1)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar or lines")
     p.add_argument("--in-process", action="store_true", help="run in this process (one backend or adapter only)")
+    p.add_argument("--progress-protocol", action="store_true", help=argparse.SUPPRESS)  # worker mode
     return p
+
+
+def _validate(args: argparse.Namespace) -> None:
+    """Every argument, before any work: exit 2 with one line naming the flag."""
+    known = {c.name for c in CATALOGUE}
+    for name in args.case or ():
+        if name not in known:
+            cu.usage_error("--case", f"unknown case {name!r}; expected catalogue case names (see "
+                           "damcha_conformance.CATALOGUE), e.g. {', '.join(sorted(known)[:3])}, ...", prog=PROG)
+    if args.json is not None:
+        cu.check_output_file(args.json, "--json", prog=PROG)
+    if args.export_vectors is not None:
+        cu.check_output_dir(args.export_vectors, "--export-vectors", prog=PROG)
+        if args.backend or args.adapter or args.dtype or args.no_gradients or args.json:
+            cu.usage_error("--export-vectors", "writes the catalogue and runs nothing; it takes only --case and "
+                           "--group", prog=PROG)
+        return
+    if args.in_process and len(args.backend) + len(args.adapter) != 1:
+        cu.usage_error("--in-process", "runs exactly one --backend or --adapter. Received: "
+                       f"{len(args.backend) + len(args.adapter)}", prog=PROG)
+    for name in args.backend:
+        builtin = BUILTIN[name]
+        missing = builtin.missing()
+        if missing:
+            cu.usage_error("--backend", f"{name} needs {', '.join(missing)}, which is not installed: "
+                           f"{cu.install_hint(missing[0], builtin.extra)}", prog=PROG)
+    if "torch-cuda" in args.backend and not importlib.import_module("torch").cuda.is_available():
+        cu.usage_error("--backend", "torch-cuda was asked for, but torch sees no CUDA device", prog=PROG)
+    for spec in args.adapter:
+        module_name, sep, attr = spec.partition(":")
+        if not (sep and module_name and attr):
+            cu.usage_error("--adapter", f"expected module:attr naming an adapter. Received: {spec!r}", prog=PROG)
+        if not cu.available(module_name):
+            cu.usage_error("--adapter", f"module {module_name!r} cannot be found (is it on PYTHONPATH?). "
+                           f"Received: {spec!r}", prog=PROG)
+        try:
+            module = importlib.import_module(module_name)
+        except Exception as exc:  # noqa: BLE001 - the user's module failed to import: say why, in one line
+            cu.usage_error("--adapter", f"importing {module_name!r} failed: {type(exc).__name__}: {exc}", prog=PROG)
+        if not hasattr(module, attr):
+            cu.usage_error("--adapter", f"module {module_name!r} has no attribute {attr!r}. Received: {spec!r}",
+                           prog=PROG)
 
 
 def _filters(args: argparse.Namespace) -> list[str]:
@@ -52,63 +111,119 @@ def _filters(args: argparse.Namespace) -> list[str]:
 
 
 def _run_in_process(spec: str, args: argparse.Namespace) -> Report:
-    adapter = load_adapter(spec)
+    try:
+        adapter = load_adapter(spec)
+    except Exception as exc:  # noqa: BLE001 - a third party's constructor may raise anything
+        return Report(notes=[f"FAIL {spec}: the adapter could not be built: {type(exc).__name__}: {exc}"])
     cases = catalogue(args.case, args.group)
     # The bad-input checks are the "errors" group: on unless the run is narrowed to other cases.
     errors = not args.case and (not args.group or "errors" in args.group)
     decoding = not args.case and (not args.group or "decode" in args.group)
-    return run_conformance(adapter, cases, args.dtype, gradients=not args.no_gradients, errors=errors,
-                           decoding=decoding)
+    limits = dict(BUILTIN[spec].limits) if spec in BUILTIN else {}
+    gradients = not args.no_gradients and "gradients" not in limits
+
+    bar = None
+
+    def progress(result: Result, done: int, total: int) -> None:
+        nonlocal bar
+        what = f"{result.dtype} {result.case} [{result.check}] {result.status}"
+        if args.progress_protocol:
+            print(f"{_PROGRESS} {done} {total} {what}", flush=True)
+            return
+        if bar is None:
+            bar = cu.Progress(total, adapter.name, enabled=not args.no_progress, every=5.0)
+        bar.step(what, force=result.status in ("fail", "error"))
+
+    try:
+        report = run_conformance(adapter, cases, args.dtype, gradients=gradients, errors=errors, decoding=decoding,
+                                 progress=progress)
+    finally:
+        if bar is not None:
+            bar.close()
+    if "gradients" in limits and not args.no_gradients:
+        report.subset = [(b, f"no gradients: {limits['gradients']}" if how == "no gradients" else how)
+                         for b, how in report.subset]
+    return report
 
 
 def _run_subprocess(spec: str, args: argparse.Namespace, env_extra: dict[str, str]) -> Report:
+    """One backend in a worker process, its progress shown as it streams in."""
+    flag = "--backend" if spec in BUILTIN else "--adapter"
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "report.json"
-        flag = "--backend" if spec in BUILTIN else "--adapter"
-        cmd = [sys.executable, "-m", "damcha_conformance._cli", "--in-process", flag, spec, "--json", str(out)] + _filters(args)
-        proc = subprocess.run(cmd, env={**os.environ, **env_extra}, capture_output=True, text=True)
+        cmd = [sys.executable, "-m", "damcha_conformance._cli", "--in-process", "--progress-protocol", flag, spec,
+               "--json", str(out)] + _filters(args)
+        bar: cu.Progress | None = None
+        with open(Path(tmp) / "stderr.txt", "w+") as err:
+            proc = subprocess.Popen(cmd, env={**os.environ, **env_extra}, stdout=subprocess.PIPE, stderr=err, text=True)
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                if not line.startswith(_PROGRESS):
+                    continue
+                _, done, total, what = line.rstrip("\n").split(" ", 3)
+                if bar is None:
+                    bar = cu.Progress(int(total), spec, enabled=not args.no_progress, every=5.0)
+                bar.total = int(total)
+                bar.step(what, force=what.endswith((" fail", " error")))
+            returncode = proc.wait()
+            if bar is not None:
+                bar.close()
+            err.seek(0)
+            stderr = err.read()
         if out.exists():
             return Report.from_json(out.read_text())
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-8:]
-        return Report(notes=[f"FAIL {spec}: worker exited {proc.returncode}: " + " | ".join(tail)])
+        tail = stderr.strip().splitlines()[-8:]
+        return Report(notes=[f"FAIL {spec}: worker exited {returncode}: " + " | ".join(tail)])
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.export_vectors:
+    _validate(args)
+    if args.export_vectors is not None:
         from ._vectors import export_vectors
 
         with_decode = not args.case and (not args.group or "decode" in args.group)
-        paths = export_vectors(args.export_vectors, catalogue(args.case, args.group),
-                               DECODE_CATALOGUE if with_decode else ())
+        with cu.atomic_dir(args.export_vectors) as tmp:
+            paths = export_vectors(tmp, catalogue(args.case, args.group), DECODE_CATALOGUE if with_decode else ())
         print(f"wrote {len(paths)} cases to {args.export_vectors} (index.json describes the format)")
         return 0
-    specs = list(args.backend) + list(args.adapter)
+    specs = list(dict.fromkeys(list(args.backend) + list(args.adapter)))
     if args.in_process:
-        if len(specs) != 1:
-            raise SystemExit("damcha conform --in-process runs exactly one --backend or --adapter")
         report = _run_in_process(specs[0], args)
     else:
         report = Report()
-        for spec in specs or list(BACKENDS):
+        timings = []
+        for spec in specs or BACKENDS:
             builtin = BUILTIN.get(spec)
             missing = builtin.missing() if builtin else []
-            if missing:
-                verdict = "FAIL" if args.require_all else "skipped"
-                report.notes.append(f"{verdict} {spec}: {', '.join(missing)} not installed")
+            if missing:  # only in the default run: an explicit --backend was checked in _validate
+                hint = cu.install_hint(missing[0], builtin.extra if builtin else None)
+                if args.require_all:
+                    report.notes.append(f"FAIL {spec}: {', '.join(missing)} not installed ({hint})")
+                else:
+                    report.gaps.append((spec, f"{', '.join(missing)} not installed ({hint})"))
                 continue
-            env_extra = dict(builtin.env) if builtin else {}
-            if spec == "torch-cuda" and not importlib.import_module("torch").cuda.is_available():
-                report.notes.append(f"FAIL {spec}: asked for, but torch sees no CUDA device")
-                continue
-            print(f"running {spec} ...", file=sys.stderr, flush=True)
-            report.extend(_run_subprocess(spec, args, env_extra))
-    if args.json:
-        Path(args.json).write_text(report.to_json())
-    if not args.in_process:
+            start = time.perf_counter()
+            if args.no_progress:
+                print(f"running {spec} ...", file=sys.stderr, flush=True)
+            part = _run_subprocess(spec, args, dict(builtin.env) if builtin else {})
+            elapsed = time.perf_counter() - start
+            timings.append(f"{spec} {elapsed:.0f} s")
+            print(f"{spec}: {sum(r.status != 'unsupported' for r in part.results)} checks in {elapsed:.1f} s: "
+                  f"{part.verdict}", file=sys.stderr, flush=True)
+            report.extend(part)
+        if timings:
+            report.notes.append("time per backend: " + ", ".join(timings))
+    if args.json is not None:
+        try:
+            cu.atomic_write_text(args.json, report.to_json())
+        except OSError as exc:  # the folder vanished or filled up during the run
+            print(f"{PROG}: error: --json: could not write {args.json!r}: {exc}", file=sys.stderr)
+            return cu.EXIT_USAGE
+    if not args.in_process or not args.progress_protocol:
         print(report.summary())
-        print("PASSED" if report.passed else "FAILED")
-    return 0 if report.passed else 1
+        print(report.verdict_line())
+    return 0 if report.conformant else 1
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import traceback
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -55,16 +55,37 @@ class Result:
 
 @dataclasses.dataclass
 class Report:
-    """All results of one or more runs; ``passed`` is False on any fail/error."""
+    """All results of one or more runs.
+
+    ``passed``: at least one check ran and none failed (nor did any backend:
+    a note starting with "FAIL"). ``gaps``: (backend, what) that was asked for
+    but not checked (a dtype the adapter does not declare, gradients it does
+    not support, cases it declares unsupported, a backend not installed);
+    ``subset``: (backend, how) the run was narrowed on purpose. ``verdict``
+    is "FAILED", "PARTIAL" (passed, with gaps) or "PASSED".
+    """
 
     results: list[Result] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
+    gaps: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    subset: list[tuple[str, str]] = dataclasses.field(default_factory=list)
 
     @property
     def passed(self) -> bool:
-        return bool(self.results) and all(r.status in ("pass", "unsupported") for r in self.results) and not any(
-            n.startswith("FAIL") for n in self.notes
-        )
+        return (any(r.status != "unsupported" for r in self.results)
+                and all(r.status in ("pass", "unsupported") for r in self.results)
+                and not any(n.startswith("FAIL") for n in self.notes))
+
+    @property
+    def verdict(self) -> str:
+        if not self.passed:
+            return "FAILED"
+        return "PARTIAL" if self.gaps else "PASSED"
+
+    @property
+    def conformant(self) -> bool:
+        """Passed, and everything asked for was checked."""
+        return self.verdict == "PASSED"
 
     def failures(self) -> list[Result]:
         return [r for r in self.results if r.status in ("fail", "error")]
@@ -72,12 +93,26 @@ class Report:
     def extend(self, other: "Report") -> None:
         self.results.extend(other.results)
         self.notes.extend(other.notes)
+        self.gaps.extend(other.gaps)
+        self.subset.extend(other.subset)
+
+    def verdict_line(self) -> str:
+        """One line: the verdict and, for PARTIAL, what was not checked."""
+        verdict = self.verdict
+        if verdict == "PARTIAL":
+            return "PARTIAL: not conformant, not everything asked for was checked (see 'not checked' above)"
+        if verdict == "PASSED" and self.subset:
+            return "PASSED (narrowed as listed under 'subset' above)"
+        return verdict
 
     def summary(self) -> str:
-        """The table plus one line per failure: what an assertion message needs."""
+        """The table plus one line per failure, gap and narrowing: what an
+        assertion message needs."""
         lines = [self.table()]
         for r in self.failures():
             lines.append(f"{r.status.upper()} {r.backend}/{r.dtype} {r.case} [{r.check}] err={r.max_error:.3g} ratio={r.ratio:.3g} {r.detail}")
+        lines += [f"not checked: {backend}: {what}" for backend, what in self.gaps]
+        lines += [f"subset: {backend}: {how}" for backend, how in self.subset]
         return "\n".join(lines)
 
     def table(self) -> str:
@@ -102,12 +137,15 @@ class Report:
         return "\n".join(out)
 
     def to_json(self) -> str:
-        return json.dumps({"passed": self.passed, "notes": self.notes, "results": [r.to_dict() for r in self.results]}, indent=1)
+        return json.dumps({"passed": self.passed, "verdict": self.verdict, "notes": self.notes,
+                           "gaps": [list(g) for g in self.gaps], "subset": [list(s) for s in self.subset],
+                           "results": [r.to_dict() for r in self.results]}, indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> "Report":
         data = json.loads(text)
-        return cls([Result(**r) for r in data["results"]], list(data.get("notes", [])))
+        return cls([Result(**r) for r in data["results"]], list(data.get("notes", [])),
+                   [tuple(g) for g in data.get("gaps", [])], [tuple(s) for s in data.get("subset", [])])
 
 
 def _cell(results: list[Result]) -> str:
@@ -127,18 +165,28 @@ def _cell(results: list[Result]) -> str:
     return text
 
 
-def check_case(adapter: BackendAdapter, case: Case, dtype: str, gradients: bool = True) -> list[Result]:
-    """Run one case on ``adapter`` in ``dtype``: the output check, then the
-    gradient check (when asked, supported and the case has one)."""
-    tol = tolerance(dtype)
-    base = dict(backend=adapter.name, case=case.name, group=case.group, dtype=dtype)
+def check_output(adapter: BackendAdapter, case: Case, dtype: str) -> Result:
+    """The output check of ``case`` on ``adapter`` in ``dtype``."""
+    base = dict(backend=adapter.name, case=case.name, group=case.group, dtype=dtype, check="output")
     reason = adapter.unsupported(case)
     if reason:
-        return [Result(**base, check="output", status="unsupported", detail=reason)]
+        return Result(**base, status="unsupported", detail=reason)
     data = materialise(case)
-    results = [_output_result(dict(base, check="output"), lambda: adapter.forward(data, dtype), data.expected, tol)]
-    if not (gradients and case.gradients and adapter.supports_gradients):
-        return results
+    return _output_result(base, lambda: adapter.forward(data, dtype), data.expected, tolerance(dtype))
+
+
+def check_gradients(adapter: BackendAdapter, case: Case, dtype: str) -> Result:
+    """The gradient check of ``case``: for each input and parameter, the
+    directional derivative of ``sum(output * cotangent)`` against the
+    reference's central difference."""
+    base = dict(backend=adapter.name, case=case.name, group=case.group, dtype=dtype, check="gradients")
+    reason = adapter.unsupported(case)
+    if reason:
+        return Result(**base, status="unsupported", detail=reason)
+    if not adapter.supports_gradients:
+        return Result(**base, status="unsupported", detail="the adapter declares no gradients (supports_gradients=False)")
+    tol = tolerance(dtype)
+    data = materialise(case)
     try:
         grads = adapter.gradients(data, dtype)
         expected_keys = set(gradient_targets(data))
@@ -153,9 +201,18 @@ def check_case(adapter: BackendAdapter, case: Case, dtype: str, gradients: bool 
             if ratio > worst[1]:  # grad_ratio never returns NaN: a NaN gradient is inf
                 worst = (err, ratio, target)
         status = "pass" if worst[1] <= 1 else "fail"
-        results.append(Result(**base, check="gradients", status=status, max_error=worst[0], ratio=worst[1], detail=f"worst: {worst[2]}"))
+        return Result(**base, status=status, max_error=worst[0], ratio=worst[1], detail=f"worst: {worst[2]}")
     except Exception as exc:
-        results.append(Result(**base, check="gradients", status="error", detail=_describe_exc(exc)))
+        return Result(**base, status="error", detail=_describe_exc(exc))
+
+
+def check_case(adapter: BackendAdapter, case: Case, dtype: str, gradients: bool = True) -> list[Result]:
+    """Run one case on ``adapter`` in ``dtype``: the output check, then the
+    gradient check (when asked, supported and the case has one)."""
+    results = [check_output(adapter, case, dtype)]
+    if results[0].status == "unsupported" or not (gradients and case.gradients and adapter.supports_gradients):
+        return results
+    results.append(check_gradients(adapter, case, dtype))
     return results
 
 
@@ -219,6 +276,119 @@ def _describe_exc(exc: Exception) -> str:
     return f"{type(exc).__name__}: {exc}{where}"
 
 
+#: The kinds of check, as the pytest plugin names them (``Result.check`` says
+#: "output" for forward and "rejects" for errors).
+CHECKS = ("forward", "gradients", "decode", "errors")
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    """One check of a conformance run: a kind (one of ``CHECKS``), a case and a
+    dtype. ``id`` is the readable, stable test id (``forward-float32-heads-tied-self``;
+    ``errors-query-empty:heads-tied-self`` for the bad-input checks, which run once)."""
+
+    kind: str
+    case: Any
+    dtype: str
+
+    @property
+    def id(self) -> str:
+        if self.kind == "errors":
+            return f"errors-{self.case.name}"
+        return f"{self.kind}-{self.dtype}-{self.case.name}"
+
+    def run(self, adapter: BackendAdapter) -> Result:
+        if self.kind == "forward":
+            return check_output(adapter, self.case, self.dtype)
+        if self.kind == "gradients":
+            return check_gradients(adapter, self.case, self.dtype)
+        if self.kind == "decode":
+            return check_decode(adapter, self.case, self.dtype)
+        return check_error(adapter, self.case, self.dtype)
+
+
+@dataclasses.dataclass
+class Plan:
+    """The checks of a run, in order (each case's forward check just before its
+    gradient check, which lets adapters reuse one computation), what was asked
+    for but cannot be checked (``gaps``) and how the run is narrowed
+    (``subset``), both as (backend, text)."""
+
+    checks: list[Check]
+    gaps: list[tuple[str, str]]
+    subset: list[tuple[str, str]]
+
+
+def plan_checks(
+    adapter: BackendAdapter,
+    cases: Iterable[Case] | None = None,
+    dtypes: Sequence[str] | None = None,
+    gradients: bool = True,
+    errors: bool | Iterable[ErrorCase] = True,
+    decoding: bool | Iterable[DecodeCase] = True,
+) -> Plan:
+    """The checks ``run_conformance`` runs with these arguments (see there).
+
+    A dtype the adapter does not declare in ``adapter.dtypes`` is not run: it
+    is one gap, never a row of numbers computed in another dtype.
+
+    Raises:
+        DamchaValueError: an unknown dtype name.
+    """
+    name = adapter.name
+    cases = list(CATALOGUE if cases is None else cases)
+    declared = list(adapter.dtypes)
+    asked = list(declared if dtypes is None else dict.fromkeys(dtypes))
+    for dtype in asked:
+        tolerance(dtype)  # unknown dtype names fail before any work
+    error_cases = list(ERROR_CATALOGUE if errors is True else (errors or ()))
+    decode_cases = list(DECODE_CATALOGUE if decoding is True else (decoding or ()))
+    gaps: list[tuple[str, str]] = []
+    subset: list[tuple[str, str]] = []
+    run = [d for d in asked if d in declared]
+    undeclared = [d for d in asked if d not in declared]
+    if undeclared:
+        gaps.append((name, f"dtype {', '.join(undeclared)}: not among the adapter's dtypes "
+                           f"({', '.join(declared) or 'none'})"))
+    if set(run) != set(declared) and not undeclared:
+        subset.append((name, f"dtypes {', '.join(run)} of {', '.join(declared)}"))
+    if len(cases) != len(CATALOGUE) or set(cases) != set(CATALOGUE):
+        subset.append((name, f"{len(cases)} of {len(CATALOGUE)} catalogue cases"))
+    grads = gradients and adapter.supports_gradients
+    if not gradients:
+        subset.append((name, "no gradients"))
+    elif not adapter.supports_gradients and any(c.gradients for c in cases):
+        gaps.append((name, "gradients: the adapter declares none (supports_gradients=False)"))
+    if len(decode_cases) != len(DECODE_CATALOGUE):
+        subset.append((name, f"{len(decode_cases)} of {len(DECODE_CATALOGUE)} decode cases"))
+    if len(error_cases) != len(ERROR_CATALOGUE):
+        subset.append((name, f"{len(error_cases)} of {len(ERROR_CATALOGUE)} bad-input cases"))
+    checks: list[Check] = []
+    for dtype in run:
+        for case in cases:
+            checks.append(Check("forward", case, dtype))
+            if grads and case.gradients:
+                checks.append(Check("gradients", case, dtype))
+        checks += [Check("decode", case, dtype) for case in decode_cases]
+    if run:
+        checks += [Check("errors", case, run[0]) for case in error_cases]
+    return Plan(checks, gaps, subset)
+
+
+def _unsupported_gaps(name: str, results: list[Result]) -> list[tuple[str, str]]:
+    """One gap per group with cases the adapter declared unsupported."""
+    gaps = []
+    for group in GROUPS:
+        mine = [r for r in results if r.group == group]
+        skipped = [r for r in mine if r.status == "unsupported"]
+        if skipped:
+            cases = sorted({r.case for r in skipped})
+            total = len({r.case for r in mine})
+            gaps.append((name, f"{group}: {len(cases)} of {total} cases unsupported by the adapter "
+                               f"({skipped[0].detail})"))
+    return gaps
+
+
 def run_conformance(
     adapter: BackendAdapter,
     cases: Iterable[Case] | None = None,
@@ -226,6 +396,7 @@ def run_conformance(
     gradients: bool = True,
     errors: bool | Iterable[ErrorCase] = True,
     decoding: bool | Iterable[DecodeCase] = True,
+    progress: Callable[[Result, int, int], None] | None = None,
 ) -> Report:
     """Run ``cases`` (default: the whole catalogue) on ``adapter`` in each of
     ``dtypes`` (default: ``adapter.dtypes``) and return the report.
@@ -238,20 +409,41 @@ def run_conformance(
     error cases) and require a clear ``ValueError`` for each; they run once,
     in the first dtype the adapter ran any case in (the rules are about
     shapes, not precision).
+
+    ``progress``: called after each check with (result, checks done, checks planned).
+
+    The report says what was not checked: a dtype the adapter does not
+    declare (not run, stated once), gradients of an adapter without them,
+    unsupported cases (``Report.gaps``, verdict "PARTIAL"); a run that checked
+    nothing does not pass.
     """
-    cases = list(CATALOGUE if cases is None else cases)
-    dtypes = list(adapter.dtypes if dtypes is None else dtypes)
-    error_cases = list(ERROR_CATALOGUE if errors is True else (errors or ()))
-    decode_cases = list(DECODE_CATALOGUE if decoding is True else (decoding or ()))
-    for dtype in dtypes:
-        tolerance(dtype)  # unknown dtype names fail before any work
-    report = Report()
-    for dtype in dtypes:
-        for case in cases:
-            report.results.extend(check_case(adapter, case, dtype, gradients))
-        report.results.extend(check_decode(adapter, case, dtype) for case in decode_cases)
-    # A dtype the adapter refuses outright (every case an error) says nothing about bad input.
-    usable = [d for d in dtypes if not cases or any(r.dtype == d and r.status != "error" for r in report.results)]
-    if usable:
-        report.results.extend(check_error(adapter, case, usable[0]) for case in error_cases)
+    plan = plan_checks(adapter, cases, dtypes, gradients, errors, decoding)
+    report = Report(gaps=list(plan.gaps), subset=list(plan.subset))
+    dtype_order = list(dict.fromkeys(c.dtype for c in plan.checks if c.kind != "errors"))
+    total = len(plan.checks)
+    done = 0
+    usable: list[str] | None = None
+    for check in plan.checks:
+        if check.kind == "errors":
+            if usable is None:
+                # A dtype the adapter refuses outright (every case an error) says nothing about bad input.
+                usable = [d for d in dtype_order if any(r.dtype == d and r.status != "error" for r in report.results)]
+                usable = usable or ([] if dtype_order else [check.dtype])
+            if not usable:
+                total -= 1
+                continue
+            check = dataclasses.replace(check, dtype=usable[0])
+        result = check.run(adapter)
+        report.results.append(result)
+        done += 1
+        if progress is not None:
+            progress(result, done, total)
+    planned_errors = [c for c in plan.checks if c.kind == "errors"]
+    if planned_errors and not any(r.check == "rejects" for r in report.results):
+        report.gaps.append((adapter.name, "errors: the bad-input checks did not run, every other check ended in "
+                                          "an error"))
+    report.gaps += _unsupported_gaps(adapter.name, report.results)
+    if not any(r.status != "unsupported" for r in report.results):
+        why = "see 'not checked'" if report.gaps else "no check was asked for"
+        report.notes.append(f"FAIL {adapter.name}: nothing checked ({why})")
     return report

@@ -301,26 +301,33 @@ class Progress:
         stream: default ``sys.stderr``.
     """
 
-    def __init__(self, total: int, label: str, *, enabled: bool = True, stream: IO[str] | None = None) -> None:
-        self.total, self.label, self.enabled = total, label, enabled
+    def __init__(self, total: int, label: str, *, enabled: bool = True, stream: IO[str] | None = None,
+                 every: float = 0.0) -> None:
+        self.total, self.label, self.enabled, self.every = total, label, enabled, every
         self.stream = sys.stderr if stream is None else stream
         self.done, self.start = 0, time.perf_counter()
+        self._last = -float("inf")
         self._bar: Any = None
         if enabled and total and self.stream.isatty() and available("tqdm"):
             from tqdm import tqdm
 
             self._bar = tqdm(total=total, desc=label, file=self.stream, leave=False, dynamic_ncols=True)
 
-    def step(self, what: str) -> None:
-        """One step done; ``what`` names it."""
+    def step(self, what: str, *, force: bool = False) -> None:
+        """One step done; ``what`` names it. Plain lines are printed at most
+        every ``every`` seconds, and always for the last step or with ``force``."""
         self.done += 1
         if not self.enabled:
             return
         if self._bar is not None:
             self._bar.set_postfix_str(what, refresh=False)
             self._bar.update(1)
-        else:
-            print(f"{self.label} [{self.done}/{self.total}] {what}", file=self.stream, flush=True)
+            return
+        now = time.perf_counter()
+        if force or self.done >= self.total or now - self._last >= self.every:
+            self._last = now
+            print(f"{self.label} [{self.done}/{self.total}] {what} ({now - self.start:.0f} s)", file=self.stream,
+                  flush=True)
 
     @property
     def elapsed(self) -> float:

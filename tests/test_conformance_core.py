@@ -78,6 +78,8 @@ def test_golden_file_pins_the_reference():
 class _Wrong(dcf.ReferenceAdapter):
     """A port with one deliberate bug, to prove the runner can fail."""
 
+    dtypes = ("float64", "float32")
+
     def __init__(self, bug):
         self.bug = bug
         self.name = f"wrong-{bug}"
@@ -319,6 +321,8 @@ def test_small_and_zero_inputs_hold_a_zero_token_and_tokens_near_the_rms_eps():
 class _WrongMath(dcf.ReferenceAdapter):
     """The reference with one internal step replaced: a port whose bug only shows
     on some inputs. Each must fail at float32 tolerance on a catalogue case."""
+
+    dtypes = ("float64", "float32")
 
     def __init__(self, bug):
         self.bug, self.name = bug, f"wrong-{bug}"

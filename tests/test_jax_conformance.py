@@ -60,9 +60,14 @@ def test_float64_is_refused_without_x64() -> None:
     # Without x64 JAX would quietly compute in float32 under the float64 label.
     import jax
 
+    from damcha_conformance import materialise
+    from damcha_core import DamchaValueError
+
     assert not jax.config.jax_enable_x64
     adapter = JaxAdapter()
     assert "float64" not in adapter.dtypes
     report = run_conformance(adapter, cases=CATALOGUE[:1], dtypes=["float64"], gradients=False)
-    assert report.results and all(r.status == "error" and "x64" in r.detail for r in report.results)
-    assert {r.check for r in report.results} == {"output", "decode"}  # no bad-input checks in a refused dtype
+    assert report.results == [] and report.verdict == "FAILED"  # never a row of float32 numbers
+    assert report.gaps == [("jax", "dtype float64: not among the adapter's dtypes (float32, bfloat16)")]
+    with pytest.raises(DamchaValueError, match="x64"):
+        adapter.forward(materialise(CATALOGUE[0]), "float64")

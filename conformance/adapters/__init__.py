@@ -77,6 +77,9 @@ class Builtin:
             backend, JAX its x64 mode, once at import).
         kwargs: arguments of the adapter class.
         on_request: run only when named (``torch-cuda``: most machines have no GPU).
+        limits: checks the backend cannot have, with the reason (an ONNX
+            inference graph has no gradients); ``damcha conform`` states them
+            and does not ask for them.
     """
 
     adapter: str
@@ -85,6 +88,7 @@ class Builtin:
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
     kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     on_request: bool = False
+    limits: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def missing(self) -> list[str]:
         """The required modules that are not installed."""
@@ -92,14 +96,16 @@ class Builtin:
 
 
 BUILTIN: dict[str, Builtin] = {
-    "reference": Builtin("ReferenceAdapter", ("numpy",)),
+    "reference": Builtin("ReferenceAdapter", ("numpy",),
+                         limits={"gradients": "the reference is what gradients are compared against"}),
     "torch": Builtin("TorchAdapter", ("torch",), "torch"),
     "jax": Builtin("JaxAdapter", ("jax", "flax"), "jax", {"JAX_ENABLE_X64": "1"}),
     "keras-tensorflow": Builtin("KerasAdapter", ("keras", "tensorflow"), "keras", {"KERAS_BACKEND": "tensorflow"}),
     "keras-jax": Builtin("KerasAdapter", ("keras", "jax"), "keras,jax",
                          {"KERAS_BACKEND": "jax", "JAX_ENABLE_X64": "1"}),
     "keras-torch": Builtin("KerasAdapter", ("keras", "torch"), "keras,torch", {"KERAS_BACKEND": "torch"}),
-    "onnxruntime": Builtin("OnnxAdapter", ("onnx", "onnxruntime"), "onnx"),
+    "onnxruntime": Builtin("OnnxAdapter", ("onnx", "onnxruntime"), "onnx",
+                           limits={"gradients": "exported ONNX inference graphs have no autodiff"}),
     "torch-cuda": Builtin("TorchAdapter", ("torch",), "torch", kwargs={"device": "cuda"}, on_request=True),
 }
 
