@@ -183,8 +183,12 @@ def main(argv: list[str] | None = None) -> int:
         from ._vectors import export_vectors
 
         with_decode = not args.case and (not args.group or "decode" in args.group)
-        with cu.atomic_dir(args.export_vectors) as tmp:
-            paths = export_vectors(tmp, catalogue(args.case, args.group), DECODE_CATALOGUE if with_decode else ())
+        try:
+            with cu.atomic_dir(args.export_vectors) as tmp:
+                paths = export_vectors(tmp, catalogue(args.case, args.group), DECODE_CATALOGUE if with_decode else ())
+        except OSError as exc:  # a full disk, a folder removed meanwhile: the target folder is as it was
+            print(f"{PROG}: error: --export-vectors: could not write {args.export_vectors!r}: {exc}", file=sys.stderr)
+            return cu.EXIT_USAGE
         print(f"wrote {len(paths)} cases to {args.export_vectors} (index.json describes the format)")
         return 0
     specs = list(dict.fromkeys(list(args.backend) + list(args.adapter)))

@@ -16,3 +16,30 @@ class WrongMask(ReferenceAdapter):
     def forward(self, data, dtype):
         mask = None if data.mask is None else ~data.mask
         return np.nan_to_num(dc.damcha_attention(data.params, data.config, data.query, data.context, mask=mask, causal=data.causal))
+
+
+class Lazy(ReferenceAdapter):
+    """Declares every case unsupported: a run of it checks nothing."""
+
+    name = "lazy"
+
+    def unsupported(self, case):
+        return "not implemented yet"
+
+
+class NoGradients(ReferenceAdapter):
+    """An honest forward-only port (``supports_gradients=False``): its run is
+    partial unless gradients are explicitly not asked for."""
+
+    name = "no-gradients"
+
+
+class Interrupted(ReferenceAdapter):
+    """Stops the run part-way, as Ctrl-C would."""
+
+    name = "interrupted"
+
+    def forward(self, data, dtype):
+        if data.case.group == "masks":
+            raise KeyboardInterrupt
+        return super().forward(data, dtype)

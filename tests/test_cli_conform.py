@@ -1,0 +1,169 @@
+"""``damcha conform`` through the real entry point (a subprocess), one test per
+item of the hardening issue: a run that checked nothing or skipped a group
+does not pass, undeclared dtypes are stated once, bad arguments exit 2 with
+one line naming the flag before any work, outputs are atomic, progress and
+time per backend are shown."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import damcha_conformance as dcf
+
+TESTS = Path(__file__).parent
+
+
+def conform(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(TESTS)}  # the fixture adapters, as a third party's module
+    return subprocess.run([sys.executable, "-m", "damcha_core._cli", "conform", *args], capture_output=True,
+                          text=True, cwd=cwd, env=env)
+
+
+def one_line_usage_error(proc: subprocess.CompletedProcess, flag: str) -> str:
+    """Exit 2, nothing on stdout, one line on stderr that names ``flag``."""
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    assert proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"damcha conform: error: {flag}"), lines[0]
+    return lines[0]
+
+
+def test_an_adapter_that_declares_every_case_unsupported_fails():
+    proc = conform("--adapter", "_conformance_fixtures:Lazy", "--no-progress")
+    assert proc.returncode == 1, proc.stdout
+    assert "PASSED" not in proc.stdout and proc.stdout.strip().endswith("FAILED")
+    assert "FAIL lazy: nothing checked" in proc.stdout
+    assert "not implemented yet" in proc.stdout  # the adapter's reason is said
+
+
+def test_an_adapter_without_gradients_is_partial_unless_asked_for_outputs_only():
+    proc = conform("--adapter", "_conformance_fixtures:NoGradients", "--no-progress")
+    assert proc.returncode == 1, proc.stdout
+    assert "PARTIAL" in proc.stdout and "PASSED" not in proc.stdout
+    assert "not checked: no-gradients: gradients: the adapter declares none (supports_gradients=False)" in proc.stdout
+    asked = conform("--adapter", "_conformance_fixtures:NoGradients", "--no-gradients", "--no-progress")
+    assert asked.returncode == 0, asked.stdout
+    assert "subset: no-gradients: no gradients" in asked.stdout and "PASSED" in asked.stdout
+
+
+def test_a_dtype_the_adapter_does_not_declare_is_stated_once_never_computed():
+    proc = conform("--backend", "reference", "--dtype", "bfloat16", "--no-progress")
+    assert proc.returncode == 1
+    assert proc.stdout.count("bfloat16") == 1, proc.stdout  # no table row, one statement
+    assert "dtype bfloat16: not among the adapter's dtypes (float64)" in proc.stdout
+    assert proc.stdout.strip().endswith("FAILED")  # it checked nothing
+
+
+def test_a_dtype_torch_does_not_declare_is_no_key_error():
+    proc = conform("--backend", "torch", "--dtype", "float16", "--dtype", "float32", "--group", "mha", "--no-progress")
+    assert "KeyError" not in proc.stdout + proc.stderr
+    assert "dtype float16: not among the adapter's dtypes (float64, float32, bfloat16)" in proc.stdout
+    assert "PARTIAL" in proc.stdout and proc.returncode == 1  # float32 ran and passed; float16 was asked for
+
+
+def test_an_explicit_subset_that_passes_exits_0_and_says_so():
+    proc = conform("--backend", "reference", "--case", "heads-tied-self", "--no-progress")
+    assert proc.returncode == 0, proc.stdout
+    assert f"subset: reference: 1 of {len(dcf.CATALOGUE)} catalogue cases" in proc.stdout
+    assert "PASSED (narrowed" in proc.stdout
+
+
+def test_json_into_a_missing_folder_is_refused_before_any_work(tmp_path):
+    line = one_line_usage_error(conform("--json", str(tmp_path / "nonexistent" / "r.json")), "--json")
+    assert "does not exist" in line
+
+
+def test_unknown_case_backend_and_group_are_one_line_errors():
+    assert "unknown case 'nosuch'" in one_line_usage_error(conform("--case", "nosuch"), "--case")
+    assert "invalid choice: 'nosuch'" in one_line_usage_error(conform("--backend", "nosuch"), "--backend")
+    assert "invalid choice: 'nosuch'" in one_line_usage_error(conform("--group", "nosuch"), "--group")
+    assert "invalid choice: 'float8'" in one_line_usage_error(conform("--dtype", "float8"), "--dtype")
+
+
+@pytest.mark.parametrize("spec, says", [
+    ("nosuchmodule:X", "module 'nosuchmodule' cannot be found"),
+    ("_conformance_fixtures:Nope", "has no attribute 'Nope'"),
+    ("_conformance_fixtures", "expected module:attr"),
+])
+def test_bad_adapter_specs_are_one_line_errors(spec, says):
+    assert says in one_line_usage_error(conform("--adapter", spec), "--adapter")
+
+
+def test_export_vectors_into_an_unwritable_folder_is_refused(tmp_path):
+    if os.geteuid() == 0:
+        locked = Path("/proc")  # root ignores permission bits; /proc refuses new files
+    else:
+        locked = tmp_path / "ro"
+        locked.mkdir()
+        locked.chmod(0o555)
+    line = one_line_usage_error(conform("--export-vectors", str(locked / "vectors")), "--export-vectors")
+    assert "not writable" in line
+
+
+def test_export_vectors_failing_part_way_leaves_the_folder_as_it_was(tmp_path):
+    out = tmp_path / "vectors"
+    out.mkdir()
+    (out / "index.json").write_text("earlier good index")
+    # The real entry point, with the safetensors writer failing on the third case.
+    code = (
+        "import sys, safetensors.numpy as st\n"
+        "from damcha_core._cli import main\n"
+        "real, calls = st.save_file, []\n"
+        "def flaky(*a, **k):\n"
+        "    calls.append(1)\n"
+        "    if len(calls) == 3: raise OSError(28, 'No space left on device')\n"
+        "    return real(*a, **k)\n"
+        "st.save_file = flaky\n"
+        f"sys.exit(main(['conform', '--export-vectors', {str(out)!r}, '--group', 'heads']))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert "No space left on device" in one_line_usage_error(proc, "--export-vectors")
+    assert [p.name for p in out.iterdir()] == ["index.json"] and (out / "index.json").read_text() == "earlier good index"
+    assert [p.name for p in tmp_path.iterdir()] == ["vectors"]  # no temporary folder left behind
+    ok = conform("--export-vectors", str(out), "--group", "heads")
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads((out / "index.json").read_text())["cases"] == [c.name for c in dcf.catalogue(groups=["heads"])]
+
+
+def test_an_interrupted_run_keeps_the_earlier_json_report(tmp_path):
+    out = tmp_path / "report.json"
+    out.write_text('{"earlier": "good"}')
+    proc = conform("--in-process", "--adapter", "_conformance_fixtures:Interrupted", "--json", str(out),
+                   "--no-progress")
+    assert proc.returncode != 0 and "KeyboardInterrupt" in proc.stderr
+    assert out.read_text() == '{"earlier": "good"}'
+    assert [p.name for p in tmp_path.iterdir()] == ["report.json"]  # no partial or temporary file
+
+
+def test_a_read_only_json_report_is_refused_not_replaced(tmp_path):
+    out = tmp_path / "report.json"
+    out.write_text("keep")
+    out.chmod(0o444)
+    assert "read-only" in one_line_usage_error(conform("--backend", "reference", "--json", str(out)), "--json")
+    assert out.read_text() == "keep"
+
+
+def test_progress_per_backend_and_check_and_time_per_backend(tmp_path):
+    out = tmp_path / "r.json"
+    proc = conform("--backend", "reference", "--group", "masks", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    progress = [line for line in proc.stderr.splitlines() if line.startswith("reference [")]
+    n_checks = len(dcf.catalogue(groups=["masks"]))
+    assert progress[0].startswith(f"reference [1/{n_checks}] float64 ") and "[output] pass" in progress[0]
+    assert progress[-1].startswith(f"reference [{n_checks}/{n_checks}] ")  # not a TTY: plain lines
+    assert any(line.startswith(f"reference: {n_checks} checks in ") and line.endswith(" s: PASSED")
+               for line in proc.stderr.splitlines())
+    assert "time per backend: reference " in proc.stdout
+    report = dcf.Report.from_json(out.read_text())
+    assert report.verdict == "PASSED" and len(report.results) == n_checks
+
+
+def test_in_process_with_two_backends_is_a_usage_error():
+    one_line_usage_error(conform("--in-process", "--backend", "reference", "--backend", "torch"), "--in-process")
