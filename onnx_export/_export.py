@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any, Mapping
@@ -14,7 +15,16 @@ from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError
 from damcha_core import describe
 
 from ._graph import ATTENTION_OPSET, GraphBuilder, KVCacheNames, attention_layer
-from ._io import check_path, save_model, validate_model
+from . import _io
+from ._io import (
+    EXTERNAL_DATA_MIN_BYTES,
+    check_path,
+    data_file_name,
+    needs_external_data,
+    save_external,
+    save_model,
+    validate_model,
+)
 from ._options import FORMS, PAST_LEN, TOTAL_LEN, ExportOptions, check_dtype, check_opset
 
 #: Input/output names of an exported layer.
@@ -53,28 +63,68 @@ def ir_version_for(opset: int) -> int:
     return helper.find_min_ir_version_for([helper.make_opsetid("", opset)])
 
 
-def make_model(g: GraphBuilder, inputs, outputs, name: str, doc: str) -> onnx.ModelProto:
-    graph = helper.make_graph(g.nodes, name, inputs, outputs, initializer=g.initializers)
-    model = helper.make_model(
-        graph,
-        opset_imports=[helper.make_opsetid("", g.opset)],
-        producer_name="damcha_onnx",
-        producer_version=dc.__version__,
-        doc_string=doc,
-    )
-    model.ir_version = ir_version_for(g.opset)
+@dataclasses.dataclass
+class Draft:
+    """A built graph whose initialisers are still NumPy arrays: assembled into
+    a ModelProto with its weights inline, or referring to an external data
+    file (a model over 2 GiB cannot be held as one protobuf message)."""
+
+    g: GraphBuilder
+    inputs: list
+    outputs: list
+    name: str
+    doc: str
+    props: dict[str, str]
+
+    def model(self, location: str | None = None) -> tuple[onnx.ModelProto, list]:
+        """(the ModelProto, the arrays to write to ``location`` in order)."""
+        tensors, external = self.g.tensors(location, EXTERNAL_DATA_MIN_BYTES)
+        graph = helper.make_graph(self.g.nodes, self.name, self.inputs, self.outputs, initializer=tensors)
+        model = helper.make_model(
+            graph,
+            opset_imports=[helper.make_opsetid("", self.g.opset)],
+            producer_name="damcha_onnx",
+            producer_version=dc.__version__,
+            doc_string=self.doc,
+        )
+        model.ir_version = ir_version_for(self.g.opset)
+        helper.set_model_props(model, self.props)
+        return model, external
+
+    def in_memory(self) -> onnx.ModelProto:
+        """The ModelProto with every weight inline; refused over the size limit."""
+        if self.g.nbytes > _io.EXTERNAL_DATA_THRESHOLD:
+            raise DamchaValueError(
+                f"This model has {self.g.nbytes} bytes of weights, too many for one protobuf message (2 GiB); "
+                "export it to a file instead (export(..., path), saved with external data)."
+            )
+        return self.model()[0]
+
+
+def finish(draft: Draft, path: str | None, options: ExportOptions) -> onnx.ModelProto:
+    """Validate the model, then write it to ``path`` (already checked) unless ``None``.
+
+    With external data (``options.external_data``, or a model too large for
+    one protobuf) the model is written and validated from disk; the returned
+    ModelProto then refers to ``<path>.data`` (load it from ``path``).
+    """
+    if not needs_external_data(draft.g.nbytes, options.external_data):
+        model = draft.in_memory()
+        validate_model(model)
+        if path is not None:
+            save_model(model, path, external_data=False)
+        return model
+    if path is None:
+        raise DamchaValueError(
+            "A model saved with external data needs a file: pass `path`. Received: path=None, "
+            f"external_data={options.external_data} ({draft.g.nbytes} bytes of weights)"
+        )
+    model, arrays = draft.model(data_file_name(path))
+    save_external(model, arrays, path)
     return model
 
 
-def finish(model: onnx.ModelProto, path: str | None) -> onnx.ModelProto:
-    """Validate ``model``, then write it to ``path`` (already checked) unless ``None``."""
-    validate_model(model)
-    if path is not None:
-        save_model(model, path)
-    return model
-
-
-def _layer_model(params: Mapping[str, Any], config: DamchaConfig, options: ExportOptions) -> onnx.ModelProto:
+def _layer_model(params: Mapping[str, Any], config: DamchaConfig, options: ExportOptions) -> Draft:
     if not isinstance(config, DamchaConfig):
         raise DamchaTypeError(f"`config` must be a DamchaConfig. Received: config={describe(config)}")
     params = dc.validate_params(params, config)
@@ -113,12 +163,11 @@ def _layer_model(params: Mapping[str, Any], config: DamchaConfig, options: Expor
     if o.kv_cache:
         doc += (" Decode step: past_key (B, G, P, d) holds k~ = L_k(c) k (no softmax scale), query i sits at "
                 "position P + i and sees keys j <= P + i; present_* = past_* with the new tokens appended.")
-    model = make_model(g, inputs, outputs, "damcha_attention", doc)
-    helper.set_model_props(model, {
+    props = {
         "damcha_config": json.dumps(config.to_dict(), sort_keys=True), "damcha_form": o.form,
         "damcha_causal": str(o.causal), "damcha_kv_cache": str(o.kv_cache),
-    })
-    return model
+    }
+    return Draft(g, inputs, outputs, "damcha_attention", doc, props)
 
 
 def build_model(
@@ -152,7 +201,7 @@ def build_model(
         options, "layer", opset=opset, form=form, dtype=dtype, causal=causal, cross=cross, mask=mask, dynamic=dynamic,
         batch_size=batch_size, query_len=query_len, context_len=context_len, kv_cache=kv_cache,
     )
-    return _layer_model(params, config, options)
+    return _layer_model(params, config, options).in_memory()
 
 
 def export(
@@ -171,6 +220,7 @@ def export(
     query_len: int | None = None,
     context_len: int | None = None,
     kv_cache: bool = False,
+    external_data: bool | None = None,
     options: ExportOptions | None = None,
 ) -> onnx.ModelProto:
     """Export one DAMCHA layer from canonical parameters to ONNX, validated.
@@ -204,6 +254,11 @@ def export(
             sees keys j <= P + i (bottom-right); the ``mask`` then has P + N
             columns. Cached keys are k~ = L_k(c) k in spec units, as in
             ``damcha_torch.DamchaKVCache``.
+        external_data: ``None`` (default) saves the weights inside the
+            ``.onnx`` file unless the model passes protobuf's 2 GiB limit,
+            then in ``<path>.data`` beside it (ONNX external data, which
+            onnxruntime and ``onnx.load`` read from the ``.onnx`` path);
+            ``True`` always does so; ``False`` never.
         options: an ``ExportOptions`` holding all of the above at once
             (then the keywords are not read).
 
@@ -215,8 +270,9 @@ def export(
             opset out of range, inconsistent options, an unusable ``path``.
     """
     path = check_path(path)
-    model = build_model(
-        params, config, opset=opset, causal=causal, cross=cross, mask=mask, dynamic=dynamic, dtype=dtype, form=form,
-        batch_size=batch_size, query_len=query_len, context_len=context_len, kv_cache=kv_cache, options=options,
+    options = ExportOptions.resolve(
+        options, "layer", opset=opset, form=form, dtype=dtype, causal=causal, cross=cross, mask=mask, dynamic=dynamic,
+        batch_size=batch_size, query_len=query_len, context_len=context_len, kv_cache=kv_cache,
+        external_data=external_data,
     )
-    return finish(model, path)
+    return finish(_layer_model(params, config, options), path, options)

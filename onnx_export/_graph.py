@@ -66,10 +66,39 @@ class GraphBuilder:
         self.onnx_dtype = DTYPES[dtype]
         self.opset = opset
         self.nodes: list[onnx.NodeProto] = []
-        self.initializers: list[onnx.TensorProto] = []
+        # (name, array) in creation order; turned into TensorProtos only when
+        # the model is assembled, inline or as external data (a model over
+        # 2 GiB cannot even be held as one protobuf message).
+        self.arrays: list[tuple[str, np.ndarray]] = []
         self._names: set[str] = set()
         self._counter = itertools.count()
         self._consts: dict[tuple, str] = {}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every initialiser: the model's size, give or take the graph itself."""
+        return sum(a.nbytes for _, a in self.arrays)
+
+    def tensors(self, location: str | None = None, min_bytes: int = 1024) -> tuple[list[onnx.TensorProto], list[np.ndarray]]:
+        """The initialisers as TensorProtos: inline (``location=None``), or
+        those of ``min_bytes`` or more as ONNX external data in the file
+        ``location``, laid end to end in creation order. Returns (tensors,
+        the arrays to write to ``location`` in that order)."""
+        tensors, external = [], []
+        offset = 0
+        for name, array in self.arrays:
+            if location is None or array.nbytes < min_bytes:
+                tensors.append(numpy_helper.from_array(array, name))
+                continue
+            t = onnx.TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(array.dtype), dims=array.shape)
+            t.data_location = TensorProto.EXTERNAL
+            for key, value in (("location", location), ("offset", str(offset)), ("length", str(array.nbytes))):
+                entry = t.external_data.add()
+                entry.key, entry.value = key, value
+            tensors.append(t)
+            external.append(array)
+            offset += array.nbytes
+        return tensors, external
 
     def reserve(self, name: str) -> None:
         """Keep ``name`` (a graph input or output) from ever being handed out by ``fresh``."""
@@ -85,7 +114,7 @@ class GraphBuilder:
     def weight(self, name: str, array: np.ndarray) -> str:
         """A floating initialiser in the graph dtype."""
         name = self.fresh(name)
-        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array, dtype=self.np_dtype), name))
+        self.arrays.append((name, np.ascontiguousarray(array, dtype=self.np_dtype)))
         return name
 
     def shared_weight(self, key: str, array: np.ndarray) -> str:
@@ -100,7 +129,7 @@ class GraphBuilder:
         key = ("i64", tuple(int(v) for v in values))
         if key not in self._consts:
             name = self.fresh("const_" + "_".join(str(v).replace("-", "m") for v in key[1]) if key[1] else "const_empty")
-            self.initializers.append(numpy_helper.from_array(np.asarray(key[1], dtype=np.int64), name))
+            self.arrays.append((name, np.asarray(key[1], dtype=np.int64)))
             self._consts[key] = name
         return self._consts[key]
 

@@ -6,18 +6,19 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
+import numpy as np
 import onnx
 
 from damcha_core import DamchaTypeError, DamchaValueError, describe
 
-#: protobuf refuses to serialise one message of 2 GiB or more (onnx.save_model
-#: raises a raw EncodeError / ValueError there).
+#: protobuf refuses to serialise (or even size) one message of 2 GiB or more:
+#: ``onnx.save_model`` raises a raw EncodeError there.
 PROTOBUF_LIMIT = 2**31 - 1
-#: Models whose in-memory size passes this are saved with their weights in an
-#: external data file, automatically; the margin leaves room for the graph,
-#: names and metadata that serialisation adds. Tests lower it.
+#: Exports whose weights pass this many bytes are saved with their weights in
+#: an external data file, automatically; the margin leaves room for the graph,
+#: names and metadata. Tests lower it.
 EXTERNAL_DATA_THRESHOLD = PROTOBUF_LIMIT - (64 << 20)
 #: Tensors below this many bytes stay inside the ``.onnx`` file.
 EXTERNAL_DATA_MIN_BYTES = 1024
@@ -46,15 +47,32 @@ def check_path(path: Any, name: str = "path") -> str | None:
 
 
 def model_size(model: onnx.ModelProto) -> int:
-    """Serialised size in bytes (protobuf computes it without serialising)."""
-    return model.ByteSize()
+    """Serialised size in bytes; protobuf's limit + 1 for a message too large to size."""
+    try:
+        return model.ByteSize()
+    except Exception:  # noqa: BLE001 - google.protobuf EncodeError: over 2 GiB
+        return PROTOBUF_LIMIT + 1
 
 
-def needs_external_data(model: onnx.ModelProto, external_data: bool | None) -> bool:
-    """``external_data`` itself, or (``None``) whether the model is too large for one protobuf file."""
-    if external_data is not None:
-        return bool(external_data)
+def is_large(model: onnx.ModelProto) -> bool:
+    """Whether ``model`` is too large to serialise safely as one protobuf message."""
     return model_size(model) > EXTERNAL_DATA_THRESHOLD
+
+
+def needs_external_data(nbytes: int, external_data: bool | None) -> bool:
+    """``external_data`` itself, or (``None``) whether weights of ``nbytes`` are too large for one protobuf file.
+
+    Raises:
+        DamchaValueError: ``external_data=False`` for weights over protobuf's 2 GiB limit.
+    """
+    if external_data is None:
+        return nbytes > EXTERNAL_DATA_THRESHOLD
+    if not external_data and nbytes > PROTOBUF_LIMIT:
+        raise DamchaValueError(
+            "`external_data=False` cannot save a model over protobuf's 2 GiB limit in one file; pass "
+            f"external_data=True or None (automatic). Received: a model with {nbytes} bytes of weights"
+        )
+    return bool(external_data)
 
 
 def data_file_name(path: str) -> str:
@@ -83,74 +101,100 @@ def _staging(path: str) -> Iterator[str]:
             os.rmdir(tmp)
 
 
-def write_staged(model: onnx.ModelProto, directory: str, file_name: str, *, external: bool) -> list[str]:
-    """Write ``model`` as ``directory/file_name`` (+ ``file_name.data`` when
-    ``external``) without touching ``model``; returns the files written."""
-    target = os.path.join(directory, file_name)
-    if not external:
-        onnx.save_model(model, target)
-        return [target]
-    # save_as_external_data rewrites the tensors of the proto it is given, so
-    # write a copy: the returned model keeps its weights in memory.
-    copy = onnx.ModelProto()
-    copy.CopyFrom(model)
-    onnx.save_model(
-        copy, target, save_as_external_data=True, all_tensors_to_one_file=True,
-        location=data_file_name(file_name), size_threshold=EXTERNAL_DATA_MIN_BYTES, convert_attribute=False,
-    )
-    data = os.path.join(directory, data_file_name(file_name))
-    return [target] + ([data] if os.path.exists(data) else [])
+def _write_arrays(path: str, arrays: Sequence[np.ndarray]) -> None:
+    with open(path, "wb") as f:
+        for array in arrays:
+            f.write(memoryview(np.ascontiguousarray(array)).cast("B"))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _validate_file(path: str) -> None:
+    """The checks of ``validate_model``, read from disk (external data beside ``path``)."""
+    onnx.checker.check_model(path, full_check=True)
+    onnx.shape_inference.infer_shapes_path(path, path + ".inferred", check_type=True, strict_mode=True, data_prop=True)
+    os.remove(path + ".inferred")
+
+
+def save_external(model: onnx.ModelProto, arrays: Sequence[np.ndarray], path: str) -> list[str]:
+    """Write ``model`` (whose large initialisers refer to ``<path>.data``) and
+    that data file (``arrays`` end to end), validate them from disk, then move
+    both into place, the data file first. Returns the files written."""
+    path = check_path(path)  # type: ignore[assignment]
+    directory = os.path.dirname(os.path.abspath(path))
+    names = [os.path.basename(path), data_file_name(path)]
+    mode = _umask_mode()
+    with _staging(path) as tmp:
+        staged = [os.path.join(tmp, n) for n in names]
+        onnx.save_model(model, staged[0])
+        _write_arrays(staged[1], arrays)
+        _validate_file(staged[0])
+        for file in staged:
+            os.chmod(file, mode)
+        # The data file first: the new .onnx must never point at an old data file.
+        for file, name in zip(reversed(staged), reversed(names)):
+            os.replace(file, os.path.join(directory, name))
+    return [os.path.join(directory, n) for n in names]
 
 
 def save_model(model: onnx.ModelProto, path: str | os.PathLike, *, external_data: bool | None = None) -> list[str]:
-    """Write ``model`` to ``path`` atomically; returns the files written.
+    """Write an in-memory ``model`` to ``path`` atomically; returns the files written.
 
     With external data (``external_data=True``, or ``None`` and a model too
     large for one protobuf), the weights go to ``<path>.data`` beside the
-    ``.onnx`` file, which refers to it by that relative name. Both files are
-    staged in a private directory beside ``path`` and moved into place with
-    ``os.replace``: a failure leaves any earlier file at ``path`` untouched
-    and no partial file behind.
+    ``.onnx`` file, which refers to it by that relative name. Either way a
+    failure leaves any earlier file at ``path`` untouched and no partial file.
     """
     path = check_path(path)
     assert path is not None
-    external = needs_external_data(model, external_data)
+    if not needs_external_data(model_size(model), external_data):
+        # One file: the core's atomic writer (a temporary file beside it, then one rename).
+        from damcha_core._cliutil import atomic_write
+
+        with atomic_write(path, "wb") as f:
+            f.write(model.SerializeToString())
+        remove_stale_data(path)
+        return [path]
+    directory = os.path.dirname(os.path.abspath(path))
+    names = [os.path.basename(path), data_file_name(path)]
     mode = _umask_mode()
     with _staging(path) as tmp:
-        staged = write_staged(model, tmp, os.path.basename(path), external=external)
-        for file in staged:
-            os.chmod(file, mode)
-        # The data file first: the new .onnx must never point at a missing or old data file.
-        written = []
-        for file in reversed(staged):
-            final = os.path.join(os.path.dirname(os.path.abspath(path)), os.path.basename(file))
-            os.replace(file, final)
-            written.append(final)
-    if not external:
-        # A stale data file of an earlier external-data export would mislead readers.
-        stale = os.path.join(os.path.dirname(os.path.abspath(path)), data_file_name(path))
-        if os.path.exists(stale):
-            with contextlib.suppress(OSError):
-                os.remove(stale)
-    return list(reversed(written))
+        # save_as_external_data rewrites the tensors of the proto it is given:
+        # save a copy, so the caller's model keeps its weights in memory.
+        copy = onnx.ModelProto()
+        copy.CopyFrom(model)
+        onnx.save_model(copy, os.path.join(tmp, names[0]), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=names[1], size_threshold=EXTERNAL_DATA_MIN_BYTES, convert_attribute=False)
+        staged = [n for n in names if os.path.exists(os.path.join(tmp, n))]
+        for name in reversed(staged):
+            os.chmod(os.path.join(tmp, name), mode)
+            os.replace(os.path.join(tmp, name), os.path.join(directory, name))
+    return [os.path.join(directory, n) for n in staged]
+
+
+def remove_stale_data(path: str) -> None:
+    """Remove the data file an earlier external-data export left at ``path``: it would mislead readers."""
+    stale = os.path.join(os.path.dirname(os.path.abspath(path)), data_file_name(path))
+    if os.path.exists(stale):
+        with contextlib.suppress(OSError):
+            os.remove(stale)
 
 
 def validate_model(model: onnx.ModelProto) -> onnx.ModelProto:
     """``onnx.checker`` (full check) and strict shape inference; returns the inferred model.
 
-    A model too large for one protobuf message is checked from a temporary
-    copy with external data (the checker and shape inference then read it
-    from disk); the model itself is returned unchanged then.
-
     Raises ``onnx.checker.ValidationError`` or ``onnx.shape_inference.InferenceError``.
     """
-    if model_size(model) <= EXTERNAL_DATA_THRESHOLD:
-        onnx.checker.check_model(model, full_check=True)
-        return onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True, data_prop=True)
-    with tempfile.TemporaryDirectory(prefix="damcha-validate-") as tmp:
-        (target, *_) = write_staged(model, tmp, "model.onnx", external=True)
-        onnx.checker.check_model(target, full_check=True)
-        onnx.shape_inference.infer_shapes_path(
-            target, os.path.join(tmp, "inferred.onnx"), check_type=True, strict_mode=True, data_prop=True
-        )
-    return model
+    onnx.checker.check_model(model, full_check=True)
+    return onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True, data_prop=True)
+
+
+def write_staged(model: onnx.ModelProto, directory: str, file_name: str) -> str:
+    """``model`` (in memory, possibly near the size limit) as ``directory/file_name``
+    with external data beside it, for runtimes that read it from disk."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    target = os.path.join(directory, file_name)
+    onnx.save_model(copy, target, save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=data_file_name(file_name), size_threshold=EXTERNAL_DATA_MIN_BYTES)
+    return target

@@ -88,6 +88,10 @@ class ExportOptions:
         batch_size, query_len, context_len: the fixed sizes with ``dynamic=False``.
         kv_cache: export one decode step with a key/value cache (causal
             self-attention only).
+        external_data: where a saved model keeps its weights: ``None``
+            (default) in the ``.onnx`` file unless the model is too large for
+            one protobuf (2 GiB), then in ``<path>.data`` beside it; ``True``
+            always there; ``False`` never (refused for a model over 2 GiB).
         kind: "layer", "encoder" or "token_model" (which rules apply).
     """
 
@@ -102,6 +106,7 @@ class ExportOptions:
     query_len: int | None = None
     context_len: int | None = None
     kv_cache: bool = False
+    external_data: bool | None = None
     kind: str = "layer"
 
     def __post_init__(self) -> None:
@@ -114,6 +119,8 @@ class ExportOptions:
         set_("dtype", check_dtype(self.dtype))
         for name in ("causal", "cross", "mask", "dynamic", "kv_cache"):
             set_(name, check_bool(name, getattr(self, name)))
+        if self.external_data is not None:
+            set_("external_data", check_bool("external_data", self.external_data))
         stack = self.kind != "layer"
         if stack and self.cross:
             raise DamchaValueError(f"A {self.kind.replace('_', ' ')} is self-attention. Received: cross=True")

@@ -5,41 +5,101 @@ from __future__ import annotations
 import json
 import numbers
 import os
+import tempfile
 from typing import Any, Mapping
 
 import numpy as np
 import onnx
+import onnx.external_data_helper
 
 from damcha_core import DamchaTypeError, DamchaValueError, float_dtype_error, mask_dtype_error
 from damcha_core import describe
 
-
-def _model_bytes(model: onnx.ModelProto | str | os.PathLike) -> bytes | str:
-    if isinstance(model, onnx.ModelProto):
-        return model.SerializeToString()
-    return os.fspath(model)
+from ._io import is_large, write_staged
 
 
-def as_model(model: Any, name: str = "model") -> onnx.ModelProto:
-    """``model`` as a ModelProto: a ModelProto itself, or the path of an ``.onnx`` file."""
+def describe_value(value: Any) -> str:
+    """``describe``, extended to sequences and long reprs: arrays nested in a
+    list or tuple are described by shape and dtype, never printed."""
+    if isinstance(value, (list, tuple)):
+        try:
+            array = np.asarray(value)
+        except (ValueError, TypeError):  # ragged: describe the items instead
+            array = None
+        if array is not None and array.dtype != object:
+            return f"{type(value).__name__}(shape={array.shape}, dtype={array.dtype})"
+        items = ", ".join(describe_value(v) for v in value[:3])
+        return f"{type(value).__name__}(len={len(value)}: {items}{', ...' if len(value) > 3 else ''})"
+    text = describe(value)
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+def _model_error(name: str, path: str, what: str) -> DamchaValueError:
+    return DamchaValueError(
+        f"`{name}` must be an onnx.ModelProto or the path of a readable .onnx file. Received: {name}={path!r} ({what})"
+    )
+
+
+def as_model(model: Any, name: str = "model", *, load_weights: bool = True) -> onnx.ModelProto:
+    """``model`` as a ModelProto: a ModelProto itself, or the path of an ``.onnx`` file.
+
+    ``load_weights=False`` reads a file's graph and declarations without its
+    external data (enough to check feeds).
+
+    Raises:
+        DamchaValueError: a path that is missing, a directory, or not a
+            readable ONNX model (garbage, truncated), naming the path.
+        DamchaTypeError: anything else.
+    """
     if isinstance(model, onnx.ModelProto):
         return model
-    if isinstance(model, (str, os.PathLike)):
-        path = os.fspath(model)
-        if not os.path.isfile(path):
-            raise DamchaValueError(f"`{name}` must be an onnx.ModelProto or the path of an .onnx file. Received: {name}={path!r} (no such file)")
-        return onnx.load(path)
-    raise DamchaTypeError(f"`{name}` must be an onnx.ModelProto or the path of an .onnx file. Received: {name}={describe(model)}")
+    if not isinstance(model, (str, os.PathLike)):
+        raise DamchaTypeError(
+            f"`{name}` must be an onnx.ModelProto or the path of an .onnx file. Received: {name}={describe_value(model)}"
+        )
+    path = os.fspath(model)
+    if not isinstance(path, str) or not path:
+        raise _model_error(name, str(path), "an empty path")
+    if os.path.isdir(path):
+        raise _model_error(name, path, "a directory")
+    if not os.path.isfile(path):
+        raise _model_error(name, path, "no such file")
+    try:
+        proto = onnx.load(path, load_external_data=False)
+        # A truncated file can still parse as a partial message: check it, from
+        # the path, so external data files are looked up beside it.
+        onnx.checker.check_model(path)
+        if load_weights:
+            onnx.external_data_helper.load_external_data_for_model(proto, os.path.dirname(os.path.abspath(path)))
+    except Exception as exc:  # noqa: BLE001 - protobuf DecodeError, checker errors, missing data files
+        raise _model_error(name, path, f"{type(exc).__name__}: {_first_line(exc)}") from exc
+    return proto
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0][:300] if lines else ""
 
 
 def ort_session(
-    model: onnx.ModelProto | str | os.PathLike, *, threads: int | None = None, optimize: bool = True, spinning: bool = True
+    model: onnx.ModelProto | str | os.PathLike,
+    *,
+    threads: int | None = None,
+    optimize: bool = True,
+    spinning: bool = True,
+    name: str = "model",
 ):
     """An ``onnxruntime.InferenceSession`` on the CPU provider.
 
-    ``threads`` sets intra-op threads (``None``: onnxruntime's default);
-    ``spinning=False`` stops idle worker threads from busy-waiting, which
-    matters when other work (another framework, a benchmark) shares the CPUs.
+    ``model`` is a ModelProto or a path (``.onnx`` with or without an
+    external data file beside it, or ``.ort``). ``threads`` sets intra-op
+    threads (``None``: onnxruntime's default); ``spinning=False`` stops idle
+    worker threads from busy-waiting, which matters when other work (another
+    framework, a benchmark) shares the CPUs.
+
+    Raises:
+        DamchaValueError: a path that is not a model onnxruntime can load,
+            naming the path and onnxruntime's reason.
     """
     import onnxruntime as ort  # lazy: building a graph needs no runtime
 
@@ -54,13 +114,44 @@ def ort_session(
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if not optimize:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    return ort.InferenceSession(_model_bytes(model), options, providers=["CPUExecutionProvider"])
+    providers = ["CPUExecutionProvider"]
+    if isinstance(model, onnx.ModelProto):
+        if any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer):
+            raise DamchaValueError(
+                f"`{name}` keeps its weights in an external data file, which an in-memory model cannot locate; "
+                f"pass the path of its .onnx file instead. Received: {name}=a ModelProto with external data"
+            )
+        if not is_large(model):
+            return ort.InferenceSession(model.SerializeToString(), options, providers=providers)
+        # Over protobuf's 2 GiB limit: onnxruntime reads it from files with external data.
+        with tempfile.TemporaryDirectory(prefix="damcha-ort-") as tmp:
+            return ort.InferenceSession(write_staged(model, tmp, "model.onnx"), options, providers=providers)
+    path = os.fspath(as_path(model, name))
+    if not path.endswith(".ort"):
+        as_model(path, name, load_weights=False)  # a clear error for garbage, truncated files, directories
+    try:
+        return ort.InferenceSession(path, options, providers=providers)
+    except Exception as exc:  # noqa: BLE001 - onnxruntime's Fail/InvalidGraph/NoSuchFile
+        raise _model_error(name, path, f"onnxruntime: {_first_line(exc)}") from exc
+
+
+def as_path(model: Any, name: str = "model") -> str:
+    if not isinstance(model, (str, os.PathLike)):
+        raise DamchaTypeError(
+            f"`{name}` must be an onnx.ModelProto or the path of an .onnx file. Received: {name}={describe_value(model)}"
+        )
+    path = os.fspath(model)
+    if not isinstance(path, str) or not os.path.isfile(path):
+        raise _model_error(name, str(path), "a directory" if os.path.isdir(path) else "no such file")
+    return path
 
 
 def feeds_for(model: onnx.ModelProto, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
     """Cast ``inputs`` to the model's declared input dtypes; names must match exactly."""
     if not isinstance(inputs, Mapping):
-        raise DamchaTypeError(f"`inputs` must be a mapping of input name -> array. Received: inputs={describe(inputs)}")
+        raise DamchaTypeError(
+            f"`inputs` must be a mapping of input name -> array. Received: inputs={describe_value(inputs)}"
+        )
     declared = {i.name: i.type.tensor_type.elem_type for i in model.graph.input}
     unknown = sorted(set(inputs) - set(declared))
     missing = sorted(set(declared) - set(inputs))
@@ -72,13 +163,18 @@ def feeds_for(model: onnx.ModelProto, inputs: Mapping[str, Any]) -> dict[str, np
     out = {}
     for name, value in inputs.items():
         np_dtype = onnx.helper.tensor_dtype_to_np_dtype(declared[name])
-        array = np.asarray(value)
+        try:
+            array = np.asarray(value)
+        except (ValueError, TypeError) as exc:  # ragged nested lists
+            raise DamchaTypeError(f"`{name}` must be an array. Received: {name}={describe_value(value)}") from exc
+        # Described as received, but lists by shape and dtype (never printed).
+        shown = value if hasattr(value, "shape") else array
         if np_dtype == np.bool_ and array.dtype != np.bool_:
-            raise mask_dtype_error(value, name)
+            raise mask_dtype_error(shown, name)
         if np.issubdtype(np_dtype, np.floating) and not np.issubdtype(array.dtype, np.floating):
-            raise float_dtype_error(name, value)
+            raise float_dtype_error(name, shown)
         if np.issubdtype(np_dtype, np.integer) and not np.issubdtype(array.dtype, np.integer):
-            raise DamchaTypeError(f"`{name}` must be an integer array. Received: {name}={describe(value)}")
+            raise DamchaTypeError(f"`{name}` must be an integer array. Received: {name}={describe(shown)}")
         # Float inputs are cast to the graph's dtype (e.g. float64 data into a float32 export).
         out[name] = array.astype(np_dtype, copy=False)
     check_feed_shapes(model, out)
@@ -201,9 +297,10 @@ def run_ort(
     ``all_outputs=True`` returns every output by name instead (a decode step's
     ``present_key``/``present_value`` next to ``output``).
     """
-    model = as_model(model)
-    session = session or ort_session(model)
-    return _first_or_all(model, session.run(None, feeds_for(model, inputs)), all_outputs)
+    # A path is run from the file (external data stays on disk); its graph is read for the feed checks.
+    proto = as_model(model, load_weights=False)
+    session = session or ort_session(model if not isinstance(model, onnx.ModelProto) else proto)
+    return _first_or_all(proto, session.run(None, feeds_for(proto, inputs)), all_outputs)
 
 
 def run_reference(
@@ -234,7 +331,7 @@ def empty_kv_cache(model: onnx.ModelProto | str | os.PathLike, batch_size: int) 
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
         raise DamchaValueError(f"`batch_size` must be an int >= 1. Received: batch_size={describe(batch_size)}")
-    model = as_model(model)
+    model = as_model(model, load_weights=False)
     cache = {}
     for value in model.graph.input:
         if value.name.startswith(("past_key", "past_value")):

@@ -28,7 +28,7 @@ from damcha_core._stack import (
     validate_stack_params,
 )
 
-from ._export import PAST_KEY, cache_names, cache_value_info, finish, make_model, mask_value_info
+from ._export import PAST_KEY, Draft, cache_names, cache_value_info, finish, mask_value_info
 from ._graph import ATTENTION_OPSET, GraphBuilder, attention_layer
 from ._io import check_path
 from ._options import ExportOptions
@@ -118,7 +118,7 @@ def _activation(g: GraphBuilder, kind: str, x: str, name: str) -> str:
     return g.op("Mul", [x, gate], name)
 
 
-def _stack_model(kind: str, params: Mapping[str, Any], config: Any, o: ExportOptions) -> onnx.ModelProto:
+def _stack_model(kind: str, params: Mapping[str, Any], config: Any, o: ExportOptions) -> Draft:
     encoder = config if kind == "encoder" else config.encoder
     if o.dtype != "float32":
         # onnxruntime's CPU provider has no float64 Erf kernel (exact GELU);
@@ -180,14 +180,12 @@ def _stack_model(kind: str, params: Mapping[str, Any], config: Any, o: ExportOpt
     g.nodes.append(helper.make_node("Identity", [y], [out_name], name=f"n_{out_name}"))
     cache_doc = ", kv_cache: past_key.{i}/past_value.{i} -> present_key.{i}/present_value.{i})"
     doc = f"DAMCHA {kind} ({o.form} form" + (cache_doc if o.kv_cache else ")")
-    model = make_model(g, inputs, outputs, f"damcha_{kind}", doc)
     props = {"damcha_attention_config": json.dumps(encoder.attention.to_dict(), sort_keys=True),
              "damcha_num_layers": str(encoder.num_layers), "damcha_causal": str(encoder.causal),
              "damcha_kv_cache": str(o.kv_cache)}
     if kind == "token_model":
         props.update({"damcha_vocab_size": str(config.vocab_size), "damcha_max_len": str(config.max_len)})
-    helper.set_model_props(model, props)
-    return model
+    return Draft(g, inputs, outputs, f"damcha_{kind}", doc, props)
 
 
 def _stack_options(kind: str, causal: bool, options: ExportOptions | None, keywords: dict[str, Any]) -> ExportOptions:
@@ -215,6 +213,7 @@ def export_encoder(
     batch_size: int | None = None,
     query_len: int | None = None,
     kv_cache: bool = False,
+    external_data: bool | None = None,
     options: ExportOptions | None = None,
 ) -> onnx.ModelProto:
     """Export an encoder stack; input ``query`` (B, N, E) [+ ``mask``], output ``output`` (B, N, E).
@@ -223,15 +222,16 @@ def export_encoder(
     file. float32 only. ``kv_cache=True`` (needs ``config.causal``) exports a
     decode step: inputs ``past_key.{i}`` (B, G, P, d) and ``past_value.{i}``
     (B, G, P, d_v) per layer i, outputs ``present_key.{i}``/``present_value.{i}``
-    with P + N tokens; a ``mask`` has P + N columns. Other arguments as for ``export``.
+    with P + N tokens; a ``mask`` has P + N columns. Other arguments (``external_data``,
+    ``options``, ...) as for ``export``.
     """
     if not isinstance(config, EncoderConfig):
         raise DamchaTypeError(f"`config` must be an EncoderConfig. Received: config={describe(config)}")
     path = check_path(path)
     keywords = dict(opset=opset, mask=mask, dynamic=dynamic, dtype=dtype, form=form, batch_size=batch_size,
-                    query_len=query_len, kv_cache=kv_cache)
+                    query_len=query_len, kv_cache=kv_cache, external_data=external_data)
     options = _stack_options("encoder", config.causal, options, keywords)
-    return finish(_stack_model("encoder", params, config, options), path)
+    return finish(_stack_model("encoder", params, config, options), path, options)
 
 
 def export_token_model(
@@ -247,6 +247,7 @@ def export_token_model(
     batch_size: int | None = None,
     query_len: int | None = None,
     kv_cache: bool = False,
+    external_data: bool | None = None,
     options: ExportOptions | None = None,
 ) -> onnx.ModelProto:
     """Export embedding -> encoder -> head; input ``tokens`` (B, N) int64 [+ ``mask``],
@@ -261,6 +262,6 @@ def export_token_model(
         raise DamchaTypeError(f"`config` must be a TokenModelConfig. Received: config={describe(config)}")
     path = check_path(path)
     keywords = dict(opset=opset, mask=mask, dynamic=dynamic, dtype=dtype, form=form, batch_size=batch_size,
-                    query_len=query_len, kv_cache=kv_cache)
+                    query_len=query_len, kv_cache=kv_cache, external_data=external_data)
     options = _stack_options("token_model", config.encoder.causal, options, keywords)
-    return finish(_stack_model("token_model", params, config, options), path)
+    return finish(_stack_model("token_model", params, config, options), path, options)

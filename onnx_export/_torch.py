@@ -13,8 +13,9 @@ import onnx
 from damcha_core import DamchaTypeError, DamchaValueError
 from damcha_core import describe
 
-from ._export import check_opset, validate_model
 from ._graph import ATTENTION_OPSET
+from ._io import check_path, save_model, validate_model
+from ._options import check_opset
 
 
 def export_torch(
@@ -34,7 +35,7 @@ def export_torch(
     Args:
         model: the module, put in eval mode by the caller.
         args: example positional inputs (tensors).
-        path: where to save; ``None`` only returns the model.
+        path: where to save (checked first, written atomically); ``None`` only returns the model.
         opset: ONNX opset (>= 17; default 23).
         dynamic: dims 0 and 1 (batch and sequence) of every tensor input are
             dynamic (``torch.export.Dim.DYNAMIC``), so batch and lengths can
@@ -52,6 +53,7 @@ def export_torch(
 
     if not isinstance(model, torch.nn.Module):
         raise DamchaTypeError(f"`model` must be a torch.nn.Module. Received: model={describe(model)}")
+    path = check_path(path)
     opset, _ = check_opset(opset)
     args = tuple(args)
     if dynamic_shapes is not None:
@@ -81,7 +83,7 @@ def export_torch(
     proto = program.model_proto
     validate_model(proto)
     if path is not None:
-        onnx.save_model(proto, os.fspath(path))
+        save_model(proto, path)  # atomic: a failure keeps an earlier file at path
     return proto
 
 

@@ -1,0 +1,226 @@
+"""ONNX files: external data for large models, atomic writes, clear errors for unreadable files and bad feeds."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import numpy as np
+import onnx
+import pytest
+
+import damcha_core as dc
+import damcha_onnx as do
+import damcha_onnx._io as onnx_io
+from damcha_conformance import tolerance
+
+CONFIG = dc.DamchaConfig(query_dim=16, num_heads=4, key_dim=4)
+
+
+def _params(seed=0):
+    params = dc.init_params(CONFIG, seed)
+    params["metric.qk.gate"] = np.full(4, 0.5)  # open: the metric matters
+    return params
+
+
+def _x(seed=0):
+    return np.random.default_rng(seed).normal(size=(2, 5, 16))
+
+
+def _check_matches(model_or_path, params, **run):
+    x = _x()
+    expected = dc.damcha_attention(params, CONFIG, x, causal=True)
+    out = do.run_ort(model_or_path, {"query": x}, **run)
+    assert tolerance("float32").output_ratio(out, expected)[1] <= 1
+
+
+# ----------------------------------------------------------- external data
+
+
+def test_external_data_on_request(tmp_path):
+    path = tmp_path / "layer.onnx"
+    model = do.export(_params(), CONFIG, path, causal=True, external_data=True)
+    data = tmp_path / "layer.onnx.data"
+    assert data.is_file() and data.stat().st_size > 0
+    assert path.stat().st_size < data.stat().st_size  # the weights left the .onnx file
+    assert any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
+    _check_matches(path, _params())
+    _check_matches(onnx.load(path), _params())  # onnx.load reads the data file beside it
+    do.validate_model(onnx.load(path))
+    with pytest.raises(dc.DamchaValueError, match="external data file.*pass the path"):
+        do.run_ort(model, {"query": _x()})  # the returned proto refers to the file; run it from its path
+    with pytest.raises(dc.DamchaValueError, match="needs a file: pass `path`"):
+        do.export(_params(), CONFIG, None, causal=True, external_data=True)
+
+
+@pytest.mark.parametrize("exporter", ["layer", "encoder", "token_model"])
+def test_external_data_chosen_automatically_above_the_limit(tmp_path, monkeypatch, exporter):
+    # Lowered threshold: the same code path as a model over protobuf's 2 GiB,
+    # which onnx.save_model refuses with a raw EncodeError (and which cannot
+    # even be held as one ModelProto: its initialisers are never assembled inline).
+    monkeypatch.setattr(onnx_io, "EXTERNAL_DATA_THRESHOLD", 2000)
+    path = tmp_path / "big.onnx"
+    if exporter == "layer":
+        do.export(_params(), CONFIG, path, causal=True)
+        _check_matches(path, _params())
+        with pytest.raises(dc.DamchaValueError, match="too many for one protobuf"):
+            do.build_model(_params(), CONFIG, causal=True)
+    elif exporter == "encoder":
+        enc = dc.EncoderConfig(CONFIG, num_layers=2, ffn_dim=24, causal=True)
+        params = dc.init_encoder_params(enc, 1)
+        do.export_encoder(params, enc, path)
+        x = _x()
+        assert tolerance("float32").output_ratio(do.run_ort(path, {"query": x}), dc.encoder_forward(params, enc, x))[1] <= 1
+    else:
+        tm = dc.TokenModelConfig(dc.EncoderConfig(CONFIG, num_layers=1, ffn_dim=24, causal=True), 50, 8, 3)
+        params = dc.init_token_model_params(tm, 1)
+        do.export_token_model(params, tm, path, kv_cache=True)
+        tokens = np.array([[1, 4, 9, 2]])
+        out = do.run_ort(path, {"tokens": tokens, **do.empty_kv_cache(path, 1)})
+        assert tolerance("float32").output_ratio(out, dc.token_model_forward(params, tm, tokens))[1] <= 1
+    assert (tmp_path / "big.onnx.data").is_file()
+    assert sorted(os.listdir(tmp_path)) == ["big.onnx", "big.onnx.data"]  # no staging left behind
+    monkeypatch.setattr(onnx_io, "PROTOBUF_LIMIT", 2000)
+    with pytest.raises(dc.DamchaValueError, match="external_data=False"):
+        do.export(_params(), CONFIG, tmp_path / "forced.onnx", causal=True, external_data=False)
+    assert not (tmp_path / "forced.onnx").exists()
+
+
+def test_save_model_writes_any_model_with_external_data(tmp_path):
+    model = do.export(_params(), CONFIG, None, causal=True)
+    files = onnx_io.save_model(model, tmp_path / "m.onnx", external_data=True)
+    assert [os.path.basename(f) for f in files] == ["m.onnx", "m.onnx.data"]
+    assert all(t.data_location != onnx.TensorProto.EXTERNAL for t in model.graph.initializer)  # caller's copy intact
+    _check_matches(tmp_path / "m.onnx", _params())
+
+
+def test_a_later_single_file_export_removes_the_stale_data_file(tmp_path):
+    path = tmp_path / "layer.onnx"
+    do.export(_params(), CONFIG, path, causal=True, external_data=True)
+    do.export(_params(1), CONFIG, path, causal=True)
+    assert not (tmp_path / "layer.onnx.data").exists()
+    _check_matches(path, _params(1))
+
+
+# ----------------------------------------------------------- atomic writes
+
+
+def _listing(directory):
+    return sorted(os.listdir(directory))
+
+
+@pytest.mark.parametrize("external", [False, True], ids=["one-file", "external-data"])
+def test_a_failed_write_keeps_the_earlier_file_and_leaves_nothing(tmp_path, monkeypatch, external):
+    path = tmp_path / "layer.onnx"
+    do.export(_params(0), CONFIG, path, causal=True, external_data=external)
+    before = {name: (tmp_path / name).read_bytes() for name in _listing(tmp_path)}
+
+    def broken_replace(src, dst):
+        raise OSError("disk full (simulated)")
+
+    monkeypatch.setattr(os, "replace", broken_replace)
+    with pytest.raises(OSError, match="simulated"):
+        do.export(_params(1), CONFIG, path, causal=True, external_data=external)
+    monkeypatch.undo()
+    assert {name: (tmp_path / name).read_bytes() for name in _listing(tmp_path)} == before  # no temp files, old bytes
+    _check_matches(path, _params(0))
+
+
+def test_a_failed_export_writes_nothing(tmp_path):
+    path = tmp_path / "layer.onnx"
+    do.export(_params(0), CONFIG, path, causal=True)
+    good = path.read_bytes()
+    bad = dict(_params(1), **{"query.kernel": np.full((16, 4, 4), np.nan)})
+    with pytest.raises(dc.DamchaValueError, match="query.kernel"):
+        do.export(bad, CONFIG, path, causal=True)
+    assert path.read_bytes() == good and _listing(tmp_path) == ["layer.onnx"]
+
+
+def test_output_paths_are_checked_before_any_work(tmp_path):
+    cases = [
+        ("", dc.DamchaValueError, "non-empty"),
+        (tmp_path, dc.DamchaValueError, "not a directory"),
+        (tmp_path / "missing" / "x.onnx", dc.DamchaValueError, "existing directory"),
+        (3, dc.DamchaTypeError, "file path"),
+    ]
+    read_only = tmp_path / "ro.onnx"
+    read_only.write_bytes(b"keep")
+    read_only.chmod(stat.S_IRUSR)
+    if not os.access(read_only, os.W_OK):  # root may write anyway
+        cases.append((read_only, dc.DamchaValueError, "read-only"))
+    for path, error, text in cases:
+        with pytest.raises(error, match=rf"`path`.*{text}"):
+            do.export(_params(), CONFIG, path, causal=True)
+    assert read_only.read_bytes() == b"keep"
+
+
+def test_files_get_the_users_umask(tmp_path):
+    old = os.umask(0o022)
+    try:
+        do.export(_params(), CONFIG, tmp_path / "a.onnx", causal=True)
+        do.export(_params(), CONFIG, tmp_path / "b.onnx", causal=True, external_data=True)
+    finally:
+        os.umask(old)
+    for name in ("a.onnx", "b.onnx", "b.onnx.data"):
+        assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o644, name
+
+
+# ----------------------------------------------------------- unreadable files
+
+
+def _bad_files(tmp_path):
+    good = tmp_path / "good.onnx"
+    do.export(_params(), CONFIG, good, causal=True)
+    raw = good.read_bytes()
+    files = {"directory": tmp_path, "missing": tmp_path / "nothing.onnx"}
+    garbage = tmp_path / "garbage.onnx"
+    garbage.write_bytes(b"this is not a protobuf \x00\xff" * 10)
+    files["garbage"] = garbage
+    empty = tmp_path / "empty.onnx"
+    empty.write_bytes(b"")
+    files["empty"] = empty
+    for frac in (0.1, 0.5, 0.9, 0.999):
+        cut = tmp_path / f"cut{frac}.onnx"
+        cut.write_bytes(raw[: int(len(raw) * frac)])
+        files[f"truncated-{frac}"] = cut
+    no_data = tmp_path / "nodata.onnx"
+    do.export(_params(), CONFIG, no_data, causal=True, external_data=True)
+    os.remove(tmp_path / "nodata.onnx.data")
+    files["missing-external-data"] = no_data
+    return files
+
+
+@pytest.mark.parametrize("entry", ["run_ort", "ort_session", "run_reference", "empty_kv_cache", "quantize_int8"])
+def test_unreadable_model_files_name_the_path(tmp_path, entry):
+    calls = {
+        "run_ort": lambda p: do.run_ort(p, {"query": _x()}),
+        "ort_session": lambda p: do.ort_session(p),
+        "run_reference": lambda p: do.run_reference(p, {"query": _x()}),
+        "empty_kv_cache": lambda p: do.empty_kv_cache(p, 1),
+        "quantize_int8": lambda p: do.quantize_int8(p),
+    }
+    for kind, path in _bad_files(tmp_path).items():
+        with pytest.raises(dc.DamchaValueError) as info:
+            calls[entry](path)
+        message = str(info.value)
+        assert "`model`" in message and repr(os.fspath(path)) in message, (kind, message)
+        assert len(message) < 600, (kind, message)
+
+
+def test_bad_inputs_are_described_by_shape_never_printed():
+    model = do.export(_params(), CONFIG, None, causal=True, mask=True)
+    big = np.arange(2 * 5 * 16, dtype=np.float64).reshape(2, 5, 16) + 0.25
+    mask = np.ones((2, 1, 1, 5), dtype=np.float64)
+    bad = [
+        [big],
+        (big, mask),
+        {"query": big.tolist(), "mask": mask.tolist()},  # a float mask as nested lists
+        {"query": big.astype(int).tolist(), "mask": mask.astype(bool)},
+        {"query": [[1.0, 2.0], [3.0]], "mask": mask.astype(bool)},  # ragged
+    ]
+    for inputs in bad:
+        with pytest.raises(dc.DamchaError) as info:
+            do.run_ort(model, inputs)
+        message = str(info.value)
+        assert "shape=" in message or "len=" in message, message
+        assert "0.25" not in message and "80.25" not in message and len(message) < 400, message
