@@ -28,7 +28,7 @@ from ._io import (
 from ._options import FORMS, PAST_LEN, TOTAL_LEN, ExportOptions, check_dtype, check_opset
 
 #: Input/output names of an exported layer.
-QUERY, CONTEXT, MASK, OUTPUT = "query", "context", "mask", "output"
+QUERY, CONTEXT, MASK, OUTPUT, WEIGHTS = "query", "context", "mask", "output", "weights"
 #: Cache inputs/outputs of a ``kv_cache=True`` layer (stacks add ``.{layer}``).
 PAST_KEY, PAST_VALUE, PRESENT_KEY, PRESENT_VALUE = "past_key", "past_value", "present_key", "present_value"
 
@@ -52,10 +52,30 @@ def cache_names(suffix: str = "") -> KVCacheNames:
 
 
 def mask_value_info(options: ExportOptions, heads: int) -> onnx.ValueInfoProto:
-    """The boolean ``mask`` input (B|1, H|1, N|1, M), True = may attend."""
+    """The boolean ``mask`` input, True = may attend: (B|1, H|1, N|1, M), or
+    (B, M) for ``mask="padding"``."""
     B, N, M = options.batch_dim, options.query_dim, options.key_dim
-    dims = ["mask_batch", "mask_heads", "mask_query", M] if options.dynamic else [B, heads, N, M]
+    if options.mask == "padding":
+        dims = [B, M]
+    else:
+        dims = ["mask_batch", "mask_heads", "mask_query", M] if options.dynamic else [B, heads, N, M]
     return helper.make_tensor_value_info(MASK, TensorProto.BOOL, dims)
+
+
+def mask_node(g: GraphBuilder, options: ExportOptions) -> str | None:
+    """The graph value of the mask as (B|1, H|1, N|1, M), or ``None``."""
+    if not options.mask:
+        return None
+    if options.mask == "padding":
+        return g.op("Unsqueeze", [MASK, g.ints([1, 2])], "mask_4d")  # (B, 1, 1, M)
+    return MASK
+
+
+def weights_value_info(onnx_dtype: int, options: ExportOptions, heads: int, suffix: str = "") -> onnx.ValueInfoProto:
+    """The ``weights`` output: attention probabilities (B, H, N, M)."""
+    return helper.make_tensor_value_info(
+        WEIGHTS + suffix, onnx_dtype, [options.batch_dim, heads, options.query_dim, options.key_dim]
+    )
 
 
 def ir_version_for(opset: int) -> int:
@@ -149,11 +169,13 @@ def _layer_model(params: Mapping[str, Any], config: DamchaConfig, options: Expor
         cache = cache_names()
     if o.mask:
         inputs.append(mask_value_info(o, config.num_heads))
+    if o.return_weights:
+        outputs.append(weights_value_info(g.onnx_dtype, o, config.num_heads))
     for value in inputs + outputs:
         g.reserve(value.name)
     y = attention_layer(
-        g, params, config, QUERY, CONTEXT if o.cross else None, mask=MASK if o.mask else None, causal=o.causal,
-        form=o.form, prefix="", cache=cache,
+        g, params, config, QUERY, CONTEXT if o.cross else None, mask=mask_node(g, o), causal=o.causal,
+        form=o.form, prefix="", cache=cache, weights=WEIGHTS if o.return_weights else None,
     )
     g.nodes.append(helper.make_node("Identity", [y], [OUTPUT], name="n_output"))
     doc = (
@@ -185,6 +207,7 @@ def build_model(
     query_len: int | None = None,
     context_len: int | None = None,
     kv_cache: bool = False,
+    return_weights: bool = False,
     options: ExportOptions | None = None,
 ) -> onnx.ModelProto:
     """Build (without saving or validating) the ONNX model of one DAMCHA layer.
@@ -192,14 +215,16 @@ def build_model(
     Inputs of the model: ``query`` (B, N, E_q); ``context`` (B, M, E_kv) when
     ``cross``; with ``kv_cache``, ``past_key`` (B, G, P, d) and ``past_value``
     (B, G, P, d_v); ``mask`` bool (B|1, H|1, N|1, M), True = may attend, when
-    ``mask`` (M = P + N with a cache). Outputs: ``output`` (B, N, E_o), and
-    with ``kv_cache`` ``present_key`` (B, G, P+N, d), ``present_value``
-    (B, G, P+N, d_v). See ``export`` for the arguments; ``options`` (an
+    ``mask`` (M = P + N with a cache), or (B, M) with ``mask="padding"``.
+    Outputs: ``output`` (B, N, E_o), with ``kv_cache`` ``present_key``
+    (B, G, P+N, d), ``present_value`` (B, G, P+N, d_v), with
+    ``return_weights`` ``weights`` (B, H, N, M). See ``export`` for the arguments; ``options`` (an
     ``ExportOptions``) replaces them all.
     """
     options = ExportOptions.resolve(
         options, "layer", opset=opset, form=form, dtype=dtype, causal=causal, cross=cross, mask=mask, dynamic=dynamic,
         batch_size=batch_size, query_len=query_len, context_len=context_len, kv_cache=kv_cache,
+        return_weights=return_weights,
     )
     return _layer_model(params, config, options).in_memory()
 
@@ -220,6 +245,7 @@ def export(
     query_len: int | None = None,
     context_len: int | None = None,
     kv_cache: bool = False,
+    return_weights: bool = False,
     external_data: bool | None = None,
     options: ExportOptions | None = None,
 ) -> onnx.ModelProto:
@@ -242,8 +268,12 @@ def export(
             ``batch_size``, ``query_len`` (and ``context_len``).
         cross: add a ``context`` (B, M, E_kv) input; otherwise self-attention.
         mask: add a boolean ``mask`` input (B|1, H|1, N|1, M), True = may
-            attend. A query row with no visible key outputs ``output.bias``.
-        dtype: "float32" (default) or "float64" for inputs, weights and output.
+            attend; ``mask="padding"`` a (B, M) key padding mask instead. A
+            query row with no visible key outputs ``output.bias``.
+        dtype: "float32" (default), "float64" or "float16" for inputs,
+            weights and output; float16 accumulates the RMS statistic and the
+            softmax in float32. bfloat16 is refused: onnxruntime's CPU
+            provider has no bfloat16 kernels to validate it with.
         form: "auto" (by opset), "attention" or "decomposed" (also allowed at
             opset >= 23, e.g. for runtimes without an Attention kernel).
         kv_cache: export one step of incremental decoding (needs ``causal``,
@@ -254,6 +284,9 @@ def export(
             sees keys j <= P + i (bottom-right); the ``mask`` then has P + N
             columns. Cached keys are k~ = L_k(c) k in spec units, as in
             ``damcha_torch.DamchaKVCache``.
+        return_weights: add an output ``weights`` (B, H, N, M), the attention
+            probabilities (0 on a row with no visible key), as the reference's
+            ``damcha_attention(..., return_weights=True)``.
         external_data: ``None`` (default) saves the weights inside the
             ``.onnx`` file unless the model passes protobuf's 2 GiB limit,
             then in ``<path>.data`` beside it (ONNX external data, which
@@ -273,6 +306,6 @@ def export(
     options = ExportOptions.resolve(
         options, "layer", opset=opset, form=form, dtype=dtype, causal=causal, cross=cross, mask=mask, dynamic=dynamic,
         batch_size=batch_size, query_len=query_len, context_len=context_len, kv_cache=kv_cache,
-        external_data=external_data,
+        return_weights=return_weights, external_data=external_data,
     )
     return finish(_layer_model(params, config, options), path, options)

@@ -32,7 +32,7 @@ ATTENTION_OPSET = 23
 #: Oldest opset the decomposed MatMul/Softmax form targets (LayerNormalization, Shape slicing).
 MIN_OPSET = 17
 
-DTYPES: dict[str, int] = {"float32": TensorProto.FLOAT, "float64": TensorProto.DOUBLE}
+DTYPES: dict[str, int] = {"float32": TensorProto.FLOAT, "float64": TensorProto.DOUBLE, "float16": TensorProto.FLOAT16}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +64,9 @@ class GraphBuilder:
         self.dtype = dtype
         self.np_dtype = np.dtype(dtype)
         self.onnx_dtype = DTYPES[dtype]
+        # Reductions that lose accuracy in half precision (the RMS statistic,
+        # the softmax) run in float32 in float16 graphs.
+        self.acc_dtype = TensorProto.FLOAT if dtype == "float16" else self.onnx_dtype
         self.opset = opset
         self.nodes: list[onnx.NodeProto] = []
         # (name, array) in creation order; turned into TensorProtos only when
@@ -133,11 +136,14 @@ class GraphBuilder:
             self._consts[key] = name
         return self._consts[key]
 
-    def scalar(self, value: float) -> str:
-        """A floating scalar constant in the graph dtype, shared between nodes."""
-        key = ("f", float(value))
+    def scalar(self, value: float, dtype: int | None = None) -> str:
+        """A floating scalar constant in the graph dtype (or ``dtype``), shared between nodes."""
+        dtype = self.onnx_dtype if dtype is None else dtype
+        key = ("f", float(value), dtype)
         if key not in self._consts:
-            self._consts[key] = self.weight("const_scalar", np.asarray(value))
+            name = self.fresh("const_scalar")
+            self.arrays.append((name, np.asarray(value, dtype=helper.tensor_dtype_to_np_dtype(dtype))))
+            self._consts[key] = name
         return self._consts[key]
 
     def op(self, op_type: str, inputs: Sequence[str], hint: str | None = None, **attrs) -> str:
@@ -182,29 +188,39 @@ class GraphBuilder:
         attrs = {"start": index} if end is None else {"start": index, "end": end}
         return self.op("Shape", [x], hint, **attrs)
 
-    def ones(self, size: int) -> str:
-        """A floating vector of ones, shared between nodes."""
-        key = ("ones", int(size))
+    def ones(self, size: int, dtype: int | None = None) -> str:
+        """A floating vector of ones in the graph dtype (or ``dtype``), shared between nodes."""
+        dtype = self.onnx_dtype if dtype is None else dtype
+        key = ("ones", int(size), dtype)
         if key not in self._consts:
-            self._consts[key] = self.weight(f"const_ones_{size}", np.ones(size))
+            name = self.fresh(f"const_ones_{size}")
+            self.arrays.append((name, np.ones(size, dtype=helper.tensor_dtype_to_np_dtype(dtype))))
+            self._consts[key] = name
         return self._consts[key]
 
     def rms_normalise(self, x: str, features: int, hint: str) -> str:
         """phi(t) = t / sqrt(mean(t^2) + 1e-6), the generator's input.
 
-        One RMSNormalization node from opset 23 (float32); otherwise the exact node
-        pattern onnxruntime fuses into one SimplifiedLayerNormalization kernel
-        (Pow 2, ReduceMean, Add, Sqrt, Div, Mul by a unit scale). Either way a
-        single kernel instead of five passes over the tokens.
+        One RMSNormalization node from opset 23 (float32 and float16, whose
+        statistic it accumulates in float32: ``stash_type``); otherwise the
+        exact node pattern onnxruntime fuses into one
+        SimplifiedLayerNormalization kernel (Pow 2, ReduceMean, Add, Sqrt,
+        Div, Mul by a unit scale), in float32 for float16 graphs (t^2
+        overflows float16 from |t| = 256). Either way a single kernel
+        instead of five passes over the tokens.
         """
-        if self.opset >= 23 and self.onnx_dtype == TensorProto.FLOAT:
+        if self.opset >= 23 and self.onnx_dtype in (TensorProto.FLOAT, TensorProto.FLOAT16):
             # float64 keeps the explicit pattern: stash_type=DOUBLE is not
             # implemented everywhere (onnx's ReferenceEvaluator rejects it).
-            return self.op("RMSNormalization", [x, self.ones(features)], hint, axis=-1, epsilon=dc.RMS_EPS)
-        sq = self.op("Pow", [x, self.scalar(2.0)], f"{hint}_sq")
+            return self.op("RMSNormalization", [x, self.ones(features)], hint, axis=-1, epsilon=dc.RMS_EPS,
+                           stash_type=int(TensorProto.FLOAT))
+        acc = self.acc_dtype
+        t = x if acc == self.onnx_dtype else self.op("Cast", [x], f"{hint}_acc", to=acc)
+        sq = self.op("Pow", [t, self.scalar(2.0, acc)], f"{hint}_sq")
         ms = self.reduce_mean_last(sq, f"{hint}_ms")
-        rms = self.op("Sqrt", [self.op("Add", [ms, self.scalar(dc.RMS_EPS)], f"{hint}_mseps")], f"{hint}_rms")
-        return self.op("Mul", [self.op("Div", [x, rms], f"{hint}_div"), self.ones(features)], hint)
+        rms = self.op("Sqrt", [self.op("Add", [ms, self.scalar(dc.RMS_EPS, acc)], f"{hint}_mseps")], f"{hint}_rms")
+        y = self.op("Mul", [self.op("Div", [t, rms], f"{hint}_div"), self.ones(features, acc)], hint if acc == self.onnx_dtype else f"{hint}_f")
+        return y if acc == self.onnx_dtype else self.op("Cast", [y], hint, to=self.onnx_dtype)
 
 
 # --------------------------------------------------------------------- layer
@@ -333,6 +349,7 @@ def attention_layer(
     prefix: str,
     shared: str | None = None,
     cache: KVCacheNames | None = None,
+    weights: str | None = None,
 ) -> str:
     """Nodes of one DAMCHA layer; returns the name of y (B, N, E_o).
 
@@ -346,7 +363,8 @@ def attention_layer(
     the new keys k~ and values are appended to ``cache.past_key``/``past_value``
     (B, G, P, d/d_v), written to ``cache.present_key``/``present_value``, and
     query i of the step attends keys j <= P + i of the P + N (bottom-right). A
-    ``mask`` then has M = P + N columns.
+    ``mask`` then has M = P + N columns. ``weights`` names a graph output
+    that receives the attention probabilities (B, H, N, M).
     """
     if cache is not None and (context is not None or not causal):
         raise DamchaValueError(
@@ -396,20 +414,21 @@ def attention_layer(
         key_len = g.op("Add", [past_len, g.dim(query, 1, f"{P}new_len")], f"{P}total_len")
         offset = g.op("Squeeze", [past_len], f"{P}past_len_s")
 
-    visible = None
+    visible = rows_ok = None
     if mask is not None:
-        # (B, H, N, M): Expand accepts size-1 dims; the Reshape rejects a mask
-        # dim larger than the target's (Expand alone would grow the batch).
-        target = g.op(
-            "Concat",
-            [g.dim(query, 0, f"{P}mB"), g.ints([H]), g.dim(query, 1, f"{P}mN"), key_len],
-            f"{P}mask_shape",
-            axis=0,
-        )
-        visible = g.op("Reshape", [g.op("Expand", [mask, target], f"{P}mask_expanded"), target], f"{P}mask_full")
+        # The mask keeps its broadcast dims (B|1, H|1, N|1, M): nothing here
+        # builds a (B, H, N, M) tensor from it, or an N x M causal one.
+        visible = _checked_mask(g, mask, [g.dim(query, 0, f"{P}mB"), g.ints([H]), g.dim(query, 1, f"{P}mN"), key_len], P)
+        rows_ok = _rows_with_key(g, visible, causal, query, offset, P)
 
     if form == "attention":
-        inputs = [q, k, v] + [visible if visible is not None else ""]
+        attn_mask = ""
+        if visible is not None:
+            # onnxruntime's kernel needs the mask's query dim to be N (batch
+            # and head dims broadcast): expand that one, nothing else.
+            shape = g.op("Concat", [g.ints([1, 1]), g.dim(query, 1, f"{P}aN"), key_len], f"{P}attn_mask_shape", axis=0)
+            attn_mask = g.op("Expand", [visible, shape], f"{P}attn_mask")
+        inputs = [q, k, v, attn_mask]
         outputs = [g.fresh(f"{P}attn")]
         if cache is not None:
             # is_causal with past_key is bottom-right (j <= P + i) in the ONNX
@@ -419,19 +438,75 @@ def attention_layer(
             # no explicit (N, P+N) mask is materialised for the fused kernel.
             inputs += [cache.past_key, cache.past_value]
             outputs += [cache.present_key, cache.present_value]
+        attrs = {}
+        if weights is not None:
+            # qk_matmul_output_mode=3: the softmax output (B, H, N, M).
+            outputs += [""] * (3 - len(outputs)) + [g.fresh(f"{P}probs_raw")]
+            attrs["qk_matmul_output_mode"] = 3
+        if g.onnx_dtype == TensorProto.FLOAT16:
+            attrs["softmax_precision"] = int(TensorProto.FLOAT)  # accumulate the softmax in float32
         while inputs[-1] == "":
             inputs.pop()  # trailing optional inputs are omitted, not named ""
-        g.named_op("Attention", inputs, outputs, q_num_heads=H, kv_num_heads=G, scale=1.0, is_causal=int(causal))
+        g.named_op("Attention", inputs, outputs, q_num_heads=H, kv_num_heads=G, scale=1.0, is_causal=int(causal), **attrs)
         o = outputs[0]  # (B, N, H*d_v); scale already folded into q
-        if visible is not None:
-            o = _zero_empty_rows_3d(g, o, visible, H, d_v, causal, query, key_len, offset, P)
+        if rows_ok is not None:
+            o = _zero_empty_rows_3d(g, o, rows_ok, H, d_v, P)
+        if weights is not None:
+            probs = outputs[-1]
+            if rows_ok is not None:
+                probs = g.op("Where", [rows_ok, probs, g.scalar(0.0)], f"{P}probs_safe")
+            g.named_op("Identity", [probs], [weights])
     else:
-        o = _decomposed_attention(g, q, k, v, visible, causal, query, key_len, offset, cache, H, G, R, d, d_v, P)
+        o = _decomposed_attention(g, q, k, v, visible, rows_ok, causal, query, key_len, offset, cache, H, G, R, d, d_v, P,
+                                  weights)
     return g.linear(o, f["o.kernel"], f.get("o.bias"), f"{P}out")
 
 
+def _checked_mask(g: GraphBuilder, mask: str, target: Sequence[str], P: str) -> str:
+    """``mask`` unchanged, after a shape check that fails in the runtime when a
+    dim is neither 1 nor its target (B, H, N, M: 1-element int64 tensors).
+
+    The check works on the 4 dims alone (a mask one key too long, or with a
+    batch the query does not have, must fail rather than broadcast), so the
+    mask itself is never expanded: an explicit error in any runtime, onnxruntime
+    Web included, where no Python code checks the feeds first.
+    """
+    shape = g.op("Shape", [mask], f"{P}mask_dims")
+    full = g.op("Concat", list(target), f"{P}mask_target", axis=0)
+    fits = g.op("Or", [g.op("Equal", [shape, g.ints([1, 1, 1, 1])], f"{P}mask_dim1"),
+                       g.op("Equal", [shape, full], f"{P}mask_dimeq")], f"{P}mask_fits")
+    bad = g.op("ReduceSum", [g.op("Cast", [g.op("Not", [fits], f"{P}mask_unfit")], f"{P}mask_unfit_i", to=TensorProto.INT64)],
+               f"{P}mask_bad", keepdims=1)  # (1,): how many dims do not fit
+    # A vector of `bad` zeros, reshaped to length 0: fails unless bad == 0.
+    zeros = g.op("ConstantOfShape", [bad], f"{P}mask_bad_zeros", value=numpy_helper.from_array(np.zeros(1, np.int64)))
+    empty = g.op("Reshape", [zeros, g.ints([0])], f"{P}mask_check", allowzero=1)
+    return g.op("Reshape", [mask, g.op("Concat", [shape, empty], f"{P}mask_shape", axis=0)], f"{P}mask_checked")
+
+
+def _rows_with_key(g: GraphBuilder, visible: str, causal: bool, query: str, offset: str | None, P: str) -> str:
+    """(B|1, H|1, N|1, 1) bool: does a query row see at least one key.
+
+    Computed from the mask alone, never from an N x M causal matrix: with the
+    causal rule row i (at position i + offset) sees a key iff the first key
+    its mask row allows is at most i + offset.
+    """
+    as_int = g.op("Cast", [visible], f"{P}vis_i", to=TensorProto.INT32)
+    any_key = g.op("Cast", [g.reduce_max(as_int, [3], f"{P}row_any_i")], f"{P}row_any", to=TensorProto.BOOL)
+    if not causal:
+        return any_key
+    first = g.op("ArgMax", [as_int], f"{P}row_first", axis=3, keepdims=1)  # the first True (select_last_index=0)
+    n = g.op("Squeeze", [g.dim(query, 1, f"{P}rN")], f"{P}rN_s")
+    zero, one = g.op("Constant", [], f"{P}r0", value_int=0), g.op("Constant", [], f"{P}r1", value_int=1)
+    rows = g.op("Range", [zero, n, one], f"{P}rows_r")
+    if offset is not None:
+        rows = g.op("Add", [rows, offset], f"{P}rows_pos")  # query i sits at position P + i
+    rows = g.op("Unsqueeze", [rows, g.ints([1])], f"{P}rows")  # (N, 1)
+    reachable = g.op("LessOrEqual", [first, rows], f"{P}row_reach")  # (B|1, H|1, N, 1)
+    return g.op("And", [any_key, reachable], f"{P}row_ok")
+
+
 def _causal_visible(g: GraphBuilder, query: str, key_len: str, offset: str | None, P: str) -> str:
-    """(N, M) bool, key j visible to query i iff j <= i + offset.
+    """(N, M) bool, key j visible to query i iff j <= i + offset (decomposed form only).
 
     ``key_len`` is M as a 1-element int64 tensor; ``offset`` a scalar int64
     (P cached tokens: bottom-right) or ``None`` for 0 (top-left, as the reference).
@@ -439,32 +514,24 @@ def _causal_visible(g: GraphBuilder, query: str, key_len: str, offset: str | Non
     n = g.op("Squeeze", [g.dim(query, 1, f"{P}cN")], f"{P}cN_s")
     m = g.op("Squeeze", [key_len], f"{P}cM_s")
     zero, one = g.op("Constant", [], f"{P}c0", value_int=0), g.op("Constant", [], f"{P}c1", value_int=1)
-    rows = g.op("Range", [zero, n, one], f"{P}rows_r")
+    rows = g.op("Range", [zero, n, one], f"{P}rows_c")
     if offset is not None:
-        rows = g.op("Add", [rows, offset], f"{P}rows_pos")  # query i sits at position P + i
-    rows = g.op("Unsqueeze", [rows, g.ints([1])], f"{P}rows")
+        rows = g.op("Add", [rows, offset], f"{P}rows_cpos")
+    rows = g.op("Unsqueeze", [rows, g.ints([1])], f"{P}rows_col")
     cols = g.op("Range", [zero, m, one], f"{P}cols")
     return g.op("LessOrEqual", [cols, rows], f"{P}causal_visible")
 
 
-def _row_has_key(g: GraphBuilder, visible: str, P: str) -> str:
-    """(B, H, N, 1) bool: does the query row see at least one key."""
-    as_float = g.op("Cast", [visible], f"{P}vis_f", to=g.onnx_dtype)
-    return g.op("Cast", [g.reduce_max(as_float, [3], f"{P}row_any_f")], f"{P}row_any", to=TensorProto.BOOL)
-
-
-def _zero_empty_rows_3d(g, o, visible, H, d_v, causal, query, key_len, offset, P):
+def _zero_empty_rows_3d(g: GraphBuilder, o: str, rows_ok: str, H: int, d_v: int, P: str) -> str:
     # v1 defines a query with no visible key to have probabilities 0, so output
     # 0. Runtimes disagree on this corner (NaN, uniform, 0), so force it here.
-    if causal:
-        visible = g.op("And", [visible, _causal_visible(g, query, key_len, offset, P)], f"{P}vis_all")
-    row = g.op("Transpose", [_row_has_key(g, visible, P)], f"{P}row_any_t", perm=[0, 2, 1, 3])  # (B, N, H, 1)
+    row = g.op("Transpose", [rows_ok], f"{P}row_ok_t", perm=[0, 2, 1, 3])  # (B|1, N|1, H|1, 1)
     heads = g.reshape(o, [0, 0, H, d_v], f"{P}attn_heads")
     zeroed = g.op("Where", [row, heads, g.scalar(0.0)], f"{P}attn_zeroed")
     return g.reshape(zeroed, [0, 0, H * d_v], f"{P}attn_masked")
 
 
-def _decomposed_attention(g, q, k, v, visible, causal, query, key_len, offset, cache, H, G, R, d, d_v, P):
+def _decomposed_attention(g, q, k, v, visible, rows_ok, causal, query, key_len, offset, cache, H, G, R, d, d_v, P, weights):
     """Scaled dot-product attention from MatMul/Softmax for opsets without Attention."""
     # Query head h = g*R + r reads kv head g: group query heads by kv head.
     qg = g.op("Transpose", [g.reshape(q, [0, 0, G, R, d], f"{P}q5")], f"{P}q5t", perm=[0, 2, 3, 1, 4])
@@ -481,7 +548,10 @@ def _decomposed_attention(g, q, k, v, visible, causal, query, key_len, offset, c
         kt = g.op("Transpose", [cache.present_key], f"{P}kt", perm=[0, 1, 3, 2])  # (B, G, d, M)
         vg = cache.present_value
     logits = g.reshape(g.op("MatMul", [qg, kt], f"{P}logits_g"), [0, H, -1, 0], f"{P}logits")  # (B, H, N, M)
-    has_mask = visible is not None
+    # float16 graphs take the softmax (max, exp, sum over M keys) in float32.
+    acc = g.acc_dtype
+    if acc != g.onnx_dtype:
+        logits = g.op("Cast", [logits], f"{P}logits_acc", to=acc)
     if causal:
         # Causal never hides every key of a row (key 0 is visible to every
         # query, also at offset P), so only a user mask can produce an empty row.
@@ -491,12 +561,16 @@ def _decomposed_attention(g, q, k, v, visible, causal, query, key_len, offset, c
         # The lowest finite value rather than -inf: exp(lowest - max) is still
         # exactly 0, and an all-hidden row stays finite (uniform) instead of
         # NaN in runtimes that compute x - max; it is zeroed just below.
-        lowest = float(np.finfo(g.np_dtype).min)
-        logits = g.op("Where", [visible, logits, g.scalar(lowest)], f"{P}logits_masked")
+        lowest = float(np.finfo(helper.tensor_dtype_to_np_dtype(acc)).min)
+        logits = g.op("Where", [visible, logits, g.scalar(lowest, acc)], f"{P}logits_masked")
     probs = g.op("Softmax", [logits], f"{P}probs", axis=-1)
-    if has_mask:
+    if rows_ok is not None:
         # v1 defines a query with no visible key to have probabilities 0.
-        probs = g.op("Where", [_row_has_key(g, visible, P), probs, g.scalar(0.0)], f"{P}probs_safe")
+        probs = g.op("Where", [rows_ok, probs, g.scalar(0.0, acc)], f"{P}probs_safe")
+    if acc != g.onnx_dtype:
+        probs = g.op("Cast", [probs], f"{P}probs_cast", to=g.onnx_dtype)
+    if weights is not None:
+        g.named_op("Identity", [probs], [weights])
     pg = g.reshape(probs, [0, G, -1, 0], f"{P}probs_g")  # (B, G, R*N, M)
     o = g.reshape(g.op("MatMul", [pg, vg], f"{P}o_g"), [0, H, -1, d_v], f"{P}o4")  # (B, H, N, d_v)
     o = g.op("Transpose", [o], f"{P}o_t", perm=[0, 2, 1, 3])

@@ -55,6 +55,12 @@ def check_opset(opset: Any, form: str = "auto") -> tuple[int, str]:
 
 
 def check_dtype(dtype: Any) -> str:
+    if dtype == "bfloat16":
+        raise DamchaValueError(
+            f"`dtype` must be one of {tuple(DTYPES)}: bfloat16 graphs are not exported because onnxruntime's CPU "
+            "provider has no bfloat16 kernels for MatMul, Add, Mul, Softmax, Where, ReduceMean, Erf (nor does its "
+            "Python API take bfloat16 feeds), so they could not be validated. Received: dtype='bfloat16'"
+        )
     if dtype not in DTYPES:
         raise DamchaValueError(f"`dtype` must be one of {tuple(DTYPES)}. Received: dtype={describe(dtype)}")
     return dtype
@@ -78,16 +84,23 @@ class ExportOptions:
         opset: 17-22 export a decomposed MatMul/Softmax graph; >= 23 (default)
             one standard ``Attention`` op per layer.
         form: "auto" (by opset), "attention" or "decomposed".
-        dtype: "float32" (default) or "float64" for inputs, weights and outputs.
+        dtype: "float32" (default), "float64" or "float16" for inputs,
+            weights and outputs (float16 accumulates the RMS statistic and
+            the softmax in float32).
         causal: hide key j from query i when j > i (layers; a stack's comes
             from its config).
         cross: a ``context`` input (layers only).
-        mask: a boolean ``mask`` input, True = may attend.
+        mask: a boolean ``mask`` input, True = may attend: ``True`` for a 4-D
+            (B|1, H|1, N|1, M) mask, ``"padding"`` for a 2-D (B, M) key
+            padding mask (as a tokenizer's attention mask), ``False`` for none.
         dynamic: symbolic batch and sequence dims; ``False`` fixes them to
             ``batch_size``, ``query_len`` (and ``context_len``).
         batch_size, query_len, context_len: the fixed sizes with ``dynamic=False``.
         kv_cache: export one decode step with a key/value cache (causal
             self-attention only).
+        return_weights: an extra output with the attention probabilities,
+            ``weights`` (B, H, N, M) for a layer, ``weights.{i}`` per layer of
+            a stack.
         external_data: where a saved model keeps its weights: ``None``
             (default) in the ``.onnx`` file unless the model is too large for
             one protobuf (2 GiB), then in ``<path>.data`` beside it; ``True``
@@ -100,12 +113,13 @@ class ExportOptions:
     dtype: str = "float32"
     causal: bool = False
     cross: bool = False
-    mask: bool = False
+    mask: bool | str = False
     dynamic: bool = True
     batch_size: int | None = None
     query_len: int | None = None
     context_len: int | None = None
     kv_cache: bool = False
+    return_weights: bool = False
     external_data: bool | None = None
     kind: str = "layer"
 
@@ -117,8 +131,12 @@ class ExportOptions:
         set_("opset", opset)
         set_("form", form)
         set_("dtype", check_dtype(self.dtype))
-        for name in ("causal", "cross", "mask", "dynamic", "kv_cache"):
+        for name in ("causal", "cross", "dynamic", "kv_cache", "return_weights"):
             set_(name, check_bool(name, getattr(self, name)))
+        if self.mask != "padding":
+            if isinstance(self.mask, str):
+                raise DamchaValueError(f"`mask` must be a bool or 'padding'. Received: mask={self.mask!r}")
+            set_("mask", check_bool("mask", self.mask))
         if self.external_data is not None:
             set_("external_data", check_bool("external_data", self.external_data))
         stack = self.kind != "layer"

@@ -28,7 +28,17 @@ from damcha_core._stack import (
     validate_stack_params,
 )
 
-from ._export import PAST_KEY, Draft, cache_names, cache_value_info, finish, mask_value_info
+from ._export import (
+    PAST_KEY,
+    WEIGHTS,
+    Draft,
+    cache_names,
+    cache_value_info,
+    finish,
+    mask_node,
+    mask_value_info,
+    weights_value_info,
+)
 from ._graph import ATTENTION_OPSET, GraphBuilder, attention_layer
 from ._io import check_path
 from ._options import ExportOptions
@@ -60,9 +70,11 @@ def _encoder_nodes(
     form: str,
     prefix: str,
     kv_cache: bool = False,
+    weights: bool = False,
 ) -> str:
     """Nodes of the stack on x (B, N, E); with ``kv_cache`` layer i reads
-    ``past_key.{i}``/``past_value.{i}`` and writes ``present_key.{i}``/``present_value.{i}``."""
+    ``past_key.{i}``/``past_value.{i}`` and writes ``present_key.{i}``/``present_value.{i}``;
+    with ``weights`` its attention probabilities go to the output ``weights.{i}``."""
     eps = float(config.norm_eps)
 
     def norm(h: str, name: str) -> str:
@@ -90,6 +102,7 @@ def _encoder_nodes(
             prefix=f"{prefix}{pre}attn_",
             shared=f"{prefix}{SHARED}" if config.share_metric else None,
             cache=cache_names(f".{i}") if kv_cache else None,
+            weights=f"{WEIGHTS}.{i}" if weights else None,
         )
         h = g.op("Add", [h, attn], f"{prefix}{pre}res1")
         if not config.norm_first:
@@ -104,10 +117,58 @@ def _encoder_nodes(
     return norm(h, "final_norm") if config.final_norm else h
 
 
+#: Chebyshev coefficients c_k of h(y) = log(erfc(z) / t) + z^2 on y in (-1, 1],
+#: t = (y + 1) / 2 = 2 / (2 + z), so erfc(z) = t exp(-z^2 + sum_k c_k T_k(y))
+#: for z >= 0. Computed for this package by Chebyshev interpolation at 60
+#: nodes in 50-digit arithmetic (mpmath) and truncated where |c_k| < 1e-16:
+#: erfc to ~1e-13 relative on [0, 27] (the rounding of z^2 dominates), GELU
+#: to ~2e-15 absolute; tests/test_onnx_edge.py checks it against math.erf.
+ERFC_CHEBYSHEV = (
+    -0.6513268598908547, 0.6419697923564902, 0.019476473204185836, -0.009561514786808632,
+    -0.0009465953444820369, 0.00036683949785276145, 4.252332480690777e-05, -2.0278578112534242e-05,
+    -1.6242900046470256e-06, 1.3036558355805232e-06, 1.5626441722066142e-08, -8.523809591492654e-08,
+    6.5290544390988515e-09, 5.059343495551469e-09, -9.91364156493033e-10, -2.273651222931836e-10,
+    9.646791102015527e-11, 2.3940380830391146e-12, -6.886027526497553e-12, 8.944879273090725e-13,
+    3.130921399342958e-13, -1.1270822361367252e-13, 3.810905255189232e-16, 7.106097613609237e-15,
+    -1.5230282014571043e-15, -9.457494571291233e-17, 1.210237189224279e-16, -2.816663087747177e-17,
+)
+
+
+def _half_erfc(g: GraphBuilder, z: str, name: str) -> str:
+    """0.5 erfc(z) for z >= 0 from Add/Mul/Div/Exp only (Clenshaw on ``ERFC_CHEBYSHEV``)."""
+    t = g.op("Div", [g.scalar(2.0), g.op("Add", [z, g.scalar(2.0)], f"{name}_2pz")], f"{name}_t")
+    y = g.op("Sub", [g.op("Mul", [t, g.scalar(2.0)], f"{name}_2t"), g.scalar(1.0)], f"{name}_y")
+    y2 = g.op("Add", [y, y], f"{name}_y2")
+    b1, b2 = g.scalar(ERFC_CHEBYSHEV[-1]), None  # b_n = c_n
+    for k in range(len(ERFC_CHEBYSHEV) - 2, 0, -1):
+        # b_k = c_k + 2y b_{k+1} - b_{k+2}
+        acc = g.op("Mul", [y2, b1], f"{name}_m{k}")
+        if b2 is not None:
+            acc = g.op("Sub", [acc, b2], f"{name}_s{k}")
+        b1, b2 = g.op("Add", [acc, g.scalar(ERFC_CHEBYSHEV[k])], f"{name}_b{k}"), b1
+    series = g.op("Add", [g.op("Sub", [g.op("Mul", [y, b1], f"{name}_yb1"), b2], f"{name}_yb"),
+                          g.scalar(ERFC_CHEBYSHEV[0])], f"{name}_series")
+    exponent = g.op("Sub", [series, g.op("Mul", [z, z], f"{name}_zz")], f"{name}_exponent")
+    return g.op("Mul", [g.op("Mul", [t, g.op("Exp", [exponent], f"{name}_exp")], f"{name}_erfc"), g.scalar(0.5)],
+                f"{name}_half_erfc")
+
+
 def _activation(g: GraphBuilder, kind: str, x: str, name: str) -> str:
-    """The FFN activation from primitive ops (the Gelu op exists only from opset 20)."""
+    """The FFN activation from primitive ops (the Gelu op exists only from opset 20).
+
+    The exact GELU is x Phi(x) = 0.5 x (1 + erf(x / sqrt 2)); onnxruntime has
+    no float64 ``Erf`` kernel, so float64 graphs compute it as
+    x (1 - h) for x >= 0 and x h otherwise, h = 0.5 erfc(|x| / sqrt 2), with
+    erfc from a Chebyshev series (``_half_erfc``): the same function to ~1e-15.
+    """
     if kind == "relu":
         return g.op("Relu", [x], name)
+    if kind == "gelu" and g.onnx_dtype == TensorProto.DOUBLE:
+        z = g.op("Mul", [g.op("Abs", [x], f"{name}_abs"), g.scalar(1.0 / math.sqrt(2.0))], f"{name}_z")
+        h = _half_erfc(g, z, name)
+        positive = g.op("GreaterOrEqual", [x, g.scalar(0.0)], f"{name}_pos")
+        phi = g.op("Where", [positive, g.op("Sub", [g.scalar(1.0), h], f"{name}_1mh"), h], f"{name}_phi")
+        return g.op("Mul", [x, phi], name)
     if kind == "gelu":
         inner = g.op("Erf", [g.op("Mul", [x, g.scalar(1.0 / math.sqrt(2.0))], f"{name}_s")], f"{name}_erf")
     else:  # gelu_tanh: tanh(sqrt(2/pi) (x + 0.044715 x^3))
@@ -120,10 +181,6 @@ def _activation(g: GraphBuilder, kind: str, x: str, name: str) -> str:
 
 def _stack_model(kind: str, params: Mapping[str, Any], config: Any, o: ExportOptions) -> Draft:
     encoder = config if kind == "encoder" else config.encoder
-    if o.dtype != "float32":
-        # onnxruntime's CPU provider has no float64 Erf kernel (exact GELU);
-        # single layers (``export``) do support float64.
-        raise DamchaValueError(f"Stacks and token models export in float32 only. Received: dtype={o.dtype!r}")
     B, N, M = o.batch_dim, o.query_dim, o.key_dim
     if kind == "token_model" and isinstance(N, int) and N > config.max_len:
         raise DamchaValueError(
@@ -148,8 +205,11 @@ def _stack_model(kind: str, params: Mapping[str, Any], config: Any, o: ExportOpt
             outputs += cache_out
     if o.mask:
         inputs.append(mask_value_info(o, encoder.attention.num_heads))
+    if o.return_weights:
+        outputs += [weights_value_info(g.onnx_dtype, o, encoder.attention.num_heads, f".{i}") for i in range(encoder.num_layers)]
     for value in inputs + outputs:
         g.reserve(value.name)
+    mask = mask_node(g, o)
     if kind == "token_model":
         emb = g.op("Gather", [g.weight("embedding.table", p["embedding.table"]), "tokens"], "embedded", axis=0)
         n = g.op("Squeeze", [g.dim("tokens", 1, "seq_len")], "seq_len_s")
@@ -173,10 +233,10 @@ def _stack_model(kind: str, params: Mapping[str, Any], config: Any, o: ExportOpt
         pos = g.op("Gather", [g.weight("position.table", p["position.table"]), positions], "pos_embedded", axis=0)
         x = g.op("Add", [emb, pos], "x")
         enc = {k[len("encoder."):]: v for k, v in p.items() if k.startswith("encoder.")}
-        h = _encoder_nodes(g, enc, encoder, x, "mask" if o.mask else None, o.form, "encoder.", o.kv_cache)
+        h = _encoder_nodes(g, enc, encoder, x, mask, o.form, "encoder.", o.kv_cache, o.return_weights)
         y = g.linear(h, p["head.kernel"], p["head.bias"], "head")
     else:
-        y = _encoder_nodes(g, p, config, x, "mask" if o.mask else None, o.form, "", o.kv_cache)
+        y = _encoder_nodes(g, p, config, x, mask, o.form, "", o.kv_cache, o.return_weights)
     g.nodes.append(helper.make_node("Identity", [y], [out_name], name=f"n_{out_name}"))
     cache_doc = ", kv_cache: past_key.{i}/past_value.{i} -> present_key.{i}/present_value.{i})"
     doc = f"DAMCHA {kind} ({o.form} form" + (cache_doc if o.kv_cache else ")")
@@ -213,23 +273,27 @@ def export_encoder(
     batch_size: int | None = None,
     query_len: int | None = None,
     kv_cache: bool = False,
+    return_weights: bool = False,
     external_data: bool | None = None,
     options: ExportOptions | None = None,
 ) -> onnx.ModelProto:
     """Export an encoder stack; input ``query`` (B, N, E) [+ ``mask``], output ``output`` (B, N, E).
 
     With ``config.share_metric`` the shared generator is stored once in the
-    file. float32 only. ``kv_cache=True`` (needs ``config.causal``) exports a
+    file. ``dtype`` float32, float16 or float64 (the exact GELU then as an
+    Erf-free decomposition: onnxruntime has no float64 Erf). ``kv_cache=True`` (needs ``config.causal``) exports a
     decode step: inputs ``past_key.{i}`` (B, G, P, d) and ``past_value.{i}``
     (B, G, P, d_v) per layer i, outputs ``present_key.{i}``/``present_value.{i}``
-    with P + N tokens; a ``mask`` has P + N columns. Other arguments (``external_data``,
-    ``options``, ...) as for ``export``.
+    with P + N tokens; a ``mask`` has P + N columns. ``return_weights`` adds
+    each layer's attention probabilities as ``weights.{i}`` (B, H, N, M).
+    Other arguments (``mask="padding"``, ``external_data``, ``options``, ...)
+    as for ``export``.
     """
     if not isinstance(config, EncoderConfig):
         raise DamchaTypeError(f"`config` must be an EncoderConfig. Received: config={describe(config)}")
     path = check_path(path)
     keywords = dict(opset=opset, mask=mask, dynamic=dynamic, dtype=dtype, form=form, batch_size=batch_size,
-                    query_len=query_len, kv_cache=kv_cache, external_data=external_data)
+                    query_len=query_len, kv_cache=kv_cache, return_weights=return_weights, external_data=external_data)
     options = _stack_options("encoder", config.causal, options, keywords)
     return finish(_stack_model("encoder", params, config, options), path, options)
 
@@ -247,6 +311,7 @@ def export_token_model(
     batch_size: int | None = None,
     query_len: int | None = None,
     kv_cache: bool = False,
+    return_weights: bool = False,
     external_data: bool | None = None,
     options: ExportOptions | None = None,
 ) -> onnx.ModelProto:
@@ -262,6 +327,6 @@ def export_token_model(
         raise DamchaTypeError(f"`config` must be a TokenModelConfig. Received: config={describe(config)}")
     path = check_path(path)
     keywords = dict(opset=opset, mask=mask, dynamic=dynamic, dtype=dtype, form=form, batch_size=batch_size,
-                    query_len=query_len, kv_cache=kv_cache, external_data=external_data)
+                    query_len=query_len, kv_cache=kv_cache, return_weights=return_weights, external_data=external_data)
     options = _stack_options("token_model", config.encoder.causal, options, keywords)
     return finish(_stack_model("token_model", params, config, options), path, options)

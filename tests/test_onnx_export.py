@@ -15,6 +15,7 @@ import pytest
 import damcha_core as dc
 import damcha_onnx as do
 from damcha_conformance import CATALOGUE, case_params, materialise, run_conformance, tolerance
+from damcha_conformance.adapters import OnnxAdapter
 
 SHORT = [c for c in CATALOGUE if max(c.query_len, c.context_len or 0) <= 64]
 
@@ -38,7 +39,7 @@ def _export_case(data, opset, dtype):
 @pytest.mark.parametrize("opset", [17, 18, 23, 24], ids=lambda o: f"opset{o}")
 def test_conformance_catalogue_in_onnxruntime(opset):
     # Every catalogue case, float32 and float64, through the conformance runner.
-    report = run_conformance(do.ConformanceAdapter(opset=opset))
+    report = run_conformance(OnnxAdapter(opset=opset))
     assert report.passed, report.summary()
     assert not any(r.status == "unsupported" for r in report.results)
 
@@ -144,12 +145,14 @@ def test_opset_out_of_range_is_rejected(opset):
     [
         (dict(opset="23"), dc.DamchaTypeError, r"`opset` must be an int.*'23'"),
         (dict(form="attention", opset=18), dc.DamchaValueError, r"form='attention' needs opset >= 23"),
-        (dict(dtype="float16"), dc.DamchaValueError, r"`dtype` must be one of.*'float16'"),
+        (dict(dtype="int8"), dc.DamchaValueError, r"`dtype` must be one of.*'int8'"),
+        (dict(dtype="bfloat16"), dc.DamchaValueError, r"`dtype`.*bfloat16.*no bfloat16 kernels"),
         (dict(causal=1), dc.DamchaTypeError, r"`causal` must be a bool"),
         (dict(dynamic=False), dc.DamchaValueError, r"dynamic=False needs `batch_size`"),
         (dict(batch_size=2), dc.DamchaValueError, r"`batch_size` fixes a dimension, so it needs dynamic=False"),
     ],
-    ids=["opset-type", "attention-form-old-opset", "dtype", "causal-type", "static-needs-sizes", "sizes-need-static"],
+    ids=["opset-type", "attention-form-old-opset", "dtype", "bfloat16", "causal-type", "static-needs-sizes",
+         "sizes-need-static"],
 )
 def test_bad_export_options_are_rejected(kwargs, error, pattern):
     with pytest.raises(error, match=pattern):

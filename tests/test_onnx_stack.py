@@ -126,12 +126,12 @@ def test_token_model_end_to_end(opset, tmp_path):
          dc.DamchaValueError, "`num_layers` must be an int >= 1"),
         (lambda: do.export_encoder(do.init_encoder_params(_encoder("heads", True)), _encoder("heads", False), None),
          dc.DamchaValueError, r"does not match the config \(missing \['layers.0.attention.metric.qk.kernel'"),
-        (lambda: do.export_encoder(do.init_encoder_params(_encoder("none", True)), _encoder("none", True), None, dtype="float64"),
-         dc.DamchaValueError, "float32 only"),
+        (lambda: do.export_encoder(do.init_encoder_params(_encoder("none", True)), _encoder("none", True), None, dtype="bfloat16"),
+         dc.DamchaValueError, "no bfloat16 kernels"),
         (lambda: do.export_encoder(do.init_encoder_params(_encoder("none", True)), _encoder("none", True), None, opset=16),
          dc.DamchaValueError, "`opset` must be in"),
     ],
-    ids=["encoder-dims", "num-layers", "shared-params-for-unshared-config", "stack-float64", "stack-opset"],
+    ids=["encoder-dims", "num-layers", "shared-params-for-unshared-config", "stack-bfloat16", "stack-opset"],
 )
 def test_stack_errors(make, error, pattern):
     with pytest.raises(error, match=pattern):
