@@ -21,7 +21,8 @@ from ._export import build_model, export
 from ._graph import ATTENTION_OPSET, MIN_OPSET, fold_params
 from ._io import validate_model
 from ._options import ExportOptions, check_opset
-from ._quantize import quantization_error, quantize_int8
+from ._mobile import OrtConversion, convert_to_ort
+from ._quantize import quantization_error, quantize_int8, quantize_static_int8
 from ._runtime import empty_kv_cache, ort_session, run_ort, run_reference
 from ._stack import (
     EncoderConfig,
@@ -42,9 +43,11 @@ __all__ = [
     "EncoderConfig",
     "ExportOptions",
     "MIN_OPSET",
+    "OrtConversion",
     "TokenModelConfig",
     "build_model",
     "check_opset",
+    "convert_to_ort",
     "empty_kv_cache",
     "encoder_forward",
     "encoder_from_jax",
@@ -60,6 +63,7 @@ __all__ = [
     "ort_session",
     "quantization_error",
     "quantize_int8",
+    "quantize_static_int8",
     "run_ort",
     "run_reference",
     "token_model_forward",

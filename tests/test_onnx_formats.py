@@ -1,0 +1,147 @@
+"""Deployment formats: ORT format (mobile, minimal builds) and static QDQ int8."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+import damcha_core as dc
+import damcha_onnx as do
+from damcha_conformance import CATALOGUE, DECODE_CATALOGUE, materialise, materialise_decode, tolerance
+
+ORT_CASES = ["heads-tied-padding", "heads-separate-per-head-cross", "heads-tied-all-masked-row",
+             "heads-query-causal-tall", "lowrank-separate-mqa"]
+
+
+def _open_gates(params, rng):
+    return {k: rng.uniform(-1, 1, v.shape) if k.endswith(".gate") else v for k, v in params.items()}
+
+
+def test_ort_format_models_load_and_match(tmp_path):
+    by_name = {c.name: c for c in CATALOGUE}
+    exported, expected = {}, {}
+    for opset in (17, 23):
+        for name in ORT_CASES:
+            data = materialise(by_name[name])
+            for dtype in ("float32", "float16"):
+                key = f"{name}-{opset}-{dtype}"
+                path = tmp_path / f"{key}.onnx"
+                do.export(data.params, data.config, path, opset=opset, causal=data.causal, cross=data.context is not None,
+                          mask=data.mask is not None, dtype=dtype)
+                feeds = {"query": data.query, **({"context": data.context} if data.context is not None else {}),
+                         **({"mask": data.mask} if data.mask is not None else {})}
+                exported[key], expected[key] = path, (feeds, data.expected, dtype)
+    # A decode step, and a token model with its cache.
+    dec = materialise_decode(DECODE_CATALOGUE[2])
+    step = tmp_path / "decode-step.onnx"
+    do.export(dec.params, dec.config, step, causal=True, kv_cache=True)
+    tm = dc.TokenModelConfig(dc.EncoderConfig(dc.DamchaConfig(query_dim=16, num_heads=4, key_dim=4), 2, 24, causal=True), 30, 10, 4)
+    tparams = _open_gates(dc.init_token_model_params(tm, 3), np.random.default_rng(3))
+    token_step = tmp_path / "token-step.onnx"
+    do.export_token_model(tparams, tm, token_step, kv_cache=True)
+
+    result = do.convert_to_ort(list(exported.values()) + [step, token_step], tmp_path / "ort")
+    assert set(result.models) == set(exported) | {"decode-step", "token-step"}
+    for key, (feeds, want, dtype) in expected.items():
+        session = do.ort_session(result.models[key])  # the .ort file, fed through the .onnx declarations
+        out = do.run_ort(exported[key], feeds, session=session)
+        assert tolerance(dtype).output_ratio(out, want)[1] <= 1, key
+    session = do.ort_session(result.models["decode-step"])
+    cache, outs = do.empty_kv_cache(step, dec.query.shape[0]), []
+    for a, b in dec.case.steps:
+        got = do.run_ort(step, {"query": dec.query[:, a:b], **cache}, session=session, all_outputs=True)
+        cache = {"past_key": got["present_key"], "past_value": got["present_value"]}
+        outs.append(got["output"])
+    assert tolerance("float32").output_ratio(np.concatenate(outs[1:], 1), dec.expected)[1] <= 1
+    tokens = np.random.default_rng(4).integers(0, 30, (2, 7))
+    session = do.ort_session(result.models["token-step"])
+    cache, outs = do.empty_kv_cache(token_step, 2), []
+    for a, b in ((0, 4), (4, 5), (5, 7)):
+        got = do.run_ort(token_step, {"tokens": tokens[:, a:b], **cache}, session=session, all_outputs=True)
+        cache = {k.replace("present_", "past_"): v for k, v in got.items() if k.startswith("present_")}
+        outs.append(got["logits"])
+    assert tolerance("float32").output_ratio(np.concatenate(outs, 1), dc.token_model_forward(tparams, tm, tokens))[1] <= 1
+    # The reduced operator config, read back with onnxruntime's own parser, names what a minimal build must hold.
+    ops = result.operators
+    assert "Attention" in ops[("ai.onnx", 23)]
+    assert any("Softmax" in v for (domain, _), v in ops.items() if domain == "ai.onnx")  # the opset 17 graphs
+    assert any("Gather" in v for v in ops.values())  # the token model's embeddings
+    assert result.config.name == "required_operators_and_types.config"
+    assert "float16" in result.config.read_text() or "MLFloat16" in result.config.read_text()
+
+
+def test_ort_conversion_errors(tmp_path):
+    config = dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    do.export(dc.init_params(config), config, tmp_path / "a" / "m.onnx")
+    do.export(dc.init_params(config), config, tmp_path / "b" / "m.onnx")
+    with pytest.raises(dc.DamchaValueError, match="distinct file names"):
+        do.convert_to_ort([tmp_path / "a" / "m.onnx", tmp_path / "b" / "m.onnx"], tmp_path / "out")
+    with pytest.raises(dc.DamchaValueError, match=r"`models\[0\]`.*no such file"):
+        do.convert_to_ort([tmp_path / "none.onnx"], tmp_path / "out")
+    with pytest.raises(dc.DamchaValueError, match="target_platform"):
+        do.convert_to_ort(tmp_path / "a" / "m.onnx", tmp_path / "out", target_platform="x86")
+
+
+# ---------------------------------------------------------------- static int8
+
+
+def _encoder_case(opset):
+    rng = np.random.default_rng(11)
+    attn = dc.DamchaConfig(query_dim=32, num_heads=4, key_dim=8, num_kv_heads=2, coupling="query")
+    enc = dc.EncoderConfig(attn, num_layers=2, ffn_dim=64, causal=True)
+    params = _open_gates(dc.init_encoder_params(enc, 5), rng)
+    model = do.export_encoder(params, enc, None, opset=opset, mask="padding")
+
+    def batch():
+        lengths = rng.integers(6, 13, 2)
+        return {"query": rng.normal(size=(2, 12, 32)), "mask": np.arange(12)[None, :] < lengths[:, None]}
+
+    return params, enc, model, [batch() for _ in range(8)], batch()
+
+
+@pytest.mark.parametrize("opset", [17, 23], ids=lambda o: f"opset{o}")
+def test_static_qdq_int8_keeps_the_attention_in_float_and_holds_accuracy(opset, tmp_path):
+    params, enc, model, calibration, test = _encoder_case(opset)
+    q = do.quantize_static_int8(model, calibration, tmp_path / "qdq.onnx")
+    assert (tmp_path / "qdq.onnx").is_file()
+    weights = {t.name: t for t in q.graph.initializer}
+    producers = {o: n for n in q.graph.node for o in n.output}
+    # Every weight MatMul reads int8 weights through DequantizeLinear, per output channel.
+    for node in (n for n in q.graph.node if n.op_type == "MatMul"):
+        dq = producers.get(node.input[1])
+        if dq is not None and dq.op_type == "DequantizeLinear" and dq.input[0] in weights:
+            assert weights[dq.input[0]].data_type == onnx.TensorProto.INT8
+            assert len(weights[dq.input[1]].dims) == 1 and weights[dq.input[1]].dims[0] > 1  # per-channel scales
+    quantised = [n for n in q.graph.node if n.op_type == "MatMul" and producers.get(n.input[1], n).op_type == "DequantizeLinear"]
+    assert len(quantised) == len([n for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in
+                                  {t.name for t in model.graph.initializer}])
+    # The attention and the per-token maps stay float: no quantised tensor feeds them.
+    for node in q.graph.node:
+        if node.op_type in ("Attention", "Softmax", "RMSNormalization", "LayerNormalization") or (
+            node.op_type == "MatMul" and node not in quantised
+        ):
+            assert all(producers.get(i) is None or producers[i].op_type != "DequantizeLinear" for i in node.input), node.name
+    reference = dc.encoder_forward(params, enc, test["query"], mask=test["mask"][:, None, None, :])
+    err = do.quantization_error(model, q, test, reference)
+    dyn = do.quantization_error(model, do.quantize_int8(model), test, reference)
+    assert err["max_abs_float32_vs_reference"] < 1e-5
+    assert err["rel_rms_int8_vs_reference"] < 0.05, err  # measured ~2%; a broken calibration gives > 20%
+    assert dyn["rel_rms_int8_vs_reference"] < 0.05, dyn
+
+
+def test_static_qdq_int8_errors():
+    _, _, model, calibration, _ = _encoder_case(23)
+    with pytest.raises(dc.DamchaValueError, match="at least one feed"):
+        do.quantize_static_int8(model, [])
+    with pytest.raises(dc.DamchaTypeError, match="iterable of feed dicts"):
+        do.quantize_static_int8(model, calibration[0])
+    with pytest.raises(dc.DamchaValueError, match=r"`calibration\[1\]`.*query"):
+        do.quantize_static_int8(model, [calibration[0], {"query": np.zeros((2, 12, 31)), "mask": calibration[0]["mask"]}])
+    with pytest.raises(dc.DamchaValueError, match="float32 export"):
+        config = dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4)
+        do.quantize_static_int8(do.export(dc.init_params(config), config, None, dtype="float16"), calibration)
+    with pytest.raises(dc.DamchaValueError, match="activation_type"):
+        do.quantize_static_int8(model, calibration, activation_type="int4")
