@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from damcha_core import DamchaTypeError, DamchaValueError
-from damcha_torch import DamchaAttention, damcha_attention
+from damcha_torch import DamchaAttention
 
 x = torch.randn(2, 5, 16)
 
@@ -98,17 +98,6 @@ def test_from_canonical_rejects_mismatched_params():
     params["query.kernel"] = params["query.kernel"][:, :2]
     with pytest.raises(DamchaValueError, match=r"query.kernel.*must have shape \(16, 4, 4\)"):
         DamchaAttention.from_canonical(params, layer.config)
-
-
-def test_functional_mask_errors():
-    q = torch.randn(2, 5, 4, 4)
-    k = torch.randn(2, 6, 4, 4)
-    with pytest.raises(DamchaTypeError, match=r"`mask` must be boolean \(True = may attend\)"):
-        damcha_attention(q, k, k, mask=torch.zeros(5, 6, dtype=torch.int32))
-    with pytest.raises(DamchaValueError, match=r"`mask` must have shape \(N, M\) or \(B, H, N, M\)"):
-        damcha_attention(q, k, k, mask=torch.zeros(2, 5, 6, dtype=torch.bool))
-    with pytest.raises(DamchaValueError, match=r"G dividing H"):
-        damcha_attention(q, torch.randn(2, 6, 3, 4), torch.randn(2, 6, 3, 4))
 
 
 def test_kv_cache_mismatch_names_the_cache_and_leaves_it_intact():

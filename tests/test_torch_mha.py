@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from damcha_torch import DamchaAttention, damcha_attention
+from damcha_torch import DamchaAttention, softmax_attend
 
 B, N, M, E, H = 2, 5, 7, 16, 4
 
@@ -94,7 +94,7 @@ def test_cross_attention_kdim_equals_mha(coupling, mask, batch_first, need_weigh
 @pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_functional_equals_sdpa(kv_heads, causal):
-    """No generators: damcha_attention is SDPA on repeated kv heads (h -> h // (H/G))."""
+    """softmax_attend is SDPA on repeated kv heads (h -> h // (H/G)), fused or explicit."""
     g = torch.Generator().manual_seed(2)
     q = torch.randn(B, N, H, 8, generator=g, dtype=torch.float64)
     k = torch.randn(B, M, kv_heads, 8, generator=g, dtype=torch.float64)
@@ -105,8 +105,9 @@ def test_functional_equals_sdpa(kv_heads, causal):
         is_causal=causal,
     ).transpose(1, 2)
     for need_weights in (False, True):
-        out, _ = damcha_attention(q, k, v, is_causal=causal, need_weights=need_weights)
-        torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-12)
+        out, _ = softmax_attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal,
+                                need_weights=need_weights)
+        torch.testing.assert_close(out.transpose(1, 2), expected, rtol=1e-10, atol=1e-12)
 
 
 def test_float32_fresh_layer_equals_mha_fused():

@@ -2,7 +2,9 @@
 
 ``DamchaAttention`` mixes each token's query/key heads with a per-token
 cross-head map, then runs one fused ``scaled_dot_product_attention`` call.
-See docs/torch.md.
+The math lives in free functions named after the reference's steps
+(``damcha_attention``, ``rms_normalise``, ``generator``, ``apply_map``,
+``visibility``, ``softmax_attend``), which the layer calls. See docs/torch.md.
 """
 
 from __future__ import annotations
@@ -13,10 +15,7 @@ from damcha_core._imports import require as _require
 
 _require("torch", "torch", "damcha_torch")  # one-line ImportError naming the extra
 
-from ._attention import DamchaAttention, DamchaKVCache, replace_mha
-from ._functional import causal_visibility, damcha_attention, safe_attention
-from ._metric import MetricGenerator
-from ._transformer import (
+from ._blocks import (  # noqa: E402 (after the import check)
     DamchaTransformerDecoder,
     DamchaTransformerDecoderLayer,
     DamchaTransformerEncoder,
@@ -26,6 +25,20 @@ from ._transformer import (
     metric_penalty,
     shard_stack,
 )
+from ._cache import DamchaKVCache  # noqa: E402
+from ._convert import replace_mha  # noqa: E402
+from ._functional import (  # noqa: E402
+    apply_map,
+    causal_visibility,
+    damcha_attention,
+    generator,
+    rms_normalise,
+    safe_attention,
+    softmax_attend,
+    visibility,
+)
+from ._generator import MetricGenerator  # noqa: E402
+from ._layer import DamchaAttention  # noqa: E402
 
 __all__ = [
     "DamchaAttention",
@@ -35,16 +48,20 @@ __all__ = [
     "DamchaTransformerEncoder",
     "DamchaTransformerEncoderLayer",
     "MetricGenerator",
+    "apply_map",
     "build_decoder",
     "build_encoder",
     "causal_visibility",
     "damcha_attention",
+    "generator",
     "metric_penalty",
     "replace_mha",
+    "rms_normalise",
     "safe_attention",
     "shard_stack",
+    "softmax_attend",
+    "visibility",
 ]
-
 
 def __getattr__(name: str) -> Any:
     # Deprecated for one release: the adapter moved to the conformance suite.

@@ -1,5 +1,14 @@
-"""Functional core: scaled dot-product attention that never NaNs, and the
-DAMCHA attention step on already projected heads.
+"""The torch port's functional core: DAMCHA v1 as free functions named after
+the reference's steps (``rms_normalise``, ``generator``, ``apply_map``,
+``visibility``, ``softmax_attend``, ``damcha_attention``, ``metric_penalty``).
+
+The public functions take canonical parameters (``damcha_core`` names and
+shapes) as torch tensors and a ``DamchaConfig``, like the reference.
+Internally every step computes on the torch layout of the same weights
+(``LayerWeights``/``SideWeights``: ``nn.Linear``'s (out, in) matrices, so that
+each projection is one ``F.linear``); canonical tensors become that layout by
+views, and ``DamchaAttention`` hands its own parameters over directly, so the
+layer and the functions run one implementation.
 
 Tensor layouts follow the projections, token-major: q (B, N, H, d),
 k (B, M, G, d), v (B, M, G, d_v). The cross-head maps act on a token's
@@ -10,19 +19,213 @@ transposes (views, no copies) to SDPA's (B, H, N, d).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+import numbers
+import warnings
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 import damcha_core as dc
-from damcha_core import DamchaValueError
+from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, describe
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ._metric import MetricGenerator
+    from ._cache import DamchaKVCache
 
-__all__ = ["causal_visibility", "damcha_attention", "safe_attention"]
+__all__ = [
+    "LayerWeights",
+    "SideWeights",
+    "apply_map",
+    "causal_visibility",
+    "damcha_attention",
+    "generator",
+    "metric_penalty",
+    "rms_normalise",
+    "safe_attention",
+    "softmax_attend",
+    "visibility",
+]
+
+_NEG_INF = float("-inf")
+
+
+# ------------------------------------------------------------ torch layout
+
+
+class SideWeights(NamedTuple):
+    """One metric side in torch layout: ``weight`` (S*S, E) or (r, E) as
+    ``nn.Linear`` stores it, ``bias`` (S*S,) or (r,), ``gate`` (S,), and for
+    "lowrank" ``u``, ``v`` (S, d, r)."""
+
+    metric: str
+    weight: Tensor
+    bias: Tensor
+    gate: Tensor
+    u: Tensor | None = None
+    v: Tensor | None = None
+
+
+class LayerWeights(NamedTuple):
+    """A layer's weights in torch layout, as ``nn.MultiheadAttention`` keeps them.
+
+    ``in_proj`` is the packed (H*d + G*d + G*d_v, E) weight when the three
+    projections read inputs of one size (one GEMM for self-attention), else
+    ``None`` and ``q``/``k``/``v`` hold (out, in) weights; ``in_bias`` is the
+    packed (H*d + G*d + G*d_v,) bias or ``None``; ``output`` maps
+    (..., H*d_v) to (..., E_o) (the layer passes its ``out_proj`` module, so
+    hooks on it run); ``sides`` maps a canonical side to its ``SideWeights``.
+    """
+
+    sizes: tuple[int, int, int]
+    in_proj: Tensor | None
+    q: Tensor | None
+    k: Tensor | None
+    v: Tensor | None
+    in_bias: Tensor | None
+    output: Callable[[Tensor], Tensor]
+    sides: Mapping[str, SideWeights]
+
+    def projections(self) -> tuple[tuple[Tensor, Tensor | None], ...]:
+        """(weight, bias) of the query, key and value projections."""
+        if self.in_proj is not None:
+            weights = self.in_proj.split(self.sizes)
+        else:
+            weights = (self.q, self.k, self.v)  # type: ignore[assignment]
+        biases = (None,) * 3 if self.in_bias is None else self.in_bias.split(self.sizes)
+        return tuple(zip(weights, biases))  # type: ignore[arg-type]
+
+
+def _side_from_canonical(params: Mapping[str, Tensor], config: DamchaConfig, side: str) -> SideWeights:
+    from ._generator import TORCH_LEAVES  # the one table of torch layouts (it imports this module)
+
+    S, E = config.side_heads(side), config.side_features(side)
+    dims = (S, config.key_dim, config.metric_rank or 0, E)
+    leaves = {name: leaf.from_canonical(params[f"metric.{side}.{name}"], dims)
+              for name, leaf in TORCH_LEAVES[config.metric].items()}
+    return SideWeights(config.metric, leaves["kernel"], leaves["bias"], params[f"metric.{side}.gate"],
+                       leaves.get("u"), leaves.get("v"))
+
+
+def weights_from_canonical(params: Mapping[str, Tensor], config: DamchaConfig) -> LayerWeights:
+    """``LayerWeights`` of canonical tensors, by views (no copies where strides allow)."""
+    H, G, d, dv = config.num_heads, config.num_kv_heads, config.key_dim, config.value_dim
+    sizes = (H * d, G * d, G * dv)
+    q, k, v = (params[f"{n}.kernel"].reshape(params[f"{n}.kernel"].shape[0], -1).T for n in ("query", "key", "value"))
+    bias = None
+    if config.use_bias:
+        bias = torch.cat([params[f"{n}.bias"].reshape(-1) for n in ("query", "key", "value")])
+    out_w = params["output.kernel"].reshape(-1, config.output_dim).T
+    out_b = params["output.bias"] if config.use_bias else None
+
+    def output(o: Tensor) -> Tensor:
+        return F.linear(o, out_w, out_b)
+
+    sides = {side: _side_from_canonical(params, config, side) for side in config.metric_sides}
+    return LayerWeights(sizes, None, q, k, v, bias, output, sides)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ steps
+
+
+def _rms_scale(t: Tensor) -> Tensor:
+    """1 / sqrt(sum(t^2 over features) + E * eps), (..., 1).
+
+    Times sqrt(E) it is phi's factor 1 / sqrt(mean(t^2) + eps); the constant
+    rides on a later operation (one op fewer per call when decoding)."""
+    return torch.rsqrt((t * t).sum(dim=-1, keepdim=True) + t.shape[-1] * dc.RMS_EPS)
+
+
+def rms_normalise(t: Tensor) -> Tensor:
+    """phi(t) = t / sqrt(mean(t^2 over features) + 1e-6): the generator's input."""
+    return t * (_rms_scale(t) * math.sqrt(t.shape[-1]))
+
+
+def _coefficients(weight: Tensor, bias: Tensor, tokens: Tensor) -> Tensor:
+    """phi(t) W + b without building phi.
+
+    (t W) * rsqrt(...) + b is one GEMM on the raw tokens, which autograd
+    already keeps for the projections, plus a pass over the small output;
+    materialising phi would cost a pass and a stored (B, T, E) tensor.
+    """
+    return torch.addcmul(bias, F.linear(tokens, weight), _rms_scale(tokens), value=math.sqrt(tokens.shape[-1]))
+
+
+def _cast(t: Tensor | None, dtype: torch.dtype) -> Any:
+    # .to() of the same dtype is free, but skipping it keeps traced graphs small.
+    return t if t is None or t.dtype == dtype else t.to(dtype)
+
+
+def head_map_weights(side: SideWeights, tokens: Tensor) -> Tensor:
+    """l(t) = I + diag(g) A(t), (B, T, S, S), for metric "heads"."""
+    dtype = tokens.dtype
+    S = side.gate.shape[0]
+    A = _coefficients(_cast(side.weight, dtype), _cast(side.bias, dtype), tokens).unflatten(-1, (S, S))
+    # The gate scales the small (B, T, S, S) coefficients: fewer operations per
+    # call than folding it into the (S*S, E) weight, which matters when decoding.
+    return torch.addcmul(torch.eye(S, dtype=dtype, device=tokens.device), A, _cast(side.gate, dtype).view(S, 1))
+
+
+def _map_heads(side: SideWeights, tokens: Tensor, ys: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    if side.metric == "heads":
+        # One (S, S) x (S, d) product per token, as a bmm over the B*T tokens.
+        l = head_map_weights(side, tokens).flatten(0, -3)  # noqa: E741 (the spec's name)
+        return tuple(torch.bmm(l, y.flatten(0, -3)).view(y.shape) for y in ys)
+    dtype = tokens.dtype
+    u = _coefficients(_cast(side.weight, dtype), _cast(side.bias, dtype), tokens)  # (B, T, r)
+    v = _cast(side.v, dtype).flatten(0, 1)  # (S*d, r)
+    gated_u = (_cast(side.u, dtype) * _cast(side.gate, dtype).view(-1, 1, 1)).flatten(0, 1).transpose(0, 1)  # (r, S*d)
+    out = []
+    for y in ys:
+        flat = y.flatten(-2)  # (B, T, S*d)
+        z = torch.matmul(flat, v)  # (B, T, r)
+        out.append((flat + torch.matmul(u * z, gated_u)).view_as(y))
+    return tuple(out)
+
+
+def apply_map_weights(side: SideWeights, tokens: Tensor, ys: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    """L(t) y for each y in ``ys`` (B, T, S, d), one generator call for all.
+
+    16-bit heads (or autocast) are mapped in float32: l sits near I, and in a
+    16-bit type it would round q~ twice (l, then l q); the map is tiny next
+    to attention.
+    """
+    y0 = ys[0]
+    if y0.dtype in (torch.float16, torch.bfloat16):
+        with torch.autocast(y0.device.type, enabled=False):
+            out = _map_heads(side, tokens.float(), tuple(t.float() for t in ys))
+        return tuple(t.to(y0.dtype) for t in out)
+    return _map_heads(side, _cast(tokens, y0.dtype), ys)
+
+
+def role_penalty_weights(side: SideWeights, tokens: Tensor, head_dim: int) -> Tensor:
+    """mean over tokens of ||L(t) - I||_F^2 / (S*d), a 0-d tensor in the tokens' dtype.
+
+    16-bit tokens (or autocast) are computed in float32: sum(t^2) over the
+    features overflows float16 for moderately large tokens.
+    """
+    dtype = torch.float32 if tokens.dtype in (torch.float16, torch.bfloat16) else tokens.dtype
+    device = tokens.device.type
+    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+        with torch.autocast(device, enabled=False):
+            return _role_penalty(side, tokens.to(dtype), dtype, head_dim).to(tokens.dtype)
+    return _role_penalty(side, tokens.to(dtype), dtype, head_dim).to(tokens.dtype)
+
+
+def _role_penalty(side: SideWeights, tokens: Tensor, dtype: torch.dtype, d: int) -> Tensor:
+    S = side.gate.shape[0]
+    gate = side.gate.to(dtype)
+    coeff = _coefficients(side.weight.to(dtype), side.bias.to(dtype), tokens)
+    if side.metric == "heads":
+        # L - I = (diag(g) A) (x) I_d, whose squared norm is d * ||diag(g) A||^2.
+        gated = coeff.unflatten(-1, (S, S)) * gate.view(S, 1)
+        return gated.square().sum(dim=(-2, -1)).mean() / S
+    # L - I = P diag(u) Q^T with P = g U, Q = V (S*d, r): O(r^2) per token.
+    P = (side.u.to(dtype) * gate.view(-1, 1, 1)).flatten(0, 1)  # type: ignore[union-attr]
+    Q = side.v.to(dtype).flatten(0, 1)  # type: ignore[union-attr]
+    gram = (P.transpose(0, 1) @ P) * (Q.transpose(0, 1) @ Q)
+    return torch.einsum("...r,...s,rs->...", coeff, coeff, gram).mean() / (S * d)
 
 
 def causal_visibility(n: int, m: int, query_offset: int = 0, device: torch.device | None = None) -> Tensor:
@@ -39,7 +242,150 @@ def _combine(mask: Tensor | None, visible: Tensor) -> Tensor:
         return visible
     if mask.dtype == torch.bool:
         return mask & visible
-    return mask.masked_fill(~visible, float("-inf"))
+    return mask.masked_fill(~visible, _NEG_INF)
+
+
+def visibility(
+    n: int,
+    m: int,
+    *,
+    mask: Tensor | None = None,
+    causal: bool = False,
+    query_offset: int = 0,
+    device: torch.device | None = None,
+) -> Tensor | None:
+    """The may-attend mask of N queries over M keys, broadcastable to (B, H, N, M).
+
+    Args:
+        n, m: N queries, M keys.
+        mask: bool, True = may attend (the reference's convention), or an
+            additive float mask (-inf hides); any shape broadcastable to
+            (B, H, N, M).
+        causal: also hide key j from query i when j > query_offset + i.
+        query_offset: position of query 0 (the cache length when decoding).
+        device: where to build the causal part (default: the mask's device).
+
+    Returns:
+        ``mask`` with the causal rule applied (bool stays bool, float stays
+        additive), or ``None`` when every key is visible.
+    """
+    if causal and query_offset < m - 1:
+        return _combine(mask, causal_visibility(n, m, query_offset, device if mask is None else mask.device))
+    return mask
+
+
+def _attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Tensor | None,
+    causal: bool,
+    query_offset: int,
+    scale: float | None,
+    dropout_p: float,
+    need_weights: bool,
+    probe: Tensor | None,
+) -> tuple[Tensor, Tensor | None]:
+    """``softmax_attend`` given a NaN ``probe`` (B|1, H|1, N|1, 1) for the fused path."""
+    n, m = q.shape[-2], k.shape[-2]
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if causal and query_offset >= m - 1:
+        # Query 0 already sees every key (a one-token decoding step, or M = 1),
+        # so the rule hides nothing: skip building a mask on the hot path.
+        causal = False
+    if causal and (mask is not None or query_offset or need_weights):
+        mask = _combine(mask, causal_visibility(n, m, query_offset, q.device))
+        causal = False
+    row_ok = None
+    if mask is not None:
+        # SDPA turns a row with no visible key into NaN (0/0) or 0 depending
+        # on the kernel; v1 defines it as 0 with finite gradients: such rows
+        # are unhidden for the kernel and zeroed after. Which rows they are is
+        # read from the mask alone, never from the logits.
+        if mask.dtype == torch.bool:
+            row_ok = mask.any(dim=-1, keepdim=True)
+            mask = mask | ~row_ok
+        else:
+            # One pass over the mask: the row maximum is -inf exactly when every
+            # key is hidden, and NaN when the row holds a NaN (which must reach
+            # the output, as in nn.MultiheadAttention: it is not "hidden").
+            row_max = mask.amax(dim=-1, keepdim=True)
+            row_ok = row_max != _NEG_INF
+            mask = mask.masked_fill(~row_ok, 0.0).to(q.dtype)
+            probe = row_max if probe is None else probe + row_max
+    if not need_weights:
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal, scale=scale,
+            enable_gqa=kv_heads != heads,
+        )
+        if probe is not None:
+            # SDPA's CPU kernel returns 0, not NaN, for a row whose logits are
+            # all NaN (it reads them as masked): one NaN weight would give a
+            # finite output. Adding 0 * probe, where the probe is a row sum of
+            # that row's inputs, makes such rows NaN and changes nothing else
+            # (alpha=0 keeps NaN * 0 = NaN; compilers do not fold it away).
+            o = torch.add(o, probe, alpha=0)
+        return (o if row_ok is None else torch.where(row_ok, o, 0.0)), None
+    if kv_heads != heads:
+        k = k.repeat_interleave(heads // kv_heads, dim=1)
+        v = v.repeat_interleave(heads // kv_heads, dim=1)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    logits = torch.matmul(q, k.transpose(-2, -1)) * scale
+    if mask is not None:
+        logits = logits.masked_fill(~mask, _NEG_INF) if mask.dtype == torch.bool else logits + mask
+    probs = torch.softmax(logits, dim=-1)
+    if row_ok is not None:
+        probs = torch.where(row_ok, probs, 0.0)
+    if dropout_p > 0.0:
+        probs = F.dropout(probs, p=dropout_p)
+    return torch.matmul(probs, v), probs
+
+
+def _probe(q: Tensor, k: Tensor | None = None) -> Tensor:
+    """(B, H, N, 1): NaN where query row n of batch b has a NaN or inf, or where
+    any key of batch b has one; finite elsewhere. q (B, H, N, d), k (B, G, M, d)."""
+    probe = q.sum(dim=-1, keepdim=True)
+    return probe if k is None else probe + k.sum(dim=(1, 2, 3), keepdim=True)
+
+
+def softmax_attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Tensor | None = None,
+    causal: bool = False,
+    query_offset: int = 0,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    need_weights: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Scaled dot-product attention in SDPA layout with v1's all-masked rule.
+
+    Args:
+        q: (B, H, N, d) queries.
+        k: (B, G, M, d) keys; G divides H and query head h reads kv head
+            h // (H / G).
+        v: (B, G, M, d_v) values.
+        mask: bool (True = may attend) or additive float, broadcastable to
+            (B, H, N, M). Not validated here (``damcha_attention`` does).
+        causal: hide key j from query i when j > i + query_offset.
+        query_offset: position of query 0 (the cache length when decoding).
+        scale: logit scale; ``None`` is 1/sqrt(d).
+        dropout_p: attention-probability dropout (pass 0.0 outside training).
+        need_weights: compute explicitly and also return the probabilities
+            (B, H, N, M); otherwise one fused SDPA call, no N x M tensor
+            beyond the mask the caller passed.
+
+    Returns:
+        ``(o, weights)``: o (B, H, N, d_v); weights or ``None``. A query that
+        sees no key gets probabilities 0 and output 0, in value and gradient.
+        A NaN or inf in q, k or a float mask gives NaN in the rows it reaches
+        (the fused kernel alone would return 0 for some of them).
+    """
+    return _attend(q, k, v, mask=mask, causal=causal, query_offset=query_offset, scale=scale,
+                   dropout_p=dropout_p, need_weights=need_weights, probe=_probe(q, k))
 
 
 def safe_attention(
@@ -54,76 +400,328 @@ def safe_attention(
     dropout_p: float = 0.0,
     need_weights: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
-    """Scaled dot-product attention in SDPA layout with v1's all-masked rule.
+    """Deprecated alias of ``softmax_attend`` (``is_causal`` is its ``causal``)."""
+    warnings.warn("damcha_torch.safe_attention is deprecated; use damcha_torch.softmax_attend "
+                  "(same arguments, `is_causal` renamed `causal`).", DeprecationWarning, stacklevel=2)
+    return softmax_attend(q, k, v, mask=mask, causal=is_causal, query_offset=query_offset, scale=scale,
+                          dropout_p=dropout_p, need_weights=need_weights)
 
-    Args:
-        q: (B, H, N, d) queries.
-        k: (B, G, M, d) keys; G divides H and query head h reads kv head
-            h // (H / G).
-        v: (B, G, M, d_v) values.
-        mask: bool (True = may attend) or additive float, broadcastable to
-            (B, H, N, M). Already validated by the caller.
-        is_causal: hide key j from query i when j > i + query_offset.
-        query_offset: position of query 0 (the cache length when decoding).
-        scale: logit scale; ``None`` is 1/sqrt(d).
-        dropout_p: attention-probability dropout (pass 0.0 outside training).
-        need_weights: compute explicitly and also return the probabilities
-            (B, H, N, M); otherwise one fused SDPA call, no N x M tensor
-            beyond the mask the caller passed.
 
-    Returns:
-        ``(o, weights)``: o (B, H, N, d_v); weights or ``None``. A query that
-        sees no key gets probabilities 0 and output 0, in value and gradient.
-    """
-    n, m = q.shape[-2], k.shape[-2]
-    heads, kv_heads = q.shape[1], k.shape[1]
-    if is_causal and query_offset >= m - 1:
-        # Query 0 already sees every key (a one-token decoding step, or M = 1),
-        # so the rule hides nothing: skip building a mask on the hot path.
-        is_causal = False
-    if is_causal and (mask is not None or query_offset or need_weights):
-        mask = _combine(mask, causal_visibility(n, m, query_offset, q.device))
-        is_causal = False
-    row_ok = None
-    if mask is not None:
-        # SDPA turns a row with no visible key into NaN (0/0), forward and
-        # backward. Unhide such rows for the kernel and zero them after.
-        visible = mask if mask.dtype == torch.bool else mask > float("-inf")
-        row_ok = visible.any(dim=-1, keepdim=True)
-        if mask.dtype == torch.bool:
-            mask = mask | ~row_ok
+# ---------------------------------------------------------- layer forward
+
+
+def _queries_keys(w: LayerWeights, config: DamchaConfig, x: Tensor, c: Tensor,
+                  self_attention: bool) -> tuple[Tensor, Tensor]:
+    """q~ (B, N, H, d) and k~ (B, M, G, d)."""
+    H, G, d = config.num_heads, config.num_kv_heads, config.key_dim
+    if self_attention and w.in_proj is not None:
+        n_qk = w.sizes[0] + w.sizes[1]
+        b_qk = None if w.in_bias is None else w.in_bias[:n_qk]
+        q, k = F.linear(x, w.in_proj[:n_qk], b_qk).split(w.sizes[:2], dim=-1)
+    else:
+        (W_q, b_q), (W_k, b_k), _ = w.projections()
+        q, k = F.linear(x, W_q, b_q), F.linear(c, W_k, b_k)
+    return _apply_maps(w, config, x, c, q.unflatten(-1, (H, d)), k.unflatten(-1, (G, d)), self_attention)
+
+
+def _apply_maps(w: LayerWeights, config: DamchaConfig, x: Tensor, c: Tensor, q: Tensor, k: Tensor,
+                self_attention: bool) -> tuple[Tensor, Tensor]:
+    if self_attention and config.metric != "none" and config.coupling == "tied":
+        # One generator, one set of tokens: build l(t) once for both sides.
+        return apply_map_weights(w.sides["qk"], x, (q, k))  # type: ignore[return-value]
+    sq, sk = dc.side_of(config, "q"), dc.side_of(config, "k")
+    if sq is not None:
+        (q,) = apply_map_weights(w.sides[sq], x, (q,))
+    if sk is not None:
+        (k,) = apply_map_weights(w.sides[sk], c, (k,))
+    return q, k
+
+
+def _project(w: LayerWeights, config: DamchaConfig, x: Tensor, c: Tensor, value: Tensor,
+             self_attention: bool, recompute: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """q~ (B, N, H, d), k~ (B, M, G, d), v (B, M, G, d_v)."""
+    # torch.func's grad/vjp/jacrev reject the saved-tensor hooks checkpoint
+    # uses, so under a functorch transform the maps are stored instead.
+    recompute = (recompute and torch.is_grad_enabled() and config.metric != "none"
+                 and not torch._C._are_functorch_transforms_active())
+    if self_attention and w.in_proj is not None and not recompute:
+        # One packed GEMM for q, k, v, as nn.MultiheadAttention does.
+        q, k, v = F.linear(x, w.in_proj, w.in_bias).split(w.sizes, dim=-1)
+        q = q.unflatten(-1, (config.num_heads, config.key_dim))
+        k = k.unflatten(-1, (config.num_kv_heads, config.key_dim))
+        q, k = _apply_maps(w, config, x, x, q, k, True)
+    else:
+        if recompute:
+            # Storing q, k and q~, k~ would cost 2E floats per token more than
+            # MHA; recomputing them in backward costs one q/k projection.
+            q, k = checkpoint(_queries_keys, w, config, x, c, self_attention, use_reentrant=False)
         else:
-            mask = mask.masked_fill(~row_ok, 0.0).to(q.dtype)
-    if not need_weights:
-        o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-            enable_gqa=kv_heads != heads,
-        )
-        return (o if row_ok is None else o * row_ok.to(o.dtype)), None
-    if kv_heads != heads:
-        k = k.repeat_interleave(heads // kv_heads, dim=1)
-        v = v.repeat_interleave(heads // kv_heads, dim=1)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    logits = torch.matmul(q, k.transpose(-2, -1)) * scale
-    if mask is not None:
-        logits = logits.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else logits + mask
-    probs = torch.softmax(logits, dim=-1)
-    if row_ok is not None:
-        probs = probs * row_ok.to(probs.dtype)
-    if dropout_p > 0.0:
-        probs = F.dropout(probs, p=dropout_p)
-    return torch.matmul(probs, v), probs
+            q, k = _queries_keys(w, config, x, c, self_attention)
+        W_v, b_v = w.projections()[2]
+        v = F.linear(value, W_v, b_v)
+    return q, k, v.unflatten(-1, (config.num_kv_heads, config.value_dim))
+
+
+def attend_weights(
+    w: LayerWeights,
+    config: DamchaConfig,
+    query: Tensor,
+    context: Tensor | None,
+    value: Tensor | None,
+    *,
+    mask: Tensor | None,
+    causal: bool,
+    query_offset: int,
+    kv_cache: DamchaKVCache | None,
+    dropout_p: float,
+    need_weights: bool,
+    recompute: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """The forward pass on validated inputs: y (B, N, E_o) and the per-head
+    probabilities (B, H, N, M) or ``None``. ``DamchaAttention.forward`` and
+    ``damcha_attention`` both end here."""
+    self_attention = context is None
+    c = query if context is None else context
+    q, k, v = _project(w, config, query, c, c if value is None else value, self_attention, recompute)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    # The NaN probe reads this call's keys only, not a whole cache: a cached
+    # NaN key is read by a query next to this call's finite ones, and SDPA
+    # propagates it itself.
+    probe = _probe(q, k) if not need_weights else None
+    if kv_cache is not None:
+        query_offset = query_offset + len(kv_cache)
+        k, v = kv_cache.update(k, v)
+    o, weights = _attend(q, k, v, mask=mask, causal=causal, query_offset=query_offset,
+                         scale=config.softmax_scale, dropout_p=dropout_p, need_weights=need_weights, probe=probe)
+    return w.output(o.transpose(1, 2).flatten(-2)), weights
+
+
+def _check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise DamchaTypeError(f"`{name}` must be a bool. Received: {name}={describe(value)}")
+    return value
+
+
+def _check_float(name: str, value: Any) -> Tensor:
+    if not isinstance(value, Tensor) or not value.is_floating_point() or value.is_complex():
+        raise dc.float_dtype_error(name, value)
+    return value
+
+
+def _check_params(params: Any, config: Any) -> DamchaConfig:
+    """Names, shapes and dtypes (damcha_core's rules), never values: a forward
+    pass must not read parameters (it would sync a device and break tracing)."""
+    if not isinstance(config, DamchaConfig):
+        raise DamchaTypeError(f"`config` must be a DamchaConfig. Received: config={describe(config)}")
+    dc.check_params(params, config)
+    for name, t in params.items():
+        if not isinstance(t, Tensor):
+            raise DamchaTypeError(f"`params[{name!r}]` must be a torch tensor. Received: {describe(t)}")
+    return config
+
+
+def _check_mask(mask: Any, config: DamchaConfig, B: int, N: int, M: int) -> Tensor | None:
+    if mask is None:
+        return None
+    if not isinstance(mask, Tensor) or not (mask.dtype == torch.bool or mask.is_floating_point()):
+        raise dc.mask_dtype_error(mask, expected="boolean (True = may attend) or floating (additive, -inf = hidden)")
+    dc.check_shapes(config, (B, N, config.query_dim), (B, M, config.context_dim), tuple(mask.shape))
+    return mask
 
 
 def damcha_attention(
+    params: Mapping[str, Tensor] | Tensor,
+    config: DamchaConfig | Any = None,
+    query: Tensor | Any = None,
+    context: Tensor | None = None,
+    value: Tensor | None = None,
+    *,
+    mask: Tensor | None = None,
+    causal: bool = False,
+    query_offset: int = 0,
+    kv_cache: DamchaKVCache | None = None,
+    dropout_p: float = 0.0,
+    return_weights: bool = False,
+    return_metric: bool = False,
+    recompute: bool = False,
+    **deprecated: Any,
+) -> Any:
+    """DAMCHA v1 forward pass in torch, the reference's ``damcha_attention``.
+
+    Args:
+        params: canonical parameters as torch tensors (see
+            ``config.param_shapes()``): any views, e.g. of a layer's own
+            parameters (gradients flow to them).
+        config: the layer's ``damcha_core.DamchaConfig``.
+        query: x (B, N, E_q).
+        context: c (B, M, E_kv); ``None`` for self-attention (c = x).
+        value: value tokens (B, M, E_kv); default ``context``.
+        mask: bool, True = may attend (the reference's convention), or an
+            additive float mask (-inf hides); shape (N, M) or (B, H, N, M) with
+            size-1 dims allowed. With ``kv_cache``, M counts the cached keys.
+        causal: hide key j from query i when j > i + query_offset.
+        query_offset: position of query 0 for the causal rule (P when P keys
+            were seen before these queries); with ``kv_cache`` it is added to
+            the cache length.
+        kv_cache: a ``DamchaKVCache``: this call's k~ and v are appended and
+            the queries attend over the whole cache.
+        dropout_p: attention-probability dropout (pass 0.0 outside training).
+        return_weights: also return the probabilities (B, H, N, M) (explicit
+            path); otherwise one fused SDPA call.
+        return_metric: also return the per-token map factors ``{"q": ..., "k": ...}``
+            as the reference does.
+        recompute: recompute q~ and k~ in backward (``torch.utils.checkpoint``)
+            instead of storing them.
+
+    Returns:
+        y (B, N, E_o) alone, or ``(y, weights?, metric?)`` with the asked-for
+        extras in that order. A query with no visible key gets attention
+        output 0, so y = output.bias there.
+
+    The old form ``damcha_attention(q, k, v, *, q_tokens=..., q_generator=...)``
+    on projected heads still works for one release, with a DeprecationWarning.
+    """
+    if isinstance(params, Tensor):
+        return _heads_attention(params, config, query, mask=mask, query_offset=query_offset, dropout_p=dropout_p,
+                                **deprecated)
+    if deprecated:
+        raise DamchaTypeError(f"damcha_attention() got unexpected keyword arguments {sorted(deprecated)}")
+    config = _check_params(params, config)
+    x = _check_float("query", query)
+    c = None if context is None else _check_float("context", context)
+    vt = None if value is None else _check_float("value", value)
+    if vt is not None and c is None:
+        raise DamchaValueError(
+            "`value` needs `context` (self-attention takes keys and values from the query). "
+            f"Received: context=None, value={describe(value)}"
+        )
+    B, N, M = dc.check_shapes(config, tuple(x.shape), None if c is None else tuple(c.shape))
+    if vt is not None and tuple(vt.shape) != tuple(c.shape):  # type: ignore[union-attr]
+        raise DamchaValueError(
+            f"`value` must have the shape of `context`. Received: value.shape={tuple(vt.shape)}, "
+            f"context.shape={tuple(c.shape)}"  # type: ignore[union-attr]
+        )
+    causal = _check_bool("causal", causal)
+    return_weights = _check_bool("return_weights", return_weights)
+    return_metric = _check_bool("return_metric", return_metric)
+    recompute = _check_bool("recompute", recompute)
+    if isinstance(query_offset, bool) or not isinstance(query_offset, numbers.Integral) or query_offset < 0:
+        raise DamchaValueError(f"`query_offset` must be an int >= 0. Received: query_offset={describe(query_offset)}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p < 1.0:
+        raise DamchaValueError(f"`dropout_p` must be a number in [0, 1). Received: dropout_p={describe(dropout_p)}")
+    if kv_cache is not None:
+        from ._cache import DamchaKVCache
+
+        if not isinstance(kv_cache, DamchaKVCache):
+            raise DamchaTypeError(f"`kv_cache` must be a DamchaKVCache or None. Received: kv_cache={describe(kv_cache)}")
+    mask = _check_mask(mask, config, B, N, M + (0 if kv_cache is None else len(kv_cache)))
+    w = weights_from_canonical(params, config)
+    y, weights = attend_weights(w, config, x, c, vt, mask=mask, causal=causal, query_offset=int(query_offset),
+                                kv_cache=kv_cache, dropout_p=float(dropout_p), need_weights=return_weights,
+                                recompute=recompute)
+    extras: list[Any] = []
+    if return_weights:
+        extras.append(weights)
+    if return_metric:
+        extras.append(_metric_factors(w, config, x, x if c is None else c))
+    return (y, *extras) if extras else y
+
+
+def _metric_factors(w: LayerWeights, config: DamchaConfig, x: Tensor, c: Tensor) -> dict[str, Tensor]:
+    """l(t) (B, T, S, S) for "heads", the dense L(t) (B, T, S, d, S, d) for "lowrank"."""
+    out = {}
+    for role, tokens in (("q", x), ("k", c)):
+        side = dc.side_of(config, role)
+        if side is None:
+            continue
+        sw = w.sides[side]
+        if sw.metric == "heads":
+            out[role] = head_map_weights(sw, tokens)
+            continue
+        S, d = sw.gate.shape[0], config.key_dim
+        u = _coefficients(sw.weight.to(tokens.dtype), sw.bias.to(tokens.dtype), tokens)
+        delta = torch.einsum("hir,btr,ajr->bthiaj", sw.u, u, sw.v)
+        identity = torch.eye(S * d, dtype=u.dtype, device=u.device).reshape(S, d, S, d)
+        out[role] = identity + sw.gate.view(S, 1, 1, 1) * delta
+    return out
+
+
+def _check_side(params: Any, config: Any, side: Any) -> DamchaConfig:
+    if not isinstance(config, DamchaConfig):
+        raise DamchaTypeError(f"`config` must be a DamchaConfig. Received: config={describe(config)}")
+    if side not in config.metric_sides:
+        raise DamchaValueError(f"`side` must be one of config.metric_sides={config.metric_sides}. Received: side={describe(side)}")
+    if not isinstance(params, Mapping):
+        raise DamchaTypeError(f"`params` must be a mapping of canonical names to tensors. Received: params={describe(params)}")
+    missing = sorted(n for n in config.param_shapes() if n.startswith(f"metric.{side}.") and n not in params)
+    if missing:
+        raise DamchaValueError(f"`params` lacks {missing} for side {side!r}.")
+    return config
+
+
+def generator(params: Mapping[str, Tensor], config: DamchaConfig, side: str, tokens: Tensor) -> Tensor:
+    """The data-adaptive coefficients of ``side`` for tokens (B, T, E):
+    A(t) (B, T, S, S) for metric "heads", u(t) (B, T, r) for "lowrank"."""
+    config = _check_side(params, config, side)
+    tokens = _check_float("tokens", tokens)
+    sw = _side_from_canonical(params, config, side)
+    coeff = _coefficients(_cast(sw.weight, tokens.dtype), _cast(sw.bias, tokens.dtype), tokens)
+    if config.metric == "heads":
+        S = config.side_heads(side)
+        return coeff.unflatten(-1, (S, S))
+    return coeff
+
+
+def apply_map(params: Mapping[str, Tensor], config: DamchaConfig, side: str, tokens: Tensor, y: Tensor,
+              *more: Tensor) -> Tensor | tuple[Tensor, ...]:
+    """L(t) y for tokens (B, T, E) and their stacked heads y (B, T, S, d), without forming L.
+
+    Extra head tensors in ``more`` reuse the same coefficients (a tuple is
+    returned then). 16-bit heads are mapped in float32 and cast back.
+    """
+    config = _check_side(params, config, side)
+    tokens, y = _check_float("tokens", tokens), _check_float("y", y)
+    out = apply_map_weights(_side_from_canonical(params, config, side), tokens, (y, *more))
+    return out if more else out[0]
+
+
+def metric_penalty(params: Mapping[str, Tensor], config: DamchaConfig, query: Tensor,
+                   context: Tensor | None = None) -> Tensor:
+    """Mean over adapted roles of mean_t ||L(t) - I||_F^2 / (S*d), as the reference.
+
+    A 0-d tensor (0 for metric "none"), differentiable, for the training loss.
+    """
+    config = _check_params(params, config)
+    x = _check_float("query", query)
+    c = x if context is None else _check_float("context", context)
+    dc.check_shapes(config, tuple(x.shape), None if context is None else tuple(c.shape))
+    return penalty_weights(weights_from_canonical(params, config), config, x, c)
+
+
+def penalty_weights(w: LayerWeights, config: DamchaConfig, x: Tensor, c: Tensor) -> Tensor:
+    """``metric_penalty`` on validated inputs (the layer's method ends here)."""
+    terms = []
+    for role, tokens in (("q", x), ("k", c)):
+        side = dc.side_of(config, role)
+        if side is not None:
+            terms.append(role_penalty_weights(w.sides[side], tokens, config.key_dim))
+    if not terms:
+        return x.new_zeros(())
+    return torch.stack(terms).mean()
+
+
+# ------------------------------------------------------------- deprecated
+
+
+def _heads_attention(
     q: Tensor,
-    k: Tensor,
-    v: Tensor,
+    k: Any,
+    v: Any,
     *,
     q_tokens: Tensor | None = None,
     k_tokens: Tensor | None = None,
-    q_generator: MetricGenerator | None = None,
-    k_generator: MetricGenerator | None = None,
+    q_generator: Any = None,
+    k_generator: Any = None,
     q_gate: Tensor | None = None,
     k_gate: Tensor | None = None,
     mask: Tensor | None = None,
@@ -133,29 +731,14 @@ def damcha_attention(
     dropout_p: float = 0.0,
     need_weights: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
-    """DAMCHA on projected heads: q~ = L_q(x) q, k~ = L_k(c) k, then one SDPA call.
-
-    Args:
-        q: (B, N, H, d) projected queries.
-        k: (B, M, G, d) projected keys.
-        v: (B, M, G, d_v) projected values.
-        q_tokens: x (B, N, E_q), the tokens that drive the query-side map.
-        k_tokens: c (B, M, E_kv), the tokens that drive the key-side map.
-        q_generator, k_generator: ``MetricGenerator`` of each side, or ``None``
-            for the identity (pass the same one twice for tied coupling).
-        q_gate, k_gate: (S,) gates of each side.
-        mask: bool, True = may attend (the reference's convention), shape
-            (N, M) or (B, H, N, M) with size-1 dims; or an additive float mask
-            of those shapes.
-        is_causal, query_offset, scale, dropout_p, need_weights: as in
-            ``safe_attention``.
-
-    Returns:
-        ``(o, weights)``: o (B, N, H, d_v), weights (B, H, N, M) or ``None``.
-    """
+    """The 0.1 ``damcha_attention(q, k, v, ...)`` on projected heads (deprecated)."""
+    warnings.warn(
+        "damcha_attention(q, k, v, q_tokens=..., q_generator=...) on projected heads is deprecated; use "
+        "damcha_attention(params, config, query, context, ...) as in damcha_core, or the steps apply_map "
+        "and softmax_attend.", DeprecationWarning, stacklevel=3,
+    )
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, Tensor) or not t.is_floating_point():
-            raise dc.float_dtype_error(name, t)
+        _check_float(name, t)
         if t.dim() != 4:
             raise DamchaValueError(f"`{name}` must have rank 4, (batch, length, heads, head_dim). Received: {name}.shape={tuple(t.shape)}")
     (B, N, H, d), (Bk, M, G, dk) = q.shape, k.shape
@@ -172,18 +755,18 @@ def damcha_attention(
                 f"`mask` must have shape (N, M) or (B, H, N, M) with size-1 dims allowed, expected broadcastable "
                 f"to {(B, H, N, M)}. Received: mask.shape={tuple(mask.shape)}"
             )
-    for role, gen, gate, tokens, y in (("q", q_generator, q_gate, q_tokens, q), ("k", k_generator, k_gate, k_tokens, k)):
+    for role, gen, gate, tokens in (("q", q_generator, q_gate, q_tokens), ("k", k_generator, k_gate, k_tokens)):
         if gen is None:
             continue
         if tokens is None or gate is None:
-            raise DamchaValueError(f"`{role}_tokens` and `{role}_gate` are required with `{role}_generator`. Received: {role}_tokens={tokens is not None}, {role}_gate={gate is not None}")
-        mapped = gen(tokens, y, gate)
+            raise DamchaValueError(f"`{role}_tokens` and `{role}_gate` are required with `{role}_generator`. "
+                                   f"Received: {role}_tokens={tokens is not None}, {role}_gate={gate is not None}")
         if role == "q":
-            q = mapped
+            q = gen(tokens, q, gate)
         else:
-            k = mapped
-    o, weights = safe_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask=mask, is_causal=is_causal,
+            k = gen(tokens, k, gate)
+    o, weights = softmax_attend(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask=mask, causal=is_causal,
         query_offset=query_offset, scale=scale, dropout_p=dropout_p, need_weights=need_weights,
     )
     return o.transpose(1, 2), weights

@@ -7,16 +7,16 @@ mask handling are torch's own.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import Tensor, nn
 
-from damcha_core import DamchaTypeError, DamchaValueError
-from damcha_core import describe
+from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, describe
 
-from ._attention import DamchaAttention
-from ._metric import MetricGenerator
+from . import _functional as fn
+from ._generator import MetricGenerator
+from ._layer import DamchaAttention
 
 __all__ = [
     "DamchaTransformerDecoder",
@@ -262,15 +262,30 @@ def shard_stack(stack: nn.Module, **fsdp_kwargs: Any) -> nn.Module:
     return stack
 
 
-def metric_penalty(model: nn.Module) -> Tensor:
-    """Mean metric penalty of every ``DamchaAttention`` in ``model`` over its last forward.
+def metric_penalty(model: nn.Module | Mapping[str, Tensor], config: DamchaConfig | None = None,
+                   query: Tensor | None = None, context: Tensor | None = None) -> Tensor:
+    """The metric penalty of a model's layers, or of canonical params (the reference's form).
 
-    Set ``track_metric_penalty = True`` on the layers (``model.apply(...)`` or
-    this function's caller) before the forward; layers that did not record one
-    are skipped. Returns a 0-d tensor (0.0, on the model's device, when none recorded).
+    ``metric_penalty(model)``: the mean of every ``DamchaAttention`` in
+    ``model`` over its last forward. Set ``track_metric_penalty = True`` on the
+    layers (``model.apply(...)`` or this function's caller) before the
+    forward; layers that did not record one are skipped. Returns a 0-d tensor
+    (0.0, on the model's device, when none recorded).
+
+    ``metric_penalty(params, config, query, context=None)``: as
+    ``damcha_core.metric_penalty``, on canonical params as torch tensors
+    (differentiable): mean over adapted roles of mean_t ||L(t) - I||_F^2 / (S*d).
     """
+    if isinstance(model, Mapping):
+        return fn.metric_penalty(model, config, query, context)  # type: ignore[arg-type]
     if not isinstance(model, nn.Module):
-        raise DamchaTypeError(f"`model` must be an nn.Module. Received: model={describe(model)}")
+        raise DamchaTypeError(
+            "`model` must be an nn.Module (or canonical params with a config). "
+            f"Received: model={describe(model)}"
+        )
+    if config is not None or query is not None or context is not None:
+        raise DamchaValueError("`config`, `query` and `context` are for canonical params, not for a model. "
+                               f"Received: model={describe(model)}, config={describe(config)}")
     values = [m.last_metric_penalty for m in model.modules()
               if isinstance(m, DamchaAttention) and m.last_metric_penalty is not None]
     if not values:

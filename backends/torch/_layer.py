@@ -1,73 +1,27 @@
-"""DamchaAttention: a drop-in for ``nn.MultiheadAttention`` computing DAMCHA v1."""
+"""DamchaAttention: a drop-in for ``nn.MultiheadAttention`` computing DAMCHA v1.
+
+The module holds the parameters (in nn.MultiheadAttention's layout), checks
+its arguments with torch's names and conventions, converts torch's masks to
+the functional core's, and hands the math to ``_functional``.
+"""
 
 from __future__ import annotations
 
-import os
 import re
 from typing import Any, Mapping
 
-import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 import damcha_core as dc
-from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError
-from damcha_core import describe
+from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, describe
 
-from ._functional import safe_attention
-from ._metric import MetricGenerator
+from . import _functional as fn
+from ._cache import DamchaKVCache
+from ._canonical import CanonicalIO, check_config_rebuilt
+from ._generator import MetricGenerator
 
-__all__ = ["DamchaAttention", "DamchaKVCache"]
-
-
-class DamchaKVCache:
-    """Key/value cache for incremental decoding.
-
-    It stores the *transformed* keys k~ = L_k(c) k (B, G, P, d) and the values
-    (B, G, P, d_v) of the P tokens seen so far: the same size as an MHA cache,
-    and the keys never need their map again. Pass one cache per layer as
-    ``layer(x, x, x, is_causal=True, need_weights=False, kv_cache=cache)``;
-    the layer appends the new tokens and attends over all of them, query i of
-    the call sitting at position P + i (bottom-right causal alignment).
-    """
-
-    def __init__(self) -> None:
-        self.key: Tensor | None = None
-        self.value: Tensor | None = None
-
-    def __len__(self) -> int:
-        return 0 if self.key is None else int(self.key.shape[2])
-
-    def update(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
-        """Append key (B, G, M, d) and value (B, G, M, d_v); return the full cache."""
-        if self.key is None:
-            self.key, self.value = key, value
-        else:
-            # Checked before anything is appended: a failed call leaves the cache as it was.
-            if key.shape[:2] != self.key.shape[:2] or key.shape[3:] != self.key.shape[3:] or (
-                value.shape[3:] != self.value.shape[3:]  # type: ignore[union-attr]
-            ):
-                raise DamchaValueError(
-                    "`kv_cache` holds a different batch, head count or head size than this call "
-                    "(call kv_cache.reset() to start a new sequence). "
-                    f"Received: cached key shape {tuple(self.key.shape)}, new key shape {tuple(key.shape)}"
-                )
-            if key.dtype != self.key.dtype or key.device != self.key.device:
-                # torch.cat would silently promote the dtype, or fail later in SDPA.
-                raise DamchaValueError(
-                    "`kv_cache` holds keys of another dtype or device than this call "
-                    "(call kv_cache.reset() to start a new sequence). "
-                    f"Received: cached {self.key.dtype} on {self.key.device}, new {key.dtype} on {key.device}"
-                )
-            self.key = torch.cat([self.key, key], dim=2)
-            self.value = torch.cat([self.value, value], dim=2)  # type: ignore[list-item]
-        return self.key, self.value  # type: ignore[return-value]
-
-    def reset(self) -> None:
-        """Forget every cached token."""
-        self.key = self.value = None
+__all__ = ["DamchaAttention"]
 
 
 def _check_float(name: str, value: Any) -> None:
@@ -130,7 +84,7 @@ def _as_additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
 
 
-class DamchaAttention(nn.Module):
+class DamchaAttention(CanonicalIO, nn.Module):
     """Data-Adaptive Mahalanobis Cross-Head Attention, a drop-in for ``nn.MultiheadAttention``.
 
     Each token's query heads (and key heads) are mixed by a per-token
@@ -359,62 +313,14 @@ class DamchaAttention(nn.Module):
             return tuple(self.in_proj_weight.split(self._sizes))  # type: ignore[return-value]
         return self.q_proj_weight, self.k_proj_weight, self.v_proj_weight  # type: ignore[return-value]
 
-    def _proj_biases(self) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-        if self.in_proj_bias is None:
-            return None, None, None
-        return tuple(self.in_proj_bias.split(self._sizes))  # type: ignore[return-value]
+    def _weights(self) -> fn.LayerWeights:
+        """This layer's parameters as the functional core takes them: the
+        Parameter objects themselves (no view or copy is made per call)."""
+        sides = {side: self.metric_generators[side].side(self.metric_gates[side]) for side in self.config.metric_sides}
+        return fn.LayerWeights(self._sizes, self.in_proj_weight, self.q_proj_weight, self.k_proj_weight,
+                               self.v_proj_weight, self.in_proj_bias, self.out_proj, sides)
 
     # ------------------------------------------------------------- forward
-
-    def _map(self, role: str, tokens: Tensor, y: Tensor) -> Tensor:
-        side = dc.side_of(self.config, role)
-        if side is None:
-            return y
-        return self.metric_generators[side](tokens, y, self.metric_gates[side])
-
-    def _queries_keys(self, query: Tensor, key: Tensor, self_attention: bool) -> tuple[Tensor, Tensor]:
-        """q~ (B, N, H, d) and k~ (B, M, G, d)."""
-        cfg = self.config
-        (W_q, W_k, _), (b_q, b_k, _) = self._proj_weights(), self._proj_biases()
-        H, G, d = cfg.num_heads, cfg.num_kv_heads, cfg.key_dim
-        if self_attention:
-            n_qk = self._sizes[0] + self._sizes[1]
-            b_qk = None if self.in_proj_bias is None else self.in_proj_bias[:n_qk]
-            q, k = F.linear(query, self.in_proj_weight[:n_qk], b_qk).split(self._sizes[:2], dim=-1)  # type: ignore[index]
-        else:
-            q, k = F.linear(query, W_q, b_q), F.linear(key, W_k, b_k)
-        q, k = q.unflatten(-1, (H, d)), k.unflatten(-1, (G, d))
-        return self._apply_maps(query, key, q, k, self_attention)
-
-    def _apply_maps(self, query: Tensor, key: Tensor, q: Tensor, k: Tensor, self_attention: bool) -> tuple[Tensor, Tensor]:
-        cfg = self.config
-        if self_attention and cfg.metric != "none" and cfg.coupling == "tied":
-            # One generator, one set of tokens: build l(t) once for both sides.
-            return self.metric_generators["qk"](query, q, self.metric_gates["qk"], k)
-        return self._map("q", query, q), self._map("k", key, k)
-
-    def _project(self, query: Tensor, key: Tensor, value: Tensor, self_attention: bool) -> tuple[Tensor, Tensor, Tensor]:
-        cfg = self.config
-        (_, _, W_v), (_, _, b_v) = self._proj_weights(), self._proj_biases()
-        # torch.func's grad/vjp/jacrev reject the saved-tensor hooks checkpoint
-        # uses, so under a functorch transform the maps are stored instead.
-        recompute = (self.recompute and self.training and torch.is_grad_enabled() and cfg.metric != "none"
-                     and not torch._C._are_functorch_transforms_active())
-        if self_attention and not recompute:
-            # One packed GEMM for q, k, v, as nn.MultiheadAttention does.
-            q, k, v = F.linear(query, self.in_proj_weight, self.in_proj_bias).split(self._sizes, dim=-1)  # type: ignore[arg-type]
-            q = q.unflatten(-1, (cfg.num_heads, cfg.key_dim))
-            k = k.unflatten(-1, (cfg.num_kv_heads, cfg.key_dim))
-            q, k = self._apply_maps(query, key, q, k, True)
-        else:
-            if recompute:
-                # Storing q, k and q~, k~ would cost 2E floats per token more than
-                # MHA; recomputing them in backward costs one q/k projection.
-                q, k = checkpoint(self._queries_keys, query, key, self_attention, use_reentrant=False)
-            else:
-                q, k = self._queries_keys(query, key, self_attention)
-            v = F.linear(value, W_v, b_v)
-        return q, k, v.unflatten(-1, (cfg.num_kv_heads, cfg.value_dim))
 
     def _merge_masks(self, key_padding_mask: Tensor | None, attn_mask: Tensor | None,
                      B: int, N: int, M: int, dtype: torch.dtype) -> Tensor | None:
@@ -533,16 +439,12 @@ class DamchaAttention(nn.Module):
             raise DamchaTypeError(f"`kv_cache` must be a DamchaKVCache or None. Received: kv_cache={describe(kv_cache)}")
         offset = 0 if kv_cache is None else len(kv_cache)
         mask = self._merge_masks(key_padding_mask, attn_mask, B, N, M + offset, query.dtype)
-        q, k, v = self._project(query, key, value, self_attention)
-        k, v = k.transpose(1, 2), v.transpose(1, 2)
-        if kv_cache is not None:
-            k, v = kv_cache.update(k, v)
-        o, weights = safe_attention(
-            q.transpose(1, 2), k, v, mask=mask, is_causal=bool(is_causal), query_offset=offset,
-            scale=self.config.softmax_scale, dropout_p=self.dropout if self.training else 0.0,
-            need_weights=bool(need_weights),
+        out, weights = fn.attend_weights(
+            self._weights(), self.config, query, None if self_attention else key, None if self_attention else value,
+            mask=mask, causal=bool(is_causal), query_offset=0, kv_cache=kv_cache,
+            dropout_p=self.dropout if self.training else 0.0, need_weights=bool(need_weights),
+            recompute=self.recompute and self.training,
         )
-        out = self.out_proj(o.transpose(1, 2).flatten(-2))
         if weights is not None and average_attn_weights:
             weights = weights.mean(dim=1)
         if unbatched:
@@ -574,70 +476,30 @@ class DamchaAttention(nn.Module):
         return self._penalty(query, key)
 
     def _penalty(self, query: Tensor, key: Tensor) -> Tensor:
-        terms = []
-        for role, tokens in (("q", query), ("k", key)):
-            side = dc.side_of(self.config, role)
-            if side is not None:
-                terms.append(self.metric_generators[side].penalty(tokens, self.metric_gates[side]))
-        if not terms:
-            return query.new_zeros(())
-        return torch.stack(terms).mean()
+        return fn.penalty_weights(self._weights(), self.config, query, key)
 
     # ------------------------------------------------------- canonical I/O
 
-    def _canonical_views(self, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        """Canonical name -> tensor, from module-name -> tensor (params or their grads)."""
-        cfg = self.config
-        E, Ekv, Eo = cfg.query_dim, cfg.context_dim, cfg.output_dim
-        H, G, d, dv = cfg.num_heads, cfg.num_kv_heads, cfg.key_dim, cfg.value_dim
-        if self.in_proj_weight is not None:
-            Wq, Wk, Wv = tensors["in_proj_weight"].split(self._sizes)
-        else:
-            Wq, Wk, Wv = tensors["q_proj_weight"], tensors["k_proj_weight"], tensors["v_proj_weight"]
-        out = {
-            "query.kernel": Wq.T.reshape(E, H, d),
-            "key.kernel": Wk.T.reshape(Ekv, G, d),
-            "value.kernel": Wv.T.reshape(Ekv, G, dv),
-            "output.kernel": tensors["out_proj.weight"].T.reshape(H, dv, Eo),
-        }
-        if cfg.use_bias:
-            bq, bk, bv = tensors["in_proj_bias"].split(self._sizes)
-            out.update({"query.bias": bq.view(H, d), "key.bias": bk.view(G, d), "value.bias": bv.view(G, dv),
-                        "output.bias": tensors["out_proj.bias"]})
-        for side in cfg.metric_sides:
-            S, Es, p = cfg.side_heads(side), cfg.side_features(side), f"metric_generators.{side}"
-            out[f"metric.{side}.gate"] = tensors[f"metric_gates.{side}"]
-            if cfg.metric == "heads":
-                out[f"metric.{side}.kernel"] = tensors[f"{p}.weight"].T.reshape(Es, S, S)
-                out[f"metric.{side}.bias"] = tensors[f"{p}.bias"].view(S, S)
-            else:
-                out[f"metric.{side}.kernel"] = tensors[f"{p}.weight"].T
-                out[f"metric.{side}.bias"] = tensors[f"{p}.bias"]
-                out[f"metric.{side}.u"] = tensors[f"{p}.u"]
-                out[f"metric.{side}.v"] = tensors[f"{p}.v"]
-        return {name: out[name] for name in cfg.param_shapes()}
-
-    def to_canonical(self) -> dict[str, np.ndarray]:
-        """Canonical float64 NumPy params (exact: every torch float widens losslessly)."""
-        params = dict(self.named_parameters(remove_duplicate=False))
-        return {n: t.detach().to("cpu", torch.float64).numpy().copy() for n, t in self._canonical_views(params).items()}
-
-    def canonical_grads(self) -> dict[str, np.ndarray]:
-        """``.grad`` of every parameter in canonical names/layout (zeros where unset)."""
-        grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p))
-                 for n, p in self.named_parameters(remove_duplicate=False)}
-        return {n: t.detach().to("cpu", torch.float64).numpy().copy() for n, t in self._canonical_views(grads).items()}
-
-    @torch.no_grad()
-    def load_canonical(self, params: Mapping[str, Any]) -> DamchaAttention:
-        """Copy canonical params (validated against ``self.config``) into this layer; returns self."""
-        checked = dc.validate_params(params, self.config)
-        targets = self._canonical_views(dict(self.named_parameters(remove_duplicate=False)))
-        for name, value in checked.items():
-            target = targets[name]
-            # The views share storage with the parameters, so copy_ writes through.
-            target.copy_(torch.from_numpy(value).to(target.dtype).reshape(target.shape))
-        return self
+    @classmethod
+    def _from_config(
+        cls,
+        config: DamchaConfig,
+        *,
+        batch_first: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        metric_generator: MetricGenerator | Mapping[str, MetricGenerator] | None = None,
+        recompute: bool = True,
+    ) -> DamchaAttention:
+        layer = cls(
+            config.query_dim, config.num_heads, dropout=config.dropout, bias=config.use_bias,
+            kdim=config.context_dim, vdim=config.context_dim, batch_first=batch_first, device=device, dtype=dtype,
+            key_dim=config.key_dim, value_dim=config.value_dim, num_kv_heads=config.num_kv_heads,
+            output_dim=config.output_dim, metric=config.metric, metric_rank=config.metric_rank,
+            coupling=config.coupling, scale=config.scale, metric_generator=metric_generator, recompute=recompute,
+        )
+        check_config_rebuilt(layer, config)
+        return layer
 
     @classmethod
     def from_canonical(
@@ -652,33 +514,12 @@ class DamchaAttention(nn.Module):
         recompute: bool = True,
     ) -> DamchaAttention:
         """A layer with ``config`` whose parameters are the canonical ``params``."""
-        if not isinstance(config, DamchaConfig):
-            raise DamchaTypeError(f"`config` must be a DamchaConfig. Received: config={describe(config)}")
-        layer = cls(
-            config.query_dim, config.num_heads, dropout=config.dropout, bias=config.use_bias,
-            kdim=config.context_dim, vdim=config.context_dim, batch_first=batch_first, device=device, dtype=dtype,
-            key_dim=config.key_dim, value_dim=config.value_dim, num_kv_heads=config.num_kv_heads,
-            output_dim=config.output_dim, metric=config.metric, metric_rank=config.metric_rank,
-            coupling=config.coupling, scale=config.scale, metric_generator=metric_generator, recompute=recompute,
-        )
-        if layer.config != config:  # the constructor resolves defaults exactly as DamchaConfig does
-            raise DamchaValueError(f"internal: rebuilt config {layer.config} != {config}")
-        return layer.load_canonical(params)
-
-    def save(self, path: str | os.PathLike) -> None:
-        """Save canonical params and config as safetensors (``damcha_core.save_params``)."""
-        dc.save_params(path, self.to_canonical(), self.config)
-
-    @classmethod
-    def load(cls, path: str | os.PathLike, **kwargs: Any) -> DamchaAttention:
-        """Load a file written by ``save`` (or any backend); kwargs go to ``from_canonical``."""
-        params, config = dc.load_params(path)
-        return cls.from_canonical(params, config, **kwargs)
+        return super().from_canonical(params, config, batch_first=batch_first, device=device, dtype=dtype,
+                                      metric_generator=metric_generator, recompute=recompute)
 
     # ------------------------------------------------------------ from MHA
 
     @classmethod
-    @torch.no_grad()
     def from_mha(
         cls,
         mha: nn.MultiheadAttention,
@@ -694,63 +535,7 @@ class DamchaAttention(nn.Module):
         Weights are copied (same layout, any dtype/device). ``coupling=None``
         picks "tied" when ``mha`` has kdim == embed_dim, else "separate".
         """
-        if not isinstance(mha, nn.MultiheadAttention):
-            raise DamchaTypeError(f"`mha` must be an nn.MultiheadAttention. Received: mha={describe(mha)}")
-        if mha.bias_k is not None or mha.add_zero_attn:
-            raise DamchaValueError(
-                "`mha` uses add_bias_kv or add_zero_attn, which DAMCHA does not support. "
-                f"Received: add_bias_kv={mha.bias_k is not None}, add_zero_attn={mha.add_zero_attn}"
-            )
-        ref = mha.out_proj.weight
-        layer = cls(
-            mha.embed_dim, mha.num_heads, dropout=mha.dropout, bias=mha.in_proj_bias is not None,
-            kdim=mha.kdim, vdim=mha.vdim, batch_first=mha.batch_first, device=ref.device, dtype=ref.dtype,
-            metric=metric, metric_rank=metric_rank,
-            coupling=coupling if coupling is not None else ("tied" if mha.kdim == mha.embed_dim else "separate"),
-            metric_generator=metric_generator, recompute=recompute,
-        )
-        if mha._qkv_same_embed_dim:
-            w_q, w_k, w_v = mha.in_proj_weight.chunk(3)
-        else:
-            w_q, w_k, w_v = mha.q_proj_weight, mha.k_proj_weight, mha.v_proj_weight
-        for dst, src in zip(layer._proj_weights(), (w_q, w_k, w_v)):
-            dst.copy_(src)
-        if mha.in_proj_bias is not None:
-            layer.in_proj_bias.copy_(mha.in_proj_bias)  # type: ignore[union-attr]
-            layer.out_proj.bias.copy_(mha.out_proj.bias)
-        layer.out_proj.weight.copy_(mha.out_proj.weight)
-        layer.train(mha.training)
-        return layer
+        from ._convert import from_mha
 
-
-def replace_mha(model: nn.Module, **kwargs: Any) -> nn.Module:
-    """Swap every ``nn.MultiheadAttention`` inside ``model`` for ``DamchaAttention.from_mha``.
-
-    In place; returns ``model``. Outputs are unchanged (gates start at 0). A
-    module instance used in several places stays shared. ``kwargs`` go to
-    ``from_mha`` (metric, coupling, ...).
-    """
-    if not isinstance(model, nn.Module):
-        raise DamchaTypeError(f"`model` must be an nn.Module. Received: model={describe(model)}")
-    if isinstance(model, nn.MultiheadAttention):
-        raise DamchaValueError("`model` is itself an nn.MultiheadAttention; use DamchaAttention.from_mha(model).")
-    done: dict[int, DamchaAttention] = {}
-
-    def visit(parent: nn.Module) -> None:
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.MultiheadAttention):
-                if id(child) not in done:
-                    done[id(child)] = DamchaAttention.from_mha(child, **kwargs)
-                setattr(parent, name, done[id(child)])
-            else:
-                visit(child)
-
-    visit(model)
-    if done:
-        for module in model.modules():
-            # nn.TransformerEncoder decided at construction, while it still held
-            # nn.MultiheadAttention, that it may pack padded batches into nested
-            # tensors under no_grad; DamchaAttention takes dense tensors only.
-            if isinstance(module, nn.TransformerEncoder):
-                module.use_nested_tensor = False
-    return model
+        return from_mha(cls, mha, metric=metric, metric_rank=metric_rank, coupling=coupling,
+                        metric_generator=metric_generator, recompute=recompute)

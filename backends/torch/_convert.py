@@ -1,0 +1,89 @@
+"""Converting nn.MultiheadAttention: ``from_mha`` (one layer) and ``replace_mha`` (a whole model)."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from damcha_core import DamchaTypeError, DamchaValueError, describe
+
+from ._generator import MetricGenerator
+from ._layer import DamchaAttention
+
+__all__ = ["from_mha", "replace_mha"]
+
+
+@torch.no_grad()
+def from_mha(
+    cls: type[DamchaAttention],
+    mha: nn.MultiheadAttention,
+    *,
+    metric: str = "heads",
+    metric_rank: int | None = None,
+    coupling: str | None = None,
+    metric_generator: MetricGenerator | Mapping[str, MetricGenerator] | None = None,
+    recompute: bool = True,
+) -> DamchaAttention:
+    """``cls.from_mha``: a layer computing exactly what ``mha`` computes (gates at 0)."""
+    if not isinstance(mha, nn.MultiheadAttention):
+        raise DamchaTypeError(f"`mha` must be an nn.MultiheadAttention. Received: mha={describe(mha)}")
+    if mha.bias_k is not None or mha.add_zero_attn:
+        raise DamchaValueError(
+            "`mha` uses add_bias_kv or add_zero_attn, which DAMCHA does not support. "
+            f"Received: add_bias_kv={mha.bias_k is not None}, add_zero_attn={mha.add_zero_attn}"
+        )
+    ref = mha.out_proj.weight
+    layer = cls(
+        mha.embed_dim, mha.num_heads, dropout=mha.dropout, bias=mha.in_proj_bias is not None,
+        kdim=mha.kdim, vdim=mha.vdim, batch_first=mha.batch_first, device=ref.device, dtype=ref.dtype,
+        metric=metric, metric_rank=metric_rank,
+        coupling=coupling if coupling is not None else ("tied" if mha.kdim == mha.embed_dim else "separate"),
+        metric_generator=metric_generator, recompute=recompute,
+    )
+    if mha._qkv_same_embed_dim:
+        w_q, w_k, w_v = mha.in_proj_weight.chunk(3)
+    else:
+        w_q, w_k, w_v = mha.q_proj_weight, mha.k_proj_weight, mha.v_proj_weight
+    for dst, src in zip(layer._proj_weights(), (w_q, w_k, w_v)):
+        dst.copy_(src)
+    if mha.in_proj_bias is not None:
+        layer.in_proj_bias.copy_(mha.in_proj_bias)  # type: ignore[union-attr]
+        layer.out_proj.bias.copy_(mha.out_proj.bias)
+    layer.out_proj.weight.copy_(mha.out_proj.weight)
+    layer.train(mha.training)
+    return layer
+
+
+def replace_mha(model: nn.Module, **kwargs: Any) -> nn.Module:
+    """Swap every ``nn.MultiheadAttention`` inside ``model`` for ``DamchaAttention.from_mha``.
+
+    In place; returns ``model``. Outputs are unchanged (gates start at 0). A
+    module instance used in several places stays shared. ``kwargs`` go to
+    ``from_mha`` (metric, coupling, ...).
+    """
+    if not isinstance(model, nn.Module):
+        raise DamchaTypeError(f"`model` must be an nn.Module. Received: model={describe(model)}")
+    if isinstance(model, nn.MultiheadAttention):
+        raise DamchaValueError("`model` is itself an nn.MultiheadAttention; use DamchaAttention.from_mha(model).")
+    done: dict[int, DamchaAttention] = {}
+
+    def visit(parent: nn.Module) -> None:
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.MultiheadAttention):
+                if id(child) not in done:
+                    done[id(child)] = DamchaAttention.from_mha(child, **kwargs)
+                setattr(parent, name, done[id(child)])
+            else:
+                visit(child)
+
+    visit(model)
+    if done:
+        for module in model.modules():
+            # nn.TransformerEncoder decided at construction, while it still held
+            # nn.MultiheadAttention, that it may pack padded batches into nested
+            # tensors under no_grad; DamchaAttention takes dense tensors only.
+            if isinstance(module, nn.TransformerEncoder):
+                module.use_nested_tensor = False
+    return model
