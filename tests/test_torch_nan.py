@@ -1,0 +1,136 @@
+"""NaN in gives NaN out on every torch path (issue 11): fused, explicit, decode, compiled.
+
+torch's CPU SDPA kernel returns 0, not NaN, for a query row whose logits are
+all NaN (it reads them as masked), and the cross-head map spreads one NaN
+weight over every row; before the fix, one NaN weight gave output =
+out_proj.bias and loss 0 while the gradients were NaN.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from damcha_torch import DamchaAttention, DamchaKVCache, build_encoder, softmax_attend
+
+E, H = 16, 4
+
+
+def _layer(**kw) -> DamchaAttention:
+    torch.manual_seed(0)
+    layer = DamchaAttention(E, H, batch_first=True, **kw).eval()
+    with torch.no_grad():
+        for gate in layer.metric_gates.values():
+            gate.fill_(0.5)
+    return layer
+
+
+def _poison(layer: DamchaAttention, where: str) -> None:
+    with torch.no_grad():
+        if where == "generator":
+            next(iter(layer.metric_generators.values())).weight[0, 0] = float("nan")
+        elif where == "query-weight":
+            layer._proj_weights()[0][0, 0] = float("nan")
+        elif where == "key-weight":
+            layer._proj_weights()[1][0, 0] = float("nan")
+        elif where == "gate":
+            next(iter(layer.metric_gates.values()))[0] = float("inf")
+
+
+PATHS = ["fused", "weights", "decode", "fused-causal", "fused-padding"]
+
+
+def _run(layer: DamchaAttention, x: torch.Tensor, path: str) -> torch.Tensor:
+    if path == "decode":
+        cache = DamchaKVCache()
+        return torch.cat([layer(x[:, i:i + 1], x[:, i:i + 1], x[:, i:i + 1], is_causal=True, need_weights=False,
+                                kv_cache=cache)[0] for i in range(x.shape[1])], 1)
+    kw = {"need_weights": path == "weights"}
+    if path == "fused-causal":
+        kw["is_causal"] = True
+    if path == "fused-padding":
+        pad = torch.zeros(x.shape[0], x.shape[1], dtype=torch.bool)
+        pad[:, -1] = True
+        kw["key_padding_mask"] = pad
+    return layer(x, x, x, **kw)[0]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("where", ["generator", "query-weight", "key-weight", "gate"])
+def test_a_non_finite_weight_gives_nan_outputs_and_loss(where, path):
+    layer = _layer()
+    _poison(layer, where)
+    x = torch.randn(2, 5, E)
+    out = _run(layer, x, path)
+    assert torch.isnan(out).all(dim=-1).all(), out  # every output row, not only some
+    assert torch.isnan(out.square().mean())
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_nan_token_gives_nan_in_the_rows_that_read_it(path):
+    layer = _layer(coupling="separate")
+    x = torch.randn(2, 5, E)
+    x[1, 0, 3] = float("nan")  # batch 1, token 0: every query of batch 1 sees key 0
+    out = _run(layer, x, path)
+    assert torch.isnan(out[1]).all()
+    assert torch.isfinite(out[0]).all()
+
+
+@pytest.mark.parametrize("need_weights", [False, True], ids=["fused", "weights"])
+def test_a_nan_in_a_float_attn_mask_gives_nan_as_mha_does(need_weights):
+    """MHA adds the float mask to the logits, so a NaN poisons its row; it is not
+    'every key hidden' (the rule that gives output 0)."""
+    torch.manual_seed(1)
+    mha = nn.MultiheadAttention(E, H, batch_first=True).eval()
+    layer = DamchaAttention.from_mha(mha).eval()
+    x = torch.randn(2, 5, E)
+    mask = torch.zeros(5, 5)
+    mask[1, 2] = float("nan")  # one entry of row 1
+    mask[3, :] = float("nan")  # all of row 3
+    mask[4, :] = float("-inf")  # row 4 genuinely hidden
+    out, _ = layer(x, x, x, attn_mask=mask, need_weights=need_weights)
+    expected, _ = mha(x, x, x, attn_mask=mask, need_weights=True)  # MHA's explicit path
+    assert torch.isnan(out[:, [1, 3]]).all() and torch.isnan(expected[:, [1, 3]]).all()
+    torch.testing.assert_close(out[:, [0, 2]], expected[:, [0, 2]], rtol=1e-5, atol=1e-6)
+    # the all-masked rule holds for the genuinely hidden row: attention output 0
+    torch.testing.assert_close(out[:, 4], layer.out_proj.bias.expand(2, E), rtol=0, atol=0)
+
+
+def test_softmax_attend_propagates_nan_keys_and_queries():
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 4, 8, generator=g) for _ in range(3))
+    q_nan = q.clone()
+    q_nan[0, 0, 1] = float("nan")  # every logit of row 1, head 0 is NaN: the kernel alone returns 0
+    o, _ = softmax_attend(q_nan, k, v)
+    assert torch.isnan(o[0, 0, 1]).all() and torch.isfinite(o[0, 0, [0, 2, 3]]).all()
+    k_nan = k.clone()
+    k_nan[..., 0] = float("nan")  # every key NaN
+    o, _ = softmax_attend(q, k_nan, v, causal=True)
+    assert torch.isnan(o).all()
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_layer_keeps_nan(backend):
+    layer = _layer()
+    _poison(layer, "generator")
+    x = torch.randn(2, 5, E)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, backend=backend)
+    with torch.no_grad():
+        out, _ = compiled(x, x, x, need_weights=False, is_causal=True)
+    assert torch.isnan(out).all()
+
+
+def test_encoder_stack_with_a_nan_weight_gives_nan_loss_and_all_masked_rows_stay_finite():
+    torch.manual_seed(3)
+    enc = build_encoder(E, H, 2, dim_feedforward=32, dropout=0.0).eval()
+    x = torch.randn(2, 5, E)
+    hidden = torch.zeros(5, 5, dtype=torch.bool)
+    hidden[2] = True  # query 2 sees no key: a finite row by the all-masked rule
+    out = enc(x, mask=hidden)
+    assert torch.isfinite(out).all()
+    with torch.no_grad():
+        enc.layers[0].self_attn.metric_generators["qk"].bias[0] = float("nan")
+        enc.layers[0].self_attn.metric_gates["qk"].fill_(0.5)
+    assert torch.isnan(enc(x)).all()
