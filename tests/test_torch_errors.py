@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from damcha_core import DamchaTypeError, DamchaValueError
-from damcha_torch import DamchaAttention
+from damcha_torch import DamchaAttention, MetricGenerator
 
 x = torch.randn(2, 5, 16)
 
@@ -21,12 +21,20 @@ def _layer(**kw) -> DamchaAttention:
     [
         (lambda: DamchaAttention(16, 4, num_kv_heads=3, coupling="query"), DamchaValueError,
          r"num_heads.*divisible by `num_kv_heads`.*num_heads=4, num_kv_heads=3"),
-        (lambda: DamchaAttention(16, 4, kdim=12, vdim=12), DamchaValueError,
+        (lambda: DamchaAttention(16, 4, kdim=12, vdim=12, coupling="tied"), DamchaValueError,
          r"coupling='tied'.*kdim == embed_dim.*embed_dim=16, kdim=12"),
-        (lambda: DamchaAttention(16, 4, kdim=12, vdim=8, coupling="separate"), DamchaValueError,
-         r"`kdim` and `vdim` must be equal.*kdim=12, vdim=8"),
-        (lambda: DamchaAttention(16, 4, kdim=8, coupling="separate"), DamchaValueError,
-         r"`kdim` and `vdim` must be equal \(an omitted one means embed_dim.*kdim=8, vdim=None, embed_dim=16"),
+        (lambda: DamchaAttention(16, 4, num_kv_heads=2, coupling="tied"), DamchaValueError,
+         r"coupling='tied'.*num_kv_heads == num_heads.*num_heads=4, num_kv_heads=2"),
+        (lambda: DamchaAttention(16, 4, coupling="separate", metric_generator={"q": MetricGenerator(16, 4, 4)}),
+         DamchaValueError, r"`metric_generator` must have exactly this layer's metric sides \['q', 'k'\].*missing"),
+        (lambda: DamchaAttention(16, 4, coupling="separate", metric_generator=MetricGenerator(16, 4, 4)),
+         DamchaValueError, r"`metric_generator` must be a dict \{'q': ..., 'k': ...\} with coupling='separate'"),
+        (lambda: DamchaAttention(16, 4, metric="none", metric_generator=MetricGenerator(16, 4, 4)),
+         DamchaValueError, r"`metric_generator` must be None with metric='none'"),
+        (lambda: DamchaAttention(16, 4, metric_generator={"qk": nn.Linear(2, 2)}), DamchaTypeError,
+         r"`metric_generator\['qk'\]` must be a MetricGenerator"),
+        (lambda: DamchaAttention(16, 2, metric_generator=MetricGenerator(16, 4, 4)), DamchaValueError,
+         r"`metric_generator` does not fit side 'qk' of this layer: heads=4 \(expected 2\)"),
         (lambda: DamchaAttention(18, 4), DamchaValueError, r"`embed_dim` must be divisible by `num_heads`.*embed_dim=18"),
         (lambda: DamchaAttention(16, 4, metric="lowrank"), DamchaValueError, r"`metric_rank` is required"),
         (lambda: DamchaAttention(16, 4, metric="full"), DamchaValueError, r"`metric` must be one of"),
@@ -39,7 +47,8 @@ def _layer(**kw) -> DamchaAttention:
         (lambda: DamchaAttention(16, 4, kdim=0, vdim=0, coupling="separate"), DamchaValueError,
          r"^`kdim` must be >= 1\. Received: kdim=0"),
     ],
-    ids=["heads-not-divisible", "kdim-with-tied", "kdim-ne-vdim", "kdim-without-vdim", "embed-not-divisible", "lowrank-no-rank",
+    ids=["heads-not-divisible", "kdim-with-tied", "gqa-with-tied", "separate-one-side", "separate-one-generator",
+         "none-with-generator", "generator-value-type", "generator-misfit", "embed-not-divisible", "lowrank-no-rank",
          "unknown-metric", "bias-kv", "generator-type", "from-mha-type", "embed-type", "bias-type", "kdim-zero"],
 )
 def test_constructor_errors(build, error, pattern):
@@ -56,7 +65,8 @@ def test_constructor_errors(build, error, pattern):
          r"`query` and `key` must have the same batch size.*key.shape=\(1, 5, 16\)"),
         (lambda l: l(x, x[:, :0], x[:, :0]), DamchaValueError, r"`key` must be non-empty.*key.shape=\(2, 0, 16\)"),
         (lambda l: l(x.long(), x.long(), x.long()), DamchaTypeError, r"`query` must be a real floating tensor.*int64"),
-        (lambda l: l(x, x, torch.randn(2, 4, 16)), DamchaValueError, r"`value` must have the shape of `key`"),
+        (lambda l: l(x, x, torch.randn(2, 4, 16)), DamchaValueError,
+         r"`value` must have the batch size and length of `key`.*value.shape=\(2, 4, 16\)"),
         (lambda l: l(torch.randn(5, 16), x, x), DamchaValueError,
          r"With an unbatched \(2-D\) `query`, `key` and `value` must be 2-D too.*key.shape=\(2, 5, 16\)"),
         (lambda l: l(x, torch.randn(5, 16), torch.randn(5, 16)), DamchaValueError,

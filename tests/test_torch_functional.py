@@ -181,7 +181,7 @@ def test_old_heads_signature_still_works_with_a_deprecation_warning():
         (lambda p, c, x: damcha_attention(p, c, x, kv_cache=[]), dc.DamchaTypeError, r"`kv_cache` must be a Damcha"),
         (lambda p, c, x: damcha_attention(p, c, x, value=x), dc.DamchaValueError, r"`value` needs `context`"),
         (lambda p, c, x: damcha_attention(p, c, x, x, x[:, :3]), dc.DamchaValueError,
-         r"`value` must have the shape of `context`"),
+         r"`value` must have the batch size and length of `context`"),
         (lambda p, c, x: apply_map(p, c, "q", x, x), dc.DamchaValueError, r"`side` must be one of"),
         (lambda p, c, x: generator(p, c, "qk", x.int()), dc.DamchaTypeError, r"`tokens` must be a real floating"),
     ],

@@ -595,3 +595,34 @@ def test_decode_autocast_and_compile_on_every_available_device(device):
     with torch.no_grad():
         fast, _ = compiled(x.to(device), x.to(device), x.to(device), is_causal=True, need_weights=False)
     np.testing.assert_allclose(fast.detach().cpu().double().numpy(), want, rtol=tol.rtol, atol=tol.atol)
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["shared", "per-layer"])
+@pytest.mark.parametrize("arch", ["post-norm-relu", "pre-norm-gelu-tanh-final"])
+def test_encoder_stack_canonical_round_trip_and_core_reference(share, arch):
+    """to_canonical() gives damcha_core's stack format: its NumPy reference
+    reproduces the stack, and from_canonical rebuilds an equal stack."""
+    kw = (dict(norm_first=True, activation=nn.GELU(approximate="tanh"), final_norm=True)
+          if arch.startswith("pre") else dict(norm_first=False, activation="relu"))
+    torch.manual_seed(0)
+    enc = build_encoder(16, 4, 2, dim_feedforward=32, dropout=0.0, share_metric=share, dtype=torch.float64,
+                        **kw).eval()
+    with torch.no_grad():
+        for name, p in enc.named_parameters():
+            if "gate" in name:
+                p.uniform_(0.3, 1.0)
+    params, config = enc.to_canonical(causal=True)
+    assert isinstance(config, dc.EncoderConfig) and config.share_metric == share and config.causal
+    assert sorted(params) == sorted(config.param_shapes())
+    x = _x(2, 5, 16)
+    mask = nn.Transformer.generate_square_subsequent_mask(5, dtype=torch.float64)
+    with torch.no_grad():
+        want = enc(x, mask=mask, is_causal=True)
+    np.testing.assert_allclose(dc.encoder_forward(params, config, x.numpy()), want.numpy(), rtol=1e-10, atol=1e-10)
+    twin = type(enc).from_canonical(params, config, dtype=torch.float64).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(twin(x, mask=mask, is_causal=True), want, rtol=0, atol=1e-13)
+    gens = {id(layer.self_attn.metric_generators["qk"]) for layer in twin.layers}
+    assert len(gens) == (1 if share else 2)
+    with pytest.raises(dc.DamchaValueError, match=r"layers.0.norm1.scale.*NaN"):
+        twin.load_canonical({**params, "layers.0.norm1.scale": np.full(16, np.nan)})

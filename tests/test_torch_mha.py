@@ -203,3 +203,44 @@ def test_unbatched_encoder_layer_equals_torch():
     mask = nn.Transformer.generate_square_subsequent_mask(N, dtype=torch.float64)
     torch.testing.assert_close(ours(x, src_mask=mask, is_causal=True), ref(x, src_mask=mask, is_causal=True),
                                rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("need_weights", [True, False], ids=["weights", "fused"])
+@pytest.mark.parametrize("dims", [(12, 8), (16, 8), (12, 16)], ids=["kdim12-vdim8", "kdim16-vdim8", "kdim12-vdim16"])
+def test_key_and_value_of_different_sizes_equal_mha(dims, need_weights):
+    """kdim != vdim (DECISIONS 8): keys and values from inputs of their own sizes,
+    from_mha a copy, coupling chosen automatically (separate: E_kv != E_q or inputs differ)."""
+    torch.manual_seed(9)
+    kdim, vdim = dims
+    mha = nn.MultiheadAttention(E, H, kdim=kdim, vdim=vdim, batch_first=True, dtype=torch.float64).eval()
+    with torch.no_grad():
+        mha.in_proj_bias.normal_()
+    layer = DamchaAttention.from_mha(mha).eval()
+    assert (layer.kdim, layer.vdim) == (kdim, vdim) and layer.in_proj_weight is None
+    q = torch.randn(B, N, E, dtype=torch.float64)
+    k, v = torch.randn(B, M, kdim, dtype=torch.float64), torch.randn(B, M, vdim, dtype=torch.float64)
+    kpm = torch.zeros(B, M, dtype=torch.bool)
+    kpm[1, -3:] = True
+    expected, w_expected = mha(q, k, v, key_padding_mask=kpm, need_weights=need_weights)
+    out, w = layer(q, k, v, key_padding_mask=kpm, need_weights=need_weights)
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-12)
+    if need_weights:
+        torch.testing.assert_close(w, w_expected, rtol=1e-10, atol=1e-12)
+
+
+def test_plain_constructor_with_other_sizes_picks_its_coupling():
+    """coupling=None (the default) is automatic: kdim != embed_dim or GQA give
+    'separate' (they raised before), MHA-shaped layers 'tied'."""
+    assert DamchaAttention(E, H).config.coupling == "tied"
+    assert DamchaAttention(E, H, kdim=12, vdim=12).config.coupling == "separate"
+    assert DamchaAttention(E, H, num_kv_heads=2).config.coupling == "separate"
+    layer = DamchaAttention(E, H, kdim=12, vdim=6, batch_first=True, dtype=torch.float64)
+    with torch.no_grad():
+        for gate in layer.metric_gates.values():
+            gate.fill_(0.5)
+    q, k, v = (torch.randn(B, M, n, dtype=torch.float64) for n in (E, 12, 6))
+    out, _ = layer(q, k, v, need_weights=False)
+    import damcha_core as dc
+
+    want = dc.damcha_attention(layer.to_canonical(), layer.config, q.numpy(), k.numpy(), value=v.numpy())
+    torch.testing.assert_close(out, torch.from_numpy(want), rtol=1e-10, atol=1e-12)

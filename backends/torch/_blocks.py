@@ -9,12 +9,15 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
+import damcha_core as dc
 from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, describe
 
 from . import _functional as fn
+from ._canonical import encoder_load_canonical, encoder_to_canonical
 from ._generator import MetricGenerator
 from ._layer import DamchaAttention
 
@@ -146,8 +149,43 @@ class DamchaTransformerEncoder(nn.TransformerEncoder):
         _check_num_layers(num_layers)
         # Nested tensors are MHA's fused inference path; DAMCHA never takes it.
         super().__init__(encoder_layer, num_layers, norm=norm, enable_nested_tensor=False)
-        self.share_metric = bool(share_metric)
+        self.share_metric = dc.check_bool("share_metric", share_metric)
         self.metric_generators = _share(self.layers, "self_attn") if self.share_metric else nn.ModuleDict()
+
+    # ------------------------------------------------------- canonical I/O
+
+    def to_canonical(self, *, causal: bool = False) -> tuple[dict[str, np.ndarray], dc.EncoderConfig]:
+        """The stack in damcha_core's format: ``(params, EncoderConfig)``, float64.
+
+        ``causal`` is recorded in the config (torch passes it per call, as
+        ``is_causal``). A shared generator is stored once. Raises a
+        DamchaValueError naming what does not fit the format (mixed
+        activations, norms or attention configs, an activation other than
+        ReLU/GELU, ``bias=False``).
+        """
+        return encoder_to_canonical(self, causal=causal)
+
+    def load_canonical(self, params: Mapping[str, Any]) -> DamchaTransformerEncoder:
+        """Copy stack params (validated against this stack's config) in; returns self."""
+        return encoder_load_canonical(self, params)
+
+    @classmethod
+    def from_canonical(cls, params: Mapping[str, Any], config: dc.EncoderConfig, *, batch_first: bool = True,
+                       device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                       recompute: bool = True) -> DamchaTransformerEncoder:
+        """An encoder built for ``config`` (a ``damcha_core.EncoderConfig``) holding ``params``."""
+        if not isinstance(config, dc.EncoderConfig):
+            raise DamchaTypeError(f"`config` must be a damcha_core.EncoderConfig. Received: config={describe(config)}")
+        a = config.attention
+        activation: Any = nn.GELU(approximate="tanh") if config.activation == "gelu_tanh" else config.activation
+        layer = DamchaTransformerEncoderLayer(
+            a.query_dim, a.num_heads, config.ffn_dim, a.dropout, activation, config.norm_eps, batch_first,
+            config.norm_first, a.use_bias, device, dtype, key_dim=a.key_dim, value_dim=a.value_dim,
+            num_kv_heads=a.num_kv_heads, metric=a.metric, metric_rank=a.metric_rank, coupling=a.coupling,
+            scale=a.scale, recompute=recompute,
+        )
+        norm = nn.LayerNorm(a.query_dim, eps=config.norm_eps, device=device, dtype=dtype) if config.final_norm else None
+        return cls(layer, config.num_layers, norm, share_metric=config.share_metric).load_canonical(params)
 
 
 class DamchaTransformerDecoder(nn.TransformerDecoder):

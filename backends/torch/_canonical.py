@@ -18,7 +18,7 @@ from torch import Tensor
 import damcha_core as dc
 from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, describe
 
-from ._generator import TORCH_LEAVES
+from ._generator import TORCH_LEAVES, generator_shapes
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._layer import DamchaAttention
@@ -50,10 +50,12 @@ def canonical_views(config: DamchaConfig, tensors: Mapping[str, Tensor]) -> dict
         out.update({"query.bias": bq.view(H, d), "key.bias": bk.view(G, d), "value.bias": bv.view(G, dv),
                     "output.bias": tensors["out_proj.bias"]})
     for side in config.metric_sides:
-        dims = (config.side_heads(side), d, config.metric_rank or 0, config.side_features(side))
         out[f"metric.{side}.gate"] = tensors[f"metric_gates.{side}"]
+        shapes = generator_shapes(config.metric, config.side_features(side), config.side_heads(side), d,
+                                  config.metric_rank)
         for leaf, layout in TORCH_LEAVES[config.metric].items():
-            out[f"metric.{side}.{leaf}"] = layout.to_canonical(tensors[f"metric_generators.{side}.{layout.attribute}"], dims)
+            t = tensors[f"metric_generators.{side}.{layout.attribute}"]
+            out[f"metric.{side}.{leaf}"] = layout.to_canonical(t, shapes[leaf])
     return {name: out[name] for name in config.param_shapes()}
 
 
@@ -120,3 +122,98 @@ class CanonicalIO:
 def check_config_rebuilt(layer: DamchaAttention, config: DamchaConfig) -> None:
     if layer.config != config:  # the constructor resolves defaults exactly as DamchaConfig does
         raise DamchaValueError(f"internal: rebuilt config {layer.config} != {config}")
+
+
+# ------------------------------------------------------------------ stacks
+
+
+def _activation_name(fn: Any) -> str | None:
+    from torch import nn
+    from torch.nn import functional as F
+
+    if fn is F.relu or isinstance(fn, nn.ReLU):
+        return "relu"
+    if fn is F.gelu:
+        return "gelu"
+    if isinstance(fn, nn.GELU):
+        return "gelu" if fn.approximate == "none" else "gelu_tanh"
+    return None
+
+
+def encoder_config(encoder: Any, *, causal: bool = False) -> dc.EncoderConfig:
+    """The ``damcha_core.EncoderConfig`` a ``DamchaTransformerEncoder`` computes,
+    or a DamchaValueError listing what does not fit the stack format."""
+    from torch import nn
+
+    causal = dc.check_bool("causal", causal)
+    layers = list(encoder.layers)
+    first = layers[0]
+    eps, act = first.norm1.eps, _activation_name(first.activation)
+    problems = []
+    if encoder.norm is not None and (not isinstance(encoder.norm, nn.LayerNorm) or encoder.norm.eps != eps):
+        problems.append("no final norm, or a final LayerNorm with the layers' epsilon")
+    for i, layer in enumerate(layers):
+        name = _activation_name(layer.activation)
+        if name is None:
+            problems.append(f"ReLU or GELU (layer {i} has activation={getattr(layer.activation, '__name__', layer.activation)})")
+        elif name != act or layer.norm_first != first.norm_first:
+            problems.append(f"one activation and norm placement (layer {i} differs)")
+        if layer.linear1.bias is None or layer.norm1.bias is None:
+            problems.append(f"biases in the feed-forward and norms (layer {i} has bias=False)")
+        if layer.norm1.eps != eps or layer.norm2.eps != eps:
+            problems.append(f"one LayerNorm epsilon (layer {i} differs)")
+        if layer.self_attn.config != first.self_attn.config:
+            problems.append(f"one attention config (layer {i} differs)")
+    if problems:
+        raise DamchaValueError(
+            "`encoder` does not fit the stack format (damcha_core.EncoderConfig); it needs "
+            + "; ".join(dict.fromkeys(problems))
+            + f". Received: encoder={describe(encoder)}"
+        )
+    return dc.EncoderConfig(first.self_attn.config, num_layers=len(layers), ffn_dim=first.linear1.out_features,
+                            share_metric=encoder.share_metric and len(layers) > 1, norm_eps=eps, causal=causal,
+                            norm_first=bool(first.norm_first), activation=act,  # type: ignore[arg-type]
+                            final_norm=encoder.norm is not None)
+
+
+def _block_tensors(layer: Any) -> dict[str, Tensor]:
+    """Stack names of one block's norm and feed-forward tensors -> views of its parameters."""
+    return {
+        "norm1.scale": layer.norm1.weight, "norm1.bias": layer.norm1.bias,
+        "norm2.scale": layer.norm2.weight, "norm2.bias": layer.norm2.bias,
+        "ffn.in.kernel": layer.linear1.weight.T, "ffn.in.bias": layer.linear1.bias,
+        "ffn.out.kernel": layer.linear2.weight.T, "ffn.out.bias": layer.linear2.bias,
+    }
+
+
+def encoder_to_canonical(encoder: Any, *, causal: bool = False) -> tuple[dict[str, np.ndarray], dc.EncoderConfig]:
+    """``(params, EncoderConfig)`` of an encoder stack in damcha_core's stack format."""
+    config = encoder_config(encoder, causal=causal)
+    shapes = config.param_shapes()
+    params: dict[str, np.ndarray] = {}
+    for i, layer in enumerate(encoder.layers):
+        for key, value in layer.self_attn.to_canonical().items():
+            name = f"layers.{i}.attention.{key}"
+            if name in shapes:
+                params[name] = value
+            else:  # a generator the stack shares: stored once, under "shared." (damcha_core's stack format)
+                params.setdefault(f"shared.{key}", value)
+        params.update({f"layers.{i}.{key}": _numpy(t) for key, t in _block_tensors(layer).items()})
+    if encoder.norm is not None:
+        params["final_norm.scale"], params["final_norm.bias"] = _numpy(encoder.norm.weight), _numpy(encoder.norm.bias)
+    return params, config
+
+
+@torch.no_grad()
+def encoder_load_canonical(encoder: Any, params: Mapping[str, Any]) -> Any:
+    """Copy stack params (validated, finite) into ``encoder``; returns it."""
+    config = encoder_config(encoder)
+    checked = dc.validate_stack_params(params, config)
+    for i, layer in enumerate(encoder.layers):
+        layer.self_attn.load_canonical(config.layer_params(checked, i))
+        for key, target in _block_tensors(layer).items():
+            target.copy_(torch.from_numpy(checked[f"layers.{i}.{key}"]).to(target.dtype))
+    if encoder.norm is not None:
+        encoder.norm.weight.copy_(torch.from_numpy(checked["final_norm.scale"]).to(encoder.norm.weight.dtype))
+        encoder.norm.bias.copy_(torch.from_numpy(checked["final_norm.bias"]).to(encoder.norm.bias.dtype))
+    return encoder

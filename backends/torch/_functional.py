@@ -100,9 +100,7 @@ class LayerWeights(NamedTuple):
 def _side_from_canonical(params: Mapping[str, Tensor], config: DamchaConfig, side: str) -> SideWeights:
     from ._generator import TORCH_LEAVES  # the one table of torch layouts (it imports this module)
 
-    S, E = config.side_heads(side), config.side_features(side)
-    dims = (S, config.key_dim, config.metric_rank or 0, E)
-    leaves = {name: leaf.from_canonical(params[f"metric.{side}.{name}"], dims)
+    leaves = {name: leaf.from_canonical(params[f"metric.{side}.{name}"])
               for name, leaf in TORCH_LEAVES[config.metric].items()}
     return SideWeights(config.metric, leaves["kernel"], leaves["bias"], params[f"metric.{side}.gate"],
                        leaves.get("u"), leaves.get("v"))
@@ -213,19 +211,19 @@ def role_penalty_weights(side: SideWeights, tokens: Tensor, head_dim: int) -> Te
     return _role_penalty(side, tokens.to(dtype), dtype, head_dim).to(tokens.dtype)
 
 
+def _canonical_leaves(side: SideWeights, dtype: torch.dtype) -> dict[str, Tensor]:
+    """The side's leaves that act on coefficients (gate, u, v), canonical layout."""
+    leaves = {"gate": side.gate, "u": side.u, "v": side.v}
+    return {k: v.to(dtype) for k, v in leaves.items() if v is not None}
+
+
 def _role_penalty(side: SideWeights, tokens: Tensor, dtype: torch.dtype, d: int) -> Tensor:
+    structure = dc.METRIC_STRUCTURES[side.metric]
     S = side.gate.shape[0]
-    gate = side.gate.to(dtype)
     coeff = _coefficients(side.weight.to(dtype), side.bias.to(dtype), tokens)
-    if side.metric == "heads":
-        # L - I = (diag(g) A) (x) I_d, whose squared norm is d * ||diag(g) A||^2.
-        gated = coeff.unflatten(-1, (S, S)) * gate.view(S, 1)
-        return gated.square().sum(dim=(-2, -1)).mean() / S
-    # L - I = P diag(u) Q^T with P = g U, Q = V (S*d, r): O(r^2) per token.
-    P = (side.u.to(dtype) * gate.view(-1, 1, 1)).flatten(0, 1)  # type: ignore[union-attr]
-    Q = side.v.to(dtype).flatten(0, 1)  # type: ignore[union-attr]
-    gram = (P.transpose(0, 1) @ P) * (Q.transpose(0, 1) @ Q)
-    return torch.einsum("...r,...s,rs->...", coeff, coeff, gram).mean() / (S * d)
+    coeff = coeff.unflatten(-1, structure.coefficient_shape(S, coeff.shape[-1]))
+    # damcha_core's formula of ||L(t) - I||_F^2, evaluated on torch tensors.
+    return structure.penalty_sq(torch, coeff, _canonical_leaves(side, dtype), d).mean() / (S * d)
 
 
 def causal_visibility(n: int, m: int, query_offset: int = 0, device: torch.device | None = None) -> Tensor:
@@ -525,7 +523,8 @@ def _check_mask(mask: Any, config: DamchaConfig, B: int, N: int, M: int) -> Tens
         return None
     if not isinstance(mask, Tensor) or not (mask.dtype == torch.bool or mask.is_floating_point()):
         raise dc.mask_dtype_error(mask, expected="boolean (True = may attend) or floating (additive, -inf = hidden)")
-    dc.check_shapes(config, (B, N, config.query_dim), (B, M, config.context_dim), tuple(mask.shape))
+    dc.check_shapes(config, (B, N, config.query_dim), (B, M, config.context_dim), tuple(mask.shape),
+                    value_shape=(B, M, config.value_input_dim))
     return mask
 
 
@@ -595,12 +594,8 @@ def damcha_attention(
             "`value` needs `context` (self-attention takes keys and values from the query). "
             f"Received: context=None, value={describe(value)}"
         )
-    B, N, M = dc.check_shapes(config, tuple(x.shape), None if c is None else tuple(c.shape))
-    if vt is not None and tuple(vt.shape) != tuple(c.shape):  # type: ignore[union-attr]
-        raise DamchaValueError(
-            f"`value` must have the shape of `context`. Received: value.shape={tuple(vt.shape)}, "
-            f"context.shape={tuple(c.shape)}"  # type: ignore[union-attr]
-        )
+    B, N, M = dc.check_shapes(config, tuple(x.shape), None if c is None else tuple(c.shape),
+                              value_shape=None if vt is None else tuple(vt.shape))
     causal = _check_bool("causal", causal)
     return_weights = _check_bool("return_weights", return_weights)
     return_metric = _check_bool("return_metric", return_metric)
@@ -635,14 +630,16 @@ def _metric_factors(w: LayerWeights, config: DamchaConfig, x: Tensor, c: Tensor)
         if side is None:
             continue
         sw = w.sides[side]
-        if sw.metric == "heads":
+        structure = dc.METRIC_STRUCTURES[sw.metric]
+        if structure.compact_head_map:
             out[role] = head_map_weights(sw, tokens)
             continue
         S, d = sw.gate.shape[0], config.key_dim
-        u = _coefficients(sw.weight.to(tokens.dtype), sw.bias.to(tokens.dtype), tokens)
-        delta = torch.einsum("hir,btr,ajr->bthiaj", sw.u, u, sw.v)
-        identity = torch.eye(S * d, dtype=u.dtype, device=u.device).reshape(S, d, S, d)
-        out[role] = identity + sw.gate.view(S, 1, 1, 1) * delta
+        coeff = _coefficients(_cast(sw.weight, tokens.dtype), _cast(sw.bias, tokens.dtype), tokens)
+        leaves = _canonical_leaves(sw, tokens.dtype)
+        delta = structure.dense_delta(torch, coeff, leaves, d)
+        identity = torch.eye(S * d, dtype=delta.dtype, device=delta.device).reshape(S, d, S, d)
+        out[role] = identity + leaves["gate"].view(S, 1, 1, 1) * delta
     return out
 
 
@@ -694,7 +691,9 @@ def metric_penalty(params: Mapping[str, Tensor], config: DamchaConfig, query: Te
     config = _check_params(params, config)
     x = _check_float("query", query)
     c = x if context is None else _check_float("context", context)
-    dc.check_shapes(config, tuple(x.shape), None if context is None else tuple(c.shape))
+    # The values play no part in the penalty.
+    dc.check_shapes(config, tuple(x.shape), None if context is None else tuple(c.shape),
+                    value_shape=(*c.shape[:2], config.value_input_dim))
     return penalty_weights(weights_from_canonical(params, config), config, x, c)
 
 

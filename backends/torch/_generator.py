@@ -1,8 +1,8 @@
 """MetricGenerator: the data-adaptive part of the cross-head map, shareable by
 the layers of a stack (each layer keeps its own gate).
 
-``TORCH_LEAVES`` is the one place that maps the metric structures of the
-canonical format (``damcha_core``: leaf names, shapes, initialisers) to torch
+``TORCH_LEAVES`` is the one place that maps damcha_core's metric structures
+(``METRIC_STRUCTURES``: leaf names, shapes, initialisers) to torch
 parameters; the layer's canonical I/O and the functional core read it.
 """
 
@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable
 
 import torch
 from torch import Tensor, nn
 
+import damcha_core as dc
 from damcha_core import DamchaTypeError, DamchaValueError, describe
 
 from . import _functional as fn
 
-__all__ = ["MetricGenerator", "TORCH_LEAVES", "TorchLeaf"]
+__all__ = ["TORCH_LEAVES", "MetricGenerator", "TorchLeaf", "check_param_dtype", "generator_shapes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,56 +28,64 @@ class TorchLeaf:
 
     Attributes:
         attribute: the parameter's name on the module.
-        shape: its torch shape from (S heads, d head size, r rank, E features).
-        canonical: the canonical leaf's shape from (S, d, r, E).
-        transposed: stored as ``nn.Linear``'s (out, in) weight, i.e. the
-            transpose of the canonical (E, ...) kernel flattened to 2-D, so
-            each generator call is one ``F.linear``.
-        std: initialiser: normal with this std (of S, d, r, E), or zeros.
+        layout: "linear": ``nn.Linear``'s (out, in) weight, i.e. the canonical
+            (E, ...) kernel flattened to 2-D and transposed, so each generator
+            call is one ``F.linear``; "flat": flattened to 1-D (a bias);
+            "same": the canonical shape.
     """
 
     attribute: str
-    shape: Callable[[int, int, int, int], tuple[int, ...]]
-    canonical: Callable[[int, int, int, int], tuple[int, ...]]
-    transposed: bool = False
-    std: Callable[[int, int, int, int], float] | None = None
+    layout: str = "same"
 
-    def to_canonical(self, t: Tensor, dims: tuple[int, int, int, int]) -> Tensor:
+    def shape(self, canonical: tuple[int, ...]) -> tuple[int, ...]:
+        """The torch parameter's shape for a canonical leaf shape."""
+        if self.layout == "linear":
+            return (math.prod(canonical[1:]), canonical[0])
+        return (math.prod(canonical),) if self.layout == "flat" else tuple(canonical)
+
+    def to_canonical(self, t: Tensor, canonical: tuple[int, ...]) -> Tensor:
         """The canonical view of the torch parameter ``t`` (shares its storage)."""
-        shape = self.canonical(*dims)
-        return t.T.reshape(shape) if self.transposed else t.view(shape)
+        return t.T.reshape(canonical) if self.layout == "linear" else t.view(canonical)
 
-    def from_canonical(self, t: Tensor, dims: tuple[int, int, int, int]) -> Tensor:
+    def from_canonical(self, t: Tensor) -> Tensor:
         """The torch-layout view of a canonical tensor (a view where strides allow)."""
-        return t.reshape(t.shape[0], -1).T if self.transposed else t.reshape(self.shape(*dims))
+        if self.layout == "linear":
+            return t.reshape(t.shape[0], -1).T
+        return t.reshape(-1) if self.layout == "flat" else t
 
 
-# Leaf shapes and stds are damcha_core's (docs/spec.md, damcha_core._params);
-# what is torch's here is the attribute, its shape and the transposition.
+# Leaf names, shapes and initialisers are damcha_core's METRIC_STRUCTURES;
+# what is torch's is the attribute and its layout. A structure added to the
+# core needs its entry here (a test checks that every one has it).
 TORCH_LEAVES: dict[str, dict[str, TorchLeaf]] = {
-    "heads": {
-        "kernel": TorchLeaf("weight", lambda S, d, r, E: (S * S, E), lambda S, d, r, E: (E, S, S), True,
-                            lambda S, d, r, E: 1.0 / math.sqrt(E * S)),
-        "bias": TorchLeaf("bias", lambda S, d, r, E: (S * S,), lambda S, d, r, E: (S, S)),
-    },
-    "lowrank": {
-        "kernel": TorchLeaf("weight", lambda S, d, r, E: (r, E), lambda S, d, r, E: (E, r), True,
-                            lambda S, d, r, E: 1.0 / math.sqrt(E)),
-        "bias": TorchLeaf("bias", lambda S, d, r, E: (r,), lambda S, d, r, E: (r,)),
-        "u": TorchLeaf("u", lambda S, d, r, E: (S, d, r), lambda S, d, r, E: (S, d, r), False,
-                       lambda S, d, r, E: 1.0 / math.sqrt(r)),
-        "v": TorchLeaf("v", lambda S, d, r, E: (S, d, r), lambda S, d, r, E: (S, d, r), False,
-                       lambda S, d, r, E: 1.0 / math.sqrt(S * d)),
-    },
+    "heads": {"kernel": TorchLeaf("weight", "linear"), "bias": TorchLeaf("bias", "flat")},
+    "lowrank": {"kernel": TorchLeaf("weight", "linear"), "bias": TorchLeaf("bias", "flat"),
+                "u": TorchLeaf("u"), "v": TorchLeaf("v")},
 }
 
 
-def _check_size(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise DamchaTypeError(f"`{name}` must be an int >= 1. Received: {name}={describe(value)}")
-    if value < 1:
-        raise DamchaValueError(f"`{name}` must be >= 1. Received: {name}={value}")
-    return value
+def check_param_dtype(dtype: object) -> None:
+    """``dtype=`` of a module's parameters: None or a real floating torch dtype.
+
+    torch builds complex or integer parameters without complaint and the
+    layer then fails deep inside a matmul, or raises a raw RuntimeError from
+    ``normal_``; say which argument is wrong instead.
+    """
+    if dtype is None:
+        return
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise DamchaTypeError(
+            "`dtype` must be None or a real floating torch dtype (torch.float16, bfloat16, float32, float64). "
+            f"Received: dtype={describe(dtype)}"
+        )
+
+
+def generator_shapes(metric: str, features: int, heads: int, head_dim: int,
+                     rank: int | None) -> dict[str, tuple[int, ...]]:
+    """Canonical shape of each generator leaf (the gate excluded), from damcha_core's table."""
+    structure = dc.METRIC_STRUCTURES[metric]
+    shapes = structure.shapes(features, heads, head_dim, rank)
+    return {name: shapes[name] for name in structure.generator_leaves}
 
 
 class MetricGenerator(nn.Module):
@@ -114,39 +122,37 @@ class MetricGenerator(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        if metric not in TORCH_LEAVES:
-            raise DamchaValueError(
-                f"`metric` must be 'heads' or 'lowrank' for a MetricGenerator. Received: metric={describe(metric)}"
-            )
-        features, heads, head_dim = (_check_size(n, v) for n, v in
+        metric = dc.check_choice("metric", metric, tuple(TORCH_LEAVES))
+        features, heads, head_dim = (dc.check_int(n, v) for n, v in
                                      (("features", features), ("heads", heads), ("head_dim", head_dim)))
         if metric == "lowrank":
             if rank is None:
                 raise DamchaValueError("`rank` is required with metric='lowrank'. Received: rank=None")
-            rank = _check_size("rank", rank)
+            rank = dc.check_int("rank", rank)
         elif rank is not None:
             raise DamchaValueError(f"`rank` is only used with metric='lowrank'. Received: rank={describe(rank)}")
+        check_param_dtype(dtype)
         self.features, self.heads, self.head_dim, self.metric, self.rank = features, heads, head_dim, metric, rank
-        dims = (heads, head_dim, rank or 0, features)
-        for leaf in TORCH_LEAVES[metric].values():
-            setattr(self, leaf.attribute, nn.Parameter(torch.empty(leaf.shape(*dims), device=device, dtype=dtype)))
+        for name, shape in generator_shapes(metric, features, heads, head_dim, rank).items():
+            leaf = TORCH_LEAVES[metric][name]
+            setattr(self, leaf.attribute, nn.Parameter(torch.empty(leaf.shape(shape), device=device, dtype=dtype)))
         self.reset_parameters()
 
     @property
-    def spec(self) -> tuple[int, int, int, str, int | None]:
-        """(features, heads, head_dim, metric, rank): what a layer side must match."""
-        return self.features, self.heads, self.head_dim, self.metric, self.rank
+    def spec(self) -> dc.GeneratorSpec:
+        """What this generator serves (``damcha_core.resolve_generators`` judges the fit)."""
+        return dc.GeneratorSpec(self.features, self.heads, self.metric, self.head_dim, self.rank)
 
     def reset_parameters(self) -> None:
         """The canonical initialisers (damcha_core's table), drawn from torch's RNG."""
-        dims = (self.heads, self.head_dim, self.rank or 0, self.features)
+        stds = dc.METRIC_STRUCTURES[self.metric].stds(self.features, self.heads, self.head_dim, self.rank)
         with torch.no_grad():
-            for leaf in TORCH_LEAVES[self.metric].values():
+            for name, leaf in TORCH_LEAVES[self.metric].items():
                 param = getattr(self, leaf.attribute)
-                if leaf.std is None:
+                if stds[name] == 0.0:
                     param.zero_()
                 else:
-                    param.normal_(0.0, leaf.std(*dims))
+                    param.normal_(0.0, stds[name])
 
     def extra_repr(self) -> str:
         rank = f", rank={self.rank}" if self.metric == "lowrank" else ""
@@ -154,30 +160,27 @@ class MetricGenerator(nn.Module):
 
     def matches(self, features: int, heads: int, head_dim: int, metric: str, rank: int | None) -> bool:
         """Whether this generator can serve a side with these sizes."""
-        if (self.features, self.heads, self.metric, self.rank) != (features, heads, metric, rank):
-            return False
-        return metric == "heads" or self.head_dim == head_dim
+        return not dc.GeneratorSpec(features, heads, metric, head_dim, rank).mismatches(self.spec)
 
     def side(self, gate: Tensor) -> fn.SideWeights:
         """This generator's parameters with a layer's ``gate``, as the functional core takes them."""
-        if self.metric == "heads":
-            return fn.SideWeights("heads", self.weight, self.bias, gate)
-        return fn.SideWeights("lowrank", self.weight, self.bias, gate, self.u, self.v)
+        leaves = {name: getattr(self, leaf.attribute) for name, leaf in TORCH_LEAVES[self.metric].items()}
+        return fn.SideWeights(self.metric, leaves["kernel"], leaves["bias"], gate, leaves.get("u"), leaves.get("v"))
 
     def canonical_views(self, gate: Tensor, side: str = "qk") -> dict[str, Tensor]:
         """``metric.<side>.<leaf>`` -> canonical view of each parameter (and the gate)."""
-        dims = (self.heads, self.head_dim, self.rank or 0, self.features)
         out = {f"metric.{side}.gate": gate}
+        shapes = generator_shapes(self.metric, self.features, self.heads, self.head_dim, self.rank)
         for name, leaf in TORCH_LEAVES[self.metric].items():
-            out[f"metric.{side}.{name}"] = leaf.to_canonical(getattr(self, leaf.attribute), dims)
+            out[f"metric.{side}.{name}"] = leaf.to_canonical(getattr(self, leaf.attribute), shapes[name])
         return out
 
     def head_map(self, tokens: Tensor, gate: Tensor) -> Tensor:
         """l(t) = I + diag(g) A(t), (B, T, S, S); metric "heads" only."""
-        if self.metric != "heads":
+        if not dc.METRIC_STRUCTURES[self.metric].compact_head_map:
             raise DamchaValueError(
-                "`head_map` is the S x S factor of metric 'heads'; a 'lowrank' map has none. "
-                f"Received: metric={self.metric!r}"
+                f"`head_map` is the S x S factor l(t) of metric 'heads'; metric {self.metric!r} has none "
+                "(use damcha_attention(..., return_metric=True) for the dense L(t))."
             )
         return fn.head_map_weights(self.side(gate), tokens)
 
@@ -195,4 +198,3 @@ class MetricGenerator(nn.Module):
     def penalty(self, tokens: Tensor, gate: Tensor) -> Tensor:
         """mean over tokens of ||L(t) - I||_F^2 / (S*d), a 0-d tensor in the tokens' dtype."""
         return fn.role_penalty_weights(self.side(gate), tokens, self.head_dim)
-

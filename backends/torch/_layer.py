@@ -7,7 +7,6 @@ the functional core's, and hands the math to ``_functional``.
 
 from __future__ import annotations
 
-import re
 from typing import Any, Mapping
 
 import torch
@@ -19,7 +18,7 @@ from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, describ
 from . import _functional as fn
 from ._cache import DamchaKVCache
 from ._canonical import CanonicalIO, check_config_rebuilt
-from ._generator import MetricGenerator
+from ._generator import MetricGenerator, check_param_dtype
 
 __all__ = ["DamchaAttention"]
 
@@ -57,26 +56,18 @@ def _add_batch_dim(query: Tensor, key: Tensor, value: Tensor, key_padding_mask: 
     return query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0), key_padding_mask
 
 
-def _check_shapes(config: DamchaConfig, query_shape: tuple, key_shape: tuple,
+# damcha_core names things as DamchaConfig and the reference do; the errors
+# speak of the arguments the caller passed.
+_CONSTRUCTOR_NAMES = {"query_dim": "embed_dim", "context_dim": "kdim", "value_input_dim": "vdim", "use_bias": "bias"}
+_FORWARD_NAMES = {"context": "key", "mask": "attn_mask", "query_dim": "embed_dim", "context_dim": "kdim",
+                  "value_input_dim": "vdim"}
+
+
+def _check_shapes(config: DamchaConfig, query_shape: tuple, key_shape: tuple, value_shape: tuple,
                   mask_shape: tuple | None = None) -> tuple[Any, Any, Any]:
-    """``dc.check_shapes`` with this module's argument names in its errors;
-    returns (B, N, M) as torch gives them (SymInts under ``torch.export``)."""
-    try:
-        return dc.check_shapes(config, query_shape, key_shape, mask_shape, mask_name="attn_mask")
-    except (DamchaValueError, DamchaTypeError) as exc:
-        raise _torch_names(exc, _FORWARD_NAMES) from None
-
-
-# damcha_core names things as DamchaConfig and the reference do; the errors of
-# this module speak of the arguments the caller passed.
-_CONSTRUCTOR_NAMES = {"query_dim": "embed_dim", "context_dim": "kdim", "use_bias": "bias"}
-_FORWARD_NAMES = {"config.query_dim": "embed_dim", "config.context_dim": "kdim", "context": "key"}
-
-
-def _torch_names(exc: Exception, names: Mapping[str, str]) -> Exception:
-    """The same error with damcha_core's names replaced by this module's argument names."""
-    pattern = re.compile(r"(?<![\w.])(" + "|".join(re.escape(n) for n in names) + r")\b")
-    return type(exc)(pattern.sub(lambda m: names[m.group(1)], str(exc)))
+    """``dc.check_shapes`` with this module's argument names; returns (B, N, M)
+    as torch gives them (SymInts under ``torch.export``)."""
+    return dc.check_shapes(config, query_shape, key_shape, mask_shape, value_shape=value_shape, names=_FORWARD_NAMES)
 
 
 def _as_additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
@@ -99,8 +90,8 @@ class DamchaAttention(CanonicalIO, nn.Module):
         bias: biases on the four projections.
         add_bias_kv, add_zero_attn: accepted for signature compatibility;
             only ``False`` is supported.
-        kdim, vdim: E_kv, feature size of key and value inputs (must be
-            equal: DAMCHA projects one context). Default ``embed_dim``.
+        kdim, vdim: E_kv and E_v, feature sizes of the key and value inputs;
+            default ``embed_dim`` (each, as in nn.MultiheadAttention).
         batch_first: inputs/outputs are (B, N, E) instead of (N, B, E).
         device, dtype: factory kwargs for the parameters.
         key_dim: d, per-head query/key size; default ``embed_dim // num_heads``.
@@ -109,7 +100,9 @@ class DamchaAttention(CanonicalIO, nn.Module):
         output_dim: E_o; default ``embed_dim``.
         metric: "heads" (default), "lowrank" or "none" (exactly MHA).
         metric_rank: r for "lowrank".
-        coupling: "tied" (default), "separate" or "query".
+        coupling: "tied", "separate", "query", or None/"auto" (default):
+            "tied" when queries and keys have the same size and head count
+            (kdim == embed_dim, num_kv_heads == num_heads), else "separate".
         scale: logit scale; default 1/sqrt(key_dim).
         metric_generator: a ``MetricGenerator`` to share with other layers
             (tied/query coupling), or a mapping ``{"q": ..., "k": ...}``
@@ -119,7 +112,7 @@ class DamchaAttention(CanonicalIO, nn.Module):
             MHA's (costs one extra q/k projection in backward).
 
     Parameters (``nn.MultiheadAttention`` layout, so ``from_mha`` is a copy):
-    ``in_proj_weight`` (H*d + G*d + G*d_v, E) when ``kdim == embed_dim``,
+    ``in_proj_weight`` (H*d + G*d + G*d_v, E) when ``kdim == vdim == embed_dim``,
     else ``q_proj_weight``, ``k_proj_weight``, ``v_proj_weight``;
     ``in_proj_bias``; ``out_proj`` (``nn.Linear``); ``metric_gates[side]``
     (S,); ``metric_generators[side]`` (``MetricGenerator``).
@@ -154,7 +147,7 @@ class DamchaAttention(CanonicalIO, nn.Module):
         output_dim: int | None = None,
         metric: str = "heads",
         metric_rank: int | None = None,
-        coupling: str = "tied",
+        coupling: str | None = None,
         scale: float | None = None,
         metric_generator: MetricGenerator | Mapping[str, MetricGenerator] | None = None,
         recompute: bool = True,
@@ -165,53 +158,44 @@ class DamchaAttention(CanonicalIO, nn.Module):
                 "`add_bias_kv` and `add_zero_attn` are not supported by DamchaAttention. "
                 f"Received: add_bias_kv={add_bias_kv!r}, add_zero_attn={add_zero_attn!r}"
             )
-        # As in nn.MultiheadAttention, an omitted kdim or vdim means embed_dim.
-        if (kdim is not None or vdim is not None) and (kdim if kdim is not None else embed_dim) != (
-            vdim if vdim is not None else embed_dim
-        ):
-            raise DamchaValueError(
-                "`kdim` and `vdim` must be equal (an omitted one means embed_dim, as in nn.MultiheadAttention): "
-                f"DAMCHA projects keys and values from one context. Received: kdim={kdim}, vdim={vdim}, "
-                f"embed_dim={embed_dim}"
-            )
+        embed_dim = dc.check_int("embed_dim", embed_dim)
+        num_heads = dc.check_int("num_heads", num_heads)
         if key_dim is None:
-            if isinstance(embed_dim, int) and isinstance(num_heads, int) and num_heads > 0 and embed_dim % num_heads:
+            if embed_dim % num_heads:
                 raise DamchaValueError(
                     "`embed_dim` must be divisible by `num_heads` when `key_dim` is not given. "
                     f"Received: embed_dim={embed_dim}, num_heads={num_heads}"
                 )
-            if isinstance(embed_dim, int) and isinstance(num_heads, int) and num_heads > 0:
-                key_dim = embed_dim // num_heads
-        if not isinstance(batch_first, bool):
-            raise DamchaTypeError(f"`batch_first` must be a bool. Received: batch_first={describe(batch_first)}")
-        if not isinstance(recompute, bool):
-            raise DamchaTypeError(f"`recompute` must be a bool. Received: recompute={describe(recompute)}")
-        try:
-            cfg = DamchaConfig(
-                query_dim=embed_dim, num_heads=num_heads, key_dim=key_dim,  # type: ignore[arg-type]
-                value_dim=value_dim, num_kv_heads=num_kv_heads, context_dim=kdim if kdim is not None else vdim,
-                output_dim=output_dim, use_bias=bias, metric=metric, metric_rank=metric_rank, coupling=coupling,
-                scale=scale, dropout=dropout,
-            )
-        except (DamchaValueError, DamchaTypeError) as exc:
-            raise _torch_names(exc, _CONSTRUCTOR_NAMES) from None
+            key_dim = embed_dim // num_heads
+        batch_first = dc.check_bool("batch_first", batch_first)
+        recompute = dc.check_bool("recompute", recompute)
+        check_param_dtype(dtype)
+        # As in nn.MultiheadAttention, an omitted kdim or vdim means embed_dim.
+        cfg = dc.make_config(
+            names=_CONSTRUCTOR_NAMES, query_dim=embed_dim, num_heads=num_heads, key_dim=key_dim,
+            value_dim=value_dim, num_kv_heads=num_kv_heads, context_dim=embed_dim if kdim is None else kdim,
+            value_input_dim=embed_dim if vdim is None else vdim, output_dim=output_dim, use_bias=bias,
+            metric=metric, metric_rank=metric_rank, coupling=coupling, scale=scale, dropout=dropout,
+        )
         self._init_from_config(cfg, batch_first, device, dtype, metric_generator, recompute)
 
     def _init_from_config(self, cfg: DamchaConfig, batch_first: bool, device: Any, dtype: Any,
                           metric_generator: Any, recompute: bool) -> None:
         self.config = cfg
+        shared = dc.resolve_generators(metric_generator, cfg, generator_type=MetricGenerator,
+                                       spec_of=lambda g: g.spec)
         kw: dict[str, Any] = {"device": device, "dtype": dtype}
-        E, Ekv = cfg.query_dim, cfg.context_dim
+        E, Ekv, Ev = cfg.query_dim, cfg.context_dim, cfg.value_input_dim
         H, G, d, dv = cfg.num_heads, cfg.num_kv_heads, cfg.key_dim, cfg.value_dim
         # The nn.MultiheadAttention attribute names, for code that inspects them.
-        self.embed_dim, self.kdim, self.vdim = E, Ekv, Ekv
+        self.embed_dim, self.kdim, self.vdim = E, Ekv, Ev
         self.num_heads, self.head_dim, self.dropout = H, d, cfg.dropout
         self.batch_first, self.recompute = batch_first, recompute
         # Opt-in: forward stores its metric penalty for damcha_torch.metric_penalty(model).
         self.track_metric_penalty = False
         self.last_metric_penalty: Tensor | None = None
         self._sizes = (H * d, G * d, G * dv)
-        if Ekv == E:
+        if Ekv == E and Ev == E:
             self.in_proj_weight = nn.Parameter(torch.empty(sum(self._sizes), E, **kw))
             self.register_parameter("q_proj_weight", None)
             self.register_parameter("k_proj_weight", None)
@@ -220,7 +204,7 @@ class DamchaAttention(CanonicalIO, nn.Module):
             self.register_parameter("in_proj_weight", None)
             self.q_proj_weight = nn.Parameter(torch.empty(H * d, E, **kw))
             self.k_proj_weight = nn.Parameter(torch.empty(G * d, Ekv, **kw))
-            self.v_proj_weight = nn.Parameter(torch.empty(G * dv, Ekv, **kw))
+            self.v_proj_weight = nn.Parameter(torch.empty(G * dv, Ev, **kw))
         if cfg.use_bias:
             self.in_proj_bias = nn.Parameter(torch.empty(sum(self._sizes), **kw))
         else:
@@ -228,47 +212,14 @@ class DamchaAttention(CanonicalIO, nn.Module):
         self.out_proj = nn.Linear(H * dv, cfg.output_dim, bias=cfg.use_bias, **kw)  # type: ignore[arg-type]
         self.metric_gates = nn.ParameterDict()
         self.metric_generators = nn.ModuleDict()
-        shared = self._shared_generators(metric_generator)
         for side in cfg.metric_sides:
-            S, Es = cfg.side_heads(side), cfg.side_features(side)
-            self.metric_gates[side] = nn.Parameter(torch.zeros(S, **kw))
+            spec = cfg.generator_spec(side)
+            self.metric_gates[side] = nn.Parameter(torch.zeros(spec.heads, **kw))
             gen = shared.get(side)
             if gen is None:
-                gen = MetricGenerator(Es, S, d, cfg.metric, cfg.metric_rank, **kw)
-            elif not gen.matches(Es, S, d, cfg.metric, cfg.metric_rank):
-                raise DamchaValueError(
-                    f"`metric_generator` for side {side!r} does not fit this layer: it has ({gen.extra_repr()}), "
-                    f"expected features={Es}, heads={S}, head_dim={d}, metric={cfg.metric!r}"
-                    + (f", rank={cfg.metric_rank}" if cfg.metric == "lowrank" else "")
-                )
+                gen = MetricGenerator(spec.features, spec.heads, d, cfg.metric, cfg.metric_rank, **kw)
             self.metric_generators[side] = gen
         self._reset_projections()
-
-    def _shared_generators(self, metric_generator: Any) -> dict[str, MetricGenerator]:
-        sides = self.config.metric_sides
-        if metric_generator is None:
-            return {}
-        if not sides:
-            raise DamchaValueError("`metric_generator` must be None with metric='none'. Received: a generator")
-        if isinstance(metric_generator, MetricGenerator):
-            if len(sides) != 1:
-                raise DamchaValueError(
-                    "`metric_generator` must be a mapping {'q': ..., 'k': ...} with coupling='separate'. "
-                    f"Received: metric_generator={type(metric_generator).__name__}"
-                )
-            return {sides[0]: metric_generator}
-        if isinstance(metric_generator, Mapping):
-            unknown = sorted(set(metric_generator) - set(sides))
-            if unknown or not all(isinstance(g, MetricGenerator) for g in metric_generator.values()):
-                raise DamchaValueError(
-                    f"`metric_generator` must map sides {list(sides)} to MetricGenerator modules. "
-                    f"Received keys {sorted(metric_generator)}"
-                )
-            return dict(metric_generator)
-        raise DamchaTypeError(
-            "`metric_generator` must be a MetricGenerator, a mapping of side -> MetricGenerator, or None. "
-            f"Received: metric_generator={describe(metric_generator)}"
-        )
 
     def _reset_projections(self) -> None:
         """Canonical initialisers: Glorot per projection, zero biases, zero gates."""
@@ -348,7 +299,8 @@ class DamchaAttention(CanonicalIO, nn.Module):
                 attn_mask = attn_mask.view(B, H, N, M)
             else:
                 try:
-                    _check_shapes(cfg, (B, N, cfg.query_dim), (B, M, cfg.context_dim), tuple(attn_mask.shape))
+                    _check_shapes(cfg, (B, N, cfg.query_dim), (B, M, cfg.context_dim), (B, M, cfg.value_input_dim),
+                                  tuple(attn_mask.shape))
                 except DamchaValueError as exc:
                     raise DamchaValueError(
                         str(exc)
@@ -427,12 +379,7 @@ class DamchaAttention(CanonicalIO, nn.Module):
             query, key, value, key_padding_mask = _add_batch_dim(query, key, value, key_padding_mask)
         elif not self.batch_first:
             query, key, value = (t.transpose(0, 1) for t in (query, key, value))
-        B, N, M = _check_shapes(self.config, tuple(query.shape), tuple(key.shape))
-        if tuple(value.shape) != tuple(key.shape):
-            raise DamchaValueError(
-                "`value` must have the shape of `key` (DAMCHA projects one context). "
-                f"Received: key.shape={tuple(key.shape)}, value.shape={tuple(value.shape)}"
-            )
+        B, N, M = _check_shapes(self.config, tuple(query.shape), tuple(key.shape), tuple(value.shape))
         if self.track_metric_penalty:
             self.last_metric_penalty = self._penalty(query, key)
         if kv_cache is not None and not isinstance(kv_cache, DamchaKVCache):
@@ -472,7 +419,9 @@ class DamchaAttention(CanonicalIO, nn.Module):
             query, key, _, _ = _add_batch_dim(query, key, key, None)
         elif not self.batch_first:
             query, key = query.transpose(0, 1), key.transpose(0, 1)
-        _check_shapes(self.config, tuple(query.shape), tuple(key.shape))
+        cfg = self.config
+        dc.check_shapes(cfg, tuple(query.shape), tuple(key.shape), value_shape=(*key.shape[:2], cfg.value_input_dim),
+                        names=_FORWARD_NAMES)
         return self._penalty(query, key)
 
     def _penalty(self, query: Tensor, key: Tensor) -> Tensor:
@@ -493,7 +442,7 @@ class DamchaAttention(CanonicalIO, nn.Module):
     ) -> DamchaAttention:
         layer = cls(
             config.query_dim, config.num_heads, dropout=config.dropout, bias=config.use_bias,
-            kdim=config.context_dim, vdim=config.context_dim, batch_first=batch_first, device=device, dtype=dtype,
+            kdim=config.context_dim, vdim=config.value_input_dim, batch_first=batch_first, device=device, dtype=dtype,
             key_dim=config.key_dim, value_dim=config.value_dim, num_kv_heads=config.num_kv_heads,
             output_dim=config.output_dim, metric=config.metric, metric_rank=config.metric_rank,
             coupling=config.coupling, scale=config.scale, metric_generator=metric_generator, recompute=recompute,
