@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q --upgrade pip
 	# The pinned CPU build; an unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e ".[all,dev]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[all,models,dev]"
 	touch $(STAMP)
 
 install: $(STAMP)

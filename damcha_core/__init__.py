@@ -26,6 +26,7 @@ from ._policy import (
     resolve_coupling,
     resolve_generators,
 )
+from ._rotary import Rotary, apply_rotary
 from ._reference import (
     RMS_EPS,
     damcha_attention,
@@ -61,8 +62,10 @@ __all__ = [
     "MetricLeaf",
     "MetricStructure",
     "RMS_EPS",
+    "Rotary",
     "TokenModelConfig",
     "__version__",
+    "apply_rotary",
     "check_bool",
     "check_choice",
     "check_finite_nonneg",

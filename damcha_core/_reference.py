@@ -22,6 +22,7 @@ from ._config import DamchaConfig
 from ._errors import DamchaTypeError, DamchaValueError, describe
 from ._params import _is_real_float, validate_params
 from ._policy import check_bool, check_choice, check_shapes
+from ._rotary import Rotary, apply_rotary
 
 RMS_EPS = 1e-6
 PATHS = ("fast", "explicit")
@@ -208,6 +209,7 @@ def damcha_attention(
     query_offset: int = 0,
     path: str = "fast",
     value: Any = None,
+    rotary: Any = None,
 ):
     """DAMCHA v1 forward pass in float64 (inference: no dropout).
 
@@ -230,6 +232,8 @@ def damcha_attention(
             small inputs only).
         value: the value tokens (B, M, E_v) when they are not the context
             (``config.value_input_dim``); ``None``: the context.
+        rotary: a ``damcha_core.Rotary``: rotate q~ and k~ by their positions
+            after the maps (spec section 9); fast path only.
 
     Returns:
         y (B, N, E_o) float64 alone, or a tuple ``(y, weights?, metric?)`` with
@@ -254,6 +258,10 @@ def damcha_attention(
     return_metric = check_bool("return_metric", return_metric)
     query_offset = _check_offset(query_offset)
     path = check_choice("path", path, PATHS)
+    if rotary is not None and (not isinstance(rotary, Rotary) or path != "fast"):
+        raise DamchaValueError(
+            f"`rotary` must be a damcha_core.Rotary, with path='fast'. Received: rotary={describe(rotary)}, path={path!r}"
+        )
     if mask is not None:
         mask = np.broadcast_to(mask.reshape((1,) * (4 - mask.ndim) + mask.shape), (B, H, N, M))
 
@@ -264,6 +272,9 @@ def damcha_attention(
             q = apply_map(p, config, sq, x, q)
         if sk:
             k = apply_map(p, config, sk, c, k)
+        if rotary is not None:  # after the maps, as a converted RoPE model rotates q~ and k~
+            q = apply_rotary(q, rotary, rotary.positions("q", B, N, query_offset))
+            k = apply_rotary(k, rotary, rotary.positions("k", B, M))
         k_h = np.repeat(k, config.group_size, axis=2)  # head h reads kv head h // (H/G)
         logits = config.softmax_scale * np.einsum("bnhd,bmhd->bhnm", q, k_h)
     else:

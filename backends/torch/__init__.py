@@ -39,27 +39,51 @@ from ._functional import (  # noqa: E402
 )
 from ._generator import MetricGenerator  # noqa: E402
 from ._layer import DamchaAttention  # noqa: E402
+from ._models import (  # noqa: E402 (after the names it uses)
+    AttentionLayout,
+    DamchaMaps,
+    ModelAdapter,
+    ProjectionSite,
+    convert,
+    converted_layers,
+    damcha_parameters,
+    from_pretrained,
+    register_adapter,
+    supported_layouts,
+    track_metric_penalty,
+)
 
 __all__ = [
+    "AttentionLayout",
     "DamchaAttention",
     "DamchaKVCache",
+    "DamchaMaps",
     "DamchaTransformerDecoder",
     "DamchaTransformerDecoderLayer",
     "DamchaTransformerEncoder",
     "DamchaTransformerEncoderLayer",
     "MetricGenerator",
+    "ModelAdapter",
+    "ProjectionSite",
     "apply_map",
     "build_decoder",
     "build_encoder",
     "causal_visibility",
+    "convert",
+    "converted_layers",
     "damcha_attention",
+    "damcha_parameters",
+    "from_pretrained",
     "generator",
     "metric_penalty",
+    "register_adapter",
     "replace_mha",
     "rms_normalise",
     "safe_attention",
     "shard_stack",
     "softmax_attend",
+    "supported_layouts",
+    "track_metric_penalty",
     "visibility",
 ]
 

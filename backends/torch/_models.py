@@ -1,0 +1,710 @@
+"""Converting third-party torch models (transformers, timm) to DAMCHA in place.
+
+Where the maps go: on each token's projected queries and keys, *inside* the
+host's projection call. ``convert`` replaces the ``forward`` of the modules
+that project queries and keys (``q_proj``/``k_proj``, GPT-2's fused
+``c_attn``, timm's fused ``qkv``, ...) by the projection followed by the
+cross-head map of the token that was projected. Everything the host does after
+its projections runs unchanged: per-head q/k norms, RoPE, the key/value cache
+(which therefore stores mapped keys) and whichever attention kernel the host
+selects (eager, sdpa, flash). Parameter names of the host do not change; the
+gates and generators live in a new child ``damcha`` of each converted
+attention module.
+
+The map is computed in residual form, y + g * (Delta(t) y), never as a product
+with a folded identity I + g Delta: with the gates at 0 the converted model is
+bit-for-bit the original in every dtype, TF32 and bf16 included.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+import damcha_core as dc
+from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, describe
+
+# The port's public names (bound in damcha_torch/__init__ before this module loads).
+from . import DamchaAttention, MetricGenerator, replace_mha
+
+__all__ = [
+    "AttentionLayout",
+    "DamchaMaps",
+    "ModelAdapter",
+    "ProjectionSite",
+    "convert",
+    "converted_layers",
+    "damcha_parameters",
+    "from_pretrained",
+    "metric_penalty",
+    "register_adapter",
+    "supported_layouts",
+    "track_metric_penalty",
+]
+
+# The key under which convert() records its options in a transformers config
+# (config.json), so that damcha_torch.from_pretrained can rebuild the layers.
+CONFIG_KEY = "damcha"
+CONFIG_FORMAT = "damcha-v1-convert"
+
+
+# ------------------------------------------------------------------ layouts
+
+
+@dataclasses.dataclass(frozen=True)
+class ProjectionSite:
+    """One projection module of an attention layer whose output holds queries
+    and/or keys, as consecutive heads of ``head_dim`` features.
+
+    Args:
+        attr: attribute name of the projection on the attention module
+            (``"q_proj"``, ``"c_attn"``, ``"qkv"``).
+        q: feature offset of the H query heads in the projection's output, or
+            ``None`` when it projects no queries.
+        k: feature offset of the G key heads, or ``None``.
+    """
+
+    attr: str
+    q: int | None = None
+    k: int | None = None
+
+    def roles(self) -> list[tuple[str, int]]:
+        """(role, offset) pairs, in output order."""
+        return sorted(((r, o) for r, o in (("q", self.q), ("k", self.k)) if o is not None), key=lambda t: t[1])
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionLayout:
+    """What ``convert`` needs to know about one attention module.
+
+    Args:
+        num_heads: H, query heads.
+        num_kv_heads: G, key/value heads (G divides H).
+        head_dim: d, features per query/key head.
+        query_features: E_q, feature size of the tokens projected to queries.
+        key_features: E_kv, feature size of the tokens projected to keys.
+        sites: the projections carrying queries and keys.
+        self_attention: queries and keys are projected from the same tokens
+            (``coupling="auto"`` ties the maps only then).
+    """
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    query_features: int
+    key_features: int
+    sites: tuple[ProjectionSite, ...]
+    self_attention: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelAdapter:
+    """Recognises one attention layout and describes it.
+
+    Args:
+        name: short unique name (shown in errors and reprs).
+        description: what it supports, one line (listed in errors).
+        matches: ``module -> bool``, whether a module has this layout.
+        layout: ``module -> AttentionLayout`` for a matched module; raise
+            ``DamchaValueError`` for a variant the adapter cannot convert.
+    """
+
+    name: str
+    description: str
+    matches: Callable[[nn.Module], bool]
+    layout: Callable[[nn.Module], AttentionLayout]
+
+
+_ADAPTERS: list[ModelAdapter] = []
+
+
+def register_adapter(adapter: ModelAdapter) -> ModelAdapter:
+    """Teach ``convert`` another attention layout; returns the adapter.
+
+    Adapters are tried in registration order, the built-in ones first; the
+    first whose ``matches`` accepts a module converts it.
+    """
+    if not isinstance(adapter, ModelAdapter):
+        raise DamchaTypeError(f"`adapter` must be a damcha_torch.ModelAdapter. Received: adapter={describe(adapter)}")
+    if any(a.name == adapter.name for a in _ADAPTERS):
+        raise DamchaValueError(f"An adapter named {adapter.name!r} is already registered. Received: adapter.name={adapter.name!r}")
+    _ADAPTERS.append(adapter)
+    return adapter
+
+
+def supported_layouts() -> list[str]:
+    """One line per layout ``convert`` knows (registered adapters and nn.MultiheadAttention)."""
+    _load_builtin_adapters()
+    return [f"{a.name}: {a.description}" for a in _ADAPTERS] + [
+        "mha: torch.nn.MultiheadAttention (replaced by DamchaAttention.from_mha)"
+    ]
+
+
+def _load_builtin_adapters() -> None:
+    from . import _models_layouts  # noqa: F401  (registers on first import)
+
+
+# ---------------------------------------------------------------- the maps
+
+
+def _coefficients(generator: MetricGenerator, tokens: Tensor, dtype: torch.dtype) -> Tensor:
+    """A(t) flattened (..., S*S) or u(t) (..., r): phi(t) W + b with phi the RMS normalisation."""
+    weight, bias = generator.weight.to(dtype), generator.bias.to(dtype)
+    mean_sq = torch.linalg.vecdot(tokens, tokens, dim=-1).unsqueeze(-1) / tokens.shape[-1]
+    return torch.addcmul(bias, F.linear(tokens, weight), torch.rsqrt(mean_sq + dc.RMS_EPS))
+
+
+def _no_autocast(t: Tensor) -> contextlib.AbstractContextManager:
+    device = t.device.type
+    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+        return torch.autocast(device, enabled=False)
+    return contextlib.nullcontext()
+
+
+class _SiteForward:
+    """Installed as a projection module's ``forward``: the projection, then the maps.
+
+    A plain (picklable, deep-copyable) object rather than a closure, so that
+    ``copy.deepcopy`` and ``torch.save(model)`` carry the conversion along.
+    """
+
+    def __init__(self, maps: DamchaMaps, projection: nn.Module, site: ProjectionSite, previous: Any) -> None:
+        self.maps = maps
+        self.projection = projection
+        self.site = site
+        self.previous = previous  # an instance-level forward that was there before (accelerate hooks), or None
+
+    def project(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        if self.previous is not None:
+            return self.previous(x, *args, **kwargs)
+        return type(self.projection).forward(self.projection, x, *args, **kwargs)
+
+    def __call__(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        return self.maps._run_site(self, x, args, kwargs)
+
+
+class _SyncHook:
+    """Forward pre-hook of a converted attention module: if a projection was
+    replaced since conversion (PEFT wraps ``q_proj`` in a LoRA layer), move the
+    map onto the module now there, so the LoRA update passes through the map."""
+
+    def __init__(self, maps: DamchaMaps) -> None:
+        self.maps = maps
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        self.maps.sync(module)
+
+
+class DamchaMaps(nn.Module):
+    """The DAMCHA parameters of one converted attention module, and its maps.
+
+    Registered as the child ``damcha`` of the attention module. ``gates[side]``
+    (S,) start at 0; ``generators[side]`` are ``MetricGenerator`` modules, or,
+    with ``share_metric``, borrowed from the first converted layer (registered
+    there only, so a checkpoint stores each shared tensor once).
+
+    Args:
+        config: the layer's ``DamchaConfig`` (sizes, metric, coupling).
+        layout: the attention module's ``AttentionLayout``.
+        adapter: name of the adapter that matched the module.
+        recompute: in training, recompute the q/k projections and maps in
+            backward instead of storing the map's inputs, so activation memory
+            stays the original model's.
+        shared: generators to borrow, by side (``share_metric``).
+    """
+
+    def __init__(
+        self,
+        config: DamchaConfig,
+        layout: AttentionLayout,
+        adapter: str,
+        *,
+        recompute: bool = True,
+        shared: Mapping[str, MetricGenerator] | None = None,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.config, self.layout, self.adapter, self.recompute = config, layout, adapter, recompute
+        self.gates = nn.ParameterDict()
+        self.generators = nn.ModuleDict()
+        self._borrowed: dict[str, MetricGenerator] = {}
+        self._installed: dict[str, nn.Module] = {}
+        self.track_metric_penalty = False
+        self._penalty_terms: dict[str, Tensor] = {}
+        for side in config.metric_sides:
+            S, E = config.side_heads(side), config.side_features(side)
+            self.gates[side] = nn.Parameter(torch.zeros(S, device=device, dtype=dtype))
+            if shared is not None and side in shared:
+                self._borrowed[side] = shared[side]
+            else:
+                self.generators[side] = MetricGenerator(
+                    E, S, config.key_dim, config.metric, config.metric_rank, device=device, dtype=dtype
+                )
+
+    def generator(self, side: str) -> MetricGenerator:
+        """The generator of ``side`` ("qk", "q" or "k"), owned or borrowed."""
+        if side in self._borrowed:
+            return self._borrowed[side]
+        return self.generators[side]  # type: ignore[return-value]
+
+    def extra_repr(self) -> str:
+        c = self.config
+        shared = f", shared={sorted(self._borrowed)}" if self._borrowed else ""
+        return (f"adapter={self.adapter!r}, heads={c.num_heads}, kv_heads={c.num_kv_heads}, head_dim={c.key_dim}, "
+                f"metric={c.metric!r}, coupling={c.coupling!r}{shared}")
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_penalty_terms"] = {}  # tensors of the last forward's graph, not state
+        return state
+
+    # ------------------------------------------------------------ install
+
+    def install(self, attention: nn.Module) -> None:
+        """Patch the projections of ``attention`` and keep them patched."""
+        for site in self.layout.sites:
+            self._install(site, _child(attention, site.attr))
+        attention.register_forward_pre_hook(_SyncHook(self))
+
+    def _install(self, site: ProjectionSite, projection: nn.Module) -> None:
+        previous = projection.__dict__.get("forward")
+        if isinstance(previous, _SiteForward):
+            raise DamchaValueError(
+                f"`{site.attr}` already carries a DAMCHA map (converted twice?). Received: {type(projection).__name__}"
+            )
+        projection.forward = _SiteForward(self, projection, site, previous)
+        self._installed[site.attr] = projection
+
+    def _uninstall(self, attr: str) -> None:
+        projection = self._installed.pop(attr)
+        fwd = projection.__dict__.get("forward")
+        if isinstance(fwd, _SiteForward):
+            if fwd.previous is None:
+                del projection.__dict__["forward"]
+            else:
+                projection.forward = fwd.previous
+
+    def sync(self, attention: nn.Module) -> None:
+        """Re-attach the maps to projections replaced since conversion."""
+        for site in self.layout.sites:
+            current = attention._modules.get(site.attr)
+            if current is not self._installed.get(site.attr):
+                self._uninstall(site.attr)
+                self._install(site, _child(attention, site.attr))
+
+    # ---------------------------------------------------------------- math
+
+    def _recompute_now(self) -> bool:
+        # torch.func transforms reject checkpoint's saved-tensor hooks; store instead.
+        return (self.recompute and self.training and torch.is_grad_enabled()
+                and not torch._C._are_functorch_transforms_active())
+
+    def _run_site(self, fwd: _SiteForward, x: Tensor, args: tuple, kwargs: dict) -> Tensor:
+        if self._recompute_now():
+            # Only x (which the projection keeps anyway) is stored; the projected
+            # q/k and the map's coefficients are recomputed in backward.
+            return checkpoint(self._project_and_map, fwd, x, args, kwargs, use_reentrant=False)
+        return self._project_and_map(fwd, x, args, kwargs)
+
+    def _project_and_map(self, fwd: _SiteForward, x: Tensor, args: tuple, kwargs: dict) -> Tensor:
+        return self.apply_maps(fwd.site, x, fwd.project(x, *args, **kwargs))
+
+    def apply_maps(self, site: ProjectionSite, tokens: Tensor, y: Tensor) -> Tensor:
+        """Map the query/key heads of a projection output y (..., F) of ``tokens`` (..., E)."""
+        cfg = self.config
+        d = cfg.key_dim
+        compute = torch.float32 if y.dtype in (torch.float16, torch.bfloat16) else y.dtype
+        pieces: list[Tensor] = []
+        coeffs: dict[str, Tensor] = {}
+        pos = 0
+        with _no_autocast(y):
+            for role, offset in site.roles():
+                heads = cfg.num_heads if role == "q" else cfg.num_kv_heads
+                stop = offset + heads * d
+                if offset > pos:
+                    pieces.append(y[..., pos:offset])
+                part = y[..., offset:stop]
+                side = dc.side_of(cfg, role)
+                if side is not None:
+                    part = self.apply_map(side, tokens, part, coeffs, compute).to(y.dtype)
+                    if self.track_metric_penalty:
+                        self._penalty_terms[role] = self.generator(side).penalty(tokens, self.gates[side])
+                pieces.append(part)
+                pos = stop
+            if pos < y.shape[-1]:
+                pieces.append(y[..., pos:])
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)
+
+    def apply_map(self, side: str, tokens: Tensor, part: Tensor, coeffs: dict[str, Tensor],
+                  dtype: torch.dtype) -> Tensor:
+        """L(t) y = y + g * (Delta(t) y) for heads y flattened to (..., S*d); computed in ``dtype``."""
+        cfg = self.config
+        gen, gate = self.generator(side), self.gates[side].to(dtype)
+        S, d = gate.shape[0], cfg.key_dim
+        if side not in coeffs:
+            coeffs[side] = _coefficients(gen, tokens.to(dtype), dtype)
+        coeff, y = coeffs[side], part.to(dtype)
+        if cfg.metric == "heads":
+            heads = y.unflatten(-1, (S, d))
+            delta = torch.matmul(coeff.unflatten(-1, (S, S)), heads)
+            return torch.addcmul(heads, delta, gate.unsqueeze(-1)).flatten(-2)
+        z = torch.matmul(y, gen.v.to(dtype).flatten(0, 1))  # (..., r)
+        delta = torch.matmul(coeff * z, gen.u.to(dtype).flatten(0, 1).transpose(0, 1))  # (..., S*d)
+        return torch.addcmul(y, delta, gate.repeat_interleave(d))
+
+    @property
+    def last_metric_penalty(self) -> Tensor | None:
+        """Mean over the roles mapped in the last forward of ||L(t) - I||_F^2 / (S*d)
+        (recorded only while ``track_metric_penalty`` is True)."""
+        if not self._penalty_terms:
+            return None
+        return torch.stack(list(self._penalty_terms.values())).mean()
+
+
+def _child(module: nn.Module, attr: str) -> nn.Module:
+    child = getattr(module, attr, None)
+    if not isinstance(child, nn.Module):
+        raise DamchaValueError(
+            f"The attention module {type(module).__name__} has no projection module `{attr}`. Received: {describe(child)}"
+        )
+    return child
+
+
+# ------------------------------------------------------------------ convert
+
+
+_COUPLINGS = ("auto", "tied", "separate", "query")
+
+
+def _resolve_coupling(coupling: str, layout: AttentionLayout) -> str:
+    if coupling != "auto":
+        return coupling
+    same = (layout.self_attention and layout.num_heads == layout.num_kv_heads
+            and layout.query_features == layout.key_features)
+    return "tied" if same else "separate"
+
+
+def _is_attention_like(module: nn.Module) -> bool:
+    name = type(module).__name__
+    return "attention" in name.lower() or name.endswith("Attn")
+
+
+def _inside(name: str, prefixes: list[str]) -> bool:
+    return any(name != p and (p == "" or name.startswith(p + ".")) for p in prefixes)
+
+
+def _find(model: nn.Module) -> tuple[list[tuple[str, nn.Module, ModelAdapter]], list[tuple[str, nn.Module]], list[str]]:
+    """(matched layers, nn.MultiheadAttention modules, unknown attention-like modules)."""
+    _load_builtin_adapters()
+    matched: list[tuple[str, nn.Module, ModelAdapter]] = []
+    mhas: list[tuple[str, nn.Module]] = []
+    claimed: list[str] = []
+    for name, module in model.named_modules():
+        if _inside(name, claimed):
+            continue
+        if isinstance(module, (DamchaAttention, DamchaMaps)):
+            claimed.append(name)
+        elif isinstance(module, nn.MultiheadAttention):
+            mhas.append((name, module))
+            claimed.append(name)
+        else:
+            adapter = next((a for a in _ADAPTERS if a.matches(module)), None)
+            if adapter is not None:
+                matched.append((name, module, adapter))
+                claimed.append(name)
+    unknown = []
+    for name, module in model.named_modules():
+        if name in claimed or _inside(name, claimed) or not _is_attention_like(module):
+            continue
+        if any(_inside(c, [name]) for c in claimed):
+            continue  # a container of converted layers (BertAttention holds BertSelfAttention)
+        unknown.append(f"{name or '<model>'} ({type(module).__module__}.{type(module).__qualname__})")
+    return matched, mhas, unknown
+
+
+def _supported_text() -> str:
+    return "; ".join(supported_layouts())
+
+
+def convert(
+    model: nn.Module,
+    *,
+    metric: str = "heads",
+    metric_rank: int | None = None,
+    coupling: str | None = "auto",
+    share_metric: bool = False,
+    recompute: bool = True,
+) -> nn.Module:
+    """Convert every supported attention layer of ``model`` to DAMCHA, in place.
+
+    The converted model computes exactly what it computed before (gates start
+    at 0), with the same parameter names plus a ``damcha`` child in each
+    converted attention module (``nn.MultiheadAttention`` is replaced by
+    ``DamchaAttention.from_mha``). The maps act on the projected queries and
+    keys, before per-head q/k norms, RoPE and the key/value cache.
+
+    Args:
+        model: a torch module, e.g. a transformers ``LlamaForCausalLM`` or a
+            timm ``VisionTransformer``, or a single attention module.
+        metric: "heads" (default) or "lowrank".
+        metric_rank: r for "lowrank".
+        coupling: "auto" (default; ``None`` means the same): "tied" where
+            queries and keys read the same tokens with as many heads (self-
+            attention without GQA), "separate" otherwise (GQA/MQA, cross-
+            attention); or force "tied", "separate" or "query".
+        share_metric: one generator per side for all converted layers (the
+            stack-wise sharing of the spec); each layer keeps its own gates.
+        recompute: in training, recompute q/k projections and maps in
+            backward, so activation memory equals the original model's.
+
+    Returns:
+        ``model``, converted.
+
+    Raises:
+        DamchaValueError: no supported attention layer, an attention layer of
+            a layout no adapter knows (nothing is converted then), or a model
+            already converted.
+    """
+    if not isinstance(model, nn.Module):
+        raise DamchaTypeError(f"`model` must be a torch.nn.Module. Received: model={describe(model)}")
+    if metric not in ("heads", "lowrank"):
+        raise DamchaValueError(f"`metric` must be 'heads' or 'lowrank'. Received: metric={metric!r}")
+    coupling = "auto" if coupling is None else coupling
+    if coupling not in _COUPLINGS:
+        raise DamchaValueError(f"`coupling` must be one of {_COUPLINGS} or None. Received: coupling={coupling!r}")
+    for name, value in (("share_metric", share_metric), ("recompute", recompute)):
+        if not isinstance(value, bool):
+            raise DamchaTypeError(f"`{name}` must be a bool. Received: {name}={describe(value)}")
+    if isinstance(model, nn.MultiheadAttention):
+        raise DamchaValueError("`model` is itself an nn.MultiheadAttention; use DamchaAttention.from_mha(model).")
+    if any(isinstance(m, DamchaMaps) for m in model.modules()):
+        raise DamchaValueError(
+            f"`model` is already converted (it has DAMCHA maps: {', '.join(converted_layers(model))}). "
+            f"Received: model={type(model).__name__}"
+        )
+    matched, mhas, unknown = _find(model)
+    if unknown:
+        raise DamchaValueError(
+            f"`model` has attention layers of a layout convert() does not know: {', '.join(unknown[:5])}"
+            + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
+            + f". Nothing was converted. Supported: {_supported_text()}. "
+            "Teach it another layout with damcha_torch.register_adapter."
+        )
+    if not matched and not mhas:
+        already = [n for n, m in model.named_modules() if isinstance(m, DamchaAttention)]
+        if already:
+            raise DamchaValueError(f"`model` is already converted (DamchaAttention at {', '.join(already[:5])}).")
+        raise DamchaValueError(
+            f"`model` ({type(model).__name__}) has no attention layer convert() supports. Supported: {_supported_text()}."
+        )
+
+    # Validate every layer before touching any: a failure leaves the model as it was.
+    plans = []
+    for name, module, adapter in matched:
+        try:
+            layout = adapter.layout(module)
+            config = DamchaConfig(
+                query_dim=layout.query_features, context_dim=layout.key_features, num_heads=layout.num_heads,
+                num_kv_heads=layout.num_kv_heads, key_dim=layout.head_dim, metric=metric, metric_rank=metric_rank,
+                coupling=_resolve_coupling(coupling, layout),
+            )
+        except DamchaValueError as exc:
+            raise DamchaValueError(f"Cannot convert layer `{name}` ({adapter.name}): {exc}") from None
+        plans.append((name, module, adapter, layout, config))
+    shared: dict[str, MetricGenerator] = {}
+    if share_metric:
+        _check_shareable([(n, c) for n, _, _, _, c in plans])
+
+    for name, module, adapter, layout, config in plans:
+        ref = next(module.parameters(), None)
+        maps = DamchaMaps(
+            config, layout, adapter.name, recompute=recompute, shared=shared if share_metric else None,
+            device=None if ref is None else ref.device, dtype=None if ref is None or not ref.is_floating_point() else ref.dtype,
+        )
+        if share_metric:
+            for side in config.metric_sides:
+                shared.setdefault(side, maps.generator(side))
+        module.add_module(CONFIG_KEY, maps)
+        maps.install(module)
+
+    if mhas:
+        kwargs: dict[str, Any] = {"metric": metric, "metric_rank": metric_rank, "recompute": recompute,
+                                  "coupling": None if coupling == "auto" else coupling}
+        if share_metric:
+            kwargs["metric_generator"] = _mha_shared(mhas, metric, metric_rank, kwargs["coupling"], shared)
+        replace_mha(model, **kwargs)
+
+    _record(model, metric=metric, metric_rank=metric_rank, coupling=coupling, share_metric=share_metric)
+    return model
+
+
+def _check_shareable(plans: list[tuple[str, DamchaConfig]]) -> None:
+    seen: dict[str, tuple[str, tuple]] = {}
+    for name, config in plans:
+        for side in config.metric_sides:
+            sizes = (config.side_features(side), config.side_heads(side), config.key_dim)
+            first = seen.setdefault(side, (name, sizes))
+            if first[1] != sizes:
+                raise DamchaValueError(
+                    f"`share_metric=True` needs the same (features, heads, head_dim) for side {side!r} in every "
+                    f"layer. Received: {first[1]} in `{first[0]}`, {sizes} in `{name}`"
+                )
+
+
+def _mha_shared(mhas, metric, metric_rank, coupling, shared):
+    mha = mhas[0][1]
+    sides = ("qk",) if (coupling or ("tied" if mha.kdim == mha.embed_dim else "separate")) == "tied" else ("q", "k")
+    out = {}
+    ref = mha.out_proj.weight
+    for side in sides:
+        if side not in shared:
+            feats = mha.embed_dim if side != "k" else mha.kdim
+            shared[side] = MetricGenerator(feats, mha.num_heads, mha.head_dim, metric, metric_rank,
+                                           device=ref.device, dtype=ref.dtype)
+        out[side] = shared[side]
+    return out["qk"] if sides == ("qk",) else out
+
+
+def _record(model: nn.Module, **options: Any) -> None:
+    """Write the options into a transformers config, saved with save_pretrained."""
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "to_dict") and hasattr(config, "save_pretrained"):
+        setattr(config, CONFIG_KEY, {"format": CONFIG_FORMAT, **options})
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def converted_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """Name -> attention module, for every layer of ``model`` carrying DAMCHA
+    (converted by ``convert``, or a ``DamchaAttention``)."""
+    if not isinstance(model, nn.Module):
+        raise DamchaTypeError(f"`model` must be a torch.nn.Module. Received: model={describe(model)}")
+    out: dict[str, nn.Module] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, DamchaAttention) or isinstance(getattr(module, "_modules", {}).get(CONFIG_KEY), DamchaMaps):
+            out[name] = module
+    return out
+
+
+def _damcha_named(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    for name, module in model.named_modules():
+        if isinstance(module, DamchaMaps):
+            for pname, p in module.named_parameters():
+                yield f"{name}.{pname}", p
+        elif isinstance(module, DamchaAttention):
+            for pname, p in module.named_parameters():
+                if pname.startswith(("metric_gates.", "metric_generators.")):
+                    yield f"{name}.{pname}", p
+
+
+def damcha_parameters(model: nn.Module, *, gates: bool = True, generators: bool = True) -> list[nn.Parameter]:
+    """The DAMCHA parameters of ``model`` (gates and metric generators), each once,
+    e.g. for an optimizer group of their own.
+
+    Args:
+        model: a converted model.
+        gates: include the gates.
+        generators: include the metric generators' parameters.
+    """
+    if not isinstance(model, nn.Module):
+        raise DamchaTypeError(f"`model` must be a torch.nn.Module. Received: model={describe(model)}")
+    out, seen = [], set()
+    for name, p in _damcha_named(model):
+        is_gate = ".gates." in f".{name}" or ".metric_gates." in f".{name}"
+        if (is_gate and not gates) or (not is_gate and not generators) or id(p) in seen:
+            continue
+        seen.add(id(p))
+        out.append(p)
+    return out
+
+
+def metric_penalty(model: nn.Module) -> Tensor:
+    """Mean metric penalty of every DAMCHA layer of ``model`` over its last forward.
+
+    Set ``track_metric_penalty = True`` on the layers first
+    (``for m in converted_layers(model).values(): ...``; for converted layers
+    the flag lives on their ``damcha`` child, which this function's
+    ``track`` helper sets). Returns a 0-d tensor, 0 when nothing was recorded.
+    """
+    if not isinstance(model, nn.Module):
+        raise DamchaTypeError(f"`model` must be a torch.nn.Module. Received: model={describe(model)}")
+    values = [m.last_metric_penalty for m in model.modules()
+              if isinstance(m, (DamchaMaps, DamchaAttention)) and m.last_metric_penalty is not None]
+    if not values:
+        ref = next(model.parameters(), None)
+        return torch.zeros((), device=None if ref is None else ref.device,
+                           dtype=None if ref is None or not ref.is_floating_point() else ref.dtype)
+    return torch.stack(values).mean()
+
+
+def track_metric_penalty(model: nn.Module, enabled: bool = True) -> nn.Module:
+    """Turn recording of the metric penalty on (or off) in every DAMCHA layer; returns ``model``."""
+    for m in model.modules():
+        if isinstance(m, (DamchaMaps, DamchaAttention)):
+            m.track_metric_penalty = bool(enabled)
+    return model
+
+
+# --------------------------------------------------------------- checkpoints
+
+
+def recorded_options(path: str | os.PathLike) -> dict[str, Any] | None:
+    """The convert() options recorded in ``path/config.json``, or None."""
+    file = os.path.join(os.fspath(path), "config.json")
+    if not os.path.isfile(file):
+        return None
+    with open(file, encoding="utf-8") as f:
+        options = json.load(f).get(CONFIG_KEY)
+    return options if isinstance(options, dict) else None
+
+
+def from_pretrained(cls: type, path: str | os.PathLike, *, recompute: bool = True, **kwargs: Any) -> nn.Module:
+    """Load a converted transformers checkpoint (saved with ``save_pretrained``).
+
+    Reads the options ``convert`` recorded in ``config.json``, builds ``cls``
+    converted with them, and loads every tensor, DAMCHA ones included, through
+    ``cls.from_pretrained`` (so ``dtype=``, ``device_map=`` and sharded
+    checkpoints work as usual).
+
+    Args:
+        cls: the transformers model class, e.g. ``LlamaForCausalLM``.
+        path: the checkpoint folder.
+        recompute: as in ``convert``.
+        **kwargs: passed to ``cls.from_pretrained``.
+
+    Raises:
+        DamchaValueError: the checkpoint records no DAMCHA conversion (load it
+            with ``cls.from_pretrained`` and call ``convert``).
+    """
+    if not isinstance(cls, type) or not hasattr(cls, "from_pretrained"):
+        raise DamchaTypeError(f"`cls` must be a transformers model class. Received: cls={describe(cls)}")
+    options = recorded_options(path)
+    if options is None or options.get("format") != CONFIG_FORMAT:
+        raise DamchaValueError(
+            f"`path` holds no DAMCHA checkpoint: {os.path.join(os.fspath(path), 'config.json')} records no "
+            f"'{CONFIG_KEY}' conversion. Load a plain checkpoint with {getattr(cls, '__name__', cls)}.from_pretrained "
+            f"and call damcha_torch.convert. Received: path={os.fspath(path)!r}"
+        )
+    opts = {k: options[k] for k in ("metric", "metric_rank", "coupling", "share_metric")}
+
+    def __init__(self: Any, *args: Any, **kw: Any) -> None:
+        cls.__init__(self, *args, **kw)
+        convert(self, recompute=recompute, **opts)
+
+    # A subclass converts right after construction, so from_pretrained's own
+    # loader sees the DAMCHA tensors as expected keys; the instance gets its
+    # class back afterwards (the subclass adds no state).
+    converting = type(cls.__name__, (cls,), {"__init__": __init__, "__module__": cls.__module__})
+    model = converting.from_pretrained(path, **kwargs)
+    model.__class__ = cls
+    return model

@@ -1,0 +1,121 @@
+"""The built-in adapters of ``convert``: one small function per attention layout.
+
+Modules are recognised by class name and defining library (any class in the
+MRO), so neither transformers nor timm is imported here; a subclass of a
+supported class is supported too. Each layout checks the sizes it reads
+against the host's own config, so a variant with another head layout (a
+q_proj that also emits gates, say) is refused rather than mis-mapped.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from damcha_core import DamchaValueError
+
+from ._models import AttentionLayout, ModelAdapter, ProjectionSite, register_adapter
+
+
+def _is(module: nn.Module, library: str, names: frozenset[str]) -> bool:
+    return any(c.__name__ in names and c.__module__.split(".")[0] == library for c in type(module).__mro__)
+
+
+def _features(projection: nn.Module) -> tuple[int, int]:
+    """(in, out) features of a projection: nn.Linear, transformers' Conv1D, or a
+    wrapper exposing them (PEFT's LoRA layers)."""
+    if hasattr(projection, "in_features") and hasattr(projection, "out_features"):
+        return int(projection.in_features), int(projection.out_features)
+    if hasattr(projection, "nx") and hasattr(projection, "nf"):  # Conv1D, weight (in, out)
+        return int(projection.nx), int(projection.nf)
+    base = getattr(projection, "get_base_layer", None)
+    if callable(base) and base() is not projection:
+        return _features(base())
+    raise DamchaValueError(f"Cannot read the feature sizes of projection {type(projection).__name__}.")
+
+
+def _heads(name: str, out: int, head_dim: int, expected: int) -> int:
+    if out % head_dim or out // head_dim != expected:
+        raise DamchaValueError(
+            f"`{name}` has {out} output features, expected {expected} heads of {head_dim} "
+            "(a variant with another head layout, which this adapter does not know)."
+        )
+    return expected
+
+
+# --------------------------------------------------------- transformers decoders
+
+_LLAMA = frozenset({"LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention"})
+
+
+def _llama_layout(m: nn.Module) -> AttentionLayout:
+    d = int(m.head_dim)
+    cfg = m.config
+    (eq, q_out), (ek, k_out) = _features(m.q_proj), _features(m.k_proj)
+    H = _heads("q_proj", q_out, d, int(cfg.num_attention_heads))
+    G = _heads("k_proj", k_out, d, int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads))
+    return AttentionLayout(H, G, d, eq, ek, (ProjectionSite("q_proj", q=0), ProjectionSite("k_proj", k=0)))
+
+
+def _gpt2_layout(m: nn.Module) -> AttentionLayout:
+    H, d, E = int(m.num_heads), int(m.head_dim), int(m.embed_dim)
+    if getattr(m, "is_cross_attention", False):
+        (eq, q_out), (ek, kv_out) = _features(m.q_attn), _features(m.c_attn)
+        _heads("q_attn", q_out, d, H)
+        _heads("c_attn", kv_out, d, 2 * H)
+        return AttentionLayout(H, H, d, eq, ek, (ProjectionSite("q_attn", q=0), ProjectionSite("c_attn", k=0)),
+                               self_attention=False)
+    e, out = _features(m.c_attn)
+    _heads("c_attn", out, d, 3 * H)
+    return AttentionLayout(H, H, d, e, e, (ProjectionSite("c_attn", q=0, k=E),))
+
+
+_BERT_SELF = frozenset({"BertSelfAttention", "RobertaSelfAttention"})
+_BERT_CROSS = frozenset({"BertCrossAttention", "RobertaCrossAttention"})
+
+
+def _bert_layout(m: nn.Module) -> AttentionLayout:
+    H, d = int(m.num_attention_heads), int(m.attention_head_size)
+    (eq, q_out), (ek, k_out) = _features(m.query), _features(m.key)
+    _heads("query", q_out, d, H)
+    _heads("key", k_out, d, H)
+    cross = _is(m, "transformers", _BERT_CROSS)
+    return AttentionLayout(H, H, d, eq, ek, (ProjectionSite("query", q=0), ProjectionSite("key", k=0)),
+                           self_attention=not cross)
+
+
+# ------------------------------------------------------------------- timm
+
+def _timm_layout(m: nn.Module) -> AttentionLayout:
+    H, d = int(m.num_heads), int(m.head_dim)
+    e, out = _features(m.qkv)
+    _heads("qkv", out, d, 3 * H)
+    return AttentionLayout(H, H, d, e, e, (ProjectionSite("qkv", q=0, k=H * d),))
+
+
+for _adapter in (
+    ModelAdapter(
+        "transformers-llama",
+        "transformers Llama/Mistral/Qwen2/Qwen3 attention (q_proj/k_proj; MHA, GQA, MQA; Qwen3 per-head q/k norms)",
+        lambda m: _is(m, "transformers", _LLAMA),
+        _llama_layout,
+    ),
+    ModelAdapter(
+        "transformers-gpt2",
+        "transformers GPT-2 attention (fused c_attn Conv1D; cross-attention q_attn + c_attn)",
+        lambda m: _is(m, "transformers", frozenset({"GPT2Attention"})),
+        _gpt2_layout,
+    ),
+    ModelAdapter(
+        "transformers-bert",
+        "transformers BERT/RoBERTa self- and cross-attention (query/key/value)",
+        lambda m: _is(m, "transformers", _BERT_SELF | _BERT_CROSS),
+        _bert_layout,
+    ),
+    ModelAdapter(
+        "timm-attention",
+        "timm Attention of ViTs (fused qkv Linear, with or without qk_norm)",
+        lambda m: _is(m, "timm", frozenset({"Attention"})),
+        _timm_layout,
+    ),
+):
+    register_adapter(_adapter)

@@ -1,0 +1,203 @@
+"""Tiny random-weight models of every architecture damcha_torch.convert supports,
+built from config objects (no downloads), and the canonical parameters of their
+converted attention layers for comparisons with the NumPy reference."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import torch
+from torch import nn
+
+import damcha_core as dc
+import damcha_torch as dt
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "examples"))
+from _torchvision_compat import ensure_torchvision_importable  # noqa: E402
+
+ensure_torchvision_importable()
+
+import timm  # noqa: E402
+import transformers  # noqa: E402
+
+VOCAB = 61
+CAUSAL = ("llama", "llama-mha", "llama-mqa", "mistral", "qwen2", "qwen3", "gpt2", "bert-decoder")
+ARCHS = CAUSAL + ("bert", "roberta", "vit", "vit-qknorm", "mha")
+
+
+def _dec(cls_cfg, **kw):
+    base = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    base.update(kw)
+    return cls_cfg(**base)
+
+
+def build(arch: str, dtype: torch.dtype = torch.float32, attn: str = "sdpa", seed: int = 0) -> nn.Module:
+    """A tiny model of ``arch`` in eval mode."""
+    torch.manual_seed(seed)
+    T = transformers
+    if arch == "llama":
+        m = T.LlamaForCausalLM(_dec(T.LlamaConfig, attn_implementation=attn))
+    elif arch == "llama-mha":
+        m = T.LlamaForCausalLM(_dec(T.LlamaConfig, num_key_value_heads=4, attn_implementation=attn))
+    elif arch == "llama-mqa":
+        m = T.LlamaForCausalLM(_dec(T.LlamaConfig, num_key_value_heads=1, attn_implementation=attn))
+    elif arch == "mistral":
+        m = T.MistralForCausalLM(_dec(T.MistralConfig, attn_implementation=attn))
+    elif arch == "qwen2":
+        m = T.Qwen2ForCausalLM(_dec(T.Qwen2Config, attn_implementation=attn))
+    elif arch == "qwen3":
+        m = T.Qwen3ForCausalLM(_dec(T.Qwen3Config, head_dim=8, attn_implementation=attn))
+    elif arch == "gpt2":
+        m = T.GPT2LMHeadModel(T.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                           attn_implementation=attn))
+    elif arch in ("bert", "bert-decoder"):
+        cfg = T.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                           intermediate_size=48, max_position_embeddings=64, attn_implementation=attn)
+        if arch == "bert-decoder":
+            cfg.is_decoder, cfg.add_cross_attention = True, True
+            m = T.BertLMHeadModel(cfg)
+        else:
+            m = T.BertModel(cfg)
+    elif arch == "roberta":
+        m = T.RobertaModel(T.RobertaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                           intermediate_size=48, max_position_embeddings=70, attn_implementation=attn))
+    elif arch in ("vit", "vit-qknorm"):
+        m = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=16, patch_size=8, embed_dim=32,
+                              depth=2, num_heads=4, num_classes=5, qk_norm=arch == "vit-qknorm")
+    elif arch == "mha":
+        layer = nn.TransformerEncoderLayer(32, 4, 48, dropout=0.0, batch_first=True)
+        m = nn.Sequential(nn.Embedding(VOCAB, 32), nn.TransformerEncoder(layer, 2, enable_nested_tensor=False))
+    else:
+        raise AssertionError(arch)
+    return m.to(dtype).eval()
+
+
+def inputs(arch: str, dtype: torch.dtype = torch.float32, batch: int = 2, length: int = 7, padding: bool = True,
+           seed: int = 1) -> dict:
+    """Keyword inputs of ``arch``'s forward; row 0 left-padded by two tokens."""
+    g = torch.Generator().manual_seed(seed)
+    if arch.startswith("vit"):
+        return {"x": torch.randn(batch, 3, 16, 16, generator=g, dtype=dtype)}
+    ids = torch.randint(1, VOCAB, (batch, length), generator=g)
+    if arch == "mha":
+        kpm = torch.zeros(batch, length, dtype=torch.bool)
+        if padding:
+            kpm[0, :2] = True
+        return {"input": ids, "src_key_padding_mask": kpm}
+    mask = torch.ones(batch, length, dtype=torch.long)
+    if padding:
+        mask[0, :2] = 0
+    out = {"input_ids": ids, "attention_mask": mask}
+    if arch == "bert-decoder":
+        out["encoder_hidden_states"] = torch.randn(batch, 5, 32, generator=g, dtype=dtype)
+    return out
+
+
+def run(model: nn.Module, arch: str, kw: dict) -> torch.Tensor:
+    if arch.startswith("vit"):
+        return model(kw["x"])
+    if arch == "mha":
+        emb, enc = model
+        return enc(emb(kw["input"]), src_key_padding_mask=kw["src_key_padding_mask"])
+    out = model(**kw)
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+def open_gates(model: nn.Module, seed: int = 5, scale: float = 0.5) -> nn.Module:
+    """Random gates and generator biases, so every map is far from the identity."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".gates." in f".{name}" or ".metric_gates." in f".{name}":
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * scale)
+            elif ".generators." in f".{name}" and name.endswith(".bias"):
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.3)
+    return model
+
+
+# ----------------------------------------------------------- canonical params
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().to(torch.float64).numpy().copy()
+
+
+def metric_params(maps: dt.DamchaMaps) -> dict[str, np.ndarray]:
+    cfg = maps.config
+    out = {}
+    for side in cfg.metric_sides:
+        S, E, gen = cfg.side_heads(side), cfg.side_features(side), maps.generator(side)
+        out[f"metric.{side}.gate"] = _np(maps.gates[side])
+        if cfg.metric == "heads":
+            out[f"metric.{side}.kernel"] = _np(gen.weight).T.reshape(E, S, S)
+            out[f"metric.{side}.bias"] = _np(gen.bias).reshape(S, S)
+        else:
+            out[f"metric.{side}.kernel"] = _np(gen.weight).T
+            out[f"metric.{side}.bias"] = _np(gen.bias)
+            out[f"metric.{side}.u"] = _np(gen.u)
+            out[f"metric.{side}.v"] = _np(gen.v)
+    return out
+
+
+def _linear(lin, E: int, S: int, d: int, cols: slice | None = None, conv1d: bool = False):
+    w = _np(lin.weight)
+    w = w if conv1d else w.T  # (in, out)
+    b = None if lin.bias is None else _np(lin.bias)
+    if cols is not None:
+        w, b = w[:, cols], (None if b is None else b[cols])
+    return w.reshape(E, S, d), (np.zeros((S, d)) if b is None else b.reshape(S, d))
+
+
+def layer_params(arch: str, module: nn.Module) -> tuple[dict[str, np.ndarray], dc.DamchaConfig]:
+    """Canonical params and config of a converted attention module (its output
+    projection included; BERT's self-attention has none: the identity)."""
+    maps = module.damcha
+    c = maps.config
+    E, Ekv, H, G, d = c.query_dim, c.context_dim, c.num_heads, c.num_kv_heads, c.key_dim
+    p: dict[str, np.ndarray] = {}
+    if arch.startswith(("llama", "mistral", "qwen")):
+        projs = {"query": (module.q_proj, E, H), "key": (module.k_proj, E, G), "value": (module.v_proj, E, G)}
+        for n, (lin, e, s) in projs.items():
+            p[f"{n}.kernel"], p[f"{n}.bias"] = _linear(lin, e, s, d)
+        p["output.kernel"] = _np(module.o_proj.weight).T.reshape(H, d, E)
+        p["output.bias"] = np.zeros(E) if module.o_proj.bias is None else _np(module.o_proj.bias)
+    elif arch == "gpt2":
+        if maps.layout.self_attention:
+            for i, n in enumerate(("query", "key", "value")):
+                p[f"{n}.kernel"], p[f"{n}.bias"] = _linear(module.c_attn, E, H, d, slice(i * E, (i + 1) * E), conv1d=True)
+        else:
+            p["query.kernel"], p["query.bias"] = _linear(module.q_attn, E, H, d, conv1d=True)
+            for i, n in enumerate(("key", "value")):
+                p[f"{n}.kernel"], p[f"{n}.bias"] = _linear(module.c_attn, Ekv, H, d, slice(i * E, (i + 1) * E), conv1d=True)
+        p["output.kernel"] = _np(module.c_proj.weight).reshape(H, d, E)
+        p["output.bias"] = _np(module.c_proj.bias)
+    elif arch.startswith(("bert", "roberta")):
+        for n, lin, e in (("query", module.query, E), ("key", module.key, Ekv), ("value", module.value, Ekv)):
+            p[f"{n}.kernel"], p[f"{n}.bias"] = _linear(lin, e, H, d)
+        p["output.kernel"] = np.eye(H * d).reshape(H, d, H * d)
+        p["output.bias"] = np.zeros(H * d)
+    elif arch.startswith("vit"):
+        for i, n in enumerate(("query", "key", "value")):
+            p[f"{n}.kernel"], p[f"{n}.bias"] = _linear(module.qkv, E, H, d, slice(i * H * d, (i + 1) * H * d))
+        p["output.kernel"] = _np(module.proj.weight).T.reshape(H, d, -1)
+        p["output.bias"] = _np(module.proj.bias)
+    else:
+        raise AssertionError(arch)
+    config = dc.DamchaConfig(query_dim=E, context_dim=Ekv, num_heads=H, num_kv_heads=G, key_dim=d,
+                             output_dim=p["output.bias"].shape[0], use_bias=True, metric=c.metric,
+                             metric_rank=c.metric_rank, coupling=c.coupling)
+    p.update(metric_params(maps))
+    return p, config
+
+
+def capture(model: nn.Module) -> dict[str, list]:
+    """Record (args, kwargs, output) of every converted attention module's calls."""
+    calls: dict[str, list] = {}
+    for name, module in dt.converted_layers(model).items():
+        def hook(mod, args, kwargs, output, name=name):
+            calls.setdefault(name, []).append((args, kwargs, output))
+        module.register_forward_hook(hook, with_kwargs=True)
+    return calls

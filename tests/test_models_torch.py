@@ -1,0 +1,611 @@
+"""damcha_torch.convert on transformers, timm and nn.MultiheadAttention models:
+exact at init, every converted layer equals the NumPy reference with the gates
+open, generation with a cache, training, checkpoints, tracing and errors."""
+
+from __future__ import annotations
+
+import copy
+import io
+import logging
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import damcha_core as dc
+import damcha_torch as dt
+from _models_zoo import (ARCHS, CAUSAL, build, capture, inputs, layer_params, metric_params, open_gates, run,
+                         timm, transformers)
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-for-bit equal; NaN where the host itself gives NaN (eager float64
+    attention over a fully padded query row) counts as equal."""
+    return bool(torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0)))
+
+
+def converted(arch, dtype=torch.float64, attn="sdpa", **kw):
+    return dt.convert(build(arch, dtype, attn), **kw)
+
+
+# --------------------------------------------------------------- at init
+
+
+# timm and nn.MultiheadAttention choose no attention implementation: one run each.
+INIT_CASES = [(a, i) for a in ARCHS for i in (("eager", "sdpa") if a in CAUSAL + ("bert", "roberta") else ("sdpa",))]
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("arch,attn", INIT_CASES)
+def test_exact_at_init(arch, dtype, attn):
+    model = build(arch, DTYPES[dtype], attn)
+    kw = inputs(arch, DTYPES[dtype])
+    with torch.no_grad():
+        before = run(model, arch, kw)
+        dt.convert(model)
+        after = run(model, arch, kw)
+    assert dt.converted_layers(model)
+    if arch == "mha":  # replaced by DamchaAttention, whose SDPA call differs from MHA's kernel
+        torch.testing.assert_close(after, before, rtol=0, atol=1e-5 if dtype == "float32" else 1e-12)
+    else:  # residual form y + 0 * (Delta y): bit-for-bit
+        assert same(after, before)
+
+
+def test_exact_at_init_bfloat16_autocast():
+    model = build("llama", torch.float32)
+    kw = inputs("llama")
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        before = run(model, "llama", kw)
+        dt.convert(model)
+        after = run(model, "llama", kw)
+    assert torch.equal(after, before)
+
+
+def test_opened_gates_change_the_output():
+    model = build("llama", torch.float64)
+    kw = inputs("llama", torch.float64)
+    with torch.no_grad():
+        before = run(model, "llama", kw)
+        after = run(open_gates(dt.convert(model)), "llama", kw)
+    assert (after - before).abs().max() > 1e-3
+
+
+# ------------------------------------------------- layers vs the reference
+
+
+def _rotary(model, n):
+    emb = model.model.rotary_emb
+    return dc.Rotary(emb.inv_freq.double().numpy(), scaling=float(emb.attention_scaling))
+
+
+def _rope_call(model, module, x):
+    """Call a RoPE attention layer with cos/sin computed in float64 (the host's
+    rotary module computes its angles in float32 whatever the model's dtype)."""
+    emb = model.model.rotary_emb
+    angles = torch.arange(x.shape[1], dtype=torch.float64)[:, None] * emb.inv_freq.double()[None]
+    angles = torch.cat([angles, angles], dim=-1)[None]
+    scaling = float(emb.attention_scaling)
+    with torch.no_grad():
+        return module(hidden_states=x, position_embeddings=(angles.cos() * scaling, angles.sin() * scaling),
+                      attention_mask=None)[0]
+
+
+def _call_tokens(args, kwargs):
+    x = kwargs.get("hidden_states", args[0] if args else None)
+    ctx = kwargs.get("encoder_hidden_states", args[1] if len(args) > 1 and isinstance(args[1], torch.Tensor) else None)
+    return x, ctx
+
+
+def _softmax_attend(q, k, v, scale, causal):
+    group = q.shape[2] // k.shape[2]
+    k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
+    logits = scale * np.einsum("bnhd,bmhd->bhnm", q, k)
+    if causal:
+        n, m = logits.shape[-2:]
+        logits = np.where(np.arange(m)[None] <= np.arange(n)[:, None], logits, -np.inf)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("bhnm,bmhd->bnhd", p, v)
+
+
+def _normed_reference(arch, model, module, x):
+    """An independent NumPy forward for layers with per-head q/k norms:
+    project, map (the reference's l(t)), norm each head, rotate, attend."""
+    p, cfg = layer_params(arch, module)
+    _, metric = dc.damcha_attention(p, cfg, x, return_metric=True)
+    q = np.einsum("bte,ehd->bthd", x, p["query.kernel"]) + p["query.bias"]
+    k = np.einsum("bte,ehd->bthd", x, p["key.kernel"]) + p["key.bias"]
+    v = np.einsum("bte,ehd->bthd", x, p["value.kernel"]) + p["value.bias"]
+    if cfg.metric == "heads":
+        q, k = np.einsum("btha,btad->bthd", metric["q"], q), np.einsum("btha,btad->bthd", metric["k"], k)
+    else:  # the dense L(t) (B, T, S, d, S, d)
+        q, k = np.einsum("bthiaj,btaj->bthi", metric["q"], q), np.einsum("bthiaj,btaj->bthi", metric["k"], k)
+    if arch == "qwen3":
+        def norm(y, mod):
+            w = mod.weight.detach().double().numpy()
+            return y / np.sqrt(np.mean(y * y, -1, keepdims=True) + mod.variance_epsilon) * w
+        rot = _rotary(model, x.shape[1])
+        pos = np.arange(x.shape[1], dtype=np.float64)[None]
+        q = dc.apply_rotary(norm(q, module.q_norm), rot, pos)
+        k = dc.apply_rotary(norm(k, module.k_norm), rot, pos)
+        causal = True
+    else:
+        def norm(y, mod):
+            w, b = mod.weight.detach().double().numpy(), mod.bias.detach().double().numpy()
+            mu = y.mean(-1, keepdims=True)
+            return (y - mu) / np.sqrt(((y - mu) ** 2).mean(-1, keepdims=True) + mod.eps) * w + b
+        q, k = norm(q, module.q_norm), norm(k, module.k_norm)
+        causal = False
+    o = _softmax_attend(q, k, v, cfg.softmax_scale, causal)
+    return np.einsum("bnhd,hde->bne", o, p["output.kernel"]) + p["output.bias"]
+
+
+@pytest.mark.parametrize("metric", ["heads", "lowrank"])
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a != "mha"])
+def test_layers_equal_reference_with_gates_open(arch, metric):
+    model = converted(arch, metric=metric, metric_rank=3 if metric == "lowrank" else None)
+    open_gates(model)
+    calls = capture(model)
+    with torch.no_grad():
+        run(model, arch, inputs(arch, torch.float64, padding=False))
+    assert set(calls) == set(dt.converted_layers(model))
+    causal = arch in CAUSAL
+    for name, records in calls.items():
+        module = dt.converted_layers(model)[name]
+        (args, kwargs, output), = records
+        x, ctx = _call_tokens(args, kwargs)
+        got = (output[0] if isinstance(output, tuple) else output)
+        if arch.startswith(("llama", "mistral", "qwen")):
+            got = _rope_call(model, module, x)
+        got, x = got.double().numpy(), x.double().numpy()
+        if arch in ("qwen3", "vit-qknorm"):
+            want = _normed_reference(arch, model, module, x)
+            # Qwen3's RMSNorm computes in float32 whatever the model's dtype.
+            tol = 1e-6 if arch == "qwen3" else 1e-12
+        else:
+            p, cfg = layer_params(arch, module)
+            is_cross = not module.damcha.layout.self_attention
+            rotary = _rotary(model, x.shape[1]) if arch.startswith(("llama", "mistral", "qwen")) else None
+            want = dc.damcha_attention(p, cfg, x, None if not is_cross else ctx.double().numpy(),
+                                       causal=causal and not is_cross, rotary=rotary)
+            tol = 1e-12
+        np.testing.assert_allclose(got, want, rtol=0, atol=tol, err_msg=name)
+
+
+def test_rotary_reference_detects_a_wrong_position():
+    """The Llama comparison above fails when the reference rotates by other positions."""
+    model = open_gates(converted("llama"))
+    calls = capture(model)
+    with torch.no_grad():
+        run(model, "llama", inputs("llama", torch.float64, padding=False))
+    (args, kwargs, output), = calls["model.layers.0.self_attn"]
+    module = model.model.layers[0].self_attn
+    p, cfg = layer_params("llama", module)
+    x = kwargs["hidden_states"].double().numpy()
+    emb = model.model.rotary_emb
+    wrong = dc.Rotary(emb.inv_freq.double().numpy(), query_positions=np.arange(x.shape[1]) + 1.0)
+    want = dc.damcha_attention(p, cfg, x, causal=True, rotary=wrong)
+    assert np.abs(output[0].double().numpy() - want).max() > 1e-6
+
+
+@pytest.mark.parametrize("metric", ["heads", "lowrank"])
+def test_rope_shift_invariance(metric):
+    """Maps before RoPE keep RoPE's relative-position property for both metrics:
+    the same tokens at positions shifted by 37 give the same output (float64
+    angles; the host's rotary module computes them in float32)."""
+    model = open_gates(converted("llama", metric=metric, metric_rank=3 if metric == "lowrank" else None))
+    layer = model.model.layers[0].self_attn
+    x = torch.randn(2, 6, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    emb = model.model.rotary_emb
+
+    def call(shift):
+        angles = (torch.arange(6, dtype=torch.float64)[:, None] + shift) * emb.inv_freq.double()[None]
+        angles = torch.cat([angles, angles], dim=-1)[None]
+        with torch.no_grad():
+            return layer(hidden_states=x, position_embeddings=(angles.cos(), angles.sin()), attention_mask=None)[0]
+
+    a, b = call(0), call(37)
+    torch.testing.assert_close(b, a, rtol=0, atol=1e-12)
+    # The maps are on: the same call with the gates at 0 gives something else.
+    with torch.no_grad():
+        for p in dt.damcha_parameters(layer, generators=False):
+            p.zero_()
+    assert (call(0) - a).abs().max() > 1e-4
+
+
+def test_metric_penalty_equals_reference():
+    model = open_gates(converted("llama-mha"))
+    dt.track_metric_penalty(model)
+    calls = capture(model)
+    with torch.no_grad():
+        total = dt.metric_penalty(model)
+        assert total.item() == 0.0  # nothing recorded yet
+        run(model, "llama-mha", inputs("llama-mha", torch.float64, padding=False))
+    want = []
+    for name, ((args, kwargs, _),) in calls.items():
+        p, cfg = layer_params("llama-mha", dt.converted_layers(model)[name])
+        want.append(dc.metric_penalty(p, cfg, kwargs["hidden_states"].double().numpy()))
+    np.testing.assert_allclose(dt.metric_penalty(model).item(), np.mean(want), rtol=1e-12)
+
+
+# -------------------------------------------------------------- generation
+
+
+# BERT's decoder with cross-attention needs an EncoderDecoderCache (generate
+# builds a plain DynamicCache for it and fails, converted or not), and has no
+# static variant.
+GEN_CASES = [(a, c) for a in ("llama", "llama-mqa", "qwen3", "gpt2") for c in ("dynamic", "static")]
+GEN_CASES.append(("bert-decoder", "encoder-decoder"))
+
+
+@pytest.mark.parametrize("arch,cache", GEN_CASES)
+def test_generate_with_cache_equals_without(arch, cache):
+    model = open_gates(converted(arch, torch.float32), scale=0.8)
+    kw = inputs(arch, padding=False, length=5)
+    kw.pop("attention_mask")
+    opts = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    if arch == "bert-decoder":
+        opts["bos_token_id"] = 1
+    with torch.no_grad():
+        extra = {"cache_implementation": "static"} if cache == "static" else {}
+        if cache == "encoder-decoder":
+            from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+            extra = {"past_key_values": EncoderDecoderCache(DynamicCache(), DynamicCache())}
+        cached = model.generate(**kw, use_cache=True, **extra, **opts)
+        plain = model.generate(**kw, use_cache=False, **opts)
+        # The converted model's greedy tokens also differ from the plain model's:
+        # the cache really stores mapped keys, not a copy of the original ones.
+    assert cached.shape[1] == kw["input_ids"].shape[1] + 6
+    assert torch.equal(cached, plain)
+
+
+def test_cache_stores_mapped_keys():
+    model = open_gates(converted("llama", torch.float64))
+    ids = inputs("llama", padding=False)["input_ids"]
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=True)
+    layer = model.model.layers[0].self_attn
+    calls = []
+    h = layer.k_proj.register_forward_hook(lambda m, a, o: calls.append((a[0], o)))
+    with torch.no_grad():
+        model(input_ids=ids)
+    h.remove()
+    x, k_mapped = calls[0]
+    k_plain = nn.functional.linear(x, layer.k_proj.weight)
+    cached = out.past_key_values.layers[0].keys  # rotated k~
+    assert not torch.allclose(k_mapped, k_plain)
+    # Undo RoPE on the cache: it holds the mapped keys.
+    cos, sin = model.model.rotary_emb(x, torch.arange(ids.shape[1])[None])
+    B, T = x.shape[:2]
+    k = k_mapped.view(B, T, -1, layer.head_dim).transpose(1, 2)
+    rot = transformers.models.llama.modeling_llama.apply_rotary_pos_emb(k, k, cos, sin)[0]
+    torch.testing.assert_close(cached, rot, rtol=0, atol=1e-12)
+
+
+# ---------------------------------------------------------------- training
+
+
+def _loss(model, arch, kw):
+    out = run(model, arch, kw)
+    return out.float().square().mean()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_training_step_moves_gates(arch):
+    model = dt.convert(build(arch, torch.float32)).train()
+    kw = inputs(arch)
+    opt = torch.optim.SGD([{"params": dt.damcha_parameters(model), "lr": 1.0}], lr=0.0)
+    before = [p.detach().clone() for p in dt.damcha_parameters(model, generators=False)]
+    _loss(model, arch, kw).backward()
+    opt.step()
+    after = dt.damcha_parameters(model, generators=False)
+    assert len(after) == len(before) > 0
+    assert all(not torch.equal(a, b) for a, b in zip(after, before))
+
+
+def _grads(model, arch, kw):
+    torch.manual_seed(0)  # the same dropout masks in every run (checkpoint replays them)
+    model.zero_grad()
+    _loss(model, arch, kw).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_recompute_and_gradient_checkpointing_give_identical_gradients(arch):
+    base = open_gates(dt.convert(build(arch, torch.float64), recompute=False)).train()
+    kw = inputs(arch, torch.float64)
+    want = _grads(base, arch, kw)
+    for m in base.modules():
+        if isinstance(m, dt.DamchaMaps):
+            m.recompute = True
+    got = _grads(base, arch, kw)
+    base.activation_checkpointing_enable()
+    got_ckpt = _grads(base, arch, kw)
+    assert set(got) == set(want) == set(got_ckpt)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=0, atol=1e-13, msg=n)
+        torch.testing.assert_close(got_ckpt[n], want[n], rtol=0, atol=1e-13, msg=n)
+
+
+def _saved_activation_bytes(model, arch, kw):
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = _loss(model, arch, kw)
+    loss.backward()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "vit"])
+def test_recompute_keeps_activation_memory(arch):
+    """Saved activations (tensors autograd keeps for backward, parameters
+    excluded) of the converted model with recompute equal the original's."""
+    model = build(arch, torch.float32).train()
+    kw = inputs(arch, length=16)
+    original = _saved_activation_bytes(model, arch, kw)
+    dt.convert(model, recompute=True)
+    with_recompute = _saved_activation_bytes(model, arch, kw)
+    model_store = dt.convert(build(arch, torch.float32).train(), recompute=False)
+    stored = _saved_activation_bytes(model_store, arch, kw)
+    assert with_recompute == original
+    assert stored > original  # the check can fail: without recompute the maps' inputs are kept
+
+
+# ------------------------------------------------------------ checkpoints
+
+
+@pytest.mark.parametrize("share", [False, True], ids=["own", "shared"])
+def test_save_pretrained_round_trip(tmp_path, share):
+    model = open_gates(converted("llama", torch.float32, share_metric=share))
+    kw = inputs("llama")
+    model.save_pretrained(tmp_path)
+    loaded = dt.from_pretrained(transformers.LlamaForCausalLM, tmp_path)
+    assert type(loaded) is transformers.LlamaForCausalLM
+    with torch.no_grad():
+        assert torch.equal(run(loaded, "llama", kw), run(model, "llama", kw))
+    state = loaded.state_dict()
+    if share:
+        gens = [k for k in state if ".generators." in k]
+        assert gens and all(k.startswith("model.layers.0.") for k in gens)  # stored once
+        g0 = loaded.model.layers[0].self_attn.damcha.generator("q")
+        assert loaded.model.layers[1].self_attn.damcha.generator("q") is g0
+    else:
+        assert any(k.startswith("model.layers.1.self_attn.damcha.generators.") for k in state)
+
+
+def test_plain_class_loading_is_loud(tmp_path, caplog):
+    model = open_gates(converted("llama", torch.float32))
+    model.save_pretrained(tmp_path)
+    with caplog.at_level(logging.WARNING):
+        plain = transformers.LlamaForCausalLM.from_pretrained(tmp_path)
+    assert not dt.converted_layers(plain)
+    assert "damcha" in caplog.text  # the unexpected DAMCHA tensors are reported
+
+
+def test_from_pretrained_refuses_a_plain_checkpoint(tmp_path):
+    build("llama").save_pretrained(tmp_path)
+    with pytest.raises(dc.DamchaValueError, match="no DAMCHA checkpoint"):
+        dt.from_pretrained(transformers.LlamaForCausalLM, tmp_path)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "bert", "vit"])
+def test_mha_checkpoint_loads_into_converted_model(arch):
+    plain = build(arch, torch.float32)
+    state = plain.state_dict()
+    model = dt.convert(build(arch, torch.float32, seed=9))
+    result = model.load_state_dict(state, strict=False)
+    assert not result.unexpected_keys
+    assert result.missing_keys and all(".damcha." in k for k in result.missing_keys)
+    kw = inputs(arch)
+    with torch.no_grad():
+        assert torch.equal(run(model, arch, kw), run(plain, arch, kw))
+
+
+def test_converted_state_dict_into_plain_model_strict_raises():
+    state = dt.convert(build("vit")).state_dict()
+    with pytest.raises(RuntimeError, match="damcha"):
+        build("vit").load_state_dict(state)
+
+
+@pytest.mark.parametrize("arch", ["llama", "vit", "gpt2"])
+def test_deepcopy_and_pickle_keep_the_conversion(arch):
+    model = open_gates(converted(arch))
+    kw = inputs(arch, torch.float64)
+    with torch.no_grad():
+        want = run(model, arch, kw)
+        twin = copy.deepcopy(model)
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        buf.seek(0)
+        loaded = torch.load(buf, weights_only=False)
+        for other in (twin, loaded):
+            assert torch.equal(run(other, arch, kw), want)
+            # The copy's maps are its own: changing them leaves the original alone.
+            for p in dt.damcha_parameters(other, generators=False):
+                p.zero_()
+            assert not torch.equal(run(other, arch, kw), want)
+        assert torch.equal(run(model, arch, kw), want)
+
+
+# ------------------------------------------------------------------ LoRA
+
+
+class LoraStyle(nn.Module):
+    """A LoRA-style wrapper (W x + B A x), as PEFT builds around a projection."""
+
+    def __init__(self, base: nn.Linear, rank: int = 2, seed: int = 0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.base_layer = base
+        self.in_features, self.out_features = base.in_features, base.out_features
+        dtype = base.weight.dtype
+        self.lora_A = nn.Parameter(torch.randn(rank, base.in_features, generator=g, dtype=dtype) * 0.3)
+        self.lora_B = nn.Parameter(torch.randn(base.out_features, rank, generator=g, dtype=dtype) * 0.3)
+
+    def forward(self, x):
+        return self.base_layer(x) + x @ self.lora_A.T @ self.lora_B.T
+
+    def merged(self) -> torch.Tensor:
+        return self.base_layer.weight + self.lora_B @ self.lora_A
+
+
+@pytest.mark.parametrize("order", ["lora-after-convert", "lora-before-convert"])
+def test_lora_passes_through_the_map(order):
+    """LoRA on q_proj/k_proj, applied before or after convert, is inside the
+    map: the output equals a converted model whose weights merge the LoRA update."""
+    kw = inputs("llama", torch.float64)
+    model = build("llama", torch.float64)
+    if order == "lora-after-convert":
+        open_gates(dt.convert(model))
+    attn = model.model.layers[0].self_attn
+    attn.q_proj, attn.k_proj = LoraStyle(attn.q_proj, seed=1), LoraStyle(attn.k_proj, seed=2)
+    if order == "lora-before-convert":
+        open_gates(dt.convert(model))
+    with torch.no_grad():
+        got = run(model, "llama", kw)
+        merged = copy.deepcopy(model)
+        ma = merged.model.layers[0].self_attn
+        for name in ("q_proj", "k_proj"):
+            wrapper = getattr(ma, name)
+            wrapper.base_layer.weight.copy_(wrapper.merged())
+            setattr(ma, name, wrapper.base_layer)
+        want = run(merged, "llama", kw)
+        # The LoRA update matters: dropping it changes the output.
+        for name in ("q_proj", "k_proj"):
+            getattr(attn, name).lora_B.zero_()
+        without = run(model, "llama", kw)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    assert (without - got).abs().max() > 1e-4
+
+
+# ------------------------------------------------------- compile / export
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "vit-qknorm"])
+def test_torch_compile_fullgraph(arch):
+    model = open_gates(converted(arch, torch.float32))
+    kw = inputs(arch, padding=False)
+    if "attention_mask" in kw:
+        kw.pop("attention_mask")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        want = run(model, arch, kw)
+        got = run(compiled, arch, kw)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "vit"])
+def test_torch_export(arch):
+    model = open_gates(converted(arch, torch.float32))
+    kw = inputs(arch, padding=False)
+    if arch == "llama":
+        kw = {"input_ids": kw["input_ids"], "use_cache": False}
+        exported = torch.export.export(model, (), kw)
+    else:
+        exported = torch.export.export(model, (kw["x"],))
+    with torch.no_grad():
+        want = run(model, arch, kw)
+        got = run(exported.module(), arch, kw)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------- errors
+
+
+class MyAttention(nn.Module):
+    def __init__(self, dim=16, heads=2):
+        super().__init__()
+        self.heads, self.head_dim = heads, dim // heads
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, x):
+        B, T, E = x.shape
+        q, k, v = (w(x).view(B, T, self.heads, -1).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        o = nn.functional.scaled_dot_product_attention(q, k, v)
+        return self.wo(o.transpose(1, 2).reshape(B, T, E))
+
+
+def test_unknown_layout_is_refused_and_nothing_converted():
+    model = nn.Sequential(build("vit"), MyAttention())
+    with pytest.raises(dc.DamchaValueError, match=r"MyAttention.*Supported: transformers-llama.*register_adapter"):
+        dt.convert(model)
+    assert not dt.converted_layers(model)
+
+
+def test_register_adapter_for_another_layout():
+    adapter = dt.ModelAdapter(
+        "test-my-attention", "MyAttention (wq/wk)", lambda m: isinstance(m, MyAttention),
+        lambda m: dt.AttentionLayout(m.heads, m.heads, m.head_dim, 16, 16,
+                                     (dt.ProjectionSite("wq", q=0), dt.ProjectionSite("wk", k=0))),
+    )
+    if "test-my-attention" not in " ".join(dt.supported_layouts()):
+        dt.register_adapter(adapter)
+    with pytest.raises(dc.DamchaValueError, match="already registered"):
+        dt.register_adapter(adapter)
+    with pytest.raises(dc.DamchaTypeError, match="ModelAdapter"):
+        dt.register_adapter("not an adapter")
+    model = nn.Sequential(MyAttention()).double()
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    with torch.no_grad():
+        before = model(x)
+        dt.convert(model)
+        assert torch.equal(model(x), before)
+        open_gates(model)
+        assert not torch.equal(model(x), before)
+    assert model[0].damcha.config.coupling == "tied"
+
+
+def test_errors():
+    with pytest.raises(dc.DamchaValueError, match="no attention layer"):
+        dt.convert(nn.Sequential(nn.Linear(4, 4)))
+    with pytest.raises(dc.DamchaTypeError, match="model"):
+        dt.convert("llama")
+    with pytest.raises(dc.DamchaValueError, match="metric"):
+        dt.convert(build("vit"), metric="none")
+    with pytest.raises(dc.DamchaValueError, match="coupling"):
+        dt.convert(build("vit"), coupling="both")
+    with pytest.raises(dc.DamchaTypeError, match="share_metric"):
+        dt.convert(build("vit"), share_metric=1)
+    model = dt.convert(build("llama"))
+    with pytest.raises(dc.DamchaValueError, match="already converted"):
+        dt.convert(model)
+    mha = dt.convert(build("mha"))
+    with pytest.raises(dc.DamchaValueError, match="already converted"):
+        dt.convert(mha)
+    # Tied maps need as many key heads as query heads: the layer is named.
+    with pytest.raises(dc.DamchaValueError, match=r"model\.layers\.0\.self_attn.*coupling"):
+        dt.convert(build("llama"), coupling="tied")
+    # Sharing needs equal sizes across layers.
+    mixed = nn.ModuleList([build("vit"), timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=16,
+                                                           patch_size=8, embed_dim=48, depth=1, num_heads=4)])
+    with pytest.raises(dc.DamchaValueError, match="share_metric"):
+        dt.convert(mixed, share_metric=True)
+    assert not dt.converted_layers(mixed)
+
+
+@pytest.mark.parametrize("arch,expected", [("llama", {"q", "k"}), ("llama-mha", {"qk"}), ("gpt2", {"qk"}),
+                                           ("bert-decoder", {"qk", "q", "k"}), ("vit", {"qk"})])
+def test_auto_coupling(arch, expected):
+    model = converted(arch)
+    sides = set()
+    for m in dt.converted_layers(model).values():
+        sides |= set(m.damcha.config.metric_sides)
+    assert sides == expected
+
+
+def test_share_metric_shares_one_generator_per_side():
+    model = converted("vit", share_metric=True)
+    gens = {id(m.damcha.generator("qk")) for m in dt.converted_layers(model).values()}
+    assert len(gens) == 1
+    assert len(dt.damcha_parameters(model, gates=False)) == 2  # weight and bias, once
