@@ -233,7 +233,7 @@ def damcha_attention(
         value: the value tokens (B, M, E_v) when they are not the context
             (``config.value_input_dim``); ``None``: the context.
         rotary: a ``damcha_core.Rotary``: rotate q~ and k~ by their positions
-            after the maps (spec section 9); fast path only.
+            after the maps (spec section 10); fast path only.
 
     Returns:
         y (B, N, E_o) float64 alone, or a tuple ``(y, weights?, metric?)`` with

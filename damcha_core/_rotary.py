@@ -1,4 +1,4 @@
-"""Rotary position embedding (RoPE) as DAMCHA composes with it (spec section 9).
+"""Rotary position embedding (RoPE) as DAMCHA composes with it (spec section 10).
 
 A converted RoPE model rotates the *mapped* queries and keys: the cross-head
 map L(t) acts on each token's projected heads, then the host rotates q~ and k~
