@@ -304,7 +304,7 @@ def metric_penalty(model: nn.Module | Mapping[str, Tensor], config: DamchaConfig
                    query: Tensor | None = None, context: Tensor | None = None) -> Tensor:
     """The metric penalty of a model's layers, or of canonical params (the reference's form).
 
-    ``metric_penalty(model)``: the mean of every ``DamchaAttention`` in
+    ``metric_penalty(model)``: the mean of every ``DamchaAttention`` (and layer converted by ``convert``) in
     ``model`` over its last forward. Set ``track_metric_penalty = True`` on the
     layers (``model.apply(...)`` or this function's caller) before the
     forward; layers that did not record one are skipped. Returns a 0-d tensor
@@ -324,8 +324,9 @@ def metric_penalty(model: nn.Module | Mapping[str, Tensor], config: DamchaConfig
     if config is not None or query is not None or context is not None:
         raise DamchaValueError("`config`, `query` and `context` are for canonical params, not for a model. "
                                f"Received: model={describe(model)}, config={describe(config)}")
-    values = [m.last_metric_penalty for m in model.modules()
-              if isinstance(m, DamchaAttention) and m.last_metric_penalty is not None]
+    # Any DAMCHA layer that records one: DamchaAttention, and the maps of
+    # layers converted by damcha_torch.convert (DamchaMaps).
+    values = [v for m in model.modules() if isinstance(v := getattr(m, "last_metric_penalty", None), Tensor)]
     if not values:
         # On the model's device, so `loss + coef * metric_penalty(model)` never mixes devices.
         ref = next(model.parameters(), None)
