@@ -253,7 +253,7 @@ def test_generate_with_cache_equals_without(arch, cache):
         extra = {"cache_implementation": "static"} if cache == "static" else {}
         if cache == "encoder-decoder":
             from transformers.cache_utils import DynamicCache, EncoderDecoderCache
-            extra = {"past_key_values": EncoderDecoderCache(DynamicCache(), DynamicCache())}
+            extra = {"cache": EncoderDecoderCache(DynamicCache(), DynamicCache())}
         cached = model.generate(**kw, use_cache=True, **extra, **opts)
         plain = model.generate(**kw, use_cache=False, **opts)
         # The converted model's greedy tokens also differ from the plain model's:

@@ -44,7 +44,6 @@ __all__ = [
     "converted_layers",
     "damcha_parameters",
     "from_pretrained",
-    "metric_penalty",
     "register_adapter",
     "supported_layouts",
     "track_metric_penalty",
@@ -385,12 +384,11 @@ def _child(module: nn.Module, attr: str) -> nn.Module:
 _COUPLINGS = ("auto", "tied", "separate", "query")
 
 
-def _resolve_coupling(coupling: str, layout: AttentionLayout) -> str:
-    if coupling != "auto":
-        return coupling
-    same = (layout.self_attention and layout.num_heads == layout.num_kv_heads
-            and layout.query_features == layout.key_features)
-    return "tied" if same else "separate"
+def _resolve_coupling(coupling: str, layout: AttentionLayout, metric: str) -> str:
+    return dc.resolve_coupling(
+        coupling, metric=metric, query_dim=layout.query_features, context_dim=layout.key_features,
+        num_heads=layout.num_heads, num_kv_heads=layout.num_kv_heads, same_inputs=layout.self_attention,
+    )
 
 
 def _is_attention_like(module: nn.Module) -> bool:
@@ -515,10 +513,10 @@ def convert(
             config = DamchaConfig(
                 query_dim=layout.query_features, context_dim=layout.key_features, num_heads=layout.num_heads,
                 num_kv_heads=layout.num_kv_heads, key_dim=layout.head_dim, metric=metric, metric_rank=metric_rank,
-                coupling=_resolve_coupling(coupling, layout),
+                coupling=_resolve_coupling(coupling, layout, metric),
             )
-        except DamchaValueError as exc:
-            raise DamchaValueError(f"Cannot convert layer `{name}` ({adapter.name}): {exc}") from None
+        except (DamchaValueError, DamchaTypeError) as exc:
+            raise type(exc)(f"Cannot convert layer `{name}` ({adapter.name}): {exc}") from None
         plans.append((name, module, adapter, layout, config))
     shared: dict[str, MetricGenerator] = {}
     if share_metric:
@@ -628,27 +626,12 @@ def damcha_parameters(model: nn.Module, *, gates: bool = True, generators: bool 
     return out
 
 
-def metric_penalty(model: nn.Module) -> Tensor:
-    """Mean metric penalty of every DAMCHA layer of ``model`` over its last forward.
-
-    Set ``track_metric_penalty = True`` on the layers first
-    (``for m in converted_layers(model).values(): ...``; for converted layers
-    the flag lives on their ``damcha`` child, which this function's
-    ``track`` helper sets). Returns a 0-d tensor, 0 when nothing was recorded.
-    """
+def track_metric_penalty(model: nn.Module, enabled: bool = True) -> nn.Module:
+    """Turn recording of the metric penalty on (or off) in every DAMCHA layer
+    (converted layers and ``DamchaAttention``); returns ``model``. After a
+    forward, ``damcha_torch.metric_penalty(model)`` averages what they recorded."""
     if not isinstance(model, nn.Module):
         raise DamchaTypeError(f"`model` must be a torch.nn.Module. Received: model={describe(model)}")
-    values = [m.last_metric_penalty for m in model.modules()
-              if isinstance(m, (DamchaMaps, DamchaAttention)) and m.last_metric_penalty is not None]
-    if not values:
-        ref = next(model.parameters(), None)
-        return torch.zeros((), device=None if ref is None else ref.device,
-                           dtype=None if ref is None or not ref.is_floating_point() else ref.dtype)
-    return torch.stack(values).mean()
-
-
-def track_metric_penalty(model: nn.Module, enabled: bool = True) -> nn.Module:
-    """Turn recording of the metric penalty on (or off) in every DAMCHA layer; returns ``model``."""
     for m in model.modules():
         if isinstance(m, (DamchaMaps, DamchaAttention)):
             m.track_metric_penalty = bool(enabled)
