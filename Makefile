@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.damcha-installed
 # pytest-xdist workers; the suite is sized for this 2-core machine.
 WORKERS ?= 2
 
-.PHONY: install test demo bench clean
+.PHONY: install js-deps test demo bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -18,14 +18,23 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
-test: install
+# onnxruntime-node/-web for the JavaScript checks (tests/test_onnx_js.py): pinned in
+# js/package.json + lockfile. --ignore-scripts: the CPU binaries ship in the npm
+# packages; onnxruntime-node's install script would only fetch CUDA ones.
+JS_STAMP := js/node_modules/.package-lock.json
+$(JS_STAMP): js/package.json js/package-lock.json
+	cd js && npm ci --ignore-scripts --no-audit --no-fund
+
+js-deps: $(JS_STAMP)
+
+test: install js-deps
 	DAMCHA_REQUIRE_ALL_BACKENDS=1 $(PY) -m pytest -n $(WORKERS) --durations=15 tests
 
 demo: install
 	$(VENV)/bin/damcha conform
 
-bench: install
+bench: install js-deps
 	$(PY) benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info js/node_modules

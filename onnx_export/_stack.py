@@ -211,7 +211,12 @@ def _stack_model(kind: str, params: Mapping[str, Any], config: Any, o: ExportOpt
         g.reserve(value.name)
     mask = mask_node(g, o)
     if kind == "token_model":
-        emb = g.op("Gather", [g.weight("embedding.table", p["embedding.table"]), "tokens"], "embedded", axis=0)
+        # Gather reads a negative id as counted from the end (-1: the last
+        # row), a silent wrong answer in a runtime that does not check feeds
+        # (run_ort does); send them past the table, where Gather fails.
+        negative = g.op("Less", ["tokens", g.ints([0])], "tokens_negative")
+        ids = g.op("Where", [negative, g.ints([config.vocab_size]), "tokens"], "token_ids")
+        emb = g.op("Gather", [g.weight("embedding.table", p["embedding.table"]), ids], "embedded", axis=0)
         n = g.op("Squeeze", [g.dim("tokens", 1, "seq_len")], "seq_len_s")
         zero, one = g.op("Constant", [], "pos0", value_int=0), g.op("Constant", [], "pos1", value_int=1)
         positions = g.op("Range", [zero, n, one], "positions")
