@@ -1,27 +1,34 @@
-"""The PyTorch backend passes the conformance catalogue: outputs and gradients."""
+"""The PyTorch backend passes the conformance catalogue: one test per check
+(forward, gradients, decode, bad input) and dtype, through the suite's pytest
+parametrisation (``-k "gradients and bfloat16"`` selects)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 from _devices import TORCH_DEVICES
 
-from damcha_conformance import run_conformance
-from damcha_conformance.adapters import TorchAdapter as ConformanceAdapter
+from damcha_conformance.adapters import TorchAdapter
+from damcha_conformance.pytest_plugin import assert_check, check_id, checks
+
+DTYPES = ("float64", "float32", "bfloat16")
 
 
 def test_adapter_declares_its_dtypes():
-    adapter = ConformanceAdapter()
+    adapter = TorchAdapter()
     assert adapter.name == "torch"
-    assert ConformanceAdapter(device="meta").name == "torch-meta"  # a non-CPU device is named in the report
-    assert tuple(adapter.dtypes) == ("float64", "float32", "bfloat16")
-    assert adapter.supports_gradients
+    assert TorchAdapter(device="meta").name == "torch-meta"  # a non-CPU device is named in the report
+    assert tuple(adapter.dtypes) == DTYPES
+    assert adapter.supports_gradients and callable(adapter.decode)
+
+
+@pytest.fixture(scope="module")
+def adapters():
+    return {device: TorchAdapter(device=device) for device in TORCH_DEVICES}
 
 
 @pytest.mark.parametrize("device", TORCH_DEVICES)
-@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
-def test_catalogue_passes(dtype, device):
-    report = run_conformance(ConformanceAdapter(device=device), dtypes=[dtype])
-    assert report.passed, report.summary()
-    ran = [r for r in report.results if r.status != "unsupported"]
-    assert len(ran) == len(report.results)  # the torch port claims every case
-    assert any(r.check == "gradients" for r in ran)
+@pytest.mark.parametrize("check", checks(DTYPES), ids=check_id)
+def test_conformance(check, device, adapters):
+    assert torch.get_default_dtype() == torch.float32  # the adapter casts explicitly, nothing leaks
+    assert_check(adapters[device], check)  # unsupported fails too: the torch port claims every case

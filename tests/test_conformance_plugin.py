@@ -1,0 +1,106 @@
+"""The pytest plugin, run as a third party runs it: ``pytest -p
+damcha_conformance.pytest_plugin --damcha-adapter module:Class`` in a folder of
+their own (a subprocess), with -k selection, an expected-failures file,
+XPASS reporting, xdist, and a run that checks nothing failing."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import damcha_conformance as dcf
+
+TESTS = Path(__file__).parent
+
+
+def run_pytest(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(TESTS)}  # the fixture adapters stand in for a third party's module
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "damcha_conformance.pytest_plugin", "-p",
+                           "no:cacheprovider", "-rA", "-v", *args], capture_output=True, text=True, cwd=tmp_path, env=env)
+
+
+def outcomes(proc: subprocess.CompletedProcess) -> dict[str, str]:
+    """check id -> PASSED/FAILED/SKIPPED/XFAIL/XPASS from the verbose (-v) lines."""
+    found = re.findall(r"^damcha-conformance::(\S+) (PASSED|FAILED|SKIPPED|XFAIL|XPASS)", proc.stdout, re.M)
+    return dict(found)
+
+
+def test_each_check_is_a_test_and_k_selects(tmp_path):
+    proc = run_pytest(tmp_path, "--damcha-adapter", "reference", "-k", "forward and masks")
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    expected = {f"forward-float64-{c.name}" for c in dcf.catalogue(groups=["masks"])}
+    assert outcomes(proc) == {i: "PASSED" for i in expected}
+    collected = run_pytest(tmp_path, "--damcha-adapter", "reference", "--collect-only", "-qq")  # -v -qq: ids
+    ids = {line.split("::", 1)[1] for line in collected.stdout.splitlines() if line.startswith("damcha-conformance::")}
+    assert len(ids) == 2 * len(dcf.CATALOGUE) - sum(not c.gradients for c in dcf.CATALOGUE) + len(
+        dcf.DECODE_CATALOGUE) + len(dcf.ERROR_CATALOGUE)
+    assert "errors-query-empty:heads-tied-self" in ids and "decode-float64-decode-heads-tied" in ids
+
+
+def test_a_wrong_port_fails_with_the_runners_detail(tmp_path):
+    proc = run_pytest(tmp_path, "--damcha-adapter", "_conformance_fixtures:WrongMask", "-k", "forward and padding")
+    assert proc.returncode == 1
+    assert set(outcomes(proc).values()) == {"FAILED"}
+    assert "FAIL wrong-mask/float64 heads-tied-padding [output]" in proc.stdout
+    assert "not conformant: wrong-mask" in proc.stdout  # the summary section
+
+
+def test_expected_failures_file_reports_xfail_and_xpass(tmp_path):
+    xfails = tmp_path / "damcha-xfails.txt"
+    xfails.write_text(
+        "# known failures of the wrong-mask port\n"
+        "forward-float64-heads-tied-padding  # reads the mask inverted\n"
+        "forward-float64-heads-separate-per-head-cross\n"
+        "forward-float64-lowrank-query-gqa-padding\n"
+        "forward-float64-heads-tied-all-masked-row\n"
+        "forward-float64-heads-tied-self  # listed, but it passes: XPASS\n"
+        "forward-float64-no-such-case\n"
+    )
+    proc = run_pytest(tmp_path, "--damcha-adapter", "_conformance_fixtures:WrongMask", "--damcha-xfails", str(xfails),
+                      "-k", "forward and (masks or heads-tied-self)", "-W", "default")
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    got = outcomes(proc)
+    assert got["forward-float64-heads-tied-padding"] == "XFAIL"
+    assert got["forward-float64-heads-tied-self"] == "XPASS"
+    assert "reads the mask inverted" in proc.stdout
+    assert "XPASS: 1 checks listed in --damcha-xfails now pass" in proc.stdout
+    assert "match no check: forward-float64-no-such-case" in proc.stdout
+
+
+def test_a_run_that_checks_nothing_fails(tmp_path):
+    proc = run_pytest(tmp_path, "--damcha-adapter", "_conformance_fixtures:Lazy", "-k", "forward and mha")
+    assert proc.returncode == 1
+    assert set(outcomes(proc).values()) == {"SKIPPED"} and "not implemented yet" in proc.stdout
+    assert "FAILED: nothing checked on lazy" in proc.stdout
+
+
+def test_gradients_of_an_adapter_without_them_are_skipped_and_said(tmp_path):
+    proc = run_pytest(tmp_path, "--damcha-adapter", "_conformance_fixtures:NoGradients", "-k", "mha-none-self")
+    assert proc.returncode == 0
+    assert outcomes(proc) == {"forward-float64-mha-none-self": "PASSED", "gradients-float64-mha-none-self": "SKIPPED"}
+    assert "no gradients (supports_gradients=False)" in proc.stdout
+
+
+def test_under_xdist_the_controller_gathers_the_results(tmp_path):
+    proc = run_pytest(tmp_path, "--damcha-adapter", "reference", "-k", "decode", "-n", "2")
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert re.search(r"reference\s+float64\s+4/4", proc.stdout), proc.stdout[-3000:]
+
+
+def test_bad_options_are_usage_errors(tmp_path):
+    proc = run_pytest(tmp_path, "--damcha-adapter", "nosuchmodule:X")
+    assert proc.returncode == 4 and "--damcha-adapter" in proc.stderr and "not importable" in proc.stderr
+    proc = run_pytest(tmp_path, "--damcha-adapter", "reference", "--damcha-dtype", "bfloat16")
+    assert proc.returncode == 4 and "bfloat16 not among the adapter's dtypes (float64)" in proc.stderr
+    proc = run_pytest(tmp_path, "--damcha-xfails", "x.txt")
+    assert proc.returncode == 4 and "--damcha-xfails needs --damcha-adapter" in proc.stderr
+
+
+def test_the_plugin_is_registered_as_a_pytest11_entry_point():
+    from importlib.metadata import entry_points
+
+    [ep] = [e for e in entry_points(group="pytest11") if e.value == "damcha_conformance.pytest_plugin"]
+    assert ep.name == "damcha_conformance.pytest_plugin"  # the name -p uses: loading both ways is one plugin
