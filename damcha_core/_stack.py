@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from typing import Any, Mapping
 
 import numpy as np
@@ -27,23 +26,12 @@ from ._config import DamchaConfig
 from ._errors import DamchaTypeError, DamchaValueError, describe
 from ._params import init_params, validate_params
 from ._reference import damcha_attention
+from ._validators import check_bool, check_choice, check_int, check_real, check_seed
 
 #: Name prefix of the stack-wise shared metric generator's parameters.
 SHARED = "shared."
 #: FFN activations: exact (erf) GELU, the tanh approximation, ReLU.
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
-
-
-def _check_int(name: str, value: Any, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise DamchaValueError(f"`{name}` must be an int >= {minimum}. Received: {name}={describe(value)}")
-    return int(value)
-
-
-def _check_bool(name: str, value: Any) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise DamchaTypeError(f"`{name}` must be a bool. Received: {name}={describe(value)}")
-    return bool(value)
 
 
 def _generator_leaves(config: DamchaConfig) -> tuple[str, ...]:
@@ -93,13 +81,12 @@ class EncoderConfig:
                 "An encoder layer is residual self-attention, so it needs context_dim == output_dim == "
                 f"query_dim. Received: query_dim={a.query_dim}, context_dim={a.context_dim}, output_dim={a.output_dim}"
             )
-        object.__setattr__(self, "num_layers", _check_int("num_layers", self.num_layers))
-        object.__setattr__(self, "ffn_dim", _check_int("ffn_dim", self.ffn_dim))
+        object.__setattr__(self, "num_layers", check_int("num_layers", self.num_layers))
+        object.__setattr__(self, "ffn_dim", check_int("ffn_dim", self.ffn_dim))
         for name in ("share_metric", "causal", "norm_first", "final_norm"):
-            object.__setattr__(self, name, _check_bool(name, getattr(self, name)))
-        if self.activation not in ACTIVATIONS:
-            raise DamchaValueError(f"`activation` must be one of {ACTIVATIONS}. Received: activation={describe(self.activation)}")
-        if isinstance(self.norm_eps, bool) or not isinstance(self.norm_eps, numbers.Real) or not self.norm_eps > 0:
+            object.__setattr__(self, name, check_bool(name, getattr(self, name)))
+        check_choice("activation", self.activation, ACTIVATIONS)
+        if not check_real("norm_eps", self.norm_eps) > 0:  # NaN fails too
             raise DamchaValueError(f"`norm_eps` must be a number > 0. Received: norm_eps={describe(self.norm_eps)}")
 
     @property
@@ -144,7 +131,7 @@ class EncoderConfig:
 
     def layer_params(self, params: Mapping[str, np.ndarray], index: int) -> dict[str, np.ndarray]:
         """Canonical attention parameters of layer ``index`` (the shared generator filled in)."""
-        index = _check_int("index", index, minimum=0)
+        index = check_int("index", index, minimum=0)
         if index >= self.num_layers:
             raise DamchaValueError(f"`index` must be < num_layers={self.num_layers}. Received: index={index}")
         shared = set(self.shared_names()) if self.share_metric else set()
@@ -173,7 +160,7 @@ class TokenModelConfig:
         if not isinstance(self.encoder, EncoderConfig):
             raise DamchaTypeError(f"`encoder` must be an EncoderConfig. Received: encoder={describe(self.encoder)}")
         for name in ("vocab_size", "max_len", "num_classes"):
-            object.__setattr__(self, name, _check_int(name, getattr(self, name)))
+            object.__setattr__(self, name, check_int(name, getattr(self, name)))
 
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         """Model parameter names and shapes (the encoder's under ``encoder.``)."""
@@ -203,7 +190,7 @@ def init_encoder_params(config: EncoderConfig, seed: int = 0) -> dict[str, np.nd
     LayerNorm scale 1 / bias 0, Glorot-uniform FFN kernels, zero FFN biases."""
     if not isinstance(config, EncoderConfig):
         raise DamchaTypeError(f"`config` must be an EncoderConfig. Received: config={describe(config)}")
-    seed = _check_int("seed", seed, minimum=0)
+    seed = check_seed("seed", seed, optional=False)
     rng = np.random.default_rng([seed, 7])
     params: dict[str, np.ndarray] = {}
     shared = set(config.shared_names()) if config.share_metric else set()
@@ -234,7 +221,7 @@ def init_token_model_params(config: TokenModelConfig, seed: int = 0) -> dict[str
     encoder from ``init_encoder_params``, a Glorot-uniform head with zero bias."""
     if not isinstance(config, TokenModelConfig):
         raise DamchaTypeError(f"`config` must be a TokenModelConfig. Received: config={describe(config)}")
-    seed = _check_int("seed", seed, minimum=0)
+    seed = check_seed("seed", seed, optional=False)
     rng = np.random.default_rng([seed, 8])
     E, C = config.encoder.width, config.num_classes
     params = {
@@ -286,7 +273,7 @@ def encoder_forward(
     """
     if not isinstance(config, EncoderConfig):
         raise DamchaTypeError(f"`config` must be an EncoderConfig. Received: config={describe(config)}")
-    return_weights = _check_bool("return_weights", return_weights)
+    return_weights = check_bool("return_weights", return_weights)
     p = validate_stack_params(params, config)
     h = np.asarray(x, dtype=np.float64)
     eps, act = config.norm_eps, ACTIVATION_FNS[config.activation]

@@ -25,7 +25,7 @@ from ._io import (
     save_model,
     validate_model,
 )
-from ._options import FORMS, PAST_LEN, TOTAL_LEN, ExportOptions, check_dtype, check_opset
+from ._options import PAST_LEN, TOTAL_LEN, ExportOptions
 
 #: Input/output names of an exported layer.
 QUERY, CONTEXT, MASK, OUTPUT, WEIGHTS = "query", "context", "mask", "output", "weights"

@@ -12,10 +12,9 @@ import dataclasses
 import numbers
 from typing import Any
 
-import numpy as np
 import onnx
 
-from damcha_core import DamchaTypeError, DamchaValueError, describe
+from damcha_core import DamchaTypeError, DamchaValueError, check_bool, describe
 
 from ._graph import ATTENTION_OPSET, DTYPES, MIN_OPSET
 
@@ -24,12 +23,6 @@ FORMS = ("auto", "attention", "decomposed")
 KINDS = ("layer", "encoder", "token_model")
 #: Symbolic dims of the cache: P cached tokens, P + N after the step.
 PAST_LEN, TOTAL_LEN = "past_len", "total_len"
-
-
-def check_bool(name: str, value: Any) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise DamchaTypeError(f"`{name}` must be a bool. Received: {name}={describe(value)}")
-    return bool(value)
 
 
 def check_opset(opset: Any, form: str = "auto") -> tuple[int, str]:

@@ -90,10 +90,12 @@ def export_torch(
 def encoder_from_torch(encoder: Any, *, causal: bool = False) -> tuple[dict[str, Any], Any]:
     """Stack parameters and ``EncoderConfig`` of a trained ``damcha_torch`` encoder.
 
-    Any ``damcha_torch.build_encoder`` stack converts: pre- or post-norm
-    layers (``norm_first``), ReLU or GELU (exact or tanh) feed-forward, with or
-    without a final LayerNorm, as long as every layer has the same attention
-    config, activation, norm placement and LayerNorm epsilon, and biases.
+    The encoder's own public ``to_canonical(causal=...)`` (damcha_core's stack
+    format): any ``damcha_torch.build_encoder`` stack converts, pre- or
+    post-norm layers (``norm_first``), ReLU or GELU (exact or tanh)
+    feed-forward, with or without a final LayerNorm, as long as every layer
+    has the same attention config, activation, norm placement and LayerNorm
+    epsilon, and biases (otherwise a DamchaValueError saying what differs).
     ``share_metric`` is read from the encoder; a shared generator is stored
     once. Pass the result to ``export_encoder`` (or ``encoder_forward`` for the
     NumPy reference).
@@ -105,64 +107,8 @@ def encoder_from_torch(encoder: Any, *, causal: bool = False) -> tuple[dict[str,
     Returns:
         ``(params, config)`` with float64 NumPy arrays.
     """
-    import torch.nn.functional as F
-    from torch import nn
-
     import damcha_torch as dt
-
-    from ._stack import EncoderConfig
 
     if not isinstance(encoder, dt.DamchaTransformerEncoder):
         raise DamchaTypeError(f"`encoder` must be a damcha_torch.DamchaTransformerEncoder. Received: encoder={describe(encoder)}")
-
-    def activation_name(fn: Any) -> str | None:
-        if fn is F.relu or isinstance(fn, nn.ReLU):
-            return "relu"
-        if fn is F.gelu:
-            return "gelu"
-        if isinstance(fn, nn.GELU):
-            return "gelu" if fn.approximate == "none" else "gelu_tanh"
-        return None
-
-    layers = list(encoder.layers)
-    first = layers[0]
-    eps, act = first.norm1.eps, activation_name(first.activation)
-    problems = []
-    if encoder.norm is not None and (not isinstance(encoder.norm, nn.LayerNorm) or encoder.norm.eps != eps):
-        problems.append("no final norm, or a final LayerNorm with the layers' epsilon")
-    for i, layer in enumerate(layers):
-        name = activation_name(layer.activation)
-        if name is None:
-            problems.append(f"ReLU or GELU (layer {i} has activation={getattr(layer.activation, '__name__', layer.activation)})")
-        elif name != act or layer.norm_first != first.norm_first:
-            problems.append(f"one activation and norm placement (layer {i} differs)")
-        if layer.linear1.bias is None or layer.norm1.bias is None:
-            problems.append(f"biases in the feed-forward and norms (layer {i} has bias=False)")
-        if layer.norm1.eps != eps or layer.norm2.eps != eps:
-            problems.append(f"one LayerNorm epsilon (layer {i} differs)")
-        if layer.self_attn.config != first.self_attn.config:
-            problems.append(f"one attention config (layer {i} differs)")
-    if problems:
-        raise DamchaValueError(
-            "`encoder` does not fit the exported stack format; it needs "
-            + "; ".join(dict.fromkeys(problems))
-            + f". Received: encoder={describe(encoder)}"
-        )
-    config = EncoderConfig(first.self_attn.config, num_layers=len(layers), ffn_dim=first.linear1.out_features,
-                           share_metric=encoder.share_metric and len(layers) > 1, norm_eps=eps, causal=causal,
-                           norm_first=bool(first.norm_first), activation=act, final_norm=encoder.norm is not None)
-
-    from ._frameworks import collect_stack_params
-
-    def np64(t: Any) -> Any:
-        return t.detach().to("cpu").double().numpy().copy()  # no alias of the live parameters
-
-    layer_arrays = [{
-        "attention": layer.self_attn.to_canonical(),
-        "norm1.scale": np64(layer.norm1.weight), "norm1.bias": np64(layer.norm1.bias),
-        "norm2.scale": np64(layer.norm2.weight), "norm2.bias": np64(layer.norm2.bias),
-        "ffn.in.kernel": np64(layer.linear1.weight).T, "ffn.in.bias": np64(layer.linear1.bias),
-        "ffn.out.kernel": np64(layer.linear2.weight).T, "ffn.out.bias": np64(layer.linear2.bias),
-    } for layer in layers]
-    final = None if encoder.norm is None else (np64(encoder.norm.weight), np64(encoder.norm.bias))
-    return collect_stack_params(config, layer_arrays, final), config
+    return encoder.to_canonical(causal=causal)
