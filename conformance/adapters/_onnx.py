@@ -22,13 +22,16 @@ class OnnxAdapter:
         runtime: "onnxruntime" (default) or "reference"
             (``onnx.reference.ReferenceEvaluator``; slow, a cross-check).
 
-    ONNX graphs carry no autodiff, so only outputs are checked. Both float32
-    and float64 graphs are exported: the softmax scale is folded into the
-    query weights in float64, so no float32 attribute limits float64 accuracy.
+    ONNX graphs carry no autodiff, so only outputs are checked. float32,
+    float64 and float16 graphs are exported: the softmax scale is folded into
+    the query weights in float64, so no float32 attribute limits float64
+    accuracy; float16 graphs accumulate the RMS statistic and the softmax in
+    float32. (bfloat16 is not exported: onnxruntime's CPU provider has no
+    bfloat16 kernels.)
     """
 
     supports_gradients = False
-    dtypes: Sequence[str] = ("float32", "float64")
+    dtypes: Sequence[str] = ("float32", "float64", "float16")
 
     def __init__(self, opset: int = ATTENTION_OPSET, runtime: str = "onnxruntime") -> None:
         self.opset, self.form = check_opset(opset)
