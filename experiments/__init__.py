@@ -1,8 +1,11 @@
-"""damcha_experiments: does DAMCHA learn better? Models, baselines and reproducible comparisons.
+"""damcha_experiments: does DAMCHA learn better? Models, baselines, resumable runs, statistics and reports.
 
-Run ``damcha experiment TASK`` (tasks: crosshead, charlm, listops). PyTorch is
-imported on first use of the models, never by ``import damcha_experiments``
-alone, so the data generators work without it.
+Run ``damcha experiment TASK --preset P`` (tasks: crosshead, charlm, listops,
+digits; presets: smoke, default, full, large) and ``damcha experiment report
+DIR``; see docs/experiments.md. PyTorch (and matplotlib) are imported on first
+use of the models, training loop or plots, never by ``import
+damcha_experiments`` alone, so the data generators, presets and statistics
+work without them.
 """
 
 from __future__ import annotations
@@ -12,7 +15,9 @@ from typing import Any
 from ._data import (
     Corpus,
     Dataset,
+    ImageSplit,
     crosshead_answer,
+    digits_split,
     listops_eval,
     listops_parse,
     listops_tokens,
@@ -20,37 +25,58 @@ from ._data import (
     make_listops,
     stdlib_corpus,
 )
+from ._stats import describe, holm, paired_difference, t_cdf, t_quantile
+from ._tasks import PRESETS, TASK_NAMES, TaskConfig, task_config
+from ._variants import ABLATION, HEADLINE, SUITES, VARIANTS, Variant
 
 __all__ = [
+    "ABLATION",
     "Corpus",
-    "DEFAULT_VARIANTS",
     "Dataset",
-    "TASKS",
+    "DigitsViT",
+    "HEADLINE",
+    "ImageSplit",
+    "PRESETS",
+    "SUITES",
+    "TASK_NAMES",
     "TalkingHeadsAttention",
+    "TaskConfig",
     "TinyTransformer",
     "VARIANTS",
+    "Variant",
     "attention_factory",
+    "build_report",
     "crosshead_answer",
+    "describe",
+    "digits_split",
+    "holm",
     "listops_eval",
     "listops_parse",
     "listops_tokens",
     "make_crosshead",
     "make_listops",
-    "run_experiment",
+    "measure_cost",
+    "paired_difference",
+    "run_suite",
     "stdlib_corpus",
+    "t_cdf",
+    "t_quantile",
+    "task_config",
+    "train_run",
     "write_results",
 ]
 
 # name -> module that defines it; these pull in PyTorch (and matplotlib), so on demand.
 _LAZY = {
-    "DEFAULT_VARIANTS": "._train",
-    "TASKS": "._train",
-    "run_experiment": "._train",
-    "VARIANTS": "._models",
+    "DigitsViT": "._models",
     "TinyTransformer": "._models",
     "attention_factory": "._models",
     "TalkingHeadsAttention": "._talking_heads",
+    "train_run": "._train",
+    "run_suite": "._suite",
+    "measure_cost": "._cost",
     "write_results": "._report",
+    "build_report": "._report",
 }
 
 

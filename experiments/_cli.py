@@ -1,76 +1,434 @@
-"""``damcha experiment TASK``: train DAMCHA and its baselines, write JSON and plots."""
+"""``damcha experiment``: train DAMCHA and its baselines, measure their cost, write JSON, plots and a report.
+
+Every flag, output path and optional import is checked before any work;
+a bad one exits with status 2 and one line naming the flag. An interrupted
+run (Ctrl-C, SIGTERM) saves its checkpoint and exits 130; the same command
+resumes it.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
+import math
+import os
+import re
+import signal
 import sys
+from pathlib import Path
+from typing import Any, NoReturn
 
-from ._train import DEFAULT_VARIANTS, TASKS
-from ._models import VARIANTS
+PROG = "damcha experiment"
+TASKS = ("crosshead", "charlm", "listops", "digits")
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="damcha experiment",
-        description="Train DAMCHA variants and baselines (MHA, talking-heads) at matched parameter count "
-        "over several seeds; write <out>/<task>.json, learning-curve, final-metric and metric-heatmap PNGs.",
+class UsageError(Exception):
+    """A bad command line: printed as one line, exit status 2."""
+
+
+def _fail(flag: str, message: str) -> NoReturn:
+    raise UsageError(f"{flag}: {message}")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, not usage + message
+        raise UsageError(message)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return value
+
+
+def _train_parser() -> argparse.ArgumentParser:
+    from ._variants import SUITES, VARIANTS
+    from ._tasks import PRESETS
+
+    p = _Parser(
+        prog=f"{PROG} TASK",
+        description="Train DAMCHA variants and baselines (MHA, talking-heads) at a fixed parameter budget, each "
+        "with its own learning-rate sweep, over paired seeds, until the validation curve flattens; measure time "
+        "per step and memory; write <out>/<task>.json, plots and <task>_cost.json. Rerun the same command to "
+        "resume an interrupted run. 'damcha experiment report DIR' writes the tables and verdicts.",
     )
-    p.add_argument("task", choices=sorted(TASKS), help="which experiment")
+    p.add_argument("task", choices=TASKS, help="which experiment")
+    p.add_argument("--preset", choices=PRESETS, default="default",
+                   help="sizes and budgets: smoke (CI, seconds), default (minutes), full (the runs behind "
+                   "docs/results.md, hours on a 2-core CPU), large (GPU sizes, with --device cuda)")
+    p.add_argument("--suite", choices=sorted(SUITES), default="headline",
+                   help="headline: baselines and DAMCHA couplings (claims 1-3); ablation: claim 4")
     p.add_argument("--variants", nargs="+", default=None, metavar="NAME",
-                   help=f"variants (space or comma separated) from {sorted(VARIANTS)}; default: {' '.join(DEFAULT_VARIANTS)}")
-    p.add_argument("--seeds", type=int, default=3, help="seeds per variant (default 3)")
-    p.add_argument("--steps", type=int, default=None, help="training steps (default: the task's)")
-    p.add_argument("--eval-size", type=int, default=None, help="evaluation examples/windows (default: the task's)")
-    p.add_argument("--out", default="experiment-results", help="output folder (default ./experiment-results)")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--from-json", metavar="PATH", default=None,
-                   help="do not train: redraw the plots and table from an earlier results JSON into --out")
+                   help=f"run only these (space or comma separated) from {sorted(VARIANTS)}")
+    p.add_argument("--seeds", type=_positive_int, default=None, help="paired seeds per variant (preset's default)")
+    p.add_argument("--sweep-seeds", type=_positive_int, default=None,
+                   help="seeds trained at every learning rate of the sweep (preset's default)")
+    p.add_argument("--lrs", type=_positive_float, nargs="+", default=None, metavar="LR",
+                   help="learning-rate grid of each variant's sweep (preset's default)")
+    p.add_argument("--max-steps", type=_positive_int, default=None, help="hard step limit per run")
+    p.add_argument("--eval-size", type=_positive_int, default=None,
+                   help="validation and test examples (charlm: windows) each")
+    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:N (default cpu)")
+    p.add_argument("--threads", type=_positive_int, default=1, help="torch intra-op threads (default 1)")
+    p.add_argument("--out", default="experiment-results",
+                   help="output folder (default ./experiment-results); run checkpoints live in <out>/runs")
+    p.add_argument("--no-progress", action="store_true", help="no progress output")
+    p.add_argument("--no-plots", action="store_true", help="write the JSON only (no matplotlib needed)")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--no-cost", action="store_true", help="skip the time-per-step and memory measurement")
+    group.add_argument("--cost-only", action="store_true",
+                       help="only measure time per step and memory (on a quiet machine), no training")
+    group.add_argument("--from-json", metavar="PATH", default=None,
+                       help="do not train: redraw the plots and table from an earlier results JSON into --out")
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    variants = None
-    if args.variants:
-        variants = [v for item in args.variants for v in item.split(",") if v]
-        unknown = [v for v in variants if v not in VARIANTS]
-        if unknown:
-            print(f"damcha experiment: error: unknown variant(s) {unknown}; expected from {sorted(VARIANTS)}",
-                  file=sys.stderr)
-            return 2
-    for name in ("seeds", "threads"):
-        if getattr(args, name) < 1:
-            print(f"damcha experiment: error: --{name} must be >= 1, got {getattr(args, name)}", file=sys.stderr)
-            return 2
-    if args.steps is not None and args.steps < 1:
-        print(f"damcha experiment: error: --steps must be >= 1, got {args.steps}", file=sys.stderr)
-        return 2
-    if args.from_json:
-        import json
+def _report_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=f"{PROG} report",
+                description="Read every results JSON in FOLDER; write the report's tables and a verdict per claim "
+                "(markdown and JSON) and redraw the equal-time plots.")
+    p.add_argument("folder", help="folder holding TASK.json, TASK_ablation.json and TASK_cost.json files")
+    p.add_argument("--out", default=None, help="markdown file to write (default FOLDER/report.md; JSON beside it)")
+    p.add_argument("--tolerance", type=_positive_float, default=None,
+                   help="claim 3: DAMCHA cost within this factor of MHA counts as comparable (default 1.25)")
+    p.add_argument("--no-plots", action="store_true", help="do not redraw the equal-time plots")
+    return p
 
-        from ._report import markdown_table, write_results
 
-        with open(args.from_json) as f:
-            results = json.load(f)
-        if results.get("task") != args.task:
-            print(f"damcha experiment: error: {args.from_json} holds task {results.get('task')!r}, not {args.task!r}",
-                  file=sys.stderr)
-            return 2
-        paths = write_results(results, args.out)
-        print(markdown_table(results))
-        print("\nwrote " + ", ".join(str(p) for p in paths.values()))
-        return 0
+# ------------------------------------------------------------------ checks
+
+
+def _available(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # ValueError: a module blocked with sys.modules[name] = None
+        return False
+
+
+def _require(module: str, extra: str, why: str, flag_hint: str = "") -> None:
+    if not _available(module):
+        hint = f" (or {flag_hint})" if flag_hint else ""
+        raise UsageError(f"{why} needs {module}: pip install \"damcha[{extra}]\"{hint}")
+
+
+def _check_out_dir(flag: str, path: Path) -> None:
+    if path.exists() and not path.is_dir():
+        _fail(flag, f"{str(path)!r} exists and is not a folder")
+    probe = path
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if not probe.is_dir():
+        _fail(flag, f"cannot create {str(path)!r}: {str(probe)!r} is not a folder")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        _fail(flag, f"cannot write into {str(probe)!r} (permission denied)")
+
+
+def _check_out_file(flag: str, path: Path) -> None:
+    if path.is_dir():
+        _fail(flag, f"{str(path)!r} is a folder, expected a file path")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        _fail(flag, f"the folder {str(parent)!r} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        _fail(flag, f"cannot write {str(path)!r} (permission denied)")
+
+
+def _read_results(flag: str, path_text: str, task: str | None) -> dict[str, Any]:
+    path = Path(path_text)
+    if not path.exists():
+        _fail(flag, f"no such file {path_text!r}")
+    if path.is_dir():
+        _fail(flag, f"{path_text!r} is a folder, expected a results JSON file")
+    try:
+        obj = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError) as exc:
+        _fail(flag, f"cannot read {path_text!r}: {exc}")
+    except ValueError as exc:
+        _fail(flag, f"{path_text!r} is not valid JSON ({exc})")
+    if not isinstance(obj, dict):
+        _fail(flag, f"{path_text!r} holds a JSON {type(obj).__name__}, expected a damcha experiment results object")
+    from ._suite import RESULTS_FORMAT
+
+    if obj.get("format") != RESULTS_FORMAT or obj.get("kind") == "cost":
+        _fail(flag, f"{path_text!r} is not a damcha experiment results file (format {obj.get('format')!r}, "
+                    f"expected {RESULTS_FORMAT!r})")
+    missing = [k for k in ("task", "suite", "metric", "higher_is_better", "seeds", "config", "variants") if k not in obj]
+    if missing or not isinstance(obj.get("variants"), dict) or not obj["variants"]:
+        _fail(flag, f"{path_text!r} is missing {missing or ['variants']}")
+    for name, v in obj["variants"].items():
+        if not isinstance(v, dict) or not all(k in v for k in ("runs", "test", "kind", "lr_sweep", "params")):
+            _fail(flag, f"{path_text!r}: variant {name!r} is incomplete")
+    if task is not None and obj["task"] != task:
+        _fail(flag, f"{path_text!r} holds task {obj['task']!r}, not {task!r}")
+    return obj
+
+
+def _check_device(text: str) -> str:
+    if not re.fullmatch(r"cpu|cuda(:\d+)?|mps|xpu(:\d+)?|meta", text):
+        _fail("--device", f"expected cpu, cuda or cuda:N, got {text!r}")
+    if text == "meta":
+        _fail("--device", "the meta device holds no data, so nothing can train on it")
+    if text == "cpu":
+        return text
+    _require("torch", "torch", "--device")
     import torch
 
-    from ._report import markdown_table, write_results
-    from ._train import run_experiment
+    kind, _, index = text.partition(":")
+    backend = getattr(torch, kind, None)
+    if backend is None or not backend.is_available():
+        _fail("--device", f"{text!r} is not available on this machine")
+    if index and int(index) >= backend.device_count():
+        _fail("--device", f"{text!r}: this machine has {backend.device_count()} {kind} device(s)")
+    return text
 
+
+def _variants(args: argparse.Namespace) -> list[str]:
+    from ._variants import SUITES, VARIANTS
+
+    if not args.variants:
+        return list(SUITES[args.suite])
+    names = [v for item in args.variants for v in item.split(",") if v]
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown:
+        _fail("--variants", f"unknown variant(s) {unknown}; expected from {sorted(VARIANTS)}")
+    if len(set(names)) != len(names):
+        _fail("--variants", f"a variant is named twice: {names}")
+    return names
+
+
+def _config(args: argparse.Namespace):
+    from ._tasks import DIGITS_EVAL_MAX, task_config
+
+    overrides: dict[str, Any] = {"seeds": args.seeds, "sweep_seeds": args.sweep_seeds, "max_steps": args.max_steps}
+    if args.lrs:
+        if len(set(args.lrs)) != len(args.lrs):
+            _fail("--lrs", f"a learning rate is given twice: {args.lrs}")
+        overrides["lrs"] = tuple(sorted(args.lrs))
+    if args.eval_size is not None:
+        if args.task == "digits" and args.eval_size > DIGITS_EVAL_MAX:
+            _fail("--eval-size", f"digits has {DIGITS_EVAL_MAX} validation and test images, got {args.eval_size}")
+        overrides["val_size"] = overrides["test_size"] = args.eval_size
+    cfg = task_config(args.task, args.preset, **overrides)
+    if args.sweep_seeds is not None and args.sweep_seeds > cfg.seeds:
+        _fail("--sweep-seeds", f"must be at most --seeds ({cfg.seeds}), got {args.sweep_seeds}")
+    return cfg
+
+
+def _staged(out: Path, write) -> dict[str, Path]:
+    """Run ``write(folder)`` into a fresh hidden folder beside ``out``, then move its files into ``out``.
+
+    If ``write`` fails nothing reaches ``out`` (and an ``out`` created here is
+    removed); earlier files there are replaced only by complete new ones.
+    """
+    import shutil
+    import tempfile
+
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=".staging-", dir=out))
+    try:
+        paths = write(stage)
+        moved = {}
+        for key, path in paths.items():
+            target = out / path.name
+            os.replace(path, target)
+            moved[key] = target
+        return moved
+    except BaseException:
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+# -------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv and argv[0] == "report":
+            return _report_main(argv[1:])
+        return _train_main(argv)
+    except UsageError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _report_main(argv: list[str]) -> int:
+    args = _report_parser().parse_args(argv)
+    folder = Path(args.folder)
+    if not folder.is_dir():
+        _fail("FOLDER", f"{args.folder!r} is not a folder")
+    out = Path(args.out) if args.out else folder / "report.md"
+    _check_out_file("--out", out)
+    if not args.no_plots:
+        _require("matplotlib", "reports", "plotting", "--no-plots")
+    from . import _analysis as an
+    from ._report import build_report, load_folder, plot_time_curves, stem, write_json
+
+    headline, ablation, cost = load_folder(folder)
+    if not (headline or ablation or cost):
+        _fail("FOLDER", f"{args.folder!r} holds no damcha experiment results JSON")
+    text, summary = build_report(folder, args.tolerance or an.OVERHEAD_TOLERANCE)
+    from ._report import _atomic
+
+    _atomic(out, lambda p: p.write_text(text))
+    write_json(summary, out.with_suffix(".json"))
+    if not args.no_plots:
+        for task, res in headline.items():
+            plot_time_curves(res, folder / f"{stem(res)}_time.png", cost.get(task))
+    print(text)
+    print(f"wrote {out} and {out.with_suffix('.json')}")
+    return 0
+
+
+def _train_main(argv: list[str]) -> int:
+    if not argv:
+        _train_parser().print_help(sys.stderr)
+        return 2
+    args = _train_parser().parse_args(argv)
+    variants = _variants(args)
+    cfg = _config(args)
+    out = Path(args.out)
+    _check_out_dir("--out", out)
+    if not args.no_plots:
+        _require("matplotlib", "reports", "plotting", "--no-plots")
+    if args.from_json:
+        results = _read_results("--from-json", args.from_json, args.task)
+        from ._report import markdown_table, stem, write_json, write_results
+
+        try:
+            table = markdown_table(results)
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            _fail("--from-json", f"{args.from_json!r} is incomplete ({type(exc).__name__}: {exc})")
+        try:
+            paths = _staged(out, lambda d: {"json": write_json(results, d / f"{stem(results)}.json")} if args.no_plots
+                            else write_results(results, d))
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            _fail("--from-json", f"{args.from_json!r} is incomplete ({type(exc).__name__}: {exc})")
+        print(table)
+        print("\nwrote " + ", ".join(str(p) for p in paths.values()))
+        return 0
+    _require("torch", "torch", "training")
+    if args.task == "digits":
+        _require("sklearn", "experiments", "the digits task (scikit-learn's bundled 8x8 digits)")
+    device = _check_device(args.device)
+    use_bar = not args.no_progress and _available("tqdm") and sys.stderr.isatty()
+
+    import torch
+
+    if device.startswith("cuda"):
+        # Bitwise-resumable runs on a GPU need deterministic kernels (cuBLAS reads this before its first use).
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
     torch.set_num_threads(args.threads)
-    results = run_experiment(args.task, variants, args.seeds, args.steps, args.eval_size, progress=not args.no_progress)
-    paths = write_results(results, args.out)
-    print(markdown_table(results))
-    print(f"\nwall time {results['wall_s']:.0f} s (CPU {results['cpu_s']:.0f} s); wrote " + ", ".join(str(p) for p in paths.values()))
+    stop = {"signal": None}
+
+    def request_stop(signum, frame):  # finish the current step, checkpoint, exit
+        stop["signal"] = signum
+
+    previous = {s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return _train(args, cfg, variants, out, torch.device(device), use_bar, lambda step: stop["signal"] is not None)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _train(args, cfg, variants, out, device, use_bar, should_stop) -> int:
+    from ._cost import measure_cost
+    from ._report import cost_table, markdown_table, stem, write_json, write_results
+    from ._suite import run_suite
+    from ._train import RunInterrupted
+
+    name = cfg.task if args.suite == "headline" else f"{cfg.task}_{args.suite}"
+    if args.cost_only:
+        cost = measure_cost(cfg, variants, device=device) | {"suite": args.suite}
+        existing = out / f"{name}.json"
+
+        def write(folder: Path) -> dict[str, Path]:
+            paths = {"cost": write_json(cost, folder / f"{name}_cost.json")}
+            if existing.exists() and not args.no_plots:
+                from ._report import plot_time_curves
+
+                results = json.loads(existing.read_text())
+                paths["time"] = plot_time_curves(results, folder / f"{stem(results)}_time.png", cost)
+            return paths
+
+        written = _staged(out, write)
+        print(cost_table(cost))
+        print("\nwrote " + ", ".join(str(p) for p in written.values()))
+        return 0
+    runs_per_variant = len(cfg.lrs) * cfg.sweep_seeds + cfg.seeds - cfg.sweep_seeds
+    bar = None
+    progress = None
+    if use_bar:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(variants) * runs_per_variant, desc=cfg.task, unit="run", dynamic_ncols=True)
+
+        def progress(text: str) -> None:
+            if bar.n or bar.postfix:
+                bar.update(1)
+            bar.set_postfix_str(text)
+    elif not args.no_progress:
+        count = {"n": 0}
+
+        def progress(text: str) -> None:
+            count["n"] += 1
+            print(f"[{count['n']}/{len(variants) * runs_per_variant}] {cfg.task} {text}", file=sys.stderr, flush=True)
+    try:
+        results = run_suite(cfg, variants, args.suite, out=out, device=device, should_stop=should_stop,
+                            progress=progress)
+    except RunInterrupted as exc:
+        print(f"{PROG}: interrupted ({exc}); checkpoints are in {out / 'runs'}: run the same command to resume",
+              file=sys.stderr)
+        return 130
+    finally:
+        if bar is not None:
+            bar.close()
+    cost = None
+    if not args.no_cost:
+        cost = measure_cost(cfg, variants, device=device) | {"suite": args.suite}
+
+    def write(folder: Path) -> dict[str, Path]:
+        paths = {}
+        if cost is not None:
+            paths["cost"] = write_json(cost, folder / f"{name}_cost.json")
+        if args.no_plots:
+            paths["json"] = write_json(results, folder / f"{stem(results)}.json")
+        else:
+            paths |= write_results(results, folder, cost)
+        return paths
+
+    paths = _staged(out, write)
+    print(markdown_table(results, cost))
+    if cost is not None:
+        print()
+        print(cost_table(cost))
+    print(f"\nwall time {results['wall_s']:.0f} s (CPU {results['cpu_s']:.0f} s); wrote "
+          + ", ".join(str(p) for p in paths.values()))
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Deterministic data for the three experiments; nothing is downloaded.
+"""Deterministic data for the four experiments; nothing is downloaded.
 
 Every generator takes an explicit ``seed`` and draws from its own
 ``numpy.random.Generator``, so the same seed gives the same arrays on every
@@ -227,27 +227,34 @@ def make_listops(n: int, seed: int, *, max_depth: int = 3, max_args: int = 4, ma
 
 @dataclasses.dataclass(frozen=True)
 class Corpus:
-    """Byte-level text: ``train``/``val`` uint8 arrays and where they came from."""
+    """Byte-level text: ``train``/``val``/``test`` uint8 arrays and where they came from."""
 
     train: np.ndarray
     val: np.ndarray
     files: tuple[str, ...]
     sha256: str
     python_version: str
+    test: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.uint8))
 
 
-def stdlib_corpus(max_bytes: int = 1_000_000, val_fraction: float = 0.1) -> Corpus:
+def stdlib_corpus(max_bytes: int = 1_000_000, val_fraction: float = 0.1, test_fraction: float = 0.0) -> Corpus:
     """Concatenate this interpreter's standard-library ``*.py`` files (sorted by name).
 
     The files are the top-level modules of ``sysconfig.get_paths()["stdlib"]``
-    in sorted order, read as bytes until ``max_bytes``; the last
-    ``val_fraction`` is validation, so train and val are disjoint files' text.
-    The SHA-256 and Python version are recorded because another Python
-    version ships different sources.
+    in sorted order, read as bytes until ``max_bytes``. The text is cut in
+    order: train, then ``val_fraction`` validation, then ``test_fraction``
+    test (empty by default), so the three are different files' text. The
+    SHA-256 and Python version are recorded because another Python version
+    ships different sources.
     """
     max_bytes = _check_positive("max_bytes", max_bytes)
     if not 0.0 < val_fraction < 1.0:
         raise DamchaValueError(f"`val_fraction` must be in (0, 1). Received: val_fraction={val_fraction!r}")
+    if not 0.0 <= test_fraction < 1.0 - val_fraction:
+        raise DamchaValueError(
+            f"`test_fraction` must be in [0, 1 - val_fraction). Received: test_fraction={test_fraction!r}, "
+            f"val_fraction={val_fraction!r}"
+        )
     root = Path(sysconfig.get_paths()["stdlib"])
     chunks, files, total = [], [], 0
     for path in sorted(root.glob("*.py")):
@@ -261,13 +268,15 @@ def stdlib_corpus(max_bytes: int = 1_000_000, val_fraction: float = 0.1) -> Corp
     if len(text) < 10_000:
         raise DamchaValueError(f"standard library at {root} gave only {len(text)} bytes of text")
     data = np.frombuffer(text, dtype=np.uint8)
-    cut = int(len(data) * (1.0 - val_fraction))
+    cut = int(len(data) * (1.0 - val_fraction - test_fraction))
+    cut_test = int(len(data) * (1.0 - test_fraction)) if test_fraction else len(data)
     return Corpus(
         data[:cut].copy(),
-        data[cut:].copy(),
+        data[cut:cut_test].copy(),
         tuple(files),
         hashlib.sha256(text).hexdigest(),
         f"{sys.version_info.major}.{sys.version_info.minor}.{sys.version_info.micro}",
+        data[cut_test:].copy(),
     )
 
 
@@ -285,3 +294,53 @@ def lm_eval_windows(data: np.ndarray, length: int, count: int) -> tuple[np.ndarr
     idx = starts[:, None] + np.arange(length + 1)[None, :]
     win = data[idx].astype(np.int64)
     return win[:, :-1, None], win[:, 1:]
+
+
+# ------------------------------------------------------------- task 4: digits
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageSplit:
+    """scikit-learn's 8x8 digits, split: images (n, 8, 8) float32 in [0, 1], labels (n,) int64."""
+
+    train_images: np.ndarray
+    train_labels: np.ndarray
+    val_images: np.ndarray
+    val_labels: np.ndarray
+    test_images: np.ndarray
+    test_labels: np.ndarray
+
+
+def digits_split(seed: int = 0, val_fraction: float = 0.2, test_fraction: float = 0.2) -> ImageSplit:
+    """The 1,797 bundled 8x8 digit images (``sklearn.datasets.load_digits``), stratified split.
+
+    Within each class the images are shuffled with ``seed`` and cut into
+    train / validation / test in the given fractions, so every split has every
+    digit in about the data set's proportions. Pixels (0-16) are scaled to
+    [0, 1]. Needs scikit-learn (``pip install "damcha[experiments]"``); the
+    data ship inside it, nothing is downloaded.
+    """
+    if not (0.0 < val_fraction < 1.0 and 0.0 < test_fraction < 1.0 and val_fraction + test_fraction < 1.0):
+        raise DamchaValueError(
+            "`val_fraction` and `test_fraction` must be in (0, 1) with a sum below 1. "
+            f"Received: val_fraction={val_fraction!r}, test_fraction={test_fraction!r}"
+        )
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    images = (np.asarray(bunch.images, dtype=np.float32) / 16.0).astype(np.float32)
+    labels = np.asarray(bunch.target, dtype=np.int64)
+    rng = np.random.default_rng(seed)
+    parts: dict[str, list[np.ndarray]] = {"train": [], "val": [], "test": []}
+    for c in range(10):
+        idx = rng.permutation(np.flatnonzero(labels == c))
+        n_val, n_test = round(len(idx) * val_fraction), round(len(idx) * test_fraction)
+        parts["val"].append(idx[:n_val])
+        parts["test"].append(idx[n_val : n_val + n_test])
+        parts["train"].append(idx[n_val + n_test :])
+    # Sorted indices: the split is a set; the training order comes from the run's seed.
+    sel = {k: np.sort(np.concatenate(v)) for k, v in parts.items()}
+    return ImageSplit(
+        images[sel["train"]], labels[sel["train"]], images[sel["val"]], labels[sel["val"]],
+        images[sel["test"]], labels[sel["test"]],
+    )

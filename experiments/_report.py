@@ -1,12 +1,21 @@
-"""Writing results: the JSON file and the PNG plots (matplotlib, Agg backend)."""
+"""Writing results: the JSON files, the plots (matplotlib, Agg) and the report's markdown.
+
+Every file is written to a temporary name in its folder and renamed into
+place, so an interrupted or failed write never leaves half a file and never
+destroys an earlier good one.
+"""
 
 from __future__ import annotations
 
 import json
+import math
+import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from . import _analysis as an
 
 # Small figures at low dpi: the PNGs are committed to the repository.
 _DPI = 72
@@ -21,65 +30,162 @@ def _pyplot():
     return plt
 
 
-def write_results(results: dict[str, Any], out_dir: str | Path) -> dict[str, Path]:
-    """Write ``results.json`` and the plots into ``out_dir``; returns name -> path."""
+def _atomic(path: Path, write) -> Path:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
+def write_json(obj: Any, path: Path) -> Path:
+    return _atomic(path, lambda p: p.write_text(json.dumps(obj, indent=1, allow_nan=True) + "\n"))
+
+
+def _savefig(fig, path: Path) -> Path:
+    plt = _pyplot()
+    try:
+        return _atomic(path, lambda p: fig.savefig(p, dpi=_DPI, format="png"))
+    finally:
+        plt.close(fig)
+
+
+def stem(results: dict[str, Any]) -> str:
+    """File stem of a results JSON: ``TASK`` (headline suite) or ``TASK_SUITE``."""
+    suite = results.get("suite", "headline")
+    return results["task"] if suite == "headline" else f"{results['task']}_{suite}"
+
+
+def write_results(results: dict[str, Any], out_dir: str | Path, cost: dict[str, Any] | None = None) -> dict[str, Path]:
+    """Write ``STEM.json`` and its plots into ``out_dir`` (which must exist); returns name -> path."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    task = results["task"]
-    paths = {"json": out / f"{task}.json"}
-    paths["json"].write_text(json.dumps(results, indent=1, allow_nan=True) + "\n")
-    paths["curves"] = plot_curves(results, out / f"{task}_curves.png")
-    paths["final"] = plot_final(results, out / f"{task}_final.png")
-    heat = plot_head_maps(results, out / f"{task}_metric.png")
+    s = stem(results)
+    paths = {"json": write_json(results, out / f"{s}.json")}
+    paths["curves"] = plot_curves(results, out / f"{s}_curves.png")
+    paths["final"] = plot_final(results, out / f"{s}_final.png")
+    if any(len(r["lr_sweep"]["lrs"]) > 1 for r in results["variants"].values()):
+        paths["lr"] = plot_lr_sweep(results, out / f"{s}_lr.png")
+    if cost is not None or any(r["runs"] and r["runs"][0]["curve"]["train_time_s"] for r in results["variants"].values()):
+        paths["time"] = plot_time_curves(results, out / f"{s}_time.png", cost)
+    heat = plot_head_maps(results, out / f"{s}_metric.png")
     if heat is not None:
         paths["metric"] = heat
     return paths
 
 
+def _label(results: dict[str, Any], which: str = "metric") -> str:
+    return results["metric"].replace("_", " ")
+
+
+def _banded(runs: list[dict[str, Any]], key: str, xs_of) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Mean and std over runs on the union of their x values; a stopped run keeps its last value."""
+    per_run = [(np.asarray(xs_of(r), dtype=float), np.asarray(r["curve"][key], dtype=float)) for r in runs]
+    grid = np.unique(np.concatenate([x for x, _ in per_run])) if per_run else np.zeros(0)
+    stack = []
+    for x, y in per_run:
+        idx = np.searchsorted(x, grid, side="right") - 1
+        vals = np.where(idx >= 0, y[np.clip(idx, 0, None)], np.nan)
+        stack.append(vals)
+    arr = np.array(stack)
+    with np.errstate(invalid="ignore"):
+        return grid, np.nanmean(arr, 0), np.nanstd(arr, 0)
+
+
 def plot_curves(results: dict[str, Any], path: Path) -> Path:
-    """Validation metric vs step: mean over seeds with a +-1 std band."""
+    """Validation metric vs step: mean over seeds with a +-1 std band (a stopped run keeps its last value)."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6, 3.6))
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
     for name, r in results["variants"].items():
-        steps = np.array(r["runs"][0]["curve"]["step"])
-        values = np.array([run["curve"]["val_metric"] for run in r["runs"]])
-        mean, std = values.mean(0), values.std(0)
-        ax.plot(steps, mean, label=name, lw=1.3, ls="--" if r["kind"] != "damcha" else "-")
-        ax.fill_between(steps, mean - std, mean + std, alpha=0.15)
+        x, mean, std = _banded(r["runs"], "val_metric", lambda run: run["curve"]["step"])
+        ax.plot(x, mean, label=name, lw=1.2, ls="--" if r["kind"] != "damcha" else "-")
+        ax.fill_between(x, mean - std, mean + std, alpha=0.15)
     ax.set_xlabel("training step")
-    ax.set_ylabel(results["metric"].replace("_", " "))
-    ax.set_title(f"{results['task']}: validation ({results['seeds']} seeds, mean +- std)", fontsize=9)
+    ax.set_ylabel(f"validation {_label(results)}")
+    ax.set_title(f"{results['task']} ({results.get('preset', '?')}): validation, {results['seeds']} seeds, "
+                 "mean +- std", fontsize=9)
     ax.legend(fontsize=6, ncol=2)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=_DPI)
-    plt.close(fig)
-    return path
+    return _savefig(fig, path)
+
+
+def plot_time_curves(results: dict[str, Any], path: Path, cost: dict[str, Any] | None = None) -> Path:
+    """Validation metric vs training time: steps x the cost file's median s/step, else each run's own clock."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    source = "interleaved cost measurement"
+    for name, r in results["variants"].items():
+        sps = an._s_per_step(cost, name)
+        if sps is None:
+            source = "each run's measured training time"
+            xs = lambda run: run["curve"]["train_time_s"]  # noqa: E731
+        else:
+            xs = lambda run, s=sps: [step * s for step in run["curve"]["step"]]  # noqa: E731
+        x, mean, std = _banded(r["runs"], "val_metric", xs)
+        ax.plot(x, mean, label=name, lw=1.2, ls="--" if r["kind"] != "damcha" else "-")
+        ax.fill_between(x, mean - std, mean + std, alpha=0.15)
+    names = list(results["variants"])
+    b = an.budgets(results, names, cost)
+    if math.isfinite(b["time_s"]):
+        ax.axvline(b["time_s"], color="k", lw=0.8, ls=":", label="equal-time budget")
+    ax.set_xlabel(f"training time (s; {source})")
+    ax.set_ylabel(f"validation {_label(results)}")
+    ax.set_title(f"{results['task']}: validation vs training time, mean +- std over seeds", fontsize=9)
+    ax.legend(fontsize=6, ncol=2)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return _savefig(fig, path)
 
 
 def plot_final(results: dict[str, Any], path: Path) -> Path:
-    """Final metric per variant with std error bars and each seed as a dot."""
+    """Test metric at the best validation point per variant: bar = mean, error bar = std, dots = seeds."""
     plt = _pyplot()
     names = list(results["variants"])
-    fig, ax = plt.subplots(figsize=(6, 3.4))
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    values = []
     for i, name in enumerate(names):
         r = results["variants"][name]
-        ax.bar(i, r["mean"], yerr=r["std"], color="C0" if r["kind"] == "damcha" else "C7", alpha=0.7, capsize=3)
-        finals = [run["final_metric"] for run in r["runs"]]
+        finals = [run["test_metric"] for run in r["runs"]]
+        values += [v for v in finals if math.isfinite(v)]
+        std = r["test"]["std"] or 0.0
+        ax.bar(i, r["test"]["mean"], yerr=std, color="C0" if r["kind"] == "damcha" else "C7", alpha=0.7, capsize=3)
         ax.scatter([i] * len(finals), finals, s=8, color="k", zorder=3)
     ax.set_xticks(range(len(names)))
     ax.set_xticklabels(names, rotation=30, ha="right", fontsize=7)
-    values = [run["final_metric"] for r in results["variants"].values() for run in r["runs"]]
-    lo, hi = min(values), max(values)
-    pad = max(hi - lo, 1e-3) * 0.5
-    ax.set_ylim(lo - pad, hi + pad)
-    ax.set_ylabel(results["metric"].replace("_", " "))
-    ax.set_title(f"{results['task']}: final {results['metric']} (bars: mean +- std; dots: seeds)", fontsize=9)
+    if values:
+        lo, hi = min(values), max(values)
+        pad = max(hi - lo, 1e-3) * 0.5
+        ax.set_ylim(lo - pad, hi + pad)
+    ax.set_ylabel(f"test {_label(results)}")
+    ax.set_title(f"{results['task']}: test {results['metric']} at the best validation step "
+                 "(bars: mean +- std; dots: seeds)", fontsize=8)
     ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
-    fig.savefig(path, dpi=_DPI)
-    plt.close(fig)
-    return path
+    return _savefig(fig, path)
+
+
+def plot_lr_sweep(results: dict[str, Any], path: Path) -> Path:
+    """Best validation metric vs learning rate per variant (mean over the sweep seeds); the chosen rate circled."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    for name, r in results["variants"].items():
+        sweep = r["lr_sweep"]
+        lrs = sweep["lrs"]
+        means = [np.mean([x["best_val_metric"] for x in sweep["runs"] if x["lr"] == lr]) for lr in lrs]
+        line, = ax.plot(lrs, means, marker=".", label=name, lw=1, ls="--" if r["kind"] != "damcha" else "-")
+        ax.scatter([sweep["chosen_lr"]], [means[lrs.index(sweep["chosen_lr"])]], s=60, facecolors="none",
+                   edgecolors=line.get_color())
+    ax.set_xscale("log")
+    ax.set_xlabel("learning rate")
+    ax.set_ylabel(f"best validation {_label(results)}")
+    ax.set_title(f"{results['task']}: learning-rate sweep (circle: chosen)", fontsize=9)
+    ax.legend(fontsize=6, ncol=2)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return _savefig(fig, path)
 
 
 def plot_head_maps(results: dict[str, Any], path: Path) -> Path | None:
@@ -98,6 +204,7 @@ def plot_head_maps(results: dict[str, Any], path: Path) -> Path | None:
     fig, axes = plt.subplots(len(names), layers, figsize=(1.6 * layers + 2.6, 1.5 * len(names) + 0.6),
                              squeeze=False)
     vmax = max(max(float(np.abs(m).max()) for _, _, m in panels), 1e-6)
+    im = None
     for name, i, m in panels:
         ax = axes[names.index(name), i]
         im = ax.imshow(m, cmap="RdBu_r", vmin=-vmax, vmax=vmax)
@@ -113,27 +220,178 @@ def plot_head_maps(results: dict[str, Any], path: Path) -> Path | None:
             ax.axis("off")
     fig.colorbar(im, ax=axes, shrink=0.7).ax.tick_params(labelsize=5)
     fig.suptitle(f"{results['task']}: mean l(t) - I (row: head formed, col: head read), seed 0", fontsize=7)
-    fig.savefig(path, dpi=_DPI)
-    plt.close(fig)
-    return path
+    return _savefig(fig, path)
 
 
-def markdown_table(results: dict[str, Any]) -> str:
-    """The results table (markdown) that docs/results.md quotes."""
-    cmp = {c["variant"]: c for c in results["comparison_vs_mha"]}
+# ----------------------------------------------------------------- markdown
+
+
+def _f(v: Any, digits: int = 4) -> str:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "n/a" if v is None else str(v)
+    return f"{v:.{digits}f}"
+
+
+def _ci(c: dict[str, Any], digits: int = 4) -> str:
+    return "n/a" if c.get("ci") is None else f"[{c['ci'][0]:+.{digits}f}, {c['ci'][1]:+.{digits}f}]"
+
+
+def markdown_table(results: dict[str, Any], cost: dict[str, Any] | None = None) -> str:
+    """Per variant: params, chosen lr, test metric (mean +- std, 95% CI), steps, stops, and the paired gain vs MHA."""
+    vs = {}
+    if "mha" in results["variants"]:
+        others = [n for n in results["variants"] if n != "mha"]
+        vs = {r["variant"]: r for r in an.compare(results, others, "mha", cost=cost)} if others else {}
+    m = results["metric"]
     lines = [
-        f"| variant | params | {results['metric']} mean +- std | vs mha (diff, z) | exceeds seed noise | ms/step (wall) | ms/step (CPU) |",
-        "| --- | ---: | ---: | ---: | :---: | ---: | ---: |",
+        f"| variant | params | lr | test {m} mean +- std | 95% CI | steps (mean) | plateau/max/div | "
+        "gain vs mha [95% CI] | Holm p | decision |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | :---: | ---: | ---: | :---: |",
     ]
     for name, r in results["variants"].items():
-        c = cmp.get(name)
-        if c is None:
-            vs, noise = "-", "-"
-        else:
-            vs = f"{c['difference']:+.4f}" + (f" (z={c['z']:+.1f})" if c["z"] is not None else "")
-            noise = {None: "n/a (1 seed)", True: "yes, " + c["direction"], False: "no"}[c["exceeds_noise"]]
+        t = r["test"]
+        stops = "/".join(str(sum(run["stop_reason"] == k for run in r["runs"])) for k in ("plateau", "max_steps", "diverged"))
+        c = vs.get(name)
+        gain = "-" if c is None else f"{c['mean']:+.4f} {_ci(c)}"
+        p = "-" if c is None or c["p_holm"] is None else f"{c['p_holm']:.3g}"
+        dec = "-" if c is None else c["decision"]
         lines.append(
-            f"| {name} | {r['params']:,} | {r['mean']:.4f} +- {r['std']:.4f} | {vs} | {noise} | "
-            f"{1000 * r['time_per_step_s']:.1f} | {1000 * r.get('cpu_per_step_s', float('nan')):.1f} |"
+            f"| {name} | {r['params']:,} | {r['chosen_lr']:g} | {_f(t['mean'])} +- {_f(t['std'])} | {_ci(t)} | "
+            f"{r['steps']['mean']:.0f} | {stops} | {gain} | {p} | {dec} |"
         )
     return "\n".join(lines)
+
+
+def comparison_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| variant | vs | budget | gain mean +- std | 95% CI | p | Holm p | decision | no gain (< margin) |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | :---: | :---: |"]
+    for r in rows:
+        budget = r["budget"] if r["budget_value"] is None else f"{r['budget']} = {r['budget_value']:.4g}"
+        lines.append(
+            f"| {r['variant']} | {r['baseline']} | {budget} | {r['mean']:+.4f} +- {_f(r['std'])} | {_ci(r)} | "
+            f"{'n/a' if r['p'] is None else format(r['p'], '.3g')} | "
+            f"{'n/a' if r['p_holm'] is None else format(r['p_holm'], '.3g')} | {r['decision']} | "
+            f"{'yes' if r['no_gain'] else 'no'} |"
+        )
+    return "\n".join(lines)
+
+
+def cost_table(cost: dict[str, Any]) -> str:
+    lines = ["| variant | params | ms/step (median) | time vs mha | activations (KiB) | activations vs mha | "
+             "train memory vs mha | CUDA peak vs mha |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for name, e in cost["variants"].items():
+        lines.append(
+            f"| {name} | {e['params']:,} | {1000 * e['s_per_step']:.2f} | {_f(e.get('time_ratio_vs_mha'), 2)} | "
+            f"{e['activation_bytes'] / 1024:.0f} | {_f(e.get('activation_ratio_vs_mha'), 2)} | "
+            f"{_f(e.get('train_bytes_ratio_vs_mha'), 2)} | {_f(e.get('cuda_peak_ratio_vs_mha'), 2)} |"
+        )
+    return "\n".join(lines)
+
+
+def stability_table(results: dict[str, Any]) -> str:
+    lines = ["| variant | runs | divergences (chosen lr / whole sweep) | loss spikes | seed std | seed range |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for r in an.stability(results):
+        lines.append(f"| {r['variant']} | {r['runs']} | {r['divergences']} / {r['sweep_divergences']} | "
+                     f"{r['loss_spikes']} | {_f(r['seed_std'])} | {_f(r['seed_range'][0])} - {_f(r['seed_range'][1])} |")
+    return "\n".join(lines)
+
+
+def threshold_table(results: dict[str, Any]) -> str:
+    rows = an.threshold_summary(results)
+    if not rows:
+        return ""
+    lines = ["| variant | val threshold | seeds reaching | median steps | steps saved vs mha [95% CI] |",
+             "| --- | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        c = r.get("vs_mha")
+        vs = "-" if c is None else f"{c['mean']:+.0f} {_ci(c, 0)}"
+        median = "-" if r["median_steps"] is None else f"{r['median_steps']:.0f}"
+        lines.append(f"| {r['variant']} | {r['threshold']:g} | {r['reached']}/{r['n']} | {median} | {vs} |")
+    return "\n".join(lines)
+
+
+def load_folder(folder: Path) -> tuple[dict[str, dict], dict[str, dict], dict[str, dict]]:
+    """(headline, ablation, cost) results found in ``folder``, keyed by task."""
+    headline, ablation, cost = {}, {}, {}
+    for path in sorted(folder.glob("*.json")):
+        try:
+            obj = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(obj, dict) or obj.get("format") != "damcha-experiment/2":
+            continue
+        if obj.get("kind") == "cost":
+            cost[obj["task"]] = obj
+        elif obj.get("suite") == "ablation":
+            ablation[obj["task"]] = obj
+        elif obj.get("suite") == "headline":
+            headline[obj["task"]] = obj
+    return headline, ablation, cost
+
+
+def build_report(folder: str | Path, tolerance: float = an.OVERHEAD_TOLERANCE) -> tuple[str, dict[str, Any]]:
+    """The markdown tables and verdicts for every results file in ``folder``, and the same as JSON."""
+    folder = Path(folder)
+    headline, ablation, cost = load_folder(folder)
+    verdicts = an.verdicts(headline, ablation, cost, tolerance)
+    md = ["# Experiment report (generated by `damcha experiment report`)", ""]
+    md.append("## Verdicts")
+    md.append("")
+    md.append("| claim | verdict | why |")
+    md.append("| --- | :---: | --- |")
+    for v in verdicts:
+        md.append(f"| {v['claim']}. {v['title']} | **{v['verdict']}** | {v['reason']} |")
+    md.append("")
+    md.append("Rules:")
+    md.append("")
+    for v in verdicts:
+        md.append(f"* Claim {v['claim']}: {v['rule']}")
+    md.append("")
+    md.append(an.__doc__.split("Decisions (the rules the report states):")[1].strip().replace("\n\n", "\n"))
+    summary: dict[str, Any] = {"verdicts": verdicts, "tasks": {}}
+    for task, res in headline.items():
+        c = cost.get(task)
+        s = stem(res)
+        md += ["", f"## {task} ({res['preset']}, {res['device']}): {res['config']['description']}", "",
+               f"Metric: test {res['metric']} ({'higher' if res['higher_is_better'] else 'lower'} is better) at each "
+               f"run's best validation step; {res['seeds']} paired seeds; parameter budget "
+               f"{res['config']['param_budget']:,}; margin {res['config']['margin']:g}. Data: {res['data']}.", "",
+               markdown_table(res, c), ""]
+        names = [n for n in res["variants"] if n not in an.BASELINES]
+        rows = []
+        for base in an.BASELINES:
+            if base in res["variants"] and names:
+                for budget in ("converged", "steps", "time"):
+                    rows += an.compare(res, names, base, budget=budget, cost=c)
+        if rows:
+            md += ["Paired comparisons (converged, equal steps, equal training time):", "", comparison_table(rows), ""]
+        thr = threshold_table(res)
+        if thr:
+            md += ["Steps to reach a validation threshold:", "", thr, ""]
+        md += ["Stability:", "", stability_table(res), ""]
+        if c is not None:
+            md += [f"Cost per training step (batch {c['batch']}, {c['cost_rounds']} interleaved rounds of "
+                   f"{c['cost_steps']} steps; load average {c['environment'].get('loadavg')}):", "", cost_table(c), ""]
+        md += [f"![{task} curves]({s}_curves.png) ![{task} time]({s}_time.png) ![{task} final]({s}_final.png)", ""]
+        summary["tasks"][task] = {"comparisons": rows, "stability": an.stability(res),
+                                  "thresholds": an.threshold_summary(res)}
+    for task, res in ablation.items():
+        s = stem(res)
+        md += ["", f"## Ablations on {task} ({res['preset']})", "", markdown_table(res, cost.get(task)), ""]
+        from ._variants import ABLATION_REFERENCE
+
+        rows = []
+        by_ref: dict[str, list[str]] = {}
+        for name, ref in ABLATION_REFERENCE.items():
+            if name in res["variants"] and ref in res["variants"]:
+                by_ref.setdefault(ref, []).append(name)
+        for ref, names in by_ref.items():
+            rows += an.compare(res, names, ref)
+        if rows:
+            md += ["Each ablation against the variant it changes (paired, converged, Holm within each reference):", "",
+                   comparison_table(rows), ""]
+        md += ["Stability:", "", stability_table(res), "", f"![{task} ablation]({s}_final.png)", ""]
+        summary.setdefault("ablations", {})[task] = {"comparisons": rows, "stability": an.stability(res)}
+    return "\n".join(md) + "\n", summary

@@ -33,6 +33,11 @@ class TalkingHeadsAttention(nn.Module):
         batch_first: must be True: inputs are (B, N, E).
     """
 
+    # nn.TransformerEncoderLayer reads this before choosing its fused native
+    # kernel (which would use in_proj_weight directly and skip the mixing):
+    # False keeps it on the path that calls forward().
+    _qkv_same_embed_dim = False
+
     def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
                  batch_first: bool = True) -> None:
         super().__init__()

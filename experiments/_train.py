@@ -1,17 +1,22 @@
-"""Tasks, the training loop and the seed-noise comparison.
+"""One training run: model, optimiser, plateau rule, stability counters and resumable checkpoints.
 
-``run_experiment`` trains every variant for every seed on one task and
-returns a plain-JSON dict; ``write_results`` saves it with its plots.
-Seeds change the initialisation and batch order; the data sets are fixed per
-task so that every variant sees the same examples.
+``train_run`` trains one (task config, variant, learning rate, seed) and
+returns a plain-JSON result. With a ``run_dir`` it checkpoints at every
+evaluation and resumes from the last checkpoint: model, optimiser, torch
+RNG, the data order and every counter are restored, so a resumed run ends
+with exactly (bitwise) the numbers of an uninterrupted one. Only the wall
+and CPU time measurements differ.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
-import platform
+import os
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -19,348 +24,445 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from damcha_core import DamchaTypeError, DamchaValueError
+from damcha_core import DamchaValueError
 
-from . import _data
-from ._models import TinyTransformer, Variant, attention_factory, count_parameters, get_variant
-
-
-@dataclasses.dataclass(frozen=True)
-class TaskSpec:
-    """Defaults of one task: model size, optimisation and evaluation."""
-
-    name: str
-    description: str
-    metric: str  # name of the reported metric
-    higher_is_better: bool
-    steps: int
-    batch: int
-    lr: float
-    embed_dim: int
-    num_heads: int
-    num_layers: int
-    mlp_hidden: int
-    eval_every: int
-    eval_size: int
-    train_size: int = 0  # classification tasks: fixed training-set size
-    seq_len: int = 0  # language model window
-
-
-# Sized so that the 7 default variants x 3 seeds finish in under 10 minutes per
-# task on a shared 2-core CPU (one torch thread); evaluation is kept sparse
-# because on ListOps it would otherwise cost as much as training.
-TASKS: dict[str, TaskSpec] = {
-    "crosshead": TaskSpec(
-        "crosshead", "shifted-block retrieval: the match is split across heads (see make_crosshead)",
-        "accuracy", True, steps=800, batch=64, lr=3e-3, embed_dim=32, num_heads=4, num_layers=2,
-        mlp_hidden=64, eval_every=100, eval_size=1000, train_size=20000,
-    ),
-    "charlm": TaskSpec(
-        "charlm", "byte-level language model on the Python standard library's own source",
-        "val_bits_per_char", False, steps=400, batch=32, lr=3e-3, embed_dim=64, num_heads=4, num_layers=2,
-        mlp_hidden=128, eval_every=100, eval_size=64, seq_len=48,
-    ),
-    "listops": TaskSpec(
-        "listops", "ListOps-style nested MAX/MIN/MED/SM expressions, classify the value 0-9",
-        "accuracy", True, steps=400, batch=32, lr=2e-3, embed_dim=64, num_heads=4, num_layers=2,
-        mlp_hidden=128, eval_every=100, eval_size=500, train_size=10000,
-    ),
-}
-
-DEFAULT_VARIANTS = (
-    "mha",
-    "talking-heads",
-    "damcha-heads-tied",
-    "damcha-heads-tied-shared",
-    "damcha-heads-separate",
-    "damcha-heads-query",
-    "damcha-lowrank-tied",
+from ._models import (
+    DigitsViT,
+    TinyTransformer,
+    Variant,
+    as_variant,
+    attention_factory,
+    count_parameters,
+    damcha_layers,
+    match_width,
+    metric_parameter_names,
+    prepare_model,
 )
+from ._tasks import TaskConfig, TaskData
 
-# Fixed data seeds: the training seed of a run must not change the data.
-TRAIN_DATA_SEED, EVAL_DATA_SEED = 0, 1
-
-
-def get_task(name: str) -> TaskSpec:
-    if name not in TASKS:
-        raise DamchaValueError(f"unknown task {name!r}; expected one of {sorted(TASKS)}")
-    return TASKS[name]
+CHECKPOINT_FORMAT = 1
 
 
-# ------------------------------------------------------------------- data
-
-
-class _TaskData:
-    """Batches and the fixed evaluation set of one task."""
-
-    def __init__(self, spec: TaskSpec, steps: int, eval_size: int) -> None:
-        self.spec = spec
-        if spec.name == "charlm":
-            corpus = _data.stdlib_corpus()
-            self.corpus = corpus
-            self.vocab_sizes, self.num_outputs = (256,), 256
-            self.readout, self.causal, self.max_len, self.pad_id = None, True, spec.seq_len, None
-            self.eval_inputs, self.eval_targets = _data.lm_eval_windows(corpus.val, spec.seq_len, eval_size)
-            self.info = {"corpus_files": len(corpus.files), "corpus_sha256": corpus.sha256,
-                         "train_bytes": int(len(corpus.train)), "val_bytes": int(len(corpus.val)),
-                         "python_version": corpus.python_version}
-            return
-        self.corpus = None
-        # A tiny run needs no 20k examples: generate only what it will read.
-        n_train = max(spec.batch, min(spec.train_size, steps * spec.batch))
-        make = _data.make_crosshead if spec.name == "crosshead" else _data.make_listops
-        train, held = make(n_train, TRAIN_DATA_SEED), make(eval_size, EVAL_DATA_SEED)
-        self.train_inputs, self.train_targets = train.inputs, train.targets
-        self.eval_inputs, self.eval_targets = held.inputs, held.targets
-        self.vocab_sizes, self.num_outputs, self.readout = train.vocab_sizes, train.num_classes, train.readout
-        self.causal = False
-        self.max_len = train.inputs.shape[1] if spec.name == "listops" else 0  # crosshead items are a set
-        self.pad_id = _data.PAD if spec.name == "listops" else None
-        self.info = {"train_examples": int(n_train), "eval_examples": int(eval_size),
-                     "chance_accuracy": float(np.max(np.bincount(held.targets)) / len(held.targets))}
-
-    def batch(self, rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.corpus is not None:
-            x, y = _data.lm_batch(self.corpus.train, self.spec.batch, self.spec.seq_len, rng)
-        else:
-            idx = rng.integers(0, len(self.train_targets), size=self.spec.batch)
-            x, y = self.train_inputs[idx], self.train_targets[idx]
-        return torch.from_numpy(x), torch.from_numpy(y)
-
-
-def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, data: _TaskData, chunk: int = 256) -> tuple[float, float]:
-    """(mean loss in nats, metric): accuracy, or bits per char for the LM."""
-    model.eval()
-    total_loss, correct, count = 0.0, 0, 0
-    for start in range(0, len(data.eval_targets), chunk):
-        x = torch.from_numpy(data.eval_inputs[start : start + chunk])
-        y = torch.from_numpy(data.eval_targets[start : start + chunk])
-        logits = model(x)
-        total_loss += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum"))
-        correct += int((logits.argmax(-1) == y).sum())
-        count += y.numel()
-    model.train()
-    loss = total_loss / count
-    return loss, (loss / math.log(2) if data.corpus is not None else correct / count)
+class RunInterrupted(Exception):
+    """Raised when ``should_stop`` asked a run to stop; its checkpoint is saved."""
 
 
 # ------------------------------------------------------------------ models
 
 
-def build_model(data: _TaskData, variant: Variant, mlp_hidden: int) -> TinyTransformer:
-    spec = data.spec
-    factory = attention_factory(variant, spec.embed_dim, spec.num_heads, spec.num_layers)
-    return TinyTransformer(
-        data.vocab_sizes, data.num_outputs, factory, embed_dim=spec.embed_dim, num_layers=spec.num_layers,
-        mlp_hidden=mlp_hidden, max_len=data.max_len, causal=data.causal, readout=data.readout, pad_id=data.pad_id,
-    )
+def build_model(data: TaskData, variant: Variant, mlp_hidden: int) -> nn.Module:
+    """The task's model with ``variant``'s attention, on the CPU, ablation options applied."""
+    cfg = data.cfg
+    if data.images:
+        model = DigitsViT(data.num_outputs, embed_dim=cfg.embed_dim, num_heads=cfg.num_heads,
+                          num_layers=cfg.num_layers, mlp_hidden=mlp_hidden)
+        model = as_variant(model, variant)
+    else:
+        factory = attention_factory(variant, cfg.embed_dim, cfg.num_heads, cfg.num_layers)
+        model = TinyTransformer(
+            data.vocab_sizes, data.num_outputs, factory, embed_dim=cfg.embed_dim, num_layers=cfg.num_layers,
+            mlp_hidden=mlp_hidden, max_len=data.max_len, causal=data.causal, readout=data.readout,
+            pad_id=data.pad_id,
+        )
+    return prepare_model(model, variant)
 
 
-def matched_widths(data: _TaskData, variants: list[Variant]) -> dict[str, tuple[int, int]]:
-    """MLP width per variant so every model has (nearly) the largest variant's parameter count.
+def model_width(data: TaskData, variant: Variant) -> tuple[int, int]:
+    """(MLP width, parameters) of ``variant`` at the task's fixed parameter budget."""
+    cfg = data.cfg
+    return match_width(lambda h: build_model(data, variant, h), cfg.param_budget, cfg.mlp_hidden)
 
-    Extra attention parameters differ by variant; widening the MLP of the
-    smaller models by whole units makes the comparison one of attention
-    structure at equal size, not of size. Returns name -> (mlp_hidden, params).
+
+def param_groups(model: nn.Module, lr: float, variant: Variant, weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW groups: weight decay on matrices only; gates and generators at lr x ``metric_lr_mult``.
+
+    Each group remembers its ``base_lr``; the loop sets ``lr`` from it every step.
     """
-    spec = data.spec
-    base = {v.name: count_parameters(build_model(data, v, spec.mlp_hidden)) for v in variants}
-    target = max(base.values())
-    per_unit = spec.num_layers * (2 * spec.embed_dim + 1)  # one hidden unit in every layer's MLP
-    out = {}
-    for v in variants:
-        hidden = spec.mlp_hidden + round((target - base[v.name]) / per_unit)
-        out[v.name] = (hidden, count_parameters(build_model(data, v, hidden)))
+    metric_names = metric_parameter_names(model)
+    groups: dict[tuple[bool, bool], list[nn.Parameter]] = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            groups.setdefault((name in metric_names, p.dim() >= 2 and "embed" not in name), []).append(p)
+    out = []
+    for (is_metric, decay), params in sorted(groups.items()):
+        base = lr * (variant.metric_lr_mult if is_metric else 1.0)
+        out.append({"params": params, "lr": base, "base_lr": base, "weight_decay": weight_decay if decay else 0.0})
     return out
 
 
-# ---------------------------------------------------------------- training
+# -------------------------------------------------------------- evaluation
 
 
-def train_one(data: _TaskData, variant: Variant, mlp_hidden: int, seed: int, steps: int,
-              on_step: Callable[[], None] | None = None) -> dict[str, Any]:
-    """Train one model; returns its curve, final metric and timing."""
-    spec = data.spec
+def _to_device(x: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(x)).to(device)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, data: TaskData, split: tuple[np.ndarray, np.ndarray], device: torch.device,
+             chunk: int = 256) -> tuple[float, float]:
+    """(mean loss in nats, metric) on ``split``: accuracy, or bits per char for the LM."""
+    was_training = model.training
+    model.eval()
+    inputs, targets = split
+    total_loss, correct, count = 0.0, 0, 0
+    for start in range(0, len(targets), chunk):
+        x, y = _to_device(inputs[start : start + chunk], device), _to_device(targets[start : start + chunk], device)
+        logits = model(x)
+        flat = logits.reshape(-1, logits.shape[-1]).float()
+        total_loss += float(F.cross_entropy(flat, y.reshape(-1), reduction="sum"))
+        correct += int((logits.argmax(-1) == y).sum())
+        count += y.numel()
+    model.train(was_training)
+    loss = total_loss / count
+    return loss, (loss / math.log(2) if data.corpus is not None else correct / count)
+
+
+# ---------------------------------------------------------------- the loop
+
+
+@dataclasses.dataclass
+class RunState:
+    """Everything of a run besides model, optimiser and RNGs that a checkpoint must restore."""
+
+    step: int = 0
+    lr_scale: float = 1.0
+    decays: list[int] = dataclasses.field(default_factory=list)
+    bad_evals: int = 0
+    best_index: int | None = None
+    stop_reason: str | None = None
+    window: list[float] = dataclasses.field(default_factory=list)  # train losses since the last evaluation
+    recent: list[float] = dataclasses.field(default_factory=list)  # the last spike_window losses
+    spikes: list[int] = dataclasses.field(default_factory=list)
+    train_time: float = 0.0
+    cpu_time: float = 0.0
+    curve: dict[str, list[float]] = dataclasses.field(default_factory=lambda: {
+        k: [] for k in ("step", "train_loss", "val_loss", "val_metric", "test_loss", "test_metric", "lr_scale",
+                        "train_time_s")
+    })
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _score(cfg: TaskConfig, metric: float) -> float:
+    """Larger is better, whatever the metric."""
+    return metric if cfg.higher_is_better else -metric
+
+
+def run_identity(cfg: TaskConfig, variant: Variant, lr: float, seed: int, mlp_hidden: int,
+                 device: torch.device) -> dict[str, Any]:
+    """What a run's numbers depend on; a checkpoint or result is reused only when this matches."""
+    return {"config": cfg.run_fingerprint(), "variant": dataclasses.asdict(variant), "lr": float(lr),
+            "seed": int(seed), "mlp_hidden": int(mlp_hidden), "device": device.type,
+            "torch_threads": torch.get_num_threads() if device.type == "cpu" else None}
+
+
+def _json_roundtrip(obj: Any) -> Any:
+    return json.loads(json.dumps(obj))
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def _save_checkpoint(path: Path, identity: dict[str, Any], model: nn.Module, opt: torch.optim.Optimizer,
+                     order: Any, state: RunState, device: torch.device) -> None:
+    payload = {
+        "format": CHECKPOINT_FORMAT, "identity": json.dumps(identity, sort_keys=True),
+        "model": model.state_dict(), "optimizer": opt.state_dict(), "torch_rng": torch.get_rng_state(),
+        "cuda_rng": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+        "order": json.dumps(order.state_dict()), "state": json.dumps(dataclasses.asdict(state)),
+    }
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        torch.save(payload, tmp)
+        os.replace(tmp, path)  # never a half-written checkpoint
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def _load_checkpoint(path: Path, identity: dict[str, Any], model: nn.Module, opt: torch.optim.Optimizer,
+                     order: Any, device: torch.device) -> RunState:
+    try:
+        payload = torch.load(path, map_location=device, weights_only=True)
+        stored = payload["identity"]
+    except Exception as exc:  # a damaged file is named, never half-used
+        raise DamchaValueError(f"cannot read the checkpoint {path}: {exc}; delete it to restart that run") from None
+    if payload.get("format") != CHECKPOINT_FORMAT or json.loads(stored) != _json_roundtrip(identity):
+        raise DamchaValueError(
+            f"the checkpoint {path} belongs to a run with other settings (preset, overrides, threads or code "
+            "changed); use another --out or delete that folder"
+        )
+    model.load_state_dict(payload["model"])
+    opt.load_state_dict(payload["optimizer"])
+    torch.set_rng_state(payload["torch_rng"].cpu())
+    if payload["cuda_rng"] is not None:
+        torch.cuda.set_rng_state(payload["cuda_rng"].cpu(), device)
+    order.load_state_dict(json.loads(payload["order"]))
+    return RunState(**json.loads(payload["state"]))
+
+
+def train_run(
+    data: TaskData,
+    variant: Variant,
+    lr: float,
+    seed: int,
+    mlp_hidden: int,
+    *,
+    device: torch.device | str = "cpu",
+    run_dir: str | Path | None = None,
+    should_stop: Callable[[int], bool] | None = None,
+    on_eval: Callable[[int, float], None] | None = None,
+    head_maps: bool = False,
+) -> dict[str, Any]:
+    """Train one model until the plateau rule stops it (or ``max_steps``); returns its plain-JSON result.
+
+    Args:
+        data: the task's data (its ``cfg`` holds the preset).
+        variant, lr, seed, mlp_hidden: what to train. The seed fixes the
+            initialisation and, alone, the data order (the paired design).
+        device: where to train; the model is initialised on the CPU first,
+            so every device starts from the same weights.
+        run_dir: folder for ``checkpoint.pt`` and ``result.json``; a finished
+            run there is returned as is, an unfinished one resumes.
+        should_stop: called with the step number after each step; ``True``
+            saves a checkpoint and raises ``RunInterrupted``.
+        on_eval: called with (step, validation metric) after each evaluation.
+        head_maps: store the token-mean cross-head factor per DAMCHA layer.
+
+    The result has the curve (every evaluation: train loss, validation and
+    test loss and metric, learning-rate scale, cumulative training seconds),
+    the best-validation point and the test metric *at* it (early stopping:
+    the test set is never used for a decision), the stop reason ("plateau",
+    "max_steps" or "diverged"), the steps at which each threshold of the
+    validation metric was first reached, loss spikes, and time per step.
+    """
+    cfg = data.cfg
+    device = torch.device(device)
+    identity = run_identity(cfg, variant, lr, seed, mlp_hidden, device)
+    paths = None
+    if run_dir is not None:
+        run_dir = Path(run_dir)
+        paths = {"ckpt": run_dir / "checkpoint.pt", "result": run_dir / "result.json"}
+        if paths["result"].exists():
+            done = json.loads(paths["result"].read_text())
+            if done.get("identity") == _json_roundtrip(identity):
+                return done
+            raise DamchaValueError(
+                f"{paths['result']} holds a run with other settings (preset, overrides, threads or code changed); "
+                "use another --out or delete that folder"
+            )
+        run_dir.mkdir(parents=True, exist_ok=True)
+
     torch.manual_seed(seed)
-    rng = np.random.default_rng(10_000 + seed)
-    model = build_model(data, variant, mlp_hidden)
-    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.01)
-    warmup = max(1, min(50, steps // 10))
-    # Linear warm-up then cosine decay to 10%: the same schedule for every variant.
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * (0.55 + 0.45 * math.cos(math.pi * min(s, steps) / steps))
-    )
-    curve: dict[str, list[float]] = {"step": [], "train_loss": [], "val_loss": [], "val_metric": []}
-    train_time, cpu_time, window = 0.0, 0.0, []
-    for step in range(1, steps + 1):
-        x, y = data.batch(rng)
+    model = build_model(data, variant, mlp_hidden).to(device)
+    opt = torch.optim.AdamW(param_groups(model, lr, variant, cfg.weight_decay), lr=lr)
+    order = data.order(seed)
+    state = RunState()
+    resumed_at = None
+    if paths is not None and paths["ckpt"].exists():
+        state = _load_checkpoint(paths["ckpt"], identity, model, opt, order, device)
+        resumed_at = state.step
+    model.train()
+    penalty_fn = None
+    if variant.penalty:
+        import damcha_torch
+
+        penalty_fn = damcha_torch.metric_penalty
+
+    while state.stop_reason is None:
+        step = state.step + 1
+        scale = min(1.0, step / max(1, cfg.warmup)) * state.lr_scale
+        for group in opt.param_groups:
+            group["lr"] = group["base_lr"] * scale
+        x_np, y_np = data.batch(order)
+        x, y = _to_device(x_np, device), _to_device(y_np, device)
+        _sync(device)
         t0, c0 = time.perf_counter(), time.process_time()
-        loss = _loss(model(x), y)
+        logits = model(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        total = loss + variant.penalty * penalty_fn(model) if penalty_fn is not None else loss
         opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        total.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
         opt.step()
-        sched.step()
-        train_time += time.perf_counter() - t0
-        # CPU time too: on a shared, loaded machine wall time mostly measures the neighbours.
-        cpu_time += time.process_time() - c0
-        window.append(loss.item())
-        if not math.isfinite(window[-1]):
-            raise DamchaValueError(f"training diverged: variant={variant.name}, seed={seed}, step={step}, loss={window[-1]}")
-        if step % spec.eval_every == 0 or step == steps:
-            val_loss, metric = evaluate(model, data)
-            curve["step"].append(step)
-            curve["train_loss"].append(float(np.mean(window)))
-            curve["val_loss"].append(val_loss)
-            curve["val_metric"].append(metric)
-            window = []
-        if on_step is not None:
-            on_step()
+        _sync(device)
+        state.train_time += time.perf_counter() - t0
+        # CPU time too: on a shared machine wall time mostly measures the neighbours.
+        state.cpu_time += time.process_time() - c0
+        value = float(loss.item())
+        state.step = step
+        if not math.isfinite(value):
+            state.stop_reason = "diverged"
+            break
+        if step > cfg.warmup and len(state.recent) >= cfg.spike_window:
+            if value > cfg.spike_factor * float(np.median(state.recent)):
+                state.spikes.append(step)
+        state.recent = (state.recent + [value])[-cfg.spike_window :]
+        state.window.append(value)
+        if step % cfg.eval_every == 0 or step >= cfg.max_steps:
+            _evaluate_into(model, data, state, device)
+            if on_eval is not None:
+                on_eval(step, state.curve["val_metric"][-1])
+            if step >= cfg.max_steps and state.stop_reason is None:
+                state.stop_reason = "max_steps"
+            if paths is not None and state.stop_reason is None:
+                _save_checkpoint(paths["ckpt"], identity, model, opt, order, state, device)
+        if state.stop_reason is None and should_stop is not None and should_stop(step):
+            if paths is not None:
+                _save_checkpoint(paths["ckpt"], identity, model, opt, order, state, device)
+            raise RunInterrupted(f"stopped at step {step}")
+
+    result = _result(cfg, identity, state, model, resumed_at)
+    if head_maps:
+        result["head_maps"] = head_map_means(model, data, device)
+    if paths is not None:
+        atomic_write_text(paths["result"], json.dumps(result, indent=1) + "\n")
+        paths["ckpt"].unlink(missing_ok=True)
+    return result
+
+
+def _evaluate_into(model: nn.Module, data: TaskData, state: RunState, device: torch.device) -> None:
+    """One evaluation: append to the curve, then apply the plateau rule."""
+    cfg = data.cfg
+    val_loss, val_metric = evaluate(model, data, data.val, device)
+    test_loss, test_metric = evaluate(model, data, data.test, device)
+    c = state.curve
+    c["step"].append(state.step)
+    c["train_loss"].append(float(np.mean(state.window)) if state.window else math.nan)
+    c["val_loss"].append(val_loss)
+    c["val_metric"].append(val_metric)
+    c["test_loss"].append(test_loss)
+    c["test_metric"].append(test_metric)
+    c["lr_scale"].append(state.lr_scale)
+    c["train_time_s"].append(state.train_time)
+    state.window = []
+    if not math.isfinite(val_loss):
+        state.stop_reason = "diverged"
+        return
+    plateau_rule(cfg, state)
+
+
+def plateau_rule(cfg: TaskConfig, state: RunState) -> None:
+    """After the evaluation just appended to ``state.curve``: note a new best, or count a flat one.
+
+    An improvement means beating the best validation metric so far by more
+    than ``min_delta``. After ``patience`` evaluations without one, the
+    learning rate is multiplied by ``lr_decay`` (at most ``max_decays``
+    times); the next such plateau stops the run.
+    """
+    c = state.curve
+    i = len(c["step"]) - 1
+    best = state.best_index
+    if best is None or _score(cfg, c["val_metric"][i]) > _score(cfg, c["val_metric"][best]) + cfg.min_delta:
+        state.best_index, state.bad_evals = i, 0
+        return
+    state.bad_evals += 1
+    if state.bad_evals >= cfg.patience:
+        if len(state.decays) < cfg.max_decays:
+            state.lr_scale *= cfg.lr_decay
+            state.decays.append(state.step)
+            state.bad_evals = 0
+        else:
+            state.stop_reason = "plateau"
+
+
+def best_index_up_to(cfg: TaskConfig, curve: dict[str, list[float]], last: int) -> int | None:
+    """Index of the best validation metric among evaluations 0..last (earliest on ties), None if none."""
+    best = None
+    for i in range(min(last, len(curve["step"]) - 1) + 1):
+        v = curve["val_metric"][i]
+        if math.isfinite(v) and (best is None or _score(cfg, v) > _score(cfg, curve["val_metric"][best])):
+            best = i
+    return best
+
+
+def _result(cfg: TaskConfig, identity: dict[str, Any], state: RunState, model: nn.Module,
+            resumed_at: int | None) -> dict[str, Any]:
+    c = state.curve
+    best = best_index_up_to(cfg, c, len(c["step"]) - 1)
+    reached: dict[str, int | None] = {}
+    for thr in cfg.thresholds:
+        hit = [s for s, v in zip(c["step"], c["val_metric"]) if math.isfinite(v) and _score(cfg, v) >= _score(cfg, thr)]
+        reached[f"{thr:g}"] = hit[0] if hit else None
+    steps = max(state.step, 1)
     return {
-        "seed": seed,
-        "final_metric": curve["val_metric"][-1],
-        "final_val_loss": curve["val_loss"][-1],
-        "time_per_step_s": train_time / steps,
-        "cpu_per_step_s": cpu_time / steps,
-        "curve": curve,
-        "model": model,
+        "identity": _json_roundtrip(identity),
+        "variant": identity["variant"]["name"], "lr": identity["lr"], "seed": identity["seed"],
+        "params": count_parameters(model), "mlp_hidden": identity["mlp_hidden"],
+        "steps": state.step, "stop_reason": state.stop_reason, "lr_decays": state.decays,
+        "diverged": state.stop_reason == "diverged",
+        "best_step": c["step"][best] if best is not None else None,
+        "best_val_metric": c["val_metric"][best] if best is not None else math.nan,
+        "best_val_loss": c["val_loss"][best] if best is not None else math.nan,
+        "test_metric": c["test_metric"][best] if best is not None else math.nan,
+        "test_loss": c["test_loss"][best] if best is not None else math.nan,
+        "steps_to_threshold": reached,
+        "loss_spikes": len(state.spikes), "spike_steps": state.spikes[:50],
+        "time_per_step_s": state.train_time / steps, "cpu_per_step_s": state.cpu_time / steps,
+        "train_time_s": state.train_time, "resumed_at_step": resumed_at,
+        "final_params_sha256": params_sha256(model),
+        "curve": c,
     }
 
 
-def head_maps(model: TinyTransformer, data: _TaskData, count: int = 256) -> list[list[list[float]]] | None:
-    """Mean learned cross-head factor per layer on evaluation tokens, or None for non-DAMCHA models.
+def params_sha256(model: nn.Module) -> str:
+    """SHA-256 of every parameter's bytes in ``named_parameters`` order: equal iff the weights are bitwise equal."""
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        h.update(name.encode())
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
 
-    For each layer the attention input (after LayerNorm) is captured with a
-    forward hook, and the layer's canonical parameters and config go through
-    the NumPy reference (``damcha_attention(..., return_metric=True)``), so the
-    heatmap shows the spec's l(t) = I + diag(g) A(t) (queries' side), averaged
-    over tokens; for metric "lowrank" the (S, S) block norms of L(t)/sqrt(d).
+
+# --------------------------------------------------------------- heatmaps
+
+
+def head_map_means(model: nn.Module, data: TaskData, device: torch.device, tokens: int = 4096) -> list | None:
+    """Mean learned cross-head factor per DAMCHA layer on validation inputs, or None for baselines.
+
+    Each layer's query input is captured with a forward pre-hook, and its
+    canonical parameters and config go through the NumPy reference
+    (``damcha_core.damcha_attention(..., return_metric=True)``), so the map
+    is the spec's l(t) = I + diag(g) A(t) (query side), averaged over tokens;
+    for metric "lowrank" the (S, S) block norms of L(t)/sqrt(d). About
+    ``tokens`` tokens are used (the dense lowrank map is large).
     """
     from damcha_core import damcha_attention
 
-    layers = [b.attention.inner for b in model.blocks]
-    if not all(hasattr(a, "to_canonical") and hasattr(a, "config") for a in layers):
+    layers = damcha_layers(model)
+    if not layers:
         return None
+    inputs = data.val[0]
+    per_example = int(np.prod(inputs.shape[1:2])) if not data.images else 17
+    count = max(1, min(len(inputs), tokens // max(1, per_example)))
     captured: list[torch.Tensor] = []
-    hooks = [b.attention.register_forward_hook(lambda m, args, out: captured.append(args[0].detach()))
-             for b in model.blocks]
+    hooks = [layer.register_forward_pre_hook(lambda m, args: captured.append(args[0].detach())) for layer in layers]
+    was_training = model.training
     try:
         with torch.no_grad():
             model.eval()
-            model(torch.from_numpy(data.eval_inputs[:count]))
-            model.train()
+            model(_to_device(inputs[:count], device))
     finally:
+        model.train(was_training)
         for h in hooks:
             h.remove()
     maps = []
     for layer, x in zip(layers, captured):
         params = {k: np.asarray(v, dtype=np.float64) for k, v in layer.to_canonical().items()}
-        _, metric = damcha_attention(params, layer.config, x.double().numpy(), return_metric=True)
+        _, metric = damcha_attention(params, layer.config, x.double().cpu().numpy(), return_metric=True)
         q = metric["q"]
         if q.ndim == 6:  # lowrank: dense L (B, T, S, d, S, d) -> per-head-pair block norms
             d = q.shape[3]
             q = np.sqrt(np.sum(q * q, axis=(3, 5)) / d)
         maps.append(np.mean(q, axis=(0, 1)).tolist())
     return maps
-
-
-def seed_noise_comparison(summary: dict[str, dict[str, float]], baseline: str, higher_is_better: bool) -> list[dict[str, Any]]:
-    """Each variant vs ``baseline``: difference of means and whether it exceeds seed noise.
-
-    "Exceeds noise" means |difference| > 2 standard errors of the difference,
-    sqrt(s_a^2/n_a + s_b^2/n_b) with the sample standard deviations over seeds
-    (roughly a 95% two-sided test; with 3 seeds it is a screen, not proof).
-    """
-    if baseline not in summary:
-        return []
-    base = summary[baseline]
-    rows = []
-    for name, s in summary.items():
-        if name == baseline:
-            continue
-        diff = s["mean"] - base["mean"]
-        better = diff > 0 if higher_is_better else diff < 0
-        if min(s["n"], base["n"]) < 2:
-            # One seed has no noise estimate: say so rather than call any gap significant.
-            se, z, exceeds = None, None, None
-        else:
-            se = math.sqrt(s["std"] ** 2 / s["n"] + base["std"] ** 2 / base["n"])
-            z = diff / se if se > 0 else None
-            exceeds = bool(abs(diff) > 2 * se)
-        rows.append({
-            "variant": name, "baseline": baseline, "difference": diff, "stderr": se,
-            "z": z, "exceeds_noise": exceeds,
-            "direction": "better" if better else ("worse" if diff else "equal"),
-        })
-    return rows
-
-
-def run_experiment(task: str, variants: list[str] | None = None, seeds: int = 3, steps: int | None = None,
-                   eval_size: int | None = None, progress: bool = True) -> dict[str, Any]:
-    """Train ``variants`` x ``seeds`` on ``task`` and return the plain-JSON results."""
-    spec = get_task(task)
-    names = list(DEFAULT_VARIANTS if not variants else variants)
-    chosen = [get_variant(n) for n in names]
-    if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
-        raise DamchaTypeError(f"`seeds` must be an int >= 1. Received: seeds={seeds!r}")
-    steps = spec.steps if steps is None else steps
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise DamchaValueError(f"`steps` must be an int >= 1. Received: steps={steps!r}")
-    eval_size = spec.eval_size if eval_size is None else eval_size
-    data = _TaskData(spec, steps, eval_size)
-    widths = matched_widths(data, chosen)
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(chosen) * seeds * steps, desc=task, unit="step", dynamic_ncols=True)
-    started, cpu_started = time.perf_counter(), time.process_time()
-    results: dict[str, Any] = {}
-    try:
-        for v in chosen:
-            hidden, n_params = widths[v.name]
-            runs, maps = [], None
-            for seed in range(seeds):
-                if bar is not None:
-                    bar.set_postfix_str(f"{v.name} seed {seed}")
-                run = train_one(data, v, hidden, seed, steps, on_step=(bar.update if bar is not None else None))
-                model = run.pop("model")
-                if seed == 0 and v.kind == "damcha":
-                    maps = head_maps(model, data)
-                runs.append(run)
-            finals = np.array([r["final_metric"] for r in runs])
-            results[v.name] = {
-                "description": v.description, "kind": v.kind, "metric": v.metric, "coupling": v.coupling,
-                "metric_rank": v.metric_rank, "share_metric": v.share_metric,
-                "params": n_params, "mlp_hidden": hidden,
-                "mean": float(finals.mean()), "std": float(finals.std(ddof=1)) if seeds > 1 else 0.0, "n": seeds,
-                "time_per_step_s": float(np.mean([r["time_per_step_s"] for r in runs])),
-                "cpu_per_step_s": float(np.mean([r["cpu_per_step_s"] for r in runs])),
-                "runs": runs, "head_maps_seed0": maps,
-            }
-    finally:
-        if bar is not None:
-            bar.close()
-    summary = {k: {"mean": r["mean"], "std": r["std"], "n": r["n"]} for k, r in results.items()}
-    return {
-        "task": task,
-        "spec": dataclasses.asdict(spec) | {"steps": steps, "eval_size": eval_size},
-        "metric": spec.metric,
-        "higher_is_better": spec.higher_is_better,
-        "seeds": seeds,
-        "data": data.info,
-        "variants": results,
-        "comparison_vs_mha": seed_noise_comparison(summary, "mha", spec.higher_is_better),
-        "wall_s": time.perf_counter() - started,
-        "cpu_s": time.process_time() - cpu_started,
-        "environment": {
-            "python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__,
-            "machine": platform.machine(), "processor": platform.processor() or platform.machine(),
-            "torch_threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        },
-    }

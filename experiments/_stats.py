@@ -1,0 +1,179 @@
+"""Statistics of the paired seed design, in plain Python and NumPy (no SciPy).
+
+Every headline comparison is *paired*: run s of variant A and run s of
+variant B share seed s, hence the same data order, so the seed-to-seed
+variation of the data mostly cancels in the difference d_s = A_s - B_s. The
+helpers here give the mean and sample std of d, Student's t interval for its
+mean, the two-sided p-value of the paired t test, and Holm's step-down
+adjustment for a family of comparisons.
+
+Student's t distribution is evaluated exactly for integer degrees of freedom
+with the finite trigonometric series (Abramowitz & Stegun 26.7.3-4); the
+quantile is found by bisection on it. With n seeds the paired test has
+n - 1 degrees of freedom, always an integer.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import numpy as np
+
+from damcha_core import DamchaTypeError, DamchaValueError
+
+__all__ = [
+    "describe",
+    "holm",
+    "paired_difference",
+    "t_cdf",
+    "t_quantile",
+]
+
+
+def _check_df(df: object) -> int:
+    if isinstance(df, bool) or not isinstance(df, (int, np.integer)):
+        raise DamchaTypeError(f"`df` must be an int >= 1. Received: df={df!r} ({type(df).__name__})")
+    if df < 1:
+        raise DamchaValueError(f"`df` must be an int >= 1. Received: df={df}")
+    return int(df)
+
+
+def _abs_t_prob(t: float, df: int) -> float:
+    """P(|T| <= t) for t >= 0 and Student's T with integer ``df`` degrees of freedom."""
+    if math.isinf(t):
+        return 1.0
+    theta = math.atan(t / math.sqrt(df))
+    c2 = math.cos(theta) ** 2
+    if df % 2 == 1:
+        # odd df: (2/pi) (theta + sin cos (1 + 2/3 c2 + 2*4/(3*5) c2^2 + ...)), (df - 3) / 2 terms after 1
+        total, term = 0.0, 1.0
+        if df > 1:
+            total = 1.0
+            for k in range(1, (df - 3) // 2 + 1):
+                term *= c2 * (2 * k) / (2 * k + 1)
+                total += term
+        return (2.0 / math.pi) * (theta + math.sin(theta) * math.cos(theta) * total)
+    # even df: sin (1 + 1/2 c2 + 1*3/(2*4) c2^2 + ...), (df - 2) / 2 terms after 1
+    total, term = 1.0, 1.0
+    for k in range(1, (df - 2) // 2 + 1):
+        term *= c2 * (2 * k - 1) / (2 * k)
+        total += term
+    return math.sin(theta) * total
+
+
+def t_cdf(t: float, df: int) -> float:
+    """P(T <= t) for Student's t with integer ``df`` >= 1 degrees of freedom (exact series)."""
+    df = _check_df(df)
+    t = float(t)
+    if math.isnan(t):
+        return math.nan
+    half = 0.5 * _abs_t_prob(abs(t), df)
+    return 0.5 + half if t >= 0 else 0.5 - half
+
+
+def t_quantile(p: float, df: int) -> float:
+    """The ``p`` quantile of Student's t with integer ``df`` degrees of freedom (e.g. 2.776 for p=0.975, df=4)."""
+    df = _check_df(df)
+    p = float(p)
+    if not 0.0 < p < 1.0:
+        raise DamchaValueError(f"`p` must be in (0, 1). Received: p={p}")
+    if p == 0.5:
+        return 0.0
+    if p < 0.5:
+        return -t_quantile(1.0 - p, df)
+    lo, hi = 0.0, 1.0
+    while t_cdf(hi, df) < p:
+        hi *= 2.0
+    for _ in range(200):  # far below float resolution long before 200 halvings
+        mid = 0.5 * (lo + hi)
+        if t_cdf(mid, df) < p:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo <= 1e-13 * max(1.0, hi):
+            break
+    return 0.5 * (lo + hi)
+
+
+def _as_values(name: str, values: Sequence[float]) -> np.ndarray:
+    arr = np.asarray(values, dtype=np.float64)
+    if arr.ndim != 1 or arr.size == 0:
+        raise DamchaValueError(f"`{name}` must be a non-empty 1-D sequence of numbers. Received: {name}.shape={arr.shape}")
+    return arr
+
+
+def describe(values: Sequence[float], confidence: float = 0.95) -> dict[str, Any]:
+    """n, mean, sample std (ddof 1), min, max and the t interval of the mean.
+
+    With one value, std and the interval are None (no estimate of noise).
+    NaN values (diverged runs) propagate into mean and std; ``n_finite``
+    says how many are finite.
+    """
+    arr = _as_values("values", values)
+    n = int(arr.size)
+    out: dict[str, Any] = {
+        "n": n, "n_finite": int(np.isfinite(arr).sum()), "mean": float(arr.mean()),
+        "std": None, "min": float(arr.min()), "max": float(arr.max()), "ci": None,
+    }
+    if n >= 2:
+        std = float(arr.std(ddof=1))
+        half = t_quantile(0.5 + confidence / 2, n - 1) * std / math.sqrt(n)
+        out["std"] = std
+        out["ci"] = [out["mean"] - half, out["mean"] + half]
+    return out
+
+
+def paired_difference(a: Sequence[float], b: Sequence[float], *, higher_is_better: bool = True,
+                      confidence: float = 0.95) -> dict[str, Any]:
+    """Paired comparison of ``a`` against ``b`` (same seeds, same order).
+
+    ``gain`` is oriented so that positive means ``a`` is better: a - b when
+    higher is better, b - a otherwise. Returns n, mean/std/se of the gain, its
+    t interval, the t statistic, the two-sided p-value of H0: mean gain = 0,
+    and ``a_mean``/``b_mean``. Needs n >= 2 pairs for any noise estimate; with
+    one pair the std, interval and p are None. A pair with a NaN (a diverged
+    run) makes every statistic NaN: divergences are reported, not hidden.
+    """
+    x, y = _as_values("a", a), _as_values("b", b)
+    if x.shape != y.shape:
+        raise DamchaValueError(f"`a` and `b` must pair up (one value per seed). Received: a.shape={x.shape}, b.shape={y.shape}")
+    gain = (x - y) if higher_is_better else (y - x)
+    n = int(gain.size)
+    out: dict[str, Any] = {
+        "n": n, "a_mean": float(x.mean()), "b_mean": float(y.mean()), "mean": float(gain.mean()),
+        "std": None, "se": None, "ci": None, "t": None, "p": None, "confidence": confidence,
+    }
+    if n < 2:
+        return out
+    std = float(gain.std(ddof=1))
+    se = std / math.sqrt(n)
+    half = t_quantile(0.5 + confidence / 2, n - 1) * se
+    out.update(std=std, se=se, ci=[out["mean"] - half, out["mean"] + half])
+    if se > 0:
+        t = out["mean"] / se
+        out["t"] = t
+        out["p"] = 2.0 * (1.0 - t_cdf(abs(t), n - 1)) if math.isfinite(t) else math.nan
+    elif math.isfinite(out["mean"]):
+        # Every pair differs by exactly the same amount: no noise at all.
+        out["t"] = math.copysign(math.inf, out["mean"]) if out["mean"] else 0.0
+        out["p"] = 0.0 if out["mean"] else 1.0
+    else:
+        out["p"] = math.nan
+    return out
+
+
+def holm(p_values: Sequence[float | None]) -> list[float | None]:
+    """Holm's step-down adjusted p-values (same order as given; None and NaN stay as they are).
+
+    The family size m counts the usable (finite) p-values only.
+    """
+    usable = [(p, i) for i, p in enumerate(p_values) if p is not None and math.isfinite(p)]
+    usable.sort()
+    m = len(usable)
+    out: list[float | None] = list(p_values)
+    running = 0.0
+    for rank, (p, i) in enumerate(usable):
+        running = max(running, min(1.0, (m - rank) * p))
+        out[i] = running
+    return out

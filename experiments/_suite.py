@@ -1,0 +1,133 @@
+"""A suite: every variant of a task with its own learning-rate sweep and paired seeds.
+
+For each variant, seeds ``0..sweep_seeds-1`` train at every learning rate of
+the preset's grid; the rate with the best mean validation score (the best
+validation metric of each run, i.e. after early stopping) is chosen; then
+the remaining seeds train at that rate only. The test metric is read at each
+run's best-validation evaluation, so the test set never takes part in a
+decision. Every run lives in its own folder under ``<out>/runs`` and is
+resumable; rerunning the same command skips finished runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from ._models import Variant, get_variant
+from ._stats import describe
+from ._tasks import TaskConfig, TaskData
+from ._train import model_width, train_run
+
+RESULTS_FORMAT = "damcha-experiment/2"
+
+
+def run_folder(out: Path, cfg: TaskConfig, device: torch.device, variant: str, lr: float, seed: int) -> Path:
+    return out / "runs" / f"{cfg.task}-{cfg.preset}-{device.type}" / variant / f"lr{lr:g}" / f"seed{seed}"
+
+
+def choose_lr(cfg: TaskConfig, sweep: dict[float, list[dict[str, Any]]]) -> float:
+    """The rate with the best mean best-validation score over the sweep seeds; ties -> lower val loss, then lower rate.
+
+    A rate where any sweep run diverged is only chosen if every rate diverged.
+    """
+    def key(lr: float) -> tuple:
+        runs = sweep[lr]
+        vals = np.array([r["best_val_metric"] for r in runs], dtype=float)
+        losses = np.array([r["best_val_loss"] for r in runs], dtype=float)
+        ok = all(not r["diverged"] for r in runs) and np.isfinite(vals).all()
+        score = vals.mean() if cfg.higher_is_better else -vals.mean()
+        return (ok, score if np.isfinite(score) else -math.inf, -losses.mean() if np.isfinite(losses).all() else -math.inf,
+                -lr)
+    return max(sweep, key=key)
+
+
+def run_variant(data: TaskData, variant: Variant, *, out: Path | None, device: torch.device,
+                should_stop: Callable[[int], bool] | None = None,
+                progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Sweep, choose and train all seeds of one variant; returns its results entry."""
+    cfg = data.cfg
+    width, params = model_width(data, variant)
+
+    def one(lr: float, seed: int) -> dict[str, Any]:
+        folder = run_folder(out, cfg, device, variant.name, lr, seed) if out is not None else None
+        if progress is not None:
+            progress(f"{variant.name} lr={lr:g} seed={seed}")
+        return train_run(data, variant, lr, seed, width, device=device, run_dir=folder, should_stop=should_stop,
+                         head_maps=(seed == 0 and variant.kind == "damcha"))
+
+    sweep_seeds = range(cfg.sweep_seeds)
+    sweep = {lr: [one(lr, s) for s in sweep_seeds] for lr in cfg.lrs}
+    chosen = choose_lr(cfg, sweep) if len(cfg.lrs) > 1 else cfg.lrs[0]
+    runs = list(sweep[chosen]) + [one(chosen, s) for s in range(cfg.sweep_seeds, cfg.seeds)]
+    maps = runs[0].pop("head_maps", None)
+    for r in runs:
+        r.pop("head_maps", None)
+        r.pop("identity", None)
+    tests = [r["test_metric"] for r in runs]
+    return {
+        "variant": dataclasses.asdict(variant), "kind": variant.kind, "description": variant.description,
+        "params": params, "mlp_hidden": width,
+        "lr_sweep": {
+            "lrs": list(cfg.lrs), "seeds": list(sweep_seeds), "chosen_lr": chosen,
+            "runs": [{"lr": lr, "seed": r["seed"], "best_val_metric": r["best_val_metric"],
+                      "best_val_loss": r["best_val_loss"], "best_step": r["best_step"], "steps": r["steps"],
+                      "stop_reason": r["stop_reason"]} for lr, rs in sweep.items() for r in rs],
+        },
+        "chosen_lr": chosen,
+        "test": describe(tests),
+        "val": describe([r["best_val_metric"] for r in runs]),
+        "steps": describe([r["steps"] for r in runs]),
+        "divergences": int(sum(r["diverged"] for r in runs)),
+        "sweep_divergences": int(sum(r["diverged"] for rs in sweep.values() for r in rs)),
+        "loss_spikes": int(sum(r["loss_spikes"] for r in runs)),
+        "time_per_step_s": float(np.mean([r["time_per_step_s"] for r in runs])),
+        "cpu_per_step_s": float(np.mean([r["cpu_per_step_s"] for r in runs])),
+        "runs": runs,
+        "head_maps_seed0": maps,
+    }
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    env = {
+        "python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__,
+        "machine": platform.machine(), "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "device": str(device),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
+    if hasattr(os, "getloadavg"):
+        env["loadavg"] = list(os.getloadavg())
+    if device.type == "cuda":
+        env["device_name"] = torch.cuda.get_device_name(device)
+    return env
+
+
+def run_suite(cfg: TaskConfig, variants: list[str], suite: str, *, out: Path | None, device: torch.device | str = "cpu",
+              should_stop: Callable[[int], bool] | None = None,
+              progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Train ``variants`` on ``cfg``'s task; returns the plain-JSON results of the suite."""
+    device = torch.device(device)
+    started, cpu_started = time.perf_counter(), time.process_time()
+    env = environment(device)
+    data = TaskData(cfg)
+    results = {name: run_variant(data, get_variant(name), out=out, device=device, should_stop=should_stop,
+                                 progress=progress) for name in variants}
+    return {
+        "format": RESULTS_FORMAT,
+        "task": cfg.task, "suite": suite, "preset": cfg.preset, "device": device.type,
+        "config": dataclasses.asdict(cfg),
+        "metric": cfg.metric, "higher_is_better": cfg.higher_is_better, "seeds": cfg.seeds,
+        "data": data.info,
+        "variants": results,
+        "wall_s": time.perf_counter() - started,
+        "cpu_s": time.process_time() - cpu_started,
+        "environment": env,
+    }

@@ -1,0 +1,147 @@
+"""``damcha experiment`` through the real entry point (a subprocess of the console script):
+every bad flag exits 2 with one line naming it, before any work, leaving no partial
+output and never touching an earlier good file."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+DAMCHA = str(Path(sys.executable).with_name("damcha"))
+
+
+def _run(args: list[str], cwd: Path, *, python_prelude: str | None = None) -> subprocess.CompletedProcess:
+    if python_prelude is None:
+        cmd = [DAMCHA, "experiment", *args]
+    else:
+        # The same entry function, with an optional package hidden first (as if its extra were not installed).
+        code = f"{python_prelude}\nimport sys\nfrom damcha_core._cli import main\nsys.exit(main(sys.argv[1:]))"
+        cmd = [sys.executable, "-c", code, "experiment", *args]
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture()
+def workdir(tmp_path):
+    (tmp_path / "file.txt").write_text("not a folder\n")
+    (tmp_path / "bad.json").write_text("{ not json")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "other.json").write_text(json.dumps({"hello": 1}))
+    (tmp_path / "dir.json").mkdir()
+    good = tmp_path / "good"
+    good.mkdir()
+    (good / "crosshead.json").write_text('{"earlier": "good"}\n')
+    return tmp_path
+
+
+def _snapshot(root: Path) -> dict[str, bytes | None]:
+    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None) for p in sorted(root.rglob("*"))}
+
+
+BAD = [
+    (["crosshead", "--seeds", "0"], "--seeds"),
+    (["crosshead", "--seeds", "two"], "--seeds"),
+    (["crosshead", "--seeds", "2", "--sweep-seeds", "3"], "--sweep-seeds"),
+    (["crosshead", "--lrs", "0"], "--lrs"),
+    (["crosshead", "--lrs", "nan"], "--lrs"),
+    (["crosshead", "--lrs", "1e-3", "1e-3"], "--lrs"),
+    (["crosshead", "--max-steps", "0"], "--max-steps"),
+    (["crosshead", "--eval-size", "0"], "--eval-size"),
+    (["digits", "--eval-size", "400"], "--eval-size"),
+    (["crosshead", "--threads", "0"], "--threads"),
+    (["crosshead", "--device", "gpu"], "--device"),
+    (["crosshead", "--device", "meta"], "--device"),
+    (["crosshead", "--variants", "mha,nope"], "--variants"),
+    (["crosshead", "--variants", "mha", "mha"], "--variants"),
+    (["crosshead", "--preset", "huge"], "--preset"),
+    (["crosshead", "--suite", "all"], "--suite"),
+    (["nosuchtask"], "task"),
+    (["crosshead", "--out", "file.txt"], "--out"),
+    (["crosshead", "--out", "file.txt/sub"], "--out"),
+    (["crosshead", "--from-json", "missing.json", "--out", "new"], "--from-json"),
+    (["crosshead", "--from-json", "bad.json", "--out", "new"], "--from-json"),
+    (["crosshead", "--from-json", "list.json", "--out", "new"], "--from-json"),
+    (["crosshead", "--from-json", "other.json", "--out", "new"], "--from-json"),
+    (["crosshead", "--from-json", "dir.json", "--out", "new"], "--from-json"),
+    (["crosshead", "--from-json", "bad.json", "--out", "good"], "--from-json"),
+    (["crosshead", "--cost-only", "--from-json", "bad.json"], "--from-json"),
+    (["report", "missing"], "FOLDER"),
+    (["report", "good"], "FOLDER"),  # holds no results file of this format
+    (["report", "good", "--out", "good"], "--out"),
+    (["report", "good", "--tolerance", "-1"], "--tolerance"),
+]
+
+
+@pytest.mark.parametrize("args, flag", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_flag_exits_2_with_one_line_and_writes_nothing(args, flag, workdir):
+    before = _snapshot(workdir)
+    proc = _run(args, workdir)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("damcha experiment: error:") and flag in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    assert _snapshot(workdir) == before  # no partial folder; the earlier good file untouched
+
+
+def test_cuda_when_absent_is_a_usage_error(workdir):
+    import torch
+
+    if torch.cuda.is_available():  # pragma: no cover - this project's CI has no GPU
+        pytest.skip("a GPU is present: nothing to refuse")
+    proc = _run(["crosshead", "--device", "cuda"], workdir)
+    assert proc.returncode == 2 and "--device: 'cuda' is not available" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "module, args, extra",
+    [
+        ("matplotlib", ["crosshead", "--preset", "smoke"], 'damcha[reports]'),
+        ("sklearn", ["digits", "--preset", "smoke", "--no-plots"], 'damcha[experiments]'),
+        ("torch", ["crosshead", "--preset", "smoke", "--no-plots"], 'damcha[torch]'),
+        ("matplotlib", ["report", "."], 'damcha[reports]'),
+    ],
+    ids=["matplotlib", "sklearn", "torch", "report-matplotlib"],
+)
+def test_missing_extra_is_named_before_any_work(module, args, extra, workdir):
+    before = _snapshot(workdir)
+    proc = _run([*args, "--out", "new"] if args[0] != "report" else args, workdir,
+                python_prelude=f"import sys; sys.modules[{module!r}] = None")
+    assert proc.returncode == 2, proc.stderr
+    assert extra in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert _snapshot(workdir) == before
+
+
+def test_no_arguments_print_help_and_exit_2(workdir):
+    proc = _run([], workdir)
+    assert proc.returncode == 2 and "usage: damcha experiment" in proc.stderr
+
+
+def test_help_exits_0(workdir):
+    for args in (["--help"], ["report", "--help"]):
+        proc = _run(args, workdir)
+        assert proc.returncode == 0 and "usage:" in proc.stdout
+
+
+def test_good_from_json_replaces_an_earlier_file_atomically(workdir):
+    """A valid --from-json into a folder with an older result replaces it; nothing else is left behind."""
+    from damcha_experiments._suite import run_suite
+    from damcha_experiments._tasks import task_config
+
+    cfg = task_config("crosshead", "smoke", seeds=1, lrs=(1e-3,), max_steps=2)
+    path = workdir / "results.json"
+    path.write_text(json.dumps(run_suite(cfg, ["mha"], "headline", out=None)))
+    proc = _run(["crosshead", "--from-json", str(path), "--out", "good", "--no-plots"], workdir)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((workdir / "good" / "crosshead.json").read_text()) == json.loads(path.read_text())
+    assert sorted(p.name for p in (workdir / "good").iterdir()) == ["crosshead.json"]  # no staging leftovers
+    # A results file missing a field the table needs: exit 2, the good file stays.
+    broken = json.loads(path.read_text())
+    del broken["variants"]["mha"]["steps"]
+    (workdir / "broken.json").write_text(json.dumps(broken))
+    before = _snapshot(workdir)
+    proc = _run(["crosshead", "--from-json", "broken.json", "--out", "good", "--no-plots"], workdir)
+    assert proc.returncode == 2 and "--from-json" in proc.stderr and "incomplete" in proc.stderr, proc.stderr
+    assert _snapshot(workdir) == before

@@ -1,0 +1,85 @@
+"""Statistics helpers: Student's t against tabulated values and SciPy, the paired
+comparison and Holm's adjustment against hand-computed cases."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from damcha_core import DamchaTypeError, DamchaValueError
+from damcha_experiments import describe, holm, paired_difference, t_cdf, t_quantile
+
+
+@pytest.mark.parametrize("df, value", [(1, 12.706), (2, 4.303), (4, 2.776), (9, 2.262), (30, 2.042)],
+                         ids=["df1", "df2", "df4", "df9", "df30"])
+def test_t_quantile_matches_the_printed_table(df, value):
+    assert t_quantile(0.975, df) == pytest.approx(value, abs=5e-4)
+
+
+@pytest.mark.parametrize("df", [1, 2, 3, 4, 7, 10, 31, 120])
+def test_t_distribution_matches_scipy(df):
+    for t in (-7.5, -1.0, 0.0, 0.3, 2.0, 40.0):
+        assert t_cdf(t, df) == pytest.approx(stats.t.cdf(t, df), abs=1e-12)
+    for p in (0.6, 0.9, 0.975, 0.995):
+        assert t_quantile(p, df) == pytest.approx(stats.t.ppf(p, df), rel=1e-9)
+    assert t_quantile(0.025, df) == pytest.approx(-t_quantile(0.975, df))
+
+
+def test_t_rejects_bad_arguments():
+    with pytest.raises(DamchaValueError, match="`df` must be an int >= 1"):
+        t_cdf(1.0, 0)
+    with pytest.raises(DamchaTypeError, match="`df` must be an int"):
+        t_quantile(0.9, 2.5)
+    with pytest.raises(DamchaValueError, match=r"`p` must be in \(0, 1\)"):
+        t_quantile(1.0, 3)
+
+
+def test_paired_difference_hand_checked():
+    # gains (a - b) = 0.02, 0.04, 0.06: mean 0.04, std 0.02, se 0.02/sqrt(3), t = 2 sqrt(3), df 2.
+    r = paired_difference([0.52, 0.54, 0.56], [0.50, 0.50, 0.50])
+    se = 0.02 / math.sqrt(3)
+    assert r["mean"] == pytest.approx(0.04) and r["std"] == pytest.approx(0.02) and r["se"] == pytest.approx(se)
+    assert r["t"] == pytest.approx(2 * math.sqrt(3))
+    assert r["ci"] == pytest.approx([0.04 - 4.302653 * se, 0.04 + 4.302653 * se], rel=1e-6)
+    assert r["p"] == pytest.approx(stats.ttest_rel([0.52, 0.54, 0.56], [0.5] * 3).pvalue)
+    # Lower is better (bits per char): the gain flips sign.
+    low = paired_difference([2.0, 2.1, 2.2], [2.1, 2.2, 2.2], higher_is_better=False)
+    assert low["mean"] == pytest.approx((0.1 + 0.1 + 0.0) / 3)
+
+
+def test_paired_design_sees_what_an_unpaired_test_misses():
+    """Seed effects shared by both variants cancel in the paired difference."""
+    rng = np.random.default_rng(0)
+    seed_effect = rng.normal(0, 0.05, 5)
+    a, b = 0.60 + seed_effect + 0.01, 0.60 + seed_effect + rng.normal(0, 0.002, 5)
+    paired = paired_difference(a, b)
+    assert paired["p"] < 0.01 and paired["ci"][0] > 0
+    assert stats.ttest_ind(a, b).pvalue > 0.5  # the unpaired test drowns in the seed effect
+
+
+def test_paired_difference_edge_cases():
+    one = paired_difference([0.5], [0.4])
+    assert one["mean"] == pytest.approx(0.1) and one["std"] is None and one["ci"] is None and one["p"] is None
+    exact = paired_difference([0.5, 0.6], [0.4, 0.5])  # identical gain in every pair: no noise
+    assert exact["p"] == 0.0 and exact["ci"] == pytest.approx([0.1, 0.1])
+    nan = paired_difference([0.5, math.nan], [0.4, 0.5])
+    assert math.isnan(nan["mean"]) and math.isnan(nan["p"])  # a diverged run is never hidden
+    with pytest.raises(DamchaValueError, match="must pair up"):
+        paired_difference([1, 2, 3], [1, 2])
+
+
+def test_holm_hand_checked():
+    # sorted 0.01, 0.03, 0.04 -> 3*0.01, max(0.03, 2*0.03), max(0.06, 1*0.04)
+    assert holm([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])
+    assert holm([0.5, None, 0.01]) == [pytest.approx(0.5), None, pytest.approx(0.02)]
+    assert holm([0.9, 0.8]) == pytest.approx([1.0, 1.0])  # 2 * 0.8 capped at 1, then monotone
+
+
+def test_describe_hand_checked():
+    d = describe([1.0, 2.0, 3.0])
+    assert d["mean"] == 2.0 and d["std"] == 1.0 and d["n"] == 3
+    assert d["ci"] == pytest.approx([2.0 - 4.302653 / math.sqrt(3), 2.0 + 4.302653 / math.sqrt(3)], rel=1e-6)
+    assert describe([5.0])["std"] is None
