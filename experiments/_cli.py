@@ -9,7 +9,6 @@ resumes it.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -19,49 +18,36 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
+from damcha_core import _cliutil as cu
+
 PROG = "damcha experiment"
 TASKS = ("crosshead", "charlm", "listops", "digits")
 
 
-class UsageError(Exception):
-    """A bad command line: printed as one line, exit status 2."""
-
-
 def _fail(flag: str, message: str) -> NoReturn:
-    raise UsageError(f"{flag}: {message}")
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # one line, not usage + message
-        raise UsageError(message)
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
+    cu.usage_error(flag, message, prog=PROG)
 
 
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"must be a positive number. Received: {text!r}") from None
     if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0. Received: {text!r}")
     return value
+
+
+_positive_int = cu.int_arg(minimum=1)
 
 
 def _train_parser() -> argparse.ArgumentParser:
     from ._variants import SUITES, VARIANTS
     from ._tasks import PRESETS
 
-    p = _Parser(
-        prog=f"{PROG} TASK",
+    p = cu.ArgumentParser(
+        prog=PROG,
+        usage=f"{PROG} TASK [options]\n       {PROG} report FOLDER [options]",
         description="Train DAMCHA variants and baselines (MHA, talking-heads) at a fixed parameter budget, each "
         "with its own learning-rate sweep, over paired seeds, until the validation curve flattens; measure time "
         "per step and memory; write <out>/<task>.json, plots and <task>_cost.json. Rerun the same command to "
@@ -99,7 +85,7 @@ def _train_parser() -> argparse.ArgumentParser:
 
 
 def _report_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=f"{PROG} report",
+    p = cu.ArgumentParser(prog=f"{PROG} report",
                 description="Read every results JSON in FOLDER; write the report's tables and a verdict per claim "
                 "(markdown and JSON) and redraw the equal-time plots.")
     p.add_argument("folder", help="folder holding TASK.json, TASK_ablation.json and TASK_cost.json files")
@@ -113,49 +99,8 @@ def _report_parser() -> argparse.ArgumentParser:
 # ------------------------------------------------------------------ checks
 
 
-def _available(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):  # ValueError: a module blocked with sys.modules[name] = None
-        return False
-
-
-def _require(module: str, extra: str, why: str, flag_hint: str = "") -> None:
-    if not _available(module):
-        hint = f" (or {flag_hint})" if flag_hint else ""
-        raise UsageError(f"{why} needs {module}: pip install \"damcha[{extra}]\"{hint}")
-
-
-def _check_out_dir(flag: str, path: Path) -> None:
-    if path.exists() and not path.is_dir():
-        _fail(flag, f"{str(path)!r} exists and is not a folder")
-    probe = path
-    while not probe.exists():
-        if probe.parent == probe:
-            break
-        probe = probe.parent
-    if not probe.is_dir():
-        _fail(flag, f"cannot create {str(path)!r}: {str(probe)!r} is not a folder")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        _fail(flag, f"cannot write into {str(probe)!r} (permission denied)")
-
-
-def _check_out_file(flag: str, path: Path) -> None:
-    if path.is_dir():
-        _fail(flag, f"{str(path)!r} is a folder, expected a file path")
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        _fail(flag, f"the folder {str(parent)!r} does not exist")
-    if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        _fail(flag, f"cannot write {str(path)!r} (permission denied)")
-
-
 def _read_results(flag: str, path_text: str, task: str | None) -> dict[str, Any]:
-    path = Path(path_text)
-    if not path.exists():
-        _fail(flag, f"no such file {path_text!r}")
-    if path.is_dir():
-        _fail(flag, f"{path_text!r} is a folder, expected a results JSON file")
+    path = cu.check_input_file(path_text, flag, prog=PROG)
     try:
         obj = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError) as exc:
@@ -187,7 +132,7 @@ def _check_device(text: str) -> str:
         _fail("--device", "the meta device holds no data, so nothing can train on it")
     if text == "cpu":
         return text
-    _require("torch", "torch", "--device")
+    cu.require("torch", "torch", "--device", prog=PROG, why="a device other than cpu")
     import torch
 
     kind, _, index = text.partition(":")
@@ -232,31 +177,13 @@ def _config(args: argparse.Namespace):
 
 
 def _staged(out: Path, write) -> dict[str, Path]:
-    """Run ``write(folder)`` into a fresh hidden folder beside ``out``, then move its files into ``out``.
+    """``write(folder)`` into a temporary folder; on success its files move into ``out`` (``cu.atomic_dir``).
 
-    If ``write`` fails nothing reaches ``out`` (and an ``out`` created here is
-    removed); earlier files there are replaced only by complete new ones.
+    A failure leaves ``out`` as it was: no partial file, earlier files kept.
     """
-    import shutil
-    import tempfile
-
-    created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=".staging-", dir=out))
-    try:
+    with cu.atomic_dir(out) as stage:
         paths = write(stage)
-        moved = {}
-        for key, path in paths.items():
-            target = out / path.name
-            os.replace(path, target)
-            moved[key] = target
-        return moved
-    except BaseException:
-        if created:
-            shutil.rmtree(out, ignore_errors=True)
-        raise
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
+    return {key: out / path.name for key, path in paths.items()}
 
 
 # -------------------------------------------------------------------- main
@@ -268,30 +195,26 @@ def main(argv: list[str] | None = None) -> int:
         if argv and argv[0] == "report":
             return _report_main(argv[1:])
         return _train_main(argv)
-    except UsageError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 2
+    except SystemExit as exc:  # usage errors (exit 2) and --help (exit 0) end here, not the interpreter
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
 
 
 def _report_main(argv: list[str]) -> int:
     args = _report_parser().parse_args(argv)
     folder = Path(args.folder)
     if not folder.is_dir():
-        _fail("FOLDER", f"{args.folder!r} is not a folder")
-    out = Path(args.out) if args.out else folder / "report.md"
-    _check_out_file("--out", out)
+        _fail("FOLDER", f"is not a folder. Received: {args.folder!r}")
+    out = cu.check_output_file(args.out if args.out else folder / "report.md", "--out", prog=PROG)
     if not args.no_plots:
-        _require("matplotlib", "reports", "plotting", "--no-plots")
+        cu.require("matplotlib", prog=PROG, why="the plots; or pass --no-plots")
     from . import _analysis as an
     from ._report import build_report, load_folder, plot_time_curves, stem, write_json
 
     headline, ablation, cost = load_folder(folder)
     if not (headline or ablation or cost):
-        _fail("FOLDER", f"{args.folder!r} holds no damcha experiment results JSON")
+        _fail("FOLDER", f"holds no damcha experiment results JSON. Received: {args.folder!r}")
     text, summary = build_report(folder, args.tolerance or an.OVERHEAD_TOLERANCE)
-    from ._report import _atomic
-
-    _atomic(out, lambda p: p.write_text(text))
+    cu.atomic_write_text(out, text)
     write_json(summary, out.with_suffix(".json"))
     if not args.no_plots:
         for task, res in headline.items():
@@ -308,10 +231,9 @@ def _train_main(argv: list[str]) -> int:
     args = _train_parser().parse_args(argv)
     variants = _variants(args)
     cfg = _config(args)
-    out = Path(args.out)
-    _check_out_dir("--out", out)
+    out = cu.check_output_dir(args.out, "--out", prog=PROG)
     if not args.no_plots:
-        _require("matplotlib", "reports", "plotting", "--no-plots")
+        cu.require("matplotlib", prog=PROG, why="the plots; or pass --no-plots")
     if args.from_json:
         results = _read_results("--from-json", args.from_json, args.task)
         from ._report import markdown_table, stem, write_json, write_results
@@ -328,11 +250,10 @@ def _train_main(argv: list[str]) -> int:
         print(table)
         print("\nwrote " + ", ".join(str(p) for p in paths.values()))
         return 0
-    _require("torch", "torch", "training")
+    cu.require("torch", "torch", prog=PROG, why="training")
     if args.task == "digits":
-        _require("sklearn", "experiments", "the digits task (scikit-learn's bundled 8x8 digits)")
+        cu.require("sklearn", "experiments", "TASK", prog=PROG, why="scikit-learn's bundled 8x8 digits")
     device = _check_device(args.device)
-    use_bar = not args.no_progress and _available("tqdm") and sys.stderr.isatty()
 
     import torch
 
@@ -350,13 +271,13 @@ def _train_main(argv: list[str]) -> int:
 
     previous = {s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return _train(args, cfg, variants, out, torch.device(device), use_bar, lambda step: stop["signal"] is not None)
+        return _train(args, cfg, variants, out, torch.device(device), lambda step: stop["signal"] is not None)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
 
 
-def _train(args, cfg, variants, out, device, use_bar, should_stop) -> int:
+def _train(args, cfg, variants, out, device, should_stop) -> int:
     from ._cost import measure_cost
     from ._report import cost_table, markdown_table, stem, write_json, write_results
     from ._suite import run_suite
@@ -381,33 +302,16 @@ def _train(args, cfg, variants, out, device, use_bar, should_stop) -> int:
         print("\nwrote " + ", ".join(str(p) for p in written.values()))
         return 0
     runs_per_variant = len(cfg.lrs) * cfg.sweep_seeds + cfg.seeds - cfg.sweep_seeds
-    bar = None
-    progress = None
-    if use_bar:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(variants) * runs_per_variant, desc=cfg.task, unit="run", dynamic_ncols=True)
-
-        def progress(text: str) -> None:
-            if bar.n or bar.postfix:
-                bar.update(1)
-            bar.set_postfix_str(text)
-    elif not args.no_progress:
-        count = {"n": 0}
-
-        def progress(text: str) -> None:
-            count["n"] += 1
-            print(f"[{count['n']}/{len(variants) * runs_per_variant}] {cfg.task} {text}", file=sys.stderr, flush=True)
+    bar = cu.Progress(len(variants) * runs_per_variant, f"{cfg.task} ({cfg.preset})", enabled=not args.no_progress)
     try:
         results = run_suite(cfg, variants, args.suite, out=out, device=device, should_stop=should_stop,
-                            progress=progress)
+                            progress=lambda text: bar.step(text, force=True))
     except RunInterrupted as exc:
         print(f"{PROG}: interrupted ({exc}); checkpoints are in {out / 'runs'}: run the same command to resume",
               file=sys.stderr)
         return 130
     finally:
-        if bar is not None:
-            bar.close()
+        bar.close()
     cost = None
     if not args.no_cost:
         cost = measure_cost(cfg, variants, device=device) | {"suite": args.suite}

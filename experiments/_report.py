@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from damcha_core import _cliutil as cu
 
 from . import _analysis as an
 
@@ -30,27 +31,19 @@ def _pyplot():
     return plt
 
 
-def _atomic(path: Path, write) -> Path:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    return path
-
-
 def write_json(obj: Any, path: Path) -> Path:
-    return _atomic(path, lambda p: p.write_text(json.dumps(obj, indent=1, allow_nan=True) + "\n"))
+    cu.atomic_write_text(path, json.dumps(obj, indent=1, allow_nan=True) + "\n")
+    return path
 
 
 def _savefig(fig, path: Path) -> Path:
     plt = _pyplot()
     try:
-        return _atomic(path, lambda p: fig.savefig(p, dpi=_DPI, format="png"))
+        with cu.atomic_write(path, "wb") as f:
+            fig.savefig(f, dpi=_DPI, format="png")
     finally:
         plt.close(fig)
+    return path
 
 
 def stem(results: dict[str, Any]) -> str:

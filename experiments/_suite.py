@@ -59,10 +59,12 @@ def run_variant(data: TaskData, variant: Variant, *, out: Path | None, device: t
 
     def one(lr: float, seed: int) -> dict[str, Any]:
         folder = run_folder(out, cfg, device, variant.name, lr, seed) if out is not None else None
+        r = train_run(data, variant, lr, seed, width, device=device, run_dir=folder, should_stop=should_stop,
+                      head_maps=(seed == 0 and variant.kind == "damcha"))
         if progress is not None:
-            progress(f"{variant.name} lr={lr:g} seed={seed}")
-        return train_run(data, variant, lr, seed, width, device=device, run_dir=folder, should_stop=should_stop,
-                         head_maps=(seed == 0 and variant.kind == "damcha"))
+            progress(f"{variant.name} lr={lr:g} seed={seed}: best val {cfg.metric} {r['best_val_metric']:.4f} "
+                     f"at step {r['best_step']}, stopped at {r['steps']} ({r['stop_reason']})")
+        return r
 
     sweep_seeds = range(cfg.sweep_seeds)
     sweep = {lr: [one(lr, s) for s in sweep_seeds] for lr in cfg.lrs}

@@ -162,14 +162,14 @@ _CONFIGS: dict[tuple[str, str], TaskConfig] = {
         eval_every=100, patience=4, min_delta=0.002, seeds=3, sweep_seeds=1, margin=0.02, thresholds=(0.5, 0.9),
     ),
     ("charlm", "default"): _cfg(
-        "charlm", "default", embed_dim=64, num_heads=4, num_layers=2, mlp_hidden=128, param_budget=108_500,
-        batch=32, train_size=1_000_000, val_size=128, test_size=128, seq_len=64, lrs=(1e-3, 2e-3, 4e-3),
-        max_steps=1500, eval_every=100, patience=4, min_delta=0.005, seeds=3, sweep_seeds=1, margin=0.02,
+        "charlm", "default", embed_dim=32, num_heads=4, num_layers=2, mlp_hidden=64, param_budget=37_500,
+        batch=32, train_size=1_000_000, val_size=128, test_size=128, seq_len=48, lrs=(1e-3, 2e-3, 4e-3),
+        max_steps=1000, eval_every=100, patience=4, min_delta=0.005, seeds=3, sweep_seeds=1, margin=0.02,
     ),
     ("listops", "default"): _cfg(
-        "listops", "default", embed_dim=64, num_heads=4, num_layers=2, mlp_hidden=128, param_budget=75_000,
-        batch=64, train_size=20_000, val_size=1000, test_size=1000, data=_LISTOPS_DATA, lrs=(5e-4, 1e-3, 2e-3),
-        max_steps=1500, eval_every=100, patience=4, min_delta=0.002, seeds=3, sweep_seeds=1, margin=0.02,
+        "listops", "default", embed_dim=32, num_heads=4, num_layers=2, mlp_hidden=64, param_budget=21_200,
+        batch=64, train_size=20_000, val_size=1000, test_size=1000, data=_LISTOPS_DATA, lrs=(1e-3, 2e-3, 4e-3),
+        max_steps=1000, eval_every=100, patience=4, min_delta=0.002, seeds=3, sweep_seeds=1, margin=0.02,
     ),
     ("digits", "default"): _cfg(
         "digits", "default", embed_dim=32, num_heads=4, num_layers=2, mlp_hidden=64, param_budget=20_400,
@@ -181,25 +181,25 @@ _CONFIGS: dict[tuple[str, str], TaskConfig] = {
     ("crosshead", "full"): _cfg(
         "crosshead", "full", embed_dim=32, num_heads=4, num_layers=2, mlp_hidden=64, param_budget=21_000,
         batch=64, train_size=100_000, val_size=2000, test_size=2000, lrs=(5e-4, 1e-3, 2e-3, 4e-3),
-        max_steps=20_000, eval_every=250, patience=6, min_delta=0.002, seeds=5, sweep_seeds=2, margin=0.02,
+        max_steps=15_000, eval_every=250, patience=6, min_delta=0.002, seeds=5, sweep_seeds=2, margin=0.02,
         thresholds=(0.5, 0.9, 0.95),
     ),
     ("charlm", "full"): _cfg(
         "charlm", "full", embed_dim=64, num_heads=4, num_layers=2, mlp_hidden=128, param_budget=108_500,
         batch=32, train_size=2_000_000, val_size=256, test_size=256, seq_len=64, lrs=(5e-4, 1e-3, 2e-3),
-        max_steps=15_000, eval_every=250, patience=4, min_delta=0.005, seeds=5, sweep_seeds=1, margin=0.02,
+        max_steps=10_000, eval_every=250, patience=4, min_delta=0.005, seeds=5, sweep_seeds=1, margin=0.02,
     ),
     ("listops", "full"): _cfg(
         "listops", "full", embed_dim=64, num_heads=4, num_layers=2, mlp_hidden=128, param_budget=75_000,
         batch=64, train_size=100_000, val_size=2000, test_size=2000, data=_LISTOPS_DATA,
-        lrs=(2.5e-4, 5e-4, 1e-3, 2e-3), max_steps=15_000, eval_every=250, patience=6, min_delta=0.002, seeds=5,
+        lrs=(5e-4, 1e-3, 2e-3), max_steps=10_000, eval_every=250, patience=6, min_delta=0.002, seeds=5,
         sweep_seeds=1, margin=0.02,
     ),
     ("digits", "full"): _cfg(
         "digits", "full", embed_dim=64, num_heads=4, num_layers=3, mlp_hidden=128, param_budget=109_000,
         batch=64, train_size=0, val_size=DIGITS_EVAL_MAX, test_size=DIGITS_EVAL_MAX,
-        lrs=(2.5e-4, 5e-4, 1e-3, 2e-3), max_steps=10_000, eval_every=100, patience=8, min_delta=0.002, seeds=5,
-        sweep_seeds=2, margin=0.01,
+        lrs=(2.5e-4, 5e-4, 1e-3, 2e-3), max_steps=6_000, eval_every=100, patience=8, min_delta=0.002, seeds=5,
+        sweep_seeds=1, margin=0.01,
     ),
     # ------------------------------------------------------------ large: GPU sizes
     ("crosshead", "large"): _cfg(

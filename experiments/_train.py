@@ -14,7 +14,6 @@ import dataclasses
 import hashlib
 import json
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -25,6 +24,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from damcha_core import DamchaValueError
+from damcha_core import _cliutil as cu
 
 from ._models import (
     DigitsViT,
@@ -163,16 +163,6 @@ def _json_roundtrip(obj: Any) -> Any:
     return json.loads(json.dumps(obj))
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
 def _save_checkpoint(path: Path, identity: dict[str, Any], model: nn.Module, opt: torch.optim.Optimizer,
                      order: Any, state: RunState, device: torch.device) -> None:
     payload = {
@@ -181,13 +171,8 @@ def _save_checkpoint(path: Path, identity: dict[str, Any], model: nn.Module, opt
         "cuda_rng": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
         "order": json.dumps(order.state_dict()), "state": json.dumps(dataclasses.asdict(state)),
     }
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        torch.save(payload, tmp)
-        os.replace(tmp, path)  # never a half-written checkpoint
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    with cu.atomic_write(path, "wb") as f:  # never a half-written checkpoint
+        torch.save(payload, f)
 
 
 def _load_checkpoint(path: Path, identity: dict[str, Any], model: nn.Module, opt: torch.optim.Optimizer,
@@ -326,7 +311,7 @@ def train_run(
     if head_maps:
         result["head_maps"] = head_map_means(model, data, device)
     if paths is not None:
-        atomic_write_text(paths["result"], json.dumps(result, indent=1) + "\n")
+        cu.atomic_write_text(paths["result"], json.dumps(result, indent=1) + "\n")
         paths["ckpt"].unlink(missing_ok=True)
     return result
 

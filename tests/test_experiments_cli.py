@@ -5,6 +5,7 @@ output and never touching an earlier good file."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -81,7 +82,8 @@ def test_bad_flag_exits_2_with_one_line_and_writes_nothing(args, flag, workdir):
     proc = _run(args, workdir)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("damcha experiment: error:") and flag in lines[0], proc.stderr
+    assert len(lines) == 1 and re.match(r"damcha experiment( report)?: error: ", lines[0]) and flag in lines[0], \
+        proc.stderr
     assert "Traceback" not in proc.stderr and proc.stdout == ""
     assert _snapshot(workdir) == before  # no partial folder; the earlier good file untouched
 
