@@ -177,6 +177,11 @@ def _run_subprocess(spec: str, args: argparse.Namespace, env_extra: dict[str, st
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command; returns the exit status (usage errors too: 2)."""
+    return cu.run_main(_main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     _validate(args)
     if args.export_vectors is not None:

@@ -8,6 +8,7 @@ Exit statuses: 0 ok, 1 a check failed (a mismatch), 2 bad arguments.
 
 - ``ArgumentParser``: ``argparse`` with one-line errors (exit 2).
 - ``usage_error(flag, message, prog=...)``: print one line, exit 2.
+- ``run_main(main, argv)``: a subcommand's ``main`` returning its status.
 - ``int_arg(minimum)``: an argparse ``type=`` for bounded integers.
 - ``check_output_file``/``check_output_dir``/``check_input_file``: path checks.
 - ``require(module, extra, flag, prog=...)``: an optional import, with the
@@ -69,6 +70,17 @@ def usage_error(flag: str, message: str, *, prog: str = "damcha") -> NoReturn:
     head = f"{prog}: error: {flag}: " if flag else f"{prog}: error: "
     print(head + _one_line(message), file=sys.stderr, flush=True)
     raise SystemExit(EXIT_USAGE)
+
+
+def run_main(main: Callable[[Any], int], argv: Any = None) -> int:
+    """``main(argv)``, with the ``SystemExit`` of a usage error (or of
+    ``--help``) turned into the returned exit status, so that callers of a
+    subcommand's ``main`` always get an int."""
+    try:
+        return int(main(argv) or 0)
+    except SystemExit as exc:
+        code = exc.code
+        return code if isinstance(code, int) else (0 if code is None else EXIT_USAGE)
 
 
 class ArgumentParser(argparse.ArgumentParser):
