@@ -208,9 +208,9 @@ def test_token_model_reference_rejects_ids_outside_the_vocabulary(bad):
 @pytest.mark.parametrize(
     "which, pattern",
     [
-        ("params-not-safetensors", r"--params '.*bad.safetensors' is not a readable damcha_core.save_params file"),
-        ("config-lacks-fields", r"`--config` must be a DamchaConfig as JSON.*Received: --config='\{\"query_dim\": 8\}'"),
-        ("config-not-json", r"`--config` must be a DamchaConfig as JSON.*Received: --config='.*bad.safetensors'"),
+        ("params-not-safetensors", r"--params: '.*bad.safetensors' is not a readable damcha_core.save_params file"),
+        ("config-lacks-fields", r"--config: must be a DamchaConfig as JSON.*Received: --config='\{\"query_dim\": 8\}'"),
+        ("config-not-json", r"--config: must be a DamchaConfig as JSON.*Received: --config='.*bad.safetensors'"),
     ],
     ids=["params-not-safetensors", "config-lacks-fields", "config-not-json"],
 )
