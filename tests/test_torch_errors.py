@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
 from damcha_core import DamchaTypeError, DamchaValueError
-from damcha_torch import DamchaAttention, MetricGenerator
+from damcha_torch import (
+    DamchaAttention,
+    DamchaTransformerDecoderLayer,
+    DamchaTransformerEncoder,
+    DamchaTransformerEncoderLayer,
+    MetricGenerator,
+    build_decoder,
+    build_encoder,
+)
 
 x = torch.randn(2, 5, 16)
 
@@ -140,8 +149,277 @@ def test_kv_cache_mismatch_names_the_cache_and_leaves_it_intact():
 
 @pytest.mark.parametrize("num_layers", [0, 2.0])
 def test_stack_builders_reject_bad_num_layers(num_layers):
-    from damcha_torch import build_decoder, build_encoder
-
     for build in (build_encoder, build_decoder):
         with pytest.raises(DamchaValueError, match=rf"`num_layers` must be an int >= 1\. Received: num_layers={num_layers}"):
             build(16, 4, num_layers, dim_feedforward=8)
+
+
+# ---------------------------------------------------------- blocks and builders (issue 11)
+
+
+@pytest.mark.parametrize(
+    "build, error, pattern",
+    [
+        (lambda: build_encoder(30, 4, 2), DamchaValueError,
+         r"^`d_model` must be divisible by `nhead` when `key_dim` is not given\. Received: d_model=30, nhead=4"),
+        (lambda: build_decoder(30, 4, 2), DamchaValueError, r"^`d_model` must be divisible by `nhead`"),
+        (lambda: build_encoder(16.0, 4, 2), DamchaTypeError, r"^`d_model` must be an int >= 1\. Received: d_model=16\.0"),
+        (lambda: build_encoder(16, 0, 2), DamchaValueError, r"^`nhead` must be >= 1\. Received: nhead=0"),
+        (lambda: build_encoder(16, 4, 2, dim_feedforward=0), DamchaValueError, r"^`dim_feedforward` must be >= 1"),
+        (lambda: build_encoder(16, 4, 2, dropout=1.5), DamchaValueError, r"^`dropout` must be in \[0, 1\)"),
+        (lambda: build_encoder(16, 4, 2, activation="swish"), DamchaValueError,
+         r"^`activation` must be 'relu', 'gelu' or a callable\. Received: activation='swish'"),
+        (lambda: build_encoder(16, 4, 2, norm_first="yes"), DamchaTypeError, r"^`norm_first` must be a bool"),
+        (lambda: build_encoder(16, 4, 2, final_norm=1), DamchaTypeError, r"^`final_norm` must be a bool"),
+        (lambda: build_encoder(16, 4, 2, share_metric="no"), DamchaTypeError, r"^`share_metric` must be a bool"),
+        (lambda: build_encoder(16, 4, 2, dtype=torch.int32), DamchaTypeError, r"^`dtype` must be None or a real floating"),
+        (lambda: build_encoder(16, 4, 2, metric="full"), DamchaValueError, r"^`metric` must be one of"),
+        (lambda: build_encoder(16, 4, 2, kdim=8), DamchaTypeError, r"Unknown DAMCHA attention arguments \['kdim'\]"),
+        (lambda: DamchaTransformerEncoderLayer(16, 4, layer_norm_eps=-1.0), DamchaValueError,
+         r"^`layer_norm_eps` must be a finite number >= 0"),
+        (lambda: DamchaTransformerEncoderLayer(16, 4, metric_generator=MetricGenerator(16, 2, 8)), DamchaValueError,
+         r"^`metric_generator` does not fit side 'qk'"),
+        (lambda: DamchaTransformerEncoder(DamchaTransformerEncoderLayer(16, 4), 2, norm=5), DamchaTypeError,
+         r"^`norm` must be an nn.Module"),
+        (lambda: build_decoder(16, 4, 2, cross_coupling="crossed"), DamchaValueError,
+         r"^`cross_coupling` must be one of"),
+        (lambda: DamchaTransformerDecoderLayer(16, 4, cross_coupling="separate",
+                                               cross_metric_generator=MetricGenerator(16, 4, 4)), DamchaValueError,
+         r"^`cross_metric_generator` must be a dict \{'q': ..., 'k': ...\} with coupling='separate'"),
+        (lambda: build_decoder(16, 4, 2, coupling="tied", num_kv_heads=2), DamchaValueError,
+         r"coupling='tied'.*num_kv_heads == nhead"),
+    ],
+    ids=["encoder-d-model-heads", "decoder-d-model-heads", "d-model-type", "nhead-zero", "ffn-zero", "dropout",
+         "activation", "norm-first", "final-norm", "share-metric", "dtype", "metric", "unknown-kwarg",
+         "layer-norm-eps", "generator-misfit", "stack-norm", "cross-coupling", "cross-generator", "tied-gqa"],
+)
+def test_block_and_builder_errors_name_their_arguments(build, error, pattern):
+    with pytest.raises(error, match=pattern):
+        build()
+
+
+def test_key_dim_frees_d_model_from_dividing_by_nhead():
+    """As for DamchaAttention itself: with key_dim the heads need not tile d_model."""
+    enc = build_encoder(30, 4, 2, dim_feedforward=8, key_dim=8, dropout=0.0)
+    assert enc.layers[0].self_attn.config.key_dim == 8 and enc.layers[0].self_attn.num_heads == 4
+    assert enc(torch.randn(2, 3, 30)).shape == (2, 3, 30)
+
+
+# ---------------------------------------------------------------- dtypes (issue 11)
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.int32, "float32"], ids=["complex64", "int32", "string"])
+def test_parameter_dtype_must_be_real_floating(dtype):
+    for build in (lambda: DamchaAttention(16, 4, dtype=dtype), lambda: MetricGenerator(16, 4, 4, dtype=dtype)):
+        with pytest.raises(DamchaTypeError, match=r"^`dtype` must be None or a real floating torch dtype"):
+            build()
+
+
+@pytest.mark.parametrize("dtypes", [("float64",) * 3, ("float16",) * 3, ("float32", "float64", "float64")],
+                         ids=["float64-input", "float16-input", "mixed-query-key"])
+def test_inputs_of_another_dtype_name_the_arguments(dtypes):
+    layer = _layer()
+    q, k, v = (x.to(getattr(torch, d)) for d in dtypes)
+    with pytest.raises(DamchaTypeError, match=rf"`query`, `key` and `value` must have the dtype of this layer's "
+                                              rf"parameters \(torch.float32\).*query.dtype=torch.{dtypes[0]}, "
+                                              rf"key.dtype=torch.{dtypes[1]}"):
+        layer(q, k, v)
+
+
+def test_autocast_casts_inputs_of_another_dtype_as_for_mha():
+    """Under autocast MHA and DamchaAttention take float32 and bfloat16 inputs
+    together; float64 autocast does not cast: a clear error (MHA: a raw one)."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(16, 4, batch_first=True).eval()
+    layer = DamchaAttention.from_mha(mha).eval()
+    q, kv = x, x.bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want, _ = mha(q, kv, kv, need_weights=False)
+        out, _ = layer(q, kv, kv, need_weights=False)
+        assert out.dtype == want.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), want.float(), rtol=2e-2, atol=2e-2)
+        with pytest.raises(DamchaTypeError, match=r"casts float32 and 16-bit inputs \(not float64\).*float64"):
+            layer(x.double(), x.double(), x.double())
+
+
+@pytest.mark.parametrize("need_weights", [True, False], ids=["weights", "fused"])
+def test_in_proj_bias_of_another_dtype_computes_in_the_weight_dtype(need_weights):
+    """issue 14: a float64 in_proj_bias (loaded with assign=True) next to float32
+    weights: MHA still returns float32; so does DamchaAttention (it raised)."""
+    torch.manual_seed(1)
+    mha = nn.MultiheadAttention(16, 4, batch_first=True).eval()
+    with torch.no_grad():
+        mha.in_proj_bias.normal_()
+    layer = DamchaAttention.from_mha(mha).eval()
+    state = {"in_proj_bias": mha.in_proj_bias.detach().double().clone()}
+    mha.load_state_dict(state, strict=False, assign=True)
+    layer.load_state_dict(state, strict=False, assign=True)
+    assert layer.in_proj_bias.dtype == torch.float64
+    want, _ = mha(x, x, x, need_weights=need_weights)
+    out, _ = layer(x, x, x, need_weights=need_weights)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    copy = DamchaAttention.from_mha(mha).eval()  # from_mha promotes on copy
+    assert copy.in_proj_bias.dtype == torch.float32
+    torch.testing.assert_close(copy(x, x, x, need_weights=need_weights)[0], want, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------- files (issue 11)
+
+
+def test_save_after_training_and_of_views_that_require_grad(tmp_path):
+    import damcha_core as dc
+
+    layer = _layer()
+    layer(x, x, x, need_weights=False)[0].sum().backward()
+    assert all(p.requires_grad and p.grad is not None for p in layer.parameters())
+    layer.save(tmp_path / "a.safetensors")
+    views = layer._canonical_views(dict(layer.named_parameters()))
+    dc.save_params(tmp_path / "b.safetensors", views, layer.config)
+    for name in ("a", "b"):
+        params, config = dc.load_params(tmp_path / f"{name}.safetensors")
+        assert config == layer.config
+        for key, value in layer.to_canonical().items():
+            np.testing.assert_array_equal(params[key], value)
+
+
+def test_save_of_a_meta_layer_is_a_clear_error(tmp_path):
+    layer = DamchaAttention(16, 4, device="meta")
+    with pytest.raises(DamchaValueError, match=r"meta device and hold no values"):
+        layer.save(tmp_path / "m.safetensors")
+    assert not (tmp_path / "m.safetensors").exists()
+
+
+# ------------------------------------------------------ cache, conversion, penalty
+
+
+@pytest.mark.parametrize(
+    "args, error, pattern",
+    [
+        ((np.zeros((1, 2, 3, 4)), torch.zeros(1, 2, 3, 4)), DamchaTypeError, r"^`key` must be a real floating tensor"),
+        ((torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4, dtype=torch.int64)), DamchaTypeError, r"^`value` must be"),
+        ((torch.zeros(2, 3, 4), torch.zeros(2, 3, 4)), DamchaValueError, r"^`key` must have rank 4"),
+        ((torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 2, 4)), DamchaValueError,
+         r"^`key` and `value` must have the same batch, head count and length"),
+        ((torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4, dtype=torch.float64)), DamchaValueError,
+         r"^`key` and `value` must have one dtype and device"),
+    ],
+    ids=["key-numpy", "value-int", "rank-3", "length-mismatch", "dtype-mismatch"],
+)
+def test_kv_cache_update_checks_its_arguments(args, error, pattern):
+    from damcha_torch import DamchaKVCache
+
+    cache = DamchaKVCache()
+    with pytest.raises(error, match=pattern):
+        cache.update(*args)
+    assert len(cache) == 0
+
+
+def test_replace_mha_and_metric_penalty_name_bad_arguments():
+    from damcha_torch import metric_penalty, replace_mha
+
+    model = nn.Sequential(nn.MultiheadAttention(16, 4))
+    with pytest.raises(DamchaTypeError, match=r"replace_mha\(\) got unknown keyword arguments \['coupled'\]"):
+        replace_mha(model, coupled="tied")
+    assert isinstance(model[0], nn.MultiheadAttention)  # nothing replaced
+    with pytest.raises(DamchaValueError, match=r"^`metric` must be one of"):
+        replace_mha(model, metric="full")
+    with pytest.raises(DamchaTypeError, match=r"^`model` must be an nn.Module"):
+        replace_mha([model])
+    with pytest.raises(DamchaTypeError, match=r"^`model` must be an nn.Module \(or canonical params"):
+        metric_penalty("model")
+    with pytest.raises(DamchaValueError, match=r"`config`, `query` and `context` are for canonical params"):
+        metric_penalty(model, query=x)
+
+
+# ------------------------------------------------------------ malformed inputs (issue 11)
+
+
+def _random_tensor(rng: np.random.Generator, batch: int) -> torch.Tensor:
+    """A tensor of a random rank (0-4), sizes (some 0) and dtype, often near-valid."""
+    rank = int(rng.integers(0, 5))
+    shape = [int(rng.choice([0, 1, 2, 3, 5, 7, 12, 16])) for _ in range(rank)]
+    if rank >= 1 and rng.random() < 0.5:
+        shape[0] = batch
+    dtype = rng.choice(["float32", "float64", "float16", "int64", "bool", "complex64"])
+    if dtype == "bool":
+        return torch.from_numpy(np.asarray(rng.random(shape) < 0.5))
+    values = np.asarray(rng.normal(size=shape) * 3)
+    if rng.random() < 0.1 and values.size:
+        values.flat[0] = rng.choice([np.nan, np.inf])
+    return torch.from_numpy(values).to(getattr(torch, str(dtype)))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_malformed_inputs_raise_damcha_errors_or_equal_the_reference(seed):
+    """Random malformed calls of damcha_attention (shapes, dtypes, NaN/inf,
+    empty dims, masks of wrong shapes and dtypes, bad flags): either a
+    DamchaError, or the call was valid and equals the reference, which then
+    accepts the same inputs."""
+    import damcha_core as dc
+    from damcha_conformance import case_params
+    from damcha_torch import damcha_attention
+
+    rng = np.random.default_rng(seed)
+    configs = [dc.DamchaConfig(query_dim=16, num_heads=4, key_dim=4),
+               dc.DamchaConfig(query_dim=16, num_heads=4, key_dim=4, context_dim=12, value_input_dim=7,
+                               metric="lowrank", metric_rank=2, num_kv_heads=2)]
+    for _ in range(60):
+        cfg = configs[int(rng.integers(2))]
+        numpy_params = case_params(cfg, 0)
+        params = {n: torch.from_numpy(v) for n, v in numpy_params.items()}
+        valid = {"query": torch.from_numpy(rng.normal(size=(2, 5, 16))),
+                 "context": torch.from_numpy(rng.normal(size=(2, 7, cfg.context_dim))),
+                 "value": torch.from_numpy(rng.normal(size=(2, 7, cfg.value_input_dim)))}
+        args = {k: (_random_tensor(rng, 2) if rng.random() < 0.3 else t) for k, t in valid.items()}
+        if cfg.context_dim == 16 and rng.random() < 0.3:
+            args["context"] = args["value"] = None
+        kwargs = {}
+        if rng.random() < 0.5:
+            kwargs["mask"] = _random_tensor(rng, 2) if rng.random() < 0.5 else torch.from_numpy(rng.random((5, 7)) < 0.7)
+        if rng.random() < 0.3:
+            kwargs["causal"] = [True, False, 1, None][int(rng.integers(4))]
+        if rng.random() < 0.2:
+            kwargs["query_offset"] = [0, 2, -1, 1.5][int(rng.integers(4))]
+        try:
+            got = damcha_attention(params, cfg, args["query"], args["context"], args["value"], **kwargs)
+        except dc.DamchaError:
+            continue
+        to_np = {k: None if t is None else t.numpy() for k, t in args.items()}
+        mask = kwargs.pop("mask", None)
+        want = dc.damcha_attention(numpy_params, cfg, to_np["query"], to_np["context"], value=to_np["value"],
+                                   mask=None if mask is None else mask.numpy(), **kwargs)
+        np.testing.assert_allclose(got.double().numpy(), want, rtol=2e-3, atol=2e-3, equal_nan=True)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_malformed_layer_calls_raise_damcha_errors(seed):
+    """The same for DamchaAttention.forward with torch's mask conventions:
+    nothing but a DamchaError escapes, and a call that passes gives an output
+    of the expected shape."""
+    import damcha_core as dc
+    from damcha_torch import DamchaKVCache
+
+    rng = np.random.default_rng(100 + seed)
+    layers = [DamchaAttention(16, 4, batch_first=True).eval(),
+              DamchaAttention(16, 4, kdim=12, vdim=7, batch_first=True).eval()]
+    for _ in range(80):
+        layer = layers[int(rng.integers(2))]
+        q = _random_tensor(rng, 2) if rng.random() < 0.4 else torch.randn(2, 5, 16)
+        k = _random_tensor(rng, 2) if rng.random() < 0.3 else torch.randn(2, 7, layer.kdim)
+        v = _random_tensor(rng, 2) if rng.random() < 0.3 else torch.randn(2, 7, layer.vdim)
+        if layer.kdim == 16 and rng.random() < 0.4:
+            k = v = q
+        kwargs = {"need_weights": bool(rng.random() < 0.5)}
+        for name in ("key_padding_mask", "attn_mask"):
+            if rng.random() < 0.4:
+                kwargs[name] = _random_tensor(rng, 2)
+        if rng.random() < 0.2:
+            kwargs["is_causal"] = True
+        if rng.random() < 0.1:
+            kwargs["kv_cache"] = DamchaKVCache()
+        try:
+            out, _ = layer(q, k, v, **kwargs)
+        except dc.DamchaError:
+            continue
+        assert out.shape == (*q.shape[:-1], 16)

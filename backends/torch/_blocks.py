@@ -18,7 +18,7 @@ from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, describ
 
 from . import _functional as fn
 from ._canonical import encoder_load_canonical, encoder_to_canonical
-from ._generator import MetricGenerator
+from ._generator import MetricGenerator, check_param_dtype
 from ._layer import DamchaAttention
 
 __all__ = [
@@ -35,11 +35,45 @@ __all__ = [
 _ATTENTION_KEYS = ("metric", "metric_rank", "coupling", "num_kv_heads", "key_dim", "value_dim", "scale", "recompute")
 
 
+# The blocks' own argument names, for the attention layers' errors.
+_BLOCK_NAMES = {"query_dim": "d_model", "num_heads": "nhead"}
+
+
 def _attention_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     unknown = sorted(set(kwargs) - set(_ATTENTION_KEYS))
     if unknown:
-        raise DamchaValueError(f"Unknown DAMCHA attention arguments {unknown}. Expected some of {list(_ATTENTION_KEYS)}")
+        # A TypeError, as Python raises for any unexpected keyword argument.
+        raise DamchaTypeError(f"Unknown DAMCHA attention arguments {unknown}. Expected some of {list(_ATTENTION_KEYS)}")
     return kwargs
+
+
+def _check_block_args(d_model: Any, nhead: Any, dim_feedforward: Any, dropout: Any, activation: Any,
+                      layer_norm_eps: Any, batch_first: Any, norm_first: Any, bias: Any, dtype: Any,
+                      key_dim: Any) -> int:
+    """nn.Transformer*Layer's arguments, checked with their names before torch
+    builds anything (torch would raise an AssertionError from the
+    nn.MultiheadAttention it builds first, or a RuntimeError from deep inside).
+    Returns the nhead to give torch's constructor (see the layers)."""
+    d_model, nhead = dc.check_int("d_model", d_model), dc.check_int("nhead", nhead)
+    if key_dim is None and d_model % nhead:
+        raise DamchaValueError(
+            "`d_model` must be divisible by `nhead` when `key_dim` is not given. "
+            f"Received: d_model={d_model}, nhead={nhead}"
+        )
+    dc.check_int("dim_feedforward", dim_feedforward)
+    dc.check_rate("dropout", dropout)
+    if not (callable(activation) or activation in ("relu", "gelu")):
+        raise DamchaValueError(
+            f"`activation` must be 'relu', 'gelu' or a callable. Received: activation={describe(activation)}"
+        )
+    dc.check_finite_nonneg("layer_norm_eps", layer_norm_eps)
+    for name, value in (("batch_first", batch_first), ("norm_first", norm_first), ("bias", bias)):
+        dc.check_bool(name, value)
+    check_param_dtype(dtype)
+    # torch's layer builds an nn.MultiheadAttention(d_model, nhead) that is
+    # replaced at once; with key_dim set, d_model need not divide by nhead, so
+    # give torch one head (it only asserts divisibility and throws it away).
+    return nhead if d_model % nhead == 0 else 1
 
 
 class DamchaTransformerEncoderLayer(nn.TransformerEncoderLayer):
@@ -67,11 +101,14 @@ class DamchaTransformerEncoderLayer(nn.TransformerEncoderLayer):
         metric_generator: MetricGenerator | dict[str, MetricGenerator] | None = None,
         **attention: Any,
     ) -> None:
-        super().__init__(d_model, nhead, dim_feedforward, dropout, activation, layer_norm_eps, batch_first,
+        attention = _attention_kwargs(attention)
+        torch_heads = _check_block_args(d_model, nhead, dim_feedforward, dropout, activation, layer_norm_eps,
+                                        batch_first, norm_first, bias, dtype, attention.get("key_dim"))
+        super().__init__(d_model, torch_heads, dim_feedforward, dropout, activation, layer_norm_eps, batch_first,
                          norm_first, bias, device, dtype)
         self.self_attn = DamchaAttention(  # type: ignore[assignment]
             d_model, nhead, dropout=dropout, bias=bias, batch_first=batch_first, device=device, dtype=dtype,
-            metric_generator=metric_generator, **_attention_kwargs(attention),
+            metric_generator=metric_generator, _arg_names=_BLOCK_NAMES, **attention,
         )
 
 
@@ -102,16 +139,22 @@ class DamchaTransformerDecoderLayer(nn.TransformerDecoderLayer):
         cross_coupling: str | None = None,
         **attention: Any,
     ) -> None:
-        super().__init__(d_model, nhead, dim_feedforward, dropout, activation, layer_norm_eps, batch_first,
-                         norm_first, bias, device, dtype)
         attention = _attention_kwargs(attention)
+        torch_heads = _check_block_args(d_model, nhead, dim_feedforward, dropout, activation, layer_norm_eps,
+                                        batch_first, norm_first, bias, dtype, attention.get("key_dim"))
+        super().__init__(d_model, torch_heads, dim_feedforward, dropout, activation, layer_norm_eps, batch_first,
+                         norm_first, bias, device, dtype)
         common = dict(dropout=dropout, bias=bias, batch_first=batch_first, device=device, dtype=dtype)
-        self.self_attn = DamchaAttention(d_model, nhead, metric_generator=metric_generator, **common, **attention)  # type: ignore[assignment]
+        self.self_attn = DamchaAttention(  # type: ignore[assignment]
+            d_model, nhead, metric_generator=metric_generator, _arg_names=_BLOCK_NAMES, **common, **attention
+        )
         cross = dict(attention)
+        names = dict(_BLOCK_NAMES, metric_generator="cross_metric_generator")
         if cross_coupling is not None:
             cross["coupling"] = cross_coupling
+            names["coupling"] = "cross_coupling"
         self.multihead_attn = DamchaAttention(  # type: ignore[assignment]
-            d_model, nhead, metric_generator=cross_metric_generator, **common, **cross
+            d_model, nhead, metric_generator=cross_metric_generator, _arg_names=names, **common, **cross
         )
 
 
@@ -119,6 +162,11 @@ def _check_num_layers(num_layers: Any) -> None:
     # torch's stacks index layers[0] (and sharing points every layer at it).
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
         raise DamchaValueError(f"`num_layers` must be an int >= 1. Received: num_layers={describe(num_layers)}")
+
+
+def _check_norm(norm: Any) -> None:
+    if norm is not None and not isinstance(norm, nn.Module):
+        raise DamchaTypeError(f"`norm` must be an nn.Module (e.g. nn.LayerNorm) or None. Received: norm={describe(norm)}")
 
 
 def _share(layers: nn.ModuleList, attr: str) -> nn.ModuleDict:
@@ -147,6 +195,7 @@ class DamchaTransformerEncoder(nn.TransformerEncoder):
                 f"Received: encoder_layer={describe(encoder_layer)}"
             )
         _check_num_layers(num_layers)
+        _check_norm(norm)
         # Nested tensors are MHA's fused inference path; DAMCHA never takes it.
         super().__init__(encoder_layer, num_layers, norm=norm, enable_nested_tensor=False)
         self.share_metric = dc.check_bool("share_metric", share_metric)
@@ -200,8 +249,9 @@ class DamchaTransformerDecoder(nn.TransformerDecoder):
                 f"Received: decoder_layer={describe(decoder_layer)}"
             )
         _check_num_layers(num_layers)
+        _check_norm(norm)
         super().__init__(decoder_layer, num_layers, norm=norm)
-        self.share_metric = bool(share_metric)
+        self.share_metric = dc.check_bool("share_metric", share_metric)
         self.metric_generators = _share(self.layers, "self_attn") if self.share_metric else nn.ModuleDict()
         cross = self.share_metric and isinstance(getattr(decoder_layer, "multihead_attn", None), DamchaAttention)
         self.cross_metric_generators = _share(self.layers, "multihead_attn") if cross else nn.ModuleDict()
@@ -229,6 +279,9 @@ def build_encoder(
     parameters for metric "heads", tied coupling) plus H gates per layer;
     with False, every layer has its own generator.
     """
+    _check_num_layers(num_layers)
+    dc.check_bool("final_norm", final_norm)
+    dc.check_bool("share_metric", share_metric)
     layer = DamchaTransformerEncoderLayer(
         d_model, nhead, dim_feedforward, dropout, activation, batch_first=batch_first, norm_first=norm_first,
         device=device, dtype=dtype, **attention,
@@ -255,6 +308,9 @@ def build_decoder(
     **attention: Any,
 ) -> DamchaTransformerDecoder:
     """A stack of ``num_layers`` DAMCHA decoder layers (self- and cross-attention)."""
+    _check_num_layers(num_layers)
+    dc.check_bool("final_norm", final_norm)
+    dc.check_bool("share_metric", share_metric)
     layer = DamchaTransformerDecoderLayer(
         d_model, nhead, dim_feedforward, dropout, activation, batch_first=batch_first, norm_first=norm_first,
         device=device, dtype=dtype, cross_coupling=cross_coupling, **attention,

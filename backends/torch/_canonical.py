@@ -62,6 +62,12 @@ def canonical_views(config: DamchaConfig, tensors: Mapping[str, Tensor]) -> dict
 def _numpy(t: Tensor) -> np.ndarray:
     # detach() first: .numpy() refuses tensors that require grad. Every torch
     # float widens to float64 exactly.
+    if t.is_meta:
+        raise DamchaValueError(
+            "The parameters are on the meta device and hold no values; materialise them first "
+            "(module.to_empty(device=...) and load or initialise). Received: a tensor on device 'meta' "
+            f"of shape {tuple(t.shape)}"
+        )
     return t.detach().to("cpu", torch.float64).numpy().copy()
 
 

@@ -14,6 +14,8 @@ from ._layer import DamchaAttention
 
 __all__ = ["from_mha", "replace_mha"]
 
+_FROM_MHA_KEYS = ("metric", "metric_rank", "coupling", "metric_generator", "recompute")
+
 
 @torch.no_grad()
 def from_mha(
@@ -67,6 +69,11 @@ def replace_mha(model: nn.Module, **kwargs: Any) -> nn.Module:
         raise DamchaTypeError(f"`model` must be an nn.Module. Received: model={describe(model)}")
     if isinstance(model, nn.MultiheadAttention):
         raise DamchaValueError("`model` is itself an nn.MultiheadAttention; use DamchaAttention.from_mha(model).")
+    unknown = sorted(set(kwargs) - set(_FROM_MHA_KEYS))
+    if unknown:
+        raise DamchaTypeError(
+            f"replace_mha() got unknown keyword arguments {unknown}; it passes {list(_FROM_MHA_KEYS)} to from_mha."
+        )
     done: dict[int, DamchaAttention] = {}
 
     def visit(parent: nn.Module) -> None:

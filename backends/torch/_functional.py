@@ -643,24 +643,45 @@ def _metric_factors(w: LayerWeights, config: DamchaConfig, x: Tensor, c: Tensor)
     return out
 
 
-def _check_side(params: Any, config: Any, side: Any) -> DamchaConfig:
+def _check_side(params: Any, config: Any, side: Any, tokens: Any, y: Any = None) -> Tensor:
+    """The arguments of ``generator``/``apply_map``: the side's leaves (names,
+    shapes, dtypes), tokens (B, T, E_side) and heads y (B, T, S, d)."""
     if not isinstance(config, DamchaConfig):
         raise DamchaTypeError(f"`config` must be a DamchaConfig. Received: config={describe(config)}")
     if side not in config.metric_sides:
         raise DamchaValueError(f"`side` must be one of config.metric_sides={config.metric_sides}. Received: side={describe(side)}")
     if not isinstance(params, Mapping):
         raise DamchaTypeError(f"`params` must be a mapping of canonical names to tensors. Received: params={describe(params)}")
-    missing = sorted(n for n in config.param_shapes() if n.startswith(f"metric.{side}.") and n not in params)
-    if missing:
-        raise DamchaValueError(f"`params` lacks {missing} for side {side!r}.")
-    return config
+    for name, shape in config.param_shapes().items():
+        if not name.startswith(f"metric.{side}."):
+            continue
+        if name not in params:
+            raise DamchaValueError(f"`params` lacks {name!r} for side {side!r}.")
+        t = params[name]
+        if not isinstance(t, Tensor) or not t.is_floating_point():
+            raise DamchaTypeError(f"`params[{name!r}]` must be a real floating torch tensor. Received: {describe(t)}")
+        if tuple(t.shape) != shape:
+            raise DamchaValueError(f"`params[{name!r}]` must have shape {shape} for this config. "
+                                   f"Received: params[{name!r}].shape={tuple(t.shape)}")
+    tokens = _check_float("tokens", tokens)
+    E = config.side_features(side)
+    if tokens.dim() != 3 or tokens.shape[-1] != E:
+        raise DamchaValueError(f"`tokens` must be (B, T, {E}) for side {side!r}. Received: tokens.shape={tuple(tokens.shape)}")
+    if y is not None:
+        y = _check_float("y", y)
+        S, d = config.side_heads(side), config.key_dim
+        if tuple(y.shape) != (*tokens.shape[:2], S, d):
+            raise DamchaValueError(
+                f"`y` must be the stacked heads (B, T, S, d) = {(*tuple(tokens.shape[:2]), S, d)} of the tokens. "
+                f"Received: y.shape={tuple(y.shape)}, tokens.shape={tuple(tokens.shape)}"
+            )
+    return tokens
 
 
 def generator(params: Mapping[str, Tensor], config: DamchaConfig, side: str, tokens: Tensor) -> Tensor:
     """The data-adaptive coefficients of ``side`` for tokens (B, T, E):
     A(t) (B, T, S, S) for metric "heads", u(t) (B, T, r) for "lowrank"."""
-    config = _check_side(params, config, side)
-    tokens = _check_float("tokens", tokens)
+    tokens = _check_side(params, config, side, tokens)
     sw = _side_from_canonical(params, config, side)
     coeff = _coefficients(_cast(sw.weight, tokens.dtype), _cast(sw.bias, tokens.dtype), tokens)
     if config.metric == "heads":
@@ -676,8 +697,9 @@ def apply_map(params: Mapping[str, Tensor], config: DamchaConfig, side: str, tok
     Extra head tensors in ``more`` reuse the same coefficients (a tuple is
     returned then). 16-bit heads are mapped in float32 and cast back.
     """
-    config = _check_side(params, config, side)
-    tokens, y = _check_float("tokens", tokens), _check_float("y", y)
+    tokens = _check_side(params, config, side, tokens, y)
+    for extra in more:
+        _check_side(params, config, side, tokens, extra)
     out = apply_map_weights(_side_from_canonical(params, config, side), tokens, (y, *more))
     return out if more else out[0]
 

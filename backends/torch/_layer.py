@@ -151,20 +151,25 @@ class DamchaAttention(CanonicalIO, nn.Module):
         scale: float | None = None,
         metric_generator: MetricGenerator | Mapping[str, MetricGenerator] | None = None,
         recompute: bool = True,
+        _arg_names: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__()
+        # A block that builds this layer passes its own argument names (e.g.
+        # d_model for embed_dim), so errors speak of what its caller passed.
+        names = {**_CONSTRUCTOR_NAMES, **(_arg_names or {})}
         if add_bias_kv or add_zero_attn:
             raise DamchaValueError(
                 "`add_bias_kv` and `add_zero_attn` are not supported by DamchaAttention. "
                 f"Received: add_bias_kv={add_bias_kv!r}, add_zero_attn={add_zero_attn!r}"
             )
-        embed_dim = dc.check_int("embed_dim", embed_dim)
-        num_heads = dc.check_int("num_heads", num_heads)
+        embed_dim = dc.check_int(names["query_dim"], embed_dim)
+        num_heads = dc.check_int(names.get("num_heads", "num_heads"), num_heads)
         if key_dim is None:
             if embed_dim % num_heads:
+                e, h = names["query_dim"], names.get("num_heads", "num_heads")
                 raise DamchaValueError(
-                    "`embed_dim` must be divisible by `num_heads` when `key_dim` is not given. "
-                    f"Received: embed_dim={embed_dim}, num_heads={num_heads}"
+                    f"`{e}` must be divisible by `{h}` when `key_dim` is not given. "
+                    f"Received: {e}={embed_dim}, {h}={num_heads}"
                 )
             key_dim = embed_dim // num_heads
         batch_first = dc.check_bool("batch_first", batch_first)
@@ -172,18 +177,18 @@ class DamchaAttention(CanonicalIO, nn.Module):
         check_param_dtype(dtype)
         # As in nn.MultiheadAttention, an omitted kdim or vdim means embed_dim.
         cfg = dc.make_config(
-            names=_CONSTRUCTOR_NAMES, query_dim=embed_dim, num_heads=num_heads, key_dim=key_dim,
+            names=names, query_dim=embed_dim, num_heads=num_heads, key_dim=key_dim,
             value_dim=value_dim, num_kv_heads=num_kv_heads, context_dim=embed_dim if kdim is None else kdim,
             value_input_dim=embed_dim if vdim is None else vdim, output_dim=output_dim, use_bias=bias,
             metric=metric, metric_rank=metric_rank, coupling=coupling, scale=scale, dropout=dropout,
         )
-        self._init_from_config(cfg, batch_first, device, dtype, metric_generator, recompute)
+        self._init_from_config(cfg, batch_first, device, dtype, metric_generator, recompute, names)
 
     def _init_from_config(self, cfg: DamchaConfig, batch_first: bool, device: Any, dtype: Any,
-                          metric_generator: Any, recompute: bool) -> None:
+                          metric_generator: Any, recompute: bool, names: Mapping[str, str]) -> None:
         self.config = cfg
         shared = dc.resolve_generators(metric_generator, cfg, generator_type=MetricGenerator,
-                                       spec_of=lambda g: g.spec)
+                                       spec_of=lambda g: g.spec, names=names)
         kw: dict[str, Any] = {"device": device, "dtype": dtype}
         E, Ekv, Ev = cfg.query_dim, cfg.context_dim, cfg.value_input_dim
         H, G, d, dv = cfg.num_heads, cfg.num_kv_heads, cfg.key_dim, cfg.value_dim
@@ -268,8 +273,37 @@ class DamchaAttention(CanonicalIO, nn.Module):
         """This layer's parameters as the functional core takes them: the
         Parameter objects themselves (no view or copy is made per call)."""
         sides = {side: self.metric_generators[side].side(self.metric_gates[side]) for side in self.config.metric_sides}
+        bias = self.in_proj_bias
+        weight = self.in_proj_weight if self.in_proj_weight is not None else self.q_proj_weight
+        if bias is not None and bias.dtype != weight.dtype:  # type: ignore[union-attr]
+            # A bias loaded in another dtype (load_state_dict(assign=True), a
+            # checkpoint edited by hand): the projection computes in the
+            # weight's dtype, as nn.MultiheadAttention's output does.
+            bias = bias.to(weight.dtype)  # type: ignore[union-attr]
         return fn.LayerWeights(self._sizes, self.in_proj_weight, self.q_proj_weight, self.k_proj_weight,
-                               self.v_proj_weight, self.in_proj_bias, self.out_proj, sides)
+                               self.v_proj_weight, bias, self.out_proj, sides)
+
+    def _check_dtypes(self, query: Tensor, key: Tensor, value: Tensor) -> None:
+        """Inputs in the parameters' dtype, or autocast on (it casts them).
+
+        F.linear would fail with "mat1 and mat2 must have the same dtype"; a
+        silent cast would hide a float64 pipeline feeding a float32 model.
+        """
+        dtype = self.out_proj.weight.dtype
+        inputs = (query.dtype, key.dtype, value.dtype)
+        device = query.device.type
+        if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+            # autocast casts the float32 and 16-bit inputs of each GEMM, not float64 ones.
+            if torch.float64 not in inputs or dtype == torch.float64:
+                return
+        elif all(d == dtype for d in inputs):
+            return
+        raise DamchaTypeError(
+            f"`query`, `key` and `value` must have the dtype of this layer's parameters ({dtype}), as "
+            "nn.MultiheadAttention needs; convert them, move the layer (layer.to(dtype)), or run under "
+            "torch.autocast, which casts float32 and 16-bit inputs (not float64). Received: "
+            f"query.dtype={query.dtype}, key.dtype={key.dtype}, value.dtype={value.dtype}"
+        )
 
     # ------------------------------------------------------------- forward
 
@@ -366,6 +400,7 @@ class DamchaAttention(CanonicalIO, nn.Module):
         """
         for name, t in (("query", query), ("key", key), ("value", value)):
             _check_float(name, t)
+        self._check_dtypes(query, key, value)
         self_attention = query is key and key is value
         if query.dim() not in (2, 3) or (query.dim() == 3 and (key.dim() != 3 or value.dim() != 3)):
             layout = "(B, N, E)" if self.batch_first else "(N, B, E)"
