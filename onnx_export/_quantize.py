@@ -147,8 +147,12 @@ def quantize_static_int8(
                 # DedicatedQDQPair: a token tensor read by a quantised MatMul and by
                 # a float node (the RMS normalisation, a residual add) gets its own
                 # Q/DQ pair per consumer, so the float nodes read it unrounded.
+                # OpTypesToExcludeOutputQuantization: a MatMul's output (q, k, v,
+                # the generator's) stays float; the quantiser would otherwise
+                # round it to int8 where no bias Add follows, and the attention
+                # and cross-head maps would read the rounded tensor.
                 extra_options={"WeightSymmetric": True, "QDQOpTypePerChannelSupportToAxis": {"MatMul": 1},
-                               "DedicatedQDQPair": True},
+                               "DedicatedQDQPair": True, "OpTypesToExcludeOutputQuantization": ["MatMul"]},
             )
         out = onnx.load(dst)
     if path is not None:

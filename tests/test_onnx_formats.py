@@ -124,12 +124,62 @@ def test_static_qdq_int8_keeps_the_attention_in_float_and_holds_accuracy(opset, 
             node.op_type == "MatMul" and node not in quantised
         ):
             assert all(producers.get(i) is None or producers[i].op_type != "DequantizeLinear" for i in node.input), node.name
+    # MatMul outputs (q, k, v, the generator's coefficients) are never rounded to int8.
+    assert not [n.name for n in q.graph.node if n.op_type == "QuantizeLinear" and producers.get(n.input[0]) is not None
+                and producers[n.input[0]].op_type == "MatMul"]
     reference = dc.encoder_forward(params, enc, test["query"], mask=test["mask"][:, None, None, :])
     err = do.quantization_error(model, q, test, reference)
     dyn = do.quantization_error(model, do.quantize_int8(model), test, reference)
     assert err["max_abs_float32_vs_reference"] < 1e-5
     assert err["rel_rms_int8_vs_reference"] < 0.05, err  # measured ~2%; a broken calibration gives > 20%
     assert dyn["rel_rms_int8_vs_reference"] < 0.05, dyn
+
+
+#: Documented int8 tolerances (docs/onnx.md): relative RMS error of the output
+#: against the float64 reference on the catalogue (measured with 32 calibration
+#: batches: static <= 6%, dynamic <= 3.2%; a float32 model is ~1e-7).
+INT8_REL_RMS = {"static": 0.10, "dynamic": 0.05}
+INT8_CASES = ["heads-tied-nobias", "heads-query-cross", "heads-separate-per-head-cross", "heads-tied-all-masked-row",
+              "lowrank-query-gqa-padding", "heads-tied-causal-padding", "heads-query-mqa", "lowrank-tied-rank1-small-tokens"]
+
+
+@pytest.mark.parametrize("name", INT8_CASES)
+def test_int8_formats_on_catalogue_cases(name):
+    data = materialise(next(c for c in CATALOGUE if c.name == name))
+    feeds = {"query": data.query, **({"context": data.context} if data.context is not None else {}),
+             **({"mask": data.mask} if data.mask is not None else {})}
+    model = do.export(data.params, data.config, None, causal=data.causal, cross=data.context is not None,
+                      mask=data.mask is not None)
+    rng = np.random.default_rng(1)
+    # 32 batches of the inputs' distribution: with 8 tiny batches the min/max
+    # ranges of this E=16 case varied enough to clip test values (1.6-15%).
+    calibration = [{k: v if k == "mask" else rng.normal(size=v.shape) for k, v in feeds.items()} for _ in range(32)]
+    for kind, q in (("static", do.quantize_static_int8(model, calibration)), ("dynamic", do.quantize_int8(model))):
+        err = do.quantization_error(model, q, feeds, data.expected)
+        assert err["rel_rms_int8_vs_reference"] <= INT8_REL_RMS[kind], (kind, err)
+        assert err["rel_rms_int8_vs_reference"] > 1e-4, (kind, err)  # really quantised
+
+
+def test_int8_decode_step():
+    data = materialise_decode(DECODE_CATALOGUE[1])  # lowrank, separate coupling
+    model = do.export(data.params, data.config, None, causal=True, kv_cache=True)
+    x = data.query
+    rng = np.random.default_rng(2)
+    calibration = []
+    for _ in range(4):  # prefixes from an empty cache and single tokens after a cache
+        z = rng.normal(size=x.shape)
+        first = do.run_ort(model, {"query": z[:, :4], **do.empty_kv_cache(model, x.shape[0])}, all_outputs=True)
+        calibration.append({"query": z[:, :4], **do.empty_kv_cache(model, x.shape[0])})
+        calibration.append({"query": z[:, 4:5], "past_key": first["present_key"], "past_value": first["present_value"]})
+    for kind, q in (("static", do.quantize_static_int8(model, calibration)), ("dynamic", do.quantize_int8(model))):
+        cache, outs = do.empty_kv_cache(q, x.shape[0]), []
+        for a, b in data.case.steps:
+            step = do.run_ort(q, {"query": x[:, a:b], **cache}, all_outputs=True)
+            cache = {"past_key": step["present_key"], "past_value": step["present_value"]}
+            outs.append(step["output"])
+        y = np.concatenate(outs[1:], 1)
+        rel = np.sqrt(np.mean((y - data.expected) ** 2)) / np.sqrt(np.mean(data.expected**2))
+        assert 1e-4 < rel <= INT8_REL_RMS[kind], (kind, rel)
 
 
 def test_static_qdq_int8_errors():
