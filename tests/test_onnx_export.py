@@ -279,7 +279,7 @@ def test_helpers_take_a_saved_model_path(tmp_path):
         (lambda m: do.init_encoder_params(CFG), dc.DamchaTypeError, r"`config` must be an EncoderConfig. Received: config=DamchaConfig"),
         (lambda m: do.init_token_model_params(do.EncoderConfig(CFG, 1, 4)), dc.DamchaTypeError,
          r"`config` must be a TokenModelConfig. Received: config=EncoderConfig"),
-        (lambda m: do.init_encoder_params(do.EncoderConfig(CFG, 1, 4), seed="0"), dc.DamchaValueError,
+        (lambda m: do.init_encoder_params(do.EncoderConfig(CFG, 1, 4), seed="0"), dc.DamchaTypeError,
          r"`seed` must be an int >= 0. Received: seed='0'"),
     ],
     ids=["run-ort-model-type", "run-reference-missing-file", "inputs-not-mapping", "threads", "quantize-model-type",
