@@ -16,7 +16,9 @@ class BackendAdapter(Protocol):
     An adapter loads the canonical float64 params of a case into its own
     framework (cast to ``dtype``), runs the layer and hands back NumPy arrays.
     Masks arrive 4-D (B|1, H|1, N|1, M) with True = may attend; the adapter
-    converts to its framework's convention at its boundary.
+    converts to its framework's convention at its boundary. ``data.value``,
+    when not None, holds value tokens (B, M, E_v) separate from the context
+    (the keys).
 
     Attributes:
         name: short id shown in the report, e.g. "torch".
@@ -39,8 +41,9 @@ class BackendAdapter(Protocol):
 
     def gradients(self, data: CaseData, dtype: str) -> dict[str, np.ndarray]:
         """Gradients of ``sum(output * data.cotangent)`` with respect to
-        "query", "context" (cross-attention only) and every canonical
-        parameter name, each shaped like that tensor."""
+        "query", "context" (cross-attention only), "value" (when
+        ``data.value`` is not None) and every canonical parameter name, each
+        shaped like that tensor."""
         ...
 
     # Optional: ``decode(data, dtype) -> np.ndarray``. For a ``DecodeCase``,

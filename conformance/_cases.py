@@ -35,6 +35,9 @@ class Case:
             other token scaled by 3e-3 (mean(t^2) ~ 10 x the RMS eps, so phi depends
             on eps = 1e-6 and on the normalisation itself) and one token of
             each input exactly 0 (phi(0) = 0, which a port must not turn into NaN).
+
+    A cross-attention case whose ``config.value_input_dim`` differs from its
+    ``context_dim`` has separate value tokens (B, M, E_v): ``CaseData.value``.
     """
 
     name: str
@@ -62,13 +65,21 @@ class Case:
     def self_attention(self) -> bool:
         return self.context_len is None
 
+    @property
+    def separate_value(self) -> bool:
+        """Whether the values are tokens of their own (E_v != E_kv), not the context."""
+        return not self.self_attention and self.config.value_input_dim != self.config.context_dim
+
 
 @dataclasses.dataclass(frozen=True)
 class CaseData:
     """Everything an adapter needs to run a case, as float64/bool NumPy arrays.
 
     ``mask`` is always 4-D, (B|1, H|1, N|1, M), True = may attend; ``context``
-    is ``None`` for self-attention. ``cotangent`` defines the scalar loss
+    is ``None`` for self-attention. ``value`` is ``None`` when the context (or,
+    in self-attention, the query) also gives the values, else the value
+    tokens (B, M, E_v) (torch's ``value`` with ``vdim != kdim``, Keras' ``value``
+    next to ``key``, Flax's ``inputs_v``). ``cotangent`` defines the scalar loss
     ``sum(output * cotangent)`` whose gradients the adapters return.
     """
 
@@ -79,6 +90,7 @@ class CaseData:
     mask: np.ndarray | None
     expected: np.ndarray
     cotangent: np.ndarray
+    value: np.ndarray | None = None
 
     @property
     def config(self) -> dc.DamchaConfig:
@@ -88,7 +100,8 @@ class CaseData:
     def causal(self) -> bool:
         return self.case.causal
 
-    def reference(self, params: dict[str, np.ndarray] | None = None, query=None, context=None) -> np.ndarray:
+    def reference(self, params: dict[str, np.ndarray] | None = None, query=None, context=None,
+                  value=None) -> np.ndarray:
         """The reference output with some tensors replaced (used by central differences)."""
         return dc.damcha_attention(
             self.params if params is None else params,
@@ -97,6 +110,7 @@ class CaseData:
             self.context if context is None else context,
             mask=self.mask,
             causal=self.causal,
+            value=self.value if value is None else value,
         )
 
 
@@ -150,6 +164,10 @@ def _build_catalogue() -> tuple[Case, ...]:
         # Rank 1, and tokens whose phi depends on eps and on the normalisation itself.
         Case("lowrank-tied-rank1-small-tokens", "lowrank", _cfg(metric="lowrank", metric_rank=1), 2, 6,
              inputs="small-and-zero"),
+        # Values of their own feature size, E_v != E_kv (torch kdim != vdim, Keras key/value,
+        # Flax inputs_k/inputs_v), with a padding mask over the M keys/values.
+        Case("heads-separate-cross-value-dim", "shapes",
+             _cfg(coupling="separate", context_dim=12, value_input_dim=6, value_dim=5), 2, 5, 7, mask="padding"),
     ]
     cases = [dataclasses.replace(c, seed=1000 + i) for i, c in enumerate(cases)]
     names = [c.name for c in cases]
@@ -229,9 +247,11 @@ def materialise(case: Case) -> CaseData:
     mask = _make_mask(case, rng, M)
     if case.inputs == "small-and-zero":
         query, context = _small_and_zero(query), None if context is None else _small_and_zero(context)
-    expected = dc.damcha_attention(params, cfg, query, context, mask=mask, causal=case.causal)
+    # Drawn after everything else, and only when needed: earlier cases keep their inputs.
+    value = rng.normal(size=(case.batch, M, cfg.value_input_dim)) if case.separate_value else None
+    expected = dc.damcha_attention(params, cfg, query, context, mask=mask, causal=case.causal, value=value)
     cotangent = rng.normal(size=expected.shape) / np.sqrt(expected.size)
-    return CaseData(case, params, query, context, mask, expected, cotangent)
+    return CaseData(case, params, query, context, mask, expected, cotangent, value)
 
 
 # ---------------------------------------------------------------- decoding
@@ -409,9 +429,13 @@ def materialise_error(case: ErrorCase) -> CaseData:
     return dataclasses.replace(data, query=query, context=context, mask=mask)
 
 
+_INPUTS = ("query", "context", "value")
+
+
 def gradient_targets(data: CaseData) -> list[str]:
     """Tensors whose gradients are checked: the inputs, then every parameter."""
-    return ["query"] + ([] if data.context is None else ["context"]) + list(data.params)
+    inputs = ["query"] + ([] if data.context is None else ["context"]) + ([] if data.value is None else ["value"])
+    return inputs + list(data.params)
 
 
 @functools.lru_cache(maxsize=None)
@@ -427,13 +451,13 @@ def reference_directional(case: Case, eps: float = 1e-5) -> dict[str, tuple[np.n
     rng = np.random.default_rng([case.seed, 3])
     out = {}
     for target in gradient_targets(data):
-        base = getattr(data, target) if target in ("query", "context") else data.params[target]
+        base = getattr(data, target) if target in _INPUTS else data.params[target]
         direction = rng.normal(size=base.shape)
         direction /= np.linalg.norm(direction)
 
         def loss(sign: float) -> float:
             moved = base + sign * eps * direction
-            if target in ("query", "context"):
+            if target in _INPUTS:
                 y = data.reference(**{target: moved})
             else:
                 y = data.reference(params={**data.params, target: moved})

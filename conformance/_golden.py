@@ -2,8 +2,10 @@
 
 ``data/golden.npz`` holds, per case, the reference output (every 37th row of
 the long cases, to stay small) and the central-difference directional
-derivatives. Regenerate it only for an intended spec change, and say so in the
-commit message: ``python -m damcha_conformance._golden --write``.
+derivatives. Cases appended to the catalogue are added with ``python -m
+damcha_conformance._golden --append`` (existing entries copied bit for bit);
+regenerate it all only for an intended spec change, and say so in the commit
+message: ``python -m damcha_conformance._golden --write``.
 """
 
 from __future__ import annotations
@@ -31,11 +33,26 @@ def golden_entries(case: Case) -> dict[str, np.ndarray]:
 
 
 def write(path: Path = PATH) -> None:
+    """Rewrite every entry (an intended spec change only)."""
     arrays: dict[str, np.ndarray] = {}
     for case in CATALOGUE:
         arrays.update(golden_entries(case))
     path.parent.mkdir(parents=True, exist_ok=True)
     np.savez_compressed(path, **arrays)
+
+
+def append(path: Path = PATH) -> list[str]:
+    """Add the entries of cases appended to the catalogue; every existing
+    entry is copied bit for bit. Returns the keys added."""
+    arrays = load(path)
+    added = []
+    for case in CATALOGUE:
+        for key, value in golden_entries(case).items():
+            if key not in arrays:
+                arrays[key] = value
+                added.append(key)
+    np.savez_compressed(path, **arrays)
+    return added
 
 
 def load(path: Path = PATH) -> dict[str, np.ndarray]:
@@ -44,7 +61,10 @@ def load(path: Path = PATH) -> dict[str, np.ndarray]:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] != ["--write"]:
-        raise SystemExit("usage: python -m damcha_conformance._golden --write")
-    write()
-    print(f"wrote {PATH}")
+    if sys.argv[1:] == ["--append"]:
+        print(f"added {append()} to {PATH}")
+    elif sys.argv[1:] == ["--write"]:
+        write()
+        print(f"wrote {PATH}")
+    else:
+        raise SystemExit("usage: python -m damcha_conformance._golden --append | --write")

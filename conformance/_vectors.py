@@ -4,10 +4,11 @@ A port in any language with a safetensors reader checks itself with them:
 
 1. Read ``index.json``; for each case read ``<name>.json`` and ``<name>.safetensors``.
 2. Build the layer from ``config`` and the ``params.*`` tensors (canonical names).
-3. Run it on ``inputs.query`` (and ``inputs.context`` when present) with
-   ``inputs.mask`` (bool, True = may attend, 4-D broadcastable to (B, H, N, M))
-   and the ``causal`` flag; compare with ``expected.output`` using the dtype's
-   tolerance: ``|y - expected| <= atol + rtol * |expected|``.
+3. Run it on ``inputs.query`` (and ``inputs.context`` when present: the key
+   tokens, and the value tokens too unless ``inputs.value`` (B, M, E_v) is
+   present) with ``inputs.mask`` (bool, True = may attend, 4-D broadcastable
+   to (B, H, N, M)) and the ``causal`` flag; compare with ``expected.output``
+   using the dtype's tolerance: ``|y - expected| <= atol + rtol * |expected|``.
 4. Gradients: with loss = sum(output * ``gradients.cotangent``), the
    directional derivative ``sum(grad_T * gradients.direction.T)`` of each
    listed tensor T must match ``directional_derivatives[T]`` within
@@ -68,6 +69,8 @@ def export_vectors(
         )
         if data.context is not None:
             tensors["inputs.context"] = data.context
+        if data.value is not None:
+            tensors["inputs.value"] = data.value
         if data.mask is not None:
             tensors["inputs.mask"] = data.mask
         if case.gradients:

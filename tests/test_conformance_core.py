@@ -46,6 +46,10 @@ def test_catalogue_spans_the_required_features():
             and c.config.context_dim == c.config.query_dim and c.config.metric != "none"}
     assert same >= {"tied", "separate"}
     assert {c.config.metric for c in cases if c.inputs == "small-and-zero"} >= {"heads", "lowrank"}
+    # value tokens of their own feature size (E_v != E_kv): torch kdim != vdim, Keras key/value, Flax inputs_v
+    value_cases = [c for c in cases if c.separate_value]
+    assert value_cases and all(c.config.value_input_dim not in (c.config.context_dim, c.config.query_dim)
+                               for c in value_cases)
     data = dcf.materialise(next(c for c in cases if c.mask == "all_masked_row"))
     assert np.any(~np.any(data.mask, axis=-1)), "the all-masked-row case must hide every key from some query"
 
@@ -185,7 +189,8 @@ class _FiniteDifferenceGradients(dcf.ReferenceAdapter):
 
     def gradients(self, data, dtype):
         eps = 1e-6
-        targets = {"query": data.query, **({} if data.context is None else {"context": data.context}), **data.params}
+        targets = {"query": data.query, **({} if data.context is None else {"context": data.context}),
+                   **({} if data.value is None else {"value": data.value}), **data.params}
         grads = {}
         for name, base in targets.items():
             g = np.zeros_like(base)
@@ -194,7 +199,7 @@ class _FiniteDifferenceGradients(dcf.ReferenceAdapter):
                 for sign in (1, -1):
                     moved = base.copy()
                     moved[idx] += sign * eps
-                    if name in ("query", "context"):
+                    if name in ("query", "context", "value"):
                         y = data.reference(**{name: moved})
                     else:
                         y = data.reference(params={**data.params, name: moved})
@@ -434,3 +439,28 @@ def test_decode_cases_expect_rows_of_one_causal_pass():
         full = naive_damcha(data.params, case.config, data.query, None, None, True)
         np.testing.assert_allclose(data.expected, full[:, case.prefix_len:], rtol=1e-10, atol=1e-12)
         assert case.config.value_dim == case.config.key_dim and case.new_len >= 2
+
+
+def test_the_value_case_checks_the_values_and_their_gradient():
+    """A port that feeds the key tokens (or nothing) as values cannot pass the
+    E_v != E_kv case, and the gradient check covers the value input."""
+    case = next(c for c in dcf.CATALOGUE if c.separate_value)
+    data = dcf.materialise(case)
+    assert data.value.shape == (case.batch, case.context_len, case.config.value_input_dim)
+    assert "value" in dcf.gradient_targets(data) and "value" in dcf.reference_directional(case)
+    assert dcf.check_case(dcf.ReferenceAdapter(), case, "float64")[0].status == "pass"
+
+    class ValuesFromTheContext(dcf.ReferenceAdapter):
+        def forward(self, data, dtype):  # the context's first E_v features as values: a silent slice
+            value = data.context[..., : data.config.value_input_dim]
+            return dc.damcha_attention(data.params, data.config, data.query, data.context, mask=data.mask,
+                                       value=value)
+
+    assert dcf.check_case(ValuesFromTheContext(), case, "float64")[0].status == "fail"
+    grads = _FiniteDifferenceGradients()
+    small = dcf.Case("tiny-value", "shapes", dc.DamchaConfig(query_dim=4, num_heads=2, key_dim=2, coupling="separate",
+                                                              context_dim=3, value_input_dim=2), 1, 2, 3, seed=7)
+    assert [r.status for r in dcf.check_case(grads, small, "float64")] == ["pass", "pass"]
+    wrong = dcf.check_case(_FiniteDifferenceGradients(drop="value"), small, "float64")
+    assert wrong[1].status == "error" and "value" in wrong[1].detail
+

@@ -63,13 +63,16 @@ class JaxAdapter:
         inputs = {"query": jnp.asarray(data.query, dt)}
         if data.context is not None:
             inputs["context"] = jnp.asarray(data.context, dt)
+        if data.value is not None:  # value tokens of their own size (E_v != E_kv)
+            inputs["value"] = jnp.asarray(data.value, dt)
         mask = None if data.mask is None else jnp.asarray(data.mask)
         cotangent = jnp.asarray(data.cotangent, dt)
         # Report in float32 at least: NumPy has no bfloat16 arithmetic.
         wide = jnp.promote_types(dt, jnp.float32)
 
         def loss(params, inputs, mask):
-            out = damcha_attention(params, config, inputs["query"], inputs.get("context"), mask=mask, is_causal=causal)
+            out = damcha_attention(params, config, inputs["query"], inputs.get("context"), value=inputs.get("value"),
+                                   mask=mask, is_causal=causal)
             return jnp.sum((out * cotangent).astype(wide)), out
 
         fn = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True) if gradients else loss

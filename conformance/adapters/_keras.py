@@ -57,31 +57,30 @@ class KerasAdapter:
             self._cached = (key, DamchaAttention.from_canonical(data.params, data.config, dtype=dtype))
         return self._cached[1]
 
-    def _inputs(self, data: CaseData, dtype: str) -> tuple[Any, Any, Any]:
-        query = keras.ops.convert_to_tensor(data.query.astype(dtype))
-        context = None if data.context is None else keras.ops.convert_to_tensor(data.context.astype(dtype))
-        mask = None if data.mask is None else keras.ops.convert_to_tensor(data.mask)
-        return query, context, mask
+    @staticmethod
+    def _tensors(data: CaseData, dtype: str) -> dict[str, Any]:
+        """The case's inputs as tensors: "query", plus "context" and "value" when given."""
+        tensors = {"query": keras.ops.convert_to_tensor(data.query.astype(dtype))}
+        for name in ("context", "value"):
+            array = getattr(data, name)
+            if array is not None:
+                tensors[name] = keras.ops.convert_to_tensor(array.astype(dtype))
+        return tensors
 
     @staticmethod
-    def _inputs_dict(query: Any, data: CaseData, context: Any = None) -> dict[str, Any]:
-        if data.context is None:
-            return {"query": query}
-        if context is None:
-            context = keras.ops.convert_to_tensor(data.context.astype(keras.backend.standardize_dtype(query.dtype)))
-        return {"query": query, "context": context}
+    def _mask(data: CaseData) -> Any:
+        return None if data.mask is None else keras.ops.convert_to_tensor(data.mask)
 
     def forward(self, data: CaseData, dtype: str) -> np.ndarray:
         layer = self._layer(data, dtype)
-        query, context, mask = self._inputs(data, dtype)
-        context = query if context is None else context
+        tensors, mask = self._tensors(data, dtype), self._mask(data)
         if self.backend == "jax":
             # One jitted compilation gives the output and the gradients (kept for
             # the runner's next call): compiling dominates JAX's time here.
-            out, grads = _value_and_grads_jax(layer, self._inputs_dict(query, data), mask, data)
+            out, grads = _value_and_grads_jax(layer, tensors, mask, data)
             self._jax_grads = ((data.case.name, dtype), grads)
         else:
-            out = layer(query, context, attention_mask=mask, use_causal_mask=data.causal)
+            out = _call(layer, tensors, mask, data.causal)
         return np.asarray(keras.ops.convert_to_numpy(out), dtype=np.float64)
 
     def decode(self, data: CaseData, dtype: str) -> np.ndarray:
@@ -98,28 +97,36 @@ class KerasAdapter:
 
     def gradients(self, data: CaseData, dtype: str) -> dict[str, np.ndarray]:
         layer = self._layer(data, dtype)
-        query, context, mask = self._inputs(data, dtype)
+        tensors, mask = self._tensors(data, dtype), self._mask(data)
         cotangent = data.cotangent.astype(dtype)
         if self.backend == "jax":
             cached = self._jax_grads
             if cached is not None and cached[0] == (data.case.name, dtype):
                 grads = cached[1]
             else:
-                grads = _value_and_grads_jax(layer, self._inputs_dict(query, data, context), mask, data)[1]
+                grads = _value_and_grads_jax(layer, tensors, mask, data)[1]
             return {k: np.asarray(v, dtype=np.float64) for k, v in grads.items()}
         grad_fn = {"tensorflow": _grads_tf, "torch": _grads_torch}.get(self.backend)
         if grad_fn is None:
             raise DamchaValueError(f"no gradient support for Keras backend {self.backend!r}")
         names = list(layer.canonical_variables())
-        inputs = {"query": query} if context is None else {"query": query, "context": context}
 
-        def loss_of(tensors: dict[str, Any], call: Callable[..., Any]) -> Any:
-            q = tensors["query"]
-            out = call(q, tensors.get("context", q), attention_mask=mask, use_causal_mask=data.causal)
+        def loss_of(inputs: dict[str, Any], call: Callable[..., Any]) -> Any:
+            out = _call(call, inputs, mask, data.causal)
             return keras.ops.sum(out * keras.ops.convert_to_tensor(cotangent))
 
-        grads = grad_fn(layer, names, inputs, loss_of)
+        grads = grad_fn(layer, names, tensors, loss_of)
         return {k: np.asarray(v, dtype=np.float64) for k, v in grads.items()}
+
+
+def _call(call: Callable[..., Any], tensors: dict[str, Any], mask: Any, causal: bool, **kwargs: Any) -> Any:
+    """``call(query, value, key=...)`` in Keras MHA's argument order: the
+    context is the key and, unless the case has value tokens of their own,
+    the value too; self-attention passes the query as both."""
+    q = tensors["query"]
+    key = tensors.get("context", q)
+    value = tensors.get("value", key)
+    return call(q, value, key=key, attention_mask=mask, use_causal_mask=causal, **kwargs)
 
 
 def _grads_tf(layer, names, inputs, loss_of):
@@ -148,10 +155,8 @@ def _value_and_grads_jax(layer, inputs, mask, data):
     cotangent = keras.ops.convert_to_tensor(data.cotangent.astype(dtype))
 
     def loss(train_values, tensors):
-        q = tensors["query"]
-        out, _ = layer.stateless_call(
-            train_values, non_trainable, q, tensors.get("context", q), attention_mask=mask, use_causal_mask=data.causal
-        )
+        out, _ = _call(lambda *a, **k: layer.stateless_call(train_values, non_trainable, *a, **k), tensors, mask,
+                       data.causal)
         return keras.ops.sum(out * cotangent), out
 
     grad_fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))

@@ -25,7 +25,7 @@ class ReferenceAdapter:
 
     def forward(self, data: CaseData, dtype: str) -> np.ndarray:
         return dc.damcha_attention(
-            data.params, data.config, data.query, data.context, mask=data.mask, causal=data.causal
+            data.params, data.config, data.query, data.context, mask=data.mask, causal=data.causal, value=data.value
         )
 
     def gradients(self, data: CaseData, dtype: str) -> dict[str, np.ndarray]:

@@ -42,16 +42,20 @@ class TorchAdapter:
         layer.eval()  # conformance is the inference function: no dropout
         def tensor(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(a).to(self.device, tdtype).requires_grad_(grad)
-        query = tensor(data.query)
-        context = None if data.context is None else tensor(data.context)
-        kv = query if context is None else context
+        inputs = {"query": tensor(data.query)}
+        if data.context is not None:
+            inputs["context"] = tensor(data.context)
+        if data.value is not None:  # vdim != kdim
+            inputs["value"] = tensor(data.value)
+        key = inputs.get("context", inputs["query"])
         mask = None if data.mask is None else ~torch.from_numpy(data.mask).to(self.device)
-        out, _ = layer(query, kv, kv, attn_mask=mask, need_weights=False, is_causal=data.causal)
-        return layer, query, context, out
+        out, _ = layer(inputs["query"], key, inputs.get("value", key), attn_mask=mask, need_weights=False,
+                       is_causal=data.causal)
+        return layer, inputs, out
 
     def forward(self, data: CaseData, dtype: str) -> np.ndarray:
         with torch.no_grad():
-            _, _, _, out = self._run(data, dtype, grad=False)
+            _, _, out = self._run(data, dtype, grad=False)
         return out.to(torch.float64).cpu().numpy()
 
     def decode(self, data: CaseData, dtype: str) -> np.ndarray:
@@ -67,11 +71,9 @@ class TorchAdapter:
         return torch.cat(outs[1:], dim=1).to(torch.float64).cpu().numpy()
 
     def gradients(self, data: CaseData, dtype: str) -> dict[str, np.ndarray]:
-        layer, query, context, out = self._run(data, dtype, grad=True)
+        layer, inputs, out = self._run(data, dtype, grad=True)
         cot = torch.from_numpy(data.cotangent).to(self.device, torch.float64)
         (out.to(torch.float64) * cot).sum().backward()
-        grads = {"query": query.grad.to(torch.float64).cpu().numpy()}
-        if context is not None:
-            grads["context"] = context.grad.to(torch.float64).cpu().numpy()
+        grads = {name: t.grad.to(torch.float64).cpu().numpy() for name, t in inputs.items()}
         grads.update(layer.canonical_grads())
         return grads
