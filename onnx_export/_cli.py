@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -34,6 +35,14 @@ DECODE_CHUNKS = (3, 1, 3)
 #: Validation allowance per dtype: max |error| <= atol * (1 + max |expected|).
 ATOL = {"float64": 1e-9, "float32": 1e-4, "float16": 1e-2}
 EXTERNAL_DATA = {"auto": None, "always": True, "never": False}
+#: An int8 model passes when its relative RMS error against the reference is at most this.
+INT8_RTOL = 0.1
+
+
+def int8_path(out: str) -> str:
+    """Where ``--quantize`` writes the int8 model: ``m.onnx`` -> ``m.int8.onnx``."""
+    stem = out[: -len(".onnx")] if out.endswith(".onnx") else out
+    return stem + ".int8.onnx"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -60,6 +69,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--external-data", choices=tuple(EXTERNAL_DATA), default="auto",
                    help="weights in <out>.data beside the .onnx file: auto (only past protobuf's 2 GiB limit), "
                    "always or never")
+    p.add_argument("--quantize", choices=("dynamic", "static"), default=None,
+                   help="also write an int8 model to <out stem>.int8.onnx: dynamic (int8 weights, activations "
+                   "quantised at run time) or static QDQ (calibrated on random normal inputs; calibrate on real "
+                   "data with damcha_onnx.quantize_static_int8); needs --dtype float32; validated against the "
+                   f"reference (relative RMS error <= {INT8_RTOL})")
     p.add_argument("--seed", type=cu.int_arg(minimum=0), default=0, help="seed of the validation inputs (>= 0)")
     return p
 
@@ -82,6 +96,13 @@ def _load_config(text: str) -> dc.DamchaConfig:
 def _validate(args: argparse.Namespace) -> tuple[dict[str, np.ndarray], dc.DamchaConfig]:
     """Every flag before any work; returns the params and config."""
     out = cu.check_output_file(args.out, "--out", prog=PROG)
+    if args.quantize is not None:
+        if args.dtype != "float32":
+            cu.usage_error("--quantize", f"needs --dtype float32 (onnxruntime quantises float32 weights). "
+                           f"Received: --dtype {args.dtype}", prog=PROG)
+        if args.kv_cache:
+            cu.usage_error("--quantize", "cannot be combined with --kv-cache", prog=PROG)
+        cu.check_output_file(int8_path(args.out), "--quantize", prog=PROG)
     if EXTERNAL_DATA[args.external_data] is not False:
         data = out.with_name(data_file_name(str(out)))
         if data.exists() and cu.read_only(data):
@@ -129,6 +150,8 @@ def _main(argv: list[str] | None) -> int:
         except dc.DamchaError as exc:  # a combination the exporter refuses: still a bad argument
             cu.usage_error("", str(exc), prog=PROG)
         ok = _check(staged, args, params, config, len(model.graph.node))
+        if ok and args.quantize is not None:
+            ok = _quantize(staged, os.path.join(staging, os.path.basename(int8_path(out))), args, params, config)
         if not ok:
             print(f"not written: {args.out} (validation failed; an earlier file there is kept)")
             return cu.EXIT_MISMATCH
@@ -137,7 +160,7 @@ def _main(argv: list[str] | None) -> int:
             os.replace(os.path.join(staging, name), os.path.join(os.path.dirname(out), name))
         if data_file_name(out) not in written:
             remove_stale_data(out)
-        print(f"wrote {args.out}" + (f" and {data_file_name(args.out)}" if len(written) > 1 else ""))
+        print("wrote " + ", ".join(os.path.join(os.path.dirname(args.out), n) for n in sorted(written)))
         return cu.EXIT_OK
     except OSError as exc:  # the disk filled up, the folder vanished: nothing was moved into place
         print(f"{PROG}: error: --out: could not write {args.out!r}: {exc}", file=sys.stderr)
@@ -153,13 +176,9 @@ def _main(argv: list[str] | None) -> int:
 def _check(path: str, args: argparse.Namespace, params: dict[str, np.ndarray], config: dc.DamchaConfig,
            nodes: int) -> bool:
     """Run the staged model in onnxruntime and the reference evaluator against the NumPy reference."""
-    rng = np.random.default_rng(args.seed)
-    B, N, M = 2, 7, 5 if args.cross else 7
-    inputs = {"query": rng.normal(size=(B, N, config.query_dim))}
-    if args.cross:
-        inputs["context"] = rng.normal(size=(B, M, config.context_dim))
-    if args.mask:
-        inputs["mask"] = rng.random((B, 1, N, M)) < 0.8
+    inputs = _inputs(args, config, np.random.default_rng(args.seed))
+    B, N = inputs["query"].shape[:2]
+    M = inputs["context"].shape[1] if args.cross else N
     expected = dc.damcha_attention(params, config, inputs["query"], inputs.get("context"),
                                    mask=inputs.get("mask"), causal=args.causal)
     atol = ATOL[args.dtype]
@@ -175,6 +194,43 @@ def _check(path: str, args: argparse.Namespace, params: dict[str, np.ndarray], c
         print(f"{name:<16} vs NumPy reference: max |error| = {err:.2e} {how}on (B={B}, N={N}, M={M}) "
               f"-> {'ok' if good else 'MISMATCH'}")
     return ok
+
+
+def _inputs(args: argparse.Namespace, config: dc.DamchaConfig, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    B, N, M = 2, 7, 5 if args.cross else 7
+    inputs = {"query": rng.normal(size=(B, N, config.query_dim))}
+    if args.cross:
+        inputs["context"] = rng.normal(size=(B, M, config.context_dim))
+    if args.mask:
+        inputs["mask"] = rng.random((B, 1, N, M)) < 0.8
+    return inputs
+
+
+def _quantize(staged: str, target: str, args: argparse.Namespace, params: dict[str, np.ndarray],
+              config: dc.DamchaConfig) -> bool:
+    """Write the int8 model of the staged float32 one to ``target`` and judge it against the reference."""
+    from ._quantize import quantization_error, quantize_int8, quantize_static_int8
+
+    # onnxruntime's quantiser logs a generic "consider pre-processing" warning on the root logger.
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        if args.quantize == "dynamic":
+            model = quantize_int8(staged, target)
+        else:  # calibrated on inputs drawn like the validation inputs, from another seed
+            calibration = [_inputs(args, config, np.random.default_rng([args.seed, 1, i])) for i in range(4)]
+            model = quantize_static_int8(staged, calibration, target)
+    finally:
+        logging.disable(previous)
+    inputs = _inputs(args, config, np.random.default_rng(args.seed))
+    expected = dc.damcha_attention(params, config, inputs["query"], inputs.get("context"),
+                                   mask=inputs.get("mask"), causal=args.causal)
+    errors = quantization_error(staged, model, inputs, expected)
+    rel = errors["rel_rms_int8_vs_reference"]
+    good = bool(rel <= INT8_RTOL)
+    print(f"int8 ({args.quantize}) vs NumPy reference: relative RMS error = {rel:.2e}, max |error| = "
+          f"{errors['max_abs_int8_vs_reference']:.2e} -> {'ok' if good else 'MISMATCH'} (allowed {INT8_RTOL})")
+    return good
 
 
 def _decode(model, run, inputs: dict[str, np.ndarray], batch: int) -> np.ndarray:

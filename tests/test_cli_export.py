@@ -43,8 +43,10 @@ def one_line_usage_error(proc: subprocess.CompletedProcess, flag: str) -> str:
     (["--kv-cache"], "--kv-cache", "needs --causal"),
     (["--kv-cache", "--causal", "--cross"], "--kv-cache", "cannot be combined with --cross"),
     (["--external-data", "sometimes"], "--external-data", "invalid choice"),
+    (["--quantize", "static", "--dtype", "float64"], "--quantize", "needs --dtype float32"),
+    (["--quantize", "int4"], "--quantize", "invalid choice"),
 ], ids=["seed-negative", "seed-not-int", "opset-12", "dtype-bfloat16", "kv-cache-no-causal", "kv-cache-cross",
-        "external-data"])
+        "external-data", "quantize-float64", "quantize-int4"])
 def test_bad_flags_exit_2_in_one_line(params_file, tmp_path, flags, flag, says):
     out = tmp_path / "m.onnx"
     assert says in one_line_usage_error(export("--params", params_file, "--out", str(out), *flags), flag)
@@ -128,3 +130,24 @@ def test_exit_0_and_the_validation_report(params_file, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("-> ok") == 2 and f"wrote {tmp_path / 'm.onnx'}" in proc.stdout
     assert Path(tmp_path / "m.onnx").stat().st_size > 0
+
+
+@pytest.mark.parametrize("how", ["dynamic", "static"])
+def test_quantize_writes_a_validated_int8_model_beside_the_float_one(params_file, tmp_path, how):
+    out = tmp_path / "m.onnx"
+    proc = export("--params", params_file, "--out", str(out), "--quantize", how, "--mask")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"int8 ({how}) vs NumPy reference" in proc.stdout and proc.stdout.count("-> ok") == 3
+    assert proc.stderr == ""  # onnxruntime's quantiser warnings are not passed on
+    int8 = onnx.load(str(tmp_path / "m.int8.onnx"))
+    ops = {n.op_type for n in int8.graph.node}
+    assert ({"DynamicQuantizeLinear", "MatMulInteger"} & ops) if how == "dynamic" else ("QuantizeLinear" in ops)
+
+
+def test_an_int8_model_outside_its_allowance_writes_neither_file(params_file, tmp_path):
+    code = ("import sys\nimport damcha_onnx._cli as cli\ncli.INT8_RTOL = 0.0  # no int8 model is that exact\n"
+            "from damcha_core._cli import main\nsys.exit(main(sys.argv[1:]))\n")
+    proc = subprocess.run([sys.executable, "-c", code, "export", "--params", params_file, "--out",
+                           str(tmp_path / "m.onnx"), "--quantize", "dynamic"], capture_output=True, text=True)
+    assert proc.returncode == 1 and "MISMATCH" in proc.stdout, proc.stdout + proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.safetensors"]
