@@ -323,7 +323,14 @@ class Progress:
         if enabled and total and self.stream.isatty() and available("tqdm"):
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total, desc=label, file=self.stream, leave=False, dynamic_ncols=True)
+            try:
+                sized = os.get_terminal_size(self.stream.fileno()).columns > 0
+            except (OSError, ValueError, AttributeError):
+                sized = False
+            # A terminal that reports no size (a bare pseudo-terminal) gets 80 x 24, not a hidden bar
+            # (tqdm draws nothing on a screen of 0 rows).
+            self._bar = tqdm(total=total, desc=label, file=self.stream, leave=False, dynamic_ncols=sized,
+                             ncols=None if sized else 80, nrows=None if sized else 24)
 
     def step(self, what: str, *, force: bool = False) -> None:
         """One step done; ``what`` names it. Plain lines are printed at most

@@ -167,3 +167,33 @@ def test_progress_per_backend_and_check_and_time_per_backend(tmp_path):
 
 def test_in_process_with_two_backends_is_a_usage_error():
     one_line_usage_error(conform("--in-process", "--backend", "reference", "--backend", "torch"), "--in-process")
+
+
+def test_a_terminal_gets_a_progress_bar(tmp_path):
+    """stderr on a terminal (a pseudo-terminal here): tqdm's bar (damcha[reports]) instead of plain lines."""
+    import pty
+
+    import tqdm  # noqa: F401 - the bar needs it; a missing reports extra must fail here, not skip
+
+    master, slave = pty.openpty()
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "damcha_core._cli", "conform", "--backend", "reference",
+                                 "--group", "masks"], stdout=subprocess.PIPE, stderr=slave, text=True)
+        os.close(slave)
+        stdout, _ = proc.communicate(timeout=300)
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # EIO: the terminal's other end is closed and drained
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(master)
+    terminal = b"".join(chunks).decode(errors="replace")
+    assert proc.returncode == 0, stdout
+    assert "\r" in terminal and "%|" in terminal and "reference" in terminal  # a redrawn bar
+    assert "reference [1/" not in terminal  # not the plain lines
+    assert "reference: 4 checks in " in terminal and "PASSED" in stdout
