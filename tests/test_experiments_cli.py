@@ -147,3 +147,38 @@ def test_good_from_json_replaces_an_earlier_file_atomically(workdir):
     proc = _run(["crosshead", "--from-json", "broken.json", "--out", "good", "--no-plots"], workdir)
     assert proc.returncode == 2 and "--from-json" in proc.stderr and "incomplete" in proc.stderr, proc.stderr
     assert _snapshot(workdir) == before
+
+
+def test_interrupt_then_rerun_gives_the_uninterrupted_numbers(tmp_path):
+    """Ctrl-C through the real command: checkpoint, exit 130, and the same command finishes the run exactly."""
+    import signal
+    import time
+
+    from damcha_experiments._suite import run_suite
+    from damcha_experiments._tasks import task_config
+
+    args = ["charlm", "--preset", "default", "--variants", "mha", "--lrs", "1e-3", "--seeds", "1",
+            "--max-steps", "40", "--eval-size", "4", "--no-cost", "--no-plots", "--no-progress"]
+    proc = subprocess.Popen([DAMCHA, "experiment", *args, "--out", "cut"], cwd=tmp_path, stderr=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    run_dir = tmp_path / "cut" / "runs" / "charlm-default-cpu" / "mha" / "lr0.001" / "seed0"
+    deadline = time.monotonic() + 120
+    while not run_dir.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "run the same command to resume" in err and "Traceback" not in err
+    assert (run_dir / "checkpoint.pt").exists() and not (run_dir / "result.json").exists()
+    assert not (tmp_path / "cut" / "charlm.json").exists()  # no results file from an unfinished suite
+    done = _run([*args, "--out", "cut"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    resumed = json.loads((tmp_path / "cut" / "charlm.json").read_text())["variants"]["mha"]["runs"][0]
+    assert resumed["resumed_at_step"] is not None and resumed["steps"] == 40
+    cfg = task_config("charlm", "default", seeds=1, lrs=(1e-3,), max_steps=40, val_size=4, test_size=4)
+    whole = run_suite(cfg, ["mha"], "headline", out=None)["variants"]["mha"]["runs"][0]
+    for key in ("curve", "test_metric", "best_step", "final_params_sha256", "loss_spikes"):
+        a, b = resumed[key], whole[key]
+        if key == "curve":
+            a, b = ({k: v for k, v in c.items() if k != "train_time_s"} for c in (a, b))
+        assert a == b, key

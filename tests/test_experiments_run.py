@@ -159,6 +159,29 @@ def test_every_variant_meets_the_fixed_budget(task, preset):
         assert abs(params - cfg.param_budget) <= per_unit / 2, name
 
 
+@pytest.mark.parametrize("task", TASK_NAMES)
+def test_large_preset_budget_fits_the_extreme_variants(task):
+    """The GPU preset: the smallest (mha) and largest (separate) variants reach its budget too."""
+    cfg = task_config(task, "large", train_size=60_000 if task == "charlm" else 64, val_size=8, test_size=8)
+    data = TaskData(cfg)
+    for name in ("mha", "damcha-heads-separate"):
+        width, params = model_width(data, VARIANTS[name])
+        per_unit = count_parameters(build_model(data, VARIANTS[name], width + 1)) - params
+        assert abs(params - cfg.param_budget) <= per_unit / 2, name
+
+
+def test_cost_only_measures_without_training(tmp_path):
+    out = tmp_path / "out"
+    assert _cli.main(["digits", "--preset", "smoke", "--cost-only", "--variants", "mha", "damcha-heads-tied",
+                      "--out", str(out), "--no-plots"]) == 0
+    cost = json.loads((out / "digits_cost.json").read_text())
+    mha, tied = cost["variants"]["mha"], cost["variants"]["damcha-heads-tied"]
+    assert len(mha["round_s_per_step"]) == task_config("digits", "smoke").cost_rounds
+    assert tied["activation_ratio_vs_mha"] == pytest.approx(tied["activation_bytes"] / mha["activation_bytes"])
+    assert tied["activation_bytes"] > mha["activation_bytes"]  # the stored maps (recompute=False)
+    assert not (out / "runs").exists() and not (out / "digits.json").exists()
+
+
 def test_same_seed_same_data_order_for_every_variant(smoke_data):
     data = smoke_data["listops"]
     batches = [data.batch(data.order(3))[0] for _ in range(2)]

@@ -1,0 +1,149 @@
+"""Budgets, comparisons and the verdict per claim, on hand-made results whose answer is known."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from damcha_experiments import _analysis as an
+from damcha_experiments._report import build_report, write_json
+
+
+def _run(seed, steps, val, test, times=None):
+    return {"seed": seed, "diverged": False, "test_metric": test[-1] if len(set(val)) == 1 else
+            test[int(np.argmax(val))], "stop_reason": "plateau", "steps": steps[-1],
+            "steps_to_threshold": {}, "loss_spikes": 0,
+            "curve": {"step": list(steps), "val_metric": list(val), "test_metric": list(test),
+                      "train_time_s": list(times or [s * 0.01 for s in steps])}}
+
+
+def _results(task, finals: dict[str, list[float]], *, higher=True, margin=0.02, kinds=None):
+    """One eval point per run whose val and test metric are the given final values."""
+    variants = {}
+    for name, values in finals.items():
+        runs = [_run(s, [100], [v], [v]) for s, v in enumerate(values)]
+        kind = (kinds or {}).get(name) or ("damcha" if name.startswith("damcha") else name)
+        variants[name] = {"kind": kind, "runs": runs, "divergences": 0, "sweep_divergences": 0, "loss_spikes": 0,
+                          "params": 1000, "chosen_lr": 1e-3, "test": {"mean": float(np.mean(values)), "std": 0.0,
+                                                                     "ci": None},
+                          "steps": {"mean": 100.0}, "lr_sweep": {"lrs": [1e-3], "runs": [], "chosen_lr": 1e-3}}
+    return {"format": "damcha-experiment/2", "task": task, "suite": "headline", "preset": "full", "device": "cpu",
+            "metric": "accuracy" if higher else "bits_per_char", "higher_is_better": higher, "seeds": 5,
+            "config": {"margin": margin, "max_steps": 1000, "thresholds": [], "param_budget": 1000,
+                       "description": task},
+            "data": {}, "variants": variants}
+
+
+NOISE = [0.001, -0.002, 0.0, 0.002, -0.001]
+
+
+def _base(level):
+    return [level + n for n in NOISE]
+
+
+def test_value_at_reads_the_best_validation_point_within_the_budget():
+    res = _results("crosshead", {"mha": [0.5]})
+    run = _run(0, [100, 200, 300], [0.4, 0.6, 0.5], [0.41, 0.61, 0.51], times=[1.0, 2.0, 3.0])
+    assert an.value_at(res, run) == 0.61
+    assert an.value_at(res, run, max_step=150) == 0.41
+    assert an.value_at(res, run, max_time=2.5) == 0.61
+    assert an.value_at(res, run, max_time=3.0, s_per_step=0.02) == 0.41  # modelled time: step 200 is at 4 s
+    assert math.isnan(an.value_at(res, run, max_step=50))
+
+
+def test_budgets_are_the_largest_every_run_reached():
+    res = _results("crosshead", {"mha": [0.5, 0.5], "damcha-heads-tied": [0.5, 0.5]})
+    res["variants"]["mha"]["runs"][0]["curve"] = _run(0, [100, 200], [0.1, 0.2], [0.1, 0.2])["curve"]
+    b = an.budgets(res, ["mha", "damcha-heads-tied"])
+    assert b["steps"] == 100 and b["time_source"] == "run"
+    cost = {"variants": {"mha": {"s_per_step": 0.01}, "damcha-heads-tied": {"s_per_step": 0.03}}}
+    b = an.budgets(res, ["mha", "damcha-heads-tied"], cost)
+    assert b["time_source"] == "cost" and b["time_s"] == pytest.approx(1.0)  # mha's 100 steps x 0.01 s
+
+
+def test_claim1_supported_when_a_damcha_variant_beats_both_baselines():
+    res = _results("crosshead", {"mha": _base(0.60), "talking-heads": _base(0.62),
+                                 "damcha-heads-query": _base(0.80),
+                                 "damcha-heads-tied": [0.63, 0.58, 0.61, 0.57, 0.62]})
+    v = {x["claim"]: x for x in an.verdicts({"crosshead": res}, {}, {})}
+    assert v[1]["verdict"] == "supported" and "damcha-heads-query" in v[1]["reason"]
+    rows = an.compare(res, ["damcha-heads-query", "damcha-heads-tied"], "mha")
+    assert rows[0]["decision"] == "better" and rows[1]["decision"] == "within noise"
+    assert rows[0]["p_holm"] >= rows[0]["p"]
+
+
+def test_claim1_not_supported_when_the_interval_excludes_a_meaningful_gain():
+    res = _results("crosshead", {"mha": _base(0.60), "talking-heads": _base(0.60),
+                                 "damcha-heads-query": [0.60 + 0.5 * n for n in NOISE]})
+    v = {x["claim"]: x for x in an.verdicts({"crosshead": res}, {}, {})}
+    assert v[1]["verdict"] == "not supported"
+
+
+def test_claim1_inconclusive_with_noisy_seeds():
+    res = _results("crosshead", {"mha": [0.5, 0.7, 0.6, 0.4, 0.8], "talking-heads": [0.6] * 5,
+                                 "damcha-heads-query": [0.7, 0.5, 0.65, 0.45, 0.75]})
+    assert an.verdicts({"crosshead": res}, {}, {})[0]["verdict"] == "inconclusive"
+
+
+def test_claim2_needs_every_task_and_lower_is_better_for_bits_per_char():
+    good = {"mha": _base(0.6), "talking-heads": _base(0.6), "damcha-heads-tied": _base(0.7)}
+    lm = _results("charlm", {"mha": _base(2.0), "talking-heads": _base(2.0), "damcha-heads-tied": _base(1.9)},
+                  higher=False)
+    tasks = {"charlm": lm, "listops": _results("listops", good), "digits": _results("digits", good)}
+    v = {x["claim"]: x for x in an.verdicts(tasks, {}, {})}
+    assert v[2]["verdict"] == "supported"
+    worse_lm = _results("charlm", {"mha": _base(2.0), "talking-heads": _base(2.0), "damcha-heads-tied": _base(2.1)},
+                        higher=False)
+    v = {x["claim"]: x for x in an.verdicts(tasks | {"charlm": worse_lm}, {}, {})}
+    assert v[2]["verdict"] == "not supported" and "charlm" in v[2]["reason"]
+    v = {x["claim"]: x for x in an.verdicts({"listops": _results("listops", good)}, {}, {})}
+    assert v[2]["verdict"] == "inconclusive" and "missing" in v[2]["reason"]
+
+
+def _cost(ratio, load=0.1, memory=1.05):
+    return {"environment": {"loadavg": [load], "loadavg_after": [load], "cpu_count": 2, "device": "cpu"},
+            "variants": {"mha": {"time_ratio_vs_mha": 1.0, "train_bytes_ratio_vs_mha": 1.0},
+                         "damcha-heads-tied": {"time_ratio_vs_mha": ratio, "train_bytes_ratio_vs_mha": memory}}}
+
+
+@pytest.mark.parametrize("cost, verdict", [(_cost(1.1), "supported"), (_cost(2.0), "not supported"),
+                                           (_cost(1.1, memory=1.6), "not supported"),
+                                           (_cost(1.1, load=3.0), "inconclusive")],
+                         ids=["comparable", "slow", "memory", "busy-machine"])
+def test_claim3_rule(cost, verdict):
+    res = _results("crosshead", {"mha": _base(0.6), "damcha-heads-tied": _base(0.6)})
+    assert an.verdicts({"crosshead": res}, {}, {"crosshead": cost})[2]["verdict"] == verdict
+
+
+@pytest.mark.parametrize("shared, verdict", [(_base(0.70), "supported"), ([0.60] * 5, "not supported"),
+                                             ([0.7, 0.6, 0.75, 0.55, 0.8], "inconclusive")],
+                         ids=["non-inferior", "worse", "noisy"])
+def test_claim4_sharing_rule(shared, verdict):
+    res = _results("crosshead", {"mha": _base(0.6), "damcha-heads-tied": _base(0.70),
+                                 "damcha-heads-tied-shared": shared})
+    res["suite"] = "ablation"
+    assert an.verdicts({}, {"crosshead": res}, {})[3]["verdict"] == verdict
+
+
+def test_steps_to_threshold_censors_runs_that_never_reach_it():
+    res = _results("crosshead", {"mha": [0.5] * 3, "damcha-heads-query": [0.9] * 3})
+    res["config"]["thresholds"] = [0.9]
+    for r, s in zip(res["variants"]["mha"]["runs"], [None, 800, None]):
+        r["steps_to_threshold"] = {"0.9": s}
+    for r, s in zip(res["variants"]["damcha-heads-query"]["runs"], [300, 400, 500]):
+        r["steps_to_threshold"] = {"0.9": s}
+    rows = {r["variant"]: r for r in an.threshold_summary(res)}
+    assert rows["mha"]["reached"] == 1 and rows["damcha-heads-query"]["median_steps"] == 400
+    # Censored at max_steps = 1000: gains (fewer steps) 700, 400, 500.
+    assert rows["damcha-heads-query"]["vs_mha"]["mean"] == pytest.approx(1600 / 3)
+
+
+def test_report_of_a_folder(tmp_path):
+    res = _results("crosshead", {"mha": _base(0.60), "talking-heads": _base(0.62), "damcha-heads-query": _base(0.8)})
+    write_json(res, tmp_path / "crosshead.json")
+    write_json([1, 2], tmp_path / "notes.json")  # other JSON files are ignored
+    text, summary = build_report(tmp_path)
+    assert summary["verdicts"][0]["verdict"] == "supported"
+    assert "| damcha-heads-query | mha | converged |" in text and "better" in text
