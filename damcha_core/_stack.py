@@ -49,7 +49,7 @@ class EncoderConfig:
 
     Args:
         attention: the (self-attention) layer config shared by every layer;
-            needs context_dim == output_dim == query_dim.
+            needs context_dim == value_input_dim == output_dim == query_dim.
         num_layers: L, layers in the stack.
         ffn_dim: F, hidden size of each feed-forward block.
         share_metric: stack-wise sharing of the metric generator (W_A, b_A or
@@ -76,10 +76,11 @@ class EncoderConfig:
         if not isinstance(self.attention, DamchaConfig):
             raise DamchaTypeError(f"`attention` must be a DamchaConfig. Received: attention={describe(self.attention)}")
         a = self.attention
-        if not (a.context_dim == a.output_dim == a.query_dim):
+        if not (a.context_dim == a.value_input_dim == a.output_dim == a.query_dim):
             raise DamchaValueError(
-                "An encoder layer is residual self-attention, so it needs context_dim == output_dim == "
-                f"query_dim. Received: query_dim={a.query_dim}, context_dim={a.context_dim}, output_dim={a.output_dim}"
+                "An encoder layer is residual self-attention, so it needs context_dim == value_input_dim == "
+                f"output_dim == query_dim. Received: query_dim={a.query_dim}, context_dim={a.context_dim}, "
+                f"value_input_dim={a.value_input_dim}, output_dim={a.output_dim}"
             )
         object.__setattr__(self, "num_layers", check_int("num_layers", self.num_layers))
         object.__setattr__(self, "ffn_dim", check_int("ffn_dim", self.ffn_dim))

@@ -28,7 +28,7 @@ from ._io import (
 from ._options import PAST_LEN, TOTAL_LEN, ExportOptions
 
 #: Input/output names of an exported layer.
-QUERY, CONTEXT, MASK, OUTPUT, WEIGHTS = "query", "context", "mask", "output", "weights"
+QUERY, CONTEXT, VALUE, MASK, OUTPUT, WEIGHTS = "query", "context", "value", "mask", "output", "weights"
 #: Cache inputs/outputs of a ``kv_cache=True`` layer (stacks add ``.{layer}``).
 PAST_KEY, PAST_VALUE, PRESENT_KEY, PRESENT_VALUE = "past_key", "past_value", "present_key", "present_value"
 
@@ -155,12 +155,23 @@ def _layer_model(params: Mapping[str, Any], config: DamchaConfig, options: Expor
             f"config.query_dim; pass cross=True for a separate context input. Received: "
             f"query_dim={config.query_dim}, context_dim={config.context_dim}"
         )
+    # Value tokens of their own feature size (E_v != E_kv, DECISIONS 8) come in
+    # as a third input; otherwise the values are the context's (or query's) tokens.
+    separate_value = config.value_input_dim != config.context_dim
+    if separate_value and not o.cross:
+        raise DamchaValueError(
+            "A self-attention export takes keys and values from the query, so it needs config.value_input_dim == "
+            f"config.query_dim; pass cross=True for separate context and value inputs. Received: "
+            f"query_dim={config.query_dim}, value_input_dim={config.value_input_dim}"
+        )
     B, N, M = o.batch_dim, o.query_dim, o.key_dim
     g = GraphBuilder(o.dtype, o.opset)
     inputs = [helper.make_tensor_value_info(QUERY, g.onnx_dtype, [B, N, config.query_dim])]
     outputs = [helper.make_tensor_value_info(OUTPUT, g.onnx_dtype, [B, N, config.output_dim])]
     if o.cross:
         inputs.append(helper.make_tensor_value_info(CONTEXT, g.onnx_dtype, [B, M, config.context_dim]))
+    if separate_value:
+        inputs.append(helper.make_tensor_value_info(VALUE, g.onnx_dtype, [B, M, config.value_input_dim]))
     cache = None
     if o.kv_cache:
         cache_in, cache_out = cache_value_info(g.onnx_dtype, config, B)
@@ -176,6 +187,7 @@ def _layer_model(params: Mapping[str, Any], config: DamchaConfig, options: Expor
     y = attention_layer(
         g, params, config, QUERY, CONTEXT if o.cross else None, mask=mask_node(g, o), causal=o.causal,
         form=o.form, prefix="", cache=cache, weights=WEIGHTS if o.return_weights else None,
+        value=VALUE if separate_value else None,
     )
     g.nodes.append(helper.make_node("Identity", [y], [OUTPUT], name="n_output"))
     doc = (
@@ -213,7 +225,8 @@ def build_model(
     """Build (without saving or validating) the ONNX model of one DAMCHA layer.
 
     Inputs of the model: ``query`` (B, N, E_q); ``context`` (B, M, E_kv) when
-    ``cross``; with ``kv_cache``, ``past_key`` (B, G, P, d) and ``past_value``
+    ``cross``; ``value`` (B, M, E_v) when ``config.value_input_dim`` differs
+    from ``context_dim`` (cross-attention only); with ``kv_cache``, ``past_key`` (B, G, P, d) and ``past_value``
     (B, G, P, d_v); ``mask`` bool (B|1, H|1, N|1, M), True = may attend, when
     ``mask`` (M = P + N with a cache), or (B, M) with ``mask="padding"``.
     Outputs: ``output`` (B, N, E_o), with ``kv_cache`` ``present_key``
@@ -267,6 +280,8 @@ def export(
         dynamic: symbolic batch and sequence dims; ``False`` fixes them to
             ``batch_size``, ``query_len`` (and ``context_len``).
         cross: add a ``context`` (B, M, E_kv) input; otherwise self-attention.
+            A config whose ``value_input_dim`` differs from ``context_dim``
+            also gets a ``value`` (B, M, E_v) input (cross-attention only).
         mask: add a boolean ``mask`` input (B|1, H|1, N|1, M), True = may
             attend; ``mask="padding"`` a (B, M) key padding mask instead. A
             query row with no visible key outputs ``output.bias``.

@@ -350,6 +350,7 @@ def attention_layer(
     shared: str | None = None,
     cache: KVCacheNames | None = None,
     weights: str | None = None,
+    value: str | None = None,
 ) -> str:
     """Nodes of one DAMCHA layer; returns the name of y (B, N, E_o).
 
@@ -364,7 +365,9 @@ def attention_layer(
     (B, G, P, d/d_v), written to ``cache.present_key``/``present_value``, and
     query i of the step attends keys j <= P + i of the P + N (bottom-right). A
     ``mask`` then has M = P + N columns. ``weights`` names a graph output
-    that receives the attention probabilities (B, H, N, M).
+    that receives the attention probabilities (B, H, N, M). ``value`` is
+    value tokens (B, M, E_v) of their own (cross-attention); by default the
+    values are projected from the context.
     """
     if cache is not None and (context is not None or not causal):
         raise DamchaValueError(
@@ -384,10 +387,17 @@ def attention_layer(
         )
         context = g.op("Reshape", [context, target], f"{P}context")
     c = query if self_attn else context
+    if value is not None:
+        # The same guard for the value tokens; their length must be the
+        # context's, which the attention (or the value MatMul) enforces.
+        target = g.op(
+            "Concat", [g.dim(query, 0, f"{P}vbatch"), g.op("Shape", [value], f"{P}val_shape", start=1)], f"{P}val_target", axis=0
+        )
+        value = g.op("Reshape", [value, target], f"{P}value_tokens")
 
     q = g.linear(query, f["q.kernel"], f.get("q.bias"), f"{P}q")  # (B, N, H*d), pre-scaled
     k = g.linear(c, f["k.kernel"], f.get("k.bias"), f"{P}k")  # (B, M, G*d)
-    v = g.linear(c, f["v.kernel"], f.get("v.bias"), f"{P}v")  # (B, M, G*d_v)
+    v = g.linear(c if value is None else value, f["v.kernel"], f.get("v.bias"), f"{P}v")  # (B, M, G*d_v)
 
     sq, sk = dc.side_of(config, "q"), dc.side_of(config, "k")
     coeff_x: dict[str, str] = {}

@@ -25,6 +25,8 @@ def _inputs(data, cross=True):
     inputs = {"query": data.query}
     if data.context is not None:
         inputs["context"] = data.context
+    if data.value is not None:
+        inputs["value"] = data.value
     if data.mask is not None:
         inputs["mask"] = data.mask
     return inputs
@@ -196,7 +198,7 @@ def test_attention_weights_output(case, opset):
         model = _export(data, opset, dtype, return_weights=True)
         out = do.run_ort(model, _inputs(data), all_outputs=True)
         y, w = dc.damcha_attention(data.params, data.config, data.query, data.context, mask=data.mask,
-                                   causal=data.causal, return_weights=True)
+                                   causal=data.causal, return_weights=True, value=data.value)
         tol = tolerance(dtype)
         assert out["weights"].shape == w.shape
         assert tol.output_ratio(out["weights"], w)[1] <= 1
@@ -317,3 +319,31 @@ def test_a_mask_of_the_wrong_shape_fails_in_the_graph_itself():
         for bad in [(2, 1, 1, 4), (3, 1, 1, 3), (2, 3, 1, 3), (2, 1, 2, 3)]:
             with pytest.raises(Exception):
                 session.run(None, {"query": x, "mask": np.ones(bad, bool)})
+
+
+# ------------------------------------------------- value tokens of their own size
+
+
+def test_value_input_of_its_own_size():
+    # E_v != E_kv (DECISIONS 8): a third input; the catalogue case heads-separate-cross-value-dim
+    # checks the numbers, here the rules around it.
+    import onnxruntime as ort
+
+    config = dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4, context_dim=6, value_input_dim=5, coupling="separate")
+    params = dc.init_params(config, 3)
+    model = do.export(params, config, None, cross=True, opset=17)
+    assert [i.name for i in model.graph.input] == ["query", "context", "value"]
+    rng = np.random.default_rng(3)
+    x, c, v = rng.normal(size=(2, 3, 8)), rng.normal(size=(2, 4, 6)), rng.normal(size=(2, 4, 5))
+    out = do.run_ort(model, {"query": x, "context": c, "value": v})
+    assert tolerance("float32").output_ratio(out, dc.damcha_attention(params, config, x, c, value=v))[1] <= 1
+    self_config = dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4, value_input_dim=5)
+    with pytest.raises(dc.DamchaValueError, match="value_input_dim == config.query_dim"):
+        do.export(dc.init_params(self_config), self_config, None)
+    with pytest.raises(dc.DamchaValueError, match="`value`"):
+        do.run_ort(model, {"query": x, "context": c, "value": v[:, :3]})  # fewer values than keys
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    f32 = lambda a: a.astype(np.float32)  # noqa: E731
+    for bad in (v[:, :3], np.concatenate([v, v[:1]]), v[:1]):  # another length, batch + 1, batch 1
+        with pytest.raises(Exception):
+            session.run(None, {"query": f32(x), "context": f32(c), "value": f32(bad)})

@@ -24,6 +24,8 @@ def _inputs(data):
     inputs = {"query": data.query}
     if data.context is not None:
         inputs["context"] = data.context
+    if data.value is not None:
+        inputs["value"] = data.value
     if data.mask is not None:
         inputs["mask"] = data.mask
     return inputs

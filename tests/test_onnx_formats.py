@@ -30,6 +30,7 @@ def test_ort_format_models_load_and_match(tmp_path):
                 do.export(data.params, data.config, path, opset=opset, causal=data.causal, cross=data.context is not None,
                           mask=data.mask is not None, dtype=dtype)
                 feeds = {"query": data.query, **({"context": data.context} if data.context is not None else {}),
+                         **({"value": data.value} if data.value is not None else {}),
                          **({"mask": data.mask} if data.mask is not None else {})}
                 exported[key], expected[key] = path, (feeds, data.expected, dtype)
     # A decode step, and a token model with its cache.
@@ -147,6 +148,7 @@ INT8_CASES = ["heads-tied-nobias", "heads-query-cross", "heads-separate-per-head
 def test_int8_formats_on_catalogue_cases(name):
     data = materialise(next(c for c in CATALOGUE if c.name == name))
     feeds = {"query": data.query, **({"context": data.context} if data.context is not None else {}),
+                         **({"value": data.value} if data.value is not None else {}),
              **({"mask": data.mask} if data.mask is not None else {})}
     model = do.export(data.params, data.config, None, causal=data.causal, cross=data.context is not None,
                       mask=data.mask is not None)

@@ -69,6 +69,8 @@ def _catalogue_runs(vectors: Path) -> list[dict]:
         inputs = {"query": "inputs.query"}
         if "inputs.context" in tensors:
             inputs["context"] = "inputs.context"
+        if "inputs.value" in tensors:
+            inputs["value"] = "inputs.value"
         if "inputs.mask" in tensors:
             inputs["mask"] = "inputs.mask"
         for opset, dtype in ((23, "float32"), (17, "float32"), (23, "float16")):

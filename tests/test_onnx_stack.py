@@ -121,7 +121,7 @@ def test_token_model_end_to_end(opset, tmp_path):
     "make, error, pattern",
     [
         (lambda: do.EncoderConfig(dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4, output_dim=6), 2, 8),
-         dc.DamchaValueError, "context_dim == output_dim == query_dim"),
+         dc.DamchaValueError, "context_dim == value_input_dim == output_dim == query_dim"),
         (lambda: do.EncoderConfig(dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4), 0, 8),
          dc.DamchaValueError, "`num_layers` must be >= 1. Received: num_layers=0"),
         (lambda: do.export_encoder(do.init_encoder_params(_encoder("heads", True)), _encoder("heads", False), None),

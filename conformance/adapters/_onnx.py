@@ -47,10 +47,6 @@ class OnnxAdapter:
         return None  # every catalogue case (masks, causal, GQA/MQA, cross) is expressible
 
     def forward(self, data, dtype: str) -> np.ndarray:
-        if data.value is not None:
-            # Reported as an error (a failing check), not "unsupported": the catalogue
-            # asks every port for key and value inputs of different sizes (E_v != E_kv).
-            raise NotImplementedError("damcha_onnx exports have no value input separate from the context yet")
         cross = data.context is not None
         model = build_model(
             data.params, data.config, opset=self.opset, causal=data.causal, cross=cross, mask=data.mask is not None, dtype=dtype
@@ -58,6 +54,8 @@ class OnnxAdapter:
         inputs = {"query": data.query}
         if cross:
             inputs["context"] = data.context
+        if data.value is not None:
+            inputs["value"] = data.value  # value tokens of their own size (E_v != E_kv): a third input
         if data.mask is not None:
             inputs["mask"] = data.mask
         run = run_ort if self.runtime == "onnxruntime" else run_reference
