@@ -57,6 +57,7 @@ __all__ = [
     "make_listops",
     "measure_cost",
     "paired_difference",
+    "run_experiment",
     "run_suite",
     "stdlib_corpus",
     "t_cdf",
@@ -74,13 +75,24 @@ _LAZY = {
     "TalkingHeadsAttention": "._talking_heads",
     "train_run": "._train",
     "run_suite": "._suite",
+    "run_experiment": "._suite",
     "measure_cost": "._cost",
     "write_results": "._report",
     "build_report": "._report",
 }
 
 
+# Old names kept one release (they warn): the first version's default variants and task table.
+_DEPRECATED = {"DEFAULT_VARIANTS": "HEADLINE", "TASKS": "TASK_NAMES"}
+
+
 def __getattr__(name: str) -> Any:
+    if name in _DEPRECATED:
+        import warnings
+
+        warnings.warn(f"damcha_experiments.{name} is deprecated; use {_DEPRECATED[name]} (and task_config for a "
+                      "task's settings)", DeprecationWarning, stacklevel=2)
+        return HEADLINE if name == "DEFAULT_VARIANTS" else {t: task_config(t) for t in TASK_NAMES}
     if name in _LAZY:
         import importlib
 

@@ -67,6 +67,8 @@ def _train_parser() -> argparse.ArgumentParser:
     p.add_argument("--lrs", type=_positive_float, nargs="+", default=None, metavar="LR",
                    help="learning-rate grid of each variant's sweep (preset's default)")
     p.add_argument("--max-steps", type=_positive_int, default=None, help="hard step limit per run")
+    # The first version's name; kept one release (it warns).
+    p.add_argument("--steps", type=_positive_int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--eval-size", type=_positive_int, default=None,
                    help="validation and test examples (charlm: windows) each")
     p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:N (default cpu)")
@@ -123,6 +125,19 @@ def _read_results(flag: str, path_text: str, task: str | None) -> dict[str, Any]
     if task is not None and obj["task"] != task:
         _fail(flag, f"{path_text!r} holds task {obj['task']!r}, not {task!r}")
     return obj
+
+
+def _sibling_cost(path: Path, results: dict[str, Any]) -> dict[str, Any] | None:
+    """The cost file written beside a results JSON (``STEM_cost.json``), for the equal-time plot; None if absent."""
+    from ._report import stem
+
+    sibling = path.with_name(f"{stem(results)}_cost.json")
+    try:
+        cost = json.loads(sibling.read_text())
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(cost, dict) and cost.get("kind") == "cost" and cost.get("task") == results["task"]
+    return cost if ok and isinstance(cost.get("variants"), dict) else None
 
 
 def _check_device(text: str) -> str:
@@ -229,6 +244,12 @@ def _train_main(argv: list[str]) -> int:
         _train_parser().print_help(sys.stderr)
         return 2
     args = _train_parser().parse_args(argv)
+    if args.steps is not None:
+        if args.max_steps is not None:
+            _fail("--steps", "is the deprecated name of --max-steps; give only --max-steps")
+        print(f"{PROG}: warning: --steps is deprecated, use --max-steps (a hard limit; runs stop earlier at a "
+              "validation plateau)", file=sys.stderr)
+        args.max_steps = args.steps
     variants = _variants(args)
     cfg = _config(args)
     out = cu.check_output_dir(args.out, "--out", prog=PROG)
@@ -242,9 +263,10 @@ def _train_main(argv: list[str]) -> int:
             table = markdown_table(results)
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             _fail("--from-json", f"{args.from_json!r} is incomplete ({type(exc).__name__}: {exc})")
+        cost = _sibling_cost(Path(args.from_json), results)
         try:
             paths = _staged(out, lambda d: {"json": write_json(results, d / f"{stem(results)}.json")} if args.no_plots
-                            else write_results(results, d))
+                            else write_results(results, d, cost))
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             _fail("--from-json", f"{args.from_json!r} is incomplete ({type(exc).__name__}: {exc})")
         print(table)

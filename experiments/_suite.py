@@ -133,3 +133,23 @@ def run_suite(cfg: TaskConfig, variants: list[str], suite: str, *, out: Path | N
         "cpu_s": time.process_time() - cpu_started,
         "environment": env,
     }
+
+
+def run_experiment(task: str, variants: list[str] | None = None, seeds: int = 3, steps: int | None = None,
+                   eval_size: int | None = None, progress: bool = True) -> dict[str, Any]:
+    """Deprecated (one release): ``run_suite(task_config(task, "default", ...), variants, "headline", out=None)``.
+
+    Kept so that code written against the first version keeps running; it
+    returns the current results format. ``steps`` is now the hard step limit
+    (``max_steps``) of the plateau rule, ``eval_size`` the validation and test
+    size.
+    """
+    import warnings
+
+    from ._tasks import task_config
+    from ._variants import HEADLINE
+
+    warnings.warn("damcha_experiments.run_experiment is deprecated; use run_suite(task_config(task, preset, ...), "
+                  "variants, suite, out=...)", DeprecationWarning, stacklevel=2)
+    cfg = task_config(task, "default", seeds=seeds, max_steps=steps, val_size=eval_size, test_size=eval_size)
+    return run_suite(cfg, list(variants or HEADLINE), "headline", out=None)

@@ -390,3 +390,15 @@ def test_saved_activation_bytes_hand_checked():
     base = saved_activation_bytes(Scale(), x, y)
     assert saved_activation_bytes(Scale(twice=True), x, y) == base  # x saved twice, one storage; w excluded
     assert saved_activation_bytes(Scale(relu=True), x, y) - base == 5 * 3 * 4  # relu keeps its float32 output
+
+
+def test_first_version_names_still_work_and_warn(tmp_path):
+    import damcha_experiments as de
+
+    with pytest.warns(DeprecationWarning, match="DEFAULT_VARIANTS is deprecated"):
+        assert tuple(de.DEFAULT_VARIANTS) == HEADLINE
+    with pytest.warns(DeprecationWarning, match="TASKS is deprecated"):
+        assert de.TASKS["listops"].preset == "default"
+    with pytest.warns(DeprecationWarning, match="run_experiment is deprecated"):
+        res = de.run_experiment("charlm", ["mha"], seeds=1, steps=2, eval_size=4)
+    assert res["variants"]["mha"]["runs"][0]["steps"] == 2 and res["config"]["val_size"] == 4
