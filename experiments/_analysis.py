@@ -94,8 +94,12 @@ def values(results: dict[str, Any], name: str, budget: str, b: dict[str, float] 
 
 
 def decide(p_adjusted: float | None, mean: float) -> str:
-    if p_adjusted is None or not math.isfinite(p_adjusted) or not math.isfinite(mean):
-        return "within noise" if p_adjusted is None or math.isfinite(mean) else "diverged"
+    """"better" / "worse" (Holm-adjusted p < ALPHA), "within noise", or "n/a" when a seed has no value
+    (a diverged run, or no evaluation within the budget)."""
+    if not math.isfinite(mean):
+        return "n/a"
+    if p_adjusted is None or not math.isfinite(p_adjusted):
+        return "within noise"
     if p_adjusted < ALPHA:
         return "better" if mean > 0 else "worse"
     return "within noise"
@@ -267,8 +271,19 @@ def verdicts(headline: dict[str, dict[str, Any]], ablation: dict[str, dict[str, 
         verdict = "inconclusive"
         reason = "variant-dependent: over the tolerance: " + ", ".join(
             f"{r['variant']} ({r['task']})" for r in rows3 if not r["comparable"])
+    # Beside the rule: does the accuracy picture survive at equal training time?
+    equal_time = {}
+    for task, cost in costs.items():
+        res = headline.get(task)
+        if res is None or "mha" not in res["variants"] or not damcha_names(res):
+            continue
+        rows = compare(res, damcha_names(res), "mha", budget="time", cost=cost)
+        equal_time[task] = {d: [r["variant"] for r in rows if r["decision"] == d] for d in ("better", "worse")}
+    if equal_time:
+        reason += "; vs MHA at equal training time: " + "; ".join(
+            f"{t}: better {v['better'] or 'none'}, worse {v['worse'] or 'none'}" for t, v in equal_time.items())
     out.append({"claim": 3, "title": "comparable or reduced computational overhead", "verdict": verdict,
-                "reason": reason, "rule": rule3, "rows": rows3})
+                "reason": reason, "rule": rule3, "rows": rows3, "equal_time": equal_time})
     # Claim 4
     rule4 = ("stack-wise sharing (damcha-heads-tied-shared vs damcha-heads-tied, damcha-heads-query-shared vs "
              "damcha-heads-query, paired, converged test metric): supported if on every ablation task each shared "

@@ -210,7 +210,7 @@ _CONFIGS: dict[tuple[str, str], TaskConfig] = {
     ),
     ("charlm", "large"): _cfg(
         "charlm", "large", embed_dim=256, num_heads=8, num_layers=6, mlp_hidden=1024, param_budget=5_140_000,
-        batch=64, train_size=8_000_000, val_size=1024, test_size=1024, seq_len=256, lrs=(2.5e-4, 5e-4, 1e-3),
+        batch=64, train_size=4_500_000, val_size=1024, test_size=1024, seq_len=256, lrs=(2.5e-4, 5e-4, 1e-3),
         max_steps=100_000, eval_every=1000, patience=4, min_delta=0.002, seeds=5, sweep_seeds=1, margin=0.01,
         warmup=1000,
     ),

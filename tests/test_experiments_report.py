@@ -104,8 +104,9 @@ def test_claim2_needs_every_task_and_lower_is_better_for_bits_per_char():
 
 def _cost(ratio, load=0.1, memory=1.05):
     return {"environment": {"loadavg": [load], "loadavg_after": [load], "cpu_count": 2, "device": "cpu"},
-            "variants": {"mha": {"time_ratio_vs_mha": 1.0, "train_bytes_ratio_vs_mha": 1.0},
-                         "damcha-heads-tied": {"time_ratio_vs_mha": ratio, "train_bytes_ratio_vs_mha": memory}}}
+            "variants": {"mha": {"time_ratio_vs_mha": 1.0, "train_bytes_ratio_vs_mha": 1.0, "s_per_step": 0.01},
+                         "damcha-heads-tied": {"time_ratio_vs_mha": ratio, "train_bytes_ratio_vs_mha": memory,
+                                               "s_per_step": 0.01 * ratio}}}
 
 
 @pytest.mark.parametrize("cost, verdict", [(_cost(1.1), "supported"), (_cost(2.0), "not supported"),
@@ -114,7 +115,9 @@ def _cost(ratio, load=0.1, memory=1.05):
                          ids=["comparable", "slow", "memory", "busy-machine"])
 def test_claim3_rule(cost, verdict):
     res = _results("crosshead", {"mha": _base(0.6), "damcha-heads-tied": _base(0.6)})
-    assert an.verdicts({"crosshead": res}, {}, {"crosshead": cost})[2]["verdict"] == verdict
+    claim3 = an.verdicts({"crosshead": res}, {}, {"crosshead": cost})[2]
+    assert claim3["verdict"] == verdict
+    assert claim3["equal_time"] == {"crosshead": {"better": [], "worse": []}}
 
 
 @pytest.mark.parametrize("shared, verdict", [(_base(0.70), "supported"), ([0.60] * 5, "not supported"),
