@@ -288,12 +288,19 @@ def _train_main(argv: list[str]) -> int:
     torch.set_num_threads(args.threads)
     stop = {"signal": None}
 
-    def request_stop(signum, frame):  # finish the current step, checkpoint, exit
+    def request_stop(signum, frame):
+        # The first signal: finish the current step, checkpoint, exit 130. A second one: stop now.
+        if stop["signal"] is not None:
+            raise KeyboardInterrupt
         stop["signal"] = signum
 
     previous = {s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         return _train(args, cfg, variants, out, torch.device(device), lambda step: stop["signal"] is not None)
+    except KeyboardInterrupt:
+        print(f"{PROG}: stopped at once; every unfinished run resumes from its last evaluation's checkpoint in "
+              f"{out / 'runs'} when the same command runs again", file=sys.stderr)
+        return 130
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
@@ -315,7 +322,10 @@ def _train(args, cfg, variants, out, device, should_stop) -> int:
             if existing.exists() and not args.no_plots:
                 from ._report import plot_time_curves
 
-                results = json.loads(existing.read_text())
+                try:
+                    results = json.loads(existing.read_text())
+                except (OSError, ValueError):
+                    return paths  # not a results file we can redraw: the cost file alone
                 paths["time"] = plot_time_curves(results, folder / f"{stem(results)}_time.png", cost)
             return paths
 
