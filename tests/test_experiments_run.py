@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import shutil
 
 import numpy as np
 import pytest
@@ -49,31 +50,27 @@ def smoke_data():
 # ------------------------------------------------------------ end to end
 
 
-@pytest.fixture(scope="module")
-def smoke_folder(tmp_path_factory):
+def _smoke_folder(out):
     """Every task's headline suite and two ablation suites at the smoke preset, through the CLI, in one folder.
 
     Plots are drawn for crosshead (token model) and digits (ViT); the plotting
     code is shared by all tasks.
     """
-    out = tmp_path_factory.mktemp("smoke") / "out"
     for task in TASK_NAMES:
         plots = [] if task in ("crosshead", "digits") else ["--no-plots"]
-        assert _cli.main([task, "--preset", "smoke", "--out", str(out), "--no-progress", *plots]) == 0
+        assert _cli.main([task, "--preset", "smoke", "--out", str(out), "--no-progress", *plots]) == 0, task
     for task in ("digits", "crosshead"):
         assert _cli.main([task, "--preset", "smoke", "--suite", "ablation", "--out", str(out), "--no-progress",
-                          "--no-plots", "--no-cost"]) == 0
+                          "--no-plots", "--no-cost"]) == 0, task
     return out
 
 
-@pytest.mark.parametrize("task", TASK_NAMES)
-def test_smoke_headline_suite_end_to_end(task, smoke_folder):
-    out = smoke_folder
+def _check_headline(task, out):
     cfg = task_config(task, "smoke")
     res = json.loads((out / f"{task}.json").read_text())
     assert res["task"] == task and res["preset"] == "smoke" and list(res["variants"]) == list(HEADLINE)
     for name, r in res["variants"].items():
-        assert [run["seed"] for run in r["runs"]] == list(range(cfg.seeds))
+        assert [run["seed"] for run in r["runs"]] == list(range(cfg.seeds)), name
         assert r["chosen_lr"] in cfg.lrs and all(run["lr"] == r["chosen_lr"] for run in r["runs"])
         assert len(r["lr_sweep"]["runs"]) == len(cfg.lrs) * cfg.sweep_seeds
         tests = [run["test_metric"] for run in r["runs"]]
@@ -83,29 +80,53 @@ def test_smoke_headline_suite_end_to_end(task, smoke_folder):
             i = run["curve"]["step"].index(run["best_step"])
             assert run["test_metric"] == run["curve"]["test_metric"][i]
             assert run["best_val_metric"] == (max if res["higher_is_better"] else min)(run["curve"]["val_metric"])
-        assert abs(r["params"] - cfg.param_budget) <= count_parameters_per_unit(task, name) / 2
-        assert (r["head_maps_seed0"] is None) == (r["kind"] != "damcha")
+        assert abs(r["params"] - cfg.param_budget) <= count_parameters_per_unit(task, name) / 2, name
+        assert (r["head_maps_seed0"] is None) == (r["kind"] != "damcha"), name
     cost = json.loads((out / f"{task}_cost.json").read_text())
     assert set(cost["variants"]) == set(HEADLINE) and cost["variants"]["mha"]["time_ratio_vs_mha"] == 1.0
     assert all(e["activation_bytes"] > 0 and e["s_per_step"] > 0 for e in cost["variants"].values())
     if task in ("crosshead", "digits"):
         for suffix in ("curves", "final", "lr", "time", "metric"):
-            assert (out / f"{task}_{suffix}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+            assert (out / f"{task}_{suffix}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", suffix
 
 
-def test_rerun_reuses_finished_runs_and_from_json_replots(smoke_folder, tmp_path, capsys):
-    out = tmp_path / "out"
-    first = json.loads((smoke_folder / "listops.json").read_text())
-    # Same command, new --out but the runs copied: nothing is retrained (a retrain would differ in timing).
-    import shutil
+def _check_ablation(task, out):
+    res = json.loads((out / f"{task}_ablation.json").read_text())
+    assert res["suite"] == "ablation" and list(res["variants"]) == list(ABLATION)
+    assert all(np.isfinite([run["test_metric"] for run in r["runs"]]).all() for r in res["variants"].values())
+    # Variants shared with the headline suite are the very same runs (same folder, same numbers).
+    head = json.loads((out / f"{task}.json").read_text())
+    assert res["variants"]["mha"]["runs"] == head["variants"]["mha"]["runs"]
 
-    shutil.copytree(smoke_folder / "runs", out / "runs")
-    assert _cli.main(["listops", "--preset", "smoke", "--out", str(out), "--no-progress", "--no-cost",
+
+def test_smoke_preset_of_every_task_variant_and_ablation_end_to_end(tmp_path, capsys):
+    """One test (one xdist worker) for the whole smoke folder: every check below reads what it wrote."""
+    out = _smoke_folder(tmp_path / "out")
+    for task in TASK_NAMES:
+        _check_headline(task, out)
+    for task in ("digits", "crosshead"):
+        _check_ablation(task, out)
+    # The report: a verdict per claim, the tables, the equal-time plot redrawn with the cost file.
+    md = tmp_path / "report.md"
+    assert _cli.main(["report", str(out), "--out", str(md)]) == 0
+    text = md.read_text()
+    summary = json.loads(md.with_suffix(".json").read_text())
+    assert [v["claim"] for v in summary["verdicts"]] == [1, 2, 3, 4]
+    assert all(v["verdict"] in ("supported", "not supported", "inconclusive") for v in summary["verdicts"])
+    assert "## crosshead" in text and "## Ablations on digits" in text and "Holm" in text
+    assert (out / "crosshead_time.png").read_bytes()[:4] == b"\x89PNG"
+    # The same command again, on a copy of the runs: nothing is retrained (timings are read back too).
+    again_out = tmp_path / "again"
+    shutil.copytree(out / "runs", again_out / "runs")
+    capsys.readouterr()
+    assert _cli.main(["listops", "--preset", "smoke", "--out", str(again_out), "--no-progress", "--no-cost",
                       "--no-plots"]) == 0
-    again = json.loads((out / "listops.json").read_text())
-    assert again["variants"] == first["variants"]  # timings included: read back, not retrained
+    first = json.loads((out / "listops.json").read_text())
+    again = json.loads((again_out / "listops.json").read_text())
+    assert again["variants"] == first["variants"]
     assert "| variant | params | lr |" in capsys.readouterr().out
-    assert _cli.main(["listops", "--from-json", str(out / "listops.json"), "--out", str(tmp_path / "re")]) == 0
+    # Replotting from the JSON reproduces the file without training.
+    assert _cli.main(["listops", "--from-json", str(again_out / "listops.json"), "--out", str(tmp_path / "re")]) == 0
     assert json.loads((tmp_path / "re" / "listops.json").read_text()) == again
     assert (tmp_path / "re" / "listops_curves.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -114,27 +135,6 @@ def count_parameters_per_unit(task: str, name: str) -> int:
     data = TaskData(task_config(task, "smoke"))
     v = VARIANTS[name]
     return count_parameters(build_model(data, v, 9)) - count_parameters(build_model(data, v, 8))
-
-
-@pytest.mark.parametrize("task", ["digits", "crosshead"])
-def test_smoke_ablation_suite_end_to_end(task, smoke_folder):
-    res = json.loads((smoke_folder / f"{task}_ablation.json").read_text())
-    assert res["suite"] == "ablation" and list(res["variants"]) == list(ABLATION)
-    assert all(np.isfinite([run["test_metric"] for run in r["runs"]]).all() for r in res["variants"].values())
-    # Variants shared with the headline suite are the very same runs (same folder, same numbers).
-    head = json.loads((smoke_folder / f"{task}.json").read_text())
-    assert res["variants"]["mha"]["runs"] == head["variants"]["mha"]["runs"]
-
-
-def test_report_writes_verdicts_for_a_smoke_folder(smoke_folder, tmp_path):
-    md = tmp_path / "report.md"
-    assert _cli.main(["report", str(smoke_folder), "--out", str(md)]) == 0
-    text = md.read_text()
-    summary = json.loads(md.with_suffix(".json").read_text())
-    assert [v["claim"] for v in summary["verdicts"]] == [1, 2, 3, 4]
-    assert all(v["verdict"] in ("supported", "not supported", "inconclusive") for v in summary["verdicts"])
-    assert "## crosshead" in text and "## Ablations on digits" in text and "Holm" in text
-    assert (smoke_folder / "crosshead_time.png").read_bytes()[:4] == b"\x89PNG"
 
 
 # -------------------------------------------------------------- fairness
