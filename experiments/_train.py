@@ -74,15 +74,18 @@ def model_width(data: TaskData, variant: Variant) -> tuple[int, int]:
 
 
 def param_groups(model: nn.Module, lr: float, variant: Variant, weight_decay: float) -> list[dict[str, Any]]:
-    """AdamW groups: weight decay on matrices only; gates and generators at lr x ``metric_lr_mult``.
+    """AdamW groups: weight decay on weight matrices only; gates and generators at lr x ``metric_lr_mult``.
 
     Each group remembers its ``base_lr``; the loop sets ``lr`` from it every step.
     """
     metric_names = metric_parameter_names(model)
+    # No decay on embedding tables, norms, learned positions / CLS token, biases and gates.
+    tables = {id(p) for m in model.modules() if isinstance(m, (nn.Embedding, nn.LayerNorm)) for p in m.parameters()}
     groups: dict[tuple[bool, bool], list[nn.Parameter]] = {}
     for name, p in model.named_parameters():
         if p.requires_grad:
-            groups.setdefault((name in metric_names, p.dim() >= 2 and "embed" not in name), []).append(p)
+            decay = p.dim() >= 2 and id(p) not in tables and name not in ("positions", "cls")
+            groups.setdefault((name in metric_names, decay), []).append(p)
     out = []
     for (is_metric, decay), params in sorted(groups.items()):
         base = lr * (variant.metric_lr_mult if is_metric else 1.0)

@@ -340,6 +340,11 @@ def test_ablation_options_reach_the_model(task, smoke_data):
         assert ids <= metric_ids or not ids & metric_ids
         assert g["base_lr"] == pytest.approx(1e-2 if ids <= metric_ids else 1e-3)
     assert sum(len(g["params"]) for g in groups) == len(list(model.parameters()))
+    decayed = {id(p) for g in groups if g["weight_decay"] for p in g["params"]}
+    no_decay = [p for m in model.modules() if isinstance(m, (torch.nn.Embedding, torch.nn.LayerNorm))
+                for p in m.parameters()] + [p for n, p in model.named_parameters() if p.dim() < 2 or n == "positions"]
+    assert no_decay and not decayed & {id(p) for p in no_decay}
+    assert any(id(p) in decayed for layer in damcha_layers(model) for p in layer.metric_generators.parameters())
 
 
 def test_generator_gets_no_gradient_until_the_gates_move(smoke_data):
