@@ -111,7 +111,7 @@ def _read_results(flag: str, path_text: str, task: str | None) -> dict[str, Any]
         _fail(flag, f"{path_text!r} is not valid JSON ({exc})")
     if not isinstance(obj, dict):
         _fail(flag, f"{path_text!r} holds a JSON {type(obj).__name__}, expected a damcha experiment results object")
-    from ._suite import RESULTS_FORMAT
+    from ._tasks import RESULTS_FORMAT
 
     if obj.get("format") != RESULTS_FORMAT or obj.get("kind") == "cost":
         _fail(flag, f"{path_text!r} is not a damcha experiment results file (format {obj.get('format')!r}, "

@@ -25,8 +25,8 @@ import torch
 from torch.nn import functional as F
 
 from ._models import count_parameters, get_variant
-from ._suite import RESULTS_FORMAT, environment
-from ._tasks import TaskConfig, TaskData
+from ._suite import environment
+from ._tasks import RESULTS_FORMAT, TaskConfig, TaskData
 from ._train import _sync, _to_device, build_model, model_width, param_groups
 
 

@@ -17,6 +17,7 @@ import numpy as np
 from damcha_core import _cliutil as cu
 
 from . import _analysis as an
+from ._tasks import RESULTS_FORMAT
 
 # Small figures at low dpi: the PNGs are committed to the repository.
 _DPI = 72
@@ -313,7 +314,7 @@ def load_folder(folder: Path) -> tuple[dict[str, dict], dict[str, dict], dict[st
             obj = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if not isinstance(obj, dict) or obj.get("format") != "damcha-experiment/2":
+        if not isinstance(obj, dict) or obj.get("format") != RESULTS_FORMAT:
             continue
         if obj.get("kind") == "cost":
             cost[obj["task"]] = obj

@@ -24,10 +24,9 @@ import torch
 
 from ._models import Variant, get_variant
 from ._stats import describe
-from ._tasks import TaskConfig, TaskData
+from ._tasks import RESULTS_FORMAT, TaskConfig, TaskData
 from ._train import model_width, train_run
 
-RESULTS_FORMAT = "damcha-experiment/2"
 
 
 def run_folder(out: Path, cfg: TaskConfig, device: torch.device, variant: str, lr: float, seed: int) -> Path:

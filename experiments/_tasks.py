@@ -22,6 +22,8 @@ from damcha_core import DamchaValueError
 from . import _data
 
 PRESETS = ("smoke", "default", "full", "large")
+# The "format" field of every results and cost JSON this version writes.
+RESULTS_FORMAT = "damcha-experiment/2"
 TASK_NAMES = ("crosshead", "charlm", "listops", "digits")
 
 # Fixed data seeds: a run's seed must never change its data, only its order.

@@ -226,3 +226,13 @@ def test_listops_setting_is_nested_and_not_constant():
     ops = np.isin(data.inputs[..., 0], np.arange(_data.OP0, _data.OP0 + 4)).sum(1)
     assert (ops >= 2).mean() > 0.3  # many expressions nest an operator inside another
     assert np.bincount(data.targets, minlength=10).max() / len(data.targets) < 0.25
+
+
+def test_importing_the_package_and_the_report_needs_no_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, damcha_experiments, damcha_experiments._report, damcha_experiments._cli; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
