@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> dict:
         loss.backward()
         opt.step()
     llama.eval()
-    results["llama_loss"], results["llama_mean_gate"] = float(loss), mean_gate(llama)
+    results["llama_loss"], results["llama_mean_gate"] = loss.item(), mean_gate(llama)
     llama.save_pretrained(os.path.join(out, "llama"))
     reloaded = dt.from_pretrained(LlamaForCausalLM, os.path.join(out, "llama"))
     with torch.no_grad():
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> dict:
         loss.backward()
         opt.step()
     vit.eval()
-    results["vit_loss"], results["vit_mean_gate"] = float(loss), mean_gate(vit)
+    results["vit_loss"], results["vit_mean_gate"] = loss.item(), mean_gate(vit)
     path = os.path.join(out, "vit.safetensors")
     save_file(vit.state_dict(), path)
     twin = dt.convert(build_vit(args.size), share_metric=True)

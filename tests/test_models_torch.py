@@ -175,6 +175,16 @@ def test_layers_equal_reference_with_gates_open(arch, metric):
         np.testing.assert_allclose(got, want, rtol=0, atol=tol, err_msg=name)
 
 
+@pytest.mark.parametrize("arch", ["llama", "vit"])
+def test_batched_matmul_path_equals_reference(arch, monkeypatch):
+    """Layers with more heads map with a batched matmul instead of a broadcast
+    product: force that path on the small models."""
+    import damcha_torch._models as models
+
+    monkeypatch.setattr(models, "_BROADCAST_HEADS", 0)
+    test_layers_equal_reference_with_gates_open(arch, "heads")
+
+
 def test_rotary_reference_detects_a_wrong_position():
     """The Llama comparison above fails when the reference rotates by other positions."""
     model = open_gates(converted("llama"))
@@ -486,6 +496,38 @@ def test_lora_passes_through_the_map(order):
         without = run(model, "llama", kw)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     assert (without - got).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("order", ["peft-after-convert", "peft-before-convert"])
+def test_peft_lora_passes_through_the_map(order):
+    """PEFT's own LoRA layers on q_proj/k_proj: the converted model equals the
+    same model with the adapters merged into the weights, and the adapters and
+    the gates both matter."""
+    import peft
+
+    kw = inputs("llama", torch.float64)
+    model = build("llama", torch.float64)
+    config = peft.LoraConfig(r=2, target_modules=["q_proj", "k_proj"], init_lora_weights=False)
+    if order == "peft-after-convert":
+        model = peft.get_peft_model(open_gates(dt.convert(model)), config)
+    else:
+        model = peft.get_peft_model(model, config)
+        open_gates(dt.convert(model))
+    attn = model.base_model.model.model.layers[0].self_attn
+    x = torch.randn(2, 5, 32, dtype=torch.float64)
+    with torch.no_grad():
+        got = run(model, "llama", kw)
+        q_lora = attn.q_proj(x)  # LoRA layer's forward, map included
+        with model.disable_adapter():
+            assert (run(model, "llama", kw) - got).abs().max() > 1e-3
+        merged = copy.deepcopy(model).merge_and_unload()
+        mq = merged.model.layers[0].self_attn.q_proj
+        assert isinstance(mq, nn.Linear)
+        torch.testing.assert_close(run(merged, "llama", kw), got, rtol=0, atol=1e-12)
+        torch.testing.assert_close(mq(x), q_lora, rtol=0, atol=1e-12)
+        unmapped = nn.functional.linear(x, mq.weight)
+        assert (unmapped - q_lora).abs().max() > 1e-2  # the map acts on the LoRA layer's output
+    assert len(dt.damcha_parameters(model)) == 2 * (2 + 2 * 2)  # 2 layers x (2 gates + 2 generators x 2)
 
 
 # ------------------------------------------------------- compile / export

@@ -168,6 +168,13 @@ def _no_autocast(t: Tensor) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
+# Up to this many heads, Delta y = A(t) y is a broadcast product and sum
+# rather than a batch of tiny (S x S) matmuls, which CPU bmm runs slowly
+# (one noisy measurement on the shared CPU, forward + backward: 3-4 heads
+# about 2x faster, 8 heads about 2x slower).
+_BROADCAST_HEADS = 4
+
+
 class _SiteForward:
     """Installed as a projection module's ``forward``: the projection, then the maps.
 
@@ -322,26 +329,31 @@ class DamchaMaps(nn.Module):
         cfg = self.config
         d = cfg.key_dim
         compute = torch.float32 if y.dtype in (torch.float16, torch.bfloat16) else y.dtype
-        pieces: list[Tensor] = []
-        coeffs: dict[str, Tensor] = {}
+        # The output as consecutive blocks: (role or None, width). One split (whose
+        # backward is one cat) rather than slices (each slice's backward fills a
+        # zero tensor of the whole output).
+        blocks: list[tuple[str | None, int]] = []
         pos = 0
+        for role, offset in site.roles():
+            width = (cfg.num_heads if role == "q" else cfg.num_kv_heads) * d
+            if offset > pos:
+                blocks.append((None, offset - pos))
+            blocks.append((role, width))
+            pos = offset + width
+        if pos < y.shape[-1]:
+            blocks.append((None, y.shape[-1] - pos))
+        parts = y.split([w for _, w in blocks], dim=-1) if len(blocks) > 1 else (y,)
+        coeffs: dict[str, Tensor] = {}
+        out = []
         with _no_autocast(y):
-            for role, offset in site.roles():
-                heads = cfg.num_heads if role == "q" else cfg.num_kv_heads
-                stop = offset + heads * d
-                if offset > pos:
-                    pieces.append(y[..., pos:offset])
-                part = y[..., offset:stop]
-                side = dc.side_of(cfg, role)
+            for (role, _), part in zip(blocks, parts):
+                side = None if role is None else dc.side_of(cfg, role)
                 if side is not None:
                     part = self.apply_map(side, tokens, part, coeffs, compute).to(y.dtype)
                     if self.track_metric_penalty:
-                        self._penalty_terms[role] = self.generator(side).penalty(tokens, self.gates[side])
-                pieces.append(part)
-                pos = stop
-            if pos < y.shape[-1]:
-                pieces.append(y[..., pos:])
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)
+                        self._penalty_terms[role] = self.generator(side).penalty(tokens, self.gates[side])  # type: ignore[index]
+                out.append(part)
+        return out[0] if len(out) == 1 else torch.cat(out, dim=-1)
 
     def apply_map(self, side: str, tokens: Tensor, part: Tensor, coeffs: dict[str, Tensor],
                   dtype: torch.dtype) -> Tensor:
@@ -353,8 +365,12 @@ class DamchaMaps(nn.Module):
             coeffs[side] = _coefficients(gen, tokens.to(dtype), dtype)
         coeff, y = coeffs[side], part.to(dtype)
         if cfg.metric == "heads":
-            heads = y.unflatten(-1, (S, d))
-            delta = torch.matmul(coeff.unflatten(-1, (S, S)), heads)
+            heads, A = y.unflatten(-1, (S, d)), coeff.unflatten(-1, (S, S))
+            if S <= _BROADCAST_HEADS:
+                # For a few heads a broadcast product beats a batch of tiny (S x S) matmuls on CPU.
+                delta = (A.unsqueeze(-1) * heads.unsqueeze(-3)).sum(-2)
+            else:
+                delta = torch.matmul(A, heads)
             return torch.addcmul(heads, delta, gate.unsqueeze(-1)).flatten(-2)
         z = torch.matmul(y, gen.v.to(dtype).flatten(0, 1))  # (..., r)
         delta = torch.matmul(coeff * z, gen.u.to(dtype).flatten(0, 1).transpose(0, 1))  # (..., S*d)
