@@ -47,7 +47,7 @@ def _layer(**kw) -> DamchaAttention:
         (lambda: DamchaAttention(18, 4), DamchaValueError, r"`embed_dim` must be divisible by `num_heads`.*embed_dim=18"),
         (lambda: DamchaAttention(16, 4, metric="lowrank"), DamchaValueError, r"`metric_rank` is required"),
         (lambda: DamchaAttention(16, 4, metric="full"), DamchaValueError, r"`metric` must be one of"),
-        (lambda: DamchaAttention(16, 4, add_bias_kv=True), DamchaValueError, r"add_bias_kv"),
+        (lambda: DamchaAttention(16, 4, add_bias_kv=1), DamchaTypeError, r"^`add_bias_kv` must be a bool"),
         (lambda: DamchaAttention(16, 4, metric_generator=nn.Linear(2, 2)), DamchaTypeError, r"`metric_generator` must be"),
         (lambda: DamchaAttention.from_mha(nn.Linear(2, 2)), DamchaTypeError, r"`mha` must be an nn.MultiheadAttention"),
         # nn.MultiheadAttention's argument names, not DamchaConfig's (query_dim, context_dim, use_bias)
@@ -58,7 +58,7 @@ def _layer(**kw) -> DamchaAttention:
     ],
     ids=["heads-not-divisible", "kdim-with-tied", "gqa-with-tied", "separate-one-side", "separate-one-generator",
          "none-with-generator", "generator-value-type", "generator-misfit", "embed-not-divisible", "lowrank-no-rank",
-         "unknown-metric", "bias-kv", "generator-type", "from-mha-type", "embed-type", "bias-type", "kdim-zero"],
+         "unknown-metric", "bias-kv-type", "generator-type", "from-mha-type", "embed-type", "bias-type", "kdim-zero"],
 )
 def test_constructor_errors(build, error, pattern):
     with pytest.raises(error, match=pattern):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -244,3 +245,181 @@ def test_plain_constructor_with_other_sizes_picks_its_coupling():
 
     want = dc.damcha_attention(layer.to_canonical(), layer.config, q.numpy(), k.numpy(), value=v.numpy())
     torch.testing.assert_close(out, torch.from_numpy(want), rtol=1e-10, atol=1e-12)
+
+
+EXTRA_KEYS = {"bias-kv": dict(add_bias_kv=True), "zero-attn": dict(add_zero_attn=True),
+              "both": dict(add_bias_kv=True, add_zero_attn=True)}
+
+
+@pytest.mark.parametrize("need_weights", [True, False], ids=["weights", "fused"])
+@pytest.mark.parametrize("mask", ["none", "padding", "bool3d", "padding+float", "causal"])
+@pytest.mark.parametrize("extra", list(EXTRA_KEYS))
+@pytest.mark.filterwarnings("ignore:Support for mismatched key_padding_mask:UserWarning")
+def test_add_bias_kv_and_add_zero_attn_equal_mha(extra, mask, need_weights):
+    """MHA appends a learned key/value and/or a zero key/value after the keys
+    (visible to every query); from_mha copies bias_k/bias_v; with gates 0 and
+    metric 'none' the outputs and the (B, N, M + extra) weights are MHA's."""
+    torch.manual_seed(10)
+    mha = nn.MultiheadAttention(E, H, batch_first=True, dtype=torch.float64, **EXTRA_KEYS[extra]).eval()
+    with torch.no_grad():
+        mha.in_proj_bias.normal_()
+    x = torch.randn(B, N, E, dtype=torch.float64)
+    kwargs = _mask_kwargs("none" if mask == "causal" else mask, N, N, torch.float64)
+    if mask == "causal":
+        kwargs = {"attn_mask": _causal_mask(N, N), "is_causal": True}
+    expected, w_expected = mha(x, x, x, need_weights=need_weights, **kwargs)
+    if mask == "causal" and not need_weights:
+        # MHA's own paths disagree here: its fused path drops the mask and hands
+        # SDPA is_causal over the extended keys, hiding the appended keys from
+        # all but the last queries; its other paths show them to every query,
+        # as DamchaAttention does on every path (docs/torch.md).
+        expected, _ = mha(x, x, x, need_weights=True, **kwargs)
+    for metric in ("heads", "none"):
+        layer = DamchaAttention.from_mha(mha, metric=metric).eval()
+        out, w = layer(x, x, x, need_weights=need_weights, **kwargs)
+        torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-12)
+        if need_weights:
+            torch.testing.assert_close(w, w_expected, rtol=1e-10, atol=1e-12)
+
+
+def _reference_with_extra_keys(layer: DamchaAttention, x: np.ndarray, visible: np.ndarray) -> np.ndarray:
+    """An independent composition of the reference's steps: project, map q and
+    k, append bias_k (a transformed key, unmapped) and/or a zero key, then the
+    reference's masked softmax with the appended keys visible to every query."""
+    from damcha_core import _reference as ref
+
+    twin = DamchaAttention(E, H, batch_first=True, dtype=torch.float64)  # the same weights, no extra keys
+    twin.load_state_dict({k: t for k, t in layer.state_dict().items() if k not in ("bias_k", "bias_v")})
+    params, cfg = twin.to_canonical(), twin.config
+    q, k, v = ref.project(params, cfg, x, x)
+    side = cfg.metric_sides[0]
+    q, k = ref.apply_map(params, cfg, side, x, q), ref.apply_map(params, cfg, side, x, k)
+    G, d, dv = cfg.num_kv_heads, cfg.key_dim, cfg.value_dim
+    extra_k, extra_v = [], []
+    if layer.bias_k is not None:
+        extra_k.append(layer.bias_k.detach().numpy().reshape(1, 1, G, d))
+        extra_v.append(layer.bias_v.detach().numpy().reshape(1, 1, G, dv))
+    if layer.add_zero_attn:
+        extra_k.append(np.zeros((1, 1, G, d)))
+        extra_v.append(np.zeros((1, 1, G, dv)))
+    Bx = x.shape[0]
+    k = np.concatenate([k] + [np.broadcast_to(e, (Bx, 1, G, d)) for e in extra_k], axis=1)
+    v = np.concatenate([v] + [np.broadcast_to(e, (Bx, 1, G, dv)) for e in extra_v], axis=1)
+    vis = np.concatenate([visible, np.ones((*visible.shape[:-1], len(extra_k)), bool)], axis=-1)
+    logits = cfg.softmax_scale * np.einsum("bnhd,bmhd->bhnm", q, k)
+    probs = ref.softmax_attend(logits, vis)
+    o = np.einsum("bhnm,bmhd->bnhd", probs, v)
+    return np.einsum("bnhd,hde->bne", o, params["output.kernel"]) + params["output.bias"]
+
+
+@pytest.mark.parametrize("need_weights", [True, False], ids=["weights", "fused"])
+@pytest.mark.parametrize("extra", list(EXTRA_KEYS))
+def test_extra_keys_with_open_gates_follow_their_definition(extra, need_weights):
+    """With the map on: queries are mapped, keys are mapped token by token,
+    the bias key is appended in k~ space and every query sees it; the causal
+    rule and the padding mask cover the real keys only."""
+    torch.manual_seed(11)
+    layer = DamchaAttention(E, H, batch_first=True, dtype=torch.float64, **EXTRA_KEYS[extra]).eval()
+    with torch.no_grad():
+        layer.metric_gates["qk"].uniform_(0.3, 1.0)
+        layer.in_proj_bias.normal_()
+        layer.out_proj.bias.normal_()
+    x = torch.randn(B, N, E, dtype=torch.float64)
+    kpm = torch.zeros(B, N, dtype=torch.bool)
+    kpm[1, :] = True  # batch 1 sees no real key at all: only the appended ones
+    out, _ = layer(x, x, x, key_padding_mask=kpm, is_causal=True, need_weights=need_weights)
+    visible = np.tril(np.ones((N, N), bool))[None, None] & ~kpm.numpy()[:, None, None, :]
+    want = _reference_with_extra_keys(layer, x.numpy(), np.broadcast_to(visible, (B, H, N, N)))
+    np.testing.assert_allclose(out.detach().numpy(), want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("extra", list(EXTRA_KEYS))
+def test_extra_keys_are_not_cached_and_decoding_equals_the_full_forward(extra):
+    from damcha_torch import DamchaKVCache
+
+    torch.manual_seed(12)
+    layer = DamchaAttention(E, H, batch_first=True, dtype=torch.float64, **EXTRA_KEYS[extra]).eval()
+    with torch.no_grad():
+        layer.metric_gates["qk"].fill_(0.5)
+    x = torch.randn(B, 6, E, dtype=torch.float64)
+    full, _ = layer(x, x, x, is_causal=True, need_weights=False)
+    cache, steps = DamchaKVCache(), []
+    for i in range(6):
+        t = x[:, i:i + 1]
+        steps.append(layer(t, t, t, is_causal=True, need_weights=False, kv_cache=cache)[0])
+    assert len(cache) == 6  # the bias and zero keys are appended per call, never stored
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-10, atol=1e-12)
+
+
+def test_extra_keys_have_no_canonical_form():
+    import damcha_core as dc
+
+    layer = DamchaAttention(E, H, add_bias_kv=True)
+    with pytest.raises(dc.DamchaValueError, match=r"add_bias_kv or add_zero_attn has no canonical form"):
+        layer.to_canonical()
+    with pytest.raises(dc.DamchaTypeError, match=r"^`add_zero_attn` must be a bool"):
+        DamchaAttention(E, H, add_zero_attn="yes")
+
+
+@pytest.mark.parametrize("need_weights", [True, False], ids=["weights", "fused"])
+@pytest.mark.parametrize("layout", ["packed", "kdim-vdim"])
+@pytest.mark.parametrize("extra", ["plain", "bias-kv+zero-attn", "no-bias"])
+def test_functional_mha_forward_on_the_layers_attributes_equals_the_layer(layout, extra, need_weights):
+    """Code written for nn.MultiheadAttention calls F.multi_head_attention_forward
+    with the module's attributes, choosing weights by `_qkv_same_embed_dim`:
+    a fresh DamchaAttention (gates 0) hands it MHA's parameters in MHA's places
+    (q/k/v_proj_weight are views of in_proj_weight when packed) and the layer
+    computes the same thing, with key padding and a float mask."""
+    torch.manual_seed(13)
+    kw = {"kdim": 12, "vdim": 6} if layout == "kdim-vdim" else {}
+    if extra == "bias-kv+zero-attn":
+        kw.update(add_bias_kv=True, add_zero_attn=True)
+    if extra == "no-bias":
+        kw["bias"] = False
+    layer = DamchaAttention(E, H, dtype=torch.float64, **kw).eval()
+    if layout == "packed":
+        for i, name in enumerate(("q_proj_weight", "k_proj_weight", "v_proj_weight")):
+            view = getattr(layer, name)
+            assert view.data_ptr() == layer.in_proj_weight[i * E].data_ptr()  # a view, not a copy
+    q = torch.randn(N, B, E, dtype=torch.float64)
+    k = torch.randn(M, B, kw.get("kdim", E), dtype=torch.float64)
+    v = torch.randn(M, B, kw.get("vdim", E), dtype=torch.float64)
+    kpm = torch.zeros(B, M, dtype=torch.bool)
+    kpm[0, -2:] = True
+    am = torch.randn(N, M, dtype=torch.float64)
+    want, w_want = F.multi_head_attention_forward(
+        q, k, v, E, H, layer.in_proj_weight, layer.in_proj_bias, layer.bias_k, layer.bias_v, layer.add_zero_attn,
+        layer.dropout, layer.out_proj.weight, layer.out_proj.bias, training=False, key_padding_mask=kpm,
+        need_weights=need_weights, attn_mask=am, use_separate_proj_weight=not layer._qkv_same_embed_dim,
+        q_proj_weight=layer.q_proj_weight, k_proj_weight=layer.k_proj_weight, v_proj_weight=layer.v_proj_weight,
+    )
+    out, w = layer(q, k, v, key_padding_mask=kpm, attn_mask=am, need_weights=need_weights)
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-12)
+    if need_weights:
+        torch.testing.assert_close(w, w_want, rtol=1e-10, atol=1e-12)
+
+
+def test_torch_jit_trace_works_and_script_is_refused_by_torchscript():
+    """torch.jit.trace records the layer (as for MHA); torch.jit.script cannot
+    compile it (docs/torch.md says why)."""
+    torch.manual_seed(14)
+    layer = DamchaAttention(E, H, batch_first=True).eval()
+    with torch.no_grad():
+        layer.metric_gates["qk"].fill_(0.5)
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = layer
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.attn(x, x, x, need_weights=False, is_causal=True)[0]
+
+    block = Block()
+    x = torch.randn(B, N, E)
+    with pytest.warns(torch.jit.TracerWarning):
+        traced = torch.jit.trace(block, (x,))
+    other = torch.randn(3, 7, E)  # another batch and length than the example
+    torch.testing.assert_close(traced(other), block(other), rtol=1e-6, atol=1e-6)
+    with pytest.raises(Exception):  # TorchScript's own error (no DamchaError to give: it never runs our code)
+        torch.jit.script(layer)

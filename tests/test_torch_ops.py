@@ -147,3 +147,34 @@ def test_recompute_projects_queries_and_keys_again_in_backward(recompute):
     assert qk_gemms(forward) == (1 if recompute else 0)
     # backward: the recomputed forward GEMM, then its two gradient GEMMs (input and weight)
     assert qk_gemms(backward) == (3 if recompute else 0), _gemms(backward)
+
+
+@pytest.mark.parametrize("need_weights", [True, False], ids=["weights", "fused"])
+def test_metric_none_in_inference_takes_mhas_native_kernel(need_weights):
+    """metric 'none' in MHA's layout, eval, no autograd, no mask: the call is
+    nn.MultiheadAttention's own fast path (torch._native_multi_head_attention),
+    bit for bit; with a mask, grads or the map on, it is not."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(E, H, batch_first=True).eval()
+    with torch.no_grad():
+        mha.in_proj_bias.normal_()
+    plain = DamchaAttention.from_mha(mha, metric="none").eval()
+    x = torch.randn(2, 6, E)
+    with torch.no_grad():
+        ours = _count(lambda: plain(x, x, x, need_weights=need_weights))
+        out, w = plain(x, x, x, need_weights=need_weights)
+        want, w_want = mha(x, x, x, need_weights=need_weights)
+    assert ours.ops["_native_multi_head_attention"] == 1, sorted(ours.ops.items())
+    assert torch.equal(out, want) and (w is None) == (w_want is None) and (w is None or torch.equal(w, w_want))
+    pad = torch.zeros(2, 6, dtype=torch.bool)
+    pad[1] = True  # batch 1 sees no key: MHA's kernel gives NaN there, DAMCHA's rule 0
+    _, layer = _layers()
+    for call in (lambda: plain(x, x, x, key_padding_mask=pad, need_weights=need_weights),
+                 lambda: plain(x, x, x, need_weights=need_weights, is_causal=True),
+                 lambda: layer(x, x, x, need_weights=need_weights)):
+        with torch.no_grad():
+            assert _count(call).ops["_native_multi_head_attention"] == 0
+    with torch.no_grad():
+        masked, _ = plain(x, x, x, key_padding_mask=pad, need_weights=need_weights)
+    torch.testing.assert_close(masked[1], plain.out_proj.bias.expand(6, E), rtol=0, atol=0)
+    assert _count(lambda: plain(x, x, x, need_weights=need_weights)).ops["_native_multi_head_attention"] == 0  # grad on

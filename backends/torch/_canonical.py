@@ -78,6 +78,14 @@ class CanonicalIO:
     config: DamchaConfig
 
     def _canonical_views(self, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        if getattr(self, "bias_k", None) is not None or getattr(self, "add_zero_attn", False):
+            # Refused rather than dropped: a file without bias_k would load as another layer.
+            raise DamchaValueError(
+                "A layer with add_bias_kv or add_zero_attn has no canonical form: damcha_core's format (v1) "
+                "has no appended bias or zero key. Use the layer's state_dict. Received: "
+                f"add_bias_kv={getattr(self, 'bias_k', None) is not None}, "
+                f"add_zero_attn={getattr(self, 'add_zero_attn', False)}"
+            )
         return canonical_views(self.config, tensors)
 
     def to_canonical(self) -> dict[str, np.ndarray]:

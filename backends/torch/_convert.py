@@ -28,21 +28,19 @@ def from_mha(
     metric_generator: MetricGenerator | Mapping[str, MetricGenerator] | None = None,
     recompute: bool = True,
 ) -> DamchaAttention:
-    """``cls.from_mha``: a layer computing exactly what ``mha`` computes (gates at 0)."""
+    """``cls.from_mha``: a layer computing exactly what ``mha`` computes (gates at 0).
+
+    ``coupling=None`` is automatic: "tied" when kdim == embed_dim, else "separate".
+    """
     if not isinstance(mha, nn.MultiheadAttention):
         raise DamchaTypeError(f"`mha` must be an nn.MultiheadAttention. Received: mha={describe(mha)}")
-    if mha.bias_k is not None or mha.add_zero_attn:
-        raise DamchaValueError(
-            "`mha` uses add_bias_kv or add_zero_attn, which DAMCHA does not support. "
-            f"Received: add_bias_kv={mha.bias_k is not None}, add_zero_attn={mha.add_zero_attn}"
-        )
     ref = mha.out_proj.weight
     layer = cls(
         mha.embed_dim, mha.num_heads, dropout=mha.dropout, bias=mha.in_proj_bias is not None,
+        add_bias_kv=mha.bias_k is not None, add_zero_attn=mha.add_zero_attn,
         kdim=mha.kdim, vdim=mha.vdim, batch_first=mha.batch_first, device=ref.device, dtype=ref.dtype,
-        metric=metric, metric_rank=metric_rank,
-        coupling=coupling if coupling is not None else ("tied" if mha.kdim == mha.embed_dim else "separate"),
-        metric_generator=metric_generator, recompute=recompute,
+        metric=metric, metric_rank=metric_rank, coupling=coupling, metric_generator=metric_generator,
+        recompute=recompute,
     )
     if mha._qkv_same_embed_dim:
         w_q, w_k, w_v = mha.in_proj_weight.chunk(3)
@@ -54,6 +52,9 @@ def from_mha(
         layer.in_proj_bias.copy_(mha.in_proj_bias)  # type: ignore[union-attr]
         layer.out_proj.bias.copy_(mha.out_proj.bias)
     layer.out_proj.weight.copy_(mha.out_proj.weight)
+    if mha.bias_k is not None:
+        layer.bias_k.copy_(mha.bias_k)  # type: ignore[union-attr]
+        layer.bias_v.copy_(mha.bias_v)  # type: ignore[union-attr]
     layer.train(mha.training)
     return layer
 

@@ -76,6 +76,9 @@ class LayerWeights(NamedTuple):
     packed (H*d + G*d + G*d_v,) bias or ``None``; ``output`` maps
     (..., H*d_v) to (..., E_o) (the layer passes its ``out_proj`` module, so
     hooks on it run); ``sides`` maps a canonical side to its ``SideWeights``.
+    ``bias_k`` (1, 1, G*d), ``bias_v`` (1, 1, G*d_v) and ``zero_attn`` are
+    nn.MultiheadAttention's ``add_bias_kv``/``add_zero_attn`` (see
+    ``_append_keys``); canonical parameters have neither.
     """
 
     sizes: tuple[int, int, int]
@@ -86,6 +89,9 @@ class LayerWeights(NamedTuple):
     in_bias: Tensor | None
     output: Callable[[Tensor], Tensor]
     sides: Mapping[str, SideWeights]
+    bias_k: Tensor | None = None
+    bias_v: Tensor | None = None
+    zero_attn: bool = False
 
     def projections(self) -> tuple[tuple[Tensor, Tensor | None], ...]:
         """(weight, bias) of the query, key and value projections."""
@@ -287,7 +293,8 @@ def _attend(
 ) -> tuple[Tensor, Tensor | None]:
     """``softmax_attend`` given a NaN ``probe`` (B|1, H|1, N|1, 1) for the fused path."""
     n, m = q.shape[-2], k.shape[-2]
-    heads, kv_heads = q.shape[1], k.shape[1]
+    # Python ints even under torch.jit.trace, which records sizes as tensors.
+    heads, kv_heads = int(q.shape[1]), int(k.shape[1])
     if causal and query_offset >= m - 1:
         # Query 0 already sees every key (a one-token decoding step, or M = 1),
         # so the rule hides nothing: skip building a mask on the hot path.
@@ -489,9 +496,35 @@ def attend_weights(
     if kv_cache is not None:
         query_offset = query_offset + len(kv_cache)
         k, v = kv_cache.update(k, v)
+    if w.bias_k is not None or w.zero_attn:
+        k, v, mask, causal = _append_keys(w, k, v, mask, causal, query_offset, q.shape[-2])
     o, weights = _attend(q, k, v, mask=mask, causal=causal, query_offset=query_offset,
                          scale=config.softmax_scale, dropout_p=dropout_p, need_weights=need_weights, probe=probe)
     return w.output(o.transpose(1, 2).flatten(-2)), weights
+
+
+def _append_keys(w: LayerWeights, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, query_offset: int,
+                 n: int) -> tuple[Tensor, Tensor, Tensor | None, bool]:
+    """nn.MultiheadAttention's add_bias_kv and add_zero_attn: the learned bias
+    key/value, then a zero key/value, appended after the M real keys (in the
+    cache's layout (B, G, M, d), so they are never cached), visible to every
+    query. The causal rule becomes an explicit mask over the real keys."""
+    B, G, m = k.shape[0], k.shape[1], k.shape[2]
+    keys, values = [k], [v]
+    if w.bias_k is not None and w.bias_v is not None:
+        keys.append(w.bias_k.view(1, G, 1, -1).expand(B, G, 1, -1).to(k.dtype))
+        values.append(w.bias_v.view(1, G, 1, -1).expand(B, G, 1, -1).to(v.dtype))
+    if w.zero_attn:
+        keys.append(k.new_zeros(B, G, 1, k.shape[-1]))
+        values.append(v.new_zeros(B, G, 1, v.shape[-1]))
+    extra = len(keys) - 1
+    if causal:
+        mask = _combine(mask, causal_visibility(n, m, query_offset, k.device))
+        causal = False
+    if mask is not None:
+        # Visible columns for the appended keys: True, or 0 in an additive mask.
+        mask = F.pad(mask, (0, extra), value=True if mask.dtype == torch.bool else 0.0)
+    return torch.cat(keys, dim=2), torch.cat(values, dim=2), mask, causal
 
 
 def _check_bool(name: str, value: Any) -> bool:

@@ -23,6 +23,9 @@ from ._generator import MetricGenerator, check_param_dtype
 __all__ = ["DamchaAttention"]
 
 
+_SEPARATE = ("q_proj_weight", "k_proj_weight", "v_proj_weight")
+
+
 def _check_float(name: str, value: Any) -> None:
     if not isinstance(value, Tensor) or not value.is_floating_point():
         raise dc.float_dtype_error(name, value)
@@ -88,8 +91,14 @@ class DamchaAttention(CanonicalIO, nn.Module):
         num_heads: H, number of query heads.
         dropout: attention-probability dropout, training only.
         bias: biases on the four projections.
-        add_bias_kv, add_zero_attn: accepted for signature compatibility;
-            only ``False`` is supported.
+        add_bias_kv: append a learned key ``bias_k`` and value ``bias_v``
+            (1, 1, G*d) / (1, 1, G*d_v) to the keys and values, as
+            nn.MultiheadAttention does. The bias key is a key of the
+            transformed space (k~), not mapped by L_k: it has no token to
+            drive a map. Every query sees it (masks and the causal rule
+            cover the real keys only).
+        add_zero_attn: append a zero key and value after them (the same in
+            any space), as nn.MultiheadAttention does.
         kdim, vdim: E_kv and E_v, feature sizes of the key and value inputs;
             default ``embed_dim`` (each, as in nn.MultiheadAttention).
         batch_first: inputs/outputs are (B, N, E) instead of (N, B, E).
@@ -123,9 +132,29 @@ class DamchaAttention(CanonicalIO, nn.Module):
     # in_proj_weight directly when this flag is True, which would skip the
     # cross-head map. False keeps them on the path that calls forward().
     _qkv_same_embed_dim = False
-    bias_k = None
-    bias_v = None
-    add_zero_attn = False
+
+    # Code written for nn.MultiheadAttention picks its weights by that flag:
+    # ``in_proj_weight`` when True, else these three. As the flag is always
+    # False here, a packed layer gives views of ``in_proj_weight`` (MHA gives
+    # None); a layer with separate weights gives its parameters.
+    @property
+    def q_proj_weight(self) -> Tensor | None:
+        return self._separate_weight(0)
+
+    @property
+    def k_proj_weight(self) -> Tensor | None:
+        return self._separate_weight(1)
+
+    @property
+    def v_proj_weight(self) -> Tensor | None:
+        return self._separate_weight(2)
+
+    def _separate_weight(self, index: int) -> Tensor | None:
+        own = self._parameters.get(_SEPARATE[index])
+        if own is not None:
+            return own
+        packed = self._parameters.get("in_proj_weight")
+        return None if packed is None else packed.split(self._sizes)[index]
 
     def __init__(
         self,
@@ -157,11 +186,8 @@ class DamchaAttention(CanonicalIO, nn.Module):
         # A block that builds this layer passes its own argument names (e.g.
         # d_model for embed_dim), so errors speak of what its caller passed.
         names = {**_CONSTRUCTOR_NAMES, **(_arg_names or {})}
-        if add_bias_kv or add_zero_attn:
-            raise DamchaValueError(
-                "`add_bias_kv` and `add_zero_attn` are not supported by DamchaAttention. "
-                f"Received: add_bias_kv={add_bias_kv!r}, add_zero_attn={add_zero_attn!r}"
-            )
+        add_bias_kv = dc.check_bool("add_bias_kv", add_bias_kv)
+        add_zero_attn = dc.check_bool("add_zero_attn", add_zero_attn)
         embed_dim = dc.check_int(names["query_dim"], embed_dim)
         num_heads = dc.check_int(names.get("num_heads", "num_heads"), num_heads)
         if key_dim is None:
@@ -183,6 +209,15 @@ class DamchaAttention(CanonicalIO, nn.Module):
             metric=metric, metric_rank=metric_rank, coupling=coupling, scale=scale, dropout=dropout,
         )
         self._init_from_config(cfg, batch_first, device, dtype, metric_generator, recompute, names)
+        self.add_zero_attn = add_zero_attn
+        if add_bias_kv:
+            G, d, dv = cfg.num_kv_heads, cfg.key_dim, cfg.value_dim
+            self.bias_k = nn.Parameter(torch.empty(1, 1, G * d, device=device, dtype=dtype))
+            self.bias_v = nn.Parameter(torch.empty(1, 1, G * dv, device=device, dtype=dtype))
+            nn.init.xavier_normal_(self.bias_k)  # nn.MultiheadAttention's initialiser
+            nn.init.xavier_normal_(self.bias_v)
+        else:
+            self.bias_k = self.bias_v = None
 
     def _init_from_config(self, cfg: DamchaConfig, batch_first: bool, device: Any, dtype: Any,
                           metric_generator: Any, recompute: bool, names: Mapping[str, str]) -> None:
@@ -202,14 +237,13 @@ class DamchaAttention(CanonicalIO, nn.Module):
         self._sizes = (H * d, G * d, G * dv)
         if Ekv == E and Ev == E:
             self.in_proj_weight = nn.Parameter(torch.empty(sum(self._sizes), E, **kw))
-            self.register_parameter("q_proj_weight", None)
-            self.register_parameter("k_proj_weight", None)
-            self.register_parameter("v_proj_weight", None)
+            for name in _SEPARATE:
+                self._parameters[name] = None  # registered empty, as nn.MultiheadAttention does
         else:
             self.register_parameter("in_proj_weight", None)
-            self.q_proj_weight = nn.Parameter(torch.empty(H * d, E, **kw))
-            self.k_proj_weight = nn.Parameter(torch.empty(G * d, Ekv, **kw))
-            self.v_proj_weight = nn.Parameter(torch.empty(G * dv, Ev, **kw))
+            for name, shape in zip(_SEPARATE, ((H * d, E), (G * d, Ekv), (G * dv, Ev))):
+                self._parameters[name] = None  # the class property below must not shadow the registration
+                self.register_parameter(name, nn.Parameter(torch.empty(shape, **kw)))
         if cfg.use_bias:
             self.in_proj_bias = nn.Parameter(torch.empty(sum(self._sizes), **kw))
         else:
@@ -267,21 +301,43 @@ class DamchaAttention(CanonicalIO, nn.Module):
     def _proj_weights(self) -> tuple[Tensor, Tensor, Tensor]:
         if self.in_proj_weight is not None:
             return tuple(self.in_proj_weight.split(self._sizes))  # type: ignore[return-value]
-        return self.q_proj_weight, self.k_proj_weight, self.v_proj_weight  # type: ignore[return-value]
+        p = self._parameters
+        return p["q_proj_weight"], p["k_proj_weight"], p["v_proj_weight"]  # type: ignore[return-value]
 
     def _weights(self) -> fn.LayerWeights:
         """This layer's parameters as the functional core takes them: the
         Parameter objects themselves (no view or copy is made per call)."""
         sides = {side: self.metric_generators[side].side(self.metric_gates[side]) for side in self.config.metric_sides}
         bias = self.in_proj_bias
-        weight = self.in_proj_weight if self.in_proj_weight is not None else self.q_proj_weight
+        p = self._parameters
+        weight = self.in_proj_weight if self.in_proj_weight is not None else p["q_proj_weight"]
         if bias is not None and bias.dtype != weight.dtype:  # type: ignore[union-attr]
             # A bias loaded in another dtype (load_state_dict(assign=True), a
             # checkpoint edited by hand): the projection computes in the
             # weight's dtype, as nn.MultiheadAttention's output does.
             bias = bias.to(weight.dtype)  # type: ignore[union-attr]
-        return fn.LayerWeights(self._sizes, self.in_proj_weight, self.q_proj_weight, self.k_proj_weight,
-                               self.v_proj_weight, bias, self.out_proj, sides)
+        return fn.LayerWeights(self._sizes, self.in_proj_weight, p["q_proj_weight"], p["k_proj_weight"],
+                               p["v_proj_weight"], bias, self.out_proj, sides, self.bias_k, self.bias_v,
+                               self.add_zero_attn)
+
+    def _native_ok(self, query: Tensor) -> bool:
+        """Whether this call is nn.MultiheadAttention's fast-path case: metric
+        "none" in MHA's exact layout, batch-first, inference, no autograd."""
+        c = self.config
+        structural = (
+            c.metric == "none" and self.in_proj_weight is not None and self.in_proj_bias is not None
+            and c.num_kv_heads == c.num_heads and c.key_dim * c.num_heads == c.query_dim
+            and c.value_dim == c.key_dim and c.output_dim == c.query_dim and c.scale in (None, 1 / c.key_dim ** 0.5)
+            and self.bias_k is None and not self.add_zero_attn and c.num_heads % 2 == 0
+        )
+        if not structural or self.training or not self.batch_first or query.device.type not in ("cpu", "cuda"):
+            return False
+        if torch.is_grad_enabled() and (query.requires_grad or any(p.requires_grad for p in self.parameters())):
+            return False
+        device = query.device.type
+        if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+            return False
+        return query.dtype == self.in_proj_weight.dtype == self.in_proj_bias.dtype and not query.is_nested
 
     def _check_dtypes(self, query: Tensor, key: Tensor, value: Tensor) -> None:
         """Inputs in the parameters' dtype, or autocast on (it casts them).
@@ -417,6 +473,15 @@ class DamchaAttention(CanonicalIO, nn.Module):
         B, N, M = _check_shapes(self.config, tuple(query.shape), tuple(key.shape), tuple(value.shape))
         if self.track_metric_penalty:
             self.last_metric_penalty = self._penalty(query, key)
+        if (self_attention and not unbatched and key_padding_mask is None and attn_mask is None and not is_causal
+                and kv_cache is None and self._native_ok(query)):
+            # metric "none" is nn.MultiheadAttention: its fused inference kernel,
+            # with no mask (so no all-masked rows, where it would give NaN).
+            return torch._native_multi_head_attention(
+                query, key, value, self.embed_dim, self.num_heads, self.in_proj_weight, self.in_proj_bias,
+                self.out_proj.weight, self.out_proj.bias, None, bool(need_weights), bool(average_attn_weights),
+                None,
+            )
         if kv_cache is not None and not isinstance(kv_cache, DamchaKVCache):
             raise DamchaTypeError(f"`kv_cache` must be a DamchaKVCache or None. Received: kv_cache={describe(kv_cache)}")
         offset = 0 if kv_cache is None else len(kv_cache)
