@@ -162,7 +162,8 @@ def test_functional_decode_under_jit_equals_causal_forward() -> None:
 
 def test_functional_decode_respects_padding_mask() -> None:
     """The mask spans the cache (B, H|1, T, L); decoding with it equals the full
-    masked causal forward, and a float mask is rejected as in the full call."""
+    masked causal forward; a float 0/1 mask is read as the bool one, an additive
+    0/-inf mask is refused as in the full call."""
     config = CROSS.replace(context_dim=16, coupling="query")
     params, x = _params(config), _x((2, 6, 16))
     pad = np.ones((2, 1, 1, 6), bool)
@@ -176,8 +177,11 @@ def test_functional_decode_respects_padding_mask() -> None:
     np.testing.assert_allclose(jnp.concatenate(ys, axis=1), full, rtol=1e-5, atol=1e-5)
     unmasked = dj.damcha_attention(params, config, x, is_causal=True)
     assert np.max(np.abs(np.asarray(full) - np.asarray(unmasked))) > 1e-3  # the mask matters here
-    with pytest.raises(dc.DamchaTypeError, match="`mask` must be boolean"):
-        dj.decode_step(params, config, dj.init_cache(config, 2, 6), x[:, :1], mask=jnp.ones((2, 1, 1, 6)))
+    y_float, _ = dj.decode_step(params, config, dj.init_cache(config, 2, 6), x[:, :1], mask=jnp.asarray(pad, jnp.float32))
+    np.testing.assert_array_equal(y_float, ys[0])
+    additive = jnp.where(jnp.asarray(pad), 0.0, -jnp.inf)
+    with pytest.raises(dc.DamchaValueError, match="`mask` must be boolean .* holds other values"):
+        dj.decode_step(params, config, dj.init_cache(config, 2, 6), x[:, :1], mask=additive)
 
 
 def test_metric_penalty_matches_reference() -> None:
@@ -202,7 +206,6 @@ BAD = {
     "query-rank-2": (dict(query=np.ones((5, 16), np.float32)), {}),
     "query-features": (dict(query=np.ones((2, 5, 8), np.float32)), {}),
     "context-batch": (dict(context=np.ones((3, 5, 16), np.float32)), {}),
-    "mask-int": (dict(mask=np.ones((5, 5), np.int32)), {}),
     "mask-3d": (dict(mask=np.ones((2, 5, 5), bool)), {}),
     "mask-wrong-len": (dict(mask=np.ones((5, 4), bool)), {}),
     "param-missing": (dict(params={k: v for k, v in _P.items() if k != "key.bias"}), {}),

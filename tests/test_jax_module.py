@@ -216,7 +216,7 @@ def test_attention_dropout_only_in_training() -> None:
     "kwargs, match",
     [
         (dict(num_heads=3, in_features=16), "qkv_features` must be divisible"),
-        (dict(num_heads=4, in_features=16, num_kv_heads=2), "coupling='tied'"),
+        (dict(num_heads=4, in_features=16, num_kv_heads=2, coupling="tied"), "coupling='tied'"),
         (dict(num_heads=4, in_features=16, qkv_features=16, key_dim=8), "disagree"),
         (dict(num_heads=4, in_features=16, metric="lowrank"), "metric_rank"),
     ],
@@ -312,7 +312,7 @@ def test_batch_axes_as_flax_takes_them():
 
     with pytest.raises(dc.DamchaValueError, match=r"`inputs_k` must have the batch axes of `inputs_q`, \(2, 3\)"):
         layer(x, x[:, :2])
-    with pytest.raises(dc.DamchaValueError, match=r"`mask` must be broadcastable to \[batch\.\.\., H, N, M\] with batch axes \(2, 3\)"):
+    with pytest.raises(dc.DamchaValueError, match=r"`mask` must be broadcastable to \[batch\.\.\., H, N, M\] = \(2, 3, 2, 5, 5\).*Received: mask.shape=\(2, 2, 1, 5, 5\)"):
         layer(x, mask=jnp.ones((2, 2, 1, 5, 5), bool))
 
 
@@ -335,3 +335,24 @@ def test_canonical_vocabulary_and_deprecated_aliases() -> None:
     with pytest.warns(DeprecationWarning, match="from_canonical"):
         again = dj.DamchaAttention.from_params(params, config)
     np.testing.assert_array_equal(again.to_canonical()["metric.qk.kernel"], canonical["metric.qk.kernel"])
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["shared", "per-block"])
+def test_encoder_to_canonical_is_the_core_stack_format(share: bool) -> None:
+    """DamchaEncoder.to_canonical() -> (params, EncoderConfig): the stack
+    reference (damcha_core.encoder_forward) on it equals the JAX encoder; a
+    shared generator is stored once. A block gives a one-layer stack."""
+    enc = build(lambda: dj.DamchaEncoder(2, 8, 2, 16, share_metric=share, rngs=nnx.Rngs(0)))
+    for i, block in enumerate(enc.layers):
+        block.attention.metric["qk"].gate[...] = jnp.asarray([0.4 + 0.2 * i, -0.6])
+    x = _normal((2, 5, 8), 7)
+    params, config = enc.to_canonical(causal=True)
+    assert isinstance(config, dc.EncoderConfig) and config.share_metric == share and config.causal
+    assert (config.activation, config.norm_eps, config.final_norm, config.norm_first) == ("gelu_tanh", 1e-6, True, True)
+    assert list(params) == list(config.param_shapes()) and all(v.dtype == np.float64 for v in params.values())
+    assert ("shared.metric.qk.kernel" in params) == share
+    np.testing.assert_allclose(run(lambda x: enc(x, is_causal=True), x), dc.encoder_forward(params, config, np.asarray(x)),
+                               rtol=2e-4, atol=2e-5)
+    block_params, block_config = enc.layers[1].to_canonical()
+    assert block_config.num_layers == 1 and not block_config.final_norm and not block_config.causal
+    np.testing.assert_array_equal(block_params["layers.0.attention.metric.qk.gate"], np.asarray([0.6, -0.6], np.float32))

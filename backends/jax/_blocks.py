@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from damcha_core import DamchaValueError, describe
+from damcha_core import DamchaValueError, EncoderConfig, check_bool, check_int, describe
 
 from ._generator import MetricGenerator, make_metric_generators
 from ._layer import DamchaAttention, attention_config
@@ -65,6 +66,16 @@ class DamchaEncoderBlock(nnx.Module):
         h = self.mlp_out(nnx.gelu(self.mlp_in(self.mlp_norm(x))))
         return x + self.dropout(h, deterministic=deterministic)
 
+    def to_canonical(self, *, causal: bool = False) -> tuple[dict[str, np.ndarray], EncoderConfig]:
+        """This block as a one-layer stack in ``damcha_core``'s stack format
+        (``EncoderConfig`` with ``final_norm=False``): float64 params and config.
+
+        Args:
+            causal: whether the stack applies the causal rule (the block
+                takes ``is_causal`` per call).
+        """
+        return _stack_canonical([self], None, share=False, causal=causal, name="block")
+
 
 class DamchaEncoder(nnx.Module):
     """A stack of ``DamchaEncoderBlock``s and a final LayerNorm.
@@ -85,10 +96,13 @@ class DamchaEncoder(nnx.Module):
         rngs: nnx.Rngs,
         **block_kwargs: Any,
     ) -> None:
-        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
-            raise DamchaValueError(f"`num_layers` must be an int >= 1. Received: num_layers={describe(num_layers)}")
+        num_layers = check_int("num_layers", num_layers)
+        share_metric = check_bool("share_metric", share_metric)
         if "metric_generator" in block_kwargs:
-            raise DamchaValueError("`metric_generator` is managed by DamchaEncoder; use share_metric=True.")
+            raise DamchaValueError(
+                "`metric_generator` is managed by DamchaEncoder; use share_metric=True. "
+                f"Received: metric_generator={describe(block_kwargs['metric_generator'])}"
+            )
         shared: dict[str, MetricGenerator] = {}
         if share_metric:
             config = attention_config(num_heads, in_features, **_shape_kwargs(block_kwargs))
@@ -116,8 +130,71 @@ class DamchaEncoder(nnx.Module):
             x = layer(x, mask=mask, is_causal=is_causal, deterministic=deterministic)
         return self.final_norm(x)
 
+    def to_canonical(self, *, causal: bool = False) -> tuple[dict[str, np.ndarray], EncoderConfig]:
+        """The stack in ``damcha_core``'s stack format: ``(params, EncoderConfig)``
+        with float64 NumPy params. A generator shared by every layer
+        (``share_metric=True``) is stored once as ``shared.metric.*``.
 
-_SHAPE_ARGS = ("qkv_features", "key_dim", "value_dim", "num_kv_heads", "metric", "metric_rank", "coupling", "scale", "use_bias")
+        The blocks are pre-norm with Flax's ``nnx.gelu`` (the tanh
+        approximation: ``activation="gelu_tanh"``) and a final LayerNorm; the
+        epsilon is read from the norms.
+
+        Args:
+            causal: whether the stack applies the causal rule (the encoder
+                takes ``is_causal`` per call).
+        """
+        layers = list(self.layers)
+        share = bool(len(self.metric_generators)) and len(layers) > 1
+        return _stack_canonical(layers, self.final_norm, share=share, causal=causal, name="encoder")
+
+
+def _stack_canonical(
+    blocks: Sequence[DamchaEncoderBlock], final_norm: nnx.LayerNorm | None, *, share: bool, causal: Any, name: str
+) -> tuple[dict[str, np.ndarray], EncoderConfig]:
+    """Blocks (and a final norm) as stack params and their ``EncoderConfig``."""
+    causal = check_bool("causal", causal)
+    first = blocks[0]
+    eps = first.attention_norm.epsilon
+    norms = [n for b in blocks for n in (b.attention_norm, b.mlp_norm)] + ([final_norm] if final_norm else [])
+    problems = []
+    if any(n.epsilon != eps for n in norms):
+        problems.append("one LayerNorm epsilon")
+    if any(n.scale is None or n.bias is None for n in norms) or any(
+            b.mlp_in.bias is None or b.mlp_out.bias is None for b in blocks):
+        problems.append("LayerNorm scales and biases and MLP biases")
+    if any(b.attention.config != first.attention.config for b in blocks):
+        problems.append("one attention config")
+    if problems:
+        raise DamchaValueError(
+            f"`{name}` does not fit the stack format; it needs " + "; ".join(problems) + f". Received: {name} with "
+            f"{len(blocks)} block(s)"
+        )
+    config = EncoderConfig(
+        first.attention.config, num_layers=len(blocks), ffn_dim=int(first.mlp_in.out_features), share_metric=share,
+        norm_eps=float(eps), causal=causal, norm_first=True, activation="gelu_tanh", final_norm=final_norm is not None,
+    )
+    shared = set(config.shared_names()) if share else set()
+    f64 = lambda v: np.asarray(v[...], dtype=np.float64)  # noqa: E731
+    params: dict[str, np.ndarray] = {}
+    for i, block in enumerate(blocks):
+        pre = f"layers.{i}."
+        for key, value in block.attention.to_canonical().items():
+            if key in shared:
+                params.setdefault("shared." + key, value)  # the shared generator, once
+            else:
+                params[f"{pre}attention.{key}"] = value
+        for key, var in (("norm1.scale", block.attention_norm.scale), ("norm1.bias", block.attention_norm.bias),
+                         ("norm2.scale", block.mlp_norm.scale), ("norm2.bias", block.mlp_norm.bias),
+                         ("ffn.in.kernel", block.mlp_in.kernel), ("ffn.in.bias", block.mlp_in.bias),
+                         ("ffn.out.kernel", block.mlp_out.kernel), ("ffn.out.bias", block.mlp_out.bias)):
+            params[pre + key] = f64(var)
+    if final_norm is not None:
+        params["final_norm.scale"], params["final_norm.bias"] = f64(final_norm.scale), f64(final_norm.bias)
+    return {key: params[key] for key in config.param_shapes()}, config
+
+
+_SHAPE_ARGS = ("qkv_features", "key_dim", "value_dim", "num_kv_heads", "metric", "metric_rank", "coupling", "scale",
+               "use_bias", "in_v_features")
 
 
 def _shape_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:

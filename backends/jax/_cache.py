@@ -7,16 +7,27 @@ only on the key's own token, so it is never recomputed, at no extra size.
 
 from __future__ import annotations
 
-import numbers
 from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, check_shapes, describe, mask_dtype_error
+from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, check_int, check_shapes, describe
 
-from ._functional import Array, Params, _attend, _check_config, _output, _prepare, _qkv
+from ._functional import (
+    Array,
+    Params,
+    _check_config,
+    _np_dtype,
+    _output,
+    _poison,
+    _prepare,
+    _qkv,
+    attend,
+    check_mask,
+)
 
 
 def init_cache(config: DamchaConfig, batch_size: int, max_length: int, dtype: Any = jnp.float32) -> dict[str, Array]:
@@ -27,19 +38,28 @@ def init_cache(config: DamchaConfig, batch_size: int, max_length: int, dtype: An
     token, so it never has to be recomputed, at no extra size.
     """
     _check_config(config)
-    for name, value in (("batch_size", batch_size), ("max_length", max_length)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-            raise DamchaValueError(f"`{name}` must be an int >= 1. Received: {name}={describe(value)}")
+    batch_size = check_int("batch_size", batch_size)
+    max_length = check_int("max_length", max_length)
+    return _empty_cache(config, (batch_size,), max_length, dtype)
+
+
+def _check_cache_dtype(dtype: Any) -> Any:
     try:
-        floating = jnp.issubdtype(dtype, jnp.floating)
+        floating = bool(jnp.issubdtype(dtype, jnp.floating))
     except TypeError:
         floating = False
     if not floating:
         raise DamchaTypeError(f"`dtype` must be a floating dtype. Received: dtype={describe(dtype)}")
+    return dtype
+
+
+def _empty_cache(config: DamchaConfig, batch: tuple[int, ...], max_length: int, dtype: Any) -> dict[str, Array]:
+    """Zeros of shape [batch..., L, G, d] and [batch..., L, G, d_v], and index 0."""
+    dtype = _check_cache_dtype(dtype)
     G, d, d_v = config.num_kv_heads, config.key_dim, config.value_dim
     return {
-        "key": jnp.zeros((batch_size, max_length, G, d), dtype),
-        "value": jnp.zeros((batch_size, max_length, G, d_v), dtype),
+        "key": jnp.zeros((*batch, max_length, G, d), dtype),
+        "value": jnp.zeros((*batch, max_length, G, d_v), dtype),
         "index": jnp.zeros((), jnp.int32),
     }
 
@@ -51,25 +71,64 @@ def _check_cache(cache: Mapping[str, Any], config: DamchaConfig) -> tuple[Array,
     G, d, d_v = config.num_kv_heads, config.key_dim, config.value_dim
     for name, array, width in (("key", cached_k, d), ("value", cached_v, d_v)):
         shape = getattr(array, "shape", None)
-        dtype = getattr(array, "dtype", None)
-        if shape is None or len(shape) != 4 or tuple(shape[2:]) != (G, width) or tuple(shape[:2]) != tuple(cached_k.shape[:2]):
+        key_shape = tuple(getattr(cached_k, "shape", ()))
+        if shape is None or len(shape) != 4 or tuple(shape[2:]) != (G, width) or tuple(shape[:2]) != key_shape[:2]:
             raise DamchaValueError(
                 f"`cache['{name}']` must have shape (B, max_length, G, {'d' if name == 'key' else 'd_v'}) = "
                 f"(B, max_length, {G}, {width}) for this config, as init_cache makes it. "
                 f"Received: cache['{name}']={describe(array)}"
                 + ("" if name == "key" else f", cache['key']={describe(cached_k)}")
             )
-        if not jnp.issubdtype(dtype, jnp.floating):
+        dtype = _np_dtype(array)
+        if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
             raise DamchaTypeError(f"`cache['{name}']` must be floating. Received: cache['{name}']={describe(array)}")
-    if isinstance(index, numbers.Integral) and not isinstance(index, bool):
+    if isinstance(index, (int, np.integer)) and not isinstance(index, (bool, np.bool_)):
         index = jnp.asarray(index, jnp.int32)
-    if getattr(index, "shape", None) != () or not jnp.issubdtype(index.dtype, jnp.integer):
+    index_dtype = _np_dtype(index)
+    if getattr(index, "shape", None) != () or index_dtype is None or not jnp.issubdtype(index_dtype, jnp.integer):
         raise DamchaValueError(
             f"`cache['index']` must be an integer scalar (the number of filled positions). Received: cache['index']={describe(index)}"
         )
     if not isinstance(index, jax.core.Tracer) and int(index) < 0:
         raise DamchaValueError(f"`cache['index']` must be >= 0. Received: cache['index']={int(index)}")
     return jnp.asarray(cached_k), jnp.asarray(cached_v), index
+
+
+def decode_attend(
+    config: DamchaConfig,
+    cache: Mapping[str, Array],
+    q: Array,
+    k: Array,
+    v: Array,
+    *,
+    mask: Array | None = None,
+    dropout_rng: Array | None = None,
+    broadcast_dropout: bool = False,
+    precision: Any = None,
+) -> tuple[Array, dict[str, Array]]:
+    """Write k~ (B, T, G, d) and v (B, T, G, d_v) into ``cache`` at ``index`` and
+    attend q~ (B, T, H, d) causally over the cache: query i sits at position
+    index + i. Returns o (B, T, H, d_v) and the new cache."""
+    cached_k, cached_v, index = cache["key"], cache["value"], cache["index"]
+    zero = jnp.zeros((), jnp.int32)
+    start = (zero, index.astype(jnp.int32), zero, zero)
+    keys = jax.lax.dynamic_update_slice(cached_k, k.astype(cached_k.dtype), start)
+    values = jax.lax.dynamic_update_slice(cached_v, v.astype(cached_v.dtype), start)
+    dt = jnp.result_type(q.dtype, keys.dtype, values.dtype)
+    o, _ = attend(
+        config, q.astype(dt), keys.astype(dt), values.astype(dt), mask=mask, is_causal=True,
+        query_offset=index, dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout, precision=precision,
+    )
+    return o, {"key": keys, "value": values, "index": index + q.shape[1]}
+
+
+def check_room(index: Any, T: int, L: int, name: str, shape: tuple[int, ...]) -> None:
+    """A concrete cache index must leave room for T more positions (a traced one cannot be checked)."""
+    if not isinstance(index, jax.core.Tracer) and int(index) + T > L:
+        raise DamchaValueError(
+            f"`cache` is full: {int(index)} of max_length={L} positions are used and {T} more were given. "
+            f"Received: {name}.shape={tuple(shape)}"
+        )
 
 
 def decode_step(
@@ -79,7 +138,9 @@ def decode_step(
     query: Array,
     context: Array | None = None,
     *,
+    value: Array | None = None,
     mask: Array | None = None,
+    precision: Any = None,
     dtype: Any = None,
 ) -> tuple[Array, dict[str, Array]]:
     """Append T tokens to ``cache`` and attend causally over every cached key.
@@ -94,7 +155,11 @@ def decode_step(
         query: x (B, T, E_q), the new tokens.
         context: the tokens whose keys/values are appended, (B, T, E_kv);
             ``None`` means ``query`` (self-attention decoding).
-        mask: optional bool mask over the whole cache, (T, L) or (B, H, T, L).
+        value: the tokens whose values are appended (B, T, E_v) when they
+            are not the context (``config.value_input_dim``).
+        mask: optional mask over the whole cache, (T, L) or (B, H, T, L):
+            bool, or numeric 0/1 as in ``damcha_attention``.
+        precision: as ``damcha_attention``.
         dtype: computation dtype; default promotes inputs and params.
 
     Returns:
@@ -113,7 +178,7 @@ def decode_step(
     cached_k, cached_v, index = _check_cache(cache, config)
     B, L = cached_k.shape[0], cached_k.shape[1]
     # The mask spans the whole cache (T, L), not (T, T): it is checked below, not by _prepare.
-    p, config, x, c, _, _ = _prepare(params, config, query, context, None, None, dtype)
+    p, config, x, c, v_tokens, _, _ = _prepare(params, config, query, context, value, None, dtype)
     T = x.shape[1]
     tokens = x if c is None else c
     if tokens.shape[0] != B or tokens.shape[1] != T:
@@ -121,56 +186,82 @@ def decode_step(
             f"`query` and `context` must be (B, T, .) with the cache's batch size B={B} and one key per query token. "
             f"Received: query.shape={tuple(x.shape)}, context.shape={None if c is None else tuple(c.shape)}"
         )
+    mask, bad = check_mask(mask)
     if mask is not None:
-        if getattr(mask, "dtype", None) is None or jnp.dtype(mask.dtype) != jnp.bool_:
-            raise mask_dtype_error(mask)
         check_shapes(config, x.shape, (B, L, config.context_dim), mask.shape)
-        mask = jnp.asarray(mask)
-    if not isinstance(index, jax.core.Tracer) and int(index) + T > L:
-        raise DamchaValueError(
-            f"`cache` is full: {int(index)} of max_length={L} positions are used and {T} more were given. "
-            "Received: query.shape=" + str(tuple(x.shape))
-        )
-    q, k, v = _qkv(p, config, x, c, None)
-    start = (jnp.zeros((), jnp.int32), index.astype(jnp.int32), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
-    keys = jax.lax.dynamic_update_slice(cached_k, k.astype(cached_k.dtype), start)
-    values = jax.lax.dynamic_update_slice(cached_v, v.astype(cached_v.dtype), start)
-    o, _ = _attend(
-        config, q.astype(keys.dtype), keys, values, mask=mask, is_causal=True,
-        query_offset=index, return_weights=False, dropout_rng=None,
-    )
-    y = _output(p, config, o.astype(x.dtype))
-    return y, {"key": keys, "value": values, "index": index + T}
+    check_room(index, T, L, "query", x.shape)
+    q, k, v = _qkv(p, config, x, c, v_tokens, precision)
+    o, new_cache = decode_attend(config, {"key": cached_k, "value": cached_v, "index": index}, q, k, v,
+                                 mask=mask, precision=precision)
+    y = _poison(_output(p, config, o.astype(x.dtype), precision), bad)
+    return y, new_cache
 
 
 class DecodeCache:
     """The NNX module's decoding cache (a base class of ``DamchaAttention``):
-    ``cached_key`` (k~), ``cached_value`` and ``cache_index`` as ``nnx.Cache``
-    variables, named as in ``nnx.MultiHeadAttention``."""
+    ``cached_key`` (k~, [batch..., L, G, d]), ``cached_value`` ([batch..., L,
+    G, d_v]) and ``cache_index``, ``nnx.Cache`` variables named and shaped as
+    in ``nnx.MultiHeadAttention``."""
 
     config: DamchaConfig
-    dtype: Any
     cached_key: nnx.Cache | None
     cached_value: nnx.Cache | None
     cache_index: nnx.Cache | None
 
     def init_cache(self, input_shape: tuple[int, ...], dtype: Any = jnp.float32) -> None:
-        """Allocate the decoding cache for inputs of shape (B, max_length, E_q)."""
-        if len(tuple(input_shape)) != 3:
+        """Allocate the decoding cache for inputs of shape [batch..., max_length, E_q]
+        (``(B, L, E_q)``, or ``(L, E_q)`` for unbatched decoding), as Flax does."""
+        shape = tuple(input_shape) if isinstance(input_shape, (tuple, list)) else None
+        if shape is None or len(shape) < 2:
             raise DamchaValueError(
-                f"`input_shape` must be (batch, max_length, features). Received: input_shape={tuple(input_shape)}"
+                "`input_shape` must be [batch..., max_length, features], e.g. (batch, max_length, features). "
+                f"Received: input_shape={describe(input_shape)}"
             )
-        cache = init_cache(self.config, int(input_shape[0]), int(input_shape[1]), dtype)
+        batch = tuple(check_int("input_shape[i]", n) for n in shape[:-2])
+        max_length = check_int("max_length (input_shape[-2])", shape[-2])
+        cache = _empty_cache(self.config, batch, max_length, dtype)
         self.cached_key = nnx.Cache(cache["key"])
         self.cached_value = nnx.Cache(cache["value"])
         self.cache_index = nnx.Cache(cache["index"])
 
-    def _decode(self, params: Params, inputs_q: Array, inputs_k: Array | None, mask: Array | None) -> Array:
+    def _decode(
+        self,
+        q: Array,
+        k: Array,
+        v: Array,
+        mask: Array | None,
+        *,
+        dropout_rng: Array | None,
+        broadcast_dropout: bool,
+        precision: Any,
+        name: str,
+    ) -> Array:
+        """q~ [batch..., T, H, d], k~, v [batch..., T, G, .] appended to the cache; o [batch..., T, H, d_v]."""
         if self.cached_key is None or self.cached_value is None or self.cache_index is None:
             raise DamchaValueError("The decoding cache is not initialised: call init_cache(input_shape) first.")
-        cache = {"key": self.cached_key[...], "value": self.cached_value[...], "index": self.cache_index[...]}
-        y, cache = decode_step(params, self.config, cache, inputs_q, inputs_k, mask=mask, dtype=self.dtype)
-        self.cached_key[...] = cache["key"]
-        self.cached_value[...] = cache["value"]
+        cached_k, cached_v, index = self.cached_key[...], self.cached_value[...], self.cache_index[...]
+        batch, L = tuple(cached_k.shape[:-3]), cached_k.shape[-3]
+        lead, T = tuple(q.shape[:-3]), q.shape[-3]
+        if lead != batch:
+            raise DamchaValueError(
+                f"`{name}` must have the batch axes of the cache from init_cache, {batch}. "
+                f"Received: {name} with batch axes {lead} (cache_key.shape={tuple(cached_k.shape)})"
+            )
+        check_room(index, T, L, name, (*lead, T))
+        B = int(np.prod(batch)) if batch else 1
+        fold = lambda t: jnp.reshape(t, (B, *t.shape[len(batch):]))  # noqa: E731
+        cache = {"key": fold(cached_k), "value": fold(cached_v), "index": index}
+        o, cache = decode_attend(
+            self.config, cache, fold(q), fold(k), fold(v), mask=mask, dropout_rng=dropout_rng,
+            broadcast_dropout=broadcast_dropout, precision=precision,
+        )
+        self.cached_key[...] = jnp.reshape(cache["key"], cached_k.shape)
+        self.cached_value[...] = jnp.reshape(cache["value"], cached_v.shape)
         self.cache_index[...] = cache["index"]
-        return y
+        return jnp.reshape(o, (*lead, *o.shape[1:]))
+
+    def _decode_mask(self, T: int) -> Array:
+        """(1, 1, T, L) bool: query i of this step (position index + i) sees cached keys j <= index + i."""
+        L = self.cached_key.shape[-3]  # type: ignore[union-attr]
+        index = self.cache_index[...]  # type: ignore[index]
+        return (jnp.arange(L)[None, :] <= jnp.arange(T)[:, None] + index)[None, None]

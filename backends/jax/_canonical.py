@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 
 import damcha_core as dc
-from damcha_core import DamchaConfig, DamchaTypeError, describe
+from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, describe
 
 Array = jax.Array
 
@@ -28,13 +28,19 @@ def _deprecated(old: str, new: str) -> None:
 
 def variables(layer: Any) -> dict[str, nnx.Variable]:
     """Canonical name -> the NNX variable of ``layer`` (a ``DamchaAttention``) holding it."""
+    if getattr(layer, "normalize_qk", False):
+        raise DamchaValueError(
+            "A layer with normalize_qk=True has no canonical parameters: DAMCHA v1's canonical format "
+            "(damcha_core) has no LayerNorm on q and k. Received: normalize_qk=True"
+        )
     out: dict[str, nnx.Variable] = {}
     for name, attr in _PROJECTIONS:
         module = getattr(layer, attr)
         out[f"{name}.kernel"] = module.kernel
         if layer.use_bias:
             out[f"{name}.bias"] = module.bias
-    for side, cross in layer.metric.items():
+    for side in layer.config.metric_sides:
+        cross = layer.metric[side]
         out[f"metric.{side}.gate"] = cross.gate
         out.update({f"metric.{side}.{leaf}": var for leaf, var in cross.generator.leaves().items()})
     return {name: out[name] for name in layer.config.param_shapes()}

@@ -6,30 +6,37 @@ from typing import Any
 
 from flax import nnx
 
-from damcha_core import DamchaTypeError, DamchaValueError, describe
+from damcha_core import DamchaTypeError, describe
 
-from ._canonical import variables
+# Bound once: code that swaps nnx.MultiHeadAttention for DamchaAttention
+# (e.g. to run Flax's own tests against it) still converts real Flax layers.
+_FlaxMHA = nnx.MultiHeadAttention
 
 
 def from_mha(cls: Any, mha: Any, *, metric: str, metric_rank: int | None, coupling: str | None, rngs: nnx.Rngs) -> Any:
-    """``cls`` (``DamchaAttention``) with ``mha``'s projections and gates at 0:
-    identical outputs, ready to fine-tune the metric. The generator is fresh."""
-    if not isinstance(mha, nnx.MultiHeadAttention):
+    """``cls`` (``DamchaAttention``) with ``mha``'s projections (and q/k norms)
+    and every option it has, gates at 0: identical outputs, ready to fine-tune
+    the metric. The generator is fresh; ``coupling=None`` is automatic."""
+    if not isinstance(mha, _FlaxMHA):
         raise DamchaTypeError(f"`mha` must be an nnx.MultiHeadAttention. Received: mha={describe(mha)}")
-    if mha.normalize_qk:
-        raise DamchaValueError(
-            "`mha` uses normalize_qk=True (LayerNorm on q and k), which DAMCHA v1 does not define. "
-            "Received: mha.normalize_qk=True"
-        )
+    attention_fn = None if mha.attention_fn is nnx.dot_product_attention else mha.attention_fn
     layer = cls(
         mha.num_heads, mha.in_features, mha.qkv_features, mha.out_features, mha.num_kv_heads,
         mha.in_kv_features, metric=metric, metric_rank=metric_rank, coupling=coupling,
-        dtype=mha.dtype, param_dtype=mha.param_dtype, dropout_rate=mha.dropout_rate,
-        deterministic=mha.deterministic, use_bias=mha.use_bias, decode=mha.decode, rngs=rngs,
+        dtype=mha.dtype, param_dtype=mha.param_dtype, broadcast_dropout=mha.broadcast_dropout,
+        dropout_rate=mha.dropout_rate, deterministic=mha.deterministic, precision=mha.precision,
+        use_bias=mha.use_bias, attention_fn=attention_fn, decode=mha.decode, normalize_qk=mha.normalize_qk,
+        qkv_promote_dtype=mha.qkv_promote_dtype, out_promote_dtype=mha.out_promote_dtype,
+        ln_promote_dtype=mha.ln_promote_dtype, qkv_dot_general=mha.qkv_dot_general,
+        out_dot_general=mha.out_dot_general, qkv_dot_general_cls=mha.qkv_dot_general_cls,
+        out_dot_general_cls=mha.out_dot_general_cls, keep_rngs=mha.rngs is not None, rngs=rngs,
     )
-    target = variables(layer)
-    for name, module in (("query", mha.query), ("key", mha.key), ("value", mha.value), ("output", mha.out)):
-        target[f"{name}.kernel"][...] = module.kernel[...]
+    for name in ("query", "key", "value", "out"):
+        source, target = getattr(mha, name), getattr(layer, name)
+        target.kernel[...] = source.kernel[...]
         if layer.use_bias:
-            target[f"{name}.bias"][...] = module.bias[...]
+            target.bias[...] = source.bias[...]
+    if mha.normalize_qk:
+        layer.query_ln.scale[...] = mha.query_ln.scale[...]
+        layer.key_ln.scale[...] = mha.key_ln.scale[...]
     return layer

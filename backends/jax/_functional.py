@@ -4,11 +4,19 @@ Every function here is jit-compatible with the ``DamchaConfig`` static (it is a
 frozen, hashable dataclass), differentiable, and vmap-able over extra leading
 axes. Shapes use the spec's names: B batch, N query length, M key length, H
 query heads, G key/value heads, d key size, d_v value size, E feature size.
+
+The spec's steps carry the reference's names: ``rms_normalise``,
+``generator``, ``apply_map``, ``visibility``, ``softmax_attend``,
+``damcha_attention`` and ``metric_penalty``; the metric structures' math is
+``damcha_core``'s table (``config.metric_structure``) evaluated with
+``jax.numpy``.
 """
 
 from __future__ import annotations
 
+import functools
 import numbers
+import types
 from typing import Any, Mapping
 
 import jax
@@ -16,10 +24,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from damcha_core import (
+    METRIC_STRUCTURES,
     RMS_EPS,
     DamchaConfig,
     DamchaTypeError,
     DamchaValueError,
+    check_bool,
+    check_choice,
     check_params,
     check_shapes,
     describe,
@@ -32,6 +43,9 @@ from damcha_core import (
 Array = jax.Array
 Params = Mapping[str, Any]
 
+# What the masks of the JAX functions and the NNX module may hold (DECISIONS 5).
+MASK_RULE = "boolean (True = may attend) or numeric with only 0 and 1 (non-zero = attend)"
+
 # --------------------------------------------------------------------- checks
 
 
@@ -41,25 +55,69 @@ def _check_config(config: Any) -> DamchaConfig:
     return config
 
 
-def _check_bool(name: str, value: Any) -> bool:
-    # The flags choose the traced program, so they must be Python bools, not arrays.
-    if not isinstance(value, (bool, np.bool_)):
-        raise DamchaTypeError(f"`{name}` must be a bool. Received: {name}={describe(value)}")
-    return bool(value)
-
-
-def _check_float(name: str, value: Any) -> Array:
+def _np_dtype(value: Any) -> np.dtype | None:
+    """The NumPy dtype of an array-like (JAX, NumPy, tracer), None if it has none
+    NumPy knows (a list, a torch tensor)."""
     dtype = getattr(value, "dtype", None)
-    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+    if dtype is None or not hasattr(value, "shape"):
+        return None
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        return None
+
+
+def _is_float(dtype: np.dtype | None) -> bool:
+    return dtype is not None and bool(jnp.issubdtype(dtype, jnp.floating))
+
+
+def check_float(name: str, value: Any) -> Array:
+    """A real floating array (float16/32/64, bfloat16) as a JAX array; anything
+    else (ints, lists, other frameworks' tensors) is a DamchaTypeError naming ``name``."""
+    if not _is_float(_np_dtype(value)):
         raise float_dtype_error(name, value)
     return jnp.asarray(value)
 
 
+def check_mask(mask: Any, name: str = "mask") -> tuple[Array | None, Array | None]:
+    """``mask`` as the bool "may attend" array the math takes, and a flag.
+
+    bool masks pass. Integer and floating masks are read as Flax and Keras
+    read them (non-zero = attend) only when they hold nothing but 0 and 1: any
+    other value (an additive 0/-inf mask would be read inverted) is a
+    DamchaValueError when the values are concrete. Under ``jit`` they cannot
+    be inspected; the returned flag (a traced bool scalar, None when nothing
+    needs checking) is True when such a value is present, and the caller then
+    turns its output into NaN.
+    """
+    if mask is None:
+        return None, None
+    dtype = _np_dtype(mask)
+    if dtype is None or not (dtype == np.bool_ or jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)):
+        raise mask_dtype_error(mask, name, MASK_RULE)
+    if dtype == np.bool_:
+        return jnp.asarray(mask), None
+    if isinstance(mask, jax.core.Tracer):
+        return mask != 0, jnp.any((mask != 0) & (mask != 1))
+    values = np.asarray(mask)
+    if not np.all((values == 0) | (values == 1)):
+        raise DamchaValueError(
+            f"`{name}` must be {MASK_RULE}; this {dtype} mask holds other values (an additive 0/-inf mask? "
+            f"pass `{name} == 0` for one, or a bool mask). Received: {name}={describe(mask)}"
+        )
+    return jnp.asarray(values != 0), None
+
+
+def _poison(y: Array, flag: Array | None) -> Array:
+    """NaN outputs when a traced mask held values other than 0 and 1 (see ``check_mask``)."""
+    return y if flag is None else jnp.where(flag, jnp.asarray(jnp.nan, y.dtype), y)
+
+
 def _check_offset(query_offset: Any) -> Any:
     """A Python int >= 0, or an integer scalar array (a decode cache index)."""
-    if isinstance(query_offset, numbers.Integral) and not isinstance(query_offset, bool) and query_offset >= 0:
+    if isinstance(query_offset, numbers.Integral) and not isinstance(query_offset, (bool, np.bool_)) and query_offset >= 0:
         return int(query_offset)
-    dtype = getattr(query_offset, "dtype", None)
+    dtype = _np_dtype(query_offset)
     if dtype is not None and jnp.issubdtype(dtype, jnp.integer) and getattr(query_offset, "shape", None) == ():
         if isinstance(query_offset, jax.core.Tracer) or int(query_offset) >= 0:
             return query_offset  # a traced offset cannot be checked (as a traced cache index)
@@ -72,7 +130,11 @@ def _check_offset(query_offset: Any) -> Any:
 
 def _compute_dtype(dtype: Any, *arrays: Any) -> Any:
     if dtype is not None:
-        if not jnp.issubdtype(dtype, jnp.floating):
+        try:
+            floating = bool(jnp.issubdtype(dtype, jnp.floating))
+        except TypeError:
+            floating = False
+        if not floating:
             raise DamchaTypeError(f"`dtype` must be a floating dtype or None. Received: dtype={describe(dtype)}")
         return jnp.dtype(dtype)
     # Like flax's promote_dtype: the widest of inputs and parameters.
@@ -87,66 +149,87 @@ def _acc(dtype: Any) -> Any:
     return jnp.promote_types(dtype, jnp.float32)
 
 
+@functools.lru_cache(maxsize=None)
+def _xp(precision: Any) -> Any:
+    """``jax.numpy`` for the metric table's math, its einsums at ``precision``."""
+    if precision is None:
+        return jnp
+    return types.SimpleNamespace(
+        einsum=functools.partial(jnp.einsum, precision=precision),
+        eye=jnp.eye, sum=jnp.sum, mean=jnp.mean, reshape=jnp.reshape,
+    )
+
+
+def _leaves(params: Params, config: DamchaConfig, side: str) -> dict[str, Array]:
+    return {leaf: params[f"metric.{side}.{leaf}"] for leaf in config.metric_structure.leaf_names}  # type: ignore[union-attr]
+
+
 def rms_normalise(t: Array) -> Array:
     """phi(t) = t / sqrt(mean(t^2 over features) + 1e-6), in at least float32."""
     t = t.astype(_acc(t.dtype))
     return t * jax.lax.rsqrt(jnp.mean(t * t, axis=-1, keepdims=True) + RMS_EPS)
 
 
-def coefficients(metric: str, kernel: Array, bias: Array, tokens: Array) -> Array:
+def coefficients(metric: str, kernel: Array, bias: Array, tokens: Array, *, precision: Any = None) -> Array:
     """phi(tokens) (B, T, E) through a generator: A(t) (B, T, S, S) for metric
     "heads", u(t) (B, T, r) for "lowrank", in at least float32 (16-bit inputs
-    keep float32 intermediates until the attention kernel: rounding q and k
-    twice would double their error)."""
-    if metric not in ("heads", "lowrank"):
-        raise DamchaValueError(f"`metric` must be one of ('heads', 'lowrank'). Received: metric={metric!r}")
-    phi = rms_normalise(tokens)
-    spec = "bte,ehk->bthk" if metric == "heads" else "bte,er->btr"
-    return jnp.einsum(spec, phi, kernel, preferred_element_type=phi.dtype) + bias
+    keep float32 intermediates: rounding q and k twice would double their error)."""
+    metric = check_choice("metric", metric, tuple(METRIC_STRUCTURES))
+    structure = METRIC_STRUCTURES[metric]
+    return structure.coefficients(_xp(precision), rms_normalise(tokens), {"kernel": kernel, "bias": bias})
 
 
-def generator(params: Params, config: DamchaConfig, side: str, tokens: Array) -> Array:
+def generator(params: Params, config: DamchaConfig, side: str, tokens: Array, *, precision: Any = None) -> Array:
     """The data-adaptive coefficients of ``side`` for tokens (B, T, E)."""
-    p = f"metric.{side}"
-    return coefficients(config.metric, params[f"{p}.kernel"], params[f"{p}.bias"], tokens)
+    return config.metric_structure.coefficients(  # type: ignore[union-attr]
+        _xp(precision), rms_normalise(tokens), _leaves(params, config, side)
+    )
 
 
 def apply_map(
-    params: Params, config: DamchaConfig, side: str, y: Array, coeff: Array
+    params: Params, config: DamchaConfig, side: str, y: Array, coeff: Array, *, precision: Any = None
 ) -> Array:
-    """L(t) y for stacked heads y (B, T, S, d) given ``generator``'s coefficients."""
-    p = f"metric.{side}"
-    acc = _acc(y.dtype)
-    if config.metric == "heads":
-        delta = jnp.einsum("btha,btad->bthd", coeff, y, preferred_element_type=acc)
-    else:
-        z = jnp.einsum("btad,adr->btr", y, params[f"{p}.v"], preferred_element_type=acc)
-        delta = jnp.einsum("hdr,btr->bthd", params[f"{p}.u"], coeff * z, preferred_element_type=acc)
-    return y + params[f"{p}.gate"][:, None] * delta
+    """L(t) y for stacked heads y (B, T, S, d) given ``generator``'s coefficients,
+    in at least float32."""
+    y = y.astype(_acc(y.dtype))
+    return config.metric_structure.apply(_xp(precision), coeff, y, _leaves(params, config, side))  # type: ignore[union-attr]
 
 
-def _project(params: Params, config: DamchaConfig, name: str, tokens: Array) -> Array:
+def cross_head_maps(
+    params: Params, config: DamchaConfig, x: Array, c: Array | None, q: Array, k: Array, *, precision: Any = None
+) -> tuple[Array, Array]:
+    """q~ = L_q(x) q (B, N, H, d) and k~ = L_k(c) k (B, M, G, d), in the dtypes of
+    q and k; ``c=None`` means the keys come from ``x`` (self-attention)."""
+    sq, sk = side_of(config, "q"), side_of(config, "k")
+    q_out, k_out = q, k
+    coeff_q = generator(params, config, sq, x, precision=precision) if sq else None
+    if sq:
+        q_out = apply_map(params, config, sq, q, coeff_q, precision=precision).astype(q.dtype)
+    if sk:
+        # Tied self-attention feeds the same tokens to the same generator: reuse it.
+        same = sk == sq and c is None
+        coeff_k = coeff_q if same else generator(params, config, sk, x if c is None else c, precision=precision)
+        k_out = apply_map(params, config, sk, k, coeff_k, precision=precision).astype(k.dtype)
+    return q_out, k_out
+
+
+def _project(params: Params, config: DamchaConfig, name: str, tokens: Array, precision: Any) -> Array:
     """tokens (B, T, E) -> heads (B, T, S, d), accumulated in at least float32."""
-    y = jnp.einsum("bte,ehd->bthd", tokens, params[f"{name}.kernel"], preferred_element_type=_acc(tokens.dtype))
+    y = jnp.einsum("bte,ehd->bthd", tokens, params[f"{name}.kernel"], precision=precision,
+                   preferred_element_type=_acc(tokens.dtype))
     if config.use_bias:
         y = y + params[f"{name}.bias"]
     return y
 
 
-def _qkv(params: Params, config: DamchaConfig, x: Array, c: Array | None, v_tokens: Array | None):
-    """q~ (B, N, H, d), k~ (B, M, G, d), v (B, M, G, d_v); c=None is self-attention."""
+def _qkv(params: Params, config: DamchaConfig, x: Array, c: Array | None, v_tokens: Array | None,
+         precision: Any = None) -> tuple[Array, Array, Array]:
+    """q~ (B, N, H, d), k~ (B, M, G, d), v (B, M, G, d_v) in x's dtype; c=None is self-attention."""
     ctx = x if c is None else c
-    q = _project(params, config, "query", x)
-    k = _project(params, config, "key", ctx)
-    v = _project(params, config, "value", ctx if v_tokens is None else v_tokens)
-    sq, sk = side_of(config, "q"), side_of(config, "k")
-    coeff_q = generator(params, config, sq, x) if sq else None
-    if sq:
-        q = apply_map(params, config, sq, q, coeff_q)
-    if sk:
-        # Tied self-attention feeds the same tokens to the same generator: reuse it.
-        coeff_k = coeff_q if (sk == sq and c is None) else generator(params, config, sk, ctx)
-        k = apply_map(params, config, sk, k, coeff_k)
+    q = _project(params, config, "query", x, precision)
+    k = _project(params, config, "key", ctx, precision)
+    v = _project(params, config, "value", ctx if v_tokens is None else v_tokens, precision)
+    q, k = cross_head_maps(params, config, x, c, q, k, precision=precision)
     dt = x.dtype
     return q.astype(dt), k.astype(dt), v.astype(dt)
 
@@ -187,13 +270,14 @@ def _row_visible(mask: Array | None, is_causal: bool, n: int, query_offset: Any)
 def softmax_attend(logits: Array, visible: Array) -> Array:
     """Masked softmax in float32 where rows with no visible key get probabilities 0."""
     logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
-    # A finite fill (not -inf) keeps every gradient finite in hidden rows.
+    # A finite fill (not -inf) keeps every gradient finite in hidden rows;
+    # NaN logits at visible keys stay NaN.
     filled = jnp.where(visible, logits, jnp.finfo(logits.dtype).min)
     probs = jax.nn.softmax(filled, axis=-1)
     return jnp.where(jnp.any(visible, axis=-1, keepdims=True), probs, 0.0)
 
 
-def _attend(
+def attend(
     config: DamchaConfig,
     q: Array,
     k: Array,
@@ -201,15 +285,19 @@ def _attend(
     *,
     mask: Array | None,
     is_causal: bool,
-    query_offset: Any,
-    return_weights: bool,
-    dropout_rng: Array | None,
+    query_offset: Any = 0,
+    return_weights: bool = False,
+    dropout_rng: Array | None = None,
+    broadcast_dropout: bool = False,
+    precision: Any = None,
 ) -> tuple[Array, Array | None]:
-    """Scaled dot-product attention on transformed heads; o (B, N, H, d_v).
+    """Scaled dot-product attention on transformed heads: o (B, N, H, d_v) in
+    q's dtype, and the probabilities (B, H, N, M) (before dropout) when asked.
 
     Without weights or dropout this is ``jax.nn.dot_product_attention`` (no
     N x M tensor is built here; XLA's kernel builds what it needs). float64
-    uses the equivalent einsum path, see below.
+    uses the equivalent einsum path, see below. ``broadcast_dropout`` drops
+    the same (N, M) entries in every batch row and head, as Flax does.
     """
     N, d = q.shape[1], q.shape[-1]
     M, d_v = k.shape[1], v.shape[-1]
@@ -227,15 +315,20 @@ def _attend(
     if explicit:
         k_h = jnp.repeat(k, config.group_size, axis=2)  # head h reads kv head h // (H/G)
         v_h = jnp.repeat(v, config.group_size, axis=2)
-        logits = config.softmax_scale * jnp.einsum("bnhd,bmhd->bhnm", q, k_h, preferred_element_type=_acc(q.dtype))
+        logits = config.softmax_scale * jnp.einsum(
+            "bnhd,bmhd->bhnm", q, k_h, precision=precision, preferred_element_type=_acc(q.dtype)
+        )
         full = jnp.ones((1, 1, 1, 1), bool) if visible is None else visible
         probs = softmax_attend(logits, jnp.broadcast_to(full, logits.shape))
         weights = probs
         if dropout_rng is not None:
-            keep = jax.random.bernoulli(dropout_rng, 1.0 - config.dropout, probs.shape)
-            probs = jnp.where(keep, probs / (1.0 - config.dropout), 0.0)
-        o = jnp.einsum("bhnm,bmhd->bnhd", probs.astype(v.dtype), v_h)
-        return o, (weights if return_weights else None)
+            keep_prob = 1.0 - config.dropout
+            shape = (1, 1) + probs.shape[2:] if broadcast_dropout else probs.shape
+            keep = jax.random.bernoulli(dropout_rng, keep_prob, shape)
+            # A product, not a select: a NaN probability stays NaN where it is dropped.
+            probs = probs * (keep.astype(probs.dtype) / keep_prob)
+        o = jnp.einsum("bhnm,bmhd->bnhd", probs.astype(v.dtype), v_h, precision=precision)
+        return _zero_empty_rows(o, rows).astype(q.dtype), (weights if return_weights else None)
 
     # jax.nn.dot_product_attention needs d == d_v; zero-padding the narrower
     # side changes neither the logits (explicit scale) nor the kept channels.
@@ -248,31 +341,43 @@ def _attend(
     o = jax.nn.dot_product_attention(
         q, k, v, mask=visible, scale=config.softmax_scale, is_causal=fused_causal
     )[..., :d_v]
-    if rows is not None:
-        # The fused kernel turns a row with no visible key into a uniform
-        # average; v1 defines it as 0 (and this also zeroes its gradients).
-        keep = jnp.moveaxis(rows, 1, 2)[..., None]  # (b, N, h, 1)
-        o = jnp.where(keep, o, jnp.zeros((), o.dtype))
-    return o, None
+    return _zero_empty_rows(o, rows), None
 
 
-def _output(params: Params, config: DamchaConfig, o: Array) -> Array:
+def _zero_empty_rows(o: Array, rows: Array | None) -> Array:
+    """Attention output 0 for the query rows that see no key (v1's rule).
+
+    The fused kernel would give such a row the mean of the values, the einsum
+    path 0 x v, which is NaN when a hidden value is NaN: a select makes it 0
+    on both paths (and zeroes its gradients), as the row reads no value.
+    """
+    if rows is None:
+        return o
+    keep = jnp.moveaxis(rows, 1, 2)[..., None]  # (b, N, h, 1)
+    return jnp.where(keep, o, jnp.zeros((), o.dtype))
+
+
+def _output(params: Params, config: DamchaConfig, o: Array, precision: Any = None) -> Array:
     """o (B, N, H, d_v) -> y (B, N, E_o) in o's dtype."""
-    y = jnp.einsum("bnhd,hde->bne", o, params["output.kernel"], preferred_element_type=_acc(o.dtype))
+    y = jnp.einsum("bnhd,hde->bne", o, params["output.kernel"], precision=precision,
+                   preferred_element_type=_acc(o.dtype))
     if config.use_bias:
         y = y + params["output.bias"]
     return y.astype(o.dtype)
 
 
 def _head_map(params: Params, config: DamchaConfig, side: str, tokens: Array) -> Array:
+    """The per-token factor the reference's ``return_metric`` gives: l(t) (B, T, S, S)
+    for a compact structure ("heads"), the dense L(t) (B, T, S, d, S, d) otherwise."""
+    structure = config.metric_structure
     coeff = generator(params, config, side, tokens)
-    gate = params[f"metric.{side}.gate"]
-    if config.metric == "heads":
-        return (jnp.eye(coeff.shape[-1], dtype=coeff.dtype) + gate[:, None] * coeff).astype(tokens.dtype)
+    leaves = _leaves(params, config, side)
+    if structure.compact_head_map:  # type: ignore[union-attr]
+        return structure.head_map(jnp, coeff, leaves).astype(tokens.dtype)  # type: ignore[union-attr]
     S, d = config.side_heads(side), config.key_dim
-    delta = jnp.einsum("hir,btr,ajr->bthiaj", params[f"metric.{side}.u"], coeff, params[f"metric.{side}.v"])
+    delta = structure.dense_delta(jnp, coeff, leaves, d)  # type: ignore[union-attr]
     identity = jnp.eye(S * d, dtype=coeff.dtype).reshape(S, d, S, d)
-    return (identity + gate[:, None, None, None] * delta).astype(tokens.dtype)
+    return (identity + leaves["gate"][:, None, None, None] * delta).astype(tokens.dtype)
 
 
 def _prepare(params, config, query, context, value, mask, dtype):
@@ -280,30 +385,19 @@ def _prepare(params, config, query, context, value, mask, dtype):
     config = _check_config(config)
     # Values may be tracers: names, shapes and dtypes only, no finiteness check.
     check_params(params, config)
-    x = _check_float("query", query)
-    c = None if context is None else _check_float("context", context)
-    v_tokens = None if value is None else _check_float("value", value)
-    if value is not None and context is None:
-        raise DamchaValueError(
-            "`value` needs `context` (self-attention takes keys and values from the query). "
-            f"Received: context=None, value={describe(value)}"
-        )
-    if mask is not None:
-        if getattr(mask, "dtype", None) is None or jnp.dtype(mask.dtype) != jnp.bool_:
-            raise mask_dtype_error(mask)
-    check_shapes(config, x.shape, None if c is None else c.shape, None if mask is None else mask.shape)
-    if v_tokens is not None and v_tokens.shape != c.shape:
-        raise DamchaValueError(
-            f"`value` must have the shape of `context`. Received: value.shape={tuple(v_tokens.shape)}, "
-            f"context.shape={tuple(c.shape)}"
-        )
+    x = check_float("query", query)
+    c = None if context is None else check_float("context", context)
+    v_tokens = None if value is None else check_float("value", value)
+    mask, bad = check_mask(mask)
+    check_shapes(config, x.shape, None if c is None else c.shape, None if mask is None else mask.shape,
+                 value_shape=None if v_tokens is None else v_tokens.shape)
     arrays = [x] + [t for t in (c, v_tokens) if t is not None] + [jnp.asarray(p) for p in params.values()]
     dt = _compute_dtype(dtype, *arrays)
     cast = {n: jnp.asarray(p, dt) for n, p in params.items()}
     x = x.astype(dt)
     c = None if c is None else c.astype(dt)
     v_tokens = None if v_tokens is None else v_tokens.astype(dt)
-    return cast, config, x, c, v_tokens, (None if mask is None else jnp.asarray(mask))
+    return cast, config, x, c, v_tokens, mask, bad
 
 
 # ------------------------------------------------------------------ public API
@@ -323,6 +417,8 @@ def damcha_attention(
     return_metric: bool = False,
     dropout_rng: Array | None = None,
     deterministic: bool = True,
+    broadcast_dropout: bool = False,
+    precision: Any = None,
     dtype: Any = None,
 ):
     """DAMCHA forward pass: cross-head maps, then ``jax.nn.dot_product_attention``.
@@ -333,10 +429,14 @@ def damcha_attention(
             argument under ``jax.jit``.
         query: x (B, N, E_q).
         context: c (B, M, E_kv); ``None`` for self-attention (c = x).
-        value: optional separate value tokens (B, M, E_kv), as
-            ``nnx.MultiHeadAttention``'s ``inputs_v``; default ``context``.
-        mask: bool, True = may attend, shape (N, M) or (B, H, N, M) with size-1
-            dims allowed. 3-D masks are rejected (use ``mask[:, None]``).
+        value: value tokens (B, M, E_v) when they are not the context
+            (``config.value_input_dim``), as ``nnx.MultiHeadAttention``'s
+            ``inputs_v``; default the context.
+        mask: True = may attend, shape (N, M) or (B, H, N, M) with size-1
+            dims allowed; bool, or integer/floating with only 0 and 1
+            (non-zero = attend, as Flax and Keras read them). Any other value
+            (an additive 0/-inf mask) raises when concrete and makes the
+            output NaN under ``jit``. 3-D masks are rejected (use ``mask[:, None]``).
         is_causal: hide key j from query i when j > i + query_offset
             (top-left aligned when query_offset = 0).
         query_offset: position of query 0, the number of cached keys before
@@ -349,6 +449,10 @@ def damcha_attention(
         dropout_rng: PRNG key for attention-probability dropout with rate
             ``config.dropout``; used only when ``deterministic`` is False.
         deterministic: no dropout when True (inference).
+        broadcast_dropout: drop the same (N, M) entries in every batch row
+            and head (Flax's default in its MHA); default elementwise.
+        precision: ``jax.lax.Precision`` of the einsums (projections, maps,
+            the einsum attention path).
         dtype: computation dtype; default promotes inputs and params.
 
     Returns:
@@ -356,27 +460,29 @@ def damcha_attention(
         in that order. A query with no visible key gets attention output 0, so
         y = output.bias there, with finite gradients.
     """
-    is_causal = _check_bool("is_causal", is_causal)
-    return_weights = _check_bool("return_weights", return_weights)
-    return_metric = _check_bool("return_metric", return_metric)
-    deterministic = _check_bool("deterministic", deterministic)
+    is_causal = check_bool("is_causal", is_causal)
+    return_weights = check_bool("return_weights", return_weights)
+    return_metric = check_bool("return_metric", return_metric)
+    deterministic = check_bool("deterministic", deterministic)
+    broadcast_dropout = check_bool("broadcast_dropout", broadcast_dropout)
     query_offset = _check_offset(query_offset)
-    p, config, x, c, v_tokens, mask = _prepare(params, config, query, context, value, mask, dtype)
+    p, config, x, c, v_tokens, mask, bad = _prepare(params, config, query, context, value, mask, dtype)
     use_dropout = not deterministic and config.dropout > 0.0
     if use_dropout and dropout_rng is None:
         raise DamchaValueError(
             f"`dropout_rng` is required when deterministic=False and config.dropout={config.dropout} > 0. "
             "Received: dropout_rng=None"
         )
-    q, k, v = _qkv(p, config, x, c, v_tokens)
-    o, weights = _attend(
+    q, k, v = _qkv(p, config, x, c, v_tokens, precision)
+    o, weights = attend(
         config, q, k, v, mask=mask, is_causal=is_causal, query_offset=query_offset,
         return_weights=return_weights, dropout_rng=dropout_rng if use_dropout else None,
+        broadcast_dropout=broadcast_dropout, precision=precision,
     )
-    y = _output(p, config, o)
+    y = _poison(_output(p, config, o, precision), bad)
     extras: list[Any] = []
     if return_weights:
-        extras.append(weights)
+        extras.append(_poison(weights, bad))
     if return_metric:
         metric = {}
         for role, tokens in (("q", x), ("k", x if c is None else c)):
@@ -394,6 +500,7 @@ def transformed_qkv(
     context: Array | None = None,
     *,
     value: Array | None = None,
+    precision: Any = None,
     dtype: Any = None,
 ) -> tuple[Array, Array, Array]:
     """q~ (B, N, H, d), k~ (B, M, G, d) and v (B, M, G, d_v) after the cross-head maps.
@@ -403,16 +510,19 @@ def transformed_qkv(
     the output projection is DAMCHA: feed them to any fused kernel, or cache
     k~ and v for decoding.
     """
-    p, config, x, c, v_tokens, _ = _prepare(params, config, query, context, value, None, dtype)
-    return _qkv(p, config, x, c, v_tokens)
+    p, config, x, c, v_tokens, _, _ = _prepare(params, config, query, context, value, None, dtype)
+    return _qkv(p, config, x, c, v_tokens, precision)
 
 
-def metric_penalty(params: Params, config: DamchaConfig, query: Array, context: Array | None = None) -> Array:
+def metric_penalty(
+    params: Params, config: DamchaConfig, query: Array, context: Array | None = None, *, value: Array | None = None
+) -> Array:
     """Mean over adapted roles of mean_t ||L(t) - I||_F^2 / (S*d), as the reference.
 
-    A scalar array (0 for metric "none"), differentiable, for the training loss.
+    A scalar array (0 for metric "none"), differentiable, for the training
+    loss; ``value`` is checked as in ``damcha_attention`` but never mapped.
     """
-    p, config, x, c, _, _ = _prepare(params, config, query, context, None, None, None)
+    p, config, x, c, _, _, _ = _prepare(params, config, query, context, value, None, None)
     c = x if c is None else c
     per_role = []
     for role, tokens in (("q", x), ("k", c)):

@@ -1,23 +1,42 @@
-"""``DamchaAttention``, the Flax NNX layer: a drop-in for ``nnx.MultiHeadAttention``
-whose ``__call__`` delegates the math to ``_functional`` (canonical I/O in
-``_canonical``, the decoding cache in ``_cache``, conversion in ``_convert``)."""
+"""``DamchaAttention``, the Flax NNX layer: a drop-in for ``nnx.MultiHeadAttention``.
+
+The four projections are Flax's own ``LinearGeneral`` submodules (so
+``dtype``, ``param_dtype``, ``precision``, the promote and dot-general hooks
+and the sharding arguments act exactly as in ``nnx.MultiHeadAttention``); the
+DAMCHA steps (generator, maps, masked attention) are ``_functional``'s.
+Canonical I/O lives in ``_canonical``, the decoding cache in ``_cache``,
+conversion from Flax's MHA in ``_convert``.
+"""
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from flax.nnx.nn import dtypes as _flax_dtypes
 
-from damcha_core import DamchaConfig, DamchaValueError, describe
+from damcha_core import (
+    DamchaConfig,
+    DamchaTypeError,
+    DamchaValueError,
+    check_bool,
+    check_int,
+    check_shapes,
+    describe,
+    make_config,
+    role_penalty,
+    side_of,
+)
 
 from . import _functional as F
-from ._cache import DecodeCache
+from ._cache import DecodeCache, check_room
 from ._canonical import CanonicalIO
 from ._convert import from_mha
-from ._generator import CrossHeadMap, MetricGenerator, given_generators, make_metric_generators
+from ._generator import CrossHeadMap, MetricGenerator, make_metric_generators, resolve_metric_generators
 
 Array = jax.Array
 Initializer = Callable[..., Array]
@@ -25,46 +44,18 @@ Initializer = Callable[..., Array]
 # LinearGeneral initialises its kernel flattened to (fan_in, fan_out), so plain
 # Glorot uniform gives damcha_core.init_params' fans: (E, S*d) and (H*d_v, E_o).
 _glorot = nnx.initializers.glorot_uniform()
+_EMPTY: Mapping[str, Any] = MappingProxyType({})
 
-
-def _flax_mask(mask: Array | None) -> Array | None:
-    """Flax's mask convention at the module boundary: ``nnx.make_attention_mask``
-    and ``make_causal_mask`` return float 0/1 masks and Flax reads any non-zero
-    entry as "attend"; the functional core takes bool masks only."""
-    if mask is None or getattr(mask, "dtype", None) is None:
-        return mask  # None, or not an array: the core's error describes it
-    dtype = jnp.dtype(mask.dtype)
-    if dtype == jnp.bool_ or not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)):
-        return mask
-    return jnp.asarray(mask) != 0
-
-
-def _fold_batch_dims(inputs_q: Any, inputs_k: Any, value: Any, mask: Any) -> tuple[Any, Any, Any, Any, tuple]:
-    """Flax's ``[batch..., length, features]`` inputs as one batch axis.
-
-    Unbatched (N, E) and multi-axis (B1, B2, ..., N, E) inputs are folded to
-    (B, N, E), B the product of the batch axes (1 when there are none), and
-    back afterwards; a Flax mask ``[batch..., H|1, N|1, M]`` is broadcast over
-    the batch axes and folded the same way. (N, M) masks pass through.
-    """
-    lead = tuple(inputs_q.shape[:-2])
-    for name, t in (("inputs_k", inputs_k), ("inputs_v", value)):
-        if t is not None and (getattr(t, "ndim", None) != inputs_q.ndim or tuple(t.shape[:-2]) != lead):
-            raise DamchaValueError(
-                f"`{name}` must have the batch axes of `inputs_q`, {lead}. "
-                f"Received: inputs_q.shape={tuple(inputs_q.shape)}, {name}.shape={tuple(getattr(t, 'shape', ()))}"
-            )
-    B = int(np.prod(lead)) if lead else 1
-    fold = lambda t: None if t is None else jnp.reshape(t, (B,) + tuple(t.shape[-2:]))  # noqa: E731
-    if mask is not None and getattr(mask, "ndim", None) == len(lead) + 3:
-        tail = tuple(mask.shape[-3:])
-        if any(m not in (1, b) for m, b in zip(mask.shape[:-3], lead)):
-            raise DamchaValueError(
-                f"`mask` must be broadcastable to [batch..., H, N, M] with batch axes {lead}. "
-                f"Received: mask.shape={tuple(mask.shape)}"
-            )
-        mask = jnp.reshape(jnp.broadcast_to(mask, lead + tail), (B,) + tail)
-    return fold(inputs_q), fold(inputs_k), fold(value), mask, lead
+# DamchaConfig's fields under nnx.MultiHeadAttention's argument names (messages name these).
+CONFIG_NAMES = {
+    "query_dim": "in_features", "context_dim": "in_kv_features", "value_input_dim": "in_v_features",
+    "output_dim": "out_features", "dropout": "dropout_rate",
+}
+# The reference's call arguments under the names of nnx.MultiHeadAttention.__call__.
+CALL_NAMES = {
+    "query": "inputs_q", "context": "inputs_k", "value": "inputs_v", "mask": "mask",
+    "query_dim": "in_features", "context_dim": "in_kv_features", "value_input_dim": "in_v_features",
+}
 
 
 def attention_config(
@@ -75,49 +66,130 @@ def attention_config(
     num_kv_heads: int | None = None,
     in_kv_features: int | None = None,
     *,
+    in_v_features: int | None = None,
     key_dim: int | None = None,
     value_dim: int | None = None,
     metric: str = "heads",
     metric_rank: int | None = None,
-    coupling: str = "tied",
+    coupling: str | None = None,
     scale: float | None = None,
     dropout_rate: float = 0.0,
     use_bias: bool = True,
 ) -> DamchaConfig:
     """The ``DamchaConfig`` of ``DamchaAttention`` built with these arguments
-    (nnx.MultiHeadAttention naming); every rule is checked by DamchaConfig."""
+    (nnx.MultiHeadAttention naming); errors name these arguments."""
     if key_dim is None:
-        qkv = in_features if qkv_features is None else qkv_features
-        if isinstance(qkv, int) and isinstance(num_heads, int) and num_heads > 0:
-            if qkv % num_heads:
-                raise DamchaValueError(
-                    "`qkv_features` must be divisible by `num_heads` (d = qkv_features / num_heads). "
-                    f"Received: qkv_features={qkv}, num_heads={num_heads}"
-                )
-            key_dim = qkv // num_heads
-        else:
-            key_dim = qkv  # let DamchaConfig report the bad type
-    elif qkv_features is not None and qkv_features != key_dim * num_heads:
-        raise DamchaValueError(
-            "`qkv_features` and `key_dim` disagree (qkv_features must be num_heads * key_dim); give one. "
-            f"Received: qkv_features={qkv_features}, key_dim={key_dim}, num_heads={num_heads}"
-        )
-    return DamchaConfig(
-        query_dim=in_features, num_heads=num_heads, key_dim=key_dim, value_dim=value_dim,
-        num_kv_heads=num_kv_heads, context_dim=in_kv_features, output_dim=out_features,
-        use_bias=use_bias, metric=metric, metric_rank=metric_rank, coupling=coupling,
+        H = check_int("num_heads", num_heads)
+        E_q = check_int("in_features", in_features)
+        qkv = E_q if qkv_features is None else check_int("qkv_features", qkv_features)
+        if qkv % H:
+            raise DamchaValueError(
+                "`qkv_features` must be divisible by `num_heads` (d = qkv_features / num_heads). "
+                f"Received: qkv_features={qkv}, num_heads={H}"
+            )
+        key_dim = qkv // H
+    elif qkv_features is not None:
+        H = check_int("num_heads", num_heads)
+        if check_int("qkv_features", qkv_features) != check_int("key_dim", key_dim) * H:
+            raise DamchaValueError(
+                "`qkv_features` and `key_dim` disagree (qkv_features must be num_heads * key_dim); give one. "
+                f"Received: qkv_features={qkv_features}, key_dim={key_dim}, num_heads={num_heads}"
+            )
+    return make_config(
+        names=CONFIG_NAMES, query_dim=in_features, num_heads=num_heads, key_dim=key_dim, value_dim=value_dim,
+        num_kv_heads=num_kv_heads, context_dim=in_kv_features, value_input_dim=in_v_features,
+        output_dim=out_features, use_bias=use_bias, metric=metric, metric_rank=metric_rank, coupling=coupling,
         scale=scale, dropout=dropout_rate,
     )
+
+
+def _is_default_attention(fn: Any) -> bool:
+    return fn is None or fn is nnx.dot_product_attention
+
+
+def _check_inputs(
+    config: DamchaConfig, x: Array, k: Array | None, v: Array | None, mask: Array | None, *, keys: int | None = None
+) -> tuple[int, ...]:
+    """Flax's ``[batch..., length, features]`` shapes, checked as the user passed
+    them; returns the batch axes. ``keys`` is the cache length when decoding
+    (the mask then spans the cache)."""
+    names = {"inputs_q": x, "inputs_k": k, "inputs_v": v}
+    for name, t in names.items():
+        if t is not None and t.ndim < 2:
+            raise DamchaValueError(
+                f"`{name}` must have shape [batch..., length, features] (rank >= 2). Received: {name}.shape={tuple(t.shape)}"
+            )
+    lead = tuple(x.shape[:-2])
+    for name in ("inputs_k", "inputs_v"):
+        t = names[name]
+        if t is not None and tuple(t.shape[:-2]) != lead:
+            raise DamchaValueError(
+                f"`{name}` must have the batch axes of `inputs_q`, {lead}. "
+                f"Received: inputs_q.shape={tuple(x.shape)}, {name}.shape={tuple(t.shape)}"
+            )
+    mask_shape = None if mask is None else tuple(mask.shape)
+    fold_mask = mask_shape is not None and len(mask_shape) == len(lead) + 3
+    if len(lead) == 1 and keys is None:
+        # (B, N, E): the shared rules and messages, with Flax's names.
+        check_shapes(config, x.shape, None if k is None else k.shape, mask_shape,
+                     value_shape=None if v is None else v.shape, names=CALL_NAMES)
+        return lead
+    # Other batch axes: the same rules on the shapes as given.
+    for name, t, features, arg in (("inputs_q", x, config.query_dim, "in_features"),
+                                   ("inputs_k", k, config.context_dim, "in_kv_features"),
+                                   ("inputs_v", v, config.value_input_dim, "in_v_features")):
+        if t is None:
+            continue
+        if t.shape[-1] != features:
+            raise DamchaValueError(f"`{name}` must have {features} features ({arg}). Received: {name}.shape={tuple(t.shape)}")
+        if 0 in t.shape:
+            raise DamchaValueError(f"`{name}` must be non-empty. Received: {name}.shape={tuple(t.shape)}")
+    B = int(np.prod(lead)) if lead else 1
+    N = x.shape[-2]
+    M = keys if keys is not None else (x if k is None else k).shape[-2]
+    folded = lambda t: None if t is None else (B, *t.shape[-2:])  # noqa: E731
+    check_shapes(config, folded(x), folded(k), None, value_shape=folded(v), names=CALL_NAMES)
+    if mask_shape is not None:
+        target = (*lead, config.num_heads, N, M)
+        if len(mask_shape) == 2 or fold_mask:
+            if any(s not in (1, t) for s, t in zip(mask_shape[::-1], target[::-1])):
+                raise DamchaValueError(
+                    f"`mask` must be broadcastable to [batch..., H, N, M] = {target} (each dim equal or 1). "
+                    f"Received: mask.shape={mask_shape}"
+                )
+        else:
+            raise DamchaValueError(
+                f"`mask` must have shape (N, M) or [batch..., H, N, M] = {target} with size-1 dims allowed. "
+                f"Received: mask.shape={mask_shape}"
+            )
+    return lead
+
+
+def _fold(t: Array | None, lead: tuple[int, ...], keep: int) -> Array | None:
+    """[batch..., *rest] -> (B, *rest) with ``keep`` trailing axes kept."""
+    if t is None:
+        return None
+    B = int(np.prod(lead)) if lead else 1
+    return jnp.reshape(t, (B, *t.shape[t.ndim - keep:]))
+
+
+def _fold_mask(mask: Array | None, lead: tuple[int, ...]) -> Array | None:
+    """A Flax mask [batch..., H|1, N|1, M] broadcast over the batch axes and folded to (B, H|1, N|1, M)."""
+    if mask is None or mask.ndim != len(lead) + 3 or len(lead) == 1:
+        return mask
+    tail = tuple(mask.shape[-3:])
+    return _fold(jnp.broadcast_to(mask, (*lead, *tail)), lead, 3)
 
 
 class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
     """Data-Adaptive Mahalanobis Cross-Head Attention, a drop-in for
     ``nnx.MultiHeadAttention``.
 
-    Same constructor and call conventions as ``nnx.MultiHeadAttention``
-    (kernels ``query``/``key``/``value`` (E, S, d) and ``out`` (H, d_v, E_o)
-    as ``LinearGeneral`` submodules), plus the DAMCHA options. With gates at
-    0 (the initial state) it computes exactly MHA.
+    ``nnx.MultiHeadAttention``'s constructor and call signatures (its
+    arguments, defaults and submodules ``query``/``key``/``value``/``out``,
+    ``LinearGeneral`` with kernels (E, S, d) and (H, d_v, E_o)), plus the
+    DAMCHA options. With gates at 0 (the initial state) it computes exactly
+    MHA; ``metric="none"`` is MHA.
 
     Args:
         num_heads: H.
@@ -126,22 +198,35 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
         out_features: E_o; default ``in_features``.
         num_kv_heads: G (GQA/MQA); default ``num_heads``.
         in_kv_features: E_kv, feature size of ``inputs_k``; default ``in_features``.
+        dtype, param_dtype, broadcast_dropout, dropout_rate, deterministic,
+            precision, kernel_init, out_kernel_init, bias_init, out_bias_init,
+            use_bias, decode, normalize_qk, qkv_promote_dtype,
+            out_promote_dtype, ln_promote_dtype, qkv_dot_general,
+            out_dot_general, qkv_dot_general_cls, out_dot_general_cls, rngs,
+            keep_rngs and the ``*_metadata`` arguments: as
+            ``nnx.MultiHeadAttention`` (``kernel_init`` defaults to Glorot
+            uniform, ``damcha_core.init_params``' distribution).
+            ``normalize_qk`` applies the LayerNorms to the projected q and k,
+            before the cross-head maps.
+        attention_fn: ``None`` (default) is DAMCHA's own attention (a query
+            that sees no key gets output 0); ``nnx.dot_product_attention``
+            means the same. Any other function is called as Flax calls it,
+            ``attention_fn(q~, k~, v, mask=..., dropout_rng=..., dropout_rate=...,
+            broadcast_dropout=..., deterministic=..., dtype=..., precision=...,
+            module=..., is_causal=...)``, with q~ and k~ the heads *after* the
+            cross-head maps ([batch..., N, H, d], [batch..., M, G, d]), so any
+            kernel computes DAMCHA. It must scale the logits by 1/sqrt(d); a
+            ``scale`` other than that is applied to q~ beforehand.
+        in_v_features: E_v, feature size of ``inputs_v`` when it differs from
+            ``in_kv_features`` (its default).
         key_dim: d, per-head query/key size (overrides ``qkv_features``).
         value_dim: d_v; default ``key_dim``.
         metric, metric_rank, coupling, scale: as ``damcha_core.DamchaConfig``
-            (defaults: "heads", None, "tied", 1/sqrt(d)).
+            (defaults: "heads", None, automatic coupling: "tied" when
+            num_kv_heads == num_heads and in_kv_features == in_features, else
+            "separate"; 1/sqrt(d)).
         metric_generator: a ``MetricGenerator``, or a dict side -> generator,
             to share the generator with other layers; default fresh ones.
-        dtype: computation dtype (default: promote inputs and params).
-        param_dtype: parameter dtype (default float32).
-        dropout_rate: attention-probability dropout (training only).
-        deterministic: default for ``__call__``'s ``deterministic``.
-        use_bias: biases on the four projections.
-        kernel_init, out_kernel_init, bias_init, out_bias_init: projection
-            initialisers; default Glorot uniform (as ``damcha_core.init_params``)
-            and zeros; the ``out_`` ones default to the others, as in Flax.
-        decode: default for ``__call__``'s ``decode`` (call ``init_cache`` first).
-        rngs: RNGs (``params``, and ``dropout`` when dropout_rate > 0).
     """
 
     def __init__(
@@ -153,53 +238,105 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
         num_kv_heads: int | None = None,
         in_kv_features: int | None = None,
         *,
-        key_dim: int | None = None,
-        value_dim: int | None = None,
-        metric: str = "heads",
-        metric_rank: int | None = None,
-        coupling: str = "tied",
-        scale: float | None = None,
-        metric_generator: MetricGenerator | Mapping[str, MetricGenerator] | None = None,
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
+        broadcast_dropout: bool = True,
         dropout_rate: float = 0.0,
         deterministic: bool | None = None,
-        use_bias: bool = True,
+        precision: Any = None,
         kernel_init: Initializer = _glorot,
         out_kernel_init: Initializer | None = None,
         bias_init: Initializer = nnx.initializers.zeros_init(),
         out_bias_init: Initializer | None = None,
+        use_bias: bool = True,
+        attention_fn: Callable[..., Array] | None = None,
         decode: bool | None = None,
+        normalize_qk: bool = False,
+        qkv_promote_dtype: Any = _flax_dtypes.promote_dtype,
+        out_promote_dtype: Any = _flax_dtypes.promote_dtype,
+        ln_promote_dtype: Any = _flax_dtypes.promote_dtype,
+        qkv_dot_general: Any = None,
+        out_dot_general: Any = None,
+        qkv_dot_general_cls: Any = None,
+        out_dot_general_cls: Any = None,
         rngs: nnx.Rngs,
+        keep_rngs: bool = True,
+        kernel_metadata: Mapping[str, Any] = _EMPTY,
+        out_kernel_metadata: Mapping[str, Any] = _EMPTY,
+        bias_metadata: Mapping[str, Any] = _EMPTY,
+        out_bias_metadata: Mapping[str, Any] = _EMPTY,
+        query_ln_scale_metadata: Mapping[str, Any] = _EMPTY,
+        key_ln_scale_metadata: Mapping[str, Any] = _EMPTY,
+        in_v_features: int | None = None,
+        key_dim: int | None = None,
+        value_dim: int | None = None,
+        metric: str = "heads",
+        metric_rank: int | None = None,
+        coupling: str | None = None,
+        scale: float | None = None,
+        metric_generator: MetricGenerator | Mapping[str, MetricGenerator] | None = None,
     ) -> None:
         self.config = attention_config(
             num_heads, in_features, qkv_features, out_features, num_kv_heads, in_kv_features,
-            key_dim=key_dim, value_dim=value_dim, metric=metric, metric_rank=metric_rank,
-            coupling=coupling, scale=scale, dropout_rate=dropout_rate, use_bias=use_bias,
+            in_v_features=in_v_features, key_dim=key_dim, value_dim=value_dim, metric=metric,
+            metric_rank=metric_rank, coupling=coupling, scale=scale, dropout_rate=dropout_rate, use_bias=use_bias,
         )
         cfg = self.config
-        given = given_generators(metric_generator, cfg)  # checked before any allocation
+        if not isinstance(rngs, nnx.Rngs):
+            raise DamchaTypeError(f"`rngs` must be an nnx.Rngs. Received: rngs={describe(rngs)}")
+        for name, value in (("broadcast_dropout", broadcast_dropout), ("normalize_qk", normalize_qk),
+                            ("keep_rngs", keep_rngs)):
+            check_bool(name, value)
+        for name, value in (("deterministic", deterministic), ("decode", decode)):
+            if value is not None:
+                check_bool(name, value)
+        if attention_fn is not None and not callable(attention_fn):
+            raise DamchaTypeError(f"`attention_fn` must be callable or None. Received: attention_fn={describe(attention_fn)}")
+        given = resolve_metric_generators(metric_generator, cfg)  # checked before any allocation
         H, G, d, d_v = cfg.num_heads, cfg.num_kv_heads, cfg.key_dim, cfg.value_dim
         # nnx.MultiHeadAttention's attribute names, so code reading them keeps working.
         self.num_heads, self.num_kv_heads, self.head_dim = H, G, d
-        self.in_features, self.in_kv_features, self.out_features = cfg.query_dim, cfg.context_dim, cfg.output_dim
-        self.qkv_features = H * d
-        self.dropout_rate, self.deterministic, self.decode = cfg.dropout, deterministic, decode
-        self.dtype, self.param_dtype, self.use_bias = dtype, param_dtype, use_bias
+        self.in_features, self.in_kv_features, self.in_v_features = cfg.query_dim, cfg.context_dim, cfg.value_input_dim
+        self.out_features, self.qkv_features = cfg.output_dim, H * d
+        self.dtype, self.param_dtype, self.precision = dtype, param_dtype, precision
+        self.broadcast_dropout, self.dropout_rate, self.deterministic = bool(broadcast_dropout), cfg.dropout, deterministic
+        self.use_bias, self.attention_fn, self.decode = use_bias, attention_fn, decode
+        self.normalize_qk = bool(normalize_qk)
+        self.qkv_promote_dtype, self.out_promote_dtype, self.ln_promote_dtype = (
+            qkv_promote_dtype, out_promote_dtype, ln_promote_dtype)
+        self.qkv_dot_general, self.out_dot_general = qkv_dot_general, out_dot_general
+        self.qkv_dot_general_cls, self.out_dot_general_cls = qkv_dot_general_cls, out_dot_general_cls
 
-        linear = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, bias_init=bias_init, rngs=rngs)
-        self.query = nnx.LinearGeneral(cfg.query_dim, (H, d), kernel_init=kernel_init, **linear)
-        self.key = nnx.LinearGeneral(cfg.context_dim, (G, d), kernel_init=kernel_init, **linear)
-        self.value = nnx.LinearGeneral(cfg.context_dim, (G, d_v), kernel_init=kernel_init, **linear)
+        linear = dict(
+            dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init, bias_init=bias_init, use_bias=use_bias,
+            precision=precision, promote_dtype=qkv_promote_dtype, dot_general=qkv_dot_general,
+            dot_general_cls=qkv_dot_general_cls, kernel_metadata=kernel_metadata, bias_metadata=bias_metadata,
+            rngs=rngs,
+        )
+        self.query = nnx.LinearGeneral(cfg.query_dim, (H, d), **linear)
+        self.key = nnx.LinearGeneral(cfg.context_dim, (G, d), **linear)
+        self.value = nnx.LinearGeneral(cfg.value_input_dim, (G, d_v), **linear)
+        self.query_ln: nnx.LayerNorm | None
+        self.key_ln: nnx.LayerNorm | None
+        if self.normalize_qk:
+            ln = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype, promote_dtype=ln_promote_dtype, rngs=rngs)
+            self.query_ln = nnx.LayerNorm(d, scale_metadata=query_ln_scale_metadata, **ln)
+            self.key_ln = nnx.LayerNorm(d, scale_metadata=key_ln_scale_metadata, **ln)
+        else:
+            self.query_ln = nnx.data(None)
+            self.key_ln = nnx.data(None)
         self.out = nnx.LinearGeneral(
             (H, d_v), cfg.output_dim, axis=(-2, -1), kernel_init=out_kernel_init or kernel_init,
-            **{**linear, "bias_init": out_bias_init or bias_init},
+            bias_init=out_bias_init or bias_init, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
+            precision=precision, promote_dtype=out_promote_dtype, dot_general=out_dot_general,
+            dot_general_cls=out_dot_general_cls, rngs=rngs,
+            kernel_metadata=out_kernel_metadata or kernel_metadata, bias_metadata=out_bias_metadata or bias_metadata,
         )
 
-        generators = given if given is not None else make_metric_generators(cfg, param_dtype=param_dtype, rngs=rngs)
+        generators = given or make_metric_generators(cfg, param_dtype=param_dtype, rngs=rngs)
         self.metric = nnx.Dict({s: CrossHeadMap(generators[s], param_dtype=param_dtype) for s in cfg.metric_sides})
 
-        self.rngs = rngs.dropout.fork() if cfg.dropout > 0 else nnx.data(None)
+        self.rngs = rngs.dropout.fork() if keep_rngs and cfg.dropout > 0 else None
         self.cached_key: nnx.Cache | None = nnx.data(None)
         self.cached_value: nnx.Cache | None = nnx.data(None)
         self.cache_index: nnx.Cache | None = nnx.data(None)
@@ -211,30 +348,50 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
         *,
         metric: str = "heads",
         metric_rank: int | None = None,
-        coupling: str = "tied",
+        coupling: str | None = None,
         rngs: nnx.Rngs,
     ) -> "DamchaAttention":
-        """A DAMCHA layer with ``mha``'s projections and gates at 0: identical
-        outputs, ready to fine-tune the metric. The generator is fresh."""
+        """A DAMCHA layer with ``mha``'s projections (and q/k norms) and gates
+        at 0: identical outputs, ready to fine-tune the metric. The generator
+        is fresh; ``coupling=None`` picks it from ``mha``'s shape (tied when
+        num_kv_heads == num_heads and in_kv_features == in_features)."""
         return from_mha(cls, mha, metric=metric, metric_rank=metric_rank, coupling=coupling, rngs=rngs)
 
     # ----------------------------------------------------------------- calls
 
-    def _dropout_rng(self, deterministic: bool | None, rngs: Any) -> Array | None:
+    def _dropout_rng(self, deterministic: bool | None, rngs: Any) -> tuple[bool, Array | None]:
+        """(deterministic, key) as nnx.MultiHeadAttention decides them."""
         if self.dropout_rate == 0.0:
-            return None
-        deterministic = self.deterministic if deterministic is None else deterministic
+            return True, None
+        deterministic = self.deterministic if deterministic is None else check_bool("deterministic", deterministic)
         if deterministic is None:
             raise DamchaValueError(
                 f"`deterministic` must be given (to __call__ or the constructor) when dropout_rate={self.dropout_rate} > 0. "
                 "Received: deterministic=None"
             )
         if deterministic:
-            return None
-        stream = rngs.dropout if isinstance(rngs, nnx.Rngs) else (rngs or self.rngs)
+            return True, None
+        if isinstance(rngs, nnx.Rngs):
+            stream = rngs.dropout
+        elif rngs is None or isinstance(rngs, nnx.RngStream):
+            stream = rngs or self.rngs
+        else:
+            raise DamchaTypeError(f"`rngs` must be an nnx.Rngs, an nnx.RngStream or None. Received: rngs={describe(rngs)}")
         if stream is None:
-            raise DamchaValueError("`rngs` must be given to __call__ when dropout is active. Received: rngs=None")
-        return stream()
+            raise DamchaValueError(
+                "`rngs` must be given to __call__ when dropout is active and the layer keeps no rngs "
+                "(keep_rngs=False). Received: rngs=None"
+            )
+        return False, stream()
+
+    def _metric_params(self) -> dict[str, Array]:
+        """The metric sides' canonical tensors (what ``_functional``'s map steps read)."""
+        out: dict[str, Array] = {}
+        for side in self.config.metric_sides:
+            cross = self.metric[side]
+            out[f"metric.{side}.gate"] = cross.gate[...]
+            out.update({f"metric.{side}.{leaf}": var[...] for leaf, var in cross.generator.leaves().items()})
+        return out
 
     def __call__(
         self,
@@ -243,52 +400,135 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
         inputs_v: Array | None = None,
         *,
         mask: Array | None = None,
-        is_causal: bool = False,
         deterministic: bool | None = None,
         rngs: nnx.Rngs | nnx.RngStream | None = None,
+        sow_weights: bool = False,
         decode: bool | None = None,
+        is_causal: bool = False,
+        out_sharding: Any = None,
+        qkv_sharding: Any = None,
     ) -> Array:
-        """Attention of ``inputs_q`` (B, N, E_q) over ``inputs_k`` (B, M, E_kv).
-
-        As in Flax, inputs may also be unbatched (N, E) or carry several batch
-        axes ``[batch..., N, E]`` (not with ``decode``), with masks
-        ``[batch..., H|1, N|1, M]``; they are folded into one batch axis.
+        """Attention of ``inputs_q`` [batch..., N, E_q] over ``inputs_k`` [batch..., M, E_kv].
 
         As ``nnx.MultiHeadAttention``: ``inputs_k=None`` is self-attention,
-        ``inputs_v`` defaults to ``inputs_k``; ``mask`` follows Flax: True or
-        non-zero = attend (``nnx.make_attention_mask``/``make_causal_mask``
-        return float 0/1 masks), shape (N, M) or (B, H, N, M) with size-1 dims. The key map is computed from
-        ``inputs_k``'s tokens. With ``decode`` the new tokens are appended to
-        the cache (``init_cache``) and attend causally over it (``is_causal``
-        is implied). Returns (B, N, E_o).
+        ``inputs_v`` defaults to ``inputs_k``; inputs may be unbatched (N, E)
+        or carry several batch axes. ``mask`` is True (or 1) = attend, shape
+        (N, M) or [batch..., H|1, N|1, M]; bool, or numeric with only 0 and 1
+        (``nnx.make_attention_mask``/``make_causal_mask`` give float 0/1
+        masks). A numeric mask with other values (an additive 0/-inf mask,
+        which Flax would read inverted) is refused, or under ``jit`` makes the
+        output NaN. The key map is computed from ``inputs_k``'s tokens.
+        ``sow_weights`` stores the attention probabilities in
+        ``nnx.Intermediate`` as ``attention_weights``. With ``decode`` the new
+        tokens (one or more) are appended to the cache (``init_cache``) and
+        attend causally over it. Returns [batch..., N, E_o].
         """
         if inputs_k is None and inputs_v is not None:
             raise DamchaValueError(
                 "`inputs_k` cannot be None when `inputs_v` is given; pass the key/value tokens as inputs_k. "
                 f"Received: inputs_k=None, inputs_v={describe(inputs_v)}"
             )
-        value = None if inputs_v is None or inputs_v is inputs_k else inputs_v
-        mask = _flax_mask(mask)
-        decode = bool(self.decode if decode is None else decode)
-        dropout_rng = self._dropout_rng(deterministic, rngs)
+        x = F.check_float("inputs_q", inputs_q)
+        k_in = None if inputs_k is None else F.check_float("inputs_k", inputs_k)
+        v_in = None if inputs_v is None else F.check_float("inputs_v", inputs_v)
+        is_causal = check_bool("is_causal", is_causal)
+        sow_weights = check_bool("sow_weights", sow_weights)
+        decode = self.decode if decode is None else check_bool("decode", decode)
+        mask, bad = F.check_mask(mask, "mask")
+        cache_len = None
         if decode:
-            if value is not None:
-                raise DamchaValueError(
-                    "`inputs_v` separate from `inputs_k` is not supported with decode=True. "
-                    f"Received: inputs_v={describe(inputs_v)}"
-                )
-            return self._decode(self.arrays(), inputs_q, inputs_k, mask)
-        lead = None
-        if getattr(inputs_q, "ndim", 3) != 3:  # Flax also takes (N, E) and [batch..., N, E]
-            inputs_q, inputs_k, value, mask, lead = _fold_batch_dims(inputs_q, inputs_k, value, mask)
-        y = F.damcha_attention(
-            self.arrays(), self.config, inputs_q, inputs_k, value=value, mask=mask, is_causal=is_causal,
-            dropout_rng=dropout_rng, deterministic=dropout_rng is None, dtype=self.dtype,
+            if self.cached_key is None:
+                raise DamchaValueError("The decoding cache is not initialised: call init_cache(input_shape) first.")
+            cache_len = self.cached_key.shape[-3]
+        lead = _check_inputs(self.config, x, k_in, v_in, mask, keys=cache_len)
+        deterministic, dropout_rng = self._dropout_rng(deterministic, rngs)
+
+        ctx = x if k_in is None else k_in
+        q = self.query(x, out_sharding=qkv_sharding)
+        k = self.key(ctx, out_sharding=qkv_sharding)
+        v = self.value(ctx if v_in is None else v_in, out_sharding=qkv_sharding)
+        if self.query_ln is not None and self.key_ln is not None:
+            q, k = self.query_ln(q), self.key_ln(k)
+        if self.config.metric_sides:
+            folded_q, folded_k = F.cross_head_maps(
+                self._metric_params(), self.config, _fold(x, lead, 2), _fold(k_in, lead, 2),
+                _fold(q, lead, 3), _fold(k, lead, 3), precision=self.precision,
+            )
+            q, k = jnp.reshape(folded_q, q.shape), jnp.reshape(folded_k, k.shape)
+
+        if not _is_default_attention(self.attention_fn):
+            o = self._custom_attention(q, k, v, mask, lead, decode, is_causal, deterministic, dropout_rng, sow_weights)
+        elif decode:
+            o = self._decode(q, k, v, _fold_mask(mask, lead), dropout_rng=dropout_rng,
+                             broadcast_dropout=self.broadcast_dropout, precision=self.precision, name="inputs_q")
+        else:
+            o, weights = F.attend(
+                self.config, _fold(q, lead, 3), _fold(k, lead, 3), _fold(v, lead, 3), mask=_fold_mask(mask, lead),
+                is_causal=is_causal, return_weights=sow_weights, dropout_rng=dropout_rng,
+                broadcast_dropout=self.broadcast_dropout, precision=self.precision,
+            )
+            o = jnp.reshape(o, (*lead, *o.shape[1:]))
+            if sow_weights:
+                self.sow(nnx.Intermediate, "attention_weights", jnp.reshape(weights, (*lead, *weights.shape[1:])))
+        return F._poison(self.out(o, out_sharding=out_sharding), bad)
+
+    def _custom_attention(self, q, k, v, mask, lead, decode, is_causal, deterministic, dropout_rng, sow_weights):
+        """``attention_fn`` on q~, k~ (after the maps) and v, called as Flax calls it."""
+        if self.config.scale is not None:
+            # A standard kernel scales by 1/sqrt(d): fold the configured scale into q~.
+            q = q * jnp.asarray(self.config.scale * np.sqrt(self.config.key_dim), q.dtype)
+        if decode:
+            cached_k, cached_v, index = self.cached_key, self.cached_value, self.cache_index
+            T = q.shape[-3]
+            check_room(index[...], T, cached_k.shape[-3], "inputs_q", q.shape[:-2])
+            zero = jnp.zeros((), jnp.int32)
+            start = (zero,) * len(lead) + (index[...].astype(jnp.int32), zero, zero)
+            cached_k[...] = jax.lax.dynamic_update_slice(cached_k[...], k.astype(cached_k.dtype), start)
+            cached_v[...] = jax.lax.dynamic_update_slice(cached_v[...], v.astype(cached_v.dtype), start)
+            visible = self._decode_mask(T)
+            mask = visible if mask is None else jnp.logical_and(mask, visible)
+            k, v = cached_k[...], cached_v[...]
+            index[...] = index[...] + T
+        return self.attention_fn(
+            q, k, v, mask=mask, dropout_rng=dropout_rng, dropout_rate=self.dropout_rate,
+            broadcast_dropout=self.broadcast_dropout, deterministic=deterministic, dtype=self.dtype,
+            precision=self.precision, module=self if sow_weights else None, is_causal=is_causal,
         )
-        return y if lead is None else jnp.reshape(y, lead + tuple(y.shape[-2:]))
 
     def metric_penalty(self, inputs_q: Array, inputs_k: Array | None = None) -> Array:
         """The optional regulariser mean ||L(t) - I||_F^2 / (S*d) (``damcha_core.metric_penalty``)."""
-        return F.metric_penalty(self.arrays(), self.config, inputs_q, inputs_k)
+        x = F.check_float("inputs_q", inputs_q)
+        c = None if inputs_k is None else F.check_float("inputs_k", inputs_k)
+        lead = _check_inputs(self.config, x, c, None, None)
+        x, c = _fold(x, lead, 2), _fold(c, lead, 2)
+        params = self._metric_params()
+        per_role = []
+        for role, tokens in (("q", x), ("k", x if c is None else c)):
+            side = side_of(self.config, role)
+            if side is not None:
+                coeff = F.generator(params, self.config, side, tokens)
+                per_role.append(role_penalty(jnp, params, self.config, side, coeff))
+        return jnp.mean(jnp.stack(per_role)) if per_role else jnp.zeros((), x.dtype)
 
-
+    def set_view(
+        self,
+        deterministic: bool | None = None,
+        decode: bool | None = None,
+        batch_size: int | tuple[int, ...] | None = None,
+        max_length: int | None = None,
+    ) -> None:
+        """As ``nnx.MultiHeadAttention.set_view`` (used by ``nnx.view``): set the
+        call defaults, and allocate the cache for ``decode=True`` when it has
+        none yet (``batch_size`` and ``max_length`` are then required)."""
+        if deterministic is not None:
+            self.deterministic = check_bool("deterministic", deterministic)
+        if decode is not None:
+            self.decode = check_bool("decode", decode)
+            if self.decode and self.cached_key is None:
+                if batch_size is None or max_length is None:
+                    raise DamchaValueError(
+                        "`batch_size` and `max_length` must be given to allocate the cache with decode=True. "
+                        f"Received: batch_size={describe(batch_size)}, max_length={describe(max_length)}"
+                    )
+                batch = (batch_size,) if isinstance(batch_size, (int, np.integer)) else tuple(batch_size)
+                self.init_cache((*batch, max_length, self.in_features), self.dtype or jnp.float32)

@@ -1,0 +1,273 @@
+"""Hardening of the JAX port (issue 11): masks, NaN propagation, error messages.
+
+Every check goes through the public entry points (the pure functions and the
+NNX module) and compares with the NumPy reference where a result is expected.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import damcha_core as dc
+import damcha_jax as dj
+from damcha_conformance import case_params
+
+FAST = {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 0}
+fast_jit = functools.partial(jax.jit, compiler_options=FAST)
+
+B, N, E, H = 2, 4, 8, 2
+CFG = dc.DamchaConfig(query_dim=E, num_heads=H, key_dim=4)
+PARAMS = {k: np.asarray(v, np.float32) for k, v in case_params(CFG, 0).items()}  # open gates, non-zero biases
+X = np.random.default_rng(0).normal(size=(B, N, E)).astype(np.float32)
+PAD = np.array([[1, 1, 1, 1], [1, 1, 0, 0]], bool)[:, None, None, :]  # (B, 1, 1, M); no empty row
+
+
+def _layer() -> dj.DamchaAttention:
+    return dj.DamchaAttention.from_canonical(PARAMS, CFG)
+
+
+# ------------------------------------------------------------------- masks
+
+
+def test_additive_float_mask_is_refused_not_inverted() -> None:
+    """An additive 0/-inf float mask would be read as "non-zero = attend", i.e.
+    inverted (Flax's MHA does exactly that): the module and the functions refuse it."""
+    additive = np.where(PAD, 0.0, -np.inf).astype(np.float32)
+    layer = _layer()
+    calls = {
+        "module": lambda: layer(X, mask=additive),
+        "damcha_attention": lambda: dj.damcha_attention(PARAMS, CFG, X, mask=additive),
+        "decode_step": lambda: dj.decode_step(PARAMS, CFG, dj.init_cache(CFG, B, N), X[:, :1], mask=additive),
+    }
+    for name, call in calls.items():
+        with pytest.raises(dc.DamchaValueError, match=r"`mask` must be boolean .*holds other values.*Received: mask=") as err:
+            call()
+        assert "inf" not in str(err.value).split("Received:")[1], name  # shape and dtype only, never the contents
+    # The Flax/Keras 0/1 convention (float or int) is read as the bool mask.
+    expected = dc.damcha_attention(PARAMS, CFG, X, mask=PAD)
+    for mask in (PAD.astype(np.float32), PAD.astype(np.int32), jnp.asarray(PAD, jnp.bfloat16)):
+        np.testing.assert_allclose(layer(X, mask=mask), expected, rtol=2e-4, atol=2e-5)
+        np.testing.assert_allclose(dj.damcha_attention(PARAMS, CFG, X, mask=mask), expected, rtol=2e-4, atol=2e-5)
+
+
+def test_additive_mask_under_jit_gives_nan() -> None:
+    """Under jit the values cannot be checked: a mask with values other than
+    0/1 makes the output NaN instead of silently attending to the hidden keys."""
+    layer = _layer()
+    additive = jnp.asarray(np.where(PAD, 0.0, -np.inf), jnp.float32)
+    graphdef, state = nnx.split(layer)
+
+    def calls(mask):
+        module = nnx.merge(graphdef, state)
+        cache = dj.init_cache(CFG, B, N)
+        return (module(X, mask=mask), dj.damcha_attention(PARAMS, CFG, X, mask=mask),
+                dj.decode_step(PARAMS, CFG, cache, X[:, :1], mask=mask)[0])
+
+    for out in fast_jit(calls)(additive):
+        assert np.all(np.isnan(np.asarray(out)))
+    for out in fast_jit(calls)(jnp.asarray(PAD, jnp.float32)):  # 0/1 under jit: the real answer
+        assert np.all(np.isfinite(np.asarray(out)))
+
+
+# --------------------------------------------------------------- NaN in, NaN out
+
+NAN_TARGETS = ["query.kernel", "value.kernel", "metric.qk.kernel", "input"]
+
+
+def _with_nan(target: str):
+    params = dict(PARAMS)
+    x = X.copy()
+    if target == "input":
+        x[1, 2, 3] = np.nan
+    else:
+        value = params[target].copy()
+        value.flat[0] = np.nan
+        params[target] = value
+    return params, x
+
+
+@pytest.mark.parametrize("target", NAN_TARGETS)
+def test_nan_in_gives_nan_out_on_every_path(target: str) -> None:
+    """NaN in a parameter or an input gives NaN wherever the reference does
+    (never a finite number), on the fused path, the einsum path (weights),
+    float64, dropout, decoding and the module (DECISIONS 5: forward passes
+    never inspect values, NaN propagates)."""
+    params, x = _with_nan(target)
+    mask = np.ones((B, 1, N, N), bool)
+    mask[0, :, 1, :] = False  # an empty row: output bias there, in the reference too
+    ref64 = {k: v.astype(np.float64) for k, v in PARAMS.items()}
+    if target == "input":
+        # The reference takes NaN inputs; a decoder's step t sees only tokens <= t.
+        nan_rows = np.isnan(dc.damcha_attention(ref64, CFG, x.astype(np.float64), mask=mask))
+        causal_ref = np.stack([np.isnan(dc.damcha_attention(ref64, CFG, x[:, : t + 1].astype(np.float64), causal=True)[:, t])
+                               for t in range(N)], axis=1)
+    else:
+        # The reference refuses NaN parameters (they enter there); every row that
+        # sees a key reads the poisoned tensor, the empty row is the output bias.
+        nan_rows = np.ones((B, N, E), bool)
+        nan_rows[0, 1] = False
+        causal_ref = np.ones((B, N, E), bool)
+    assert nan_rows.any() and not nan_rows.all()
+    key = jax.random.key(0)
+    dropping = CFG.replace(dropout=0.5)
+
+    def paths(params, x):
+        out = {
+            "fused": dj.damcha_attention(params, CFG, x, mask=mask),
+            "weights": dj.damcha_attention(params, CFG, x, mask=mask, return_weights=True)[0],
+            "dropout": dj.damcha_attention(params, dropping, x, mask=mask, dropout_rng=key, deterministic=False),
+        }
+        cache = dj.init_cache(CFG, B, N)
+        ys = []
+        for t in range(N):
+            y, cache = dj.decode_step(params, CFG, cache, x[:, t : t + 1])
+            ys.append(y)
+        out["decode"] = jnp.concatenate(ys, axis=1)
+        return out
+
+    results = fast_jit(paths)(params, x)
+    for name, out in results.items():
+        out = np.asarray(out)
+        expected = causal_ref if name == "decode" else nan_rows
+        if name == "dropout":
+            # Dropout only scales kept probabilities: where the reference is NaN the output must be too.
+            assert np.all(np.isnan(out[expected])), name
+        else:
+            np.testing.assert_array_equal(np.isnan(out), expected, err_msg=name)
+    with jax.enable_x64(True):
+        out64 = dj.damcha_attention({k: jnp.asarray(v, jnp.float64) for k, v in params.items()}, CFG,
+                                    jnp.asarray(x, jnp.float64), mask=mask)
+        np.testing.assert_array_equal(np.isnan(np.asarray(out64)), nan_rows, err_msg="float64")
+    layer = _layer()
+    if target == "input":
+        out = layer(x, mask=mask)
+    else:
+        # load_canonical refuses NaN (parameters entering are checked): poison a variable directly.
+        name = {"query.kernel": ("query", "kernel"), "key.bias": ("key", "bias"), "value.kernel": ("value", "kernel")}
+        if target in name:
+            var = getattr(getattr(layer, name[target][0]), name[target][1])
+        else:
+            var = getattr(layer.metric["qk"].generator, target.rsplit(".", 1)[1])
+        var[...] = jnp.asarray(params[target])
+        out = layer(x, mask=mask)
+    np.testing.assert_array_equal(np.isnan(np.asarray(out)), nan_rows, err_msg="module")
+
+
+def test_non_finite_parameters_are_refused_where_they_enter() -> None:
+    """load_canonical / from_canonical check values (parameters entering), naming the parameter."""
+    params, _ = _with_nan("metric.qk.kernel")
+    with pytest.raises(dc.DamchaValueError, match="metric.qk.kernel"):
+        _layer().load_canonical(params)
+    with pytest.raises(dc.DamchaValueError, match="metric.qk.kernel"):
+        dj.DamchaAttention.from_canonical(params, CFG)
+
+
+# -------------------------------------------------------------- error messages
+
+
+def test_list_inputs_are_described_by_type_not_contents() -> None:
+    query = X.tolist()
+    with pytest.raises(dc.DamchaTypeError, match=r"`query` must be a real floating") as err:
+        dj.damcha_attention(PARAMS, CFG, query)
+    assert len(str(err.value)) < 300 and "0." not in str(err.value).split("Received:")[1]
+    with pytest.raises(dc.DamchaTypeError, match=r"`inputs_q` must be a real floating") as err:
+        _layer()(query)
+    assert len(str(err.value)) < 300
+    with pytest.raises(dc.DamchaTypeError, match=r"`inputs_k` must be a real floating"):
+        _layer()(X, X[0].tolist())
+    with pytest.raises(dc.DamchaTypeError, match=r"`mask` must be boolean"):
+        _layer()(X, mask=PAD.tolist())
+
+
+@pytest.mark.parametrize(
+    "shape, match",
+    [
+        ((E,), r"`inputs_q` must have shape \[batch\.\.\., length, features\] \(rank >= 2\)\. Received: inputs_q.shape=\(8,\)"),
+        ((N, 3), r"`inputs_q` must have 8 features \(in_features\)\. Received: inputs_q.shape=\(4, 3\)"),
+        ((2, 3, N, 3), r"`inputs_q` must have 8 features \(in_features\)\. Received: inputs_q.shape=\(2, 3, 4, 3\)"),
+        ((B, N, 3), r"`inputs_q` must have 8 features \(in_features\)\. Received: inputs_q.shape=\(2, 4, 3\)"),
+        ((B, 0, E), r"`inputs_q` must be non-empty\. Received: inputs_q.shape=\(2, 0, 8\)"),
+    ],
+    ids=["rank-1", "unbatched-features", "two-batch-axes-features", "features", "empty"],
+)
+def test_module_reports_the_shape_the_user_passed(shape, match) -> None:
+    with pytest.raises(dc.DamchaValueError, match=match):
+        _layer()(np.ones(shape, np.float32))
+
+
+LAYER = dict(num_heads=2, in_features=8)
+BAD_CONSTRUCTOR = {
+    "in_features-str": (dict(in_features="8"), dc.DamchaTypeError, "`in_features`"),
+    "qkv_features-float": (dict(qkv_features=8.0), dc.DamchaTypeError, "`qkv_features`"),
+    "in_kv_features-zero": (dict(in_kv_features=0), dc.DamchaValueError, "`in_kv_features`"),
+    "in_v_features-str": (dict(in_v_features="4"), dc.DamchaTypeError, "`in_v_features`"),
+    "out_features-neg": (dict(out_features=-1), dc.DamchaValueError, "`out_features`"),
+    "dropout_rate": (dict(dropout_rate=1.5), dc.DamchaValueError, "`dropout_rate`"),
+    "num_kv_heads": (dict(num_kv_heads=3), dc.DamchaValueError, "`num_kv_heads`"),
+    "coupling": (dict(coupling="both"), dc.DamchaValueError, "`coupling`"),
+    "metric": (dict(metric=3), dc.DamchaTypeError, "`metric`"),
+    "broadcast_dropout": (dict(broadcast_dropout="yes"), dc.DamchaTypeError, "`broadcast_dropout`"),
+    "normalize_qk": (dict(normalize_qk=1), dc.DamchaTypeError, "`normalize_qk`"),
+    "keep_rngs": (dict(keep_rngs=None), dc.DamchaTypeError, "`keep_rngs`"),
+    "deterministic": (dict(deterministic="no"), dc.DamchaTypeError, "`deterministic`"),
+    "decode": (dict(decode=0), dc.DamchaTypeError, "`decode`"),
+    "attention_fn": (dict(attention_fn="cudnn"), dc.DamchaTypeError, "`attention_fn`"),
+    "rngs": (dict(rngs=0), dc.DamchaTypeError, "`rngs`"),
+    "metric_generator": (dict(metric_generator="shared"), dc.DamchaTypeError, "`metric_generator`"),
+    "generator-separate-single": (dict(coupling="separate", metric_generator="GEN"), dc.DamchaValueError, "`metric_generator`"),
+    "generator-missing-side": (dict(coupling="separate", metric_generator={"q": "GEN"}), dc.DamchaValueError, "missing sides"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CONSTRUCTOR))
+def test_every_bad_constructor_argument_is_named(case: str) -> None:
+    kwargs, error, name = BAD_CONSTRUCTOR[case]
+    gen = dj.MetricGenerator(8, 2, rngs=nnx.Rngs(0))
+    kwargs = {k: (gen if v == "GEN" else {s: gen for s in v} if isinstance(v, dict) else v) for k, v in kwargs.items()}
+    with pytest.raises(error, match=name):
+        dj.DamchaAttention(**{**LAYER, "rngs": nnx.Rngs(0), **kwargs})
+
+
+BAD_CALL = {
+    "is_causal": (dict(is_causal="yes"), dc.DamchaTypeError, "`is_causal`"),
+    "sow_weights": (dict(sow_weights=1), dc.DamchaTypeError, "`sow_weights`"),
+    "decode": (dict(decode="no"), dc.DamchaTypeError, "`decode`"),
+    "mask-rank-3": (dict(mask=np.ones((B, N, N), bool)), dc.DamchaValueError, r"`mask`.*mask\[:, None\]"),
+    "mask-dtype": (dict(mask=np.ones((N, N), np.complex64)), dc.DamchaTypeError, "`mask` must be boolean"),
+    "inputs_k-batch": (dict(inputs_k=np.ones((3, N, E), np.float32)), dc.DamchaValueError, "`inputs_k`"),
+    "inputs_v-without-k": (dict(inputs_v=np.ones((B, N, E), np.float32)), dc.DamchaValueError, "`inputs_k` cannot be None"),
+    "inputs_v-length": (dict(inputs_k=X, inputs_v=np.ones((B, 3, E), np.float32)), dc.DamchaValueError, "`inputs_v`"),
+    "inputs_v-int": (dict(inputs_k=X, inputs_v=np.ones((B, N, E), np.int32)), dc.DamchaTypeError, "`inputs_v`"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CALL))
+def test_every_bad_call_argument_is_named(case: str) -> None:
+    kwargs, error, name = BAD_CALL[case]
+    with pytest.raises(error, match=name):
+        _layer()(X, **kwargs)
+
+
+def test_bad_dropout_and_cache_arguments_are_named() -> None:
+    layer = dj.DamchaAttention(2, 8, dropout_rate=0.5, keep_rngs=False, rngs=nnx.Rngs(0))
+    with pytest.raises(dc.DamchaValueError, match="`deterministic` must be given"):
+        layer(X)
+    with pytest.raises(dc.DamchaValueError, match="`rngs` must be given"):
+        layer(X, deterministic=False)
+    with pytest.raises(dc.DamchaTypeError, match="`rngs` must be an nnx.Rngs"):
+        layer(X, deterministic=False, rngs=3)
+    with pytest.raises(dc.DamchaValueError, match="`input_shape`"):
+        layer.init_cache((8,))
+    with pytest.raises(dc.DamchaTypeError, match="`dtype` must be a floating dtype"):
+        layer.init_cache((B, N, E), jnp.int32)
+    layer.init_cache((B, N, E))
+    with pytest.raises(dc.DamchaValueError, match=r"`inputs_q` must have the batch axes of the cache.*\(2,\)"):
+        layer(X[:1, :1], decode=True, deterministic=True)
+    with pytest.raises(dc.DamchaValueError, match="`mask`"):
+        layer(X[:, :1], decode=True, deterministic=True, mask=np.ones((1, 3), bool))  # the mask spans the cache (T, L)
