@@ -419,11 +419,6 @@ KNOWN: dict[tuple[str, str], str] = {
     ("onnx-run_ort", "values"): _ALL_MASKED_NAN,
     ("torch-functional", "dtype"): "damcha_torch.damcha_attention with a float16/float32 query and float64 params "
                                    "lets torch's RuntimeError 'mat1 and mat2 must have the same dtype' escape",
-    ("jax-nnx", "shape"): "the NNX module's errors name the functional's `query`/`context`, not its own "
-                          "`inputs_q`/`inputs_k` (check_shapes without names=)",
-    ("jax-nnx", "dtype"): "the NNX module's dtype errors name `query`, not `inputs_q`",
-    ("jax-nnx", "mask"): "the NNX module reads an additive 0/-inf float mask as a boolean one, inverted "
-                         "(DECISIONS 5: refuse it while its values are concrete)",
     ("keras-layer", "dtype"): "a nested-list query: Keras' own ValueError ('Only input tensors may be passed as "
                               "positional arguments') escapes instead of a DamchaTypeError naming `query`",
 }
