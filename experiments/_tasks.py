@@ -67,8 +67,12 @@ class TaskConfig:
         thresholds: validation metric levels for steps-to-threshold.
         margin: the smallest difference of the metric that matters
             (verdicts: "no gain" means the 95% interval excludes a gain this large).
-        spike_factor, spike_window: a training loss above ``spike_factor`` x
-            the median of the previous ``spike_window`` losses is a spike.
+        spike_factor, spike_window, spike_min_jump: a training loss above
+            ``spike_factor`` x the median of the previous ``spike_window``
+            losses, and at least ``spike_min_jump`` nats above that median, is
+            a spike. The absolute floor matters near convergence: at a loss of
+            0.01 an ordinary batch at 0.03 is 3x the median without being
+            an instability.
         cost_steps, cost_rounds: the interleaved timing measurement.
     """
 
@@ -104,6 +108,7 @@ class TaskConfig:
     thresholds: tuple[float, ...] = ()
     spike_factor: float = 2.0
     spike_window: int = 50
+    spike_min_jump: float = 0.25
     cost_steps: int = 20
     cost_rounds: int = 7
 

@@ -123,6 +123,14 @@ def evaluate(model: nn.Module, data: TaskData, split: tuple[np.ndarray, np.ndarr
 # ---------------------------------------------------------------- the loop
 
 
+def is_spike(value: float, recent: list[float], cfg: TaskConfig) -> bool:
+    """A training loss that jumps above ``spike_factor`` x the median of the
+    ``recent`` losses *and* by at least ``spike_min_jump`` nats: near
+    convergence an ordinary batch is often several times the tiny median."""
+    median = float(np.median(recent))
+    return value > cfg.spike_factor * median and value - median >= cfg.spike_min_jump
+
+
 @dataclasses.dataclass
 class RunState:
     """Everything of a run besides model, optimiser and RNGs that a checkpoint must restore."""
@@ -293,7 +301,7 @@ def train_run(
             state.stop_reason = "diverged"
             break
         if step > cfg.warmup and len(state.recent) >= cfg.spike_window:
-            if value > cfg.spike_factor * float(np.median(state.recent)):
+            if is_spike(value, state.recent, cfg):
                 state.spikes.append(step)
         state.recent = (state.recent + [value])[-cfg.spike_window :]
         state.window.append(value)

@@ -407,3 +407,19 @@ def test_first_version_names_still_work_and_warn(tmp_path):
     with pytest.warns(DeprecationWarning, match="run_experiment is deprecated"):
         res = de.run_experiment("charlm", ["mha"], seeds=1, steps=2, eval_size=4)
     assert res["variants"]["mha"]["runs"][0]["steps"] == 2 and res["config"]["val_size"] == 4
+
+
+@pytest.mark.parametrize(
+    "value, recent, spike",
+    [
+        (0.03, [0.01, 0.01, 0.012], False),  # 3x a converged median, but a 0.02-nat wobble
+        (0.40, [0.01, 0.01, 0.012], True),  # a real jump from near zero
+        (2.5, [1.0, 1.1, 0.9], True),  # 2.5x and 1.5 nats
+        (1.9, [1.0, 1.1, 0.9], False),  # under the factor
+    ],
+    ids=["converged-wobble", "jump-from-converged", "mid-training-jump", "under-factor"],
+)
+def test_spike_rule_needs_a_relative_and_an_absolute_jump(value, recent, spike, smoke_data):
+    from damcha_experiments._train import is_spike
+
+    assert is_spike(value, recent, smoke_data["crosshead"].cfg) is spike
