@@ -291,8 +291,8 @@ class DamchaMaps(nn.Module):
         self._installed[site.attr] = projection
 
     def _uninstall(self, attr: str) -> None:
-        projection = self._installed.pop(attr)
-        fwd = projection.__dict__.get("forward")
+        projection = self._installed.pop(attr, None)
+        fwd = None if projection is None else projection.__dict__.get("forward")
         if isinstance(fwd, _SiteForward):
             if fwd.previous is None:
                 del projection.__dict__["forward"]
@@ -300,10 +300,12 @@ class DamchaMaps(nn.Module):
                 projection.forward = fwd.previous
 
     def sync(self, attention: nn.Module) -> None:
-        """Re-attach the maps to projections replaced since conversion."""
+        """Re-attach the maps to projections replaced since conversion (PEFT),
+        or whose ``forward`` was reset by someone else (accelerate's hooks)."""
         for site in self.layout.sites:
             current = attention._modules.get(site.attr)
-            if current is not self._installed.get(site.attr):
+            installed = self._installed.get(site.attr)
+            if current is not installed or not isinstance(current.__dict__.get("forward"), _SiteForward):
                 self._uninstall(site.attr)
                 self._install(site, _child(attention, site.attr))
 
@@ -592,7 +594,11 @@ def _record(model: nn.Module, **options: Any) -> None:
     """Write the options into a transformers config, saved with save_pretrained."""
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "to_dict") and hasattr(config, "save_pretrained"):
-        setattr(config, CONFIG_KEY, {"format": CONFIG_FORMAT, **options})
+        setattr(config, CONFIG_KEY, {
+            "format": CONFIG_FORMAT,
+            "load_with": "damcha_torch.from_pretrained(<model class>, path); the plain class drops the DAMCHA maps",
+            **options,
+        })
 
 
 # ------------------------------------------------------------------ helpers
