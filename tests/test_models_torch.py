@@ -405,6 +405,17 @@ def test_save_pretrained_round_trip(tmp_path, arch, share):
         assert len({k.split(".damcha.")[0] for k in gens}) == len(dt.converted_layers(loaded))
 
 
+def test_from_pretrained_with_an_auto_class(tmp_path):
+    model = open_gates(converted("llama", torch.float32))
+    model.save_pretrained(tmp_path)
+    loaded = dt.from_pretrained(transformers.AutoModelForCausalLM, tmp_path, dtype=torch.float64)
+    assert type(loaded) is transformers.LlamaForCausalLM and loaded.dtype == torch.float64
+    assert dt.converted_layers(loaded)
+    kw = inputs("llama")
+    with torch.no_grad():
+        torch.testing.assert_close(run(loaded, "llama", kw).float(), run(model, "llama", kw), rtol=1e-5, atol=1e-5)
+
+
 def test_plain_class_loading_is_loud(tmp_path, caplog):
     model = open_gates(converted("llama", torch.float32))
     model.save_pretrained(tmp_path)

@@ -682,7 +682,8 @@ def from_pretrained(cls: type, path: str | os.PathLike, *, recompute: bool = Tru
     checkpoints work as usual).
 
     Args:
-        cls: the transformers model class, e.g. ``LlamaForCausalLM``.
+        cls: the transformers model class, e.g. ``LlamaForCausalLM``, or an
+            Auto class (``AutoModelForCausalLM``).
         path: the checkpoint folder.
         recompute: as in ``convert``.
         **kwargs: passed to ``cls.from_pretrained``.
@@ -701,6 +702,11 @@ def from_pretrained(cls: type, path: str | os.PathLike, *, recompute: bool = Tru
             f"and call damcha_torch.convert. Received: path={os.fspath(path)!r}"
         )
     opts = {k: options[k] for k in ("metric", "metric_rank", "coupling", "share_metric")}
+    if hasattr(cls, "_model_mapping"):  # an Auto class: the concrete class its config maps to
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(path)
+        cls = cls._model_mapping[type(config)]
 
     def __init__(self: Any, *args: Any, **kw: Any) -> None:
         cls.__init__(self, *args, **kw)
