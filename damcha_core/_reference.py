@@ -178,6 +178,20 @@ def softmax_attend(logits: np.ndarray, visible: np.ndarray) -> np.ndarray:
     return e / np.where(total > 0, total, 1.0)
 
 
+def attend_values(probs: np.ndarray, visible: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """o_i^h = sum over the keys j that query i may see of p_h(i, j) v_j^h, (B, N, H, d_v).
+
+    Hidden keys are outside the sum, not multiplied by p = 0: a non-finite
+    value of a hidden key (a padding token full of NaN) would otherwise
+    poison every row through 0 * NaN, and an all-masked row's output would not
+    be the defined 0. Finite values take the plain product (the same numbers).
+    """
+    if np.isfinite(v).all():
+        return np.einsum("bhnm,bmhd->bnhd", probs, v)
+    terms = np.where(visible[..., None], probs[..., None] * np.moveaxis(v, 2, 1)[:, :, None], 0.0)
+    return np.moveaxis(terms.sum(axis=3), 1, 2)
+
+
 def _logits_explicit(params, config, x, c, q, k):
     """N x M logits through each head's explicit cross-head metric M_h(i, j)."""
     B, N, H, d = q.shape
@@ -279,8 +293,9 @@ def damcha_attention(
         logits = config.softmax_scale * np.einsum("bnhd,bmhd->bhnm", q, k_h)
     else:
         logits = _logits_explicit(p, config, x, c, q, k)
-    probs = softmax_attend(logits, visibility(B, H, N, M, mask, causal, query_offset))
-    o = np.einsum("bhnm,bmhd->bnhd", probs, np.repeat(v, config.group_size, axis=2))
+    visible = visibility(B, H, N, M, mask, causal, query_offset)
+    probs = softmax_attend(logits, visible)
+    o = attend_values(probs, visible, np.repeat(v, config.group_size, axis=2))
     y = np.einsum("bnhd,hde->bne", o, p["output.kernel"])
     if config.use_bias:
         y = y + p["output.bias"]

@@ -78,6 +78,7 @@ def test_non_finite_inputs_give_non_finite_outputs(path, bad):
     mask[0, 2] = False  # query 0 does not see the bad key
     y = dc.damcha_attention(p, CFG, X, c, mask=mask, path=path)
     assert np.all(~np.isfinite(y[1, 1:])), "rows that see the bad key"
+    assert np.all(np.isfinite(y[1, 0])), "the row that does not see the bad key (hidden keys have no influence)"
     assert np.all(np.isfinite(y[0])), "another batch entry is untouched"
 
 
@@ -89,3 +90,21 @@ def test_all_masked_rows_give_the_output_bias():
     y, w = dc.damcha_attention(p, CFG, X, C, mask=mask, return_weights=True)
     np.testing.assert_array_equal(y[:, 1], np.broadcast_to(np.arange(8.0), (2, 8)))
     assert np.all(w[:, :, 1] == 0) and np.all(np.isfinite(y))
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")
+@pytest.mark.parametrize("path", ["fast", "explicit"])
+def test_an_all_masked_row_is_the_bias_even_when_its_own_token_is_nan(path):
+    # Self-attention: token 0 is NaN and is also key 0. Query 0 sees no key at all
+    # (causal leaves key 0, the mask hides it), so its output is the defined 0 + b_o;
+    # query 1 sees key 1 only, so the NaN key 0 must not reach it either.
+    cfg = dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4)
+    p = dc.init_params(cfg, seed=3)
+    p["output.bias"] = np.arange(8.0)
+    p["metric.qk.gate"] = np.full(2, 0.5)
+    x = np.random.default_rng(4).normal(size=(1, 3, 8))
+    x[0, 0, 0] = np.nan
+    mask = np.array([False, True, True])
+    y = dc.damcha_attention(p, cfg, x, mask=mask[None, None, None], causal=True, path=path)
+    np.testing.assert_array_equal(y[0, 0], np.arange(8.0))
+    assert np.all(np.isfinite(y[0, 1:]))
