@@ -271,3 +271,18 @@ def test_bad_dropout_and_cache_arguments_are_named() -> None:
         layer(X[:1, :1], decode=True, deterministic=True)
     with pytest.raises(dc.DamchaValueError, match="`mask`"):
         layer(X[:, :1], decode=True, deterministic=True, mask=np.ones((1, 3), bool))  # the mask spans the cache (T, L)
+
+
+def test_bad_dropout_key_and_block_arguments_are_named() -> None:
+    with pytest.raises(dc.DamchaTypeError, match="`dropout_rng` must be a JAX PRNG key"):
+        dj.damcha_attention(PARAMS, CFG.replace(dropout=0.5), X, deterministic=False, dropout_rng=3)
+    with pytest.raises(dc.DamchaTypeError, match="`mlp_features`"):
+        dj.DamchaEncoderBlock(8, 2, "32", rngs=nnx.Rngs(0))
+    with pytest.raises(dc.DamchaValueError, match="`dropout_rate`"):
+        dj.DamchaEncoderBlock(8, 2, 32, dropout_rate=1.0, rngs=nnx.Rngs(0))
+    with pytest.raises(dc.DamchaTypeError, match="`share_metric`"):
+        dj.DamchaEncoder(2, 8, 2, 32, share_metric="yes", rngs=nnx.Rngs(0))
+    # A raw uint32 key and a typed key both work.
+    for key in (jax.random.PRNGKey(0), jax.random.key(0)):
+        y = dj.damcha_attention(PARAMS, CFG.replace(dropout=0.5), X, deterministic=False, dropout_rng=key)
+        assert np.all(np.isfinite(np.asarray(y)))

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from damcha_core import DamchaValueError, EncoderConfig, check_bool, check_int, describe
+from damcha_core import DamchaValueError, EncoderConfig, check_bool, check_int, check_rate, describe
 
 from ._generator import MetricGenerator, make_metric_generators
 from ._layer import DamchaAttention, attention_config
@@ -45,6 +45,8 @@ class DamchaEncoderBlock(nnx.Module):
         rngs: nnx.Rngs,
         **attention_kwargs: Any,
     ) -> None:
+        mlp_features = check_int("mlp_features", mlp_features)
+        check_rate("dropout_rate", dropout_rate)
         dtype, param_dtype = attention_kwargs.get("dtype"), attention_kwargs.get("param_dtype", jnp.float32)
         norm = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.attention_norm = nnx.LayerNorm(in_features, **norm)

@@ -128,6 +128,19 @@ def _check_offset(query_offset: Any) -> Any:
     raise DamchaValueError(f"`query_offset` must be an int >= 0. Received: query_offset={describe(query_offset)}")
 
 
+def _check_key(name: str, key: Any) -> Any:
+    """A JAX PRNG key: a typed key array, or a raw uint32 key (shape (2,) for threefry)."""
+    dtype = getattr(key, "dtype", None)
+    typed = dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+    raw = _np_dtype(key) == np.uint32 and getattr(key, "ndim", 0) >= 1
+    if not (typed or raw):
+        raise DamchaTypeError(
+            f"`{name}` must be a JAX PRNG key (jax.random.key(...) or jax.random.PRNGKey(...)). "
+            f"Received: {name}={describe(key)}"
+        )
+    return key
+
+
 def _compute_dtype(dtype: Any, *arrays: Any) -> Any:
     if dtype is not None:
         try:
@@ -473,6 +486,8 @@ def damcha_attention(
             f"`dropout_rng` is required when deterministic=False and config.dropout={config.dropout} > 0. "
             "Received: dropout_rng=None"
         )
+    if use_dropout:
+        _check_key("dropout_rng", dropout_rng)
     q, k, v = _qkv(p, config, x, c, v_tokens, precision)
     o, weights = attend(
         config, q, k, v, mask=mask, is_causal=is_causal, query_offset=query_offset,
