@@ -620,9 +620,14 @@ def test_unknown_layout_is_refused_and_nothing_converted():
     assert not dt.converted_layers(model)
 
 
+class RegisteredAttention(MyAttention):
+    """Only the registration test teaches convert this class (registration is
+    process-wide; MyAttention stays unknown for the other tests)."""
+
+
 def test_register_adapter_for_another_layout():
     adapter = dt.ModelAdapter(
-        "test-my-attention", "MyAttention (wq/wk)", lambda m: isinstance(m, MyAttention),
+        "test-my-attention", "RegisteredAttention (wq/wk)", lambda m: type(m) is RegisteredAttention,
         lambda m: dt.AttentionLayout(m.heads, m.heads, m.head_dim, 16, 16,
                                      (dt.ProjectionSite("wq", q=0), dt.ProjectionSite("wk", k=0))),
     )
@@ -632,7 +637,7 @@ def test_register_adapter_for_another_layout():
         dt.register_adapter(adapter)
     with pytest.raises(dc.DamchaTypeError, match="ModelAdapter"):
         dt.register_adapter("not an adapter")
-    model = nn.Sequential(MyAttention()).double()
+    model = nn.Sequential(RegisteredAttention()).double()
     x = torch.randn(2, 5, 16, dtype=torch.float64)
     with torch.no_grad():
         before = model(x)
