@@ -193,3 +193,23 @@ def test_functional_errors_name_the_argument(call, error, pattern):
     p = _torch(case_params(cfg, 0))
     with pytest.raises(error, match=pattern):
         call(p, cfg, torch.randn(2, 5, 16, dtype=torch.float64))
+
+
+def test_mixed_dtypes_compute_in_the_promoted_dtype():
+    """float64 params (damcha_core.init_params) with a float32 query, or the
+    other way round: computed in float64, as the JAX functional promotes."""
+    cfg = _config("heads-separate-kdim")
+    params = case_params(cfg, 7)
+    x, c = _tokens(cfg, 8)
+    want = dc.damcha_attention(params, cfg, x, c)
+    for p_dtype, x_dtype in ((torch.float64, torch.float32), (torch.float32, torch.float64)):
+        p = {n: t.to(p_dtype) for n, t in _torch(params).items()}
+        xq, xc = torch.from_numpy(x).to(x_dtype), torch.from_numpy(c).to(torch.float32)
+        y = damcha_attention(p, cfg, xq, xc)
+        assert y.dtype == torch.float64
+        np.testing.assert_allclose(y.numpy(), dc.damcha_attention(
+            {n: t.double().numpy() for n, t in p.items()}, cfg, xq.double().numpy(), xc.double().numpy()),
+            rtol=1e-10, atol=1e-12)
+        assert metric_penalty(p, cfg, xq, xc).dtype == torch.float64
+    np.testing.assert_allclose(damcha_attention(_torch(params), cfg, torch.from_numpy(x), torch.from_numpy(c)).numpy(),
+                               want, rtol=1e-10, atol=1e-12)

@@ -600,6 +600,11 @@ def damcha_attention(
         dropout_p: attention-probability dropout (pass 0.0 outside training).
         return_weights: also return the probabilities (B, H, N, M) (explicit
             path); otherwise one fused SDPA call.
+
+    Inputs and params of different float dtypes compute in their promoted
+    dtype (``torch.promote_types``; float64 params with a float32 query give
+    a float64 result), as the JAX functional does; the layer instead requires
+    its inputs in its parameters' dtype, as nn.MultiheadAttention does.
         return_metric: also return the per-token map factors ``{"q": ..., "k": ...}``
             as the reference does.
         recompute: recompute q~ and k~ in backward (``torch.utils.checkpoint``)
@@ -643,6 +648,7 @@ def damcha_attention(
         if not isinstance(kv_cache, DamchaKVCache):
             raise DamchaTypeError(f"`kv_cache` must be a DamchaKVCache or None. Received: kv_cache={describe(kv_cache)}")
     mask = _check_mask(mask, config, B, N, M + (0 if kv_cache is None else len(kv_cache)))
+    params, (x, c, vt) = _promote(params, x, c, vt)
     w = weights_from_canonical(params, config)
     y, weights = attend_weights(w, config, x, c, vt, mask=mask, causal=causal, query_offset=int(query_offset),
                                 kv_cache=kv_cache, dropout_p=float(dropout_p), need_weights=return_weights,
@@ -653,6 +659,22 @@ def damcha_attention(
     if return_metric:
         extras.append(_metric_factors(w, config, x, x if c is None else c))
     return (y, *extras) if extras else y
+
+
+def _promote(params: Mapping[str, Tensor], *tokens: Tensor | None) -> tuple[dict[str, Tensor], list[Tensor | None]]:
+    """Params and tokens in one computation dtype: torch's promotion of all of
+    them (as the JAX functional and Flax do), e.g. float64 params from
+    ``damcha_core.init_params`` with a float32 query compute in float64.
+    Under autocast the GEMMs cast on their own; nothing is cast here then."""
+    present = [t for t in tokens if t is not None]
+    device = present[0].device.type
+    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+        return dict(params), list(tokens)
+    dtype = present[0].dtype
+    for t in [*present[1:], *params.values()]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return ({n: _cast(t, dtype) for n, t in params.items()},
+            [None if t is None else _cast(t, dtype) for t in tokens])
 
 
 def _metric_factors(w: LayerWeights, config: DamchaConfig, x: Tensor, c: Tensor) -> dict[str, Tensor]:
@@ -746,6 +768,7 @@ def metric_penalty(params: Mapping[str, Tensor], config: DamchaConfig, query: Te
     config = _check_params(params, config)
     x = _check_float("query", query)
     c = x if context is None else _check_float("context", context)
+    params, (x, c) = _promote(params, x, c)
     # The values play no part in the penalty.
     dc.check_shapes(config, tuple(x.shape), None if context is None else tuple(c.shape),
                     value_shape=(*c.shape[:2], config.value_input_dim))
