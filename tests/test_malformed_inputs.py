@@ -413,8 +413,6 @@ KINDS = ("valid", "shape", "dtype", "values", "mask")
 # Known failures, each reported to the lead with a minimal reproducer; strict, so a fix fails as XPASS and
 # its entry must then be removed.
 KNOWN: dict[tuple[str, str], str] = {
-    ("torch-functional", "dtype"): "damcha_torch.damcha_attention with a float16/float32 query and float64 params "
-                                   "lets torch's RuntimeError 'mat1 and mat2 must have the same dtype' escape",
     ("keras-layer", "dtype"): "a nested-list query: Keras' own ValueError ('Only input tensors may be passed as "
                               "positional arguments') escapes instead of a DamchaTypeError naming `query`",
 }
