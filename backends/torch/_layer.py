@@ -456,6 +456,11 @@ class DamchaAttention(CanonicalIO, nn.Module):
         """
         for name, t in (("query", query), ("key", key), ("value", value)):
             _check_float(name, t)
+            if t.is_nested:
+                raise DamchaTypeError(
+                    f"`{name}` is a nested tensor; DamchaAttention takes dense (padded) tensors with a "
+                    f"key_padding_mask. Received: {name}={describe(t)}"
+                )
         self._check_dtypes(query, key, value)
         self_attention = query is key and key is value
         if query.dim() not in (2, 3) or (query.dim() == 3 and (key.dim() != 3 or value.dim() != 3)):
