@@ -29,6 +29,23 @@ def run(fn, *args):
     return jax.jit(fn, compiler_options=FAST)(*args)
 
 
+def in_one_program(fn, modules, *args):
+    """``fn(*modules, *args)`` compiled as one program (eager JAX compiles
+    every op on its own, which dominates these small tests); the modules'
+    state changes (caches, RNG counts) are written back."""
+    split = [nnx.split(m) for m in modules]
+
+    def inner(states, *args):
+        merged = [nnx.merge(g, s) for (g, _), s in zip(split, states)]
+        out = fn(*merged, *args)
+        return out, [nnx.state(m) for m in merged]
+
+    out, states = jax.jit(inner, compiler_options=FAST)([s for _, s in split], *args)
+    for module, state in zip(modules, states):
+        nnx.update(module, state)
+    return out
+
+
 def _normal(shape, seed: int, dtype=jnp.float32) -> jax.Array:
     return jnp.asarray(np.random.default_rng(seed).normal(size=shape), dtype)
 
@@ -75,18 +92,24 @@ def test_equals_linen_mha_with_the_same_weights(precision, decode: bool, normali
                                 "query_ln": {"scale": layers[0].query_ln.scale[...]},
                                 "key_ln": {"scale": layers[0].key_ln.scale[...]}}, **({"cache": variables["cache"]} if decode else {})}
     if not decode:
-        expected = model.apply(variables, x)
-        for layer in layers:
-            np.testing.assert_allclose(layer(x), expected, rtol=1e-5, atol=1e-6)
+        expected, *ours = in_one_program(lambda a, b, x: (model.apply(variables, x), a(x), b(x)), layers, x)
+        for out in ours:
+            np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
         return
     for layer in layers:
         layer.init_cache(x.shape)
-    state = variables
-    for t in range(x.shape[1]):
-        expected, mutated = model.apply(state, x[:, t : t + 1], mutable=["cache"])
-        state = {**state, **mutated}
-        for layer in layers:
-            np.testing.assert_allclose(layer(x[:, t : t + 1]), expected, rtol=1e-5, atol=1e-6, err_msg=f"step {t}")
+
+    def steps(a, b, x):
+        state, out = variables, []
+        for t in range(x.shape[1]):
+            expected, mutated = model.apply(state, x[:, t : t + 1], mutable=["cache"])
+            state = {**state, **mutated}
+            out.append((expected, a(x[:, t : t + 1]), b(x[:, t : t + 1])))
+        return out
+
+    for t, (expected, *ours) in enumerate(in_one_program(steps, layers, x)):
+        for out in ours:
+            np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6, err_msg=f"step {t}")
 
 
 # ---------------------------------------------------- keep_rngs and dropout
@@ -110,22 +133,24 @@ def test_dropout_and_keep_rngs_follow_flax_mha(keep_rngs: bool, broadcast_dropou
         assert isinstance(rest["rngs"]["count"], nnx.RngCount) and isinstance(rest["rngs"]["key"], nnx.RngKey)
     x = _normal((B, N, E), 4)
     rngs = lambda: None if keep_rngs else nnx.Rngs(dropout=7)  # noqa: E731
-    for _ in range(2):  # the stream advances identically
-        np.testing.assert_allclose(layer(x, deterministic=False, rngs=rngs()),
-                                   mha(x, deterministic=False, rngs=rngs()), rtol=1e-5, atol=1e-5)
-    dropped = layer(x, deterministic=False, rngs=rngs())
-    mha(x, deterministic=False, rngs=rngs())  # keep the two streams in step
-    assert np.abs(np.asarray(dropped - layer(x, deterministic=True))).max() > 1e-3
     if not keep_rngs:
         with pytest.raises(dc.DamchaValueError, match="`rngs` must be given"):
             layer(x, deterministic=False)
-
     for module in (mha, layer):
         module.init_cache((B, 3, E))
-    for t in range(3):
-        np.testing.assert_allclose(layer(x[:, t : t + 1], decode=True, deterministic=False, rngs=rngs()),
-                                   mha(x[:, t : t + 1], decode=True, deterministic=False, rngs=rngs()),
-                                   rtol=1e-5, atol=1e-5, err_msg=f"decode step {t}")
+
+    def body(layer, mha, x):
+        pairs = [(layer(x, deterministic=False, rngs=rngs()), mha(x, deterministic=False, rngs=rngs()))
+                 for _ in range(2)]  # the streams advance identically
+        plain = layer(x, deterministic=True)
+        steps = [(layer(x[:, t : t + 1], decode=True, deterministic=False, rngs=rngs()),
+                  mha(x[:, t : t + 1], decode=True, deterministic=False, rngs=rngs())) for t in range(3)]
+        return pairs, plain, steps
+
+    pairs, plain, steps = in_one_program(body, (layer, mha), x)
+    for ours, flax in pairs + steps:
+        np.testing.assert_allclose(ours, flax, rtol=1e-5, atol=1e-5)
+    assert np.abs(np.asarray(pairs[0][0] - plain)).max() > 1e-3
 
 
 # ------------------------------------------------- GQA and other sizes
@@ -147,14 +172,15 @@ def test_gqa_and_cross_sizes_need_no_coupling(mha_kwargs) -> None:
     assert layer.config.coupling == direct.config.coupling == "separate"
     assert direct.key.kernel.shape == (kv, mha.num_kv_heads, 4)
     x, c = _normal((B, N, E), 5), _normal((B, M, kv), 6)
-    np.testing.assert_allclose(layer(x, c), mha(x, c), rtol=1e-5, atol=1e-5)
+    ours, flax = in_one_program(lambda layer, mha, x, c: (layer(x, c), mha(x, c)), (layer, mha), x, c)
+    np.testing.assert_allclose(ours, flax, rtol=1e-5, atol=1e-5)
     _open_gates(layer)
     expected = dc.damcha_attention(_np(layer.to_canonical()), layer.config, np.asarray(x), np.asarray(c))
-    np.testing.assert_allclose(layer(x, c), expected, rtol=2e-4, atol=2e-5)
+    np.testing.assert_allclose(in_one_program(lambda m, x, c: m(x, c), (layer,), x, c), expected, rtol=2e-4, atol=2e-5)
     if kv == E:  # decoding (self-attention), one token at a time as Flax's GQA test
         layer.init_cache((1, 4, E))
         assert layer.cached_key.shape == (1, 4, mha.num_kv_heads, 4)
-        ys = [layer(x[:1, t : t + 1], decode=True) for t in range(4)]
+        ys = in_one_program(lambda m, x: [m(x[:1, t : t + 1], decode=True) for t in range(4)], (layer,), x)
         assert layer.cache_index[...] == 4
         full = dc.damcha_attention(_np(layer.to_canonical()), layer.config, np.asarray(x[:1, :4]), causal=True)
         np.testing.assert_allclose(jnp.concatenate(ys, axis=1), full, rtol=2e-4, atol=2e-5)
