@@ -356,3 +356,16 @@ def test_encoder_to_canonical_is_the_core_stack_format(share: bool) -> None:
     block_params, block_config = enc.layers[1].to_canonical()
     assert block_config.num_layers == 1 and not block_config.final_norm and not block_config.causal
     np.testing.assert_array_equal(block_params["layers.0.attention.metric.qk.gate"], np.asarray([0.6, -0.6], np.float32))
+
+
+def test_module_metric_penalty_and_nnx_view() -> None:
+    """The module's metric_penalty equals the reference's (batch axes folded);
+    nnx.view(decode=True, batch_size, max_length) allocates the cache as Flax's set_view does."""
+    layer, params, config = _open_layer("mqa-lowrank")
+    x, c = _normal((2, 3, N, E), 8), _normal((2, 3, M, E), 9)
+    expected = dc.metric_penalty(params, config, np.asarray(x).reshape(6, N, E), np.asarray(c).reshape(6, M, E))
+    np.testing.assert_allclose(layer.metric_penalty(x, c), expected, rtol=1e-4)
+    view = nnx.view(layer, decode=True, batch_size=B, max_length=4)
+    assert view.decode and view.cached_key.shape == (B, 4, 1, 4) and layer.cached_key is None
+    with pytest.raises(dc.DamchaValueError, match="`batch_size` and `max_length`"):
+        nnx.view(layer, decode=True)
