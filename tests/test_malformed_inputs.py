@@ -448,8 +448,19 @@ def test_the_expectations_catch_wrong_ports() -> None:
         check(dataclasses.replace(good, run=broadcasting), call)
     nan = Call("self", np.where(np.arange(24).reshape(1, 3, 8) == 5, np.nan, 1.0) * np.ones((B, N, 8)),
                corrupted="query", what="nan")
-    with pytest.raises(AssertionError, match="NaN at"):
+    with pytest.raises(AssertionError, match="finite at .* where the reference is NaN"):
         check(dataclasses.replace(good, run=lambda c: np.nan_to_num(run_reference(c))), nan)
+
+    def wrong_where_finite(c: Call) -> Any:  # louder is allowed, a different finite number is not
+        y = run_reference(c)
+        return np.where(np.isfinite(y), y + 1.0, y)
+
+    # The last token NaN under causality: the rows before it stay finite in the reference.
+    late_nan = Call("self", np.where(np.arange(24).reshape(1, 3, 8) == 21, np.nan, 1.0) * np.ones((B, N, 8)),
+                    causal=True, corrupted="query", what="nan")
+    with pytest.raises(AssertionError, match="max \\|error\\|"):
+        check(dataclasses.replace(good, run=wrong_where_finite), late_nan)
+    check(dataclasses.replace(good, run=lambda c: np.full_like(run_reference(c), np.nan)), late_nan)  # louder: allowed
     with pytest.raises(AssertionError, match="let IndexError escape"):
         check(dataclasses.replace(good, run=lambda c: [][1]), call)
     with pytest.raises(AssertionError, match="does not name 'context'"):
