@@ -197,3 +197,46 @@ def test_static_qdq_int8_errors():
         do.quantize_static_int8(do.export(dc.init_params(config), config, None, dtype="float16"), calibration)
     with pytest.raises(dc.DamchaValueError, match="activation_type"):
         do.quantize_static_int8(model, calibration, activation_type="int4")
+
+
+def test_quantisers_drop_only_the_pre_processing_hint_and_restore_root_logging(monkeypatch):
+    import importlib
+    import logging
+    import tempfile
+
+    from damcha_onnx._quantize import PRE_PROCESSING_HINT
+
+    # By name: the package also exports a function called `quantize`.
+    ort_quantize = importlib.import_module("onnxruntime.quantization.quantize")
+
+    config = dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4)
+    model = do.export(dc.init_params(config, 0), config, None)
+    calibration = [{"query": np.random.default_rng(i).normal(size=(2, 5, 8))} for i in range(2)]
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    # Another root warning while the quantiser runs must still reach the user's handlers (no logging.disable).
+    load = ort_quantize.load_model_with_shape_infer
+    def load_and_warn(*args, **kwargs):
+        logging.warning("another warning")
+        return load(*args, **kwargs)
+    monkeypatch.setattr(ort_quantize, "load_model_with_shape_infer", load_and_warn)
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", [Keep()])
+    # onnxruntime itself logs the hint on the root logger (so the filter below has something to drop).
+    with tempfile.TemporaryDirectory() as tmp:
+        onnx.save_model(model, f"{tmp}/m.onnx")
+        ort_quantize.quantize_dynamic(f"{tmp}/m.onnx", f"{tmp}/q.onnx")
+    assert any(PRE_PROCESSING_HINT in r for r in records), records
+    for user_handlers in ([Keep()], []):  # [] : logging.warning would install basicConfig's handler
+        monkeypatch.setattr(root, "handlers", list(user_handlers))
+        filters, disabled = list(root.filters), root.manager.disable
+        records.clear()
+        do.quantize_int8(model)
+        do.quantize_static_int8(model, calibration)
+        assert root.handlers == user_handlers and root.filters == filters and root.manager.disable == disabled
+        if user_handlers:
+            assert records == ["another warning", "another warning"], records
