@@ -48,6 +48,7 @@ EXTRAS: dict[str, str] = {
     "matplotlib": "reports",
     "rich": "reports",
     "tqdm": "reports",
+    "sklearn": "experiments",  # scikit-learn: the bundled 8x8 digits of `damcha experiment digits`
     "safetensors": "",  # a core dependency: a broken install, not an extra
 }
 

@@ -64,10 +64,37 @@ def test_a_missing_framework_names_the_smallest_extra():
 
 
 @pytest.mark.parametrize("module, extra", [("torch", "torch"), ("flax", "jax"), ("tensorflow", "keras"),
-                                           ("onnxruntime", "onnx"), ("matplotlib", "reports")])
+                                           ("onnxruntime", "onnx"), ("matplotlib", "reports"),
+                                           ("sklearn", "experiments")])
 def test_install_hints_name_the_smallest_extra(module, extra):
     assert cu.install_hint(module) == f'pip install "damcha[{extra}]"'
     assert cu.install_hint(f"{module}.sub") == f'pip install "damcha[{extra}]"'
+
+
+def test_every_extra_named_in_extras_is_declared_and_lists_its_module():
+    import tomllib
+
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    declared = pyproject["project"]["optional-dependencies"]
+    # Import name -> distribution name where they differ.
+    dists = {"sklearn": "scikit-learn", "jaxlib": "jax"}
+    for module, extra in cu.EXTRAS.items():
+        if not extra:
+            continue
+        assert extra in declared, (module, extra)
+        requirements = " ".join(declared[extra])
+        assert dists.get(module, module) in requirements, (module, extra, requirements)
+
+
+def test_experiment_digits_without_scikit_learn_names_the_experiments_extra(tmp_path):
+    argv = ["experiment", "digits", "--preset", "smoke", "--no-plots", "--out", str(tmp_path / "runs")]
+    proc = subprocess.run([sys.executable, "-c", _BLOCKED.format(blocked="sklearn", argv=argv)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    [line] = proc.stderr.strip().splitlines()
+    assert line.startswith("damcha experiment: error: TASK: needs sklearn") and "scikit-learn" in line, line
+    assert line.endswith('pip install "damcha[experiments]"') and "[all]" not in line, line
+    assert list(tmp_path.iterdir()) == []  # stopped before any work
 
 
 def test_require_checks_without_importing(capsys):
