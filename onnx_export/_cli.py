@@ -5,18 +5,21 @@ flag). The model is exported into a private folder beside ``--out``,
 validated there (onnx.checker, shape inference, onnxruntime and the ONNX
 reference evaluator against the NumPy reference), and moved into place only
 when every check passed: a failed export (exit 1 on a mismatch) never
-leaves a partial file and never replaces an earlier good one.
+leaves a partial file and never replaces an earlier good one. The same
+holds for the int8 model of ``--quantize`` and the ORT files of ``--ort-dir``.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import functools
 import json
-import logging
 import os
+import shutil
 import sys
 import tempfile
+from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -27,7 +30,7 @@ from ._export import export
 from ._graph import ATTENTION_OPSET, DTYPES
 from ._io import data_file_name, remove_stale_data
 from ._options import check_opset
-from ._runtime import empty_kv_cache, run_ort, run_reference
+from ._runtime import empty_kv_cache, ort_session, run_ort, run_reference
 
 PROG = "damcha export"
 #: Chunks of the validation decode with --kv-cache: a prefill, one token, the rest.
@@ -35,14 +38,28 @@ DECODE_CHUNKS = (3, 1, 3)
 #: Validation allowance per dtype: max |error| <= atol * (1 + max |expected|).
 ATOL = {"float64": 1e-9, "float32": 1e-4, "float16": 1e-2}
 EXTERNAL_DATA = {"auto": None, "always": True, "never": False}
+#: --mask choice -> the exporter's ``mask=``: none, a 4-D (B|1, H|1, N|1, M) mask, a (B, M) padding mask.
+MASKS = {"none": False, "4d": True, "padding": "padding"}
 #: An int8 model passes when its relative RMS error against the reference is at most this.
 INT8_RTOL = 0.1
+#: The reduced operator config ``convert_to_ort`` writes beside the .ort files (with type reduction).
+ORT_CONFIG = "required_operators_and_types.config"
+
+#: Output name -> array: "output", and "weights" with --return-weights.
+Outputs = dict[str, np.ndarray]
 
 
 def int8_path(out: str) -> str:
     """Where ``--quantize`` writes the int8 model: ``m.onnx`` -> ``m.int8.onnx``."""
     stem = out[: -len(".onnx")] if out.endswith(".onnx") else out
     return stem + ".int8.onnx"
+
+
+def ort_names(out: str, quantize: bool) -> list[str]:
+    """The files ``--ort-dir`` receives: ``<stem>.ort`` of each model (``convert_to_ort`` names
+    them by the ``.onnx`` file's stem), then the reduced operator config."""
+    models = [out] + ([int8_path(out)] if quantize else [])
+    return [Path(m).stem + ".ort" for m in models] + [ORT_CONFIG]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -61,8 +78,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=tuple(d for d in ATOL if d in DTYPES), default="float32",
                    help="inputs, weights and output (float16 accumulates the RMS statistic and softmax in float32)")
     p.add_argument("--causal", action="store_true", help="causal self-attention (top-left)")
-    p.add_argument("--cross", action="store_true", help="add a context input (cross-attention)")
-    p.add_argument("--mask", action="store_true", help="add a boolean mask input (B|1, H|1, N|1, M), True = may attend")
+    p.add_argument("--cross", action="store_true",
+                   help="add a context input (cross-attention); a config whose value_input_dim differs from its "
+                   "context_dim also gets a value input (B, M, E_v)")
+    # `--mask` alone keeps its meaning from before the choices existed: a 4-D mask.
+    p.add_argument("--mask", nargs="?", choices=tuple(MASKS), const="4d", default="none",
+                   help="a boolean mask input, True = may attend: 4d (the default of a bare --mask) "
+                   "(B|1, H|1, N|1, M), padding (B, M) as a tokenizer's attention mask, or none (default)")
+    p.add_argument("--return-weights", action="store_true",
+                   help="add an output 'weights' (B, H, N, M), the attention probabilities; validated against "
+                   "damcha_core.damcha_attention(..., return_weights=True)")
     p.add_argument("--kv-cache", action="store_true",
                    help="export one incremental decoding step: past_key/past_value in, present_key/present_value out "
                    "(needs --causal, no --cross); validated by decoding in chunks")
@@ -74,6 +99,11 @@ def _parser() -> argparse.ArgumentParser:
                    "quantised at run time) or static QDQ (calibrated on random normal inputs; calibrate on real "
                    "data with damcha_onnx.quantize_static_int8); needs --dtype float32; validated against the "
                    f"reference (relative RMS error <= {INT8_RTOL})")
+    p.add_argument("--ort-dir", metavar="DIR", default=None,
+                   help="also write the ORT format for onnxruntime Mobile and minimal builds into DIR (created if "
+                   f"needed): <out stem>.ort (and <out stem>.int8.ort with --quantize) and {ORT_CONFIG}, the "
+                   "reduced operator config of a minimal build (damcha_onnx.convert_to_ort); each .ort file is "
+                   "loaded and validated like the .onnx one")
     p.add_argument("--seed", type=cu.int_arg(minimum=0), default=0, help="seed of the validation inputs (>= 0)")
     return p
 
@@ -93,6 +123,13 @@ def _load_config(text: str) -> dc.DamchaConfig:
                        f"damcha_core.save_params. Received: --config={source[:200]!r} ({exc})", prog=PROG)
 
 
+def _check_ort_dir(args: argparse.Namespace) -> None:
+    folder = cu.check_output_dir(args.ort_dir, "--ort-dir", prog=PROG)
+    if folder.is_dir():  # files it would replace: not a folder, not read-only
+        for name in ort_names(args.out, args.quantize is not None):
+            cu.check_output_file(folder / name, "--ort-dir", prog=PROG)
+
+
 def _validate(args: argparse.Namespace) -> tuple[dict[str, np.ndarray], dc.DamchaConfig]:
     """Every flag before any work; returns the params and config."""
     out = cu.check_output_file(args.out, "--out", prog=PROG)
@@ -103,6 +140,8 @@ def _validate(args: argparse.Namespace) -> tuple[dict[str, np.ndarray], dc.Damch
         if args.kv_cache:
             cu.usage_error("--quantize", "cannot be combined with --kv-cache", prog=PROG)
         cu.check_output_file(int8_path(args.out), "--quantize", prog=PROG)
+    if args.ort_dir is not None:
+        _check_ort_dir(args)
     if EXTERNAL_DATA[args.external_data] is not False:
         data = out.with_name(data_file_name(str(out)))
         if data.exists() and cu.read_only(data):
@@ -115,6 +154,7 @@ def _validate(args: argparse.Namespace) -> tuple[dict[str, np.ndarray], dc.Damch
         cu.usage_error("--kv-cache", "needs --causal (a decode step is causal)", prog=PROG)
     if args.kv_cache and args.cross:
         cu.usage_error("--kv-cache", "cannot be combined with --cross (the cache holds the layer's own tokens)", prog=PROG)
+    cu.require("onnxruntime", prog=PROG, why="the validation, --quantize and --ort-dir")
     cu.check_input_file(args.params, "--params", prog=PROG)
     try:
         params, stored = dc.load_params(args.params)
@@ -128,6 +168,9 @@ def _validate(args: argparse.Namespace) -> tuple[dict[str, np.ndarray], dc.Damch
     if not args.cross and config.context_dim != config.query_dim:
         cu.usage_error("--cross", f"is needed: the layer's context_dim ({config.context_dim}) differs from its "
                        f"query_dim ({config.query_dim}), so the context is a separate input", prog=PROG)
+    if not args.cross and config.value_input_dim != config.context_dim:
+        cu.usage_error("--cross", f"is needed: the layer's value_input_dim ({config.value_input_dim}) differs from "
+                       f"its context_dim ({config.context_dim}), so the values are a separate input", prog=PROG)
     return params, config
 
 
@@ -145,87 +188,125 @@ def _main(argv: list[str] | None) -> int:
         staged = os.path.join(staging, os.path.basename(out))
         try:
             model = export(params, config, staged, opset=args.opset, causal=args.causal, cross=args.cross,
-                           mask=args.mask, dtype=args.dtype, kv_cache=args.kv_cache,
-                           external_data=EXTERNAL_DATA[args.external_data])
+                           mask=MASKS[args.mask], dtype=args.dtype, kv_cache=args.kv_cache,
+                           return_weights=args.return_weights, external_data=EXTERNAL_DATA[args.external_data])
         except dc.DamchaError as exc:  # a combination the exporter refuses: still a bad argument
             cu.usage_error("", str(exc), prog=PROG)
-        ok = _check(staged, args, params, config, len(model.graph.node))
+        inputs = _inputs(args, config, np.random.default_rng(args.seed))
+        expected = _reference(args, params, config, inputs)
+        print(f"exported {args.out} (opset {args.opset}, {args.dtype}, {len(model.graph.node)} nodes)")
+        print("onnx.checker (full_check) and shape inference: ok")
+        ok = _check(staged, args, inputs, expected)
+        staged_int8 = os.path.join(staging, os.path.basename(int8_path(out)))
         if ok and args.quantize is not None:
-            ok = _quantize(staged, os.path.join(staging, os.path.basename(int8_path(out))), args, params, config)
+            ok = _quantize(staged, staged_int8, args, params, config, inputs, expected)
+        ort_stage = os.path.join(staging, "ort")  # a folder: only the files beside it go to --out's folder
+        if ok and args.ort_dir is not None:
+            models = [staged] + ([staged_int8] if args.quantize is not None else [])
+            ok = _ort(models, ort_stage, args, inputs, expected)
         if not ok:
             print(f"not written: {args.out} (validation failed; an earlier file there is kept)")
             return cu.EXIT_MISMATCH
-        written = sorted(os.listdir(staging), key=lambda n: n == os.path.basename(out))  # the data file first
+        moved = []
+        if args.ort_dir is not None:
+            # Renamed into place, file by file, only now that every check passed (copied first when
+            # --ort-dir is on another file system than --out).
+            try:
+                with cu.atomic_dir(args.ort_dir) as tmp:
+                    for name in sorted(os.listdir(ort_stage)):
+                        shutil.move(os.path.join(ort_stage, name), tmp / name)
+            except OSError as exc:
+                print(f"{PROG}: error: --ort-dir: could not write into {args.ort_dir!r}: {exc} (nothing else was "
+                      "written)", file=sys.stderr)
+                return cu.EXIT_USAGE
+            moved += [os.path.join(args.ort_dir, n) for n in ort_names(args.out, args.quantize is not None)]
+        written = sorted((n for n in os.listdir(staging) if os.path.isfile(os.path.join(staging, n))),
+                         key=lambda n: n == os.path.basename(out))  # the data file first
         for name in written:
             os.replace(os.path.join(staging, name), os.path.join(os.path.dirname(out), name))
         if data_file_name(out) not in written:
             remove_stale_data(out)
-        print("wrote " + ", ".join(os.path.join(os.path.dirname(args.out), n) for n in sorted(written)))
+        moved = [os.path.join(os.path.dirname(args.out), n) for n in sorted(written)] + moved
+        print("wrote " + ", ".join(moved))
         return cu.EXIT_OK
     except OSError as exc:  # the disk filled up, the folder vanished: nothing was moved into place
         print(f"{PROG}: error: --out: could not write {args.out!r}: {exc}", file=sys.stderr)
         return cu.EXIT_USAGE
     finally:
-        for name in os.listdir(staging):
-            with contextlib.suppress(OSError):
-                os.remove(os.path.join(staging, name))
-        with contextlib.suppress(OSError):
-            os.rmdir(staging)
-
-
-def _check(path: str, args: argparse.Namespace, params: dict[str, np.ndarray], config: dc.DamchaConfig,
-           nodes: int) -> bool:
-    """Run the staged model in onnxruntime and the reference evaluator against the NumPy reference."""
-    inputs = _inputs(args, config, np.random.default_rng(args.seed))
-    B, N = inputs["query"].shape[:2]
-    M = inputs["context"].shape[1] if args.cross else N
-    expected = dc.damcha_attention(params, config, inputs["query"], inputs.get("context"),
-                                   mask=inputs.get("mask"), causal=args.causal)
-    atol = ATOL[args.dtype]
-    ok = True
-    print(f"exported {args.out} (opset {args.opset}, {args.dtype}, {nodes} nodes)")
-    print("onnx.checker (full_check) and shape inference: ok")
-    how = f"decoded in chunks {DECODE_CHUNKS} " if args.kv_cache else ""
-    for name, run in (("onnxruntime CPU", run_ort), ("onnx.reference", run_reference)):
-        actual = _decode(path, run, inputs, B) if args.kv_cache else run(path, inputs)
-        err = float(np.max(np.abs(np.asarray(actual, np.float64) - expected)))
-        good = bool(err <= atol * (1.0 + float(np.max(np.abs(expected)))))  # NaN: not good
-        ok &= good
-        print(f"{name:<16} vs NumPy reference: max |error| = {err:.2e} {how}on (B={B}, N={N}, M={M}) "
-              f"-> {'ok' if good else 'MISMATCH'}")
-    return ok
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _inputs(args: argparse.Namespace, config: dc.DamchaConfig, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Random feeds named as the model's inputs."""
     B, N, M = 2, 7, 5 if args.cross else 7
     inputs = {"query": rng.normal(size=(B, N, config.query_dim))}
     if args.cross:
         inputs["context"] = rng.normal(size=(B, M, config.context_dim))
-    if args.mask:
+        if config.value_input_dim != config.context_dim:  # value tokens of their own size (the export's `value`)
+            inputs["value"] = rng.normal(size=(B, M, config.value_input_dim))
+    if args.mask == "4d":
         inputs["mask"] = rng.random((B, 1, N, M)) < 0.8
+    elif args.mask == "padding":
+        inputs["mask"] = rng.random((B, M)) < 0.8
     return inputs
 
 
+def _reference(args: argparse.Namespace, params: dict[str, np.ndarray], config: dc.DamchaConfig,
+               inputs: dict[str, np.ndarray]) -> Outputs:
+    """The NumPy reference's outputs on ``inputs``, named as the model's."""
+    mask = inputs.get("mask")
+    if args.mask == "padding":  # (B, M): every head and query row of a batch sees the same keys
+        mask = mask[:, None, None, :]
+    result = dc.damcha_attention(params, config, inputs["query"], inputs.get("context"), value=inputs.get("value"),
+                                 mask=mask, causal=args.causal, return_weights=args.return_weights)
+    if args.return_weights:
+        return {"output": result[0], "weights": result[1]}
+    return {"output": result}
+
+
+def _errors(actual: Outputs, expected: Outputs, dtype: str) -> tuple[str, bool]:
+    """``max |error| = ...`` of each output, and whether all are within ``ATOL[dtype]``."""
+    atol, parts, good = ATOL[dtype], [], True
+    for name, want in expected.items():
+        err = float(np.max(np.abs(np.asarray(actual[name], np.float64) - want)))
+        good &= bool(err <= atol * (1.0 + float(np.max(np.abs(want)))))  # NaN: not good
+        parts.append(f"{err:.2e}" if name == "output" else f"{err:.2e} ({name})")
+    return ", ".join(parts), good
+
+
+def _check(path: str, args: argparse.Namespace, inputs: dict[str, np.ndarray], expected: Outputs) -> bool:
+    """Run the staged model in onnxruntime and the reference evaluator against the NumPy reference."""
+    B, N = inputs["query"].shape[:2]
+    M = inputs["context"].shape[1] if args.cross else N
+    how = f"decoded in chunks {DECODE_CHUNKS} " if args.kv_cache else ""
+    ok = True
+    for name, run in (("onnxruntime CPU", run_ort), ("onnx.reference", run_reference)):
+        errors, good = _errors(_outputs(path, run, args, inputs), expected, args.dtype)
+        ok &= good
+        print(f"{name:<16} vs NumPy reference: max |error| = {errors} {how}on (B={B}, N={N}, M={M}) "
+              f"-> {'ok' if good else 'MISMATCH'}")
+    return ok
+
+
+def _outputs(model: str, run: Callable, args: argparse.Namespace, inputs: dict[str, np.ndarray]) -> Outputs:
+    """The model's outputs on ``inputs`` (decoded step by step through the cache with --kv-cache)."""
+    if args.kv_cache:
+        return _decode(model, run, inputs, inputs["query"].shape[0], args.mask)
+    return run(model, inputs, all_outputs=True)
+
+
 def _quantize(staged: str, target: str, args: argparse.Namespace, params: dict[str, np.ndarray],
-              config: dc.DamchaConfig) -> bool:
+              config: dc.DamchaConfig, inputs: dict[str, np.ndarray], expected: Outputs) -> bool:
     """Write the int8 model of the staged float32 one to ``target`` and judge it against the reference."""
+    # The library drops onnxruntime's "consider pre-processing" warning itself (_quantize.py).
     from ._quantize import quantization_error, quantize_int8, quantize_static_int8
 
-    # onnxruntime's quantiser logs a generic "consider pre-processing" warning on the root logger.
-    previous = logging.root.manager.disable
-    logging.disable(logging.WARNING)
-    try:
-        if args.quantize == "dynamic":
-            model = quantize_int8(staged, target)
-        else:  # calibrated on inputs drawn like the validation inputs, from another seed
-            calibration = [_inputs(args, config, np.random.default_rng([args.seed, 1, i])) for i in range(4)]
-            model = quantize_static_int8(staged, calibration, target)
-    finally:
-        logging.disable(previous)
-    inputs = _inputs(args, config, np.random.default_rng(args.seed))
-    expected = dc.damcha_attention(params, config, inputs["query"], inputs.get("context"),
-                                   mask=inputs.get("mask"), causal=args.causal)
-    errors = quantization_error(staged, model, inputs, expected)
+    if args.quantize == "dynamic":
+        model = quantize_int8(staged, target)
+    else:  # calibrated on inputs drawn like the validation inputs, from another seed
+        calibration = [_inputs(args, config, np.random.default_rng([args.seed, 1, i])) for i in range(4)]
+        model = quantize_static_int8(staged, calibration, target)
+    errors = quantization_error(staged, model, inputs, expected["output"])
     rel = errors["rel_rms_int8_vs_reference"]
     good = bool(rel <= INT8_RTOL)
     print(f"int8 ({args.quantize}) vs NumPy reference: relative RMS error = {rel:.2e}, max |error| = "
@@ -233,19 +314,62 @@ def _quantize(staged: str, target: str, args: argparse.Namespace, params: dict[s
     return good
 
 
-def _decode(model, run, inputs: dict[str, np.ndarray], batch: int) -> np.ndarray:
-    """The layer's output on the whole sequence, fed step by step through its cache."""
-    cache, outs, start = empty_kv_cache(model, batch), [], 0
+def _ort(models: list[str], folder: str, args: argparse.Namespace, inputs: dict[str, np.ndarray],
+         expected: Outputs) -> bool:
+    """Convert the staged models to ORT format in ``folder`` and run each ``.ort`` file (through its
+    ``.onnx`` file's declarations) against the reference: the float model within the dtype's
+    allowance, the int8 one within ``INT8_RTOL``."""
+    from ._mobile import convert_to_ort
+
+    try:
+        result = convert_to_ort(models, folder)
+    except dc.DamchaError as exc:  # onnxruntime's converter refused the model: not a usable ORT file
+        print(f"ORT format: conversion failed: {' '.join(str(exc).split())} -> MISMATCH")
+        return False
+    # The config's header names the converted files: name them where they will be, not in the staging folder.
+    header = result.config.read_text(encoding="utf-8")
+    result.config.write_text(header.replace(str(Path(folder).resolve()), str(Path(args.ort_dir).resolve())),
+                             encoding="utf-8")
+    ok = True
+    for source, (stem, ort_file) in zip(models, result.models.items()):
+        run = functools.partial(run_ort, session=ort_session(str(ort_file)))
+        actual = _outputs(source, run, args, inputs)
+        if source == models[0]:
+            errors, good = _errors(actual, expected, args.dtype)
+            what = f"max |error| = {errors}"
+        else:  # the int8 model: judged as the .onnx int8 model is
+            ref = expected["output"]
+            rel = float(np.sqrt(np.mean((np.asarray(actual["output"], np.float64) - ref) ** 2))
+                        / (float(np.sqrt(np.mean(ref ** 2))) or 1.0))
+            good = bool(rel <= INT8_RTOL)  # NaN: not good
+            what = f"relative RMS error = {rel:.2e} (allowed {INT8_RTOL})"
+        ok &= good
+        how = f" decoded in chunks {DECODE_CHUNKS}" if args.kv_cache else ""
+        print(f"ORT format {stem}.ort vs NumPy reference: {what}{how} -> {'ok' if good else 'MISMATCH'}")
+    return ok
+
+
+def _decode(model: str, run: Callable, inputs: dict[str, np.ndarray], batch: int, mask: str) -> Outputs:
+    """The layer's outputs on the whole sequence, fed step by step through its cache. Each step's
+    ``weights`` (B, H, n, P + n) are the rows of the full (B, H, N, N) ones, whose later columns
+    the causal rule leaves at 0."""
+    cache, outs, start = empty_kv_cache(model, batch), {}, 0
+    total = inputs["query"].shape[1]
     for n in DECODE_CHUNKS:
         stop = start + n
         feeds = {"query": inputs["query"][:, start:stop], **cache}
-        if "mask" in inputs:
+        if mask == "4d":
             feeds["mask"] = inputs["mask"][:, :, start:stop, :stop]  # this step's rows, cached + new keys
+        elif mask == "padding":
+            feeds["mask"] = inputs["mask"][:, :stop]  # cached + new keys
         step = run(model, feeds, all_outputs=True)
         cache = {"past_key": step["present_key"], "past_value": step["present_value"]}
-        outs.append(step["output"])
+        outs.setdefault("output", []).append(step["output"])
+        if "weights" in step:
+            w = step["weights"]
+            outs.setdefault("weights", []).append(np.pad(w, [(0, 0)] * 3 + [(0, total - w.shape[-1])]))
         start = stop
-    return np.concatenate(outs, axis=1)
+    return {name: np.concatenate(parts, axis=2 if name == "weights" else 1) for name, parts in outs.items()}
 
 
 if __name__ == "__main__":

@@ -8,12 +8,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
 
 import damcha_core as dc
+import damcha_onnx as do
 
 CONFIG = dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4)
+#: A cross-attention layer whose values have their own feature size (value_input_dim != context_dim).
+VALUE_CONFIG = CONFIG.replace(context_dim=6, value_input_dim=5, coupling="separate")
 
 
 @pytest.fixture
@@ -45,8 +49,11 @@ def one_line_usage_error(proc: subprocess.CompletedProcess, flag: str) -> str:
     (["--external-data", "sometimes"], "--external-data", "invalid choice"),
     (["--quantize", "static", "--dtype", "float64"], "--quantize", "needs --dtype float32"),
     (["--quantize", "int4"], "--quantize", "invalid choice"),
+    (["--mask", "3d"], "--mask", "invalid choice: '3d' (choose from 'none', '4d', 'padding')"),
+    (["--return-weights=yes"], "--return-weights", "ignored explicit argument 'yes'"),
+    (["--ort-dir", ""], "--ort-dir", "needs a folder path"),
 ], ids=["seed-negative", "seed-not-int", "opset-12", "dtype-bfloat16", "kv-cache-no-causal", "kv-cache-cross",
-        "external-data", "quantize-float64", "quantize-int4"])
+        "external-data", "quantize-float64", "quantize-int4", "mask-3d", "return-weights-value", "ort-dir-empty"])
 def test_bad_flags_exit_2_in_one_line(params_file, tmp_path, flags, flag, says):
     out = tmp_path / "m.onnx"
     assert says in one_line_usage_error(export("--params", params_file, "--out", str(out), *flags), flag)
@@ -72,12 +79,48 @@ def test_missing_or_foreign_params_exit_2(tmp_path):
         export("--params", str(tmp_path / "bad.safetensors"), "--out", str(tmp_path / "m.onnx")), "--params")
 
 
-def test_a_layer_with_a_separate_context_needs_cross(tmp_path):
-    cross = CONFIG.replace(context_dim=6, coupling="separate")
+@pytest.mark.parametrize("fields, says", [
+    ({"context_dim": 6}, "context_dim (6) differs from its query_dim (8)"),
+    ({"value_input_dim": 5}, "value_input_dim (5) differs from its context_dim (8)"),
+], ids=["context", "value"])
+def test_a_layer_with_a_separate_context_or_value_needs_cross(tmp_path, fields, says):
+    cross = CONFIG.replace(coupling="separate", **fields)
     dc.save_params(tmp_path / "c.safetensors", dc.init_params(cross, 0), cross)
     line = one_line_usage_error(export("--params", str(tmp_path / "c.safetensors"), "--out", str(tmp_path / "m.onnx")),
                                 "--cross")
-    assert "context_dim (6) differs from its query_dim (8)" in line
+    assert says in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.safetensors"]
+
+
+@pytest.mark.parametrize("where, says", [("a-file", "exists and is not a folder"), ("read-only-ort", "read-only"),
+                                         ("ort-is-a-folder", "is a directory")])
+def test_unusable_ort_dirs_exit_2_before_any_work(params_file, tmp_path, where, says):
+    ort_dir = tmp_path / "ort"
+    if where == "a-file":
+        ort_dir.write_text("not a folder")
+    elif where == "read-only-ort":
+        ort_dir.mkdir()
+        (ort_dir / "m.ort").write_bytes(b"old")
+        (ort_dir / "m.ort").chmod(0o444)
+    else:
+        (ort_dir / "m.int8.ort").mkdir(parents=True)  # where --quantize's .ort file would go
+    proc = export("--params", params_file, "--out", str(tmp_path / "m.onnx"), "--ort-dir", str(ort_dir),
+                  "--quantize", "dynamic")
+    assert says in one_line_usage_error(proc, "--ort-dir")
+    assert not (tmp_path / "m.onnx").exists() and not (tmp_path / "m.int8.onnx").exists()
+
+
+def test_without_onnxruntime_exit_2_naming_the_onnx_extra(params_file, tmp_path):
+    code = ("import sys\nclass Block:\n    def find_spec(self, name, path=None, target=None):\n"
+            "        if name.split('.')[0] == 'onnxruntime':\n"
+            "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+            "sys.meta_path.insert(0, Block())\nfrom damcha_core._cli import main\nsys.exit(main(sys.argv[1:]))\n")
+    proc = subprocess.run([sys.executable, "-c", code, "export", "--params", params_file, "--out",
+                           str(tmp_path / "m.onnx")], capture_output=True, text=True)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    [line] = proc.stderr.strip().splitlines()
+    assert line.startswith("damcha export: error: needs onnxruntime") and line.endswith('pip install "damcha[onnx]"')
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.safetensors"]
 
 
 def test_a_read_only_out_is_refused(params_file, tmp_path):
@@ -88,27 +131,57 @@ def test_a_read_only_out_is_refused(params_file, tmp_path):
     assert out.read_bytes() == b"old"
 
 
+# A runtime that computes one output wrong: onnxruntime (run_ort) as the validation calls it, or the
+# sessions of the .ort files (ort_session), which the .onnx validation does not use.
 _MISMATCH = """
 import sys
-import numpy as np
 import damcha_onnx._cli as cli
-real = cli.run_ort
-cli.run_ort = lambda model, feeds, **kw: real(model, feeds, **kw) + 1e-2  # a runtime that computes wrong numbers
+WHERE, OUTPUT = sys.argv.pop(1), sys.argv.pop(1)
+if WHERE == "onnx":
+    real = cli.run_ort
+    def run_ort(model, feeds, **kw):
+        out = real(model, feeds, **kw)
+        out[OUTPUT] = out[OUTPUT] + 1e-2
+        return out
+    cli.run_ort = run_ort
+else:
+    real_session = cli.ort_session
+    class Off:
+        def __init__(self, session):
+            self.session = session
+        def __getattr__(self, name):
+            return getattr(self.session, name)
+        def run(self, names, feeds):
+            names_out = [o.name for o in self.session.get_outputs()]
+            return [v + 1e-2 if n == OUTPUT else v for n, v in zip(names_out, self.session.run(names, feeds))]
+    cli.ort_session = lambda *a, **kw: Off(real_session(*a, **kw))
 from damcha_core._cli import main
 sys.exit(main(sys.argv[1:]))
 """
 
 
-def test_a_validation_mismatch_exits_1_and_keeps_the_earlier_good_file(params_file, tmp_path):
+def mismatch(where: str, output: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", _MISMATCH, where, output, "export", *args], capture_output=True,
+                          text=True)
+
+
+@pytest.mark.parametrize("where, output, flags", [
+    ("onnx", "output", ["--causal"]),
+    ("onnx", "weights", ["--causal", "--return-weights", "--mask", "padding"]),
+    ("ort", "output", ["--ort-dir", "ort"]),
+], ids=["output", "weights-only", "ort-format-only"])
+def test_a_validation_mismatch_exits_1_and_keeps_the_earlier_good_file(params_file, tmp_path, where, output, flags):
     out = tmp_path / "m.onnx"
     good = export("--params", params_file, "--out", str(out))
     assert good.returncode == 0, good.stderr
     before = out.read_bytes()
     onnx.checker.check_model(str(out), full_check=True)
-    proc = subprocess.run([sys.executable, "-c", _MISMATCH, "export", "--params", params_file, "--out", str(out),
-                           "--causal"], capture_output=True, text=True)
+    flags = [str(tmp_path / f) if f == "ort" else f for f in flags]
+    proc = mismatch(where, output, "--params", params_file, "--out", str(out), *flags)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "MISMATCH" in proc.stdout and "not written" in proc.stdout
+    if where == "ort":  # the .onnx model itself was fine: only the ORT file failed
+        assert "ORT format m.ort vs NumPy reference" in proc.stdout and proc.stdout.count("-> ok") == 2
     assert out.read_bytes() == before  # the earlier, validated model is still there
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx", "p.safetensors"]  # nothing staged is left
 
@@ -151,3 +224,108 @@ def test_an_int8_model_outside_its_allowance_writes_neither_file(params_file, tm
                            str(tmp_path / "m.onnx"), "--quantize", "dynamic"], capture_output=True, text=True)
     assert proc.returncode == 1 and "MISMATCH" in proc.stdout, proc.stdout + proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.safetensors"]
+
+
+def _feeds(model: onnx.ModelProto, rng: np.random.Generator, B: int = 3, N: int = 6, M: int = 4) -> dict:
+    """Random feeds for every declared input (a length of its own, not the CLI's validation sizes)."""
+    feeds = {}
+    M = M if "context" in [v.name for v in model.graph.input] else N  # self-attention: the query's keys
+    for value in model.graph.input:
+        dims = [d.dim_value or None for d in value.type.tensor_type.shape.dim]
+        if value.name == "mask":
+            feeds["mask"] = rng.random((B, M) if len(dims) == 2 else (B, 1, N, M)) < 0.7
+        else:
+            feeds[value.name] = rng.normal(size=(B, N if value.name == "query" else M, dims[-1]))
+    return feeds
+
+
+def _reference(params, config, feeds, causal=False):
+    mask = feeds.get("mask")
+    if mask is not None and mask.ndim == 2:
+        mask = mask[:, None, None, :]
+    return dc.damcha_attention(params, config, feeds["query"], feeds.get("context"), value=feeds.get("value"),
+                               mask=mask, causal=causal, return_weights=True)
+
+
+@pytest.mark.parametrize("flags, mask_rank", [
+    (["--mask"], 4),  # a bare --mask is the 4-D mask, as before the choices
+    (["--mask", "4d", "--opset", "17"], 4),
+    (["--mask", "padding"], 2),
+    (["--mask", "none"], None),
+], ids=["bare-mask", "4d-opset17", "padding", "none"])
+def test_mask_choices_and_return_weights(params_file, tmp_path, flags, mask_rank):
+    out = tmp_path / "m.onnx"
+    proc = export("--params", params_file, "--out", str(out), "--causal", "--return-weights", *flags)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("(weights) on (B=2, N=7, M=7) -> ok") == 2
+    model = onnx.load(str(out))
+    inputs = {v.name: len(v.type.tensor_type.shape.dim) for v in model.graph.input}
+    assert inputs == {"query": 3, **({"mask": mask_rank} if mask_rank else {})}
+    assert [o.name for o in model.graph.output] == ["output", "weights"]
+    # The written file, run here on other sizes, against the reference's return_weights.
+    params, config = dc.load_params(params_file)
+    feeds = _feeds(model, np.random.default_rng(5), M=6)
+    got = do.run_ort(str(out), feeds, all_outputs=True)
+    want, weights = _reference(params, config, feeds, causal=True)
+    np.testing.assert_allclose(got["output"], want, atol=1e-5)
+    np.testing.assert_allclose(got["weights"], weights, atol=1e-6)
+
+
+def test_a_padding_mask_and_weights_through_the_cache(params_file, tmp_path):
+    out = tmp_path / "step.onnx"
+    proc = export("--params", params_file, "--out", str(out), "--causal", "--kv-cache", "--mask", "padding",
+                  "--return-weights", "--dtype", "float64")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("(weights) decoded in chunks (3, 1, 3) on (B=2, N=7, M=7) -> ok") == 2
+    model = onnx.load(str(out))
+    assert [(v.name, len(v.type.tensor_type.shape.dim)) for v in model.graph.input] == [
+        ("query", 3), ("past_key", 4), ("past_value", 4), ("mask", 2)]
+    assert [o.name for o in model.graph.output] == ["output", "present_key", "present_value", "weights"]
+
+
+def test_value_tokens_of_their_own_size_are_fed_and_validated(tmp_path):
+    params_file = tmp_path / "v.safetensors"
+    params = dc.init_params(VALUE_CONFIG, 2)
+    dc.save_params(params_file, params, VALUE_CONFIG)
+    out = tmp_path / "v.onnx"
+    proc = export("--params", str(params_file), "--out", str(out), "--cross", "--mask", "padding", "--return-weights",
+                  "--quantize", "dynamic")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("-> ok") == 3 and "on (B=2, N=7, M=5)" in proc.stdout
+    model = onnx.load(str(out))
+    assert {v.name: v.type.tensor_type.shape.dim[-1].dim_value for v in model.graph.input if v.name != "mask"} == {
+        "query": 8, "context": 6, "value": 5}
+    feeds = _feeds(model, np.random.default_rng(6))
+    want, weights = _reference(params, VALUE_CONFIG, feeds)
+    got = do.run_ort(str(out), feeds, all_outputs=True)
+    np.testing.assert_allclose(got["output"], want, atol=1e-5)
+    np.testing.assert_allclose(got["weights"], weights, atol=1e-6)
+    # Values matter: the same context with other value tokens gives another output.
+    other = dict(feeds, value=feeds["value"] + 1.0)
+    assert np.max(np.abs(do.run_ort(str(out), other) - got["output"])) > 1e-2
+
+
+def test_ort_dir_writes_validated_ort_files_and_their_operator_config(params_file, tmp_path):
+    out, ort_dir = tmp_path / "m.onnx", tmp_path / "mobile" / "ort"  # created, with its parent
+    proc = export("--params", params_file, "--out", str(out), "--mask", "padding", "--quantize", "dynamic",
+                  "--ort-dir", str(ort_dir))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "ORT format m.ort vs NumPy reference" in proc.stdout and proc.stdout.count("-> ok") == 5
+    assert proc.stderr == ""
+    assert sorted(p.name for p in ort_dir.iterdir()) == ["m.int8.ort", "m.ort", "required_operators_and_types.config"]
+    # The reduced operator config, read with onnxruntime's own parser, covers both models.
+    from onnxruntime.tools.reduced_build_config_parser import parse_config
+
+    config_file = ort_dir / "required_operators_and_types.config"
+    required, _ = parse_config(str(config_file))
+    assert {"Attention", "RMSNormalization"} <= set(required["ai.onnx"][23])  # keyed by the ops' since-versions
+    assert {"MatMul", "MatMulInteger"} <= set().union(*required["ai.onnx"].values())  # MatMulInteger: the int8 model
+    assert f"# - {ort_dir.resolve() / 'm.ort'}" in config_file.read_text()  # names the files where they now are
+    params, config = dc.load_params(params_file)
+    feeds = _feeds(onnx.load(str(out)), np.random.default_rng(7))
+    want, _ = _reference(params, config, feeds)
+    got = do.run_ort(str(out), feeds, session=do.ort_session(str(ort_dir / "m.ort")))
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    int8 = do.run_ort(str(tmp_path / "m.int8.onnx"), feeds, session=do.ort_session(str(ort_dir / "m.int8.ort")))
+    assert np.sqrt(np.mean((int8 - want) ** 2) / np.mean(want**2)) <= 0.1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.int8.onnx", "m.onnx", "mobile", "p.safetensors"]
