@@ -93,7 +93,8 @@ def test_a_layer_with_a_separate_context_or_value_needs_cross(tmp_path, fields, 
 
 
 @pytest.mark.parametrize("where, says", [("a-file", "exists and is not a folder"), ("read-only-ort", "read-only"),
-                                         ("ort-is-a-folder", "is a directory")])
+                                         ("ort-is-a-folder", "is a directory")],
+                         ids=["a-file", "read-only-ort", "ort-is-a-folder"])
 def test_unusable_ort_dirs_exit_2_before_any_work(params_file, tmp_path, where, says):
     ort_dir = tmp_path / "ort"
     if where == "a-file":
