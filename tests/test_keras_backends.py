@@ -8,7 +8,10 @@ Coverage per backend: tensorflow and torch run every case, outputs and
 gradients, in float32 and float64; jax runs every case, outputs and gradients,
 in float32 (float64 needs JAX_ENABLE_X64=1 and is run by ``damcha conform``,
 kept out of this suite for time: each case is a separate XLA compilation).
-Every backend also decodes token by token with a cache (jitted on jax); the
+Every backend also decodes token by token with a cache (jitted on jax), checks
+that NaN in a parameter or an input gives NaN out on every path of the layer
+(fused, masked, causal-only, explicit, float64), and that an int8-quantized
+model equals Keras MHA quantized the same way; the
 torch backend also exports a model with Keras's ``model.export(format="onnx")``
 and runs it in onnxruntime; the jax backend exports one with
 ``model.export(format="tf_saved_model")`` (jax2tf, symbolic batch and length)
@@ -48,6 +51,81 @@ def test_keras_backend(backend, tmp_path):
     assert result["decode_within_float32_tolerance"], result
     assert result["onnx_export_matches"] is (True if backend == "torch" else None), result
     assert result["saved_model_export_matches"] is (True if backend == "jax" else None), result
+    assert result["nan_not_nan"] == [], result["nan_not_nan"]
+    assert result["quantized_vs_mha_mse"] is not None and result["quantized_vs_mha_mse"] < 1e-8, result
+
+
+NAN_PLACES = ("query.kernel", "metric.qk.kernel", "metric.qk.gate", "query-token", "key-token")
+NAN_PATHS = {
+    "fused": {},
+    "fused-mask": {"attention_mask": "mask"},
+    "causal-only": {"use_causal_mask": True},
+    "explicit": {"return_attention_scores": True},
+    "float64": {"dtype": "float64"},
+}
+
+
+def nan_cases(DamchaAttention, keras, np) -> list[str]:
+    """NaN in a parameter or an input gives NaN out on every path (fused kernel,
+    fused with a mask, causal-only, explicit, float64 einsum): the names of the
+    (place, path) pairs where a row that reads the NaN came out finite."""
+    import damcha_core as dc
+
+    cfg = dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2, 5, 8))
+    mask = np.ones((2, 5, 5), bool)
+    mask[:, :, 3] = False
+    finite = []
+    for place in NAN_PLACES:
+        params = dc.init_params(cfg, seed=1)
+        params["metric.qk.gate"] = np.full(2, 0.5)
+        tokens = x.copy()
+        rows = np.ones((2, 5), bool)  # the query rows that read the NaN
+        if place == "query-token":
+            tokens[0, 2, 1] = np.nan
+            rows[:] = False
+            rows[0, 2] = True
+        elif place == "key-token":
+            tokens[1, 0, 3] = np.nan  # key 0 of batch 1: every query of batch 1 sees it
+            rows[0] = False
+        for path, options in NAN_PATHS.items():
+            options = dict(options)
+            dtype = options.pop("dtype", "float32")
+            layer = DamchaAttention.from_canonical(params, cfg, dtype=dtype)
+            for name, variable in layer.canonical_variables().items():
+                if name == place:  # loading validates params: put the NaN in afterwards
+                    value = np.asarray(keras.ops.convert_to_numpy(variable)).copy()
+                    value.flat[0] = np.nan
+                    variable.assign(value)
+            if options.get("attention_mask") == "mask":
+                options["attention_mask"] = mask
+            q = tokens.astype(dtype)
+            out = layer(q, q, **options)
+            out = np.asarray(keras.ops.convert_to_numpy(out[0] if isinstance(out, tuple) else out))
+            if not np.isnan(out[rows]).all():
+                finite.append(f"{place}/{path}")
+    return finite
+
+
+def quantized_vs_mha(DamchaAttention, keras, np) -> float:
+    """model.quantize("int8") of a converted layer equals Keras MHA quantized the
+    same way (it used to read the raw int8 kernel: MSE 1e10, a dtype error on torch)."""
+    import warnings
+
+    mha = keras.layers.MultiHeadAttention(2, 4, seed=0)
+    x = np.random.default_rng(1).normal(size=(2, 5, 8)).astype("float32")
+    mha(x, x)
+    layer = DamchaAttention.from_mha(mha)
+    inp = keras.Input((5, 8))
+    outs = []
+    for attention in (mha, layer):
+        model = keras.Model(inp, attention(inp, inp))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model.quantize("int8")
+        outs.append(np.asarray(keras.ops.convert_to_numpy(model(x))))
+    return float(np.mean((outs[0] - outs[1]) ** 2))
 
 
 def _main(backend: str, workdir: str) -> None:
@@ -56,10 +134,11 @@ def _main(backend: str, workdir: str) -> None:
     import keras
 
     from damcha_conformance import run_conformance
-    from damcha_keras import ConformanceAdapter, DamchaAttention, MetricGenerator, TransformerDecoder, TransformerEncoder
+    from damcha_conformance.adapters import KerasAdapter
+    from damcha_keras import DamchaAttention, MetricGenerator, TransformerDecoder, TransformerEncoder
 
     assert keras.backend.backend() == backend
-    adapter = ConformanceAdapter()
+    adapter = KerasAdapter()
     report = run_conformance(adapter, dtypes=BACKENDS[backend])
     ran = [r for r in report.results if r.status != "unsupported"]
 
@@ -135,6 +214,8 @@ def _main(backend: str, workdir: str) -> None:
         saved_model_ok = TOLERANCES["float32"].output_ratio(got, dc.damcha_attention(params, cfg, seq7, causal=True))[1] <= 1.0
 
     print(json.dumps({
+        "nan_not_nan": nan_cases(DamchaAttention, keras, np),
+        "quantized_vs_mha_mse": quantized_vs_mha(DamchaAttention, keras, np),
         "saved_model_export_matches": saved_model_ok,
         "onnx_export_matches": onnx_ok,
         "decode_within_float32_tolerance": decode_ratio <= 1.0,

@@ -300,8 +300,9 @@ BAD_CONSTRUCTOR = {
     "key_dim-float": (dict(num_heads=2, key_dim=4.0), dc.DamchaTypeError, "key_dim"),
     "coupling-unknown": (dict(num_heads=2, key_dim=4, coupling="both"), dc.DamchaValueError, "coupling"),
     "lowrank-without-rank": (dict(num_heads=2, key_dim=4, metric="lowrank"), dc.DamchaValueError, "metric_rank"),
-    "tied-gqa": (dict(num_heads=4, key_dim=4, num_kv_heads=2), dc.DamchaValueError, "num_kv_heads"),
-    "output_shape-2d": (dict(num_heads=2, key_dim=4, output_shape=(2, 3)), dc.DamchaValueError, "output_shape"),
+    "tied-gqa": (dict(num_heads=4, key_dim=4, num_kv_heads=2, coupling="tied"), dc.DamchaValueError, "num_kv_heads"),
+    "output_shape-float": (dict(num_heads=2, key_dim=4, output_shape=8.0), dc.DamchaTypeError, "`output_shape`"),
+    "output_shape-zero-dim": (dict(num_heads=2, key_dim=4, output_shape=(2, 0)), dc.DamchaValueError, "`output_shape`"),
     "metric_l2-negative": (dict(num_heads=2, key_dim=4, metric_l2=-1.0), dc.DamchaValueError, "metric_l2"),
     "generator-wrong-type": (dict(num_heads=2, key_dim=4, metric_generator="gen"), dc.DamchaTypeError, "metric_generator"),
 }
@@ -317,8 +318,11 @@ def test_bad_constructor_arguments(case):
 X = np.zeros((2, 5, 8), "float32")
 BAD_CALL = {
     "int-query": (dict(query=np.zeros((2, 5, 8), "int32")), dc.DamchaTypeError, "query"),
-    "float-attention_mask": (dict(attention_mask=np.ones((2, 5, 5), "float32")), dc.DamchaTypeError, "attention_mask"),
-    "float16-value_mask": (dict(value_mask=np.ones((2, 5), "float16")), dc.DamchaTypeError, "value_mask"),
+    "float-attention_mask-additive": (dict(attention_mask=np.zeros((2, 5, 5), "float32") - np.inf),
+                                      dc.DamchaValueError, "attention_mask"),
+    "float16-value_mask-0.5": (dict(value_mask=np.full((2, 5), 0.5, "float16")), dc.DamchaValueError, "value_mask"),
+    "complex-attention_mask": (dict(attention_mask=np.ones((2, 5, 5), "complex64")), dc.DamchaTypeError,
+                               "attention_mask"),
     "attention_mask-shape": (dict(attention_mask=np.ones((2, 5, 4), bool)), dc.DamchaValueError, "attention_mask"),
     "attention_mask-rank5": (dict(attention_mask=np.ones((1, 2, 2, 5, 5), bool)), dc.DamchaValueError, "attention_mask"),
     "query_mask-shape": (dict(query_mask=np.ones((2, 4), bool)), dc.DamchaValueError, "query_mask"),
@@ -629,10 +633,11 @@ def test_blocks_share_separate_generators_and_keep_them_through_save(tmp_path):
         TransformerEncoder(16, 2, coupling="separate", metric_generator={"q": 3})
 
 
-@pytest.mark.parametrize("dtype", ["int32", "int64", "uint8"])
-def test_integer_masks_read_as_keras_mha_reads_them(dtype):
-    """Tokenizers hand out 0/1 integer masks; Keras MHA reads non-zero as attend, and so
-    does this layer (same output as the boolean masks, gates open)."""
+@pytest.mark.parametrize("dtype", ["int32", "int64", "uint8", "float32", "float16"])
+def test_numeric_0_1_masks_read_as_keras_mha_reads_them(dtype):
+    """Tokenizers hand out 0/1 integer masks and ``ops.tril(ops.ones((N, N)))`` is a
+    float 0/1 causal mask; Keras MHA reads non-zero as attend, and so does this
+    layer (same output as the boolean masks, gates open, against the reference)."""
     cfg = dc.DamchaConfig(query_dim=E, num_heads=H, key_dim=D, coupling="separate", context_dim=E + 2)
     params = case_params(cfg, 5)
     layer = DamchaAttention.from_canonical(params, cfg, dtype="float64")
@@ -643,9 +648,32 @@ def test_integer_masks_read_as_keras_mha_reads_them(dtype):
     value = np.ones((B, M), bool)
     value[1, -2:] = False
     want = np_(layer(x, c, attention_mask=attention, value_mask=value))
-    got = np_(layer(x, c, attention_mask=attention.astype(dtype), value_mask=value.astype(dtype) * 3))
+    got = np_(layer(x, c, attention_mask=attention.astype(dtype), value_mask=value.astype(dtype)))
     np.testing.assert_array_equal(got, want)
     ref = dc.damcha_attention(params, cfg, x, c, mask=(attention & value[:, None, :])[:, None])
     np.testing.assert_allclose(got, ref, rtol=1e-10, atol=1e-12)
-    with pytest.raises(dc.DamchaTypeError, match=r"`attention_mask` must be boolean or integer.*additive 0/-inf mask would be read inverted"):
-        layer(x, c, attention_mask=attention.astype("float32"))
+    tril = keras.ops.cast(keras.ops.tril(keras.ops.ones((N, M))), dtype)
+    np.testing.assert_array_equal(np_(layer(x, c, attention_mask=tril)), np_(layer(x, c, use_causal_mask=True)))
+
+
+@pytest.mark.parametrize("bad", ["additive-0-inf", "nan", "two"])
+def test_masks_with_values_other_than_0_1_are_refused_or_nan_under_tracing(bad):
+    """DECISIONS 5: an additive 0/-inf float mask (or NaN, or an int 2) is never read
+    as a boolean. Concrete values: DamchaValueError naming the argument; traced
+    (tf.function, values unknown): the output is NaN, never a finite number."""
+    layer = DamchaAttention(2, 4, seed=0)
+    x = rng(15).normal(size=(2, 5, 8)).astype("float32")
+    layer(x, x)
+    allowed = np.tril(np.ones((5, 5), "float32"))
+    mask = {"additive-0-inf": np.where(allowed > 0, 0.0, -np.inf).astype("float32"),
+            "nan": np.where(allowed > 0, 1.0, np.nan).astype("float32"),
+            "two": (allowed * 2).astype("int32")}[bad]
+    with pytest.raises(dc.DamchaValueError, match=r"`attention_mask` of dtype .* must hold only 0 and 1.*Received: "
+                                                   r"attention_mask\.shape=\(5, 5\)"):
+        layer(x, x, attention_mask=mask)
+    import tensorflow as tf
+
+    traced = tf.function(lambda q, m: layer(q, q, attention_mask=m))
+    assert np.isnan(np_(traced(x, mask))).all()
+    fine = np_(traced(x, allowed.astype(mask.dtype)))
+    np.testing.assert_allclose(fine, np_(layer(x, x, use_causal_mask=True)), rtol=1e-5, atol=1e-6)

@@ -30,7 +30,7 @@ class _Block(keras.layers.Layer):
         *,
         metric: str = "heads",
         metric_rank: int | None = None,
-        coupling: str = "tied",
+        coupling: str | None = None,
         num_kv_heads: int | None = None,
         metric_l2: float = 0.0,
         metric_generator: MetricGenerator | Mapping[str, MetricGenerator] | None = None,

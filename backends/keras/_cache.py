@@ -134,21 +134,20 @@ def update_cache(cache: Any, index: Any, k: Any, v: Any) -> tuple[Any, Any, Any]
 
 
 def cache_visibility(n: Any, m: Any, cache: Any, index: Any, *, query_mask: Any, attention_mask: Any,
-                     use_causal_mask: bool) -> Any:
+                     use_causal_mask: bool, window: int | None = None) -> Any:
     """(B|1, H|1, N, L) bool over the cache's slots, or None when nothing is hidden.
 
-    With an index and ``use_causal_mask``, query i is token index + i and sees
-    slots j <= index + i (bottom-right); without causal, the slots written so
-    far (j < index + M). Without an index, the cache is read as it is.
+    With an index, query i is token index + i: with ``use_causal_mask`` it
+    sees slots j <= index + i (bottom-right), without it the slots written so
+    far (j < index + M); ``window`` keeps |index + i - j| < window. Without an
+    index the cache is read as it is.
     """
-    if index is None:
-        return visibility(n, ops.shape(cache)[2], query_mask=query_mask, attention_mask=attention_mask)
     L = ops.shape(cache)[2]
-    if use_causal_mask:
-        return visibility(n, L, query_mask=query_mask, attention_mask=attention_mask, causal=True,
-                          query_offset=index)
-    return visibility(n, L, query_mask=query_mask, attention_mask=attention_mask,
-                      valid_length=ops.cast(index, "int32") + m)
+    if index is None:
+        return visibility(n, L, query_mask=query_mask, attention_mask=attention_mask, window=window)
+    written = None if use_causal_mask else ops.cast(index, "int32") + m
+    return visibility(n, L, query_mask=query_mask, attention_mask=attention_mask, causal=use_causal_mask,
+                      query_offset=index, valid_length=written, window=window)
 
 
 def check_cache_dtype(layer: keras.layers.Layer, dtype: Any) -> str:

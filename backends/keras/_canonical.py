@@ -26,14 +26,38 @@ def require_built(layer: "DamchaAttention", what: str) -> None:
                                f"Received: an unbuilt layer {layer.name!r}")
 
 
+def _check_plain(layer: "DamchaAttention", what: str) -> None:
+    """Canonical weights exist for float projections of DAMCHA v1's form only."""
+    if getattr(layer, "_use_gate", False):
+        raise DamchaValueError(
+            f"`{what}` is not available with use_gate=True: MHA's gate projection is not part of DAMCHA "
+            f"v1's canonical form. Received: layer {layer.name!r} with use_gate=True"
+        )
+    for dense in layer._projections().values():
+        if dense.quantization_mode is not None:
+            raise DamchaValueError(
+                f"`{what}` needs float projections; sublayer {dense.name!r} is quantized "
+                f"({dense.quantization_mode}). Take canonical weights before quantize(). "
+                f"Received: layer {layer.name!r}"
+            )
+
+
 def canonical_variables(layer: "DamchaAttention") -> dict[str, Any]:
     """Canonical name -> ``keras.Variable``, in canonical order (a shared
-    generator's variable appears once per name)."""
+    generator's variable appears once per name). The output kernel and bias
+    keep the layer's ``output_shape`` ((H, d_v, *output_shape) and
+    (*output_shape,)); everything else has its canonical shape."""
     require_built(layer, "canonical_variables")
+    _check_plain(layer, "canonical_variables")
     config = layer.config
     out: dict[str, Any] = {}
-    for name, dense in (("query", layer.query_dense), ("key", layer.key_dense),
-                        ("value", layer.value_dense), ("output", layer.output_dense)):
+    for name, dense in layer._projections().items():
+        if dense.lora_enabled:
+            raise DamchaValueError(
+                f"`canonical_variables` cannot give one variable per weight while LoRA is enabled on {dense.name!r} "
+                "(its kernel is a sum). Use to_canonical (merged weights) or disable LoRA. "
+                f"Received: layer {layer.name!r}"
+            )
         out[f"{name}.kernel"] = dense.kernel
         if config.use_bias:
             out[f"{name}.bias"] = dense.bias
@@ -45,8 +69,22 @@ def canonical_variables(layer: "DamchaAttention") -> dict[str, Any]:
 
 
 def to_canonical(layer: "DamchaAttention") -> dict[str, np.ndarray]:
-    """The weights as canonical NumPy arrays (in the variables' dtype)."""
-    return {name: np.asarray(keras.ops.convert_to_numpy(v)) for name, v in canonical_variables(layer).items()}
+    """The weights as canonical NumPy arrays (in the variables' dtype); LoRA
+    updates are merged into their kernels."""
+    require_built(layer, "to_canonical")
+    _check_plain(layer, "to_canonical")
+    config = layer.config
+    shapes = config.param_shapes()
+    out: dict[str, Any] = {}
+    for name, dense in layer._projections().items():
+        out[f"{name}.kernel"] = dense.kernel  # the merged kernel when LoRA is on
+        if config.use_bias:
+            out[f"{name}.bias"] = dense.bias
+    for side, generator in layer.metric_generators.items():
+        out[f"metric.{side}.gate"] = layer.metric_gates[side]
+        for leaf in generator.leaf_names():
+            out[f"metric.{side}.{leaf}"] = getattr(generator, leaf)
+    return {name: np.asarray(keras.ops.convert_to_numpy(out[name])).reshape(shapes[name]) for name in shapes}
 
 
 def load_canonical(layer: "DamchaAttention", params: Mapping[str, Any]) -> None:
@@ -54,7 +92,8 @@ def load_canonical(layer: "DamchaAttention", params: Mapping[str, Any]) -> None:
     require_built(layer, "load_canonical")
     checked = dc.validate_params(params, layer.config)
     for name, variable in canonical_variables(layer).items():
-        variable.assign(checked[name].astype(keras.backend.standardize_dtype(variable.dtype)))
+        value = checked[name].reshape(tuple(variable.shape))
+        variable.assign(value.astype(keras.backend.standardize_dtype(variable.dtype)))
 
 
 def from_canonical(cls: type, params: Mapping[str, Any], config: DamchaConfig, **kwargs: Any) -> "DamchaAttention":

@@ -1,4 +1,5 @@
-"""Conversion of a built ``keras.layers.MultiHeadAttention`` into ``DamchaAttention``."""
+"""Conversion of a built ``keras.layers.MultiHeadAttention`` (or
+``GroupedQueryAttention``) into ``DamchaAttention``."""
 
 from __future__ import annotations
 
@@ -12,45 +13,76 @@ if TYPE_CHECKING:
     from ._layer import DamchaAttention
 
 
-def from_mha(cls: type, layer: keras.layers.MultiHeadAttention, **kwargs: Any) -> "DamchaAttention":
-    """An exact conversion of ``layer``: its projections copied, a fresh metric
-    generator and gates 0 (see ``DamchaAttention.from_mha``)."""
-    if not isinstance(layer, keras.layers.MultiHeadAttention):
-        raise DamchaTypeError(f"`layer` must be a keras.layers.MultiHeadAttention. Received: layer={describe(layer)}")
-    if not layer.built:
-        raise DamchaValueError(f"`layer` must be built (call it once). Received: an unbuilt layer {layer.name!r}")
+def _mha_options(layer: keras.layers.MultiHeadAttention) -> dict[str, Any]:
     mha = layer.get_config()
-    for option, ok in (("use_gate", not mha.get("use_gate")), ("sliding_window", mha.get("sliding_window") is None),
-                       ("attention_axes", tuple(layer.attention_axes or (1,)) == (1,))):
-        if not ok:
-            raise DamchaValueError(
-                f"`layer` uses {option}={mha.get(option)!r}, which DamchaAttention does not support."
-            )
-    qk, kk, vk, ok_ = (d.kernel for d in (layer.query_dense, layer.key_dense, layer.value_dense, layer.output_dense))
-    if len(qk.shape) != 3 or len(ok_.shape) != 3:
-        raise DamchaValueError(
-            "`layer` must have rank-3 inputs and a 1-D output (kernels (E, H, d) and (H, d_v, E_o)). "
-            f"Received: query kernel {tuple(qk.shape)}, output kernel {tuple(ok_.shape)}"
-        )
-    if kk.shape[0] != vk.shape[0]:
-        raise DamchaValueError(
-            "`layer` has different key and value feature sizes; DAMCHA has one context size. "
-            f"Received: key kernel {tuple(kk.shape)}, value kernel {tuple(vk.shape)}"
-        )
-    options = dict(
+    return dict(
         num_heads=mha["num_heads"], key_dim=mha["key_dim"], value_dim=mha["value_dim"],
-        dropout=mha["dropout"], use_bias=mha["use_bias"], output_shape=int(ok_.shape[-1]),
+        dropout=mha["dropout"], use_bias=mha["use_bias"], output_shape=mha["output_shape"],
+        attention_axes=mha["attention_axes"], sliding_window=mha.get("sliding_window"),
+        use_gate=bool(mha.get("use_gate", False)),
         kernel_initializer=mha["kernel_initializer"], bias_initializer=mha["bias_initializer"],
         kernel_regularizer=mha["kernel_regularizer"], bias_regularizer=mha["bias_regularizer"],
         kernel_constraint=mha["kernel_constraint"], bias_constraint=mha["bias_constraint"],
-        seed=mha["seed"], dtype=layer.dtype_policy,
+        seed=mha["seed"],
     )
+
+
+def _gqa_options(layer: keras.layers.GroupQueryAttention) -> dict[str, Any]:
+    gqa = layer.get_config()
+    return dict(
+        num_heads=gqa["num_query_heads"], key_dim=gqa["head_dim"], num_kv_heads=gqa["num_key_value_heads"],
+        dropout=gqa["dropout"], use_bias=gqa["use_bias"], sliding_window=gqa.get("sliding_window"),
+        use_gate=bool(gqa.get("use_gate", False)),
+        kernel_initializer=gqa["kernel_initializer"], bias_initializer=gqa["bias_initializer"],
+        kernel_regularizer=gqa["kernel_regularizer"], bias_regularizer=gqa["bias_regularizer"],
+        kernel_constraint=gqa["kernel_constraint"], bias_constraint=gqa["bias_constraint"],
+        seed=gqa["seed"],
+    )
+
+
+def from_mha(cls: type, layer: Any, **kwargs: Any) -> "DamchaAttention":
+    """An exact conversion of ``layer``: its projections (and gate) copied, a
+    fresh metric generator and gates 0 (see ``DamchaAttention.from_mha``)."""
+    if isinstance(layer, keras.layers.MultiHeadAttention):
+        options = _mha_options(layer)
+    elif isinstance(layer, keras.layers.GroupQueryAttention):
+        options = _gqa_options(layer)
+    else:
+        raise DamchaTypeError(
+            "`layer` must be a keras.layers.MultiHeadAttention or GroupQueryAttention. "
+            f"Received: layer={describe(layer)}"
+        )
+    if not layer.built:
+        raise DamchaValueError(f"`layer` must be built (call it once). Received: an unbuilt layer {layer.name!r}")
+    theirs = {"query": layer._query_dense, "key": layer._key_dense, "value": layer._value_dense,
+              "output": layer._output_dense}
+    if options["use_gate"]:
+        theirs["gate"] = layer._gate_dense
+    for name, dense in theirs.items():
+        if dense.quantization_mode is not None:
+            raise DamchaValueError(
+                f"`layer` has a quantized {name} projection ({dense.quantization_mode}); convert the float "
+                f"layer, then quantize the DamchaAttention. Received: layer={describe(layer)}"
+            )
+    # Build from the kernels: they hold the feature sizes whatever the input rank.
+    E_q, E_k, E_v = (int(theirs[n].kernel.shape[0]) for n in ("query", "key", "value"))
+    if E_k != E_v:
+        raise DamchaValueError(
+            "`layer` has different key and value feature sizes; DAMCHA v1 has one context size. "
+            f"Received: key kernel {tuple(theirs['key'].kernel.shape)}, value kernel "
+            f"{tuple(theirs['value'].kernel.shape)}"
+        )
+    rank = len(layer._query_dense.equation.split(",")[0])  # the query's rank, from its projection
+    options.update(dtype=layer.dtype_policy)
     options.update(kwargs)
     new = cls(**options)
-    new.build((None, None, int(qk.shape[0])), (None, None, int(vk.shape[0])))
-    for ours, theirs in ((new.query_dense, layer.query_dense), (new.key_dense, layer.key_dense),
-                         (new.value_dense, layer.value_dense), (new.output_dense, layer.output_dense)):
-        ours.kernel.assign(theirs.kernel)
-        if new.use_bias:
-            ours.bias.assign(theirs.bias)
+    dims = (None,) * (rank - 1)
+    new.build((*dims, E_q), (*dims, E_v))
+    ours = {**new._projections(), **({"gate": new._gate_dense} if new._use_gate else {})}
+    for name, dense in theirs.items():
+        if name not in ours:
+            continue
+        ours[name].kernel.assign(keras.ops.reshape(dense.kernel, tuple(ours[name].kernel.shape)))
+        if new.use_bias and dense.bias is not None:
+            ours[name].bias.assign(keras.ops.reshape(dense.bias, tuple(ours[name].bias.shape)))
     return new

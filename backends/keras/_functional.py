@@ -86,6 +86,7 @@ def visibility(
     causal: bool = False,
     query_offset: Any = None,
     valid_length: Any = None,
+    window: int | None = None,
 ) -> Any:
     """Boolean (B|1, H|1, N|1, M|1), True = query i may attend key j, or None
     when nothing is hidden.
@@ -94,7 +95,8 @@ def visibility(
     ``value_mask``/``key_mask`` (B, M), ``attention_mask`` in a Keras shape.
     ``causal`` hides key j from query i when j > i + ``query_offset`` (0:
     top-left, as Keras); ``valid_length`` hides keys j >= it (cache slots not
-    yet written).
+    yet written); ``window`` hides keys with |i + query_offset - j| >= window
+    (Keras MHA's symmetric ``sliding_window`` band).
     """
     parts = []
     if attention_mask is not None:
@@ -104,13 +106,15 @@ def visibility(
     for key_side in (value_mask, key_mask):
         if key_side is not None:
             parts.append(key_side[:, None, None, :])
-    if causal or valid_length is not None:
+    if causal or valid_length is not None or window is not None:
         cols = ops.expand_dims(ops.arange(m, dtype="int32"), 0)
+        rows = ops.expand_dims(ops.arange(n, dtype="int32"), 1)
+        if query_offset is not None:
+            rows = rows + ops.cast(query_offset, "int32")
         if causal:
-            rows = ops.expand_dims(ops.arange(n, dtype="int32"), 1)
-            if query_offset is not None:
-                rows = rows + ops.cast(query_offset, "int32")
             parts.append(ops.greater_equal(rows, cols)[None, None])
+        if window is not None:
+            parts.append(ops.less(ops.abs(rows - cols), window)[None, None])
         if valid_length is not None:
             parts.append(ops.less(cols, ops.cast(valid_length, "int32"))[None, None])
     if not parts:
@@ -139,7 +143,7 @@ def softmax_attend(logits: Any, visible: Any) -> Any:
 def _scaled(q: Any, scale: float) -> Any:
     # convert_to_tensor with the dtype keeps the scale exact in float64; the
     # TensorFlow backend rounds a Python float scale through float32.
-    return q * ops.convert_to_tensor(scale, dtype=dtype_name(q))
+    return ops.multiply(q, ops.convert_to_tensor(scale, dtype=dtype_name(q)))
 
 
 def attend(
@@ -186,17 +190,79 @@ def attend(
         probs = ops.cast(probs, q.dtype)
         dropped = dropout(probs) if dropout is not None else probs
         return ops.einsum("bhnm,bmhd->bnhd", dropped, v), probs
+    d, d_v = q.shape[-1], v.shape[-1]
+    if d != d_v:
+        # jax.nn.dot_product_attention needs d == d_v; zero channels change
+        # neither the logits (the scale is explicit) nor the kept outputs.
+        width = max(d, d_v)
+        pad = lambda x: ops.pad(x, [(0, 0)] * 3 + [(0, width - x.shape[-1])])  # noqa: E731
+        q, k, v = (pad(x) if x.shape[-1] < width else x for x in (q, k, v))
     if visible is None:
         out = ops.dot_product_attention(q, k, v, scale=1.0, is_causal=causal_only, flash_attention=flash_attention)
-        return out, None
+        return _nan_probe(out[..., :d_v], q, k), None
     # A row with no visible key would be NaN (torch) or uniform (tensorflow, jax);
     # unhide it for the kernel, then zero its output: probabilities 0 by spec.
     any_visible = ops.any(visible, axis=-1, keepdims=True)  # (B|1, H|1, N|1, 1)
     safe = ops.logical_or(visible, ops.logical_not(any_visible))
-    out = ops.dot_product_attention(q, k, v, mask=safe, scale=1.0, flash_attention=flash_attention)
+    out = ops.dot_product_attention(q, k, v, mask=safe, scale=1.0, flash_attention=flash_attention)[..., :d_v]
     # A product, not a select: NaN from the kernel stays NaN.
     keep = ops.transpose(ops.cast(any_visible, out.dtype), (0, 2, 1, 3))  # (B|1, N|1, H|1, 1)
-    return out * keep, None
+    return _nan_probe(out * keep, q, k), None
+
+
+def _nan_probe(out: Any, q: Any, k: Any) -> Any:
+    """NaN in, NaN out through torch's fused kernel.
+
+    Torch's CPU SDPA returns finite rows (0) where every logit of a row is NaN,
+    so one NaN weight gave a finite output. Adding 0 * (row sum of q + sum of
+    k) makes exactly the rows that read a NaN or inf NaN and changes nothing
+    else (0 * x is not folded for floats). TensorFlow's and JAX's kernels
+    propagate NaN themselves.
+    """
+    if keras.backend.backend() != "torch":
+        return out
+    probe = ops.sum(q, axis=-1, keepdims=True) + ops.sum(k, axis=(1, 2, 3), keepdims=True)  # (B, N, H, 1)
+    return out + probe * ops.convert_to_tensor(0.0, dtype=dtype_name(out))
+
+
+def _prod(dims: Any) -> Any:
+    total: Any = 1
+    for dim in dims:
+        total = total * dim
+    return total
+
+
+def fold_tokens(x: Any, batch_axes: tuple[int, ...], attention_axes: tuple[int, ...]) -> Any:
+    """Tokens (B, *dims, E) as (B', T, E): the axes not attended over join the
+    batch (B' = B * their sizes), the attended ones are flattened row-major into
+    T. Keras MHA's ``attention_axes`` are then plain attention over T."""
+    rank = len(x.shape)
+    perm = (0, *batch_axes, *attention_axes, rank - 1)
+    if perm != tuple(range(rank)):
+        x = ops.transpose(x, perm)
+    shape = ops.shape(x)
+    return ops.reshape(x, (-1, _prod(shape[1 + len(batch_axes):rank - 1]), shape[-1]))
+
+
+def fold_token_mask(mask: Any, batch_axes: tuple[int, ...], attention_axes: tuple[int, ...]) -> Any:
+    """A (B, *dims) token mask folded as ``fold_tokens`` folds its tokens: (B', T)."""
+    perm = (0, *batch_axes, *attention_axes)
+    if perm != tuple(range(len(perm))):
+        mask = ops.transpose(mask, perm)
+    shape = ops.shape(mask)
+    return ops.reshape(mask, (-1, _prod(shape[1 + len(batch_axes):])))
+
+
+def unfold_tokens(y: Any, batch_axes: tuple[int, ...], attention_axes: tuple[int, ...], dims: tuple) -> Any:
+    """Undo ``fold_tokens`` on outputs (B', T, *F): back to (B, *dims, *F), the
+    axes in their original order. ``dims`` are the sizes of (B, *dims)."""
+    features = tuple(y.shape[2:])
+    order = (0, *batch_axes, *attention_axes)
+    y = ops.reshape(y, tuple(dims[a] for a in order) + features)
+    inverse = tuple(order.index(a) for a in range(len(order)))
+    if inverse != tuple(range(len(order))):
+        y = ops.transpose(y, inverse + tuple(range(len(order), len(order) + len(features))))
+    return y
 
 
 def metric_penalty(config: DamchaConfig, side: str, coeff: Any, gate: Any, u: Any = None, v: Any = None) -> Any:

@@ -1,13 +1,16 @@
 """DamchaAttention: a drop-in for keras.layers.MultiHeadAttention, written with keras.ops.
 
 This module holds the layer: argument validation, building the sublayers and
-variables, and ``call``, which runs the projections (sublayers) and the math
-of ``_functional``. The cache (``_cache``), canonical I/O (``_canonical``)
-and MHA conversion (``_convert``) live in their own modules.
+variables, and ``call``, which runs the projections (sublayers, called as
+layers so quantization, LoRA and dtype policies apply) and the math of
+``_functional``. The cache (``_cache``), canonical I/O (``_canonical``) and
+MHA conversion (``_convert``) live in their own modules.
 """
 
 from __future__ import annotations
 
+import math
+import string
 import warnings
 from typing import Any, Mapping
 
@@ -15,6 +18,7 @@ import numpy as np
 
 import keras
 from keras import ops
+from keras.src.backend import set_keras_mask  # MHA itself uses it; no public alias in Keras 3.15
 
 import damcha_core as dc
 from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, describe
@@ -25,15 +29,118 @@ from ._cache import FLOAT_DTYPES, static_shape
 from ._functional import dtype_name
 from ._generator import MetricGenerator, serialize_generator
 
+_MASK_DTYPES = ("bool", "int", "uint", "float", "bfloat")
 _MASK_EXPECTED = (
-    "boolean or integer (True / non-zero = may attend, as Keras MHA reads them); a float mask is refused "
-    "because an additive 0/-inf mask would be read inverted"
+    "boolean, or integer/float with values 0 and 1 (True / 1 = may attend, as Keras MHA reads them)"
 )
 
 
-def _is_mask_dtype(m: Any) -> bool:
-    name = dtype_name(m)
-    return name == "bool" or name.startswith(("int", "uint"))
+def _flag(name: str, value: Any) -> bool:
+    """A truthy call flag as Keras takes it: a Python or NumPy bool or int, or a
+    concrete scalar tensor (Keras turns NumPy scalars into tensors before ``call``)."""
+    if isinstance(value, (bool, int, np.bool_, np.integer)):
+        return bool(value)
+    if hasattr(value, "shape") and hasattr(value, "dtype") and tuple(value.shape) == ():
+        try:
+            return bool(np.asarray(ops.convert_to_numpy(value)))
+        except Exception:  # traced: the layer's structure cannot depend on it
+            pass
+    raise DamchaTypeError(
+        f"`{name}` must be a bool (or an int / concrete scalar, read as truthy), known when the layer is "
+        f"called. Received: {name}={describe(value)}"
+    )
+
+
+def _check_output_shape(output_shape: Any) -> tuple[int, ...] | None:
+    """MHA's ``output_shape``: None (the query's feature size), an int, or a
+    tuple/list of ints; falsy values mean None, as in MHA."""
+    if output_shape is None or (isinstance(output_shape, (tuple, list)) and not output_shape):
+        return None
+    dims = tuple(output_shape) if isinstance(output_shape, (tuple, list)) else (output_shape,)
+    if not all(isinstance(s, (int, np.integer)) and not isinstance(s, (bool, np.bool_)) for s in dims):
+        raise DamchaTypeError(
+            "`output_shape` must be an int, a tuple/list of ints, or None. "
+            f"Received: output_shape={describe(output_shape)}"
+        )
+    if any(s < 1 for s in dims):
+        raise DamchaValueError(f"`output_shape` must have sizes >= 1. Received: output_shape={describe(output_shape)}")
+    return tuple(int(s) for s in dims)
+
+
+def _check_attention_axes(axes: Any) -> tuple[int, ...] | None:
+    if axes is None:
+        return None
+    axes = (axes,) if isinstance(axes, (int, np.integer)) and not isinstance(axes, bool) else axes
+    if not isinstance(axes, (tuple, list)) or not axes or not all(
+        isinstance(a, (int, np.integer)) and not isinstance(a, (bool, np.bool_)) for a in axes
+    ):
+        raise DamchaTypeError(
+            f"`attention_axes` must be an int, a non-empty list/tuple of ints, or None. "
+            f"Received: attention_axes={describe(axes)}"
+        )
+    return tuple(int(a) for a in axes)
+
+
+class _Layout:
+    """How inputs of rank > 3 map to DAMCHA's (B', T, E) tokens: the axes not
+    attended over join the batch, the attended ones are flattened into T.
+
+    The cross-head map is per token, so it acts on the heads of every position
+    alike: a token is one position of the attended axes within one entry of
+    the batch-like axes.
+    """
+
+    def __init__(self, rank: int, attention_axes: tuple[int, ...]) -> None:
+        self.rank = rank
+        self.attention_axes = attention_axes
+        self.batch_axes = tuple(a for a in range(1, rank - 1) if a not in attention_axes)
+
+    @property
+    def folded(self) -> bool:
+        return self.rank != 3
+
+    def fold(self, x: Any) -> Any:
+        return F.fold_tokens(x, self.batch_axes, self.attention_axes) if self.folded else x
+
+    def fold_mask(self, m: Any) -> Any:
+        return F.fold_token_mask(m, self.batch_axes, self.attention_axes) if self.folded and m is not None else m
+
+    def fold_attention_mask(self, mask: Any, query: Any, value: Any, heads: int) -> Any:
+        """A Keras attention mask as (B'|1, H|1, N, M) bool.
+
+        Keras MHA inserts missing dims of the mask before its attention dims:
+        (B, *batch_axes, H, *q_axes, *k_axes) is the full layout."""
+        if not self.folded:
+            return F.as_4d(mask)
+        n_att = len(self.attention_axes)
+        full_rank = 2 + len(self.batch_axes) + 2 * n_att
+        while len(mask.shape) < full_rank:
+            mask = ops.expand_dims(mask, -2 * n_att - 1)
+        q_shape, v_shape = ops.shape(query), ops.shape(value)
+        lead = [q_shape[0]] + [q_shape[a] for a in self.batch_axes]
+        target = (*lead, mask.shape[len(lead)], *[q_shape[a] for a in self.attention_axes],
+                  *[v_shape[a] for a in self.attention_axes])
+        mask = ops.broadcast_to(mask, target)
+        n = F._prod(target[len(lead) + 1:len(lead) + 1 + n_att])
+        return ops.reshape(mask, (-1, target[len(lead)], n, F._prod(target[len(lead) + 1 + n_att:])))
+
+    def unfold(self, y: Any, query: Any) -> Any:
+        return F.unfold_tokens(y, self.batch_axes, self.attention_axes, ops.shape(query)[:-1]) if self.folded else y
+
+    def unfold_scores(self, scores: Any, query: Any, value: Any) -> Any:
+        """(B', H, N, M) probabilities in MHA's layout (B, *batch_axes, H, *q_axes, *k_axes)."""
+        if not self.folded or scores is None:
+            return scores
+        q_shape, v_shape = ops.shape(query), ops.shape(value)
+        shape = ([q_shape[0]] + [q_shape[a] for a in self.batch_axes] + [scores.shape[1]]
+                 + [q_shape[a] for a in self.attention_axes] + [v_shape[a] for a in self.attention_axes])
+        return ops.reshape(scores, tuple(shape))
+
+    def scores_shape(self, query_shape: tuple, value_shape: tuple, heads: int) -> tuple:
+        if not self.folded:
+            return (query_shape[0], heads, query_shape[1], value_shape[1])
+        return (query_shape[0], *[query_shape[a] for a in self.batch_axes], heads,
+                *[query_shape[a] for a in self.attention_axes], *[value_shape[a] for a in self.attention_axes])
 
 
 @keras.saving.register_keras_serializable(package="damcha")
@@ -49,23 +156,43 @@ class DamchaAttention(keras.layers.Layer):
     on the mixed heads, so every backend's fused kernel applies. Gates start at
     0: a fresh layer computes exactly what MHA computes with the same weights.
 
+    The first block of arguments is MHA's, in MHA's order; the keyword-only
+    block is DAMCHA's.
+
     Args:
         num_heads: H, number of query heads.
         key_dim: d, size of each query/key head.
         value_dim: d_v, size of each value head; defaults to ``key_dim``.
         dropout: attention-probability dropout, training only.
-        use_bias: whether the four projections have biases.
-        output_shape: E_o, an int or a 1-tuple; defaults to the query's
-            feature size. (Multi-dimensional output shapes are not supported.)
-        flash_attention: passed to ``keras.ops.dot_product_attention``.
+        use_bias: whether the projections have biases.
+        output_shape: the output's trailing shape, an int or a tuple of ints
+            (E_o = their product in the canonical form); defaults to the
+            query's feature size.
+        attention_axes: the axes of rank > 3 inputs attended over (MHA's
+            meaning; default: every axis but batch and features). The other
+            axes act as batch axes; the cross-head map acts on each position's
+            heads.
+        sliding_window: a query attends only to keys within
+            ``sliding_window - 1`` positions of itself (MHA's symmetric band;
+            with ``use_causal_mask`` the causal window).
+        flash_attention: as MHA: ``True`` asks every attention for the
+            backend's flash kernel (the backend raises where it has none; with
+            ``dropout`` > 0 or ``return_attention_scores`` this raises), ``None``
+            lets the backend choose unless ``keras.config.disable_flash_attention()``.
         kernel_initializer, bias_initializer, kernel_regularizer,
         bias_regularizer, activity_regularizer, kernel_constraint,
-        bias_constraint: as in MHA, for the four projections.
+        bias_constraint: as in MHA, for the projections.
+        use_gate: MHA's gated attention: the attention output is multiplied
+            by ``sigmoid(query projection)`` (a ``gate`` sublayer, (E_q, H,
+            d_v)) before the output projection. Not part of DAMCHA v1's
+            canonical form: such a layer has no ``to_canonical``.
         seed: seeds the dropout and the metric generator's initialiser.
         metric: "heads" (default), "lowrank" or "none" (exactly MHA).
         metric_rank: r, required with ``metric="lowrank"``.
-        coupling: "tied" (default; one map for queries and keys), "separate"
-            or "query" (queries only; works with GQA/MQA).
+        coupling: None (default) picks "tied" (one map for queries and keys)
+            when the metric is on, ``num_kv_heads == num_heads`` and the query
+            and key inputs have one feature size, else "separate"; or
+            "tied", "separate", "query" (queries only).
         num_kv_heads: G, key/value heads; must divide ``num_heads``.
         scale: softmax scale; ``None`` means ``1/sqrt(key_dim)``.
         metric_l2: coefficient of the metric penalty added with ``add_loss``
@@ -76,19 +203,20 @@ class DamchaAttention(keras.layers.Layer):
         **kwargs: base ``keras.layers.Layer`` arguments (name, dtype, ...).
 
     Call arguments:
-        query: (B, N, E_q).
-        value: (B, M, E_kv).
+        query: (B, N, E_q), or (B, *dims, E_q) with ``attention_axes``.
+        value: (B, M, E_kv) (same rank as ``query``).
         key: optional (B, M, E_kv); defaults to ``value``. It feeds the key
             projection and the key-side metric.
-        query_mask: bool (B, N); False rows see no key and output 0 before
-            the output projection. Filled from the query's Keras mask.
-        value_mask, key_mask: bool (B, M); False keys are hidden.
-        attention_mask: bool (B, N, M), (N, M) or (B, H, N, M) (size-1 dims
+        query_mask: (B, N); False rows see no key and output 0 before the
+            output projection. Filled from the query's Keras mask.
+        value_mask, key_mask: (B, M); False keys are hidden.
+        attention_mask: (B, N, M), (N, M) or (B, H, N, M) (size-1 dims
             broadcast), True = may attend.
         return_attention_scores: also return probabilities (B, H, N, M).
         training: enables dropout.
         use_causal_mask: hide key j from query i when j > i (top-left); with
-            a cache, j > cache_update_index + i (bottom-right).
+            a cache, j > cache_update_index + i (bottom-right). Any truthy
+            value known at call time.
         cache: a key/value cache for incremental decoding, (B, 2, L, G, d)
             (KerasHub's ``CachedMultiHeadAttention`` layout; needs
             ``value_dim == key_dim``; ``init_cache`` makes one). It holds the
@@ -103,11 +231,17 @@ class DamchaAttention(keras.layers.Layer):
         cache_update_index: int or int scalar tensor, the position of the
             first new token in ``cache``.
 
+    Masks are boolean, or integer/float with values 0 and 1 (1 = may attend,
+    as Keras reads them). Any other value (an additive 0/-inf float mask) is
+    refused with a ``DamchaValueError`` when the values are known; under
+    tracing (``jit``, ``tf.function``), where they are not, it makes the
+    output NaN, never a silently inverted mask.
+
     Returns:
-        (B, N, E_o), or ``(output, scores)``; with a cache, the updated cache
-        is appended: ``(output, cache)`` or ``(output, scores, cache)``. A query
-        that may attend to no key gets attention output 0 (not NaN, not
-        uniform as in MHA), so its output is the output bias.
+        (B, N, *output_shape), or ``(output, scores)``; with a cache, the
+        updated cache is appended: ``(output, cache)`` or ``(output, scores,
+        cache)``. A query that may attend to no key gets attention output 0
+        (not NaN, not uniform as in MHA), so its output is the output bias.
     """
 
     def __init__(
@@ -117,7 +251,9 @@ class DamchaAttention(keras.layers.Layer):
         value_dim: int | None = None,
         dropout: float = 0.0,
         use_bias: bool = True,
-        output_shape: int | tuple[int] | None = None,
+        output_shape: int | tuple[int, ...] | None = None,
+        attention_axes: int | tuple[int, ...] | None = None,
+        sliding_window: int | None = None,
         flash_attention: bool | None = None,
         kernel_initializer: Any = "glorot_uniform",
         bias_initializer: Any = "zeros",
@@ -126,11 +262,12 @@ class DamchaAttention(keras.layers.Layer):
         activity_regularizer: Any = None,
         kernel_constraint: Any = None,
         bias_constraint: Any = None,
+        use_gate: bool = False,
         seed: int | None = None,
         *,
         metric: str = "heads",
         metric_rank: int | None = None,
-        coupling: str = "tied",
+        coupling: str | None = None,
         num_kv_heads: int | None = None,
         scale: float | None = None,
         metric_l2: float = 0.0,
@@ -139,56 +276,98 @@ class DamchaAttention(keras.layers.Layer):
     ) -> None:
         super().__init__(activity_regularizer=activity_regularizer, **kwargs)
         self.supports_masking = True
-        if output_shape is not None and not isinstance(output_shape, int):
-            try:
-                output_shape = tuple(output_shape)
-            except TypeError:
-                output_shape = (output_shape,)
-            if len(output_shape) != 1:
-                raise DamchaValueError(
-                    "`output_shape` must be an int or a 1-tuple (DAMCHA projects to one feature axis, "
-                    f"output.kernel (H, d_v, E_o)). Received: output_shape={describe(output_shape)}"
-                )
-            output_shape = output_shape[0]
-        # A probe config applies the reference's rules to every hyper-parameter now,
-        # so a bad argument fails at construction, not at the first call.
-        probe = DamchaConfig(
-            query_dim=1, num_heads=num_heads, key_dim=key_dim, value_dim=value_dim,
-            num_kv_heads=num_kv_heads, output_dim=output_shape, use_bias=use_bias,
-            metric=metric, metric_rank=metric_rank, coupling=coupling, scale=scale, dropout=dropout,
+        self._output_shape = _check_output_shape(output_shape)
+        self._attention_axes = _check_attention_axes(attention_axes)
+        args = self._check_args(
+            num_heads=num_heads, key_dim=key_dim, value_dim=value_dim, num_kv_heads=num_kv_heads,
+            use_bias=use_bias, metric=metric, metric_rank=metric_rank, coupling=coupling, scale=scale,
+            dropout=dropout, metric_l2=metric_l2, seed=seed, sliding_window=sliding_window,
+            use_gate=use_gate, flash_attention=flash_attention,
         )
-        if isinstance(metric_l2, bool) or not isinstance(metric_l2, (int, float)) or not (metric_l2 >= 0 and np.isfinite(metric_l2)):
-            raise DamchaValueError(f"`metric_l2` must be a finite number >= 0. Received: metric_l2={describe(metric_l2)}")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise DamchaTypeError(f"`seed` must be an int or None. Received: seed={describe(seed)}")
-        self._probe = probe
-        self._num_heads = probe.num_heads
-        self._key_dim = probe.key_dim
-        self._value_dim = probe.value_dim
-        self._num_kv_heads = probe.num_kv_heads
-        self._dropout = probe.dropout
-        self._use_bias = use_bias
-        self._output_dim = None if output_shape is None else probe.output_dim
-        self._flash_attention = flash_attention
-        self._metric = metric
-        self._metric_rank = probe.metric_rank
-        self._coupling = coupling
-        self._scale = probe.scale
-        self._metric_l2 = float(metric_l2)
-        self.seed = seed
+        self._num_heads = args["num_heads"]
+        self._key_dim = args["key_dim"]
+        self._value_dim = args["value_dim"]
+        self._num_kv_heads = args["num_kv_heads"]
+        self._dropout = args["dropout"]
+        self._use_bias = args["use_bias"]
+        self._metric = args["metric"]
+        self._metric_rank = args["metric_rank"]
+        self._coupling_arg = coupling
+        self._scale = args["scale"]
+        self._metric_l2 = args["metric_l2"]
+        self._sliding_window = args["sliding_window"]
+        self._use_gate = args["use_gate"]
+        self.seed = args["seed"]
+        # As MHA: the argument, or the global switch (None = let the backend
+        # choose, False after keras.config.disable_flash_attention()).
+        self._flash_attention_arg = flash_attention
+        self._flash_attention = flash_attention or keras.config.is_flash_attention_enabled()
+        if self._flash_attention and self._dropout > 0:
+            raise DamchaValueError(
+                "Dropout is not supported when flash attention is enabled: the flash kernel has no "
+                f"attention dropout. Set dropout=0.0 or flash_attention=False. Received: dropout={self._dropout}, "
+                f"flash_attention={flash_attention!r}"
+            )
         self._kernel_initializer = keras.initializers.get(kernel_initializer)
         self._bias_initializer = keras.initializers.get(bias_initializer)
         self._kernel_regularizer = keras.regularizers.get(kernel_regularizer)
         self._bias_regularizer = keras.regularizers.get(bias_regularizer)
         self._kernel_constraint = keras.constraints.get(kernel_constraint)
         self._bias_constraint = keras.constraints.get(bias_constraint)
-        self._shared_generators = self._check_generators(metric_generator, probe)
-        self._metric_generator_arg = metric_generator
-        self._dropout_layer = keras.layers.Dropout(rate=probe.dropout, seed=seed, dtype=self.dtype_policy)
+        self._metric_generator_arg = self._check_generator_arg(metric_generator)
+        self._dropout_layer = keras.layers.Dropout(rate=self._dropout, seed=self.seed, dtype=self.dtype_policy)
         self.config: DamchaConfig | None = None
+        self._generators: dict[str, MetricGenerator] = {}
+        self._gates: dict[str, Any] = {}
         # Set by from_canonical/from_mha, whose values overwrite the initial ones:
         # zeros skip the random draws (slow to compile per shape on JAX).
         self._zero_init = False
+
+    @staticmethod
+    def _check_args(*, metric_l2: Any, seed: Any, sliding_window: Any, use_gate: Any, flash_attention: Any,
+                    coupling: Any, **fields: Any) -> dict[str, Any]:
+        # A probe config applies the reference's rules to every hyper-parameter now,
+        # so a bad argument fails at construction, not at the first call. An
+        # automatic coupling is resolved at build, when the feature sizes are known.
+        probe_coupling = "separate" if coupling is None or fields["metric"] == "none" else coupling
+        probe = DamchaConfig(query_dim=1, coupling=probe_coupling, **fields)
+        if isinstance(metric_l2, bool) or not isinstance(metric_l2, (int, float)) or not (
+            metric_l2 >= 0 and np.isfinite(metric_l2)
+        ):
+            raise DamchaValueError(f"`metric_l2` must be a finite number >= 0. Received: metric_l2={describe(metric_l2)}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise DamchaTypeError(f"`seed` must be an int or None. Received: seed={describe(seed)}")
+        if sliding_window is not None and (
+            isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1
+        ):
+            raise DamchaValueError(
+                f"`sliding_window` must be None or an int >= 1. Received: sliding_window={describe(sliding_window)}"
+            )
+        for name, flag in (("use_gate", use_gate),):
+            if not isinstance(flag, (bool, np.bool_)):
+                raise DamchaTypeError(f"`{name}` must be a bool. Received: {name}={describe(flag)}")
+        if flash_attention is not None and not isinstance(flash_attention, (bool, np.bool_)):
+            raise DamchaTypeError(
+                f"`flash_attention` must be a bool or None. Received: flash_attention={describe(flash_attention)}"
+            )
+        return dict(
+            num_heads=probe.num_heads, key_dim=probe.key_dim, value_dim=probe.value_dim,
+            num_kv_heads=probe.num_kv_heads, use_bias=probe.use_bias, metric=probe.metric,
+            metric_rank=probe.metric_rank, scale=probe.scale, dropout=probe.dropout,
+            metric_l2=float(metric_l2), seed=seed, sliding_window=sliding_window, use_gate=bool(use_gate),
+        )
+
+    @staticmethod
+    def _check_generator_arg(given: Any) -> Any:
+        """The type rule of ``metric_generator`` (its sides are checked at build,
+        when the coupling is known)."""
+        values = list(given.values()) if isinstance(given, Mapping) else [given]
+        if given is not None and not all(isinstance(g, MetricGenerator) for g in values):
+            raise DamchaTypeError(
+                "`metric_generator` must be a MetricGenerator, a dict {'q': ..., 'k': ...} of them "
+                f"(coupling='separate'), or None. Received: metric_generator={describe(given)}"
+            )
+        return dict(given) if isinstance(given, Mapping) else given
 
     # ------------------------------------------------------------ properties
 
@@ -198,8 +377,8 @@ class DamchaAttention(keras.layers.Layer):
     num_kv_heads = property(lambda self: self._num_kv_heads)
     dropout = property(lambda self: self._dropout)
     use_bias = property(lambda self: self._use_bias)
+    attention_axes = property(lambda self: self._attention_axes)
     metric = property(lambda self: self._metric)
-    coupling = property(lambda self: self._coupling)
     metric_l2 = property(lambda self: self._metric_l2)
     query_dense = property(lambda self: self._query_dense)
     key_dense = property(lambda self: self._key_dense)
@@ -207,35 +386,25 @@ class DamchaAttention(keras.layers.Layer):
     output_dense = property(lambda self: self._output_dense)
 
     @property
+    def coupling(self) -> str | None:
+        """The coupling in use once built; before, the argument (None = automatic)."""
+        return self.config.coupling if self.config is not None else self._coupling_arg
+
+    @property
     def metric_gates(self) -> dict[str, Any]:
         """The gate variable (S,) of each metric side; empty before build and for metric "none"."""
-        return dict(self._gates) if self.built else {}
+        return dict(self._gates)
 
     @property
     def metric_generators(self) -> dict[str, MetricGenerator]:
-        """The generator of each metric side ("qk", or "q"/"k"); empty for metric "none"."""
-        return dict(self._generators) if self.built else dict(self._shared_generators)
-
-    def _check_generators(self, given: Any, probe: DamchaConfig) -> dict[str, MetricGenerator]:
-        sides = probe.metric_sides
-        if given is None:
-            return {}
-        if not sides:
-            raise DamchaValueError("`metric_generator` must be None with metric='none'. Received: "
-                                   f"metric_generator={describe(given)}")
+        """The generator of each metric side ("qk", or "q"/"k"); empty for metric "none".
+        Before build: the shared generators passed as ``metric_generator``."""
+        if self.built:
+            return dict(self._generators)
+        given = self._metric_generator_arg
         if isinstance(given, MetricGenerator):
-            if len(sides) != 1:
-                raise DamchaValueError(
-                    "with coupling='separate' pass `metric_generator` as a dict {'q': ..., 'k': ...}. "
-                    f"Received: metric_generator={describe(given)}"
-                )
-            return {sides[0]: given}
-        if isinstance(given, Mapping) and set(given) == set(sides) and all(isinstance(g, MetricGenerator) for g in given.values()):
-            return dict(given)
-        raise DamchaTypeError(
-            f"`metric_generator` must be a MetricGenerator (or a dict with keys {list(sides)} of them) or None. "
-            f"Received: metric_generator={describe(given)}"
-        )
+            return {"qk" if self._coupling_arg in (None, "tied") else "q": given}
+        return dict(given or {})
 
     # ----------------------------------------------------------------- build
 
@@ -257,43 +426,95 @@ class DamchaAttention(keras.layers.Layer):
             dtype=self.dtype_policy,
         )
 
-    def build(self, query_shape: tuple, value_shape: tuple, key_shape: tuple | None = None) -> None:
-        for name, shape in (("query", query_shape), ("value", value_shape), ("key", key_shape)):
-            if shape is None:
-                continue
-            if len(shape) != 3 or shape[-1] is None:
-                raise DamchaValueError(
-                    f"`{name}` must have rank 3, (batch, length, features), with a known feature size. "
-                    f"Received: {name}.shape={tuple(shape)}"
-                )
-        if key_shape is not None and key_shape[-1] != value_shape[-1]:
+    def _resolve_axes(self, rank: int) -> tuple[int, ...]:
+        """Attention axes as positive input axes in [1, rank - 2] (MHA's reading of negatives)."""
+        if self._attention_axes is None:
+            return tuple(range(1, rank - 1))
+        axes = tuple(a if a >= 0 else rank + a for a in self._attention_axes)
+        if any(not 1 <= a <= rank - 2 for a in axes) or len(set(axes)) != len(axes):
             raise DamchaValueError(
-                "`key` and `value` must have the same feature size (DAMCHA has one context size, "
-                f"context_dim). Received: key.shape={tuple(key_shape)}, value.shape={tuple(value_shape)}"
+                f"`attention_axes` must name distinct axes of the inputs other than batch (0) and features "
+                f"(-1): in [1, {rank - 2}] or [{1 - rank}, -2] for rank-{rank} inputs. "
+                f"Received: attention_axes={self._attention_axes}"
             )
+        return tuple(sorted(axes))
+
+    def _check_build_shapes(self, query_shape: tuple, value_shape: tuple, key_shape: tuple | None) -> None:
+        """MHA's rules on the shapes alone (``build`` and ``compute_output_shape``)."""
+        query_shape, value_shape = tuple(query_shape), tuple(value_shape)
+        key_shape = value_shape if key_shape is None else tuple(key_shape)
+        if tuple(value_shape[1:-1]) != tuple(key_shape[1:-1]):
+            raise DamchaValueError(
+                "`key` and `value` must have the same shape but for the last (feature) axis: their other "
+                f"dims must be equal. Received: key.shape={key_shape}, value.shape={value_shape}"
+            )
+        if len(query_shape) < 3:
+            raise DamchaValueError(
+                f"`query` must have rank >= 3, (batch, length, features). Received: query.shape={query_shape}"
+            )
+        if len(value_shape) != len(query_shape):
+            raise DamchaValueError(
+                "`value` must have the rank of `query`. "
+                f"Received: query.shape={query_shape}, value.shape={value_shape}"
+            )
+        for name, shape in (("query", query_shape), ("value", value_shape), ("key", key_shape)):
+            if shape[-1] is None:
+                raise DamchaValueError(
+                    f"`{name}` must have a known feature size (last axis). Received: {name}.shape={shape}"
+                )
+        if key_shape[-1] != value_shape[-1]:
+            raise DamchaValueError(
+                "`key` and `value` must have the same feature size (DAMCHA v1 has one context size, "
+                f"context_dim). Received: key.shape={key_shape}, value.shape={value_shape}"
+            )
+        rank = len(query_shape)
+        batch_axes = _Layout(rank, self._resolve_axes(rank)).batch_axes
+        for a in (0, *batch_axes):
+            if query_shape[a] is not None and value_shape[a] is not None and query_shape[a] != value_shape[a]:
+                raise DamchaValueError(
+                    f"`query` and `value` must be equal on the batch and non-attended axes {(0, *batch_axes)}. "
+                    f"Received: query.shape={query_shape}, value.shape={value_shape}"
+                )
+
+    def build(self, query_shape: tuple, value_shape: tuple, key_shape: tuple | None = None) -> None:
+        self._check_build_shapes(query_shape, value_shape, key_shape)
         E_q, E_kv = int(query_shape[-1]), int(value_shape[-1])
-        self.config = self._probe.replace(
-            query_dim=E_q, context_dim=E_kv, output_dim=self._output_dim if self._output_dim else E_q
+        coupling = self._resolve_coupling(E_q, E_kv)
+        E_o = math.prod(self._output_shape) if self._output_shape else E_q
+        self.config = DamchaConfig(
+            query_dim=E_q, context_dim=E_kv, output_dim=E_o, num_heads=self._num_heads, key_dim=self._key_dim,
+            value_dim=self._value_dim, num_kv_heads=self._num_kv_heads, use_bias=self._use_bias,
+            metric=self._metric, metric_rank=self._metric_rank, coupling=coupling, scale=self._scale,
+            dropout=self._dropout,
         )
+        self._layout = _Layout(len(query_shape), self._resolve_axes(len(query_shape)))
         cfg = self.config
         H, G, d, d_v = cfg.num_heads, cfg.num_kv_heads, cfg.key_dim, cfg.value_dim
-        dense = lambda equation, shape, axes, name: keras.layers.EinsumDense(  # noqa: E731
-            equation, output_shape=shape, bias_axes=axes if self._use_bias else None, name=name, **self._dense_kwargs()
+        dense = lambda equation, shape, axes, name, **kw: keras.layers.EinsumDense(  # noqa: E731
+            equation, output_shape=shape, bias_axes=axes if self._use_bias else None, name=name,
+            **self._dense_kwargs(), **kw,
         )
-        # Attribute names and sublayer names as Keras MHA's, so weight paths match.
+        out_dims = self._output_shape or (E_q,)
+        out = string.ascii_lowercase[4:4 + len(out_dims)]
+        # Attribute names, sublayer names and creation order as Keras MHA's, so
+        # weight paths and the order of get_weights()/set_weights() match.
+        # Tokens reach the projections as (B', T, E) whatever the input rank.
         self._query_dense = dense("abc,cde->abde", (None, H, d), "de", "query")
         self._key_dense = dense("abc,cde->abde", (None, G, d), "de", "key")
+        if self._use_gate:
+            self._gate_dense = dense("abc,cde->abde", (None, H, d_v), "de", "gate", activation="sigmoid")
         self._value_dense = dense("abc,cde->abde", (None, G, d_v), "de", "value")
-        self._output_dense = dense("abcd,cde->abe", (None, cfg.output_dim), "e", "attention_output")
-        self._query_dense.build(tuple(query_shape))
-        self._key_dense.build(tuple(key_shape if key_shape is not None else value_shape))
-        self._value_dense.build(tuple(value_shape))
+        self._output_dense = dense(f"abcd,cd{out}->ab{out}", (None, *out_dims), out, "attention_output")
+        self._query_dense.build((None, None, E_q))
+        self._key_dense.build((None, None, E_kv))
+        if self._use_gate:
+            self._gate_dense.build((None, None, E_q))
+        self._value_dense.build((None, None, E_kv))
         self._output_dense.build((None, None, H, d_v))
-        self._generators: dict[str, MetricGenerator] = {}
-        self._gates: dict[str, Any] = {}
+        shared = self._resolve_generators(cfg)
         for i, side in enumerate(cfg.metric_sides):
             S, E = cfg.side_heads(side), cfg.side_features(side)
-            generator = self._shared_generators.get(side)
+            generator = shared.get(side)
             if generator is None:
                 generator = MetricGenerator(
                     S, metric=cfg.metric, key_dim=d, metric_rank=cfg.metric_rank,
@@ -309,6 +530,36 @@ class DamchaAttention(keras.layers.Layer):
             self._gates[side] = self.add_weight(name=f"metric_{side}_gate", shape=(S,), initializer="zeros")
         self.built = True
 
+    def _resolve_generators(self, cfg: DamchaConfig) -> dict[str, MetricGenerator]:
+        given, sides = self._metric_generator_arg, cfg.metric_sides
+        if given is None:
+            return {}
+        if not sides:
+            raise DamchaValueError("`metric_generator` must be None with metric='none'. Received: "
+                                   f"metric_generator={describe(given)}")
+        if isinstance(given, MetricGenerator):
+            if len(sides) != 1:
+                raise DamchaValueError(
+                    f"with coupling={cfg.coupling!r} pass `metric_generator` as a dict {{'q': ..., 'k': ...}}. "
+                    f"Received: metric_generator={describe(given)}"
+                )
+            return {sides[0]: given}
+        if set(given) != set(sides):
+            raise DamchaValueError(
+                f"`metric_generator` must have exactly this layer's metric sides {list(sides)} "
+                f"(coupling={cfg.coupling!r}). Received keys: {sorted(given)}"
+            )
+        return dict(given)
+
+    def _resolve_coupling(self, E_q: int, E_kv: int) -> str:
+        coupling = self._coupling_arg
+        if self._metric == "none":
+            return "tied" if coupling is None else coupling
+        if coupling is None or coupling == "auto":
+            same = self._num_kv_heads == self._num_heads and E_q == E_kv
+            return "tied" if same else "separate"
+        return coupling
+
     # ----------------------------------------------------------- validation
 
     def _check_inputs(self, query: Any, value: Any, key: Any, masks: dict[str, Any], kv_len: int | None = None) -> None:
@@ -316,83 +567,179 @@ class DamchaAttention(keras.layers.Layer):
             if x is not None and dtype_name(x) not in FLOAT_DTYPES:
                 raise dc.float_dtype_error(name, x)
         for name, m in masks.items():
-            if m is not None and not _is_mask_dtype(m):
+            if m is not None and not dtype_name(m).startswith(_MASK_DTYPES):
                 raise dc.mask_dtype_error(m, name, _MASK_EXPECTED)
         qs, vs = static_shape(query), static_shape(value)
+        ks = vs if key is None else static_shape(key)
+        if len(vs[1:-1]) != len(ks[1:-1]) or any(
+            a is not None and b is not None and a != b for a, b in zip(vs[1:-1], ks[1:-1])
+        ):
+            raise DamchaValueError(
+                "`key` and `value` must have the same shape but for the last (feature) axis: their other "
+                f"dims must be equal. Received: key.shape={tuple(key.shape)}, value.shape={tuple(value.shape)}"
+            )
         cfg = self.config
+        rank = self._layout.rank
         # The layer's own argument names (value, key), not damcha_core's (context).
-        for name, x, features in (("query", query, cfg.query_dim), ("value", value, cfg.context_dim),
-                                  ("key", key, cfg.context_dim)):
-            if x is None:
-                continue
-            shape = static_shape(x)
-            if len(shape) != 3:
+        for name, shape, features in (("query", qs, cfg.query_dim), ("value", vs, cfg.context_dim),
+                                      ("key", ks, cfg.context_dim)):
+            if len(shape) != rank:
                 raise DamchaValueError(
-                    f"`{name}` must have rank 3, (batch, length, features). Received: {name}.shape={tuple(x.shape)}"
+                    f"`{name}` must have rank {rank}, the rank the layer was built with"
+                    f"{' (batch, length, features)' if rank == 3 else ''}. Received: {name}.shape={shape}"
                 )
             if shape[-1] is not None and shape[-1] != features:  # None: traced (e.g. torch ONNX export)
                 raise DamchaValueError(
                     f"`{name}` must have {features} features, the size the layer was built with. "
-                    f"Received: {name}.shape={tuple(x.shape)}"
+                    f"Received: {name}.shape={shape}"
                 )
-        if qs[0] is not None and vs[0] is not None and qs[0] != vs[0]:
-            raise DamchaValueError(
-                "`query` and `value` must have the same batch size. "
-                f"Received: query.shape={tuple(query.shape)}, value.shape={tuple(value.shape)}"
-            )
-        if key is not None:
-            ks = static_shape(key)
-            if len(ks) != 3 or len(vs) != 3 or any(
-                a is not None and b is not None and a != b for a, b in zip(ks[:2], vs[:2])
-            ):
+        for a in (0, *self._layout.batch_axes):
+            if qs[a] is not None and vs[a] is not None and qs[a] != vs[a]:
+                what = "batch size" if a == 0 else f"size on the non-attended axis {a}"
                 raise DamchaValueError(
-                    "`key` must have the same (batch, length) as `value`. "
-                    f"Received: key.shape={tuple(key.shape)}, value.shape={tuple(value.shape)}"
+                    f"`query` and `value` must have the same {what}. "
+                    f"Received: query.shape={tuple(query.shape)}, value.shape={tuple(value.shape)}"
                 )
         # Unknown (symbolic) dims take the value the other tensors imply, so only
         # real contradictions are reported by the shared shape rules.
-        B = next((s for s in (qs[0] if qs else None, vs[0] if vs else None) if s is not None), 1)
-        fill = lambda shape, dims: tuple(dims[i] if s is None else s for i, s in enumerate(shape))  # noqa: E731
-        N = qs[1] if len(qs) > 1 and qs[1] is not None else 1
-        M = vs[1] if len(vs) > 1 and vs[1] is not None else 1
-        qs = fill(qs, (B, N, cfg.query_dim)) if len(qs) == 3 else qs
-        vs = fill(vs, (B, M, cfg.context_dim)) if len(vs) == 3 else vs
-        dc.check_shapes(self.config, qs, vs)
+        size = lambda dims: None if any(s is None for s in dims) else math.prod(dims)  # noqa: E731
+        B = next((s for s in (qs[0], vs[0]) if s is not None), 1)
+        N = size([qs[a] for a in self._layout.attention_axes])
+        M = size([vs[a] for a in self._layout.attention_axes])
+        dc.check_shapes(cfg, (B, N or 1, cfg.query_dim), (B, M or 1, cfg.context_dim))
         if kv_len is not None:
             M = kv_len  # with a cache, masks span its L slots
-        H = self._num_heads
-        for name, m, rank_shapes in (
-            ("query_mask", masks.get("query_mask"), {2: (B, N)}),
-            ("value_mask", masks.get("value_mask"), {2: (B, M)}),
-            ("key_mask", masks.get("key_mask"), {2: (B, M)}),
-            ("attention_mask", masks.get("attention_mask"), {2: (N, M), 3: (B, N, M), 4: (B, H, N, M)}),
-        ):
+        q_tokens, v_tokens = tuple(qs[:-1]), tuple(vs[:-1])
+        if kv_len is not None:
+            v_tokens = (vs[0], kv_len)
+        for name, m, target in (("query_mask", masks.get("query_mask"), q_tokens),
+                                ("value_mask", masks.get("value_mask"), v_tokens),
+                                ("key_mask", masks.get("key_mask"), v_tokens)):
             if m is None:
                 continue
             shape = static_shape(m)
-            target = rank_shapes.get(len(shape))
-            broadcastable = name == "attention_mask"
-            if target is None or any(
-                s is not None and s != t and not (broadcastable and s == 1) for s, t in zip(shape, target)
-            ):
-                expected = " or ".join(str(t) for t in rank_shapes.values())
-                extra = " (size-1 dims broadcast)" if broadcastable else ""
+            if len(shape) != len(target) or any(s is not None and t is not None and s != t for s, t in zip(shape, target)):
                 raise DamchaValueError(
-                    f"`{name}` must have shape {expected}{extra} for query.shape={tuple(query.shape)}, "
-                    f"value.shape={tuple(value.shape)}. Received: {name}.shape={shape}"
+                    f"`{name}` must have shape {target} (the {'query' if name == 'query_mask' else 'key'} "
+                    f"tokens) for query.shape={tuple(query.shape)}, value.shape={tuple(value.shape)}. "
+                    f"Received: {name}.shape={shape}"
                 )
+        m = masks.get("attention_mask")
+        if m is not None:
+            self._check_attention_mask(static_shape(m), qs, vs, N, M, query, value)
+
+    def _check_attention_mask(self, shape: tuple, qs: tuple, vs: tuple, N: Any, M: Any, query: Any, value: Any) -> None:
+        H = self._num_heads
+        if not self._layout.folded:
+            rank_shapes = {2: (N, M), 3: (qs[0], N, M), 4: (qs[0], H, N, M)}
+        else:
+            axes = self._layout.attention_axes
+            full = (qs[0], *[qs[a] for a in self._layout.batch_axes], H, *[qs[a] for a in axes],
+                    *[vs[a] for a in axes])
+            # Keras inserts a missing dim before the attention dims, one at a time.
+            rank_shapes = {}
+            for rank in range(2 * len(axes), len(full) + 1):
+                lead = full[:rank - 2 * len(axes)]
+                rank_shapes[rank] = lead + full[len(full) - 2 * len(axes):]
+        target = rank_shapes.get(len(shape))
+        if target is None or any(s is not None and t is not None and s not in (1, t) for s, t in zip(shape, target)):
+            expected = " or ".join(str(t) for t in rank_shapes.values())
+            raise DamchaValueError(
+                f"`attention_mask` must have shape {expected} (size-1 dims broadcast) for "
+                f"query.shape={tuple(query.shape)}, value.shape={tuple(value.shape)}. "
+                f"Received: attention_mask.shape={shape}"
+            )
+
+    def _read_masks(self, masks: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+        """Boolean masks (True = may attend), and a NaN poison scalar (or None).
+
+        Integer and float masks are read as Keras reads them, non-zero = may
+        attend, only when their values are 0 and 1. Other values are refused
+        when they are known; under tracing they cannot be inspected, and the
+        poison makes the output NaN instead of silently reading an additive
+        mask inverted."""
+        out, bad = {}, None
+        for name, m in masks.items():
+            if m is None or dtype_name(m) == "bool":
+                out[name] = m
+                continue
+            try:
+                values = np.asarray(ops.convert_to_numpy(m))
+            except Exception:  # traced: checked in the graph instead
+                values = None
+            if values is not None:
+                if not np.all((values == 0) | (values == 1)):
+                    raise DamchaValueError(
+                        f"`{name}` of dtype {dtype_name(m)} must hold only 0 and 1 (1 = may attend, as Keras "
+                        "reads masks); other values, e.g. an additive 0/-inf mask, would be misread. Pass a "
+                        f"boolean mask (True = may attend). Received: {name}.shape={tuple(m.shape)} with "
+                        "other values"
+                    )
+            else:
+                wrong = ops.any(ops.logical_and(ops.not_equal(m, 0), ops.not_equal(m, 1)))
+                bad = wrong if bad is None else ops.logical_or(bad, wrong)
+            out[name] = ops.not_equal(m, 0)
+        return out, bad
 
     # ------------------------------------------------------------------ math
 
     def _apply_map(self, side: str, tokens: Any, y: Any, penalties: list) -> Any:
         """L(t) y of ``side`` for stacked heads y (B, T, S, d)."""
         generator = self._generators[side]
-        coeff = generator.call(tokens)
+        coeff = generator(tokens)
         gate = self._gates[side]
         u, v = (generator.u, generator.v) if self.config.metric == "lowrank" else (None, None)
         if self._metric_l2 > 0:
             penalties.append(F.metric_penalty(self.config, side, coeff, gate, u, v))
         return F.apply_map(y, coeff, gate, metric=self.config.metric, u=u, v=v)
+
+    def _compute_attention(
+        self,
+        query: Any,
+        key: Any,
+        value: Any,
+        attention_mask: Any = None,
+        training: Any = None,
+        return_attention_scores: bool = False,
+        use_causal_mask: bool = False,
+    ) -> tuple[Any, Any]:
+        """Attention on the projected, mapped heads (MHA's override point).
+
+        Args:
+            query: (B, N, H, d), the mapped queries q~.
+            key: (B, M, G, d), the mapped keys k~.
+            value: (B, M, G, d_v).
+            attention_mask: boolean (True = may attend), (N, M), (B, N, M) or
+                (B|1, H|1, N|1, M|1); None hides nothing.
+            training: enables dropout.
+            return_attention_scores: return the probabilities too.
+            use_causal_mask: top-left causal, combined with ``attention_mask``.
+
+        Returns:
+            ``(output (B, N, H, d_v), probabilities (B, H, N, M) or None)``.
+        """
+        if self._flash_attention and return_attention_scores:
+            raise DamchaValueError(
+                "Returning attention scores is not supported when flash attention is enabled. Please "
+                "disable flash attention to access attention scores. Received: return_attention_scores=True, "
+                f"flash_attention={self._flash_attention!r}"
+            )
+        query, key, value = (ops.convert_to_tensor(x) for x in (query, key, value))
+        visible = None if attention_mask is None else F.as_4d(ops.cast(attention_mask, "bool"))
+        causal_only = bool(use_causal_mask) and visible is None
+        if use_causal_mask and visible is not None:
+            causal = F.visibility(ops.shape(query)[1], ops.shape(key)[1], causal=True)
+            visible = ops.logical_and(visible, causal)
+        dropping = self._dropout > 0 and bool(training)
+        # float64 avoids dot_product_attention: Keras 3.15's torch backend computes it
+        # in float32 (its result_type misreads torch dtypes), silently losing precision;
+        # unless the user asked for the flash kernel.
+        explicit = return_attention_scores or dropping or (
+            dtype_name(query) == "float64" and self._flash_attention is not True
+        )
+        dropout = (lambda p: self._dropout_layer(p, training=training)) if dropping else None
+        return F.attend(query, key, value, visible, scale=self.config.softmax_scale, causal_only=causal_only,
+                        explicit=explicit, dropout=dropout, flash_attention=self._flash_attention)
 
     def call(
         self,
@@ -409,66 +756,75 @@ class DamchaAttention(keras.layers.Layer):
         cache: Any = None,
         cache_update_index: Any = None,
     ) -> Any:
+        return_attention_scores = _flag("return_attention_scores", return_attention_scores)
+        use_causal_mask = _flag("use_causal_mask", use_causal_mask)
+        if self._flash_attention and return_attention_scores:
+            self._compute_attention(None, None, None, return_attention_scores=True)  # raises
         masks = dict(query_mask=query_mask, value_mask=value_mask, key_mask=key_mask, attention_mask=attention_mask)
-        for name, flag in (("return_attention_scores", return_attention_scores), ("use_causal_mask", use_causal_mask)):
-            if not isinstance(flag, (bool, np.bool_)):
-                raise DamchaTypeError(f"`{name}` must be a bool. Received: {name}={describe(flag)}")
         kv_len = self._check_cache(query, value, masks, use_causal_mask, cache, cache_update_index)
         self._check_inputs(query, value, key, masks, kv_len)
-        # As Keras MHA does, an integer mask means non-zero = may attend.
-        query_mask, value_mask, key_mask, attention_mask = (
-            m if m is None or dtype_name(m) == "bool" else ops.not_equal(m, 0) for m in masks.values()
-        )
-        if key is None:
-            key = value
+        masks, poison = self._read_masks(masks)
+        # The masks are consumed here (as MHA does): the projections must not
+        # see them (they do not support masking and would warn).
+        for tensor in (query, value, key):
+            if tensor is not None:
+                set_keras_mask(tensor, None)
+        key = value if key is None else key
+        layout = self._layout
+        q_in, v_in, k_in = layout.fold(query), layout.fold(value), layout.fold(key)
         cfg = self.config
-        # Sublayers are invoked through .call: this layer already cast the inputs and
-        # consumed their Keras masks, which plain projections would warn about.
-        q = self._query_dense.call(query)  # (B, N, H, d)
+        q = self._query_dense(q_in)  # (B, N, H, d)
         penalties: list = []
         side_q, side_k = dc.side_of(cfg, "q"), dc.side_of(cfg, "k")
         if side_q:
-            q = self._apply_map(side_q, query, q, penalties)
+            q = self._apply_map(side_q, q_in, q, penalties)
         if cache is not None and cache_update_index is None:
             k, v = _cache.read_cache(cache, dtype_name(q))  # read-only: k~ already mapped
         else:
-            k = self._key_dense.call(key)  # (B, M, G, d)
-            v = self._value_dense.call(value)  # (B, M, G, d_v)
+            k = self._key_dense(k_in)  # (B, M, G, d)
+            v = self._value_dense(v_in)  # (B, M, G, d_v)
             if side_k:
-                k = self._apply_map(side_k, key, k, penalties)
+                k = self._apply_map(side_k, k_in, k, penalties)
             if cache is not None:
                 cache, k, v = _cache.update_cache(cache, cache_update_index, k, v)
         if penalties:
             self.add_loss(self._metric_l2 * ops.mean(ops.stack(penalties)))
 
-        n, m = ops.shape(query)[1], ops.shape(value)[1]
-        n_static, m_static = static_shape(query)[1], static_shape(value)[1]
+        n, m = ops.shape(q_in)[1], ops.shape(v_in)[1]
+        query_mask = layout.fold_mask(masks["query_mask"])
+        value_mask = layout.fold_mask(masks["value_mask"])
+        key_mask = layout.fold_mask(masks["key_mask"])
+        attention_mask = masks["attention_mask"]
+        if attention_mask is not None:
+            attention_mask = layout.fold_attention_mask(attention_mask, query, value, self._num_heads)
+        n_static, m_static = static_shape(q_in)[1], static_shape(v_in)[1]
+        # As MHA: a causal mask alone runs the fused kernel's causal path, unless a
+        # subclass overrides _compute_attention (it would get no mask at all).
         causal_only = (
             use_causal_mask and query_mask is None and value_mask is None and key_mask is None
-            and attention_mask is None and n_static is not None and n_static == m_static and cache is None
+            and attention_mask is None and self._sliding_window is None and cache is None
+            and n_static is not None and n_static == m_static
+            and type(self)._compute_attention is DamchaAttention._compute_attention
         )
         if cache is not None:
             visible = _cache.cache_visibility(n, m, cache, cache_update_index, query_mask=query_mask,
-                                              attention_mask=attention_mask, use_causal_mask=use_causal_mask)
+                                              attention_mask=attention_mask, use_causal_mask=use_causal_mask,
+                                              window=self._sliding_window)
         elif causal_only:
             visible = None
         else:
             visible = F.visibility(n, m, query_mask=query_mask, value_mask=value_mask, key_mask=key_mask,
-                                   attention_mask=attention_mask, causal=use_causal_mask)
-        # float64 avoids dot_product_attention: Keras 3.15's torch backend computes it
-        # in float32 (its result_type misreads torch dtypes), silently losing precision.
-        # value_dim != key_dim too: jax.nn.dot_product_attention rejects it and Keras
-        # logs an error before falling back.
-        explicit = (
-            return_attention_scores
-            or (self._dropout > 0 and bool(training))
-            or dtype_name(q) == "float64"
-            or cfg.value_dim != cfg.key_dim
-        )
-        dropout = (lambda p: self._dropout_layer(p, training=training)) if self._dropout > 0 else None
-        out, scores = F.attend(q, k, v, visible, scale=cfg.softmax_scale, causal_only=causal_only,
-                               explicit=explicit, dropout=dropout, flash_attention=self._flash_attention)
-        y = self._output_dense.call(out)
+                                   attention_mask=attention_mask, causal=use_causal_mask,
+                                   window=self._sliding_window)
+        extra = {"use_causal_mask": True} if causal_only else {}
+        out, scores = self._compute_attention(q, k, v, visible, training, return_attention_scores, **extra)
+        if self._use_gate:
+            out = out * self._gate_dense(q_in)
+        y = self._output_dense(out)
+        if poison is not None:
+            y = y + ops.cast(ops.where(poison, float("nan"), 0.0), dtype_name(y))
+        y = layout.unfold(y, query)
+        scores = layout.unfold_scores(scores, query, value) if return_attention_scores else None
         result = (y, scores) if return_attention_scores else (y,)
         if cache is not None:
             result = result + (cache,)
@@ -493,26 +849,41 @@ class DamchaAttention(keras.layers.Layer):
 
     def _check_cache(self, query: Any, value: Any, masks: dict[str, Any], use_causal_mask: bool,
                      cache: Any, index: Any) -> int | None:
-        if cache is not None and not self.built:
-            self.build(tuple(query.shape), tuple(value.shape))
+        if cache is not None:
+            if not self.built:
+                self.build(tuple(query.shape), tuple(value.shape))
+            if self._layout.folded:
+                raise DamchaValueError(
+                    "`cache` needs rank-3 inputs (batch, length, features). "
+                    f"Received: query.shape={tuple(query.shape)}"
+                )
         return _cache.check_cache(self.config, query, value, masks, use_causal_mask, cache, index)
 
+    # ---------------------------------------------------------------- shapes
+
     def compute_output_shape(self, query_shape: tuple, value_shape: tuple, key_shape: tuple | None = None) -> tuple:
-        E_o = self._output_dim if self._output_dim else query_shape[-1]
-        return tuple(query_shape[:-1]) + (E_o,)
+        self._check_build_shapes(query_shape, value_shape, key_shape)
+        trailing = self._output_shape or (tuple(query_shape)[-1],)
+        return tuple(query_shape)[:-1] + tuple(trailing)
 
     def compute_output_spec(self, query, value, key=None, query_mask=None, value_mask=None, key_mask=None,
                             attention_mask=None, return_attention_scores=False, training=None, use_causal_mask=False,
                             cache=None, cache_update_index=None):
         # Functional models fail at model-building time, not at the first fit.
+        return_attention_scores = _flag("return_attention_scores", return_attention_scores)
+        use_causal_mask = _flag("use_causal_mask", use_causal_mask)
+        if not self.built:
+            self.build(tuple(query.shape), tuple(value.shape), None if key is None else tuple(key.shape))
         masks = dict(query_mask=query_mask, value_mask=value_mask, key_mask=key_mask, attention_mask=attention_mask)
         kv_len = self._check_cache(query, value, masks, use_causal_mask, cache, cache_update_index)
         self._check_inputs(query, value, key, masks, kv_len)
-        out = keras.KerasTensor(self.compute_output_shape(query.shape, value.shape), dtype=self.compute_dtype)
+        shape = self.compute_output_shape(query.shape, value.shape, None if key is None else key.shape)
+        out = keras.KerasTensor(shape, dtype=self.compute_dtype)
         result: tuple = (out,)
         if return_attention_scores:
-            M = value.shape[1] if cache is None else cache.shape[2]
-            result += (keras.KerasTensor((query.shape[0], self._num_heads, query.shape[1], M), dtype=self.compute_dtype),)
+            kv_shape = tuple(value.shape) if cache is None else (cache.shape[0], cache.shape[2])
+            scores = self._layout.scores_shape(tuple(query.shape), kv_shape, self._num_heads)
+            result += (keras.KerasTensor(scores, dtype=self.compute_dtype),)
         if cache is not None:
             result += (keras.KerasTensor(cache.shape, dtype=cache.dtype),)
         return result if len(result) > 1 else out
@@ -532,18 +903,21 @@ class DamchaAttention(keras.layers.Layer):
             "value_dim": self._value_dim,
             "dropout": self._dropout,
             "use_bias": self._use_bias,
-            "output_shape": self._output_dim,
-            "flash_attention": self._flash_attention,
+            "output_shape": self._output_shape,
+            "attention_axes": self._attention_axes,
+            "sliding_window": self._sliding_window,
+            "flash_attention": self._flash_attention_arg,
             "kernel_initializer": keras.initializers.serialize(self._kernel_initializer),
             "bias_initializer": keras.initializers.serialize(self._bias_initializer),
             "kernel_regularizer": keras.regularizers.serialize(self._kernel_regularizer),
             "bias_regularizer": keras.regularizers.serialize(self._bias_regularizer),
             "kernel_constraint": keras.constraints.serialize(self._kernel_constraint),
             "bias_constraint": keras.constraints.serialize(self._bias_constraint),
+            "use_gate": self._use_gate,
             "seed": self.seed,
             "metric": self._metric,
             "metric_rank": self._metric_rank,
-            "coupling": self._coupling,
+            "coupling": self._coupling_arg,
             "num_kv_heads": self._num_kv_heads,
             "scale": self._scale,
             "metric_l2": self._metric_l2,
@@ -560,7 +934,36 @@ class DamchaAttention(keras.layers.Layer):
             config["metric_generator"] = keras.saving.deserialize_keras_object(generator)
         return cls(**config)
 
+    # ---------------------------------------------------- weights
+
+    def set_weights(self, weights: list) -> None:
+        """Keras's ``set_weights``; also takes a ``MultiHeadAttention``'s
+        ``get_weights()`` list (the projections only, in MHA's order): it sets
+        the projections and keeps the metric weights, so with gates 0 the layer
+        then computes what that MHA computes."""
+        projections = [w for dense in self._mha_sublayers() for w in dense.weights] if self.built else []
+        if not projections or len(weights) != len(projections) or len(projections) == len(self.weights):
+            super().set_weights(weights)
+            return
+        for i, (variable, value) in enumerate(zip(projections, weights)):
+            if tuple(np.shape(value)) != tuple(variable.shape):
+                raise DamchaValueError(
+                    f"`weights[{i}]` must have the shape of {variable.path}, {tuple(variable.shape)} (weights in "
+                    f"MultiHeadAttention's order). Received: weights[{i}].shape={tuple(np.shape(value))}"
+                )
+        for variable, value in zip(projections, weights):
+            variable.assign(value)
+
+    def _mha_sublayers(self) -> list[keras.layers.EinsumDense]:
+        gate = [self._gate_dense] if self._use_gate else []
+        return [self._query_dense, self._key_dense, *gate, self._value_dense, self._output_dense]
+
     # ---------------------------------------------------- canonical weights
+
+    def _projections(self) -> dict[str, keras.layers.EinsumDense]:
+        """The four projections under their canonical names."""
+        return {"query": self._query_dense, "key": self._key_dense, "value": self._value_dense,
+                "output": self._output_dense}
 
     def canonical_variables(self) -> dict[str, Any]:
         """Canonical name -> ``keras.Variable``, in canonical order (the same

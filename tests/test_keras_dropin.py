@@ -1,0 +1,346 @@
+"""DamchaAttention as a drop-in for keras.layers.MultiHeadAttention (issue 14), on
+the current Keras backend (tensorflow unless KERAS_BACKEND says otherwise).
+
+Each MHA feature is checked two ways: converted from a built MHA with the gates at
+0 it computes what that MHA computes (Keras's own layer as the independent
+implementation), and with the gates open it equals the NumPy reference. Keras's
+own MHA test suite runs against the layer in test_keras_upstream.py."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+import keras
+
+import damcha_core as dc
+from damcha_conformance import case_params
+from damcha_keras import DamchaAttention
+
+B, N, M, E = 2, 5, 4, 8
+
+
+def np_(x):
+    return np.asarray(keras.ops.convert_to_numpy(x), dtype=np.float64)
+
+
+def rng(seed=0):
+    return np.random.default_rng(seed)
+
+
+def open_gates(layer: DamchaAttention, seed: int = 0) -> None:
+    for side, gate in layer.metric_gates.items():
+        gate.assign(rng(seed).uniform(0.3, 1.0, size=gate.shape).astype(gate.dtype))
+
+
+def randomize_biases(layer: keras.layers.Layer, seed: int = 1) -> None:
+    for var in layer.weights:
+        if "bias" in var.path:
+            var.assign(rng(seed).normal(size=var.shape).astype(var.dtype))
+
+
+# ----------------------------------------------------------- quantization
+
+
+@pytest.mark.parametrize("mode", ["int8", "float8"])
+def test_quantize_matches_mha_quantized_the_same_way(mode):
+    """model.quantize used to hit the raw int8 kernel (sublayers were called
+    through .call, skipping Keras's quantized_call): output MSE 1e10. Now a
+    quantized DAMCHA model equals Keras MHA quantized the same way (gates 0) and
+    stays close to its float model with open gates."""
+    mha = keras.layers.MultiHeadAttention(2, 4, seed=0)
+    x = rng(0).normal(size=(B, N, E)).astype("float32")
+    mha(x, x)
+    randomize_biases(mha)
+    layer = DamchaAttention.from_mha(mha)
+    inp = keras.Input((N, E))
+    models = {name: keras.Model(inp, attn(inp, inp)) for name, attn in (("mha", mha), ("damcha", layer))}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Dropout/MetricGenerator have no quantized form
+        for model in models.values():
+            model.quantize(mode)
+    assert layer.query_dense.quantization_mode == mode
+    np.testing.assert_allclose(np_(models["damcha"](x)), np_(models["mha"](x)), rtol=1e-5, atol=1e-5)
+
+    opened = DamchaAttention(2, 4, seed=1)
+    opened(x, x)
+    open_gates(opened)
+    float_out = np_(opened(x, x))
+    quantized = keras.Model(inp, opened(inp, inp))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantized.quantize(mode)
+    error = np.mean((np_(quantized(x)) - float_out) ** 2) / np.mean(float_out**2)
+    assert error < 1e-2, error
+    with pytest.raises(dc.DamchaValueError, match=r"`to_canonical` needs float projections.*quantized"):
+        opened.to_canonical()
+
+
+def test_lora_trains_only_adapters_and_merges_into_to_canonical():
+    """enable_lora on the projections: the LoRA factors are used in the forward
+    (sublayers are called as layers), only they (and the metric) train, and
+    to_canonical returns the merged kernels, which reproduce the output in the
+    reference."""
+    layer = DamchaAttention(2, 4, seed=0)
+    x = rng(1).normal(size=(B, N, E)).astype("float32")
+    layer(x, x)
+    open_gates(layer)
+    for dense in (layer.query_dense, layer.key_dense, layer.value_dense):
+        dense.enable_lora(2)
+        dense.lora_kernel_b.assign(rng(2).normal(size=dense.lora_kernel_b.shape).astype("float32"))
+    params = layer.to_canonical()
+    assert not layer.query_dense._kernel.trainable
+    np.testing.assert_allclose(np_(layer(x, x)), dc.damcha_attention(params, layer.config, x), rtol=1e-4, atol=1e-5)
+    with pytest.raises(dc.DamchaValueError, match="LoRA is enabled"):
+        layer.canonical_variables()
+
+
+def test_dtype_policy_map_reaches_the_projections():
+    """A DTypePolicyMap keyed by sublayer path quantizes the projections at build
+    (Keras MHA's own test), and the call runs their quantized kernels."""
+    policy = keras.dtype_policies.DTypePolicyMap()
+    for name in ("query", "key", "value"):
+        policy[f"att/{name}"] = keras.dtype_policies.QuantizedDTypePolicy("int8", "float32")
+    layer = DamchaAttention(2, 4, use_bias=False, dtype=policy, name="att")
+    x = rng(3).normal(size=(B, N, E)).astype("float32")
+    y = layer(x, x)
+    assert keras.backend.standardize_dtype(layer.query_dense._kernel.dtype) == "int8"
+    assert np.isfinite(np_(y)).all() and np.abs(np_(y)).max() < 1e3
+
+
+# ---------------------------------------------------------- MHA features
+
+
+def _equal_to_mha(mha: keras.layers.Layer, q, v, **call) -> DamchaAttention:
+    randomize_biases(mha)
+    layer = DamchaAttention.from_mha(mha)
+    want, want_scores = mha(q, v, return_attention_scores=True, **call)
+    got, scores = layer(q, v, return_attention_scores=True, **call)
+    np.testing.assert_allclose(np_(got), np_(want), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np_(scores), np_(want_scores), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np_(layer(q, v, **call)), np_(want), rtol=1e-5, atol=1e-5)
+    return layer
+
+
+def test_use_gate_equals_mha_and_has_no_canonical_form():
+    mha = keras.layers.MultiHeadAttention(2, 4, use_gate=True, seed=0)
+    x = rng(4).normal(size=(B, N, E)).astype("float32")
+    mha(x, x)
+    layer = _equal_to_mha(mha, x, x, use_causal_mask=True)
+    assert [w.path.split("/")[-2] for w in layer.weights if "gate" in w.path and "metric" not in w.path] == ["gate"] * 2
+    with pytest.raises(dc.DamchaValueError, match="use_gate=True"):
+        layer.to_canonical()
+
+
+@pytest.mark.parametrize("axes, q_shape, v_shape", [
+    ((2,), (B, 3, 4, E), (B, 3, 2, E)),  # attend over axis 2; axis 1 is a batch-like axis
+    ((1, 2), (B, 3, 4, E), (B, 2, 2, E)),  # 2-D attention (images)
+    ((-2,), (B, 3, 4, E), (B, 3, 2, E)),  # MHA's negative axes
+], ids=["axis2", "axes12", "negative"])
+def test_attention_axes_equal_mha_and_the_reference_per_token(axes, q_shape, v_shape):
+    """High-rank inputs: gates 0 equal MHA (outputs and scores in MHA's layout);
+    open gates equal the reference run on the folded tokens, where the map acts
+    on each position's heads."""
+    r = rng(5)
+    q, v = r.normal(size=q_shape).astype("float32"), r.normal(size=v_shape).astype("float32")
+    mha = keras.layers.MultiHeadAttention(2, 4, attention_axes=axes, seed=0)
+    mha(q, v)
+    layer = _equal_to_mha(mha, q, v)
+    open_gates(layer)
+    pos = tuple(a % len(q_shape) for a in axes)
+    batch = tuple(a for a in range(1, len(q_shape) - 1) if a not in pos)
+
+    def fold(x):
+        x = np.transpose(x, (0, *batch, *pos, x.ndim - 1))
+        return x.reshape(-1, int(np.prod(x.shape[1 + len(batch):-1])), x.shape[-1])
+
+    ref = dc.damcha_attention(layer.to_canonical(), layer.config, fold(q).astype(np.float64), fold(v).astype(np.float64))
+    got = np_(layer(q, v))
+    np.testing.assert_allclose(fold(got), ref, rtol=1e-4, atol=1e-5)
+
+
+def test_attention_axes_masks_and_causal():
+    """Masks of high-rank inputs: an attention mask in MHA's layout (B, *batch
+    axes, *query axes, *key axes) and a (B, *dims) Keras value mask hide what MHA
+    hides. Causal runs over the flattened attended positions (MHA's own causal
+    mask reads axis 1 and fails for attention_axes=2), checked with open gates
+    against the reference on the folded tokens."""
+    r = rng(6)
+    q = r.normal(size=(B, 3, 5, E)).astype("float32")
+    mha = keras.layers.MultiHeadAttention(2, 4, attention_axes=2, seed=0)
+    mha(q, q)
+    mask = r.random((B, 3, 5, 5)) < 0.7
+    mask[..., 0] = True
+    layer = _equal_to_mha(mha, q, q, attention_mask=mask)
+    value_mask = np.ones((B, 3, 5), bool)
+    value_mask[1, :, -2:] = False
+    np.testing.assert_allclose(np_(layer(q, q, value_mask=value_mask)),
+                               np_(mha(q, q, attention_mask=np.broadcast_to(value_mask[:, :, None, :], (B, 3, 5, 5)))),
+                               rtol=1e-5, atol=1e-5)
+    open_gates(layer)
+    folded = q.reshape(B * 3, 5, E).astype(np.float64)
+    ref = dc.damcha_attention(layer.to_canonical(), layer.config, folded, mask=mask.reshape(B * 3, 1, 5, 5), causal=True)
+    got = np_(layer(q, q, attention_mask=mask, use_causal_mask=True)).reshape(B * 3, 5, E)
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("output_shape", [(3, 2), (6,), 5], ids=["2d", "1-tuple", "int"])
+def test_output_shape_equals_mha_and_round_trips_canonically(output_shape):
+    r = rng(7)
+    q, v = r.normal(size=(B, N, E)).astype("float32"), r.normal(size=(B, M, 6)).astype("float32")
+    mha = keras.layers.MultiHeadAttention(2, 4, output_shape=output_shape, seed=0)
+    mha(q, v)
+    layer = _equal_to_mha(mha, q, v)
+    dims = output_shape if isinstance(output_shape, tuple) else (output_shape,)
+    assert tuple(layer.compute_output_shape(q.shape, v.shape)) == (B, N, *dims)
+    open_gates(layer)
+    params = layer.to_canonical()
+    assert params["output.kernel"].shape == (2, 4, int(np.prod(dims)))
+    ref = dc.damcha_attention(params, layer.config, q, v).reshape(B, N, *dims)
+    np.testing.assert_allclose(np_(layer(q, v)), ref, rtol=1e-4, atol=1e-5)
+    again = DamchaAttention(2, 4, output_shape=output_shape)
+    again(q, v)
+    again.load_canonical(params)
+    np.testing.assert_array_equal(np_(again(q, v)), np_(layer(q, v)))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["band", "causal-band"])
+def test_sliding_window_equals_mha_and_the_reference(causal):
+    r = rng(8)
+    x = r.normal(size=(B, 6, E)).astype("float32")
+    mha = keras.layers.MultiHeadAttention(2, 4, sliding_window=3, seed=0)
+    mha(x, x)
+    layer = _equal_to_mha(mha, x, x, use_causal_mask=causal)
+    open_gates(layer)
+    i, j = np.arange(6)[:, None], np.arange(6)[None, :]
+    band = np.abs(i - j) < 3
+    ref = dc.damcha_attention(layer.to_canonical(), layer.config, x, mask=band, causal=causal)
+    np.testing.assert_allclose(np_(layer(x, x, use_causal_mask=causal)), ref, rtol=1e-4, atol=1e-5)
+
+
+def test_sliding_window_decodes_with_a_cache():
+    """A windowed causal layer decoding token by token equals its full pass."""
+    cfg = dc.DamchaConfig(query_dim=E, num_heads=2, key_dim=4)
+    params = case_params(cfg, 3)
+    layer = DamchaAttention.from_canonical(params, cfg)
+    windowed = DamchaAttention(2, 4, sliding_window=2)
+    windowed(np.zeros((1, 1, E), "float32"), np.zeros((1, 1, E), "float32"))
+    windowed.load_canonical(params)
+    x = rng(9).normal(size=(1, 5, E)).astype("float32")
+    full = np_(windowed(x, x, use_causal_mask=True))
+    cache, outs = windowed.init_cache(1, 5), []
+    for t in range(5):
+        y, cache = windowed(x[:, t:t + 1], x[:, t:t + 1], use_causal_mask=True, cache=cache, cache_update_index=t)
+        outs.append(np_(y))
+    np.testing.assert_allclose(np.concatenate(outs, 1), full, rtol=1e-5, atol=1e-6)
+    assert np.abs(full - np_(layer(x, x, use_causal_mask=True))).max() > 1e-3  # the window matters
+
+
+def test_grouped_query_attention_and_cross_sizes_convert_without_coupling():
+    """from_mha of Keras's GroupedQueryAttention (G < H) and of a cross-size MHA
+    work without `coupling=` (automatic: separate) and equal the source layer."""
+    r = rng(10)
+    q, c = r.normal(size=(B, N, E)).astype("float32"), r.normal(size=(B, M, 6)).astype("float32")
+    gqa = keras.layers.GroupQueryAttention(head_dim=4, num_query_heads=4, num_key_value_heads=2, seed=0)
+    gqa(q, q)
+    randomize_biases(gqa)
+    layer = DamchaAttention.from_mha(gqa)
+    assert layer.config.num_kv_heads == 2 and layer.coupling == "separate"
+    np.testing.assert_allclose(np_(layer(q, q, use_causal_mask=True)), np_(gqa(q, q, use_causal_mask=True)),
+                               rtol=1e-5, atol=1e-5)
+    mha = keras.layers.MultiHeadAttention(2, 4, seed=0)
+    mha(q, c)
+    assert _equal_to_mha(mha, q, c).coupling == "separate"
+    assert DamchaAttention(2, 4).coupling is None  # automatic until built
+    tied = DamchaAttention(2, 4)
+    tied(q, q)
+    assert tied.coupling == "tied"
+
+
+def test_set_weights_takes_an_mha_weight_list():
+    """mha.get_weights() fits DamchaAttention.set_weights: projections set, metric
+    kept (gates 0), so the output is MHA's; a wrong shape names the weight."""
+    x = rng(11).normal(size=(B, N, E)).astype("float32")
+    mha = keras.layers.MultiHeadAttention(2, 4, use_gate=True, seed=0)
+    mha(x, x)
+    randomize_biases(mha)
+    layer = DamchaAttention(2, 4, use_gate=True, seed=3)
+    layer(x, x)
+    layer.set_weights(mha.get_weights())
+    np.testing.assert_allclose(np_(layer(x, x)), np_(mha(x, x)), rtol=1e-5, atol=1e-5)
+    bad = mha.get_weights()
+    bad[0] = bad[0][:, :1]
+    with pytest.raises(dc.DamchaValueError, match=r"`weights\[0\]` must have the shape"):
+        layer.set_weights(bad)
+
+
+# ------------------------------------------------------- call arguments
+
+
+@pytest.mark.parametrize("flag", [0, 1, np.True_, np.False_, np.int64(1)], ids=["0", "1", "np.True_", "np.False_", "np.int64"])
+def test_use_causal_mask_takes_truthy_values_as_keras_does(flag):
+    x = rng(12).normal(size=(B, N, E)).astype("float32")
+    layer = DamchaAttention(2, 4, seed=0)
+    want = layer(x, x, use_causal_mask=bool(flag))
+    np.testing.assert_array_equal(np_(layer(x, x, use_causal_mask=flag)), np_(want))
+    out, scores = layer(x, x, return_attention_scores=np.True_, use_causal_mask=flag)
+    assert np.all(np_(scores)[..., np.triu_indices(N, 1)[0], np.triu_indices(N, 1)[1]] == 0) == bool(flag)
+
+
+@pytest.mark.parametrize("query, value, key", [
+    ((B, N, E), (B, M, 7), (B, 3, 7)),  # key/value lengths differ
+    ((B, N, E), (B, M, E), (B,)),  # key of another rank
+    ((B, 3, N, E), (B, 3, M, E), (B, 2, M, E)),  # key/value non-feature dims differ
+], ids=["length", "rank", "high-rank"])
+def test_compute_output_shape_validates_like_mha(query, value, key):
+    """MHA raises for key/value shapes that differ outside the feature axis; so do
+    compute_output_shape and the call, naming both arguments."""
+    layer = DamchaAttention(2, 4)
+    with pytest.raises(dc.DamchaValueError, match=r"`key` and `value`.*must be equal.*Received: key\.shape="):
+        layer.compute_output_shape(query, value, key)
+    with pytest.raises(dc.DamchaValueError, match=r"`key` and `value`.*must be equal"):
+        layer(np.ones(query, "float32"), np.ones(value, "float32"), np.ones(key, "float32"))
+
+
+def test_flash_attention_is_honoured_or_refused_never_ignored():
+    """As MHA: flash with dropout is refused at construction, flash with scores at
+    the call; flash=True otherwise reaches keras.ops.dot_product_attention, so a
+    backend without a flash kernel raises just as it does for MHA."""
+    with pytest.raises(dc.DamchaValueError, match="Dropout is not supported when flash attention is enabled"):
+        DamchaAttention(2, 4, dropout=0.1, flash_attention=True)
+    x = rng(13).normal(size=(B, N, E)).astype("float32")
+    layer = DamchaAttention(2, 4, flash_attention=True)
+    with pytest.raises(dc.DamchaValueError, match="Returning attention scores is not supported when flash attention"):
+        layer(x, x, return_attention_scores=True)
+    mha = keras.layers.MultiHeadAttention(2, 4, flash_attention=True)
+    try:
+        want = mha(x, x)
+    except Exception as error:  # no flash kernel here: DAMCHA must fail alike
+        with pytest.raises(type(error)):
+            layer(x, x)
+    else:
+        assert layer(x, x).shape == want.shape
+
+
+def test_compute_attention_is_the_override_point():
+    """A subclass overriding _compute_attention (MHA's documented hook) receives
+    the mapped heads and the full boolean mask (the causal-only shortcut is off for
+    it, as in MHA), and its result is used."""
+    seen = {}
+
+    class Probe(DamchaAttention):
+        def _compute_attention(self, query, key, value, attention_mask=None, training=None,
+                               return_attention_scores=False):
+            seen["mask"] = None if attention_mask is None else np_(attention_mask)
+            seen["query"] = tuple(query.shape)
+            return super()._compute_attention(query, key, value, attention_mask, training, return_attention_scores)
+
+    x = rng(14).normal(size=(B, N, E)).astype("float32")
+    probe = Probe(2, 4, seed=0)
+    y = probe(x, x, use_causal_mask=True)
+    assert seen["query"] == (B, N, 2, 4)
+    np.testing.assert_array_equal(seen["mask"][0, 0], np.tril(np.ones((N, N))))
+    plain = DamchaAttention.from_canonical(probe.to_canonical(), probe.config)
+    np.testing.assert_allclose(np_(y), np_(plain(x, x, use_causal_mask=True)), rtol=1e-5, atol=1e-6)
