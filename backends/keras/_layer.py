@@ -606,7 +606,7 @@ class DamchaAttention(keras.layers.Layer):
         B = next((s for s in (qs[0], vs[0]) if s is not None), 1)
         N = size([qs[a] for a in self._layout.attention_axes])
         M = size([vs[a] for a in self._layout.attention_axes])
-        dc.check_shapes(cfg, (B, N or 1, cfg.query_dim), (B, M or 1, cfg.context_dim))
+        dc.check_shapes(cfg, (B, 1 if N is None else N, cfg.query_dim), (B, 1 if M is None else M, cfg.context_dim))
         if kv_len is not None:
             M = kv_len  # with a cache, masks span its L slots
         q_tokens, v_tokens = tuple(qs[:-1]), tuple(vs[:-1])
