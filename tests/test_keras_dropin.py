@@ -344,3 +344,26 @@ def test_compute_attention_is_the_override_point():
     np.testing.assert_array_equal(seen["mask"][0, 0], np.tril(np.ones((N, N))))
     plain = DamchaAttention.from_canonical(probe.to_canonical(), probe.config)
     np.testing.assert_allclose(np_(y), np_(plain(x, x, use_causal_mask=True)), rtol=1e-5, atol=1e-6)
+
+
+def test_key_and_value_of_different_feature_sizes():
+    """DECISIONS 8: `key` and `value` of their own feature sizes (E_k != E_v), as
+    Keras MHA takes them: equal to MHA with gates 0, to the reference (value=) with
+    open gates, and round-tripped through the canonical form (value_input_dim)."""
+    r = rng(15)
+    q, v, k = (r.normal(size=shape).astype("float32") for shape in ((B, N, E), (B, M, 6), (B, M, 3)))
+    mha = keras.layers.MultiHeadAttention(2, 4, value_dim=5, seed=0)
+    mha(q, v, k)
+    randomize_biases(mha)
+    layer = DamchaAttention.from_mha(mha)
+    assert (layer.config.context_dim, layer.config.value_input_dim) == (3, 6)
+    np.testing.assert_allclose(np_(layer(q, v, k)), np_(mha(q, v, k)), rtol=1e-5, atol=1e-5)
+    open_gates(layer)
+    params = layer.to_canonical()
+    assert params["key.kernel"].shape == (3, 2, 4) and params["value.kernel"].shape == (6, 2, 5)
+    ref = dc.damcha_attention(params, layer.config, q, k, value=v, causal=True)
+    np.testing.assert_allclose(np_(layer(q, v, k, use_causal_mask=True)), ref, rtol=1e-4, atol=1e-5)
+    again = DamchaAttention.from_canonical(params, layer.config)
+    np.testing.assert_array_equal(np_(again(q, v, k)), np_(layer(q, v, k)))
+    with pytest.raises(dc.DamchaValueError, match=r"`key` is required.*Received: key=None"):
+        layer(q, v)

@@ -13,6 +13,8 @@ import keras
 import damcha_core as dc
 from damcha_conformance import case_params
 from damcha_keras import DamchaAttention, MetricGenerator, TransformerDecoder, TransformerEncoder
+from damcha_keras import stack_from_canonical as dk_stack_from_canonical
+from damcha_keras import stack_to_canonical as dk_stack_to_canonical
 
 B, N, M, E, H, D = 2, 5, 7, 12, 3, 4
 
@@ -302,7 +304,7 @@ BAD_CONSTRUCTOR = {
     "lowrank-without-rank": (dict(num_heads=2, key_dim=4, metric="lowrank"), dc.DamchaValueError, "metric_rank"),
     "tied-gqa": (dict(num_heads=4, key_dim=4, num_kv_heads=2, coupling="tied"), dc.DamchaValueError, "num_kv_heads"),
     "output_shape-float": (dict(num_heads=2, key_dim=4, output_shape=8.0), dc.DamchaTypeError, "`output_shape`"),
-    "output_shape-zero-dim": (dict(num_heads=2, key_dim=4, output_shape=(2, 0)), dc.DamchaValueError, "`output_shape`"),
+    "output_shape-zero-dim": (dict(num_heads=2, key_dim=4, output_shape=(2, 0)), dc.DamchaValueError, r"`output_shape\[1\]`"),
     "metric_l2-negative": (dict(num_heads=2, key_dim=4, metric_l2=-1.0), dc.DamchaValueError, "metric_l2"),
     "generator-wrong-type": (dict(num_heads=2, key_dim=4, metric_generator="gen"), dc.DamchaTypeError, "metric_generator"),
 }
@@ -352,10 +354,13 @@ def test_bad_call_arguments(case):
 
 
 @pytest.mark.parametrize("block", [TransformerEncoder, TransformerDecoder])
-@pytest.mark.parametrize("num_heads, error", [(0, dc.DamchaValueError), (True, dc.DamchaValueError)])
-def test_block_rejects_bad_num_heads_at_construction(block, num_heads, error):
-    """Was accepted, then a ZeroDivisionError (0) in build."""
-    with pytest.raises(error, match=rf"`num_heads` must be an int >= 1. Received: num_heads={num_heads}"):
+@pytest.mark.parametrize("num_heads, error, message", [
+    (0, dc.DamchaValueError, "`num_heads` must be >= 1. Received: num_heads=0"),
+    (True, dc.DamchaTypeError, "`num_heads` must be an int >= 1. Received: num_heads=True"),
+])
+def test_block_rejects_bad_num_heads_at_construction(block, num_heads, error, message):
+    """Was accepted, then a ZeroDivisionError (0) in build; the core's rule and class."""
+    with pytest.raises(error, match=message):
         block(16, num_heads)
 
 
@@ -677,3 +682,51 @@ def test_masks_with_values_other_than_0_1_are_refused_or_nan_under_tracing(bad):
     assert np.isnan(np_(traced(x, mask))).all()
     fine = np_(traced(x, allowed.astype(mask.dtype)))
     np.testing.assert_allclose(fine, np_(layer(x, x, use_causal_mask=True)), rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------- stack canonical I/O
+
+@pytest.mark.parametrize("kind", ["encoder-shared-final-norm", "decoder-separate", "encoder-gelu-tanh-unshared"])
+def test_stack_canonical_round_trip_against_the_core_reference(kind):
+    """Blocks expose the core's stack format: stack_from_canonical builds blocks
+    (and the final norm) from damcha_core params, they compute
+    damcha_core.encoder_forward, and stack_to_canonical / a block's to_canonical
+    give the params back (shared generator once)."""
+    attention = dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4, metric="lowrank" if "separate" in kind else "heads",
+                                metric_rank=2 if "separate" in kind else None,
+                                coupling="separate" if "separate" in kind else "auto")
+    config = dc.EncoderConfig(attention, num_layers=2, ffn_dim=12, share_metric="unshared" not in kind,
+                              causal=kind.startswith("decoder"), norm_first=kind != "decoder-separate",
+                              activation="gelu_tanh" if "tanh" in kind else "relu", final_norm="final" in kind)
+    params = dc.init_encoder_params(config, seed=3)
+    for name in params:
+        if name.endswith("gate"):
+            params[name] = np.full(params[name].shape, 0.7)
+    layers = dk_stack_from_canonical(params, config, dtype="float64")
+    assert type(layers[0]).__name__ == ("TransformerDecoder" if config.causal else "TransformerEncoder")
+    x = rng(16).normal(size=(2, 5, 8))
+    h = x
+    for layer in layers:
+        h = layer(h)
+    # Keras's float64 gelu is good to ~5e-9 (its constants are float32); relu is exact.
+    tol = 1e-12 if config.activation == "relu" else 1e-7
+    np.testing.assert_allclose(np_(h), dc.encoder_forward(params, config, x), rtol=tol, atol=tol)
+    again, again_config = dk_stack_to_canonical(layers)
+    assert again_config == config and set(again) == set(params)
+    for name, value in params.items():
+        np.testing.assert_array_equal(again[name], value)
+    one, one_config = layers[0].to_canonical()
+    assert one_config.num_layers == 1 and not one_config.final_norm
+    block = type(layers[0]).from_canonical(one, one_config, dtype="float64")
+    np.testing.assert_array_equal(np_(block(x)), np_(layers[0](x)))
+    assert block.load_canonical(one) is block
+
+
+def test_stack_to_canonical_names_what_does_not_fit():
+    blocks = [TransformerEncoder(16, 2, activation="silu"), TransformerEncoder(16, 2)]
+    for b in blocks:
+        b(np.zeros((1, 3, 8), "float32"))
+    with pytest.raises(dc.DamchaValueError, match=r"activation relu, gelu or gelu_tanh \(block 0 has silu\)"):
+        dk_stack_to_canonical(blocks)
+    with pytest.raises(dc.DamchaTypeError, match="one kind"):
+        dk_stack_to_canonical([blocks[1], TransformerDecoder(16, 2)])

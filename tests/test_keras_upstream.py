@@ -88,10 +88,6 @@ _WEIGHT_COUNT = (
     "asserts MultiHeadAttention's weight count: DAMCHA's metric adds trainable weights (the generator's kernel "
     "and bias, the layer's gate: 11 where MHA has 8), by design"
 )
-_KV_SIZES = (
-    "key and value of different feature sizes need DamchaConfig.value_input_dim (DECISIONS 8, engineer core); "
-    "until it lands DAMCHA v1 has one context size and build raises a DamchaValueError"
-)
 
 # (config or "*", test id or prefix ending in "*", backend or "*") -> reason.
 EXPECTED_FAILURES: dict[tuple[str, str, str], str] = {
@@ -103,11 +99,6 @@ EXPECTED_FAILURES: dict[tuple[str, str, str], str] = {
         "output_shape=8.0 is a DamchaTypeError naming `output_shape` (a wrong type is a TypeError in every "
         "port) where Keras raises ValueError('Invalid `output_shape`')"
     ),
-    ("*", "test_compute_output_shape_with_key_same_proj", "*"): _KV_SIZES,
-    ("*", "test_compute_output_shape_with_key_different_proj", "*"): _KV_SIZES,
-    ("*", "test_compute_output_shape_high_dim_same_proj", "*"): _KV_SIZES,
-    ("*", "test_compute_output_shape_high_dim_different_proj", "*"): _KV_SIZES,
-    ("*", "test_compute_output_shape_different_qv_last_dims", "*"): _KV_SIZES,
     ("heads", "test_basics", "*"): _WEIGHT_COUNT,
     ("heads", "test_high_dim_attention_*", "*"): _WEIGHT_COUNT,
     ("heads", "test_lora", "*"): _WEIGHT_COUNT,

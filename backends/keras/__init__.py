@@ -15,8 +15,10 @@ from damcha_core._imports import require as _require
 
 _require("keras", "keras", "damcha_keras")  # one-line ImportError naming the extra
 
-from ._blocks import TransformerDecoder, TransformerEncoder
-from ._generator import MetricGenerator, rms_normalise
+from ._blocks import TransformerDecoder, TransformerEncoder, gelu_tanh
+from ._canonical import stack_from_canonical, stack_load_canonical, stack_to_canonical
+from ._functional import rms_normalise
+from ._generator import MetricGenerator
 from ._layer import DamchaAttention
 
 __all__ = [
@@ -24,7 +26,11 @@ __all__ = [
     "MetricGenerator",
     "TransformerDecoder",
     "TransformerEncoder",
+    "gelu_tanh",
     "rms_normalise",
+    "stack_from_canonical",
+    "stack_load_canonical",
+    "stack_to_canonical",
 ]
 
 

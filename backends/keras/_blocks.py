@@ -4,12 +4,23 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+import numpy as np
+
 import keras
 
+import damcha_core as dc
 from damcha_core import DamchaTypeError, DamchaValueError, describe
 
+from . import _canonical
 from ._generator import MetricGenerator, serialize_generator
 from ._layer import DamchaAttention
+
+
+@keras.saving.register_keras_serializable(package="damcha")
+def gelu_tanh(x: Any) -> Any:
+    """GELU with the tanh approximation (Flax's default, the stack format's
+    "gelu_tanh"), as a named, serializable activation for the blocks."""
+    return keras.activations.gelu(x, approximate=True)
 
 
 class _Block(keras.layers.Layer):
@@ -35,16 +46,22 @@ class _Block(keras.layers.Layer):
         metric_l2: float = 0.0,
         metric_generator: MetricGenerator | Mapping[str, MetricGenerator] | None = None,
         seed: int | None = None,
+        key_dim: int | None = None,
+        value_dim: int | None = None,
+        scale: float | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        if isinstance(intermediate_dim, bool) or not isinstance(intermediate_dim, int) or intermediate_dim < 1:
+        self.intermediate_dim = dc.check_int("intermediate_dim", intermediate_dim)
+        # The attention's own rules, now: build would otherwise divide by num_heads.
+        args = dc.check_layer_args(num_heads=num_heads, metric=metric, metric_rank=metric_rank, coupling=coupling,
+                                   num_kv_heads=num_kv_heads, dropout=dropout, scale=scale,
+                                   **({} if key_dim is None else {"key_dim": key_dim}),
+                                   **({} if value_dim is None else {"value_dim": value_dim}))
+        if not dc.check_real("layer_norm_epsilon", layer_norm_epsilon) > 0:
             raise DamchaValueError(
-                f"`intermediate_dim` must be an int >= 1. Received: intermediate_dim={describe(intermediate_dim)}"
+                f"`layer_norm_epsilon` must be a number > 0. Received: layer_norm_epsilon={describe(layer_norm_epsilon)}"
             )
-        if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
-            # Checked here: build would otherwise divide by it (ZeroDivisionError).
-            raise DamchaValueError(f"`num_heads` must be an int >= 1. Received: num_heads={describe(num_heads)}")
         generators = metric_generator.values() if isinstance(metric_generator, Mapping) else [metric_generator]
         if metric_generator is not None and not all(isinstance(g, MetricGenerator) for g in generators):
             raise DamchaTypeError(
@@ -54,30 +71,35 @@ class _Block(keras.layers.Layer):
         if isinstance(metric_generator, Mapping):
             metric_generator = dict(metric_generator)
         self.supports_masking = True
-        self.intermediate_dim = intermediate_dim
-        self.num_heads = num_heads
-        self.dropout = dropout
+        self.num_heads = args["num_heads"]
+        self.dropout = args["dropout"]
         self.activation = keras.activations.get(activation)
         self.layer_norm_epsilon = layer_norm_epsilon
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self.bias_initializer = keras.initializers.get(bias_initializer)
-        self.normalize_first = normalize_first
+        self.normalize_first = dc.check_bool("normalize_first", normalize_first)
         self.damcha_options = dict(
-            metric=metric, metric_rank=metric_rank, coupling=coupling, num_kv_heads=num_kv_heads, metric_l2=metric_l2
+            metric=metric, metric_rank=metric_rank, coupling=coupling, num_kv_heads=num_kv_heads,
+            metric_l2=dc.check_finite_nonneg("metric_l2", metric_l2),
         )
+        # Only set when given, so configs of earlier versions stay as they were.
+        self.head_options = {k: v for k, v in (("key_dim", key_dim), ("value_dim", value_dim), ("scale", scale))
+                             if v is not None}
         self.metric_generator = metric_generator
-        self.seed = seed
+        self.seed = dc.check_seed("seed", seed)
 
     def build(self, inputs_shape: tuple) -> None:
         hidden = inputs_shape[-1]
-        if hidden is None or hidden % self.num_heads:
+        key_dim = self.head_options.get("key_dim")
+        if hidden is None or (key_dim is None and hidden % self.num_heads):
             raise DamchaValueError(
                 f"the feature size must be known and divisible by num_heads={self.num_heads} "
-                f"(key_dim = hidden // num_heads). Received: inputs.shape={tuple(inputs_shape)}"
+                f"(key_dim = hidden // num_heads unless key_dim is given). Received: inputs.shape={tuple(inputs_shape)}"
             )
         init = lambda i: i.__class__.from_config(i.get_config())  # noqa: E731 (fresh instances)
         self._attention = DamchaAttention(
-            num_heads=self.num_heads, key_dim=hidden // self.num_heads, dropout=self.dropout,
+            num_heads=self.num_heads, key_dim=key_dim or hidden // self.num_heads, dropout=self.dropout,
+            value_dim=self.head_options.get("value_dim"), scale=self.head_options.get("scale"),
             kernel_initializer=init(self.kernel_initializer), bias_initializer=init(self.bias_initializer),
             seed=self.seed, metric_generator=self.metric_generator, dtype=self.dtype_policy,
             name="self_attention", **self.damcha_options,
@@ -99,6 +121,35 @@ class _Block(keras.layers.Layer):
         self._ffn_norm.build(inputs_shape)
         self._ffn_dropout = keras.layers.Dropout(self.dropout, seed=self.seed, dtype=self.dtype_policy)
         self.built = True
+
+    # ---------------------------------------------------- canonical weights
+
+    def to_canonical(self) -> tuple[dict[str, np.ndarray], dc.EncoderConfig]:
+        """This block in damcha_core's stack format: ``(params, EncoderConfig)``
+        with one layer (float64). For a stack use ``stack_to_canonical(blocks)``."""
+        return _canonical.stack_to_canonical([self])
+
+    def load_canonical(self, params: Mapping[str, Any]) -> "_Block":
+        """Copy one-layer stack params (validated against this block) in; returns self."""
+        _canonical.stack_load_canonical([self], params)
+        return self
+
+    @classmethod
+    def from_canonical(cls, params: Mapping[str, Any], config: dc.EncoderConfig, **kwargs: Any) -> "_Block":
+        """A built block holding one-layer stack ``params`` for ``config``
+        (``num_layers=1``, no final norm); ``stack_from_canonical`` builds stacks."""
+        if not isinstance(config, dc.EncoderConfig) or config.num_layers != 1 or config.final_norm:
+            raise DamchaValueError(
+                f"`config` of {cls.__name__}.from_canonical must be a damcha_core.EncoderConfig with num_layers=1 "
+                f"and final_norm=False; use stack_from_canonical for stacks. Received: config={describe(config)}"
+            )
+        (block,) = _canonical.stack_from_canonical(params, config, **kwargs)
+        if not isinstance(block, cls):
+            raise DamchaValueError(
+                f"`config` has causal={config.causal}, which builds a {type(block).__name__}, not a {cls.__name__}. "
+                f"Received: config.causal={config.causal}"
+            )
+        return block
 
     def _forward(self, x: Any, padding_mask: Any, attention_mask: Any, training: Any,
                  cache: Any = None, cache_update_index: Any = None) -> Any:
@@ -143,6 +194,7 @@ class _Block(keras.layers.Layer):
             "bias_initializer": keras.initializers.serialize(self.bias_initializer),
             "normalize_first": self.normalize_first,
             **self.damcha_options,
+            **self.head_options,
             "metric_generator": None if generator is None else (
                 {side: serialize_generator(g) for side, g in generator.items()} if isinstance(generator, dict)
                 else serialize_generator(generator)

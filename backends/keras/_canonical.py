@@ -7,7 +7,7 @@ The layer's methods (``to_canonical``, ``load_canonical``, ``from_canonical``,
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
@@ -110,7 +110,7 @@ def from_canonical(cls: type, params: Mapping[str, Any], config: DamchaConfig, *
     # Zeros skip the random draws (slow to compile per shape on JAX): the
     # params overwrite every variable right after.
     layer._zero_init = True
-    layer.build((None, None, config.query_dim), (None, None, config.context_dim))
+    layer.build((None, None, config.query_dim), (None, None, config.value_input_dim), (None, None, config.context_dim))
     layer._zero_init = False
     load_canonical(layer, params)
     return layer
@@ -126,3 +126,179 @@ def load(cls: type, path: str, **kwargs: Any) -> "DamchaAttention":
     """``from_canonical`` on a DAMCHA safetensors file."""
     params, config = dc.load_params(path)
     return from_canonical(cls, params, config, **kwargs)
+
+
+# ------------------------------------------------------------------ stacks
+
+
+def _activation_name(fn: Any) -> str | None:
+    from ._blocks import gelu_tanh
+
+    return {keras.activations.relu: "relu", keras.activations.gelu: "gelu", gelu_tanh: "gelu_tanh"}.get(fn)
+
+
+def _split_stack(layers: Any, argument: str) -> tuple[list[Any], Any]:
+    """The blocks of a stack and its final LayerNormalization (or None)."""
+    from ._blocks import TransformerDecoder, TransformerEncoder
+
+    kinds = (TransformerEncoder, TransformerDecoder)
+    if isinstance(layers, (keras.layers.Layer, str, bytes)) or not isinstance(layers, Sequence) or not layers:
+        raise DamchaTypeError(
+            f"`{argument}` must be a non-empty list of damcha_keras TransformerEncoder/TransformerDecoder blocks, "
+            f"optionally followed by one keras.layers.LayerNormalization. Received: {argument}={describe(layers)}"
+        )
+    layers = list(layers)
+    final = layers.pop() if isinstance(layers[-1], keras.layers.LayerNormalization) and len(layers) > 1 else None
+    types = {type(b) for b in layers}
+    if not types <= set(kinds) or len(types) != 1:
+        raise DamchaTypeError(
+            f"`{argument}` must hold blocks of one kind, all TransformerEncoder or all TransformerDecoder "
+            f"(then an optional final LayerNormalization). Received: {sorted(t.__name__ for t in types)}"
+        )
+    return layers, final
+
+
+def _sharing(blocks: list[Any]) -> bool:
+    """True when every block uses block 0's generator objects (stack-wise sharing)."""
+    first = blocks[0]._attention.metric_generators
+    return bool(first) and len(blocks) > 1 and all(
+        all(b._attention.metric_generators.get(side) is g for side, g in first.items()) for b in blocks[1:]
+    )
+
+
+def stack_config(layers: Sequence[Any], *, causal: bool | None = None) -> dc.EncoderConfig:
+    """The ``damcha_core.EncoderConfig`` of a stack of built blocks, or a
+    DamchaValueError listing what does not fit the stack format."""
+    from ._blocks import TransformerDecoder
+
+    blocks, final = _split_stack(layers, "blocks")
+    decoder = isinstance(blocks[0], TransformerDecoder)
+    causal = decoder if causal is None else dc.check_bool("causal", causal)
+    if decoder and not causal:
+        raise DamchaValueError("TransformerDecoder blocks are always causal. Received: causal=False")
+    problems = []
+    first = blocks[0]
+    if any(not b.built for b in blocks):
+        problems.append("built blocks (call the model once)")
+    else:
+        for i, b in enumerate(blocks):
+            if _activation_name(b.activation) is None:
+                problems.append(f"activation relu, gelu or gelu_tanh (block {i} has "
+                                f"{getattr(b.activation, '__name__', b.activation)})")
+            if b.activation is not first.activation or b.normalize_first != first.normalize_first:
+                problems.append(f"one activation and normalize_first (block {i} differs)")
+            if b.layer_norm_epsilon != first.layer_norm_epsilon:
+                problems.append(f"one layer_norm_epsilon (block {i} differs)")
+            if b._attention.config != first._attention.config:
+                problems.append(f"one attention config (block {i} differs)")
+        if final is not None and (not final.built or final.epsilon != first.layer_norm_epsilon
+                                  or not (final.center and final.scale)):
+            problems.append("a built final LayerNormalization with the blocks' epsilon, center and scale")
+    if problems:
+        raise DamchaValueError(
+            "`blocks` do not fit the stack format (damcha_core.EncoderConfig); it needs "
+            + "; ".join(dict.fromkeys(problems)) + f". Received: blocks={describe(list(layers))}"
+        )
+    return dc.EncoderConfig(
+        first._attention.config, num_layers=len(blocks), ffn_dim=first.intermediate_dim,
+        share_metric=_sharing(blocks), norm_eps=float(first.layer_norm_epsilon), causal=bool(causal),
+        norm_first=bool(first.normalize_first), activation=_activation_name(first.activation),  # type: ignore[arg-type]
+        final_norm=final is not None,
+    )
+
+
+def _block_variables(block: Any) -> dict[str, Any]:
+    """Stack names of one block's norm and feed-forward variables."""
+    return {
+        "norm1.scale": block._attention_norm.gamma, "norm1.bias": block._attention_norm.beta,
+        "norm2.scale": block._ffn_norm.gamma, "norm2.bias": block._ffn_norm.beta,
+        "ffn.in.kernel": block._ffn_in.kernel, "ffn.in.bias": block._ffn_in.bias,
+        "ffn.out.kernel": block._ffn_out.kernel, "ffn.out.bias": block._ffn_out.bias,
+    }
+
+
+def stack_to_canonical(layers: Sequence[Any], *, causal: bool | None = None) -> tuple[dict[str, np.ndarray], dc.EncoderConfig]:
+    """``(params, EncoderConfig)`` of a stack in damcha_core's stack format, float64.
+
+    Args:
+        layers: built ``TransformerEncoder`` blocks (or all ``TransformerDecoder``),
+            in order, optionally followed by the final ``LayerNormalization``.
+            A generator every block shares is stored once.
+        causal: defaults to True for decoder blocks (always causal), False for
+            encoder blocks.
+    """
+    config = stack_config(layers, causal=causal)
+    blocks, final = _split_stack(layers, "blocks")
+    shapes = config.param_shapes()
+    to_np = lambda v: np.asarray(keras.ops.convert_to_numpy(v), dtype=np.float64)  # noqa: E731
+    params: dict[str, np.ndarray] = {}
+    for i, block in enumerate(blocks):
+        for key, value in block._attention.to_canonical().items():
+            name = f"layers.{i}.attention.{key}"
+            if name in shapes:
+                params[name] = np.asarray(value, dtype=np.float64)
+            else:  # the generator the stack shares: stored once, under "shared."
+                params.setdefault(f"shared.{key}", np.asarray(value, dtype=np.float64))
+        params.update({f"layers.{i}.{key}": to_np(v) for key, v in _block_variables(block).items()})
+    if final is not None:
+        params["final_norm.scale"], params["final_norm.bias"] = to_np(final.gamma), to_np(final.beta)
+    return params, config
+
+
+def stack_load_canonical(layers: Sequence[Any], params: Mapping[str, Any]) -> Sequence[Any]:
+    """Copy stack params (validated against the stack's own config) in; returns ``layers``."""
+    config = stack_config(layers)
+    checked = dc.validate_stack_params(params, config)
+    blocks, final = _split_stack(layers, "blocks")
+    for i, block in enumerate(blocks):
+        block._attention.load_canonical(config.layer_params(checked, i))
+        for key, variable in _block_variables(block).items():
+            variable.assign(checked[f"layers.{i}.{key}"].astype(keras.backend.standardize_dtype(variable.dtype)))
+    if final is not None:
+        final.gamma.assign(checked["final_norm.scale"].astype(keras.backend.standardize_dtype(final.gamma.dtype)))
+        final.beta.assign(checked["final_norm.bias"].astype(keras.backend.standardize_dtype(final.beta.dtype)))
+    return layers
+
+
+def stack_from_canonical(params: Mapping[str, Any], config: dc.EncoderConfig, **kwargs: Any) -> list[Any]:
+    """Built blocks holding stack ``params`` for ``config``: ``TransformerDecoder``
+    blocks when ``config.causal``, else ``TransformerEncoder``, then a
+    ``LayerNormalization`` when ``config.final_norm``. With ``share_metric`` the
+    blocks share one generator per side. ``kwargs`` go to every block
+    (``dtype``, ``seed``, ``metric_l2``, ...)."""
+    from ._blocks import TransformerDecoder, TransformerEncoder, gelu_tanh
+    from ._generator import MetricGenerator
+
+    if not isinstance(config, dc.EncoderConfig):
+        raise DamchaTypeError(f"`config` must be a damcha_core.EncoderConfig. Received: config={describe(config)}")
+    checked = dc.validate_stack_params(params, config)
+    a = config.attention
+    if not a.use_bias:
+        raise DamchaValueError("damcha_keras blocks have attention biases; the config has use_bias=False. "
+                               "Received: config.attention.use_bias=False")
+    cls = TransformerDecoder if config.causal else TransformerEncoder
+    dtype = kwargs.get("dtype")
+    shared: Any = None
+    if config.share_metric and a.metric_sides:
+        gens = {side: MetricGenerator(a.side_heads(side), metric=a.metric, key_dim=a.key_dim,
+                                      metric_rank=a.metric_rank, name=f"shared_metric_{side}", dtype=dtype)
+                for side in a.metric_sides}
+        shared = gens if a.coupling == "separate" else next(iter(gens.values()))
+    activation = gelu_tanh if config.activation == "gelu_tanh" else config.activation
+    head = {"key_dim": a.key_dim} if a.key_dim * a.num_heads != a.query_dim else {}
+    head.update({k: v for k, v in (("value_dim", a.value_dim if a.value_dim != a.key_dim else None),
+                                   ("scale", a.scale)) if v is not None})
+    blocks: list[Any] = [
+        cls(config.ffn_dim, a.num_heads, dropout=a.dropout, activation=activation, layer_norm_epsilon=config.norm_eps,
+            normalize_first=config.norm_first, metric=a.metric, metric_rank=a.metric_rank, coupling=a.coupling,
+            num_kv_heads=a.num_kv_heads, metric_generator=shared, **head, **kwargs)
+        for _ in range(config.num_layers)
+    ]
+    for block in blocks:
+        block.build((None, None, a.query_dim))
+    if config.final_norm:
+        final = keras.layers.LayerNormalization(epsilon=config.norm_eps, dtype=dtype, name="final_norm")
+        final.build((None, None, a.query_dim))
+        blocks.append(final)
+    stack_load_canonical(blocks, checked)
+    return blocks

@@ -66,18 +66,12 @@ def from_mha(cls: type, layer: Any, **kwargs: Any) -> "DamchaAttention":
             )
     # Build from the kernels: they hold the feature sizes whatever the input rank.
     E_q, E_k, E_v = (int(theirs[n].kernel.shape[0]) for n in ("query", "key", "value"))
-    if E_k != E_v:
-        raise DamchaValueError(
-            "`layer` has different key and value feature sizes; DAMCHA v1 has one context size. "
-            f"Received: key kernel {tuple(theirs['key'].kernel.shape)}, value kernel "
-            f"{tuple(theirs['value'].kernel.shape)}"
-        )
     rank = len(layer._query_dense.equation.split(",")[0])  # the query's rank, from its projection
     options.update(dtype=layer.dtype_policy)
     options.update(kwargs)
     new = cls(**options)
     dims = (None,) * (rank - 1)
-    new.build((*dims, E_q), (*dims, E_v))
+    new.build((*dims, E_q), (*dims, E_v), (*dims, E_k))
     ours = {**new._projections(), **({"gate": new._gate_dense} if new._use_gate else {})}
     for name, dense in theirs.items():
         if name not in ours:

@@ -288,6 +288,7 @@ def damcha_attention(
     query: Any,
     context: Any = None,
     *,
+    value: Any = None,
     mask: Any = None,
     causal: bool = False,
     return_weights: bool = False,
@@ -301,7 +302,8 @@ def damcha_attention(
         params: canonical name -> tensor or array (``config.param_shapes()``).
         config: the layer's ``DamchaConfig``.
         query: x (B, N, E_q).
-        context: c (B, M, E_kv); ``None`` for self-attention.
+        context: c (B, M, E_kv), the key tokens; ``None`` for self-attention.
+        value: the value tokens (B, M, E_v); ``None``: the context.
         mask: boolean, True = may attend, (N, M), (B, N, M) or (B, H, N, M).
         causal: hide key j from query i when j > i.
         return_weights: also return the probabilities (B, H, N, M).
@@ -312,7 +314,7 @@ def damcha_attention(
     c = query if context is None else context
     q = _project(params, config, "query", query)
     k = _project(params, config, "key", c)
-    v = _project(params, config, "value", c)
+    v = _project(params, config, "value", c if value is None else value)
     for role, tokens in (("q", query), ("k", c)):
         side = dc.side_of(config, role)
         if side is None:

@@ -1,19 +1,31 @@
-"""The metric generator: the data-adaptive part of DAMCHA, shareable across a stack."""
+"""The metric generator: the data-adaptive part of DAMCHA, shareable across a stack.
+
+``KERAS_LEAVES`` is the one place that maps damcha_core's metric structures
+(``METRIC_STRUCTURES``: leaf names, shapes, initialiser stds) to Keras
+weights; the layer's canonical I/O reads the leaves through it.
+"""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import keras
 
-from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, describe
+import damcha_core as dc
+from damcha_core import DamchaValueError, GeneratorSpec, describe
 
 from ._functional import generator, rms_normalise
 
-_METRICS = ("heads", "lowrank")
+__all__ = ["KERAS_LEAVES", "MetricGenerator", "rms_normalise", "serialize_generator"]
 
-__all__ = ["MetricGenerator", "rms_normalise", "serialize_generator"]
+# metric -> generator leaf -> seed offset of its initialiser (None: the table's
+# std is 0, zeros). A generator's weights are named as the leaves, in the
+# table's canonical shapes.
+KERAS_LEAVES: dict[str, dict[str, int | None]] = {
+    "heads": {"kernel": 0, "bias": None},
+    "lowrank": {"kernel": 0, "bias": None, "u": 1, "v": 2},
+}
+_NAMES = {"num_heads": "num_heads", "key_dim": "key_dim", "metric_rank": "metric_rank", "seed": "seed"}
 
 
 @keras.saving.register_keras_serializable(package="damcha")
@@ -52,29 +64,21 @@ class MetricGenerator(keras.layers.Layer):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        if metric not in _METRICS:
-            raise DamchaValueError(
-                f"`metric` of a MetricGenerator must be one of {_METRICS}. Received: metric={describe(metric)}"
-            )
-        # DamchaConfig applies the reference's rules (ints >= 1, rank only with lowrank).
+        metric = dc.check_choice("metric", metric, tuple(KERAS_LEAVES))
         if metric == "lowrank" and key_dim is None:
             raise DamchaValueError("`key_dim` is required with metric='lowrank'. Received: key_dim=None")
-        probe = DamchaConfig(
-            query_dim=1, num_heads=num_heads, key_dim=1 if key_dim is None else key_dim,
-            metric=metric, metric_rank=metric_rank,
-        )
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise DamchaTypeError(f"`seed` must be an int or None. Received: seed={describe(seed)}")
-        self.num_heads = probe.num_heads
+        args = dc.check_layer_args(num_heads=num_heads, key_dim=1 if key_dim is None else key_dim, metric=metric,
+                                   metric_rank=metric_rank)
+        self.num_heads = args["num_heads"]
         self.metric = metric
-        self.key_dim = key_dim
-        self.metric_rank = probe.metric_rank
-        self.seed = seed
+        self.key_dim = None if key_dim is None else args["key_dim"]
+        self.metric_rank = args["metric_rank"]
+        self.seed = dc.check_seed("seed", seed)
         self.features: int | None = None
         self._zero_init = False  # see DamchaAttention._zero_init
 
-    def _initializer(self, stddev: float, offset: int) -> keras.initializers.Initializer:
-        if self._zero_init:
+    def _initializer(self, stddev: float, offset: int | None) -> Any:
+        if self._zero_init or offset is None or stddev == 0.0:
             return keras.initializers.Zeros()
         seed = None if self.seed is None else self.seed + offset
         return keras.initializers.RandomNormal(stddev=stddev, seed=seed)
@@ -86,33 +90,24 @@ class MetricGenerator(keras.layers.Layer):
                 f"the tokens fed to MetricGenerator {self.name!r} need a known feature size. "
                 f"Received: input_shape={tuple(input_shape)}"
             )
-        E, S = int(E), self.num_heads
-        self.features = E
-        # Stds from damcha_core._params: they make phi·W entries O(1/sqrt(S)).
-        if self.metric == "heads":
-            self.kernel = self.add_weight(name="kernel", shape=(E, S, S), initializer=self._initializer(1 / math.sqrt(E * S), 0))
-            self.bias = self.add_weight(name="bias", shape=(S, S), initializer="zeros")
-        else:
-            d, r = self.key_dim, self.metric_rank
-            self.kernel = self.add_weight(name="kernel", shape=(E, r), initializer=self._initializer(1 / math.sqrt(E), 0))
-            self.bias = self.add_weight(name="bias", shape=(r,), initializer="zeros")
-            self.u = self.add_weight(name="u", shape=(S, d, r), initializer=self._initializer(1 / math.sqrt(r), 1))
-            self.v = self.add_weight(name="v", shape=(S, d, r), initializer=self._initializer(1 / math.sqrt(S * d), 2))
+        self.features = int(E)
+        structure = dc.METRIC_STRUCTURES[self.metric]
+        sizes = (self.features, self.num_heads, self.key_dim or 1, self.metric_rank)
+        shapes, stds = structure.shapes(*sizes), structure.stds(*sizes)
+        for leaf, offset in KERAS_LEAVES[self.metric].items():
+            weight = self.add_weight(name=leaf, shape=shapes[leaf], initializer=self._initializer(stds[leaf], offset))
+            setattr(self, leaf, weight)
 
-    def check_compatible(self, features: int, num_heads: int, key_dim: int, metric: str, metric_rank: int | None, user: str) -> None:
-        """Raise unless this generator fits the side of layer ``user``."""
-        mine = (self.metric, self.num_heads, self.metric_rank) + ((self.key_dim,) if self.metric == "lowrank" else ())
-        theirs = (metric, num_heads, metric_rank) + ((key_dim,) if metric == "lowrank" else ())
-        if mine != theirs or (self.features is not None and self.features != features):
-            raise DamchaValueError(
-                f"`metric_generator` {self.name!r} does not fit layer {user!r}: the generator has "
-                f"(metric, heads, rank{', key_dim' if self.metric == 'lowrank' else ''}) = {mine} and "
-                f"features={self.features}, the layer needs {theirs} and features={features}"
-            )
+    def spec(self, features: int | None = None) -> GeneratorSpec:
+        """What this generator fits (``damcha_core.GeneratorSpec``); an unbuilt
+        generator takes its feature size from the first tokens, so ``features``
+        stands in for it until then."""
+        return GeneratorSpec(features=self.features if self.features is not None else features,
+                             heads=self.num_heads, metric=self.metric, head_dim=self.key_dim, rank=self.metric_rank)
 
     def leaf_names(self) -> tuple[str, ...]:
         """The canonical leaves this generator holds, in canonical order."""
-        return ("kernel", "bias") if self.metric == "heads" else ("kernel", "bias", "u", "v")
+        return dc.METRIC_STRUCTURES[self.metric].generator_leaves
 
     def call(self, tokens: Any) -> Any:
         """Coefficients (B, T, S, S) for "heads", (B, T, r) for "lowrank"."""

@@ -29,6 +29,8 @@ from ._cache import FLOAT_DTYPES, static_shape
 from ._functional import dtype_name
 from ._generator import MetricGenerator, serialize_generator
 
+# Keras's names for the canonical arguments (damcha_core's shared policy messages).
+KERAS_NAMES = {"output_dim": "output_shape", "context": "key", "value": "value", "mask": "attention_mask"}
 _MASK_DTYPES = ("bool", "int", "uint", "float", "bfloat")
 _MASK_EXPECTED = (
     "boolean, or integer/float with values 0 and 1 (True / 1 = may attend, as Keras MHA reads them)"
@@ -56,15 +58,9 @@ def _check_output_shape(output_shape: Any) -> tuple[int, ...] | None:
     tuple/list of ints; falsy values mean None, as in MHA."""
     if output_shape is None or (isinstance(output_shape, (tuple, list)) and not output_shape):
         return None
-    dims = tuple(output_shape) if isinstance(output_shape, (tuple, list)) else (output_shape,)
-    if not all(isinstance(s, (int, np.integer)) and not isinstance(s, (bool, np.bool_)) for s in dims):
-        raise DamchaTypeError(
-            "`output_shape` must be an int, a tuple/list of ints, or None. "
-            f"Received: output_shape={describe(output_shape)}"
-        )
-    if any(s < 1 for s in dims):
-        raise DamchaValueError(f"`output_shape` must have sizes >= 1. Received: output_shape={describe(output_shape)}")
-    return tuple(int(s) for s in dims)
+    if isinstance(output_shape, (tuple, list)):
+        return tuple(dc.check_int(f"output_shape[{i}]", s) for i, s in enumerate(output_shape))  # type: ignore[misc]
+    return (dc.check_int("output_shape", output_shape),)  # type: ignore[return-value]
 
 
 def _check_attention_axes(axes: Any) -> tuple[int, ...] | None:
@@ -325,37 +321,18 @@ class DamchaAttention(keras.layers.Layer):
 
     @staticmethod
     def _check_args(*, metric_l2: Any, seed: Any, sliding_window: Any, use_gate: Any, flash_attention: Any,
-                    coupling: Any, **fields: Any) -> dict[str, Any]:
-        # A probe config applies the reference's rules to every hyper-parameter now,
-        # so a bad argument fails at construction, not at the first call. An
-        # automatic coupling is resolved at build, when the feature sizes are known.
-        probe_coupling = "separate" if coupling is None or fields["metric"] == "none" else coupling
-        probe = DamchaConfig(query_dim=1, coupling=probe_coupling, **fields)
-        if isinstance(metric_l2, bool) or not isinstance(metric_l2, (int, float)) or not (
-            metric_l2 >= 0 and np.isfinite(metric_l2)
-        ):
-            raise DamchaValueError(f"`metric_l2` must be a finite number >= 0. Received: metric_l2={describe(metric_l2)}")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise DamchaTypeError(f"`seed` must be an int or None. Received: seed={describe(seed)}")
-        if sliding_window is not None and (
-            isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1
-        ):
-            raise DamchaValueError(
-                f"`sliding_window` must be None or an int >= 1. Received: sliding_window={describe(sliding_window)}"
-            )
-        for name, flag in (("use_gate", use_gate),):
-            if not isinstance(flag, (bool, np.bool_)):
-                raise DamchaTypeError(f"`{name}` must be a bool. Received: {name}={describe(flag)}")
-        if flash_attention is not None and not isinstance(flash_attention, (bool, np.bool_)):
-            raise DamchaTypeError(
-                f"`flash_attention` must be a bool or None. Received: flash_attention={describe(flash_attention)}"
-            )
-        return dict(
-            num_heads=probe.num_heads, key_dim=probe.key_dim, value_dim=probe.value_dim,
-            num_kv_heads=probe.num_kv_heads, use_bias=probe.use_bias, metric=probe.metric,
-            metric_rank=probe.metric_rank, scale=probe.scale, dropout=probe.dropout,
-            metric_l2=float(metric_l2), seed=seed, sliding_window=sliding_window, use_gate=bool(use_gate),
-        )
+                    **fields: Any) -> dict[str, Any]:
+        # The shared argument policy applies every rule that does not need the
+        # feature sizes now, so a bad argument fails at construction, not at the
+        # first call; the coupling is resolved at build.
+        args = dc.check_layer_args(names=KERAS_NAMES, **fields)
+        args["metric_l2"] = dc.check_finite_nonneg("metric_l2", metric_l2)
+        args["seed"] = dc.check_seed("seed", seed)
+        args["sliding_window"] = dc.check_int("sliding_window", sliding_window, optional=True)
+        args["use_gate"] = dc.check_bool("use_gate", use_gate)
+        if flash_attention is not None:
+            dc.check_bool("flash_attention", flash_attention)
+        return args
 
     @staticmethod
     def _check_generator_arg(given: Any) -> Any:
@@ -462,11 +439,6 @@ class DamchaAttention(keras.layers.Layer):
                 raise DamchaValueError(
                     f"`{name}` must have a known feature size (last axis). Received: {name}.shape={shape}"
                 )
-        if key_shape[-1] != value_shape[-1]:
-            raise DamchaValueError(
-                "`key` and `value` must have the same feature size (DAMCHA v1 has one context size, "
-                f"context_dim). Received: key.shape={key_shape}, value.shape={value_shape}"
-            )
         rank = len(query_shape)
         batch_axes = _Layout(rank, self._resolve_axes(rank)).batch_axes
         for a in (0, *batch_axes):
@@ -478,14 +450,14 @@ class DamchaAttention(keras.layers.Layer):
 
     def build(self, query_shape: tuple, value_shape: tuple, key_shape: tuple | None = None) -> None:
         self._check_build_shapes(query_shape, value_shape, key_shape)
-        E_q, E_kv = int(query_shape[-1]), int(value_shape[-1])
-        coupling = self._resolve_coupling(E_q, E_kv)
+        E_q, E_v = int(query_shape[-1]), int(value_shape[-1])
+        E_k = E_v if key_shape is None else int(key_shape[-1])
         E_o = math.prod(self._output_shape) if self._output_shape else E_q
-        self.config = DamchaConfig(
-            query_dim=E_q, context_dim=E_kv, output_dim=E_o, num_heads=self._num_heads, key_dim=self._key_dim,
-            value_dim=self._value_dim, num_kv_heads=self._num_kv_heads, use_bias=self._use_bias,
-            metric=self._metric, metric_rank=self._metric_rank, coupling=coupling, scale=self._scale,
-            dropout=self._dropout,
+        self.config = dc.make_config(
+            names=KERAS_NAMES, query_dim=E_q, context_dim=E_k, value_input_dim=E_v, output_dim=E_o,
+            num_heads=self._num_heads, key_dim=self._key_dim, value_dim=self._value_dim,
+            num_kv_heads=self._num_kv_heads, use_bias=self._use_bias, metric=self._metric,
+            metric_rank=self._metric_rank, coupling=self._coupling_arg, scale=self._scale, dropout=self._dropout,
         )
         self._layout = _Layout(len(query_shape), self._resolve_axes(len(query_shape)))
         cfg = self.config
@@ -506,12 +478,18 @@ class DamchaAttention(keras.layers.Layer):
         self._value_dense = dense("abc,cde->abde", (None, G, d_v), "de", "value")
         self._output_dense = dense(f"abcd,cd{out}->ab{out}", (None, *out_dims), out, "attention_output")
         self._query_dense.build((None, None, E_q))
-        self._key_dense.build((None, None, E_kv))
+        self._key_dense.build((None, None, E_k))
         if self._use_gate:
             self._gate_dense.build((None, None, E_q))
-        self._value_dense.build((None, None, E_kv))
+        self._value_dense.build((None, None, E_v))
         self._output_dense.build((None, None, H, d_v))
-        shared = self._resolve_generators(cfg)
+        given = self._metric_generator_arg
+        # An unbuilt shared generator takes the feature size of the side it serves.
+        sides = dict(given) if isinstance(given, Mapping) else (
+            {cfg.metric_sides[0]: given} if given is not None and len(cfg.metric_sides) == 1 else {})
+        hint = {id(g): cfg.side_features(side) for side, g in sides.items() if side in cfg.metric_sides}
+        shared = dc.resolve_generators(given, cfg, generator_type=MetricGenerator,
+                                       spec_of=lambda g: g.spec(hint.get(id(g))), names=KERAS_NAMES)
         for i, side in enumerate(cfg.metric_sides):
             S, E = cfg.side_heads(side), cfg.side_features(side)
             generator = shared.get(side)
@@ -522,43 +500,18 @@ class DamchaAttention(keras.layers.Layer):
                     name=f"metric_{side}", dtype=self.dtype_policy,
                 )
                 generator._zero_init = self._zero_init
-            generator.check_compatible(E, S, d, cfg.metric, cfg.metric_rank, self.name)
             if not generator.built:
                 generator.build((None, None, E))
+            differs = cfg.generator_spec(side).mismatches(generator.spec())
+            if differs:  # one unbuilt generator given for two sides of other sizes
+                raise DamchaValueError(
+                    f"`metric_generator` for side {side!r} does not fit layer {self.name!r}: {', '.join(differs)}. "
+                    f"Received: {generator.spec()}"
+                )
             self._generators[side] = generator
             # The gate is per layer even when the generator is shared; 0 = exactly MHA.
             self._gates[side] = self.add_weight(name=f"metric_{side}_gate", shape=(S,), initializer="zeros")
         self.built = True
-
-    def _resolve_generators(self, cfg: DamchaConfig) -> dict[str, MetricGenerator]:
-        given, sides = self._metric_generator_arg, cfg.metric_sides
-        if given is None:
-            return {}
-        if not sides:
-            raise DamchaValueError("`metric_generator` must be None with metric='none'. Received: "
-                                   f"metric_generator={describe(given)}")
-        if isinstance(given, MetricGenerator):
-            if len(sides) != 1:
-                raise DamchaValueError(
-                    f"with coupling={cfg.coupling!r} pass `metric_generator` as a dict {{'q': ..., 'k': ...}}. "
-                    f"Received: metric_generator={describe(given)}"
-                )
-            return {sides[0]: given}
-        if set(given) != set(sides):
-            raise DamchaValueError(
-                f"`metric_generator` must have exactly this layer's metric sides {list(sides)} "
-                f"(coupling={cfg.coupling!r}). Received keys: {sorted(given)}"
-            )
-        return dict(given)
-
-    def _resolve_coupling(self, E_q: int, E_kv: int) -> str:
-        coupling = self._coupling_arg
-        if self._metric == "none":
-            return "tied" if coupling is None else coupling
-        if coupling is None or coupling == "auto":
-            same = self._num_kv_heads == self._num_heads and E_q == E_kv
-            return "tied" if same else "separate"
-        return coupling
 
     # ----------------------------------------------------------- validation
 
@@ -581,7 +534,12 @@ class DamchaAttention(keras.layers.Layer):
         cfg = self.config
         rank = self._layout.rank
         # The layer's own argument names (value, key), not damcha_core's (context).
-        for name, shape, features in (("query", qs, cfg.query_dim), ("value", vs, cfg.context_dim),
+        if key is None and cfg.context_dim != cfg.value_input_dim:
+            raise DamchaValueError(
+                f"`key` is required: the layer was built with keys of {cfg.context_dim} features and values of "
+                f"{cfg.value_input_dim}. Received: key=None, value.shape={tuple(value.shape)}"
+            )
+        for name, shape, features in (("query", qs, cfg.query_dim), ("value", vs, cfg.value_input_dim),
                                       ("key", ks, cfg.context_dim)):
             if len(shape) != rank:
                 raise DamchaValueError(
@@ -606,7 +564,9 @@ class DamchaAttention(keras.layers.Layer):
         B = next((s for s in (qs[0], vs[0]) if s is not None), 1)
         N = size([qs[a] for a in self._layout.attention_axes])
         M = size([vs[a] for a in self._layout.attention_axes])
-        dc.check_shapes(cfg, (B, 1 if N is None else N, cfg.query_dim), (B, 1 if M is None else M, cfg.context_dim))
+        n_, m_ = 1 if N is None else N, 1 if M is None else M
+        dc.check_shapes(cfg, (B, n_, cfg.query_dim), (B, m_, cfg.context_dim),
+                        value_shape=(B, m_, cfg.value_input_dim), names=KERAS_NAMES)
         if kv_len is not None:
             M = kv_len  # with a cache, masks span its L slots
         q_tokens, v_tokens = tuple(qs[:-1]), tuple(vs[:-1])
