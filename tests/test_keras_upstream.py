@@ -120,18 +120,51 @@ def _expected_failure(backend: str, config: str, test_id: str) -> str | None:
 _RESULTS: dict[str, dict] = {}
 
 
-def _results(backend: str, tmp_dir: Path) -> dict:
+def _results(backend: str, shared_dir: Path) -> dict:
+    """The upstream suite's results on ``backend``, run once per test session.
+
+    Under pytest-xdist every worker asks for them: the first one runs the
+    subprocess under a file lock in the directory the workers share and writes
+    the JSON; the others wait for it and read it, so no backend runs twice.
+    """
     if backend not in _RESULTS:
-        out = tmp_dir / f"upstream-{backend}.json"
-        env = {**os.environ, "KERAS_BACKEND": backend}
-        if backend == "jax":
-            # Compilation, not running, dominates: cheaper codegen cuts it by about a third.
-            env.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
-        proc = subprocess.run([sys.executable, __file__, backend, str(out)], env=env, capture_output=True,
-                              text=True, timeout=900)
-        assert proc.returncode == 0 and out.exists(), proc.stdout[-4000:] + proc.stderr[-4000:]
+        out = shared_dir / f"keras-upstream-{backend}.json"
+        with _locked(shared_dir / f"keras-upstream-{backend}.lock"):
+            if not out.exists():
+                _run_subprocess(backend, out)
         _RESULTS[backend] = json.loads(out.read_text())
     return _RESULTS[backend]
+
+
+class _locked:
+    """An exclusive lock on ``path`` (POSIX ``flock``; elsewhere no lock)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __enter__(self) -> None:
+        self.handle = open(self.path, "w")
+        try:
+            import fcntl
+
+            fcntl.flock(self.handle, fcntl.LOCK_EX)
+        except ImportError:  # not POSIX: no xdist sharing, each worker runs its own
+            pass
+
+    def __exit__(self, *exc: object) -> None:
+        self.handle.close()
+
+
+def _run_subprocess(backend: str, out: Path) -> None:
+    env = {**os.environ, "KERAS_BACKEND": backend}
+    if backend == "jax":
+        # Compilation, not running, dominates: cheaper codegen cuts it by about a third.
+        env.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
+    partial = out.with_suffix(".partial")
+    proc = subprocess.run([sys.executable, __file__, backend, str(partial)], env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0 and partial.exists(), proc.stdout[-4000:] + proc.stderr[-4000:]
+    partial.replace(out)
 
 
 def _params():
@@ -139,13 +172,17 @@ def _params():
         for config in CONFIGS:
             for test_id in upstream_test_ids():
                 reason = _expected_failure(backend, config, test_id)
-                marks = [pytest.mark.xfail(reason=reason, strict=True)] if reason else []
+                # One xdist group per backend: with --dist loadgroup one worker runs it all.
+                marks = [pytest.mark.xdist_group(f"keras-upstream-{backend}")]
+                marks += [pytest.mark.xfail(reason=reason, strict=True)] if reason else []
                 yield pytest.param(backend, config, test_id, id=f"{backend}-{config}-{test_id}", marks=marks)
 
 
 @pytest.mark.parametrize("backend, config, test_id", list(_params()))
 def test_upstream(backend, config, test_id, tmp_path_factory):
-    results = _results(backend, tmp_path_factory.getbasetemp())
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # xdist: the workers' common root
+    results = _results(backend, shared)
     ours = results[config].get(test_id)
     assert ours is not None, f"{test_id} did not run; ran: {sorted(results[config])}"
     baseline = results.get("mha", {}).get(test_id)
