@@ -701,6 +701,19 @@ class DamchaAttention(keras.layers.Layer):
         return F.attend(query, key, value, visible, scale=self.config.softmax_scale, causal_only=causal_only,
                         explicit=explicit, dropout=dropout, flash_attention=self._flash_attention)
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # Keras's own __call__ rejects nested lists with a ValueError of its own;
+        # name the argument instead (tensors and NumPy arrays pass unchanged).
+        named = dict(zip(("query", "value", "key"), args))
+        named.update({k: kwargs[k] for k in ("query", "value", "key") if k in kwargs})
+        for name, value in named.items():
+            if isinstance(value, (list, tuple)):
+                raise DamchaTypeError(
+                    f"`{name}` must be a tensor or a NumPy array, (batch, length, features). Received: "
+                    f"{name}={describe(value)}"
+                )
+        return super().__call__(*args, **kwargs)
+
     def call(
         self,
         query: Any,
