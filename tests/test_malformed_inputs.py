@@ -412,10 +412,7 @@ def check(port: Port, call: Call) -> None:
 KINDS = ("valid", "shape", "dtype", "values", "mask")
 # Known failures, each reported to the lead with a minimal reproducer; strict, so a fix fails as XPASS and
 # its entry must then be removed.
-KNOWN: dict[tuple[str, str], str] = {
-    ("keras-layer", "dtype"): "a nested-list query: Keras' own ValueError ('Only input tensors may be passed as "
-                              "positional arguments') escapes instead of a DamchaTypeError naming `query`",
-}
+KNOWN: dict[tuple[str, str], str] = {}
 
 
 @pytest.mark.parametrize("kind", KINDS)
