@@ -134,7 +134,8 @@ def encoder_from_keras(blocks: Sequence[Any], *, causal: bool | None = None) -> 
 def encoder_from_jax(encoder: Any, *, causal: bool = False) -> tuple[dict[str, np.ndarray], EncoderConfig]:
     """Stack parameters and ``EncoderConfig`` of a ``damcha_jax.DamchaEncoder``.
 
-    Its blocks are pre-norm with Flax's default ``nnx.gelu`` (the tanh
+    The encoder's own ``to_canonical(causal=causal)`` (DECISIONS 4, 6): its
+    blocks are pre-norm with Flax's default ``nnx.gelu`` (the tanh
     approximation: ``activation="gelu_tanh"``) and a final LayerNorm; the
     epsilon is read from the norms (Flax's default is 1e-6).
 
@@ -150,31 +151,4 @@ def encoder_from_jax(encoder: Any, *, causal: bool = False) -> tuple[dict[str, n
 
     if not isinstance(encoder, dj.DamchaEncoder):
         raise DamchaTypeError(f"`encoder` must be a damcha_jax.DamchaEncoder. Received: encoder={describe(encoder)}")
-    layers = list(encoder.layers)
-    first = layers[0]
-    eps = first.attention_norm.epsilon
-    problems = []
-    for i, block in enumerate(layers):
-        norms = (block.attention_norm, block.mlp_norm)
-        if any(n.epsilon != eps for n in norms) or encoder.final_norm.epsilon != eps:
-            problems.append(f"one LayerNorm epsilon (block {i} differs)")
-        if any(n.scale is None or n.bias is None for n in norms) or block.mlp_in.bias is None or block.mlp_out.bias is None:
-            problems.append(f"LayerNorm scale and bias and MLP biases (block {i} lacks one)")
-        if block.attention.config != first.attention.config:
-            problems.append(f"one attention config (block {i} differs)")
-    _check_architecture(problems, "encoder", encoder)
-    config = EncoderConfig(
-        first.attention.config, num_layers=len(layers), ffn_dim=int(first.mlp_in.out_features),
-        share_metric=bool(len(encoder.metric_generators)) and len(layers) > 1, norm_eps=float(eps), causal=bool(causal),
-        norm_first=True, activation="gelu_tanh", final_norm=True,
-    )
-    np_ = lambda v: np.asarray(v[...])  # noqa: E731
-    converted = [{
-        "attention": block.attention.to_params(),
-        "norm1.scale": np_(block.attention_norm.scale), "norm1.bias": np_(block.attention_norm.bias),
-        "norm2.scale": np_(block.mlp_norm.scale), "norm2.bias": np_(block.mlp_norm.bias),
-        "ffn.in.kernel": np_(block.mlp_in.kernel), "ffn.in.bias": np_(block.mlp_in.bias),
-        "ffn.out.kernel": np_(block.mlp_out.kernel), "ffn.out.bias": np_(block.mlp_out.bias),
-    } for block in layers]
-    final = (np_(encoder.final_norm.scale), np_(encoder.final_norm.bias))
-    return collect_stack_params(config, converted, final), config
+    return encoder.to_canonical(causal=causal)

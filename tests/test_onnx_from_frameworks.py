@@ -86,12 +86,15 @@ def test_jax_encoder_converts(share):
     rng = np.random.default_rng(1)
     enc = dj.DamchaEncoder(2, 8, 2, 16, share_metric=share, rngs=nnx.Rngs(0))
     for block in enc.layers:
-        p = block.attention.to_params()
+        p = block.attention.to_canonical()
         p["metric.qk.gate"] = rng.uniform(0.3, 1.0, size=2)
-        block.attention.set_params(p)
+        block.attention.load_canonical(p)
     x = rng.normal(size=(2, 5, 8)).astype("float32")
     expected = np.asarray(enc(x, is_causal=True), dtype=np.float64)
     params, config = do.encoder_from_jax(enc, causal=True)
+    own, own_config = enc.to_canonical(causal=True)
+    assert own_config == config and own.keys() == params.keys()
+    assert all(np.array_equal(own[k], params[k]) for k in own)
     assert (config.activation, config.norm_eps, config.share_metric, config.final_norm) == ("gelu_tanh", 1e-6, share, True)
     _check(params, config, x, expected)
     with pytest.raises(dc.DamchaTypeError, match=r"`encoder` must be a damcha_jax.DamchaEncoder"):
