@@ -120,39 +120,44 @@ def _expected_failure(backend: str, config: str, test_id: str) -> str | None:
 _RESULTS: dict[str, dict] = {}
 
 
-def _results(backend: str, shared_dir: Path) -> dict:
+def _results(backend: str, shared_dir: Path, needed: set[str]) -> dict:
     """The upstream suite's results on ``backend``, run once per test session.
 
     Under pytest-xdist every worker asks for them: the first one runs the
     subprocess under a file lock in the directory the workers share and writes
-    the JSON; the others wait for it and read it, so no backend runs twice.
+    the JSON; the others read it. A worker that finds the backend it needs
+    already running first runs a backend nobody has started, then waits, so
+    no backend runs twice and no worker idles while one is left.
     """
     if backend not in _RESULTS:
-        out = shared_dir / f"keras-upstream-{backend}.json"
-        with _locked(shared_dir / f"keras-upstream-{backend}.lock"):
-            if not out.exists():
-                _run_subprocess(backend, out)
-        _RESULTS[backend] = json.loads(out.read_text())
+        if not _run_once(backend, shared_dir, wait=False):
+            for other in BACKENDS:
+                if other != backend and other in needed:
+                    _run_once(other, shared_dir, wait=False)
+            _run_once(backend, shared_dir, wait=True)
+        _RESULTS[backend] = json.loads((shared_dir / f"keras-upstream-{backend}.json").read_text())
     return _RESULTS[backend]
 
 
-class _locked:
-    """An exclusive lock on ``path`` (POSIX ``flock``; elsewhere no lock)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def __enter__(self) -> None:
-        self.handle = open(self.path, "w")
+def _run_once(backend: str, shared_dir: Path, *, wait: bool) -> bool:
+    """Run ``backend``'s subprocess unless its results exist; False when another
+    worker holds its lock and ``wait`` is False."""
+    out = shared_dir / f"keras-upstream-{backend}.json"
+    if out.exists():
+        return True
+    with open(shared_dir / f"keras-upstream-{backend}.lock", "w") as handle:
         try:
             import fcntl
-
-            fcntl.flock(self.handle, fcntl.LOCK_EX)
-        except ImportError:  # not POSIX: no xdist sharing, each worker runs its own
-            pass
-
-    def __exit__(self, *exc: object) -> None:
-        self.handle.close()
+        except ImportError:  # not POSIX: no sharing between workers
+            fcntl = None
+        if fcntl is not None:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            except BlockingIOError:
+                return False
+        if not out.exists():
+            _run_subprocess(backend, out)
+    return True
 
 
 def _run_subprocess(backend: str, out: Path) -> None:
@@ -179,10 +184,12 @@ def _params():
 
 
 @pytest.mark.parametrize("backend, config, test_id", list(_params()))
-def test_upstream(backend, config, test_id, tmp_path_factory):
+def test_upstream(backend, config, test_id, tmp_path_factory, request):
     base = tmp_path_factory.getbasetemp()
     shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # xdist: the workers' common root
-    results = _results(backend, shared)
+    needed = {item.callspec.params["backend"] for item in request.session.items
+              if getattr(item, "originalname", None) == "test_upstream"}
+    results = _results(backend, shared, needed)
     ours = results[config].get(test_id)
     assert ours is not None, f"{test_id} did not run; ran: {sorted(results[config])}"
     baseline = results.get("mha", {}).get(test_id)
