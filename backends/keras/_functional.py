@@ -6,7 +6,9 @@ Keras backend, without variables or layers: ``rms_normalise`` (phi),
 boolean may-attend mask), ``softmax_attend`` (the masked softmax with the
 all-masked-row rule), ``attend`` (attention on the mapped heads, fused or
 explicit), ``metric_penalty`` and ``damcha_attention`` (the whole forward from
-canonical tensors). ``DamchaAttention`` calls them with its sublayers' outputs.
+canonical tensors); ``Layout`` folds inputs of rank > 3 (MHA's
+``attention_axes``) into tokens. ``DamchaAttention`` calls them with its
+sublayers' outputs.
 """
 
 from __future__ import annotations
@@ -263,6 +265,68 @@ def unfold_tokens(y: Any, batch_axes: tuple[int, ...], attention_axes: tuple[int
     if inverse != tuple(range(len(order))):
         y = ops.transpose(y, inverse + tuple(range(len(order), len(order) + len(features))))
     return y
+
+
+class Layout:
+    """How inputs of rank > 3 map to DAMCHA's (B', T, E) tokens: the axes not
+    attended over join the batch, the attended ones are flattened into T.
+
+    The cross-head map is per token, so it acts on the heads of every position
+    alike: a token is one position of the attended axes within one entry of
+    the batch-like axes.
+    """
+
+    def __init__(self, rank: int, attention_axes: tuple[int, ...]) -> None:
+        self.rank = rank
+        self.attention_axes = attention_axes
+        self.batch_axes = tuple(a for a in range(1, rank - 1) if a not in attention_axes)
+
+    @property
+    def folded(self) -> bool:
+        return self.rank != 3
+
+    def fold(self, x: Any) -> Any:
+        return fold_tokens(x, self.batch_axes, self.attention_axes) if self.folded else x
+
+    def fold_mask(self, m: Any) -> Any:
+        return fold_token_mask(m, self.batch_axes, self.attention_axes) if self.folded and m is not None else m
+
+    def fold_attention_mask(self, mask: Any, query: Any, value: Any, heads: int) -> Any:
+        """A Keras attention mask as (B'|1, H|1, N, M) bool.
+
+        Keras MHA inserts missing dims of the mask before its attention dims:
+        (B, *batch_axes, H, *q_axes, *k_axes) is the full layout."""
+        if not self.folded:
+            return as_4d(mask)
+        n_att = len(self.attention_axes)
+        full_rank = 2 + len(self.batch_axes) + 2 * n_att
+        while len(mask.shape) < full_rank:
+            mask = ops.expand_dims(mask, -2 * n_att - 1)
+        q_shape, v_shape = ops.shape(query), ops.shape(value)
+        lead = [q_shape[0]] + [q_shape[a] for a in self.batch_axes]
+        target = (*lead, mask.shape[len(lead)], *[q_shape[a] for a in self.attention_axes],
+                  *[v_shape[a] for a in self.attention_axes])
+        mask = ops.broadcast_to(mask, target)
+        n = _prod(target[len(lead) + 1:len(lead) + 1 + n_att])
+        return ops.reshape(mask, (-1, target[len(lead)], n, _prod(target[len(lead) + 1 + n_att:])))
+
+    def unfold(self, y: Any, query: Any) -> Any:
+        return unfold_tokens(y, self.batch_axes, self.attention_axes, ops.shape(query)[:-1]) if self.folded else y
+
+    def unfold_scores(self, scores: Any, query: Any, value: Any) -> Any:
+        """(B', H, N, M) probabilities in MHA's layout (B, *batch_axes, H, *q_axes, *k_axes)."""
+        if not self.folded or scores is None:
+            return scores
+        q_shape, v_shape = ops.shape(query), ops.shape(value)
+        shape = ([q_shape[0]] + [q_shape[a] for a in self.batch_axes] + [scores.shape[1]]
+                 + [q_shape[a] for a in self.attention_axes] + [v_shape[a] for a in self.attention_axes])
+        return ops.reshape(scores, tuple(shape))
+
+    def scores_shape(self, query_shape: tuple, value_shape: tuple, heads: int) -> tuple:
+        if not self.folded:
+            return (query_shape[0], heads, query_shape[1], value_shape[1])
+        return (query_shape[0], *[query_shape[a] for a in self.batch_axes], heads,
+                *[query_shape[a] for a in self.attention_axes], *[value_shape[a] for a in self.attention_axes])
 
 
 def metric_penalty(config: DamchaConfig, side: str, coeff: Any, gate: Any, u: Any = None, v: Any = None) -> Any:

@@ -77,68 +77,6 @@ def _check_attention_axes(axes: Any) -> tuple[int, ...] | None:
     return tuple(int(a) for a in axes)
 
 
-class _Layout:
-    """How inputs of rank > 3 map to DAMCHA's (B', T, E) tokens: the axes not
-    attended over join the batch, the attended ones are flattened into T.
-
-    The cross-head map is per token, so it acts on the heads of every position
-    alike: a token is one position of the attended axes within one entry of
-    the batch-like axes.
-    """
-
-    def __init__(self, rank: int, attention_axes: tuple[int, ...]) -> None:
-        self.rank = rank
-        self.attention_axes = attention_axes
-        self.batch_axes = tuple(a for a in range(1, rank - 1) if a not in attention_axes)
-
-    @property
-    def folded(self) -> bool:
-        return self.rank != 3
-
-    def fold(self, x: Any) -> Any:
-        return F.fold_tokens(x, self.batch_axes, self.attention_axes) if self.folded else x
-
-    def fold_mask(self, m: Any) -> Any:
-        return F.fold_token_mask(m, self.batch_axes, self.attention_axes) if self.folded and m is not None else m
-
-    def fold_attention_mask(self, mask: Any, query: Any, value: Any, heads: int) -> Any:
-        """A Keras attention mask as (B'|1, H|1, N, M) bool.
-
-        Keras MHA inserts missing dims of the mask before its attention dims:
-        (B, *batch_axes, H, *q_axes, *k_axes) is the full layout."""
-        if not self.folded:
-            return F.as_4d(mask)
-        n_att = len(self.attention_axes)
-        full_rank = 2 + len(self.batch_axes) + 2 * n_att
-        while len(mask.shape) < full_rank:
-            mask = ops.expand_dims(mask, -2 * n_att - 1)
-        q_shape, v_shape = ops.shape(query), ops.shape(value)
-        lead = [q_shape[0]] + [q_shape[a] for a in self.batch_axes]
-        target = (*lead, mask.shape[len(lead)], *[q_shape[a] for a in self.attention_axes],
-                  *[v_shape[a] for a in self.attention_axes])
-        mask = ops.broadcast_to(mask, target)
-        n = F._prod(target[len(lead) + 1:len(lead) + 1 + n_att])
-        return ops.reshape(mask, (-1, target[len(lead)], n, F._prod(target[len(lead) + 1 + n_att:])))
-
-    def unfold(self, y: Any, query: Any) -> Any:
-        return F.unfold_tokens(y, self.batch_axes, self.attention_axes, ops.shape(query)[:-1]) if self.folded else y
-
-    def unfold_scores(self, scores: Any, query: Any, value: Any) -> Any:
-        """(B', H, N, M) probabilities in MHA's layout (B, *batch_axes, H, *q_axes, *k_axes)."""
-        if not self.folded or scores is None:
-            return scores
-        q_shape, v_shape = ops.shape(query), ops.shape(value)
-        shape = ([q_shape[0]] + [q_shape[a] for a in self.batch_axes] + [scores.shape[1]]
-                 + [q_shape[a] for a in self.attention_axes] + [v_shape[a] for a in self.attention_axes])
-        return ops.reshape(scores, tuple(shape))
-
-    def scores_shape(self, query_shape: tuple, value_shape: tuple, heads: int) -> tuple:
-        if not self.folded:
-            return (query_shape[0], heads, query_shape[1], value_shape[1])
-        return (query_shape[0], *[query_shape[a] for a in self.batch_axes], heads,
-                *[query_shape[a] for a in self.attention_axes], *[value_shape[a] for a in self.attention_axes])
-
-
 @keras.saving.register_keras_serializable(package="damcha")
 class DamchaAttention(keras.layers.Layer):
     """Data-Adaptive Mahalanobis Cross-Head Attention, a drop-in for
@@ -440,7 +378,7 @@ class DamchaAttention(keras.layers.Layer):
                     f"`{name}` must have a known feature size (last axis). Received: {name}.shape={shape}"
                 )
         rank = len(query_shape)
-        batch_axes = _Layout(rank, self._resolve_axes(rank)).batch_axes
+        batch_axes = F.Layout(rank, self._resolve_axes(rank)).batch_axes
         for a in (0, *batch_axes):
             if query_shape[a] is not None and value_shape[a] is not None and query_shape[a] != value_shape[a]:
                 raise DamchaValueError(
@@ -459,7 +397,7 @@ class DamchaAttention(keras.layers.Layer):
             num_kv_heads=self._num_kv_heads, use_bias=self._use_bias, metric=self._metric,
             metric_rank=self._metric_rank, coupling=self._coupling_arg, scale=self._scale, dropout=self._dropout,
         )
-        self._layout = _Layout(len(query_shape), self._resolve_axes(len(query_shape)))
+        self._layout = F.Layout(len(query_shape), self._resolve_axes(len(query_shape)))
         cfg = self.config
         H, G, d, d_v = cfg.num_heads, cfg.num_kv_heads, cfg.key_dim, cfg.value_dim
         dense = lambda equation, shape, axes, name, **kw: keras.layers.EinsumDense(  # noqa: E731
