@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ._config import COUPLINGS, METRICS, DamchaConfig
 from ._convert import fold_static_metric, params_from_mha, projection_names
-from ._errors import DamchaError, DamchaTypeError, DamchaValueError, describe
+from ._errors import DamchaError, DamchaNotIntegerError, DamchaTypeError, DamchaValueError, describe
 from ._io import load_params, save_params
 from ._metrics import METRIC_STRUCTURES, GeneratorSpec, MetricLeaf, MetricStructure
 from ._params import check_params, init_params, validate_params
@@ -53,6 +53,7 @@ __all__ = [
     "COUPLINGS",
     "DamchaConfig",
     "DamchaError",
+    "DamchaNotIntegerError",
     "DamchaTypeError",
     "DamchaValueError",
     "EncoderConfig",

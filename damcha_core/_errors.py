@@ -23,6 +23,15 @@ class DamchaTypeError(DamchaError, TypeError):
     """An argument has the wrong type or dtype."""
 
 
+class DamchaNotIntegerError(DamchaTypeError, ValueError):
+    """A real number that is not an integer where an int is expected (``num_heads=1.5``).
+
+    A ``TypeError`` by Python's convention and a ``ValueError`` as Keras'
+    ``MultiHeadAttention`` reports the same argument, so code written against
+    either framework catches it (the precedent: NumPy's ``AxisError`` is both
+    a ``ValueError`` and an ``IndexError``)."""
+
+
 _MAX_REPR = 80
 _SCALARS = (int, float, complex, bool, str, type(None))
 

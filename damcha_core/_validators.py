@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ._errors import DamchaTypeError, DamchaValueError, describe
+from ._errors import DamchaNotIntegerError, DamchaTypeError, DamchaValueError, describe
 
 METRICS = ("heads", "lowrank", "none")
 COUPLINGS = ("tied", "separate", "query")
@@ -61,7 +61,11 @@ def check_int(name: str, value: Any, *, minimum: int = 1, optional: bool = False
         return None
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         expected = "an int or None" if optional else "an int"
-        raise DamchaTypeError(f"`{name}` must be {expected} >= {minimum}. Received: {name}={describe(value)}")
+        # A real number such as 1.5 or 8.0 is the right kind of thing with the wrong value for Keras
+        # users (ValueError) and the wrong type for Python's (TypeError): the class is both.
+        cls = DamchaNotIntegerError if isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)) \
+            else DamchaTypeError
+        raise cls(f"`{name}` must be {expected} >= {minimum}. Received: {name}={describe(value)}")
     if value < minimum:
         raise DamchaValueError(f"`{name}` must be >= {minimum}. Received: {name}={describe(value)}")
     return int(value)

@@ -386,3 +386,19 @@ def test_metric_table_math_is_consistent(metric):
     np.testing.assert_allclose(table.apply(np, coeff, y, leaves), np.einsum("bthiaj,btaj->bthi", dense, y), rtol=1e-12)
     minus_eye = (dense - np.eye(S * d).reshape(S, d, S, d)).reshape(2, 3, -1)
     np.testing.assert_allclose(table.penalty_sq(np, coeff, leaves, d), np.sum(minus_eye ** 2, axis=-1), rtol=1e-12)
+
+
+@pytest.mark.parametrize("value", [1.5, 8.0, np.float32(2.0)], ids=["1.5", "8.0", "np.float32"])
+def test_a_real_number_for_an_int_is_both_a_type_and_a_value_error(value):
+    # Python calls it a TypeError, Keras' MultiHeadAttention a ValueError: either `except` catches it.
+    with pytest.raises(dc.DamchaNotIntegerError, match=r"`num_heads` must be an int >= 1\. Received: num_heads=") as info:
+        dc.DamchaConfig(query_dim=8, num_heads=value, key_dim=2)
+    assert isinstance(info.value, TypeError) and isinstance(info.value, ValueError)
+    assert isinstance(info.value, dc.DamchaTypeError)
+
+
+@pytest.mark.parametrize("value", ["2", True, None, [2]], ids=["str", "bool", "None", "list"])
+def test_other_non_ints_stay_plain_type_errors(value):
+    with pytest.raises(dc.DamchaTypeError) as info:
+        dc.DamchaConfig(query_dim=8, num_heads=value, key_dim=2)
+    assert not isinstance(info.value, ValueError)
