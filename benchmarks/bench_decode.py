@@ -2,6 +2,7 @@
 
 Usage:
     .venv/bin/python benchmarks/bench_decode.py [--batch 1 8] [--prompt 512] [--steps 64] [--repeats 5] [--compile]
+    .venv/bin/python benchmarks/bench_decode.py --tiny   # seconds: checks the script, measures nothing
 
 One self-attention layer, float32, E=512, H=8 (d=64), eval mode under
 ``torch.inference_mode``. Each run fills the cache with a prompt of
@@ -97,7 +98,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--compile", action="store_true", help="torch.compile each decode step (inductor)")
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--tiny", action="store_true", help="tiny sizes, 1 repeat: checks the script, measures nothing")
     args = parser.parse_args()
+    if args.tiny:
+        global E, H
+        E, H = 32, 4
+        args.batch, args.prompt, args.steps, args.repeats = [1], 8, 2, 1
     layers = _layers(args.compile)
     rows = []
     for B in args.batch:

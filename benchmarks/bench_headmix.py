@@ -2,6 +2,7 @@
 
 Usage:
     .venv/bin/python benchmarks/bench_headmix.py [--lengths 512 2048 8192] [--repeats 3]
+    .venv/bin/python benchmarks/bench_headmix.py --tiny   # seconds: checks the script, measures nothing
 
 Self-attention training step (forward + backward of sum(output)), float32,
 B=1, E=128, H=4 (d=32), one torch thread, CPU:
@@ -87,8 +88,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tiny", action="store_true",
+                        help="tiny lengths, 1 repeat, any failed worker fails the script: checks it, measures nothing")
     parser.add_argument("--worker", nargs=2, metavar=("IMPL", "N"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.tiny:
+        args.lengths, args.repeats = [16], 1
     if args.worker:
         print(json.dumps(worker(args.worker[0], int(args.worker[1]), args.repeats)))
         return
@@ -119,6 +124,9 @@ def main() -> None:
             t_ratio = f"{r['ms'] / ref['ms']:.2f}" if "ms" in ref else "-"
             m_ratio = f"{r['peak_mb'] / ref['peak_mb']:.1f}" if "peak_mb" in ref and ref["peak_mb"] > 0 else "-"
             print(f"| {n} | {impl} | {r['ms']:.1f} | {t_ratio} | {growth} | {r['peak_mb']:.1f} | {m_ratio} |")
+    failed = [key for key, r in rows.items() if "error" in r]
+    if args.tiny and failed:
+        sys.exit(f"failed workers: {failed}")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ end in jax.nn.dot_product_attention, so the ratio is DAMCHA's per-token extra
 cost (RMS norm, generator, head mixing) against the attention itself.
 
     .venv/bin/python benchmarks/bench_jax.py [--sizes 256 1024 4096] [--reps 5 3 2]
+    .venv/bin/python benchmarks/bench_jax.py --tiny   # seconds: checks the script, measures nothing
 
 Prints a markdown table: median and best (min) time over interleaved runs, and
 the DAMCHA / MHA ratio of each. On a shared, loaded machine the min ratio is
@@ -55,7 +56,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[256, 1024, 4096])
     parser.add_argument("--reps", type=int, nargs="+", default=[7, 5, 3], help="timed runs per size")
+    parser.add_argument("--tiny", action="store_true", help="tiny sizes, 1 run: checks the script, measures nothing")
     args = parser.parse_args(argv)
+    if args.tiny:
+        global B, E, H
+        B, E, H = 2, 32, 4
+        args.sizes, args.reps = [16], [1]
     reps = args.reps + [args.reps[-1]] * (len(args.sizes) - len(args.reps))
 
     mha = nnx.MultiHeadAttention(H, E, decode=False, rngs=nnx.Rngs(0))

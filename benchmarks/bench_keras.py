@@ -1,6 +1,7 @@
 """DamchaAttention vs keras.layers.MultiHeadAttention: time ratio in one run.
 
     KERAS_BACKEND=tensorflow .venv/bin/python benchmarks/bench_keras.py [--sizes 256 1024 4096] [--repeats 5]
+    .venv/bin/python benchmarks/bench_keras.py --tiny   # seconds: checks the script, measures nothing
 
 Self-attention forward pass (inference) at B=4, E=512, H=8 (key_dim 64) for
 each N; both layers run eagerly through keras.ops on the current backend
@@ -58,7 +59,12 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[256, 1024, 4096])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--metric", default="heads", choices=["heads", "lowrank"])
+    parser.add_argument("--tiny", action="store_true", help="tiny sizes, 1 repeat: checks the script, measures nothing")
     args = parser.parse_args()
+    if args.tiny:
+        global B, E, H
+        B, E, H = 2, 32, 4
+        args.sizes, args.repeats = [16], 1
     print(f"backend={keras.backend.backend()} keras={keras.__version__} machine={platform.machine()} "
           f"cpus={os.cpu_count()} B={B} E={E} H={H} metric={args.metric} repeats={args.repeats}\n")
     print("| N | MHA (ms) | DAMCHA (ms) | ratio |")

@@ -2,6 +2,7 @@
 
 Usage:
     .venv/bin/python benchmarks/bench_torch.py [--lengths 256 1024 4096] [--repeats 5]
+    .venv/bin/python benchmarks/bench_torch.py --tiny   # seconds: checks the script, measures nothing
 
 Self-attention, float32, B=4, E=512, H=8 (d=64), need_weights=False on both
 sides: MHA takes its fused path (the native fused kernel in inference, SDPA
@@ -100,8 +101,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 4096])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--tiny", action="store_true", help="tiny sizes, 2 repeats: checks the script, measures nothing")
     parser.add_argument("--worker", nargs=3, metavar=("IMPL", "N", "MODE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.tiny:
+        global B, E, H
+        B, E, H = 2, 32, 4
+        args.lengths, args.repeats = [16], 2
     if args.worker:
         impl, n, mode = args.worker
         print(json.dumps({"peak_mb": peak_memory(impl, int(n), mode)}))
@@ -119,16 +125,18 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for n in args.lengths:
         for mode in ("forward", "fwd+bwd"):
-            peak = {}
-            for impl in ("mha", "damcha"):
+            peak = {"mha": float("nan"), "damcha": float("nan")}
+            for impl in (() if args.tiny and mode != "forward" else ("mha", "damcha")):  # tiny: one pair
                 cmd = [sys.executable, os.path.abspath(__file__), "--worker", impl, str(n), mode]
+                cmd += ["--tiny"] if args.tiny else []
                 out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
                 peak[impl] = json.loads(out.stdout.strip().splitlines()[-1])["peak_mb"]
             t = time_pair(n, mode, args.repeats if n < 4096 else max(3, args.repeats // 2))
             m, d = t["mha"], t["damcha"]
             print(f"| {n} | {mode} | {m['wall']:.0f} | {d['wall']:.0f} | {d['wall'] / m['wall']:.2f} | "
                   f"{m['cpu']:.0f} | {d['cpu']:.0f} | {d['cpu'] / m['cpu']:.2f} | "
-                  f"{peak['mha']:.1f} | {peak['damcha']:.1f} | {peak['damcha'] / peak['mha']:.2f} |", flush=True)
+                  f"{peak['mha']:.1f} | {peak['damcha']:.1f} | "
+                  + (f"{peak['damcha'] / peak['mha']:.2f} |" if peak["mha"] > 0 else "- |"), flush=True)
     return 0
 
 

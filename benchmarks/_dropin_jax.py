@@ -1,0 +1,446 @@
+"""bench_dropin.py, JAX / Flax NNX: the issue-12 call patterns against ``nnx.MultiHeadAttention``.
+
+Runs in its own worker process (``bench_dropin.py --worker jax``). Masks are
+built the way Flax users build them (``nnx.make_causal_mask``,
+``nnx.combine_masks``), the calls are jitted the way NNX users jit them
+(``nnx.jit``, ``nnx.value_and_grad``). DAMCHA layers carry the MHA's
+projections (``from_mha``, or a copy of the four ``LinearGeneral`` kernels
+where a shared generator is needed), are checked to give MHA's output with
+their gates closed, then their gates are opened to 0.5.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import damcha_jax as dj
+from _harness import (
+    EQUAL_TOL,
+    Session,
+    comparison,
+    decode_target,
+    interleaved,
+    max_rel_diff,
+    memory_comparison,
+    peak_in_subprocess,
+    time_target,
+)
+
+PORT = "jax"
+
+
+def open_gates(model: nnx.Module, value: float = 0.5) -> None:
+    found = 0
+    for _, module in nnx.iter_modules(model):
+        if isinstance(module, dj.CrossHeadMap):
+            module.gate[...] = jnp.full(module.gate.shape, value, module.gate[...].dtype)
+            found += 1
+    if not found:
+        raise RuntimeError(f"no DAMCHA gate found in {type(model).__name__}")
+
+
+def _check(a: Any, b: Any, rows: Any = None) -> dict[str, Any]:
+    a, b = np.asarray(a), np.asarray(b)
+    if rows is not None:  # only the rows that see some key (all-masked rows: MHA uniform, DAMCHA 0)
+        a, b = a[rows], b[rows]
+    diff = max_rel_diff(a, b)
+    return {"max_rel_diff": diff, "ok": diff <= EQUAL_TOL}
+
+
+def _sync(out: Any) -> Any:
+    return jax.block_until_ready(out)
+
+
+def copy_projections(src: nnx.Module, dst: nnx.Module) -> None:
+    """Give ``dst`` (DamchaAttention) the projections of ``src`` (nnx.MultiHeadAttention):
+    both hold ``query``/``key``/``value``/``out`` LinearGeneral modules of one layout."""
+    for name in ("query", "key", "value", "out"):
+        a, b = getattr(src, name), getattr(dst, name)
+        b.kernel[...] = a.kernel[...]
+        if a.bias is not None:
+            b.bias[...] = a.bias[...]
+
+
+# ------------------------------------------------------------------ layer
+
+
+LAYER_CASES = {
+    "causal-mask": "attn(x, mask=nnx.make_causal_mask(ones((B, N))))",
+    "combined-mask": "attn(x, mask=nnx.combine_masks(nnx.make_causal_mask(ids), nnx.make_attention_mask(valid, valid)))",
+    "is_causal": "attn(x, is_causal=True)",
+}
+LAYER_MODES = ("forward", "grad")
+
+
+def _masks(case: str, B: int, n: int) -> tuple[Any, Any]:
+    """(mask or None, bool rows (B, N) of queries that see a key)."""
+    valid = np.ones((B, n), bool)
+    if case == "is_causal":
+        return None, valid
+    causal = nnx.make_causal_mask(jnp.ones((B, n)))
+    if case == "causal-mask":
+        return causal, valid
+    for i in range(B):  # pad the last 0..12% of each sequence
+        valid[i, n - (n * (i % 4)) // 32:] = False
+    return nnx.combine_masks(causal, nnx.make_attention_mask(jnp.asarray(valid), jnp.asarray(valid))), valid
+
+
+def _apply(case: str) -> Callable:
+    if case == "is_causal":
+        return lambda m, x, mask: m(x, is_causal=True)
+    return lambda m, x, mask: m(x, mask=mask)
+
+
+_FNS: dict[tuple[str, str], Callable] = {}
+
+
+def _layer_fns(case: str, mode: str) -> Callable:
+    """The jitted call of a (case, mode), made once (a new nnx.jit object would compile again)."""
+    if (case, mode) not in _FNS:
+        _FNS[case, mode] = _make_layer_fn(case, mode)
+    return _FNS[case, mode]
+
+
+def _make_layer_fn(case: str, mode: str) -> Callable:
+    apply = _apply(case)
+    if mode == "forward":
+        return nnx.jit(apply)
+
+    def loss(m: nnx.Module, x: Any, mask: Any) -> Any:
+        return jnp.mean(apply(m, x, mask) ** 2)
+
+    return nnx.jit(lambda m, x, mask: nnx.value_and_grad(loss)(m, x, mask))
+
+
+def layer_section(ses: Session) -> None:
+    s = ses.sizes
+    for case, call in LAYER_CASES.items():
+        for n in s.lengths:
+            ids = {mode: f"{PORT}/layer/{case}/{mode}/N={n}" for mode in LAYER_MODES}
+            todo = [mode for mode in LAYER_MODES if ses.wanted(ids[mode])]
+            if not todo:
+                continue
+            with ses.attempt([ids[m] for m in todo], section="layer", case=case):
+                mha = nnx.MultiHeadAttention(s.H, s.E, decode=False, rngs=nnx.Rngs(0))
+                damcha = dj.DamchaAttention.from_mha(mha, rngs=nnx.Rngs(1))
+                x = jnp.asarray(np.random.default_rng(n).normal(size=(s.B, n, s.E)), jnp.float32)
+                mask, rows = _masks(case, s.B, n)
+                fwd = _layer_fns(case, "forward")
+                check = _check(fwd(damcha, x, mask), fwd(mha, x, mask), rows)
+                open_gates(damcha)
+                for mode in todo:
+                    fn = _layer_fns(case, mode)
+                    calls = {"damcha": lambda fn=fn: fn(damcha, x, mask), "mha": lambda fn=fn: fn(mha, x, mask)}
+                    times = interleaved(calls, repeats=s.repeats(n), warmup=2 if n <= 1024 else 1, sync=_sync)
+                    ses.record({
+                        "id": ids[mode], "section": "layer", "case": case, "mode": mode,
+                        "shape": {"B": s.B, "N": n, "E": s.E, "H": s.H},
+                        "call": call + (" under nnx.jit" if mode == "forward" else
+                                        "; nnx.jit(nnx.value_and_grad(mean(y**2)))"),
+                        "baseline": "nnx.MultiHeadAttention, the same call", "times": times, "check": check,
+                        "comparisons": [comparison("time", times, "damcha", "mha", time_target(n))],
+                    })
+
+
+# ----------------------------------------------------------------- blocks
+
+
+class Block(nnx.Module):
+    """A pre-norm transformer block around any attention module with Flax's call convention."""
+
+    def __init__(self, attn: nnx.Module, E: int, ffn: int, rngs: nnx.Rngs) -> None:
+        self.ln1, self.ln2 = nnx.LayerNorm(E, rngs=rngs), nnx.LayerNorm(E, rngs=rngs)
+        self.attn = attn
+        self.fc1, self.fc2 = nnx.Linear(E, ffn, rngs=rngs), nnx.Linear(ffn, E, rngs=rngs)
+
+    def __call__(self, h: Any, **attn_kwargs: Any) -> Any:
+        h = h + self.attn(self.ln1(h), **attn_kwargs)
+        return h + self.fc2(nnx.gelu(self.fc1(self.ln2(h))))
+
+
+class Stack(nnx.Module):
+    """Encoder (float inputs) or causal LM (token ids, learned positions, vocabulary head)."""
+
+    def __init__(self, attns: list, s: Any, *, lm: bool, max_len: int, rngs: nnx.Rngs) -> None:
+        self.blocks = nnx.List([Block(a, s.E, s.ffn, rngs) for a in attns])
+        self.norm = nnx.LayerNorm(s.E, rngs=rngs)
+        self.lm = lm
+        if lm:
+            self.tok = nnx.Embed(s.vocab, s.E, rngs=rngs)
+            self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (max_len, s.E)))
+            self.head = nnx.Linear(s.E, s.vocab, rngs=rngs)
+
+    def __call__(self, x: Any, *, positions: bool = True, **attn_kwargs: Any) -> Any:
+        h = x
+        if self.lm:
+            h = self.tok(x)
+            if positions:
+                h = h + self.pos[...][: x.shape[1]]
+        for block in self.blocks:
+            h = block(h, **attn_kwargs)
+        h = self.norm(h)
+        return self.head(h) if self.lm else h
+
+
+def _attentions(impl: str, layers: int, s: Any, *, decode: bool = False) -> list:
+    """``layers`` attention modules: Flax MHAs, or DAMCHA layers with the same projections
+    sharing one generator (``dj.make_metric_generators``)."""
+    mhas = [nnx.MultiHeadAttention(s.H, s.E, decode=decode, rngs=nnx.Rngs(10 + i)) for i in range(layers)]
+    if impl == "mha":
+        return mhas
+    first = dj.DamchaAttention(s.H, s.E, decode=decode, rngs=nnx.Rngs(100))
+    shared = dj.make_metric_generators(first.config, rngs=nnx.Rngs(101))
+    damchas = [dj.DamchaAttention(s.H, s.E, decode=decode, metric_generator=shared, rngs=nnx.Rngs(102 + i))
+               for i in range(layers)]
+    for m, d in zip(mhas, damchas):
+        copy_projections(m, d)
+    return damchas
+
+
+def _stack(impl: str, layers: int, s: Any, *, lm: bool, max_len: int, decode: bool = False) -> Stack:
+    return Stack(_attentions(impl, layers, s, decode=decode), s, lm=lm, max_len=max_len, rngs=nnx.Rngs(7))
+
+
+# ----------------------------------------------------------------- decode
+
+
+def _decoder(depth: str, impl: str, s: Any, B: int, max_len: int) -> tuple[Callable, Any, Any]:
+    """A jitted decode step ``step(cache, x) -> (out, cache)`` (cache donated), the
+    parameters closed over, and a fresh cache. ``impl``: mha, damcha (module decode),
+    damcha-fn (the functional ``decode_step``, one layer only)."""
+    if impl == "damcha-fn":
+        layer = _attentions("damcha", 1, s)[0]
+        open_gates(layer)
+        params, config = layer.arrays(), layer.config
+        cache = dj.init_cache(config, B, max_len, jnp.float32)
+        fn = jax.jit(lambda c, x, p: dj.decode_step(p, config, c, x), donate_argnums=0)
+        return (lambda c, x: fn(c, x, params)), cache, layer
+    module: nnx.Module
+    if depth == "layer":
+        module = _attentions(impl, 1, s, decode=True)[0]
+        module.init_cache((B, max_len, s.E))
+    else:
+        module = _stack(impl, s.stack_layers, s, lm=True, max_len=max_len, decode=True)
+        for block in module.blocks:
+            block.attn.init_cache((B, max_len, s.E))
+    if impl != "mha":
+        open_gates(module)
+    graphdef, cache, params = nnx.split(module, nnx.Cache, ...)
+
+    def step(cache: Any, x: Any, params: Any) -> tuple[Any, Any]:
+        m = nnx.merge(graphdef, cache, params)
+        out = m(x, decode=True) if depth == "layer" else m(x, positions=False, decode=True)[:, -1:]
+        return out, nnx.state(m, nnx.Cache)
+
+    fn = jax.jit(step, donate_argnums=0)
+    return (lambda c, x: fn(c, x, params)), cache, module
+
+
+def _copy(tree: Any) -> Any:
+    return jax.tree.map(lambda a: jnp.array(a, copy=True), tree)
+
+
+def _prefilled(step: Callable, cache: Any, prompt: Any, *, one_by_one: bool) -> tuple[Any, Any]:
+    """The cache after the prompt and the prompt's last output. Flax's MHA decodes one
+    token per call, so its prompt goes in token by token (untimed either way)."""
+    if not one_by_one:
+        return step(cache, prompt)[::-1]
+    out = None
+    for i in range(prompt.shape[1]):
+        out, cache = step(cache, prompt[:, i:i + 1])
+    return cache, out
+
+
+def _decode_call(step: Callable, cache0: Any, first_out: Any, tokens: Any, steps: int, greedy: bool
+                 ) -> Callable[[], tuple[float, float]]:
+    def call() -> tuple[float, float]:
+        cache = _copy(cache0)
+        jax.block_until_ready(cache)
+        out = first_out
+        w0, c0 = time.perf_counter(), time.process_time()
+        for i in range(steps):
+            nxt = jnp.argmax(out, -1).astype(jnp.int32) if greedy else tokens[:, i:i + 1]
+            out, cache = step(cache, nxt)
+        jax.block_until_ready(out)
+        return (time.perf_counter() - w0) / steps, (time.process_time() - c0) / steps
+    return call
+
+
+def decode_section(ses: Session) -> None:
+    s = ses.sizes
+    for depth in ("layer", "stack"):
+        for B in s.decode_batches:
+            entry_id = f"{PORT}/decode/{depth}/B={B}"
+            if not ses.wanted(entry_id):
+                continue
+            with ses.attempt([entry_id], section="decode", case=depth):
+                max_len = s.prompt + s.steps + 1
+                rng = np.random.default_rng(B)
+                greedy = depth == "stack"
+                if greedy:
+                    prompt = jnp.asarray(rng.integers(0, s.vocab, (B, s.prompt)), jnp.int32)
+                    tokens = None
+                else:
+                    prompt = jnp.asarray(rng.normal(size=(B, s.prompt, s.E)), jnp.float32)
+                    tokens = jnp.asarray(rng.normal(size=(B, s.steps, s.E)), jnp.float32)
+                impls = ["mha", "damcha"] + (["damcha-fn"] if depth == "layer" else [])
+                calls, firsts = {}, {}
+                for impl in impls:
+                    step, cache, _ = _decoder(depth, impl, s, B, max_len)
+                    cache, out = _prefilled(step, cache, prompt, one_by_one=impl == "mha")
+                    firsts[impl] = out
+                    calls[impl] = _decode_call(step, cache, out, tokens, s.steps, greedy)
+                # Gates are open while decoding: compare the closed-gate layer separately.
+                check = _decode_check(depth, s, B, max_len, prompt)
+                times = interleaved(calls, repeats=s.decode_repeats(), warmup=1, self_timed=True)
+                target = decode_target(B)
+                comps = [comparison("module", times, "damcha", "mha", target)]
+                if "damcha-fn" in calls:
+                    comps.append(comparison("decode_step", times, "damcha-fn", "mha", target))
+                ses.record({
+                    "id": entry_id, "section": "decode", "case": depth, "mode": f"B={B}",
+                    "shape": {"B": B, "E": s.E, "H": s.H, "prompt": s.prompt, "steps": s.steps,
+                              "layers": 1 if depth == "layer" else s.stack_layers},
+                    "call": ("one layer, random token vectors: layer(x, decode=True) after init_cache; "
+                             "decode_step(params, config, cache, x)" if depth == "layer" else
+                             f"greedy LM, {s.stack_layers} pre-norm blocks (FFN {s.ffn}), head over {s.vocab} tokens, "
+                             "layer(x, decode=True); DAMCHA layers share one generator")
+                    + "; each step jax.jit(merge -> call -> state), cache donated",
+                    "baseline": "nnx.MultiHeadAttention(decode=True), same projections, the same jitted step",
+                    "unit": "per token", "times": times, "check": check, "comparisons": comps,
+                })
+
+
+def _decode_check(depth: str, s: Any, B: int, max_len: int, prompt: Any) -> dict[str, Any]:
+    """Closed gates: DAMCHA's cached step equals the Flax MHA's (prompt, then 2 steps)."""
+    outs = {}
+    for impl in ("mha", "damcha"):
+        if depth == "layer":
+            module = _attentions(impl, 1, s, decode=True)[0]
+            module.init_cache((B, max_len, s.E))
+        else:
+            module = _stack(impl, s.stack_layers, s, lm=True, max_len=max_len, decode=True)
+            for block in module.blocks:
+                block.attn.init_cache((B, max_len, s.E))
+        kw = {} if depth == "layer" else {"positions": False}
+        out = None
+        for i in range(min(prompt.shape[1], 4)):
+            out = module(prompt[:, i:i + 1], decode=True, **kw)
+        outs[impl] = out
+    return _check(outs["damcha"], outs["mha"])
+
+
+# ------------------------------------------------------------------ model
+
+
+MODEL_MODES = ("inference", "train")
+MODELS = {
+    "encoder": "{L} pre-norm blocks (attention, FFN {F}) + final LayerNorm, no mask",
+    "lm": "decoder-only LM: embeddings, {L} pre-norm blocks with mask=nnx.make_causal_mask(ids), LayerNorm, "
+          "head over {V} tokens",
+}
+
+
+def _model_fns(kind: str, mode: str, model: Stack) -> Callable:
+    def apply(m: Stack, x: Any) -> Any:
+        if kind == "lm":
+            return m(x, mask=nnx.make_causal_mask(x))
+        return m(x)
+
+    if mode == "inference":
+        return nnx.jit(apply)
+
+    def loss(m: Stack, x: Any) -> Any:
+        out = apply(m, x)
+        if kind == "lm":
+            return optax.softmax_cross_entropy_with_integer_labels(out[:, :-1], x[:, 1:]).mean()
+        return jnp.mean(out ** 2)
+
+    optimizer = nnx.Optimizer(model, optax.sgd(1e-4), wrt=nnx.Param)
+
+    @nnx.jit
+    def train(m: Stack, opt: nnx.Optimizer, x: Any) -> Any:
+        value, grads = nnx.value_and_grad(loss)(m, x)
+        opt.update(m, grads)
+        return value
+
+    return lambda m, x: train(m, optimizer, x)
+
+
+def _model(kind: str, impl: str, n: int, s: Any) -> tuple[Stack, Any]:
+    model = _stack(impl, s.model_layers, s, lm=kind == "lm", max_len=n)
+    rng = np.random.default_rng(n)
+    if kind == "lm":
+        x = jnp.asarray(rng.integers(0, s.vocab, (s.B, n)), jnp.int32)
+    else:
+        x = jnp.asarray(rng.normal(size=(s.B, n, s.E)), jnp.float32)
+    return model, x
+
+
+def memory_worker(kind: str, impl: str, n: int, mode: str, s: Any) -> dict[str, Any]:
+    from _harness import measure_peak
+
+    model, x = _model(kind, impl, n, s)
+    if impl == "damcha":
+        open_gates(model)
+    fn = _model_fns(kind, mode, model)
+    return {"peak_mib": measure_peak(lambda: jax.block_until_ready(fn(model, x)))}
+
+
+def model_section(ses: Session) -> None:
+    s = ses.sizes
+    for kind, text in MODELS.items():
+        for n in s.lengths_slow:
+            ids = {mode: f"{PORT}/model/{kind}/{mode}/N={n}" for mode in MODEL_MODES}
+            todo = [mode for mode in MODEL_MODES if ses.wanted(ids[mode])]
+            if not todo:
+                continue
+            with ses.attempt([ids[m] for m in todo], section="model", case=kind):
+                mha, x = _model(kind, "mha", n, s)
+                damcha, _ = _model(kind, "damcha", n, s)
+                # Same projections; the blocks' other weights come from the same seeds.
+                infer = {"damcha": _model_fns(kind, "inference", damcha), "mha": _model_fns(kind, "inference", mha)}
+                check = _check(infer["damcha"](damcha, x), infer["mha"](mha, x))
+                open_gates(damcha)
+                for mode in todo:
+                    entry_id = ids[mode]
+                    fns = infer if mode == "inference" else {"damcha": _model_fns(kind, mode, damcha),
+                                                             "mha": _model_fns(kind, mode, mha)}
+                    calls = {"damcha": lambda fns=fns: fns["damcha"](damcha, x), "mha": lambda fns=fns: fns["mha"](mha, x)}
+                    times = interleaved(calls, repeats=s.model_repeats(n), warmup=1, sync=_sync)
+                    entry: dict[str, Any] = {
+                        "id": entry_id, "section": "model", "case": kind, "mode": mode,
+                        "shape": {"B": s.B, "N": n, "E": s.E, "H": s.H, "layers": s.model_layers, "ffn": s.ffn,
+                                  **({"vocab": s.vocab} if kind == "lm" else {})},
+                        "call": text.format(L=s.model_layers, F=s.ffn, V=s.vocab)
+                        + ("; train: nnx.jit(value_and_grad + nnx.Optimizer(optax.sgd) update)" if mode == "train"
+                           else "; inference: nnx.jit"),
+                        "baseline": "the same model with nnx.MultiHeadAttention (DAMCHA layers: same projections, one "
+                                    "generator shared by all layers)",
+                        "times": times, "check": check,
+                        "comparisons": [comparison("time", times, "damcha", "mha", time_target(n))],
+                    }
+                    if ses.memory:
+                        peaks = {impl: peak_in_subprocess(
+                            [ses.script, "--memory-worker", PORT, kind, impl, str(n), mode]
+                            + (["--tiny"] if ses.tiny else []))["peak_mib"] for impl in ("damcha", "mha")}
+                        entry["memory"] = {
+                            "method": "peak RSS increase (VmHWM) of one jitted call after a warm-up (compiling) call, "
+                                      "each model in a fresh process, MALLOC_MMAP_THRESHOLD_=65536",
+                            **memory_comparison(peaks, "damcha", "mha")}
+                    ses.record(entry)
+
+
+SECTIONS = {"layer": layer_section, "decode": decode_section, "model": model_section}
+
+
+def setup(threads: int) -> dict[str, Any]:
+    return {"jax_backend": jax.default_backend(), "jax_devices": jax.device_count(), "dtype": "float32"}

@@ -1,0 +1,237 @@
+"""The "Drop-in speed" section of docs/benchmarks.md, written from bench_dropin.py's JSON files.
+
+The section sits between two marker comments; everything else in the file
+belongs to the other benchmarks' owners and is left as it is.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+BEGIN = "<!-- dropin:begin (written by benchmarks/bench_dropin.py; edits here are overwritten) -->"
+END = "<!-- dropin:end -->"
+HEADING = "## Drop-in speed: the calls users already write (issue 12)"
+
+PORT_TITLES = {
+    "torch": "PyTorch (`nn.MultiheadAttention`)",
+    "keras-tensorflow": "Keras 3, TensorFlow backend",
+    "keras-jax": "Keras 3, JAX backend",
+    "keras-torch": "Keras 3, PyTorch backend",
+    "jax": "Flax NNX (`nnx.MultiHeadAttention`)",
+}
+SECTION_TITLES = {"layer": "layer calls", "decode": "decoding with a KV cache", "model": "whole models"}
+
+METHOD = """\
+Every number is a ratio DAMCHA / MHA of the framework's own multi-head
+attention, both built in one process and called alternately (A B, then B A)
+after warm-up calls, so that load drifts hit both. A cell shows the median of
+the per-round ratios and, in brackets, their quartiles. DAMCHA layers are
+made from the MHA the way a user makes them (`from_mha`, `replace_mha`; same
+weights), are checked to reproduce MHA's output with closed gates (relative
+difference <= 1e-4; a failed check is marked **check failed**), and are
+timed with every gate opened to 0.5 so the cross-head map does its full work
+(a trained layer's cost). float32, CPU, fixed thread count (each port in its
+own process, pinned to that many cores). Whole models: DAMCHA layers share
+one metric generator. Peak memory: resident-set high-water mark (VmHWM) of
+one call after a warm-up call, each model in a fresh process, with glibc told
+to unmap freed blocks >= 64 KiB (`MALLOC_MMAP_THRESHOLD_=65536`), the method
+of `bench_torch.py`.
+
+Targets (issue 12): layer and whole-model time <= 1.05 at N >= 1024 and
+<= 1.10 at N = 256; decode per token <= 1.15 at B=1 (eager) and <= 1.05 at
+B=8; a `torch.compile`d DAMCHA step no slower than the eager one
+(compiled/eager <= 1.00); peak memory <= 1.05. **missed** marks a median
+ratio above its target.
+
+What is measured (B=4, E=512, H=8, d=64 unless a table says otherwise):
+layer calls at N in {256, 1024, 4096} (Keras on the JAX and torch backends:
+{256, 1024}, a subprocess each); decoding with a KV cache, per token, a
+512-token prompt then 32 steps, B=1 and 8, one layer fed random token vectors
+and a 4-block LM decoding greedily (PyTorch: eager and `torch.compile`d steps;
+Flax: the module's `decode=True` and the functional `decode_step`, jitted;
+Keras: eager steps);
+whole models, a 6-layer encoder and a 6-layer causal LM (FFN 2048, vocabulary
+1024), one training step (SGD) and one inference pass, at N in {256, 1024,
+4096} in PyTorch and {256, 1024} in Flax and Keras, whose CPU attention
+materialises (B, H, N, N) scores (2 GiB per layer at N=4096: six layers of
+training do not fit in this machine's memory).
+
+Commands (`make bench` runs the first with the other benchmarks):
+
+    .venv/bin/python benchmarks/bench_dropin.py                      # every port and section
+    .venv/bin/python benchmarks/bench_dropin.py --port torch --section decode
+    .venv/bin/python benchmarks/bench_dropin.py --resume benchmarks/results/dropin-<stamp>.json
+    .venv/bin/python benchmarks/bench_dropin.py --report             # rewrite this section from the newest results
+    .venv/bin/python benchmarks/_counts.py --detail                  # aten calls / jaxpr equations, DAMCHA beside MHA
+
+A full run takes about 3 hours on the idle 2-core machine (PyTorch ~55 min,
+Flax ~35 min, Keras ~30 min per backend). Each run writes
+`benchmarks/results/dropin-<date>-<time>.json` with the machine, versions,
+thread count, command line and every raw timing, entry by entry, so an
+interrupted run continues with `--resume`; `--only REGEX` selects entries by
+id (e.g. `'torch/layer/mask\+hint/'`); `--tiny` checks the script in about a
+minute per port and is never written here."""
+
+
+def _fmt_ratio(c: dict[str, Any]) -> str:
+    r = c["ratio"]
+    return f"{r['median']:.3f} ({r['q1']:.2f}-{r['q3']:.2f})"
+
+
+def _fmt_target(target: float | None, met: bool | None) -> str:
+    if target is None:
+        return "-"
+    return f"<= {target:.2f}" + ("" if met else " **missed**")
+
+
+def _check_mark(entry: dict[str, Any]) -> str:
+    check = entry.get("check")
+    if check and not check.get("ok", True):
+        return f" **check failed** ({check.get('max_rel_diff', float('nan')):.1e})"
+    return ""
+
+
+def _n_of(entry: dict[str, Any]) -> int:
+    return int(entry.get("shape", {}).get("N", entry.get("shape", {}).get("B", 0)))
+
+
+def load(paths: Sequence[str | Path]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(runs, entries) of several result files; a later file's entry replaces an earlier one's."""
+    runs: list[dict[str, Any]] = []
+    entries: dict[str, dict[str, Any]] = {}
+    for path in paths:
+        with open(path) as fh:
+            data = json.load(fh)
+        offset = len(runs)
+        for run in data["runs"]:
+            runs.append({**run, "file": str(path)})
+        for entry_id, entry in data["entries"].items():
+            entries[entry_id] = {**entry, "run": entry["run"] + offset}
+    return runs, list(entries.values())
+
+
+def _commands(runs: list[dict[str, Any]], entries: Iterable[dict[str, Any]]) -> list[str]:
+    seen: list[str] = []
+    for e in entries:
+        cmd = runs[e["run"]]["command"]
+        if cmd not in seen:
+            seen.append(cmd)
+    return seen
+
+
+def _run_line(run: dict[str, Any]) -> str:
+    v = run.get("versions", {})
+    versions = ", ".join(f"{k} {v[k]}" for k in ("torch", "jax", "flax", "keras", "tensorflow-cpu", "tensorflow")
+                         if k in v)
+    m = run.get("machine", {})
+    load_ = run.get("loadavg_start"), run.get("loadavg_end")
+    return (f"{run.get('started', '?')} to {run.get('finished', '?')} on {m.get('cpu', '?')} "
+            f"({m.get('cpu_count', '?')} CPUs), {run.get('threads', '?')} threads per process; {versions}; "
+            f"load average at start {load_[0]}, at end {load_[1]}; commit {run.get('git', '?')}")
+
+
+def _table_layer(entries: list[dict[str, Any]]) -> list[str]:
+    lines = ["| case | mode | N | MHA ms | DAMCHA ms | DAMCHA/MHA (quartiles) | target |",
+             "|---|---|---:|---:|---:|---|---|"]
+    for e in entries:
+        c = e["comparisons"][0]
+        lines.append(f"| {e['case']} | {e['mode']} | {_n_of(e)} | {c['ms'][c['den']]:.1f} | {c['ms'][c['num']]:.1f} "
+                     f"| {_fmt_ratio(c)}{_check_mark(e)} | {_fmt_target(c['target'], c['met'])} |")
+    return lines
+
+
+def _table_decode(entries: list[dict[str, Any]]) -> list[str]:
+    lines = ["| decoder | B | step | MHA ms/token | DAMCHA ms/token | ratio (quartiles) | target |",
+             "|---|---:|---|---:|---:|---|---|"]
+    for e in entries:
+        for c in e["comparisons"]:
+            lines.append(f"| {e['case']} | {e['shape']['B']} | {c['label']} ({c['num']} / {c['den']}) | "
+                         f"{c['ms'][c['den']]:.3f} | {c['ms'][c['num']]:.3f} | {_fmt_ratio(c)}{_check_mark(e)} | "
+                         f"{_fmt_target(c['target'], c['met'])} |")
+    return lines
+
+
+def _table_model(entries: list[dict[str, Any]]) -> list[str]:
+    lines = ["| model | mode | N | MHA ms | DAMCHA ms | time ratio (quartiles) | target | MHA peak MiB | "
+             "DAMCHA peak MiB | memory ratio | target |",
+             "|---|---|---:|---:|---:|---|---|---:|---:|---:|---|"]
+    for e in entries:
+        c = e["comparisons"][0]
+        mem = e.get("memory")
+        if mem:
+            ratio = "-" if mem["ratio"] is None else f"{mem['ratio']:.2f}"
+            mcells = (f"{mem['mib']['mha']:.1f} | {mem['mib']['damcha']:.1f} | {ratio} | "
+                      f"{_fmt_target(mem['target'], mem['met'])}")
+        else:
+            mcells = "- | - | - | -"
+        lines.append(f"| {e['case']} | {e['mode']} | {_n_of(e)} | {c['ms'][c['den']]:.1f} | {c['ms'][c['num']]:.1f} "
+                     f"| {_fmt_ratio(c)}{_check_mark(e)} | {_fmt_target(c['target'], c['met'])} | {mcells} |")
+    return lines
+
+
+TABLES = {"layer": _table_layer, "decode": _table_decode, "model": _table_model}
+
+
+def _order(entry: dict[str, Any]) -> tuple:
+    return (entry["case"], entry["mode"], _n_of(entry))
+
+
+def render(runs: list[dict[str, Any]], entries: list[dict[str, Any]]) -> str:
+    """The whole section (between and including the markers)."""
+    out = [BEGIN, HEADING, "", METHOD, ""]
+    if not entries:
+        out += ["**Not yet measured on an idle machine.** The tables appear here after",
+                "`make bench` (or `.venv/bin/python benchmarks/bench_dropin.py`) on a quiet machine.", "", END]
+        return "\n".join(out) + "\n"
+    used = sorted({e["run"] for e in entries})
+    out.append("Runs:")
+    out.append("")
+    for r in used:
+        out.append(f"- `{runs[r]['command']}`: {_run_line(runs[r])}")
+    out.append("")
+    missed = [(e["id"], c["label"]) for e in entries for c in e.get("comparisons", []) if c.get("met") is False]
+    missed += [(e["id"], "memory") for e in entries if e.get("memory", {}).get("met") is False]
+    failed = [e["id"] for e in entries if not e.get("check", {}).get("ok", True)]
+    out.append(f"{len(entries)} measurements; targets missed: {len(missed)}"
+               + (f"; equality checks failed: {len(failed)}" if failed else "") + ".")
+    out.append("")
+    ports = [p for p in PORT_TITLES if any(e["port"] == p for e in entries)]
+    ports += sorted({e["port"] for e in entries} - set(ports))
+    for port in ports:
+        out.append(f"### {PORT_TITLES.get(port, port)}")
+        out.append("")
+        for section in ("layer", "decode", "model"):
+            group = sorted((e for e in entries if e["port"] == port and e["section"] == section), key=_order)
+            if not group:
+                continue
+            first = group[0]
+            out.append(f"**{SECTION_TITLES[section].capitalize()}**, "
+                       + ", ".join(f"{k}={v}" for k, v in first["shape"].items() if k not in ("N",))
+                       + ". Command: " + "; ".join(f"`{c}`" for c in _commands(runs, group)))
+            out.append("")
+            calls: dict[str, tuple[str, str]] = {}
+            for e in group:
+                calls.setdefault(e["case"], (e.get("call", ""), e.get("baseline", "")))
+            for case, (call, baseline) in calls.items():
+                out.append(f"- `{case}`: {call}. Baseline: {baseline}.")
+            out.append("")
+            out += TABLES[section](group)
+            out.append("")
+    out.append(END)
+    return "\n".join(out) + "\n"
+
+
+def write_section(doc: str | Path, text: str) -> None:
+    """Replace the marked section of ``doc`` with ``text`` (append it when absent)."""
+    path = Path(doc)
+    old = path.read_text() if path.exists() else ""
+    pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END) + r"\n?", re.S)
+    if pattern.search(old):
+        new = pattern.sub(lambda _: text, old, count=1)
+    else:
+        new = old.rstrip("\n") + ("\n\n" if old else "") + text
+    path.write_text(new)

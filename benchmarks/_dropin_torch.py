@@ -1,0 +1,442 @@
+"""bench_dropin.py, PyTorch: the call patterns of issue 12 against ``nn.MultiheadAttention``.
+
+Runs in its own worker process (``bench_dropin.py --worker torch``). Every
+DAMCHA model here is made from the MHA model the way a user makes it
+(``DamchaAttention.from_mha`` / ``replace_mha``: same weights), checked to
+give MHA's output with its gates closed, then its gates are opened to 0.5 so
+that it does its full work while timed.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import damcha_torch as dt
+from _counts import mha_decode_step
+from _harness import (
+    EQUAL_TOL,
+    Session,
+    comparison,
+    decode_target,
+    interleaved,
+    max_rel_diff,
+    memory_comparison,
+    peak_in_subprocess,
+    time_target,
+)
+
+PORT = "torch"
+
+
+def open_gates(model: nn.Module, value: float = 0.5) -> None:
+    """Set every DAMCHA gate of ``model`` to ``value`` (0.5: the map does its full work)."""
+    found = 0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "metric_gates" in name:
+                p.fill_(value)
+                found += 1
+    if not found:
+        raise RuntimeError(f"no DAMCHA gate found in {type(model).__name__}")
+
+
+def _check(a: torch.Tensor, b: torch.Tensor) -> dict[str, Any]:
+    diff = max_rel_diff(a.detach().float().numpy(), b.detach().float().numpy())
+    return {"max_rel_diff": diff, "ok": diff <= EQUAL_TOL}
+
+
+# ------------------------------------------------------------------ layer
+
+
+LAYER_CASES = {
+    "mask+hint": {
+        "call": "attn(x, x, x, attn_mask=causal_bool, is_causal=True, need_weights=False)",
+        "baseline": "the same call",
+    },
+    "hint-only": {
+        "call": "attn(x, x, x, is_causal=True, need_weights=False)",
+        "baseline": "MHA with attn_mask=causal_bool, is_causal=True (nn.MultiheadAttention requires attn_mask "
+                    "with is_causal)",
+    },
+    "padding+causal": {
+        "call": "attn(x, x, x, key_padding_mask=pad_bool, attn_mask=causal_bool, is_causal=True, need_weights=False)",
+        "baseline": "the same call",
+    },
+    "encoder": {
+        "call": "nn.TransformerEncoder(2 pre-norm layers)(x, mask=square_subsequent_mask, is_causal=True), "
+                "after replace_mha",
+        "baseline": "the same encoder before replace_mha",
+    },
+    "cross": {
+        "call": "attn(x, c, c, attn_mask=rect_causal_bool (N, N/2), is_causal=True, need_weights=False)",
+        "baseline": "the same call",
+    },
+}
+LAYER_MODES = ("forward", "fwd+bwd")
+
+
+def _layer_models(case: str, n: int, s: Any) -> tuple[nn.Module, nn.Module, Callable, Callable, tuple]:
+    """(mha_model, damcha_model, mha_call, damcha_call, inputs); a call is f(model, *inputs) -> output."""
+    B, E, H = s.B, s.E, s.H
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(B, n, E, generator=g)
+    causal = torch.ones(n, n, dtype=torch.bool).triu(1)  # True = masked out (nn.MultiheadAttention)
+    if case == "encoder":
+        layer = nn.TransformerEncoderLayer(E, H, s.ffn, dropout=0.0, batch_first=True, norm_first=True)
+        mha = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        damcha = dt.replace_mha(copy.deepcopy(mha))
+        square = nn.Transformer.generate_square_subsequent_mask(n)
+
+        def enc(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+            return m(x, mask=square, is_causal=True)
+        return mha, damcha, enc, enc, (x,)
+    mha = nn.MultiheadAttention(E, H, batch_first=True)
+    damcha = dt.DamchaAttention.from_mha(mha)
+    if case == "cross":
+        m = max(1, n // 2)
+        c = torch.randn(B, m, E, generator=g)
+        rect = torch.ones(n, m, dtype=torch.bool).triu(1)  # top-left causal, as SDPA's is_causal: no empty row
+
+        def cross(mod: nn.Module, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+            return mod(x, c, c, attn_mask=rect, is_causal=True, need_weights=False)[0]
+        return mha, damcha, cross, cross, (x, c)
+    if case == "padding+causal":
+        # Each sequence pads its last 0..12% of keys; no query row loses every key.
+        lengths = [n - (n * (i % 4)) // 32 for i in range(B)]
+        pad = torch.arange(n)[None, :] >= torch.tensor(lengths)[:, None]
+
+        def padded(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
+            return mod(x, x, x, key_padding_mask=pad, attn_mask=causal, is_causal=True, need_weights=False)[0]
+        return mha, damcha, padded, padded, (x,)
+
+    def hinted(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return mod(x, x, x, attn_mask=causal, is_causal=True, need_weights=False)[0]
+    if case == "hint-only":
+        def hint_only(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
+            return mod(x, x, x, is_causal=True, need_weights=False)[0]
+        return mha, damcha, hinted, hint_only, (x,)
+    return mha, damcha, hinted, hinted, (x,)
+
+
+def _runner(model: nn.Module, fn: Callable, inputs: tuple, mode: str) -> Callable[[], Any]:
+    if mode == "forward":
+        model.eval()
+
+        def forward() -> Any:
+            with torch.inference_mode():
+                return fn(model, *inputs)
+        return forward
+    model.train()
+    leaves = [t.detach().clone().requires_grad_(True) for t in inputs]  # each model its own leaves
+
+    def train() -> None:
+        fn(model, *leaves).sum().backward()
+        for t in leaves:
+            t.grad = None
+        model.zero_grad(set_to_none=True)
+    return train
+
+
+def layer_section(ses: Session) -> None:
+    s = ses.sizes
+    for case, info in LAYER_CASES.items():
+        for n in s.lengths:
+            ids = {mode: f"{PORT}/layer/{case}/{mode}/N={n}" for mode in LAYER_MODES}
+            todo = [mode for mode in LAYER_MODES if ses.wanted(ids[mode])]
+            if not todo:
+                continue
+            with ses.attempt([ids[m] for m in todo], section="layer", case=case):
+                mha, damcha, f_mha, f_damcha, inputs = _layer_models(case, n, s)
+                mha.eval(), damcha.eval()
+                with torch.no_grad():
+                    check = _check(f_damcha(damcha, *inputs), f_mha(mha, *inputs))
+                open_gates(damcha)
+                for mode in todo:
+                    calls = {"damcha": _runner(damcha, f_damcha, inputs, mode), "mha": _runner(mha, f_mha, inputs, mode)}
+                    times = interleaved(calls, repeats=s.repeats(n), warmup=1)
+                    ses.record({
+                        "id": ids[mode], "section": "layer", "case": case, "mode": mode,
+                        "shape": {"B": s.B, "N": n, "E": s.E, "H": s.H}, "call": info["call"],
+                        "baseline": info["baseline"], "times": times, "check": check,
+                        "comparisons": [comparison("time", times, "damcha", "mha", time_target(n))],
+                    })
+
+
+# ----------------------------------------------------------------- decode
+
+
+def _decode_models(depth: str, s: Any) -> dict[str, Any]:
+    """The MHA and DAMCHA decoders of one depth, their step functions and cache factories.
+
+    "layer": one self-attention layer fed random token vectors. "stack": a
+    small greedy LM, embedding -> ``stack_layers`` pre-norm blocks (attention,
+    FFN) -> LayerNorm -> vocabulary head -> argmax -> next token; DAMCHA's
+    layers share one generator.
+    """
+    E, H = s.E, s.H
+    torch.manual_seed(0)
+    layers = 1 if depth == "layer" else s.stack_layers
+    mhas = [nn.MultiheadAttention(E, H, batch_first=True).eval() for _ in range(layers)]
+    first = dt.DamchaAttention.from_mha(mhas[0])
+    shared = dict(first.metric_generators)
+    damchas = [first] + [dt.DamchaAttention.from_mha(m, metric_generator=shared) for m in mhas[1:]]
+    for m in damchas:
+        m.eval()
+
+    def mha_attn(i: int, h: torch.Tensor, caches: list) -> torch.Tensor:
+        return mha_decode_step(mhas[i], h, caches[i])
+
+    def damcha_attn(i: int, h: torch.Tensor, caches: list) -> torch.Tensor:
+        return damchas[i](h, h, h, is_causal=True, need_weights=False, kv_cache=caches[i])[0]
+
+    new_caches = {"mha": lambda: [[] for _ in mhas], "damcha": lambda: [dt.DamchaKVCache() for _ in damchas]}
+    if depth == "layer":
+        steps = {"mha": lambda x, c: mha_attn(0, x, c), "damcha": lambda x, c: damcha_attn(0, x, c)}
+        return {"steps": steps, "caches": new_caches, "greedy": False, "modules": mhas + damchas}
+    norms1 = nn.ModuleList(nn.LayerNorm(E) for _ in range(layers))
+    norms2 = nn.ModuleList(nn.LayerNorm(E) for _ in range(layers))
+    ffns = nn.ModuleList(nn.Sequential(nn.Linear(E, s.ffn), nn.GELU(), nn.Linear(s.ffn, E)) for _ in range(layers))
+    embed, norm, head = nn.Embedding(s.vocab, E), nn.LayerNorm(E), nn.Linear(E, s.vocab)
+
+    def lm(attn: Callable) -> Callable:
+        def step(ids: torch.Tensor, caches: list) -> torch.Tensor:
+            h = embed(ids)
+            for i in range(layers):
+                h = h + attn(i, norms1[i](h), caches)
+                h = h + ffns[i](norms2[i](h))
+            return head(norm(h[:, -1:]))  # logits of the last position
+        return step
+
+    steps = {"mha": lm(mha_attn), "damcha": lm(damcha_attn)}
+    return {"steps": steps, "caches": new_caches, "greedy": True,
+            "modules": mhas + damchas + [norms1, norms2, ffns, embed, norm, head]}
+
+
+def _decode_call(step: Callable, new_cache: Callable, prompt: torch.Tensor, tokens: torch.Tensor | None,
+                 steps: int, greedy: bool) -> Callable[[], tuple[float, float]]:
+    """One decode: the prompt in one call (untimed), then ``steps`` single-token steps (timed, per token)."""
+    def call() -> tuple[float, float]:
+        with torch.inference_mode():
+            caches = new_cache()
+            out = step(prompt, caches)
+            w0, c0 = time.perf_counter(), time.process_time()
+            for i in range(steps):
+                nxt = out.argmax(-1) if greedy else tokens[:, i:i + 1]  # type: ignore[index]
+                out = step(nxt, caches)
+            return (time.perf_counter() - w0) / steps, (time.process_time() - c0) / steps
+    return call
+
+
+def _decode_check(models: dict[str, Any], prompt: torch.Tensor, tokens: torch.Tensor | None,
+                  greedy: bool) -> dict[str, Any]:
+    """With closed gates DAMCHA's decode must reproduce MHA's (prompt + 2 steps, the same tokens fed)."""
+    outs = {}
+    with torch.inference_mode():
+        for impl in ("mha", "damcha"):
+            step, caches = models["steps"][impl], models["caches"][impl]()
+            out = step(prompt, caches)
+            for i in range(2):
+                nxt = prompt[:, i:i + 1] if greedy else tokens[:, i:i + 1]  # type: ignore[index]
+                out = step(nxt, caches)
+            outs[impl] = out
+    return _check(outs["damcha"], outs["mha"])
+
+
+def decode_section(ses: Session) -> None:
+    s = ses.sizes
+    for depth in ("layer", "stack"):
+        for B in s.decode_batches:
+            entry_id = f"{PORT}/decode/{depth}/B={B}"
+            if not ses.wanted(entry_id):
+                continue
+            with ses.attempt([entry_id], section="decode", case=depth):
+                models = _decode_models(depth, s)
+                g = torch.Generator().manual_seed(B)
+                if models["greedy"]:
+                    prompt = torch.randint(0, s.vocab, (B, s.prompt), generator=g)
+                    tokens = None
+                else:
+                    prompt = torch.randn(B, s.prompt, s.E, generator=g)
+                    tokens = torch.randn(B, s.steps, s.E, generator=g)
+                check = _decode_check(models, prompt, tokens, models["greedy"])
+                for m in models["modules"]:
+                    if isinstance(m, dt.DamchaAttention):
+                        open_gates(m)
+                # The eager steps and their torch.compile'd versions (the cache length becomes
+                # a dynamic dim after two sizes, so the steps do not recompile per token).
+                # --tiny compiles with the "eager" backend: dynamo's tracing without inductor.
+                backend = "eager" if s.tiny else "inductor"
+                # A fresh dynamo cache per entry: the step functions share code objects across
+                # entries, and recompiles past the limit would silently fall back to eager.
+                torch._dynamo.reset()
+                torch._dynamo.utils.counters.clear()
+                calls = {}
+                for impl in ("mha", "damcha"):
+                    step = models["steps"][impl]
+                    calls[impl] = _decode_call(step, models["caches"][impl], prompt, tokens, s.steps, models["greedy"])
+                    compiled = torch.compile(step, backend=backend)
+                    calls[f"{impl}-compiled"] = _decode_call(compiled, models["caches"][impl], prompt, tokens, s.steps,
+                                                             models["greedy"])
+                times = interleaved(calls, repeats=s.decode_repeats(), warmup=1, self_timed=True)
+                compile_stats = {k: dict(v) for k, v in torch._dynamo.utils.counters.items() if k in ("stats", "frames")}
+                target = decode_target(B)
+                what = ("one self-attention layer, random token vectors" if depth == "layer" else
+                        f"greedy LM: embedding, {s.stack_layers} pre-norm blocks (attention + FFN {s.ffn}), "
+                        f"head over {s.vocab} tokens; DAMCHA layers share one generator")
+                ses.record({
+                    "id": entry_id, "section": "decode", "case": depth, "mode": f"B={B}",
+                    "shape": {"B": B, "E": s.E, "H": s.H, "prompt": s.prompt, "steps": s.steps,
+                              "layers": 1 if depth == "layer" else s.stack_layers},
+                    "call": f"{what}; DAMCHA: layer(x, x, x, is_causal=True, need_weights=False, kv_cache=DamchaKVCache())",
+                    "baseline": "hand-written MHA step on the same weights (packed projection, cache by torch.cat, "
+                                "one SDPA call; _counts.mha_decode_step)",
+                    "unit": "per token", "compile_backend": backend, "compile_stats": compile_stats,
+                    "times": times, "check": check,
+                    "comparisons": [
+                        comparison("eager", times, "damcha", "mha", target),
+                        # Issue 12 sets the B=1 target for eager steps; B>1 targets hold for any step.
+                        comparison("compiled", times, "damcha-compiled", "mha-compiled", None if B == 1 else target),
+                        comparison("compiled/eager", times, "damcha-compiled", "damcha", 1.0),
+                    ],
+                })
+
+
+# ------------------------------------------------------------------ model
+
+
+class CausalLM(nn.Module):
+    """A decoder-only LM from torch's own blocks: token + learned position
+    embeddings, ``nn.TransformerEncoder`` of pre-norm layers run with a causal
+    mask and ``is_causal=True``, final LayerNorm, vocabulary head."""
+
+    def __init__(self, s: Any, layers: int, max_len: int) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(s.vocab, s.E)
+        self.pos = nn.Embedding(max_len, s.E)
+        self.body = encoder(s, layers)
+        self.head = nn.Linear(s.E, s.vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        n = ids.shape[1]
+        h = self.tok(ids) + self.pos.weight[:n]
+        mask = nn.Transformer.generate_square_subsequent_mask(n, device=ids.device, dtype=h.dtype)
+        return self.head(self.body(h, mask=mask, is_causal=True))
+
+
+def encoder(s: Any, layers: int) -> nn.TransformerEncoder:
+    layer = nn.TransformerEncoderLayer(s.E, s.H, s.ffn, dropout=0.0, batch_first=True, norm_first=True)
+    return nn.TransformerEncoder(layer, layers, norm=nn.LayerNorm(s.E), enable_nested_tensor=False)
+
+
+MODEL_MODES = ("inference", "train")
+MODELS = {
+    "encoder": "nn.TransformerEncoder, {L} pre-norm layers (FFN {F}) + final LayerNorm, no mask",
+    "lm": "decoder-only LM: embeddings, nn.TransformerEncoder of {L} pre-norm layers with "
+          "mask=square_subsequent_mask, is_causal=True, LayerNorm, head over {V} tokens",
+}
+
+
+def _model(kind: str, impl: str, n: int, s: Any) -> tuple[nn.Module, torch.Tensor]:
+    """The model (DAMCHA: ``replace_mha`` of the MHA model, one shared generator, gates 0.5) and its input."""
+    torch.manual_seed(0)
+    model = encoder(s, s.model_layers) if kind == "encoder" else CausalLM(s, s.model_layers, n)
+    if impl == "damcha":
+        shared = dt.MetricGenerator(s.E, s.H, s.E // s.H)
+        dt.replace_mha(model, metric_generator=shared)
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(s.B, n, s.E, generator=g) if kind == "encoder" else torch.randint(0, s.vocab, (s.B, n), generator=g)
+    return model, x
+
+
+def _model_call(model: nn.Module, x: torch.Tensor, kind: str, mode: str) -> Callable[[], Any]:
+    if mode == "inference":
+        model.eval()
+
+        def infer() -> Any:
+            with torch.inference_mode():
+                return model(x)
+        return infer
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        out = model(x)
+        if kind == "lm":
+            V = out.shape[-1]
+            loss = F.cross_entropy(out[:, :-1].reshape(-1, V), x[:, 1:].reshape(-1))
+        else:
+            loss = out.pow(2).mean()
+        loss.backward()
+        opt.step()
+    return step
+
+
+def memory_worker(kind: str, impl: str, n: int, mode: str, s: Any) -> dict[str, Any]:
+    """Peak RSS increase of one call of one model, in this fresh process."""
+    from _harness import measure_peak
+
+    model, x = _model(kind, impl, n, s)
+    if impl == "damcha":
+        open_gates(model)
+    return {"peak_mib": measure_peak(_model_call(model, x, kind, mode))}
+
+
+def model_section(ses: Session) -> None:
+    s = ses.sizes
+    for kind, text in MODELS.items():
+        for n in s.model_lengths:
+            ids = {mode: f"{PORT}/model/{kind}/{mode}/N={n}" for mode in MODEL_MODES}
+            todo = [mode for mode in MODEL_MODES if ses.wanted(ids[mode])]
+            if not todo:
+                continue
+            with ses.attempt([ids[m] for m in todo], section="model", case=kind):
+                mha, x = _model(kind, "mha", n, s)
+                damcha, _ = _model(kind, "damcha", n, s)
+                damcha.load_state_dict(mha.state_dict(), strict=False)  # MHA's weights; gates 0, fresh generator
+                mha.eval(), damcha.eval()
+                with torch.no_grad():
+                    check = _check(damcha(x), mha(x))
+                open_gates(damcha)
+                for mode in todo:
+                    entry_id = ids[mode]
+                    calls = {"damcha": _model_call(damcha, x, kind, mode), "mha": _model_call(mha, x, kind, mode)}
+                    times = interleaved(calls, repeats=s.model_repeats(n), warmup=1)
+                    entry: dict[str, Any] = {
+                        "id": entry_id, "section": "model", "case": kind, "mode": mode,
+                        "shape": {"B": s.B, "N": n, "E": s.E, "H": s.H, "layers": s.model_layers, "ffn": s.ffn,
+                                  **({"vocab": s.vocab} if kind == "lm" else {})},
+                        "call": text.format(L=s.model_layers, F=s.ffn, V=s.vocab)
+                        + ("; train: SGD step on " + ("next-token cross-entropy" if kind == "lm" else "mean(y^2)")
+                           if mode == "train" else "; inference: eval() under torch.inference_mode"),
+                        "baseline": "the same model with nn.MultiheadAttention (DAMCHA: replace_mha(model, "
+                                    "metric_generator=one shared MetricGenerator))",
+                        "times": times, "check": check,
+                        "comparisons": [comparison("time", times, "damcha", "mha", time_target(n))],
+                    }
+                    if ses.memory:
+                        peaks = {impl: peak_in_subprocess(
+                            [ses.script, "--memory-worker", PORT, kind, impl, str(n), mode]
+                            + (["--tiny"] if ses.tiny else []))["peak_mib"] for impl in ("damcha", "mha")}
+                        entry["memory"] = {
+                            "method": "peak RSS increase (VmHWM) of one call after a warm-up call, each model in a "
+                                      "fresh process, MALLOC_MMAP_THRESHOLD_=65536",
+                            **memory_comparison(peaks, "damcha", "mha")}
+                    ses.record(entry)
+
+
+SECTIONS = {"layer": layer_section, "decode": decode_section, "model": model_section}
+
+
+def setup(threads: int) -> dict[str, Any]:
+    torch.set_num_threads(threads)
+    return {"torch_threads": torch.get_num_threads(), "torch_interop_threads": torch.get_num_interop_threads(),
+            "dtype": "float32", "device": "cpu"}

@@ -1,0 +1,186 @@
+"""The benchmark scripts keep running: each at its --tiny sizes (a check, not a measurement).
+
+Nothing here times anything or asserts a ratio; speed is measured by `make bench`
+on an idle machine. These tests fail when a script no longer runs, writes
+malformed results, or (bench_dropin.py) when DAMCHA with closed gates stops
+reproducing the framework's MHA in a benchmarked call pattern, which would make
+its ratios compare different computations. The operation counters of
+benchmarks/_counts.py, which the issue-12 tests use, are checked against known
+answers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import _counts  # noqa: E402
+import _dropin_report  # noqa: E402
+import run_all  # noqa: E402
+
+
+def _run(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+# bench_dropin.py gets its own tests below; the others print their tables.
+TABLE_SCRIPTS = [s for s in run_all.scripts() if s != "bench_dropin.py"]
+
+
+@pytest.mark.parametrize("script", TABLE_SCRIPTS)
+def test_script_runs_tiny(script: str) -> None:
+    out = _run([str(BENCH / script), "--tiny"])
+    assert out.returncode == 0, f"{script} --tiny failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}"
+    assert out.stdout.strip(), f"{script} --tiny printed nothing"
+
+
+def test_run_all_lists_every_script() -> None:
+    on_disk = {p.name for p in BENCH.glob("bench_*.py")}
+    assert set(run_all.scripts()) == on_disk
+    assert run_all.scripts()[-1] == "bench_dropin.py"  # the long one last
+
+
+# One layer call pattern, one decode and one whole model of each port: every part of
+# the harness (timing, checks, JSON, a memory worker) runs through each port's code,
+# without the full --tiny sweep (`benchmarks/run_all.py --quick` runs that, and the
+# Keras JAX/torch backends).
+DROPIN_PORTS = {
+    "torch": ([r"^torch/(layer/mask\+hint/fwd\+bwd/|decode/layer/B=1$|model/lm/train/)"], True),
+    "jax": ([r"^jax/(layer/combined-mask/forward/|decode/stack/B=1$|model/encoder/inference/)", "--no-memory"], False),
+    "keras-tensorflow": ([r"^keras-tensorflow/(layer/embedding-padding/train/|decode/stack/B=1$|model/lm/inference/)",
+                          "--no-memory"], False),
+}
+
+
+@pytest.mark.parametrize("port", list(DROPIN_PORTS))
+def test_dropin_tiny(port: str, tmp_path: Path) -> None:
+    path = tmp_path / "dropin.json"
+    (only, *extra), memory = DROPIN_PORTS[port]
+    out = _run([str(BENCH / "bench_dropin.py"), "--tiny", "--port", port, "--only", only, *extra,
+                "--json", str(path)])
+    assert out.returncode == 0, f"bench_dropin --port {port} failed:\n{out.stdout[-3000:]}\n{out.stderr[-4000:]}"
+    data = json.loads(path.read_text())
+    assert data["format"] == "damcha-dropin/1"
+    (run,) = data["runs"]
+    assert run["tiny"] is True and run["threads"] >= 1 and run["finished"] and run["failed"] == []
+    assert run["command"].startswith(".venv/bin/python benchmarks/bench_dropin.py")
+    assert {"cpu", "cpu_count"} <= set(run["machine"]) and "numpy" in run["versions"]
+    entries = data["entries"]
+    assert {e.split("/")[1] for e in entries} == {"layer", "decode", "model"}, sorted(entries)
+    for entry_id, e in entries.items():
+        assert e["id"] == entry_id and e["port"] == port and e["run"] == 0
+        assert "error" not in e, f"{entry_id}: {e['error']}"
+        assert e["check"]["ok"], f"{entry_id}: DAMCHA with closed gates differs from MHA: {e['check']}"
+        rounds = {len(t["wall"]) for t in e["times"].values()} | {len(t["cpu"]) for t in e["times"].values()}
+        assert rounds == {2}, f"{entry_id}: {rounds}"
+        assert all(x > 0 for t in e["times"].values() for x in t["wall"])
+        for c in e["comparisons"]:
+            r = c["ratio"]
+            assert r["q1"] <= r["median"] <= r["q3"] and r["rounds"] == 2
+            assert c["met"] is None or c["met"] == (r["median"] <= c["target"])
+        assert e["env"]["threads"] == run["threads"]
+    peaks = [e["memory"] for e in entries.values() if "memory" in e]
+    assert len(peaks) == memory and all(set(p["mib"]) == {"damcha", "mha"} for p in peaks)
+    # The docs section renders from it (tests only: tiny results never go into the docs).
+    runs, loaded = _dropin_report.load([path])
+    text = _dropin_report.render(runs, loaded)
+    assert text.startswith(_dropin_report.BEGIN) and text.rstrip().endswith(_dropin_report.END)
+    assert run["command"] in text and text.count("| DAMCHA") >= 1
+    if port == "torch":  # resuming measures nothing already in the file; a new run never overwrites it
+        again = _run([str(BENCH / "bench_dropin.py"), "--tiny", "--port", port, "--only", only, *extra,
+                      "--resume", str(path)])
+        assert again.returncode == 0, again.stderr[-3000:]
+        resumed = json.loads(path.read_text())
+        assert len(resumed["runs"]) == 2 and resumed["entries"] == entries and "already in" in again.stdout
+        refused = _run([str(BENCH / "bench_dropin.py"), "--tiny", "--port", port, "--json", str(path)])
+        assert refused.returncode == 2 and "--resume" in refused.stderr
+
+
+def test_dropin_report_writes_only_its_section(tmp_path: Path) -> None:
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("# Benchmarks\n\n## PyTorch\n\nkept\n")
+    entry = {
+        "id": "torch/layer/mask+hint/forward/N=256", "port": "torch", "section": "layer", "case": "mask+hint",
+        "mode": "forward", "shape": {"B": 4, "N": 256, "E": 512, "H": 8}, "call": "attn(x)", "baseline": "MHA",
+        "run": 0, "check": {"ok": True, "max_rel_diff": 0.0},
+        "comparisons": [{"label": "time", "num": "damcha", "den": "mha", "target": 1.10, "met": False,
+                         "ms": {"damcha": 12.0, "mha": 10.0},
+                         "ratio": {"median": 1.2, "q1": 1.1, "q3": 1.3, "min": 1.0, "max": 1.4, "rounds": 3}}],
+    }
+    runs = [{"command": ".venv/bin/python benchmarks/bench_dropin.py --port torch", "tiny": False}]
+    text = _dropin_report.render(runs, [entry])
+    assert "1.200 (1.10-1.30)" in text and "<= 1.10 **missed**" in text
+    assert "`.venv/bin/python benchmarks/bench_dropin.py --port torch`" in text
+    _dropin_report.write_section(doc, text)
+    _dropin_report.write_section(doc, text)  # replaced, not appended twice
+    body = doc.read_text()
+    assert body.startswith("# Benchmarks\n\n## PyTorch\n\nkept\n") and body.count(_dropin_report.BEGIN) == 1
+
+
+# ----------------------------------------------------------- _counts.py
+
+
+def test_torch_op_counts_counts_dispatched_aten_ops() -> None:
+    import torch
+
+    counts = _counts.torch_op_counts(lambda: torch.ones(3) + torch.ones(3) * 2)
+    assert counts == Counter({"aten.ones": 2, "aten.mul": 1, "aten.add": 1})
+
+
+def test_torch_sdpa_calls_sees_the_hint_and_the_mask() -> None:
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    torch.manual_seed(0)
+    q = torch.randn(1, 2, 5, 4)
+    mask = torch.ones(5, 5, dtype=torch.bool).tril()
+    assert [(c["is_causal"], c["has_mask"]) for c in _counts.torch_sdpa_calls(
+        lambda: F.scaled_dot_product_attention(q, q, q, attn_mask=mask))] == [(False, True)]
+    assert [(c["is_causal"], c["has_mask"]) for c in _counts.torch_sdpa_calls(
+        lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True))] == [(True, False)]
+    # nn.MultiheadAttention's contract: with is_causal=True the causal attn_mask is only a hint.
+    mha = nn.MultiheadAttention(8, 2, batch_first=True)
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    calls = _counts.torch_sdpa_calls(
+        lambda: mha(x, x, x, attn_mask=~mask, is_causal=True, need_weights=False)[0].sum().backward())
+    assert [(c["is_causal"], c["has_mask"]) for c in calls] == [(True, False)]
+
+
+def test_mha_decode_step_is_mha_run_causally() -> None:
+    """The decode benchmarks' baseline computes nn.MultiheadAttention's causal output."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(16, 4, batch_first=True, dtype=torch.float64).eval()
+    x = torch.randn(2, 7, 16, dtype=torch.float64)
+    causal = torch.ones(7, 7, dtype=torch.bool).triu(1)
+    want = mha(x, x, x, attn_mask=causal, need_weights=False)[0]
+    cache: list = []
+    got = [_counts.mha_decode_step(mha, x[:, :4], cache)]  # a prompt, then one token at a time
+    got += [_counts.mha_decode_step(mha, x[:, i:i + 1], cache) for i in range(4, 7)]
+    torch.testing.assert_close(torch.cat(got, 1), want, rtol=1e-12, atol=1e-12)
+    assert cache[0].shape == (2, 4, 7, 4)
+
+
+def test_jax_eqn_counts_inlines_nested_jaxprs() -> None:
+    import jax
+    import jax.numpy as jnp
+
+    inner = jax.jit(lambda x: jnp.sin(x) * 2.0)
+    counts = _counts.jax_eqn_counts(lambda x: inner(x) + jnp.cos(x), jnp.ones(3))
+    assert counts == Counter({"sin": 1, "mul": 1, "cos": 1, "add": 1})
+    assert _counts.jax_hlo_op_count(lambda x: jnp.sin(x) * 2.0, jnp.ones(3)) >= 1
