@@ -73,7 +73,7 @@ Flax ~35 min, Keras ~30 min per backend). Each run writes
 `benchmarks/results/dropin-<date>-<time>.json` with the machine, versions,
 thread count, command line and every raw timing, entry by entry, so an
 interrupted run continues with `--resume`; `--only REGEX` selects entries by
-id (e.g. `'torch/layer/mask\+hint/'`); `--tiny` checks the script in about a
+id (e.g. `'torch/layer/mask\\+hint/'`); `--tiny` checks the script in about a
 minute per port and is never written here."""
 
 
