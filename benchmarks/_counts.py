@@ -144,7 +144,7 @@ def _sub_jaxprs(params: Mapping[str, Any]):
                 yield item.jaxpr
             elif hasattr(item, "eqns") and hasattr(item, "invars"):
                 yield item
-            elif hasattr(item, "jaxpr") and hasattr(getattr(item, "jaxpr"), "eqns"):
+            elif hasattr(item, "jaxpr") and hasattr(item.jaxpr, "eqns"):
                 yield item.jaxpr
 
 

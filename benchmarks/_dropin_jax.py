@@ -11,6 +11,7 @@ their gates closed, then their gates are opened to 0.5.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -19,9 +20,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
-
-import damcha_jax as dj
 from _harness import (
     EQUAL_TOL,
     Session,
@@ -33,6 +31,9 @@ from _harness import (
     peak_in_subprocess,
     time_target,
 )
+from flax import nnx
+
+import damcha_jax as dj
 
 PORT = "jax"
 
@@ -138,7 +139,7 @@ def layer_section(ses: Session) -> None:
                 open_gates(damcha)
                 for mode in todo:
                     fn = _layer_fns(case, mode)
-                    calls = {"damcha": lambda fn=fn: fn(damcha, x, mask), "mha": lambda fn=fn: fn(mha, x, mask)}
+                    calls = {"damcha": functools.partial(fn, damcha, x, mask), "mha": functools.partial(fn, mha, x, mask)}
                     times = interleaved(calls, repeats=s.repeats(n), warmup=2 if n <= 1024 else 1, sync=_sync)
                     ses.record({
                         "id": ids[mode], "section": "layer", "case": case, "mode": mode,
@@ -414,7 +415,7 @@ def model_section(ses: Session) -> None:
                     entry_id = ids[mode]
                     fns = infer if mode == "inference" else {"damcha": _model_fns(kind, mode, damcha),
                                                              "mha": _model_fns(kind, mode, mha)}
-                    calls = {"damcha": lambda fns=fns: fns["damcha"](damcha, x), "mha": lambda fns=fns: fns["mha"](mha, x)}
+                    calls = {"damcha": functools.partial(fns["damcha"], damcha, x), "mha": functools.partial(fns["mha"], mha, x)}
                     times = interleaved(calls, repeats=s.model_repeats(n), warmup=1, sync=_sync)
                     entry: dict[str, Any] = {
                         "id": entry_id, "section": "model", "case": kind, "mode": mode,

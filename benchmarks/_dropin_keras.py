@@ -13,16 +13,13 @@ MHA's output with closed gates, then their gates are opened to 0.5.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 import keras
-from damcha_keras import DamchaAttention, MetricGenerator
-from keras import ops
-
+import numpy as np
 from _harness import (
     EQUAL_TOL,
     Session,
@@ -34,6 +31,9 @@ from _harness import (
     peak_in_subprocess,
     time_target,
 )
+from keras import ops
+
+from damcha_keras import DamchaAttention, MetricGenerator
 
 PORT = "keras-" + keras.backend.backend()
 
@@ -279,6 +279,30 @@ def _run_decode(step: Callable, new_cache: Callable, prompt: Any, feed: Callable
     return out, cache
 
 
+def _greedy_feed(out: Any, i: int) -> Any:
+    """The next token of greedy decoding: the argmax of the logits."""
+    return ops.cast(ops.argmax(out, -1), "int32")
+
+
+def _slice_feed(tokens: Any, out: Any, i: int) -> Any:
+    """The next token read from ``tokens`` (teacher forcing)."""
+    return tokens[:, i:i + 1]
+
+
+def _timed_decode(step: Callable, new_cache: Callable, prompt: Any, feed: Callable[[Any, int], Any],
+                  steps: int) -> tuple[float, float]:
+    """Prefill ``prompt``, then time ``steps`` decode steps: (wall, CPU) seconds per step."""
+    cache = new_cache()
+    out = step(prompt, cache, 0)
+    _sync(out)
+    index = prompt.shape[1]
+    w0, c0 = time.perf_counter(), time.process_time()
+    for i in range(steps):
+        out = step(feed(out, i), cache, index + i)
+    _sync(out)
+    return (time.perf_counter() - w0) / steps, (time.process_time() - c0) / steps
+
+
 def decode_section(ses: Session) -> None:
     s = ses.sizes
     for depth in ("layer", "stack"):
@@ -292,33 +316,18 @@ def decode_section(ses: Session) -> None:
                 rng = np.random.default_rng(B)
                 if models["greedy"]:
                     prompt = ops.convert_to_tensor(rng.integers(0, s.vocab, (B, s.prompt)).astype("int32"))
-                    feed = (lambda out, i: ops.cast(ops.argmax(out, -1), "int32"))
-                    check_feed = (lambda out, i: prompt[:, i:i + 1])
+                    feed, check_feed = _greedy_feed, functools.partial(_slice_feed, prompt)
                 else:
                     prompt = ops.convert_to_tensor(rng.normal(size=(B, s.prompt, s.E)).astype("float32"))
                     tokens = ops.convert_to_tensor(rng.normal(size=(B, s.steps, s.E)).astype("float32"))
-                    feed = check_feed = (lambda out, i: tokens[:, i:i + 1])
+                    feed = check_feed = functools.partial(_slice_feed, tokens)
                 outs = {impl: _run_decode(models["steps"][impl], models["caches"][impl], prompt, check_feed, 2)[0]
                         for impl in ("mha", "damcha")}
                 check = _check(outs["damcha"], outs["mha"])
                 open_gates(models["damchas"])
-
-                def timed(impl: str) -> Callable[[], tuple[float, float]]:
-                    step, new_cache = models["steps"][impl], models["caches"][impl]
-
-                    def call() -> tuple[float, float]:
-                        cache = new_cache()
-                        out = step(prompt, cache, 0)
-                        _sync(out)
-                        w0, c0 = time.perf_counter(), time.process_time()
-                        for i in range(s.steps):
-                            out = step(feed(out, i), cache, s.prompt + i)
-                        _sync(out)
-                        return (time.perf_counter() - w0) / s.steps, (time.process_time() - c0) / s.steps
-                    return call
-
-                times = interleaved({"damcha": timed("damcha"), "mha": timed("mha")}, repeats=s.decode_repeats(),
-                                    warmup=1, self_timed=True)
+                calls = {impl: functools.partial(_timed_decode, models["steps"][impl], models["caches"][impl], prompt,
+                                                 feed, s.steps) for impl in ("damcha", "mha")}
+                times = interleaved(calls, repeats=s.decode_repeats(), warmup=1, self_timed=True)
                 ses.record({
                     "id": entry_id, "section": "decode", "case": depth, "mode": f"B={B}",
                     "shape": {"B": B, "E": s.E, "H": s.H, "prompt": s.prompt, "steps": s.steps,

@@ -16,9 +16,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-import damcha_torch as dt
 from _counts import mha_decode_step
 from _harness import (
     EQUAL_TOL,
@@ -31,6 +28,9 @@ from _harness import (
     peak_in_subprocess,
     time_target,
 )
+from torch import nn
+
+import damcha_torch as dt
 
 PORT = "torch"
 

@@ -188,10 +188,8 @@ def versions() -> dict[str, str]:
     out = {"python": platform.python_version()}
     for dist in ("numpy", "torch", "jax", "jaxlib", "flax", "optax", "keras", "tensorflow-cpu", "tensorflow",
                  "keras-hub", "damcha"):
-        try:
+        with contextlib.suppress(metadata.PackageNotFoundError):
             out[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            pass
     return out
 
 
@@ -345,7 +343,7 @@ class Sizes:
         return 2 if self.tiny else 7
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in vars(self).items()}
+        return dict(vars(self))
 
 
 def _short(exc: BaseException) -> str:

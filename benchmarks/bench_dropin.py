@@ -135,7 +135,7 @@ def worker(args: argparse.Namespace, path: Path) -> int:
         print(f"## {args.worker} / {section}", flush=True)
         try:
             mod.SECTIONS[section](ses)
-        except Exception:  # one broken section must not cost the others
+        except Exception:  # noqa: BLE001 - one broken section must not cost the others
             traceback.print_exc()
             failed.append(section)
     if failed:

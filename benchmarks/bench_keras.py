@@ -19,11 +19,10 @@ import time
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
-import numpy as np  # noqa: E402
+import keras
+import numpy as np
 
-import keras  # noqa: E402
-
-from damcha_keras import DamchaAttention  # noqa: E402
+from damcha_keras import DamchaAttention
 
 B, E, H = 4, 512, 8
 

@@ -15,6 +15,7 @@ The edge section needs Node.js and js/node_modules (`make js-deps`).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -123,9 +124,10 @@ def encoder_section(args) -> None:
             # onnxruntime and torch are timed in separate phases: interleaving
             # them put a torch call (and its OpenMP threads winding down) right
             # before some ORT sessions, which skewed the N=128 ratios.
-            t = _time_interleaved({key: (lambda s=sess: s.run(None, {"query": x})) for key, sess in sessions.items()}, repeats)
+            t = _time_interleaved({key: functools.partial(sess.run, None, {"query": x}) for key, sess in sessions.items()},
+                                 repeats)
             with torch.inference_mode():
-                row_t = _time_interleaved({key: (lambda n=net: n(xt)) for key, net in torch_models.items()}, repeats)
+                row_t = _time_interleaved({key: functools.partial(net, xt) for key, net in torch_models.items()}, repeats)
             fmt = lambda v: f"{v:.1f}"  # noqa: E731
             cells = [B, N, fmt(t[("heads", 23)]), fmt(t[("none", 23)]), f"{t[('heads', 23)] / t[('none', 23)]:.2f}",
                      f"{t[('heads', 18)] / t[('none', 18)]:.2f}", fmt(t[("heads-int8", 23)]),

@@ -235,7 +235,7 @@ def _small_and_zero(tokens: np.ndarray) -> np.ndarray:
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def materialise(case: Case) -> CaseData:
     """Params, inputs, mask and the reference output of ``case`` (cached)."""
     cfg = case.config
@@ -318,7 +318,7 @@ def _build_decode_catalogue() -> tuple[DecodeCase, ...]:
 DECODE_CATALOGUE: tuple[DecodeCase, ...] = _build_decode_catalogue()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def materialise_decode(case: DecodeCase) -> CaseData:
     """Params, the whole sequence as ``query`` (B, P + N, E) and the expected
     outputs of the last N tokens (B, N, E_o), from the reference with
@@ -438,7 +438,7 @@ def gradient_targets(data: CaseData) -> list[str]:
     return inputs + list(data.params)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference_directional(case: Case, eps: float = 1e-5) -> dict[str, tuple[np.ndarray, float]]:
     """For each target tensor: a seeded unit direction V and the central difference
     (loss(T + eps V) - loss(T - eps V)) / (2 eps) of the float64 reference, where
@@ -449,22 +449,24 @@ def reference_directional(case: Case, eps: float = 1e-5) -> dict[str, tuple[np.n
     whose RMS is near sqrt(eps), and the second-order one is off by ~1e-6 there."""
     data = materialise(case)
     rng = np.random.default_rng([case.seed, 3])
+    signs = (1.0, -1.0) if case.inputs is None else (1.0, -1.0, 2.0, -2.0)
     out = {}
     for target in gradient_targets(data):
         base = getattr(data, target) if target in _INPUTS else data.params[target]
         direction = rng.normal(size=base.shape)
         direction /= np.linalg.norm(direction)
-
-        def loss(sign: float) -> float:
-            moved = base + sign * eps * direction
-            if target in _INPUTS:
-                y = data.reference(**{target: moved})
-            else:
-                y = data.reference(params={**data.params, target: moved})
-            return float(np.sum(y * data.cotangent))
-
+        loss = {s: _loss_at(data, target, base + s * eps * direction) for s in signs}
         if case.inputs is None:
-            out[target] = (direction, (loss(1.0) - loss(-1.0)) / (2 * eps))
+            out[target] = (direction, (loss[1.0] - loss[-1.0]) / (2 * eps))
         else:
-            out[target] = (direction, (8 * (loss(1.0) - loss(-1.0)) - (loss(2.0) - loss(-2.0))) / (12 * eps))
+            out[target] = (direction, (8 * (loss[1.0] - loss[-1.0]) - (loss[2.0] - loss[-2.0])) / (12 * eps))
     return out
+
+
+def _loss_at(data: CaseData, target: str, moved: np.ndarray) -> float:
+    """sum(output * cotangent) of the reference with ``target`` replaced by ``moved``."""
+    if target in _INPUTS:
+        y = data.reference(**{target: moved})
+    else:
+        y = data.reference(params={**data.params, target: moved})
+    return float(np.sum(y * data.cotangent))

@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import traceback
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -90,7 +91,7 @@ class Report:
     def failures(self) -> list[Result]:
         return [r for r in self.results if r.status in ("fail", "error")]
 
-    def extend(self, other: "Report") -> None:
+    def extend(self, other: Report) -> None:
         self.results.extend(other.results)
         self.notes.extend(other.notes)
         self.gaps.extend(other.gaps)
@@ -142,7 +143,7 @@ class Report:
                            "results": [r.to_dict() for r in self.results]}, indent=1)
 
     @classmethod
-    def from_json(cls, text: str) -> "Report":
+    def from_json(cls, text: str) -> Report:
         data = json.loads(text)
         return cls([Result(**r) for r in data["results"]], list(data.get("notes", [])),
                    [tuple(g) for g in data.get("gaps", [])], [tuple(s) for s in data.get("subset", [])])
@@ -202,7 +203,7 @@ def check_gradients(adapter: BackendAdapter, case: Case, dtype: str) -> Result:
                 worst = (err, ratio, target)
         status = "pass" if worst[1] <= 1 else "fail"
         return Result(**base, status=status, max_error=worst[0], ratio=worst[1], detail=f"worst: {worst[2]}")
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - a port's crash is a reported error, not the end of the run
         return Result(**base, status="error", detail=_describe_exc(exc))
 
 
@@ -238,7 +239,7 @@ def check_error(adapter: BackendAdapter, case: ErrorCase, dtype: str) -> Result:
             f"message must name {case.argument!r} (or one of {case.names}) and say what it received: "
         )
         return Result(**base, status=status, detail=f"{why}{type(exc).__name__}: {message.strip()[:300]}")
-    except Exception as exc:  # a crash deep inside a kernel is not a clear error
+    except Exception as exc:  # noqa: BLE001 - a crash deep inside a kernel is a failed case, not a clear error
         return Result(**base, status="fail", detail="expected a ValueError naming the argument; got " + _describe_exc(exc))
     shape = getattr(out, "shape", None)
     return Result(**base, status="fail", detail=f"bad input accepted ({case.corruption}); returned shape {shape}")
@@ -263,7 +264,7 @@ def _output_result(base: dict[str, Any], run: Any, expected: np.ndarray, tol: An
     reported error, not the end of the run."""
     try:
         out = np.asarray(run(), dtype=np.float64)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - a port's crash is a reported error, not the end of the run
         return Result(**base, status="error", detail=_describe_exc(exc))
     err, ratio = tol.output_ratio(out, expected)
     detail = "" if out.shape == expected.shape else f"shape {out.shape} != expected {expected.shape}"

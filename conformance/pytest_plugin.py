@@ -39,8 +39,9 @@ from __future__ import annotations
 import fnmatch
 import json
 import warnings
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import pytest
 

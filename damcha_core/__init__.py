@@ -6,7 +6,7 @@ safetensors when called. No deep-learning framework is ever imported.
 
 from __future__ import annotations
 
-from ._config import COUPLINGS, METRICS, DamchaConfig
+from ._config import DamchaConfig
 from ._convert import fold_static_metric, params_from_mha, projection_names
 from ._errors import DamchaError, DamchaNotIntegerError, DamchaTypeError, DamchaValueError, describe
 from ._io import load_params, save_params
@@ -26,7 +26,6 @@ from ._policy import (
     resolve_coupling,
     resolve_generators,
 )
-from ._rotary import Rotary, apply_rotary
 from ._reference import (
     RMS_EPS,
     damcha_attention,
@@ -37,6 +36,7 @@ from ._reference import (
     role_penalty,
     side_of,
 )
+from ._rotary import Rotary, apply_rotary
 from ._stack import (
     EncoderConfig,
     TokenModelConfig,
@@ -46,6 +46,7 @@ from ._stack import (
     token_model_forward,
     validate_stack_params,
 )
+from ._validators import COUPLINGS, METRICS
 
 __version__ = "0.1.0"
 

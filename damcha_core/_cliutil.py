@@ -31,8 +31,9 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Any, Callable, Iterator, NoReturn
+from typing import IO, Any, NoReturn
 
 #: The smallest ``damcha[...]`` extra that installs a module (top-level name).
 EXTRAS: dict[str, str] = {
@@ -358,7 +359,7 @@ class Progress:
             self._bar.close()
             self._bar = None
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         return self
 
     def __exit__(self, *exc: object) -> None:

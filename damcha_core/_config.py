@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from ._errors import DamchaTypeError, DamchaValueError, describe
 from ._metrics import METRIC_STRUCTURES, GeneratorSpec, MetricStructure
-from ._validators import CONFIG_NAMES, COUPLINGS, METRICS, check_config_fields
+from ._validators import CONFIG_NAMES, check_config_fields
 
 # Which side(s) carry a metric generator, and which input feeds each side.
 _SIDES = {"tied": ("qk",), "separate": ("q", "k"), "query": ("q",)}
@@ -145,7 +146,7 @@ class DamchaConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "DamchaConfig":
+    def from_dict(cls, data: Mapping[str, Any]) -> DamchaConfig:
         """Rebuild a config from ``to_dict()`` output; unknown keys are an error."""
         if not isinstance(data, Mapping):
             raise DamchaTypeError(f"`data` must be a mapping. Received: data={describe(data)}")
@@ -164,7 +165,7 @@ class DamchaConfig:
             )
         return cls(**dict(data))
 
-    def replace(self, **changes: Any) -> "DamchaConfig":
+    def replace(self, **changes: Any) -> DamchaConfig:
         """A copy with some fields changed, validated again.
 
         Values that are the context tokens stay so: unless ``value_input_dim``

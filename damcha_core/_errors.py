@@ -6,7 +6,9 @@ conformance suite) can rely on ``except damcha_core.DamchaError`` everywhere.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+import contextlib
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -50,10 +52,8 @@ def describe(value: Any) -> str:
     shape = getattr(value, "shape", None)
     dtype = getattr(value, "dtype", None)
     if shape is not None and dtype is not None:
-        try:
+        with contextlib.suppress(TypeError):  # a symbolic shape that cannot be iterated
             shape = tuple(shape)
-        except TypeError:  # a symbolic shape that cannot be iterated
-            pass
         return f"{type(value).__name__}(shape={shape}, dtype={dtype})"
     if isinstance(value, (str, bytes)):
         text = repr(value)
@@ -74,7 +74,7 @@ def describe(value: Any) -> str:
         return f"{type(value).__name__}(len={len(value)}, keys=[{', '.join(keys)}{more}])"
     try:
         text = repr(value)
-    except Exception:  # a broken __repr__ must not hide the real error
+    except Exception:  # noqa: BLE001 - a broken __repr__ must not hide the real error
         text = f"<{type(value).__name__} object>"
     text = " ".join(text.split())  # one line
     if len(text) > _MAX_REPR:

@@ -18,8 +18,9 @@ import hashlib
 import json
 import os
 import struct
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -185,7 +186,7 @@ def load_params(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], DamchaC
         raise _unreadable(path, f"its damcha_config metadata is not a valid config ({exc})") from None
     try:
         with safe_open(os.fspath(path), framework="numpy") as f:
-            params = {name: f.get_tensor(name) for name in f.keys()}
+            params = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - safe_open is not iterable
     except (SafetensorError, OSError, ValueError, TypeError) as exc:
         raise _unreadable(path, f"its tensors cannot be read ({' '.join(str(exc).split())})") from None
     stored = metadata.get(CHECKSUM_KEY)

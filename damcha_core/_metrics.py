@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from ._errors import DamchaValueError
 
@@ -84,7 +85,7 @@ class GeneratorSpec:
     head_dim: int | None = None
     rank: int | None = None
 
-    def mismatches(self, other: "GeneratorSpec") -> list[str]:
+    def mismatches(self, other: GeneratorSpec) -> list[str]:
         """``"field=mine (other)"`` for each field that matters to this
         structure and differs; ``[]`` when ``other`` can stand in for self."""
         fields = ["features", "heads", "metric", "rank"]

@@ -27,7 +27,8 @@ entries O(1/sqrt(S)) so that Delta(t) y has the scale of y once the gate opens.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 

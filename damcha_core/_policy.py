@@ -13,14 +13,15 @@ to ``make_config`` and ``{"context": "key", "mask": "attn_mask", "query_dim":
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from ._config import DamchaConfig
 from ._errors import DamchaTypeError, DamchaValueError, describe
 from ._metrics import GeneratorSpec
 from ._validators import (
-    COUPLING_CHOICES,
     CONFIG_NAMES,
+    COUPLING_CHOICES,
     auto_coupling,
     check_bool,
     check_choice,
@@ -65,7 +66,7 @@ def make_config(*, names: Mapping[str, str] | None = None, **fields: Any) -> Dam
             arguments; DamchaTypeError for a field DamchaConfig does not have.
     """
     names = check_names(names)
-    unknown = sorted(set(fields) - {f for f in DamchaConfig.__dataclass_fields__})
+    unknown = sorted(set(fields) - set(DamchaConfig.__dataclass_fields__))
     if unknown:
         raise DamchaTypeError(
             f"unknown DamchaConfig field(s) {unknown}. Expected a subset of {list(DamchaConfig.__dataclass_fields__)}"

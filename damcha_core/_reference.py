@@ -14,7 +14,8 @@ Two code paths compute the same function:
 from __future__ import annotations
 
 import numbers
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 

@@ -120,7 +120,7 @@ def apply_rotary(y: np.ndarray, rotary: Rotary, positions: np.ndarray) -> np.nda
     """
     d = y.shape[-1]
     R = rotary.inv_freq.shape[0]
-    if 2 * R > d:
+    if d < 2 * R:
         raise DamchaValueError(
             f"`rotary` rotates {2 * R} channels per head but the heads have key_dim={d}. "
             f"Received: inv_freq.shape={rotary.inv_freq.shape}"

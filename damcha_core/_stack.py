@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -311,7 +312,7 @@ def check_tokens(tokens: Any, config: TokenModelConfig, *, offset: int = 0) -> n
         raise DamchaValueError(f"`tokens` must be integer ids of shape (B, N). Received: tokens={describe(tokens)}")
     if offset + array.shape[1] > config.max_len:
         raise DamchaValueError(f"`tokens` is longer than max_len={config.max_len}. Received: tokens.shape={array.shape}")
-    if array.size and not (0 <= array.min() and array.max() < config.vocab_size):
+    if array.size and not (array.min() >= 0 and array.max() < config.vocab_size):
         # NumPy indexing would read -1 as the last row: a silent wrap, as Gather's.
         raise DamchaValueError(
             f"`tokens` must be ids in [0, {config.vocab_size}) (the vocabulary). "

@@ -11,7 +11,8 @@ from __future__ import annotations
 import contextvars
 import math
 import numbers
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 

@@ -19,7 +19,7 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _torchvision_compat import ensure_torchvision_importable  # noqa: E402
+from _torchvision_compat import ensure_torchvision_importable
 
 ensure_torchvision_importable()  # timm imports torchvision; see that module
 
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
         results["llama_exact_at_init"] = bool(torch.equal(llama(input_ids=ids).logits, before))
     opt = optimizer(llama)
     llama.train()
-    for step in range(args.steps):
+    for _ in range(args.steps):
         loss = llama(input_ids=ids, labels=ids).loss
         opt.zero_grad()
         loss.backward()
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
     dt.convert(vit, share_metric=True)
     opt = optimizer(vit)
     vit.train()
-    for step in range(args.steps):
+    for _ in range(args.steps):
         loss = torch.nn.functional.cross_entropy(vit(images), labels)
         opt.zero_grad()
         loss.backward()

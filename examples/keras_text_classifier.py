@@ -18,11 +18,10 @@ import tempfile
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
-import numpy as np  # noqa: E402
+import keras
+import numpy as np
 
-import keras  # noqa: E402
-
-from damcha_keras import MetricGenerator, TransformerEncoder  # noqa: E402
+from damcha_keras import MetricGenerator, TransformerEncoder
 
 VOCAB, LENGTH, HIDDEN, HEADS = 12, 16, 32, 4
 

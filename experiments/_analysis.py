@@ -133,6 +133,12 @@ def damcha_names(results: dict[str, Any]) -> list[str]:
     return [n for n, r in results["variants"].items() if r["kind"] == "damcha"]
 
 
+def _steps_to(results: dict[str, Any], name: str, key: str) -> list[float]:
+    """Steps each seed of variant ``name`` took to reach threshold ``key`` (NaN: never), by seed."""
+    runs = sorted(results["variants"][name]["runs"], key=lambda r: r["seed"])
+    return [r["steps_to_threshold"].get(key) or math.nan for r in runs]
+
+
 def threshold_summary(results: dict[str, Any]) -> list[dict[str, Any]]:
     """Per variant and threshold: how many seeds reached it, median and paired steps vs MHA.
 
@@ -143,14 +149,9 @@ def threshold_summary(results: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for thr in cfg.get("thresholds") or []:
         key = f"{thr:g}"
-
-        def steps_of(name: str) -> list[float]:
-            runs = sorted(results["variants"][name]["runs"], key=lambda r: r["seed"])
-            return [r["steps_to_threshold"].get(key) or math.nan for r in runs]
-
-        base = steps_of("mha") if "mha" in results["variants"] else None
+        base = _steps_to(results, "mha", key) if "mha" in results["variants"] else None
         for name in results["variants"]:
-            s = steps_of(name)
+            s = _steps_to(results, name, key)
             reached = [x for x in s if math.isfinite(x)]
             row = {"variant": name, "threshold": thr, "reached": len(reached), "n": len(s),
                    "median_steps": float(np.median(reached)) if reached else None}

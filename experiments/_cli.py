@@ -42,8 +42,8 @@ _positive_int = cu.int_arg(minimum=1)
 
 
 def _train_parser() -> argparse.ArgumentParser:
-    from ._variants import SUITES, VARIANTS
     from ._tasks import PRESETS
+    from ._variants import SUITES, VARIANTS
 
     p = cu.ArgumentParser(
         prog=PROG,

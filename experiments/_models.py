@@ -16,7 +16,8 @@ gates and generators); ``prepare_model`` applies the model-side ones.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn

@@ -16,7 +16,8 @@ n - 1 degrees of freedom, always an integer.
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 

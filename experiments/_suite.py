@@ -16,8 +16,9 @@ import math
 import os
 import platform
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,7 +27,6 @@ from ._models import Variant, get_variant
 from ._stats import describe
 from ._tasks import RESULTS_FORMAT, TaskConfig, TaskData
 from ._train import model_width, train_run
-
 
 
 def run_folder(out: Path, cfg: TaskConfig, device: torch.device, variant: str, lr: float, seed: int) -> Path:

@@ -15,8 +15,9 @@ import hashlib
 import json
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -191,7 +192,7 @@ def _load_checkpoint(path: Path, identity: dict[str, Any], model: nn.Module, opt
     try:
         payload = torch.load(path, map_location=device, weights_only=True)
         stored = payload["identity"]
-    except Exception as exc:  # a damaged file is named, never half-used
+    except Exception as exc:  # noqa: BLE001 - a damaged file is named, never half-used
         raise DamchaValueError(f"cannot read the checkpoint {path}: {exc}; delete it to restart that run") from None
     if payload.get("format") != CHECKPOINT_FORMAT or json.loads(stored) != _json_roundtrip(identity):
         raise DamchaValueError(
@@ -300,9 +301,8 @@ def train_run(
         if not math.isfinite(value):
             state.stop_reason = "diverged"
             break
-        if step > cfg.warmup and len(state.recent) >= cfg.spike_window:
-            if is_spike(value, state.recent, cfg):
-                state.spikes.append(step)
+        if step > cfg.warmup and len(state.recent) >= cfg.spike_window and is_spike(value, state.recent, cfg):
+            state.spikes.append(step)
         state.recent = (state.recent + [value])[-cfg.spike_window :]
         state.window.append(value)
         if step % cfg.eval_every == 0 or step >= cfg.max_steps:

@@ -18,10 +18,11 @@ from damcha_core._imports import require as _require
 _require("onnx", "onnx", "damcha_onnx")  # one-line ImportError naming the extra
 
 from ._export import build_model, export
+from ._frameworks import encoder_from_jax, encoder_from_keras
 from ._graph import ATTENTION_OPSET, MIN_OPSET, fold_params
 from ._io import validate_model
-from ._options import ExportOptions, check_opset
 from ._mobile import OrtConversion, convert_to_ort
+from ._options import ExportOptions, check_opset
 from ._quantize import quantization_error, quantize_int8, quantize_static_int8
 from ._runtime import empty_kv_cache, ort_session, run_ort, run_reference
 from ._stack import (
@@ -35,7 +36,6 @@ from ._stack import (
     token_model_forward,
     validate_stack_params,
 )
-from ._frameworks import encoder_from_jax, encoder_from_keras
 from ._torch import encoder_from_torch, export_torch
 
 __all__ = [

@@ -5,17 +5,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import onnx
 from onnx import TensorProto, helper
 
 import damcha_core as dc
-from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError
-from damcha_core import describe
+from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, describe
 
-from ._graph import ATTENTION_OPSET, GraphBuilder, KVCacheNames, attention_layer
 from . import _io
+from ._graph import ATTENTION_OPSET, GraphBuilder, KVCacheNames, attention_layer
 from ._io import (
     EXTERNAL_DATA_MIN_BYTES,
     check_path,

@@ -6,7 +6,8 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import onnx

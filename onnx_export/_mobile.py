@@ -10,7 +10,7 @@ import os
 import pathlib
 import shutil
 import tempfile
-from typing import Sequence
+from collections.abc import Sequence
 
 from damcha_core import DamchaTypeError, DamchaValueError, describe
 
@@ -112,7 +112,7 @@ def convert_to_ort(
                     pathlib.Path(tmp), output_dir=out.resolve(), optimization_styles=[OptimizationStyle.Fixed],
                     target_platform=target_platform, enable_type_reduction=type_reduction,
                 )
-        except Exception as exc:  # noqa: BLE001 - the tool raises RuntimeError/ValueError/onnxruntime errors
+        except Exception as exc:
             raise DamchaValueError(f"onnxruntime could not convert `models` to ORT format: {type(exc).__name__}: {exc}") from exc
     converted = {stem: out / f"{stem}.ort" for stem in stems}
     missing = [str(p) for p in converted.values() if not p.is_file()]

@@ -8,7 +8,8 @@ import io
 import logging
 import os
 import tempfile
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import numpy as np
 import onnx

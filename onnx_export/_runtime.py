@@ -6,14 +6,14 @@ import json
 import numbers
 import os
 import tempfile
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import onnx
 import onnx.external_data_helper
 
-from damcha_core import DamchaTypeError, DamchaValueError, float_dtype_error, mask_dtype_error
-from damcha_core import describe
+from damcha_core import DamchaTypeError, DamchaValueError, describe, float_dtype_error, mask_dtype_error
 
 from ._io import is_large, write_staged
 
@@ -71,7 +71,7 @@ def as_model(model: Any, name: str = "model", *, load_weights: bool = True) -> o
         onnx.checker.check_model(path)
         if load_weights:
             onnx.external_data_helper.load_external_data_for_model(proto, os.path.dirname(os.path.abspath(path)))
-    except Exception as exc:  # noqa: BLE001 - protobuf DecodeError, checker errors, missing data files
+    except Exception as exc:
         raise _model_error(name, path, f"{type(exc).__name__}: {_first_line(exc)}") from exc
     return proto
 
@@ -131,7 +131,7 @@ def ort_session(
         as_model(path, name, load_weights=False)  # a clear error for garbage, truncated files, directories
     try:
         return ort.InferenceSession(path, options, providers=providers)
-    except Exception as exc:  # noqa: BLE001 - onnxruntime's Fail/InvalidGraph/NoSuchFile
+    except Exception as exc:
         raise _model_error(name, path, f"onnxruntime: {_first_line(exc)}") from exc
 
 
@@ -267,7 +267,7 @@ def check_feed_shapes(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -
                 )
     tokens = feeds.get("tokens")
     if tokens is not None and "vocab_size" in facts and tokens.size and not (
-        0 <= tokens.min() and tokens.max() < facts["vocab_size"]
+        tokens.min() >= 0 and tokens.max() < facts["vocab_size"]
     ):
         # Gather would read -1 as the last row: a silent wrap, not an error.
         raise DamchaValueError(

@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
+import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
@@ -181,8 +183,8 @@ def _activation(g: GraphBuilder, kind: str, x: str, name: str) -> str:
 
 def _stack_model(kind: str, params: Mapping[str, Any], config: Any, o: ExportOptions) -> Draft:
     encoder = config if kind == "encoder" else config.encoder
-    B, N, M = o.batch_dim, o.query_dim, o.key_dim
-    if kind == "token_model" and isinstance(N, int) and N > config.max_len:
+    B, N = o.batch_dim, o.query_dim
+    if kind == "token_model" and isinstance(N, int) and config.max_len < N:
         raise DamchaValueError(
             f"`query_len` must be <= max_len={config.max_len}: the token model's positions come from its "
             f"position table, so a longer fixed length could never run. Received: query_len={N}"

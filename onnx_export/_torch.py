@@ -6,12 +6,12 @@ torch is imported only when ``export_torch`` is called.
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import onnx
 
-from damcha_core import DamchaTypeError, DamchaValueError
-from damcha_core import describe
+from damcha_core import DamchaTypeError, DamchaValueError, describe
 
 from ._graph import ATTENTION_OPSET
 from ._io import check_path, save_model, validate_model

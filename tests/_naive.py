@@ -78,10 +78,10 @@ def naive_damcha(params, cfg, x, c=None, mask=None, causal=False, query_offset=0
                     for j in range(M)
                 ]
                 logits = [scale * float(np.dot(q[i][h], k[j][g])) for j in range(M)]
-                top = max((l for l, ok in zip(logits, vis) if ok), default=None)
+                top = max((lg for lg, ok in zip(logits, vis) if ok), default=None)
                 if top is None:
                     continue  # no visible key: probabilities 0, output 0
-                w = [math.exp(l - top) if ok else 0.0 for l, ok in zip(logits, vis)]
+                w = [math.exp(lg - top) if ok else 0.0 for lg, ok in zip(logits, vis)]
                 total = sum(w)
                 for j in range(M):
                     o[h] += (w[j] / total) * v[j][g]

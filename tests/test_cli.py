@@ -160,10 +160,9 @@ def test_output_checks_name_the_flag_and_the_problem(tmp_path, capsys):
 def test_atomic_write_keeps_the_old_file_on_failure_and_takes_the_umask(tmp_path):
     target = tmp_path / "report.json"
     target.write_text("good")
-    with pytest.raises(RuntimeError):
-        with cu.atomic_write(target) as f:
-            f.write("half")
-            raise RuntimeError("crash mid-write")
+    with pytest.raises(RuntimeError), cu.atomic_write(target) as f:
+        f.write("half")
+        raise RuntimeError("crash mid-write")
     assert target.read_text() == "good"
     assert os.listdir(tmp_path) == ["report.json"]  # no temporary file left behind
     cu.atomic_write_text(target, "new")
@@ -187,10 +186,9 @@ def test_atomic_dir_moves_files_in_only_when_everything_was_written(tmp_path):
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     (out / "a.json").write_text("old a")
-    with pytest.raises(RuntimeError):
-        with cu.atomic_dir(out) as tmp:
-            (tmp / "a.json").write_text("new a")
-            raise RuntimeError("crash after one file")
+    with pytest.raises(RuntimeError), cu.atomic_dir(out) as tmp:
+        (tmp / "a.json").write_text("new a")
+        raise RuntimeError("crash after one file")
     assert sorted(p.name for p in out.iterdir()) == ["a.json", "keep.txt"] and (out / "a.json").read_text() == "old a"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["vectors"]  # no temporary folder left
     with cu.atomic_dir(out) as tmp:

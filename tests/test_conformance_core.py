@@ -247,15 +247,19 @@ def test_exported_vectors_let_a_foreign_port_check_itself(tmp_path):
         dd = desc["gradients"]["directional_derivatives"]
         for target in ("query", "metric." + cfg.metric_sides[0] + ".gate"):
             direction = t[f"gradients.direction.{target}"]
+            plus, minus = (_naive_loss(params, cfg, t, desc, target, s * direction) for s in (1e-5, -1e-5))
+            assert (plus - minus) / 2e-5 == pytest.approx(dd[target], rel=1e-6, abs=1e-8)
 
-            def loss(s):
-                if target == "query":
-                    out = naive_damcha(params, cfg, t["inputs.query"] + s * direction, ctx, t.get("inputs.mask"), desc["causal"])
-                else:
-                    out = naive_damcha({**params, target: params[target] + s * direction}, cfg, t["inputs.query"], ctx, t.get("inputs.mask"), desc["causal"])
-                return np.sum(out * t["gradients.cotangent"])
 
-            assert (loss(1e-5) - loss(-1e-5)) / 2e-5 == pytest.approx(dd[target], rel=1e-6, abs=1e-8)
+def _naive_loss(params, cfg, t, desc, target, step):
+    """sum(output * cotangent) of the naive loops with ``step`` added to ``target``
+    (the query or a parameter), from the exported files alone."""
+    query, ctx, mask = t["inputs.query"], t.get("inputs.context"), t.get("inputs.mask")
+    if target == "query":
+        out = naive_damcha(params, cfg, query + step, ctx, mask, desc["causal"])
+    else:
+        out = naive_damcha({**params, target: params[target] + step}, cfg, query, ctx, mask, desc["causal"])
+    return np.sum(out * t["gradients.cotangent"])
 
 
 def test_exported_decode_vectors_let_a_foreign_port_check_its_cache(tmp_path):

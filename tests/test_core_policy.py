@@ -339,9 +339,10 @@ def test_check_shapes_default_names_and_value_rules():
 
 
 def test_check_shapes_mask_name_is_a_deprecated_alias():
-    with pytest.warns(DeprecationWarning, match="mask_name"):
-        with pytest.raises(dc.DamchaValueError, match=r"^`attn_mask` must be broadcastable"):
-            dc.check_shapes(SHAPE_CFG, (2, 5, 16), (2, 7, 12), (5, 6), mask_name="attn_mask")
+    with pytest.warns(DeprecationWarning, match="mask_name"), pytest.raises(
+        dc.DamchaValueError, match=r"^`attn_mask` must be broadcastable"
+    ):
+        dc.check_shapes(SHAPE_CFG, (2, 5, 16), (2, 7, 12), (5, 6), mask_name="attn_mask")
 
 
 # -------------------------------------------------------------- metric table

@@ -295,7 +295,7 @@ def test_metric_penalty_equals_dense_frobenius_norm(structure):
     # brute force from the explicit dense map, the way the note defines it
     _, m = dc.damcha_attention(p, cfg, x, c, return_metric=True)
     per_role = []
-    for role, dense in m.items():
+    for dense in m.values():
         if cfg.metric == "heads":
             dense = np.einsum("bthk,ij->bthikj", dense, np.eye(cfg.key_dim))  # l (x) I_d
         S, d = dense.shape[2], dense.shape[3]

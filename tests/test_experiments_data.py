@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
 from damcha_core import DamchaValueError
-from damcha_experiments import _data
+from damcha_experiments import (
+    _data,
+    crosshead_answer,
+    listops_eval,
+    listops_parse,
+    listops_tokens,
+    make_crosshead,
+    make_listops,
+)
 from damcha_experiments._tasks import DIGITS_EVAL_MAX
-from damcha_experiments import crosshead_answer, listops_eval, listops_parse, listops_tokens, make_crosshead, make_listops
 
 
 @pytest.mark.parametrize("make", [make_crosshead, make_listops], ids=["crosshead", "listops"])
@@ -155,7 +161,7 @@ def test_digits_split_is_deterministic_stratified_and_disjoint():
         np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
     assert not np.array_equal(a.val_labels, c.val_labels) or not np.array_equal(a.val_images, c.val_images)
     assert a.train_images.shape[1:] == (8, 8) and a.train_images.dtype == np.float32
-    assert 0.0 <= a.train_images.min() and a.train_images.max() == 1.0
+    assert a.train_images.min() >= 0.0 and a.train_images.max() == 1.0
     sizes = (len(a.train_labels), len(a.val_labels), len(a.test_labels))
     assert sum(sizes) == 1797 and min(len(a.val_labels), len(a.test_labels)) == DIGITS_EVAL_MAX
     # Every image lands in exactly one split (compare against the raw data, not the split code).

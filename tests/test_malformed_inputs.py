@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax.numpy as jnp
 import keras
@@ -71,7 +72,7 @@ class Call:
         self.config, self.query, self.context, self.mask, self.causal = config, query, context, mask, causal
         self.corrupted, self.what = corrupted, what
 
-    def replace(self, **changes: Any) -> "Call":
+    def replace(self, **changes: Any) -> Call:
         new = Call(self.config, self.query, self.context, self.mask, self.causal, self.corrupted, self.what)
         for key, value in changes.items():
             setattr(new, key, value)
@@ -387,7 +388,7 @@ def check(port: Port, call: Call) -> None:
         if want is not None and call.corrupted == "nothing":
             raise AssertionError(f"{port.name} refused a valid call: {type(exc).__name__}: {message}") from exc
         return
-    except Exception as exc:  # noqa: BLE001 - the point: nothing but a DamchaError may escape
+    except Exception as exc:
         raise AssertionError(f"{port.name} let {type(exc).__name__} escape on {call.what}: {exc}") from exc
     if want is None:
         raise AssertionError(f"{port.name} accepted {call.what} ({call.corrupted}), which it must refuse; "

@@ -12,7 +12,6 @@ files; the expected values are the files' too. Node.js and ``npm ci`` in js/
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess

@@ -10,7 +10,7 @@ what damcha_torch.DamchaKVCache holds: k~ = L_k(c) k in spec units.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import onnx
@@ -112,6 +112,7 @@ def test_present_cache_equals_torch_kv_cache(name, opset):
     # The cache's layout and units: what damcha_torch's DamchaKVCache holds
     # after the same tokens (k~ = L_k(c) k, no softmax scale folded in).
     import torch
+
     import damcha_torch
 
     config = dc.DamchaConfig(**CONFIGS[name])

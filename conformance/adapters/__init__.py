@@ -21,7 +21,8 @@ import dataclasses
 import importlib
 import importlib.util
 import os
-from typing import TYPE_CHECKING, Any, Mapping
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from damcha_core import DamchaValueError
 

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from damcha_core import DamchaValueError
-
 from damcha_jax import damcha_attention, decode_step, init_cache
 
 _JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float64": jnp.float64}

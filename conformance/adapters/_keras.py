@@ -8,11 +8,11 @@ autodiff: ``tf.GradientTape``, ``jax.grad`` over ``stateless_call``, or
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
-
-import numpy as np
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import keras
+import numpy as np
 
 from damcha_core import DamchaValueError
 from damcha_keras import DamchaAttention

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from damcha_core import DamchaValueError
-
 from damcha_onnx import ATTENTION_OPSET, build_model, check_opset, empty_kv_cache, run_ort, run_reference
 
 RUNTIMES = ("onnxruntime", "reference")
