@@ -92,12 +92,14 @@ def torch_sdpa_calls(fn: Callable[[], Any]) -> list[dict[str, Any]]:
             return
         values = dict(zip([a.name for a in func._schema.arguments], args))
         values.update(kwargs)
-        calls.append({
-            "op": name,
-            "is_causal": bool(values.get("is_causal", False)),
-            "has_mask": values.get("attn_mask") is not None,
-            "q_shape": tuple(args[0].shape) if args else None,
-        })
+        calls.append(
+            {
+                "op": name,
+                "is_causal": bool(values.get("is_causal", False)),
+                "has_mask": values.get("attn_mask") is not None,
+                "q_shape": tuple(args[0].shape) if args else None,
+            }
+        )
 
     with _recorder(record):
         fn()
@@ -183,8 +185,9 @@ def jax_hlo_op_count(fn: Callable[..., Any], *args: Any) -> int:
         if inside:
             if stripped.startswith("}"):
                 break
-            if "=" in stripped and not any(f" {op}(" in stripped for op in ("parameter", "tuple", "constant",
-                                                                               "get-tuple-element", "bitcast")):
+            if "=" in stripped and not any(
+                f" {op}(" in stripped for op in ("parameter", "tuple", "constant", "get-tuple-element", "bitcast")
+            ):
                 count += 1
     return count
 
@@ -231,6 +234,7 @@ def _torch_cases(n: int, batch: int, embed: int, heads: int) -> dict[str, dict[s
             layer.eval()
             with torch.inference_mode():
                 return layer(x, x, x, need_weights=False, **kw)[0]
+
         return call
 
     def train(layer: nn.Module, **kw: Any) -> Callable[[], Any]:
@@ -239,6 +243,7 @@ def _torch_cases(n: int, batch: int, embed: int, heads: int) -> dict[str, dict[s
         def call() -> Any:
             layer.train()
             layer(xg, xg, xg, need_weights=False, **kw)[0].sum().backward()
+
         return call
 
     def decode(step: Callable[[Any, Any], Any], new_cache: Callable[[], Any]) -> Callable[[], Any]:
@@ -255,20 +260,28 @@ def _torch_cases(n: int, batch: int, embed: int, heads: int) -> dict[str, dict[s
         def call() -> Any:
             with torch.inference_mode():
                 return step(token, state["cache"])
+
         call.prepare = prepare  # type: ignore[attr-defined]
         return call
 
     mha.eval(), damcha.eval()
     hint = {"attn_mask": causal, "is_causal": True}
     return {
-        "forward": {"mha": forward(mha, **hint), "damcha": forward(damcha, **hint),
-                    "damcha is_causal only": forward(damcha, is_causal=True)},
-        "fwd+bwd": {"mha": train(mha, **hint), "damcha": train(damcha, **hint),
-                    "damcha is_causal only": train(damcha, is_causal=True)},
+        "forward": {
+            "mha": forward(mha, **hint),
+            "damcha": forward(damcha, **hint),
+            "damcha is_causal only": forward(damcha, is_causal=True),
+        },
+        "fwd+bwd": {
+            "mha": train(mha, **hint),
+            "damcha": train(damcha, **hint),
+            "damcha is_causal only": train(damcha, is_causal=True),
+        },
         "decode": {
             "mha": decode(lambda t, c: mha_decode_step(mha, t, c), list),
-            "damcha": decode(lambda t, c: damcha(t, t, t, is_causal=True, need_weights=False, kv_cache=c)[0],
-                             DamchaKVCache),
+            "damcha": decode(
+                lambda t, c: damcha(t, t, t, is_causal=True, need_weights=False, kv_cache=c)[0], DamchaKVCache
+            ),
         },
     }
 
@@ -298,6 +311,7 @@ def _jax_cases(n: int, batch: int, embed: int, heads: int) -> dict[str, dict[str
 
         def loss(s, x, m):
             return jnp.sum(nnx.merge(graphdef, s)(x, mask=m) ** 2)
+
         return jax.grad(loss, argnums=(0, 1)), (state, x, mask)
 
     config = damcha.config
@@ -318,8 +332,10 @@ def _jax_cases(n: int, batch: int, embed: int, heads: int) -> dict[str, dict[str
     return {
         "forward": {"mha": forward(mha), "damcha": forward(damcha)},
         "grad": {"mha": grad(mha), "damcha": grad(damcha)},
-        "decode": {"mha": (mha_step, (state, token)),
-                   "damcha": (lambda p, c, t: dj.decode_step(p, config, c, t), (params, cache, token))},
+        "decode": {
+            "mha": (mha_step, (state, token)),
+            "damcha": (lambda p, c, t: dj.decode_step(p, config, c, t), (params, cache, token)),
+        },
     }
 
 
@@ -344,12 +360,19 @@ def main(argv: list[str] | None = None) -> int:
                     call.prepare()
                 columns[name] = torch_op_counts(call)
             sdpa = {name: torch_sdpa_calls(call) for name, call in calls.items() if not hasattr(call, "prepare")}
-            print(f"\n# torch, {case}: aten calls of one call (N={args.length}, B={args.batch}, E={args.embed}, "
-                  f"H={args.heads})")
+            print(
+                f"\n# torch, {case}: aten calls of one call (N={args.length}, B={args.batch}, E={args.embed}, "
+                f"H={args.heads})"
+            )
             print(side_by_side(columns, detail=args.detail))
             for name, found in sdpa.items():
-                print(f"  {name}: SDPA " + (", ".join(f"{c['op']}(is_causal={c['is_causal']}, mask={c['has_mask']})"
-                                                      for c in found) or "not called"))
+                print(
+                    f"  {name}: SDPA "
+                    + (
+                        ", ".join(f"{c['op']}(is_causal={c['is_causal']}, mask={c['has_mask']})" for c in found)
+                        or "not called"
+                    )
+                )
     if args.port in ("jax", "all"):
         for case, calls in _jax_cases(args.length, args.batch, args.embed, args.heads).items():
             if args.case and case not in args.case:
@@ -357,8 +380,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n# JAX, {case}: jaxpr equations (N={args.length}, B={args.batch}, E={args.embed}, H={args.heads})")
             print(side_by_side({name: jax_eqn_counts(fn, *a) for name, (fn, a) in calls.items()}, detail=args.detail))
             if args.hlo:
-                print("  compiled entry instructions: "
-                      + ", ".join(f"{name} {jax_hlo_op_count(fn, *a)}" for name, (fn, a) in calls.items()))
+                print(
+                    "  compiled entry instructions: "
+                    + ", ".join(f"{name} {jax_hlo_op_count(fn, *a)}" for name, (fn, a) in calls.items())
+                )
     return 0
 
 

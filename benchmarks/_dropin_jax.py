@@ -90,7 +90,7 @@ def _masks(case: str, B: int, n: int) -> tuple[Any, Any]:
     if case == "causal-mask":
         return causal, valid
     for i in range(B):  # pad the last 0..12% of each sequence
-        valid[i, n - (n * (i % 4)) // 32:] = False
+        valid[i, n - (n * (i % 4)) // 32 :] = False
     return nnx.combine_masks(causal, nnx.make_attention_mask(jnp.asarray(valid), jnp.asarray(valid))), valid
 
 
@@ -139,16 +139,26 @@ def layer_section(ses: Session) -> None:
                 open_gates(damcha)
                 for mode in todo:
                     fn = _layer_fns(case, mode)
-                    calls = {"damcha": functools.partial(fn, damcha, x, mask), "mha": functools.partial(fn, mha, x, mask)}
+                    calls = {
+                        "damcha": functools.partial(fn, damcha, x, mask),
+                        "mha": functools.partial(fn, mha, x, mask),
+                    }
                     times = interleaved(calls, repeats=s.repeats(n), warmup=2 if n <= 1024 else 1, sync=_sync)
-                    ses.record({
-                        "id": ids[mode], "section": "layer", "case": case, "mode": mode,
-                        "shape": {"B": s.B, "N": n, "E": s.E, "H": s.H},
-                        "call": call + (" under nnx.jit" if mode == "forward" else
-                                        "; nnx.jit(nnx.value_and_grad(mean(y**2)))"),
-                        "baseline": "nnx.MultiHeadAttention, the same call", "times": times, "check": check,
-                        "comparisons": [comparison("time", times, "damcha", "mha", time_target(n))],
-                    })
+                    ses.record(
+                        {
+                            "id": ids[mode],
+                            "section": "layer",
+                            "case": case,
+                            "mode": mode,
+                            "shape": {"B": s.B, "N": n, "E": s.E, "H": s.H},
+                            "call": call
+                            + (" under nnx.jit" if mode == "forward" else "; nnx.jit(nnx.value_and_grad(mean(y**2)))"),
+                            "baseline": "nnx.MultiHeadAttention, the same call",
+                            "times": times,
+                            "check": check,
+                            "comparisons": [comparison("time", times, "damcha", "mha", time_target(n))],
+                        }
+                    )
 
 
 # ----------------------------------------------------------------- blocks
@@ -199,8 +209,10 @@ def _attentions(impl: str, layers: int, s: Any, *, decode: bool = False) -> list
         return mhas
     first = dj.DamchaAttention(s.H, s.E, decode=decode, rngs=nnx.Rngs(100))
     shared = dj.make_metric_generators(first.config, rngs=nnx.Rngs(101))
-    damchas = [dj.DamchaAttention(s.H, s.E, decode=decode, metric_generator=shared, rngs=nnx.Rngs(102 + i))
-               for i in range(layers)]
+    damchas = [
+        dj.DamchaAttention(s.H, s.E, decode=decode, metric_generator=shared, rngs=nnx.Rngs(102 + i))
+        for i in range(layers)
+    ]
     for m, d in zip(mhas, damchas):
         copy_projections(m, d)
     return damchas
@@ -256,22 +268,24 @@ def _prefilled(step: Callable, cache: Any, prompt: Any, *, one_by_one: bool) -> 
         return step(cache, prompt)[::-1]
     out = None
     for i in range(prompt.shape[1]):
-        out, cache = step(cache, prompt[:, i:i + 1])
+        out, cache = step(cache, prompt[:, i : i + 1])
     return cache, out
 
 
-def _decode_call(step: Callable, cache0: Any, first_out: Any, tokens: Any, steps: int, greedy: bool
-                 ) -> Callable[[], tuple[float, float]]:
+def _decode_call(
+    step: Callable, cache0: Any, first_out: Any, tokens: Any, steps: int, greedy: bool
+) -> Callable[[], tuple[float, float]]:
     def call() -> tuple[float, float]:
         cache = _copy(cache0)
         jax.block_until_ready(cache)
         out = first_out
         w0, c0 = time.perf_counter(), time.process_time()
         for i in range(steps):
-            nxt = jnp.argmax(out, -1).astype(jnp.int32) if greedy else tokens[:, i:i + 1]
+            nxt = jnp.argmax(out, -1).astype(jnp.int32) if greedy else tokens[:, i : i + 1]
             out, cache = step(cache, nxt)
         jax.block_until_ready(out)
         return (time.perf_counter() - w0) / steps, (time.process_time() - c0) / steps
+
     return call
 
 
@@ -306,18 +320,35 @@ def decode_section(ses: Session) -> None:
                 comps = [comparison("module", times, "damcha", "mha", target)]
                 if "damcha-fn" in calls:
                     comps.append(comparison("decode_step", times, "damcha-fn", "mha", target))
-                ses.record({
-                    "id": entry_id, "section": "decode", "case": depth, "mode": f"B={B}",
-                    "shape": {"B": B, "E": s.E, "H": s.H, "prompt": s.prompt, "steps": s.steps,
-                              "layers": 1 if depth == "layer" else s.stack_layers},
-                    "call": ("one layer, random token vectors: layer(x, decode=True) after init_cache; "
-                             "decode_step(params, config, cache, x)" if depth == "layer" else
-                             f"greedy LM, {s.stack_layers} pre-norm blocks (FFN {s.ffn}), head over {s.vocab} tokens, "
-                             "layer(x, decode=True); DAMCHA layers share one generator")
-                    + "; each step jax.jit(merge -> call -> state), cache donated",
-                    "baseline": "nnx.MultiHeadAttention(decode=True), same projections, the same jitted step",
-                    "unit": "per token", "times": times, "check": check, "comparisons": comps,
-                })
+                ses.record(
+                    {
+                        "id": entry_id,
+                        "section": "decode",
+                        "case": depth,
+                        "mode": f"B={B}",
+                        "shape": {
+                            "B": B,
+                            "E": s.E,
+                            "H": s.H,
+                            "prompt": s.prompt,
+                            "steps": s.steps,
+                            "layers": 1 if depth == "layer" else s.stack_layers,
+                        },
+                        "call": (
+                            "one layer, random token vectors: layer(x, decode=True) after init_cache; "
+                            "decode_step(params, config, cache, x)"
+                            if depth == "layer"
+                            else f"greedy LM, {s.stack_layers} pre-norm blocks (FFN {s.ffn}), head over {s.vocab} tokens, "
+                            "layer(x, decode=True); DAMCHA layers share one generator"
+                        )
+                        + "; each step jax.jit(merge -> call -> state), cache donated",
+                        "baseline": "nnx.MultiHeadAttention(decode=True), same projections, the same jitted step",
+                        "unit": "per token",
+                        "times": times,
+                        "check": check,
+                        "comparisons": comps,
+                    }
+                )
 
 
 def _decode_check(depth: str, s: Any, B: int, max_len: int, prompt: Any) -> dict[str, Any]:
@@ -334,7 +365,7 @@ def _decode_check(depth: str, s: Any, B: int, max_len: int, prompt: Any) -> dict
         kw = {} if depth == "layer" else {"positions": False}
         out = None
         for i in range(min(prompt.shape[1], 4)):
-            out = module(prompt[:, i:i + 1], decode=True, **kw)
+            out = module(prompt[:, i : i + 1], decode=True, **kw)
         outs[impl] = out
     return _check(outs["damcha"], outs["mha"])
 
@@ -346,7 +377,7 @@ MODEL_MODES = ("inference", "train")
 MODELS = {
     "encoder": "{L} pre-norm blocks (attention, FFN {F}) + final LayerNorm, no mask",
     "lm": "decoder-only LM: embeddings, {L} pre-norm blocks with mask=nnx.make_causal_mask(ids), LayerNorm, "
-          "head over {V} tokens",
+    "head over {V} tokens",
 }
 
 
@@ -363,7 +394,7 @@ def _model_fns(kind: str, mode: str, model: Stack) -> Callable:
         out = apply(m, x)
         if kind == "lm":
             return optax.softmax_cross_entropy_with_integer_labels(out[:, :-1], x[:, 1:]).mean()
-        return jnp.mean(out ** 2)
+        return jnp.mean(out**2)
 
     optimizer = nnx.Optimizer(model, optax.sgd(1e-4), wrt=nnx.Param)
 
@@ -413,30 +444,55 @@ def model_section(ses: Session) -> None:
                 open_gates(damcha)
                 for mode in todo:
                     entry_id = ids[mode]
-                    fns = infer if mode == "inference" else {"damcha": _model_fns(kind, mode, damcha),
-                                                             "mha": _model_fns(kind, mode, mha)}
-                    calls = {"damcha": functools.partial(fns["damcha"], damcha, x), "mha": functools.partial(fns["mha"], mha, x)}
+                    fns = (
+                        infer
+                        if mode == "inference"
+                        else {"damcha": _model_fns(kind, mode, damcha), "mha": _model_fns(kind, mode, mha)}
+                    )
+                    calls = {
+                        "damcha": functools.partial(fns["damcha"], damcha, x),
+                        "mha": functools.partial(fns["mha"], mha, x),
+                    }
                     times = interleaved(calls, repeats=s.model_repeats(n), warmup=1, sync=_sync)
                     entry: dict[str, Any] = {
-                        "id": entry_id, "section": "model", "case": kind, "mode": mode,
-                        "shape": {"B": s.B, "N": n, "E": s.E, "H": s.H, "layers": s.model_layers, "ffn": s.ffn,
-                                  **({"vocab": s.vocab} if kind == "lm" else {})},
+                        "id": entry_id,
+                        "section": "model",
+                        "case": kind,
+                        "mode": mode,
+                        "shape": {
+                            "B": s.B,
+                            "N": n,
+                            "E": s.E,
+                            "H": s.H,
+                            "layers": s.model_layers,
+                            "ffn": s.ffn,
+                            **({"vocab": s.vocab} if kind == "lm" else {}),
+                        },
                         "call": text.format(L=s.model_layers, F=s.ffn, V=s.vocab)
-                        + ("; train: nnx.jit(value_and_grad + nnx.Optimizer(optax.sgd) update)" if mode == "train"
-                           else "; inference: nnx.jit"),
+                        + (
+                            "; train: nnx.jit(value_and_grad + nnx.Optimizer(optax.sgd) update)"
+                            if mode == "train"
+                            else "; inference: nnx.jit"
+                        ),
                         "baseline": "the same model with nnx.MultiHeadAttention (DAMCHA layers: same projections, one "
-                                    "generator shared by all layers)",
-                        "times": times, "check": check,
+                        "generator shared by all layers)",
+                        "times": times,
+                        "check": check,
                         "comparisons": [comparison("time", times, "damcha", "mha", time_target(n))],
                     }
                     if ses.memory:
-                        peaks = {impl: peak_in_subprocess(
-                            [ses.script, "--memory-worker", PORT, kind, impl, str(n), mode]
-                            + (["--tiny"] if ses.tiny else []))["peak_mib"] for impl in ("damcha", "mha")}
+                        peaks = {
+                            impl: peak_in_subprocess(
+                                [ses.script, "--memory-worker", PORT, kind, impl, str(n), mode]
+                                + (["--tiny"] if ses.tiny else [])
+                            )["peak_mib"]
+                            for impl in ("damcha", "mha")
+                        }
                         entry["memory"] = {
                             "method": "peak RSS increase (VmHWM) of one jitted call after a warm-up (compiling) call, "
-                                      "each model in a fresh process, MALLOC_MMAP_THRESHOLD_=65536",
-                            **memory_comparison(peaks, "damcha", "mha")}
+                            "each model in a fresh process, MALLOC_MMAP_THRESHOLD_=65536",
+                            **memory_comparison(peaks, "damcha", "mha"),
+                        }
                     ses.record(entry)
 
 

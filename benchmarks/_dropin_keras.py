@@ -105,8 +105,11 @@ LAYER_CASES = {
     "mask-float": "y = attn(x, x, attention_mask=ops.tril(ops.ones((N, N)))) inside a layer's call (float 0/1)",
 }
 LAYER_MODES = ("forward", "predict", "train")
-MODE_TEXT = {"forward": "model(inputs) eager", "predict": "model.predict_on_batch(inputs) (compiled)",
-             "train": "model.train_on_batch(inputs, zeros) (compiled, SGD, mse)"}
+MODE_TEXT = {
+    "forward": "model(inputs) eager",
+    "predict": "model.predict_on_batch(inputs) (compiled)",
+    "train": "model.train_on_batch(inputs, zeros) (compiled, SGD, mse)",
+}
 
 
 def _layer_models(case: str, n: int, s: Any) -> dict[str, Any]:
@@ -118,7 +121,7 @@ def _layer_models(case: str, n: int, s: Any) -> dict[str, Any]:
     if case == "embedding-padding":
         ids = rng.integers(1, s.vocab, (B, n)).astype("int32")
         for i in range(B):  # zeros pad the last 0..12% of each sequence
-            ids[i, n - (n * (i % 4)) // 32:] = 0
+            ids[i, n - (n * (i % 4)) // 32 :] = 0
         rows = ids != 0
         embed = keras.layers.Embedding(s.vocab, E, mask_zero=True)
         inputs = ids
@@ -136,6 +139,7 @@ def _layer_models(case: str, n: int, s: Any) -> dict[str, Any]:
             if case == "use_causal_mask":
                 return keras.Model(xs, attn(xs, xs, use_causal_mask=True))
             return keras.Model(xs, CausalMaskCall(attn, boolean=case == "mask-bool")(xs))
+
     model_mha = build(mha)  # builds the MHA
     damcha = from_mha(mha)
     model_damcha = build(damcha)
@@ -164,19 +168,30 @@ def layer_section(ses: Session) -> None:
                 continue
             with ses.attempt([ids[m] for m in todo], section="layer", case=case):
                 m = _layer_models(case, n, s)
-                check = _check(m["damcha"](m["inputs"], training=False), m["mha"](m["inputs"], training=False), m["rows"])
+                check = _check(
+                    m["damcha"](m["inputs"], training=False), m["mha"](m["inputs"], training=False), m["rows"]
+                )
                 open_gates([m["layer"]])
                 for mode in todo:
-                    calls = {"damcha": _mode_call(m["damcha"], m["inputs"], mode),
-                             "mha": _mode_call(m["mha"], m["inputs"], mode)}
+                    calls = {
+                        "damcha": _mode_call(m["damcha"], m["inputs"], mode),
+                        "mha": _mode_call(m["mha"], m["inputs"], mode),
+                    }
                     times = interleaved(calls, repeats=s.repeats(n), warmup=2, sync=_sync)
-                    ses.record({
-                        "id": ids[mode], "section": "layer", "case": case, "mode": mode,
-                        "shape": {"B": s.B, "N": n, "E": s.E, "H": s.H},
-                        "call": f"{call}; {MODE_TEXT[mode]}",
-                        "baseline": "keras.layers.MultiHeadAttention(H, E // H), the same model", "times": times,
-                        "check": check, "comparisons": [comparison("time", times, "damcha", "mha", time_target(n))],
-                    })
+                    ses.record(
+                        {
+                            "id": ids[mode],
+                            "section": "layer",
+                            "case": case,
+                            "mode": mode,
+                            "shape": {"B": s.B, "N": n, "E": s.E, "H": s.H},
+                            "call": f"{call}; {MODE_TEXT[mode]}",
+                            "baseline": "keras.layers.MultiHeadAttention(H, E // H), the same model",
+                            "times": times,
+                            "check": check,
+                            "comparisons": [comparison("time", times, "damcha", "mha", time_target(n))],
+                        }
+                    )
 
 
 # ----------------------------------------------------------------- decode
@@ -197,8 +212,7 @@ def _decode_mask(T: int, L: int, index: int, B: int) -> Any:
     return np.broadcast_to(mask[None], (B, T, L))
 
 
-def mha_cached_call(mha: keras.layers.MultiHeadAttention, x: Any, cache: Any, index: int, mask: Any
-                    ) -> tuple[Any, Any]:
+def mha_cached_call(mha: keras.layers.MultiHeadAttention, x: Any, cache: Any, index: int, mask: Any) -> tuple[Any, Any]:
     """A KerasHub-style cached step on a Keras MHA: cache (B, 2, L, H, d) updated with
     ``ops.slice_update`` at ``index``, then MHA's own attention over the whole cache."""
     q = mha.query_dense(x)
@@ -236,24 +250,41 @@ def _decode_models(depth: str, s: Any, B: int, max_len: int) -> dict[str, Any]:
     def damcha_attn(i: int, h: Any, cache: Any, index: int) -> tuple[Any, Any]:
         return damchas[i](h, h, use_causal_mask=True, cache=cache, cache_update_index=index)
 
-    caches = {"mha": lambda: [ops.zeros((B, 2, max_len, H, E // H)) for _ in mhas],
-              "damcha": lambda: [d.init_cache(B, max_len) for d in damchas]}
-    baseline = ("keras_hub.layers.CachedMultiHeadAttention" if hub is not None else
-                "Keras MHA with a KerasHub-style cache (B, 2, L, H, d): ops.slice_update, explicit mask, "
-                "MHA's _compute_attention (keras-hub is not installed)")
+    caches = {
+        "mha": lambda: [ops.zeros((B, 2, max_len, H, E // H)) for _ in mhas],
+        "damcha": lambda: [d.init_cache(B, max_len) for d in damchas],
+    }
+    baseline = (
+        "keras_hub.layers.CachedMultiHeadAttention"
+        if hub is not None
+        else "Keras MHA with a KerasHub-style cache (B, 2, L, H, d): ops.slice_update, explicit mask, "
+        "MHA's _compute_attention (keras-hub is not installed)"
+    )
     if depth == "layer":
+
         def single(attn: Callable) -> Callable:
             def step(x: Any, cache: list, index: int) -> Any:
                 y, cache[0] = attn(0, x, cache[0], index)
                 return y
+
             return step
-        return {"steps": {"mha": single(mha_attn), "damcha": single(damcha_attn)}, "caches": caches,
-                "greedy": False, "damchas": damchas, "baseline": baseline}
+
+        return {
+            "steps": {"mha": single(mha_attn), "damcha": single(damcha_attn)},
+            "caches": caches,
+            "greedy": False,
+            "damchas": damchas,
+            "baseline": baseline,
+        }
     ln1 = [keras.layers.LayerNormalization() for _ in range(layers)]
     ln2 = [keras.layers.LayerNormalization() for _ in range(layers)]
     fc1 = [keras.layers.Dense(s.ffn, activation="gelu") for _ in range(layers)]
     fc2 = [keras.layers.Dense(E) for _ in range(layers)]
-    embed, norm, head = keras.layers.Embedding(s.vocab, E), keras.layers.LayerNormalization(), keras.layers.Dense(s.vocab)
+    embed, norm, head = (
+        keras.layers.Embedding(s.vocab, E),
+        keras.layers.LayerNormalization(),
+        keras.layers.Dense(s.vocab),
+    )
 
     def lm(attn: Callable) -> Callable:
         def step(ids: Any, cache: list, index: int) -> Any:
@@ -263,14 +294,21 @@ def _decode_models(depth: str, s: Any, B: int, max_len: int) -> dict[str, Any]:
                 h = h + a
                 h = h + fc2[i](fc1[i](ln2[i](h)))
             return head(norm(h[:, -1:]))
+
         return step
 
-    return {"steps": {"mha": lm(mha_attn), "damcha": lm(damcha_attn)}, "caches": caches, "greedy": True,
-            "damchas": damchas, "baseline": baseline}
+    return {
+        "steps": {"mha": lm(mha_attn), "damcha": lm(damcha_attn)},
+        "caches": caches,
+        "greedy": True,
+        "damchas": damchas,
+        "baseline": baseline,
+    }
 
 
-def _run_decode(step: Callable, new_cache: Callable, prompt: Any, feed: Callable[[Any, int], Any], steps: int
-                ) -> tuple[Any, list]:
+def _run_decode(
+    step: Callable, new_cache: Callable, prompt: Any, feed: Callable[[Any, int], Any], steps: int
+) -> tuple[Any, list]:
     cache = new_cache()
     out = step(prompt, cache, 0)
     index = prompt.shape[1]
@@ -286,11 +324,12 @@ def _greedy_feed(out: Any, i: int) -> Any:
 
 def _slice_feed(tokens: Any, out: Any, i: int) -> Any:
     """The next token read from ``tokens`` (teacher forcing)."""
-    return tokens[:, i:i + 1]
+    return tokens[:, i : i + 1]
 
 
-def _timed_decode(step: Callable, new_cache: Callable, prompt: Any, feed: Callable[[Any, int], Any],
-                  steps: int) -> tuple[float, float]:
+def _timed_decode(
+    step: Callable, new_cache: Callable, prompt: Any, feed: Callable[[Any, int], Any], steps: int
+) -> tuple[float, float]:
     """Prefill ``prompt``, then time ``steps`` decode steps: (wall, CPU) seconds per step."""
     cache = new_cache()
     out = step(prompt, cache, 0)
@@ -321,25 +360,48 @@ def decode_section(ses: Session) -> None:
                     prompt = ops.convert_to_tensor(rng.normal(size=(B, s.prompt, s.E)).astype("float32"))
                     tokens = ops.convert_to_tensor(rng.normal(size=(B, s.steps, s.E)).astype("float32"))
                     feed = check_feed = functools.partial(_slice_feed, tokens)
-                outs = {impl: _run_decode(models["steps"][impl], models["caches"][impl], prompt, check_feed, 2)[0]
-                        for impl in ("mha", "damcha")}
+                outs = {
+                    impl: _run_decode(models["steps"][impl], models["caches"][impl], prompt, check_feed, 2)[0]
+                    for impl in ("mha", "damcha")
+                }
                 check = _check(outs["damcha"], outs["mha"])
                 open_gates(models["damchas"])
-                calls = {impl: functools.partial(_timed_decode, models["steps"][impl], models["caches"][impl], prompt,
-                                                 feed, s.steps) for impl in ("damcha", "mha")}
+                calls = {
+                    impl: functools.partial(
+                        _timed_decode, models["steps"][impl], models["caches"][impl], prompt, feed, s.steps
+                    )
+                    for impl in ("damcha", "mha")
+                }
                 times = interleaved(calls, repeats=s.decode_repeats(), warmup=1, self_timed=True)
-                ses.record({
-                    "id": entry_id, "section": "decode", "case": depth, "mode": f"B={B}",
-                    "shape": {"B": B, "E": s.E, "H": s.H, "prompt": s.prompt, "steps": s.steps,
-                              "layers": 1 if depth == "layer" else s.stack_layers},
-                    "call": ("one layer, random token vectors" if depth == "layer" else
-                             f"greedy LM, {s.stack_layers} pre-norm blocks (FFN {s.ffn}), head over {s.vocab} tokens, "
-                             "DAMCHA layers share one MetricGenerator")
-                    + "; DAMCHA: attn(x, x, use_causal_mask=True, cache=cache, cache_update_index=i) with "
-                      "attn.init_cache(B, L); eager steps",
-                    "baseline": models["baseline"], "unit": "per token", "times": times, "check": check,
-                    "comparisons": [comparison("eager", times, "damcha", "mha", decode_target(B))],
-                })
+                ses.record(
+                    {
+                        "id": entry_id,
+                        "section": "decode",
+                        "case": depth,
+                        "mode": f"B={B}",
+                        "shape": {
+                            "B": B,
+                            "E": s.E,
+                            "H": s.H,
+                            "prompt": s.prompt,
+                            "steps": s.steps,
+                            "layers": 1 if depth == "layer" else s.stack_layers,
+                        },
+                        "call": (
+                            "one layer, random token vectors"
+                            if depth == "layer"
+                            else f"greedy LM, {s.stack_layers} pre-norm blocks (FFN {s.ffn}), head over {s.vocab} tokens, "
+                            "DAMCHA layers share one MetricGenerator"
+                        )
+                        + "; DAMCHA: attn(x, x, use_causal_mask=True, cache=cache, cache_update_index=i) with "
+                        "attn.init_cache(B, L); eager steps",
+                        "baseline": models["baseline"],
+                        "unit": "per token",
+                        "times": times,
+                        "check": check,
+                        "comparisons": [comparison("eager", times, "damcha", "mha", decode_target(B))],
+                    }
+                )
 
 
 # ------------------------------------------------------------------ model
@@ -359,7 +421,7 @@ MODEL_MODES = ("inference", "train")
 MODELS = {
     "encoder": "functional model: {L} pre-norm blocks (attention, FFN {F}) + LayerNormalization, no mask",
     "lm": "functional decoder-only LM: Embedding + positions, {L} pre-norm blocks calling attention with "
-          "use_causal_mask=True, LayerNormalization, Dense head over {V} tokens",
+    "use_causal_mask=True, LayerNormalization, Dense head over {V} tokens",
 }
 
 
@@ -377,8 +439,11 @@ def _models(kind: str, n: int, s: Any) -> dict[str, Any]:
     else:
         x = rng.normal(size=(s.B, n, E)).astype("float32")
         y = np.zeros_like(x)
-    ln1, ln2, final = ([keras.layers.LayerNormalization() for _ in range(L)],
-                       [keras.layers.LayerNormalization() for _ in range(L)], keras.layers.LayerNormalization())
+    ln1, ln2, final = (
+        [keras.layers.LayerNormalization() for _ in range(L)],
+        [keras.layers.LayerNormalization() for _ in range(L)],
+        keras.layers.LayerNormalization(),
+    )
     fc1 = [keras.layers.Dense(s.ffn, activation="gelu") for _ in range(L)]
     fc2 = [keras.layers.Dense(E) for _ in range(L)]
 
@@ -439,24 +504,40 @@ def model_section(ses: Session) -> None:
                     calls = {"damcha": _model_call(damcha, x, y, mode), "mha": _model_call(mha, x, y, mode)}
                     times = interleaved(calls, repeats=s.model_repeats(n), warmup=2, sync=_sync)
                     entry: dict[str, Any] = {
-                        "id": entry_id, "section": "model", "case": kind, "mode": mode,
-                        "shape": {"B": s.B, "N": n, "E": s.E, "H": s.H, "layers": s.model_layers, "ffn": s.ffn,
-                                  **({"vocab": s.vocab} if kind == "lm" else {})},
+                        "id": entry_id,
+                        "section": "model",
+                        "case": kind,
+                        "mode": mode,
+                        "shape": {
+                            "B": s.B,
+                            "N": n,
+                            "E": s.E,
+                            "H": s.H,
+                            "layers": s.model_layers,
+                            "ffn": s.ffn,
+                            **({"vocab": s.vocab} if kind == "lm" else {}),
+                        },
                         "call": text.format(L=s.model_layers, F=s.ffn, V=s.vocab)
                         + ("; train_on_batch (SGD)" if mode == "train" else "; predict_on_batch"),
                         "baseline": "the same model with keras.layers.MultiHeadAttention (DAMCHA: from_mha of each, "
-                                    "one MetricGenerator shared by all layers)",
-                        "times": times, "check": check,
+                        "one MetricGenerator shared by all layers)",
+                        "times": times,
+                        "check": check,
                         "comparisons": [comparison("time", times, "damcha", "mha", time_target(n))],
                     }
                     if ses.memory:
-                        peaks = {impl: peak_in_subprocess(
-                            [ses.script, "--memory-worker", PORT, kind, impl, str(n), mode]
-                            + (["--tiny"] if ses.tiny else []))["peak_mib"] for impl in ("damcha", "mha")}
+                        peaks = {
+                            impl: peak_in_subprocess(
+                                [ses.script, "--memory-worker", PORT, kind, impl, str(n), mode]
+                                + (["--tiny"] if ses.tiny else [])
+                            )["peak_mib"]
+                            for impl in ("damcha", "mha")
+                        }
                         entry["memory"] = {
                             "method": "peak RSS increase (VmHWM) of one compiled call after a warm-up call, each model "
-                                      "in a fresh process, MALLOC_MMAP_THRESHOLD_=65536",
-                            **memory_comparison(peaks, "damcha", "mha")}
+                            "in a fresh process, MALLOC_MMAP_THRESHOLD_=65536",
+                            **memory_comparison(peaks, "damcha", "mha"),
+                        }
                     ses.record(entry)
 
 

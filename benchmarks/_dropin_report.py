@@ -125,51 +125,68 @@ def _commands(runs: list[dict[str, Any]], entries: Iterable[dict[str, Any]]) -> 
 
 def _run_line(run: dict[str, Any]) -> str:
     v = run.get("versions", {})
-    versions = ", ".join(f"{k} {v[k]}" for k in ("torch", "jax", "flax", "keras", "tensorflow-cpu", "tensorflow")
-                         if k in v)
+    versions = ", ".join(
+        f"{k} {v[k]}" for k in ("torch", "jax", "flax", "keras", "tensorflow-cpu", "tensorflow") if k in v
+    )
     m = run.get("machine", {})
     load_ = run.get("loadavg_start"), run.get("loadavg_end")
-    return (f"{run.get('started', '?')} to {run.get('finished', '?')} on {m.get('cpu', '?')} "
-            f"({m.get('cpu_count', '?')} CPUs), {run.get('threads', '?')} threads per process; {versions}; "
-            f"load average at start {load_[0]}, at end {load_[1]}; commit {run.get('git', '?')}")
+    return (
+        f"{run.get('started', '?')} to {run.get('finished', '?')} on {m.get('cpu', '?')} "
+        f"({m.get('cpu_count', '?')} CPUs), {run.get('threads', '?')} threads per process; {versions}; "
+        f"load average at start {load_[0]}, at end {load_[1]}; commit {run.get('git', '?')}"
+    )
 
 
 def _table_layer(entries: list[dict[str, Any]]) -> list[str]:
-    lines = ["| case | mode | N | MHA ms | DAMCHA ms | DAMCHA/MHA (quartiles) | target |",
-             "|---|---|---:|---:|---:|---|---|"]
+    lines = [
+        "| case | mode | N | MHA ms | DAMCHA ms | DAMCHA/MHA (quartiles) | target |",
+        "|---|---|---:|---:|---:|---|---|",
+    ]
     for e in entries:
         c = e["comparisons"][0]
-        lines.append(f"| {e['case']} | {e['mode']} | {_n_of(e)} | {c['ms'][c['den']]:.1f} | {c['ms'][c['num']]:.1f} "
-                     f"| {_fmt_ratio(c)}{_check_mark(e)} | {_fmt_target(c['target'], c['met'])} |")
+        lines.append(
+            f"| {e['case']} | {e['mode']} | {_n_of(e)} | {c['ms'][c['den']]:.1f} | {c['ms'][c['num']]:.1f} "
+            f"| {_fmt_ratio(c)}{_check_mark(e)} | {_fmt_target(c['target'], c['met'])} |"
+        )
     return lines
 
 
 def _table_decode(entries: list[dict[str, Any]]) -> list[str]:
-    lines = ["| decoder | B | step | MHA ms/token | DAMCHA ms/token | ratio (quartiles) | target |",
-             "|---|---:|---|---:|---:|---|---|"]
+    lines = [
+        "| decoder | B | step | MHA ms/token | DAMCHA ms/token | ratio (quartiles) | target |",
+        "|---|---:|---|---:|---:|---|---|",
+    ]
     for e in entries:
         for c in e["comparisons"]:
-            lines.append(f"| {e['case']} | {e['shape']['B']} | {c['label']} ({c['num']} / {c['den']}) | "
-                         f"{c['ms'][c['den']]:.3f} | {c['ms'][c['num']]:.3f} | {_fmt_ratio(c)}{_check_mark(e)} | "
-                         f"{_fmt_target(c['target'], c['met'])} |")
+            lines.append(
+                f"| {e['case']} | {e['shape']['B']} | {c['label']} ({c['num']} / {c['den']}) | "
+                f"{c['ms'][c['den']]:.3f} | {c['ms'][c['num']]:.3f} | {_fmt_ratio(c)}{_check_mark(e)} | "
+                f"{_fmt_target(c['target'], c['met'])} |"
+            )
     return lines
 
 
 def _table_model(entries: list[dict[str, Any]]) -> list[str]:
-    lines = ["| model | mode | N | MHA ms | DAMCHA ms | time ratio (quartiles) | target | MHA peak MiB | "
-             "DAMCHA peak MiB | memory ratio | target |",
-             "|---|---|---:|---:|---:|---|---|---:|---:|---:|---|"]
+    lines = [
+        "| model | mode | N | MHA ms | DAMCHA ms | time ratio (quartiles) | target | MHA peak MiB | "
+        "DAMCHA peak MiB | memory ratio | target |",
+        "|---|---|---:|---:|---:|---|---|---:|---:|---:|---|",
+    ]
     for e in entries:
         c = e["comparisons"][0]
         mem = e.get("memory")
         if mem:
             ratio = "-" if mem["ratio"] is None else f"{mem['ratio']:.2f}"
-            mcells = (f"{mem['mib']['mha']:.1f} | {mem['mib']['damcha']:.1f} | {ratio} | "
-                      f"{_fmt_target(mem['target'], mem['met'])}")
+            mcells = (
+                f"{mem['mib']['mha']:.1f} | {mem['mib']['damcha']:.1f} | {ratio} | "
+                f"{_fmt_target(mem['target'], mem['met'])}"
+            )
         else:
             mcells = "- | - | - | -"
-        lines.append(f"| {e['case']} | {e['mode']} | {_n_of(e)} | {c['ms'][c['den']]:.1f} | {c['ms'][c['num']]:.1f} "
-                     f"| {_fmt_ratio(c)}{_check_mark(e)} | {_fmt_target(c['target'], c['met'])} | {mcells} |")
+        lines.append(
+            f"| {e['case']} | {e['mode']} | {_n_of(e)} | {c['ms'][c['den']]:.1f} | {c['ms'][c['num']]:.1f} "
+            f"| {_fmt_ratio(c)}{_check_mark(e)} | {_fmt_target(c['target'], c['met'])} | {mcells} |"
+        )
     return lines
 
 
@@ -184,8 +201,12 @@ def render(runs: list[dict[str, Any]], entries: list[dict[str, Any]]) -> str:
     """The whole section (between and including the markers)."""
     out = [BEGIN, HEADING, "", METHOD, ""]
     if not entries:
-        out += ["**Not yet measured on an idle machine.** The tables appear here after",
-                "`make bench` (or `.venv/bin/python benchmarks/bench_dropin.py`) on a quiet machine.", "", END]
+        out += [
+            "**Not yet measured on an idle machine.** The tables appear here after",
+            "`make bench` (or `.venv/bin/python benchmarks/bench_dropin.py`) on a quiet machine.",
+            "",
+            END,
+        ]
         return "\n".join(out) + "\n"
     used = sorted({e["run"] for e in entries})
     out.append("Runs:")
@@ -196,8 +217,11 @@ def render(runs: list[dict[str, Any]], entries: list[dict[str, Any]]) -> str:
     missed = [(e["id"], c["label"]) for e in entries for c in e.get("comparisons", []) if c.get("met") is False]
     missed += [(e["id"], "memory") for e in entries if e.get("memory", {}).get("met") is False]
     failed = [e["id"] for e in entries if not e.get("check", {}).get("ok", True)]
-    out.append(f"{len(entries)} measurements; targets missed: {len(missed)}"
-               + (f"; equality checks failed: {len(failed)}" if failed else "") + ".")
+    out.append(
+        f"{len(entries)} measurements; targets missed: {len(missed)}"
+        + (f"; equality checks failed: {len(failed)}" if failed else "")
+        + "."
+    )
     out.append("")
     ports = [p for p in PORT_TITLES if any(e["port"] == p for e in entries)]
     ports += sorted({e["port"] for e in entries} - set(ports))
@@ -209,9 +233,12 @@ def render(runs: list[dict[str, Any]], entries: list[dict[str, Any]]) -> str:
             if not group:
                 continue
             first = group[0]
-            out.append(f"**{SECTION_TITLES[section].capitalize()}**, "
-                       + ", ".join(f"{k}={v}" for k, v in first["shape"].items() if k not in ("N",))
-                       + ". Command: " + "; ".join(f"`{c}`" for c in _commands(runs, group)))
+            out.append(
+                f"**{SECTION_TITLES[section].capitalize()}**, "
+                + ", ".join(f"{k}={v}" for k, v in first["shape"].items() if k not in ("N",))
+                + ". Command: "
+                + "; ".join(f"`{c}`" for c in _commands(runs, group))
+            )
             out.append("")
             calls: dict[str, tuple[str, str]] = {}
             for e in group:

@@ -63,7 +63,7 @@ LAYER_CASES = {
     "hint-only": {
         "call": "attn(x, x, x, is_causal=True, need_weights=False)",
         "baseline": "MHA with attn_mask=causal_bool, is_causal=True (nn.MultiheadAttention requires attn_mask "
-                    "with is_causal)",
+        "with is_causal)",
     },
     "padding+causal": {
         "call": "attn(x, x, x, key_padding_mask=pad_bool, attn_mask=causal_bool, is_causal=True, need_weights=False)",
@@ -71,7 +71,7 @@ LAYER_CASES = {
     },
     "encoder": {
         "call": "nn.TransformerEncoder(2 pre-norm layers)(x, mask=square_subsequent_mask, is_causal=True), "
-                "after replace_mha",
+        "after replace_mha",
         "baseline": "the same encoder before replace_mha",
     },
     "cross": {
@@ -97,6 +97,7 @@ def _layer_models(case: str, n: int, s: Any) -> tuple[nn.Module, nn.Module, Call
 
         def enc(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
             return m(x, mask=square, is_causal=True)
+
         return mha, damcha, enc, enc, (x,)
     mha = nn.MultiheadAttention(E, H, batch_first=True)
     damcha = dt.DamchaAttention.from_mha(mha)
@@ -107,6 +108,7 @@ def _layer_models(case: str, n: int, s: Any) -> tuple[nn.Module, nn.Module, Call
 
         def cross(mod: nn.Module, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
             return mod(x, c, c, attn_mask=rect, is_causal=True, need_weights=False)[0]
+
         return mha, damcha, cross, cross, (x, c)
     if case == "padding+causal":
         # Each sequence pads its last 0..12% of keys; no query row loses every key.
@@ -115,13 +117,17 @@ def _layer_models(case: str, n: int, s: Any) -> tuple[nn.Module, nn.Module, Call
 
         def padded(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
             return mod(x, x, x, key_padding_mask=pad, attn_mask=causal, is_causal=True, need_weights=False)[0]
+
         return mha, damcha, padded, padded, (x,)
 
     def hinted(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return mod(x, x, x, attn_mask=causal, is_causal=True, need_weights=False)[0]
+
     if case == "hint-only":
+
         def hint_only(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
             return mod(x, x, x, is_causal=True, need_weights=False)[0]
+
         return mha, damcha, hinted, hint_only, (x,)
     return mha, damcha, hinted, hinted, (x,)
 
@@ -133,6 +139,7 @@ def _runner(model: nn.Module, fn: Callable, inputs: tuple, mode: str) -> Callabl
         def forward() -> Any:
             with torch.inference_mode():
                 return fn(model, *inputs)
+
         return forward
     model.train()
     leaves = [t.detach().clone().requires_grad_(True) for t in inputs]  # each model its own leaves
@@ -142,6 +149,7 @@ def _runner(model: nn.Module, fn: Callable, inputs: tuple, mode: str) -> Callabl
         for t in leaves:
             t.grad = None
         model.zero_grad(set_to_none=True)
+
     return train
 
 
@@ -160,14 +168,25 @@ def layer_section(ses: Session) -> None:
                     check = _check(f_damcha(damcha, *inputs), f_mha(mha, *inputs))
                 open_gates(damcha)
                 for mode in todo:
-                    calls = {"damcha": _runner(damcha, f_damcha, inputs, mode), "mha": _runner(mha, f_mha, inputs, mode)}
+                    calls = {
+                        "damcha": _runner(damcha, f_damcha, inputs, mode),
+                        "mha": _runner(mha, f_mha, inputs, mode),
+                    }
                     times = interleaved(calls, repeats=s.repeats(n), warmup=1)
-                    ses.record({
-                        "id": ids[mode], "section": "layer", "case": case, "mode": mode,
-                        "shape": {"B": s.B, "N": n, "E": s.E, "H": s.H}, "call": info["call"],
-                        "baseline": info["baseline"], "times": times, "check": check,
-                        "comparisons": [comparison("time", times, "damcha", "mha", time_target(n))],
-                    })
+                    ses.record(
+                        {
+                            "id": ids[mode],
+                            "section": "layer",
+                            "case": case,
+                            "mode": mode,
+                            "shape": {"B": s.B, "N": n, "E": s.E, "H": s.H},
+                            "call": info["call"],
+                            "baseline": info["baseline"],
+                            "times": times,
+                            "check": check,
+                            "comparisons": [comparison("time", times, "damcha", "mha", time_target(n))],
+                        }
+                    )
 
 
 # ----------------------------------------------------------------- decode
@@ -213,30 +232,39 @@ def _decode_models(depth: str, s: Any) -> dict[str, Any]:
                 h = h + attn(i, norms1[i](h), caches)
                 h = h + ffns[i](norms2[i](h))
             return head(norm(h[:, -1:]))  # logits of the last position
+
         return step
 
     steps = {"mha": lm(mha_attn), "damcha": lm(damcha_attn)}
-    return {"steps": steps, "caches": new_caches, "greedy": True,
-            "modules": mhas + damchas + [norms1, norms2, ffns, embed, norm, head]}
+    return {
+        "steps": steps,
+        "caches": new_caches,
+        "greedy": True,
+        "modules": mhas + damchas + [norms1, norms2, ffns, embed, norm, head],
+    }
 
 
-def _decode_call(step: Callable, new_cache: Callable, prompt: torch.Tensor, tokens: torch.Tensor | None,
-                 steps: int, greedy: bool) -> Callable[[], tuple[float, float]]:
+def _decode_call(
+    step: Callable, new_cache: Callable, prompt: torch.Tensor, tokens: torch.Tensor | None, steps: int, greedy: bool
+) -> Callable[[], tuple[float, float]]:
     """One decode: the prompt in one call (untimed), then ``steps`` single-token steps (timed, per token)."""
+
     def call() -> tuple[float, float]:
         with torch.inference_mode():
             caches = new_cache()
             out = step(prompt, caches)
             w0, c0 = time.perf_counter(), time.process_time()
             for i in range(steps):
-                nxt = out.argmax(-1) if greedy else tokens[:, i:i + 1]  # type: ignore[index]
+                nxt = out.argmax(-1) if greedy else tokens[:, i : i + 1]  # type: ignore[index]
                 out = step(nxt, caches)
             return (time.perf_counter() - w0) / steps, (time.process_time() - c0) / steps
+
     return call
 
 
-def _decode_check(models: dict[str, Any], prompt: torch.Tensor, tokens: torch.Tensor | None,
-                  greedy: bool) -> dict[str, Any]:
+def _decode_check(
+    models: dict[str, Any], prompt: torch.Tensor, tokens: torch.Tensor | None, greedy: bool
+) -> dict[str, Any]:
     """With closed gates DAMCHA's decode must reproduce MHA's (prompt + 2 steps, the same tokens fed)."""
     outs = {}
     with torch.inference_mode():
@@ -244,7 +272,7 @@ def _decode_check(models: dict[str, Any], prompt: torch.Tensor, tokens: torch.Te
             step, caches = models["steps"][impl], models["caches"][impl]()
             out = step(prompt, caches)
             for i in range(2):
-                nxt = prompt[:, i:i + 1] if greedy else tokens[:, i:i + 1]  # type: ignore[index]
+                nxt = prompt[:, i : i + 1] if greedy else tokens[:, i : i + 1]  # type: ignore[index]
                 out = step(nxt, caches)
             outs[impl] = out
     return _check(outs["damcha"], outs["mha"])
@@ -283,30 +311,52 @@ def decode_section(ses: Session) -> None:
                     step = models["steps"][impl]
                     calls[impl] = _decode_call(step, models["caches"][impl], prompt, tokens, s.steps, models["greedy"])
                     compiled = torch.compile(step, backend=backend)
-                    calls[f"{impl}-compiled"] = _decode_call(compiled, models["caches"][impl], prompt, tokens, s.steps,
-                                                             models["greedy"])
+                    calls[f"{impl}-compiled"] = _decode_call(
+                        compiled, models["caches"][impl], prompt, tokens, s.steps, models["greedy"]
+                    )
                 times = interleaved(calls, repeats=s.decode_repeats(), warmup=1, self_timed=True)
-                compile_stats = {k: dict(v) for k, v in torch._dynamo.utils.counters.items() if k in ("stats", "frames")}
+                compile_stats = {
+                    k: dict(v) for k, v in torch._dynamo.utils.counters.items() if k in ("stats", "frames")
+                }
                 target = decode_target(B)
-                what = ("one self-attention layer, random token vectors" if depth == "layer" else
-                        f"greedy LM: embedding, {s.stack_layers} pre-norm blocks (attention + FFN {s.ffn}), "
-                        f"head over {s.vocab} tokens; DAMCHA layers share one generator")
-                ses.record({
-                    "id": entry_id, "section": "decode", "case": depth, "mode": f"B={B}",
-                    "shape": {"B": B, "E": s.E, "H": s.H, "prompt": s.prompt, "steps": s.steps,
-                              "layers": 1 if depth == "layer" else s.stack_layers},
-                    "call": f"{what}; DAMCHA: layer(x, x, x, is_causal=True, need_weights=False, kv_cache=DamchaKVCache())",
-                    "baseline": "hand-written MHA step on the same weights (packed projection, cache by torch.cat, "
-                                "one SDPA call; _counts.mha_decode_step)",
-                    "unit": "per token", "compile_backend": backend, "compile_stats": compile_stats,
-                    "times": times, "check": check,
-                    "comparisons": [
-                        comparison("eager", times, "damcha", "mha", target),
-                        # Issue 12 sets the B=1 target for eager steps; B>1 targets hold for any step.
-                        comparison("compiled", times, "damcha-compiled", "mha-compiled", None if B == 1 else target),
-                        comparison("compiled/eager", times, "damcha-compiled", "damcha", 1.0),
-                    ],
-                })
+                what = (
+                    "one self-attention layer, random token vectors"
+                    if depth == "layer"
+                    else f"greedy LM: embedding, {s.stack_layers} pre-norm blocks (attention + FFN {s.ffn}), "
+                    f"head over {s.vocab} tokens; DAMCHA layers share one generator"
+                )
+                ses.record(
+                    {
+                        "id": entry_id,
+                        "section": "decode",
+                        "case": depth,
+                        "mode": f"B={B}",
+                        "shape": {
+                            "B": B,
+                            "E": s.E,
+                            "H": s.H,
+                            "prompt": s.prompt,
+                            "steps": s.steps,
+                            "layers": 1 if depth == "layer" else s.stack_layers,
+                        },
+                        "call": f"{what}; DAMCHA: layer(x, x, x, is_causal=True, need_weights=False, kv_cache=DamchaKVCache())",
+                        "baseline": "hand-written MHA step on the same weights (packed projection, cache by torch.cat, "
+                        "one SDPA call; _counts.mha_decode_step)",
+                        "unit": "per token",
+                        "compile_backend": backend,
+                        "compile_stats": compile_stats,
+                        "times": times,
+                        "check": check,
+                        "comparisons": [
+                            comparison("eager", times, "damcha", "mha", target),
+                            # Issue 12 sets the B=1 target for eager steps; B>1 targets hold for any step.
+                            comparison(
+                                "compiled", times, "damcha-compiled", "mha-compiled", None if B == 1 else target
+                            ),
+                            comparison("compiled/eager", times, "damcha-compiled", "damcha", 1.0),
+                        ],
+                    }
+                )
 
 
 # ------------------------------------------------------------------ model
@@ -340,7 +390,7 @@ MODEL_MODES = ("inference", "train")
 MODELS = {
     "encoder": "nn.TransformerEncoder, {L} pre-norm layers (FFN {F}) + final LayerNorm, no mask",
     "lm": "decoder-only LM: embeddings, nn.TransformerEncoder of {L} pre-norm layers with "
-          "mask=square_subsequent_mask, is_causal=True, LayerNorm, head over {V} tokens",
+    "mask=square_subsequent_mask, is_causal=True, LayerNorm, head over {V} tokens",
 }
 
 
@@ -363,6 +413,7 @@ def _model_call(model: nn.Module, x: torch.Tensor, kind: str, mode: str) -> Call
         def infer() -> Any:
             with torch.inference_mode():
                 return model(x)
+
         return infer
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
@@ -377,6 +428,7 @@ def _model_call(model: nn.Module, x: torch.Tensor, kind: str, mode: str) -> Call
             loss = out.pow(2).mean()
         loss.backward()
         opt.step()
+
     return step
 
 
@@ -411,25 +463,44 @@ def model_section(ses: Session) -> None:
                     calls = {"damcha": _model_call(damcha, x, kind, mode), "mha": _model_call(mha, x, kind, mode)}
                     times = interleaved(calls, repeats=s.model_repeats(n), warmup=1)
                     entry: dict[str, Any] = {
-                        "id": entry_id, "section": "model", "case": kind, "mode": mode,
-                        "shape": {"B": s.B, "N": n, "E": s.E, "H": s.H, "layers": s.model_layers, "ffn": s.ffn,
-                                  **({"vocab": s.vocab} if kind == "lm" else {})},
+                        "id": entry_id,
+                        "section": "model",
+                        "case": kind,
+                        "mode": mode,
+                        "shape": {
+                            "B": s.B,
+                            "N": n,
+                            "E": s.E,
+                            "H": s.H,
+                            "layers": s.model_layers,
+                            "ffn": s.ffn,
+                            **({"vocab": s.vocab} if kind == "lm" else {}),
+                        },
                         "call": text.format(L=s.model_layers, F=s.ffn, V=s.vocab)
-                        + ("; train: SGD step on " + ("next-token cross-entropy" if kind == "lm" else "mean(y^2)")
-                           if mode == "train" else "; inference: eval() under torch.inference_mode"),
+                        + (
+                            "; train: SGD step on " + ("next-token cross-entropy" if kind == "lm" else "mean(y^2)")
+                            if mode == "train"
+                            else "; inference: eval() under torch.inference_mode"
+                        ),
                         "baseline": "the same model with nn.MultiheadAttention (DAMCHA: replace_mha(model, "
-                                    "metric_generator=one shared MetricGenerator))",
-                        "times": times, "check": check,
+                        "metric_generator=one shared MetricGenerator))",
+                        "times": times,
+                        "check": check,
                         "comparisons": [comparison("time", times, "damcha", "mha", time_target(n))],
                     }
                     if ses.memory:
-                        peaks = {impl: peak_in_subprocess(
-                            [ses.script, "--memory-worker", PORT, kind, impl, str(n), mode]
-                            + (["--tiny"] if ses.tiny else []))["peak_mib"] for impl in ("damcha", "mha")}
+                        peaks = {
+                            impl: peak_in_subprocess(
+                                [ses.script, "--memory-worker", PORT, kind, impl, str(n), mode]
+                                + (["--tiny"] if ses.tiny else [])
+                            )["peak_mib"]
+                            for impl in ("damcha", "mha")
+                        }
                         entry["memory"] = {
                             "method": "peak RSS increase (VmHWM) of one call after a warm-up call, each model in a "
-                                      "fresh process, MALLOC_MMAP_THRESHOLD_=65536",
-                            **memory_comparison(peaks, "damcha", "mha")}
+                            "fresh process, MALLOC_MMAP_THRESHOLD_=65536",
+                            **memory_comparison(peaks, "damcha", "mha"),
+                        }
                     ses.record(entry)
 
 
@@ -438,5 +509,9 @@ SECTIONS = {"layer": layer_section, "decode": decode_section, "model": model_sec
 
 def setup(threads: int) -> dict[str, Any]:
     torch.set_num_threads(threads)
-    return {"torch_threads": torch.get_num_threads(), "torch_interop_threads": torch.get_num_interop_threads(),
-            "dtype": "float32", "device": "cpu"}
+    return {
+        "torch_threads": torch.get_num_threads(),
+        "torch_interop_threads": torch.get_num_interop_threads(),
+        "dtype": "float32",
+        "device": "cpu",
+    }

@@ -77,9 +77,14 @@ def fix_threads(threads: int) -> dict[str, Any]:
 # --------------------------------------------------------------------- timing
 
 
-def interleaved(calls: Mapping[str, Callable[[], Any]], *, repeats: int, warmup: int = 1,
-                sync: Callable[[Any], Any] | None = None, self_timed: bool = False
-                ) -> dict[str, dict[str, list[float]]]:
+def interleaved(
+    calls: Mapping[str, Callable[[], Any]],
+    *,
+    repeats: int,
+    warmup: int = 1,
+    sync: Callable[[Any], Any] | None = None,
+    self_timed: bool = False,
+) -> dict[str, dict[str, list[float]]]:
     """Time each call ``repeats`` times, alternating the order every round.
 
     Args:
@@ -102,7 +107,7 @@ def interleaved(calls: Mapping[str, Callable[[], Any]], *, repeats: int, warmup:
                 sync(out)
     times: dict[str, dict[str, list[float]]] = {n: {"wall": [], "cpu": []} for n in names}
     for r in range(repeats):
-        for name in (names if r % 2 == 0 else names[::-1]):
+        for name in names if r % 2 == 0 else names[::-1]:
             c0, w0 = time.process_time(), time.perf_counter()
             out = calls[name]()
             if sync is not None and not self_timed:
@@ -186,8 +191,19 @@ def measure_peak(call: Callable[[], Any]) -> float:
 def versions() -> dict[str, str]:
     """Installed versions of the packages the benchmarks use (absent ones left out)."""
     out = {"python": platform.python_version()}
-    for dist in ("numpy", "torch", "jax", "jaxlib", "flax", "optax", "keras", "tensorflow-cpu", "tensorflow",
-                 "keras-hub", "damcha"):
+    for dist in (
+        "numpy",
+        "torch",
+        "jax",
+        "jaxlib",
+        "flax",
+        "optax",
+        "keras",
+        "tensorflow-cpu",
+        "tensorflow",
+        "keras-hub",
+        "damcha",
+    ):
         with contextlib.suppress(metadata.PackageNotFoundError):
             out[dist] = metadata.version(dist)
     return out
@@ -204,8 +220,12 @@ def machine() -> dict[str, Any]:
                     break
     except OSError:
         pass
-    info: dict[str, Any] = {"platform": platform.platform(), "machine": platform.machine(), "cpu": cpu,
-                            "cpu_count": os.cpu_count()}
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+    }
     try:
         with open("/proc/meminfo") as fh:
             info["mem_total_gib"] = round(int(fh.readline().split()[1]) / 2**20, 1)
@@ -216,10 +236,15 @@ def machine() -> dict[str, Any]:
 
 def git_commit() -> str | None:
     try:
-        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
-                              timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        head = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
     return (head + ("+dirty" if dirty else "")) or None
@@ -351,8 +376,9 @@ def _short(exc: BaseException) -> str:
     import re
 
     msg = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).split("Arguments received by")[0]
-    msg = re.sub(r"Could not automatically infer the output shape / dtype of .*?Error encountered:\s*", "", msg,
-                 flags=re.S)
+    msg = re.sub(
+        r"Could not automatically infer the output shape / dtype of .*?Error encountered:\s*", "", msg, flags=re.S
+    )
     msg = re.sub(r"Exception encountered when calling [\w.]+\(\)\.", "", msg)
     return " ".join(msg.split())[:600]
 
@@ -360,8 +386,18 @@ def _short(exc: BaseException) -> str:
 class Session:
     """What a port's sections need: sizes, the results file, this run's index and environment."""
 
-    def __init__(self, *, port: str, sizes: Sizes, results: Results, run: int, env: dict[str, Any],
-                 only: str | None = None, memory: bool = True, script: str = "") -> None:
+    def __init__(
+        self,
+        *,
+        port: str,
+        sizes: Sizes,
+        results: Results,
+        run: int,
+        env: dict[str, Any],
+        only: str | None = None,
+        memory: bool = True,
+        script: str = "",
+    ) -> None:
         import re
 
         self.port, self.sizes, self.results, self.run, self.env = port, sizes, results, run, env
@@ -430,8 +466,11 @@ class Session:
         for c in entry.get("comparisons", []):
             r = c["ratio"]
             flag = "" if c.get("met") is None else ("  ok" if c["met"] else "  MISSED")
-            parts.append(f"{c['label']} {r['median']:.3f} ({r['q1']:.3f}-{r['q3']:.3f})"
-                         + (f" target {c['target']:.2f}" if c.get("target") else "") + flag)
+            parts.append(
+                f"{c['label']} {r['median']:.3f} ({r['q1']:.3f}-{r['q3']:.3f})"
+                + (f" target {c['target']:.2f}" if c.get("target") else "")
+                + flag
+            )
         if "error" in entry:
             parts.append("ERROR " + entry["error"][:200])
         check = entry.get("check")
@@ -440,16 +479,22 @@ class Session:
         print(f"  {entry['id']}: " + "; ".join(parts), flush=True)
 
 
-def comparison(label: str, times: Mapping[str, Mapping[str, list[float]]], num: str, den: str,
-               target: float | None) -> dict[str, Any]:
+def comparison(
+    label: str, times: Mapping[str, Mapping[str, list[float]]], num: str, den: str, target: float | None
+) -> dict[str, Any]:
     """One ratio num/den of an entry, with its target (None: informative only)."""
     s = summary(times, num, den)
     met = None if target is None else bool(s["ratio"]["median"] <= target)
     return {"label": label, "num": num, "den": den, "target": target, "met": met, **s}
 
 
-def memory_comparison(peaks: Mapping[str, float], num: str, den: str, target: float | None = TARGET_MEMORY
-                      ) -> dict[str, Any]:
+def memory_comparison(
+    peaks: Mapping[str, float], num: str, den: str, target: float | None = TARGET_MEMORY
+) -> dict[str, Any]:
     ratio = peaks[num] / peaks[den] if peaks[den] > 0 else None  # (tiny sizes can peak at 0 MiB)
-    return {"mib": dict(peaks), "ratio": ratio, "target": target,
-            "met": None if target is None or ratio is None else bool(ratio <= target)}
+    return {
+        "mib": dict(peaks),
+        "ratio": ratio,
+        "target": target,
+        "met": None if target is None or ratio is None else bool(ratio <= target),
+    }

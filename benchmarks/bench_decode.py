@@ -63,6 +63,7 @@ def _layers(compile_steps: bool = False):
     def damcha_step(layer):
         def step(x, cache):
             return layer(x, x, x, is_causal=True, need_weights=False, kv_cache=cache)[0]
+
         return step
 
     steps = {
@@ -84,7 +85,7 @@ def _decode_time(step, new_cache, prompt, tokens) -> float:
         step(prompt, cache)
         start = time.perf_counter()
         for i in range(tokens.shape[1]):
-            step(tokens[:, i:i + 1], cache)
+            step(tokens[:, i : i + 1], cache)
         return (time.perf_counter() - start) / tokens.shape[1]
 
 
@@ -120,14 +121,23 @@ def main() -> None:
         for name, ts in times.items():
             median = statistics.median(ts)
             rows.append({"batch": B, "impl": name, "ms_per_token": 1e3 * median, "ratio_vs_mha": median / base})
-    print(f"prompt {args.prompt}, {args.steps} decoded tokens, E={E}, H={H}, float32, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads" + (", compiled steps" if args.compile else ", eager"))
+    print(
+        f"prompt {args.prompt}, {args.steps} decoded tokens, E={E}, H={H}, float32, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads" + (", compiled steps" if args.compile else ", eager")
+    )
     print(f"{'B':>3}  {'impl':<12} {'ms/token':>9} {'vs mha':>7}")
     for row in rows:
         print(f"{row['batch']:>3}  {row['impl']:<12} {row['ms_per_token']:>9.3f} {row['ratio_vs_mha']:>7.2f}")
     if args.json:
-        meta = {"date": datetime.date.today().isoformat(), "machine": platform.platform(), "torch": torch.__version__,
-                "prompt": args.prompt, "steps": args.steps, "repeats": args.repeats, "compile": args.compile}
+        meta = {
+            "date": datetime.date.today().isoformat(),
+            "machine": platform.platform(),
+            "torch": torch.__version__,
+            "prompt": args.prompt,
+            "steps": args.steps,
+            "repeats": args.repeats,
+            "compile": args.compile,
+        }
         with open(args.json, "w") as fh:
             json.dump({"meta": meta, "rows": rows}, fh, indent=1)
 

@@ -54,7 +54,7 @@ def _expand_ports(given: list[str] | None) -> list[str]:
         return list(PORTS)
     out: list[str] = []
     for p in given:
-        for q in ([x for x in PORTS if x.startswith("keras-")] if p == "keras" else [p]):
+        for q in [x for x in PORTS if x.startswith("keras-")] if p == "keras" else [p]:
             if q not in out:
                 out.append(q)
     return out
@@ -78,8 +78,9 @@ def _port_env(port: str) -> dict[str, str]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--port", action="append", choices=PORTS + ("keras",), help="repeatable; default all")
     p.add_argument("--section", action="append", choices=SECTIONS, help="repeatable; default all")
     p.add_argument("--only", metavar="REGEX", help="measure only the entries whose id matches")
@@ -87,13 +88,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lengths", type=int, nargs="+", help="override the sequence lengths (layer and model)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads (and cores) per process")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses of whole models")
-    p.add_argument("--json", type=Path, help="results file (default benchmarks/results/dropin-<time>.json; "
-                                             "--tiny: a temporary file)")
+    p.add_argument(
+        "--json",
+        type=Path,
+        help="results file (default benchmarks/results/dropin-<time>.json; --tiny: a temporary file)",
+    )
     p.add_argument("--resume", type=Path, metavar="FILE", help="continue FILE, skipping the entries it has")
     p.add_argument("--docs", type=Path, default=DOCS, help="the Markdown file whose drop-in section is rewritten")
     p.add_argument("--no-docs", action="store_true", help="do not rewrite the docs section after the run")
-    p.add_argument("--report", nargs="*", type=Path, metavar="FILE",
-                   help="only rewrite the docs section from these result files (default: the newest)")
+    p.add_argument(
+        "--report",
+        nargs="*",
+        type=Path,
+        metavar="FILE",
+        help="only rewrite the docs section from these result files (default: the newest)",
+    )
     # Internal: one port's worker, and one peak-memory measurement in a fresh process.
     p.add_argument("--worker", choices=PORTS, help=argparse.SUPPRESS)
     p.add_argument("--run-index", type=int, default=0, help=argparse.SUPPRESS)
@@ -128,8 +137,16 @@ def worker(args: argparse.Namespace, path: Path) -> int:
     env = {"port": args.worker, **threads, **mod.setup(args.threads), "versions": h.versions(), "pid": os.getpid()}
     sizes = h.Sizes(args.tiny, args.lengths)
     results = h.Results(path, resume=True)
-    ses = h.Session(port=args.worker, sizes=sizes, results=results, run=args.run_index, env=env, only=args.only,
-                    memory=not args.no_memory, script=str(Path(__file__).resolve()))
+    ses = h.Session(
+        port=args.worker,
+        sizes=sizes,
+        results=results,
+        run=args.run_index,
+        env=env,
+        only=args.only,
+        memory=not args.no_memory,
+        script=str(Path(__file__).resolve()),
+    )
     failed = []
     for section in args.section or SECTIONS:
         print(f"## {args.worker} / {section}", flush=True)
@@ -176,18 +193,29 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         return worker(args, path)
     if args.json and args.json.exists() and not args.resume:
-        print(f"--json: {args.json} exists; continue it with --resume {args.json} or choose another file",
-              file=sys.stderr)
+        print(
+            f"--json: {args.json} exists; continue it with --resume {args.json} or choose another file", file=sys.stderr
+        )
         return 2
 
     results = h.Results(path, resume=bool(args.resume))
     ports = _expand_ports(args.port)
-    run = results.start_run({
-        "command": _command(argv), "argv": argv, "started": h.now(), "tiny": args.tiny,
-        "threads": args.threads, "ports": ports, "sections": args.section or list(SECTIONS),
-        "sizes": h.Sizes(args.tiny, args.lengths).as_dict(), "machine": h.machine(), "versions": h.versions(),
-        "git": h.git_commit(), "loadavg_start": h.loadavg(),
-    })
+    run = results.start_run(
+        {
+            "command": _command(argv),
+            "argv": argv,
+            "started": h.now(),
+            "tiny": args.tiny,
+            "threads": args.threads,
+            "ports": ports,
+            "sections": args.section or list(SECTIONS),
+            "sizes": h.Sizes(args.tiny, args.lengths).as_dict(),
+            "machine": h.machine(),
+            "versions": h.versions(),
+            "git": h.git_commit(),
+            "loadavg_start": h.loadavg(),
+        }
+    )
     print(f"results: {path}", flush=True)
     # Re-pass the options a worker needs; the file and the run index are always explicit.
     common = ["--threads", str(args.threads), "--run-index", str(run), "--json", str(path)]
@@ -204,8 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     failed = []
     for port in ports:
         print(f"\n# {port}", flush=True)
-        rc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", port, *common],
-                            env=_port_env(port)).returncode
+        rc = subprocess.run(
+            [sys.executable, str(Path(__file__).resolve()), "--worker", port, *common], env=_port_env(port)
+        ).returncode
         if rc:
             failed.append(port)
     results.update_run(run, finished=h.now(), loadavg_end=h.loadavg(), failed=failed)

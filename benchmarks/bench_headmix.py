@@ -88,8 +88,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--tiny", action="store_true",
-                        help="tiny lengths, 1 repeat, any failed worker fails the script: checks it, measures nothing")
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="tiny lengths, 1 repeat, any failed worker fails the script: checks it, measures nothing",
+    )
     parser.add_argument("--worker", nargs=2, metavar=("IMPL", "N"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.tiny:
@@ -101,15 +104,21 @@ def main() -> None:
     rows: dict[tuple[str, int], dict] = {}
     for n in args.lengths:
         for impl in IMPLS:
-            proc = subprocess.run([sys.executable, __file__, "--worker", impl, str(n), "--repeats", str(args.repeats)],
-                                  capture_output=True, text=True, env=env)
+            proc = subprocess.run(
+                [sys.executable, __file__, "--worker", impl, str(n), "--repeats", str(args.repeats)],
+                capture_output=True,
+                text=True,
+                env=env,
+            )
             if proc.returncode != 0:
                 rows[(impl, n)] = {"error": (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]}
             else:
                 rows[(impl, n)] = json.loads(proc.stdout.strip().splitlines()[-1])
             print(f"# {impl} N={n}: {rows[(impl, n)]}", file=sys.stderr, flush=True)
-    print(f"_{datetime.date.today()}, {platform.machine()} {os.cpu_count()} CPUs, torch 1 thread, "
-          f"B={B}, E={E}, H={H}, float32, forward+backward, median of {args.repeats}_\n")
+    print(
+        f"_{datetime.date.today()}, {platform.machine()} {os.cpu_count()} CPUs, torch 1 thread, "
+        f"B={B}, E={E}, H={H}, float32, forward+backward, median of {args.repeats}_\n"
+    )
     print("| N | impl | fwd+bwd ms | x MHA time | growth vs previous N | peak MB | x MHA memory |")
     print("| ---: | --- | ---: | ---: | ---: | ---: | ---: |")
     for i, n in enumerate(args.lengths):

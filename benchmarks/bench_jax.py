@@ -69,9 +69,11 @@ def main(argv: list[str] | None = None) -> None:
     for cross in damcha.metric.values():  # open gates: the same work as a trained layer
         cross.gate[...] = jnp.full(cross.gate.shape, 0.5)
 
-    print(f"date: {datetime.date.today()}, machine: {platform.machine()} {platform.processor() or ''}"
-          f" ({jax.default_backend()}, {jax.device_count()} device(s), {__import__('os').cpu_count()} cpus),"
-          f" jax {jax.__version__}")
+    print(
+        f"date: {datetime.date.today()}, machine: {platform.machine()} {platform.processor() or ''}"
+        f" ({jax.default_backend()}, {jax.device_count()} device(s), {__import__('os').cpu_count()} cpus),"
+        f" jax {jax.__version__}"
+    )
     print()
     print("| N | pass | MHA ms (median) | DAMCHA ms (median) | ratio (median) | ratio (min) |")
     print("| ---: | --- | ---: | ---: | ---: | ---: |")
@@ -84,9 +86,11 @@ def main(argv: list[str] | None = None) -> None:
             tm, td = [], []
             for i in range(r):  # interleaved, alternating order, against load drift
                 if i % 2:
-                    td.append(_time(fd, sd, x)); tm.append(_time(fm, sm, x))  # noqa: E702
+                    td.append(_time(fd, sd, x))
+                    tm.append(_time(fm, sm, x))
                 else:
-                    tm.append(_time(fm, sm, x)); td.append(_time(fd, sd, x))  # noqa: E702
+                    tm.append(_time(fm, sm, x))
+                    td.append(_time(fd, sd, x))
             m, d = statistics.median(tm) * 1e3, statistics.median(td) * 1e3
             name = "fwd+bwd" if backward else "fwd"
             best = min(td) / min(tm)

@@ -64,8 +64,10 @@ def main() -> None:
         global B, E, H
         B, E, H = 2, 32, 4
         args.sizes, args.repeats = [16], 1
-    print(f"backend={keras.backend.backend()} keras={keras.__version__} machine={platform.machine()} "
-          f"cpus={os.cpu_count()} B={B} E={E} H={H} metric={args.metric} repeats={args.repeats}\n")
+    print(
+        f"backend={keras.backend.backend()} keras={keras.__version__} machine={platform.machine()} "
+        f"cpus={os.cpu_count()} B={B} E={E} H={H} metric={args.metric} repeats={args.repeats}\n"
+    )
     print("| N | MHA (ms) | DAMCHA (ms) | ratio |")
     print("| ---: | ---: | ---: | ---: |")
     for n in args.sizes:

@@ -41,10 +41,14 @@ import time
 from _memory import peak_rss_bytes, reset_peak_rss, rss_bytes  # benchmarks/ is sys.path[0]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-TINY = {"llama": dict(hidden=32, heads=4, kv=2, mlp=64, vocab=64, layers=2, batch=2),
-        "vit": dict(embed=24, depth=2, heads=3, batch=2)}
-FULL = {"llama": dict(hidden=512, heads=8, kv=4, mlp=1376, vocab=4096, layers=4, batch=2),
-        "vit": dict(embed=192, depth=12, heads=3, batch=4)}
+TINY = {
+    "llama": dict(hidden=32, heads=4, kv=2, mlp=64, vocab=64, layers=2, batch=2),
+    "vit": dict(embed=24, depth=2, heads=3, batch=2),
+}
+FULL = {
+    "llama": dict(hidden=512, heads=8, kv=4, mlp=1376, vocab=4096, layers=4, batch=2),
+    "vit": dict(embed=192, depth=12, heads=3, batch=4),
+}
 
 
 def _build(model: str, n: int, tiny: bool):
@@ -60,19 +64,32 @@ def _build(model: str, n: int, tiny: bool):
     if model == "llama":
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        cfg = LlamaConfig(vocab_size=sizes["vocab"], hidden_size=sizes["hidden"], intermediate_size=sizes["mlp"],
-                          num_hidden_layers=sizes["layers"], num_attention_heads=sizes["heads"],
-                          num_key_value_heads=sizes["kv"], max_position_embeddings=max(n, 64),
-                          attn_implementation="sdpa")
+        cfg = LlamaConfig(
+            vocab_size=sizes["vocab"],
+            hidden_size=sizes["hidden"],
+            intermediate_size=sizes["mlp"],
+            num_hidden_layers=sizes["layers"],
+            num_attention_heads=sizes["heads"],
+            num_key_value_heads=sizes["kv"],
+            max_position_embeddings=max(n, 64),
+            attn_implementation="sdpa",
+        )
         module = LlamaForCausalLM(cfg)
         ids = torch.randint(0, sizes["vocab"], (sizes["batch"], n))
         return (lambda m, x: m(input_ids=x, use_cache=False).logits), module, ids
     import timm
 
-    side = int(round(n ** 0.5))
+    side = int(round(n**0.5))
     patch = 4 if tiny else 16
-    module = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=side * patch, patch_size=patch,
-                               embed_dim=sizes["embed"], depth=sizes["depth"], num_heads=sizes["heads"])
+    module = timm.create_model(
+        "vit_tiny_patch16_224",
+        pretrained=False,
+        img_size=side * patch,
+        patch_size=patch,
+        embed_dim=sizes["embed"],
+        depth=sizes["depth"],
+        num_heads=sizes["heads"],
+    )
     images = torch.randn(sizes["batch"], 3, side * patch, side * patch)
     return (lambda m, x: m(x)), module, images
 
@@ -123,8 +140,9 @@ def time_pair(model: str, n: int, mode: str, repeats: int, tiny: bool) -> dict[s
             call()
             wall[impl].append(time.perf_counter() - w0)
             cpu[impl].append(time.process_time() - c0)
-    return {impl: {"wall": 1e3 * statistics.median(wall[impl]), "cpu": 1e3 * statistics.median(cpu[impl])}
-            for impl in calls}
+    return {
+        impl: {"wall": 1e3 * statistics.median(wall[impl]), "cpu": 1e3 * statistics.median(cpu[impl])} for impl in calls
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,12 +162,18 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     import torch
 
-    print(f"<!-- {datetime.date.today()} {platform.machine()} {os.cpu_count()} CPUs, torch {torch.__version__}, "
-          f"threads {torch.get_num_threads()}{', TINY sizes' if args.tiny else ''} -->")
-    print(f"float32, CPU; time: median of {args.repeats} alternating calls; "
-          "peak: RSS increase of one call in a fresh process\n")
-    print("| model | N | mode | original wall ms | DAMCHA wall ms | wall ratio | original CPU ms | DAMCHA CPU ms "
-          "| CPU ratio | original peak MiB | DAMCHA peak MiB | memory ratio |")
+    print(
+        f"<!-- {datetime.date.today()} {platform.machine()} {os.cpu_count()} CPUs, torch {torch.__version__}, "
+        f"threads {torch.get_num_threads()}{', TINY sizes' if args.tiny else ''} -->"
+    )
+    print(
+        f"float32, CPU; time: median of {args.repeats} alternating calls; "
+        "peak: RSS increase of one call in a fresh process\n"
+    )
+    print(
+        "| model | N | mode | original wall ms | DAMCHA wall ms | wall ratio | original CPU ms | DAMCHA CPU ms "
+        "| CPU ratio | original peak MiB | DAMCHA peak MiB | memory ratio |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for model in args.models:
         for n in args.lengths:
@@ -163,9 +187,12 @@ def main(argv: list[str] | None = None) -> int:
                     peak[impl] = json.loads(out.stdout.strip().splitlines()[-1])["peak_mb"]
                 t = time_pair(model, n, mode, args.repeats, args.tiny)
                 o, d = t["original"], t["damcha"]
-                print(f"| {model} | {n} | {mode} | {o['wall']:.0f} | {d['wall']:.0f} | {d['wall'] / o['wall']:.2f} | "
-                      f"{o['cpu']:.0f} | {d['cpu']:.0f} | {d['cpu'] / o['cpu']:.2f} | {peak['original']:.1f} | "
-                      f"{peak['damcha']:.1f} | {peak['damcha'] / max(peak['original'], 1e-9):.2f} |", flush=True)
+                print(
+                    f"| {model} | {n} | {mode} | {o['wall']:.0f} | {d['wall']:.0f} | {d['wall'] / o['wall']:.2f} | "
+                    f"{o['cpu']:.0f} | {d['cpu']:.0f} | {d['cpu'] / o['cpu']:.2f} | {peak['original']:.1f} | "
+                    f"{peak['damcha']:.1f} | {peak['damcha'] / max(peak['original'], 1e-9):.2f} |",
+                    flush=True,
+                )
     return 0
 
 

@@ -99,24 +99,41 @@ def encoder_section(args) -> None:
         import damcha_torch as dt
 
         for m in ("heads", "none"):
-            net = dt.build_encoder(args.width, args.heads, args.layers, dim_feedforward=args.ffn, dropout=0.0,
-                                   activation="gelu", norm_first=True, final_norm=True, metric=m).eval()
+            net = dt.build_encoder(
+                args.width,
+                args.heads,
+                args.layers,
+                dim_feedforward=args.ffn,
+                dropout=0.0,
+                activation="gelu",
+                norm_first=True,
+                final_norm=True,
+                metric=m,
+            ).eval()
             torch_models[m] = net
         torch_models["nn.MHA"] = torch.nn.TransformerEncoder(
-            torch.nn.TransformerEncoderLayer(args.width, args.heads, args.ffn, 0.0, "gelu", batch_first=True, norm_first=True),
-            args.layers, torch.nn.LayerNorm(args.width), enable_nested_tensor=False,
+            torch.nn.TransformerEncoderLayer(
+                args.width, args.heads, args.ffn, 0.0, "gelu", batch_first=True, norm_first=True
+            ),
+            args.layers,
+            torch.nn.LayerNorm(args.width),
+            enable_nested_tensor=False,
         ).eval()
 
-    print(f"E={args.width}, H={args.heads}, d={args.width // args.heads}, layers={args.layers}, FFN={args.ffn}, "
-          f"threads={args.threads}, median of {args.repeats} (x4 when B*N <= 1024); {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} CPUs; onnxruntime CPU provider\n")
-    print("| B | N | ORT DAMCHA (Attention op, opset 23) ms | ORT MHA ms | DAMCHA/MHA | "
-          "ORT decomposed (opset 18) DAMCHA/MHA | ORT int8 DAMCHA ms | torch eager DAMCHA ms | torch eager nn.MHA ms | "
-          "ORT DAMCHA / torch eager DAMCHA |")
+    print(
+        f"E={args.width}, H={args.heads}, d={args.width // args.heads}, layers={args.layers}, FFN={args.ffn}, "
+        f"threads={args.threads}, median of {args.repeats} (x4 when B*N <= 1024); {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} CPUs; onnxruntime CPU provider\n"
+    )
+    print(
+        "| B | N | ORT DAMCHA (Attention op, opset 23) ms | ORT MHA ms | DAMCHA/MHA | "
+        "ORT decomposed (opset 18) DAMCHA/MHA | ORT int8 DAMCHA ms | torch eager DAMCHA ms | torch eager nn.MHA ms | "
+        "ORT DAMCHA / torch eager DAMCHA |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     rng = np.random.default_rng(0)
-    for B in ((1,) if args.tiny else (1, 8)):
-        for N in ((16,) if args.tiny else (128, 512)):
+    for B in (1,) if args.tiny else (1, 8):
+        for N in (16,) if args.tiny else (128, 512):
             x = rng.normal(size=(B, N, args.width)).astype(np.float32)
             xt = torch.from_numpy(x)
             # Small shapes take a few ms: more rounds for a stable median.
@@ -124,21 +141,36 @@ def encoder_section(args) -> None:
             # onnxruntime and torch are timed in separate phases: interleaving
             # them put a torch call (and its OpenMP threads winding down) right
             # before some ORT sessions, which skewed the N=128 ratios.
-            t = _time_interleaved({key: functools.partial(sess.run, None, {"query": x}) for key, sess in sessions.items()},
-                                 repeats)
+            t = _time_interleaved(
+                {key: functools.partial(sess.run, None, {"query": x}) for key, sess in sessions.items()}, repeats
+            )
             with torch.inference_mode():
-                row_t = _time_interleaved({key: functools.partial(net, xt) for key, net in torch_models.items()}, repeats)
+                row_t = _time_interleaved(
+                    {key: functools.partial(net, xt) for key, net in torch_models.items()}, repeats
+                )
             fmt = lambda v: f"{v:.1f}"  # noqa: E731
-            cells = [B, N, fmt(t[("heads", 23)]), fmt(t[("none", 23)]), f"{t[('heads', 23)] / t[('none', 23)]:.2f}",
-                     f"{t[('heads', 18)] / t[('none', 18)]:.2f}", fmt(t[("heads-int8", 23)]),
-                     fmt(row_t.get("heads", float("nan"))), fmt(row_t.get("nn.MHA", float("nan"))),
-                     f"{t[('heads', 23)] / row_t.get('heads', float('nan')):.2f}"]
+            cells = [
+                B,
+                N,
+                fmt(t[("heads", 23)]),
+                fmt(t[("none", 23)]),
+                f"{t[('heads', 23)] / t[('none', 23)]:.2f}",
+                f"{t[('heads', 18)] / t[('none', 18)]:.2f}",
+                fmt(t[("heads-int8", 23)]),
+                fmt(row_t.get("heads", float("nan"))),
+                fmt(row_t.get("nn.MHA", float("nan"))),
+                f"{t[('heads', 23)] / row_t.get('heads', float('nan')):.2f}",
+            ]
             print("| " + " | ".join(str(c) for c in cells) + " |", flush=True)
 
     # int8 accuracy on a small input (float64 reference).
     x = rng.normal(size=(2, 64, args.width))
-    err = do.quantization_error(do.export_encoder(params["heads"], configs["heads"], None), q_model, {"query": x},
-                                do.encoder_forward(params["heads"], configs["heads"], x))
+    err = do.quantization_error(
+        do.export_encoder(params["heads"], configs["heads"], None),
+        q_model,
+        {"query": x},
+        do.encoder_forward(params["heads"], configs["heads"], x),
+    )
     print("\nint8 dynamic quantisation (B=2, N=64), errors vs float32 ORT and the float64 reference:\n")
     print("| metric | value |\n|---|---|")
     for k, v in err.items():
@@ -156,7 +188,9 @@ def _edge_models(args, directory: Path) -> tuple[dict, dict, dict]:
     rng = np.random.default_rng(3)
     files, configs, params = {}, {}, {}
     for metric in ("heads", "none"):
-        attn = dc.DamchaConfig(query_dim=args.width, num_heads=args.heads, key_dim=args.width // args.heads, metric=metric)
+        attn = dc.DamchaConfig(
+            query_dim=args.width, num_heads=args.heads, key_dim=args.width // args.heads, metric=metric
+        )
         layer_params = dc.init_params(attn, 0)
         for name in layer_params:
             if name.endswith(".gate"):
@@ -189,13 +223,23 @@ def _wasm_times(files: dict, shapes: list, args, directory: Path) -> dict | None
     groups = []
     for kind in ("layer", "stack"):
         for B, N in shapes:
-            models = [{"id": f"{metric}|{fmt}", "file": files[(kind, metric, fmt)].name,
-                       "feeds": {"query": {"dtype": "float16" if fmt == "float16" else "float32", "shape": [B, N, args.width]}}}
-                      for metric in ("heads", "none") for fmt in FORMATS]
+            models = [
+                {
+                    "id": f"{metric}|{fmt}",
+                    "file": files[(kind, metric, fmt)].name,
+                    "feeds": {
+                        "query": {"dtype": "float16" if fmt == "float16" else "float32", "shape": [B, N, args.width]}
+                    },
+                }
+                for metric in ("heads", "none")
+                for fmt in FORMATS
+            ]
             groups.append({"id": f"{kind}|{B}|{N}", "models": models})
     manifest = directory / "bench.json"
     manifest.write_text(json.dumps({"repeats": args.repeats, "warmup": 2, "groups": groups}))
-    proc = subprocess.run([node, "bench.mjs", "--runtime", "web", str(manifest)], cwd=JS, capture_output=True, text=True)
+    proc = subprocess.run(
+        [node, "bench.mjs", "--runtime", "web", str(manifest)], cwd=JS, capture_output=True, text=True
+    )
     if proc.returncode:
         raise RuntimeError(f"node bench.mjs failed: {proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -206,17 +250,22 @@ def edge_section(args) -> None:
     with tempfile.TemporaryDirectory(prefix="damcha-bench-") as tmp:
         directory = Path(tmp)
         files, configs, params = _edge_models(args, directory)
-        print(f"\n### ONNX at the edge\n\nE={args.width}, H={args.heads}, d={args.width // args.heads}; layer: one causal "
-              f"self-attention layer; stack: {args.layers} pre-norm layers, FFN {args.ffn}; DAMCHA = metric \"heads\" "
-              f"(tied, gates 0.5) vs MHA = the same exported with metric \"none\". Median ms of {args.repeats} rounds, "
-              f"the 16 sessions of a (model, shape) interleaved. onnxruntime CPU: {args.threads} threads, spinning off; "
-              f"onnxruntime-web: WASM, 1 thread, under Node.js {_node_version()}.\n")
+        print(
+            f"\n### ONNX at the edge\n\nE={args.width}, H={args.heads}, d={args.width // args.heads}; layer: one causal "
+            f'self-attention layer; stack: {args.layers} pre-norm layers, FFN {args.ffn}; DAMCHA = metric "heads" '
+            f'(tied, gates 0.5) vs MHA = the same exported with metric "none". Median ms of {args.repeats} rounds, '
+            f"the 16 sessions of a (model, shape) interleaved. onnxruntime CPU: {args.threads} threads, spinning off; "
+            f"onnxruntime-web: WASM, 1 thread, under Node.js {_node_version()}.\n"
+        )
         # Latency, onnxruntime CPU (Python).
         ort_times = {}
         rng = np.random.default_rng(0)
         for kind in ("layer", "stack"):
-            sessions = {(metric, fmt): do.ort_session(files[(kind, metric, fmt)], threads=args.threads, spinning=False)
-                        for metric in ("heads", "none") for fmt in FORMATS}
+            sessions = {
+                (metric, fmt): do.ort_session(files[(kind, metric, fmt)], threads=args.threads, spinning=False)
+                for metric in ("heads", "none")
+                for fmt in FORMATS
+            }
             for B, N in shapes:
                 x = rng.normal(size=(B, N, args.width))
                 feeds = {k: {"query": x.astype(np.float16 if k[1] == "float16" else np.float32)} for k in sessions}
@@ -233,7 +282,10 @@ def edge_section(args) -> None:
             for kind in ("layer", "stack"):
                 for B, N in shapes:
                     if title.startswith("onnxruntime CPU"):
-                        row = {fmt: (times[(kind, B, N)][("heads", fmt)], times[(kind, B, N)][("none", fmt)]) for fmt in FORMATS}
+                        row = {
+                            fmt: (times[(kind, B, N)][("heads", fmt)], times[(kind, B, N)][("none", fmt)])
+                            for fmt in FORMATS
+                        }
                     else:
                         group = times["groups"][f"{kind}|{B}|{N}"]
                         row = {fmt: (group[f"heads|{fmt}"], group[f"none|{fmt}"]) for fmt in FORMATS}
@@ -245,18 +297,22 @@ def edge_section(args) -> None:
         print("| model | " + " | ".join(FORMATS) + " |")
         print("|---|" + "---|" * len(FORMATS))
         for kind in ("layer", "stack"):
-            cells = [f"{files[(kind, 'heads', f)].stat().st_size / 1024:.0f} / {files[(kind, 'none', f)].stat().st_size / 1024:.0f}"
-                     for f in FORMATS]
+            cells = [
+                f"{files[(kind, 'heads', f)].stat().st_size / 1024:.0f} / {files[(kind, 'none', f)].stat().st_size / 1024:.0f}"
+                for f in FORMATS
+            ]
             print(f"| {kind} | " + " | ".join(cells) + " |")
         # Accuracy against the float64 reference (DAMCHA models).
-        print("\nAccuracy of DAMCHA (B=2, N=64, fresh normal inputs; static int8 calibrated on 8 other batches): "
-              "relative RMS error vs the float64 reference (max abs error)\n")
+        print(
+            "\nAccuracy of DAMCHA (B=2, N=64, fresh normal inputs; static int8 calibrated on 8 other batches): "
+            "relative RMS error vs the float64 reference (max abs error)\n"
+        )
         print("| model | " + " | ".join(FORMATS) + " |")
         print("|---|" + "---|" * len(FORMATS))
         x = np.random.default_rng(99).normal(size=(2, 64, args.width))
         for kind in ("layer", "stack"):
             cfg, prm = configs[(kind, "heads")], params[(kind, "heads")]
-            ref = (dc.damcha_attention(prm, cfg, x, causal=True) if kind == "layer" else dc.encoder_forward(prm, cfg, x))
+            ref = dc.damcha_attention(prm, cfg, x, causal=True) if kind == "layer" else dc.encoder_forward(prm, cfg, x)
             cells = []
             for fmt in FORMATS:
                 y = np.asarray(do.run_ort(files[(kind, "heads", fmt)], {"query": x}), dtype=np.float64)

@@ -93,15 +93,18 @@ def time_pair(n: int, mode: str, repeats: int) -> dict[str, dict[str, float]]:
             call()
             wall[impl].append(time.perf_counter() - w0)
             cpu[impl].append(time.process_time() - c0)
-    return {impl: {"wall": 1e3 * statistics.median(wall[impl]), "cpu": 1e3 * statistics.median(cpu[impl])}
-            for impl in calls}
+    return {
+        impl: {"wall": 1e3 * statistics.median(wall[impl]), "cpu": 1e3 * statistics.median(cpu[impl])} for impl in calls
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 4096])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--tiny", action="store_true", help="tiny sizes, 2 repeats: checks the script, measures nothing")
+    parser.add_argument(
+        "--tiny", action="store_true", help="tiny sizes, 2 repeats: checks the script, measures nothing"
+    )
     parser.add_argument("--worker", nargs=3, metavar=("IMPL", "N", "MODE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.tiny:
@@ -115,28 +118,37 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     import torch  # only for the header
 
-    print(f"<!-- {datetime.date.today()} {platform.machine()} {os.cpu_count()} CPUs, torch {torch.__version__}, "
-          f"threads {torch.get_num_threads()} -->")
-    print(f"B={B}, E={E}, H={H}, float32, CPU; time: median of {args.repeats} alternating calls "
-          f"({max(3, args.repeats // 2)} at N=4096); "
-          "peak: RSS increase of one call in a fresh process\n")
-    print("| N | mode | MHA wall ms | DAMCHA wall ms | wall ratio | MHA CPU ms | DAMCHA CPU ms | CPU ratio "
-          "| MHA peak MiB | DAMCHA peak MiB | memory ratio |")
+    print(
+        f"<!-- {datetime.date.today()} {platform.machine()} {os.cpu_count()} CPUs, torch {torch.__version__}, "
+        f"threads {torch.get_num_threads()} -->"
+    )
+    print(
+        f"B={B}, E={E}, H={H}, float32, CPU; time: median of {args.repeats} alternating calls "
+        f"({max(3, args.repeats // 2)} at N=4096); "
+        "peak: RSS increase of one call in a fresh process\n"
+    )
+    print(
+        "| N | mode | MHA wall ms | DAMCHA wall ms | wall ratio | MHA CPU ms | DAMCHA CPU ms | CPU ratio "
+        "| MHA peak MiB | DAMCHA peak MiB | memory ratio |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for n in args.lengths:
         for mode in ("forward", "fwd+bwd"):
             peak = {"mha": float("nan"), "damcha": float("nan")}
-            for impl in (() if args.tiny and mode != "forward" else ("mha", "damcha")):  # tiny: one pair
+            for impl in () if args.tiny and mode != "forward" else ("mha", "damcha"):  # tiny: one pair
                 cmd = [sys.executable, os.path.abspath(__file__), "--worker", impl, str(n), mode]
                 cmd += ["--tiny"] if args.tiny else []
                 out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
                 peak[impl] = json.loads(out.stdout.strip().splitlines()[-1])["peak_mb"]
             t = time_pair(n, mode, args.repeats if n < 4096 else max(3, args.repeats // 2))
             m, d = t["mha"], t["damcha"]
-            print(f"| {n} | {mode} | {m['wall']:.0f} | {d['wall']:.0f} | {d['wall'] / m['wall']:.2f} | "
-                  f"{m['cpu']:.0f} | {d['cpu']:.0f} | {d['cpu'] / m['cpu']:.2f} | "
-                  f"{peak['mha']:.1f} | {peak['damcha']:.1f} | "
-                  + (f"{peak['damcha'] / peak['mha']:.2f} |" if peak["mha"] > 0 else "- |"), flush=True)
+            print(
+                f"| {n} | {mode} | {m['wall']:.0f} | {d['wall']:.0f} | {d['wall'] / m['wall']:.2f} | "
+                f"{m['cpu']:.0f} | {d['cpu']:.0f} | {d['cpu'] / m['cpu']:.2f} | "
+                f"{peak['mha']:.1f} | {peak['damcha']:.1f} | "
+                + (f"{peak['damcha'] / peak['mha']:.2f} |" if peak["mha"] > 0 else "- |"),
+                flush=True,
+            )
     return 0
 
 

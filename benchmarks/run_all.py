@@ -23,8 +23,16 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 # Quick checks first, the long drop-in run last; scripts not listed run before it, by name.
-ORDER = ["bench_torch.py", "bench_decode.py", "bench_jax.py", "bench_keras.py", "bench_onnx.py",
-         "bench_headmix.py", "bench_models.py", "bench_dropin.py"]
+ORDER = [
+    "bench_torch.py",
+    "bench_decode.py",
+    "bench_jax.py",
+    "bench_keras.py",
+    "bench_onnx.py",
+    "bench_headmix.py",
+    "bench_models.py",
+    "bench_dropin.py",
+]
 
 
 def scripts() -> list[str]:

@@ -100,8 +100,9 @@ class CaseData:
     def causal(self) -> bool:
         return self.case.causal
 
-    def reference(self, params: dict[str, np.ndarray] | None = None, query=None, context=None,
-                  value=None) -> np.ndarray:
+    def reference(
+        self, params: dict[str, np.ndarray] | None = None, query=None, context=None, value=None
+    ) -> np.ndarray:
         """The reference output with some tensors replaced (used by central differences)."""
         return dc.damcha_attention(
             self.params if params is None else params,
@@ -141,7 +142,15 @@ def _build_catalogue() -> tuple[Case, ...]:
         Case("lowrank-separate-mqa", "gqa-mqa", _cfg(coupling="separate", num_kv_heads=1, **lr), 2, 6),
         # Masks.
         Case("heads-tied-padding", "masks", _cfg(), 2, 6, mask="padding"),
-        Case("heads-separate-per-head-cross", "masks", _cfg(coupling="separate", context_dim=12), 2, 5, 7, mask="per_head"),
+        Case(
+            "heads-separate-per-head-cross",
+            "masks",
+            _cfg(coupling="separate", context_dim=12),
+            2,
+            5,
+            7,
+            mask="per_head",
+        ),
         Case("heads-tied-all-masked-row", "masks", _cfg(), 2, 6, mask="all_masked_row"),
         Case("lowrank-query-gqa-padding", "masks", _cfg(coupling="query", num_kv_heads=2, **lr), 2, 6, mask="padding"),
         # Causal, square and non-square (top-left aligned).
@@ -152,22 +161,59 @@ def _build_catalogue() -> tuple[Case, ...]:
         Case("mha-none-causal-batch1", "causal", _cfg(metric="none"), 1, 6, causal=True),
         # Batch 1 and a long-ish sequence.
         Case("heads-separate-batch1", "shapes", _cfg(coupling="separate"), 1, 3, 5),
-        Case("heads-tied-long-512", "long", _cfg(query_dim=32, num_heads=4, key_dim=8), 1, 512, causal=True, gradients=False),
-        Case("lowrank-query-long-cross-600", "long", _cfg(query_dim=32, num_heads=4, key_dim=8, coupling="query", num_kv_heads=2, **lr), 1, 520, 600, mask="padding", gradients=False),
+        Case(
+            "heads-tied-long-512",
+            "long",
+            _cfg(query_dim=32, num_heads=4, key_dim=8),
+            1,
+            512,
+            causal=True,
+            gradients=False,
+        ),
+        Case(
+            "lowrank-query-long-cross-600",
+            "long",
+            _cfg(query_dim=32, num_heads=4, key_dim=8, coupling="query", num_kv_heads=2, **lr),
+            1,
+            520,
+            600,
+            mask="padding",
+            gradients=False,
+        ),
         # Added later: appended so that every earlier case keeps its seed (and golden values).
         # Cross-attention whose context has the query's shape: a port that drives
         # the key-side map with the query tokens (or, separate, with the query
         # side's generator) computes without error here, and must fail.
         Case("heads-tied-cross-same-shape", "heads", _cfg(), 2, 5, 5),
-        Case("heads-separate-cross-same-shape-small-tokens", "heads", _cfg(coupling="separate"), 2, 5, 5,
-             inputs="small-and-zero"),
+        Case(
+            "heads-separate-cross-same-shape-small-tokens",
+            "heads",
+            _cfg(coupling="separate"),
+            2,
+            5,
+            5,
+            inputs="small-and-zero",
+        ),
         # Rank 1, and tokens whose phi depends on eps and on the normalisation itself.
-        Case("lowrank-tied-rank1-small-tokens", "lowrank", _cfg(metric="lowrank", metric_rank=1), 2, 6,
-             inputs="small-and-zero"),
+        Case(
+            "lowrank-tied-rank1-small-tokens",
+            "lowrank",
+            _cfg(metric="lowrank", metric_rank=1),
+            2,
+            6,
+            inputs="small-and-zero",
+        ),
         # Values of their own feature size, E_v != E_kv (torch kdim != vdim, Keras key/value,
         # Flax inputs_k/inputs_v), with a padding mask over the M keys/values.
-        Case("heads-separate-cross-value-dim", "shapes",
-             _cfg(coupling="separate", context_dim=12, value_input_dim=6, value_dim=5), 2, 5, 7, mask="padding"),
+        Case(
+            "heads-separate-cross-value-dim",
+            "shapes",
+            _cfg(coupling="separate", context_dim=12, value_input_dim=6, value_dim=5),
+            2,
+            5,
+            7,
+            mask="padding",
+        ),
     ]
     cases = [dataclasses.replace(c, seed=1000 + i) for i, c in enumerate(cases)]
     names = [c.name for c in cases]
@@ -188,9 +234,7 @@ def catalogue(names: list[str] | None = None, groups: list[str] | None = None) -
     for group in groups or ():
         if group not in GROUPS:
             raise dc.DamchaValueError(f"`groups` has an unknown group {group!r}. Expected some of {list(GROUPS)}")
-    return [
-        c for c in CATALOGUE if (not names or c.name in names) and (not groups or c.group in groups)
-    ]
+    return [c for c in CATALOGUE if (not names or c.name in names) and (not groups or c.group in groups)]
 
 
 def case_params(config: dc.DamchaConfig, seed: int) -> dict[str, np.ndarray]:

@@ -36,22 +36,42 @@ _PROGRESS = "@damcha-progress"  # worker -> parent protocol on the worker's stdo
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = cu.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0].splitlines()[0],
-                          epilog="Exit status: 0 passed, 1 failed or partial, 2 bad arguments.")
-    p.add_argument("--backend", action="append", default=[], choices=list(BUILTIN), metavar="NAME",
-                   help=f"built-in backend, repeatable: {', '.join(BACKENDS)} (default: all); also "
-                   f"{', '.join(ON_REQUEST)} on request")
-    p.add_argument("--adapter", action="append", default=[], metavar="MODULE:ATTR",
-                   help="a third-party adapter as module:attr (class, factory or instance), repeatable")
+    p = cu.ArgumentParser(
+        prog=PROG,
+        description=__doc__.split("\n\n")[0].splitlines()[0],
+        epilog="Exit status: 0 passed, 1 failed or partial, 2 bad arguments.",
+    )
+    p.add_argument(
+        "--backend",
+        action="append",
+        default=[],
+        choices=list(BUILTIN),
+        metavar="NAME",
+        help=f"built-in backend, repeatable: {', '.join(BACKENDS)} (default: all); also "
+        f"{', '.join(ON_REQUEST)} on request",
+    )
+    p.add_argument(
+        "--adapter",
+        action="append",
+        default=[],
+        metavar="MODULE:ATTR",
+        help="a third-party adapter as module:attr (class, factory or instance), repeatable",
+    )
     p.add_argument("--dtype", action="append", choices=DTYPES, help="only these dtypes (default: each adapter's own)")
     p.add_argument("--case", action="append", metavar="NAME", help="only these catalogue cases")
     p.add_argument("--group", action="append", choices=GROUPS, help="only these case groups")
     p.add_argument("--no-gradients", action="store_true", help="check outputs only")
     p.add_argument("--json", metavar="PATH", help="also write the full report as JSON")
-    p.add_argument("--export-vectors", metavar="DIR", help="write the catalogue as language-neutral test vectors and exit")
-    p.add_argument("--require-all", action="store_true", default=os.environ.get("DAMCHA_REQUIRE_ALL_BACKENDS") == "1",
-                   help="a backend that is not installed is a failure, not only a gap "
-                   "(default when DAMCHA_REQUIRE_ALL_BACKENDS=1)")
+    p.add_argument(
+        "--export-vectors", metavar="DIR", help="write the catalogue as language-neutral test vectors and exit"
+    )
+    p.add_argument(
+        "--require-all",
+        action="store_true",
+        default=os.environ.get("DAMCHA_REQUIRE_ALL_BACKENDS") == "1",
+        help="a backend that is not installed is a failure, not only a gap "
+        "(default when DAMCHA_REQUIRE_ALL_BACKENDS=1)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar or lines")
     p.add_argument("--in-process", action="store_true", help="run in this process (one backend or adapter only)")
     p.add_argument("--progress-protocol", action="store_true", help=argparse.SUPPRESS)  # worker mode
@@ -63,25 +83,37 @@ def _validate(args: argparse.Namespace) -> None:
     known = {c.name for c in CATALOGUE}
     for name in args.case or ():
         if name not in known:
-            cu.usage_error("--case", f"unknown case {name!r}; expected catalogue case names (see "
-                           "damcha_conformance.CATALOGUE), e.g. {', '.join(sorted(known)[:3])}, ...", prog=PROG)
+            cu.usage_error(
+                "--case",
+                f"unknown case {name!r}; expected catalogue case names (see "
+                "damcha_conformance.CATALOGUE), e.g. {', '.join(sorted(known)[:3])}, ...",
+                prog=PROG,
+            )
     if args.json is not None:
         cu.check_output_file(args.json, "--json", prog=PROG)
     if args.export_vectors is not None:
         cu.check_output_dir(args.export_vectors, "--export-vectors", prog=PROG)
         if args.backend or args.adapter or args.dtype or args.no_gradients or args.json:
-            cu.usage_error("--export-vectors", "writes the catalogue and runs nothing; it takes only --case and "
-                           "--group", prog=PROG)
+            cu.usage_error(
+                "--export-vectors", "writes the catalogue and runs nothing; it takes only --case and --group", prog=PROG
+            )
         return
     if args.in_process and len(args.backend) + len(args.adapter) != 1:
-        cu.usage_error("--in-process", "runs exactly one --backend or --adapter. Received: "
-                       f"{len(args.backend) + len(args.adapter)}", prog=PROG)
+        cu.usage_error(
+            "--in-process",
+            f"runs exactly one --backend or --adapter. Received: {len(args.backend) + len(args.adapter)}",
+            prog=PROG,
+        )
     for name in args.backend:
         builtin = BUILTIN[name]
         missing = builtin.missing()
         if missing:
-            cu.usage_error("--backend", f"{name} needs {', '.join(missing)}, which is not installed: "
-                           f"{cu.install_hint(missing[0], builtin.extra)}", prog=PROG)
+            cu.usage_error(
+                "--backend",
+                f"{name} needs {', '.join(missing)}, which is not installed: "
+                f"{cu.install_hint(missing[0], builtin.extra)}",
+                prog=PROG,
+            )
     if "torch-cuda" in args.backend and not importlib.import_module("torch").cuda.is_available():
         cu.usage_error("--backend", "torch-cuda was asked for, but torch sees no CUDA device", prog=PROG)
     for spec in args.adapter:
@@ -89,15 +121,19 @@ def _validate(args: argparse.Namespace) -> None:
         if not (sep and module_name and attr):
             cu.usage_error("--adapter", f"expected module:attr naming an adapter. Received: {spec!r}", prog=PROG)
         if not cu.available(module_name):
-            cu.usage_error("--adapter", f"module {module_name!r} cannot be found (is it on PYTHONPATH?). "
-                           f"Received: {spec!r}", prog=PROG)
+            cu.usage_error(
+                "--adapter",
+                f"module {module_name!r} cannot be found (is it on PYTHONPATH?). Received: {spec!r}",
+                prog=PROG,
+            )
         try:
             module = importlib.import_module(module_name)
         except Exception as exc:  # noqa: BLE001 - the user's module failed to import: say why, in one line
             cu.usage_error("--adapter", f"importing {module_name!r} failed: {type(exc).__name__}: {exc}", prog=PROG)
         if not hasattr(module, attr):
-            cu.usage_error("--adapter", f"module {module_name!r} has no attribute {attr!r}. Received: {spec!r}",
-                           prog=PROG)
+            cu.usage_error(
+                "--adapter", f"module {module_name!r} has no attribute {attr!r}. Received: {spec!r}", prog=PROG
+            )
 
 
 def _filters(args: argparse.Namespace) -> list[str]:
@@ -135,14 +171,16 @@ def _run_in_process(spec: str, args: argparse.Namespace) -> Report:
         bar.step(what, force=result.status in ("fail", "error"))
 
     try:
-        report = run_conformance(adapter, cases, args.dtype, gradients=gradients, errors=errors, decoding=decoding,
-                                 progress=progress)
+        report = run_conformance(
+            adapter, cases, args.dtype, gradients=gradients, errors=errors, decoding=decoding, progress=progress
+        )
     finally:
         if bar is not None:
             bar.close()
     if "gradients" in limits and not args.no_gradients:
-        report.subset = [(b, f"no gradients: {limits['gradients']}" if how == "no gradients" else how)
-                         for b, how in report.subset]
+        report.subset = [
+            (b, f"no gradients: {limits['gradients']}" if how == "no gradients" else how) for b, how in report.subset
+        ]
     return report
 
 
@@ -151,8 +189,17 @@ def _run_subprocess(spec: str, args: argparse.Namespace, env_extra: dict[str, st
     flag = "--backend" if spec in BUILTIN else "--adapter"
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "report.json"
-        cmd = [sys.executable, "-m", "damcha_conformance._cli", "--in-process", "--progress-protocol", flag, spec,
-               "--json", str(out)] + _filters(args)
+        cmd = [
+            sys.executable,
+            "-m",
+            "damcha_conformance._cli",
+            "--in-process",
+            "--progress-protocol",
+            flag,
+            spec,
+            "--json",
+            str(out),
+        ] + _filters(args)
         bar: cu.Progress | None = None
         with open(Path(tmp) / "stderr.txt", "w+") as err:
             proc = subprocess.Popen(cmd, env={**os.environ, **env_extra}, stdout=subprocess.PIPE, stderr=err, text=True)
@@ -218,8 +265,12 @@ def _main(argv: list[str] | None) -> int:
             part = _run_subprocess(spec, args, dict(builtin.env) if builtin else {})
             elapsed = time.perf_counter() - start
             timings.append(f"{spec} {elapsed:.0f} s")
-            print(f"{spec}: {sum(r.status != 'unsupported' for r in part.results)} checks in {elapsed:.1f} s: "
-                  f"{part.verdict}", file=sys.stderr, flush=True)
+            print(
+                f"{spec}: {sum(r.status != 'unsupported' for r in part.results)} checks in {elapsed:.1f} s: "
+                f"{part.verdict}",
+                file=sys.stderr,
+                flush=True,
+            )
             report.extend(part)
         if timings:
             report.notes.append("time per backend: " + ", ".join(timings))

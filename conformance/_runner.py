@@ -73,9 +73,11 @@ class Report:
 
     @property
     def passed(self) -> bool:
-        return (any(r.status != "unsupported" for r in self.results)
-                and all(r.status in ("pass", "unsupported") for r in self.results)
-                and not any(n.startswith("FAIL") for n in self.notes))
+        return (
+            any(r.status != "unsupported" for r in self.results)
+            and all(r.status in ("pass", "unsupported") for r in self.results)
+            and not any(n.startswith("FAIL") for n in self.notes)
+        )
 
     @property
     def verdict(self) -> str:
@@ -111,7 +113,9 @@ class Report:
         assertion message needs."""
         lines = [self.table()]
         for r in self.failures():
-            lines.append(f"{r.status.upper()} {r.backend}/{r.dtype} {r.case} [{r.check}] err={r.max_error:.3g} ratio={r.ratio:.3g} {r.detail}")
+            lines.append(
+                f"{r.status.upper()} {r.backend}/{r.dtype} {r.case} [{r.check}] err={r.max_error:.3g} ratio={r.ratio:.3g} {r.detail}"
+            )
         lines += [f"not checked: {backend}: {what}" for backend, what in self.gaps]
         lines += [f"subset: {backend}: {how}" for backend, how in self.subset]
         return "\n".join(lines)
@@ -133,20 +137,34 @@ class Report:
         fmt = lambda row: "  ".join(str(x).ljust(w) for x, w in zip(row, widths))  # noqa: E731
         out = [fmt(header), fmt(["-" * w for w in widths])] + [fmt(row) for row in body]
         out += [f"note: {n}" for n in self.notes]
-        out.append("cells: checks passed/run (outputs and gradients; 'errors': bad inputs rejected with a clear "
-                   "ValueError), worst max |error|; 'unsup' counts cases the backend declares it cannot run")
+        out.append(
+            "cells: checks passed/run (outputs and gradients; 'errors': bad inputs rejected with a clear "
+            "ValueError), worst max |error|; 'unsup' counts cases the backend declares it cannot run"
+        )
         return "\n".join(out)
 
     def to_json(self) -> str:
-        return json.dumps({"passed": self.passed, "verdict": self.verdict, "notes": self.notes,
-                           "gaps": [list(g) for g in self.gaps], "subset": [list(s) for s in self.subset],
-                           "results": [r.to_dict() for r in self.results]}, indent=1)
+        return json.dumps(
+            {
+                "passed": self.passed,
+                "verdict": self.verdict,
+                "notes": self.notes,
+                "gaps": [list(g) for g in self.gaps],
+                "subset": [list(s) for s in self.subset],
+                "results": [r.to_dict() for r in self.results],
+            },
+            indent=1,
+        )
 
     @classmethod
     def from_json(cls, text: str) -> Report:
         data = json.loads(text)
-        return cls([Result(**r) for r in data["results"]], list(data.get("notes", [])),
-                   [tuple(g) for g in data.get("gaps", [])], [tuple(s) for s in data.get("subset", [])])
+        return cls(
+            [Result(**r) for r in data["results"]],
+            list(data.get("notes", [])),
+            [tuple(g) for g in data.get("gaps", [])],
+            [tuple(s) for s in data.get("subset", [])],
+        )
 
 
 def _cell(results: list[Result]) -> str:
@@ -185,7 +203,9 @@ def check_gradients(adapter: BackendAdapter, case: Case, dtype: str) -> Result:
     if reason:
         return Result(**base, status="unsupported", detail=reason)
     if not adapter.supports_gradients:
-        return Result(**base, status="unsupported", detail="the adapter declares no gradients (supports_gradients=False)")
+        return Result(
+            **base, status="unsupported", detail="the adapter declares no gradients (supports_gradients=False)"
+        )
     tol = tolerance(dtype)
     data = materialise(case)
     try:
@@ -198,7 +218,9 @@ def check_gradients(adapter: BackendAdapter, case: Case, dtype: str) -> Result:
             g = np.asarray(grads[target], dtype=np.float64)
             if g.shape != direction.shape:
                 raise ValueError(f"gradient of {target} has shape {g.shape}, expected {direction.shape}")
-            err, ratio = tol.grad_ratio(float(np.sum(g * direction)), dd_ref, float(np.linalg.norm(g) / np.sqrt(g.size)))
+            err, ratio = tol.grad_ratio(
+                float(np.sum(g * direction)), dd_ref, float(np.linalg.norm(g) / np.sqrt(g.size))
+            )
             if ratio > worst[1]:  # grad_ratio never returns NaN: a NaN gradient is inf
                 worst = (err, ratio, target)
         status = "pass" if worst[1] <= 1 else "fail"
@@ -231,16 +253,22 @@ def check_error(adapter: BackendAdapter, case: ErrorCase, dtype: str) -> Result:
         out = adapter.forward(data, dtype)
     except ValueError as exc:
         message = str(exc)
-        named = any(f"`{n}" in message or f"{n}.shape" in message or f"{n}=" in message or f"_{n}" in message
-                    for n in case.names)
+        named = any(
+            f"`{n}" in message or f"{n}.shape" in message or f"{n}=" in message or f"_{n}" in message
+            for n in case.names
+        )
         said = "Received" in message or "received" in message
         status = "pass" if named and said else "fail"
-        why = "" if status == "pass" else (
-            f"message must name {case.argument!r} (or one of {case.names}) and say what it received: "
+        why = (
+            ""
+            if status == "pass"
+            else (f"message must name {case.argument!r} (or one of {case.names}) and say what it received: ")
         )
         return Result(**base, status=status, detail=f"{why}{type(exc).__name__}: {message.strip()[:300]}")
     except Exception as exc:  # noqa: BLE001 - a crash deep inside a kernel is a failed case, not a clear error
-        return Result(**base, status="fail", detail="expected a ValueError naming the argument; got " + _describe_exc(exc))
+        return Result(
+            **base, status="fail", detail="expected a ValueError naming the argument; got " + _describe_exc(exc)
+        )
     shape = getattr(out, "shape", None)
     return Result(**base, status="fail", detail=f"bad input accepted ({case.corruption}); returned shape {shape}")
 
@@ -349,8 +377,9 @@ def plan_checks(
     run = [d for d in asked if d in declared]
     undeclared = [d for d in asked if d not in declared]
     if undeclared:
-        gaps.append((name, f"dtype {', '.join(undeclared)}: not among the adapter's dtypes "
-                           f"({', '.join(declared) or 'none'})"))
+        gaps.append(
+            (name, f"dtype {', '.join(undeclared)}: not among the adapter's dtypes ({', '.join(declared) or 'none'})")
+        )
     if set(run) != set(declared) and not undeclared:
         subset.append((name, f"dtypes {', '.join(run)} of {', '.join(declared)}"))
     if len(cases) != len(CATALOGUE) or set(cases) != set(CATALOGUE):
@@ -385,8 +414,9 @@ def _unsupported_gaps(name: str, results: list[Result]) -> list[tuple[str, str]]
         if skipped:
             cases = sorted({r.case for r in skipped})
             total = len({r.case for r in mine})
-            gaps.append((name, f"{group}: {len(cases)} of {total} cases unsupported by the adapter "
-                               f"({skipped[0].detail})"))
+            gaps.append(
+                (name, f"{group}: {len(cases)} of {total} cases unsupported by the adapter ({skipped[0].detail})")
+            )
     return gaps
 
 
@@ -441,8 +471,9 @@ def run_conformance(
             progress(result, done, total)
     planned_errors = [c for c in plan.checks if c.kind == "errors"]
     if planned_errors and not any(r.check == "rejects" for r in report.results):
-        report.gaps.append((adapter.name, "errors: the bad-input checks did not run, every other check ended in "
-                                          "an error"))
+        report.gaps.append(
+            (adapter.name, "errors: the bad-input checks did not run, every other check ended in an error")
+        )
     report.gaps += _unsupported_gaps(adapter.name, report.results)
     if not any(r.status != "unsupported" for r in report.results):
         why = "see 'not checked'" if report.gaps else "no check was asked for"

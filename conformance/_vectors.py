@@ -64,7 +64,11 @@ def export_vectors(
     for case in cases:
         data = materialise(case)
         tensors, description = _entry(
-            case, data, causal=case.causal, self_attention=case.self_attention, decode=None,
+            case,
+            data,
+            causal=case.causal,
+            self_attention=case.self_attention,
+            decode=None,
             mask_semantics="bool, True = may attend; 4-D, broadcastable to (B, H, N, M)",
         )
         if data.context is not None:
@@ -86,8 +90,12 @@ def export_vectors(
         entries.append((case.name, tensors, description))
     for case in decode_cases:
         tensors, description = _entry(
-            case, materialise_decode(case), causal=True, self_attention=True,
-            decode={"prefix_len": case.prefix_len, "new_len": case.new_len}, mask_semantics=None,
+            case,
+            materialise_decode(case),
+            causal=True,
+            self_attention=True,
+            decode={"prefix_len": case.prefix_len, "new_len": case.new_len},
+            mask_semantics=None,
         )
         entries.append((case.name, tensors, description))
     written = []

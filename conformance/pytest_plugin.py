@@ -124,13 +124,26 @@ def read_xfails(path: str | Path) -> dict[str, str]:
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("damcha", "damcha conformance (damcha_conformance.pytest_plugin)")
-    group.addoption("--damcha-adapter", metavar="SPEC", default=None,
-                    help="run the conformance catalogue on this adapter: module:attr or a built-in backend name")
-    group.addoption("--damcha-dtype", action="append", default=None, metavar="DTYPE",
-                    help="only these dtypes (repeatable; default: the adapter's own)")
+    group.addoption(
+        "--damcha-adapter",
+        metavar="SPEC",
+        default=None,
+        help="run the conformance catalogue on this adapter: module:attr or a built-in backend name",
+    )
+    group.addoption(
+        "--damcha-dtype",
+        action="append",
+        default=None,
+        metavar="DTYPE",
+        help="only these dtypes (repeatable; default: the adapter's own)",
+    )
     group.addoption("--damcha-no-gradients", action="store_true", default=False, help="check outputs only")
-    group.addoption("--damcha-xfails", metavar="FILE", default=None,
-                    help="checks the port is known to fail: one test id or fnmatch pattern per line, '# reason'")
+    group.addoption(
+        "--damcha-xfails",
+        metavar="FILE",
+        default=None,
+        help="checks the port is known to fail: one test id or fnmatch pattern per line, '# reason'",
+    )
 
 
 class _Session:
@@ -144,12 +157,14 @@ class _Session:
         self.xpassed: list[str] = []
 
     @pytest.hookimpl(tryfirst=True)  # before -k and --deselect filter the items
-    def pytest_collection_modifyitems(self, session: pytest.Session, config: pytest.Config,
-                                      items: list[pytest.Item]) -> None:
+    def pytest_collection_modifyitems(
+        self, session: pytest.Session, config: pytest.Config, items: list[pytest.Item]
+    ) -> None:
         matched: set[str] = set()
         for check in self.checks:
-            item = ConformanceItem.from_parent(session, name=check.id, nodeid=f"damcha-conformance::{check.id}",
-                                               check=check)
+            item = ConformanceItem.from_parent(
+                session, name=check.id, nodeid=f"damcha-conformance::{check.id}", check=check
+            )
             for pattern, reason in self.xfails.items():
                 if fnmatch.fnmatchcase(check.id, pattern) or pattern == item.nodeid:
                     item.add_marker(pytest.mark.xfail(reason=reason, strict=False))
@@ -157,8 +172,12 @@ class _Session:
             items.append(item)
         unknown = [p for p in self.xfails if p not in matched]
         if unknown:
-            warnings.warn(pytest.PytestWarning(f"--damcha-xfails: {len(unknown)} entries match no check: "
-                                               f"{', '.join(unknown[:10])}"), stacklevel=1)
+            warnings.warn(
+                pytest.PytestWarning(
+                    f"--damcha-xfails: {len(unknown)} entries match no check: {', '.join(unknown[:10])}"
+                ),
+                stacklevel=1,
+            )
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if report.when != "call":
@@ -174,7 +193,9 @@ class _Session:
         if hasattr(session.config, "workerinput"):  # an xdist worker: the controller judges
             return
         if not any(r["status"] != "unsupported" for r in self.results) and session.exitstatus in (
-                pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+            pytest.ExitCode.OK,
+            pytest.ExitCode.NO_TESTS_COLLECTED,
+        ):
             session.exitstatus = pytest.ExitCode.TESTS_FAILED  # a run that checked nothing does not pass
 
     def pytest_terminal_summary(self, terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
@@ -186,11 +207,15 @@ class _Session:
         tr.write_line(report.table())
         ran = [r for r in report.results if r.status != "unsupported"]
         # gradients of an adapter without them are said once below, not counted as unsupported cases
-        skipped = sum(r.status == "unsupported" and (r.check != "gradients" or self.adapter.supports_gradients)
-                      for r in report.results)
+        skipped = sum(
+            r.status == "unsupported" and (r.check != "gradients" or self.adapter.supports_gradients)
+            for r in report.results
+        )
         if self.xpassed:
-            tr.write_line(f"XPASS: {len(self.xpassed)} checks listed in --damcha-xfails now pass (remove them): "
-                          + ", ".join(sorted(self.xpassed)[:20]))
+            tr.write_line(
+                f"XPASS: {len(self.xpassed)} checks listed in --damcha-xfails now pass (remove them): "
+                + ", ".join(sorted(self.xpassed)[:20])
+            )
         if not ran:
             tr.write_line(f"FAILED: nothing checked on {name}")
             return
@@ -226,10 +251,12 @@ def pytest_configure(config: pytest.Config) -> None:
     dtypes = config.getoption("damcha_dtype") or declared
     undeclared = [d for d in dtypes if d not in declared]
     if undeclared:
-        raise pytest.UsageError(f"--damcha-dtype: {', '.join(undeclared)} not among the adapter's dtypes "
-                                f"({', '.join(declared)})")
-    planned = checks(list(dict.fromkeys(dtypes)), gradients=not config.getoption("damcha_no_gradients"),
-                     decoding=True, errors=True)
+        raise pytest.UsageError(
+            f"--damcha-dtype: {', '.join(undeclared)} not among the adapter's dtypes ({', '.join(declared)})"
+        )
+    planned = checks(
+        list(dict.fromkeys(dtypes)), gradients=not config.getoption("damcha_no_gradients"), decoding=True, errors=True
+    )
     xfails: dict[str, str] = {}
     path = config.getoption("damcha_xfails")
     if path is not None:
@@ -274,5 +301,3 @@ class ConformanceItem(pytest.Item):
 
 class ConformanceFailure(AssertionError):
     """A check that ran and did not pass (its message is the runner's line)."""
-
-

@@ -35,8 +35,11 @@ def _version() -> str:
 def _help() -> str:
     lines = ["usage: damcha {" + ",".join(SUBCOMMANDS) + "} [options]", "       damcha --version", ""]
     lines += [f"  {name:<11} {text}" for name, (_, text) in SUBCOMMANDS.items()]
-    lines += ["", "'damcha COMMAND --help' describes a command's options.",
-              "Exit status: 0 ok, 1 a check failed (mismatch), 2 bad arguments."]
+    lines += [
+        "",
+        "'damcha COMMAND --help' describes a command's options.",
+        "Exit status: 0 ok, 1 a check failed (mismatch), 2 bad arguments.",
+    ]
     return "\n".join(lines)
 
 
@@ -52,8 +55,10 @@ def main(argv: list[str] | None = None) -> int:
         print(_help(), file=sys.stderr)
         return EXIT_USAGE
     if argv[0] not in SUBCOMMANDS:
-        print(f"damcha: error: unknown command {argv[0]!r}; expected one of {', '.join(SUBCOMMANDS)} "
-              "(see damcha --help)", file=sys.stderr)
+        print(
+            f"damcha: error: unknown command {argv[0]!r}; expected one of {', '.join(SUBCOMMANDS)} (see damcha --help)",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     module_name = SUBCOMMANDS[argv[0]][0]
     try:

@@ -105,8 +105,11 @@ def int_arg(minimum: int | None = None, maximum: int | None = None) -> Callable[
         except ValueError:
             raise argparse.ArgumentTypeError(f"must be an integer. Received: {text!r}") from None
         if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
-            bounds = " and ".join(b for b in (
-                None if minimum is None else f">= {minimum}", None if maximum is None else f"<= {maximum}") if b)
+            bounds = " and ".join(
+                b
+                for b in (None if minimum is None else f">= {minimum}", None if maximum is None else f"<= {maximum}")
+                if b
+            )
             raise argparse.ArgumentTypeError(f"must be an integer {bounds}. Received: {value}")
         return value
 
@@ -133,8 +136,9 @@ def read_only(path: str | os.PathLike[str]) -> bool:
     return not os.access(p, os.W_OK) or p.stat().st_mode & 0o222 == 0
 
 
-def check_output_file(path: str | os.PathLike[str] | None, flag: str, *, prog: str = "damcha",
-                      overwrite: bool = True) -> Path:
+def check_output_file(
+    path: str | os.PathLike[str] | None, flag: str, *, prog: str = "damcha", overwrite: bool = True
+) -> Path:
     """Check that a file can be written at ``path`` before any work is done.
 
     The folder must exist and be writable; ``path`` must not be a folder, nor
@@ -206,7 +210,7 @@ def install_hint(module: str, extra: str | None = None) -> str:
     """``pip install "damcha[<extra>]"`` for ``module`` (``extra`` defaults to
     the smallest one in ``EXTRAS``; never ``[all]``)."""
     extra = EXTRAS.get(module.split(".")[0], "") if extra is None else extra
-    return f'pip install "damcha[{extra}]"' if extra else 'pip install --force-reinstall damcha'
+    return f'pip install "damcha[{extra}]"' if extra else "pip install --force-reinstall damcha"
 
 
 def available(module: str) -> bool:
@@ -217,8 +221,7 @@ def available(module: str) -> bool:
         return False
 
 
-def require(module: str, extra: str | None = None, flag: str = "", *, prog: str = "damcha",
-            why: str = "") -> None:
+def require(module: str, extra: str | None = None, flag: str = "", *, prog: str = "damcha", why: str = "") -> None:
     """Exit 2 with an install hint unless ``module`` is installed (checked
     without importing it, so the check costs nothing before the work).
 
@@ -256,7 +259,9 @@ def atomic_write(path: str | os.PathLike[str], mode: str = "w", encoding: str | 
     if target.exists() and read_only(target):
         raise PermissionError(f"{str(target)!r} is read-only; not replacing it")
     binary = "b" in mode
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent if str(target.parent) else ".")
+    fd, tmp = tempfile.mkstemp(
+        prefix=f".{target.name}.", suffix=".tmp", dir=target.parent if str(target.parent) else "."
+    )
     try:
         with os.fdopen(fd, mode, encoding=None if binary else encoding) as f:
             yield f
@@ -315,8 +320,9 @@ class Progress:
         stream: default ``sys.stderr``.
     """
 
-    def __init__(self, total: int, label: str, *, enabled: bool = True, stream: IO[str] | None = None,
-                 every: float = 0.0) -> None:
+    def __init__(
+        self, total: int, label: str, *, enabled: bool = True, stream: IO[str] | None = None, every: float = 0.0
+    ) -> None:
         self.total, self.label, self.enabled, self.every = total, label, enabled, every
         self.stream = sys.stderr if stream is None else stream
         self.done, self.start = 0, time.perf_counter()
@@ -331,8 +337,15 @@ class Progress:
                 sized = False
             # A terminal that reports no size (a bare pseudo-terminal) gets 80 x 24, not a hidden bar
             # (tqdm draws nothing on a screen of 0 rows).
-            self._bar = tqdm(total=total, desc=label, file=self.stream, leave=False, dynamic_ncols=sized,
-                             ncols=None if sized else 80, nrows=None if sized else 24)
+            self._bar = tqdm(
+                total=total,
+                desc=label,
+                file=self.stream,
+                leave=False,
+                dynamic_ncols=sized,
+                ncols=None if sized else 80,
+                nrows=None if sized else 24,
+            )
 
     def step(self, what: str, *, force: bool = False) -> None:
         """One step done; ``what`` names it. Plain lines are printed at most
@@ -347,8 +360,11 @@ class Progress:
         now = time.perf_counter()
         if force or self.done >= self.total or now - self._last >= self.every:
             self._last = now
-            print(f"{self.label} [{self.done}/{self.total}] {what} ({now - self.start:.0f} s)", file=self.stream,
-                  flush=True)
+            print(
+                f"{self.label} [{self.done}/{self.total}] {what} ({now - self.start:.0f} s)",
+                file=self.stream,
+                flush=True,
+            )
 
     @property
     def elapsed(self) -> float:

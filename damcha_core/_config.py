@@ -115,8 +115,11 @@ class DamchaConfig:
         head size and rank (see ``damcha_core.resolve_generators``)."""
         self._check_side(side)
         return GeneratorSpec(
-            features=self.side_features(side), heads=self.side_heads(side), metric=self.metric,
-            head_dim=self.key_dim, rank=self.metric_rank,
+            features=self.side_features(side),
+            heads=self.side_heads(side),
+            metric=self.metric,
+            head_dim=self.key_dim,
+            rank=self.metric_rank,
         )
 
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -156,8 +159,11 @@ class DamchaConfig:
             raise DamchaValueError(
                 f"`data` has keys that are not DamchaConfig fields: {unknown}. Expected a subset of {sorted(known)}"
             )
-        required = sorted(f.name for f in dataclasses.fields(cls)
-                          if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+        required = sorted(
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        )
         missing = [name for name in required if name not in data]
         if missing:
             raise DamchaValueError(

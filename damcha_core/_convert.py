@@ -43,7 +43,9 @@ def params_from_mha(weights: Mapping[str, Any], config: DamchaConfig, *, seed: i
         raise DamchaValueError(
             f"`weights` must hold only the MHA projections {names}; it already has metric tensors {metric_keys}."
         )
-    checked = validate_params({**{k: v for k, v in params.items() if k not in names}, **weights}, config, argument="weights")
+    checked = validate_params(
+        {**{k: v for k, v in params.items() if k not in names}, **weights}, config, argument="weights"
+    )
     params.update({n: checked[n] for n in names})
     return params
 

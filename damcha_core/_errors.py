@@ -59,7 +59,7 @@ def describe(value: Any) -> str:
         text = repr(value)
         if len(text) <= _MAX_REPR:
             return text
-        return f"{repr(value[:_MAX_REPR - 20])[:-1]}...' ({type(value).__name__} of length {len(value)})"
+        return f"{repr(value[: _MAX_REPR - 20])[:-1]}...' ({type(value).__name__} of length {len(value)})"
     if isinstance(value, (list, tuple, set, frozenset)):
         if len(value) <= 8 and all(isinstance(v, _SCALARS) for v in value):
             text = repr(value)
@@ -78,5 +78,5 @@ def describe(value: Any) -> str:
         text = f"<{type(value).__name__} object>"
     text = " ".join(text.split())  # one line
     if len(text) > _MAX_REPR:
-        text = f"{text[:_MAX_REPR - 3]}... ({type(value).__name__})"
+        text = f"{text[: _MAX_REPR - 3]}... ({type(value).__name__})"
     return text

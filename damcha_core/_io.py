@@ -100,7 +100,9 @@ def save_params(path: str | os.PathLike, params: Mapping[str, Any], config: Damc
         raise DamchaValueError(f"`path` is a directory, expected a file path. Received: path={str(target)!r}")
     folder = target.parent if str(target.parent) else Path(".")
     if not folder.is_dir():
-        raise DamchaValueError(f"`path` is in a folder that does not exist ({str(folder)!r}). Received: path={str(target)!r}")
+        raise DamchaValueError(
+            f"`path` is in a folder that does not exist ({str(folder)!r}). Received: path={str(target)!r}"
+        )
     if target.exists() and read_only(target):
         raise DamchaValueError(f"`path` is a read-only file; it is not replaced. Received: path={str(target)!r}")
     data = save(tensors, metadata=metadata)
@@ -136,8 +138,9 @@ def _read_header(path: Path) -> dict[str, Any]:
             (length,) = struct.unpack("<Q", prefix)
             if length > min(size - 8, _HEADER_LIMIT):
                 raise _unreadable(
-                    path, f"its first 8 bytes announce a {length}-byte header but the file is {size} bytes long "
-                    "(not a safetensors file, or truncated)"
+                    path,
+                    f"its first 8 bytes announce a {length}-byte header but the file is {size} bytes long "
+                    "(not a safetensors file, or truncated)",
                 )
             raw = f.read(length)
     except OSError as exc:
@@ -148,12 +151,17 @@ def _read_header(path: Path) -> dict[str, Any]:
         raise _unreadable(path, "its header is not safetensors JSON (not a safetensors file, or corrupted)") from None
     if not isinstance(header, dict):
         raise _unreadable(path, "its header is not a JSON object")
-    ends = [entry.get("data_offsets", [0, 0])[-1] for name, entry in header.items()
-            if name != "__metadata__" and isinstance(entry, dict)]
+    ends = [
+        entry.get("data_offsets", [0, 0])[-1]
+        for name, entry in header.items()
+        if name != "__metadata__" and isinstance(entry, dict)
+    ]
     needed = max((e for e in ends if isinstance(e, int)), default=0)
     held = size - 8 - length
     if held < needed:
-        raise _unreadable(path, f"the file is truncated: its header describes {needed} bytes of tensors, it holds {held}")
+        raise _unreadable(
+            path, f"the file is truncated: its header describes {needed} bytes of tensors, it holds {held}"
+        )
     return header
 
 

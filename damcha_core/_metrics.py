@@ -91,8 +91,11 @@ class GeneratorSpec:
         fields = ["features", "heads", "metric", "rank"]
         if self.metric not in METRIC_STRUCTURES or METRIC_STRUCTURES[self.metric].uses_head_dim:
             fields.insert(3, "head_dim")
-        return [f"{f}={getattr(other, f)!r} (expected {getattr(self, f)!r})"
-                for f in fields if getattr(self, f) != getattr(other, f)]
+        return [
+            f"{f}={getattr(other, f)!r} (expected {getattr(self, f)!r})"
+            for f in fields
+            if getattr(self, f) != getattr(other, f)
+        ]
 
 
 class MetricStructure:

@@ -113,7 +113,9 @@ def check_params(params: Mapping[str, Any], config: DamchaConfig, *, argument: s
             f"`config` must be a DamchaConfig (or a config with param_shapes()). Received: config={describe(config)}"
         )
     if not isinstance(params, Mapping):
-        raise DamchaTypeError(f"`{argument}` must be a mapping of name -> array. Received: {argument}={describe(params)}")
+        raise DamchaTypeError(
+            f"`{argument}` must be a mapping of name -> array. Received: {argument}={describe(params)}"
+        )
     expected = config.param_shapes()
     missing = [n for n in expected if n not in params]
     extra = sorted(n for n in params if n not in expected)
@@ -124,17 +126,14 @@ def check_params(params: Mapping[str, Any], config: DamchaConfig, *, argument: s
         if extra:
             parts.append(f"unexpected {extra}")
         raise DamchaValueError(
-            f"`{argument}` does not match the config ({'; '.join(parts)}). "
-            f"Expected exactly: {list(expected)}"
+            f"`{argument}` does not match the config ({'; '.join(parts)}). Expected exactly: {list(expected)}"
         )
     for name, shape in expected.items():
         value = params[name]
         if not (hasattr(value, "shape") and hasattr(value, "dtype")):
             value = np.asarray(value)
         if not _dtype_is_real_float(value.dtype):
-            raise DamchaTypeError(
-                f"`{argument}[{name!r}]` must be a real floating array. Received: {describe(value)}"
-            )
+            raise DamchaTypeError(f"`{argument}[{name!r}]` must be a real floating array. Received: {describe(value)}")
         if tuple(value.shape) != shape:
             raise DamchaValueError(
                 f"`{argument}[{name!r}]` must have shape {shape} for this config. "

@@ -193,7 +193,9 @@ def resolve_generators(
     names = check_names(names)
     arg = display(names, "metric_generator")
     sides = config.metric_sides
-    kind = generator_type.__name__ if isinstance(generator_type, type) else " or ".join(t.__name__ for t in generator_type)
+    kind = (
+        generator_type.__name__ if isinstance(generator_type, type) else " or ".join(t.__name__ for t in generator_type)
+    )
     if given is None:
         return {}
     if isinstance(given, generator_type):
@@ -218,7 +220,9 @@ def resolve_generators(
                 f"Received: {arg} with keys {sorted(map(repr, given))}"
             )
         if missing or extra:
-            parts = ([f"missing sides {missing}"] if missing else []) + ([f"unexpected keys [{', '.join(extra)}]"] if extra else [])
+            parts = ([f"missing sides {missing}"] if missing else []) + (
+                [f"unexpected keys [{', '.join(extra)}]"] if extra else []
+            )
             raise DamchaValueError(
                 f"`{arg}` must have exactly this layer's metric sides {list(sides)} "
                 f"(coupling={config.coupling!r}): {'; '.join(parts)}. Received keys: {sorted(map(repr, given))}"
@@ -242,8 +246,7 @@ def resolve_generators(
         differs = config.generator_spec(side).mismatches(spec)
         if differs:
             raise DamchaValueError(
-                f"{labels[side]} does not fit side {side!r} of this layer: {', '.join(differs)}. "
-                f"Received: {spec}"
+                f"{labels[side]} does not fit side {side!r} of this layer: {', '.join(differs)}. Received: {spec}"
             )
     return chosen
 
@@ -261,9 +264,7 @@ def check_token_shape(name: str, shape: tuple[int, ...], features: int, feature_
     """
     shape = tuple(shape)
     if len(shape) != 3:
-        raise DamchaValueError(
-            f"`{name}` must have rank 3, (batch, length, features). Received: {name}.shape={shape}"
-        )
+        raise DamchaValueError(f"`{name}` must have rank 3, (batch, length, features). Received: {name}.shape={shape}")
     if shape[-1] != features:
         raise DamchaValueError(
             f"`{name}` must have {features} features ({feature_arg}). Received: {name}.shape={shape}"
@@ -301,8 +302,9 @@ def check_shapes(
     """
     names = check_names(names)
     if mask_name is not None:
-        warnings.warn("check_shapes(mask_name=...) is deprecated; pass names={'mask': ...}",
-                      DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            "check_shapes(mask_name=...) is deprecated; pass names={'mask': ...}", DeprecationWarning, stacklevel=2
+        )
         names.setdefault("mask", mask_name)
     n = lambda k: display(names, k)  # noqa: E731
     query, context, value, mask = n("query"), n("context"), n("value"), n("mask")

@@ -39,9 +39,7 @@ def float_dtype_error(name: str, value: Any) -> DamchaTypeError:
     )
 
 
-def mask_dtype_error(
-    value: Any, name: str = "mask", expected: str = "boolean (True = may attend)"
-) -> DamchaTypeError:
+def mask_dtype_error(value: Any, name: str = "mask", expected: str = "boolean (True = may attend)") -> DamchaTypeError:
     """The error every backend raises for a mask of the wrong dtype.
 
     ``expected`` states the convention of the argument at hand, e.g. a port
@@ -152,8 +150,9 @@ def head_map(params: Mapping[str, np.ndarray], config: DamchaConfig, side: str, 
     return dense_map(params, config, side, tokens)
 
 
-def project(params: Mapping[str, np.ndarray], config: DamchaConfig, x: np.ndarray, c: np.ndarray,
-            v: np.ndarray | None = None):
+def project(
+    params: Mapping[str, np.ndarray], config: DamchaConfig, x: np.ndarray, c: np.ndarray, v: np.ndarray | None = None
+):
     """q (B, N, H, d), k (B, M, G, d), v (B, M, G, d_v) before any cross-head map;
     the values are projected from ``v`` (default: the context ``c``)."""
     out = []
@@ -198,8 +197,16 @@ def _logits_explicit(params, config, x, c, q, k):
     B, N, H, d = q.shape
     M, G = k.shape[1], k.shape[2]
     sq, sk = side_of(config, "q"), side_of(config, "k")
-    Lq = dense_map(params, config, sq, x) if sq else np.broadcast_to(np.eye(H * d).reshape(H, d, H, d), (B, N, H, d, H, d))
-    Lk = dense_map(params, config, sk, c) if sk else np.broadcast_to(np.eye(G * d).reshape(G, d, G, d), (B, M, G, d, G, d))
+    Lq = (
+        dense_map(params, config, sq, x)
+        if sq
+        else np.broadcast_to(np.eye(H * d).reshape(H, d, H, d), (B, N, H, d, H, d))
+    )
+    Lk = (
+        dense_map(params, config, sk, c)
+        if sk
+        else np.broadcast_to(np.eye(G * d).reshape(G, d, G, d), (B, M, G, d, G, d))
+    )
     qf, kf = q.reshape(B, N, H * d), k.reshape(B, M, G * d)
     Lq, Lk = Lq.reshape(B, N, H, d, H * d), Lk.reshape(B, M, G, d, G * d)
     logits = np.empty((B, H, N, M))
@@ -265,8 +272,13 @@ def damcha_attention(
         mask = np.asarray(mask)
         if mask.dtype != np.bool_:
             raise mask_dtype_error(mask)
-    B, N, M = check_shapes(config, x.shape, None if context is None else c.shape, None if mask is None else mask.shape,
-                           value_shape=None if v_tokens is None else v_tokens.shape)
+    B, N, M = check_shapes(
+        config,
+        x.shape,
+        None if context is None else c.shape,
+        None if mask is None else mask.shape,
+        value_shape=None if v_tokens is None else v_tokens.shape,
+    )
     H = config.num_heads
     causal = check_bool("causal", causal)
     return_weights = check_bool("return_weights", return_weights)
@@ -330,8 +342,9 @@ def metric_penalty(
     x = _as_float64("query", query)
     c = x if context is None else _as_float64("context", context)
     v_tokens = None if value is None else _as_float64("value", value)
-    check_shapes(config, x.shape, None if context is None else c.shape,
-                 value_shape=None if v_tokens is None else v_tokens.shape)
+    check_shapes(
+        config, x.shape, None if context is None else c.shape, value_shape=None if v_tokens is None else v_tokens.shape
+    )
     per_role = []
     for role, tokens in (("q", x), ("k", c)):
         side = side_of(config, role)
@@ -350,7 +363,10 @@ def role_penalty(xp: Any, params: Mapping[str, Any], config: DamchaConfig, side:
     """
     d = config.key_dim
     # Ports may pass only the tensors the formula reads (the gate, and U, V for lowrank).
-    leaves = {leaf: params[f"metric.{side}.{leaf}"] for leaf in config.metric_structure.leaf_names  # type: ignore[union-attr]
-              if f"metric.{side}.{leaf}" in params}
+    leaves = {
+        leaf: params[f"metric.{side}.{leaf}"]
+        for leaf in config.metric_structure.leaf_names  # type: ignore[union-attr]
+        if f"metric.{side}.{leaf}" in params
+    }
     S = leaves["gate"].shape[0]
     return xp.mean(config.metric_structure.penalty_sq(xp, coeff, leaves, d)) / (S * d)  # type: ignore[union-attr]

@@ -71,8 +71,14 @@ class Rotary:
             )
         if not isinstance(self.interleaved, (bool, np.bool_)):
             raise DamchaTypeError(f"`interleaved` must be a bool. Received: interleaved={describe(self.interleaved)}")
-        if isinstance(self.scaling, bool) or not isinstance(self.scaling, numbers.Real) or not np.isfinite(self.scaling):
-            raise DamchaValueError(f"`scaling` must be a finite real number. Received: scaling={describe(self.scaling)}")
+        if (
+            isinstance(self.scaling, bool)
+            or not isinstance(self.scaling, numbers.Real)
+            or not np.isfinite(self.scaling)
+        ):
+            raise DamchaValueError(
+                f"`scaling` must be a finite real number. Received: scaling={describe(self.scaling)}"
+            )
         object.__setattr__(self, "inv_freq", inv.astype(np.float64))
         object.__setattr__(self, "interleaved", bool(self.interleaved))
         object.__setattr__(self, "scaling", float(self.scaling))

@@ -118,7 +118,9 @@ class EncoderConfig:
         shapes: dict[str, tuple[int, ...]] = {SHARED + name: layer[name] for name in shared_names}
         for i in range(self.num_layers):
             pre = f"layers.{i}."
-            shapes.update({f"{pre}attention.{name}": shape for name, shape in layer.items() if name not in shared_names})
+            shapes.update(
+                {f"{pre}attention.{name}": shape for name, shape in layer.items() if name not in shared_names}
+            )
             for norm in ("norm1", "norm2"):
                 shapes[f"{pre}{norm}.scale"] = (E,)
                 shapes[f"{pre}{norm}.bias"] = (E,)
@@ -288,7 +290,12 @@ def encoder_forward(
         pre = f"layers.{i}."
         a_in = norm(h, f"{pre}norm1") if config.norm_first else h
         out = damcha_attention(
-            config.layer_params(p, i), config.attention, a_in, mask=mask, causal=config.causal, return_weights=return_weights
+            config.layer_params(p, i),
+            config.attention,
+            a_in,
+            mask=mask,
+            causal=config.causal,
+            return_weights=return_weights,
         )
         if return_weights:
             out, w = out
@@ -311,7 +318,9 @@ def check_tokens(tokens: Any, config: TokenModelConfig, *, offset: int = 0) -> n
     if not np.issubdtype(array.dtype, np.integer) or array.ndim != 2:
         raise DamchaValueError(f"`tokens` must be integer ids of shape (B, N). Received: tokens={describe(tokens)}")
     if offset + array.shape[1] > config.max_len:
-        raise DamchaValueError(f"`tokens` is longer than max_len={config.max_len}. Received: tokens.shape={array.shape}")
+        raise DamchaValueError(
+            f"`tokens` is longer than max_len={config.max_len}. Received: tokens.shape={array.shape}"
+        )
     if array.size and not (array.min() >= 0 and array.max() < config.vocab_size):
         # NumPy indexing would read -1 as the last row: a silent wrap, as Gather's.
         raise DamchaValueError(
@@ -331,7 +340,7 @@ def token_model_forward(
     p = validate_stack_params(params, config)
     tokens = check_tokens(tokens, config)
     x = p["embedding.table"][tokens] + p["position.table"][: tokens.shape[1]]
-    enc = {k[len("encoder."):]: v for k, v in p.items() if k.startswith("encoder.")}
+    enc = {k[len("encoder.") :]: v for k, v in p.items() if k.startswith("encoder.")}
     out = encoder_forward(enc, config.encoder, x, mask=mask, return_weights=return_weights)
     if return_weights:
         h, weights = out

@@ -64,8 +64,11 @@ def check_int(name: str, value: Any, *, minimum: int = 1, optional: bool = False
         expected = "an int or None" if optional else "an int"
         # A real number such as 1.5 or 8.0 is the right kind of thing with the wrong value for Keras
         # users (ValueError) and the wrong type for Python's (TypeError): the class is both.
-        cls = DamchaNotIntegerError if isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)) \
+        cls = (
+            DamchaNotIntegerError
+            if isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
             else DamchaTypeError
+        )
         raise cls(f"`{name}` must be {expected} >= {minimum}. Received: {name}={describe(value)}")
     if value < minimum:
         raise DamchaValueError(f"`{name}` must be >= {minimum}. Received: {name}={describe(value)}")
@@ -149,8 +152,20 @@ def check_finite_nonneg(name: str, value: Any) -> float:
 # ------------------------------------------------------------- config fields
 
 CONFIG_FIELDS = (
-    "query_dim", "num_heads", "key_dim", "value_dim", "num_kv_heads", "context_dim", "output_dim",
-    "use_bias", "metric", "metric_rank", "coupling", "scale", "dropout", "value_input_dim",
+    "query_dim",
+    "num_heads",
+    "key_dim",
+    "value_dim",
+    "num_kv_heads",
+    "context_dim",
+    "output_dim",
+    "use_bias",
+    "metric",
+    "metric_rank",
+    "coupling",
+    "scale",
+    "dropout",
+    "value_input_dim",
 )
 REQUIRED_FIELDS = ("query_dim", "num_heads", "key_dim")
 # Optional sizes and the field whose value they default to.
@@ -163,8 +178,9 @@ _SIZE_DEFAULTS = (
 )
 
 
-def auto_coupling(num_heads: int, num_kv_heads: int, query_dim: int, context_dim: int,
-                  same_inputs: bool | None = None) -> str:
+def auto_coupling(
+    num_heads: int, num_kv_heads: int, query_dim: int, context_dim: int, same_inputs: bool | None = None
+) -> str:
     """What ``coupling="auto"`` means: "tied" when one generator can serve both
     sides (H == G, E_q == E_kv and the inputs are not known to differ), else
     "separate". The metric does not enter: with metric "none" the coupling is
@@ -174,8 +190,13 @@ def auto_coupling(num_heads: int, num_kv_heads: int, query_dim: int, context_dim
     return "tied" if tied else "separate"
 
 
-def check_tied(names: Mapping[str, str] | None, num_heads: int | None, num_kv_heads: int | None,
-               query_dim: int | None, context_dim: int | None) -> None:
+def check_tied(
+    names: Mapping[str, str] | None,
+    num_heads: int | None,
+    num_kv_heads: int | None,
+    query_dim: int | None,
+    context_dim: int | None,
+) -> None:
     """The constraints of coupling "tied" (with a metric), for the sizes known."""
     n = lambda k: display(names, k)  # noqa: E731
     coupling = n("coupling")
@@ -194,13 +215,27 @@ def check_tied(names: Mapping[str, str] | None, num_heads: int | None, num_kv_he
 
 
 _DEFAULTS = {
-    "value_dim": None, "num_kv_heads": None, "context_dim": None, "output_dim": None, "use_bias": True,
-    "metric": "heads", "metric_rank": None, "coupling": "auto", "scale": None, "dropout": 0.0, "value_input_dim": None,
+    "value_dim": None,
+    "num_kv_heads": None,
+    "context_dim": None,
+    "output_dim": None,
+    "use_bias": True,
+    "metric": "heads",
+    "metric_rank": None,
+    "coupling": "auto",
+    "scale": None,
+    "dropout": 0.0,
+    "value_input_dim": None,
 }
 
 
-def check_config_fields(fields: Mapping[str, Any], names: Mapping[str, str] | None = None, *,
-                        partial: bool = False, same_inputs: bool | None = None) -> dict[str, Any]:
+def check_config_fields(
+    fields: Mapping[str, Any],
+    names: Mapping[str, str] | None = None,
+    *,
+    partial: bool = False,
+    same_inputs: bool | None = None,
+) -> dict[str, Any]:
     """Validate and normalise DamchaConfig fields; the one implementation of its rules.
 
     Args:
@@ -238,7 +273,9 @@ def check_config_fields(fields: Mapping[str, Any], names: Mapping[str, str] | No
         )
     out["use_bias"] = check_bool(n("use_bias"), values["use_bias"])
     metric = out["metric"] = check_choice(n("metric"), values["metric"], METRICS)
-    coupling = "auto" if values["coupling"] is None else check_choice(n("coupling"), values["coupling"], COUPLING_CHOICES)
+    coupling = (
+        "auto" if values["coupling"] is None else check_choice(n("coupling"), values["coupling"], COUPLING_CHOICES)
+    )
     rank = values["metric_rank"]
     if metric == "lowrank":
         if rank is None:
@@ -264,7 +301,9 @@ def check_config_fields(fields: Mapping[str, Any], names: Mapping[str, str] | No
     if scale is not None:
         scale = check_real(n("scale"), scale)
         if not (math.isfinite(scale) and scale > 0):
-            raise DamchaValueError(f"`{n('scale')}` must be a finite number > 0 or None. Received: {n('scale')}={scale}")
+            raise DamchaValueError(
+                f"`{n('scale')}` must be a finite number > 0 or None. Received: {n('scale')}={scale}"
+            )
     out["scale"] = scale
     out["dropout"] = check_rate(n("dropout"), values["dropout"])
     return {k: out[k] for k in fields} if partial else out

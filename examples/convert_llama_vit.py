@@ -32,14 +32,29 @@ import damcha_torch as dt  # noqa: E402
 
 
 def build_llama(size: int) -> LlamaForCausalLM:
-    config = LlamaConfig(vocab_size=128, hidden_size=size, intermediate_size=2 * size, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=size,
+        intermediate_size=2 * size,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     return LlamaForCausalLM(config)
 
 
 def build_vit(size: int) -> torch.nn.Module:
-    return timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, embed_dim=size,
-                             depth=2, num_heads=4, num_classes=10)
+    return timm.create_model(
+        "vit_tiny_patch16_224",
+        pretrained=False,
+        img_size=32,
+        patch_size=8,
+        embed_dim=size,
+        depth=2,
+        num_heads=4,
+        num_classes=10,
+    )
 
 
 def optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -55,8 +70,7 @@ def mean_gate(model: torch.nn.Module) -> float:
     return float(torch.cat([g.detach().abs().flatten() for g in gates]).mean())
 
 
-def onnx_check(module: torch.nn.Module, example: torch.Tensor, other: torch.Tensor, path: str,
-               dynamic: dict) -> float:
+def onnx_check(module: torch.nn.Module, example: torch.Tensor, other: torch.Tensor, path: str, dynamic: dict) -> float:
     """Export with the dynamo exporter, run ``other`` (another shape) in onnxruntime,
     return the largest difference from torch. Example sizes are chosen unlike any
     model size (a batch or length equal to a head size would be tied to it)."""
@@ -114,7 +128,10 @@ def main(argv: list[str] | None = None) -> dict:
     with torch.no_grad():
         results["llama_reload_equal"] = bool(torch.equal(reloaded(input_ids=ids).logits, llama(input_ids=ids).logits))
     results["llama_onnx_max_diff"] = onnx_check(
-        LogitsOnly(reloaded), ids[:3, :7], torch.randint(0, 128, (2, 11)), os.path.join(out, "llama.onnx"),
+        LogitsOnly(reloaded),
+        ids[:3, :7],
+        torch.randint(0, 128, (2, 11)),
+        os.path.join(out, "llama.onnx"),
         {0: "batch", 1: "length"},
     )
 
@@ -138,8 +155,9 @@ def main(argv: list[str] | None = None) -> dict:
     twin.eval()
     with torch.no_grad():
         results["vit_reload_equal"] = bool(torch.equal(twin(images), vit(images)))
-    results["vit_onnx_max_diff"] = onnx_check(twin, images[:3], torch.randn(5, 3, 32, 32),
-                                              os.path.join(out, "vit.onnx"), {0: "batch"})
+    results["vit_onnx_max_diff"] = onnx_check(
+        twin, images[:3], torch.randn(5, 3, 32, 32), os.path.join(out, "vit.onnx"), {0: "batch"}
+    )
     for key, value in results.items():
         print(f"{key}: {value}")
     return results

@@ -90,8 +90,11 @@ def __getattr__(name: str) -> Any:
     if name in _DEPRECATED:
         import warnings
 
-        warnings.warn(f"damcha_experiments.{name} is deprecated; use {_DEPRECATED[name]} (and task_config for a "
-                      "task's settings)", DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            f"damcha_experiments.{name} is deprecated; use {_DEPRECATED[name]} (and task_config for a task's settings)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return HEADLINE if name == "DEFAULT_VARIANTS" else {t: task_config(t) for t in TASK_NAMES}
     if name in _LAZY:
         import importlib

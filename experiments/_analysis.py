@@ -43,8 +43,14 @@ def _score(higher: bool, v: float) -> float:
     return v if higher else -v
 
 
-def value_at(results: dict[str, Any], run: dict[str, Any], *, max_step: float = math.inf,
-             max_time: float = math.inf, s_per_step: float | None = None) -> float:
+def value_at(
+    results: dict[str, Any],
+    run: dict[str, Any],
+    *,
+    max_step: float = math.inf,
+    max_time: float = math.inf,
+    s_per_step: float | None = None,
+) -> float:
     """The run's test metric at its best validation evaluation within the budget (NaN if none)."""
     higher = results["higher_is_better"]
     c = run["curve"]
@@ -76,13 +82,20 @@ def budgets(results: dict[str, Any], names: list[str], cost: dict[str, Any] | No
                 continue
             steps.append(c["step"][-1])
             times.append(c["step"][-1] * sps if sps is not None else c["train_time_s"][-1])
-    return {"steps": min(steps) if steps else math.nan, "time_s": min(times) if times else math.nan,
-            "time_source": "cost" if cost is not None and all(_s_per_step(cost, n) is not None for n in names)
-            else "run"}
+    return {
+        "steps": min(steps) if steps else math.nan,
+        "time_s": min(times) if times else math.nan,
+        "time_source": "cost" if cost is not None and all(_s_per_step(cost, n) is not None for n in names) else "run",
+    }
 
 
-def values(results: dict[str, Any], name: str, budget: str, b: dict[str, float] | None = None,
-           cost: dict[str, Any] | None = None) -> list[float]:
+def values(
+    results: dict[str, Any],
+    name: str,
+    budget: str,
+    b: dict[str, float] | None = None,
+    cost: dict[str, Any] | None = None,
+) -> list[float]:
     """Test metric per seed (seed order) of ``name`` at ``budget`` ("converged", "steps" or "time")."""
     runs = sorted(results["variants"][name]["runs"], key=lambda r: r["seed"])
     if budget == "converged":
@@ -94,7 +107,7 @@ def values(results: dict[str, Any], name: str, budget: str, b: dict[str, float] 
 
 
 def decide(p_adjusted: float | None, mean: float) -> str:
-    """"better" / "worse" (Holm-adjusted p < ALPHA), "within noise", or "n/a" when a seed has no value
+    """ "better" / "worse" (Holm-adjusted p < ALPHA), "within noise", or "n/a" when a seed has no value
     (a diverged run, or no evaluation within the budget)."""
     if not math.isfinite(mean):
         return "n/a"
@@ -105,8 +118,15 @@ def decide(p_adjusted: float | None, mean: float) -> str:
     return "within noise"
 
 
-def compare(results: dict[str, Any], names: list[str], baseline: str, *, budget: str = "converged",
-            cost: dict[str, Any] | None = None, margin: float | None = None) -> list[dict[str, Any]]:
+def compare(
+    results: dict[str, Any],
+    names: list[str],
+    baseline: str,
+    *,
+    budget: str = "converged",
+    cost: dict[str, Any] | None = None,
+    margin: float | None = None,
+) -> list[dict[str, Any]]:
     """Paired comparison of each of ``names`` with ``baseline`` at ``budget``, Holm-adjusted over ``names``."""
     higher = results["higher_is_better"]
     margin = results["config"]["margin"] if margin is None else margin
@@ -117,9 +137,15 @@ def compare(results: dict[str, Any], names: list[str], baseline: str, *, budget:
         mine = values(results, name, budget, b, cost)
         n = min(len(mine), len(base_values))  # pairs by seed; a shorter list (fewer seeds) pairs its prefix
         stats = paired_difference(mine[:n], base_values[:n], higher_is_better=higher)
-        rows.append({"variant": name, "baseline": baseline, "budget": budget,
-                     "budget_value": (b["steps"] if budget == "steps" else b["time_s"]) if b else None,
-                     **stats})
+        rows.append(
+            {
+                "variant": name,
+                "baseline": baseline,
+                "budget": budget,
+                "budget_value": (b["steps"] if budget == "steps" else b["time_s"]) if b else None,
+                **stats,
+            }
+        )
     for row, p in zip(rows, holm([r["p"] for r in rows])):
         row["p_holm"] = p
         row["decision"] = decide(p, row["mean"])
@@ -153,8 +179,13 @@ def threshold_summary(results: dict[str, Any]) -> list[dict[str, Any]]:
         for name in results["variants"]:
             s = _steps_to(results, name, key)
             reached = [x for x in s if math.isfinite(x)]
-            row = {"variant": name, "threshold": thr, "reached": len(reached), "n": len(s),
-                   "median_steps": float(np.median(reached)) if reached else None}
+            row = {
+                "variant": name,
+                "threshold": thr,
+                "reached": len(reached),
+                "n": len(s),
+                "median_steps": float(np.median(reached)) if reached else None,
+            }
             if base is not None and name != "mha":
                 fill = float(cfg["max_steps"])
                 a = [x if math.isfinite(x) else fill for x in s]
@@ -170,13 +201,20 @@ def stability(results: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for name, r in results["variants"].items():
         tests = [run["test_metric"] for run in r["runs"]]
-        rows.append({
-            "variant": name, "divergences": r["divergences"], "sweep_divergences": r.get("sweep_divergences", 0),
-            "loss_spikes": r["loss_spikes"], "runs": len(r["runs"]),
-            "seed_std": describe(tests)["std"], "seed_range": [min(tests), max(tests)],
-            "stop_reasons": {k: sum(run["stop_reason"] == k for run in r["runs"])
-                             for k in ("plateau", "max_steps", "diverged")},
-        })
+        rows.append(
+            {
+                "variant": name,
+                "divergences": r["divergences"],
+                "sweep_divergences": r.get("sweep_divergences", 0),
+                "loss_spikes": r["loss_spikes"],
+                "runs": len(r["runs"]),
+                "seed_std": describe(tests)["std"],
+                "seed_range": [min(tests), max(tests)],
+                "stop_reasons": {
+                    k: sum(run["stop_reason"] == k for run in r["runs"]) for k in ("plateau", "max_steps", "diverged")
+                },
+            }
+        )
     return rows
 
 
@@ -188,8 +226,11 @@ def _task_gain(results: dict[str, Any], cost: dict[str, Any] | None = None) -> d
     names = damcha_names(results)
     present = [b for b in BASELINES if b in results["variants"]]
     tables = {b: compare(results, names, b, cost=cost) for b in present}
-    better = [n for n in names if present and all(
-        next(r for r in tables[b] if r["variant"] == n)["decision"] == "better" for b in present)]
+    better = [
+        n
+        for n in names
+        if present and all(next(r for r in tables[b] if r["variant"] == n)["decision"] == "better" for b in present)
+    ]
     no_gain_vs = [b for b in present if all(r["no_gain"] for r in tables[b])]
     if not present or not names:
         status = "inconclusive"
@@ -199,33 +240,56 @@ def _task_gain(results: dict[str, Any], cost: dict[str, Any] | None = None) -> d
         status = "no gain"
     else:
         status = "inconclusive"
-    return {"task": results["task"], "status": status, "better_variants": better, "no_gain_vs": no_gain_vs,
-            "baselines": present}
+    return {
+        "task": results["task"],
+        "status": status,
+        "better_variants": better,
+        "no_gain_vs": no_gain_vs,
+        "baselines": present,
+    }
 
 
-def verdicts(headline: dict[str, dict[str, Any]], ablation: dict[str, dict[str, Any]],
-             costs: dict[str, dict[str, Any]], tolerance: float = OVERHEAD_TOLERANCE) -> list[dict[str, Any]]:
+def verdicts(
+    headline: dict[str, dict[str, Any]],
+    ablation: dict[str, dict[str, Any]],
+    costs: dict[str, dict[str, Any]],
+    tolerance: float = OVERHEAD_TOLERANCE,
+) -> list[dict[str, Any]]:
     """One verdict per claim: "supported", "not supported" or "inconclusive", with the reason and the rule."""
     out = []
     # Claim 1
-    rule1 = ("supported if some DAMCHA variant is 'better' (Holm-adjusted paired t test, p < 0.05) than MHA and than "
-             "talking-heads in converged test accuracy on crosshead; not supported if the 95% interval of every "
-             "DAMCHA variant's gain over one of the baselines excludes a gain of the task's margin; inconclusive "
-             "otherwise. Steps-to-threshold are reported beside it.")
+    rule1 = (
+        "supported if some DAMCHA variant is 'better' (Holm-adjusted paired t test, p < 0.05) than MHA and than "
+        "talking-heads in converged test accuracy on crosshead; not supported if the 95% interval of every "
+        "DAMCHA variant's gain over one of the baselines excludes a gain of the task's margin; inconclusive "
+        "otherwise. Steps-to-threshold are reported beside it."
+    )
     if "crosshead" in headline:
         g = _task_gain(headline["crosshead"], costs.get("crosshead"))
         verdict = {"better": "supported", "no gain": "not supported"}.get(g["status"], "inconclusive")
-        reason = (f"better than {', '.join(g['baselines'])}: {', '.join(g['better_variants'])}" if g["better_variants"]
-                  else f"no DAMCHA variant beats every baseline ({g['status']})")
+        reason = (
+            f"better than {', '.join(g['baselines'])}: {', '.join(g['better_variants'])}"
+            if g["better_variants"]
+            else f"no DAMCHA variant beats every baseline ({g['status']})"
+        )
     else:
         verdict, reason = "inconclusive", "no crosshead results"
-    out.append({"claim": 1, "title": "expressive power (crosshead, trained to convergence)", "verdict": verdict,
-                "reason": reason, "rule": rule1})
+    out.append(
+        {
+            "claim": 1,
+            "title": "expressive power (crosshead, trained to convergence)",
+            "verdict": verdict,
+            "reason": reason,
+            "rule": rule1,
+        }
+    )
     # Claim 2
-    rule2 = ("per task (charlm, listops, digits): 'better' if some DAMCHA variant is better than every baseline "
-             "(same test as claim 1), 'no gain' if against one baseline every DAMCHA variant's 95% interval "
-             "excludes a gain of the margin. Supported if every task is 'better'; not supported if any task is "
-             "'no gain'; inconclusive otherwise (a task without results counts as inconclusive).")
+    rule2 = (
+        "per task (charlm, listops, digits): 'better' if some DAMCHA variant is better than every baseline "
+        "(same test as claim 1), 'no gain' if against one baseline every DAMCHA variant's 95% interval "
+        "excludes a gain of the margin. Supported if every task is 'better'; not supported if any task is "
+        "'no gain'; inconclusive otherwise (a task without results counts as inconclusive)."
+    )
     tasks = [t for t in CLAIM2_TASKS if t in headline]
     gains = [_task_gain(headline[t], costs.get(t)) for t in tasks]
     if not gains:
@@ -238,15 +302,26 @@ def verdicts(headline: dict[str, dict[str, Any]], ablation: dict[str, dict[str, 
     else:
         verdict = "inconclusive"
         reason = "; ".join(f"{g['task']}: {g['status']}" for g in gains) + (
-            "" if len(gains) == len(CLAIM2_TASKS) else f"; missing: {sorted(set(CLAIM2_TASKS) - set(tasks))}")
-    out.append({"claim": 2, "title": "learning performance across tasks (trained until the plateau)",
-                "verdict": verdict, "reason": reason, "rule": rule2, "tasks": gains})
+            "" if len(gains) == len(CLAIM2_TASKS) else f"; missing: {sorted(set(CLAIM2_TASKS) - set(tasks))}"
+        )
+    out.append(
+        {
+            "claim": 2,
+            "title": "learning performance across tasks (trained until the plateau)",
+            "verdict": verdict,
+            "reason": reason,
+            "rule": rule2,
+            "tasks": gains,
+        }
+    )
     # Claim 3
-    rule3 = (f"a DAMCHA variant's overhead is 'comparable' when its whole-model time per training step (median of "
-             f"interleaved per-round ratios) and its training memory (activations + parameters + gradients + "
-             f"optimiser state) are both at most {tolerance:g}x MHA's. Supported if every headline DAMCHA variant "
-             f"is comparable on every task measured; not supported if none is on some task; inconclusive if mixed, "
-             f"or if a timing ran with a load average above {BUSY_LOAD_FRACTION:g} x the cores.")
+    rule3 = (
+        f"a DAMCHA variant's overhead is 'comparable' when its whole-model time per training step (median of "
+        f"interleaved per-round ratios) and its training memory (activations + parameters + gradients + "
+        f"optimiser state) are both at most {tolerance:g}x MHA's. Supported if every headline DAMCHA variant "
+        f"is comparable on every task measured; not supported if none is on some task; inconclusive if mixed, "
+        f"or if a timing ran with a load average above {BUSY_LOAD_FRACTION:g} x the cores."
+    )
     rows3, busy = [], []
     for task, cost in costs.items():
         env = cost.get("environment", {})
@@ -256,8 +331,15 @@ def verdicts(headline: dict[str, dict[str, Any]], ablation: dict[str, dict[str, 
         for name, e in cost["variants"].items():
             if get_kind(headline.get(task), name) == "damcha" and "time_ratio_vs_mha" in e:
                 ok = e["time_ratio_vs_mha"] <= tolerance and e["train_bytes_ratio_vs_mha"] <= tolerance
-                rows3.append({"task": task, "variant": name, "time_ratio": e["time_ratio_vs_mha"],
-                              "memory_ratio": e["train_bytes_ratio_vs_mha"], "comparable": ok})
+                rows3.append(
+                    {
+                        "task": task,
+                        "variant": name,
+                        "time_ratio": e["time_ratio_vs_mha"],
+                        "memory_ratio": e["train_bytes_ratio_vs_mha"],
+                        "comparable": ok,
+                    }
+                )
     if not rows3:
         verdict, reason = "inconclusive", "no cost measurement"
     elif busy:
@@ -266,12 +348,14 @@ def verdicts(headline: dict[str, dict[str, Any]], ablation: dict[str, dict[str, 
         verdict, reason = "supported", "every DAMCHA variant within the tolerance on every task"
     elif any(not any(r["comparable"] for r in rows3 if r["task"] == t) for t in {r["task"] for r in rows3}):
         verdict = "not supported"
-        reason = "no DAMCHA variant within the tolerance on " + ", ".join(sorted(
-            t for t in {r["task"] for r in rows3} if not any(r["comparable"] for r in rows3 if r["task"] == t)))
+        reason = "no DAMCHA variant within the tolerance on " + ", ".join(
+            sorted(t for t in {r["task"] for r in rows3} if not any(r["comparable"] for r in rows3 if r["task"] == t))
+        )
     else:
         verdict = "inconclusive"
         reason = "variant-dependent: over the tolerance: " + ", ".join(
-            f"{r['variant']} ({r['task']})" for r in rows3 if not r["comparable"])
+            f"{r['variant']} ({r['task']})" for r in rows3 if not r["comparable"]
+        )
     # Beside the rule: does the accuracy picture survive at equal training time?
     equal_time = {}
     for task, cost in costs.items():
@@ -282,16 +366,28 @@ def verdicts(headline: dict[str, dict[str, Any]], ablation: dict[str, dict[str, 
         equal_time[task] = {d: [r["variant"] for r in rows if r["decision"] == d] for d in ("better", "worse")}
     if equal_time:
         reason += "; vs MHA at equal training time: " + "; ".join(
-            f"{t}: better {v['better'] or 'none'}, worse {v['worse'] or 'none'}" for t, v in equal_time.items())
-    out.append({"claim": 3, "title": "comparable or reduced computational overhead", "verdict": verdict,
-                "reason": reason, "rule": rule3, "rows": rows3, "equal_time": equal_time})
+            f"{t}: better {v['better'] or 'none'}, worse {v['worse'] or 'none'}" for t, v in equal_time.items()
+        )
+    out.append(
+        {
+            "claim": 3,
+            "title": "comparable or reduced computational overhead",
+            "verdict": verdict,
+            "reason": reason,
+            "rule": rule3,
+            "rows": rows3,
+            "equal_time": equal_time,
+        }
+    )
     # Claim 4
-    rule4 = ("stack-wise sharing (damcha-heads-tied-shared vs damcha-heads-tied, damcha-heads-query-shared vs "
-             "damcha-heads-query, paired, converged test metric): supported if on every ablation task each shared "
-             "variant is non-inferior (lower end of the 95% interval of its gain above -margin) with no more "
-             "divergences and loss spikes than its unshared reference; not supported if a shared variant is "
-             "'worse' (Holm over the ablation family) or diverges more often; inconclusive otherwise. The other "
-             "ablations are reported with their decisions and carry no claim verdict.")
+    rule4 = (
+        "stack-wise sharing (damcha-heads-tied-shared vs damcha-heads-tied, damcha-heads-query-shared vs "
+        "damcha-heads-query, paired, converged test metric): supported if on every ablation task each shared "
+        "variant is non-inferior (lower end of the 95% interval of its gain above -margin) with no more "
+        "divergences and loss spikes than its unshared reference; not supported if a shared variant is "
+        "'worse' (Holm over the ablation family) or diverges more often; inconclusive otherwise. The other "
+        "ablations are reported with their decisions and carry no claim verdict."
+    )
     pairs = [("damcha-heads-tied-shared", "damcha-heads-tied"), ("damcha-heads-query-shared", "damcha-heads-query")]
     checks = []
     for task, res in ablation.items():
@@ -301,27 +397,45 @@ def verdicts(headline: dict[str, dict[str, Any]], ablation: dict[str, dict[str, 
             row = compare(res, [shared], ref)[0]
             lo = row["ci"][0] if row["ci"] is not None else math.nan
             s, r_ = res["variants"][shared], res["variants"][ref]
-            checks.append({
-                "task": task, "shared": shared, "reference": ref, "decision": row["decision"],
-                "non_inferior": bool(math.isfinite(lo) and lo > -row["margin"]),
-                "stability_ok": s["divergences"] <= r_["divergences"] and s["loss_spikes"] <= r_["loss_spikes"],
-                "more_divergences": s["divergences"] > r_["divergences"], "gain": row,
-            })
+            checks.append(
+                {
+                    "task": task,
+                    "shared": shared,
+                    "reference": ref,
+                    "decision": row["decision"],
+                    "non_inferior": bool(math.isfinite(lo) and lo > -row["margin"]),
+                    "stability_ok": s["divergences"] <= r_["divergences"] and s["loss_spikes"] <= r_["loss_spikes"],
+                    "more_divergences": s["divergences"] > r_["divergences"],
+                    "gain": row,
+                }
+            )
     if not checks:
         verdict, reason = "inconclusive", "no ablation results with a shared variant and its reference"
     elif all(c["non_inferior"] and c["stability_ok"] for c in checks):
         verdict, reason = "supported", "every shared variant non-inferior and no less stable"
     elif any(c["decision"] == "worse" or c["more_divergences"] for c in checks):
         verdict = "not supported"
-        reason = "; ".join(f"{c['shared']} on {c['task']}: {c['decision']}"
-                           + (", more divergences" if c["more_divergences"] else "")
-                           for c in checks if c["decision"] == "worse" or c["more_divergences"])
+        reason = "; ".join(
+            f"{c['shared']} on {c['task']}: {c['decision']}" + (", more divergences" if c["more_divergences"] else "")
+            for c in checks
+            if c["decision"] == "worse" or c["more_divergences"]
+        )
     else:
         verdict = "inconclusive"
-        reason = "; ".join(f"{c['shared']} on {c['task']}: non-inferior={c['non_inferior']}, "
-                           f"stability_ok={c['stability_ok']}" for c in checks)
-    out.append({"claim": 4, "title": "stack-wise sharing as regularisation (efficiency, stable optimisation)",
-                "verdict": verdict, "reason": reason, "rule": rule4, "checks": checks})
+        reason = "; ".join(
+            f"{c['shared']} on {c['task']}: non-inferior={c['non_inferior']}, stability_ok={c['stability_ok']}"
+            for c in checks
+        )
+    out.append(
+        {
+            "claim": 4,
+            "title": "stack-wise sharing as regularisation (efficiency, stable optimisation)",
+            "verdict": verdict,
+            "reason": reason,
+            "rule": rule4,
+            "checks": checks,
+        }
+    )
     return out
 
 

@@ -54,46 +54,86 @@ def _train_parser() -> argparse.ArgumentParser:
         "resume an interrupted run. 'damcha experiment report DIR' writes the tables and verdicts.",
     )
     p.add_argument("task", choices=TASKS, help="which experiment")
-    p.add_argument("--preset", choices=PRESETS, default="default",
-                   help="sizes and budgets: smoke (CI, seconds), default (minutes), full (the runs behind "
-                   "docs/results.md, hours on a 2-core CPU), large (GPU sizes, with --device cuda)")
-    p.add_argument("--suite", choices=sorted(SUITES), default="headline",
-                   help="headline: baselines and DAMCHA couplings (claims 1-3); ablation: claim 4")
-    p.add_argument("--variants", nargs="+", default=None, metavar="NAME",
-                   help=f"run only these (space or comma separated) from {sorted(VARIANTS)}")
+    p.add_argument(
+        "--preset",
+        choices=PRESETS,
+        default="default",
+        help="sizes and budgets: smoke (CI, seconds), default (minutes), full (the runs behind "
+        "docs/results.md, hours on a 2-core CPU), large (GPU sizes, with --device cuda)",
+    )
+    p.add_argument(
+        "--suite",
+        choices=sorted(SUITES),
+        default="headline",
+        help="headline: baselines and DAMCHA couplings (claims 1-3); ablation: claim 4",
+    )
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help=f"run only these (space or comma separated) from {sorted(VARIANTS)}",
+    )
     p.add_argument("--seeds", type=_positive_int, default=None, help="paired seeds per variant (preset's default)")
-    p.add_argument("--sweep-seeds", type=_positive_int, default=None,
-                   help="seeds trained at every learning rate of the sweep (preset's default)")
-    p.add_argument("--lrs", type=_positive_float, nargs="+", default=None, metavar="LR",
-                   help="learning-rate grid of each variant's sweep (preset's default)")
+    p.add_argument(
+        "--sweep-seeds",
+        type=_positive_int,
+        default=None,
+        help="seeds trained at every learning rate of the sweep (preset's default)",
+    )
+    p.add_argument(
+        "--lrs",
+        type=_positive_float,
+        nargs="+",
+        default=None,
+        metavar="LR",
+        help="learning-rate grid of each variant's sweep (preset's default)",
+    )
     p.add_argument("--max-steps", type=_positive_int, default=None, help="hard step limit per run")
     # The first version's name; kept one release (it warns).
     p.add_argument("--steps", type=_positive_int, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--eval-size", type=_positive_int, default=None,
-                   help="validation and test examples (charlm: windows) each")
+    p.add_argument(
+        "--eval-size", type=_positive_int, default=None, help="validation and test examples (charlm: windows) each"
+    )
     p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:N (default cpu)")
     p.add_argument("--threads", type=_positive_int, default=1, help="torch intra-op threads (default 1)")
-    p.add_argument("--out", default="experiment-results",
-                   help="output folder (default ./experiment-results); run checkpoints live in <out>/runs")
+    p.add_argument(
+        "--out",
+        default="experiment-results",
+        help="output folder (default ./experiment-results); run checkpoints live in <out>/runs",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress output")
     p.add_argument("--no-plots", action="store_true", help="write the JSON only (no matplotlib needed)")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--no-cost", action="store_true", help="skip the time-per-step and memory measurement")
-    group.add_argument("--cost-only", action="store_true",
-                       help="only measure time per step and memory (on a quiet machine), no training")
-    group.add_argument("--from-json", metavar="PATH", default=None,
-                       help="do not train: redraw the plots and table from an earlier results JSON into --out")
+    group.add_argument(
+        "--cost-only",
+        action="store_true",
+        help="only measure time per step and memory (on a quiet machine), no training",
+    )
+    group.add_argument(
+        "--from-json",
+        metavar="PATH",
+        default=None,
+        help="do not train: redraw the plots and table from an earlier results JSON into --out",
+    )
     return p
 
 
 def _report_parser() -> argparse.ArgumentParser:
-    p = cu.ArgumentParser(prog=f"{PROG} report",
-                description="Read every results JSON in FOLDER; write the report's tables and a verdict per claim "
-                "(markdown and JSON) and redraw the equal-time plots.")
+    p = cu.ArgumentParser(
+        prog=f"{PROG} report",
+        description="Read every results JSON in FOLDER; write the report's tables and a verdict per claim "
+        "(markdown and JSON) and redraw the equal-time plots.",
+    )
     p.add_argument("folder", help="folder holding TASK.json, TASK_ablation.json and TASK_cost.json files")
     p.add_argument("--out", default=None, help="markdown file to write (default FOLDER/report.md; JSON beside it)")
-    p.add_argument("--tolerance", type=_positive_float, default=None,
-                   help="claim 3: DAMCHA cost within this factor of MHA counts as comparable (default 1.25)")
+    p.add_argument(
+        "--tolerance",
+        type=_positive_float,
+        default=None,
+        help="claim 3: DAMCHA cost within this factor of MHA counts as comparable (default 1.25)",
+    )
     p.add_argument("--no-plots", action="store_true", help="do not redraw the equal-time plots")
     return p
 
@@ -114,9 +154,14 @@ def _read_results(flag: str, path_text: str, task: str | None) -> dict[str, Any]
     from ._tasks import RESULTS_FORMAT
 
     if obj.get("format") != RESULTS_FORMAT or obj.get("kind") == "cost":
-        _fail(flag, f"{path_text!r} is not a damcha experiment results file (format {obj.get('format')!r}, "
-                    f"expected {RESULTS_FORMAT!r})")
-    missing = [k for k in ("task", "suite", "metric", "higher_is_better", "seeds", "config", "variants") if k not in obj]
+        _fail(
+            flag,
+            f"{path_text!r} is not a damcha experiment results file (format {obj.get('format')!r}, "
+            f"expected {RESULTS_FORMAT!r})",
+        )
+    missing = [
+        k for k in ("task", "suite", "metric", "higher_is_better", "seeds", "config", "variants") if k not in obj
+    ]
     if missing or not isinstance(obj.get("variants"), dict) or not obj["variants"]:
         _fail(flag, f"{path_text!r} is missing {missing or ['variants']}")
     for name, v in obj["variants"].items():
@@ -247,8 +292,11 @@ def _train_main(argv: list[str]) -> int:
     if args.steps is not None:
         if args.max_steps is not None:
             _fail("--steps", "is the deprecated name of --max-steps; give only --max-steps")
-        print(f"{PROG}: warning: --steps is deprecated, use --max-steps (a hard limit; runs stop earlier at a "
-              "validation plateau)", file=sys.stderr)
+        print(
+            f"{PROG}: warning: --steps is deprecated, use --max-steps (a hard limit; runs stop earlier at a "
+            "validation plateau)",
+            file=sys.stderr,
+        )
         args.max_steps = args.steps
     variants = _variants(args)
     cfg = _config(args)
@@ -265,8 +313,14 @@ def _train_main(argv: list[str]) -> int:
             _fail("--from-json", f"{args.from_json!r} is incomplete ({type(exc).__name__}: {exc})")
         cost = _sibling_cost(Path(args.from_json), results)
         try:
-            paths = _staged(out, lambda d: {"json": write_json(results, d / f"{stem(results)}.json")} if args.no_plots
-                            else write_results(results, d, cost))
+            paths = _staged(
+                out,
+                lambda d: (
+                    {"json": write_json(results, d / f"{stem(results)}.json")}
+                    if args.no_plots
+                    else write_results(results, d, cost)
+                ),
+            )
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             _fail("--from-json", f"{args.from_json!r} is incomplete ({type(exc).__name__}: {exc})")
         print(table)
@@ -298,8 +352,11 @@ def _train_main(argv: list[str]) -> int:
     try:
         return _train(args, cfg, variants, out, torch.device(device), lambda step: stop["signal"] is not None)
     except KeyboardInterrupt:
-        print(f"{PROG}: stopped at once; every unfinished run resumes from its last evaluation's checkpoint in "
-              f"{out / 'runs'} when the same command runs again", file=sys.stderr)
+        print(
+            f"{PROG}: stopped at once; every unfinished run resumes from its last evaluation's checkpoint in "
+            f"{out / 'runs'} when the same command runs again",
+            file=sys.stderr,
+        )
         return 130
     finally:
         for s, handler in previous.items():
@@ -336,11 +393,20 @@ def _train(args, cfg, variants, out, device, should_stop) -> int:
     runs_per_variant = len(cfg.lrs) * cfg.sweep_seeds + cfg.seeds - cfg.sweep_seeds
     bar = cu.Progress(len(variants) * runs_per_variant, f"{cfg.task} ({cfg.preset})", enabled=not args.no_progress)
     try:
-        results = run_suite(cfg, variants, args.suite, out=out, device=device, should_stop=should_stop,
-                            progress=lambda text: bar.step(text, force=True))
+        results = run_suite(
+            cfg,
+            variants,
+            args.suite,
+            out=out,
+            device=device,
+            should_stop=should_stop,
+            progress=lambda text: bar.step(text, force=True),
+        )
     except RunInterrupted as exc:
-        print(f"{PROG}: interrupted ({exc}); checkpoints are in {out / 'runs'}: run the same command to resume",
-              file=sys.stderr)
+        print(
+            f"{PROG}: interrupted ({exc}); checkpoints are in {out / 'runs'}: run the same command to resume",
+            file=sys.stderr,
+        )
         return 130
     finally:
         bar.close()
@@ -363,8 +429,10 @@ def _train(args, cfg, variants, out, device, should_stop) -> int:
     if cost is not None:
         print()
         print(cost_table(cost))
-    print(f"\nwall time {results['wall_s']:.0f} s (CPU {results['cpu_s']:.0f} s); wrote "
-          + ", ".join(str(p) for p in paths.values()))
+    print(
+        f"\nwall time {results['wall_s']:.0f} s (CPU {results['cpu_s']:.0f} s); wrote "
+        + ", ".join(str(p) for p in paths.values())
+    )
     return 0
 
 

@@ -30,8 +30,9 @@ from ._tasks import RESULTS_FORMAT, TaskConfig, TaskData
 from ._train import _sync, _to_device, build_model, model_width, param_groups
 
 
-def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, penalty: float,
-          clip: float) -> None:
+def _step(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, penalty: float, clip: float
+) -> None:
     logits = model(x)
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
     if penalty:
@@ -67,8 +68,9 @@ def _tensor_bytes(tensors: Any) -> int:
     return int(sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor)))
 
 
-def measure_cost(cfg: TaskConfig, variants: list[str], *, device: torch.device | str = "cpu",
-                 data: TaskData | None = None) -> dict[str, Any]:
+def measure_cost(
+    cfg: TaskConfig, variants: list[str], *, device: torch.device | str = "cpu", data: TaskData | None = None
+) -> dict[str, Any]:
     """Time per training step and memory of each variant's whole model; plain JSON."""
     device = torch.device(device)
     data = data if data is not None else TaskData(cfg)
@@ -87,7 +89,8 @@ def measure_cost(cfg: TaskConfig, variants: list[str], *, device: torch.device |
         activations = saved_activation_bytes(model, x, y)
         _step(model, opt, x, y, v.penalty, cfg.clip)  # creates the optimiser state, warms caches
         entry = {
-            "params": params, "mlp_hidden": width,
+            "params": params,
+            "mlp_hidden": width,
             "activation_bytes": activations,
             "param_bytes": _tensor_bytes(model.parameters()),
             "optimizer_bytes": _tensor_bytes(t for s in opt.state.values() for t in s.values()),
@@ -105,7 +108,7 @@ def measure_cost(cfg: TaskConfig, variants: list[str], *, device: torch.device |
         entries[name] = entry
     times: dict[str, list[float]] = {name: [] for name in variants}
     for r in range(cfg.cost_rounds):
-        rotated = variants[r % len(variants):] + variants[: r % len(variants)]
+        rotated = variants[r % len(variants) :] + variants[: r % len(variants)]
         for name in rotated:
             v = get_variant(name)
             _sync(device)
@@ -126,8 +129,14 @@ def measure_cost(cfg: TaskConfig, variants: list[str], *, device: torch.device |
             if "cuda_peak_bytes" in e:
                 e["cuda_peak_ratio_vs_mha"] = e["cuda_peak_bytes"] / max(1, m["cuda_peak_bytes"])
     return {
-        "format": RESULTS_FORMAT, "kind": "cost", "task": cfg.task, "preset": cfg.preset, "device": device.type,
-        "batch": cfg.batch, "cost_steps": cfg.cost_steps, "cost_rounds": cfg.cost_rounds,
+        "format": RESULTS_FORMAT,
+        "kind": "cost",
+        "task": cfg.task,
+        "preset": cfg.preset,
+        "device": device.type,
+        "batch": cfg.batch,
+        "cost_steps": cfg.cost_steps,
+        "cost_rounds": cfg.cost_rounds,
         "variants": entries,
         "environment": env_before | {"loadavg_after": environment(device).get("loadavg")},
         "params_check": {name: count_parameters(models[name]) for name in variants},

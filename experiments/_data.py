@@ -64,9 +64,7 @@ def crosshead_answer(items: np.ndarray, query_blocks: np.ndarray, shift: int) ->
     return int(hits[0])
 
 
-def make_crosshead(
-    n: int, seed: int, *, blocks: int = 4, symbols: int = 8, items: int = 8, labels: int = 8
-) -> Dataset:
+def make_crosshead(n: int, seed: int, *, blocks: int = 4, symbols: int = 8, items: int = 8, labels: int = 8) -> Dataset:
     """Shifted-block retrieval: find the item whose blocks match the query's after a shift.
 
     Each example is ``items`` item tokens and one query token (last). An item
@@ -341,6 +339,10 @@ def digits_split(seed: int = 0, val_fraction: float = 0.2, test_fraction: float 
     # Sorted indices: the split is a set; the training order comes from the run's seed.
     sel = {k: np.sort(np.concatenate(v)) for k, v in parts.items()}
     return ImageSplit(
-        images[sel["train"]], labels[sel["train"]], images[sel["val"]], labels[sel["val"]],
-        images[sel["test"]], labels[sel["test"]],
+        images[sel["train"]],
+        labels[sel["train"]],
+        images[sel["val"]],
+        labels[sel["val"]],
+        images[sel["test"]],
+        labels[sel["test"]],
     )

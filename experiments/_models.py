@@ -32,12 +32,15 @@ def _damcha_options(variant: Variant, embed_dim: int, num_heads: int) -> dict[st
     """DamchaAttention keyword options of ``variant``, with the shared generator(s) if any."""
     import damcha_torch  # lazily: the baselines need no DAMCHA port
 
-    options: dict[str, Any] = dict(metric=variant.metric, coupling=variant.coupling, metric_rank=variant.metric_rank,
-                                   recompute=False)
+    options: dict[str, Any] = dict(
+        metric=variant.metric, coupling=variant.coupling, metric_rank=variant.metric_rank, recompute=False
+    )
     if variant.share_metric:
+
         def gen() -> nn.Module:
-            return damcha_torch.MetricGenerator(embed_dim, num_heads, embed_dim // num_heads, variant.metric,
-                                                variant.metric_rank)
+            return damcha_torch.MetricGenerator(
+                embed_dim, num_heads, embed_dim // num_heads, variant.metric, variant.metric_rank
+            )
 
         options["metric_generator"] = {"q": gen(), "k": gen()} if variant.coupling == "separate" else gen()
     return options
@@ -53,23 +56,26 @@ class AttentionAdapter(nn.Module):
         super().__init__()
         self.inner, self.kind = inner, kind
 
-    def forward(self, x: torch.Tensor, *, causal: bool = False,
-                key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, *, causal: bool = False, key_padding_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         N = x.shape[1]
         if self.kind == "talking-heads":
             return self.inner(x, key_padding_mask=key_padding_mask, is_causal=causal)[0]
         if self.kind == "mha":
             # nn.MultiheadAttention treats is_causal as a hint only: it needs the mask too.
             causal_mask = torch.ones(N, N, dtype=torch.bool, device=x.device).triu(1) if causal else None
-            return self.inner(x, x, x, key_padding_mask=key_padding_mask, attn_mask=causal_mask,
-                              need_weights=False, is_causal=causal)[0]
+            return self.inner(
+                x, x, x, key_padding_mask=key_padding_mask, attn_mask=causal_mask, need_weights=False, is_causal=causal
+            )[0]
         # DamchaAttention applies is_causal itself (no mask tensor needed), which
         # keeps it on SDPA's causal kernel; need_weights=False keeps it fused.
         return self.inner(x, x, x, key_padding_mask=key_padding_mask, need_weights=False, is_causal=causal)[0]
 
 
-def attention_factory(variant: Variant, embed_dim: int, num_heads: int, num_layers: int,
-                      dropout: float = 0.0) -> Callable[[int], nn.Module]:
+def attention_factory(
+    variant: Variant, embed_dim: int, num_heads: int, num_layers: int, dropout: float = 0.0
+) -> Callable[[int], nn.Module]:
     """``factory(layer) -> AttentionAdapter`` for ``variant``.
 
     For a shared-metric DAMCHA variant all layers receive the same
@@ -77,7 +83,9 @@ def attention_factory(variant: Variant, embed_dim: int, num_heads: int, num_laye
     coupling); each layer keeps its own gates.
     """
     if variant.kind == "mha":
-        return lambda layer: AttentionAdapter(nn.MultiheadAttention(embed_dim, num_heads, dropout, batch_first=True), "mha")
+        return lambda layer: AttentionAdapter(
+            nn.MultiheadAttention(embed_dim, num_heads, dropout, batch_first=True), "mha"
+        )
     if variant.kind == "talking-heads":
         return lambda layer: AttentionAdapter(TalkingHeadsAttention(embed_dim, num_heads, dropout), "talking-heads")
     import damcha_torch
@@ -87,8 +95,9 @@ def attention_factory(variant: Variant, embed_dim: int, num_heads: int, num_laye
     def build(layer: int) -> nn.Module:
         # recompute=False: these models are tiny, so storing the maps costs little memory
         # and saves re-running the q/k projections in backward (about 2x faster here).
-        return AttentionAdapter(damcha_torch.DamchaAttention(embed_dim, num_heads, dropout, batch_first=True, **options),
-                                "damcha")
+        return AttentionAdapter(
+            damcha_torch.DamchaAttention(embed_dim, num_heads, dropout, batch_first=True, **options), "damcha"
+        )
 
     return build
 
@@ -119,9 +128,20 @@ class TinyTransformer(nn.Module):
         pad_id: field-0 id treated as padding (keys hidden), or ``None``.
     """
 
-    def __init__(self, vocab_sizes: tuple[int, ...], num_outputs: int, factory: Callable[[int], nn.Module], *,
-                 embed_dim: int, num_layers: int, mlp_hidden: int, max_len: int = 0, causal: bool = False,
-                 readout: int | None = -1, pad_id: int | None = None) -> None:
+    def __init__(
+        self,
+        vocab_sizes: tuple[int, ...],
+        num_outputs: int,
+        factory: Callable[[int], nn.Module],
+        *,
+        embed_dim: int,
+        num_layers: int,
+        mlp_hidden: int,
+        max_len: int = 0,
+        causal: bool = False,
+        readout: int | None = -1,
+        pad_id: int | None = None,
+    ) -> None:
         super().__init__()
         self.fields = nn.ModuleList(nn.Embedding(v, embed_dim) for v in vocab_sizes)
         self.positions = nn.Embedding(max_len, embed_dim) if max_len else None
@@ -160,8 +180,17 @@ class DigitsViT(nn.Module):
         image: image side (8 for scikit-learn's digits).
     """
 
-    def __init__(self, num_classes: int, *, embed_dim: int, num_heads: int, num_layers: int, mlp_hidden: int,
-                 patch: int = 2, image: int = 8) -> None:
+    def __init__(
+        self,
+        num_classes: int,
+        *,
+        embed_dim: int,
+        num_heads: int,
+        num_layers: int,
+        mlp_hidden: int,
+        patch: int = 2,
+        image: int = 8,
+    ) -> None:
         super().__init__()
         if image % patch:
             raise DamchaValueError(f"`patch` must divide `image`. Received: patch={patch}, image={image}")
@@ -171,8 +200,9 @@ class DigitsViT(nn.Module):
         self.cls = nn.Parameter(torch.zeros(1, 1, embed_dim))
         self.positions = nn.Parameter(torch.randn(1, tokens + 1, embed_dim) * 0.02)
         self.layers = nn.ModuleList(
-            nn.TransformerEncoderLayer(embed_dim, num_heads, mlp_hidden, dropout=0.0, activation="gelu",
-                                       batch_first=True, norm_first=True)
+            nn.TransformerEncoderLayer(
+                embed_dim, num_heads, mlp_hidden, dropout=0.0, activation="gelu", batch_first=True, norm_first=True
+            )
             for _ in range(num_layers)
         )
         self.norm = nn.LayerNorm(embed_dim)
@@ -209,8 +239,9 @@ def as_variant(model: nn.Module, variant: Variant) -> nn.Module:
     def visit(parent: nn.Module) -> None:
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.MultiheadAttention):
-                th = TalkingHeadsAttention(child.embed_dim, child.num_heads, child.dropout,
-                                           bias=child.in_proj_bias is not None)
+                th = TalkingHeadsAttention(
+                    child.embed_dim, child.num_heads, child.dropout, bias=child.in_proj_bias is not None
+                )
                 th.load_state_dict(child.state_dict(), strict=False)
                 setattr(parent, name, th)
             else:
@@ -245,8 +276,12 @@ def prepare_model(model: nn.Module, variant: Variant) -> nn.Module:
 
 def metric_parameter_names(model: nn.Module) -> set[str]:
     """Names (as in ``named_parameters``) of the gates and generator weights of every DAMCHA layer."""
-    ids = {id(p) for layer in damcha_layers(model)
-           for part in (layer.metric_gates, layer.metric_generators) for p in part.parameters()}
+    ids = {
+        id(p)
+        for layer in damcha_layers(model)
+        for part in (layer.metric_gates, layer.metric_generators)
+        for p in part.parameters()
+    }
     return {name for name, p in model.named_parameters() if id(p) in ids}
 
 

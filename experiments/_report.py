@@ -62,7 +62,9 @@ def write_results(results: dict[str, Any], out_dir: str | Path, cost: dict[str, 
     paths["final"] = plot_final(results, out / f"{s}_final.png")
     if any(len(r["lr_sweep"]["lrs"]) > 1 for r in results["variants"].values()):
         paths["lr"] = plot_lr_sweep(results, out / f"{s}_lr.png")
-    if cost is not None or any(r["runs"] and r["runs"][0]["curve"]["train_time_s"] for r in results["variants"].values()):
+    if cost is not None or any(
+        r["runs"] and r["runs"][0]["curve"]["train_time_s"] for r in results["variants"].values()
+    ):
         paths["time"] = plot_time_curves(results, out / f"{s}_time.png", cost)
     heat = plot_head_maps(results, out / f"{s}_metric.png")
     if heat is not None:
@@ -98,8 +100,10 @@ def plot_curves(results: dict[str, Any], path: Path) -> Path:
         ax.fill_between(x, mean - std, mean + std, alpha=0.15)
     ax.set_xlabel("training step")
     ax.set_ylabel(f"validation {_label(results)}")
-    ax.set_title(f"{results['task']} ({results.get('preset', '?')}): validation, {results['seeds']} seeds, "
-                 "mean +- std", fontsize=9)
+    ax.set_title(
+        f"{results['task']} ({results.get('preset', '?')}): validation, {results['seeds']} seeds, mean +- std",
+        fontsize=9,
+    )
     ax.legend(fontsize=6, ncol=2)
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -154,8 +158,10 @@ def plot_final(results: dict[str, Any], path: Path) -> Path:
         pad = max(hi - lo, 1e-3) * 0.5
         ax.set_ylim(lo - pad, hi + pad)
     ax.set_ylabel(f"test {_label(results)}")
-    ax.set_title(f"{results['task']}: test {results['metric']} at the best validation step "
-                 "(bars: mean +- std; dots: seeds)", fontsize=8)
+    ax.set_title(
+        f"{results['task']}: test {results['metric']} at the best validation step (bars: mean +- std; dots: seeds)",
+        fontsize=8,
+    )
     ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
     return _savefig(fig, path)
@@ -169,9 +175,14 @@ def plot_lr_sweep(results: dict[str, Any], path: Path) -> Path:
         sweep = r["lr_sweep"]
         lrs = sweep["lrs"]
         means = [np.mean([x["best_val_metric"] for x in sweep["runs"] if x["lr"] == lr]) for lr in lrs]
-        line, = ax.plot(lrs, means, marker=".", label=name, lw=1, ls="--" if r["kind"] != "damcha" else "-")
-        ax.scatter([sweep["chosen_lr"]], [means[lrs.index(sweep["chosen_lr"])]], s=60, facecolors="none",
-                   edgecolors=line.get_color())
+        (line,) = ax.plot(lrs, means, marker=".", label=name, lw=1, ls="--" if r["kind"] != "damcha" else "-")
+        ax.scatter(
+            [sweep["chosen_lr"]],
+            [means[lrs.index(sweep["chosen_lr"])]],
+            s=60,
+            facecolors="none",
+            edgecolors=line.get_color(),
+        )
     ax.set_xscale("log")
     ax.set_xlabel("learning rate")
     ax.set_ylabel(f"best validation {_label(results)}")
@@ -188,15 +199,17 @@ def plot_head_maps(results: dict[str, Any], path: Path) -> Path | None:
     The identity (MHA) is subtracted because it would dominate the colour
     scale; what is left is diag(g) A(t) averaged over tokens.
     """
-    panels = [(name, i, np.array(m) - np.eye(len(m))) for name, r in results["variants"].items()
-              for i, m in enumerate(r.get("head_maps_seed0") or [])]
+    panels = [
+        (name, i, np.array(m) - np.eye(len(m)))
+        for name, r in results["variants"].items()
+        for i, m in enumerate(r.get("head_maps_seed0") or [])
+    ]
     if not panels:
         return None
     plt = _pyplot()
     layers = max(i for _, i, _ in panels) + 1
     names = sorted({n for n, _, _ in panels}, key=list(results["variants"]).index)
-    fig, axes = plt.subplots(len(names), layers, figsize=(1.6 * layers + 2.6, 1.5 * len(names) + 0.6),
-                             squeeze=False)
+    fig, axes = plt.subplots(len(names), layers, figsize=(1.6 * layers + 2.6, 1.5 * len(names) + 0.6), squeeze=False)
     vmax = max(max(float(np.abs(m).max()) for _, _, m in panels), 1e-6)
     im = None
     for name, i, m in panels:
@@ -244,7 +257,9 @@ def markdown_table(results: dict[str, Any], cost: dict[str, Any] | None = None) 
     ]
     for name, r in results["variants"].items():
         t = r["test"]
-        stops = "/".join(str(sum(run["stop_reason"] == k for run in r["runs"])) for k in ("plateau", "max_steps", "diverged"))
+        stops = "/".join(
+            str(sum(run["stop_reason"] == k for run in r["runs"])) for k in ("plateau", "max_steps", "diverged")
+        )
         c = vs.get(name)
         gain = "-" if c is None else f"{c['mean']:+.4f} {_ci(c)}"
         p = "-" if c is None or c["p_holm"] is None else f"{c['p_holm']:.3g}"
@@ -257,8 +272,10 @@ def markdown_table(results: dict[str, Any], cost: dict[str, Any] | None = None) 
 
 
 def comparison_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| variant | vs | budget | gain mean +- std | 95% CI | p | Holm p | decision | no gain (< margin) |",
-             "| --- | --- | --- | ---: | ---: | ---: | ---: | :---: | :---: |"]
+    lines = [
+        "| variant | vs | budget | gain mean +- std | 95% CI | p | Holm p | decision | no gain (< margin) |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | :---: | :---: |",
+    ]
     for r in rows:
         budget = r["budget"] if r["budget_value"] is None else f"{r['budget']} = {r['budget_value']:.4g}"
         lines.append(
@@ -271,9 +288,11 @@ def comparison_table(rows: list[dict[str, Any]]) -> str:
 
 
 def cost_table(cost: dict[str, Any]) -> str:
-    lines = ["| variant | params | ms/step (median) | time vs mha | activations (KiB) | activations vs mha | "
-             "train memory vs mha | CUDA peak vs mha |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "| variant | params | ms/step (median) | time vs mha | activations (KiB) | activations vs mha | "
+        "train memory vs mha | CUDA peak vs mha |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for name, e in cost["variants"].items():
         lines.append(
             f"| {name} | {e['params']:,} | {1000 * e['s_per_step']:.2f} | {_f(e.get('time_ratio_vs_mha'), 2)} | "
@@ -284,11 +303,15 @@ def cost_table(cost: dict[str, Any]) -> str:
 
 
 def stability_table(results: dict[str, Any]) -> str:
-    lines = ["| variant | runs | divergences (chosen lr / whole sweep) | loss spikes | seed std | seed range |",
-             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "| variant | runs | divergences (chosen lr / whole sweep) | loss spikes | seed std | seed range |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for r in an.stability(results):
-        lines.append(f"| {r['variant']} | {r['runs']} | {r['divergences']} / {r['sweep_divergences']} | "
-                     f"{r['loss_spikes']} | {_f(r['seed_std'])} | {_f(r['seed_range'][0])} - {_f(r['seed_range'][1])} |")
+        lines.append(
+            f"| {r['variant']} | {r['runs']} | {r['divergences']} / {r['sweep_divergences']} | "
+            f"{r['loss_spikes']} | {_f(r['seed_std'])} | {_f(r['seed_range'][0])} - {_f(r['seed_range'][1])} |"
+        )
     return "\n".join(lines)
 
 
@@ -296,8 +319,10 @@ def threshold_table(results: dict[str, Any]) -> str:
     rows = an.threshold_summary(results)
     if not rows:
         return ""
-    lines = ["| variant | val threshold | seeds reaching | median steps | steps saved vs mha [95% CI] |",
-             "| --- | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "| variant | val threshold | seeds reaching | median steps | steps saved vs mha [95% CI] |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
     for r in rows:
         c = r.get("vs_mha")
         vs = "-" if c is None else f"{c['mean']:+.0f} {_ci(c, 0)}"
@@ -348,11 +373,17 @@ def build_report(folder: str | Path, tolerance: float = an.OVERHEAD_TOLERANCE) -
     for task, res in headline.items():
         c = cost.get(task)
         s = stem(res)
-        md += ["", f"## {task} ({res['preset']}, {res['device']}): {res['config']['description']}", "",
-               f"Metric: test {res['metric']} ({'higher' if res['higher_is_better'] else 'lower'} is better) at each "
-               f"run's best validation step; {res['seeds']} paired seeds; parameter budget "
-               f"{res['config']['param_budget']:,}; margin {res['config']['margin']:g}. Data: {res['data']}.", "",
-               markdown_table(res, c), ""]
+        md += [
+            "",
+            f"## {task} ({res['preset']}, {res['device']}): {res['config']['description']}",
+            "",
+            f"Metric: test {res['metric']} ({'higher' if res['higher_is_better'] else 'lower'} is better) at each "
+            f"run's best validation step; {res['seeds']} paired seeds; parameter budget "
+            f"{res['config']['param_budget']:,}; margin {res['config']['margin']:g}. Data: {res['data']}.",
+            "",
+            markdown_table(res, c),
+            "",
+        ]
         names = [n for n in res["variants"] if n not in an.BASELINES]
         rows = []
         for base in an.BASELINES:
@@ -366,11 +397,19 @@ def build_report(folder: str | Path, tolerance: float = an.OVERHEAD_TOLERANCE) -
             md += ["Steps to reach a validation threshold:", "", thr, ""]
         md += ["Stability:", "", stability_table(res), ""]
         if c is not None:
-            md += [f"Cost per training step (batch {c['batch']}, {c['cost_rounds']} interleaved rounds of "
-                   f"{c['cost_steps']} steps; load average {c['environment'].get('loadavg')}):", "", cost_table(c), ""]
+            md += [
+                f"Cost per training step (batch {c['batch']}, {c['cost_rounds']} interleaved rounds of "
+                f"{c['cost_steps']} steps; load average {c['environment'].get('loadavg')}):",
+                "",
+                cost_table(c),
+                "",
+            ]
         md += [f"![{task} curves]({s}_curves.png) ![{task} time]({s}_time.png) ![{task} final]({s}_final.png)", ""]
-        summary["tasks"][task] = {"comparisons": rows, "stability": an.stability(res),
-                                  "thresholds": an.threshold_summary(res)}
+        summary["tasks"][task] = {
+            "comparisons": rows,
+            "stability": an.stability(res),
+            "thresholds": an.threshold_summary(res),
+        }
     for task, res in ablation.items():
         s = stem(res)
         md += ["", f"## Ablations on {task} ({res['preset']})", "", markdown_table(res, cost.get(task)), ""]
@@ -384,8 +423,12 @@ def build_report(folder: str | Path, tolerance: float = an.OVERHEAD_TOLERANCE) -
         for ref, names in by_ref.items():
             rows += an.compare(res, names, ref)
         if rows:
-            md += ["Each ablation against the variant it changes (paired, converged, Holm within each reference):", "",
-                   comparison_table(rows), ""]
+            md += [
+                "Each ablation against the variant it changes (paired, converged, Holm within each reference):",
+                "",
+                comparison_table(rows),
+                "",
+            ]
         md += ["Stability:", "", stability_table(res), "", f"![{task} ablation]({s}_final.png)", ""]
         summary.setdefault("ablations", {})[task] = {"comparisons": rows, "stability": an.stability(res)}
     return "\n".join(md) + "\n", summary

@@ -100,7 +100,9 @@ def t_quantile(p: float, df: int) -> float:
 def _as_values(name: str, values: Sequence[float]) -> np.ndarray:
     arr = np.asarray(values, dtype=np.float64)
     if arr.ndim != 1 or arr.size == 0:
-        raise DamchaValueError(f"`{name}` must be a non-empty 1-D sequence of numbers. Received: {name}.shape={arr.shape}")
+        raise DamchaValueError(
+            f"`{name}` must be a non-empty 1-D sequence of numbers. Received: {name}.shape={arr.shape}"
+        )
     return arr
 
 
@@ -114,8 +116,13 @@ def describe(values: Sequence[float], confidence: float = 0.95) -> dict[str, Any
     arr = _as_values("values", values)
     n = int(arr.size)
     out: dict[str, Any] = {
-        "n": n, "n_finite": int(np.isfinite(arr).sum()), "mean": float(arr.mean()),
-        "std": None, "min": float(arr.min()), "max": float(arr.max()), "ci": None,
+        "n": n,
+        "n_finite": int(np.isfinite(arr).sum()),
+        "mean": float(arr.mean()),
+        "std": None,
+        "min": float(arr.min()),
+        "max": float(arr.max()),
+        "ci": None,
     }
     if n >= 2:
         std = float(arr.std(ddof=1))
@@ -125,8 +132,9 @@ def describe(values: Sequence[float], confidence: float = 0.95) -> dict[str, Any
     return out
 
 
-def paired_difference(a: Sequence[float], b: Sequence[float], *, higher_is_better: bool = True,
-                      confidence: float = 0.95) -> dict[str, Any]:
+def paired_difference(
+    a: Sequence[float], b: Sequence[float], *, higher_is_better: bool = True, confidence: float = 0.95
+) -> dict[str, Any]:
     """Paired comparison of ``a`` against ``b`` (same seeds, same order).
 
     ``gain`` is oriented so that positive means ``a`` is better: a - b when
@@ -138,12 +146,22 @@ def paired_difference(a: Sequence[float], b: Sequence[float], *, higher_is_bette
     """
     x, y = _as_values("a", a), _as_values("b", b)
     if x.shape != y.shape:
-        raise DamchaValueError(f"`a` and `b` must pair up (one value per seed). Received: a.shape={x.shape}, b.shape={y.shape}")
+        raise DamchaValueError(
+            f"`a` and `b` must pair up (one value per seed). Received: a.shape={x.shape}, b.shape={y.shape}"
+        )
     gain = (x - y) if higher_is_better else (y - x)
     n = int(gain.size)
     out: dict[str, Any] = {
-        "n": n, "a_mean": float(x.mean()), "b_mean": float(y.mean()), "mean": float(gain.mean()),
-        "std": None, "se": None, "ci": None, "t": None, "p": None, "confidence": confidence,
+        "n": n,
+        "a_mean": float(x.mean()),
+        "b_mean": float(y.mean()),
+        "mean": float(gain.mean()),
+        "std": None,
+        "se": None,
+        "ci": None,
+        "t": None,
+        "p": None,
+        "confidence": confidence,
     }
     if n < 2:
         return out

@@ -38,31 +38,54 @@ def choose_lr(cfg: TaskConfig, sweep: dict[float, list[dict[str, Any]]]) -> floa
 
     A rate where any sweep run diverged is only chosen if every rate diverged.
     """
+
     def key(lr: float) -> tuple:
         runs = sweep[lr]
         vals = np.array([r["best_val_metric"] for r in runs], dtype=float)
         losses = np.array([r["best_val_loss"] for r in runs], dtype=float)
         ok = all(not r["diverged"] for r in runs) and np.isfinite(vals).all()
         score = vals.mean() if cfg.higher_is_better else -vals.mean()
-        return (ok, score if np.isfinite(score) else -math.inf, -losses.mean() if np.isfinite(losses).all() else -math.inf,
-                -lr)
+        return (
+            ok,
+            score if np.isfinite(score) else -math.inf,
+            -losses.mean() if np.isfinite(losses).all() else -math.inf,
+            -lr,
+        )
+
     return max(sweep, key=key)
 
 
-def run_variant(data: TaskData, variant: Variant, *, out: Path | None, device: torch.device,
-                should_stop: Callable[[int], bool] | None = None,
-                progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+def run_variant(
+    data: TaskData,
+    variant: Variant,
+    *,
+    out: Path | None,
+    device: torch.device,
+    should_stop: Callable[[int], bool] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
     """Sweep, choose and train all seeds of one variant; returns its results entry."""
     cfg = data.cfg
     width, params = model_width(data, variant)
 
     def one(lr: float, seed: int) -> dict[str, Any]:
         folder = run_folder(out, cfg, device, variant.name, lr, seed) if out is not None else None
-        r = train_run(data, variant, lr, seed, width, device=device, run_dir=folder, should_stop=should_stop,
-                      head_maps=(seed == 0 and variant.kind == "damcha"))
+        r = train_run(
+            data,
+            variant,
+            lr,
+            seed,
+            width,
+            device=device,
+            run_dir=folder,
+            should_stop=should_stop,
+            head_maps=(seed == 0 and variant.kind == "damcha"),
+        )
         if progress is not None:
-            progress(f"{variant.name} lr={lr:g} seed={seed}: best val {cfg.metric} {r['best_val_metric']:.4f} "
-                     f"at step {r['best_step']}, stopped at {r['steps']} ({r['stop_reason']})")
+            progress(
+                f"{variant.name} lr={lr:g} seed={seed}: best val {cfg.metric} {r['best_val_metric']:.4f} "
+                f"at step {r['best_step']}, stopped at {r['steps']} ({r['stop_reason']})"
+            )
         return r
 
     sweep_seeds = range(cfg.sweep_seeds)
@@ -75,13 +98,28 @@ def run_variant(data: TaskData, variant: Variant, *, out: Path | None, device: t
         r.pop("identity", None)
     tests = [r["test_metric"] for r in runs]
     return {
-        "variant": dataclasses.asdict(variant), "kind": variant.kind, "description": variant.description,
-        "params": params, "mlp_hidden": width,
+        "variant": dataclasses.asdict(variant),
+        "kind": variant.kind,
+        "description": variant.description,
+        "params": params,
+        "mlp_hidden": width,
         "lr_sweep": {
-            "lrs": list(cfg.lrs), "seeds": list(sweep_seeds), "chosen_lr": chosen,
-            "runs": [{"lr": lr, "seed": r["seed"], "best_val_metric": r["best_val_metric"],
-                      "best_val_loss": r["best_val_loss"], "best_step": r["best_step"], "steps": r["steps"],
-                      "stop_reason": r["stop_reason"]} for lr, rs in sweep.items() for r in rs],
+            "lrs": list(cfg.lrs),
+            "seeds": list(sweep_seeds),
+            "chosen_lr": chosen,
+            "runs": [
+                {
+                    "lr": lr,
+                    "seed": r["seed"],
+                    "best_val_metric": r["best_val_metric"],
+                    "best_val_loss": r["best_val_loss"],
+                    "best_step": r["best_step"],
+                    "steps": r["steps"],
+                    "stop_reason": r["stop_reason"],
+                }
+                for lr, rs in sweep.items()
+                for r in rs
+            ],
         },
         "chosen_lr": chosen,
         "test": describe(tests),
@@ -99,9 +137,14 @@ def run_variant(data: TaskData, variant: Variant, *, out: Path | None, device: t
 
 def environment(device: torch.device) -> dict[str, Any]:
     env = {
-        "python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__,
-        "machine": platform.machine(), "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "device": str(device),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "machine": platform.machine(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "device": str(device),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
     if hasattr(os, "getloadavg"):
@@ -111,21 +154,35 @@ def environment(device: torch.device) -> dict[str, Any]:
     return env
 
 
-def run_suite(cfg: TaskConfig, variants: list[str], suite: str, *, out: Path | None, device: torch.device | str = "cpu",
-              should_stop: Callable[[int], bool] | None = None,
-              progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+def run_suite(
+    cfg: TaskConfig,
+    variants: list[str],
+    suite: str,
+    *,
+    out: Path | None,
+    device: torch.device | str = "cpu",
+    should_stop: Callable[[int], bool] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
     """Train ``variants`` on ``cfg``'s task; returns the plain-JSON results of the suite."""
     device = torch.device(device)
     started, cpu_started = time.perf_counter(), time.process_time()
     env = environment(device)
     data = TaskData(cfg)
-    results = {name: run_variant(data, get_variant(name), out=out, device=device, should_stop=should_stop,
-                                 progress=progress) for name in variants}
+    results = {
+        name: run_variant(data, get_variant(name), out=out, device=device, should_stop=should_stop, progress=progress)
+        for name in variants
+    }
     return {
         "format": RESULTS_FORMAT,
-        "task": cfg.task, "suite": suite, "preset": cfg.preset, "device": device.type,
+        "task": cfg.task,
+        "suite": suite,
+        "preset": cfg.preset,
+        "device": device.type,
         "config": dataclasses.asdict(cfg),
-        "metric": cfg.metric, "higher_is_better": cfg.higher_is_better, "seeds": cfg.seeds,
+        "metric": cfg.metric,
+        "higher_is_better": cfg.higher_is_better,
+        "seeds": cfg.seeds,
         "data": data.info,
         "variants": results,
         "wall_s": time.perf_counter() - started,
@@ -134,8 +191,14 @@ def run_suite(cfg: TaskConfig, variants: list[str], suite: str, *, out: Path | N
     }
 
 
-def run_experiment(task: str, variants: list[str] | None = None, seeds: int = 3, steps: int | None = None,
-                   eval_size: int | None = None, progress: bool = True) -> dict[str, Any]:
+def run_experiment(
+    task: str,
+    variants: list[str] | None = None,
+    seeds: int = 3,
+    steps: int | None = None,
+    eval_size: int | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
     """Deprecated (one release): ``run_suite(task_config(task, "default", ...), variants, "headline", out=None)``.
 
     Kept so that code written against the first version keeps running; it
@@ -148,7 +211,11 @@ def run_experiment(task: str, variants: list[str] | None = None, seeds: int = 3,
     from ._tasks import task_config
     from ._variants import HEADLINE
 
-    warnings.warn("damcha_experiments.run_experiment is deprecated; use run_suite(task_config(task, preset, ...), "
-                  "variants, suite, out=...)", DeprecationWarning, stacklevel=2)
+    warnings.warn(
+        "damcha_experiments.run_experiment is deprecated; use run_suite(task_config(task, preset, ...), "
+        "variants, suite, out=...)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
     cfg = task_config(task, "default", seeds=seeds, max_steps=steps, val_size=eval_size, test_size=eval_size)
     return run_suite(cfg, list(variants or HEADLINE), "headline", out=None)

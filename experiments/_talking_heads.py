@@ -38,8 +38,9 @@ class TalkingHeadsAttention(nn.Module):
     # False keeps it on the path that calls forward().
     _qkv_same_embed_dim = False
 
-    def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
-                 batch_first: bool = True) -> None:
+    def __init__(
+        self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True, batch_first: bool = True
+    ) -> None:
         super().__init__()
         if not isinstance(embed_dim, int) or not isinstance(num_heads, int) or num_heads < 1 or embed_dim < 1:
             raise DamchaTypeError(
@@ -50,7 +51,9 @@ class TalkingHeadsAttention(nn.Module):
                 f"`embed_dim` must be divisible by `num_heads`. Received: embed_dim={embed_dim}, num_heads={num_heads}"
             )
         if batch_first is not True:
-            raise DamchaValueError(f"`batch_first` must be True (inputs are (B, N, E)). Received: batch_first={batch_first!r}")
+            raise DamchaValueError(
+                f"`batch_first` must be True (inputs are (B, N, E)). Received: batch_first={batch_first!r}"
+            )
         self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, embed_dim // num_heads
         self.dropout, self.batch_first = float(dropout), True
         self.in_proj_weight = nn.Parameter(torch.empty(3 * embed_dim, embed_dim))
@@ -108,7 +111,9 @@ class TalkingHeadsAttention(nn.Module):
             if attn_mask.dtype != torch.bool:
                 raise mask_dtype_error(attn_mask, "attn_mask")
             if attn_mask.shape != (N, M):
-                raise DamchaValueError(f"`attn_mask` must have shape (N, M) = {(N, M)}. Received: {tuple(attn_mask.shape)}")
+                raise DamchaValueError(
+                    f"`attn_mask` must have shape (N, M) = {(N, M)}. Received: {tuple(attn_mask.shape)}"
+                )
             visible = visible & ~attn_mask[None, None]
         if key_padding_mask is not None:
             if key_padding_mask.dtype != torch.bool:

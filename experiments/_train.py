@@ -55,14 +55,26 @@ def build_model(data: TaskData, variant: Variant, mlp_hidden: int) -> nn.Module:
     """The task's model with ``variant``'s attention, on the CPU, ablation options applied."""
     cfg = data.cfg
     if data.images:
-        model = DigitsViT(data.num_outputs, embed_dim=cfg.embed_dim, num_heads=cfg.num_heads,
-                          num_layers=cfg.num_layers, mlp_hidden=mlp_hidden)
+        model = DigitsViT(
+            data.num_outputs,
+            embed_dim=cfg.embed_dim,
+            num_heads=cfg.num_heads,
+            num_layers=cfg.num_layers,
+            mlp_hidden=mlp_hidden,
+        )
         model = as_variant(model, variant)
     else:
         factory = attention_factory(variant, cfg.embed_dim, cfg.num_heads, cfg.num_layers)
         model = TinyTransformer(
-            data.vocab_sizes, data.num_outputs, factory, embed_dim=cfg.embed_dim, num_layers=cfg.num_layers,
-            mlp_hidden=mlp_hidden, max_len=data.max_len, causal=data.causal, readout=data.readout,
+            data.vocab_sizes,
+            data.num_outputs,
+            factory,
+            embed_dim=cfg.embed_dim,
+            num_layers=cfg.num_layers,
+            mlp_hidden=mlp_hidden,
+            max_len=data.max_len,
+            causal=data.causal,
+            readout=data.readout,
             pad_id=data.pad_id,
         )
     return prepare_model(model, variant)
@@ -102,8 +114,9 @@ def _to_device(x: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, data: TaskData, split: tuple[np.ndarray, np.ndarray], device: torch.device,
-             chunk: int = 256) -> tuple[float, float]:
+def evaluate(
+    model: nn.Module, data: TaskData, split: tuple[np.ndarray, np.ndarray], device: torch.device, chunk: int = 256
+) -> tuple[float, float]:
     """(mean loss in nats, metric) on ``split``: accuracy, or bits per char for the LM."""
     was_training = model.training
     model.eval()
@@ -147,10 +160,21 @@ class RunState:
     spikes: list[int] = dataclasses.field(default_factory=list)
     train_time: float = 0.0
     cpu_time: float = 0.0
-    curve: dict[str, list[float]] = dataclasses.field(default_factory=lambda: {
-        k: [] for k in ("step", "train_loss", "val_loss", "val_metric", "test_loss", "test_metric", "lr_scale",
-                        "train_time_s")
-    })
+    curve: dict[str, list[float]] = dataclasses.field(
+        default_factory=lambda: {
+            k: []
+            for k in (
+                "step",
+                "train_loss",
+                "val_loss",
+                "val_metric",
+                "test_loss",
+                "test_metric",
+                "lr_scale",
+                "train_time_s",
+            )
+        }
+    )
 
 
 def _sync(device: torch.device) -> None:
@@ -163,32 +187,51 @@ def _score(cfg: TaskConfig, metric: float) -> float:
     return metric if cfg.higher_is_better else -metric
 
 
-def run_identity(cfg: TaskConfig, variant: Variant, lr: float, seed: int, mlp_hidden: int,
-                 device: torch.device) -> dict[str, Any]:
+def run_identity(
+    cfg: TaskConfig, variant: Variant, lr: float, seed: int, mlp_hidden: int, device: torch.device
+) -> dict[str, Any]:
     """What a run's numbers depend on; a checkpoint or result is reused only when this matches."""
-    return {"config": cfg.run_fingerprint(), "variant": dataclasses.asdict(variant), "lr": float(lr),
-            "seed": int(seed), "mlp_hidden": int(mlp_hidden), "device": device.type,
-            "torch_threads": torch.get_num_threads() if device.type == "cpu" else None}
+    return {
+        "config": cfg.run_fingerprint(),
+        "variant": dataclasses.asdict(variant),
+        "lr": float(lr),
+        "seed": int(seed),
+        "mlp_hidden": int(mlp_hidden),
+        "device": device.type,
+        "torch_threads": torch.get_num_threads() if device.type == "cpu" else None,
+    }
 
 
 def _json_roundtrip(obj: Any) -> Any:
     return json.loads(json.dumps(obj))
 
 
-def _save_checkpoint(path: Path, identity: dict[str, Any], model: nn.Module, opt: torch.optim.Optimizer,
-                     order: Any, state: RunState, device: torch.device) -> None:
+def _save_checkpoint(
+    path: Path,
+    identity: dict[str, Any],
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    order: Any,
+    state: RunState,
+    device: torch.device,
+) -> None:
     payload = {
-        "format": CHECKPOINT_FORMAT, "identity": json.dumps(identity, sort_keys=True),
-        "model": model.state_dict(), "optimizer": opt.state_dict(), "torch_rng": torch.get_rng_state(),
+        "format": CHECKPOINT_FORMAT,
+        "identity": json.dumps(identity, sort_keys=True),
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "torch_rng": torch.get_rng_state(),
         "cuda_rng": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
-        "order": json.dumps(order.state_dict()), "state": json.dumps(dataclasses.asdict(state)),
+        "order": json.dumps(order.state_dict()),
+        "state": json.dumps(dataclasses.asdict(state)),
     }
     with cu.atomic_write(path, "wb") as f:  # never a half-written checkpoint
         torch.save(payload, f)
 
 
-def _load_checkpoint(path: Path, identity: dict[str, Any], model: nn.Module, opt: torch.optim.Optimizer,
-                     order: Any, device: torch.device) -> RunState:
+def _load_checkpoint(
+    path: Path, identity: dict[str, Any], model: nn.Module, opt: torch.optim.Optimizer, order: Any, device: torch.device
+) -> RunState:
     try:
         payload = torch.load(path, map_location=device, weights_only=True)
         stored = payload["identity"]
@@ -382,8 +425,9 @@ def best_index_up_to(cfg: TaskConfig, curve: dict[str, list[float]], last: int) 
     return best
 
 
-def _result(cfg: TaskConfig, identity: dict[str, Any], state: RunState, model: nn.Module,
-            resumed_at: int | None) -> dict[str, Any]:
+def _result(
+    cfg: TaskConfig, identity: dict[str, Any], state: RunState, model: nn.Module, resumed_at: int | None
+) -> dict[str, Any]:
     c = state.curve
     best = best_index_up_to(cfg, c, len(c["step"]) - 1)
     reached: dict[str, int | None] = {}
@@ -393,9 +437,14 @@ def _result(cfg: TaskConfig, identity: dict[str, Any], state: RunState, model: n
     steps = max(state.step, 1)
     return {
         "identity": _json_roundtrip(identity),
-        "variant": identity["variant"]["name"], "lr": identity["lr"], "seed": identity["seed"],
-        "params": count_parameters(model), "mlp_hidden": identity["mlp_hidden"],
-        "steps": state.step, "stop_reason": state.stop_reason, "lr_decays": state.decays,
+        "variant": identity["variant"]["name"],
+        "lr": identity["lr"],
+        "seed": identity["seed"],
+        "params": count_parameters(model),
+        "mlp_hidden": identity["mlp_hidden"],
+        "steps": state.step,
+        "stop_reason": state.stop_reason,
+        "lr_decays": state.decays,
         "diverged": state.stop_reason == "diverged",
         "best_step": c["step"][best] if best is not None else None,
         "best_val_metric": c["val_metric"][best] if best is not None else math.nan,
@@ -403,9 +452,12 @@ def _result(cfg: TaskConfig, identity: dict[str, Any], state: RunState, model: n
         "test_metric": c["test_metric"][best] if best is not None else math.nan,
         "test_loss": c["test_loss"][best] if best is not None else math.nan,
         "steps_to_threshold": reached,
-        "loss_spikes": len(state.spikes), "spike_steps": state.spikes[:50],
-        "time_per_step_s": state.train_time / steps, "cpu_per_step_s": state.cpu_time / steps,
-        "train_time_s": state.train_time, "resumed_at_step": resumed_at,
+        "loss_spikes": len(state.spikes),
+        "spike_steps": state.spikes[:50],
+        "time_per_step_s": state.train_time / steps,
+        "cpu_per_step_s": state.cpu_time / steps,
+        "train_time_s": state.train_time,
+        "resumed_at_step": resumed_at,
         "final_params_sha256": params_sha256(model),
         "curve": c,
     }

@@ -52,10 +52,17 @@ VARIANTS: dict[str, Variant] = {
         _damcha("damcha-heads-query", coupling="query", description="queries only"),
         _damcha("damcha-lowrank-tied", "lowrank", metric_rank=8, description="rank-8 map, tied"),
         # Ablations (claim 4): each differs from damcha-heads-tied (or -query) in one thing.
-        _damcha("damcha-heads-tied-shared", share_metric=True,
-                description="one generator shared by the stack, per-layer gates"),
-        _damcha("damcha-heads-query-shared", coupling="query", share_metric=True,
-                description="queries only, one generator shared by the stack"),
+        _damcha(
+            "damcha-heads-tied-shared",
+            share_metric=True,
+            description="one generator shared by the stack, per-layer gates",
+        ),
+        _damcha(
+            "damcha-heads-query-shared",
+            coupling="query",
+            share_metric=True,
+            description="queries only, one generator shared by the stack",
+        ),
         _damcha("damcha-heads-tied-pen1e-3", penalty=1e-3, description="metric penalty 1e-3"),
         _damcha("damcha-heads-tied-pen1e-2", penalty=1e-2, description="metric penalty 1e-2"),
         _damcha("damcha-heads-tied-pen1e-1", penalty=1e-1, description="metric penalty 1e-1"),
@@ -66,13 +73,29 @@ VARIANTS: dict[str, Variant] = {
 }
 
 # The comparison behind claims 1-3 (every baseline and the main DAMCHA couplings).
-HEADLINE = ("mha", "talking-heads", "damcha-heads-tied", "damcha-heads-separate", "damcha-heads-query",
-            "damcha-lowrank-tied")
+HEADLINE = (
+    "mha",
+    "talking-heads",
+    "damcha-heads-tied",
+    "damcha-heads-separate",
+    "damcha-heads-query",
+    "damcha-lowrank-tied",
+)
 # Claim 4; damcha-heads-tied is the reference each ablation changes in one respect.
-ABLATION = ("mha", "damcha-heads-tied", "damcha-heads-tied-shared", "damcha-heads-query",
-            "damcha-heads-query-shared", "damcha-heads-tied-pen1e-3", "damcha-heads-tied-pen1e-2",
-            "damcha-heads-tied-pen1e-1", "damcha-heads-tied-gate0.1", "damcha-heads-tied-mlr10",
-            "damcha-lowrank-tied", "damcha-lowrank-tied-r4")
+ABLATION = (
+    "mha",
+    "damcha-heads-tied",
+    "damcha-heads-tied-shared",
+    "damcha-heads-query",
+    "damcha-heads-query-shared",
+    "damcha-heads-tied-pen1e-3",
+    "damcha-heads-tied-pen1e-2",
+    "damcha-heads-tied-pen1e-1",
+    "damcha-heads-tied-gate0.1",
+    "damcha-heads-tied-mlr10",
+    "damcha-lowrank-tied",
+    "damcha-lowrank-tied-r4",
+)
 SUITES: dict[str, tuple[str, ...]] = {"headline": HEADLINE, "ablation": ABLATION}
 # Which variant each ablation is compared with (the one thing it changes).
 ABLATION_REFERENCE: dict[str, str] = {

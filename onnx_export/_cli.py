@@ -71,39 +71,73 @@ def _parser() -> argparse.ArgumentParser:
         "only when every check passes.",
         epilog="Exit status: 0 written and validated, 1 a validation mismatch (nothing written), 2 bad arguments.",
     )
-    p.add_argument("--config", help="DamchaConfig as a JSON file or inline JSON (default: the config stored in --params)")
+    p.add_argument(
+        "--config", help="DamchaConfig as a JSON file or inline JSON (default: the config stored in --params)"
+    )
     p.add_argument("--params", required=True, help="safetensors file written by damcha_core.save_params")
     p.add_argument("--out", required=True, help="path of the .onnx file to write")
-    p.add_argument("--opset", type=int, default=ATTENTION_OPSET, help="17-22: decomposed graph; >= 23: Attention op (default 23)")
-    p.add_argument("--dtype", choices=tuple(d for d in ATOL if d in DTYPES), default="float32",
-                   help="inputs, weights and output (float16 accumulates the RMS statistic and softmax in float32)")
+    p.add_argument(
+        "--opset", type=int, default=ATTENTION_OPSET, help="17-22: decomposed graph; >= 23: Attention op (default 23)"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=tuple(d for d in ATOL if d in DTYPES),
+        default="float32",
+        help="inputs, weights and output (float16 accumulates the RMS statistic and softmax in float32)",
+    )
     p.add_argument("--causal", action="store_true", help="causal self-attention (top-left)")
-    p.add_argument("--cross", action="store_true",
-                   help="add a context input (cross-attention); a config whose value_input_dim differs from its "
-                   "context_dim also gets a value input (B, M, E_v)")
+    p.add_argument(
+        "--cross",
+        action="store_true",
+        help="add a context input (cross-attention); a config whose value_input_dim differs from its "
+        "context_dim also gets a value input (B, M, E_v)",
+    )
     # `--mask` alone keeps its meaning from before the choices existed: a 4-D mask.
-    p.add_argument("--mask", nargs="?", choices=tuple(MASKS), const="4d", default="none",
-                   help="a boolean mask input, True = may attend: 4d (the default of a bare --mask) "
-                   "(B|1, H|1, N|1, M), padding (B, M) as a tokenizer's attention mask, or none (default)")
-    p.add_argument("--return-weights", action="store_true",
-                   help="add an output 'weights' (B, H, N, M), the attention probabilities; validated against "
-                   "damcha_core.damcha_attention(..., return_weights=True)")
-    p.add_argument("--kv-cache", action="store_true",
-                   help="export one incremental decoding step: past_key/past_value in, present_key/present_value out "
-                   "(needs --causal, no --cross); validated by decoding in chunks")
-    p.add_argument("--external-data", choices=tuple(EXTERNAL_DATA), default="auto",
-                   help="weights in <out>.data beside the .onnx file: auto (only past protobuf's 2 GiB limit), "
-                   "always or never")
-    p.add_argument("--quantize", choices=("dynamic", "static"), default=None,
-                   help="also write an int8 model to <out stem>.int8.onnx: dynamic (int8 weights, activations "
-                   "quantised at run time) or static QDQ (calibrated on random normal inputs; calibrate on real "
-                   "data with damcha_onnx.quantize_static_int8); needs --dtype float32; validated against the "
-                   f"reference (relative RMS error <= {INT8_RTOL})")
-    p.add_argument("--ort-dir", metavar="DIR", default=None,
-                   help="also write the ORT format for onnxruntime Mobile and minimal builds into DIR (created if "
-                   f"needed): <out stem>.ort (and <out stem>.int8.ort with --quantize) and {ORT_CONFIG}, the "
-                   "reduced operator config of a minimal build (damcha_onnx.convert_to_ort); each .ort file is "
-                   "loaded and validated like the .onnx one")
+    p.add_argument(
+        "--mask",
+        nargs="?",
+        choices=tuple(MASKS),
+        const="4d",
+        default="none",
+        help="a boolean mask input, True = may attend: 4d (the default of a bare --mask) "
+        "(B|1, H|1, N|1, M), padding (B, M) as a tokenizer's attention mask, or none (default)",
+    )
+    p.add_argument(
+        "--return-weights",
+        action="store_true",
+        help="add an output 'weights' (B, H, N, M), the attention probabilities; validated against "
+        "damcha_core.damcha_attention(..., return_weights=True)",
+    )
+    p.add_argument(
+        "--kv-cache",
+        action="store_true",
+        help="export one incremental decoding step: past_key/past_value in, present_key/present_value out "
+        "(needs --causal, no --cross); validated by decoding in chunks",
+    )
+    p.add_argument(
+        "--external-data",
+        choices=tuple(EXTERNAL_DATA),
+        default="auto",
+        help="weights in <out>.data beside the .onnx file: auto (only past protobuf's 2 GiB limit), always or never",
+    )
+    p.add_argument(
+        "--quantize",
+        choices=("dynamic", "static"),
+        default=None,
+        help="also write an int8 model to <out stem>.int8.onnx: dynamic (int8 weights, activations "
+        "quantised at run time) or static QDQ (calibrated on random normal inputs; calibrate on real "
+        "data with damcha_onnx.quantize_static_int8); needs --dtype float32; validated against the "
+        f"reference (relative RMS error <= {INT8_RTOL})",
+    )
+    p.add_argument(
+        "--ort-dir",
+        metavar="DIR",
+        default=None,
+        help="also write the ORT format for onnxruntime Mobile and minimal builds into DIR (created if "
+        f"needed): <out stem>.ort (and <out stem>.int8.ort with --quantize) and {ORT_CONFIG}, the "
+        "reduced operator config of a minimal build (damcha_onnx.convert_to_ort); each .ort file is "
+        "loaded and validated like the .onnx one",
+    )
     p.add_argument("--seed", type=cu.int_arg(minimum=0), default=0, help="seed of the validation inputs (>= 0)")
     return p
 
@@ -118,9 +152,18 @@ def _load_config(text: str) -> dc.DamchaConfig:
             cu.usage_error("--config", f"cannot read {source!r}: {exc}", prog=PROG)
     try:
         return dc.DamchaConfig.from_dict(json.loads(text))
-    except (json.JSONDecodeError, TypeError, AttributeError, dc.DamchaError) as exc:  # not JSON, fields missing or invalid
-        cu.usage_error("--config", f"must be a DamchaConfig as JSON (a file or inline), e.g. the `config` of "
-                       f"damcha_core.save_params. Received: --config={source[:200]!r} ({exc})", prog=PROG)
+    except (
+        json.JSONDecodeError,
+        TypeError,
+        AttributeError,
+        dc.DamchaError,
+    ) as exc:  # not JSON, fields missing or invalid
+        cu.usage_error(
+            "--config",
+            f"must be a DamchaConfig as JSON (a file or inline), e.g. the `config` of "
+            f"damcha_core.save_params. Received: --config={source[:200]!r} ({exc})",
+            prog=PROG,
+        )
 
 
 def _check_ort_dir(args: argparse.Namespace) -> None:
@@ -135,8 +178,11 @@ def _validate(args: argparse.Namespace) -> tuple[dict[str, np.ndarray], dc.Damch
     out = cu.check_output_file(args.out, "--out", prog=PROG)
     if args.quantize is not None:
         if args.dtype != "float32":
-            cu.usage_error("--quantize", f"needs --dtype float32 (onnxruntime quantises float32 weights). "
-                           f"Received: --dtype {args.dtype}", prog=PROG)
+            cu.usage_error(
+                "--quantize",
+                f"needs --dtype float32 (onnxruntime quantises float32 weights). Received: --dtype {args.dtype}",
+                prog=PROG,
+            )
         if args.kv_cache:
             cu.usage_error("--quantize", "cannot be combined with --kv-cache", prog=PROG)
         cu.check_output_file(int8_path(args.out), "--quantize", prog=PROG)
@@ -153,24 +199,41 @@ def _validate(args: argparse.Namespace) -> tuple[dict[str, np.ndarray], dc.Damch
     if args.kv_cache and not args.causal:
         cu.usage_error("--kv-cache", "needs --causal (a decode step is causal)", prog=PROG)
     if args.kv_cache and args.cross:
-        cu.usage_error("--kv-cache", "cannot be combined with --cross (the cache holds the layer's own tokens)", prog=PROG)
+        cu.usage_error(
+            "--kv-cache", "cannot be combined with --cross (the cache holds the layer's own tokens)", prog=PROG
+        )
     cu.require("onnxruntime", prog=PROG, why="the validation, --quantize and --ort-dir")
     cu.check_input_file(args.params, "--params", prog=PROG)
     try:
         params, stored = dc.load_params(args.params)
     except Exception as exc:  # noqa: BLE001 - a corrupt or foreign file is a bad argument (exit 2), not a mismatch
-        cu.usage_error("--params", f"{args.params!r} is not a readable damcha_core.save_params file: "
-                       f"{type(exc).__name__}: {exc}", prog=PROG)
+        cu.usage_error(
+            "--params",
+            f"{args.params!r} is not a readable damcha_core.save_params file: {type(exc).__name__}: {exc}",
+            prog=PROG,
+        )
     config = stored if args.config is None else _load_config(args.config)
     if config != stored:
-        cu.usage_error("--config", f"differs from the config stored in {args.params!r}. "
-                       f"Received: {config.to_dict()}, stored={stored.to_dict()}", prog=PROG)
+        cu.usage_error(
+            "--config",
+            f"differs from the config stored in {args.params!r}. "
+            f"Received: {config.to_dict()}, stored={stored.to_dict()}",
+            prog=PROG,
+        )
     if not args.cross and config.context_dim != config.query_dim:
-        cu.usage_error("--cross", f"is needed: the layer's context_dim ({config.context_dim}) differs from its "
-                       f"query_dim ({config.query_dim}), so the context is a separate input", prog=PROG)
+        cu.usage_error(
+            "--cross",
+            f"is needed: the layer's context_dim ({config.context_dim}) differs from its "
+            f"query_dim ({config.query_dim}), so the context is a separate input",
+            prog=PROG,
+        )
     if not args.cross and config.value_input_dim != config.context_dim:
-        cu.usage_error("--cross", f"is needed: the layer's value_input_dim ({config.value_input_dim}) differs from "
-                       f"its context_dim ({config.context_dim}), so the values are a separate input", prog=PROG)
+        cu.usage_error(
+            "--cross",
+            f"is needed: the layer's value_input_dim ({config.value_input_dim}) differs from "
+            f"its context_dim ({config.context_dim}), so the values are a separate input",
+            prog=PROG,
+        )
     return params, config
 
 
@@ -187,9 +250,19 @@ def _main(argv: list[str] | None) -> int:
     try:
         staged = os.path.join(staging, os.path.basename(out))
         try:
-            model = export(params, config, staged, opset=args.opset, causal=args.causal, cross=args.cross,
-                           mask=MASKS[args.mask], dtype=args.dtype, kv_cache=args.kv_cache,
-                           return_weights=args.return_weights, external_data=EXTERNAL_DATA[args.external_data])
+            model = export(
+                params,
+                config,
+                staged,
+                opset=args.opset,
+                causal=args.causal,
+                cross=args.cross,
+                mask=MASKS[args.mask],
+                dtype=args.dtype,
+                kv_cache=args.kv_cache,
+                return_weights=args.return_weights,
+                external_data=EXTERNAL_DATA[args.external_data],
+            )
         except dc.DamchaError as exc:  # a combination the exporter refuses: still a bad argument
             cu.usage_error("", str(exc), prog=PROG)
         inputs = _inputs(args, config, np.random.default_rng(args.seed))
@@ -216,12 +289,17 @@ def _main(argv: list[str] | None) -> int:
                     for name in sorted(os.listdir(ort_stage)):
                         shutil.move(os.path.join(ort_stage, name), tmp / name)
             except OSError as exc:
-                print(f"{PROG}: error: --ort-dir: could not write into {args.ort_dir!r}: {exc} (nothing else was "
-                      "written)", file=sys.stderr)
+                print(
+                    f"{PROG}: error: --ort-dir: could not write into {args.ort_dir!r}: {exc} (nothing else was "
+                    "written)",
+                    file=sys.stderr,
+                )
                 return cu.EXIT_USAGE
             moved += [os.path.join(args.ort_dir, n) for n in ort_names(args.out, args.quantize is not None)]
-        written = sorted((n for n in os.listdir(staging) if os.path.isfile(os.path.join(staging, n))),
-                         key=lambda n: n == os.path.basename(out))  # the data file first
+        written = sorted(
+            (n for n in os.listdir(staging) if os.path.isfile(os.path.join(staging, n))),
+            key=lambda n: n == os.path.basename(out),
+        )  # the data file first
         for name in written:
             os.replace(os.path.join(staging, name), os.path.join(os.path.dirname(out), name))
         if data_file_name(out) not in written:
@@ -251,14 +329,23 @@ def _inputs(args: argparse.Namespace, config: dc.DamchaConfig, rng: np.random.Ge
     return inputs
 
 
-def _reference(args: argparse.Namespace, params: dict[str, np.ndarray], config: dc.DamchaConfig,
-               inputs: dict[str, np.ndarray]) -> Outputs:
+def _reference(
+    args: argparse.Namespace, params: dict[str, np.ndarray], config: dc.DamchaConfig, inputs: dict[str, np.ndarray]
+) -> Outputs:
     """The NumPy reference's outputs on ``inputs``, named as the model's."""
     mask = inputs.get("mask")
     if args.mask == "padding":  # (B, M): every head and query row of a batch sees the same keys
         mask = mask[:, None, None, :]
-    result = dc.damcha_attention(params, config, inputs["query"], inputs.get("context"), value=inputs.get("value"),
-                                 mask=mask, causal=args.causal, return_weights=args.return_weights)
+    result = dc.damcha_attention(
+        params,
+        config,
+        inputs["query"],
+        inputs.get("context"),
+        value=inputs.get("value"),
+        mask=mask,
+        causal=args.causal,
+        return_weights=args.return_weights,
+    )
     if args.return_weights:
         return {"output": result[0], "weights": result[1]}
     return {"output": result}
@@ -283,8 +370,10 @@ def _check(path: str, args: argparse.Namespace, inputs: dict[str, np.ndarray], e
     for name, run in (("onnxruntime CPU", run_ort), ("onnx.reference", run_reference)):
         errors, good = _errors(_outputs(path, run, args, inputs), expected, args.dtype)
         ok &= good
-        print(f"{name:<16} vs NumPy reference: max |error| = {errors} {how}on (B={B}, N={N}, M={M}) "
-              f"-> {'ok' if good else 'MISMATCH'}")
+        print(
+            f"{name:<16} vs NumPy reference: max |error| = {errors} {how}on (B={B}, N={N}, M={M}) "
+            f"-> {'ok' if good else 'MISMATCH'}"
+        )
     return ok
 
 
@@ -295,8 +384,15 @@ def _outputs(model: str, run: Callable, args: argparse.Namespace, inputs: dict[s
     return run(model, inputs, all_outputs=True)
 
 
-def _quantize(staged: str, target: str, args: argparse.Namespace, params: dict[str, np.ndarray],
-              config: dc.DamchaConfig, inputs: dict[str, np.ndarray], expected: Outputs) -> bool:
+def _quantize(
+    staged: str,
+    target: str,
+    args: argparse.Namespace,
+    params: dict[str, np.ndarray],
+    config: dc.DamchaConfig,
+    inputs: dict[str, np.ndarray],
+    expected: Outputs,
+) -> bool:
     """Write the int8 model of the staged float32 one to ``target`` and judge it against the reference."""
     # The library drops onnxruntime's "consider pre-processing" warning itself (_quantize.py).
     from ._quantize import quantization_error, quantize_int8, quantize_static_int8
@@ -309,13 +405,16 @@ def _quantize(staged: str, target: str, args: argparse.Namespace, params: dict[s
     errors = quantization_error(staged, model, inputs, expected["output"])
     rel = errors["rel_rms_int8_vs_reference"]
     good = bool(rel <= INT8_RTOL)
-    print(f"int8 ({args.quantize}) vs NumPy reference: relative RMS error = {rel:.2e}, max |error| = "
-          f"{errors['max_abs_int8_vs_reference']:.2e} -> {'ok' if good else 'MISMATCH'} (allowed {INT8_RTOL})")
+    print(
+        f"int8 ({args.quantize}) vs NumPy reference: relative RMS error = {rel:.2e}, max |error| = "
+        f"{errors['max_abs_int8_vs_reference']:.2e} -> {'ok' if good else 'MISMATCH'} (allowed {INT8_RTOL})"
+    )
     return good
 
 
-def _ort(models: list[str], folder: str, args: argparse.Namespace, inputs: dict[str, np.ndarray],
-         expected: Outputs) -> bool:
+def _ort(
+    models: list[str], folder: str, args: argparse.Namespace, inputs: dict[str, np.ndarray], expected: Outputs
+) -> bool:
     """Convert the staged models to ORT format in ``folder`` and run each ``.ort`` file (through its
     ``.onnx`` file's declarations) against the reference: the float model within the dtype's
     allowance, the int8 one within ``INT8_RTOL``."""
@@ -328,8 +427,9 @@ def _ort(models: list[str], folder: str, args: argparse.Namespace, inputs: dict[
         return False
     # The config's header names the converted files: name them where they will be, not in the staging folder.
     header = result.config.read_text(encoding="utf-8")
-    result.config.write_text(header.replace(str(Path(folder).resolve()), str(Path(args.ort_dir).resolve())),
-                             encoding="utf-8")
+    result.config.write_text(
+        header.replace(str(Path(folder).resolve()), str(Path(args.ort_dir).resolve())), encoding="utf-8"
+    )
     ok = True
     for source, (stem, ort_file) in zip(models, result.models.items()):
         run = functools.partial(run_ort, session=ort_session(str(ort_file)))
@@ -339,8 +439,10 @@ def _ort(models: list[str], folder: str, args: argparse.Namespace, inputs: dict[
             what = f"max |error| = {errors}"
         else:  # the int8 model: judged as the .onnx int8 model is
             ref = expected["output"]
-            rel = float(np.sqrt(np.mean((np.asarray(actual["output"], np.float64) - ref) ** 2))
-                        / (float(np.sqrt(np.mean(ref ** 2))) or 1.0))
+            rel = float(
+                np.sqrt(np.mean((np.asarray(actual["output"], np.float64) - ref) ** 2))
+                / (float(np.sqrt(np.mean(ref**2))) or 1.0)
+            )
             good = bool(rel <= INT8_RTOL)  # NaN: not good
             what = f"relative RMS error = {rel:.2e} (allowed {INT8_RTOL})"
         ok &= good

@@ -185,8 +185,17 @@ def _layer_model(params: Mapping[str, Any], config: DamchaConfig, options: Expor
     for value in inputs + outputs:
         g.reserve(value.name)
     y = attention_layer(
-        g, params, config, QUERY, CONTEXT if o.cross else None, mask=mask_node(g, o), causal=o.causal,
-        form=o.form, prefix="", cache=cache, weights=WEIGHTS if o.return_weights else None,
+        g,
+        params,
+        config,
+        QUERY,
+        CONTEXT if o.cross else None,
+        mask=mask_node(g, o),
+        causal=o.causal,
+        form=o.form,
+        prefix="",
+        cache=cache,
+        weights=WEIGHTS if o.return_weights else None,
         value=VALUE if separate_value else None,
     )
     g.nodes.append(helper.make_node("Identity", [y], [OUTPUT], name="n_output"))
@@ -195,11 +204,15 @@ def _layer_model(params: Mapping[str, Any], config: DamchaConfig, options: Expor
         "mask: True = may attend; a query with no visible key outputs output.bias."
     )
     if o.kv_cache:
-        doc += (" Decode step: past_key (B, G, P, d) holds k~ = L_k(c) k (no softmax scale), query i sits at "
-                "position P + i and sees keys j <= P + i; present_* = past_* with the new tokens appended.")
+        doc += (
+            " Decode step: past_key (B, G, P, d) holds k~ = L_k(c) k (no softmax scale), query i sits at "
+            "position P + i and sees keys j <= P + i; present_* = past_* with the new tokens appended."
+        )
     props = {
-        "damcha_config": json.dumps(config.to_dict(), sort_keys=True), "damcha_form": o.form,
-        "damcha_causal": str(o.causal), "damcha_kv_cache": str(o.kv_cache),
+        "damcha_config": json.dumps(config.to_dict(), sort_keys=True),
+        "damcha_form": o.form,
+        "damcha_causal": str(o.causal),
+        "damcha_kv_cache": str(o.kv_cache),
     }
     return Draft(g, inputs, outputs, "damcha_attention", doc, props)
 
@@ -235,8 +248,19 @@ def build_model(
     ``ExportOptions``) replaces them all.
     """
     options = ExportOptions.resolve(
-        options, "layer", opset=opset, form=form, dtype=dtype, causal=causal, cross=cross, mask=mask, dynamic=dynamic,
-        batch_size=batch_size, query_len=query_len, context_len=context_len, kv_cache=kv_cache,
+        options,
+        "layer",
+        opset=opset,
+        form=form,
+        dtype=dtype,
+        causal=causal,
+        cross=cross,
+        mask=mask,
+        dynamic=dynamic,
+        batch_size=batch_size,
+        query_len=query_len,
+        context_len=context_len,
+        kv_cache=kv_cache,
         return_weights=return_weights,
     )
     return _layer_model(params, config, options).in_memory()
@@ -319,8 +343,20 @@ def export(
     """
     path = check_path(path)
     options = ExportOptions.resolve(
-        options, "layer", opset=opset, form=form, dtype=dtype, causal=causal, cross=cross, mask=mask, dynamic=dynamic,
-        batch_size=batch_size, query_len=query_len, context_len=context_len, kv_cache=kv_cache,
-        return_weights=return_weights, external_data=external_data,
+        options,
+        "layer",
+        opset=opset,
+        form=form,
+        dtype=dtype,
+        causal=causal,
+        cross=cross,
+        mask=mask,
+        dynamic=dynamic,
+        batch_size=batch_size,
+        query_len=query_len,
+        context_len=context_len,
+        kv_cache=kv_cache,
+        return_weights=return_weights,
+        external_data=external_data,
     )
     return finish(_layer_model(params, config, options), path, options)

@@ -20,7 +20,9 @@ from damcha_core import DamchaTypeError, describe
 from ._stack import EncoderConfig
 
 
-def encoder_from_keras(blocks: Sequence[Any], *, causal: bool | None = None) -> tuple[dict[str, np.ndarray], EncoderConfig]:
+def encoder_from_keras(
+    blocks: Sequence[Any], *, causal: bool | None = None
+) -> tuple[dict[str, np.ndarray], EncoderConfig]:
     """Stack parameters and ``EncoderConfig`` of built ``damcha_keras`` blocks.
 
     The blocks' own ``damcha_keras.stack_to_canonical(blocks, causal=causal)``

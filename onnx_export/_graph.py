@@ -82,7 +82,9 @@ class GraphBuilder:
         """Bytes of every initialiser: the model's size, give or take the graph itself."""
         return sum(a.nbytes for _, a in self.arrays)
 
-    def tensors(self, location: str | None = None, min_bytes: int = 1024) -> tuple[list[onnx.TensorProto], list[np.ndarray]]:
+    def tensors(
+        self, location: str | None = None, min_bytes: int = 1024
+    ) -> tuple[list[onnx.TensorProto], list[np.ndarray]]:
         """The initialisers as TensorProtos: inline (``location=None``), or
         those of ``min_bytes`` or more as ONNX external data in the file
         ``location``, laid end to end in creation order. Returns (tensors,
@@ -131,7 +133,9 @@ class GraphBuilder:
         """An int64 1-D constant (shapes, axes), shared between nodes."""
         key = ("i64", tuple(int(v) for v in values))
         if key not in self._consts:
-            name = self.fresh("const_" + "_".join(str(v).replace("-", "m") for v in key[1]) if key[1] else "const_empty")
+            name = self.fresh(
+                "const_" + "_".join(str(v).replace("-", "m") for v in key[1]) if key[1] else "const_empty"
+            )
             self.arrays.append((name, np.asarray(key[1], dtype=np.int64)))
             self._consts[key] = name
         return self._consts[key]
@@ -156,7 +160,9 @@ class GraphBuilder:
 
         The caller reserves the names (``_names``), so ``fresh`` never hands them out again.
         """
-        self.nodes.append(helper.make_node(op_type, list(inputs), list(outputs), name=self.fresh(f"n_{outputs[0]}"), **attrs))
+        self.nodes.append(
+            helper.make_node(op_type, list(inputs), list(outputs), name=self.fresh(f"n_{outputs[0]}"), **attrs)
+        )
 
     # -------------------------------------------------------------- helpers
 
@@ -212,14 +218,24 @@ class GraphBuilder:
         if self.opset >= 23 and self.onnx_dtype in (TensorProto.FLOAT, TensorProto.FLOAT16):
             # float64 keeps the explicit pattern: stash_type=DOUBLE is not
             # implemented everywhere (onnx's ReferenceEvaluator rejects it).
-            return self.op("RMSNormalization", [x, self.ones(features)], hint, axis=-1, epsilon=dc.RMS_EPS,
-                           stash_type=int(TensorProto.FLOAT))
+            return self.op(
+                "RMSNormalization",
+                [x, self.ones(features)],
+                hint,
+                axis=-1,
+                epsilon=dc.RMS_EPS,
+                stash_type=int(TensorProto.FLOAT),
+            )
         acc = self.acc_dtype
         t = x if acc == self.onnx_dtype else self.op("Cast", [x], f"{hint}_acc", to=acc)
         sq = self.op("Pow", [t, self.scalar(2.0, acc)], f"{hint}_sq")
         ms = self.reduce_mean_last(sq, f"{hint}_ms")
         rms = self.op("Sqrt", [self.op("Add", [ms, self.scalar(dc.RMS_EPS, acc)], f"{hint}_mseps")], f"{hint}_rms")
-        y = self.op("Mul", [self.op("Div", [t, rms], f"{hint}_div"), self.ones(features, acc)], hint if acc == self.onnx_dtype else f"{hint}_f")
+        y = self.op(
+            "Mul",
+            [self.op("Div", [t, rms], f"{hint}_div"), self.ones(features, acc)],
+            hint if acc == self.onnx_dtype else f"{hint}_f",
+        )
         return y if acc == self.onnx_dtype else self.op("Cast", [y], hint, to=self.onnx_dtype)
 
 
@@ -289,7 +305,13 @@ def _gen_weight(g: GraphBuilder, f: Mapping[str, np.ndarray], key: str, shared: 
 
 
 def _generator(
-    g: GraphBuilder, f: Mapping[str, np.ndarray], config: DamchaConfig, side: str, phi: str, hint: str, shared: str | None,
+    g: GraphBuilder,
+    f: Mapping[str, np.ndarray],
+    config: DamchaConfig,
+    side: str,
+    phi: str,
+    hint: str,
+    shared: str | None,
     prefix: str,
 ) -> str:
     """l(t) flattened (B, T, S*S) for "heads"; u(t) (B, T, r) for "lowrank"."""
@@ -301,8 +323,11 @@ def _generator(
         # initialisers only, so runtimes fold it once at load; W_A stays a
         # stored initialiser (quantisable, stored once).
         rows = g.weight(f"{hint}.gate_rows", f[f"{side}.gate_rows"])
-        offset = g.op("Add", [g.op("Mul", [bias, rows], f"{hint}_gated_bias"), g.weight(f"{hint}.eye", f[f"{side}.eye"])],
-                      f"{hint}_offset")
+        offset = g.op(
+            "Add",
+            [g.op("Mul", [bias, rows], f"{hint}_gated_bias"), g.weight(f"{hint}.eye", f[f"{side}.eye"])],
+            f"{hint}_offset",
+        )
         return g.op("Add", [g.op("Mul", [mm, rows], f"{hint}_gated"), offset], hint)
     return g.op("Add", [mm, bias], hint)
 
@@ -371,8 +396,7 @@ def attention_layer(
     """
     if cache is not None and (context is not None or not causal):
         raise DamchaValueError(
-            "A key/value cache needs causal self-attention. "
-            f"Received: context={context!r}, causal={causal}"
+            f"A key/value cache needs causal self-attention. Received: context={context!r}, causal={causal}"
         )
     f = fold_params(params, config, fold_gate=shared is None)
     H, G, d, d_v = config.num_heads, config.num_kv_heads, config.key_dim, config.value_dim
@@ -383,7 +407,10 @@ def attention_layer(
         # Reshape to (B_query, M, E_kv): a context whose batch differs from the
         # query's fails here (element count) instead of broadcasting in MatMul.
         target = g.op(
-            "Concat", [g.dim(query, 0, f"{P}batch"), g.op("Shape", [context], f"{P}ctx_shape", start=1)], f"{P}ctx_target", axis=0
+            "Concat",
+            [g.dim(query, 0, f"{P}batch"), g.op("Shape", [context], f"{P}ctx_shape", start=1)],
+            f"{P}ctx_target",
+            axis=0,
         )
         context = g.op("Reshape", [context, target], f"{P}context")
     c = query if self_attn else context
@@ -391,7 +418,10 @@ def attention_layer(
         # The same guard for the value tokens; their length must be the
         # context's, which the attention (or the value MatMul) enforces.
         target = g.op(
-            "Concat", [g.dim(query, 0, f"{P}vbatch"), g.op("Shape", [value], f"{P}val_shape", start=1)], f"{P}val_target", axis=0
+            "Concat",
+            [g.dim(query, 0, f"{P}vbatch"), g.op("Shape", [value], f"{P}val_shape", start=1)],
+            f"{P}val_target",
+            axis=0,
         )
         value = g.op("Reshape", [value, target], f"{P}value_tokens")
 
@@ -428,7 +458,9 @@ def attention_layer(
     if mask is not None:
         # The mask keeps its broadcast dims (B|1, H|1, N|1, M): nothing here
         # builds a (B, H, N, M) tensor from it, or an N x M causal one.
-        visible = _checked_mask(g, mask, [g.dim(query, 0, f"{P}mB"), g.ints([H]), g.dim(query, 1, f"{P}mN"), key_len], P)
+        visible = _checked_mask(
+            g, mask, [g.dim(query, 0, f"{P}mB"), g.ints([H]), g.dim(query, 1, f"{P}mN"), key_len], P
+        )
         rows_ok = _rows_with_key(g, visible, causal, query, offset, P)
 
     if form == "attention":
@@ -457,7 +489,9 @@ def attention_layer(
             attrs["softmax_precision"] = int(TensorProto.FLOAT)  # accumulate the softmax in float32
         while inputs[-1] == "":
             inputs.pop()  # trailing optional inputs are omitted, not named ""
-        g.named_op("Attention", inputs, outputs, q_num_heads=H, kv_num_heads=G, scale=1.0, is_causal=int(causal), **attrs)
+        g.named_op(
+            "Attention", inputs, outputs, q_num_heads=H, kv_num_heads=G, scale=1.0, is_causal=int(causal), **attrs
+        )
         o = outputs[0]  # (B, N, H*d_v); scale already folded into q
         if rows_ok is not None:
             o = _zero_empty_rows_3d(g, o, rows_ok, H, d_v, P)
@@ -467,8 +501,9 @@ def attention_layer(
                 probs = g.op("Where", [rows_ok, probs, g.scalar(0.0)], f"{P}probs_safe")
             g.named_op("Identity", [probs], [weights])
     else:
-        o = _decomposed_attention(g, q, k, v, visible, rows_ok, causal, query, key_len, offset, cache, H, G, R, d, d_v, P,
-                                  weights)
+        o = _decomposed_attention(
+            g, q, k, v, visible, rows_ok, causal, query, key_len, offset, cache, H, G, R, d, d_v, P, weights
+        )
     return g.linear(o, f["o.kernel"], f.get("o.bias"), f"{P}out")
 
 
@@ -483,10 +518,17 @@ def _checked_mask(g: GraphBuilder, mask: str, target: Sequence[str], P: str) -> 
     """
     shape = g.op("Shape", [mask], f"{P}mask_dims")
     full = g.op("Concat", list(target), f"{P}mask_target", axis=0)
-    fits = g.op("Or", [g.op("Equal", [shape, g.ints([1, 1, 1, 1])], f"{P}mask_dim1"),
-                       g.op("Equal", [shape, full], f"{P}mask_dimeq")], f"{P}mask_fits")
-    bad = g.op("ReduceSum", [g.op("Cast", [g.op("Not", [fits], f"{P}mask_unfit")], f"{P}mask_unfit_i", to=TensorProto.INT64)],
-               f"{P}mask_bad", keepdims=1)  # (1,): how many dims do not fit
+    fits = g.op(
+        "Or",
+        [g.op("Equal", [shape, g.ints([1, 1, 1, 1])], f"{P}mask_dim1"), g.op("Equal", [shape, full], f"{P}mask_dimeq")],
+        f"{P}mask_fits",
+    )
+    bad = g.op(
+        "ReduceSum",
+        [g.op("Cast", [g.op("Not", [fits], f"{P}mask_unfit")], f"{P}mask_unfit_i", to=TensorProto.INT64)],
+        f"{P}mask_bad",
+        keepdims=1,
+    )  # (1,): how many dims do not fit
     # A vector of `bad` zeros, reshaped to length 0: fails unless bad == 0.
     zeros = g.op("ConstantOfShape", [bad], f"{P}mask_bad_zeros", value=numpy_helper.from_array(np.zeros(1, np.int64)))
     empty = g.op("Reshape", [zeros, g.ints([0])], f"{P}mask_check", allowzero=1)
@@ -541,7 +583,9 @@ def _zero_empty_rows_3d(g: GraphBuilder, o: str, rows_ok: str, H: int, d_v: int,
     return g.reshape(zeroed, [0, 0, H * d_v], f"{P}attn_masked")
 
 
-def _decomposed_attention(g, q, k, v, visible, rows_ok, causal, query, key_len, offset, cache, H, G, R, d, d_v, P, weights):
+def _decomposed_attention(
+    g, q, k, v, visible, rows_ok, causal, query, key_len, offset, cache, H, G, R, d, d_v, P, weights
+):
     """Scaled dot-product attention from MatMul/Softmax for opsets without Attention."""
     # Query head h = g*R + r reads kv head g: group query heads by kv head.
     qg = g.op("Transpose", [g.reshape(q, [0, 0, G, R, d], f"{P}q5")], f"{P}q5t", perm=[0, 2, 3, 1, 4])

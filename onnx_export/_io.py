@@ -39,11 +39,15 @@ def check_path(path: Any, name: str = "path") -> str | None:
         raise DamchaValueError(f"`{name}` must be a file path, not a directory. Received: {name}={path!r}")
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
-        raise DamchaValueError(f"`{name}` must be in an existing directory. Received: {name}={path!r} ({parent!r} does not exist)")
+        raise DamchaValueError(
+            f"`{name}` must be in an existing directory. Received: {name}={path!r} ({parent!r} does not exist)"
+        )
     if os.path.exists(path) and not os.access(path, os.W_OK):
         raise DamchaValueError(f"`{name}` is a read-only file; it is not replaced. Received: {name}={path!r}")
     if not os.access(parent, os.W_OK):
-        raise DamchaValueError(f"`{name}` must be in a writable directory. Received: {name}={path!r} ({parent!r} is read-only)")
+        raise DamchaValueError(
+            f"`{name}` must be in a writable directory. Received: {name}={path!r} ({parent!r} is read-only)"
+        )
     return path
 
 
@@ -164,8 +168,15 @@ def save_model(model: onnx.ModelProto, path: str | os.PathLike, *, external_data
         # save a copy, so the caller's model keeps its weights in memory.
         copy = onnx.ModelProto()
         copy.CopyFrom(model)
-        onnx.save_model(copy, os.path.join(tmp, names[0]), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=names[1], size_threshold=EXTERNAL_DATA_MIN_BYTES, convert_attribute=False)
+        onnx.save_model(
+            copy,
+            os.path.join(tmp, names[0]),
+            save_as_external_data=True,
+            all_tensors_to_one_file=True,
+            location=names[1],
+            size_threshold=EXTERNAL_DATA_MIN_BYTES,
+            convert_attribute=False,
+        )
         staged = [n for n in names if os.path.exists(os.path.join(tmp, n))]
         for name in reversed(staged):
             os.chmod(os.path.join(tmp, name), mode)
@@ -196,6 +207,12 @@ def write_staged(model: onnx.ModelProto, directory: str, file_name: str) -> str:
     copy = onnx.ModelProto()
     copy.CopyFrom(model)
     target = os.path.join(directory, file_name)
-    onnx.save_model(copy, target, save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=data_file_name(file_name), size_threshold=EXTERNAL_DATA_MIN_BYTES)
+    onnx.save_model(
+        copy,
+        target,
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location=data_file_name(file_name),
+        size_threshold=EXTERNAL_DATA_MIN_BYTES,
+    )
     return target

@@ -42,7 +42,9 @@ def _parse_config(path: pathlib.Path) -> dict[tuple[str, int], frozenset[str]]:
     from onnxruntime.tools.reduced_build_config_parser import parse_config
 
     required, _ = parse_config(str(path))
-    return {(domain, int(opset)): frozenset(ops) for domain, by_opset in required.items() for opset, ops in by_opset.items()}
+    return {
+        (domain, int(opset)): frozenset(ops) for domain, by_opset in required.items() for opset, ops in by_opset.items()
+    }
 
 
 def convert_to_ort(
@@ -81,7 +83,9 @@ def convert_to_ort(
 
     paths = [models] if isinstance(models, (str, os.PathLike)) else models
     if not isinstance(paths, Sequence) or not paths:
-        raise DamchaTypeError(f"`models` must be an .onnx path or a non-empty list of them. Received: models={describe(models)}")
+        raise DamchaTypeError(
+            f"`models` must be an .onnx path or a non-empty list of them. Received: models={describe(models)}"
+        )
     sources = []
     for i, item in enumerate(paths):
         as_model(item, f"models[{i}]", load_weights=False)  # a clear error for anything unreadable
@@ -90,7 +94,9 @@ def convert_to_ort(
     if len(set(stems)) != len(stems):
         raise DamchaValueError(f"`models` must have distinct file names (each becomes <name>.ort). Received: {stems}")
     if target_platform not in PLATFORMS:
-        raise DamchaValueError(f"`target_platform` must be one of {PLATFORMS}. Received: target_platform={target_platform!r}")
+        raise DamchaValueError(
+            f"`target_platform` must be one of {PLATFORMS}. Received: target_platform={target_platform!r}"
+        )
     if not isinstance(type_reduction, bool):
         raise DamchaTypeError(f"`type_reduction` must be a bool. Received: type_reduction={describe(type_reduction)}")
     out = pathlib.Path(os.fspath(output_dir))
@@ -109,11 +115,16 @@ def convert_to_ort(
         try:
             with contextlib.redirect_stdout(log), _quiet_tool_logs():
                 convert_onnx_models_to_ort(
-                    pathlib.Path(tmp), output_dir=out.resolve(), optimization_styles=[OptimizationStyle.Fixed],
-                    target_platform=target_platform, enable_type_reduction=type_reduction,
+                    pathlib.Path(tmp),
+                    output_dir=out.resolve(),
+                    optimization_styles=[OptimizationStyle.Fixed],
+                    target_platform=target_platform,
+                    enable_type_reduction=type_reduction,
                 )
         except Exception as exc:
-            raise DamchaValueError(f"onnxruntime could not convert `models` to ORT format: {type(exc).__name__}: {exc}") from exc
+            raise DamchaValueError(
+                f"onnxruntime could not convert `models` to ORT format: {type(exc).__name__}: {exc}"
+            ) from exc
     converted = {stem: out / f"{stem}.ort" for stem in stems}
     missing = [str(p) for p in converted.values() if not p.is_file()]
     if missing:

@@ -62,7 +62,9 @@ def check_dtype(dtype: Any) -> str:
 def _dim(dynamic: bool, name: str, symbol: str, value: Any) -> str | int:
     if dynamic:
         if value is not None:
-            raise DamchaValueError(f"`{name}` fixes a dimension, so it needs dynamic=False. Received: {name}={describe(value)}")
+            raise DamchaValueError(
+                f"`{name}` fixes a dimension, so it needs dynamic=False. Received: {name}={describe(value)}"
+            )
         return symbol
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise DamchaValueError(f"dynamic=False needs `{name}` as an int >= 1. Received: {name}={describe(value)}")
@@ -152,7 +154,9 @@ class ExportOptions:
         if self.cross:
             _dim(self.dynamic, "context_len", "context_len", self.context_len)
         elif self.context_len is not None:
-            raise DamchaValueError(f"`context_len` needs cross=True. Received: context_len={describe(self.context_len)}")
+            raise DamchaValueError(
+                f"`context_len` needs cross=True. Received: context_len={describe(self.context_len)}"
+            )
 
     @property
     def batch_dim(self) -> str | int:
@@ -186,7 +190,9 @@ class ExportOptions:
                 f"`options` must be of kind {kind!r} for this exporter. Received: options.kind={options.kind!r}"
             )
         defaults = {f.name: f.default for f in dataclasses.fields(cls)}
-        given = sorted(name for name, value in keywords.items() if value is not defaults[name] and value != defaults[name])
+        given = sorted(
+            name for name, value in keywords.items() if value is not defaults[name] and value != defaults[name]
+        )
         if given:
             raise DamchaValueError(
                 f"Pass the export options either as `options` or as keywords, not both. Received: options and {given}"

@@ -25,7 +25,11 @@ CALIBRATION_METHODS = ("minmax", "entropy", "percentile")
 
 
 def _check_float32(m: onnx.ModelProto) -> None:
-    others = [i.name for i in m.graph.input if i.type.tensor_type.elem_type in (onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16)]
+    others = [
+        i.name
+        for i in m.graph.input
+        if i.type.tensor_type.elem_type in (onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16)
+    ]
     if others:
         raise DamchaValueError(
             f"`model` must be a float32 export to quantise (onnxruntime quantises float32 weights). "
@@ -169,7 +173,9 @@ def quantize_static_int8(
     if isinstance(per_channel, bool) is False:
         raise DamchaTypeError(f"`per_channel` must be a bool. Received: per_channel={describe(per_channel)}")
     if activation_type not in QUANT_TYPES:
-        raise DamchaValueError(f"`activation_type` must be one of {QUANT_TYPES}. Received: activation_type={activation_type!r}")
+        raise DamchaValueError(
+            f"`activation_type` must be one of {QUANT_TYPES}. Received: activation_type={activation_type!r}"
+        )
     if method not in CALIBRATION_METHODS:
         raise DamchaValueError(f"`method` must be one of {CALIBRATION_METHODS}. Received: method={method!r}")
     if isinstance(calibration, Mapping) or not isinstance(calibration, Iterable):
@@ -186,8 +192,11 @@ def quantize_static_int8(
     if not feeds:
         raise DamchaValueError("`calibration` must hold at least one feed dict. Received: an empty iterable")
     quant = {"int8": QuantType.QInt8, "uint8": QuantType.QUInt8}
-    methods = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
-               "percentile": CalibrationMethod.Percentile}
+    methods = {
+        "minmax": CalibrationMethod.MinMax,
+        "entropy": CalibrationMethod.Entropy,
+        "percentile": CalibrationMethod.Percentile,
+    }
     weighted = weight_matmuls(m)
     with tempfile.TemporaryDirectory() as tmp:
         src, dst = os.path.join(tmp, "model.onnx"), os.path.join(tmp, "model.qdq.onnx")
@@ -195,9 +204,16 @@ def quantize_static_int8(
         # The calibrator prints progress on stdout; the pre-processing hint is dropped (see below).
         with contextlib.redirect_stdout(io.StringIO()), _quiet_pre_processing_hint():
             quantize_static(
-                src, dst, _Calibration(feeds), quant_format=QuantFormat.QDQ, op_types_to_quantize=["MatMul"],
-                nodes_to_quantize=weighted, per_channel=per_channel, activation_type=quant[activation_type],
-                weight_type=QuantType.QInt8, calibrate_method=methods[method],
+                src,
+                dst,
+                _Calibration(feeds),
+                quant_format=QuantFormat.QDQ,
+                op_types_to_quantize=["MatMul"],
+                nodes_to_quantize=weighted,
+                per_channel=per_channel,
+                activation_type=quant[activation_type],
+                weight_type=QuantType.QInt8,
+                calibrate_method=methods[method],
                 # DedicatedQDQPair: a token tensor read by a quantised MatMul and by
                 # a float node (the RMS normalisation, a residual add) gets its own
                 # Q/DQ pair per consumer, so the float nodes read it unrounded.
@@ -205,8 +221,12 @@ def quantize_static_int8(
                 # the generator's) stays float; the quantiser would otherwise
                 # round it to int8 where no bias Add follows, and the attention
                 # and cross-head maps would read the rounded tensor.
-                extra_options={"WeightSymmetric": True, "QDQOpTypePerChannelSupportToAxis": {"MatMul": 1},
-                               "DedicatedQDQPair": True, "OpTypesToExcludeOutputQuantization": ["MatMul"]},
+                extra_options={
+                    "WeightSymmetric": True,
+                    "QDQOpTypePerChannelSupportToAxis": {"MatMul": 1},
+                    "DedicatedQDQPair": True,
+                    "OpTypesToExcludeOutputQuantization": ["MatMul"],
+                },
             )
         out = onnx.load(dst)
     if path is not None:
@@ -215,7 +235,10 @@ def quantize_static_int8(
 
 
 def quantization_error(
-    float_model: onnx.ModelProto, int8_model: onnx.ModelProto, inputs: Mapping[str, Any], reference: np.ndarray | None = None
+    float_model: onnx.ModelProto,
+    int8_model: onnx.ModelProto,
+    inputs: Mapping[str, Any],
+    reference: np.ndarray | None = None,
 ) -> dict[str, float]:
     """Accuracy loss of the int8 model: max and relative RMS error against the
     float32 model's output (and against ``reference`` when given)."""
@@ -225,7 +248,7 @@ def quantization_error(
         raise DamchaValueError(
             f"`reference` must have the model's output shape {y32.shape}. Received: reference.shape={np.shape(reference)}"
         )
-    scale = float(np.sqrt(np.mean(y32 ** 2))) or 1.0
+    scale = float(np.sqrt(np.mean(y32**2))) or 1.0
     out = {
         "max_abs_vs_float32": float(np.max(np.abs(y8 - y32))),
         "rel_rms_vs_float32": float(np.sqrt(np.mean((y8 - y32) ** 2)) / scale),
@@ -234,5 +257,7 @@ def quantization_error(
         ref = np.asarray(reference, dtype=np.float64)
         out["max_abs_float32_vs_reference"] = float(np.max(np.abs(y32 - ref)))
         out["max_abs_int8_vs_reference"] = float(np.max(np.abs(y8 - ref)))
-        out["rel_rms_int8_vs_reference"] = float(np.sqrt(np.mean((y8 - ref) ** 2)) / (float(np.sqrt(np.mean(ref**2))) or 1.0))
+        out["rel_rms_int8_vs_reference"] = float(
+            np.sqrt(np.mean((y8 - ref) ** 2)) / (float(np.sqrt(np.mean(ref**2))) or 1.0)
+        )
     return out

@@ -266,8 +266,11 @@ def check_feed_shapes(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -
                     f"{known[target]}). Received: {name}.shape={feeds[name].shape}"
                 )
     tokens = feeds.get("tokens")
-    if tokens is not None and "vocab_size" in facts and tokens.size and not (
-        tokens.min() >= 0 and tokens.max() < facts["vocab_size"]
+    if (
+        tokens is not None
+        and "vocab_size" in facts
+        and tokens.size
+        and not (tokens.min() >= 0 and tokens.max() < facts["vocab_size"])
     ):
         # Gather would read -1 as the last row: a silent wrap, not an error.
         raise DamchaValueError(
@@ -279,7 +282,8 @@ def check_feed_shapes(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -
         if last > facts["max_len"]:
             raise DamchaValueError(
                 f"`tokens` reach position {last - 1}, past the position table (max_len={facts['max_len']}). "
-                f"Received: tokens.shape={tokens.shape}" + (f" after {known['past_len']} cached" if known.get("past_len") else "")
+                f"Received: tokens.shape={tokens.shape}"
+                + (f" after {known['past_len']} cached" if known.get("past_len") else "")
             )
 
 
@@ -337,7 +341,9 @@ def empty_kv_cache(model: onnx.ModelProto | str | os.PathLike, batch_size: int) 
         if value.name.startswith(("past_key", "past_value")):
             t = value.type.tensor_type
             dims = [d.dim_value for d in t.shape.dim]
-            cache[value.name] = np.zeros((int(batch_size), dims[1], 0, dims[3]), onnx.helper.tensor_dtype_to_np_dtype(t.elem_type))
+            cache[value.name] = np.zeros(
+                (int(batch_size), dims[1], 0, dims[3]), onnx.helper.tensor_dtype_to_np_dtype(t.elem_type)
+            )
     if not cache:
         raise DamchaValueError(
             "`model` has no past_key/past_value inputs; export it with kv_cache=True. "

@@ -82,7 +82,11 @@ def _encoder_nodes(
     def norm(h: str, name: str) -> str:
         return g.op(
             "LayerNormalization",
-            [h, g.weight(f"{prefix}{name}.scale", p[f"{name}.scale"]), g.weight(f"{prefix}{name}.bias", p[f"{name}.bias"])],
+            [
+                h,
+                g.weight(f"{prefix}{name}.scale", p[f"{name}.scale"]),
+                g.weight(f"{prefix}{name}.bias", p[f"{name}.bias"]),
+            ],
             f"{prefix}{name}",
             axis=-1,
             epsilon=eps,
@@ -126,13 +130,34 @@ def _encoder_nodes(
 #: erfc to ~1e-13 relative on [0, 27] (the rounding of z^2 dominates), GELU
 #: to ~2e-15 absolute; tests/test_onnx_edge.py checks it against math.erf.
 ERFC_CHEBYSHEV = (
-    -0.6513268598908547, 0.6419697923564902, 0.019476473204185836, -0.009561514786808632,
-    -0.0009465953444820369, 0.00036683949785276145, 4.252332480690777e-05, -2.0278578112534242e-05,
-    -1.6242900046470256e-06, 1.3036558355805232e-06, 1.5626441722066142e-08, -8.523809591492654e-08,
-    6.5290544390988515e-09, 5.059343495551469e-09, -9.91364156493033e-10, -2.273651222931836e-10,
-    9.646791102015527e-11, 2.3940380830391146e-12, -6.886027526497553e-12, 8.944879273090725e-13,
-    3.130921399342958e-13, -1.1270822361367252e-13, 3.810905255189232e-16, 7.106097613609237e-15,
-    -1.5230282014571043e-15, -9.457494571291233e-17, 1.210237189224279e-16, -2.816663087747177e-17,
+    -0.6513268598908547,
+    0.6419697923564902,
+    0.019476473204185836,
+    -0.009561514786808632,
+    -0.0009465953444820369,
+    0.00036683949785276145,
+    4.252332480690777e-05,
+    -2.0278578112534242e-05,
+    -1.6242900046470256e-06,
+    1.3036558355805232e-06,
+    1.5626441722066142e-08,
+    -8.523809591492654e-08,
+    6.5290544390988515e-09,
+    5.059343495551469e-09,
+    -9.91364156493033e-10,
+    -2.273651222931836e-10,
+    9.646791102015527e-11,
+    2.3940380830391146e-12,
+    -6.886027526497553e-12,
+    8.944879273090725e-13,
+    3.130921399342958e-13,
+    -1.1270822361367252e-13,
+    3.810905255189232e-16,
+    7.106097613609237e-15,
+    -1.5230282014571043e-15,
+    -9.457494571291233e-17,
+    1.210237189224279e-16,
+    -2.816663087747177e-17,
 )
 
 
@@ -148,11 +173,17 @@ def _half_erfc(g: GraphBuilder, z: str, name: str) -> str:
         if b2 is not None:
             acc = g.op("Sub", [acc, b2], f"{name}_s{k}")
         b1, b2 = g.op("Add", [acc, g.scalar(ERFC_CHEBYSHEV[k])], f"{name}_b{k}"), b1
-    series = g.op("Add", [g.op("Sub", [g.op("Mul", [y, b1], f"{name}_yb1"), b2], f"{name}_yb"),
-                          g.scalar(ERFC_CHEBYSHEV[0])], f"{name}_series")
+    series = g.op(
+        "Add",
+        [g.op("Sub", [g.op("Mul", [y, b1], f"{name}_yb1"), b2], f"{name}_yb"), g.scalar(ERFC_CHEBYSHEV[0])],
+        f"{name}_series",
+    )
     exponent = g.op("Sub", [series, g.op("Mul", [z, z], f"{name}_zz")], f"{name}_exponent")
-    return g.op("Mul", [g.op("Mul", [t, g.op("Exp", [exponent], f"{name}_exp")], f"{name}_erfc"), g.scalar(0.5)],
-                f"{name}_half_erfc")
+    return g.op(
+        "Mul",
+        [g.op("Mul", [t, g.op("Exp", [exponent], f"{name}_exp")], f"{name}_erfc"), g.scalar(0.5)],
+        f"{name}_half_erfc",
+    )
 
 
 def _activation(g: GraphBuilder, kind: str, x: str, name: str) -> str:
@@ -208,7 +239,9 @@ def _stack_model(kind: str, params: Mapping[str, Any], config: Any, o: ExportOpt
     if o.mask:
         inputs.append(mask_value_info(o, encoder.attention.num_heads))
     if o.return_weights:
-        outputs += [weights_value_info(g.onnx_dtype, o, encoder.attention.num_heads, f".{i}") for i in range(encoder.num_layers)]
+        outputs += [
+            weights_value_info(g.onnx_dtype, o, encoder.attention.num_heads, f".{i}") for i in range(encoder.num_layers)
+        ]
     for value in inputs + outputs:
         g.reserve(value.name)
     mask = mask_node(g, o)
@@ -239,7 +272,7 @@ def _stack_model(kind: str, params: Mapping[str, Any], config: Any, o: ExportOpt
         positions = g.op("Unsqueeze", [positions, g.ints([0])], "positions_row")
         pos = g.op("Gather", [g.weight("position.table", p["position.table"]), positions], "pos_embedded", axis=0)
         x = g.op("Add", [emb, pos], "x")
-        enc = {k[len("encoder."):]: v for k, v in p.items() if k.startswith("encoder.")}
+        enc = {k[len("encoder.") :]: v for k, v in p.items() if k.startswith("encoder.")}
         h = _encoder_nodes(g, enc, encoder, x, mask, o.form, "encoder.", o.kv_cache, o.return_weights)
         y = g.linear(h, p["head.kernel"], p["head.bias"], "head")
     else:
@@ -247,9 +280,12 @@ def _stack_model(kind: str, params: Mapping[str, Any], config: Any, o: ExportOpt
     g.nodes.append(helper.make_node("Identity", [y], [out_name], name=f"n_{out_name}"))
     cache_doc = ", kv_cache: past_key.{i}/past_value.{i} -> present_key.{i}/present_value.{i})"
     doc = f"DAMCHA {kind} ({o.form} form" + (cache_doc if o.kv_cache else ")")
-    props = {"damcha_attention_config": json.dumps(encoder.attention.to_dict(), sort_keys=True),
-             "damcha_num_layers": str(encoder.num_layers), "damcha_causal": str(encoder.causal),
-             "damcha_kv_cache": str(o.kv_cache)}
+    props = {
+        "damcha_attention_config": json.dumps(encoder.attention.to_dict(), sort_keys=True),
+        "damcha_num_layers": str(encoder.num_layers),
+        "damcha_causal": str(encoder.causal),
+        "damcha_kv_cache": str(o.kv_cache),
+    }
     if kind == "token_model":
         props.update({"damcha_vocab_size": str(config.vocab_size), "damcha_max_len": str(config.max_len)})
     return Draft(g, inputs, outputs, f"damcha_{kind}", doc, props)
@@ -299,8 +335,18 @@ def export_encoder(
     if not isinstance(config, EncoderConfig):
         raise DamchaTypeError(f"`config` must be an EncoderConfig. Received: config={describe(config)}")
     path = check_path(path)
-    keywords = dict(opset=opset, mask=mask, dynamic=dynamic, dtype=dtype, form=form, batch_size=batch_size,
-                    query_len=query_len, kv_cache=kv_cache, return_weights=return_weights, external_data=external_data)
+    keywords = dict(
+        opset=opset,
+        mask=mask,
+        dynamic=dynamic,
+        dtype=dtype,
+        form=form,
+        batch_size=batch_size,
+        query_len=query_len,
+        kv_cache=kv_cache,
+        return_weights=return_weights,
+        external_data=external_data,
+    )
     options = _stack_options("encoder", config.causal, options, keywords)
     return finish(_stack_model("encoder", params, config, options), path, options)
 
@@ -333,7 +379,17 @@ def export_token_model(
     if not isinstance(config, TokenModelConfig):
         raise DamchaTypeError(f"`config` must be a TokenModelConfig. Received: config={describe(config)}")
     path = check_path(path)
-    keywords = dict(opset=opset, mask=mask, dynamic=dynamic, dtype=dtype, form=form, batch_size=batch_size,
-                    query_len=query_len, kv_cache=kv_cache, return_weights=return_weights, external_data=external_data)
+    keywords = dict(
+        opset=opset,
+        mask=mask,
+        dynamic=dynamic,
+        dtype=dtype,
+        form=form,
+        batch_size=batch_size,
+        query_len=query_len,
+        kv_cache=kv_cache,
+        return_weights=return_weights,
+        external_data=external_data,
+    )
     options = _stack_options("token_model", config.encoder.causal, options, keywords)
     return finish(_stack_model("token_model", params, config, options), path, options)

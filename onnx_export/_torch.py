@@ -58,7 +58,9 @@ def export_torch(
     args = tuple(args)
     if dynamic_shapes is not None:
         if not dynamic:
-            raise DamchaValueError("`dynamic_shapes` needs dynamic=True. Received: dynamic=False and a dynamic_shapes spec")
+            raise DamchaValueError(
+                "`dynamic_shapes` needs dynamic=True. Received: dynamic=False and a dynamic_shapes spec"
+            )
         if not isinstance(dynamic_shapes, (tuple, list)) or len(dynamic_shapes) != len(args):
             raise DamchaValueError(
                 f"`dynamic_shapes` must have one entry per positional input ({len(args)}). "
@@ -110,5 +112,7 @@ def encoder_from_torch(encoder: Any, *, causal: bool = False) -> tuple[dict[str,
     import damcha_torch as dt
 
     if not isinstance(encoder, dt.DamchaTransformerEncoder):
-        raise DamchaTypeError(f"`encoder` must be a damcha_torch.DamchaTransformerEncoder. Received: encoder={describe(encoder)}")
+        raise DamchaTypeError(
+            f"`encoder` must be a damcha_torch.DamchaTransformerEncoder. Received: encoder={describe(encoder)}"
+        )
     return encoder.to_canonical(causal=causal)

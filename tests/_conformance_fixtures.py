@@ -15,8 +15,11 @@ class WrongMask(ReferenceAdapter):
 
     def forward(self, data, dtype):
         mask = None if data.mask is None else ~data.mask
-        return np.nan_to_num(dc.damcha_attention(data.params, data.config, data.query, data.context, mask=mask,
-                                                   causal=data.causal, value=data.value))
+        return np.nan_to_num(
+            dc.damcha_attention(
+                data.params, data.config, data.query, data.context, mask=mask, causal=data.causal, value=data.value
+            )
+        )
 
 
 class Lazy(ReferenceAdapter):

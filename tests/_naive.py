@@ -66,8 +66,13 @@ def naive_damcha(params, cfg, x, c=None, mask=None, causal=False, query_offset=0
     full_mask = None if mask is None else np.broadcast_to(mask, (B, H, N, M))
     y = np.zeros((B, N, cfg.output_dim))
     for b in range(B):
-        q = [_apply(params, cfg.metric, sides[0], x[b, i], _proj(params, "query", x[b, i], cfg.use_bias)) for i in range(N)]
-        k = [_apply(params, cfg.metric, sides[1], c[b, j], _proj(params, "key", c[b, j], cfg.use_bias)) for j in range(M)]
+        q = [
+            _apply(params, cfg.metric, sides[0], x[b, i], _proj(params, "query", x[b, i], cfg.use_bias))
+            for i in range(N)
+        ]
+        k = [
+            _apply(params, cfg.metric, sides[1], c[b, j], _proj(params, "key", c[b, j], cfg.use_bias)) for j in range(M)
+        ]
         v = [_proj(params, "value", v_tokens[b, j], cfg.use_bias) for j in range(M)]
         for i in range(N):
             o = np.zeros((H, cfg.value_dim))

@@ -31,8 +31,7 @@ import run_all  # noqa: E402
 
 def _run(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
-    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 # bench_dropin.py gets its own tests below; the others print their tables.
@@ -59,8 +58,10 @@ def test_run_all_lists_every_script() -> None:
 DROPIN_PORTS = {
     "torch": ([r"^torch/(layer/mask\+hint/fwd\+bwd/|decode/layer/B=1$|model/lm/train/)"], True),
     "jax": ([r"^jax/(layer/combined-mask/forward/|decode/stack/B=1$|model/encoder/inference/)", "--no-memory"], False),
-    "keras-tensorflow": ([r"^keras-tensorflow/(layer/embedding-padding/train/|decode/stack/B=1$|model/lm/inference/)",
-                          "--no-memory"], False),
+    "keras-tensorflow": (
+        [r"^keras-tensorflow/(layer/embedding-padding/train/|decode/stack/B=1$|model/lm/inference/)", "--no-memory"],
+        False,
+    ),
 }
 
 
@@ -68,8 +69,7 @@ DROPIN_PORTS = {
 def test_dropin_tiny(port: str, tmp_path: Path) -> None:
     path = tmp_path / "dropin.json"
     (only, *extra), memory = DROPIN_PORTS[port]
-    out = _run([str(BENCH / "bench_dropin.py"), "--tiny", "--port", port, "--only", only, *extra,
-                "--json", str(path)])
+    out = _run([str(BENCH / "bench_dropin.py"), "--tiny", "--port", port, "--only", only, *extra, "--json", str(path)])
     assert out.returncode == 0, f"bench_dropin --port {port} failed:\n{out.stdout[-3000:]}\n{out.stderr[-4000:]}"
     data = json.loads(path.read_text())
     assert data["format"] == "damcha-dropin/1"
@@ -99,8 +99,9 @@ def test_dropin_tiny(port: str, tmp_path: Path) -> None:
     assert text.startswith(_dropin_report.BEGIN) and text.rstrip().endswith(_dropin_report.END)
     assert run["command"] in text and text.count("| DAMCHA") >= 1
     if port == "torch":  # resuming measures nothing already in the file; a new run never overwrites it
-        again = _run([str(BENCH / "bench_dropin.py"), "--tiny", "--port", port, "--only", only, *extra,
-                      "--resume", str(path)])
+        again = _run(
+            [str(BENCH / "bench_dropin.py"), "--tiny", "--port", port, "--only", only, *extra, "--resume", str(path)]
+        )
         assert again.returncode == 0, again.stderr[-3000:]
         resumed = json.loads(path.read_text())
         assert len(resumed["runs"]) == 2 and resumed["entries"] == entries and "already in" in again.stdout
@@ -112,12 +113,27 @@ def test_dropin_report_writes_only_its_section(tmp_path: Path) -> None:
     doc = tmp_path / "benchmarks.md"
     doc.write_text("# Benchmarks\n\n## PyTorch\n\nkept\n")
     entry = {
-        "id": "torch/layer/mask+hint/forward/N=256", "port": "torch", "section": "layer", "case": "mask+hint",
-        "mode": "forward", "shape": {"B": 4, "N": 256, "E": 512, "H": 8}, "call": "attn(x)", "baseline": "MHA",
-        "run": 0, "check": {"ok": True, "max_rel_diff": 0.0},
-        "comparisons": [{"label": "time", "num": "damcha", "den": "mha", "target": 1.10, "met": False,
-                         "ms": {"damcha": 12.0, "mha": 10.0},
-                         "ratio": {"median": 1.2, "q1": 1.1, "q3": 1.3, "min": 1.0, "max": 1.4, "rounds": 3}}],
+        "id": "torch/layer/mask+hint/forward/N=256",
+        "port": "torch",
+        "section": "layer",
+        "case": "mask+hint",
+        "mode": "forward",
+        "shape": {"B": 4, "N": 256, "E": 512, "H": 8},
+        "call": "attn(x)",
+        "baseline": "MHA",
+        "run": 0,
+        "check": {"ok": True, "max_rel_diff": 0.0},
+        "comparisons": [
+            {
+                "label": "time",
+                "num": "damcha",
+                "den": "mha",
+                "target": 1.10,
+                "met": False,
+                "ms": {"damcha": 12.0, "mha": 10.0},
+                "ratio": {"median": 1.2, "q1": 1.1, "q3": 1.3, "min": 1.0, "max": 1.4, "rounds": 3},
+            }
+        ],
     }
     runs = [{"command": ".venv/bin/python benchmarks/bench_dropin.py --port torch", "tiny": False}]
     text = _dropin_report.render(runs, [entry])
@@ -147,15 +163,20 @@ def test_torch_sdpa_calls_sees_the_hint_and_the_mask() -> None:
     torch.manual_seed(0)
     q = torch.randn(1, 2, 5, 4)
     mask = torch.ones(5, 5, dtype=torch.bool).tril()
-    assert [(c["is_causal"], c["has_mask"]) for c in _counts.torch_sdpa_calls(
-        lambda: F.scaled_dot_product_attention(q, q, q, attn_mask=mask))] == [(False, True)]
-    assert [(c["is_causal"], c["has_mask"]) for c in _counts.torch_sdpa_calls(
-        lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True))] == [(True, False)]
+    assert [
+        (c["is_causal"], c["has_mask"])
+        for c in _counts.torch_sdpa_calls(lambda: F.scaled_dot_product_attention(q, q, q, attn_mask=mask))
+    ] == [(False, True)]
+    assert [
+        (c["is_causal"], c["has_mask"])
+        for c in _counts.torch_sdpa_calls(lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True))
+    ] == [(True, False)]
     # nn.MultiheadAttention's contract: with is_causal=True the causal attn_mask is only a hint.
     mha = nn.MultiheadAttention(8, 2, batch_first=True)
     x = torch.randn(2, 5, 8, requires_grad=True)
     calls = _counts.torch_sdpa_calls(
-        lambda: mha(x, x, x, attn_mask=~mask, is_causal=True, need_weights=False)[0].sum().backward())
+        lambda: mha(x, x, x, attn_mask=~mask, is_causal=True, need_weights=False)[0].sum().backward()
+    )
     assert [(c["is_causal"], c["has_mask"]) for c in calls] == [(True, False)]
 
 
@@ -171,7 +192,7 @@ def test_mha_decode_step_is_mha_run_causally() -> None:
     want = mha(x, x, x, attn_mask=causal, need_weights=False)[0]
     cache: list = []
     got = [_counts.mha_decode_step(mha, x[:, :4], cache)]  # a prompt, then one token at a time
-    got += [_counts.mha_decode_step(mha, x[:, i:i + 1], cache) for i in range(4, 7)]
+    got += [_counts.mha_decode_step(mha, x[:, i : i + 1], cache) for i in range(4, 7)]
     torch.testing.assert_close(torch.cat(got, 1), want, rtol=1e-12, atol=1e-12)
     assert cache[0].shape == (2, 4, 7, 4)
 

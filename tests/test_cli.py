@@ -56,16 +56,27 @@ sys.exit(main({argv!r}))
 
 
 def test_a_missing_framework_names_the_smallest_extra():
-    proc = subprocess.run([sys.executable, "-c", _BLOCKED.format(blocked="onnx", argv=["export", "--help"])],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", _BLOCKED.format(blocked="onnx", argv=["export", "--help"])],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2, proc.stderr
     [line] = proc.stderr.strip().splitlines()
     assert line.startswith("damcha export: error:") and 'pip install "damcha[onnx]"' in line and "[all]" not in line
 
 
-@pytest.mark.parametrize("module, extra", [("torch", "torch"), ("flax", "jax"), ("tensorflow", "keras"),
-                                           ("onnxruntime", "onnx"), ("matplotlib", "reports"),
-                                           ("sklearn", "experiments")])
+@pytest.mark.parametrize(
+    "module, extra",
+    [
+        ("torch", "torch"),
+        ("flax", "jax"),
+        ("tensorflow", "keras"),
+        ("onnxruntime", "onnx"),
+        ("matplotlib", "reports"),
+        ("sklearn", "experiments"),
+    ],
+)
 def test_install_hints_name_the_smallest_extra(module, extra):
     assert cu.install_hint(module) == f'pip install "damcha[{extra}]"'
     assert cu.install_hint(f"{module}.sub") == f'pip install "damcha[{extra}]"'
@@ -88,8 +99,9 @@ def test_every_extra_named_in_extras_is_declared_and_lists_its_module():
 
 def test_experiment_digits_without_scikit_learn_names_the_experiments_extra(tmp_path):
     argv = ["experiment", "digits", "--preset", "smoke", "--no-plots", "--out", str(tmp_path / "runs")]
-    proc = subprocess.run([sys.executable, "-c", _BLOCKED.format(blocked="sklearn", argv=argv)],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", _BLOCKED.format(blocked="sklearn", argv=argv)], capture_output=True, text=True
+    )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     [line] = proc.stderr.strip().splitlines()
     assert line.startswith("damcha experiment: error: TASK: needs sklearn") and "scikit-learn" in line, line
@@ -103,8 +115,10 @@ def test_require_checks_without_importing(capsys):
         cu.require("no_such_module_xyz", "reports", "--plots", prog="damcha experiment", why="the plots")
     assert exc.value.code == 2
     [line] = capsys.readouterr().err.strip().splitlines()
-    assert line == ('damcha experiment: error: --plots: needs no_such_module_xyz (the plots), which is not installed: '
-                    'pip install "damcha[reports]"')
+    assert line == (
+        "damcha experiment: error: --plots: needs no_such_module_xyz (the plots), which is not installed: "
+        'pip install "damcha[reports]"'
+    )
 
 
 def test_argument_parser_errors_are_one_line_naming_the_flag(capsys):
@@ -217,13 +231,17 @@ def test_progress_prints_plain_lines_when_not_a_terminal(capsys):
 
 
 def test_cliutil_imports_only_the_standard_library():
-    code = ("import sys; import damcha_core._cliutil;"
-            "bad = [m for m in ('numpy', 'torch', 'jax', 'tqdm', 'rich') if m in sys.modules]; assert not bad, bad")
+    code = (
+        "import sys; import damcha_core._cliutil;"
+        "bad = [m for m in ('numpy', 'torch', 'jax', 'tqdm', 'rich') if m in sys.modules]; assert not bad, bad"
+    )
     # damcha_core itself imports numpy; the helper module must add nothing on top of that.
     code = code.replace("'numpy', ", "")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
 
 
 def test_usage_error_is_one_line(capsys):
-    line = _usage(capsys, cu.usage_error, "--case", "unknown case 'nosuch'.\nExpected one of [...]", prog="damcha conform")
+    line = _usage(
+        capsys, cu.usage_error, "--case", "unknown case 'nosuch'.\nExpected one of [...]", prog="damcha conform"
+    )
     assert line == "damcha conform: error: --case: unknown case 'nosuch'. Expected one of [...]"

@@ -21,8 +21,9 @@ TESTS = Path(__file__).parent
 
 def conform(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(TESTS)}  # the fixture adapters, as a third party's module
-    return subprocess.run([sys.executable, "-m", "damcha_core._cli", "conform", *args], capture_output=True,
-                          text=True, cwd=cwd, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "damcha_core._cli", "conform", *args], capture_output=True, text=True, cwd=cwd, env=env
+    )
 
 
 def one_line_usage_error(proc: subprocess.CompletedProcess, flag: str) -> str:
@@ -87,11 +88,14 @@ def test_unknown_case_backend_and_group_are_one_line_errors():
     assert "invalid choice: 'float8'" in one_line_usage_error(conform("--dtype", "float8"), "--dtype")
 
 
-@pytest.mark.parametrize("spec, says", [
-    ("nosuchmodule:X", "module 'nosuchmodule' cannot be found"),
-    ("_conformance_fixtures:Nope", "has no attribute 'Nope'"),
-    ("_conformance_fixtures", "expected module:attr"),
-])
+@pytest.mark.parametrize(
+    "spec, says",
+    [
+        ("nosuchmodule:X", "module 'nosuchmodule' cannot be found"),
+        ("_conformance_fixtures:Nope", "has no attribute 'Nope'"),
+        ("_conformance_fixtures", "expected module:attr"),
+    ],
+)
 def test_bad_adapter_specs_are_one_line_errors(spec, says):
     assert says in one_line_usage_error(conform("--adapter", spec), "--adapter")
 
@@ -125,7 +129,9 @@ def test_export_vectors_failing_part_way_leaves_the_folder_as_it_was(tmp_path):
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert "No space left on device" in one_line_usage_error(proc, "--export-vectors")
-    assert [p.name for p in out.iterdir()] == ["index.json"] and (out / "index.json").read_text() == "earlier good index"
+    assert [p.name for p in out.iterdir()] == ["index.json"] and (
+        out / "index.json"
+    ).read_text() == "earlier good index"
     assert [p.name for p in tmp_path.iterdir()] == ["vectors"]  # no temporary folder left behind
     ok = conform("--export-vectors", str(out), "--group", "heads")
     assert ok.returncode == 0, ok.stderr
@@ -135,8 +141,9 @@ def test_export_vectors_failing_part_way_leaves_the_folder_as_it_was(tmp_path):
 def test_an_interrupted_run_keeps_the_earlier_json_report(tmp_path):
     out = tmp_path / "report.json"
     out.write_text('{"earlier": "good"}')
-    proc = conform("--in-process", "--adapter", "_conformance_fixtures:Interrupted", "--json", str(out),
-                   "--no-progress")
+    proc = conform(
+        "--in-process", "--adapter", "_conformance_fixtures:Interrupted", "--json", str(out), "--no-progress"
+    )
     assert proc.returncode != 0 and "KeyboardInterrupt" in proc.stderr
     assert out.read_text() == '{"earlier": "good"}'
     assert [p.name for p in tmp_path.iterdir()] == ["report.json"]  # no partial or temporary file
@@ -158,8 +165,10 @@ def test_progress_per_backend_and_check_and_time_per_backend(tmp_path):
     n_checks = len(dcf.catalogue(groups=["masks"]))
     assert progress[0].startswith(f"reference [1/{n_checks}] float64 ") and "[output] pass" in progress[0]
     assert progress[-1].startswith(f"reference [{n_checks}/{n_checks}] ")  # not a TTY: plain lines
-    assert any(line.startswith(f"reference: {n_checks} checks in ") and line.endswith(" s: PASSED")
-               for line in proc.stderr.splitlines())
+    assert any(
+        line.startswith(f"reference: {n_checks} checks in ") and line.endswith(" s: PASSED")
+        for line in proc.stderr.splitlines()
+    )
     assert "time per backend: reference " in proc.stdout
     report = dcf.Report.from_json(out.read_text())
     assert report.verdict == "PASSED" and len(report.results) == n_checks
@@ -177,8 +186,12 @@ def test_a_terminal_gets_a_progress_bar(tmp_path):
 
     master, slave = pty.openpty()
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "damcha_core._cli", "conform", "--backend", "reference",
-                                 "--group", "masks"], stdout=subprocess.PIPE, stderr=slave, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "damcha_core._cli", "conform", "--backend", "reference", "--group", "masks"],
+            stdout=subprocess.PIPE,
+            stderr=slave,
+            text=True,
+        )
         os.close(slave)
         stdout, _ = proc.communicate(timeout=300)
         chunks = []

@@ -39,21 +39,37 @@ def one_line_usage_error(proc: subprocess.CompletedProcess, flag: str) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("flags, flag, says", [
-    (["--seed", "-1"], "--seed", "must be an integer >= 0. Received: -1"),
-    (["--seed", "x"], "--seed", "must be an integer. Received: 'x'"),
-    (["--opset", "12"], "--opset", "Received: opset=12"),
-    (["--dtype", "bfloat16"], "--dtype", "invalid choice: 'bfloat16'"),
-    (["--kv-cache"], "--kv-cache", "needs --causal"),
-    (["--kv-cache", "--causal", "--cross"], "--kv-cache", "cannot be combined with --cross"),
-    (["--external-data", "sometimes"], "--external-data", "invalid choice"),
-    (["--quantize", "static", "--dtype", "float64"], "--quantize", "needs --dtype float32"),
-    (["--quantize", "int4"], "--quantize", "invalid choice"),
-    (["--mask", "3d"], "--mask", "invalid choice: '3d' (choose from 'none', '4d', 'padding')"),
-    (["--return-weights=yes"], "--return-weights", "ignored explicit argument 'yes'"),
-    (["--ort-dir", ""], "--ort-dir", "needs a folder path"),
-], ids=["seed-negative", "seed-not-int", "opset-12", "dtype-bfloat16", "kv-cache-no-causal", "kv-cache-cross",
-        "external-data", "quantize-float64", "quantize-int4", "mask-3d", "return-weights-value", "ort-dir-empty"])
+@pytest.mark.parametrize(
+    "flags, flag, says",
+    [
+        (["--seed", "-1"], "--seed", "must be an integer >= 0. Received: -1"),
+        (["--seed", "x"], "--seed", "must be an integer. Received: 'x'"),
+        (["--opset", "12"], "--opset", "Received: opset=12"),
+        (["--dtype", "bfloat16"], "--dtype", "invalid choice: 'bfloat16'"),
+        (["--kv-cache"], "--kv-cache", "needs --causal"),
+        (["--kv-cache", "--causal", "--cross"], "--kv-cache", "cannot be combined with --cross"),
+        (["--external-data", "sometimes"], "--external-data", "invalid choice"),
+        (["--quantize", "static", "--dtype", "float64"], "--quantize", "needs --dtype float32"),
+        (["--quantize", "int4"], "--quantize", "invalid choice"),
+        (["--mask", "3d"], "--mask", "invalid choice: '3d' (choose from 'none', '4d', 'padding')"),
+        (["--return-weights=yes"], "--return-weights", "ignored explicit argument 'yes'"),
+        (["--ort-dir", ""], "--ort-dir", "needs a folder path"),
+    ],
+    ids=[
+        "seed-negative",
+        "seed-not-int",
+        "opset-12",
+        "dtype-bfloat16",
+        "kv-cache-no-causal",
+        "kv-cache-cross",
+        "external-data",
+        "quantize-float64",
+        "quantize-int4",
+        "mask-3d",
+        "return-weights-value",
+        "ort-dir-empty",
+    ],
+)
 def test_bad_flags_exit_2_in_one_line(params_file, tmp_path, flags, flag, says):
     out = tmp_path / "m.onnx"
     assert says in one_line_usage_error(export("--params", params_file, "--out", str(out), *flags), flag)
@@ -73,28 +89,37 @@ def test_unusable_out_paths_exit_2_before_any_work(params_file, tmp_path, where,
 
 def test_missing_or_foreign_params_exit_2(tmp_path):
     assert "does not exist" in one_line_usage_error(
-        export("--params", str(tmp_path / "nope.safetensors"), "--out", str(tmp_path / "m.onnx")), "--params")
+        export("--params", str(tmp_path / "nope.safetensors"), "--out", str(tmp_path / "m.onnx")), "--params"
+    )
     (tmp_path / "bad.safetensors").write_text("text")
     assert "not a readable damcha_core.save_params file" in one_line_usage_error(
-        export("--params", str(tmp_path / "bad.safetensors"), "--out", str(tmp_path / "m.onnx")), "--params")
+        export("--params", str(tmp_path / "bad.safetensors"), "--out", str(tmp_path / "m.onnx")), "--params"
+    )
 
 
-@pytest.mark.parametrize("fields, says", [
-    ({"context_dim": 6}, "context_dim (6) differs from its query_dim (8)"),
-    ({"value_input_dim": 5}, "value_input_dim (5) differs from its context_dim (8)"),
-], ids=["context", "value"])
+@pytest.mark.parametrize(
+    "fields, says",
+    [
+        ({"context_dim": 6}, "context_dim (6) differs from its query_dim (8)"),
+        ({"value_input_dim": 5}, "value_input_dim (5) differs from its context_dim (8)"),
+    ],
+    ids=["context", "value"],
+)
 def test_a_layer_with_a_separate_context_or_value_needs_cross(tmp_path, fields, says):
     cross = CONFIG.replace(coupling="separate", **fields)
     dc.save_params(tmp_path / "c.safetensors", dc.init_params(cross, 0), cross)
-    line = one_line_usage_error(export("--params", str(tmp_path / "c.safetensors"), "--out", str(tmp_path / "m.onnx")),
-                                "--cross")
+    line = one_line_usage_error(
+        export("--params", str(tmp_path / "c.safetensors"), "--out", str(tmp_path / "m.onnx")), "--cross"
+    )
     assert says in line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.safetensors"]
 
 
-@pytest.mark.parametrize("where, says", [("a-file", "exists and is not a folder"), ("read-only-ort", "read-only"),
-                                         ("ort-is-a-folder", "is a directory")],
-                         ids=["a-file", "read-only-ort", "ort-is-a-folder"])
+@pytest.mark.parametrize(
+    "where, says",
+    [("a-file", "exists and is not a folder"), ("read-only-ort", "read-only"), ("ort-is-a-folder", "is a directory")],
+    ids=["a-file", "read-only-ort", "ort-is-a-folder"],
+)
 def test_unusable_ort_dirs_exit_2_before_any_work(params_file, tmp_path, where, says):
     ort_dir = tmp_path / "ort"
     if where == "a-file":
@@ -105,19 +130,25 @@ def test_unusable_ort_dirs_exit_2_before_any_work(params_file, tmp_path, where, 
         (ort_dir / "m.ort").chmod(0o444)
     else:
         (ort_dir / "m.int8.ort").mkdir(parents=True)  # where --quantize's .ort file would go
-    proc = export("--params", params_file, "--out", str(tmp_path / "m.onnx"), "--ort-dir", str(ort_dir),
-                  "--quantize", "dynamic")
+    proc = export(
+        "--params", params_file, "--out", str(tmp_path / "m.onnx"), "--ort-dir", str(ort_dir), "--quantize", "dynamic"
+    )
     assert says in one_line_usage_error(proc, "--ort-dir")
     assert not (tmp_path / "m.onnx").exists() and not (tmp_path / "m.int8.onnx").exists()
 
 
 def test_without_onnxruntime_exit_2_naming_the_onnx_extra(params_file, tmp_path):
-    code = ("import sys\nclass Block:\n    def find_spec(self, name, path=None, target=None):\n"
-            "        if name.split('.')[0] == 'onnxruntime':\n"
-            "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
-            "sys.meta_path.insert(0, Block())\nfrom damcha_core._cli import main\nsys.exit(main(sys.argv[1:]))\n")
-    proc = subprocess.run([sys.executable, "-c", code, "export", "--params", params_file, "--out",
-                           str(tmp_path / "m.onnx")], capture_output=True, text=True)
+    code = (
+        "import sys\nclass Block:\n    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'onnxruntime':\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, Block())\nfrom damcha_core._cli import main\nsys.exit(main(sys.argv[1:]))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, "export", "--params", params_file, "--out", str(tmp_path / "m.onnx")],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     [line] = proc.stderr.strip().splitlines()
     assert line.startswith("damcha export: error: needs onnxruntime") and line.endswith('pip install "damcha[onnx]"')
@@ -162,15 +193,20 @@ sys.exit(main(sys.argv[1:]))
 
 
 def mismatch(where: str, output: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", _MISMATCH, where, output, "export", *args], capture_output=True,
-                          text=True)
+    return subprocess.run(
+        [sys.executable, "-c", _MISMATCH, where, output, "export", *args], capture_output=True, text=True
+    )
 
 
-@pytest.mark.parametrize("where, output, flags", [
-    ("onnx", "output", ["--causal"]),
-    ("onnx", "weights", ["--causal", "--return-weights", "--mask", "padding"]),
-    ("ort", "output", ["--ort-dir", "ort"]),
-], ids=["output", "weights-only", "ort-format-only"])
+@pytest.mark.parametrize(
+    "where, output, flags",
+    [
+        ("onnx", "output", ["--causal"]),
+        ("onnx", "weights", ["--causal", "--return-weights", "--mask", "padding"]),
+        ("ort", "output", ["--ort-dir", "ort"]),
+    ],
+    ids=["output", "weights-only", "ort-format-only"],
+)
 def test_a_validation_mismatch_exits_1_and_keeps_the_earlier_good_file(params_file, tmp_path, where, output, flags):
     out = tmp_path / "m.onnx"
     good = export("--params", params_file, "--out", str(out))
@@ -219,10 +255,26 @@ def test_quantize_writes_a_validated_int8_model_beside_the_float_one(params_file
 
 
 def test_an_int8_model_outside_its_allowance_writes_neither_file(params_file, tmp_path):
-    code = ("import sys\nimport damcha_onnx._cli as cli\ncli.INT8_RTOL = 0.0  # no int8 model is that exact\n"
-            "from damcha_core._cli import main\nsys.exit(main(sys.argv[1:]))\n")
-    proc = subprocess.run([sys.executable, "-c", code, "export", "--params", params_file, "--out",
-                           str(tmp_path / "m.onnx"), "--quantize", "dynamic"], capture_output=True, text=True)
+    code = (
+        "import sys\nimport damcha_onnx._cli as cli\ncli.INT8_RTOL = 0.0  # no int8 model is that exact\n"
+        "from damcha_core._cli import main\nsys.exit(main(sys.argv[1:]))\n"
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            code,
+            "export",
+            "--params",
+            params_file,
+            "--out",
+            str(tmp_path / "m.onnx"),
+            "--quantize",
+            "dynamic",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 1 and "MISMATCH" in proc.stdout, proc.stdout + proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.safetensors"]
 
@@ -244,16 +296,28 @@ def _reference(params, config, feeds, causal=False):
     mask = feeds.get("mask")
     if mask is not None and mask.ndim == 2:
         mask = mask[:, None, None, :]
-    return dc.damcha_attention(params, config, feeds["query"], feeds.get("context"), value=feeds.get("value"),
-                               mask=mask, causal=causal, return_weights=True)
+    return dc.damcha_attention(
+        params,
+        config,
+        feeds["query"],
+        feeds.get("context"),
+        value=feeds.get("value"),
+        mask=mask,
+        causal=causal,
+        return_weights=True,
+    )
 
 
-@pytest.mark.parametrize("flags, mask_rank", [
-    (["--mask"], 4),  # a bare --mask is the 4-D mask, as before the choices
-    (["--mask", "4d", "--opset", "17"], 4),
-    (["--mask", "padding"], 2),
-    (["--mask", "none"], None),
-], ids=["bare-mask", "4d-opset17", "padding", "none"])
+@pytest.mark.parametrize(
+    "flags, mask_rank",
+    [
+        (["--mask"], 4),  # a bare --mask is the 4-D mask, as before the choices
+        (["--mask", "4d", "--opset", "17"], 4),
+        (["--mask", "padding"], 2),
+        (["--mask", "none"], None),
+    ],
+    ids=["bare-mask", "4d-opset17", "padding", "none"],
+)
 def test_mask_choices_and_return_weights(params_file, tmp_path, flags, mask_rank):
     out = tmp_path / "m.onnx"
     proc = export("--params", params_file, "--out", str(out), "--causal", "--return-weights", *flags)
@@ -274,13 +338,28 @@ def test_mask_choices_and_return_weights(params_file, tmp_path, flags, mask_rank
 
 def test_a_padding_mask_and_weights_through_the_cache(params_file, tmp_path):
     out = tmp_path / "step.onnx"
-    proc = export("--params", params_file, "--out", str(out), "--causal", "--kv-cache", "--mask", "padding",
-                  "--return-weights", "--dtype", "float64")
+    proc = export(
+        "--params",
+        params_file,
+        "--out",
+        str(out),
+        "--causal",
+        "--kv-cache",
+        "--mask",
+        "padding",
+        "--return-weights",
+        "--dtype",
+        "float64",
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("(weights) decoded in chunks (3, 1, 3) on (B=2, N=7, M=7) -> ok") == 2
     model = onnx.load(str(out))
     assert [(v.name, len(v.type.tensor_type.shape.dim)) for v in model.graph.input] == [
-        ("query", 3), ("past_key", 4), ("past_value", 4), ("mask", 2)]
+        ("query", 3),
+        ("past_key", 4),
+        ("past_value", 4),
+        ("mask", 2),
+    ]
     assert [o.name for o in model.graph.output] == ["output", "present_key", "present_value", "weights"]
 
 
@@ -289,13 +368,26 @@ def test_value_tokens_of_their_own_size_are_fed_and_validated(tmp_path):
     params = dc.init_params(VALUE_CONFIG, 2)
     dc.save_params(params_file, params, VALUE_CONFIG)
     out = tmp_path / "v.onnx"
-    proc = export("--params", str(params_file), "--out", str(out), "--cross", "--mask", "padding", "--return-weights",
-                  "--quantize", "dynamic")
+    proc = export(
+        "--params",
+        str(params_file),
+        "--out",
+        str(out),
+        "--cross",
+        "--mask",
+        "padding",
+        "--return-weights",
+        "--quantize",
+        "dynamic",
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("-> ok") == 3 and "on (B=2, N=7, M=5)" in proc.stdout
     model = onnx.load(str(out))
     assert {v.name: v.type.tensor_type.shape.dim[-1].dim_value for v in model.graph.input if v.name != "mask"} == {
-        "query": 8, "context": 6, "value": 5}
+        "query": 8,
+        "context": 6,
+        "value": 5,
+    }
     feeds = _feeds(model, np.random.default_rng(6))
     want, weights = _reference(params, VALUE_CONFIG, feeds)
     got = do.run_ort(str(out), feeds, all_outputs=True)
@@ -308,8 +400,18 @@ def test_value_tokens_of_their_own_size_are_fed_and_validated(tmp_path):
 
 def test_ort_dir_writes_validated_ort_files_and_their_operator_config(params_file, tmp_path):
     out, ort_dir = tmp_path / "m.onnx", tmp_path / "mobile" / "ort"  # created, with its parent
-    proc = export("--params", params_file, "--out", str(out), "--mask", "padding", "--quantize", "dynamic",
-                  "--ort-dir", str(ort_dir))
+    proc = export(
+        "--params",
+        params_file,
+        "--out",
+        str(out),
+        "--mask",
+        "padding",
+        "--quantize",
+        "dynamic",
+        "--ort-dir",
+        str(ort_dir),
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "ORT format m.ort vs NumPy reference" in proc.stdout and proc.stdout.count("-> ok") == 5
     assert proc.stderr == ""

@@ -51,19 +51,35 @@ print("ok")
 
 
 def test_ports_keep_the_old_adapter_names_with_a_deprecation_warning():
-    proc = subprocess.run([sys.executable, "-c", _DEPRECATED], capture_output=True, text=True,
-                          env={**os.environ, "KERAS_BACKEND": "torch"})
+    proc = subprocess.run(
+        [sys.executable, "-c", _DEPRECATED],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "KERAS_BACKEND": "torch"},
+    )
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
 
 
 def test_load_adapter_knows_every_builtin_and_refuses_bad_specs():
     assert isinstance(load_adapter("reference"), ReferenceAdapter)
-    assert set(BUILTIN) >= {"reference", "torch", "jax", "keras-tensorflow", "keras-jax", "keras-torch",
-                            "onnxruntime", "torch-cuda"}
+    assert set(BUILTIN) >= {
+        "reference",
+        "torch",
+        "jax",
+        "keras-tensorflow",
+        "keras-jax",
+        "keras-torch",
+        "onnxruntime",
+        "torch-cuda",
+    }
     assert [n for n, b in BUILTIN.items() if b.on_request] == ["torch-cuda"]
     instance = load_adapter("_conformance_fixtures:WrongMask")
     assert instance.name == "wrong-mask"
-    for spec, says in [("nosuch", "module:attr"), ("nosuchmodule_xyz:X", "not importable"),
-                       ("_conformance_fixtures:Nope", "does not have"), ("", "Received: spec=''")]:
+    for spec, says in [
+        ("nosuch", "module:attr"),
+        ("nosuchmodule_xyz:X", "not importable"),
+        ("_conformance_fixtures:Nope", "does not have"),
+        ("", "Received: spec=''"),
+    ]:
         with pytest.raises(dc.DamchaValueError, match=says):
             load_adapter(spec)

@@ -29,7 +29,10 @@ def test_catalogue_spans_the_required_features():
     assert any(1 < c.num_kv_heads < c.num_heads for c in cfgs)  # GQA
     assert any(c.num_kv_heads == 1 for c in cfgs)  # MQA
     assert any(c.self_attention for c in cases)
-    assert any(not c.self_attention and c.context_len != c.query_len and c.config.context_dim != c.config.query_dim for c in cases)
+    assert any(
+        not c.self_attention and c.context_len != c.query_len and c.config.context_dim != c.config.query_dim
+        for c in cases
+    )
     assert {c.config.use_bias for c in cases} == {True, False}
     assert {c.mask for c in cases} >= {None, "padding", "per_head", "all_masked_row"}
     causal = [c for c in cases if c.causal]
@@ -42,14 +45,21 @@ def test_catalogue_spans_the_required_features():
     assert any(c.config.value_dim != c.config.key_dim and c.config.output_dim != c.config.query_dim for c in cases)
     # cross-attention whose context could pass for the query (same length and features),
     # tied and separate: a port feeding the query tokens to the key-side map must fail
-    same = {c.config.coupling for c in cases if not c.self_attention and c.context_len == c.query_len
-            and c.config.context_dim == c.config.query_dim and c.config.metric != "none"}
+    same = {
+        c.config.coupling
+        for c in cases
+        if not c.self_attention
+        and c.context_len == c.query_len
+        and c.config.context_dim == c.config.query_dim
+        and c.config.metric != "none"
+    }
     assert same >= {"tied", "separate"}
     assert {c.config.metric for c in cases if c.inputs == "small-and-zero"} >= {"heads", "lowrank"}
     # value tokens of their own feature size (E_v != E_kv): torch kdim != vdim, Keras key/value, Flax inputs_v
     value_cases = [c for c in cases if c.separate_value]
-    assert value_cases and all(c.config.value_input_dim not in (c.config.context_dim, c.config.query_dim)
-                               for c in value_cases)
+    assert value_cases and all(
+        c.config.value_input_dim not in (c.config.context_dim, c.config.query_dim) for c in value_cases
+    )
     data = dcf.materialise(next(c for c in cases if c.mask == "all_masked_row"))
     assert np.any(~np.any(data.mask, axis=-1)), "the all-masked-row case must hide every key from some query"
 
@@ -109,7 +119,12 @@ class _Wrong(dcf.ReferenceAdapter):
 
 @pytest.mark.parametrize(
     "bug, failing_groups",
-    [("ignores-metric", {"heads", "lowrank"}), ("nan-masked-rows", {"masks"}), ("no-causal", {"causal"}), ("crash", {"mha"})],
+    [
+        ("ignores-metric", {"heads", "lowrank"}),
+        ("nan-masked-rows", {"masks"}),
+        ("no-causal", {"causal"}),
+        ("crash", {"mha"}),
+    ],
 )
 def test_runner_catches_a_wrong_port(bug, failing_groups):
     report = dcf.run_conformance(_Wrong(bug))
@@ -117,11 +132,15 @@ def test_runner_catches_a_wrong_port(bug, failing_groups):
     failed = {r.group for r in report.failures()}
     assert failing_groups <= failed
     if bug == "crash":
-        assert all(r.status == "error" and "RuntimeError: boom" in r.detail
-                   for r in report.results if r.check in ("output", "gradients"))
+        assert all(
+            r.status == "error" and "RuntimeError: boom" in r.detail
+            for r in report.results
+            if r.check in ("output", "gradients")
+        )
         # boom is not a clear error about the bad input either
-        assert all(r.status == "fail" and "RuntimeError: boom" in r.detail
-                   for r in report.results if r.check == "rejects")
+        assert all(
+            r.status == "fail" and "RuntimeError: boom" in r.detail for r in report.results if r.check == "rejects"
+        )
 
 
 def test_error_catalogue_covers_every_corruption_and_each_differs_from_its_base():
@@ -189,8 +208,12 @@ class _FiniteDifferenceGradients(dcf.ReferenceAdapter):
 
     def gradients(self, data, dtype):
         eps = 1e-6
-        targets = {"query": data.query, **({} if data.context is None else {"context": data.context}),
-                   **({} if data.value is None else {"value": data.value}), **data.params}
+        targets = {
+            "query": data.query,
+            **({} if data.context is None else {"context": data.context}),
+            **({} if data.value is None else {"value": data.value}),
+            **data.params,
+        }
         grads = {}
         for name, base in targets.items():
             g = np.zeros_like(base)
@@ -236,7 +259,7 @@ def test_exported_vectors_let_a_foreign_port_check_itself(tmp_path):
         desc = json.loads((tmp_path / f"{name}.json").read_text())
         t = load_file(str(tmp_path / desc["tensors"]))
         cfg = dc.DamchaConfig.from_dict(desc["config"])
-        params = {k[len("params."):]: v for k, v in t.items() if k.startswith("params.")}
+        params = {k[len("params.") :]: v for k, v in t.items() if k.startswith("params.")}
         assert set(params) == set(cfg.param_shapes())
         ctx = t.get("inputs.context")
         assert (ctx is None) == desc["self_attention"]
@@ -274,7 +297,7 @@ def test_exported_decode_vectors_let_a_foreign_port_check_its_cache(tmp_path):
         desc = json.loads((tmp_path / f"{name}.json").read_text())
         t = load_file(str(tmp_path / desc["tensors"]))
         cfg = dc.DamchaConfig.from_dict(desc["config"])
-        params = {k[len("params."):]: v for k, v in t.items() if k.startswith("params.")}
+        params = {k[len("params.") :]: v for k, v in t.items() if k.startswith("params.")}
         P, x = desc["decode"]["prefix_len"], t["inputs.query"]
         assert x.shape[1] == P + desc["decode"]["new_len"] == P + t["expected.output"].shape[1]
         y = naive_damcha(params, cfg, x[:, P:], x, causal=True, query_offset=P)
@@ -284,8 +307,11 @@ def test_exported_decode_vectors_let_a_foreign_port_check_its_cache(tmp_path):
 
 def test_cli_reference_run_and_json(tmp_path):
     out = tmp_path / "report.json"
-    proc = subprocess.run([sys.executable, "-m", "damcha_core._cli", "conform", "--backend", "reference", "--json", str(out)],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "damcha_core._cli", "conform", "--backend", "reference", "--json", str(out)],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "reference" in proc.stdout and "PASSED" in proc.stdout
     report = dcf.Report.from_json(out.read_text())
@@ -295,8 +321,19 @@ def test_cli_reference_run_and_json(tmp_path):
 
 def test_cli_third_party_adapter_failure_exits_nonzero(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "damcha_core._cli", "conform", "--adapter", "_conformance_fixtures:WrongMask", "--group", "masks"],
-        capture_output=True, text=True, cwd=str(tmp_path),
+        [
+            sys.executable,
+            "-m",
+            "damcha_core._cli",
+            "conform",
+            "--adapter",
+            "_conformance_fixtures:WrongMask",
+            "--group",
+            "masks",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=str(tmp_path),
         env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)},
     )
     assert proc.returncode == 1
@@ -304,10 +341,15 @@ def test_cli_third_party_adapter_failure_exits_nonzero(tmp_path):
 
 
 def test_cli_export_vectors(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "damcha_core._cli", "conform", "--export-vectors", str(tmp_path), "--group", "long"],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "damcha_core._cli", "conform", "--export-vectors", str(tmp_path), "--group", "long"],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr
-    assert sorted(p.name for p in tmp_path.glob("*.json")) == sorted(["index.json"] + [f"{c.name}.json" for c in dcf.catalogue(groups=["long"])])
+    assert sorted(p.name for p in tmp_path.glob("*.json")) == sorted(
+        ["index.json"] + [f"{c.name}.json" for c in dcf.catalogue(groups=["long"])]
+    )
 
 
 def test_case_rejects_unknown_mask_kind():
@@ -348,8 +390,11 @@ class _WrongMath(dcf.ReferenceAdapter):
             calls.append(tokens)
             if self.bug == "key-map-from-query-tokens" and len(calls) == 2 and tokens.shape == calls[0].shape:
                 tokens = calls[0]  # the key side's map driven by x instead of c
-            if self.bug == "key-side-uses-query-generator" and side == "k" and (
-                    params["metric.q.kernel"].shape == params["metric.k.kernel"].shape):
+            if (
+                self.bug == "key-side-uses-query-generator"
+                and side == "k"
+                and (params["metric.q.kernel"].shape == params["metric.k.kernel"].shape)
+            ):
                 side = "q"
             return apply_map(params, config, side, tokens, y)
 
@@ -441,7 +486,7 @@ def test_decode_cases_expect_rows_of_one_causal_pass():
     for case in dcf.DECODE_CATALOGUE:
         data = dcf.materialise_decode(case)
         full = naive_damcha(data.params, case.config, data.query, None, None, True)
-        np.testing.assert_allclose(data.expected, full[:, case.prefix_len:], rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(data.expected, full[:, case.prefix_len :], rtol=1e-10, atol=1e-12)
         assert case.config.value_dim == case.config.key_dim and case.new_len >= 2
 
 
@@ -457,14 +502,19 @@ def test_the_value_case_checks_the_values_and_their_gradient():
     class ValuesFromTheContext(dcf.ReferenceAdapter):
         def forward(self, data, dtype):  # the context's first E_v features as values: a silent slice
             value = data.context[..., : data.config.value_input_dim]
-            return dc.damcha_attention(data.params, data.config, data.query, data.context, mask=data.mask,
-                                       value=value)
+            return dc.damcha_attention(data.params, data.config, data.query, data.context, mask=data.mask, value=value)
 
     assert dcf.check_case(ValuesFromTheContext(), case, "float64")[0].status == "fail"
     grads = _FiniteDifferenceGradients()
-    small = dcf.Case("tiny-value", "shapes", dc.DamchaConfig(query_dim=4, num_heads=2, key_dim=2, coupling="separate",
-                                                              context_dim=3, value_input_dim=2), 1, 2, 3, seed=7)
+    small = dcf.Case(
+        "tiny-value",
+        "shapes",
+        dc.DamchaConfig(query_dim=4, num_heads=2, key_dim=2, coupling="separate", context_dim=3, value_input_dim=2),
+        1,
+        2,
+        3,
+        seed=7,
+    )
     assert [r.status for r in dcf.check_case(grads, small, "float64")] == ["pass", "pass"]
     wrong = dcf.check_case(_FiniteDifferenceGradients(drop="value"), small, "float64")
     assert wrong[1].status == "error" and "value" in wrong[1].detail
-

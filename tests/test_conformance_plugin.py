@@ -18,8 +18,24 @@ TESTS = Path(__file__).parent
 
 def run_pytest(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(TESTS)}  # the fixture adapters stand in for a third party's module
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "damcha_conformance.pytest_plugin", "-p",
-                           "no:cacheprovider", "-rA", "-v", *args], capture_output=True, text=True, cwd=tmp_path, env=env)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "damcha_conformance.pytest_plugin",
+            "-p",
+            "no:cacheprovider",
+            "-rA",
+            "-v",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+    )
 
 
 def outcomes(proc: subprocess.CompletedProcess) -> dict[str, str]:
@@ -36,7 +52,8 @@ def test_each_check_is_a_test_and_k_selects(tmp_path):
     collected = run_pytest(tmp_path, "--damcha-adapter", "reference", "--collect-only", "-qq")  # -v -qq: ids
     ids = {line.split("::", 1)[1] for line in collected.stdout.splitlines() if line.startswith("damcha-conformance::")}
     assert len(ids) == 2 * len(dcf.CATALOGUE) - sum(not c.gradients for c in dcf.CATALOGUE) + len(
-        dcf.DECODE_CATALOGUE) + len(dcf.ERROR_CATALOGUE)
+        dcf.DECODE_CATALOGUE
+    ) + len(dcf.ERROR_CATALOGUE)
     assert "errors-query-empty:heads-tied-self" in ids and "decode-float64-decode-heads-tied" in ids
 
 
@@ -59,8 +76,17 @@ def test_expected_failures_file_reports_xfail_and_xpass(tmp_path):
         "forward-float64-heads-tied-self  # listed, but it passes: XPASS\n"
         "forward-float64-no-such-case\n"
     )
-    proc = run_pytest(tmp_path, "--damcha-adapter", "_conformance_fixtures:WrongMask", "--damcha-xfails", str(xfails),
-                      "-k", "forward and (masks or heads-tied-self)", "-W", "default")
+    proc = run_pytest(
+        tmp_path,
+        "--damcha-adapter",
+        "_conformance_fixtures:WrongMask",
+        "--damcha-xfails",
+        str(xfails),
+        "-k",
+        "forward and (masks or heads-tied-self)",
+        "-W",
+        "default",
+    )
     assert proc.returncode == 0, proc.stdout[-3000:]
     got = outcomes(proc)
     assert got["forward-float64-heads-tied-padding"] == "XFAIL"

@@ -17,6 +17,8 @@ import damcha_core as dc
 BASE = dict(query_dim=8, num_heads=4, key_dim=2)
 
 
+# A table, one case a line (not reformatted).
+# fmt: off
 @pytest.mark.parametrize(
     "kwargs, error, pattern",
     [
@@ -40,6 +42,7 @@ BASE = dict(query_dim=8, num_heads=4, key_dim=2)
     ],
     ids=lambda v: v if isinstance(v, str) else None,
 )
+# fmt: on
 def test_invalid_config_raises_clear_error(kwargs, error, pattern):
     with pytest.raises(error, match=pattern) as info:
         dc.DamchaConfig(**{**BASE, **kwargs})
@@ -115,6 +118,8 @@ X = np.zeros((2, 3, 8))
 C = np.zeros((2, 5, 6))
 
 
+# A table, one case a line (not reformatted).
+# fmt: off
 @pytest.mark.parametrize(
     "call, error, pattern",
     [
@@ -147,6 +152,7 @@ C = np.zeros((2, 5, 6))
     ],
     ids=lambda v: None,
 )
+# fmt: on
 def test_bad_input_raises_clear_error(call, error, pattern):
     with pytest.raises(error, match=pattern):
         call()

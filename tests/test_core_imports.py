@@ -57,7 +57,10 @@ def test_uncaught_error_ends_with_the_one_line():
     code = code.split("except ImportError")[0]
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
-    assert proc.stderr.strip().splitlines()[-1] == 'ModuleNotFoundError: damcha_torch needs PyTorch: pip install "damcha[torch]"'
+    assert (
+        proc.stderr.strip().splitlines()[-1]
+        == 'ModuleNotFoundError: damcha_torch needs PyTorch: pip install "damcha[torch]"'
+    )
     assert "During handling" not in proc.stderr  # no chained traceback of the original error
 
 
@@ -78,6 +81,9 @@ def test_require_returns_the_module_and_names_missing_dependencies(tmp_path, mon
     assert str(info.value) == (
         'damcha_x needs fake_framework_a (which could not import fake_dependency_missing_b): pip install "damcha[keras]"'
     )
-    with pytest.raises(ImportError, match=r"^damcha_x needs fake_framework_c, which is installed but failed to import "
-                                          r"\(libfoo\.so: cannot open shared object file\); reinstalling may help"):
+    with pytest.raises(
+        ImportError,
+        match=r"^damcha_x needs fake_framework_c, which is installed but failed to import "
+        r"\(libfoo\.so: cannot open shared object file\); reinstalling may help",
+    ):
         require("fake_framework_c", "keras", "damcha_x")

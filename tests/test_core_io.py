@@ -10,7 +10,9 @@ from safetensors.numpy import load_file, save_file
 
 import damcha_core as dc
 
-CFG = dc.DamchaConfig(query_dim=8, num_heads=4, key_dim=2, metric="lowrank", metric_rank=3, coupling="separate", context_dim=6)
+CFG = dc.DamchaConfig(
+    query_dim=8, num_heads=4, key_dim=2, metric="lowrank", metric_rank=3, coupling="separate", context_dim=6
+)
 
 
 def test_round_trip_is_exact_and_keeps_config(tmp_path):
@@ -52,8 +54,14 @@ def _rewrite(path, tensors):
     [
         (lambda t: t.pop("metric.k.u"), r"missing \['metric.k.u'\]"),
         (lambda t: t.__setitem__("metric.qk.gate", np.zeros(4)), r"unexpected \['metric.qk.gate'\]"),
-        (lambda t: t.__setitem__("value.bias", np.zeros((4, 2), np.int32)), r"\['value.bias'\]` must be a real floating array"),
-        (lambda t: t.__setitem__("key.kernel", np.zeros((6, 4, 3))), r"`tensors in .*\['key.kernel'\]` must have shape \(6, 4, 2\)"),
+        (
+            lambda t: t.__setitem__("value.bias", np.zeros((4, 2), np.int32)),
+            r"\['value.bias'\]` must be a real floating array",
+        ),
+        (
+            lambda t: t.__setitem__("key.kernel", np.zeros((6, 4, 3))),
+            r"`tensors in .*\['key.kernel'\]` must have shape \(6, 4, 2\)",
+        ),
     ],
     ids=["missing", "extra", "integer-tensor", "misshaped"],
 )
@@ -154,7 +162,18 @@ def _invalid_config(tmp_path):
         (_bad_config, r"its damcha_config metadata is not valid JSON"),
         (_invalid_config, r"its damcha_config metadata is not a valid config \(`num_heads` must be >= 1"),
     ],
-    ids=["missing", "directory", "empty", "short", "text", "npz", "header-garbage", "truncated", "config-json", "config-invalid"],
+    ids=[
+        "missing",
+        "directory",
+        "empty",
+        "short",
+        "text",
+        "npz",
+        "header-garbage",
+        "truncated",
+        "config-json",
+        "config-invalid",
+    ],
 )
 def test_load_rejects_bad_files_naming_the_path(tmp_path, make, pattern):
     path = make(tmp_path)
@@ -188,7 +207,12 @@ def test_checksum_is_stored_and_files_without_it_still_load(tmp_path):
     raw = load_file(str(path))
     h = hashlib.sha256()
     for name in sorted(raw):
-        for part in (name.encode(), raw[name].dtype.name.encode(), json.dumps(list(raw[name].shape)).encode(), raw[name].tobytes()):
+        for part in (
+            name.encode(),
+            raw[name].dtype.name.encode(),
+            json.dumps(list(raw[name].shape)).encode(),
+            raw[name].tobytes(),
+        ):
             h.update(struct.pack("<Q", len(part)) + part)
     assert stored == "sha256:" + h.hexdigest()
     old = tmp_path / "old.safetensors"
@@ -213,7 +237,10 @@ def test_save_uses_the_umask_and_replaces_atomically(tmp_path):
     params = dc.init_params(CFG, seed=5)
     dc.save_params(path, params, CFG)  # replaces the earlier file
     assert np.array_equal(dc.load_params(path)[0]["query.kernel"], params["query.kernel"])
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["layer.safetensors", "other.safetensors"]  # no temp files left
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "layer.safetensors",
+        "other.safetensors",
+    ]  # no temp files left
 
 
 def test_failed_save_leaves_the_earlier_file_intact(tmp_path, monkeypatch):
@@ -226,7 +253,9 @@ def test_failed_save_leaves_the_earlier_file_intact(tmp_path, monkeypatch):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "fsync", no_space)
-    with pytest.raises(dc.DamchaValueError, match=rf"could not be written \(No space left on device\).*unchanged.*path={str(path)!r}"):
+    with pytest.raises(
+        dc.DamchaValueError, match=rf"could not be written \(No space left on device\).*unchanged.*path={str(path)!r}"
+    ):
         dc.save_params(path, dc.init_params(CFG, seed=9), CFG)
     assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["layer.safetensors"]
@@ -251,6 +280,8 @@ def test_save_refuses_a_read_only_target(tmp_path):
     path = _saved(tmp_path)
     before = path.read_bytes()
     path.chmod(0o444)
-    with pytest.raises(dc.DamchaValueError, match=rf"`path` is a read-only file; it is not replaced\. Received: path={str(path)!r}"):
+    with pytest.raises(
+        dc.DamchaValueError, match=rf"`path` is a read-only file; it is not replaced\. Received: path={str(path)!r}"
+    ):
         dc.save_params(path, dc.init_params(CFG, seed=4), CFG)
     assert path.read_bytes() == before

@@ -12,7 +12,9 @@ from safetensors.numpy import save_file
 
 import damcha_core as dc
 
-CFG = dc.DamchaConfig(query_dim=8, num_heads=4, key_dim=2, metric="lowrank", metric_rank=2, coupling="separate", context_dim=6)
+CFG = dc.DamchaConfig(
+    query_dim=8, num_heads=4, key_dim=2, metric="lowrank", metric_rank=2, coupling="separate", context_dim=6
+)
 X = np.random.default_rng(0).normal(size=(2, 3, 8))
 C = np.random.default_rng(1).normal(size=(2, 5, 6))
 
@@ -41,8 +43,12 @@ ENTRIES = {
 
 
 # params_from_mha takes only the projections (its metric tensors are fresh), so no metric name there.
-CASES = [(entry, name) for entry in ENTRIES for name in ("query.kernel", "output.bias", "metric.k.u")
-         if not (entry == "params_from_mha" and name.startswith("metric."))]
+CASES = [
+    (entry, name)
+    for entry in ENTRIES
+    for name in ("query.kernel", "output.bias", "metric.k.u")
+    if not (entry == "params_from_mha" and name.startswith("metric."))
+]
 
 
 @pytest.mark.parametrize("entry, name", CASES, ids=[f"{e}-{n}" for e, n in CASES])

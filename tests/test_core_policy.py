@@ -13,12 +13,21 @@ import pytest
 import damcha_core as dc
 
 TORCH_CONFIG_NAMES = {"query_dim": "embed_dim", "context_dim": "kdim", "use_bias": "bias", "value_input_dim": "vdim"}
-TORCH_SHAPE_NAMES = {"query": "query", "context": "key", "mask": "attn_mask", "query_dim": "embed_dim",
-                     "context_dim": "kdim", "value_input_dim": "vdim"}
+TORCH_SHAPE_NAMES = {
+    "query": "query",
+    "context": "key",
+    "mask": "attn_mask",
+    "query_dim": "embed_dim",
+    "context_dim": "kdim",
+    "value_input_dim": "vdim",
+}
 
 
 # ------------------------------------------------------------------ validators
 
+
+# A table, one case a line (not reformatted).
+# fmt: off
 @pytest.mark.parametrize(
     "call, error, pattern",
     [
@@ -51,6 +60,7 @@ TORCH_SHAPE_NAMES = {"query": "query", "context": "key", "mask": "attn_mask", "q
     ],
     ids=lambda v: None,
 )
+# fmt: on
 def test_validators_reject_with_class_name_and_value(call, error, pattern):
     with pytest.raises(error, match=pattern):
         call()
@@ -70,6 +80,8 @@ def test_validators_accept_and_normalise():
 
 # ----------------------------------------------------------------- make_config
 
+# A table, one case a line (not reformatted).
+# fmt: off
 @pytest.mark.parametrize(
     "fields, error, pattern",
     [
@@ -83,6 +95,7 @@ def test_validators_accept_and_normalise():
     ],
     ids=["embed-type", "bias-type", "kdim-zero", "tied-kdim", "vdim", "embed-missing"],
 )
+# fmt: on
 def test_make_config_errors_name_the_ports_arguments(fields, error, pattern):
     with pytest.raises(error, match=pattern):
         dc.make_config(names=TORCH_CONFIG_NAMES, **fields)
@@ -143,6 +156,8 @@ def test_check_layer_args_validates_without_input_sizes():
     assert both["coupling"] == "separate"
 
 
+# A table, one case a line (not reformatted).
+# fmt: off
 @pytest.mark.parametrize(
     "fields, error, pattern",
     [
@@ -158,6 +173,7 @@ def test_check_layer_args_validates_without_input_sizes():
     ],
     ids=["output-shape", "divisible", "tied-gqa", "rank-missing", "rank-extra", "dropout", "coupling", "scale", "unknown"],
 )
+# fmt: on
 def test_check_layer_args_errors(fields, error, pattern):
     with pytest.raises(error, match=pattern):
         dc.check_layer_args(names={"output_dim": "output_shape"}, **fields)
@@ -262,6 +278,8 @@ def test_resolve_generators_accepts_what_fits():
     assert SEPARATE.generator_spec("k") == dc.GeneratorSpec(6, 2, "heads", 2, None)
 
 
+# A table, one case a line (not reformatted).
+# fmt: off
 @pytest.mark.parametrize(
     "given, cfg, error, pattern",
     [
@@ -283,6 +301,7 @@ def test_resolve_generators_accepts_what_fits():
     ids=["metric-none", "metric-none-dict", "single-for-separate", "missing-side", "extra-side", "wrong-side-name",
          "value-type", "given-type", "list", "features", "kv-heads", "metric", "lowrank-head-dim", "rank"],
 )
+# fmt: on
 def test_resolve_generators_rules(given, cfg, error, pattern):
     with pytest.raises(error, match=pattern):
         _resolve(given, cfg)
@@ -305,6 +324,8 @@ def test_generator_spec_of_a_side_the_config_lacks():
 SHAPE_CFG = dc.DamchaConfig(query_dim=16, num_heads=4, key_dim=4, context_dim=12, coupling="separate")
 
 
+# A table, one case a line (not reformatted).
+# fmt: off
 @pytest.mark.parametrize(
     "args, kw, pattern",
     [
@@ -322,6 +343,7 @@ SHAPE_CFG = dc.DamchaConfig(query_dim=16, num_heads=4, key_dim=4, context_dim=12
     ids=["query-features", "key-features", "batch", "key-required", "empty", "mask-3d", "mask-broadcast",
          "value-features", "value-length", "value-rank"],
 )
+# fmt: on
 def test_check_shapes_names_the_ports_arguments(args, kw, pattern):
     with pytest.raises(dc.DamchaValueError, match=pattern):
         dc.check_shapes(SHAPE_CFG, *args, names=TORCH_SHAPE_NAMES, **kw)

@@ -29,8 +29,15 @@ STRUCTURE_IDS = [f"{m}-{c}-G{g}-Ekv{e}" for m, c, g, e in STRUCTURES]
 
 def make(metric="heads", coupling="tied", G=4, E_kv=8, seed=0, **kw):
     cfg = dc.DamchaConfig(
-        query_dim=8, num_heads=4, key_dim=3, num_kv_heads=G, context_dim=E_kv, metric=metric,
-        metric_rank=2 if metric == "lowrank" else None, coupling=coupling, **kw
+        query_dim=8,
+        num_heads=4,
+        key_dim=3,
+        num_kv_heads=G,
+        context_dim=E_kv,
+        metric=metric,
+        metric_rank=2 if metric == "lowrank" else None,
+        coupling=coupling,
+        **kw,
     )
     return cfg, case_params(cfg, seed)
 
@@ -65,7 +72,9 @@ def test_fast_path_equals_explicit_metric_path(structure):
     x, c = inputs(cfg, M=6)
     mask = rng.random((2, 1, 4, 6)) < 0.7
     fast, w_fast = dc.damcha_attention(p, cfg, x, c, mask=mask, causal=True, return_weights=True)
-    explicit, w_explicit = dc.damcha_attention(p, cfg, x, c, mask=mask, causal=True, return_weights=True, path="explicit")
+    explicit, w_explicit = dc.damcha_attention(
+        p, cfg, x, c, mask=mask, causal=True, return_weights=True, path="explicit"
+    )
     np.testing.assert_allclose(fast, explicit, rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(w_fast, w_explicit, rtol=1e-10, atol=1e-12)
 
@@ -86,19 +95,34 @@ def test_fast_equals_explicit_on_random_configs(metric, coupling, heads_groups, 
     if coupling == "tied":
         G = H
     cfg = dc.DamchaConfig(
-        query_dim=5, num_heads=H, key_dim=d, num_kv_heads=G, metric=metric, coupling=coupling,
-        metric_rank=2 if metric == "lowrank" else None, context_dim=5 if coupling == "tied" else 3,
+        query_dim=5,
+        num_heads=H,
+        key_dim=d,
+        num_kv_heads=G,
+        metric=metric,
+        coupling=coupling,
+        metric_rank=2 if metric == "lowrank" else None,
+        context_dim=5 if coupling == "tied" else 3,
     )
     p = case_params(cfg, seed)
     r = np.random.default_rng(seed)
     x, c = r.normal(size=(2, n, 5)), r.normal(size=(2, m, cfg.context_dim))
     fast = dc.damcha_attention(p, cfg, x, c, causal=causal)
-    np.testing.assert_allclose(fast, dc.damcha_attention(p, cfg, x, c, causal=causal, path="explicit"), rtol=1e-9, atol=1e-11)
+    np.testing.assert_allclose(
+        fast, dc.damcha_attention(p, cfg, x, c, causal=causal, path="explicit"), rtol=1e-9, atol=1e-11
+    )
     np.testing.assert_allclose(fast, naive_damcha(p, cfg, x, c, causal=causal), rtol=1e-9, atol=1e-11)
 
 
 def _mha(p, cfg, x, c, mask=None, causal=False):
-    return naive_damcha({k: v for k, v in p.items() if not k.startswith("metric.")}, cfg.replace(metric="none", metric_rank=None), x, c, mask, causal)
+    return naive_damcha(
+        {k: v for k, v in p.items() if not k.startswith("metric.")},
+        cfg.replace(metric="none", metric_rank=None),
+        x,
+        c,
+        mask,
+        causal,
+    )
 
 
 @pytest.mark.parametrize("structure", STRUCTURES[1:], ids=STRUCTURE_IDS[1:])
@@ -112,7 +136,9 @@ def test_identity_metric_is_mha(structure, neutraliser):
         else:  # W = b = 0 makes A(t) = 0 (heads) or u(t) = 0 (lowrank)
             p[f"metric.{side}.kernel"] = np.zeros_like(p[f"metric.{side}.kernel"])
             p[f"metric.{side}.bias"] = np.zeros_like(p[f"metric.{side}.bias"])
-    np.testing.assert_allclose(dc.damcha_attention(p, cfg, x, c, causal=True), _mha(p, cfg, x, c, causal=True), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(
+        dc.damcha_attention(p, cfg, x, c, causal=True), _mha(p, cfg, x, c, causal=True), rtol=1e-10, atol=1e-12
+    )
 
 
 def test_fresh_params_are_exactly_mha():
@@ -138,7 +164,9 @@ def test_static_metric_folds_into_mha_kernels(structure):
     x, c = inputs(cfg)
     folded, mha_cfg = dc.fold_static_metric(p, cfg)
     assert mha_cfg.metric == "none"
-    np.testing.assert_allclose(dc.damcha_attention(folded, mha_cfg, x, c), dc.damcha_attention(p, cfg, x, c), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(
+        dc.damcha_attention(folded, mha_cfg, x, c), dc.damcha_attention(p, cfg, x, c), rtol=1e-10, atol=1e-12
+    )
     # the static map is not the identity here, so folding really changed kernels
     assert not np.allclose(folded["query.kernel"], p["query.kernel"])
 
@@ -179,7 +207,9 @@ def test_consistent_head_permutation_leaves_output_unchanged(structure):
         while np.all(perm_kv == np.arange(cfg.num_kv_heads)):
             perm_kv = np.random.default_rng().permutation(cfg.num_kv_heads)
     q = _permute(p, cfg, perm_kv)
-    np.testing.assert_allclose(dc.damcha_attention(q, cfg, x, c), dc.damcha_attention(p, cfg, x, c), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(
+        dc.damcha_attention(q, cfg, x, c), dc.damcha_attention(p, cfg, x, c), rtol=1e-10, atol=1e-12
+    )
 
 
 @pytest.mark.parametrize("structure", STRUCTURES, ids=STRUCTURE_IDS)
@@ -222,7 +252,9 @@ def test_padding_mask_equals_truncated_context():
     x, c = inputs(cfg, M=6)
     mask = np.zeros((1, 1, 1, 6), bool)
     mask[..., :4] = True
-    np.testing.assert_allclose(dc.damcha_attention(p, cfg, x, c, mask=mask), dc.damcha_attention(p, cfg, x, c[:, :4]), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(
+        dc.damcha_attention(p, cfg, x, c, mask=mask), dc.damcha_attention(p, cfg, x, c[:, :4]), rtol=1e-10, atol=1e-12
+    )
 
 
 def test_mask_shapes_broadcast_consistently():
@@ -245,7 +277,9 @@ def test_gqa_equals_mha_with_repeated_key_value_heads():
     for n in ("key", "value"):
         q[f"{n}.kernel"] = np.repeat(p[f"{n}.kernel"], 2, axis=1)
         q[f"{n}.bias"] = np.repeat(p[f"{n}.bias"], 2, axis=0)
-    np.testing.assert_allclose(dc.damcha_attention(q, full_cfg, x, c), dc.damcha_attention(p, cfg, x, c), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(
+        dc.damcha_attention(q, full_cfg, x, c), dc.damcha_attention(p, cfg, x, c), rtol=1e-10, atol=1e-12
+    )
 
 
 def test_tied_metric_is_positive_semidefinite_on_the_diagonal():
@@ -314,7 +348,9 @@ def test_init_params_distributions():
     p = dc.init_params(cfg, seed=1)
     assert list(p) == list(cfg.param_shapes())
     limit = np.sqrt(6 / (256 + 8 * 32))
-    assert np.max(np.abs(p["query.kernel"])) <= limit and np.std(p["query.kernel"]) == pytest.approx(limit / np.sqrt(3), rel=0.02)
+    assert np.max(np.abs(p["query.kernel"])) <= limit and np.std(p["query.kernel"]) == pytest.approx(
+        limit / np.sqrt(3), rel=0.02
+    )
     limit_o = np.sqrt(6 / (8 * 32 + 128))
     assert np.std(p["output.kernel"]) == pytest.approx(limit_o / np.sqrt(3), rel=0.02)
     assert np.std(p["metric.qk.kernel"]) == pytest.approx(1 / np.sqrt(256 * 8), rel=0.05)
@@ -337,7 +373,9 @@ def test_params_from_mha_reproduces_the_mha():
     p = dc.params_from_mha(weights, cfg, seed=4)
     assert set(p) == set(cfg.param_shapes())
     x, c = inputs(cfg, M=3)
-    np.testing.assert_allclose(dc.damcha_attention(p, cfg, x, c), naive_damcha(weights, mha_cfg, x, c), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(
+        dc.damcha_attention(p, cfg, x, c), naive_damcha(weights, mha_cfg, x, c), rtol=1e-10, atol=1e-12
+    )
     with pytest.raises(dc.DamchaValueError, match="missing"):
         dc.params_from_mha({k: v for k, v in weights.items() if k != "key.bias"}, cfg)
     with pytest.raises(dc.DamchaValueError, match="metric tensors"):
@@ -351,7 +389,12 @@ def test_any_float_input_dtype_is_computed_in_float64(dtype):
     x16, c16 = x.astype(dtype), c.astype(dtype)
     y = dc.damcha_attention({k: v.astype(dtype) for k, v in p.items()}, cfg, x16, c16)
     assert y.dtype == np.float64
-    want = dc.damcha_attention({k: v.astype(dtype).astype(np.float64) for k, v in p.items()}, cfg, x16.astype(np.float64), c16.astype(np.float64))
+    want = dc.damcha_attention(
+        {k: v.astype(dtype).astype(np.float64) for k, v in p.items()},
+        cfg,
+        x16.astype(np.float64),
+        c16.astype(np.float64),
+    )
     np.testing.assert_array_equal(y, want)
 
 
@@ -374,9 +417,17 @@ def _random_case(draw):
     E_q = draw(st.integers(1, 5))
     E_kv = E_q if (metric != "none" and coupling == "tied") else draw(st.integers(1, 5))
     cfg = dc.DamchaConfig(
-        query_dim=E_q, num_heads=H, key_dim=draw(st.integers(1, 3)), value_dim=draw(st.integers(1, 3)),
-        num_kv_heads=G, context_dim=E_kv, output_dim=draw(st.integers(1, 4)), use_bias=draw(st.booleans()),
-        metric=metric, metric_rank=draw(st.integers(1, 3)) if metric == "lowrank" else None, coupling=coupling,
+        query_dim=E_q,
+        num_heads=H,
+        key_dim=draw(st.integers(1, 3)),
+        value_dim=draw(st.integers(1, 3)),
+        num_kv_heads=G,
+        context_dim=E_kv,
+        output_dim=draw(st.integers(1, 4)),
+        use_bias=draw(st.booleans()),
+        metric=metric,
+        metric_rank=draw(st.integers(1, 3)) if metric == "lowrank" else None,
+        coupling=coupling,
         scale=draw(st.one_of(st.none(), st.floats(0.1, 3.0))),
     )
     B, N = draw(st.integers(1, 2)), draw(st.integers(1, 4))
@@ -450,5 +501,9 @@ def test_folded_mha_equals_the_naive_static_metric(structure, use_bias):
     x, c = inputs(cfg)
     folded, mha_cfg = dc.fold_static_metric(p, cfg)
     assert set(folded) == set(mha_cfg.param_shapes())
-    np.testing.assert_allclose(naive_damcha(folded, mha_cfg, x, c, causal=True), naive_damcha(p, cfg, x, c, causal=True),
-                               rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(
+        naive_damcha(folded, mha_cfg, x, c, causal=True),
+        naive_damcha(p, cfg, x, c, causal=True),
+        rtol=1e-10,
+        atol=1e-12,
+    )

@@ -58,10 +58,26 @@ def test_value_defaults_to_the_context():
 @pytest.mark.parametrize(
     "kw, error, pattern",
     [
-        ({}, dc.DamchaValueError, r"`value` is required when config\.value_input_dim != config\.context_dim.*value_input_dim=7"),
-        ({"value": np.zeros((2, 5, 6))}, dc.DamchaValueError, r"`value` must have 7 features \(config\.value_input_dim\)\. Received: value\.shape=\(2, 5, 6\)"),
-        ({"value": np.zeros((2, 4, 7))}, dc.DamchaValueError, r"`value` must have the batch size and length of `context`.*value\.shape=\(2, 4, 7\)"),
-        ({"value": np.zeros((2, 5, 7), int)}, dc.DamchaTypeError, r"`value` must be a real floating tensor.*dtype=int64"),
+        (
+            {},
+            dc.DamchaValueError,
+            r"`value` is required when config\.value_input_dim != config\.context_dim.*value_input_dim=7",
+        ),
+        (
+            {"value": np.zeros((2, 5, 6))},
+            dc.DamchaValueError,
+            r"`value` must have 7 features \(config\.value_input_dim\)\. Received: value\.shape=\(2, 5, 6\)",
+        ),
+        (
+            {"value": np.zeros((2, 4, 7))},
+            dc.DamchaValueError,
+            r"`value` must have the batch size and length of `context`.*value\.shape=\(2, 4, 7\)",
+        ),
+        (
+            {"value": np.zeros((2, 5, 7), int)},
+            dc.DamchaTypeError,
+            r"`value` must be a real floating tensor.*dtype=int64",
+        ),
     ],
     ids=["missing", "features", "length", "dtype"],
 )
@@ -92,13 +108,21 @@ def test_params_from_mha_and_folding_keep_the_value_size():
     weights = {k: p[k] for k in dc.projection_names(cfg)}
     mha_cfg = cfg.replace(metric="none")
     converted = dc.params_from_mha(weights, cfg, seed=3)
-    np.testing.assert_allclose(dc.damcha_attention(converted, cfg, x, c, value=v), naive_damcha(weights, mha_cfg, x, c, v=v),
-                               rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(
+        dc.damcha_attention(converted, cfg, x, c, value=v),
+        naive_damcha(weights, mha_cfg, x, c, v=v),
+        rtol=1e-10,
+        atol=1e-12,
+    )
     static = {k: (np.zeros_like(a) if k.endswith(".kernel") and k.startswith("metric.") else a) for k, a in p.items()}
     folded, folded_cfg = dc.fold_static_metric(static, cfg)
     assert folded_cfg.value_input_dim == 7
-    np.testing.assert_allclose(dc.damcha_attention(folded, folded_cfg, x, c, value=v),
-                               dc.damcha_attention(static, cfg, x, c, value=v), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(
+        dc.damcha_attention(folded, folded_cfg, x, c, value=v),
+        dc.damcha_attention(static, cfg, x, c, value=v),
+        rtol=1e-10,
+        atol=1e-12,
+    )
 
 
 def test_replace_keeps_values_on_the_context_unless_set_apart():

@@ -82,8 +82,9 @@ def test_bad_flag_exits_2_with_one_line_and_writes_nothing(args, flag, workdir):
     proc = _run(args, workdir)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and re.match(r"damcha experiment( report)?: error: ", lines[0]) and flag in lines[0], \
+    assert len(lines) == 1 and re.match(r"damcha experiment( report)?: error: ", lines[0]) and flag in lines[0], (
         proc.stderr
+    )
     assert "Traceback" not in proc.stderr and proc.stdout == ""
     assert _snapshot(workdir) == before  # no partial folder; the earlier good file untouched
 
@@ -100,17 +101,20 @@ def test_cuda_when_absent_is_a_usage_error(workdir):
 @pytest.mark.parametrize(
     "module, args, extra",
     [
-        ("matplotlib", ["crosshead", "--preset", "smoke"], 'damcha[reports]'),
-        ("sklearn", ["digits", "--preset", "smoke", "--no-plots"], 'damcha[experiments]'),
-        ("torch", ["crosshead", "--preset", "smoke", "--no-plots"], 'damcha[torch]'),
-        ("matplotlib", ["report", "."], 'damcha[reports]'),
+        ("matplotlib", ["crosshead", "--preset", "smoke"], "damcha[reports]"),
+        ("sklearn", ["digits", "--preset", "smoke", "--no-plots"], "damcha[experiments]"),
+        ("torch", ["crosshead", "--preset", "smoke", "--no-plots"], "damcha[torch]"),
+        ("matplotlib", ["report", "."], "damcha[reports]"),
     ],
     ids=["matplotlib", "sklearn", "torch", "report-matplotlib"],
 )
 def test_missing_extra_is_named_before_any_work(module, args, extra, workdir):
     before = _snapshot(workdir)
-    proc = _run([*args, "--out", "new"] if args[0] != "report" else args, workdir,
-                python_prelude=f"import sys; sys.modules[{module!r}] = None")
+    proc = _run(
+        [*args, "--out", "new"] if args[0] != "report" else args,
+        workdir,
+        python_prelude=f"import sys; sys.modules[{module!r}] = None",
+    )
     assert proc.returncode == 2, proc.stderr
     assert extra in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert _snapshot(workdir) == before
@@ -157,10 +161,31 @@ def test_interrupt_then_rerun_gives_the_uninterrupted_numbers(tmp_path):
     from damcha_experiments._suite import run_suite
     from damcha_experiments._tasks import task_config
 
-    args = ["charlm", "--preset", "default", "--variants", "mha", "--lrs", "1e-3", "--seeds", "1",
-            "--max-steps", "40", "--eval-size", "4", "--no-cost", "--no-plots", "--no-progress"]
-    proc = subprocess.Popen([DAMCHA, "experiment", *args, "--out", "cut"], cwd=tmp_path, stderr=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+    args = [
+        "charlm",
+        "--preset",
+        "default",
+        "--variants",
+        "mha",
+        "--lrs",
+        "1e-3",
+        "--seeds",
+        "1",
+        "--max-steps",
+        "40",
+        "--eval-size",
+        "4",
+        "--no-cost",
+        "--no-plots",
+        "--no-progress",
+    ]
+    proc = subprocess.Popen(
+        [DAMCHA, "experiment", *args, "--out", "cut"],
+        cwd=tmp_path,
+        stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     run_dir = tmp_path / "cut" / "runs" / "charlm-default-cpu" / "mha" / "lr0.001" / "seed0"
     deadline = time.monotonic() + 120
     while not run_dir.exists() and proc.poll() is None and time.monotonic() < deadline:

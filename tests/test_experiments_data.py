@@ -87,14 +87,24 @@ def test_listops_hand_checked(text, value):
 
 def test_listops_tokens_hand_checked():
     ids = listops_tokens(listops_parse("[MAX 3 [MIN 4 1 ] ]"))
-    assert ids == [_data.OP0 + 0, _data.DIGIT0 + 3, _data.OP0 + 1, _data.DIGIT0 + 4, _data.DIGIT0 + 1,
-                   _data.CLOSE, _data.CLOSE]
+    assert ids == [
+        _data.OP0 + 0,
+        _data.DIGIT0 + 3,
+        _data.OP0 + 1,
+        _data.DIGIT0 + 4,
+        _data.DIGIT0 + 1,
+        _data.CLOSE,
+        _data.CLOSE,
+    ]
 
 
 def _decode(ids):
     """Token ids back to text, independently of the generator."""
-    names = {_data.CLOSE: "]", **{_data.DIGIT0 + i: str(i) for i in range(10)},
-             **{_data.OP0 + i: "[" + op for i, op in enumerate(_data.LISTOPS_OPS)}}
+    names = {
+        _data.CLOSE: "]",
+        **{_data.DIGIT0 + i: str(i) for i in range(10)},
+        **{_data.OP0 + i: "[" + op for i, op in enumerate(_data.LISTOPS_OPS)},
+    }
     return " ".join(names[i] for i in ids)
 
 
@@ -103,8 +113,15 @@ def _python_eval(text):
     src = text.replace("[MAX", "max(").replace("[MIN", "min(").replace("[MED", "med(").replace("[SM", "sm(")
     src = src.replace(" ]", ")").replace("( ", "(")
     src = src.replace(" ", ",").replace("(,", "(")
-    return eval(src, {"max": lambda *a: max(a), "min": lambda *a: min(a),
-                      "med": lambda *a: sorted(a)[(len(a) - 1) // 2], "sm": lambda *a: sum(a) % 10})
+    return eval(
+        src,
+        {
+            "max": lambda *a: max(a),
+            "min": lambda *a: min(a),
+            "med": lambda *a: sorted(a)[(len(a) - 1) // 2],
+            "sm": lambda *a: sum(a) % 10,
+        },
+    )
 
 
 def test_listops_generated_labels_match_an_independent_evaluator():
@@ -113,7 +130,7 @@ def test_listops_generated_labels_match_an_independent_evaluator():
     for x, y in zip(data.inputs[..., 0], data.targets):
         assert x[0] == _data.CLS
         body = [int(t) for t in x[1:] if t != _data.PAD]
-        assert np.all(x[1 + len(body):] == _data.PAD)  # padding only at the end
+        assert np.all(x[1 + len(body) :] == _data.PAD)  # padding only at the end
         assert _python_eval(_decode(body)) == y
 
 
@@ -202,8 +219,9 @@ def test_data_order_is_a_function_of_the_seed_and_resumes_exactly():
     c.indices(7)
     d = DataOrder(0, 10)
     d.load_state_dict(json.loads(json.dumps(c.state_dict())))
-    np.testing.assert_array_equal(np.concatenate([c.indices(6) for _ in range(3)]),
-                                  np.concatenate([d.indices(6) for _ in range(3)]))
+    np.testing.assert_array_equal(
+        np.concatenate([c.indices(6) for _ in range(3)]), np.concatenate([d.indices(6) for _ in range(3)])
+    )
 
 
 @pytest.mark.parametrize("task", ["crosshead", "charlm", "listops", "digits"])
@@ -238,7 +256,9 @@ def test_importing_the_package_and_the_report_needs_no_torch():
     import subprocess
     import sys
 
-    code = ("import sys, damcha_experiments, damcha_experiments._report, damcha_experiments._cli; "
-            "assert 'torch' not in sys.modules, 'torch imported'")
+    code = (
+        "import sys, damcha_experiments, damcha_experiments._report, damcha_experiments._cli; "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr

@@ -12,11 +12,21 @@ from damcha_experiments._report import build_report, write_json
 
 
 def _run(seed, steps, val, test, times=None):
-    return {"seed": seed, "diverged": False, "test_metric": test[-1] if len(set(val)) == 1 else
-            test[int(np.argmax(val))], "stop_reason": "plateau", "steps": steps[-1],
-            "steps_to_threshold": {}, "loss_spikes": 0,
-            "curve": {"step": list(steps), "val_metric": list(val), "test_metric": list(test),
-                      "train_time_s": list(times or [s * 0.01 for s in steps])}}
+    return {
+        "seed": seed,
+        "diverged": False,
+        "test_metric": test[-1] if len(set(val)) == 1 else test[int(np.argmax(val))],
+        "stop_reason": "plateau",
+        "steps": steps[-1],
+        "steps_to_threshold": {},
+        "loss_spikes": 0,
+        "curve": {
+            "step": list(steps),
+            "val_metric": list(val),
+            "test_metric": list(test),
+            "train_time_s": list(times or [s * 0.01 for s in steps]),
+        },
+    }
 
 
 def _results(task, finals: dict[str, list[float]], *, higher=True, margin=0.02, kinds=None):
@@ -25,15 +35,31 @@ def _results(task, finals: dict[str, list[float]], *, higher=True, margin=0.02, 
     for name, values in finals.items():
         runs = [_run(s, [100], [v], [v]) for s, v in enumerate(values)]
         kind = (kinds or {}).get(name) or ("damcha" if name.startswith("damcha") else name)
-        variants[name] = {"kind": kind, "runs": runs, "divergences": 0, "sweep_divergences": 0, "loss_spikes": 0,
-                          "params": 1000, "chosen_lr": 1e-3, "test": {"mean": float(np.mean(values)), "std": 0.0,
-                                                                     "ci": None},
-                          "steps": {"mean": 100.0}, "lr_sweep": {"lrs": [1e-3], "runs": [], "chosen_lr": 1e-3}}
-    return {"format": "damcha-experiment/2", "task": task, "suite": "headline", "preset": "full", "device": "cpu",
-            "metric": "accuracy" if higher else "bits_per_char", "higher_is_better": higher, "seeds": 5,
-            "config": {"margin": margin, "max_steps": 1000, "thresholds": [], "param_budget": 1000,
-                       "description": task},
-            "data": {}, "variants": variants}
+        variants[name] = {
+            "kind": kind,
+            "runs": runs,
+            "divergences": 0,
+            "sweep_divergences": 0,
+            "loss_spikes": 0,
+            "params": 1000,
+            "chosen_lr": 1e-3,
+            "test": {"mean": float(np.mean(values)), "std": 0.0, "ci": None},
+            "steps": {"mean": 100.0},
+            "lr_sweep": {"lrs": [1e-3], "runs": [], "chosen_lr": 1e-3},
+        }
+    return {
+        "format": "damcha-experiment/2",
+        "task": task,
+        "suite": "headline",
+        "preset": "full",
+        "device": "cpu",
+        "metric": "accuracy" if higher else "bits_per_char",
+        "higher_is_better": higher,
+        "seeds": 5,
+        "config": {"margin": margin, "max_steps": 1000, "thresholds": [], "param_budget": 1000, "description": task},
+        "data": {},
+        "variants": variants,
+    }
 
 
 NOISE = [0.001, -0.002, 0.0, 0.002, -0.001]
@@ -64,9 +90,15 @@ def test_budgets_are_the_largest_every_run_reached():
 
 
 def test_claim1_supported_when_a_damcha_variant_beats_both_baselines():
-    res = _results("crosshead", {"mha": _base(0.60), "talking-heads": _base(0.62),
-                                 "damcha-heads-query": _base(0.80),
-                                 "damcha-heads-tied": [0.63, 0.58, 0.61, 0.57, 0.62]})
+    res = _results(
+        "crosshead",
+        {
+            "mha": _base(0.60),
+            "talking-heads": _base(0.62),
+            "damcha-heads-query": _base(0.80),
+            "damcha-heads-tied": [0.63, 0.58, 0.61, 0.57, 0.62],
+        },
+    )
     v = {x["claim"]: x for x in an.verdicts({"crosshead": res}, {}, {})}
     assert v[1]["verdict"] == "supported" and "damcha-heads-query" in v[1]["reason"]
     rows = an.compare(res, ["damcha-heads-query", "damcha-heads-tied"], "mha")
@@ -75,27 +107,37 @@ def test_claim1_supported_when_a_damcha_variant_beats_both_baselines():
 
 
 def test_claim1_not_supported_when_the_interval_excludes_a_meaningful_gain():
-    res = _results("crosshead", {"mha": _base(0.60), "talking-heads": _base(0.60),
-                                 "damcha-heads-query": [0.60 + 0.5 * n for n in NOISE]})
+    res = _results(
+        "crosshead",
+        {"mha": _base(0.60), "talking-heads": _base(0.60), "damcha-heads-query": [0.60 + 0.5 * n for n in NOISE]},
+    )
     v = {x["claim"]: x for x in an.verdicts({"crosshead": res}, {}, {})}
     assert v[1]["verdict"] == "not supported"
 
 
 def test_claim1_inconclusive_with_noisy_seeds():
-    res = _results("crosshead", {"mha": [0.5, 0.7, 0.6, 0.4, 0.8], "talking-heads": [0.6] * 5,
-                                 "damcha-heads-query": [0.7, 0.5, 0.65, 0.45, 0.75]})
+    res = _results(
+        "crosshead",
+        {
+            "mha": [0.5, 0.7, 0.6, 0.4, 0.8],
+            "talking-heads": [0.6] * 5,
+            "damcha-heads-query": [0.7, 0.5, 0.65, 0.45, 0.75],
+        },
+    )
     assert an.verdicts({"crosshead": res}, {}, {})[0]["verdict"] == "inconclusive"
 
 
 def test_claim2_needs_every_task_and_lower_is_better_for_bits_per_char():
     good = {"mha": _base(0.6), "talking-heads": _base(0.6), "damcha-heads-tied": _base(0.7)}
-    lm = _results("charlm", {"mha": _base(2.0), "talking-heads": _base(2.0), "damcha-heads-tied": _base(1.9)},
-                  higher=False)
+    lm = _results(
+        "charlm", {"mha": _base(2.0), "talking-heads": _base(2.0), "damcha-heads-tied": _base(1.9)}, higher=False
+    )
     tasks = {"charlm": lm, "listops": _results("listops", good), "digits": _results("digits", good)}
     v = {x["claim"]: x for x in an.verdicts(tasks, {}, {})}
     assert v[2]["verdict"] == "supported"
-    worse_lm = _results("charlm", {"mha": _base(2.0), "talking-heads": _base(2.0), "damcha-heads-tied": _base(2.1)},
-                        higher=False)
+    worse_lm = _results(
+        "charlm", {"mha": _base(2.0), "talking-heads": _base(2.0), "damcha-heads-tied": _base(2.1)}, higher=False
+    )
     v = {x["claim"]: x for x in an.verdicts(tasks | {"charlm": worse_lm}, {}, {})}
     assert v[2]["verdict"] == "not supported" and "charlm" in v[2]["reason"]
     v = {x["claim"]: x for x in an.verdicts({"listops": _results("listops", good)}, {}, {})}
@@ -103,16 +145,29 @@ def test_claim2_needs_every_task_and_lower_is_better_for_bits_per_char():
 
 
 def _cost(ratio, load=0.1, memory=1.05):
-    return {"environment": {"loadavg": [load], "loadavg_after": [load], "cpu_count": 2, "device": "cpu"},
-            "variants": {"mha": {"time_ratio_vs_mha": 1.0, "train_bytes_ratio_vs_mha": 1.0, "s_per_step": 0.01},
-                         "damcha-heads-tied": {"time_ratio_vs_mha": ratio, "train_bytes_ratio_vs_mha": memory,
-                                               "s_per_step": 0.01 * ratio}}}
+    return {
+        "environment": {"loadavg": [load], "loadavg_after": [load], "cpu_count": 2, "device": "cpu"},
+        "variants": {
+            "mha": {"time_ratio_vs_mha": 1.0, "train_bytes_ratio_vs_mha": 1.0, "s_per_step": 0.01},
+            "damcha-heads-tied": {
+                "time_ratio_vs_mha": ratio,
+                "train_bytes_ratio_vs_mha": memory,
+                "s_per_step": 0.01 * ratio,
+            },
+        },
+    }
 
 
-@pytest.mark.parametrize("cost, verdict", [(_cost(1.1), "supported"), (_cost(2.0), "not supported"),
-                                           (_cost(1.1, memory=1.6), "not supported"),
-                                           (_cost(1.1, load=3.0), "inconclusive")],
-                         ids=["comparable", "slow", "memory", "busy-machine"])
+@pytest.mark.parametrize(
+    "cost, verdict",
+    [
+        (_cost(1.1), "supported"),
+        (_cost(2.0), "not supported"),
+        (_cost(1.1, memory=1.6), "not supported"),
+        (_cost(1.1, load=3.0), "inconclusive"),
+    ],
+    ids=["comparable", "slow", "memory", "busy-machine"],
+)
 def test_claim3_rule(cost, verdict):
     res = _results("crosshead", {"mha": _base(0.6), "damcha-heads-tied": _base(0.6)})
     claim3 = an.verdicts({"crosshead": res}, {}, {"crosshead": cost})[2]
@@ -120,12 +175,15 @@ def test_claim3_rule(cost, verdict):
     assert claim3["equal_time"] == {"crosshead": {"better": [], "worse": []}}
 
 
-@pytest.mark.parametrize("shared, verdict", [(_base(0.70), "supported"), ([0.60] * 5, "not supported"),
-                                             ([0.7, 0.6, 0.75, 0.55, 0.8], "inconclusive")],
-                         ids=["non-inferior", "worse", "noisy"])
+@pytest.mark.parametrize(
+    "shared, verdict",
+    [(_base(0.70), "supported"), ([0.60] * 5, "not supported"), ([0.7, 0.6, 0.75, 0.55, 0.8], "inconclusive")],
+    ids=["non-inferior", "worse", "noisy"],
+)
 def test_claim4_sharing_rule(shared, verdict):
-    res = _results("crosshead", {"mha": _base(0.6), "damcha-heads-tied": _base(0.70),
-                                 "damcha-heads-tied-shared": shared})
+    res = _results(
+        "crosshead", {"mha": _base(0.6), "damcha-heads-tied": _base(0.70), "damcha-heads-tied-shared": shared}
+    )
     res["suite"] = "ablation"
     assert an.verdicts({}, {"crosshead": res}, {})[3]["verdict"] == verdict
 

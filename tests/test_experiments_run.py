@@ -60,8 +60,23 @@ def _smoke_folder(out):
         plots = [] if task in ("crosshead", "digits") else ["--no-plots"]
         assert _cli.main([task, "--preset", "smoke", "--out", str(out), "--no-progress", *plots]) == 0, task
     for task in ("digits", "crosshead"):
-        assert _cli.main([task, "--preset", "smoke", "--suite", "ablation", "--out", str(out), "--no-progress",
-                          "--no-plots", "--no-cost"]) == 0, task
+        assert (
+            _cli.main(
+                [
+                    task,
+                    "--preset",
+                    "smoke",
+                    "--suite",
+                    "ablation",
+                    "--out",
+                    str(out),
+                    "--no-progress",
+                    "--no-plots",
+                    "--no-cost",
+                ]
+            )
+            == 0
+        ), task
     return out
 
 
@@ -119,8 +134,10 @@ def test_smoke_preset_of_every_task_variant_and_ablation_end_to_end(tmp_path, ca
     again_out = tmp_path / "again"
     shutil.copytree(out / "runs", again_out / "runs")
     capsys.readouterr()
-    assert _cli.main(["listops", "--preset", "smoke", "--out", str(again_out), "--no-progress", "--no-cost",
-                      "--no-plots"]) == 0
+    assert (
+        _cli.main(["listops", "--preset", "smoke", "--out", str(again_out), "--no-progress", "--no-cost", "--no-plots"])
+        == 0
+    )
     first = json.loads((out / "listops.json").read_text())
     again = json.loads((again_out / "listops.json").read_text())
     assert again["variants"] == first["variants"]
@@ -172,8 +189,23 @@ def test_large_preset_budget_fits_the_extreme_variants(task):
 
 def test_cost_only_measures_without_training(tmp_path):
     out = tmp_path / "out"
-    assert _cli.main(["digits", "--preset", "smoke", "--cost-only", "--variants", "mha", "damcha-heads-tied",
-                      "--out", str(out), "--no-plots"]) == 0
+    assert (
+        _cli.main(
+            [
+                "digits",
+                "--preset",
+                "smoke",
+                "--cost-only",
+                "--variants",
+                "mha",
+                "damcha-heads-tied",
+                "--out",
+                str(out),
+                "--no-plots",
+            ]
+        )
+        == 0
+    )
     cost = json.loads((out / "digits_cost.json").read_text())
     mha, tied = cost["variants"]["mha"], cost["variants"]["damcha-heads-tied"]
     assert len(mha["round_s_per_step"]) == task_config("digits", "smoke").cost_rounds
@@ -271,10 +303,12 @@ def test_divergence_and_spikes_are_recorded_not_raised(smoke_data):
     import dataclasses
 
     data = copy.copy(data)
-    data.cfg = dataclasses.replace(cfg, max_steps=12, eval_every=100, warmup=1, spike_window=3, spike_factor=1.5,
-                                   val_size=cfg.val_size)
+    data.cfg = dataclasses.replace(
+        cfg, max_steps=12, eval_every=100, warmup=1, spike_window=3, spike_factor=1.5, val_size=cfg.val_size
+    )
     handle = torch.nn.modules.module.register_module_forward_hook(
-        lambda m, a, o: poison(m, a, o) if m.__class__.__name__ == "TinyTransformer" and m.training else o)
+        lambda m, a, o: poison(m, a, o) if m.__class__.__name__ == "TinyTransformer" and m.training else o
+    )
     try:
         result = train_run(data, VARIANTS["mha"], 1e-3, 0, 16)
     finally:
@@ -300,8 +334,9 @@ def test_fresh_variant_model_equals_mha_model(name, smoke_data):
         torch.testing.assert_close(other(x), mha(x), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["damcha-heads-tied", "damcha-heads-query-shared", "damcha-lowrank-tied",
-                                  "talking-heads"])
+@pytest.mark.parametrize(
+    "name", ["damcha-heads-tied", "damcha-heads-query-shared", "damcha-lowrank-tied", "talking-heads"]
+)
 def test_replace_mha_vit_equals_the_mha_vit(name, smoke_data):
     """The digits ViT is converted as a user would (replace_mha): the converted model computes the same."""
     data = smoke_data["digits"]
@@ -330,7 +365,10 @@ def test_ablation_options_reach_the_model(task, smoke_data):
     assert len({id(layer.metric_generators["qk"]) for layer in own}) == len(own)
     gated = damcha_layers(build_model(data, VARIANTS["damcha-heads-tied-gate0.1"], 16))
     assert all(torch.all(layer.metric_gates["qk"] == 0.1) for layer in gated)
-    assert all(layer.track_metric_penalty for layer in damcha_layers(build_model(data, VARIANTS["damcha-heads-tied-pen1e-2"], 16)))
+    assert all(
+        layer.track_metric_penalty
+        for layer in damcha_layers(build_model(data, VARIANTS["damcha-heads-tied-pen1e-2"], 16))
+    )
     model = build_model(data, VARIANTS["damcha-heads-tied-mlr10"], 16)
     groups = param_groups(model, 1e-3, VARIANTS["damcha-heads-tied-mlr10"], 0.01)
     metric_ids = {id(p) for layer in damcha_layers(model) for p in layer.metric_gates.parameters()}
@@ -341,8 +379,9 @@ def test_ablation_options_reach_the_model(task, smoke_data):
         assert g["base_lr"] == pytest.approx(1e-2 if ids <= metric_ids else 1e-3)
     assert sum(len(g["params"]) for g in groups) == len(list(model.parameters()))
     decayed = {id(p) for g in groups if g["weight_decay"] for p in g["params"]}
-    no_decay = [p for m in model.modules() if isinstance(m, (torch.nn.Embedding, torch.nn.LayerNorm))
-                for p in m.parameters()] + [p for n, p in model.named_parameters() if p.dim() < 2 or n == "positions"]
+    no_decay = [
+        p for m in model.modules() if isinstance(m, (torch.nn.Embedding, torch.nn.LayerNorm)) for p in m.parameters()
+    ] + [p for n, p in model.named_parameters() if p.dim() < 2 or n == "positions"]
     assert no_decay and not decayed & {id(p) for p in no_decay}
     assert any(id(p) in decayed for layer in damcha_layers(model) for p in layer.metric_generators.parameters())
 
@@ -357,8 +396,10 @@ def test_generator_gets_no_gradient_until_the_gates_move(smoke_data):
         model = build_model(data, VARIANTS[name], 16)
         torch.nn.functional.cross_entropy(model(x), y).backward()
         layer = damcha_layers(model)[0]
-        grads[name] = (layer.metric_generators["qk"].weight.grad.abs().max().item(),
-                       layer.metric_gates["qk"].grad.abs().max().item())
+        grads[name] = (
+            layer.metric_generators["qk"].weight.grad.abs().max().item(),
+            layer.metric_gates["qk"].grad.abs().max().item(),
+        )
     assert grads["damcha-heads-tied"][0] == 0.0 and grads["damcha-heads-tied"][1] > 0
     assert grads["damcha-heads-tied-gate0.1"][0] > 0
 

@@ -13,8 +13,11 @@ from damcha_core import DamchaTypeError, DamchaValueError
 from damcha_experiments import describe, holm, paired_difference, t_cdf, t_quantile
 
 
-@pytest.mark.parametrize("df, value", [(1, 12.706), (2, 4.303), (4, 2.776), (9, 2.262), (30, 2.042)],
-                         ids=["df1", "df2", "df4", "df9", "df30"])
+@pytest.mark.parametrize(
+    "df, value",
+    [(1, 12.706), (2, 4.303), (4, 2.776), (9, 2.262), (30, 2.042)],
+    ids=["df1", "df2", "df4", "df9", "df30"],
+)
 def test_t_quantile_matches_the_printed_table(df, value):
     assert t_quantile(0.975, df) == pytest.approx(value, abs=5e-4)
 

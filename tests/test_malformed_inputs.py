@@ -42,8 +42,16 @@ from damcha_conformance import TOLERANCES, case_params
 B, N, M = 2, 3, 4
 CONFIGS = {
     "self": dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4),  # tied heads map
-    "cross": dc.DamchaConfig(query_dim=8, num_heads=4, num_kv_heads=2, key_dim=2, context_dim=6, metric="lowrank",
-                             metric_rank=2, coupling="separate"),
+    "cross": dc.DamchaConfig(
+        query_dim=8,
+        num_heads=4,
+        num_kv_heads=2,
+        key_dim=2,
+        context_dim=6,
+        metric="lowrank",
+        metric_rank=2,
+        coupling="separate",
+    ),
 }
 PARAMS = {name: case_params(cfg, 11) for name, cfg in CONFIGS.items()}
 # Examples per (port, kind of corruption); the seed is fixed (derandomize), so CI runs the same inputs.
@@ -67,8 +75,16 @@ class Call:
     """One call: a config name, the tokens, a mask, the causal flag, and which
     argument was made malformed ("query", "context", "mask" or "nothing") how."""
 
-    def __init__(self, config: str, query: Any, context: Any = None, mask: Mask | None = None, causal: bool = False,
-                 corrupted: str = "nothing", what: str = "valid") -> None:
+    def __init__(
+        self,
+        config: str,
+        query: Any,
+        context: Any = None,
+        mask: Mask | None = None,
+        causal: bool = False,
+        corrupted: str = "nothing",
+        what: str = "valid",
+    ) -> None:
         self.config, self.query, self.context, self.mask, self.causal = config, query, context, mask, causal
         self.corrupted, self.what = corrupted, what
 
@@ -81,9 +97,12 @@ class Call:
     def __repr__(self) -> str:  # hypothesis prints it for the failing example: shapes and dtypes, not contents
         def d(x):
             return "None" if x is None else dc.describe(x) if hasattr(x, "shape") else f"list(len={len(x)})"
+
         mask = None if self.mask is None else f"Mask({d(self.mask.attend)}, {self.mask.encoding!r})"
-        return (f"Call({self.config!r}, query={d(self.query)}, context={d(self.context)}, mask={mask}, "
-                f"causal={self.causal}, corrupted={self.corrupted!r}, what={self.what!r})")
+        return (
+            f"Call({self.config!r}, query={d(self.query)}, context={d(self.context)}, mask={mask}, "
+            f"causal={self.causal}, corrupted={self.corrupted!r}, what={self.what!r})"
+        )
 
 
 def _tokens(rng: np.random.Generator, *shape: int) -> np.ndarray:
@@ -112,8 +131,9 @@ def calls(draw: st.DrawFn, kind: str) -> Call:
     target = draw(st.sampled_from(targets))
     x = getattr(call, target)
     if kind == "shape":
-        what = draw(st.sampled_from(["rank-", "rank+", "features+1", "features-1", "empty-batch", "empty-length",
-                                     "batch+1"]))
+        what = draw(
+            st.sampled_from(["rank-", "rank+", "features+1", "features-1", "empty-batch", "empty-length", "batch+1"])
+        )
         if what == "rank-":
             x = x[0]
         elif what == "rank+":
@@ -147,8 +167,20 @@ def _corrupt_mask(draw: st.DrawFn, call: Call, rng: np.random.Generator, m: int)
     H = CONFIGS[call.config].num_heads
     what = draw(st.sampled_from(["shape", "encoding", "empty"]))
     if what == "shape":
-        shape = draw(st.sampled_from([(N, m), (B, N, m), (m,), (1, B, 1, 1, m), (B, H + 1, N, m), (B, 1, 1, m + 1),
-                                      (B, 1, N + 1, m), (B + 1, 1, 1, m)]))
+        shape = draw(
+            st.sampled_from(
+                [
+                    (N, m),
+                    (B, N, m),
+                    (m,),
+                    (1, B, 1, 1, m),
+                    (B, H + 1, N, m),
+                    (B, 1, 1, m + 1),
+                    (B, 1, N + 1, m),
+                    (B + 1, 1, 1, m),
+                ]
+            )
+        )
         call.mask = Mask(rng.random(shape) < 0.7)
         call.what = f"mask shape {shape}"
     elif what == "encoding":
@@ -220,8 +252,13 @@ def _torch(x: Any) -> Any:
 
 def run_torch_layer(call: Call) -> Any:
     cfg = CONFIGS[call.config]
-    layer = _layer("torch", call.config, lambda: damcha_torch.DamchaAttention.from_canonical(
-        PARAMS[call.config], cfg, batch_first=True, dtype=torch.float64).eval())
+    layer = _layer(
+        "torch",
+        call.config,
+        lambda: damcha_torch.DamchaAttention.from_canonical(
+            PARAMS[call.config], cfg, batch_first=True, dtype=torch.float64
+        ).eval(),
+    )
     q = _torch(call.query)
     kv = q if call.context is None else _torch(call.context)
     mask = None if call.mask is None else _torch(_encode(call.mask, true_means_hidden=True))
@@ -234,28 +271,36 @@ def run_torch_functional(call: Call) -> Any:
     params = {k: torch.from_numpy(v) for k, v in PARAMS[call.config].items()}
     mask = None if call.mask is None else _torch(_encode(call.mask))
     with torch.no_grad():
-        y = damcha_torch.damcha_attention(params, CONFIGS[call.config], _torch(call.query), _torch(call.context),
-                                          mask=mask, causal=call.causal)
+        y = damcha_torch.damcha_attention(
+            params, CONFIGS[call.config], _torch(call.query), _torch(call.context), mask=mask, causal=call.causal
+        )
     return y.numpy()
 
 
 def run_jax_functional(call: Call) -> Any:
     params = {k: jnp.asarray(v, jnp.float32) for k, v in PARAMS[call.config].items()}
     mask = None if call.mask is None else _encode(call.mask)
-    return np.asarray(damcha_jax.damcha_attention(params, CONFIGS[call.config], call.query, call.context, mask=mask,
-                                                  is_causal=call.causal))
+    return np.asarray(
+        damcha_jax.damcha_attention(
+            params, CONFIGS[call.config], call.query, call.context, mask=mask, is_causal=call.causal
+        )
+    )
 
 
 def run_nnx(call: Call) -> Any:
-    module = _layer("nnx", call.config, lambda: damcha_jax.DamchaAttention.from_canonical(
-        PARAMS[call.config], CONFIGS[call.config]))
+    module = _layer(
+        "nnx", call.config, lambda: damcha_jax.DamchaAttention.from_canonical(PARAMS[call.config], CONFIGS[call.config])
+    )
     mask = None if call.mask is None else _encode(call.mask)
     return np.asarray(module(call.query, call.context, mask=mask, is_causal=call.causal))
 
 
 def run_keras(call: Call) -> Any:
-    layer = _layer("keras", call.config, lambda: damcha_keras.DamchaAttention.from_canonical(
-        PARAMS[call.config], CONFIGS[call.config], dtype="float64"))
+    layer = _layer(
+        "keras",
+        call.config,
+        lambda: damcha_keras.DamchaAttention.from_canonical(PARAMS[call.config], CONFIGS[call.config], dtype="float64"),
+    )
     mask = None if call.mask is None else _encode(call.mask)
     value = call.query if call.context is None else call.context
     return keras.ops.convert_to_numpy(layer(call.query, value, attention_mask=mask, use_causal_mask=call.causal))
@@ -263,8 +308,13 @@ def run_keras(call: Call) -> Any:
 
 def run_onnx(call: Call) -> Any:
     cross, has_mask = call.context is not None, call.mask is not None
-    model = _layer("onnx", f"{call.config}-{cross}-{has_mask}-{call.causal}", lambda: damcha_onnx.build_model(
-        PARAMS[call.config], CONFIGS[call.config], cross=cross, mask=has_mask, causal=call.causal, dtype="float64"))
+    model = _layer(
+        "onnx",
+        f"{call.config}-{cross}-{has_mask}-{call.causal}",
+        lambda: damcha_onnx.build_model(
+            PARAMS[call.config], CONFIGS[call.config], cross=cross, mask=has_mask, causal=call.causal, dtype="float64"
+        ),
+    )
     feeds = {"query": call.query}
     if cross:
         feeds["context"] = call.context
@@ -275,8 +325,9 @@ def run_onnx(call: Call) -> Any:
 
 def run_reference(call: Call) -> Any:
     mask = None if call.mask is None else _encode(call.mask)
-    return dc.damcha_attention(PARAMS[call.config], CONFIGS[call.config], call.query, call.context, mask=mask,
-                               causal=call.causal)
+    return dc.damcha_attention(
+        PARAMS[call.config], CONFIGS[call.config], call.query, call.context, mask=mask, causal=call.causal
+    )
 
 
 def _torch_mha_mask(shape: tuple[int, ...], H: int) -> tuple[int, ...] | None:
@@ -297,19 +348,34 @@ def _broadcast_mask(shape: tuple[int, ...], H: int) -> tuple[int, ...] | None:
 NAMES = {"query": ("query",), "context": ("context",), "mask": ("mask",)}
 PORTS = {
     "reference": Port("reference", run_reference, NAMES),
-    "torch-layer": Port("torch-layer", run_torch_layer, {"query": ("query",), "context": ("key", "value"),
-                                                         "mask": ("attn_mask",)},
-                        encodings=("bool", "additive", "nan"), mask_reshape=_torch_mha_mask, unbatched=True),
+    "torch-layer": Port(
+        "torch-layer",
+        run_torch_layer,
+        {"query": ("query",), "context": ("key", "value"), "mask": ("attn_mask",)},
+        encodings=("bool", "additive", "nan"),
+        mask_reshape=_torch_mha_mask,
+        unbatched=True,
+    ),
     "torch-functional": Port("torch-functional", run_torch_functional, NAMES, encodings=("bool", "additive", "nan")),
-    "jax-functional": Port("jax-functional", run_jax_functional, NAMES, encodings=("bool", "int01", "float01"),
-                           dtype="float32"),
-    "jax-nnx": Port("jax-nnx", run_nnx, {"query": ("inputs_q",), "context": ("inputs_k", "inputs_v"),
-                                         "mask": ("mask",)},
-                    encodings=("bool", "int01", "float01"), mask_reshape=_broadcast_mask, batch_axes=True,
-                    dtype="float32"),
-    "keras-layer": Port("keras-layer", run_keras, {"query": ("query",), "context": ("value", "key"),
-                                                   "mask": ("attention_mask",)},
-                        encodings=("bool", "int01", "float01"), mask_reshape=_keras_mask),
+    "jax-functional": Port(
+        "jax-functional", run_jax_functional, NAMES, encodings=("bool", "int01", "float01"), dtype="float32"
+    ),
+    "jax-nnx": Port(
+        "jax-nnx",
+        run_nnx,
+        {"query": ("inputs_q",), "context": ("inputs_k", "inputs_v"), "mask": ("mask",)},
+        encodings=("bool", "int01", "float01"),
+        mask_reshape=_broadcast_mask,
+        batch_axes=True,
+        dtype="float32",
+    ),
+    "keras-layer": Port(
+        "keras-layer",
+        run_keras,
+        {"query": ("query",), "context": ("value", "key"), "mask": ("attention_mask",)},
+        encodings=("bool", "int01", "float01"),
+        mask_reshape=_keras_mask,
+    ),
     "onnx-run_ort": Port("onnx-run_ort", run_onnx, NAMES),
 }
 
@@ -381,18 +447,22 @@ def check(port: Port, call: Call) -> None:
         if call.what.startswith(("rank", "batch", "empty", "mask shape")):
             # a mismatch between two arguments may be reported on either side
             names = tuple(n for ns in port.names.values() for n in ns)
-        if call.corrupted != "nothing" and not any(re.search(rf"(?<![A-Za-z_]){re.escape(n)}(?![A-Za-z_])", message)
-                                                  for n in names):
-            raise AssertionError(f"{port.name}: {type(exc).__name__} does not name {call.corrupted!r} "
-                                 f"(as {names}): {message}") from exc
+        if call.corrupted != "nothing" and not any(
+            re.search(rf"(?<![A-Za-z_]){re.escape(n)}(?![A-Za-z_])", message) for n in names
+        ):
+            raise AssertionError(
+                f"{port.name}: {type(exc).__name__} does not name {call.corrupted!r} (as {names}): {message}"
+            ) from exc
         if want is not None and call.corrupted == "nothing":
             raise AssertionError(f"{port.name} refused a valid call: {type(exc).__name__}: {message}") from exc
         return
     except Exception as exc:
         raise AssertionError(f"{port.name} let {type(exc).__name__} escape on {call.what}: {exc}") from exc
     if want is None:
-        raise AssertionError(f"{port.name} accepted {call.what} ({call.corrupted}), which it must refuse; "
-                             f"returned {dc.describe(np.asarray(got))}")
+        raise AssertionError(
+            f"{port.name} accepted {call.what} ({call.corrupted}), which it must refuse; "
+            f"returned {dc.describe(np.asarray(got))}"
+        )
     got = np.asarray(got, dtype=np.float64)
     assert got.shape == want.shape, f"{port.name}: shape {got.shape} != reference {want.shape} on {call.what}"
     nan_got, nan_want = ~np.isfinite(got), ~np.isfinite(want)
@@ -402,7 +472,8 @@ def check(port: Port, call: Call) -> None:
     missing = nan_want & ~nan_got
     assert not missing.any(), (
         f"{port.name}: finite at {np.argwhere(missing)[:3].tolist()} where the reference is NaN/inf on "
-        f"{call.what} (reference non-finite: {int(nan_want.sum())}, port: {int(nan_got.sum())})")
+        f"{call.what} (reference non-finite: {int(nan_want.sum())}, port: {int(nan_got.sum())})"
+    )
     tol = max((TOLERANCES[d] for d in (port.dtype, _input_dtype(call))), key=lambda t: t.rtol)
     ok = np.isclose(got, want, rtol=tol.rtol, atol=tol.atol) | nan_got
     assert ok.all(), f"{port.name}: max |error| {np.nanmax(np.abs(got - want)):.3g} on {call.what}"
@@ -423,8 +494,13 @@ def test_malformed_inputs(port: str, kind: str, request: pytest.FixtureRequest) 
     if reason:
         request.applymarker(pytest.mark.xfail(reason=reason, strict=True))
 
-    @settings(max_examples=EXAMPLES, derandomize=True, deadline=None, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @settings(
+        max_examples=EXAMPLES,
+        derandomize=True,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
     @given(call=calls(kind))
     def run(call: Call) -> None:
         check(PORTS[port], call)
@@ -436,16 +512,25 @@ def test_the_expectations_catch_wrong_ports() -> None:
     """The checker itself: a port that broadcasts a bad batch, returns a finite
     number for NaN, or raises a framework's error must fail it."""
     good = PORTS["reference"]
-    call = Call("cross", _tokens(np.random.default_rng(0), B, N, 8), _tokens(np.random.default_rng(1), B + 1, M, 6),
-                corrupted="context", what="batch+1")
+    call = Call(
+        "cross",
+        _tokens(np.random.default_rng(0), B, N, 8),
+        _tokens(np.random.default_rng(1), B + 1, M, 6),
+        corrupted="context",
+        what="batch+1",
+    )
 
     def broadcasting(c: Call) -> Any:
         return run_reference(c.replace(context=c.context[:B]))
 
     with pytest.raises(AssertionError, match="accepted batch"):
         check(dataclasses.replace(good, run=broadcasting), call)
-    nan = Call("self", np.where(np.arange(24).reshape(1, 3, 8) == 5, np.nan, 1.0) * np.ones((B, N, 8)),
-               corrupted="query", what="nan")
+    nan = Call(
+        "self",
+        np.where(np.arange(24).reshape(1, 3, 8) == 5, np.nan, 1.0) * np.ones((B, N, 8)),
+        corrupted="query",
+        what="nan",
+    )
     with pytest.raises(AssertionError, match="finite at .* where the reference is NaN"):
         check(dataclasses.replace(good, run=lambda c: np.nan_to_num(run_reference(c))), nan)
 
@@ -454,8 +539,13 @@ def test_the_expectations_catch_wrong_ports() -> None:
         return np.where(np.isfinite(y), y + 1.0, y)
 
     # The last token NaN under causality: the rows before it stay finite in the reference.
-    late_nan = Call("self", np.where(np.arange(24).reshape(1, 3, 8) == 21, np.nan, 1.0) * np.ones((B, N, 8)),
-                    causal=True, corrupted="query", what="nan")
+    late_nan = Call(
+        "self",
+        np.where(np.arange(24).reshape(1, 3, 8) == 21, np.nan, 1.0) * np.ones((B, N, 8)),
+        causal=True,
+        corrupted="query",
+        what="nan",
+    )
     with pytest.raises(AssertionError, match="max \\|error\\|"):
         check(dataclasses.replace(good, run=wrong_where_finite), late_nan)
     check(dataclasses.replace(good, run=lambda c: np.full_like(run_reference(c), np.nan)), late_nan)  # louder: allowed

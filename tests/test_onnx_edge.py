@@ -37,8 +37,17 @@ def _inputs(data, cross=True):
 
 
 def _export(data, opset, dtype, **kw):
-    return do.export(data.params, data.config, None, opset=opset, causal=data.causal, cross=data.context is not None,
-                     mask=data.mask is not None, dtype=dtype, **kw)
+    return do.export(
+        data.params,
+        data.config,
+        None,
+        opset=opset,
+        causal=data.causal,
+        cross=data.context is not None,
+        mask=data.mask is not None,
+        dtype=dtype,
+        **kw,
+    )
 
 
 def _decode(model, data, run=do.run_ort):
@@ -61,7 +70,9 @@ def test_float16_catalogue_in_onnxruntime(case, opset):
     model = _export(data, opset, "float16")
     assert {i.type.tensor_type.elem_type for i in model.graph.input if i.name != "mask"} == {onnx.TensorProto.FLOAT16}
     assert model.graph.output[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
-    assert all(t.data_type != onnx.TensorProto.FLOAT for t in model.graph.initializer if len(t.dims) > 1)  # float16 weights
+    assert all(
+        t.data_type != onnx.TensorProto.FLOAT for t in model.graph.initializer if len(t.dims) > 1
+    )  # float16 weights
     out = do.run_ort(model, _inputs(data))
     assert out.dtype == np.float16
     _, ratio = tolerance("float16").output_ratio(out, data.expected)
@@ -104,7 +115,9 @@ def test_float16_accumulates_the_rms_statistic_and_softmax_in_float32(opset):
         (rms,) = [a for op, a in ops if op == "RMSNormalization"][:1]
         assert helper.get_attribute_value(next(a for a in rms if a.name == "stash_type")) == onnx.TensorProto.FLOAT
         (attn,) = [a for op, a in ops if op == "Attention"]
-        assert helper.get_attribute_value(next(a for a in attn if a.name == "softmax_precision")) == onnx.TensorProto.FLOAT
+        assert (
+            helper.get_attribute_value(next(a for a in attn if a.name == "softmax_precision")) == onnx.TensorProto.FLOAT
+        )
     else:
         casts = [helper.get_attribute_value(a[0]) for op, a in ops if op == "Cast"]
         assert casts.count(onnx.TensorProto.FLOAT) >= 3  # phi_x, phi_c and the logits go to float32
@@ -155,8 +168,11 @@ def test_float64_gelu_decomposition_matches_erf():
     y = _activation(g, "gelu", "x", "gelu")
     g.nodes.append(helper.make_node("Identity", [y], ["y"]))
     graph = helper.make_graph(
-        g.nodes, "gelu", [helper.make_tensor_value_info("x", onnx.TensorProto.DOUBLE, ["n"])],
-        [helper.make_tensor_value_info("y", onnx.TensorProto.DOUBLE, ["n"])], initializer=g.tensors()[0],
+        g.nodes,
+        "gelu",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.DOUBLE, ["n"])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.DOUBLE, ["n"])],
+        initializer=g.tensors()[0],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
@@ -191,7 +207,9 @@ def test_float64_stacks_match_the_reference(opset, activation):
 # ------------------------------------------------------------ attention weights
 
 
-WEIGHT_CASES = [c for c in CATALOGUE if c.group in ("heads", "lowrank", "gqa-mqa", "masks", "causal") or c.name == "mha-none-self"]
+WEIGHT_CASES = [
+    c for c in CATALOGUE if c.group in ("heads", "lowrank", "gqa-mqa", "masks", "causal") or c.name == "mha-none-self"
+]
 
 
 @pytest.mark.parametrize("opset", OPSETS, ids=lambda o: f"opset{o}")
@@ -201,8 +219,16 @@ def test_attention_weights_output(case, opset):
     for dtype in ("float32", "float16"):
         model = _export(data, opset, dtype, return_weights=True)
         out = do.run_ort(model, _inputs(data), all_outputs=True)
-        y, w = dc.damcha_attention(data.params, data.config, data.query, data.context, mask=data.mask,
-                                   causal=data.causal, return_weights=True, value=data.value)
+        y, w = dc.damcha_attention(
+            data.params,
+            data.config,
+            data.query,
+            data.context,
+            mask=data.mask,
+            causal=data.causal,
+            return_weights=True,
+            value=data.value,
+        )
         tol = tolerance(dtype)
         assert out["weights"].shape == w.shape
         assert tol.output_ratio(out["weights"], w)[1] <= 1
@@ -217,8 +243,15 @@ def test_attention_weights_of_a_decode_step(opset):
     model = do.export(data.params, data.config, None, opset=opset, causal=True, kv_cache=True, return_weights=True)
     _, step = _decode(model, data)
     start, stop = data.case.steps[-1]  # the last step's queries sit at positions start.. and see the stop keys
-    _, w = dc.damcha_attention(data.params, data.config, data.query[:, start:stop], data.query[:, :stop], causal=True,
-                               query_offset=start, return_weights=True)
+    _, w = dc.damcha_attention(
+        data.params,
+        data.config,
+        data.query[:, start:stop],
+        data.query[:, :stop],
+        causal=True,
+        query_offset=start,
+        return_weights=True,
+    )
     assert step["weights"].shape == w.shape == (1, 4, stop - start, stop)
     assert tolerance("float32").output_ratio(step["weights"], w)[1] <= 1
 
@@ -234,7 +267,9 @@ def test_padding_mask_input(opset, causal):
     params["metric.q.gate"] = np.full(4, 0.7)
     rng = np.random.default_rng(9)
     x = rng.normal(size=(3, 6, 16))
-    padding = np.array([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1]], dtype=bool)  # right and left padded
+    padding = np.array(
+        [[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1]], dtype=bool
+    )  # right and left padded
     expected = dc.damcha_attention(params, config, x, mask=padding[:, None, None, :], causal=causal)
     model = do.export(params, config, None, opset=opset, causal=causal, mask="padding")
     assert [d.dim_param for d in model.graph.input[1].type.tensor_type.shape.dim] == ["batch", "query_len"]
@@ -244,7 +279,10 @@ def test_padding_mask_input(opset, causal):
     eparams = dc.init_encoder_params(enc, 1)
     stack = do.export_encoder(eparams, enc, None, opset=opset, mask="padding", dynamic=False, batch_size=3, query_len=6)
     out = do.run_ort(stack, {"query": x, "mask": padding})
-    assert tolerance("float32").output_ratio(out, dc.encoder_forward(eparams, enc, x, mask=padding[:, None, None, :]))[1] <= 1
+    assert (
+        tolerance("float32").output_ratio(out, dc.encoder_forward(eparams, enc, x, mask=padding[:, None, None, :]))[1]
+        <= 1
+    )
     with pytest.raises(dc.DamchaValueError, match="mask"):
         do.ExportOptions(mask="pad")
 

@@ -33,8 +33,14 @@ def _inputs(data):
 
 def _export_case(data, opset, dtype):
     return do.export(
-        data.params, data.config, None, opset=opset, causal=data.causal, cross=data.context is not None,
-        mask=data.mask is not None, dtype=dtype,
+        data.params,
+        data.config,
+        None,
+        opset=opset,
+        causal=data.causal,
+        cross=data.context is not None,
+        mask=data.mask is not None,
+        dtype=dtype,
     )
 
 
@@ -117,7 +123,9 @@ def test_static_export_fixes_shapes_and_validates(tmp_path, opset):
     dims = [d.dim_value for d in model.graph.output[0].type.tensor_type.shape.dim]
     assert dims == [2, 3, 8]
     x = np.random.default_rng(2).normal(size=(2, 3, 8))
-    np.testing.assert_allclose(do.run_ort(model, {"query": x}), dc.damcha_attention(params, config, x), atol=2e-5, rtol=2e-4)
+    np.testing.assert_allclose(
+        do.run_ort(model, {"query": x}), dc.damcha_attention(params, config, x), atol=2e-5, rtol=2e-4
+    )
 
 
 # ------------------------------------------------------------------ errors
@@ -153,8 +161,15 @@ def test_opset_out_of_range_is_rejected(opset):
         (dict(dynamic=False), dc.DamchaValueError, r"dynamic=False needs `batch_size`"),
         (dict(batch_size=2), dc.DamchaValueError, r"`batch_size` fixes a dimension, so it needs dynamic=False"),
     ],
-    ids=["opset-type", "attention-form-old-opset", "dtype", "bfloat16", "causal-type", "static-needs-sizes",
-         "sizes-need-static"],
+    ids=[
+        "opset-type",
+        "attention-form-old-opset",
+        "dtype",
+        "bfloat16",
+        "causal-type",
+        "static-needs-sizes",
+        "sizes-need-static",
+    ],
 )
 def test_bad_export_options_are_rejected(kwargs, error, pattern):
     with pytest.raises(error, match=pattern):
@@ -199,7 +214,9 @@ def test_onnxruntime_rejects_wrong_input_shapes(bad, opset):
     with pytest.raises((ort_errors.Fail, ort_errors.InvalidArgument, ort_errors.RuntimeException)):
         session.run(None, feeds)
     # run_ort checks the feeds first and names the input and the shape it received.
-    name = {"features": "query", "rank": "query", "context-batch": "context", "mask-batch-larger": "mask"}.get(bad, "mask")
+    name = {"features": "query", "rank": "query", "context-batch": "context", "mask-batch-larger": "mask"}.get(
+        bad, "mask"
+    )
     with pytest.raises(dc.DamchaValueError, match=rf"`{name}`.*Received: .*{name}.shape="):
         do.run_ort(model, feeds, session=session)
 
@@ -218,8 +235,12 @@ def test_run_ort_checks_decode_and_stack_feeds(kind, pattern):
     if kind.startswith("decode"):
         config = dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4, coupling="query", num_kv_heads=1)
         model = do.export(dc.init_params(config), config, None, causal=True, kv_cache=True, mask=True)
-        feeds = {"query": rng.normal(size=(2, 2, 8)), "past_key": np.zeros((2, 1, 3, 4)),
-                 "past_value": np.zeros((2, 1, 3, 4)), "mask": np.ones((2, 1, 1, 5), bool)}
+        feeds = {
+            "query": rng.normal(size=(2, 2, 8)),
+            "past_key": np.zeros((2, 1, 3, 4)),
+            "past_value": np.zeros((2, 1, 3, 4)),
+            "mask": np.ones((2, 1, 1, 5), bool),
+        }
         do.run_ort(model, feeds)  # the well-formed step runs
         if kind == "decode-mask-short":
             feeds["mask"] = feeds["mask"][..., :2]  # spans the new tokens only, not the cache
@@ -269,24 +290,65 @@ def test_helpers_take_a_saved_model_path(tmp_path):
 @pytest.mark.parametrize(
     "call, error, pattern",
     [
-        (lambda m: do.run_ort(42, {}), dc.DamchaTypeError, r"`model` must be an onnx.ModelProto or the path.*Received: model=42"),
-        (lambda m: do.run_reference("/nonexistent/m.onnx", {}), dc.DamchaValueError,
-         r"`model` must be .*Received: model='/nonexistent/m.onnx' \(no such file\)"),
-        (lambda m: do.run_ort(m, [np.zeros((1, 2, 8))]), dc.DamchaTypeError, r"`inputs` must be a mapping.*Received: inputs="),
-        (lambda m: do.ort_session(m, threads="2"), dc.DamchaValueError, r"`threads` must be an int >= 1 or None. Received: threads='2'"),
+        (
+            lambda m: do.run_ort(42, {}),
+            dc.DamchaTypeError,
+            r"`model` must be an onnx.ModelProto or the path.*Received: model=42",
+        ),
+        (
+            lambda m: do.run_reference("/nonexistent/m.onnx", {}),
+            dc.DamchaValueError,
+            r"`model` must be .*Received: model='/nonexistent/m.onnx' \(no such file\)",
+        ),
+        (
+            lambda m: do.run_ort(m, [np.zeros((1, 2, 8))]),
+            dc.DamchaTypeError,
+            r"`inputs` must be a mapping.*Received: inputs=",
+        ),
+        (
+            lambda m: do.ort_session(m, threads="2"),
+            dc.DamchaValueError,
+            r"`threads` must be an int >= 1 or None. Received: threads='2'",
+        ),
         (lambda m: do.quantize_int8(42), dc.DamchaTypeError, r"`model` must be an onnx.ModelProto.*Received: model=42"),
-        (lambda m: do.quantization_error(m, m, {"query": np.zeros((1, 2, 8))}, np.zeros((1, 3, 8))), dc.DamchaValueError,
-         r"`reference` must have the model's output shape \(1, 2, 8\). Received: reference.shape=\(1, 3, 8\)"),
-        (lambda m: do.export(dc.init_params(CFG), CFG, 7), dc.DamchaTypeError, r"`path` must be a file path or None. Received: path=7"),
-        (lambda m: do.init_encoder_params(CFG), dc.DamchaTypeError, r"`config` must be an EncoderConfig. Received: config=DamchaConfig"),
-        (lambda m: do.init_token_model_params(do.EncoderConfig(CFG, 1, 4)), dc.DamchaTypeError,
-         r"`config` must be a TokenModelConfig. Received: config=EncoderConfig"),
-        (lambda m: do.init_encoder_params(do.EncoderConfig(CFG, 1, 4), seed="0"), dc.DamchaTypeError,
-         r"`seed` must be an int >= 0. Received: seed='0'"),
+        (
+            lambda m: do.quantization_error(m, m, {"query": np.zeros((1, 2, 8))}, np.zeros((1, 3, 8))),
+            dc.DamchaValueError,
+            r"`reference` must have the model's output shape \(1, 2, 8\). Received: reference.shape=\(1, 3, 8\)",
+        ),
+        (
+            lambda m: do.export(dc.init_params(CFG), CFG, 7),
+            dc.DamchaTypeError,
+            r"`path` must be a file path or None. Received: path=7",
+        ),
+        (
+            lambda m: do.init_encoder_params(CFG),
+            dc.DamchaTypeError,
+            r"`config` must be an EncoderConfig. Received: config=DamchaConfig",
+        ),
+        (
+            lambda m: do.init_token_model_params(do.EncoderConfig(CFG, 1, 4)),
+            dc.DamchaTypeError,
+            r"`config` must be a TokenModelConfig. Received: config=EncoderConfig",
+        ),
+        (
+            lambda m: do.init_encoder_params(do.EncoderConfig(CFG, 1, 4), seed="0"),
+            dc.DamchaTypeError,
+            r"`seed` must be an int >= 0. Received: seed='0'",
+        ),
     ],
-    ids=["run-ort-model-type", "run-reference-missing-file", "inputs-not-mapping", "threads", "quantize-model-type",
-         "quantization-error-reference-shape", "export-path-type", "init-encoder-config", "init-token-model-config",
-         "init-seed"],
+    ids=[
+        "run-ort-model-type",
+        "run-reference-missing-file",
+        "inputs-not-mapping",
+        "threads",
+        "quantize-model-type",
+        "quantization-error-reference-shape",
+        "export-path-type",
+        "init-encoder-config",
+        "init-token-model-config",
+        "init-seed",
+    ],
 )
 def test_helper_errors_name_the_argument(call, error, pattern):
     # Each of these raised a raw TypeError/AttributeError/ValueError (or, for
@@ -299,7 +361,9 @@ def test_helper_errors_name_the_argument(call, error, pattern):
 def test_tied_cross_attention_stores_its_generator_once(metric):
     # Tied coupling runs one generator on the query and on the context; the
     # export used to store its weights twice (qk.gen.kernel and qk.gen.kernel_2, ...).
-    config = dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4, metric=metric, metric_rank=2 if metric == "lowrank" else None)
+    config = dc.DamchaConfig(
+        query_dim=8, num_heads=2, key_dim=4, metric=metric, metric_rank=2 if metric == "lowrank" else None
+    )
     params = case_params(config, 6)
     model = do.export(params, config, None, cross=True, dtype="float64")
     stored = [onnx.numpy_helper.to_array(t) for t in model.graph.initializer]
@@ -309,6 +373,7 @@ def test_tied_cross_attention_stores_its_generator_once(metric):
             assert copies == 1, (key, copies)
     rng = np.random.default_rng(6)
     x, c = rng.normal(size=(2, 3, 8)), rng.normal(size=(2, 5, 8))
-    _, ratio = tolerance("float64").output_ratio(do.run_ort(model, {"query": x, "context": c}),
-                                                 dc.damcha_attention(params, config, x, c))
+    _, ratio = tolerance("float64").output_ratio(
+        do.run_ort(model, {"query": x, "context": c}), dc.damcha_attention(params, config, x, c)
+    )
     assert ratio <= 1

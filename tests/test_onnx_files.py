@@ -70,7 +70,10 @@ def test_external_data_chosen_automatically_above_the_limit(tmp_path, monkeypatc
         params = dc.init_encoder_params(enc, 1)
         do.export_encoder(params, enc, path)
         x = _x()
-        assert tolerance("float32").output_ratio(do.run_ort(path, {"query": x}), dc.encoder_forward(params, enc, x))[1] <= 1
+        assert (
+            tolerance("float32").output_ratio(do.run_ort(path, {"query": x}), dc.encoder_forward(params, enc, x))[1]
+            <= 1
+        )
     else:
         tm = dc.TokenModelConfig(dc.EncoderConfig(CONFIG, num_layers=1, ffn_dim=24, causal=True), 50, 8, 3)
         params = dc.init_token_model_params(tm, 1)

@@ -10,8 +10,13 @@ import damcha_core as dc
 import damcha_onnx as do
 from damcha_conformance import CATALOGUE, DECODE_CATALOGUE, materialise, materialise_decode, tolerance
 
-ORT_CASES = ["heads-tied-padding", "heads-separate-per-head-cross", "heads-tied-all-masked-row",
-             "heads-query-causal-tall", "lowrank-separate-mqa"]
+ORT_CASES = [
+    "heads-tied-padding",
+    "heads-separate-per-head-cross",
+    "heads-tied-all-masked-row",
+    "heads-query-causal-tall",
+    "lowrank-separate-mqa",
+]
 
 
 def _open_gates(params, rng):
@@ -27,17 +32,30 @@ def test_ort_format_models_load_and_match(tmp_path):
             for dtype in ("float32", "float16"):
                 key = f"{name}-{opset}-{dtype}"
                 path = tmp_path / f"{key}.onnx"
-                do.export(data.params, data.config, path, opset=opset, causal=data.causal, cross=data.context is not None,
-                          mask=data.mask is not None, dtype=dtype)
-                feeds = {"query": data.query, **({"context": data.context} if data.context is not None else {}),
-                         **({"value": data.value} if data.value is not None else {}),
-                         **({"mask": data.mask} if data.mask is not None else {})}
+                do.export(
+                    data.params,
+                    data.config,
+                    path,
+                    opset=opset,
+                    causal=data.causal,
+                    cross=data.context is not None,
+                    mask=data.mask is not None,
+                    dtype=dtype,
+                )
+                feeds = {
+                    "query": data.query,
+                    **({"context": data.context} if data.context is not None else {}),
+                    **({"value": data.value} if data.value is not None else {}),
+                    **({"mask": data.mask} if data.mask is not None else {}),
+                }
                 exported[key], expected[key] = path, (feeds, data.expected, dtype)
     # A decode step, and a token model with its cache.
     dec = materialise_decode(DECODE_CATALOGUE[2])
     step = tmp_path / "decode-step.onnx"
     do.export(dec.params, dec.config, step, causal=True, kv_cache=True)
-    tm = dc.TokenModelConfig(dc.EncoderConfig(dc.DamchaConfig(query_dim=16, num_heads=4, key_dim=4), 2, 24, causal=True), 30, 10, 4)
+    tm = dc.TokenModelConfig(
+        dc.EncoderConfig(dc.DamchaConfig(query_dim=16, num_heads=4, key_dim=4), 2, 24, causal=True), 30, 10, 4
+    )
     tparams = _open_gates(dc.init_token_model_params(tm, 3), np.random.default_rng(3))
     token_step = tmp_path / "token-step.onnx"
     do.export_token_model(tparams, tm, token_step, kv_cache=True)
@@ -62,7 +80,9 @@ def test_ort_format_models_load_and_match(tmp_path):
         got = do.run_ort(token_step, {"tokens": tokens[:, a:b], **cache}, session=session, all_outputs=True)
         cache = {k.replace("present_", "past_"): v for k, v in got.items() if k.startswith("present_")}
         outs.append(got["logits"])
-    assert tolerance("float32").output_ratio(np.concatenate(outs, 1), dc.token_model_forward(tparams, tm, tokens))[1] <= 1
+    assert (
+        tolerance("float32").output_ratio(np.concatenate(outs, 1), dc.token_model_forward(tparams, tm, tokens))[1] <= 1
+    )
     # The reduced operator config, read back with onnxruntime's own parser, names what a minimal build must hold.
     ops = result.operators
     assert "Attention" in ops[("ai.onnx", 23)]
@@ -116,18 +136,32 @@ def test_static_qdq_int8_keeps_the_attention_in_float_and_holds_accuracy(opset, 
         if dq is not None and dq.op_type == "DequantizeLinear" and dq.input[0] in weights:
             assert weights[dq.input[0]].data_type == onnx.TensorProto.INT8
             assert len(weights[dq.input[1]].dims) == 1 and weights[dq.input[1]].dims[0] > 1  # per-channel scales
-    quantised = [n for n in q.graph.node if n.op_type == "MatMul" and producers.get(n.input[1], n).op_type == "DequantizeLinear"]
-    assert len(quantised) == len([n for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in
-                                  {t.name for t in model.graph.initializer}])
+    quantised = [
+        n for n in q.graph.node if n.op_type == "MatMul" and producers.get(n.input[1], n).op_type == "DequantizeLinear"
+    ]
+    assert len(quantised) == len(
+        [
+            n
+            for n in model.graph.node
+            if n.op_type == "MatMul" and n.input[1] in {t.name for t in model.graph.initializer}
+        ]
+    )
     # The attention and the per-token maps stay float: no quantised tensor feeds them.
     for node in q.graph.node:
         if node.op_type in ("Attention", "Softmax", "RMSNormalization", "LayerNormalization") or (
             node.op_type == "MatMul" and node not in quantised
         ):
-            assert all(producers.get(i) is None or producers[i].op_type != "DequantizeLinear" for i in node.input), node.name
+            assert all(producers.get(i) is None or producers[i].op_type != "DequantizeLinear" for i in node.input), (
+                node.name
+            )
     # MatMul outputs (q, k, v, the generator's coefficients) are never rounded to int8.
-    assert not [n.name for n in q.graph.node if n.op_type == "QuantizeLinear" and producers.get(n.input[0]) is not None
-                and producers[n.input[0]].op_type == "MatMul"]
+    assert not [
+        n.name
+        for n in q.graph.node
+        if n.op_type == "QuantizeLinear"
+        and producers.get(n.input[0]) is not None
+        and producers[n.input[0]].op_type == "MatMul"
+    ]
     reference = dc.encoder_forward(params, enc, test["query"], mask=test["mask"][:, None, None, :])
     err = do.quantization_error(model, q, test, reference)
     dyn = do.quantization_error(model, do.quantize_int8(model), test, reference)
@@ -140,18 +174,30 @@ def test_static_qdq_int8_keeps_the_attention_in_float_and_holds_accuracy(opset, 
 #: against the float64 reference on the catalogue (measured with 32 calibration
 #: batches: static <= 6%, dynamic <= 3.2%; a float32 model is ~1e-7).
 INT8_REL_RMS = {"static": 0.10, "dynamic": 0.05}
-INT8_CASES = ["heads-tied-nobias", "heads-query-cross", "heads-separate-per-head-cross", "heads-tied-all-masked-row",
-              "lowrank-query-gqa-padding", "heads-tied-causal-padding", "heads-query-mqa", "lowrank-tied-rank1-small-tokens"]
+INT8_CASES = [
+    "heads-tied-nobias",
+    "heads-query-cross",
+    "heads-separate-per-head-cross",
+    "heads-tied-all-masked-row",
+    "lowrank-query-gqa-padding",
+    "heads-tied-causal-padding",
+    "heads-query-mqa",
+    "lowrank-tied-rank1-small-tokens",
+]
 
 
 @pytest.mark.parametrize("name", INT8_CASES)
 def test_int8_formats_on_catalogue_cases(name):
     data = materialise(next(c for c in CATALOGUE if c.name == name))
-    feeds = {"query": data.query, **({"context": data.context} if data.context is not None else {}),
-                         **({"value": data.value} if data.value is not None else {}),
-             **({"mask": data.mask} if data.mask is not None else {})}
-    model = do.export(data.params, data.config, None, causal=data.causal, cross=data.context is not None,
-                      mask=data.mask is not None)
+    feeds = {
+        "query": data.query,
+        **({"context": data.context} if data.context is not None else {}),
+        **({"value": data.value} if data.value is not None else {}),
+        **({"mask": data.mask} if data.mask is not None else {}),
+    }
+    model = do.export(
+        data.params, data.config, None, causal=data.causal, cross=data.context is not None, mask=data.mask is not None
+    )
     rng = np.random.default_rng(1)
     # 32 batches of the inputs' distribution: with 8 tiny batches the min/max
     # ranges of this E=16 case varied enough to clip test values (1.6-15%).
@@ -191,7 +237,9 @@ def test_static_qdq_int8_errors():
     with pytest.raises(dc.DamchaTypeError, match="iterable of feed dicts"):
         do.quantize_static_int8(model, calibration[0])
     with pytest.raises(dc.DamchaValueError, match=r"`calibration\[1\]`.*query"):
-        do.quantize_static_int8(model, [calibration[0], {"query": np.zeros((2, 12, 31)), "mask": calibration[0]["mask"]}])
+        do.quantize_static_int8(
+            model, [calibration[0], {"query": np.zeros((2, 12, 31)), "mask": calibration[0]["mask"]}]
+        )
     with pytest.raises(dc.DamchaValueError, match="float32 export"):
         config = dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4)
         do.quantize_static_int8(do.export(dc.init_params(config), config, None, dtype="float16"), calibration)
@@ -220,9 +268,11 @@ def test_quantisers_drop_only_the_pre_processing_hint_and_restore_root_logging(m
 
     # Another root warning while the quantiser runs must still reach the user's handlers (no logging.disable).
     load = ort_quantize.load_model_with_shape_infer
+
     def load_and_warn(*args, **kwargs):
         logging.warning("another warning")
         return load(*args, **kwargs)
+
     monkeypatch.setattr(ort_quantize, "load_model_with_shape_infer", load_and_warn)
     root = logging.getLogger()
     monkeypatch.setattr(root, "handlers", [Keep()])

@@ -42,8 +42,9 @@ def test_keras_blocks_convert(kind, normalize_first, activation, share, final_no
     block = dk.TransformerEncoder if kind == "encoder" else dk.TransformerDecoder
     gen = dk.MetricGenerator(2) if share else None
     act = dk.gelu_tanh if activation == "gelu_tanh" else activation
-    blocks = [block(16, 2, normalize_first=normalize_first, activation=act, metric_generator=gen, seed=i)
-              for i in range(2)]
+    blocks = [
+        block(16, 2, normalize_first=normalize_first, activation=act, metric_generator=gen, seed=i) for i in range(2)
+    ]
     if final_norm:
         blocks.append(keras.layers.LayerNormalization(epsilon=1e-5))
     x = rng.normal(size=(2, 5, 8)).astype("float32")
@@ -63,14 +64,21 @@ def test_keras_blocks_convert(kind, normalize_first, activation, share, final_no
         params, config = do.encoder_from_keras(blocks)
     # Only the blocks' public stack method: no deprecated damcha alias is reached
     # (TensorFlow's own NumPy-2 DeprecationWarning comes from site-packages).
-    ours = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)
-            and "site-packages" not in w.filename]
+    ours = [
+        str(w.message)
+        for w in caught
+        if issubclass(w.category, DeprecationWarning) and "site-packages" not in w.filename
+    ]
     assert not ours, ours
     own, own_config = dk.stack_to_canonical(blocks)
     assert own_config == config and own.keys() == params.keys()
     assert all(np.array_equal(own[k], params[k]) for k in own)
     assert (config.norm_first, config.activation, config.share_metric, config.final_norm) == (
-        normalize_first, activation, share, final_norm)
+        normalize_first,
+        activation,
+        share,
+        final_norm,
+    )
     assert config.causal == (kind == "decoder")
     _check(params, config, x, np.asarray(keras.ops.convert_to_numpy(h), dtype=np.float64))
 
@@ -82,7 +90,10 @@ def test_keras_converter_errors():
     built(np.zeros((1, 3, 8), "float32"))
     with pytest.raises(dc.DamchaTypeError, match=r"`blocks` must be a non-empty list"):
         do.encoder_from_keras(built)
-    with pytest.raises(dc.DamchaTypeError, match=r"must hold blocks of one kind, all TransformerEncoder or all TransformerDecoder.*Received: "):
+    with pytest.raises(
+        dc.DamchaTypeError,
+        match=r"must hold blocks of one kind, all TransformerEncoder or all TransformerDecoder.*Received: ",
+    ):
         do.encoder_from_keras([built, dk.TransformerDecoder(16, 2)])
     with pytest.raises(dc.DamchaValueError, match=r"built blocks.*Received: blocks="):
         do.encoder_from_keras([built, dk.TransformerEncoder(16, 2)])
@@ -114,7 +125,12 @@ def test_jax_encoder_converts(share):
     own, own_config = enc.to_canonical(causal=True)
     assert own_config == config and own.keys() == params.keys()
     assert all(np.array_equal(own[k], params[k]) for k in own)
-    assert (config.activation, config.norm_eps, config.share_metric, config.final_norm) == ("gelu_tanh", 1e-6, share, True)
+    assert (config.activation, config.norm_eps, config.share_metric, config.final_norm) == (
+        "gelu_tanh",
+        1e-6,
+        share,
+        True,
+    )
     _check(params, config, x, expected)
     with pytest.raises(dc.DamchaTypeError, match=r"`encoder` must be a damcha_jax.DamchaEncoder"):
         do.encoder_from_jax(enc.layers[0])
@@ -128,7 +144,12 @@ def test_stack_format_options_change_the_function():
     y0 = do.encoder_forward(params, base, x)
     import dataclasses
 
-    for change in (dict(norm_first=False), dict(activation="relu"), dict(activation="gelu_tanh"), dict(final_norm=False)):
+    for change in (
+        dict(norm_first=False),
+        dict(activation="relu"),
+        dict(activation="gelu_tanh"),
+        dict(final_norm=False),
+    ):
         config = dataclasses.replace(base, **change)
         p = {k: v for k, v in params.items() if k in config.param_shapes()}
         y = do.encoder_forward(p, config, x)

@@ -14,8 +14,15 @@ import damcha_torch as dt
 
 def _encoder(share: bool, **kw) -> dt.DamchaTransformerEncoder:
     torch.manual_seed(0)
-    options = dict(dim_feedforward=32, dropout=0.0, activation="gelu", norm_first=True, final_norm=True,
-                   share_metric=share, dtype=torch.float64)
+    options = dict(
+        dim_feedforward=32,
+        dropout=0.0,
+        activation="gelu",
+        norm_first=True,
+        final_norm=True,
+        share_metric=share,
+        dtype=torch.float64,
+    )
     options.update(kw)
     enc = dt.build_encoder(16, 4, 2, **options).eval()
     with torch.no_grad():

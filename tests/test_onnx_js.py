@@ -33,19 +33,31 @@ RUNTIMES = ["node", "web"]
 PINNED = json.loads((JS / "package.json").read_text())["dependencies"]
 # float16 in JavaScript on one case of each kind (Python checks every case in
 # float16); float32 at opsets 23 and 17 on every case.
-FLOAT16_CASES = {"heads-tied-padding", "heads-separate-per-head-cross", "heads-tied-all-masked-row",
-                 "heads-query-causal-tall", "heads-separate-gqa-cross", "lowrank-tied-rank1-small-tokens",
-                 "heads-tied-long-512", "decode-heads-query-gqa", "decode-lowrank-separate"}
+FLOAT16_CASES = {
+    "heads-tied-padding",
+    "heads-separate-per-head-cross",
+    "heads-tied-all-masked-row",
+    "heads-query-causal-tall",
+    "heads-separate-gqa-cross",
+    "lowrank-tied-rank1-small-tokens",
+    "heads-tied-long-512",
+    "decode-heads-query-gqa",
+    "decode-lowrank-separate",
+}
 
 
 def _node() -> str:
     node = shutil.which("node")
     if node is None:
-        pytest.fail("Node.js (>= 20) is required for the onnxruntime-node/-web checks and was not found on PATH; "
-                    "install it, then run `make test` (which runs `npm ci` in js/).")
+        pytest.fail(
+            "Node.js (>= 20) is required for the onnxruntime-node/-web checks and was not found on PATH; "
+            "install it, then run `make test` (which runs `npm ci` in js/)."
+        )
     for package in PINNED:
         if not (JS / "node_modules" / package / "package.json").is_file():
-            pytest.fail(f"js/node_modules/{package} is missing: run `make js-deps` (`cd js && npm ci --ignore-scripts`).")
+            pytest.fail(
+                f"js/node_modules/{package} is missing: run `make js-deps` (`cd js && npm ci --ignore-scripts`)."
+            )
     return node
 
 
@@ -64,7 +76,7 @@ def _catalogue_runs(vectors: Path) -> list[dict]:
         desc = json.loads((vectors / f"{name}.json").read_text())
         tensors = load_file(str(vectors / desc["tensors"]))
         config = dc.DamchaConfig.from_dict(desc["config"])
-        params = {k[len("params."):]: v for k, v in tensors.items() if k.startswith("params.")}
+        params = {k[len("params.") :]: v for k, v in tensors.items() if k.startswith("params.")}
         inputs = {"query": "inputs.query"}
         if "inputs.context" in tensors:
             inputs["context"] = "inputs.context"
@@ -76,15 +88,29 @@ def _catalogue_runs(vectors: Path) -> list[dict]:
             if dtype == "float16" and name not in FLOAT16_CASES:
                 continue
             file = f"models/{name}.opset{opset}.{dtype}.onnx"
-            run = {"id": f"{name}@opset{opset}/{dtype}", "case": name, "model": file, "dtype": dtype,
-                   "output": "output", "expected": "expected.output"}
+            run = {
+                "id": f"{name}@opset{opset}/{dtype}",
+                "case": name,
+                "model": file,
+                "dtype": dtype,
+                "output": "output",
+                "expected": "expected.output",
+            }
             if desc["decode"] is not None:
                 do.export(params, config, vectors / file, opset=opset, causal=True, kv_cache=True, dtype=dtype)
                 P, L = desc["decode"]["prefix_len"], desc["decode"]["prefix_len"] + desc["decode"]["new_len"]
                 run.update(inputs=inputs, step_input="query", steps=[[0, P], [P, P + 1], [P + 1, L]], keep_from_step=1)
             else:
-                do.export(params, config, vectors / file, opset=opset, causal=desc["causal"],
-                          cross=not desc["self_attention"], mask="mask" in inputs, dtype=dtype)
+                do.export(
+                    params,
+                    config,
+                    vectors / file,
+                    opset=opset,
+                    causal=desc["causal"],
+                    cross=not desc["self_attention"],
+                    mask="mask" in inputs,
+                    dtype=dtype,
+                )
                 run["inputs"] = inputs
             runs.append(run)
     return runs
@@ -92,17 +118,29 @@ def _catalogue_runs(vectors: Path) -> list[dict]:
 
 def _bad_layer_inputs(run: dict, tensors: dict) -> list[dict]:
     B, N, E = tensors["inputs.query"].shape
-    bad = [{"name": "query-features", "feeds": {"query": {"dtype": run["dtype"], "shape": [B, N, E + 1], "fill": 0.5}}},
-           {"name": "query-rank", "feeds": {"query": {"dtype": run["dtype"], "shape": [N, E], "fill": 0.5}}}]
+    bad = [
+        {"name": "query-features", "feeds": {"query": {"dtype": run["dtype"], "shape": [B, N, E + 1], "fill": 0.5}}},
+        {"name": "query-rank", "feeds": {"query": {"dtype": run["dtype"], "shape": [N, E], "fill": 0.5}}},
+    ]
     if "inputs.mask" in tensors:
         mask = tensors["inputs.mask"].shape
         M = mask[-1]
-        bad += [{"name": "mask-one-key-too-many", "feeds": {"mask": {"dtype": "bool", "shape": [B, 1, 1, M + 1], "fill": 1}}},
-                {"name": "mask-batch", "feeds": {"mask": {"dtype": "bool", "shape": [B + 1, 1, 1, M], "fill": 1}}},
-                {"name": "mask-heads", "feeds": {"mask": {"dtype": "bool", "shape": [B, 3, 1, M], "fill": 1}}}]
+        bad += [
+            {
+                "name": "mask-one-key-too-many",
+                "feeds": {"mask": {"dtype": "bool", "shape": [B, 1, 1, M + 1], "fill": 1}},
+            },
+            {"name": "mask-batch", "feeds": {"mask": {"dtype": "bool", "shape": [B + 1, 1, 1, M], "fill": 1}}},
+            {"name": "mask-heads", "feeds": {"mask": {"dtype": "bool", "shape": [B, 3, 1, M], "fill": 1}}},
+        ]
     if "inputs.context" in tensors:
         _, M, Ec = tensors["inputs.context"].shape
-        bad.append({"name": "context-batch", "feeds": {"context": {"dtype": run["dtype"], "shape": [B + 1, M, Ec], "fill": 0.5}}})
+        bad.append(
+            {
+                "name": "context-batch",
+                "feeds": {"context": {"dtype": run["dtype"], "shape": [B + 1, M, Ec], "fill": 0.5}},
+            }
+        )
     return bad
 
 
@@ -114,45 +152,105 @@ def _stack_vectors(vectors: Path) -> list[dict]:
     tm = dc.TokenModelConfig(enc, vocab_size=40, max_len=12, num_classes=5)
     params = dc.init_token_model_params(tm, 21)
     params = {k: rng.uniform(-1, 1, v.shape) if k.endswith(".gate") else v for k, v in params.items()}
-    eparams = {k[len("encoder."):]: v for k, v in params.items() if k.startswith("encoder.")}
+    eparams = {k[len("encoder.") :]: v for k, v in params.items() if k.startswith("encoder.")}
     x = rng.normal(size=(2, 9, 16))
     padding = np.arange(9)[None, :] < np.array([9, 6])[:, None]
     tokens = rng.integers(0, 40, (2, 9))
     cases = {
-        "stack-encoder": {"inputs.query": x, "inputs.mask": padding,
-                          "expected.output": dc.encoder_forward(eparams, enc, x, mask=padding[:, None, None, :])},
+        "stack-encoder": {
+            "inputs.query": x,
+            "inputs.mask": padding,
+            "expected.output": dc.encoder_forward(eparams, enc, x, mask=padding[:, None, None, :]),
+        },
         "stack-token-model": {"inputs.tokens": tokens, "expected.logits": dc.token_model_forward(params, tm, tokens)},
     }
     for name, tensors in cases.items():
         save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(vectors / f"{name}.safetensors"))
-        desc = {"format": FORMAT, "name": name, "tensors": f"{name}.safetensors",
-                "tolerances": {k: vars(v) for k, v in TOLERANCES.items()}}
+        desc = {
+            "format": FORMAT,
+            "name": name,
+            "tensors": f"{name}.safetensors",
+            "tolerances": {k: vars(v) for k, v in TOLERANCES.items()},
+        }
         (vectors / f"{name}.json").write_text(json.dumps(desc))
     runs = []
     for opset, dtype in ((23, "float32"), (17, "float32"), (23, "float16")):
         tag = f"opset{opset}.{dtype}"
-        do.export_encoder(eparams, enc, vectors / f"models/encoder.{tag}.onnx", opset=opset, dtype=dtype, mask="padding")
-        runs.append({"id": f"encoder@{tag}", "case": "stack-encoder", "model": f"models/encoder.{tag}.onnx", "dtype": dtype,
-                     "inputs": {"query": "inputs.query", "mask": "inputs.mask"}, "output": "output",
-                     "expected": "expected.output",
-                     "bad": [{"name": "padding-mask-keys", "feeds": {"mask": {"dtype": "bool", "shape": [2, 10], "fill": 1}}}]})
+        do.export_encoder(
+            eparams, enc, vectors / f"models/encoder.{tag}.onnx", opset=opset, dtype=dtype, mask="padding"
+        )
+        runs.append(
+            {
+                "id": f"encoder@{tag}",
+                "case": "stack-encoder",
+                "model": f"models/encoder.{tag}.onnx",
+                "dtype": dtype,
+                "inputs": {"query": "inputs.query", "mask": "inputs.mask"},
+                "output": "output",
+                "expected": "expected.output",
+                "bad": [
+                    {"name": "padding-mask-keys", "feeds": {"mask": {"dtype": "bool", "shape": [2, 10], "fill": 1}}}
+                ],
+            }
+        )
         do.export_token_model(params, tm, vectors / f"models/token.{tag}.onnx", opset=opset, dtype=dtype)
         too_long = {"dtype": "int64", "shape": [1, 13], "fill": 1}
-        runs.append({"id": f"token-model@{tag}", "case": "stack-token-model", "model": f"models/token.{tag}.onnx",
-                     "dtype": dtype, "inputs": {"tokens": "inputs.tokens"}, "output": "logits",
-                     "expected": "expected.logits",
-                     "bad": [{"name": "negative-id", "feeds": {"tokens": {"dtype": "int64", "shape": [1, 3], "values": [2, -1, 3]}}},
-                             {"name": "id-past-vocabulary", "feeds": {"tokens": {"dtype": "int64", "shape": [1, 2], "values": [40, 1]}}},
-                             {"name": "longer-than-positions", "feeds": {"tokens": too_long}}]})
-        do.export_token_model(params, tm, vectors / f"models/token-step.{tag}.onnx", opset=opset, dtype=dtype, kv_cache=True)
-        runs.append({"id": f"token-model-kv-cache@{tag}", "case": "stack-token-model",
-                     "model": f"models/token-step.{tag}.onnx", "dtype": dtype, "inputs": {"tokens": "inputs.tokens"},
-                     "output": "logits", "expected": "expected.logits", "step_input": "tokens",
-                     "steps": [[0, 4], [4, 5], [5, 9]], "keep_from_step": 0,
-                     "bad": [{"name": "cache-batch", "feeds": {"past_key.0": {"dtype": dtype, "shape": [3, 2, 1, 4], "fill": 0.1},
-                                                               "past_value.0": {"dtype": dtype, "shape": [3, 2, 1, 4], "fill": 0.1}}},
-                             {"name": "cache-lengths-differ", "feeds": {"past_key.1": {"dtype": dtype, "shape": [2, 2, 2, 4], "fill": 0.1}}},
-                             {"name": "negative-id", "feeds": {"tokens": {"dtype": "int64", "shape": [2, 1], "values": [-2, 1]}}}]})
+        runs.append(
+            {
+                "id": f"token-model@{tag}",
+                "case": "stack-token-model",
+                "model": f"models/token.{tag}.onnx",
+                "dtype": dtype,
+                "inputs": {"tokens": "inputs.tokens"},
+                "output": "logits",
+                "expected": "expected.logits",
+                "bad": [
+                    {
+                        "name": "negative-id",
+                        "feeds": {"tokens": {"dtype": "int64", "shape": [1, 3], "values": [2, -1, 3]}},
+                    },
+                    {
+                        "name": "id-past-vocabulary",
+                        "feeds": {"tokens": {"dtype": "int64", "shape": [1, 2], "values": [40, 1]}},
+                    },
+                    {"name": "longer-than-positions", "feeds": {"tokens": too_long}},
+                ],
+            }
+        )
+        do.export_token_model(
+            params, tm, vectors / f"models/token-step.{tag}.onnx", opset=opset, dtype=dtype, kv_cache=True
+        )
+        runs.append(
+            {
+                "id": f"token-model-kv-cache@{tag}",
+                "case": "stack-token-model",
+                "model": f"models/token-step.{tag}.onnx",
+                "dtype": dtype,
+                "inputs": {"tokens": "inputs.tokens"},
+                "output": "logits",
+                "expected": "expected.logits",
+                "step_input": "tokens",
+                "steps": [[0, 4], [4, 5], [5, 9]],
+                "keep_from_step": 0,
+                "bad": [
+                    {
+                        "name": "cache-batch",
+                        "feeds": {
+                            "past_key.0": {"dtype": dtype, "shape": [3, 2, 1, 4], "fill": 0.1},
+                            "past_value.0": {"dtype": dtype, "shape": [3, 2, 1, 4], "fill": 0.1},
+                        },
+                    },
+                    {
+                        "name": "cache-lengths-differ",
+                        "feeds": {"past_key.1": {"dtype": dtype, "shape": [2, 2, 2, 4], "fill": 0.1}},
+                    },
+                    {
+                        "name": "negative-id",
+                        "feeds": {"tokens": {"dtype": "int64", "shape": [2, 1], "values": [-2, 1]}},
+                    },
+                ],
+            }
+        )
     return runs
 
 
@@ -160,16 +258,27 @@ def _stack_vectors(vectors: Path) -> list[dict]:
 def manifest(tmp_path_factory) -> Path:
     vectors = tmp_path_factory.mktemp("js") / "vectors"
     # The vectors exactly as the CLI writes them.
-    subprocess.run([sys.executable, "-m", "damcha_core._cli", "conform", "--export-vectors", str(vectors)],
-                   check=True, capture_output=True, text=True)
+    subprocess.run(
+        [sys.executable, "-m", "damcha_core._cli", "conform", "--export-vectors", str(vectors)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     runs = _catalogue_runs(vectors)
     for run in runs:
         if run.get("steps") is None and run["case"] in ("heads-tied-padding", "heads-separate-per-head-cross"):
             desc = json.loads((vectors / f"{run['case']}.json").read_text())
             run["bad"] = _bad_layer_inputs(run, load_file(str(vectors / desc["tensors"])))
         if run.get("steps") and run["case"] == "decode-heads-query-gqa":
-            run["bad"] = [{"name": "cache-batch", "feeds": {"past_key": {"dtype": run["dtype"], "shape": [2, 2, 1, 4], "fill": 0.1},
-                                                            "past_value": {"dtype": run["dtype"], "shape": [2, 2, 1, 4], "fill": 0.1}}}]
+            run["bad"] = [
+                {
+                    "name": "cache-batch",
+                    "feeds": {
+                        "past_key": {"dtype": run["dtype"], "shape": [2, 2, 1, 4], "fill": 0.1},
+                        "past_value": {"dtype": run["dtype"], "shape": [2, 2, 1, 4], "fill": 0.1},
+                    },
+                }
+            ]
     runs += _stack_vectors(vectors)
     path = vectors / "manifest.json"
     path.write_text(json.dumps({"runs": runs}))
@@ -190,8 +299,15 @@ def test_exported_models_match_the_vectors_in_javascript(manifest, runtime):
     assert not failed, failed[:5]
     assert {r["id"].split("/")[-1] for r in runs if "/" in r["id"]} == {"float32", "float16"}
     kinds = {r["id"].split("@")[0] for r in runs}
-    assert {"token-model", "token-model-kv-cache", "encoder", "decode-heads-tied", "heads-tied-all-masked-row",
-            "heads-separate-gqa-cross", "heads-tied-causal-padding"} <= kinds
+    assert {
+        "token-model",
+        "token-model-kv-cache",
+        "encoder",
+        "decode-heads-tied",
+        "heads-tied-all-masked-row",
+        "heads-separate-gqa-cross",
+        "heads-tied-causal-padding",
+    } <= kinds
     # Bad inputs make the session throw: never a wrong answer.
     expected_bad = sum(len(r.get("bad", [])) for r in runs)
     assert len(report["bad"]) == expected_bad >= 20
@@ -215,7 +331,10 @@ def test_the_docs_javascript_example_runs_and_decodes_like_the_reference(tmp_pat
     attn = dc.DamchaConfig(query_dim=16, num_heads=4, key_dim=4, metric="lowrank", metric_rank=2)
     tm = dc.TokenModelConfig(dc.EncoderConfig(attn, num_layers=2, ffn_dim=32, causal=True), 50, 16, 50)  # an LM
     rng = np.random.default_rng(8)
-    params = {k: rng.uniform(-1, 1, v.shape) if k.endswith(".gate") else v for k, v in dc.init_token_model_params(tm, 8).items()}
+    params = {
+        k: rng.uniform(-1, 1, v.shape) if k.endswith(".gate") else v
+        for k, v in dc.init_token_model_params(tm, 8).items()
+    }
     params["head.kernel"] = params["head.kernel"] * 20.0  # decisive logits: greedy choices far from ties
     path = tmp_path / "lm.onnx"
     do.export_token_model(params, tm, path, kv_cache=True)

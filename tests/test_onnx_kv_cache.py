@@ -125,7 +125,7 @@ def test_present_cache_equals_torch_kv_cache(name, opset):
     cache, start = damcha_torch.DamchaKVCache(), 0
     with torch.no_grad():
         for n in SCHEDULES["chunks-3-1-2"]:
-            chunk = torch.from_numpy(x[:, start:start + n])
+            chunk = torch.from_numpy(x[:, start : start + n])
             layer(chunk, chunk, chunk, is_causal=True, need_weights=False, kv_cache=cache)
             start += n
     _assert_close(last["present_key"], cache.key.numpy(), "float64")
@@ -164,13 +164,19 @@ def test_io_names_layouts_and_ops(opset, mask):
     def dims(values):
         return {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in values}
 
-    expected_in = {"query": ["batch", "query_len", 8], "past_key": ["batch", 2, "past_len", 3],
-                   "past_value": ["batch", 2, "past_len", 5]}
+    expected_in = {
+        "query": ["batch", "query_len", 8],
+        "past_key": ["batch", 2, "past_len", 3],
+        "past_value": ["batch", 2, "past_len", 5],
+    }
     if mask:
         expected_in["mask"] = ["mask_batch", "mask_heads", "mask_query", "total_len"]
     assert dims(model.graph.input) == expected_in
-    assert dims(model.graph.output) == {"output": ["batch", "query_len", 8], "present_key": ["batch", 2, "total_len", 3],
-                                        "present_value": ["batch", 2, "total_len", 5]}
+    assert dims(model.graph.output) == {
+        "output": ["batch", "query_len", 8],
+        "present_key": ["batch", 2, "total_len", 3],
+        "present_value": ["batch", 2, "total_len", 5],
+    }
     attention = [n for n in model.graph.node if n.op_type == "Attention"]
     if opset >= 23:
         # The standard op carries the cache and its own (bottom-right) causal
@@ -193,8 +199,9 @@ def test_static_single_token_step(opset):
     # The common deployment: B and n = 1 fixed, the cache length free.
     config = dc.DamchaConfig(**CONFIGS["lowrank-separate"])
     params = case_params(config, 7)
-    model = do.export(params, config, None, opset=opset, causal=True, kv_cache=True, dynamic=False, batch_size=B,
-                      query_len=1)
+    model = do.export(
+        params, config, None, opset=opset, causal=True, kv_cache=True, dynamic=False, batch_size=B, query_len=1
+    )
     assert [d.dim_value for d in model.graph.input[0].type.tensor_type.shape.dim] == [B, 1, 8]
     x = np.random.default_rng(3).normal(size=(B, N, 8))
     out, _ = _decode(model, "onnxruntime", x, SCHEDULES["tokenwise"])
@@ -206,7 +213,9 @@ def test_static_single_token_step(opset):
 ENCODERS = {
     "heads-tied-shared": (dict(query_dim=16, num_heads=4, key_dim=4), True),
     "lowrank-separate-gqa-unshared": (
-        dict(query_dim=16, num_heads=4, num_kv_heads=2, key_dim=4, metric="lowrank", metric_rank=3, coupling="separate"),
+        dict(
+            query_dim=16, num_heads=4, num_kv_heads=2, key_dim=4, metric="lowrank", metric_rank=3, coupling="separate"
+        ),
         False,
     ),
 }
@@ -233,9 +242,20 @@ def test_encoder_decode_matches_full_forward(name, opset, runtime):
     x = rng.normal(size=(B, N, config.width))
     mask = rng.random((B, 1, N, N)) < 0.8
     model = do.export_encoder(params, config, None, opset=opset, mask=True, kv_cache=True)
-    assert [i.name for i in model.graph.input] == ["query", "past_key.0", "past_value.0", "past_key.1", "past_value.1", "mask"]
+    assert [i.name for i in model.graph.input] == [
+        "query",
+        "past_key.0",
+        "past_value.0",
+        "past_key.1",
+        "past_value.1",
+        "mask",
+    ]
     assert [o.name for o in model.graph.output] == [
-        "output", "present_key.0", "present_value.0", "present_key.1", "present_value.1"
+        "output",
+        "present_key.0",
+        "present_value.0",
+        "present_key.1",
+        "present_value.1",
     ]
     expected = do.encoder_forward(params, config, x, mask=mask)
     for schedule in ("tokenwise", "chunks-3-1-2"):
@@ -275,7 +295,9 @@ def test_token_model_decode_past_max_len_fails():
     # The graph refuses (raw onnxruntime users), and run_ort says why before running it.
     with pytest.raises(Exception, match="ONNXRuntimeError"):
         session.run(None, {"tokens": tokens[:, 3:], **cache})
-    with pytest.raises(dc.DamchaValueError, match=r"`tokens` reach position 4, past the position table \(max_len=4\).*after 3 cached"):
+    with pytest.raises(
+        dc.DamchaValueError, match=r"`tokens` reach position 4, past the position table \(max_len=4\).*after 3 cached"
+    ):
         do.run_ort(model, {"tokens": tokens[:, 3:], **cache}, session=session)
     step = do.run_ort(model, {"tokens": tokens[:, 3:4], **cache}, session=session, all_outputs=True)
     cache = {k.replace("present_", "past_"): v for k, v in step.items() if k.startswith("present_")}
@@ -294,28 +316,67 @@ CROSS_CFG = dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4, context_dim=6, 
 @pytest.mark.parametrize(
     "make, error, pattern",
     [
-        (lambda: do.export(dc.init_params(CFG), CFG, None, kv_cache=True),
-         dc.DamchaValueError, r"`kv_cache` .*needs causal=True.*Received: kv_cache=True, causal=False"),
-        (lambda: do.build_model(dc.init_params(CFG), CFG, kv_cache=True),
-         dc.DamchaValueError, r"`kv_cache` .*Received: kv_cache=True, causal=False"),
-        (lambda: do.export(dc.init_params(CROSS_CFG), CROSS_CFG, None, causal=True, cross=True, kv_cache=True),
-         dc.DamchaValueError, r"`kv_cache` .*self-attention.*Received: kv_cache=True, cross=True"),
-        (lambda: do.export(dc.init_params(CFG), CFG, None, causal=True, kv_cache=1),
-         dc.DamchaTypeError, r"`kv_cache` must be a bool. Received: kv_cache=1"),
-        (lambda: do.export_encoder(do.init_encoder_params(_encoder("heads-tied-shared", False)),
-                                   _encoder("heads-tied-shared", False), None, kv_cache=True),
-         dc.DamchaValueError, r"`kv_cache` .*needs config.causal=True.*Received: kv_cache=True, config.causal=False"),
-        (lambda: do.export_token_model(
-            do.init_token_model_params(do.TokenModelConfig(_encoder("heads-tied-shared", False), 5, 4, 2)),
-            do.TokenModelConfig(_encoder("heads-tied-shared", False), 5, 4, 2), None, kv_cache=True),
-         dc.DamchaValueError, r"Received: kv_cache=True, config.causal=False"),
-        (lambda: do.empty_kv_cache(do.export(dc.init_params(CFG), CFG, None), 1),
-         dc.DamchaValueError, r"no past_key/past_value inputs.*Received: inputs=\['query'\]"),
-        (lambda: do.empty_kv_cache(do.export(dc.init_params(CFG), CFG, None, causal=True, kv_cache=True), 0),
-         dc.DamchaValueError, r"`batch_size` must be an int >= 1. Received: batch_size=0"),
+        (
+            lambda: do.export(dc.init_params(CFG), CFG, None, kv_cache=True),
+            dc.DamchaValueError,
+            r"`kv_cache` .*needs causal=True.*Received: kv_cache=True, causal=False",
+        ),
+        (
+            lambda: do.build_model(dc.init_params(CFG), CFG, kv_cache=True),
+            dc.DamchaValueError,
+            r"`kv_cache` .*Received: kv_cache=True, causal=False",
+        ),
+        (
+            lambda: do.export(dc.init_params(CROSS_CFG), CROSS_CFG, None, causal=True, cross=True, kv_cache=True),
+            dc.DamchaValueError,
+            r"`kv_cache` .*self-attention.*Received: kv_cache=True, cross=True",
+        ),
+        (
+            lambda: do.export(dc.init_params(CFG), CFG, None, causal=True, kv_cache=1),
+            dc.DamchaTypeError,
+            r"`kv_cache` must be a bool. Received: kv_cache=1",
+        ),
+        (
+            lambda: do.export_encoder(
+                do.init_encoder_params(_encoder("heads-tied-shared", False)),
+                _encoder("heads-tied-shared", False),
+                None,
+                kv_cache=True,
+            ),
+            dc.DamchaValueError,
+            r"`kv_cache` .*needs config.causal=True.*Received: kv_cache=True, config.causal=False",
+        ),
+        (
+            lambda: do.export_token_model(
+                do.init_token_model_params(do.TokenModelConfig(_encoder("heads-tied-shared", False), 5, 4, 2)),
+                do.TokenModelConfig(_encoder("heads-tied-shared", False), 5, 4, 2),
+                None,
+                kv_cache=True,
+            ),
+            dc.DamchaValueError,
+            r"Received: kv_cache=True, config.causal=False",
+        ),
+        (
+            lambda: do.empty_kv_cache(do.export(dc.init_params(CFG), CFG, None), 1),
+            dc.DamchaValueError,
+            r"no past_key/past_value inputs.*Received: inputs=\['query'\]",
+        ),
+        (
+            lambda: do.empty_kv_cache(do.export(dc.init_params(CFG), CFG, None, causal=True, kv_cache=True), 0),
+            dc.DamchaValueError,
+            r"`batch_size` must be an int >= 1. Received: batch_size=0",
+        ),
     ],
-    ids=["layer-not-causal", "build-model-not-causal", "layer-cross", "layer-flag-type", "encoder-not-causal",
-         "token-model-not-causal", "empty-cache-no-cache-inputs", "empty-cache-batch"],
+    ids=[
+        "layer-not-causal",
+        "build-model-not-causal",
+        "layer-cross",
+        "layer-flag-type",
+        "encoder-not-causal",
+        "token-model-not-causal",
+        "empty-cache-no-cache-inputs",
+        "empty-cache-batch",
+    ],
 )
 def test_kv_cache_errors(make, error, pattern):
     with pytest.raises(error, match=pattern):
@@ -348,8 +409,10 @@ def test_cli_kv_cache_exports_and_validates_by_decoding(saved_params, tmp_path, 
 
 @pytest.mark.parametrize(
     "flags, pattern",
-    [(["--kv-cache"], "--kv-cache: needs --causal"),
-     (["--kv-cache", "--causal", "--cross"], "--kv-cache: cannot be combined with --cross")],
+    [
+        (["--kv-cache"], "--kv-cache: needs --causal"),
+        (["--kv-cache", "--causal", "--cross"], "--kv-cache: cannot be combined with --cross"),
+    ],
     ids=["no-causal", "cross"],
 )
 def test_cli_kv_cache_bad_flags(saved_params, tmp_path, capsys, flags, pattern):

@@ -31,16 +31,25 @@ def _exporters():
 
 
 def test_stack_format_is_the_cores_and_reexported_by_damcha_onnx():
-    for name in ("EncoderConfig", "TokenModelConfig", "encoder_forward", "init_encoder_params",
-                 "init_token_model_params", "token_model_forward", "validate_stack_params"):
+    for name in (
+        "EncoderConfig",
+        "TokenModelConfig",
+        "encoder_forward",
+        "init_encoder_params",
+        "init_token_model_params",
+        "token_model_forward",
+        "validate_stack_params",
+    ):
         assert getattr(do, name) is getattr(dc, name), name
         assert name in dc.__all__
     # The core stays NumPy-only: importing it (and building a stack reference) loads no ONNX or framework.
-    code = ("import sys, numpy as np, damcha_core as dc\n"
-            "c = dc.EncoderConfig(dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4), num_layers=2, ffn_dim=4)\n"
-            "dc.encoder_forward(dc.init_encoder_params(c), c, np.zeros((1, 3, 8)))\n"
-            "bad = [m for m in ('onnx', 'onnxruntime', 'torch', 'jax', 'tensorflow', 'keras') if m in sys.modules]\n"
-            "assert not bad, bad\n")
+    code = (
+        "import sys, numpy as np, damcha_core as dc\n"
+        "c = dc.EncoderConfig(dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4), num_layers=2, ffn_dim=4)\n"
+        "dc.encoder_forward(dc.init_encoder_params(c), c, np.zeros((1, 3, 8)))\n"
+        "bad = [m for m in ('onnx', 'onnxruntime', 'torch', 'jax', 'tensorflow', 'keras') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -66,8 +75,9 @@ def test_every_exporter_rejects_a_bad_option_alike(exporter, field, value, error
 @pytest.mark.parametrize("exporter", list(_exporters()))
 def test_options_object_equals_the_keywords(exporter):
     kind = {"export": "layer", "build_model": "layer", "export_encoder": "encoder", "export_token_model": "token_model"}
-    options = do.ExportOptions(kind=kind[exporter], opset=17, mask=True, causal=True, dynamic=False, batch_size=2,
-                               query_len=3)
+    options = do.ExportOptions(
+        kind=kind[exporter], opset=17, mask=True, causal=True, dynamic=False, batch_size=2, query_len=3
+    )
     a = _exporters()[exporter](options=options)
     b = _exporters()[exporter](opset=17, mask=True, dynamic=False, batch_size=2, query_len=3)
     assert a.graph == b.graph

@@ -47,7 +47,9 @@ def test_encoder_matches_reference(metric, share, opset):
         x = rng.normal(size=(B, N, 16))
         mask = rng.random((B, 1, 1, N)) < 0.7
         expected = do.encoder_forward(params, config, x, mask=mask)
-        _, ratio = tolerance("float32").output_ratio(do.run_ort(model, {"query": x, "mask": mask}, session=session), expected)
+        _, ratio = tolerance("float32").output_ratio(
+            do.run_ort(model, {"query": x, "mask": mask}, session=session), expected
+        )
         assert ratio <= 1, (B, N, ratio)
     if opset == 23:
         out = do.run_reference(model, {"query": x, "mask": mask})
@@ -66,7 +68,7 @@ def test_shared_generator_is_stored_once_and_gates_stay_per_layer(metric):
     for name, value in params.items():
         if name.startswith("shared."):
             for i in range(3):
-                copied[f"layers.{i}.attention.{name[len('shared.'):]}"] = value
+                copied[f"layers.{i}.attention.{name[len('shared.') :]}"] = value
         else:
             copied[name] = value
     x = rng.normal(size=(2, 6, 16))
@@ -111,7 +113,9 @@ def test_token_model_end_to_end(opset, tmp_path):
     too_long = rng.integers(0, 13, size=(1, 11))  # longer than max_len
     with pytest.raises(Exception, match="ONNXRuntimeError"):
         do.ort_session(model).run(None, {"tokens": too_long})  # the graph itself refuses, for raw onnxruntime users
-    with pytest.raises(dc.DamchaValueError, match=r"`tokens` reach position 10, past the position table \(max_len=10\)"):
+    with pytest.raises(
+        dc.DamchaValueError, match=r"`tokens` reach position 10, past the position table \(max_len=10\)"
+    ):
         do.run_ort(model, {"tokens": too_long})
     with pytest.raises(dc.DamchaValueError, match=r"`tokens` must be ids in \[0, 13\).*Received: tokens in \[-1, "):
         do.run_ort(model, {"tokens": np.array([[0, -1, 3]])})  # Gather would wrap -1 to the last row
@@ -120,16 +124,35 @@ def test_token_model_end_to_end(opset, tmp_path):
 @pytest.mark.parametrize(
     "make, error, pattern",
     [
-        (lambda: do.EncoderConfig(dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4, output_dim=6), 2, 8),
-         dc.DamchaValueError, "context_dim == value_input_dim == output_dim == query_dim"),
-        (lambda: do.EncoderConfig(dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4), 0, 8),
-         dc.DamchaValueError, "`num_layers` must be >= 1. Received: num_layers=0"),
-        (lambda: do.export_encoder(do.init_encoder_params(_encoder("heads", True)), _encoder("heads", False), None),
-         dc.DamchaValueError, r"does not match the config \(missing \['layers.0.attention.metric.qk.kernel'"),
-        (lambda: do.export_encoder(do.init_encoder_params(_encoder("none", True)), _encoder("none", True), None, dtype="bfloat16"),
-         dc.DamchaValueError, "no bfloat16 kernels"),
-        (lambda: do.export_encoder(do.init_encoder_params(_encoder("none", True)), _encoder("none", True), None, opset=16),
-         dc.DamchaValueError, "`opset` must be in"),
+        (
+            lambda: do.EncoderConfig(dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4, output_dim=6), 2, 8),
+            dc.DamchaValueError,
+            "context_dim == value_input_dim == output_dim == query_dim",
+        ),
+        (
+            lambda: do.EncoderConfig(dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4), 0, 8),
+            dc.DamchaValueError,
+            "`num_layers` must be >= 1. Received: num_layers=0",
+        ),
+        (
+            lambda: do.export_encoder(do.init_encoder_params(_encoder("heads", True)), _encoder("heads", False), None),
+            dc.DamchaValueError,
+            r"does not match the config \(missing \['layers.0.attention.metric.qk.kernel'",
+        ),
+        (
+            lambda: do.export_encoder(
+                do.init_encoder_params(_encoder("none", True)), _encoder("none", True), None, dtype="bfloat16"
+            ),
+            dc.DamchaValueError,
+            "no bfloat16 kernels",
+        ),
+        (
+            lambda: do.export_encoder(
+                do.init_encoder_params(_encoder("none", True)), _encoder("none", True), None, opset=16
+            ),
+            dc.DamchaValueError,
+            "`opset` must be in",
+        ),
     ],
     ids=["encoder-dims", "num-layers", "shared-params-for-unshared-config", "stack-bfloat16", "stack-opset"],
 )
@@ -167,8 +190,16 @@ def test_cli_exports_and_validates(tmp_path, capsys):
     assert "shape inference: ok" in text and text.count("-> ok") == 2
     assert "Softmax" in {n.op_type for n in onnx.load(out).graph.node}
     other = config.replace(key_dim=2)
-    rc = main(["--config", str(other.to_dict()).replace("'", '"').replace("True", "true").replace("None", "null"),
-               "--params", str(tmp_path / "p.safetensors"), "--out", str(out)])
+    rc = main(
+        [
+            "--config",
+            str(other.to_dict()).replace("'", '"').replace("True", "true").replace("None", "null"),
+            "--params",
+            str(tmp_path / "p.safetensors"),
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 2 and "differs from the config stored" in capsys.readouterr().err
     rc = main(["--params", str(tmp_path / "p.safetensors"), "--out", str(out), "--opset", "12"])
     assert rc == 2 and "`opset` must be in" in capsys.readouterr().err
@@ -201,7 +232,10 @@ def test_token_model_reference_rejects_ids_outside_the_vocabulary(bad):
     config = do.TokenModelConfig(_encoder("none", False, layers=1), vocab_size=5, max_len=4, num_classes=2)
     params = do.init_token_model_params(config, 1)
     tokens = np.array([[0, bad, 2]])
-    with pytest.raises(dc.DamchaValueError, match=rf"`tokens` must be ids in \[0, 5\).*Received: tokens in \[{min(bad, 0)}, {max(bad, 2)}\]"):
+    with pytest.raises(
+        dc.DamchaValueError,
+        match=rf"`tokens` must be ids in \[0, 5\).*Received: tokens in \[{min(bad, 0)}, {max(bad, 2)}\]",
+    ):
         do.token_model_forward(params, config, tokens)
 
 

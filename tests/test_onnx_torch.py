@@ -36,8 +36,9 @@ def test_torch_dynamo_export_matches_reference_with_dynamic_shapes(tmp_path):
     layer = dt.DamchaAttention.from_canonical(params, config, batch_first=True, dtype=torch.float64)
     model = _Block(layer, causal).eval()
     path = tmp_path / "torch.onnx"
-    proto = do.export_torch(model, (torch.randn(2, 6, 16, dtype=torch.float64),), path,
-                            input_names=["query"], output_names=["logits"])
+    proto = do.export_torch(
+        model, (torch.randn(2, 6, 16, dtype=torch.float64),), path, input_names=["query"], output_names=["logits"]
+    )
     assert 23 in {o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")}
     session = do.ort_session(str(path))
     w, b = model.head.weight.detach().numpy(), model.head.bias.detach().numpy()

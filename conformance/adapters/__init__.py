@@ -97,16 +97,22 @@ class Builtin:
 
 
 BUILTIN: dict[str, Builtin] = {
-    "reference": Builtin("ReferenceAdapter", ("numpy",),
-                         limits={"gradients": "the reference is what gradients are compared against"}),
+    "reference": Builtin(
+        "ReferenceAdapter", ("numpy",), limits={"gradients": "the reference is what gradients are compared against"}
+    ),
     "torch": Builtin("TorchAdapter", ("torch",), "torch"),
     "jax": Builtin("JaxAdapter", ("jax", "flax"), "jax", {"JAX_ENABLE_X64": "1"}),
     "keras-tensorflow": Builtin("KerasAdapter", ("keras", "tensorflow"), "keras", {"KERAS_BACKEND": "tensorflow"}),
-    "keras-jax": Builtin("KerasAdapter", ("keras", "jax"), "keras,jax",
-                         {"KERAS_BACKEND": "jax", "JAX_ENABLE_X64": "1"}),
+    "keras-jax": Builtin(
+        "KerasAdapter", ("keras", "jax"), "keras,jax", {"KERAS_BACKEND": "jax", "JAX_ENABLE_X64": "1"}
+    ),
     "keras-torch": Builtin("KerasAdapter", ("keras", "torch"), "keras,torch", {"KERAS_BACKEND": "torch"}),
-    "onnxruntime": Builtin("OnnxAdapter", ("onnx", "onnxruntime"), "onnx",
-                           limits={"gradients": "exported ONNX inference graphs have no autodiff"}),
+    "onnxruntime": Builtin(
+        "OnnxAdapter",
+        ("onnx", "onnxruntime"),
+        "onnx",
+        limits={"gradients": "exported ONNX inference graphs have no autodiff"},
+    ),
     "torch-cuda": Builtin("TorchAdapter", ("torch",), "torch", kwargs={"device": "cuda"}, on_request=True),
 }
 
@@ -146,13 +152,13 @@ def load_adapter(spec: str) -> BackendAdapter:
             f"Received: spec={spec!r}"
         )
     if importlib.util.find_spec(module_name.split(".")[0]) is None:
-        raise DamchaValueError(f"`spec` names a module that is not importable. Received: spec={spec!r} "
-                               f"(no module named {module_name.split('.')[0]!r})")
+        raise DamchaValueError(
+            f"`spec` names a module that is not importable. Received: spec={spec!r} "
+            f"(no module named {module_name.split('.')[0]!r})"
+        )
     module = importlib.import_module(module_name)
     try:
         obj = getattr(module, attr)
     except AttributeError:
-        raise DamchaValueError(
-            f"`spec` names an attribute the module does not have. Received: spec={spec!r}"
-        ) from None
+        raise DamchaValueError(f"`spec` names an attribute the module does not have. Received: spec={spec!r}") from None
     return obj() if callable(obj) else obj

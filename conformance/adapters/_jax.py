@@ -71,8 +71,15 @@ class JaxAdapter:
         wide = jnp.promote_types(dt, jnp.float32)
 
         def loss(params, inputs, mask):
-            out = damcha_attention(params, config, inputs["query"], inputs.get("context"), value=inputs.get("value"),
-                                   mask=mask, is_causal=causal)
+            out = damcha_attention(
+                params,
+                config,
+                inputs["query"],
+                inputs.get("context"),
+                value=inputs.get("value"),
+                mask=mask,
+                is_causal=causal,
+            )
             return jnp.sum((out * cotangent).astype(wide)), out
 
         fn = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True) if gradients else loss

@@ -155,8 +155,9 @@ def _value_and_grads_jax(layer, inputs, mask, data):
     cotangent = keras.ops.convert_to_tensor(data.cotangent.astype(dtype))
 
     def loss(train_values, tensors):
-        out, _ = _call(lambda *a, **k: layer.stateless_call(train_values, non_trainable, *a, **k), tensors, mask,
-                       data.causal)
+        out, _ = _call(
+            lambda *a, **k: layer.stateless_call(train_values, non_trainable, *a, **k), tensors, mask, data.causal
+        )
         return keras.ops.sum(out * cotangent), out
 
     grad_fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
@@ -177,6 +178,5 @@ def _grads_torch(layer, names, inputs, loss_of):
     keys = list(tensors) + names
     targets = list(tensors.values()) + params
     return {
-        k: np.zeros(tuple(t.shape)) if g is None else g.detach().cpu().numpy()
-        for k, g, t in zip(keys, grads, targets)
+        k: np.zeros(tuple(t.shape)) if g is None else g.detach().cpu().numpy() for k, g, t in zip(keys, grads, targets)
     }

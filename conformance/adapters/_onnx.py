@@ -48,7 +48,13 @@ class OnnxAdapter:
     def forward(self, data, dtype: str) -> np.ndarray:
         cross = data.context is not None
         model = build_model(
-            data.params, data.config, opset=self.opset, causal=data.causal, cross=cross, mask=data.mask is not None, dtype=dtype
+            data.params,
+            data.config,
+            opset=self.opset,
+            causal=data.causal,
+            cross=cross,
+            mask=data.mask is not None,
+            dtype=dtype,
         )
         inputs = {"query": data.query}
         if cross:

@@ -39,10 +39,14 @@ class TorchAdapter:
 
     def _run(self, data: CaseData, dtype: str, grad: bool):
         tdtype = _DTYPES[dtype]
-        layer = DamchaAttention.from_canonical(data.params, data.config, batch_first=True, device=self.device, dtype=tdtype)
+        layer = DamchaAttention.from_canonical(
+            data.params, data.config, batch_first=True, device=self.device, dtype=tdtype
+        )
         layer.eval()  # conformance is the inference function: no dropout
+
         def tensor(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(a).to(self.device, tdtype).requires_grad_(grad)
+
         inputs = {"query": tensor(data.query)}
         if data.context is not None:
             inputs["context"] = tensor(data.context)
@@ -50,8 +54,9 @@ class TorchAdapter:
             inputs["value"] = tensor(data.value)
         key = inputs.get("context", inputs["query"])
         mask = None if data.mask is None else ~torch.from_numpy(data.mask).to(self.device)
-        out, _ = layer(inputs["query"], key, inputs.get("value", key), attn_mask=mask, need_weights=False,
-                       is_causal=data.causal)
+        out, _ = layer(
+            inputs["query"], key, inputs.get("value", key), attn_mask=mask, need_weights=False, is_causal=data.causal
+        )
         return layer, inputs, out
 
     def forward(self, data: CaseData, dtype: str) -> np.ndarray:
@@ -61,8 +66,9 @@ class TorchAdapter:
 
     def decode(self, data: CaseData, dtype: str) -> np.ndarray:
         """``data.case.steps`` through one ``DamchaKVCache``."""
-        layer = DamchaAttention.from_canonical(data.params, data.config, batch_first=True, device=self.device,
-                                               dtype=_DTYPES[dtype]).eval()
+        layer = DamchaAttention.from_canonical(
+            data.params, data.config, batch_first=True, device=self.device, dtype=_DTYPES[dtype]
+        ).eval()
         x = torch.from_numpy(data.query).to(self.device, _DTYPES[dtype])
         cache, outs = DamchaKVCache(), []
         with torch.no_grad():
