@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import keras
+import numpy as np
 
 from damcha_core import DamchaTypeError, DamchaValueError, describe
 
@@ -38,6 +39,11 @@ def _gqa_options(layer: keras.layers.GroupQueryAttention) -> dict[str, Any]:
         kernel_constraint=gqa["kernel_constraint"], bias_constraint=gqa["bias_constraint"],
         seed=gqa["seed"],
     )
+
+
+def _copy(source: Any, target: Any) -> Any:
+    """A fresh NumPy copy of variable ``source``'s value, in ``target``'s shape."""
+    return np.array(keras.ops.convert_to_numpy(source.value)).reshape(tuple(target.shape))
 
 
 def from_mha(cls: type, layer: Any, **kwargs: Any) -> "DamchaAttention":
@@ -73,10 +79,14 @@ def from_mha(cls: type, layer: Any, **kwargs: Any) -> "DamchaAttention":
     dims = (None,) * (rank - 1)
     new.build((*dims, E_q), (*dims, E_v), (*dims, E_k))
     ours = {**new._projections(), **({"gate": new._gate_dense} if new._use_gate else {})}
+    # Copy through NumPy: on the JAX backend a same-shape reshape returns the
+    # very array, and assigning it would share one buffer between the two
+    # layers; a jitted train step donates its variables' buffers, so training
+    # either layer would delete the other's weights ("Array has been deleted").
     for name, dense in theirs.items():
         if name not in ours:
             continue
-        ours[name].kernel.assign(keras.ops.reshape(dense.kernel, tuple(ours[name].kernel.shape)))
+        ours[name].kernel.assign(_copy(dense.kernel, ours[name].kernel))
         if new.use_bias and dense.bias is not None:
-            ours[name].bias.assign(keras.ops.reshape(dense.bias, tuple(ours[name].bias.shape)))
+            ours[name].bias.assign(_copy(dense.bias, ours[name].bias))
     return new
