@@ -20,17 +20,41 @@ from ._canonical import stack_from_canonical, stack_load_canonical, stack_to_can
 from ._functional import rms_normalise
 from ._generator import MetricGenerator
 from ._layer import DamchaAttention
+from ._models import (
+    AttentionLayout,
+    DamchaMaps,
+    ModelAdapter,
+    ProjectionSite,
+    convert,
+    converted_layers,
+    damcha_variables,
+    metric_penalty,
+    register_adapter,
+    supported_layouts,
+    track_metric_penalty,
+)
 
 __all__ = [
+    "AttentionLayout",
     "DamchaAttention",
+    "DamchaMaps",
     "MetricGenerator",
+    "ModelAdapter",
+    "ProjectionSite",
     "TransformerDecoder",
     "TransformerEncoder",
+    "convert",
+    "converted_layers",
+    "damcha_variables",
     "gelu_tanh",
+    "metric_penalty",
+    "register_adapter",
     "rms_normalise",
     "stack_from_canonical",
     "stack_load_canonical",
     "stack_to_canonical",
+    "supported_layouts",
+    "track_metric_penalty",
 ]
 
 

@@ -1,0 +1,756 @@
+"""Converting Keras and KerasHub models to DAMCHA in place.
+
+Where the maps go: on each token's projected queries and keys, *inside* the
+host's projection call, as in ``damcha_torch.convert``. ``convert`` replaces
+the ``call`` of the sublayers that project queries and keys (``_query_dense``
+and ``_key_dense`` of ``keras.layers.MultiHeadAttention`` and KerasHub's
+``CachedMultiHeadAttention``, ``LlamaAttention``, ...) by the projection
+followed by the cross-head map of the token that was projected. Everything the
+host does after its projections runs unchanged: per-head q/k norms, RoPE, the
+key/value cache (which therefore stores mapped keys) and the host's attention
+kernel. The host's weights keep their names and paths; each converted
+attention layer gains a sublayer ``damcha`` (``DamchaMaps``) holding the gates
+and generators, created under the attention layer's name scope.
+
+The map is computed in residual form, y + g * (Delta(t) y), so a converted
+model with its gates at 0 is the original bit for bit.
+
+The converted model (the object given to ``convert``) records the conversion
+in its config: its class becomes a subclass of its own class registered as
+``"damcha>ConvertedModel"``, whose config holds the host's config and the
+options. ``keras.saving.load_model`` then rebuilds the host, converts it and
+loads every weight; without ``import damcha_keras`` the load fails loudly
+instead of returning a plain model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Callable, Iterator, Mapping
+
+import numpy as np
+
+import keras
+from keras import ops
+
+import damcha_core as dc
+from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, describe
+
+from ._functional import apply_map
+from ._functional import metric_penalty as _side_penalty
+from ._generator import MetricGenerator
+from ._layer import DamchaAttention
+
+__all__ = [
+    "AttentionLayout",
+    "DamchaMaps",
+    "ModelAdapter",
+    "ProjectionSite",
+    "convert",
+    "converted_layers",
+    "damcha_variables",
+    "metric_penalty",
+    "register_adapter",
+    "supported_layouts",
+    "track_metric_penalty",
+]
+
+# The attribute under which a converted attention layer holds its DamchaMaps.
+CONFIG_KEY = "damcha"
+CONFIG_FORMAT = "damcha-v1-convert"
+REGISTERED_NAME = "ConvertedModel"  # registered as "damcha>ConvertedModel"
+
+
+# ------------------------------------------------------------------ layouts
+
+
+@dataclasses.dataclass(frozen=True)
+class ProjectionSite:
+    """One projection sublayer of an attention layer whose output holds
+    queries and/or keys, as consecutive heads of ``head_dim`` features.
+
+    The projection maps tokens (B, T, E) to stacked heads (B, T, heads, d), as
+    ``EinsumDense`` does in Keras and KerasHub, or to flat features (B, T, F)
+    (a ``Dense``); offsets count features of the flattened heads either way.
+
+    Args:
+        attr: attribute name of the projection on the attention layer
+            (``"_query_dense"``, ``"key_dense"``).
+        q: feature offset of the H query heads in the projection's output, or
+            ``None`` when it projects no queries.
+        k: feature offset of the G key heads, or ``None``.
+    """
+
+    attr: str
+    q: int | None = None
+    k: int | None = None
+
+    def roles(self) -> list[tuple[str, int]]:
+        """(role, offset) pairs, in output order."""
+        return sorted(((r, o) for r, o in (("q", self.q), ("k", self.k)) if o is not None), key=lambda t: t[1])
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionLayout:
+    """What ``convert`` needs to know about one attention layer.
+
+    Args:
+        num_heads: H, query heads.
+        num_kv_heads: G, key/value heads (G divides H).
+        head_dim: d, features per query/key head.
+        query_features: E_q, feature size of the tokens projected to queries.
+        key_features: E_kv, feature size of the tokens projected to keys.
+        sites: the projections carrying queries and keys.
+        self_attention: queries and keys are projected from the same tokens
+            (True), from different ones (False: ``coupling="auto"`` never ties
+            then), or unknown (None: a plain ``MultiHeadAttention`` can be
+            called either way; "auto" ties when the sizes allow).
+    """
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    query_features: int
+    key_features: int
+    sites: tuple[ProjectionSite, ...]
+    self_attention: bool | None = True
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelAdapter:
+    """Recognises one attention layout and describes it.
+
+    Args:
+        name: short unique name (shown in errors).
+        description: what it supports, one line (listed in errors).
+        matches: ``layer -> bool``, whether a Keras layer has this layout.
+        layout: ``layer -> AttentionLayout`` for a matched, built layer; raise
+            ``DamchaValueError`` for a variant the adapter cannot convert.
+    """
+
+    name: str
+    description: str
+    matches: Callable[[Any], bool]
+    layout: Callable[[Any], AttentionLayout]
+
+
+_ADAPTERS: list[ModelAdapter] = []
+
+
+def register_adapter(adapter: ModelAdapter) -> ModelAdapter:
+    """Teach ``convert`` another attention layout; returns the adapter.
+
+    Adapters are tried in registration order, the built-in ones first; the
+    first whose ``matches`` accepts a layer converts it.
+    """
+    if not isinstance(adapter, ModelAdapter):
+        raise DamchaTypeError(f"`adapter` must be a damcha_keras.ModelAdapter. Received: adapter={describe(adapter)}")
+    if any(a.name == adapter.name for a in _ADAPTERS):
+        raise DamchaValueError(f"An adapter named {adapter.name!r} is already registered. Received: adapter.name={adapter.name!r}")
+    _ADAPTERS.append(adapter)
+    return adapter
+
+
+def supported_layouts() -> list[str]:
+    """One line per layout ``convert`` knows (built-in and registered adapters)."""
+    _load_builtin_adapters()
+    return [f"{a.name}: {a.description}" for a in _ADAPTERS]
+
+
+def _load_builtin_adapters() -> None:
+    from . import _models_layouts  # noqa: F401  (registers on first import)
+
+
+# ---------------------------------------------------------------- the maps
+
+
+class _SiteCall:
+    """Installed as a projection sublayer's ``call`` (and ``quantized_call``):
+    the projection, then the maps of the heads it projected.
+
+    A plain object rather than a closure or a Layer: Keras neither tracks nor
+    saves it, so the host's weight paths and files keep their structure.
+    """
+
+    def __init__(self, maps: "DamchaMaps", projection: Any, site: ProjectionSite, method: str, previous: Any) -> None:
+        self.maps = maps
+        self.projection = projection
+        self.site = site
+        self.method = method
+        self.previous = previous  # an instance-level method that was there before, or None
+
+    def __call__(self, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.previous is not None:
+            y = self.previous(inputs, *args, **kwargs)
+        else:
+            y = getattr(type(self.projection), self.method)(self.projection, inputs, *args, **kwargs)
+        return self.maps.map_site(self.site, inputs, y)
+
+
+class DamchaMaps(keras.layers.Layer):
+    """The DAMCHA weights of one converted attention layer, and its maps.
+
+    Set as the sublayer ``damcha`` of the attention layer. Per metric side
+    ("qk" tied, "q"/"k" separate, "q" query): a gate variable
+    ``metric_<side>_gate`` (S,) starting at 0, and a ``MetricGenerator``
+    ``metric_<side>`` (with ``share_metric``, one object shared by every
+    converted layer). The names follow ``DamchaAttention``'s.
+
+    Args:
+        config: the layer's ``DamchaConfig`` (sizes, metric, coupling).
+        layout: the attention layer's ``AttentionLayout``.
+        adapter: name of the adapter that matched the layer.
+        shared: generators to use, by side (``share_metric``).
+        **kwargs: base Layer arguments (``name``, ``dtype``).
+    """
+
+    def __init__(
+        self,
+        config: DamchaConfig,
+        layout: AttentionLayout,
+        adapter: str,
+        *,
+        shared: Mapping[str, MetricGenerator] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.config = config
+        self.layout = layout
+        self.adapter = adapter
+        self._gates: dict[str, Any] = {}
+        self._generators: dict[str, MetricGenerator] = {}
+        for side in config.metric_sides:
+            given = None if shared is None else shared.get(side)
+            self._generators[side] = given if given is not None else MetricGenerator(
+                config.side_heads(side), metric=config.metric, key_dim=config.key_dim,
+                metric_rank=config.metric_rank, name=f"metric_{side}", dtype=self.dtype_policy,
+            )
+        # track_metric_penalty: add weight * this layer's penalty / layers to the losses.
+        self._penalty_weight = 0.0
+        self._penalty_layers = 1
+
+    def build(self, input_shape: Any = None) -> None:
+        cfg = self.config
+        for side in cfg.metric_sides:
+            generator = self._generators[side]
+            if not generator.built:
+                generator.build((None, None, cfg.side_features(side)))
+            # The gate is per layer even when the generator is shared; 0 = exactly the host.
+            self._gates[side] = self.add_weight(name=f"metric_{side}_gate", shape=(cfg.side_heads(side),),
+                                                initializer="zeros")
+        self.built = True
+
+    @property
+    def metric_gates(self) -> dict[str, Any]:
+        """Side -> gate variable (S,)."""
+        return dict(self._gates)
+
+    @property
+    def metric_generators(self) -> dict[str, MetricGenerator]:
+        """Side -> ``MetricGenerator`` (shared ones are the same object in every layer)."""
+        return dict(self._generators)
+
+    # ---------------------------------------------------------------- math
+
+    def map_site(self, site: ProjectionSite, tokens: Any, y: Any) -> Any:
+        """Map the query/key heads of a projection output ``y`` (B, T, heads, d)
+        or (B, T, F) computed from ``tokens`` (B, T, E)."""
+        cfg = self.config
+        d = cfg.key_dim
+        flat = len(y.shape) == len(tokens.shape)
+        heads = ops.reshape(y, (*ops.shape(y)[:-1], y.shape[-1] // d, d)) if flat else y
+        total = heads.shape[-2]
+        # The output as consecutive blocks of heads: (role or None, count).
+        blocks: list[tuple[str | None, int]] = []
+        pos = 0
+        for role, offset in site.roles():
+            start, count = offset // d, (cfg.num_heads if role == "q" else cfg.num_kv_heads)
+            if start > pos:
+                blocks.append((None, start - pos))
+            blocks.append((role, count))
+            pos = start + count
+        if pos < total:
+            blocks.append((None, total - pos))
+        if len(blocks) == 1:
+            parts = [heads]
+        else:
+            cuts = list(np.cumsum([n for _, n in blocks])[:-1])
+            parts = ops.split(heads, cuts, axis=-2)
+        out = []
+        for (role, _), part in zip(blocks, parts):
+            side = None if role is None else dc.side_of(cfg, role)
+            out.append(part if side is None else self._map(side, tokens, part))
+        mapped = out[0] if len(out) == 1 else ops.concatenate(out, axis=-2)
+        return ops.reshape(mapped, ops.shape(y)) if flat else mapped
+
+    def _map(self, side: str, tokens: Any, y: Any) -> Any:
+        cfg = self.config
+        generator, gate = self._generators[side], self._gates[side]
+        coeff = generator(tokens)
+        u, v = getattr(generator, "u", None), getattr(generator, "v", None)
+        if self._penalty_weight:
+            roles = sum(dc.side_of(cfg, r) is not None for r in ("q", "k"))
+            scale = self._penalty_weight / (roles * self._penalty_layers)
+            self.add_loss(scale * _side_penalty(cfg, side, coeff, gate, u, v))
+        return apply_map(y, coeff, gate, metric=cfg.metric, u=u, v=v)
+
+    # ---------------------------------------------------- canonical weights
+
+    def canonical_variables(self) -> dict[str, Any]:
+        """The metric's canonical names (``metric.qk.kernel``, ``metric.qk.gate``,
+        ...) -> ``keras.Variable``; the projections stay the host's."""
+        out: dict[str, Any] = {}
+        for side in self.config.metric_sides:
+            generator = self._generators[side]
+            for leaf in generator.leaf_names():
+                out[f"metric.{side}.{leaf}"] = getattr(generator, leaf)
+            out[f"metric.{side}.gate"] = self._gates[side]
+        return out
+
+    def to_canonical(self) -> dict[str, np.ndarray]:
+        """The metric weights as canonical float64 NumPy arrays."""
+        return {k: np.asarray(keras.ops.convert_to_numpy(v), dtype=np.float64)
+                for k, v in self.canonical_variables().items()}
+
+    def load_canonical(self, params: Mapping[str, Any]) -> "DamchaMaps":
+        """Assign canonical metric weights (exactly this layer's metric names,
+        finite, in the canonical shapes); returns the maps."""
+        variables = self.canonical_variables()
+        if not isinstance(params, Mapping):
+            raise DamchaTypeError(f"`params` must be a mapping of canonical names. Received: params={describe(params)}")
+        missing, extra = sorted(set(variables) - set(params)), sorted(set(params) - set(variables))
+        if missing or extra:
+            raise DamchaValueError(
+                f"`params` must hold exactly the metric weights of layer {self.path!r}: "
+                f"missing {missing}, unexpected {extra}. Received: {len(params)} names"
+            )
+        values = {}
+        for name, variable in variables.items():
+            value = np.asarray(params[name])
+            if value.shape != tuple(variable.shape):
+                raise DamchaValueError(f"`params[{name!r}]` must have shape {tuple(variable.shape)}. "
+                                       f"Received: params[{name!r}].shape={value.shape}")
+            if not np.all(np.isfinite(value)):
+                raise DamchaValueError(f"`params[{name!r}]` must be finite. Received: a non-finite value")
+            values[name] = value
+        for name, variable in variables.items():
+            variable.assign(values[name].astype(keras.backend.standardize_dtype(variable.dtype)))
+        return self
+
+
+# ------------------------------------------------------------------ convert
+
+
+_COUPLINGS = ("auto", "tied", "separate", "query")
+
+
+def _is_attention_like(layer: Any) -> bool:
+    return "attention" in type(layer).__name__.lower()
+
+
+def _walk(model: keras.layers.Layer) -> list[keras.layers.Layer]:
+    # Keras has no public recursive sublayer iterator; _flatten_layers is the
+    # one Keras's own quantize() and weights use.
+    return model._flatten_layers(include_self=True, recursive=True)
+
+
+def _name(layer: Any) -> str:
+    return layer.path or layer.name
+
+
+def _find(model: keras.layers.Layer) -> tuple[list[tuple[Any, ModelAdapter]], list[str], list[Any]]:
+    """(matched layers, unknown attention-like layers, DamchaAttention layers)."""
+    _load_builtin_adapters()
+    matched: list[tuple[Any, ModelAdapter]] = []
+    claimed: set[int] = set()
+    damcha = []
+    for layer in _walk(model):
+        if id(layer) in claimed:
+            continue
+        if isinstance(layer, (DamchaAttention, DamchaMaps)):
+            inside = layer._flatten_layers(include_self=True, recursive=True)
+            claimed.update(id(sub) for sub in inside)
+            if isinstance(layer, DamchaAttention):
+                damcha.append(layer)
+            continue
+        adapter = next((a for a in _ADAPTERS if a.matches(layer)), None)
+        if adapter is not None:
+            matched.append((layer, adapter))
+            claimed.update(id(sub) for sub in layer._flatten_layers(include_self=True, recursive=True))
+    unknown = [f"{_name(layer)} ({type(layer).__module__}.{type(layer).__qualname__})"
+               for layer in _walk(model) if id(layer) not in claimed and _is_attention_like(layer)]
+    return matched, unknown, damcha
+
+
+def _supported_text() -> str:
+    return "; ".join(supported_layouts())
+
+
+def _is_converted(model: Any) -> bool:
+    return isinstance(model, _ConvertedModel) and model._damcha_convert is not None
+
+
+def convert(
+    model: keras.layers.Layer,
+    *,
+    metric: str = "heads",
+    metric_rank: int | None = None,
+    coupling: str | None = "auto",
+    share_metric: bool = False,
+) -> keras.layers.Layer:
+    """Convert every supported attention layer of ``model`` to DAMCHA, in place.
+
+    The converted model computes exactly what it computed before (gates start
+    at 0). The host's weights keep their names and paths; each converted
+    attention layer gains a sublayer ``damcha`` (``DamchaMaps``). The maps act
+    on the projected queries and keys, before per-head q/k norms, RoPE and the
+    key/value cache. ``model`` records the conversion in its config, so
+    ``model.save("m.keras")`` / ``keras.saving.load_model`` round-trip it.
+
+    Convert a built model (KerasHub backbones and tasks are built at
+    construction), and before ``compile``: trainers compiled earlier do not
+    see the new variables.
+
+    Args:
+        model: a built Keras layer or model, e.g. a KerasHub ``GPT2Backbone``,
+            ``BertBackbone``, ``LlamaCausalLM``, or a functional model using
+            ``keras.layers.MultiHeadAttention``.
+        metric: "heads" (default) or "lowrank".
+        metric_rank: r for "lowrank".
+        coupling: "auto" (default; ``None`` means the same): "tied" where
+            queries and keys have as many heads and tokens of one size (self-
+            attention without GQA), "separate" otherwise (GQA/MQA, cross-
+            attention); or force "tied", "separate" or "query".
+        share_metric: one generator per side for all converted layers (the
+            stack-wise sharing of the spec); each layer keeps its own gates.
+
+    Returns:
+        ``model``, converted.
+
+    Raises:
+        DamchaTypeError: ``model`` is not a Keras layer, or a bad option type.
+        DamchaValueError: an unbuilt model, no supported attention layer, an
+            attention layer of a layout no adapter knows (nothing is converted
+            then), or a model already converted.
+    """
+    if not isinstance(model, keras.layers.Layer):
+        raise DamchaTypeError(f"`model` must be a Keras layer or model. Received: model={describe(model)}")
+    metric = dc.check_choice("metric", metric, ("heads", "lowrank"))
+    coupling = "auto" if coupling is None else coupling
+    if coupling not in _COUPLINGS:
+        raise DamchaValueError(f"`coupling` must be one of {_COUPLINGS} or None. Received: coupling={coupling!r}")
+    share_metric = dc.check_bool("share_metric", share_metric)
+    if _is_converted(model) or any(isinstance(layer, DamchaMaps) for layer in _walk(model)):
+        raise DamchaValueError(
+            f"`model` is already converted (it has DAMCHA maps: {', '.join(converted_layers(model)) or type(model).__name__}). "
+            f"Received: model={type(model).__name__}"
+        )
+    if not model.built:
+        raise DamchaValueError(
+            f"`model` must be built before convert() (call it once, or build it). Received: an unbuilt "
+            f"{type(model).__name__} {model.name!r}"
+        )
+    matched, unknown, damcha = _find(model)
+    if unknown:
+        raise DamchaValueError(
+            f"`model` has attention layers of a layout convert() does not know: {', '.join(unknown[:5])}"
+            + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
+            + f". Nothing was converted. Supported: {_supported_text()}. "
+            "Teach it another layout with damcha_keras.register_adapter."
+        )
+    if not matched:
+        if damcha:
+            raise DamchaValueError(f"`model` is already DAMCHA (DamchaAttention at {', '.join(_name(a) for a in damcha[:5])}).")
+        raise DamchaValueError(
+            f"`model` ({type(model).__name__}) has no attention layer convert() supports. Supported: {_supported_text()}."
+        )
+
+    # Validate every layer before touching any: a failure leaves the model as it was.
+    plans = []
+    for layer, adapter in matched:
+        try:
+            if not layer.built:
+                raise DamchaValueError("the layer is not built (call the model once)")
+            layout = adapter.layout(layer)
+            _check_sites(layer, layout)
+            resolved = dc.resolve_coupling(
+                coupling, metric=metric, query_dim=layout.query_features, context_dim=layout.key_features,
+                num_heads=layout.num_heads, num_kv_heads=layout.num_kv_heads, same_inputs=layout.self_attention,
+            )
+            config = DamchaConfig(
+                query_dim=layout.query_features, context_dim=layout.key_features, num_heads=layout.num_heads,
+                num_kv_heads=layout.num_kv_heads, key_dim=layout.head_dim, metric=metric, metric_rank=metric_rank,
+                coupling=resolved,
+            )
+        except (DamchaValueError, DamchaTypeError) as exc:
+            raise type(exc)(f"Cannot convert layer `{_name(layer)}` ({adapter.name}): {exc}") from None
+        plans.append((layer, adapter, layout, config))
+    if share_metric:
+        _check_shareable([(_name(layer), c) for layer, _, _, c in plans])
+
+    shared: dict[str, MetricGenerator] = {}
+    for layer, adapter, layout, config in plans:
+        maps = DamchaMaps(config, layout, adapter.name, shared=shared if share_metric else None,
+                          name=CONFIG_KEY, dtype=layer.dtype_policy)
+        _build_in_scope(layer, maps)
+        if share_metric:
+            for side in config.metric_sides:
+                shared.setdefault(side, maps.metric_generators[side])
+        _attach(layer, maps)
+        for site in layout.sites:
+            _install(maps, site, getattr(layer, site.attr))
+    if keras.backend.backend() == "torch":
+        _refresh_torch_params(model)
+    _record(model, metric=metric, metric_rank=metric_rank, coupling=coupling, share_metric=share_metric)
+    return model
+
+
+def _check_sites(layer: Any, layout: AttentionLayout) -> None:
+    if not layout.sites:
+        raise DamchaValueError("the layout names no projection site")
+    roles = [r for site in layout.sites for r, _ in site.roles()]
+    if sorted(roles) != ["k", "q"]:
+        raise DamchaValueError(f"the sites must project the queries and the keys once each. Received: roles {roles}")
+    for site in layout.sites:
+        projection = getattr(layer, site.attr, None)
+        if not isinstance(projection, keras.layers.Layer):
+            raise DamchaValueError(f"the layer has no projection sublayer `{site.attr}`. Received: {describe(projection)}")
+        for method in ("call", "quantized_call"):
+            if isinstance(projection.__dict__.get(method), _SiteCall):
+                raise DamchaValueError(f"`{site.attr}` already carries a DAMCHA map (converted twice?)")
+        for role, offset in site.roles():
+            if offset < 0 or offset % layout.head_dim:
+                raise DamchaValueError(
+                    f"the {role} offset of `{site.attr}` must be a multiple of head_dim={layout.head_dim} (whole "
+                    f"heads). Received: {role}={offset}"
+                )
+
+
+def _build_in_scope(layer: Any, maps: DamchaMaps) -> None:
+    """Build ``maps`` so its variables' paths sit under ``layer``'s path
+    (``.../self_attention/damcha/metric_qk/kernel``), as if the attention
+    layer had built it: unique paths keep torch's parameter dict, dtype
+    policy maps and path-keyed tools working."""
+    path = layer.path or layer.name
+    parent, _, last = path.rpartition("/")
+    with keras.name_scope(last, override_parent=parent):
+        maps.build()
+
+
+def _attach(layer: Any, maps: DamchaMaps) -> None:
+    """Set ``maps`` as the tracked sublayer ``damcha`` of a built layer.
+
+    Keras locks a built layer's state; its own ``enable_lora`` unlocks the
+    tracker the same way to add variables after build.
+    """
+    if CONFIG_KEY in layer.__dict__ or getattr(layer, CONFIG_KEY, None) is not None:
+        raise DamchaValueError(f"layer `{_name(layer)}` already has an attribute `{CONFIG_KEY}`")
+    tracker = getattr(layer, "_tracker", None)
+    locked = bool(tracker is not None and tracker.locked)
+    if locked:
+        tracker.unlock()
+    try:
+        setattr(layer, CONFIG_KEY, maps)
+    finally:
+        if locked:
+            tracker.lock()
+
+
+def _install(maps: DamchaMaps, site: ProjectionSite, projection: Any) -> None:
+    for method in ("call", "quantized_call"):
+        previous = projection.__dict__.get(method)
+        setattr(projection, method, _SiteCall(maps, projection, site, method, previous))
+
+
+def _refresh_torch_params(model: keras.layers.Layer) -> None:
+    """On the torch backend every built layer mirrors its variables (its
+    sublayers' included) in a torch ParameterDict; refresh them so
+    ``model.parameters()`` includes the new DAMCHA variables."""
+    for layer in _walk(model):
+        if hasattr(layer, "_torch_params"):
+            layer._track_variables()
+
+
+def _check_shareable(plans: list[tuple[str, DamchaConfig]]) -> None:
+    seen: dict[str, tuple[str, tuple]] = {}
+    for name, config in plans:
+        for side in config.metric_sides:
+            sizes = (config.side_features(side), config.side_heads(side), config.key_dim)
+            first = seen.setdefault(side, (name, sizes))
+            if first[1] != sizes:
+                raise DamchaValueError(
+                    f"`share_metric=True` needs the same (features, heads, head_dim) for side {side!r} in every "
+                    f"layer. Received: {first[1]} in `{first[0]}`, {sizes} in `{name}`"
+                )
+
+
+# ------------------------------------------------------- recorded conversion
+
+
+class _ConvertedModel:
+    """Mixed into the class of a converted model: its config is the host's
+    config plus the ``convert`` options, and ``from_config`` rebuilds the host
+    and converts it, so ``.keras`` files (and KerasHub presets) keep the
+    conversion. An instance of the class without recorded options (what
+    ``keras.models.clone_model`` builds layer by layer: it drops the maps) is
+    a plain model."""
+
+    _damcha_host: type = object
+    _damcha_convert: str | None = None
+
+    def get_config(self) -> dict[str, Any]:
+        host = type(self)._damcha_host
+        record = {
+            "module": host.__module__,
+            "class_name": host.__name__,
+            "config": host.get_config(self),
+            "registered_name": keras.saving.get_registered_name(host),
+        }
+        options = None if self._damcha_convert is None else json.loads(self._damcha_convert)
+        return {"host": record, CONFIG_KEY: options}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> Any:
+        if "host" not in config or CONFIG_KEY not in config:
+            raise DamchaValueError(f"This config records no DAMCHA conversion. Received: keys {sorted(config)}")
+        host = keras.saving.deserialize_keras_object(config["host"], custom_objects=custom_objects)
+        options = config[CONFIG_KEY]
+        if options is None:
+            return host
+        options = dict(options)
+        if options.pop("format", None) != CONFIG_FORMAT:
+            raise DamchaValueError(f"The recorded DAMCHA conversion is not of format {CONFIG_FORMAT!r}. "
+                                   f"Received: {config[CONFIG_KEY]!r}")
+        return convert(host, **{k: options[k] for k in ("metric", "metric_rank", "coupling", "share_metric")})
+
+
+# The loader: a fresh process finds "damcha>ConvertedModel" once damcha_keras is imported.
+ConvertedModel = keras.saving.register_keras_serializable(package="damcha", name=REGISTERED_NAME)(
+    type("ConvertedModel", (_ConvertedModel,), {"__module__": __name__})
+)
+
+_CONVERTED_CLASSES: dict[type, type] = {}
+
+
+def _converted_class(host: type) -> type:
+    if issubclass(host, _ConvertedModel):
+        return host
+    cls = _CONVERTED_CLASSES.get(host)
+    if cls is None:
+        # Same name as the host (reprs, summaries); registered under the loader's
+        # name, so serialisation writes "damcha>ConvertedModel".
+        cls = type(host.__name__, (_ConvertedModel, host),
+                   {"__module__": __name__, "__qualname__": host.__qualname__, "_damcha_host": host})
+        keras.saving.register_keras_serializable(package="damcha", name=REGISTERED_NAME)(cls)
+        # ...and the name keeps resolving to the loader (any of them would do).
+        keras.saving.register_keras_serializable(package="damcha", name=REGISTERED_NAME)(ConvertedModel)
+        _CONVERTED_CLASSES[host] = cls
+    return cls
+
+
+def _record(model: Any, **options: Any) -> None:
+    model.__class__ = _converted_class(type(model))
+    model._damcha_convert = json.dumps({"format": CONFIG_FORMAT, **options})
+
+
+def recorded_options(model: Any) -> dict[str, Any] | None:
+    """The options ``convert`` recorded on ``model``, or None."""
+    if not _is_converted(model):
+        return None
+    options = json.loads(model._damcha_convert)
+    options.pop("format", None)
+    return options
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def _check_model(model: Any) -> None:
+    if not isinstance(model, keras.layers.Layer):
+        raise DamchaTypeError(f"`model` must be a Keras layer or model. Received: model={describe(model)}")
+
+
+def _maps_of(model: keras.layers.Layer) -> Iterator[tuple[Any, DamchaMaps]]:
+    for layer in _walk(model):
+        maps = getattr(layer, CONFIG_KEY, None)
+        if isinstance(maps, DamchaMaps):
+            yield layer, maps
+
+
+def converted_layers(model: keras.layers.Layer) -> dict[str, Any]:
+    """Path -> attention layer, for every layer of ``model`` carrying DAMCHA
+    (converted by ``convert``, or a ``DamchaAttention``)."""
+    _check_model(model)
+    out: dict[str, Any] = {}
+    for layer in _walk(model):
+        if isinstance(layer, DamchaAttention) or isinstance(getattr(layer, CONFIG_KEY, None), DamchaMaps):
+            out[_name(layer)] = layer
+    return out
+
+
+def damcha_variables(model: keras.layers.Layer, *, gates: bool = True, generators: bool = True) -> list[Any]:
+    """The DAMCHA variables of ``model`` (gates and metric generators of
+    converted layers and ``DamchaAttention`` layers), each once: e.g. to train
+    them alone (``trainable`` on the others) or with their own learning rate
+    in a custom loop.
+
+    Args:
+        model: a converted model.
+        gates: include the gates.
+        generators: include the metric generators' variables.
+    """
+    _check_model(model)
+    out, seen = [], set()
+
+    def add(variable: Any) -> None:
+        if id(variable) not in seen:
+            seen.add(id(variable))
+            out.append(variable)
+
+    for layer in converted_layers(model).values():
+        owner = layer if isinstance(layer, DamchaAttention) else getattr(layer, CONFIG_KEY)
+        for side, gate in owner.metric_gates.items():
+            if gates:
+                add(gate)
+            if generators:
+                for variable in owner.metric_generators[side].weights:
+                    add(variable)
+    return out
+
+
+def track_metric_penalty(model: keras.layers.Layer, weight: float = 1.0) -> keras.layers.Layer:
+    """Add ``weight * metric_penalty`` to ``model``'s losses on every forward
+    (``fit`` minimises it with the task loss); ``weight=0`` turns it off.
+    Returns ``model``.
+
+    The penalty is the reference's ``metric_penalty`` of each converted layer
+    (mean over its mapped roles of mean_t ||L(t) - I||_F^2 / (S*d)), averaged
+    over the converted layers: each layer adds its share with ``add_loss``.
+    """
+    _check_model(model)
+    weight = dc.check_finite_nonneg("weight", weight)
+    maps = [m for _, m in _maps_of(model)]
+    if not maps:
+        raise DamchaValueError(f"`model` has no converted layer (call convert first). Received: model={type(model).__name__}")
+    for m in maps:
+        m._penalty_weight = float(weight)
+        m._penalty_layers = len(maps)
+    return model
+
+
+def metric_penalty(model: keras.layers.Layer) -> Any:
+    """The metric penalty of the last forward (eager): the mean over converted
+    layers of each layer's ``metric_penalty``, as a scalar tensor. Needs
+    ``track_metric_penalty(model, weight)`` with ``weight > 0`` first."""
+    _check_model(model)
+    maps = [m for _, m in _maps_of(model)]
+    if not maps or not all(m._penalty_weight for m in maps):
+        raise DamchaValueError("`metric_penalty` needs track_metric_penalty(model, weight) with weight > 0 first.")
+    losses = [loss for m in maps for loss in m.losses]
+    if not losses:
+        raise DamchaValueError("`metric_penalty` needs a forward pass of the model after track_metric_penalty.")
+    total = losses[0]
+    for loss in losses[1:]:
+        total = total + loss
+    return total / maps[0]._penalty_weight

@@ -1,0 +1,128 @@
+"""The built-in adapters of ``damcha_keras.convert``: one small function per
+attention layout.
+
+KerasHub classes are recognised by class name and defining library (any class
+in the MRO), so keras_hub is not imported here; a subclass of a supported
+class is supported too. Each layout reads the head sizes from the projections'
+``EinsumDense`` equations and kernels and checks them against the host's own
+numbers, so a variant with another head layout is refused rather than
+mis-mapped.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+
+from damcha_core import DamchaValueError, describe
+
+from ._models import AttentionLayout, ModelAdapter, ProjectionSite, register_adapter
+
+
+def _is(layer: Any, library: str, names: frozenset[str]) -> bool:
+    return any(c.__name__ in names and c.__module__.split(".")[0] == library for c in type(layer).__mro__)
+
+
+def _heads(layer: Any, attr: str) -> tuple[int, int, int]:
+    """(E, heads, head_dim) of a projection of tokens (B, T, E) to stacked
+    heads (B, T, heads, head_dim), read from its EinsumDense equation and kernel."""
+    dense = getattr(layer, attr, None)
+    if not isinstance(dense, keras.layers.EinsumDense):
+        raise DamchaValueError(f"`{attr}` must be a keras.layers.EinsumDense. Received: {describe(dense)}")
+    if dense.quantization_mode is not None:
+        raise DamchaValueError(
+            f"`{attr}` is quantized ({dense.quantization_mode}); convert the float model, then quantize it."
+        )
+    equation = dense.equation.replace(" ", "")
+    inputs, _, out = equation.partition("->")
+    tokens, _, kernel = inputs.partition(",")
+    if (len(tokens) != 3 or len(out) != 4 or out[:2] != tokens[:2] or len(kernel) != 3
+            or set(kernel) != {tokens[2], out[2], out[3]}):
+        raise DamchaValueError(
+            f"`{attr}` computes {dense.equation!r}; convert() maps projections of tokens (B, T, E) to "
+            "stacked heads (B, T, heads, head_dim) (inputs of rank 3, no attention_axes)."
+        )
+    shape = tuple(int(n) for n in dense.kernel.shape)
+    return shape[kernel.index(tokens[2])], shape[kernel.index(out[2])], shape[kernel.index(out[3])]
+
+
+def _declared(layer: Any, *names: str) -> int | None:
+    for name in names:
+        value = getattr(layer, name, None)
+        if value is not None:
+            return int(value)
+    return None
+
+
+def _qk_layout(layer: Any, q_attr: str, k_attr: str, heads: tuple[str, ...], kv_heads: tuple[str, ...],
+               self_attention: bool | None) -> AttentionLayout:
+    eq, H, d = _heads(layer, q_attr)
+    ek, G, dk = _heads(layer, k_attr)
+    if dk != d:
+        raise DamchaValueError(f"query and key heads must have one size. Received: {q_attr} head_dim={d}, "
+                               f"{k_attr} head_dim={dk}")
+    for attr, found, declared in ((q_attr, H, _declared(layer, *heads)), (k_attr, G, _declared(layer, *kv_heads))):
+        if declared is not None and found != declared:
+            raise DamchaValueError(
+                f"`{attr}` projects {found} heads, the layer declares {declared} (a variant with another "
+                "head layout, which this adapter does not know)."
+            )
+    if H % G:
+        raise DamchaValueError(f"the key heads must divide the query heads. Received: {H} query heads, {G} key heads")
+    return AttentionLayout(H, G, d, eq, ek, (ProjectionSite(q_attr, q=0), ProjectionSite(k_attr, k=0)),
+                           self_attention=self_attention)
+
+
+# ----------------------------------------------------------------- Keras MHA
+
+def _mha_layout(layer: Any) -> AttentionLayout:
+    # A MultiHeadAttention can be called on one sequence or two; KerasHub names
+    # its cross-attention layers "cross_attention" (TransformerDecoder, Whisper).
+    cross = "cross" in layer.name.lower()
+    if isinstance(layer, keras.layers.GroupQueryAttention):
+        return _qk_layout(layer, "_query_dense", "_key_dense", ("num_query_heads",), ("num_key_value_heads",),
+                          False if cross else None)
+    return _qk_layout(layer, "_query_dense", "_key_dense", ("_num_heads",), ("_num_heads",),
+                      False if cross else None)
+
+
+# ------------------------------------------------------------------ KerasHub
+
+_LLAMA = frozenset({"LlamaAttention", "CachedMistralAttention", "QwenAttention", "Qwen3Attention"})
+_GEMMA = frozenset({"CachedGemmaAttention"})
+
+
+def _llama_layout(layer: Any) -> AttentionLayout:
+    return _qk_layout(layer, "_query_dense", "_key_dense", ("num_query_heads", "_num_query_heads"),
+                      ("num_key_value_heads", "_num_key_value_heads"), True)
+
+
+def _gemma_layout(layer: Any) -> AttentionLayout:
+    return _qk_layout(layer, "query_dense", "key_dense", ("num_query_heads",), ("num_key_value_heads",), True)
+
+
+for _adapter in (
+    ModelAdapter(
+        "keras-mha",
+        "keras.layers.MultiHeadAttention and GroupQueryAttention, and subclasses: KerasHub's "
+        "CachedMultiHeadAttention (GPT-2, OPT, BART, ...) and the MHA of its TransformerEncoder/Decoder "
+        "(BERT, RoBERTa, ...), rank-3 inputs (_query_dense/_key_dense)",
+        lambda layer: isinstance(layer, (keras.layers.MultiHeadAttention, keras.layers.GroupQueryAttention)),
+        _mha_layout,
+    ),
+    ModelAdapter(
+        "keras-hub-llama",
+        "KerasHub LlamaAttention, CachedMistralAttention, QwenAttention, Qwen3Attention (RoPE; MHA, GQA, "
+        "MQA; Qwen3's per-head q/k norms) (_query_dense/_key_dense)",
+        lambda layer: _is(layer, "keras_hub", _LLAMA),
+        _llama_layout,
+    ),
+    ModelAdapter(
+        "keras-hub-gemma",
+        "KerasHub CachedGemmaAttention (Gemma; RoPE; MHA, GQA, MQA) (query_dense/key_dense, kernels (heads, E, d))",
+        lambda layer: _is(layer, "keras_hub", _GEMMA),
+        _gemma_layout,
+    ),
+):
+    register_adapter(_adapter)

@@ -1,0 +1,459 @@
+"""damcha_keras.convert on KerasHub backbones and Keras models, on the current
+Keras backend (tensorflow unless KERAS_BACKEND says otherwise): exact at init,
+every converted layer equals the NumPy reference with the gates open,
+generation with the cache, training, weights and .keras files, helpers and
+errors. tests/test_models_keras_backends.py runs the core of it on the jax and
+torch backends, each in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import numpy as np
+import pytest
+
+import keras
+import keras_hub  # noqa: F401  (a missing keras-hub fails collection: CI installs it)
+
+import damcha_core as dc
+import damcha_keras as dk
+from _models_keras_zoo import (ARCHS, CAUSAL, ROTARY, SUBLAYERS, backbone, cached_logits, call_layer, causal_lm,
+                               greedy_generate, greedy_without_cache, inputs, layer_params, numpy, open_gates,
+                               output, rotary)
+from damcha_core._reference import apply_map as reference_map
+from damcha_core._rotary import apply_rotary
+
+DOCS = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "models.md")
+
+
+def causal_mask(batch: int, n: int) -> np.ndarray:
+    """Causal (B, N, N) with the last row's last two keys hidden (padding)."""
+    mask = np.tril(np.ones((n, n), bool))[None].repeat(batch, 0)
+    mask[-1, :, n - 2:] = False
+    mask[-1, np.arange(n), np.arange(n)] = True  # every query still sees itself
+    return mask
+
+
+# --------------------------------------------------------------- at init
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_exact_at_init(arch, dtype):
+    model = backbone(arch, dtype)
+    x = inputs(arch)  # the last row is right-padded
+    before = output(model, x)
+    n_weights = len(model.weights)
+    assert dk.convert(model) is model
+    after = output(model, x)
+    np.testing.assert_array_equal(after, before)  # residual form y + 0 * (Delta y): bit for bit
+    layers = dk.converted_layers(model)
+    assert len(layers) == ARCHS[arch][2]["num_layers"]
+    # Only DAMCHA variables were added, each under its attention layer's path,
+    # and no path repeats (the old variables are the host's, untouched).
+    added = [v for v in model.weights if "/damcha/" in v.path]
+    assert len(model.weights) == n_weights + len(added) and added
+    assert len({v.path for v in model.weights}) == len(model.weights)
+    for path, layer in layers.items():
+        assert all(v.path.startswith(f"{path}/damcha/") for v in layer.damcha.weights)
+    assert all(float(np.abs(numpy(g)).max()) == 0.0 for g in dk.damcha_variables(model, generators=False))
+
+
+def test_exact_at_init_mixed_precision():
+    policy = keras.config.dtype_policy()
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        model = causal_lm("llama")
+    finally:
+        keras.config.set_dtype_policy(policy)
+    x = inputs("llama")
+    before = numpy(model(x))
+    dk.convert(model)
+    np.testing.assert_array_equal(numpy(model(x)), before)
+    maps = next(iter(dk.converted_layers(model).values())).damcha
+    assert maps.dtype_policy.name == "mixed_float16" and maps.metric_gates["q"].dtype == "float32"
+
+
+# --------------------------------------------------- against the reference
+
+
+@pytest.mark.parametrize("metric", ["heads", "lowrank"])
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_layers_equal_reference(arch, metric):
+    """float64, gates open: the mapped q/k of every converted layer equal the
+    reference's maps to 1e-12, and the whole layer equals the reference's
+    damcha_attention (with rotary= for RoPE layers; Qwen3: the host's per-head
+    norm applied between the maps and RoPE, spec section 10)."""
+    model = backbone(arch, "float64")
+    dk.convert(model, metric=metric, metric_rank=3 if metric == "lowrank" else None)
+    open_gates(model)
+    rng = np.random.default_rng(3)
+    for layer in dk.converted_layers(model).values():
+        params, config = layer_params(arch, layer)
+        x = rng.normal(size=(2, 5, config.query_dim))
+        for role, attr in (("q", SUBLAYERS[arch][0]), ("k", SUBLAYERS[arch][1])):
+            y0 = np.einsum("bte,ehd->bthd", x, params[f"{'query' if role == 'q' else 'key'}.kernel"])
+            y0 = y0 + params[f"{'query' if role == 'q' else 'key'}.bias"]
+            expected = reference_map(params, config, dc.side_of(config, role), x, y0)
+            got = numpy(getattr(layer, attr)(x))
+            assert np.abs(expected - y0).max() > 1e-2  # the maps are open
+            np.testing.assert_allclose(got, expected, rtol=0, atol=1e-12)
+        mask = causal_mask(2, 5)
+        got = call_layer(arch, layer, x, mask)
+        if arch == "qwen3":
+            expected = qwen3_reference(layer, params, config, x, mask)
+        else:
+            expected = dc.damcha_attention(params, config, x, mask=mask[:, None],
+                                           rotary=rotary(arch, layer, config.key_dim))
+        # KerasHub computes RoPE's angles (and Llama-style softmaxes) in float32
+        # even in a float64 model: those layers agree to float32 rounding.
+        tol = 1e-6 if arch in ROTARY else 1e-12
+        np.testing.assert_allclose(got, expected, rtol=0, atol=tol * max(1.0, np.abs(expected).max()))
+
+
+def qwen3_reference(layer, params, config, x, mask):
+    """Qwen3 attention from the reference's maps, the host's per-head RMS norms
+    (its own sublayers, its weights and eps), the reference's rotary and a
+    NumPy softmax attention."""
+    q0 = np.einsum("bte,ehd->bthd", x, params["query.kernel"])
+    k0 = np.einsum("bte,ehd->bthd", x, params["key.kernel"])
+    v = np.einsum("bte,ehd->bthd", x, params["value.kernel"])
+    q = numpy(layer._query_dense_layer_norm(reference_map(params, config, "q", x, q0))).astype(np.float64)
+    k = numpy(layer._key_dense_layer_norm(reference_map(params, config, "k", x, k0))).astype(np.float64)
+    rot = rotary("qwen3", layer, config.key_dim)
+    pos = np.arange(x.shape[1], dtype=np.float64)[None]
+    q, k = apply_rotary(q, rot, pos), apply_rotary(k, rot, pos)
+    group = config.num_heads // config.num_kv_heads
+    k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
+    logits = np.einsum("bnhd,bmhd->bhnm", q, k) / np.sqrt(config.key_dim)
+    logits = np.where(mask[:, None], logits, -np.inf)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    o = np.einsum("bhnm,bmhd->bnhd", probs, v)
+    return np.einsum("bnhd,hde->bne", o, params["output.kernel"])
+
+
+@pytest.mark.parametrize("metric", ["heads", "lowrank"])
+def test_rope_shift_invariance(metric):
+    """Maps before RoPE keep its relative-position property for both metrics:
+    the same tokens placed 37 positions later (behind 37 hidden cache slots)
+    give the same outputs (a map after RoPE would change them by O(gate))."""
+    model = backbone("llama")
+    dk.convert(model, metric=metric, metric_rank=3 if metric == "lowrank" else None)
+    open_gates(model, gate=1.0, scale=1.0)
+    layer = next(iter(dk.converted_layers(model).values()))
+    cfg = layer.damcha.config
+    n, shift = 5, 37
+    x = np.random.default_rng(4).normal(size=(1, n, cfg.query_dim)).astype("float32")
+    plain = numpy(layer(x, attention_mask=np.tril(np.ones((1, n, n), bool))))
+    cache = np.zeros((1, 2, shift + n, cfg.num_kv_heads, cfg.key_dim), "float32")
+    mask = np.zeros((1, n, shift + n), bool)
+    mask[0, :, shift:] = np.tril(np.ones((n, n), bool))
+    shifted, _ = layer(x, attention_mask=mask, cache=cache, cache_update_index=shift)
+    np.testing.assert_allclose(numpy(shifted), plain, rtol=0, atol=2e-5)
+
+
+# ---------------------------------------------------- generation and cache
+
+
+GENERATE = ("gpt2", "llama", "qwen3", "gemma")  # CachedMHA, RoPE + GQA, per-head norms, (H, E, d) kernels
+
+
+@pytest.mark.parametrize("arch", CAUSAL)
+def test_call_with_cache_equals_full_forward(arch):
+    lm = causal_lm(arch)
+    dk.convert(lm)
+    open_gates(lm)
+    ids = inputs(arch, batch=2, length=6, padded=False)["token_ids"]
+    full = numpy(lm({"token_ids": ids, "padding_mask": np.ones_like(ids, bool)}))
+    np.testing.assert_allclose(cached_logits(lm, ids), full, rtol=0, atol=1e-5 * max(1.0, np.abs(full).max()))
+
+
+@pytest.mark.parametrize("arch", GENERATE)
+def test_generate_equals_greedy_without_cache(arch):
+    lm = causal_lm(arch)
+    dk.convert(lm)
+    open_gates(lm)
+    prompt = [5, 7, 9]
+    assert greedy_generate(lm, prompt, 9) == greedy_without_cache(lm, prompt, 9)
+
+
+# ---------------------------------------------------------------- training
+
+
+def test_fit_moves_gates_llama_with_penalty():
+    lm = causal_lm("llama")
+    dk.convert(lm)
+    dk.track_metric_penalty(lm, 50.0)
+    x = inputs("llama", padded=False)
+    y = np.roll(x["token_ids"], -1, axis=1)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    # Eager steps: tracing this train step takes ~25 s on TensorFlow; the BERT
+    # test below trains in graph mode.
+    lm.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss, sampler="greedy", run_eagerly=True)
+    gates = dk.damcha_variables(lm, generators=False)
+    before = [numpy(g).copy() for g in gates]
+    lm.fit(x, y, epochs=2, verbose=0)
+    assert all(np.abs(numpy(g) - b).max() > 0 for g, b in zip(gates, before))
+    # The trainer's loss is the task loss plus 50 * the metric penalty of this forward.
+    y_pred = lm(x)
+    penalty = float(numpy(dk.metric_penalty(lm)))
+    total = float(numpy(lm.compute_loss(x=x, y=y, y_pred=y_pred)))
+    assert penalty > 0
+    np.testing.assert_allclose(total - float(numpy(loss(y, y_pred))), 50.0 * penalty, rtol=1e-2)
+
+
+def test_fit_moves_gates_bert_classifier():
+    bert = backbone("bert")
+    dk.convert(bert)
+    x = inputs("bert")
+    pooled = bert(bert.input)["pooled_output"]
+    model = keras.Model(bert.input, keras.layers.Dense(2)(pooled))
+    model.compile(optimizer=keras.optimizers.SGD(0.5), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  jit_compile=False)
+    gates = dk.damcha_variables(model, generators=False)
+    assert len(gates) == 2  # tied: one gate variable per layer
+    model.fit(x, np.array([0, 1]), epochs=2, verbose=0)
+    assert all(np.abs(numpy(g)).max() > 0 for g in gates)
+
+
+def test_metric_penalty_equals_reference():
+    model = backbone("gpt2", "float64")
+    dk.convert(model)
+    open_gates(model)
+    dk.track_metric_penalty(model)
+    x = inputs("gpt2")
+    model(x)
+    # The tokens each layer's projections saw: capture them with the reference.
+    tokens = {}
+    for path, layer in dk.converted_layers(model).items():
+        site = layer._query_dense.call
+
+        def spy(t, *a, _site=site, _path=path, **k):
+            tokens[_path] = numpy(t)
+            return _site(t, *a, **k)
+
+        layer._query_dense.call = spy
+    model(x)
+    got = float(numpy(dk.metric_penalty(model)))
+    expected = np.mean([dc.metric_penalty(*layer_params("gpt2", layer), tokens[path])
+                        for path, layer in dk.converted_layers(model).items()])
+    np.testing.assert_allclose(got, expected, rtol=1e-6)  # the port takes penalties in float32
+    assert expected > 1e-4
+
+
+# ---------------------------------------------------------------- saving
+
+
+def test_weights_file_round_trip(tmp_path):
+    model = backbone("llama")
+    dk.convert(model, metric="lowrank", metric_rank=2)
+    open_gates(model)
+    model.save_weights(tmp_path / "m.weights.h5")
+    fresh = dk.convert(backbone("llama"), metric="lowrank", metric_rank=2)
+    x = inputs("llama")
+    assert not np.array_equal(output(fresh, x), output(model, x))
+    fresh.load_weights(tmp_path / "m.weights.h5")
+    np.testing.assert_array_equal(output(fresh, x), output(model, x))
+    # A plain (unconverted) weights file does not fit a converted model: Keras
+    # names the DAMCHA sublayers it found no weights for.
+    backbone("llama").save_weights(tmp_path / "plain.weights.h5")
+    with pytest.raises(ValueError, match="damcha"):
+        dk.convert(backbone("llama")).load_weights(tmp_path / "plain.weights.h5")
+
+
+@pytest.mark.parametrize("what", ["gpt2-causal-lm", "bert-backbone-shared", "llama-causal-lm-query", "vit-backbone"])
+def test_keras_file_round_trip(what, tmp_path):
+    arch, kind = what.split("-")[0], what.split("-", 1)[1]
+    options = {"shared": {"share_metric": True}, "query": {"coupling": "query"}}.get(kind.rsplit("-", 1)[-1], {})
+    model = backbone(arch) if "backbone" in kind else causal_lm(arch)
+    host = type(model)
+    dk.convert(model, **options)
+    open_gates(model)
+    x = inputs(arch)
+    model.save(tmp_path / "m.keras")
+    loaded = keras.saving.load_model(tmp_path / "m.keras")
+    assert isinstance(loaded, host) and type(loaded).__name__ == host.__name__
+    assert list(dk.converted_layers(loaded)) == list(dk.converted_layers(model))
+    np.testing.assert_array_equal(output(loaded, x), output(model, x))
+    assert len(loaded.weights) == len(model.weights)
+    if options.get("share_metric"):
+        gens = {id(layer.damcha.metric_generators["qk"]) for layer in dk.converted_layers(loaded).values()}
+        assert len(gens) == 1
+    with pytest.raises(dc.DamchaValueError, match="already converted"):
+        dk.convert(loaded)
+
+
+def test_keras_file_of_functional_mha_model(tmp_path):
+    """A plain Keras functional model with MultiHeadAttention (self and cross)."""
+    q_in, c_in = keras.Input((5, 8)), keras.Input((7, 6))
+    h = keras.layers.MultiHeadAttention(2, 4, name="self_attention")(q_in, q_in, use_causal_mask=True)
+    out = keras.layers.MultiHeadAttention(2, 4, name="cross_attention")(h, c_in)
+    model = keras.Model([q_in, c_in], out)
+    rng = np.random.default_rng(0)
+    x = [rng.normal(size=(2, 5, 8)).astype("float32"), rng.normal(size=(2, 7, 6)).astype("float32")]
+    before = numpy(model(x))
+    dk.convert(model)
+    np.testing.assert_array_equal(numpy(model(x)), before)
+    couplings = {p: layer.damcha.config.coupling for p, layer in dk.converted_layers(model).items()}
+    assert couplings == {"self_attention": "tied", "cross_attention": "separate"}
+    open_gates(model)
+    model.save(tmp_path / "f.keras")
+    loaded = keras.saving.load_model(tmp_path / "f.keras")
+    np.testing.assert_array_equal(numpy(loaded(x)), numpy(model(x)))
+    # clone_model rebuilds the host layer by layer (fresh weights) and drops the
+    # maps; the clone converts again.
+    clone = keras.models.clone_model(model)
+    assert not dk.converted_layers(clone)
+    plain = numpy(clone(x))
+    np.testing.assert_array_equal(numpy(dk.convert(clone)(x)), plain)
+    assert len(dk.converted_layers(clone)) == 2
+
+
+def test_keras_file_without_damcha_keras_fails_loudly(tmp_path):
+    """A process that has not imported damcha_keras lacks the registered loader
+    ("damcha>ConvertedModel"): loading raises instead of returning a plain model."""
+    model = dk.convert(backbone("gpt2"))
+    model.save(tmp_path / "m.keras")
+    registry = keras.saving.get_custom_objects()
+    loader = registry.pop("damcha>ConvertedModel")
+    try:
+        with pytest.raises(TypeError, match="damcha>ConvertedModel"):
+            keras.saving.load_model(tmp_path / "m.keras")
+    finally:
+        registry["damcha>ConvertedModel"] = loader
+    assert dk.converted_layers(keras.saving.load_model(tmp_path / "m.keras"))
+
+
+# ---------------------------------------------------------------- options
+
+
+def test_couplings_and_sharing():
+    gpt2 = dk.convert(backbone("gpt2"))
+    assert {layer.damcha.config.coupling for layer in dk.converted_layers(gpt2).values()} == {"tied"}
+    llama = dk.convert(backbone("llama"), share_metric=True)
+    layers = list(dk.converted_layers(llama).values())
+    assert {layer.damcha.config.coupling for layer in layers} == {"separate"}  # GQA
+    for side in ("q", "k"):
+        assert layers[0].damcha.metric_generators[side] is layers[1].damcha.metric_generators[side]
+    assert layers[0].damcha.metric_gates["q"] is not layers[1].damcha.metric_gates["q"]
+    # gates of 2 layers x 2 sides, one generator (kernel, bias) per side
+    assert len(dk.damcha_variables(llama)) == 4 + 4
+    with pytest.raises(dc.DamchaValueError, match=r"transformer_layer_0/self_attention.*tied"):
+        dk.convert(backbone("llama"), coupling="tied")
+    query = dk.convert(backbone("llama"), coupling="query")
+    assert set(next(iter(dk.converted_layers(query).values())).damcha.metric_gates) == {"q"}
+
+
+def test_sublayer_conversion_and_register_adapter():
+    """A layout of one's own: a layer projecting q and k with Dense (flat
+    features, fused q|k in one projection) is converted once registered."""
+
+    class MyAttention(keras.layers.Layer):
+        def __init__(self, heads=2, head_dim=4, **kw):
+            super().__init__(**kw)
+            self.heads, self.head_dim = heads, head_dim
+
+        def build(self, shape):
+            self.qk = keras.layers.Dense(2 * self.heads * self.head_dim, name="qk")
+            self.qk.build(shape)
+            self.built = True
+
+        def call(self, x):
+            qk = self.qk(x)
+            B, T = keras.ops.shape(x)[0], keras.ops.shape(x)[1]
+            q, k = keras.ops.split(keras.ops.reshape(qk, (B, T, 2 * self.heads, self.head_dim)), 2, axis=2)
+            logits = keras.ops.einsum("bnhd,bmhd->bhnm", q, k)
+            return keras.ops.einsum("bhnm,bmhd->bnhd", keras.ops.softmax(logits), q)
+
+    inp = keras.Input((5, 8))
+    model = keras.Model(inp, MyAttention(name="mine")(inp))
+    with pytest.raises(dc.DamchaValueError, match=r"mine \(.*MyAttention\).*Supported: keras-mha"):
+        dk.convert(model)
+    adapter = dk.register_adapter(dk.ModelAdapter(
+        "test-my-attention", "MyAttention (fused qk Dense)",
+        matches=lambda layer: isinstance(layer, MyAttention),
+        layout=lambda layer: dk.AttentionLayout(2, 2, 4, 8, 8, (dk.ProjectionSite("qk", q=0, k=8),)),
+    ))
+    try:
+        x = np.random.default_rng(0).normal(size=(2, 5, 8)).astype("float32")
+        before = numpy(model(x))
+        dk.convert(model)
+        np.testing.assert_array_equal(numpy(model(x)), before)
+        layer = model.get_layer("mine")
+        open_gates(model)
+        params = {**layer.damcha.to_canonical()}
+        cfg = layer.damcha.config
+        y = x @ numpy(layer.qk.kernel) + numpy(layer.qk.bias)
+        heads = y.reshape(2, 5, 4, 4).astype(np.float64)
+        full = {**params, **{f"{n}.{p}": np.zeros(s) for n in ("query", "key", "value", "output")
+                              for p, s in (("kernel", (1,)), ("bias", (1,)))}}
+        expected_q = reference_map(full, cfg, "qk", x.astype(np.float64), heads[:, :, :2])
+        expected_k = reference_map(full, cfg, "qk", x.astype(np.float64), heads[:, :, 2:])
+        got = numpy(layer.qk(x)).reshape(2, 5, 4, 4)
+        np.testing.assert_allclose(got, np.concatenate([expected_q, expected_k], axis=2), rtol=0, atol=1e-5)
+    finally:
+        dk._models._ADAPTERS.remove(adapter)
+    assert any(line.startswith("keras-hub-llama") for line in dk.supported_layouts())
+
+
+# ----------------------------------------------------------------- errors
+
+
+def test_errors():
+    with pytest.raises(dc.DamchaTypeError, match="`model` must be a Keras layer"):
+        dk.convert(object())
+    with pytest.raises(dc.DamchaValueError, match="`metric`"):
+        dk.convert(backbone("gpt2"), metric="none")
+    with pytest.raises(dc.DamchaValueError, match="`coupling`"):
+        dk.convert(backbone("gpt2"), coupling="both")
+    with pytest.raises(dc.DamchaTypeError, match="`share_metric`"):
+        dk.convert(backbone("gpt2"), share_metric=1)
+    with pytest.raises(dc.DamchaValueError, match="must be built"):
+        dk.convert(keras.layers.MultiHeadAttention(2, 4))
+    model = dk.convert(backbone("gpt2"))
+    n = len(model.weights)
+    with pytest.raises(dc.DamchaValueError, match="already converted"):
+        dk.convert(model)
+    with pytest.raises(dc.DamchaValueError, match="already converted"):
+        dk.convert(model.get_layer("transformer_layer_0"))
+    assert len(model.weights) == n
+    with pytest.raises(dc.DamchaValueError, match="no attention layer"):
+        dk.convert(keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)]))
+    inp = keras.Input((5, 8))
+    damcha_only = keras.Model(inp, dk.DamchaAttention(2, 4)(inp, inp))
+    with pytest.raises(dc.DamchaValueError, match="already DAMCHA"):
+        dk.convert(damcha_only)
+    # An MHA on rank-4 inputs (attention_axes) is refused with its equation, and nothing is converted.
+    x4 = keras.Input((3, 5, 8))
+    mixed = keras.Model([inp, x4], [keras.layers.MultiHeadAttention(2, 4)(inp, inp),
+                                    keras.layers.MultiHeadAttention(2, 4, attention_axes=(2,))(x4, x4)])
+    with pytest.raises(dc.DamchaValueError, match=r"Cannot convert layer .*keras-mha.*rank 3"):
+        dk.convert(mixed)
+    assert not dk.converted_layers(mixed)
+    with pytest.raises(dc.DamchaValueError, match="track_metric_penalty"):
+        dk.metric_penalty(model)
+    with pytest.raises(dc.DamchaValueError, match="exactly the metric weights"):
+        next(iter(dk.converted_layers(model).values())).damcha.load_canonical({})
+    q2 = keras.Input((5, 6))
+    two_sizes = keras.Model([inp, q2], [keras.layers.MultiHeadAttention(2, 4)(inp, inp),
+                                        keras.layers.MultiHeadAttention(2, 4)(q2, q2)])
+    with pytest.raises(dc.DamchaValueError, match="share_metric"):
+        dk.convert(two_sizes, share_metric=True)
+
+
+# ------------------------------------------------------------------- docs
+
+
+def test_docs_example_runs(tmp_path, monkeypatch):
+    """The Keras example of docs/models.md, as written (in a temporary folder)."""
+    with open(DOCS, encoding="utf-8") as f:
+        text = f.read()
+    match = re.search(r"<!-- tested: tests/test_models_keras_backends.py -->\s*```python\n(.*?)```", text, re.S)
+    assert match, "docs/models.md lost its tested Keras example"
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(match.group(1), "docs/models.md", "exec"), namespace)
+    assert os.path.isfile(tmp_path / "llama.keras")
+    assert namespace["same"] and namespace["moved"]
