@@ -14,6 +14,10 @@ $(STAMP): pyproject.toml constraints.txt
 	# The pinned CPU build; an unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -c constraints.txt -e ".[all,models,dev]"
+	# keras-hub (damcha_keras.convert) without its declared dependencies: its tensorflow-text
+	# needs the full tensorflow package, which clashes with tensorflow-cpu; what keras_hub
+	# imports comes with the extras above (docs/models.md, "Installing keras-hub").
+	$(PY) -m pip install -q --no-deps -c constraints.txt keras-hub
 	touch $(STAMP)
 
 install: $(STAMP)
