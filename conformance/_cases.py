@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -83,7 +83,7 @@ class CaseData:
     ``sum(output * cotangent)`` whose gradients the adapters return.
     """
 
-    case: Case
+    case: Any  # the Case, DecodeCase or ErrorCase it was made from
     params: dict[str, np.ndarray]
     query: np.ndarray
     context: np.ndarray | None
@@ -116,9 +116,7 @@ class CaseData:
 
 
 def _cfg(**kw: Any) -> dc.DamchaConfig:
-    base = dict(query_dim=16, num_heads=4, key_dim=4)
-    base.update(kw)
-    return dc.DamchaConfig(**base)
+    return dc.DamchaConfig(**{"query_dim": 16, "num_heads": 4, "key_dim": 4, **kw})
 
 
 def _build_catalogue() -> tuple[Case, ...]:
@@ -285,14 +283,15 @@ def materialise(case: Case) -> CaseData:
     cfg = case.config
     rng = np.random.default_rng([case.seed, 2])
     params = case_params(cfg, case.seed)
+    E_kv, E_v = cast(int, cfg.context_dim), cast(int, cfg.value_input_dim)
     query = rng.normal(size=(case.batch, case.query_len, cfg.query_dim))
-    context = None if case.self_attention else rng.normal(size=(case.batch, case.context_len, cfg.context_dim))
-    M = case.query_len if case.self_attention else case.context_len
+    context = None if case.context_len is None else rng.normal(size=(case.batch, case.context_len, E_kv))
+    M = case.query_len if case.context_len is None else case.context_len
     mask = _make_mask(case, rng, M)
     if case.inputs == "small-and-zero":
         query, context = _small_and_zero(query), None if context is None else _small_and_zero(context)
     # Drawn after everything else, and only when needed: earlier cases keep their inputs.
-    value = rng.normal(size=(case.batch, M, cfg.value_input_dim)) if case.separate_value else None
+    value = rng.normal(size=(case.batch, M, E_v)) if case.separate_value else None
     expected = dc.damcha_attention(params, cfg, query, context, mask=mask, causal=case.causal, value=value)
     cotangent = rng.normal(size=expected.shape) / np.sqrt(expected.size)
     return CaseData(case, params, query, context, mask, expected, cotangent, value)
@@ -373,7 +372,7 @@ def materialise_decode(case: DecodeCase) -> CaseData:
     x = rng.normal(size=(case.batch, case.prefix_len + case.new_len, cfg.query_dim))
     P = case.prefix_len
     expected = dc.damcha_attention(params, cfg, x[:, P:], x, causal=True, query_offset=P)
-    return CaseData(case, params, x, None, None, expected, np.zeros_like(expected))  # type: ignore[arg-type]
+    return CaseData(case, params, x, None, None, expected, np.zeros_like(expected))
 
 
 # ---------------------------------------------------------------- bad input
@@ -510,7 +509,8 @@ def reference_directional(case: Case, eps: float = 1e-5) -> dict[str, tuple[np.n
 def _loss_at(data: CaseData, target: str, moved: np.ndarray) -> float:
     """sum(output * cotangent) of the reference with ``target`` replaced by ``moved``."""
     if target in _INPUTS:
-        y = data.reference(**{target: moved})
+        inputs: dict[str, Any] = {target: moved}
+        y = data.reference(**inputs)
     else:
         y = data.reference(params={**data.params, target: moved})
     return float(np.sum(y * data.cotangent))

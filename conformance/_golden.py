@@ -38,7 +38,7 @@ def write(path: Path = PATH) -> None:
     for case in CATALOGUE:
         arrays.update(golden_entries(case))
     path.parent.mkdir(parents=True, exist_ok=True)
-    np.savez_compressed(path, **arrays)
+    np.savez_compressed(path, **arrays)  # type: ignore[arg-type]  # NumPy's stub reads **arrays as allow_pickle
 
 
 def append(path: Path = PATH) -> list[str]:
@@ -51,7 +51,7 @@ def append(path: Path = PATH) -> list[str]:
             if key not in arrays:
                 arrays[key] = value
                 added.append(key)
-    np.savez_compressed(path, **arrays)
+    np.savez_compressed(path, **arrays)  # type: ignore[arg-type]  # NumPy's stub reads **arrays as allow_pickle
     return added
 
 

@@ -186,7 +186,7 @@ def _cell(results: list[Result]) -> str:
 
 def check_output(adapter: BackendAdapter, case: Case, dtype: str) -> Result:
     """The output check of ``case`` on ``adapter`` in ``dtype``."""
-    base = dict(backend=adapter.name, case=case.name, group=case.group, dtype=dtype, check="output")
+    base: dict[str, Any] = dict(backend=adapter.name, case=case.name, group=case.group, dtype=dtype, check="output")
     reason = adapter.unsupported(case)
     if reason:
         return Result(**base, status="unsupported", detail=reason)
@@ -198,7 +198,7 @@ def check_gradients(adapter: BackendAdapter, case: Case, dtype: str) -> Result:
     """The gradient check of ``case``: for each input and parameter, the
     directional derivative of ``sum(output * cotangent)`` against the
     reference's central difference."""
-    base = dict(backend=adapter.name, case=case.name, group=case.group, dtype=dtype, check="gradients")
+    base: dict[str, Any] = dict(backend=adapter.name, case=case.name, group=case.group, dtype=dtype, check="gradients")
     reason = adapter.unsupported(case)
     if reason:
         return Result(**base, status="unsupported", detail=reason)
@@ -244,7 +244,7 @@ def check_error(adapter: BackendAdapter, case: ErrorCase, dtype: str) -> Result:
     a ``ValueError`` whose message names the argument (or a port's name for it)
     and what it received. Returning anything, even the right-looking output, fails:
     the input was silently broadcast, sliced or padded."""
-    base = dict(backend=adapter.name, case=case.name, group=case.group, dtype=dtype, check="rejects")
+    base: dict[str, Any] = dict(backend=adapter.name, case=case.name, group=case.group, dtype=dtype, check="rejects")
     reason = adapter.unsupported(case.base)
     if reason:
         return Result(**base, status="unsupported", detail=reason)
@@ -276,7 +276,7 @@ def check_error(adapter: BackendAdapter, case: ErrorCase, dtype: str) -> Result:
 def check_decode(adapter: BackendAdapter, case: DecodeCase, dtype: str) -> Result:
     """Decode ``case`` with the adapter's ``decode`` (prefix into the cache, then
     the new tokens) and compare the new tokens' outputs with the reference."""
-    base = dict(backend=adapter.name, case=case.name, group=case.group, dtype=dtype, check="decode")
+    base: dict[str, Any] = dict(backend=adapter.name, case=case.name, group=case.group, dtype=dtype, check="decode")
     decode = getattr(adapter, "decode", None)
     if decode is None:
         return Result(**base, status="unsupported", detail="the adapter has no decode(data, dtype)")

@@ -88,16 +88,16 @@ def export_vectors(
                 "directional_derivatives": directional,
             }
         entries.append((case.name, tensors, description))
-    for case in decode_cases:
+    for dcase in decode_cases:
         tensors, description = _entry(
-            case,
-            materialise_decode(case),
+            dcase,
+            materialise_decode(dcase),
             causal=True,
             self_attention=True,
-            decode={"prefix_len": case.prefix_len, "new_len": case.new_len},
+            decode={"prefix_len": dcase.prefix_len, "new_len": dcase.new_len},
             mask_semantics=None,
         )
-        entries.append((case.name, tensors, description))
+        entries.append((dcase.name, tensors, description))
     written = []
     for name, tensors, description in entries:
         save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(out / f"{name}.safetensors"))

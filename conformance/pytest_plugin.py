@@ -184,7 +184,7 @@ class _Session:
             return
         for key, value in report.user_properties:
             if key == _RESULT_KEY:
-                self.results.append(json.loads(value))
+                self.results.append(json.loads(str(value)))  # stored by runtest as a JSON string
                 if report.passed and hasattr(report, "wasxfail"):
                     self.xpassed.append(report.nodeid.split("::", 1)[-1])
 
@@ -281,6 +281,7 @@ class ConformanceItem(pytest.Item):
 
     def runtest(self) -> None:
         session = self.config.pluginmanager.get_plugin("damcha-conformance-session")
+        assert session is not None  # registered at configure time whenever these items are collected
         result = self.check.run(session.adapter)
         self.user_properties.append((_RESULT_KEY, json.dumps(result.to_dict())))
         if result.status == "unsupported":

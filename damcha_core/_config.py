@@ -5,10 +5,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 from ._errors import DamchaTypeError, DamchaValueError, describe
-from ._metrics import METRIC_STRUCTURES, GeneratorSpec, MetricStructure
+from ._metrics import METRIC_STRUCTURES, GeneratorSpec, MetricStructure, structure
 from ._validators import CONFIG_NAMES, check_config_fields
 
 # Which side(s) carry a metric generator, and which input feeds each side.
@@ -66,6 +66,8 @@ class DamchaConfig:
     scale: float | None = None
     dropout: float = 0.0
     value_input_dim: int | None = None
+    # The optional sizes above are ints once __post_init__ has resolved their defaults;
+    # the methods below cast them to say so.
 
     def __post_init__(self) -> None:
         # One implementation of the rules (damcha_core._validators), with the
@@ -84,7 +86,7 @@ class DamchaConfig:
     @property
     def group_size(self) -> int:
         """Query heads per key/value head, H / G."""
-        return self.num_heads // self.num_kv_heads  # type: ignore[operator]
+        return self.num_heads // cast(int, self.num_kv_heads)
 
     @property
     def metric_sides(self) -> tuple[str, ...]:
@@ -93,11 +95,11 @@ class DamchaConfig:
 
     def side_heads(self, side: str) -> int:
         """S, the number of heads the map of ``side`` acts on."""
-        return self.num_kv_heads if side == "k" else self.num_heads  # type: ignore[return-value]
+        return cast(int, self.num_kv_heads if side == "k" else self.num_heads)
 
     def side_features(self, side: str) -> int:
         """E, the feature size of the tokens that feed the generator of ``side``."""
-        return self.context_dim if side == "k" else self.query_dim  # type: ignore[return-value]
+        return cast(int, self.context_dim if side == "k" else self.query_dim)
 
     @property
     def metric_structure(self) -> MetricStructure | None:
@@ -124,8 +126,11 @@ class DamchaConfig:
 
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         """Canonical parameter names and shapes, in canonical order."""
-        E_q, E_kv, E_v, E_o = self.query_dim, self.context_dim, self.value_input_dim, self.output_dim
-        H, G, d, d_v = self.num_heads, self.num_kv_heads, self.key_dim, self.value_dim
+        E_q, H, d = self.query_dim, self.num_heads, self.key_dim
+        E_kv, E_v, E_o, G, d_v = cast(
+            "tuple[int, int, int, int, int]",
+            (self.context_dim, self.value_input_dim, self.output_dim, self.num_kv_heads, self.value_dim),
+        )
         shapes: dict[str, tuple[int, ...]] = {}
         for name, kernel, bias in (
             ("query", (E_q, H, d), (H, d)),
@@ -133,12 +138,11 @@ class DamchaConfig:
             ("value", (E_v, G, d_v), (G, d_v)),
             ("output", (H, d_v, E_o), (E_o,)),
         ):
-            shapes[f"{name}.kernel"] = kernel  # type: ignore[assignment]
+            shapes[f"{name}.kernel"] = kernel
             if self.use_bias:
-                shapes[f"{name}.bias"] = bias  # type: ignore[assignment]
-        structure = self.metric_structure
+                shapes[f"{name}.bias"] = bias
         for side in self.metric_sides:
-            leaves = structure.shapes(self.side_features(side), self.side_heads(side), d, self.metric_rank)  # type: ignore[union-attr,arg-type]
+            leaves = structure(self.metric).shapes(self.side_features(side), self.side_heads(side), d, self.metric_rank)
             shapes.update({f"metric.{side}.{leaf}": shape for leaf, shape in leaves.items()})
         return shapes
 

@@ -74,12 +74,12 @@ def fold_static_metric(params: Mapping[str, Any], config: DamchaConfig) -> tuple
             )
     out = {n: p[n] for n in projection_names(config)}
     for role, name in (("q", "query"), ("k", "key")):
-        side = side_of(config, role)
-        if side is None:
+        adapted = side_of(config, role)
+        if adapted is None:
             continue
         # Any token gives the same map: the generator sees it only through the zero kernel.
-        token = np.ones((1, 1, config.side_features(side)))
-        L = dense_map(p, config, side, token)[0, 0]  # (S, d, S, d)
+        token = np.ones((1, 1, config.side_features(adapted)))
+        L = dense_map(p, config, adapted, token)[0, 0]  # (S, d, S, d)
         out[f"{name}.kernel"] = np.einsum("hiaj,eaj->ehi", L, p[f"{name}.kernel"])
         if config.use_bias:
             out[f"{name}.bias"] = np.einsum("hiaj,aj->hi", L, p[f"{name}.bias"])

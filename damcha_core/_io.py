@@ -70,7 +70,7 @@ def _as_numpy(value: Any) -> Any:
     return value
 
 
-def save_params(path: str | os.PathLike, params: Mapping[str, Any], config: DamchaConfig) -> None:
+def save_params(path: str | os.PathLike[str], params: Mapping[str, Any], config: DamchaConfig) -> None:
     """Write ``params`` (validated against ``config``) and the config to ``path``.
 
     Tensors keep their floating dtype; the metadata holds
@@ -165,7 +165,7 @@ def _read_header(path: Path) -> dict[str, Any]:
     return header
 
 
-def load_params(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], DamchaConfig]:
+def load_params(path: str | os.PathLike[str]) -> tuple[dict[str, np.ndarray], DamchaConfig]:
     """Read a file written by ``save_params``; returns ``(params, config)``.
 
     Raises:

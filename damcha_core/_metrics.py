@@ -51,13 +51,21 @@ class MetricLeaf:
     generator: bool = True
 
     def shape(self, sizes: Mapping[str, int | None]) -> tuple[int, ...]:
-        return tuple(sizes[s] for s in self.dims)  # type: ignore[misc]
+        return tuple(_size(sizes, s) for s in self.dims)
 
     def std(self, sizes: Mapping[str, int | None]) -> float:
         """0.0 for zero-initialised leaves."""
         if self.std_of is None:
             return 0.0
-        return 1.0 / math.sqrt(math.prod(sizes[s] for s in self.std_of))  # type: ignore[misc]
+        return 1.0 / math.sqrt(math.prod(_size(sizes, s) for s in self.std_of))
+
+
+def _size(sizes: Mapping[str, int | None], symbol: str) -> int:
+    """The size of ``symbol``; r is None unless the metric is "lowrank", where it is required."""
+    value = sizes[symbol]
+    if value is None:
+        raise DamchaValueError(f"this metric structure needs the size {symbol!r} (metric_rank for 'r'); it was None")
+    return value
 
 
 _GATE = MetricLeaf("gate", ("S",), None, generator=False)
@@ -141,7 +149,7 @@ class MetricStructure:
     def coefficient_shape(self, S: int, r: int | None = None) -> tuple[int, ...]:
         """Per-token shape of the generator's output."""
         sizes = self.sizes(0, S, 0, r)
-        return tuple(sizes[s] for s in self.coefficient_dims)  # type: ignore[misc]
+        return tuple(_size(sizes, s) for s in self.coefficient_dims)
 
     # The math. ``leaves`` maps leaf name -> array; ``phi`` is rms_normalise(t)
     # (B, T, E); ``y`` the side's stacked heads (B, T, S, d).
@@ -183,20 +191,20 @@ class HeadsStructure(MetricStructure):
     coefficient_dims = ("S", "S")
     compact_head_map = True
 
-    def coefficients(self, xp, phi, leaves):
+    def coefficients(self, xp: Any, phi: Any, leaves: Mapping[str, Any]) -> Any:
         return xp.einsum("bte,ehk->bthk", phi, leaves["kernel"]) + leaves["bias"]
 
-    def delta(self, xp, coeff, y, leaves):
+    def delta(self, xp: Any, coeff: Any, y: Any, leaves: Mapping[str, Any]) -> Any:
         return xp.einsum("btha,btad->bthd", coeff, y)
 
-    def dense_delta(self, xp, coeff, leaves, d):
+    def dense_delta(self, xp: Any, coeff: Any, leaves: Mapping[str, Any], d: int) -> Any:
         return xp.einsum("btha,ij->bthiaj", coeff, xp.eye(d))
 
-    def penalty_sq(self, xp, coeff, leaves, d):
+    def penalty_sq(self, xp: Any, coeff: Any, leaves: Mapping[str, Any], d: int) -> Any:
         # L - I = (diag(g) A) (x) I_d, whose squared norm is d * ||diag(g) A||^2.
         return xp.sum((leaves["gate"][:, None] * coeff) ** 2, axis=(-2, -1)) * d
 
-    def head_map(self, xp, coeff, leaves):
+    def head_map(self, xp: Any, coeff: Any, leaves: Mapping[str, Any]) -> Any:
         """l(t) = I + diag(g) A(t), (B, T, S, S)."""
         S = coeff.shape[-1]
         return xp.eye(S) + leaves["gate"][:, None] * coeff
@@ -215,17 +223,17 @@ class LowRankStructure(MetricStructure):
     )
     coefficient_dims = ("r",)
 
-    def coefficients(self, xp, phi, leaves):
+    def coefficients(self, xp: Any, phi: Any, leaves: Mapping[str, Any]) -> Any:
         return phi @ leaves["kernel"] + leaves["bias"]
 
-    def delta(self, xp, coeff, y, leaves):
+    def delta(self, xp: Any, coeff: Any, y: Any, leaves: Mapping[str, Any]) -> Any:
         z = xp.einsum("btad,adr->btr", y, leaves["v"])
         return xp.einsum("hdr,btr->bthd", leaves["u"], coeff * z)
 
-    def dense_delta(self, xp, coeff, leaves, d):
+    def dense_delta(self, xp: Any, coeff: Any, leaves: Mapping[str, Any], d: int) -> Any:
         return xp.einsum("hir,btr,ajr->bthiaj", leaves["u"], coeff, leaves["v"])
 
-    def penalty_sq(self, xp, coeff, leaves, d):
+    def penalty_sq(self, xp: Any, coeff: Any, leaves: Mapping[str, Any], d: int) -> Any:
         # L - I = P diag(u) Q^T with P = g*U, Q = V, both (S*d, r): O(r^2) per token.
         g = leaves["gate"]
         S = g.shape[0]

@@ -34,6 +34,7 @@ import numpy as np
 
 from ._config import DamchaConfig
 from ._errors import DamchaTypeError, DamchaValueError, describe
+from ._metrics import structure
 from ._validators import check_seed
 
 
@@ -66,7 +67,7 @@ def init_params(config: DamchaConfig, seed: int = 0) -> dict[str, np.ndarray]:
     # drawn in canonical order, so the values depend on the seed alone.
     metric_stds: dict[str, float] = {}
     for side in config.metric_sides:
-        stds = config.metric_structure.stds(  # type: ignore[union-attr]
+        stds = structure(config.metric).stds(
             config.side_features(side), config.side_heads(side), config.key_dim, config.metric_rank
         )
         metric_stds.update({f"metric.{side}.{leaf}": std for leaf, std in stds.items()})

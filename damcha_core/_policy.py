@@ -12,9 +12,10 @@ to ``make_config`` and ``{"context": "key", "mask": "attn_mask", "query_dim":
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 from ._config import DamchaConfig
 from ._errors import DamchaTypeError, DamchaValueError, describe
@@ -146,7 +147,7 @@ def resolve_coupling(
     if same_inputs is not None:
         same_inputs = check_bool("same_inputs", same_inputs)
     if coupling == "auto":
-        return auto_coupling(H, G, E_q, E_kv, same_inputs)  # type: ignore[arg-type]
+        return auto_coupling(H, G, E_q, E_kv, same_inputs)
     if coupling == "tied" and metric != "none":
         check_tied(names, H, G, E_q, E_kv)
     return coupling
@@ -306,9 +307,9 @@ def check_shapes(
             "check_shapes(mask_name=...) is deprecated; pass names={'mask': ...}", DeprecationWarning, stacklevel=2
         )
         names.setdefault("mask", mask_name)
-    n = lambda k: display(names, k)  # noqa: E731
+    n = functools.partial(display, names)
     query, context, value, mask = n("query"), n("context"), n("value"), n("mask")
-    check_token_shape(query, query_shape, config.query_dim, _feature_arg(names, "query_dim"))  # type: ignore[arg-type]
+    check_token_shape(query, query_shape, config.query_dim, _feature_arg(names, "query_dim"))
     if context_shape is None:
         if config.context_dim != config.query_dim:
             raise DamchaValueError(
@@ -318,7 +319,7 @@ def check_shapes(
             )
         context_shape = query_shape
     else:
-        check_token_shape(context, context_shape, config.context_dim, _feature_arg(names, "context_dim"))  # type: ignore[arg-type]
+        check_token_shape(context, context_shape, cast(int, config.context_dim), _feature_arg(names, "context_dim"))
         if context_shape[0] != query_shape[0]:
             raise DamchaValueError(
                 f"`{query}` and `{context}` must have the same batch size. "
@@ -333,7 +334,7 @@ def check_shapes(
                 f"{n('value_input_dim')}={config.value_input_dim}"
             )
     else:
-        check_token_shape(value, value_shape, config.value_input_dim, _feature_arg(names, "value_input_dim"))  # type: ignore[arg-type]
+        check_token_shape(value, value_shape, cast(int, config.value_input_dim), _feature_arg(names, "value_input_dim"))
         if tuple(value_shape[:2]) != tuple(context_shape[:2]):
             raise DamchaValueError(
                 f"`{value}` must have the batch size and length of `{context}` (one value per key). "

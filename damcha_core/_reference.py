@@ -21,6 +21,7 @@ import numpy as np
 
 from ._config import DamchaConfig
 from ._errors import DamchaTypeError, DamchaValueError, describe
+from ._metrics import structure
 from ._params import _is_real_float, validate_params
 from ._policy import check_bool, check_choice, check_shapes
 from ._rotary import Rotary, apply_rotary
@@ -111,7 +112,7 @@ def side_of(config: DamchaConfig, role: str) -> str | None:
 
 def _leaves(params: Mapping[str, Any], config: DamchaConfig, side: str) -> dict[str, Any]:
     """The tensors of one metric side, by leaf name (the metric table's names)."""
-    return {leaf: params[f"metric.{side}.{leaf}"] for leaf in config.metric_structure.leaf_names}  # type: ignore[union-attr]
+    return {leaf: params[f"metric.{side}.{leaf}"] for leaf in structure(config.metric).leaf_names}
 
 
 def generator(params: Mapping[str, np.ndarray], config: DamchaConfig, side: str, tokens: np.ndarray) -> np.ndarray:
@@ -119,7 +120,7 @@ def generator(params: Mapping[str, np.ndarray], config: DamchaConfig, side: str,
 
     Returns A(t) (B, T, S, S) for metric "heads", u(t) (B, T, r) for "lowrank".
     """
-    return config.metric_structure.coefficients(np, rms_normalise(tokens), _leaves(params, config, side))  # type: ignore[union-attr]
+    return structure(config.metric).coefficients(np, rms_normalise(tokens), _leaves(params, config, side))
 
 
 def apply_map(
@@ -127,7 +128,7 @@ def apply_map(
 ) -> np.ndarray:
     """L(t) y for stacked heads y (B, T, S, d), without forming L."""
     coeff = generator(params, config, side, tokens)
-    return config.metric_structure.apply(np, coeff, y, _leaves(params, config, side))  # type: ignore[union-attr]
+    return structure(config.metric).apply(np, coeff, y, _leaves(params, config, side))
 
 
 def dense_map(params: Mapping[str, np.ndarray], config: DamchaConfig, side: str, tokens: np.ndarray) -> np.ndarray:
@@ -135,7 +136,7 @@ def dense_map(params: Mapping[str, np.ndarray], config: DamchaConfig, side: str,
     S, d = config.side_heads(side), config.key_dim
     coeff = generator(params, config, side, tokens)
     leaves = _leaves(params, config, side)
-    delta = config.metric_structure.dense_delta(np, coeff, leaves, d)  # type: ignore[union-attr]
+    delta = structure(config.metric).dense_delta(np, coeff, leaves, d)
     identity = np.eye(S * d).reshape(S, d, S, d)
     return identity + leaves["gate"][:, None, None, None] * delta
 
@@ -143,16 +144,16 @@ def dense_map(params: Mapping[str, np.ndarray], config: DamchaConfig, side: str,
 def head_map(params: Mapping[str, np.ndarray], config: DamchaConfig, side: str, tokens: np.ndarray) -> np.ndarray:
     """The per-token factor a user inspects: l(t) = I + diag(g) A(t) (B, T, S, S) for
     metric "heads"; the dense L(t) (B, T, S, d, S, d) for "lowrank"."""
-    structure = config.metric_structure
-    if structure.compact_head_map:  # type: ignore[union-attr]
+    table = structure(config.metric)
+    if table.compact_head_map:
         coeff = generator(params, config, side, tokens)
-        return structure.head_map(np, coeff, _leaves(params, config, side))  # type: ignore[union-attr]
+        return table.head_map(np, coeff, _leaves(params, config, side))
     return dense_map(params, config, side, tokens)
 
 
 def project(
     params: Mapping[str, np.ndarray], config: DamchaConfig, x: np.ndarray, c: np.ndarray, v: np.ndarray | None = None
-):
+) -> tuple[np.ndarray, ...]:
     """q (B, N, H, d), k (B, M, G, d), v (B, M, G, d_v) before any cross-head map;
     the values are projected from ``v`` (default: the context ``c``)."""
     out = []
@@ -192,7 +193,9 @@ def attend_values(probs: np.ndarray, visible: np.ndarray, v: np.ndarray) -> np.n
     return np.moveaxis(terms.sum(axis=3), 1, 2)
 
 
-def _logits_explicit(params, config, x, c, q, k):
+def _logits_explicit(
+    params: Mapping[str, np.ndarray], config: DamchaConfig, x: np.ndarray, c: np.ndarray, q: np.ndarray, k: np.ndarray
+) -> np.ndarray:
     """N x M logits through each head's explicit cross-head metric M_h(i, j)."""
     B, N, H, d = q.shape
     M, G = k.shape[1], k.shape[2]
@@ -232,7 +235,7 @@ def damcha_attention(
     path: str = "fast",
     value: Any = None,
     rotary: Any = None,
-):
+) -> Any:  # the output (B, N, E_o), or a tuple with the weights and/or maps (see Returns)
     """DAMCHA v1 forward pass in float64 (inference: no dropout).
 
     Args:
@@ -365,8 +368,8 @@ def role_penalty(xp: Any, params: Mapping[str, Any], config: DamchaConfig, side:
     # Ports may pass only the tensors the formula reads (the gate, and U, V for lowrank).
     leaves = {
         leaf: params[f"metric.{side}.{leaf}"]
-        for leaf in config.metric_structure.leaf_names  # type: ignore[union-attr]
+        for leaf in structure(config.metric).leaf_names
         if f"metric.{side}.{leaf}" in params
     }
     S = leaves["gate"].shape[0]
-    return xp.mean(config.metric_structure.penalty_sq(xp, coeff, leaves, d)) / (S * d)  # type: ignore[union-attr]
+    return xp.mean(structure(config.metric).penalty_sq(xp, coeff, leaves, d)) / (S * d)

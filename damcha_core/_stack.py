@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -169,7 +169,10 @@ class TokenModelConfig:
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         """Model parameter names and shapes (the encoder's under ``encoder.``)."""
         E = self.encoder.width
-        shapes = {"embedding.table": (self.vocab_size, E), "position.table": (self.max_len, E)}
+        shapes: dict[str, tuple[int, ...]] = {
+            "embedding.table": (self.vocab_size, E),
+            "position.table": (self.max_len, E),
+        }
         shapes.update({f"encoder.{k}": v for k, v in self.encoder.param_shapes().items()})
         shapes["head.kernel"] = (E, self.num_classes)
         shapes["head.bias"] = (self.num_classes,)
@@ -251,7 +254,7 @@ def layer_norm(x: np.ndarray, scale: np.ndarray, bias: np.ndarray, eps: float) -
     return (x - mu) / np.sqrt(var + eps) * scale + bias
 
 
-ACTIVATION_FNS = {
+ACTIVATION_FNS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "gelu": lambda x: 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0))),
     "gelu_tanh": lambda x: 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3))),
     "relu": lambda x: np.maximum(x, 0.0),

@@ -9,10 +9,11 @@ public ones; ``DamchaConfig`` and every port call these same functions.
 from __future__ import annotations
 
 import contextvars
+import functools
 import math
 import numbers
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal, overload
 
 import numpy as np
 
@@ -51,6 +52,10 @@ def display(names: Mapping[str, str] | None, canonical: str) -> str:
 # ------------------------------------------------------------------ validators
 
 
+@overload
+def check_int(name: str, value: Any, *, minimum: int = 1, optional: Literal[False] = False) -> int: ...
+@overload
+def check_int(name: str, value: Any, *, minimum: int = 1, optional: bool) -> int | None: ...
 def check_int(name: str, value: Any, *, minimum: int = 1, optional: bool = False) -> int | None:
     """An int (NumPy ints too, never a bool) >= ``minimum``; ``None`` passes when ``optional``.
 
@@ -124,6 +129,10 @@ def check_rate(name: str, value: Any) -> float:
     return rate
 
 
+@overload
+def check_seed(name: str, value: Any, *, optional: Literal[False]) -> int: ...
+@overload
+def check_seed(name: str, value: Any, *, optional: bool = True) -> int | None: ...
 def check_seed(name: str, value: Any, *, optional: bool = True) -> int | None:
     """A seed: an int >= 0, or ``None`` when ``optional``.
 
@@ -198,7 +207,7 @@ def check_tied(
     context_dim: int | None,
 ) -> None:
     """The constraints of coupling "tied" (with a metric), for the sizes known."""
-    n = lambda k: display(names, k)  # noqa: E731
+    n = functools.partial(display, names)
     coupling = n("coupling")
     if num_heads is not None and num_kv_heads is not None and num_kv_heads != num_heads:
         raise DamchaValueError(
@@ -256,7 +265,7 @@ def check_config_fields(
     unknown = sorted(set(fields) - set(CONFIG_FIELDS))
     if unknown:
         raise DamchaTypeError(f"unknown DamchaConfig field(s) {unknown}. Expected a subset of {list(CONFIG_FIELDS)}")
-    n = lambda k: display(names, k)  # noqa: E731
+    n = functools.partial(display, names)
     values = {**_DEFAULTS, **fields}
     out: dict[str, Any] = {}
     for key in REQUIRED_FIELDS:
@@ -293,7 +302,7 @@ def check_config_fields(
         out["metric_rank"] = None
     E_q, E_kv = out["query_dim"], out["context_dim"]
     if coupling == "auto" and None not in (H, G, E_q, E_kv):
-        coupling = auto_coupling(H, G, E_q, E_kv, same_inputs)  # type: ignore[arg-type]
+        coupling = auto_coupling(H, G, E_q, E_kv, same_inputs)
     elif coupling == "tied" and metric != "none":
         check_tied(names, H, G, E_q, E_kv)
     out["coupling"] = coupling

@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from damcha_core import DamchaValueError
+
 from ._stats import describe, holm, paired_difference
 
 ALPHA = 0.05
@@ -71,7 +73,7 @@ def _s_per_step(cost: dict[str, Any] | None, name: str) -> float | None:
     return float(cost["variants"][name]["s_per_step"])
 
 
-def budgets(results: dict[str, Any], names: list[str], cost: dict[str, Any] | None = None) -> dict[str, float]:
+def budgets(results: dict[str, Any], names: list[str], cost: dict[str, Any] | None = None) -> dict[str, Any]:
     """The equal-steps and equal-time budgets of the compared variants (see the module docstring)."""
     steps, times = [], []
     for name in names:
@@ -93,13 +95,15 @@ def values(
     results: dict[str, Any],
     name: str,
     budget: str,
-    b: dict[str, float] | None = None,
+    b: dict[str, Any] | None = None,
     cost: dict[str, Any] | None = None,
 ) -> list[float]:
     """Test metric per seed (seed order) of ``name`` at ``budget`` ("converged", "steps" or "time")."""
     runs = sorted(results["variants"][name]["runs"], key=lambda r: r["seed"])
     if budget == "converged":
         return [r["test_metric"] for r in runs]
+    if b is None:
+        raise DamchaValueError(f"budget={budget!r} needs `b`, the budgets() of the results. Received: b=None")
     if budget == "steps":
         return [value_at(results, r, max_step=b["steps"]) for r in runs]
     sps = _s_per_step(cost, name) if b["time_source"] == "cost" else None

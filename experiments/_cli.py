@@ -374,7 +374,7 @@ def _train(args, cfg, variants, out, device, should_stop) -> int:
         cost = measure_cost(cfg, variants, device=device) | {"suite": args.suite}
         existing = out / f"{name}.json"
 
-        def write(folder: Path) -> dict[str, Path]:
+        def write_cost(folder: Path) -> dict[str, Path]:
             paths = {"cost": write_json(cost, folder / f"{name}_cost.json")}
             if existing.exists() and not args.no_plots:
                 from ._report import plot_time_curves
@@ -386,7 +386,7 @@ def _train(args, cfg, variants, out, device, should_stop) -> int:
                 paths["time"] = plot_time_curves(results, folder / f"{stem(results)}_time.png", cost)
             return paths
 
-        written = _staged(out, write)
+        written = _staged(out, write_cost)
         print(cost_table(cost))
         print("\nwrote " + ", ".join(str(p) for p in written.values()))
         return 0
@@ -410,25 +410,25 @@ def _train(args, cfg, variants, out, device, should_stop) -> int:
         return 130
     finally:
         bar.close()
-    cost = None
+    run_cost: dict[str, Any] | None = None
     if not args.no_cost:
-        cost = measure_cost(cfg, variants, device=device) | {"suite": args.suite}
+        run_cost = measure_cost(cfg, variants, device=device) | {"suite": args.suite}
 
     def write(folder: Path) -> dict[str, Path]:
         paths = {}
-        if cost is not None:
-            paths["cost"] = write_json(cost, folder / f"{name}_cost.json")
+        if run_cost is not None:
+            paths["cost"] = write_json(run_cost, folder / f"{name}_cost.json")
         if args.no_plots:
             paths["json"] = write_json(results, folder / f"{stem(results)}.json")
         else:
-            paths |= write_results(results, folder, cost)
+            paths |= write_results(results, folder, run_cost)
         return paths
 
     paths = _staged(out, write)
-    print(markdown_table(results, cost))
-    if cost is not None:
+    print(markdown_table(results, run_cost))
+    if run_cost is not None:
         print()
-        print(cost_table(cost))
+        print(cost_table(run_cost))
     print(
         f"\nwall time {results['wall_s']:.0f} s (CPU {results['cpu_s']:.0f} s); wrote "
         + ", ".join(str(p) for p in paths.values())

@@ -24,10 +24,11 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-from ._models import count_parameters, get_variant
+from ._models import count_parameters
 from ._suite import environment
 from ._tasks import RESULTS_FORMAT, TaskConfig, TaskData
 from ._train import _sync, _to_device, build_model, model_width, param_groups
+from ._variants import get_variant
 
 
 def _step(
@@ -88,7 +89,7 @@ def measure_cost(
         models[name], opts[name] = model, opt
         activations = saved_activation_bytes(model, x, y)
         _step(model, opt, x, y, v.penalty, cfg.clip)  # creates the optimiser state, warms caches
-        entry = {
+        entry: dict[str, Any] = {
             "params": params,
             "mlp_hidden": width,
             "activation_bytes": activations,

@@ -13,6 +13,7 @@ import hashlib
 import sys
 import sysconfig
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 
@@ -137,7 +138,7 @@ def listops_eval(tree: object) -> int:
     """Value of an expression tree: an int digit or ``(op, [children])``."""
     if isinstance(tree, (int, np.integer)):
         return int(tree)
-    op, args = tree  # type: ignore[misc]
+    op, args = cast("tuple[str, list[object]]", tree)  # an int was handled above
     values = [listops_eval(a) for a in args]
     if op == "MAX":
         return max(values)
@@ -155,7 +156,7 @@ def listops_tokens(tree: object) -> list[int]:
     """Prefix tokens of a tree: ``[MAX 3 [MIN 4 1 ] ]`` -> ids."""
     if isinstance(tree, (int, np.integer)):
         return [DIGIT0 + int(tree)]
-    op, args = tree  # type: ignore[misc]
+    op, args = cast("tuple[str, list[object]]", tree)  # an int was handled above
     out = [OP0 + LISTOPS_OPS.index(op)]
     for a in args:
         out += listops_tokens(a)
@@ -265,16 +266,16 @@ def stdlib_corpus(max_bytes: int = 1_000_000, val_fraction: float = 0.1, test_fr
     text = b"".join(chunks)[:max_bytes]
     if len(text) < 10_000:
         raise DamchaValueError(f"standard library at {root} gave only {len(text)} bytes of text")
-    data = np.frombuffer(text, dtype=np.uint8)
-    cut = int(len(data) * (1.0 - val_fraction - test_fraction))
-    cut_test = int(len(data) * (1.0 - test_fraction)) if test_fraction else len(data)
+    codes = np.frombuffer(text, dtype=np.uint8)
+    cut = int(len(codes) * (1.0 - val_fraction - test_fraction))
+    cut_test = int(len(codes) * (1.0 - test_fraction)) if test_fraction else len(codes)
     return Corpus(
-        data[:cut].copy(),
-        data[cut:cut_test].copy(),
+        codes[:cut].copy(),
+        codes[cut:cut_test].copy(),
         tuple(files),
         hashlib.sha256(text).hexdigest(),
         f"{sys.version_info.major}.{sys.version_info.minor}.{sys.version_info.micro}",
-        data[cut_test:].copy(),
+        codes[cut_test:].copy(),
     )
 
 

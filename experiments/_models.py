@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -25,7 +25,10 @@ from torch import nn
 from damcha_core import DamchaValueError
 
 from ._talking_heads import TalkingHeadsAttention
-from ._variants import ABLATION, ABLATION_REFERENCE, HEADLINE, SUITES, VARIANTS, Variant, get_variant  # noqa: F401
+from ._variants import Variant
+
+if TYPE_CHECKING:
+    import damcha_torch
 
 
 def _damcha_options(variant: Variant, embed_dim: int, num_heads: int) -> dict[str, Any]:
@@ -251,7 +254,7 @@ def as_variant(model: nn.Module, variant: Variant) -> nn.Module:
     return model
 
 
-def damcha_layers(model: nn.Module) -> list[nn.Module]:
+def damcha_layers(model: nn.Module) -> list[damcha_torch.DamchaAttention]:
     """The ``damcha_torch.DamchaAttention`` modules of ``model``, in module order (none for baselines)."""
     try:
         import damcha_torch

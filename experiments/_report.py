@@ -7,8 +7,10 @@ destroys an earlier good one.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +78,16 @@ def _label(results: dict[str, Any], which: str = "metric") -> str:
     return results["metric"].replace("_", " ")
 
 
+def _measured_time(run: dict[str, Any]) -> Any:
+    """A run's x values: its measured training time."""
+    return run["curve"]["train_time_s"]
+
+
+def _steps_times(run: dict[str, Any], seconds_per_step: float) -> list[float]:
+    """A run's x values: its steps times the interleaved cost measurement's seconds per step."""
+    return [step * seconds_per_step for step in run["curve"]["step"]]
+
+
 def _banded(runs: list[dict[str, Any]], key: str, xs_of) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Mean and std over runs on the union of their x values; a stopped run keeps its last value."""
     per_run = [(np.asarray(xs_of(r), dtype=float), np.asarray(r["curve"][key], dtype=float)) for r in runs]
@@ -119,9 +131,9 @@ def plot_time_curves(results: dict[str, Any], path: Path, cost: dict[str, Any] |
         sps = an._s_per_step(cost, name)
         if sps is None:
             source = "each run's measured training time"
-            xs = lambda run: run["curve"]["train_time_s"]  # noqa: E731
+            xs: Callable[[dict[str, Any]], Any] = _measured_time
         else:
-            xs = lambda run, s=sps: [step * s for step in run["curve"]["step"]]  # noqa: E731
+            xs = functools.partial(_steps_times, seconds_per_step=sps)
         x, mean, std = _banded(r["runs"], "val_metric", xs)
         ax.plot(x, mean, label=name, lw=1.2, ls="--" if r["kind"] != "damcha" else "-")
         ax.fill_between(x, mean - std, mean + std, alpha=0.15)

@@ -23,10 +23,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._models import Variant, get_variant
+from ._models import Variant
 from ._stats import describe
 from ._tasks import RESULTS_FORMAT, TaskConfig, TaskData
 from ._train import model_width, train_run
+from ._variants import get_variant
 
 
 def run_folder(out: Path, cfg: TaskConfig, device: torch.device, variant: str, lr: float, seed: int) -> Path:

@@ -307,7 +307,9 @@ class TaskData:
         if cfg.task == "charlm":
             corpus = _data.stdlib_corpus(max_bytes=cfg.train_size, val_fraction=0.1, test_fraction=0.1)
             self.corpus = corpus
-            self.vocab_sizes, self.num_outputs = (256,), 256
+            # One vocabulary here; the synthetic tasks below have one per input stream.
+            self.vocab_sizes: tuple[int, ...] = (256,)
+            self.num_outputs = 256
             self.readout, self.causal, self.max_len, self.pad_id = None, True, cfg.seq_len, None
             self.val = _data.lm_eval_windows(corpus.val, cfg.seq_len, cfg.val_size)
             self.test = _data.lm_eval_windows(corpus.test, cfg.seq_len, cfg.test_size)

@@ -54,6 +54,7 @@ class RunInterrupted(Exception):
 def build_model(data: TaskData, variant: Variant, mlp_hidden: int) -> nn.Module:
     """The task's model with ``variant``'s attention, on the CPU, ablation options applied."""
     cfg = data.cfg
+    model: nn.Module
     if data.images:
         model = DigitsViT(
             data.num_outputs,
@@ -430,7 +431,7 @@ def _result(
 ) -> dict[str, Any]:
     c = state.curve
     best = best_index_up_to(cfg, c, len(c["step"]) - 1)
-    reached: dict[str, int | None] = {}
+    reached: dict[str, float | None] = {}
     for thr in cfg.thresholds:
         hit = [s for s, v in zip(c["step"], c["val_metric"]) if math.isfinite(v) and _score(cfg, v) >= _score(cfg, thr)]
         reached[f"{thr:g}"] = hit[0] if hit else None

@@ -20,6 +20,7 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 
@@ -39,7 +40,7 @@ DECODE_CHUNKS = (3, 1, 3)
 ATOL = {"float64": 1e-9, "float32": 1e-4, "float16": 1e-2}
 EXTERNAL_DATA = {"auto": None, "always": True, "never": False}
 #: --mask choice -> the exporter's ``mask=``: none, a 4-D (B|1, H|1, N|1, M) mask, a (B, M) padding mask.
-MASKS = {"none": False, "4d": True, "padding": "padding"}
+MASKS: dict[str, bool | str] = {"none": False, "4d": True, "padding": "padding"}
 #: An int8 model passes when its relative RMS error against the reference is at most this.
 INT8_RTOL = 0.1
 #: The reduced operator config ``convert_to_ort`` writes beside the .ort files (with type reduction).
@@ -317,11 +318,12 @@ def _main(argv: list[str] | None) -> int:
 def _inputs(args: argparse.Namespace, config: dc.DamchaConfig, rng: np.random.Generator) -> dict[str, np.ndarray]:
     """Random feeds named as the model's inputs."""
     B, N, M = 2, 7, 5 if args.cross else 7
-    inputs = {"query": rng.normal(size=(B, N, config.query_dim))}
+    inputs: dict[str, np.ndarray] = {"query": rng.normal(size=(B, N, config.query_dim))}
     if args.cross:
-        inputs["context"] = rng.normal(size=(B, M, config.context_dim))
-        if config.value_input_dim != config.context_dim:  # value tokens of their own size (the export's `value`)
-            inputs["value"] = rng.normal(size=(B, M, config.value_input_dim))
+        E_kv, E_v = cast(int, config.context_dim), cast(int, config.value_input_dim)
+        inputs["context"] = rng.normal(size=(B, M, E_kv))
+        if E_v != E_kv:  # value tokens of their own size (the export's `value`)
+            inputs["value"] = rng.normal(size=(B, M, E_v))
     if args.mask == "4d":
         inputs["mask"] = rng.random((B, 1, N, M)) < 0.8
     elif args.mask == "padding":
@@ -334,7 +336,7 @@ def _reference(
 ) -> Outputs:
     """The NumPy reference's outputs on ``inputs``, named as the model's."""
     mask = inputs.get("mask")
-    if args.mask == "padding":  # (B, M): every head and query row of a batch sees the same keys
+    if mask is not None and args.mask == "padding":  # (B, M): every head and query row of a batch sees the same keys
         mask = mask[:, None, None, :]
     result = dc.damcha_attention(
         params,
@@ -455,7 +457,8 @@ def _decode(model: str, run: Callable, inputs: dict[str, np.ndarray], batch: int
     """The layer's outputs on the whole sequence, fed step by step through its cache. Each step's
     ``weights`` (B, H, n, P + n) are the rows of the full (B, H, N, N) ones, whose later columns
     the causal rule leaves at 0."""
-    cache, outs, start = empty_kv_cache(model, batch), {}, 0
+    cache, start = empty_kv_cache(model, batch), 0
+    outs: dict[str, list[np.ndarray]] = {}
     total = inputs["query"].shape[1]
     for n in DECODE_CHUNKS:
         stop = start + n

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Mapping, Sequence
+from typing import cast
 
 import numpy as np
 import onnx
@@ -262,7 +263,7 @@ def fold_params(
     identity) or (S*d,) for "lowrank", applied to the generator's output.
     """
     p = dc.validate_params(params, config)
-    H, d_v = config.num_heads, config.value_dim
+    H, d_v = config.num_heads, cast(int, config.value_dim)
     s = config.softmax_scale
     out: dict[str, np.ndarray] = {}
     for short, name, factor in (("q", "query", s), ("k", "key", 1.0), ("v", "value", 1.0)):
@@ -287,7 +288,7 @@ def fold_params(
                 out[f"{side}.gate_rows"] = np.repeat(g, S)
                 out[f"{side}.eye"] = np.eye(S).reshape(S * S)
         else:
-            r = config.metric_rank
+            r = cast(int, config.metric_rank)
             out[f"{side}.gen.kernel"] = p[f"{pre}.kernel"]
             out[f"{side}.gen.bias"] = p[f"{pre}.bias"]
             out[f"{side}.v"] = p[f"{pre}.v"].reshape(-1, r)
@@ -399,11 +400,11 @@ def attention_layer(
             f"A key/value cache needs causal self-attention. Received: context={context!r}, causal={causal}"
         )
     f = fold_params(params, config, fold_gate=shared is None)
-    H, G, d, d_v = config.num_heads, config.num_kv_heads, config.key_dim, config.value_dim
+    H, G, d, d_v = config.num_heads, config.side_heads("k"), config.key_dim, cast(int, config.value_dim)
     R = config.group_size
     P = prefix
     self_attn = context is None
-    if not self_attn:
+    if context is not None:
         # Reshape to (B_query, M, E_kv): a context whose batch differs from the
         # query's fails here (element count) instead of broadcasting in MatMul.
         target = g.op(
@@ -413,7 +414,7 @@ def attention_layer(
             axis=0,
         )
         context = g.op("Reshape", [context, target], f"{P}context")
-    c = query if self_attn else context
+    c = query if context is None else context
     if value is not None:
         # The same guard for the value tokens; their length must be the
         # context's, which the attention (or the value MatMul) enforces.
@@ -433,13 +434,18 @@ def attention_layer(
     coeff_x: dict[str, str] = {}
     phi_x = g.rms_normalise(query, config.query_dim, f"{P}phi_x") if (sq or (sk and self_attn)) else None
     if sq:
+        assert phi_x is not None  # computed above whenever a side reads the query
         coeff_x[sq] = _generator(g, f, config, sq, phi_x, f"{P}{sq}_coeff_x", shared, P)
         q = _apply_map(g, f, config, sq, coeff_x[sq], q, H, f"{P}q_mapped", shared, P)
     if sk:
         if self_attn and sk in coeff_x:
             coeff_c = coeff_x[sk]  # tied self-attention: one generator pass serves q and k
         else:
-            phi_c = phi_x if self_attn else g.rms_normalise(c, config.context_dim, f"{P}phi_c")
+            phi_c = (
+                phi_x
+                if phi_x is not None and self_attn
+                else g.rms_normalise(c, cast(int, config.context_dim), f"{P}phi_c")
+            )
             coeff_c = _generator(g, f, config, sk, phi_c, f"{P}{sk}_coeff_c", shared, P)
         k = _apply_map(g, f, config, sk, coeff_c, k, config.side_heads(sk), f"{P}k_mapped", shared, P)
 

@@ -109,7 +109,9 @@ def _staging(path: str) -> Iterator[str]:
 def _write_arrays(path: str, arrays: Sequence[np.ndarray]) -> None:
     with open(path, "wb") as f:
         for array in arrays:
-            f.write(memoryview(np.ascontiguousarray(array)).cast("B"))
+            # No copy of a (possibly multi-GiB) array. ndarray has the buffer protocol; NumPy's stubs
+            # declare it (__buffer__) only for Python >= 3.12.
+            f.write(memoryview(np.ascontiguousarray(array)).cast("B"))  # type: ignore[arg-type]
         f.flush()
         os.fsync(f.fileno())
 
@@ -142,7 +144,7 @@ def save_external(model: onnx.ModelProto, arrays: Sequence[np.ndarray], path: st
     return [os.path.join(directory, n) for n in names]
 
 
-def save_model(model: onnx.ModelProto, path: str | os.PathLike, *, external_data: bool | None = None) -> list[str]:
+def save_model(model: onnx.ModelProto, path: str | os.PathLike[str], *, external_data: bool | None = None) -> list[str]:
     """Write an in-memory ``model`` to ``path`` atomically; returns the files written.
 
     With external data (``external_data=True``, or ``None`` and a model too
@@ -150,20 +152,20 @@ def save_model(model: onnx.ModelProto, path: str | os.PathLike, *, external_data
     ``.onnx`` file, which refers to it by that relative name. Either way a
     failure leaves any earlier file at ``path`` untouched and no partial file.
     """
-    path = check_path(path)
-    assert path is not None
+    target = check_path(path)
+    assert target is not None  # None only for path=None, which the annotation excludes
     if not needs_external_data(model_size(model), external_data):
         # One file: the core's atomic writer (a temporary file beside it, then one rename).
         from damcha_core._cliutil import atomic_write
 
-        with atomic_write(path, "wb") as f:
+        with atomic_write(target, "wb") as f:
             f.write(model.SerializeToString())
-        remove_stale_data(path)
-        return [path]
-    directory = os.path.dirname(os.path.abspath(path))
-    names = [os.path.basename(path), data_file_name(path)]
+        remove_stale_data(target)
+        return [target]
+    directory = os.path.dirname(os.path.abspath(target))
+    names = [os.path.basename(target), data_file_name(target)]
     mode = _umask_mode()
-    with _staging(path) as tmp:
+    with _staging(target) as tmp:
         # save_as_external_data rewrites the tensors of the proto it is given:
         # save a copy, so the caller's model keeps its weights in memory.
         copy = onnx.ModelProto()

@@ -30,6 +30,7 @@ def check_opset(opset: Any, form: str = "auto") -> tuple[int, str]:
     newest = onnx.defs.onnx_opset_version()
     if isinstance(opset, bool) or not isinstance(opset, numbers.Integral):
         raise DamchaTypeError(f"`opset` must be an int in [{MIN_OPSET}, {newest}]. Received: opset={describe(opset)}")
+    opset = int(opset)
     if not MIN_OPSET <= opset <= newest:
         raise DamchaValueError(
             f"`opset` must be in [{MIN_OPSET}, {newest}]: {MIN_OPSET}-{ATTENTION_OPSET - 1} export a decomposed "

@@ -235,8 +235,8 @@ def quantize_static_int8(
 
 
 def quantization_error(
-    float_model: onnx.ModelProto,
-    int8_model: onnx.ModelProto,
+    float_model: onnx.ModelProto | str,
+    int8_model: onnx.ModelProto | str,
     inputs: Mapping[str, Any],
     reference: np.ndarray | None = None,
 ) -> dict[str, float]:

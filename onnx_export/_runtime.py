@@ -7,7 +7,7 @@ import numbers
 import os
 import tempfile
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal, overload
 
 import numpy as np
 import onnx
@@ -293,8 +293,28 @@ def _first_or_all(model: onnx.ModelProto, outputs: list, all_outputs: bool) -> n
     return {o.name: value for o, value in zip(model.graph.output, outputs)}
 
 
+@overload
 def run_ort(
-    model: onnx.ModelProto | str | os.PathLike, inputs: Mapping[str, Any], *, session=None, all_outputs: bool = False
+    model: onnx.ModelProto | str | os.PathLike[str],
+    inputs: Mapping[str, Any],
+    *,
+    session: Any = None,
+    all_outputs: Literal[False] = False,
+) -> np.ndarray: ...
+@overload
+def run_ort(
+    model: onnx.ModelProto | str | os.PathLike[str],
+    inputs: Mapping[str, Any],
+    *,
+    session: Any = None,
+    all_outputs: bool,
+) -> np.ndarray | dict[str, np.ndarray]: ...
+def run_ort(
+    model: onnx.ModelProto | str | os.PathLike[str],
+    inputs: Mapping[str, Any],
+    *,
+    session: Any = None,
+    all_outputs: bool = False,
 ) -> np.ndarray | dict[str, np.ndarray]:
     """First output of ``model`` (a ModelProto or an ``.onnx`` path) in onnxruntime's CPU provider.
 
@@ -307,8 +327,28 @@ def run_ort(
     return _first_or_all(proto, session.run(None, feeds_for(proto, inputs)), all_outputs)
 
 
+@overload
 def run_reference(
-    model: onnx.ModelProto | str | os.PathLike, inputs: Mapping[str, Any], *, evaluator=None, all_outputs: bool = False
+    model: onnx.ModelProto | str | os.PathLike[str],
+    inputs: Mapping[str, Any],
+    *,
+    evaluator: Any = None,
+    all_outputs: Literal[False] = False,
+) -> np.ndarray: ...
+@overload
+def run_reference(
+    model: onnx.ModelProto | str | os.PathLike[str],
+    inputs: Mapping[str, Any],
+    *,
+    evaluator: Any = None,
+    all_outputs: bool,
+) -> np.ndarray | dict[str, np.ndarray]: ...
+def run_reference(
+    model: onnx.ModelProto | str | os.PathLike[str],
+    inputs: Mapping[str, Any],
+    *,
+    evaluator: Any = None,
+    all_outputs: bool = False,
 ) -> np.ndarray | dict[str, np.ndarray]:
     """First output of ``model`` in ``onnx.reference.ReferenceEvaluator`` (pure Python).
 

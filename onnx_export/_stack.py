@@ -173,6 +173,7 @@ def _half_erfc(g: GraphBuilder, z: str, name: str) -> str:
         if b2 is not None:
             acc = g.op("Sub", [acc, b2], f"{name}_s{k}")
         b1, b2 = g.op("Add", [acc, g.scalar(ERFC_CHEBYSHEV[k])], f"{name}_b{k}"), b1
+    assert b2 is not None  # ERFC_CHEBYSHEV has more than two terms
     series = g.op(
         "Add",
         [g.op("Sub", [g.op("Mul", [y, b1], f"{name}_yb1"), b2], f"{name}_yb"), g.scalar(ERFC_CHEBYSHEV[0])],

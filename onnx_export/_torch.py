@@ -82,6 +82,8 @@ def export_torch(
         output_names=list(output_names) if output_names else None,
         verbose=False,
     )
+    if program is None:  # torch.onnx.export returns None only when it writes to a file itself
+        raise RuntimeError("torch.onnx.export(dynamo=True) returned no ONNXProgram")
     proto = program.model_proto
     validate_model(proto)
     if path is not None:

@@ -38,7 +38,7 @@ class JaxAdapter:
     supports_gradients = True
 
     def __init__(self) -> None:
-        x64 = bool(jax.config.jax_enable_x64)
+        x64 = bool(jax.config.read("jax_enable_x64"))
         self.dtypes: Sequence[str] = ("float32", "bfloat16", "float64") if x64 else ("float32", "bfloat16")
         self._last: tuple[tuple[str, str], dict[str, np.ndarray]] | None = None
 
@@ -49,7 +49,7 @@ class JaxAdapter:
     def _dtype(dtype: str) -> Any:
         if dtype not in _JNP_DTYPES:
             raise DamchaValueError(f"`dtype` must be one of {tuple(_JNP_DTYPES)}. Received: dtype={dtype!r}")
-        if dtype == "float64" and not jax.config.jax_enable_x64:
+        if dtype == "float64" and not jax.config.read("jax_enable_x64"):
             raise DamchaValueError(
                 "`dtype` float64 needs JAX's x64 mode (JAX_ENABLE_X64=1 or "
                 "jax.config.update('jax_enable_x64', True)). Received: dtype='float64' with x64 disabled"
@@ -117,6 +117,8 @@ class JaxAdapter:
         if self._last is not None and self._last[0] == key:
             grads = self._last[1]
         else:
-            grads = self._run(data, dtype, gradients=True)[1]
+            computed = self._run(data, dtype, gradients=True)[1]
+            assert computed is not None  # _run returns them when asked
+            grads = computed
         self._last = None
         return grads

@@ -25,7 +25,7 @@ def _backend_dtypes(backend: str) -> tuple[str, ...]:
         import jax
 
         # JAX computes float64 only with x64 enabled (JAX_ENABLE_X64=1).
-        return ("float32", "float64") if jax.config.jax_enable_x64 else ("float32",)
+        return ("float32", "float64") if jax.config.read("jax_enable_x64") else ("float32",)
     return ("float32", "float64")
 
 
