@@ -79,7 +79,9 @@ def convert_to_ort(
         DamchaValueError: a path that is not a readable ONNX model, two
             models with one file name, a conversion onnxruntime refuses.
     """
-    from onnxruntime.tools.convert_onnx_models_to_ort import OptimizationStyle, convert_onnx_models_to_ort
+    with _root_handlers_kept():
+        # Importing the tool calls logging.basicConfig (onnxruntime.tools.logger).
+        from onnxruntime.tools.convert_onnx_models_to_ort import OptimizationStyle, convert_onnx_models_to_ort
 
     paths = [models] if isinstance(models, (str, os.PathLike)) else models
     if not isinstance(paths, Sequence) or not paths:
@@ -113,7 +115,7 @@ def convert_to_ort(
                 shutil.copy2(data, pathlib.Path(tmp) / data.name)
         log = io.StringIO()
         try:
-            with contextlib.redirect_stdout(log), _quiet_tool_logs():
+            with contextlib.redirect_stdout(log), _quiet_tool_logs(), _root_handlers_kept():
                 convert_onnx_models_to_ort(
                     pathlib.Path(tmp),
                     output_dir=out.resolve(),
@@ -142,3 +144,22 @@ def _quiet_tool_logs():
         yield
     finally:
         logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def _root_handlers_kept():
+    """Remove the handlers onnxruntime's tools add to the root logger.
+
+    ``onnxruntime.tools.logger.get_logger`` calls ``logging.basicConfig``, which
+    installs a stderr handler on the root logger when it has none: every later
+    log record of the application would then print to stderr in onnxruntime's
+    format. Whatever the block adds to the root logger is taken off again.
+    """
+    root = logging.getLogger()
+    before = list(root.handlers)
+    try:
+        yield
+    finally:
+        for handler in [h for h in root.handlers if h not in before]:
+            root.removeHandler(handler)
+            handler.close()  # a StreamHandler leaves its stream (stderr) open

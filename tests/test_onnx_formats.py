@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import onnx
 import pytest
@@ -104,6 +107,31 @@ def test_ort_conversion_errors(tmp_path):
         do.convert_to_ort([tmp_path / "none.onnx"], tmp_path / "out")
     with pytest.raises(dc.DamchaValueError, match="target_platform"):
         do.convert_to_ort(tmp_path / "a" / "m.onnx", tmp_path / "out", target_platform="x86")
+
+
+_ROOT_LOGGER_CHECK = """
+import logging, pathlib, sys
+import damcha_core as dc
+import damcha_onnx as do
+root = logging.getLogger()
+before = list(root.handlers)
+config = dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4)
+out = pathlib.Path(sys.argv[1])
+do.export(dc.init_params(config), config, out / "m.onnx")
+do.convert_to_ort(out / "m.onnx", out / "ort")
+assert (out / "ort" / "m.ort").is_file()
+print(before == root.handlers, [type(h).__name__ for h in root.handlers])
+"""
+
+
+def test_ort_conversion_leaves_the_root_logger_alone(tmp_path):
+    # onnxruntime's tool calls logging.basicConfig when imported, which only acts on a root logger
+    # without handlers; pytest gives it some, so the check runs in a fresh process.
+    proc = subprocess.run(
+        [sys.executable, "-c", _ROOT_LOGGER_CHECK, str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["True", "[]"], proc.stdout
 
 
 # ---------------------------------------------------------------- static int8
