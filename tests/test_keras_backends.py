@@ -1,14 +1,11 @@
-"""The conformance catalogue and a fit/save/load smoke test under each Keras backend.
+"""A fit/save/load smoke test under each Keras backend (the conformance
+catalogue, one test per check, is tests/test_keras_conformance.py).
 
 Keras fixes its backend at import, so each backend runs this file as a script
 in its own subprocess (``python tests/test_keras_backends.py BACKEND``); the
 pytest side only launches it and asserts on the result.
 
-Coverage per backend: tensorflow and torch run every case, outputs and
-gradients, in float32 and float64; jax runs every case, outputs and gradients,
-in float32 (float64 needs JAX_ENABLE_X64=1 and is run by ``damcha conform``,
-kept out of this suite for time: each case is a separate XLA compilation).
-Every backend also decodes token by token with a cache (jitted on jax), checks
+Every backend decodes token by token with a cache (jitted on jax), checks
 that NaN in a parameter or an input gives NaN out on every path of the layer
 (fused, masked, causal-only, explicit, float64), and that an int8-quantized
 model equals Keras MHA quantized the same way; the
@@ -28,10 +25,10 @@ from pathlib import Path
 
 import pytest
 
-BACKENDS = {"tensorflow": ("float32", "float64"), "torch": ("float32", "float64"), "jax": ("float32",)}
+BACKENDS = ("tensorflow", "torch", "jax")
 
 
-@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_keras_backend(backend, tmp_path):
     env = {**os.environ, "KERAS_BACKEND": backend}
     if backend == "jax":
@@ -44,9 +41,6 @@ def test_keras_backend(backend, tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["backend"] == backend
-    assert result["conformance_passed"], result["summary"]
-    assert result["dtypes"] == list(BACKENDS[backend])
-    assert result["checks"] >= 2 * 24 * len(BACKENDS[backend])  # outputs + gradients of every case ran
     assert result["fit_loss_decreased"] and result["reload_bit_exact"], result
     assert result["decode_within_float32_tolerance"], result
     assert result["onnx_export_matches"] is (True if backend == "torch" else None), result
@@ -133,14 +127,9 @@ def _main(backend: str, workdir: str) -> None:
 
     import keras
 
-    from damcha_conformance import run_conformance
-    from damcha_conformance.adapters import KerasAdapter
     from damcha_keras import DamchaAttention, MetricGenerator, TransformerDecoder, TransformerEncoder
 
     assert keras.backend.backend() == backend
-    adapter = KerasAdapter()
-    report = run_conformance(adapter, dtypes=BACKENDS[backend])
-    ran = [r for r in report.results if r.status != "unsupported"]
 
     # A small functional model whose layers share one generator: fit, save, reload.
     keras.utils.set_random_seed(0)
@@ -220,10 +209,6 @@ def _main(backend: str, workdir: str) -> None:
         "onnx_export_matches": onnx_ok,
         "decode_within_float32_tolerance": decode_ratio <= 1.0,
         "backend": backend,
-        "dtypes": list(adapter.dtypes),
-        "conformance_passed": report.passed,
-        "checks": len(ran),
-        "summary": report.summary(),
         "fit_loss_decreased": history.history["loss"][-1] < history.history["loss"][0],
         "reload_bit_exact": bool(np.array_equal(before, after)) and shared_again,
     }))
