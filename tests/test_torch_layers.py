@@ -359,14 +359,15 @@ def test_torch_export_with_dynamic_batch_and_length():
         x = _x(b, n, 16, seed=b).float()
         pad = torch.zeros(b, n, dtype=torch.bool)
         pad[-1, -1] = True
-        bias = _x(n, n, seed=n).float()
+        # (1, 1, N, N): a 2-D mask with is_causal=True would be the causal hint (not read).
+        bias = _x(1, 1, n, n, seed=n).float()
         return (x, x, x), {"key_padding_mask": pad, "attn_mask": bias, "need_weights": False, "is_causal": True}
 
     args, kwargs = inputs(2, 5)
     tokens = {0: batch, 1: length}
     program = torch.export.export(layer, args, kwargs, dynamic_shapes={
         "query": tokens, "key": tokens, "value": tokens, "key_padding_mask": tokens,
-        "attn_mask": {0: length, 1: length}, "need_weights": None, "is_causal": None,
+        "attn_mask": {2: length, 3: length}, "need_weights": None, "is_causal": None,
     })
     for b, n in ((2, 5), (3, 7)):
         args, kwargs = inputs(b, n)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -133,27 +133,50 @@ def weights_from_canonical(params: Mapping[str, Tensor], config: DamchaConfig) -
 # ------------------------------------------------------------------ steps
 
 
-def _rms_scale(t: Tensor) -> Tensor:
-    """1 / sqrt(sum(t^2 over features) + E * eps), (..., 1).
+_HYPOT_CONSTANTS: dict[tuple[int, torch.dtype], Tensor] = {}
 
-    Times sqrt(E) it is phi's factor 1 / sqrt(mean(t^2) + eps); the constant
-    rides on a later operation (one op fewer per call when decoding)."""
-    return torch.rsqrt((t * t).sum(dim=-1, keepdim=True) + t.shape[-1] * dc.RMS_EPS)
+
+def _hypot_constant(features: int, dtype: torch.dtype) -> Tensor:
+    """sqrt(E * eps) as a 0-d CPU tensor of ``dtype`` (``torch.hypot`` takes no
+    Python float); a CPU scalar tensor combines with tensors on any device.
+    Made once per (E, dtype), outside inference mode (hypot's backward saves
+    it, which an inference tensor refuses)."""
+    with torch.inference_mode(False):
+        const = _HYPOT_CONSTANTS[features, dtype] = torch.tensor(math.sqrt(features * dc.RMS_EPS), dtype=dtype)
+    return const
+
+
+def _rms_denominator(t: Tensor) -> Tensor:
+    """sqrt(sum(t^2 over features) + E * eps), (..., 1).
+
+    phi(t) = sqrt(E) * t / this. Two kernels (a norm and ``hypot``), where
+    t * t, sum, + eps and rsqrt took four: it matters when decoding one token.
+    """
+    norm = torch.linalg.vector_norm(t, dim=-1, keepdim=True)
+    if torch.compiler.is_compiling():
+        # No module-level tensor in traced graphs: the same value, elementwise.
+        c2 = t.shape[-1] * dc.RMS_EPS
+        return torch.sqrt(norm * norm + c2)
+    const = _HYPOT_CONSTANTS.get((t.shape[-1], norm.dtype))
+    if const is None:
+        const = _hypot_constant(t.shape[-1], norm.dtype)
+    return torch.hypot(norm, const)
 
 
 def rms_normalise(t: Tensor) -> Tensor:
     """phi(t) = t / sqrt(mean(t^2 over features) + 1e-6): the generator's input."""
-    return t * (_rms_scale(t) * math.sqrt(t.shape[-1]))
+    return torch.div(t, _rms_denominator(t)) * math.sqrt(t.shape[-1])
 
 
 def _coefficients(weight: Tensor, bias: Tensor, tokens: Tensor) -> Tensor:
     """phi(t) W + b without building phi.
 
-    (t W) * rsqrt(...) + b is one GEMM on the raw tokens, which autograd
-    already keeps for the projections, plus a pass over the small output;
-    materialising phi would cost a pass and a stored (B, T, E) tensor.
+    (t W) * sqrt(E) / sqrt(sum(t^2) + E eps) + b is one GEMM on the raw
+    tokens, which autograd already keeps for the projections, plus a pass over
+    the small output; materialising phi would cost a pass and a stored
+    (B, T, E) tensor.
     """
-    return torch.addcmul(bias, F.linear(tokens, weight), _rms_scale(tokens), value=math.sqrt(tokens.shape[-1]))
+    return torch.addcdiv(bias, F.linear(tokens, weight), _rms_denominator(tokens), value=math.sqrt(tokens.shape[-1]))
 
 
 def _cast(t: Tensor | None, dtype: torch.dtype) -> Any:
@@ -162,21 +185,43 @@ def _cast(t: Tensor | None, dtype: torch.dtype) -> Any:
 
 
 def head_map_weights(side: SideWeights, tokens: Tensor) -> Tensor:
-    """l(t) = I + diag(g) A(t), (B, T, S, S), for metric "heads"."""
+    """l(t) = I + diag(g) A(t), (B, T, S, S), for metric "heads".
+
+    The factor itself, for ``return_metric`` and ``MetricGenerator.head_map``;
+    the forward pass never forms it (it computes y + diag(g) A(t) y).
+    """
     dtype = tokens.dtype
     S = side.gate.shape[0]
     A = _coefficients(_cast(side.weight, dtype), _cast(side.bias, dtype), tokens).unflatten(-1, (S, S))
-    # The gate scales the small (B, T, S, S) coefficients: fewer operations per
-    # call than folding it into the (S*S, E) weight, which matters when decoding.
     return torch.addcmul(torch.eye(S, dtype=dtype, device=tokens.device), A, _cast(side.gate, dtype).view(S, 1))
 
 
+# A decoding step of at most this many tokens (B * N) may take the flat path
+# (few_tokens_step): at B = 1 a step's time is its kernel launches.
+_FEW_TOKENS = 16
+
+
 def _map_heads(side: SideWeights, tokens: Tensor, ys: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-    if side.metric == "heads":
-        # One (S, S) x (S, d) product per token, as a bmm over the B*T tokens.
-        l = head_map_weights(side, tokens).flatten(0, -3)  # noqa: E741 (the spec's name)
-        return tuple(torch.bmm(l, y.flatten(0, -3)).view(y.shape) for y in ys)
     dtype = tokens.dtype
+    if side.metric == "heads":
+        # Written out (no helper calls): this runs once per call, which is
+        # the cost that matters when decoding one token at a time.
+        weight, bias, gate = side.weight, side.bias, side.gate
+        if weight.dtype != dtype or bias.dtype != dtype or gate.dtype != dtype:
+            weight, bias, gate = weight.to(dtype), bias.to(dtype), gate.to(dtype)
+        S = gate.shape[0]
+        # A(t) = phi(t) W + b as in _coefficients, (tokens, S, S); then diag(g) A(t):
+        # the gate scales row h of each token's matrix.
+        A = torch.addcdiv(bias, F.linear(tokens, weight), _rms_denominator(tokens), value=math.sqrt(tokens.shape[-1]))
+        gA = A.view(-1, S, S) * gate.view(S, 1)
+        # The residual form y + (diag(g) A) y, never (I + diag(g) A) y: a GEMM
+        # in TF32 or bf16 then rounds only the small correction, and gates at 0
+        # give y bit for bit (a fresh or converted layer is exactly MHA).
+        out = []
+        for y in ys:
+            flat = y.reshape(-1, S, y.shape[-1])
+            out.append(torch.baddbmm(flat, gA, flat).view(y.shape))
+        return tuple(out)
     u = _coefficients(_cast(side.weight, dtype), _cast(side.bias, dtype), tokens)  # (B, T, r)
     v = _cast(side.v, dtype).flatten(0, 1)  # (S*d, r)
     gated_u = (_cast(side.u, dtype) * _cast(side.gate, dtype).view(-1, 1, 1)).flatten(0, 1).transpose(0, 1)  # (r, S*d)
@@ -184,7 +229,7 @@ def _map_heads(side: SideWeights, tokens: Tensor, ys: tuple[Tensor, ...]) -> tup
     for y in ys:
         flat = y.flatten(-2)  # (B, T, S*d)
         z = torch.matmul(flat, v)  # (B, T, r)
-        out.append((flat + torch.matmul(u * z, gated_u)).view_as(y))
+        out.append(torch.addmm(flat.flatten(0, -2), (u * z).flatten(0, -2), gated_u).view_as(y))
     return tuple(out)
 
 
@@ -195,12 +240,12 @@ def apply_map_weights(side: SideWeights, tokens: Tensor, ys: tuple[Tensor, ...])
     16-bit type it would round q~ twice (l, then l q); the map is tiny next
     to attention.
     """
-    y0 = ys[0]
-    if y0.dtype in (torch.float16, torch.bfloat16):
-        with torch.autocast(y0.device.type, enabled=False):
+    dtype = ys[0].dtype
+    if dtype == torch.float16 or dtype == torch.bfloat16:
+        with torch.autocast(ys[0].device.type, enabled=False):
             out = _map_heads(side, tokens.float(), tuple(t.float() for t in ys))
-        return tuple(t.to(y0.dtype) for t in out)
-    return _map_heads(side, _cast(tokens, y0.dtype), ys)
+        return tuple(t.to(dtype) for t in out)
+    return _map_heads(side, tokens if tokens.dtype == dtype else tokens.to(dtype), ys)
 
 
 def role_penalty_weights(side: SideWeights, tokens: Tensor, head_dim: int) -> Tensor:
@@ -289,9 +334,10 @@ def _attend(
     scale: float | None,
     dropout_p: float,
     need_weights: bool,
-    probe: Tensor | None,
+    guard: tuple[Tensor, Tensor] | None,
 ) -> tuple[Tensor, Tensor | None]:
-    """``softmax_attend`` given a NaN ``probe`` (B|1, H|1, N|1, 1) for the fused path."""
+    """``softmax_attend`` given the NaN ``guard`` (a, b) of the fused path: the
+    output becomes o + 0 * a * b, see ``_guard``."""
     n, m = q.shape[-2], k.shape[-2]
     # Python ints even under torch.jit.trace, which records sizes as tensors.
     heads, kv_heads = int(q.shape[1]), int(k.shape[1])
@@ -318,19 +364,25 @@ def _attend(
             row_max = mask.amax(dim=-1, keepdim=True)
             row_ok = row_max != _NEG_INF
             mask = mask.masked_fill(~row_ok, 0.0).to(q.dtype)
-            probe = row_max if probe is None else probe + row_max
+            if guard is not None:
+                # + 0 * row_max: NaN for a NaN row, 0 for any finite one (also -1e9).
+                guard = (guard[0], torch.add(guard[1], row_max, alpha=0).to(q.dtype))
     if not need_weights:
         o = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal, scale=scale,
             enable_gqa=kv_heads != heads,
         )
-        if probe is not None:
+        if guard is not None:
             # SDPA's CPU kernel returns 0, not NaN, for a row whose logits are
             # all NaN (it reads them as masked): one NaN weight would give a
-            # finite output. Adding 0 * probe, where the probe is a row sum of
-            # that row's inputs, makes such rows NaN and changes nothing else
-            # (alpha=0 keeps NaN * 0 = NaN; compilers do not fold it away).
-            o = torch.add(o, probe, alpha=0)
+            # finite output. o + 0 * a * b makes such rows NaN and changes
+            # nothing else (value=0 keeps NaN * 0 = NaN; compilers do not fold
+            # it away): one pass. Detached: the guard adds nothing to the
+            # gradient, so autograd keeps no tensor and runs no backward for it.
+            a, b = guard
+            if a.shape[-1] != o.shape[-1]:
+                a = a.sum(dim=-1, keepdim=True)
+            o = torch.addcmul(o, a.detach(), b.detach(), value=0)  # always detach: one graph for jit.trace
         return (o if row_ok is None else torch.where(row_ok, o, 0.0)), None
     if kv_heads != heads:
         k = k.repeat_interleave(heads // kv_heads, dim=1)
@@ -347,11 +399,22 @@ def _attend(
     return torch.matmul(probs, v), probs
 
 
-def _probe(q: Tensor, k: Tensor | None = None) -> Tensor:
-    """(B, H, N, 1): NaN where query row n of batch b has a NaN or inf, or where
-    any key of batch b has one; finite elsewhere. q (B, H, N, d), k (B, G, M, d)."""
-    probe = q.sum(dim=-1, keepdim=True)
-    return probe if k is None else probe + k.sum(dim=(1, 2, 3), keepdim=True)
+def _guard(q: Tensor, k: Tensor, own_keys: bool = False) -> tuple[Tensor, Tensor]:
+    """The fused path's NaN guard (a, b): o + 0 * a * b is NaN in every row
+    whose query has a NaN or inf, and in every row of a batch with a non-finite
+    key of this call (a row whose logits are all NaN would otherwise be 0).
+
+    In general b = max |k| over batch b's keys (B, 1, 1, 1): one reduction,
+    which unlike a sum cannot overflow (float16). With ``own_keys`` (self-
+    attention without a mask, G = H, d = d_v, so each query sees its own
+    token's key, the causal rule included) the keys themselves serve: a row
+    whose visible logits are all NaN has a NaN own key, and any other row
+    that reads a NaN key also reads a finite one, and SDPA propagates it.
+    No extra kernel then (a decoding step's keys are one token).
+    """
+    if own_keys:
+        return q, k
+    return q, torch.linalg.vector_norm(k, ord=math.inf, dim=(1, 2, 3), keepdim=True)
 
 
 def softmax_attend(
@@ -390,7 +453,7 @@ def softmax_attend(
         (the fused kernel alone would return 0 for some of them).
     """
     return _attend(q, k, v, mask=mask, causal=causal, query_offset=query_offset, scale=scale,
-                   dropout_p=dropout_p, need_weights=need_weights, probe=_probe(q, k))
+                   dropout_p=dropout_p, need_weights=need_weights, guard=_guard(q, k))
 
 
 def safe_attention(
@@ -422,11 +485,12 @@ def _queries_keys(w: LayerWeights, config: DamchaConfig, x: Tensor, c: Tensor,
     if self_attention and w.in_proj is not None:
         n_qk = w.sizes[0] + w.sizes[1]
         b_qk = None if w.in_bias is None else w.in_bias[:n_qk]
-        q, k = F.linear(x, w.in_proj[:n_qk], b_qk).split(w.sizes[:2], dim=-1)
+        q, k = F.linear(x, w.in_proj[:n_qk], b_qk).split_with_sizes(w.sizes[:2], dim=-1)
     else:
         (W_q, b_q), (W_k, b_k), _ = w.projections()
         q, k = F.linear(x, W_q, b_q), F.linear(c, W_k, b_k)
-    return _apply_maps(w, config, x, c, q.unflatten(-1, (H, d)), k.unflatten(-1, (G, d)), self_attention)
+    return _apply_maps(w, config, x, c, q.view(q.shape[0], q.shape[1], H, d), k.view(k.shape[0], k.shape[1], G, d),
+                       self_attention)
 
 
 def _apply_maps(w: LayerWeights, config: DamchaConfig, x: Tensor, c: Tensor, q: Tensor, k: Tensor,
@@ -451,10 +515,10 @@ def _project(w: LayerWeights, config: DamchaConfig, x: Tensor, c: Tensor, value:
                  and not torch._C._are_functorch_transforms_active())
     if self_attention and w.in_proj is not None and not recompute:
         # One packed GEMM for q, k, v, as nn.MultiheadAttention does.
-        q, k, v = F.linear(x, w.in_proj, w.in_bias).split(w.sizes, dim=-1)
-        q = q.unflatten(-1, (config.num_heads, config.key_dim))
-        k = k.unflatten(-1, (config.num_kv_heads, config.key_dim))
-        q, k = _apply_maps(w, config, x, x, q, k, True)
+        B, N = x.shape[0], x.shape[1]
+        q, k, v = F.linear(x, w.in_proj, w.in_bias).split_with_sizes(w.sizes, dim=-1)
+        q, k = _apply_maps(w, config, x, x, q.view(B, N, config.num_heads, config.key_dim),
+                           k.view(B, N, config.num_kv_heads, config.key_dim), True)
     else:
         if recompute:
             # Storing q, k and q~, k~ would cost 2E floats per token more than
@@ -464,7 +528,7 @@ def _project(w: LayerWeights, config: DamchaConfig, x: Tensor, c: Tensor, value:
             q, k = _queries_keys(w, config, x, c, self_attention)
         W_v, b_v = w.projections()[2]
         v = F.linear(value, W_v, b_v)
-    return q, k, v.unflatten(-1, (config.num_kv_heads, config.value_dim))
+    return q, k, v.view(v.shape[0], v.shape[1], config.num_kv_heads, config.value_dim)
 
 
 def attend_weights(
@@ -489,18 +553,123 @@ def attend_weights(
     c = query if context is None else context
     q, k, v = _project(w, config, query, c, c if value is None else value, self_attention, recompute)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    # The NaN probe reads this call's keys only, not a whole cache: a cached
+    # The NaN guard reads this call's keys only, not a whole cache: a cached
     # NaN key is read by a query next to this call's finite ones, and SDPA
     # propagates it itself.
-    probe = _probe(q, k) if not need_weights else None
+    guard = None
+    if not need_weights:
+        own = self_attention and mask is None and q.shape[1] == k.shape[1] and q.shape[-1] == v.shape[-1]
+        guard = _guard(q, k, own_keys=own)
     if kv_cache is not None:
         query_offset = query_offset + len(kv_cache)
         k, v = kv_cache.update(k, v)
     if w.bias_k is not None or w.zero_attn:
         k, v, mask, causal = _append_keys(w, k, v, mask, causal, query_offset, q.shape[-2])
     o, weights = _attend(q, k, v, mask=mask, causal=causal, query_offset=query_offset,
-                         scale=config.softmax_scale, dropout_p=dropout_p, need_weights=need_weights, probe=probe)
+                         scale=config.softmax_scale, dropout_p=dropout_p, need_weights=need_weights, guard=guard)
     return w.output(o.transpose(1, 2).flatten(-2)), weights
+
+
+class StepMaps(NamedTuple):
+    """Every generator of a decoding step as one GEMM: ``weight`` (R, E) and
+    ``bias`` (R,) stack the q side's rows (S_q*S_q) and then the k side's
+    (none when tied: ``shared``), each already scaled by its gate, so that
+    phi(x) weight^T + bias is diag(g) A(x) of each side. ``q_heads`` or
+    ``k_heads`` is 0 for a side without a map."""
+
+    weight: Tensor
+    bias: Tensor
+    q_heads: int
+    k_heads: int
+    shared: bool
+
+
+def step_maps(sides: Sequence[tuple[Tensor, Tensor, Tensor] | None]) -> StepMaps:
+    """``StepMaps`` from (weight, bias, gate) of the q and k sides ("heads"
+    metric; the same tuple twice when tied, None for a side without a map)."""
+    mq, mk = sides
+    shared = mq is not None and mk is mq
+    ws, bs = [], []
+    for m in (mq,) if shared else (mq, mk):
+        if m is None:
+            continue
+        weight, bias, gate = m
+        S = gate.shape[0]
+        g = gate.repeat_interleave(S)  # row h * S + j of A(t) belongs to head h
+        ws.append(weight * g.unsqueeze(-1))
+        bs.append(bias * g)
+    return StepMaps(torch.cat(ws) if len(ws) > 1 else ws[0], torch.cat(bs) if len(bs) > 1 else bs[0],
+                    0 if mq is None else mq[2].shape[0], 0 if mk is None else mk[2].shape[0], shared)
+
+
+def few_tokens_step(
+    config: DamchaConfig,
+    x: Tensor,
+    in_proj: Tensor,
+    in_bias: Tensor | None,
+    maps: StepMaps | None,
+    output: Callable[[Tensor], Tensor],
+    kv_cache: DamchaKVCache | None,
+    causal: bool,
+) -> Tensor:
+    """``attend_weights`` for a decoding step, written out flat: y (B, N, E_o).
+
+    The call it stands for: self-attention on x (B, N, E) with the packed
+    projection, at most ``_FEW_TOKENS`` tokens, no mask, no weights returned,
+    no dropout, no autograd, metric "none" or "heads", parameters in x's dtype
+    (float32/64), and either an empty cache or a causal rule that hides
+    nothing (N = 1) or no causal rule. ``maps``: every generator in one GEMM
+    with the gates folded in (``step_maps``), None for metric "none".
+
+    The operations are those of the general path, fewer: one generator GEMM
+    for both sides, the gate folded into it, q and k mixed in one batched
+    product when tied and N = 1, no validation. The result equals the general
+    path's to rounding (the gate multiplies W rather than phi W; gates at 0
+    still give exactly MHA's q and k). At B = 1 a step's kernels are small
+    and their count and Python's share are what a step costs.
+    """
+    B, N = x.shape[0], x.shape[1]
+    H, G, d, dv = config.num_heads, config.num_kv_heads, config.key_dim, config.value_dim
+    qkv = F.linear(x, in_proj, in_bias)
+    q, k, v = qkv.split_with_sizes((H * d, G * d, G * dv), dim=-1)
+    if maps is not None:
+        E = x.shape[-1]
+        const = _HYPOT_CONSTANTS.get((E, x.dtype))
+        if const is None:
+            const = _hypot_constant(E, x.dtype)
+        denom = torch.hypot(torch.linalg.vector_norm(x, dim=-1, keepdim=True), const)
+        # diag(g) A(x) of every side, (B, N, R): phi(x) W' + b', phi folded as in _coefficients.
+        gA = torch.addcdiv(maps.bias, F.linear(x, maps.weight), denom, value=math.sqrt(E)).view(B * N, -1)
+        T, Sq, Sk = B * N, maps.q_heads, maps.k_heads
+        if maps.shared and T == 1:
+            # Tied, one token: q and k are adjacent in qkv, (2, S, d) is a view of
+            # it, and one baddbmm maps both with the same (S, S) matrix.
+            qk = qkv[..., : 2 * H * d].view(2, H, d)
+            qk = torch.baddbmm(qk, gA.view(1, H, H).expand(2, H, H), qk)
+            q, k = qk[0].view(B, N, H, d), qk[1].view(B, N, G, d)
+        else:
+            if Sq:
+                flat = q.reshape(T, Sq, d)
+                q = torch.baddbmm(flat, gA[:, : Sq * Sq].view(T, Sq, Sq), flat)
+            if Sk:
+                A_k = gA[:, : Sk * Sk] if maps.shared else gA[:, Sq * Sq: Sq * Sq + Sk * Sk]
+                flat = k.reshape(T, Sk, d)
+                k = torch.baddbmm(flat, A_k.reshape(T, Sk, Sk), flat)
+            q, k = q.view(B, N, H, d), k.view(B, N, G, d)
+    else:
+        q, k = q.view(B, N, H, d), k.view(B, N, G, d)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, N, G, dv).transpose(1, 2)
+    guard = _guard(q, k, own_keys=G == H and d == dv)
+    offset = 0
+    if kv_cache is not None:
+        offset = len(kv_cache)
+        k, v = kv_cache.update(k, v)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0,
+                                       is_causal=causal and offset < k.shape[-2] - 1, scale=config.softmax_scale,
+                                       enable_gqa=G != H)
+    a, b = guard
+    o = torch.addcmul(o, a if a.shape[-1] == dv else a.sum(dim=-1, keepdim=True), b, value=0)
+    return output(o.transpose(1, 2).flatten(-2))
 
 
 def _append_keys(w: LayerWeights, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, query_offset: int,

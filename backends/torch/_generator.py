@@ -64,6 +64,13 @@ TORCH_LEAVES: dict[str, dict[str, TorchLeaf]] = {
 }
 
 
+# The attributes behind SideWeights' fields (kernel, bias, u, v), per metric.
+_SIDE_ATTRIBUTES: dict[str, tuple[str, ...]] = {
+    metric: tuple(leaves[name].attribute for name in ("kernel", "bias", "u", "v") if name in leaves)
+    for metric, leaves in TORCH_LEAVES.items()
+}
+
+
 def check_param_dtype(dtype: object) -> None:
     """``dtype=`` of a module's parameters: None or a real floating torch dtype.
 
@@ -164,8 +171,11 @@ class MetricGenerator(nn.Module):
 
     def side(self, gate: Tensor) -> fn.SideWeights:
         """This generator's parameters with a layer's ``gate``, as the functional core takes them."""
-        leaves = {name: getattr(self, leaf.attribute) for name, leaf in TORCH_LEAVES[self.metric].items()}
-        return fn.SideWeights(self.metric, leaves["kernel"], leaves["bias"], gate, leaves.get("u"), leaves.get("v"))
+        # Runs on every forward: parameters read from the registry, in
+        # SideWeights' order (kernel, bias, then "lowrank"'s u, v).
+        p = self._parameters
+        kernel, bias, *rest = (p[name] for name in _SIDE_ATTRIBUTES[self.metric])
+        return fn.SideWeights(self.metric, kernel, bias, gate, *rest)  # type: ignore[arg-type]
 
     def canonical_views(self, gate: Tensor, side: str = "qk") -> dict[str, Tensor]:
         """``metric.<side>.<leaf>`` -> canonical view of each parameter (and the gate)."""

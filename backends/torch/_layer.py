@@ -24,6 +24,8 @@ __all__ = ["DamchaAttention"]
 
 
 _SEPARATE = ("q_proj_weight", "k_proj_weight", "v_proj_weight")
+# Dtypes of the decoding fast path (16-bit maps run in float32 on the general path).
+_FLAT_DTYPES = (torch.float32, torch.float64)
 
 
 def _check_float(name: str, value: Any) -> None:
@@ -218,6 +220,8 @@ class DamchaAttention(CanonicalIO, nn.Module):
             nn.init.xavier_normal_(self.bias_v)
         else:
             self.bias_k = self.bias_v = None
+        if add_bias_kv or add_zero_attn:
+            self._few_tokens_ok = False
 
     def _init_from_config(self, cfg: DamchaConfig, batch_first: bool, device: Any, dtype: Any,
                           metric_generator: Any, recompute: bool, names: Mapping[str, str]) -> None:
@@ -258,6 +262,10 @@ class DamchaAttention(CanonicalIO, nn.Module):
             if gen is None:
                 gen = MetricGenerator(spec.features, spec.heads, d, cfg.metric, cfg.metric_rank, **kw)
             self.metric_generators[side] = gen
+        # Which generator maps queries and keys, and whether a decoding step
+        # may take the flat path (fn.few_tokens_step): see _few_tokens_step.
+        self._map_sides = (dc.side_of(cfg, "q"), dc.side_of(cfg, "k"))
+        self._few_tokens_ok = cfg.metric in ("none", "heads") and Ekv == E and Ev == E
         self._reset_projections()
 
     def _reset_projections(self) -> None:
@@ -307,18 +315,23 @@ class DamchaAttention(CanonicalIO, nn.Module):
     def _weights(self) -> fn.LayerWeights:
         """This layer's parameters as the functional core takes them: the
         Parameter objects themselves (no view or copy is made per call)."""
-        sides = {side: self.metric_generators[side].side(self.metric_gates[side]) for side in self.config.metric_sides}
-        bias = self.in_proj_bias
+        # Read straight from the registries (no nn.Module.__getattr__ walks):
+        # this runs once per call, which matters when decoding token by token.
         p = self._parameters
-        weight = self.in_proj_weight if self.in_proj_weight is not None else p["q_proj_weight"]
+        gens = self._modules["metric_generators"]._modules
+        gates = self._modules["metric_gates"]._parameters
+        sides = {side: gens[side].side(gates[side]) for side in self.config.metric_sides}  # type: ignore[union-attr]
+        bias = p["in_proj_bias"]
+        packed = p["in_proj_weight"]
+        weight = packed if packed is not None else p["q_proj_weight"]
         if bias is not None and bias.dtype != weight.dtype:  # type: ignore[union-attr]
             # A bias loaded in another dtype (load_state_dict(assign=True), a
             # checkpoint edited by hand): the projection computes in the
             # weight's dtype, as nn.MultiheadAttention's output does.
             bias = bias.to(weight.dtype)  # type: ignore[union-attr]
-        return fn.LayerWeights(self._sizes, self.in_proj_weight, p["q_proj_weight"], p["k_proj_weight"],
-                               p["v_proj_weight"], bias, self.out_proj, sides, self.bias_k, self.bias_v,
-                               self.add_zero_attn)
+        return fn.LayerWeights(self._sizes, packed, p["q_proj_weight"], p["k_proj_weight"],
+                               p["v_proj_weight"], bias, self._modules["out_proj"], sides, p.get("bias_k"),
+                               p.get("bias_v"), self.add_zero_attn)
 
     def _native_ok(self, query: Tensor) -> bool:
         """Whether this call is nn.MultiheadAttention's fast-path case: metric
@@ -345,7 +358,9 @@ class DamchaAttention(CanonicalIO, nn.Module):
         F.linear would fail with "mat1 and mat2 must have the same dtype"; a
         silent cast would hide a float64 pipeline feeding a float32 model.
         """
-        dtype = self.out_proj.weight.dtype
+        dtype = self._modules["out_proj"]._parameters["weight"].dtype
+        if query.dtype == dtype and key.dtype == dtype and value.dtype == dtype:
+            return  # the common case, before asking about autocast
         inputs = (query.dtype, key.dtype, value.dtype)
         device = query.device.type
         if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
@@ -363,9 +378,113 @@ class DamchaAttention(CanonicalIO, nn.Module):
 
     # ------------------------------------------------------------- forward
 
+    def _few_tokens_step(self, query: Tensor, is_causal: bool, kv_cache: Any, attn_mask: Any = None
+                         ) -> Tensor | None:
+        """A decoding step on the flat path (``fn.few_tokens_step``), or None
+        when this call is not one it covers (then ``forward`` goes on as usual).
+
+        Every condition is a cheap check, and together they imply that the
+        general path would accept the call without an error and run the same
+        operations: shapes already validated by an earlier call (the memo of
+        ``_sizes_of``), dtypes equal to the parameters', no autocast, no
+        compilation, tracing or torch.func transform.
+        """
+        if type(query) is not Tensor or query.dim() != 3 or query.is_nested or type(kv_cache) is not DamchaKVCache:
+            return None
+        x = query if self.batch_first else query.transpose(0, 1)
+        shape = x.shape
+        seen = self.__dict__.get("_shapes_seen")
+        if seen is None or seen[0] != (shape, shape, shape) or shape[0] * shape[1] > fn._FEW_TOKENS:
+            return None
+        p = self._parameters
+        if (self.track_metric_penalty or (self.training and self.dropout > 0.0) or self.add_zero_attn
+                or p.get("bias_k") is not None):
+            return None
+        weight, bias = p["in_proj_weight"], p["in_proj_bias"]
+        dtype = x.dtype
+        if weight.dtype != dtype or (bias is not None and bias.dtype != dtype) or dtype not in _FLAT_DTYPES:
+            return None
+        device = x.device.type
+        if (device not in ("cpu", "cuda") or torch.is_autocast_enabled(device) or torch.compiler.is_compiling()
+                or torch.jit.is_tracing() or torch._C._are_functorch_transforms_active()):
+            return None
+        offset = len(kv_cache)
+        if is_causal and offset and shape[1] > 1:
+            return None  # a chunk after cached tokens needs the bottom-right mask: the general path builds it
+        if attn_mask is not None and not (
+                type(attn_mask) is Tensor and attn_mask.dim() == 2
+                and attn_mask.shape[0] == shape[1] and attn_mask.shape[1] == offset + shape[1]
+                and (attn_mask.dtype == torch.bool or attn_mask.is_floating_point())):
+            return None  # only the is_causal hint's (N, P + N) mask, which is not read (see _merge_masks)
+        maps = None
+        sides = self._map_sides
+        if sides[0] is not None or sides[1] is not None:
+            maps = self._step_maps(dtype)
+            if maps is None:
+                return None
+        out = fn.few_tokens_step(self.config, x, weight, bias, maps, self._modules["out_proj"],  # type: ignore[arg-type]
+                                 kv_cache, is_causal)
+        return out if self.batch_first else out.transpose(0, 1)
+
+    def _step_maps(self, dtype: torch.dtype) -> fn.StepMaps | None:
+        """The generators of a decoding step as one GEMM (``fn.step_maps``),
+        made once and kept while the parameters it reads are the same objects
+        at the same version (an optimiser step or ``load_state_dict`` bumps
+        the version, assigning a new Parameter changes the object). None when
+        a parameter is not in ``dtype``. Called without autograd only."""
+        gens = self._modules["metric_generators"]._modules
+        gates = self._modules["metric_gates"]._parameters
+        sides = self._map_sides
+        found: list[Any] = []
+        for i, side in enumerate(sides):
+            if side is None:
+                found.append(None)
+            elif i == 1 and side == sides[0]:
+                found.append(found[0])
+            else:
+                g = gens[side]._parameters  # type: ignore[union-attr]
+                found.append((g["weight"], g["bias"], gates[side]))
+        params = [t for m in found if m is not None for t in m]
+        key = tuple((id(t), t._version, t.device, t.dtype) for t in params)
+        memo = self.__dict__.get("_step_maps_memo")
+        if memo is not None and memo[0] == key and all(a is b for a, b in zip(memo[1], params)):
+            return memo[2]
+        if any(t.dtype != dtype for t in params):
+            return None
+        maps = fn.step_maps(found)
+        self.__dict__["_step_maps_memo"] = (key, params, maps)
+        return maps
+
+    def _sizes_of(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Any, Any, Any]:
+        """(B, N, M) of batch-first inputs, checked by damcha_core's shape rules.
+
+        The last shapes that passed are remembered: a decoding loop calls with
+        the same shapes every step and skips the rules (plain ints only; while
+        compiling or exporting, sizes may be symbolic and are always checked).
+        """
+        if torch.compiler.is_compiling():
+            return _check_shapes(self.config, tuple(query.shape), tuple(key.shape), tuple(value.shape))
+        shapes = (query.shape, key.shape, value.shape)
+        seen = self.__dict__.get("_shapes_seen")
+        if seen is not None and seen[0] == shapes:
+            return seen[1]
+        sizes = _check_shapes(self.config, tuple(query.shape), tuple(key.shape), tuple(value.shape))
+        if all(type(n) is int for n in sizes):
+            self.__dict__["_shapes_seen"] = (shapes, sizes)
+        return sizes
+
     def _merge_masks(self, key_padding_mask: Tensor | None, attn_mask: Tensor | None,
-                     B: int, N: int, M: int, dtype: torch.dtype) -> Tensor | None:
-        """One mask broadcastable to (B, H, N, M): bool True = may attend, or additive float."""
+                     B: int, N: int, M: int, dtype: torch.dtype, causal_hint: bool = False) -> Tensor | None:
+        """One mask broadcastable to (B, H, N, M): bool True = may attend, or additive float.
+
+        ``causal_hint``: ``is_causal`` was passed. A validated 2-D (N, M)
+        ``attn_mask`` is then taken to be the causal mask, as
+        nn.MultiheadAttention takes it, and left out (the caller applies the
+        causal rule, SDPA's fused causal kernel where it can). Only its shape
+        is checked, never its values: no device sync, and eager, compiled and
+        exported calls agree. A mask of any other shape (per batch, per head)
+        carries more than the causal rule and still applies.
+        """
         cfg = self.config
         H = cfg.num_heads
         masks: list[Tensor] = []
@@ -396,7 +515,8 @@ class DamchaAttention(CanonicalIO, nn.Module):
                         str(exc)
                         + " (or (B*H, N, M) as in nn.MultiheadAttention)"
                     ) from None
-            masks.append(attn_mask)
+            if not (causal_hint and attn_mask.dim() == 2 and tuple(attn_mask.shape) == (N, M)):
+                masks.append(attn_mask)
         if not masks:
             return None
         if all(m.dtype == torch.bool for m in masks):
@@ -444,7 +564,10 @@ class DamchaAttention(CanonicalIO, nn.Module):
             average_attn_weights: average the returned weights over heads.
             is_causal: apply the causal rule (query i sees keys j <= i, or
                 j <= P + i after P cached tokens). Unlike nn.MultiheadAttention,
-                it needs no ``attn_mask``; with one, both apply.
+                it needs no ``attn_mask``. With a 2-D (N, M) ``attn_mask`` it is
+                nn.MultiheadAttention's hint: the mask is taken to be the causal
+                mask and is not read (so SDPA's fused causal kernel runs); a
+                mask of another shape applies together with the causal rule.
             kv_cache: a ``DamchaKVCache``; the new keys/values are appended and
                 queries attend over the whole cache.
 
@@ -454,7 +577,14 @@ class DamchaAttention(CanonicalIO, nn.Module):
             inputs drop the B dim from both. A query that
             sees no key gets output ``out_proj.bias`` (attention output 0), never NaN.
         """
-        for name, t in (("query", query), ("key", key), ("value", value)):
+        if (kv_cache is not None and not need_weights and query is key and key is value and key_padding_mask is None
+                and (attn_mask is None or is_causal) and self.__dict__.get("_few_tokens_ok")
+                and not torch.is_grad_enabled()):
+            out = self._few_tokens_step(query, bool(is_causal), kv_cache, attn_mask)
+            if out is not None:
+                return out, None
+        self_attention = query is key and key is value
+        for name, t in ((("query", query),) if self_attention else (("query", query), ("key", key), ("value", value))):
             _check_float(name, t)
             if t.is_nested:
                 raise DamchaTypeError(
@@ -462,7 +592,6 @@ class DamchaAttention(CanonicalIO, nn.Module):
                     f"key_padding_mask. Received: {name}={describe(t)}"
                 )
         self._check_dtypes(query, key, value)
-        self_attention = query is key and key is value
         if query.dim() not in (2, 3) or (query.dim() == 3 and (key.dim() != 3 or value.dim() != 3)):
             layout = "(B, N, E)" if self.batch_first else "(N, B, E)"
             raise DamchaValueError(
@@ -475,7 +604,7 @@ class DamchaAttention(CanonicalIO, nn.Module):
             query, key, value, key_padding_mask = _add_batch_dim(query, key, value, key_padding_mask)
         elif not self.batch_first:
             query, key, value = (t.transpose(0, 1) for t in (query, key, value))
-        B, N, M = _check_shapes(self.config, tuple(query.shape), tuple(key.shape), tuple(value.shape))
+        B, N, M = self._sizes_of(query, key, value)
         if self.track_metric_penalty:
             self.last_metric_penalty = self._penalty(query, key)
         if (self_attention and not unbatched and key_padding_mask is None and attn_mask is None and not is_causal
@@ -490,10 +619,17 @@ class DamchaAttention(CanonicalIO, nn.Module):
         if kv_cache is not None and not isinstance(kv_cache, DamchaKVCache):
             raise DamchaTypeError(f"`kv_cache` must be a DamchaKVCache or None. Received: kv_cache={describe(kv_cache)}")
         offset = 0 if kv_cache is None else len(kv_cache)
-        mask = self._merge_masks(key_padding_mask, attn_mask, B, N, M + offset, query.dtype)
+        is_causal = bool(is_causal)
+        mask = None
+        if key_padding_mask is not None or attn_mask is not None:
+            # The is_causal hint (nn.MultiheadAttention's contract): a 2-D
+            # attn_mask is the causal mask, left out so that SDPA's causal
+            # kernel applies the rule (see _merge_masks). The same on every
+            # path (need_weights too), so a wrong hint gives one answer.
+            mask = self._merge_masks(key_padding_mask, attn_mask, B, N, M + offset, query.dtype, causal_hint=is_causal)
         out, weights = fn.attend_weights(
             self._weights(), self.config, query, None if self_attention else key, None if self_attention else value,
-            mask=mask, causal=bool(is_causal), query_offset=0, kv_cache=kv_cache,
+            mask=mask, causal=is_causal, query_offset=0, kv_cache=kv_cache,
             dropout_p=self.dropout if self.training else 0.0, need_weights=bool(need_weights),
             recompute=self.recompute and self.training,
         )

@@ -1,0 +1,465 @@
+"""The torch port's fast paths (issue 12): the ``is_causal`` hint, decoding, gates at 0.
+
+Every fast path is checked against the path it replaces (outputs and gradients,
+float64) and against damcha_core's reference; which kernels run is pinned by
+counting dispatched aten calls (``benchmarks/_counts.py``), never by timing.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import damcha_core as dc
+from damcha_conformance import case_params
+from damcha_torch import DamchaAttention, DamchaKVCache, replace_mha
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import _counts  # noqa: E402  (benchmarks/ is not a package)
+
+E, H, D = 16, 4, 4
+
+
+def _config(**kw) -> dc.DamchaConfig:
+    return dc.DamchaConfig(query_dim=E, num_heads=H, key_dim=D, **{"metric": "heads", "coupling": "tied", **kw})
+
+
+def _layer(cfg: dc.DamchaConfig, seed: int = 0) -> tuple[DamchaAttention, dict[str, np.ndarray]]:
+    params = case_params(cfg, seed)  # open gates, non-zero biases
+    return DamchaAttention.from_canonical(params, cfg, batch_first=True, dtype=torch.float64).eval(), params
+
+
+def _x(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def _causal(n: int, m: int, offset: int = 0, *, dtype: torch.dtype = torch.bool) -> torch.Tensor:
+    """torch's convention: True (or -inf) = hidden; query i sees keys j <= offset + i."""
+    hidden = torch.ones(n, m, dtype=torch.bool).triu(1 + offset)
+    if dtype == torch.bool:
+        return hidden
+    return torch.zeros(n, m, dtype=dtype).masked_fill(hidden, float("-inf"))
+
+
+def _run(layer: DamchaAttention, inputs: list[torch.Tensor], call) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(output, [grads of inputs..., canonical grads...]) of ``call(layer, *inputs)``."""
+    layer = copy.deepcopy(layer)
+    leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
+    out = call(layer, *leaves)
+    cot = _x(*out.shape, seed=99)
+    (out * cot).sum().backward()
+    grads = [t.grad for t in leaves] + [torch.from_numpy(g) for g in layer.canonical_grads().values()]
+    return out.detach(), grads
+
+
+def _assert_same(a, b) -> None:
+    (out_a, grads_a), (out_b, grads_b) = a, b
+    torch.testing.assert_close(out_a, out_b, rtol=1e-12, atol=1e-13)
+    assert len(grads_a) == len(grads_b)
+    for ga, gb in zip(grads_a, grads_b):
+        torch.testing.assert_close(ga, gb, rtol=1e-11, atol=1e-12)
+
+
+MASK_DTYPES = {"bool": torch.bool, "float": torch.float64}
+
+
+# ------------------------------------------------------------ the is_causal hint
+
+
+@pytest.mark.parametrize("mask_dtype", list(MASK_DTYPES))
+def test_hint_with_padding_equals_explicit_mask_and_reference(mask_dtype):
+    cfg = _config()
+    layer, params = _layer(cfg)
+    B, N = 2, 6
+    x = _x(B, N, E)
+    pad = torch.zeros(B, N, dtype=torch.bool)
+    pad[1, 4:] = True
+    causal = _causal(N, N, dtype=MASK_DTYPES[mask_dtype])
+
+    def call(is_causal):
+        return lambda l, t: l(t, t, t, key_padding_mask=pad, attn_mask=causal, is_causal=is_causal,
+                              need_weights=False)[0]
+
+    hint, explicit = _run(layer, [x], call(True)), _run(layer, [x], call(False))
+    _assert_same(hint, explicit)
+    keep = ~pad.numpy()[:, None, None, :]
+    want = dc.damcha_attention(params, cfg, x.numpy(), mask=keep, causal=True)
+    np.testing.assert_allclose(hint[0].numpy(), want, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize(("n", "m"), [(4, 7), (6, 4)], ids=["wide", "tall"])
+def test_hint_cross_attention_rectangular_mask(n, m):
+    """A rectangular causal mask is top-left (j <= i), as SDPA's is_causal."""
+    cfg = _config(coupling="separate")
+    layer, params = _layer(cfg, seed=1)
+    x, c = _x(2, n, E, seed=1), _x(2, m, E, seed=2)
+    causal = _causal(n, m)
+
+    def call(is_causal):
+        return lambda l, q, k: l(q, k, k, attn_mask=causal, is_causal=is_causal, need_weights=False)[0]
+
+    hint, explicit = _run(layer, [x, c], call(True)), _run(layer, [x, c], call(False))
+    _assert_same(hint, explicit)
+    want = dc.damcha_attention(params, cfg, x.numpy(), c.numpy(), causal=True)
+    np.testing.assert_allclose(hint[0].numpy(), want, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("chunk", [1, 3], ids=["one-token", "chunk"])
+def test_hint_with_kv_cache(chunk):
+    """Prompt of P tokens, then a chunk whose (T, P+T) mask is bottom-right causal."""
+    cfg = _config()
+    layer, params = _layer(cfg, seed=2)
+    P, T = 4, chunk
+    x = _x(2, P + T, E, seed=3)
+    mask = _causal(T, P + T, offset=P)
+
+    def call(is_causal):
+        def run(l, t):
+            cache = DamchaKVCache()
+            head = l(t[:, :P], t[:, :P], t[:, :P], is_causal=True, need_weights=False, kv_cache=cache)[0]
+            step = t[:, P:]
+            tail = l(step, step, step, attn_mask=mask, is_causal=is_causal, need_weights=False, kv_cache=cache)[0]
+            return torch.cat([head, tail], dim=1)
+
+        return run
+
+    hint, explicit = _run(layer, [x], call(True)), _run(layer, [x], call(False))
+    _assert_same(hint, explicit)
+    want = dc.damcha_attention(params, cfg, x.numpy(), causal=True)
+    np.testing.assert_allclose(hint[0].numpy(), want, rtol=1e-9, atol=1e-10)
+
+
+def test_hint_unbatched():
+    cfg = _config()
+    layer, params = _layer(cfg, seed=3)
+    N = 5
+    x = _x(N, E, seed=4)
+    pad = torch.tensor([False, False, False, False, True])
+    causal = _causal(N, N, dtype=torch.float64)
+
+    def call(is_causal):
+        return lambda l, t: l(t, t, t, key_padding_mask=pad, attn_mask=causal, is_causal=is_causal,
+                              need_weights=False)[0]
+
+    hint, explicit = _run(layer, [x], call(True)), _run(layer, [x], call(False))
+    _assert_same(hint, explicit)
+    want = dc.damcha_attention(params, cfg, x.numpy()[None], mask=~pad.numpy()[None, None, None], causal=True)[0]
+    np.testing.assert_allclose(hint[0].numpy(), want, rtol=1e-9, atol=1e-10)
+
+
+def test_causal_mask_without_the_hint_is_applied():
+    cfg = _config()
+    layer, params = _layer(cfg, seed=4)
+    x = _x(2, 6, E, seed=5)
+    for mask_dtype in MASK_DTYPES.values():
+        for need_weights in (False, True):
+            out, _ = layer(x, x, x, attn_mask=_causal(6, 6, dtype=mask_dtype), need_weights=need_weights)
+            want = dc.damcha_attention(params, cfg, x.numpy(), causal=True)
+            np.testing.assert_allclose(out.detach().numpy(), want, rtol=1e-9, atol=1e-10)
+
+
+def test_wrong_hint_is_the_causal_rule_alone_and_other_shapes_still_apply():
+    """docs/torch.md: with is_causal=True a 2-D (N, M) attn_mask is not read
+    (nn.MultiheadAttention leaves a wrong hint undefined; DAMCHA gives the
+    causal rule alone, on every path); a (B, 1, 1, M) or (B*H, N, M) mask is
+    applied together with the causal rule."""
+    cfg = _config()
+    layer, params = _layer(cfg, seed=5)
+    B, N = 2, 6
+    x = _x(B, N, E, seed=6)
+    causal_only = dc.damcha_attention(params, cfg, x.numpy(), causal=True)
+    not_causal = torch.zeros(N, N, dtype=torch.bool)
+    not_causal[:, 0] = True  # hides key 0: not the causal mask
+    for need_weights in (False, True):
+        out, _ = layer(x, x, x, attn_mask=not_causal, is_causal=True, need_weights=need_weights)
+        np.testing.assert_allclose(out.detach().numpy(), causal_only, rtol=1e-9, atol=1e-10)
+    keep = np.ones((B, 1, 1, N), dtype=bool)
+    keep[0, ..., 3:] = False
+    both = dc.damcha_attention(params, cfg, x.numpy(), mask=keep, causal=True)
+    per_batch = torch.from_numpy(~keep)
+    per_head = per_batch.expand(B, H, N, N).reshape(B * H, N, N)
+    for mask in (per_batch, per_head):
+        for need_weights in (False, True):
+            out, _ = layer(x, x, x, attn_mask=mask, is_causal=True, need_weights=need_weights)
+            np.testing.assert_allclose(out.detach().numpy(), both, rtol=1e-9, atol=1e-10)
+
+
+# ------------------------------------------------------------ which kernel runs
+
+
+def _sdpa(fn) -> list[tuple[bool, bool]]:
+    return [(c["is_causal"], c["has_mask"]) for c in _counts.torch_sdpa_calls(fn)]
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("mask_dtype", list(MASK_DTYPES))
+def test_hint_reaches_sdpa_as_is_causal_without_a_mask(grad, mask_dtype):
+    cfg = _config()
+    layer, _ = _layer(cfg)
+    layer.float()
+    x = _x(2, 8, E).float().requires_grad_(grad)
+    causal = _causal(8, 8, dtype=torch.float32 if mask_dtype == "float" else torch.bool)
+
+    def call():
+        with torch.set_grad_enabled(grad):
+            out = layer(x, x, x, attn_mask=causal, is_causal=True, need_weights=False)[0]
+            if grad:
+                out.sum().backward()
+
+    assert _sdpa(call) == [(True, False)]
+
+    def explicit():
+        with torch.set_grad_enabled(grad):
+            layer(x, x, x, attn_mask=causal, need_weights=False)
+
+    assert _sdpa(explicit) == [(False, True)]  # without the hint the mask goes to SDPA
+
+
+def _encoder(decoder: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    kw = dict(dim_feedforward=32, dropout=0.0, batch_first=True, norm_first=True)
+    if decoder:
+        stack = nn.TransformerDecoder(nn.TransformerDecoderLayer(E, H, **kw), 2)
+    else:
+        stack = nn.TransformerEncoder(nn.TransformerEncoderLayer(E, H, **kw), 2, enable_nested_tensor=False)
+    model = replace_mha(stack.double())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "metric_gates" in name:
+                p.fill_(0.5)
+    return model
+
+
+@pytest.mark.parametrize("is_causal", [True, None], ids=["hint", "detected"])
+def test_transformer_encoder_after_replace_mha_uses_the_causal_kernel(is_causal):
+    """nn.TransformerEncoder passes its mask with is_causal (given, or found by
+    _detect_is_causal_mask): every layer's SDPA call is the causal kernel, and
+    the result (outputs, gradients) equals the explicit-mask run."""
+    model = _encoder()
+    N = 6
+    x = _x(2, N, E, seed=7)
+    mask = nn.Transformer.generate_square_subsequent_mask(N, dtype=torch.float64)
+    pad = torch.zeros(2, N, dtype=torch.float64)  # float like the mask (torch warns on mixed types)
+    pad[1, -2:] = float("-inf")
+
+    def run(m, t, causal=is_causal, **kw):
+        return m(t, mask=mask, is_causal=causal, **kw)
+
+    calls = _sdpa(lambda: run(model, x))
+    assert calls == [(True, False)] * 2
+    with_pad = _sdpa(lambda: run(model, x, src_key_padding_mask=pad))
+    assert with_pad == [(False, True)] * 2  # padding needs an explicit mask, as in nn.MultiheadAttention
+
+    def plain(m):
+        return [p for n, p in m.named_parameters()]
+
+    for kw in ({}, {"src_key_padding_mask": pad}):
+        results = []
+        for causal in (is_causal, False):
+            m = copy.deepcopy(model)
+            t = x.clone().requires_grad_(True)
+            out = run(m, t, causal=causal, **kw)
+            out.square().sum().backward()
+            results.append((out.detach(), [t.grad] + [p.grad for p in plain(m)]))
+        _assert_same(*results)
+
+
+def test_transformer_decoder_after_replace_mha_uses_the_causal_kernel():
+    model = _encoder(decoder=True)
+    N, M = 5, 7
+    tgt, memory = _x(2, N, E, seed=8), _x(2, M, E, seed=9)
+    mask = nn.Transformer.generate_square_subsequent_mask(N, dtype=torch.float64)
+    calls = _sdpa(lambda: model(tgt, memory, tgt_mask=mask, tgt_is_causal=True))
+    # Per layer: self-attention with the causal kernel, cross-attention with no mask.
+    assert calls == [(True, False), (False, False)] * 2
+    hint = model(tgt, memory, tgt_mask=mask, tgt_is_causal=True)
+    explicit = model(tgt, memory, tgt_mask=mask, tgt_is_causal=False)
+    torch.testing.assert_close(hint, explicit, rtol=1e-12, atol=1e-13)
+
+
+# ------------------------------------------------------------ decoding at B = 1
+
+# A decode step's aten calls (views included) may exceed the hand-written MHA
+# step's (10: packed linear, two cats, SDPA, output linear and their views) by
+# at most this many: the cross-head map of q and k (one generator GEMM, phi's
+# norm, one or two baddbmm), the NaN guard, and views. Measured when written:
+# none 15, heads-tied 27, heads-separate 28 (kernels: 6, 11, 12 against 5).
+DECODE_MARGIN = {"none": 5, "heads-tied": 18, "heads-separate": 19}
+DECODE_CONFIGS = {
+    "none": dict(metric="none"),
+    "heads-tied": dict(metric="heads", coupling="tied"),
+    "heads-separate": dict(metric="heads", coupling="separate"),
+}
+
+
+def _decode_pair(name: str, dtype: torch.dtype = torch.float32):
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(32, 4, batch_first=True, dtype=dtype).eval()
+    layer = DamchaAttention.from_mha(mha, **DECODE_CONFIGS[name]).eval()
+    with torch.no_grad():
+        for gate in layer.metric_gates.values():
+            gate.fill_(0.5)
+    g = torch.Generator().manual_seed(1)
+    return mha, layer, torch.randn(1, 6, 32, generator=g, dtype=dtype), torch.randn(1, 4, 1, 32, generator=g,
+                                                                                       dtype=dtype)
+
+
+@pytest.mark.parametrize("name", list(DECODE_CONFIGS))
+def test_decode_step_aten_calls_stay_near_the_mha_step(name):
+    mha, layer, prompt, tokens = _decode_pair(name)
+    mha_cache, cache = [], DamchaKVCache()
+    with torch.inference_mode():
+        _counts.mha_decode_step(mha, prompt, mha_cache)
+        layer(prompt, prompt, prompt, is_causal=True, need_weights=False, kv_cache=cache)
+        for t in tokens.unbind(1)[:2]:  # the first step records the shapes, the second the fused generator weight
+            layer(t, t, t, is_causal=True, need_weights=False, kv_cache=cache)
+            _counts.mha_decode_step(mha, t, mha_cache)
+    t = tokens[:, 2]
+
+    def damcha_step():
+        with torch.inference_mode():
+            return layer(t, t, t, is_causal=True, need_weights=False, kv_cache=cache)[0]
+
+    def mha_step():
+        with torch.inference_mode():
+            return _counts.mha_decode_step(mha, t, mha_cache)
+
+    ours, theirs = _counts.torch_op_counts(damcha_step), _counts.torch_op_counts(mha_step)
+    assert sum(theirs.values()) == 10, theirs
+    assert sum(ours.values()) <= sum(theirs.values()) + DECODE_MARGIN[name], _counts.side_by_side(
+        {"mha": theirs, "damcha": ours})
+    assert ours["aten.scaled_dot_product_attention"] == 1
+    assert ours["aten.linear"] == theirs["aten.linear"] + (name != "none")  # every generator in one GEMM
+    # The head mix: one batched product (q and k together when tied), the gates folded into the GEMM.
+    assert ours["aten.baddbmm"] == {"none": 0, "heads-tied": 1, "heads-separate": 2}[name]
+    assert ours["aten.mul"] == 0
+
+
+@pytest.mark.parametrize("name", list(DECODE_CONFIGS))
+def test_decode_fast_step_equals_general_path_and_reference(name):
+    """The flat decoding path (inference, shapes seen) computes what the
+    general path computes (autograd on, the hint mask given), and the
+    reference's causal forward (float64)."""
+    _, layer, prompt, tokens = _decode_pair(name, torch.float64)
+    x = torch.cat([prompt, tokens.flatten(1, 2)], dim=1)
+    outs = {}
+    for grad in (False, True):
+        cache, steps = DamchaKVCache(), []
+        with torch.set_grad_enabled(grad):
+            for t in [prompt] + list(tokens.unbind(1)):
+                hint = {"attn_mask": _causal(t.shape[1], len(cache) + t.shape[1])} if grad else {}
+                steps.append(layer(t, t, t, is_causal=True, need_weights=False, kv_cache=cache, **hint)[0])
+        outs[grad] = torch.cat(steps, dim=1).detach()
+    torch.testing.assert_close(outs[False], outs[True], rtol=1e-13, atol=1e-14)  # gates folded: rounding only
+    want = dc.damcha_attention({k: v for k, v in layer.to_canonical().items()}, layer.config, x.numpy(), causal=True)
+    np.testing.assert_allclose(outs[False].numpy(), want, rtol=1e-10, atol=1e-12)
+
+
+def test_decode_fast_path_is_taken_with_the_hint_mask():
+    """A one-token step with attn_mask (1, P + 1) and is_causal=True takes the
+    flat path too (same aten calls as without the mask)."""
+    _, layer, prompt, tokens = _decode_pair("heads-tied")
+    cache = DamchaKVCache()
+    with torch.inference_mode():
+        layer(prompt, prompt, prompt, is_causal=True, need_weights=False, kv_cache=cache)
+        for t in tokens.unbind(1)[:2]:
+            layer(t, t, t, is_causal=True, need_weights=False, kv_cache=cache)
+    t = tokens[:, 2]
+    counts = []
+    for kw in ({}, {"attn_mask": _causal(1, 9)}):
+        c = copy.deepcopy(cache)
+
+        def step(c=c, kw=kw):
+            with torch.inference_mode():
+                return layer(t, t, t, is_causal=True, need_weights=False, kv_cache=c, **kw)[0]
+
+        counts.append(_counts.torch_op_counts(step))
+    assert counts[0] == counts[1]
+
+
+# ------------------------------------------------------------ gates at 0: MHA to the bit
+
+ZERO_GATE_CONFIGS = {
+    "heads-tied": dict(metric="heads", coupling="tied"),
+    "heads-separate": dict(metric="heads", coupling="separate"),
+    "lowrank": dict(metric="lowrank", metric_rank=2),
+}
+
+
+@pytest.fixture
+def matmul_precision(request):
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(request.param)
+    yield request.param
+    torch.set_float32_matmul_precision(before)
+
+
+# "medium" lets float32 GEMMs run in bfloat16 (on CPUs with AVX512-BF16/AMX as
+# on GPUs with TF32): there (I + 0) y != y, while y + 0 y == y.
+PRECISIONS = ["highest", "medium"]
+
+
+@pytest.mark.parametrize("matmul_precision", PRECISIONS, indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("name", list(ZERO_GATE_CONFIGS))
+def test_fresh_layer_is_mha_bit_for_bit(name, dtype, matmul_precision):
+    """The map is computed in residual form, y + (diag(g) A) y, so gates at 0
+    give q and k unchanged to the bit (a folded I + diag(g) A would round y in
+    a reduced-precision GEMM): a converted layer equals nn.MultiheadAttention
+    exactly, on its explicit and fused paths, in training and eval mode."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(32, 4, batch_first=True, dtype=dtype)
+    layer = DamchaAttention.from_mha(mha, **ZERO_GATE_CONFIGS[name])
+    x = torch.randn(2, 7, 32, dtype=dtype)
+    causal = _causal(7, 7)
+    pad = torch.zeros(2, 7, dtype=torch.bool)
+    pad[1, 5:] = True
+    calls = {"hint": dict(attn_mask=causal, is_causal=True), "mask": dict(attn_mask=causal),
+             "padding": dict(key_padding_mask=pad), "none": {}}
+    for train in (True, False):
+        mha.train(train), layer.train(train)
+        for what, kw in calls.items():
+            want = mha(x, x, x, need_weights=False, **kw)[0]
+            got = layer(x, x, x, need_weights=False, **kw)[0]
+            assert torch.equal(got, want), (train, what, (got - want).abs().max())
+
+
+@pytest.mark.parametrize("name", list(ZERO_GATE_CONFIGS)[:2])
+def test_fresh_layer_decode_step_is_the_mha_step_bit_for_bit(name):
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(32, 4, batch_first=True).eval()
+    layer = DamchaAttention.from_mha(mha, **ZERO_GATE_CONFIGS[name]).eval()
+    x = torch.randn(1, 9, 32)
+    mha_cache, cache = [], DamchaKVCache()
+    with torch.inference_mode():
+        want = [_counts.mha_decode_step(mha, x[:, :5], mha_cache)]
+        got = [layer(x[:, :5], x[:, :5], x[:, :5], is_causal=True, need_weights=False, kv_cache=cache)[0]]
+        for i in range(5, 9):  # the later steps take the flat path
+            t = x[:, i:i + 1]
+            want.append(_counts.mha_decode_step(mha, t, mha_cache))
+            got.append(layer(t, t, t, is_causal=True, need_weights=False, kv_cache=cache)[0])
+    assert torch.equal(torch.cat(got, 1), torch.cat(want, 1))
+
+
+@pytest.mark.parametrize("matmul_precision", PRECISIONS, indirect=True)
+@pytest.mark.parametrize("name", list(ZERO_GATE_CONFIGS))
+def test_zero_gate_map_returns_its_input_bit_for_bit(name, matmul_precision):
+    """apply_map itself: with gates 0 q~ is q and k~ is k, to the bit."""
+    from damcha_torch import _functional as fn
+
+    torch.manual_seed(1)
+    layer = DamchaAttention(32, 4, batch_first=True, **ZERO_GATE_CONFIGS[name])
+    for gen in layer.metric_generators.values():
+        gen.reset_parameters()  # non-zero generator weights: only the gate is 0
+    w = layer._weights()
+    tokens = torch.randn(2, 40, 32) * 3
+    q, k = torch.randn(2, 40, 4, 8) * 5, torch.randn(2, 40, 4, 8) * 5
+    for side in w.sides.values():
+        for y, y_mapped in zip((q, k), fn.apply_map_weights(side, tokens, (q, k))):
+            assert torch.equal(y_mapped, y)
