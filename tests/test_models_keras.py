@@ -311,6 +311,25 @@ def test_keras_file_of_functional_mha_model(tmp_path):
     assert len(dk.converted_layers(clone)) == 2
 
 
+def test_keras_file_keeps_a_converted_backbone_of_a_task(tmp_path):
+    """Converting the backbone of a task and saving the task keeps the
+    conversion (the task's config serialises its backbone); converting one
+    transformer layer of a KerasHub backbone warns, because the backbone's
+    config rebuilds that layer from constructor arguments (docs/models.md)."""
+    lm = causal_lm("gpt2")
+    dk.convert(lm.backbone)
+    open_gates(lm)
+    x = inputs("gpt2")
+    lm.save(tmp_path / "lm.keras")
+    loaded = keras.saving.load_model(tmp_path / "lm.keras")
+    assert len(dk.converted_layers(loaded)) == 2
+    np.testing.assert_array_equal(numpy(loaded(x)), numpy(lm(x)))
+    model = backbone("gpt2")
+    with pytest.warns(UserWarning, match="not a keras.Model"):
+        dk.convert(model.get_layer("transformer_layer_0"))
+    assert len(dk.converted_layers(model)) == 1
+
+
 def test_keras_file_without_damcha_keras_fails_loudly(tmp_path):
     """A process that has not imported damcha_keras lacks the registered loader
     ("damcha>ConvertedModel"): loading raises instead of returning a plain model."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
@@ -433,6 +434,11 @@ def convert(
         DamchaValueError: an unbuilt model, no supported attention layer, an
             attention layer of a layout no adapter knows (nothing is converted
             then), or a model already converted.
+
+    Warns:
+        UserWarning: ``model`` is a layer but not a ``keras.Model``: a parent
+            whose config does not serialise its layers (KerasHub backbones and
+            tasks) saves ``.keras`` files without the conversion.
     """
     if not isinstance(model, keras.layers.Layer):
         raise DamchaTypeError(f"`model` must be a Keras layer or model. Received: model={describe(model)}")
@@ -503,6 +509,19 @@ def convert(
     if keras.backend.backend() == "torch":
         _refresh_torch_params(model)
     _record(model, metric=metric, metric_rank=metric_rank, coupling=coupling, share_metric=share_metric)
+    if not isinstance(model, keras.Model):
+        # The conversion is recorded in this layer's config, which a parent saves only if its
+        # own config serialises its layers (functional models do; KerasHub backbones and
+        # tasks rebuild them from constructor arguments, and their .keras files would then
+        # load as plain models, Keras ignoring the extra weights).
+        warnings.warn(
+            f"convert() was given a layer that is not a keras.Model ({type(model).__name__} {model.name!r}): "
+            "a .keras file of a model holding it keeps the conversion only if that model's config serialises "
+            "this layer (functional models do; KerasHub backbones and tasks do not). Convert the model you "
+            "save (e.g. the backbone or the task) instead.",
+            UserWarning,
+            stacklevel=2,
+        )
     return model
 
 
