@@ -463,3 +463,22 @@ def test_zero_gate_map_returns_its_input_bit_for_bit(name, matmul_precision):
     for side in w.sides.values():
         for y, y_mapped in zip((q, k), fn.apply_map_weights(side, tokens, (q, k))):
             assert torch.equal(y_mapped, y)
+
+
+def test_compiled_decode_with_the_hint_mask_equals_eager():
+    """torch.compile (fullgraph) of a decoding loop that passes the hint's
+    (1, P + 1) mask with is_causal=True: the shape check traces (no value is
+    read), and the steps equal the eager full causal forward."""
+    cfg = _config()
+    layer, params = _layer(cfg, seed=6)
+    x = _x(2, 4, E, seed=10)
+    torch._dynamo.reset()
+    step = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    cache, outs = DamchaKVCache(), []
+    with torch.no_grad():
+        for i in range(x.shape[1]):
+            t = x[:, i:i + 1]
+            outs.append(step(t, t, t, attn_mask=_causal(1, i + 1, offset=i), is_causal=True, need_weights=False,
+                             kv_cache=cache)[0])
+    want = dc.damcha_attention(params, cfg, x.numpy(), causal=True)
+    np.testing.assert_allclose(torch.cat(outs, dim=1).numpy(), want, rtol=1e-9, atol=1e-10)
