@@ -175,16 +175,6 @@ def test_layers_equal_reference_with_gates_open(arch, metric):
         np.testing.assert_allclose(got, want, rtol=0, atol=tol, err_msg=name)
 
 
-@pytest.mark.parametrize("arch", ["llama", "vit"])
-def test_batched_matmul_path_equals_reference(arch, monkeypatch):
-    """Layers with more heads map with a batched matmul instead of a broadcast
-    product: force that path on the small models."""
-    import damcha_torch._models as models
-
-    monkeypatch.setattr(models, "_BROADCAST_HEADS", 0)
-    test_layers_equal_reference_with_gates_open(arch, "heads")
-
-
 def test_rotary_reference_detects_a_wrong_position():
     """The Llama comparison above fails when the reference rotates by other positions."""
     model = open_gates(converted("llama"))

@@ -25,7 +25,6 @@ import os
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
@@ -34,6 +33,7 @@ from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, describ
 
 # The port's public names (bound in damcha_torch/__init__ before this module loads).
 from . import DamchaAttention, MetricGenerator, replace_mha
+from . import _functional as fn
 
 __all__ = [
     "AttentionLayout",
@@ -154,25 +154,11 @@ def _load_builtin_adapters() -> None:
 # ---------------------------------------------------------------- the maps
 
 
-def _coefficients(generator: MetricGenerator, tokens: Tensor, dtype: torch.dtype) -> Tensor:
-    """A(t) flattened (..., S*S) or u(t) (..., r): phi(t) W + b with phi the RMS normalisation."""
-    weight, bias = generator.weight.to(dtype), generator.bias.to(dtype)
-    mean_sq = torch.linalg.vecdot(tokens, tokens, dim=-1).unsqueeze(-1) / tokens.shape[-1]
-    return torch.addcmul(bias, F.linear(tokens, weight), torch.rsqrt(mean_sq + dc.RMS_EPS))
-
-
 def _no_autocast(t: Tensor) -> contextlib.AbstractContextManager:
     device = t.device.type
     if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
         return torch.autocast(device, enabled=False)
     return contextlib.nullcontext()
-
-
-# Up to this many heads, Delta y = A(t) y is a broadcast product and sum
-# rather than a batch of tiny (S x S) matmuls, which CPU bmm runs slowly
-# (one noisy measurement on the shared CPU, forward + backward: 3-4 heads
-# about 2x faster, 8 heads about 2x slower).
-_BROADCAST_HEADS = 4
 
 
 class _SiteForward:
@@ -330,7 +316,6 @@ class DamchaMaps(nn.Module):
         """Map the query/key heads of a projection output y (..., F) of ``tokens`` (..., E)."""
         cfg = self.config
         d = cfg.key_dim
-        compute = torch.float32 if y.dtype in (torch.float16, torch.bfloat16) else y.dtype
         # The output as consecutive blocks: (role or None, width). One split (whose
         # backward is one cat) rather than slices (each slice's backward fills a
         # zero tensor of the whole output).
@@ -344,39 +329,33 @@ class DamchaMaps(nn.Module):
             pos = offset + width
         if pos < y.shape[-1]:
             blocks.append((None, y.shape[-1] - pos))
-        parts = y.split([w for _, w in blocks], dim=-1) if len(blocks) > 1 else (y,)
-        coeffs: dict[str, Tensor] = {}
-        out = []
+        out = list(y.split([w for _, w in blocks], dim=-1)) if len(blocks) > 1 else [y]
+        # The parts each side maps, so that a side's generator runs once for
+        # all of them (tied q and k of one projection: one A(t)).
+        by_side: dict[str, list[int]] = {}
+        for i, (role, _) in enumerate(blocks):
+            if role is not None:
+                by_side.setdefault(dc.side_of(cfg, role), []).append(i)  # type: ignore[arg-type]
         with _no_autocast(y):
-            for (role, _), part in zip(blocks, parts):
-                side = None if role is None else dc.side_of(cfg, role)
-                if side is not None:
-                    part = self.apply_map(side, tokens, part, coeffs, compute).to(y.dtype)
-                    if self.track_metric_penalty:
+            for side, indices in by_side.items():
+                mapped = self.apply_map(side, tokens, tuple(out[i] for i in indices))
+                for i, part in zip(indices, mapped):
+                    out[i] = part.to(y.dtype)
+                if self.track_metric_penalty:
+                    for i in indices:
+                        role = blocks[i][0]
                         self._penalty_terms[role] = self.generator(side).penalty(tokens, self.gates[side])  # type: ignore[index]
-                out.append(part)
         return out[0] if len(out) == 1 else torch.cat(out, dim=-1)
 
-    def apply_map(self, side: str, tokens: Tensor, part: Tensor, coeffs: dict[str, Tensor],
-                  dtype: torch.dtype) -> Tensor:
-        """L(t) y = y + g * (Delta(t) y) for heads y flattened to (..., S*d); computed in ``dtype``."""
-        cfg = self.config
-        gen, gate = self.generator(side), self.gates[side].to(dtype)
-        S, d = gate.shape[0], cfg.key_dim
-        if side not in coeffs:
-            coeffs[side] = _coefficients(gen, tokens.to(dtype), dtype)
-        coeff, y = coeffs[side], part.to(dtype)
-        if cfg.metric == "heads":
-            heads, A = y.unflatten(-1, (S, d)), coeff.unflatten(-1, (S, S))
-            if S <= _BROADCAST_HEADS:
-                # For a few heads a broadcast product beats a batch of tiny (S x S) matmuls on CPU.
-                delta = (A.unsqueeze(-1) * heads.unsqueeze(-3)).sum(-2)
-            else:
-                delta = torch.matmul(A, heads)
-            return torch.addcmul(heads, delta, gate.unsqueeze(-1)).flatten(-2)
-        z = torch.matmul(y, gen.v.to(dtype).flatten(0, 1))  # (..., r)
-        delta = torch.matmul(coeff * z, gen.u.to(dtype).flatten(0, 1).transpose(0, 1))  # (..., S*d)
-        return torch.addcmul(y, delta, gate.repeat_interleave(d))
+    def apply_map(self, side: str, tokens: Tensor, parts: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        """L(t) y for each y of ``parts``, heads flattened to (..., S*d): the
+        layer's own map (``_functional.apply_map_weights``: residual form,
+        16-bit inputs computed in float32), so both integrations run one code."""
+        gate = self.gates[side]
+        S, d = gate.shape[0], self.config.key_dim
+        heads = tuple(part.unflatten(-1, (S, d)) for part in parts)
+        mapped = fn.apply_map_weights(self.generator(side).side(gate), tokens, heads)  # type: ignore[arg-type]
+        return tuple(m.flatten(-2) for m in mapped)
 
     @property
     def last_metric_penalty(self) -> Tensor | None:
