@@ -5,7 +5,7 @@ in its own subprocess (``python tests/test_models_keras_backends.py BACKEND
 TMPDIR``); the pytest side launches it and asserts on the JSON it prints.
 tests/test_models_keras.py covers tensorflow (in process) in more depth.
 
-Per backend: GPT-2, BERT, Llama and ViT backbones exact at init (bit for bit); with
+Per backend: GPT-2, BERT, Llama, Gemma and ViT backbones exact at init (bit for bit); with
 the gates open, every converted layer of GPT-2 and BERT equals the reference
 damcha_attention and every mapped q/k of Llama the reference's maps (float64;
 jax in x64 mode for that part), the whole Llama layer within float32 RoPE rounding;
@@ -37,7 +37,7 @@ def test_models_keras_backend(backend, tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["backend"] == backend
-    assert r["exact_at_init"] == {"gpt2": True, "bert": True, "llama": True, "vit": True}, r
+    assert r["exact_at_init"] == {"gpt2": True, "bert": True, "llama": True, "gemma": True, "vit": True}, r
     assert max(r["reference_error_exact"].values()) <= 1e-12, r
     assert r["reference_error_llama_layer"] <= 1e-6, r
     assert r["maps_open"], r
@@ -79,7 +79,7 @@ def main(backend: str, tmp: str) -> dict:
     r: dict = {"backend": backend}
 
     r["exact_at_init"] = {}
-    for arch in ("gpt2", "bert", "llama", "vit"):
+    for arch in ("gpt2", "bert", "llama", "gemma", "vit"):
         model = backbone(arch)
         x = inputs(arch)
         before = output(model, x)

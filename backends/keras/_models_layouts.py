@@ -107,7 +107,7 @@ for _adapter in (
         "keras-mha",
         "keras.layers.MultiHeadAttention and GroupQueryAttention, and subclasses: KerasHub's "
         "CachedMultiHeadAttention (GPT-2, OPT, BART, ...) and the MHA of its TransformerEncoder/Decoder "
-        "(BERT, RoBERTa, ...), rank-3 inputs (_query_dense/_key_dense)",
+        "(BERT, RoBERTa, ...) and of its ViT encoder blocks, rank-3 inputs (_query_dense/_key_dense)",
         lambda layer: isinstance(layer, (keras.layers.MultiHeadAttention, keras.layers.GroupQueryAttention)),
         _mha_layout,
     ),
