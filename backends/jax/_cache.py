@@ -19,6 +19,7 @@ from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, check_i
 from ._functional import (
     Array,
     Params,
+    MaskArg,
     _check_config,
     _np_dtype,
     _output,
@@ -26,7 +27,8 @@ from ._functional import (
     _prepare,
     _qkv,
     attend,
-    check_mask,
+    check_hint,
+    read_mask,
 )
 
 
@@ -101,25 +103,27 @@ def decode_attend(
     k: Array,
     v: Array,
     *,
-    mask: Array | None = None,
+    mask: Array | MaskArg | None = None,
     dropout_rng: Array | None = None,
     broadcast_dropout: bool = False,
     precision: Any = None,
-) -> tuple[Array, dict[str, Array]]:
+    mask_hint: str | None = None,
+) -> tuple[Array, dict[str, Array], Array | None]:
     """Write k~ (B, T, G, d) and v (B, T, G, d_v) into ``cache`` at ``index`` and
     attend q~ (B, T, H, d) causally over the cache: query i sits at position
-    index + i. Returns o (B, T, H, d_v) and the new cache."""
+    index + i. Returns o (B, T, H, d_v), the new cache and the mask's NaN flag."""
     cached_k, cached_v, index = cache["key"], cache["value"], cache["index"]
     zero = jnp.zeros((), jnp.int32)
     start = (zero, index.astype(jnp.int32), zero, zero)
     keys = jax.lax.dynamic_update_slice(cached_k, k.astype(cached_k.dtype), start)
     values = jax.lax.dynamic_update_slice(cached_v, v.astype(cached_v.dtype), start)
     dt = jnp.result_type(q.dtype, keys.dtype, values.dtype)
-    o, _ = attend(
+    o, _, flag = attend(
         config, q.astype(dt), keys.astype(dt), values.astype(dt), mask=mask, is_causal=True,
         query_offset=index, dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout, precision=precision,
+        mask_hint=mask_hint,
     )
-    return o, {"key": keys, "value": values, "index": index + q.shape[1]}
+    return o, {"key": keys, "value": values, "index": index + q.shape[1]}, flag
 
 
 def check_room(index: Any, T: int, L: int, name: str, shape: tuple[int, ...]) -> None:
@@ -142,6 +146,7 @@ def decode_step(
     mask: Array | None = None,
     precision: Any = None,
     dtype: Any = None,
+    mask_hint: str | None = None,
 ) -> tuple[Array, dict[str, Array]]:
     """Append T tokens to ``cache`` and attend causally over every cached key.
 
@@ -161,6 +166,9 @@ def decode_step(
             bool, or numeric 0/1 as in ``damcha_attention``.
         precision: as ``damcha_attention``.
         dtype: computation dtype; default promotes inputs and params.
+        mask_hint: as ``damcha_attention`` ("causal": the cache's causal rule,
+            query i of the step seeing keys j <= index + i, and padding only;
+            "padding": padding only).
 
     Returns:
         ``(y (B, T, E_o), new_cache)``. When ``index`` is concrete, writing
@@ -178,7 +186,7 @@ def decode_step(
     cached_k, cached_v, index = _check_cache(cache, config)
     B, L = cached_k.shape[0], cached_k.shape[1]
     # The mask spans the whole cache (T, L), not (T, T): it is checked below, not by _prepare.
-    p, config, x, c, v_tokens, _, _ = _prepare(params, config, query, context, value, None, dtype)
+    p, config, x, c, v_tokens, _ = _prepare(params, config, query, context, value, None, dtype)
     T = x.shape[1]
     tokens = x if c is None else c
     if tokens.shape[0] != B or tokens.shape[1] != T:
@@ -186,13 +194,14 @@ def decode_step(
             f"`query` and `context` must be (B, T, .) with the cache's batch size B={B} and one key per query token. "
             f"Received: query.shape={tuple(x.shape)}, context.shape={None if c is None else tuple(c.shape)}"
         )
-    mask, bad = check_mask(mask)
-    if mask is not None:
-        check_shapes(config, x.shape, (B, L, config.context_dim), mask.shape)
+    mask_hint = check_hint(mask_hint, mask)
+    mask = read_mask(mask)
+    if mask.array is not None:
+        check_shapes(config, x.shape, (B, L, config.context_dim), mask.array.shape)
     check_room(index, T, L, "query", x.shape)
     q, k, v = _qkv(p, config, x, c, v_tokens, precision)
-    o, new_cache = decode_attend(config, {"key": cached_k, "value": cached_v, "index": index}, q, k, v,
-                                 mask=mask, precision=precision)
+    o, new_cache, bad = decode_attend(config, {"key": cached_k, "value": cached_v, "index": index}, q, k, v,
+                                      mask=mask, precision=precision, mask_hint=mask_hint)
     y = _poison(_output(p, config, o.astype(x.dtype), precision), bad)
     return y, new_cache
 
@@ -229,14 +238,16 @@ class DecodeCache:
         q: Array,
         k: Array,
         v: Array,
-        mask: Array | None,
+        mask: MaskArg | None,
         *,
         dropout_rng: Array | None,
         broadcast_dropout: bool,
         precision: Any,
         name: str,
-    ) -> Array:
-        """q~ [batch..., T, H, d], k~, v [batch..., T, G, .] appended to the cache; o [batch..., T, H, d_v]."""
+        mask_hint: str | None = None,
+    ) -> tuple[Array, Array | None]:
+        """q~ [batch..., T, H, d], k~, v [batch..., T, G, .] appended to the cache;
+        o [batch..., T, H, d_v] and the mask's NaN flag."""
         if self.cached_key is None or self.cached_value is None or self.cache_index is None:
             raise DamchaValueError("The decoding cache is not initialised: call init_cache(input_shape) first.")
         cached_k, cached_v, index = self.cached_key[...], self.cached_value[...], self.cache_index[...]
@@ -251,14 +262,14 @@ class DecodeCache:
         B = int(np.prod(batch)) if batch else 1
         fold = lambda t: jnp.reshape(t, (B, *t.shape[len(batch):]))  # noqa: E731
         cache = {"key": fold(cached_k), "value": fold(cached_v), "index": index}
-        o, cache = decode_attend(
+        o, cache, flag = decode_attend(
             self.config, cache, fold(q), fold(k), fold(v), mask=mask, dropout_rng=dropout_rng,
-            broadcast_dropout=broadcast_dropout, precision=precision,
+            broadcast_dropout=broadcast_dropout, precision=precision, mask_hint=mask_hint,
         )
         self.cached_key[...] = jnp.reshape(cache["key"], cached_k.shape)
         self.cached_value[...] = jnp.reshape(cache["value"], cached_v.shape)
         self.cache_index[...] = cache["index"]
-        return jnp.reshape(o, (*lead, *o.shape[1:]))
+        return jnp.reshape(o, (*lead, *o.shape[1:])), flag
 
     def _decode_mask(self, T: int) -> Array:
         """(1, 1, T, L) bool: query i of this step (position index + i) sees cached keys j <= index + i."""

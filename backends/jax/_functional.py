@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import numbers
 import types
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +45,12 @@ Params = Mapping[str, Any]
 
 # What the masks of the JAX functions and the NNX module may hold (DECISIONS 5).
 MASK_RULE = "boolean (True = may attend) or numeric with only 0 and 1 (non-zero = attend)"
+# What ``mask_hint`` may say about a mask: "causal" = the causal rule and padding
+# (key and query) only, "padding" = padding only (see ``plan_mask``).
+MASK_HINTS = ("causal", "padding")
+# float64 attention runs as einsums (the fused kernel's softmax is float32).
+# Tests set this False to hold the fused path itself to float64 inputs.
+EINSUM_FOR_FLOAT64 = True
 
 # --------------------------------------------------------------------- checks
 
@@ -79,6 +85,39 @@ def check_float(name: str, value: Any) -> Array:
     return jnp.asarray(value)
 
 
+class MaskArg(NamedTuple):
+    """A checked mask: ``array`` the bool "may attend" mask the math takes,
+    ``host`` the same values as NumPy when DAMCHA holds them anyway (a NumPy
+    mask, or a concrete numeric mask read for the 0/1 rule), ``flag`` a traced
+    bool scalar that turns the output into NaN (None when nothing needs it)."""
+
+    array: Array | None
+    host: np.ndarray | None
+    flag: Array | None
+
+
+def read_mask(mask: Any, name: str = "mask") -> MaskArg:
+    """``mask`` checked and converted (see ``check_mask``), with its host values when known."""
+    if mask is None:
+        return MaskArg(None, None, None)
+    dtype = _np_dtype(mask)
+    if dtype is None or not (dtype == np.bool_ or jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)):
+        raise mask_dtype_error(mask, name, MASK_RULE)
+    if dtype == np.bool_:
+        # A bool JAX array is never read back (that would be a device sync); a NumPy one is on the host already.
+        return MaskArg(jnp.asarray(mask), mask if isinstance(mask, np.ndarray) else None, None)
+    if isinstance(mask, jax.core.Tracer):
+        return MaskArg(mask != 0, None, jnp.any((mask != 0) & (mask != 1)))
+    values = np.asarray(mask)
+    if not np.all((values == 0) | (values == 1)):
+        raise DamchaValueError(
+            f"`{name}` must be {MASK_RULE}; this {dtype} mask holds other values (an additive 0/-inf mask? "
+            f"pass `{name} == 0` for one, or a bool mask). Received: {name}={describe(mask)}"
+        )
+    host = values != 0
+    return MaskArg(jnp.asarray(host), host, None)
+
+
 def check_mask(mask: Any, name: str = "mask") -> tuple[Array | None, Array | None]:
     """``mask`` as the bool "may attend" array the math takes, and a flag.
 
@@ -90,22 +129,21 @@ def check_mask(mask: Any, name: str = "mask") -> tuple[Array | None, Array | Non
     needs checking) is True when such a value is present, and the caller then
     turns its output into NaN.
     """
+    checked = read_mask(mask, name)
+    return checked.array, checked.flag
+
+
+def check_hint(mask_hint: Any, mask: Any) -> str | None:
+    """``mask_hint`` is None, "causal" or "padding", and needs a mask to describe."""
+    if mask_hint is None:
+        return None
+    hint = check_choice("mask_hint", mask_hint, MASK_HINTS)
     if mask is None:
-        return None, None
-    dtype = _np_dtype(mask)
-    if dtype is None or not (dtype == np.bool_ or jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)):
-        raise mask_dtype_error(mask, name, MASK_RULE)
-    if dtype == np.bool_:
-        return jnp.asarray(mask), None
-    if isinstance(mask, jax.core.Tracer):
-        return mask != 0, jnp.any((mask != 0) & (mask != 1))
-    values = np.asarray(mask)
-    if not np.all((values == 0) | (values == 1)):
         raise DamchaValueError(
-            f"`{name}` must be {MASK_RULE}; this {dtype} mask holds other values (an additive 0/-inf mask? "
-            f"pass `{name} == 0` for one, or a bool mask). Received: {name}={describe(mask)}"
+            f"`mask_hint` describes `mask`, which is None (use is_causal=True for causal attention without a mask). "
+            f"Received: mask=None, mask_hint={hint!r}"
         )
-    return jnp.asarray(values != 0), None
+    return hint
 
 
 def _poison(y: Array, flag: Array | None) -> Array:
@@ -180,7 +218,26 @@ def _leaves(params: Params, config: DamchaConfig, side: str) -> dict[str, Array]
 def rms_normalise(t: Array) -> Array:
     """phi(t) = t / sqrt(mean(t^2 over features) + 1e-6), in at least float32."""
     t = t.astype(_acc(t.dtype))
-    return t * jax.lax.rsqrt(jnp.mean(t * t, axis=-1, keepdims=True) + RMS_EPS)
+    return t * _rms_scale(t)
+
+
+def _rms_scale(t: Array) -> Array:
+    """1 / sqrt(mean(t^2) + 1e-6) per token, (B, T, 1), for t already in at least float32."""
+    return jax.lax.rsqrt(jnp.mean(t * t, axis=-1, keepdims=True) + RMS_EPS)
+
+
+def _affine_coefficients(structure: Any, tokens: Array, leaves: Mapping[str, Array], precision: Any) -> Array:
+    """phi(t) W + b of the table's generator, evaluated as rsqrt(mean t^2 + eps) * (t W) + b.
+
+    Both structures' generators are affine in phi (A = phi W_A + b_A, u = phi
+    W_u + b_u), so the token's RMS scale can multiply the small GEMM output
+    (S*S or r values per token) instead of the tokens (E values): the GEMM
+    reads the raw tokens, as the projections do, and phi is never written out.
+    """
+    t = tokens.astype(_acc(tokens.dtype))
+    linear = structure.coefficients(_xp(precision), t, {**leaves, "bias": 0.0})
+    scale = _rms_scale(t).reshape(t.shape[:-1] + (1,) * (linear.ndim - t.ndim + 1))
+    return linear * scale + leaves["bias"]
 
 
 def coefficients(metric: str, kernel: Array, bias: Array, tokens: Array, *, precision: Any = None) -> Array:
@@ -188,15 +245,12 @@ def coefficients(metric: str, kernel: Array, bias: Array, tokens: Array, *, prec
     "heads", u(t) (B, T, r) for "lowrank", in at least float32 (16-bit inputs
     keep float32 intermediates: rounding q and k twice would double their error)."""
     metric = check_choice("metric", metric, tuple(METRIC_STRUCTURES))
-    structure = METRIC_STRUCTURES[metric]
-    return structure.coefficients(_xp(precision), rms_normalise(tokens), {"kernel": kernel, "bias": bias})
+    return _affine_coefficients(METRIC_STRUCTURES[metric], tokens, {"kernel": kernel, "bias": bias}, precision)
 
 
 def generator(params: Params, config: DamchaConfig, side: str, tokens: Array, *, precision: Any = None) -> Array:
     """The data-adaptive coefficients of ``side`` for tokens (B, T, E)."""
-    return config.metric_structure.coefficients(  # type: ignore[union-attr]
-        _xp(precision), rms_normalise(tokens), _leaves(params, config, side)
-    )
+    return _affine_coefficients(config.metric_structure, tokens, _leaves(params, config, side), precision)
 
 
 def apply_map(
@@ -204,8 +258,29 @@ def apply_map(
 ) -> Array:
     """L(t) y for stacked heads y (B, T, S, d) given ``generator``'s coefficients,
     in at least float32."""
-    y = y.astype(_acc(y.dtype))
-    return config.metric_structure.apply(_xp(precision), coeff, y, _leaves(params, config, side))  # type: ignore[union-attr]
+    return _apply_maps(config, _leaves(params, config, side), coeff, [y], precision)[0]
+
+
+def _apply_maps(config: DamchaConfig, leaves: Mapping[str, Array], coeff: Array, ys: list[Array],
+                precision: Any) -> list[Array]:
+    """L(t) y for each y of ``ys`` (same tokens, same side), in at least float32.
+
+    A compact structure ("heads": L(t) = l(t) (x) I_d with l = I + diag(g) A)
+    maps y with one batched (S, S) @ (S, d) product per token, the gate and
+    the identity folded into l (no y + g * delta passes over (B, T, S, d)).
+    The product runs at HIGHEST precision unless one is given, so that the
+    identity part of l leaves y unrounded (gates at 0 stay exactly MHA on
+    every platform; DEFAULT would round y to bfloat16/TF32 on TPU/GPU); it
+    costs S*S*d per token.
+    """
+    structure = config.metric_structure
+    ys = [y.astype(_acc(y.dtype)) for y in ys]
+    if not structure.compact_head_map:  # type: ignore[union-attr]
+        return [structure.apply(_xp(precision), coeff, y, leaves) for y in ys]  # type: ignore[union-attr]
+    l = structure.head_map(jnp, coeff, leaves)  # type: ignore[union-attr]
+    prec = jax.lax.Precision.HIGHEST if precision is None else precision
+    # One product per side: stacking q and k (tied) would copy both (measured: more bytes on CPU).
+    return [jnp.einsum("btha,btad->bthd", l, y, precision=prec) for y in ys]
 
 
 def cross_head_maps(
@@ -214,15 +289,19 @@ def cross_head_maps(
     """q~ = L_q(x) q (B, N, H, d) and k~ = L_k(c) k (B, M, G, d), in the dtypes of
     q and k; ``c=None`` means the keys come from ``x`` (self-attention)."""
     sq, sk = side_of(config, "q"), side_of(config, "k")
+    structure = config.metric_structure
     q_out, k_out = q, k
-    coeff_q = generator(params, config, sq, x, precision=precision) if sq else None
+    coeff_q = None
     if sq:
-        q_out = apply_map(params, config, sq, q, coeff_q, precision=precision).astype(q.dtype)
+        leaves = _leaves(params, config, sq)
+        coeff_q = _affine_coefficients(structure, x, leaves, precision)
+        q_out = _apply_maps(config, leaves, coeff_q, [q], precision)[0].astype(q.dtype)
     if sk:
+        leaves = _leaves(params, config, sk)
         # Tied self-attention feeds the same tokens to the same generator: reuse it.
         same = sk == sq and c is None
-        coeff_k = coeff_q if same else generator(params, config, sk, x if c is None else c, precision=precision)
-        k_out = apply_map(params, config, sk, k, coeff_k, precision=precision).astype(k.dtype)
+        coeff_k = coeff_q if same else _affine_coefficients(structure, x if c is None else c, leaves, precision)
+        k_out = _apply_maps(config, leaves, coeff_k, [k], precision)[0].astype(k.dtype)
     return q_out, k_out
 
 
@@ -264,20 +343,157 @@ def visibility(mask: Array | None, n: int, m: int, *, is_causal: bool = False, q
     return causal if mask is None else mask & causal
 
 
-def _row_visible(mask: Array | None, is_causal: bool, n: int, query_offset: Any) -> Array | None:
-    """(b, h, N) bool: does each query row see at least one key? None = always.
+def _causal_grid(n: int, m: int, query_offset: Any) -> Array:
+    """(N, M) bool: query i (at position offset + i) sees key j <= offset + i."""
+    return jnp.arange(m)[None, :] <= jnp.arange(n)[:, None] + query_offset
 
-    Uses only the mask's own (possibly broadcast) shape, never a full N x M:
-    under the causal rule a row sees a key iff the mask's first visible key
-    is at or before the row's position.
+
+class MaskPlan(NamedTuple):
+    """How ``attend`` applies a mask.
+
+    ``kernel_mask`` and ``kernel_causal`` are what the fused kernel gets
+    (``jax.nn.dot_product_attention``'s ``mask`` and ``is_causal``), ``rows``
+    (b, h, N|1) says which query rows see at least one key (None: all; the
+    others get output 0), ``visible`` is the whole may-attend mask for the
+    einsum path (None: all), ``flag`` turns the output into NaN when True.
     """
-    if mask is None:
-        return None  # with no mask, causal rows always see key 0 (offset >= 0)
-    has_key = jnp.any(mask, axis=-1)
-    if not is_causal:
-        return has_key
-    first = jnp.argmax(mask, axis=-1)  # first True; 0 when none (has_key covers it)
-    return has_key & (first <= jnp.arange(n) + query_offset)
+
+    kernel_mask: Array | None
+    kernel_causal: bool
+    rows: Array | None
+    visible: Array | None
+    flag: Array | None
+
+
+def _or(a: Array | None, b: Array | None) -> Array | None:
+    return b if a is None else a if b is None else a | b
+
+
+def _host_split(v: np.ndarray, grid: np.ndarray | None) -> tuple[np.ndarray, np.ndarray] | None:
+    """(key_ok (b, h, M), rows (b, h, N)) when v (b, h, N, M) == grid & rows x key_ok, else None."""
+    rows, keys = v.any(-1), v.any(-2)
+    recon = rows[..., :, None] & keys[..., None, :]
+    if grid is not None:
+        recon = recon & grid
+    return (keys, rows) if np.array_equal(v, recon) else None
+
+
+def _host_plan(host: np.ndarray, n: int, m: int, *, is_causal: bool, offset: int, hint: str | None,
+               name: str) -> tuple[np.ndarray, np.ndarray, bool] | None:
+    """(key_ok, rows, kernel_causal) of a mask whose values are on the host, or
+    None when it is neither causal nor padding; a wrong ``hint`` raises."""
+    full = np.broadcast_to(host, host.shape[:2] + (n, m))
+    grid = np.arange(m)[None, :] <= np.arange(n)[:, None] + offset
+    if hint is not None:
+        split = _host_split(full, grid if hint == "causal" else None)
+        if split is None:
+            raise DamchaValueError(
+                f"`{name}` is not what mask_hint={hint!r} says: "
+                + ("the causal rule and padding only (combine_masks(make_causal_mask, padding masks))"
+                   if hint == "causal" else "padding only (make_attention_mask of query and key padding)")
+                + f". Drop mask_hint for any other mask. Received: {name}.shape={tuple(host.shape)}"
+            )
+        keys, rows = split
+        causal = is_causal or hint == "causal"
+        if causal and hint == "padding":
+            rows = (full & grid).any(-1)
+        return keys, rows, causal
+    visible = full & grid if is_causal else full
+    split = _host_split(visible, grid if is_causal else None)
+    if split is not None:
+        return split[0], split[1], is_causal
+    if not is_causal and n > 1:  # the mask itself may be causal (make_causal_mask without is_causal)
+        split = _host_split(full, grid)
+        if split is not None:
+            return split[0], split[1], True
+    return None
+
+
+def _traced_split(a: Array, n: int, m: int, *, hint: str, offset: Any) -> tuple[Array, Array, Array]:
+    """(key_ok (b, h, M), rows (b, h, N), ok) for a traced mask a (b, h, N|1, M|1)
+    under ``hint``: ok (a bool scalar) is whether a really is
+    [causal &] rows x key_ok. Two reductions over the mask and O(N + M) more,
+    by counting: a row holds at most the keys the reconstruction gives it (it
+    is a subset), so equal counts mean equal rows."""
+    a = jnp.broadcast_to(a, a.shape[:2] + (n, m))
+    rows, keys = jnp.any(a, axis=-1), jnp.any(a, axis=-2)
+    if hint == "padding":
+        counts = jnp.sum(a, axis=-1, dtype=jnp.int32)
+        expected = jnp.sum(keys, axis=-1, dtype=jnp.int32)[..., None]
+        return keys, rows, jnp.all(counts == jnp.where(rows, expected, 0))
+    grid = _causal_grid(n, m, offset)
+    counts = jnp.sum(a & grid, axis=-1, dtype=jnp.int32)
+    outside = jnp.any(a & ~grid)
+    # keys j <= i + offset that the reconstruction gives row i: a prefix count of key_ok.
+    prefix = jnp.cumsum(keys, axis=-1, dtype=jnp.int32)
+    last = jnp.minimum(jnp.arange(n) + offset, m - 1)
+    expected = jnp.take(prefix, last, axis=-1)
+    return keys, rows, jnp.all(counts == jnp.where(rows, expected, 0)) & ~outside
+
+
+def plan_mask(mask: MaskArg | None, n: int, m: int, *, is_causal: bool, query_offset: Any = 0,
+              mask_hint: str | None = None, name: str = "mask") -> MaskPlan:
+    """What the attention kernel gets for this mask, causal rule and hint.
+
+    A mask that is the causal rule and padding only (``combine_masks`` of
+    ``make_causal_mask`` and ``make_attention_mask``), or padding only, is
+    given to the kernel as ``is_causal`` and a key mask (b, h, 1, M), and
+    the query rows it hides are zeroed: no (N, M) operand. That needs to
+    know what the mask is:
+
+    * its values, where DAMCHA holds them anyway (NumPy masks, concrete
+      numeric masks read for the 0/1 rule): found exactly on the host;
+    * under ``jit``, ``mask_hint`` ("causal" or "padding"), checked on the
+      device by counting (two reductions over the mask); a mask that is not
+      what the hint says makes the output NaN (a DamchaValueError when its
+      values are known), never a wrong number.
+
+    Any other mask goes to the kernel as it is (as Flax's MHA does).
+    """
+    arr = None if mask is None else _mask4(mask.array)
+    flag = None if mask is None else mask.flag
+    static0 = isinstance(query_offset, int) and query_offset == 0
+    if arr is None:
+        visible = visibility(None, n, m, is_causal=is_causal, query_offset=query_offset)
+        if is_causal and not static0:
+            # jax.nn.dot_product_attention's causal rule is top-left (offset 0): give it the offset one.
+            return MaskPlan(visible, False, None, visible, flag)
+        return MaskPlan(None, is_causal, None, visible, flag)
+    found = None
+    concrete_offset = not isinstance(query_offset, jax.core.Tracer)
+    if mask.host is not None and concrete_offset:
+        host = np.asarray(mask.host).reshape(arr.shape)
+        found = _host_plan(host, n, m, is_causal=is_causal, offset=int(query_offset), hint=mask_hint, name=name)
+        if found is not None:
+            keys, rows, causal = (jnp.asarray(found[0]), None if found[1].all() else jnp.asarray(found[1]), found[2])
+            if found[0].all():
+                keys = None
+    if found is None and mask_hint is not None:
+        keys, rows, ok = _traced_split(arr, n, m, hint=mask_hint, offset=query_offset)
+        causal = is_causal or mask_hint == "causal"
+        if causal and mask_hint == "padding":
+            first = jnp.argmax(keys, axis=-1)[..., None]  # rows already require some key
+            rows = rows & (first <= jnp.arange(n) + query_offset)
+        flag = _or(flag, ~ok)
+        found = True
+    if found is None:
+        # Any other mask: to the kernel as it is; a row sees a key iff the mask shows it one.
+        visible = visibility(arr, n, m, is_causal=is_causal, query_offset=query_offset)
+        if arr.shape[-2] == 1 and is_causal:
+            first = jnp.argmax(arr, axis=-1)  # a key mask: O(M), row i sees the first key iff it is <= i
+            rows = jnp.any(arr, axis=-1) & (first <= jnp.arange(n) + query_offset)
+        else:
+            rows = jnp.any(visible, axis=-1)
+        if is_causal and static0:
+            return MaskPlan(arr, True, rows, visible, flag)
+        return MaskPlan(visible, False, rows, visible, flag)
+    key_mask = None if keys is None else keys[..., None, :]
+    # The einsum path (weights, dropout, float64) builds the logits anyway: it takes the mask as given.
+    visible = visibility(arr, n, m, is_causal=causal, query_offset=query_offset)
+    if causal and not static0:
+        return MaskPlan(visibility(key_mask, n, m, is_causal=True, query_offset=query_offset), False, rows,
+                        visible, flag)
+    return MaskPlan(key_mask, causal, rows, visible, flag)
 
 
 def softmax_attend(logits: Array, visible: Array) -> Array:
@@ -296,34 +512,33 @@ def attend(
     k: Array,
     v: Array,
     *,
-    mask: Array | None,
+    mask: Array | MaskArg | None,
     is_causal: bool,
     query_offset: Any = 0,
     return_weights: bool = False,
     dropout_rng: Array | None = None,
     broadcast_dropout: bool = False,
     precision: Any = None,
-) -> tuple[Array, Array | None]:
+    mask_hint: str | None = None,
+) -> tuple[Array, Array | None, Array | None]:
     """Scaled dot-product attention on transformed heads: o (B, N, H, d_v) in
-    q's dtype, and the probabilities (B, H, N, M) (before dropout) when asked.
+    q's dtype, the probabilities (B, H, N, M) (before dropout) when asked, and
+    the NaN flag of the mask (``plan_mask``; None when there is none).
 
     Without weights or dropout this is ``jax.nn.dot_product_attention`` (no
-    N x M tensor is built here; XLA's kernel builds what it needs). float64
-    uses the equivalent einsum path, see below. ``broadcast_dropout`` drops
-    the same (N, M) entries in every batch row and head, as Flax does.
+    N x M tensor is built here; XLA's kernel builds what it needs), given the
+    causal rule and a key mask instead of the mask where ``plan_mask`` can.
+    float64 uses the equivalent einsum path, see below. ``broadcast_dropout``
+    drops the same (N, M) entries in every batch row and head, as Flax does.
     """
     N, d = q.shape[1], q.shape[-1]
     M, d_v = k.shape[1], v.shape[-1]
-    mask = _mask4(mask)
-    static_offset = isinstance(query_offset, int)
+    if mask is not None and not isinstance(mask, MaskArg):
+        mask = MaskArg(mask, None, None)
+    plan = plan_mask(mask, N, M, is_causal=is_causal, query_offset=query_offset, mask_hint=mask_hint)
     # jax.nn.dot_product_attention always takes its softmax in float32
     # (its XLA path builds the logits too), so float64 gets the einsum path.
-    explicit = return_weights or dropout_rng is not None or q.dtype == jnp.float64
-    if is_causal and (explicit or not (static_offset and query_offset == 0)):
-        visible, fused_causal = visibility(mask, N, M, is_causal=True, query_offset=query_offset), False
-    else:
-        visible, fused_causal = mask, is_causal
-    rows = _row_visible(mask, is_causal, N, query_offset)
+    explicit = return_weights or dropout_rng is not None or (q.dtype == jnp.float64 and EINSUM_FOR_FLOAT64)
 
     if explicit:
         k_h = jnp.repeat(k, config.group_size, axis=2)  # head h reads kv head h // (H/G)
@@ -331,7 +546,7 @@ def attend(
         logits = config.softmax_scale * jnp.einsum(
             "bnhd,bmhd->bhnm", q, k_h, precision=precision, preferred_element_type=_acc(q.dtype)
         )
-        full = jnp.ones((1, 1, 1, 1), bool) if visible is None else visible
+        full = jnp.ones((1, 1, 1, 1), bool) if plan.visible is None else plan.visible
         probs = softmax_attend(logits, jnp.broadcast_to(full, logits.shape))
         weights = probs
         if dropout_rng is not None:
@@ -341,7 +556,7 @@ def attend(
             # A product, not a select: a NaN probability stays NaN where it is dropped.
             probs = probs * (keep.astype(probs.dtype) / keep_prob)
         o = jnp.einsum("bhnm,bmhd->bnhd", probs.astype(v.dtype), v_h, precision=precision)
-        return _zero_empty_rows(o, rows).astype(q.dtype), (weights if return_weights else None)
+        return _zero_empty_rows(o, plan.rows).astype(q.dtype), (weights if return_weights else None), plan.flag
 
     # jax.nn.dot_product_attention needs d == d_v; zero-padding the narrower
     # side changes neither the logits (explicit scale) nor the kept channels.
@@ -352,9 +567,9 @@ def attend(
     if d_v < width:
         v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, width - d_v)))
     o = jax.nn.dot_product_attention(
-        q, k, v, mask=visible, scale=config.softmax_scale, is_causal=fused_causal
+        q, k, v, mask=plan.kernel_mask, scale=config.softmax_scale, is_causal=plan.kernel_causal
     )[..., :d_v]
-    return _zero_empty_rows(o, rows), None
+    return _zero_empty_rows(o, plan.rows), None, plan.flag
 
 
 def _zero_empty_rows(o: Array, rows: Array | None) -> Array:
@@ -401,8 +616,8 @@ def _prepare(params, config, query, context, value, mask, dtype):
     x = check_float("query", query)
     c = None if context is None else check_float("context", context)
     v_tokens = None if value is None else check_float("value", value)
-    mask, bad = check_mask(mask)
-    check_shapes(config, x.shape, None if c is None else c.shape, None if mask is None else mask.shape,
+    mask = read_mask(mask)
+    check_shapes(config, x.shape, None if c is None else c.shape, None if mask.array is None else mask.array.shape,
                  value_shape=None if v_tokens is None else v_tokens.shape)
     arrays = [x] + [t for t in (c, v_tokens) if t is not None] + [jnp.asarray(p) for p in params.values()]
     dt = _compute_dtype(dtype, *arrays)
@@ -410,7 +625,7 @@ def _prepare(params, config, query, context, value, mask, dtype):
     x = x.astype(dt)
     c = None if c is None else c.astype(dt)
     v_tokens = None if v_tokens is None else v_tokens.astype(dt)
-    return cast, config, x, c, v_tokens, mask, bad
+    return cast, config, x, c, v_tokens, mask
 
 
 # ------------------------------------------------------------------ public API
@@ -433,6 +648,7 @@ def damcha_attention(
     broadcast_dropout: bool = False,
     precision: Any = None,
     dtype: Any = None,
+    mask_hint: str | None = None,
 ):
     """DAMCHA forward pass: cross-head maps, then ``jax.nn.dot_product_attention``.
 
@@ -467,6 +683,16 @@ def damcha_attention(
         precision: ``jax.lax.Precision`` of the einsums (projections, maps,
             the einsum attention path).
         dtype: computation dtype; default promotes inputs and params.
+        mask_hint: what ``mask`` is, so that under ``jit`` the fused kernel
+            can take the causal rule and a key mask instead of the (N, M)
+            mask: ``"causal"`` (the causal rule and padding only, e.g.
+            ``nnx.combine_masks(nnx.make_causal_mask(t), padding)``; implies
+            ``is_causal``) or ``"padding"`` (query and key padding only, e.g.
+            ``nnx.make_attention_mask(valid_q, valid_k)``). Checked on the
+            device by counting (two reductions over the mask): a mask that is
+            not what the hint says makes the output NaN (a DamchaValueError
+            when its values are concrete), never a wrong number. Concrete
+            numeric and NumPy masks need no hint (their values are read anyway).
 
     Returns:
         y (B, N, E_o), or ``(y, weights?, metric?)`` with the asked-for extras
@@ -479,7 +705,8 @@ def damcha_attention(
     deterministic = check_bool("deterministic", deterministic)
     broadcast_dropout = check_bool("broadcast_dropout", broadcast_dropout)
     query_offset = _check_offset(query_offset)
-    p, config, x, c, v_tokens, mask, bad = _prepare(params, config, query, context, value, mask, dtype)
+    mask_hint = check_hint(mask_hint, mask)
+    p, config, x, c, v_tokens, mask = _prepare(params, config, query, context, value, mask, dtype)
     use_dropout = not deterministic and config.dropout > 0.0
     if use_dropout and dropout_rng is None:
         raise DamchaValueError(
@@ -489,10 +716,10 @@ def damcha_attention(
     if use_dropout:
         _check_key("dropout_rng", dropout_rng)
     q, k, v = _qkv(p, config, x, c, v_tokens, precision)
-    o, weights = attend(
+    o, weights, bad = attend(
         config, q, k, v, mask=mask, is_causal=is_causal, query_offset=query_offset,
         return_weights=return_weights, dropout_rng=dropout_rng if use_dropout else None,
-        broadcast_dropout=broadcast_dropout, precision=precision,
+        broadcast_dropout=broadcast_dropout, precision=precision, mask_hint=mask_hint,
     )
     y = _poison(_output(p, config, o, precision), bad)
     extras: list[Any] = []
@@ -525,7 +752,7 @@ def transformed_qkv(
     the output projection is DAMCHA: feed them to any fused kernel, or cache
     k~ and v for decoding.
     """
-    p, config, x, c, v_tokens, _, _ = _prepare(params, config, query, context, value, None, dtype)
+    p, config, x, c, v_tokens, _ = _prepare(params, config, query, context, value, None, dtype)
     return _qkv(p, config, x, c, v_tokens, precision)
 
 
@@ -537,7 +764,7 @@ def metric_penalty(
     A scalar array (0 for metric "none"), differentiable, for the training
     loss; ``value`` is checked as in ``damcha_attention`` but never mapped.
     """
-    p, config, x, c, _, _, _ = _prepare(params, config, query, context, value, None, None)
+    p, config, x, c, _, _ = _prepare(params, config, query, context, value, None, None)
     c = x if c is None else c
     per_role = []
     for role, tokens in (("q", x), ("k", c)):

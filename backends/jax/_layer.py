@@ -173,12 +173,16 @@ def _fold(t: Array | None, lead: tuple[int, ...], keep: int) -> Array | None:
     return jnp.reshape(t, (B, *t.shape[t.ndim - keep:]))
 
 
-def _fold_mask(mask: Array | None, lead: tuple[int, ...]) -> Array | None:
-    """A Flax mask [batch..., H|1, N|1, M] broadcast over the batch axes and folded to (B, H|1, N|1, M)."""
-    if mask is None or mask.ndim != len(lead) + 3 or len(lead) == 1:
+def _fold_mask(mask: F.MaskArg, lead: tuple[int, ...]) -> F.MaskArg:
+    """A Flax mask [batch..., H|1, N|1, M] broadcast over the batch axes and
+    folded to (B, H|1, N|1, M) (its host values too, when known)."""
+    array = mask.array
+    if array is None or array.ndim != len(lead) + 3 or len(lead) == 1:
         return mask
-    tail = tuple(mask.shape[-3:])
-    return _fold(jnp.broadcast_to(mask, (*lead, *tail)), lead, 3)
+    tail = tuple(array.shape[-3:])
+    B = int(np.prod(lead)) if lead else 1
+    host = None if mask.host is None else np.reshape(np.broadcast_to(mask.host, (*lead, *tail)), (B, *tail))
+    return F.MaskArg(_fold(jnp.broadcast_to(array, (*lead, *tail)), lead, 3), host, mask.flag)
 
 
 class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
@@ -407,6 +411,7 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
         is_causal: bool = False,
         out_sharding: Any = None,
         qkv_sharding: Any = None,
+        mask_hint: str | None = None,
     ) -> Array:
         """Attention of ``inputs_q`` [batch..., N, E_q] over ``inputs_k`` [batch..., M, E_kv].
 
@@ -421,7 +426,16 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
         ``sow_weights`` stores the attention probabilities in
         ``nnx.Intermediate`` as ``attention_weights``. With ``decode`` the new
         tokens (one or more) are appended to the cache (``init_cache``) and
-        attend causally over it. Returns [batch..., N, E_o].
+        attend causally over it. ``is_causal`` overlays the causal rule on
+        ``mask``, as in Flax. ``mask_hint`` says what ``mask`` is so that
+        under ``jit`` the fused kernel gets the causal rule and a key mask
+        [batch..., H|1, 1, M] instead of the (N, M) mask: ``"causal"`` (the
+        causal rule and padding only, ``nnx.combine_masks(nnx.make_causal_mask(t),
+        padding)``) or ``"padding"`` (``nnx.make_attention_mask`` of query and
+        key padding only); checked on the device, a mask that is not what the
+        hint says gives NaN (a DamchaValueError when its values are concrete),
+        never a wrong number. Concrete numeric masks need no hint.
+        Returns [batch..., N, E_o].
         """
         if inputs_k is None and inputs_v is not None:
             raise DamchaValueError(
@@ -434,13 +448,14 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
         is_causal = check_bool("is_causal", is_causal)
         sow_weights = check_bool("sow_weights", sow_weights)
         decode = self.decode if decode is None else check_bool("decode", decode)
-        mask, bad = F.check_mask(mask, "mask")
+        mask_hint = F.check_hint(mask_hint, mask)
+        mask = F.read_mask(mask, "mask")
         cache_len = None
         if decode:
             if self.cached_key is None:
                 raise DamchaValueError("The decoding cache is not initialised: call init_cache(input_shape) first.")
             cache_len = self.cached_key.shape[-3]
-        lead = _check_inputs(self.config, x, k_in, v_in, mask, keys=cache_len)
+        lead = _check_inputs(self.config, x, k_in, v_in, mask.array, keys=cache_len)
         deterministic, dropout_rng = self._dropout_rng(deterministic, rngs)
 
         ctx = x if k_in is None else k_in
@@ -456,16 +471,19 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
             )
             q, k = jnp.reshape(folded_q, q.shape), jnp.reshape(folded_k, k.shape)
 
+        bad = mask.flag
         if not _is_default_attention(self.attention_fn):
-            o = self._custom_attention(q, k, v, mask, lead, decode, is_causal, deterministic, dropout_rng, sow_weights)
+            o = self._custom_attention(q, k, v, mask.array, lead, decode, is_causal, deterministic, dropout_rng,
+                                       sow_weights)
         elif decode:
-            o = self._decode(q, k, v, _fold_mask(mask, lead), dropout_rng=dropout_rng,
-                             broadcast_dropout=self.broadcast_dropout, precision=self.precision, name="inputs_q")
+            o, bad = self._decode(q, k, v, _fold_mask(mask, lead), dropout_rng=dropout_rng,
+                                  broadcast_dropout=self.broadcast_dropout, precision=self.precision, name="inputs_q",
+                                  mask_hint=mask_hint)
         else:
-            o, weights = F.attend(
+            o, weights, bad = F.attend(
                 self.config, _fold(q, lead, 3), _fold(k, lead, 3), _fold(v, lead, 3), mask=_fold_mask(mask, lead),
                 is_causal=is_causal, return_weights=sow_weights, dropout_rng=dropout_rng,
-                broadcast_dropout=self.broadcast_dropout, precision=self.precision,
+                broadcast_dropout=self.broadcast_dropout, precision=self.precision, mask_hint=mask_hint,
             )
             o = jnp.reshape(o, (*lead, *o.shape[1:]))
             if sow_weights:
