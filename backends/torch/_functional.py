@@ -479,13 +479,15 @@ def safe_attention(
 
 
 def _queries_keys(w: LayerWeights, config: DamchaConfig, x: Tensor, c: Tensor,
-                  self_attention: bool) -> tuple[Tensor, Tensor]:
-    """q~ (B, N, H, d) and k~ (B, M, G, d)."""
+                  self_attention: bool, qk_proj: tuple[Tensor, Tensor | None] | None = None) -> tuple[Tensor, Tensor]:
+    """q~ (B, N, H, d) and k~ (B, M, G, d). ``qk_proj``: the packed weight's
+    and bias's q/k rows, split off by the caller (see ``_project``)."""
     H, G, d = config.num_heads, config.num_kv_heads, config.key_dim
     if self_attention and w.in_proj is not None:
-        n_qk = w.sizes[0] + w.sizes[1]
-        b_qk = None if w.in_bias is None else w.in_bias[:n_qk]
-        q, k = F.linear(x, w.in_proj[:n_qk], b_qk).split_with_sizes(w.sizes[:2], dim=-1)
+        if qk_proj is None:
+            n_qk = w.sizes[0] + w.sizes[1]
+            qk_proj = (w.in_proj[:n_qk], None if w.in_bias is None else w.in_bias[:n_qk])
+        q, k = F.linear(x, *qk_proj).split_with_sizes(w.sizes[:2], dim=-1)
     else:
         (W_q, b_q), (W_k, b_k), _ = w.projections()
         q, k = F.linear(x, W_q, b_q), F.linear(c, W_k, b_k)
@@ -520,13 +522,23 @@ def _project(w: LayerWeights, config: DamchaConfig, x: Tensor, c: Tensor, value:
         q, k = _apply_maps(w, config, x, x, q.view(B, N, config.num_heads, config.key_dim),
                            k.view(B, N, config.num_kv_heads, config.key_dim), True)
     else:
+        qk_proj = None
+        if self_attention and w.in_proj is not None:
+            # One split of the packed weight (and bias) into q/k rows and v
+            # rows: its backward is one cat, where a slice for q/k and another
+            # for v would each fill a zero gradient of the whole weight.
+            n_qk, n_v = w.sizes[0] + w.sizes[1], w.sizes[2]
+            W_qk, W_v = w.in_proj.split_with_sizes((n_qk, n_v))
+            b_qk, b_v = (None, None) if w.in_bias is None else w.in_bias.split_with_sizes((n_qk, n_v))
+            qk_proj = (W_qk, b_qk)
+        else:
+            W_v, b_v = w.projections()[2]
         if recompute:
             # Storing q, k and q~, k~ would cost 2E floats per token more than
             # MHA; recomputing them in backward costs one q/k projection.
-            q, k = checkpoint(_queries_keys, w, config, x, c, self_attention, use_reentrant=False)
+            q, k = checkpoint(_queries_keys, w, config, x, c, self_attention, qk_proj, use_reentrant=False)
         else:
-            q, k = _queries_keys(w, config, x, c, self_attention)
-        W_v, b_v = w.projections()[2]
+            q, k = _queries_keys(w, config, x, c, self_attention, qk_proj)
         v = F.linear(value, W_v, b_v)
     return q, k, v.view(v.shape[0], v.shape[1], config.num_kv_heads, config.value_dim)
 
