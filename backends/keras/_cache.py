@@ -8,6 +8,7 @@ write and mask it; the layer's ``call`` uses them when given ``cache=``.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -131,6 +132,23 @@ def update_cache(cache: Any, index: Any, k: Any, v: Any) -> tuple[Any, Any, Any]
     values = ops.slice_update(cache[:, 1], start, ops.cast(v, cache.dtype))
     cache = ops.stack([keys, values], axis=1)
     return cache, ops.cast(keys, k.dtype), ops.cast(values, k.dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _slot_offsets(n: int, length: int) -> np.ndarray:
+    """(1, 1, N, L) int32: slot j minus query i."""
+    return (np.arange(length, dtype=np.int32)[None, :] - np.arange(n, dtype=np.int32)[:, None])[None, None]
+
+
+def causal_slots(n: int | None, length: int | None, index: Any) -> Any:
+    """(1, 1, N, L) bool, query i (token index + i) sees slot j <= index + i:
+    one comparison of a cached offset table with the index per step (None
+    when N or L is not static)."""
+    if n is None or length is None:
+        return None
+    if hasattr(index, "dtype") and dtype_name(index) != "int32":
+        index = ops.cast(index, "int32")
+    return ops.less_equal(_slot_offsets(n, length), index)
 
 
 def cache_visibility(n: Any, m: Any, cache: Any, index: Any, *, query_mask: Any, attention_mask: Any,

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
+import numpy as np
+
 import keras
 from keras import ops
 
@@ -36,14 +38,47 @@ def rms_normalise(tokens: Any) -> Any:
 
     16-bit compute dtypes would overflow t^2 for |t| > 256 (float16) and round
     the mean coarsely, so the statistic is taken in float32 and cast back.
+    ``keras.ops.rms_normalization`` (Keras >= 3.9) computes exactly this in
+    one call (in at least float32, torch's fused ``rms_norm`` on that backend).
     """
     dtype = dtype_name(tokens)
+    # float64 stays on the formula: Keras 3.15's torch rms_normalization runs it in
+    # float32 (its result_type misreads torch dtypes).
+    if _RMS_OP is not None and dtype != "float64" and not _onnx_export():
+        return _RMS_OP(tokens, axis=-1, epsilon=RMS_EPS)
     wide = ops.cast(tokens, "float32") if dtype != _wide(dtype) else tokens
-    features = tokens.shape[-1]
     # sum / E rather than ops.mean: Keras 3.15's torch mean runs float64 in float32.
-    mean_square = ops.sum(ops.square(wide), axis=-1, keepdims=True) / features
-    phi = wide * ops.rsqrt(mean_square + RMS_EPS)
-    return ops.cast(phi, dtype)
+    mean_square = ops.sum(ops.square(wide), axis=-1, keepdims=True) / tokens.shape[-1]
+    return ops.cast(wide * ops.rsqrt(mean_square + RMS_EPS), dtype)
+
+
+_RMS_OP = getattr(ops, "rms_normalization", None)
+
+
+def _onnx_export() -> bool:
+    """Whether torch.onnx is tracing (Keras's ``model.export(format="onnx")``):
+    its exporter has no ``aten::rms_norm`` at the opsets it targets."""
+    if keras.backend.backend() != "torch":
+        return False
+    import torch
+
+    return torch.onnx.is_in_onnx_export()
+
+
+def _as(x: Any, dtype: str) -> Any:
+    """x in ``dtype``, without a cast call when it already is (each call costs
+    a dispatch in eager mode)."""
+    return x if dtype_name(x) == dtype else ops.cast(x, dtype)
+
+
+def _eye(size: int, dtype: str) -> Any:
+    """The identity (S, S) in ``dtype``: a NumPy constant (no op) where NumPy has the dtype."""
+    if dtype == "bfloat16":
+        return ops.convert_to_tensor(np.eye(size, dtype="float32"), dtype=dtype)
+    return _EYES.setdefault((size, dtype), np.eye(size, dtype=dtype))
+
+
+_EYES: dict[tuple[int, str], np.ndarray] = {}
 
 
 def generator(metric: str, kernel: Any, bias: Any, tokens: Any) -> Any:
@@ -68,6 +103,29 @@ def apply_map(y: Any, coeff: Any, gate: Any, *, metric: str, u: Any = None, v: A
         z = ops.einsum("btad,adr->btr", y, ops.cast(v, dtype))
         delta = ops.einsum("hdr,btr->bthd", ops.cast(u, dtype), coeff * z)
     return y + gate[:, None] * delta
+
+
+def map_matrix(tokens: Any, kernel: Any, bias: Any, gate: Any) -> Any:
+    """The generator and the gate in one step, for metric "heads": the
+    per-token head matrix of L(t), I + diag(g) A(t) (B, T, S, S), with
+    A(t) = phi(t)·W + b (``generator``). ``apply_map_matrix`` applies it; a
+    tied self-attention maps its queries and keys with one matrix.
+
+    Written in as few ``keras.ops`` calls as the math allows (each eager call
+    costs a fixed dispatch): phi is one ``rms_normalization`` (the statistic
+    in at least float32, as ``rms_normalise``) and the gate and identity act
+    on the (B, T, S, S) coefficients, not on the (B, T, S, d) heads.
+    """
+    dtype = dtype_name(tokens)
+    S = gate.shape[0]
+    coeff = ops.einsum("bte,ehk->bthk", rms_normalise(tokens), _as(kernel, dtype)) + _as(bias, dtype)
+    return ops.add(coeff * ops.reshape(_as(gate, dtype), (S, 1)), _eye(S, dtype))
+
+
+def apply_map_matrix(matrix: Any, y: Any) -> Any:
+    """L(t) y for stacked heads y (B, T, S, d) from ``map_matrix``'s (B, T, S, S):
+    one batched product per token (the ``apply_map`` step for metric "heads")."""
+    return ops.einsum("btha,btad->bthd", matrix, y)
 
 
 def as_4d(mask: Any) -> Any:
@@ -148,6 +206,155 @@ def _scaled(q: Any, scale: float) -> Any:
     return ops.multiply(q, ops.convert_to_tensor(scale, dtype=dtype_name(q)))
 
 
+def key_side_mask(key_mask: Any = None, attention_mask: Any = None) -> Any:
+    """A mask that depends on the key alone, (B|1, H|1, 1, M) bool, or None:
+    ``key_mask`` (B, M) ANDed with an ``attention_mask`` whose query dim is 1
+    (4-D). Padding reaches the kernel in this form, never as an N x M mask."""
+    parts = []
+    if key_mask is not None:
+        parts.append(key_mask[:, None, None, :])
+    if attention_mask is not None:
+        parts.append(attention_mask)
+    if not parts:
+        return None
+    return parts[0] if len(parts) == 1 else ops.logical_and(parts[0], parts[1])
+
+
+def kernel_masks(query_mask: Any, key_side: Any, *, causal: bool, rows: Any = None) -> Any:
+    """What the fused kernel needs for masks that are causal and/or padding
+    only, without an N x M mask: the rows that see some key, as a
+    multiplier (B|1, N|1, H|1, 1) bool in the output's layout (None: all).
+    ``query_mask`` (B, N) and ``rows`` (B|1, H|1, N) (from ``split_mask``)
+    hide query rows.
+
+    ``key_side`` (B|1, H|1, 1, M) goes to the kernel as its mask (with
+    ``is_causal`` when ``causal``; the caller makes sure N == M then). A row
+    that sees no key comes out of every backend's kernel finite (their masks
+    fill hidden logits with a large finite negative) and is zeroed here: the
+    all-masked-row rule. With ``causal`` row i sees a key iff some key j <= i
+    is kept: a running count over M (B|1, H|1, 1, M) read as rows.
+    """
+    keep = None
+    if key_side is not None:
+        if causal:
+            seen = ops.greater(ops.cumsum(ops.cast(key_side, "int32"), axis=-1), 0)
+            keep = ops.transpose(seen, (0, 3, 1, 2))  # (B|1, N, H|1, 1): N == M
+        else:
+            keep = ops.transpose(ops.any(key_side, axis=-1, keepdims=True), (0, 2, 1, 3))
+    if rows is not None:
+        rows = ops.transpose(ops.convert_to_tensor(rows, dtype="bool"), (0, 2, 1))[..., None]
+        keep = rows if keep is None else ops.logical_and(keep, rows)
+    if query_mask is not None:
+        rows = query_mask[:, :, None, None]
+        keep = rows if keep is None else ops.logical_and(keep, rows)
+    return keep
+
+
+def host_values(mask: Any) -> np.ndarray | None:
+    """A concrete mask's values as NumPy when reading them costs no device
+    transfer (a NumPy array, an eager tensor on the CPU, a constant of a
+    TensorFlow graph); None otherwise (traced under jit / tf.function /
+    torch.compile, or on an accelerator)."""
+    if isinstance(mask, np.ndarray):
+        return mask
+    try:
+        backend = keras.backend.backend()
+        if backend == "tensorflow":
+            import tensorflow as tf
+
+            if not tf.executing_eagerly():
+                return tf.get_static_value(mask)  # a constant of the graph (a NumPy mask): known when tracing
+            if "GPU" in mask.device or "TPU" in mask.device:
+                return None
+            return mask.numpy()
+        if backend == "torch":
+            import torch
+
+            if not isinstance(mask, torch.Tensor) or mask.device.type != "cpu" or torch.compiler.is_compiling():
+                return None
+            return mask.detach().numpy()
+        if backend == "jax":
+            import jax
+
+            if isinstance(mask, jax.core.Tracer) or any(d.platform != "cpu" for d in mask.devices()):
+                return None
+            return np.asarray(mask)
+    except Exception:  # noqa: BLE001 - a symbolic or fake tensor: its values are not known
+        return None
+    return None
+
+
+def split_mask(mask: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None, bool] | None:
+    """A boolean (B|1, H|1, N, M) mask read as the fused kernel's parts, when it
+    is exactly one: ``(rows, keys, causal)`` with ``rows`` (B|1, H|1, N) the
+    query rows that see some key (None: all), ``keys`` (B|1, H|1, 1, M) the
+    kept keys (None: all) and ``causal`` the top-left rule (only when N == M),
+    such that ``mask == rows & keys & (tril if causal)``; None when the mask is
+    anything else (it then goes to the kernel as it is).
+
+    This is how a causal ``attention_mask`` (``ops.tril(ops.ones((N, N)))``,
+    KerasHub's causal-and-padding masks, a padding mask broadcast over the
+    queries) reaches the kernel's causal path and a (B, 1, 1, M) key mask.
+    """
+    n, m = mask.shape[-2:]
+    rows = mask.any(axis=-1)
+    keys = mask.any(axis=-2, keepdims=True)
+    outer = rows[..., None] & keys
+    for causal in (False, True) if n == m else (False,):
+        rebuilt = outer & np.tri(n, m, dtype=bool) if causal else outer
+        if np.array_equal(rebuilt, np.broadcast_to(mask, rebuilt.shape)):
+            return (None if rows.all() else rows), (None if keys.all() else keys), causal
+    return None
+
+
+def fused_attention(
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    scale: float,
+    mask: Any = None,
+    is_causal: bool = False,
+    keep: Any = None,
+    flash_attention: bool | None = None,
+) -> Any:
+    """``keras.ops.dot_product_attention`` on the mapped heads, (B, N, H, d_v).
+
+    Args:
+        q: (B, N, H, d) mapped queries.
+        k: (B, M, G, d) mapped keys; G divides H.
+        v: (B, M, G, d_v).
+        scale: the softmax scale.
+        mask: bool (B|1, H|1, N|1, M) for the kernel, True = may attend.
+        is_causal: the kernel's own top-left causal rule (with or without ``mask``).
+        keep: bool (B|1, N|1, H|1, 1), rows whose output is kept; the others
+            are set to 0 by a product (NaN from the kernel stays NaN).
+        flash_attention: passed to the kernel.
+    """
+    group = q.shape[2] // k.shape[2]
+    if group > 1:
+        # Repeating keeps every backend's dot_product_attention on its plain MHA path.
+        k, v = ops.repeat(k, group, axis=2), ops.repeat(v, group, axis=2)
+    if dtype_name(q) == "float64":
+        q, scale = _scaled(q, scale), 1.0
+    d, d_v = q.shape[-1], v.shape[-1]
+    if d != d_v:
+        # jax.nn.dot_product_attention needs d == d_v; zero channels change
+        # neither the logits nor the kept outputs.
+        width = max(d, d_v)
+        pad = lambda x: ops.pad(x, [(0, 0)] * 3 + [(0, width - x.shape[-1])])  # noqa: E731
+        q, k, v = (pad(x) if x.shape[-1] < width else x for x in (q, k, v))
+    out = ops.dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=is_causal,
+                                    flash_attention=flash_attention)
+    if d != d_v:
+        out = out[..., :d_v]
+    if mask is None:
+        out = _nan_probe(out, q, k)
+    if keep is not None:
+        out = out * ops.cast(keep, out.dtype)
+    return out
+
+
 def attend(
     q: Any,
     k: Any,
@@ -160,7 +367,7 @@ def attend(
     dropout: Callable[[Any], Any] | None = None,
     flash_attention: bool | None = None,
 ) -> tuple[Any, Any]:
-    """Scaled dot-product attention on the mapped heads.
+    """Scaled dot-product attention on the mapped heads, given a full mask.
 
     Args:
         q: (B, N, H, d) mapped queries.
@@ -180,44 +387,35 @@ def attend(
         ``(o, probs)``: o (B, N, H, d_v) and, on the explicit path, the
         probabilities (B, H, N, M) before dropout (else None).
     """
-    group = q.shape[2] // k.shape[2]
-    if group > 1:
-        # Repeating keeps every backend's dot_product_attention on its plain MHA path.
-        k, v = ops.repeat(k, group, axis=2), ops.repeat(v, group, axis=2)
-    q = _scaled(q, scale)
     if explicit:
+        group = q.shape[2] // k.shape[2]
+        if group > 1:
+            k, v = ops.repeat(k, group, axis=2), ops.repeat(v, group, axis=2)
+        q = _scaled(q, scale)
         if causal_only:
             visible = visibility(ops.shape(q)[1], ops.shape(k)[1], causal=True)
         probs = softmax_attend(ops.einsum("bnhd,bmhd->bhnm", q, k), visible)
         probs = ops.cast(probs, q.dtype)
         dropped = dropout(probs) if dropout is not None else probs
         return ops.einsum("bhnm,bmhd->bnhd", dropped, v), probs
-    d, d_v = q.shape[-1], v.shape[-1]
-    if d != d_v:
-        # jax.nn.dot_product_attention needs d == d_v; zero channels change
-        # neither the logits (the scale is explicit) nor the kept outputs.
-        width = max(d, d_v)
-        pad = lambda x: ops.pad(x, [(0, 0)] * 3 + [(0, width - x.shape[-1])])  # noqa: E731
-        q, k, v = (pad(x) if x.shape[-1] < width else x for x in (q, k, v))
     if visible is None:
-        out = ops.dot_product_attention(q, k, v, scale=1.0, is_causal=causal_only, flash_attention=flash_attention)
-        return _nan_probe(out[..., :d_v], q, k), None
-    # A row with no visible key would be NaN (torch) or uniform (tensorflow, jax);
-    # unhide it for the kernel, then zero its output: probabilities 0 by spec.
+        return fused_attention(q, k, v, scale=scale, is_causal=causal_only, flash_attention=flash_attention), None
     any_visible = ops.any(visible, axis=-1, keepdims=True)  # (B|1, H|1, N|1, 1)
-    safe = ops.logical_or(visible, ops.logical_not(any_visible))
-    out = ops.dot_product_attention(q, k, v, mask=safe, scale=1.0, flash_attention=flash_attention)[..., :d_v]
-    # A product, not a select: NaN from the kernel stays NaN.
-    keep = ops.transpose(ops.cast(any_visible, out.dtype), (0, 2, 1, 3))  # (B|1, N|1, H|1, 1)
-    return _nan_probe(out * keep, q, k), None
+    if flash_attention:
+        # A flash kernel may give NaN (not a finite average) for a row that
+        # sees nothing: unhide such rows for it; their output is zeroed below.
+        visible = ops.logical_or(visible, ops.logical_not(any_visible))
+    keep = ops.transpose(any_visible, (0, 2, 1, 3))  # (B|1, N|1, H|1, 1)
+    return fused_attention(q, k, v, scale=scale, mask=visible, keep=keep, flash_attention=flash_attention), None
 
 
 def _nan_probe(out: Any, q: Any, k: Any) -> Any:
-    """NaN in, NaN out through torch's fused kernel.
+    """NaN in, NaN out through torch's fused kernel without a mask.
 
-    Torch's CPU SDPA returns finite rows (0) where every logit of a row is NaN,
-    so one NaN weight gave a finite output. Adding 0 * (row sum of q + sum of
-    k) makes exactly the rows that read a NaN or inf NaN and changes nothing
+    Torch's CPU SDPA returns finite rows (0) where every logit of a row is NaN
+    and no mask is given (a NaN query, or NaN in every key, e.g. from the key
+    bias); with a mask it gives NaN. Adding 0 * (row sum of q + sum of k)
+    makes exactly the rows that read a NaN or inf NaN and changes nothing
     else (0 * x is not folded for floats). TensorFlow's and JAX's kernels
     propagate NaN themselves.
     """

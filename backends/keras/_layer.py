@@ -548,23 +548,30 @@ class DamchaAttention(keras.layers.Layer):
                 f"Received: attention_mask.shape={shape}"
             )
 
-    def _read_masks(self, masks: dict[str, Any]) -> tuple[dict[str, Any], Any]:
-        """Boolean masks (True = may attend), and a NaN poison scalar (or None).
+    def _read_masks(self, masks: dict[str, Any]) -> tuple[dict[str, Any], Any, Any]:
+        """Boolean masks (True = may attend), a NaN poison scalar (or None), and
+        the attention mask's values as boolean NumPy when they are known on the
+        host at no cost (else None; ``_attend`` reads causal and padding
+        structure from them).
 
         Integer and float masks are read as Keras reads them, non-zero = may
         attend, only when their values are 0 and 1. Other values are refused
         when they are known; under tracing they cannot be inspected, and the
         poison makes the output NaN instead of silently reading an additive
         mask inverted."""
-        out, bad = {}, None
+        out, bad, host = {}, None, None
         for name, m in masks.items():
             if m is None or dtype_name(m) == "bool":
                 out[name] = m
+                if name == "attention_mask" and m is not None:
+                    host = F.host_values(m)
                 continue
-            try:
-                values = np.asarray(ops.convert_to_numpy(m))
-            except Exception:  # traced: checked in the graph instead
-                values = None
+            values = on_host = F.host_values(m)
+            if values is None:
+                try:
+                    values = np.asarray(ops.convert_to_numpy(m))
+                except Exception:  # traced: checked in the graph instead
+                    values = None
             if values is not None:
                 if not np.all((values == 0) | (values == 1)):
                     raise DamchaValueError(
@@ -573,23 +580,123 @@ class DamchaAttention(keras.layers.Layer):
                         f"boolean mask (True = may attend). Received: {name}.shape={tuple(m.shape)} with "
                         "other values"
                     )
+                if name == "attention_mask":
+                    host = values != 0
             else:
                 wrong = ops.any(ops.logical_and(ops.not_equal(m, 0), ops.not_equal(m, 1)))
                 bad = wrong if bad is None else ops.logical_or(bad, wrong)
-            out[name] = ops.not_equal(m, 0)
-        return out, bad
+            # Values on the host: the boolean mask is a constant (no op in a traced graph).
+            out[name] = ops.not_equal(m, 0) if on_host is None else ops.convert_to_tensor(on_host != 0)
+        return out, bad, host
 
     # ------------------------------------------------------------------ math
 
-    def _apply_map(self, side: str, tokens: Any, y: Any, penalties: list) -> Any:
-        """L(t) y of ``side`` for stacked heads y (B, T, S, d)."""
+    def _apply_map(self, side: str, tokens: Any, y: Any, penalties: list, maps: dict) -> Any:
+        """L(t) y of ``side`` for stacked heads y (B, T, S, d).
+
+        Metric "heads" takes the fast form: the generator, its gate and the
+        identity folded into one (B, T, S, S) matrix per token, made once per
+        side and tokens (a tied self-attention maps queries and keys with one
+        matrix), then one batched product. The penalty (``metric_l2``),
+        "lowrank" and a generator with a dtype policy of its own take the
+        coefficient form, through the generator layer.
+        """
         generator = self._generators[side]
-        coeff = generator(tokens)
         gate = self._gates[side]
+        fast = (self.config.metric == "heads" and self._metric_l2 == 0
+                and generator.compute_dtype == self.compute_dtype)
+        if fast:
+            # One matrix per side and tokens: a tied self-attention reuses it for the keys.
+            matrix = maps.get((side, id(tokens)))
+            if matrix is None:
+                matrix = maps[side, id(tokens)] = F.map_matrix(tokens, generator.kernel, generator.bias, gate)
+            return F.apply_map_matrix(matrix, y)
+        coeff = generator(tokens)
         u, v = (generator.u, generator.v) if self.config.metric == "lowrank" else (None, None)
         if self._metric_l2 > 0:
             penalties.append(F.metric_penalty(self.config, side, coeff, gate, u, v))
         return F.apply_map(y, coeff, gate, metric=self.config.metric, u=u, v=v)
+
+    def _attend(self, q: Any, k: Any, v: Any, q_in: Any, v_in: Any, *, query_mask: Any, value_mask: Any,
+                key_mask: Any, attention_mask: Any, mask_values: Any, use_causal_mask: bool, cache: Any,
+                cache_update_index: Any, training: Any, return_attention_scores: bool) -> tuple[Any, Any]:
+        """Attention on the mapped heads with the call's masks (boolean, folded).
+
+        Masks that are causal and/or padding only reach the fused kernel as
+        ``is_causal`` and a (B, 1, 1, M) key mask, never as an N x M mask
+        (``F.kernel_masks``): ``use_causal_mask``, the query/value/key masks
+        (Keras fills them from ``Embedding(mask_zero=True)``), and an
+        ``attention_mask`` whose values are known on the host (``mask_values``,
+        4-D NumPy) and are exactly causal and/or padding (``F.split_mask``:
+        ``ops.tril(ops.ones((N, N)))``, a causal-and-padding mask). A
+        decoding step's causal rule over the cache is one comparison against
+        a cached (N, L) offset table. Anything else (an attention mask of
+        another form or traced, a sliding window, the explicit path, a
+        subclass's ``_compute_attention``) gets the full boolean mask, as
+        MHA's hook does.
+        """
+        n_static, m_static = static_shape(q_in)[1], static_shape(v_in)[1]
+        window = self._sliding_window
+        overridden = type(self)._compute_attention is not DamchaAttention._compute_attention
+        explicit = self._explicit(q, training, return_attention_scores)
+        scale = self.config.softmax_scale
+        if not overridden and not explicit and self._flash_attention is not True:
+            over_queries = attention_mask is not None and static_shape(attention_mask)[2] != 1
+            key_part, rows, causal = attention_mask, None, use_causal_mask
+            if over_queries and mask_values is not None and cache is None and window is None:
+                parts = F.split_mask(mask_values)
+                if parts is not None:
+                    rows, key_part, split_causal = parts
+                    key_part = None if key_part is None else ops.convert_to_tensor(key_part)
+                    over_queries, causal = False, causal or split_causal
+            if cache is None and window is None and not over_queries and (
+                    not causal or (n_static is not None and n_static == m_static)):
+                keys = key_mask if value_mask is None else (
+                    value_mask if key_mask is None else ops.logical_and(value_mask, key_mask))
+                key_side = F.key_side_mask(keys, key_part)
+                keep = F.kernel_masks(query_mask, key_side, causal=causal, rows=rows)
+                out = F.fused_attention(q, k, v, scale=scale, mask=key_side, is_causal=causal, keep=keep,
+                                        flash_attention=self._flash_attention)
+                return out, None
+            if (cache is not None and cache_update_index is not None and use_causal_mask and window is None
+                    and attention_mask is None):
+                # Query i of a step is token index + i: it sees its own slot, so no row is empty.
+                slots = _cache.causal_slots(n_static, static_shape(cache)[2], cache_update_index)
+                if slots is not None:
+                    keep = None if query_mask is None else query_mask[:, :, None, None]
+                    out = F.fused_attention(q, k, v, scale=scale, mask=slots, keep=keep,
+                                            flash_attention=self._flash_attention)
+                    return out, None
+        # As MHA: a causal mask alone runs the fused kernel's causal path, unless a
+        # subclass overrides _compute_attention (it then gets the full mask).
+        causal_only = (
+            use_causal_mask and not overridden and cache is None and window is None and query_mask is None
+            and value_mask is None and key_mask is None and attention_mask is None
+            and n_static is not None and n_static == m_static
+        )
+        n, m = ops.shape(q_in)[1], ops.shape(v_in)[1]
+        if causal_only:
+            visible = None
+        elif cache is not None:
+            visible = _cache.cache_visibility(n, m, cache, cache_update_index, query_mask=query_mask,
+                                              attention_mask=attention_mask, use_causal_mask=use_causal_mask,
+                                              window=window)
+        else:
+            visible = F.visibility(n, m, query_mask=query_mask, value_mask=value_mask, key_mask=key_mask,
+                                   attention_mask=attention_mask, causal=use_causal_mask, window=window)
+        extra = {"use_causal_mask": True} if causal_only else {}
+        return self._compute_attention(q, k, v, visible, training, return_attention_scores, **extra)
+
+    def _explicit(self, q: Any, training: Any, return_attention_scores: bool) -> bool:
+        """Whether attention takes the einsum/softmax path instead of the fused kernel."""
+        dropping = self._dropout > 0 and bool(training)
+        # float64 avoids dot_product_attention where the backend computes it in a
+        # narrower dtype (JAX's kernel takes its softmax in float32; Keras 3.15's
+        # torch backend runs it in float32), unless the user asked for the flash
+        # kernel. TensorFlow's keeps float64.
+        return bool(return_attention_scores) or dropping or (
+            dtype_name(q) == "float64" and self._flash_attention is not True
+            and keras.backend.backend() != "tensorflow")
 
     def _compute_attention(
         self,
@@ -629,12 +736,7 @@ class DamchaAttention(keras.layers.Layer):
             causal = F.visibility(ops.shape(query)[1], ops.shape(key)[1], causal=True)
             visible = ops.logical_and(visible, causal)
         dropping = self._dropout > 0 and bool(training)
-        # float64 avoids dot_product_attention: Keras 3.15's torch backend computes it
-        # in float32 (its result_type misreads torch dtypes), silently losing precision;
-        # unless the user asked for the flash kernel.
-        explicit = return_attention_scores or dropping or (
-            dtype_name(query) == "float64" and self._flash_attention is not True
-        )
+        explicit = self._explicit(query, training, return_attention_scores)
         dropout = (lambda p: self._dropout_layer(p, training=training)) if dropping else None
         return F.attend(query, key, value, visible, scale=self.config.softmax_scale, causal_only=causal_only,
                         explicit=explicit, dropout=dropout, flash_attention=self._flash_attention)
@@ -674,7 +776,7 @@ class DamchaAttention(keras.layers.Layer):
         masks = dict(query_mask=query_mask, value_mask=value_mask, key_mask=key_mask, attention_mask=attention_mask)
         kv_len = self._check_cache(query, value, masks, use_causal_mask, cache, cache_update_index)
         self._check_inputs(query, value, key, masks, kv_len)
-        masks, poison = self._read_masks(masks)
+        masks, poison, mask_values = self._read_masks(masks)
         # The masks are consumed here (as MHA does): the projections must not
         # see them (they do not support masking and would warn).
         for tensor in (query, value, key):
@@ -686,49 +788,38 @@ class DamchaAttention(keras.layers.Layer):
         cfg = self.config
         q = self._query_dense(q_in)  # (B, N, H, d)
         penalties: list = []
+        maps: dict = {}  # (side, id(tokens)) -> per-token matrix, shared by q and k when tied
         side_q, side_k = dc.side_of(cfg, "q"), dc.side_of(cfg, "k")
         if side_q:
-            q = self._apply_map(side_q, q_in, q, penalties)
+            q = self._apply_map(side_q, q_in, q, penalties, maps)
         if cache is not None and cache_update_index is None:
             k, v = _cache.read_cache(cache, dtype_name(q))  # read-only: k~ already mapped
         else:
             k = self._key_dense(k_in)  # (B, M, G, d)
             v = self._value_dense(v_in)  # (B, M, G, d_v)
             if side_k:
-                k = self._apply_map(side_k, k_in, k, penalties)
+                k = self._apply_map(side_k, k_in, k, penalties, maps)
             if cache is not None:
                 cache, k, v = _cache.update_cache(cache, cache_update_index, k, v)
         if penalties:
             self.add_loss(self._metric_l2 * ops.mean(ops.stack(penalties)))
 
-        n, m = ops.shape(q_in)[1], ops.shape(v_in)[1]
         query_mask = layout.fold_mask(masks["query_mask"])
         value_mask = layout.fold_mask(masks["value_mask"])
         key_mask = layout.fold_mask(masks["key_mask"])
         attention_mask = masks["attention_mask"]
         if attention_mask is not None:
             attention_mask = layout.fold_attention_mask(attention_mask, query, value, self._num_heads)
-        n_static, m_static = static_shape(q_in)[1], static_shape(v_in)[1]
-        # As MHA: a causal mask alone runs the fused kernel's causal path, unless a
-        # subclass overrides _compute_attention (it would get no mask at all).
-        causal_only = (
-            use_causal_mask and query_mask is None and value_mask is None and key_mask is None
-            and attention_mask is None and self._sliding_window is None and cache is None
-            and n_static is not None and n_static == m_static
-            and type(self)._compute_attention is DamchaAttention._compute_attention
-        )
-        if cache is not None:
-            visible = _cache.cache_visibility(n, m, cache, cache_update_index, query_mask=query_mask,
-                                              attention_mask=attention_mask, use_causal_mask=use_causal_mask,
-                                              window=self._sliding_window)
-        elif causal_only:
-            visible = None
+        if mask_values is not None and not layout.folded:
+            while mask_values.ndim < 4:  # as F.as_4d: (N, M) -> (1, 1, N, M), (B, N, M) -> (B, 1, N, M)
+                mask_values = mask_values[..., None, :, :]
         else:
-            visible = F.visibility(n, m, query_mask=query_mask, value_mask=value_mask, key_mask=key_mask,
-                                   attention_mask=attention_mask, causal=use_causal_mask,
-                                   window=self._sliding_window)
-        extra = {"use_causal_mask": True} if causal_only else {}
-        out, scores = self._compute_attention(q, k, v, visible, training, return_attention_scores, **extra)
+            mask_values = None
+        out, scores = self._attend(
+            q, k, v, q_in, v_in, query_mask=query_mask, value_mask=value_mask, key_mask=key_mask,
+            attention_mask=attention_mask, mask_values=mask_values, use_causal_mask=use_causal_mask, cache=cache,
+            cache_update_index=cache_update_index, training=training, return_attention_scores=return_attention_scores,
+        )
         if self._use_gate:
             out = out * self._gate_dense(q_in)
         y = self._output_dense(out)
