@@ -656,9 +656,8 @@ def few_tokens_step(
         if maps.shared and T == 1:
             # Tied, one token: q and k are adjacent in qkv, (2, S, d) is a view of
             # it, and one baddbmm maps both with the same (S, S) matrix.
-            qk = qkv[..., : 2 * H * d].view(2, H, d)
-            qk = torch.baddbmm(qk, gA.view(1, H, H).expand(2, H, H), qk)
-            q, k = qk[0].view(B, N, H, d), qk[1].view(B, N, G, d)
+            qk = qkv.narrow(-1, 0, 2 * H * d).view(2, H, d)
+            q, k = torch.baddbmm(qk, gA.view(1, H, H).expand(2, H, H), qk).view(2, B, N, H, d).unbind(0)
         else:
             if Sq:
                 flat = q.reshape(T, Sq, d)
