@@ -490,9 +490,14 @@ def model_section(ses: Session) -> None:
                     }
                     if ses.memory:
                         peaks = {
-                            impl: peak_in_subprocess(
-                                [ses.script, "--memory-worker", PORT, kind, impl, str(n), mode]
-                                + (["--tiny"] if ses.tiny else [])
+                            impl: (
+                                # --tiny measures nothing: one worker process checks that path.
+                                memory_worker(kind, impl, n, mode, s)
+                                if ses.tiny and impl != "damcha"
+                                else peak_in_subprocess(
+                                    [ses.script, "--memory-worker", PORT, kind, impl, str(n), mode]
+                                    + (["--tiny"] if ses.tiny else [])
+                                )
                             )["peak_mib"]
                             for impl in ("damcha", "mha")
                         }
