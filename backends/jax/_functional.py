@@ -226,17 +226,21 @@ def _rms_scale(t: Array) -> Array:
     return jax.lax.rsqrt(jnp.mean(t * t, axis=-1, keepdims=True) + RMS_EPS)
 
 
-def _affine_coefficients(structure: Any, tokens: Array, leaves: Mapping[str, Array], precision: Any) -> Array:
+def _affine_coefficients(structure: Any, tokens: Array, leaves: Mapping[str, Array], precision: Any,
+                         scale: Array | None = None) -> Array:
     """phi(t) W + b of the table's generator, evaluated as rsqrt(mean t^2 + eps) * (t W) + b.
 
     Both structures' generators are affine in phi (A = phi W_A + b_A, u = phi
     W_u + b_u), so the token's RMS scale can multiply the small GEMM output
     (S*S or r values per token) instead of the tokens (E values): the GEMM
     reads the raw tokens, as the projections do, and phi is never written out.
+    ``scale`` is ``_rms_scale`` of these tokens when the caller has it already
+    (two generators reading the same tokens compute it once).
     """
     t = tokens.astype(_acc(tokens.dtype))
     linear = structure.coefficients(_xp(precision), t, {**leaves, "bias": 0.0})
-    scale = _rms_scale(t).reshape(t.shape[:-1] + (1,) * (linear.ndim - t.ndim + 1))
+    scale = _rms_scale(t) if scale is None else scale
+    scale = scale.reshape(t.shape[:-1] + (1,) * (linear.ndim - t.ndim + 1))
     return linear * scale + leaves["bias"]
 
 
@@ -290,17 +294,22 @@ def cross_head_maps(
     q and k; ``c=None`` means the keys come from ``x`` (self-attention)."""
     sq, sk = side_of(config, "q"), side_of(config, "k")
     structure = config.metric_structure
+    if sq and sk and sq == sk and c is None:
+        # Tied self-attention: one generator on the same tokens, so one l(t) maps q and k.
+        leaves = _leaves(params, config, sq)
+        coeff = _affine_coefficients(structure, x, leaves, precision)
+        q_out, k_out = _apply_maps(config, leaves, coeff, [q, k], precision)
+        return q_out.astype(q.dtype), k_out.astype(k.dtype)
+    # Two generators reading the same tokens (separate coupling, self-attention) share their RMS scale.
+    shared = _rms_scale(x.astype(_acc(x.dtype))) if sq and sk and c is None else None
     q_out, k_out = q, k
-    coeff_q = None
     if sq:
         leaves = _leaves(params, config, sq)
-        coeff_q = _affine_coefficients(structure, x, leaves, precision)
+        coeff_q = _affine_coefficients(structure, x, leaves, precision, shared)
         q_out = _apply_maps(config, leaves, coeff_q, [q], precision)[0].astype(q.dtype)
     if sk:
         leaves = _leaves(params, config, sk)
-        # Tied self-attention feeds the same tokens to the same generator: reuse it.
-        same = sk == sq and c is None
-        coeff_k = coeff_q if same else _affine_coefficients(structure, x if c is None else c, leaves, precision)
+        coeff_k = _affine_coefficients(structure, x if c is None else c, leaves, precision, shared)
         k_out = _apply_maps(config, leaves, coeff_k, [k], precision)[0].astype(k.dtype)
     return q_out, k_out
 
@@ -619,9 +628,11 @@ def _prepare(params, config, query, context, value, mask, dtype):
     mask = read_mask(mask)
     check_shapes(config, x.shape, None if c is None else c.shape, None if mask.array is None else mask.array.shape,
                  value_shape=None if v_tokens is None else v_tokens.shape)
-    arrays = [x] + [t for t in (c, v_tokens) if t is not None] + [jnp.asarray(p) for p in params.values()]
+    # Arrays pass as they are (no per-call conversion of every parameter when eager).
+    as_arrays = {n: p if isinstance(p, jax.Array) else jnp.asarray(p) for n, p in params.items()}
+    arrays = [x] + [t for t in (c, v_tokens) if t is not None] + list(as_arrays.values())
     dt = _compute_dtype(dtype, *arrays)
-    cast = {n: jnp.asarray(p, dt) for n, p in params.items()}
+    cast = {n: p if p.dtype == dt else p.astype(dt) for n, p in as_arrays.items()}
     x = x.astype(dt)
     c = None if c is None else c.astype(dt)
     v_tokens = None if v_tokens is None else v_tokens.astype(dt)
