@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -582,44 +582,12 @@ def attend_weights(
     return w.output(o.transpose(1, 2).flatten(-2)), weights
 
 
-class StepMaps(NamedTuple):
-    """Every generator of a decoding step as one GEMM: ``weight`` (R, E) and
-    ``bias`` (R,) stack the q side's rows (S_q*S_q) and then the k side's
-    (none when tied: ``shared``), each already scaled by its gate, so that
-    phi(x) weight^T + bias is diag(g) A(x) of each side. ``q_heads`` or
-    ``k_heads`` is 0 for a side without a map."""
-
-    weight: Tensor
-    bias: Tensor
-    q_heads: int
-    k_heads: int
-    shared: bool
-
-
-def step_maps(sides: Sequence[tuple[Tensor, Tensor, Tensor] | None]) -> StepMaps:
-    """``StepMaps`` from (weight, bias, gate) of the q and k sides ("heads"
-    metric; the same tuple twice when tied, None for a side without a map)."""
-    mq, mk = sides
-    shared = mq is not None and mk is mq
-    ws, bs = [], []
-    for m in (mq,) if shared else (mq, mk):
-        if m is None:
-            continue
-        weight, bias, gate = m
-        S = gate.shape[0]
-        g = gate.repeat_interleave(S)  # row h * S + j of A(t) belongs to head h
-        ws.append(weight * g.unsqueeze(-1))
-        bs.append(bias * g)
-    return StepMaps(torch.cat(ws) if len(ws) > 1 else ws[0], torch.cat(bs) if len(bs) > 1 else bs[0],
-                    0 if mq is None else mq[2].shape[0], 0 if mk is None else mk[2].shape[0], shared)
-
-
 def few_tokens_step(
     config: DamchaConfig,
     x: Tensor,
     in_proj: Tensor,
     in_bias: Tensor | None,
-    maps: StepMaps | None,
+    maps: tuple[tuple[Tensor, Tensor, Tensor] | None, tuple[Tensor, Tensor, Tensor] | None],
     output: Callable[[Tensor], Tensor],
     kv_cache: DamchaKVCache | None,
     causal: bool,
@@ -630,42 +598,52 @@ def few_tokens_step(
     projection, at most ``_FEW_TOKENS`` tokens, no mask, no weights returned,
     no dropout, no autograd, metric "none" or "heads", parameters in x's dtype
     (float32/64), and either an empty cache or a causal rule that hides
-    nothing (N = 1) or no causal rule. ``maps``: every generator in one GEMM
-    with the gates folded in (``step_maps``), None for metric "none".
+    nothing (N = 1) or no causal rule. ``maps`` holds (weight, bias, gate) of
+    the q side and of the k side (the same tuple when tied; None for none).
 
-    The operations are those of the general path, fewer: one generator GEMM
-    for both sides, the gate folded into it, q and k mixed in one batched
-    product when tied and N = 1, no validation. The result equals the general
-    path's to rounding (the gate multiplies W rather than phi W; gates at 0
-    still give exactly MHA's q and k). At B = 1 a step's kernels are small
-    and their count and Python's share are what a step costs.
+    The operations are the general path's, with less around them: no
+    validation, phi's norm computed once for both sides, and, when tied and
+    N = 1, q and k mixed by one batched product. At B = 1 a step's kernels
+    are small, and their count and Python's share are what a step costs.
+    Nothing derived from the parameters is kept between steps: a cache keyed
+    on their version would miss writes through ``.data`` (an EMA update, a
+    gate set by hand), and the step would silently use stale weights.
     """
     B, N = x.shape[0], x.shape[1]
     H, G, d, dv = config.num_heads, config.num_kv_heads, config.key_dim, config.value_dim
     qkv = F.linear(x, in_proj, in_bias)
     q, k, v = qkv.split_with_sizes((H * d, G * d, G * dv), dim=-1)
-    if maps is not None:
+    mq, mk = maps
+    if mq is not None or mk is not None:
         E = x.shape[-1]
         const = _HYPOT_CONSTANTS.get((E, x.dtype))
         if const is None:
             const = _hypot_constant(E, x.dtype)
         denom = torch.hypot(torch.linalg.vector_norm(x, dim=-1, keepdim=True), const)
-        # diag(g) A(x) of every side, (B, N, R): phi(x) W' + b', phi folded as in _coefficients.
-        gA = torch.addcdiv(maps.bias, F.linear(x, maps.weight), denom, value=math.sqrt(E)).view(B * N, -1)
-        T, Sq, Sk = B * N, maps.q_heads, maps.k_heads
-        if maps.shared and T == 1:
+        root, T = math.sqrt(E), B * N
+        gA: list[Tensor | None] = [None, None]
+        for i, m in enumerate((mq, mk)):
+            if m is None:
+                continue
+            if i == 1 and m is mq:
+                gA[1] = gA[0]
+                continue
+            weight, bias, gate = m
+            S = gate.shape[0]
+            # diag(g) A(x): A as in _coefficients, the gate scaling row h of each token's (S, S).
+            gA[i] = torch.addcdiv(bias, F.linear(x, weight), denom, value=root).view(T, S, S) * gate.view(S, 1)
+        if mk is mq and T == 1:
             # Tied, one token: q and k are adjacent in qkv, (2, S, d) is a view of
             # it, and one baddbmm maps both with the same (S, S) matrix.
             qk = qkv.narrow(-1, 0, 2 * H * d).view(2, H, d)
-            q, k = torch.baddbmm(qk, gA.view(1, H, H).expand(2, H, H), qk).view(2, B, N, H, d).unbind(0)
+            q, k = torch.baddbmm(qk, gA[0].expand(2, H, H), qk).view(2, B, N, H, d).unbind(0)  # type: ignore[union-attr]
         else:
-            if Sq:
-                flat = q.reshape(T, Sq, d)
-                q = torch.baddbmm(flat, gA[:, : Sq * Sq].view(T, Sq, Sq), flat)
-            if Sk:
-                A_k = gA[:, : Sk * Sk] if maps.shared else gA[:, Sq * Sq: Sq * Sq + Sk * Sk]
-                flat = k.reshape(T, Sk, d)
-                k = torch.baddbmm(flat, A_k.reshape(T, Sk, Sk), flat)
+            if mq is not None:
+                flat = q.reshape(T, H, d)
+                q = torch.baddbmm(flat, gA[0], flat)  # type: ignore[arg-type]
+            if mk is not None:
+                flat = k.reshape(T, G, d)
+                k = torch.baddbmm(flat, gA[1], flat)  # type: ignore[arg-type]
             q, k = q.view(B, N, H, d), k.view(B, N, G, d)
     else:
         q, k = q.view(B, N, H, d), k.view(B, N, G, d)

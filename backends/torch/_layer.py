@@ -416,44 +416,25 @@ class DamchaAttention(CanonicalIO, nn.Module):
                 and attn_mask.shape[0] == shape[1] and attn_mask.shape[1] == offset + shape[1]
                 and (attn_mask.dtype == torch.bool or attn_mask.is_floating_point())):
             return None  # only the is_causal hint's (N, P + N) mask, which is not read (see _merge_masks)
-        maps = None
+        maps: list[Any] = [None, None]
         sides = self._map_sides
         if sides[0] is not None or sides[1] is not None:
-            maps = self._step_maps(dtype)
-            if maps is None:
-                return None
-        out = fn.few_tokens_step(self.config, x, weight, bias, maps, self._modules["out_proj"],  # type: ignore[arg-type]
+            gens = self._modules["metric_generators"]._modules
+            gates = self._modules["metric_gates"]._parameters
+            for i, side in enumerate(sides):
+                if side is None:
+                    continue
+                if i == 1 and side == sides[0]:
+                    maps[1] = maps[0]  # tied: the same tuple, one generator GEMM
+                    continue
+                g = gens[side]._parameters  # type: ignore[union-attr]
+                m = (g["weight"], g["bias"], gates[side])
+                if m[0].dtype != dtype or m[1].dtype != dtype or m[2].dtype != dtype:
+                    return None
+                maps[i] = m
+        out = fn.few_tokens_step(self.config, x, weight, bias, tuple(maps), self._modules["out_proj"],  # type: ignore[arg-type]
                                  kv_cache, is_causal)
         return out if self.batch_first else out.transpose(0, 1)
-
-    def _step_maps(self, dtype: torch.dtype) -> fn.StepMaps | None:
-        """The generators of a decoding step as one GEMM (``fn.step_maps``),
-        made once and kept while the parameters it reads are the same objects
-        at the same version (an optimiser step or ``load_state_dict`` bumps
-        the version, assigning a new Parameter changes the object). None when
-        a parameter is not in ``dtype``. Called without autograd only."""
-        gens = self._modules["metric_generators"]._modules
-        gates = self._modules["metric_gates"]._parameters
-        sides = self._map_sides
-        found: list[Any] = []
-        for i, side in enumerate(sides):
-            if side is None:
-                found.append(None)
-            elif i == 1 and side == sides[0]:
-                found.append(found[0])
-            else:
-                g = gens[side]._parameters  # type: ignore[union-attr]
-                found.append((g["weight"], g["bias"], gates[side]))
-        params = [t for m in found if m is not None for t in m]
-        key = tuple((id(t), t._version, t.device, t.dtype) for t in params)
-        memo = self.__dict__.get("_step_maps_memo")
-        if memo is not None and memo[0] == key and all(a is b for a, b in zip(memo[1], params)):
-            return memo[2]
-        if any(t.dtype != dtype for t in params):
-            return None
-        maps = fn.step_maps(found)
-        self.__dict__["_step_maps_memo"] = (key, params, maps)
-        return maps
 
     def _sizes_of(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Any, Any, Any]:
         """(B, N, M) of batch-first inputs, checked by damcha_core's shape rules.
