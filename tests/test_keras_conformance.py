@@ -72,7 +72,8 @@ class Worker:
 
     def _read(self) -> None:
         for line in self.proc.stdout:
-            self.lines.put(line)
+            if line.startswith("{"):  # the worker's messages; anything a framework prints is not one
+                self.lines.put(line)
         self.lines.put("")  # end of output: the process is gone
 
     def _next_line(self, waiting_for: str) -> str:
