@@ -269,6 +269,12 @@ def test_wrong_hint_raises_when_concrete_and_gives_nan_under_jit() -> None:
             dj.damcha_attention(params, SELF, x, mask=np.asarray(mask), mask_hint=hint)
         y = fast_jit(lambda p, x, m, hint=hint: dj.damcha_attention(p, SELF, x, mask=m, mask_hint=hint))(params, x, mask)
         assert np.all(np.isnan(np.asarray(y))), hint
+    # An additive 0/-inf mask is still refused / NaN with a hint (DECISIONS 5), not read as an inverted causal mask.
+    additive = jnp.where(nnx.make_causal_mask(ids) > 0, 0.0, -jnp.inf)
+    with pytest.raises(dc.DamchaValueError, match="holds other values"):
+        dj.damcha_attention(params, SELF, x, mask=additive, mask_hint="causal")
+    y = fast_jit(lambda p, x, m: dj.damcha_attention(p, SELF, x, mask=m, mask_hint="causal"))(params, x, additive)
+    assert np.all(np.isnan(np.asarray(y)))
     with pytest.raises(dc.DamchaValueError, match="mask_hint"):
         dj.damcha_attention(params, SELF, x, mask_hint="causal")  # a hint needs a mask
     with pytest.raises(dc.DamchaValueError, match="mask_hint"):
@@ -287,3 +293,15 @@ def test_nan_input_stays_nan_on_the_fast_path() -> None:
     y = fast_jit(lambda p, x, m: dj.damcha_attention(p, SELF, x, mask=m, mask_hint="causal"))(params, x, mask)
     y = np.asarray(y)
     assert np.all(np.isnan(y[0, 2:])) and np.all(np.isfinite(y[1]))
+
+
+def test_encoder_forwards_the_hint_to_every_layer(kernel_calls) -> None:
+    """DamchaEncoder(mask=..., mask_hint=...) under nnx.jit: each layer's kernel gets the causal rule and a key mask."""
+    encoder = dj.DamchaEncoder(2, 16, 4, 32, rngs=nnx.Rngs(0))
+    x = _normal((B, N, 16), 0, jnp.float32)
+    ids = _ids([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    mask = nnx.combine_masks(nnx.make_causal_mask(ids), nnx.make_attention_mask(ids > 0, ids > 0))
+    hinted = nnx.jit(lambda enc, x, m: enc(x, mask=m, mask_hint="causal"))(encoder, x, mask)
+    assert kernel_calls == [{"mask": (B, 1, 1, N), "is_causal": True}] * 2
+    plain = nnx.jit(lambda enc, x, m: enc(x, mask=m))(encoder, x, mask)
+    np.testing.assert_allclose(hinted, plain, rtol=1e-5, atol=1e-5)

@@ -60,10 +60,12 @@ class DamchaEncoderBlock(nnx.Module):
         self.dropout = nnx.Dropout(dropout_rate, rngs=rngs)
 
     def __call__(
-        self, x: Array, *, mask: Array | None = None, is_causal: bool = False, deterministic: bool | None = None
+        self, x: Array, *, mask: Array | None = None, is_causal: bool = False, deterministic: bool | None = None,
+        mask_hint: str | None = None,
     ) -> Array:
-        """x (B, N, E) -> (B, N, E)."""
-        h = self.attention(self.attention_norm(x), mask=mask, is_causal=is_causal, deterministic=deterministic)
+        """x (B, N, E) -> (B, N, E); ``mask_hint`` as in ``DamchaAttention``."""
+        h = self.attention(self.attention_norm(x), mask=mask, is_causal=is_causal, deterministic=deterministic,
+                           mask_hint=mask_hint)
         x = x + self.dropout(h, deterministic=deterministic)
         h = self.mlp_out(nnx.gelu(self.mlp_in(self.mlp_norm(x))))
         return x + self.dropout(h, deterministic=deterministic)
@@ -125,11 +127,12 @@ class DamchaEncoder(nnx.Module):
         )
 
     def __call__(
-        self, x: Array, *, mask: Array | None = None, is_causal: bool = False, deterministic: bool | None = None
+        self, x: Array, *, mask: Array | None = None, is_causal: bool = False, deterministic: bool | None = None,
+        mask_hint: str | None = None,
     ) -> Array:
-        """x (B, N, E) -> (B, N, E)."""
+        """x (B, N, E) -> (B, N, E); ``mask_hint`` as in ``DamchaAttention`` (the mask is checked in each layer)."""
         for layer in self.layers:
-            x = layer(x, mask=mask, is_causal=is_causal, deterministic=deterministic)
+            x = layer(x, mask=mask, is_causal=is_causal, deterministic=deterministic, mask_hint=mask_hint)
         return self.final_norm(x)
 
     def to_canonical(self, *, causal: bool = False) -> tuple[dict[str, np.ndarray], EncoderConfig]:
