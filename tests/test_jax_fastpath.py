@@ -305,3 +305,22 @@ def test_encoder_forwards_the_hint_to_every_layer(kernel_calls) -> None:
     assert kernel_calls == [{"mask": (B, 1, 1, N), "is_causal": True}] * 2
     plain = nnx.jit(lambda enc, x, m: enc(x, mask=m))(encoder, x, mask)
     np.testing.assert_allclose(hinted, plain, rtol=1e-5, atol=1e-5)
+
+
+def test_module_decode_with_a_hinted_padding_mask(kernel_calls) -> None:
+    """DamchaAttention(decode=True) under nnx.jit, a key-padding mask over the
+    cache with mask_hint="padding": equals the unhinted steps and the layer's
+    own masked causal forward."""
+    layer = dj.DamchaAttention(4, 16, decode=False, rngs=nnx.Rngs(0))
+    x = _normal((B, 6, 16), 4, jnp.float32)
+    ids = _ids([[1, 1, 0, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
+    pad = nnx.make_attention_mask(jnp.ones((B, 1)), ids > 0)  # (B, 1, 1, L)
+    full = layer(x, mask=pad, is_causal=True)
+    outputs = {}
+    for hint in ("padding", None):
+        layer.init_cache((B, 6, 16))
+        step = nnx.jit(lambda layer, x, m, hint=hint: layer(x, mask=m, decode=True, mask_hint=hint))
+        outputs[hint] = jnp.concatenate([step(layer, x[:, t : t + 1], pad) for t in range(6)], axis=1)
+    np.testing.assert_allclose(outputs["padding"], outputs[None], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(outputs["padding"], full, rtol=1e-5, atol=1e-5)
+    assert all(call["mask"] == (B, 1, 1, 6) for call in kernel_calls[1:])
