@@ -270,15 +270,16 @@ def test_transformer_encoder_after_replace_mha_uses_the_causal_kernel(is_causal)
         _assert_same(*results)
 
 
-def test_transformer_decoder_after_replace_mha_uses_the_causal_kernel():
+@pytest.mark.parametrize("is_causal", [True, None], ids=["hint", "detected"])
+def test_transformer_decoder_after_replace_mha_uses_the_causal_kernel(is_causal):
     model = _encoder(decoder=True)
     N, M = 5, 7
     tgt, memory = _x(2, N, E, seed=8), _x(2, M, E, seed=9)
     mask = nn.Transformer.generate_square_subsequent_mask(N, dtype=torch.float64)
-    calls = _sdpa(lambda: model(tgt, memory, tgt_mask=mask, tgt_is_causal=True))
+    calls = _sdpa(lambda: model(tgt, memory, tgt_mask=mask, tgt_is_causal=is_causal))
     # Per layer: self-attention with the causal kernel, cross-attention with no mask.
     assert calls == [(True, False), (False, False)] * 2
-    hint = model(tgt, memory, tgt_mask=mask, tgt_is_causal=True)
+    hint = model(tgt, memory, tgt_mask=mask, tgt_is_causal=is_causal)
     explicit = model(tgt, memory, tgt_mask=mask, tgt_is_causal=False)
     torch.testing.assert_close(hint, explicit, rtol=1e-12, atol=1e-13)
 
