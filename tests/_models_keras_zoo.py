@@ -6,35 +6,56 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 import keras
 import keras_hub
+import numpy as np
 
 import damcha_core as dc
 
 V = 64  # vocabulary
 # arch -> (backbone class, CausalLM class or None, tiny config)
 ARCHS: dict[str, tuple[Any, Any, dict[str, Any]]] = {
-    "gpt2": (keras_hub.models.GPT2Backbone, keras_hub.models.GPT2CausalLM,
-             dict(num_layers=2, num_heads=2, hidden_dim=8, intermediate_dim=16, max_sequence_length=32)),
-    "bert": (keras_hub.models.BertBackbone, None,
-             dict(num_layers=2, num_heads=2, hidden_dim=8, intermediate_dim=16, max_sequence_length=32)),
-    "llama": (keras_hub.models.LlamaBackbone, keras_hub.models.LlamaCausalLM,
-              dict(num_layers=2, num_query_heads=4, num_key_value_heads=2, hidden_dim=16, intermediate_dim=32)),
-    "mistral": (keras_hub.models.MistralBackbone, keras_hub.models.MistralCausalLM,
-                dict(num_layers=2, num_query_heads=4, num_key_value_heads=2, hidden_dim=16, intermediate_dim=32)),
-    "qwen": (keras_hub.models.QwenBackbone, keras_hub.models.QwenCausalLM,
-             dict(num_layers=2, num_query_heads=4, num_key_value_heads=2, hidden_dim=16, intermediate_dim=32)),
-    "qwen3": (keras_hub.models.Qwen3Backbone, keras_hub.models.Qwen3CausalLM,
-              dict(num_layers=2, num_query_heads=4, num_key_value_heads=2, head_dim=4, hidden_dim=16,
-                   intermediate_dim=32)),
-    "gemma": (keras_hub.models.GemmaBackbone, keras_hub.models.GemmaCausalLM,
-              dict(num_layers=2, num_query_heads=4, num_key_value_heads=2, head_dim=4, hidden_dim=16,
-                   intermediate_dim=32)),
+    "gpt2": (
+        keras_hub.models.GPT2Backbone,
+        keras_hub.models.GPT2CausalLM,
+        dict(num_layers=2, num_heads=2, hidden_dim=8, intermediate_dim=16, max_sequence_length=32),
+    ),
+    "bert": (
+        keras_hub.models.BertBackbone,
+        None,
+        dict(num_layers=2, num_heads=2, hidden_dim=8, intermediate_dim=16, max_sequence_length=32),
+    ),
+    "llama": (
+        keras_hub.models.LlamaBackbone,
+        keras_hub.models.LlamaCausalLM,
+        dict(num_layers=2, num_query_heads=4, num_key_value_heads=2, hidden_dim=16, intermediate_dim=32),
+    ),
+    "mistral": (
+        keras_hub.models.MistralBackbone,
+        keras_hub.models.MistralCausalLM,
+        dict(num_layers=2, num_query_heads=4, num_key_value_heads=2, hidden_dim=16, intermediate_dim=32),
+    ),
+    "qwen": (
+        keras_hub.models.QwenBackbone,
+        keras_hub.models.QwenCausalLM,
+        dict(num_layers=2, num_query_heads=4, num_key_value_heads=2, hidden_dim=16, intermediate_dim=32),
+    ),
+    "qwen3": (
+        keras_hub.models.Qwen3Backbone,
+        keras_hub.models.Qwen3CausalLM,
+        dict(num_layers=2, num_query_heads=4, num_key_value_heads=2, head_dim=4, hidden_dim=16, intermediate_dim=32),
+    ),
+    "gemma": (
+        keras_hub.models.GemmaBackbone,
+        keras_hub.models.GemmaCausalLM,
+        dict(num_layers=2, num_query_heads=4, num_key_value_heads=2, head_dim=4, hidden_dim=16, intermediate_dim=32),
+    ),
     # Images (B, 8, 8, 3) in 4x4 patches: 4 patches and the class token.
-    "vit": (keras_hub.models.ViTBackbone, None,
-            dict(image_shape=(8, 8, 3), patch_size=4, num_layers=2, num_heads=2, hidden_dim=8, mlp_dim=16)),
+    "vit": (
+        keras_hub.models.ViTBackbone,
+        None,
+        dict(image_shape=(8, 8, 3), patch_size=4, num_layers=2, num_heads=2, hidden_dim=8, mlp_dim=16),
+    ),
 }
 IMAGES = ("vit",)  # archs taking images rather than token ids
 CAUSAL = tuple(a for a, (_, lm, _) in ARCHS.items() if lm is not None)
@@ -60,7 +81,7 @@ def inputs(arch: str, batch: int = 2, length: int = 6, seed: int = 0, padded: bo
         return rng.normal(size=(batch, *ARCHS[arch][2]["image_shape"])).astype("float32")
     mask = np.ones((batch, length), bool)
     if padded and batch > 1:
-        mask[-1, length - 2:] = False  # right padding in the last row
+        mask[-1, length - 2 :] = False  # right padding in the last row
     x = {"token_ids": rng.integers(1, V, (batch, length)).astype("int32"), "padding_mask": mask}
     if arch == "bert":
         x["segment_ids"] = np.zeros((batch, length), "int32")
@@ -83,8 +104,12 @@ def open_gates(model: Any, seed: int = 1, gate: float = 0.5, scale: float = 0.5)
     rng = np.random.default_rng(seed)
     for layer in dk.converted_layers(model).values():
         maps = layer.damcha
-        maps.load_canonical({k: rng.normal(size=v.shape) * (gate if k.endswith(".gate") else scale)
-                             for k, v in maps.to_canonical().items()})
+        maps.load_canonical(
+            {
+                k: rng.normal(size=v.shape) * (gate if k.endswith(".gate") else scale)
+                for k, v in maps.to_canonical().items()
+            }
+        )
 
 
 def greedy_without_cache(lm: Any, prompt: list[int], max_length: int) -> list[int]:
@@ -94,7 +119,7 @@ def greedy_without_cache(lm: Any, prompt: list[int], max_length: int) -> list[in
     causal LM do not depend on the (zero) tokens after it, and one shape keeps
     JAX's op-by-op compilation cache warm."""
     ids = np.zeros((1, max_length), "int32")
-    ids[0, :len(prompt)] = prompt
+    ids[0, : len(prompt)] = prompt
     mask = np.ones((1, max_length), bool)
     for i in range(len(prompt), max_length):
         ids[0, i] = int(numpy(lm({"token_ids": ids, "padding_mask": mask}))[0, i - 1].argmax())
@@ -104,9 +129,9 @@ def greedy_without_cache(lm: Any, prompt: list[int], max_length: int) -> list[in
 def greedy_generate(lm: Any, prompt: list[int], max_length: int) -> list[int]:
     """KerasHub's generate() (greedy sampler, KV cache) from an unpadded prompt."""
     ids = np.zeros((1, max_length), "int32")
-    ids[0, :len(prompt)] = prompt
+    ids[0, : len(prompt)] = prompt
     mask = np.zeros((1, max_length), bool)
-    mask[0, :len(prompt)] = True
+    mask[0, : len(prompt)] = True
     out = lm.generate({"token_ids": ids, "padding_mask": mask}, max_length=max_length, stop_token_ids=None)
     return [int(t) for t in np.asarray(out["token_ids"])[0]]
 
@@ -121,7 +146,7 @@ def cached_logits(lm: Any, token_ids: np.ndarray) -> np.ndarray:
     cache = keras.ops.zeros((B, len(layers), 2, L, cfg.num_kv_heads, cfg.key_dim), dtype=lm.backbone.compute_dtype)
     steps = []
     for i in range(L):
-        logits, _, cache = lm.call_with_cache(keras.ops.convert_to_tensor(token_ids[:, i:i + 1]), cache, i)
+        logits, _, cache = lm.call_with_cache(keras.ops.convert_to_tensor(token_ids[:, i : i + 1]), cache, i)
         steps.append(numpy(logits)[:, 0])
     return np.stack(steps, axis=1)
 
@@ -150,8 +175,10 @@ def _output(dense: Any) -> tuple[np.ndarray, np.ndarray]:
 
 # arch -> attribute names of (query, key, value, output) on its attention layer
 SUBLAYERS = {
-    **{a: ("_query_dense", "_key_dense", "_value_dense", "_output_dense")
-       for a in ("gpt2", "bert", "llama", "mistral", "qwen", "qwen3", "vit")},
+    **dict.fromkeys(
+        ("gpt2", "bert", "llama", "mistral", "qwen", "qwen3", "vit"),
+        ("_query_dense", "_key_dense", "_value_dense", "_output_dense"),
+    ),
     "gemma": ("query_dense", "key_dense", "value_dense", "output_dense"),
 }
 ROTARY = ("llama", "mistral", "qwen", "qwen3", "gemma")
@@ -166,9 +193,17 @@ def layer_params(arch: str, layer: Any) -> tuple[dict[str, np.ndarray], dc.Damch
         params[f"{name}.kernel"], params[f"{name}.bias"] = _projection(getattr(layer, attr))
     params["output.kernel"], params["output.bias"] = _output(getattr(layer, SUBLAYERS[arch][3]))
     params.update(layer.damcha.to_canonical())
-    config = dc.DamchaConfig(query_dim=cfg.query_dim, context_dim=cfg.context_dim, num_heads=cfg.num_heads,
-                             num_kv_heads=cfg.num_kv_heads, key_dim=cfg.key_dim, metric=cfg.metric,
-                             metric_rank=cfg.metric_rank, coupling=cfg.coupling, use_bias=True)
+    config = dc.DamchaConfig(
+        query_dim=cfg.query_dim,
+        context_dim=cfg.context_dim,
+        num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads,
+        key_dim=cfg.key_dim,
+        metric=cfg.metric,
+        metric_rank=cfg.metric_rank,
+        coupling=cfg.coupling,
+        use_bias=True,
+    )
     return params, config
 
 

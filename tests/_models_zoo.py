@@ -15,7 +15,7 @@ import damcha_core as dc
 import damcha_torch as dt
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "examples"))
-from _torchvision_compat import ensure_torchvision_importable  # noqa: E402
+from _torchvision_compat import ensure_torchvision_importable
 
 ensure_torchvision_importable()
 
@@ -28,8 +28,15 @@ ARCHS = CAUSAL + ("bert", "roberta", "vit", "vit-qknorm", "mha")
 
 
 def _dec(cls_cfg, **kw):
-    base = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     base.update(kw)
     return cls_cfg(**base)
 
@@ -51,22 +58,48 @@ def build(arch: str, dtype: torch.dtype = torch.float32, attn: str = "sdpa", see
     elif arch == "qwen3":
         m = T.Qwen3ForCausalLM(_dec(T.Qwen3Config, head_dim=8, attn_implementation=attn))
     elif arch == "gpt2":
-        m = T.GPT2LMHeadModel(T.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
-                                           attn_implementation=attn))
+        m = T.GPT2LMHeadModel(
+            T.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, attn_implementation=attn)
+        )
     elif arch in ("bert", "bert-decoder"):
-        cfg = T.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                           intermediate_size=48, max_position_embeddings=64, attn_implementation=attn)
+        cfg = T.BertConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=48,
+            max_position_embeddings=64,
+            attn_implementation=attn,
+        )
         if arch == "bert-decoder":
             cfg.is_decoder, cfg.add_cross_attention = True, True
             m = T.BertLMHeadModel(cfg)
         else:
             m = T.BertModel(cfg)
     elif arch == "roberta":
-        m = T.RobertaModel(T.RobertaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                           intermediate_size=48, max_position_embeddings=70, attn_implementation=attn))
+        m = T.RobertaModel(
+            T.RobertaConfig(
+                vocab_size=VOCAB,
+                hidden_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                intermediate_size=48,
+                max_position_embeddings=70,
+                attn_implementation=attn,
+            )
+        )
     elif arch in ("vit", "vit-qknorm"):
-        m = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=16, patch_size=8, embed_dim=32,
-                              depth=2, num_heads=4, num_classes=5, qk_norm=arch == "vit-qknorm")
+        m = timm.create_model(
+            "vit_tiny_patch16_224",
+            pretrained=False,
+            img_size=16,
+            patch_size=8,
+            embed_dim=32,
+            depth=2,
+            num_heads=4,
+            num_classes=5,
+            qk_norm=arch == "vit-qknorm",
+        )
     elif arch == "mha":
         layer = nn.TransformerEncoderLayer(32, 4, 48, dropout=0.0, batch_first=True)
         m = nn.Sequential(nn.Embedding(VOCAB, 32), nn.TransformerEncoder(layer, 2, enable_nested_tensor=False))
@@ -75,8 +108,9 @@ def build(arch: str, dtype: torch.dtype = torch.float32, attn: str = "sdpa", see
     return m.to(dtype).eval()
 
 
-def inputs(arch: str, dtype: torch.dtype = torch.float32, batch: int = 2, length: int = 7, padding: bool = True,
-           seed: int = 1) -> dict:
+def inputs(
+    arch: str, dtype: torch.dtype = torch.float32, batch: int = 2, length: int = 7, padding: bool = True, seed: int = 1
+) -> dict:
     """Keyword inputs of ``arch``'s forward; row 0 left-padded by two tokens."""
     g = torch.Generator().manual_seed(seed)
     if arch.startswith("vit"):
@@ -167,11 +201,15 @@ def layer_params(arch: str, module: nn.Module) -> tuple[dict[str, np.ndarray], d
     elif arch == "gpt2":
         if maps.layout.self_attention:
             for i, n in enumerate(("query", "key", "value")):
-                p[f"{n}.kernel"], p[f"{n}.bias"] = _linear(module.c_attn, E, H, d, slice(i * E, (i + 1) * E), conv1d=True)
+                p[f"{n}.kernel"], p[f"{n}.bias"] = _linear(
+                    module.c_attn, E, H, d, slice(i * E, (i + 1) * E), conv1d=True
+                )
         else:
             p["query.kernel"], p["query.bias"] = _linear(module.q_attn, E, H, d, conv1d=True)
             for i, n in enumerate(("key", "value")):
-                p[f"{n}.kernel"], p[f"{n}.bias"] = _linear(module.c_attn, Ekv, H, d, slice(i * E, (i + 1) * E), conv1d=True)
+                p[f"{n}.kernel"], p[f"{n}.bias"] = _linear(
+                    module.c_attn, Ekv, H, d, slice(i * E, (i + 1) * E), conv1d=True
+                )
         p["output.kernel"] = _np(module.c_proj.weight).reshape(H, d, E)
         p["output.bias"] = _np(module.c_proj.bias)
     elif arch.startswith(("bert", "roberta")):
@@ -186,9 +224,18 @@ def layer_params(arch: str, module: nn.Module) -> tuple[dict[str, np.ndarray], d
         p["output.bias"] = _np(module.proj.bias)
     else:
         raise AssertionError(arch)
-    config = dc.DamchaConfig(query_dim=E, context_dim=Ekv, num_heads=H, num_kv_heads=G, key_dim=d,
-                             output_dim=p["output.bias"].shape[0], use_bias=True, metric=c.metric,
-                             metric_rank=c.metric_rank, coupling=c.coupling)
+    config = dc.DamchaConfig(
+        query_dim=E,
+        context_dim=Ekv,
+        num_heads=H,
+        num_kv_heads=G,
+        key_dim=d,
+        output_dim=p["output.bias"].shape[0],
+        use_bias=True,
+        metric=c.metric,
+        metric_rank=c.metric_rank,
+        coupling=c.coupling,
+    )
     p.update(metric_params(maps))
     return p, config
 
@@ -197,7 +244,9 @@ def capture(model: nn.Module) -> dict[str, list]:
     """Record (args, kwargs, output) of every converted attention module's calls."""
     calls: dict[str, list] = {}
     for name, module in dt.converted_layers(model).items():
+
         def hook(mod, args, kwargs, output, name=name):
             calls.setdefault(name, []).append((args, kwargs, output))
+
         module.register_forward_hook(hook, with_kwargs=True)
     return calls

@@ -10,17 +10,31 @@ from __future__ import annotations
 import os
 import re
 
-import numpy as np
-import pytest
-
 import keras
 import keras_hub  # noqa: F401  (a missing keras-hub fails collection: CI installs it)
+import numpy as np
+import pytest
+from _models_keras_zoo import (
+    ARCHS,
+    CAUSAL,
+    ROTARY,
+    SUBLAYERS,
+    backbone,
+    cached_logits,
+    call_layer,
+    causal_lm,
+    greedy_generate,
+    greedy_without_cache,
+    inputs,
+    layer_params,
+    numpy,
+    open_gates,
+    output,
+    rotary,
+)
 
 import damcha_core as dc
 import damcha_keras as dk
-from _models_keras_zoo import (ARCHS, CAUSAL, ROTARY, SUBLAYERS, backbone, cached_logits, call_layer, causal_lm,
-                               greedy_generate, greedy_without_cache, inputs, layer_params, numpy, open_gates,
-                               output, rotary)
 from damcha_core._reference import apply_map as reference_map
 from damcha_core._rotary import apply_rotary
 
@@ -30,7 +44,7 @@ DOCS = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "models.md")
 def causal_mask(batch: int, n: int) -> np.ndarray:
     """Causal (B, N, N) with the last row's last two keys hidden (padding)."""
     mask = np.tril(np.ones((n, n), bool))[None].repeat(batch, 0)
-    mask[-1, :, n - 2:] = False
+    mask[-1, :, n - 2 :] = False
     mask[-1, np.arange(n), np.arange(n)] = True  # every query still sees itself
     return mask
 
@@ -104,8 +118,9 @@ def test_layers_equal_reference(arch, metric):
         if arch == "qwen3":
             expected = qwen3_reference(layer, params, config, x, mask)
         else:
-            expected = dc.damcha_attention(params, config, x, mask=mask[:, None],
-                                           rotary=rotary(arch, layer, config.key_dim))
+            expected = dc.damcha_attention(
+                params, config, x, mask=mask[:, None], rotary=rotary(arch, layer, config.key_dim)
+            )
         # KerasHub computes RoPE's angles (and Llama-style softmaxes) in float32
         # even in a float64 model: those layers agree to float32 rounding.
         tol = 1e-6 if arch in ROTARY else 1e-12
@@ -210,8 +225,11 @@ def test_fit_moves_gates_bert_classifier():
     x = inputs("bert")
     pooled = bert(bert.input)["pooled_output"]
     model = keras.Model(bert.input, keras.layers.Dense(2)(pooled))
-    model.compile(optimizer=keras.optimizers.SGD(0.5), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  jit_compile=False)
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.5),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        jit_compile=False,
+    )
     gates = dk.damcha_variables(model, generators=False)
     assert len(gates) == 2  # tied: one gate variable per layer
     model.fit(x, np.array([0, 1]), epochs=2, verbose=0)
@@ -237,8 +255,12 @@ def test_metric_penalty_equals_reference():
         layer._query_dense.call = spy
     model(x)
     got = float(numpy(dk.metric_penalty(model)))
-    expected = np.mean([dc.metric_penalty(*layer_params("gpt2", layer), tokens[path])
-                        for path, layer in dk.converted_layers(model).items()])
+    expected = np.mean(
+        [
+            dc.metric_penalty(*layer_params("gpt2", layer), tokens[path])
+            for path, layer in dk.converted_layers(model).items()
+        ]
+    )
     np.testing.assert_allclose(got, expected, rtol=1e-6)  # the port takes penalties in float32
     assert expected > 1e-4
 
@@ -390,11 +412,14 @@ def test_sublayer_conversion_and_register_adapter():
     model = keras.Model(inp, MyAttention(name="mine")(inp))
     with pytest.raises(dc.DamchaValueError, match=r"mine \(.*MyAttention\).*Supported: keras-mha"):
         dk.convert(model)
-    adapter = dk.register_adapter(dk.ModelAdapter(
-        "test-my-attention", "MyAttention (fused qk Dense)",
-        matches=lambda layer: isinstance(layer, MyAttention),
-        layout=lambda layer: dk.AttentionLayout(2, 2, 4, 8, 8, (dk.ProjectionSite("qk", q=0, k=8),)),
-    ))
+    adapter = dk.register_adapter(
+        dk.ModelAdapter(
+            "test-my-attention",
+            "MyAttention (fused qk Dense)",
+            matches=lambda layer: isinstance(layer, MyAttention),
+            layout=lambda layer: dk.AttentionLayout(2, 2, 4, 8, 8, (dk.ProjectionSite("qk", q=0, k=8),)),
+        )
+    )
     try:
         x = np.random.default_rng(0).normal(size=(2, 5, 8)).astype("float32")
         before = numpy(model(x))
@@ -406,8 +431,14 @@ def test_sublayer_conversion_and_register_adapter():
         cfg = layer.damcha.config
         y = x @ numpy(layer.qk.kernel) + numpy(layer.qk.bias)
         heads = y.reshape(2, 5, 4, 4).astype(np.float64)
-        full = {**params, **{f"{n}.{p}": np.zeros(s) for n in ("query", "key", "value", "output")
-                              for p, s in (("kernel", (1,)), ("bias", (1,)))}}
+        full = {
+            **params,
+            **{
+                f"{n}.{p}": np.zeros(s)
+                for n in ("query", "key", "value", "output")
+                for p, s in (("kernel", (1,)), ("bias", (1,)))
+            },
+        }
         expected_q = reference_map(full, cfg, "qk", x.astype(np.float64), heads[:, :, :2])
         expected_k = reference_map(full, cfg, "qk", x.astype(np.float64), heads[:, :, 2:])
         got = numpy(layer.qk(x)).reshape(2, 5, 4, 4)
@@ -446,8 +477,13 @@ def test_errors():
         dk.convert(damcha_only)
     # An MHA on rank-4 inputs (attention_axes) is refused with its equation, and nothing is converted.
     x4 = keras.Input((3, 5, 8))
-    mixed = keras.Model([inp, x4], [keras.layers.MultiHeadAttention(2, 4)(inp, inp),
-                                    keras.layers.MultiHeadAttention(2, 4, attention_axes=(2,))(x4, x4)])
+    mixed = keras.Model(
+        [inp, x4],
+        [
+            keras.layers.MultiHeadAttention(2, 4)(inp, inp),
+            keras.layers.MultiHeadAttention(2, 4, attention_axes=(2,))(x4, x4),
+        ],
+    )
     with pytest.raises(dc.DamchaValueError, match=r"Cannot convert layer .*keras-mha.*rank 3"):
         dk.convert(mixed)
     assert not dk.converted_layers(mixed)
@@ -456,8 +492,9 @@ def test_errors():
     with pytest.raises(dc.DamchaValueError, match="exactly the metric weights"):
         next(iter(dk.converted_layers(model).values())).damcha.load_canonical({})
     q2 = keras.Input((5, 6))
-    two_sizes = keras.Model([inp, q2], [keras.layers.MultiHeadAttention(2, 4)(inp, inp),
-                                        keras.layers.MultiHeadAttention(2, 4)(q2, q2)])
+    two_sizes = keras.Model(
+        [inp, q2], [keras.layers.MultiHeadAttention(2, 4)(inp, inp), keras.layers.MultiHeadAttention(2, 4)(q2, q2)]
+    )
     with pytest.raises(dc.DamchaValueError, match="share_metric"):
         dk.convert(two_sizes, share_metric=True)
 

@@ -32,8 +32,14 @@ def test_models_keras_backend(backend, tmp_path):
     if backend == "jax":
         # Compile time, not run time, dominates tiny models: cheaper codegen (as test_keras_backends).
         env.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
-    proc = subprocess.run([sys.executable, __file__, backend, str(tmp_path)], env=env, capture_output=True,
-                          text=True, timeout=500, cwd=os.path.dirname(__file__))
+    proc = subprocess.run(
+        [sys.executable, __file__, backend, str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=500,
+        cwd=os.path.dirname(__file__),
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["backend"] == backend
@@ -65,14 +71,26 @@ def _jax_x64(backend: str, enabled: bool) -> bool:
 def main(backend: str, tmp: str) -> dict:
     import re
 
-    import numpy as np
-
     import keras
+    import numpy as np
+    from _models_keras_zoo import (
+        SUBLAYERS,
+        backbone,
+        cached_logits,
+        call_layer,
+        causal_lm,
+        greedy_generate,
+        greedy_without_cache,
+        inputs,
+        layer_params,
+        numpy,
+        open_gates,
+        output,
+        rotary,
+    )
 
     import damcha_core as dc
     import damcha_keras as dk
-    from _models_keras_zoo import (SUBLAYERS, backbone, cached_logits, call_layer, causal_lm, greedy_generate,
-                                   greedy_without_cache, inputs, layer_params, numpy, open_gates, output, rotary)
     from damcha_core._reference import apply_map as reference_map
 
     assert keras.backend.backend() == backend
@@ -120,13 +138,18 @@ def main(backend: str, tmp: str) -> dict:
         if arch == "llama":
             ids = inputs(arch, batch=1, length=5, padded=False)["token_ids"]
             full = numpy(lm({"token_ids": ids, "padding_mask": np.ones_like(ids, bool)}))
-            r["call_with_cache_error"] = float(np.abs(cached_logits(lm, ids) - full).max() / max(1.0, np.abs(full).max()))
+            r["call_with_cache_error"] = float(
+                np.abs(cached_logits(lm, ids) - full).max() / max(1.0, np.abs(full).max())
+            )
 
             lm.save(os.path.join(tmp, "lm.keras"))
             loaded = keras.saving.load_model(os.path.join(tmp, "lm.keras"))
             x = inputs(arch)
-            r["keras_round_trip"] = bool(type(loaded) is type(lm) and len(dk.converted_layers(loaded)) == 2
-                                         and np.array_equal(numpy(loaded(x)), numpy(lm(x))))
+            r["keras_round_trip"] = bool(
+                type(loaded) is type(lm)
+                and len(dk.converted_layers(loaded)) == 2
+                and np.array_equal(numpy(loaded(x)), numpy(lm(x)))
+            )
 
     model = backbone("gpt2")
     dk.convert(model, share_metric=True)
@@ -145,7 +168,9 @@ def main(backend: str, tmp: str) -> dict:
     r["fit_gates_moved"] = all(bool(np.abs(numpy(g)).max() > 0) for g in dk.damcha_variables(head, generators=False))
 
     with open(os.path.join(os.path.dirname(__file__), os.pardir, "docs", "models.md"), encoding="utf-8") as f:
-        example = re.search(r"<!-- tested: tests/test_models_keras_backends.py -->\s*```python\n(.*?)```", f.read(), re.S)
+        example = re.search(
+            r"<!-- tested: tests/test_models_keras_backends.py -->\s*```python\n(.*?)```", f.read(), re.S
+        )
     namespace: dict = {}
     cwd = os.getcwd()
     os.chdir(tmp)

@@ -13,8 +13,9 @@ B, N, E, H, d = 2, 6, 16, 4, 4
 
 
 def _setup(metric, seed=0):
-    cfg = dc.DamchaConfig(query_dim=E, num_heads=H, key_dim=d, metric=metric,
-                          metric_rank=3 if metric == "lowrank" else None)
+    cfg = dc.DamchaConfig(
+        query_dim=E, num_heads=H, key_dim=d, metric=metric, metric_rank=3 if metric == "lowrank" else None
+    )
     p = dc.init_params(cfg, seed=seed)
     rng = np.random.default_rng(seed)
     for name in p:

@@ -11,12 +11,22 @@ import logging
 import numpy as np
 import pytest
 import torch
+from _models_zoo import (
+    ARCHS,
+    CAUSAL,
+    build,
+    capture,
+    inputs,
+    layer_params,
+    open_gates,
+    run,
+    timm,
+    transformers,
+)
 from torch import nn
 
 import damcha_core as dc
 import damcha_torch as dt
-from _models_zoo import (ARCHS, CAUSAL, build, capture, inputs, layer_params, metric_params, open_gates, run,
-                         timm, transformers)
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -89,8 +99,9 @@ def _rope_call(model, module, x):
     angles = torch.cat([angles, angles], dim=-1)[None]
     scaling = float(emb.attention_scaling)
     with torch.no_grad():
-        return module(hidden_states=x, position_embeddings=(angles.cos() * scaling, angles.sin() * scaling),
-                      attention_mask=None)[0]
+        return module(
+            hidden_states=x, position_embeddings=(angles.cos() * scaling, angles.sin() * scaling), attention_mask=None
+        )[0]
 
 
 def _call_tokens(args, kwargs):
@@ -124,19 +135,23 @@ def _normed_reference(arch, model, module, x):
     else:  # the dense L(t) (B, T, S, d, S, d)
         q, k = np.einsum("bthiaj,btaj->bthi", metric["q"], q), np.einsum("bthiaj,btaj->bthi", metric["k"], k)
     if arch == "qwen3":
+
         def norm(y, mod):
             w = mod.weight.detach().double().numpy()
             return y / np.sqrt(np.mean(y * y, -1, keepdims=True) + mod.variance_epsilon) * w
+
         rot = _rotary(model, x.shape[1])
         pos = np.arange(x.shape[1], dtype=np.float64)[None]
         q = dc.apply_rotary(norm(q, module.q_norm), rot, pos)
         k = dc.apply_rotary(norm(k, module.k_norm), rot, pos)
         causal = True
     else:
+
         def norm(y, mod):
             w, b = mod.weight.detach().double().numpy(), mod.bias.detach().double().numpy()
             mu = y.mean(-1, keepdims=True)
             return (y - mu) / np.sqrt(((y - mu) ** 2).mean(-1, keepdims=True) + mod.eps) * w + b
+
         q, k = norm(q, module.q_norm), norm(k, module.k_norm)
         causal = False
     o = _softmax_attend(q, k, v, cfg.softmax_scale, causal)
@@ -155,9 +170,9 @@ def test_layers_equal_reference_with_gates_open(arch, metric):
     causal = arch in CAUSAL
     for name, records in calls.items():
         module = dt.converted_layers(model)[name]
-        (args, kwargs, output), = records
+        ((args, kwargs, output),) = records
         x, ctx = _call_tokens(args, kwargs)
-        got = (output[0] if isinstance(output, tuple) else output)
+        got = output[0] if isinstance(output, tuple) else output
         if arch.startswith(("llama", "mistral", "qwen")):
             got = _rope_call(model, module, x)
         got, x = got.double().numpy(), x.double().numpy()
@@ -169,8 +184,9 @@ def test_layers_equal_reference_with_gates_open(arch, metric):
             p, cfg = layer_params(arch, module)
             is_cross = not module.damcha.layout.self_attention
             rotary = _rotary(model, x.shape[1]) if arch.startswith(("llama", "mistral", "qwen")) else None
-            want = dc.damcha_attention(p, cfg, x, None if not is_cross else ctx.double().numpy(),
-                                       causal=causal and not is_cross, rotary=rotary)
+            want = dc.damcha_attention(
+                p, cfg, x, None if not is_cross else ctx.double().numpy(), causal=causal and not is_cross, rotary=rotary
+            )
             tol = 1e-12
         np.testing.assert_allclose(got, want, rtol=0, atol=tol, err_msg=name)
 
@@ -181,7 +197,7 @@ def test_rotary_reference_detects_a_wrong_position():
     calls = capture(model)
     with torch.no_grad():
         run(model, "llama", inputs("llama", torch.float64, padding=False))
-    (args, kwargs, output), = calls["model.layers.0.self_attn"]
+    ((args, kwargs, output),) = calls["model.layers.0.self_attn"]
     module = model.model.layers[0].self_attn
     p, cfg = layer_params("llama", module)
     x = kwargs["hidden_states"].double().numpy()
@@ -225,7 +241,7 @@ def test_metric_penalty_equals_reference():
         assert total.item() == 0.0  # nothing recorded yet
         run(model, "llama-mha", inputs("llama-mha", torch.float64, padding=False))
     want = []
-    for name, ((args, kwargs, _),) in calls.items():
+    for name, ((_args, kwargs, _),) in calls.items():
         p, cfg = layer_params("llama-mha", dt.converted_layers(model)[name])
         want.append(dc.metric_penalty(p, cfg, kwargs["hidden_states"].double().numpy()))
     np.testing.assert_allclose(dt.metric_penalty(model).item(), np.mean(want), rtol=1e-12)
@@ -253,6 +269,7 @@ def test_generate_with_cache_equals_without(arch, cache):
         extra = {"cache_implementation": "static"} if cache == "static" else {}
         if cache == "encoder-decoder":
             from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+
             extra = {"cache": EncoderDecoderCache(DynamicCache(), DynamicCache())}
         cached = model.generate(**kw, use_cache=True, **extra, **opts)
         plain = model.generate(**kw, use_cache=False, **opts)
@@ -387,10 +404,14 @@ def test_save_pretrained_round_trip(tmp_path, arch, share):
             layer, rest = k.split(".damcha.generators.")
             holders.setdefault(rest.split(".")[0], set()).add(layer)
         assert holders and all(len(v) == 1 for v in holders.values())
-        owners = {id(m.damcha.generator(side)) for m in dt.converted_layers(loaded).values()
-                  for side in m.damcha.config.metric_sides}
-        assert len(owners) == len({side for m in dt.converted_layers(loaded).values()
-                                   for side in m.damcha.config.metric_sides})
+        owners = {
+            id(m.damcha.generator(side))
+            for m in dt.converted_layers(loaded).values()
+            for side in m.damcha.config.metric_sides
+        }
+        assert len(owners) == len(
+            {side for m in dt.converted_layers(loaded).values() for side in m.damcha.config.metric_sides}
+        )
     else:
         assert len({k.split(".damcha.")[0] for k in gens}) == len(dt.converted_layers(loaded))
 
@@ -617,9 +638,12 @@ class RegisteredAttention(MyAttention):
 
 def test_register_adapter_for_another_layout():
     adapter = dt.ModelAdapter(
-        "test-my-attention", "RegisteredAttention (wq/wk)", lambda m: type(m) is RegisteredAttention,
-        lambda m: dt.AttentionLayout(m.heads, m.heads, m.head_dim, 16, 16,
-                                     (dt.ProjectionSite("wq", q=0), dt.ProjectionSite("wk", k=0))),
+        "test-my-attention",
+        "RegisteredAttention (wq/wk)",
+        lambda m: type(m) is RegisteredAttention,
+        lambda m: dt.AttentionLayout(
+            m.heads, m.heads, m.head_dim, 16, 16, (dt.ProjectionSite("wq", q=0), dt.ProjectionSite("wk", k=0))
+        ),
     )
     if "test-my-attention" not in " ".join(dt.supported_layouts()):
         dt.register_adapter(adapter)
@@ -659,15 +683,29 @@ def test_errors():
     with pytest.raises(dc.DamchaValueError, match=r"model\.layers\.0\.self_attn.*coupling"):
         dt.convert(build("llama"), coupling="tied")
     # Sharing needs equal sizes across layers.
-    mixed = nn.ModuleList([build("vit"), timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=16,
-                                                           patch_size=8, embed_dim=48, depth=1, num_heads=4)])
+    mixed = nn.ModuleList(
+        [
+            build("vit"),
+            timm.create_model(
+                "vit_tiny_patch16_224", pretrained=False, img_size=16, patch_size=8, embed_dim=48, depth=1, num_heads=4
+            ),
+        ]
+    )
     with pytest.raises(dc.DamchaValueError, match="share_metric"):
         dt.convert(mixed, share_metric=True)
     assert not dt.converted_layers(mixed)
 
 
-@pytest.mark.parametrize("arch,expected", [("llama", {"q", "k"}), ("llama-mha", {"qk"}), ("gpt2", {"qk"}),
-                                           ("bert-decoder", {"qk", "q", "k"}), ("vit", {"qk"})])
+@pytest.mark.parametrize(
+    "arch,expected",
+    [
+        ("llama", {"q", "k"}),
+        ("llama-mha", {"qk"}),
+        ("gpt2", {"qk"}),
+        ("bert-decoder", {"qk", "q", "k"}),
+        ("vit", {"qk"}),
+    ],
+)
 def test_auto_coupling(arch, expected):
     model = converted(arch)
     sides = set()

@@ -39,8 +39,10 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
         ddp = DistributedDataParallel(model)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.5)
         for step in range(STEPS):
-            _step(ddp, opt, x[step, rank * BATCH:(rank + 1) * BATCH])
-        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(out_dir, f"rank{rank}.pt"))
+            _step(ddp, opt, x[step, rank * BATCH : (rank + 1) * BATCH])
+        torch.save(
+            {k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(out_dir, f"rank{rank}.pt")
+        )
     finally:
         dist.destroy_process_group()
 

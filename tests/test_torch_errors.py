@@ -28,37 +28,92 @@ def _layer(**kw) -> DamchaAttention:
 @pytest.mark.parametrize(
     "build, error, pattern",
     [
-        (lambda: DamchaAttention(16, 4, num_kv_heads=3, coupling="query"), DamchaValueError,
-         r"num_heads.*divisible by `num_kv_heads`.*num_heads=4, num_kv_heads=3"),
-        (lambda: DamchaAttention(16, 4, kdim=12, vdim=12, coupling="tied"), DamchaValueError,
-         r"coupling='tied'.*kdim == embed_dim.*embed_dim=16, kdim=12"),
-        (lambda: DamchaAttention(16, 4, num_kv_heads=2, coupling="tied"), DamchaValueError,
-         r"coupling='tied'.*num_kv_heads == num_heads.*num_heads=4, num_kv_heads=2"),
-        (lambda: DamchaAttention(16, 4, coupling="separate", metric_generator={"q": MetricGenerator(16, 4, 4)}),
-         DamchaValueError, r"`metric_generator` must have exactly this layer's metric sides \['q', 'k'\].*missing"),
-        (lambda: DamchaAttention(16, 4, coupling="separate", metric_generator=MetricGenerator(16, 4, 4)),
-         DamchaValueError, r"`metric_generator` must be a dict \{'q': ..., 'k': ...\} with coupling='separate'"),
-        (lambda: DamchaAttention(16, 4, metric="none", metric_generator=MetricGenerator(16, 4, 4)),
-         DamchaValueError, r"`metric_generator` must be None with metric='none'"),
-        (lambda: DamchaAttention(16, 4, metric_generator={"qk": nn.Linear(2, 2)}), DamchaTypeError,
-         r"`metric_generator\['qk'\]` must be a MetricGenerator"),
-        (lambda: DamchaAttention(16, 2, metric_generator=MetricGenerator(16, 4, 4)), DamchaValueError,
-         r"`metric_generator` does not fit side 'qk' of this layer: heads=4 \(expected 2\)"),
-        (lambda: DamchaAttention(18, 4), DamchaValueError, r"`embed_dim` must be divisible by `num_heads`.*embed_dim=18"),
+        (
+            lambda: DamchaAttention(16, 4, num_kv_heads=3, coupling="query"),
+            DamchaValueError,
+            r"num_heads.*divisible by `num_kv_heads`.*num_heads=4, num_kv_heads=3",
+        ),
+        (
+            lambda: DamchaAttention(16, 4, kdim=12, vdim=12, coupling="tied"),
+            DamchaValueError,
+            r"coupling='tied'.*kdim == embed_dim.*embed_dim=16, kdim=12",
+        ),
+        (
+            lambda: DamchaAttention(16, 4, num_kv_heads=2, coupling="tied"),
+            DamchaValueError,
+            r"coupling='tied'.*num_kv_heads == num_heads.*num_heads=4, num_kv_heads=2",
+        ),
+        (
+            lambda: DamchaAttention(16, 4, coupling="separate", metric_generator={"q": MetricGenerator(16, 4, 4)}),
+            DamchaValueError,
+            r"`metric_generator` must have exactly this layer's metric sides \['q', 'k'\].*missing",
+        ),
+        (
+            lambda: DamchaAttention(16, 4, coupling="separate", metric_generator=MetricGenerator(16, 4, 4)),
+            DamchaValueError,
+            r"`metric_generator` must be a dict \{'q': ..., 'k': ...\} with coupling='separate'",
+        ),
+        (
+            lambda: DamchaAttention(16, 4, metric="none", metric_generator=MetricGenerator(16, 4, 4)),
+            DamchaValueError,
+            r"`metric_generator` must be None with metric='none'",
+        ),
+        (
+            lambda: DamchaAttention(16, 4, metric_generator={"qk": nn.Linear(2, 2)}),
+            DamchaTypeError,
+            r"`metric_generator\['qk'\]` must be a MetricGenerator",
+        ),
+        (
+            lambda: DamchaAttention(16, 2, metric_generator=MetricGenerator(16, 4, 4)),
+            DamchaValueError,
+            r"`metric_generator` does not fit side 'qk' of this layer: heads=4 \(expected 2\)",
+        ),
+        (
+            lambda: DamchaAttention(18, 4),
+            DamchaValueError,
+            r"`embed_dim` must be divisible by `num_heads`.*embed_dim=18",
+        ),
         (lambda: DamchaAttention(16, 4, metric="lowrank"), DamchaValueError, r"`metric_rank` is required"),
         (lambda: DamchaAttention(16, 4, metric="full"), DamchaValueError, r"`metric` must be one of"),
         (lambda: DamchaAttention(16, 4, add_bias_kv=1), DamchaTypeError, r"^`add_bias_kv` must be a bool"),
-        (lambda: DamchaAttention(16, 4, metric_generator=nn.Linear(2, 2)), DamchaTypeError, r"`metric_generator` must be"),
+        (
+            lambda: DamchaAttention(16, 4, metric_generator=nn.Linear(2, 2)),
+            DamchaTypeError,
+            r"`metric_generator` must be",
+        ),
         (lambda: DamchaAttention.from_mha(nn.Linear(2, 2)), DamchaTypeError, r"`mha` must be an nn.MultiheadAttention"),
         # nn.MultiheadAttention's argument names, not DamchaConfig's (query_dim, context_dim, use_bias)
-        (lambda: DamchaAttention(16.0, 4), DamchaTypeError, r"^`embed_dim` must be an int >= 1\. Received: embed_dim=16\.0"),
+        (
+            lambda: DamchaAttention(16.0, 4),
+            DamchaTypeError,
+            r"^`embed_dim` must be an int >= 1\. Received: embed_dim=16\.0",
+        ),
         (lambda: DamchaAttention(16, 4, bias="no"), DamchaTypeError, r"^`bias` must be a bool\. Received: bias='no'"),
-        (lambda: DamchaAttention(16, 4, kdim=0, vdim=0, coupling="separate"), DamchaValueError,
-         r"^`kdim` must be >= 1\. Received: kdim=0"),
+        (
+            lambda: DamchaAttention(16, 4, kdim=0, vdim=0, coupling="separate"),
+            DamchaValueError,
+            r"^`kdim` must be >= 1\. Received: kdim=0",
+        ),
     ],
-    ids=["heads-not-divisible", "kdim-with-tied", "gqa-with-tied", "separate-one-side", "separate-one-generator",
-         "none-with-generator", "generator-value-type", "generator-misfit", "embed-not-divisible", "lowrank-no-rank",
-         "unknown-metric", "bias-kv-type", "generator-type", "from-mha-type", "embed-type", "bias-type", "kdim-zero"],
+    ids=[
+        "heads-not-divisible",
+        "kdim-with-tied",
+        "gqa-with-tied",
+        "separate-one-side",
+        "separate-one-generator",
+        "none-with-generator",
+        "generator-value-type",
+        "generator-misfit",
+        "embed-not-divisible",
+        "lowrank-no-rank",
+        "unknown-metric",
+        "bias-kv-type",
+        "generator-type",
+        "from-mha-type",
+        "embed-type",
+        "bias-type",
+        "kdim-zero",
+    ],
 )
 def test_constructor_errors(build, error, pattern):
     with pytest.raises(error, match=pattern):
@@ -68,37 +123,87 @@ def test_constructor_errors(build, error, pattern):
 @pytest.mark.parametrize(
     "call, error, pattern",
     [
-        (lambda l: l(torch.randn(2, 5, 12), torch.randn(2, 5, 12), torch.randn(2, 5, 12)), DamchaValueError,
-         r"`query` must have 16 features \(embed_dim\).*Received: query.shape=\(2, 5, 12\)"),
-        (lambda l: l(x, x[:1], x[:1]), DamchaValueError,
-         r"`query` and `key` must have the same batch size.*key.shape=\(1, 5, 16\)"),
-        (lambda l: l(x, x[:, :0], x[:, :0]), DamchaValueError, r"`key` must be non-empty.*key.shape=\(2, 0, 16\)"),
-        (lambda l: l(x.long(), x.long(), x.long()), DamchaTypeError, r"`query` must be a real floating tensor.*int64"),
-        (lambda l: l(x, x, torch.randn(2, 4, 16)), DamchaValueError,
-         r"`value` must have the batch size and length of `key`.*value.shape=\(2, 4, 16\)"),
-        (lambda l: l(torch.randn(5, 16), x, x), DamchaValueError,
-         r"With an unbatched \(2-D\) `query`, `key` and `value` must be 2-D too.*key.shape=\(2, 5, 16\)"),
-        (lambda l: l(x, torch.randn(5, 16), torch.randn(5, 16)), DamchaValueError,
-         r"must all be batched \(B, N, E\) or all unbatched \(N, E\).*key.shape=\(5, 16\)"),
-        (lambda l: l(x[None], x[None], x[None]), DamchaValueError, r"must all be batched.*query.shape=\(1, 2, 5, 16\)"),
-        (lambda l: l(x[0], x[0], x[0], key_padding_mask=torch.zeros(1, 5, dtype=torch.bool)), DamchaValueError,
-         r"unbatched inputs `key_padding_mask` must have shape \(M,\) = \(5,\).*\(1, 5\)"),
-        (lambda l: l(x, x, x, key_padding_mask=torch.zeros(2, 4, dtype=torch.bool)), DamchaValueError,
-         r"`key_padding_mask` must have shape \(B, M\) = \(2, 5\).*\(2, 4\)"),
-        (lambda l: l(x, x, x, key_padding_mask=torch.zeros(2, 5, dtype=torch.int64)), DamchaTypeError,
-         r"`key_padding_mask` must be a bool tensor \(True = masked out.*int64"),
-        (lambda l: l(x, x, x, attn_mask=torch.zeros(5, 4, dtype=torch.bool)), DamchaValueError,
-         r"`attn_mask` must be broadcastable.*attn_mask.shape=\(5, 4\)"),
-        (lambda l: l(x, x, x, attn_mask=torch.zeros(2, 5, 5, dtype=torch.bool)), DamchaValueError,
-         r"3-D `attn_mask` must have shape \(B\*H, N, M\) = \(8, 5, 5\)"),
-        (lambda l: l(x, x, x, attn_mask=torch.zeros(5, 5, dtype=torch.uint8)), DamchaTypeError,
-         r"`attn_mask` must be a bool tensor.*uint8"),
-        (lambda l: l(x, x, x, is_causal=True, need_weights=False, kv_cache=object()), DamchaTypeError,
-         r"`kv_cache` must be a DamchaKVCache or None\. Received: kv_cache=<object"),
+        (
+            lambda m: m(torch.randn(2, 5, 12), torch.randn(2, 5, 12), torch.randn(2, 5, 12)),
+            DamchaValueError,
+            r"`query` must have 16 features \(embed_dim\).*Received: query.shape=\(2, 5, 12\)",
+        ),
+        (
+            lambda m: m(x, x[:1], x[:1]),
+            DamchaValueError,
+            r"`query` and `key` must have the same batch size.*key.shape=\(1, 5, 16\)",
+        ),
+        (lambda m: m(x, x[:, :0], x[:, :0]), DamchaValueError, r"`key` must be non-empty.*key.shape=\(2, 0, 16\)"),
+        (lambda m: m(x.long(), x.long(), x.long()), DamchaTypeError, r"`query` must be a real floating tensor.*int64"),
+        (
+            lambda m: m(x, x, torch.randn(2, 4, 16)),
+            DamchaValueError,
+            r"`value` must have the batch size and length of `key`.*value.shape=\(2, 4, 16\)",
+        ),
+        (
+            lambda m: m(torch.randn(5, 16), x, x),
+            DamchaValueError,
+            r"With an unbatched \(2-D\) `query`, `key` and `value` must be 2-D too.*key.shape=\(2, 5, 16\)",
+        ),
+        (
+            lambda m: m(x, torch.randn(5, 16), torch.randn(5, 16)),
+            DamchaValueError,
+            r"must all be batched \(B, N, E\) or all unbatched \(N, E\).*key.shape=\(5, 16\)",
+        ),
+        (lambda m: m(x[None], x[None], x[None]), DamchaValueError, r"must all be batched.*query.shape=\(1, 2, 5, 16\)"),
+        (
+            lambda m: m(x[0], x[0], x[0], key_padding_mask=torch.zeros(1, 5, dtype=torch.bool)),
+            DamchaValueError,
+            r"unbatched inputs `key_padding_mask` must have shape \(M,\) = \(5,\).*\(1, 5\)",
+        ),
+        (
+            lambda m: m(x, x, x, key_padding_mask=torch.zeros(2, 4, dtype=torch.bool)),
+            DamchaValueError,
+            r"`key_padding_mask` must have shape \(B, M\) = \(2, 5\).*\(2, 4\)",
+        ),
+        (
+            lambda m: m(x, x, x, key_padding_mask=torch.zeros(2, 5, dtype=torch.int64)),
+            DamchaTypeError,
+            r"`key_padding_mask` must be a bool tensor \(True = masked out.*int64",
+        ),
+        (
+            lambda m: m(x, x, x, attn_mask=torch.zeros(5, 4, dtype=torch.bool)),
+            DamchaValueError,
+            r"`attn_mask` must be broadcastable.*attn_mask.shape=\(5, 4\)",
+        ),
+        (
+            lambda m: m(x, x, x, attn_mask=torch.zeros(2, 5, 5, dtype=torch.bool)),
+            DamchaValueError,
+            r"3-D `attn_mask` must have shape \(B\*H, N, M\) = \(8, 5, 5\)",
+        ),
+        (
+            lambda m: m(x, x, x, attn_mask=torch.zeros(5, 5, dtype=torch.uint8)),
+            DamchaTypeError,
+            r"`attn_mask` must be a bool tensor.*uint8",
+        ),
+        (
+            lambda m: m(x, x, x, is_causal=True, need_weights=False, kv_cache=object()),
+            DamchaTypeError,
+            r"`kv_cache` must be a DamchaKVCache or None\. Received: kv_cache=<object",
+        ),
     ],
-    ids=["wrong-embed", "key-batch", "empty-key", "int-query", "value-shape", "unbatched-query-batched-key", "batched-query-unbatched-key",
-         "rank-4", "unbatched-padding-shape", "padding-shape", "padding-dtype",
-         "mask-shape", "mask-3d-shape", "mask-dtype", "kv-cache-type"],
+    ids=[
+        "wrong-embed",
+        "key-batch",
+        "empty-key",
+        "int-query",
+        "value-shape",
+        "unbatched-query-batched-key",
+        "batched-query-unbatched-key",
+        "rank-4",
+        "unbatched-padding-shape",
+        "padding-shape",
+        "padding-dtype",
+        "mask-shape",
+        "mask-3d-shape",
+        "mask-dtype",
+        "kv-cache-type",
+    ],
 )
 def test_forward_errors(call, error, pattern):
     with pytest.raises(error, match=pattern):
@@ -130,12 +235,18 @@ def test_kv_cache_mismatch_names_the_cache_and_leaves_it_intact():
     layer(t, t, t, is_causal=True, need_weights=False, kv_cache=cache)
     wider = DamchaAttention(16, 4, batch_first=True, key_dim=8, dtype=torch.float64)
     bad = [
-        (lambda: layer(t[:1], t[:1], t[:1], is_causal=True, need_weights=False, kv_cache=cache),
-         r"`kv_cache` holds a different batch.*cached key shape \(2, 4, 1, 4\), new key shape \(1, 4, 1, 4\)"),
-        (lambda: wider(t, t, t, is_causal=True, need_weights=False, kv_cache=cache),
-         r"`kv_cache` holds a different batch, head count or head size.*new key shape \(2, 4, 1, 8\)"),
-        (lambda: _layer()(t.float(), t.float(), t.float(), is_causal=True, need_weights=False, kv_cache=cache),
-         r"`kv_cache` holds keys of another dtype.*cached torch.float64 on cpu, new torch.float32 on cpu"),
+        (
+            lambda: layer(t[:1], t[:1], t[:1], is_causal=True, need_weights=False, kv_cache=cache),
+            r"`kv_cache` holds a different batch.*cached key shape \(2, 4, 1, 4\), new key shape \(1, 4, 1, 4\)",
+        ),
+        (
+            lambda: wider(t, t, t, is_causal=True, need_weights=False, kv_cache=cache),
+            r"`kv_cache` holds a different batch, head count or head size.*new key shape \(2, 4, 1, 8\)",
+        ),
+        (
+            lambda: _layer()(t.float(), t.float(), t.float(), is_causal=True, need_weights=False, kv_cache=cache),
+            r"`kv_cache` holds keys of another dtype.*cached torch.float64 on cpu, new torch.float32 on cpu",
+        ),
     ]
     for call, pattern in bad:
         with pytest.raises(DamchaValueError, match=pattern):
@@ -150,7 +261,9 @@ def test_kv_cache_mismatch_names_the_cache_and_leaves_it_intact():
 @pytest.mark.parametrize("num_layers", [0, 2.0])
 def test_stack_builders_reject_bad_num_layers(num_layers):
     for build in (build_encoder, build_decoder):
-        with pytest.raises(DamchaValueError, match=rf"`num_layers` must be an int >= 1\. Received: num_layers={num_layers}"):
+        with pytest.raises(
+            DamchaValueError, match=rf"`num_layers` must be an int >= 1\. Received: num_layers={num_layers}"
+        ):
             build(16, 4, num_layers, dim_feedforward=8)
 
 
@@ -160,38 +273,89 @@ def test_stack_builders_reject_bad_num_layers(num_layers):
 @pytest.mark.parametrize(
     "build, error, pattern",
     [
-        (lambda: build_encoder(30, 4, 2), DamchaValueError,
-         r"^`d_model` must be divisible by `nhead` when `key_dim` is not given\. Received: d_model=30, nhead=4"),
+        (
+            lambda: build_encoder(30, 4, 2),
+            DamchaValueError,
+            r"^`d_model` must be divisible by `nhead` when `key_dim` is not given\. Received: d_model=30, nhead=4",
+        ),
         (lambda: build_decoder(30, 4, 2), DamchaValueError, r"^`d_model` must be divisible by `nhead`"),
-        (lambda: build_encoder(16.0, 4, 2), DamchaTypeError, r"^`d_model` must be an int >= 1\. Received: d_model=16\.0"),
+        (
+            lambda: build_encoder(16.0, 4, 2),
+            DamchaTypeError,
+            r"^`d_model` must be an int >= 1\. Received: d_model=16\.0",
+        ),
         (lambda: build_encoder(16, 0, 2), DamchaValueError, r"^`nhead` must be >= 1\. Received: nhead=0"),
         (lambda: build_encoder(16, 4, 2, dim_feedforward=0), DamchaValueError, r"^`dim_feedforward` must be >= 1"),
         (lambda: build_encoder(16, 4, 2, dropout=1.5), DamchaValueError, r"^`dropout` must be in \[0, 1\)"),
-        (lambda: build_encoder(16, 4, 2, activation="swish"), DamchaValueError,
-         r"^`activation` must be 'relu', 'gelu' or a callable\. Received: activation='swish'"),
+        (
+            lambda: build_encoder(16, 4, 2, activation="swish"),
+            DamchaValueError,
+            r"^`activation` must be 'relu', 'gelu' or a callable\. Received: activation='swish'",
+        ),
         (lambda: build_encoder(16, 4, 2, norm_first="yes"), DamchaTypeError, r"^`norm_first` must be a bool"),
         (lambda: build_encoder(16, 4, 2, final_norm=1), DamchaTypeError, r"^`final_norm` must be a bool"),
         (lambda: build_encoder(16, 4, 2, share_metric="no"), DamchaTypeError, r"^`share_metric` must be a bool"),
-        (lambda: build_encoder(16, 4, 2, dtype=torch.int32), DamchaTypeError, r"^`dtype` must be None or a real floating"),
+        (
+            lambda: build_encoder(16, 4, 2, dtype=torch.int32),
+            DamchaTypeError,
+            r"^`dtype` must be None or a real floating",
+        ),
         (lambda: build_encoder(16, 4, 2, metric="full"), DamchaValueError, r"^`metric` must be one of"),
         (lambda: build_encoder(16, 4, 2, kdim=8), DamchaTypeError, r"Unknown DAMCHA attention arguments \['kdim'\]"),
-        (lambda: DamchaTransformerEncoderLayer(16, 4, layer_norm_eps=-1.0), DamchaValueError,
-         r"^`layer_norm_eps` must be a finite number >= 0"),
-        (lambda: DamchaTransformerEncoderLayer(16, 4, metric_generator=MetricGenerator(16, 2, 8)), DamchaValueError,
-         r"^`metric_generator` does not fit side 'qk'"),
-        (lambda: DamchaTransformerEncoder(DamchaTransformerEncoderLayer(16, 4), 2, norm=5), DamchaTypeError,
-         r"^`norm` must be an nn.Module"),
-        (lambda: build_decoder(16, 4, 2, cross_coupling="crossed"), DamchaValueError,
-         r"^`cross_coupling` must be one of"),
-        (lambda: DamchaTransformerDecoderLayer(16, 4, cross_coupling="separate",
-                                               cross_metric_generator=MetricGenerator(16, 4, 4)), DamchaValueError,
-         r"^`cross_metric_generator` must be a dict \{'q': ..., 'k': ...\} with coupling='separate'"),
-        (lambda: build_decoder(16, 4, 2, coupling="tied", num_kv_heads=2), DamchaValueError,
-         r"coupling='tied'.*num_kv_heads == nhead"),
+        (
+            lambda: DamchaTransformerEncoderLayer(16, 4, layer_norm_eps=-1.0),
+            DamchaValueError,
+            r"^`layer_norm_eps` must be a finite number >= 0",
+        ),
+        (
+            lambda: DamchaTransformerEncoderLayer(16, 4, metric_generator=MetricGenerator(16, 2, 8)),
+            DamchaValueError,
+            r"^`metric_generator` does not fit side 'qk'",
+        ),
+        (
+            lambda: DamchaTransformerEncoder(DamchaTransformerEncoderLayer(16, 4), 2, norm=5),
+            DamchaTypeError,
+            r"^`norm` must be an nn.Module",
+        ),
+        (
+            lambda: build_decoder(16, 4, 2, cross_coupling="crossed"),
+            DamchaValueError,
+            r"^`cross_coupling` must be one of",
+        ),
+        (
+            lambda: DamchaTransformerDecoderLayer(
+                16, 4, cross_coupling="separate", cross_metric_generator=MetricGenerator(16, 4, 4)
+            ),
+            DamchaValueError,
+            r"^`cross_metric_generator` must be a dict \{'q': ..., 'k': ...\} with coupling='separate'",
+        ),
+        (
+            lambda: build_decoder(16, 4, 2, coupling="tied", num_kv_heads=2),
+            DamchaValueError,
+            r"coupling='tied'.*num_kv_heads == nhead",
+        ),
     ],
-    ids=["encoder-d-model-heads", "decoder-d-model-heads", "d-model-type", "nhead-zero", "ffn-zero", "dropout",
-         "activation", "norm-first", "final-norm", "share-metric", "dtype", "metric", "unknown-kwarg",
-         "layer-norm-eps", "generator-misfit", "stack-norm", "cross-coupling", "cross-generator", "tied-gqa"],
+    ids=[
+        "encoder-d-model-heads",
+        "decoder-d-model-heads",
+        "d-model-type",
+        "nhead-zero",
+        "ffn-zero",
+        "dropout",
+        "activation",
+        "norm-first",
+        "final-norm",
+        "share-metric",
+        "dtype",
+        "metric",
+        "unknown-kwarg",
+        "layer-norm-eps",
+        "generator-misfit",
+        "stack-norm",
+        "cross-coupling",
+        "cross-generator",
+        "tied-gqa",
+    ],
 )
 def test_block_and_builder_errors_name_their_arguments(build, error, pattern):
     with pytest.raises(error, match=pattern):
@@ -215,14 +379,20 @@ def test_parameter_dtype_must_be_real_floating(dtype):
             build()
 
 
-@pytest.mark.parametrize("dtypes", [("float64",) * 3, ("float16",) * 3, ("float32", "float64", "float64")],
-                         ids=["float64-input", "float16-input", "mixed-query-key"])
+@pytest.mark.parametrize(
+    "dtypes",
+    [("float64",) * 3, ("float16",) * 3, ("float32", "float64", "float64")],
+    ids=["float64-input", "float16-input", "mixed-query-key"],
+)
 def test_inputs_of_another_dtype_name_the_arguments(dtypes):
     layer = _layer()
     q, k, v = (x.to(getattr(torch, d)) for d in dtypes)
-    with pytest.raises(DamchaTypeError, match=rf"`query`, `key` and `value` must have the dtype of this layer's "
-                                              rf"parameters \(torch.float32\).*query.dtype=torch.{dtypes[0]}, "
-                                              rf"key.dtype=torch.{dtypes[1]}"):
+    with pytest.raises(
+        DamchaTypeError,
+        match=rf"`query`, `key` and `value` must have the dtype of this layer's "
+        rf"parameters \(torch.float32\).*query.dtype=torch.{dtypes[0]}, "
+        rf"key.dtype=torch.{dtypes[1]}",
+    ):
         layer(q, k, v)
 
 
@@ -299,10 +469,16 @@ def test_save_of_a_meta_layer_is_a_clear_error(tmp_path):
         ((np.zeros((1, 2, 3, 4)), torch.zeros(1, 2, 3, 4)), DamchaTypeError, r"^`key` must be a real floating tensor"),
         ((torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4, dtype=torch.int64)), DamchaTypeError, r"^`value` must be"),
         ((torch.zeros(2, 3, 4), torch.zeros(2, 3, 4)), DamchaValueError, r"^`key` must have rank 4"),
-        ((torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 2, 4)), DamchaValueError,
-         r"^`key` and `value` must have the same batch, head count and length"),
-        ((torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4, dtype=torch.float64)), DamchaValueError,
-         r"^`key` and `value` must have one dtype and device"),
+        (
+            (torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 2, 4)),
+            DamchaValueError,
+            r"^`key` and `value` must have the same batch, head count and length",
+        ),
+        (
+            (torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4, dtype=torch.float64)),
+            DamchaValueError,
+            r"^`key` and `value` must have one dtype and device",
+        ),
     ],
     ids=["key-numpy", "value-int", "rank-3", "length-mismatch", "dtype-mismatch"],
 )
@@ -361,22 +537,36 @@ def test_malformed_inputs_raise_damcha_errors_or_equal_the_reference(seed):
     from damcha_torch import damcha_attention
 
     rng = np.random.default_rng(seed)
-    configs = [dc.DamchaConfig(query_dim=16, num_heads=4, key_dim=4),
-               dc.DamchaConfig(query_dim=16, num_heads=4, key_dim=4, context_dim=12, value_input_dim=7,
-                               metric="lowrank", metric_rank=2, num_kv_heads=2)]
+    configs = [
+        dc.DamchaConfig(query_dim=16, num_heads=4, key_dim=4),
+        dc.DamchaConfig(
+            query_dim=16,
+            num_heads=4,
+            key_dim=4,
+            context_dim=12,
+            value_input_dim=7,
+            metric="lowrank",
+            metric_rank=2,
+            num_kv_heads=2,
+        ),
+    ]
     for _ in range(60):
         cfg = configs[int(rng.integers(2))]
         numpy_params = case_params(cfg, 0)
         params = {n: torch.from_numpy(v) for n, v in numpy_params.items()}
-        valid = {"query": torch.from_numpy(rng.normal(size=(2, 5, 16))),
-                 "context": torch.from_numpy(rng.normal(size=(2, 7, cfg.context_dim))),
-                 "value": torch.from_numpy(rng.normal(size=(2, 7, cfg.value_input_dim)))}
+        valid = {
+            "query": torch.from_numpy(rng.normal(size=(2, 5, 16))),
+            "context": torch.from_numpy(rng.normal(size=(2, 7, cfg.context_dim))),
+            "value": torch.from_numpy(rng.normal(size=(2, 7, cfg.value_input_dim))),
+        }
         args = {k: (_random_tensor(rng, 2) if rng.random() < 0.3 else t) for k, t in valid.items()}
         if cfg.context_dim == 16 and rng.random() < 0.3:
             args["context"] = args["value"] = None
         kwargs = {}
         if rng.random() < 0.5:
-            kwargs["mask"] = _random_tensor(rng, 2) if rng.random() < 0.5 else torch.from_numpy(rng.random((5, 7)) < 0.7)
+            kwargs["mask"] = (
+                _random_tensor(rng, 2) if rng.random() < 0.5 else torch.from_numpy(rng.random((5, 7)) < 0.7)
+            )
         if rng.random() < 0.3:
             kwargs["causal"] = [True, False, 1, None][int(rng.integers(4))]
         if rng.random() < 0.2:
@@ -387,8 +577,15 @@ def test_malformed_inputs_raise_damcha_errors_or_equal_the_reference(seed):
             continue
         to_np = {k: None if t is None else t.numpy() for k, t in args.items()}
         mask = kwargs.pop("mask", None)
-        want = dc.damcha_attention(numpy_params, cfg, to_np["query"], to_np["context"], value=to_np["value"],
-                                   mask=None if mask is None else mask.numpy(), **kwargs)
+        want = dc.damcha_attention(
+            numpy_params,
+            cfg,
+            to_np["query"],
+            to_np["context"],
+            value=to_np["value"],
+            mask=None if mask is None else mask.numpy(),
+            **kwargs,
+        )
         np.testing.assert_allclose(got.double().numpy(), want, rtol=2e-3, atol=2e-3, equal_nan=True)
 
 
@@ -401,8 +598,10 @@ def test_malformed_layer_calls_raise_damcha_errors(seed):
     from damcha_torch import DamchaKVCache
 
     rng = np.random.default_rng(100 + seed)
-    layers = [DamchaAttention(16, 4, batch_first=True).eval(),
-              DamchaAttention(16, 4, kdim=12, vdim=7, batch_first=True).eval()]
+    layers = [
+        DamchaAttention(16, 4, batch_first=True).eval(),
+        DamchaAttention(16, 4, kdim=12, vdim=7, batch_first=True).eval(),
+    ]
     for _ in range(80):
         layer = layers[int(rng.integers(2))]
         q = _random_tensor(rng, 2) if rng.random() < 0.4 else torch.randn(2, 5, 16)

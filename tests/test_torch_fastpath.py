@@ -21,7 +21,7 @@ from damcha_conformance import case_params
 from damcha_torch import DamchaAttention, DamchaKVCache, replace_mha
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import _counts  # noqa: E402  (benchmarks/ is not a package)
+import _counts
 
 E, H, D = 16, 4, 4
 
@@ -83,8 +83,9 @@ def test_hint_with_padding_equals_explicit_mask_and_reference(mask_dtype):
     causal = _causal(N, N, dtype=MASK_DTYPES[mask_dtype])
 
     def call(is_causal):
-        return lambda l, t: l(t, t, t, key_padding_mask=pad, attn_mask=causal, is_causal=is_causal,
-                              need_weights=False)[0]
+        return lambda m, t: m(t, t, t, key_padding_mask=pad, attn_mask=causal, is_causal=is_causal, need_weights=False)[
+            0
+        ]
 
     hint, explicit = _run(layer, [x], call(True)), _run(layer, [x], call(False))
     _assert_same(hint, explicit)
@@ -102,7 +103,7 @@ def test_hint_cross_attention_rectangular_mask(n, m):
     causal = _causal(n, m)
 
     def call(is_causal):
-        return lambda l, q, k: l(q, k, k, attn_mask=causal, is_causal=is_causal, need_weights=False)[0]
+        return lambda m, q, k: m(q, k, k, attn_mask=causal, is_causal=is_causal, need_weights=False)[0]
 
     hint, explicit = _run(layer, [x, c], call(True)), _run(layer, [x, c], call(False))
     _assert_same(hint, explicit)
@@ -120,11 +121,11 @@ def test_hint_with_kv_cache(chunk):
     mask = _causal(T, P + T, offset=P)
 
     def call(is_causal):
-        def run(l, t):
+        def run(m, t):
             cache = DamchaKVCache()
-            head = l(t[:, :P], t[:, :P], t[:, :P], is_causal=True, need_weights=False, kv_cache=cache)[0]
+            head = m(t[:, :P], t[:, :P], t[:, :P], is_causal=True, need_weights=False, kv_cache=cache)[0]
             step = t[:, P:]
-            tail = l(step, step, step, attn_mask=mask, is_causal=is_causal, need_weights=False, kv_cache=cache)[0]
+            tail = m(step, step, step, attn_mask=mask, is_causal=is_causal, need_weights=False, kv_cache=cache)[0]
             return torch.cat([head, tail], dim=1)
 
         return run
@@ -144,8 +145,9 @@ def test_hint_unbatched():
     causal = _causal(N, N, dtype=torch.float64)
 
     def call(is_causal):
-        return lambda l, t: l(t, t, t, key_padding_mask=pad, attn_mask=causal, is_causal=is_causal,
-                              need_weights=False)[0]
+        return lambda m, t: m(t, t, t, key_padding_mask=pad, attn_mask=causal, is_causal=is_causal, need_weights=False)[
+            0
+        ]
 
     hint, explicit = _run(layer, [x], call(True)), _run(layer, [x], call(False))
     _assert_same(hint, explicit)
@@ -308,8 +310,12 @@ def _decode_pair(name: str, dtype: torch.dtype = torch.float32):
         for gate in layer.metric_gates.values():
             gate.fill_(0.5)
     g = torch.Generator().manual_seed(1)
-    return mha, layer, torch.randn(1, 6, 32, generator=g, dtype=dtype), torch.randn(1, 4, 1, 32, generator=g,
-                                                                                       dtype=dtype)
+    return (
+        mha,
+        layer,
+        torch.randn(1, 6, 32, generator=g, dtype=dtype),
+        torch.randn(1, 4, 1, 32, generator=g, dtype=dtype),
+    )
 
 
 @pytest.mark.parametrize("name", list(DECODE_CONFIGS))
@@ -335,7 +341,8 @@ def test_decode_step_aten_calls_stay_near_the_mha_step(name):
     ours, theirs = _counts.torch_op_counts(damcha_step), _counts.torch_op_counts(mha_step)
     assert sum(theirs.values()) == 10, theirs
     assert sum(ours.values()) <= sum(theirs.values()) + DECODE_MARGIN[name], _counts.side_by_side(
-        {"mha": theirs, "damcha": ours})
+        {"mha": theirs, "damcha": ours}
+    )
     assert ours["aten.scaled_dot_product_attention"] == 1
     generators = {"none": 0, "heads-tied": 1, "heads-separate": 2}[name]
     assert ours["aten.linear"] == theirs["aten.linear"] + generators  # tied q and k: one generator GEMM
@@ -360,7 +367,7 @@ def test_decode_fast_step_equals_general_path_and_reference(name):
                 steps.append(layer(t, t, t, is_causal=True, need_weights=False, kv_cache=cache, **hint)[0])
         outs[grad] = torch.cat(steps, dim=1).detach()
     torch.testing.assert_close(outs[False], outs[True], rtol=1e-13, atol=1e-14)
-    want = dc.damcha_attention({k: v for k, v in layer.to_canonical().items()}, layer.config, x.numpy(), causal=True)
+    want = dc.damcha_attention(layer.to_canonical(), layer.config, x.numpy(), causal=True)
     np.testing.assert_allclose(outs[False].numpy(), want, rtol=1e-10, atol=1e-12)
 
 
@@ -446,8 +453,12 @@ def test_fresh_layer_is_mha_bit_for_bit(name, dtype, matmul_precision):
     causal = _causal(7, 7)
     pad = torch.zeros(2, 7, dtype=torch.bool)
     pad[1, 5:] = True
-    calls = {"hint": dict(attn_mask=causal, is_causal=True), "mask": dict(attn_mask=causal),
-             "padding": dict(key_padding_mask=pad), "none": {}}
+    calls = {
+        "hint": dict(attn_mask=causal, is_causal=True),
+        "mask": dict(attn_mask=causal),
+        "padding": dict(key_padding_mask=pad),
+        "none": {},
+    }
     for train in (True, False):
         mha.train(train), layer.train(train)
         for what, kw in calls.items():
@@ -467,7 +478,7 @@ def test_fresh_layer_decode_step_is_the_mha_step_bit_for_bit(name):
         want = [_counts.mha_decode_step(mha, x[:, :5], mha_cache)]
         got = [layer(x[:, :5], x[:, :5], x[:, :5], is_causal=True, need_weights=False, kv_cache=cache)[0]]
         for i in range(5, 9):  # the later steps take the flat path
-            t = x[:, i:i + 1]
+            t = x[:, i : i + 1]
             want.append(_counts.mha_decode_step(mha, t, mha_cache))
             got.append(layer(t, t, t, is_causal=True, need_weights=False, kv_cache=cache)[0])
     assert torch.equal(torch.cat(got, 1), torch.cat(want, 1))
@@ -503,8 +514,11 @@ def test_compiled_decode_with_the_hint_mask_equals_eager():
     cache, outs = DamchaKVCache(), []
     with torch.no_grad():
         for i in range(x.shape[1]):
-            t = x[:, i:i + 1]
-            outs.append(step(t, t, t, attn_mask=_causal(1, i + 1, offset=i), is_causal=True, need_weights=False,
-                             kv_cache=cache)[0])
+            t = x[:, i : i + 1]
+            outs.append(
+                step(
+                    t, t, t, attn_mask=_causal(1, i + 1, offset=i), is_causal=True, need_weights=False, kv_cache=cache
+                )[0]
+            )
     want = dc.damcha_attention(params, cfg, x.numpy(), causal=True)
     np.testing.assert_allclose(torch.cat(outs, dim=1).numpy(), want, rtol=1e-9, atol=1e-10)

@@ -25,12 +25,20 @@ def _model_and_data(kind: str):
             if "metric_gates" in name:
                 gate.fill_(0.5)
     g = torch.Generator().manual_seed(1)
-    return model, torch.randn(STEPS, WORLD * BATCH, 6, 16, generator=g), torch.randn(STEPS, WORLD * BATCH, 5, 16, generator=g)
+    return (
+        model,
+        torch.randn(STEPS, WORLD * BATCH, 6, 16, generator=g),
+        torch.randn(STEPS, WORLD * BATCH, 5, 16, generator=g),
+    )
 
 
 def _step(kind, model, opt, x, memory):
     opt.zero_grad()
-    out = model(x, is_causal=True, mask=CAUSAL) if kind == "encoder" else model(x, memory, tgt_mask=CAUSAL, tgt_is_causal=True)
+    out = (
+        model(x, is_causal=True, mask=CAUSAL)
+        if kind == "encoder"
+        else model(x, memory, tgt_mask=CAUSAL, tgt_is_causal=True)
+    )
     out.square().mean().backward()
     opt.step()
 
@@ -70,12 +78,18 @@ def test_shard_stack_trains_like_one_process(tmp_path):
         reference = model.state_dict()
         assert set(states[0]) == set(reference)
         for name in reference:
-            torch.testing.assert_close(states[1][name], states[0][name], rtol=0, atol=0, msg=f"{kind}: replicas differ: {name}")
-            torch.testing.assert_close(states[0][name], reference[name], rtol=1e-5, atol=1e-6, msg=f"{kind}: FSDP != single: {name}")
+            torch.testing.assert_close(
+                states[1][name], states[0][name], rtol=0, atol=0, msg=f"{kind}: replicas differ: {name}"
+            )
+            torch.testing.assert_close(
+                states[0][name], reference[name], rtol=1e-5, atol=1e-6, msg=f"{kind}: FSDP != single: {name}"
+            )
         moved = reference["metric_generators.qk.weight"] - before["metric_generators.qk.weight"]
         assert moved.abs().max() > 1e-4, f"{kind}: the shared generator did not train"
         # still one generator for every layer after sharding and training
-        assert torch.equal(states[0]["layers.1.self_attn.metric_generators.qk.weight"], states[0]["metric_generators.qk.weight"])
+        assert torch.equal(
+            states[0]["layers.1.self_attn.metric_generators.qk.weight"], states[0]["metric_generators.qk.weight"]
+        )
 
 
 def test_shard_stack_rejects_other_modules():

@@ -58,10 +58,18 @@ def test_damcha_attention_equals_reference(name, return_weights):
     keep = np.random.default_rng(1).random((2, 1, x.shape[1], M)) < 0.7
     keep[..., 0] = True
     keep[1, 0, 2] = False  # one query of batch 1 sees nothing: output = output.bias
-    want, want_w, want_metric = dc.damcha_attention(params, cfg, x, c, mask=keep, return_weights=True,
-                                                    return_metric=True)
-    out = damcha_attention(_torch(params), cfg, torch.from_numpy(x), None if c is None else torch.from_numpy(c),
-                           mask=torch.from_numpy(keep), return_weights=return_weights, return_metric=True)
+    want, want_w, want_metric = dc.damcha_attention(
+        params, cfg, x, c, mask=keep, return_weights=True, return_metric=True
+    )
+    out = damcha_attention(
+        _torch(params),
+        cfg,
+        torch.from_numpy(x),
+        None if c is None else torch.from_numpy(c),
+        mask=torch.from_numpy(keep),
+        return_weights=return_weights,
+        return_metric=True,
+    )
     y, *extras = out
     np.testing.assert_allclose(y.numpy(), want, rtol=1e-10, atol=1e-12)
     if return_weights:
@@ -85,7 +93,9 @@ def test_damcha_attention_causal_offset_and_cache(name):
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-10, atol=1e-12)
     cache = DamchaKVCache()
     damcha_attention(p, cfg, torch.from_numpy(x[:, :P]), causal=True, kv_cache=cache)
-    outs = [damcha_attention(p, cfg, torch.from_numpy(x[:, i:i + 1]), causal=True, kv_cache=cache) for i in range(P, 7)]
+    outs = [
+        damcha_attention(p, cfg, torch.from_numpy(x[:, i : i + 1]), causal=True, kv_cache=cache) for i in range(P, 7)
+    ]
     np.testing.assert_allclose(torch.cat(outs, 1).numpy(), want, rtol=1e-10, atol=1e-12)
     assert len(cache) == 7
 
@@ -99,13 +109,21 @@ def test_steps_equal_the_reference_steps(name):
     side = cfg.metric_sides[0]
     y = np.random.default_rng(3).normal(size=(2, x.shape[1], cfg.side_heads(side), cfg.key_dim))
     np.testing.assert_allclose(rms_normalise(torch.from_numpy(x)).numpy(), ref.rms_normalise(x), rtol=1e-12, atol=1e-14)
-    np.testing.assert_allclose(generator(p, cfg, side, torch.from_numpy(x)).numpy(),
-                               ref.generator(params, cfg, side, x), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(
+        generator(p, cfg, side, torch.from_numpy(x)).numpy(),
+        ref.generator(params, cfg, side, x),
+        rtol=1e-10,
+        atol=1e-12,
+    )
     mapped = apply_map(p, cfg, side, torch.from_numpy(x), torch.from_numpy(y))
     np.testing.assert_allclose(mapped.numpy(), ref.apply_map(params, cfg, side, x, y), rtol=1e-10, atol=1e-12)
     ct = None if c is None else torch.from_numpy(c)
-    np.testing.assert_allclose(metric_penalty(p, cfg, torch.from_numpy(x), ct).item(),
-                               dc.metric_penalty(params, cfg, x, c), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(
+        metric_penalty(p, cfg, torch.from_numpy(x), ct).item(),
+        dc.metric_penalty(params, cfg, x, c),
+        rtol=1e-10,
+        atol=1e-12,
+    )
 
 
 def test_visibility_and_softmax_attend_follow_the_reference():
@@ -121,14 +139,20 @@ def test_visibility_and_softmax_attend_follow_the_reference():
     np.testing.assert_array_equal(causal_visibility(N, M, 1).numpy(), ref.visibility(1, 1, N, M, None, True, 1)[0, 0])
     probs = ref.softmax_attend(np.einsum("bhnd,bhmd->bhnm", q, k) / 2.0, want_vis)
     for need_weights in (False, True):
-        o, w = softmax_attend(*(torch.from_numpy(t) for t in (q, k, v)), mask=torch.from_numpy(keep), causal=True,
-                              query_offset=1, need_weights=need_weights)
+        o, w = softmax_attend(
+            *(torch.from_numpy(t) for t in (q, k, v)),
+            mask=torch.from_numpy(keep),
+            causal=True,
+            query_offset=1,
+            need_weights=need_weights,
+        )
         np.testing.assert_allclose(o.numpy(), probs @ v, rtol=1e-10, atol=1e-12)
         if need_weights:
             np.testing.assert_allclose(w.numpy(), probs, rtol=1e-10, atol=1e-12)
     with pytest.warns(DeprecationWarning, match="softmax_attend"):
-        o_old, _ = safe_attention(*(torch.from_numpy(t) for t in (q, k, v)), mask=torch.from_numpy(keep),
-                                  is_causal=True, query_offset=1)
+        o_old, _ = safe_attention(
+            *(torch.from_numpy(t) for t in (q, k, v)), mask=torch.from_numpy(keep), is_causal=True, query_offset=1
+        )
     np.testing.assert_allclose(o_old.numpy(), probs @ v, rtol=1e-10, atol=1e-12)
 
 
@@ -157,7 +181,9 @@ def test_old_heads_signature_still_works_with_a_deprecation_warning():
     with pytest.warns(DeprecationWarning, match=r"damcha_attention\(params, config, query"):
         out, w = damcha_attention(q, k, v, is_causal=True, need_weights=True)
     expected = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(1, 2), k.repeat_interleave(2, 2).transpose(1, 2), v.repeat_interleave(2, 2).transpose(1, 2),
+        q.transpose(1, 2),
+        k.repeat_interleave(2, 2).transpose(1, 2),
+        v.repeat_interleave(2, 2).transpose(1, 2),
         is_causal=True,
     ).transpose(1, 2)
     torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-12)
@@ -169,24 +195,49 @@ def test_old_heads_signature_still_works_with_a_deprecation_warning():
     [
         (lambda p, c, x: damcha_attention(p, "cfg", x), dc.DamchaTypeError, r"`config` must be a DamchaConfig"),
         (lambda p, c, x: damcha_attention({}, c, x), dc.DamchaValueError, r"`params` does not match the config"),
-        (lambda p, c, x: damcha_attention({**p, "query.kernel": p["query.kernel"].numpy()}, c, x), dc.DamchaTypeError,
-         r"`params\['query.kernel'\]` must be a torch tensor"),
+        (
+            lambda p, c, x: damcha_attention({**p, "query.kernel": p["query.kernel"].numpy()}, c, x),
+            dc.DamchaTypeError,
+            r"`params\['query.kernel'\]` must be a torch tensor",
+        ),
         (lambda p, c, x: damcha_attention(p, c, x.long()), dc.DamchaTypeError, r"`query` must be a real floating"),
-        (lambda p, c, x: damcha_attention(p, c, x, mask=torch.zeros(5, 5, dtype=torch.int32)), dc.DamchaTypeError,
-         r"`mask` must be boolean \(True = may attend\) or floating"),
-        (lambda p, c, x: damcha_attention(p, c, x, mask=torch.zeros(2, 5, 5, dtype=torch.bool)), dc.DamchaValueError,
-         r"`mask` must have shape \(N, M\) or \(B, H, N, M\)"),
+        (
+            lambda p, c, x: damcha_attention(p, c, x, mask=torch.zeros(5, 5, dtype=torch.int32)),
+            dc.DamchaTypeError,
+            r"`mask` must be boolean \(True = may attend\) or floating",
+        ),
+        (
+            lambda p, c, x: damcha_attention(p, c, x, mask=torch.zeros(2, 5, 5, dtype=torch.bool)),
+            dc.DamchaValueError,
+            r"`mask` must have shape \(N, M\) or \(B, H, N, M\)",
+        ),
         (lambda p, c, x: damcha_attention(p, c, x, query_offset=-1), dc.DamchaValueError, r"`query_offset` must be"),
         (lambda p, c, x: damcha_attention(p, c, x, causal=1), dc.DamchaTypeError, r"`causal` must be a bool"),
         (lambda p, c, x: damcha_attention(p, c, x, kv_cache=[]), dc.DamchaTypeError, r"`kv_cache` must be a Damcha"),
         (lambda p, c, x: damcha_attention(p, c, x, value=x), dc.DamchaValueError, r"`value` needs `context`"),
-        (lambda p, c, x: damcha_attention(p, c, x, x, x[:, :3]), dc.DamchaValueError,
-         r"`value` must have the batch size and length of `context`"),
+        (
+            lambda p, c, x: damcha_attention(p, c, x, x, x[:, :3]),
+            dc.DamchaValueError,
+            r"`value` must have the batch size and length of `context`",
+        ),
         (lambda p, c, x: apply_map(p, c, "q", x, x), dc.DamchaValueError, r"`side` must be one of"),
         (lambda p, c, x: generator(p, c, "qk", x.int()), dc.DamchaTypeError, r"`tokens` must be a real floating"),
     ],
-    ids=["config-type", "params-names", "params-numpy", "query-int", "mask-dtype", "mask-3d", "offset", "causal-type",
-         "cache-type", "value-without-context", "value-shape", "side", "tokens-int"],
+    ids=[
+        "config-type",
+        "params-names",
+        "params-numpy",
+        "query-int",
+        "mask-dtype",
+        "mask-3d",
+        "offset",
+        "causal-type",
+        "cache-type",
+        "value-without-context",
+        "value-shape",
+        "side",
+        "tokens-int",
+    ],
 )
 def test_functional_errors_name_the_argument(call, error, pattern):
     cfg = _config("heads-tied")
@@ -207,9 +258,18 @@ def test_mixed_dtypes_compute_in_the_promoted_dtype():
         xq, xc = torch.from_numpy(x).to(x_dtype), torch.from_numpy(c).to(torch.float32)
         y = damcha_attention(p, cfg, xq, xc)
         assert y.dtype == torch.float64
-        np.testing.assert_allclose(y.numpy(), dc.damcha_attention(
-            {n: t.double().numpy() for n, t in p.items()}, cfg, xq.double().numpy(), xc.double().numpy()),
-            rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(
+            y.numpy(),
+            dc.damcha_attention(
+                {n: t.double().numpy() for n, t in p.items()}, cfg, xq.double().numpy(), xc.double().numpy()
+            ),
+            rtol=1e-10,
+            atol=1e-12,
+        )
         assert metric_penalty(p, cfg, xq, xc).dtype == torch.float64
-    np.testing.assert_allclose(damcha_attention(_torch(params), cfg, torch.from_numpy(x), torch.from_numpy(c)).numpy(),
-                               want, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(
+        damcha_attention(_torch(params), cfg, torch.from_numpy(x), torch.from_numpy(c)).numpy(),
+        want,
+        rtol=1e-10,
+        atol=1e-12,
+    )

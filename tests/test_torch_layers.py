@@ -59,7 +59,9 @@ def test_canonical_round_trip_and_safetensors(name, tmp_path):
     loaded = DamchaAttention.load(tmp_path / "layer.safetensors", batch_first=True, dtype=torch.float64).eval()
     assert loaded.config == cfg
     x = _x(2, 5, 16)
-    torch.testing.assert_close(loaded(x, x, x, need_weights=False)[0], layer(x, x, x, need_weights=False)[0], rtol=0, atol=0)
+    torch.testing.assert_close(
+        loaded(x, x, x, need_weights=False)[0], layer(x, x, x, need_weights=False)[0], rtol=0, atol=0
+    )
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -71,8 +73,9 @@ def test_weights_path_equals_reference(name):
     keep = np.ones((2, 1, 1, 6), dtype=bool)
     keep[1, ..., 4:] = False
     y, probs = dc.damcha_attention(params, cfg, x.numpy(), mask=keep, causal=True, return_weights=True)
-    out, w = layer(x, x, x, key_padding_mask=torch.from_numpy(~keep[:, 0, 0]), is_causal=True,
-                   average_attn_weights=False)
+    out, w = layer(
+        x, x, x, key_padding_mask=torch.from_numpy(~keep[:, 0, 0]), is_causal=True, average_attn_weights=False
+    )
     np.testing.assert_allclose(out.detach().numpy(), y, rtol=1e-9, atol=1e-10)
     np.testing.assert_allclose(w.detach().numpy(), probs, rtol=1e-9, atol=1e-10)
 
@@ -173,7 +176,7 @@ def test_kv_cache_decoding_equals_full_forward(name, chunks):
     full, _ = layer(x, x, x, is_causal=True, need_weights=False)
     cache, outs, start = DamchaKVCache(), [], 0
     for size in chunks:
-        t = x[:, start:start + size]
+        t = x[:, start : start + size]
         outs.append(layer(t, t, t, is_causal=True, need_weights=False, kv_cache=cache)[0])
         start += size
     assert len(cache) == x.shape[1]
@@ -201,7 +204,7 @@ def test_kv_cache_decoding_under_torch_compile(name):
     cache, outs = DamchaKVCache(), []
     with torch.no_grad():
         for i in range(x.shape[1]):
-            t = x[:, i:i + 1]
+            t = x[:, i : i + 1]
             outs.append(step(t, t, t, is_causal=True, need_weights=False, kv_cache=cache)[0])
     torch.testing.assert_close(torch.cat(outs, dim=1), full, rtol=1e-10, atol=1e-12)
     # empty cache, a one-token cache (dynamo specialises sizes 0/1), then one dynamic graph
@@ -213,7 +216,9 @@ def test_kv_cache_decoding_under_torch_compile(name):
 
 def _vit_like() -> nn.Module:
     layer = nn.TransformerEncoderLayer(16, 4, dim_feedforward=32, dropout=0.0, batch_first=True)
-    return nn.Sequential(nn.Linear(8, 16), nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), nn.LayerNorm(16))
+    return nn.Sequential(
+        nn.Linear(8, 16), nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), nn.LayerNorm(16)
+    )
 
 
 @pytest.mark.parametrize("mode", ["train", "eval"])
@@ -264,8 +269,9 @@ def test_encoder_stack_sharing_and_parameter_count(share):
     assert (len({id(g) for g in gens}) == 1) == share
     gates = [layer.self_attn.metric_gates["qk"] for layer in enc.layers]
     assert len({id(g) for g in gates}) == L  # every layer keeps its own gate
-    mha_stack = nn.TransformerEncoder(nn.TransformerEncoderLayer(E, H, 32, 0.0, batch_first=True), L,
-                                      enable_nested_tensor=False)
+    mha_stack = nn.TransformerEncoder(
+        nn.TransformerEncoderLayer(E, H, 32, 0.0, batch_first=True), L, enable_nested_tensor=False
+    )
     base = sum(p.numel() for p in mha_stack.parameters())
     generator = E * H * H + H * H
     expected = base + L * H + (1 if share else L) * generator
@@ -365,14 +371,25 @@ def test_torch_export_with_dynamic_batch_and_length():
 
     args, kwargs = inputs(2, 5)
     tokens = {0: batch, 1: length}
-    program = torch.export.export(layer, args, kwargs, dynamic_shapes={
-        "query": tokens, "key": tokens, "value": tokens, "key_padding_mask": tokens,
-        "attn_mask": {2: length, 3: length}, "need_weights": None, "is_causal": None,
-    })
+    program = torch.export.export(
+        layer,
+        args,
+        kwargs,
+        dynamic_shapes={
+            "query": tokens,
+            "key": tokens,
+            "value": tokens,
+            "key_padding_mask": tokens,
+            "attn_mask": {2: length, 3: length},
+            "need_weights": None,
+            "is_causal": None,
+        },
+    )
     for b, n in ((2, 5), (3, 7)):
         args, kwargs = inputs(b, n)
-        torch.testing.assert_close(program.module()(*args, **kwargs)[0], layer(*args, **kwargs)[0],
-                                   rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(
+            program.module()(*args, **kwargs)[0], layer(*args, **kwargs)[0], rtol=1e-6, atol=1e-6
+        )
 
 
 def test_recompute_gives_the_same_gradients():
@@ -408,7 +425,7 @@ def test_torch_func_per_sample_grads_in_training_mode():
     per_sample = vmap(grad(loss), in_dims=(None, 0))(params, x)
     for i in range(x.shape[0]):
         layer.zero_grad()
-        t = x[i:i + 1]
+        t = x[i : i + 1]
         layer(t, t, t, need_weights=False, is_causal=True)[0].square().sum().backward()
         for name, p in layer.named_parameters():
             torch.testing.assert_close(per_sample[name][i], p.grad, rtol=1e-10, atol=1e-12, msg=name)
@@ -464,8 +481,9 @@ def test_decoder_layer_equals_reference_composition():
     """Post-norm decoder layer, open gates: torch's norms and feed-forward around
     the reference's self- and cross-attention give the same output."""
     torch.manual_seed(0)
-    layer = DamchaTransformerDecoderLayer(16, 4, dim_feedforward=32, dropout=0.0, batch_first=True,
-                                          cross_coupling="separate", dtype=torch.float64).eval()
+    layer = DamchaTransformerDecoderLayer(
+        16, 4, dim_feedforward=32, dropout=0.0, batch_first=True, cross_coupling="separate", dtype=torch.float64
+    ).eval()
     with torch.no_grad():
         for name, p in layer.named_parameters():
             if "gate" in name:
@@ -473,8 +491,13 @@ def test_decoder_layer_equals_reference_composition():
     tgt, memory = torch.randn(2, 5, 16, dtype=torch.float64), torch.randn(2, 7, 16, dtype=torch.float64)
     pad = torch.zeros(2, 7, dtype=torch.bool)
     pad[1, -3:] = True  # torch convention: True = padding
-    out = layer(tgt, memory, tgt_mask=nn.Transformer.generate_square_subsequent_mask(5, dtype=torch.float64),
-                tgt_is_causal=True, memory_key_padding_mask=pad)
+    out = layer(
+        tgt,
+        memory,
+        tgt_mask=nn.Transformer.generate_square_subsequent_mask(5, dtype=torch.float64),
+        tgt_is_causal=True,
+        memory_key_padding_mask=pad,
+    )
 
     def attend(attn, x, c, **kw):
         y = dc.damcha_attention(attn.to_canonical(), attn.config, x.numpy(), c.numpy(), **kw)
@@ -492,8 +515,12 @@ def _meta_models() -> dict[str, tuple[nn.Module, bool]]:
     kw = dict(device="meta", dtype=torch.float32)
     return {
         "heads-tied": (DamchaAttention(16, 4, batch_first=True, **kw), True),
-        "lowrank-separate-kdim": (DamchaAttention(16, 4, kdim=12, vdim=12, metric="lowrank", metric_rank=3,
-                                                  coupling="separate", batch_first=True, **kw), True),
+        "lowrank-separate-kdim": (
+            DamchaAttention(
+                16, 4, kdim=12, vdim=12, metric="lowrank", metric_rank=3, coupling="separate", batch_first=True, **kw
+            ),
+            True,
+        ),
         "query-mqa-seq-first": (DamchaAttention(16, 4, num_kv_heads=1, coupling="query", **kw), True),
         "encoder-stack": (build_encoder(16, 4, 2, dim_feedforward=32, **kw), False),
         "decoder-stack": (build_decoder(16, 4, 2, dim_feedforward=32, **kw), False),
@@ -516,8 +543,15 @@ def test_every_tensor_follows_the_input_device(name):
             x, c = x.transpose(0, 1), c.transpose(0, 1)
         pad_c = torch.zeros(2, c.shape[0 if not model.batch_first else 1], dtype=torch.bool, **meta)
         for need_weights in (False, True):
-            out, w = model(x, c, c, key_padding_mask=pad_c, need_weights=need_weights, is_causal=True,
-                           attn_mask=torch.zeros(5, pad_c.shape[1], **meta))
+            out, w = model(
+                x,
+                c,
+                c,
+                key_padding_mask=pad_c,
+                need_weights=need_weights,
+                is_causal=True,
+                attn_mask=torch.zeros(5, pad_c.shape[1], **meta),
+            )
             (out.sum() + metric_penalty(model)).backward()
             assert out.device.type == "meta" and (w is None) != need_weights
             assert w is None or w.device.type == "meta"
@@ -525,17 +559,22 @@ def test_every_tensor_follows_the_input_device(name):
             cache = DamchaKVCache()
             with torch.no_grad():
                 for i in range(3):
-                    t = x[:, i:i + 1] if model.batch_first else x[i:i + 1]
+                    t = x[:, i : i + 1] if model.batch_first else x[i : i + 1]
                     out, _ = model(t, t, t, is_causal=True, need_weights=False, kv_cache=cache)
             assert len(cache) == 3 and out.device.type == "meta"
     elif name == "encoder-stack":
-        out = model(x, is_causal=True, mask=torch.ones(5, 5, dtype=torch.bool, **meta).triu(1),
-                    src_key_padding_mask=pad)
+        out = model(
+            x, is_causal=True, mask=torch.ones(5, 5, dtype=torch.bool, **meta).triu(1), src_key_padding_mask=pad
+        )
         out.sum().backward()
     else:
-        out = model(x, torch.randn(2, 7, 16, **meta), tgt_is_causal=True,
-                    tgt_mask=nn.Transformer.generate_square_subsequent_mask(5, **meta),
-                    memory_key_padding_mask=torch.zeros(2, 7, dtype=torch.bool, **meta))
+        out = model(
+            x,
+            torch.randn(2, 7, 16, **meta),
+            tgt_is_causal=True,
+            tgt_mask=nn.Transformer.generate_square_subsequent_mask(5, **meta),
+            memory_key_padding_mask=torch.zeros(2, 7, dtype=torch.bool, **meta),
+        )
         out.sum().backward()
     assert out.device.type == "meta"
     assert all(p.grad is None or p.grad.device.type == "meta" for p in model.parameters())
@@ -550,8 +589,9 @@ def test_layer_matches_reference_on_every_available_device(device):
     x = _x(2, 6, 16).float()
     pad = torch.zeros(2, 6, dtype=torch.bool)
     pad[1, -2:] = True  # torch convention: True = padding
-    out, _ = layer(x.to(device), x.to(device), x.to(device), key_padding_mask=pad.to(device),
-                   need_weights=False, is_causal=True)
+    out, _ = layer(
+        x.to(device), x.to(device), x.to(device), key_padding_mask=pad.to(device), need_weights=False, is_causal=True
+    )
     want = dc.damcha_attention(params, cfg, x.double().numpy(), mask=(~pad).numpy()[:, None, None, :], causal=True)
     tol = TOLERANCES["float32"]
     np.testing.assert_allclose(out.detach().cpu().double().numpy(), want, rtol=tol.rtol, atol=tol.atol)
@@ -581,7 +621,7 @@ def test_decode_autocast_and_compile_on_every_available_device(device):
     cache, steps = DamchaKVCache(), []
     with torch.no_grad():
         for i in range(6):
-            t = x[:, i:i + 1].to(device)
+            t = x[:, i : i + 1].to(device)
             steps.append(layer(t, t, t, is_causal=True, need_weights=False, kv_cache=cache)[0])
     np.testing.assert_allclose(torch.cat(steps, 1).detach().cpu().double().numpy(), want, rtol=tol.rtol, atol=tol.atol)
 
@@ -603,11 +643,13 @@ def test_decode_autocast_and_compile_on_every_available_device(device):
 def test_encoder_stack_canonical_round_trip_and_core_reference(share, arch):
     """to_canonical() gives damcha_core's stack format: its NumPy reference
     reproduces the stack, and from_canonical rebuilds an equal stack."""
-    kw = (dict(norm_first=True, activation=nn.GELU(approximate="tanh"), final_norm=True)
-          if arch.startswith("pre") else dict(norm_first=False, activation="relu"))
+    kw = (
+        dict(norm_first=True, activation=nn.GELU(approximate="tanh"), final_norm=True)
+        if arch.startswith("pre")
+        else dict(norm_first=False, activation="relu")
+    )
     torch.manual_seed(0)
-    enc = build_encoder(16, 4, 2, dim_feedforward=32, dropout=0.0, share_metric=share, dtype=torch.float64,
-                        **kw).eval()
+    enc = build_encoder(16, 4, 2, dim_feedforward=32, dropout=0.0, share_metric=share, dtype=torch.float64, **kw).eval()
     with torch.no_grad():
         for name, p in enc.named_parameters():
             if "gate" in name:

@@ -53,7 +53,9 @@ def test_fast_and_slow_paths_agree_with_mha_for_every_mask_combination(variant, 
     mha, layer = _pair(variant)
     x = torch.randn(B, N, E, dtype=torch.float64)
     kwargs = {
-        "attn_mask": None if attn_dim is None else _mask("attn", (N, N) if attn_dim == 2 else (B * H, N, N), mask_dtype),
+        "attn_mask": None
+        if attn_dim is None
+        else _mask("attn", (N, N) if attn_dim == 2 else (B * H, N, N), mask_dtype),
         "key_padding_mask": None if kpm_dim is None else _mask("kpm", (B, N), mask_dtype),
         "need_weights": False,
     }
@@ -79,8 +81,8 @@ def test_a_3d_mask_equals_the_per_batch_2d_calls(variant):
     per_batch = torch.stack([_mask(f"b{b}", (N, M), torch.float64) for b in range(B)])
     out3d, _ = layer(q, k, k, attn_mask=per_batch.repeat_interleave(H, dim=0))
     for b in range(B):
-        out2d, _ = layer(q[:, b:b + 1], k[:, b:b + 1], k[:, b:b + 1], attn_mask=per_batch[b])
-        torch.testing.assert_close(out3d[:, b:b + 1], out2d, rtol=1e-10, atol=1e-12)
+        out2d, _ = layer(q[:, b : b + 1], k[:, b : b + 1], k[:, b : b + 1], attn_mask=per_batch[b])
+        torch.testing.assert_close(out3d[:, b : b + 1], out2d, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -89,8 +91,9 @@ def test_square_input_batch_equal_to_length(variant, train):
     """Batch size == sequence length must not be confused with (N, M) by any
     layout or mask broadcasting (upstream's 'square input' edge case)."""
     torch.manual_seed(2)
-    ref = nn.TransformerEncoder(nn.TransformerEncoderLayer(E, H, 16, 0.0, batch_first=True, dtype=torch.float64), 2,
-                                enable_nested_tensor=False).train(train)
+    ref = nn.TransformerEncoder(
+        nn.TransformerEncoderLayer(E, H, 16, 0.0, batch_first=True, dtype=torch.float64), 2, enable_nested_tensor=False
+    ).train(train)
     ours = replace_mha(type(ref)(ref.layers[0], 2, enable_nested_tensor=False), metric=VARIANTS[variant]).train(train)
     ours.load_state_dict(ref.state_dict(), strict=False)
     x = torch.randn(2, 2, E, dtype=torch.float64)
@@ -131,8 +134,9 @@ def test_padding_with_a_bool_causal_mask_in_encoder_and_decoder_warns_nothing(va
     """Bool padding masks with a bool src/tgt mask: no 'mismatched mask type'
     warning and the outputs of the padded stacks equal torch's (keys of real tokens)."""
     torch.manual_seed(5)
-    enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, 0.0, batch_first=True), 2, nn.LayerNorm(16),
-                                enable_nested_tensor=False)
+    enc = nn.TransformerEncoder(
+        nn.TransformerEncoderLayer(16, 2, 32, 0.0, batch_first=True), 2, nn.LayerNorm(16), enable_nested_tensor=False
+    )
     dec = nn.TransformerDecoder(nn.TransformerDecoderLayer(16, 2, 32, 0.0, batch_first=True), 2, nn.LayerNorm(16))
     x, memory = torch.randn(2, 3, 16), torch.randn(2, 3, 16)
     causal = torch.ones(3, 3, dtype=torch.bool).triu_(1)
@@ -142,8 +146,12 @@ def test_padding_with_a_bool_causal_mask_in_encoder_and_decoder_warns_nothing(va
     recwarn.clear()
     replace_mha(enc, metric=VARIANTS[variant]), replace_mha(dec, metric=VARIANTS[variant])
     torch.testing.assert_close(enc(x, mask=causal, src_key_padding_mask=pad), want_enc, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(dec(x, memory, tgt_mask=causal, tgt_key_padding_mask=pad, memory_key_padding_mask=pad),
-                               want_dec, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        dec(x, memory, tgt_mask=causal, tgt_key_padding_mask=pad, memory_key_padding_mask=pad),
+        want_dec,
+        rtol=1e-5,
+        atol=1e-6,
+    )
     assert not [w for w in recwarn if "damcha" in str(w.filename) or "mismatched" in str(w.message)]
 
 
@@ -155,8 +163,9 @@ def test_replace_mha_model_under_torch_compile_equals_eager_and_trains():
     torch.manual_seed(6)
     model = nn.Sequential(
         nn.Linear(6, 16),
-        nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 4, 32, 0.0, batch_first=True, norm_first=True), 2,
-                              enable_nested_tensor=False),
+        nn.TransformerEncoder(
+            nn.TransformerEncoderLayer(16, 4, 32, 0.0, batch_first=True, norm_first=True), 2, enable_nested_tensor=False
+        ),
     )
     replace_mha(model)
     with torch.no_grad():
@@ -200,12 +209,21 @@ def test_invalid_shapes_and_nested_tensors_are_damcha_errors():
     q = torch.randn(4, 4, 4)
     cases = [
         (lambda: layer(q, torch.randn(4, 4), q), dc.DamchaValueError, r"must all be batched"),
-        (lambda: layer(q, q, q, key_padding_mask=torch.tensor([False, True, True, True])), dc.DamchaValueError,
-         r"`key_padding_mask` must have shape \(B, M\)"),
-        (lambda: layer(q, q, q, attn_mask=torch.tensor([False, True, True, True])), dc.DamchaValueError,
-         r"`attn_mask` must have shape \(N, M\) or \(B, H, N, M\)"),
-        (lambda: layer(q[0], q[0], q[0], attn_mask=torch.zeros(5, 4, 4, dtype=torch.bool)), dc.DamchaValueError,
-         r"3-D `attn_mask` must have shape \(B\*H, N, M\) = \(4, 4, 4\)"),
+        (
+            lambda: layer(q, q, q, key_padding_mask=torch.tensor([False, True, True, True])),
+            dc.DamchaValueError,
+            r"`key_padding_mask` must have shape \(B, M\)",
+        ),
+        (
+            lambda: layer(q, q, q, attn_mask=torch.tensor([False, True, True, True])),
+            dc.DamchaValueError,
+            r"`attn_mask` must have shape \(N, M\) or \(B, H, N, M\)",
+        ),
+        (
+            lambda: layer(q[0], q[0], q[0], attn_mask=torch.zeros(5, 4, 4, dtype=torch.bool)),
+            dc.DamchaValueError,
+            r"3-D `attn_mask` must have shape \(B\*H, N, M\) = \(4, 4, 4\)",
+        ),
     ]
     nested = torch.nested.nested_tensor([torch.randn(2, 4), torch.randn(3, 4)], layout=torch.jagged)
     cases.append((lambda: layer(nested, nested, nested), dc.DamchaTypeError, r"`query` is a nested tensor"))

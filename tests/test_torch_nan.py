@@ -44,8 +44,20 @@ PATHS = ["fused", "weights", "decode", "fused-causal", "fused-padding"]
 def _run(layer: DamchaAttention, x: torch.Tensor, path: str) -> torch.Tensor:
     if path == "decode":
         cache = DamchaKVCache()
-        return torch.cat([layer(x[:, i:i + 1], x[:, i:i + 1], x[:, i:i + 1], is_causal=True, need_weights=False,
-                                kv_cache=cache)[0] for i in range(x.shape[1])], 1)
+        return torch.cat(
+            [
+                layer(
+                    x[:, i : i + 1],
+                    x[:, i : i + 1],
+                    x[:, i : i + 1],
+                    is_causal=True,
+                    need_weights=False,
+                    kv_cache=cache,
+                )[0]
+                for i in range(x.shape[1])
+            ],
+            1,
+        )
     kw = {"need_weights": path == "weights"}
     if path == "fused-causal":
         kw["is_causal"] = True

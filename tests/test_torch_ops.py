@@ -117,7 +117,7 @@ def test_fused_path_runs_one_sdpa_kernel_and_no_softmax():
     kpm[1, -2:] = True
     for kwargs in ({}, {"is_causal": True}, {"key_padding_mask": kpm}):
         with torch.no_grad():
-            ours = _count(lambda: layer(x, x, x, need_weights=False, **kwargs))
+            ours = _count(lambda kwargs=kwargs: layer(x, x, x, need_weights=False, **kwargs))
         assert ours.ops["_scaled_dot_product_flash_attention_for_cpu"] == 1, kwargs
         assert ours.ops["_softmax"] == 0 and ours.ops["bmm"] <= 2, (kwargs, sorted(ours.ops.items()))
     # causal alone: the kernel's own causal mode, no (N, M) mask built
@@ -169,9 +169,11 @@ def test_metric_none_in_inference_takes_mhas_native_kernel(need_weights):
     pad = torch.zeros(2, 6, dtype=torch.bool)
     pad[1] = True  # batch 1 sees no key: MHA's kernel gives NaN there, DAMCHA's rule 0
     _, layer = _layers()
-    for call in (lambda: plain(x, x, x, key_padding_mask=pad, need_weights=need_weights),
-                 lambda: plain(x, x, x, need_weights=need_weights, is_causal=True),
-                 lambda: layer(x, x, x, need_weights=need_weights)):
+    for call in (
+        lambda: plain(x, x, x, key_padding_mask=pad, need_weights=need_weights),
+        lambda: plain(x, x, x, need_weights=need_weights, is_causal=True),
+        lambda: layer(x, x, x, need_weights=need_weights),
+    ):
         with torch.no_grad():
             assert _count(call).ops["_native_multi_head_attention"] == 0
     with torch.no_grad():

@@ -15,7 +15,7 @@ from damcha_core._imports import require as _require
 
 _require("torch", "torch", "damcha_torch")  # one-line ImportError naming the extra
 
-from ._blocks import (  # noqa: E402 (after the import check)
+from ._blocks import (
     DamchaTransformerDecoder,
     DamchaTransformerDecoderLayer,
     DamchaTransformerEncoder,
@@ -25,9 +25,9 @@ from ._blocks import (  # noqa: E402 (after the import check)
     metric_penalty,
     shard_stack,
 )
-from ._cache import DamchaKVCache  # noqa: E402
-from ._convert import replace_mha  # noqa: E402
-from ._functional import (  # noqa: E402
+from ._cache import DamchaKVCache
+from ._convert import replace_mha
+from ._functional import (
     apply_map,
     causal_visibility,
     damcha_attention,
@@ -37,9 +37,9 @@ from ._functional import (  # noqa: E402
     softmax_attend,
     visibility,
 )
-from ._generator import MetricGenerator  # noqa: E402
-from ._layer import DamchaAttention  # noqa: E402
-from ._models import (  # noqa: E402 (after the names it uses)
+from ._generator import MetricGenerator
+from ._layer import DamchaAttention
+from ._models import (
     AttentionLayout,
     DamchaMaps,
     ModelAdapter,
@@ -86,6 +86,7 @@ __all__ = [
     "track_metric_penalty",
     "visibility",
 ]
+
 
 def __getattr__(name: str) -> Any:
     # Deprecated for one release: the adapter moved to the conformance suite.

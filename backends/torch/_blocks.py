@@ -7,14 +7,15 @@ mask handling are torch's own.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
-import torch
-from torch import Tensor, nn
 
 import damcha_core as dc
+import torch
 from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, describe
+from torch import Tensor, nn
 
 from . import _functional as fn
 from ._canonical import encoder_load_canonical, encoder_to_canonical
@@ -47,9 +48,19 @@ def _attention_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-def _check_block_args(d_model: Any, nhead: Any, dim_feedforward: Any, dropout: Any, activation: Any,
-                      layer_norm_eps: Any, batch_first: Any, norm_first: Any, bias: Any, dtype: Any,
-                      key_dim: Any) -> int:
+def _check_block_args(
+    d_model: Any,
+    nhead: Any,
+    dim_feedforward: Any,
+    dropout: Any,
+    activation: Any,
+    layer_norm_eps: Any,
+    batch_first: Any,
+    norm_first: Any,
+    bias: Any,
+    dtype: Any,
+    key_dim: Any,
+) -> int:
     """nn.Transformer*Layer's arguments, checked with their names before torch
     builds anything (torch would raise an AssertionError from the
     nn.MultiheadAttention it builds first, or a RuntimeError from deep inside).
@@ -102,13 +113,43 @@ class DamchaTransformerEncoderLayer(nn.TransformerEncoderLayer):
         **attention: Any,
     ) -> None:
         attention = _attention_kwargs(attention)
-        torch_heads = _check_block_args(d_model, nhead, dim_feedforward, dropout, activation, layer_norm_eps,
-                                        batch_first, norm_first, bias, dtype, attention.get("key_dim"))
-        super().__init__(d_model, torch_heads, dim_feedforward, dropout, activation, layer_norm_eps, batch_first,
-                         norm_first, bias, device, dtype)
+        torch_heads = _check_block_args(
+            d_model,
+            nhead,
+            dim_feedforward,
+            dropout,
+            activation,
+            layer_norm_eps,
+            batch_first,
+            norm_first,
+            bias,
+            dtype,
+            attention.get("key_dim"),
+        )
+        super().__init__(
+            d_model,
+            torch_heads,
+            dim_feedforward,
+            dropout,
+            activation,
+            layer_norm_eps,
+            batch_first,
+            norm_first,
+            bias,
+            device,
+            dtype,
+        )
         self.self_attn = DamchaAttention(  # type: ignore[assignment]
-            d_model, nhead, dropout=dropout, bias=bias, batch_first=batch_first, device=device, dtype=dtype,
-            metric_generator=metric_generator, _arg_names=_BLOCK_NAMES, **attention,
+            d_model,
+            nhead,
+            dropout=dropout,
+            bias=bias,
+            batch_first=batch_first,
+            device=device,
+            dtype=dtype,
+            metric_generator=metric_generator,
+            _arg_names=_BLOCK_NAMES,
+            **attention,
         )
 
 
@@ -140,10 +181,32 @@ class DamchaTransformerDecoderLayer(nn.TransformerDecoderLayer):
         **attention: Any,
     ) -> None:
         attention = _attention_kwargs(attention)
-        torch_heads = _check_block_args(d_model, nhead, dim_feedforward, dropout, activation, layer_norm_eps,
-                                        batch_first, norm_first, bias, dtype, attention.get("key_dim"))
-        super().__init__(d_model, torch_heads, dim_feedforward, dropout, activation, layer_norm_eps, batch_first,
-                         norm_first, bias, device, dtype)
+        torch_heads = _check_block_args(
+            d_model,
+            nhead,
+            dim_feedforward,
+            dropout,
+            activation,
+            layer_norm_eps,
+            batch_first,
+            norm_first,
+            bias,
+            dtype,
+            attention.get("key_dim"),
+        )
+        super().__init__(
+            d_model,
+            torch_heads,
+            dim_feedforward,
+            dropout,
+            activation,
+            layer_norm_eps,
+            batch_first,
+            norm_first,
+            bias,
+            device,
+            dtype,
+        )
         common = dict(dropout=dropout, bias=bias, batch_first=batch_first, device=device, dtype=dtype)
         self.self_attn = DamchaAttention(  # type: ignore[assignment]
             d_model, nhead, metric_generator=metric_generator, _arg_names=_BLOCK_NAMES, **common, **attention
@@ -166,7 +229,9 @@ def _check_num_layers(num_layers: Any) -> None:
 
 def _check_norm(norm: Any) -> None:
     if norm is not None and not isinstance(norm, nn.Module):
-        raise DamchaTypeError(f"`norm` must be an nn.Module (e.g. nn.LayerNorm) or None. Received: norm={describe(norm)}")
+        raise DamchaTypeError(
+            f"`norm` must be an nn.Module (e.g. nn.LayerNorm) or None. Received: norm={describe(norm)}"
+        )
 
 
 def _share(layers: nn.ModuleList, attr: str) -> nn.ModuleDict:
@@ -187,8 +252,14 @@ class DamchaTransformerEncoder(nn.TransformerEncoder):
     """``nn.TransformerEncoder`` of DAMCHA layers; ``share_metric=True`` ties the
     metric generator of every layer to the first one's (stack-wise sharing)."""
 
-    def __init__(self, encoder_layer: nn.TransformerEncoderLayer, num_layers: int, norm: nn.Module | None = None,
-                 *, share_metric: bool = True) -> None:
+    def __init__(
+        self,
+        encoder_layer: nn.TransformerEncoderLayer,
+        num_layers: int,
+        norm: nn.Module | None = None,
+        *,
+        share_metric: bool = True,
+    ) -> None:
         if not isinstance(getattr(encoder_layer, "self_attn", None), DamchaAttention):
             raise DamchaTypeError(
                 "`encoder_layer` must have a DamchaAttention self_attn (e.g. DamchaTransformerEncoderLayer). "
@@ -219,19 +290,41 @@ class DamchaTransformerEncoder(nn.TransformerEncoder):
         return encoder_load_canonical(self, params)
 
     @classmethod
-    def from_canonical(cls, params: Mapping[str, Any], config: dc.EncoderConfig, *, batch_first: bool = True,
-                       device: torch.device | str | None = None, dtype: torch.dtype | None = None,
-                       recompute: bool = True) -> DamchaTransformerEncoder:
+    def from_canonical(
+        cls,
+        params: Mapping[str, Any],
+        config: dc.EncoderConfig,
+        *,
+        batch_first: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        recompute: bool = True,
+    ) -> DamchaTransformerEncoder:
         """An encoder built for ``config`` (a ``damcha_core.EncoderConfig``) holding ``params``."""
         if not isinstance(config, dc.EncoderConfig):
             raise DamchaTypeError(f"`config` must be a damcha_core.EncoderConfig. Received: config={describe(config)}")
         a = config.attention
         activation: Any = nn.GELU(approximate="tanh") if config.activation == "gelu_tanh" else config.activation
         layer = DamchaTransformerEncoderLayer(
-            a.query_dim, a.num_heads, config.ffn_dim, a.dropout, activation, config.norm_eps, batch_first,
-            config.norm_first, a.use_bias, device, dtype, key_dim=a.key_dim, value_dim=a.value_dim,
-            num_kv_heads=a.num_kv_heads, metric=a.metric, metric_rank=a.metric_rank, coupling=a.coupling,
-            scale=a.scale, recompute=recompute,
+            a.query_dim,
+            a.num_heads,
+            config.ffn_dim,
+            a.dropout,
+            activation,
+            config.norm_eps,
+            batch_first,
+            config.norm_first,
+            a.use_bias,
+            device,
+            dtype,
+            key_dim=a.key_dim,
+            value_dim=a.value_dim,
+            num_kv_heads=a.num_kv_heads,
+            metric=a.metric,
+            metric_rank=a.metric_rank,
+            coupling=a.coupling,
+            scale=a.scale,
+            recompute=recompute,
         )
         norm = nn.LayerNorm(a.query_dim, eps=config.norm_eps, device=device, dtype=dtype) if config.final_norm else None
         return cls(layer, config.num_layers, norm, share_metric=config.share_metric).load_canonical(params)
@@ -241,8 +334,14 @@ class DamchaTransformerDecoder(nn.TransformerDecoder):
     """``nn.TransformerDecoder`` of DAMCHA layers; ``share_metric=True`` shares the
     self-attention generator across layers, and the cross-attention one."""
 
-    def __init__(self, decoder_layer: nn.TransformerDecoderLayer, num_layers: int, norm: nn.Module | None = None,
-                 *, share_metric: bool = True) -> None:
+    def __init__(
+        self,
+        decoder_layer: nn.TransformerDecoderLayer,
+        num_layers: int,
+        norm: nn.Module | None = None,
+        *,
+        share_metric: bool = True,
+    ) -> None:
         if not isinstance(getattr(decoder_layer, "self_attn", None), DamchaAttention):
             raise DamchaTypeError(
                 "`decoder_layer` must have DamchaAttention attention (e.g. DamchaTransformerDecoderLayer). "
@@ -283,8 +382,16 @@ def build_encoder(
     dc.check_bool("final_norm", final_norm)
     dc.check_bool("share_metric", share_metric)
     layer = DamchaTransformerEncoderLayer(
-        d_model, nhead, dim_feedforward, dropout, activation, batch_first=batch_first, norm_first=norm_first,
-        device=device, dtype=dtype, **attention,
+        d_model,
+        nhead,
+        dim_feedforward,
+        dropout,
+        activation,
+        batch_first=batch_first,
+        norm_first=norm_first,
+        device=device,
+        dtype=dtype,
+        **attention,
     )
     norm = nn.LayerNorm(d_model, device=device, dtype=dtype) if final_norm else None
     return DamchaTransformerEncoder(layer, num_layers, norm, share_metric=share_metric)
@@ -312,8 +419,17 @@ def build_decoder(
     dc.check_bool("final_norm", final_norm)
     dc.check_bool("share_metric", share_metric)
     layer = DamchaTransformerDecoderLayer(
-        d_model, nhead, dim_feedforward, dropout, activation, batch_first=batch_first, norm_first=norm_first,
-        device=device, dtype=dtype, cross_coupling=cross_coupling, **attention,
+        d_model,
+        nhead,
+        dim_feedforward,
+        dropout,
+        activation,
+        batch_first=batch_first,
+        norm_first=norm_first,
+        device=device,
+        dtype=dtype,
+        cross_coupling=cross_coupling,
+        **attention,
     )
     norm = nn.LayerNorm(d_model, device=device, dtype=dtype) if final_norm else None
     return DamchaTransformerDecoder(layer, num_layers, norm, share_metric=share_metric)
@@ -347,7 +463,9 @@ def shard_stack(stack: nn.Module, **fsdp_kwargs: Any) -> nn.Module:
             f"Received: stack={describe(stack)}"
         )
     if "ignored_params" in fsdp_kwargs:
-        raise DamchaValueError("`ignored_params` is set by shard_stack (the shared generators). Received: ignored_params")
+        raise DamchaValueError(
+            "`ignored_params` is set by shard_stack (the shared generators). Received: ignored_params"
+        )
     shared = set(stack.metric_generators.parameters())
     shared |= set(getattr(stack, "cross_metric_generators", nn.ModuleDict()).parameters())
     for layer in stack.layers:
@@ -356,8 +474,12 @@ def shard_stack(stack: nn.Module, **fsdp_kwargs: Any) -> nn.Module:
     return stack
 
 
-def metric_penalty(model: nn.Module | Mapping[str, Tensor], config: DamchaConfig | None = None,
-                   query: Tensor | None = None, context: Tensor | None = None) -> Tensor:
+def metric_penalty(
+    model: nn.Module | Mapping[str, Tensor],
+    config: DamchaConfig | None = None,
+    query: Tensor | None = None,
+    context: Tensor | None = None,
+) -> Tensor:
     """The metric penalty of a model's layers, or of canonical params (the reference's form).
 
     ``metric_penalty(model)``: the mean of every ``DamchaAttention`` (and layer converted by ``convert``) in
@@ -374,18 +496,22 @@ def metric_penalty(model: nn.Module | Mapping[str, Tensor], config: DamchaConfig
         return fn.metric_penalty(model, config, query, context)  # type: ignore[arg-type]
     if not isinstance(model, nn.Module):
         raise DamchaTypeError(
-            "`model` must be an nn.Module (or canonical params with a config). "
-            f"Received: model={describe(model)}"
+            f"`model` must be an nn.Module (or canonical params with a config). Received: model={describe(model)}"
         )
     if config is not None or query is not None or context is not None:
-        raise DamchaValueError("`config`, `query` and `context` are for canonical params, not for a model. "
-                               f"Received: model={describe(model)}, config={describe(config)}")
+        raise DamchaValueError(
+            "`config`, `query` and `context` are for canonical params, not for a model. "
+            f"Received: model={describe(model)}, config={describe(config)}"
+        )
     # Any DAMCHA layer that records one: DamchaAttention, and the maps of
     # layers converted by damcha_torch.convert (DamchaMaps).
     values = [v for m in model.modules() if isinstance(v := getattr(m, "last_metric_penalty", None), Tensor)]
     if not values:
         # On the model's device, so `loss + coef * metric_penalty(model)` never mixes devices.
         ref = next(model.parameters(), None)
-        return torch.zeros((), device=None if ref is None else ref.device,
-                           dtype=None if ref is None or not ref.is_floating_point() else ref.dtype)
+        return torch.zeros(
+            (),
+            device=None if ref is None else ref.device,
+            dtype=None if ref is None or not ref.is_floating_point() else ref.dtype,
+        )
     return torch.stack(values).mean()

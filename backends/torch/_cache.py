@@ -5,9 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import Tensor
-
 from damcha_core import DamchaTypeError, DamchaValueError, describe
+from torch import Tensor
 
 __all__ = ["DamchaKVCache"]
 
@@ -47,10 +46,20 @@ class DamchaKVCache:
         leaves the cache as it was.
         """
         ck, cv = self.key, self.value
-        if (ck is not None and cv is not None and type(key) is Tensor and type(value) is Tensor
-                and key.dim() == 4 and value.dim() == 4 and key.shape[:2] == ck.shape[:2] == value.shape[:2]
-                and key.shape[2] == value.shape[2] and key.shape[3] == ck.shape[3] and value.shape[3] == cv.shape[3]
-                and key.dtype == ck.dtype == value.dtype and key.device == ck.device == value.device):
+        if (
+            ck is not None
+            and cv is not None
+            and type(key) is Tensor
+            and type(value) is Tensor
+            and key.dim() == 4
+            and value.dim() == 4
+            and key.shape[:2] == ck.shape[:2] == value.shape[:2]
+            and key.shape[2] == value.shape[2]
+            and key.shape[3] == ck.shape[3]
+            and value.shape[3] == cv.shape[3]
+            and key.dtype == ck.dtype == value.dtype
+            and key.device == ck.device == value.device
+        ):
             # What every decoding step passes: the checks below in one expression.
             self.key, self.value = torch.cat([ck, key], dim=2), torch.cat([cv, value], dim=2)
             return self.key, self.value
@@ -68,8 +77,10 @@ class DamchaKVCache:
         if self.key is None or self.value is None:
             self.key, self.value = key, value
             return key, value
-        if key.shape[:2] != self.key.shape[:2] or key.shape[3:] != self.key.shape[3:] or (
-            value.shape[3:] != self.value.shape[3:]
+        if (
+            key.shape[:2] != self.key.shape[:2]
+            or key.shape[3:] != self.key.shape[3:]
+            or (value.shape[3:] != self.value.shape[3:])
         ):
             raise DamchaValueError(
                 "`kv_cache` holds a different batch, head count or head size than this call "

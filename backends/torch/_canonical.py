@@ -9,14 +9,15 @@ between that layout and damcha_core's names and shapes.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Mapping, TypeVar
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
-import torch
-from torch import Tensor
 
 import damcha_core as dc
+import torch
 from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, describe
+from torch import Tensor
 
 from ._generator import TORCH_LEAVES, generator_shapes
 
@@ -47,12 +48,19 @@ def canonical_views(config: DamchaConfig, tensors: Mapping[str, Tensor]) -> dict
     }
     if config.use_bias:
         bq, bk, bv = tensors["in_proj_bias"].split(sizes)
-        out.update({"query.bias": bq.view(H, d), "key.bias": bk.view(G, d), "value.bias": bv.view(G, dv),
-                    "output.bias": tensors["out_proj.bias"]})
+        out.update(
+            {
+                "query.bias": bq.view(H, d),
+                "key.bias": bk.view(G, d),
+                "value.bias": bv.view(G, dv),
+                "output.bias": tensors["out_proj.bias"],
+            }
+        )
     for side in config.metric_sides:
         out[f"metric.{side}.gate"] = tensors[f"metric_gates.{side}"]
-        shapes = generator_shapes(config.metric, config.side_features(side), config.side_heads(side), d,
-                                  config.metric_rank)
+        shapes = generator_shapes(
+            config.metric, config.side_features(side), config.side_heads(side), d, config.metric_rank
+        )
         for leaf, layout in TORCH_LEAVES[config.metric].items():
             t = tensors[f"metric_generators.{side}.{layout.attribute}"]
             out[f"metric.{side}.{leaf}"] = layout.to_canonical(t, shapes[leaf])
@@ -95,8 +103,10 @@ class CanonicalIO:
 
     def canonical_grads(self) -> dict[str, np.ndarray]:
         """``.grad`` of every parameter in canonical names/layout (zeros where unset)."""
-        grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p))
-                 for n, p in self.named_parameters(remove_duplicate=False)}  # type: ignore[attr-defined]
+        grads = {
+            n: (p.grad if p.grad is not None else torch.zeros_like(p))
+            for n, p in self.named_parameters(remove_duplicate=False)
+        }  # type: ignore[attr-defined]
         return {n: _numpy(t) for n, t in self._canonical_views(grads).items()}
 
     @torch.no_grad()
@@ -169,7 +179,9 @@ def encoder_config(encoder: Any, *, causal: bool = False) -> dc.EncoderConfig:
     for i, layer in enumerate(layers):
         name = _activation_name(layer.activation)
         if name is None:
-            problems.append(f"ReLU or GELU (layer {i} has activation={getattr(layer.activation, '__name__', layer.activation)})")
+            problems.append(
+                f"ReLU or GELU (layer {i} has activation={getattr(layer.activation, '__name__', layer.activation)})"
+            )
         elif name != act or layer.norm_first != first.norm_first:
             problems.append(f"one activation and norm placement (layer {i} differs)")
         if layer.linear1.bias is None or layer.norm1.bias is None:
@@ -184,19 +196,30 @@ def encoder_config(encoder: Any, *, causal: bool = False) -> dc.EncoderConfig:
             + "; ".join(dict.fromkeys(problems))
             + f". Received: encoder={describe(encoder)}"
         )
-    return dc.EncoderConfig(first.self_attn.config, num_layers=len(layers), ffn_dim=first.linear1.out_features,
-                            share_metric=encoder.share_metric and len(layers) > 1, norm_eps=eps, causal=causal,
-                            norm_first=bool(first.norm_first), activation=act,  # type: ignore[arg-type]
-                            final_norm=encoder.norm is not None)
+    return dc.EncoderConfig(
+        first.self_attn.config,
+        num_layers=len(layers),
+        ffn_dim=first.linear1.out_features,
+        share_metric=encoder.share_metric and len(layers) > 1,
+        norm_eps=eps,
+        causal=causal,
+        norm_first=bool(first.norm_first),
+        activation=act,  # type: ignore[arg-type]
+        final_norm=encoder.norm is not None,
+    )
 
 
 def _block_tensors(layer: Any) -> dict[str, Tensor]:
     """Stack names of one block's norm and feed-forward tensors -> views of its parameters."""
     return {
-        "norm1.scale": layer.norm1.weight, "norm1.bias": layer.norm1.bias,
-        "norm2.scale": layer.norm2.weight, "norm2.bias": layer.norm2.bias,
-        "ffn.in.kernel": layer.linear1.weight.T, "ffn.in.bias": layer.linear1.bias,
-        "ffn.out.kernel": layer.linear2.weight.T, "ffn.out.bias": layer.linear2.bias,
+        "norm1.scale": layer.norm1.weight,
+        "norm1.bias": layer.norm1.bias,
+        "norm2.scale": layer.norm2.weight,
+        "norm2.bias": layer.norm2.bias,
+        "ffn.in.kernel": layer.linear1.weight.T,
+        "ffn.in.bias": layer.linear1.bias,
+        "ffn.out.kernel": layer.linear2.weight.T,
+        "ffn.out.bias": layer.linear2.bias,
     }
 
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
-from torch import nn
-
 from damcha_core import DamchaTypeError, DamchaValueError, describe
+from torch import nn
 
 from ._generator import MetricGenerator
 from ._layer import DamchaAttention
@@ -36,10 +36,21 @@ def from_mha(
         raise DamchaTypeError(f"`mha` must be an nn.MultiheadAttention. Received: mha={describe(mha)}")
     ref = mha.out_proj.weight
     layer = cls(
-        mha.embed_dim, mha.num_heads, dropout=mha.dropout, bias=mha.in_proj_bias is not None,
-        add_bias_kv=mha.bias_k is not None, add_zero_attn=mha.add_zero_attn,
-        kdim=mha.kdim, vdim=mha.vdim, batch_first=mha.batch_first, device=ref.device, dtype=ref.dtype,
-        metric=metric, metric_rank=metric_rank, coupling=coupling, metric_generator=metric_generator,
+        mha.embed_dim,
+        mha.num_heads,
+        dropout=mha.dropout,
+        bias=mha.in_proj_bias is not None,
+        add_bias_kv=mha.bias_k is not None,
+        add_zero_attn=mha.add_zero_attn,
+        kdim=mha.kdim,
+        vdim=mha.vdim,
+        batch_first=mha.batch_first,
+        device=ref.device,
+        dtype=ref.dtype,
+        metric=metric,
+        metric_rank=metric_rank,
+        coupling=coupling,
+        metric_generator=metric_generator,
         recompute=recompute,
     )
     if mha._qkv_same_embed_dim:

@@ -21,15 +21,15 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple
-
-import torch
-import torch.nn.functional as F
-from torch import Tensor
-from torch.utils.checkpoint import checkpoint
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import damcha_core as dc
+import torch
+import torch.nn.functional as F
 from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, describe
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._cache import DamchaKVCache
@@ -95,10 +95,7 @@ class LayerWeights(NamedTuple):
 
     def projections(self) -> tuple[tuple[Tensor, Tensor | None], ...]:
         """(weight, bias) of the query, key and value projections."""
-        if self.in_proj is not None:
-            weights = self.in_proj.split(self.sizes)
-        else:
-            weights = (self.q, self.k, self.v)  # type: ignore[assignment]
+        weights = self.in_proj.split(self.sizes) if self.in_proj is not None else (self.q, self.k, self.v)
         biases = (None,) * 3 if self.in_bias is None else self.in_bias.split(self.sizes)
         return tuple(zip(weights, biases))  # type: ignore[arg-type]
 
@@ -106,10 +103,12 @@ class LayerWeights(NamedTuple):
 def _side_from_canonical(params: Mapping[str, Tensor], config: DamchaConfig, side: str) -> SideWeights:
     from ._generator import TORCH_LEAVES  # the one table of torch layouts (it imports this module)
 
-    leaves = {name: leaf.from_canonical(params[f"metric.{side}.{name}"])
-              for name, leaf in TORCH_LEAVES[config.metric].items()}
-    return SideWeights(config.metric, leaves["kernel"], leaves["bias"], params[f"metric.{side}.gate"],
-                       leaves.get("u"), leaves.get("v"))
+    leaves = {
+        name: leaf.from_canonical(params[f"metric.{side}.{name}"]) for name, leaf in TORCH_LEAVES[config.metric].items()
+    }
+    return SideWeights(
+        config.metric, leaves["kernel"], leaves["bias"], params[f"metric.{side}.gate"], leaves.get("u"), leaves.get("v")
+    )
 
 
 def weights_from_canonical(params: Mapping[str, Tensor], config: DamchaConfig) -> LayerWeights:
@@ -369,7 +368,13 @@ def _attend(
                 guard = (guard[0], torch.add(guard[1], row_max, alpha=0).to(q.dtype))
     if not need_weights:
         o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal, scale=scale,
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=dropout_p,
+            is_causal=causal,
+            scale=scale,
             enable_gqa=kv_heads != heads,
         )
         if guard is not None:
@@ -452,8 +457,18 @@ def softmax_attend(
         A NaN or inf in q, k or a float mask gives NaN in the rows it reaches
         (the fused kernel alone would return 0 for some of them).
     """
-    return _attend(q, k, v, mask=mask, causal=causal, query_offset=query_offset, scale=scale,
-                   dropout_p=dropout_p, need_weights=need_weights, guard=_guard(q, k))
+    return _attend(
+        q,
+        k,
+        v,
+        mask=mask,
+        causal=causal,
+        query_offset=query_offset,
+        scale=scale,
+        dropout_p=dropout_p,
+        need_weights=need_weights,
+        guard=_guard(q, k),
+    )
 
 
 def safe_attention(
@@ -469,17 +484,36 @@ def safe_attention(
     need_weights: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Deprecated alias of ``softmax_attend`` (``is_causal`` is its ``causal``)."""
-    warnings.warn("damcha_torch.safe_attention is deprecated; use damcha_torch.softmax_attend "
-                  "(same arguments, `is_causal` renamed `causal`).", DeprecationWarning, stacklevel=2)
-    return softmax_attend(q, k, v, mask=mask, causal=is_causal, query_offset=query_offset, scale=scale,
-                          dropout_p=dropout_p, need_weights=need_weights)
+    warnings.warn(
+        "damcha_torch.safe_attention is deprecated; use damcha_torch.softmax_attend "
+        "(same arguments, `is_causal` renamed `causal`).",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return softmax_attend(
+        q,
+        k,
+        v,
+        mask=mask,
+        causal=is_causal,
+        query_offset=query_offset,
+        scale=scale,
+        dropout_p=dropout_p,
+        need_weights=need_weights,
+    )
 
 
 # ---------------------------------------------------------- layer forward
 
 
-def _queries_keys(w: LayerWeights, config: DamchaConfig, x: Tensor, c: Tensor,
-                  self_attention: bool, qk_proj: tuple[Tensor, Tensor | None] | None = None) -> tuple[Tensor, Tensor]:
+def _queries_keys(
+    w: LayerWeights,
+    config: DamchaConfig,
+    x: Tensor,
+    c: Tensor,
+    self_attention: bool,
+    qk_proj: tuple[Tensor, Tensor | None] | None = None,
+) -> tuple[Tensor, Tensor]:
     """q~ (B, N, H, d) and k~ (B, M, G, d). ``qk_proj``: the packed weight's
     and bias's q/k rows, split off by the caller (see ``_project``)."""
     H, G, d = config.num_heads, config.num_kv_heads, config.key_dim
@@ -491,12 +525,14 @@ def _queries_keys(w: LayerWeights, config: DamchaConfig, x: Tensor, c: Tensor,
     else:
         (W_q, b_q), (W_k, b_k), _ = w.projections()
         q, k = F.linear(x, W_q, b_q), F.linear(c, W_k, b_k)
-    return _apply_maps(w, config, x, c, q.view(q.shape[0], q.shape[1], H, d), k.view(k.shape[0], k.shape[1], G, d),
-                       self_attention)
+    return _apply_maps(
+        w, config, x, c, q.view(q.shape[0], q.shape[1], H, d), k.view(k.shape[0], k.shape[1], G, d), self_attention
+    )
 
 
-def _apply_maps(w: LayerWeights, config: DamchaConfig, x: Tensor, c: Tensor, q: Tensor, k: Tensor,
-                self_attention: bool) -> tuple[Tensor, Tensor]:
+def _apply_maps(
+    w: LayerWeights, config: DamchaConfig, x: Tensor, c: Tensor, q: Tensor, k: Tensor, self_attention: bool
+) -> tuple[Tensor, Tensor]:
     if self_attention and config.metric != "none" and config.coupling == "tied":
         # One generator, one set of tokens: build l(t) once for both sides.
         return apply_map_weights(w.sides["qk"], x, (q, k))  # type: ignore[return-value]
@@ -508,19 +544,31 @@ def _apply_maps(w: LayerWeights, config: DamchaConfig, x: Tensor, c: Tensor, q: 
     return q, k
 
 
-def _project(w: LayerWeights, config: DamchaConfig, x: Tensor, c: Tensor, value: Tensor,
-             self_attention: bool, recompute: bool) -> tuple[Tensor, Tensor, Tensor]:
+def _project(
+    w: LayerWeights, config: DamchaConfig, x: Tensor, c: Tensor, value: Tensor, self_attention: bool, recompute: bool
+) -> tuple[Tensor, Tensor, Tensor]:
     """q~ (B, N, H, d), k~ (B, M, G, d), v (B, M, G, d_v)."""
     # torch.func's grad/vjp/jacrev reject the saved-tensor hooks checkpoint
     # uses, so under a functorch transform the maps are stored instead.
-    recompute = (recompute and torch.is_grad_enabled() and config.metric != "none"
-                 and not torch._C._are_functorch_transforms_active())
+    recompute = (
+        recompute
+        and torch.is_grad_enabled()
+        and config.metric != "none"
+        and not torch._C._are_functorch_transforms_active()
+    )
     if self_attention and w.in_proj is not None and not recompute:
         # One packed GEMM for q, k, v, as nn.MultiheadAttention does.
         B, N = x.shape[0], x.shape[1]
         q, k, v = F.linear(x, w.in_proj, w.in_bias).split_with_sizes(w.sizes, dim=-1)
-        q, k = _apply_maps(w, config, x, x, q.view(B, N, config.num_heads, config.key_dim),
-                           k.view(B, N, config.num_kv_heads, config.key_dim), True)
+        q, k = _apply_maps(
+            w,
+            config,
+            x,
+            x,
+            q.view(B, N, config.num_heads, config.key_dim),
+            k.view(B, N, config.num_kv_heads, config.key_dim),
+            True,
+        )
     else:
         qk_proj = None
         if self_attention and w.in_proj is not None:
@@ -577,8 +625,18 @@ def attend_weights(
         k, v = kv_cache.update(k, v)
     if w.bias_k is not None or w.zero_attn:
         k, v, mask, causal = _append_keys(w, k, v, mask, causal, query_offset, q.shape[-2])
-    o, weights = _attend(q, k, v, mask=mask, causal=causal, query_offset=query_offset,
-                         scale=config.softmax_scale, dropout_p=dropout_p, need_weights=need_weights, guard=guard)
+    o, weights = _attend(
+        q,
+        k,
+        v,
+        mask=mask,
+        causal=causal,
+        query_offset=query_offset,
+        scale=config.softmax_scale,
+        dropout_p=dropout_p,
+        need_weights=need_weights,
+        guard=guard,
+    )
     return w.output(o.transpose(1, 2).flatten(-2)), weights
 
 
@@ -653,16 +711,24 @@ def few_tokens_step(
     if kv_cache is not None:
         offset = len(kv_cache)
         k, v = kv_cache.update(k, v)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0,
-                                       is_causal=causal and offset < k.shape[-2] - 1, scale=config.softmax_scale,
-                                       enable_gqa=G != H)
+    o = F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=None,
+        dropout_p=0.0,
+        is_causal=causal and offset < k.shape[-2] - 1,
+        scale=config.softmax_scale,
+        enable_gqa=G != H,
+    )
     a, b = guard
     o = torch.addcmul(o, a if a.shape[-1] == dv else a.sum(dim=-1, keepdim=True), b, value=0)
     return output(o.transpose(1, 2).flatten(-2))
 
 
-def _append_keys(w: LayerWeights, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, query_offset: int,
-                 n: int) -> tuple[Tensor, Tensor, Tensor | None, bool]:
+def _append_keys(
+    w: LayerWeights, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, query_offset: int, n: int
+) -> tuple[Tensor, Tensor, Tensor | None, bool]:
     """nn.MultiheadAttention's add_bias_kv and add_zero_attn: the learned bias
     key/value, then a zero key/value, appended after the M real keys (in the
     cache's layout (B, G, M, d), so they are never cached), visible to every
@@ -714,8 +780,13 @@ def _check_mask(mask: Any, config: DamchaConfig, B: int, N: int, M: int) -> Tens
         return None
     if not isinstance(mask, Tensor) or not (mask.dtype == torch.bool or mask.is_floating_point()):
         raise dc.mask_dtype_error(mask, expected="boolean (True = may attend) or floating (additive, -inf = hidden)")
-    dc.check_shapes(config, (B, N, config.query_dim), (B, M, config.context_dim), tuple(mask.shape),
-                    value_shape=(B, M, config.value_input_dim))
+    dc.check_shapes(
+        config,
+        (B, N, config.query_dim),
+        (B, M, config.context_dim),
+        tuple(mask.shape),
+        value_shape=(B, M, config.value_input_dim),
+    )
     return mask
 
 
@@ -777,8 +848,9 @@ def damcha_attention(
     on projected heads still works for one release, with a DeprecationWarning.
     """
     if isinstance(params, Tensor):
-        return _heads_attention(params, config, query, mask=mask, query_offset=query_offset, dropout_p=dropout_p,
-                                **deprecated)
+        return _heads_attention(
+            params, config, query, mask=mask, query_offset=query_offset, dropout_p=dropout_p, **deprecated
+        )
     if deprecated:
         raise DamchaTypeError(f"damcha_attention() got unexpected keyword arguments {sorted(deprecated)}")
     config = _check_params(params, config)
@@ -790,8 +862,12 @@ def damcha_attention(
             "`value` needs `context` (self-attention takes keys and values from the query). "
             f"Received: context=None, value={describe(value)}"
         )
-    B, N, M = dc.check_shapes(config, tuple(x.shape), None if c is None else tuple(c.shape),
-                              value_shape=None if vt is None else tuple(vt.shape))
+    B, N, M = dc.check_shapes(
+        config,
+        tuple(x.shape),
+        None if c is None else tuple(c.shape),
+        value_shape=None if vt is None else tuple(vt.shape),
+    )
     causal = _check_bool("causal", causal)
     return_weights = _check_bool("return_weights", return_weights)
     return_metric = _check_bool("return_metric", return_metric)
@@ -804,13 +880,26 @@ def damcha_attention(
         from ._cache import DamchaKVCache
 
         if not isinstance(kv_cache, DamchaKVCache):
-            raise DamchaTypeError(f"`kv_cache` must be a DamchaKVCache or None. Received: kv_cache={describe(kv_cache)}")
+            raise DamchaTypeError(
+                f"`kv_cache` must be a DamchaKVCache or None. Received: kv_cache={describe(kv_cache)}"
+            )
     mask = _check_mask(mask, config, B, N, M + (0 if kv_cache is None else len(kv_cache)))
     params, (x, c, vt) = _promote(params, x, c, vt)
     w = weights_from_canonical(params, config)
-    y, weights = attend_weights(w, config, x, c, vt, mask=mask, causal=causal, query_offset=int(query_offset),
-                                kv_cache=kv_cache, dropout_p=float(dropout_p), need_weights=return_weights,
-                                recompute=recompute)
+    y, weights = attend_weights(
+        w,
+        config,
+        x,
+        c,
+        vt,
+        mask=mask,
+        causal=causal,
+        query_offset=int(query_offset),
+        kv_cache=kv_cache,
+        dropout_p=float(dropout_p),
+        need_weights=return_weights,
+        recompute=recompute,
+    )
     extras: list[Any] = []
     if return_weights:
         extras.append(weights)
@@ -831,8 +920,7 @@ def _promote(params: Mapping[str, Tensor], *tokens: Tensor | None) -> tuple[dict
     dtype = present[0].dtype
     for t in [*present[1:], *params.values()]:
         dtype = torch.promote_types(dtype, t.dtype)
-    return ({n: _cast(t, dtype) for n, t in params.items()},
-            [None if t is None else _cast(t, dtype) for t in tokens])
+    return ({n: _cast(t, dtype) for n, t in params.items()}, [None if t is None else _cast(t, dtype) for t in tokens])
 
 
 def _metric_factors(w: LayerWeights, config: DamchaConfig, x: Tensor, c: Tensor) -> dict[str, Tensor]:
@@ -862,9 +950,13 @@ def _check_side(params: Any, config: Any, side: Any, tokens: Any, y: Any = None)
     if not isinstance(config, DamchaConfig):
         raise DamchaTypeError(f"`config` must be a DamchaConfig. Received: config={describe(config)}")
     if side not in config.metric_sides:
-        raise DamchaValueError(f"`side` must be one of config.metric_sides={config.metric_sides}. Received: side={describe(side)}")
+        raise DamchaValueError(
+            f"`side` must be one of config.metric_sides={config.metric_sides}. Received: side={describe(side)}"
+        )
     if not isinstance(params, Mapping):
-        raise DamchaTypeError(f"`params` must be a mapping of canonical names to tensors. Received: params={describe(params)}")
+        raise DamchaTypeError(
+            f"`params` must be a mapping of canonical names to tensors. Received: params={describe(params)}"
+        )
     for name, shape in config.param_shapes().items():
         if not name.startswith(f"metric.{side}."):
             continue
@@ -874,12 +966,16 @@ def _check_side(params: Any, config: Any, side: Any, tokens: Any, y: Any = None)
         if not isinstance(t, Tensor) or not t.is_floating_point():
             raise DamchaTypeError(f"`params[{name!r}]` must be a real floating torch tensor. Received: {describe(t)}")
         if tuple(t.shape) != shape:
-            raise DamchaValueError(f"`params[{name!r}]` must have shape {shape} for this config. "
-                                   f"Received: params[{name!r}].shape={tuple(t.shape)}")
+            raise DamchaValueError(
+                f"`params[{name!r}]` must have shape {shape} for this config. "
+                f"Received: params[{name!r}].shape={tuple(t.shape)}"
+            )
     tokens = _check_float("tokens", tokens)
     E = config.side_features(side)
     if tokens.dim() != 3 or tokens.shape[-1] != E:
-        raise DamchaValueError(f"`tokens` must be (B, T, {E}) for side {side!r}. Received: tokens.shape={tuple(tokens.shape)}")
+        raise DamchaValueError(
+            f"`tokens` must be (B, T, {E}) for side {side!r}. Received: tokens.shape={tuple(tokens.shape)}"
+        )
     if y is not None:
         y = _check_float("y", y)
         S, d = config.side_heads(side), config.key_dim
@@ -903,8 +999,9 @@ def generator(params: Mapping[str, Tensor], config: DamchaConfig, side: str, tok
     return coeff
 
 
-def apply_map(params: Mapping[str, Tensor], config: DamchaConfig, side: str, tokens: Tensor, y: Tensor,
-              *more: Tensor) -> Tensor | tuple[Tensor, ...]:
+def apply_map(
+    params: Mapping[str, Tensor], config: DamchaConfig, side: str, tokens: Tensor, y: Tensor, *more: Tensor
+) -> Tensor | tuple[Tensor, ...]:
     """L(t) y for tokens (B, T, E) and their stacked heads y (B, T, S, d), without forming L.
 
     Extra head tensors in ``more`` reuse the same coefficients (a tuple is
@@ -917,8 +1014,9 @@ def apply_map(params: Mapping[str, Tensor], config: DamchaConfig, side: str, tok
     return out if more else out[0]
 
 
-def metric_penalty(params: Mapping[str, Tensor], config: DamchaConfig, query: Tensor,
-                   context: Tensor | None = None) -> Tensor:
+def metric_penalty(
+    params: Mapping[str, Tensor], config: DamchaConfig, query: Tensor, context: Tensor | None = None
+) -> Tensor:
     """Mean over adapted roles of mean_t ||L(t) - I||_F^2 / (S*d), as the reference.
 
     A 0-d tensor (0 for metric "none"), differentiable, for the training loss.
@@ -928,8 +1026,12 @@ def metric_penalty(params: Mapping[str, Tensor], config: DamchaConfig, query: Te
     c = x if context is None else _check_float("context", context)
     params, (x, c) = _promote(params, x, c)
     # The values play no part in the penalty.
-    dc.check_shapes(config, tuple(x.shape), None if context is None else tuple(c.shape),
-                    value_shape=(*c.shape[:2], config.value_input_dim))
+    dc.check_shapes(
+        config,
+        tuple(x.shape),
+        None if context is None else tuple(c.shape),
+        value_shape=(*c.shape[:2], config.value_input_dim),
+    )
     return penalty_weights(weights_from_canonical(params, config), config, x, c)
 
 
@@ -970,12 +1072,16 @@ def _heads_attention(
     warnings.warn(
         "damcha_attention(q, k, v, q_tokens=..., q_generator=...) on projected heads is deprecated; use "
         "damcha_attention(params, config, query, context, ...) as in damcha_core, or the steps apply_map "
-        "and softmax_attend.", DeprecationWarning, stacklevel=3,
+        "and softmax_attend.",
+        DeprecationWarning,
+        stacklevel=3,
     )
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_float(name, t)
         if t.dim() != 4:
-            raise DamchaValueError(f"`{name}` must have rank 4, (batch, length, heads, head_dim). Received: {name}.shape={tuple(t.shape)}")
+            raise DamchaValueError(
+                f"`{name}` must have rank 4, (batch, length, heads, head_dim). Received: {name}.shape={tuple(t.shape)}"
+            )
     (B, N, H, d), (Bk, M, G, dk) = q.shape, k.shape
     if Bk != B or dk != d or H % G or v.shape[:3] != k.shape[:3]:
         raise DamchaValueError(
@@ -994,14 +1100,23 @@ def _heads_attention(
         if gen is None:
             continue
         if tokens is None or gate is None:
-            raise DamchaValueError(f"`{role}_tokens` and `{role}_gate` are required with `{role}_generator`. "
-                                   f"Received: {role}_tokens={tokens is not None}, {role}_gate={gate is not None}")
+            raise DamchaValueError(
+                f"`{role}_tokens` and `{role}_gate` are required with `{role}_generator`. "
+                f"Received: {role}_tokens={tokens is not None}, {role}_gate={gate is not None}"
+            )
         if role == "q":
             q = gen(tokens, q, gate)
         else:
             k = gen(tokens, k, gate)
     o, weights = softmax_attend(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask=mask, causal=is_causal,
-        query_offset=query_offset, scale=scale, dropout_p=dropout_p, need_weights=need_weights,
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        mask=mask,
+        causal=is_causal,
+        query_offset=query_offset,
+        scale=scale,
+        dropout_p=dropout_p,
+        need_weights=need_weights,
     )
     return o.transpose(1, 2), weights

@@ -11,11 +11,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import torch
-from torch import Tensor, nn
-
 import damcha_core as dc
+import torch
 from damcha_core import DamchaTypeError, DamchaValueError, describe
+from torch import Tensor, nn
 
 from . import _functional as fn
 
@@ -59,8 +58,12 @@ class TorchLeaf:
 # core needs its entry here (a test checks that every one has it).
 TORCH_LEAVES: dict[str, dict[str, TorchLeaf]] = {
     "heads": {"kernel": TorchLeaf("weight", "linear"), "bias": TorchLeaf("bias", "flat")},
-    "lowrank": {"kernel": TorchLeaf("weight", "linear"), "bias": TorchLeaf("bias", "flat"),
-                "u": TorchLeaf("u"), "v": TorchLeaf("v")},
+    "lowrank": {
+        "kernel": TorchLeaf("weight", "linear"),
+        "bias": TorchLeaf("bias", "flat"),
+        "u": TorchLeaf("u"),
+        "v": TorchLeaf("v"),
+    },
 }
 
 
@@ -87,8 +90,9 @@ def check_param_dtype(dtype: object) -> None:
         )
 
 
-def generator_shapes(metric: str, features: int, heads: int, head_dim: int,
-                     rank: int | None) -> dict[str, tuple[int, ...]]:
+def generator_shapes(
+    metric: str, features: int, heads: int, head_dim: int, rank: int | None
+) -> dict[str, tuple[int, ...]]:
     """Canonical shape of each generator leaf (the gate excluded), from damcha_core's table."""
     structure = dc.METRIC_STRUCTURES[metric]
     shapes = structure.shapes(features, heads, head_dim, rank)
@@ -130,8 +134,9 @@ class MetricGenerator(nn.Module):
     ) -> None:
         super().__init__()
         metric = dc.check_choice("metric", metric, tuple(TORCH_LEAVES))
-        features, heads, head_dim = (dc.check_int(n, v) for n, v in
-                                     (("features", features), ("heads", heads), ("head_dim", head_dim)))
+        features, heads, head_dim = (
+            dc.check_int(n, v) for n, v in (("features", features), ("heads", heads), ("head_dim", head_dim))
+        )
         if metric == "lowrank":
             if rank is None:
                 raise DamchaValueError("`rank` is required with metric='lowrank'. Received: rank=None")

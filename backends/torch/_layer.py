@@ -7,13 +7,13 @@ the functional core's, and hands the math to ``_functional``.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
-
-import torch
-from torch import Tensor, nn
+from collections.abc import Mapping
+from typing import Any
 
 import damcha_core as dc
+import torch
 from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, describe
+from torch import Tensor, nn
 
 from . import _functional as fn
 from ._cache import DamchaKVCache
@@ -42,8 +42,9 @@ def _check_torch_mask(name: str, value: Any) -> None:
         )
 
 
-def _add_batch_dim(query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Any
-                   ) -> tuple[Tensor, Tensor, Tensor, Any]:
+def _add_batch_dim(
+    query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Any
+) -> tuple[Tensor, Tensor, Tensor, Any]:
     """Unbatched inputs, as nn.MultiheadAttention takes them: query (N, E_q),
     key/value (M, E_kv), key_padding_mask (M,); returned batch-first with B = 1."""
     if key.dim() != 2 or value.dim() != 2:
@@ -64,12 +65,18 @@ def _add_batch_dim(query: Tensor, key: Tensor, value: Tensor, key_padding_mask: 
 # damcha_core names things as DamchaConfig and the reference do; the errors
 # speak of the arguments the caller passed.
 _CONSTRUCTOR_NAMES = {"query_dim": "embed_dim", "context_dim": "kdim", "value_input_dim": "vdim", "use_bias": "bias"}
-_FORWARD_NAMES = {"context": "key", "mask": "attn_mask", "query_dim": "embed_dim", "context_dim": "kdim",
-                  "value_input_dim": "vdim"}
+_FORWARD_NAMES = {
+    "context": "key",
+    "mask": "attn_mask",
+    "query_dim": "embed_dim",
+    "context_dim": "kdim",
+    "value_input_dim": "vdim",
+}
 
 
-def _check_shapes(config: DamchaConfig, query_shape: tuple, key_shape: tuple, value_shape: tuple,
-                  mask_shape: tuple | None = None) -> tuple[Any, Any, Any]:
+def _check_shapes(
+    config: DamchaConfig, query_shape: tuple, key_shape: tuple, value_shape: tuple, mask_shape: tuple | None = None
+) -> tuple[Any, Any, Any]:
     """``dc.check_shapes`` with this module's argument names; returns (B, N, M)
     as torch gives them (SymInts under ``torch.export``)."""
     return dc.check_shapes(config, query_shape, key_shape, mask_shape, value_shape=value_shape, names=_FORWARD_NAMES)
@@ -205,10 +212,21 @@ class DamchaAttention(CanonicalIO, nn.Module):
         check_param_dtype(dtype)
         # As in nn.MultiheadAttention, an omitted kdim or vdim means embed_dim.
         cfg = dc.make_config(
-            names=names, query_dim=embed_dim, num_heads=num_heads, key_dim=key_dim,
-            value_dim=value_dim, num_kv_heads=num_kv_heads, context_dim=embed_dim if kdim is None else kdim,
-            value_input_dim=embed_dim if vdim is None else vdim, output_dim=output_dim, use_bias=bias,
-            metric=metric, metric_rank=metric_rank, coupling=coupling, scale=scale, dropout=dropout,
+            names=names,
+            query_dim=embed_dim,
+            num_heads=num_heads,
+            key_dim=key_dim,
+            value_dim=value_dim,
+            num_kv_heads=num_kv_heads,
+            context_dim=embed_dim if kdim is None else kdim,
+            value_input_dim=embed_dim if vdim is None else vdim,
+            output_dim=output_dim,
+            use_bias=bias,
+            metric=metric,
+            metric_rank=metric_rank,
+            coupling=coupling,
+            scale=scale,
+            dropout=dropout,
         )
         self._init_from_config(cfg, batch_first, device, dtype, metric_generator, recompute, names)
         self.add_zero_attn = add_zero_attn
@@ -223,11 +241,20 @@ class DamchaAttention(CanonicalIO, nn.Module):
         if add_bias_kv or add_zero_attn:
             self._few_tokens_ok = False
 
-    def _init_from_config(self, cfg: DamchaConfig, batch_first: bool, device: Any, dtype: Any,
-                          metric_generator: Any, recompute: bool, names: Mapping[str, str]) -> None:
+    def _init_from_config(
+        self,
+        cfg: DamchaConfig,
+        batch_first: bool,
+        device: Any,
+        dtype: Any,
+        metric_generator: Any,
+        recompute: bool,
+        names: Mapping[str, str],
+    ) -> None:
         self.config = cfg
-        shared = dc.resolve_generators(metric_generator, cfg, generator_type=MetricGenerator,
-                                       spec_of=lambda g: g.spec, names=names)
+        shared = dc.resolve_generators(
+            metric_generator, cfg, generator_type=MetricGenerator, spec_of=lambda g: g.spec, names=names
+        )
         kw: dict[str, Any] = {"device": device, "dtype": dtype}
         E, Ekv, Ev = cfg.query_dim, cfg.context_dim, cfg.value_input_dim
         H, G, d, dv = cfg.num_heads, cfg.num_kv_heads, cfg.key_dim, cfg.value_dim
@@ -329,19 +356,36 @@ class DamchaAttention(CanonicalIO, nn.Module):
             # checkpoint edited by hand): the projection computes in the
             # weight's dtype, as nn.MultiheadAttention's output does.
             bias = bias.to(weight.dtype)  # type: ignore[union-attr]
-        return fn.LayerWeights(self._sizes, packed, p["q_proj_weight"], p["k_proj_weight"],
-                               p["v_proj_weight"], bias, self._modules["out_proj"], sides, p.get("bias_k"),
-                               p.get("bias_v"), self.add_zero_attn)
+        return fn.LayerWeights(
+            self._sizes,
+            packed,
+            p["q_proj_weight"],
+            p["k_proj_weight"],
+            p["v_proj_weight"],
+            bias,
+            self._modules["out_proj"],
+            sides,
+            p.get("bias_k"),
+            p.get("bias_v"),
+            self.add_zero_attn,
+        )
 
     def _native_ok(self, query: Tensor) -> bool:
         """Whether this call is nn.MultiheadAttention's fast-path case: metric
         "none" in MHA's exact layout, batch-first, inference, no autograd."""
         c = self.config
         structural = (
-            c.metric == "none" and self.in_proj_weight is not None and self.in_proj_bias is not None
-            and c.num_kv_heads == c.num_heads and c.key_dim * c.num_heads == c.query_dim
-            and c.value_dim == c.key_dim and c.output_dim == c.query_dim and c.scale in (None, 1 / c.key_dim ** 0.5)
-            and self.bias_k is None and not self.add_zero_attn and c.num_heads % 2 == 0
+            c.metric == "none"
+            and self.in_proj_weight is not None
+            and self.in_proj_bias is not None
+            and c.num_kv_heads == c.num_heads
+            and c.key_dim * c.num_heads == c.query_dim
+            and c.value_dim == c.key_dim
+            and c.output_dim == c.query_dim
+            and c.scale in (None, 1 / c.key_dim**0.5)
+            and self.bias_k is None
+            and not self.add_zero_attn
+            and c.num_heads % 2 == 0
         )
         if not structural or self.training or not self.batch_first or query.device.type not in ("cpu", "cuda"):
             return False
@@ -378,8 +422,7 @@ class DamchaAttention(CanonicalIO, nn.Module):
 
     # ------------------------------------------------------------- forward
 
-    def _few_tokens_step(self, query: Tensor, is_causal: bool, kv_cache: Any, attn_mask: Any = None
-                         ) -> Tensor | None:
+    def _few_tokens_step(self, query: Tensor, is_causal: bool, kv_cache: Any, attn_mask: Any = None) -> Tensor | None:
         """A decoding step on the flat path (``fn.few_tokens_step``), or None
         when this call is not one it covers (then ``forward`` goes on as usual).
 
@@ -397,24 +440,36 @@ class DamchaAttention(CanonicalIO, nn.Module):
         if seen is None or seen[0] != (shape, shape, shape) or shape[0] * shape[1] > fn._FEW_TOKENS:
             return None
         p = self._parameters
-        if (self.track_metric_penalty or (self.training and self.dropout > 0.0) or self.add_zero_attn
-                or p.get("bias_k") is not None):
+        if (
+            self.track_metric_penalty
+            or (self.training and self.dropout > 0.0)
+            or self.add_zero_attn
+            or p.get("bias_k") is not None
+        ):
             return None
         weight, bias = p["in_proj_weight"], p["in_proj_bias"]
         dtype = x.dtype
         if weight.dtype != dtype or (bias is not None and bias.dtype != dtype) or dtype not in _FLAT_DTYPES:
             return None
         device = x.device.type
-        if (device not in ("cpu", "cuda") or torch.is_autocast_enabled(device) or torch.compiler.is_compiling()
-                or torch.jit.is_tracing() or torch._C._are_functorch_transforms_active()):
+        if (
+            device not in ("cpu", "cuda")
+            or torch.is_autocast_enabled(device)
+            or torch.compiler.is_compiling()
+            or torch.jit.is_tracing()
+            or torch._C._are_functorch_transforms_active()
+        ):
             return None
         offset = len(kv_cache)
         if is_causal and offset and shape[1] > 1:
             return None  # a chunk after cached tokens needs the bottom-right mask: the general path builds it
         if attn_mask is not None and not (
-                type(attn_mask) is Tensor and attn_mask.dim() == 2
-                and attn_mask.shape[0] == shape[1] and attn_mask.shape[1] == offset + shape[1]
-                and (attn_mask.dtype == torch.bool or attn_mask.is_floating_point())):
+            type(attn_mask) is Tensor
+            and attn_mask.dim() == 2
+            and attn_mask.shape[0] == shape[1]
+            and attn_mask.shape[1] == offset + shape[1]
+            and (attn_mask.dtype == torch.bool or attn_mask.is_floating_point())
+        ):
             return None  # only the is_causal hint's (N, P + N) mask, which is not read (see _merge_masks)
         maps: list[Any] = [None, None]
         sides = self._map_sides
@@ -432,8 +487,16 @@ class DamchaAttention(CanonicalIO, nn.Module):
                 if m[0].dtype != dtype or m[1].dtype != dtype or m[2].dtype != dtype:
                     return None
                 maps[i] = m
-        out = fn.few_tokens_step(self.config, x, weight, bias, tuple(maps), self._modules["out_proj"],  # type: ignore[arg-type]
-                                 kv_cache, is_causal)
+        out = fn.few_tokens_step(
+            self.config,
+            x,
+            weight,
+            bias,
+            tuple(maps),
+            self._modules["out_proj"],  # type: ignore[arg-type]
+            kv_cache,
+            is_causal,
+        )
         return out if self.batch_first else out.transpose(0, 1)
 
     def _sizes_of(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Any, Any, Any]:
@@ -454,8 +517,16 @@ class DamchaAttention(CanonicalIO, nn.Module):
             self.__dict__["_shapes_seen"] = (shapes, sizes)
         return sizes
 
-    def _merge_masks(self, key_padding_mask: Tensor | None, attn_mask: Tensor | None,
-                     B: int, N: int, M: int, dtype: torch.dtype, causal_hint: bool = False) -> Tensor | None:
+    def _merge_masks(
+        self,
+        key_padding_mask: Tensor | None,
+        attn_mask: Tensor | None,
+        B: int,
+        N: int,
+        M: int,
+        dtype: torch.dtype,
+        causal_hint: bool = False,
+    ) -> Tensor | None:
         """One mask broadcastable to (B, H, N, M): bool True = may attend, or additive float.
 
         ``causal_hint``: ``is_causal`` was passed. A validated 2-D (N, M)
@@ -489,13 +560,15 @@ class DamchaAttention(CanonicalIO, nn.Module):
                 attn_mask = attn_mask.view(B, H, N, M)
             else:
                 try:
-                    _check_shapes(cfg, (B, N, cfg.query_dim), (B, M, cfg.context_dim), (B, M, cfg.value_input_dim),
-                                  tuple(attn_mask.shape))
+                    _check_shapes(
+                        cfg,
+                        (B, N, cfg.query_dim),
+                        (B, M, cfg.context_dim),
+                        (B, M, cfg.value_input_dim),
+                        tuple(attn_mask.shape),
+                    )
                 except DamchaValueError as exc:
-                    raise DamchaValueError(
-                        str(exc)
-                        + " (or (B*H, N, M) as in nn.MultiheadAttention)"
-                    ) from None
+                    raise DamchaValueError(str(exc) + " (or (B*H, N, M) as in nn.MultiheadAttention)") from None
             if not (causal_hint and attn_mask.dim() == 2 and tuple(attn_mask.shape) == (N, M)):
                 masks.append(attn_mask)
         if not masks:
@@ -558,14 +631,21 @@ class DamchaAttention(CanonicalIO, nn.Module):
             inputs drop the B dim from both. A query that
             sees no key gets output ``out_proj.bias`` (attention output 0), never NaN.
         """
-        if (kv_cache is not None and not need_weights and query is key and key is value and key_padding_mask is None
-                and (attn_mask is None or is_causal) and self.__dict__.get("_few_tokens_ok")
-                and not torch.is_grad_enabled()):
+        if (
+            kv_cache is not None
+            and not need_weights
+            and query is key
+            and key is value
+            and key_padding_mask is None
+            and (attn_mask is None or is_causal)
+            and self.__dict__.get("_few_tokens_ok")
+            and not torch.is_grad_enabled()
+        ):
             out = self._few_tokens_step(query, bool(is_causal), kv_cache, attn_mask)
             if out is not None:
                 return out, None
         self_attention = query is key and key is value
-        for name, t in ((("query", query),) if self_attention else (("query", query), ("key", key), ("value", value))):
+        for name, t in (("query", query),) if self_attention else (("query", query), ("key", key), ("value", value)):
             _check_float(name, t)
             if t.is_nested:
                 raise DamchaTypeError(
@@ -588,17 +668,36 @@ class DamchaAttention(CanonicalIO, nn.Module):
         B, N, M = self._sizes_of(query, key, value)
         if self.track_metric_penalty:
             self.last_metric_penalty = self._penalty(query, key)
-        if (self_attention and not unbatched and key_padding_mask is None and attn_mask is None and not is_causal
-                and kv_cache is None and self._native_ok(query)):
+        if (
+            self_attention
+            and not unbatched
+            and key_padding_mask is None
+            and attn_mask is None
+            and not is_causal
+            and kv_cache is None
+            and self._native_ok(query)
+        ):
             # metric "none" is nn.MultiheadAttention: its fused inference kernel,
             # with no mask (so no all-masked rows, where it would give NaN).
             return torch._native_multi_head_attention(
-                query, key, value, self.embed_dim, self.num_heads, self.in_proj_weight, self.in_proj_bias,
-                self.out_proj.weight, self.out_proj.bias, None, bool(need_weights), bool(average_attn_weights),
+                query,
+                key,
+                value,
+                self.embed_dim,
+                self.num_heads,
+                self.in_proj_weight,
+                self.in_proj_bias,
+                self.out_proj.weight,
+                self.out_proj.bias,
+                None,
+                bool(need_weights),
+                bool(average_attn_weights),
                 None,
             )
         if kv_cache is not None and not isinstance(kv_cache, DamchaKVCache):
-            raise DamchaTypeError(f"`kv_cache` must be a DamchaKVCache or None. Received: kv_cache={describe(kv_cache)}")
+            raise DamchaTypeError(
+                f"`kv_cache` must be a DamchaKVCache or None. Received: kv_cache={describe(kv_cache)}"
+            )
         offset = 0 if kv_cache is None else len(kv_cache)
         is_causal = bool(is_causal)
         mask = None
@@ -609,9 +708,17 @@ class DamchaAttention(CanonicalIO, nn.Module):
             # path (need_weights too), so a wrong hint gives one answer.
             mask = self._merge_masks(key_padding_mask, attn_mask, B, N, M + offset, query.dtype, causal_hint=is_causal)
         out, weights = fn.attend_weights(
-            self._weights(), self.config, query, None if self_attention else key, None if self_attention else value,
-            mask=mask, causal=is_causal, query_offset=0, kv_cache=kv_cache,
-            dropout_p=self.dropout if self.training else 0.0, need_weights=bool(need_weights),
+            self._weights(),
+            self.config,
+            query,
+            None if self_attention else key,
+            None if self_attention else value,
+            mask=mask,
+            causal=is_causal,
+            query_offset=0,
+            kv_cache=kv_cache,
+            dropout_p=self.dropout if self.training else 0.0,
+            need_weights=bool(need_weights),
             recompute=self.recompute and self.training,
         )
         if weights is not None and average_attn_weights:
@@ -642,8 +749,13 @@ class DamchaAttention(CanonicalIO, nn.Module):
         elif not self.batch_first:
             query, key = query.transpose(0, 1), key.transpose(0, 1)
         cfg = self.config
-        dc.check_shapes(cfg, tuple(query.shape), tuple(key.shape), value_shape=(*key.shape[:2], cfg.value_input_dim),
-                        names=_FORWARD_NAMES)
+        dc.check_shapes(
+            cfg,
+            tuple(query.shape),
+            tuple(key.shape),
+            value_shape=(*key.shape[:2], cfg.value_input_dim),
+            names=_FORWARD_NAMES,
+        )
         return self._penalty(query, key)
 
     def _penalty(self, query: Tensor, key: Tensor) -> Tensor:
@@ -663,11 +775,25 @@ class DamchaAttention(CanonicalIO, nn.Module):
         recompute: bool = True,
     ) -> DamchaAttention:
         layer = cls(
-            config.query_dim, config.num_heads, dropout=config.dropout, bias=config.use_bias,
-            kdim=config.context_dim, vdim=config.value_input_dim, batch_first=batch_first, device=device, dtype=dtype,
-            key_dim=config.key_dim, value_dim=config.value_dim, num_kv_heads=config.num_kv_heads,
-            output_dim=config.output_dim, metric=config.metric, metric_rank=config.metric_rank,
-            coupling=config.coupling, scale=config.scale, metric_generator=metric_generator, recompute=recompute,
+            config.query_dim,
+            config.num_heads,
+            dropout=config.dropout,
+            bias=config.use_bias,
+            kdim=config.context_dim,
+            vdim=config.value_input_dim,
+            batch_first=batch_first,
+            device=device,
+            dtype=dtype,
+            key_dim=config.key_dim,
+            value_dim=config.value_dim,
+            num_kv_heads=config.num_kv_heads,
+            output_dim=config.output_dim,
+            metric=config.metric,
+            metric_rank=config.metric_rank,
+            coupling=config.coupling,
+            scale=config.scale,
+            metric_generator=metric_generator,
+            recompute=recompute,
         )
         check_config_rebuilt(layer, config)
         return layer
@@ -685,8 +811,15 @@ class DamchaAttention(CanonicalIO, nn.Module):
         recompute: bool = True,
     ) -> DamchaAttention:
         """A layer with ``config`` whose parameters are the canonical ``params``."""
-        return super().from_canonical(params, config, batch_first=batch_first, device=device, dtype=dtype,
-                                      metric_generator=metric_generator, recompute=recompute)
+        return super().from_canonical(
+            params,
+            config,
+            batch_first=batch_first,
+            device=device,
+            dtype=dtype,
+            metric_generator=metric_generator,
+            recompute=recompute,
+        )
 
     # ------------------------------------------------------------ from MHA
 
@@ -708,5 +841,12 @@ class DamchaAttention(CanonicalIO, nn.Module):
         """
         from ._convert import from_mha
 
-        return from_mha(cls, mha, metric=metric, metric_rank=metric_rank, coupling=coupling,
-                        metric_generator=metric_generator, recompute=recompute)
+        return from_mha(
+            cls,
+            mha,
+            metric=metric,
+            metric_rank=metric_rank,
+            coupling=coupling,
+            metric_generator=metric_generator,
+            recompute=recompute,
+        )

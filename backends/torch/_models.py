@@ -22,14 +22,14 @@ import contextlib
 import dataclasses
 import json
 import os
-from typing import Any, Callable, Iterator, Mapping
-
-import torch
-from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import damcha_core as dc
+import torch
 from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, describe
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 # The port's public names (bound in damcha_torch/__init__ before this module loads).
 from . import DamchaAttention, MetricGenerator, replace_mha
@@ -134,7 +134,9 @@ def register_adapter(adapter: ModelAdapter) -> ModelAdapter:
     if not isinstance(adapter, ModelAdapter):
         raise DamchaTypeError(f"`adapter` must be a damcha_torch.ModelAdapter. Received: adapter={describe(adapter)}")
     if any(a.name == adapter.name for a in _ADAPTERS):
-        raise DamchaValueError(f"An adapter named {adapter.name!r} is already registered. Received: adapter.name={adapter.name!r}")
+        raise DamchaValueError(
+            f"An adapter named {adapter.name!r} is already registered. Received: adapter.name={adapter.name!r}"
+        )
     _ADAPTERS.append(adapter)
     return adapter
 
@@ -251,8 +253,10 @@ class DamchaMaps(nn.Module):
     def extra_repr(self) -> str:
         c = self.config
         shared = f", shared={sorted(self._borrowed)}" if self._borrowed else ""
-        return (f"adapter={self.adapter!r}, heads={c.num_heads}, kv_heads={c.num_kv_heads}, head_dim={c.key_dim}, "
-                f"metric={c.metric!r}, coupling={c.coupling!r}{shared}")
+        return (
+            f"adapter={self.adapter!r}, heads={c.num_heads}, kv_heads={c.num_kv_heads}, head_dim={c.key_dim}, "
+            f"metric={c.metric!r}, coupling={c.coupling!r}{shared}"
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -299,8 +303,12 @@ class DamchaMaps(nn.Module):
 
     def _recompute_now(self) -> bool:
         # torch.func transforms reject checkpoint's saved-tensor hooks; store instead.
-        return (self.recompute and self.training and torch.is_grad_enabled()
-                and not torch._C._are_functorch_transforms_active())
+        return (
+            self.recompute
+            and self.training
+            and torch.is_grad_enabled()
+            and not torch._C._are_functorch_transforms_active()
+        )
 
     def _run_site(self, fwd: _SiteForward, x: Tensor, args: tuple, kwargs: dict) -> Tensor:
         if self._recompute_now():
@@ -383,8 +391,13 @@ _COUPLINGS = ("auto", "tied", "separate", "query")
 
 def _resolve_coupling(coupling: str, layout: AttentionLayout, metric: str) -> str:
     return dc.resolve_coupling(
-        coupling, metric=metric, query_dim=layout.query_features, context_dim=layout.key_features,
-        num_heads=layout.num_heads, num_kv_heads=layout.num_kv_heads, same_inputs=layout.self_attention,
+        coupling,
+        metric=metric,
+        query_dim=layout.query_features,
+        context_dim=layout.key_features,
+        num_heads=layout.num_heads,
+        num_kv_heads=layout.num_kv_heads,
+        same_inputs=layout.self_attention,
     )
 
 
@@ -508,8 +521,13 @@ def convert(
         try:
             layout = adapter.layout(module)
             config = DamchaConfig(
-                query_dim=layout.query_features, context_dim=layout.key_features, num_heads=layout.num_heads,
-                num_kv_heads=layout.num_kv_heads, key_dim=layout.head_dim, metric=metric, metric_rank=metric_rank,
+                query_dim=layout.query_features,
+                context_dim=layout.key_features,
+                num_heads=layout.num_heads,
+                num_kv_heads=layout.num_kv_heads,
+                key_dim=layout.head_dim,
+                metric=metric,
+                metric_rank=metric_rank,
                 coupling=_resolve_coupling(coupling, layout, metric),
             )
         except (DamchaValueError, DamchaTypeError) as exc:
@@ -519,11 +537,16 @@ def convert(
     if share_metric:
         _check_shareable([(n, c) for n, _, _, _, c in plans])
 
-    for name, module, adapter, layout, config in plans:
+    for _name, module, adapter, layout, config in plans:
         ref = next(module.parameters(), None)
         maps = DamchaMaps(
-            config, layout, adapter.name, recompute=recompute, shared=shared if share_metric else None,
-            device=None if ref is None else ref.device, dtype=None if ref is None or not ref.is_floating_point() else ref.dtype,
+            config,
+            layout,
+            adapter.name,
+            recompute=recompute,
+            shared=shared if share_metric else None,
+            device=None if ref is None else ref.device,
+            dtype=None if ref is None or not ref.is_floating_point() else ref.dtype,
         )
         if share_metric:
             for side in config.metric_sides:
@@ -532,8 +555,12 @@ def convert(
         maps.install(module)
 
     if mhas:
-        kwargs: dict[str, Any] = {"metric": metric, "metric_rank": metric_rank, "recompute": recompute,
-                                  "coupling": None if coupling == "auto" else coupling}
+        kwargs: dict[str, Any] = {
+            "metric": metric,
+            "metric_rank": metric_rank,
+            "recompute": recompute,
+            "coupling": None if coupling == "auto" else coupling,
+        }
         if share_metric:
             kwargs["metric_generator"] = _mha_shared(mhas, metric, metric_rank, kwargs["coupling"], shared)
         replace_mha(model, **kwargs)
@@ -563,8 +590,9 @@ def _mha_shared(mhas, metric, metric_rank, coupling, shared):
     for side in sides:
         if side not in shared:
             feats = mha.embed_dim if side != "k" else mha.kdim
-            shared[side] = MetricGenerator(feats, mha.num_heads, mha.head_dim, metric, metric_rank,
-                                           device=ref.device, dtype=ref.dtype)
+            shared[side] = MetricGenerator(
+                feats, mha.num_heads, mha.head_dim, metric, metric_rank, device=ref.device, dtype=ref.dtype
+            )
         out[side] = shared[side]
     return out["qk"] if sides == ("qk",) else out
 
@@ -573,11 +601,15 @@ def _record(model: nn.Module, **options: Any) -> None:
     """Write the options into a transformers config, saved with save_pretrained."""
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "to_dict") and hasattr(config, "save_pretrained"):
-        setattr(config, CONFIG_KEY, {
-            "format": CONFIG_FORMAT,
-            "load_with": "damcha_torch.from_pretrained(<model class>, path); the plain class drops the DAMCHA maps",
-            **options,
-        })
+        setattr(
+            config,
+            CONFIG_KEY,
+            {
+                "format": CONFIG_FORMAT,
+                "load_with": "damcha_torch.from_pretrained(<model class>, path); the plain class drops the DAMCHA maps",
+                **options,
+            },
+        )
 
 
 # ------------------------------------------------------------------ helpers
@@ -590,7 +622,9 @@ def converted_layers(model: nn.Module) -> dict[str, nn.Module]:
         raise DamchaTypeError(f"`model` must be a torch.nn.Module. Received: model={describe(model)}")
     out: dict[str, nn.Module] = {}
     for name, module in model.named_modules():
-        if isinstance(module, DamchaAttention) or isinstance(getattr(module, "_modules", {}).get(CONFIG_KEY), DamchaMaps):
+        if isinstance(module, DamchaAttention) or isinstance(
+            getattr(module, "_modules", {}).get(CONFIG_KEY), DamchaMaps
+        ):
             out[name] = module
     return out
 

@@ -9,9 +9,8 @@ q_proj that also emits gates, say) is refused rather than mis-mapped.
 
 from __future__ import annotations
 
-from torch import nn
-
 from damcha_core import DamchaValueError
+from torch import nn
 
 from ._models import AttentionLayout, ModelAdapter, ProjectionSite, register_adapter
 
@@ -62,8 +61,9 @@ def _gpt2_layout(m: nn.Module) -> AttentionLayout:
         (eq, q_out), (ek, kv_out) = _features(m.q_attn), _features(m.c_attn)
         _heads("q_attn", q_out, d, H)
         _heads("c_attn", kv_out, d, 2 * H)
-        return AttentionLayout(H, H, d, eq, ek, (ProjectionSite("q_attn", q=0), ProjectionSite("c_attn", k=0)),
-                               self_attention=False)
+        return AttentionLayout(
+            H, H, d, eq, ek, (ProjectionSite("q_attn", q=0), ProjectionSite("c_attn", k=0)), self_attention=False
+        )
     e, out = _features(m.c_attn)
     _heads("c_attn", out, d, 3 * H)
     return AttentionLayout(H, H, d, e, e, (ProjectionSite("c_attn", q=0, k=E),))
@@ -79,11 +79,13 @@ def _bert_layout(m: nn.Module) -> AttentionLayout:
     _heads("query", q_out, d, H)
     _heads("key", k_out, d, H)
     cross = _is(m, "transformers", _BERT_CROSS)
-    return AttentionLayout(H, H, d, eq, ek, (ProjectionSite("query", q=0), ProjectionSite("key", k=0)),
-                           self_attention=not cross)
+    return AttentionLayout(
+        H, H, d, eq, ek, (ProjectionSite("query", q=0), ProjectionSite("key", k=0)), self_attention=not cross
+    )
 
 
 # ------------------------------------------------------------------- timm
+
 
 def _timm_layout(m: nn.Module) -> AttentionLayout:
     H, d = int(m.num_heads), int(m.head_dim)
