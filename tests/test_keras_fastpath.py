@@ -291,6 +291,37 @@ def test_cache_decode_fast_path_equals_explicit_and_reference(chunks, kernel_cal
         _close(np.concatenate(ys, axis=1), full, path)
 
 
+def test_eager_decode_maps_with_one_compiled_call_per_step(monkeypatch):
+    """Counted, not timed: an eager decoding step maps its queries and keys with
+    one call of a compiled function (tf.function / jax.jit; torch runs the ops),
+    traced once for every step of one shape, and writes the cache with one
+    slice update; the steps equal one causal pass."""
+    import damcha_keras._functional as F
+
+    runs = []
+    real = F.map_heads_pair
+
+    def counted(*args):
+        runs.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(F, "map_heads_pair", counted)
+    updates = []
+    real_update = keras.ops.slice_update
+    monkeypatch.setattr(keras.ops, "slice_update", lambda *a: updates.append(a[0].shape) or real_update(*a))
+    layer, params, cfg = _layer(cross=False)
+    x = rng(10).normal(size=(B, 4, E)).astype(DTYPE)
+    cache, ys = layer.init_cache(B, 4), []
+    for i in range(4):
+        t = keras.ops.convert_to_tensor(x[:, i:i + 1])  # one tensor for query and value, as users call it
+        y, cache = layer(t, t, use_causal_mask=True, cache=cache, cache_update_index=i)
+        ys.append(np_(y))
+    # The Python body runs once per trace (compiled backends) or once per step (torch).
+    assert len(runs) == (4 if BACKEND == "torch" else 1), runs
+    assert updates == [(B, 2, 4, H, D)] * 4, updates
+    _close(np.concatenate(ys, axis=1), dc.damcha_attention(params, cfg, x.astype(np.float64), causal=True))
+
+
 def test_other_keras_backends_take_the_same_fast_paths():
     """Every test of this file that is not TensorFlow-specific, run on the jax
     and torch backends (Keras fixes its backend per process: one subprocess
@@ -308,7 +339,7 @@ def test_other_keras_backends_take_the_same_fast_paths():
         assert proc.returncode == 0, tail
         summary = proc.stdout.strip().splitlines()[-1]
         passed = re.search(r"(\d+) passed", summary)
-        assert passed and int(passed.group(1)) == len(CASES) + 4, summary  # the cases + 4 other tests
+        assert passed and int(passed.group(1)) == len(CASES) + 5, summary  # the cases + 5 other tests
         assert "skipped" not in summary and "deselected" in summary, summary
 
 

@@ -127,11 +127,11 @@ def read_cache(cache: Any, dtype: str) -> tuple[Any, Any]:
 def update_cache(cache: Any, index: Any, k: Any, v: Any) -> tuple[Any, Any, Any]:
     """Write the new tokens' mapped keys and values at ``index``; returns
     ``(cache, keys, values)`` with every slot, keys and values in k's dtype."""
-    start = [0, index, 0, 0]
-    keys = ops.slice_update(cache[:, 0], start, ops.cast(k, cache.dtype))
-    values = ops.slice_update(cache[:, 1], start, ops.cast(v, cache.dtype))
-    cache = ops.stack([keys, values], axis=1)
-    return cache, ops.cast(keys, k.dtype), ops.cast(values, k.dtype)
+    # One update of the whole cache with the new tokens' (B, 2, T, G, d): the cache
+    # is copied once per step (updating each half and stacking them copied it three times).
+    new = ops.stack([ops.cast(k, cache.dtype), ops.cast(v, cache.dtype)], axis=1)
+    cache = ops.slice_update(cache, [0, 0, index, 0, 0], new)
+    return cache, ops.cast(cache[:, 0], k.dtype), ops.cast(cache[:, 1], k.dtype)
 
 
 @functools.lru_cache(maxsize=64)

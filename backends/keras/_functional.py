@@ -13,6 +13,7 @@ sublayers' outputs.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Mapping
 
 import numpy as np
@@ -126,6 +127,47 @@ def apply_map_matrix(matrix: Any, y: Any) -> Any:
     """L(t) y for stacked heads y (B, T, S, d) from ``map_matrix``'s (B, T, S, S):
     one batched product per token (the ``apply_map`` step for metric "heads")."""
     return ops.einsum("btha,btad->bthd", matrix, y)
+
+
+def map_heads(tokens: Any, kernel: Any, bias: Any, gate: Any, y: Any) -> Any:
+    """L(t) y for metric "heads": ``map_matrix`` then ``apply_map_matrix``."""
+    return apply_map_matrix(map_matrix(tokens, kernel, bias, gate), y)
+
+
+def map_heads_pair(tokens: Any, kernel: Any, bias: Any, gate: Any, q: Any, k: Any) -> tuple[Any, Any]:
+    """L(t) q and L(t) k with one matrix: a tied self-attention's queries and keys."""
+    matrix = map_matrix(tokens, kernel, bias, gate)
+    return apply_map_matrix(matrix, q), apply_map_matrix(matrix, k)
+
+
+def compiled(fn: Callable, *args: Any) -> Any:
+    """``fn(*args)``, run eagerly as one call of the backend's compiler
+    (``tf.function``, ``jax.jit``) for the small fixed chains of ops of the
+    map: eager Keras pays a dispatch per op, a compiled call pays one. When
+    already traced (``tf.function``, ``jit``, export) and on torch, ``fn`` runs
+    as it is. Compiled once per shape and dtype."""
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        if not tf.executing_eagerly():
+            return fn(*args)
+        maker = functools.partial(tf.function, autograph=False)
+    elif backend == "jax":
+        import jax
+
+        if any(isinstance(a, jax.core.Tracer) for a in args):
+            return fn(*args)
+        maker = jax.jit
+    else:
+        return fn(*args)
+    key = (fn, backend)
+    if key not in _COMPILED:
+        _COMPILED[key] = maker(fn)
+    return _COMPILED[key](*args)
+
+
+_COMPILED: dict = {}
 
 
 def as_4d(mask: Any) -> Any:

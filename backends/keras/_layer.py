@@ -591,7 +591,7 @@ class DamchaAttention(keras.layers.Layer):
 
     # ------------------------------------------------------------------ math
 
-    def _apply_map(self, side: str, tokens: Any, y: Any, penalties: list, maps: dict) -> Any:
+    def _apply_map(self, side: str, tokens: Any, y: Any, penalties: list) -> Any:
         """L(t) y of ``side`` for stacked heads y (B, T, S, d).
 
         Metric "heads" takes the fast form: the generator, its gate and the
@@ -603,19 +603,23 @@ class DamchaAttention(keras.layers.Layer):
         """
         generator = self._generators[side]
         gate = self._gates[side]
-        fast = (self.config.metric == "heads" and self._metric_l2 == 0
-                and generator.compute_dtype == self.compute_dtype)
-        if fast:
-            # One matrix per side and tokens: a tied self-attention reuses it for the keys.
-            matrix = maps.get((side, id(tokens)))
-            if matrix is None:
-                matrix = maps[side, id(tokens)] = F.map_matrix(tokens, generator.kernel, generator.bias, gate)
-            return F.apply_map_matrix(matrix, y)
+        if self._fast_map(side):
+            return F.compiled(F.map_heads, tokens, *self._map_weights(side), y)
         coeff = generator(tokens)
         u, v = (generator.u, generator.v) if self.config.metric == "lowrank" else (None, None)
         if self._metric_l2 > 0:
             penalties.append(F.metric_penalty(self.config, side, coeff, gate, u, v))
         return F.apply_map(y, coeff, gate, metric=self.config.metric, u=u, v=v)
+
+    def _fast_map(self, side: str) -> bool:
+        """Whether ``side`` maps in the fast form (``_apply_map``)."""
+        return (self.config.metric == "heads" and self._metric_l2 == 0
+                and self._generators[side].compute_dtype == self.compute_dtype)
+
+    def _map_weights(self, side: str) -> tuple[Any, Any, Any]:
+        """The generator's kernel and bias and the gate of ``side``, as tensors."""
+        generator = self._generators[side]
+        return tuple(ops.convert_to_tensor(w) for w in (generator.kernel, generator.bias, self._gates[side]))
 
     def _attend(self, q: Any, k: Any, v: Any, q_in: Any, v_in: Any, *, query_mask: Any, value_mask: Any,
                 key_mask: Any, attention_mask: Any, mask_values: Any, use_causal_mask: bool, cache: Any,
@@ -788,19 +792,23 @@ class DamchaAttention(keras.layers.Layer):
         cfg = self.config
         q = self._query_dense(q_in)  # (B, N, H, d)
         penalties: list = []
-        maps: dict = {}  # (side, id(tokens)) -> per-token matrix, shared by q and k when tied
         side_q, side_k = dc.side_of(cfg, "q"), dc.side_of(cfg, "k")
-        if side_q:
-            q = self._apply_map(side_q, q_in, q, penalties, maps)
-        if cache is not None and cache_update_index is None:
-            k, v = _cache.read_cache(cache, dtype_name(q))  # read-only: k~ already mapped
+        read_only = cache is not None and cache_update_index is None
+        if read_only:
+            k, v = _cache.read_cache(cache, dtype_name(q))  # k~ already mapped
         else:
             k = self._key_dense(k_in)  # (B, M, G, d)
             v = self._value_dense(v_in)  # (B, M, G, d_v)
-            if side_k:
-                k = self._apply_map(side_k, k_in, k, penalties, maps)
-            if cache is not None:
-                cache, k, v = _cache.update_cache(cache, cache_update_index, k, v)
+        if side_q and side_q == side_k and k_in is q_in and not read_only and self._fast_map(side_q):
+            # Tied self-attention: one map matrix per token for the queries and the keys.
+            q, k = F.compiled(F.map_heads_pair, q_in, *self._map_weights(side_q), q, k)
+        else:
+            if side_q:
+                q = self._apply_map(side_q, q_in, q, penalties)
+            if side_k and not read_only:
+                k = self._apply_map(side_k, k_in, k, penalties)
+        if cache is not None and not read_only:
+            cache, k, v = _cache.update_cache(cache, cache_update_index, k, v)
         if penalties:
             self.add_loss(self._metric_l2 * ops.mean(ops.stack(penalties)))
 
