@@ -47,8 +47,14 @@ class X64Worker:
     """A JAX_ENABLE_X64=1 process that runs float64 checks by id, in order."""
 
     def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", _X64_WORKER], env={**os.environ, "JAX_ENABLE_X64": "1"},
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _X64_WORKER],
+            env={**os.environ, "JAX_ENABLE_X64": "1"},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         self.sent: list[str] = []
         self.results: dict[str, Result] = {}
 
@@ -83,8 +89,11 @@ def x64_worker(request):
     if "PYTEST_XDIST_WORKER" not in os.environ:
         # One process runs every selected test: hand over all float64 checks now, so the worker
         # computes them while this process runs the float32 and bfloat16 checks.
-        selected = [item.callspec.params["check"].id for item in request.session.items
-                    if item.module is request.module and "check" in getattr(getattr(item, "callspec", None), "params", {})]
+        selected = [
+            item.callspec.params["check"].id
+            for item in request.session.items
+            if item.module is request.module and "check" in getattr(getattr(item, "callspec", None), "params", {})
+        ]
         worker.send([i for i in selected if BY_ID[i].dtype == "float64"])
     yield worker
     worker.close()
@@ -101,7 +110,9 @@ def test_conformance(check, adapter, x64_worker):
         assert_check(adapter, check)
         return
     result = x64_worker.result(check.id)
-    assert result.status == "pass", f"{result.status}: err={result.max_error:.3g} ratio={result.ratio:.3g} {result.detail}"
+    assert result.status == "pass", (
+        f"{result.status}: err={result.max_error:.3g} ratio={result.ratio:.3g} {result.detail}"
+    )
 
 
 def test_the_plan_covers_every_case_with_gradients_and_float64():

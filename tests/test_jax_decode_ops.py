@@ -26,8 +26,12 @@ def _count(jaxpr, counts: collections.Counter | None = None) -> collections.Coun
     """Primitive equations by name, nested calls (jit, custom_jvp) opened up."""
     counts = collections.Counter() if counts is None else counts
     for eqn in jaxpr.eqns:
-        subs = [v for value in eqn.params.values() for v in (value if isinstance(value, (list, tuple)) else [value])
-                if hasattr(v, "eqns") or hasattr(getattr(v, "jaxpr", None), "eqns")]
+        subs = [
+            v
+            for value in eqn.params.values()
+            for v in (value if isinstance(value, (list, tuple)) else [value])
+            if hasattr(v, "eqns") or hasattr(getattr(v, "jaxpr", None), "eqns")
+        ]
         for sub in subs:
             _count(sub if hasattr(sub, "eqns") else sub.jaxpr, counts)
         if not subs:

@@ -84,8 +84,15 @@ CASES = ["causal", "causal+padding", "padding", "padding+is_causal", "cross-padd
 
 def _reference(config, params, x, c, mask, is_causal, offset) -> np.ndarray:
     np_params = {k: np.asarray(v) for k, v in params.items()}
-    return dc.damcha_attention(np_params, config, np.asarray(x), None if c is None else np.asarray(c),
-                               mask=np.asarray(mask) != 0, causal=is_causal, query_offset=offset)
+    return dc.damcha_attention(
+        np_params,
+        config,
+        np.asarray(x),
+        None if c is None else np.asarray(c),
+        mask=np.asarray(mask) != 0,
+        causal=is_causal,
+        query_offset=offset,
+    )
 
 
 @pytest.fixture
@@ -131,10 +138,12 @@ def test_fast_path_equals_explicit_path_and_reference_in_float64(name, fused_flo
 
         def grad(path: str, concrete: bool = False):
             if concrete:  # the mask is a constant of the traced function: its values are known
-                return jax.value_and_grad(functools.partial(loss, path, mask), argnums=tuple(range(len(args))),
-                                          has_aux=True)
-            return jax.value_and_grad(functools.partial(loss, path), argnums=tuple(range(1, len(args) + 1)),
-                                      has_aux=True)
+                return jax.value_and_grad(
+                    functools.partial(loss, path, mask), argnums=tuple(range(len(args))), has_aux=True
+                )
+            return jax.value_and_grad(
+                functools.partial(loss, path), argnums=tuple(range(1, len(args) + 1)), has_aux=True
+            )
 
         (_, y_hint), g_hint = fast_jit(grad("hinted"))(mask, *args)  # a traced mask: the hint's path
         (_, y_host), g_host = fast_jit(grad("unhinted", concrete=True))(*args)  # a concrete 0/1 mask: read
@@ -184,8 +193,9 @@ def test_decode_with_cache_fast_path_equals_explicit_and_reference(fused_float64
 
         grads = {}
         for hint in ("padding", None):
-            grads[hint] = fast_jit(jax.value_and_grad(functools.partial(run, hint=hint), argnums=(0, 1),
-                                                      has_aux=True))(params, x)
+            grads[hint] = fast_jit(jax.value_and_grad(functools.partial(run, hint=hint), argnums=(0, 1), has_aux=True))(
+                params, x
+            )
         expected = _reference(config, params, x, None, pad, True, 0)
         (_, y_hint), g_hint = grads["padding"]
         (_, y_plain), g_plain = grads[None]
@@ -267,7 +277,9 @@ def test_wrong_hint_raises_when_concrete_and_gives_nan_under_jit() -> None:
     for mask, hint in ((padding, "causal"), (scattered, "padding"), (scattered, "causal")):
         with pytest.raises(dc.DamchaValueError, match=f"`mask` is not what mask_hint='{hint}' says"):
             dj.damcha_attention(params, SELF, x, mask=np.asarray(mask), mask_hint=hint)
-        y = fast_jit(lambda p, x, m, hint=hint: dj.damcha_attention(p, SELF, x, mask=m, mask_hint=hint))(params, x, mask)
+        y = fast_jit(lambda p, x, m, hint=hint: dj.damcha_attention(p, SELF, x, mask=m, mask_hint=hint))(
+            params, x, mask
+        )
         assert np.all(np.isnan(np.asarray(y))), hint
     # An additive 0/-inf mask is still refused / NaN with a hint (DECISIONS 5), not read as an inverted causal mask.
     additive = jnp.where(nnx.make_causal_mask(ids) > 0, 0.0, -jnp.inf)

@@ -8,8 +8,6 @@ or ``metric="none"``), and with the NumPy reference with the gates open.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,7 +17,6 @@ from jax.lax import Precision
 
 import damcha_core as dc
 import damcha_jax as dj
-from damcha_conformance import case_params
 
 FAST = {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 0}
 B, N, M, E = 2, 5, 6, 16
@@ -66,19 +63,27 @@ def _np(params):
 
 @pytest.mark.parametrize(
     "precision, decode, normalize_qk",
-    [(Precision.DEFAULT, False, False), (Precision.HIGHEST, False, True), (Precision.HIGH, True, False),
-     (Precision.HIGHEST, True, True)],
+    [
+        (Precision.DEFAULT, False, False),
+        (Precision.HIGHEST, False, True),
+        (Precision.HIGH, True, False),
+        (Precision.HIGHEST, True, True),
+    ],
     ids=["default-forward", "highest-forward-normalize_qk", "high-decode", "highest-decode-normalize_qk"],
 )
 def test_equals_linen_mha_with_the_same_weights(precision, decode: bool, normalize_qk: bool) -> None:
     """Flax's linen/nnx consistency check, DAMCHA substituted: the same weights
     in linen.MultiHeadDotProductAttention and DamchaAttention (fresh gates, and
     metric "none") give the same outputs, token by token when decoding."""
-    kwargs = dict(num_heads=2, qkv_features=6, out_features=6, precision=precision, decode=decode, normalize_qk=normalize_qk)
+    kwargs = dict(
+        num_heads=2, qkv_features=6, out_features=6, precision=precision, decode=decode, normalize_qk=normalize_qk
+    )
     model = linen.MultiHeadDotProductAttention(**kwargs)
     x = _normal((B, 4, 3), 1)
     variables = model.init(jax.random.key(0), x)
-    layers = [dj.DamchaAttention(in_features=3, rngs=nnx.Rngs(0), metric=metric, **kwargs) for metric in ("heads", "none")]
+    layers = [
+        dj.DamchaAttention(in_features=3, rngs=nnx.Rngs(0), metric=metric, **kwargs) for metric in ("heads", "none")
+    ]
     for layer in layers:
         assert layer.query.precision == layer.out.precision == precision
         for name in ("query", "key", "value", "out"):
@@ -88,9 +93,14 @@ def test_equals_linen_mha_with_the_same_weights(precision, decode: bool, normali
             layer.query_ln.scale[...] = 1.0 + _normal((3,), 2)
             layer.key_ln.scale[...] = 1.0 + _normal((3,), 3)
     if normalize_qk:
-        variables = {"params": {**variables["params"],
-                                "query_ln": {"scale": layers[0].query_ln.scale[...]},
-                                "key_ln": {"scale": layers[0].key_ln.scale[...]}}, **({"cache": variables["cache"]} if decode else {})}
+        variables = {
+            "params": {
+                **variables["params"],
+                "query_ln": {"scale": layers[0].query_ln.scale[...]},
+                "key_ln": {"scale": layers[0].key_ln.scale[...]},
+            },
+            **({"cache": variables["cache"]} if decode else {}),
+        }
     if not decode:
         expected, *ours = in_one_program(lambda a, b, x: (model.apply(variables, x), a(x), b(x)), layers, x)
         for out in ours:
@@ -115,15 +125,24 @@ def test_equals_linen_mha_with_the_same_weights(precision, decode: bool, normali
 # ---------------------------------------------------- keep_rngs and dropout
 
 
-@pytest.mark.parametrize("keep_rngs, broadcast_dropout", [(True, True), (False, False)],
-                         ids=["keep_rngs-broadcast", "no_rngs-elementwise"])
+@pytest.mark.parametrize(
+    "keep_rngs, broadcast_dropout", [(True, True), (False, False)], ids=["keep_rngs-broadcast", "no_rngs-elementwise"]
+)
 def test_dropout_and_keep_rngs_follow_flax_mha(keep_rngs: bool, broadcast_dropout: bool) -> None:
     """keep_rngs stores (or not) the dropout stream as Flax does, and with the
     same keys DAMCHA (gates 0) drops the same probabilities as nnx.MultiHeadAttention,
     in a forward pass and while decoding."""
+
     def make(cls, **extra):
-        return cls(4, E, dropout_rate=0.5, broadcast_dropout=broadcast_dropout, keep_rngs=keep_rngs,
-                   rngs=nnx.Rngs(params=0, dropout=1), **extra)
+        return cls(
+            4,
+            E,
+            dropout_rate=0.5,
+            broadcast_dropout=broadcast_dropout,
+            keep_rngs=keep_rngs,
+            rngs=nnx.Rngs(params=0, dropout=1),
+            **extra,
+        )
 
     mha, layer = make(nnx.MultiHeadAttention, decode=False), make(dj.DamchaAttention)
     nnx.update(layer, nnx.state(mha, nnx.Param))  # the four projections
@@ -140,11 +159,17 @@ def test_dropout_and_keep_rngs_follow_flax_mha(keep_rngs: bool, broadcast_dropou
         module.init_cache((B, 3, E))
 
     def body(layer, mha, x):
-        pairs = [(layer(x, deterministic=False, rngs=rngs()), mha(x, deterministic=False, rngs=rngs()))
-                 for _ in range(2)]  # the streams advance identically
+        pairs = [
+            (layer(x, deterministic=False, rngs=rngs()), mha(x, deterministic=False, rngs=rngs())) for _ in range(2)
+        ]  # the streams advance identically
         plain = layer(x, deterministic=True)
-        steps = [(layer(x[:, t : t + 1], decode=True, deterministic=False, rngs=rngs()),
-                  mha(x[:, t : t + 1], decode=True, deterministic=False, rngs=rngs())) for t in range(3)]
+        steps = [
+            (
+                layer(x[:, t : t + 1], decode=True, deterministic=False, rngs=rngs()),
+                mha(x[:, t : t + 1], decode=True, deterministic=False, rngs=rngs()),
+            )
+            for t in range(3)
+        ]
         return pairs, plain, steps
 
     pairs, plain, steps = in_one_program(body, (layer, mha), x)
@@ -194,9 +219,13 @@ def test_key_and_value_inputs_of_different_sizes() -> None:
         assert layer.value.kernel.shape == (6, 4, 4) and layer.config.value_input_dim == 6
         _open_gates(layer)
         x, k, v = _normal((B, N, E), 1), _normal((B, M, 12), 2), _normal((B, M, 6), 3)
-        expected = dc.damcha_attention(_np(layer.to_canonical()), layer.config, np.asarray(x), np.asarray(k), value=np.asarray(v))
+        expected = dc.damcha_attention(
+            _np(layer.to_canonical()), layer.config, np.asarray(x), np.asarray(k), value=np.asarray(v)
+        )
         np.testing.assert_allclose(layer(x, k, v), expected, rtol=2e-4, atol=2e-5)
-        np.testing.assert_allclose(dj.damcha_attention(layer.arrays(), layer.config, x, k, value=v), expected, rtol=2e-4, atol=2e-5)
+        np.testing.assert_allclose(
+            dj.damcha_attention(layer.arrays(), layer.config, x, k, value=v), expected, rtol=2e-4, atol=2e-5
+        )
         with pytest.raises(dc.DamchaValueError, match=r"`inputs_v` is required when in_v_features != in_kv_features"):
             layer(x, k)
 
@@ -222,10 +251,12 @@ def test_sow_weights_match_flax_and_reference() -> None:
     np.testing.assert_allclose(ours["attention_weights"][0], flax["attention_weights"][0], rtol=1e-5, atol=1e-6)
     assert not sown(layer, False)
     _open_gates(layer)
-    _, weights = dc.damcha_attention(_np(layer.to_canonical()), layer.config, np.asarray(x).reshape(6, N, E),
-                                     causal=True, return_weights=True)
-    np.testing.assert_allclose(np.asarray(sown(layer, True)["attention_weights"][0]).reshape(6, 4, N, N), weights,
-                               rtol=2e-4, atol=2e-6)
+    _, weights = dc.damcha_attention(
+        _np(layer.to_canonical()), layer.config, np.asarray(x).reshape(6, N, E), causal=True, return_weights=True
+    )
+    np.testing.assert_allclose(
+        np.asarray(sown(layer, True)["attention_weights"][0]).reshape(6, 4, N, N), weights, rtol=2e-4, atol=2e-6
+    )
 
 
 # ------------------------------------------------------------ attention_fn
@@ -250,19 +281,33 @@ def test_custom_attention_fn_gets_the_transformed_heads() -> None:
         mask = nnx.make_attention_mask(jnp.ones((B, N)), jnp.asarray(np.arange(N) < 4)[None].repeat(B, 0))
         calls.clear()
         np.testing.assert_allclose(custom(x, mask=mask), default(x, mask=mask), rtol=1e-5, atol=1e-5)
-        (q, k, v, kwargs), = calls
+        ((q, k, v, kwargs),) = calls
         q_t, k_t, v_t = dj.transformed_qkv(default.arrays(), default.config, x)
         factor = 1.0 if scale is None else scale * np.sqrt(4)
         np.testing.assert_allclose(q, q_t * factor, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(k, k_t, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(v, v_t, rtol=1e-5, atol=1e-6)
-        assert set(kwargs) == {"mask", "dropout_rng", "dropout_rate", "broadcast_dropout", "deterministic", "dtype",
-                               "precision", "module", "is_causal"}
+        assert set(kwargs) == {
+            "mask",
+            "dropout_rng",
+            "dropout_rate",
+            "broadcast_dropout",
+            "deterministic",
+            "dtype",
+            "precision",
+            "module",
+            "is_causal",
+        }
         for module in (default, custom):
             module.init_cache((B, 3, E))
         for t in range(3):
-            np.testing.assert_allclose(custom(x[:, t : t + 1], decode=True), default(x[:, t : t + 1], decode=True),
-                                       rtol=1e-5, atol=1e-5, err_msg=f"decode step {t}")
+            np.testing.assert_allclose(
+                custom(x[:, t : t + 1], decode=True),
+                default(x[:, t : t + 1], decode=True),
+                rtol=1e-5,
+                atol=1e-5,
+                err_msg=f"decode step {t}",
+            )
 
 
 # --------------------------------------------------------- normalize_qk
@@ -303,5 +348,6 @@ def test_dtypes_follow_flax_mha(dtype, param_dtype) -> None:
     expected = mha(x, is_causal=True)
     assert none(x, is_causal=True).dtype == fresh(x, is_causal=True).dtype == expected.dtype
     np.testing.assert_array_equal(none(x, is_causal=True), expected)
-    np.testing.assert_allclose(np.asarray(fresh(x, is_causal=True), np.float32), np.asarray(expected, np.float32),
-                               rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(
+        np.asarray(fresh(x, is_causal=True), np.float32), np.asarray(expected, np.float32), rtol=2e-2, atol=2e-2
+    )

@@ -46,7 +46,9 @@ def test_jit_retraces_only_for_new_shapes() -> None:
     jitted(params, _x((3, 6, 16)), jnp.ones((3, 1, 1, 6), bool))  # a new batch size: one trace
     jitted(params, _x((2, 6, 16)), mask)  # back to the first: cached
     assert traces == [(2, 6, 16), (3, 6, 16)] and jitted._cache_size() == 2
-    expected = dc.damcha_attention({k: np.asarray(v) for k, v in params.items()}, CFG, np.asarray(_x((2, 6, 16))), causal=True)
+    expected = dc.damcha_attention(
+        {k: np.asarray(v) for k, v in params.items()}, CFG, np.asarray(_x((2, 6, 16))), causal=True
+    )
     np.testing.assert_allclose(y1, expected, rtol=2e-4, atol=2e-5)
 
 
@@ -71,7 +73,7 @@ def test_grad_matches_reference_directional_derivative() -> None:
         direction = rng.normal(size=g.shape)
         args = [np_params, np.asarray(x, np.float64), np.asarray(c, np.float64)]
 
-        def moved(sign: float):
+        def moved(sign: float, args=args, arg=arg, key=key, direction=direction):
             a = list(args)
             if key is None:
                 a[arg] = a[arg] + sign * 1e-5 * direction
@@ -95,9 +97,13 @@ def test_vmap_over_params_and_leading_axis() -> None:
     per_member, shared_params = fast_jit(ensemble)(stacked, x)
     for i in range(3):
         p = {k: np.asarray(v[i]) for k, v in stacked.items()}
-        np.testing.assert_allclose(per_member[i], dc.damcha_attention(p, CFG, np.asarray(x[i]), causal=True), rtol=2e-4, atol=2e-5)
+        np.testing.assert_allclose(
+            per_member[i], dc.damcha_attention(p, CFG, np.asarray(x[i]), causal=True), rtol=2e-4, atol=2e-5
+        )
         p0 = {k: np.asarray(v) for k, v in _params(CFG, 0).items()}
-        np.testing.assert_allclose(shared_params[i], dc.damcha_attention(p0, CFG, np.asarray(x[i])), rtol=2e-4, atol=2e-5)
+        np.testing.assert_allclose(
+            shared_params[i], dc.damcha_attention(p0, CFG, np.asarray(x[i])), rtol=2e-4, atol=2e-5
+        )
 
 
 def test_all_masked_rows_give_bias_and_finite_zero_gradients() -> None:
@@ -109,7 +115,10 @@ def test_all_masked_rows_give_bias_and_finite_zero_gradients() -> None:
 
     def fn(params, x, c):
         y = dj.damcha_attention(params, CROSS, x, c, mask=mask, is_causal=True)
-        grads = jax.grad(lambda p, x, c: jnp.sum(dj.damcha_attention(p, CROSS, x, c, mask=mask, is_causal=True) ** 2), argnums=(0, 1, 2))(params, x, c)
+        grads = jax.grad(
+            lambda p, x, c: jnp.sum(dj.damcha_attention(p, CROSS, x, c, mask=mask, is_causal=True) ** 2),
+            argnums=(0, 1, 2),
+        )(params, x, c)
         return y, grads
 
     y, (g_params, g_x, g_c) = fast_jit(fn)(params, x, c)
@@ -121,7 +130,14 @@ def test_all_masked_rows_give_bias_and_finite_zero_gradients() -> None:
     np.testing.assert_array_equal(g_x[0, 1], 0.0)
     np.testing.assert_array_equal(g_x[1, :3], 0.0)
     assert np.abs(np.asarray(g_x[0, 2:])).max() > 0  # rows that see several keys do get one
-    expected = dc.damcha_attention({k: np.asarray(v) for k, v in params.items()}, CROSS, np.asarray(x), np.asarray(c), mask=np.asarray(mask), causal=True)
+    expected = dc.damcha_attention(
+        {k: np.asarray(v) for k, v in params.items()},
+        CROSS,
+        np.asarray(x),
+        np.asarray(c),
+        mask=np.asarray(mask),
+        causal=True,
+    )
     np.testing.assert_allclose(y, expected, rtol=2e-4, atol=2e-5)
 
 
@@ -131,12 +147,16 @@ def test_weights_path_equals_fused_path_and_reference() -> None:
 
     def fn(params, x):
         fused = dj.damcha_attention(params, CFG, x, mask=mask, is_causal=True)
-        y, w, metric = dj.damcha_attention(params, CFG, x, mask=mask, is_causal=True, return_weights=True, return_metric=True)
+        y, w, metric = dj.damcha_attention(
+            params, CFG, x, mask=mask, is_causal=True, return_weights=True, return_metric=True
+        )
         return fused, y, w, metric
 
     fused, y, w, metric = fast_jit(fn)(params, x)
     np_params = {k: np.asarray(v) for k, v in params.items()}
-    ref_y, ref_w, ref_metric = dc.damcha_attention(np_params, CFG, np.asarray(x), mask=np.asarray(mask), causal=True, return_weights=True, return_metric=True)
+    ref_y, ref_w, ref_metric = dc.damcha_attention(
+        np_params, CFG, np.asarray(x), mask=np.asarray(mask), causal=True, return_weights=True, return_metric=True
+    )
     np.testing.assert_allclose(fused, y, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(w, ref_w, rtol=2e-4, atol=2e-6)
     np.testing.assert_allclose(y, ref_y, rtol=2e-4, atol=2e-5)
@@ -177,7 +197,9 @@ def test_functional_decode_respects_padding_mask() -> None:
     np.testing.assert_allclose(jnp.concatenate(ys, axis=1), full, rtol=1e-5, atol=1e-5)
     unmasked = dj.damcha_attention(params, config, x, is_causal=True)
     assert np.max(np.abs(np.asarray(full) - np.asarray(unmasked))) > 1e-3  # the mask matters here
-    y_float, _ = dj.decode_step(params, config, dj.init_cache(config, 2, 6), x[:, :1], mask=jnp.asarray(pad, jnp.float32))
+    y_float, _ = dj.decode_step(
+        params, config, dj.init_cache(config, 2, 6), x[:, :1], mask=jnp.asarray(pad, jnp.float32)
+    )
     np.testing.assert_array_equal(y_float, ys[0])
     additive = jnp.where(jnp.asarray(pad), 0.0, -jnp.inf)
     with pytest.raises(dc.DamchaValueError, match="`mask` must be boolean .* holds other values"):
@@ -191,7 +213,9 @@ def test_metric_penalty_matches_reference() -> None:
         x = _x((2, 5, 16))
         c = None if config is CFG else _x((2, 7, 12), seed=1)
         actual = dj.metric_penalty(params, config, x, c)
-        expected = dc.metric_penalty({k: np.asarray(v) for k, v in params.items()}, config, np.asarray(x), None if c is None else np.asarray(c))
+        expected = dc.metric_penalty(
+            {k: np.asarray(v) for k, v in params.items()}, config, np.asarray(x), None if c is None else np.asarray(c)
+        )
         np.testing.assert_allclose(actual, expected, rtol=1e-4)
 
 
@@ -224,7 +248,9 @@ def test_bad_input_raises_the_reference_error(case: str) -> None:
         dc.damcha_attention(call["params"], call["config"], call["query"], call["context"], mask=call["mask"], **flags)
     jax_flags = {("is_causal" if k == "causal" else k): v for k, v in flags.items()}
     with pytest.raises(dc.DamchaError) as got:
-        dj.damcha_attention(call["params"], call["config"], call["query"], call["context"], mask=call["mask"], **jax_flags)
+        dj.damcha_attention(
+            call["params"], call["config"], call["query"], call["context"], mask=call["mask"], **jax_flags
+        )
     assert type(got.value) is type(ref.value)
     assert str(got.value) == str(ref.value).replace("`causal`", "`is_causal`").replace("causal=", "is_causal=")
 
@@ -233,20 +259,41 @@ _CACHE = {k: np.asarray(v) for k, v in dj.init_cache(CFG, 2, 6).items()}
 _OTHER = dc.DamchaConfig(query_dim=16, num_heads=4, key_dim=4, value_dim=3, num_kv_heads=2, coupling="query")
 BAD_DECODING = {
     # A concrete negative offset is as wrong as -1 (a traced one cannot be checked).
-    "offset-negative-array": (dc.DamchaValueError, r"query_offset=-1 ",
-                              lambda: dj.damcha_attention(_P, CFG, _X, is_causal=True, query_offset=jnp.int32(-1))),
-    "offset-negative-numpy": (dc.DamchaValueError, r"query_offset=-2 ",
-                              lambda: dj.damcha_attention(_P, CFG, _X, is_causal=True, query_offset=np.int64(-2))),
-    "cache-of-other-kv-heads": (dc.DamchaValueError, r"`cache\['key'\]` must have shape .*\(B, max_length, 4, 4\).*shape=\(2, 6, 2, 4\)",
-                                lambda: dj.decode_step(_P, CFG, dj.init_cache(_OTHER, 2, 6), _X[:, :1])),
-    "cache-of-other-value-dim": (dc.DamchaValueError, r"`cache\['value'\]` must have shape .*shape=\(2, 6, 4, 3\)",
-                                 lambda: dj.decode_step(_P, CFG, {**_CACHE, "value": np.zeros((2, 6, 4, 3), np.float32)}, _X[:, :1])),
-    "cache-index-vector": (dc.DamchaValueError, r"`cache\['index'\]` must be an integer scalar",
-                           lambda: dj.decode_step(_P, CFG, {**_CACHE, "index": np.zeros(2, np.int32)}, _X[:, :1])),
-    "cache-int-dtype": (dc.DamchaTypeError, r"`dtype` must be a floating dtype. Received: dtype=",
-                        lambda: dj.init_cache(CFG, 2, 6, jnp.int32)),
-    "coefficients-metric": (dc.DamchaValueError, r"`metric` must be one of .*Received: metric='none'",
-                            lambda: dj.coefficients("none", _P["metric.qk.kernel"], _P["metric.qk.bias"], _X)),
+    "offset-negative-array": (
+        dc.DamchaValueError,
+        r"query_offset=-1 ",
+        lambda: dj.damcha_attention(_P, CFG, _X, is_causal=True, query_offset=jnp.int32(-1)),
+    ),
+    "offset-negative-numpy": (
+        dc.DamchaValueError,
+        r"query_offset=-2 ",
+        lambda: dj.damcha_attention(_P, CFG, _X, is_causal=True, query_offset=np.int64(-2)),
+    ),
+    "cache-of-other-kv-heads": (
+        dc.DamchaValueError,
+        r"`cache\['key'\]` must have shape .*\(B, max_length, 4, 4\).*shape=\(2, 6, 2, 4\)",
+        lambda: dj.decode_step(_P, CFG, dj.init_cache(_OTHER, 2, 6), _X[:, :1]),
+    ),
+    "cache-of-other-value-dim": (
+        dc.DamchaValueError,
+        r"`cache\['value'\]` must have shape .*shape=\(2, 6, 4, 3\)",
+        lambda: dj.decode_step(_P, CFG, {**_CACHE, "value": np.zeros((2, 6, 4, 3), np.float32)}, _X[:, :1]),
+    ),
+    "cache-index-vector": (
+        dc.DamchaValueError,
+        r"`cache\['index'\]` must be an integer scalar",
+        lambda: dj.decode_step(_P, CFG, {**_CACHE, "index": np.zeros(2, np.int32)}, _X[:, :1]),
+    ),
+    "cache-int-dtype": (
+        dc.DamchaTypeError,
+        r"`dtype` must be a floating dtype. Received: dtype=",
+        lambda: dj.init_cache(CFG, 2, 6, jnp.int32),
+    ),
+    "coefficients-metric": (
+        dc.DamchaValueError,
+        r"`metric` must be one of .*Received: metric='none'",
+        lambda: dj.coefficients("none", _P["metric.qk.kernel"], _P["metric.qk.bias"], _X),
+    ),
 }
 
 

@@ -46,7 +46,9 @@ def test_additive_float_mask_is_refused_not_inverted() -> None:
         "decode_step": lambda: dj.decode_step(PARAMS, CFG, dj.init_cache(CFG, B, N), X[:, :1], mask=additive),
     }
     for name, call in calls.items():
-        with pytest.raises(dc.DamchaValueError, match=r"`mask` must be boolean .*holds other values.*Received: mask=") as err:
+        with pytest.raises(
+            dc.DamchaValueError, match=r"`mask` must be boolean .*holds other values.*Received: mask="
+        ) as err:
             call()
         assert "inf" not in str(err.value).split("Received:")[1], name  # shape and dtype only, never the contents
     # The Flax/Keras 0/1 convention (float or int) is read as the bool mask.
@@ -66,8 +68,11 @@ def test_additive_mask_under_jit_gives_nan() -> None:
     def calls(mask):
         module = nnx.merge(graphdef, state)
         cache = dj.init_cache(CFG, B, N)
-        return (module(X, mask=mask), dj.damcha_attention(PARAMS, CFG, X, mask=mask),
-                dj.decode_step(PARAMS, CFG, cache, X[:, :1], mask=mask)[0])
+        return (
+            module(X, mask=mask),
+            dj.damcha_attention(PARAMS, CFG, X, mask=mask),
+            dj.decode_step(PARAMS, CFG, cache, X[:, :1], mask=mask)[0],
+        )
 
     for out in fast_jit(calls)(additive):
         assert np.all(np.isnan(np.asarray(out)))
@@ -105,8 +110,13 @@ def test_nan_in_gives_nan_out_on_every_path(target: str) -> None:
     if target == "input":
         # The reference takes NaN inputs; a decoder's step t sees only tokens <= t.
         nan_rows = np.isnan(dc.damcha_attention(ref64, CFG, x.astype(np.float64), mask=mask))
-        causal_ref = np.stack([np.isnan(dc.damcha_attention(ref64, CFG, x[:, : t + 1].astype(np.float64), causal=True)[:, t])
-                               for t in range(N)], axis=1)
+        causal_ref = np.stack(
+            [
+                np.isnan(dc.damcha_attention(ref64, CFG, x[:, : t + 1].astype(np.float64), causal=True)[:, t])
+                for t in range(N)
+            ],
+            axis=1,
+        )
     else:
         # The reference refuses NaN parameters (they enter there); every row that
         # sees a key reads the poisoned tensor, the empty row is the output bias.
@@ -141,8 +151,9 @@ def test_nan_in_gives_nan_out_on_every_path(target: str) -> None:
         else:
             np.testing.assert_array_equal(np.isnan(out), expected, err_msg=name)
     with jax.enable_x64(True):
-        out64 = dj.damcha_attention({k: jnp.asarray(v, jnp.float64) for k, v in params.items()}, CFG,
-                                    jnp.asarray(x, jnp.float64), mask=mask)
+        out64 = dj.damcha_attention(
+            {k: jnp.asarray(v, jnp.float64) for k, v in params.items()}, CFG, jnp.asarray(x, jnp.float64), mask=mask
+        )
         np.testing.assert_array_equal(np.isnan(np.asarray(out64)), nan_rows, err_msg="float64")
     layer = _layer()
     if target == "input":
@@ -188,7 +199,10 @@ def test_list_inputs_are_described_by_type_not_contents() -> None:
 @pytest.mark.parametrize(
     "shape, match",
     [
-        ((E,), r"`inputs_q` must have shape \[batch\.\.\., length, features\] \(rank >= 2\)\. Received: inputs_q.shape=\(8,\)"),
+        (
+            (E,),
+            r"`inputs_q` must have shape \[batch\.\.\., length, features\] \(rank >= 2\)\. Received: inputs_q.shape=\(8,\)",
+        ),
         ((N, 3), r"`inputs_q` must have 8 features \(in_features\)\. Received: inputs_q.shape=\(4, 3\)"),
         ((2, 3, N, 3), r"`inputs_q` must have 8 features \(in_features\)\. Received: inputs_q.shape=\(2, 3, 4, 3\)"),
         ((B, N, 3), r"`inputs_q` must have 8 features \(in_features\)\. Received: inputs_q.shape=\(2, 4, 3\)"),
@@ -220,8 +234,16 @@ BAD_CONSTRUCTOR = {
     "attention_fn": (dict(attention_fn="cudnn"), dc.DamchaTypeError, "`attention_fn`"),
     "rngs": (dict(rngs=0), dc.DamchaTypeError, "`rngs`"),
     "metric_generator": (dict(metric_generator="shared"), dc.DamchaTypeError, "`metric_generator`"),
-    "generator-separate-single": (dict(coupling="separate", metric_generator="GEN"), dc.DamchaValueError, "`metric_generator`"),
-    "generator-missing-side": (dict(coupling="separate", metric_generator={"q": "GEN"}), dc.DamchaValueError, "missing sides"),
+    "generator-separate-single": (
+        dict(coupling="separate", metric_generator="GEN"),
+        dc.DamchaValueError,
+        "`metric_generator`",
+    ),
+    "generator-missing-side": (
+        dict(coupling="separate", metric_generator={"q": "GEN"}),
+        dc.DamchaValueError,
+        "missing sides",
+    ),
 }
 
 
@@ -229,7 +251,9 @@ BAD_CONSTRUCTOR = {
 def test_every_bad_constructor_argument_is_named(case: str) -> None:
     kwargs, error, name = BAD_CONSTRUCTOR[case]
     gen = dj.MetricGenerator(8, 2, rngs=nnx.Rngs(0))
-    kwargs = {k: (gen if v == "GEN" else {s: gen for s in v} if isinstance(v, dict) else v) for k, v in kwargs.items()}
+    kwargs = {
+        k: (gen if v == "GEN" else dict.fromkeys(v, gen) if isinstance(v, dict) else v) for k, v in kwargs.items()
+    }
     with pytest.raises(error, match=name):
         dj.DamchaAttention(**{**LAYER, "rngs": nnx.Rngs(0), **kwargs})
 
@@ -241,7 +265,11 @@ BAD_CALL = {
     "mask-rank-3": (dict(mask=np.ones((B, N, N), bool)), dc.DamchaValueError, r"`mask`.*mask\[:, None\]"),
     "mask-dtype": (dict(mask=np.ones((N, N), np.complex64)), dc.DamchaTypeError, "`mask` must be boolean"),
     "inputs_k-batch": (dict(inputs_k=np.ones((3, N, E), np.float32)), dc.DamchaValueError, "`inputs_k`"),
-    "inputs_v-without-k": (dict(inputs_v=np.ones((B, N, E), np.float32)), dc.DamchaValueError, "`inputs_k` cannot be None"),
+    "inputs_v-without-k": (
+        dict(inputs_v=np.ones((B, N, E), np.float32)),
+        dc.DamchaValueError,
+        "`inputs_k` cannot be None",
+    ),
     "inputs_v-length": (dict(inputs_k=X, inputs_v=np.ones((B, 3, E), np.float32)), dc.DamchaValueError, "`inputs_v`"),
     "inputs_v-int": (dict(inputs_k=X, inputs_v=np.ones((B, N, E), np.int32)), dc.DamchaTypeError, "`inputs_v`"),
 }

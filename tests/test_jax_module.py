@@ -30,12 +30,21 @@ def build(factory):
     graphdef, _ = nnx.split(nnx.eval_shape(factory))
     return nnx.merge(graphdef, run(lambda: nnx.split(factory())[1]))
 
+
 # name -> (MultiHeadAttention kwargs, DAMCHA options, cross-attention?)
 ARCHS = {
     "self": (dict(num_heads=4, in_features=E, qkv_features=16), dict(coupling="tied"), False),
-    "cross": (dict(num_heads=4, in_features=E, qkv_features=8, in_kv_features=12, out_features=10), dict(coupling="separate"), True),
+    "cross": (
+        dict(num_heads=4, in_features=E, qkv_features=8, in_kv_features=12, out_features=10),
+        dict(coupling="separate"),
+        True,
+    ),
     "gqa": (dict(num_heads=4, in_features=E, qkv_features=16, num_kv_heads=2), dict(coupling="query"), False),
-    "mqa-lowrank": (dict(num_heads=4, in_features=E, qkv_features=16, num_kv_heads=1), dict(coupling="separate", metric="lowrank", metric_rank=2), True),
+    "mqa-lowrank": (
+        dict(num_heads=4, in_features=E, qkv_features=16, num_kv_heads=1),
+        dict(coupling="separate", metric="lowrank", metric_rank=2),
+        True,
+    ),
 }
 MASKS = ["none", "padding", "per_head", "causal", "causal+padding"]
 
@@ -199,12 +208,19 @@ def test_stack_shares_one_generator_and_sums_its_gradient() -> None:
 
 def test_attention_dropout_only_in_training() -> None:
     layer, params, config = _open_layer("self")
-    dropping = build(lambda: dj.DamchaAttention.from_canonical(params, config.replace(dropout=0.5), rngs=nnx.Rngs(0, dropout=1)))
+    dropping = build(
+        lambda: dj.DamchaAttention.from_canonical(params, config.replace(dropout=0.5), rngs=nnx.Rngs(0, dropout=1))
+    )
     x, _ = _inputs(False, E)
     key = jax.random.key(7)
     inference, train, plain = run(
-        lambda x, key: (dropping(x, deterministic=True), dropping(x, deterministic=False, rngs=nnx.Rngs(dropout=key)), layer(x)),
-        x, key,
+        lambda x, key: (
+            dropping(x, deterministic=True),
+            dropping(x, deterministic=False, rngs=nnx.Rngs(dropout=key)),
+            layer(x),
+        ),
+        x,
+        key,
     )
     np.testing.assert_allclose(inference, plain, rtol=1e-6, atol=1e-6)
     assert np.all(np.isfinite(train)) and np.abs(np.asarray(train - plain)).max() > 1e-3
@@ -249,7 +265,9 @@ def test_flax_mask_helpers_work_as_in_flax_mha() -> None:
     # attention output 0 (the spec's rule), so compare the real queries.
     real = np.asarray(tokens > 0)
     np.testing.assert_allclose(np.asarray(actual)[real], np.asarray(expected)[real], rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(actual)[~real], np.broadcast_to(np.asarray(layer.out.bias[...]), (2, 16)), atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(actual)[~real], np.broadcast_to(np.asarray(layer.out.bias[...]), (2, 16)), atol=1e-6
+    )
     np.testing.assert_array_equal(actual, boolean)
 
 
@@ -262,7 +280,7 @@ def test_every_parameter_and_the_output_follow_param_dtype(x64: bool) -> None:
     with jax.enable_x64(x64):
         for options in (dict(), dict(metric="lowrank", metric_rank=2, coupling="separate")):
 
-            def build_and_call():  # abstractly: shapes and dtypes only, nothing compiled
+            def build_and_call(options=options):  # abstractly: shapes and dtypes only, nothing compiled
                 x = jnp.zeros((B, N, E), param_dtype)
                 layer = dj.DamchaAttention(4, E, param_dtype=param_dtype, rngs=nnx.Rngs(0), **options)
                 mha = nnx.MultiHeadAttention(4, E, param_dtype=param_dtype, decode=False, rngs=nnx.Rngs(0))
@@ -287,14 +305,17 @@ def test_batch_axes_as_flax_takes_them():
     """[batch..., N, E] and unbatched (N, E) inputs with [batch..., H|1, N|1, M] masks:
     equal to Flax MHA with zero gates, and with open gates to the reference on the
     folded batch."""
-    mha = build(lambda: nnx.MultiHeadAttention(num_heads=2, in_features=8, qkv_features=8, decode=False,
-                                               rngs=nnx.Rngs(0)))
+    mha = build(
+        lambda: nnx.MultiHeadAttention(num_heads=2, in_features=8, qkv_features=8, decode=False, rngs=nnx.Rngs(0))
+    )
     layer = dj.DamchaAttention.from_mha(mha, rngs=nnx.Rngs(1))
     rng = np.random.default_rng(4)
     x = jnp.asarray(rng.normal(size=(2, 3, 5, 8)), jnp.float32)
     pad = jnp.asarray(rng.random((2, 3, 5)) < 0.8).at[..., 0].set(True)
     # Padded keys only: a query row that sees nothing is the documented v1 difference from Flax.
-    mask = nnx.combine_masks(nnx.make_causal_mask(pad), nnx.make_attention_mask(jnp.ones_like(pad), pad))  # (2, 3, 1, 5, 5)
+    mask = nnx.combine_masks(
+        nnx.make_causal_mask(pad), nnx.make_attention_mask(jnp.ones_like(pad), pad)
+    )  # (2, 3, 1, 5, 5)
     want, got = run(lambda x, m: (mha(x, mask=m), layer(x, mask=m)), x, mask)
     assert got.shape == (2, 3, 5, 8)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
@@ -307,12 +328,17 @@ def test_batch_axes_as_flax_takes_them():
     layer.load_canonical(params)
     got = np.asarray(run(lambda x, m: layer(x, mask=m), x, mask), dtype=np.float64)
     flat_mask = np.broadcast_to(np.asarray(mask, bool), (2, 3, 1, 5, 5)).reshape(6, 1, 5, 5)
-    ref = dc.damcha_attention(layer.to_canonical(), layer.config, np.asarray(x, np.float64).reshape(6, 5, 8), mask=flat_mask)
+    ref = dc.damcha_attention(
+        layer.to_canonical(), layer.config, np.asarray(x, np.float64).reshape(6, 5, 8), mask=flat_mask
+    )
     np.testing.assert_allclose(got.reshape(6, 5, 8), ref, rtol=2e-4, atol=2e-5)
 
     with pytest.raises(dc.DamchaValueError, match=r"`inputs_k` must have the batch axes of `inputs_q`, \(2, 3\)"):
         layer(x, x[:, :2])
-    with pytest.raises(dc.DamchaValueError, match=r"`mask` must be broadcastable to \[batch\.\.\., H, N, M\] = \(2, 3, 2, 5, 5\).*Received: mask.shape=\(2, 2, 1, 5, 5\)"):
+    with pytest.raises(
+        dc.DamchaValueError,
+        match=r"`mask` must be broadcastable to \[batch\.\.\., H, N, M\] = \(2, 3, 2, 5, 5\).*Received: mask.shape=\(2, 2, 1, 5, 5\)",
+    ):
         layer(x, mask=jnp.ones((2, 2, 1, 5, 5), bool))
 
 
@@ -351,11 +377,17 @@ def test_encoder_to_canonical_is_the_core_stack_format(share: bool) -> None:
     assert (config.activation, config.norm_eps, config.final_norm, config.norm_first) == ("gelu_tanh", 1e-6, True, True)
     assert list(params) == list(config.param_shapes()) and all(v.dtype == np.float64 for v in params.values())
     assert ("shared.metric.qk.kernel" in params) == share
-    np.testing.assert_allclose(run(lambda x: enc(x, is_causal=True), x), dc.encoder_forward(params, config, np.asarray(x)),
-                               rtol=2e-4, atol=2e-5)
+    np.testing.assert_allclose(
+        run(lambda x: enc(x, is_causal=True), x),
+        dc.encoder_forward(params, config, np.asarray(x)),
+        rtol=2e-4,
+        atol=2e-5,
+    )
     block_params, block_config = enc.layers[1].to_canonical()
     assert block_config.num_layers == 1 and not block_config.final_norm and not block_config.causal
-    np.testing.assert_array_equal(block_params["layers.0.attention.metric.qk.gate"], np.asarray([0.6, -0.6], np.float32))
+    np.testing.assert_array_equal(
+        block_params["layers.0.attention.metric.qk.gate"], np.asarray([0.6, -0.6], np.float32)
+    )
 
 
 def test_module_metric_penalty_and_nnx_view() -> None:

@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import jax
+import jax.numpy as jnp
 from damcha_core import DamchaValueError, EncoderConfig, check_bool, check_int, check_rate, describe
 
 from ._generator import MetricGenerator, make_metric_generators
@@ -51,8 +52,12 @@ class DamchaEncoderBlock(nnx.Module):
         norm = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.attention_norm = nnx.LayerNorm(in_features, **norm)
         self.attention = DamchaAttention(
-            num_heads, in_features, dropout_rate=attention_dropout_rate,
-            metric_generator=metric_generator, rngs=rngs, **attention_kwargs,
+            num_heads,
+            in_features,
+            dropout_rate=attention_dropout_rate,
+            metric_generator=metric_generator,
+            rngs=rngs,
+            **attention_kwargs,
         )
         self.mlp_norm = nnx.LayerNorm(in_features, **norm)
         self.mlp_in = nnx.Linear(in_features, mlp_features, **norm)
@@ -60,12 +65,18 @@ class DamchaEncoderBlock(nnx.Module):
         self.dropout = nnx.Dropout(dropout_rate, rngs=rngs)
 
     def __call__(
-        self, x: Array, *, mask: Array | None = None, is_causal: bool = False, deterministic: bool | None = None,
+        self,
+        x: Array,
+        *,
+        mask: Array | None = None,
+        is_causal: bool = False,
+        deterministic: bool | None = None,
         mask_hint: str | None = None,
     ) -> Array:
         """x (B, N, E) -> (B, N, E); ``mask_hint`` as in ``DamchaAttention``."""
-        h = self.attention(self.attention_norm(x), mask=mask, is_causal=is_causal, deterministic=deterministic,
-                           mask_hint=mask_hint)
+        h = self.attention(
+            self.attention_norm(x), mask=mask, is_causal=is_causal, deterministic=deterministic, mask_hint=mask_hint
+        )
         x = x + self.dropout(h, deterministic=deterministic)
         h = self.mlp_out(nnx.gelu(self.mlp_in(self.mlp_norm(x))))
         return x + self.dropout(h, deterministic=deterministic)
@@ -110,24 +121,35 @@ class DamchaEncoder(nnx.Module):
         shared: dict[str, MetricGenerator] = {}
         if share_metric:
             config = attention_config(num_heads, in_features, **_shape_kwargs(block_kwargs))
-            shared = make_metric_generators(
-                config, param_dtype=block_kwargs.get("param_dtype", jnp.float32), rngs=rngs
-            )
+            shared = make_metric_generators(config, param_dtype=block_kwargs.get("param_dtype", jnp.float32), rngs=rngs)
         self.metric_generators = nnx.Dict(shared)
-        self.layers = nnx.List([
-            DamchaEncoderBlock(
-                in_features, num_heads, mlp_features, metric_generator=dict(shared) if share_metric else None,
-                rngs=rngs, **block_kwargs,
-            )
-            for _ in range(num_layers)
-        ])
+        self.layers = nnx.List(
+            [
+                DamchaEncoderBlock(
+                    in_features,
+                    num_heads,
+                    mlp_features,
+                    metric_generator=dict(shared) if share_metric else None,
+                    rngs=rngs,
+                    **block_kwargs,
+                )
+                for _ in range(num_layers)
+            ]
+        )
         self.final_norm = nnx.LayerNorm(
-            in_features, dtype=block_kwargs.get("dtype"),
-            param_dtype=block_kwargs.get("param_dtype", jnp.float32), rngs=rngs,
+            in_features,
+            dtype=block_kwargs.get("dtype"),
+            param_dtype=block_kwargs.get("param_dtype", jnp.float32),
+            rngs=rngs,
         )
 
     def __call__(
-        self, x: Array, *, mask: Array | None = None, is_causal: bool = False, deterministic: bool | None = None,
+        self,
+        x: Array,
+        *,
+        mask: Array | None = None,
+        is_causal: bool = False,
+        deterministic: bool | None = None,
         mask_hint: str | None = None,
     ) -> Array:
         """x (B, N, E) -> (B, N, E); ``mask_hint`` as in ``DamchaAttention`` (the mask is checked in each layer)."""
@@ -165,7 +187,8 @@ def _stack_canonical(
     if any(n.epsilon != eps for n in norms):
         problems.append("one LayerNorm epsilon")
     if any(n.scale is None or n.bias is None for n in norms) or any(
-            b.mlp_in.bias is None or b.mlp_out.bias is None for b in blocks):
+        b.mlp_in.bias is None or b.mlp_out.bias is None for b in blocks
+    ):
         problems.append("LayerNorm scales and biases and MLP biases")
     if any(b.attention.config != first.attention.config for b in blocks):
         problems.append("one attention config")
@@ -175,8 +198,15 @@ def _stack_canonical(
             f"{len(blocks)} block(s)"
         )
     config = EncoderConfig(
-        first.attention.config, num_layers=len(blocks), ffn_dim=int(first.mlp_in.out_features), share_metric=share,
-        norm_eps=float(eps), causal=causal, norm_first=True, activation="gelu_tanh", final_norm=final_norm is not None,
+        first.attention.config,
+        num_layers=len(blocks),
+        ffn_dim=int(first.mlp_in.out_features),
+        share_metric=share,
+        norm_eps=float(eps),
+        causal=causal,
+        norm_first=True,
+        activation="gelu_tanh",
+        final_norm=final_norm is not None,
     )
     shared = set(config.shared_names()) if share else set()
     f64 = lambda v: np.asarray(v[...], dtype=np.float64)  # noqa: E731
@@ -188,18 +218,34 @@ def _stack_canonical(
                 params.setdefault("shared." + key, value)  # the shared generator, once
             else:
                 params[f"{pre}attention.{key}"] = value
-        for key, var in (("norm1.scale", block.attention_norm.scale), ("norm1.bias", block.attention_norm.bias),
-                         ("norm2.scale", block.mlp_norm.scale), ("norm2.bias", block.mlp_norm.bias),
-                         ("ffn.in.kernel", block.mlp_in.kernel), ("ffn.in.bias", block.mlp_in.bias),
-                         ("ffn.out.kernel", block.mlp_out.kernel), ("ffn.out.bias", block.mlp_out.bias)):
+        for key, var in (
+            ("norm1.scale", block.attention_norm.scale),
+            ("norm1.bias", block.attention_norm.bias),
+            ("norm2.scale", block.mlp_norm.scale),
+            ("norm2.bias", block.mlp_norm.bias),
+            ("ffn.in.kernel", block.mlp_in.kernel),
+            ("ffn.in.bias", block.mlp_in.bias),
+            ("ffn.out.kernel", block.mlp_out.kernel),
+            ("ffn.out.bias", block.mlp_out.bias),
+        ):
             params[pre + key] = f64(var)
     if final_norm is not None:
         params["final_norm.scale"], params["final_norm.bias"] = f64(final_norm.scale), f64(final_norm.bias)
     return {key: params[key] for key in config.param_shapes()}, config
 
 
-_SHAPE_ARGS = ("qkv_features", "key_dim", "value_dim", "num_kv_heads", "metric", "metric_rank", "coupling", "scale",
-               "use_bias", "in_v_features")
+_SHAPE_ARGS = (
+    "qkv_features",
+    "key_dim",
+    "value_dim",
+    "num_kv_heads",
+    "metric",
+    "metric_rank",
+    "coupling",
+    "scale",
+    "use_bias",
+    "in_v_features",
+)
 
 
 def _shape_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:

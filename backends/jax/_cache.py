@@ -7,19 +7,20 @@ only on the key's own token, so it is never recomputed, at no extra size.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import jax
+import jax.numpy as jnp
 from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, check_int, check_shapes, describe
 
 from ._functional import (
     Array,
-    Params,
     MaskArg,
+    Params,
     _check_config,
     _np_dtype,
     _output,
@@ -119,8 +120,16 @@ def decode_attend(
     values = jax.lax.dynamic_update_slice(cached_v, v.astype(cached_v.dtype), start)
     dt = jnp.result_type(q.dtype, keys.dtype, values.dtype)
     o, _, flag = attend(
-        config, q.astype(dt), keys.astype(dt), values.astype(dt), mask=mask, is_causal=True,
-        query_offset=index, dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout, precision=precision,
+        config,
+        q.astype(dt),
+        keys.astype(dt),
+        values.astype(dt),
+        mask=mask,
+        is_causal=True,
+        query_offset=index,
+        dropout_rng=dropout_rng,
+        broadcast_dropout=broadcast_dropout,
+        precision=precision,
         mask_hint=mask_hint,
     )
     return o, {"key": keys, "value": values, "index": index + q.shape[1]}, flag
@@ -180,8 +189,8 @@ def decode_step(
     if not isinstance(cache, Mapping) or set(cache) != {"key", "value", "index"}:
         raise DamchaValueError(
             f"`cache` must be the dict from init_cache with keys ['index', 'key', 'value']. Received: cache={describe(cache)}"
-            if not isinstance(cache, Mapping) else
-            f"`cache` must be the dict from init_cache with keys ['index', 'key', 'value']. Received keys: {sorted(cache)}"
+            if not isinstance(cache, Mapping)
+            else f"`cache` must be the dict from init_cache with keys ['index', 'key', 'value']. Received keys: {sorted(cache)}"
         )
     cached_k, cached_v, index = _check_cache(cache, config)
     B, L = cached_k.shape[0], cached_k.shape[1]
@@ -202,20 +211,66 @@ def decode_step(
     if _hashable(precision) and (mask_hint is None or mask.host is None):
         # Everything is checked: the math is one compiled program (one dispatch per step when eager).
         # Only a hint on a mask with known values is checked on the host (a DamchaValueError, not NaN).
-        return _compiled_step(p, config, cached_k, cached_v, index, x, c, v_tokens, mask.array, mask.flag,
-                              precision=precision, mask_hint=mask_hint)
-    return _step(p, config, cached_k, cached_v, index, x, c, v_tokens, mask.array, mask.flag, precision=precision,
-                 mask_hint=mask_hint, host=mask.host)
+        return _compiled_step(
+            p,
+            config,
+            cached_k,
+            cached_v,
+            index,
+            x,
+            c,
+            v_tokens,
+            mask.array,
+            mask.flag,
+            precision=precision,
+            mask_hint=mask_hint,
+        )
+    return _step(
+        p,
+        config,
+        cached_k,
+        cached_v,
+        index,
+        x,
+        c,
+        v_tokens,
+        mask.array,
+        mask.flag,
+        precision=precision,
+        mask_hint=mask_hint,
+        host=mask.host,
+    )
 
 
-def _step(p: Params, config: DamchaConfig, cached_k: Array, cached_v: Array, index: Array, x: Array,
-          c: Array | None, v_tokens: Array | None, mask: Array | None, flag: Array | None, *, precision: Any,
-          mask_hint: str | None, host: np.ndarray | None = None) -> tuple[Array, dict[str, Array]]:
+def _step(
+    p: Params,
+    config: DamchaConfig,
+    cached_k: Array,
+    cached_v: Array,
+    index: Array,
+    x: Array,
+    c: Array | None,
+    v_tokens: Array | None,
+    mask: Array | None,
+    flag: Array | None,
+    *,
+    precision: Any,
+    mask_hint: str | None,
+    host: np.ndarray | None = None,
+) -> tuple[Array, dict[str, Array]]:
     """decode_step's math on checked arguments (``mask``, ``flag``, ``host``: the fields of a MaskArg)."""
     checked = None if mask is None else MaskArg(mask, host, flag)
     q, k, v = _qkv(p, config, x, c, v_tokens, precision)
-    o, new_cache, bad = decode_attend(config, {"key": cached_k, "value": cached_v, "index": index}, q, k, v,
-                                      mask=checked, precision=precision, mask_hint=mask_hint)
+    o, new_cache, bad = decode_attend(
+        config,
+        {"key": cached_k, "value": cached_v, "index": index},
+        q,
+        k,
+        v,
+        mask=checked,
+        precision=precision,
+        mask_hint=mask_hint,
+    )
     y = _poison(_output(p, config, o.astype(x.dtype), precision), bad)
     return y, new_cache
 
@@ -288,11 +343,19 @@ class DecodeCache:
             )
         check_room(index, T, L, name, (*lead, T))
         B = int(np.prod(batch)) if batch else 1
-        fold = lambda t: jnp.reshape(t, (B, *t.shape[len(batch):]))  # noqa: E731
+        fold = lambda t: jnp.reshape(t, (B, *t.shape[len(batch) :]))  # noqa: E731
         cache = {"key": fold(cached_k), "value": fold(cached_v), "index": index}
         o, cache, flag = decode_attend(
-            self.config, cache, fold(q), fold(k), fold(v), mask=mask, dropout_rng=dropout_rng,
-            broadcast_dropout=broadcast_dropout, precision=precision, mask_hint=mask_hint,
+            self.config,
+            cache,
+            fold(q),
+            fold(k),
+            fold(v),
+            mask=mask,
+            dropout_rng=dropout_rng,
+            broadcast_dropout=broadcast_dropout,
+            precision=precision,
+            mask_hint=mask_hint,
         )
         self.cached_key[...] = jnp.reshape(cache["key"], cached_k.shape)
         self.cached_value[...] = jnp.reshape(cache["value"], cached_v.shape)

@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 import damcha_core as dc
+import jax
+import jax.numpy as jnp
 from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, describe
 
 Array = jax.Array
@@ -83,10 +84,22 @@ class CanonicalIO:
         if not isinstance(config, DamchaConfig):
             raise DamchaTypeError(f"`config` must be a DamchaConfig. Received: config={describe(config)}")
         layer = cls(  # type: ignore[call-arg]
-            config.num_heads, config.query_dim, None, config.output_dim, config.num_kv_heads, config.context_dim,
-            key_dim=config.key_dim, value_dim=config.value_dim, metric=config.metric,
-            metric_rank=config.metric_rank, coupling=config.coupling, scale=config.scale,
-            dropout_rate=config.dropout, use_bias=config.use_bias, rngs=rngs or nnx.Rngs(0), **kwargs,
+            config.num_heads,
+            config.query_dim,
+            None,
+            config.output_dim,
+            config.num_kv_heads,
+            config.context_dim,
+            key_dim=config.key_dim,
+            value_dim=config.value_dim,
+            metric=config.metric,
+            metric_rank=config.metric_rank,
+            coupling=config.coupling,
+            scale=config.scale,
+            dropout_rate=config.dropout,
+            use_bias=config.use_bias,
+            rngs=rngs or nnx.Rngs(0),
+            **kwargs,
         )
         return layer.load_canonical(params)
 

@@ -17,12 +17,13 @@ from __future__ import annotations
 import functools
 import numbers
 import types
-from typing import Any, Mapping, NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import numpy as np
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-
 from damcha_core import (
     METRIC_STRUCTURES,
     RMS_EPS,
@@ -101,7 +102,9 @@ def read_mask(mask: Any, name: str = "mask") -> MaskArg:
     if mask is None:
         return MaskArg(None, None, None)
     dtype = _np_dtype(mask)
-    if dtype is None or not (dtype == np.bool_ or jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)):
+    if dtype is None or not (
+        dtype == np.bool_ or jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)
+    ):
         raise mask_dtype_error(mask, name, MASK_RULE)
     if dtype == np.bool_:
         # A bool JAX array is never read back (that would be a device sync); a NumPy one is on the host already.
@@ -153,15 +156,18 @@ def _poison(y: Array, flag: Array | None) -> Array:
 
 def _check_offset(query_offset: Any) -> Any:
     """A Python int >= 0, or an integer scalar array (a decode cache index)."""
-    if isinstance(query_offset, numbers.Integral) and not isinstance(query_offset, (bool, np.bool_)) and query_offset >= 0:
+    if (
+        isinstance(query_offset, numbers.Integral)
+        and not isinstance(query_offset, (bool, np.bool_))
+        and query_offset >= 0
+    ):
         return int(query_offset)
     dtype = _np_dtype(query_offset)
     if dtype is not None and jnp.issubdtype(dtype, jnp.integer) and getattr(query_offset, "shape", None) == ():
         if isinstance(query_offset, jax.core.Tracer) or int(query_offset) >= 0:
             return query_offset  # a traced offset cannot be checked (as a traced cache index)
         raise DamchaValueError(
-            f"`query_offset` must be an int >= 0. Received: query_offset={int(query_offset)} "
-            f"({describe(query_offset)})"
+            f"`query_offset` must be an int >= 0. Received: query_offset={int(query_offset)} ({describe(query_offset)})"
         )
     raise DamchaValueError(f"`query_offset` must be an int >= 0. Received: query_offset={describe(query_offset)}")
 
@@ -200,14 +206,17 @@ def _acc(dtype: Any) -> Any:
     return jnp.promote_types(dtype, jnp.float32)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _xp(precision: Any) -> Any:
     """``jax.numpy`` for the metric table's math, its einsums at ``precision``."""
     if precision is None:
         return jnp
     return types.SimpleNamespace(
         einsum=functools.partial(jnp.einsum, precision=precision),
-        eye=jnp.eye, sum=jnp.sum, mean=jnp.mean, reshape=jnp.reshape,
+        eye=jnp.eye,
+        sum=jnp.sum,
+        mean=jnp.mean,
+        reshape=jnp.reshape,
     )
 
 
@@ -226,8 +235,9 @@ def _rms_scale(t: Array) -> Array:
     return jax.lax.rsqrt(jnp.mean(t * t, axis=-1, keepdims=True) + RMS_EPS)
 
 
-def _affine_coefficients(structure: Any, tokens: Array, leaves: Mapping[str, Array], precision: Any,
-                         scale: Array | None = None) -> Array:
+def _affine_coefficients(
+    structure: Any, tokens: Array, leaves: Mapping[str, Array], precision: Any, scale: Array | None = None
+) -> Array:
     """phi(t) W + b of the table's generator, evaluated as rsqrt(mean t^2 + eps) * (t W) + b.
 
     Both structures' generators are affine in phi (A = phi W_A + b_A, u = phi
@@ -265,8 +275,9 @@ def apply_map(
     return _apply_maps(config, _leaves(params, config, side), coeff, [y], precision)[0]
 
 
-def _apply_maps(config: DamchaConfig, leaves: Mapping[str, Array], coeff: Array, ys: list[Array],
-                precision: Any) -> list[Array]:
+def _apply_maps(
+    config: DamchaConfig, leaves: Mapping[str, Array], coeff: Array, ys: list[Array], precision: Any
+) -> list[Array]:
     """L(t) y for each y of ``ys`` (same tokens, same side), in at least float32.
 
     A compact structure ("heads": L(t) = l(t) (x) I_d with l = I + diag(g) A)
@@ -281,10 +292,10 @@ def _apply_maps(config: DamchaConfig, leaves: Mapping[str, Array], coeff: Array,
     ys = [y.astype(_acc(y.dtype)) for y in ys]
     if not structure.compact_head_map:  # type: ignore[union-attr]
         return [structure.apply(_xp(precision), coeff, y, leaves) for y in ys]  # type: ignore[union-attr]
-    l = structure.head_map(jnp, coeff, leaves)  # type: ignore[union-attr]
+    head_map = structure.head_map(jnp, coeff, leaves)  # type: ignore[union-attr]
     prec = jax.lax.Precision.HIGHEST if precision is None else precision
     # One product per side: stacking q and k (tied) would copy both (measured: more bytes on CPU).
-    return [jnp.einsum("btha,btad->bthd", l, y, precision=prec) for y in ys]
+    return [jnp.einsum("btha,btad->bthd", head_map, y, precision=prec) for y in ys]
 
 
 def cross_head_maps(
@@ -316,15 +327,21 @@ def cross_head_maps(
 
 def _project(params: Params, config: DamchaConfig, name: str, tokens: Array, precision: Any) -> Array:
     """tokens (B, T, E) -> heads (B, T, S, d), accumulated in at least float32."""
-    y = jnp.einsum("bte,ehd->bthd", tokens, params[f"{name}.kernel"], precision=precision,
-                   preferred_element_type=_acc(tokens.dtype))
+    y = jnp.einsum(
+        "bte,ehd->bthd",
+        tokens,
+        params[f"{name}.kernel"],
+        precision=precision,
+        preferred_element_type=_acc(tokens.dtype),
+    )
     if config.use_bias:
         y = y + params[f"{name}.bias"]
     return y
 
 
-def _qkv(params: Params, config: DamchaConfig, x: Array, c: Array | None, v_tokens: Array | None,
-         precision: Any = None) -> tuple[Array, Array, Array]:
+def _qkv(
+    params: Params, config: DamchaConfig, x: Array, c: Array | None, v_tokens: Array | None, precision: Any = None
+) -> tuple[Array, Array, Array]:
     """q~ (B, N, H, d), k~ (B, M, G, d), v (B, M, G, d_v) in x's dtype; c=None is self-attention."""
     ctx = x if c is None else c
     q = _project(params, config, "query", x, precision)
@@ -387,8 +404,9 @@ def _host_split(v: np.ndarray, grid: np.ndarray | None) -> tuple[np.ndarray, np.
     return (keys, rows) if np.array_equal(v, recon) else None
 
 
-def _host_plan(host: np.ndarray, n: int, m: int, *, is_causal: bool, offset: int, hint: str | None,
-               name: str) -> tuple[np.ndarray, np.ndarray, bool] | None:
+def _host_plan(
+    host: np.ndarray, n: int, m: int, *, is_causal: bool, offset: int, hint: str | None, name: str
+) -> tuple[np.ndarray, np.ndarray, bool] | None:
     """(key_ok, rows, kernel_causal) of a mask whose values are on the host, or
     None when it is neither causal nor padding; a wrong ``hint`` raises."""
     full = np.broadcast_to(host, host.shape[:2] + (n, m))
@@ -398,8 +416,11 @@ def _host_plan(host: np.ndarray, n: int, m: int, *, is_causal: bool, offset: int
         if split is None:
             raise DamchaValueError(
                 f"`{name}` is not what mask_hint={hint!r} says: "
-                + ("the causal rule and padding only (combine_masks(make_causal_mask, padding masks))"
-                   if hint == "causal" else "padding only (make_attention_mask of query and key padding)")
+                + (
+                    "the causal rule and padding only (combine_masks(make_causal_mask, padding masks))"
+                    if hint == "causal"
+                    else "padding only (make_attention_mask of query and key padding)"
+                )
                 + f". Drop mask_hint for any other mask. Received: {name}.shape={tuple(host.shape)}"
             )
         keys, rows = split
@@ -440,8 +461,16 @@ def _traced_split(a: Array, n: int, m: int, *, hint: str, offset: Any) -> tuple[
     return keys, rows, jnp.all(counts == jnp.where(rows, expected, 0)) & ~outside
 
 
-def plan_mask(mask: MaskArg | None, n: int, m: int, *, is_causal: bool, query_offset: Any = 0,
-              mask_hint: str | None = None, name: str = "mask") -> MaskPlan:
+def plan_mask(
+    mask: MaskArg | None,
+    n: int,
+    m: int,
+    *,
+    is_causal: bool,
+    query_offset: Any = 0,
+    mask_hint: str | None = None,
+    name: str = "mask",
+) -> MaskPlan:
     """What the attention kernel gets for this mask, causal rule and hint.
 
     A mask that is the causal rule and padding only (``combine_masks`` of
@@ -500,8 +529,9 @@ def plan_mask(mask: MaskArg | None, n: int, m: int, *, is_causal: bool, query_of
     # The einsum path (weights, dropout, float64) builds the logits anyway: it takes the mask as given.
     visible = visibility(arr, n, m, is_causal=causal, query_offset=query_offset)
     if causal and not static0:
-        return MaskPlan(visibility(key_mask, n, m, is_causal=True, query_offset=query_offset), False, rows,
-                        visible, flag)
+        return MaskPlan(
+            visibility(key_mask, n, m, is_causal=True, query_offset=query_offset), False, rows, visible, flag
+        )
     return MaskPlan(key_mask, causal, rows, visible, flag)
 
 
@@ -596,8 +626,9 @@ def _zero_empty_rows(o: Array, rows: Array | None) -> Array:
 
 def _output(params: Params, config: DamchaConfig, o: Array, precision: Any = None) -> Array:
     """o (B, N, H, d_v) -> y (B, N, E_o) in o's dtype."""
-    y = jnp.einsum("bnhd,hde->bne", o, params["output.kernel"], precision=precision,
-                   preferred_element_type=_acc(o.dtype))
+    y = jnp.einsum(
+        "bnhd,hde->bne", o, params["output.kernel"], precision=precision, preferred_element_type=_acc(o.dtype)
+    )
     if config.use_bias:
         y = y + params["output.bias"]
     return y.astype(o.dtype)
@@ -626,8 +657,13 @@ def _prepare(params, config, query, context, value, mask, dtype):
     c = None if context is None else check_float("context", context)
     v_tokens = None if value is None else check_float("value", value)
     mask = read_mask(mask)
-    check_shapes(config, x.shape, None if c is None else c.shape, None if mask.array is None else mask.array.shape,
-                 value_shape=None if v_tokens is None else v_tokens.shape)
+    check_shapes(
+        config,
+        x.shape,
+        None if c is None else c.shape,
+        None if mask.array is None else mask.array.shape,
+        value_shape=None if v_tokens is None else v_tokens.shape,
+    )
     # Arrays pass as they are (no per-call conversion of every parameter when eager).
     as_arrays = {n: p if isinstance(p, jax.Array) else jnp.asarray(p) for n, p in params.items()}
     arrays = [x] + [t for t in (c, v_tokens) if t is not None] + list(as_arrays.values())
@@ -728,9 +764,18 @@ def damcha_attention(
         _check_key("dropout_rng", dropout_rng)
     q, k, v = _qkv(p, config, x, c, v_tokens, precision)
     o, weights, bad = attend(
-        config, q, k, v, mask=mask, is_causal=is_causal, query_offset=query_offset,
-        return_weights=return_weights, dropout_rng=dropout_rng if use_dropout else None,
-        broadcast_dropout=broadcast_dropout, precision=precision, mask_hint=mask_hint,
+        config,
+        q,
+        k,
+        v,
+        mask=mask,
+        is_causal=is_causal,
+        query_offset=query_offset,
+        return_weights=return_weights,
+        dropout_rng=dropout_rng if use_dropout else None,
+        broadcast_dropout=broadcast_dropout,
+        precision=precision,
+        mask_hint=mask_hint,
     )
     y = _poison(_output(p, config, o, precision), bad)
     extras: list[Any] = []

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 from flax import nnx
 
+import jax
+import jax.numpy as jnp
 from damcha_core import (
     METRIC_STRUCTURES,
     DamchaConfig,
@@ -126,8 +126,13 @@ def make_metric_generators(
     for side in config.metric_sides:
         spec = config.generator_spec(side)
         out[side] = MetricGenerator(
-            spec.features, spec.heads, metric=spec.metric, rank=spec.rank, head_dim=spec.head_dim,
-            param_dtype=param_dtype, rngs=rngs,
+            spec.features,
+            spec.heads,
+            metric=spec.metric,
+            rank=spec.rank,
+            head_dim=spec.head_dim,
+            param_dtype=param_dtype,
+            rngs=rngs,
         )
     return out
 

@@ -10,15 +10,16 @@ conversion from Flax's MHA in ``_convert``.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from flax.nnx.nn import dtypes as _flax_dtypes
 
+import jax
+import jax.numpy as jnp
 from damcha_core import (
     DamchaConfig,
     DamchaTypeError,
@@ -44,17 +45,26 @@ Initializer = Callable[..., Array]
 # LinearGeneral initialises its kernel flattened to (fan_in, fan_out), so plain
 # Glorot uniform gives damcha_core.init_params' fans: (E, S*d) and (H*d_v, E_o).
 _glorot = nnx.initializers.glorot_uniform()
+_zeros = nnx.initializers.zeros_init()
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
 
 # DamchaConfig's fields under nnx.MultiHeadAttention's argument names (messages name these).
 CONFIG_NAMES = {
-    "query_dim": "in_features", "context_dim": "in_kv_features", "value_input_dim": "in_v_features",
-    "output_dim": "out_features", "dropout": "dropout_rate",
+    "query_dim": "in_features",
+    "context_dim": "in_kv_features",
+    "value_input_dim": "in_v_features",
+    "output_dim": "out_features",
+    "dropout": "dropout_rate",
 }
 # The reference's call arguments under the names of nnx.MultiHeadAttention.__call__.
 CALL_NAMES = {
-    "query": "inputs_q", "context": "inputs_k", "value": "inputs_v", "mask": "mask",
-    "query_dim": "in_features", "context_dim": "in_kv_features", "value_input_dim": "in_v_features",
+    "query": "inputs_q",
+    "context": "inputs_k",
+    "value": "inputs_v",
+    "mask": "mask",
+    "query_dim": "in_features",
+    "context_dim": "in_kv_features",
+    "value_input_dim": "in_v_features",
 }
 
 
@@ -96,10 +106,21 @@ def attention_config(
                 f"Received: qkv_features={qkv_features}, key_dim={key_dim}, num_heads={num_heads}"
             )
     return make_config(
-        names=CONFIG_NAMES, query_dim=in_features, num_heads=num_heads, key_dim=key_dim, value_dim=value_dim,
-        num_kv_heads=num_kv_heads, context_dim=in_kv_features, value_input_dim=in_v_features,
-        output_dim=out_features, use_bias=use_bias, metric=metric, metric_rank=metric_rank, coupling=coupling,
-        scale=scale, dropout=dropout_rate,
+        names=CONFIG_NAMES,
+        query_dim=in_features,
+        num_heads=num_heads,
+        key_dim=key_dim,
+        value_dim=value_dim,
+        num_kv_heads=num_kv_heads,
+        context_dim=in_kv_features,
+        value_input_dim=in_v_features,
+        output_dim=out_features,
+        use_bias=use_bias,
+        metric=metric,
+        metric_rank=metric_rank,
+        coupling=coupling,
+        scale=scale,
+        dropout=dropout_rate,
     )
 
 
@@ -131,17 +152,27 @@ def _check_inputs(
     fold_mask = mask_shape is not None and len(mask_shape) == len(lead) + 3
     if len(lead) == 1 and keys is None:
         # (B, N, E): the shared rules and messages, with Flax's names.
-        check_shapes(config, x.shape, None if k is None else k.shape, mask_shape,
-                     value_shape=None if v is None else v.shape, names=CALL_NAMES)
+        check_shapes(
+            config,
+            x.shape,
+            None if k is None else k.shape,
+            mask_shape,
+            value_shape=None if v is None else v.shape,
+            names=CALL_NAMES,
+        )
         return lead
     # Other batch axes: the same rules on the shapes as given.
-    for name, t, features, arg in (("inputs_q", x, config.query_dim, "in_features"),
-                                   ("inputs_k", k, config.context_dim, "in_kv_features"),
-                                   ("inputs_v", v, config.value_input_dim, "in_v_features")):
+    for name, t, features, arg in (
+        ("inputs_q", x, config.query_dim, "in_features"),
+        ("inputs_k", k, config.context_dim, "in_kv_features"),
+        ("inputs_v", v, config.value_input_dim, "in_v_features"),
+    ):
         if t is None:
             continue
         if t.shape[-1] != features:
-            raise DamchaValueError(f"`{name}` must have {features} features ({arg}). Received: {name}.shape={tuple(t.shape)}")
+            raise DamchaValueError(
+                f"`{name}` must have {features} features ({arg}). Received: {name}.shape={tuple(t.shape)}"
+            )
         if 0 in t.shape:
             raise DamchaValueError(f"`{name}` must be non-empty. Received: {name}.shape={tuple(t.shape)}")
     B = int(np.prod(lead)) if lead else 1
@@ -170,7 +201,7 @@ def _fold(t: Array | None, lead: tuple[int, ...], keep: int) -> Array | None:
     if t is None:
         return None
     B = int(np.prod(lead)) if lead else 1
-    return jnp.reshape(t, (B, *t.shape[t.ndim - keep:]))
+    return jnp.reshape(t, (B, *t.shape[t.ndim - keep :]))
 
 
 def _fold_mask(mask: F.MaskArg, lead: tuple[int, ...]) -> F.MaskArg:
@@ -250,7 +281,7 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
         precision: Any = None,
         kernel_init: Initializer = _glorot,
         out_kernel_init: Initializer | None = None,
-        bias_init: Initializer = nnx.initializers.zeros_init(),
+        bias_init: Initializer = _zeros,
         out_bias_init: Initializer | None = None,
         use_bias: bool = True,
         attention_fn: Callable[..., Array] | None = None,
@@ -281,21 +312,38 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
         metric_generator: MetricGenerator | Mapping[str, MetricGenerator] | None = None,
     ) -> None:
         self.config = attention_config(
-            num_heads, in_features, qkv_features, out_features, num_kv_heads, in_kv_features,
-            in_v_features=in_v_features, key_dim=key_dim, value_dim=value_dim, metric=metric,
-            metric_rank=metric_rank, coupling=coupling, scale=scale, dropout_rate=dropout_rate, use_bias=use_bias,
+            num_heads,
+            in_features,
+            qkv_features,
+            out_features,
+            num_kv_heads,
+            in_kv_features,
+            in_v_features=in_v_features,
+            key_dim=key_dim,
+            value_dim=value_dim,
+            metric=metric,
+            metric_rank=metric_rank,
+            coupling=coupling,
+            scale=scale,
+            dropout_rate=dropout_rate,
+            use_bias=use_bias,
         )
         cfg = self.config
         if not isinstance(rngs, nnx.Rngs):
             raise DamchaTypeError(f"`rngs` must be an nnx.Rngs. Received: rngs={describe(rngs)}")
-        for name, value in (("broadcast_dropout", broadcast_dropout), ("normalize_qk", normalize_qk),
-                            ("keep_rngs", keep_rngs)):
+        for name, value in (
+            ("broadcast_dropout", broadcast_dropout),
+            ("normalize_qk", normalize_qk),
+            ("keep_rngs", keep_rngs),
+        ):
             check_bool(name, value)
         for name, value in (("deterministic", deterministic), ("decode", decode)):
             if value is not None:
                 check_bool(name, value)
         if attention_fn is not None and not callable(attention_fn):
-            raise DamchaTypeError(f"`attention_fn` must be callable or None. Received: attention_fn={describe(attention_fn)}")
+            raise DamchaTypeError(
+                f"`attention_fn` must be callable or None. Received: attention_fn={describe(attention_fn)}"
+            )
         given = resolve_metric_generators(metric_generator, cfg)  # checked before any allocation
         H, G, d, d_v = cfg.num_heads, cfg.num_kv_heads, cfg.key_dim, cfg.value_dim
         # nnx.MultiHeadAttention's attribute names, so code reading them keeps working.
@@ -303,18 +351,33 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
         self.in_features, self.in_kv_features, self.in_v_features = cfg.query_dim, cfg.context_dim, cfg.value_input_dim
         self.out_features, self.qkv_features = cfg.output_dim, H * d
         self.dtype, self.param_dtype, self.precision = dtype, param_dtype, precision
-        self.broadcast_dropout, self.dropout_rate, self.deterministic = bool(broadcast_dropout), cfg.dropout, deterministic
+        self.broadcast_dropout, self.dropout_rate, self.deterministic = (
+            bool(broadcast_dropout),
+            cfg.dropout,
+            deterministic,
+        )
         self.use_bias, self.attention_fn, self.decode = use_bias, attention_fn, decode
         self.normalize_qk = bool(normalize_qk)
         self.qkv_promote_dtype, self.out_promote_dtype, self.ln_promote_dtype = (
-            qkv_promote_dtype, out_promote_dtype, ln_promote_dtype)
+            qkv_promote_dtype,
+            out_promote_dtype,
+            ln_promote_dtype,
+        )
         self.qkv_dot_general, self.out_dot_general = qkv_dot_general, out_dot_general
         self.qkv_dot_general_cls, self.out_dot_general_cls = qkv_dot_general_cls, out_dot_general_cls
 
         linear = dict(
-            dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init, bias_init=bias_init, use_bias=use_bias,
-            precision=precision, promote_dtype=qkv_promote_dtype, dot_general=qkv_dot_general,
-            dot_general_cls=qkv_dot_general_cls, kernel_metadata=kernel_metadata, bias_metadata=bias_metadata,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            kernel_init=kernel_init,
+            bias_init=bias_init,
+            use_bias=use_bias,
+            precision=precision,
+            promote_dtype=qkv_promote_dtype,
+            dot_general=qkv_dot_general,
+            dot_general_cls=qkv_dot_general_cls,
+            kernel_metadata=kernel_metadata,
+            bias_metadata=bias_metadata,
             rngs=rngs,
         )
         self.query = nnx.LinearGeneral(cfg.query_dim, (H, d), **linear)
@@ -330,11 +393,21 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
             self.query_ln = nnx.data(None)
             self.key_ln = nnx.data(None)
         self.out = nnx.LinearGeneral(
-            (H, d_v), cfg.output_dim, axis=(-2, -1), kernel_init=out_kernel_init or kernel_init,
-            bias_init=out_bias_init or bias_init, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
-            precision=precision, promote_dtype=out_promote_dtype, dot_general=out_dot_general,
-            dot_general_cls=out_dot_general_cls, rngs=rngs,
-            kernel_metadata=out_kernel_metadata or kernel_metadata, bias_metadata=out_bias_metadata or bias_metadata,
+            (H, d_v),
+            cfg.output_dim,
+            axis=(-2, -1),
+            kernel_init=out_kernel_init or kernel_init,
+            bias_init=out_bias_init or bias_init,
+            use_bias=use_bias,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            precision=precision,
+            promote_dtype=out_promote_dtype,
+            dot_general=out_dot_general,
+            dot_general_cls=out_dot_general_cls,
+            rngs=rngs,
+            kernel_metadata=out_kernel_metadata or kernel_metadata,
+            bias_metadata=out_bias_metadata or bias_metadata,
         )
 
         generators = given or make_metric_generators(cfg, param_dtype=param_dtype, rngs=rngs)
@@ -354,7 +427,7 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
         metric_rank: int | None = None,
         coupling: str | None = None,
         rngs: nnx.Rngs,
-    ) -> "DamchaAttention":
+    ) -> DamchaAttention:
         """A DAMCHA layer with ``mha``'s projections (and q/k norms) and gates
         at 0: identical outputs, ready to fine-tune the metric. The generator
         is fresh; ``coupling=None`` picks it from ``mha``'s shape (tied when
@@ -380,7 +453,9 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
         elif rngs is None or isinstance(rngs, nnx.RngStream):
             stream = rngs or self.rngs
         else:
-            raise DamchaTypeError(f"`rngs` must be an nnx.Rngs, an nnx.RngStream or None. Received: rngs={describe(rngs)}")
+            raise DamchaTypeError(
+                f"`rngs` must be an nnx.Rngs, an nnx.RngStream or None. Received: rngs={describe(rngs)}"
+            )
         if stream is None:
             raise DamchaValueError(
                 "`rngs` must be given to __call__ when dropout is active and the layer keeps no rngs "
@@ -466,24 +541,46 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
             q, k = self.query_ln(q), self.key_ln(k)
         if self.config.metric_sides:
             folded_q, folded_k = F.cross_head_maps(
-                self._metric_params(), self.config, _fold(x, lead, 2), _fold(k_in, lead, 2),
-                _fold(q, lead, 3), _fold(k, lead, 3), precision=self.precision,
+                self._metric_params(),
+                self.config,
+                _fold(x, lead, 2),
+                _fold(k_in, lead, 2),
+                _fold(q, lead, 3),
+                _fold(k, lead, 3),
+                precision=self.precision,
             )
             q, k = jnp.reshape(folded_q, q.shape), jnp.reshape(folded_k, k.shape)
 
         bad = mask.flag
         if not _is_default_attention(self.attention_fn):
-            o = self._custom_attention(q, k, v, mask.array, lead, decode, is_causal, deterministic, dropout_rng,
-                                       sow_weights)
+            o = self._custom_attention(
+                q, k, v, mask.array, lead, decode, is_causal, deterministic, dropout_rng, sow_weights
+            )
         elif decode:
-            o, bad = self._decode(q, k, v, _fold_mask(mask, lead), dropout_rng=dropout_rng,
-                                  broadcast_dropout=self.broadcast_dropout, precision=self.precision, name="inputs_q",
-                                  mask_hint=mask_hint)
+            o, bad = self._decode(
+                q,
+                k,
+                v,
+                _fold_mask(mask, lead),
+                dropout_rng=dropout_rng,
+                broadcast_dropout=self.broadcast_dropout,
+                precision=self.precision,
+                name="inputs_q",
+                mask_hint=mask_hint,
+            )
         else:
             o, weights, bad = F.attend(
-                self.config, _fold(q, lead, 3), _fold(k, lead, 3), _fold(v, lead, 3), mask=_fold_mask(mask, lead),
-                is_causal=is_causal, return_weights=sow_weights, dropout_rng=dropout_rng,
-                broadcast_dropout=self.broadcast_dropout, precision=self.precision, mask_hint=mask_hint,
+                self.config,
+                _fold(q, lead, 3),
+                _fold(k, lead, 3),
+                _fold(v, lead, 3),
+                mask=_fold_mask(mask, lead),
+                is_causal=is_causal,
+                return_weights=sow_weights,
+                dropout_rng=dropout_rng,
+                broadcast_dropout=self.broadcast_dropout,
+                precision=self.precision,
+                mask_hint=mask_hint,
             )
             o = jnp.reshape(o, (*lead, *o.shape[1:]))
             if sow_weights:
@@ -508,9 +605,18 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
             k, v = cached_k[...], cached_v[...]
             index[...] = index[...] + T
         return self.attention_fn(
-            q, k, v, mask=mask, dropout_rng=dropout_rng, dropout_rate=self.dropout_rate,
-            broadcast_dropout=self.broadcast_dropout, deterministic=deterministic, dtype=self.dtype,
-            precision=self.precision, module=self if sow_weights else None, is_causal=is_causal,
+            q,
+            k,
+            v,
+            mask=mask,
+            dropout_rng=dropout_rng,
+            dropout_rate=self.dropout_rate,
+            broadcast_dropout=self.broadcast_dropout,
+            deterministic=deterministic,
+            dtype=self.dtype,
+            precision=self.precision,
+            module=self if sow_weights else None,
+            is_causal=is_causal,
         )
 
     def metric_penalty(self, inputs_q: Array, inputs_k: Array | None = None) -> Array:
