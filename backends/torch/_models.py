@@ -341,9 +341,11 @@ class DamchaMaps(nn.Module):
         # The parts each side maps, so that a side's generator runs once for
         # all of them (tied q and k of one projection: one A(t)).
         by_side: dict[str, list[int]] = {}
-        for i, (role, _) in enumerate(blocks):
-            if role is not None:
-                by_side.setdefault(dc.side_of(cfg, role), []).append(i)  # type: ignore[arg-type]
+        for i, (block_role, _) in enumerate(blocks):
+            # A role without a side (the keys under coupling "query") keeps the identity map.
+            side = None if block_role is None else dc.side_of(cfg, block_role)
+            if side is not None:
+                by_side.setdefault(side, []).append(i)
         with _no_autocast(y):
             for side, indices in by_side.items():
                 mapped = self.apply_map(side, tokens, tuple(out[i] for i in indices))
