@@ -207,7 +207,7 @@ class DamchaTransformerDecoderLayer(nn.TransformerDecoderLayer):
             device,
             dtype,
         )
-        common = dict(dropout=dropout, bias=bias, batch_first=batch_first, device=device, dtype=dtype)
+        common: dict[str, Any] = dict(dropout=dropout, bias=bias, batch_first=batch_first, device=device, dtype=dtype)
         self.self_attn = DamchaAttention(  # type: ignore[assignment]
             d_model, nhead, metric_generator=metric_generator, _arg_names=_BLOCK_NAMES, **common, **attention
         )

@@ -9,8 +9,8 @@ between that layout and damcha_core's names and shapes.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import numpy as np
 
@@ -19,6 +19,7 @@ import torch
 from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, describe
 from torch import Tensor
 
+from ._functional import config_sizes
 from ._generator import TORCH_LEAVES, generator_shapes
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -33,8 +34,8 @@ def canonical_views(config: DamchaConfig, tensors: Mapping[str, Tensor]) -> dict
     """Canonical name -> view, from a layer's module name -> tensor (its
     parameters, or their gradients). Views share storage: writing into one
     writes the parameter."""
-    E, Ekv, Eo = config.query_dim, config.context_dim, config.output_dim
-    H, G, d, dv = config.num_heads, config.num_kv_heads, config.key_dim, config.value_dim
+    E, H, d = config.query_dim, config.num_heads, config.key_dim
+    Ekv, _, Eo, G, dv = config_sizes(config)
     sizes = (H * d, G * d, G * dv)
     if "in_proj_weight" in tensors:
         Wq, Wk, Wv = tensors["in_proj_weight"].split(sizes)
@@ -85,6 +86,14 @@ class CanonicalIO:
 
     config: DamchaConfig
 
+    if TYPE_CHECKING:
+        # Given by the classes this is mixed into: nn.Module and the layer.
+        def named_parameters(
+            self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+        ) -> Iterator[tuple[str, torch.nn.Parameter]]: ...
+
+        _from_config: ClassVar[Callable[..., Any]]
+
     def _canonical_views(self, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
         if getattr(self, "bias_k", None) is not None or getattr(self, "add_zero_attn", False):
             # Refused rather than dropped: a file without bias_k would load as another layer.
@@ -98,7 +107,7 @@ class CanonicalIO:
 
     def to_canonical(self) -> dict[str, np.ndarray]:
         """Canonical float64 NumPy params (exact: every torch float widens losslessly)."""
-        params = dict(self.named_parameters(remove_duplicate=False))  # type: ignore[attr-defined]
+        params = dict(self.named_parameters(remove_duplicate=False))
         return {n: _numpy(t) for n, t in self._canonical_views(params).items()}
 
     def canonical_grads(self) -> dict[str, np.ndarray]:
@@ -106,14 +115,14 @@ class CanonicalIO:
         grads = {
             n: (p.grad if p.grad is not None else torch.zeros_like(p))
             for n, p in self.named_parameters(remove_duplicate=False)
-        }  # type: ignore[attr-defined]
+        }
         return {n: _numpy(t) for n, t in self._canonical_views(grads).items()}
 
     @torch.no_grad()
     def load_canonical(self: _Layer, params: Mapping[str, Any]) -> _Layer:
         """Copy canonical params (validated against ``self.config``, finite) into this layer; returns self."""
         checked = dc.validate_params(params, self.config)
-        targets = self._canonical_views(dict(self.named_parameters(remove_duplicate=False)))  # type: ignore[attr-defined]
+        targets = self._canonical_views(dict(self.named_parameters(remove_duplicate=False)))
         for name, value in checked.items():
             target = targets[name]
             # The views share storage with the parameters, so copy_ writes through.
@@ -129,7 +138,7 @@ class CanonicalIO:
         """
         if not isinstance(config, DamchaConfig):
             raise DamchaTypeError(f"`config` must be a DamchaConfig. Received: config={describe(config)}")
-        layer = cls._from_config(config, **kwargs)  # type: ignore[attr-defined]
+        layer = cls._from_config(config, **kwargs)
         return layer.load_canonical(params)
 
     def save(self, path: str | os.PathLike) -> None:

@@ -60,12 +60,15 @@ def from_mha(
     for dst, src in zip(layer._proj_weights(), (w_q, w_k, w_v)):
         dst.copy_(src)
     if mha.in_proj_bias is not None:
-        layer.in_proj_bias.copy_(mha.in_proj_bias)  # type: ignore[union-attr]
+        assert layer.in_proj_bias is not None  # built with bias=True above
+        layer.in_proj_bias.copy_(mha.in_proj_bias)
         layer.out_proj.bias.copy_(mha.out_proj.bias)
     layer.out_proj.weight.copy_(mha.out_proj.weight)
     if mha.bias_k is not None:
-        layer.bias_k.copy_(mha.bias_k)  # type: ignore[union-attr]
-        layer.bias_v.copy_(mha.bias_v)  # type: ignore[union-attr]
+        # Both built with add_bias_kv=True above; MHA sets bias_k and bias_v together.
+        assert layer.bias_k is not None and layer.bias_v is not None and mha.bias_v is not None
+        layer.bias_k.copy_(mha.bias_k)
+        layer.bias_v.copy_(mha.bias_v)
     layer.train(mha.training)
     return layer
 

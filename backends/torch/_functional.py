@@ -51,6 +51,16 @@ __all__ = [
 _NEG_INF = float("-inf")
 
 
+def config_sizes(config: DamchaConfig) -> tuple[int, int, int, int, int]:
+    """(E_kv, E_v, E_o, G, d_v) as ints. DamchaConfig types these fields
+    ``int | None`` for its constructor's defaults and resolves every one to
+    an int when it is built, so None here would be a broken config."""
+    Ekv, Ev, Eo = config.context_dim, config.value_input_dim, config.output_dim
+    G, dv = config.num_kv_heads, config.value_dim
+    assert Ekv is not None and Ev is not None and Eo is not None and G is not None and dv is not None, config
+    return Ekv, Ev, Eo, G, dv
+
+
 # ------------------------------------------------------------ torch layout
 
 
@@ -97,7 +107,7 @@ class LayerWeights(NamedTuple):
         """(weight, bias) of the query, key and value projections."""
         weights = self.in_proj.split(self.sizes) if self.in_proj is not None else (self.q, self.k, self.v)
         biases = (None,) * 3 if self.in_bias is None else self.in_bias.split(self.sizes)
-        return tuple(zip(weights, biases))  # type: ignore[arg-type]
+        return tuple(zip(weights, biases))
 
 
 def _side_from_canonical(params: Mapping[str, Tensor], config: DamchaConfig, side: str) -> SideWeights:
@@ -113,20 +123,21 @@ def _side_from_canonical(params: Mapping[str, Tensor], config: DamchaConfig, sid
 
 def weights_from_canonical(params: Mapping[str, Tensor], config: DamchaConfig) -> LayerWeights:
     """``LayerWeights`` of canonical tensors, by views (no copies where strides allow)."""
-    H, G, d, dv = config.num_heads, config.num_kv_heads, config.key_dim, config.value_dim
+    H, d = config.num_heads, config.key_dim
+    _, _, Eo, G, dv = config_sizes(config)
     sizes = (H * d, G * d, G * dv)
     q, k, v = (params[f"{n}.kernel"].reshape(params[f"{n}.kernel"].shape[0], -1).T for n in ("query", "key", "value"))
     bias = None
     if config.use_bias:
         bias = torch.cat([params[f"{n}.bias"].reshape(-1) for n in ("query", "key", "value")])
-    out_w = params["output.kernel"].reshape(-1, config.output_dim).T
+    out_w = params["output.kernel"].reshape(-1, Eo).T
     out_b = params["output.bias"] if config.use_bias else None
 
     def output(o: Tensor) -> Tensor:
         return F.linear(o, out_w, out_b)
 
     sides = {side: _side_from_canonical(params, config, side) for side in config.metric_sides}
-    return LayerWeights(sizes, None, q, k, v, bias, output, sides)  # type: ignore[arg-type]
+    return LayerWeights(sizes, None, q, k, v, bias, output, sides)
 
 
 # ------------------------------------------------------------------ steps
@@ -516,7 +527,8 @@ def _queries_keys(
 ) -> tuple[Tensor, Tensor]:
     """q~ (B, N, H, d) and k~ (B, M, G, d). ``qk_proj``: the packed weight's
     and bias's q/k rows, split off by the caller (see ``_project``)."""
-    H, G, d = config.num_heads, config.num_kv_heads, config.key_dim
+    H, d = config.num_heads, config.key_dim
+    G = config_sizes(config)[3]
     if self_attention and w.in_proj is not None:
         if qk_proj is None:
             n_qk = w.sizes[0] + w.sizes[1]
@@ -556,6 +568,7 @@ def _project(
         and config.metric != "none"
         and not torch._C._are_functorch_transforms_active()
     )
+    G, dv = config_sizes(config)[3:]
     if self_attention and w.in_proj is not None and not recompute:
         # One packed GEMM for q, k, v, as nn.MultiheadAttention does.
         B, N = x.shape[0], x.shape[1]
@@ -566,7 +579,7 @@ def _project(
             x,
             x,
             q.view(B, N, config.num_heads, config.key_dim),
-            k.view(B, N, config.num_kv_heads, config.key_dim),
+            k.view(B, N, G, config.key_dim),
             True,
         )
     else:
@@ -588,7 +601,7 @@ def _project(
         else:
             q, k = _queries_keys(w, config, x, c, self_attention, qk_proj)
         v = F.linear(value, W_v, b_v)
-    return q, k, v.view(v.shape[0], v.shape[1], config.num_kv_heads, config.value_dim)
+    return q, k, v.view(v.shape[0], v.shape[1], G, dv)
 
 
 def attend_weights(
@@ -669,6 +682,8 @@ def few_tokens_step(
     """
     B, N = x.shape[0], x.shape[1]
     H, G, d, dv = config.num_heads, config.num_kv_heads, config.key_dim, config.value_dim
+    # Inline rather than config_sizes(): this path is sized in Python overhead.
+    assert G is not None and dv is not None, config
     qkv = F.linear(x, in_proj, in_bias)
     q, k, v = qkv.split_with_sizes((H * d, G * d, G * dv), dim=-1)
     mq, mk = maps
@@ -780,13 +795,8 @@ def _check_mask(mask: Any, config: DamchaConfig, B: int, N: int, M: int) -> Tens
         return None
     if not isinstance(mask, Tensor) or not (mask.dtype == torch.bool or mask.is_floating_point()):
         raise dc.mask_dtype_error(mask, expected="boolean (True = may attend) or floating (additive, -inf = hidden)")
-    dc.check_shapes(
-        config,
-        (B, N, config.query_dim),
-        (B, M, config.context_dim),
-        tuple(mask.shape),
-        value_shape=(B, M, config.value_input_dim),
-    )
+    Ekv, Ev = config_sizes(config)[:2]
+    dc.check_shapes(config, (B, N, config.query_dim), (B, M, Ekv), tuple(mask.shape), value_shape=(B, M, Ev))
     return mask
 
 
@@ -1024,13 +1034,15 @@ def metric_penalty(
     config = _check_params(params, config)
     x = _check_float("query", query)
     c = x if context is None else _check_float("context", context)
-    params, (x, c) = _promote(params, x, c)
+    params, (px, pc) = _promote(params, x, c)
+    assert px is not None and pc is not None  # _promote returns a tensor for each tensor given
+    x, c = px, pc
     # The values play no part in the penalty.
     dc.check_shapes(
         config,
         tuple(x.shape),
         None if context is None else tuple(c.shape),
-        value_shape=(*c.shape[:2], config.value_input_dim),
+        value_shape=(*c.shape[:2], config_sizes(config)[1]),
     )
     return penalty_weights(weights_from_canonical(params, config), config, x, c)
 

@@ -137,6 +137,11 @@ class DamchaAttention(CanonicalIO, nn.Module):
     """
 
     __constants__ = ["batch_first"]
+    # Registered as None when absent (as nn.MultiheadAttention does), so typed so.
+    in_proj_weight: nn.Parameter | None
+    in_proj_bias: nn.Parameter | None
+    bias_k: nn.Parameter | None
+    bias_v: nn.Parameter | None
     # Why: nn.TransformerEncoder(Layer) run a fused native kernel that reads
     # in_proj_weight directly when this flag is True, which would skip the
     # cross-head map. False keeps them on the path that calls forward().
@@ -231,7 +236,7 @@ class DamchaAttention(CanonicalIO, nn.Module):
         self._init_from_config(cfg, batch_first, device, dtype, metric_generator, recompute, names)
         self.add_zero_attn = add_zero_attn
         if add_bias_kv:
-            G, d, dv = cfg.num_kv_heads, cfg.key_dim, cfg.value_dim
+            d, (G, dv) = cfg.key_dim, fn.config_sizes(cfg)[3:]
             self.bias_k = nn.Parameter(torch.empty(1, 1, G * d, device=device, dtype=dtype))
             self.bias_v = nn.Parameter(torch.empty(1, 1, G * dv, device=device, dtype=dtype))
             nn.init.xavier_normal_(self.bias_k)  # nn.MultiheadAttention's initialiser
@@ -256,8 +261,8 @@ class DamchaAttention(CanonicalIO, nn.Module):
             metric_generator, cfg, generator_type=MetricGenerator, spec_of=lambda g: g.spec, names=names
         )
         kw: dict[str, Any] = {"device": device, "dtype": dtype}
-        E, Ekv, Ev = cfg.query_dim, cfg.context_dim, cfg.value_input_dim
-        H, G, d, dv = cfg.num_heads, cfg.num_kv_heads, cfg.key_dim, cfg.value_dim
+        E, H, d = cfg.query_dim, cfg.num_heads, cfg.key_dim
+        Ekv, Ev, Eo, G, dv = fn.config_sizes(cfg)
         # The nn.MultiheadAttention attribute names, for code that inspects them.
         self.embed_dim, self.kdim, self.vdim = E, Ekv, Ev
         self.num_heads, self.head_dim, self.dropout = H, d, cfg.dropout
@@ -279,7 +284,7 @@ class DamchaAttention(CanonicalIO, nn.Module):
             self.in_proj_bias = nn.Parameter(torch.empty(sum(self._sizes), **kw))
         else:
             self.register_parameter("in_proj_bias", None)
-        self.out_proj = nn.Linear(H * dv, cfg.output_dim, bias=cfg.use_bias, **kw)  # type: ignore[arg-type]
+        self.out_proj = nn.Linear(H * dv, Eo, bias=cfg.use_bias, **kw)
         self.metric_gates = nn.ParameterDict()
         self.metric_generators = nn.ModuleDict()
         for side in cfg.metric_sides:
@@ -335,9 +340,12 @@ class DamchaAttention(CanonicalIO, nn.Module):
 
     def _proj_weights(self) -> tuple[Tensor, Tensor, Tensor]:
         if self.in_proj_weight is not None:
-            return tuple(self.in_proj_weight.split(self._sizes))  # type: ignore[return-value]
+            q, k, v = self.in_proj_weight.split(self._sizes)
+            return q, k, v
         p = self._parameters
-        return p["q_proj_weight"], p["k_proj_weight"], p["v_proj_weight"]  # type: ignore[return-value]
+        q, k, v = p["q_proj_weight"], p["k_proj_weight"], p["v_proj_weight"]
+        assert q is not None and k is not None and v is not None  # registered when in_proj_weight is None
+        return q, k, v
 
     def _weights(self) -> fn.LayerWeights:
         """This layer's parameters as the functional core takes them: the
@@ -345,17 +353,24 @@ class DamchaAttention(CanonicalIO, nn.Module):
         # Read straight from the registries (no nn.Module.__getattr__ walks):
         # this runs once per call, which matters when decoding token by token.
         p = self._parameters
-        gens = self._modules["metric_generators"]._modules
-        gates = self._modules["metric_gates"]._parameters
-        sides = {side: gens[side].side(gates[side]) for side in self.config.metric_sides}  # type: ignore[union-attr]
-        bias = p["in_proj_bias"]
+        m = self._modules
+        gens, gate_dict, out_proj = m["metric_generators"], m["metric_gates"], m["out_proj"]
+        assert gens is not None and gate_dict is not None and out_proj is not None  # registered in _init_from_config
+        gates = gate_dict._parameters
+        sides = {}
+        for side in self.config.metric_sides:
+            gen, gate = gens._modules[side], gates[side]
+            assert isinstance(gen, MetricGenerator) and gate is not None  # one of each per metric side
+            sides[side] = gen.side(gate)
+        bias: Tensor | None = p["in_proj_bias"]
         packed = p["in_proj_weight"]
         weight = packed if packed is not None else p["q_proj_weight"]
-        if bias is not None and bias.dtype != weight.dtype:  # type: ignore[union-attr]
+        assert weight is not None  # q_proj_weight is registered when in_proj_weight is None
+        if bias is not None and bias.dtype != weight.dtype:
             # A bias loaded in another dtype (load_state_dict(assign=True), a
             # checkpoint edited by hand): the projection computes in the
             # weight's dtype, as nn.MultiheadAttention's output does.
-            bias = bias.to(weight.dtype)  # type: ignore[union-attr]
+            bias = bias.to(weight.dtype)
         return fn.LayerWeights(
             self._sizes,
             packed,
@@ -363,7 +378,7 @@ class DamchaAttention(CanonicalIO, nn.Module):
             p["k_proj_weight"],
             p["v_proj_weight"],
             bias,
-            self._modules["out_proj"],
+            out_proj,
             sides,
             p.get("bias_k"),
             p.get("bias_v"),
@@ -394,7 +409,9 @@ class DamchaAttention(CanonicalIO, nn.Module):
         device = query.device.type
         if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
             return False
-        return query.dtype == self.in_proj_weight.dtype == self.in_proj_bias.dtype and not query.is_nested
+        weight, bias = self.in_proj_weight, self.in_proj_bias
+        assert weight is not None and bias is not None  # checked by `structural`
+        return query.dtype == weight.dtype == bias.dtype and not query.is_nested
 
     def _check_dtypes(self, query: Tensor, key: Tensor, value: Tensor) -> None:
         """Inputs in the parameters' dtype, or autocast on (it casts them).
@@ -402,7 +419,11 @@ class DamchaAttention(CanonicalIO, nn.Module):
         F.linear would fail with "mat1 and mat2 must have the same dtype"; a
         silent cast would hide a float64 pipeline feeding a float32 model.
         """
-        dtype = self._modules["out_proj"]._parameters["weight"].dtype
+        out_proj = self._modules["out_proj"]
+        assert out_proj is not None  # registered in _init_from_config
+        out_weight = out_proj._parameters["weight"]
+        assert out_weight is not None
+        dtype = out_weight.dtype
         if query.dtype == dtype and key.dtype == dtype and value.dtype == dtype:
             return  # the common case, before asking about autocast
         inputs = (query.dtype, key.dtype, value.dtype)
@@ -448,6 +469,7 @@ class DamchaAttention(CanonicalIO, nn.Module):
         ):
             return None
         weight, bias = p["in_proj_weight"], p["in_proj_bias"]
+        assert weight is not None  # _few_tokens_ok (the caller's condition) implies the packed layout
         dtype = x.dtype
         if weight.dtype != dtype or (bias is not None and bias.dtype != dtype) or dtype not in _FLAT_DTYPES:
             return None
@@ -473,17 +495,24 @@ class DamchaAttention(CanonicalIO, nn.Module):
             return None  # only the is_causal hint's (N, P + N) mask, which is not read (see _merge_masks)
         maps: list[Any] = [None, None]
         sides = self._map_sides
+        modules = self._modules
+        gen_dict, gate_dict, out_proj = modules["metric_generators"], modules["metric_gates"], modules["out_proj"]
+        # All three are registered in _init_from_config.
+        assert gen_dict is not None and gate_dict is not None and out_proj is not None
         if sides[0] is not None or sides[1] is not None:
-            gens = self._modules["metric_generators"]._modules
-            gates = self._modules["metric_gates"]._parameters
+            gens = gen_dict._modules
+            gates = gate_dict._parameters
             for i, side in enumerate(sides):
                 if side is None:
                     continue
                 if i == 1 and side == sides[0]:
                     maps[1] = maps[0]  # tied: the same tuple, one generator GEMM
                     continue
-                g = gens[side]._parameters  # type: ignore[union-attr]
+                gen = gens[side]
+                assert gen is not None  # one generator per metric side
+                g = gen._parameters
                 m = (g["weight"], g["bias"], gates[side])
+                assert m[0] is not None and m[1] is not None and m[2] is not None  # "heads" has all three
                 if m[0].dtype != dtype or m[1].dtype != dtype or m[2].dtype != dtype:
                     return None
                 maps[i] = m
@@ -493,7 +522,7 @@ class DamchaAttention(CanonicalIO, nn.Module):
             weight,
             bias,
             tuple(maps),
-            self._modules["out_proj"],  # type: ignore[arg-type]
+            out_proj,
             kv_cache,
             is_causal,
         )
@@ -679,14 +708,16 @@ class DamchaAttention(CanonicalIO, nn.Module):
         ):
             # metric "none" is nn.MultiheadAttention: its fused inference kernel,
             # with no mask (so no all-masked rows, where it would give NaN).
+            in_w, in_b = self.in_proj_weight, self.in_proj_bias
+            assert in_w is not None and in_b is not None  # _native_ok checked both
             return torch._native_multi_head_attention(
                 query,
                 key,
                 value,
                 self.embed_dim,
                 self.num_heads,
-                self.in_proj_weight,
-                self.in_proj_bias,
+                in_w,
+                in_b,
                 self.out_proj.weight,
                 self.out_proj.bias,
                 None,
@@ -753,7 +784,7 @@ class DamchaAttention(CanonicalIO, nn.Module):
             cfg,
             tuple(query.shape),
             tuple(key.shape),
-            value_shape=(*key.shape[:2], cfg.value_input_dim),
+            value_shape=(*key.shape[:2], fn.config_sizes(cfg)[1]),
             names=_FORWARD_NAMES,
         )
         return self._penalty(query, key)
@@ -799,7 +830,7 @@ class DamchaAttention(CanonicalIO, nn.Module):
         return layer
 
     @classmethod
-    def from_canonical(
+    def from_canonical(  # type: ignore[override]  # names the keywords the mixin's **kwargs forwards
         cls,
         params: Mapping[str, Any],
         config: DamchaConfig,

@@ -282,7 +282,9 @@ class DamchaMaps(nn.Module):
 
     def _uninstall(self, attr: str) -> None:
         projection = self._installed.pop(attr, None)
-        fwd = None if projection is None else projection.__dict__.get("forward")
+        if projection is None:
+            return
+        fwd = projection.__dict__.get("forward")
         if isinstance(fwd, _SiteForward):
             if fwd.previous is None:
                 del projection.__dict__["forward"]
@@ -330,7 +332,7 @@ class DamchaMaps(nn.Module):
         blocks: list[tuple[str | None, int]] = []
         pos = 0
         for role, offset in site.roles():
-            width = (cfg.num_heads if role == "q" else cfg.num_kv_heads) * d
+            width = cfg.side_heads(role) * d  # role "q" or "k": H or G heads
             if offset > pos:
                 blocks.append((None, offset - pos))
             blocks.append((role, width))
@@ -353,8 +355,9 @@ class DamchaMaps(nn.Module):
                     out[i] = part.to(y.dtype)
                 if self.track_metric_penalty:
                     for i in indices:
-                        role = blocks[i][0]
-                        self._penalty_terms[role] = self.generator(side).penalty(tokens, self.gates[side])  # type: ignore[index]
+                        mapped_role = blocks[i][0]
+                        assert mapped_role is not None  # by_side holds mapped blocks only
+                        self._penalty_terms[mapped_role] = self.generator(side).penalty(tokens, self.gates[side])
         return out[0] if len(out) == 1 else torch.cat(out, dim=-1)
 
     def apply_map(self, side: str, tokens: Tensor, parts: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
@@ -364,7 +367,7 @@ class DamchaMaps(nn.Module):
         gate = self.gates[side]
         S, d = gate.shape[0], self.config.key_dim
         heads = tuple(part.unflatten(-1, (S, d)) for part in parts)
-        mapped = fn.apply_map_weights(self.generator(side).side(gate), tokens, heads)  # type: ignore[arg-type]
+        mapped = fn.apply_map_weights(self.generator(side).side(gate), tokens, heads)
         return tuple(m.flatten(-2) for m in mapped)
 
     @property
@@ -717,20 +720,22 @@ def from_pretrained(cls: type, path: str | os.PathLike, *, recompute: bool = Tru
             f"and call damcha_torch.convert. Received: path={os.fspath(path)!r}"
         )
     opts = {k: options[k] for k in ("metric", "metric_rank", "coupling", "share_metric")}
-    if hasattr(cls, "_model_mapping"):  # an Auto class: the concrete class its config maps to
+    # A transformers model class, whose from_pretrained and __init__ `type` does not know of.
+    host: Any = cls
+    if hasattr(host, "_model_mapping"):  # an Auto class: the concrete class its config maps to
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(path)
-        cls = cls._model_mapping[type(config)]
+        host = host._model_mapping[type(config)]
 
     def __init__(self: Any, *args: Any, **kw: Any) -> None:
-        cls.__init__(self, *args, **kw)
+        host.__init__(self, *args, **kw)
         convert(self, recompute=recompute, **opts)
 
     # A subclass converts right after construction, so from_pretrained's own
     # loader sees the DAMCHA tensors as expected keys; the instance gets its
     # class back afterwards (the subclass adds no state).
-    converting = type(cls.__name__, (cls,), {"__init__": __init__, "__module__": cls.__module__})
+    converting: Any = type(host.__name__, (host,), {"__init__": __init__, "__module__": host.__module__})
     model = converting.from_pretrained(path, **kwargs)
-    model.__class__ = cls
+    model.__class__ = host
     return model

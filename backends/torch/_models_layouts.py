@@ -9,6 +9,8 @@ q_proj that also emits gates, say) is refused rather than mis-mapped.
 
 from __future__ import annotations
 
+from typing import Any
+
 from damcha_core import DamchaValueError
 from torch import nn
 
@@ -19,7 +21,12 @@ def _is(module: nn.Module, library: str, names: frozenset[str]) -> bool:
     return any(c.__name__ in names and c.__module__.split(".")[0] == library for c in type(module).__mro__)
 
 
-def _features(projection: nn.Module) -> tuple[int, int]:
+# The modules and projections below are typed Any: they are the libraries'
+# classes (known here by name only), whose attributes torch's nn.Module stubs
+# type as Tensor | Module.
+
+
+def _features(projection: Any) -> tuple[int, int]:
     """(in, out) features of a projection: nn.Linear, transformers' Conv1D, or a
     wrapper exposing them (PEFT's LoRA layers)."""
     if hasattr(projection, "in_features") and hasattr(projection, "out_features"):
@@ -46,7 +53,7 @@ def _heads(name: str, out: int, head_dim: int, expected: int) -> int:
 _LLAMA = frozenset({"LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention"})
 
 
-def _llama_layout(m: nn.Module) -> AttentionLayout:
+def _llama_layout(m: Any) -> AttentionLayout:
     d = int(m.head_dim)
     cfg = m.config
     (eq, q_out), (ek, k_out) = _features(m.q_proj), _features(m.k_proj)
@@ -55,7 +62,7 @@ def _llama_layout(m: nn.Module) -> AttentionLayout:
     return AttentionLayout(H, G, d, eq, ek, (ProjectionSite("q_proj", q=0), ProjectionSite("k_proj", k=0)))
 
 
-def _gpt2_layout(m: nn.Module) -> AttentionLayout:
+def _gpt2_layout(m: Any) -> AttentionLayout:
     H, d, E = int(m.num_heads), int(m.head_dim), int(m.embed_dim)
     if getattr(m, "is_cross_attention", False):
         (eq, q_out), (ek, kv_out) = _features(m.q_attn), _features(m.c_attn)
@@ -73,7 +80,7 @@ _BERT_SELF = frozenset({"BertSelfAttention", "RobertaSelfAttention"})
 _BERT_CROSS = frozenset({"BertCrossAttention", "RobertaCrossAttention"})
 
 
-def _bert_layout(m: nn.Module) -> AttentionLayout:
+def _bert_layout(m: Any) -> AttentionLayout:
     H, d = int(m.num_attention_heads), int(m.attention_head_size)
     (eq, q_out), (ek, k_out) = _features(m.query), _features(m.key)
     _heads("query", q_out, d, H)
@@ -87,7 +94,7 @@ def _bert_layout(m: nn.Module) -> AttentionLayout:
 # ------------------------------------------------------------------- timm
 
 
-def _timm_layout(m: nn.Module) -> AttentionLayout:
+def _timm_layout(m: Any) -> AttentionLayout:
     H, d = int(m.num_heads), int(m.head_dim)
     e, out = _features(m.qkv)
     _heads("qkv", out, d, 3 * H)
