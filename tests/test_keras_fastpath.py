@@ -322,6 +322,23 @@ def test_eager_decode_maps_with_one_compiled_call_per_step(monkeypatch):
     _close(np.concatenate(ys, axis=1), dc.damcha_attention(params, cfg, x.astype(np.float64), causal=True))
 
 
+def test_eager_calls_of_growing_length_do_not_trace_the_map_per_length(monkeypatch):
+    """Eager self-attention calls of lengths 3..6 (generation without a cache):
+    TensorFlow traces the compiled map at most twice (then any length), JAX
+    once per length, torch runs it per call; every output equals the reference."""
+    import damcha_keras._functional as F
+
+    runs = []
+    real = F.map_heads_pair
+    monkeypatch.setattr(F, "map_heads_pair", lambda *a: runs.append(1) or real(*a))
+    layer, params, cfg = _layer(cross=False)
+    x = rng(12).normal(size=(B, 6, E)).astype(DTYPE)
+    for n in range(3, 7):
+        t = keras.ops.convert_to_tensor(x[:, :n])
+        _close(np_(layer(t, t, use_causal_mask=True)), dc.damcha_attention(params, cfg, x[:, :n], causal=True), n)
+    assert len(runs) <= 2 if BACKEND == "tensorflow" else len(runs) == 4, runs
+
+
 def test_other_keras_backends_take_the_same_fast_paths():
     """Every test of this file that is not TensorFlow-specific, run on the jax
     and torch backends (Keras fixes its backend per process: one subprocess
@@ -339,7 +356,7 @@ def test_other_keras_backends_take_the_same_fast_paths():
         assert proc.returncode == 0, tail
         summary = proc.stdout.strip().splitlines()[-1]
         passed = re.search(r"(\d+) passed", summary)
-        assert passed and int(passed.group(1)) == len(CASES) + 5, summary  # the cases + 5 other tests
+        assert passed and int(passed.group(1)) == len(CASES) + 6, summary  # the cases + 6 other tests
         assert "skipped" not in summary and "deselected" in summary, summary
 
 

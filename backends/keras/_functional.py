@@ -145,14 +145,18 @@ def compiled(fn: Callable, *args: Any) -> Any:
     (``tf.function``, ``jax.jit``) for the small fixed chains of ops of the
     map: eager Keras pays a dispatch per op, a compiled call pays one. When
     already traced (``tf.function``, ``jit``, export) and on torch, ``fn`` runs
-    as it is. Compiled once per shape and dtype."""
+    as it is. Compiled once per layer geometry and dtype (jax: and per shape).
+    ``args``: tokens (B, T, E), the generator's kernel and bias, the gate, then
+    heads (B, T, S, d)."""
     backend = keras.backend.backend()
     if backend == "tensorflow":
         import tensorflow as tf
 
         if not tf.executing_eagerly():
             return fn(*args)
-        maker = functools.partial(tf.function, autograph=False)
+        # reduce_retracing: after a second batch or length the function takes any
+        # (eager calls of growing lengths do not trace once per length).
+        maker = functools.partial(tf.function, autograph=False, reduce_retracing=True)
     elif backend == "jax":
         import jax
 
@@ -161,7 +165,10 @@ def compiled(fn: Callable, *args: Any) -> Any:
         maker = jax.jit
     else:
         return fn(*args)
-    key = (fn, backend)
+    # One function per layer geometry (the weights' shapes, the heads' sizes, the
+    # dtype): only the batch and length dims of the tokens and heads vary within it.
+    key = (fn, backend, tuple(tuple(a.shape[2:]) if i == 0 or i > 3 else tuple(a.shape) for i, a in enumerate(args)),
+           dtype_name(args[0]))
     if key not in _COMPILED:
         _COMPILED[key] = maker(fn)
     return _COMPILED[key](*args)
