@@ -29,6 +29,7 @@ from ._functional import (
     _qkv,
     attend,
     check_hint,
+    config_sizes,
     read_mask,
 )
 
@@ -204,11 +205,11 @@ def decode_step(
             f"Received: query.shape={tuple(x.shape)}, context.shape={None if c is None else tuple(c.shape)}"
         )
     mask_hint = check_hint(mask_hint, mask)
-    mask = read_mask(mask)
-    if mask.array is not None:
-        check_shapes(config, x.shape, (B, L, config.context_dim), mask.array.shape)
+    checked = read_mask(mask)
+    if checked.array is not None:
+        check_shapes(config, x.shape, (B, L, config_sizes(config)[0]), checked.array.shape)
     check_room(index, T, L, "query", x.shape)
-    if _hashable(precision) and (mask_hint is None or mask.host is None):
+    if _hashable(precision) and (mask_hint is None or checked.host is None):
         # Everything is checked: the math is one compiled program (one dispatch per step when eager).
         # Only a hint on a mask with known values is checked on the host (a DamchaValueError, not NaN).
         return _compiled_step(
@@ -220,8 +221,8 @@ def decode_step(
             x,
             c,
             v_tokens,
-            mask.array,
-            mask.flag,
+            checked.array,
+            checked.flag,
             precision=precision,
             mask_hint=mask_hint,
         )
@@ -234,11 +235,11 @@ def decode_step(
         x,
         c,
         v_tokens,
-        mask.array,
-        mask.flag,
+        checked.array,
+        checked.flag,
         precision=precision,
         mask_hint=mask_hint,
-        host=mask.host,
+        host=checked.host,
     )
 
 

@@ -56,6 +56,9 @@ def from_mha(cls: Any, mha: Any, *, metric: str, metric_rank: int | None, coupli
         if layer.use_bias:
             target.bias[...] = source.bias[...]
     if mha.normalize_qk:
-        layer.query_ln.scale[...] = mha.query_ln.scale[...]
-        layer.key_ln.scale[...] = mha.key_ln.scale[...]
+        # normalize_qk builds both LayerNorms, with a scale (as the layer's, built from mha's flags).
+        for ln in ("query_ln", "key_ln"):
+            source_ln, target_ln = getattr(mha, ln), getattr(layer, ln)
+            assert source_ln.scale is not None and target_ln.scale is not None
+            target_ln.scale[...] = source_ln.scale[...]
     return layer

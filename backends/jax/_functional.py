@@ -56,6 +56,16 @@ EINSUM_FOR_FLOAT64 = True
 # --------------------------------------------------------------------- checks
 
 
+def config_sizes(config: DamchaConfig) -> tuple[int, int, int, int, int]:
+    """(E_kv, E_v, E_o, G, d_v) as ints. DamchaConfig types these fields
+    ``int | None`` for its constructor's defaults and resolves every one to
+    an int when it is built, so None here would be a broken config."""
+    Ekv, Ev, Eo = config.context_dim, config.value_input_dim, config.output_dim
+    G, dv = config.num_kv_heads, config.value_dim
+    assert Ekv is not None and Ev is not None and Eo is not None and G is not None and dv is not None, config
+    return Ekv, Ev, Eo, G, dv
+
+
 def _check_config(config: Any) -> DamchaConfig:
     if not isinstance(config, DamchaConfig):
         raise DamchaTypeError(f"`config` must be a DamchaConfig. Received: config={describe(config)}")
@@ -159,7 +169,7 @@ def _check_offset(query_offset: Any) -> Any:
     if (
         isinstance(query_offset, numbers.Integral)
         and not isinstance(query_offset, (bool, np.bool_))
-        and query_offset >= 0
+        and int(query_offset) >= 0
     ):
         return int(query_offset)
     dtype = _np_dtype(query_offset)
@@ -397,7 +407,8 @@ def _or(a: Array | None, b: Array | None) -> Array | None:
 
 def _host_split(v: np.ndarray, grid: np.ndarray | None) -> tuple[np.ndarray, np.ndarray] | None:
     """(key_ok (b, h, M), rows (b, h, N)) when v (b, h, N, M) == grid & rows x key_ok, else None."""
-    rows, keys = v.any(-1), v.any(-2)
+    # np.asarray: NumPy types a reduction along an axis as array-or-scalar; v is 4-D.
+    rows, keys = np.asarray(v.any(-1)), np.asarray(v.any(-2))
     recon = rows[..., :, None] & keys[..., None, :]
     if grid is not None:
         recon = recon & grid
@@ -426,7 +437,7 @@ def _host_plan(
         keys, rows = split
         causal = is_causal or hint == "causal"
         if causal and hint == "padding":
-            rows = (full & grid).any(-1)
+            rows = np.asarray((full & grid).any(-1))
         return keys, rows, causal
     visible = full & grid if is_causal else full
     split = _host_split(visible, grid if is_causal else None)
@@ -497,7 +508,9 @@ def plan_mask(
             # jax.nn.dot_product_attention's causal rule is top-left (offset 0): give it the offset one.
             return MaskPlan(visible, False, None, visible, flag)
         return MaskPlan(None, is_causal, None, visible, flag)
-    found = None
+    assert mask is not None  # arr is its array
+    keys: Array | None
+    found: tuple[np.ndarray, np.ndarray, bool] | bool | None = None
     concrete_offset = not isinstance(query_offset, jax.core.Tracer)
     if mask.host is not None and concrete_offset:
         host = np.asarray(mask.host).reshape(arr.shape)
@@ -521,6 +534,7 @@ def plan_mask(
             first = jnp.argmax(arr, axis=-1)  # a key mask: O(M), row i sees the first key iff it is <= i
             rows = jnp.any(arr, axis=-1) & (first <= jnp.arange(n) + query_offset)
         else:
+            assert visible is not None  # visibility() of a mask is an array
             rows = jnp.any(visible, axis=-1)
         if is_causal and static0:
             return MaskPlan(arr, True, rows, visible, flag)
@@ -780,6 +794,7 @@ def damcha_attention(
     y = _poison(_output(p, config, o, precision), bad)
     extras: list[Any] = []
     if return_weights:
+        assert weights is not None  # attend returns them when asked
         extras.append(_poison(weights, bad))
     if return_metric:
         metric = {}

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 from flax import nnx
@@ -179,7 +179,7 @@ def _check_inputs(
     N = x.shape[-2]
     M = keys if keys is not None else (x if k is None else k).shape[-2]
     folded = lambda t: None if t is None else (B, *t.shape[-2:])  # noqa: E731
-    check_shapes(config, folded(x), folded(k), None, value_shape=folded(v), names=CALL_NAMES)
+    check_shapes(config, (B, *x.shape[-2:]), folded(k), None, value_shape=folded(v), names=CALL_NAMES)
     if mask_shape is not None:
         target = (*lead, config.num_heads, N, M)
         if len(mask_shape) == 2 or fold_mask:
@@ -194,6 +194,14 @@ def _check_inputs(
                 f"Received: mask.shape={mask_shape}"
             )
     return lead
+
+
+@overload
+def _fold(t: Array, lead: tuple[int, ...], keep: int) -> Array: ...
+
+
+@overload
+def _fold(t: None, lead: tuple[int, ...], keep: int) -> None: ...
 
 
 def _fold(t: Array | None, lead: tuple[int, ...], keep: int) -> Array | None:
@@ -337,15 +345,16 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
             ("keep_rngs", keep_rngs),
         ):
             check_bool(name, value)
-        for name, value in (("deterministic", deterministic), ("decode", decode)):
-            if value is not None:
-                check_bool(name, value)
+        for name, option in (("deterministic", deterministic), ("decode", decode)):
+            if option is not None:
+                check_bool(name, option)
         if attention_fn is not None and not callable(attention_fn):
             raise DamchaTypeError(
                 f"`attention_fn` must be callable or None. Received: attention_fn={describe(attention_fn)}"
             )
         given = resolve_metric_generators(metric_generator, cfg)  # checked before any allocation
-        H, G, d, d_v = cfg.num_heads, cfg.num_kv_heads, cfg.key_dim, cfg.value_dim
+        H, d = cfg.num_heads, cfg.key_dim
+        E_kv, E_v, E_o, G, d_v = F.config_sizes(cfg)
         # nnx.MultiHeadAttention's attribute names, so code reading them keeps working.
         self.num_heads, self.num_kv_heads, self.head_dim = H, G, d
         self.in_features, self.in_kv_features, self.in_v_features = cfg.query_dim, cfg.context_dim, cfg.value_input_dim
@@ -381,8 +390,8 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
             rngs=rngs,
         )
         self.query = nnx.LinearGeneral(cfg.query_dim, (H, d), **linear)
-        self.key = nnx.LinearGeneral(cfg.context_dim, (G, d), **linear)
-        self.value = nnx.LinearGeneral(cfg.value_input_dim, (G, d_v), **linear)
+        self.key = nnx.LinearGeneral(E_kv, (G, d), **linear)
+        self.value = nnx.LinearGeneral(E_v, (G, d_v), **linear)
         self.query_ln: nnx.LayerNorm | None
         self.key_ln: nnx.LayerNorm | None
         if self.normalize_qk:
@@ -394,7 +403,7 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
             self.key_ln = nnx.data(None)
         self.out = nnx.LinearGeneral(
             (H, d_v),
-            cfg.output_dim,
+            E_o,
             axis=(-2, -1),
             kernel_init=out_kernel_init or kernel_init,
             bias_init=out_bias_init or bias_init,
@@ -524,13 +533,13 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
         sow_weights = check_bool("sow_weights", sow_weights)
         decode = self.decode if decode is None else check_bool("decode", decode)
         mask_hint = F.check_hint(mask_hint, mask)
-        mask = F.read_mask(mask, "mask")
+        checked = F.read_mask(mask, "mask")
         cache_len = None
         if decode:
             if self.cached_key is None:
                 raise DamchaValueError("The decoding cache is not initialised: call init_cache(input_shape) first.")
             cache_len = self.cached_key.shape[-3]
-        lead = _check_inputs(self.config, x, k_in, v_in, mask.array, keys=cache_len)
+        lead = _check_inputs(self.config, x, k_in, v_in, checked.array, keys=cache_len)
         deterministic, dropout_rng = self._dropout_rng(deterministic, rngs)
 
         ctx = x if k_in is None else k_in
@@ -551,17 +560,17 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
             )
             q, k = jnp.reshape(folded_q, q.shape), jnp.reshape(folded_k, k.shape)
 
-        bad = mask.flag
+        bad = checked.flag
         if not _is_default_attention(self.attention_fn):
             o = self._custom_attention(
-                q, k, v, mask.array, lead, decode, is_causal, deterministic, dropout_rng, sow_weights
+                q, k, v, checked.array, lead, decode, is_causal, deterministic, dropout_rng, sow_weights
             )
         elif decode:
             o, bad = self._decode(
                 q,
                 k,
                 v,
-                _fold_mask(mask, lead),
+                _fold_mask(checked, lead),
                 dropout_rng=dropout_rng,
                 broadcast_dropout=self.broadcast_dropout,
                 precision=self.precision,
@@ -574,7 +583,7 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
                 _fold(q, lead, 3),
                 _fold(k, lead, 3),
                 _fold(v, lead, 3),
-                mask=_fold_mask(mask, lead),
+                mask=_fold_mask(checked, lead),
                 is_causal=is_causal,
                 return_weights=sow_weights,
                 dropout_rng=dropout_rng,
@@ -584,6 +593,7 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
             )
             o = jnp.reshape(o, (*lead, *o.shape[1:]))
             if sow_weights:
+                assert weights is not None  # attend returns them when asked
                 self.sow(nnx.Intermediate, "attention_weights", jnp.reshape(weights, (*lead, *weights.shape[1:])))
         return F._poison(self.out(o, out_sharding=out_sharding), bad)
 
@@ -594,6 +604,7 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
             q = q * jnp.asarray(self.config.scale * np.sqrt(self.config.key_dim), q.dtype)
         if decode:
             cached_k, cached_v, index = self.cached_key, self.cached_value, self.cache_index
+            assert cached_k is not None and cached_v is not None and index is not None  # init_cache set all three
             T = q.shape[-3]
             check_room(index[...], T, cached_k.shape[-3], "inputs_q", q.shape[:-2])
             zero = jnp.zeros((), jnp.int32)
@@ -604,7 +615,9 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
             mask = visible if mask is None else jnp.logical_and(mask, visible)
             k, v = cached_k[...], cached_v[...]
             index[...] = index[...] + T
-        return self.attention_fn(
+        attention_fn = self.attention_fn
+        assert attention_fn is not None  # __call__ comes here for a custom attention_fn only
+        return attention_fn(
             q,
             k,
             v,
