@@ -123,9 +123,8 @@ def quantized_vs_mha(DamchaAttention, keras, np) -> float:
 
 
 def _main(backend: str, workdir: str) -> None:
-    import numpy as np
-
     import keras
+    import numpy as np
 
     from damcha_keras import DamchaAttention, MetricGenerator, TransformerDecoder, TransformerEncoder
 
@@ -165,7 +164,7 @@ def _main(backend: str, workdir: str) -> None:
         step = jax.jit(step)  # the index is traced: one compilation for every position
     cache, outs = dec.init_cache(2, 5), []
     for i in range(5):
-        y, cache = step(seq[:, i:i + 1], cache, np.int32(i))
+        y, cache = step(seq[:, i : i + 1], cache, np.int32(i))
         outs.append(keras.ops.convert_to_numpy(y))
     from damcha_conformance import TOLERANCES
 
@@ -200,18 +199,24 @@ def _main(backend: str, workdir: str) -> None:
         served = tf.saved_model.load(str(Path(workdir) / "sm"))
         seq7 = rng.normal(size=(3, 7, 8)).astype("float32")
         got = served.serve(seq7).numpy()
-        saved_model_ok = TOLERANCES["float32"].output_ratio(got, dc.damcha_attention(params, cfg, seq7, causal=True))[1] <= 1.0
+        saved_model_ok = (
+            TOLERANCES["float32"].output_ratio(got, dc.damcha_attention(params, cfg, seq7, causal=True))[1] <= 1.0
+        )
 
-    print(json.dumps({
-        "nan_not_nan": nan_cases(DamchaAttention, keras, np),
-        "quantized_vs_mha_mse": quantized_vs_mha(DamchaAttention, keras, np),
-        "saved_model_export_matches": saved_model_ok,
-        "onnx_export_matches": onnx_ok,
-        "decode_within_float32_tolerance": decode_ratio <= 1.0,
-        "backend": backend,
-        "fit_loss_decreased": history.history["loss"][-1] < history.history["loss"][0],
-        "reload_bit_exact": bool(np.array_equal(before, after)) and shared_again,
-    }))
+    print(
+        json.dumps(
+            {
+                "nan_not_nan": nan_cases(DamchaAttention, keras, np),
+                "quantized_vs_mha_mse": quantized_vs_mha(DamchaAttention, keras, np),
+                "saved_model_export_matches": saved_model_ok,
+                "onnx_export_matches": onnx_ok,
+                "decode_within_float32_tolerance": decode_ratio <= 1.0,
+                "backend": backend,
+                "fit_loss_decreased": history.history["loss"][-1] < history.history["loss"][0],
+                "reload_bit_exact": bool(np.array_equal(before, after)) and shared_again,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

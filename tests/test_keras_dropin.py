@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import warnings
 
+import keras
 import numpy as np
 import pytest
-
-import keras
 
 import damcha_core as dc
 from damcha_conformance import case_params
@@ -31,7 +30,7 @@ def rng(seed=0):
 
 
 def open_gates(layer: DamchaAttention, seed: int = 0) -> None:
-    for side, gate in layer.metric_gates.items():
+    for gate in layer.metric_gates.values():
         gate.assign(rng(seed).uniform(0.3, 1.0, size=gate.shape).astype(gate.dtype))
 
 
@@ -134,11 +133,15 @@ def test_use_gate_equals_mha_and_has_no_canonical_form():
         layer.to_canonical()
 
 
-@pytest.mark.parametrize("axes, q_shape, v_shape", [
-    ((2,), (B, 3, 4, E), (B, 3, 2, E)),  # attend over axis 2; axis 1 is a batch-like axis
-    ((1, 2), (B, 3, 4, E), (B, 2, 2, E)),  # 2-D attention (images)
-    ((-2,), (B, 3, 4, E), (B, 3, 2, E)),  # MHA's negative axes
-], ids=["axis2", "axes12", "negative"])
+@pytest.mark.parametrize(
+    "axes, q_shape, v_shape",
+    [
+        ((2,), (B, 3, 4, E), (B, 3, 2, E)),  # attend over axis 2; axis 1 is a batch-like axis
+        ((1, 2), (B, 3, 4, E), (B, 2, 2, E)),  # 2-D attention (images)
+        ((-2,), (B, 3, 4, E), (B, 3, 2, E)),  # MHA's negative axes
+    ],
+    ids=["axis2", "axes12", "negative"],
+)
 def test_attention_axes_equal_mha_and_the_reference_per_token(axes, q_shape, v_shape):
     """High-rank inputs: gates 0 equal MHA (outputs and scores in MHA's layout);
     open gates equal the reference run on the folded tokens, where the map acts
@@ -154,9 +157,11 @@ def test_attention_axes_equal_mha_and_the_reference_per_token(axes, q_shape, v_s
 
     def fold(x):
         x = np.transpose(x, (0, *batch, *pos, x.ndim - 1))
-        return x.reshape(-1, int(np.prod(x.shape[1 + len(batch):-1])), x.shape[-1])
+        return x.reshape(-1, int(np.prod(x.shape[1 + len(batch) : -1])), x.shape[-1])
 
-    ref = dc.damcha_attention(layer.to_canonical(), layer.config, fold(q).astype(np.float64), fold(v).astype(np.float64))
+    ref = dc.damcha_attention(
+        layer.to_canonical(), layer.config, fold(q).astype(np.float64), fold(v).astype(np.float64)
+    )
     got = np_(layer(q, v))
     np.testing.assert_allclose(fold(got), ref, rtol=1e-4, atol=1e-5)
 
@@ -176,12 +181,17 @@ def test_attention_axes_masks_and_causal():
     layer = _equal_to_mha(mha, q, q, attention_mask=mask)
     value_mask = np.ones((B, 3, 5), bool)
     value_mask[1, :, -2:] = False
-    np.testing.assert_allclose(np_(layer(q, q, value_mask=value_mask)),
-                               np_(mha(q, q, attention_mask=np.broadcast_to(value_mask[:, :, None, :], (B, 3, 5, 5)))),
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np_(layer(q, q, value_mask=value_mask)),
+        np_(mha(q, q, attention_mask=np.broadcast_to(value_mask[:, :, None, :], (B, 3, 5, 5)))),
+        rtol=1e-5,
+        atol=1e-5,
+    )
     open_gates(layer)
     folded = q.reshape(B * 3, 5, E).astype(np.float64)
-    ref = dc.damcha_attention(layer.to_canonical(), layer.config, folded, mask=mask.reshape(B * 3, 1, 5, 5), causal=True)
+    ref = dc.damcha_attention(
+        layer.to_canonical(), layer.config, folded, mask=mask.reshape(B * 3, 1, 5, 5), causal=True
+    )
     got = np_(layer(q, q, attention_mask=mask, use_causal_mask=True)).reshape(B * 3, 5, E)
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
 
@@ -232,7 +242,7 @@ def test_sliding_window_decodes_with_a_cache():
     full = np_(windowed(x, x, use_causal_mask=True))
     cache, outs = windowed.init_cache(1, 5), []
     for t in range(5):
-        y, cache = windowed(x[:, t:t + 1], x[:, t:t + 1], use_causal_mask=True, cache=cache, cache_update_index=t)
+        y, cache = windowed(x[:, t : t + 1], x[:, t : t + 1], use_causal_mask=True, cache=cache, cache_update_index=t)
         outs.append(np_(y))
     np.testing.assert_allclose(np.concatenate(outs, 1), full, rtol=1e-5, atol=1e-6)
     assert np.abs(full - np_(layer(x, x, use_causal_mask=True))).max() > 1e-3  # the window matters
@@ -248,8 +258,9 @@ def test_grouped_query_attention_and_cross_sizes_convert_without_coupling():
     randomize_biases(gqa)
     layer = DamchaAttention.from_mha(gqa)
     assert layer.config.num_kv_heads == 2 and layer.coupling == "separate"
-    np.testing.assert_allclose(np_(layer(q, q, use_causal_mask=True)), np_(gqa(q, q, use_causal_mask=True)),
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np_(layer(q, q, use_causal_mask=True)), np_(gqa(q, q, use_causal_mask=True)), rtol=1e-5, atol=1e-5
+    )
     mha = keras.layers.MultiHeadAttention(2, 4, seed=0)
     mha(q, c)
     assert _equal_to_mha(mha, q, c).coupling == "separate"
@@ -279,7 +290,9 @@ def test_set_weights_takes_an_mha_weight_list():
 # ------------------------------------------------------- call arguments
 
 
-@pytest.mark.parametrize("flag", [0, 1, np.True_, np.False_, np.int64(1)], ids=["0", "1", "np.True_", "np.False_", "np.int64"])
+@pytest.mark.parametrize(
+    "flag", [0, 1, np.True_, np.False_, np.int64(1)], ids=["0", "1", "np.True_", "np.False_", "np.int64"]
+)
 def test_use_causal_mask_takes_truthy_values_as_keras_does(flag):
     x = rng(12).normal(size=(B, N, E)).astype("float32")
     layer = DamchaAttention(2, 4, seed=0)
@@ -289,11 +302,15 @@ def test_use_causal_mask_takes_truthy_values_as_keras_does(flag):
     assert np.all(np_(scores)[..., np.triu_indices(N, 1)[0], np.triu_indices(N, 1)[1]] == 0) == bool(flag)
 
 
-@pytest.mark.parametrize("query, value, key", [
-    ((B, N, E), (B, M, 7), (B, 3, 7)),  # key/value lengths differ
-    ((B, N, E), (B, M, E), (B,)),  # key of another rank
-    ((B, 3, N, E), (B, 3, M, E), (B, 2, M, E)),  # key/value non-feature dims differ
-], ids=["length", "rank", "high-rank"])
+@pytest.mark.parametrize(
+    "query, value, key",
+    [
+        ((B, N, E), (B, M, 7), (B, 3, 7)),  # key/value lengths differ
+        ((B, N, E), (B, M, E), (B,)),  # key of another rank
+        ((B, 3, N, E), (B, 3, M, E), (B, 2, M, E)),  # key/value non-feature dims differ
+    ],
+    ids=["length", "rank", "high-rank"],
+)
 def test_compute_output_shape_validates_like_mha(query, value, key):
     """MHA raises for key/value shapes that differ outside the feature axis; so do
     compute_output_shape and the call, naming both arguments."""
@@ -317,7 +334,7 @@ def test_flash_attention_is_honoured_or_refused_never_ignored():
     mha = keras.layers.MultiHeadAttention(2, 4, flash_attention=True)
     try:
         want = mha(x, x)
-    except Exception as error:  # no flash kernel here: DAMCHA must fail alike
+    except Exception as error:  # noqa: BLE001 - no flash kernel here (the backend's own error type): DAMCHA must fail alike
         with pytest.raises(type(error)):
             layer(x, x)
     else:
@@ -331,8 +348,9 @@ def test_compute_attention_is_the_override_point():
     seen = {}
 
     class Probe(DamchaAttention):
-        def _compute_attention(self, query, key, value, attention_mask=None, training=None,
-                               return_attention_scores=False):
+        def _compute_attention(
+            self, query, key, value, attention_mask=None, training=None, return_attention_scores=False
+        ):
             seen["mask"] = None if attention_mask is None else np_(attention_mask)
             seen["query"] = tuple(query.shape)
             return super()._compute_attention(query, key, value, attention_mask, training, return_attention_scores)

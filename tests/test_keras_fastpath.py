@@ -31,10 +31,9 @@ import re
 import subprocess
 import sys
 
+import keras
 import numpy as np
 import pytest
-
-import keras
 
 import damcha_core as dc
 from damcha_conformance import TOLERANCES, case_params
@@ -91,56 +90,151 @@ def _case(name):
     am_full[:, :, 0] = True
     cases = {
         "causal": (False, dict(use_causal_mask=True), None, True, ("causal", None)),
-        "causal+padding": (False, dict(use_causal_mask=True, query_mask=pad_q, value_mask=pad_q),
-                           pad_q[:, None, None, :] & pad_q[:, None, :, None], True, ("causal", "key")),
-        "causal+left-padding": (False, dict(use_causal_mask=True, query_mask=pad_left, value_mask=pad_left),
-                                pad_left[:, None, None, :] & pad_left[:, None, :, None], True, ("causal", "key")),
+        "causal+padding": (
+            False,
+            dict(use_causal_mask=True, query_mask=pad_q, value_mask=pad_q),
+            pad_q[:, None, None, :] & pad_q[:, None, :, None],
+            True,
+            ("causal", "key"),
+        ),
+        "causal+left-padding": (
+            False,
+            dict(use_causal_mask=True, query_mask=pad_left, value_mask=pad_left),
+            pad_left[:, None, None, :] & pad_left[:, None, :, None],
+            True,
+            ("causal", "key"),
+        ),
         "key-padding": (False, dict(value_mask=pad_q), pad_q[:, None, None, :], False, ("plain", "key")),
-        "query+key-padding": (False, dict(query_mask=pad_q, value_mask=pad_q),
-                              pad_q[:, None, None, :] & pad_q[:, None, :, None], False, ("plain", "key")),
-        "value+key-masks-differ": (False, dict(value_mask=pad_q, key_mask=pad_left),
-                                   (pad_q & pad_left)[:, None, None, :], False, ("plain", "key")),
-        "attention_mask-key-side": (False, dict(attention_mask=pad_q[:, None, :]), pad_q[:, None, None, :], False,
-                                    ("plain", "key")),
-        "causal+attention_mask-key-side": (False, dict(use_causal_mask=True, attention_mask=pad_left[:, None, :]),
-                                           pad_left[:, None, None, :], True, ("causal", "key")),
-        "causal+attention_mask-full": (False, dict(use_causal_mask=True, attention_mask=am_full),
-                                       am_full[:, None], True, ("plain", "full")),
+        "query+key-padding": (
+            False,
+            dict(query_mask=pad_q, value_mask=pad_q),
+            pad_q[:, None, None, :] & pad_q[:, None, :, None],
+            False,
+            ("plain", "key"),
+        ),
+        "value+key-masks-differ": (
+            False,
+            dict(value_mask=pad_q, key_mask=pad_left),
+            (pad_q & pad_left)[:, None, None, :],
+            False,
+            ("plain", "key"),
+        ),
+        "attention_mask-key-side": (
+            False,
+            dict(attention_mask=pad_q[:, None, :]),
+            pad_q[:, None, None, :],
+            False,
+            ("plain", "key"),
+        ),
+        "causal+attention_mask-key-side": (
+            False,
+            dict(use_causal_mask=True, attention_mask=pad_left[:, None, :]),
+            pad_left[:, None, None, :],
+            True,
+            ("causal", "key"),
+        ),
+        "causal+attention_mask-full": (
+            False,
+            dict(use_causal_mask=True, attention_mask=am_full),
+            am_full[:, None],
+            True,
+            ("plain", "full"),
+        ),
         "explicit-causal-bool": (False, dict(attention_mask=_tril(N, N)), None, True, ("causal", None)),
-        "explicit-causal-float": (False, dict(attention_mask=_tril(N, N).astype("float64")), None, True,
-                                  ("causal", None)),
+        "explicit-causal-float": (
+            False,
+            dict(attention_mask=_tril(N, N).astype("float64")),
+            None,
+            True,
+            ("causal", None),
+        ),
         # KerasHub's decoders pass causal & padding as one (B, N, N) attention mask.
-        "explicit-causal-and-left-padding": (False, dict(attention_mask=_tril(N, N) & pad_left[:, None, :]),
-                                             _tril(N, N) & pad_left[:, None, None, :], True, ("causal", "key")),
-        "explicit-query-and-key-padding": (False, dict(attention_mask=pad_q[:, :, None] & pad_q[:, None, :]),
-                                           pad_q[:, None, :, None] & pad_q[:, None, None, :], False, ("plain", "key")),
-        "explicit-causal+use_causal_mask": (False, dict(attention_mask=_tril(N, N), use_causal_mask=True), None,
-                                            True, ("causal", None)),
-        "almost-causal": (False, dict(attention_mask=_tril(N, N) & ~np.eye(N, k=-1, dtype=bool)),
-                          (_tril(N, N) & ~np.eye(N, k=-1, dtype=bool))[None, None], False, ("plain", "full")),
+        "explicit-causal-and-left-padding": (
+            False,
+            dict(attention_mask=_tril(N, N) & pad_left[:, None, :]),
+            _tril(N, N) & pad_left[:, None, None, :],
+            True,
+            ("causal", "key"),
+        ),
+        "explicit-query-and-key-padding": (
+            False,
+            dict(attention_mask=pad_q[:, :, None] & pad_q[:, None, :]),
+            pad_q[:, None, :, None] & pad_q[:, None, None, :],
+            False,
+            ("plain", "key"),
+        ),
+        "explicit-causal+use_causal_mask": (
+            False,
+            dict(attention_mask=_tril(N, N), use_causal_mask=True),
+            None,
+            True,
+            ("causal", None),
+        ),
+        "almost-causal": (
+            False,
+            dict(attention_mask=_tril(N, N) & ~np.eye(N, k=-1, dtype=bool)),
+            (_tril(N, N) & ~np.eye(N, k=-1, dtype=bool))[None, None],
+            False,
+            ("plain", "full"),
+        ),
         "cross+key-padding": (True, dict(value_mask=pad_k), pad_k[:, None, None, :], False, ("plain", "key")),
-        "cross+query+key-padding": (True, dict(query_mask=pad_q, value_mask=pad_k),
-                                    pad_k[:, None, None, :] & pad_q[:, None, :, None], False, ("plain", "key")),
-        "cross+rectangular-mask": (True, dict(attention_mask=am_full[:, :, :M]), am_full[:, None, :, :M], False,
-                                   ("plain", "full")),
-        "cross+rectangular-causal": (True, dict(use_causal_mask=True, value_mask=pad_k), pad_k[:, None, None, :],
-                                     True, ("plain", "full")),
+        "cross+query+key-padding": (
+            True,
+            dict(query_mask=pad_q, value_mask=pad_k),
+            pad_k[:, None, None, :] & pad_q[:, None, :, None],
+            False,
+            ("plain", "key"),
+        ),
+        "cross+rectangular-mask": (
+            True,
+            dict(attention_mask=am_full[:, :, :M]),
+            am_full[:, None, :, :M],
+            False,
+            ("plain", "full"),
+        ),
+        "cross+rectangular-causal": (
+            True,
+            dict(use_causal_mask=True, value_mask=pad_k),
+            pad_k[:, None, None, :],
+            True,
+            ("plain", "full"),
+        ),
     }
     return cases[name]
 
 
 CASES = [
-    "causal", "causal+padding", "causal+left-padding", "key-padding", "query+key-padding", "value+key-masks-differ",
-    "attention_mask-key-side", "causal+attention_mask-key-side", "causal+attention_mask-full",
-    "explicit-causal-bool", "explicit-causal-float", "explicit-causal-and-left-padding",
-    "explicit-query-and-key-padding", "explicit-causal+use_causal_mask", "almost-causal", "cross+key-padding",
-    "cross+query+key-padding", "cross+rectangular-mask", "cross+rectangular-causal",
+    "causal",
+    "causal+padding",
+    "causal+left-padding",
+    "key-padding",
+    "query+key-padding",
+    "value+key-masks-differ",
+    "attention_mask-key-side",
+    "causal+attention_mask-key-side",
+    "causal+attention_mask-full",
+    "explicit-causal-bool",
+    "explicit-causal-float",
+    "explicit-causal-and-left-padding",
+    "explicit-query-and-key-padding",
+    "explicit-causal+use_causal_mask",
+    "almost-causal",
+    "cross+key-padding",
+    "cross+query+key-padding",
+    "cross+rectangular-mask",
+    "cross+rectangular-causal",
 ]
 
 
 def _layer(cross, seed=3):
-    cfg = dc.DamchaConfig(query_dim=E, context_dim=E if not cross else E + 2, num_heads=H, key_dim=D,
-                          output_dim=5, coupling="separate" if cross else "tied")
+    cfg = dc.DamchaConfig(
+        query_dim=E,
+        context_dim=E if not cross else E + 2,
+        num_heads=H,
+        key_dim=D,
+        output_dim=5,
+        coupling="separate" if cross else "tied",
+    )
     params = case_params(cfg, seed)  # open gates, non-zero biases
     return DamchaAttention.from_canonical(params, cfg, dtype=DTYPE), params, cfg
 
@@ -160,8 +254,9 @@ def _grads_close(actual, expected, what=""):
         np.testing.assert_allclose(actual, expected, rtol=1e-9, atol=1e-11, err_msg=what)
     else:
         rms = np.sqrt(np.mean(expected**2))
-        np.testing.assert_array_less(np.abs(actual - expected), TOL.grad_atol + TOL.grad_rtol * rms + 1e-30,
-                                     err_msg=what)
+        np.testing.assert_array_less(
+            np.abs(actual - expected), TOL.grad_atol + TOL.grad_rtol * rms + 1e-30, err_msg=what
+        )
 
 
 def _grads(layer, x, c, kwargs, weights):
@@ -277,10 +372,16 @@ def test_cache_decode_fast_path_equals_explicit_and_reference(chunks, kernel_cal
     for path in outs:
         cache, pos = layer.init_cache(B, L), 0
         for n in chunks:
-            t = x[:, pos:pos + n].astype(DTYPE)
+            t = x[:, pos : pos + n].astype(DTYPE)
             kernel_calls.clear()
-            result = layer(t, t, use_causal_mask=True, cache=cache, cache_update_index=pos,
-                           return_attention_scores=path == "explicit")
+            result = layer(
+                t,
+                t,
+                use_causal_mask=True,
+                cache=cache,
+                cache_update_index=pos,
+                return_attention_scores=path == "explicit",
+            )
             y, cache = result[0], result[-1]
             if path == "fast":
                 assert kernel_calls == [(False, (1, 1, n, L))], kernel_calls
@@ -313,7 +414,7 @@ def test_eager_decode_maps_with_one_compiled_call_per_step(monkeypatch):
     x = rng(10).normal(size=(B, 4, E)).astype(DTYPE)
     cache, ys = layer.init_cache(B, 4), []
     for i in range(4):
-        t = keras.ops.convert_to_tensor(x[:, i:i + 1])  # one tensor for query and value, as users call it
+        t = keras.ops.convert_to_tensor(x[:, i : i + 1])  # one tensor for query and value, as users call it
         y, cache = layer(t, t, use_causal_mask=True, cache=cache, cache_update_index=i)
         ys.append(np_(y))
     # The Python body runs once per trace (compiled backends) or once per step (torch).
@@ -348,9 +449,23 @@ def test_other_keras_backends_take_the_same_fast_paths():
     for backend in ("jax", "torch"):
         env = {**os.environ, "KERAS_BACKEND": backend}
         proc = subprocess.run(
-            [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k",
-             "not tf_graph and not other_keras_backends", "-W", "ignore::DeprecationWarning"],
-            env=env, capture_output=True, text=True, timeout=600,
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                __file__,
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "-k",
+                "not tf_graph and not other_keras_backends",
+                "-W",
+                "ignore::DeprecationWarning",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
         )
         tail = proc.stdout[-3000:] + proc.stderr[-2000:]
         assert proc.returncode == 0, tail
@@ -425,11 +540,13 @@ def test_tf_graph_has_no_more_n_by_m_work_than_mha(case):
     n = 16
     x = tf.constant(rng(8).normal(size=(2, n, E)).astype("float32"))
     pad = tf.constant(_padding([n, n - 5], n))
-    kwargs = {"use_causal_mask": dict(use_causal_mask=True),
-              "causal+padding": dict(use_causal_mask=True, query_mask=pad, value_mask=pad),
-              "padding": dict(query_mask=pad, value_mask=pad),
-              # A NumPy mask is a constant of the graph: its values are known when tracing.
-              "explicit-causal": dict(attention_mask=np.tril(np.ones((n, n), "float32")))}[case]
+    kwargs = {
+        "use_causal_mask": dict(use_causal_mask=True),
+        "causal+padding": dict(use_causal_mask=True, query_mask=pad, value_mask=pad),
+        "padding": dict(query_mask=pad, value_mask=pad),
+        # A NumPy mask is a constant of the graph: its values are known when tracing.
+        "explicit-causal": dict(attention_mask=np.tril(np.ones((n, n), "float32"))),
+    }[case]
     mha = keras.layers.MultiHeadAttention(H, D)
     mha(x, x)
     layer = DamchaAttention.from_mha(mha)

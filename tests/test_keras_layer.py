@@ -5,10 +5,9 @@ The other Keras backends run test_keras_backends.py's checks in subprocesses."""
 
 from __future__ import annotations
 
+import keras
 import numpy as np
 import pytest
-
-import keras
 
 import damcha_core as dc
 from damcha_conformance import case_params
@@ -154,18 +153,43 @@ def test_distinct_key_feeds_key_side():
 
 # ---------------------------------------------------------- layer test
 
+
 def test_layer_config_roundtrip_and_symbolic_call():
-    layer = DamchaAttention(2, 4, value_dim=3, output_shape=7, metric="lowrank", metric_rank=2,
-                            coupling="separate", num_kv_heads=1, scale=0.5, metric_l2=0.01, dropout=0.1, seed=1,
-                            kernel_regularizer="l2", name="att")
+    layer = DamchaAttention(
+        2,
+        4,
+        value_dim=3,
+        output_shape=7,
+        metric="lowrank",
+        metric_rank=2,
+        coupling="separate",
+        num_kv_heads=1,
+        scale=0.5,
+        metric_l2=0.01,
+        dropout=0.1,
+        seed=1,
+        kernel_regularizer="l2",
+        name="att",
+    )
     clone = DamchaAttention.from_config(layer.get_config())
     assert clone.get_config() == layer.get_config()
     q, c = keras.Input((None, 6)), keras.Input((9, 5))
     out, scores = layer(q, c, return_attention_scores=True)
     assert tuple(out.shape) == (None, None, 7) and tuple(scores.shape) == (None, 2, None, 9)
-    assert layer.config == dc.DamchaConfig(query_dim=6, context_dim=5, num_heads=2, key_dim=4, value_dim=3,
-                                           output_dim=7, metric="lowrank", metric_rank=2, coupling="separate",
-                                           num_kv_heads=1, scale=0.5, dropout=0.1)
+    assert layer.config == dc.DamchaConfig(
+        query_dim=6,
+        context_dim=5,
+        num_heads=2,
+        key_dim=4,
+        value_dim=3,
+        output_dim=7,
+        metric="lowrank",
+        metric_rank=2,
+        coupling="separate",
+        num_kv_heads=1,
+        scale=0.5,
+        dropout=0.1,
+    )
     eager = layer(np.ones((2, 3, 6), "float32"), np.ones((2, 9, 5), "float32"))
     assert tuple(eager.shape) == (2, 3, 7)
     assert len(layer.trainable_weights) == len(layer.config.param_shapes())
@@ -213,6 +237,7 @@ def test_metric_l2_adds_reference_penalty():
 
 
 # ------------------------------------------------ serialisation, sharing
+
 
 def test_shared_generator_stack_saves_and_loads_bit_exactly(tmp_path):
     keras.utils.set_random_seed(1)
@@ -280,8 +305,17 @@ def test_functional_damcha_attention_matches_reference():
     GQA, mask and causal)."""
     from damcha_keras import _functional as F
 
-    cfg = dc.DamchaConfig(query_dim=E, num_heads=4, key_dim=D, num_kv_heads=2, context_dim=6, metric="lowrank",
-                          metric_rank=2, coupling="separate", output_dim=5)
+    cfg = dc.DamchaConfig(
+        query_dim=E,
+        num_heads=4,
+        key_dim=D,
+        num_kv_heads=2,
+        context_dim=6,
+        metric="lowrank",
+        metric_rank=2,
+        coupling="separate",
+        output_dim=5,
+    )
     params = case_params(cfg, seed=4)
     r = rng(11)
     x, c = r.normal(size=(B, N, E)), r.normal(size=(B, M, 6))
@@ -289,8 +323,15 @@ def test_functional_damcha_attention_matches_reference():
     mask[1, 0, 2] = False
     y_ref, w_ref = dc.damcha_attention(params, cfg, x, c, mask=mask, causal=True, return_weights=True)
     tensors = {k: keras.ops.convert_to_tensor(v) for k, v in params.items()}
-    y, w = F.damcha_attention(tensors, cfg, keras.ops.convert_to_tensor(x), keras.ops.convert_to_tensor(c),
-                              mask=keras.ops.convert_to_tensor(mask), causal=True, return_weights=True)
+    y, w = F.damcha_attention(
+        tensors,
+        cfg,
+        keras.ops.convert_to_tensor(x),
+        keras.ops.convert_to_tensor(c),
+        mask=keras.ops.convert_to_tensor(mask),
+        causal=True,
+        return_weights=True,
+    )
     np.testing.assert_allclose(np_(y), y_ref, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(np_(w), w_ref, rtol=1e-12, atol=1e-12)
 
@@ -304,9 +345,17 @@ BAD_CONSTRUCTOR = {
     "lowrank-without-rank": (dict(num_heads=2, key_dim=4, metric="lowrank"), dc.DamchaValueError, "metric_rank"),
     "tied-gqa": (dict(num_heads=4, key_dim=4, num_kv_heads=2, coupling="tied"), dc.DamchaValueError, "num_kv_heads"),
     "output_shape-float": (dict(num_heads=2, key_dim=4, output_shape=8.0), dc.DamchaTypeError, "`output_shape`"),
-    "output_shape-zero-dim": (dict(num_heads=2, key_dim=4, output_shape=(2, 0)), dc.DamchaValueError, r"`output_shape\[1\]`"),
+    "output_shape-zero-dim": (
+        dict(num_heads=2, key_dim=4, output_shape=(2, 0)),
+        dc.DamchaValueError,
+        r"`output_shape\[1\]`",
+    ),
     "metric_l2-negative": (dict(num_heads=2, key_dim=4, metric_l2=-1.0), dc.DamchaValueError, "metric_l2"),
-    "generator-wrong-type": (dict(num_heads=2, key_dim=4, metric_generator="gen"), dc.DamchaTypeError, "metric_generator"),
+    "generator-wrong-type": (
+        dict(num_heads=2, key_dim=4, metric_generator="gen"),
+        dc.DamchaTypeError,
+        "metric_generator",
+    ),
 }
 
 
@@ -320,13 +369,23 @@ def test_bad_constructor_arguments(case):
 X = np.zeros((2, 5, 8), "float32")
 BAD_CALL = {
     "int-query": (dict(query=np.zeros((2, 5, 8), "int32")), dc.DamchaTypeError, "query"),
-    "float-attention_mask-additive": (dict(attention_mask=np.zeros((2, 5, 5), "float32") - np.inf),
-                                      dc.DamchaValueError, "attention_mask"),
+    "float-attention_mask-additive": (
+        dict(attention_mask=np.zeros((2, 5, 5), "float32") - np.inf),
+        dc.DamchaValueError,
+        "attention_mask",
+    ),
     "float16-value_mask-0.5": (dict(value_mask=np.full((2, 5), 0.5, "float16")), dc.DamchaValueError, "value_mask"),
-    "complex-attention_mask": (dict(attention_mask=np.ones((2, 5, 5), "complex64")), dc.DamchaTypeError,
-                               "attention_mask"),
+    "complex-attention_mask": (
+        dict(attention_mask=np.ones((2, 5, 5), "complex64")),
+        dc.DamchaTypeError,
+        "attention_mask",
+    ),
     "attention_mask-shape": (dict(attention_mask=np.ones((2, 5, 4), bool)), dc.DamchaValueError, "attention_mask"),
-    "attention_mask-rank5": (dict(attention_mask=np.ones((1, 2, 2, 5, 5), bool)), dc.DamchaValueError, "attention_mask"),
+    "attention_mask-rank5": (
+        dict(attention_mask=np.ones((1, 2, 2, 5, 5), bool)),
+        dc.DamchaValueError,
+        "attention_mask",
+    ),
     "query_mask-shape": (dict(query_mask=np.ones((2, 4), bool)), dc.DamchaValueError, "query_mask"),
     "features-changed": (dict(query=np.zeros((2, 5, 6), "float32")), dc.DamchaValueError, "query"),
     "rank-2-query": (dict(query=np.zeros((5, 8), "float32")), dc.DamchaValueError, "query"),
@@ -335,13 +394,22 @@ BAD_CALL = {
     "list-query": (dict(query=np.zeros((2, 5, 8)).tolist()), dc.DamchaTypeError, r"`query` must be a tensor"),
     "tuple-value": (dict(value=tuple(np.zeros((2, 5, 8)))), dc.DamchaTypeError, r"`value` must be a tensor"),
     # The layer's argument names, not damcha_core's (`context`), and the received shape.
-    "value-features-changed": (dict(value=np.zeros((2, 5, 6), "float32")), dc.DamchaValueError,
-                               r"`value` must have 8 features.*Received: value\.shape=\(2, 5, 6\)"),
-    "value-batch": (dict(value=np.zeros((3, 5, 8), "float32")), dc.DamchaValueError,
-                    r"`query` and `value` must have the same batch size.*value\.shape=\(3, 5, 8\)"),
+    "value-features-changed": (
+        dict(value=np.zeros((2, 5, 6), "float32")),
+        dc.DamchaValueError,
+        r"`value` must have 8 features.*Received: value\.shape=\(2, 5, 6\)",
+    ),
+    "value-batch": (
+        dict(value=np.zeros((3, 5, 8), "float32")),
+        dc.DamchaValueError,
+        r"`query` and `value` must have the same batch size.*value\.shape=\(3, 5, 8\)",
+    ),
     # A built layer used to pass this key to the projection (a backend reshape error).
-    "key-features-changed": (dict(key=np.zeros((2, 5, 6), "float32")), dc.DamchaValueError,
-                             r"`key` must have 8 features.*Received: key\.shape=\(2, 5, 6\)"),
+    "key-features-changed": (
+        dict(key=np.zeros((2, 5, 6), "float32")),
+        dc.DamchaValueError,
+        r"`key` must have 8 features.*Received: key\.shape=\(2, 5, 6\)",
+    ),
 }
 
 
@@ -356,10 +424,13 @@ def test_bad_call_arguments(case):
 
 
 @pytest.mark.parametrize("block", [TransformerEncoder, TransformerDecoder])
-@pytest.mark.parametrize("num_heads, error, message", [
-    (0, dc.DamchaValueError, "`num_heads` must be >= 1. Received: num_heads=0"),
-    (True, dc.DamchaTypeError, "`num_heads` must be an int >= 1. Received: num_heads=True"),
-])
+@pytest.mark.parametrize(
+    "num_heads, error, message",
+    [
+        (0, dc.DamchaValueError, "`num_heads` must be >= 1. Received: num_heads=0"),
+        (True, dc.DamchaTypeError, "`num_heads` must be an int >= 1. Received: num_heads=True"),
+    ],
+)
 def test_block_rejects_bad_num_heads_at_construction(block, num_heads, error, message):
     """Was accepted, then a ZeroDivisionError (0) in build; the core's rule and class."""
     with pytest.raises(error, match=message):
@@ -432,7 +503,7 @@ def test_cache_decoding_equals_full_causal_forward(name, chunks):
     cache = layer.init_cache(B, sum(chunks) + 2)  # two slots never written
     outs, pos = [], 0
     for n in chunks:
-        t = x[:, pos:pos + n]
+        t = x[:, pos : pos + n]
         y, cache = layer(t, t, use_causal_mask=True, cache=cache, cache_update_index=pos)
         outs.append(np_(y))
         pos += n
@@ -456,11 +527,12 @@ def test_cache_step_under_tf_function_with_tensor_index():
     step = tf.function(lambda t, cache, i: layer(t, t, use_causal_mask=True, cache=cache, cache_update_index=i))
     cache, outs = layer.init_cache(B, 5), []
     for i in range(5):
-        y, cache = step(tf.constant(x[:, i:i + 1]), cache, tf.constant(i))
+        y, cache = step(tf.constant(x[:, i : i + 1]), cache, tf.constant(i))
         outs.append(np_(y))
     assert step.experimental_get_tracing_count() == 1  # one trace for every position
-    np.testing.assert_allclose(np.concatenate(outs, axis=1), dc.damcha_attention(params, cfg, x, causal=True),
-                               rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(
+        np.concatenate(outs, axis=1), dc.damcha_attention(params, cfg, x, causal=True), rtol=1e-10, atol=1e-12
+    )
 
 
 def test_read_only_cache_serves_cross_attention():
@@ -485,8 +557,15 @@ def test_cache_masks_scores_and_all_hidden_row():
     mask = np.ones((B, 2, L), bool)
     mask[1, 0, :] = False  # batch 1, query 0 sees nothing
     mask[0, 1, 0] = False
-    y, scores, _ = layer(x[:, 2:], x[:, 2:], attention_mask=mask, use_causal_mask=True, cache=cache,
-                         cache_update_index=2, return_attention_scores=True)
+    y, scores, _ = layer(
+        x[:, 2:],
+        x[:, 2:],
+        attention_mask=mask,
+        use_causal_mask=True,
+        cache=cache,
+        cache_update_index=2,
+        return_attention_scores=True,
+    )
     scores = np_(scores)
     assert scores.shape == (B, H, 2, L)
     np.testing.assert_array_equal(scores[..., 4:], 0.0)  # never written
@@ -511,20 +590,40 @@ def test_cache_in_a_functional_model():
     "kwargs, error, pattern",
     [
         (dict(cache_update_index=0), dc.DamchaValueError, r"`cache_update_index` needs a `cache`"),
-        (dict(cache=np.zeros((B, 2, 6, H, D + 1)), cache_update_index=0), dc.DamchaValueError,
-         r"`cache` must have shape \(B, 2, L, G, d\) = \(2, 2, L, 3, 4\)\. Received: cache.shape=\(2, 2, 6, 3, 5\)"),
+        (
+            dict(cache=np.zeros((B, 2, 6, H, D + 1)), cache_update_index=0),
+            dc.DamchaValueError,
+            r"`cache` must have shape \(B, 2, L, G, d\) = \(2, 2, L, 3, 4\)\. Received: cache.shape=\(2, 2, 6, 3, 5\)",
+        ),
         (dict(cache=np.zeros((B, 2, 6, H, D), "int32"), cache_update_index=0), dc.DamchaTypeError, r"`cache`"),
-        (dict(cache_update_index=5), dc.DamchaValueError,
-         r"`cache_update_index` must be in \[0, L - M\] = \[0, 4\].*Received: cache_update_index=5"),
+        (
+            dict(cache_update_index=5),
+            dc.DamchaValueError,
+            r"`cache_update_index` must be in \[0, L - M\] = \[0, 4\].*Received: cache_update_index=5",
+        ),
         (dict(cache_update_index=1.0), dc.DamchaTypeError, r"`cache_update_index` must be an int"),
-        (dict(value_mask=np.ones((B, 2), bool), cache_update_index=0), dc.DamchaValueError,
-         r"`value_mask` is not supported with a cache"),
+        (
+            dict(value_mask=np.ones((B, 2), bool), cache_update_index=0),
+            dc.DamchaValueError,
+            r"`value_mask` is not supported with a cache",
+        ),
         (dict(use_causal_mask=True), dc.DamchaValueError, r"read-only cache needs `cache_update_index`"),
-        (dict(attention_mask=np.ones((B, 2, 2), bool), cache_update_index=0), dc.DamchaValueError,
-         r"`attention_mask` must have shape.*\(2, 6\)"),
+        (
+            dict(attention_mask=np.ones((B, 2, 2), bool), cache_update_index=0),
+            dc.DamchaValueError,
+            r"`attention_mask` must have shape.*\(2, 6\)",
+        ),
     ],
-    ids=["index-without-cache", "cache-shape", "cache-dtype", "index-out-of-range", "index-type", "value-mask",
-         "causal-read-only", "mask-not-spanning-cache"],
+    ids=[
+        "index-without-cache",
+        "cache-shape",
+        "cache-dtype",
+        "index-out-of-range",
+        "index-type",
+        "value-mask",
+        "causal-read-only",
+        "mask-not-spanning-cache",
+    ],
 )
 def test_bad_cache_arguments(kwargs, error, pattern):
     layer, _, _ = _cache_layer("heads-tied")
@@ -548,8 +647,12 @@ def test_decoder_block_cache_decoding_equals_full_forward(normalize_first):
     """A stack of two decoder blocks sharing a generator, decoded token by token
     through per-block caches, equals the full causal forward of the same blocks."""
     gen = MetricGenerator(2, name="dec_shared", dtype="float64")
-    blocks = [TransformerDecoder(16, 2, normalize_first=normalize_first, metric_generator=gen, seed=i,
-                                 dtype="float64", name=f"dec{i}") for i in range(2)]
+    blocks = [
+        TransformerDecoder(
+            16, 2, normalize_first=normalize_first, metric_generator=gen, seed=i, dtype="float64", name=f"dec{i}"
+        )
+        for i in range(2)
+    ]
     x = rng(10).normal(size=(B, 5, 8))
     h = x
     for block in blocks:
@@ -561,14 +664,18 @@ def test_decoder_block_cache_decoding_equals_full_forward(normalize_first):
         full = block(full)
     caches, outs = [block.init_cache(B, 5) for block in blocks], []
     for i in range(5):
-        h = x[:, i:i + 1]
+        h = x[:, i : i + 1]
         for j, block in enumerate(blocks):
             h, caches[j] = block(h, self_attention_cache=caches[j], self_attention_cache_update_index=i)
         outs.append(np_(h))
     np.testing.assert_allclose(np.concatenate(outs, axis=1), np_(full), rtol=1e-10, atol=1e-12)
     with pytest.raises(dc.DamchaValueError, match=r"padding mask .* is not supported with `self_attention_cache`"):
-        blocks[0](x[:, :1], decoder_padding_mask=np.ones((B, 1), bool), self_attention_cache=caches[0],
-                  self_attention_cache_update_index=0)
+        blocks[0](
+            x[:, :1],
+            decoder_padding_mask=np.ones((B, 1), bool),
+            self_attention_cache=caches[0],
+            self_attention_cache_update_index=0,
+        )
     with pytest.raises(dc.DamchaValueError, match=r"needs `self_attention_cache_update_index`"):
         blocks[0](x[:, :1], self_attention_cache=caches[0])
 
@@ -590,17 +697,21 @@ def test_mixed_precision_cache_in_a_compiled_generation_loop():
     def generate(cache):
         def body(i, state):
             cache, outs = state
-            t = x[:, i:i + 1]
+            t = x[:, i : i + 1]
             y, cache = layer(t, t, use_causal_mask=True, cache=cache, cache_update_index=i)
             return cache, keras.ops.slice_update(outs, [0, i, 0], y)
+
         return keras.ops.fori_loop(0, 5, body, (cache, keras.ops.zeros((B, 5, E), "float16")))
 
     cache, outs = generate(cache)
     assert keras.backend.standardize_dtype(cache.dtype) == "float16"
     np.testing.assert_allclose(np_(outs), np_(layer(x, x, use_causal_mask=True)), rtol=1e-2, atol=1e-2)
     np.testing.assert_allclose(np_(outs), dc.damcha_attention(params, cfg, np_(x), causal=True), rtol=2e-2, atol=2e-2)
-    with pytest.raises(dc.DamchaValueError, match=r"`dtype` of a cache must be the layer's compute dtype 'float16'.*"
-                                                   r"Received: dtype='float32'"):
+    with pytest.raises(
+        dc.DamchaValueError,
+        match=r"`dtype` of a cache must be the layer's compute dtype 'float16'.*"
+        r"Received: dtype='float32'",
+    ):
         layer.init_cache(B, 5, dtype="float32")
     with pytest.raises(dc.DamchaTypeError, match=r"`dtype` of a cache must be a float dtype. Received: dtype="):
         layer.init_cache(B, 5, dtype="int32")
@@ -611,7 +722,9 @@ def test_cache_refuses_keras_mask_filled_value_mask_with_a_hint():
     value_mask; the refusal says where it came from."""
     layer, _, _ = _cache_layer("heads-tied")
     tokens = keras.layers.Embedding(10, E, mask_zero=True, dtype="float64")(np.array([[1], [2]]))
-    with pytest.raises(dc.DamchaValueError, match=r"`value_mask` is not supported with a cache.*Embedding\(mask_zero=True\)"):
+    with pytest.raises(
+        dc.DamchaValueError, match=r"`value_mask` is not supported with a cache.*Embedding\(mask_zero=True\)"
+    ):
         layer(tokens, tokens, use_causal_mask=True, cache=layer.init_cache(B, 4), cache_update_index=0)
 
 
@@ -624,8 +737,10 @@ def test_blocks_share_separate_generators_and_keep_them_through_save(tmp_path):
     h = TransformerEncoder(16, 2, coupling="separate", metric_generator=pair, name="b1")(h)
     model = keras.Model(inp, h)
     blocks = [model.get_layer("b0"), model.get_layer("b1")]
-    assert all(b._attention.metric_generators["q"] is pair["q"] and b._attention.metric_generators["k"] is pair["k"]
-               for b in blocks)
+    assert all(
+        b._attention.metric_generators["q"] is pair["q"] and b._attention.metric_generators["k"] is pair["k"]
+        for b in blocks
+    )
     for b in blocks:  # open the gates: the generators shape the output
         for gate in b._attention._gates.values():
             gate.assign(rng(12).uniform(0.3, 1.0, size=2))
@@ -672,11 +787,16 @@ def test_masks_with_values_other_than_0_1_are_refused_or_nan_under_tracing(bad):
     x = rng(15).normal(size=(2, 5, 8)).astype("float32")
     layer(x, x)
     allowed = np.tril(np.ones((5, 5), "float32"))
-    mask = {"additive-0-inf": np.where(allowed > 0, 0.0, -np.inf).astype("float32"),
-            "nan": np.where(allowed > 0, 1.0, np.nan).astype("float32"),
-            "two": (allowed * 2).astype("int32")}[bad]
-    with pytest.raises(dc.DamchaValueError, match=r"`attention_mask` of dtype .* must hold only 0 and 1.*Received: "
-                                                   r"attention_mask\.shape=\(5, 5\)"):
+    mask = {
+        "additive-0-inf": np.where(allowed > 0, 0.0, -np.inf).astype("float32"),
+        "nan": np.where(allowed > 0, 1.0, np.nan).astype("float32"),
+        "two": (allowed * 2).astype("int32"),
+    }[bad]
+    with pytest.raises(
+        dc.DamchaValueError,
+        match=r"`attention_mask` of dtype .* must hold only 0 and 1.*Received: "
+        r"attention_mask\.shape=\(5, 5\)",
+    ):
         layer(x, x, attention_mask=mask)
     import tensorflow as tf
 
@@ -688,18 +808,31 @@ def test_masks_with_values_other_than_0_1_are_refused_or_nan_under_tracing(bad):
 
 # ------------------------------------------------------- stack canonical I/O
 
+
 @pytest.mark.parametrize("kind", ["encoder-shared-final-norm", "decoder-separate", "encoder-gelu-tanh-unshared"])
 def test_stack_canonical_round_trip_against_the_core_reference(kind):
     """Blocks expose the core's stack format: stack_from_canonical builds blocks
     (and the final norm) from damcha_core params, they compute
     damcha_core.encoder_forward, and stack_to_canonical / a block's to_canonical
     give the params back (shared generator once)."""
-    attention = dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4, metric="lowrank" if "separate" in kind else "heads",
-                                metric_rank=2 if "separate" in kind else None,
-                                coupling="separate" if "separate" in kind else "auto")
-    config = dc.EncoderConfig(attention, num_layers=2, ffn_dim=12, share_metric="unshared" not in kind,
-                              causal=kind.startswith("decoder"), norm_first=kind != "decoder-separate",
-                              activation="gelu_tanh" if "tanh" in kind else "relu", final_norm="final" in kind)
+    attention = dc.DamchaConfig(
+        query_dim=8,
+        num_heads=2,
+        key_dim=4,
+        metric="lowrank" if "separate" in kind else "heads",
+        metric_rank=2 if "separate" in kind else None,
+        coupling="separate" if "separate" in kind else "auto",
+    )
+    config = dc.EncoderConfig(
+        attention,
+        num_layers=2,
+        ffn_dim=12,
+        share_metric="unshared" not in kind,
+        causal=kind.startswith("decoder"),
+        norm_first=kind != "decoder-separate",
+        activation="gelu_tanh" if "tanh" in kind else "relu",
+        final_norm="final" in kind,
+    )
     params = dc.init_encoder_params(config, seed=3)
     for name in params:
         if name.endswith("gate"):

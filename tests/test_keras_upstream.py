@@ -167,8 +167,9 @@ def _run_subprocess(backend: str, out: Path) -> None:
         # Compilation, not running, dominates: cheaper codegen cuts it by about a third.
         env.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
     partial = out.with_suffix(".partial")
-    proc = subprocess.run([sys.executable, __file__, backend, str(partial)], env=env, capture_output=True,
-                          text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, __file__, backend, str(partial)], env=env, capture_output=True, text=True, timeout=900
+    )
     assert proc.returncode == 0 and partial.exists(), proc.stdout[-4000:] + proc.stderr[-4000:]
     partial.replace(out)
 
@@ -188,8 +189,11 @@ def _params():
 def test_upstream(backend, config, test_id, tmp_path_factory, request):
     base = tmp_path_factory.getbasetemp()
     shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # xdist: the workers' common root
-    needed = {item.callspec.params["backend"] for item in request.session.items
-              if getattr(item, "originalname", None) == "test_upstream"}
+    needed = {
+        item.callspec.params["backend"]
+        for item in request.session.items
+        if getattr(item, "originalname", None) == "test_upstream"
+    }
     results = _results(backend, shared, needed)
     ours = results[config].get(test_id)
     assert ours is not None, f"{test_id} did not run; ran: {sorted(results[config])}"
@@ -254,9 +258,27 @@ def _run(backend: str, out: str) -> None:
         proxy.MultiHeadAttention = substitute(config)
         module.layers = proxy
         collector = Collector()
-        pt.main([str(_upstream_file()), "-q", "-p", "no:cacheprovider", "-c", os.devnull, "--rootdir",
-                 os.path.dirname(out), "-o", "markers=requires_trainable_backend", "-W", "ignore", "--tb=short",
-                 "--no-header", "-o", "console_output_style=classic"], plugins=[collector])
+        pt.main(
+            [
+                str(_upstream_file()),
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "-c",
+                os.devnull,
+                "--rootdir",
+                os.path.dirname(out),
+                "-o",
+                "markers=requires_trainable_backend",
+                "-W",
+                "ignore",
+                "--tb=short",
+                "--no-header",
+                "-o",
+                "console_output_style=classic",
+            ],
+            plugins=[collector],
+        )
         results[config] = collector.results
     module.layers = real_layers
     Path(out).write_text(json.dumps(results))

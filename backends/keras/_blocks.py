@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
-import keras
-
 import damcha_core as dc
+import keras
 from damcha_core import DamchaTypeError, DamchaValueError, describe
 
 from . import _canonical
@@ -54,10 +54,17 @@ class _Block(keras.layers.Layer):
         super().__init__(**kwargs)
         self.intermediate_dim = dc.check_int("intermediate_dim", intermediate_dim)
         # The attention's own rules, now: build would otherwise divide by num_heads.
-        args = dc.check_layer_args(num_heads=num_heads, metric=metric, metric_rank=metric_rank, coupling=coupling,
-                                   num_kv_heads=num_kv_heads, dropout=dropout, scale=scale,
-                                   **({} if key_dim is None else {"key_dim": key_dim}),
-                                   **({} if value_dim is None else {"value_dim": value_dim}))
+        args = dc.check_layer_args(
+            num_heads=num_heads,
+            metric=metric,
+            metric_rank=metric_rank,
+            coupling=coupling,
+            num_kv_heads=num_kv_heads,
+            dropout=dropout,
+            scale=scale,
+            **({} if key_dim is None else {"key_dim": key_dim}),
+            **({} if value_dim is None else {"value_dim": value_dim}),
+        )
         if not dc.check_real("layer_norm_epsilon", layer_norm_epsilon) > 0:
             raise DamchaValueError(
                 f"`layer_norm_epsilon` must be a number > 0. Received: layer_norm_epsilon={describe(layer_norm_epsilon)}"
@@ -79,12 +86,16 @@ class _Block(keras.layers.Layer):
         self.bias_initializer = keras.initializers.get(bias_initializer)
         self.normalize_first = dc.check_bool("normalize_first", normalize_first)
         self.damcha_options = dict(
-            metric=metric, metric_rank=metric_rank, coupling=coupling, num_kv_heads=num_kv_heads,
+            metric=metric,
+            metric_rank=metric_rank,
+            coupling=coupling,
+            num_kv_heads=num_kv_heads,
             metric_l2=dc.check_finite_nonneg("metric_l2", metric_l2),
         )
         # Only set when given, so configs of earlier versions stay as they were.
-        self.head_options = {k: v for k, v in (("key_dim", key_dim), ("value_dim", value_dim), ("scale", scale))
-                             if v is not None}
+        self.head_options = {
+            k: v for k, v in (("key_dim", key_dim), ("value_dim", value_dim), ("scale", scale)) if v is not None
+        }
         self.metric_generator = metric_generator
         self.seed = dc.check_seed("seed", seed)
 
@@ -98,20 +109,32 @@ class _Block(keras.layers.Layer):
             )
         init = lambda i: i.__class__.from_config(i.get_config())  # noqa: E731 (fresh instances)
         self._attention = DamchaAttention(
-            num_heads=self.num_heads, key_dim=key_dim or hidden // self.num_heads, dropout=self.dropout,
-            value_dim=self.head_options.get("value_dim"), scale=self.head_options.get("scale"),
-            kernel_initializer=init(self.kernel_initializer), bias_initializer=init(self.bias_initializer),
-            seed=self.seed, metric_generator=self.metric_generator, dtype=self.dtype_policy,
-            name="self_attention", **self.damcha_options,
+            num_heads=self.num_heads,
+            key_dim=key_dim or hidden // self.num_heads,
+            dropout=self.dropout,
+            value_dim=self.head_options.get("value_dim"),
+            scale=self.head_options.get("scale"),
+            kernel_initializer=init(self.kernel_initializer),
+            bias_initializer=init(self.bias_initializer),
+            seed=self.seed,
+            metric_generator=self.metric_generator,
+            dtype=self.dtype_policy,
+            name="self_attention",
+            **self.damcha_options,
         )
         self._attention.build(inputs_shape, inputs_shape)
-        norm = lambda name: keras.layers.LayerNormalization(epsilon=self.layer_norm_epsilon, dtype=self.dtype_policy, name=name)  # noqa: E731
+        norm = lambda name: keras.layers.LayerNormalization(
+            epsilon=self.layer_norm_epsilon, dtype=self.dtype_policy, name=name
+        )  # noqa: E731
         self._attention_norm = norm("self_attention_layer_norm")
         self._attention_norm.build(inputs_shape)
         self._attention_dropout = keras.layers.Dropout(self.dropout, seed=self.seed, dtype=self.dtype_policy)
         dense = lambda units, name: keras.layers.Dense(  # noqa: E731
-            units, kernel_initializer=init(self.kernel_initializer), bias_initializer=init(self.bias_initializer),
-            dtype=self.dtype_policy, name=name,
+            units,
+            kernel_initializer=init(self.kernel_initializer),
+            bias_initializer=init(self.bias_initializer),
+            dtype=self.dtype_policy,
+            name=name,
         )
         self._ffn_in = dense(self.intermediate_dim, "feedforward_intermediate_dense")
         self._ffn_in.build(inputs_shape)
@@ -129,13 +152,13 @@ class _Block(keras.layers.Layer):
         with one layer (float64). For a stack use ``stack_to_canonical(blocks)``."""
         return _canonical.stack_to_canonical([self])
 
-    def load_canonical(self, params: Mapping[str, Any]) -> "_Block":
+    def load_canonical(self, params: Mapping[str, Any]) -> _Block:
         """Copy one-layer stack params (validated against this block) in; returns self."""
         _canonical.stack_load_canonical([self], params)
         return self
 
     @classmethod
-    def from_canonical(cls, params: Mapping[str, Any], config: dc.EncoderConfig, **kwargs: Any) -> "_Block":
+    def from_canonical(cls, params: Mapping[str, Any], config: dc.EncoderConfig, **kwargs: Any) -> _Block:
         """A built block holding one-layer stack ``params`` for ``config``
         (``num_layers=1``, no final norm); ``stack_from_canonical`` builds stacks."""
         if not isinstance(config, dc.EncoderConfig) or config.num_layers != 1 or config.final_norm:
@@ -151,20 +174,37 @@ class _Block(keras.layers.Layer):
             )
         return block
 
-    def _forward(self, x: Any, padding_mask: Any, attention_mask: Any, training: Any,
-                 cache: Any = None, cache_update_index: Any = None) -> Any:
+    def _forward(
+        self,
+        x: Any,
+        padding_mask: Any,
+        attention_mask: Any,
+        training: Any,
+        cache: Any = None,
+        cache_update_index: Any = None,
+    ) -> Any:
         residual = x
         if self.normalize_first:
             x = self._attention_norm(x)
         if cache is None:
             x = self._attention(
-                x, x, query_mask=padding_mask, value_mask=padding_mask, attention_mask=attention_mask,
-                training=training, use_causal_mask=self._causal,
+                x,
+                x,
+                query_mask=padding_mask,
+                value_mask=padding_mask,
+                attention_mask=attention_mask,
+                training=training,
+                use_causal_mask=self._causal,
             )
         else:
             x, cache = self._attention(
-                x, x, attention_mask=attention_mask, training=training, use_causal_mask=self._causal,
-                cache=cache, cache_update_index=cache_update_index,
+                x,
+                x,
+                attention_mask=attention_mask,
+                training=training,
+                use_causal_mask=self._causal,
+                cache=cache,
+                cache_update_index=cache_update_index,
             )
         x = residual + self._attention_dropout(x, training=training)
         if not self.normalize_first:
@@ -195,15 +235,18 @@ class _Block(keras.layers.Layer):
             "normalize_first": self.normalize_first,
             **self.damcha_options,
             **self.head_options,
-            "metric_generator": None if generator is None else (
-                {side: serialize_generator(g) for side, g in generator.items()} if isinstance(generator, dict)
+            "metric_generator": None
+            if generator is None
+            else (
+                {side: serialize_generator(g) for side, g in generator.items()}
+                if isinstance(generator, dict)
                 else serialize_generator(generator)
             ),
             "seed": self.seed,
         }
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> "_Block":
+    def from_config(cls, config: dict[str, Any]) -> _Block:
         config = dict(config)
         generator = config.get("metric_generator")
         if isinstance(generator, dict) and "class_name" not in generator:  # {side: generator config}
@@ -237,8 +280,9 @@ class TransformerEncoder(_Block):
         training: enables dropout.
     """
 
-    def call(self, inputs: Any, padding_mask: Any = None, attention_mask: Any = None,
-             training: Any = None, mask: Any = None) -> Any:
+    def call(
+        self, inputs: Any, padding_mask: Any = None, attention_mask: Any = None, training: Any = None, mask: Any = None
+    ) -> Any:
         return self._forward(inputs, mask if padding_mask is None else padding_mask, attention_mask, training)
 
 
@@ -261,9 +305,16 @@ class TransformerDecoder(_Block):
 
     _causal = True
 
-    def call(self, decoder_sequence: Any, decoder_padding_mask: Any = None, decoder_attention_mask: Any = None,
-             training: Any = None, mask: Any = None, self_attention_cache: Any = None,
-             self_attention_cache_update_index: Any = None) -> Any:
+    def call(
+        self,
+        decoder_sequence: Any,
+        decoder_padding_mask: Any = None,
+        decoder_attention_mask: Any = None,
+        training: Any = None,
+        mask: Any = None,
+        self_attention_cache: Any = None,
+        self_attention_cache_update_index: Any = None,
+    ) -> Any:
         pad = mask if decoder_padding_mask is None else decoder_padding_mask
         if self_attention_cache is None:
             if self_attention_cache_update_index is not None:
@@ -283,8 +334,14 @@ class TransformerDecoder(_Block):
                 "`self_attention_cache`: it would cover only the new tokens. Pass `decoder_attention_mask` "
                 f"(B, N, L) over the whole cache instead. Received: padding mask shape {tuple(pad.shape)}"
             )
-        return self._forward(decoder_sequence, None, decoder_attention_mask, training,
-                             self_attention_cache, self_attention_cache_update_index)
+        return self._forward(
+            decoder_sequence,
+            None,
+            decoder_attention_mask,
+            training,
+            self_attention_cache,
+            self_attention_cache_update_index,
+        )
 
     def init_cache(self, batch_size: int, max_length: int, dtype: Any = None) -> Any:
         """A zero self-attention cache (B, 2, L, G, d) for this (built) block."""
@@ -292,9 +349,16 @@ class TransformerDecoder(_Block):
             raise DamchaValueError("The block must be built (called once, or `build`) before it can make a cache.")
         return self._attention.init_cache(batch_size, max_length, dtype)
 
-    def compute_output_spec(self, decoder_sequence: Any, decoder_padding_mask: Any = None,
-                            decoder_attention_mask: Any = None, training: Any = None, mask: Any = None,
-                            self_attention_cache: Any = None, self_attention_cache_update_index: Any = None) -> Any:
+    def compute_output_spec(
+        self,
+        decoder_sequence: Any,
+        decoder_padding_mask: Any = None,
+        decoder_attention_mask: Any = None,
+        training: Any = None,
+        mask: Any = None,
+        self_attention_cache: Any = None,
+        self_attention_cache_update_index: Any = None,
+    ) -> Any:
         out = keras.KerasTensor(decoder_sequence.shape, dtype=self.compute_dtype)
         if self_attention_cache is None:
             return out

@@ -13,11 +13,10 @@ from typing import Any
 
 import numpy as np
 
-import keras
-from keras import ops
-
 import damcha_core as dc
+import keras
 from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, describe
+from keras import ops
 
 from ._functional import dtype_name, visibility
 
@@ -40,7 +39,7 @@ def concrete_int(value: Any) -> int | None:
         return int(value)
     try:
         return int(np.asarray(ops.convert_to_numpy(value)))
-    except Exception:  # a tracer or symbolic tensor: its value is not known yet
+    except Exception:  # noqa: BLE001 - a tracer or symbolic tensor (each backend raises its own error type): its value is not known yet
         return None
 
 
@@ -63,8 +62,9 @@ def init_cache(config: DamchaConfig, batch_size: int, max_length: int, dtype: st
     return ops.zeros(shape, dtype=dtype)
 
 
-def check_cache(config: DamchaConfig, query: Any, value: Any, masks: dict[str, Any], use_causal_mask: bool,
-                cache: Any, index: Any) -> int | None:
+def check_cache(
+    config: DamchaConfig, query: Any, value: Any, masks: dict[str, Any], use_causal_mask: bool, cache: Any, index: Any
+) -> int | None:
     """Validate ``cache`` and ``cache_update_index`` of a call; returns the
     key length L the masks span (None without a cache)."""
     if cache is None:
@@ -101,10 +101,12 @@ def check_cache(config: DamchaConfig, query: Any, value: Any, masks: dict[str, A
         return shape[2]
     bad_index = isinstance(index, bool) or not (isinstance(index, (int, np.integer)) or hasattr(index, "dtype"))
     if bad_index or (hasattr(index, "dtype") and ("int" not in dtype_name(index) or len(index.shape) != 0)):
-        raise DamchaTypeError(f"`cache_update_index` must be an int or an int scalar tensor. Received: "
-                              f"cache_update_index={describe(index)}")
+        raise DamchaTypeError(
+            f"`cache_update_index` must be an int or an int scalar tensor. Received: "
+            f"cache_update_index={describe(index)}"
+        )
     T, n = static_shape(value)[1], static_shape(query)[1]
-    if use_causal_mask and T is not None and n is not None and T != n:
+    if use_causal_mask and T is not None and n is not None and n != T:
         raise DamchaValueError(
             "`use_causal_mask=True` with a cache needs one new key per query token (self-attention "
             f"decoding). Received: query.shape={tuple(query.shape)}, value.shape={tuple(value.shape)}"
@@ -151,8 +153,17 @@ def causal_slots(n: int | None, length: int | None, index: Any) -> Any:
     return ops.less_equal(_slot_offsets(n, length), index)
 
 
-def cache_visibility(n: Any, m: Any, cache: Any, index: Any, *, query_mask: Any, attention_mask: Any,
-                     use_causal_mask: bool, window: int | None = None) -> Any:
+def cache_visibility(
+    n: Any,
+    m: Any,
+    cache: Any,
+    index: Any,
+    *,
+    query_mask: Any,
+    attention_mask: Any,
+    use_causal_mask: bool,
+    window: int | None = None,
+) -> Any:
     """(B|1, H|1, N, L) bool over the cache's slots, or None when nothing is hidden.
 
     With an index, query i is token index + i: with ``use_causal_mask`` it
@@ -164,8 +175,16 @@ def cache_visibility(n: Any, m: Any, cache: Any, index: Any, *, query_mask: Any,
     if index is None:
         return visibility(n, L, query_mask=query_mask, attention_mask=attention_mask, window=window)
     written = None if use_causal_mask else ops.cast(index, "int32") + m
-    return visibility(n, L, query_mask=query_mask, attention_mask=attention_mask, causal=use_causal_mask,
-                      query_offset=index, valid_length=written, window=window)
+    return visibility(
+        n,
+        L,
+        query_mask=query_mask,
+        attention_mask=attention_mask,
+        causal=use_causal_mask,
+        query_offset=index,
+        valid_length=written,
+        window=window,
+    )
 
 
 def check_cache_dtype(layer: keras.layers.Layer, dtype: Any) -> str:

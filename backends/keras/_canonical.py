@@ -7,26 +7,28 @@ The layer's methods (``to_canonical``, ``load_canonical``, ``from_canonical``,
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-import keras
-
 import damcha_core as dc
+import keras
 from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, describe
 
 if TYPE_CHECKING:
     from ._layer import DamchaAttention
 
 
-def require_built(layer: "DamchaAttention", what: str) -> None:
+def require_built(layer: DamchaAttention, what: str) -> None:
     if not layer.built or layer.config is None:
-        raise DamchaValueError(f"`{what}` needs a built layer; call it on data or use from_canonical first. "
-                               f"Received: an unbuilt layer {layer.name!r}")
+        raise DamchaValueError(
+            f"`{what}` needs a built layer; call it on data or use from_canonical first. "
+            f"Received: an unbuilt layer {layer.name!r}"
+        )
 
 
-def _check_plain(layer: "DamchaAttention", what: str) -> None:
+def _check_plain(layer: DamchaAttention, what: str) -> None:
     """Canonical weights exist for float projections of DAMCHA v1's form only."""
     if getattr(layer, "_use_gate", False):
         raise DamchaValueError(
@@ -42,7 +44,7 @@ def _check_plain(layer: "DamchaAttention", what: str) -> None:
             )
 
 
-def canonical_variables(layer: "DamchaAttention") -> dict[str, Any]:
+def canonical_variables(layer: DamchaAttention) -> dict[str, Any]:
     """Canonical name -> ``keras.Variable``, in canonical order (a shared
     generator's variable appears once per name). The output kernel and bias
     keep the layer's ``output_shape`` ((H, d_v, *output_shape) and
@@ -68,7 +70,7 @@ def canonical_variables(layer: "DamchaAttention") -> dict[str, Any]:
     return {name: out[name] for name in config.param_shapes()}
 
 
-def to_canonical(layer: "DamchaAttention") -> dict[str, np.ndarray]:
+def to_canonical(layer: DamchaAttention) -> dict[str, np.ndarray]:
     """The weights as canonical NumPy arrays (in the variables' dtype); LoRA
     updates are merged into their kernels."""
     require_built(layer, "to_canonical")
@@ -87,7 +89,7 @@ def to_canonical(layer: "DamchaAttention") -> dict[str, np.ndarray]:
     return {name: np.asarray(keras.ops.convert_to_numpy(out[name])).reshape(shapes[name]) for name in shapes}
 
 
-def load_canonical(layer: "DamchaAttention", params: Mapping[str, Any]) -> None:
+def load_canonical(layer: DamchaAttention, params: Mapping[str, Any]) -> None:
     """Assign canonical params, validated against ``layer.config``."""
     require_built(layer, "load_canonical")
     checked = dc.validate_params(params, layer.config)
@@ -96,16 +98,24 @@ def load_canonical(layer: "DamchaAttention", params: Mapping[str, Any]) -> None:
         variable.assign(value.astype(keras.backend.standardize_dtype(variable.dtype)))
 
 
-def from_canonical(cls: type, params: Mapping[str, Any], config: DamchaConfig, **kwargs: Any) -> "DamchaAttention":
+def from_canonical(cls: type, params: Mapping[str, Any], config: DamchaConfig, **kwargs: Any) -> DamchaAttention:
     """A built ``cls`` holding ``params`` for ``config``."""
     if not isinstance(config, DamchaConfig):
         raise DamchaTypeError(f"`config` must be a DamchaConfig. Received: config={describe(config)}")
     dc.validate_params(params, config)
     layer = cls(
-        num_heads=config.num_heads, key_dim=config.key_dim, value_dim=config.value_dim,
-        dropout=config.dropout, use_bias=config.use_bias, output_shape=config.output_dim,
-        metric=config.metric, metric_rank=config.metric_rank, coupling=config.coupling,
-        num_kv_heads=config.num_kv_heads, scale=config.scale, **kwargs,
+        num_heads=config.num_heads,
+        key_dim=config.key_dim,
+        value_dim=config.value_dim,
+        dropout=config.dropout,
+        use_bias=config.use_bias,
+        output_shape=config.output_dim,
+        metric=config.metric,
+        metric_rank=config.metric_rank,
+        coupling=config.coupling,
+        num_kv_heads=config.num_kv_heads,
+        scale=config.scale,
+        **kwargs,
     )
     # Zeros skip the random draws (slow to compile per shape on JAX): the
     # params overwrite every variable right after.
@@ -116,13 +126,13 @@ def from_canonical(cls: type, params: Mapping[str, Any], config: DamchaConfig, *
     return layer
 
 
-def save(layer: "DamchaAttention", path: str) -> None:
+def save(layer: DamchaAttention, path: str) -> None:
     """Weights and config as DAMCHA safetensors (``damcha_core.save_params``)."""
     require_built(layer, "save")
     dc.save_params(path, to_canonical(layer), layer.config)
 
 
-def load(cls: type, path: str, **kwargs: Any) -> "DamchaAttention":
+def load(cls: type, path: str, **kwargs: Any) -> DamchaAttention:
     """``from_canonical`` on a DAMCHA safetensors file."""
     params, config = dc.load_params(path)
     return from_canonical(cls, params, config, **kwargs)
@@ -161,8 +171,10 @@ def _split_stack(layers: Any, argument: str) -> tuple[list[Any], Any]:
 def _sharing(blocks: list[Any]) -> bool:
     """True when every block uses block 0's generator objects (stack-wise sharing)."""
     first = blocks[0]._attention.metric_generators
-    return bool(first) and len(blocks) > 1 and all(
-        all(b._attention.metric_generators.get(side) is g for side, g in first.items()) for b in blocks[1:]
+    return (
+        bool(first)
+        and len(blocks) > 1
+        and all(all(b._attention.metric_generators.get(side) is g for side, g in first.items()) for b in blocks[1:])
     )
 
 
@@ -183,26 +195,35 @@ def stack_config(layers: Sequence[Any], *, causal: bool | None = None) -> dc.Enc
     else:
         for i, b in enumerate(blocks):
             if _activation_name(b.activation) is None:
-                problems.append(f"activation relu, gelu or gelu_tanh (block {i} has "
-                                f"{getattr(b.activation, '__name__', b.activation)})")
+                problems.append(
+                    f"activation relu, gelu or gelu_tanh (block {i} has "
+                    f"{getattr(b.activation, '__name__', b.activation)})"
+                )
             if b.activation is not first.activation or b.normalize_first != first.normalize_first:
                 problems.append(f"one activation and normalize_first (block {i} differs)")
             if b.layer_norm_epsilon != first.layer_norm_epsilon:
                 problems.append(f"one layer_norm_epsilon (block {i} differs)")
             if b._attention.config != first._attention.config:
                 problems.append(f"one attention config (block {i} differs)")
-        if final is not None and (not final.built or final.epsilon != first.layer_norm_epsilon
-                                  or not (final.center and final.scale)):
+        if final is not None and (
+            not final.built or final.epsilon != first.layer_norm_epsilon or not (final.center and final.scale)
+        ):
             problems.append("a built final LayerNormalization with the blocks' epsilon, center and scale")
     if problems:
         raise DamchaValueError(
             "`blocks` do not fit the stack format (damcha_core.EncoderConfig); it needs "
-            + "; ".join(dict.fromkeys(problems)) + f". Received: blocks={describe(list(layers))}"
+            + "; ".join(dict.fromkeys(problems))
+            + f". Received: blocks={describe(list(layers))}"
         )
     return dc.EncoderConfig(
-        first._attention.config, num_layers=len(blocks), ffn_dim=first.intermediate_dim,
-        share_metric=_sharing(blocks), norm_eps=float(first.layer_norm_epsilon), causal=bool(causal),
-        norm_first=bool(first.normalize_first), activation=_activation_name(first.activation),  # type: ignore[arg-type]
+        first._attention.config,
+        num_layers=len(blocks),
+        ffn_dim=first.intermediate_dim,
+        share_metric=_sharing(blocks),
+        norm_eps=float(first.layer_norm_epsilon),
+        causal=bool(causal),
+        norm_first=bool(first.normalize_first),
+        activation=_activation_name(first.activation),  # type: ignore[arg-type]
         final_norm=final is not None,
     )
 
@@ -210,14 +231,20 @@ def stack_config(layers: Sequence[Any], *, causal: bool | None = None) -> dc.Enc
 def _block_variables(block: Any) -> dict[str, Any]:
     """Stack names of one block's norm and feed-forward variables."""
     return {
-        "norm1.scale": block._attention_norm.gamma, "norm1.bias": block._attention_norm.beta,
-        "norm2.scale": block._ffn_norm.gamma, "norm2.bias": block._ffn_norm.beta,
-        "ffn.in.kernel": block._ffn_in.kernel, "ffn.in.bias": block._ffn_in.bias,
-        "ffn.out.kernel": block._ffn_out.kernel, "ffn.out.bias": block._ffn_out.bias,
+        "norm1.scale": block._attention_norm.gamma,
+        "norm1.bias": block._attention_norm.beta,
+        "norm2.scale": block._ffn_norm.gamma,
+        "norm2.bias": block._ffn_norm.beta,
+        "ffn.in.kernel": block._ffn_in.kernel,
+        "ffn.in.bias": block._ffn_in.bias,
+        "ffn.out.kernel": block._ffn_out.kernel,
+        "ffn.out.bias": block._ffn_out.bias,
     }
 
 
-def stack_to_canonical(layers: Sequence[Any], *, causal: bool | None = None) -> tuple[dict[str, np.ndarray], dc.EncoderConfig]:
+def stack_to_canonical(
+    layers: Sequence[Any], *, causal: bool | None = None
+) -> tuple[dict[str, np.ndarray], dc.EncoderConfig]:
     """``(params, EncoderConfig)`` of a stack in damcha_core's stack format, float64.
 
     Args:
@@ -274,24 +301,51 @@ def stack_from_canonical(params: Mapping[str, Any], config: dc.EncoderConfig, **
     checked = dc.validate_stack_params(params, config)
     a = config.attention
     if not a.use_bias:
-        raise DamchaValueError("damcha_keras blocks have attention biases; the config has use_bias=False. "
-                               "Received: config.attention.use_bias=False")
+        raise DamchaValueError(
+            "damcha_keras blocks have attention biases; the config has use_bias=False. "
+            "Received: config.attention.use_bias=False"
+        )
     cls = TransformerDecoder if config.causal else TransformerEncoder
     dtype = kwargs.get("dtype")
     shared: Any = None
     if config.share_metric and a.metric_sides:
-        gens = {side: MetricGenerator(a.side_heads(side), metric=a.metric, key_dim=a.key_dim,
-                                      metric_rank=a.metric_rank, name=f"shared_metric_{side}", dtype=dtype)
-                for side in a.metric_sides}
+        gens = {
+            side: MetricGenerator(
+                a.side_heads(side),
+                metric=a.metric,
+                key_dim=a.key_dim,
+                metric_rank=a.metric_rank,
+                name=f"shared_metric_{side}",
+                dtype=dtype,
+            )
+            for side in a.metric_sides
+        }
         shared = gens if a.coupling == "separate" else next(iter(gens.values()))
     activation = gelu_tanh if config.activation == "gelu_tanh" else config.activation
     head = {"key_dim": a.key_dim} if a.key_dim * a.num_heads != a.query_dim else {}
-    head.update({k: v for k, v in (("value_dim", a.value_dim if a.value_dim != a.key_dim else None),
-                                   ("scale", a.scale)) if v is not None})
+    head.update(
+        {
+            k: v
+            for k, v in (("value_dim", a.value_dim if a.value_dim != a.key_dim else None), ("scale", a.scale))
+            if v is not None
+        }
+    )
     blocks: list[Any] = [
-        cls(config.ffn_dim, a.num_heads, dropout=a.dropout, activation=activation, layer_norm_epsilon=config.norm_eps,
-            normalize_first=config.norm_first, metric=a.metric, metric_rank=a.metric_rank, coupling=a.coupling,
-            num_kv_heads=a.num_kv_heads, metric_generator=shared, **head, **kwargs)
+        cls(
+            config.ffn_dim,
+            a.num_heads,
+            dropout=a.dropout,
+            activation=activation,
+            layer_norm_epsilon=config.norm_eps,
+            normalize_first=config.norm_first,
+            metric=a.metric,
+            metric_rank=a.metric_rank,
+            coupling=a.coupling,
+            num_kv_heads=a.num_kv_heads,
+            metric_generator=shared,
+            **head,
+            **kwargs,
+        )
         for _ in range(config.num_layers)
     ]
     for block in blocks:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import keras
 import numpy as np
 
+import keras
 from damcha_core import DamchaTypeError, DamchaValueError, describe
 
 if TYPE_CHECKING:
@@ -17,13 +17,21 @@ if TYPE_CHECKING:
 def _mha_options(layer: keras.layers.MultiHeadAttention) -> dict[str, Any]:
     mha = layer.get_config()
     return dict(
-        num_heads=mha["num_heads"], key_dim=mha["key_dim"], value_dim=mha["value_dim"],
-        dropout=mha["dropout"], use_bias=mha["use_bias"], output_shape=mha["output_shape"],
-        attention_axes=mha["attention_axes"], sliding_window=mha.get("sliding_window"),
+        num_heads=mha["num_heads"],
+        key_dim=mha["key_dim"],
+        value_dim=mha["value_dim"],
+        dropout=mha["dropout"],
+        use_bias=mha["use_bias"],
+        output_shape=mha["output_shape"],
+        attention_axes=mha["attention_axes"],
+        sliding_window=mha.get("sliding_window"),
         use_gate=bool(mha.get("use_gate", False)),
-        kernel_initializer=mha["kernel_initializer"], bias_initializer=mha["bias_initializer"],
-        kernel_regularizer=mha["kernel_regularizer"], bias_regularizer=mha["bias_regularizer"],
-        kernel_constraint=mha["kernel_constraint"], bias_constraint=mha["bias_constraint"],
+        kernel_initializer=mha["kernel_initializer"],
+        bias_initializer=mha["bias_initializer"],
+        kernel_regularizer=mha["kernel_regularizer"],
+        bias_regularizer=mha["bias_regularizer"],
+        kernel_constraint=mha["kernel_constraint"],
+        bias_constraint=mha["bias_constraint"],
         seed=mha["seed"],
     )
 
@@ -31,12 +39,19 @@ def _mha_options(layer: keras.layers.MultiHeadAttention) -> dict[str, Any]:
 def _gqa_options(layer: keras.layers.GroupQueryAttention) -> dict[str, Any]:
     gqa = layer.get_config()
     return dict(
-        num_heads=gqa["num_query_heads"], key_dim=gqa["head_dim"], num_kv_heads=gqa["num_key_value_heads"],
-        dropout=gqa["dropout"], use_bias=gqa["use_bias"], sliding_window=gqa.get("sliding_window"),
+        num_heads=gqa["num_query_heads"],
+        key_dim=gqa["head_dim"],
+        num_kv_heads=gqa["num_key_value_heads"],
+        dropout=gqa["dropout"],
+        use_bias=gqa["use_bias"],
+        sliding_window=gqa.get("sliding_window"),
         use_gate=bool(gqa.get("use_gate", False)),
-        kernel_initializer=gqa["kernel_initializer"], bias_initializer=gqa["bias_initializer"],
-        kernel_regularizer=gqa["kernel_regularizer"], bias_regularizer=gqa["bias_regularizer"],
-        kernel_constraint=gqa["kernel_constraint"], bias_constraint=gqa["bias_constraint"],
+        kernel_initializer=gqa["kernel_initializer"],
+        bias_initializer=gqa["bias_initializer"],
+        kernel_regularizer=gqa["kernel_regularizer"],
+        bias_regularizer=gqa["bias_regularizer"],
+        kernel_constraint=gqa["kernel_constraint"],
+        bias_constraint=gqa["bias_constraint"],
         seed=gqa["seed"],
     )
 
@@ -46,7 +61,7 @@ def _copy(source: Any, target: Any) -> Any:
     return np.array(keras.ops.convert_to_numpy(source.value)).reshape(tuple(target.shape))
 
 
-def from_mha(cls: type, layer: Any, **kwargs: Any) -> "DamchaAttention":
+def from_mha(cls: type, layer: Any, **kwargs: Any) -> DamchaAttention:
     """An exact conversion of ``layer``: its projections (and gate) copied, a
     fresh metric generator and gates 0 (see ``DamchaAttention.from_mha``)."""
     if isinstance(layer, keras.layers.MultiHeadAttention):
@@ -60,8 +75,12 @@ def from_mha(cls: type, layer: Any, **kwargs: Any) -> "DamchaAttention":
         )
     if not layer.built:
         raise DamchaValueError(f"`layer` must be built (call it once). Received: an unbuilt layer {layer.name!r}")
-    theirs = {"query": layer._query_dense, "key": layer._key_dense, "value": layer._value_dense,
-              "output": layer._output_dense}
+    theirs = {
+        "query": layer._query_dense,
+        "key": layer._key_dense,
+        "value": layer._value_dense,
+        "output": layer._output_dense,
+    }
     if options["use_gate"]:
         theirs["gate"] = layer._gate_dense
     for name, dense in theirs.items():

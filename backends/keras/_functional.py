@@ -14,15 +14,15 @@ sublayers' outputs.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 
-import keras
-from keras import ops
-
 import damcha_core as dc
+import keras
 from damcha_core import RMS_EPS, DamchaConfig
+from keras import ops
 
 
 def dtype_name(x: Any) -> str:
@@ -167,8 +167,12 @@ def compiled(fn: Callable, *args: Any) -> Any:
         return fn(*args)
     # One function per layer geometry (the weights' shapes, the heads' sizes, the
     # dtype): only the batch and length dims of the tokens and heads vary within it.
-    key = (fn, backend, tuple(tuple(a.shape[2:]) if i == 0 or i > 3 else tuple(a.shape) for i, a in enumerate(args)),
-           dtype_name(args[0]))
+    key = (
+        fn,
+        backend,
+        tuple(tuple(a.shape[2:]) if i == 0 or i > 3 else tuple(a.shape) for i, a in enumerate(args)),
+        dtype_name(args[0]),
+    )
     if key not in _COMPILED:
         _COMPILED[key] = maker(fn)
     return _COMPILED[key](*args)
@@ -393,8 +397,9 @@ def fused_attention(
         width = max(d, d_v)
         pad = lambda x: ops.pad(x, [(0, 0)] * 3 + [(0, width - x.shape[-1])])  # noqa: E731
         q, k, v = (pad(x) if x.shape[-1] < width else x for x in (q, k, v))
-    out = ops.dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=is_causal,
-                                    flash_attention=flash_attention)
+    out = ops.dot_product_attention(
+        q, k, v, mask=mask, scale=scale, is_causal=is_causal, flash_attention=flash_attention
+    )
     if d != d_v:
         out = out[..., :d_v]
     if mask is None:
@@ -490,7 +495,7 @@ def fold_tokens(x: Any, batch_axes: tuple[int, ...], attention_axes: tuple[int, 
     if perm != tuple(range(rank)):
         x = ops.transpose(x, perm)
     shape = ops.shape(x)
-    return ops.reshape(x, (-1, _prod(shape[1 + len(batch_axes):rank - 1]), shape[-1]))
+    return ops.reshape(x, (-1, _prod(shape[1 + len(batch_axes) : rank - 1]), shape[-1]))
 
 
 def fold_token_mask(mask: Any, batch_axes: tuple[int, ...], attention_axes: tuple[int, ...]) -> Any:
@@ -499,7 +504,7 @@ def fold_token_mask(mask: Any, batch_axes: tuple[int, ...], attention_axes: tupl
     if perm != tuple(range(len(perm))):
         mask = ops.transpose(mask, perm)
     shape = ops.shape(mask)
-    return ops.reshape(mask, (-1, _prod(shape[1 + len(batch_axes):])))
+    return ops.reshape(mask, (-1, _prod(shape[1 + len(batch_axes) :])))
 
 
 def unfold_tokens(y: Any, batch_axes: tuple[int, ...], attention_axes: tuple[int, ...], dims: tuple) -> Any:
@@ -551,11 +556,15 @@ class Layout:
             mask = ops.expand_dims(mask, -2 * n_att - 1)
         q_shape, v_shape = ops.shape(query), ops.shape(value)
         lead = [q_shape[0]] + [q_shape[a] for a in self.batch_axes]
-        target = (*lead, mask.shape[len(lead)], *[q_shape[a] for a in self.attention_axes],
-                  *[v_shape[a] for a in self.attention_axes])
+        target = (
+            *lead,
+            mask.shape[len(lead)],
+            *[q_shape[a] for a in self.attention_axes],
+            *[v_shape[a] for a in self.attention_axes],
+        )
         mask = ops.broadcast_to(mask, target)
-        n = _prod(target[len(lead) + 1:len(lead) + 1 + n_att])
-        return ops.reshape(mask, (-1, target[len(lead)], n, _prod(target[len(lead) + 1 + n_att:])))
+        n = _prod(target[len(lead) + 1 : len(lead) + 1 + n_att])
+        return ops.reshape(mask, (-1, target[len(lead)], n, _prod(target[len(lead) + 1 + n_att :])))
 
     def unfold(self, y: Any, query: Any) -> Any:
         return unfold_tokens(y, self.batch_axes, self.attention_axes, ops.shape(query)[:-1]) if self.folded else y
@@ -565,15 +574,25 @@ class Layout:
         if not self.folded or scores is None:
             return scores
         q_shape, v_shape = ops.shape(query), ops.shape(value)
-        shape = ([q_shape[0]] + [q_shape[a] for a in self.batch_axes] + [scores.shape[1]]
-                 + [q_shape[a] for a in self.attention_axes] + [v_shape[a] for a in self.attention_axes])
+        shape = (
+            [q_shape[0]]
+            + [q_shape[a] for a in self.batch_axes]
+            + [scores.shape[1]]
+            + [q_shape[a] for a in self.attention_axes]
+            + [v_shape[a] for a in self.attention_axes]
+        )
         return ops.reshape(scores, tuple(shape))
 
     def scores_shape(self, query_shape: tuple, value_shape: tuple, heads: int) -> tuple:
         if not self.folded:
             return (query_shape[0], heads, query_shape[1], value_shape[1])
-        return (query_shape[0], *[query_shape[a] for a in self.batch_axes], heads,
-                *[query_shape[a] for a in self.attention_axes], *[value_shape[a] for a in self.attention_axes])
+        return (
+            query_shape[0],
+            *[query_shape[a] for a in self.batch_axes],
+            heads,
+            *[query_shape[a] for a in self.attention_axes],
+            *[value_shape[a] for a in self.attention_axes],
+        )
 
 
 def metric_penalty(config: DamchaConfig, side: str, coeff: Any, gate: Any, u: Any = None, v: Any = None) -> Any:
@@ -633,8 +652,9 @@ def damcha_attention(
         p = f"metric.{side}"
         coeff = generator(config.metric, params[f"{p}.kernel"], params[f"{p}.bias"], tokens)
         y = q if role == "q" else k
-        y = apply_map(y, coeff, params[f"{p}.gate"], metric=config.metric,
-                      u=params.get(f"{p}.u"), v=params.get(f"{p}.v"))
+        y = apply_map(
+            y, coeff, params[f"{p}.gate"], metric=config.metric, u=params.get(f"{p}.u"), v=params.get(f"{p}.v")
+        )
         q, k = (y, k) if role == "q" else (q, y)
     visible = visibility(ops.shape(q)[1], ops.shape(k)[1], attention_mask=mask, causal=causal)
     o, weights = attend(q, k, v, visible, scale=config.softmax_scale, explicit=True)

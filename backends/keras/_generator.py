@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import keras
-
 import damcha_core as dc
-from damcha_core import DamchaValueError, GeneratorSpec, describe
+import keras
+from damcha_core import DamchaValueError, GeneratorSpec
 
 from ._functional import generator, rms_normalise
 
@@ -67,8 +66,9 @@ class MetricGenerator(keras.layers.Layer):
         metric = dc.check_choice("metric", metric, tuple(KERAS_LEAVES))
         if metric == "lowrank" and key_dim is None:
             raise DamchaValueError("`key_dim` is required with metric='lowrank'. Received: key_dim=None")
-        args = dc.check_layer_args(num_heads=num_heads, key_dim=1 if key_dim is None else key_dim, metric=metric,
-                                   metric_rank=metric_rank)
+        args = dc.check_layer_args(
+            num_heads=num_heads, key_dim=1 if key_dim is None else key_dim, metric=metric, metric_rank=metric_rank
+        )
         self.num_heads = args["num_heads"]
         self.metric = metric
         self.key_dim = None if key_dim is None else args["key_dim"]
@@ -102,8 +102,13 @@ class MetricGenerator(keras.layers.Layer):
         """What this generator fits (``damcha_core.GeneratorSpec``); an unbuilt
         generator takes its feature size from the first tokens, so ``features``
         stands in for it until then."""
-        return GeneratorSpec(features=self.features if self.features is not None else features,
-                             heads=self.num_heads, metric=self.metric, head_dim=self.key_dim, rank=self.metric_rank)
+        return GeneratorSpec(
+            features=self.features if self.features is not None else features,
+            heads=self.num_heads,
+            metric=self.metric,
+            head_dim=self.key_dim,
+            rank=self.metric_rank,
+        )
 
     def leaf_names(self) -> tuple[str, ...]:
         """The canonical leaves this generator holds, in canonical order."""

@@ -12,16 +12,16 @@ from __future__ import annotations
 import math
 import string
 import warnings
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
+import damcha_core as dc
 import keras
+from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, describe
 from keras import ops
 from keras.src.backend import set_keras_mask  # MHA itself uses it; no public alias in Keras 3.15
-
-import damcha_core as dc
-from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, describe
 
 from . import _cache, _canonical, _convert
 from . import _functional as F
@@ -32,9 +32,7 @@ from ._generator import MetricGenerator, serialize_generator
 # Keras's names for the canonical arguments (damcha_core's shared policy messages).
 KERAS_NAMES = {"output_dim": "output_shape", "context": "key", "value": "value", "mask": "attention_mask"}
 _MASK_DTYPES = ("bool", "int", "uint", "float", "bfloat")
-_MASK_EXPECTED = (
-    "boolean, or integer/float with values 0 and 1 (True / 1 = may attend, as Keras MHA reads them)"
-)
+_MASK_EXPECTED = "boolean, or integer/float with values 0 and 1 (True / 1 = may attend, as Keras MHA reads them)"
 
 
 def _flag(name: str, value: Any) -> bool:
@@ -45,7 +43,7 @@ def _flag(name: str, value: Any) -> bool:
     if hasattr(value, "shape") and hasattr(value, "dtype") and tuple(value.shape) == ():
         try:
             return bool(np.asarray(ops.convert_to_numpy(value)))
-        except Exception:  # traced: the layer's structure cannot depend on it
+        except Exception:  # noqa: BLE001 - traced (each backend raises its own error type): the layer's structure cannot depend on it
             pass
     raise DamchaTypeError(
         f"`{name}` must be a bool (or an int / concrete scalar, read as truthy), known when the layer is "
@@ -67,8 +65,10 @@ def _check_attention_axes(axes: Any) -> tuple[int, ...] | None:
     if axes is None:
         return None
     axes = (axes,) if isinstance(axes, (int, np.integer)) and not isinstance(axes, bool) else axes
-    if not isinstance(axes, (tuple, list)) or not axes or not all(
-        isinstance(a, (int, np.integer)) and not isinstance(a, (bool, np.bool_)) for a in axes
+    if (
+        not isinstance(axes, (tuple, list))
+        or not axes
+        or not all(isinstance(a, (int, np.integer)) and not isinstance(a, (bool, np.bool_)) for a in axes)
     ):
         raise DamchaTypeError(
             f"`attention_axes` must be an int, a non-empty list/tuple of ints, or None. "
@@ -213,10 +213,21 @@ class DamchaAttention(keras.layers.Layer):
         self._output_shape = _check_output_shape(output_shape)
         self._attention_axes = _check_attention_axes(attention_axes)
         args = self._check_args(
-            num_heads=num_heads, key_dim=key_dim, value_dim=value_dim, num_kv_heads=num_kv_heads,
-            use_bias=use_bias, metric=metric, metric_rank=metric_rank, coupling=coupling, scale=scale,
-            dropout=dropout, metric_l2=metric_l2, seed=seed, sliding_window=sliding_window,
-            use_gate=use_gate, flash_attention=flash_attention,
+            num_heads=num_heads,
+            key_dim=key_dim,
+            value_dim=value_dim,
+            num_kv_heads=num_kv_heads,
+            use_bias=use_bias,
+            metric=metric,
+            metric_rank=metric_rank,
+            coupling=coupling,
+            scale=scale,
+            dropout=dropout,
+            metric_l2=metric_l2,
+            seed=seed,
+            sliding_window=sliding_window,
+            use_gate=use_gate,
+            flash_attention=flash_attention,
         )
         self._num_heads = args["num_heads"]
         self._key_dim = args["key_dim"]
@@ -258,8 +269,9 @@ class DamchaAttention(keras.layers.Layer):
         self._zero_init = False
 
     @staticmethod
-    def _check_args(*, metric_l2: Any, seed: Any, sliding_window: Any, use_gate: Any, flash_attention: Any,
-                    **fields: Any) -> dict[str, Any]:
+    def _check_args(
+        *, metric_l2: Any, seed: Any, sliding_window: Any, use_gate: Any, flash_attention: Any, **fields: Any
+    ) -> dict[str, Any]:
         # The shared argument policy applies every rule that does not need the
         # feature sizes now, so a bad argument fails at construction, not at the
         # first call; the coupling is resolved at build.
@@ -369,8 +381,7 @@ class DamchaAttention(keras.layers.Layer):
             )
         if len(value_shape) != len(query_shape):
             raise DamchaValueError(
-                "`value` must have the rank of `query`. "
-                f"Received: query.shape={query_shape}, value.shape={value_shape}"
+                f"`value` must have the rank of `query`. Received: query.shape={query_shape}, value.shape={value_shape}"
             )
         for name, shape in (("query", query_shape), ("value", value_shape), ("key", key_shape)):
             if shape[-1] is None:
@@ -392,20 +403,35 @@ class DamchaAttention(keras.layers.Layer):
         E_k = E_v if key_shape is None else int(key_shape[-1])
         E_o = math.prod(self._output_shape) if self._output_shape else E_q
         self.config = dc.make_config(
-            names=KERAS_NAMES, query_dim=E_q, context_dim=E_k, value_input_dim=E_v, output_dim=E_o,
-            num_heads=self._num_heads, key_dim=self._key_dim, value_dim=self._value_dim,
-            num_kv_heads=self._num_kv_heads, use_bias=self._use_bias, metric=self._metric,
-            metric_rank=self._metric_rank, coupling=self._coupling_arg, scale=self._scale, dropout=self._dropout,
+            names=KERAS_NAMES,
+            query_dim=E_q,
+            context_dim=E_k,
+            value_input_dim=E_v,
+            output_dim=E_o,
+            num_heads=self._num_heads,
+            key_dim=self._key_dim,
+            value_dim=self._value_dim,
+            num_kv_heads=self._num_kv_heads,
+            use_bias=self._use_bias,
+            metric=self._metric,
+            metric_rank=self._metric_rank,
+            coupling=self._coupling_arg,
+            scale=self._scale,
+            dropout=self._dropout,
         )
         self._layout = F.Layout(len(query_shape), self._resolve_axes(len(query_shape)))
         cfg = self.config
         H, G, d, d_v = cfg.num_heads, cfg.num_kv_heads, cfg.key_dim, cfg.value_dim
         dense = lambda equation, shape, axes, name, **kw: keras.layers.EinsumDense(  # noqa: E731
-            equation, output_shape=shape, bias_axes=axes if self._use_bias else None, name=name,
-            **self._dense_kwargs(), **kw,
+            equation,
+            output_shape=shape,
+            bias_axes=axes if self._use_bias else None,
+            name=name,
+            **self._dense_kwargs(),
+            **kw,
         )
         out_dims = self._output_shape or (E_q,)
-        out = string.ascii_lowercase[4:4 + len(out_dims)]
+        out = string.ascii_lowercase[4 : 4 + len(out_dims)]
         # Attribute names, sublayer names and creation order as Keras MHA's, so
         # weight paths and the order of get_weights()/set_weights() match.
         # Tokens reach the projections as (B', T, E) whatever the input rank.
@@ -423,19 +449,27 @@ class DamchaAttention(keras.layers.Layer):
         self._output_dense.build((None, None, H, d_v))
         given = self._metric_generator_arg
         # An unbuilt shared generator takes the feature size of the side it serves.
-        sides = dict(given) if isinstance(given, Mapping) else (
-            {cfg.metric_sides[0]: given} if given is not None and len(cfg.metric_sides) == 1 else {})
+        sides = (
+            dict(given)
+            if isinstance(given, Mapping)
+            else ({cfg.metric_sides[0]: given} if given is not None and len(cfg.metric_sides) == 1 else {})
+        )
         hint = {id(g): cfg.side_features(side) for side, g in sides.items() if side in cfg.metric_sides}
-        shared = dc.resolve_generators(given, cfg, generator_type=MetricGenerator,
-                                       spec_of=lambda g: g.spec(hint.get(id(g))), names=KERAS_NAMES)
+        shared = dc.resolve_generators(
+            given, cfg, generator_type=MetricGenerator, spec_of=lambda g: g.spec(hint.get(id(g))), names=KERAS_NAMES
+        )
         for i, side in enumerate(cfg.metric_sides):
             S, E = cfg.side_heads(side), cfg.side_features(side)
             generator = shared.get(side)
             if generator is None:
                 generator = MetricGenerator(
-                    S, metric=cfg.metric, key_dim=d, metric_rank=cfg.metric_rank,
+                    S,
+                    metric=cfg.metric,
+                    key_dim=d,
+                    metric_rank=cfg.metric_rank,
                     seed=None if self.seed is None else self.seed + 101 * (i + 1),
-                    name=f"metric_{side}", dtype=self.dtype_policy,
+                    name=f"metric_{side}",
+                    dtype=self.dtype_policy,
                 )
                 generator._zero_init = self._zero_init
             if not generator.built:
@@ -477,8 +511,11 @@ class DamchaAttention(keras.layers.Layer):
                 f"`key` is required: the layer was built with keys of {cfg.context_dim} features and values of "
                 f"{cfg.value_input_dim}. Received: key=None, value.shape={tuple(value.shape)}"
             )
-        for name, shape, features in (("query", qs, cfg.query_dim), ("value", vs, cfg.value_input_dim),
-                                      ("key", ks, cfg.context_dim)):
+        for name, shape, features in (
+            ("query", qs, cfg.query_dim),
+            ("value", vs, cfg.value_input_dim),
+            ("key", ks, cfg.context_dim),
+        ):
             if len(shape) != rank:
                 raise DamchaValueError(
                     f"`{name}` must have rank {rank}, the rank the layer was built with"
@@ -503,20 +540,29 @@ class DamchaAttention(keras.layers.Layer):
         N = size([qs[a] for a in self._layout.attention_axes])
         M = size([vs[a] for a in self._layout.attention_axes])
         n_, m_ = 1 if N is None else N, 1 if M is None else M
-        dc.check_shapes(cfg, (B, n_, cfg.query_dim), (B, m_, cfg.context_dim),
-                        value_shape=(B, m_, cfg.value_input_dim), names=KERAS_NAMES)
+        dc.check_shapes(
+            cfg,
+            (B, n_, cfg.query_dim),
+            (B, m_, cfg.context_dim),
+            value_shape=(B, m_, cfg.value_input_dim),
+            names=KERAS_NAMES,
+        )
         if kv_len is not None:
             M = kv_len  # with a cache, masks span its L slots
         q_tokens, v_tokens = tuple(qs[:-1]), tuple(vs[:-1])
         if kv_len is not None:
             v_tokens = (vs[0], kv_len)
-        for name, m, target in (("query_mask", masks.get("query_mask"), q_tokens),
-                                ("value_mask", masks.get("value_mask"), v_tokens),
-                                ("key_mask", masks.get("key_mask"), v_tokens)):
+        for name, m, target in (
+            ("query_mask", masks.get("query_mask"), q_tokens),
+            ("value_mask", masks.get("value_mask"), v_tokens),
+            ("key_mask", masks.get("key_mask"), v_tokens),
+        ):
             if m is None:
                 continue
             shape = static_shape(m)
-            if len(shape) != len(target) or any(s is not None and t is not None and s != t for s, t in zip(shape, target)):
+            if len(shape) != len(target) or any(
+                s is not None and t is not None and s != t for s, t in zip(shape, target)
+            ):
                 raise DamchaValueError(
                     f"`{name}` must have shape {target} (the {'query' if name == 'query_mask' else 'key'} "
                     f"tokens) for query.shape={tuple(query.shape)}, value.shape={tuple(value.shape)}. "
@@ -532,13 +578,12 @@ class DamchaAttention(keras.layers.Layer):
             rank_shapes = {2: (N, M), 3: (qs[0], N, M), 4: (qs[0], H, N, M)}
         else:
             axes = self._layout.attention_axes
-            full = (qs[0], *[qs[a] for a in self._layout.batch_axes], H, *[qs[a] for a in axes],
-                    *[vs[a] for a in axes])
+            full = (qs[0], *[qs[a] for a in self._layout.batch_axes], H, *[qs[a] for a in axes], *[vs[a] for a in axes])
             # Keras inserts a missing dim before the attention dims, one at a time.
             rank_shapes = {}
             for rank in range(2 * len(axes), len(full) + 1):
-                lead = full[:rank - 2 * len(axes)]
-                rank_shapes[rank] = lead + full[len(full) - 2 * len(axes):]
+                lead = full[: rank - 2 * len(axes)]
+                rank_shapes[rank] = lead + full[len(full) - 2 * len(axes) :]
         target = rank_shapes.get(len(shape))
         if target is None or any(s is not None and t is not None and s not in (1, t) for s, t in zip(shape, target)):
             expected = " or ".join(str(t) for t in rank_shapes.values())
@@ -570,7 +615,7 @@ class DamchaAttention(keras.layers.Layer):
             if values is None:
                 try:
                     values = np.asarray(ops.convert_to_numpy(m))
-                except Exception:  # traced: checked in the graph instead
+                except Exception:  # noqa: BLE001 - traced (each backend raises its own error type): checked in the graph instead
                     values = None
             if values is not None:
                 if not np.all((values == 0) | (values == 1)):
@@ -613,17 +658,36 @@ class DamchaAttention(keras.layers.Layer):
 
     def _fast_map(self, side: str) -> bool:
         """Whether ``side`` maps in the fast form (``_apply_map``)."""
-        return (self.config.metric == "heads" and self._metric_l2 == 0
-                and self._generators[side].compute_dtype == self.compute_dtype)
+        return (
+            self.config.metric == "heads"
+            and self._metric_l2 == 0
+            and self._generators[side].compute_dtype == self.compute_dtype
+        )
 
     def _map_weights(self, side: str) -> tuple[Any, Any, Any]:
         """The generator's kernel and bias and the gate of ``side``, as tensors."""
         generator = self._generators[side]
         return tuple(ops.convert_to_tensor(w) for w in (generator.kernel, generator.bias, self._gates[side]))
 
-    def _attend(self, q: Any, k: Any, v: Any, q_in: Any, v_in: Any, *, query_mask: Any, value_mask: Any,
-                key_mask: Any, attention_mask: Any, mask_values: Any, use_causal_mask: bool, cache: Any,
-                cache_update_index: Any, training: Any, return_attention_scores: bool) -> tuple[Any, Any]:
+    def _attend(
+        self,
+        q: Any,
+        k: Any,
+        v: Any,
+        q_in: Any,
+        v_in: Any,
+        *,
+        query_mask: Any,
+        value_mask: Any,
+        key_mask: Any,
+        attention_mask: Any,
+        mask_values: Any,
+        use_causal_mask: bool,
+        cache: Any,
+        cache_update_index: Any,
+        training: Any,
+        return_attention_scores: bool,
+    ) -> tuple[Any, Any]:
         """Attention on the mapped heads with the call's masks (boolean, folded).
 
         Masks that are causal and/or padding only reach the fused kernel as
@@ -653,41 +717,84 @@ class DamchaAttention(keras.layers.Layer):
                     rows, key_part, split_causal = parts
                     key_part = None if key_part is None else ops.convert_to_tensor(key_part)
                     over_queries, causal = False, causal or split_causal
-            if cache is None and window is None and not over_queries and (
-                    not causal or (n_static is not None and n_static == m_static)):
-                keys = key_mask if value_mask is None else (
-                    value_mask if key_mask is None else ops.logical_and(value_mask, key_mask))
+            if (
+                cache is None
+                and window is None
+                and not over_queries
+                and (not causal or (n_static is not None and n_static == m_static))
+            ):
+                keys = (
+                    key_mask
+                    if value_mask is None
+                    else (value_mask if key_mask is None else ops.logical_and(value_mask, key_mask))
+                )
                 key_side = F.key_side_mask(keys, key_part)
                 keep = F.kernel_masks(query_mask, key_side, causal=causal, rows=rows)
-                out = F.fused_attention(q, k, v, scale=scale, mask=key_side, is_causal=causal, keep=keep,
-                                        flash_attention=self._flash_attention)
+                out = F.fused_attention(
+                    q,
+                    k,
+                    v,
+                    scale=scale,
+                    mask=key_side,
+                    is_causal=causal,
+                    keep=keep,
+                    flash_attention=self._flash_attention,
+                )
                 return out, None
-            if (cache is not None and cache_update_index is not None and use_causal_mask and window is None
-                    and attention_mask is None):
+            if (
+                cache is not None
+                and cache_update_index is not None
+                and use_causal_mask
+                and window is None
+                and attention_mask is None
+            ):
                 # Query i of a step is token index + i: it sees its own slot, so no row is empty.
                 slots = _cache.causal_slots(n_static, static_shape(cache)[2], cache_update_index)
                 if slots is not None:
                     keep = None if query_mask is None else query_mask[:, :, None, None]
-                    out = F.fused_attention(q, k, v, scale=scale, mask=slots, keep=keep,
-                                            flash_attention=self._flash_attention)
+                    out = F.fused_attention(
+                        q, k, v, scale=scale, mask=slots, keep=keep, flash_attention=self._flash_attention
+                    )
                     return out, None
         # As MHA: a causal mask alone runs the fused kernel's causal path, unless a
         # subclass overrides _compute_attention (it then gets the full mask).
         causal_only = (
-            use_causal_mask and not overridden and cache is None and window is None and query_mask is None
-            and value_mask is None and key_mask is None and attention_mask is None
-            and n_static is not None and n_static == m_static
+            use_causal_mask
+            and not overridden
+            and cache is None
+            and window is None
+            and query_mask is None
+            and value_mask is None
+            and key_mask is None
+            and attention_mask is None
+            and n_static is not None
+            and n_static == m_static
         )
         n, m = ops.shape(q_in)[1], ops.shape(v_in)[1]
         if causal_only:
             visible = None
         elif cache is not None:
-            visible = _cache.cache_visibility(n, m, cache, cache_update_index, query_mask=query_mask,
-                                              attention_mask=attention_mask, use_causal_mask=use_causal_mask,
-                                              window=window)
+            visible = _cache.cache_visibility(
+                n,
+                m,
+                cache,
+                cache_update_index,
+                query_mask=query_mask,
+                attention_mask=attention_mask,
+                use_causal_mask=use_causal_mask,
+                window=window,
+            )
         else:
-            visible = F.visibility(n, m, query_mask=query_mask, value_mask=value_mask, key_mask=key_mask,
-                                   attention_mask=attention_mask, causal=use_causal_mask, window=window)
+            visible = F.visibility(
+                n,
+                m,
+                query_mask=query_mask,
+                value_mask=value_mask,
+                key_mask=key_mask,
+                attention_mask=attention_mask,
+                causal=use_causal_mask,
+                window=window,
+            )
         extra = {"use_causal_mask": True} if causal_only else {}
         return self._compute_attention(q, k, v, visible, training, return_attention_scores, **extra)
 
@@ -698,9 +805,15 @@ class DamchaAttention(keras.layers.Layer):
         # narrower dtype (JAX's kernel takes its softmax in float32; Keras 3.15's
         # torch backend runs it in float32), unless the user asked for the flash
         # kernel. TensorFlow's keeps float64.
-        return bool(return_attention_scores) or dropping or (
-            dtype_name(q) == "float64" and self._flash_attention is not True
-            and keras.backend.backend() != "tensorflow")
+        return (
+            bool(return_attention_scores)
+            or dropping
+            or (
+                dtype_name(q) == "float64"
+                and self._flash_attention is not True
+                and keras.backend.backend() != "tensorflow"
+            )
+        )
 
     def _compute_attention(
         self,
@@ -742,8 +855,17 @@ class DamchaAttention(keras.layers.Layer):
         dropping = self._dropout > 0 and bool(training)
         explicit = self._explicit(query, training, return_attention_scores)
         dropout = (lambda p: self._dropout_layer(p, training=training)) if dropping else None
-        return F.attend(query, key, value, visible, scale=self.config.softmax_scale, causal_only=causal_only,
-                        explicit=explicit, dropout=dropout, flash_attention=self._flash_attention)
+        return F.attend(
+            query,
+            key,
+            value,
+            visible,
+            scale=self.config.softmax_scale,
+            causal_only=causal_only,
+            explicit=explicit,
+            dropout=dropout,
+            flash_attention=self._flash_attention,
+        )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # Keras's own __call__ rejects nested lists with a ValueError of its own;
@@ -824,9 +946,21 @@ class DamchaAttention(keras.layers.Layer):
         else:
             mask_values = None
         out, scores = self._attend(
-            q, k, v, q_in, v_in, query_mask=query_mask, value_mask=value_mask, key_mask=key_mask,
-            attention_mask=attention_mask, mask_values=mask_values, use_causal_mask=use_causal_mask, cache=cache,
-            cache_update_index=cache_update_index, training=training, return_attention_scores=return_attention_scores,
+            q,
+            k,
+            v,
+            q_in,
+            v_in,
+            query_mask=query_mask,
+            value_mask=value_mask,
+            key_mask=key_mask,
+            attention_mask=attention_mask,
+            mask_values=mask_values,
+            use_causal_mask=use_causal_mask,
+            cache=cache,
+            cache_update_index=cache_update_index,
+            training=training,
+            return_attention_scores=return_attention_scores,
         )
         if self._use_gate:
             out = out * self._gate_dense(q_in)
@@ -857,15 +991,15 @@ class DamchaAttention(keras.layers.Layer):
             raise DamchaValueError("The layer must be built (called once, or `build`) before it can use a cache.")
         return _cache.init_cache(self.config, batch_size, max_length, _cache.check_cache_dtype(self, dtype))
 
-    def _check_cache(self, query: Any, value: Any, masks: dict[str, Any], use_causal_mask: bool,
-                     cache: Any, index: Any) -> int | None:
+    def _check_cache(
+        self, query: Any, value: Any, masks: dict[str, Any], use_causal_mask: bool, cache: Any, index: Any
+    ) -> int | None:
         if cache is not None:
             if not self.built:
                 self.build(tuple(query.shape), tuple(value.shape))
             if self._layout.folded:
                 raise DamchaValueError(
-                    "`cache` needs rank-3 inputs (batch, length, features). "
-                    f"Received: query.shape={tuple(query.shape)}"
+                    f"`cache` needs rank-3 inputs (batch, length, features). Received: query.shape={tuple(query.shape)}"
                 )
         return _cache.check_cache(self.config, query, value, masks, use_causal_mask, cache, index)
 
@@ -876,9 +1010,21 @@ class DamchaAttention(keras.layers.Layer):
         trailing = self._output_shape or (tuple(query_shape)[-1],)
         return tuple(query_shape)[:-1] + tuple(trailing)
 
-    def compute_output_spec(self, query, value, key=None, query_mask=None, value_mask=None, key_mask=None,
-                            attention_mask=None, return_attention_scores=False, training=None, use_causal_mask=False,
-                            cache=None, cache_update_index=None):
+    def compute_output_spec(
+        self,
+        query,
+        value,
+        key=None,
+        query_mask=None,
+        value_mask=None,
+        key_mask=None,
+        attention_mask=None,
+        return_attention_scores=False,
+        training=None,
+        use_causal_mask=False,
+        cache=None,
+        cache_update_index=None,
+    ):
         # Functional models fail at model-building time, not at the first fit.
         return_attention_scores = _flag("return_attention_scores", return_attention_scores)
         use_causal_mask = _flag("use_causal_mask", use_causal_mask)
@@ -935,7 +1081,7 @@ class DamchaAttention(keras.layers.Layer):
         }
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> "DamchaAttention":
+    def from_config(cls, config: dict[str, Any]) -> DamchaAttention:
         config = dict(config)
         generator = config.get("metric_generator")
         if isinstance(generator, Mapping) and "class_name" not in generator:
@@ -972,8 +1118,12 @@ class DamchaAttention(keras.layers.Layer):
 
     def _projections(self) -> dict[str, keras.layers.EinsumDense]:
         """The four projections under their canonical names."""
-        return {"query": self._query_dense, "key": self._key_dense, "value": self._value_dense,
-                "output": self._output_dense}
+        return {
+            "query": self._query_dense,
+            "key": self._key_dense,
+            "value": self._value_dense,
+            "output": self._output_dense,
+        }
 
     def canonical_variables(self) -> dict[str, Any]:
         """Canonical name -> ``keras.Variable``, in canonical order (the same
@@ -985,7 +1135,7 @@ class DamchaAttention(keras.layers.Layer):
         ``self.config`` they load into any DAMCHA backend or ``damcha_core``."""
         return _canonical.to_canonical(self)
 
-    def load_canonical(self, params: Mapping[str, Any]) -> "DamchaAttention":
+    def load_canonical(self, params: Mapping[str, Any]) -> DamchaAttention:
         """Assign canonical params (validated against ``self.config``) to this
         built layer; returns the layer."""
         _canonical.load_canonical(self, params)
@@ -1005,7 +1155,7 @@ class DamchaAttention(keras.layers.Layer):
         _canonical.save(self, path)
 
     @classmethod
-    def from_canonical(cls, params: Mapping[str, Any], config: DamchaConfig, **kwargs: Any) -> "DamchaAttention":
+    def from_canonical(cls, params: Mapping[str, Any], config: DamchaConfig, **kwargs: Any) -> DamchaAttention:
         """A built layer holding ``params`` for ``config``.
 
         Args:
@@ -1018,12 +1168,12 @@ class DamchaAttention(keras.layers.Layer):
         return _canonical.from_canonical(cls, params, config, **kwargs)
 
     @classmethod
-    def load(cls, path: str, **kwargs: Any) -> "DamchaAttention":
+    def load(cls, path: str, **kwargs: Any) -> DamchaAttention:
         """``from_canonical`` on a DAMCHA safetensors file."""
         return _canonical.load(cls, path, **kwargs)
 
     @classmethod
-    def from_mha(cls, layer: keras.layers.MultiHeadAttention, **kwargs: Any) -> "DamchaAttention":
+    def from_mha(cls, layer: keras.layers.MultiHeadAttention, **kwargs: Any) -> DamchaAttention:
         """An exact conversion of a built ``keras.layers.MultiHeadAttention``.
 
         The projections are copied; the metric generator is freshly

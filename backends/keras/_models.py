@@ -28,15 +28,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import warnings
-from typing import Any, Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 
-import keras
-from keras import ops
-
 import damcha_core as dc
+import keras
 from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, describe
+from keras import ops
 
 from ._functional import apply_map
 from ._functional import metric_penalty as _side_penalty
@@ -148,7 +148,9 @@ def register_adapter(adapter: ModelAdapter) -> ModelAdapter:
     if not isinstance(adapter, ModelAdapter):
         raise DamchaTypeError(f"`adapter` must be a damcha_keras.ModelAdapter. Received: adapter={describe(adapter)}")
     if any(a.name == adapter.name for a in _ADAPTERS):
-        raise DamchaValueError(f"An adapter named {adapter.name!r} is already registered. Received: adapter.name={adapter.name!r}")
+        raise DamchaValueError(
+            f"An adapter named {adapter.name!r} is already registered. Received: adapter.name={adapter.name!r}"
+        )
     _ADAPTERS.append(adapter)
     return adapter
 
@@ -174,7 +176,7 @@ class _SiteCall:
     saves it, so the host's weight paths and files keep their structure.
     """
 
-    def __init__(self, maps: "DamchaMaps", projection: Any, site: ProjectionSite, method: str, previous: Any) -> None:
+    def __init__(self, maps: DamchaMaps, projection: Any, site: ProjectionSite, method: str, previous: Any) -> None:
         self.maps = maps
         self.projection = projection
         self.site = site
@@ -223,9 +225,17 @@ class DamchaMaps(keras.layers.Layer):
         self._generators: dict[str, MetricGenerator] = {}
         for side in config.metric_sides:
             given = None if shared is None else shared.get(side)
-            self._generators[side] = given if given is not None else MetricGenerator(
-                config.side_heads(side), metric=config.metric, key_dim=config.key_dim,
-                metric_rank=config.metric_rank, name=f"metric_{side}", dtype=self.dtype_policy,
+            self._generators[side] = (
+                given
+                if given is not None
+                else MetricGenerator(
+                    config.side_heads(side),
+                    metric=config.metric,
+                    key_dim=config.key_dim,
+                    metric_rank=config.metric_rank,
+                    name=f"metric_{side}",
+                    dtype=self.dtype_policy,
+                )
             )
         # track_metric_penalty: add weight * this layer's penalty / layers to the losses.
         self._penalty_weight = 0.0
@@ -238,8 +248,9 @@ class DamchaMaps(keras.layers.Layer):
             if not generator.built:
                 generator.build((None, None, cfg.side_features(side)))
             # The gate is per layer even when the generator is shared; 0 = exactly the host.
-            self._gates[side] = self.add_weight(name=f"metric_{side}_gate", shape=(cfg.side_heads(side),),
-                                                initializer="zeros")
+            self._gates[side] = self.add_weight(
+                name=f"metric_{side}_gate", shape=(cfg.side_heads(side),), initializer="zeros"
+            )
         self.built = True
 
     @property
@@ -311,10 +322,12 @@ class DamchaMaps(keras.layers.Layer):
 
     def to_canonical(self) -> dict[str, np.ndarray]:
         """The metric weights as canonical float64 NumPy arrays."""
-        return {k: np.asarray(keras.ops.convert_to_numpy(v), dtype=np.float64)
-                for k, v in self.canonical_variables().items()}
+        return {
+            k: np.asarray(keras.ops.convert_to_numpy(v), dtype=np.float64)
+            for k, v in self.canonical_variables().items()
+        }
 
-    def load_canonical(self, params: Mapping[str, Any]) -> "DamchaMaps":
+    def load_canonical(self, params: Mapping[str, Any]) -> DamchaMaps:
         """Assign canonical metric weights (exactly this layer's metric names,
         finite, in the canonical shapes); returns the maps."""
         variables = self.canonical_variables()
@@ -330,8 +343,10 @@ class DamchaMaps(keras.layers.Layer):
         for name, variable in variables.items():
             value = np.asarray(params[name])
             if value.shape != tuple(variable.shape):
-                raise DamchaValueError(f"`params[{name!r}]` must have shape {tuple(variable.shape)}. "
-                                       f"Received: params[{name!r}].shape={value.shape}")
+                raise DamchaValueError(
+                    f"`params[{name!r}]` must have shape {tuple(variable.shape)}. "
+                    f"Received: params[{name!r}].shape={value.shape}"
+                )
             if not np.all(np.isfinite(value)):
                 raise DamchaValueError(f"`params[{name!r}]` must be finite. Received: a non-finite value")
             values[name] = value
@@ -379,8 +394,11 @@ def _find(model: keras.layers.Layer) -> tuple[list[tuple[Any, ModelAdapter]], li
         if adapter is not None:
             matched.append((layer, adapter))
             claimed.update(id(sub) for sub in layer._flatten_layers(include_self=True, recursive=True))
-    unknown = [f"{_name(layer)} ({type(layer).__module__}.{type(layer).__qualname__})"
-               for layer in _walk(model) if id(layer) not in claimed and _is_attention_like(layer)]
+    unknown = [
+        f"{_name(layer)} ({type(layer).__module__}.{type(layer).__qualname__})"
+        for layer in _walk(model)
+        if id(layer) not in claimed and _is_attention_like(layer)
+    ]
     return matched, unknown, damcha
 
 
@@ -467,7 +485,9 @@ def convert(
         )
     if not matched:
         if damcha:
-            raise DamchaValueError(f"`model` is already DAMCHA (DamchaAttention at {', '.join(_name(a) for a in damcha[:5])}).")
+            raise DamchaValueError(
+                f"`model` is already DAMCHA (DamchaAttention at {', '.join(_name(a) for a in damcha[:5])})."
+            )
         raise DamchaValueError(
             f"`model` ({type(model).__name__}) has no attention layer convert() supports. Supported: {_supported_text()}."
         )
@@ -481,12 +501,22 @@ def convert(
             layout = adapter.layout(layer)
             _check_sites(layer, layout)
             resolved = dc.resolve_coupling(
-                coupling, metric=metric, query_dim=layout.query_features, context_dim=layout.key_features,
-                num_heads=layout.num_heads, num_kv_heads=layout.num_kv_heads, same_inputs=layout.self_attention,
+                coupling,
+                metric=metric,
+                query_dim=layout.query_features,
+                context_dim=layout.key_features,
+                num_heads=layout.num_heads,
+                num_kv_heads=layout.num_kv_heads,
+                same_inputs=layout.self_attention,
             )
             config = DamchaConfig(
-                query_dim=layout.query_features, context_dim=layout.key_features, num_heads=layout.num_heads,
-                num_kv_heads=layout.num_kv_heads, key_dim=layout.head_dim, metric=metric, metric_rank=metric_rank,
+                query_dim=layout.query_features,
+                context_dim=layout.key_features,
+                num_heads=layout.num_heads,
+                num_kv_heads=layout.num_kv_heads,
+                key_dim=layout.head_dim,
+                metric=metric,
+                metric_rank=metric_rank,
                 coupling=resolved,
             )
         except (DamchaValueError, DamchaTypeError) as exc:
@@ -497,8 +527,14 @@ def convert(
 
     shared: dict[str, MetricGenerator] = {}
     for layer, adapter, layout, config in plans:
-        maps = DamchaMaps(config, layout, adapter.name, shared=shared if share_metric else None,
-                          name=CONFIG_KEY, dtype=layer.dtype_policy)
+        maps = DamchaMaps(
+            config,
+            layout,
+            adapter.name,
+            shared=shared if share_metric else None,
+            name=CONFIG_KEY,
+            dtype=layer.dtype_policy,
+        )
         _build_in_scope(layer, maps)
         if share_metric:
             for side in config.metric_sides:
@@ -534,7 +570,9 @@ def _check_sites(layer: Any, layout: AttentionLayout) -> None:
     for site in layout.sites:
         projection = getattr(layer, site.attr, None)
         if not isinstance(projection, keras.layers.Layer):
-            raise DamchaValueError(f"the layer has no projection sublayer `{site.attr}`. Received: {describe(projection)}")
+            raise DamchaValueError(
+                f"the layer has no projection sublayer `{site.attr}`. Received: {describe(projection)}"
+            )
         for method in ("call", "quantized_call"):
             if isinstance(projection.__dict__.get(method), _SiteCall):
                 raise DamchaValueError(f"`{site.attr}` already carries a DAMCHA map (converted twice?)")
@@ -639,8 +677,9 @@ class _ConvertedModel:
             return host
         options = dict(options)
         if options.pop("format", None) != CONFIG_FORMAT:
-            raise DamchaValueError(f"The recorded DAMCHA conversion is not of format {CONFIG_FORMAT!r}. "
-                                   f"Received: {config[CONFIG_KEY]!r}")
+            raise DamchaValueError(
+                f"The recorded DAMCHA conversion is not of format {CONFIG_FORMAT!r}. Received: {config[CONFIG_KEY]!r}"
+            )
         return convert(host, **{k: options[k] for k in ("metric", "metric_rank", "coupling", "share_metric")})
 
 
@@ -659,8 +698,11 @@ def _converted_class(host: type) -> type:
     if cls is None:
         # Same name as the host (reprs, summaries); registered under the loader's
         # name, so serialisation writes "damcha>ConvertedModel".
-        cls = type(host.__name__, (_ConvertedModel, host),
-                   {"__module__": __name__, "__qualname__": host.__qualname__, "_damcha_host": host})
+        cls = type(
+            host.__name__,
+            (_ConvertedModel, host),
+            {"__module__": __name__, "__qualname__": host.__qualname__, "_damcha_host": host},
+        )
         keras.saving.register_keras_serializable(package="damcha", name=REGISTERED_NAME)(cls)
         # ...and the name keeps resolving to the loader (any of them would do).
         keras.saving.register_keras_serializable(package="damcha", name=REGISTERED_NAME)(ConvertedModel)
@@ -751,7 +793,9 @@ def track_metric_penalty(model: keras.layers.Layer, weight: float = 1.0) -> kera
     weight = dc.check_finite_nonneg("weight", weight)
     maps = [m for _, m in _maps_of(model)]
     if not maps:
-        raise DamchaValueError(f"`model` has no converted layer (call convert first). Received: model={type(model).__name__}")
+        raise DamchaValueError(
+            f"`model` has no converted layer (call convert first). Received: model={type(model).__name__}"
+        )
     for m in maps:
         m._penalty_weight = float(weight)
         m._penalty_layers = len(maps)

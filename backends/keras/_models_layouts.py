@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Any
 
 import keras
-
 from damcha_core import DamchaValueError, describe
 
 from ._models import AttentionLayout, ModelAdapter, ProjectionSite, register_adapter
@@ -37,8 +36,13 @@ def _heads(layer: Any, attr: str) -> tuple[int, int, int]:
     equation = dense.equation.replace(" ", "")
     inputs, _, out = equation.partition("->")
     tokens, _, kernel = inputs.partition(",")
-    if (len(tokens) != 3 or len(out) != 4 or out[:2] != tokens[:2] or len(kernel) != 3
-            or set(kernel) != {tokens[2], out[2], out[3]}):
+    if (
+        len(tokens) != 3
+        or len(out) != 4
+        or out[:2] != tokens[:2]
+        or len(kernel) != 3
+        or set(kernel) != {tokens[2], out[2], out[3]}
+    ):
         raise DamchaValueError(
             f"`{attr}` computes {dense.equation!r}; convert() maps projections of tokens (B, T, E) to "
             "stacked heads (B, T, heads, head_dim) (inputs of rank 3, no attention_axes)."
@@ -55,13 +59,15 @@ def _declared(layer: Any, *names: str) -> int | None:
     return None
 
 
-def _qk_layout(layer: Any, q_attr: str, k_attr: str, heads: tuple[str, ...], kv_heads: tuple[str, ...],
-               self_attention: bool | None) -> AttentionLayout:
+def _qk_layout(
+    layer: Any, q_attr: str, k_attr: str, heads: tuple[str, ...], kv_heads: tuple[str, ...], self_attention: bool | None
+) -> AttentionLayout:
     eq, H, d = _heads(layer, q_attr)
     ek, G, dk = _heads(layer, k_attr)
     if dk != d:
-        raise DamchaValueError(f"query and key heads must have one size. Received: {q_attr} head_dim={d}, "
-                               f"{k_attr} head_dim={dk}")
+        raise DamchaValueError(
+            f"query and key heads must have one size. Received: {q_attr} head_dim={d}, {k_attr} head_dim={dk}"
+        )
     for attr, found, declared in ((q_attr, H, _declared(layer, *heads)), (k_attr, G, _declared(layer, *kv_heads))):
         if declared is not None and found != declared:
             raise DamchaValueError(
@@ -70,21 +76,28 @@ def _qk_layout(layer: Any, q_attr: str, k_attr: str, heads: tuple[str, ...], kv_
             )
     if H % G:
         raise DamchaValueError(f"the key heads must divide the query heads. Received: {H} query heads, {G} key heads")
-    return AttentionLayout(H, G, d, eq, ek, (ProjectionSite(q_attr, q=0), ProjectionSite(k_attr, k=0)),
-                           self_attention=self_attention)
+    return AttentionLayout(
+        H, G, d, eq, ek, (ProjectionSite(q_attr, q=0), ProjectionSite(k_attr, k=0)), self_attention=self_attention
+    )
 
 
 # ----------------------------------------------------------------- Keras MHA
+
 
 def _mha_layout(layer: Any) -> AttentionLayout:
     # A MultiHeadAttention can be called on one sequence or two; KerasHub names
     # its cross-attention layers "cross_attention" (TransformerDecoder, Whisper).
     cross = "cross" in layer.name.lower()
     if isinstance(layer, keras.layers.GroupQueryAttention):
-        return _qk_layout(layer, "_query_dense", "_key_dense", ("num_query_heads",), ("num_key_value_heads",),
-                          False if cross else None)
-    return _qk_layout(layer, "_query_dense", "_key_dense", ("_num_heads",), ("_num_heads",),
-                      False if cross else None)
+        return _qk_layout(
+            layer,
+            "_query_dense",
+            "_key_dense",
+            ("num_query_heads",),
+            ("num_key_value_heads",),
+            False if cross else None,
+        )
+    return _qk_layout(layer, "_query_dense", "_key_dense", ("_num_heads",), ("_num_heads",), False if cross else None)
 
 
 # ------------------------------------------------------------------ KerasHub
@@ -94,8 +107,14 @@ _GEMMA = frozenset({"CachedGemmaAttention"})
 
 
 def _llama_layout(layer: Any) -> AttentionLayout:
-    return _qk_layout(layer, "_query_dense", "_key_dense", ("num_query_heads", "_num_query_heads"),
-                      ("num_key_value_heads", "_num_key_value_heads"), True)
+    return _qk_layout(
+        layer,
+        "_query_dense",
+        "_key_dense",
+        ("num_query_heads", "_num_query_heads"),
+        ("num_key_value_heads", "_num_key_value_heads"),
+        True,
+    )
 
 
 def _gemma_layout(layer: Any) -> AttentionLayout:
