@@ -123,9 +123,10 @@ class _Block(keras.layers.Layer):
             **self.damcha_options,
         )
         self._attention.build(inputs_shape, inputs_shape)
-        norm = lambda name: keras.layers.LayerNormalization(
-            epsilon=self.layer_norm_epsilon, dtype=self.dtype_policy, name=name
-        )  # noqa: E731
+
+        def norm(name):
+            return keras.layers.LayerNormalization(epsilon=self.layer_norm_epsilon, dtype=self.dtype_policy, name=name)
+
         self._attention_norm = norm("self_attention_layer_norm")
         self._attention_norm.build(inputs_shape)
         self._attention_dropout = keras.layers.Dropout(self.dropout, seed=self.seed, dtype=self.dtype_policy)
