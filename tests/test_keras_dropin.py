@@ -72,7 +72,10 @@ def test_quantize_matches_mha_quantized_the_same_way(mode):
         warnings.simplefilter("ignore")
         quantized.quantize(mode)
     error = np.mean((np_(quantized(x)) - float_out) ** 2) / np.mean(float_out**2)
-    assert error < 1e-2, error
+    # Relative MSE of honest quantization: int8 stays well under 1e-2; float8 (e4m3, 3
+    # mantissa bits, on weights and activations) measured 0.5-1.1e-2 on this layer across
+    # test orders (Keras's float8 scaling state). A lost scale or a raw int8 kernel gives >= 1.
+    assert error < {"int8": 1e-2, "float8": 3e-2}[mode], error
     with pytest.raises(dc.DamchaValueError, match=r"`to_canonical` needs float projections.*quantized"):
         opened.to_canonical()
 
