@@ -196,7 +196,7 @@ _CONFIGS: dict[tuple[str, str], TaskConfig] = {
     ),
     ("charlm", "full"): _cfg(
         "charlm", "full", embed_dim=64, num_heads=4, num_layers=2, mlp_hidden=128, param_budget=108_500,
-        batch=32, train_size=2_000_000, val_size=256, test_size=256, seq_len=64, lrs=(5e-4, 1e-3, 2e-3),
+        batch=32, train_size=2_000_000, val_size=256, test_size=256, seq_len=64, lrs=(1e-3, 2e-3, 4e-3),
         max_steps=10_000, eval_every=250, patience=4, min_delta=0.005, seeds=5, sweep_seeds=1, margin=0.02,
     ),
     ("listops", "full"): _cfg(
