@@ -201,6 +201,40 @@ def threshold_summary(results: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def sweep_thresholds(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per variant and learning rate of its sweep: the median steps of the sweep seeds to the highest
+    validation threshold (``None``: not every sweep seed reached it).
+
+    When every rate reaches the same final accuracy (a task at its ceiling), the chosen rate is a
+    tie-break, and steps-to-threshold at the chosen rates compares rates as much as variants; this
+    table compares each variant at every rate, and at its fastest.
+    """
+    thresholds = results["config"].get("thresholds") or []
+    if not thresholds:
+        return []
+    key = f"{max(thresholds):g}"
+    rows = []
+    for name, res in results["variants"].items():
+        sweep = res.get("lr_sweep", {})
+        by_lr: dict[float, list[float]] = {}
+        for r in sweep.get("runs", []):
+            if "steps_to_threshold" not in r:  # results written before the field existed
+                return []
+            by_lr.setdefault(r["lr"], []).append(r["steps_to_threshold"].get(key) or math.nan)
+        medians = {lr: (float(np.median(v)) if all(math.isfinite(x) for x in v) else None) for lr, v in by_lr.items()}
+        reached = [m for m in medians.values() if m is not None]
+        rows.append(
+            {
+                "variant": name,
+                "threshold": float(key),
+                "chosen_lr": res.get("chosen_lr"),
+                "median_steps_by_lr": medians,
+                "fastest": min(reached) if reached else None,
+            }
+        )
+    return rows
+
+
 def stability(results: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for name, r in results["variants"].items():

@@ -343,6 +343,29 @@ def threshold_table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def sweep_threshold_table(results: dict[str, Any]) -> str:
+    rows = an.sweep_thresholds(results)
+    if not rows:
+        return ""
+    lrs = sorted({lr for r in rows for lr in r["median_steps_by_lr"]})
+    lines = [
+        "| variant | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " | fastest |",
+        "| --- | " + " | ".join("---:" for _ in lrs) + " | ---: |",
+    ]
+    for r in rows:
+        cells = []
+        for lr in lrs:
+            if lr not in r["median_steps_by_lr"]:
+                cells.append("-")  # not in this variant's sweep
+                continue
+            m = r["median_steps_by_lr"][lr]
+            cell = "never" if m is None else f"{m:.0f}"
+            cells.append(f"**{cell}**" if lr == r["chosen_lr"] else cell)
+        fastest = "never" if r["fastest"] is None else f"{r['fastest']:.0f}"
+        lines.append(f"| {r['variant']} | " + " | ".join(cells) + f" | {fastest} |")
+    return "\n".join(lines)
+
+
 def load_folder(folder: Path) -> tuple[dict[str, dict], dict[str, dict], dict[str, dict]]:
     """(headline, ablation, cost) results found in ``folder``, keyed by task."""
     headline, ablation, cost = {}, {}, {}
@@ -407,6 +430,16 @@ def build_report(folder: str | Path, tolerance: float = an.OVERHEAD_TOLERANCE) -
         thr = threshold_table(res)
         if thr:
             md += ["Steps to reach a validation threshold:", "", thr, ""]
+        sweep_thr = sweep_threshold_table(res)
+        if sweep_thr:
+            md += [
+                f"Steps to validation {res['metric']} {max(res['config']['thresholds']):g} at every rate of "
+                "each variant's sweep (median of the sweep seeds; the chosen rate in bold; 'never': some sweep "
+                "seed did not reach it):",
+                "",
+                sweep_thr,
+                "",
+            ]
         md += ["Stability:", "", stability_table(res), ""]
         if c is not None:
             md += [
@@ -421,6 +454,7 @@ def build_report(folder: str | Path, tolerance: float = an.OVERHEAD_TOLERANCE) -
             "comparisons": rows,
             "stability": an.stability(res),
             "thresholds": an.threshold_summary(res),
+            "sweep_thresholds": an.sweep_thresholds(res),
         }
     for task, res in ablation.items():
         s = stem(res)

@@ -117,6 +117,7 @@ def run_variant(
                     "best_step": r["best_step"],
                     "steps": r["steps"],
                     "stop_reason": r["stop_reason"],
+                    "steps_to_threshold": r["steps_to_threshold"],
                 }
                 for lr, rs in sweep.items()
                 for r in rs

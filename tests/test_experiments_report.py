@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from damcha_experiments import _analysis as an
-from damcha_experiments._report import build_report, write_json
+from damcha_experiments._report import build_report, sweep_threshold_table, write_json
 
 
 def _run(seed, steps, val, test, times=None):
@@ -199,6 +199,42 @@ def test_steps_to_threshold_censors_runs_that_never_reach_it():
     assert rows["mha"]["reached"] == 1 and rows["damcha-heads-query"]["median_steps"] == 400
     # Censored at max_steps = 1000: gains (fewer steps) 700, 400, 500.
     assert rows["damcha-heads-query"]["vs_mha"]["mean"] == pytest.approx(1600 / 3)
+
+
+def _sweep(steps_by_lr: dict[float, list[int | None]], chosen: float) -> dict:
+    runs = [
+        {"lr": lr, "seed": seed, "steps_to_threshold": {"0.95": s}}
+        for lr, ss in steps_by_lr.items()
+        for seed, s in enumerate(ss)
+    ]
+    return {"lrs": list(steps_by_lr), "runs": runs, "chosen_lr": chosen}
+
+
+def test_sweep_thresholds_compare_every_rate_not_only_the_chosen_one():
+    res = _results("crosshead", {"mha": [1.0] * 2, "damcha-heads-tied": [1.0] * 2})
+    res["config"]["thresholds"] = [0.5, 0.95]
+    res["variants"]["mha"]["chosen_lr"] = 2e-3
+    res["variants"]["mha"]["lr_sweep"] = _sweep({1e-3: [2000, 2500], 2e-3: [1250, 1500], 4e-3: [1000, 1000]}, 2e-3)
+    res["variants"]["damcha-heads-tied"]["chosen_lr"] = 1e-3
+    res["variants"]["damcha-heads-tied"]["lr_sweep"] = _sweep({1e-3: [900, 1100], 2e-3: [700, None]}, 1e-3)
+    rows = {r["variant"]: r for r in an.sweep_thresholds(res)}
+    assert rows["mha"]["threshold"] == 0.95
+    assert rows["mha"]["median_steps_by_lr"] == {1e-3: 2250.0, 2e-3: 1375.0, 4e-3: 1000.0}
+    assert rows["mha"]["fastest"] == 1000.0
+    # A rate where one sweep seed never reached the threshold has no median.
+    assert rows["damcha-heads-tied"]["median_steps_by_lr"] == {1e-3: 1000.0, 2e-3: None}
+    assert rows["damcha-heads-tied"]["fastest"] == 1000.0
+    text = sweep_threshold_table(res)
+    assert "| mha | 2250 | **1375** | 1000 | 1000 |" in text
+    # "never": a sweep seed did not reach it; "-": the rate is not in this variant's sweep.
+    assert "| damcha-heads-tied | **1000** | never | - | 1000 |" in text
+
+
+def test_sweep_thresholds_skip_results_written_before_the_field():
+    res = _results("crosshead", {"mha": [1.0]})
+    res["config"]["thresholds"] = [0.9]
+    res["variants"]["mha"]["lr_sweep"] = {"lrs": [1e-3], "runs": [{"lr": 1e-3, "seed": 0}], "chosen_lr": 1e-3}
+    assert an.sweep_thresholds(res) == []
 
 
 def test_report_of_a_folder(tmp_path):
