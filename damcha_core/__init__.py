@@ -6,7 +6,7 @@ safetensors when called. No deep-learning framework is ever imported.
 
 from __future__ import annotations
 
-from ._config import DamchaConfig
+from ._config import DamchaConfig, config_sizes
 from ._convert import fold_static_metric, params_from_mha, projection_names
 from ._errors import DamchaError, DamchaNotIntegerError, DamchaTypeError, DamchaValueError, describe
 from ._io import load_params, save_params
@@ -16,6 +16,7 @@ from ._policy import (
     check_bool,
     check_choice,
     check_finite_nonneg,
+    check_generator_arg,
     check_int,
     check_layer_args,
     check_rate,
@@ -71,6 +72,7 @@ __all__ = [
     "check_bool",
     "check_choice",
     "check_finite_nonneg",
+    "check_generator_arg",
     "check_int",
     "check_layer_args",
     "check_params",
@@ -78,6 +80,7 @@ __all__ = [
     "check_real",
     "check_seed",
     "check_shapes",
+    "config_sizes",
     "damcha_attention",
     "describe",
     "encoder_forward",

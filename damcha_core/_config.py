@@ -127,10 +127,7 @@ class DamchaConfig:
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         """Canonical parameter names and shapes, in canonical order."""
         E_q, H, d = self.query_dim, self.num_heads, self.key_dim
-        E_kv, E_v, E_o, G, d_v = cast(
-            "tuple[int, int, int, int, int]",
-            (self.context_dim, self.value_input_dim, self.output_dim, self.num_kv_heads, self.value_dim),
-        )
+        E_kv, E_v, E_o, G, d_v = config_sizes(self)
         shapes: dict[str, tuple[int, ...]] = {}
         for name, kernel, bias in (
             ("query", (E_q, H, d), (H, d)),
@@ -185,3 +182,13 @@ class DamchaConfig:
         if "value_input_dim" not in changes and self.value_input_dim == self.context_dim:
             changes["value_input_dim"] = None
         return dataclasses.replace(self, **changes)
+
+
+def config_sizes(config: DamchaConfig) -> tuple[int, int, int, int, int]:
+    """(E_kv, E_v, E_o, G, d_v) as ints. DamchaConfig types these fields
+    ``int | None`` for its constructor's defaults and resolves every one to
+    an int when it is built, so None here would be a broken config."""
+    Ekv, Ev, Eo = config.context_dim, config.value_input_dim, config.output_dim
+    G, dv = config.num_kv_heads, config.value_dim
+    assert Ekv is not None and Ev is not None and Eo is not None and G is not None and dv is not None, config
+    return Ekv, Ev, Eo, G, dv

@@ -17,7 +17,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, cast
 
-from ._config import DamchaConfig
+from ._config import _SIDES, DamchaConfig
 from ._errors import DamchaTypeError, DamchaValueError, describe
 from ._metrics import GeneratorSpec
 from ._validators import (
@@ -42,6 +42,7 @@ __all__ = [
     "check_bool",
     "check_choice",
     "check_finite_nonneg",
+    "check_generator_arg",
     "check_int",
     "check_layer_args",
     "check_rate",
@@ -194,11 +195,69 @@ def resolve_generators(
     names = check_names(names)
     arg = display(names, "metric_generator")
     sides = config.metric_sides
+    if given is None:
+        return {}
+    chosen, labels = _generator_sides(given, sides, config.coupling, arg, generator_type)
+    for side, generator in chosen.items():
+        spec = spec_of(generator)
+        if not isinstance(spec, GeneratorSpec):
+            raise TypeError(f"spec_of must return a damcha_core.GeneratorSpec; it returned {describe(spec)}")
+        differs = config.generator_spec(side).mismatches(spec)
+        if differs:
+            raise DamchaValueError(
+                f"{labels[side]} does not fit side {side!r} of this layer: {', '.join(differs)}. Received: {spec}"
+            )
+    return chosen
+
+
+def check_generator_arg(
+    given: Any,
+    *,
+    metric: str,
+    coupling: str | None,
+    generator_type: type | tuple[type, ...],
+    names: Mapping[str, str] | None = None,
+) -> None:
+    """The rules of ``resolve_generators`` that do not need the feature sizes.
+
+    For layers built lazily (Keras): the types, the "metric none" rule and,
+    when ``coupling`` is explicit, the sides (a single generator with
+    coupling "separate", a mapping's missing or extra keys), so such a layer
+    refuses them at construction as the other ports do. With ``coupling``
+    None/"auto" the sides depend on the feature sizes and are checked by
+    ``resolve_generators`` at build; so is the fit of each generator.
+
+    Args:
+        given: the user's ``metric_generator`` argument.
+        metric: the layer's (validated) metric.
+        coupling: the layer's (validated) coupling; None or "auto" if automatic.
+        generator_type: the port's generator class (or a tuple of classes).
+        names: ``{"metric_generator": ...}`` if the port calls it otherwise.
+
+    Raises:
+        DamchaTypeError, DamchaValueError: as ``resolve_generators``.
+    """
+    if given is None:
+        return
+    arg = display(check_names(names), "metric_generator")
+    if metric == "none" or coupling not in (None, "auto"):
+        sides = () if metric == "none" else _SIDES[cast(str, coupling)]
+        _generator_sides(given, sides, coupling, arg, generator_type)
+        return
+    if isinstance(given, generator_type):
+        return
+    # The sides are unknown: a mapping is held to its own keys, so only its values' types are checked.
+    _generator_sides(given, tuple(given) if isinstance(given, Mapping) else ("q", "k"), coupling, arg, generator_type)
+
+
+def _generator_sides(
+    given: Any, sides: tuple[str, ...], coupling: str | None, arg: str, generator_type: type | tuple[type, ...]
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """The side rules of ``resolve_generators``: side -> generator and side ->
+    how a message names it, for a ``given`` that is not None."""
     kind = (
         generator_type.__name__ if isinstance(generator_type, type) else " or ".join(t.__name__ for t in generator_type)
     )
-    if given is None:
-        return {}
     if isinstance(given, generator_type):
         if not sides:
             raise DamchaValueError(
@@ -207,7 +266,7 @@ def resolve_generators(
             )
         if len(sides) != 1:
             raise DamchaValueError(
-                f"`{arg}` must be a dict {{'q': ..., 'k': ...}} with coupling={config.coupling!r} "
+                f"`{arg}` must be a dict {{'q': ..., 'k': ...}} with coupling={coupling!r} "
                 f"(one generator per side). Received: {arg}={describe(given)}"
             )
         chosen = {sides[0]: given}
@@ -226,7 +285,7 @@ def resolve_generators(
             )
             raise DamchaValueError(
                 f"`{arg}` must have exactly this layer's metric sides {list(sides)} "
-                f"(coupling={config.coupling!r}): {'; '.join(parts)}. Received keys: {sorted(map(repr, given))}"
+                f"(coupling={coupling!r}): {'; '.join(parts)}. Received keys: {sorted(map(repr, given))}"
             )
         for side in sides:
             if not isinstance(given[side], generator_type):
@@ -240,16 +299,7 @@ def resolve_generators(
             f"`{arg}` must be a {kind}, a dict of side -> {kind} for sides {list(sides)}, or None. "
             f"Received: {arg}={describe(given)}"
         )
-    for side, generator in chosen.items():
-        spec = spec_of(generator)
-        if not isinstance(spec, GeneratorSpec):
-            raise TypeError(f"spec_of must return a damcha_core.GeneratorSpec; it returned {describe(spec)}")
-        differs = config.generator_spec(side).mismatches(spec)
-        if differs:
-            raise DamchaValueError(
-                f"{labels[side]} does not fit side {side!r} of this layer: {', '.join(differs)}. Received: {spec}"
-            )
-    return chosen
+    return chosen, labels
 
 
 def _feature_arg(names: Mapping[str, str], canonical: str) -> str:

@@ -280,9 +280,7 @@ def test_resolve_generators_accepts_what_fits():
 
 # A table, one case a line (not reformatted).
 # fmt: off
-@pytest.mark.parametrize(
-    "given, cfg, error, pattern",
-    [
+GENERATOR_RULES = [
         (Gen(8, 4), NONE, dc.DamchaValueError, r"^`metric_generator` must be None with metric='none'"),
         ({"qk": Gen(8, 4)}, NONE, dc.DamchaValueError, r"must be None with metric='none'.*keys \[\"'qk'\"\]"),
         (Gen(8, 4), SEPARATE, dc.DamchaValueError, r"^`metric_generator` must be a dict \{'q': \.\.\., 'k': \.\.\.\} with coupling='separate'"),
@@ -297,11 +295,13 @@ def test_resolve_generators_accepts_what_fits():
         (Gen(8, 4, "lowrank", 2, 3), TIED, dc.DamchaValueError, r"metric='lowrank' \(expected 'heads'\), rank=3 \(expected None\)"),
         (Gen(8, 4, "lowrank", 5, 3), LOWRANK, dc.DamchaValueError, r"head_dim=5 \(expected 2\)"),
         (Gen(8, 4, "lowrank", 2, 4), LOWRANK, dc.DamchaValueError, r"rank=4 \(expected 3\)"),
-    ],
-    ids=["metric-none", "metric-none-dict", "single-for-separate", "missing-side", "extra-side", "wrong-side-name",
-         "value-type", "given-type", "list", "features", "kv-heads", "metric", "lowrank-head-dim", "rank"],
-)
+]
+GENERATOR_RULE_IDS = ["metric-none", "metric-none-dict", "single-for-separate", "missing-side", "extra-side", "wrong-side-name",
+         "value-type", "given-type", "list", "features", "kv-heads", "metric", "lowrank-head-dim", "rank"]
 # fmt: on
+
+
+@pytest.mark.parametrize("given, cfg, error, pattern", GENERATOR_RULES, ids=GENERATOR_RULE_IDS)
 def test_resolve_generators_rules(given, cfg, error, pattern):
     with pytest.raises(error, match=pattern):
         _resolve(given, cfg)
@@ -314,8 +314,53 @@ def test_resolve_generators_speaks_the_ports_name():
         _resolve(Gen(6, 4), TIED, names={"metric_generator": "shared_metric"})
 
 
+# The rules of the table that need no feature size (all but the "does not fit" ones).
+SIZE_FREE = [
+    "metric-none",
+    "metric-none-dict",
+    "single-for-separate",
+    "missing-side",
+    "extra-side",
+    "wrong-side-name",
+    "value-type",
+    "given-type",
+    "list",
+]
+
+
+@pytest.mark.parametrize("rule", SIZE_FREE)
+def test_check_generator_arg_raises_what_resolve_generators_raises(rule):
+    given, cfg, error, pattern = GENERATOR_RULES[GENERATOR_RULE_IDS.index(rule)]
+    # A lazily built layer (Keras) applies these at construction: the same class and message.
+    with pytest.raises(error, match=pattern) as at_build:
+        _resolve(given, cfg)
+    with pytest.raises(error) as early:
+        dc.check_generator_arg(given, metric=cfg.metric, coupling=cfg.coupling, generator_type=Gen)
+    assert str(early.value) == str(at_build.value)
+
+
+def test_check_generator_arg_leaves_size_rules_and_auto_sides_to_build():
+    kw = dict(metric="heads", generator_type=Gen)
+    # Does not fit (features): only resolve_generators, with the sizes, can tell.
+    dc.check_generator_arg(Gen(6, 4), coupling="tied", **kw)
+    # Automatic coupling: tied or separate depends on the feature sizes.
+    for coupling in (None, "auto"):
+        dc.check_generator_arg(Gen(8, 4), coupling=coupling, **kw)
+        dc.check_generator_arg({"q": Gen(8, 4), "k": Gen(6, 2)}, coupling=coupling, **kw)
+        with pytest.raises(dc.DamchaTypeError, match=r"^`metric_generator\['k'\]` must be a Gen"):
+            dc.check_generator_arg({"q": Gen(8, 4), "k": OtherGen()}, coupling=coupling, **kw)
+        with pytest.raises(dc.DamchaTypeError, match=r"^`shared` must be a Gen, a dict"):
+            dc.check_generator_arg("g", coupling=coupling, names={"metric_generator": "shared"}, **kw)
+    # Metric "none" refuses any generator whatever the coupling.
+    with pytest.raises(dc.DamchaValueError, match=r"must be None with metric='none'"):
+        dc.check_generator_arg(Gen(8, 4), metric="none", coupling=None, generator_type=Gen)
+    dc.check_generator_arg(None, metric="none", coupling="separate", generator_type=Gen)
+
+
 def test_generator_spec_of_a_side_the_config_lacks():
-    with pytest.raises(dc.DamchaValueError, match=r"`side` must be one of this config's metric sides \('qk',\)\. Received: side='q'"):
+    with pytest.raises(
+        dc.DamchaValueError, match=r"`side` must be one of this config's metric sides \('qk',\)\. Received: side='q'"
+    ):
         TIED.generator_spec("q")
 
 

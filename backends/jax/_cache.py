@@ -15,7 +15,15 @@ from flax import nnx
 
 import jax
 import jax.numpy as jnp
-from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, check_int, check_shapes, describe
+from damcha_core import (
+    DamchaConfig,
+    DamchaTypeError,
+    DamchaValueError,
+    check_int,
+    check_shapes,
+    config_sizes,
+    describe,
+)
 
 from ._functional import (
     Array,
@@ -29,7 +37,6 @@ from ._functional import (
     _qkv,
     attend,
     check_hint,
-    config_sizes,
     read_mask,
 )
 

@@ -56,16 +56,6 @@ EINSUM_FOR_FLOAT64 = True
 # --------------------------------------------------------------------- checks
 
 
-def config_sizes(config: DamchaConfig) -> tuple[int, int, int, int, int]:
-    """(E_kv, E_v, E_o, G, d_v) as ints. DamchaConfig types these fields
-    ``int | None`` for its constructor's defaults and resolves every one to
-    an int when it is built, so None here would be a broken config."""
-    Ekv, Ev, Eo = config.context_dim, config.value_input_dim, config.output_dim
-    G, dv = config.num_kv_heads, config.value_dim
-    assert Ekv is not None and Ev is not None and Eo is not None and G is not None and dv is not None, config
-    return Ekv, Ev, Eo, G, dv
-
-
 def _check_config(config: Any) -> DamchaConfig:
     if not isinstance(config, DamchaConfig):
         raise DamchaTypeError(f"`config` must be a DamchaConfig. Received: config={describe(config)}")

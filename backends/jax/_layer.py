@@ -27,6 +27,7 @@ from damcha_core import (
     check_bool,
     check_int,
     check_shapes,
+    config_sizes,
     describe,
     make_config,
     role_penalty,
@@ -354,7 +355,7 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
             )
         given = resolve_metric_generators(metric_generator, cfg)  # checked before any allocation
         H, d = cfg.num_heads, cfg.key_dim
-        E_kv, E_v, E_o, G, d_v = F.config_sizes(cfg)
+        E_kv, E_v, E_o, G, d_v = config_sizes(cfg)
         # nnx.MultiHeadAttention's attribute names, so code reading them keeps working.
         self.num_heads, self.num_kv_heads, self.head_dim = H, G, d
         self.in_features, self.in_kv_features, self.in_v_features = cfg.query_dim, cfg.context_dim, cfg.value_input_dim

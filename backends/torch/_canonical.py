@@ -16,10 +16,9 @@ import numpy as np
 
 import damcha_core as dc
 import torch
-from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, describe
+from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, config_sizes, describe
 from torch import Tensor
 
-from ._functional import config_sizes
 from ._generator import TORCH_LEAVES, generator_shapes
 
 if TYPE_CHECKING:  # pragma: no cover

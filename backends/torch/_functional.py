@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import damcha_core as dc
 import torch
 import torch.nn.functional as F
-from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, describe
+from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, config_sizes, describe
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
@@ -49,16 +49,6 @@ __all__ = [
 ]
 
 _NEG_INF = float("-inf")
-
-
-def config_sizes(config: DamchaConfig) -> tuple[int, int, int, int, int]:
-    """(E_kv, E_v, E_o, G, d_v) as ints. DamchaConfig types these fields
-    ``int | None`` for its constructor's defaults and resolves every one to
-    an int when it is built, so None here would be a broken config."""
-    Ekv, Ev, Eo = config.context_dim, config.value_input_dim, config.output_dim
-    G, dv = config.num_kv_heads, config.value_dim
-    assert Ekv is not None and Ev is not None and Eo is not None and G is not None and dv is not None, config
-    return Ekv, Ev, Eo, G, dv
 
 
 # ------------------------------------------------------------ torch layout
