@@ -87,3 +87,14 @@ def test_require_returns_the_module_and_names_missing_dependencies(tmp_path, mon
         r"\(libfoo\.so: cannot open shared object file\); reinstalling may help",
     ):
         require("fake_framework_c", "keras", "damcha_x")
+
+
+def test_model_layouts_import_no_framework():
+    # The converters' ProjectionSite/AttentionLayout/ModelAdapter live in the core
+    # for both ports: importing them must not pull a framework in.
+    code = (
+        "import sys; import damcha_core._layout;"
+        "bad = [m for m in ('torch', 'jax', 'flax', 'keras', 'tensorflow') if m in sys.modules]; assert not bad, bad"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr

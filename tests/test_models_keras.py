@@ -34,6 +34,7 @@ from _models_keras_zoo import (
 )
 
 import damcha_core as dc
+import damcha_core._layout
 import damcha_keras as dk
 from damcha_core._reference import apply_map as reference_map
 from damcha_core._rotary import apply_rotary
@@ -408,6 +409,10 @@ def test_sublayer_conversion_and_register_adapter():
             logits = keras.ops.einsum("bnhd,bmhd->bhnm", q, k)
             return keras.ops.einsum("bhnm,bmhd->bnhd", keras.ops.softmax(logits), q)
 
+    # One definition serves both ports' converters (damcha_core._layout).
+    assert dk.ProjectionSite is damcha_core._layout.ProjectionSite
+    assert dk.AttentionLayout is damcha_core._layout.AttentionLayout
+    assert dk.ModelAdapter is damcha_core._layout.ModelAdapter
     inp = keras.Input((5, 8))
     model = keras.Model(inp, MyAttention(name="mine")(inp))
     with pytest.raises(dc.DamchaValueError, match=r"mine \(.*MyAttention\).*Supported: keras-mha"):

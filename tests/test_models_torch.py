@@ -26,6 +26,7 @@ from _models_zoo import (
 from torch import nn
 
 import damcha_core as dc
+import damcha_core._layout
 import damcha_torch as dt
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -675,6 +676,46 @@ def test_register_adapter_for_another_layout():
         open_gates(model)
         assert not torch.equal(model(x), before)
     assert model[0].damcha.config.coupling == "tied"
+
+
+class FlaggedAttention(MyAttention):
+    """Registered with an adapter whose layout reports `self_attention` as the
+    module's flag: True, False or None (unknown)."""
+
+    def __init__(self, self_attention):
+        super().__init__()
+        self.self_attention = self_attention
+
+
+FLAGGED = dt.ModelAdapter(
+    "test-flagged-attention",
+    "FlaggedAttention (wq/wk, self_attention from the module)",
+    lambda m: type(m) is FlaggedAttention,
+    lambda m: dt.AttentionLayout(
+        m.heads,
+        m.heads,
+        m.head_dim,
+        16,
+        16,
+        (dt.ProjectionSite("wq", q=0), dt.ProjectionSite("wk", k=0)),
+        self_attention=m.self_attention,
+    ),
+)
+
+
+@pytest.mark.parametrize(
+    "self_attention,coupling", [(True, "tied"), (None, "tied"), (False, "separate")], ids=["true", "none", "false"]
+)
+def test_layout_self_attention_decides_auto_coupling(self_attention, coupling):
+    # One definition of AttentionLayout serves both ports (damcha_core._layout):
+    # None (unknown, as for a Keras MultiHeadAttention) ties like True in torch too.
+    assert dt.AttentionLayout is damcha_core._layout.AttentionLayout
+    assert dt.ProjectionSite is damcha_core._layout.ProjectionSite
+    assert dt.ModelAdapter is damcha_core._layout.ModelAdapter
+    if FLAGGED.name not in " ".join(dt.supported_layouts()):
+        dt.register_adapter(FLAGGED)
+    model = dt.convert(nn.Sequential(FlaggedAttention(self_attention)))
+    assert model[0].damcha.config.coupling == coupling
 
 
 def test_errors():

@@ -25,17 +25,17 @@ instead of returning a plain model.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
 
 import damcha_core as dc
 import keras
-from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, describe
+from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, _layout, describe
+from damcha_core._layout import AttentionLayout, ModelAdapter, ProjectionSite
 from keras import ops
 
 from ._functional import apply_map
@@ -65,76 +65,8 @@ REGISTERED_NAME = "ConvertedModel"  # registered as "damcha>ConvertedModel"
 
 # ------------------------------------------------------------------ layouts
 
-
-@dataclasses.dataclass(frozen=True)
-class ProjectionSite:
-    """One projection sublayer of an attention layer whose output holds
-    queries and/or keys, as consecutive heads of ``head_dim`` features.
-
-    The projection maps tokens (B, T, E) to stacked heads (B, T, heads, d), as
-    ``EinsumDense`` does in Keras and KerasHub, or to flat features (B, T, F)
-    (a ``Dense``); offsets count features of the flattened heads either way.
-
-    Args:
-        attr: attribute name of the projection on the attention layer
-            (``"_query_dense"``, ``"key_dense"``).
-        q: feature offset of the H query heads in the projection's output, or
-            ``None`` when it projects no queries.
-        k: feature offset of the G key heads, or ``None``.
-    """
-
-    attr: str
-    q: int | None = None
-    k: int | None = None
-
-    def roles(self) -> list[tuple[str, int]]:
-        """(role, offset) pairs, in output order."""
-        return sorted(((r, o) for r, o in (("q", self.q), ("k", self.k)) if o is not None), key=lambda t: t[1])
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionLayout:
-    """What ``convert`` needs to know about one attention layer.
-
-    Args:
-        num_heads: H, query heads.
-        num_kv_heads: G, key/value heads (G divides H).
-        head_dim: d, features per query/key head.
-        query_features: E_q, feature size of the tokens projected to queries.
-        key_features: E_kv, feature size of the tokens projected to keys.
-        sites: the projections carrying queries and keys.
-        self_attention: queries and keys are projected from the same tokens
-            (True), from different ones (False: ``coupling="auto"`` never ties
-            then), or unknown (None: a plain ``MultiHeadAttention`` can be
-            called either way; "auto" ties when the sizes allow).
-    """
-
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    query_features: int
-    key_features: int
-    sites: tuple[ProjectionSite, ...]
-    self_attention: bool | None = True
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelAdapter:
-    """Recognises one attention layout and describes it.
-
-    Args:
-        name: short unique name (shown in errors).
-        description: what it supports, one line (listed in errors).
-        matches: ``layer -> bool``, whether a Keras layer has this layout.
-        layout: ``layer -> AttentionLayout`` for a matched, built layer; raise
-            ``DamchaValueError`` for a variant the adapter cannot convert.
-    """
-
-    name: str
-    description: str
-    matches: Callable[[Any], bool]
-    layout: Callable[[Any], AttentionLayout]
-
+# ProjectionSite, AttentionLayout, ModelAdapter and the registration rule hold no
+# framework object: one definition in damcha_core serves the torch and Keras converters.
 
 _ADAPTERS: list[ModelAdapter] = []
 
@@ -145,14 +77,7 @@ def register_adapter(adapter: ModelAdapter) -> ModelAdapter:
     Adapters are tried in registration order, the built-in ones first; the
     first whose ``matches`` accepts a layer converts it.
     """
-    if not isinstance(adapter, ModelAdapter):
-        raise DamchaTypeError(f"`adapter` must be a damcha_keras.ModelAdapter. Received: adapter={describe(adapter)}")
-    if any(a.name == adapter.name for a in _ADAPTERS):
-        raise DamchaValueError(
-            f"An adapter named {adapter.name!r} is already registered. Received: adapter.name={adapter.name!r}"
-        )
-    _ADAPTERS.append(adapter)
-    return adapter
+    return _layout.register(_ADAPTERS, adapter, port="damcha_keras")
 
 
 def supported_layouts() -> list[str]:

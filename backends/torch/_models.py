@@ -19,15 +19,15 @@ bit-for-bit the original in every dtype, TF32 and bf16 included.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import damcha_core as dc
 import torch
-from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, describe
+from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, _layout, describe
+from damcha_core._layout import AttentionLayout, ModelAdapter, ProjectionSite
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
@@ -57,70 +57,8 @@ CONFIG_FORMAT = "damcha-v1-convert"
 
 # ------------------------------------------------------------------ layouts
 
-
-@dataclasses.dataclass(frozen=True)
-class ProjectionSite:
-    """One projection module of an attention layer whose output holds queries
-    and/or keys, as consecutive heads of ``head_dim`` features.
-
-    Args:
-        attr: attribute name of the projection on the attention module
-            (``"q_proj"``, ``"c_attn"``, ``"qkv"``).
-        q: feature offset of the H query heads in the projection's output, or
-            ``None`` when it projects no queries.
-        k: feature offset of the G key heads, or ``None``.
-    """
-
-    attr: str
-    q: int | None = None
-    k: int | None = None
-
-    def roles(self) -> list[tuple[str, int]]:
-        """(role, offset) pairs, in output order."""
-        return sorted(((r, o) for r, o in (("q", self.q), ("k", self.k)) if o is not None), key=lambda t: t[1])
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionLayout:
-    """What ``convert`` needs to know about one attention module.
-
-    Args:
-        num_heads: H, query heads.
-        num_kv_heads: G, key/value heads (G divides H).
-        head_dim: d, features per query/key head.
-        query_features: E_q, feature size of the tokens projected to queries.
-        key_features: E_kv, feature size of the tokens projected to keys.
-        sites: the projections carrying queries and keys.
-        self_attention: queries and keys are projected from the same tokens
-            (``coupling="auto"`` ties the maps only then).
-    """
-
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    query_features: int
-    key_features: int
-    sites: tuple[ProjectionSite, ...]
-    self_attention: bool = True
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelAdapter:
-    """Recognises one attention layout and describes it.
-
-    Args:
-        name: short unique name (shown in errors and reprs).
-        description: what it supports, one line (listed in errors).
-        matches: ``module -> bool``, whether a module has this layout.
-        layout: ``module -> AttentionLayout`` for a matched module; raise
-            ``DamchaValueError`` for a variant the adapter cannot convert.
-    """
-
-    name: str
-    description: str
-    matches: Callable[[nn.Module], bool]
-    layout: Callable[[nn.Module], AttentionLayout]
-
+# ProjectionSite, AttentionLayout, ModelAdapter and the registration rule hold no
+# framework object: one definition in damcha_core serves the torch and Keras converters.
 
 _ADAPTERS: list[ModelAdapter] = []
 
@@ -131,14 +69,7 @@ def register_adapter(adapter: ModelAdapter) -> ModelAdapter:
     Adapters are tried in registration order, the built-in ones first; the
     first whose ``matches`` accepts a module converts it.
     """
-    if not isinstance(adapter, ModelAdapter):
-        raise DamchaTypeError(f"`adapter` must be a damcha_torch.ModelAdapter. Received: adapter={describe(adapter)}")
-    if any(a.name == adapter.name for a in _ADAPTERS):
-        raise DamchaValueError(
-            f"An adapter named {adapter.name!r} is already registered. Received: adapter.name={adapter.name!r}"
-        )
-    _ADAPTERS.append(adapter)
-    return adapter
+    return _layout.register(_ADAPTERS, adapter, port="damcha_torch")
 
 
 def supported_layouts() -> list[str]:

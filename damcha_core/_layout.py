@@ -1,0 +1,117 @@
+"""How the model converters of the ports describe a host's attention layer.
+
+``damcha_torch.convert`` and ``damcha_keras.convert`` find attention layers by
+asking registered ``ModelAdapter``s, which describe each layer as an
+``AttentionLayout`` of ``ProjectionSite``s. These descriptions hold no
+framework object, so one definition serves both ports; each port re-exports
+the three classes under its own name (``damcha_torch.ProjectionSite``,
+``damcha_keras.ProjectionSite``, ...). The module or layer an adapter inspects
+is typed ``Any`` here, so importing this module imports NumPy at most.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from ._errors import DamchaTypeError, DamchaValueError, describe
+
+__all__ = ["AttentionLayout", "ModelAdapter", "ProjectionSite", "register"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ProjectionSite:
+    """One projection of an attention layer whose output holds queries and/or
+    keys, as consecutive heads of ``head_dim`` features.
+
+    The projection maps tokens (B, T, E) to flat features (B, T, F) (a torch
+    ``nn.Linear``, a Keras ``Dense``) or to stacked heads (B, T, heads, d) (as
+    ``EinsumDense`` does in Keras and KerasHub); offsets count features of the
+    flattened heads either way.
+
+    Args:
+        attr: attribute name of the projection on the attention module or
+            layer (``"q_proj"``, ``"c_attn"``, ``"qkv"``, ``"_query_dense"``).
+        q: feature offset of the H query heads in the projection's output, or
+            ``None`` when it projects no queries.
+        k: feature offset of the G key heads, or ``None``.
+    """
+
+    attr: str
+    q: int | None = None
+    k: int | None = None
+
+    def roles(self) -> list[tuple[str, int]]:
+        """(role, offset) pairs, in output order."""
+        return sorted(((r, o) for r, o in (("q", self.q), ("k", self.k)) if o is not None), key=lambda t: t[1])
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionLayout:
+    """What ``convert`` needs to know about one attention module or layer.
+
+    Args:
+        num_heads: H, query heads.
+        num_kv_heads: G, key/value heads (G divides H).
+        head_dim: d, features per query/key head.
+        query_features: E_q, feature size of the tokens projected to queries.
+        key_features: E_kv, feature size of the tokens projected to keys.
+        sites: the projections carrying queries and keys.
+        self_attention: queries and keys are projected from the same tokens
+            (True), from different ones (False: ``coupling="auto"`` never ties
+            then), or unknown (None: a layer that can be called either way,
+            such as a plain Keras ``MultiHeadAttention``; "auto" ties when the
+            sizes allow, as for True).
+    """
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    query_features: int
+    key_features: int
+    sites: tuple[ProjectionSite, ...]
+    self_attention: bool | None = True
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelAdapter:
+    """Recognises one attention layout and describes it.
+
+    Args:
+        name: short unique name (shown in errors and reprs).
+        description: what it supports, one line (listed in errors).
+        matches: ``module -> bool``, whether a module (a torch ``nn.Module``,
+            a Keras layer) has this layout.
+        layout: ``module -> AttentionLayout`` for a matched (in Keras: built)
+            module; raise ``DamchaValueError`` for a variant the adapter
+            cannot convert.
+    """
+
+    name: str
+    description: str
+    matches: Callable[[Any], bool]
+    layout: Callable[[Any], AttentionLayout]
+
+
+def register(registry: list[ModelAdapter], adapter: ModelAdapter, *, port: str) -> ModelAdapter:
+    """Append ``adapter`` to a port's ``registry`` and return it: the body of
+    ``damcha_torch.register_adapter`` and ``damcha_keras.register_adapter``.
+
+    Args:
+        registry: the port's adapters, in registration order.
+        adapter: the ``ModelAdapter`` to add.
+        port: the port's import name, for messages (``"damcha_torch"``).
+
+    Raises:
+        DamchaTypeError: ``adapter`` is not a ``ModelAdapter``.
+        DamchaValueError: an adapter of that name is already registered.
+    """
+    if not isinstance(adapter, ModelAdapter):
+        raise DamchaTypeError(f"`adapter` must be a {port}.ModelAdapter. Received: adapter={describe(adapter)}")
+    if any(a.name == adapter.name for a in registry):
+        raise DamchaValueError(
+            f"An adapter named {adapter.name!r} is already registered. Received: adapter.name={adapter.name!r}"
+        )
+    registry.append(adapter)
+    return adapter
