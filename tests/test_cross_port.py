@@ -119,7 +119,12 @@ def _bad_num_heads(port: str) -> Any:
 
 
 def _single_generator_separate(port: str) -> Any:
-    return _build(port, _make(port, coupling="separate", metric_generator=_generator(port)))
+    # Not built: every port, Keras too, refuses it in the constructor.
+    return _make(port, coupling="separate", metric_generator=_generator(port))
+
+
+def _generator_with_metric_none(port: str) -> Any:
+    return _make(port, metric="none", metric_generator=_generator(port))
 
 
 def _query_of_wrong_size(port: str) -> Any:
@@ -149,6 +154,11 @@ RULES: dict[str, tuple[Callable[[str], Any], type[dc.DamchaError], Callable[[str
     "dropout=1.5": (_constructed(dropout=1.5), dc.DamchaValueError, lambda port: NAMES[port]["dropout"]),
     "metric_generator-single-with-separate": (
         _single_generator_separate,
+        dc.DamchaValueError,
+        lambda port: "metric_generator",
+    ),
+    "metric_generator-with-metric-none": (
+        _generator_with_metric_none,
         dc.DamchaValueError,
         lambda port: "metric_generator",
     ),

@@ -751,8 +751,15 @@ def test_blocks_share_separate_generators_and_keep_them_through_save(tmp_path):
     np.testing.assert_array_equal(np_(loaded(x)), np_(model(x)))
     again = [loaded.get_layer("b0")._attention.metric_generators, loaded.get_layer("b1")._attention.metric_generators]
     assert again[0]["q"] is again[1]["q"] and again[0]["k"] is again[1]["k"] and again[0]["q"] is not again[0]["k"]
-    with pytest.raises(dc.DamchaTypeError, match=r"a mapping \{'q': \.\.\., 'k': \.\.\.\} of them"):
-        TransformerEncoder(16, 2, coupling="separate", metric_generator={"q": 3})
+    # The shared policy's rules, at construction (the generator's fit waits for the sizes, at build).
+    with pytest.raises(dc.DamchaTypeError, match=r"^`metric_generator\['q'\]` must be a MetricGenerator"):
+        TransformerEncoder(16, 2, coupling="separate", metric_generator={"q": 3, "k": pair["k"]})
+    with pytest.raises(dc.DamchaValueError, match=r"missing sides \['k'\]"):
+        TransformerEncoder(16, 2, coupling="separate", metric_generator={"q": pair["q"]})
+    with pytest.raises(
+        dc.DamchaValueError, match=r"must be a dict \{'q': \.\.\., 'k': \.\.\.\} with coupling='separate'"
+    ):
+        TransformerEncoder(16, 2, coupling="separate", metric_generator=pair["q"])
 
 
 @pytest.mark.parametrize("dtype", ["int32", "int64", "uint8", "float32", "float16"])

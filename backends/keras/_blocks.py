@@ -9,7 +9,7 @@ import numpy as np
 
 import damcha_core as dc
 import keras
-from damcha_core import DamchaTypeError, DamchaValueError, describe
+from damcha_core import DamchaValueError, describe
 
 from . import _canonical
 from ._generator import MetricGenerator, serialize_generator
@@ -54,6 +54,7 @@ class _Block(keras.layers.Layer):
         super().__init__(**kwargs)
         self.intermediate_dim = dc.check_int("intermediate_dim", intermediate_dim)
         # The attention's own rules, now: build would otherwise divide by num_heads.
+        sizes: dict[str, Any] = {k: v for k, v in (("key_dim", key_dim), ("value_dim", value_dim)) if v is not None}
         args = dc.check_layer_args(
             num_heads=num_heads,
             metric=metric,
@@ -62,19 +63,15 @@ class _Block(keras.layers.Layer):
             num_kv_heads=num_kv_heads,
             dropout=dropout,
             scale=scale,
-            **({} if key_dim is None else {"key_dim": key_dim}),
-            **({} if value_dim is None else {"value_dim": value_dim}),
+            **sizes,
         )
         if not dc.check_real("layer_norm_epsilon", layer_norm_epsilon) > 0:
             raise DamchaValueError(
                 f"`layer_norm_epsilon` must be a number > 0. Received: layer_norm_epsilon={describe(layer_norm_epsilon)}"
             )
-        generators = metric_generator.values() if isinstance(metric_generator, Mapping) else [metric_generator]
-        if metric_generator is not None and not all(isinstance(g, MetricGenerator) for g in generators):
-            raise DamchaTypeError(
-                "`metric_generator` must be a MetricGenerator, a mapping {'q': ..., 'k': ...} of them "
-                f"(coupling='separate'), or None. Received: metric_generator={describe(metric_generator)}"
-            )
+        dc.check_generator_arg(
+            metric_generator, metric=args["metric"], coupling=args["coupling"], generator_type=MetricGenerator
+        )
         if isinstance(metric_generator, Mapping):
             metric_generator = dict(metric_generator)
         self.supports_masking = True
@@ -85,7 +82,7 @@ class _Block(keras.layers.Layer):
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self.bias_initializer = keras.initializers.get(bias_initializer)
         self.normalize_first = dc.check_bool("normalize_first", normalize_first)
-        self.damcha_options = dict(
+        self.damcha_options: dict[str, Any] = dict(
             metric=metric,
             metric_rank=metric_rank,
             coupling=coupling,
@@ -93,7 +90,7 @@ class _Block(keras.layers.Layer):
             metric_l2=dc.check_finite_nonneg("metric_l2", metric_l2),
         )
         # Only set when given, so configs of earlier versions stay as they were.
-        self.head_options = {
+        self.head_options: dict[str, Any] = {
             k: v for k, v in (("key_dim", key_dim), ("value_dim", value_dim), ("scale", scale)) if v is not None
         }
         self.metric_generator = metric_generator

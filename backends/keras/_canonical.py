@@ -20,12 +20,14 @@ if TYPE_CHECKING:
     from ._layer import DamchaAttention
 
 
-def require_built(layer: DamchaAttention, what: str) -> None:
+def require_built(layer: DamchaAttention, what: str) -> DamchaConfig:
+    """The layer's config; a DamchaValueError naming ``what`` if it is not built."""
     if not layer.built or layer.config is None:
         raise DamchaValueError(
             f"`{what}` needs a built layer; call it on data or use from_canonical first. "
             f"Received: an unbuilt layer {layer.name!r}"
         )
+    return layer.config
 
 
 def _check_plain(layer: DamchaAttention, what: str) -> None:
@@ -49,9 +51,8 @@ def canonical_variables(layer: DamchaAttention) -> dict[str, Any]:
     generator's variable appears once per name). The output kernel and bias
     keep the layer's ``output_shape`` ((H, d_v, *output_shape) and
     (*output_shape,)); everything else has its canonical shape."""
-    require_built(layer, "canonical_variables")
+    config = require_built(layer, "canonical_variables")
     _check_plain(layer, "canonical_variables")
-    config = layer.config
     out: dict[str, Any] = {}
     for name, dense in layer._projections().items():
         if dense.lora_enabled:
@@ -73,9 +74,8 @@ def canonical_variables(layer: DamchaAttention) -> dict[str, Any]:
 def to_canonical(layer: DamchaAttention) -> dict[str, np.ndarray]:
     """The weights as canonical NumPy arrays (in the variables' dtype); LoRA
     updates are merged into their kernels."""
-    require_built(layer, "to_canonical")
+    config = require_built(layer, "to_canonical")
     _check_plain(layer, "to_canonical")
-    config = layer.config
     shapes = config.param_shapes()
     out: dict[str, Any] = {}
     for name, dense in layer._projections().items():
@@ -91,8 +91,7 @@ def to_canonical(layer: DamchaAttention) -> dict[str, np.ndarray]:
 
 def load_canonical(layer: DamchaAttention, params: Mapping[str, Any]) -> None:
     """Assign canonical params, validated against ``layer.config``."""
-    require_built(layer, "load_canonical")
-    checked = dc.validate_params(params, layer.config)
+    checked = dc.validate_params(params, require_built(layer, "load_canonical"))
     for name, variable in canonical_variables(layer).items():
         value = checked[name].reshape(tuple(variable.shape))
         variable.assign(value.astype(keras.backend.standardize_dtype(variable.dtype)))
@@ -128,8 +127,7 @@ def from_canonical(cls: type, params: Mapping[str, Any], config: DamchaConfig, *
 
 def save(layer: DamchaAttention, path: str) -> None:
     """Weights and config as DAMCHA safetensors (``damcha_core.save_params``)."""
-    require_built(layer, "save")
-    dc.save_params(path, to_canonical(layer), layer.config)
+    dc.save_params(path, to_canonical(layer), require_built(layer, "save"))
 
 
 def load(cls: type, path: str, **kwargs: Any) -> DamchaAttention:
@@ -322,7 +320,7 @@ def stack_from_canonical(params: Mapping[str, Any], config: dc.EncoderConfig, **
         }
         shared = gens if a.coupling == "separate" else next(iter(gens.values()))
     activation = gelu_tanh if config.activation == "gelu_tanh" else config.activation
-    head = {"key_dim": a.key_dim} if a.key_dim * a.num_heads != a.query_dim else {}
+    head: dict[str, Any] = {"key_dim": a.key_dim} if a.key_dim * a.num_heads != a.query_dim else {}
     head.update(
         {
             k: v

@@ -149,6 +149,7 @@ def compiled(fn: Callable, *args: Any) -> Any:
     ``args``: tokens (B, T, E), the generator's kernel and bias, the gate, then
     heads (B, T, S, d)."""
     backend = keras.backend.backend()
+    maker: Callable[..., Any]
     if backend == "tensorflow":
         import tensorflow as tf
 
@@ -350,8 +351,8 @@ def split_mask(mask: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None, 
     queries) reaches the kernel's causal path and a (B, 1, 1, M) key mask.
     """
     n, m = mask.shape[-2:]
-    rows = mask.any(axis=-1)
-    keys = mask.any(axis=-2, keepdims=True)
+    rows = np.asarray(mask.any(axis=-1))
+    keys = np.asarray(mask.any(axis=-2, keepdims=True))
     outer = rows[..., None] & keys
     for causal in (False, True) if n == m else (False,):
         rebuilt = outer & np.tri(n, m, dtype=bool) if causal else outer

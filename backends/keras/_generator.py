@@ -102,8 +102,14 @@ class MetricGenerator(keras.layers.Layer):
         """What this generator fits (``damcha_core.GeneratorSpec``); an unbuilt
         generator takes its feature size from the first tokens, so ``features``
         stands in for it until then."""
+        E = self.features if self.features is not None else features
+        if E is None:
+            raise DamchaValueError(
+                f"MetricGenerator {self.name!r} is not built, so its feature size is unknown: pass `features`. "
+                "Received: features=None"
+            )
         return GeneratorSpec(
-            features=self.features if self.features is not None else features,
+            features=E,
             heads=self.num_heads,
             metric=self.metric,
             head_dim=self.key_dim,

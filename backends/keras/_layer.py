@@ -57,8 +57,8 @@ def _check_output_shape(output_shape: Any) -> tuple[int, ...] | None:
     if output_shape is None or (isinstance(output_shape, (tuple, list)) and not output_shape):
         return None
     if isinstance(output_shape, (tuple, list)):
-        return tuple(dc.check_int(f"output_shape[{i}]", s) for i, s in enumerate(output_shape))  # type: ignore[misc]
-    return (dc.check_int("output_shape", output_shape),)  # type: ignore[return-value]
+        return tuple(dc.check_int(f"output_shape[{i}]", s) for i, s in enumerate(output_shape))
+    return (dc.check_int("output_shape", output_shape),)
 
 
 def _check_attention_axes(axes: Any) -> tuple[int, ...] | None:
@@ -259,7 +259,7 @@ class DamchaAttention(keras.layers.Layer):
         self._bias_regularizer = keras.regularizers.get(bias_regularizer)
         self._kernel_constraint = keras.constraints.get(kernel_constraint)
         self._bias_constraint = keras.constraints.get(bias_constraint)
-        self._metric_generator_arg = self._check_generator_arg(metric_generator)
+        self._metric_generator_arg = self._check_generator_arg(metric_generator, args["metric"], args["coupling"])
         self._dropout_layer = keras.layers.Dropout(rate=self._dropout, seed=self.seed, dtype=self.dtype_policy)
         self.config: DamchaConfig | None = None
         self._generators: dict[str, MetricGenerator] = {}
@@ -285,15 +285,14 @@ class DamchaAttention(keras.layers.Layer):
         return args
 
     @staticmethod
-    def _check_generator_arg(given: Any) -> Any:
-        """The type rule of ``metric_generator`` (its sides are checked at build,
-        when the coupling is known)."""
-        values = list(given.values()) if isinstance(given, Mapping) else [given]
-        if given is not None and not all(isinstance(g, MetricGenerator) for g in values):
-            raise DamchaTypeError(
-                "`metric_generator` must be a MetricGenerator, a dict {'q': ..., 'k': ...} of them "
-                f"(coupling='separate'), or None. Received: metric_generator={describe(given)}"
-            )
+    def _check_generator_arg(given: Any, metric: str, coupling: str) -> Any:
+        """The rules of ``metric_generator`` that need no feature size (the
+        shared policy's: types, metric "none", the sides of an explicit
+        coupling), now as in the other ports; the fit of each generator, and
+        the sides of an automatic coupling, are checked at build."""
+        dc.check_generator_arg(
+            given, metric=metric, coupling=coupling, generator_type=MetricGenerator, names=KERAS_NAMES
+        )
         return dict(given) if isinstance(given, Mapping) else given
 
     # ------------------------------------------------------------ properties
@@ -311,6 +310,15 @@ class DamchaAttention(keras.layers.Layer):
     key_dense = property(lambda self: self._key_dense)
     value_dense = property(lambda self: self._value_dense)
     output_dense = property(lambda self: self._output_dense)
+
+    @property
+    def _built_config(self) -> DamchaConfig:
+        """``config`` where the layer must be built (``call`` and what it runs)."""
+        if self.config is None:
+            raise DamchaValueError(
+                f"layer {self.name!r} is not built yet: call it on data, or `build` it, first. Received: an unbuilt layer"
+            )
+        return self.config
 
     @property
     def coupling(self) -> str | None:
@@ -503,18 +511,19 @@ class DamchaAttention(keras.layers.Layer):
                 "`key` and `value` must have the same shape but for the last (feature) axis: their other "
                 f"dims must be equal. Received: key.shape={tuple(key.shape)}, value.shape={tuple(value.shape)}"
             )
-        cfg = self.config
+        cfg = self._built_config
+        E_kv, E_v = dc.config_sizes(cfg)[:2]
         rank = self._layout.rank
         # The layer's own argument names (value, key), not damcha_core's (context).
-        if key is None and cfg.context_dim != cfg.value_input_dim:
+        if key is None and E_kv != E_v:
             raise DamchaValueError(
-                f"`key` is required: the layer was built with keys of {cfg.context_dim} features and values of "
-                f"{cfg.value_input_dim}. Received: key=None, value.shape={tuple(value.shape)}"
+                f"`key` is required: the layer was built with keys of {E_kv} features and values of "
+                f"{E_v}. Received: key=None, value.shape={tuple(value.shape)}"
             )
         for name, shape, features in (
             ("query", qs, cfg.query_dim),
-            ("value", vs, cfg.value_input_dim),
-            ("key", ks, cfg.context_dim),
+            ("value", vs, E_v),
+            ("key", ks, E_kv),
         ):
             if len(shape) != rank:
                 raise DamchaValueError(
@@ -540,13 +549,7 @@ class DamchaAttention(keras.layers.Layer):
         N = size([qs[a] for a in self._layout.attention_axes])
         M = size([vs[a] for a in self._layout.attention_axes])
         n_, m_ = 1 if N is None else N, 1 if M is None else M
-        dc.check_shapes(
-            cfg,
-            (B, n_, cfg.query_dim),
-            (B, m_, cfg.context_dim),
-            value_shape=(B, m_, cfg.value_input_dim),
-            names=KERAS_NAMES,
-        )
+        dc.check_shapes(cfg, (B, n_, cfg.query_dim), (B, m_, E_kv), value_shape=(B, m_, E_v), names=KERAS_NAMES)
         if kv_len is not None:
             M = kv_len  # with a cache, masks span its L slots
         q_tokens, v_tokens = tuple(qs[:-1]), tuple(vs[:-1])
@@ -650,16 +653,17 @@ class DamchaAttention(keras.layers.Layer):
         gate = self._gates[side]
         if self._fast_map(side):
             return F.compiled(F.map_heads, tokens, *self._map_weights(side), y)
+        cfg = self._built_config
         coeff = generator(tokens)
-        u, v = (generator.u, generator.v) if self.config.metric == "lowrank" else (None, None)
+        u, v = (generator.u, generator.v) if cfg.metric == "lowrank" else (None, None)
         if self._metric_l2 > 0:
-            penalties.append(F.metric_penalty(self.config, side, coeff, gate, u, v))
-        return F.apply_map(y, coeff, gate, metric=self.config.metric, u=u, v=v)
+            penalties.append(F.metric_penalty(cfg, side, coeff, gate, u, v))
+        return F.apply_map(y, coeff, gate, metric=cfg.metric, u=u, v=v)
 
     def _fast_map(self, side: str) -> bool:
         """Whether ``side`` maps in the fast form (``_apply_map``)."""
         return (
-            self.config.metric == "heads"
+            self._built_config.metric == "heads"
             and self._metric_l2 == 0
             and self._generators[side].compute_dtype == self.compute_dtype
         )
@@ -707,7 +711,7 @@ class DamchaAttention(keras.layers.Layer):
         window = self._sliding_window
         overridden = type(self)._compute_attention is not DamchaAttention._compute_attention
         explicit = self._explicit(q, training, return_attention_scores)
-        scale = self.config.softmax_scale
+        scale = self._built_config.softmax_scale
         if not overridden and not explicit and self._flash_attention is not True:
             over_queries = attention_mask is not None and static_shape(attention_mask)[2] != 1
             key_part, rows, causal = attention_mask, None, use_causal_mask
@@ -860,7 +864,7 @@ class DamchaAttention(keras.layers.Layer):
             key,
             value,
             visible,
-            scale=self.config.softmax_scale,
+            scale=self._built_config.softmax_scale,
             causal_only=causal_only,
             explicit=explicit,
             dropout=dropout,
@@ -911,7 +915,7 @@ class DamchaAttention(keras.layers.Layer):
         key = value if key is None else key
         layout = self._layout
         q_in, v_in, k_in = layout.fold(query), layout.fold(value), layout.fold(key)
-        cfg = self.config
+        cfg = self._built_config
         q = self._query_dense(q_in)  # (B, N, H, d)
         penalties: list = []
         side_q, side_k = dc.side_of(cfg, "q"), dc.side_of(cfg, "k")
@@ -969,7 +973,7 @@ class DamchaAttention(keras.layers.Layer):
             y = y + ops.cast(ops.where(poison, float("nan"), 0.0), dtype_name(y))
         y = layout.unfold(y, query)
         scores = layout.unfold_scores(scores, query, value) if return_attention_scores else None
-        result = (y, scores) if return_attention_scores else (y,)
+        result: tuple[Any, ...] = (y, scores) if return_attention_scores else (y,)
         if cache is not None:
             result = result + (cache,)
         return result if len(result) > 1 else y
@@ -989,7 +993,7 @@ class DamchaAttention(keras.layers.Layer):
         """
         if not self.built:
             raise DamchaValueError("The layer must be built (called once, or `build`) before it can use a cache.")
-        return _cache.init_cache(self.config, batch_size, max_length, _cache.check_cache_dtype(self, dtype))
+        return _cache.init_cache(self._built_config, batch_size, max_length, _cache.check_cache_dtype(self, dtype))
 
     def _check_cache(
         self, query: Any, value: Any, masks: dict[str, Any], use_causal_mask: bool, cache: Any, index: Any
@@ -1001,7 +1005,7 @@ class DamchaAttention(keras.layers.Layer):
                 raise DamchaValueError(
                     f"`cache` needs rank-3 inputs (batch, length, features). Received: query.shape={tuple(query.shape)}"
                 )
-        return _cache.check_cache(self.config, query, value, masks, use_causal_mask, cache, index)
+        return _cache.check_cache(self._built_config, query, value, masks, use_causal_mask, cache, index)
 
     # ---------------------------------------------------------------- shapes
 
