@@ -247,22 +247,7 @@ def build_model(
     ``return_weights`` ``weights`` (B, H, N, M). See ``export`` for the arguments; ``options`` (an
     ``ExportOptions``) replaces them all.
     """
-    options = ExportOptions.resolve(
-        options,
-        "layer",
-        opset=opset,
-        form=form,
-        dtype=dtype,
-        causal=causal,
-        cross=cross,
-        mask=mask,
-        dynamic=dynamic,
-        batch_size=batch_size,
-        query_len=query_len,
-        context_len=context_len,
-        kv_cache=kv_cache,
-        return_weights=return_weights,
-    )
+    options = ExportOptions.resolve(options, "layer", **ExportOptions.keywords(locals()))
     return _layer_model(params, config, options).in_memory()
 
 
@@ -342,21 +327,5 @@ def export(
             opset out of range, inconsistent options, an unusable ``path``.
     """
     path = check_path(path)
-    options = ExportOptions.resolve(
-        options,
-        "layer",
-        opset=opset,
-        form=form,
-        dtype=dtype,
-        causal=causal,
-        cross=cross,
-        mask=mask,
-        dynamic=dynamic,
-        batch_size=batch_size,
-        query_len=query_len,
-        context_len=context_len,
-        kv_cache=kv_cache,
-        return_weights=return_weights,
-        external_data=external_data,
-    )
+    options = ExportOptions.resolve(options, "layer", **ExportOptions.keywords(locals()))
     return finish(_layer_model(params, config, options), path, options)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+from collections.abc import Mapping
 from typing import Any
 
 import onnx
@@ -118,6 +119,19 @@ class ExportOptions:
     return_weights: bool = False
     external_data: bool | None = None
     kind: str = "layer"
+
+    @classmethod
+    def keywords(cls, arguments: Mapping[str, Any]) -> dict[str, Any]:
+        """The export options among an exporter's arguments, for ``resolve``.
+
+        Args:
+            arguments: the exporter's ``locals()``, taken before it binds a
+                name of an option to anything but its argument; only the
+                names of option fields (``kind`` and ``options`` never) are
+                read, so each exporter passes exactly the options its
+                signature has, with no list of them to keep in step.
+        """
+        return {f.name: arguments[f.name] for f in dataclasses.fields(cls) if f.name != "kind" and f.name in arguments}
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

@@ -336,18 +336,7 @@ def export_encoder(
     if not isinstance(config, EncoderConfig):
         raise DamchaTypeError(f"`config` must be an EncoderConfig. Received: config={describe(config)}")
     path = check_path(path)
-    keywords = dict(
-        opset=opset,
-        mask=mask,
-        dynamic=dynamic,
-        dtype=dtype,
-        form=form,
-        batch_size=batch_size,
-        query_len=query_len,
-        kv_cache=kv_cache,
-        return_weights=return_weights,
-        external_data=external_data,
-    )
+    keywords = ExportOptions.keywords(locals())
     options = _stack_options("encoder", config.causal, options, keywords)
     return finish(_stack_model("encoder", params, config, options), path, options)
 
@@ -380,17 +369,6 @@ def export_token_model(
     if not isinstance(config, TokenModelConfig):
         raise DamchaTypeError(f"`config` must be a TokenModelConfig. Received: config={describe(config)}")
     path = check_path(path)
-    keywords = dict(
-        opset=opset,
-        mask=mask,
-        dynamic=dynamic,
-        dtype=dtype,
-        form=form,
-        batch_size=batch_size,
-        query_len=query_len,
-        kv_cache=kv_cache,
-        return_weights=return_weights,
-        external_data=external_data,
-    )
+    keywords = ExportOptions.keywords(locals())
     options = _stack_options("token_model", config.encoder.causal, options, keywords)
     return finish(_stack_model("token_model", params, config, options), path, options)

@@ -48,7 +48,7 @@ def _attention_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-def _check_block_args(
+def _torch_layer_args(
     d_model: Any,
     nhead: Any,
     dim_feedforward: Any,
@@ -58,18 +58,19 @@ def _check_block_args(
     batch_first: Any,
     norm_first: Any,
     bias: Any,
+    device: Any,
     dtype: Any,
     key_dim: Any,
-) -> int:
+) -> tuple[Any, ...]:
     """nn.Transformer*Layer's arguments, checked with their names before torch
     builds anything (torch would raise an AssertionError from the
     nn.MultiheadAttention it builds first, or a RuntimeError from deep inside).
-    Returns the nhead to give torch's constructor (see the layers)."""
-    d_model, nhead = dc.check_int("d_model", d_model), dc.check_int("nhead", nhead)
-    if key_dim is None and d_model % nhead:
+    Returns the positional arguments of torch's constructor (d_model, nhead,
+    ..., device, dtype), with the nhead torch is to use (see below)."""
+    E, H = dc.check_int("d_model", d_model), dc.check_int("nhead", nhead)
+    if key_dim is None and E % H:
         raise DamchaValueError(
-            "`d_model` must be divisible by `nhead` when `key_dim` is not given. "
-            f"Received: d_model={d_model}, nhead={nhead}"
+            f"`d_model` must be divisible by `nhead` when `key_dim` is not given. Received: d_model={E}, nhead={H}"
         )
     dc.check_int("dim_feedforward", dim_feedforward)
     dc.check_rate("dropout", dropout)
@@ -84,7 +85,20 @@ def _check_block_args(
     # torch's layer builds an nn.MultiheadAttention(d_model, nhead) that is
     # replaced at once; with key_dim set, d_model need not divide by nhead, so
     # give torch one head (it only asserts divisibility and throws it away).
-    return nhead if d_model % nhead == 0 else 1
+    torch_heads = H if E % H == 0 else 1
+    return (
+        d_model,  # as given (the DAMCHA layers get it as given too)
+        torch_heads,
+        dim_feedforward,
+        dropout,
+        activation,
+        layer_norm_eps,
+        batch_first,
+        norm_first,
+        bias,
+        device,
+        dtype,
+    )
 
 
 class DamchaTransformerEncoderLayer(nn.TransformerEncoderLayer):
@@ -113,7 +127,7 @@ class DamchaTransformerEncoderLayer(nn.TransformerEncoderLayer):
         **attention: Any,
     ) -> None:
         attention = _attention_kwargs(attention)
-        torch_heads = _check_block_args(
+        torch_args = _torch_layer_args(
             d_model,
             nhead,
             dim_feedforward,
@@ -123,22 +137,11 @@ class DamchaTransformerEncoderLayer(nn.TransformerEncoderLayer):
             batch_first,
             norm_first,
             bias,
+            device,
             dtype,
             attention.get("key_dim"),
         )
-        super().__init__(
-            d_model,
-            torch_heads,
-            dim_feedforward,
-            dropout,
-            activation,
-            layer_norm_eps,
-            batch_first,
-            norm_first,
-            bias,
-            device,
-            dtype,
-        )
+        super().__init__(*torch_args)
         self.self_attn = DamchaAttention(  # type: ignore[assignment]
             d_model,
             nhead,
@@ -181,7 +184,7 @@ class DamchaTransformerDecoderLayer(nn.TransformerDecoderLayer):
         **attention: Any,
     ) -> None:
         attention = _attention_kwargs(attention)
-        torch_heads = _check_block_args(
+        torch_args = _torch_layer_args(
             d_model,
             nhead,
             dim_feedforward,
@@ -191,22 +194,11 @@ class DamchaTransformerDecoderLayer(nn.TransformerDecoderLayer):
             batch_first,
             norm_first,
             bias,
+            device,
             dtype,
             attention.get("key_dim"),
         )
-        super().__init__(
-            d_model,
-            torch_heads,
-            dim_feedforward,
-            dropout,
-            activation,
-            layer_norm_eps,
-            batch_first,
-            norm_first,
-            bias,
-            device,
-            dtype,
-        )
+        super().__init__(*torch_args)
         common: dict[str, Any] = dict(dropout=dropout, bias=bias, batch_first=batch_first, device=device, dtype=dtype)
         self.self_attn = DamchaAttention(  # type: ignore[assignment]
             d_model, nhead, metric_generator=metric_generator, _arg_names=_BLOCK_NAMES, **common, **attention
