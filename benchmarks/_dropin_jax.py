@@ -21,15 +21,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from _harness import (
-    EQUAL_TOL,
     Session,
+    closed_gate_check,
     comparison,
+    decode_entry,
     decode_target,
+    each_case,
+    each_decode,
     interleaved,
-    max_rel_diff,
-    memory_comparison,
-    peak_in_subprocess,
-    time_target,
 )
 from flax import nnx
 
@@ -46,14 +45,6 @@ def open_gates(model: nnx.Module, value: float = 0.5) -> None:
             found += 1
     if not found:
         raise RuntimeError(f"no DAMCHA gate found in {type(model).__name__}")
-
-
-def _check(a: Any, b: Any, rows: Any = None) -> dict[str, Any]:
-    a, b = np.asarray(a), np.asarray(b)
-    if rows is not None:  # only the rows that see some key (all-masked rows: MHA uniform, DAMCHA 0)
-        a, b = a[rows], b[rows]
-    diff = max_rel_diff(a, b)
-    return {"max_rel_diff": diff, "ok": diff <= EQUAL_TOL}
 
 
 def _sync(out: Any) -> Any:
@@ -127,45 +118,38 @@ def _make_layer_fn(case: str, mode: str, damcha: bool) -> Callable:
 
 
 def layer_section(ses: Session) -> None:
+    each_case(ses, "layer", LAYER_CASES, ses.sizes.lengths, LAYER_MODES, functools.partial(_layer_case, ses))
+
+
+def _layer_case(ses: Session, case: str, call: str, n: int, todo: dict[str, str]) -> None:
     s = ses.sizes
-    for case, call in LAYER_CASES.items():
-        for n in s.lengths:
-            ids = {mode: f"{PORT}/layer/{case}/{mode}/N={n}" for mode in LAYER_MODES}
-            todo = [mode for mode in LAYER_MODES if ses.wanted(ids[mode])]
-            if not todo:
-                continue
-            with ses.attempt([ids[m] for m in todo], section="layer", case=case):
-                mha = nnx.MultiHeadAttention(s.H, s.E, decode=False, rngs=nnx.Rngs(0))
-                damcha = dj.DamchaAttention.from_mha(mha, rngs=nnx.Rngs(1))
-                x = jnp.asarray(np.random.default_rng(n).normal(size=(s.B, n, s.E)), jnp.float32)
-                mask, rows = _masks(case, s.B, n)
-                check = _check(
-                    _layer_fns(case, "forward", True)(damcha, x, mask),
-                    _layer_fns(case, "forward", False)(mha, x, mask),
-                    rows,
-                )
-                open_gates(damcha)
-                for mode in todo:
-                    calls = {
-                        "damcha": functools.partial(_layer_fns(case, mode, True), damcha, x, mask),
-                        "mha": functools.partial(_layer_fns(case, mode, False), mha, x, mask),
-                    }
-                    times = interleaved(calls, repeats=s.repeats(n), warmup=2 if n <= 1024 else 1, sync=_sync)
-                    ses.record(
-                        {
-                            "id": ids[mode],
-                            "section": "layer",
-                            "case": case,
-                            "mode": mode,
-                            "shape": {"B": s.B, "N": n, "E": s.E, "H": s.H},
-                            "call": call
-                            + (" under nnx.jit" if mode == "forward" else "; nnx.jit(nnx.value_and_grad(mean(y**2)))"),
-                            "baseline": "nnx.MultiHeadAttention, the same call",
-                            "times": times,
-                            "check": check,
-                            "comparisons": [comparison("time", times, "damcha", "mha", time_target(n))],
-                        }
-                    )
+    mha = nnx.MultiHeadAttention(s.H, s.E, decode=False, rngs=nnx.Rngs(0))
+    damcha = dj.DamchaAttention.from_mha(mha, rngs=nnx.Rngs(1))
+    x = jnp.asarray(np.random.default_rng(n).normal(size=(s.B, n, s.E)), jnp.float32)
+    mask, rows = _masks(case, s.B, n)
+    check = closed_gate_check(
+        _layer_fns(case, "forward", True)(damcha, x, mask),
+        _layer_fns(case, "forward", False)(mha, x, mask),
+        rows,
+    )
+    open_gates(damcha)
+    for mode, entry_id in todo.items():
+        calls = {
+            "damcha": functools.partial(_layer_fns(case, mode, True), damcha, x, mask),
+            "mha": functools.partial(_layer_fns(case, mode, False), mha, x, mask),
+        }
+        times = interleaved(calls, repeats=s.repeats(n), warmup=2 if n <= 1024 else 1, sync=_sync)
+        ses.record_timed(
+            entry_id,
+            "layer",
+            case,
+            mode,
+            n,
+            call=call + (" under nnx.jit" if mode == "forward" else "; nnx.jit(nnx.value_and_grad(mean(y**2)))"),
+            baseline="nnx.MultiHeadAttention, the same call",
+            times=times,
+            check=check,
+        )
 
 
 # ----------------------------------------------------------------- blocks
@@ -297,65 +281,54 @@ def _decode_call(
 
 
 def decode_section(ses: Session) -> None:
+    each_decode(ses, functools.partial(_decode_case, ses))
+
+
+def _decode_case(ses: Session, depth: str, B: int, entry_id: str) -> None:
     s = ses.sizes
-    for depth in ("layer", "stack"):
-        for B in s.decode_batches:
-            entry_id = f"{PORT}/decode/{depth}/B={B}"
-            if not ses.wanted(entry_id):
-                continue
-            with ses.attempt([entry_id], section="decode", case=depth):
-                max_len = s.prompt + s.steps + 1
-                rng = np.random.default_rng(B)
-                greedy = depth == "stack"
-                if greedy:
-                    prompt = jnp.asarray(rng.integers(0, s.vocab, (B, s.prompt)), jnp.int32)
-                    tokens = None
-                else:
-                    prompt = jnp.asarray(rng.normal(size=(B, s.prompt, s.E)), jnp.float32)
-                    tokens = jnp.asarray(rng.normal(size=(B, s.steps, s.E)), jnp.float32)
-                impls = ["mha", "damcha"] + (["damcha-fn"] if depth == "layer" else [])
-                calls, firsts = {}, {}
-                for impl in impls:
-                    step, cache, _ = _decoder(depth, impl, s, B, max_len)
-                    cache, out = _prefilled(step, cache, prompt, one_by_one=impl == "mha")
-                    firsts[impl] = out
-                    calls[impl] = _decode_call(step, cache, out, tokens, s.steps, greedy)
-                # Gates are open while decoding: compare the closed-gate layer separately.
-                check = _decode_check(depth, s, B, max_len, prompt)
-                times = interleaved(calls, repeats=s.decode_repeats(), warmup=1, self_timed=True)
-                target = decode_target(B)
-                comps = [comparison("module", times, "damcha", "mha", target)]
-                if "damcha-fn" in calls:
-                    comps.append(comparison("decode_step", times, "damcha-fn", "mha", target))
-                ses.record(
-                    {
-                        "id": entry_id,
-                        "section": "decode",
-                        "case": depth,
-                        "mode": f"B={B}",
-                        "shape": {
-                            "B": B,
-                            "E": s.E,
-                            "H": s.H,
-                            "prompt": s.prompt,
-                            "steps": s.steps,
-                            "layers": 1 if depth == "layer" else s.stack_layers,
-                        },
-                        "call": (
-                            "one layer, random token vectors: layer(x, decode=True) after init_cache; "
-                            "decode_step(params, config, cache, x)"
-                            if depth == "layer"
-                            else f"greedy LM, {s.stack_layers} pre-norm blocks (FFN {s.ffn}), head over {s.vocab} tokens, "
-                            "layer(x, decode=True); DAMCHA layers share one generator"
-                        )
-                        + "; each step jax.jit(merge -> call -> state), cache donated",
-                        "baseline": "nnx.MultiHeadAttention(decode=True), same projections, the same jitted step",
-                        "unit": "per token",
-                        "times": times,
-                        "check": check,
-                        "comparisons": comps,
-                    }
-                )
+    max_len = s.prompt + s.steps + 1
+    rng = np.random.default_rng(B)
+    greedy = depth == "stack"
+    if greedy:
+        prompt = jnp.asarray(rng.integers(0, s.vocab, (B, s.prompt)), jnp.int32)
+        tokens = None
+    else:
+        prompt = jnp.asarray(rng.normal(size=(B, s.prompt, s.E)), jnp.float32)
+        tokens = jnp.asarray(rng.normal(size=(B, s.steps, s.E)), jnp.float32)
+    impls = ["mha", "damcha"] + (["damcha-fn"] if depth == "layer" else [])
+    calls, firsts = {}, {}
+    for impl in impls:
+        step, cache, _ = _decoder(depth, impl, s, B, max_len)
+        cache, out = _prefilled(step, cache, prompt, one_by_one=impl == "mha")
+        firsts[impl] = out
+        calls[impl] = _decode_call(step, cache, out, tokens, s.steps, greedy)
+    # Gates are open while decoding: compare the closed-gate layer separately.
+    check = _decode_check(depth, s, B, max_len, prompt)
+    times = interleaved(calls, repeats=s.decode_repeats(), warmup=1, self_timed=True)
+    target = decode_target(B)
+    comps = [comparison("module", times, "damcha", "mha", target)]
+    if "damcha-fn" in calls:
+        comps.append(comparison("decode_step", times, "damcha-fn", "mha", target))
+    ses.record(
+        decode_entry(
+            entry_id,
+            depth,
+            B,
+            s,
+            call=(
+                "one layer, random token vectors: layer(x, decode=True) after init_cache; "
+                "decode_step(params, config, cache, x)"
+                if depth == "layer"
+                else f"greedy LM, {s.stack_layers} pre-norm blocks (FFN {s.ffn}), head over {s.vocab} tokens, "
+                "layer(x, decode=True); DAMCHA layers share one generator"
+            )
+            + "; each step jax.jit(merge -> call -> state), cache donated",
+            baseline="nnx.MultiHeadAttention(decode=True), same projections, the same jitted step",
+            times=times,
+            check=check,
+            comparisons=comps,
+        )
+    )
 
 
 def _decode_check(depth: str, s: Any, B: int, max_len: int, prompt: Any) -> dict[str, Any]:
@@ -374,7 +347,7 @@ def _decode_check(depth: str, s: Any, B: int, max_len: int, prompt: Any) -> dict
         for i in range(min(prompt.shape[1], 4)):
             out = module(prompt[:, i : i + 1], decode=True, **kw)
         outs[impl] = out
-    return _check(outs["damcha"], outs["mha"])
+    return closed_gate_check(outs["damcha"], outs["mha"])
 
 
 # ------------------------------------------------------------------ model
@@ -435,72 +408,47 @@ def memory_worker(kind: str, impl: str, n: int, mode: str, s: Any) -> dict[str, 
 
 
 def model_section(ses: Session) -> None:
+    each_case(ses, "model", MODELS, ses.sizes.lengths_slow, MODEL_MODES, functools.partial(_model_case, ses))
+
+
+def _model_case(ses: Session, kind: str, text: str, n: int, todo: dict[str, str]) -> None:
     s = ses.sizes
-    for kind, text in MODELS.items():
-        for n in s.lengths_slow:
-            ids = {mode: f"{PORT}/model/{kind}/{mode}/N={n}" for mode in MODEL_MODES}
-            todo = [mode for mode in MODEL_MODES if ses.wanted(ids[mode])]
-            if not todo:
-                continue
-            with ses.attempt([ids[m] for m in todo], section="model", case=kind):
-                mha, x = _model(kind, "mha", n, s)
-                damcha, _ = _model(kind, "damcha", n, s)
-                # Same projections; the blocks' other weights come from the same seeds.
-                infer = {"damcha": _model_fns(kind, "inference", damcha), "mha": _model_fns(kind, "inference", mha)}
-                check = _check(infer["damcha"](damcha, x), infer["mha"](mha, x))
-                open_gates(damcha)
-                for mode in todo:
-                    entry_id = ids[mode]
-                    fns = (
-                        infer
-                        if mode == "inference"
-                        else {"damcha": _model_fns(kind, mode, damcha), "mha": _model_fns(kind, mode, mha)}
-                    )
-                    calls = {
-                        "damcha": functools.partial(fns["damcha"], damcha, x),
-                        "mha": functools.partial(fns["mha"], mha, x),
-                    }
-                    times = interleaved(calls, repeats=s.model_repeats(n), warmup=1, sync=_sync)
-                    entry: dict[str, Any] = {
-                        "id": entry_id,
-                        "section": "model",
-                        "case": kind,
-                        "mode": mode,
-                        "shape": {
-                            "B": s.B,
-                            "N": n,
-                            "E": s.E,
-                            "H": s.H,
-                            "layers": s.model_layers,
-                            "ffn": s.ffn,
-                            **({"vocab": s.vocab} if kind == "lm" else {}),
-                        },
-                        "call": text.format(L=s.model_layers, F=s.ffn, V=s.vocab)
-                        + (
-                            "; train: nnx.jit(value_and_grad + nnx.Optimizer(optax.sgd) update)"
-                            if mode == "train"
-                            else "; inference: nnx.jit"
-                        ),
-                        "baseline": "the same model with nnx.MultiHeadAttention (DAMCHA layers: same projections, one "
-                        "generator shared by all layers)",
-                        "times": times,
-                        "check": check,
-                        "comparisons": [comparison("time", times, "damcha", "mha", time_target(n))],
-                    }
-                    if ses.memory:
-                        peaks = {
-                            impl: peak_in_subprocess(
-                                [ses.script, "--memory-worker", PORT, kind, impl, str(n), mode]
-                                + (["--tiny"] if ses.tiny else [])
-                            )["peak_mib"]
-                            for impl in ("damcha", "mha")
-                        }
-                        entry["memory"] = {
-                            "method": "peak RSS increase (VmHWM) of one jitted call after a warm-up (compiling) call, "
-                            "each model in a fresh process, MALLOC_MMAP_THRESHOLD_=65536",
-                            **memory_comparison(peaks, "damcha", "mha"),
-                        }
-                    ses.record(entry)
+    mha, x = _model(kind, "mha", n, s)
+    damcha, _ = _model(kind, "damcha", n, s)
+    # Same projections; the blocks' other weights come from the same seeds.
+    infer = {"damcha": _model_fns(kind, "inference", damcha), "mha": _model_fns(kind, "inference", mha)}
+    check = closed_gate_check(infer["damcha"](damcha, x), infer["mha"](mha, x))
+    open_gates(damcha)
+    for mode, entry_id in todo.items():
+        fns = (
+            infer
+            if mode == "inference"
+            else {"damcha": _model_fns(kind, mode, damcha), "mha": _model_fns(kind, mode, mha)}
+        )
+        calls = {
+            "damcha": functools.partial(fns["damcha"], damcha, x),
+            "mha": functools.partial(fns["mha"], mha, x),
+        }
+        times = interleaved(calls, repeats=s.model_repeats(n), warmup=1, sync=_sync)
+        ses.record_timed(
+            entry_id,
+            "model",
+            kind,
+            mode,
+            n,
+            call=text.format(L=s.model_layers, F=s.ffn, V=s.vocab)
+            + (
+                "; train: nnx.jit(value_and_grad + nnx.Optimizer(optax.sgd) update)"
+                if mode == "train"
+                else "; inference: nnx.jit"
+            ),
+            baseline="the same model with nnx.MultiHeadAttention (DAMCHA layers: same projections, one "
+            "generator shared by all layers)",
+            times=times,
+            check=check,
+            memory="peak RSS increase (VmHWM) of one jitted call after a warm-up (compiling) call, "
+            "each model in a fresh process, MALLOC_MMAP_THRESHOLD_=65536",
+        )
 
 
 SECTIONS = {"layer": layer_section, "decode": decode_section, "model": model_section}

@@ -21,15 +21,14 @@ from typing import Any
 import keras
 import numpy as np
 from _harness import (
-    EQUAL_TOL,
     Session,
+    closed_gate_check,
     comparison,
+    decode_entry,
     decode_target,
+    each_case,
+    each_decode,
     interleaved,
-    max_rel_diff,
-    memory_comparison,
-    peak_in_subprocess,
-    time_target,
 )
 from keras import ops
 
@@ -66,11 +65,8 @@ def _np(x: Any) -> np.ndarray:
 
 
 def _check(a: Any, b: Any, rows: Any = None) -> dict[str, Any]:
-    a, b = _np(a), _np(b)
-    if rows is not None:  # rows that see a key (Keras MHA gives an all-masked row uniform weights, DAMCHA 0)
-        a, b = a[rows], b[rows]
-    diff = max_rel_diff(a, b)
-    return {"max_rel_diff": diff, "ok": diff <= EQUAL_TOL}
+    # rows: those that see a key (Keras MHA gives an all-masked row uniform weights, DAMCHA 0)
+    return closed_gate_check(_np(a), _np(b), rows)
 
 
 def _sync(out: Any) -> Any:
@@ -158,40 +154,32 @@ def _mode_call(model: keras.Model, inputs: Any, mode: str) -> Callable[[], Any]:
 
 
 def layer_section(ses: Session) -> None:
+    lengths = ses.sizes.lengths if PORT == "keras-tensorflow" else ses.sizes.lengths_slow
+    each_case(ses, "layer", LAYER_CASES, lengths, LAYER_MODES, functools.partial(_layer_case, ses))
+
+
+def _layer_case(ses: Session, case: str, call: str, n: int, todo: dict[str, str]) -> None:
     s = ses.sizes
-    lengths = s.lengths if PORT == "keras-tensorflow" else s.lengths_slow
-    for case, call in LAYER_CASES.items():
-        for n in lengths:
-            ids = {mode: f"{PORT}/layer/{case}/{mode}/N={n}" for mode in LAYER_MODES}
-            todo = [mode for mode in LAYER_MODES if ses.wanted(ids[mode])]
-            if not todo:
-                continue
-            with ses.attempt([ids[m] for m in todo], section="layer", case=case):
-                m = _layer_models(case, n, s)
-                check = _check(
-                    m["damcha"](m["inputs"], training=False), m["mha"](m["inputs"], training=False), m["rows"]
-                )
-                open_gates([m["layer"]])
-                for mode in todo:
-                    calls = {
-                        "damcha": _mode_call(m["damcha"], m["inputs"], mode),
-                        "mha": _mode_call(m["mha"], m["inputs"], mode),
-                    }
-                    times = interleaved(calls, repeats=s.repeats(n), warmup=2, sync=_sync)
-                    ses.record(
-                        {
-                            "id": ids[mode],
-                            "section": "layer",
-                            "case": case,
-                            "mode": mode,
-                            "shape": {"B": s.B, "N": n, "E": s.E, "H": s.H},
-                            "call": f"{call}; {MODE_TEXT[mode]}",
-                            "baseline": "keras.layers.MultiHeadAttention(H, E // H), the same model",
-                            "times": times,
-                            "check": check,
-                            "comparisons": [comparison("time", times, "damcha", "mha", time_target(n))],
-                        }
-                    )
+    m = _layer_models(case, n, s)
+    check = _check(m["damcha"](m["inputs"], training=False), m["mha"](m["inputs"], training=False), m["rows"])
+    open_gates([m["layer"]])
+    for mode, entry_id in todo.items():
+        calls = {
+            "damcha": _mode_call(m["damcha"], m["inputs"], mode),
+            "mha": _mode_call(m["mha"], m["inputs"], mode),
+        }
+        times = interleaved(calls, repeats=s.repeats(n), warmup=2, sync=_sync)
+        ses.record_timed(
+            entry_id,
+            "layer",
+            case,
+            mode,
+            n,
+            call=f"{call}; {MODE_TEXT[mode]}",
+            baseline="keras.layers.MultiHeadAttention(H, E // H), the same model",
+            times=times,
+            check=check,
+        )
 
 
 # ----------------------------------------------------------------- decode
@@ -343,65 +331,52 @@ def _timed_decode(
 
 
 def decode_section(ses: Session) -> None:
+    each_decode(ses, functools.partial(_decode_case, ses))
+
+
+def _decode_case(ses: Session, depth: str, B: int, entry_id: str) -> None:
     s = ses.sizes
-    for depth in ("layer", "stack"):
-        for B in s.decode_batches:
-            entry_id = f"{PORT}/decode/{depth}/B={B}"
-            if not ses.wanted(entry_id):
-                continue
-            with ses.attempt([entry_id], section="decode", case=depth):
-                max_len = s.prompt + s.steps
-                models = _decode_models(depth, s, B, max_len)
-                rng = np.random.default_rng(B)
-                if models["greedy"]:
-                    prompt = ops.convert_to_tensor(rng.integers(0, s.vocab, (B, s.prompt)).astype("int32"))
-                    feed, check_feed = _greedy_feed, functools.partial(_slice_feed, prompt)
-                else:
-                    prompt = ops.convert_to_tensor(rng.normal(size=(B, s.prompt, s.E)).astype("float32"))
-                    tokens = ops.convert_to_tensor(rng.normal(size=(B, s.steps, s.E)).astype("float32"))
-                    feed = check_feed = functools.partial(_slice_feed, tokens)
-                outs = {
-                    impl: _run_decode(models["steps"][impl], models["caches"][impl], prompt, check_feed, 2)[0]
-                    for impl in ("mha", "damcha")
-                }
-                check = _check(outs["damcha"], outs["mha"])
-                open_gates(models["damchas"])
-                calls = {
-                    impl: functools.partial(
-                        _timed_decode, models["steps"][impl], models["caches"][impl], prompt, feed, s.steps
-                    )
-                    for impl in ("damcha", "mha")
-                }
-                times = interleaved(calls, repeats=s.decode_repeats(), warmup=1, self_timed=True)
-                ses.record(
-                    {
-                        "id": entry_id,
-                        "section": "decode",
-                        "case": depth,
-                        "mode": f"B={B}",
-                        "shape": {
-                            "B": B,
-                            "E": s.E,
-                            "H": s.H,
-                            "prompt": s.prompt,
-                            "steps": s.steps,
-                            "layers": 1 if depth == "layer" else s.stack_layers,
-                        },
-                        "call": (
-                            "one layer, random token vectors"
-                            if depth == "layer"
-                            else f"greedy LM, {s.stack_layers} pre-norm blocks (FFN {s.ffn}), head over {s.vocab} tokens, "
-                            "DAMCHA layers share one MetricGenerator"
-                        )
-                        + "; DAMCHA: attn(x, x, use_causal_mask=True, cache=cache, cache_update_index=i) with "
-                        "attn.init_cache(B, L); eager steps",
-                        "baseline": models["baseline"],
-                        "unit": "per token",
-                        "times": times,
-                        "check": check,
-                        "comparisons": [comparison("eager", times, "damcha", "mha", decode_target(B))],
-                    }
-                )
+    max_len = s.prompt + s.steps
+    models = _decode_models(depth, s, B, max_len)
+    rng = np.random.default_rng(B)
+    if models["greedy"]:
+        prompt = ops.convert_to_tensor(rng.integers(0, s.vocab, (B, s.prompt)).astype("int32"))
+        feed, check_feed = _greedy_feed, functools.partial(_slice_feed, prompt)
+    else:
+        prompt = ops.convert_to_tensor(rng.normal(size=(B, s.prompt, s.E)).astype("float32"))
+        tokens = ops.convert_to_tensor(rng.normal(size=(B, s.steps, s.E)).astype("float32"))
+        feed = check_feed = functools.partial(_slice_feed, tokens)
+    outs = {
+        impl: _run_decode(models["steps"][impl], models["caches"][impl], prompt, check_feed, 2)[0]
+        for impl in ("mha", "damcha")
+    }
+    check = _check(outs["damcha"], outs["mha"])
+    open_gates(models["damchas"])
+    calls = {
+        impl: functools.partial(_timed_decode, models["steps"][impl], models["caches"][impl], prompt, feed, s.steps)
+        for impl in ("damcha", "mha")
+    }
+    times = interleaved(calls, repeats=s.decode_repeats(), warmup=1, self_timed=True)
+    ses.record(
+        decode_entry(
+            entry_id,
+            depth,
+            B,
+            s,
+            call=(
+                "one layer, random token vectors"
+                if depth == "layer"
+                else f"greedy LM, {s.stack_layers} pre-norm blocks (FFN {s.ffn}), head over {s.vocab} tokens, "
+                "DAMCHA layers share one MetricGenerator"
+            )
+            + "; DAMCHA: attn(x, x, use_causal_mask=True, cache=cache, cache_update_index=i) with "
+            "attn.init_cache(B, L); eager steps",
+            baseline=models["baseline"],
+            times=times,
+            check=check,
+            comparisons=[comparison("eager", times, "damcha", "mha", decode_target(B))],
+        )
+    )
 
 
 # ------------------------------------------------------------------ model
@@ -487,58 +462,33 @@ def memory_worker(kind: str, impl: str, n: int, mode: str, s: Any) -> dict[str, 
 
 
 def model_section(ses: Session) -> None:
+    each_case(ses, "model", MODELS, ses.sizes.lengths_slow, MODEL_MODES, functools.partial(_model_case, ses))
+
+
+def _model_case(ses: Session, kind: str, text: str, n: int, todo: dict[str, str]) -> None:
     s = ses.sizes
-    for kind, text in MODELS.items():
-        for n in s.lengths_slow:
-            ids = {mode: f"{PORT}/model/{kind}/{mode}/N={n}" for mode in MODEL_MODES}
-            todo = [mode for mode in MODEL_MODES if ses.wanted(ids[mode])]
-            if not todo:
-                continue
-            with ses.attempt([ids[m] for m in todo], section="model", case=kind):
-                m = _models(kind, n, s)
-                mha, damcha, x, y = m["mha"], m["damcha"], m["x"], m["y"]
-                check = _check(damcha.predict_on_batch(x), mha.predict_on_batch(x))
-                open_gates(m["layers"])
-                for mode in todo:
-                    entry_id = ids[mode]
-                    calls = {"damcha": _model_call(damcha, x, y, mode), "mha": _model_call(mha, x, y, mode)}
-                    times = interleaved(calls, repeats=s.model_repeats(n), warmup=2, sync=_sync)
-                    entry: dict[str, Any] = {
-                        "id": entry_id,
-                        "section": "model",
-                        "case": kind,
-                        "mode": mode,
-                        "shape": {
-                            "B": s.B,
-                            "N": n,
-                            "E": s.E,
-                            "H": s.H,
-                            "layers": s.model_layers,
-                            "ffn": s.ffn,
-                            **({"vocab": s.vocab} if kind == "lm" else {}),
-                        },
-                        "call": text.format(L=s.model_layers, F=s.ffn, V=s.vocab)
-                        + ("; train_on_batch (SGD)" if mode == "train" else "; predict_on_batch"),
-                        "baseline": "the same model with keras.layers.MultiHeadAttention (DAMCHA: from_mha of each, "
-                        "one MetricGenerator shared by all layers)",
-                        "times": times,
-                        "check": check,
-                        "comparisons": [comparison("time", times, "damcha", "mha", time_target(n))],
-                    }
-                    if ses.memory:
-                        peaks = {
-                            impl: peak_in_subprocess(
-                                [ses.script, "--memory-worker", PORT, kind, impl, str(n), mode]
-                                + (["--tiny"] if ses.tiny else [])
-                            )["peak_mib"]
-                            for impl in ("damcha", "mha")
-                        }
-                        entry["memory"] = {
-                            "method": "peak RSS increase (VmHWM) of one compiled call after a warm-up call, each model "
-                            "in a fresh process, MALLOC_MMAP_THRESHOLD_=65536",
-                            **memory_comparison(peaks, "damcha", "mha"),
-                        }
-                    ses.record(entry)
+    m = _models(kind, n, s)
+    mha, damcha, x, y = m["mha"], m["damcha"], m["x"], m["y"]
+    check = _check(damcha.predict_on_batch(x), mha.predict_on_batch(x))
+    open_gates(m["layers"])
+    for mode, entry_id in todo.items():
+        calls = {"damcha": _model_call(damcha, x, y, mode), "mha": _model_call(mha, x, y, mode)}
+        times = interleaved(calls, repeats=s.model_repeats(n), warmup=2, sync=_sync)
+        ses.record_timed(
+            entry_id,
+            "model",
+            kind,
+            mode,
+            n,
+            call=text.format(L=s.model_layers, F=s.ffn, V=s.vocab)
+            + ("; train_on_batch (SGD)" if mode == "train" else "; predict_on_batch"),
+            baseline="the same model with keras.layers.MultiHeadAttention (DAMCHA: from_mha of each, "
+            "one MetricGenerator shared by all layers)",
+            times=times,
+            check=check,
+            memory="peak RSS increase (VmHWM) of one compiled call after a warm-up call, each model "
+            "in a fresh process, MALLOC_MMAP_THRESHOLD_=65536",
+        )
 
 
 SECTIONS = {"layer": layer_section, "decode": decode_section, "model": model_section}

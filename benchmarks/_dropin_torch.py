@@ -10,6 +10,7 @@ that it does its full work while timed.
 from __future__ import annotations
 
 import copy
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -18,15 +19,14 @@ import torch
 import torch.nn.functional as F
 from _counts import mha_decode_step
 from _harness import (
-    EQUAL_TOL,
     Session,
+    closed_gate_check,
     comparison,
+    decode_entry,
     decode_target,
+    each_case,
+    each_decode,
     interleaved,
-    max_rel_diff,
-    memory_comparison,
-    peak_in_subprocess,
-    time_target,
 )
 from torch import nn
 
@@ -48,8 +48,7 @@ def open_gates(model: nn.Module, value: float = 0.5) -> None:
 
 
 def _check(a: torch.Tensor, b: torch.Tensor) -> dict[str, Any]:
-    diff = max_rel_diff(a.detach().float().numpy(), b.detach().float().numpy())
-    return {"max_rel_diff": diff, "ok": diff <= EQUAL_TOL}
+    return closed_gate_check(a.detach().float().numpy(), b.detach().float().numpy())
 
 
 # ------------------------------------------------------------------ layer
@@ -154,39 +153,33 @@ def _runner(model: nn.Module, fn: Callable, inputs: tuple, mode: str) -> Callabl
 
 
 def layer_section(ses: Session) -> None:
+    each_case(ses, "layer", LAYER_CASES, ses.sizes.lengths, LAYER_MODES, functools.partial(_layer_case, ses))
+
+
+def _layer_case(ses: Session, case: str, info: dict[str, str], n: int, todo: dict[str, str]) -> None:
     s = ses.sizes
-    for case, info in LAYER_CASES.items():
-        for n in s.lengths:
-            ids = {mode: f"{PORT}/layer/{case}/{mode}/N={n}" for mode in LAYER_MODES}
-            todo = [mode for mode in LAYER_MODES if ses.wanted(ids[mode])]
-            if not todo:
-                continue
-            with ses.attempt([ids[m] for m in todo], section="layer", case=case):
-                mha, damcha, f_mha, f_damcha, inputs = _layer_models(case, n, s)
-                mha.eval(), damcha.eval()
-                with torch.no_grad():
-                    check = _check(f_damcha(damcha, *inputs), f_mha(mha, *inputs))
-                open_gates(damcha)
-                for mode in todo:
-                    calls = {
-                        "damcha": _runner(damcha, f_damcha, inputs, mode),
-                        "mha": _runner(mha, f_mha, inputs, mode),
-                    }
-                    times = interleaved(calls, repeats=s.repeats(n), warmup=1)
-                    ses.record(
-                        {
-                            "id": ids[mode],
-                            "section": "layer",
-                            "case": case,
-                            "mode": mode,
-                            "shape": {"B": s.B, "N": n, "E": s.E, "H": s.H},
-                            "call": info["call"],
-                            "baseline": info["baseline"],
-                            "times": times,
-                            "check": check,
-                            "comparisons": [comparison("time", times, "damcha", "mha", time_target(n))],
-                        }
-                    )
+    mha, damcha, f_mha, f_damcha, inputs = _layer_models(case, n, s)
+    mha.eval(), damcha.eval()
+    with torch.no_grad():
+        check = _check(f_damcha(damcha, *inputs), f_mha(mha, *inputs))
+    open_gates(damcha)
+    for mode, entry_id in todo.items():
+        calls = {
+            "damcha": _runner(damcha, f_damcha, inputs, mode),
+            "mha": _runner(mha, f_mha, inputs, mode),
+        }
+        times = interleaved(calls, repeats=s.repeats(n), warmup=1)
+        ses.record_timed(
+            entry_id,
+            "layer",
+            case,
+            mode,
+            n,
+            call=info["call"],
+            baseline=info["baseline"],
+            times=times,
+            check=check,
+        )
 
 
 # ----------------------------------------------------------------- decode
@@ -279,84 +272,69 @@ def _decode_check(
 
 
 def decode_section(ses: Session) -> None:
+    each_decode(ses, functools.partial(_decode_case, ses))
+
+
+def _decode_case(ses: Session, depth: str, B: int, entry_id: str) -> None:
     s = ses.sizes
-    for depth in ("layer", "stack"):
-        for B in s.decode_batches:
-            entry_id = f"{PORT}/decode/{depth}/B={B}"
-            if not ses.wanted(entry_id):
-                continue
-            with ses.attempt([entry_id], section="decode", case=depth):
-                models = _decode_models(depth, s)
-                g = torch.Generator().manual_seed(B)
-                if models["greedy"]:
-                    prompt = torch.randint(0, s.vocab, (B, s.prompt), generator=g)
-                    tokens = None
-                else:
-                    prompt = torch.randn(B, s.prompt, s.E, generator=g)
-                    tokens = torch.randn(B, s.steps, s.E, generator=g)
-                check = _decode_check(models, prompt, tokens, models["greedy"])
-                for m in models["modules"]:
-                    if isinstance(m, dt.DamchaAttention):
-                        open_gates(m)
-                # The eager steps and their torch.compile'd versions (the cache length becomes
-                # a dynamic dim after two sizes, so the steps do not recompile per token).
-                # --tiny compiles with the "eager" backend: dynamo's tracing without inductor.
-                backend = "eager" if s.tiny else "inductor"
-                # A fresh dynamo cache per entry: the step functions share code objects across
-                # entries, and recompiles past the limit would silently fall back to eager.
-                torch._dynamo.reset()
-                torch._dynamo.utils.counters.clear()
-                calls = {}
-                for impl in ("mha", "damcha"):
-                    step = models["steps"][impl]
-                    calls[impl] = _decode_call(step, models["caches"][impl], prompt, tokens, s.steps, models["greedy"])
-                    compiled = torch.compile(step, backend=backend)
-                    calls[f"{impl}-compiled"] = _decode_call(
-                        compiled, models["caches"][impl], prompt, tokens, s.steps, models["greedy"]
-                    )
-                times = interleaved(calls, repeats=s.decode_repeats(), warmup=1, self_timed=True)
-                compile_stats = {
-                    k: dict(v) for k, v in torch._dynamo.utils.counters.items() if k in ("stats", "frames")
-                }
-                target = decode_target(B)
-                what = (
-                    "one self-attention layer, random token vectors"
-                    if depth == "layer"
-                    else f"greedy LM: embedding, {s.stack_layers} pre-norm blocks (attention + FFN {s.ffn}), "
-                    f"head over {s.vocab} tokens; DAMCHA layers share one generator"
-                )
-                ses.record(
-                    {
-                        "id": entry_id,
-                        "section": "decode",
-                        "case": depth,
-                        "mode": f"B={B}",
-                        "shape": {
-                            "B": B,
-                            "E": s.E,
-                            "H": s.H,
-                            "prompt": s.prompt,
-                            "steps": s.steps,
-                            "layers": 1 if depth == "layer" else s.stack_layers,
-                        },
-                        "call": f"{what}; DAMCHA: layer(x, x, x, is_causal=True, need_weights=False, kv_cache=DamchaKVCache())",
-                        "baseline": "hand-written MHA step on the same weights (packed projection, cache by torch.cat, "
-                        "one SDPA call; _counts.mha_decode_step)",
-                        "unit": "per token",
-                        "compile_backend": backend,
-                        "compile_stats": compile_stats,
-                        "times": times,
-                        "check": check,
-                        "comparisons": [
-                            comparison("eager", times, "damcha", "mha", target),
-                            # Issue 12 sets the B=1 target for eager steps; B>1 targets hold for any step.
-                            comparison(
-                                "compiled", times, "damcha-compiled", "mha-compiled", None if B == 1 else target
-                            ),
-                            comparison("compiled/eager", times, "damcha-compiled", "damcha", 1.0),
-                        ],
-                    }
-                )
+    models = _decode_models(depth, s)
+    g = torch.Generator().manual_seed(B)
+    if models["greedy"]:
+        prompt = torch.randint(0, s.vocab, (B, s.prompt), generator=g)
+        tokens = None
+    else:
+        prompt = torch.randn(B, s.prompt, s.E, generator=g)
+        tokens = torch.randn(B, s.steps, s.E, generator=g)
+    check = _decode_check(models, prompt, tokens, models["greedy"])
+    for m in models["modules"]:
+        if isinstance(m, dt.DamchaAttention):
+            open_gates(m)
+    # The eager steps and their torch.compile'd versions (the cache length becomes
+    # a dynamic dim after two sizes, so the steps do not recompile per token).
+    # --tiny compiles with the "eager" backend: dynamo's tracing without inductor.
+    backend = "eager" if s.tiny else "inductor"
+    # A fresh dynamo cache per entry: the step functions share code objects across
+    # entries, and recompiles past the limit would silently fall back to eager.
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    calls = {}
+    for impl in ("mha", "damcha"):
+        step = models["steps"][impl]
+        calls[impl] = _decode_call(step, models["caches"][impl], prompt, tokens, s.steps, models["greedy"])
+        compiled = torch.compile(step, backend=backend)
+        calls[f"{impl}-compiled"] = _decode_call(
+            compiled, models["caches"][impl], prompt, tokens, s.steps, models["greedy"]
+        )
+    times = interleaved(calls, repeats=s.decode_repeats(), warmup=1, self_timed=True)
+    compile_stats = {k: dict(v) for k, v in torch._dynamo.utils.counters.items() if k in ("stats", "frames")}
+    target = decode_target(B)
+    what = (
+        "one self-attention layer, random token vectors"
+        if depth == "layer"
+        else f"greedy LM: embedding, {s.stack_layers} pre-norm blocks (attention + FFN {s.ffn}), "
+        f"head over {s.vocab} tokens; DAMCHA layers share one generator"
+    )
+    ses.record(
+        decode_entry(
+            entry_id,
+            depth,
+            B,
+            s,
+            call=f"{what}; DAMCHA: layer(x, x, x, is_causal=True, need_weights=False, kv_cache=DamchaKVCache())",
+            baseline="hand-written MHA step on the same weights (packed projection, cache by torch.cat, "
+            "one SDPA call; _counts.mha_decode_step)",
+            compile_backend=backend,
+            compile_stats=compile_stats,
+            times=times,
+            check=check,
+            comparisons=[
+                comparison("eager", times, "damcha", "mha", target),
+                # Issue 12 sets the B=1 target for eager steps; B>1 targets hold for any step.
+                comparison("compiled", times, "damcha-compiled", "mha-compiled", None if B == 1 else target),
+                comparison("compiled/eager", times, "damcha-compiled", "damcha", 1.0),
+            ],
+        )
+    )
 
 
 # ------------------------------------------------------------------ model
@@ -443,70 +421,42 @@ def memory_worker(kind: str, impl: str, n: int, mode: str, s: Any) -> dict[str, 
 
 
 def model_section(ses: Session) -> None:
+    each_case(ses, "model", MODELS, ses.sizes.model_lengths, MODEL_MODES, functools.partial(_model_case, ses))
+
+
+def _model_case(ses: Session, kind: str, text: str, n: int, todo: dict[str, str]) -> None:
     s = ses.sizes
-    for kind, text in MODELS.items():
-        for n in s.model_lengths:
-            ids = {mode: f"{PORT}/model/{kind}/{mode}/N={n}" for mode in MODEL_MODES}
-            todo = [mode for mode in MODEL_MODES if ses.wanted(ids[mode])]
-            if not todo:
-                continue
-            with ses.attempt([ids[m] for m in todo], section="model", case=kind):
-                mha, x = _model(kind, "mha", n, s)
-                damcha, _ = _model(kind, "damcha", n, s)
-                damcha.load_state_dict(mha.state_dict(), strict=False)  # MHA's weights; gates 0, fresh generator
-                mha.eval(), damcha.eval()
-                with torch.no_grad():
-                    check = _check(damcha(x), mha(x))
-                open_gates(damcha)
-                for mode in todo:
-                    entry_id = ids[mode]
-                    calls = {"damcha": _model_call(damcha, x, kind, mode), "mha": _model_call(mha, x, kind, mode)}
-                    times = interleaved(calls, repeats=s.model_repeats(n), warmup=1)
-                    entry: dict[str, Any] = {
-                        "id": entry_id,
-                        "section": "model",
-                        "case": kind,
-                        "mode": mode,
-                        "shape": {
-                            "B": s.B,
-                            "N": n,
-                            "E": s.E,
-                            "H": s.H,
-                            "layers": s.model_layers,
-                            "ffn": s.ffn,
-                            **({"vocab": s.vocab} if kind == "lm" else {}),
-                        },
-                        "call": text.format(L=s.model_layers, F=s.ffn, V=s.vocab)
-                        + (
-                            "; train: SGD step on " + ("next-token cross-entropy" if kind == "lm" else "mean(y^2)")
-                            if mode == "train"
-                            else "; inference: eval() under torch.inference_mode"
-                        ),
-                        "baseline": "the same model with nn.MultiheadAttention (DAMCHA: replace_mha(model, "
-                        "metric_generator=one shared MetricGenerator))",
-                        "times": times,
-                        "check": check,
-                        "comparisons": [comparison("time", times, "damcha", "mha", time_target(n))],
-                    }
-                    if ses.memory:
-                        peaks = {
-                            impl: (
-                                # --tiny measures nothing: one worker process checks that path.
-                                memory_worker(kind, impl, n, mode, s)
-                                if ses.tiny and impl != "damcha"
-                                else peak_in_subprocess(
-                                    [ses.script, "--memory-worker", PORT, kind, impl, str(n), mode]
-                                    + (["--tiny"] if ses.tiny else [])
-                                )
-                            )["peak_mib"]
-                            for impl in ("damcha", "mha")
-                        }
-                        entry["memory"] = {
-                            "method": "peak RSS increase (VmHWM) of one call after a warm-up call, each model in a "
-                            "fresh process, MALLOC_MMAP_THRESHOLD_=65536",
-                            **memory_comparison(peaks, "damcha", "mha"),
-                        }
-                    ses.record(entry)
+    mha, x = _model(kind, "mha", n, s)
+    damcha, _ = _model(kind, "damcha", n, s)
+    damcha.load_state_dict(mha.state_dict(), strict=False)  # MHA's weights; gates 0, fresh generator
+    mha.eval(), damcha.eval()
+    with torch.no_grad():
+        check = _check(damcha(x), mha(x))
+    open_gates(damcha)
+    for mode, entry_id in todo.items():
+        calls = {"damcha": _model_call(damcha, x, kind, mode), "mha": _model_call(mha, x, kind, mode)}
+        times = interleaved(calls, repeats=s.model_repeats(n), warmup=1)
+        ses.record_timed(
+            entry_id,
+            "model",
+            kind,
+            mode,
+            n,
+            call=text.format(L=s.model_layers, F=s.ffn, V=s.vocab)
+            + (
+                "; train: SGD step on " + ("next-token cross-entropy" if kind == "lm" else "mean(y^2)")
+                if mode == "train"
+                else "; inference: eval() under torch.inference_mode"
+            ),
+            baseline="the same model with nn.MultiheadAttention (DAMCHA: replace_mha(model, "
+            "metric_generator=one shared MetricGenerator))",
+            times=times,
+            check=check,
+            memory="peak RSS increase (VmHWM) of one call after a warm-up call, each model in a "
+            "fresh process, MALLOC_MMAP_THRESHOLD_=65536",
+            # --tiny measures nothing: one worker process checks that path.
+            in_process=functools.partial(memory_worker, kind, n=n, mode=mode, s=s) if s.tiny else None,
+        )
 
 
 SECTIONS = {"layer": layer_section, "decode": decode_section, "model": model_section}

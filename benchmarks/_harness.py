@@ -326,6 +326,23 @@ def max_rel_diff(a: Any, b: Any) -> float:
 EQUAL_TOL = 1e-4  # float32: DAMCHA with closed gates must compute MHA's output to rounding
 
 
+def closed_gate_check(damcha: Any, mha: Any, rows: Any = None) -> dict[str, Any]:
+    """The ``check`` of an entry: DAMCHA's output with closed gates against MHA's.
+
+    Args:
+        damcha, mha: the two outputs, as NumPy arrays (or what ``np.asarray`` reads).
+        rows: optional boolean index of the query rows that see some key; only those
+            are compared (an all-masked row: MHA averages uniformly, DAMCHA gives 0).
+    """
+    import numpy as np
+
+    a, b = np.asarray(damcha), np.asarray(mha)
+    if rows is not None:
+        a, b = a[rows], b[rows]
+    diff = max_rel_diff(a, b)
+    return {"max_rel_diff": diff, "ok": diff <= EQUAL_TOL}
+
+
 # --------------------------------------------------------------------- sizes
 
 
@@ -370,6 +387,33 @@ class Sizes:
     def as_dict(self) -> dict[str, Any]:
         return dict(vars(self))
 
+    def layer_shape(self, n: int) -> dict[str, Any]:
+        """The ``shape`` of a layer entry at length ``n``."""
+        return {"B": self.B, "N": n, "E": self.E, "H": self.H}
+
+    def model_shape(self, n: int, kind: str) -> dict[str, Any]:
+        """The ``shape`` of a whole-model entry (``kind`` "encoder" or "lm") at length ``n``."""
+        return {
+            "B": self.B,
+            "N": n,
+            "E": self.E,
+            "H": self.H,
+            "layers": self.model_layers,
+            "ffn": self.ffn,
+            **({"vocab": self.vocab} if kind == "lm" else {}),
+        }
+
+    def decode_shape(self, batch: int, depth: str) -> dict[str, Any]:
+        """The ``shape`` of a decode entry (``depth`` "layer" or "stack") at batch size ``batch``."""
+        return {
+            "B": batch,
+            "E": self.E,
+            "H": self.H,
+            "prompt": self.prompt,
+            "steps": self.steps,
+            "layers": 1 if depth == "layer" else self.stack_layers,
+        }
+
 
 def _short(exc: BaseException) -> str:
     """The gist of an exception: Keras wraps the layer's own message in call reports and ANSI bold."""
@@ -381,6 +425,38 @@ def _short(exc: BaseException) -> str:
     )
     msg = re.sub(r"Exception encountered when calling [\w.]+\(\)\.", "", msg)
     return " ".join(msg.split())[:600]
+
+
+def each_case(
+    ses: Session,
+    section: str,
+    cases: Mapping[str, Any],
+    lengths: Sequence[int],
+    modes: Sequence[str],
+    measure: Callable[[str, Any, int, dict[str, str]], None],
+) -> None:
+    """The loop of a layer or model section: ``measure(case, info, n, todo)`` for each
+    case of ``cases`` (name -> its info) and length with modes still wanted (``todo``:
+    mode -> entry id), under ``ses.attempt`` (an error is recorded, the loop goes on)."""
+    for case, info in cases.items():
+        for n in lengths:
+            todo = ses.todo(section, case, n, modes)
+            if not todo:
+                continue
+            with ses.attempt(list(todo.values()), section=section, case=case):
+                measure(case, info, n, todo)
+
+
+def each_decode(ses: Session, measure: Callable[[str, int, str], None]) -> None:
+    """The loop of a decode section: ``measure(depth, batch, entry_id)`` for the depths
+    "layer" and "stack" at each decode batch size, under ``ses.attempt``."""
+    for depth in ("layer", "stack"):
+        for batch in ses.sizes.decode_batches:
+            entry_id = f"{ses.port}/decode/{depth}/B={batch}"
+            if not ses.wanted(entry_id):
+                continue
+            with ses.attempt([entry_id], section="decode", case=depth):
+                measure(depth, batch, entry_id)
 
 
 class Session:
@@ -420,6 +496,75 @@ class Session:
             return False
         self._memory_done = True
         return True
+
+    def todo(self, section: str, case: str, n: int, modes: Sequence[str]) -> dict[str, str]:
+        """mode -> entry id (``port/section/case/mode/N=n``) of the ``modes`` still
+        wanted (``wanted``), in the order given; empty when there is nothing to do."""
+        ids = {mode: f"{self.port}/{section}/{case}/{mode}/N={n}" for mode in modes}
+        return {mode: entry_id for mode, entry_id in ids.items() if self.wanted(entry_id)}
+
+    def model_memory(
+        self,
+        kind: str,
+        n: int,
+        mode: str,
+        method: str,
+        in_process: Callable[[str], dict[str, Any]] | None = None,
+    ) -> dict[str, Any]:
+        """The ``memory`` of a whole-model entry: the peak of one call of each model
+        ("damcha", "mha"), each in a fresh ``--memory-worker`` process.
+
+        Args:
+            kind, n, mode: the entry's model, length and mode (the worker's arguments).
+            method: how the worker measures, in words (recorded).
+            in_process: optional ``impl -> {"peak_mib": ...}`` run in this process
+                for the MHA model instead of a worker (``--tiny``: only one worker
+                process checks the subprocess path).
+        """
+        peaks = {}
+        for impl in ("damcha", "mha"):
+            if in_process is not None and impl != "damcha":
+                peaks[impl] = in_process(impl)["peak_mib"]
+            else:
+                argv = [self.script, "--memory-worker", self.port, kind, impl, str(n), mode]
+                peaks[impl] = peak_in_subprocess(argv + (["--tiny"] if self.tiny else []))["peak_mib"]
+        return {"method": method, **memory_comparison(peaks, "damcha", "mha")}
+
+    def record_timed(
+        self,
+        entry_id: str,
+        section: str,
+        case: str,
+        mode: str,
+        n: int,
+        *,
+        call: str,
+        baseline: str,
+        times: Mapping[str, Mapping[str, list[float]]],
+        check: dict[str, Any],
+        memory: str | None = None,
+        in_process: Callable[[str], dict[str, Any]] | None = None,
+    ) -> None:
+        """Record a layer or whole-model entry at length ``n``, timed against MHA (a model
+        entry's ``case`` is its kind, "encoder" or "lm"). With ``memory`` (how the memory
+        workers measure, in words), also the models' peaks (``model_memory``) when memory
+        is measured now."""
+        shape = self.sizes.model_shape(n, case) if section == "model" else self.sizes.layer_shape(n)
+        record = entry(
+            entry_id,
+            section,
+            case,
+            mode,
+            shape=shape,
+            call=call,
+            baseline=baseline,
+            times=times,
+            check=check,
+            comparisons=[comparison("time", times, "damcha", "mha", time_target(n))],
+        )
+        if memory is not None and self.memory:
+            record["memory"] = self.model_memory(case, n, mode, memory, in_process)
+        self.record(record)
 
     def wanted(self, entry_id: str) -> bool:
         """False when ``--only`` excludes the entry or the file already has it (resume;
@@ -477,6 +622,67 @@ class Session:
         if check and not check.get("ok", True):
             parts.append(f"CHECK FAILED (rel diff {check.get('max_rel_diff')})")
         print(f"  {entry['id']}: " + "; ".join(parts), flush=True)
+
+
+def entry(
+    entry_id: str,
+    section: str,
+    case: str,
+    mode: str,
+    *,
+    shape: dict[str, Any],
+    call: str,
+    baseline: str,
+    times: Mapping[str, Mapping[str, list[float]]],
+    check: dict[str, Any],
+    comparisons: list[dict[str, Any]],
+    **more: Any,
+) -> dict[str, Any]:
+    """One result entry, its fields in the order of the JSON file; ``more`` (e.g.
+    ``unit``, compile statistics) stands between ``baseline`` and ``times``."""
+    return {
+        "id": entry_id,
+        "section": section,
+        "case": case,
+        "mode": mode,
+        "shape": shape,
+        "call": call,
+        "baseline": baseline,
+        **more,
+        "times": times,
+        "check": check,
+        "comparisons": comparisons,
+    }
+
+
+def decode_entry(
+    entry_id: str,
+    depth: str,
+    batch: int,
+    sizes: Sizes,
+    *,
+    call: str,
+    baseline: str,
+    times: Mapping[str, Mapping[str, list[float]]],
+    check: dict[str, Any],
+    comparisons: list[dict[str, Any]],
+    **more: Any,
+) -> dict[str, Any]:
+    """A decode entry (``depth`` "layer" or "stack") at batch size ``batch``, timed per token."""
+    return entry(
+        entry_id,
+        "decode",
+        depth,
+        f"B={batch}",
+        shape=sizes.decode_shape(batch, depth),
+        call=call,
+        baseline=baseline,
+        unit="per token",
+        **more,
+        times=times,
+        check=check,
+        comparisons=comparisons,
+    )
 
 
 def comparison(
