@@ -44,8 +44,8 @@ $(TYPING_STAMP): Makefile
 	$(foreach p,$(PACKAGES),ln -sfn ../../$(word 2,$(subst :, ,$(p))) $(TYPING)/$(word 1,$(subst :, ,$(p))) &&) true
 	touch $@
 
-# Lint and format (ruff; the ports are excluded until their pass of issue 16) and types (mypy,
-# [tool.mypy] in pyproject.toml: the core strict, the ports' errors ignored until that pass).
+# Lint and format (ruff, everything) and types (mypy, [tool.mypy] in pyproject.toml: the core
+# strict, the other packages, the three ports included, with the default checks).
 lint: install $(TYPING_STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .

@@ -213,6 +213,8 @@ def stack_config(layers: Sequence[Any], *, causal: bool | None = None) -> dc.Enc
             + "; ".join(dict.fromkeys(problems))
             + f". Received: blocks={describe(list(layers))}"
         )
+    activation = _activation_name(first.activation)
+    assert activation is not None, "an unknown activation is one of the problems above"
     return dc.EncoderConfig(
         first._attention.config,
         num_layers=len(blocks),
@@ -221,7 +223,7 @@ def stack_config(layers: Sequence[Any], *, causal: bool | None = None) -> dc.Enc
         norm_eps=float(first.layer_norm_epsilon),
         causal=bool(causal),
         norm_first=bool(first.normalize_first),
-        activation=_activation_name(first.activation),  # type: ignore[arg-type]
+        activation=activation,
         final_norm=final is not None,
     )
 

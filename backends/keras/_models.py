@@ -202,7 +202,7 @@ class DamchaMaps(keras.layers.Layer):
         blocks: list[tuple[str | None, int]] = []
         pos = 0
         for role, offset in site.roles():
-            start, count = offset // d, (cfg.num_heads if role == "q" else cfg.num_kv_heads)
+            start, count = offset // d, (cfg.num_heads if role == "q" else dc.config_sizes(cfg)[3])
             if start > pos:
                 blocks.append((None, start - pos))
             blocks.append((role, count))
@@ -215,8 +215,8 @@ class DamchaMaps(keras.layers.Layer):
             cuts = list(np.cumsum([n for _, n in blocks])[:-1])
             parts = ops.split(heads, cuts, axis=-2)
         out = []
-        for (role, _), part in zip(blocks, parts):
-            side = None if role is None else dc.side_of(cfg, role)
+        for (owner, _), part in zip(blocks, parts):
+            side = None if owner is None else dc.side_of(cfg, owner)
             out.append(part if side is None else self._map(side, tokens, part))
         mapped = out[0] if len(out) == 1 else ops.concatenate(out, axis=-2)
         return ops.reshape(mapped, ops.shape(y)) if flat else mapped
@@ -529,14 +529,14 @@ def _attach(layer: Any, maps: DamchaMaps) -> None:
     if CONFIG_KEY in layer.__dict__ or getattr(layer, CONFIG_KEY, None) is not None:
         raise DamchaValueError(f"layer `{_name(layer)}` already has an attribute `{CONFIG_KEY}`")
     tracker = getattr(layer, "_tracker", None)
-    locked = bool(tracker is not None and tracker.locked)
-    if locked:
-        tracker.unlock()
+    if tracker is None or not tracker.locked:
+        setattr(layer, CONFIG_KEY, maps)
+        return
+    tracker.unlock()
     try:
         setattr(layer, CONFIG_KEY, maps)
     finally:
-        if locked:
-            tracker.lock()
+        tracker.lock()
 
 
 def _install(maps: DamchaMaps, site: ProjectionSite, projection: Any) -> None:
@@ -578,7 +578,8 @@ class _ConvertedModel:
     ``keras.models.clone_model`` builds layer by layer: it drops the maps) is
     a plain model."""
 
-    _damcha_host: type = object
+    # The host Keras class (Keras ships no types: type[Any]); the loader ConvertedModel has none.
+    _damcha_host: type[Any] = object
     _damcha_convert: str | None = None
 
     def get_config(self) -> dict[str, Any]:
