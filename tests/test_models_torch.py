@@ -394,6 +394,132 @@ def test_recompute_keeps_activation_memory(arch):
     assert stored > original  # the check can fail: without recompute the maps' inputs are kept
 
 
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_fused_qkv_recompute_and_timm_checkpointing_give_identical_gradients(reentrant):
+    """timm's fused qkv Linear under recompute runs one autograd node for the
+    projection and its maps (backward recomputes the q/k rows and writes the
+    mixing's gradients itself): the gradients of the path that stores its
+    inputs, also inside timm's gradient checkpointing (reentrant: the first
+    forward runs without a graph, on the in-place path)."""
+    base = open_gates(dt.convert(build("vit", torch.float64), recompute=False)).train()
+    kw = inputs("vit", torch.float64)
+    want = _grads(base, "vit", kw)
+    for m in base.modules():
+        if isinstance(m, dt.DamchaMaps):
+            m.recompute = True
+    got = _grads(base, "vit", kw)
+    before = timm.layers.use_reentrant_ckpt()
+    timm.layers.set_reentrant_ckpt(reentrant)
+    try:
+        base.set_grad_checkpointing(True)
+        got_ckpt = _grads(base, "vit", kw)
+    finally:
+        timm.layers.set_reentrant_ckpt(before)
+    assert set(got) == set(want) == set(got_ckpt)
+    assert any(".damcha.gates." in n for n in want)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=0, atol=1e-13, msg=n)
+        torch.testing.assert_close(got_ckpt[n], want[n], rtol=0, atol=1e-13, msg=n)
+
+
+@pytest.mark.parametrize("arch", ["vit", "llama"])
+def test_fused_projection_gradients_with_a_frozen_host(arch):
+    """Only the DAMCHA parameters train (the host frozen, so the first layer's
+    tokens need no gradient and no projection weight does): the recompute
+    path's gradients equal the stored path's."""
+    grads = []
+    for recompute in (False, True):
+        model = open_gates(dt.convert(build(arch, torch.float64), recompute=recompute)).train()
+        own = {id(p) for p in dt.damcha_parameters(model)}
+        for p in model.parameters():
+            p.requires_grad_(id(p) in own)
+        grads.append(_grads(model, arch, inputs(arch, torch.float64)))
+    want, got = grads
+    assert set(got) == set(want) and all(".damcha." in n for n in want) and want
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=0, atol=1e-13, msg=n)
+
+
+@pytest.mark.parametrize("arch", ["vit", "llama"])
+def test_fast_paths_agree_bit_for_bit(arch):
+    """In training with recompute, the forward without a graph (the maps added
+    in place) and with one (the fused autograd node) give the same bits: a
+    reentrant checkpoint runs the first, then recomputes with the second."""
+    model = open_gates(dt.convert(build(arch, torch.float32), recompute=True)).train()  # no dropout in either
+    kw = inputs(arch)
+    with torch.no_grad():
+        want = run(model, arch, kw)
+    got = run(model, arch, kw)
+    assert got.requires_grad and same(got.detach(), want)
+
+
+_COPIES = ("cat", "clone", "copy_", "_to_copy", "contiguous", "_reshape_copy")
+
+
+def _aten_calls(call):
+    """aten op name -> calls, as dispatched below autograd (backward included),
+    and the output widths of the GEMMs with a bias (projections)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    counts: dict[str, int] = {}
+    widths: list[int] = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            counts[name] = counts.get(name, 0) + 1
+            out = func(*args, **(kwargs or {}))
+            if name == "addmm":
+                widths.append(out.shape[-1])
+            return out
+
+    with Count():
+        call()
+    return counts, widths
+
+
+@pytest.mark.parametrize("mode", ["no-grad", "train"])
+def test_fused_qkv_maps_add_no_copies(mode):
+    """The converted timm ViT copies no activation more than the original:
+    without a graph the maps are added in place to the fused qkv output; in
+    training one autograd node per layer recomputes only the q/k rows of the
+    projection and makes one gradient buffer (no split, concatenation or
+    contiguous copies of strided q/k slices). Counted per converted layer."""
+    counts = []
+    for convert in (False, True):
+        model = build("vit", torch.float32)
+        if convert:
+            open_gates(dt.convert(model, recompute=True))
+        kw = inputs("vit")
+        if mode == "no-grad":
+            model.eval()
+
+            def call(model=model, kw=kw):
+                with torch.no_grad():
+                    run(model, "vit", kw)
+        else:
+            model.train()
+
+            def call(model=model, kw=kw):
+                run(model, "vit", kw).square().mean().backward()
+
+        call()
+        counts.append(_aten_calls(call))
+    (original, original_gemms), (damcha, damcha_gemms) = counts
+    layers = len(dt.converted_layers(model))
+    extra = {op: damcha.get(op, 0) - original.get(op, 0) for op in _COPIES}
+    extra = {op: n / layers for op, n in extra.items() if n}
+    # In training, one: the gradient of the qkv output (the incoming one plus the maps' part).
+    assert extra == ({} if mode == "no-grad" else {"clone": 1.0}), extra
+    # The projections run as often as in the original, except that training
+    # recomputes, once per layer, the q/k rows of qkv only (2 E of its 3 E outputs).
+    E = model.embed_dim
+    recomputed = list(damcha_gemms)
+    for w in original_gemms:
+        recomputed.remove(w)
+    assert recomputed == ([] if mode == "no-grad" else [2 * E] * layers), recomputed
+
+
 # ------------------------------------------------------------ checkpoints
 
 

@@ -34,6 +34,7 @@ from torch.utils.checkpoint import checkpoint
 # The port's public names (bound in damcha_torch/__init__ before this module loads).
 from . import DamchaAttention, MetricGenerator, replace_mha
 from . import _functional as fn
+from . import _models_fused as _fused
 
 __all__ = [
     "AttentionLayout",
@@ -165,6 +166,7 @@ class DamchaMaps(nn.Module):
         self._installed: dict[str, nn.Module] = {}
         self.track_metric_penalty = False
         self._penalty_terms: dict[str, Tensor] = {}
+        self._blocks: dict[str, Any] = {}  # site attr -> the fast paths' blocks (see _site_blocks)
         for side in config.metric_sides:
             S, E = config.side_heads(side), config.side_features(side)
             self.gates[side] = nn.Parameter(torch.zeros(S, device=device, dtype=dtype))
@@ -243,7 +245,52 @@ class DamchaMaps(nn.Module):
             and not torch._C._are_functorch_transforms_active()
         )
 
+    def _site_blocks(self, site: ProjectionSite) -> tuple[_fused.SideBlocks, ...] | None:
+        """The blocks of ``site``'s output each side maps, for the fast paths
+        (metric "heads" only; ``None`` otherwise). Made once per site."""
+        cache = self.__dict__.setdefault("_blocks", {})  # absent in modules pickled before it existed
+        cached = cache.get(site.attr, False)
+        if cached is not False:
+            return cached
+        cfg = self.config
+        blocks: tuple[_fused.SideBlocks, ...] | None = None
+        if cfg.metric == "heads":
+            by_side: dict[str, list[int]] = {}
+            for role, offset in site.roles():
+                side = dc.side_of(cfg, role)
+                if side is not None:  # the keys under coupling "query" keep the identity map
+                    by_side.setdefault(side, []).append(offset)
+            blocks = tuple(
+                _fused.SideBlocks(side, cfg.side_heads(side), cfg.key_dim, tuple(offsets))
+                for side, offsets in by_side.items()
+            )
+        cache[site.attr] = blocks
+        return blocks
+
     def _run_site(self, fwd: _SiteForward, x: Tensor, args: tuple, kwargs: dict) -> Tensor:
+        blocks = self._site_blocks(fwd.site)
+        if blocks is not None and not self.track_metric_penalty and _plain_dtype(x):
+            weights = [self.generator(b.side).side(self.gates[b.side]) for b in blocks]
+            leaves = [t for w in weights for t in (w.weight, w.bias, w.gate)]
+            if all(t.dtype == x.dtype for t in leaves):
+                if not torch.is_grad_enabled():
+                    # No graph: map the projection's fresh output in place, no copies.
+                    y = fwd.project(x, *args, **kwargs)
+                    if y.dtype == x.dtype and y.is_contiguous():
+                        return _fused.map_blocks_(y, x, list(zip(blocks, weights)))
+                    return self.apply_maps(fwd.site, x, y)
+                proj: Any = fwd.projection
+                if (
+                    self._recompute_now()
+                    and not args
+                    and not kwargs
+                    and fwd.previous is None
+                    and type(proj).forward is nn.Linear.forward
+                    and proj.weight.dtype == x.dtype
+                    and not torch.compiler.is_compiling()
+                ):
+                    # One autograd node for the projection and its maps, saving what the projection saves.
+                    return _fused.FusedLinearMaps.apply(blocks, x, proj.weight, proj.bias, *leaves)
         if self._recompute_now():
             # Only x (which the projection keeps anyway) is stored; the projected
             # q/k and the map's coefficients are recomputed in backward.
@@ -308,6 +355,15 @@ class DamchaMaps(nn.Module):
         if not self._penalty_terms:
             return None
         return torch.stack(list(self._penalty_terms.values())).mean()
+
+
+def _plain_dtype(x: Tensor) -> bool:
+    """float32/float64 tokens outside autocast: the fast paths' precondition
+    (16-bit heads are mapped in float32 by the general path)."""
+    if x.dtype not in (torch.float32, torch.float64):
+        return False
+    device = x.device.type
+    return not (torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device))
 
 
 def _child(module: nn.Module, attr: str) -> nn.Module:
