@@ -216,6 +216,20 @@ def _stack(impl: str, layers: int, s: Any, *, lm: bool, max_len: int, decode: bo
 # ----------------------------------------------------------------- decode
 
 
+def _cached_module(depth: str, impl: str, s: Any, B: int, max_len: int) -> nnx.Module:
+    """One attention layer ("layer") or the greedy LM ("stack") of ``impl`` (mha or
+    damcha), in decode mode with caches of ``max_len`` tokens for batch ``B``."""
+    module: nnx.Module
+    if depth == "layer":
+        module = _attentions(impl, 1, s, decode=True)[0]
+        module.init_cache((B, max_len, s.E))
+    else:
+        module = _stack(impl, s.stack_layers, s, lm=True, max_len=max_len, decode=True)
+        for block in module.blocks:
+            block.attn.init_cache((B, max_len, s.E))
+    return module
+
+
 def _decoder(depth: str, impl: str, s: Any, B: int, max_len: int) -> tuple[Callable, Any, Any]:
     """A jitted decode step ``step(cache, x) -> (out, cache)`` (cache donated), the
     parameters closed over, and a fresh cache. ``impl``: mha, damcha (module decode),
@@ -227,14 +241,7 @@ def _decoder(depth: str, impl: str, s: Any, B: int, max_len: int) -> tuple[Calla
         cache = dj.init_cache(config, B, max_len, jnp.float32)
         fn = jax.jit(lambda c, x, p: dj.decode_step(p, config, c, x), donate_argnums=0)
         return (lambda c, x: fn(c, x, params)), cache, layer
-    module: nnx.Module
-    if depth == "layer":
-        module = _attentions(impl, 1, s, decode=True)[0]
-        module.init_cache((B, max_len, s.E))
-    else:
-        module = _stack(impl, s.stack_layers, s, lm=True, max_len=max_len, decode=True)
-        for block in module.blocks:
-            block.attn.init_cache((B, max_len, s.E))
+    module = _cached_module(depth, impl, s, B, max_len)
     if impl != "mha":
         open_gates(module)
     graphdef, cache, params = nnx.split(module, nnx.Cache, ...)
@@ -335,13 +342,7 @@ def _decode_check(depth: str, s: Any, B: int, max_len: int, prompt: Any) -> dict
     """Closed gates: DAMCHA's cached step equals the Flax MHA's (prompt, then 2 steps)."""
     outs = {}
     for impl in ("mha", "damcha"):
-        if depth == "layer":
-            module = _attentions(impl, 1, s, decode=True)[0]
-            module.init_cache((B, max_len, s.E))
-        else:
-            module = _stack(impl, s.stack_layers, s, lm=True, max_len=max_len, decode=True)
-            for block in module.blocks:
-                block.attn.init_cache((B, max_len, s.E))
+        module = _cached_module(depth, impl, s, B, max_len)
         kw = {} if depth == "layer" else {"positions": False}
         out = None
         for i in range(min(prompt.shape[1], 4)):

@@ -362,6 +362,16 @@ def _apply_map(
     return g.op("Add", [y, delta], hint)
 
 
+def _query_batch(g: GraphBuilder, query: str, tokens: str, hints: tuple[str, str, str, str]) -> str:
+    """``tokens`` (B', T, F) reshaped to (B, T, F) with the query's batch B: a
+    batch that differs fails in this Reshape (element count) instead of
+    broadcasting later. ``hints``: names of the batch dim, the tokens' other
+    dims, the target shape and the result."""
+    batch, rest, target, out = hints
+    shape = g.op("Concat", [g.dim(query, 0, batch), g.op("Shape", [tokens], rest, start=1)], target, axis=0)
+    return g.op("Reshape", [tokens, shape], out)
+
+
 def attention_layer(
     g: GraphBuilder,
     params: Mapping[str, np.ndarray],
@@ -407,24 +417,12 @@ def attention_layer(
     if context is not None:
         # Reshape to (B_query, M, E_kv): a context whose batch differs from the
         # query's fails here (element count) instead of broadcasting in MatMul.
-        target = g.op(
-            "Concat",
-            [g.dim(query, 0, f"{P}batch"), g.op("Shape", [context], f"{P}ctx_shape", start=1)],
-            f"{P}ctx_target",
-            axis=0,
-        )
-        context = g.op("Reshape", [context, target], f"{P}context")
+        context = _query_batch(g, query, context, (f"{P}batch", f"{P}ctx_shape", f"{P}ctx_target", f"{P}context"))
     c = query if context is None else context
     if value is not None:
         # The same guard for the value tokens; their length must be the
         # context's, which the attention (or the value MatMul) enforces.
-        target = g.op(
-            "Concat",
-            [g.dim(query, 0, f"{P}vbatch"), g.op("Shape", [value], f"{P}val_shape", start=1)],
-            f"{P}val_target",
-            axis=0,
-        )
-        value = g.op("Reshape", [value, target], f"{P}value_tokens")
+        value = _query_batch(g, query, value, (f"{P}vbatch", f"{P}val_shape", f"{P}val_target", f"{P}value_tokens"))
 
     q = g.linear(query, f["q.kernel"], f.get("q.bias"), f"{P}q")  # (B, N, H*d), pre-scaled
     k = g.linear(c, f["k.kernel"], f.get("k.bias"), f"{P}k")  # (B, M, G*d)

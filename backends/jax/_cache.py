@@ -7,6 +7,7 @@ only on the key's own token, so it is never recomputed, at no extra size.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -216,24 +217,14 @@ def decode_step(
     if checked.array is not None:
         check_shapes(config, x.shape, (B, L, config_sizes(config)[0]), checked.array.shape)
     check_room(index, T, L, "query", x.shape)
+    step: Any
     if _hashable(precision) and (mask_hint is None or checked.host is None):
         # Everything is checked: the math is one compiled program (one dispatch per step when eager).
+        step = _compiled_step
+    else:
         # Only a hint on a mask with known values is checked on the host (a DamchaValueError, not NaN).
-        return _compiled_step(
-            p,
-            config,
-            cached_k,
-            cached_v,
-            index,
-            x,
-            c,
-            v_tokens,
-            checked.array,
-            checked.flag,
-            precision=precision,
-            mask_hint=mask_hint,
-        )
-    return _step(
+        step = functools.partial(_step, host=checked.host)
+    return step(
         p,
         config,
         cached_k,
@@ -246,7 +237,6 @@ def decode_step(
         checked.flag,
         precision=precision,
         mask_hint=mask_hint,
-        host=checked.host,
     )
 
 

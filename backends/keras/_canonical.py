@@ -53,14 +53,22 @@ def canonical_variables(layer: DamchaAttention) -> dict[str, Any]:
     (*output_shape,)); everything else has its canonical shape."""
     config = require_built(layer, "canonical_variables")
     _check_plain(layer, "canonical_variables")
-    out: dict[str, Any] = {}
-    for name, dense in layer._projections().items():
+    for dense in layer._projections().values():
         if dense.lora_enabled:
             raise DamchaValueError(
                 f"`canonical_variables` cannot give one variable per weight while LoRA is enabled on {dense.name!r} "
                 "(its kernel is a sum). Use to_canonical (merged weights) or disable LoRA. "
                 f"Received: layer {layer.name!r}"
             )
+    out = _weights(layer, config)
+    return {name: out[name] for name in config.param_shapes()}
+
+
+def _weights(layer: DamchaAttention, config: DamchaConfig) -> dict[str, Any]:
+    """Canonical name -> the layer's weight of that name (a projection's
+    ``kernel`` is the merged one when LoRA is on), in no particular order."""
+    out: dict[str, Any] = {}
+    for name, dense in layer._projections().items():
         out[f"{name}.kernel"] = dense.kernel
         if config.use_bias:
             out[f"{name}.bias"] = dense.bias
@@ -68,7 +76,7 @@ def canonical_variables(layer: DamchaAttention) -> dict[str, Any]:
         out[f"metric.{side}.gate"] = layer.metric_gates[side]
         for leaf in generator.leaf_names():
             out[f"metric.{side}.{leaf}"] = getattr(generator, leaf)
-    return {name: out[name] for name in config.param_shapes()}
+    return out
 
 
 def to_canonical(layer: DamchaAttention) -> dict[str, np.ndarray]:
@@ -77,15 +85,7 @@ def to_canonical(layer: DamchaAttention) -> dict[str, np.ndarray]:
     config = require_built(layer, "to_canonical")
     _check_plain(layer, "to_canonical")
     shapes = config.param_shapes()
-    out: dict[str, Any] = {}
-    for name, dense in layer._projections().items():
-        out[f"{name}.kernel"] = dense.kernel  # the merged kernel when LoRA is on
-        if config.use_bias:
-            out[f"{name}.bias"] = dense.bias
-    for side, generator in layer.metric_generators.items():
-        out[f"metric.{side}.gate"] = layer.metric_gates[side]
-        for leaf in generator.leaf_names():
-            out[f"metric.{side}.{leaf}"] = getattr(generator, leaf)
+    out = _weights(layer, config)
     return {name: np.asarray(keras.ops.convert_to_numpy(out[name])).reshape(shapes[name]) for name in shapes}
 
 
