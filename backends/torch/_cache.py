@@ -98,6 +98,24 @@ class DamchaKVCache:
         self.value = torch.cat([self.value, value], dim=2)
         return self.key, self.value
 
+    def _extend(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+        """``update`` for the flat decoding step, whose key and value are plain
+        4-D tensors cut from one projection (one dtype and device, the same
+        B, G and M): only what they share with the cache is compared here."""
+        ck, cv = self.key, self.value
+        if (
+            ck is not None
+            and cv is not None
+            and ck.dtype is key.dtype
+            and ck.shape[:2] == key.shape[:2]
+            and ck.shape[3] == key.shape[3]
+            and cv.shape[3] == value.shape[3]
+            and ck.get_device() == key.get_device()
+        ):
+            self.key, self.value = torch.cat([ck, key], dim=2), torch.cat([cv, value], dim=2)
+            return self.key, self.value
+        return self.update(key, value)
+
     def reset(self) -> None:
         """Forget every cached token."""
         self.key = self.value = None

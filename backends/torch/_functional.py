@@ -662,60 +662,76 @@ def few_tokens_step(
     nothing (N = 1) or no causal rule. ``maps`` holds (weight, bias, gate) of
     the q side and of the k side (the same tuple when tied; None for none).
 
-    The operations are the general path's, with less around them: no
-    validation, phi's norm computed once for both sides, and, when tied and
-    N = 1, q and k mixed by one batched product. At B = 1 a step's kernels
-    are small, and their count and Python's share are what a step costs.
+    The math is the general path's; at B = 1 a step's kernels are tiny, so
+    what it costs is their number, the tensors made around them and Python:
+    - phi's norm is computed once for both sides;
+    - q, k and v are read out of the packed projection's output by one
+      ``as_strided`` each, straight in SDPA's (B, heads, N, d) layout (or the
+      (T, S, d) layout of the head mix), where split/view/transpose took three;
+    - tied with one token, q and k are mixed by one batched product.
     Nothing derived from the parameters is kept between steps: a cache keyed
     on their version would miss writes through ``.data`` (an EMA update, a
-    gate set by hand), and the step would silently use stale weights.
+    gate set by hand), and the step would silently use stale weights. So the
+    generator GEMM stays apart from the projection's (one concatenated weight
+    would have to be rebuilt every step, a copy of the whole (3E, E) weight),
+    and the gates scale A(x) (S x S per token), not the generator's rows.
     """
-    B, N = x.shape[0], x.shape[1]
+    B, N, E = x.shape
+    T = B * N
     H, G, d, dv = config.num_heads, config.num_kv_heads, config.key_dim, config.value_dim
     # Inline rather than config_sizes(): this path is sized in Python overhead.
     assert G is not None and dv is not None, config
-    qkv = F.linear(x, in_proj, in_bias)
-    q, k, v = qkv.split_with_sizes((H * d, G * d, G * dv), dim=-1)
+    # F.linear's output is contiguous (contiguous() then returns it without a
+    # call); the strides below read q, k and v out of that layout.
+    qkv = F.linear(x, in_proj, in_bias).contiguous()
+    width, at = qkv.shape[-1], qkv.storage_offset()
+    v = qkv.as_strided((B, G, N, dv), (N * width, dv, width, 1), at + (H + G) * d)
     mq, mk = maps
-    if mq is not None or mk is not None:
-        E = x.shape[-1]
+    if mq is None and mk is None:
+        q = qkv.as_strided((B, H, N, d), (N * width, d, width, 1), at)
+        k = qkv.as_strided((B, G, N, d), (N * width, d, width, 1), at + H * d)
+    else:
+        # phi(x) W + b as _coefficients computes it: x W scaled by sqrt(E) / ||x||_eps
+        # (F.rms_norm is one aten call but several kernels on CPU, slower than two).
         const = _HYPOT_CONSTANTS.get((E, x.dtype))
         if const is None:
             const = _hypot_constant(E, x.dtype)
-        denom = torch.hypot(torch.linalg.vector_norm(x, dim=-1, keepdim=True), const)
-        root, T = math.sqrt(E), B * N
-        gA: list[Tensor | None] = [None, None]
-        for i, m in enumerate((mq, mk)):
-            if m is None:
-                continue
-            if i == 1 and m is mq:
-                gA[1] = gA[0]
-                continue
-            weight, bias, gate = m
-            S = gate.shape[0]
-            # diag(g) A(x): A as in _coefficients, the gate scaling row h of each token's (S, S).
-            gA[i] = torch.addcdiv(bias, F.linear(x, weight), denom, value=root).view(T, S, S) * gate.view(S, 1)
+        denom, root = torch.hypot(torch.linalg.vector_norm(x, dim=-1, keepdim=True), const), math.sqrt(E)
         if mk is mq and T == 1:
-            # Tied, one token: q and k are adjacent in qkv, (2, S, d) is a view of
-            # it, and one baddbmm maps both with the same (S, S) matrix.
-            qk = qkv.narrow(-1, 0, 2 * H * d).view(2, H, d)
-            q, k = torch.baddbmm(qk, gA[0].expand(2, H, H), qk).view(2, B, N, H, d).unbind(0)  # type: ignore[union-attr]
+            # Tied, one token: q and k are adjacent in qkv, (2, H, d) is a view of
+            # it, and one baddbmm maps both with the same (H, H) matrix. The
+            # residual form y + (diag(g) A) y, as on the general path: gates at
+            # 0 give y bit for bit.
+            weight, bias, gate = mq  # type: ignore[misc]
+            gA = torch.addcdiv(bias, F.linear(x, weight), denom, value=root).view(1, H, H) * gate.view(H, 1)
+            qk = qkv.as_strided((2, H, d), (H * d, d, 1), at)
+            q, k = torch.baddbmm(qk, gA.expand(2, H, H), qk).view(2, B, H, N, d).unbind(0)
         else:
+            gA_q = None
             if mq is not None:
-                flat = q.reshape(T, H, d)
-                q = torch.baddbmm(flat, gA[0], flat)  # type: ignore[arg-type]
+                weight, bias, gate = mq
+                gA_q = torch.addcdiv(bias, F.linear(x, weight), denom, value=root).view(T, H, H) * gate.view(H, 1)
+                flat = qkv.as_strided((T, H, d), (width, d, 1), at)
+                q = torch.baddbmm(flat, gA_q, flat)
+                q = q.view(B, H, 1, d) if N == 1 else q.view(B, N, H, d).transpose(1, 2)
+            else:
+                q = qkv.as_strided((B, H, N, d), (N * width, d, width, 1), at)
             if mk is not None:
-                flat = k.reshape(T, G, d)
-                k = torch.baddbmm(flat, gA[1], flat)  # type: ignore[arg-type]
-            q, k = q.view(B, N, H, d), k.view(B, N, G, d)
-    else:
-        q, k = q.view(B, N, H, d), k.view(B, N, G, d)
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.view(B, N, G, dv).transpose(1, 2)
+                if mk is mq:
+                    gA_k = gA_q
+                else:
+                    weight, bias, gate = mk
+                    gA_k = torch.addcdiv(bias, F.linear(x, weight), denom, value=root).view(T, G, G) * gate.view(G, 1)
+                flat = qkv.as_strided((T, G, d), (width, d, 1), at + H * d)
+                k = torch.baddbmm(flat, gA_k, flat)  # type: ignore[arg-type]
+                k = k.view(B, G, 1, d) if N == 1 else k.view(B, N, G, d).transpose(1, 2)
+            else:
+                k = qkv.as_strided((B, G, N, d), (N * width, d, width, 1), at + H * d)
     guard = _guard(q, k, own_keys=G == H and d == dv)
     offset = 0
     if kv_cache is not None:
         offset = len(kv_cache)
-        k, v = kv_cache.update(k, v)
+        k, v = kv_cache._extend(k, v)
     o = F.scaled_dot_product_attention(
         q,
         k,
@@ -728,7 +744,8 @@ def few_tokens_step(
     )
     a, b = guard
     o = torch.addcmul(o, a if a.shape[-1] == dv else a.sum(dim=-1, keepdim=True), b, value=0)
-    return output(o.transpose(1, 2).flatten(-2))
+    # (B, H, 1, d_v) -> (B, 1, H * d_v) is a view for SDPA's output layouts; reshape copies otherwise.
+    return output(o.reshape(B, 1, H * dv) if N == 1 else o.transpose(1, 2).reshape(B, N, H * dv))
 
 
 def _append_keys(

@@ -24,8 +24,6 @@ __all__ = ["DamchaAttention"]
 
 
 _SEPARATE = ("q_proj_weight", "k_proj_weight", "v_proj_weight")
-# Dtypes of the decoding fast path (16-bit maps run in float32 on the general path).
-_FLAT_DTYPES = (torch.float32, torch.float64)
 
 
 def _check_float(name: str, value: Any) -> None:
@@ -451,81 +449,75 @@ class DamchaAttention(CanonicalIO, nn.Module):
         general path would accept the call without an error and run the same
         operations: shapes already validated by an earlier call (the memo of
         ``_sizes_of``), dtypes equal to the parameters', no autocast, no
-        compilation, tracing or torch.func transform.
+        compilation, tracing or torch.func transform. They are read afresh
+        every step (attributes, dict entries, dtypes: no tensor is made), so
+        a parameter replaced, retyped or moved between steps is seen.
         """
-        if type(query) is not Tensor or query.dim() != 3 or query.is_nested or type(kv_cache) is not DamchaKVCache:
+        if type(query) is not Tensor or type(kv_cache) is not DamchaKVCache or query.is_nested or query.dim() != 3:
             return None
         x = query if self.batch_first else query.transpose(0, 1)
-        shape = x.shape
-        seen = self.__dict__.get("_shapes_seen")
-        if seen is None or seen[0] != (shape, shape, shape) or shape[0] * shape[1] > fn._FEW_TOKENS:
-            return None
+        if x.shape != self.__dict__.get("_flat_shape"):
+            return None  # shapes not validated yet, or more than fn._FEW_TOKENS tokens
         p = self._parameters
+        weight, bias = p["in_proj_weight"], p["in_proj_bias"]
+        dtype = x.dtype
         if (
-            self.track_metric_penalty
+            weight is None  # _few_tokens_ok (the caller's condition) implies the packed layout
+            or weight.dtype is not dtype
+            or (bias is not None and bias.dtype is not dtype)
+            # 16-bit maps run in float32 on the general path.
+            or (dtype is not torch.float32 and dtype is not torch.float64)
+            or self.track_metric_penalty
             or (self.training and self.dropout > 0.0)
             or self.add_zero_attn
             or p.get("bias_k") is not None
         ):
             return None
-        weight, bias = p["in_proj_weight"], p["in_proj_bias"]
-        assert weight is not None  # _few_tokens_ok (the caller's condition) implies the packed layout
-        dtype = x.dtype
-        if weight.dtype != dtype or (bias is not None and bias.dtype != dtype) or dtype not in _FLAT_DTYPES:
+        if x.is_cpu:
+            device = "cpu"
+        elif x.is_cuda:
+            device = "cuda"
+        else:
             return None
-        device = x.device.type
         if (
-            device not in ("cpu", "cuda")
-            or torch.is_autocast_enabled(device)
+            torch.is_autocast_enabled(device)
             or torch.compiler.is_compiling()
-            or torch.jit.is_tracing()
+            or torch._C._is_tracing()
             or torch._C._are_functorch_transforms_active()
         ):
             return None
-        offset = len(kv_cache)
-        if is_causal and offset and shape[1] > 1:
+        N = x.shape[1]
+        if is_causal and N > 1 and kv_cache.key is not None:
             return None  # a chunk after cached tokens needs the bottom-right mask: the general path builds it
         if attn_mask is not None and not (
             type(attn_mask) is Tensor
             and attn_mask.dim() == 2
-            and attn_mask.shape[0] == shape[1]
-            and attn_mask.shape[1] == offset + shape[1]
-            and (attn_mask.dtype == torch.bool or attn_mask.is_floating_point())
+            and attn_mask.shape[0] == N
+            and attn_mask.shape[1] == len(kv_cache) + N
+            and (attn_mask.dtype is torch.bool or attn_mask.is_floating_point())
         ):
             return None  # only the is_causal hint's (N, P + N) mask, which is not read (see _merge_masks)
-        maps: list[Any] = [None, None]
-        sides = self._map_sides
         modules = self._modules
-        gen_dict, gate_dict, out_proj = modules["metric_generators"], modules["metric_gates"], modules["out_proj"]
-        # All three are registered in _init_from_config.
-        assert gen_dict is not None and gate_dict is not None and out_proj is not None
-        if sides[0] is not None or sides[1] is not None:
-            gens = gen_dict._modules
-            gates = gate_dict._parameters
-            for i, side in enumerate(sides):
-                if side is None:
-                    continue
-                if i == 1 and side == sides[0]:
-                    maps[1] = maps[0]  # tied: the same tuple, one generator GEMM
-                    continue
-                gen = gens[side]
-                assert gen is not None  # one generator per metric side
-                g = gen._parameters
-                m = (g["weight"], g["bias"], gates[side])
-                assert m[0] is not None and m[1] is not None and m[2] is not None  # "heads" has all three
-                if m[0].dtype != dtype or m[1].dtype != dtype or m[2].dtype != dtype:
+        out_proj = modules["out_proj"]
+        assert out_proj is not None  # registered in _init_from_config
+        sq, sk = self._map_sides
+        mq = mk = None
+        if sq is not None or sk is not None:
+            gens = modules["metric_generators"]._modules  # type: ignore[union-attr]  # registered with out_proj
+            gates = modules["metric_gates"]._parameters  # type: ignore[union-attr]
+            if sq is not None:
+                g = gens[sq]._parameters  # type: ignore[union-attr]  # one generator per metric side
+                mq = (g["weight"], g["bias"], gates[sq])
+                if mq[0].dtype is not dtype or mq[1].dtype is not dtype or mq[2].dtype is not dtype:  # type: ignore[union-attr]
                     return None
-                maps[i] = m
-        out = fn.few_tokens_step(
-            self.config,
-            x,
-            weight,
-            bias,
-            tuple(maps),
-            out_proj,
-            kv_cache,
-            is_causal,
-        )
+            if sk == sq:
+                mk = mq  # tied: the same tuple, one generator GEMM
+            elif sk is not None:
+                g = gens[sk]._parameters  # type: ignore[union-attr]
+                mk = (g["weight"], g["bias"], gates[sk])
+                if mk[0].dtype is not dtype or mk[1].dtype is not dtype or mk[2].dtype is not dtype:  # type: ignore[union-attr]
+                    return None
+        out = fn.few_tokens_step(self.config, x, weight, bias, (mq, mk), out_proj, kv_cache, is_causal)  # type: ignore[arg-type]
         return out if self.batch_first else out.transpose(0, 1)
 
     def _sizes_of(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Any, Any, Any]:
@@ -544,6 +536,9 @@ class DamchaAttention(CanonicalIO, nn.Module):
         sizes = _check_shapes(self.config, tuple(query.shape), tuple(key.shape), tuple(value.shape))
         if all(type(n) is int for n in sizes):
             self.__dict__["_shapes_seen"] = (shapes, sizes)
+            # The flat decoding path compares one shape: self-attention's, of few tokens.
+            few = query.shape == key.shape == value.shape and sizes[0] * sizes[1] <= fn._FEW_TOKENS
+            self.__dict__["_flat_shape"] = query.shape if few else None
         return sizes
 
     def _merge_masks(
