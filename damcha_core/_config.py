@@ -7,7 +7,7 @@ import math
 from collections.abc import Mapping
 from typing import Any, cast
 
-from ._errors import DamchaTypeError, DamchaValueError, describe
+from ._errors import DamchaTypeError, DamchaValueError, describe, invalid_argument
 from ._metrics import METRIC_STRUCTURES, GeneratorSpec, MetricStructure, structure
 from ._validators import CONFIG_NAMES, check_config_fields
 
@@ -109,7 +109,9 @@ class DamchaConfig:
     def _check_side(self, side: str) -> None:
         if side not in self.metric_sides:
             raise DamchaValueError(
-                f"`side` must be one of this config's metric sides {self.metric_sides}. Received: side={describe(side)}"
+                invalid_argument(
+                    "side", f"one of this config's metric sides {self.metric_sides}", f"side={describe(side)}"
+                )
             )
 
     def generator_spec(self, side: str) -> GeneratorSpec:
@@ -153,12 +155,16 @@ class DamchaConfig:
     def from_dict(cls, data: Mapping[str, Any]) -> DamchaConfig:
         """Rebuild a config from ``to_dict()`` output; unknown keys are an error."""
         if not isinstance(data, Mapping):
-            raise DamchaTypeError(f"`data` must be a mapping. Received: data={describe(data)}")
+            raise DamchaTypeError(invalid_argument("data", "a mapping", f"data={describe(data)}"))
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
             raise DamchaValueError(
-                f"`data` has keys that are not DamchaConfig fields: {unknown}. Expected a subset of {sorted(known)}"
+                invalid_argument(
+                    "data",
+                    f"DamchaConfig fields as keys, a subset of {sorted(known)}",
+                    f"data with unknown keys {unknown}",
+                )
             )
         required = sorted(
             f.name
@@ -168,7 +174,11 @@ class DamchaConfig:
         missing = [name for name in required if name not in data]
         if missing:
             raise DamchaValueError(
-                f"`data` lacks the required DamchaConfig fields {missing}. Received keys: {sorted(data)}"
+                invalid_argument(
+                    "data",
+                    f"the required DamchaConfig fields {missing} among its keys",
+                    f"data with keys {sorted(data)}",
+                )
             )
         return cls(**dict(data))
 

@@ -34,6 +34,19 @@ class DamchaNotIntegerError(DamchaTypeError, ValueError):
     a ``ValueError`` and an ``IndexError``)."""
 
 
+def invalid_argument(name: str, expected: str, received: str) -> str:
+    """The one wording of every argument error of the policy, in every port.
+
+    ``Invalid argument `num_heads`: expected an int >= 1. Received:
+    num_heads=1.5``: the argument as the caller named it (the port's own
+    name), what a valid value is (with the reason where a rule needs one), and
+    what was received (``describe``'d values; shapes and dtypes for arrays).
+    Keras words its argument errors this way, so its own tests' patterns
+    (``argument `num_heads```) match in every port.
+    """
+    return f"Invalid argument `{name}`: expected {expected}. Received: {received}"
+
+
 _MAX_REPR = 80
 _SCALARS = (int, float, complex, bool, str, type(None))
 

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 from ._config import _SIDES, DamchaConfig
-from ._errors import DamchaTypeError, DamchaValueError, describe
+from ._errors import DamchaTypeError, DamchaValueError, describe, invalid_argument
 from ._metrics import GeneratorSpec
 from ._validators import (
     CONFIG_NAMES,
@@ -35,6 +35,7 @@ from ._validators import (
     check_seed,
     check_tied,
     display,
+    unknown_fields,
 )
 
 __all__ = [
@@ -70,9 +71,7 @@ def make_config(*, names: Mapping[str, str] | None = None, **fields: Any) -> Dam
     names = check_names(names)
     unknown = sorted(set(fields) - set(DamchaConfig.__dataclass_fields__))
     if unknown:
-        raise DamchaTypeError(
-            f"unknown DamchaConfig field(s) {unknown}. Expected a subset of {list(DamchaConfig.__dataclass_fields__)}"
-        )
+        raise DamchaTypeError(unknown_fields(unknown, DamchaConfig.__dataclass_fields__))
     token = CONFIG_NAMES.set(names)
     try:
         # Missing required fields reach __post_init__ as None and are reported there.
@@ -191,7 +190,7 @@ def resolve_generators(
         side -> generator, for every metric side, or ``{}``.
     """
     if not isinstance(config, DamchaConfig):
-        raise DamchaTypeError(f"`config` must be a DamchaConfig. Received: config={describe(config)}")
+        raise DamchaTypeError(invalid_argument("config", "a DamchaConfig", f"config={describe(config)}"))
     names = check_names(names)
     arg = display(names, "metric_generator")
     sides = config.metric_sides
@@ -201,11 +200,19 @@ def resolve_generators(
     for side, generator in chosen.items():
         spec = spec_of(generator)
         if not isinstance(spec, GeneratorSpec):
-            raise TypeError(f"spec_of must return a damcha_core.GeneratorSpec; it returned {describe(spec)}")
+            raise TypeError(
+                invalid_argument(
+                    "spec_of", "a callable that returns a damcha_core.GeneratorSpec", f"spec_of(...)={describe(spec)}"
+                )
+            )
         differs = config.generator_spec(side).mismatches(spec)
         if differs:
             raise DamchaValueError(
-                f"{labels[side]} does not fit side {side!r} of this layer: {', '.join(differs)}. Received: {spec}"
+                invalid_argument(
+                    labels[side],
+                    f"a generator that fits side {side!r} of this layer; it differs in {', '.join(differs)}",
+                    f"{labels[side]} with {spec}",
+                )
             )
     return chosen
 
@@ -261,43 +268,55 @@ def _generator_sides(
     if isinstance(given, generator_type):
         if not sides:
             raise DamchaValueError(
-                f"`{arg}` must be None with metric='none' (there is no cross-head map). "
-                f"Received: {arg}={describe(given)}"
+                invalid_argument(
+                    arg, "None with metric='none' (there is no cross-head map)", f"{arg}={describe(given)}"
+                )
             )
         if len(sides) != 1:
             raise DamchaValueError(
-                f"`{arg}` must be a dict {{'q': ..., 'k': ...}} with coupling={coupling!r} "
-                f"(one generator per side). Received: {arg}={describe(given)}"
+                invalid_argument(
+                    arg,
+                    f"a dict {{'q': ..., 'k': ...}} with coupling={coupling!r} (one generator per side)",
+                    f"{arg}={describe(given)}",
+                )
             )
         chosen = {sides[0]: given}
-        labels = {sides[0]: f"`{arg}`"}
+        labels = {sides[0]: arg}
     elif isinstance(given, Mapping):
         missing = [s for s in sides if s not in given]
         extra = sorted(repr(k) for k in given if k not in sides)
         if not sides and given:
             raise DamchaValueError(
-                f"`{arg}` must be None with metric='none' (there is no cross-head map). "
-                f"Received: {arg} with keys {sorted(map(repr, given))}"
+                invalid_argument(
+                    arg,
+                    "None with metric='none' (there is no cross-head map)",
+                    f"{arg} with keys {sorted(map(repr, given))}",
+                )
             )
         if missing or extra:
             parts = ([f"missing sides {missing}"] if missing else []) + (
                 [f"unexpected keys [{', '.join(extra)}]"] if extra else []
             )
             raise DamchaValueError(
-                f"`{arg}` must have exactly this layer's metric sides {list(sides)} "
-                f"(coupling={coupling!r}): {'; '.join(parts)}. Received keys: {sorted(map(repr, given))}"
+                invalid_argument(
+                    arg,
+                    f"exactly this layer's metric sides {list(sides)} as keys (coupling={coupling!r}): "
+                    + "; ".join(parts),
+                    f"{arg} with keys {sorted(map(repr, given))}",
+                )
             )
         for side in sides:
             if not isinstance(given[side], generator_type):
                 raise DamchaTypeError(
-                    f"`{arg}[{side!r}]` must be a {kind}. Received: {arg}[{side!r}]={describe(given[side])}"
+                    invalid_argument(f"{arg}[{side!r}]", f"a {kind}", f"{arg}[{side!r}]={describe(given[side])}")
                 )
         chosen = {side: given[side] for side in sides}
-        labels = {side: f"`{arg}[{side!r}]`" for side in sides}
+        labels = {side: f"{arg}[{side!r}]" for side in sides}
     else:
         raise DamchaTypeError(
-            f"`{arg}` must be a {kind}, a dict of side -> {kind} for sides {list(sides)}, or None. "
-            f"Received: {arg}={describe(given)}"
+            invalid_argument(
+                arg, f"a {kind}, a dict of side -> {kind} for sides {list(sides)}, or None", f"{arg}={describe(given)}"
+            )
         )
     return chosen, labels
 
@@ -314,14 +333,13 @@ def check_token_shape(name: str, shape: tuple[int, ...], features: int, feature_
     ``"config.query_dim"`` or a port's ``"embed_dim"``).
     """
     shape = tuple(shape)
+    received = f"{name}.shape={shape}"
     if len(shape) != 3:
-        raise DamchaValueError(f"`{name}` must have rank 3, (batch, length, features). Received: {name}.shape={shape}")
+        raise DamchaValueError(invalid_argument(name, "rank 3, (batch, length, features)", received))
     if shape[-1] != features:
-        raise DamchaValueError(
-            f"`{name}` must have {features} features ({feature_arg}). Received: {name}.shape={shape}"
-        )
+        raise DamchaValueError(invalid_argument(name, f"{features} features ({feature_arg})", received))
     if 0 in shape:
-        raise DamchaValueError(f"`{name}` must be non-empty. Received: {name}.shape={shape}")
+        raise DamchaValueError(invalid_argument(name, "a non-empty shape (no size-0 dim)", received))
 
 
 def check_shapes(
@@ -363,32 +381,44 @@ def check_shapes(
     if context_shape is None:
         if config.context_dim != config.query_dim:
             raise DamchaValueError(
-                f"`{context}` is required when {_feature_arg(names, 'context_dim')} != "
-                f"{_feature_arg(names, 'query_dim')} (self-attention reuses the query). Received: {context}=None, "
-                f"{n('query_dim')}={config.query_dim}, {n('context_dim')}={config.context_dim}"
+                invalid_argument(
+                    context,
+                    f"a tensor when {_feature_arg(names, 'context_dim')} != {_feature_arg(names, 'query_dim')} "
+                    "(self-attention reuses the query, so it is required)",
+                    f"{context}=None, {n('query_dim')}={config.query_dim}, {n('context_dim')}={config.context_dim}",
+                )
             )
         context_shape = query_shape
     else:
         check_token_shape(context, context_shape, cast(int, config.context_dim), _feature_arg(names, "context_dim"))
         if context_shape[0] != query_shape[0]:
             raise DamchaValueError(
-                f"`{query}` and `{context}` must have the same batch size. "
-                f"Received: {query}.shape={tuple(query_shape)}, {context}.shape={tuple(context_shape)}"
+                invalid_argument(
+                    context,
+                    f"the batch size of `{query}`",
+                    f"{query}.shape={tuple(query_shape)}, {context}.shape={tuple(context_shape)}",
+                )
             )
     if value_shape is None:
         if config.value_input_dim != config.context_dim:
             raise DamchaValueError(
-                f"`{value}` is required when {_feature_arg(names, 'value_input_dim')} != "
-                f"{_feature_arg(names, 'context_dim')} (the values default to the {context} tokens). "
-                f"Received: {value}=None, {n('context_dim')}={config.context_dim}, "
-                f"{n('value_input_dim')}={config.value_input_dim}"
+                invalid_argument(
+                    value,
+                    f"a tensor when {_feature_arg(names, 'value_input_dim')} != {_feature_arg(names, 'context_dim')} "
+                    f"(the values default to the {context} tokens, so it is required)",
+                    f"{value}=None, {n('context_dim')}={config.context_dim}, "
+                    f"{n('value_input_dim')}={config.value_input_dim}",
+                )
             )
     else:
         check_token_shape(value, value_shape, cast(int, config.value_input_dim), _feature_arg(names, "value_input_dim"))
         if tuple(value_shape[:2]) != tuple(context_shape[:2]):
             raise DamchaValueError(
-                f"`{value}` must have the batch size and length of `{context}` (one value per key). "
-                f"Received: {context}.shape={tuple(context_shape)}, {value}.shape={tuple(value_shape)}"
+                invalid_argument(
+                    value,
+                    f"the batch size and length of `{context}` (one value per key)",
+                    f"{context}.shape={tuple(context_shape)}, {value}.shape={tuple(value_shape)}",
+                )
             )
     # Returned as given, not int(): a port tracing symbolic sizes (torch.export's
     # SymInts) would otherwise pin a dynamic batch or length to its example value.
@@ -397,14 +427,20 @@ def check_shapes(
         mask_shape = tuple(mask_shape)
         target = (B, config.num_heads, N, M)
         if len(mask_shape) not in (2, 4):
-            hint = f" For a (B, N, M) mask pass {mask}[:, None]." if len(mask_shape) == 3 else ""
+            hint = f" (for a (B, N, M) mask pass {mask}[:, None])" if len(mask_shape) == 3 else ""
             raise DamchaValueError(
-                f"`{mask}` must have shape (N, M) or (B, H, N, M) with size-1 dims allowed, expected "
-                f"broadcastable to {target}.{hint} Received: {mask}.shape={mask_shape}"
+                invalid_argument(
+                    mask,
+                    f"shape (N, M) or (B, H, N, M) with size-1 dims allowed, broadcastable to {target}{hint}",
+                    f"{mask}.shape={mask_shape}",
+                )
             )
         if any(s not in (1, t) for s, t in zip(mask_shape[::-1], target[::-1])):
             raise DamchaValueError(
-                f"`{mask}` must be broadcastable to (B, H, N, M) = {target} (each dim equal or 1). "
-                f"Received: {mask}.shape={mask_shape}"
+                invalid_argument(
+                    mask,
+                    f"a shape broadcastable to (B, H, N, M) = {target} (each dim equal or 1)",
+                    f"{mask}.shape={mask_shape}",
+                )
             )
     return B, N, M

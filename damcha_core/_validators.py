@@ -17,7 +17,7 @@ from typing import Any, Literal, overload
 
 import numpy as np
 
-from ._errors import DamchaNotIntegerError, DamchaTypeError, DamchaValueError, describe
+from ._errors import DamchaNotIntegerError, DamchaTypeError, DamchaValueError, describe, invalid_argument
 
 METRICS = ("heads", "lowrank", "none")
 COUPLINGS = ("tied", "separate", "query")
@@ -38,10 +38,22 @@ def check_names(names: Any) -> dict[str, str]:
         return {}
     if not isinstance(names, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in names.items()):
         raise DamchaTypeError(
-            f"`names` must be a mapping of canonical name -> the port's argument name (str -> str) or None. "
-            f"Received: names={describe(names)}"
+            invalid_argument(
+                "names",
+                "a mapping of canonical name -> the port's argument name (str -> str) or None",
+                f"names={describe(names)}",
+            )
         )
     return dict(names)
+
+
+def unknown_fields(unknown: list[str], fields: Any) -> str:
+    """The message for keyword arguments that are not DamchaConfig fields."""
+    listed = ", ".join(f"`{name}`" for name in unknown)
+    return (
+        f"Invalid argument{'s' if len(unknown) > 1 else ''} {listed}: expected DamchaConfig fields, a subset of "
+        f"{list(fields)}. Received: unknown field{'s' if len(unknown) > 1 else ''} {unknown}"
+    )
 
 
 def display(names: Mapping[str, str] | None, canonical: str) -> str:
@@ -65,8 +77,11 @@ def check_int(name: str, value: Any, *, minimum: int = 1, optional: bool = False
     """
     if value is None and optional:
         return None
+    # One message for both failures: a user who passed 1.5 or 0 learns the whole rule at once.
+    message = invalid_argument(
+        name, f"an int >= {minimum}" + (" or None" if optional else ""), f"{name}={describe(value)}"
+    )
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        expected = "an int or None" if optional else "an int"
         # A real number such as 1.5 or 8.0 is the right kind of thing with the wrong value for Keras
         # users (ValueError) and the wrong type for Python's (TypeError): the class is both.
         cls = (
@@ -74,9 +89,9 @@ def check_int(name: str, value: Any, *, minimum: int = 1, optional: bool = False
             if isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
             else DamchaTypeError
         )
-        raise cls(f"`{name}` must be {expected} >= {minimum}. Received: {name}={describe(value)}")
+        raise cls(message)
     if value < minimum:
-        raise DamchaValueError(f"`{name}` must be >= {minimum}. Received: {name}={describe(value)}")
+        raise DamchaValueError(message)
     return int(value)
 
 
@@ -87,10 +102,11 @@ def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
         DamchaTypeError: not a string.
         DamchaValueError: a string that is not one of ``choices``.
     """
+    message = invalid_argument(name, f"one of {choices}", f"{name}={describe(value)}")
     if not isinstance(value, str):
-        raise DamchaTypeError(f"`{name}` must be one of {choices}. Received: {name}={describe(value)}")
+        raise DamchaTypeError(message)
     if value not in choices:
-        raise DamchaValueError(f"`{name}` must be one of {choices}. Received: {name}={describe(value)}")
+        raise DamchaValueError(message)
     return value
 
 
@@ -101,7 +117,7 @@ def check_real(name: str, value: Any) -> float:
         DamchaTypeError: not a real number.
     """
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        raise DamchaTypeError(f"`{name}` must be a real number. Received: {name}={describe(value)}")
+        raise DamchaTypeError(invalid_argument(name, "a real number", f"{name}={describe(value)}"))
     return float(value)
 
 
@@ -112,7 +128,7 @@ def check_bool(name: str, value: Any) -> bool:
         DamchaTypeError: anything else (0/1 ints included).
     """
     if not isinstance(value, (bool, np.bool_)):
-        raise DamchaTypeError(f"`{name}` must be a bool. Received: {name}={describe(value)}")
+        raise DamchaTypeError(invalid_argument(name, "a bool", f"{name}={describe(value)}"))
     return bool(value)
 
 
@@ -125,7 +141,7 @@ def check_rate(name: str, value: Any) -> float:
     """
     rate = check_real(name, value)
     if not 0.0 <= rate < 1.0:
-        raise DamchaValueError(f"`{name}` must be in [0, 1). Received: {name}={describe(value)}")
+        raise DamchaValueError(invalid_argument(name, "a number in [0, 1)", f"{name}={describe(value)}"))
     return rate
 
 
@@ -150,11 +166,12 @@ def check_finite_nonneg(name: str, value: Any) -> float:
         DamchaTypeError: not a real number.
         DamchaValueError: negative, NaN or infinite.
     """
+    message = invalid_argument(name, "a finite number >= 0", f"{name}={describe(value)}")
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        raise DamchaTypeError(f"`{name}` must be a finite number >= 0. Received: {name}={describe(value)}")
+        raise DamchaTypeError(message)
     number = float(value)
     if not (math.isfinite(number) and number >= 0):
-        raise DamchaValueError(f"`{name}` must be a finite number >= 0. Received: {name}={describe(value)}")
+        raise DamchaValueError(message)
     return number
 
 
@@ -211,15 +228,21 @@ def check_tied(
     coupling = n("coupling")
     if num_heads is not None and num_kv_heads is not None and num_kv_heads != num_heads:
         raise DamchaValueError(
-            f"{coupling}='tied' shares one cross-head map between queries and keys, so it needs "
-            f"{n('num_kv_heads')} == {n('num_heads')}; use {coupling}='query' or 'separate' for GQA/MQA. "
-            f"Received: {n('num_heads')}={num_heads}, {n('num_kv_heads')}={num_kv_heads}"
+            invalid_argument(
+                coupling,
+                f"'query' or 'separate' for GQA/MQA: {coupling}='tied' shares one cross-head map between "
+                f"queries and keys, so it needs {n('num_kv_heads')} == {n('num_heads')}",
+                f"{coupling}='tied', {n('num_heads')}={num_heads}, {n('num_kv_heads')}={num_kv_heads}",
+            )
         )
     if query_dim is not None and context_dim is not None and context_dim != query_dim:
         raise DamchaValueError(
-            f"{coupling}='tied' feeds queries and keys to one generator, so it needs "
-            f"{n('context_dim')} == {n('query_dim')}; use {coupling}='separate' or 'query' for other "
-            f"context sizes. Received: {n('query_dim')}={query_dim}, {n('context_dim')}={context_dim}"
+            invalid_argument(
+                coupling,
+                f"'separate' or 'query' for other context sizes: {coupling}='tied' feeds queries and keys to "
+                f"one generator, so it needs {n('context_dim')} == {n('query_dim')}",
+                f"{coupling}='tied', {n('query_dim')}={query_dim}, {n('context_dim')}={context_dim}",
+            )
         )
 
 
@@ -264,7 +287,7 @@ def check_config_fields(
     """
     unknown = sorted(set(fields) - set(CONFIG_FIELDS))
     if unknown:
-        raise DamchaTypeError(f"unknown DamchaConfig field(s) {unknown}. Expected a subset of {list(CONFIG_FIELDS)}")
+        raise DamchaTypeError(unknown_fields(unknown, CONFIG_FIELDS))
     n = functools.partial(display, names)
     values = {**_DEFAULTS, **fields}
     out: dict[str, Any] = {}
@@ -277,8 +300,11 @@ def check_config_fields(
     H, G = out["num_heads"], out["num_kv_heads"]
     if H is not None and G is not None and H % G:
         raise DamchaValueError(
-            f"`{n('num_heads')}` must be divisible by `{n('num_kv_heads')}` (each key/value head serves a "
-            f"whole group of query heads). Received: {n('num_heads')}={H}, {n('num_kv_heads')}={G}"
+            invalid_argument(
+                n("num_heads"),
+                f"a multiple of `{n('num_kv_heads')}` (each key/value head serves a whole group of query heads)",
+                f"{n('num_heads')}={H}, {n('num_kv_heads')}={G}",
+            )
         )
     out["use_bias"] = check_bool(n("use_bias"), values["use_bias"])
     metric = out["metric"] = check_choice(n("metric"), values["metric"], METRICS)
@@ -289,14 +315,20 @@ def check_config_fields(
     if metric == "lowrank":
         if rank is None:
             raise DamchaValueError(
-                f"`{n('metric_rank')}` is required with {n('metric')}='lowrank' and must be an int >= 1. "
-                f"Received: {n('metric_rank')}=None"
+                invalid_argument(
+                    n("metric_rank"),
+                    f"an int >= 1 with {n('metric')}='lowrank' (it is required)",
+                    f"{n('metric_rank')}=None",
+                )
             )
         out["metric_rank"] = check_int(n("metric_rank"), rank)
     elif rank is not None:
         raise DamchaValueError(
-            f"`{n('metric_rank')}` is only used with {n('metric')}='lowrank'; leave it None. "
-            f"Received: {n('metric')}={metric!r}, {n('metric_rank')}={describe(rank)}"
+            invalid_argument(
+                n("metric_rank"),
+                f"None with {n('metric')}={metric!r} (it is only used with {n('metric')}='lowrank')",
+                f"{n('metric')}={metric!r}, {n('metric_rank')}={describe(rank)}",
+            )
         )
     else:
         out["metric_rank"] = None
@@ -310,9 +342,7 @@ def check_config_fields(
     if scale is not None:
         scale = check_real(n("scale"), scale)
         if not (math.isfinite(scale) and scale > 0):
-            raise DamchaValueError(
-                f"`{n('scale')}` must be a finite number > 0 or None. Received: {n('scale')}={scale}"
-            )
+            raise DamchaValueError(invalid_argument(n("scale"), "a finite number > 0 or None", f"{n('scale')}={scale}"))
     out["scale"] = scale
     out["dropout"] = check_rate(n("dropout"), values["dropout"])
     return {k: out[k] for k in fields} if partial else out

@@ -22,23 +22,23 @@ BASE = dict(query_dim=8, num_heads=4, key_dim=2)
 @pytest.mark.parametrize(
     "kwargs, error, pattern",
     [
-        (dict(query_dim=0), dc.DamchaValueError, r"`query_dim` must be >= 1\. Received: query_dim=0"),
-        (dict(num_heads=2.0), dc.DamchaTypeError, r"`num_heads` must be an int.*Received: num_heads=2\.0"),
-        (dict(key_dim=True), dc.DamchaTypeError, r"`key_dim` must be an int.*Received: key_dim=True"),
-        (dict(num_kv_heads=3, coupling="query"), dc.DamchaValueError, r"divisible by `num_kv_heads`.*num_heads=4, num_kv_heads=3"),
+        (dict(query_dim=0), dc.DamchaValueError, r"Invalid argument `query_dim`: expected an int >= 1\. Received: query_dim=0"),
+        (dict(num_heads=2.0), dc.DamchaTypeError, r"^Invalid argument `num_heads`: expected an int >= 1\. Received: num_heads=2\.0$"),
+        (dict(key_dim=True), dc.DamchaTypeError, r"^Invalid argument `key_dim`: expected an int >= 1\. Received: key_dim=True$"),
+        (dict(num_kv_heads=3, coupling="query"), dc.DamchaValueError, r"^Invalid argument `num_heads`: expected a multiple of `num_kv_heads`.*Received: num_heads=4, num_kv_heads=3$"),
         (dict(num_kv_heads=2, coupling="tied"), dc.DamchaValueError, r"coupling='tied'.*num_kv_heads == num_heads.*num_heads=4, num_kv_heads=2"),
         (dict(context_dim=6, coupling="tied"), dc.DamchaValueError, r"coupling='tied'.*context_dim == query_dim.*query_dim=8, context_dim=6"),
-        (dict(metric="full"), dc.DamchaValueError, r"`metric` must be one of \('heads', 'lowrank', 'none'\)\. Received: metric='full'"),
-        (dict(coupling=3), dc.DamchaTypeError, r"`coupling` must be one of \('tied', 'separate', 'query', 'auto'\)\. Received: coupling=3"),
-        (dict(metric="lowrank"), dc.DamchaValueError, r"`metric_rank` is required with metric='lowrank'"),
-        (dict(metric="lowrank", metric_rank=0), dc.DamchaValueError, r"`metric_rank` must be >= 1\. Received: metric_rank=0"),
+        (dict(metric="full"), dc.DamchaValueError, r"Invalid argument `metric`: expected one of \('heads', 'lowrank', 'none'\)\. Received: metric='full'"),
+        (dict(coupling=3), dc.DamchaTypeError, r"Invalid argument `coupling`: expected one of \('tied', 'separate', 'query', 'auto'\)\. Received: coupling=3"),
+        (dict(metric="lowrank"), dc.DamchaValueError, r"Invalid argument `metric_rank`: expected an int >= 1 with metric='lowrank'"),
+        (dict(metric="lowrank", metric_rank=0), dc.DamchaValueError, r"Invalid argument `metric_rank`: expected an int >= 1\. Received: metric_rank=0"),
         (dict(metric_rank=2), dc.DamchaValueError, r"only used with metric='lowrank'.*metric='heads', metric_rank=2"),
-        (dict(scale=0.0), dc.DamchaValueError, r"`scale` must be a finite number > 0.*scale=0\.0"),
-        (dict(scale=float("nan")), dc.DamchaValueError, r"`scale` must be a finite number > 0"),
-        (dict(scale="1"), dc.DamchaTypeError, r"`scale` must be a real number"),
-        (dict(dropout=1.0), dc.DamchaValueError, r"`dropout` must be in \[0, 1\)\. Received: dropout=1\.0"),
-        (dict(use_bias=1), dc.DamchaTypeError, r"`use_bias` must be a bool\. Received: use_bias=1"),
-        (dict(value_dim=-1), dc.DamchaValueError, r"`value_dim` must be >= 1\. Received: value_dim=-1"),
+        (dict(scale=0.0), dc.DamchaValueError, r"Invalid argument `scale`: expected a finite number > 0.*scale=0\.0"),
+        (dict(scale=float("nan")), dc.DamchaValueError, r"Invalid argument `scale`: expected a finite number > 0"),
+        (dict(scale="1"), dc.DamchaTypeError, r"Invalid argument `scale`: expected a real number"),
+        (dict(dropout=1.0), dc.DamchaValueError, r"Invalid argument `dropout`: expected a number in \[0, 1\)\. Received: dropout=1\.0"),
+        (dict(use_bias=1), dc.DamchaTypeError, r"Invalid argument `use_bias`: expected a bool\. Received: use_bias=1"),
+        (dict(value_dim=-1), dc.DamchaValueError, r"Invalid argument `value_dim`: expected an int >= 1 or None\. Received: value_dim=-1"),
     ],
     ids=lambda v: v if isinstance(v, str) else None,
 )
@@ -88,7 +88,7 @@ def test_to_dict_from_dict_round_trip_through_json(kwargs):
 
 
 def test_from_dict_rejects_unknown_keys():
-    with pytest.raises(dc.DamchaValueError, match=r"not DamchaConfig fields: \['heads'\]"):
+    with pytest.raises(dc.DamchaValueError, match=r"^Invalid argument `data`: expected DamchaConfig fields as keys.*Received: data with unknown keys \['heads'\]$"):
         dc.DamchaConfig.from_dict({**BASE, "heads": 3})
 
 
@@ -123,32 +123,32 @@ C = np.zeros((2, 5, 6))
 @pytest.mark.parametrize(
     "call, error, pattern",
     [
-        (lambda: dc.damcha_attention(P, CFG, X[0], C), dc.DamchaValueError, r"`query` must have rank 3.*Received: query.shape=\(3, 8\)"),
-        (lambda: dc.damcha_attention(P, CFG, X[..., :7], C), dc.DamchaValueError, r"`query` must have 8 features \(config.query_dim\)\. Received: query.shape=\(2, 3, 7\)"),
-        (lambda: dc.damcha_attention(P, CFG, X, C[..., :5]), dc.DamchaValueError, r"`context` must have 6 features.*context.shape=\(2, 5, 5\)"),
-        (lambda: dc.damcha_attention(P, CFG, X, C[:1]), dc.DamchaValueError, r"same batch size.*query.shape=\(2, 3, 8\), context.shape=\(1, 5, 6\)"),
-        (lambda: dc.damcha_attention(P, CFG, X), dc.DamchaValueError, r"`context` is required.*query_dim=8, context_dim=6"),
-        (lambda: dc.damcha_attention(P, CFG, X[:, :0], C), dc.DamchaValueError, r"`query` must be non-empty"),
+        (lambda: dc.damcha_attention(P, CFG, X[0], C), dc.DamchaValueError, r"Invalid argument `query`: expected rank 3.*Received: query.shape=\(3, 8\)"),
+        (lambda: dc.damcha_attention(P, CFG, X[..., :7], C), dc.DamchaValueError, r"Invalid argument `query`: expected 8 features \(config.query_dim\)\. Received: query.shape=\(2, 3, 7\)"),
+        (lambda: dc.damcha_attention(P, CFG, X, C[..., :5]), dc.DamchaValueError, r"Invalid argument `context`: expected 6 features.*context.shape=\(2, 5, 5\)"),
+        (lambda: dc.damcha_attention(P, CFG, X, C[:1]), dc.DamchaValueError, r"^Invalid argument `context`: expected the batch size of `query`\. Received: query.shape=\(2, 3, 8\), context.shape=\(1, 5, 6\)$"),
+        (lambda: dc.damcha_attention(P, CFG, X), dc.DamchaValueError, r"^Invalid argument `context`: expected a tensor when config.context_dim != config.query_dim .*Received: context=None, query_dim=8, context_dim=6$"),
+        (lambda: dc.damcha_attention(P, CFG, X[:, :0], C), dc.DamchaValueError, r"Invalid argument `query`: expected a non-empty shape"),
         (lambda: dc.damcha_attention(P, CFG, X.astype(int), C), dc.DamchaTypeError, r"`query` must be a real floating tensor.*dtype=int64"),
         (lambda: dc.damcha_attention(P, CFG, X, C.astype(complex)), dc.DamchaTypeError, r"`context` must be a real floating"),
         (lambda: dc.damcha_attention(P, CFG, X, C, mask=np.ones((2, 3, 5))), dc.DamchaTypeError, r"`mask` must be boolean.*dtype=float64"),
         (lambda: dc.damcha_attention(P, CFG, X, C, mask=np.ones((2, 3, 5), bool)), dc.DamchaValueError, r"pass mask\[:, None\].*mask.shape=\(2, 3, 5\)"),
         (lambda: dc.damcha_attention(P, CFG, X, C, mask=np.ones((2, 4, 3, 4), bool)), dc.DamchaValueError, r"broadcastable to \(B, H, N, M\) = \(2, 4, 3, 5\).*mask.shape=\(2, 4, 3, 4\)"),
         (lambda: dc.damcha_attention(P, CFG, X, C, mask=np.ones((3, 5), bool)[None]), dc.DamchaValueError, r"mask.shape=\(1, 3, 5\)"),
-        (lambda: dc.damcha_attention(P, CFG, X, C, causal=1), dc.DamchaTypeError, r"`causal` must be a bool\. Received: causal=1"),
-        (lambda: dc.damcha_attention(P, CFG, X, C, return_weights="yes"), dc.DamchaTypeError, r"`return_weights` must be a bool"),
+        (lambda: dc.damcha_attention(P, CFG, X, C, causal=1), dc.DamchaTypeError, r"Invalid argument `causal`: expected a bool\. Received: causal=1"),
+        (lambda: dc.damcha_attention(P, CFG, X, C, return_weights="yes"), dc.DamchaTypeError, r"Invalid argument `return_weights`: expected a bool"),
         (lambda: dc.damcha_attention(P, CFG, X, C, query_offset=-1), dc.DamchaValueError, r"`query_offset` must be an int >= 0\. Received: query_offset=-1"),
-        (lambda: dc.damcha_attention(P, CFG, X, C, path="slow"), dc.DamchaValueError, r"`path` must be one of \('fast', 'explicit'\)"),
+        (lambda: dc.damcha_attention(P, CFG, X, C, path="slow"), dc.DamchaValueError, r"Invalid argument `path`: expected one of \('fast', 'explicit'\)"),
         (lambda: dc.damcha_attention(P, {"query_dim": 8}, X, C), dc.DamchaTypeError, r"`config` must be a DamchaConfig"),
         (lambda: dc.damcha_attention({k: v for k, v in P.items() if k != "key.bias"}, CFG, X, C), dc.DamchaValueError, r"missing \['key.bias'\]"),
         (lambda: dc.damcha_attention({**P, "extra": np.zeros(1)}, CFG, X, C), dc.DamchaValueError, r"unexpected \['extra'\]"),
         (lambda: dc.damcha_attention({**P, "metric.q.gate": np.zeros(3)}, CFG, X, C), dc.DamchaValueError, r"`params\['metric.q.gate'\]` must have shape \(4,\).*Received: params\['metric.q.gate'\].shape=\(3,\)"),
         (lambda: dc.damcha_attention({**P, "query.bias": np.zeros((4, 2), int)}, CFG, X, C), dc.DamchaTypeError, r"`params\['query.bias'\]` must be a real floating array"),
         (lambda: dc.damcha_attention({**P, "query.bias": np.full((4, 2), np.nan)}, CFG, X, C), dc.DamchaValueError, r"`params\['query.bias'\]` contains NaN or inf values; expected finite values\. Received: 8 NaN and 0 inf of 8 entries, shape=\(4, 2\)"),
-        (lambda: dc.init_params(CFG, seed=1.5), dc.DamchaTypeError, r"`seed` must be an int >= 0\. Received: seed=1\.5"),
-        (lambda: dc.init_params(CFG, seed=-1), dc.DamchaValueError, r"`seed` must be >= 0\. Received: seed=-1"),
-        (lambda: dc.init_params(CFG, seed=None), dc.DamchaTypeError, r"`seed` must be an int >= 0\. Received: seed=None"),
-        (lambda: dc.metric_penalty(P, CFG, X), dc.DamchaValueError, r"`context` is required"),
+        (lambda: dc.init_params(CFG, seed=1.5), dc.DamchaTypeError, r"Invalid argument `seed`: expected an int >= 0\. Received: seed=1\.5"),
+        (lambda: dc.init_params(CFG, seed=-1), dc.DamchaValueError, r"Invalid argument `seed`: expected an int >= 0\. Received: seed=-1"),
+        (lambda: dc.init_params(CFG, seed=None), dc.DamchaTypeError, r"Invalid argument `seed`: expected an int >= 0\. Received: seed=None"),
+        (lambda: dc.metric_penalty(P, CFG, X), dc.DamchaValueError, r"^Invalid argument `context`: expected a tensor when"),
     ],
     ids=lambda v: None,
 )
@@ -202,7 +202,7 @@ def test_check_params_rejects_like_validate_params():
 
 
 def test_from_dict_names_missing_required_fields():
-    with pytest.raises(dc.DamchaValueError, match=r"lacks the required DamchaConfig fields \['num_heads'\]\. Received keys: \['key_dim', 'query_dim'\]"):
+    with pytest.raises(dc.DamchaValueError, match=r"^Invalid argument `data`: expected the required DamchaConfig fields \['num_heads'\] among its keys\. Received: data with keys \['key_dim', 'query_dim'\]$"):
         dc.DamchaConfig.from_dict({"query_dim": 8, "key_dim": 4})
 
 
@@ -236,4 +236,4 @@ def test_messages_stay_one_line_for_list_inputs():
     assert "\n" not in str(info.value) and "0.125" not in str(info.value)
     with pytest.raises(dc.DamchaTypeError) as info:
         dc.check_bool("causal", nested)
-    assert str(info.value) == "`causal` must be a bool. Received: causal=list(len=1, element type list)"
+    assert str(info.value) == "Invalid argument `causal`: expected a bool. Received: causal=list(len=1, element type list)"

@@ -160,7 +160,10 @@ def _invalid_config(tmp_path):
         (_header_garbage, r"its header is not safetensors JSON"),
         (_truncated, r"the file is truncated: its header describes \d+ bytes of tensors, it holds \d+"),
         (_bad_config, r"its damcha_config metadata is not valid JSON"),
-        (_invalid_config, r"its damcha_config metadata is not a valid config \(`num_heads` must be >= 1"),
+        (
+            _invalid_config,
+            r"its damcha_config metadata is not a valid config \(Invalid argument `num_heads`: expected an int >= 1",
+        ),
     ],
     ids=[
         "missing",

@@ -31,31 +31,31 @@ TORCH_SHAPE_NAMES = {
 @pytest.mark.parametrize(
     "call, error, pattern",
     [
-        (lambda: dc.check_int("heads_arg", 0), dc.DamchaValueError, r"^`heads_arg` must be >= 1\. Received: heads_arg=0$"),
-        (lambda: dc.check_int("heads_arg", 2.0), dc.DamchaTypeError, r"^`heads_arg` must be an int >= 1\. Received: heads_arg=2\.0$"),
-        (lambda: dc.check_int("heads_arg", True), dc.DamchaTypeError, r"^`heads_arg` must be an int >= 1\. Received: heads_arg=True$"),
+        (lambda: dc.check_int("heads_arg", 0), dc.DamchaValueError, r"^Invalid argument `heads_arg`: expected an int >= 1\. Received: heads_arg=0$"),
+        (lambda: dc.check_int("heads_arg", 2.0), dc.DamchaTypeError, r"^Invalid argument `heads_arg`: expected an int >= 1\. Received: heads_arg=2\.0$"),
+        (lambda: dc.check_int("heads_arg", True), dc.DamchaTypeError, r"^Invalid argument `heads_arg`: expected an int >= 1\. Received: heads_arg=True$"),
         (lambda: dc.check_int("heads_arg", np.bool_(True)), dc.DamchaTypeError, r"Received: heads_arg=True$"),
-        (lambda: dc.check_int("heads_arg", None), dc.DamchaTypeError, r"must be an int >= 1\. Received: heads_arg=None"),
-        (lambda: dc.check_int("heads_arg", "3", optional=True), dc.DamchaTypeError, r"^`heads_arg` must be an int or None >= 1\. Received: heads_arg='3'$"),
-        (lambda: dc.check_int("pos", -2, minimum=0), dc.DamchaValueError, r"^`pos` must be >= 0\. Received: pos=-2$"),
-        (lambda: dc.check_choice("kind", "full", ("a", "b")), dc.DamchaValueError, r"^`kind` must be one of \('a', 'b'\)\. Received: kind='full'$"),
-        (lambda: dc.check_choice("kind", 1, ("a", "b")), dc.DamchaTypeError, r"^`kind` must be one of \('a', 'b'\)\. Received: kind=1$"),
-        (lambda: dc.check_real("temp", "1"), dc.DamchaTypeError, r"^`temp` must be a real number\. Received: temp='1'$"),
+        (lambda: dc.check_int("heads_arg", None), dc.DamchaTypeError, r"^Invalid argument `heads_arg`: expected an int >= 1\. Received: heads_arg=None$"),
+        (lambda: dc.check_int("heads_arg", "3", optional=True), dc.DamchaTypeError, r"^Invalid argument `heads_arg`: expected an int >= 1 or None\. Received: heads_arg='3'$"),
+        (lambda: dc.check_int("pos", -2, minimum=0), dc.DamchaValueError, r"^Invalid argument `pos`: expected an int >= 0\. Received: pos=-2$"),
+        (lambda: dc.check_choice("kind", "full", ("a", "b")), dc.DamchaValueError, r"^Invalid argument `kind`: expected one of \('a', 'b'\)\. Received: kind='full'$"),
+        (lambda: dc.check_choice("kind", 1, ("a", "b")), dc.DamchaTypeError, r"^Invalid argument `kind`: expected one of \('a', 'b'\)\. Received: kind=1$"),
+        (lambda: dc.check_real("temp", "1"), dc.DamchaTypeError, r"^Invalid argument `temp`: expected a real number\. Received: temp='1'$"),
         (lambda: dc.check_real("temp", False), dc.DamchaTypeError, r"Received: temp=False$"),
         (lambda: dc.check_real("temp", 1j), dc.DamchaTypeError, r"Received: temp=1j$"),
-        (lambda: dc.check_bool("flag", 1), dc.DamchaTypeError, r"^`flag` must be a bool\. Received: flag=1$"),
-        (lambda: dc.check_bool("flag", "yes"), dc.DamchaTypeError, r"^`flag` must be a bool\. Received: flag='yes'$"),
-        (lambda: dc.check_rate("drop", 1.0), dc.DamchaValueError, r"^`drop` must be in \[0, 1\)\. Received: drop=1\.0$"),
+        (lambda: dc.check_bool("flag", 1), dc.DamchaTypeError, r"^Invalid argument `flag`: expected a bool\. Received: flag=1$"),
+        (lambda: dc.check_bool("flag", "yes"), dc.DamchaTypeError, r"^Invalid argument `flag`: expected a bool\. Received: flag='yes'$"),
+        (lambda: dc.check_rate("drop", 1.0), dc.DamchaValueError, r"^Invalid argument `drop`: expected a number in \[0, 1\)\. Received: drop=1\.0$"),
         (lambda: dc.check_rate("drop", -0.1), dc.DamchaValueError, r"Received: drop=-0\.1$"),
         (lambda: dc.check_rate("drop", float("nan")), dc.DamchaValueError, r"Received: drop=nan$"),
-        (lambda: dc.check_rate("drop", "0.1"), dc.DamchaTypeError, r"^`drop` must be a real number\. Received: drop='0\.1'$"),
-        (lambda: dc.check_seed("rng_seed", -1), dc.DamchaValueError, r"^`rng_seed` must be >= 0\. Received: rng_seed=-1$"),
-        (lambda: dc.check_seed("rng_seed", 1.5), dc.DamchaTypeError, r"^`rng_seed` must be an int or None >= 0\. Received: rng_seed=1\.5$"),
-        (lambda: dc.check_seed("rng_seed", None, optional=False), dc.DamchaTypeError, r"^`rng_seed` must be an int >= 0\. Received: rng_seed=None$"),
-        (lambda: dc.check_finite_nonneg("l2", -1.0), dc.DamchaValueError, r"^`l2` must be a finite number >= 0\. Received: l2=-1\.0$"),
+        (lambda: dc.check_rate("drop", "0.1"), dc.DamchaTypeError, r"^Invalid argument `drop`: expected a real number\. Received: drop='0\.1'$"),
+        (lambda: dc.check_seed("rng_seed", -1), dc.DamchaValueError, r"^Invalid argument `rng_seed`: expected an int >= 0 or None\. Received: rng_seed=-1$"),
+        (lambda: dc.check_seed("rng_seed", 1.5), dc.DamchaTypeError, r"^Invalid argument `rng_seed`: expected an int >= 0 or None\. Received: rng_seed=1\.5$"),
+        (lambda: dc.check_seed("rng_seed", None, optional=False), dc.DamchaTypeError, r"^Invalid argument `rng_seed`: expected an int >= 0\. Received: rng_seed=None$"),
+        (lambda: dc.check_finite_nonneg("l2", -1.0), dc.DamchaValueError, r"^Invalid argument `l2`: expected a finite number >= 0\. Received: l2=-1\.0$"),
         (lambda: dc.check_finite_nonneg("l2", float("inf")), dc.DamchaValueError, r"Received: l2=inf$"),
         (lambda: dc.check_finite_nonneg("l2", float("nan")), dc.DamchaValueError, r"Received: l2=nan$"),
-        (lambda: dc.check_finite_nonneg("l2", "0"), dc.DamchaTypeError, r"^`l2` must be a finite number >= 0\. Received: l2='0'$"),
+        (lambda: dc.check_finite_nonneg("l2", "0"), dc.DamchaTypeError, r"^Invalid argument `l2`: expected a finite number >= 0\. Received: l2='0'$"),
         (lambda: dc.check_finite_nonneg("l2", True), dc.DamchaTypeError, r"Received: l2=True$"),
     ],
     ids=lambda v: None,
@@ -85,13 +85,14 @@ def test_validators_accept_and_normalise():
 @pytest.mark.parametrize(
     "fields, error, pattern",
     [
-        (dict(query_dim=16.0, num_heads=4, key_dim=4), dc.DamchaTypeError, r"^`embed_dim` must be an int >= 1\. Received: embed_dim=16\.0$"),
-        (dict(query_dim=16, num_heads=4, key_dim=4, use_bias="no"), dc.DamchaTypeError, r"^`bias` must be a bool\. Received: bias='no'$"),
-        (dict(query_dim=16, num_heads=4, key_dim=4, context_dim=0), dc.DamchaValueError, r"^`kdim` must be >= 1\. Received: kdim=0$"),
+        (dict(query_dim=16.0, num_heads=4, key_dim=4), dc.DamchaTypeError, r"^Invalid argument `embed_dim`: expected an int >= 1\. Received: embed_dim=16\.0$"),
+        (dict(query_dim=16, num_heads=4, key_dim=4, use_bias="no"), dc.DamchaTypeError, r"^Invalid argument `bias`: expected a bool\. Received: bias='no'$"),
+        (dict(query_dim=16, num_heads=4, key_dim=4, context_dim=0), dc.DamchaValueError, r"^Invalid argument `kdim`: expected an int >= 1 or None\. Received: kdim=0$"),
         (dict(query_dim=16, num_heads=4, key_dim=4, context_dim=12, coupling="tied"), dc.DamchaValueError,
-         r"coupling='tied' feeds .* needs kdim == embed_dim; .*Received: embed_dim=16, kdim=12$"),
-        (dict(query_dim=16, num_heads=4, key_dim=4, value_input_dim=-3), dc.DamchaValueError, r"^`vdim` must be >= 1\. Received: vdim=-3$"),
-        (dict(num_heads=4, key_dim=4), dc.DamchaTypeError, r"^`embed_dim` must be an int >= 1\. Received: embed_dim=None$"),
+         r"^Invalid argument `coupling`: expected 'separate' or 'query' .*coupling='tied' feeds .* needs kdim == embed_dim\. "
+         r"Received: coupling='tied', embed_dim=16, kdim=12$"),
+        (dict(query_dim=16, num_heads=4, key_dim=4, value_input_dim=-3), dc.DamchaValueError, r"^Invalid argument `vdim`: expected an int >= 1 or None\. Received: vdim=-3$"),
+        (dict(num_heads=4, key_dim=4), dc.DamchaTypeError, r"^Invalid argument `embed_dim`: expected an int >= 1\. Received: embed_dim=None$"),
     ],
     ids=["embed-type", "bias-type", "kdim-zero", "tied-kdim", "vdim", "embed-missing"],
 )
@@ -107,7 +108,7 @@ def test_make_config_builds_the_same_config_and_leaks_no_names():
     with pytest.raises(dc.DamchaValueError):
         dc.make_config(names=TORCH_CONFIG_NAMES, query_dim=0, num_heads=4, key_dim=4)
     # names apply only inside make_config: a plain DamchaConfig speaks of its own fields again
-    with pytest.raises(dc.DamchaValueError, match=r"^`query_dim` must be >= 1\. Received: query_dim=0$"):
+    with pytest.raises(dc.DamchaValueError, match=r"^Invalid argument `query_dim`: expected an int >= 1\. Received: query_dim=0$"):
         dc.DamchaConfig(query_dim=0, num_heads=4, key_dim=4)
 
 
@@ -125,7 +126,7 @@ def test_make_config_names_are_per_thread():
 
     cfg = dc.make_config(names={"query_dim": "embed_dim"}, query_dim=HookInt(4), num_heads=1, key_dim=1)
     assert cfg.query_dim == 4
-    assert seen == ["`query_dim` must be >= 1. Received: query_dim=0"]
+    assert seen == ["Invalid argument `query_dim`: expected an int >= 1. Received: query_dim=0"]
 
 
 def _message(call) -> str:
@@ -137,9 +138,9 @@ def _message(call) -> str:
 
 
 def test_make_config_rejects_unknown_fields_and_bad_names():
-    with pytest.raises(dc.DamchaTypeError, match=r"unknown DamchaConfig field\(s\) \['heads'\]"):
+    with pytest.raises(dc.DamchaTypeError, match=r"^Invalid argument `heads`: expected DamchaConfig fields.*Received: unknown field \['heads'\]$"):
         dc.make_config(query_dim=4, num_heads=1, key_dim=1, heads=3)
-    with pytest.raises(dc.DamchaTypeError, match=r"`names` must be a mapping.*Received: names=\['embed_dim'\]"):
+    with pytest.raises(dc.DamchaTypeError, match=r"Invalid argument `names`: expected a mapping.*Received: names=\['embed_dim'\]"):
         dc.make_config(names=["embed_dim"], query_dim=4, num_heads=1, key_dim=1)
 
 
@@ -161,15 +162,15 @@ def test_check_layer_args_validates_without_input_sizes():
 @pytest.mark.parametrize(
     "fields, error, pattern",
     [
-        (dict(num_heads=4, key_dim=2, output_dim=0), dc.DamchaValueError, r"^`output_shape` must be >= 1\. Received: output_shape=0$"),
-        (dict(num_heads=4, num_kv_heads=3), dc.DamchaValueError, r"`num_heads` must be divisible by `num_kv_heads`.*num_heads=4, num_kv_heads=3"),
+        (dict(num_heads=4, key_dim=2, output_dim=0), dc.DamchaValueError, r"^Invalid argument `output_shape`: expected an int >= 1 or None\. Received: output_shape=0$"),
+        (dict(num_heads=4, num_kv_heads=3), dc.DamchaValueError, r"Invalid argument `num_heads`: expected a multiple of `num_kv_heads`.*num_heads=4, num_kv_heads=3"),
         (dict(num_heads=4, num_kv_heads=2, coupling="tied"), dc.DamchaValueError, r"coupling='tied'.*num_kv_heads == num_heads"),
-        (dict(metric="lowrank"), dc.DamchaValueError, r"`metric_rank` is required with metric='lowrank'"),
+        (dict(metric="lowrank"), dc.DamchaValueError, r"Invalid argument `metric_rank`: expected an int >= 1 with metric='lowrank'"),
         (dict(metric="heads", metric_rank=2), dc.DamchaValueError, r"only used with metric='lowrank'"),
-        (dict(dropout=1.5), dc.DamchaValueError, r"^`dropout` must be in \[0, 1\)\. Received: dropout=1\.5$"),
-        (dict(coupling="both"), dc.DamchaValueError, r"`coupling` must be one of \('tied', 'separate', 'query', 'auto'\)"),
-        (dict(scale=-1.0), dc.DamchaValueError, r"`scale` must be a finite number > 0 or None"),
-        (dict(num_heads=4, heads=2), dc.DamchaTypeError, r"unknown DamchaConfig field\(s\) \['heads'\]"),
+        (dict(dropout=1.5), dc.DamchaValueError, r"^Invalid argument `dropout`: expected a number in \[0, 1\)\. Received: dropout=1\.5$"),
+        (dict(coupling="both"), dc.DamchaValueError, r"Invalid argument `coupling`: expected one of \('tied', 'separate', 'query', 'auto'\)"),
+        (dict(scale=-1.0), dc.DamchaValueError, r"Invalid argument `scale`: expected a finite number > 0 or None"),
+        (dict(num_heads=4, heads=2), dc.DamchaTypeError, r"^Invalid argument `heads`: expected DamchaConfig fields.*Received: unknown field \['heads'\]$"),
     ],
     ids=["output-shape", "divisible", "tied-gqa", "rank-missing", "rank-extra", "dropout", "coupling", "scale", "unknown"],
 )
@@ -231,12 +232,12 @@ def test_resolve_coupling_keeps_explicit_choices_and_checks_tied():
     for coupling in ("tied", "separate", "query"):
         assert dc.resolve_coupling(coupling, **kw) == coupling
     assert dc.resolve_coupling("query", metric="heads", query_dim=8, context_dim=None, num_heads=4, num_kv_heads=None) == "query"
-    with pytest.raises(dc.DamchaValueError, match=r"coupling='tied'.*needs kdim == embed_dim.*Received: embed_dim=8, kdim=6"):
+    with pytest.raises(dc.DamchaValueError, match=r"^Invalid argument `coupling`: .*coupling='tied'.*needs kdim == embed_dim.*Received: coupling='tied', embed_dim=8, kdim=6$"):
         dc.resolve_coupling("tied", **{**kw, "context_dim": 6}, names=TORCH_CONFIG_NAMES)
     assert dc.resolve_coupling("tied", **{**kw, "metric": "none", "num_kv_heads": 2}) == "tied"
-    with pytest.raises(dc.DamchaValueError, match=r"`coupling` must be one of"):
+    with pytest.raises(dc.DamchaValueError, match=r"Invalid argument `coupling`: expected one of"):
         dc.resolve_coupling("mixed", **kw)
-    with pytest.raises(dc.DamchaTypeError, match=r"`same_inputs` must be a bool"):
+    with pytest.raises(dc.DamchaTypeError, match=r"Invalid argument `same_inputs`: expected a bool"):
         dc.resolve_coupling(None, **kw, same_inputs="no")
 
 
@@ -281,17 +282,17 @@ def test_resolve_generators_accepts_what_fits():
 # A table, one case a line (not reformatted).
 # fmt: off
 GENERATOR_RULES = [
-        (Gen(8, 4), NONE, dc.DamchaValueError, r"^`metric_generator` must be None with metric='none'"),
-        ({"qk": Gen(8, 4)}, NONE, dc.DamchaValueError, r"must be None with metric='none'.*keys \[\"'qk'\"\]"),
-        (Gen(8, 4), SEPARATE, dc.DamchaValueError, r"^`metric_generator` must be a dict \{'q': \.\.\., 'k': \.\.\.\} with coupling='separate'"),
+        (Gen(8, 4), NONE, dc.DamchaValueError, r"^Invalid argument `metric_generator`: expected None with metric='none'"),
+        ({"qk": Gen(8, 4)}, NONE, dc.DamchaValueError, r"^Invalid argument `metric_generator`: expected None with metric='none'.*Received: metric_generator with keys \[\"'qk'\"\]$"),
+        (Gen(8, 4), SEPARATE, dc.DamchaValueError, r"^Invalid argument `metric_generator`: expected a dict \{'q': \.\.\., 'k': \.\.\.\} with coupling='separate'"),
         ({"q": Gen(8, 4)}, SEPARATE, dc.DamchaValueError, r"exactly this layer's metric sides \['q', 'k'\].*missing sides \['k'\]"),
         ({"q": Gen(8, 4), "k": Gen(6, 2), "v": Gen(6, 2)}, SEPARATE, dc.DamchaValueError, r"unexpected keys \['v'\]"),
         ({"q": Gen(8, 4)}, TIED, dc.DamchaValueError, r"missing sides \['qk'\]; unexpected keys \['q'\]"),
-        ({"q": Gen(8, 4), "k": OtherGen()}, SEPARATE, dc.DamchaTypeError, r"^`metric_generator\['k'\]` must be a Gen\. Received: metric_generator\['k'\]=<"),
-        (OtherGen(), TIED, dc.DamchaTypeError, r"^`metric_generator` must be a Gen, a dict of side -> Gen for sides \['qk'\], or None"),
+        ({"q": Gen(8, 4), "k": OtherGen()}, SEPARATE, dc.DamchaTypeError, r"^Invalid argument `metric_generator\['k'\]`: expected a Gen\. Received: metric_generator\['k'\]=<"),
+        (OtherGen(), TIED, dc.DamchaTypeError, r"^Invalid argument `metric_generator`: expected a Gen, a dict of side -> Gen for sides \['qk'\], or None"),
         ([Gen(8, 4)], TIED, dc.DamchaTypeError, r"Received: metric_generator=list\(len=1"),
-        (Gen(6, 4), TIED, dc.DamchaValueError, r"^`metric_generator` does not fit side 'qk' of this layer: features=6 \(expected 8\)\."),
-        ({"q": Gen(8, 4), "k": Gen(6, 4)}, SEPARATE, dc.DamchaValueError, r"^`metric_generator\['k'\]` does not fit side 'k'.*heads=4 \(expected 2\)"),
+        (Gen(6, 4), TIED, dc.DamchaValueError, r"^Invalid argument `metric_generator`: expected a generator that fits side 'qk' of this layer; it differs in features=6 \(expected 8\)\. Received: metric_generator with GeneratorSpec\(features=6"),
+        ({"q": Gen(8, 4), "k": Gen(6, 4)}, SEPARATE, dc.DamchaValueError, r"^Invalid argument `metric_generator\['k'\]`: expected a generator that fits side 'k'.*heads=4 \(expected 2\)"),
         (Gen(8, 4, "lowrank", 2, 3), TIED, dc.DamchaValueError, r"metric='lowrank' \(expected 'heads'\), rank=3 \(expected None\)"),
         (Gen(8, 4, "lowrank", 5, 3), LOWRANK, dc.DamchaValueError, r"head_dim=5 \(expected 2\)"),
         (Gen(8, 4, "lowrank", 2, 4), LOWRANK, dc.DamchaValueError, r"rank=4 \(expected 3\)"),
@@ -308,9 +309,9 @@ def test_resolve_generators_rules(given, cfg, error, pattern):
 
 
 def test_resolve_generators_speaks_the_ports_name():
-    with pytest.raises(dc.DamchaTypeError, match=r"^`shared_metric\['k'\]` must be a Gen"):
+    with pytest.raises(dc.DamchaTypeError, match=r"^Invalid argument `shared_metric\['k'\]`: expected a Gen"):
         _resolve({"q": Gen(8, 4), "k": 3}, SEPARATE, names={"metric_generator": "shared_metric"})
-    with pytest.raises(dc.DamchaValueError, match=r"^`shared_metric` does not fit"):
+    with pytest.raises(dc.DamchaValueError, match=r"^Invalid argument `shared_metric`: expected a generator that fits"):
         _resolve(Gen(6, 4), TIED, names={"metric_generator": "shared_metric"})
 
 
@@ -347,19 +348,22 @@ def test_check_generator_arg_leaves_size_rules_and_auto_sides_to_build():
     for coupling in (None, "auto"):
         dc.check_generator_arg(Gen(8, 4), coupling=coupling, **kw)
         dc.check_generator_arg({"q": Gen(8, 4), "k": Gen(6, 2)}, coupling=coupling, **kw)
-        with pytest.raises(dc.DamchaTypeError, match=r"^`metric_generator\['k'\]` must be a Gen"):
+        with pytest.raises(dc.DamchaTypeError, match=r"^Invalid argument `metric_generator\['k'\]`: expected a Gen"):
             dc.check_generator_arg({"q": Gen(8, 4), "k": OtherGen()}, coupling=coupling, **kw)
-        with pytest.raises(dc.DamchaTypeError, match=r"^`shared` must be a Gen, a dict"):
+        with pytest.raises(dc.DamchaTypeError, match=r"^Invalid argument `shared`: expected a Gen, a dict"):
             dc.check_generator_arg("g", coupling=coupling, names={"metric_generator": "shared"}, **kw)
     # Metric "none" refuses any generator whatever the coupling.
-    with pytest.raises(dc.DamchaValueError, match=r"must be None with metric='none'"):
+    with pytest.raises(
+        dc.DamchaValueError, match=r"^Invalid argument `metric_generator`: expected None with metric='none'"
+    ):
         dc.check_generator_arg(Gen(8, 4), metric="none", coupling=None, generator_type=Gen)
     dc.check_generator_arg(None, metric="none", coupling="separate", generator_type=Gen)
 
 
 def test_generator_spec_of_a_side_the_config_lacks():
     with pytest.raises(
-        dc.DamchaValueError, match=r"`side` must be one of this config's metric sides \('qk',\)\. Received: side='q'"
+        dc.DamchaValueError,
+        match=r"Invalid argument `side`: expected one of this config's metric sides \('qk',\)\. Received: side='q'",
     ):
         TIED.generator_spec("q")
 
@@ -374,16 +378,16 @@ SHAPE_CFG = dc.DamchaConfig(query_dim=16, num_heads=4, key_dim=4, context_dim=12
 @pytest.mark.parametrize(
     "args, kw, pattern",
     [
-        (((2, 5, 12), (2, 5, 12)), {}, r"^`query` must have 16 features \(embed_dim\)\. Received: query\.shape=\(2, 5, 12\)$"),
-        (((2, 5, 16), (2, 5, 16)), {}, r"^`key` must have 12 features \(kdim\)\. Received: key\.shape=\(2, 5, 16\)$"),
-        (((2, 5, 16), (1, 5, 12)), {}, r"^`query` and `key` must have the same batch size\. Received: query\.shape=\(2, 5, 16\), key\.shape=\(1, 5, 12\)$"),
-        (((2, 5, 16),), {}, r"^`key` is required when kdim != embed_dim .*Received: key=None, embed_dim=16, kdim=12$"),
-        (((2, 5, 16), (2, 0, 12)), {}, r"^`key` must be non-empty\. Received: key\.shape=\(2, 0, 12\)$"),
-        (((2, 5, 16), (2, 7, 12), (2, 5, 7)), {}, r"pass attn_mask\[:, None\]\. Received: attn_mask\.shape=\(2, 5, 7\)$"),
-        (((2, 5, 16), (2, 7, 12), (2, 4, 5, 6)), {}, r"^`attn_mask` must be broadcastable to \(B, H, N, M\) = \(2, 4, 5, 7\).*attn_mask\.shape=\(2, 4, 5, 6\)$"),
-        (((2, 5, 16), (2, 7, 12)), {"value_shape": (2, 7, 10)}, r"^`value` must have 12 features \(vdim\)\. Received: value\.shape=\(2, 7, 10\)$"),
-        (((2, 5, 16), (2, 7, 12)), {"value_shape": (2, 6, 12)}, r"^`value` must have the batch size and length of `key`.*key\.shape=\(2, 7, 12\), value\.shape=\(2, 6, 12\)$"),
-        (((2, 5, 16), (2, 7, 12)), {"value_shape": (7, 12)}, r"^`value` must have rank 3"),
+        (((2, 5, 12), (2, 5, 12)), {}, r"^Invalid argument `query`: expected 16 features \(embed_dim\)\. Received: query\.shape=\(2, 5, 12\)$"),
+        (((2, 5, 16), (2, 5, 16)), {}, r"^Invalid argument `key`: expected 12 features \(kdim\)\. Received: key\.shape=\(2, 5, 16\)$"),
+        (((2, 5, 16), (1, 5, 12)), {}, r"^Invalid argument `key`: expected the batch size of `query`\. Received: query\.shape=\(2, 5, 16\), key\.shape=\(1, 5, 12\)$"),
+        (((2, 5, 16),), {}, r"^Invalid argument `key`: expected a tensor when kdim != embed_dim .*Received: key=None, embed_dim=16, kdim=12$"),
+        (((2, 5, 16), (2, 0, 12)), {}, r"^Invalid argument `key`: expected a non-empty shape \(no size-0 dim\)\. Received: key\.shape=\(2, 0, 12\)$"),
+        (((2, 5, 16), (2, 7, 12), (2, 5, 7)), {}, r"pass attn_mask\[:, None\]\)\. Received: attn_mask\.shape=\(2, 5, 7\)$"),
+        (((2, 5, 16), (2, 7, 12), (2, 4, 5, 6)), {}, r"^Invalid argument `attn_mask`: expected a shape broadcastable to \(B, H, N, M\) = \(2, 4, 5, 7\).*attn_mask\.shape=\(2, 4, 5, 6\)$"),
+        (((2, 5, 16), (2, 7, 12)), {"value_shape": (2, 7, 10)}, r"^Invalid argument `value`: expected 12 features \(vdim\)\. Received: value\.shape=\(2, 7, 10\)$"),
+        (((2, 5, 16), (2, 7, 12)), {"value_shape": (2, 6, 12)}, r"^Invalid argument `value`: expected the batch size and length of `key`.*key\.shape=\(2, 7, 12\), value\.shape=\(2, 6, 12\)$"),
+        (((2, 5, 16), (2, 7, 12)), {"value_shape": (7, 12)}, r"^Invalid argument `value`: expected rank 3"),
     ],
     ids=["query-features", "key-features", "batch", "key-required", "empty", "mask-3d", "mask-broadcast",
          "value-features", "value-length", "value-rank"],
@@ -396,18 +400,18 @@ def test_check_shapes_names_the_ports_arguments(args, kw, pattern):
 
 def test_check_shapes_default_names_and_value_rules():
     assert dc.check_shapes(SHAPE_CFG, (2, 5, 16), (2, 7, 12), (5, 7)) == (2, 5, 7)
-    with pytest.raises(dc.DamchaValueError, match=r"^`context` must have 12 features \(config\.context_dim\)"):
+    with pytest.raises(dc.DamchaValueError, match=r"^Invalid argument `context`: expected 12 features \(config\.context_dim\)"):
         dc.check_shapes(SHAPE_CFG, (2, 5, 16), (2, 7, 16))
     wide = SHAPE_CFG.replace(value_input_dim=10)
     assert dc.check_shapes(wide, (2, 5, 16), (2, 7, 12), value_shape=(2, 7, 10)) == (2, 5, 7)
-    with pytest.raises(dc.DamchaValueError, match=r"^`value` is required when config\.value_input_dim != config\.context_dim.*"
+    with pytest.raises(dc.DamchaValueError, match=r"^Invalid argument `value`: expected a tensor when config\.value_input_dim != config\.context_dim.*"
                                                   r"Received: value=None, context_dim=12, value_input_dim=10$"):
         dc.check_shapes(wide, (2, 5, 16), (2, 7, 12))
 
 
 def test_check_shapes_mask_name_is_a_deprecated_alias():
     with pytest.warns(DeprecationWarning, match="mask_name"), pytest.raises(
-        dc.DamchaValueError, match=r"^`attn_mask` must be broadcastable"
+        dc.DamchaValueError, match=r"^Invalid argument `attn_mask`: expected a shape broadcastable"
     ):
         dc.check_shapes(SHAPE_CFG, (2, 5, 16), (2, 7, 12), (5, 6), mask_name="attn_mask")
 
@@ -459,7 +463,7 @@ def test_metric_table_math_is_consistent(metric):
 @pytest.mark.parametrize("value", [1.5, 8.0, np.float32(2.0)], ids=["1.5", "8.0", "np.float32"])
 def test_a_real_number_for_an_int_is_both_a_type_and_a_value_error(value):
     # Python calls it a TypeError, Keras' MultiHeadAttention a ValueError: either `except` catches it.
-    with pytest.raises(dc.DamchaNotIntegerError, match=r"`num_heads` must be an int >= 1\. Received: num_heads=") as info:
+    with pytest.raises(dc.DamchaNotIntegerError, match=r"Invalid argument `num_heads`: expected an int >= 1\. Received: num_heads=") as info:
         dc.DamchaConfig(query_dim=8, num_heads=value, key_dim=2)
     assert isinstance(info.value, TypeError) and isinstance(info.value, ValueError)
     assert isinstance(info.value, dc.DamchaTypeError)

@@ -61,17 +61,17 @@ def test_value_defaults_to_the_context():
         (
             {},
             dc.DamchaValueError,
-            r"`value` is required when config\.value_input_dim != config\.context_dim.*value_input_dim=7",
+            r"^Invalid argument `value`: expected a tensor when config\.value_input_dim != config\.context_dim.*value_input_dim=7$",
         ),
         (
             {"value": np.zeros((2, 5, 6))},
             dc.DamchaValueError,
-            r"`value` must have 7 features \(config\.value_input_dim\)\. Received: value\.shape=\(2, 5, 6\)",
+            r"Invalid argument `value`: expected 7 features \(config\.value_input_dim\)\. Received: value\.shape=\(2, 5, 6\)",
         ),
         (
             {"value": np.zeros((2, 4, 7))},
             dc.DamchaValueError,
-            r"`value` must have the batch size and length of `context`.*value\.shape=\(2, 4, 7\)",
+            r"Invalid argument `value`: expected the batch size and length of `context`.*value\.shape=\(2, 4, 7\)",
         ),
         (
             {"value": np.zeros((2, 5, 7), int)},
@@ -99,7 +99,7 @@ def test_value_input_dim_round_trips_and_old_configs_load(tmp_path):
     assert "value_input_dim" in cfg.to_dict()
     loaded = dc.DamchaConfig.from_dict(json.loads(json.dumps(old)))
     assert loaded.value_input_dim == loaded.context_dim == 5
-    with pytest.raises(dc.DamchaValueError, match=r"`value_input_dim` must be >= 1"):
+    with pytest.raises(dc.DamchaValueError, match=r"Invalid argument `value_input_dim`: expected an int >= 1"):
         cfg.replace(value_input_dim=0)
 
 

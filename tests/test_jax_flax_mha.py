@@ -226,7 +226,10 @@ def test_key_and_value_inputs_of_different_sizes() -> None:
         np.testing.assert_allclose(
             dj.damcha_attention(layer.arrays(), layer.config, x, k, value=v), expected, rtol=2e-4, atol=2e-5
         )
-        with pytest.raises(dc.DamchaValueError, match=r"`inputs_v` is required when in_v_features != in_kv_features"):
+        with pytest.raises(
+            dc.DamchaValueError,
+            match=r"Invalid argument `inputs_v`: expected a tensor when in_v_features != in_kv_features",
+        ):
             layer(x, k)
 
 

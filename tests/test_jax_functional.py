@@ -291,7 +291,7 @@ BAD_DECODING = {
     ),
     "coefficients-metric": (
         dc.DamchaValueError,
-        r"`metric` must be one of .*Received: metric='none'",
+        r"Invalid argument `metric`: expected one of .*Received: metric='none'",
         lambda: dj.coefficients("none", _P["metric.qk.kernel"], _P["metric.qk.bias"], _X),
     ),
 }

@@ -203,10 +203,22 @@ def test_list_inputs_are_described_by_type_not_contents() -> None:
             (E,),
             r"`inputs_q` must have shape \[batch\.\.\., length, features\] \(rank >= 2\)\. Received: inputs_q.shape=\(8,\)",
         ),
-        ((N, 3), r"`inputs_q` must have 8 features \(in_features\)\. Received: inputs_q.shape=\(4, 3\)"),
-        ((2, 3, N, 3), r"`inputs_q` must have 8 features \(in_features\)\. Received: inputs_q.shape=\(2, 3, 4, 3\)"),
-        ((B, N, 3), r"`inputs_q` must have 8 features \(in_features\)\. Received: inputs_q.shape=\(2, 4, 3\)"),
-        ((B, 0, E), r"`inputs_q` must be non-empty\. Received: inputs_q.shape=\(2, 0, 8\)"),
+        (
+            (N, 3),
+            r"Invalid argument `inputs_q`: expected 8 features \(in_features\)\. Received: inputs_q.shape=\(4, 3\)",
+        ),
+        (
+            (2, 3, N, 3),
+            r"Invalid argument `inputs_q`: expected 8 features \(in_features\)\. Received: inputs_q.shape=\(2, 3, 4, 3\)",
+        ),
+        (
+            (B, N, 3),
+            r"Invalid argument `inputs_q`: expected 8 features \(in_features\)\. Received: inputs_q.shape=\(2, 4, 3\)",
+        ),
+        (
+            (B, 0, E),
+            r"Invalid argument `inputs_q`: expected a non-empty shape \(no size-0 dim\)\. Received: inputs_q.shape=\(2, 0, 8\)",
+        ),
     ],
     ids=["rank-1", "unbatched-features", "two-batch-axes-features", "features", "empty"],
 )

@@ -245,7 +245,7 @@ def test_constructor_errors(kwargs, match) -> None:
 
 def test_mismatched_shared_generator_is_rejected() -> None:
     gen = build(lambda: dj.MetricGenerator(16, 2, rngs=nnx.Rngs(0)))
-    with pytest.raises(dc.DamchaValueError, match="does not fit"):
+    with pytest.raises(dc.DamchaValueError, match="expected a generator that fits"):
         dj.DamchaAttention(4, 16, metric_generator=gen, rngs=nnx.Rngs(0))
 
 

@@ -344,12 +344,18 @@ BAD_CONSTRUCTOR = {
     "coupling-unknown": (dict(num_heads=2, key_dim=4, coupling="both"), dc.DamchaValueError, "coupling"),
     "lowrank-without-rank": (dict(num_heads=2, key_dim=4, metric="lowrank"), dc.DamchaValueError, "metric_rank"),
     "tied-gqa": (dict(num_heads=4, key_dim=4, num_kv_heads=2, coupling="tied"), dc.DamchaValueError, "num_kv_heads"),
-    "output_shape-float": (dict(num_heads=2, key_dim=4, output_shape=8.0), dc.DamchaTypeError, "`output_shape`"),
+    # Keras's wording for the whole argument (its own tests match "Invalid `output_shape`"), the core's class.
+    "output_shape-float": (
+        dict(num_heads=2, key_dim=4, output_shape=8.0),
+        dc.DamchaNotIntegerError,
+        r"^Invalid `output_shape`: expected an int >= 1, a tuple of ints >= 1 or None\. Received: output_shape=8\.0$",
+    ),
     "output_shape-zero-dim": (
         dict(num_heads=2, key_dim=4, output_shape=(2, 0)),
         dc.DamchaValueError,
-        r"`output_shape\[1\]`",
+        r"^Invalid `output_shape`: .*Received: output_shape=\(2, 0\)$",
     ),
+    "output_shape-str": (dict(num_heads=2, key_dim=4, output_shape="8"), dc.DamchaTypeError, "Invalid `output_shape`"),
     "metric_l2-negative": (dict(num_heads=2, key_dim=4, metric_l2=-1.0), dc.DamchaValueError, "metric_l2"),
     "generator-wrong-type": (
         dict(num_heads=2, key_dim=4, metric_generator="gen"),
@@ -427,8 +433,8 @@ def test_bad_call_arguments(case):
 @pytest.mark.parametrize(
     "num_heads, error, message",
     [
-        (0, dc.DamchaValueError, "`num_heads` must be >= 1. Received: num_heads=0"),
-        (True, dc.DamchaTypeError, "`num_heads` must be an int >= 1. Received: num_heads=True"),
+        (0, dc.DamchaValueError, r"^Invalid argument `num_heads`: expected an int >= 1\. Received: num_heads=0$"),
+        (True, dc.DamchaTypeError, r"^Invalid argument `num_heads`: expected an int >= 1\. Received: num_heads=True$"),
     ],
 )
 def test_block_rejects_bad_num_heads_at_construction(block, num_heads, error, message):
@@ -752,7 +758,9 @@ def test_blocks_share_separate_generators_and_keep_them_through_save(tmp_path):
     again = [loaded.get_layer("b0")._attention.metric_generators, loaded.get_layer("b1")._attention.metric_generators]
     assert again[0]["q"] is again[1]["q"] and again[0]["k"] is again[1]["k"] and again[0]["q"] is not again[0]["k"]
     # The shared policy's rules, at construction (the generator's fit waits for the sizes, at build).
-    with pytest.raises(dc.DamchaTypeError, match=r"^`metric_generator\['q'\]` must be a MetricGenerator"):
+    with pytest.raises(
+        dc.DamchaTypeError, match=r"^Invalid argument `metric_generator\['q'\]`: expected a MetricGenerator"
+    ):
         TransformerEncoder(16, 2, coupling="separate", metric_generator={"q": 3, "k": pair["k"]})
     with pytest.raises(dc.DamchaValueError, match=r"missing sides \['k'\]"):
         TransformerEncoder(16, 2, coupling="separate", metric_generator={"q": pair["q"]})

@@ -91,15 +91,6 @@ _WEIGHT_COUNT = (
 
 # (config or "*", test id or prefix ending in "*", backend or "*") -> reason.
 EXPECTED_FAILURES: dict[tuple[str, str, str], str] = {
-    ("*", "test_invalid_scalar_args_rejected", "*"): (
-        "the messages are the core's, one per rule in every port: '`num_heads` must be an int >= 1' where the "
-        "test matches Keras's wording 'argument `num_heads`' (the class matches: num_heads=1.5 raises "
-        "DamchaNotIntegerError, both a TypeError and a ValueError)"
-    ),
-    ("*", "test_multi_head_attention_output_shape_error", "*"): (
-        "output_shape=8.0 raises the core's message naming `output_shape` where the test matches Keras's "
-        "wording 'Invalid `output_shape`'"
-    ),
     ("heads", "test_basics", "*"): _WEIGHT_COUNT,
     ("heads", "test_high_dim_attention_*", "*"): _WEIGHT_COUNT,
     ("heads", "test_lora", "*"): _WEIGHT_COUNT,

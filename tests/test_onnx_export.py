@@ -148,7 +148,7 @@ def test_opset_out_of_range_is_rejected(opset):
         (dict(form="attention", opset=18), dc.DamchaValueError, r"form='attention' needs opset >= 23"),
         (dict(dtype="int8"), dc.DamchaValueError, r"`dtype` must be one of.*'int8'"),
         (dict(dtype="bfloat16"), dc.DamchaValueError, r"`dtype`.*bfloat16.*no bfloat16 kernels"),
-        (dict(causal=1), dc.DamchaTypeError, r"`causal` must be a bool"),
+        (dict(causal=1), dc.DamchaTypeError, r"Invalid argument `causal`: expected a bool"),
         (dict(dynamic=False), dc.DamchaValueError, r"dynamic=False needs `batch_size`"),
         (dict(batch_size=2), dc.DamchaValueError, r"`batch_size` fixes a dimension, so it needs dynamic=False"),
     ],
@@ -325,7 +325,7 @@ def test_helpers_take_a_saved_model_path(tmp_path):
         (
             lambda m: do.init_encoder_params(do.EncoderConfig(CFG, 1, 4), seed="0"),
             dc.DamchaTypeError,
-            r"`seed` must be an int >= 0. Received: seed='0'",
+            r"Invalid argument `seed`: expected an int >= 0. Received: seed='0'",
         ),
     ],
     ids=[

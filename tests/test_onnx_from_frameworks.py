@@ -156,5 +156,7 @@ def test_stack_format_options_change_the_function():
         assert np.abs(y - y0).max() > 1e-4, change
         _, ratio = F32.output_ratio(do.run_ort(do.export_encoder(p, config, None), {"query": x}), y)
         assert ratio <= 1, change
-    with pytest.raises(dc.DamchaValueError, match=r"`activation` must be one of \('gelu', 'gelu_tanh', 'relu'\)"):
+    with pytest.raises(
+        dc.DamchaValueError, match=r"Invalid argument `activation`: expected one of \('gelu', 'gelu_tanh', 'relu'\)"
+    ):
         dataclasses.replace(base, activation="silu")

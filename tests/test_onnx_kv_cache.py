@@ -334,7 +334,7 @@ CROSS_CFG = dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4, context_dim=6, 
         (
             lambda: do.export(dc.init_params(CFG), CFG, None, causal=True, kv_cache=1),
             dc.DamchaTypeError,
-            r"`kv_cache` must be a bool. Received: kv_cache=1",
+            r"Invalid argument `kv_cache`: expected a bool. Received: kv_cache=1",
         ),
         (
             lambda: do.export_encoder(

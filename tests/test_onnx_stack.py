@@ -132,7 +132,7 @@ def test_token_model_end_to_end(opset, tmp_path):
         (
             lambda: do.EncoderConfig(dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4), 0, 8),
             dc.DamchaValueError,
-            "`num_layers` must be >= 1. Received: num_layers=0",
+            "Invalid argument `num_layers`: expected an int >= 1. Received: num_layers=0",
         ),
         (
             lambda: do.export_encoder(do.init_encoder_params(_encoder("heads", True)), _encoder("heads", False), None),

@@ -31,7 +31,7 @@ def _layer(**kw) -> DamchaAttention:
         (
             lambda: DamchaAttention(16, 4, num_kv_heads=3, coupling="query"),
             DamchaValueError,
-            r"num_heads.*divisible by `num_kv_heads`.*num_heads=4, num_kv_heads=3",
+            r"^Invalid argument `num_heads`: expected a multiple of `num_kv_heads`.*Received: num_heads=4, num_kv_heads=3$",
         ),
         (
             lambda: DamchaAttention(16, 4, kdim=12, vdim=12, coupling="tied"),
@@ -46,53 +46,69 @@ def _layer(**kw) -> DamchaAttention:
         (
             lambda: DamchaAttention(16, 4, coupling="separate", metric_generator={"q": MetricGenerator(16, 4, 4)}),
             DamchaValueError,
-            r"`metric_generator` must have exactly this layer's metric sides \['q', 'k'\].*missing",
+            r"Invalid argument `metric_generator`: expected exactly this layer's metric sides \['q', 'k'\].*missing",
         ),
         (
             lambda: DamchaAttention(16, 4, coupling="separate", metric_generator=MetricGenerator(16, 4, 4)),
             DamchaValueError,
-            r"`metric_generator` must be a dict \{'q': ..., 'k': ...\} with coupling='separate'",
+            r"Invalid argument `metric_generator`: expected a dict \{'q': ..., 'k': ...\} with coupling='separate'",
         ),
         (
             lambda: DamchaAttention(16, 4, metric="none", metric_generator=MetricGenerator(16, 4, 4)),
             DamchaValueError,
-            r"`metric_generator` must be None with metric='none'",
+            r"Invalid argument `metric_generator`: expected None with metric='none'",
         ),
         (
             lambda: DamchaAttention(16, 4, metric_generator={"qk": nn.Linear(2, 2)}),
             DamchaTypeError,
-            r"`metric_generator\['qk'\]` must be a MetricGenerator",
+            r"Invalid argument `metric_generator\['qk'\]`: expected a MetricGenerator",
         ),
         (
             lambda: DamchaAttention(16, 2, metric_generator=MetricGenerator(16, 4, 4)),
             DamchaValueError,
-            r"`metric_generator` does not fit side 'qk' of this layer: heads=4 \(expected 2\)",
+            r"Invalid argument `metric_generator`: expected a generator that fits side 'qk' of this layer; it differs in heads=4 \(expected 2\)",
         ),
         (
             lambda: DamchaAttention(18, 4),
             DamchaValueError,
             r"`embed_dim` must be divisible by `num_heads`.*embed_dim=18",
         ),
-        (lambda: DamchaAttention(16, 4, metric="lowrank"), DamchaValueError, r"`metric_rank` is required"),
-        (lambda: DamchaAttention(16, 4, metric="full"), DamchaValueError, r"`metric` must be one of"),
-        (lambda: DamchaAttention(16, 4, add_bias_kv=1), DamchaTypeError, r"^`add_bias_kv` must be a bool"),
+        (
+            lambda: DamchaAttention(16, 4, metric="lowrank"),
+            DamchaValueError,
+            r"^Invalid argument `metric_rank`: expected an int >= 1 with metric='lowrank' \(it is required\)",
+        ),
+        (
+            lambda: DamchaAttention(16, 4, metric="full"),
+            DamchaValueError,
+            r"Invalid argument `metric`: expected one of",
+        ),
+        (
+            lambda: DamchaAttention(16, 4, add_bias_kv=1),
+            DamchaTypeError,
+            r"^Invalid argument `add_bias_kv`: expected a bool",
+        ),
         (
             lambda: DamchaAttention(16, 4, metric_generator=nn.Linear(2, 2)),
             DamchaTypeError,
-            r"`metric_generator` must be",
+            r"^Invalid argument `metric_generator`: expected a MetricGenerator, a dict",
         ),
         (lambda: DamchaAttention.from_mha(nn.Linear(2, 2)), DamchaTypeError, r"`mha` must be an nn.MultiheadAttention"),
         # nn.MultiheadAttention's argument names, not DamchaConfig's (query_dim, context_dim, use_bias)
         (
             lambda: DamchaAttention(16.0, 4),
             DamchaTypeError,
-            r"^`embed_dim` must be an int >= 1\. Received: embed_dim=16\.0",
+            r"^Invalid argument `embed_dim`: expected an int >= 1\. Received: embed_dim=16\.0",
         ),
-        (lambda: DamchaAttention(16, 4, bias="no"), DamchaTypeError, r"^`bias` must be a bool\. Received: bias='no'"),
+        (
+            lambda: DamchaAttention(16, 4, bias="no"),
+            DamchaTypeError,
+            r"^Invalid argument `bias`: expected a bool\. Received: bias='no'",
+        ),
         (
             lambda: DamchaAttention(16, 4, kdim=0, vdim=0, coupling="separate"),
             DamchaValueError,
-            r"^`kdim` must be >= 1\. Received: kdim=0",
+            r"^Invalid argument `kdim`: expected an int >= 1 or None\. Received: kdim=0",
         ),
     ],
     ids=[
@@ -126,19 +142,23 @@ def test_constructor_errors(build, error, pattern):
         (
             lambda m: m(torch.randn(2, 5, 12), torch.randn(2, 5, 12), torch.randn(2, 5, 12)),
             DamchaValueError,
-            r"`query` must have 16 features \(embed_dim\).*Received: query.shape=\(2, 5, 12\)",
+            r"Invalid argument `query`: expected 16 features \(embed_dim\).*Received: query.shape=\(2, 5, 12\)",
         ),
         (
             lambda m: m(x, x[:1], x[:1]),
             DamchaValueError,
-            r"`query` and `key` must have the same batch size.*key.shape=\(1, 5, 16\)",
+            r"Invalid argument `key`: expected the batch size of `query`.*key.shape=\(1, 5, 16\)",
         ),
-        (lambda m: m(x, x[:, :0], x[:, :0]), DamchaValueError, r"`key` must be non-empty.*key.shape=\(2, 0, 16\)"),
+        (
+            lambda m: m(x, x[:, :0], x[:, :0]),
+            DamchaValueError,
+            r"Invalid argument `key`: expected a non-empty shape.*key.shape=\(2, 0, 16\)",
+        ),
         (lambda m: m(x.long(), x.long(), x.long()), DamchaTypeError, r"`query` must be a real floating tensor.*int64"),
         (
             lambda m: m(x, x, torch.randn(2, 4, 16)),
             DamchaValueError,
-            r"`value` must have the batch size and length of `key`.*value.shape=\(2, 4, 16\)",
+            r"Invalid argument `value`: expected the batch size and length of `key`.*value.shape=\(2, 4, 16\)",
         ),
         (
             lambda m: m(torch.randn(5, 16), x, x),
@@ -169,7 +189,7 @@ def test_constructor_errors(build, error, pattern):
         (
             lambda m: m(x, x, x, attn_mask=torch.zeros(5, 4, dtype=torch.bool)),
             DamchaValueError,
-            r"`attn_mask` must be broadcastable.*attn_mask.shape=\(5, 4\)",
+            r"Invalid argument `attn_mask`: expected a shape broadcastable.*attn_mask.shape=\(5, 4\)",
         ),
         (
             lambda m: m(x, x, x, attn_mask=torch.zeros(2, 5, 5, dtype=torch.bool)),
@@ -212,7 +232,9 @@ def test_forward_errors(call, error, pattern):
 
 def test_separate_coupling_rejects_wrong_context_size():
     layer = DamchaAttention(16, 4, kdim=12, vdim=12, coupling="separate", batch_first=True)
-    with pytest.raises(DamchaValueError, match=r"`key` must have 12 features \(kdim\).*key.shape=\(2, 5, 16\)"):
+    with pytest.raises(
+        DamchaValueError, match=r"Invalid argument `key`: expected 12 features \(kdim\).*key.shape=\(2, 5, 16\)"
+    ):
         layer(x, x, x)
 
 
@@ -282,35 +304,63 @@ def test_stack_builders_reject_bad_num_layers(num_layers):
         (
             lambda: build_encoder(16.0, 4, 2),
             DamchaTypeError,
-            r"^`d_model` must be an int >= 1\. Received: d_model=16\.0",
+            r"^Invalid argument `d_model`: expected an int >= 1\. Received: d_model=16\.0",
         ),
-        (lambda: build_encoder(16, 0, 2), DamchaValueError, r"^`nhead` must be >= 1\. Received: nhead=0"),
-        (lambda: build_encoder(16, 4, 2, dim_feedforward=0), DamchaValueError, r"^`dim_feedforward` must be >= 1"),
-        (lambda: build_encoder(16, 4, 2, dropout=1.5), DamchaValueError, r"^`dropout` must be in \[0, 1\)"),
+        (
+            lambda: build_encoder(16, 0, 2),
+            DamchaValueError,
+            r"^Invalid argument `nhead`: expected an int >= 1\. Received: nhead=0",
+        ),
+        (
+            lambda: build_encoder(16, 4, 2, dim_feedforward=0),
+            DamchaValueError,
+            r"^Invalid argument `dim_feedforward`: expected an int >= 1",
+        ),
+        (
+            lambda: build_encoder(16, 4, 2, dropout=1.5),
+            DamchaValueError,
+            r"^Invalid argument `dropout`: expected a number in \[0, 1\)",
+        ),
         (
             lambda: build_encoder(16, 4, 2, activation="swish"),
             DamchaValueError,
             r"^`activation` must be 'relu', 'gelu' or a callable\. Received: activation='swish'",
         ),
-        (lambda: build_encoder(16, 4, 2, norm_first="yes"), DamchaTypeError, r"^`norm_first` must be a bool"),
-        (lambda: build_encoder(16, 4, 2, final_norm=1), DamchaTypeError, r"^`final_norm` must be a bool"),
-        (lambda: build_encoder(16, 4, 2, share_metric="no"), DamchaTypeError, r"^`share_metric` must be a bool"),
+        (
+            lambda: build_encoder(16, 4, 2, norm_first="yes"),
+            DamchaTypeError,
+            r"^Invalid argument `norm_first`: expected a bool",
+        ),
+        (
+            lambda: build_encoder(16, 4, 2, final_norm=1),
+            DamchaTypeError,
+            r"^Invalid argument `final_norm`: expected a bool",
+        ),
+        (
+            lambda: build_encoder(16, 4, 2, share_metric="no"),
+            DamchaTypeError,
+            r"^Invalid argument `share_metric`: expected a bool",
+        ),
         (
             lambda: build_encoder(16, 4, 2, dtype=torch.int32),
             DamchaTypeError,
             r"^`dtype` must be None or a real floating",
         ),
-        (lambda: build_encoder(16, 4, 2, metric="full"), DamchaValueError, r"^`metric` must be one of"),
+        (
+            lambda: build_encoder(16, 4, 2, metric="full"),
+            DamchaValueError,
+            r"^Invalid argument `metric`: expected one of",
+        ),
         (lambda: build_encoder(16, 4, 2, kdim=8), DamchaTypeError, r"Unknown DAMCHA attention arguments \['kdim'\]"),
         (
             lambda: DamchaTransformerEncoderLayer(16, 4, layer_norm_eps=-1.0),
             DamchaValueError,
-            r"^`layer_norm_eps` must be a finite number >= 0",
+            r"^Invalid argument `layer_norm_eps`: expected a finite number >= 0",
         ),
         (
             lambda: DamchaTransformerEncoderLayer(16, 4, metric_generator=MetricGenerator(16, 2, 8)),
             DamchaValueError,
-            r"^`metric_generator` does not fit side 'qk'",
+            r"^Invalid argument `metric_generator`: expected a generator that fits side 'qk'",
         ),
         (
             lambda: DamchaTransformerEncoder(DamchaTransformerEncoderLayer(16, 4), 2, norm=5),
@@ -320,14 +370,14 @@ def test_stack_builders_reject_bad_num_layers(num_layers):
         (
             lambda: build_decoder(16, 4, 2, cross_coupling="crossed"),
             DamchaValueError,
-            r"^`cross_coupling` must be one of",
+            r"^Invalid argument `cross_coupling`: expected one of",
         ),
         (
             lambda: DamchaTransformerDecoderLayer(
                 16, 4, cross_coupling="separate", cross_metric_generator=MetricGenerator(16, 4, 4)
             ),
             DamchaValueError,
-            r"^`cross_metric_generator` must be a dict \{'q': ..., 'k': ...\} with coupling='separate'",
+            r"^Invalid argument `cross_metric_generator`: expected a dict \{'q': ..., 'k': ...\} with coupling='separate'",
         ),
         (
             lambda: build_decoder(16, 4, 2, coupling="tied", num_kv_heads=2),
@@ -498,7 +548,7 @@ def test_replace_mha_and_metric_penalty_name_bad_arguments():
     with pytest.raises(DamchaTypeError, match=r"replace_mha\(\) got unknown keyword arguments \['coupled'\]"):
         replace_mha(model, coupled="tied")
     assert isinstance(model[0], nn.MultiheadAttention)  # nothing replaced
-    with pytest.raises(DamchaValueError, match=r"^`metric` must be one of"):
+    with pytest.raises(DamchaValueError, match=r"^Invalid argument `metric`: expected one of"):
         replace_mha(model, metric="full")
     with pytest.raises(DamchaTypeError, match=r"^`model` must be an nn.Module"):
         replace_mha([model])

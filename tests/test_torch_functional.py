@@ -209,7 +209,7 @@ def test_old_heads_signature_still_works_with_a_deprecation_warning():
         (
             lambda p, c, x: damcha_attention(p, c, x, mask=torch.zeros(2, 5, 5, dtype=torch.bool)),
             dc.DamchaValueError,
-            r"`mask` must have shape \(N, M\) or \(B, H, N, M\)",
+            r"Invalid argument `mask`: expected shape \(N, M\) or \(B, H, N, M\)",
         ),
         (lambda p, c, x: damcha_attention(p, c, x, query_offset=-1), dc.DamchaValueError, r"`query_offset` must be"),
         (lambda p, c, x: damcha_attention(p, c, x, causal=1), dc.DamchaTypeError, r"`causal` must be a bool"),
@@ -218,7 +218,7 @@ def test_old_heads_signature_still_works_with_a_deprecation_warning():
         (
             lambda p, c, x: damcha_attention(p, c, x, x, x[:, :3]),
             dc.DamchaValueError,
-            r"`value` must have the batch size and length of `context`",
+            r"Invalid argument `value`: expected the batch size and length of `context`",
         ),
         (lambda p, c, x: apply_map(p, c, "q", x, x), dc.DamchaValueError, r"`side` must be one of"),
         (lambda p, c, x: generator(p, c, "qk", x.int()), dc.DamchaTypeError, r"`tokens` must be a real floating"),

@@ -362,7 +362,7 @@ def test_extra_keys_have_no_canonical_form():
     layer = DamchaAttention(E, H, add_bias_kv=True)
     with pytest.raises(dc.DamchaValueError, match=r"add_bias_kv or add_zero_attn has no canonical form"):
         layer.to_canonical()
-    with pytest.raises(dc.DamchaTypeError, match=r"^`add_zero_attn` must be a bool"):
+    with pytest.raises(dc.DamchaTypeError, match=r"^Invalid argument `add_zero_attn`: expected a bool"):
         DamchaAttention(E, H, add_zero_attn="yes")
 
 

@@ -217,7 +217,7 @@ def test_invalid_shapes_and_nested_tensors_are_damcha_errors():
         (
             lambda: layer(q, q, q, attn_mask=torch.tensor([False, True, True, True])),
             dc.DamchaValueError,
-            r"`attn_mask` must have shape \(N, M\) or \(B, H, N, M\)",
+            r"Invalid argument `attn_mask`: expected shape \(N, M\) or \(B, H, N, M\)",
         ),
         (
             lambda: layer(q[0], q[0], q[0], attn_mask=torch.zeros(5, 4, 4, dtype=torch.bool)),

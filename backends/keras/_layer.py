@@ -56,9 +56,16 @@ def _check_output_shape(output_shape: Any) -> tuple[int, ...] | None:
     tuple/list of ints; falsy values mean None, as in MHA."""
     if output_shape is None or (isinstance(output_shape, (tuple, list)) and not output_shape):
         return None
-    if isinstance(output_shape, (tuple, list)):
-        return tuple(dc.check_int(f"output_shape[{i}]", s) for i, s in enumerate(output_shape))
-    return (dc.check_int("output_shape", output_shape),)
+    dims = output_shape if isinstance(output_shape, (tuple, list)) else (output_shape,)
+    try:
+        return tuple(dc.check_int("output_shape", s) for s in dims)
+    except dc.DamchaError as err:
+        # The core's rule and class (8.0: DamchaNotIntegerError, "8": DamchaTypeError, 0: DamchaValueError),
+        # worded for the whole argument as Keras words it (its own tests match "Invalid `output_shape`").
+        raise type(err)(
+            "Invalid `output_shape`: expected an int >= 1, a tuple of ints >= 1 or None. "
+            f"Received: output_shape={describe(output_shape)}"
+        ) from None
 
 
 def _check_attention_axes(axes: Any) -> tuple[int, ...] | None:
