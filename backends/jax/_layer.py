@@ -172,10 +172,14 @@ def _check_inputs(
             continue
         if t.shape[-1] != features:
             raise DamchaValueError(
-                f"`{name}` must have {features} features ({arg}). Received: {name}.shape={tuple(t.shape)}"
+                f"Invalid argument `{name}`: expected {features} features ({arg}). "
+                f"Received: {name}.shape={tuple(t.shape)}"
             )
         if 0 in t.shape:
-            raise DamchaValueError(f"`{name}` must be non-empty. Received: {name}.shape={tuple(t.shape)}")
+            raise DamchaValueError(
+                f"Invalid argument `{name}`: expected a non-empty shape (no size-0 dim). "
+                f"Received: {name}.shape={tuple(t.shape)}"
+            )
     B = int(np.prod(lead)) if lead else 1
     N = x.shape[-2]
     M = keys if keys is not None else (x if k is None else k).shape[-2]
