@@ -765,7 +765,8 @@ def test_blocks_share_separate_generators_and_keep_them_through_save(tmp_path):
     with pytest.raises(dc.DamchaValueError, match=r"missing sides \['k'\]"):
         TransformerEncoder(16, 2, coupling="separate", metric_generator={"q": pair["q"]})
     with pytest.raises(
-        dc.DamchaValueError, match=r"must be a dict \{'q': \.\.\., 'k': \.\.\.\} with coupling='separate'"
+        dc.DamchaValueError,
+        match=r"^Invalid argument `metric_generator`: expected a dict \{'q': \.\.\., 'k': \.\.\.\} with coupling='separate'",
     ):
         TransformerEncoder(16, 2, coupling="separate", metric_generator=pair["q"])
 
