@@ -11,8 +11,7 @@ are re-exported here). Frameworks are imported only when those are called.
 
 from __future__ import annotations
 
-from typing import Any
-
+from damcha_core._deprecation import moved_names as _moved_names
 from damcha_core._imports import require as _require
 
 _require("onnx", "onnx", "damcha_onnx")  # one-line ImportError naming the extra
@@ -72,17 +71,5 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    # Deprecated for one release: the adapter moved to the conformance suite.
-    if name == "ConformanceAdapter":
-        import warnings
-
-        warnings.warn(
-            "damcha_onnx.ConformanceAdapter is deprecated; use damcha_conformance.adapters.OnnxAdapter",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        from damcha_conformance.adapters import OnnxAdapter
-
-        return OnnxAdapter
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# Deprecated for one release: the adapter moved to the conformance suite.
+__getattr__ = _moved_names(__name__, {"ConformanceAdapter": "damcha_conformance.adapters.OnnxAdapter"})

@@ -9,8 +9,7 @@ KerasHub-style blocks. The conformance adapter is
 
 from __future__ import annotations
 
-from typing import Any
-
+from damcha_core._deprecation import moved_names as _moved_names
 from damcha_core._imports import require as _require
 
 _require("keras", "keras", "damcha_keras")  # one-line ImportError naming the extra
@@ -58,17 +57,5 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    # Deprecated for one release: the adapter moved to the conformance suite.
-    if name == "ConformanceAdapter":
-        import warnings
-
-        warnings.warn(
-            "damcha_keras.ConformanceAdapter is deprecated; use damcha_conformance.adapters.KerasAdapter",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        from damcha_conformance.adapters import KerasAdapter
-
-        return KerasAdapter
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# Deprecated for one release: the adapter moved to the conformance suite.
+__getattr__ = _moved_names(__name__, {"ConformanceAdapter": "damcha_conformance.adapters.KerasAdapter"})

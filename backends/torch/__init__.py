@@ -9,8 +9,7 @@ The math lives in free functions named after the reference's steps
 
 from __future__ import annotations
 
-from typing import Any
-
+from damcha_core._deprecation import moved_names as _moved_names
 from damcha_core._imports import require as _require
 
 _require("torch", "torch", "damcha_torch")  # one-line ImportError naming the extra
@@ -88,17 +87,5 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    # Deprecated for one release: the adapter moved to the conformance suite.
-    if name == "ConformanceAdapter":
-        import warnings
-
-        warnings.warn(
-            "damcha_torch.ConformanceAdapter is deprecated; use damcha_conformance.adapters.TorchAdapter",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        from damcha_conformance.adapters import TorchAdapter
-
-        return TorchAdapter
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# Deprecated for one release: the adapter moved to the conformance suite.
+__getattr__ = _moved_names(__name__, {"ConformanceAdapter": "damcha_conformance.adapters.TorchAdapter"})
