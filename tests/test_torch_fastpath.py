@@ -405,7 +405,7 @@ def test_decode_fast_step_batched_and_chunks_equal_general_path(name, batch_firs
                 if grad:
                     got.append(step().detach())
                 else:
-                    counts = _counts.torch_op_counts(lambda: got.append(step()))
+                    counts = _counts.torch_op_counts(lambda got=got, step=step: got.append(step()))
                     calls.append(counts["aten.as_strided"])
             outs[grad] = torch.cat(got)
         torch.testing.assert_close(outs[False], outs[True], rtol=1e-12, atol=1e-13)
