@@ -15,7 +15,9 @@ a concatenation of the result) and its recomputation of the whole projection:
   saves (its input and weights): backward recomputes the rows of the
   projection that hold mapped heads (two thirds of a fused qkv GEMM instead
   of all of it) and the generator's S x S coefficients, and writes the
-  mixing's gradients by hand (two ``bmm`` per block).
+  gradients by hand: two ``bmm`` per block for the mixing, a few passes over
+  the (T, S*S) coefficients and two over the tokens for the generator
+  (autograd's norm backward made several (T, E) temporaries).
 
 Both compute each mapped block as y_b + bmm(diag(g) A(t), y_b), one product
 per block (the tied queries and keys of one projection share one A(t)), so
@@ -127,47 +129,54 @@ class FusedLinearMaps(torch.autograd.Function):
         covered = lo == 0 and hi == features and sum(e - s for s, e in zip(starts, ends)) == features
         # dL/dy: the incoming gradient, plus mix^T g_b on each mapped block.
         dy = None if covered else g.clone()
-        want_gen = need_x or any(need_leaves)
         leaf_grads: list[Tensor | None] = [None] * len(leaves)
-        gen_dx: Tensor | None = None
+        through_generator = []  # (dP, generator weight, c): dL/dt += dP W + c t
         pieces = []
+        scale = math.sqrt(t.shape[-1])
+        r = fn._rms_denominator(t)  # as in forward: the same mix, bit for bit
         for i, blocks in enumerate(sides):
-            own = leaves[3 * i : 3 * i + 3]
-            with torch.enable_grad():
-                xs = t.detach().requires_grad_(need_x)
-                ls = [leaf.detach().requires_grad_(need) for leaf, need in zip(own, need_leaves[3 * i : 3 * i + 3])]
-                mix = mix_coefficients(_side_weights(ls), xs)
-            m = mix.detach()
+            w_gen, b_gen, gate = leaves[3 * i : 3 * i + 3]
+            S = blocks.heads
+            P = F.linear(t, w_gen)
+            A = torch.addcdiv(b_gen, P, r, value=scale)
+            mix_t = (A.view(-1, S, S) * gate.view(S, 1)).transpose(1, 2)
             dmix: Tensor | None = None
             for offset in blocks.offsets:
                 gb = _block(g, offset, blocks.heads, blocks.head_dim)
                 yb = _block(y, offset - lo, blocks.heads, blocks.head_dim)
                 if dy is None:
-                    pieces.append((offset, torch.baddbmm(gb, m.transpose(1, 2), gb)))
+                    pieces.append((offset, torch.baddbmm(gb, mix_t, gb)))
                 else:
                     # (baddbmm_ into a strided view would loop over the tokens)
-                    _block(dy, offset, blocks.heads, blocks.head_dim).add_(torch.bmm(m.transpose(1, 2), gb))
-                if want_gen:
-                    part = torch.bmm(gb, yb.transpose(1, 2))
-                    dmix = part if dmix is None else dmix.add_(part)
-            if want_gen and dmix is not None:
-                inputs = ([xs] if need_x else []) + [leaf for leaf in ls if leaf.requires_grad]
-                if inputs:
-                    got = list(torch.autograd.grad(mix, inputs, dmix))
-                    if need_x:
-                        dx_part = got.pop(0)
-                        gen_dx = dx_part if gen_dx is None else gen_dx.add_(dx_part)
-                    for j, leaf in enumerate(ls):
-                        if leaf.requires_grad:
-                            leaf_grads[3 * i + j] = got.pop(0)
+                    _block(dy, offset, blocks.heads, blocks.head_dim).add_(torch.bmm(mix_t, gb))
+                part = torch.bmm(gb, yb.transpose(1, 2))
+                dmix = part if dmix is None else dmix.add_(part)
+            assert dmix is not None  # a side has at least one block
+            # The generator's gradients, written out: mix = diag(g) A,
+            # A = b + s P / r with P = t W^T, r = sqrt(|t|^2 + E eps).
+            need_w_gen, need_b_gen, need_gate = need_leaves[3 * i : 3 * i + 3]
+            dA = (dmix * gate.view(S, 1)).view(-1, S * S)
+            dmix = dmix.view(-1, S * S)
+            if need_gate:
+                leaf_grads[3 * i + 2] = (dmix * A).sum(0).view(S, S).sum(1)
+            if need_b_gen:
+                leaf_grads[3 * i + 1] = dA.sum(0)
+            if need_w_gen or need_x:
+                dP = dA * (scale / r)
+                if need_w_gen:
+                    leaf_grads[3 * i] = dP.t().mm(t)
+                if need_x:
+                    # through r: dL/dr = -s sum(dA P) / r^2, dr/dt = t / r
+                    c = (dA * P).sum(-1, keepdim=True).mul_(-scale) / (r * r * r)
+                    through_generator.append((dP, w_gen, c))
         if dy is None:
             pieces.sort(key=lambda p: p[0])
             dy = pieces[0][1].flatten(1) if len(pieces) == 1 else torch.cat([p.flatten(1) for _, p in pieces], dim=1)
         dx = dW = db = None
         if need_x:
             dx = dy.mm(weight)
-            if gen_dx is not None:
-                dx.add_(gen_dx)
+            for dP, w_gen, c in through_generator:
+                dx.addmm_(dP, w_gen).addcmul_(t, c)
             dx = dx.view_as(x)
         if need_w:
             dW = dy.t().mm(t)
