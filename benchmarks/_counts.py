@@ -247,15 +247,18 @@ def _torch_cases(n: int, batch: int, embed: int, heads: int) -> dict[str, dict[s
         return call
 
     def decode(step: Callable[[Any, Any], Any], new_cache: Callable[[], Any]) -> Callable[[], Any]:
-        # The counts of one single-token step after a prompt of n tokens.
+        # The counts of one steady-state single-token step: after a prompt of n
+        # tokens and one token step (DAMCHA's flat path starts once a shape is seen).
         g = torch.Generator().manual_seed(1)
-        prompt, token = torch.randn(1, n, embed, generator=g), torch.randn(1, 1, embed, generator=g)
+        prompt, first = torch.randn(1, n, embed, generator=g), torch.randn(1, 1, embed, generator=g)
+        token = torch.randn(1, 1, embed, generator=g)
         state: dict[str, Any] = {}
 
         def prepare() -> None:
             with torch.inference_mode():
                 state["cache"] = new_cache()
                 step(prompt, state["cache"])
+                step(first, state["cache"])
 
         def call() -> Any:
             with torch.inference_mode():
