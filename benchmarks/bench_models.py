@@ -3,6 +3,7 @@
 Usage:
     .venv/bin/python benchmarks/bench_models.py [--models llama vit] [--lengths 512 1024] [--repeats 5]
     .venv/bin/python benchmarks/bench_models.py --tiny   # seconds: checks the script runs
+    .venv/bin/python benchmarks/bench_models.py --counts --lengths 64   # aten ops and copies per converted layer
 
 Models (random weights, built from configs):
 - "llama": a 4-layer Llama-style causal LM, hidden 512, 8 query heads of 64,
@@ -119,6 +120,49 @@ def _make(impl: str, model: str, n: int, mode: str, tiny: bool):
     return call
 
 
+COPIES = ("cat", "clone", "copy_", "_to_copy", "contiguous", "_reshape_copy", "fill_", "zero_")
+
+
+def op_counts(model: str, n: int, mode: str, tiny: bool) -> dict[str, float]:
+    """aten ops (as dispatched below autograd, backward included) per converted
+    layer, DAMCHA minus the original: all of them, the copies, and the MACs of
+    the GEMMs with a bias (projections) relative to the original's."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import damcha_torch as dt
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.counts: dict[str, int] = {}
+            self.macs = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            self.counts[name] = self.counts.get(name, 0) + 1
+            if name in ("addmm", "mm"):
+                self.macs += args[-2].numel() * args[-1].shape[-1]
+            return func(*args, **(kwargs or {}))
+
+    out = {}
+    for impl in ("original", "damcha"):
+        call = _make(impl, model, n, mode, tiny)
+        call()
+        with Count() as counter:
+            call()
+        out[impl] = (counter.counts, counter.macs)
+    torch.manual_seed(0)
+    layers = len(dt.converted_layers(dt.convert(_build(model, n, tiny)[1])))
+    (o, o_macs), (d, d_macs) = out["original"], out["damcha"]
+    extra = {"ops": (sum(d.values()) - sum(o.values())) / layers}
+    for op in COPIES:
+        if d.get(op, 0) != o.get(op, 0):
+            extra[op] = (d.get(op, 0) - o.get(op, 0)) / layers
+    extra["mm MACs %"] = 100.0 * (d_macs - o_macs) / max(o_macs, 1)
+    return extra
+
+
 def peak_memory(impl: str, model: str, n: int, mode: str, tiny: bool) -> float:
     call = _make(impl, model, n, mode, tiny)
     call()
@@ -151,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", type=int, nargs="+", default=[576, 1024])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--tiny", action="store_true", help="tiny models, N=16, 2 repeats: a smoke run")
+    parser.add_argument(
+        "--counts", action="store_true", help="print aten op and copy counts per converted layer instead of timing"
+    )
     parser.add_argument("--worker", nargs=4, metavar=("IMPL", "MODEL", "N", "MODE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.tiny:
@@ -158,6 +205,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         impl, model, n, mode = args.worker
         print(json.dumps({"peak_mb": peak_memory(impl, model, int(n), mode, args.tiny)}))
+        return 0
+    if args.counts:
+        for model in args.models:
+            for mode in ("forward", "fwd+bwd"):
+                extra = op_counts(model, args.lengths[0], mode, args.tiny)
+                print(
+                    f"{model} {mode}: per converted layer, vs the original: "
+                    + ", ".join(f"{k} {v:+.1f}" for k, v in extra.items()),
+                    flush=True,
+                )
         return 0
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     import torch
