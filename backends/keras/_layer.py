@@ -1,10 +1,11 @@
 """DamchaAttention: a drop-in for keras.layers.MultiHeadAttention, written with keras.ops.
 
-This module holds the layer: argument validation, building the sublayers and
-variables, and ``call``, which runs the projections (sublayers, called as
-layers so quantization, LoRA and dtype policies apply) and the math of
-``_functional``. The cache (``_cache``), canonical I/O (``_canonical``) and
-MHA conversion (``_convert``) live in their own modules.
+This module holds the layer: building the sublayers and variables, and
+``call``, which runs the projections (sublayers, called as layers so
+quantization, LoRA and dtype policies apply) and the math of ``_functional``.
+MHA's arguments and the input checks (``_args``), the masks (``_masks``), the
+cache (``_cache``), canonical I/O (``_canonical``) and MHA conversion
+(``_convert``) live in their own modules.
 """
 
 from __future__ import annotations
@@ -23,65 +24,12 @@ from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, describ
 from keras import ops
 from keras.src.backend import set_keras_mask  # MHA itself uses it; no public alias in Keras 3.15
 
-from . import _cache, _canonical, _convert
+from . import _args, _cache, _canonical, _convert, _masks
 from . import _functional as F
-from ._cache import FLOAT_DTYPES, static_shape
+from ._args import KERAS_NAMES
+from ._cache import static_shape
 from ._functional import dtype_name
 from ._generator import MetricGenerator, serialize_generator
-
-# Keras's names for the canonical arguments (damcha_core's shared policy messages).
-KERAS_NAMES = {"output_dim": "output_shape", "context": "key", "value": "value", "mask": "attention_mask"}
-_MASK_DTYPES = ("bool", "int", "uint", "float", "bfloat")
-_MASK_EXPECTED = "boolean, or integer/float with values 0 and 1 (True / 1 = may attend, as Keras MHA reads them)"
-
-
-def _flag(name: str, value: Any) -> bool:
-    """A truthy call flag as Keras takes it: a Python or NumPy bool or int, or a
-    concrete scalar tensor (Keras turns NumPy scalars into tensors before ``call``)."""
-    if isinstance(value, (bool, int, np.bool_, np.integer)):
-        return bool(value)
-    if hasattr(value, "shape") and hasattr(value, "dtype") and tuple(value.shape) == ():
-        try:
-            return bool(np.asarray(ops.convert_to_numpy(value)))
-        except Exception:  # noqa: BLE001 - traced (each backend raises its own error type): the layer's structure cannot depend on it
-            pass
-    raise DamchaTypeError(
-        f"`{name}` must be a bool (or an int / concrete scalar, read as truthy), known when the layer is "
-        f"called. Received: {name}={describe(value)}"
-    )
-
-
-def _check_output_shape(output_shape: Any) -> tuple[int, ...] | None:
-    """MHA's ``output_shape``: None (the query's feature size), an int, or a
-    tuple/list of ints; falsy values mean None, as in MHA."""
-    if output_shape is None or (isinstance(output_shape, (tuple, list)) and not output_shape):
-        return None
-    dims = output_shape if isinstance(output_shape, (tuple, list)) else (output_shape,)
-    try:
-        return tuple(dc.check_int("output_shape", s) for s in dims)
-    except dc.DamchaError as err:
-        # The core's rule and class (8.0: DamchaNotIntegerError, "8": DamchaTypeError, 0: DamchaValueError),
-        # worded for the whole argument as Keras words it (its own tests match "Invalid `output_shape`").
-        raise type(err)(
-            "Invalid `output_shape`: expected an int >= 1, a tuple of ints >= 1 or None. "
-            f"Received: output_shape={describe(output_shape)}"
-        ) from None
-
-
-def _check_attention_axes(axes: Any) -> tuple[int, ...] | None:
-    if axes is None:
-        return None
-    axes = (axes,) if isinstance(axes, (int, np.integer)) and not isinstance(axes, bool) else axes
-    if (
-        not isinstance(axes, (tuple, list))
-        or not axes
-        or not all(isinstance(a, (int, np.integer)) and not isinstance(a, (bool, np.bool_)) for a in axes)
-    ):
-        raise DamchaTypeError(
-            f"`attention_axes` must be an int, a non-empty list/tuple of ints, or None. "
-            f"Received: attention_axes={describe(axes)}"
-        )
-    return tuple(int(a) for a in axes)
 
 
 @keras.saving.register_keras_serializable(package="damcha")
@@ -217,9 +165,9 @@ class DamchaAttention(keras.layers.Layer):
     ) -> None:
         super().__init__(activity_regularizer=activity_regularizer, **kwargs)
         self.supports_masking = True
-        self._output_shape = _check_output_shape(output_shape)
-        self._attention_axes = _check_attention_axes(attention_axes)
-        args = self._check_args(
+        self._output_shape = _args.check_output_shape(output_shape)
+        self._attention_axes = _args.check_attention_axes(attention_axes)
+        args = _args.check_args(
             num_heads=num_heads,
             key_dim=key_dim,
             value_dim=value_dim,
@@ -266,7 +214,7 @@ class DamchaAttention(keras.layers.Layer):
         self._bias_regularizer = keras.regularizers.get(bias_regularizer)
         self._kernel_constraint = keras.constraints.get(kernel_constraint)
         self._bias_constraint = keras.constraints.get(bias_constraint)
-        self._metric_generator_arg = self._check_generator_arg(metric_generator, args["metric"], args["coupling"])
+        self._metric_generator_arg = _args.check_generator_arg(metric_generator, args["metric"], args["coupling"])
         self._dropout_layer = keras.layers.Dropout(rate=self._dropout, seed=self.seed, dtype=self.dtype_policy)
         self.config: DamchaConfig | None = None
         self._generators: dict[str, MetricGenerator] = {}
@@ -274,33 +222,6 @@ class DamchaAttention(keras.layers.Layer):
         # Set by from_canonical/from_mha, whose values overwrite the initial ones:
         # zeros skip the random draws (slow to compile per shape on JAX).
         self._zero_init = False
-
-    @staticmethod
-    def _check_args(
-        *, metric_l2: Any, seed: Any, sliding_window: Any, use_gate: Any, flash_attention: Any, **fields: Any
-    ) -> dict[str, Any]:
-        # The shared argument policy applies every rule that does not need the
-        # feature sizes now, so a bad argument fails at construction, not at the
-        # first call; the coupling is resolved at build.
-        args = dc.check_layer_args(names=KERAS_NAMES, **fields)
-        args["metric_l2"] = dc.check_finite_nonneg("metric_l2", metric_l2)
-        args["seed"] = dc.check_seed("seed", seed)
-        args["sliding_window"] = dc.check_int("sliding_window", sliding_window, optional=True)
-        args["use_gate"] = dc.check_bool("use_gate", use_gate)
-        if flash_attention is not None:
-            dc.check_bool("flash_attention", flash_attention)
-        return args
-
-    @staticmethod
-    def _check_generator_arg(given: Any, metric: str, coupling: str) -> Any:
-        """The rules of ``metric_generator`` that need no feature size (the
-        shared policy's: types, metric "none", the sides of an explicit
-        coupling), now as in the other ports; the fit of each generator, and
-        the sides of an automatic coupling, are checked at build."""
-        dc.check_generator_arg(
-            given, metric=metric, coupling=coupling, generator_type=MetricGenerator, names=KERAS_NAMES
-        )
-        return dict(given) if isinstance(given, Mapping) else given
 
     # ------------------------------------------------------------ properties
 
@@ -368,52 +289,8 @@ class DamchaAttention(keras.layers.Layer):
             dtype=self.dtype_policy,
         )
 
-    def _resolve_axes(self, rank: int) -> tuple[int, ...]:
-        """Attention axes as positive input axes in [1, rank - 2] (MHA's reading of negatives)."""
-        if self._attention_axes is None:
-            return tuple(range(1, rank - 1))
-        axes = tuple(a if a >= 0 else rank + a for a in self._attention_axes)
-        if any(not 1 <= a <= rank - 2 for a in axes) or len(set(axes)) != len(axes):
-            raise DamchaValueError(
-                f"`attention_axes` must name distinct axes of the inputs other than batch (0) and features "
-                f"(-1): in [1, {rank - 2}] or [{1 - rank}, -2] for rank-{rank} inputs. "
-                f"Received: attention_axes={self._attention_axes}"
-            )
-        return tuple(sorted(axes))
-
-    def _check_build_shapes(self, query_shape: tuple, value_shape: tuple, key_shape: tuple | None) -> None:
-        """MHA's rules on the shapes alone (``build`` and ``compute_output_shape``)."""
-        query_shape, value_shape = tuple(query_shape), tuple(value_shape)
-        key_shape = value_shape if key_shape is None else tuple(key_shape)
-        if tuple(value_shape[1:-1]) != tuple(key_shape[1:-1]):
-            raise DamchaValueError(
-                "`key` and `value` must have the same shape but for the last (feature) axis: their other "
-                f"dims must be equal. Received: key.shape={key_shape}, value.shape={value_shape}"
-            )
-        if len(query_shape) < 3:
-            raise DamchaValueError(
-                f"`query` must have rank >= 3, (batch, length, features). Received: query.shape={query_shape}"
-            )
-        if len(value_shape) != len(query_shape):
-            raise DamchaValueError(
-                f"`value` must have the rank of `query`. Received: query.shape={query_shape}, value.shape={value_shape}"
-            )
-        for name, shape in (("query", query_shape), ("value", value_shape), ("key", key_shape)):
-            if shape[-1] is None:
-                raise DamchaValueError(
-                    f"`{name}` must have a known feature size (last axis). Received: {name}.shape={shape}"
-                )
-        rank = len(query_shape)
-        batch_axes = F.Layout(rank, self._resolve_axes(rank)).batch_axes
-        for a in (0, *batch_axes):
-            if query_shape[a] is not None and value_shape[a] is not None and query_shape[a] != value_shape[a]:
-                raise DamchaValueError(
-                    f"`query` and `value` must be equal on the batch and non-attended axes {(0, *batch_axes)}. "
-                    f"Received: query.shape={query_shape}, value.shape={value_shape}"
-                )
-
     def build(self, query_shape: tuple, value_shape: tuple, key_shape: tuple | None = None) -> None:
-        self._check_build_shapes(query_shape, value_shape, key_shape)
+        _args.check_build_shapes(self._attention_axes, query_shape, value_shape, key_shape)
         E_q, E_v = int(query_shape[-1]), int(value_shape[-1])
         E_k = E_v if key_shape is None else int(key_shape[-1])
         E_o = math.prod(self._output_shape) if self._output_shape else E_q
@@ -434,7 +311,7 @@ class DamchaAttention(keras.layers.Layer):
             scale=self._scale,
             dropout=self._dropout,
         )
-        self._layout = F.Layout(len(query_shape), self._resolve_axes(len(query_shape)))
+        self._layout = F.Layout(len(query_shape), _args.resolve_axes(self._attention_axes, len(query_shape)))
         cfg = self.config
         H, G, d, d_v = cfg.num_heads, cfg.num_kv_heads, cfg.key_dim, cfg.value_dim
         dense = lambda equation, shape, axes, name, **kw: keras.layers.EinsumDense(  # noqa: E731
@@ -500,150 +377,6 @@ class DamchaAttention(keras.layers.Layer):
             self._gates[side] = self.add_weight(name=f"metric_{side}_gate", shape=(S,), initializer="zeros")
         self.built = True
 
-    # ----------------------------------------------------------- validation
-
-    def _check_inputs(self, query: Any, value: Any, key: Any, masks: dict[str, Any], kv_len: int | None = None) -> None:
-        for name, x in (("query", query), ("value", value), ("key", key)):
-            if x is not None and dtype_name(x) not in FLOAT_DTYPES:
-                raise dc.float_dtype_error(name, x)
-        for name, m in masks.items():
-            if m is not None and not dtype_name(m).startswith(_MASK_DTYPES):
-                raise dc.mask_dtype_error(m, name, _MASK_EXPECTED)
-        qs, vs = static_shape(query), static_shape(value)
-        ks = vs if key is None else static_shape(key)
-        if len(vs[1:-1]) != len(ks[1:-1]) or any(
-            a is not None and b is not None and a != b for a, b in zip(vs[1:-1], ks[1:-1])
-        ):
-            raise DamchaValueError(
-                "`key` and `value` must have the same shape but for the last (feature) axis: their other "
-                f"dims must be equal. Received: key.shape={tuple(key.shape)}, value.shape={tuple(value.shape)}"
-            )
-        cfg = self._built_config
-        E_kv, E_v = dc.config_sizes(cfg)[:2]
-        rank = self._layout.rank
-        # The layer's own argument names (value, key), not damcha_core's (context).
-        if key is None and E_kv != E_v:
-            raise DamchaValueError(
-                f"`key` is required: the layer was built with keys of {E_kv} features and values of "
-                f"{E_v}. Received: key=None, value.shape={tuple(value.shape)}"
-            )
-        for name, shape, features in (
-            ("query", qs, cfg.query_dim),
-            ("value", vs, E_v),
-            ("key", ks, E_kv),
-        ):
-            if len(shape) != rank:
-                raise DamchaValueError(
-                    f"`{name}` must have rank {rank}, the rank the layer was built with"
-                    f"{' (batch, length, features)' if rank == 3 else ''}. Received: {name}.shape={shape}"
-                )
-            if shape[-1] is not None and shape[-1] != features:  # None: traced (e.g. torch ONNX export)
-                raise DamchaValueError(
-                    f"`{name}` must have {features} features, the size the layer was built with. "
-                    f"Received: {name}.shape={shape}"
-                )
-        for a in (0, *self._layout.batch_axes):
-            if qs[a] is not None and vs[a] is not None and qs[a] != vs[a]:
-                what = "batch size" if a == 0 else f"size on the non-attended axis {a}"
-                raise DamchaValueError(
-                    f"`query` and `value` must have the same {what}. "
-                    f"Received: query.shape={tuple(query.shape)}, value.shape={tuple(value.shape)}"
-                )
-        # Unknown (symbolic) dims take the value the other tensors imply, so only
-        # real contradictions are reported by the shared shape rules.
-        size = lambda dims: None if any(s is None for s in dims) else math.prod(dims)  # noqa: E731
-        B = next((s for s in (qs[0], vs[0]) if s is not None), 1)
-        N = size([qs[a] for a in self._layout.attention_axes])
-        M = size([vs[a] for a in self._layout.attention_axes])
-        n_, m_ = 1 if N is None else N, 1 if M is None else M
-        dc.check_shapes(cfg, (B, n_, cfg.query_dim), (B, m_, E_kv), value_shape=(B, m_, E_v), names=KERAS_NAMES)
-        if kv_len is not None:
-            M = kv_len  # with a cache, masks span its L slots
-        q_tokens, v_tokens = tuple(qs[:-1]), tuple(vs[:-1])
-        if kv_len is not None:
-            v_tokens = (vs[0], kv_len)
-        for name, m, target in (
-            ("query_mask", masks.get("query_mask"), q_tokens),
-            ("value_mask", masks.get("value_mask"), v_tokens),
-            ("key_mask", masks.get("key_mask"), v_tokens),
-        ):
-            if m is None:
-                continue
-            shape = static_shape(m)
-            if len(shape) != len(target) or any(
-                s is not None and t is not None and s != t for s, t in zip(shape, target)
-            ):
-                raise DamchaValueError(
-                    f"`{name}` must have shape {target} (the {'query' if name == 'query_mask' else 'key'} "
-                    f"tokens) for query.shape={tuple(query.shape)}, value.shape={tuple(value.shape)}. "
-                    f"Received: {name}.shape={shape}"
-                )
-        m = masks.get("attention_mask")
-        if m is not None:
-            self._check_attention_mask(static_shape(m), qs, vs, N, M, query, value)
-
-    def _check_attention_mask(self, shape: tuple, qs: tuple, vs: tuple, N: Any, M: Any, query: Any, value: Any) -> None:
-        H = self._num_heads
-        if not self._layout.folded:
-            rank_shapes = {2: (N, M), 3: (qs[0], N, M), 4: (qs[0], H, N, M)}
-        else:
-            axes = self._layout.attention_axes
-            full = (qs[0], *[qs[a] for a in self._layout.batch_axes], H, *[qs[a] for a in axes], *[vs[a] for a in axes])
-            # Keras inserts a missing dim before the attention dims, one at a time.
-            rank_shapes = {}
-            for rank in range(2 * len(axes), len(full) + 1):
-                lead = full[: rank - 2 * len(axes)]
-                rank_shapes[rank] = lead + full[len(full) - 2 * len(axes) :]
-        target = rank_shapes.get(len(shape))
-        if target is None or any(s is not None and t is not None and s not in (1, t) for s, t in zip(shape, target)):
-            expected = " or ".join(str(t) for t in rank_shapes.values())
-            raise DamchaValueError(
-                f"`attention_mask` must have shape {expected} (size-1 dims broadcast) for "
-                f"query.shape={tuple(query.shape)}, value.shape={tuple(value.shape)}. "
-                f"Received: attention_mask.shape={shape}"
-            )
-
-    def _read_masks(self, masks: dict[str, Any]) -> tuple[dict[str, Any], Any, Any]:
-        """Boolean masks (True = may attend), a NaN poison scalar (or None), and
-        the attention mask's values as boolean NumPy when they are known on the
-        host at no cost (else None; ``_attend`` reads causal and padding
-        structure from them).
-
-        Integer and float masks are read as Keras reads them, non-zero = may
-        attend, only when their values are 0 and 1. Other values are refused
-        when they are known; under tracing they cannot be inspected, and the
-        poison makes the output NaN instead of silently reading an additive
-        mask inverted."""
-        out, bad, host = {}, None, None
-        for name, m in masks.items():
-            if m is None or dtype_name(m) == "bool":
-                out[name] = m
-                if name == "attention_mask" and m is not None:
-                    host = F.host_values(m)
-                continue
-            values = on_host = F.host_values(m)
-            if values is None:
-                try:
-                    values = np.asarray(ops.convert_to_numpy(m))
-                except Exception:  # noqa: BLE001 - traced (each backend raises its own error type): checked in the graph instead
-                    values = None
-            if values is not None:
-                if not np.all((values == 0) | (values == 1)):
-                    raise DamchaValueError(
-                        f"`{name}` of dtype {dtype_name(m)} must hold only 0 and 1 (1 = may attend, as Keras "
-                        "reads masks); other values, e.g. an additive 0/-inf mask, would be misread. Pass a "
-                        f"boolean mask (True = may attend). Received: {name}.shape={tuple(m.shape)} with "
-                        "other values"
-                    )
-                if name == "attention_mask":
-                    host = values != 0
-            else:
-                wrong = ops.any(ops.logical_and(ops.not_equal(m, 0), ops.not_equal(m, 1)))
-                bad = wrong if bad is None else ops.logical_or(bad, wrong)
-            # Values on the host: the boolean mask is a constant (no op in a traced graph).
-            out[name] = ops.not_equal(m, 0) if on_host is None else ops.convert_to_tensor(on_host != 0)
-        return out, bad, host
-
     # ------------------------------------------------------------------ math
 
     def _apply_map(self, side: str, tokens: Any, y: Any, penalties: list) -> Any:
@@ -687,125 +420,57 @@ class DamchaAttention(keras.layers.Layer):
         v: Any,
         q_in: Any,
         v_in: Any,
+        masks: _masks.CallMasks,
         *,
-        query_mask: Any,
-        value_mask: Any,
-        key_mask: Any,
-        attention_mask: Any,
-        mask_values: Any,
         use_causal_mask: bool,
         cache: Any,
         cache_update_index: Any,
         training: Any,
         return_attention_scores: bool,
     ) -> tuple[Any, Any]:
-        """Attention on the mapped heads with the call's masks (boolean, folded).
-
-        Masks that are causal and/or padding only reach the fused kernel as
-        ``is_causal`` and a (B, 1, 1, M) key mask, never as an N x M mask
-        (``F.kernel_masks``): ``use_causal_mask``, the query/value/key masks
-        (Keras fills them from ``Embedding(mask_zero=True)``), and an
-        ``attention_mask`` whose values are known on the host (``mask_values``,
-        4-D NumPy) and are exactly causal and/or padding (``F.split_mask``:
-        ``ops.tril(ops.ones((N, N)))``, a causal-and-padding mask). A
-        decoding step's causal rule over the cache is one comparison against
-        a cached (N, L) offset table. Anything else (an attention mask of
-        another form or traced, a sliding window, the explicit path, a
-        subclass's ``_compute_attention``) gets the full boolean mask, as
-        MHA's hook does.
+        """Attention on the mapped heads with the call's masks (boolean, folded):
+        the fused kernel with its causal and key-mask arguments where the masks
+        allow (``_masks.kernel_plan``), else MHA's hook ``_compute_attention``
+        with the full boolean mask (``_masks.hook_mask``), as MHA does; a
+        subclass that overrides the hook always gets the full mask.
         """
-        n_static, m_static = static_shape(q_in)[1], static_shape(v_in)[1]
         window = self._sliding_window
         overridden = type(self)._compute_attention is not DamchaAttention._compute_attention
         explicit = self._explicit(q, training, return_attention_scores)
         scale = self._built_config.softmax_scale
         if not overridden and not explicit and self._flash_attention is not True:
-            over_queries = attention_mask is not None and static_shape(attention_mask)[2] != 1
-            key_part, rows, causal = attention_mask, None, use_causal_mask
-            if over_queries and mask_values is not None and cache is None and window is None:
-                parts = F.split_mask(mask_values)
-                if parts is not None:
-                    rows, key_part, split_causal = parts
-                    key_part = None if key_part is None else ops.convert_to_tensor(key_part)
-                    over_queries, causal = False, causal or split_causal
-            if (
-                cache is None
-                and window is None
-                and not over_queries
-                and (not causal or (n_static is not None and n_static == m_static))
-            ):
-                keys = (
-                    key_mask
-                    if value_mask is None
-                    else (value_mask if key_mask is None else ops.logical_and(value_mask, key_mask))
-                )
-                key_side = F.key_side_mask(keys, key_part)
-                keep = F.kernel_masks(query_mask, key_side, causal=causal, rows=rows)
+            n_static, m_static = static_shape(q_in)[1], static_shape(v_in)[1]
+            plan = _masks.kernel_plan(
+                masks,
+                n_static,
+                m_static,
+                use_causal_mask=use_causal_mask,
+                cache=cache,
+                cache_update_index=cache_update_index,
+                window=window,
+            )
+            if plan is not None:
                 out = F.fused_attention(
                     q,
                     k,
                     v,
                     scale=scale,
-                    mask=key_side,
-                    is_causal=causal,
-                    keep=keep,
+                    mask=plan.mask,
+                    is_causal=plan.is_causal,
+                    keep=plan.keep,
                     flash_attention=self._flash_attention,
                 )
                 return out, None
-            if (
-                cache is not None
-                and cache_update_index is not None
-                and use_causal_mask
-                and window is None
-                and attention_mask is None
-            ):
-                # Query i of a step is token index + i: it sees its own slot, so no row is empty.
-                slots = _cache.causal_slots(n_static, static_shape(cache)[2], cache_update_index)
-                if slots is not None:
-                    keep = None if query_mask is None else query_mask[:, :, None, None]
-                    out = F.fused_attention(
-                        q, k, v, scale=scale, mask=slots, keep=keep, flash_attention=self._flash_attention
-                    )
-                    return out, None
-        # As MHA: a causal mask alone runs the fused kernel's causal path, unless a
-        # subclass overrides _compute_attention (it then gets the full mask).
-        causal_only = (
-            use_causal_mask
-            and not overridden
-            and cache is None
-            and window is None
-            and query_mask is None
-            and value_mask is None
-            and key_mask is None
-            and attention_mask is None
-            and n_static is not None
-            and n_static == m_static
+        visible, causal_only = _masks.hook_mask(
+            masks,
+            q_in,
+            v_in,
+            use_causal_mask=use_causal_mask,
+            cache=cache,
+            cache_update_index=cache_update_index,
+            window=window,
+            overridden=overridden,
         )
-        n, m = ops.shape(q_in)[1], ops.shape(v_in)[1]
-        if causal_only:
-            visible = None
-        elif cache is not None:
-            visible = _cache.cache_visibility(
-                n,
-                m,
-                cache,
-                cache_update_index,
-                query_mask=query_mask,
-                attention_mask=attention_mask,
-                use_causal_mask=use_causal_mask,
-                window=window,
-            )
-        else:
-            visible = F.visibility(
-                n,
-                m,
-                query_mask=query_mask,
-                value_mask=value_mask,
-                key_mask=key_mask,
-                attention_mask=attention_mask,
-                causal=use_causal_mask,
-                window=window,
-            )
         extra = {"use_causal_mask": True} if causal_only else {}
         return self._compute_attention(q, k, v, visible, training, return_attention_scores, **extra)
 
@@ -906,14 +571,14 @@ class DamchaAttention(keras.layers.Layer):
         cache: Any = None,
         cache_update_index: Any = None,
     ) -> Any:
-        return_attention_scores = _flag("return_attention_scores", return_attention_scores)
-        use_causal_mask = _flag("use_causal_mask", use_causal_mask)
+        return_attention_scores = _args.flag("return_attention_scores", return_attention_scores)
+        use_causal_mask = _args.flag("use_causal_mask", use_causal_mask)
         if self._flash_attention and return_attention_scores:
             self._compute_attention(None, None, None, return_attention_scores=True)  # raises
         masks = dict(query_mask=query_mask, value_mask=value_mask, key_mask=key_mask, attention_mask=attention_mask)
         kv_len = self._check_cache(query, value, masks, use_causal_mask, cache, cache_update_index)
-        self._check_inputs(query, value, key, masks, kv_len)
-        masks, poison, mask_values = self._read_masks(masks)
+        _args.check_inputs(self._built_config, self._layout, query, value, key, masks, kv_len)
+        masks, poison, mask_values = _masks.read_masks(masks)
         # The masks are consumed here (as MHA does): the projections must not
         # see them (they do not support masking and would warn).
         for tensor in (query, value, key):
@@ -945,28 +610,13 @@ class DamchaAttention(keras.layers.Layer):
         if penalties:
             self.add_loss(self._metric_l2 * ops.mean(ops.stack(penalties)))
 
-        query_mask = layout.fold_mask(masks["query_mask"])
-        value_mask = layout.fold_mask(masks["value_mask"])
-        key_mask = layout.fold_mask(masks["key_mask"])
-        attention_mask = masks["attention_mask"]
-        if attention_mask is not None:
-            attention_mask = layout.fold_attention_mask(attention_mask, query, value, self._num_heads)
-        if mask_values is not None and not layout.folded:
-            while mask_values.ndim < 4:  # as F.as_4d: (N, M) -> (1, 1, N, M), (B, N, M) -> (B, 1, N, M)
-                mask_values = mask_values[..., None, :, :]
-        else:
-            mask_values = None
         out, scores = self._attend(
             q,
             k,
             v,
             q_in,
             v_in,
-            query_mask=query_mask,
-            value_mask=value_mask,
-            key_mask=key_mask,
-            attention_mask=attention_mask,
-            mask_values=mask_values,
+            _masks.fold(layout, masks, mask_values, query, value, self._num_heads),
             use_causal_mask=use_causal_mask,
             cache=cache,
             cache_update_index=cache_update_index,
@@ -1017,7 +667,7 @@ class DamchaAttention(keras.layers.Layer):
     # ---------------------------------------------------------------- shapes
 
     def compute_output_shape(self, query_shape: tuple, value_shape: tuple, key_shape: tuple | None = None) -> tuple:
-        self._check_build_shapes(query_shape, value_shape, key_shape)
+        _args.check_build_shapes(self._attention_axes, query_shape, value_shape, key_shape)
         trailing = self._output_shape or (tuple(query_shape)[-1],)
         return tuple(query_shape)[:-1] + tuple(trailing)
 
@@ -1037,13 +687,13 @@ class DamchaAttention(keras.layers.Layer):
         cache_update_index=None,
     ):
         # Functional models fail at model-building time, not at the first fit.
-        return_attention_scores = _flag("return_attention_scores", return_attention_scores)
-        use_causal_mask = _flag("use_causal_mask", use_causal_mask)
+        return_attention_scores = _args.flag("return_attention_scores", return_attention_scores)
+        use_causal_mask = _args.flag("use_causal_mask", use_causal_mask)
         if not self.built:
             self.build(tuple(query.shape), tuple(value.shape), None if key is None else tuple(key.shape))
         masks = dict(query_mask=query_mask, value_mask=value_mask, key_mask=key_mask, attention_mask=attention_mask)
         kv_len = self._check_cache(query, value, masks, use_causal_mask, cache, cache_update_index)
-        self._check_inputs(query, value, key, masks, kv_len)
+        _args.check_inputs(self._built_config, self._layout, query, value, key, masks, kv_len)
         shape = self.compute_output_shape(query.shape, value.shape, None if key is None else key.shape)
         out = keras.KerasTensor(shape, dtype=self.compute_dtype)
         result: tuple = (out,)

@@ -1,0 +1,229 @@
+"""Keras MultiHeadAttention's arguments as ``DamchaAttention`` takes them: the
+constructor's arguments, the call flags, and the rules on input shapes.
+
+Every rule that is not MHA-specific is damcha_core's shared argument policy,
+called with Keras's argument names (``KERAS_NAMES``); what is here is MHA's own
+reading (``output_shape``, ``attention_axes``, truthy call flags, rank > 3
+inputs) and the checks that run once the feature sizes are known.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+import damcha_core as dc
+from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, describe
+from keras import ops
+
+from . import _functional as F
+from . import _masks
+from ._cache import FLOAT_DTYPES, static_shape
+from ._functional import dtype_name
+from ._generator import MetricGenerator
+
+# Keras's names for the canonical arguments (damcha_core's shared policy messages).
+KERAS_NAMES = {"output_dim": "output_shape", "context": "key", "value": "value", "mask": "attention_mask"}
+
+
+# ------------------------------------------------------------ construction
+
+
+def check_args(
+    *, metric_l2: Any, seed: Any, sliding_window: Any, use_gate: Any, flash_attention: Any, **fields: Any
+) -> dict[str, Any]:
+    """The constructor's arguments, validated and normalised."""
+    # The shared argument policy applies every rule that does not need the
+    # feature sizes now, so a bad argument fails at construction, not at the
+    # first call; the coupling is resolved at build.
+    args = dc.check_layer_args(names=KERAS_NAMES, **fields)
+    args["metric_l2"] = dc.check_finite_nonneg("metric_l2", metric_l2)
+    args["seed"] = dc.check_seed("seed", seed)
+    args["sliding_window"] = dc.check_int("sliding_window", sliding_window, optional=True)
+    args["use_gate"] = dc.check_bool("use_gate", use_gate)
+    if flash_attention is not None:
+        dc.check_bool("flash_attention", flash_attention)
+    return args
+
+
+def check_generator_arg(given: Any, metric: str, coupling: str) -> Any:
+    """The rules of ``metric_generator`` that need no feature size (the
+    shared policy's: types, metric "none", the sides of an explicit
+    coupling), now as in the other ports; the fit of each generator, and
+    the sides of an automatic coupling, are checked at build."""
+    dc.check_generator_arg(given, metric=metric, coupling=coupling, generator_type=MetricGenerator, names=KERAS_NAMES)
+    return dict(given) if isinstance(given, Mapping) else given
+
+
+def check_output_shape(output_shape: Any) -> tuple[int, ...] | None:
+    """MHA's ``output_shape``: None (the query's feature size), an int, or a
+    tuple/list of ints; falsy values mean None, as in MHA."""
+    if output_shape is None or (isinstance(output_shape, (tuple, list)) and not output_shape):
+        return None
+    dims = output_shape if isinstance(output_shape, (tuple, list)) else (output_shape,)
+    try:
+        return tuple(dc.check_int("output_shape", s) for s in dims)
+    except dc.DamchaError as err:
+        # The core's rule and class (8.0: DamchaNotIntegerError, "8": DamchaTypeError, 0: DamchaValueError),
+        # worded for the whole argument as Keras words it (its own tests match "Invalid `output_shape`").
+        raise type(err)(
+            "Invalid `output_shape`: expected an int >= 1, a tuple of ints >= 1 or None. "
+            f"Received: output_shape={describe(output_shape)}"
+        ) from None
+
+
+def check_attention_axes(axes: Any) -> tuple[int, ...] | None:
+    if axes is None:
+        return None
+    axes = (axes,) if isinstance(axes, (int, np.integer)) and not isinstance(axes, bool) else axes
+    if (
+        not isinstance(axes, (tuple, list))
+        or not axes
+        or not all(isinstance(a, (int, np.integer)) and not isinstance(a, (bool, np.bool_)) for a in axes)
+    ):
+        raise DamchaTypeError(
+            f"`attention_axes` must be an int, a non-empty list/tuple of ints, or None. "
+            f"Received: attention_axes={describe(axes)}"
+        )
+    return tuple(int(a) for a in axes)
+
+
+# -------------------------------------------------------------------- call
+
+
+def flag(name: str, value: Any) -> bool:
+    """A truthy call flag as Keras takes it: a Python or NumPy bool or int, or a
+    concrete scalar tensor (Keras turns NumPy scalars into tensors before ``call``)."""
+    if isinstance(value, (bool, int, np.bool_, np.integer)):
+        return bool(value)
+    if hasattr(value, "shape") and hasattr(value, "dtype") and tuple(value.shape) == ():
+        try:
+            return bool(np.asarray(ops.convert_to_numpy(value)))
+        except Exception:  # noqa: BLE001 - traced (each backend raises its own error type): the layer's structure cannot depend on it
+            pass
+    raise DamchaTypeError(
+        f"`{name}` must be a bool (or an int / concrete scalar, read as truthy), known when the layer is "
+        f"called. Received: {name}={describe(value)}"
+    )
+
+
+# ------------------------------------------------------------------ shapes
+
+
+def resolve_axes(attention_axes: tuple[int, ...] | None, rank: int) -> tuple[int, ...]:
+    """Attention axes as positive input axes in [1, rank - 2] (MHA's reading of negatives)."""
+    if attention_axes is None:
+        return tuple(range(1, rank - 1))
+    axes = tuple(a if a >= 0 else rank + a for a in attention_axes)
+    if any(not 1 <= a <= rank - 2 for a in axes) or len(set(axes)) != len(axes):
+        raise DamchaValueError(
+            f"`attention_axes` must name distinct axes of the inputs other than batch (0) and features "
+            f"(-1): in [1, {rank - 2}] or [{1 - rank}, -2] for rank-{rank} inputs. "
+            f"Received: attention_axes={attention_axes}"
+        )
+    return tuple(sorted(axes))
+
+
+def check_build_shapes(
+    attention_axes: tuple[int, ...] | None, query_shape: tuple, value_shape: tuple, key_shape: tuple | None
+) -> None:
+    """MHA's rules on the shapes alone (``build`` and ``compute_output_shape``)."""
+    query_shape, value_shape = tuple(query_shape), tuple(value_shape)
+    key_shape = value_shape if key_shape is None else tuple(key_shape)
+    if tuple(value_shape[1:-1]) != tuple(key_shape[1:-1]):
+        raise DamchaValueError(
+            "`key` and `value` must have the same shape but for the last (feature) axis: their other "
+            f"dims must be equal. Received: key.shape={key_shape}, value.shape={value_shape}"
+        )
+    if len(query_shape) < 3:
+        raise DamchaValueError(
+            f"`query` must have rank >= 3, (batch, length, features). Received: query.shape={query_shape}"
+        )
+    if len(value_shape) != len(query_shape):
+        raise DamchaValueError(
+            f"`value` must have the rank of `query`. Received: query.shape={query_shape}, value.shape={value_shape}"
+        )
+    for name, shape in (("query", query_shape), ("value", value_shape), ("key", key_shape)):
+        if shape[-1] is None:
+            raise DamchaValueError(
+                f"`{name}` must have a known feature size (last axis). Received: {name}.shape={shape}"
+            )
+    rank = len(query_shape)
+    batch_axes = F.Layout(rank, resolve_axes(attention_axes, rank)).batch_axes
+    for a in (0, *batch_axes):
+        if query_shape[a] is not None and value_shape[a] is not None and query_shape[a] != value_shape[a]:
+            raise DamchaValueError(
+                f"`query` and `value` must be equal on the batch and non-attended axes {(0, *batch_axes)}. "
+                f"Received: query.shape={query_shape}, value.shape={value_shape}"
+            )
+
+
+def check_inputs(
+    config: DamchaConfig,
+    layout: F.Layout,
+    query: Any,
+    value: Any,
+    key: Any,
+    masks: dict[str, Any],
+    kv_len: int | None = None,
+) -> None:
+    """A call's inputs and masks against the built layer: dtypes, ranks,
+    feature sizes, batch and non-attended axes, the shared shape rules, and
+    the masks' shapes (with a cache, the key masks span its ``kv_len`` slots)."""
+    for name, x in (("query", query), ("value", value), ("key", key)):
+        if x is not None and dtype_name(x) not in FLOAT_DTYPES:
+            raise dc.float_dtype_error(name, x)
+    _masks.check_dtypes(masks)
+    qs, vs = static_shape(query), static_shape(value)
+    ks = vs if key is None else static_shape(key)
+    if len(vs[1:-1]) != len(ks[1:-1]) or any(
+        a is not None and b is not None and a != b for a, b in zip(vs[1:-1], ks[1:-1])
+    ):
+        raise DamchaValueError(
+            "`key` and `value` must have the same shape but for the last (feature) axis: their other "
+            f"dims must be equal. Received: key.shape={tuple(key.shape)}, value.shape={tuple(value.shape)}"
+        )
+    E_kv, E_v = dc.config_sizes(config)[:2]
+    rank = layout.rank
+    # The layer's own argument names (value, key), not damcha_core's (context).
+    if key is None and E_kv != E_v:
+        raise DamchaValueError(
+            f"`key` is required: the layer was built with keys of {E_kv} features and values of "
+            f"{E_v}. Received: key=None, value.shape={tuple(value.shape)}"
+        )
+    for name, shape, features in (("query", qs, config.query_dim), ("value", vs, E_v), ("key", ks, E_kv)):
+        if len(shape) != rank:
+            raise DamchaValueError(
+                f"`{name}` must have rank {rank}, the rank the layer was built with"
+                f"{' (batch, length, features)' if rank == 3 else ''}. Received: {name}.shape={shape}"
+            )
+        if shape[-1] is not None and shape[-1] != features:  # None: traced (e.g. torch ONNX export)
+            raise DamchaValueError(
+                f"`{name}` must have {features} features, the size the layer was built with. "
+                f"Received: {name}.shape={shape}"
+            )
+    for a in (0, *layout.batch_axes):
+        if qs[a] is not None and vs[a] is not None and qs[a] != vs[a]:
+            what = "batch size" if a == 0 else f"size on the non-attended axis {a}"
+            raise DamchaValueError(
+                f"`query` and `value` must have the same {what}. "
+                f"Received: query.shape={tuple(query.shape)}, value.shape={tuple(value.shape)}"
+            )
+    # Unknown (symbolic) dims take the value the other tensors imply, so only
+    # real contradictions are reported by the shared shape rules.
+    B = next((s for s in (qs[0], vs[0]) if s is not None), 1)
+    N, M = _size([qs[a] for a in layout.attention_axes]), _size([vs[a] for a in layout.attention_axes])
+    n_, m_ = 1 if N is None else N, 1 if M is None else M
+    dc.check_shapes(config, (B, n_, config.query_dim), (B, m_, E_kv), value_shape=(B, m_, E_v), names=KERAS_NAMES)
+    if kv_len is not None:
+        M = kv_len  # with a cache, masks span its L slots
+    _masks.check_shapes(masks, layout, config.num_heads, query, value, N, M, kv_len)
+
+
+def _size(dims: list[int | None]) -> int | None:
+    """The number of positions over ``dims``; None if one is unknown."""
+    known = [s for s in dims if s is not None]
+    return math.prod(known) if len(known) == len(dims) else None
