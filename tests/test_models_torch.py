@@ -440,6 +440,25 @@ def test_fused_projection_gradients_with_a_frozen_host(arch):
         torch.testing.assert_close(got[n], want[n], rtol=0, atol=1e-13, msg=n)
 
 
+def test_fused_projection_double_backward():
+    """A gradient penalty differentiates the fused node's backward (written
+    with differentiable ops): the same second-order gradients as the path that
+    stores its inputs (eager attention: the CPU sdpa kernel has no double
+    backward)."""
+    grads = []
+    for recompute in (False, True):
+        model = open_gates(dt.convert(build("llama", torch.float64, "eager"), recompute=recompute)).train()
+        loss = _loss(model, "llama", inputs("llama", torch.float64, padding=False))
+        params = [p for p in model.parameters() if p.requires_grad]
+        first = torch.autograd.grad(loss, params, create_graph=True)
+        sum(g.square().sum() for g in first).backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    want, got = grads
+    assert set(got) == set(want) and any(".damcha.gates." in n for n in want)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=0, atol=1e-13, msg=n)
+
+
 @pytest.mark.parametrize("arch", ["vit", "llama"])
 def test_fast_paths_agree_bit_for_bit(arch):
     """In training with recompute, the forward without a graph (the maps added

@@ -17,7 +17,9 @@ a concatenation of the result) and its recomputation of the whole projection:
   of all of it) and the generator's S x S coefficients, and writes the
   gradients by hand: two ``bmm`` per block for the mixing, a few passes over
   the (T, S*S) coefficients and two over the tokens for the generator
-  (autograd's norm backward made several (T, E) temporaries).
+  (autograd's norm backward made several (T, E) temporaries). The backward
+  is written with differentiable ops, so ``create_graph=True`` (a gradient
+  penalty) differentiates it.
 
 Both compute each mapped block as y_b + bmm(diag(g) A(t), y_b), one product
 per block (the tied queries and keys of one projection share one A(t)), so
@@ -36,7 +38,6 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from . import _functional as fn
 
@@ -112,7 +113,6 @@ class FusedLinearMaps(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         x, weight, bias, *leaves = ctx.saved_tensors
         sides: tuple[SideBlocks, ...] = ctx.sides
