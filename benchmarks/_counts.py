@@ -106,11 +106,13 @@ def torch_sdpa_calls(fn: Callable[[], Any]) -> list[dict[str, Any]]:
     return calls
 
 
-def mha_decode_step(mha: Any, x: Any, cache: list) -> Any:
+def mha_decode_step(mha: Any, x: Any, cache: Any) -> Any:
     """One incremental step of the usual hand-written decoder around ``nn.MultiheadAttention``.
 
     Packed q/k/v projection, cache by concatenation (``cache`` is a list,
-    empty at the start, then ``[k, v]`` of shape (B, H, P, d)), one SDPA call
+    empty at the start, then ``[k, v]`` of shape (B, H, P, d)) or, when
+    ``cache`` is a ``damcha_torch.DamchaKVCache``, in its preallocated storage
+    (``cache.update``: the same in-place appends as a DAMCHA step), one SDPA call
     with a bottom-right causal mask (none for a single new token), output
     projection. ``x`` is (B, T, E) (``batch_first``); returns (B, T, E).
     """
@@ -120,9 +122,12 @@ def mha_decode_step(mha: Any, x: Any, cache: list) -> Any:
     B, T, E = x.shape
     H = mha.num_heads
     q, k, v = F.linear(x, mha.in_proj_weight, mha.in_proj_bias).view(B, T, 3, H, E // H).permute(2, 0, 3, 1, 4)
-    if cache:
-        k, v = torch.cat([cache[0], k], 2), torch.cat([cache[1], v], 2)
-    cache[:] = [k, v]
+    if not isinstance(cache, list):
+        k, v = cache.update(k, v)
+    else:
+        if cache:
+            k, v = torch.cat([cache[0], k], 2), torch.cat([cache[1], v], 2)
+        cache[:] = [k, v]
     if T == 1:  # one new token sees every cached key: no mask at all
         o = F.scaled_dot_product_attention(q, k, v)
     else:
@@ -282,6 +287,7 @@ def _torch_cases(n: int, batch: int, embed: int, heads: int) -> dict[str, dict[s
         },
         "decode": {
             "mha": decode(lambda t, c: mha_decode_step(mha, t, c), list),
+            "mha, preallocated cache": decode(lambda t, c: mha_decode_step(mha, t, c), DamchaKVCache),
             "damcha": decode(
                 lambda t, c: damcha(t, t, t, is_causal=True, need_weights=False, kv_cache=c)[0], DamchaKVCache
             ),

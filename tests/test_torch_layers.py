@@ -191,7 +191,8 @@ def test_kv_cache_decoding_equals_full_forward(name, chunks):
 @pytest.mark.parametrize("name", ["heads-tied", "lowrank-query-gqa"])
 def test_kv_cache_decoding_under_torch_compile(name):
     """A compiled decoding loop (fullgraph) equals the eager full forward, and the
-    growing cache does not recompile per token: dynamo marks its length dynamic."""
+    growing cache does not recompile per token: dynamo marks its length and
+    its storage's size dynamic."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     cfg = _config(name)
@@ -207,8 +208,9 @@ def test_kv_cache_decoding_under_torch_compile(name):
             t = x[:, i : i + 1]
             outs.append(step(t, t, t, is_causal=True, need_weights=False, kv_cache=cache)[0])
     torch.testing.assert_close(torch.cat(outs, dim=1), full, rtol=1e-10, atol=1e-12)
-    # empty cache, a one-token cache (dynamo specialises sizes 0/1), then one dynamic graph
-    assert counter.frame_count <= 3, counter.frame_count
+    # empty cache, a one-token cache (dynamo specialises sizes 0/1), a static then
+    # dynamic storage size; tests/test_torch_kv_cache.py decodes through more growths
+    assert counter.frame_count <= 4, counter.frame_count
 
 
 # ---------------------------------------------------- conversion and stacks

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from damcha_core import DamchaTypeError, DamchaValueError, describe
+from damcha_core import DamchaTypeError, DamchaValueError, check_int, describe
 from torch import Tensor
 
 __all__ = ["DamchaKVCache"]
@@ -30,22 +30,126 @@ class DamchaKVCache:
     ``layer(x, x, x, is_causal=True, need_weights=False, kv_cache=cache)``;
     the layer appends the new tokens and attends over all of them, query i of
     the call sitting at position P + i (bottom-right causal alignment).
+
+    Without autograd (``torch.no_grad`` / ``torch.inference_mode``) the tokens
+    live in preallocated storage (B, G, C, d) that grows geometrically
+    (C at least doubles) and is written in place, so a step copies only its
+    new tokens; ``key`` and ``value`` are views of the first P positions.
+    With autograd on, an append concatenates as a plain ``torch.cat`` (a
+    write into storage that an earlier step's graph saved would break its
+    backward).
+
+    Args:
+        capacity: positions to reserve when the storage is allocated (the
+            first call without autograd, or the first after ``reset``);
+            ``None`` reserves the first call's tokens only. A longer sequence
+            still fits: the storage grows to at least twice its size, so
+            it holds up to ``max(capacity, 2 P)`` positions rather than P.
     """
 
-    def __init__(self) -> None:
-        self.key: Tensor | None = None
-        self.value: Tensor | None = None
+    def __init__(self, capacity: int | None = None) -> None:
+        self._reserve = check_int("capacity", capacity, optional=True)
+        # The cached positions are the first _length of _kbuf/_vbuf (B, G, C, d).
+        # Only those two tensors and an int are state, never views of them:
+        # torch.compile then sees one input per storage (views of one storage
+        # as separate inputs cost recompiles) and marks _length dynamic.
+        self._kbuf: Tensor | None = None
+        self._vbuf: Tensor | None = None
+        self._length = 0
+
+    @property
+    def key(self) -> Tensor | None:
+        """The cached keys k~ (B, G, P, d), or None when empty."""
+        kb = self._kbuf
+        return None if kb is None else kb.narrow(2, 0, self._length)
+
+    @key.setter
+    def key(self, tensor: Tensor | None) -> None:
+        self._set(tensor, self.value)
+
+    @property
+    def value(self) -> Tensor | None:
+        """The cached values (B, G, P, d_v), or None when empty."""
+        vb = self._vbuf
+        return None if vb is None else vb.narrow(2, 0, self._length)
+
+    @value.setter
+    def value(self, tensor: Tensor | None) -> None:
+        self._set(self.key, tensor)
+
+    def _set(self, key: Tensor | None, value: Tensor | None) -> None:
+        # Assigned tensors become the storage (full, so the next append copies
+        # into new storage rather than writing into the caller's tensors).
+        self._kbuf, self._vbuf = key, value
+        self._length = 0 if key is None else int(key.shape[2])
+
+    @property
+    def capacity(self) -> int:
+        """Positions the current storage holds (>= ``len(self)``)."""
+        return 0 if self._kbuf is None else int(self._kbuf.shape[2])
 
     def __len__(self) -> int:
-        return 0 if self.key is None else int(self.key.shape[2])
+        return 0 if self._kbuf is None else self._length
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Only the cached positions (pickling a view saves its whole storage),
+        # under the attribute names of the concatenating cache.
+        key, value = self.key, self.value
+        return {
+            "key": None if key is None else key.clone(),
+            "value": None if value is None else value.clone(),
+            "capacity": self._reserve,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._reserve = state.get("capacity")
+        self._set(state["key"], state["value"])
+
+    def _store(self, key: Tensor, value: Tensor, P: int) -> tuple[Tensor, Tensor]:
+        """Append checked key/value after the P cached positions (P may be 0)."""
+        kb, vb = self._kbuf, self._vbuf
+        n = key.shape[2]
+        if torch.is_grad_enabled():
+            # An earlier step's graph may hold the cached tensors (SDPA saves
+            # its keys and values): an in-place write into their storage would
+            # bump the version counter that its backward checks. The result
+            # fills its storage, so a later append never writes into it.
+            if kb is not None and vb is not None and P > 0:
+                key = torch.cat([kb.narrow(2, 0, P), key], dim=2)
+                value = torch.cat([vb.narrow(2, 0, P), value], dim=2)
+            self._kbuf, self._vbuf, self._length = key, value, P + n
+            return key, value
+        if (
+            kb is None
+            or vb is None
+            # One position stays free: a view of the first P + n positions is
+            # then never contiguous, so torch.compile's contiguity checks do
+            # not flip (and recompile) when the storage fills up.
+            or P + n >= kb.shape[2]
+            # Storage made under inference_mode cannot be written outside it.
+            or (not torch.compiler.is_compiling() and kb.is_inference() and not torch.is_inference_mode_enabled())
+        ):
+            size = max(P + n + 1, 2 * P, self._reserve or 0)
+            new_k = key.new_empty(key.shape[0], key.shape[1], size, key.shape[3])
+            new_v = value.new_empty(value.shape[0], value.shape[1], size, value.shape[3])
+            if kb is not None and vb is not None and P > 0:
+                new_k.narrow(2, 0, P).copy_(kb.narrow(2, 0, P))
+                new_v.narrow(2, 0, P).copy_(vb.narrow(2, 0, P))
+            self._kbuf, self._vbuf, kb, vb = new_k, new_v, new_k, new_v
+        kb.narrow(2, P, n).copy_(key)
+        vb.narrow(2, P, n).copy_(value)
+        self._length = P + n
+        return kb.narrow(2, 0, P + n), vb.narrow(2, 0, P + n)
 
     def update(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
         """Append key (B, G, M, d) and value (B, G, M, d_v); return the full cache.
 
         Everything is checked before anything is appended: a failed call
-        leaves the cache as it was.
+        leaves the cache as it was. The returned tensors are ``self.key`` and
+        ``self.value``: without autograd, views of the cache's storage (their
+        P + M positions are never rewritten; ``reset`` drops the storage).
         """
-        ck, cv = self.key, self.value
+        ck, cv = self._kbuf, self._vbuf
         if (
             ck is not None
             and cv is not None
@@ -61,8 +165,7 @@ class DamchaKVCache:
             and key.device == ck.device == value.device
         ):
             # What every decoding step passes: the checks below in one expression.
-            self.key, self.value = torch.cat([ck, key], dim=2), torch.cat([cv, value], dim=2)
-            return self.key, self.value
+            return self._store(key, value, self._length)
         key, value = _check_heads("key", key), _check_heads("value", value)
         if key.shape[:3] != value.shape[:3]:
             raise DamchaValueError(
@@ -74,35 +177,28 @@ class DamchaKVCache:
                 "`key` and `value` must have one dtype and device. "
                 f"Received: key {key.dtype} on {key.device}, value {value.dtype} on {value.device}"
             )
-        if self.key is None or self.value is None:
-            self.key, self.value = key, value
-            return key, value
-        if (
-            key.shape[:2] != self.key.shape[:2]
-            or key.shape[3:] != self.key.shape[3:]
-            or (value.shape[3:] != self.value.shape[3:])
-        ):
+        if ck is None or cv is None:
+            return self._store(key, value, 0)
+        if key.shape[:2] != ck.shape[:2] or key.shape[3:] != ck.shape[3:] or (value.shape[3:] != cv.shape[3:]):
             raise DamchaValueError(
                 "`kv_cache` holds a different batch, head count or head size than this call "
                 "(call kv_cache.reset() to start a new sequence). "
-                f"Received: cached key shape {tuple(self.key.shape)}, new key shape {tuple(key.shape)}"
+                f"Received: cached key shape {tuple(self.key.shape)}, new key shape {tuple(key.shape)}"  # type: ignore[union-attr]
             )
-        if key.dtype != self.key.dtype or key.device != self.key.device:
+        if key.dtype != ck.dtype or key.device != ck.device:
             # torch.cat would silently promote the dtype, or fail later in SDPA.
             raise DamchaValueError(
                 "`kv_cache` holds keys of another dtype or device than this call "
                 "(call kv_cache.reset() to start a new sequence). "
-                f"Received: cached {self.key.dtype} on {self.key.device}, new {key.dtype} on {key.device}"
+                f"Received: cached {ck.dtype} on {ck.device}, new {key.dtype} on {key.device}"
             )
-        self.key = torch.cat([self.key, key], dim=2)
-        self.value = torch.cat([self.value, value], dim=2)
-        return self.key, self.value
+        return self._store(key, value, self._length)
 
     def _extend(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
         """``update`` for the flat decoding step, whose key and value are plain
         4-D tensors cut from one projection (one dtype and device, the same
         B, G and M): only what they share with the cache is compared here."""
-        ck, cv = self.key, self.value
+        ck, cv = self._kbuf, self._vbuf
         if (
             ck is not None
             and cv is not None
@@ -112,10 +208,11 @@ class DamchaKVCache:
             and cv.shape[3] == value.shape[3]
             and ck.get_device() == key.get_device()
         ):
-            self.key, self.value = torch.cat([ck, key], dim=2), torch.cat([cv, value], dim=2)
-            return self.key, self.value
+            return self._store(key, value, self._length)
         return self.update(key, value)
 
     def reset(self) -> None:
-        """Forget every cached token."""
-        self.key = self.value = None
+        """Forget every cached token (and drop the storage: views handed out
+        before stay as they were)."""
+        self._kbuf = self._vbuf = None
+        self._length = 0

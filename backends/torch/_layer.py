@@ -487,7 +487,7 @@ class DamchaAttention(CanonicalIO, nn.Module):
         ):
             return None
         N = x.shape[1]
-        if is_causal and N > 1 and kv_cache.key is not None:
+        if is_causal and N > 1 and len(kv_cache) > 0:
             return None  # a chunk after cached tokens needs the bottom-right mask: the general path builds it
         if attn_mask is not None and not (
             type(attn_mask) is Tensor

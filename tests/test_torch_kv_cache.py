@@ -1,0 +1,270 @@
+"""DamchaKVCache's preallocated storage: appends written in place, growth,
+autograd, inference_mode, pickling and torch.compile (float64, against the
+NumPy reference and the layer's own full forward)."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import damcha_core as dc
+from damcha_conformance import case_params
+from damcha_torch import DamchaAttention, DamchaKVCache
+
+CONFIGS = {
+    "heads-tied": dict(metric="heads", coupling="tied"),
+    "heads-separate": dict(metric="heads", coupling="separate"),
+    "lowrank-query-gqa": dict(metric="lowrank", metric_rank=3, coupling="query", num_kv_heads=2),
+}
+
+
+def _layer(name: str) -> tuple[DamchaAttention, dict[str, np.ndarray], dc.DamchaConfig]:
+    cfg = dc.DamchaConfig(query_dim=16, num_heads=4, key_dim=4, **CONFIGS[name])
+    params = case_params(cfg, 0)  # open gates, non-zero biases
+    layer = DamchaAttention.from_canonical(params, cfg, batch_first=True, dtype=torch.float64).eval()
+    return layer, params, cfg
+
+
+def _x(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def _step(layer: DamchaAttention, t: torch.Tensor, cache: DamchaKVCache) -> torch.Tensor:
+    return layer(t, t, t, is_causal=True, need_weights=False, kv_cache=cache)[0]
+
+
+class _Copies(TorchDispatchMode):
+    """Counts aten calls and the elements written by copy_/cat (what an append moves)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls, self.cats, self.copied = 0, 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.calls += 1
+        name = func.overloadpacket.__name__
+        if name == "cat":
+            self.cats += 1
+            self.copied += out.numel()
+        elif name == "copy_":
+            self.copied += args[1].numel()
+        return out
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("mode", ["inference_mode", "no_grad"])
+def test_long_decode_across_growths_equals_full_forward_and_reference(name, mode):
+    """B = 2: a 3-token prompt, 30 single tokens and a 4-token chunk, written
+    in place into storage that grows several times; every output equals the
+    layer's full causal forward and the reference, and the cache holds what
+    the full sequence's projection gives."""
+    layer, params, cfg = _layer(name)
+    chunks = [3] + [1] * 30 + [4]
+    x = _x(2, sum(chunks), 16, seed=1)
+    with torch.no_grad():
+        full = layer(x, x, x, is_causal=True, need_weights=False)[0]
+    ctx = torch.inference_mode() if mode == "inference_mode" else torch.no_grad()
+    cache, outs, start, capacities = DamchaKVCache(), [], 0, []
+    with ctx:
+        for size in chunks:
+            t = x[:, start : start + size]
+            outs.append(_step(layer, t, cache))
+            start += size
+            capacities.append(cache.capacity)
+            assert len(cache) == start and cache.capacity > start
+            assert cache.key.shape == (2, cfg.num_kv_heads, start, 4)
+    growths = sum(b != a for a, b in zip(capacities, capacities[1:]))
+    assert growths >= 3, capacities
+    got = torch.cat(outs, dim=1)
+    torch.testing.assert_close(got, full, rtol=1e-12, atol=1e-13)
+    want = dc.damcha_attention(params, cfg, x.numpy(), causal=True)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-10, atol=1e-12)
+    # The cache equals one made by a single call on the whole sequence.
+    whole = DamchaKVCache()
+    with torch.no_grad():
+        _step(layer, x, whole)
+    torch.testing.assert_close(cache.key, whole.key, rtol=1e-13, atol=1e-14)
+    torch.testing.assert_close(cache.value, whole.value, rtol=1e-13, atol=1e-14)
+
+
+@pytest.mark.parametrize("name", ["heads-tied", "lowrank-query-gqa"])
+def test_a_step_copies_only_its_new_token(name):
+    """Op and element counts (not timing): a token step that does not grow the
+    storage runs the same aten calls and copies the same number of elements
+    (one position of keys and of values) at P = 8 as at P = 40; it makes no
+    cat. Over a whole decode the copies stay linear in its length (growth is
+    geometric), where concatenation copied the whole cache every step."""
+    layer, _, cfg = _layer(name)
+    x = _x(1, 64, 16, seed=2)
+    G, d = cfg.num_kv_heads, 4
+    cache, seen = DamchaKVCache(), {}
+    total = 0
+    with torch.inference_mode():
+        _step(layer, x[:, :2], cache)
+        for i in range(2, 64):
+            grows = len(cache) + 1 >= cache.capacity
+            mode = _Copies()
+            with mode:
+                _step(layer, x[:, i : i + 1], cache)
+            total += mode.copied
+            assert mode.cats == 0
+            if not grows:
+                seen[len(cache) - 1] = (mode.calls, mode.copied)
+    assert {8, 40} <= set(seen), sorted(seen)
+    assert seen[8] == seen[40], seen
+    assert seen[8][1] == 2 * G * d  # the new token's key and value, nothing else
+    # Concatenation would copy sum(P + 1) positions: 2 * G * d * ~2000 here.
+    assert total <= 2 * G * d * 3 * 64, total
+
+
+@pytest.mark.parametrize("name", ["heads-tied", "heads-separate"])
+def test_autograd_through_a_cache_and_no_grad_steps_after_it(name):
+    """With autograd on, appends concatenate: a loss over the decoded outputs
+    backpropagates to the same gradients as the full causal forward, and steps
+    without autograd after the graph was built leave what it saved alone (an
+    in-place write into that storage would make backward fail)."""
+    layer, _, _ = _layer(name)
+    x = _x(2, 9, 16, seed=3)
+    layer.zero_grad()
+    layer(x, x, x, is_causal=True, need_weights=False)[0][:, 2:7].sum().backward()
+    want = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    layer.zero_grad()
+    cache, outs = DamchaKVCache(capacity=32), []
+    for i in [slice(0, 3)] + [slice(i, i + 1) for i in range(3, 7)]:
+        outs.append(_step(layer, x[:, i], cache))
+    with torch.no_grad():
+        for i in range(7, 9):
+            _step(layer, x[:, i : i + 1], cache)
+    torch.cat(outs, dim=1)[:, 2:].sum().backward()
+    for n, p in layer.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], rtol=1e-10, atol=1e-12, msg=n)
+
+
+def test_autograd_steps_after_in_place_steps():
+    """Steps without autograd write their storage in place; autograd steps after
+    them build a graph over the cache (no grad to the earlier tokens) whose
+    backward runs even when more steps without autograd follow."""
+    layer, _, _ = _layer("heads-tied")
+    x = _x(1, 8, 16, seed=9)
+    cache = DamchaKVCache(capacity=32)
+    with torch.no_grad():
+        _step(layer, x[:, :3], cache)
+    y = sum(_step(layer, x[:, i : i + 1], cache).sum() for i in range(3, 6))
+    with torch.no_grad():
+        for i in range(6, 8):
+            _step(layer, x[:, i : i + 1], cache)
+    y.backward()
+    grad = layer.in_proj_weight.grad
+    assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0
+
+
+def test_inference_storage_then_no_grad_and_grad_steps():
+    """Storage allocated under inference_mode cannot be written outside it: the
+    next step outside moves the cache to new storage rather than fail."""
+    layer, _, _ = _layer("heads-tied")
+    x = _x(1, 6, 16, seed=4)
+    with torch.no_grad():
+        full = layer(x, x, x, is_causal=True, need_weights=False)[0]
+    cache, outs = DamchaKVCache(capacity=16), []
+    with torch.inference_mode():
+        outs.append(_step(layer, x[:, :3], cache))
+    with torch.no_grad():
+        outs.append(_step(layer, x[:, 3:4], cache))
+    assert not cache.key.is_inference()
+    outs.append(_step(layer, x[:, 4:5], cache).detach())
+    with torch.inference_mode():
+        outs.append(_step(layer, x[:, 5:6], cache))
+    torch.testing.assert_close(torch.cat([o.clone() for o in outs], dim=1), full, rtol=1e-12, atol=1e-13)
+
+
+def test_capacity_reserves_storage_and_is_validated():
+    layer, _, _ = _layer("heads-tied")
+    x = _x(1, 5, 16, seed=5)
+    cache = DamchaKVCache(capacity=32)
+    with torch.inference_mode():
+        _step(layer, x[:, :2], cache)
+        assert cache.capacity == 32
+        key = cache.key.clone()
+        held = cache.key
+        for i in range(2, 5):
+            _step(layer, x[:, i : i + 1], cache)
+        assert cache.capacity == 32 and len(cache) == 5
+        torch.testing.assert_close(held, key, rtol=0, atol=0)  # earlier views keep their positions
+        cache.reset()
+        assert len(cache) == 0 and cache.key is None and cache.capacity == 0
+    with pytest.raises(dc.DamchaValueError, match=r"`capacity`.*Received: capacity=0"):
+        DamchaKVCache(capacity=0)
+    with pytest.raises(dc.DamchaTypeError, match=r"`capacity`.*Received: capacity="):
+        DamchaKVCache(capacity="8")
+
+
+def test_pickle_and_deepcopy_keep_only_the_cached_positions():
+    layer, _, _ = _layer("heads-separate")
+    x = _x(2, 8, 16, seed=6)
+    cache = DamchaKVCache(capacity=64)
+    with torch.inference_mode():
+        _step(layer, x[:, :5], cache)
+    for twin in (copy.deepcopy(cache), pickle.loads(pickle.dumps(cache))):
+        assert len(twin) == 5 and twin.capacity == 5  # no spare storage copied
+        torch.testing.assert_close(twin.key, cache.key, rtol=0, atol=0)
+        torch.testing.assert_close(twin.value, cache.value, rtol=0, atol=0)
+        with torch.inference_mode():
+            a = [_step(layer, x[:, i : i + 1], twin) for i in range(5, 8)]
+            twin_cap = twin.capacity
+        assert twin_cap == 64  # the reserve survives
+        with torch.no_grad():
+            full = layer(x, x, x, is_causal=True, need_weights=False)[0]
+        torch.testing.assert_close(torch.cat(a, dim=1), full[:, 5:], rtol=1e-12, atol=1e-13)
+    assert len(cache) == 5  # the original is untouched by its copies' steps
+
+
+def test_assigned_tensors_are_not_written_into():
+    """``cache.key``/``cache.value`` stay assignable; an append after an
+    assignment copies into new storage, never into the caller's tensors."""
+    layer, _, _ = _layer("heads-tied")
+    x = _x(1, 4, 16, seed=7)
+    src = DamchaKVCache()
+    with torch.no_grad():
+        _step(layer, x[:, :3], src)
+    key, value = src.key.clone(), src.value.clone()
+    mine = torch.zeros(1, 4, 8, 4, dtype=torch.float64)
+    mine[:, :, :3] = key
+    cache = DamchaKVCache()
+    cache.key, cache.value = mine[:, :, :3], value
+    with torch.no_grad():
+        out = _step(layer, x[:, 3:4], cache)
+        full = layer(x, x, x, is_causal=True, need_weights=False)[0]
+    torch.testing.assert_close(out, full[:, 3:], rtol=1e-12, atol=1e-13)
+    assert torch.count_nonzero(mine[:, :, 3:]) == 0
+
+
+def test_compiled_decode_does_not_recompile_per_token_or_per_growth():
+    """torch.compile (fullgraph): a 40-token decode through five growths of
+    the storage equals the eager full forward; dynamo makes a bounded number
+    of graphs (empty cache, sizes 0/1, then a step that grows and one that does
+    not, with the length and the capacity dynamic) and none after the first growths."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    layer, _, _ = _layer("heads-tied")
+    x = _x(2, 40, 16, seed=8)
+    with torch.no_grad():
+        full = layer(x, x, x, is_causal=True, need_weights=False)[0]
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    step = torch.compile(layer, fullgraph=True, backend=counter)
+    cache, outs, frames, capacities = DamchaKVCache(), [], [], set()
+    with torch.no_grad():
+        for i in range(x.shape[1]):
+            t = x[:, i : i + 1]
+            outs.append(step(t, t, t, is_causal=True, need_weights=False, kv_cache=cache)[0])
+            frames.append(counter.frame_count)
+            capacities.add(cache.capacity)
+    assert len(capacities) >= 5, capacities
+    torch.testing.assert_close(torch.cat(outs, dim=1), full, rtol=1e-10, atol=1e-12)
+    assert frames[-1] <= 6 and frames[16] == frames[-1], frames
