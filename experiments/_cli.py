@@ -21,7 +21,7 @@ from typing import Any, NoReturn
 from damcha_core import _cliutil as cu
 
 PROG = "damcha experiment"
-TASKS = ("crosshead", "charlm", "listops", "digits")
+TASKS = ("crosshead", "crosshead1", "charlm", "listops", "digits")
 
 
 def _fail(flag: str, message: str) -> NoReturn:

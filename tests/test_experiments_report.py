@@ -111,8 +111,21 @@ def test_claim1_not_supported_when_the_interval_excludes_a_meaningful_gain():
         "crosshead",
         {"mha": _base(0.60), "talking-heads": _base(0.60), "damcha-heads-query": [0.60 + 0.5 * n for n in NOISE]},
     )
-    v = {x["claim"]: x for x in an.verdicts({"crosshead": res}, {}, {})}
+    one_layer = dict(res, task="crosshead1")
+    v = {x["claim"]: x for x in an.verdicts({"crosshead": res, "crosshead1": one_layer}, {}, {})}
     assert v[1]["verdict"] == "not supported"
+    # Both depths are part of claim 1: one of them missing leaves it open.
+    v = {x["claim"]: x for x in an.verdicts({"crosshead": res}, {}, {})}
+    assert v[1]["verdict"] == "inconclusive" and "missing: ['crosshead1']" in v[1]["reason"]
+
+
+def test_claim1_supported_by_the_one_layer_configuration_alone():
+    two = _results("crosshead", {"mha": _base(0.99), "talking-heads": _base(0.99), "damcha-heads-query": _base(0.99)})
+    one = _results("crosshead1", {"mha": _base(0.90), "talking-heads": _base(0.91), "damcha-heads-query": _base(0.97)})
+    v = {x["claim"]: x for x in an.verdicts({"crosshead": two, "crosshead1": one}, {}, {})}
+    assert v[1]["verdict"] == "supported"
+    assert "crosshead1: better than mha, talking-heads: damcha-heads-query" in v[1]["reason"]
+    assert "crosshead: no DAMCHA variant beats every baseline" in v[1]["reason"]
 
 
 def test_claim1_inconclusive_with_noisy_seeds():
