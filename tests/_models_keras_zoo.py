@@ -61,15 +61,29 @@ IMAGES = ("vit",)  # archs taking images rather than token ids
 CAUSAL = tuple(a for a, (_, lm, _) in ARCHS.items() if lm is not None)
 
 
-def backbone(arch: str, dtype: str | None = None) -> Any:
+# Options that make a layout's own attention features act at sequence lengths <= 8
+# (the defaults leave them inert): Mistral's sliding window; Gemma 2's logit
+# soft-capping, query scaling by hidden_dim / heads and alternating sliding window.
+ACTIVE = {
+    "mistral": dict(sliding_window=3),
+    "gemma": dict(
+        attention_logit_soft_cap=0.5,
+        query_head_dim_normalize=False,
+        use_sliding_window_attention=True,
+        sliding_window_size=3,
+    ),
+}
+
+
+def backbone(arch: str, dtype: str | None = None, **overrides: Any) -> Any:
     cls, _, cfg = ARCHS[arch]
     if arch in IMAGES:
-        return cls(dtype=dtype, **cfg)
-    return cls(vocabulary_size=V, dtype=dtype, **cfg)
+        return cls(dtype=dtype, **cfg, **overrides)
+    return cls(vocabulary_size=V, dtype=dtype, **{**cfg, **overrides})
 
 
-def causal_lm(arch: str, dtype: str | None = None) -> Any:
-    lm = ARCHS[arch][1](backbone=backbone(arch, dtype), preprocessor=None)
+def causal_lm(arch: str, dtype: str | None = None, **overrides: Any) -> Any:
+    lm = ARCHS[arch][1](backbone=backbone(arch, dtype, **overrides), preprocessor=None)
     lm.compile(sampler="greedy")
     return lm
 
@@ -136,6 +150,31 @@ def greedy_generate(lm: Any, prompt: list[int], max_length: int) -> list[int]:
     return [int(t) for t in np.asarray(out["token_ids"])[0]]
 
 
+def generate_batch(lm: Any, prompts: list[list[int]], max_length: int) -> np.ndarray:
+    """KerasHub's generate() (greedy sampler, KV cache) from right-padded prompts: (B, max_length)."""
+    ids = np.zeros((len(prompts), max_length), "int32")
+    mask = np.zeros((len(prompts), max_length), bool)
+    for b, prompt in enumerate(prompts):
+        ids[b, : len(prompt)], mask[b, : len(prompt)] = prompt, True
+    out = lm.generate({"token_ids": ids, "padding_mask": mask}, max_length=max_length, stop_token_ids=None)
+    return np.asarray(out["token_ids"])
+
+
+def greedy_mismatches(prompts: list[list[int]], generated: np.ndarray, full_logits: np.ndarray) -> int:
+    """How many generated tokens differ from greedy decoding without a cache.
+
+    ``full_logits`` (B, L, V) are one full forward of ``generated`` (B, L). In a
+    causal LM the logits at position i - 1 depend only on tokens < i, so if every
+    token after the prompt is the argmax of the previous position's full-forward
+    logits, then by induction the sequence equals greedy decoding by repeated
+    full forwards, token for token; this needs one forward instead of one per token."""
+    return sum(
+        int(generated[b, i] != full_logits[b, i - 1].argmax())
+        for b, prompt in enumerate(prompts)
+        for i in range(len(prompt), generated.shape[1])
+    )
+
+
 def cached_logits(lm: Any, token_ids: np.ndarray) -> np.ndarray:
     """Logits of ``token_ids`` (B, L) computed token by token with call_with_cache."""
     import damcha_keras as dk
@@ -146,7 +185,9 @@ def cached_logits(lm: Any, token_ids: np.ndarray) -> np.ndarray:
     cache = keras.ops.zeros((B, len(layers), 2, L, cfg.num_kv_heads, cfg.key_dim), dtype=lm.backbone.compute_dtype)
     steps = []
     for i in range(L):
-        logits, _, cache = lm.call_with_cache(keras.ops.convert_to_tensor(token_ids[:, i : i + 1]), cache, i)
+        logits, _, cache = lm.call_with_cache(
+            keras.ops.convert_to_tensor(token_ids[:, i : i + 1]), cache, keras.ops.convert_to_tensor(i, "int32")
+        )
         steps.append(numpy(logits)[:, 0])
     return np.stack(steps, axis=1)
 

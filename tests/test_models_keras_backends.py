@@ -5,13 +5,18 @@ in its own subprocess (``python tests/test_models_keras_backends.py BACKEND
 TMPDIR``); the pytest side launches it and asserts on the JSON it prints.
 tests/test_models_keras.py covers tensorflow (in process) in more depth.
 
-Per backend: GPT-2, BERT, Llama, Gemma and ViT backbones exact at init (bit for bit); with
-the gates open, every converted layer of GPT-2 and BERT equals the reference
-damcha_attention and every mapped q/k of Llama the reference's maps (float64;
-jax in x64 mode for that part), the whole Llama layer within float32 RoPE rounding;
-greedy generate() with the cache equals greedy decoding without it (GPT-2,
-Llama) and call_with_cache the full forward (Llama); fit moves the gates;
-.weights.h5 and .keras files round-trip; the docs' Keras example runs.
+Per backend: every converted architecture (GPT-2, BERT, Llama, Mistral, Qwen,
+Qwen3, Gemma, ViT) exact at init (bit for bit; the causal LMs with Mistral's
+sliding window and Gemma 2's soft-capping, query scaling and sliding window
+active); with the gates open, every converted layer of GPT-2 and BERT equals the
+reference damcha_attention and every mapped q/k of Llama the reference's maps
+(float64; jax in x64 mode for that part), the whole Llama layer within float32
+RoPE rounding; for every causal LM greedy generate() with the cache equals
+greedy decoding without it and call_with_cache step by step the full forward;
+one mixed-precision model (jax: Gemma in mixed_bfloat16, torch: Qwen3 in
+mixed_float16) exact at init and close to its float32 twin with the gates open;
+fit moves the gates; .weights.h5 and .keras files round-trip; the docs' Keras
+example runs.
 """
 
 from __future__ import annotations
@@ -24,6 +29,21 @@ import sys
 import pytest
 
 BACKENDS = ("jax", "torch")
+CAUSAL = ("gpt2", "llama", "mistral", "qwen", "qwen3", "gemma")  # every KerasHub causal LM convert() knows
+ALL = ("bert", "vit", *CAUSAL)
+# backend -> (arch, dtype policy) of its mixed-precision case
+# Bound on the mixed model's logits error, relative to the logits' scale: 8
+# machine epsilons of the compute dtype (bfloat16 2**-7, float16 2**-10). Any
+# path to the logits rounds about 8 times per layer to the compute dtype
+# (normalised input, q/k/v projection, map, scores, soft-cap/softmax, attention
+# output, MLP, residual sum), each within half an epsilon of the (normalised)
+# activations' scale, and 2 layers give 16 half-epsilons. Measured: 2.1 eps
+# (jax, Gemma, bfloat16), 0.11 eps (torch, Qwen3, float16). A defect on the
+# mixed path (a map skipped or computed from the wrong tensor, a float16
+# overflow) moves the logits by the maps' own effect, which the test requires
+# to be over 4 bounds (measured: 74 and 88 eps).
+MIXED_BOUND = {"mixed_bfloat16": 8 * 2.0**-7, "mixed_float16": 8 * 2.0**-10}
+MIXED = {"jax": ("gemma", "mixed_bfloat16"), "torch": ("qwen3", "mixed_float16")}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -43,12 +63,15 @@ def test_models_keras_backend(backend, tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["backend"] == backend
-    assert r["exact_at_init"] == {"gpt2": True, "bert": True, "llama": True, "gemma": True, "vit": True}, r
+    assert r["exact_at_init"] == dict.fromkeys(ALL, True), r
     assert max(r["reference_error_exact"].values()) <= 1e-12, r
     assert r["reference_error_llama_layer"] <= 1e-6, r
     assert r["maps_open"], r
-    assert r["generate_equals_greedy"] == {"gpt2": True, "llama": True}, r
-    assert r["call_with_cache_error"] <= 1e-5, r
+    assert r["generate_mismatches"] == dict.fromkeys(CAUSAL, 0), r
+    assert max(r["call_with_cache_error"].values()) <= 1e-5 and len(r["call_with_cache_error"]) == len(CAUSAL), r
+    assert r["mixed_exact_at_init"], r
+    bound = MIXED_BOUND[MIXED[backend][1]]
+    assert r["mixed_error"] <= bound < r["mixed_map_effect"] / 4, r
     assert r["fit_gates_moved"], r
     assert r["weights_round_trip"] and r["keras_round_trip"], r
     assert r["docs_example"] == {"same": True, "moved": True}, r
@@ -74,13 +97,15 @@ def main(backend: str, tmp: str) -> dict:
     import keras
     import numpy as np
     from _models_keras_zoo import (
+        ACTIVE,
+        CAUSAL,
         SUBLAYERS,
         backbone,
         cached_logits,
         call_layer,
         causal_lm,
-        greedy_generate,
-        greedy_without_cache,
+        generate_batch,
+        greedy_mismatches,
         inputs,
         layer_params,
         numpy,
@@ -97,12 +122,52 @@ def main(backend: str, tmp: str) -> dict:
     r: dict = {"backend": backend}
 
     r["exact_at_init"] = {}
-    for arch in ("gpt2", "bert", "llama", "gemma", "vit"):
+    for arch in ("bert", "vit"):
         model = backbone(arch)
         x = inputs(arch)
         before = output(model, x)
         dk.convert(model)
         r["exact_at_init"][arch] = bool(np.array_equal(output(model, x), before))
+
+    # Every causal LM, one model each, the layouts' own features active (ACTIVE):
+    # exact at init, then with the gates open generate() equals greedy decoding
+    # without a cache and call_with_cache step by step equals the full forward.
+    # Every full forward has the shape (2, 6) and every cached step (2, 1), as
+    # the sections below, so JAX's op-by-op compilation cache stays warm.
+    r["call_with_cache_error"], r["generate_mismatches"], lms = {}, {}, {}
+    prompts = [[5, 7, 9], [11, 3]]
+    for arch in CAUSAL:
+        lm = lms[arch] = causal_lm(arch, **ACTIVE.get(arch, {}))
+        x = inputs(arch)  # the last row right-padded
+        before = numpy(lm(x))
+        dk.convert(lm)
+        r["exact_at_init"][arch] = bool(np.array_equal(numpy(lm(x)), before))
+        open_gates(lm)
+        generated = generate_batch(lm, prompts, 6)
+        full = numpy(lm({"token_ids": generated, "padding_mask": np.ones_like(generated, bool)}))
+        r["generate_mismatches"][arch] = greedy_mismatches(prompts, generated, full)
+        r["call_with_cache_error"][arch] = float(
+            np.abs(cached_logits(lm, generated) - full).max() / max(1.0, np.abs(full).max())
+        )
+
+    # Mixed precision, one case per backend: the converted model under a mixed
+    # policy, exact at init, then given the gates-open float32 model's weights,
+    # against that model (error relative to the logits' scale); and how far the
+    # open maps move the float32 logits, so the bound is known to be tighter
+    # than the maps' effect.
+    arch, policy = MIXED[backend]
+    lm = causal_lm(arch, policy, **ACTIVE.get(arch, {}))
+    x = inputs(arch)
+    before = numpy(lm(x))
+    dk.convert(lm)
+    r["mixed_exact_at_init"] = bool(np.array_equal(numpy(lm(x)), before))
+    lm.set_weights(lms[arch].get_weights())
+    reference = numpy(lms[arch](x))
+    scale = max(1.0, float(np.abs(reference).max()))
+    r["mixed_error"] = float(np.abs(numpy(lm(x)).astype(np.float32) - reference).max() / scale)
+    for gate in dk.damcha_variables(lms[arch], generators=False):
+        gate.assign(np.zeros(gate.shape, "float32"))
+    r["mixed_map_effect"] = float(np.abs(numpy(lms[arch](x)) - reference).max() / scale)
 
     r["reference_error_exact"], r["maps_open"] = {}, True
     x64 = _jax_x64(backend, True)  # float64 layers on jax; KerasHub's generate() needs it off again
@@ -129,27 +194,15 @@ def main(backend: str, tmp: str) -> dict:
         r["reference_error_exact"][arch] = max(errors)
     _jax_x64(backend, x64)
 
-    r["generate_equals_greedy"] = {}
-    for arch in ("gpt2", "llama"):
-        lm = causal_lm(arch)
-        dk.convert(lm)
-        open_gates(lm)
-        r["generate_equals_greedy"][arch] = greedy_generate(lm, [5, 7, 9], 8) == greedy_without_cache(lm, [5, 7, 9], 8)
-        if arch == "llama":
-            ids = inputs(arch, batch=1, length=5, padded=False)["token_ids"]
-            full = numpy(lm({"token_ids": ids, "padding_mask": np.ones_like(ids, bool)}))
-            r["call_with_cache_error"] = float(
-                np.abs(cached_logits(lm, ids) - full).max() / max(1.0, np.abs(full).max())
-            )
-
-            lm.save(os.path.join(tmp, "lm.keras"))
-            loaded = keras.saving.load_model(os.path.join(tmp, "lm.keras"))
-            x = inputs(arch)
-            r["keras_round_trip"] = bool(
-                type(loaded) is type(lm)
-                and len(dk.converted_layers(loaded)) == 2
-                and np.array_equal(numpy(loaded(x)), numpy(lm(x)))
-            )
+    lm = lms["llama"]
+    lm.save(os.path.join(tmp, "lm.keras"))
+    loaded = keras.saving.load_model(os.path.join(tmp, "lm.keras"))
+    x = inputs("llama")
+    r["keras_round_trip"] = bool(
+        type(loaded) is type(lm)
+        and len(dk.converted_layers(loaded)) == 2
+        and np.array_equal(numpy(loaded(x)), numpy(lm(x)))
+    )
 
     model = backbone("gpt2")
     dk.convert(model, share_metric=True)
