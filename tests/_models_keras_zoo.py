@@ -64,8 +64,12 @@ CAUSAL = tuple(a for a, (_, lm, _) in ARCHS.items() if lm is not None)
 # Options that make a layout's own attention features act at sequence lengths <= 8
 # (the defaults leave them inert): Mistral's sliding window; Gemma 2's logit
 # soft-capping, query scaling by hidden_dim / heads and alternating sliding window.
+# Qwen's output embedding untied: with tied ones a tiny random Qwen greedily
+# repeats its last token, which makes a weak generation test.
 ACTIVE = {
     "mistral": dict(sliding_window=3),
+    "qwen": dict(tie_word_embeddings=False),
+    "qwen3": dict(tie_word_embeddings=False),
     "gemma": dict(
         attention_logit_soft_cap=0.5,
         query_head_dim_normalize=False,
