@@ -31,7 +31,6 @@ import pytest
 BACKENDS = ("jax", "torch")
 CAUSAL = ("gpt2", "llama", "mistral", "qwen", "qwen3", "gemma")  # every KerasHub causal LM convert() knows
 ALL = ("bert", "vit", *CAUSAL)
-# backend -> (arch, dtype policy) of its mixed-precision case
 # Bound on the mixed model's logits error, relative to the logits' scale: 8
 # machine epsilons of the compute dtype (bfloat16 2**-7, float16 2**-10). Any
 # path to the logits rounds about 8 times per layer to the compute dtype
@@ -43,6 +42,7 @@ ALL = ("bert", "vit", *CAUSAL)
 # float16 overflow) moves the logits by the maps' own effect, which the test
 # requires to be over 2 bounds (measured: 39 and 62 eps).
 MIXED_BOUND = {"mixed_bfloat16": 8 * 2.0**-7, "mixed_float16": 8 * 2.0**-10}
+# backend -> (arch, dtype policy) of its mixed-precision case
 MIXED = {"jax": ("gemma", "mixed_bfloat16"), "torch": ("qwen3", "mixed_float16")}
 
 
