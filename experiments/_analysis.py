@@ -31,10 +31,10 @@ import numpy as np
 from damcha_core import DamchaValueError
 
 from ._stats import describe, holm, paired_difference
+from ._tasks import CLAIM1_TASKS
 
 ALPHA = 0.05
 BASELINES = ("mha", "talking-heads")
-CLAIM1_TASKS = ("crosshead", "crosshead1")
 CLAIM2_TASKS = ("charlm", "listops", "digits")
 # Claim 3: DAMCHA time per step and memory within this factor of MHA's count as "comparable".
 OVERHEAD_TOLERANCE = 1.25

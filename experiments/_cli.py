@@ -21,7 +21,6 @@ from typing import Any, NoReturn
 from damcha_core import _cliutil as cu
 
 PROG = "damcha experiment"
-TASKS = ("crosshead", "crosshead1", "charlm", "listops", "digits")
 
 
 def _fail(flag: str, message: str) -> NoReturn:
@@ -42,7 +41,7 @@ _positive_int = cu.int_arg(minimum=1)
 
 
 def _train_parser() -> argparse.ArgumentParser:
-    from ._tasks import PRESETS
+    from ._tasks import PRESETS, TASK_NAMES
     from ._variants import SUITES, VARIANTS
 
     p = cu.ArgumentParser(
@@ -53,7 +52,7 @@ def _train_parser() -> argparse.ArgumentParser:
         "per step and memory; write <out>/<task>.json, plots and <task>_cost.json. Rerun the same command to "
         "resume an interrupted run. 'damcha experiment report DIR' writes the tables and verdicts.",
     )
-    p.add_argument("task", choices=TASKS, help="which experiment")
+    p.add_argument("task", choices=TASK_NAMES, help="which experiment")
     p.add_argument(
         "--preset",
         choices=PRESETS,
