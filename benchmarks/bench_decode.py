@@ -12,6 +12,9 @@ reported. Three implementations, built from the same MHA weights:
 
 - ``mha-sdpa``: a hand-written MHA decode step, the usual recipe: packed
   q/k/v projection, cache by concatenation, one SDPA call, output projection.
+- ``mha-prealloc``: the same hand-written step with its cache in
+  ``DamchaKVCache``'s preallocated storage (in-place appends, as DAMCHA's
+  steps do): DAMCHA's own per-token work is ``damcha`` / ``mha-prealloc``.
 - ``damcha-none``: ``DamchaAttention(metric="none")`` with ``DamchaKVCache``,
   the same code path as DAMCHA without the cross-head map.
 - ``damcha``: ``DamchaAttention`` (tied "heads" metric, gates open) with
@@ -36,8 +39,9 @@ E, H = 512, 8
 
 def _layers(compile_steps: bool = False):
     import torch
-    import torch.nn.functional as F
     from torch import nn
+
+    from _counts import mha_decode_step  # benchmarks/ is sys.path[0]
 
     from damcha_torch import DamchaAttention, DamchaKVCache
 
@@ -50,15 +54,7 @@ def _layers(compile_steps: bool = False):
 
     def mha_step(x, cache):
         # The usual hand-written decode step around nn.MultiheadAttention's weights.
-        B, n, _ = x.shape
-        q, k, v = F.linear(x, mha.in_proj_weight, mha.in_proj_bias).view(B, n, 3, H, E // H).permute(2, 0, 3, 1, 4)
-        if cache:
-            k, v = torch.cat([cache[0], k], 2), torch.cat([cache[1], v], 2)
-        cache[:] = [k, v]
-        P = k.shape[2] - n
-        mask = torch.ones(n, P + n, dtype=torch.bool).tril(P)  # bottom-right causal
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return mha.out_proj(o.transpose(1, 2).reshape(B, n, E))
+        return mha_decode_step(mha, x, cache)
 
     def damcha_step(layer):
         def step(x, cache):
@@ -68,6 +64,7 @@ def _layers(compile_steps: bool = False):
 
     steps = {
         "mha-sdpa": (mha_step, list),
+        "mha-prealloc": (mha_step, DamchaKVCache),
         "damcha-none": (damcha_step(plain), DamchaKVCache),
         "damcha": (damcha_step(damcha), DamchaKVCache),
     }
