@@ -39,9 +39,8 @@ E, H = 512, 8
 
 def _layers(compile_steps: bool = False):
     import torch
-    from torch import nn
-
     from _counts import mha_decode_step  # benchmarks/ is sys.path[0]
+    from torch import nn
 
     from damcha_torch import DamchaAttention, DamchaKVCache
 
