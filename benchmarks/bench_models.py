@@ -9,6 +9,9 @@ Models (random weights, built from configs):
 - "llama": a 4-layer Llama-style causal LM, hidden 512, 8 query heads of 64,
   4 key/value heads (GQA, so separate query/key maps), MLP 1376, vocab 4096,
   B=2, N tokens; sdpa attention.
+- "gpt2": a 4-layer GPT-2 (transformers ``GPT2LMHeadModel``: fused ``c_attn``
+  Conv1D, weight (in, out)), hidden 512, 8 heads of 64, vocab 4096, B=2, N
+  tokens; sdpa attention, dropout 0 (the same masks in both models).
 - "vit": ViT-Tiny (timm ``vit_tiny_patch16_224``: 12 blocks, 192 features,
   3 heads, patch 16) at an image size giving N patches (N=576: 384x384), B=4.
 
@@ -44,10 +47,12 @@ from _memory import peak_rss_bytes, reset_peak_rss, rss_bytes  # benchmarks/ is 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TINY = {
     "llama": dict(hidden=32, heads=4, kv=2, mlp=64, vocab=64, layers=1, batch=2),
+    "gpt2": dict(hidden=32, heads=4, vocab=64, layers=1, batch=2),
     "vit": dict(embed=24, depth=1, heads=3, batch=2),
 }
 FULL = {
     "llama": dict(hidden=512, heads=8, kv=4, mlp=1376, vocab=4096, layers=4, batch=2),
+    "gpt2": dict(hidden=512, heads=8, vocab=4096, layers=4, batch=2),
     "vit": dict(embed=192, depth=12, heads=3, batch=4),
 }
 
@@ -76,6 +81,23 @@ def _build(model: str, n: int, tiny: bool):
             attn_implementation="sdpa",
         )
         module = LlamaForCausalLM(cfg)
+        ids = torch.randint(0, sizes["vocab"], (sizes["batch"], n))
+        return (lambda m, x: m(input_ids=x, use_cache=False).logits), module, ids
+    if model == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        cfg = GPT2Config(
+            vocab_size=sizes["vocab"],
+            n_embd=sizes["hidden"],
+            n_layer=sizes["layers"],
+            n_head=sizes["heads"],
+            n_positions=max(n, 64),
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            attn_implementation="sdpa",
+        )
+        module = GPT2LMHeadModel(cfg)
         ids = torch.randint(0, sizes["vocab"], (sizes["batch"], n))
         return (lambda m, x: m(input_ids=x, use_cache=False).logits), module, ids
     import timm
@@ -191,7 +213,7 @@ def time_pair(model: str, n: int, mode: str, repeats: int, tiny: bool) -> dict[s
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", nargs="+", default=["llama", "vit"], choices=["llama", "vit"])
+    parser.add_argument("--models", nargs="+", default=["llama", "vit"], choices=["llama", "gpt2", "vit"])
     parser.add_argument("--lengths", type=int, nargs="+", default=[576, 1024])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--tiny", action="store_true", help="tiny models, N=16, 2 repeats: a smoke run")

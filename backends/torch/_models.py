@@ -280,17 +280,18 @@ class DamchaMaps(nn.Module):
                         return _fused.map_blocks_(y, x, list(zip(blocks, weights)))
                     return self.apply_maps(fwd.site, x, y)
                 proj: Any = fwd.projection
+                transposed = _fused_projection(proj)
                 if (
-                    self._recompute_now()
+                    transposed is not None
+                    and self._recompute_now()
                     and not args
                     and not kwargs
                     and fwd.previous is None
-                    and type(proj).forward is nn.Linear.forward
                     and proj.weight.dtype == x.dtype
                     and not torch.compiler.is_compiling()
                 ):
                     # One autograd node for the projection and its maps, saving what the projection saves.
-                    return _fused.FusedLinearMaps.apply(blocks, x, proj.weight, proj.bias, *leaves)
+                    return _fused.FusedProjectionMaps.apply(blocks, transposed, x, proj.weight, proj.bias, *leaves)
         if self._recompute_now():
             # Only x (which the projection keeps anyway) is stored; the projected
             # q/k and the map's coefficients are recomputed in backward.
@@ -364,6 +365,22 @@ def _plain_dtype(x: Tensor) -> bool:
         return False
     device = x.device.type
     return not (torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device))
+
+
+def _fused_projection(projection: nn.Module) -> bool | None:
+    """Whether the fused training node can compute ``projection`` itself:
+    False for a plain ``nn.Linear`` (weight (out, in)), True for transformers'
+    ``Conv1D`` (GPT-2; weight (in, out)), None for anything else (a LoRA
+    wrapper, a subclass with its own forward), which keeps the general path."""
+    forward = type(projection).forward
+    if forward is nn.Linear.forward:
+        return False
+    # Conv1D by its defining module, so that transformers need not be imported.
+    if forward.__module__ == "transformers.pytorch_utils" and forward.__qualname__ == "Conv1D.forward":
+        weight = getattr(projection, "weight", None)
+        if isinstance(weight, Tensor) and weight.dim() == 2:
+            return True
+    return None
 
 
 def _child(module: nn.Module, attr: str) -> nn.Module:

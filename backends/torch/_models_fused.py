@@ -9,12 +9,14 @@ a concatenation of the result) and its recomputation of the whole projection:
 - ``map_blocks_``: no autograd graph to build (``torch.no_grad``, inference
   mode). The mixing product of each block is added to y in place, through
   strided views: one small ``bmm`` and one ``add_`` per block, no copy.
-- ``FusedLinearMaps``: training with ``recompute`` on a plain ``nn.Linear``
-  projection (timm's fused ``qkv``, ``q_proj``/``k_proj``). One autograd
-  node for the projection and its maps that saves only what the projection
-  saves (its input and weights): backward recomputes the rows of the
-  projection that hold mapped heads (two thirds of a fused qkv GEMM instead
-  of all of it) and the generator's S x S coefficients, and writes the
+- ``FusedProjectionMaps``: training with ``recompute`` on a plain
+  ``nn.Linear`` projection (timm's fused ``qkv``, ``q_proj``/``k_proj``) or
+  transformers' ``Conv1D`` (GPT-2's fused ``c_attn``, weight stored
+  (in, out)). One autograd node for the projection and its maps that saves
+  only what the projection saves (its input and weights): backward
+  recomputes the rows of the projection that hold mapped heads (two thirds
+  of a fused qkv GEMM instead of all of it; a Conv1D's columns, read in
+  place) and the generator's S x S coefficients, and writes the
   gradients by hand: two ``bmm`` per block for the mixing, a few passes over
   the (T, S*S) coefficients and two over the tokens for the generator
   (autograd's norm backward made several (T, E) temporaries). The backward
@@ -41,7 +43,7 @@ from torch import Tensor
 
 from . import _functional as fn
 
-__all__ = ["FusedLinearMaps", "SideBlocks", "map_blocks_", "mix_coefficients"]
+__all__ = ["FusedProjectionMaps", "SideBlocks", "map_blocks_", "mix_coefficients", "project"]
 
 
 class SideBlocks(NamedTuple):
@@ -92,23 +94,42 @@ def _side_weights(leaves: Sequence[Tensor]) -> fn.SideWeights:
     return fn.SideWeights("heads", weight, bias, gate)
 
 
-class FusedLinearMaps(torch.autograd.Function):
-    """``F.linear(x, weight, bias)`` with the maps of ``sides`` applied to its
+def project(x: Tensor, weight: Tensor, bias: Tensor | None, transposed: bool) -> Tensor:
+    """The projection as the host computes it: ``nn.Linear`` (weight (out, in))
+    or, ``transposed``, transformers' ``Conv1D`` (weight (in, out): one
+    ``addmm`` on the flattened tokens), so the outputs are the host's bit for bit."""
+    if not transposed:
+        return F.linear(x, weight, bias)
+    flat = x.reshape(-1, x.shape[-1])
+    y = flat.mm(weight) if bias is None else torch.addmm(bias, flat, weight)
+    return y.view(*x.shape[:-1], weight.shape[1])
+
+
+class FusedProjectionMaps(torch.autograd.Function):
+    """The projection (``project``) with the maps of ``sides`` applied to its
     blocks, saving only x, weight and bias (see the module docstring).
 
-    ``apply(sides, x, weight, bias, *leaves)``: ``sides`` a tuple of
-    ``SideBlocks``; ``leaves`` the (weight, bias, gate) of each side in that
-    order (the generator's ``nn.Linear``-layout weight (S*S, E), bias (S*S,),
-    the layer's gate (S,)). float32/float64, no autocast (the caller checks).
+    ``apply(sides, transposed, x, weight, bias, *leaves)``: ``sides`` a tuple
+    of ``SideBlocks``; ``transposed`` False for an ``nn.Linear`` weight
+    (out, in), True for a ``Conv1D`` weight (in, out); ``leaves`` the (weight,
+    bias, gate) of each side in that order (the generator's
+    ``nn.Linear``-layout weight (S*S, E), bias (S*S,), the layer's gate (S,)).
+    float32/float64, no autocast (the caller checks).
     """
 
     @staticmethod
     def forward(
-        ctx: Any, sides: tuple[SideBlocks, ...], x: Tensor, weight: Tensor, bias: Tensor | None, *leaves: Tensor
+        ctx: Any,
+        sides: tuple[SideBlocks, ...],
+        transposed: bool,
+        x: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        *leaves: Tensor,
     ) -> Tensor:
-        y = F.linear(x, weight, bias)
+        y = project(x, weight, bias, transposed)
         map_blocks_(y, x, [(b, _side_weights(leaves[3 * i : 3 * i + 3])) for i, b in enumerate(sides)])
-        ctx.sides = sides
+        ctx.sides, ctx.transposed = sides, transposed
         ctx.save_for_backward(x, weight, bias, *leaves)
         return y
 
@@ -116,16 +137,18 @@ class FusedLinearMaps(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         x, weight, bias, *leaves = ctx.saved_tensors
         sides: tuple[SideBlocks, ...] = ctx.sides
-        need_x, need_w, need_b = ctx.needs_input_grad[1:4]
-        need_leaves = ctx.needs_input_grad[4:]
-        features = weight.shape[0]
+        transposed: bool = ctx.transposed
+        need_x, need_w, need_b = ctx.needs_input_grad[2:5]
+        need_leaves = ctx.needs_input_grad[5:]
+        features = weight.shape[1 if transposed else 0]
         t = x.reshape(-1, x.shape[-1])
         g = grad.reshape(-1, features)
         # The rows of the projection that hold mapped heads: one GEMM on them.
         starts = [o for b in sides for o in b.offsets]
         ends = [o + b.heads * b.head_dim for b in sides for o in b.offsets]
         lo, hi = min(starts), max(ends)
-        y = F.linear(t, weight[lo:hi], None if bias is None else bias[lo:hi])
+        rows = weight[:, lo:hi] if transposed else weight[lo:hi]  # a strided view: BLAS reads it in place
+        y = project(t, rows, None if bias is None else bias[lo:hi], transposed)
         covered = lo == 0 and hi == features and sum(e - s for s, e in zip(starts, ends)) == features
         # dL/dy: the incoming gradient, plus mix^T g_b on each mapped block.
         dy = None if covered else g.clone()
@@ -174,12 +197,12 @@ class FusedLinearMaps(torch.autograd.Function):
             dy = pieces[0][1].flatten(1) if len(pieces) == 1 else torch.cat([p.flatten(1) for _, p in pieces], dim=1)
         dx = dW = db = None
         if need_x:
-            dx = dy.mm(weight)
+            dx = dy.mm(weight.t() if transposed else weight)
             for dP, w_gen, c in through_generator:
                 dx.addmm_(dP, w_gen).addcmul_(t, c)
             dx = dx.view_as(x)
         if need_w:
-            dW = dy.t().mm(t)
+            dW = t.t().mm(dy) if transposed else dy.t().mm(t)
         if need_b:
             db = dy.sum(0)
-        return (None, dx, dW, db, *leaf_grads)
+        return (None, None, dx, dW, db, *leaf_grads)

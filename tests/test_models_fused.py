@@ -1,0 +1,203 @@
+"""The fast paths of converted projections (backends/torch/_models_fused.py)
+on the sites the first version left to the general path: GPT-2's ``Conv1D``
+``c_attn`` (weight stored (in, out)).
+
+Each test checks that the fast path is the one taken (the autograd node of
+the projection's output), then that it computes what the general path
+computes: gradients equal the path that stores its inputs (float64, 1e-13),
+also under the host's gradient checkpointing; the forward without a graph
+(maps added in place) equals the training forward bit for bit; and no copy of
+an activation is added."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _models_zoo import build, inputs, open_gates, run
+from torch import nn
+
+import damcha_torch as dt
+
+FUSED_NODE = "FusedProjectionMapsBackward"
+
+
+def _no_dropout(model: nn.Module) -> nn.Module:
+    """GPT-2 trains with dropout; the comparisons below need the same masks in
+    runs that draw different numbers of random values."""
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+    return model
+
+
+def _site_nodes(model: nn.Module, arch: str, kw: dict) -> list[str]:
+    """The autograd node of each converted site's output in one training forward."""
+    names: list[str] = []
+    hooks = []
+    for layer in dt.converted_layers(model).values():
+        for site in layer.damcha.layout.sites:
+
+            def hook(module, args, out):
+                names.append(type(out.grad_fn).__name__ if out.grad_fn is not None else "none")
+
+            hooks.append(getattr(layer, site.attr).register_forward_hook(hook))
+    try:
+        run(model, arch, kw)
+    finally:
+        for h in hooks:
+            h.remove()
+    return names
+
+
+def _loss(model, arch, kw):
+    return run(model, arch, kw).float().square().mean()
+
+
+def _grads(model, arch, kw):
+    torch.manual_seed(0)
+    model.zero_grad()
+    _loss(model, arch, kw).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _set_recompute(model: nn.Module, value: bool) -> None:
+    for m in model.modules():
+        if isinstance(m, dt.DamchaMaps):
+            m.recompute = value
+
+
+# ------------------------------------------------------------ GPT-2 Conv1D
+
+
+def test_gpt2_conv1d_training_takes_the_fused_node():
+    model = dt.convert(build("gpt2", torch.float32)).train()
+    assert _site_nodes(model, "gpt2", inputs("gpt2")) == [FUSED_NODE] * 2
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "reentrant", "non-reentrant"])
+def test_gpt2_conv1d_fused_gradients_equal_the_stored_path(checkpointing):
+    """c_attn's fused node (projection addmm with the (in, out) weight, maps,
+    backward recomputing the q/k columns) against ``recompute=False`` (autograd
+    through the host's Conv1D and the layer's map), with and without the
+    host's gradient checkpointing (reentrant: the first forward runs without a
+    graph, on the in-place path, then recomputes on the fused node)."""
+    model = _no_dropout(open_gates(dt.convert(build("gpt2", torch.float64), recompute=False))).train()
+    kw = inputs("gpt2", torch.float64)
+    want = _grads(model, "gpt2", kw)
+    _set_recompute(model, True)
+    if checkpointing != "none":
+        model.activation_checkpointing_enable({"use_reentrant": checkpointing == "reentrant"})
+    got = _grads(model, "gpt2", kw)
+    assert set(got) == set(want) and any(".damcha.gates." in n for n in want)
+    assert any("c_attn.weight" in n for n in want)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=0, atol=1e-13, msg=n)
+
+
+def test_gpt2_conv1d_fused_gradients_with_a_frozen_host():
+    """Only the DAMCHA parameters train: the node's backward skips the host's
+    gradients and still gives the stored path's."""
+    grads = []
+    for recompute in (False, True):
+        model = _no_dropout(open_gates(dt.convert(build("gpt2", torch.float64), recompute=recompute))).train()
+        own = {id(p) for p in dt.damcha_parameters(model)}
+        for p in model.parameters():
+            p.requires_grad_(id(p) in own)
+        grads.append(_grads(model, "gpt2", inputs("gpt2", torch.float64)))
+    want, got = grads
+    assert set(got) == set(want) and want and all(".damcha." in n for n in want)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=0, atol=1e-13, msg=n)
+
+
+def test_gpt2_conv1d_double_backward():
+    """A gradient penalty through the fused node's backward equals the stored path's (eager attention)."""
+    grads = []
+    for recompute in (False, True):
+        model = _no_dropout(open_gates(dt.convert(build("gpt2", torch.float64, "eager"), recompute=recompute)))
+        model.train()
+        loss = _loss(model, "gpt2", inputs("gpt2", torch.float64, padding=False))
+        params = [p for p in model.parameters() if p.requires_grad]
+        first = torch.autograd.grad(loss, params, create_graph=True)
+        sum(g.square().sum() for g in first).backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    want, got = grads
+    assert set(got) == set(want) and any(".damcha.gates." in n for n in want)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=0, atol=1e-13, msg=n)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_gpt2_conv1d_fast_paths_agree_bit_for_bit(dtype):
+    """The forward without a graph (maps added in place to c_attn's output)
+    and the fused node's give the same bits (the node computes Conv1D's own
+    addmm, then the same in-place maps)."""
+    model = _no_dropout(open_gates(dt.convert(build("gpt2", dtype), recompute=True))).train()
+    kw = inputs("gpt2", dtype)
+    with torch.no_grad():
+        want = run(model, "gpt2", kw)
+    got = run(model, "gpt2", kw)
+    assert got.grad_fn is not None
+    assert torch.equal(got.detach(), want)
+
+
+def _aten_calls(call):
+    """aten op name -> calls below autograd (backward included), and the
+    output widths of the GEMMs with a bias (the projections)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    counts: dict[str, int] = {}
+    widths: list[int] = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            counts[name] = counts.get(name, 0) + 1
+            out = func(*args, **(kwargs or {}))
+            if name == "addmm":
+                widths.append(out.shape[-1])
+            return out
+
+    with Count():
+        call()
+    return counts, widths
+
+
+_COPIES = ("cat", "clone", "copy_", "_to_copy", "contiguous", "_reshape_copy")
+
+
+@pytest.mark.parametrize("mode", ["no-grad", "train"])
+def test_gpt2_conv1d_maps_add_no_copies(mode):
+    """Per converted GPT-2 layer: without a graph, no copy at all (the maps
+    are added in place to c_attn's output); in training, one gradient buffer
+    (the incoming gradient plus the maps' part), and the projection GEMMs of
+    the original plus one recomputation of c_attn's q/k columns (2 E of 3 E)."""
+    counts = []
+    for convert in (False, True):
+        model = _no_dropout(build("gpt2", torch.float32))
+        if convert:
+            open_gates(dt.convert(model, recompute=True))
+        kw = inputs("gpt2")
+        if mode == "no-grad":
+
+            def call(model=model, kw=kw):
+                with torch.no_grad():
+                    run(model, "gpt2", kw)
+        else:
+            model.train()
+
+            def call(model=model, kw=kw):
+                run(model, "gpt2", kw).square().mean().backward()
+
+        call()
+        counts.append(_aten_calls(call))
+    (original, original_gemms), (damcha, damcha_gemms) = counts
+    layers = len(dt.converted_layers(model))
+    extra = {op: damcha.get(op, 0) - original.get(op, 0) for op in _COPIES}
+    extra = {op: n / layers for op, n in extra.items() if n}
+    assert extra == ({} if mode == "no-grad" else {"clone": 1.0}), extra
+    E = model.config.n_embd
+    recomputed = list(damcha_gemms)
+    for w in original_gemms:
+        recomputed.remove(w)
+    assert recomputed == ([] if mode == "no-grad" else [2 * E] * layers), recomputed
