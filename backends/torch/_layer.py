@@ -2,7 +2,7 @@
 
 The module holds the parameters (in nn.MultiheadAttention's layout), checks
 its arguments with torch's names and conventions, converts torch's masks to
-the functional core's, and hands the math to ``_functional``.
+the functional core's (``_masks``), and hands the math to ``_functional``.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from . import _functional as fn
 from ._cache import DamchaKVCache
 from ._canonical import CanonicalIO, check_config_rebuilt
 from ._generator import MetricGenerator, check_param_dtype
+from ._masks import merge_masks
 
 __all__ = ["DamchaAttention"]
 
@@ -29,15 +30,6 @@ _SEPARATE = ("q_proj_weight", "k_proj_weight", "v_proj_weight")
 def _check_float(name: str, value: Any) -> None:
     if not isinstance(value, Tensor) or not value.is_floating_point():
         raise dc.float_dtype_error(name, value)
-
-
-def _check_torch_mask(name: str, value: Any) -> None:
-    if not isinstance(value, Tensor) or not (value.dtype == torch.bool or value.is_floating_point()):
-        # torch's convention, not the reference's: the error says which one applies here.
-        raise DamchaTypeError(
-            f"`{name}` must be a bool tensor (True = masked out, as in nn.MultiheadAttention) or a float "
-            f"additive mask (-inf = masked out). Received: {name}={describe(value)}"
-        )
 
 
 def _add_batch_dim(
@@ -78,11 +70,6 @@ def _check_shapes(
     """``dc.check_shapes`` with this module's argument names; returns (B, N, M)
     as torch gives them (SymInts under ``torch.export``)."""
     return dc.check_shapes(config, query_shape, key_shape, mask_shape, value_shape=value_shape, names=_FORWARD_NAMES)
-
-
-def _as_additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
-    """A bool *visible* mask (True = may attend) as an additive float mask."""
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
 
 
 class DamchaAttention(CanonicalIO, nn.Module):
@@ -496,7 +483,7 @@ class DamchaAttention(CanonicalIO, nn.Module):
             and attn_mask.shape[1] == len(kv_cache) + N
             and (attn_mask.dtype is torch.bool or attn_mask.is_floating_point())
         ):
-            return None  # only the is_causal hint's (N, P + N) mask, which is not read (see _merge_masks)
+            return None  # only the is_causal hint's (N, P + N) mask, which is not read (see _masks.merge_masks)
         modules = self._modules
         out_proj = modules["out_proj"]
         assert out_proj is not None  # registered in _init_from_config
@@ -540,73 +527,6 @@ class DamchaAttention(CanonicalIO, nn.Module):
             few = query.shape == key.shape == value.shape and sizes[0] * sizes[1] <= fn._FEW_TOKENS
             self.__dict__["_flat_shape"] = query.shape if few else None
         return sizes
-
-    def _merge_masks(
-        self,
-        key_padding_mask: Tensor | None,
-        attn_mask: Tensor | None,
-        B: int,
-        N: int,
-        M: int,
-        dtype: torch.dtype,
-        causal_hint: bool = False,
-    ) -> Tensor | None:
-        """One mask broadcastable to (B, H, N, M): bool True = may attend, or additive float.
-
-        ``causal_hint``: ``is_causal`` was passed. A validated 2-D (N, M)
-        ``attn_mask`` is then taken to be the causal mask, as
-        nn.MultiheadAttention takes it, and left out (the caller applies the
-        causal rule, SDPA's fused causal kernel where it can). Only its shape
-        is checked, never its values: no device sync, and eager, compiled and
-        exported calls agree. A mask of any other shape (per batch, per head)
-        carries more than the causal rule and still applies.
-        """
-        cfg = self.config
-        H = cfg.num_heads
-        masks: list[Tensor] = []
-        if key_padding_mask is not None:
-            _check_torch_mask("key_padding_mask", key_padding_mask)
-            if tuple(key_padding_mask.shape) != (B, M):
-                raise DamchaValueError(
-                    f"`key_padding_mask` must have shape (B, M) = {(B, M)}. "
-                    f"Received: key_padding_mask.shape={tuple(key_padding_mask.shape)}"
-                )
-            masks.append(key_padding_mask[:, None, None, :])
-        if attn_mask is not None:
-            _check_torch_mask("attn_mask", attn_mask)
-            if attn_mask.dim() == 3:
-                # nn.MultiheadAttention's (B*H, N, M) layout, batch-major.
-                if tuple(attn_mask.shape) != (B * H, N, M):
-                    raise DamchaValueError(
-                        f"A 3-D `attn_mask` must have shape (B*H, N, M) = {(B * H, N, M)}. "
-                        f"Received: attn_mask.shape={tuple(attn_mask.shape)}"
-                    )
-                attn_mask = attn_mask.view(B, H, N, M)
-            else:
-                try:
-                    _check_shapes(
-                        cfg,
-                        (B, N, cfg.query_dim),
-                        (B, M, cfg.context_dim),
-                        (B, M, cfg.value_input_dim),
-                        tuple(attn_mask.shape),
-                    )
-                except DamchaValueError as exc:
-                    raise DamchaValueError(str(exc) + " (or (B*H, N, M) as in nn.MultiheadAttention)") from None
-            if not (causal_hint and attn_mask.dim() == 2 and tuple(attn_mask.shape) == (N, M)):
-                masks.append(attn_mask)
-        if not masks:
-            return None
-        if all(m.dtype == torch.bool for m in masks):
-            visible = ~masks[0]
-            for m in masks[1:]:
-                visible = visible & ~m
-            return visible
-        out = None
-        for m in masks:
-            add = _as_additive(~m, dtype) if m.dtype == torch.bool else m.to(dtype)
-            out = add if out is None else out + add
-        return out
 
     def forward(
         self,
@@ -730,9 +650,19 @@ class DamchaAttention(CanonicalIO, nn.Module):
         if key_padding_mask is not None or attn_mask is not None:
             # The is_causal hint (nn.MultiheadAttention's contract): a 2-D
             # attn_mask is the causal mask, left out so that SDPA's causal
-            # kernel applies the rule (see _merge_masks). The same on every
+            # kernel applies the rule (see _masks.merge_masks). The same on every
             # path (need_weights too), so a wrong hint gives one answer.
-            mask = self._merge_masks(key_padding_mask, attn_mask, B, N, M + offset, query.dtype, causal_hint=is_causal)
+            mask = merge_masks(
+                self.config,
+                key_padding_mask,
+                attn_mask,
+                B,
+                N,
+                M + offset,
+                query.dtype,
+                names=_FORWARD_NAMES,
+                causal_hint=is_causal,
+            )
         out, weights = fn.attend_weights(
             self._weights(),
             self.config,

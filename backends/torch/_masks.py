@@ -1,0 +1,105 @@
+"""The masks of a ``DamchaAttention`` call: their checks and how they are merged.
+
+At the boundary masks follow ``nn.MultiheadAttention``'s convention: bool
+True = masked out, or an additive float mask (-inf = masked out), as a
+``key_padding_mask`` (B, M) and an ``attn_mask`` (N, M), (B*H, N, M) or
+(B|1, H|1, N|1, M). ``merge_masks`` makes them one mask for the functional
+core: bool True = may attend (the reference's convention) when every mask is
+bool, else one additive float mask.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import damcha_core as dc
+import torch
+from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, describe
+from torch import Tensor
+
+
+def check_torch_mask(name: str, value: Any) -> None:
+    if not isinstance(value, Tensor) or not (value.dtype == torch.bool or value.is_floating_point()):
+        # torch's convention, not the reference's: the error says which one applies here.
+        raise DamchaTypeError(
+            f"`{name}` must be a bool tensor (True = masked out, as in nn.MultiheadAttention) or a float "
+            f"additive mask (-inf = masked out). Received: {name}={describe(value)}"
+        )
+
+
+def as_additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """A bool *visible* mask (True = may attend) as an additive float mask."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+
+
+def merge_masks(
+    config: DamchaConfig,
+    key_padding_mask: Tensor | None,
+    attn_mask: Tensor | None,
+    B: int,
+    N: int,
+    M: int,
+    dtype: torch.dtype,
+    *,
+    names: Mapping[str, str],
+    causal_hint: bool = False,
+) -> Tensor | None:
+    """One mask broadcastable to (B, H, N, M): bool True = may attend, or additive float.
+
+    ``names``: the forward's argument names, for ``dc.check_shapes``'s errors.
+    ``causal_hint``: ``is_causal`` was passed. A validated 2-D (N, M)
+    ``attn_mask`` is then taken to be the causal mask, as
+    nn.MultiheadAttention takes it, and left out (the caller applies the
+    causal rule, SDPA's fused causal kernel where it can). Only its shape
+    is checked, never its values: no device sync, and eager, compiled and
+    exported calls agree. A mask of any other shape (per batch, per head)
+    carries more than the causal rule and still applies.
+    """
+    H = config.num_heads
+    masks: list[Tensor] = []
+    if key_padding_mask is not None:
+        check_torch_mask("key_padding_mask", key_padding_mask)
+        if tuple(key_padding_mask.shape) != (B, M):
+            raise DamchaValueError(
+                f"`key_padding_mask` must have shape (B, M) = {(B, M)}. "
+                f"Received: key_padding_mask.shape={tuple(key_padding_mask.shape)}"
+            )
+        masks.append(key_padding_mask[:, None, None, :])
+    if attn_mask is not None:
+        check_torch_mask("attn_mask", attn_mask)
+        if attn_mask.dim() == 3:
+            # nn.MultiheadAttention's (B*H, N, M) layout, batch-major.
+            if tuple(attn_mask.shape) != (B * H, N, M):
+                raise DamchaValueError(
+                    f"A 3-D `attn_mask` must have shape (B*H, N, M) = {(B * H, N, M)}. "
+                    f"Received: attn_mask.shape={tuple(attn_mask.shape)}"
+                )
+            attn_mask = attn_mask.view(B, H, N, M)
+        else:
+            Ekv, Ev = dc.config_sizes(config)[:2]
+            try:
+                dc.check_shapes(
+                    config,
+                    (B, N, config.query_dim),
+                    (B, M, Ekv),
+                    tuple(attn_mask.shape),
+                    value_shape=(B, M, Ev),
+                    names=names,
+                )
+            except DamchaValueError as exc:
+                raise DamchaValueError(str(exc) + " (or (B*H, N, M) as in nn.MultiheadAttention)") from None
+        if not (causal_hint and attn_mask.dim() == 2 and tuple(attn_mask.shape) == (N, M)):
+            masks.append(attn_mask)
+    if not masks:
+        return None
+    if all(m.dtype == torch.bool for m in masks):
+        visible = ~masks[0]
+        for m in masks[1:]:
+            visible = visible & ~m
+        return visible
+    out = None
+    for m in masks:
+        add = as_additive(~m, dtype) if m.dtype == torch.bool else m.to(dtype)
+        out = add if out is None else out + add
+    return out
