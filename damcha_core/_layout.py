@@ -5,19 +5,24 @@ asking registered ``ModelAdapter``s, which describe each layer as an
 ``AttentionLayout`` of ``ProjectionSite``s. These descriptions hold no
 framework object, so one definition serves both ports; each port re-exports
 the three classes under its own name (``damcha_torch.ProjectionSite``,
-``damcha_keras.ProjectionSite``, ...). The module or layer an adapter inspects
-is typed ``Any`` here, so importing this module imports NumPy at most.
+``damcha_keras.ProjectionSite``, ...). The rules both converters apply to a
+layout are here too: the ``DamchaConfig`` of a layer's maps (``layout_config``)
+and the sizes ``share_metric=True`` needs (``check_shareable``). The module or
+layer an adapter inspects is typed ``Any`` here, so importing this module
+imports NumPy at most.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from ._config import DamchaConfig
 from ._errors import DamchaTypeError, DamchaValueError, describe
+from ._policy import resolve_coupling
 
-__all__ = ["AttentionLayout", "ModelAdapter", "ProjectionSite", "register"]
+__all__ = ["AttentionLayout", "ModelAdapter", "ProjectionSite", "check_shareable", "layout_config", "register"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,3 +120,59 @@ def register(registry: list[ModelAdapter], adapter: ModelAdapter, *, port: str) 
         )
     registry.append(adapter)
     return adapter
+
+
+def layout_config(layout: AttentionLayout, *, metric: str, metric_rank: int | None, coupling: str) -> DamchaConfig:
+    """The ``DamchaConfig`` of the maps ``convert`` gives a layer of ``layout``.
+
+    Args:
+        layout: the layer's ``AttentionLayout``.
+        metric: "heads" or "lowrank".
+        metric_rank: r for "lowrank".
+        coupling: "auto" (resolved by ``damcha_core.resolve_coupling`` from the
+            layout's sizes and ``self_attention``), "tied", "separate" or "query".
+
+    Raises:
+        DamchaValueError: the layout's sizes do not make a valid config (the
+            converters name the layer).
+    """
+    return DamchaConfig(
+        query_dim=layout.query_features,
+        context_dim=layout.key_features,
+        num_heads=layout.num_heads,
+        num_kv_heads=layout.num_kv_heads,
+        key_dim=layout.head_dim,
+        metric=metric,
+        metric_rank=metric_rank,
+        coupling=resolve_coupling(
+            coupling,
+            metric=metric,
+            query_dim=layout.query_features,
+            context_dim=layout.key_features,
+            num_heads=layout.num_heads,
+            num_kv_heads=layout.num_kv_heads,
+            same_inputs=layout.self_attention,
+        ),
+    )
+
+
+def check_shareable(plans: Sequence[tuple[str, DamchaConfig]]) -> None:
+    """``share_metric=True``: one generator per side serves every layer, so
+    each side needs the same (features, heads, head_dim) in every layer.
+
+    Args:
+        plans: (layer name, config) of each layer to convert.
+
+    Raises:
+        DamchaValueError: naming the first layer whose sizes differ.
+    """
+    seen: dict[str, tuple[str, tuple[int, int, int]]] = {}
+    for name, config in plans:
+        for side in config.metric_sides:
+            sizes = (config.side_features(side), config.side_heads(side), config.key_dim)
+            first = seen.setdefault(side, (name, sizes))
+            if first[1] != sizes:
+                raise DamchaValueError(
+                    f"`share_metric=True` needs the same (features, heads, head_dim) for side {side!r} in every "
+                    f"layer. Received: {first[1]} in `{first[0]}`, {sizes} in `{name}`"
+                )

@@ -425,30 +425,12 @@ def convert(
                 raise DamchaValueError("the layer is not built (call the model once)")
             layout = adapter.layout(layer)
             _check_sites(layer, layout)
-            resolved = dc.resolve_coupling(
-                coupling,
-                metric=metric,
-                query_dim=layout.query_features,
-                context_dim=layout.key_features,
-                num_heads=layout.num_heads,
-                num_kv_heads=layout.num_kv_heads,
-                same_inputs=layout.self_attention,
-            )
-            config = DamchaConfig(
-                query_dim=layout.query_features,
-                context_dim=layout.key_features,
-                num_heads=layout.num_heads,
-                num_kv_heads=layout.num_kv_heads,
-                key_dim=layout.head_dim,
-                metric=metric,
-                metric_rank=metric_rank,
-                coupling=resolved,
-            )
+            config = _layout.layout_config(layout, metric=metric, metric_rank=metric_rank, coupling=coupling)
         except (DamchaValueError, DamchaTypeError) as exc:
             raise type(exc)(f"Cannot convert layer `{_name(layer)}` ({adapter.name}): {exc}") from None
         plans.append((layer, adapter, layout, config))
     if share_metric:
-        _check_shareable([(_name(layer), c) for layer, _, _, c in plans])
+        _layout.check_shareable([(_name(layer), c) for layer, _, _, c in plans])
 
     shared: dict[str, MetricGenerator] = {}
     for layer, adapter, layout, config in plans:
@@ -552,19 +534,6 @@ def _refresh_torch_params(model: keras.layers.Layer) -> None:
     for layer in _walk(model):
         if hasattr(layer, "_torch_params"):
             layer._track_variables()
-
-
-def _check_shareable(plans: list[tuple[str, DamchaConfig]]) -> None:
-    seen: dict[str, tuple[str, tuple]] = {}
-    for name, config in plans:
-        for side in config.metric_sides:
-            sizes = (config.side_features(side), config.side_heads(side), config.key_dim)
-            first = seen.setdefault(side, (name, sizes))
-            if first[1] != sizes:
-                raise DamchaValueError(
-                    f"`share_metric=True` needs the same (features, heads, head_dim) for side {side!r} in every "
-                    f"layer. Received: {first[1]} in `{first[0]}`, {sizes} in `{name}`"
-                )
 
 
 # ------------------------------------------------------- recorded conversion

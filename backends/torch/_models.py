@@ -398,18 +398,6 @@ def _child(module: nn.Module, attr: str) -> nn.Module:
 _COUPLINGS = ("auto", "tied", "separate", "query")
 
 
-def _resolve_coupling(coupling: str, layout: AttentionLayout, metric: str) -> str:
-    return dc.resolve_coupling(
-        coupling,
-        metric=metric,
-        query_dim=layout.query_features,
-        context_dim=layout.key_features,
-        num_heads=layout.num_heads,
-        num_kv_heads=layout.num_kv_heads,
-        same_inputs=layout.self_attention,
-    )
-
-
 def _is_attention_like(module: nn.Module) -> bool:
     name = type(module).__name__
     return "attention" in name.lower() or name.endswith("Attn")
@@ -529,22 +517,13 @@ def convert(
     for name, module, adapter in matched:
         try:
             layout = adapter.layout(module)
-            config = DamchaConfig(
-                query_dim=layout.query_features,
-                context_dim=layout.key_features,
-                num_heads=layout.num_heads,
-                num_kv_heads=layout.num_kv_heads,
-                key_dim=layout.head_dim,
-                metric=metric,
-                metric_rank=metric_rank,
-                coupling=_resolve_coupling(coupling, layout, metric),
-            )
+            config = _layout.layout_config(layout, metric=metric, metric_rank=metric_rank, coupling=coupling)
         except (DamchaValueError, DamchaTypeError) as exc:
             raise type(exc)(f"Cannot convert layer `{name}` ({adapter.name}): {exc}") from None
         plans.append((name, module, adapter, layout, config))
     shared: dict[str, MetricGenerator] = {}
     if share_metric:
-        _check_shareable([(n, c) for n, _, _, _, c in plans])
+        _layout.check_shareable([(n, c) for n, _, _, _, c in plans])
 
     for _name, module, adapter, layout, config in plans:
         ref = next(module.parameters(), None)
@@ -576,19 +555,6 @@ def convert(
 
     _record(model, metric=metric, metric_rank=metric_rank, coupling=coupling, share_metric=share_metric)
     return model
-
-
-def _check_shareable(plans: list[tuple[str, DamchaConfig]]) -> None:
-    seen: dict[str, tuple[str, tuple]] = {}
-    for name, config in plans:
-        for side in config.metric_sides:
-            sizes = (config.side_features(side), config.side_heads(side), config.key_dim)
-            first = seen.setdefault(side, (name, sizes))
-            if first[1] != sizes:
-                raise DamchaValueError(
-                    f"`share_metric=True` needs the same (features, heads, head_dim) for side {side!r} in every "
-                    f"layer. Received: {first[1]} in `{first[0]}`, {sizes} in `{name}`"
-                )
 
 
 def _mha_shared(mhas, metric, metric_rank, coupling, shared):
