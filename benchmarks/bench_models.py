@@ -95,6 +95,8 @@ def _build(model: str, n: int, tiny: bool):
             resid_pdrop=0.0,
             embd_pdrop=0.0,
             attn_pdrop=0.0,
+            bos_token_id=0,  # GPT-2's 50256 is outside the small vocabulary
+            eos_token_id=0,
             attn_implementation="sdpa",
         )
         module = GPT2LMHeadModel(cfg)

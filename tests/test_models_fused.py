@@ -166,8 +166,9 @@ def _aten_calls(call):
 _COPIES = ("cat", "clone", "copy_", "_to_copy", "contiguous", "_reshape_copy")
 
 
+@pytest.mark.parametrize("metric", ["heads", "lowrank"])
 @pytest.mark.parametrize("mode", ["no-grad", "train"])
-def test_gpt2_conv1d_maps_add_no_copies(mode):
+def test_gpt2_conv1d_maps_add_no_copies(mode, metric):
     """Per converted GPT-2 layer: without a graph, no copy at all (the maps
     are added in place to c_attn's output); in training, one gradient buffer
     (the incoming gradient plus the maps' part), and the projection GEMMs of
@@ -176,7 +177,11 @@ def test_gpt2_conv1d_maps_add_no_copies(mode):
     for convert in (False, True):
         model = _no_dropout(build("gpt2", torch.float32))
         if convert:
-            open_gates(dt.convert(model, recompute=True))
+            open_gates(
+                dt.convert(
+                    model, recompute=True, **({"metric": metric, "metric_rank": 3} if metric == "lowrank" else {})
+                )
+            )
         kw = inputs("gpt2")
         if mode == "no-grad":
 
@@ -201,3 +206,62 @@ def test_gpt2_conv1d_maps_add_no_copies(mode):
     for w in original_gemms:
         recomputed.remove(w)
     assert recomputed == ([] if mode == "no-grad" else [2 * E] * layers), recomputed
+
+
+# ------------------------------------------------------------ metric lowrank
+
+LOWRANK = {"metric": "lowrank", "metric_rank": 3}
+
+
+@pytest.mark.parametrize("arch", ["vit", "llama", "gpt2"])
+def test_lowrank_fused_gradients_equal_the_stored_path(arch):
+    """Metric "lowrank" on the fused node: a fused qkv Linear (tied maps, two
+    blocks), GQA's q_proj/k_proj (separate maps, each covering its output)
+    and GPT-2's Conv1D; gradients of ``recompute=False``."""
+    model = _no_dropout(open_gates(dt.convert(build(arch, torch.float64), recompute=False, **LOWRANK))).train()
+    kw = inputs(arch, torch.float64)
+    want = _grads(model, arch, kw)
+    _set_recompute(model, True)
+    assert set(_site_nodes(model, arch, kw)) == {FUSED_NODE}
+    got = _grads(model, arch, kw)
+    assert set(got) == set(want)
+    assert all(
+        any(n.endswith(leaf) for n in want)
+        for leaf in (".u", ".v", "generators.q.weight" if arch == "llama" else "generators.qk.weight")
+    )
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=0, atol=1e-13, msg=n)
+
+
+def test_lowrank_fused_gradients_with_a_frozen_host_and_double_backward():
+    """Metric "lowrank" with only the DAMCHA parameters training, then a gradient
+    penalty through the node's backward (eager attention), against the stored path."""
+    frozen, penalty = [], []
+    for recompute in (False, True):
+        model = open_gates(dt.convert(build("llama", torch.float64, "eager"), recompute=recompute, **LOWRANK))
+        model.train()
+        kw = inputs("llama", torch.float64, padding=False)
+        loss = _loss(model, "llama", kw)
+        params = [p for p in model.parameters() if p.requires_grad]
+        first = torch.autograd.grad(loss, params, create_graph=True)
+        sum(g.square().sum() for g in first).backward()
+        penalty.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+        own = {id(p) for p in dt.damcha_parameters(model)}
+        for p in model.parameters():
+            p.requires_grad_(id(p) in own)
+        frozen.append(_grads(model, "llama", kw))
+    for want, got in (frozen, penalty):
+        assert set(got) == set(want) and any(".damcha.gates." in n for n in want)
+        for n in want:
+            torch.testing.assert_close(got[n], want[n], rtol=0, atol=1e-13, msg=n)
+
+
+@pytest.mark.parametrize("arch", ["vit", "gpt2"])
+def test_lowrank_fast_paths_agree_bit_for_bit(arch):
+    model = _no_dropout(open_gates(dt.convert(build(arch, torch.float32), recompute=True, **LOWRANK))).train()
+    kw = inputs(arch)
+    with torch.no_grad():
+        want = run(model, arch, kw)
+    got = run(model, arch, kw)
+    assert got.grad_fn is not None
+    assert torch.equal(got.detach(), want)

@@ -247,21 +247,21 @@ class DamchaMaps(nn.Module):
 
     def _site_blocks(self, site: ProjectionSite) -> tuple[_fused.SideBlocks, ...] | None:
         """The blocks of ``site``'s output each side maps, for the fast paths
-        (metric "heads" only; ``None`` otherwise). Made once per site."""
+        (metrics "heads" and "lowrank"; ``None`` otherwise). Made once per site."""
         cache = self.__dict__.setdefault("_blocks", {})  # absent in modules pickled before it existed
         cached = cache.get(site.attr, False)
         if cached is not False:
             return cached
         cfg = self.config
         blocks: tuple[_fused.SideBlocks, ...] | None = None
-        if cfg.metric == "heads":
+        if cfg.metric in ("heads", "lowrank"):
             by_side: dict[str, list[int]] = {}
             for role, offset in site.roles():
                 side = dc.side_of(cfg, role)
                 if side is not None:  # the keys under coupling "query" keep the identity map
                     by_side.setdefault(side, []).append(offset)
             blocks = tuple(
-                _fused.SideBlocks(side, cfg.side_heads(side), cfg.key_dim, tuple(offsets))
+                _fused.SideBlocks(side, cfg.side_heads(side), cfg.key_dim, tuple(offsets), cfg.metric)
                 for side, offsets in by_side.items()
             )
         cache[site.attr] = blocks
@@ -271,7 +271,7 @@ class DamchaMaps(nn.Module):
         blocks = self._site_blocks(fwd.site)
         if blocks is not None and not self.track_metric_penalty and _plain_dtype(x):
             weights = [self.generator(b.side).side(self.gates[b.side]) for b in blocks]
-            leaves = [t for w in weights for t in (w.weight, w.bias, w.gate)]
+            leaves = [t for w in weights for t in _fused.side_leaves(w)]
             if all(t.dtype == x.dtype for t in leaves):
                 if not torch.is_grad_enabled():
                     # No graph: map the projection's fresh output in place, no copies.

@@ -1,14 +1,17 @@
-"""The fast paths of converted projections (``convert``, metric "heads").
+"""The fast paths of converted projections (``convert``, metrics "heads" and "lowrank").
 
 A converted projection computes y = P(t) and then, for each block of y that
 holds a role's heads (queries or keys, S heads of d features each), the
-residual map y_b + diag(g) A(t) y_b of its token t. Two paths skip the
+residual map y_b + diag(g) A(t) y_b of its token t ("lowrank": y_b +
+((y_b V) * c(t)) U_g^T, c(t) = phi(t) W + b (r,), U_g = u with each head's
+rows scaled by its gate). Two paths skip the
 general one's copies (a split of y, a contiguous copy of each strided block,
 a concatenation of the result) and its recomputation of the whole projection:
 
 - ``map_blocks_``: no autograd graph to build (``torch.no_grad``, inference
   mode). The mixing product of each block is added to y in place, through
-  strided views: one small ``bmm`` and one ``add_`` per block, no copy.
+  strided views: one small ``bmm`` and one ``add_`` per block ("lowrank":
+  one ``mm`` and one ``addmm_``), no copy.
 - ``FusedProjectionMaps``: training with ``recompute`` on a plain
   ``nn.Linear`` projection (timm's fused ``qkv``, ``q_proj``/``k_proj``) or
   transformers' ``Conv1D`` (GPT-2's fused ``c_attn``, weight stored
@@ -23,8 +26,8 @@ a concatenation of the result) and its recomputation of the whole projection:
   is written with differentiable ops, so ``create_graph=True`` (a gradient
   penalty) differentiates it.
 
-Both compute each mapped block as y_b + bmm(diag(g) A(t), y_b), one product
-per block (the tied queries and keys of one projection share one A(t)), so
+Both compute each mapped block the same way (y_b + bmm(diag(g) A(t), y_b),
+or the "lowrank" ``addmm_``), one product per block (the tied queries and keys of one projection share one A(t)), so
 they agree bit for bit with each other (a host's reentrant gradient
 checkpointing runs the first under ``no_grad`` and the second when it
 recomputes). With the gates at 0 the product is exactly 0 and y is returned
@@ -43,31 +46,66 @@ from torch import Tensor
 
 from . import _functional as fn
 
-__all__ = ["FusedProjectionMaps", "SideBlocks", "map_blocks_", "mix_coefficients", "project"]
+__all__ = [
+    "FusedProjectionMaps",
+    "SideBlocks",
+    "coefficients",
+    "lowrank_factors",
+    "map_blocks_",
+    "mix_coefficients",
+    "project",
+    "side_leaves",
+]
 
 
 class SideBlocks(NamedTuple):
     """The blocks of a projection's output that one metric side maps: one
     block at each feature offset of ``offsets``, each ``heads`` heads of
     ``head_dim`` features (the tied queries and keys of a fused qkv are two
-    blocks of side "qk")."""
+    blocks of side "qk"), and the side's metric ("heads" or "lowrank")."""
 
     side: str
     heads: int
     head_dim: int
     offsets: tuple[int, ...]
+    metric: str = "heads"
+
+
+# The tensors of a side that the fused node takes, in SideWeights' order:
+# (weight, bias, gate), and "lowrank"'s (u, v).
+_LEAVES = {"heads": 3, "lowrank": 5}
+
+
+def side_leaves(weights: fn.SideWeights) -> tuple[Tensor, ...]:
+    """The tensors of ``weights`` the fused node takes (``FusedProjectionMaps``' leaves)."""
+    if weights.metric == "heads":
+        return (weights.weight, weights.bias, weights.gate)
+    assert weights.u is not None and weights.v is not None
+    return (weights.weight, weights.bias, weights.gate, weights.u, weights.v)
+
+
+def coefficients(side: fn.SideWeights, tokens: Tensor) -> Tensor:
+    """A(t) = phi(t) W + b, (T, S*S) for "heads" or (T, r) for "lowrank", of
+    tokens (T, E), computed as the functional core does (one GEMM on the raw
+    tokens, the RMS normalisation applied to its small output)."""
+    return torch.addcdiv(
+        side.bias, F.linear(tokens, side.weight), fn._rms_denominator(tokens), value=math.sqrt(tokens.shape[-1])
+    )
 
 
 def mix_coefficients(side: fn.SideWeights, tokens: Tensor) -> Tensor:
-    """diag(g) A(t), (T, S, S), of tokens (T, E); metric "heads".
-
-    A(t) = phi(t) W + b computed as the functional core does (one GEMM on the
-    raw tokens, the RMS normalisation applied to its small output)."""
+    """diag(g) A(t), (T, S, S), of tokens (T, E); metric "heads"."""
     S = side.gate.shape[0]
-    A = torch.addcdiv(
-        side.bias, F.linear(tokens, side.weight), fn._rms_denominator(tokens), value=math.sqrt(tokens.shape[-1])
-    )
-    return A.view(-1, S, S) * side.gate.view(S, 1)
+    return coefficients(side, tokens).view(-1, S, S) * side.gate.view(S, 1)
+
+
+def lowrank_factors(side: fn.SideWeights) -> tuple[Tensor, Tensor]:
+    """The factors of metric "lowrank"'s L(t) y = y + ((y V) * c(t)) U_g^T on a
+    block y (T, S*d): (V (S*d, r), U_g (S*d, r)), U_g = u with each head's rows
+    scaled by its gate."""
+    assert side.u is not None and side.v is not None
+    S = side.gate.shape[0]
+    return side.v.flatten(0, 1), (side.u * side.gate.view(S, 1, 1)).flatten(0, 1)
 
 
 def _block(flat: Tensor, offset: int, heads: int, head_dim: int) -> Tensor:
@@ -82,16 +120,34 @@ def map_blocks_(y: Tensor, tokens: Tensor, sides: Sequence[tuple[SideBlocks, fn.
     flat = y.view(-1, y.shape[-1])
     t = tokens.reshape(-1, tokens.shape[-1])
     for blocks, weights in sides:
-        mix = mix_coefficients(weights, t)
-        for offset in blocks.offsets:
-            part = _block(flat, offset, blocks.heads, blocks.head_dim)
-            part.add_(torch.bmm(mix, part))
+        if blocks.metric == "heads":
+            mix = mix_coefficients(weights, t)
+            for offset in blocks.offsets:
+                part = _block(flat, offset, blocks.heads, blocks.head_dim)
+                part.add_(torch.bmm(mix, part))
+        else:
+            c = coefficients(weights, t)
+            v, u = lowrank_factors(weights)
+            width = blocks.heads * blocks.head_dim
+            for offset in blocks.offsets:
+                # A (T, S*d) view with row stride F: BLAS writes it in place.
+                part = flat[:, offset : offset + width]
+                part.addmm_(c * part.mm(v), u.t())
     return y
 
 
-def _side_weights(leaves: Sequence[Tensor]) -> fn.SideWeights:
-    weight, bias, gate = leaves
-    return fn.SideWeights("heads", weight, bias, gate)
+def _side_weights(metric: str, leaves: Sequence[Tensor]) -> fn.SideWeights:
+    return fn.SideWeights(metric, *leaves)
+
+
+def _split_leaves(sides: Sequence[SideBlocks], leaves: Sequence[Tensor]) -> list[tuple[int, int]]:
+    """(start, stop) of each side's tensors in ``leaves``."""
+    out, k = [], 0
+    for blocks in sides:
+        out.append((k, k + _LEAVES[blocks.metric]))
+        k += _LEAVES[blocks.metric]
+    assert k == len(leaves)
+    return out
 
 
 def project(x: Tensor, weight: Tensor, bias: Tensor | None, transposed: bool) -> Tensor:
@@ -111,9 +167,10 @@ class FusedProjectionMaps(torch.autograd.Function):
 
     ``apply(sides, transposed, x, weight, bias, *leaves)``: ``sides`` a tuple
     of ``SideBlocks``; ``transposed`` False for an ``nn.Linear`` weight
-    (out, in), True for a ``Conv1D`` weight (in, out); ``leaves`` the (weight,
-    bias, gate) of each side in that order (the generator's
-    ``nn.Linear``-layout weight (S*S, E), bias (S*S,), the layer's gate (S,)).
+    (out, in), True for a ``Conv1D`` weight (in, out); ``leaves`` the
+    ``side_leaves`` of each side in that order (the generator's
+    ``nn.Linear``-layout weight (S*S, E) or (r, E), bias (S*S,) or (r,), the
+    layer's gate (S,), and for "lowrank" u, v (S, d, r)).
     float32/float64, no autocast (the caller checks).
     """
 
@@ -128,7 +185,8 @@ class FusedProjectionMaps(torch.autograd.Function):
         *leaves: Tensor,
     ) -> Tensor:
         y = project(x, weight, bias, transposed)
-        map_blocks_(y, x, [(b, _side_weights(leaves[3 * i : 3 * i + 3])) for i, b in enumerate(sides)])
+        spans = _split_leaves(sides, leaves)
+        map_blocks_(y, x, [(b, _side_weights(b.metric, leaves[i:j])) for b, (i, j) in zip(sides, spans)])
         ctx.sides, ctx.transposed = sides, transposed
         ctx.save_for_backward(x, weight, bias, *leaves)
         return y
@@ -154,40 +212,44 @@ class FusedProjectionMaps(torch.autograd.Function):
         dy = None if covered else g.clone()
         leaf_grads: list[Tensor | None] = [None] * len(leaves)
         through_generator = []  # (dP, generator weight, c): dL/dt += dP W + c t
-        pieces = []
+        pieces: list[tuple[int, Tensor]] = []
         scale = math.sqrt(t.shape[-1])
         r = fn._rms_denominator(t)  # as in forward: the same mix, bit for bit
-        for i, blocks in enumerate(sides):
-            w_gen, b_gen, gate = leaves[3 * i : 3 * i + 3]
+        for blocks, (k, k_end) in zip(sides, _split_leaves(sides, leaves)):
+            w_gen, b_gen, gate = leaves[k : k + 3]
+            need = need_leaves[k:k_end]
             S = blocks.heads
             P = F.linear(t, w_gen)
             A = torch.addcdiv(b_gen, P, r, value=scale)
-            mix_t = (A.view(-1, S, S) * gate.view(S, 1)).transpose(1, 2)
-            dmix: Tensor | None = None
-            for offset in blocks.offsets:
-                gb = _block(g, offset, blocks.heads, blocks.head_dim)
-                yb = _block(y, offset - lo, blocks.heads, blocks.head_dim)
-                if dy is None:
-                    pieces.append((offset, torch.baddbmm(gb, mix_t, gb)))
-                else:
-                    # (baddbmm_ into a strided view would loop over the tokens)
-                    _block(dy, offset, blocks.heads, blocks.head_dim).add_(torch.bmm(mix_t, gb))
-                part = torch.bmm(gb, yb.transpose(1, 2))
-                dmix = part if dmix is None else dmix.add_(part)
-            assert dmix is not None  # a side has at least one block
-            # The generator's gradients, written out: mix = diag(g) A,
+            if blocks.metric == "heads":
+                mix_t = (A.view(-1, S, S) * gate.view(S, 1)).transpose(1, 2)
+                dmix: Tensor | None = None
+                for offset in blocks.offsets:
+                    gb = _block(g, offset, blocks.heads, blocks.head_dim)
+                    yb = _block(y, offset - lo, blocks.heads, blocks.head_dim)
+                    if dy is None:
+                        pieces.append((offset, torch.baddbmm(gb, mix_t, gb)))
+                    else:
+                        # (baddbmm_ into a strided view would loop over the tokens)
+                        _block(dy, offset, blocks.heads, blocks.head_dim).add_(torch.bmm(mix_t, gb))
+                    part = torch.bmm(gb, yb.transpose(1, 2))
+                    dmix = part if dmix is None else dmix.add_(part)
+                assert dmix is not None  # a side has at least one block
+                # mix = diag(g) A
+                dA = (dmix * gate.view(S, 1)).view(-1, S * S)
+                if need[2]:
+                    leaf_grads[k + 2] = (dmix.view(-1, S * S) * A).sum(0).view(S, S).sum(1)
+            else:
+                dA = _lowrank_backward(blocks, leaves[k:k_end], need, A, g, y, lo, dy, pieces, leaf_grads, k)
+            # The generator's gradients, written out:
             # A = b + s P / r with P = t W^T, r = sqrt(|t|^2 + E eps).
-            need_w_gen, need_b_gen, need_gate = need_leaves[3 * i : 3 * i + 3]
-            dA = (dmix * gate.view(S, 1)).view(-1, S * S)
-            dmix = dmix.view(-1, S * S)
-            if need_gate:
-                leaf_grads[3 * i + 2] = (dmix * A).sum(0).view(S, S).sum(1)
+            need_w_gen, need_b_gen = need[0], need[1]
             if need_b_gen:
-                leaf_grads[3 * i + 1] = dA.sum(0)
+                leaf_grads[k + 1] = dA.sum(0)
             if need_w_gen or need_x:
                 dP = dA * (scale / r)
                 if need_w_gen:
-                    leaf_grads[3 * i] = dP.t().mm(t)
+                    leaf_grads[k] = dP.t().mm(t)
                 if need_x:
                     # through r: dL/dr = -s sum(dA P) / r^2, dr/dt = t / r
                     c = (dA * P).sum(-1, keepdim=True).mul_(-scale) / (r * r * r)
@@ -206,3 +268,58 @@ class FusedProjectionMaps(torch.autograd.Function):
         if need_b:
             db = dy.sum(0)
         return (None, None, dx, dW, db, *leaf_grads)
+
+
+def _lowrank_backward(
+    blocks: SideBlocks,
+    leaves: Sequence[Tensor],
+    need: Sequence[bool],
+    A: Tensor,
+    g: Tensor,
+    y: Tensor,
+    lo: int,
+    dy: Tensor | None,
+    pieces: list[tuple[int, Tensor]],
+    leaf_grads: list[Tensor | None],
+    k: int,
+) -> Tensor:
+    """Metric "lowrank"'s part of ``FusedProjectionMaps.backward`` for one side:
+    out_b = y_b + (A * (y_b V)) U_g^T on each block. Adds ((g_b U_g) * A) V^T
+    to dL/dy_b (into ``dy``, or as a piece when the blocks cover y), writes
+    the gradients of u, v and the gate into ``leaf_grads[k + 2 : k + 5]``
+    and returns dL/dA (T, r)."""
+    _, _, gate, u, v = leaves
+    S, width = blocks.heads, blocks.heads * blocks.head_dim
+    V, U = lowrank_factors(fn.SideWeights("lowrank", leaves[0], leaves[1], gate, u, v))
+    need_gate, need_u, need_v = need[2], need[3], need[4]
+    dA: Tensor | None = None
+    dU: Tensor | None = None
+    dV: Tensor | None = None
+    for offset in blocks.offsets:
+        gb = g[:, offset : offset + width]
+        yb = y[:, offset - lo : offset - lo + width]
+        z = yb.mm(V)
+        dm = gb.mm(U)  # dL/d(A * z)
+        dz = dm * A
+        if dy is None:
+            pieces.append((offset, torch.addmm(gb, dz, V.t())))
+        else:
+            dy[:, offset : offset + width].addmm_(dz, V.t())
+        dc = dm * z
+        dA = dc if dA is None else dA.add_(dc)
+        if need_gate or need_u:
+            part = gb.t().mm(A * z)
+            dU = part if dU is None else dU.add_(part)
+        if need_v:
+            part = yb.t().mm(dz)
+            dV = part if dV is None else dV.add_(part)
+    assert dA is not None  # a side has at least one block
+    if dV is not None:
+        leaf_grads[k + 4] = dV.view_as(v)
+    if dU is not None:
+        dU = dU.view_as(u)  # U_g = u * gate per head
+        if need_u:
+            leaf_grads[k + 3] = dU * gate.view(S, 1, 1)
+        if need_gate:
+            leaf_grads[k + 2] = (dU * u).sum((1, 2))
+    return dA
