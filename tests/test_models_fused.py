@@ -16,6 +16,7 @@ import torch
 from _models_zoo import build, inputs, open_gates, run
 from torch import nn
 
+import damcha_conformance
 import damcha_torch as dt
 
 FUSED_NODE = "FusedProjectionMapsBackward"
@@ -265,3 +266,125 @@ def test_lowrank_fast_paths_agree_bit_for_bit(arch):
     got = run(model, arch, kw)
     assert got.grad_fn is not None
     assert torch.equal(got.detach(), want)
+
+
+# ------------------------------------------------- bfloat16 and autocast
+
+# Declared once, for every 16-bit comparison below. A mapped block under
+# bfloat16 autocast is one bfloat16 rounding (unit roundoff 2^-8) of y_b +
+# g A(t) y_b computed in float32 from the host's bfloat16 projection y_b:
+# relative error 2^-8, plus float32's own error on the correction (the atol,
+# for entries where y_b and the correction cancel; the tiny models' q/k are O(0.1)).
+BF16_ONE_ROUNDING = {"rtol": 2.0**-8, "atol": 1e-6}
+# Whole models under autocast against float32: the conformance suite's bfloat16 tolerance.
+BF16_MODEL = damcha_conformance.tolerance("bfloat16")
+
+AUTOCAST_CASES = [("gpt2", "heads"), ("vit", "heads"), ("llama", "heads"), ("gpt2", "lowrank"), ("vit", "lowrank")]
+
+
+def _options(metric: str) -> dict:
+    return LOWRANK if metric == "lowrank" else {}
+
+
+def _site_outputs(model: nn.Module) -> list[tuple[nn.Module, object, nn.Module, list]]:
+    """(attention module, site, projection, [(input, output)]) of every converted site, recorded by hooks."""
+    out = []
+    for layer in dt.converted_layers(model).values():
+        for site in layer.damcha.layout.sites:
+            proj = getattr(layer, site.attr)
+            calls: list = []
+            proj.register_forward_hook(lambda m, args, y, calls=calls: calls.append((args[0], y)))
+            out.append((layer, site, proj, calls))
+    return out
+
+
+@pytest.mark.parametrize("arch,metric", AUTOCAST_CASES)
+def test_bf16_autocast_exact_at_init_on_the_in_place_path(arch, metric):
+    """Gates at 0 under bfloat16 autocast: the converted model is the original
+    bit for bit, and the maps ran on the in-place path (no split or
+    concatenation beyond the original's)."""
+    model = build(arch, torch.float32)
+    kw = inputs(arch)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        before = run(model, arch, kw)
+        (original, _) = _aten_calls(lambda: run(model, arch, kw))
+        dt.convert(model, **_options(metric))
+        after = run(model, arch, kw)
+        (converted, _) = _aten_calls(lambda: run(model, arch, kw))
+    assert torch.equal(after, before)
+    extra = {op: converted.get(op, 0) - original.get(op, 0) for op in ("cat", "split", "split_with_sizes", "clone")}
+    assert not any(extra.values()), extra
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+def test_16bit_model_exact_at_init(dtype):
+    model = build("gpt2", dtype)
+    kw = inputs("gpt2", dtype)
+    with torch.no_grad():
+        before = run(model, "gpt2", kw)
+        after = run(dt.convert(model), "gpt2", kw)
+    assert after.dtype == dtype and torch.equal(after, before)
+
+
+@pytest.mark.parametrize("arch,metric", AUTOCAST_CASES)
+def test_bf16_autocast_maps_round_once(arch, metric):
+    """Gates open, bfloat16 autocast: each converted projection's output is
+    one bfloat16 rounding of the exact map (float64) of the host's own bfloat16
+    projection, on the in-place path (no graph) and on the training path
+    (autocast keeps the general path: see _run_site), which agree bit for bit."""
+    model = _no_dropout(open_gates(dt.convert(build(arch, torch.float32), **_options(metric))))
+    sites = _site_outputs(model)
+    kw = inputs(arch)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.no_grad():
+            want = run(model, arch, kw)
+        model.train()
+        got = run(model, arch, kw)
+    assert got.grad_fn is not None and torch.equal(got.detach(), want)
+    for layer, site, proj, calls in sites:
+        assert len(calls) == 2
+        (x, y), (_, y_train) = calls
+        assert y.dtype == torch.bfloat16 and torch.equal(y_train, y)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            host = type(proj).forward(proj, x)  # the host's projection alone, as autocast runs it
+        assert host.dtype == torch.bfloat16
+        with torch.no_grad():
+            exact = layer.damcha.apply_maps(site, x.double(), host.double())
+        assert (exact - host.double()).abs().max() > 10 * BF16_ONE_ROUNDING["rtol"] * host.abs().max()  # maps are open
+        torch.testing.assert_close(y.double(), exact, **BF16_ONE_ROUNDING)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "vit"])
+def test_bf16_autocast_model_agrees_with_float32(arch):
+    """The converted model with open gates under bfloat16 autocast against the
+    same model in float32, within the conformance suite's bfloat16 tolerance
+    (outputs scaled to O(1) as the catalogue's are)."""
+    model = open_gates(dt.convert(build(arch, torch.float32)))
+    kw = inputs(arch)
+    with torch.no_grad():
+        ref = run(model, arch, kw)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = run(model, arch, kw).float()
+    scale = ref.abs().max()
+    _, ratio = BF16_MODEL.output_ratio((got / scale).numpy(), (ref / scale).numpy())
+    assert ratio <= 1.0, ratio
+
+
+def test_bf16_autocast_training_keeps_the_general_path():
+    """Under autocast the fused node is deliberately not used (the host's
+    projection computes its gradients through autocast's 16-bit casts): the
+    recompute path's gradients equal those of the path that stores its inputs."""
+    grads, nodes = [], []
+    for recompute in (False, True):
+        model = _no_dropout(open_gates(dt.convert(build("gpt2", torch.float32), recompute=recompute))).train()
+        kw = inputs("gpt2")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            nodes.append(_site_nodes(model, "gpt2", kw))
+            model.zero_grad()
+            _loss(model, "gpt2", kw).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert FUSED_NODE not in nodes[1]
+    want, got = grads
+    assert set(got) == set(want) and any(".damcha.gates." in n for n in want)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=0, atol=0, msg=n)

@@ -269,16 +269,21 @@ class DamchaMaps(nn.Module):
 
     def _run_site(self, fwd: _SiteForward, x: Tensor, args: tuple, kwargs: dict) -> Tensor:
         blocks = self._site_blocks(fwd.site)
-        if blocks is not None and not self.track_metric_penalty and _plain_dtype(x):
+        if blocks is not None and not self.track_metric_penalty and x.is_floating_point():
             weights = [self.generator(b.side).side(self.gates[b.side]) for b in blocks]
+            if not torch.is_grad_enabled():
+                # No graph: map the projection's fresh output in place, no copies
+                # (16-bit outputs, autocast's included, get float32 corrections).
+                y = fwd.project(x, *args, **kwargs)
+                if y.is_contiguous() and y.is_floating_point():
+                    return _fused.map_blocks_(y, x, list(zip(blocks, weights)))
+                return self.apply_maps(fwd.site, x, y)
             leaves = [t for w in weights for t in _fused.side_leaves(w)]
-            if all(t.dtype == x.dtype for t in leaves):
-                if not torch.is_grad_enabled():
-                    # No graph: map the projection's fresh output in place, no copies.
-                    y = fwd.project(x, *args, **kwargs)
-                    if y.dtype == x.dtype and y.is_contiguous():
-                        return _fused.map_blocks_(y, x, list(zip(blocks, weights)))
-                    return self.apply_maps(fwd.site, x, y)
+            # The fused training node: float32/float64 outside autocast only. Under
+            # autocast the host's projection saves its 16-bit casts of x and W and
+            # computes its gradients through them; the general path (a checkpoint
+            # of the projection and the map) gets exactly those from autocast itself.
+            if _plain_dtype(x) and all(t.dtype == x.dtype for t in leaves):
                 proj: Any = fwd.projection
                 transposed = _fused_projection(proj)
                 if (

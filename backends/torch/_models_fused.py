@@ -11,7 +11,9 @@ a concatenation of the result) and its recomputation of the whole projection:
 - ``map_blocks_``: no autograd graph to build (``torch.no_grad``, inference
   mode). The mixing product of each block is added to y in place, through
   strided views: one small ``bmm`` and one ``add_`` per block ("lowrank":
-  one ``mm`` and one ``addmm_``), no copy.
+  one ``mm`` and one ``addmm_``), no copy. In every float dtype: a 16-bit
+  block (a bfloat16 model, autocast) gets its correction in float32, added
+  with one rounding.
 - ``FusedProjectionMaps``: training with ``recompute`` on a plain
   ``nn.Linear`` projection (timm's fused ``qkv``, ``q_proj``/``k_proj``) or
   transformers' ``Conv1D`` (GPT-2's fused ``c_attn``, weight stored
@@ -24,7 +26,8 @@ a concatenation of the result) and its recomputation of the whole projection:
   the (T, S*S) coefficients and two over the tokens for the generator
   (autograd's norm backward made several (T, E) temporaries). The backward
   is written with differentiable ops, so ``create_graph=True`` (a gradient
-  penalty) differentiates it.
+  penalty) differentiates it. float32/float64 outside autocast only (the
+  caller keeps 16-bit and autocast training on the general path).
 
 Both compute each mapped block the same way (y_b + bmm(diag(g) A(t), y_b),
 or the "lowrank" ``addmm_``), one product per block (the tied queries and keys of one projection share one A(t)), so
@@ -116,15 +119,38 @@ def _block(flat: Tensor, offset: int, heads: int, head_dim: int) -> Tensor:
 def map_blocks_(y: Tensor, tokens: Tensor, sides: Sequence[tuple[SideBlocks, fn.SideWeights]]) -> Tensor:
     """Map the blocks of y (..., F) in place; y must be contiguous. Returns y.
 
-    Only where no autograd graph is recorded (the caller checks)."""
+    Only where no autograd graph is recorded (the caller checks), or inside
+    ``FusedProjectionMaps``. A 16-bit y (a bfloat16/float16 model, or a
+    projection run under autocast) is mapped as the general path maps it: the
+    correction g A(t) y_b of each block is computed in float32 (tokens,
+    weights and the block cast up, autocast off) and added to y_b in place,
+    rounded once, so the result is the 16-bit rounding of y_b + correction,
+    the residual form (gates at 0 leave y as it was, bit for bit)."""
+    dtype = torch.float32 if y.dtype in _HALF else y.dtype
+    device = y.device.type
+    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+        with torch.autocast(device, enabled=False):
+            return _map_blocks(y, tokens, sides, dtype)
+    return _map_blocks(y, tokens, sides, dtype)
+
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _map_blocks(
+    y: Tensor, tokens: Tensor, sides: Sequence[tuple[SideBlocks, fn.SideWeights]], dtype: torch.dtype
+) -> Tensor:
     flat = y.view(-1, y.shape[-1])
     t = tokens.reshape(-1, tokens.shape[-1])
+    t = fn._cast(t, dtype)
+    same = y.dtype == dtype  # else each block is read in float32 and its correction added with one rounding
     for blocks, weights in sides:
+        weights = _cast_side(weights, dtype)
         if blocks.metric == "heads":
             mix = mix_coefficients(weights, t)
             for offset in blocks.offsets:
                 part = _block(flat, offset, blocks.heads, blocks.head_dim)
-                part.add_(torch.bmm(mix, part))
+                part.add_(torch.bmm(mix, part if same else part.to(dtype)))
         else:
             c = coefficients(weights, t)
             v, u = lowrank_factors(weights)
@@ -132,8 +158,24 @@ def map_blocks_(y: Tensor, tokens: Tensor, sides: Sequence[tuple[SideBlocks, fn.
             for offset in blocks.offsets:
                 # A (T, S*d) view with row stride F: BLAS writes it in place.
                 part = flat[:, offset : offset + width]
-                part.addmm_(c * part.mm(v), u.t())
+                if same:
+                    part.addmm_(c * part.mm(v), u.t())
+                else:
+                    part.add_(torch.mm(c * part.to(dtype).mm(v), u.t()))
     return y
+
+
+def _cast_side(side: fn.SideWeights, dtype: torch.dtype) -> fn.SideWeights:
+    if all(t is None or t.dtype == dtype for t in (side.weight, side.bias, side.gate, side.u, side.v)):
+        return side
+    return fn.SideWeights(
+        side.metric,
+        side.weight.to(dtype),
+        side.bias.to(dtype),
+        side.gate.to(dtype),
+        fn._cast(side.u, dtype),
+        fn._cast(side.v, dtype),
+    )
 
 
 def _side_weights(metric: str, leaves: Sequence[Tensor]) -> fn.SideWeights:
