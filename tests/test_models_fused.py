@@ -388,3 +388,78 @@ def test_bf16_autocast_training_keeps_the_general_path():
     assert set(got) == set(want) and any(".damcha.gates." in n for n in want)
     for n in want:
         torch.testing.assert_close(got[n], want[n], rtol=0, atol=0, msg=n)
+
+
+# ------------------------------------------------------------- PEFT LoRA
+
+
+def _peft_model(arch: str, order: str, trainable: str) -> nn.Module:
+    """A float64 model with PEFT LoRA (r=2, random A and B) on its q/k projections, converted before or after."""
+    import peft
+
+    model = _no_dropout(build(arch, torch.float64))
+    targets = {"llama": ["q_proj", "k_proj"], "gpt2": ["c_attn"]}[arch]
+    config = peft.LoraConfig(r=2, target_modules=targets, init_lora_weights=False, fan_in_fan_out=arch == "gpt2")
+    if order == "peft-after-convert":
+        model = peft.get_peft_model(open_gates(dt.convert(model)), config)
+    else:
+        model = peft.get_peft_model(model, config)
+        open_gates(dt.convert(model))
+    for p in model.parameters() if trainable == "all" else dt.damcha_parameters(model):
+        p.requires_grad_(True)
+    return model.train()
+
+
+@pytest.mark.parametrize(
+    "arch,order,trainable",
+    [
+        ("llama", "peft-after-convert", "lora+damcha"),
+        ("gpt2", "peft-before-convert", "lora+damcha"),
+        ("gpt2", "peft-after-convert", "all"),
+    ],
+)
+def test_peft_lora_fused_gradients_equal_the_stored_path(arch, order, trainable):
+    """PEFT's LoRA Linear around q_proj/k_proj (nn.Linear) or c_attn (Conv1D)
+    runs on the fused node (base projection + LoRA update + maps, backward
+    recomputing the q/k rows of both): gradients of ``recompute=False`` (the
+    general path through PEFT's own forward), float64, 1e-13."""
+    model = _peft_model(arch, order, trainable)
+    kw = inputs(arch, torch.float64)
+    _set_recompute(model, False)
+    want = _grads(model, arch, kw)
+    _set_recompute(model, True)
+    assert set(_site_nodes(model, arch, kw)) == {FUSED_NODE}
+    got = _grads(model, arch, kw)
+    assert set(got) == set(want)
+    assert any(".lora_A." in n for n in want) and any(".lora_B." in n for n in want)
+    assert any(".damcha.gates." in n for n in want)
+    assert any(".base_layer.weight" in n for n in want) == (trainable == "all")
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=0, atol=1e-13, msg=n)
+
+
+def test_peft_lora_fast_paths_agree_bit_for_bit():
+    """The fused node's forward (PEFT's expression for the update, then the
+    maps) equals the in-place path under PEFT's own forward, bit for bit."""
+    model = _peft_model("gpt2", "peft-before-convert", "lora+damcha")
+    kw = inputs("gpt2", torch.float64)
+    with torch.no_grad():
+        want = run(model, "gpt2", kw)
+    got = run(model, "gpt2", kw)
+    assert got.grad_fn is not None and torch.equal(got.detach(), want)
+
+
+def test_peft_lora_variants_keep_the_general_path():
+    """A LoRA layer the fused node does not reproduce (dropout on the update,
+    a disabled adapter) runs PEFT's own forward under the checkpoint."""
+    import peft
+
+    model = build("llama", torch.float64)
+    config = peft.LoraConfig(r=2, target_modules=["q_proj", "k_proj"], lora_dropout=0.1)
+    model = peft.get_peft_model(open_gates(dt.convert(model)), config).train()
+    for p in dt.damcha_parameters(model):
+        p.requires_grad_(True)
+    kw = inputs("llama", torch.float64)
+    assert FUSED_NODE not in _site_nodes(model, "llama", kw)
+    with model.disable_adapter():
+        assert FUSED_NODE not in _site_nodes(model, "llama", kw)

@@ -284,19 +284,23 @@ class DamchaMaps(nn.Module):
             # computes its gradients through them; the general path (a checkpoint
             # of the projection and the map) gets exactly those from autocast itself.
             if _plain_dtype(x) and all(t.dtype == x.dtype for t in leaves):
-                proj: Any = fwd.projection
-                transposed = _fused_projection(proj)
-                if (
-                    transposed is not None
-                    and self._recompute_now()
-                    and not args
-                    and not kwargs
-                    and fwd.previous is None
-                    and proj.weight.dtype == x.dtype
-                    and not torch.compiler.is_compiling()
-                ):
+                parts = (
+                    _fused_parts(fwd.projection)
+                    if (
+                        self._recompute_now()
+                        and not args
+                        and not kwargs
+                        and fwd.previous is None
+                        and not torch.compiler.is_compiling()
+                    )
+                    else None
+                )
+                if parts is not None and all(t is None or t.dtype == x.dtype for t in parts[1:5]):
                     # One autograd node for the projection and its maps, saving what the projection saves.
-                    return _fused.FusedProjectionMaps.apply(blocks, transposed, x, proj.weight, proj.bias, *leaves)
+                    transposed, weight, bias, lora_a, lora_b, scaling = parts
+                    return _fused.FusedProjectionMaps.apply(
+                        blocks, transposed, scaling, x, weight, bias, lora_a, lora_b, *leaves
+                    )
         if self._recompute_now():
             # Only x (which the projection keeps anyway) is stored; the projected
             # q/k and the map's coefficients are recomputed in backward.
@@ -386,6 +390,59 @@ def _fused_projection(projection: nn.Module) -> bool | None:
         if isinstance(weight, Tensor) and weight.dim() == 2:
             return True
     return None
+
+
+def _no_hooks(*modules: nn.Module) -> bool:
+    """No forward hook or instance-level forward on ``modules`` (called inside
+    a projection the fused node computes itself), and no global forward hook."""
+    from torch.nn.modules import module as _module
+
+    if _module._global_forward_hooks or _module._global_forward_pre_hooks:
+        return False
+    return not any(m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__ for m in modules)
+
+
+def _fused_parts(
+    projection: nn.Module,
+) -> tuple[bool, Tensor, Tensor | None, Tensor | None, Tensor | None, float] | None:
+    """What the fused training node computes for ``projection``: (transposed,
+    weight, bias, lora_a, lora_b, scaling), or None (the general path).
+
+    A plain ``nn.Linear`` or ``Conv1D``; or PEFT's LoRA ``Linear`` around one
+    of them whose forward is exactly base(x) + lora_B(lora_A(x)) * scaling:
+    one active adapter, no variant (DoRA, ...), not merged or disabled, no
+    dropout, plain bias-free ``nn.Linear`` A and B, no hooks inside."""
+    transposed = _fused_projection(projection)
+    if transposed is not None:
+        return transposed, projection.weight, projection.bias, None, None, 1.0  # type: ignore[return-value]
+    forward = type(projection).forward
+    if forward.__module__ != "peft.tuners.lora.layer" or forward.__qualname__ != "Linear.forward":
+        return None
+    p: Any = projection
+    variants = getattr(p, "lora_variant", None)
+    if variants is None or p.disable_adapters or p.merged:
+        return None
+    active = [a for a in p.active_adapters if a in p.lora_A]
+    if len(active) != 1 or active[0] in variants:
+        return None
+    name = active[0]
+    base, lora_a, lora_b, dropout, scaling = (
+        p.base_layer,
+        p.lora_A[name],
+        p.lora_B[name],
+        p.lora_dropout[name],
+        p.scaling[name],
+    )
+    transposed = _fused_projection(base)
+    if (
+        transposed is None
+        or type(dropout) is not nn.Identity
+        or not isinstance(scaling, (int, float))
+        or any(type(m).forward is not nn.Linear.forward or m.bias is not None for m in (lora_a, lora_b))
+        or not _no_hooks(base, lora_a, lora_b, dropout)
+    ):
+        return None
+    return transposed, base.weight, base.bias, lora_a.weight, lora_b.weight, float(scaling)
 
 
 def _child(module: nn.Module, attr: str) -> nn.Module:

@@ -17,7 +17,8 @@ a concatenation of the result) and its recomputation of the whole projection:
 - ``FusedProjectionMaps``: training with ``recompute`` on a plain
   ``nn.Linear`` projection (timm's fused ``qkv``, ``q_proj``/``k_proj``) or
   transformers' ``Conv1D`` (GPT-2's fused ``c_attn``, weight stored
-  (in, out)). One autograd node for the projection and its maps that saves
+  (in, out)), optionally wrapped in PEFT's plain LoRA (the update
+  (x A^T B^T) * scaling added as PEFT adds it). One autograd node for the projection and its maps that saves
   only what the projection saves (its input and weights): backward
   recomputes the rows of the projection that hold mapped heads (two thirds
   of a fused qkv GEMM instead of all of it; a Conv1D's columns, read in
@@ -207,9 +208,11 @@ class FusedProjectionMaps(torch.autograd.Function):
     """The projection (``project``) with the maps of ``sides`` applied to its
     blocks, saving only x, weight and bias (see the module docstring).
 
-    ``apply(sides, transposed, x, weight, bias, *leaves)``: ``sides`` a tuple
-    of ``SideBlocks``; ``transposed`` False for an ``nn.Linear`` weight
-    (out, in), True for a ``Conv1D`` weight (in, out); ``leaves`` the
+    ``apply(sides, transposed, scaling, x, weight, bias, lora_a, lora_b,
+    *leaves)``: ``sides`` a tuple of ``SideBlocks``; ``transposed`` False for
+    an ``nn.Linear`` weight (out, in), True for a ``Conv1D`` weight (in, out);
+    ``lora_a`` (r, in) and ``lora_b`` (out, r), or both None: a LoRA update
+    added as PEFT adds it, y = P(x) + (x A^T B^T) * ``scaling``; ``leaves`` the
     ``side_leaves`` of each side in that order (the generator's
     ``nn.Linear``-layout weight (S*S, E) or (r, E), bias (S*S,) or (r,), the
     layer's gate (S,), and for "lowrank" u, v (S, d, r)).
@@ -221,25 +224,31 @@ class FusedProjectionMaps(torch.autograd.Function):
         ctx: Any,
         sides: tuple[SideBlocks, ...],
         transposed: bool,
+        scaling: float,
         x: Tensor,
         weight: Tensor,
         bias: Tensor | None,
+        lora_a: Tensor | None,
+        lora_b: Tensor | None,
         *leaves: Tensor,
     ) -> Tensor:
         y = project(x, weight, bias, transposed)
+        if lora_a is not None and lora_b is not None:
+            y = y + F.linear(F.linear(x, lora_a), lora_b) * scaling  # PEFT's own expression, bit for bit
         spans = _split_leaves(sides, leaves)
         map_blocks_(y, x, [(b, _side_weights(b.metric, leaves[i:j])) for b, (i, j) in zip(sides, spans)])
-        ctx.sides, ctx.transposed = sides, transposed
-        ctx.save_for_backward(x, weight, bias, *leaves)
+        ctx.sides, ctx.transposed, ctx.scaling = sides, transposed, scaling
+        ctx.save_for_backward(x, weight, bias, lora_a, lora_b, *leaves)
         return y
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        x, weight, bias, *leaves = ctx.saved_tensors
+        x, weight, bias, lora_a, lora_b, *leaves = ctx.saved_tensors
         sides: tuple[SideBlocks, ...] = ctx.sides
         transposed: bool = ctx.transposed
-        need_x, need_w, need_b = ctx.needs_input_grad[2:5]
-        need_leaves = ctx.needs_input_grad[5:]
+        scaling: float = ctx.scaling
+        need_x, need_w, need_b, need_la, need_lb = ctx.needs_input_grad[3:8]
+        need_leaves = ctx.needs_input_grad[8:]
         features = weight.shape[1 if transposed else 0]
         t = x.reshape(-1, x.shape[-1])
         g = grad.reshape(-1, features)
@@ -249,6 +258,10 @@ class FusedProjectionMaps(torch.autograd.Function):
         lo, hi = min(starts), max(ends)
         rows = weight[:, lo:hi] if transposed else weight[lo:hi]  # a strided view: BLAS reads it in place
         y = project(t, rows, None if bias is None else bias[lo:hi], transposed)
+        h = None
+        if lora_a is not None and lora_b is not None:
+            h = F.linear(t, lora_a)  # (T, r): recomputed, as cheap as storing it
+            y = y + F.linear(h, lora_b[lo:hi]) * scaling
         covered = lo == 0 and hi == features and sum(e - s for s, e in zip(starts, ends)) == features
         # dL/dy: the incoming gradient, plus mix^T g_b on each mapped block.
         dy = None if covered else g.clone()
@@ -299,9 +312,20 @@ class FusedProjectionMaps(torch.autograd.Function):
         if dy is None:
             pieces.sort(key=lambda p: p[0])
             dy = pieces[0][1].flatten(1) if len(pieces) == 1 else torch.cat([p.flatten(1) for _, p in pieces], dim=1)
-        dx = dW = db = None
+        dx = dW = db = d_la = d_lb = None
+        # The LoRA update's gradients: dL/d(x A^T) = s dy B.
+        dh = dy.mm(lora_b) * scaling if lora_b is not None and (need_x or need_la) else None
+        if need_la:
+            assert dh is not None
+            d_la = dh.t().mm(t)
+        if need_lb:
+            assert h is not None
+            d_lb = dy.t().mm(h) * scaling
         if need_x:
             dx = dy.mm(weight.t() if transposed else weight)
+            if dh is not None:
+                assert lora_a is not None
+                dx.addmm_(dh, lora_a)
             for dP, w_gen, c in through_generator:
                 dx.addmm_(dP, w_gen).addcmul_(t, c)
             dx = dx.view_as(x)
@@ -309,7 +333,7 @@ class FusedProjectionMaps(torch.autograd.Function):
             dW = t.t().mm(dy) if transposed else dy.t().mm(t)
         if need_b:
             db = dy.sum(0)
-        return (None, None, dx, dW, db, *leaf_grads)
+        return (None, None, None, dx, dW, db, d_la, d_lb, *leaf_grads)
 
 
 def _lowrank_backward(
