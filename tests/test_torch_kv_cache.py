@@ -268,3 +268,133 @@ def test_compiled_decode_does_not_recompile_per_token_or_per_growth():
     assert len(capacities) >= 5, capacities
     torch.testing.assert_close(torch.cat(outs, dim=1), full, rtol=1e-10, atol=1e-12)
     assert frames[-1] <= 6 and frames[16] == frames[-1], frames
+
+
+# ------------------------------------------------------------------ static storage
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_static_cache_never_reallocates_and_equals_full_forward(name):
+    """DamchaKVCache(capacity, static=True): the first call allocates the
+    storage and every later call, a reset and a second sequence write into
+    that same storage (its address never changes); the outputs equal the full
+    causal forward and the reference (float64). A call that would pass the
+    capacity raises before appending anything."""
+    layer, params, cfg = _layer(name)
+    x = _x(2, 12, 16, seed=11)
+    with torch.no_grad():
+        full = layer(x, x, x, is_causal=True, need_weights=False)[0]
+    cache = DamchaKVCache(capacity=12, static=True)
+    assert cache.static and cache.capacity == 12 and len(cache) == 0 and cache.key is None
+    for sequence in range(2):
+        outs, addresses = [], set()
+        with torch.no_grad():
+            outs.append(_step(layer, x[:, :3], cache))
+            for i in range(3, 10):
+                outs.append(_step(layer, x[:, i : i + 1], cache))
+                addresses.add((cache._kbuf.data_ptr(), cache._vbuf.data_ptr()))
+            outs.append(_step(layer, x[:, 10:12], cache))
+            assert len(cache) == 12 and cache.capacity == 12
+            with pytest.raises(dc.DamchaValueError, match=r"static `kv_cache`.*12 of `capacity`=12.*appends 1"):
+                _step(layer, x[:, :1], cache)
+            assert len(cache) == 12
+        assert len(addresses) == 1, addresses
+        if sequence == 0:
+            first = addresses
+        else:
+            assert addresses == first  # reset kept the storage
+        got = torch.cat(outs, dim=1)
+        torch.testing.assert_close(got, full, rtol=1e-12, atol=1e-13)
+        np.testing.assert_allclose(
+            got.numpy(), dc.damcha_attention(params, cfg, x.numpy(), causal=True), rtol=1e-10, atol=1e-12
+        )
+        cache.reset()
+        assert len(cache) == 0 and cache.key is None and cache.capacity == 12
+
+
+def test_static_cache_arguments_autograd_inference_and_copies():
+    layer, _, _ = _layer("heads-tied")
+    x = _x(1, 8, 16, seed=12)
+    with pytest.raises(dc.DamchaValueError, match=r"static.*needs `capacity`.*Received: capacity=None"):
+        DamchaKVCache(static=True)
+    with pytest.raises(dc.DamchaTypeError, match=r"`static`.*Received: static="):
+        DamchaKVCache(capacity=4, static="yes")
+    # Autograd recording: the in-place write would break earlier steps' backward.
+    cache = DamchaKVCache(capacity=8, static=True)
+    with pytest.raises(dc.DamchaValueError, match=r"no_grad\(\) or torch.inference_mode\(\).*requires_grad=True"):
+        _step(layer, x[:, :3], cache)
+    assert len(cache) == 0
+    # Storage made under inference_mode: a step outside it mid-sequence is refused
+    # (the storage cannot be written there), a new sequence reallocates.
+    with torch.inference_mode():
+        _step(layer, x[:, :3], cache)
+    with torch.no_grad(), pytest.raises(dc.DamchaValueError, match=r"inference_mode"):
+        _step(layer, x[:, 3:4], cache)
+    assert len(cache) == 3
+    cache.reset()
+    with torch.no_grad():
+        full = layer(x, x, x, is_causal=True, need_weights=False)[0]
+        outs = [_step(layer, x[:, :5], cache)]
+    assert not cache._kbuf.is_inference()
+    # Copies stay static: the cached positions and the capacity travel, and
+    # the twin decodes on into its own fixed storage.
+    for twin in (copy.deepcopy(cache), pickle.loads(pickle.dumps(cache))):
+        assert twin.static and twin.capacity == 8 and len(twin) == 5
+        with torch.no_grad():
+            rest = [_step(layer, x[:, i : i + 1], twin) for i in range(5, 8)]
+        torch.testing.assert_close(torch.cat(outs + rest, dim=1), full, rtol=1e-12, atol=1e-13)
+        assert twin._kbuf.shape[2] == 9  # capacity + the free position
+    assert len(cache) == 5
+
+
+def test_compiled_decode_with_a_static_cache():
+    """torch.compile (fullgraph) of a decode into a static cache: the storage is
+    never replaced, the outputs equal the eager full forward, and after the
+    first steps no step compiles again. Past the capacity a compiled step
+    (without fullgraph, which turns every exception into its own error) raises
+    the same DamchaValueError as eager."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    layer, _, _ = _layer("heads-tied")
+    x = _x(2, 12, 16, seed=13)
+    with torch.no_grad():
+        full = layer(x, x, x, is_causal=True, need_weights=False)[0]
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    step = torch.compile(layer, fullgraph=True, backend=counter)
+    cache, outs, frames, addresses = DamchaKVCache(capacity=12, static=True), [], [], set()
+    with torch.no_grad():
+        outs.append(step(x[:, :2], x[:, :2], x[:, :2], is_causal=True, need_weights=False, kv_cache=cache)[0])
+        for i in range(2, 12):
+            t = x[:, i : i + 1]
+            outs.append(step(t, t, t, is_causal=True, need_weights=False, kv_cache=cache)[0])
+            addresses.add(cache._kbuf.data_ptr())
+            frames.append(counter.frame_count)
+        loose = torch.compile(layer, backend="aot_eager")
+        with pytest.raises(dc.DamchaValueError, match=r"12 of `capacity`=12"):
+            loose(t, t, t, is_causal=True, need_weights=False, kv_cache=cache)
+    assert len(addresses) == 1 and len(cache) == 12
+    torch.testing.assert_close(torch.cat(outs, dim=1), full, rtol=1e-10, atol=1e-12)
+    assert frames[-1] <= 4 and frames[3] == frames[-1], frames
+
+
+def test_reduce_overhead_decode_with_a_static_cache_on_cpu():
+    """mode="reduce-overhead" (CUDA graphs) runs Inductor without graphs on CPU:
+    the numbers must still be right. The prompt runs eagerly (it allocates the
+    storage, as docs/torch.md advises), the token steps compiled (dynamic
+    sizes from the start: one Inductor compilation)."""
+    layer, _, _ = _layer("heads-tied")
+    x = _x(1, 6, 16, seed=14)
+    with torch.no_grad():
+        full = layer(x, x, x, is_causal=True, need_weights=False)[0]
+    torch._dynamo.reset()
+    step = torch.compile(layer, fullgraph=True, mode="reduce-overhead", dynamic=True)
+    cache = DamchaKVCache(capacity=6, static=True)
+    with torch.no_grad():
+        outs = [layer(x[:, :2], x[:, :2], x[:, :2], is_causal=True, need_weights=False, kv_cache=cache)[0]]
+        address = cache._kbuf.data_ptr()
+        for i in range(2, 6):
+            t = x[:, i : i + 1]
+            outs.append(step(t, t, t, is_causal=True, need_weights=False, kv_cache=cache)[0].clone())
+    assert cache._kbuf.data_ptr() == address and len(cache) == 6
+    torch.testing.assert_close(torch.cat(outs, dim=1), full, rtol=1e-10, atol=1e-12)

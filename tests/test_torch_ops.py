@@ -68,10 +68,10 @@ def _mha_step(mha: nn.MultiheadAttention, x: torch.Tensor, cache: list) -> torch
 # A steady-state DAMCHA step (every token step after the first, which records
 # the step's shapes and takes the general path) does the MHA step's work plus
 # the per-token map (RMS scale, one generator GEMM, the gate, one small bmm per
-# side) and the NaN guard: 33 vs 21 dispatched ops when written (44 before the
-# flat step and the in-place cache, 56 before the port was split). This bound
-# only stops it from growing.
-DECODE_EXTRA_OPS = 12
+# side) and the NaN guard: 32 vs 21 dispatched ops when written (33 before the
+# layer kept its gates' views, 44 before the flat step and the in-place cache,
+# 56 before the port was split). This bound only stops it from growing.
+DECODE_EXTRA_OPS = 11
 
 
 def test_decode_step_ops_stay_within_a_margin_of_a_hand_written_mha_step():

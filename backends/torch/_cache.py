@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from damcha_core import DamchaTypeError, DamchaValueError, check_int, describe
+from damcha_core import DamchaTypeError, DamchaValueError, check_bool, check_int, describe
 from torch import Tensor
 
 __all__ = ["DamchaKVCache"]
@@ -45,10 +45,25 @@ class DamchaKVCache:
             ``None`` reserves the first call's tokens only. A longer sequence
             still fits: the storage grows to at least twice its size, so
             it holds up to ``max(capacity, 2 P)`` positions rather than P.
+        static: never reallocate: the storage holds exactly ``capacity``
+            positions (required), is allocated by the first call and then
+            only written in place (``reset`` keeps it), so its address stays
+            fixed for CUDA graphs (``torch.compile(mode="reduce-overhead")``).
+            A call that would go past ``capacity`` raises a
+            ``DamchaValueError`` before appending anything; so does a call
+            with autograd recording (an in-place write would break the
+            backward of earlier steps): decode under ``torch.no_grad()`` or
+            ``torch.inference_mode()``.
     """
 
-    def __init__(self, capacity: int | None = None) -> None:
+    def __init__(self, capacity: int | None = None, *, static: bool = False) -> None:
         self._reserve = check_int("capacity", capacity, optional=True)
+        self._static = check_bool("static", static)
+        if self._static and self._reserve is None:
+            raise DamchaValueError(
+                "A static `DamchaKVCache` needs `capacity`, the positions its fixed storage holds. "
+                "Received: capacity=None, static=True"
+            )
         # The cached positions are the first _length of _kbuf/_vbuf (B, G, C, d).
         # Only those two tensors and an int are state, never views of them:
         # torch.compile then sees one input per storage (views of one storage
@@ -61,7 +76,7 @@ class DamchaKVCache:
     def key(self) -> Tensor | None:
         """The cached keys k~ (B, G, P, d), or None when empty."""
         kb = self._kbuf
-        return None if kb is None else kb.narrow(2, 0, self._length)
+        return None if kb is None or (self._static and not self._length) else kb.narrow(2, 0, self._length)
 
     @key.setter
     def key(self, tensor: Tensor | None) -> None:
@@ -71,7 +86,7 @@ class DamchaKVCache:
     def value(self) -> Tensor | None:
         """The cached values (B, G, P, d_v), or None when empty."""
         vb = self._vbuf
-        return None if vb is None else vb.narrow(2, 0, self._length)
+        return None if vb is None or (self._static and not self._length) else vb.narrow(2, 0, self._length)
 
     @value.setter
     def value(self, tensor: Tensor | None) -> None:
@@ -79,14 +94,29 @@ class DamchaKVCache:
 
     def _set(self, key: Tensor | None, value: Tensor | None) -> None:
         # Assigned tensors become the storage (full, so the next append copies
-        # into new storage rather than writing into the caller's tensors).
+        # into new storage rather than writing into the caller's tensors; a
+        # static cache copies them into its fixed storage there).
+        length = 0 if key is None else int(key.shape[2])
+        if self._static and self._reserve is not None and length > self._reserve:
+            raise DamchaValueError(
+                f"A static `DamchaKVCache` holds at most `capacity`={self._reserve} positions. "
+                f"Received: key.shape={tuple(key.shape)}"  # type: ignore[union-attr]
+            )
         self._kbuf, self._vbuf = key, value
-        self._length = 0 if key is None else int(key.shape[2])
+        self._length = length
 
     @property
     def capacity(self) -> int:
-        """Positions the current storage holds (>= ``len(self)``)."""
+        """Positions the current storage holds (>= ``len(self)``); a static
+        cache's ``capacity`` argument."""
+        if self._static:
+            return self._reserve  # type: ignore[return-value]  # required with static
         return 0 if self._kbuf is None else int(self._kbuf.shape[2])
+
+    @property
+    def static(self) -> bool:
+        """Whether the storage is fixed (``DamchaKVCache(capacity, static=True)``)."""
+        return self._static
 
     def __len__(self) -> int:
         return 0 if self._kbuf is None else self._length
@@ -99,16 +129,20 @@ class DamchaKVCache:
             "key": None if key is None else key.clone(),
             "value": None if value is None else value.clone(),
             "capacity": self._reserve,
+            "static": self._static,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._reserve = state.get("capacity")
+        self._static = state.get("static", False)
         self._set(state["key"], state["value"])
 
     def _store(self, key: Tensor, value: Tensor, P: int) -> tuple[Tensor, Tensor]:
         """Append checked key/value after the P cached positions (P may be 0)."""
         kb, vb = self._kbuf, self._vbuf
         n = key.shape[2]
+        if self._static:
+            return self._store_static(key, value, P, n)
         if torch.is_grad_enabled():
             # An earlier step's graph may hold the cached tensors (SDPA saves
             # its keys and values): an in-place write into their storage would
@@ -136,6 +170,71 @@ class DamchaKVCache:
                 new_k.narrow(2, 0, P).copy_(kb.narrow(2, 0, P))
                 new_v.narrow(2, 0, P).copy_(vb.narrow(2, 0, P))
             self._kbuf, self._vbuf, kb, vb = new_k, new_v, new_k, new_v
+        kb.narrow(2, P, n).copy_(key)
+        vb.narrow(2, P, n).copy_(value)
+        self._length = P + n
+        return kb.narrow(2, 0, P + n), vb.narrow(2, 0, P + n)
+
+    def _store_static(self, key: Tensor, value: Tensor, P: int, n: int) -> tuple[Tensor, Tensor]:
+        cap = self._reserve
+        assert cap is not None  # required with static
+        if P + n > cap:
+            # int(): under torch.compile the sizes may be symbolic, which a
+            # traced f-string cannot format (this branch only runs to raise).
+            raise DamchaValueError(
+                f"This call does not fit the static `kv_cache`: it holds {int(P)} of `capacity`={cap} positions "
+                f"and the call appends {int(n)} (call kv_cache.reset() to start a new sequence, or make the "
+                f"cache with a larger capacity). Received: key.shape={tuple(int(s) for s in key.shape)}"
+            )
+        if torch.is_grad_enabled() and (key.requires_grad or value.requires_grad):
+            raise DamchaValueError(
+                "A static `kv_cache` is written in place, which would break the backward of earlier steps: "
+                "decode under torch.no_grad() or torch.inference_mode(). "
+                f"Received: key.requires_grad={key.requires_grad}, value.requires_grad={value.requires_grad}"
+            )
+        kb, vb = self._kbuf, self._vbuf
+        compiling = torch.compiler.is_compiling()
+        # The storage holds cap + 1 positions: the free one keeps every view of
+        # the cached positions non-contiguous, so torch.compile's contiguity
+        # checks never flip (and recompile) on the last position.
+        if (
+            kb is None
+            or vb is None
+            or kb.shape[2] != cap + 1
+            or vb.shape[2] != cap + 1
+            or (
+                P == 0  # a new sequence may change the batch, sizes, dtype or device
+                and (
+                    kb.shape[:2] != key.shape[:2]
+                    or kb.shape[3] != key.shape[3]
+                    or vb.shape[3] != value.shape[3]
+                    or kb.dtype != key.dtype
+                    or kb.device != key.device
+                    or (not compiling and kb.is_inference() and not torch.is_inference_mode_enabled())
+                )
+            )
+        ):
+            # The first call of a sequence (or after a pickle round trip or an
+            # assignment): the only allocation.
+            new_k = key.new_empty(key.shape[0], key.shape[1], cap + 1, key.shape[3])
+            new_v = value.new_empty(value.shape[0], value.shape[1], cap + 1, value.shape[3])
+            if kb is not None and vb is not None and P > 0:
+                new_k.narrow(2, 0, P).copy_(kb.narrow(2, 0, P))
+                new_v.narrow(2, 0, P).copy_(vb.narrow(2, 0, P))
+            if not compiling:
+                # Tell torch.compile the address is fixed: CUDA graphs then write
+                # into this storage rather than copy it in and out of their pool.
+                import torch._dynamo as dynamo  # imported here: eager-only code never needs it
+
+                dynamo.mark_static_address(new_k)
+                dynamo.mark_static_address(new_v)
+            self._kbuf, self._vbuf, kb, vb = new_k, new_v, new_k, new_v
+        elif not compiling and kb.is_inference() and not torch.is_inference_mode_enabled():
+            raise DamchaValueError(
+                "This static `kv_cache` was allocated under torch.inference_mode() and cannot be written "
+                "outside it (torch forbids in-place writes into inference tensors): decode every step under "
+                "inference_mode, or under torch.no_grad() from the start. Received: a call outside inference_mode"
+            )
         kb.narrow(2, P, n).copy_(key)
         vb.narrow(2, P, n).copy_(value)
         self._length = P + n
@@ -177,13 +276,13 @@ class DamchaKVCache:
                 "`key` and `value` must have one dtype and device. "
                 f"Received: key {key.dtype} on {key.device}, value {value.dtype} on {value.device}"
             )
-        if ck is None or cv is None:
+        if ck is None or cv is None or self._length == 0:
             return self._store(key, value, 0)
         if key.shape[:2] != ck.shape[:2] or key.shape[3:] != ck.shape[3:] or (value.shape[3:] != cv.shape[3:]):
             raise DamchaValueError(
                 "`kv_cache` holds a different batch, head count or head size than this call "
                 "(call kv_cache.reset() to start a new sequence). "
-                f"Received: cached key shape {tuple(self.key.shape)}, new key shape {tuple(key.shape)}"  # type: ignore[union-attr]
+                f"Received: cached key shape {(*ck.shape[:2], self._length, ck.shape[3])}, new key shape {tuple(key.shape)}"
             )
         if key.dtype != ck.dtype or key.device != ck.device:
             # torch.cat would silently promote the dtype, or fail later in SDPA.
@@ -212,7 +311,9 @@ class DamchaKVCache:
         return self.update(key, value)
 
     def reset(self) -> None:
-        """Forget every cached token (and drop the storage: views handed out
-        before stay as they were)."""
-        self._kbuf = self._vbuf = None
+        """Forget every cached token. The storage is dropped (views handed out
+        before stay as they were), except a static cache's, which is kept for
+        the next sequence (its views are then overwritten)."""
+        if not self._static:
+            self._kbuf = self._vbuf = None
         self._length = 0

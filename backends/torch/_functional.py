@@ -659,8 +659,9 @@ def few_tokens_step(
     projection, at most ``_FEW_TOKENS`` tokens, no mask, no weights returned,
     no dropout, no autograd, metric "none" or "heads", parameters in x's dtype
     (float32/64), and either an empty cache or a causal rule that hides
-    nothing (N = 1) or no causal rule. ``maps`` holds (weight, bias, gate) of
-    the q side and of the k side (the same tuple when tied; None for none).
+    nothing (N = 1) or no causal rule. ``maps`` holds (weight, bias, gate
+    column (S, 1)) of the q side and of the k side (the same tuple when tied;
+    None for none).
 
     The math is the general path's; at B = 1 a step's kernels are tiny, so
     what it costs is their number, the tensors made around them and Python:
@@ -669,7 +670,8 @@ def few_tokens_step(
       ``as_strided`` each, straight in SDPA's (B, heads, N, d) layout (or the
       (T, S, d) layout of the head mix), where split/view/transpose took three;
     - tied with one token, q and k are mixed by one batched product.
-    Nothing derived from the parameters is kept between steps: a cache keyed
+    Nothing computed from the parameters is kept between steps (the layer
+    keeps only views of its gates, which share their storage): a cache keyed
     on their version would miss writes through ``.data`` (an EMA update, a
     gate set by hand), and the step would silently use stale weights. So the
     generator GEMM stays apart from the projection's (one concatenated weight
@@ -692,25 +694,28 @@ def few_tokens_step(
         k = qkv.as_strided((B, G, N, d), (N * width, d, width, 1), at + H * d)
     else:
         # phi(x) W + b as _coefficients computes it: x W scaled by sqrt(E) / ||x||_eps
-        # (F.rms_norm is one aten call but several kernels on CPU, slower than two).
+        # (F.rms_norm is one aten call but several kernels on CPU: 18 us where
+        # vector_norm, hypot and the addcdiv below take 10 at E = 512).
         const = _HYPOT_CONSTANTS.get((E, x.dtype))
         if const is None:
             const = _hypot_constant(E, x.dtype)
         denom, root = torch.hypot(torch.linalg.vector_norm(x, dim=-1, keepdim=True), const), math.sqrt(E)
         if mk is mq and T == 1:
             # Tied, one token: q and k are adjacent in qkv, (2, H, d) is a view of
-            # it, and one baddbmm maps both with the same (H, H) matrix. The
-            # residual form y + (diag(g) A) y, as on the general path: gates at
-            # 0 give y bit for bit.
+            # it, and one baddbmm maps both with the same (H, H) matrix, which the
+            # gate product writes out twice (A read with a zero batch stride). The
+            # residual form y + (diag(g) A) y, as on the general path: gates at 0
+            # give y bit for bit.
             weight, bias, gate = mq  # type: ignore[misc]
-            gA = torch.addcdiv(bias, F.linear(x, weight), denom, value=root).view(1, H, H) * gate.view(H, 1)
+            A = torch.addcdiv(bias, F.linear(x, weight), denom, value=root)
+            gA = torch.mul(A.as_strided((2, H, H), (0, H, 1)), gate)
             qk = qkv.as_strided((2, H, d), (H * d, d, 1), at)
-            q, k = torch.baddbmm(qk, gA.expand(2, H, H), qk).view(2, B, H, N, d).unbind(0)
+            q, k = torch.baddbmm(qk, gA, qk).view(2, B, H, N, d).unbind(0)
         else:
             gA_q = None
             if mq is not None:
                 weight, bias, gate = mq
-                gA_q = torch.addcdiv(bias, F.linear(x, weight), denom, value=root).view(T, H, H) * gate.view(H, 1)
+                gA_q = torch.addcdiv(bias, F.linear(x, weight), denom, value=root).view(T, H, H) * gate
                 flat = qkv.as_strided((T, H, d), (width, d, 1), at)
                 q = torch.baddbmm(flat, gA_q, flat)
                 q = q.view(B, H, 1, d) if N == 1 else q.view(B, N, H, d).transpose(1, 2)
@@ -721,7 +726,7 @@ def few_tokens_step(
                     gA_k = gA_q
                 else:
                     weight, bias, gate = mk
-                    gA_k = torch.addcdiv(bias, F.linear(x, weight), denom, value=root).view(T, G, G) * gate.view(G, 1)
+                    gA_k = torch.addcdiv(bias, F.linear(x, weight), denom, value=root).view(T, G, G) * gate
                 flat = qkv.as_strided((T, G, d), (width, d, 1), at + H * d)
                 k = torch.baddbmm(flat, gA_k, flat)  # type: ignore[arg-type]
                 k = k.view(B, G, 1, d) if N == 1 else k.view(B, N, G, d).transpose(1, 2)

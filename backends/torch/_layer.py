@@ -309,6 +309,7 @@ class DamchaAttention(CanonicalIO, nn.Module):
         # A copy or a loaded module has not run a forward yet.
         state = super().__getstate__()
         state["last_metric_penalty"] = None
+        state.pop("_gate_columns", None)  # views of this layer's gates, remade by the next step
         return state
 
     def extra_repr(self) -> str:
@@ -494,18 +495,36 @@ class DamchaAttention(CanonicalIO, nn.Module):
             gates = modules["metric_gates"]._parameters  # type: ignore[union-attr]
             if sq is not None:
                 g = gens[sq]._parameters  # type: ignore[union-attr]  # one generator per metric side
-                mq = (g["weight"], g["bias"], gates[sq])
+                mq = (g["weight"], g["bias"], self._gate_column(sq, gates[sq]))  # type: ignore[arg-type]
                 if mq[0].dtype is not dtype or mq[1].dtype is not dtype or mq[2].dtype is not dtype:  # type: ignore[union-attr]
                     return None
             if sk == sq:
                 mk = mq  # tied: the same tuple, one generator GEMM
             elif sk is not None:
                 g = gens[sk]._parameters  # type: ignore[union-attr]
-                mk = (g["weight"], g["bias"], gates[sk])
+                mk = (g["weight"], g["bias"], self._gate_column(sk, gates[sk]))  # type: ignore[arg-type]
                 if mk[0].dtype is not dtype or mk[1].dtype is not dtype or mk[2].dtype is not dtype:  # type: ignore[union-attr]
                     return None
         out = fn.few_tokens_step(self.config, x, weight, bias, (mq, mk), out_proj, kv_cache, is_causal)  # type: ignore[arg-type]
         return out if self.batch_first else out.transpose(0, 1)
+
+    def _gate_column(self, side: str, gate: Tensor) -> Tensor:
+        """``gate.view(S, 1)`` for the flat step, kept between steps.
+
+        A view shares the gate's storage, so writes in place (``.data``,
+        ``copy_``, ``load_state_dict``, an optimiser) reach it with no check;
+        it is remade when the gate is another object (``assign=True``, a
+        replaced Parameter) or has other storage (``.data = ...``, ``.to()``).
+        """
+        memo = self.__dict__.get("_gate_columns")
+        entry = None if memo is None else memo.get(side)
+        if entry is not None and entry[0] is gate and entry[1] == gate.data_ptr() and entry[2].dtype is gate.dtype:
+            return entry[2]
+        column = gate.view(-1, 1)
+        if memo is None:
+            memo = self.__dict__["_gate_columns"] = {}
+        memo[side] = (gate, gate.data_ptr(), column)
+        return column
 
     def _sizes_of(self, query: Tensor, key: Tensor, value: Tensor) -> tuple[Any, Any, Any]:
         """(B, N, M) of batch-first inputs, checked by damcha_core's shape rules.
