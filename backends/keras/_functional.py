@@ -14,6 +14,7 @@ sublayers' outputs.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -112,15 +113,26 @@ def map_matrix(tokens: Any, kernel: Any, bias: Any, gate: Any) -> Any:
     A(t) = phi(t)·W + b (``generator``). ``apply_map_matrix`` applies it; a
     tied self-attention maps its queries and keys with one matrix.
 
-    Written in as few ``keras.ops`` calls as the math allows (each eager call
-    costs a fixed dispatch): phi is one ``rms_normalization`` (the statistic
-    in at least float32, as ``rms_normalise``) and the gate and identity act
-    on the (B, T, S, S) coefficients, not on the (B, T, S, d) heads.
+    Written for few and small ``keras.ops`` calls (each eager call costs a
+    dispatch, each pass over the (B, T, E) tokens costs memory traffic):
+    phi(t) W = sqrt(E) (t W) / sqrt(sum(t^2) + E eps), so phi is never
+    formed: one GEMM on the raw tokens (which the projections read anyway),
+    a (B, T, 1) statistic, and the gate, identity, bias and sqrt(E) folded
+    into the (E, S, S) weights and an (S, S) constant, so that only the small
+    (B, T, S, S) product gets a scale and an offset. 16-bit tokens keep phi
+    (its statistic in float32, ``rms_normalise``): t W could overflow there.
     """
     dtype = dtype_name(tokens)
     S = gate.shape[0]
-    coeff = ops.einsum("bte,ehk->bthk", rms_normalise(tokens), _as(kernel, dtype)) + _as(bias, dtype)
-    return ops.add(coeff * ops.reshape(_as(gate, dtype), (S, 1)), _eye(S, dtype))
+    kernel, bias, gate = _as(kernel, dtype), _as(bias, dtype), ops.reshape(_as(gate, dtype), (S, 1))
+    if dtype != _wide(dtype):
+        coeff = ops.einsum("bte,ehk->bthk", rms_normalise(tokens), kernel) + bias
+        return ops.add(coeff * gate, _eye(S, dtype))
+    E = tokens.shape[-1]
+    weights = kernel * (gate * math.sqrt(E))  # diag(g) W sqrt(E), (E, S, S)
+    offset = ops.add(bias * gate, _eye(S, dtype))  # I + diag(g) b
+    inv_norm = ops.rsqrt(ops.sum(ops.square(tokens), axis=-1, keepdims=True) + E * RMS_EPS)  # (B, T, 1)
+    return ops.einsum("bte,ehk->bthk", tokens, weights) * ops.expand_dims(inv_norm, -1) + offset
 
 
 def apply_map_matrix(matrix: Any, y: Any) -> Any:
@@ -338,6 +350,14 @@ def host_values(mask: Any) -> np.ndarray | None:
     return None
 
 
+@functools.lru_cache(maxsize=4)
+def _tri(n: int) -> np.ndarray:
+    """The boolean lower triangle (N, N) (read-only: shared by calls)."""
+    tri = np.tri(n, n, dtype=bool)
+    tri.flags.writeable = False
+    return tri
+
+
 def split_mask(mask: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None, bool] | None:
     """A boolean (B|1, H|1, N, M) mask read as the fused kernel's parts, when it
     is exactly one: ``(rows, keys, causal)`` with ``rows`` (B|1, H|1, N) the
@@ -351,11 +371,13 @@ def split_mask(mask: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None, 
     queries) reaches the kernel's causal path and a (B, 1, 1, M) key mask.
     """
     n, m = mask.shape[-2:]
+    if n == m and n > 1 and np.array_equal(np.broadcast_to(_tri(n), mask.shape), mask):
+        return None, None, True  # the common case, in one pass: exactly top-left causal
     rows = np.asarray(mask.any(axis=-1))
     keys = np.asarray(mask.any(axis=-2, keepdims=True))
     outer = rows[..., None] & keys
     for causal in (False, True) if n == m else (False,):
-        rebuilt = outer & np.tri(n, m, dtype=bool) if causal else outer
+        rebuilt = outer & _tri(n) if causal else outer
         if np.array_equal(rebuilt, np.broadcast_to(mask, rebuilt.shape)):
             return (None if rows.all() else rows), (None if keys.all() else keys), causal
     return None

@@ -147,8 +147,11 @@ def read_masks(masks: dict[str, Any]) -> tuple[dict[str, Any], Any, np.ndarray |
                 values = np.asarray(ops.convert_to_numpy(m))
             except Exception:  # noqa: BLE001 - traced (each backend raises its own error type): checked in the graph instead
                 values = None
+        nonzero = None
         if values is not None:
-            if not np.all((values == 0) | (values == 1)):
+            nonzero = values != 0
+            # Values are 0/1 exactly when they equal their own non-zero pattern (NaN is not).
+            if not np.array_equal(values, nonzero):
                 raise DamchaValueError(
                     f"`{name}` of dtype {dtype_name(m)} must hold only 0 and 1 (1 = may attend, as Keras "
                     "reads masks); other values, e.g. an additive 0/-inf mask, would be misread. Pass a "
@@ -156,12 +159,12 @@ def read_masks(masks: dict[str, Any]) -> tuple[dict[str, Any], Any, np.ndarray |
                     "other values"
                 )
             if name == "attention_mask":
-                host = values != 0
+                host = nonzero
         else:
             wrong = ops.any(ops.logical_and(ops.not_equal(m, 0), ops.not_equal(m, 1)))
             bad = wrong if bad is None else ops.logical_or(bad, wrong)
         # Values on the host: the boolean mask is a constant (no op in a traced graph).
-        out[name] = ops.not_equal(m, 0) if on_host is None else ops.convert_to_tensor(on_host != 0)
+        out[name] = ops.not_equal(m, 0) if on_host is None else ops.convert_to_tensor(nonzero)
     return out, bad, host
 
 
