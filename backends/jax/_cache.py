@@ -28,18 +28,15 @@ from damcha_core import (
 
 from ._functional import (
     Array,
-    MaskArg,
     Params,
     _check_config,
-    _np_dtype,
     _output,
     _poison,
     _prepare,
     _qkv,
     attend,
-    check_hint,
-    read_mask,
 )
+from ._masks import MaskArg, check_hint, np_dtype, read_mask
 
 
 def init_cache(config: DamchaConfig, batch_size: int, max_length: int, dtype: Any = jnp.float32) -> dict[str, Array]:
@@ -91,12 +88,12 @@ def _check_cache(cache: Mapping[str, Any], config: DamchaConfig) -> tuple[Array,
                 f"Received: cache['{name}']={describe(array)}"
                 + ("" if name == "key" else f", cache['key']={describe(cached_k)}")
             )
-        dtype = _np_dtype(array)
+        dtype = np_dtype(array)
         if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
             raise DamchaTypeError(f"`cache['{name}']` must be floating. Received: cache['{name}']={describe(array)}")
     if isinstance(index, (int, np.integer)) and not isinstance(index, (bool, np.bool_)):
         index = jnp.asarray(index, jnp.int32)
-    index_dtype = _np_dtype(index)
+    index_dtype = np_dtype(index)
     if getattr(index, "shape", None) != () or index_dtype is None or not jnp.issubdtype(index_dtype, jnp.integer):
         raise DamchaValueError(
             f"`cache['index']` must be an integer scalar (the number of filled positions). Received: cache['index']={describe(index)}"

@@ -18,7 +18,7 @@ import functools
 import numbers
 import types
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -36,19 +36,25 @@ from damcha_core import (
     check_shapes,
     describe,
     float_dtype_error,
-    mask_dtype_error,
     role_penalty,
     side_of,
+)
+
+from ._masks import (
+    MaskArg,
+    MaskPlan,
+    check_hint,
+    host_plan,
+    mask4,
+    np_dtype,
+    or_masks,
+    read_mask,
+    traced_split,
 )
 
 Array = jax.Array
 Params = Mapping[str, Any]
 
-# What the masks of the JAX functions and the NNX module may hold (DECISIONS 5).
-MASK_RULE = "boolean (True = may attend) or numeric with only 0 and 1 (non-zero = attend)"
-# What ``mask_hint`` may say about a mask: "causal" = the causal rule and padding
-# (key and query) only, "padding" = padding only (see ``plan_mask``).
-MASK_HINTS = ("causal", "padding")
 # float64 attention runs as einsums (the fused kernel's softmax is float32).
 # Tests set this False to hold the fused path itself to float64 inputs.
 EINSUM_FOR_FLOAT64 = True
@@ -62,18 +68,6 @@ def _check_config(config: Any) -> DamchaConfig:
     return config
 
 
-def _np_dtype(value: Any) -> np.dtype | None:
-    """The NumPy dtype of an array-like (JAX, NumPy, tracer), None if it has none
-    NumPy knows (a list, a torch tensor)."""
-    dtype = getattr(value, "dtype", None)
-    if dtype is None or not hasattr(value, "shape"):
-        return None
-    try:
-        return np.dtype(dtype)
-    except TypeError:
-        return None
-
-
 def _is_float(dtype: np.dtype | None) -> bool:
     return dtype is not None and bool(jnp.issubdtype(dtype, jnp.floating))
 
@@ -81,76 +75,13 @@ def _is_float(dtype: np.dtype | None) -> bool:
 def check_float(name: str, value: Any) -> Array:
     """A real floating array (float16/32/64, bfloat16) as a JAX array; anything
     else (ints, lists, other frameworks' tensors) is a DamchaTypeError naming ``name``."""
-    if not _is_float(_np_dtype(value)):
+    if not _is_float(np_dtype(value)):
         raise float_dtype_error(name, value)
     return jnp.asarray(value)
 
 
-class MaskArg(NamedTuple):
-    """A checked mask: ``array`` the bool "may attend" mask the math takes,
-    ``host`` the same values as NumPy when DAMCHA holds them anyway (a NumPy
-    mask, or a concrete numeric mask read for the 0/1 rule), ``flag`` a traced
-    bool scalar that turns the output into NaN (None when nothing needs it)."""
-
-    array: Array | None
-    host: np.ndarray | None
-    flag: Array | None
-
-
-def read_mask(mask: Any, name: str = "mask") -> MaskArg:
-    """``mask`` checked and converted (see ``check_mask``), with its host values when known."""
-    if mask is None:
-        return MaskArg(None, None, None)
-    dtype = _np_dtype(mask)
-    if dtype is None or not (
-        dtype == np.bool_ or jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)
-    ):
-        raise mask_dtype_error(mask, name, MASK_RULE)
-    if dtype == np.bool_:
-        # A bool JAX array is never read back (that would be a device sync); a NumPy one is on the host already.
-        return MaskArg(jnp.asarray(mask), mask if isinstance(mask, np.ndarray) else None, None)
-    if isinstance(mask, jax.core.Tracer):
-        return MaskArg(mask != 0, None, jnp.any((mask != 0) & (mask != 1)))
-    values = np.asarray(mask)
-    if not np.all((values == 0) | (values == 1)):
-        raise DamchaValueError(
-            f"`{name}` must be {MASK_RULE}; this {dtype} mask holds other values (an additive 0/-inf mask? "
-            f"pass `{name} == 0` for one, or a bool mask). Received: {name}={describe(mask)}"
-        )
-    host = values != 0
-    return MaskArg(jnp.asarray(host), host, None)
-
-
-def check_mask(mask: Any, name: str = "mask") -> tuple[Array | None, Array | None]:
-    """``mask`` as the bool "may attend" array the math takes, and a flag.
-
-    bool masks pass. Integer and floating masks are read as Flax and Keras
-    read them (non-zero = attend) only when they hold nothing but 0 and 1: any
-    other value (an additive 0/-inf mask would be read inverted) is a
-    DamchaValueError when the values are concrete. Under ``jit`` they cannot
-    be inspected; the returned flag (a traced bool scalar, None when nothing
-    needs checking) is True when such a value is present, and the caller then
-    turns its output into NaN.
-    """
-    checked = read_mask(mask, name)
-    return checked.array, checked.flag
-
-
-def check_hint(mask_hint: Any, mask: Any) -> str | None:
-    """``mask_hint`` is None, "causal" or "padding", and needs a mask to describe."""
-    if mask_hint is None:
-        return None
-    hint = check_choice("mask_hint", mask_hint, MASK_HINTS)
-    if mask is None:
-        raise DamchaValueError(
-            f"`mask_hint` describes `mask`, which is None (use is_causal=True for causal attention without a mask). "
-            f"Received: mask=None, mask_hint={hint!r}"
-        )
-    return hint
-
-
 def _poison(y: Array, flag: Array | None) -> Array:
-    """NaN outputs when a traced mask held values other than 0 and 1 (see ``check_mask``)."""
+    """NaN outputs when a traced mask held values other than 0 and 1 (see ``_masks.check_mask``)."""
     return y if flag is None else jnp.where(flag, jnp.asarray(jnp.nan, y.dtype), y)
 
 
@@ -162,7 +93,7 @@ def _check_offset(query_offset: Any) -> Any:
         and int(query_offset) >= 0
     ):
         return int(query_offset)
-    dtype = _np_dtype(query_offset)
+    dtype = np_dtype(query_offset)
     if dtype is not None and jnp.issubdtype(dtype, jnp.integer) and getattr(query_offset, "shape", None) == ():
         if isinstance(query_offset, jax.core.Tracer) or int(query_offset) >= 0:
             return query_offset  # a traced offset cannot be checked (as a traced cache index)
@@ -176,7 +107,7 @@ def _check_key(name: str, key: Any) -> Any:
     """A JAX PRNG key: a typed key array, or a raw uint32 key (shape (2,) for threefry)."""
     dtype = getattr(key, "dtype", None)
     typed = dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-    raw = _np_dtype(key) == np.uint32 and getattr(key, "ndim", 0) >= 1
+    raw = np_dtype(key) == np.uint32 and getattr(key, "ndim", 0) >= 1
     if not (typed or raw):
         raise DamchaTypeError(
             f"`{name}` must be a JAX PRNG key (jax.random.key(...) or jax.random.PRNGKey(...)). "
@@ -352,12 +283,6 @@ def _qkv(
     return q.astype(dt), k.astype(dt), v.astype(dt)
 
 
-def _mask4(mask: Array | None) -> Array | None:
-    if mask is None:
-        return None
-    return mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
-
-
 def visibility(mask: Array | None, n: int, m: int, *, is_causal: bool = False, query_offset: Any = 0) -> Array | None:
     """The boolean may-attend mask, broadcastable to (B, H, N, M): the user's
     mask and, with ``is_causal``, query i (at position offset + i) sees keys
@@ -367,99 +292,6 @@ def visibility(mask: Array | None, n: int, m: int, *, is_causal: bool = False, q
     rows = jnp.arange(n)[:, None] + query_offset
     causal = (jnp.arange(m)[None, :] <= rows)[None, None]
     return causal if mask is None else mask & causal
-
-
-def _causal_grid(n: int, m: int, query_offset: Any) -> Array:
-    """(N, M) bool: query i (at position offset + i) sees key j <= offset + i."""
-    return jnp.arange(m)[None, :] <= jnp.arange(n)[:, None] + query_offset
-
-
-class MaskPlan(NamedTuple):
-    """How ``attend`` applies a mask.
-
-    ``kernel_mask`` and ``kernel_causal`` are what the fused kernel gets
-    (``jax.nn.dot_product_attention``'s ``mask`` and ``is_causal``), ``rows``
-    (b, h, N|1) says which query rows see at least one key (None: all; the
-    others get output 0), ``visible`` is the whole may-attend mask for the
-    einsum path (None: all), ``flag`` turns the output into NaN when True.
-    """
-
-    kernel_mask: Array | None
-    kernel_causal: bool
-    rows: Array | None
-    visible: Array | None
-    flag: Array | None
-
-
-def _or(a: Array | None, b: Array | None) -> Array | None:
-    return b if a is None else a if b is None else a | b
-
-
-def _host_split(v: np.ndarray, grid: np.ndarray | None) -> tuple[np.ndarray, np.ndarray] | None:
-    """(key_ok (b, h, M), rows (b, h, N)) when v (b, h, N, M) == grid & rows x key_ok, else None."""
-    # np.asarray: NumPy types a reduction along an axis as array-or-scalar; v is 4-D.
-    rows, keys = np.asarray(v.any(-1)), np.asarray(v.any(-2))
-    recon = rows[..., :, None] & keys[..., None, :]
-    if grid is not None:
-        recon = recon & grid
-    return (keys, rows) if np.array_equal(v, recon) else None
-
-
-def _host_plan(
-    host: np.ndarray, n: int, m: int, *, is_causal: bool, offset: int, hint: str | None, name: str
-) -> tuple[np.ndarray, np.ndarray, bool] | None:
-    """(key_ok, rows, kernel_causal) of a mask whose values are on the host, or
-    None when it is neither causal nor padding; a wrong ``hint`` raises."""
-    full = np.broadcast_to(host, host.shape[:2] + (n, m))
-    grid = np.arange(m)[None, :] <= np.arange(n)[:, None] + offset
-    if hint is not None:
-        split = _host_split(full, grid if hint == "causal" else None)
-        if split is None:
-            raise DamchaValueError(
-                f"`{name}` is not what mask_hint={hint!r} says: "
-                + (
-                    "the causal rule and padding only (combine_masks(make_causal_mask, padding masks))"
-                    if hint == "causal"
-                    else "padding only (make_attention_mask of query and key padding)"
-                )
-                + f". Drop mask_hint for any other mask. Received: {name}.shape={tuple(host.shape)}"
-            )
-        keys, rows = split
-        causal = is_causal or hint == "causal"
-        if causal and hint == "padding":
-            rows = np.asarray((full & grid).any(-1))
-        return keys, rows, causal
-    visible = full & grid if is_causal else full
-    split = _host_split(visible, grid if is_causal else None)
-    if split is not None:
-        return split[0], split[1], is_causal
-    if not is_causal and n > 1:  # the mask itself may be causal (make_causal_mask without is_causal)
-        split = _host_split(full, grid)
-        if split is not None:
-            return split[0], split[1], True
-    return None
-
-
-def _traced_split(a: Array, n: int, m: int, *, hint: str, offset: Any) -> tuple[Array, Array, Array]:
-    """(key_ok (b, h, M), rows (b, h, N), ok) for a traced mask a (b, h, N|1, M|1)
-    under ``hint``: ok (a bool scalar) is whether a really is
-    [causal &] rows x key_ok. Two reductions over the mask and O(N + M) more,
-    by counting: a row holds at most the keys the reconstruction gives it (it
-    is a subset), so equal counts mean equal rows."""
-    a = jnp.broadcast_to(a, a.shape[:2] + (n, m))
-    rows, keys = jnp.any(a, axis=-1), jnp.any(a, axis=-2)
-    if hint == "padding":
-        counts = jnp.sum(a, axis=-1, dtype=jnp.int32)
-        expected = jnp.sum(keys, axis=-1, dtype=jnp.int32)[..., None]
-        return keys, rows, jnp.all(counts == jnp.where(rows, expected, 0))
-    grid = _causal_grid(n, m, offset)
-    counts = jnp.sum(a & grid, axis=-1, dtype=jnp.int32)
-    outside = jnp.any(a & ~grid)
-    # keys j <= i + offset that the reconstruction gives row i: a prefix count of key_ok.
-    prefix = jnp.cumsum(keys, axis=-1, dtype=jnp.int32)
-    last = jnp.minimum(jnp.arange(n) + offset, m - 1)
-    expected = jnp.take(prefix, last, axis=-1)
-    return keys, rows, jnp.all(counts == jnp.where(rows, expected, 0)) & ~outside
 
 
 def plan_mask(
@@ -487,9 +319,12 @@ def plan_mask(
       what the hint says makes the output NaN (a DamchaValueError when its
       values are known), never a wrong number.
 
-    Any other mask goes to the kernel as it is (as Flax's MHA does).
+    Any other mask goes to the kernel as it is (as Flax's MHA does). The
+    mask's structure is read by ``_masks.host_plan``/``traced_split``; this
+    function stays here, beside ``visibility`` which it composes, so that
+    ``_masks`` imports nothing from this module.
     """
-    arr = None if mask is None else _mask4(mask.array)
+    arr = None if mask is None else mask4(mask.array)
     flag = None if mask is None else mask.flag
     static0 = isinstance(query_offset, int) and query_offset == 0
     if arr is None:
@@ -504,18 +339,18 @@ def plan_mask(
     concrete_offset = not isinstance(query_offset, jax.core.Tracer)
     if mask.host is not None and concrete_offset:
         host = np.asarray(mask.host).reshape(arr.shape)
-        found = _host_plan(host, n, m, is_causal=is_causal, offset=int(query_offset), hint=mask_hint, name=name)
+        found = host_plan(host, n, m, is_causal=is_causal, offset=int(query_offset), hint=mask_hint, name=name)
         if found is not None:
             keys, rows, causal = (jnp.asarray(found[0]), None if found[1].all() else jnp.asarray(found[1]), found[2])
             if found[0].all():
                 keys = None
     if found is None and mask_hint is not None:
-        keys, rows, ok = _traced_split(arr, n, m, hint=mask_hint, offset=query_offset)
+        keys, rows, ok = traced_split(arr, n, m, hint=mask_hint, offset=query_offset)
         causal = is_causal or mask_hint == "causal"
         if causal and mask_hint == "padding":
             first = jnp.argmax(keys, axis=-1)[..., None]  # rows already require some key
             rows = rows & (first <= jnp.arange(n) + query_offset)
-        flag = _or(flag, ~ok)
+        flag = or_masks(flag, ~ok)
         found = True
     if found is None:
         # Any other mask: to the kernel as it is; a row sees a key iff the mask shows it one.

@@ -5,7 +5,8 @@ The four projections are Flax's own ``LinearGeneral`` submodules (so
 and the sharding arguments act exactly as in ``nnx.MultiHeadAttention``); the
 DAMCHA steps (generator, maps, masked attention) are ``_functional``'s.
 Canonical I/O lives in ``_canonical``, the decoding cache in ``_cache``,
-conversion from Flax's MHA in ``_convert``.
+reading and folding the masks in ``_masks``, conversion from Flax's MHA in
+``_convert``.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from ._cache import DecodeCache, check_room
 from ._canonical import CanonicalIO
 from ._convert import from_mha
 from ._generator import CrossHeadMap, MetricGenerator, make_metric_generators, resolve_metric_generators
+from ._masks import check_hint, fold_mask, read_mask
 
 Array = jax.Array
 Initializer = Callable[..., Array]
@@ -215,18 +217,6 @@ def _fold(t: Array | None, lead: tuple[int, ...], keep: int) -> Array | None:
         return None
     B = int(np.prod(lead)) if lead else 1
     return jnp.reshape(t, (B, *t.shape[t.ndim - keep :]))
-
-
-def _fold_mask(mask: F.MaskArg, lead: tuple[int, ...]) -> F.MaskArg:
-    """A Flax mask [batch..., H|1, N|1, M] broadcast over the batch axes and
-    folded to (B, H|1, N|1, M) (its host values too, when known)."""
-    array = mask.array
-    if array is None or array.ndim != len(lead) + 3 or len(lead) == 1:
-        return mask
-    tail = tuple(array.shape[-3:])
-    B = int(np.prod(lead)) if lead else 1
-    host = None if mask.host is None else np.reshape(np.broadcast_to(mask.host, (*lead, *tail)), (B, *tail))
-    return F.MaskArg(_fold(jnp.broadcast_to(array, (*lead, *tail)), lead, 3), host, mask.flag)
 
 
 class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
@@ -537,8 +527,8 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
         is_causal = check_bool("is_causal", is_causal)
         sow_weights = check_bool("sow_weights", sow_weights)
         decode = self.decode if decode is None else check_bool("decode", decode)
-        mask_hint = F.check_hint(mask_hint, mask)
-        checked = F.read_mask(mask, "mask")
+        mask_hint = check_hint(mask_hint, mask)
+        checked = read_mask(mask, "mask")
         cache_len = None
         if decode:
             if self.cached_key is None:
@@ -575,7 +565,7 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
                 q,
                 k,
                 v,
-                _fold_mask(checked, lead),
+                fold_mask(checked, lead),
                 dropout_rng=dropout_rng,
                 broadcast_dropout=self.broadcast_dropout,
                 precision=self.precision,
@@ -588,7 +578,7 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
                 _fold(q, lead, 3),
                 _fold(k, lead, 3),
                 _fold(v, lead, 3),
-                mask=_fold_mask(checked, lead),
+                mask=fold_mask(checked, lead),
                 is_causal=is_causal,
                 return_weights=sow_weights,
                 dropout_rng=dropout_rng,

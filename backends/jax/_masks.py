@@ -1,0 +1,223 @@
+"""The masks of the JAX functions and the NNX module: how their values are
+read, how their batch axes fold, and what of their structure the fused kernel
+can take instead of the mask itself.
+
+At the boundary masks follow Flax's convention: bool, or integer/float with
+values 0 and 1 (True / 1 = may attend); inside they are the reference's
+boolean "True = may attend" (``read_mask``). ``_functional.plan_mask`` decides
+what the attention kernel gets (it composes the spec step ``visibility``, so it
+stays beside it); the structure it needs is found here: on the host when the
+mask's values are known (``host_plan``), else under a ``mask_hint`` by counting
+on the device (``traced_split``). This module imports nothing from
+``_functional``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from damcha_core import DamchaValueError, check_choice, describe, mask_dtype_error
+
+Array = jax.Array
+
+# What the masks of the JAX functions and the NNX module may hold (DECISIONS 5).
+MASK_RULE = "boolean (True = may attend) or numeric with only 0 and 1 (non-zero = attend)"
+# What ``mask_hint`` may say about a mask: "causal" = the causal rule and padding
+# (key and query) only, "padding" = padding only (see ``_functional.plan_mask``).
+MASK_HINTS = ("causal", "padding")
+
+
+# ----------------------------------------------------------------- reading
+
+
+def np_dtype(value: Any) -> np.dtype | None:
+    """The NumPy dtype of an array-like (JAX, NumPy, tracer), None if it has none
+    NumPy knows (a list, a torch tensor)."""
+    dtype = getattr(value, "dtype", None)
+    if dtype is None or not hasattr(value, "shape"):
+        return None
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        return None
+
+
+class MaskArg(NamedTuple):
+    """A checked mask: ``array`` the bool "may attend" mask the math takes,
+    ``host`` the same values as NumPy when DAMCHA holds them anyway (a NumPy
+    mask, or a concrete numeric mask read for the 0/1 rule), ``flag`` a traced
+    bool scalar that turns the output into NaN (None when nothing needs it)."""
+
+    array: Array | None
+    host: np.ndarray | None
+    flag: Array | None
+
+
+def read_mask(mask: Any, name: str = "mask") -> MaskArg:
+    """``mask`` checked and converted (see ``check_mask``), with its host values when known."""
+    if mask is None:
+        return MaskArg(None, None, None)
+    dtype = np_dtype(mask)
+    if dtype is None or not (
+        dtype == np.bool_ or jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)
+    ):
+        raise mask_dtype_error(mask, name, MASK_RULE)
+    if dtype == np.bool_:
+        # A bool JAX array is never read back (that would be a device sync); a NumPy one is on the host already.
+        return MaskArg(jnp.asarray(mask), mask if isinstance(mask, np.ndarray) else None, None)
+    if isinstance(mask, jax.core.Tracer):
+        return MaskArg(mask != 0, None, jnp.any((mask != 0) & (mask != 1)))
+    values = np.asarray(mask)
+    if not np.all((values == 0) | (values == 1)):
+        raise DamchaValueError(
+            f"`{name}` must be {MASK_RULE}; this {dtype} mask holds other values (an additive 0/-inf mask? "
+            f"pass `{name} == 0` for one, or a bool mask). Received: {name}={describe(mask)}"
+        )
+    host = values != 0
+    return MaskArg(jnp.asarray(host), host, None)
+
+
+def check_mask(mask: Any, name: str = "mask") -> tuple[Array | None, Array | None]:
+    """``mask`` as the bool "may attend" array the math takes, and a flag.
+
+    bool masks pass. Integer and floating masks are read as Flax and Keras
+    read them (non-zero = attend) only when they hold nothing but 0 and 1: any
+    other value (an additive 0/-inf mask would be read inverted) is a
+    DamchaValueError when the values are concrete. Under ``jit`` they cannot
+    be inspected; the returned flag (a traced bool scalar, None when nothing
+    needs checking) is True when such a value is present, and the caller then
+    turns its output into NaN.
+    """
+    checked = read_mask(mask, name)
+    return checked.array, checked.flag
+
+
+def check_hint(mask_hint: Any, mask: Any) -> str | None:
+    """``mask_hint`` is None, "causal" or "padding", and needs a mask to describe."""
+    if mask_hint is None:
+        return None
+    hint = check_choice("mask_hint", mask_hint, MASK_HINTS)
+    if mask is None:
+        raise DamchaValueError(
+            f"`mask_hint` describes `mask`, which is None (use is_causal=True for causal attention without a mask). "
+            f"Received: mask=None, mask_hint={hint!r}"
+        )
+    return hint
+
+
+def fold_mask(mask: MaskArg, lead: tuple[int, ...]) -> MaskArg:
+    """A Flax mask [batch..., H|1, N|1, M] broadcast over the batch axes and
+    folded to (B, H|1, N|1, M) (its host values too, when known)."""
+    array = mask.array
+    if array is None or array.ndim != len(lead) + 3 or len(lead) == 1:
+        return mask
+    tail = tuple(array.shape[-3:])
+    B = int(np.prod(lead)) if lead else 1
+    host = None if mask.host is None else np.reshape(np.broadcast_to(mask.host, (*lead, *tail)), (B, *tail))
+    return MaskArg(jnp.reshape(jnp.broadcast_to(array, (*lead, *tail)), (B, *tail)), host, mask.flag)
+
+
+# ---------------------------------------------------------------- planning
+
+
+def mask4(mask: Array | None) -> Array | None:
+    if mask is None:
+        return None
+    return mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+
+
+def causal_grid(n: int, m: int, query_offset: Any) -> Array:
+    """(N, M) bool: query i (at position offset + i) sees key j <= offset + i."""
+    return jnp.arange(m)[None, :] <= jnp.arange(n)[:, None] + query_offset
+
+
+class MaskPlan(NamedTuple):
+    """How ``attend`` applies a mask.
+
+    ``kernel_mask`` and ``kernel_causal`` are what the fused kernel gets
+    (``jax.nn.dot_product_attention``'s ``mask`` and ``is_causal``), ``rows``
+    (b, h, N|1) says which query rows see at least one key (None: all; the
+    others get output 0), ``visible`` is the whole may-attend mask for the
+    einsum path (None: all), ``flag`` turns the output into NaN when True.
+    """
+
+    kernel_mask: Array | None
+    kernel_causal: bool
+    rows: Array | None
+    visible: Array | None
+    flag: Array | None
+
+
+def or_masks(a: Array | None, b: Array | None) -> Array | None:
+    return b if a is None else a if b is None else a | b
+
+
+def _host_split(v: np.ndarray, grid: np.ndarray | None) -> tuple[np.ndarray, np.ndarray] | None:
+    """(key_ok (b, h, M), rows (b, h, N)) when v (b, h, N, M) == grid & rows x key_ok, else None."""
+    # np.asarray: NumPy types a reduction along an axis as array-or-scalar; v is 4-D.
+    rows, keys = np.asarray(v.any(-1)), np.asarray(v.any(-2))
+    recon = rows[..., :, None] & keys[..., None, :]
+    if grid is not None:
+        recon = recon & grid
+    return (keys, rows) if np.array_equal(v, recon) else None
+
+
+def host_plan(
+    host: np.ndarray, n: int, m: int, *, is_causal: bool, offset: int, hint: str | None, name: str
+) -> tuple[np.ndarray, np.ndarray, bool] | None:
+    """(key_ok, rows, kernel_causal) of a mask whose values are on the host, or
+    None when it is neither causal nor padding; a wrong ``hint`` raises."""
+    full = np.broadcast_to(host, host.shape[:2] + (n, m))
+    grid = np.arange(m)[None, :] <= np.arange(n)[:, None] + offset
+    if hint is not None:
+        split = _host_split(full, grid if hint == "causal" else None)
+        if split is None:
+            raise DamchaValueError(
+                f"`{name}` is not what mask_hint={hint!r} says: "
+                + (
+                    "the causal rule and padding only (combine_masks(make_causal_mask, padding masks))"
+                    if hint == "causal"
+                    else "padding only (make_attention_mask of query and key padding)"
+                )
+                + f". Drop mask_hint for any other mask. Received: {name}.shape={tuple(host.shape)}"
+            )
+        keys, rows = split
+        causal = is_causal or hint == "causal"
+        if causal and hint == "padding":
+            rows = np.asarray((full & grid).any(-1))
+        return keys, rows, causal
+    visible = full & grid if is_causal else full
+    split = _host_split(visible, grid if is_causal else None)
+    if split is not None:
+        return split[0], split[1], is_causal
+    if not is_causal and n > 1:  # the mask itself may be causal (make_causal_mask without is_causal)
+        split = _host_split(full, grid)
+        if split is not None:
+            return split[0], split[1], True
+    return None
+
+
+def traced_split(a: Array, n: int, m: int, *, hint: str, offset: Any) -> tuple[Array, Array, Array]:
+    """(key_ok (b, h, M), rows (b, h, N), ok) for a traced mask a (b, h, N|1, M|1)
+    under ``hint``: ok (a bool scalar) is whether a really is
+    [causal &] rows x key_ok. Two reductions over the mask and O(N + M) more,
+    by counting: a row holds at most the keys the reconstruction gives it (it
+    is a subset), so equal counts mean equal rows."""
+    a = jnp.broadcast_to(a, a.shape[:2] + (n, m))
+    rows, keys = jnp.any(a, axis=-1), jnp.any(a, axis=-2)
+    if hint == "padding":
+        counts = jnp.sum(a, axis=-1, dtype=jnp.int32)
+        expected = jnp.sum(keys, axis=-1, dtype=jnp.int32)[..., None]
+        return keys, rows, jnp.all(counts == jnp.where(rows, expected, 0))
+    grid = causal_grid(n, m, offset)
+    counts = jnp.sum(a & grid, axis=-1, dtype=jnp.int32)
+    outside = jnp.any(a & ~grid)
+    # keys j <= i + offset that the reconstruction gives row i: a prefix count of key_ok.
+    prefix = jnp.cumsum(keys, axis=-1, dtype=jnp.int32)
+    last = jnp.minimum(jnp.arange(n) + offset, m - 1)
+    expected = jnp.take(prefix, last, axis=-1)
+    return keys, rows, jnp.all(counts == jnp.where(rows, expected, 0)) & ~outside
