@@ -359,6 +359,8 @@ class DecodeCache:
 
     def _decode_mask(self, T: int) -> Array:
         """(1, 1, T, L) bool: query i of this step (position index + i) sees cached keys j <= index + i."""
-        L = self.cached_key.shape[-3]  # type: ignore[union-attr]
-        index = self.cache_index[...]  # type: ignore[index]
+        cached_key, cache_index = self.cached_key, self.cache_index
+        assert cached_key is not None and cache_index is not None  # the caller found the cache initialised
+        L = cached_key.shape[-3]
+        index = cache_index[...]
         return (jnp.arange(L)[None, :] <= jnp.arange(T)[:, None] + index)[None, None]

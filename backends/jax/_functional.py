@@ -30,6 +30,7 @@ from damcha_core import (
     DamchaConfig,
     DamchaTypeError,
     DamchaValueError,
+    MetricStructure,
     check_bool,
     check_choice,
     check_params,
@@ -151,8 +152,20 @@ def _xp(precision: Any) -> Any:
     )
 
 
+def _structure(config: DamchaConfig) -> MetricStructure:
+    """``config.metric_structure`` for a config with metric sides (the only
+    ones whose maps are computed); metric "none" has no structure."""
+    structure = config.metric_structure
+    if structure is None:
+        raise DamchaValueError(
+            f"`config.metric` must be one of {tuple(METRIC_STRUCTURES)} to compute a cross-head map. "
+            f"Received: config.metric={config.metric!r}"
+        )
+    return structure
+
+
 def _leaves(params: Params, config: DamchaConfig, side: str) -> dict[str, Array]:
-    return {leaf: params[f"metric.{side}.{leaf}"] for leaf in config.metric_structure.leaf_names}  # type: ignore[union-attr]
+    return {leaf: params[f"metric.{side}.{leaf}"] for leaf in _structure(config).leaf_names}
 
 
 def rms_normalise(t: Array) -> Array:
@@ -167,7 +180,11 @@ def _rms_scale(t: Array) -> Array:
 
 
 def _affine_coefficients(
-    structure: Any, tokens: Array, leaves: Mapping[str, Array], precision: Any, scale: Array | None = None
+    structure: MetricStructure,
+    tokens: Array,
+    leaves: Mapping[str, Array],
+    precision: Any,
+    scale: Array | None = None,
 ) -> Array:
     """phi(t) W + b of the table's generator, evaluated as rsqrt(mean t^2 + eps) * (t W) + b.
 
@@ -195,7 +212,7 @@ def coefficients(metric: str, kernel: Array, bias: Array, tokens: Array, *, prec
 
 def generator(params: Params, config: DamchaConfig, side: str, tokens: Array, *, precision: Any = None) -> Array:
     """The data-adaptive coefficients of ``side`` for tokens (B, T, E)."""
-    return _affine_coefficients(config.metric_structure, tokens, _leaves(params, config, side), precision)
+    return _affine_coefficients(_structure(config), tokens, _leaves(params, config, side), precision)
 
 
 def apply_map(
@@ -219,11 +236,11 @@ def _apply_maps(
     every platform; DEFAULT would round y to bfloat16/TF32 on TPU/GPU); it
     costs S*S*d per token.
     """
-    structure = config.metric_structure
+    structure = _structure(config)
     ys = [y.astype(_acc(y.dtype)) for y in ys]
-    if not structure.compact_head_map:  # type: ignore[union-attr]
-        return [structure.apply(_xp(precision), coeff, y, leaves) for y in ys]  # type: ignore[union-attr]
-    head_map = structure.head_map(jnp, coeff, leaves)  # type: ignore[union-attr]
+    if not structure.compact_head_map:
+        return [structure.apply(_xp(precision), coeff, y, leaves) for y in ys]
+    head_map = structure.head_map(jnp, coeff, leaves)
     prec = jax.lax.Precision.HIGHEST if precision is None else precision
     # One product per side: stacking q and k (tied) would copy both (measured: more bytes on CPU).
     return [jnp.einsum("btha,btad->bthd", head_map, y, precision=prec) for y in ys]
@@ -235,7 +252,9 @@ def cross_head_maps(
     """q~ = L_q(x) q (B, N, H, d) and k~ = L_k(c) k (B, M, G, d), in the dtypes of
     q and k; ``c=None`` means the keys come from ``x`` (self-attention)."""
     sq, sk = side_of(config, "q"), side_of(config, "k")
-    structure = config.metric_structure
+    if not sq and not sk:
+        return q, k  # metric "none": no maps
+    structure = _structure(config)
     if sq and sk and sq == sk and c is None:
         # Tied self-attention: one generator on the same tokens, so one l(t) maps q and k.
         leaves = _leaves(params, config, sq)
@@ -476,13 +495,13 @@ def _output(params: Params, config: DamchaConfig, o: Array, precision: Any = Non
 def _head_map(params: Params, config: DamchaConfig, side: str, tokens: Array) -> Array:
     """The per-token factor the reference's ``return_metric`` gives: l(t) (B, T, S, S)
     for a compact structure ("heads"), the dense L(t) (B, T, S, d, S, d) otherwise."""
-    structure = config.metric_structure
+    structure = _structure(config)
     coeff = generator(params, config, side, tokens)
     leaves = _leaves(params, config, side)
-    if structure.compact_head_map:  # type: ignore[union-attr]
-        return structure.head_map(jnp, coeff, leaves).astype(tokens.dtype)  # type: ignore[union-attr]
+    if structure.compact_head_map:
+        return structure.head_map(jnp, coeff, leaves).astype(tokens.dtype)
     S, d = config.side_heads(side), config.key_dim
-    delta = structure.dense_delta(jnp, coeff, leaves, d)  # type: ignore[union-attr]
+    delta = structure.dense_delta(jnp, coeff, leaves, d)
     identity = jnp.eye(S * d, dtype=coeff.dtype).reshape(S, d, S, d)
     return (identity + leaves["gate"][:, None, None, None] * delta).astype(tokens.dtype)
 
