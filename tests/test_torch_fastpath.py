@@ -614,3 +614,137 @@ def test_compiled_decode_with_the_hint_mask_equals_eager():
             )
     want = dc.damcha_attention(params, cfg, x.numpy(), causal=True)
     np.testing.assert_allclose(torch.cat(outs, dim=1).numpy(), want, rtol=1e-9, atol=1e-10)
+
+
+# ------------------------------------------------ training: fused projections and maps
+
+# Training with recompute (the default) projects and maps with one autograd node
+# per projection GEMM (damcha_torch._models_fused: SplitLinearMaps, FusedProjectionMaps); with
+# recompute=False the composite path stores its intermediates. Both must give
+# the reference's outputs and the same gradients. "call": self-attention, cross
+# with one tensor for key and value (one k/v GEMM), or cross with key and value
+# inputs of other sizes (three projection weights).
+TRAIN_CASES = {
+    "tied": ({}, "self"),
+    "separate": ({"coupling": "separate"}, "self"),
+    "query": ({"coupling": "query"}, "self"),
+    "gqa-separate": ({"coupling": "separate", "num_kv_heads": 2}, "self"),
+    "no-bias": ({"use_bias": False}, "self"),
+    "cross-tied": ({}, "cross"),
+    "cross-separate": ({"coupling": "separate"}, "cross"),
+    "cross-kdim-vdim": ({"coupling": "separate", "context_dim": 12, "value_input_dim": 10}, "cross-kv"),
+}
+
+
+def _train_inputs(cfg: dc.DamchaConfig, call: str, n: int = 6, m: int = 4) -> list[torch.Tensor]:
+    x = _x(2, n, E, seed=20)
+    if call == "self":
+        return [x]
+    if call == "cross":
+        return [x, _x(2, m, E, seed=21)]
+    return [x, _x(2, m, cfg.context_dim, seed=21), _x(2, m, cfg.value_input_dim, seed=22)]
+
+
+def _train_call(call: str, *, is_causal: bool = True, **kw):
+    def run(layer, x, *rest):
+        if call == "self":
+            key = value = x
+        elif call == "cross":
+            key = value = rest[0]  # one tensor: nn.MultiheadAttention users' cross-attention
+        else:
+            key, value = rest
+        return layer(x, key, value, need_weights=False, is_causal=is_causal, **kw)[0]
+
+    return run
+
+
+def _train_layer(cfg: dc.DamchaConfig, recompute: bool, **kw) -> tuple[DamchaAttention, dict[str, np.ndarray]]:
+    params = case_params(cfg, 3)  # open gates, non-zero biases
+    layer = DamchaAttention.from_canonical(params, cfg, dtype=torch.float64, recompute=recompute, **kw)
+    return layer.train(), params  # dropout 0: training differs from eval only by the recompute path
+
+
+@pytest.mark.parametrize("case", list(TRAIN_CASES))
+def test_training_fused_path_equals_stored_path_and_reference(case):
+    overrides, call = TRAIN_CASES[case]
+    cfg = _config(**overrides)
+    inputs = _train_inputs(cfg, call)
+    fused, params = _train_layer(cfg, True, batch_first=True)
+    stored, _ = _train_layer(cfg, False, batch_first=True)
+    got = _run(fused, inputs, _train_call(call))
+    _assert_same(got, _run(stored, inputs, _train_call(call)))
+    x, *rest = (t.numpy() for t in inputs)
+    context = rest[0] if rest else None
+    value = rest[1] if len(rest) > 1 else None
+    want = dc.damcha_attention(params, cfg, x, context, causal=True, value=value)
+    np.testing.assert_allclose(got[0].numpy(), want, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("case", ["tied", "cross-tied"])
+def test_training_fused_path_with_padding_and_sequence_first_inputs(case):
+    """key_padding_mask + the causal hint, (N, B, E) inputs (the layer's views
+    of one key/value tensor must still share one k/v GEMM) and a batch whose
+    first key is padded (a query row with no visible key: output bias, finite
+    gradients)."""
+    overrides, call = TRAIN_CASES[case]
+    cfg = _config(**overrides)
+    inputs = _train_inputs(cfg, call)
+    m = inputs[-1].shape[1]
+    pad = torch.zeros(2, m, dtype=torch.bool)
+    pad[1, :2] = True
+    causal = _causal(inputs[0].shape[1], m)
+    run = _train_call(call, key_padding_mask=pad, attn_mask=causal)
+
+    def seq_first(layer, *ts):
+        return run(layer, *(t.transpose(0, 1) for t in ts)).transpose(0, 1)
+
+    fused, params = _train_layer(cfg, True)
+    stored, _ = _train_layer(cfg, False)
+    got = _run(fused, inputs, seq_first)
+    _assert_same(got, _run(stored, inputs, seq_first))
+    assert all(torch.isfinite(g).all() for g in got[1])
+    x, *rest = (t.numpy() for t in inputs)
+    keep = ~pad.numpy()[:, None, None, :]
+    want = dc.damcha_attention(params, cfg, x, rest[0] if rest else None, mask=keep, causal=True)
+    np.testing.assert_allclose(got[0].numpy(), want, rtol=1e-9, atol=1e-10)
+
+
+def _tiny_train_layer(overrides: dict) -> DamchaAttention:
+    cfg = dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4, metric="heads", **{"coupling": "tied", **overrides})
+    return DamchaAttention.from_canonical(case_params(cfg, 4), cfg, batch_first=True, dtype=torch.float64).train()
+
+
+def _functional_layer(layer: DamchaAttention, call: str, need_weights: bool):
+    """(leaves, f): f(*leaves) is the layer's output as a function of its
+    inputs and every parameter (torch.func.functional_call)."""
+    from torch.func import functional_call
+
+    names = [n for n, _ in layer.named_parameters()]
+    x, c = _x(1, 3, 8, seed=30), _x(1, 2, 8, seed=31)
+    inputs = [x] if call == "self" else [x, c]
+    leaves = [t.requires_grad_(True) for t in inputs] + [
+        p.detach().clone().requires_grad_(True) for p in layer.parameters()
+    ]
+
+    def f(*args):
+        tensors, params = args[: len(inputs)], dict(zip(names, args[len(inputs) :]))
+        key = tensors[-1]
+        out = functional_call(layer, params, (tensors[0], key, key), {"need_weights": need_weights, "is_causal": True})
+        return out[0]
+
+    return leaves, f
+
+
+@pytest.mark.parametrize("case", ["tied", "separate", "cross-tied"])
+def test_training_fused_path_gradcheck_and_double_backward(case):
+    """The fused node's derivatives (inputs and every parameter) by finite
+    differences (fast mode: random directions, which any wrong entry of the
+    Jacobian fails): first order through the fused SDPA call; second order
+    (a gradient penalty) with need_weights=True, whose explicit softmax is
+    twice differentiable (the CPU SDPA kernel has no double backward)."""
+    overrides, call = TRAIN_CASES[case]
+    layer = _tiny_train_layer(overrides)
+    leaves, f = _functional_layer(layer, call, need_weights=False)
+    assert torch.autograd.gradcheck(f, leaves, eps=1e-6, atol=1e-7, fast_mode=True)
+    leaves, f = _functional_layer(layer, call, need_weights=True)
+    assert torch.autograd.gradgradcheck(f, leaves, eps=1e-6, atol=1e-6, fast_mode=True)

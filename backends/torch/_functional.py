@@ -558,6 +558,8 @@ def _project(
         and config.metric != "none"
         and not torch._C._are_functorch_transforms_active()
     )
+    if recompute and _fusable(w, config, x):
+        return _project_fused(w, config, x, c, value, self_attention)
     G, dv = config_sizes(config)[3:]
     if self_attention and w.in_proj is not None and not recompute:
         # One packed GEMM for q, k, v, as nn.MultiheadAttention does.
@@ -571,6 +573,23 @@ def _project(
             q.view(B, N, config.num_heads, config.key_dim),
             k.view(B, N, G, config.key_dim),
             True,
+        )
+    elif not recompute and not self_attention and w.in_proj is not None and value is c:
+        # Cross-attention with one tensor for key and value: k and v from one
+        # GEMM, as nn.MultiheadAttention projects them.
+        B, N, M = x.shape[0], x.shape[1], c.shape[1]
+        n_q, n_kv = w.sizes[0], w.sizes[1] + w.sizes[2]
+        W_q, W_kv = w.in_proj.split_with_sizes((n_q, n_kv))
+        b_q, b_kv = (None, None) if w.in_bias is None else w.in_bias.split_with_sizes((n_q, n_kv))
+        k, v = F.linear(c, W_kv, b_kv).split_with_sizes(w.sizes[1:], dim=-1)
+        q, k = _apply_maps(
+            w,
+            config,
+            x,
+            c,
+            F.linear(x, W_q, b_q).view(B, N, config.num_heads, config.key_dim),
+            k.view(B, M, G, config.key_dim),
+            False,
         )
     else:
         qk_proj = None
@@ -592,6 +611,91 @@ def _project(
             q, k = _queries_keys(w, config, x, c, self_attention, qk_proj)
         v = F.linear(value, W_v, b_v)
     return q, k, v.view(v.shape[0], v.shape[1], G, dv)
+
+
+def _fusable(w: LayerWeights, config: DamchaConfig, x: Tensor) -> bool:
+    """Whether a training call's projections and maps may run as
+    ``FusedProjectionMaps``/``SplitLinearMaps`` nodes: metric "heads", every weight in x's dtype
+    (float32/float64), no autocast, and eager autograd (compiling, tracing and
+    exporting keep the composite path, which they decompose themselves)."""
+    dtype = x.dtype
+    if config.metric != "heads" or (dtype is not torch.float32 and dtype is not torch.float64):
+        return False
+    device = x.device.type
+    if (
+        (torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device))
+        or torch.compiler.is_compiling()
+        or torch._C._is_tracing()
+    ):
+        return False
+    tensors = [w.in_proj, w.q, w.k, w.v, w.in_bias]
+    for side in w.sides.values():
+        tensors += [side.weight, side.bias, side.gate]
+    return all(t is None or t.dtype is dtype for t in tensors)
+
+
+def _project_fused(
+    w: LayerWeights, config: DamchaConfig, x: Tensor, c: Tensor, value: Tensor, self_attention: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``_project`` of a training call with recompute, one autograd node per projection GEMM.
+
+    Each projection and the maps of the heads it produces are one autograd
+    node (``FusedProjectionMaps``, or ``SplitLinearMaps`` where the output holds
+    several of q, k, v; see ``_models_fused``): it saves only its input and
+    weights, maps its output in place, and in backward recomputes the mapped
+    rows and writes the map's gradients by hand, where
+    ``torch.utils.checkpoint`` ran the q/k projection and every op of the maps
+    again and autograd stored their intermediates. q~, k~ and v are views of
+    the projections' outputs, as nn.MultiheadAttention's q, k and v are.
+    Self-attention is one packed GEMM; cross-attention with one tensor for
+    key and value (``value is c``) and the packed weight is two, as in
+    nn.MultiheadAttention (queries; keys and values).
+    """
+    from ._models_fused import FusedProjectionMaps, SideBlocks, SplitLinearMaps  # it imports this module
+
+    H, d = config.num_heads, config.key_dim
+    G, dv = config_sizes(config)[3:]
+    sq, sk = dc.side_of(config, "q"), dc.side_of(config, "k")
+
+    def leaves(side: str) -> tuple[Tensor, Tensor, Tensor]:
+        s = w.sides[side]
+        return s.weight, s.bias, s.gate
+
+    def mapped(t: Tensor, weight: Tensor, bias: Tensor | None, side: str | None) -> Tensor:
+        """F.linear(t, weight, bias) with its first S*d features mapped by ``side``."""
+        if side is None:
+            return F.linear(t, weight, bias)
+        blocks = (SideBlocks(side, config.side_heads(side), d, (0,)),)
+        return FusedProjectionMaps.apply(blocks, False, t, weight, bias, *leaves(side))
+
+    B, N, M = x.shape[0], x.shape[1], c.shape[1]
+    if self_attention and w.in_proj is not None:
+        if sq is not None and sq == sk:
+            # Tied: the query and key blocks share one generator call.
+            sides: tuple[SideBlocks, ...] = (SideBlocks(sq, H, d, (0, H * d)),)
+            side_leaves: tuple[Tensor, ...] = leaves(sq)
+        else:
+            sides, side_leaves = (), ()
+            for side, heads, offset in ((sq, H, 0), (sk, G, H * d)):
+                if side is not None:
+                    sides += (SideBlocks(side, heads, d, (offset,)),)
+                    side_leaves += leaves(side)
+        q, k, v = SplitLinearMaps.apply(sides, w.sizes, x, w.in_proj, w.in_bias, *side_leaves)
+    elif w.in_proj is not None and value is c:
+        # One weight split (its backward is one cat) and one GEMM for k and v.
+        n_q, n_kv = w.sizes[0], w.sizes[1] + w.sizes[2]
+        W_q, W_kv = w.in_proj.split_with_sizes((n_q, n_kv))
+        b_q, b_kv = (None, None) if w.in_bias is None else w.in_bias.split_with_sizes((n_q, n_kv))
+        q = mapped(x, W_q, b_q, sq)
+        if sk is None:
+            k, v = F.linear(c, W_kv, b_kv).split_with_sizes(w.sizes[1:], dim=-1)
+        else:
+            blocks = (SideBlocks(sk, G, d, (0,)),)
+            k, v = SplitLinearMaps.apply(blocks, w.sizes[1:], c, W_kv, b_kv, *leaves(sk))
+    else:
+        (W_q, b_q), (W_k, b_k), (W_v, b_v) = w.projections()
+        q, k, v = mapped(x, W_q, b_q, sq), mapped(c, W_k, b_k, sk), F.linear(value, W_v, b_v)
+    return q.view(B, N, H, d), k.view(B, M, G, d), v.view(v.shape[0], v.shape[1], G, dv)
 
 
 def attend_weights(

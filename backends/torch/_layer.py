@@ -608,6 +608,10 @@ class DamchaAttention(CanonicalIO, nn.Module):
             if out is not None:
                 return out, None
         self_attention = query is key and key is value
+        # One tensor for key and value (cross-attention as nn.MultiheadAttention
+        # users write it): the core projects k and v with one GEMM. Read before
+        # the layout changes below make separate views of it.
+        shared_kv = key is value
         for name, t in (("query", query),) if self_attention else (("query", query), ("key", key), ("value", value)):
             _check_float(name, t)
             if t.is_nested:
@@ -687,7 +691,7 @@ class DamchaAttention(CanonicalIO, nn.Module):
             self.config,
             query,
             None if self_attention else key,
-            None if self_attention else value,
+            None if self_attention or shared_kv else value,
             mask=mask,
             causal=is_causal,
             query_offset=0,

@@ -30,6 +30,11 @@ a concatenation of the result) and its recomputation of the whole projection:
   penalty) differentiates it. float32/float64 outside autocast only (the
   caller keeps 16-bit and autocast training on the general path).
 
+- ``SplitLinearMaps``: ``DamchaAttention``'s packed projection in training
+  (``recompute``, metric "heads"): ``FusedProjectionMaps`` on an ``nn.Linear``
+  weight whose output comes back as the pieces q~, k~, v, each with its own
+  gradient (no concatenation or copy of them in backward).
+
 Both compute each mapped block the same way (y_b + bmm(diag(g) A(t), y_b),
 or the "lowrank" ``addmm_``), one product per block (the tied queries and keys of one projection share one A(t)), so
 they agree bit for bit with each other (a host's reentrant gradient
@@ -53,6 +58,7 @@ from . import _functional as fn
 __all__ = [
     "FusedProjectionMaps",
     "SideBlocks",
+    "SplitLinearMaps",
     "coefficients",
     "lowrank_factors",
     "map_blocks_",
@@ -389,3 +395,139 @@ def _lowrank_backward(
         if need_gate:
             leaf_grads[k + 2] = (dU * u).sum((1, 2))
     return dA
+
+
+def _heads_generator_grads(
+    dmix: Tensor,
+    A: Tensor,
+    P: Tensor,
+    r: Tensor,
+    t: Tensor,
+    w_gen: Tensor,
+    gate: Tensor,
+    needs: Sequence[bool],
+    need_x: bool,
+    through_generator: list[tuple[Tensor, Tensor, Tensor]],
+) -> list[Tensor | None]:
+    """Gradients of one "heads" side's (weight, bias, gate) from dL/dmix (T, S, S),
+    as ``FusedProjectionMaps.backward`` writes them (for ``SplitLinearMaps``).
+
+    Written out: mix = diag(g) A, A = b + s P / r with P = t W^T,
+    r = sqrt(|t|^2 + E eps), s = sqrt(E). With ``need_x`` the tokens'
+    share, dL/dt += dP W + c t, is appended to ``through_generator`` as
+    (dP, W, c). ``dmix`` may be overwritten.
+    """
+    S = gate.shape[0]
+    scale = math.sqrt(t.shape[-1])
+    need_w_gen, need_b_gen, need_gate = needs
+    grads: list[Tensor | None] = [None, None, None]
+    dA = (dmix * gate.view(S, 1)).view(-1, S * S)
+    dmix = dmix.view(-1, S * S)
+    if need_gate:
+        grads[2] = (dmix * A).sum(0).view(S, S).sum(1)
+    if need_b_gen:
+        grads[1] = dA.sum(0)
+    if need_w_gen or need_x:
+        dP = dA * (scale / r)
+        if need_w_gen:
+            grads[0] = dP.t().mm(t)
+        if need_x:
+            # through r: dL/dr = -s sum(dA P) / r^2, dr/dt = t / r
+            c = (dA * P).sum(-1, keepdim=True).mul_(-scale) / (r * r * r)
+            through_generator.append((dP, w_gen, c))
+    return grads
+
+
+class SplitLinearMaps(torch.autograd.Function):
+    """``FusedProjectionMaps`` whose output comes back in pieces (the attention
+    layer's q~, k~, v of one packed projection).
+
+    ``apply(sides, sizes, x, weight, bias, *leaves)``: ``F.linear(x, weight,
+    bias)`` with the maps of ``sides`` applied to its blocks, as
+    ``FusedProjectionMaps`` computes it (bit for bit), returned split along the
+    features into pieces of ``sizes`` (views of one tensor, as
+    ``split_with_sizes`` gives them). Each block lies inside one piece.
+
+    Why not ``FusedProjectionMaps(...).split_with_sizes(...)``: then the pieces'
+    gradients reach backward as one tensor, a concatenation made by split's
+    backward, which backward copies again before adding the mixing terms
+    (two copies of the whole output's gradient). Here each piece's gradient
+    arrives on its own: a mapped piece's gradient becomes g + mix^T g in a
+    new tensor (one ``baddbmm``), an unmapped one is used as it is, and the
+    projection's gradients are one GEMM per piece. It saves what
+    ``FusedProjectionMaps`` saves (x, weight, bias, leaves). Metric "heads",
+    float32/float64 outside autocast only (the caller checks).
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        sides: tuple[SideBlocks, ...],
+        sizes: tuple[int, ...],
+        x: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        *leaves: Tensor,
+    ) -> tuple[Tensor, ...]:
+        y = F.linear(x, weight, bias)
+        map_blocks_(y, x, [(b, _side_weights("heads", leaves[3 * i : 3 * i + 3])) for i, b in enumerate(sides)])
+        ctx.sides, ctx.sizes = sides, sizes
+        ctx.save_for_backward(x, weight, bias, *leaves)
+        return tuple(y.split_with_sizes(sizes, dim=-1))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
+        x, weight, bias, *leaves = ctx.saved_tensors
+        sides: tuple[SideBlocks, ...] = ctx.sides
+        sizes: tuple[int, ...] = ctx.sizes
+        need_x, need_w, need_b = ctx.needs_input_grad[2:5]
+        need_leaves = ctx.needs_input_grad[5:]
+        t = x.reshape(-1, x.shape[-1])
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        gs = [g.reshape(-1, n) for g, n in zip(grads, sizes)]
+        dys: list[Tensor] = list(gs)
+        starts_b = [o for b in sides for o in b.offsets]
+        lo = min(starts_b)
+        hi = max(o + b.heads * b.head_dim for b in sides for o in b.offsets)
+        y = F.linear(t, weight[lo:hi], None if bias is None else bias[lo:hi])
+        leaf_grads: list[Tensor | None] = [None] * len(leaves)
+        through_generator: list[tuple[Tensor, Tensor, Tensor]] = []
+        scale = math.sqrt(t.shape[-1])
+        r = fn._rms_denominator(t)  # as in forward: the same mix, bit for bit
+        for i, blocks in enumerate(sides):
+            w_gen, b_gen, gate = leaves[3 * i : 3 * i + 3]
+            S, d = blocks.heads, blocks.head_dim
+            P = F.linear(t, w_gen)
+            A = torch.addcdiv(b_gen, P, r, value=scale)
+            mix_t = (A.view(-1, S, S) * gate.view(S, 1)).transpose(1, 2)
+            dmix: Tensor | None = None
+            for offset in blocks.offsets:
+                p = max(j for j, s in enumerate(starts) if s <= offset)
+                local = offset - starts[p]
+                gb = _block(gs[p], local, S, d)
+                if local == 0 and S * d == sizes[p]:
+                    dys[p] = torch.baddbmm(gb, mix_t, gb).view(-1, sizes[p])
+                else:
+                    if dys[p] is gs[p]:
+                        dys[p] = gs[p].clone()
+                    _block(dys[p], local, S, d).add_(torch.bmm(mix_t, gb))
+                part = torch.bmm(gb, _block(y, offset - lo, S, d).transpose(1, 2))
+                dmix = part if dmix is None else dmix.add_(part)
+            assert dmix is not None  # a side has at least one block
+            leaf_grads[3 * i : 3 * i + 3] = _heads_generator_grads(
+                dmix, A, P, r, t, w_gen, gate, need_leaves[3 * i : 3 * i + 3], need_x, through_generator
+            )
+        dx = dW = db = None
+        if need_x:
+            pieces = weight.split_with_sizes(sizes)
+            dx = dys[0].mm(pieces[0])
+            for dy, w_piece in zip(dys[1:], pieces[1:]):
+                dx.addmm_(dy, w_piece)
+            for dP, w_gen, c in through_generator:
+                dx.addmm_(dP, w_gen).addcmul_(t, c)
+            dx = dx.view_as(x)
+        if need_w:
+            dW = torch.cat([dy.t().mm(t) for dy in dys])
+        if need_b:
+            db = torch.cat([dy.sum(0) for dy in dys])
+        return (None, None, dx, dW, db, *leaf_grads)
