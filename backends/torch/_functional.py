@@ -666,7 +666,7 @@ def _project_fused(
         if side is None:
             return F.linear(t, weight, bias)
         blocks = (SideBlocks(side, config.side_heads(side), d, (0,)),)
-        return FusedProjectionMaps.apply(blocks, False, t, weight, bias, *leaves(side))
+        return FusedProjectionMaps.apply(blocks, False, 1.0, t, weight, bias, None, None, *leaves(side))
 
     B, N, M = x.shape[0], x.shape[1], c.shape[1]
     if self_attention and w.in_proj is not None:
