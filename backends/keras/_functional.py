@@ -157,38 +157,42 @@ def compiled(fn: Callable, *args: Any) -> Any:
     (``tf.function``, ``jax.jit``) for the small fixed chains of ops of the
     map: eager Keras pays a dispatch per op, a compiled call pays one. When
     already traced (``tf.function``, ``jit``, export) and on torch, ``fn`` runs
-    as it is. Compiled once per layer geometry and dtype (jax: and per shape).
+    as it is. Compiled once per layer geometry and dtypes (jax: and per shape).
     ``args``: tokens (B, T, E), the generator's kernel and bias, the gate, then
     heads (B, T, S, d)."""
     backend = keras.backend.backend()
-    maker: Callable[..., Any]
+    if backend == "torch":
+        return fn(*args)
     if backend == "tensorflow":
         import tensorflow as tf
 
         if not tf.executing_eagerly():
             return fn(*args)
-        # reduce_retracing: after a second batch or length the function takes any
-        # (eager calls of growing lengths do not trace once per length).
-        maker = functools.partial(tf.function, autograph=False, reduce_retracing=True)
     elif backend == "jax":
         import jax
 
         if any(isinstance(a, jax.core.Tracer) for a in args):
             return fn(*args)
-        maker = jax.jit
     else:
         return fn(*args)
     # One function per layer geometry (the weights' shapes, the heads' sizes, the
-    # dtype): only the batch and length dims of the tokens and heads vary within it.
-    key = (
-        fn,
-        backend,
-        tuple(tuple(a.shape[2:]) if i == 0 or i > 3 else tuple(a.shape) for i, a in enumerate(args)),
-        dtype_name(args[0]),
-    )
-    if key not in _COMPILED:
-        _COMPILED[key] = maker(fn)
-    return _COMPILED[key](*args)
+    # dtypes): only the batch and length dims of the tokens and heads vary within it.
+    varying = [i == 0 or i > 3 for i in range(len(args))]
+    key = (fn, backend, tuple((tuple(a.shape[2:] if v else a.shape), dtype_name(a)) for a, v in zip(args, varying)))
+    call = _COMPILED.get(key)
+    if call is None:
+        if backend == "tensorflow":
+            # One concrete function traced for any batch and length: calling it skips
+            # tf.function's per-call signature matching, a large part of an eager
+            # call's cost at short lengths.
+            specs = [
+                tf.TensorSpec((None, None, *a.shape[2:]) if v else a.shape, a.dtype) for a, v in zip(args, varying)
+            ]
+            call = tf.function(fn, autograph=False).get_concrete_function(*specs)
+        else:
+            call = jax.jit(fn)
+        _COMPILED[key] = call
+    return call(*args)
 
 
 _COMPILED: dict = {}
