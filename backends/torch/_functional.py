@@ -814,7 +814,9 @@ def few_tokens_step(
             A = torch.addcdiv(bias, F.linear(x, weight), denom, value=root)
             gA = torch.mul(A.as_strided((2, H, H), (0, H, 1)), gate)
             qk = qkv.as_strided((2, H, d), (H * d, d, 1), at)
-            q, k = torch.baddbmm(qk, gA, qk).view(2, B, H, N, d).unbind(0)
+            mixed = torch.baddbmm(qk, gA, qk)  # (2, H, d): q~ then k~, read as (B, H, N, d) = (1, H, 1, d)
+            q = mixed.as_strided((1, H, 1, d), (H * d, d, d, 1), 0)
+            k = mixed.as_strided((1, H, 1, d), (H * d, d, d, 1), H * d)
         else:
             gA_q = None
             if mq is not None:
