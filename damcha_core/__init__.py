@@ -8,17 +8,26 @@ from __future__ import annotations
 
 from ._config import DamchaConfig, config_sizes
 from ._convert import fold_static_metric, params_from_mha, projection_names
-from ._errors import DamchaError, DamchaNotIntegerError, DamchaTypeError, DamchaValueError, describe
+from ._errors import (
+    DamchaError,
+    DamchaNotIntegerError,
+    DamchaTypeError,
+    DamchaValueError,
+    describe,
+    invalid_argument,
+)
 from ._io import load_params, save_params
 from ._metrics import METRIC_STRUCTURES, GeneratorSpec, MetricLeaf, MetricStructure
 from ._params import check_params, init_params, validate_params
 from ._policy import (
     check_bool,
     check_choice,
+    check_config,
     check_finite_nonneg,
     check_generator_arg,
     check_int,
     check_layer_args,
+    check_offset,
     check_rate,
     check_real,
     check_seed,
@@ -71,10 +80,12 @@ __all__ = [
     "apply_rotary",
     "check_bool",
     "check_choice",
+    "check_config",
     "check_finite_nonneg",
     "check_generator_arg",
     "check_int",
     "check_layer_args",
+    "check_offset",
     "check_params",
     "check_rate",
     "check_real",
@@ -89,6 +100,7 @@ __all__ = [
     "init_encoder_params",
     "init_params",
     "init_token_model_params",
+    "invalid_argument",
     "load_params",
     "make_config",
     "mask_dtype_error",

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from ._config import DamchaConfig
-from ._errors import DamchaTypeError, DamchaValueError, describe
+from ._errors import DamchaTypeError, DamchaValueError, describe, invalid_argument
 from ._params import init_params, validate_params
 from ._reference import dense_map, side_of
 
@@ -35,13 +35,15 @@ def params_from_mha(weights: Mapping[str, Any], config: DamchaConfig, *, seed: i
         and gates at 0, so ``damcha_attention`` equals the MHA exactly.
     """
     if not isinstance(weights, Mapping):
-        raise DamchaTypeError(f"`weights` must be a mapping of name -> array. Received: weights={describe(weights)}")
+        raise DamchaTypeError(invalid_argument("weights", "a mapping of name -> array", f"weights={describe(weights)}"))
     params = init_params(config, seed)
     names = projection_names(config)
     metric_keys = sorted(n for n in weights if n.startswith("metric."))
     if metric_keys:
         raise DamchaValueError(
-            f"`weights` must hold only the MHA projections {names}; it already has metric tensors {metric_keys}."
+            invalid_argument(
+                "weights", f"only the MHA projections {names}", f"weights with metric tensors {metric_keys}"
+            )
         )
     checked = validate_params(
         {**{k: v for k, v in params.items() if k not in names}, **weights}, config, argument="weights"
@@ -69,8 +71,11 @@ def fold_static_metric(params: Mapping[str, Any], config: DamchaConfig) -> tuple
         kernel = p[f"metric.{side}.kernel"]
         if np.any(kernel != 0):
             raise DamchaValueError(
-                f"`params['metric.{side}.kernel']` must be all zeros for a static, foldable metric. "
-                f"Received: max |value| = {np.max(np.abs(kernel)):.3g}"
+                invalid_argument(
+                    f"params['metric.{side}.kernel']",
+                    "all zeros for a static, foldable metric",
+                    f"max |value| = {np.max(np.abs(kernel)):.3g}",
+                )
             )
     out = {n: p[n] for n in projection_names(config)}
     for role, name in (("q", "query"), ("k", "key")):

@@ -26,7 +26,7 @@ import numpy as np
 
 from ._cliutil import atomic_write, read_only
 from ._config import DamchaConfig
-from ._errors import DamchaError, DamchaTypeError, DamchaValueError, describe
+from ._errors import DamchaError, DamchaTypeError, DamchaValueError, describe, invalid_argument
 from ._params import validate_params
 
 FORMAT = "damcha-v1"
@@ -56,10 +56,10 @@ def tensor_checksum(tensors: Mapping[str, np.ndarray]) -> str:
 
 def _check_path(path: Any, *, argument: str = "path") -> Path:
     if not isinstance(path, (str, os.PathLike)):
-        raise DamchaTypeError(f"`{argument}` must be a str or os.PathLike. Received: {argument}={describe(path)}")
+        raise DamchaTypeError(invalid_argument(argument, "a str or os.PathLike", f"{argument}={describe(path)}"))
     text = os.fspath(path)
     if isinstance(text, bytes) or not text.strip():
-        raise DamchaValueError(f"`{argument}` must be a non-empty file path. Received: {argument}={describe(path)}")
+        raise DamchaValueError(invalid_argument(argument, "a non-empty file path", f"{argument}={describe(path)}"))
     return Path(text)
 
 
@@ -87,7 +87,7 @@ def save_params(path: str | os.PathLike[str], params: Mapping[str, Any], config:
 
     target = _check_path(path)
     if not isinstance(params, Mapping):
-        raise DamchaTypeError(f"`params` must be a mapping of name -> array. Received: params={describe(params)}")
+        raise DamchaTypeError(invalid_argument("params", "a mapping of name -> array", f"params={describe(params)}"))
     params = {name: _as_numpy(value) for name, value in params.items()}
     validate_params(params, config)
     tensors = {name: np.ascontiguousarray(np.asarray(params[name])) for name in config.param_shapes()}
@@ -97,27 +97,39 @@ def save_params(path: str | os.PathLike[str], params: Mapping[str, Any], config:
         CHECKSUM_KEY: tensor_checksum(tensors),
     }
     if target.is_dir():
-        raise DamchaValueError(f"`path` is a directory, expected a file path. Received: path={str(target)!r}")
+        raise DamchaValueError(invalid_argument("path", "a file path, not a directory", f"path={str(target)!r}"))
     folder = target.parent if str(target.parent) else Path(".")
     if not folder.is_dir():
         raise DamchaValueError(
-            f"`path` is in a folder that does not exist ({str(folder)!r}). Received: path={str(target)!r}"
+            invalid_argument(
+                "path", "a path in an existing folder", f"path={str(target)!r} (folder {str(folder)!r} does not exist)"
+            )
         )
     if target.exists() and read_only(target):
-        raise DamchaValueError(f"`path` is a read-only file; it is not replaced. Received: path={str(target)!r}")
+        raise DamchaValueError(
+            invalid_argument(
+                "path", "a path that is not a read-only file (it is not replaced)", f"path={str(target)!r}"
+            )
+        )
     data = save(tensors, metadata=metadata)
     try:
         with atomic_write(target, "wb") as f:
             f.write(data)
     except OSError as exc:
         raise DamchaValueError(
-            f"`path` could not be written ({exc.strerror or exc}); an earlier file there is unchanged. "
-            f"Received: path={str(target)!r}"
+            invalid_argument(
+                "path",
+                f"a writable file path; it could not be written ({exc.strerror or exc}), an earlier file there is "
+                "unchanged",
+                f"path={str(target)!r}",
+            )
         ) from exc
 
 
 def _unreadable(path: Path, what: str) -> DamchaValueError:
-    return DamchaValueError(f"`path` is not a DAMCHA parameter file: {what}. Received: path={str(path)!r}")
+    return DamchaValueError(
+        invalid_argument("path", f"a DAMCHA parameter file; this is not one: {what}", f"path={str(path)!r}")
+    )
 
 
 def _read_header(path: Path) -> dict[str, Any]:
@@ -125,9 +137,13 @@ def _read_header(path: Path) -> dict[str, Any]:
     one: long enough, a JSON header, and tensor data of the announced size."""
     try:
         if not path.exists():
-            raise DamchaValueError(f"`path` does not exist. Received: path={str(path)!r}")
+            raise DamchaValueError(
+                invalid_argument("path", "an existing file; it does not exist", f"path={str(path)!r}")
+            )
         if path.is_dir():
-            raise DamchaValueError(f"`path` is a directory, expected a safetensors file. Received: path={str(path)!r}")
+            raise DamchaValueError(
+                invalid_argument("path", "a safetensors file, not a directory", f"path={str(path)!r}")
+            )
         size = path.stat().st_size
         with open(path, "rb") as f:
             prefix = f.read(8)
@@ -144,7 +160,11 @@ def _read_header(path: Path) -> dict[str, Any]:
                 )
             raw = f.read(length)
     except OSError as exc:
-        raise DamchaValueError(f"`path` cannot be read ({exc.strerror or exc}). Received: path={str(path)!r}") from exc
+        raise DamchaValueError(
+            invalid_argument(
+                "path", f"a readable file; it cannot be read ({exc.strerror or exc})", f"path={str(path)!r}"
+            )
+        ) from exc
     try:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError):
@@ -183,8 +203,11 @@ def load_params(path: str | os.PathLike[str]) -> tuple[dict[str, np.ndarray], Da
     if not isinstance(metadata, dict) or metadata.get("format") != FORMAT or "damcha_config" not in metadata:
         keys = sorted(metadata) if isinstance(metadata, dict) else describe(metadata)
         raise DamchaValueError(
-            f"`path` is not a DAMCHA parameter file: its metadata must have format={FORMAT!r} and "
-            f"damcha_config. Received: path={str(path)!r}, metadata keys={keys}"
+            invalid_argument(
+                "path",
+                f"a DAMCHA parameter file, whose metadata has format={FORMAT!r} and damcha_config",
+                f"path={str(path)!r}, metadata keys={keys}",
+            )
         )
     try:
         config = DamchaConfig.from_dict(json.loads(metadata["damcha_config"]))
@@ -200,8 +223,12 @@ def load_params(path: str | os.PathLike[str]) -> tuple[dict[str, np.ndarray], Da
     stored = metadata.get(CHECKSUM_KEY)
     if stored is not None and stored != tensor_checksum(params):
         raise DamchaValueError(
-            f"`path` is corrupted: its tensors do not match the checksum stored when it was saved "
-            f"({CHECKSUM_KEY}). Received: path={str(path)!r}"
+            invalid_argument(
+                "path",
+                f"an intact file; it is corrupted: its tensors do not match the checksum stored when it was saved "
+                f"({CHECKSUM_KEY})",
+                f"path={str(path)!r}",
+            )
         )
     validate_params(params, config, argument=f"tensors in {str(path)!r}")
     return params, config

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ._config import DamchaConfig
-from ._errors import DamchaTypeError, DamchaValueError, describe
+from ._errors import DamchaTypeError, DamchaValueError, describe, invalid_argument
 from ._policy import resolve_coupling
 
 __all__ = ["AttentionLayout", "ModelAdapter", "ProjectionSite", "check_shareable", "layout_config", "register"]
@@ -113,10 +113,10 @@ def register(registry: list[ModelAdapter], adapter: ModelAdapter, *, port: str) 
         DamchaValueError: an adapter of that name is already registered.
     """
     if not isinstance(adapter, ModelAdapter):
-        raise DamchaTypeError(f"`adapter` must be a {port}.ModelAdapter. Received: adapter={describe(adapter)}")
+        raise DamchaTypeError(invalid_argument("adapter", f"a {port}.ModelAdapter", f"adapter={describe(adapter)}"))
     if any(a.name == adapter.name for a in registry):
         raise DamchaValueError(
-            f"An adapter named {adapter.name!r} is already registered. Received: adapter.name={adapter.name!r}"
+            invalid_argument("adapter", "an adapter whose name is not registered yet", f"adapter.name={adapter.name!r}")
         )
     registry.append(adapter)
     return adapter
@@ -173,6 +173,9 @@ def check_shareable(plans: Sequence[tuple[str, DamchaConfig]]) -> None:
             first = seen.setdefault(side, (name, sizes))
             if first[1] != sizes:
                 raise DamchaValueError(
-                    f"`share_metric=True` needs the same (features, heads, head_dim) for side {side!r} in every "
-                    f"layer. Received: {first[1]} in `{first[0]}`, {sizes} in `{name}`"
+                    invalid_argument(
+                        "share_metric",
+                        f"False unless every layer has the same (features, heads, head_dim) for side {side!r}",
+                        f"share_metric=True, {first[1]} in `{first[0]}`, {sizes} in `{name}`",
+                    )
                 )

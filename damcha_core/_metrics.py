@@ -27,7 +27,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from ._errors import DamchaValueError
+from ._errors import DamchaValueError, invalid_argument
 
 SYMBOLS = ("E", "S", "d", "r")
 
@@ -252,6 +252,9 @@ def structure(metric: str) -> MetricStructure:
         return METRIC_STRUCTURES[metric]
     except KeyError:
         raise DamchaValueError(
-            f"`metric` has no generator structure: expected one of {tuple(METRIC_STRUCTURES)}. "
-            f"Received: metric={metric!r}"
+            invalid_argument(
+                "metric",
+                f"a metric with a generator structure, one of {tuple(METRIC_STRUCTURES)}",
+                f"metric={metric!r}",
+            )
         ) from None

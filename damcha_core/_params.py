@@ -33,8 +33,9 @@ from typing import Any
 import numpy as np
 
 from ._config import DamchaConfig
-from ._errors import DamchaTypeError, DamchaValueError, describe
+from ._errors import DamchaTypeError, DamchaValueError, describe, invalid_argument
 from ._metrics import structure
+from ._policy import check_config
 from ._validators import check_seed
 
 
@@ -59,8 +60,7 @@ def init_params(config: DamchaConfig, seed: int = 0) -> dict[str, np.ndarray]:
     Returns:
         A dict ``name -> np.ndarray`` with the shapes of ``config.param_shapes()``.
     """
-    if not isinstance(config, DamchaConfig):
-        raise DamchaTypeError(f"`config` must be a DamchaConfig. Received: config={describe(config)}")
+    check_config(config)
     seed = check_seed("seed", seed, optional=False)
     rng = np.random.default_rng(seed)
     # The metric leaves' initialisers come from the metric table; tensors are
@@ -111,11 +111,11 @@ def check_params(params: Mapping[str, Any], config: DamchaConfig, *, argument: s
     """
     if not isinstance(config, DamchaConfig) and not callable(getattr(config, "param_shapes", None)):
         raise DamchaTypeError(
-            f"`config` must be a DamchaConfig (or a config with param_shapes()). Received: config={describe(config)}"
+            invalid_argument("config", "a DamchaConfig (or a config with param_shapes())", f"config={describe(config)}")
         )
     if not isinstance(params, Mapping):
         raise DamchaTypeError(
-            f"`{argument}` must be a mapping of name -> array. Received: {argument}={describe(params)}"
+            invalid_argument(argument, "a mapping of name -> array", f"{argument}={describe(params)}")
         )
     expected = config.param_shapes()
     missing = [n for n in expected if n not in params]
@@ -127,18 +127,29 @@ def check_params(params: Mapping[str, Any], config: DamchaConfig, *, argument: s
         if extra:
             parts.append(f"unexpected {extra}")
         raise DamchaValueError(
-            f"`{argument}` does not match the config ({'; '.join(parts)}). Expected exactly: {list(expected)}"
+            invalid_argument(
+                argument,
+                f"exactly the config's parameter names {list(expected)}",
+                f"{argument} with {'; '.join(parts)} names",
+            )
         )
     for name, shape in expected.items():
         value = params[name]
         if not (hasattr(value, "shape") and hasattr(value, "dtype")):
             value = np.asarray(value)
         if not _dtype_is_real_float(value.dtype):
-            raise DamchaTypeError(f"`{argument}[{name!r}]` must be a real floating array. Received: {describe(value)}")
+            raise DamchaTypeError(
+                invalid_argument(
+                    f"{argument}[{name!r}]", "a real floating array", f"{argument}[{name!r}]={describe(value)}"
+                )
+            )
         if tuple(value.shape) != shape:
             raise DamchaValueError(
-                f"`{argument}[{name!r}]` must have shape {shape} for this config. "
-                f"Received: {argument}[{name!r}].shape={tuple(value.shape)}"
+                invalid_argument(
+                    f"{argument}[{name!r}]",
+                    f"shape {shape} for this config",
+                    f"{argument}[{name!r}].shape={tuple(value.shape)}",
+                )
             )
 
 
@@ -158,9 +169,12 @@ def validate_params(
         finite = np.isfinite(array)
         if not np.all(finite):
             raise DamchaValueError(
-                f"`{argument}[{name!r}]` contains NaN or inf values; expected finite values. Received: "
-                f"{int(np.sum(np.isnan(array)))} NaN and {int(np.sum(np.isinf(array)))} inf of {array.size} "
-                f"entries, shape={array.shape}"
+                invalid_argument(
+                    f"{argument}[{name!r}]",
+                    "finite values (no NaN or inf)",
+                    f"{int(np.sum(np.isnan(array)))} NaN and {int(np.sum(np.isinf(array)))} inf of {array.size} "
+                    f"entries, shape={array.shape}",
+                )
             )
         out[name] = array
     return out

@@ -30,6 +30,7 @@ from ._validators import (
     check_finite_nonneg,
     check_int,
     check_names,
+    check_offset,
     check_rate,
     check_real,
     check_seed,
@@ -42,18 +43,32 @@ __all__ = [
     "GeneratorSpec",
     "check_bool",
     "check_choice",
+    "check_config",
     "check_finite_nonneg",
     "check_generator_arg",
     "check_int",
     "check_layer_args",
+    "check_offset",
     "check_rate",
     "check_real",
     "check_seed",
     "check_shapes",
+    "invalid_argument",
     "make_config",
     "resolve_coupling",
     "resolve_generators",
 ]
+
+
+def check_config(value: Any, name: str = "config") -> DamchaConfig:
+    """A ``DamchaConfig``.
+
+    Raises:
+        DamchaTypeError: anything else, naming ``name``.
+    """
+    if not isinstance(value, DamchaConfig):
+        raise DamchaTypeError(invalid_argument(name, "a DamchaConfig", f"{name}={describe(value)}"))
+    return value
 
 
 def make_config(*, names: Mapping[str, str] | None = None, **fields: Any) -> DamchaConfig:
@@ -160,6 +175,7 @@ def resolve_generators(
     generator_type: type | tuple[type, ...],
     spec_of: Callable[[Any], GeneratorSpec],
     names: Mapping[str, str] | None = None,
+    coupling_was_auto: bool = False,
 ) -> dict[str, Any]:
     """The shared generators a user passed, one per metric side of ``config``.
 
@@ -184,19 +200,24 @@ def resolve_generators(
         config: the layer's config.
         generator_type: the port's generator class (or a tuple of classes).
         spec_of: returns the ``GeneratorSpec`` of one of the port's generators.
-        names: ``{"metric_generator": ...}`` if the port calls it otherwise.
+        names: ``{"metric_generator": ...}`` if the port calls it otherwise;
+            also the port's names of the sizes a message may cite.
+        coupling_was_auto: True when the port built ``config`` from a
+            ``coupling`` of None or "auto" (the user chose none): messages
+            then say that the coupling was chosen automatically, and why,
+            instead of naming a ``coupling=`` the user never passed.
 
     Returns:
         side -> generator, for every metric side, or ``{}``.
     """
-    if not isinstance(config, DamchaConfig):
-        raise DamchaTypeError(invalid_argument("config", "a DamchaConfig", f"config={describe(config)}"))
+    check_config(config)
     names = check_names(names)
     arg = display(names, "metric_generator")
     sides = config.metric_sides
     if given is None:
         return {}
-    chosen, labels = _generator_sides(given, sides, config.coupling, arg, generator_type)
+    coupling = _coupling_said(config, names, auto=check_bool("coupling_was_auto", coupling_was_auto))
+    chosen, labels = _generator_sides(given, sides, coupling, arg, generator_type)
     for side, generator in chosen.items():
         spec = spec_of(generator)
         if not isinstance(spec, GeneratorSpec):
@@ -249,19 +270,46 @@ def check_generator_arg(
     arg = display(check_names(names), "metric_generator")
     if metric == "none" or coupling not in (None, "auto"):
         sides = () if metric == "none" else _SIDES[cast(str, coupling)]
-        _generator_sides(given, sides, coupling, arg, generator_type)
+        said = "" if metric == "none" else f"with {display(check_names(names), 'coupling')}={coupling!r}"
+        _generator_sides(given, sides, said, arg, generator_type)
         return
     if isinstance(given, generator_type):
         return
     # The sides are unknown: a mapping is held to its own keys, so only its values' types are checked.
-    _generator_sides(given, tuple(given) if isinstance(given, Mapping) else ("q", "k"), coupling, arg, generator_type)
+    _generator_sides(given, tuple(given) if isinstance(given, Mapping) else ("q", "k"), "", arg, generator_type)
+
+
+def _coupling_said(config: DamchaConfig, names: Mapping[str, str], *, auto: bool) -> str:
+    """How a message states the coupling that decided the sides: what the user
+    passed, or that it was chosen automatically and why (the user passed none,
+    so ``coupling='separate'`` alone would name an argument they never gave)."""
+    arg = display(names, "coupling")
+    if not auto:
+        return f"with {arg}={config.coupling!r}"
+    H, G = config.num_heads, config.num_kv_heads
+    heads = f"{display(names, 'num_kv_heads')}={G} {'==' if G == H else '!='} {display(names, 'num_heads')}={H}"
+    E_q, E_kv = config.query_dim, config.context_dim
+    dims = (
+        f"{_feature_arg(names, 'context_dim')}={E_kv} {'==' if E_kv == E_q else '!='} "
+        f"{_feature_arg(names, 'query_dim')}={E_q}"
+    )
+    if config.coupling == "tied":
+        why = f"{heads} and {dims}"
+    else:
+        why = " and ".join(([heads] if G != H else []) + ([dims] if E_kv != E_q else []))
+        why = why or "the queries and keys come from different inputs"
+    return (
+        f"with {arg}={config.coupling!r}, which was chosen automatically because {why} "
+        f"(no {arg} was passed; pass {arg}=... to choose one)"
+    )
 
 
 def _generator_sides(
-    given: Any, sides: tuple[str, ...], coupling: str | None, arg: str, generator_type: type | tuple[type, ...]
+    given: Any, sides: tuple[str, ...], coupling: str, arg: str, generator_type: type | tuple[type, ...]
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """The side rules of ``resolve_generators``: side -> generator and side ->
-    how a message names it, for a ``given`` that is not None."""
+    how a message names it, for a ``given`` that is not None. ``coupling`` is
+    how the message states the coupling (see ``_coupling_said``), or ""."""
     kind = (
         generator_type.__name__ if isinstance(generator_type, type) else " or ".join(t.__name__ for t in generator_type)
     )
@@ -276,7 +324,7 @@ def _generator_sides(
             raise DamchaValueError(
                 invalid_argument(
                     arg,
-                    f"a dict {{'q': ..., 'k': ...}} with coupling={coupling!r} (one generator per side)",
+                    f"a dict {{'q': ..., 'k': ...}} {coupling} (one generator per side)",
                     f"{arg}={describe(given)}",
                 )
             )
@@ -300,7 +348,7 @@ def _generator_sides(
             raise DamchaValueError(
                 invalid_argument(
                     arg,
-                    f"exactly this layer's metric sides {list(sides)} as keys (coupling={coupling!r}): "
+                    f"exactly this layer's metric sides {list(sides)} as keys{' ' if coupling else ''}{coupling}: "
                     + "; ".join(parts),
                     f"{arg} with keys {sorted(map(repr, given))}",
                 )

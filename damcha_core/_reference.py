@@ -13,17 +13,16 @@ Two code paths compute the same function:
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from ._config import DamchaConfig
-from ._errors import DamchaTypeError, DamchaValueError, describe
+from ._errors import DamchaTypeError, DamchaValueError, describe, invalid_argument
 from ._metrics import structure
 from ._params import _is_real_float, validate_params
-from ._policy import check_bool, check_choice, check_shapes
+from ._policy import check_bool, check_choice, check_config, check_offset, check_shapes
 from ._rotary import Rotary, apply_rotary
 
 RMS_EPS = 1e-6
@@ -36,7 +35,7 @@ PATHS = ("fast", "explicit")
 def float_dtype_error(name: str, value: Any) -> DamchaTypeError:
     """The error every backend raises for a non-float input tensor."""
     return DamchaTypeError(
-        f"`{name}` must be a real floating tensor (float16/32/64 or bfloat16). Received: {name}={describe(value)}"
+        invalid_argument(name, "a real floating tensor (float16/32/64 or bfloat16)", f"{name}={describe(value)}")
     )
 
 
@@ -48,7 +47,9 @@ def mask_dtype_error(value: Any, name: str = "mask", expected: str = "boolean (T
     or floating (additive)".
     """
     return DamchaTypeError(
-        f"`{name}` must be {expected}; convert other masks explicitly. Received: {name}={describe(value)}"
+        invalid_argument(
+            name, f"a mask that is {expected}; convert other masks explicitly", f"{name}={describe(value)}"
+        )
     )
 
 
@@ -57,14 +58,6 @@ def _as_float64(name: str, value: Any) -> np.ndarray:
     if not _is_real_float(array.dtype):
         raise float_dtype_error(name, value)
     return array.astype(np.float64)
-
-
-def _check_offset(query_offset: Any) -> int:
-    # One class and message for every bad offset: the JAX port, whose offset may be
-    # a traced array, raises exactly this one for the values it can inspect.
-    if isinstance(query_offset, (bool, np.bool_)) or not isinstance(query_offset, numbers.Integral) or query_offset < 0:
-        raise DamchaValueError(f"`query_offset` must be an int >= 0. Received: query_offset={describe(query_offset)}")
-    return int(query_offset)
 
 
 def visibility(
@@ -265,8 +258,7 @@ def damcha_attention(
         the asked-for extras in that order. A query with no visible key gets
         probabilities 0, so its attention output is 0 and y = output.bias.
     """
-    if not isinstance(config, DamchaConfig):
-        raise DamchaTypeError(f"`config` must be a DamchaConfig. Received: config={describe(config)}")
+    check_config(config)
     p = validate_params(params, config)
     x = _as_float64("query", query)
     c = x if context is None else _as_float64("context", context)
@@ -286,11 +278,13 @@ def damcha_attention(
     causal = check_bool("causal", causal)
     return_weights = check_bool("return_weights", return_weights)
     return_metric = check_bool("return_metric", return_metric)
-    query_offset = _check_offset(query_offset)
+    query_offset = check_offset("query_offset", query_offset)
     path = check_choice("path", path, PATHS)
     if rotary is not None and (not isinstance(rotary, Rotary) or path != "fast"):
         raise DamchaValueError(
-            f"`rotary` must be a damcha_core.Rotary, with path='fast'. Received: rotary={describe(rotary)}, path={path!r}"
+            invalid_argument(
+                "rotary", "a damcha_core.Rotary with path='fast', or None", f"rotary={describe(rotary)}, path={path!r}"
+            )
         )
     if mask is not None:
         mask = np.broadcast_to(mask.reshape((1,) * (4 - mask.ndim) + mask.shape), (B, H, N, M))
@@ -339,8 +333,7 @@ def metric_penalty(
     checked as in ``damcha_attention`` but does not enter the penalty (the
     values are never mapped).
     """
-    if not isinstance(config, DamchaConfig):
-        raise DamchaTypeError(f"`config` must be a DamchaConfig. Received: config={describe(config)}")
+    check_config(config)
     p = validate_params(params, config)
     x = _as_float64("query", query)
     c = x if context is None else _as_float64("context", context)

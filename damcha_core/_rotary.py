@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ._errors import DamchaTypeError, DamchaValueError, describe
+from ._errors import DamchaTypeError, DamchaValueError, describe, invalid_argument
 
 __all__ = ["Rotary", "apply_rotary", "rotary_angles"]
 
@@ -27,10 +27,12 @@ def _positions(name: str, value: Any) -> np.ndarray | None:
     array = np.asarray(value)
     if array.dtype.kind not in "iuf" or array.ndim not in (1, 2) or array.size == 0:
         raise DamchaValueError(
-            f"`{name}` must be a non-empty (T,) or (B, T) array of positions. Received: {name}={describe(value)}"
+            invalid_argument(name, "a non-empty (T,) or (B, T) array of positions", f"{name}={describe(value)}")
         )
     if not np.all(np.isfinite(array)):
-        raise DamchaValueError(f"`{name}` must be finite. Received: {name}={describe(value)} with non-finite values")
+        raise DamchaValueError(
+            invalid_argument(name, "finite values", f"{name}={describe(value)} with non-finite values")
+        )
     return array.astype(np.float64)
 
 
@@ -66,18 +68,23 @@ class Rotary:
         inv = np.asarray(self.inv_freq)
         if inv.dtype.kind not in "iuf" or inv.ndim != 1 or inv.size == 0 or not np.all(np.isfinite(inv)):
             raise DamchaValueError(
-                f"`inv_freq` must be a non-empty finite 1-D array (one frequency per channel pair). "
-                f"Received: inv_freq={describe(self.inv_freq)}"
+                invalid_argument(
+                    "inv_freq",
+                    "a non-empty finite 1-D array (one frequency per channel pair)",
+                    f"inv_freq={describe(self.inv_freq)}",
+                )
             )
         if not isinstance(self.interleaved, (bool, np.bool_)):
-            raise DamchaTypeError(f"`interleaved` must be a bool. Received: interleaved={describe(self.interleaved)}")
+            raise DamchaTypeError(
+                invalid_argument("interleaved", "a bool", f"interleaved={describe(self.interleaved)}")
+            )
         if (
             isinstance(self.scaling, bool)
             or not isinstance(self.scaling, numbers.Real)
             or not np.isfinite(self.scaling)
         ):
             raise DamchaValueError(
-                f"`scaling` must be a finite real number. Received: scaling={describe(self.scaling)}"
+                invalid_argument("scaling", "a finite real number", f"scaling={describe(self.scaling)}")
             )
         object.__setattr__(self, "inv_freq", inv.astype(np.float64))
         object.__setattr__(self, "interleaved", bool(self.interleaved))
@@ -89,7 +96,7 @@ class Rotary:
     def from_base(cls, dim: int, base: float = 10000.0, **kwargs: Any) -> Rotary:
         """The classic RoPE frequencies base^(-2i/dim) for ``dim`` rotated channels."""
         if isinstance(dim, bool) or not isinstance(dim, numbers.Integral) or dim < 2 or dim % 2:
-            raise DamchaValueError(f"`dim` must be an even int >= 2. Received: dim={describe(dim)}")
+            raise DamchaValueError(invalid_argument("dim", "an even int >= 2", f"dim={describe(dim)}"))
         return cls(inv_freq=base ** (-np.arange(0, dim, 2, dtype=np.float64) / dim), **kwargs)
 
     @property
@@ -107,8 +114,11 @@ class Rotary:
         pos = given if given.ndim == 2 else given[None]
         if pos.shape[-1] != length or pos.shape[0] not in (1, batch):
             raise DamchaValueError(
-                f"`{name}` must have shape ({length},) or (B, {length}) with B = {batch} or 1. "
-                f"Received: {name}.shape={tuple(given.shape)}"
+                invalid_argument(
+                    name,
+                    f"shape ({length},) or (B, {length}) with B = {batch} or 1",
+                    f"{name}.shape={tuple(given.shape)}",
+                )
             )
         return pos
 
@@ -128,8 +138,11 @@ def apply_rotary(y: np.ndarray, rotary: Rotary, positions: np.ndarray) -> np.nda
     R = rotary.inv_freq.shape[0]
     if d < 2 * R:
         raise DamchaValueError(
-            f"`rotary` rotates {2 * R} channels per head but the heads have key_dim={d}. "
-            f"Received: inv_freq.shape={rotary.inv_freq.shape}"
+            invalid_argument(
+                "rotary",
+                f"a Rotary that rotates at most key_dim={d} channels per head; it rotates {2 * R}",
+                f"inv_freq.shape={rotary.inv_freq.shape}",
+            )
         )
     cos, sin = rotary_angles(rotary, positions)
     cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # one angle per token, shared by every head

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from ._config import DamchaConfig
-from ._errors import DamchaTypeError, DamchaValueError, describe
+from ._errors import DamchaTypeError, DamchaValueError, describe, invalid_argument
 from ._params import init_params, validate_params
 from ._reference import damcha_attention
 from ._validators import check_bool, check_choice, check_int, check_real, check_seed
@@ -75,13 +75,19 @@ class EncoderConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.attention, DamchaConfig):
-            raise DamchaTypeError(f"`attention` must be a DamchaConfig. Received: attention={describe(self.attention)}")
+            raise DamchaTypeError(
+                invalid_argument("attention", "a DamchaConfig", f"attention={describe(self.attention)}")
+            )
         a = self.attention
         if not (a.context_dim == a.value_input_dim == a.output_dim == a.query_dim):
             raise DamchaValueError(
-                "An encoder layer is residual self-attention, so it needs context_dim == value_input_dim == "
-                f"output_dim == query_dim. Received: query_dim={a.query_dim}, context_dim={a.context_dim}, "
-                f"value_input_dim={a.value_input_dim}, output_dim={a.output_dim}"
+                invalid_argument(
+                    "attention",
+                    "context_dim == value_input_dim == output_dim == query_dim "
+                    "(an encoder layer is residual self-attention)",
+                    f"query_dim={a.query_dim}, context_dim={a.context_dim}, "
+                    f"value_input_dim={a.value_input_dim}, output_dim={a.output_dim}",
+                )
             )
         object.__setattr__(self, "num_layers", check_int("num_layers", self.num_layers))
         object.__setattr__(self, "ffn_dim", check_int("ffn_dim", self.ffn_dim))
@@ -89,7 +95,7 @@ class EncoderConfig:
             object.__setattr__(self, name, check_bool(name, getattr(self, name)))
         check_choice("activation", self.activation, ACTIVATIONS)
         if not check_real("norm_eps", self.norm_eps) > 0:  # NaN fails too
-            raise DamchaValueError(f"`norm_eps` must be a number > 0. Received: norm_eps={describe(self.norm_eps)}")
+            raise DamchaValueError(invalid_argument("norm_eps", "a number > 0", f"norm_eps={describe(self.norm_eps)}"))
 
     @property
     def width(self) -> int:
@@ -137,7 +143,9 @@ class EncoderConfig:
         """Canonical attention parameters of layer ``index`` (the shared generator filled in)."""
         index = check_int("index", index, minimum=0)
         if index >= self.num_layers:
-            raise DamchaValueError(f"`index` must be < num_layers={self.num_layers}. Received: index={index}")
+            raise DamchaValueError(
+                invalid_argument("index", f"an int < num_layers={self.num_layers}", f"index={index}")
+            )
         shared = set(self.shared_names()) if self.share_metric else set()
         return {
             name: params[SHARED + name] if name in shared else params[f"layers.{index}.attention.{name}"]
@@ -162,7 +170,7 @@ class TokenModelConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.encoder, EncoderConfig):
-            raise DamchaTypeError(f"`encoder` must be an EncoderConfig. Received: encoder={describe(self.encoder)}")
+            raise DamchaTypeError(invalid_argument("encoder", "an EncoderConfig", f"encoder={describe(self.encoder)}"))
         for name in ("vocab_size", "max_len", "num_classes"):
             object.__setattr__(self, name, check_int(name, getattr(self, name)))
 
@@ -187,7 +195,7 @@ def validate_stack_params(params: Mapping[str, Any], config: EncoderConfig | Tok
     (``validate_params``'s rules, on the stack's names)."""
     if not isinstance(config, (EncoderConfig, TokenModelConfig)):
         raise DamchaTypeError(
-            f"`config` must be an EncoderConfig or a TokenModelConfig. Received: config={describe(config)}"
+            invalid_argument("config", "an EncoderConfig or a TokenModelConfig", f"config={describe(config)}")
         )
     return validate_params(params, config)  # type: ignore[arg-type]  # duck-typed on param_shapes()
 
@@ -196,7 +204,7 @@ def init_encoder_params(config: EncoderConfig, seed: int = 0) -> dict[str, np.nd
     """Float64 stack params: each layer from ``init_params`` (gates 0),
     LayerNorm scale 1 / bias 0, Glorot-uniform FFN kernels, zero FFN biases."""
     if not isinstance(config, EncoderConfig):
-        raise DamchaTypeError(f"`config` must be an EncoderConfig. Received: config={describe(config)}")
+        raise DamchaTypeError(invalid_argument("config", "an EncoderConfig", f"config={describe(config)}"))
     seed = check_seed("seed", seed, optional=False)
     rng = np.random.default_rng([seed, 7])
     params: dict[str, np.ndarray] = {}
@@ -227,7 +235,7 @@ def init_token_model_params(config: TokenModelConfig, seed: int = 0) -> dict[str
     """Float64 token-model params: N(0, 1) embeddings, N(0, 0.1) positions, the
     encoder from ``init_encoder_params``, a Glorot-uniform head with zero bias."""
     if not isinstance(config, TokenModelConfig):
-        raise DamchaTypeError(f"`config` must be a TokenModelConfig. Received: config={describe(config)}")
+        raise DamchaTypeError(invalid_argument("config", "a TokenModelConfig", f"config={describe(config)}"))
     seed = check_seed("seed", seed, optional=False)
     rng = np.random.default_rng([seed, 8])
     E, C = config.encoder.width, config.num_classes
@@ -279,7 +287,7 @@ def encoder_forward(
         h (B, N, E) float64, or ``(h, weights)`` with ``return_weights``.
     """
     if not isinstance(config, EncoderConfig):
-        raise DamchaTypeError(f"`config` must be an EncoderConfig. Received: config={describe(config)}")
+        raise DamchaTypeError(invalid_argument("config", "an EncoderConfig", f"config={describe(config)}"))
     return_weights = check_bool("return_weights", return_weights)
     p = validate_stack_params(params, config)
     h = np.asarray(x, dtype=np.float64)
@@ -319,16 +327,19 @@ def check_tokens(tokens: Any, config: TokenModelConfig, *, offset: int = 0) -> n
     """Integer ids (B, N) inside the vocabulary whose positions offset .. offset+N-1 fit the position table."""
     array = np.asarray(tokens)
     if not np.issubdtype(array.dtype, np.integer) or array.ndim != 2:
-        raise DamchaValueError(f"`tokens` must be integer ids of shape (B, N). Received: tokens={describe(tokens)}")
+        raise DamchaValueError(invalid_argument("tokens", "integer ids of shape (B, N)", f"tokens={describe(tokens)}"))
     if offset + array.shape[1] > config.max_len:
         raise DamchaValueError(
-            f"`tokens` is longer than max_len={config.max_len}. Received: tokens.shape={array.shape}"
+            invalid_argument("tokens", f"at most max_len={config.max_len} positions", f"tokens.shape={array.shape}")
         )
     if array.size and not (array.min() >= 0 and array.max() < config.vocab_size):
         # NumPy indexing would read -1 as the last row: a silent wrap, as Gather's.
         raise DamchaValueError(
-            f"`tokens` must be ids in [0, {config.vocab_size}) (the vocabulary). "
-            f"Received: tokens in [{array.min()}, {array.max()}]"
+            invalid_argument(
+                "tokens",
+                f"ids in [0, {config.vocab_size}) (the vocabulary)",
+                f"tokens in [{array.min()}, {array.max()}]",
+            )
         )
     return array
 
@@ -339,7 +350,7 @@ def token_model_forward(
     """Logits (B, N, C) of the token model for int token ids (B, N) (and each
     layer's attention weights with ``return_weights``, as ``encoder_forward``)."""
     if not isinstance(config, TokenModelConfig):
-        raise DamchaTypeError(f"`config` must be a TokenModelConfig. Received: config={describe(config)}")
+        raise DamchaTypeError(invalid_argument("config", "a TokenModelConfig", f"config={describe(config)}"))
     p = validate_stack_params(params, config)
     tokens = check_tokens(tokens, config)
     x = p["embedding.table"][tokens] + p["position.table"][: tokens.shape[1]]

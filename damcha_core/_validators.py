@@ -175,6 +175,18 @@ def check_finite_nonneg(name: str, value: Any) -> float:
     return number
 
 
+def check_offset(name: str, value: Any) -> int:
+    """A position offset (e.g. ``query_offset``): an int >= 0, never a bool.
+
+    One class for every bad offset, DamchaValueError (a float or a negative
+    int alike): the JAX port, whose offset may be a traced array, raises this
+    same error for the values it can inspect.
+    """
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) or value < 0:
+        raise DamchaValueError(invalid_argument(name, "an int >= 0", f"{name}={describe(value)}"))
+    return int(value)
+
+
 # ------------------------------------------------------------- config fields
 
 CONFIG_FIELDS = (

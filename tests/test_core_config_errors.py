@@ -129,22 +129,22 @@ C = np.zeros((2, 5, 6))
         (lambda: dc.damcha_attention(P, CFG, X, C[:1]), dc.DamchaValueError, r"^Invalid argument `context`: expected the batch size of `query`\. Received: query.shape=\(2, 3, 8\), context.shape=\(1, 5, 6\)$"),
         (lambda: dc.damcha_attention(P, CFG, X), dc.DamchaValueError, r"^Invalid argument `context`: expected a tensor when config.context_dim != config.query_dim .*Received: context=None, query_dim=8, context_dim=6$"),
         (lambda: dc.damcha_attention(P, CFG, X[:, :0], C), dc.DamchaValueError, r"Invalid argument `query`: expected a non-empty shape"),
-        (lambda: dc.damcha_attention(P, CFG, X.astype(int), C), dc.DamchaTypeError, r"`query` must be a real floating tensor.*dtype=int64"),
-        (lambda: dc.damcha_attention(P, CFG, X, C.astype(complex)), dc.DamchaTypeError, r"`context` must be a real floating"),
-        (lambda: dc.damcha_attention(P, CFG, X, C, mask=np.ones((2, 3, 5))), dc.DamchaTypeError, r"`mask` must be boolean.*dtype=float64"),
+        (lambda: dc.damcha_attention(P, CFG, X.astype(int), C), dc.DamchaTypeError, r"Invalid argument `query`: expected a real floating tensor.*dtype=int64"),
+        (lambda: dc.damcha_attention(P, CFG, X, C.astype(complex)), dc.DamchaTypeError, r"Invalid argument `context`: expected a real floating"),
+        (lambda: dc.damcha_attention(P, CFG, X, C, mask=np.ones((2, 3, 5))), dc.DamchaTypeError, r"Invalid argument `mask`: expected a mask that is boolean.*dtype=float64"),
         (lambda: dc.damcha_attention(P, CFG, X, C, mask=np.ones((2, 3, 5), bool)), dc.DamchaValueError, r"pass mask\[:, None\].*mask.shape=\(2, 3, 5\)"),
         (lambda: dc.damcha_attention(P, CFG, X, C, mask=np.ones((2, 4, 3, 4), bool)), dc.DamchaValueError, r"broadcastable to \(B, H, N, M\) = \(2, 4, 3, 5\).*mask.shape=\(2, 4, 3, 4\)"),
         (lambda: dc.damcha_attention(P, CFG, X, C, mask=np.ones((3, 5), bool)[None]), dc.DamchaValueError, r"mask.shape=\(1, 3, 5\)"),
         (lambda: dc.damcha_attention(P, CFG, X, C, causal=1), dc.DamchaTypeError, r"Invalid argument `causal`: expected a bool\. Received: causal=1"),
         (lambda: dc.damcha_attention(P, CFG, X, C, return_weights="yes"), dc.DamchaTypeError, r"Invalid argument `return_weights`: expected a bool"),
-        (lambda: dc.damcha_attention(P, CFG, X, C, query_offset=-1), dc.DamchaValueError, r"`query_offset` must be an int >= 0\. Received: query_offset=-1"),
+        (lambda: dc.damcha_attention(P, CFG, X, C, query_offset=-1), dc.DamchaValueError, r"Invalid argument `query_offset`: expected an int >= 0\. Received: query_offset=-1"),
         (lambda: dc.damcha_attention(P, CFG, X, C, path="slow"), dc.DamchaValueError, r"Invalid argument `path`: expected one of \('fast', 'explicit'\)"),
-        (lambda: dc.damcha_attention(P, {"query_dim": 8}, X, C), dc.DamchaTypeError, r"`config` must be a DamchaConfig"),
+        (lambda: dc.damcha_attention(P, {"query_dim": 8}, X, C), dc.DamchaTypeError, r"Invalid argument `config`: expected a DamchaConfig"),
         (lambda: dc.damcha_attention({k: v for k, v in P.items() if k != "key.bias"}, CFG, X, C), dc.DamchaValueError, r"missing \['key.bias'\]"),
         (lambda: dc.damcha_attention({**P, "extra": np.zeros(1)}, CFG, X, C), dc.DamchaValueError, r"unexpected \['extra'\]"),
-        (lambda: dc.damcha_attention({**P, "metric.q.gate": np.zeros(3)}, CFG, X, C), dc.DamchaValueError, r"`params\['metric.q.gate'\]` must have shape \(4,\).*Received: params\['metric.q.gate'\].shape=\(3,\)"),
-        (lambda: dc.damcha_attention({**P, "query.bias": np.zeros((4, 2), int)}, CFG, X, C), dc.DamchaTypeError, r"`params\['query.bias'\]` must be a real floating array"),
-        (lambda: dc.damcha_attention({**P, "query.bias": np.full((4, 2), np.nan)}, CFG, X, C), dc.DamchaValueError, r"`params\['query.bias'\]` contains NaN or inf values; expected finite values\. Received: 8 NaN and 0 inf of 8 entries, shape=\(4, 2\)"),
+        (lambda: dc.damcha_attention({**P, "metric.q.gate": np.zeros(3)}, CFG, X, C), dc.DamchaValueError, r"Invalid argument `params\['metric.q.gate'\]`: expected shape \(4,\).*Received: params\['metric.q.gate'\].shape=\(3,\)"),
+        (lambda: dc.damcha_attention({**P, "query.bias": np.zeros((4, 2), int)}, CFG, X, C), dc.DamchaTypeError, r"Invalid argument `params\['query.bias'\]`: expected a real floating array"),
+        (lambda: dc.damcha_attention({**P, "query.bias": np.full((4, 2), np.nan)}, CFG, X, C), dc.DamchaValueError, r"^Invalid argument `params\['query.bias'\]`: expected finite values \(no NaN or inf\)\. Received: 8 NaN and 0 inf of 8 entries, shape=\(4, 2\)"),
         (lambda: dc.init_params(CFG, seed=1.5), dc.DamchaTypeError, r"Invalid argument `seed`: expected an int >= 0\. Received: seed=1\.5"),
         (lambda: dc.init_params(CFG, seed=-1), dc.DamchaValueError, r"Invalid argument `seed`: expected an int >= 0\. Received: seed=-1"),
         (lambda: dc.init_params(CFG, seed=None), dc.DamchaTypeError, r"Invalid argument `seed`: expected an int >= 0\. Received: seed=None"),
@@ -195,9 +195,9 @@ def test_check_params_reads_only_shapes_and_dtypes(dtype):
 
 def test_check_params_rejects_like_validate_params():
     fake = {k: _FakeTensor(s, "torch.float32") for k, s in CFG.param_shapes().items()}
-    with pytest.raises(dc.DamchaTypeError, match=r"`params\['query.kernel'\]` must be a real floating array"):
+    with pytest.raises(dc.DamchaTypeError, match=r"Invalid argument `params\['query.kernel'\]`: expected a real floating array"):
         dc.check_params({**fake, "query.kernel": _FakeTensor((8, 4, 2), "torch.int64")}, CFG)
-    with pytest.raises(dc.DamchaValueError, match=r"`params\['key.bias'\]` must have shape \(4, 2\)"):
+    with pytest.raises(dc.DamchaValueError, match=r"Invalid argument `params\['key.bias'\]`: expected shape \(4, 2\)"):
         dc.check_params({**fake, "key.bias": _FakeTensor((4, 3), "torch.float32")}, CFG)
 
 

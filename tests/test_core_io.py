@@ -151,8 +151,8 @@ def _invalid_config(tmp_path):
 @pytest.mark.parametrize(
     "make, pattern",
     [
-        (lambda t: t / "missing.safetensors", r"`path` does not exist"),
-        (lambda t: t, r"`path` is a directory, expected a safetensors file"),
+        (lambda t: t / "missing.safetensors", r"Invalid argument `path`: expected an existing file; it does not exist"),
+        (lambda t: t, r"Invalid argument `path`: expected a safetensors file, not a directory"),
         (_empty, r"not a DAMCHA parameter file: the file is empty"),
         (_short, r"the file is 2 bytes long, too short"),
         (_text, r"announce a \d+-byte header but the file is \d+ bytes long"),
@@ -191,7 +191,10 @@ def test_load_rejects_a_flipped_payload_byte_as_corrupted(tmp_path):
     data = bytearray(path.read_bytes())
     data[-3] ^= 0x10  # a byte of the last tensor: still a finite float, a silent change without the checksum
     path.write_bytes(bytes(data))
-    with pytest.raises(dc.DamchaValueError, match=rf"`path` is corrupted: .*checksum.*Received: path={str(path)!r}"):
+    with pytest.raises(
+        dc.DamchaValueError,
+        match=rf"Invalid argument `path`: expected an intact file; it is corrupted: .*checksum.*Received: path={str(path)!r}",
+    ):
         dc.load_params(path)
 
 
@@ -257,7 +260,8 @@ def test_failed_save_leaves_the_earlier_file_intact(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "fsync", no_space)
     with pytest.raises(
-        dc.DamchaValueError, match=rf"could not be written \(No space left on device\).*unchanged.*path={str(path)!r}"
+        dc.DamchaValueError,
+        match=rf"Invalid argument `path`: expected a writable file path; it could not be written \(No space left on device\).*unchanged.*path={str(path)!r}",
     ):
         dc.save_params(path, dc.init_params(CFG, seed=9), CFG)
     assert path.read_bytes() == before
@@ -267,10 +271,14 @@ def test_failed_save_leaves_the_earlier_file_intact(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "make, error, pattern",
     [
-        (lambda t: t, dc.DamchaValueError, r"`path` is a directory, expected a file path"),
-        (lambda t: t / "nowhere" / "x.safetensors", dc.DamchaValueError, r"in a folder that does not exist"),
-        (lambda t: "", dc.DamchaValueError, r"`path` must be a non-empty file path"),
-        (lambda t: 3, dc.DamchaTypeError, r"`path` must be a str or os.PathLike\. Received: path=3"),
+        (lambda t: t, dc.DamchaValueError, r"Invalid argument `path`: expected a file path, not a directory"),
+        (
+            lambda t: t / "nowhere" / "x.safetensors",
+            dc.DamchaValueError,
+            r"Invalid argument `path`: expected a path in an existing folder.*does not exist",
+        ),
+        (lambda t: "", dc.DamchaValueError, r"Invalid argument `path`: expected a non-empty file path"),
+        (lambda t: 3, dc.DamchaTypeError, r"Invalid argument `path`: expected a str or os.PathLike\. Received: path=3"),
     ],
     ids=["directory", "missing-folder", "empty", "type"],
 )
@@ -284,7 +292,8 @@ def test_save_refuses_a_read_only_target(tmp_path):
     before = path.read_bytes()
     path.chmod(0o444)
     with pytest.raises(
-        dc.DamchaValueError, match=rf"`path` is a read-only file; it is not replaced\. Received: path={str(path)!r}"
+        dc.DamchaValueError,
+        match=rf"Invalid argument `path`: expected a path that is not a read-only file \(it is not replaced\)\. Received: path={str(path)!r}",
     ):
         dc.save_params(path, dc.init_params(CFG, seed=4), CFG)
     assert path.read_bytes() == before

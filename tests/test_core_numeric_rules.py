@@ -54,7 +54,7 @@ CASES = [
 @pytest.mark.parametrize("entry, name", CASES, ids=[f"{e}-{n}" for e, n in CASES])
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
 def test_parameters_entering_are_checked_and_named(tmp_path, entry, name, bad):
-    with pytest.raises(dc.DamchaValueError, match=rf"\['{name}'\]` contains NaN or inf values") as info:
+    with pytest.raises(dc.DamchaValueError, match=rf"\['{name}'\]`: expected finite values \(no NaN or inf\)") as info:
         ENTRIES[entry](_params(name, bad), tmp_path)
     if entry == "load_params":
         assert str(tmp_path / "p.safetensors") in str(info.value)

@@ -308,6 +308,34 @@ def test_resolve_generators_rules(given, cfg, error, pattern):
         _resolve(given, cfg)
 
 
+def test_resolve_generators_says_when_the_coupling_was_automatic():
+    """With ``coupling_was_auto=True`` (the user passed no coupling) a message
+    that depends on the coupling says it was chosen, and why, in the port's
+    names; without it the coupling is stated as the user's."""
+    auto = dc.DamchaConfig(query_dim=8, num_heads=4, key_dim=2, num_kv_heads=2, context_dim=6)
+    names = {"query_dim": "embed_dim", "context_dim": "kdim"}
+    with pytest.raises(dc.DamchaValueError) as info:
+        _resolve(Gen(8, 4), auto, names=names, coupling_was_auto=True)
+    assert str(info.value).startswith(
+        "Invalid argument `metric_generator`: expected a dict {'q': ..., 'k': ...} with coupling='separate', which "
+        "was chosen automatically because num_kv_heads=2 != num_heads=4 and kdim=6 != embed_dim=8 (no coupling was "
+        "passed; pass coupling=... to choose one) (one generator per side). Received: metric_generator=<"
+    ), info.value
+    with pytest.raises(dc.DamchaValueError, match=r"as keys with coupling='separate', which was chosen automatically"):
+        _resolve({"q": Gen(8, 4)}, auto, coupling_was_auto=True)
+    with pytest.raises(dc.DamchaValueError, match=r"as keys with coupling='separate': missing sides \['k'\]"):
+        _resolve({"q": Gen(8, 4)}, auto)
+    tied = dc.DamchaConfig(query_dim=8, num_heads=4, key_dim=2)
+    with pytest.raises(
+        dc.DamchaValueError,
+        match=r"with coupling='tied', which was chosen automatically because num_kv_heads=4 == num_heads=4 and "
+        r"config\.context_dim=8 == config\.query_dim=8 ",
+    ):
+        _resolve({"q": Gen(8, 4)}, tied, coupling_was_auto=True)
+    with pytest.raises(dc.DamchaTypeError, match="Invalid argument `coupling_was_auto`: expected a bool"):
+        _resolve(Gen(8, 4), tied, coupling_was_auto="yes")
+
+
 def test_resolve_generators_speaks_the_ports_name():
     with pytest.raises(dc.DamchaTypeError, match=r"^Invalid argument `shared_metric\['k'\]`: expected a Gen"):
         _resolve({"q": Gen(8, 4), "k": 3}, SEPARATE, names={"metric_generator": "shared_metric"})

@@ -76,7 +76,7 @@ def test_value_defaults_to_the_context():
         (
             {"value": np.zeros((2, 5, 7), int)},
             dc.DamchaTypeError,
-            r"`value` must be a real floating tensor.*dtype=int64",
+            r"Invalid argument `value`: expected a real floating tensor.*dtype=int64",
         ),
     ],
     ids=["missing", "features", "length", "dtype"],
