@@ -11,7 +11,7 @@ from flax import nnx
 
 import jax
 import jax.numpy as jnp
-from damcha_core import DamchaValueError, EncoderConfig, check_bool, check_int, check_rate, describe
+from damcha_core import DamchaValueError, EncoderConfig, check_bool, check_int, check_rate, describe, invalid_argument
 
 from ._generator import MetricGenerator, make_metric_generators
 from ._layer import DamchaAttention, attention_config
@@ -115,8 +115,11 @@ class DamchaEncoder(nnx.Module):
         share_metric = check_bool("share_metric", share_metric)
         if "metric_generator" in block_kwargs:
             raise DamchaValueError(
-                "`metric_generator` is managed by DamchaEncoder; use share_metric=True. "
-                f"Received: metric_generator={describe(block_kwargs['metric_generator'])}"
+                invalid_argument(
+                    "metric_generator",
+                    "no metric_generator: DamchaEncoder manages its generators (use share_metric=True)",
+                    f"metric_generator={describe(block_kwargs['metric_generator'])}",
+                )
             )
         shared: dict[str, MetricGenerator] = {}
         if share_metric:
@@ -194,8 +197,11 @@ def _stack_canonical(
         problems.append("one attention config")
     if problems:
         raise DamchaValueError(
-            f"`{name}` does not fit the stack format; it needs " + "; ".join(problems) + f". Received: {name} with "
-            f"{len(blocks)} block(s)"
+            invalid_argument(
+                name,
+                "a stack that fits the stack format (damcha_core.EncoderConfig), with " + "; ".join(problems),
+                f"{name} with {len(blocks)} block(s)",
+            )
         )
     config = EncoderConfig(
         first.attention.config,

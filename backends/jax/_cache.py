@@ -24,6 +24,7 @@ from damcha_core import (
     check_shapes,
     config_sizes,
     describe,
+    invalid_argument,
 )
 
 from ._functional import (
@@ -58,7 +59,7 @@ def _check_cache_dtype(dtype: Any) -> Any:
     except TypeError:
         floating = False
     if not floating:
-        raise DamchaTypeError(f"`dtype` must be a floating dtype. Received: dtype={describe(dtype)}")
+        raise DamchaTypeError(invalid_argument("dtype", "a floating dtype", f"dtype={describe(dtype)}"))
     return dtype
 
 
@@ -83,23 +84,32 @@ def _check_cache(cache: Mapping[str, Any], config: DamchaConfig) -> tuple[Array,
         key_shape = tuple(getattr(cached_k, "shape", ()))
         if shape is None or len(shape) != 4 or tuple(shape[2:]) != (G, width) or tuple(shape[:2]) != key_shape[:2]:
             raise DamchaValueError(
-                f"`cache['{name}']` must have shape (B, max_length, G, {'d' if name == 'key' else 'd_v'}) = "
-                f"(B, max_length, {G}, {width}) for this config, as init_cache makes it. "
-                f"Received: cache['{name}']={describe(array)}"
-                + ("" if name == "key" else f", cache['key']={describe(cached_k)}")
+                invalid_argument(
+                    f"cache['{name}']",
+                    f"shape (B, max_length, G, {'d' if name == 'key' else 'd_v'}) = (B, max_length, {G}, {width}) "
+                    "for this config, as init_cache makes it",
+                    f"cache['{name}']={describe(array)}"
+                    + ("" if name == "key" else f", cache['key']={describe(cached_k)}"),
+                )
             )
         dtype = np_dtype(array)
         if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-            raise DamchaTypeError(f"`cache['{name}']` must be floating. Received: cache['{name}']={describe(array)}")
+            raise DamchaTypeError(
+                invalid_argument(f"cache['{name}']", "a floating array", f"cache['{name}']={describe(array)}")
+            )
     if isinstance(index, (int, np.integer)) and not isinstance(index, (bool, np.bool_)):
         index = jnp.asarray(index, jnp.int32)
     index_dtype = np_dtype(index)
     if getattr(index, "shape", None) != () or index_dtype is None or not jnp.issubdtype(index_dtype, jnp.integer):
         raise DamchaValueError(
-            f"`cache['index']` must be an integer scalar (the number of filled positions). Received: cache['index']={describe(index)}"
+            invalid_argument(
+                "cache['index']",
+                "an integer scalar (the number of filled positions)",
+                f"cache['index']={describe(index)}",
+            )
         )
     if not isinstance(index, jax.core.Tracer) and int(index) < 0:
-        raise DamchaValueError(f"`cache['index']` must be >= 0. Received: cache['index']={int(index)}")
+        raise DamchaValueError(invalid_argument("cache['index']", "an int >= 0", f"cache['index']={int(index)}"))
     return jnp.asarray(cached_k), jnp.asarray(cached_v), index
 
 
@@ -145,8 +155,12 @@ def check_room(index: Any, T: int, L: int, name: str, shape: tuple[int, ...]) ->
     """A concrete cache index must leave room for T more positions (a traced one cannot be checked)."""
     if not isinstance(index, jax.core.Tracer) and int(index) + T > L:
         raise DamchaValueError(
-            f"`cache` is full: {int(index)} of max_length={L} positions are used and {T} more were given. "
-            f"Received: {name}.shape={tuple(shape)}"
+            invalid_argument(
+                name,
+                f"at most {L - int(index)} new tokens: the cache is full ({int(index)} of max_length={L} "
+                "positions are used)",
+                f"{name}.shape={tuple(shape)}",
+            )
         )
 
 
@@ -194,9 +208,11 @@ def decode_step(
     config = _check_config(config)
     if not isinstance(cache, Mapping) or set(cache) != {"key", "value", "index"}:
         raise DamchaValueError(
-            f"`cache` must be the dict from init_cache with keys ['index', 'key', 'value']. Received: cache={describe(cache)}"
-            if not isinstance(cache, Mapping)
-            else f"`cache` must be the dict from init_cache with keys ['index', 'key', 'value']. Received keys: {sorted(cache)}"
+            invalid_argument(
+                "cache",
+                "the dict from init_cache with keys ['index', 'key', 'value']",
+                f"cache={describe(cache)}" if not isinstance(cache, Mapping) else f"cache with keys {sorted(cache)}",
+            )
         )
     cached_k, cached_v, index = _check_cache(cache, config)
     B, L = cached_k.shape[0], cached_k.shape[1]
@@ -206,8 +222,12 @@ def decode_step(
     tokens = x if c is None else c
     if tokens.shape[0] != B or tokens.shape[1] != T:
         raise DamchaValueError(
-            f"`query` and `context` must be (B, T, .) with the cache's batch size B={B} and one key per query token. "
-            f"Received: query.shape={tuple(x.shape)}, context.shape={None if c is None else tuple(c.shape)}"
+            invalid_argument(
+                "query" if x.shape[0] != B or c is None else "context",
+                f"`query` and `context` of shape (B, T, .) with the cache's batch size B={B} and one key per "
+                "query token",
+                f"query.shape={tuple(x.shape)}, context.shape={None if c is None else tuple(c.shape)}",
+            )
         )
     mask_hint = check_hint(mask_hint, mask)
     checked = read_mask(mask)
@@ -301,8 +321,11 @@ class DecodeCache:
         shape = tuple(input_shape) if isinstance(input_shape, (tuple, list)) else None
         if shape is None or len(shape) < 2:
             raise DamchaValueError(
-                "`input_shape` must be [batch..., max_length, features], e.g. (batch, max_length, features). "
-                f"Received: input_shape={describe(input_shape)}"
+                invalid_argument(
+                    "input_shape",
+                    "a shape [batch..., max_length, features], e.g. (batch, max_length, features)",
+                    f"input_shape={describe(input_shape)}",
+                )
             )
         batch = tuple(check_int("input_shape[i]", n) for n in shape[:-2])
         max_length = check_int("max_length (input_shape[-2])", shape[-2])
@@ -333,8 +356,11 @@ class DecodeCache:
         lead, T = tuple(q.shape[:-3]), q.shape[-3]
         if lead != batch:
             raise DamchaValueError(
-                f"`{name}` must have the batch axes of the cache from init_cache, {batch}. "
-                f"Received: {name} with batch axes {lead} (cache_key.shape={tuple(cached_k.shape)})"
+                invalid_argument(
+                    name,
+                    f"the batch axes of the cache from init_cache, {batch}",
+                    f"{name} with batch axes {lead} (cache_key.shape={tuple(cached_k.shape)})",
+                )
             )
         check_room(index, T, L, name, (*lead, T))
         B = int(np.prod(batch)) if batch else 1

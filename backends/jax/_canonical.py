@@ -16,7 +16,7 @@ from flax import nnx
 import damcha_core as dc
 import jax
 import jax.numpy as jnp
-from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, describe
+from damcha_core import DamchaConfig, DamchaValueError
 
 Array = jax.Array
 
@@ -81,8 +81,7 @@ class CanonicalIO:
     ) -> Any:
         """A layer with ``config``'s shape holding ``params``; ``kwargs`` are
         the non-shape arguments (dtype, param_dtype, decode, deterministic, ...)."""
-        if not isinstance(config, DamchaConfig):
-            raise DamchaTypeError(f"`config` must be a DamchaConfig. Received: config={describe(config)}")
+        dc.check_config(config)
         layer = cls(  # type: ignore[call-arg]
             config.num_heads,
             config.query_dim,

@@ -6,7 +6,7 @@ from typing import Any
 
 from flax import nnx
 
-from damcha_core import DamchaTypeError, describe
+from damcha_core import DamchaTypeError, describe, invalid_argument
 
 # Bound once: code that swaps nnx.MultiHeadAttention for DamchaAttention
 # (e.g. to run Flax's own tests against it) still converts real Flax layers.
@@ -18,7 +18,7 @@ def from_mha(cls: Any, mha: Any, *, metric: str, metric_rank: int | None, coupli
     and every option it has, gates at 0: identical outputs, ready to fine-tune
     the metric. The generator is fresh; ``coupling=None`` is automatic."""
     if not isinstance(mha, _FlaxMHA):
-        raise DamchaTypeError(f"`mha` must be an nnx.MultiHeadAttention. Received: mha={describe(mha)}")
+        raise DamchaTypeError(invalid_argument("mha", "an nnx.MultiHeadAttention", f"mha={describe(mha)}"))
     attention_fn = None if mha.attention_fn is nnx.dot_product_attention else mha.attention_fn
     layer = cls(
         mha.num_heads,

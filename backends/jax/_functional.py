@@ -33,10 +33,13 @@ from damcha_core import (
     MetricStructure,
     check_bool,
     check_choice,
+    check_config,
+    check_offset,
     check_params,
     check_shapes,
     describe,
     float_dtype_error,
+    invalid_argument,
     role_penalty,
     side_of,
 )
@@ -64,9 +67,7 @@ EINSUM_FOR_FLOAT64 = True
 
 
 def _check_config(config: Any) -> DamchaConfig:
-    if not isinstance(config, DamchaConfig):
-        raise DamchaTypeError(f"`config` must be a DamchaConfig. Received: config={describe(config)}")
-    return config
+    return check_config(config)
 
 
 def _is_float(dtype: np.dtype | None) -> bool:
@@ -99,9 +100,11 @@ def _check_offset(query_offset: Any) -> Any:
         if isinstance(query_offset, jax.core.Tracer) or int(query_offset) >= 0:
             return query_offset  # a traced offset cannot be checked (as a traced cache index)
         raise DamchaValueError(
-            f"`query_offset` must be an int >= 0. Received: query_offset={int(query_offset)} ({describe(query_offset)})"
+            invalid_argument(
+                "query_offset", "an int >= 0", f"query_offset={int(query_offset)} ({describe(query_offset)})"
+            )
         )
-    raise DamchaValueError(f"`query_offset` must be an int >= 0. Received: query_offset={describe(query_offset)}")
+    return check_offset("query_offset", query_offset)  # raises: the reference's error for the same value
 
 
 def _check_key(name: str, key: Any) -> Any:
@@ -111,8 +114,9 @@ def _check_key(name: str, key: Any) -> Any:
     raw = np_dtype(key) == np.uint32 and getattr(key, "ndim", 0) >= 1
     if not (typed or raw):
         raise DamchaTypeError(
-            f"`{name}` must be a JAX PRNG key (jax.random.key(...) or jax.random.PRNGKey(...)). "
-            f"Received: {name}={describe(key)}"
+            invalid_argument(
+                name, "a JAX PRNG key (jax.random.key(...) or jax.random.PRNGKey(...))", f"{name}={describe(key)}"
+            )
         )
     return key
 
@@ -124,7 +128,7 @@ def _compute_dtype(dtype: Any, *arrays: Any) -> Any:
         except TypeError:
             floating = False
         if not floating:
-            raise DamchaTypeError(f"`dtype` must be a floating dtype or None. Received: dtype={describe(dtype)}")
+            raise DamchaTypeError(invalid_argument("dtype", "a floating dtype or None", f"dtype={describe(dtype)}"))
         return jnp.dtype(dtype)
     # Like flax's promote_dtype: the widest of inputs and parameters.
     return jnp.result_type(*[a.dtype for a in arrays])
@@ -615,8 +619,11 @@ def damcha_attention(
     use_dropout = not deterministic and config.dropout > 0.0
     if use_dropout and dropout_rng is None:
         raise DamchaValueError(
-            f"`dropout_rng` is required when deterministic=False and config.dropout={config.dropout} > 0. "
-            "Received: dropout_rng=None"
+            invalid_argument(
+                "dropout_rng",
+                f"a JAX PRNG key when deterministic=False and config.dropout={config.dropout} > 0",
+                "dropout_rng=None",
+            )
         )
     if use_dropout:
         _check_key("dropout_rng", dropout_rng)

@@ -10,6 +10,7 @@ come from the table; the math is the table's, evaluated with ``jax.numpy`` in
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from flax import nnx
@@ -23,6 +24,7 @@ from damcha_core import (
     GeneratorSpec,
     check_choice,
     check_int,
+    invalid_argument,
     resolve_generators,
 )
 
@@ -70,8 +72,13 @@ class MetricGenerator(nnx.Module):
         needs = [leaf.dims for leaf in structure.leaves if leaf.generator]
         uses_rank = any("r" in dims for dims in needs)
         if uses_rank and rank is None or structure.uses_head_dim and head_dim is None:
+            missing = "rank" if uses_rank and rank is None else "head_dim"
             raise DamchaValueError(
-                f"`rank` and `head_dim` are required with metric={metric!r}. Received: rank={rank!r}, head_dim={head_dim!r}"
+                invalid_argument(
+                    missing,
+                    f"an int >= 1 with metric={metric!r} (it is required)",
+                    f"rank={rank!r}, head_dim={head_dim!r}",
+                )
             )
         r = check_int("rank", rank, optional=True)
         d = check_int("head_dim", head_dim, optional=True)
@@ -137,7 +144,18 @@ def make_metric_generators(
     return out
 
 
-def resolve_metric_generators(given: Any, config: DamchaConfig) -> dict[str, MetricGenerator]:
+def resolve_metric_generators(
+    given: Any, config: DamchaConfig, *, names: Mapping[str, str] | None = None, coupling_was_auto: bool = False
+) -> dict[str, MetricGenerator]:
     """The caller's shared generators by side (``{}``: make fresh ones), by the
-    one rule of ``damcha_core.resolve_generators``."""
-    return resolve_generators(given, config, generator_type=MetricGenerator, spec_of=lambda g: g.spec)
+    one rule of ``damcha_core.resolve_generators`` (``names``: the layer's
+    argument names; ``coupling_was_auto``: the caller passed no coupling, so
+    messages say it was chosen automatically)."""
+    return resolve_generators(
+        given,
+        config,
+        generator_type=MetricGenerator,
+        spec_of=lambda g: g.spec,
+        names=names,
+        coupling_was_auto=coupling_was_auto,
+    )

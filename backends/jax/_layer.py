@@ -30,6 +30,7 @@ from damcha_core import (
     check_shapes,
     config_sizes,
     describe,
+    invalid_argument,
     make_config,
     role_penalty,
     side_of,
@@ -97,16 +98,22 @@ def attention_config(
         qkv = E_q if qkv_features is None else check_int("qkv_features", qkv_features)
         if qkv % H:
             raise DamchaValueError(
-                "`qkv_features` must be divisible by `num_heads` (d = qkv_features / num_heads). "
-                f"Received: qkv_features={qkv}, num_heads={H}"
+                invalid_argument(
+                    "qkv_features",
+                    "a multiple of `num_heads` (d = qkv_features / num_heads)",
+                    f"qkv_features={qkv}, num_heads={H}",
+                )
             )
         key_dim = qkv // H
     elif qkv_features is not None:
         H = check_int("num_heads", num_heads)
         if check_int("qkv_features", qkv_features) != check_int("key_dim", key_dim) * H:
             raise DamchaValueError(
-                "`qkv_features` and `key_dim` disagree (qkv_features must be num_heads * key_dim); give one. "
-                f"Received: qkv_features={qkv_features}, key_dim={key_dim}, num_heads={num_heads}"
+                invalid_argument(
+                    "qkv_features",
+                    "num_heads * key_dim when both are given (give one of qkv_features and key_dim)",
+                    f"qkv_features={qkv_features}, key_dim={key_dim}, num_heads={num_heads}",
+                )
             )
     return make_config(
         names=CONFIG_NAMES,
@@ -141,15 +148,20 @@ def _check_inputs(
     for name, t in names.items():
         if t is not None and t.ndim < 2:
             raise DamchaValueError(
-                f"`{name}` must have shape [batch..., length, features] (rank >= 2). Received: {name}.shape={tuple(t.shape)}"
+                invalid_argument(
+                    name, "shape [batch..., length, features] (rank >= 2)", f"{name}.shape={tuple(t.shape)}"
+                )
             )
     lead = tuple(x.shape[:-2])
     for name in ("inputs_k", "inputs_v"):
         t = names[name]
         if t is not None and tuple(t.shape[:-2]) != lead:
             raise DamchaValueError(
-                f"`{name}` must have the batch axes of `inputs_q`, {lead}. "
-                f"Received: inputs_q.shape={tuple(x.shape)}, {name}.shape={tuple(t.shape)}"
+                invalid_argument(
+                    name,
+                    f"the batch axes of `inputs_q`, {lead}",
+                    f"inputs_q.shape={tuple(x.shape)}, {name}.shape={tuple(t.shape)}",
+                )
             )
     mask_shape = None if mask is None else tuple(mask.shape)
     fold_mask = mask_shape is not None and len(mask_shape) == len(lead) + 3
@@ -174,13 +186,11 @@ def _check_inputs(
             continue
         if t.shape[-1] != features:
             raise DamchaValueError(
-                f"Invalid argument `{name}`: expected {features} features ({arg}). "
-                f"Received: {name}.shape={tuple(t.shape)}"
+                invalid_argument(name, f"{features} features ({arg})", f"{name}.shape={tuple(t.shape)}")
             )
         if 0 in t.shape:
             raise DamchaValueError(
-                f"Invalid argument `{name}`: expected a non-empty shape (no size-0 dim). "
-                f"Received: {name}.shape={tuple(t.shape)}"
+                invalid_argument(name, "a non-empty shape (no size-0 dim)", f"{name}.shape={tuple(t.shape)}")
             )
     B = int(np.prod(lead)) if lead else 1
     N = x.shape[-2]
@@ -192,13 +202,19 @@ def _check_inputs(
         if len(mask_shape) == 2 or fold_mask:
             if any(s not in (1, t) for s, t in zip(mask_shape[::-1], target[::-1])):
                 raise DamchaValueError(
-                    f"`mask` must be broadcastable to [batch..., H, N, M] = {target} (each dim equal or 1). "
-                    f"Received: mask.shape={mask_shape}"
+                    invalid_argument(
+                        "mask",
+                        f"a shape broadcastable to [batch..., H, N, M] = {target} (each dim equal or 1)",
+                        f"mask.shape={mask_shape}",
+                    )
                 )
         else:
             raise DamchaValueError(
-                f"`mask` must have shape (N, M) or [batch..., H, N, M] = {target} with size-1 dims allowed. "
-                f"Received: mask.shape={mask_shape}"
+                invalid_argument(
+                    "mask",
+                    f"shape (N, M) or [batch..., H, N, M] = {target} with size-1 dims allowed",
+                    f"mask.shape={mask_shape}",
+                )
             )
     return lead
 
@@ -333,7 +349,7 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
         )
         cfg = self.config
         if not isinstance(rngs, nnx.Rngs):
-            raise DamchaTypeError(f"`rngs` must be an nnx.Rngs. Received: rngs={describe(rngs)}")
+            raise DamchaTypeError(invalid_argument("rngs", "an nnx.Rngs", f"rngs={describe(rngs)}"))
         for name, value in (
             ("broadcast_dropout", broadcast_dropout),
             ("normalize_qk", normalize_qk),
@@ -345,9 +361,12 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
                 check_bool(name, option)
         if attention_fn is not None and not callable(attention_fn):
             raise DamchaTypeError(
-                f"`attention_fn` must be callable or None. Received: attention_fn={describe(attention_fn)}"
+                invalid_argument("attention_fn", "a callable or None", f"attention_fn={describe(attention_fn)}")
             )
-        given = resolve_metric_generators(metric_generator, cfg)  # checked before any allocation
+        # Checked before any allocation.
+        given = resolve_metric_generators(
+            metric_generator, cfg, names=CONFIG_NAMES, coupling_was_auto=coupling in (None, "auto")
+        )
         H, d = cfg.num_heads, cfg.key_dim
         E_kv, E_v, E_o, G, d_v = config_sizes(cfg)
         # nnx.MultiHeadAttention's attribute names, so code reading them keeps working.
@@ -447,8 +466,11 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
         deterministic = self.deterministic if deterministic is None else check_bool("deterministic", deterministic)
         if deterministic is None:
             raise DamchaValueError(
-                f"`deterministic` must be given (to __call__ or the constructor) when dropout_rate={self.dropout_rate} > 0. "
-                "Received: deterministic=None"
+                invalid_argument(
+                    "deterministic",
+                    f"a bool, given to __call__ or the constructor, when dropout_rate={self.dropout_rate} > 0",
+                    "deterministic=None",
+                )
             )
         if deterministic:
             return True, None
@@ -458,12 +480,15 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
             stream = rngs or self.rngs
         else:
             raise DamchaTypeError(
-                f"`rngs` must be an nnx.Rngs, an nnx.RngStream or None. Received: rngs={describe(rngs)}"
+                invalid_argument("rngs", "an nnx.Rngs, an nnx.RngStream or None", f"rngs={describe(rngs)}")
             )
         if stream is None:
             raise DamchaValueError(
-                "`rngs` must be given to __call__ when dropout is active and the layer keeps no rngs "
-                "(keep_rngs=False). Received: rngs=None"
+                invalid_argument(
+                    "rngs",
+                    "an nnx.Rngs passed to __call__ when dropout is active and the layer keeps no rngs (keep_rngs=False)",
+                    "rngs=None",
+                )
             )
         return False, stream()
 
@@ -518,8 +543,11 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
         """
         if inputs_k is None and inputs_v is not None:
             raise DamchaValueError(
-                "`inputs_k` cannot be None when `inputs_v` is given; pass the key/value tokens as inputs_k. "
-                f"Received: inputs_k=None, inputs_v={describe(inputs_v)}"
+                invalid_argument(
+                    "inputs_k",
+                    "the key tokens when `inputs_v` is given (pass the key/value tokens as inputs_k)",
+                    f"inputs_k=None, inputs_v={describe(inputs_v)}",
+                )
             )
         x = F.check_float("inputs_q", inputs_q)
         k_in = None if inputs_k is None else F.check_float("inputs_k", inputs_k)
@@ -659,8 +687,11 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
             if self.decode and self.cached_key is None:
                 if batch_size is None or max_length is None:
                     raise DamchaValueError(
-                        "`batch_size` and `max_length` must be given to allocate the cache with decode=True. "
-                        f"Received: batch_size={describe(batch_size)}, max_length={describe(max_length)}"
+                        invalid_argument(
+                            "batch_size" if batch_size is None else "max_length",
+                            "a value with decode=True to allocate the cache (both batch_size and max_length)",
+                            f"batch_size={describe(batch_size)}, max_length={describe(max_length)}",
+                        )
                     )
                 batch = (batch_size,) if isinstance(batch_size, (int, np.integer)) else tuple(batch_size)
                 self.init_cache((*batch, max_length, self.in_features), self.dtype or jnp.float32)

@@ -85,8 +85,9 @@ def check_attention_axes(axes: Any) -> tuple[int, ...] | None:
         or not all(isinstance(a, (int, np.integer)) and not isinstance(a, (bool, np.bool_)) for a in axes)
     ):
         raise DamchaTypeError(
-            f"`attention_axes` must be an int, a non-empty list/tuple of ints, or None. "
-            f"Received: attention_axes={describe(axes)}"
+            dc.invalid_argument(
+                "attention_axes", "an int, a non-empty list/tuple of ints, or None", f"attention_axes={describe(axes)}"
+            )
         )
     return tuple(int(a) for a in axes)
 
@@ -105,8 +106,11 @@ def flag(name: str, value: Any) -> bool:
         except Exception:  # noqa: BLE001 - traced (each backend raises its own error type): the layer's structure cannot depend on it
             pass
     raise DamchaTypeError(
-        f"`{name}` must be a bool (or an int / concrete scalar, read as truthy), known when the layer is "
-        f"called. Received: {name}={describe(value)}"
+        dc.invalid_argument(
+            name,
+            "a bool (or an int / concrete scalar, read as truthy), known when the layer is called",
+            f"{name}={describe(value)}",
+        )
     )
 
 
@@ -120,9 +124,12 @@ def resolve_axes(attention_axes: tuple[int, ...] | None, rank: int) -> tuple[int
     axes = tuple(a if a >= 0 else rank + a for a in attention_axes)
     if any(not 1 <= a <= rank - 2 for a in axes) or len(set(axes)) != len(axes):
         raise DamchaValueError(
-            f"`attention_axes` must name distinct axes of the inputs other than batch (0) and features "
-            f"(-1): in [1, {rank - 2}] or [{1 - rank}, -2] for rank-{rank} inputs. "
-            f"Received: attention_axes={attention_axes}"
+            dc.invalid_argument(
+                "attention_axes",
+                f"distinct axes of the inputs other than batch (0) and features (-1): in [1, {rank - 2}] or "
+                f"[{1 - rank}, -2] for rank-{rank} inputs",
+                f"attention_axes={attention_axes}",
+            )
         )
     return tuple(sorted(axes))
 
@@ -135,29 +142,35 @@ def check_build_shapes(
     key_shape = value_shape if key_shape is None else tuple(key_shape)
     if tuple(value_shape[1:-1]) != tuple(key_shape[1:-1]):
         raise DamchaValueError(
-            "`key` and `value` must have the same shape but for the last (feature) axis: their other "
-            f"dims must be equal. Received: key.shape={key_shape}, value.shape={value_shape}"
+            dc.invalid_argument(
+                "key",
+                "the shape of `value` but for the last (feature) axis (all other dims must be equal)",
+                f"key.shape={key_shape}, value.shape={value_shape}",
+            )
         )
     if len(query_shape) < 3:
         raise DamchaValueError(
-            f"`query` must have rank >= 3, (batch, length, features). Received: query.shape={query_shape}"
+            dc.invalid_argument("query", "rank >= 3, (batch, length, features)", f"query.shape={query_shape}")
         )
     if len(value_shape) != len(query_shape):
         raise DamchaValueError(
-            f"`value` must have the rank of `query`. Received: query.shape={query_shape}, value.shape={value_shape}"
+            dc.invalid_argument("value", "the rank of `query`", f"query.shape={query_shape}, value.shape={value_shape}")
         )
     for name, shape in (("query", query_shape), ("value", value_shape), ("key", key_shape)):
         if shape[-1] is None:
             raise DamchaValueError(
-                f"`{name}` must have a known feature size (last axis). Received: {name}.shape={shape}"
+                dc.invalid_argument(name, "a known feature size (last axis)", f"{name}.shape={shape}")
             )
     rank = len(query_shape)
     batch_axes = F.Layout(rank, resolve_axes(attention_axes, rank)).batch_axes
     for a in (0, *batch_axes):
         if query_shape[a] is not None and value_shape[a] is not None and query_shape[a] != value_shape[a]:
             raise DamchaValueError(
-                f"`query` and `value` must be equal on the batch and non-attended axes {(0, *batch_axes)}. "
-                f"Received: query.shape={query_shape}, value.shape={value_shape}"
+                dc.invalid_argument(
+                    "value",
+                    f"the sizes of `query` on the batch and non-attended axes {(0, *batch_axes)} (they must be equal)",
+                    f"query.shape={query_shape}, value.shape={value_shape}",
+                )
             )
 
 
@@ -183,34 +196,47 @@ def check_inputs(
         a is not None and b is not None and a != b for a, b in zip(vs[1:-1], ks[1:-1])
     ):
         raise DamchaValueError(
-            "`key` and `value` must have the same shape but for the last (feature) axis: their other "
-            f"dims must be equal. Received: key.shape={tuple(key.shape)}, value.shape={tuple(value.shape)}"
+            dc.invalid_argument(
+                "key",
+                "the shape of `value` but for the last (feature) axis (all other dims must be equal)",
+                f"key.shape={tuple(key.shape)}, value.shape={tuple(value.shape)}",
+            )
         )
     E_kv, E_v = dc.config_sizes(config)[:2]
     rank = layout.rank
     # The layer's own argument names (value, key), not damcha_core's (context).
     if key is None and E_kv != E_v:
         raise DamchaValueError(
-            f"`key` is required: the layer was built with keys of {E_kv} features and values of "
-            f"{E_v}. Received: key=None, value.shape={tuple(value.shape)}"
+            dc.invalid_argument(
+                "key",
+                f"a tensor: the layer was built with keys of {E_kv} features and values of {E_v}",
+                f"key=None, value.shape={tuple(value.shape)}",
+            )
         )
     for name, shape, features in (("query", qs, config.query_dim), ("value", vs, E_v), ("key", ks, E_kv)):
         if len(shape) != rank:
             raise DamchaValueError(
-                f"`{name}` must have rank {rank}, the rank the layer was built with"
-                f"{' (batch, length, features)' if rank == 3 else ''}. Received: {name}.shape={shape}"
+                dc.invalid_argument(
+                    name,
+                    f"rank {rank}, the rank the layer was built with{' (batch, length, features)' if rank == 3 else ''}",
+                    f"{name}.shape={shape}",
+                )
             )
         if shape[-1] is not None and shape[-1] != features:  # None: traced (e.g. torch ONNX export)
             raise DamchaValueError(
-                f"`{name}` must have {features} features, the size the layer was built with. "
-                f"Received: {name}.shape={shape}"
+                dc.invalid_argument(
+                    name, f"{features} features, the size the layer was built with", f"{name}.shape={shape}"
+                )
             )
     for a in (0, *layout.batch_axes):
         if qs[a] is not None and vs[a] is not None and qs[a] != vs[a]:
             what = "batch size" if a == 0 else f"size on the non-attended axis {a}"
             raise DamchaValueError(
-                f"`query` and `value` must have the same {what}. "
-                f"Received: query.shape={tuple(query.shape)}, value.shape={tuple(value.shape)}"
+                dc.invalid_argument(
+                    "value",
+                    f"the {what} of `query` (they must be equal)",
+                    f"query.shape={tuple(query.shape)}, value.shape={tuple(value.shape)}",
+                )
             )
     # Unknown (symbolic) dims take the value the other tensors imply, so only
     # real contradictions are reported by the shared shape rules.

@@ -67,7 +67,9 @@ class _Block(keras.layers.Layer):
         )
         if not dc.check_real("layer_norm_epsilon", layer_norm_epsilon) > 0:
             raise DamchaValueError(
-                f"`layer_norm_epsilon` must be a number > 0. Received: layer_norm_epsilon={describe(layer_norm_epsilon)}"
+                dc.invalid_argument(
+                    "layer_norm_epsilon", "a number > 0", f"layer_norm_epsilon={describe(layer_norm_epsilon)}"
+                )
             )
         dc.check_generator_arg(
             metric_generator, metric=args["metric"], coupling=args["coupling"], generator_type=MetricGenerator
@@ -101,8 +103,12 @@ class _Block(keras.layers.Layer):
         key_dim = self.head_options.get("key_dim")
         if hidden is None or (key_dim is None and hidden % self.num_heads):
             raise DamchaValueError(
-                f"the feature size must be known and divisible by num_heads={self.num_heads} "
-                f"(key_dim = hidden // num_heads unless key_dim is given). Received: inputs.shape={tuple(inputs_shape)}"
+                dc.invalid_argument(
+                    "inputs",
+                    f"a known feature size, a multiple of num_heads={self.num_heads} (key_dim = hidden // num_heads "
+                    "unless key_dim is given)",
+                    f"inputs.shape={tuple(inputs_shape)}",
+                )
             )
         init = lambda i: i.__class__.from_config(i.get_config())  # noqa: E731 (fresh instances)
         self._attention = DamchaAttention(
@@ -161,14 +167,21 @@ class _Block(keras.layers.Layer):
         (``num_layers=1``, no final norm); ``stack_from_canonical`` builds stacks."""
         if not isinstance(config, dc.EncoderConfig) or config.num_layers != 1 or config.final_norm:
             raise DamchaValueError(
-                f"`config` of {cls.__name__}.from_canonical must be a damcha_core.EncoderConfig with num_layers=1 "
-                f"and final_norm=False; use stack_from_canonical for stacks. Received: config={describe(config)}"
+                dc.invalid_argument(
+                    "config",
+                    f"a damcha_core.EncoderConfig with num_layers=1 and final_norm=False for {cls.__name__}"
+                    ".from_canonical (use stack_from_canonical for stacks)",
+                    f"config={describe(config)}",
+                )
             )
         (block,) = _canonical.stack_from_canonical(params, config, **kwargs)
         if not isinstance(block, cls):
             raise DamchaValueError(
-                f"`config` has causal={config.causal}, which builds a {type(block).__name__}, not a {cls.__name__}. "
-                f"Received: config.causal={config.causal}"
+                dc.invalid_argument(
+                    "config",
+                    f"a config that builds a {cls.__name__}; causal={config.causal} builds a {type(block).__name__}",
+                    f"config.causal={config.causal}",
+                )
             )
         return block
 
@@ -317,20 +330,30 @@ class TransformerDecoder(_Block):
         if self_attention_cache is None:
             if self_attention_cache_update_index is not None:
                 raise DamchaValueError(
-                    "`self_attention_cache_update_index` needs a `self_attention_cache`. Received: "
-                    f"self_attention_cache=None, self_attention_cache_update_index={describe(self_attention_cache_update_index)}"
+                    dc.invalid_argument(
+                        "self_attention_cache_update_index",
+                        "None without a `self_attention_cache`",
+                        "self_attention_cache=None, "
+                        f"self_attention_cache_update_index={describe(self_attention_cache_update_index)}",
+                    )
                 )
             return self._forward(decoder_sequence, pad, decoder_attention_mask, training)
         if self_attention_cache_update_index is None:
             raise DamchaValueError(
-                "`self_attention_cache` needs `self_attention_cache_update_index` (the position of the first new "
-                "token). Received: self_attention_cache_update_index=None"
+                dc.invalid_argument(
+                    "self_attention_cache_update_index",
+                    "the position of the first new token with a `self_attention_cache`",
+                    "self_attention_cache_update_index=None",
+                )
             )
         if pad is not None:
             raise DamchaValueError(
-                "A padding mask (`decoder_padding_mask`, or the inputs' Keras mask) is not supported with "
-                "`self_attention_cache`: it would cover only the new tokens. Pass `decoder_attention_mask` "
-                f"(B, N, L) over the whole cache instead. Received: padding mask shape {tuple(pad.shape)}"
+                dc.invalid_argument(
+                    "decoder_padding_mask",
+                    "None with `self_attention_cache` (also no Keras mask on the inputs): it would cover only the "
+                    "new tokens. Pass `decoder_attention_mask` (B, N, L) over the whole cache instead",
+                    f"padding mask of shape {tuple(pad.shape)}",
+                )
             )
         return self._forward(
             decoder_sequence,

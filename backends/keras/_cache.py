@@ -47,8 +47,11 @@ def check_layout(config: DamchaConfig) -> None:
     """Keys and values share one tensor: a cache needs value_dim == key_dim."""
     if config.value_dim != config.key_dim:
         raise DamchaValueError(
-            "A cache stacks keys and values in one (B, 2, L, G, d) tensor, so it needs value_dim == key_dim. "
-            f"Received: key_dim={config.key_dim}, value_dim={config.value_dim}"
+            dc.invalid_argument(
+                "value_dim",
+                "value_dim == key_dim for a cache: it stacks keys and values in one (B, 2, L, G, d) tensor",
+                f"key_dim={config.key_dim}, value_dim={config.value_dim}",
+            )
         )
 
 
@@ -56,7 +59,7 @@ def init_cache(config: DamchaConfig, batch_size: int, max_length: int, dtype: st
     """A zero cache (B, 2, L, G, d) of ``dtype``."""
     for name, value in (("batch_size", batch_size), ("max_length", max_length)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-            raise DamchaValueError(f"`{name}` must be an int >= 1. Received: {name}={describe(value)}")
+            raise DamchaValueError(dc.invalid_argument(name, "an int >= 1", f"{name}={describe(value)}"))
     check_layout(config)
     shape = (int(batch_size), 2, int(max_length), config.num_kv_heads, config.key_dim)
     return ops.zeros(shape, dtype=dtype)
@@ -70,7 +73,11 @@ def check_cache(
     if cache is None:
         if index is not None:
             raise DamchaValueError(
-                f"`cache_update_index` needs a `cache`. Received: cache=None, cache_update_index={describe(index)}"
+                dc.invalid_argument(
+                    "cache_update_index",
+                    "None without a `cache`",
+                    f"cache=None, cache_update_index={describe(index)}",
+                )
             )
         return None
     check_layout(config)
@@ -81,42 +88,58 @@ def check_cache(
     expected = (B, 2, None, config.num_kv_heads, config.key_dim)
     if len(shape) != 5 or any(e is not None and s is not None and s != e for s, e in zip(shape, expected)):
         raise DamchaValueError(
-            f"`cache` must have shape (B, 2, L, G, d) = ({B}, 2, L, {config.num_kv_heads}, {config.key_dim}). "
-            f"Received: cache.shape={shape}"
+            dc.invalid_argument(
+                "cache",
+                f"shape (B, 2, L, G, d) = ({B}, 2, L, {config.num_kv_heads}, {config.key_dim})",
+                f"cache.shape={shape}",
+            )
         )
     for name in ("value_mask", "key_mask"):
         if masks[name] is not None:
             raise DamchaValueError(
-                f"`{name}` is not supported with a cache: it would cover only the new tokens. Pass an "
-                f"`attention_mask` (B, N, L) over the whole cache instead (Keras also fills `{name}` from "
-                f"the tensor's own mask, e.g. Embedding(mask_zero=True)). Received: {name}.shape="
-                f"{tuple(masks[name].shape)}"
+                dc.invalid_argument(
+                    name,
+                    f"None with a cache (it would cover only the new tokens): pass an `attention_mask` (B, N, L) "
+                    f"over the whole cache instead (Keras also fills `{name}` from the tensor's own mask, e.g. "
+                    "Embedding(mask_zero=True))",
+                    f"{name}.shape={tuple(masks[name].shape)}",
+                )
             )
     if index is None:
         if use_causal_mask:
             raise DamchaValueError(
-                "`use_causal_mask=True` with a read-only cache needs `cache_update_index` (the position of "
-                "the first new token). Received: cache_update_index=None"
+                dc.invalid_argument(
+                    "cache_update_index",
+                    "the position of the first new token with use_causal_mask=True and a cache",
+                    "use_causal_mask=True, cache_update_index=None",
+                )
             )
         return shape[2]
     bad_index = isinstance(index, bool) or not (isinstance(index, (int, np.integer)) or hasattr(index, "dtype"))
     if bad_index or (hasattr(index, "dtype") and ("int" not in dtype_name(index) or len(index.shape) != 0)):
         raise DamchaTypeError(
-            f"`cache_update_index` must be an int or an int scalar tensor. Received: "
-            f"cache_update_index={describe(index)}"
+            dc.invalid_argument(
+                "cache_update_index", "an int or an int scalar tensor", f"cache_update_index={describe(index)}"
+            )
         )
     T, n = static_shape(value)[1], static_shape(query)[1]
     if use_causal_mask and T is not None and n is not None and n != T:
         raise DamchaValueError(
-            "`use_causal_mask=True` with a cache needs one new key per query token (self-attention "
-            f"decoding). Received: query.shape={tuple(query.shape)}, value.shape={tuple(value.shape)}"
+            dc.invalid_argument(
+                "value",
+                "one new key per query token with use_causal_mask=True and a cache (self-attention decoding)",
+                f"query.shape={tuple(query.shape)}, value.shape={tuple(value.shape)}",
+            )
         )
     start = concrete_int(index)
     if start is not None and shape[2] is not None and T is not None and not 0 <= start <= shape[2] - T:
         # Under jit the index is traced and slice_update would clamp it silently; here it is known.
         raise DamchaValueError(
-            f"`cache_update_index` must be in [0, L - M] = [0, {shape[2] - T}] to write {T} tokens into a "
-            f"cache of L={shape[2]}. Received: cache_update_index={start}"
+            dc.invalid_argument(
+                "cache_update_index",
+                f"an index in [0, L - M] = [0, {shape[2] - T}] to write {T} tokens into a cache of L={shape[2]}",
+                f"cache_update_index={start}",
+            )
         )
     return shape[2]
 
@@ -194,11 +217,14 @@ def check_cache_dtype(layer: keras.layers.Layer, dtype: Any) -> str:
         return layer.compute_dtype
     wanted = keras.backend.standardize_dtype(dtype)
     if wanted not in FLOAT_DTYPES:
-        raise DamchaTypeError(f"`dtype` of a cache must be a float dtype. Received: dtype={describe(dtype)}")
+        raise DamchaTypeError(dc.invalid_argument("dtype", "a float dtype for a cache", f"dtype={describe(dtype)}"))
     if wanted != layer.compute_dtype and layer.autocast:
         raise DamchaValueError(
-            f"`dtype` of a cache must be the layer's compute dtype {layer.compute_dtype!r}: Keras casts "
-            f"floating call inputs to it, so the cache would come back as {layer.compute_dtype}. "
-            f"Received: dtype={wanted!r}"
+            dc.invalid_argument(
+                "dtype",
+                f"the layer's compute dtype {layer.compute_dtype!r} for a cache: Keras casts floating call inputs "
+                f"to it, so the cache would come back as {layer.compute_dtype}",
+                f"dtype={wanted!r}",
+            )
         )
     return wanted

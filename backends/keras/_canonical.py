@@ -99,8 +99,7 @@ def load_canonical(layer: DamchaAttention, params: Mapping[str, Any]) -> None:
 
 def from_canonical(cls: type, params: Mapping[str, Any], config: DamchaConfig, **kwargs: Any) -> DamchaAttention:
     """A built ``cls`` holding ``params`` for ``config``."""
-    if not isinstance(config, DamchaConfig):
-        raise DamchaTypeError(f"`config` must be a DamchaConfig. Received: config={describe(config)}")
+    dc.check_config(config)
     dc.validate_params(params, config)
     layer = cls(
         num_heads=config.num_heads,
@@ -152,16 +151,23 @@ def _split_stack(layers: Any, argument: str) -> tuple[list[Any], Any]:
     kinds = (TransformerEncoder, TransformerDecoder)
     if isinstance(layers, (keras.layers.Layer, str, bytes)) or not isinstance(layers, Sequence) or not layers:
         raise DamchaTypeError(
-            f"`{argument}` must be a non-empty list of damcha_keras TransformerEncoder/TransformerDecoder blocks, "
-            f"optionally followed by one keras.layers.LayerNormalization. Received: {argument}={describe(layers)}"
+            dc.invalid_argument(
+                argument,
+                "a non-empty list of damcha_keras TransformerEncoder/TransformerDecoder blocks, optionally followed by one keras.layers.LayerNormalization",
+                f"{argument}={describe(layers)}",
+            )
         )
     layers = list(layers)
     final = layers.pop() if isinstance(layers[-1], keras.layers.LayerNormalization) and len(layers) > 1 else None
     types = {type(b) for b in layers}
     if not types <= set(kinds) or len(types) != 1:
         raise DamchaTypeError(
-            f"`{argument}` must hold blocks of one kind, all TransformerEncoder or all TransformerDecoder "
-            f"(then an optional final LayerNormalization). Received: {sorted(t.__name__ for t in types)}"
+            dc.invalid_argument(
+                argument,
+                "blocks of one kind, all TransformerEncoder or all TransformerDecoder (then an optional final "
+                "LayerNormalization)",
+                f"{argument} with blocks of types {sorted(t.__name__ for t in types)}",
+            )
         )
     return layers, final
 
@@ -185,7 +191,9 @@ def stack_config(layers: Sequence[Any], *, causal: bool | None = None) -> dc.Enc
     decoder = isinstance(blocks[0], TransformerDecoder)
     causal = decoder if causal is None else dc.check_bool("causal", causal)
     if decoder and not causal:
-        raise DamchaValueError("TransformerDecoder blocks are always causal. Received: causal=False")
+        raise DamchaValueError(
+            dc.invalid_argument("causal", "True or None for TransformerDecoder blocks (always causal)", "causal=False")
+        )
     problems = []
     first = blocks[0]
     if any(not b.built for b in blocks):
@@ -209,9 +217,12 @@ def stack_config(layers: Sequence[Any], *, causal: bool | None = None) -> dc.Enc
             problems.append("a built final LayerNormalization with the blocks' epsilon, center and scale")
     if problems:
         raise DamchaValueError(
-            "`blocks` do not fit the stack format (damcha_core.EncoderConfig); it needs "
-            + "; ".join(dict.fromkeys(problems))
-            + f". Received: blocks={describe(list(layers))}"
+            dc.invalid_argument(
+                "blocks",
+                "a stack that fits the stack format (damcha_core.EncoderConfig), with "
+                + "; ".join(dict.fromkeys(problems)),
+                f"blocks={describe(list(layers))}",
+            )
         )
     activation = _activation_name(first.activation)
     assert activation is not None, "an unknown activation is one of the problems above"
@@ -297,13 +308,18 @@ def stack_from_canonical(params: Mapping[str, Any], config: dc.EncoderConfig, **
     from ._generator import MetricGenerator
 
     if not isinstance(config, dc.EncoderConfig):
-        raise DamchaTypeError(f"`config` must be a damcha_core.EncoderConfig. Received: config={describe(config)}")
+        raise DamchaTypeError(
+            dc.invalid_argument("config", "a damcha_core.EncoderConfig", f"config={describe(config)}")
+        )
     checked = dc.validate_stack_params(params, config)
     a = config.attention
     if not a.use_bias:
         raise DamchaValueError(
-            "damcha_keras blocks have attention biases; the config has use_bias=False. "
-            "Received: config.attention.use_bias=False"
+            dc.invalid_argument(
+                "config",
+                "a config with attention biases (damcha_keras blocks have them)",
+                "config.attention.use_bias=False",
+            )
         )
     cls = TransformerDecoder if config.causal else TransformerEncoder
     dtype = kwargs.get("dtype")

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 import keras
-from damcha_core import DamchaTypeError, DamchaValueError, describe
+from damcha_core import DamchaTypeError, DamchaValueError, describe, invalid_argument
 
 if TYPE_CHECKING:
     from ._layer import DamchaAttention
@@ -70,11 +70,14 @@ def from_mha(cls: type, layer: Any, **kwargs: Any) -> DamchaAttention:
         options = _gqa_options(layer)
     else:
         raise DamchaTypeError(
-            "`layer` must be a keras.layers.MultiHeadAttention or GroupQueryAttention. "
-            f"Received: layer={describe(layer)}"
+            invalid_argument(
+                "layer", "a keras.layers.MultiHeadAttention or GroupQueryAttention", f"layer={describe(layer)}"
+            )
         )
     if not layer.built:
-        raise DamchaValueError(f"`layer` must be built (call it once). Received: an unbuilt layer {layer.name!r}")
+        raise DamchaValueError(
+            invalid_argument("layer", "a built layer (call it once)", f"an unbuilt layer {layer.name!r}")
+        )
     theirs = {
         "query": layer._query_dense,
         "key": layer._key_dense,
@@ -86,8 +89,11 @@ def from_mha(cls: type, layer: Any, **kwargs: Any) -> DamchaAttention:
     for name, dense in theirs.items():
         if dense.quantization_mode is not None:
             raise DamchaValueError(
-                f"`layer` has a quantized {name} projection ({dense.quantization_mode}); convert the float "
-                f"layer, then quantize the DamchaAttention. Received: layer={describe(layer)}"
+                invalid_argument(
+                    "layer",
+                    "a layer with float projections (convert the float layer, then quantize the DamchaAttention)",
+                    f"layer={describe(layer)} with a quantized {name} projection ({dense.quantization_mode})",
+                )
             )
     # Build from the kernels: they hold the feature sizes whatever the input rank.
     E_q, E_k, E_v = (int(theirs[n].kernel.shape[0]) for n in ("query", "key", "value"))

@@ -65,7 +65,9 @@ class MetricGenerator(keras.layers.Layer):
         super().__init__(**kwargs)
         metric = dc.check_choice("metric", metric, tuple(KERAS_LEAVES))
         if metric == "lowrank" and key_dim is None:
-            raise DamchaValueError("`key_dim` is required with metric='lowrank'. Received: key_dim=None")
+            raise DamchaValueError(
+                dc.invalid_argument("key_dim", "an int >= 1 with metric='lowrank' (it is required)", "key_dim=None")
+            )
         args = dc.check_layer_args(
             num_heads=num_heads, key_dim=1 if key_dim is None else key_dim, metric=metric, metric_rank=metric_rank
         )
@@ -87,8 +89,11 @@ class MetricGenerator(keras.layers.Layer):
         E = input_shape[-1]
         if E is None:
             raise DamchaValueError(
-                f"the tokens fed to MetricGenerator {self.name!r} need a known feature size. "
-                f"Received: input_shape={tuple(input_shape)}"
+                dc.invalid_argument(
+                    "input_shape",
+                    f"a known feature size (last axis) for the tokens fed to MetricGenerator {self.name!r}",
+                    f"input_shape={tuple(input_shape)}",
+                )
             )
         self.features = int(E)
         structure = dc.METRIC_STRUCTURES[self.metric]
@@ -105,8 +110,11 @@ class MetricGenerator(keras.layers.Layer):
         E = self.features if self.features is not None else features
         if E is None:
             raise DamchaValueError(
-                f"MetricGenerator {self.name!r} is not built, so its feature size is unknown: pass `features`. "
-                "Received: features=None"
+                dc.invalid_argument(
+                    "features",
+                    f"an int: MetricGenerator {self.name!r} is not built, so its feature size is unknown",
+                    "features=None",
+                )
             )
         return GeneratorSpec(
             features=E,

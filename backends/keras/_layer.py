@@ -348,7 +348,12 @@ class DamchaAttention(keras.layers.Layer):
         )
         hint = {id(g): cfg.side_features(side) for side, g in sides.items() if side in cfg.metric_sides}
         shared = dc.resolve_generators(
-            given, cfg, generator_type=MetricGenerator, spec_of=lambda g: g.spec(hint.get(id(g))), names=KERAS_NAMES
+            given,
+            cfg,
+            generator_type=MetricGenerator,
+            spec_of=lambda g: g.spec(hint.get(id(g))),
+            names=KERAS_NAMES,
+            coupling_was_auto=self._coupling_arg in (None, "auto"),
         )
         for i, side in enumerate(cfg.metric_sides):
             S, E = cfg.side_heads(side), cfg.side_features(side)

@@ -257,23 +257,29 @@ class DamchaMaps(keras.layers.Layer):
         finite, in the canonical shapes); returns the maps."""
         variables = self.canonical_variables()
         if not isinstance(params, Mapping):
-            raise DamchaTypeError(f"`params` must be a mapping of canonical names. Received: params={describe(params)}")
+            raise DamchaTypeError(
+                dc.invalid_argument("params", "a mapping of canonical names", f"params={describe(params)}")
+            )
         missing, extra = sorted(set(variables) - set(params)), sorted(set(params) - set(variables))
         if missing or extra:
             raise DamchaValueError(
-                f"`params` must hold exactly the metric weights of layer {self.path!r}: "
-                f"missing {missing}, unexpected {extra}. Received: {len(params)} names"
+                dc.invalid_argument(
+                    "params",
+                    f"exactly the metric weights of layer {self.path!r}: missing {missing}, unexpected {extra}",
+                    f"{len(params)} names",
+                )
             )
         values = {}
         for name, variable in variables.items():
             value = np.asarray(params[name])
             if value.shape != tuple(variable.shape):
                 raise DamchaValueError(
-                    f"`params[{name!r}]` must have shape {tuple(variable.shape)}. "
-                    f"Received: params[{name!r}].shape={value.shape}"
+                    dc.invalid_argument(
+                        f"params[{name!r}]", f"shape {tuple(variable.shape)}", f"params[{name!r}].shape={value.shape}"
+                    )
                 )
             if not np.all(np.isfinite(value)):
-                raise DamchaValueError(f"`params[{name!r}]` must be finite. Received: a non-finite value")
+                raise DamchaValueError(dc.invalid_argument(f"params[{name!r}]", "finite values", "a non-finite value"))
             values[name] = value
         for name, variable in variables.items():
             variable.assign(values[name].astype(keras.backend.standardize_dtype(variable.dtype)))
@@ -384,37 +390,59 @@ def convert(
             tasks) saves ``.keras`` files without the conversion.
     """
     if not isinstance(model, keras.layers.Layer):
-        raise DamchaTypeError(f"`model` must be a Keras layer or model. Received: model={describe(model)}")
+        raise DamchaTypeError(dc.invalid_argument("model", "a Keras layer or model", f"model={describe(model)}"))
     metric = dc.check_choice("metric", metric, ("heads", "lowrank"))
     coupling = "auto" if coupling is None else coupling
     if coupling not in _COUPLINGS:
-        raise DamchaValueError(f"`coupling` must be one of {_COUPLINGS} or None. Received: coupling={coupling!r}")
+        raise DamchaValueError(
+            dc.invalid_argument("coupling", f"one of {_COUPLINGS} or None", f"coupling={coupling!r}")
+        )
     share_metric = dc.check_bool("share_metric", share_metric)
     if _is_converted(model) or any(isinstance(layer, DamchaMaps) for layer in _walk(model)):
         raise DamchaValueError(
-            f"`model` is already converted (it has DAMCHA maps: {', '.join(converted_layers(model)) or type(model).__name__}). "
-            f"Received: model={type(model).__name__}"
+            dc.invalid_argument(
+                "model",
+                "a model not yet converted; it is already converted (it has DAMCHA maps: "
+                f"{', '.join(converted_layers(model)) or type(model).__name__})",
+                f"model={type(model).__name__}",
+            )
         )
     if not model.built:
         raise DamchaValueError(
-            f"`model` must be built before convert() (call it once, or build it). Received: an unbuilt "
-            f"{type(model).__name__} {model.name!r}"
+            dc.invalid_argument(
+                "model",
+                "a built model (call it once, or build it, before convert())",
+                f"an unbuilt {type(model).__name__} {model.name!r}",
+            )
         )
     matched, unknown, damcha = _find(model)
     if unknown:
         raise DamchaValueError(
-            f"`model` has attention layers of a layout convert() does not know: {', '.join(unknown[:5])}"
-            + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
-            + f". Nothing was converted. Supported: {_supported_text()}. "
-            "Teach it another layout with damcha_keras.register_adapter."
+            dc.invalid_argument(
+                "model",
+                f"attention layers of a layout convert() knows ({_supported_text()}; teach it another with "
+                "damcha_keras.register_adapter). Nothing was converted",
+                f"model with layers of unknown layouts: {', '.join(unknown[:5])}"
+                + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""),
+            )
         )
     if not matched:
         if damcha:
             raise DamchaValueError(
-                f"`model` is already DAMCHA (DamchaAttention at {', '.join(_name(a) for a in damcha[:5])})."
+                dc.invalid_argument(
+                    "model",
+                    "a model not yet converted; it is already converted (DamchaAttention at "
+                    f"{', '.join(_name(a) for a in damcha[:5])})",
+                    f"model={type(model).__name__}",
+                )
             )
         raise DamchaValueError(
-            f"`model` ({type(model).__name__}) has no attention layer convert() supports. Supported: {_supported_text()}."
+            dc.invalid_argument(
+                "model",
+                f"a model with an attention layer convert() supports ({_supported_text()}); it has no attention layer "
+                "convert() supports",
+                f"model={type(model).__name__}",
+            )
         )
 
     # Validate every layer before touching any: a failure leaves the model as it was.
@@ -624,7 +652,7 @@ def recorded_options(model: Any) -> dict[str, Any] | None:
 
 def _check_model(model: Any) -> None:
     if not isinstance(model, keras.layers.Layer):
-        raise DamchaTypeError(f"`model` must be a Keras layer or model. Received: model={describe(model)}")
+        raise DamchaTypeError(dc.invalid_argument("model", "a Keras layer or model", f"model={describe(model)}"))
 
 
 def _maps_of(model: keras.layers.Layer) -> Iterator[tuple[Any, DamchaMaps]]:
@@ -689,7 +717,9 @@ def track_metric_penalty(model: keras.layers.Layer, weight: float = 1.0) -> kera
     maps = [m for _, m in _maps_of(model)]
     if not maps:
         raise DamchaValueError(
-            f"`model` has no converted layer (call convert first). Received: model={type(model).__name__}"
+            dc.invalid_argument(
+                "model", "a model with converted layers (call convert first)", f"model={type(model).__name__}"
+            )
         )
     for m in maps:
         m._penalty_weight = float(weight)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import keras
-from damcha_core import DamchaValueError, describe
+from damcha_core import DamchaValueError, describe, invalid_argument
 
 from ._models import AttentionLayout, ModelAdapter, ProjectionSite, register_adapter
 
@@ -28,7 +28,7 @@ def _heads(layer: Any, attr: str) -> tuple[int, int, int]:
     heads (B, T, heads, head_dim), read from its EinsumDense equation and kernel."""
     dense = getattr(layer, attr, None)
     if not isinstance(dense, keras.layers.EinsumDense):
-        raise DamchaValueError(f"`{attr}` must be a keras.layers.EinsumDense. Received: {describe(dense)}")
+        raise DamchaValueError(invalid_argument(attr, "a keras.layers.EinsumDense", f"{attr}={describe(dense)}"))
     if dense.quantization_mode is not None:
         raise DamchaValueError(
             f"`{attr}` is quantized ({dense.quantization_mode}); convert the float model, then quantize it."

@@ -70,13 +70,15 @@ def _torch_layer_args(
     E, H = dc.check_int("d_model", d_model), dc.check_int("nhead", nhead)
     if key_dim is None and E % H:
         raise DamchaValueError(
-            f"`d_model` must be divisible by `nhead` when `key_dim` is not given. Received: d_model={E}, nhead={H}"
+            dc.invalid_argument(
+                "d_model", "a multiple of `nhead` when `key_dim` is not given", f"d_model={E}, nhead={H}"
+            )
         )
     dc.check_int("dim_feedforward", dim_feedforward)
     dc.check_rate("dropout", dropout)
     if not (callable(activation) or activation in ("relu", "gelu")):
         raise DamchaValueError(
-            f"`activation` must be 'relu', 'gelu' or a callable. Received: activation={describe(activation)}"
+            dc.invalid_argument("activation", "'relu', 'gelu' or a callable", f"activation={describe(activation)}")
         )
     dc.check_finite_nonneg("layer_norm_eps", layer_norm_eps)
     for name, value in (("batch_first", batch_first), ("norm_first", norm_first), ("bias", bias)):
@@ -216,13 +218,13 @@ class DamchaTransformerDecoderLayer(nn.TransformerDecoderLayer):
 def _check_num_layers(num_layers: Any) -> None:
     # torch's stacks index layers[0] (and sharing points every layer at it).
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
-        raise DamchaValueError(f"`num_layers` must be an int >= 1. Received: num_layers={describe(num_layers)}")
+        raise DamchaValueError(dc.invalid_argument("num_layers", "an int >= 1", f"num_layers={describe(num_layers)}"))
 
 
 def _check_norm(norm: Any) -> None:
     if norm is not None and not isinstance(norm, nn.Module):
         raise DamchaTypeError(
-            f"`norm` must be an nn.Module (e.g. nn.LayerNorm) or None. Received: norm={describe(norm)}"
+            dc.invalid_argument("norm", "an nn.Module (e.g. nn.LayerNorm) or None", f"norm={describe(norm)}")
         )
 
 
@@ -254,8 +256,11 @@ class DamchaTransformerEncoder(nn.TransformerEncoder):
     ) -> None:
         if not isinstance(getattr(encoder_layer, "self_attn", None), DamchaAttention):
             raise DamchaTypeError(
-                "`encoder_layer` must have a DamchaAttention self_attn (e.g. DamchaTransformerEncoderLayer). "
-                f"Received: encoder_layer={describe(encoder_layer)}"
+                dc.invalid_argument(
+                    "encoder_layer",
+                    "a layer with a DamchaAttention self_attn (e.g. DamchaTransformerEncoderLayer)",
+                    f"encoder_layer={describe(encoder_layer)}",
+                )
             )
         _check_num_layers(num_layers)
         _check_norm(norm)
@@ -294,7 +299,9 @@ class DamchaTransformerEncoder(nn.TransformerEncoder):
     ) -> DamchaTransformerEncoder:
         """An encoder built for ``config`` (a ``damcha_core.EncoderConfig``) holding ``params``."""
         if not isinstance(config, dc.EncoderConfig):
-            raise DamchaTypeError(f"`config` must be a damcha_core.EncoderConfig. Received: config={describe(config)}")
+            raise DamchaTypeError(
+                dc.invalid_argument("config", "a damcha_core.EncoderConfig", f"config={describe(config)}")
+            )
         a = config.attention
         activation: Any = nn.GELU(approximate="tanh") if config.activation == "gelu_tanh" else config.activation
         layer = DamchaTransformerEncoderLayer(
@@ -336,8 +343,11 @@ class DamchaTransformerDecoder(nn.TransformerDecoder):
     ) -> None:
         if not isinstance(getattr(decoder_layer, "self_attn", None), DamchaAttention):
             raise DamchaTypeError(
-                "`decoder_layer` must have DamchaAttention attention (e.g. DamchaTransformerDecoderLayer). "
-                f"Received: decoder_layer={describe(decoder_layer)}"
+                dc.invalid_argument(
+                    "decoder_layer",
+                    "a layer with DamchaAttention attention (e.g. DamchaTransformerDecoderLayer)",
+                    f"decoder_layer={describe(decoder_layer)}",
+                )
             )
         _check_num_layers(num_layers)
         _check_norm(norm)
@@ -451,12 +461,17 @@ def shard_stack(stack: nn.Module, **fsdp_kwargs: Any) -> nn.Module:
 
     if not isinstance(stack, (DamchaTransformerEncoder, DamchaTransformerDecoder)):
         raise DamchaTypeError(
-            "`stack` must be a DamchaTransformerEncoder or DamchaTransformerDecoder (build_encoder/build_decoder). "
-            f"Received: stack={describe(stack)}"
+            dc.invalid_argument(
+                "stack",
+                "a DamchaTransformerEncoder or DamchaTransformerDecoder (build_encoder/build_decoder)",
+                f"stack={describe(stack)}",
+            )
         )
     if "ignored_params" in fsdp_kwargs:
         raise DamchaValueError(
-            "`ignored_params` is set by shard_stack (the shared generators). Received: ignored_params"
+            dc.invalid_argument(
+                "ignored_params", "no ignored_params: shard_stack sets them (the shared generators)", "ignored_params"
+            )
         )
     shared = set(stack.metric_generators.parameters())
     shared |= set(getattr(stack, "cross_metric_generators", nn.ModuleDict()).parameters())
@@ -488,12 +503,15 @@ def metric_penalty(
         return fn.metric_penalty(model, config, query, context)  # type: ignore[arg-type]
     if not isinstance(model, nn.Module):
         raise DamchaTypeError(
-            f"`model` must be an nn.Module (or canonical params with a config). Received: model={describe(model)}"
+            dc.invalid_argument("model", "an nn.Module (or canonical params with a config)", f"model={describe(model)}")
         )
     if config is not None or query is not None or context is not None:
         raise DamchaValueError(
-            "`config`, `query` and `context` are for canonical params, not for a model. "
-            f"Received: model={describe(model)}, config={describe(config)}"
+            dc.invalid_argument(
+                "config" if config is not None else ("query" if query is not None else "context"),
+                "None with a model (`config`, `query` and `context` are for canonical params)",
+                f"model={describe(model)}, config={describe(config)}",
+            )
         )
     # Any DAMCHA layer that records one: DamchaAttention, and the maps of
     # layers converted by damcha_torch.convert (DamchaMaps).

@@ -16,7 +16,7 @@ import numpy as np
 
 import damcha_core as dc
 import torch
-from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, config_sizes, describe
+from damcha_core import DamchaConfig, DamchaValueError, config_sizes, describe
 from torch import Tensor
 
 from ._generator import TORCH_LEAVES, generator_shapes
@@ -135,8 +135,7 @@ class CanonicalIO:
         Keyword arguments are the constructor's that a config does not hold:
         ``batch_first``, ``device``, ``dtype``, ``metric_generator``, ``recompute``.
         """
-        if not isinstance(config, DamchaConfig):
-            raise DamchaTypeError(f"`config` must be a DamchaConfig. Received: config={describe(config)}")
+        dc.check_config(config)
         layer = cls._from_config(config, **kwargs)
         return layer.load_canonical(params)
 
@@ -200,9 +199,12 @@ def encoder_config(encoder: Any, *, causal: bool = False) -> dc.EncoderConfig:
             problems.append(f"one attention config (layer {i} differs)")
     if problems:
         raise DamchaValueError(
-            "`encoder` does not fit the stack format (damcha_core.EncoderConfig); it needs "
-            + "; ".join(dict.fromkeys(problems))
-            + f". Received: encoder={describe(encoder)}"
+            dc.invalid_argument(
+                "encoder",
+                "a stack that fits the stack format (damcha_core.EncoderConfig), with "
+                + "; ".join(dict.fromkeys(problems)),
+                f"encoder={describe(encoder)}",
+            )
         )
     return dc.EncoderConfig(
         first.self_attn.config,

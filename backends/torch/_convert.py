@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from damcha_core import DamchaTypeError, DamchaValueError, describe
+from damcha_core import DamchaTypeError, DamchaValueError, describe, invalid_argument
 from torch import nn
 
 from ._generator import MetricGenerator
@@ -33,7 +33,7 @@ def from_mha(
     ``coupling=None`` is automatic: "tied" when kdim == embed_dim, else "separate".
     """
     if not isinstance(mha, nn.MultiheadAttention):
-        raise DamchaTypeError(f"`mha` must be an nn.MultiheadAttention. Received: mha={describe(mha)}")
+        raise DamchaTypeError(invalid_argument("mha", "an nn.MultiheadAttention", f"mha={describe(mha)}"))
     ref = mha.out_proj.weight
     layer = cls(
         mha.embed_dim,
@@ -81,9 +81,15 @@ def replace_mha(model: nn.Module, **kwargs: Any) -> nn.Module:
     ``from_mha`` (metric, coupling, ...).
     """
     if not isinstance(model, nn.Module):
-        raise DamchaTypeError(f"`model` must be an nn.Module. Received: model={describe(model)}")
+        raise DamchaTypeError(invalid_argument("model", "an nn.Module", f"model={describe(model)}"))
     if isinstance(model, nn.MultiheadAttention):
-        raise DamchaValueError("`model` is itself an nn.MultiheadAttention; use DamchaAttention.from_mha(model).")
+        raise DamchaValueError(
+            invalid_argument(
+                "model",
+                "a model that contains nn.MultiheadAttention layers; it is itself one (use DamchaAttention.from_mha(model))",
+                f"model={describe(model)}",
+            )
+        )
     unknown = sorted(set(kwargs) - set(_FROM_MHA_KEYS))
     if unknown:
         raise DamchaTypeError(

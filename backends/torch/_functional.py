@@ -886,7 +886,7 @@ def _append_keys(
 
 def _check_bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
-        raise DamchaTypeError(f"`{name}` must be a bool. Received: {name}={describe(value)}")
+        raise DamchaTypeError(dc.invalid_argument(name, "a bool", f"{name}={describe(value)}"))
     return value
 
 
@@ -899,12 +899,13 @@ def _check_float(name: str, value: Any) -> Tensor:
 def _check_params(params: Any, config: Any) -> DamchaConfig:
     """Names, shapes and dtypes (damcha_core's rules), never values: a forward
     pass must not read parameters (it would sync a device and break tracing)."""
-    if not isinstance(config, DamchaConfig):
-        raise DamchaTypeError(f"`config` must be a DamchaConfig. Received: config={describe(config)}")
+    dc.check_config(config)
     dc.check_params(params, config)
     for name, t in params.items():
         if not isinstance(t, Tensor):
-            raise DamchaTypeError(f"`params[{name!r}]` must be a torch tensor. Received: {describe(t)}")
+            raise DamchaTypeError(
+                dc.invalid_argument(f"params[{name!r}]", "a torch tensor", f"params[{name!r}]={describe(t)}")
+            )
     return config
 
 
@@ -987,8 +988,11 @@ def damcha_attention(
     vt = None if value is None else _check_float("value", value)
     if vt is not None and c is None:
         raise DamchaValueError(
-            "`value` needs `context` (self-attention takes keys and values from the query). "
-            f"Received: context=None, value={describe(value)}"
+            dc.invalid_argument(
+                "value",
+                "None when `context` is None (self-attention takes keys and values from the query)",
+                f"context=None, value={describe(value)}",
+            )
         )
     B, N, M = dc.check_shapes(
         config,
@@ -1000,16 +1004,17 @@ def damcha_attention(
     return_weights = _check_bool("return_weights", return_weights)
     return_metric = _check_bool("return_metric", return_metric)
     recompute = _check_bool("recompute", recompute)
-    if isinstance(query_offset, bool) or not isinstance(query_offset, numbers.Integral) or query_offset < 0:
-        raise DamchaValueError(f"`query_offset` must be an int >= 0. Received: query_offset={describe(query_offset)}")
+    dc.check_offset("query_offset", query_offset)
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p < 1.0:
-        raise DamchaValueError(f"`dropout_p` must be a number in [0, 1). Received: dropout_p={describe(dropout_p)}")
+        raise DamchaValueError(
+            dc.invalid_argument("dropout_p", "a number in [0, 1)", f"dropout_p={describe(dropout_p)}")
+        )
     if kv_cache is not None:
         from ._cache import DamchaKVCache
 
         if not isinstance(kv_cache, DamchaKVCache):
             raise DamchaTypeError(
-                f"`kv_cache` must be a DamchaKVCache or None. Received: kv_cache={describe(kv_cache)}"
+                dc.invalid_argument("kv_cache", "a DamchaKVCache or None", f"kv_cache={describe(kv_cache)}")
             )
     mask = _check_mask(mask, config, B, N, M + (0 if kv_cache is None else len(kv_cache)))
     params, (x, c, vt) = _promote(params, x, c, vt)
@@ -1075,42 +1080,51 @@ def _metric_factors(w: LayerWeights, config: DamchaConfig, x: Tensor, c: Tensor)
 def _check_side(params: Any, config: Any, side: Any, tokens: Any, y: Any = None) -> Tensor:
     """The arguments of ``generator``/``apply_map``: the side's leaves (names,
     shapes, dtypes), tokens (B, T, E_side) and heads y (B, T, S, d)."""
-    if not isinstance(config, DamchaConfig):
-        raise DamchaTypeError(f"`config` must be a DamchaConfig. Received: config={describe(config)}")
+    dc.check_config(config)
     if side not in config.metric_sides:
         raise DamchaValueError(
-            f"`side` must be one of config.metric_sides={config.metric_sides}. Received: side={describe(side)}"
+            dc.invalid_argument("side", f"one of config.metric_sides={config.metric_sides}", f"side={describe(side)}")
         )
     if not isinstance(params, Mapping):
         raise DamchaTypeError(
-            f"`params` must be a mapping of canonical names to tensors. Received: params={describe(params)}"
+            dc.invalid_argument("params", "a mapping of canonical names to tensors", f"params={describe(params)}")
         )
     for name, shape in config.param_shapes().items():
         if not name.startswith(f"metric.{side}."):
             continue
         if name not in params:
-            raise DamchaValueError(f"`params` lacks {name!r} for side {side!r}.")
+            raise DamchaValueError(
+                dc.invalid_argument("params", f"the tensor {name!r} for side {side!r}", f"params={describe(params)}")
+            )
         t = params[name]
         if not isinstance(t, Tensor) or not t.is_floating_point():
-            raise DamchaTypeError(f"`params[{name!r}]` must be a real floating torch tensor. Received: {describe(t)}")
+            raise DamchaTypeError(
+                dc.invalid_argument(
+                    f"params[{name!r}]", "a real floating torch tensor", f"params[{name!r}]={describe(t)}"
+                )
+            )
         if tuple(t.shape) != shape:
             raise DamchaValueError(
-                f"`params[{name!r}]` must have shape {shape} for this config. "
-                f"Received: params[{name!r}].shape={tuple(t.shape)}"
+                dc.invalid_argument(
+                    f"params[{name!r}]", f"shape {shape} for this config", f"params[{name!r}].shape={tuple(t.shape)}"
+                )
             )
     tokens = _check_float("tokens", tokens)
     E = config.side_features(side)
     if tokens.dim() != 3 or tokens.shape[-1] != E:
         raise DamchaValueError(
-            f"`tokens` must be (B, T, {E}) for side {side!r}. Received: tokens.shape={tuple(tokens.shape)}"
+            dc.invalid_argument("tokens", f"shape (B, T, {E}) for side {side!r}", f"tokens.shape={tuple(tokens.shape)}")
         )
     if y is not None:
         y = _check_float("y", y)
         S, d = config.side_heads(side), config.key_dim
         if tuple(y.shape) != (*tokens.shape[:2], S, d):
             raise DamchaValueError(
-                f"`y` must be the stacked heads (B, T, S, d) = {(*tuple(tokens.shape[:2]), S, d)} of the tokens. "
-                f"Received: y.shape={tuple(y.shape)}, tokens.shape={tuple(tokens.shape)}"
+                dc.invalid_argument(
+                    "y",
+                    f"the stacked heads (B, T, S, d) = {(*tuple(tokens.shape[:2]), S, d)} of the tokens",
+                    f"y.shape={tuple(y.shape)}, tokens.shape={tuple(tokens.shape)}",
+                )
             )
     return tokens
 
@@ -1210,29 +1224,39 @@ def _heads_attention(
         _check_float(name, t)
         if t.dim() != 4:
             raise DamchaValueError(
-                f"`{name}` must have rank 4, (batch, length, heads, head_dim). Received: {name}.shape={tuple(t.shape)}"
+                dc.invalid_argument(name, "rank 4, (batch, length, heads, head_dim)", f"{name}.shape={tuple(t.shape)}")
             )
     (B, N, H, d), (Bk, M, G, dk) = q.shape, k.shape
     if Bk != B or dk != d or H % G or v.shape[:3] != k.shape[:3]:
         raise DamchaValueError(
-            "`q`, `k`, `v` must be (B, N, H, d), (B, M, G, d), (B, M, G, d_v) with G dividing H. "
-            f"Received: q.shape={tuple(q.shape)}, k.shape={tuple(k.shape)}, v.shape={tuple(v.shape)}"
+            dc.invalid_argument(
+                "k" if Bk != B or dk != d or H % G else "v",
+                "`q`, `k`, `v` of shapes (B, N, H, d), (B, M, G, d), (B, M, G, d_v) with G dividing H",
+                f"q.shape={tuple(q.shape)}, k.shape={tuple(k.shape)}, v.shape={tuple(v.shape)}",
+            )
         )
     if mask is not None:
         if not isinstance(mask, Tensor) or not (mask.dtype == torch.bool or mask.is_floating_point()):
             raise dc.mask_dtype_error(mask)
         if mask.dim() not in (2, 4) or any(s not in (1, t) for s, t in zip(mask.shape[::-1], (B, H, N, M)[::-1])):
             raise DamchaValueError(
-                f"`mask` must have shape (N, M) or (B, H, N, M) with size-1 dims allowed, expected broadcastable "
-                f"to {(B, H, N, M)}. Received: mask.shape={tuple(mask.shape)}"
+                dc.invalid_argument(
+                    "mask",
+                    f"shape (N, M) or (B, H, N, M) with size-1 dims allowed, broadcastable to {(B, H, N, M)}",
+                    f"mask.shape={tuple(mask.shape)}",
+                )
             )
     for role, gen, gate, tokens in (("q", q_generator, q_gate, q_tokens), ("k", k_generator, k_gate, k_tokens)):
         if gen is None:
             continue
         if tokens is None or gate is None:
+            missing = f"{role}_tokens" if tokens is None else f"{role}_gate"
             raise DamchaValueError(
-                f"`{role}_tokens` and `{role}_gate` are required with `{role}_generator`. "
-                f"Received: {role}_tokens={tokens is not None}, {role}_gate={gate is not None}"
+                dc.invalid_argument(
+                    missing,
+                    f"a tensor with `{role}_generator` (it needs `{role}_tokens` and `{role}_gate`)",
+                    f"{role}_tokens={describe(tokens)}, {role}_gate={describe(gate)}",
+                )
             )
         if role == "q":
             q = gen(tokens, q, gate)

@@ -85,8 +85,11 @@ def check_param_dtype(dtype: object) -> None:
         return
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise DamchaTypeError(
-            "`dtype` must be None or a real floating torch dtype (torch.float16, bfloat16, float32, float64). "
-            f"Received: dtype={describe(dtype)}"
+            dc.invalid_argument(
+                "dtype",
+                "None or a real floating torch dtype (torch.float16, bfloat16, float32, float64)",
+                f"dtype={describe(dtype)}",
+            )
         )
 
 
@@ -139,10 +142,18 @@ class MetricGenerator(nn.Module):
         )
         if metric == "lowrank":
             if rank is None:
-                raise DamchaValueError("`rank` is required with metric='lowrank'. Received: rank=None")
+                raise DamchaValueError(
+                    dc.invalid_argument("rank", "an int >= 1 with metric='lowrank' (it is required)", "rank=None")
+                )
             rank = dc.check_int("rank", rank)
         elif rank is not None:
-            raise DamchaValueError(f"`rank` is only used with metric='lowrank'. Received: rank={describe(rank)}")
+            raise DamchaValueError(
+                dc.invalid_argument(
+                    "rank",
+                    f"None with metric={metric!r} (it is only used with metric='lowrank')",
+                    f"metric={metric!r}, rank={describe(rank)}",
+                )
+            )
         check_param_dtype(dtype)
         self.features, self.heads, self.head_dim, self.metric, self.rank = features, heads, head_dim, metric, rank
         for name, shape in generator_shapes(metric, features, heads, head_dim, rank).items():

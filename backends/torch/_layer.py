@@ -39,14 +39,20 @@ def _add_batch_dim(
     key/value (M, E_kv), key_padding_mask (M,); returned batch-first with B = 1."""
     if key.dim() != 2 or value.dim() != 2:
         raise DamchaValueError(
-            "With an unbatched (2-D) `query`, `key` and `value` must be 2-D too. "
-            f"Received: query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}, value.shape={tuple(value.shape)}"
+            dc.invalid_argument(
+                "key" if key.dim() != 2 else "value",
+                "a 2-D (unbatched) tensor with an unbatched (2-D) `query`: `query`, `key` and `value` all 2-D",
+                f"query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}, value.shape={tuple(value.shape)}",
+            )
         )
     if isinstance(key_padding_mask, Tensor):
         if key_padding_mask.dim() != 1:
             raise DamchaValueError(
-                f"With unbatched inputs `key_padding_mask` must have shape (M,) = ({key.shape[0]},). "
-                f"Received: key_padding_mask.shape={tuple(key_padding_mask.shape)}"
+                dc.invalid_argument(
+                    "key_padding_mask",
+                    f"shape (M,) = ({key.shape[0]},) with unbatched inputs",
+                    f"key_padding_mask.shape={tuple(key_padding_mask.shape)}",
+                )
             )
         key_padding_mask = key_padding_mask.unsqueeze(0)
     return query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0), key_padding_mask
@@ -193,8 +199,9 @@ class DamchaAttention(CanonicalIO, nn.Module):
             if embed_dim % num_heads:
                 e, h = names["query_dim"], names.get("num_heads", "num_heads")
                 raise DamchaValueError(
-                    f"`{e}` must be divisible by `{h}` when `key_dim` is not given. "
-                    f"Received: {e}={embed_dim}, {h}={num_heads}"
+                    dc.invalid_argument(
+                        e, f"a multiple of `{h}` when `key_dim` is not given", f"{e}={embed_dim}, {h}={num_heads}"
+                    )
                 )
             key_dim = embed_dim // num_heads
         batch_first = dc.check_bool("batch_first", batch_first)
@@ -218,7 +225,16 @@ class DamchaAttention(CanonicalIO, nn.Module):
             scale=scale,
             dropout=dropout,
         )
-        self._init_from_config(cfg, batch_first, device, dtype, metric_generator, recompute, names)
+        self._init_from_config(
+            cfg,
+            batch_first,
+            device,
+            dtype,
+            metric_generator,
+            recompute,
+            names,
+            coupling_was_auto=coupling in (None, "auto"),
+        )
         self.add_zero_attn = add_zero_attn
         if add_bias_kv:
             d, (G, dv) = cfg.key_dim, fn.config_sizes(cfg)[3:]
@@ -240,10 +256,16 @@ class DamchaAttention(CanonicalIO, nn.Module):
         metric_generator: Any,
         recompute: bool,
         names: Mapping[str, str],
+        coupling_was_auto: bool = False,
     ) -> None:
         self.config = cfg
         shared = dc.resolve_generators(
-            metric_generator, cfg, generator_type=MetricGenerator, spec_of=lambda g: g.spec, names=names
+            metric_generator,
+            cfg,
+            generator_type=MetricGenerator,
+            spec_of=lambda g: g.spec,
+            names=names,
+            coupling_was_auto=coupling_was_auto,
         )
         kw: dict[str, Any] = {"device": device, "dtype": dtype}
         E, H, d = cfg.query_dim, cfg.num_heads, cfg.key_dim
@@ -420,11 +442,15 @@ class DamchaAttention(CanonicalIO, nn.Module):
                 return
         elif all(d == dtype for d in inputs):
             return
+        bad = next((n for n, t in (("query", query), ("key", key), ("value", value)) if t.dtype != dtype), "query")
         raise DamchaTypeError(
-            f"`query`, `key` and `value` must have the dtype of this layer's parameters ({dtype}), as "
-            "nn.MultiheadAttention needs; convert them, move the layer (layer.to(dtype)), or run under "
-            "torch.autocast, which casts float32 and 16-bit inputs (not float64). Received: "
-            f"query.dtype={query.dtype}, key.dtype={key.dtype}, value.dtype={value.dtype}"
+            dc.invalid_argument(
+                bad,
+                f"the dtype of this layer's parameters ({dtype}) for `query`, `key` and `value`, as "
+                "nn.MultiheadAttention needs; convert them, move the layer (layer.to(dtype)), or run under "
+                "torch.autocast, which casts float32 and 16-bit inputs (not float64)",
+                f"query.dtype={query.dtype}, key.dtype={key.dtype}, value.dtype={value.dtype}",
+            )
         )
 
     # ------------------------------------------------------------- forward
@@ -616,16 +642,22 @@ class DamchaAttention(CanonicalIO, nn.Module):
             _check_float(name, t)
             if t.is_nested:
                 raise DamchaTypeError(
-                    f"`{name}` is a nested tensor; DamchaAttention takes dense (padded) tensors with a "
-                    f"key_padding_mask. Received: {name}={describe(t)}"
+                    dc.invalid_argument(
+                        name,
+                        "a dense (padded) tensor with a key_padding_mask; DamchaAttention takes no nested tensors",
+                        f"{name}={describe(t)} (nested)",
+                    )
                 )
         self._check_dtypes(query, key, value)
         if query.dim() not in (2, 3) or (query.dim() == 3 and (key.dim() != 3 or value.dim() != 3)):
             layout = "(B, N, E)" if self.batch_first else "(N, B, E)"
             raise DamchaValueError(
-                f"`query`, `key` and `value` must all be batched {layout} or all unbatched (N, E), as in "
-                f"nn.MultiheadAttention. Received: query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}, "
-                f"value.shape={tuple(value.shape)}"
+                dc.invalid_argument(
+                    "query" if query.dim() not in (2, 3) else ("key" if key.dim() != 3 else "value"),
+                    f"`query`, `key` and `value` all batched {layout} or all unbatched (N, E), as in "
+                    "nn.MultiheadAttention",
+                    f"query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}, value.shape={tuple(value.shape)}",
+                )
             )
         unbatched = query.dim() == 2
         if unbatched:
@@ -665,7 +697,7 @@ class DamchaAttention(CanonicalIO, nn.Module):
             )
         if kv_cache is not None and not isinstance(kv_cache, DamchaKVCache):
             raise DamchaTypeError(
-                f"`kv_cache` must be a DamchaKVCache or None. Received: kv_cache={describe(kv_cache)}"
+                dc.invalid_argument("kv_cache", "a DamchaKVCache or None", f"kv_cache={describe(kv_cache)}")
             )
         offset = 0 if kv_cache is None else len(kv_cache)
         is_causal = bool(is_causal)

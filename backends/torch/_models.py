@@ -208,7 +208,11 @@ class DamchaMaps(nn.Module):
         previous = projection.__dict__.get("forward")
         if isinstance(previous, _SiteForward):
             raise DamchaValueError(
-                f"`{site.attr}` already carries a DAMCHA map (converted twice?). Received: {type(projection).__name__}"
+                dc.invalid_argument(
+                    site.attr,
+                    "a projection without a DAMCHA map; it already carries one (converted twice?)",
+                    f"{site.attr}={type(projection).__name__}",
+                )
             )
         projection.forward = _SiteForward(self, projection, site, previous)
         self._installed[site.attr] = projection
@@ -449,7 +453,11 @@ def _child(module: nn.Module, attr: str) -> nn.Module:
     child = getattr(module, attr, None)
     if not isinstance(child, nn.Module):
         raise DamchaValueError(
-            f"The attention module {type(module).__name__} has no projection module `{attr}`. Received: {describe(child)}"
+            dc.invalid_argument(
+                "module",
+                f"an attention module with a projection module `{attr}`; {type(module).__name__} has none",
+                f"module.{attr}={describe(child)}",
+            )
         )
     return child
 
@@ -542,36 +550,63 @@ def convert(
             already converted.
     """
     if not isinstance(model, nn.Module):
-        raise DamchaTypeError(f"`model` must be a torch.nn.Module. Received: model={describe(model)}")
+        raise DamchaTypeError(dc.invalid_argument("model", "a torch.nn.Module", f"model={describe(model)}"))
     if metric not in ("heads", "lowrank"):
-        raise DamchaValueError(f"`metric` must be 'heads' or 'lowrank'. Received: metric={metric!r}")
+        raise DamchaValueError(dc.invalid_argument("metric", "one of ('heads', 'lowrank')", f"metric={metric!r}"))
     coupling = "auto" if coupling is None else coupling
     if coupling not in _COUPLINGS:
-        raise DamchaValueError(f"`coupling` must be one of {_COUPLINGS} or None. Received: coupling={coupling!r}")
+        raise DamchaValueError(
+            dc.invalid_argument("coupling", f"one of {_COUPLINGS} or None", f"coupling={coupling!r}")
+        )
     for name, value in (("share_metric", share_metric), ("recompute", recompute)):
         if not isinstance(value, bool):
-            raise DamchaTypeError(f"`{name}` must be a bool. Received: {name}={describe(value)}")
+            raise DamchaTypeError(dc.invalid_argument(name, "a bool", f"{name}={describe(value)}"))
     if isinstance(model, nn.MultiheadAttention):
-        raise DamchaValueError("`model` is itself an nn.MultiheadAttention; use DamchaAttention.from_mha(model).")
+        raise DamchaValueError(
+            dc.invalid_argument(
+                "model",
+                "a model that contains attention layers; it is itself an nn.MultiheadAttention "
+                "(use DamchaAttention.from_mha(model))",
+                f"model={describe(model)}",
+            )
+        )
     if any(isinstance(m, DamchaMaps) for m in model.modules()):
         raise DamchaValueError(
-            f"`model` is already converted (it has DAMCHA maps: {', '.join(converted_layers(model))}). "
-            f"Received: model={type(model).__name__}"
+            dc.invalid_argument(
+                "model",
+                f"a model not yet converted; it is already converted (it has DAMCHA maps: "
+                f"{', '.join(converted_layers(model))})",
+                f"model={type(model).__name__}",
+            )
         )
     matched, mhas, unknown = _find(model)
     if unknown:
         raise DamchaValueError(
-            f"`model` has attention layers of a layout convert() does not know: {', '.join(unknown[:5])}"
-            + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
-            + f". Nothing was converted. Supported: {_supported_text()}. "
-            "Teach it another layout with damcha_torch.register_adapter."
+            dc.invalid_argument(
+                "model",
+                f"attention layers of a layout convert() knows ({_supported_text()}; teach it another with "
+                "damcha_torch.register_adapter). Nothing was converted",
+                f"model with layers of unknown layouts: {', '.join(unknown[:5])}"
+                + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""),
+            )
         )
     if not matched and not mhas:
         already = [n for n, m in model.named_modules() if isinstance(m, DamchaAttention)]
         if already:
-            raise DamchaValueError(f"`model` is already converted (DamchaAttention at {', '.join(already[:5])}).")
+            raise DamchaValueError(
+                dc.invalid_argument(
+                    "model",
+                    f"a model not yet converted; it is already converted (DamchaAttention at {', '.join(already[:5])})",
+                    f"model={type(model).__name__}",
+                )
+            )
         raise DamchaValueError(
-            f"`model` ({type(model).__name__}) has no attention layer convert() supports. Supported: {_supported_text()}."
+            dc.invalid_argument(
+                "model",
+                f"a model with an attention layer convert() supports ({_supported_text()}); it has no attention layer "
+                "convert() supports",
+                f"model={type(model).__name__}",
+            )
         )
 
     # Validate every layer before touching any: a failure leaves the model as it was.
@@ -656,7 +691,7 @@ def converted_layers(model: nn.Module) -> dict[str, nn.Module]:
     """Name -> attention module, for every layer of ``model`` carrying DAMCHA
     (converted by ``convert``, or a ``DamchaAttention``)."""
     if not isinstance(model, nn.Module):
-        raise DamchaTypeError(f"`model` must be a torch.nn.Module. Received: model={describe(model)}")
+        raise DamchaTypeError(dc.invalid_argument("model", "a torch.nn.Module", f"model={describe(model)}"))
     out: dict[str, nn.Module] = {}
     for name, module in model.named_modules():
         if isinstance(module, DamchaAttention) or isinstance(
@@ -687,7 +722,7 @@ def damcha_parameters(model: nn.Module, *, gates: bool = True, generators: bool 
         generators: include the metric generators' parameters.
     """
     if not isinstance(model, nn.Module):
-        raise DamchaTypeError(f"`model` must be a torch.nn.Module. Received: model={describe(model)}")
+        raise DamchaTypeError(dc.invalid_argument("model", "a torch.nn.Module", f"model={describe(model)}"))
     out, seen = [], set()
     for name, p in _damcha_named(model):
         is_gate = ".gates." in f".{name}" or ".metric_gates." in f".{name}"
@@ -703,7 +738,7 @@ def track_metric_penalty(model: nn.Module, enabled: bool = True) -> nn.Module:
     (converted layers and ``DamchaAttention``); returns ``model``. After a
     forward, ``damcha_torch.metric_penalty(model)`` averages what they recorded."""
     if not isinstance(model, nn.Module):
-        raise DamchaTypeError(f"`model` must be a torch.nn.Module. Received: model={describe(model)}")
+        raise DamchaTypeError(dc.invalid_argument("model", "a torch.nn.Module", f"model={describe(model)}"))
     for m in model.modules():
         if isinstance(m, (DamchaMaps, DamchaAttention)):
             m.track_metric_penalty = bool(enabled)
@@ -743,13 +778,16 @@ def from_pretrained(cls: type, path: str | os.PathLike, *, recompute: bool = Tru
             with ``cls.from_pretrained`` and call ``convert``).
     """
     if not isinstance(cls, type) or not hasattr(cls, "from_pretrained"):
-        raise DamchaTypeError(f"`cls` must be a transformers model class. Received: cls={describe(cls)}")
+        raise DamchaTypeError(dc.invalid_argument("cls", "a transformers model class", f"cls={describe(cls)}"))
     options = recorded_options(path)
     if options is None or options.get("format") != CONFIG_FORMAT:
         raise DamchaValueError(
-            f"`path` holds no DAMCHA checkpoint: {os.path.join(os.fspath(path), 'config.json')} records no "
-            f"'{CONFIG_KEY}' conversion. Load a plain checkpoint with {getattr(cls, '__name__', cls)}.from_pretrained "
-            f"and call damcha_torch.convert. Received: path={os.fspath(path)!r}"
+            dc.invalid_argument(
+                "path",
+                f"a DAMCHA checkpoint; its config.json records no '{CONFIG_KEY}' conversion (load a plain checkpoint "
+                f"with {getattr(cls, '__name__', cls)}.from_pretrained and call damcha_torch.convert)",
+                f"path={os.fspath(path)!r}",
+            )
         )
     opts = {k: options[k] for k in ("metric", "metric_rank", "coupling", "share_metric")}
     # A transformers model class, whose from_pretrained and __init__ `type` does not know of.
