@@ -55,10 +55,12 @@ class Case:
     def __post_init__(self) -> None:
         # _make_mask reads any other string as a random per-head mask: reject typos.
         if self.mask is not None and self.mask not in MASK_KINDS:
-            raise dc.DamchaValueError(f"`mask` must be None or one of {MASK_KINDS}. Received: mask={self.mask!r}")
+            raise dc.DamchaValueError(
+                dc.invalid_argument("mask", f"None or one of {MASK_KINDS}", f"mask={self.mask!r}")
+            )
         if self.inputs is not None and self.inputs not in INPUT_KINDS:
             raise dc.DamchaValueError(
-                f"`inputs` must be None or one of {INPUT_KINDS}. Received: inputs={self.inputs!r}"
+                dc.invalid_argument("inputs", f"None or one of {INPUT_KINDS}", f"inputs={self.inputs!r}")
             )
 
     @property
@@ -414,7 +416,7 @@ class ErrorCase:
     def __post_init__(self) -> None:
         if self.corruption not in CORRUPTIONS:
             raise dc.DamchaValueError(
-                f"`corruption` must be one of {tuple(CORRUPTIONS)}. Received: corruption={self.corruption!r}"
+                dc.invalid_argument("corruption", f"one of {tuple(CORRUPTIONS)}", f"corruption={self.corruption!r}")
             )
 
     @property

@@ -68,8 +68,8 @@ DTYPES = tuple(TOLERANCES)
 
 def tolerance(dtype: str) -> Tolerance:
     """The tolerance of ``dtype`` (one of ``DTYPES``)."""
-    from damcha_core import DamchaValueError
+    from damcha_core import DamchaValueError, invalid_argument
 
     if dtype not in TOLERANCES:
-        raise DamchaValueError(f"`dtype` must be one of {DTYPES}. Received: dtype={dtype!r}")
+        raise DamchaValueError(invalid_argument("dtype", f"one of {DTYPES}", f"dtype={dtype!r}"))
     return TOLERANCES[dtype]

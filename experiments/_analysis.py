@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from damcha_core import DamchaValueError
+from damcha_core import DamchaValueError, invalid_argument
 
 from ._stats import describe, holm, paired_difference
 from ._tasks import CLAIM1_TASKS
@@ -104,7 +104,9 @@ def values(
     if budget == "converged":
         return [r["test_metric"] for r in runs]
     if b is None:
-        raise DamchaValueError(f"budget={budget!r} needs `b`, the budgets() of the results. Received: b=None")
+        raise DamchaValueError(
+            invalid_argument("b", f"the budgets() of the results with budget={budget!r}", f"b=None, budget={budget!r}")
+        )
     if budget == "steps":
         return [value_at(results, r, max_step=b["steps"]) for r in runs]
     sps = _s_per_step(cost, name) if b["time_source"] == "cost" else None

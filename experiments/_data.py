@@ -17,14 +17,14 @@ from typing import cast
 
 import numpy as np
 
-from damcha_core import DamchaTypeError, DamchaValueError
+from damcha_core import DamchaTypeError, DamchaValueError, invalid_argument
 
 
 def _check_positive(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise DamchaTypeError(f"`{name}` must be an int >= 1. Received: {name}={value!r} ({type(value).__name__})")
+        raise DamchaTypeError(invalid_argument(name, "an int >= 1", f"{name}={value!r} ({type(value).__name__})"))
     if value < 1:
-        raise DamchaValueError(f"`{name}` must be an int >= 1. Received: {name}={value}")
+        raise DamchaValueError(invalid_argument(name, "an int >= 1", f"{name}={value}"))
     return int(value)
 
 
@@ -93,7 +93,11 @@ def make_crosshead(n: int, seed: int, *, blocks: int = 4, symbols: int = 8, item
     M = _check_positive("items", items)
     K = _check_positive("labels", labels)
     if C < 2 or M < C:
-        raise DamchaValueError(f"need blocks >= 2 and items >= blocks. Received: blocks={C}, items={M}")
+        raise DamchaValueError(
+            invalid_argument(
+                "blocks" if C < 2 else "items", "blocks >= 2 and items >= blocks", f"blocks={C}, items={M}"
+            )
+        )
     rng = np.random.default_rng(seed)
     inputs = np.zeros((n, M + 1, C + 2), dtype=np.int64)
     targets = np.zeros(n, dtype=np.int64)
@@ -205,7 +209,7 @@ def make_listops(n: int, seed: int, *, max_depth: int = 3, max_args: int = 4, ma
     max_depth = _check_positive("max_depth", max_depth)
     max_len = _check_positive("max_len", max_len)
     if isinstance(max_args, bool) or not isinstance(max_args, (int, np.integer)) or max_args < 2:
-        raise DamchaValueError(f"`max_args` must be an int >= 2. Received: max_args={max_args!r}")
+        raise DamchaValueError(invalid_argument("max_args", "an int >= 2", f"max_args={max_args!r}"))
     rng = np.random.default_rng(seed)
     inputs = np.full((n, max_len, 1), PAD, dtype=np.int64)
     targets = np.zeros(n, dtype=np.int64)
@@ -248,11 +252,14 @@ def stdlib_corpus(max_bytes: int = 1_000_000, val_fraction: float = 0.1, test_fr
     """
     max_bytes = _check_positive("max_bytes", max_bytes)
     if not 0.0 < val_fraction < 1.0:
-        raise DamchaValueError(f"`val_fraction` must be in (0, 1). Received: val_fraction={val_fraction!r}")
+        raise DamchaValueError(invalid_argument("val_fraction", "a number in (0, 1)", f"val_fraction={val_fraction!r}"))
     if not 0.0 <= test_fraction < 1.0 - val_fraction:
         raise DamchaValueError(
-            f"`test_fraction` must be in [0, 1 - val_fraction). Received: test_fraction={test_fraction!r}, "
-            f"val_fraction={val_fraction!r}"
+            invalid_argument(
+                "test_fraction",
+                "a number in [0, 1 - val_fraction)",
+                f"test_fraction={test_fraction!r}, val_fraction={val_fraction!r}",
+            )
         )
     root = Path(sysconfig.get_paths()["stdlib"])
     chunks, files, total = [], [], 0
@@ -321,8 +328,11 @@ def digits_split(seed: int = 0, val_fraction: float = 0.2, test_fraction: float 
     """
     if not (0.0 < val_fraction < 1.0 and 0.0 < test_fraction < 1.0 and val_fraction + test_fraction < 1.0):
         raise DamchaValueError(
-            "`val_fraction` and `test_fraction` must be in (0, 1) with a sum below 1. "
-            f"Received: val_fraction={val_fraction!r}, test_fraction={test_fraction!r}"
+            invalid_argument(
+                "val_fraction" if not 0.0 < val_fraction < 1.0 else "test_fraction",
+                "`val_fraction` and `test_fraction` in (0, 1) with a sum below 1",
+                f"val_fraction={val_fraction!r}, test_fraction={test_fraction!r}",
+            )
         )
     from sklearn.datasets import load_digits
 

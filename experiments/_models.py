@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from damcha_core import DamchaValueError
+from damcha_core import DamchaValueError, invalid_argument
 
 from ._talking_heads import TalkingHeadsAttention
 from ._variants import Variant
@@ -196,7 +196,7 @@ class DigitsViT(nn.Module):
     ) -> None:
         super().__init__()
         if image % patch:
-            raise DamchaValueError(f"`patch` must divide `image`. Received: patch={patch}, image={image}")
+            raise DamchaValueError(invalid_argument("patch", "a divisor of `image`", f"patch={patch}, image={image}"))
         self.patch, self.image = patch, image
         tokens = (image // patch) ** 2
         self.embed = nn.Linear(patch * patch, embed_dim)

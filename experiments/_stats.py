@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from damcha_core import DamchaTypeError, DamchaValueError
+from damcha_core import DamchaTypeError, DamchaValueError, invalid_argument
 
 __all__ = [
     "describe",
@@ -34,9 +34,9 @@ __all__ = [
 
 def _check_df(df: object) -> int:
     if isinstance(df, bool) or not isinstance(df, (int, np.integer)):
-        raise DamchaTypeError(f"`df` must be an int >= 1. Received: df={df!r} ({type(df).__name__})")
+        raise DamchaTypeError(invalid_argument("df", "an int >= 1", f"df={df!r} ({type(df).__name__})"))
     if df < 1:
-        raise DamchaValueError(f"`df` must be an int >= 1. Received: df={df}")
+        raise DamchaValueError(invalid_argument("df", "an int >= 1", f"df={df}"))
     return int(df)
 
 
@@ -78,7 +78,7 @@ def t_quantile(p: float, df: int) -> float:
     df = _check_df(df)
     p = float(p)
     if not 0.0 < p < 1.0:
-        raise DamchaValueError(f"`p` must be in (0, 1). Received: p={p}")
+        raise DamchaValueError(invalid_argument("p", "a number in (0, 1)", f"p={p}"))
     if p == 0.5:
         return 0.0
     if p < 0.5:
@@ -101,7 +101,7 @@ def _as_values(name: str, values: Sequence[float]) -> np.ndarray:
     arr = np.asarray(values, dtype=np.float64)
     if arr.ndim != 1 or arr.size == 0:
         raise DamchaValueError(
-            f"`{name}` must be a non-empty 1-D sequence of numbers. Received: {name}.shape={arr.shape}"
+            invalid_argument(name, "a non-empty 1-D sequence of numbers", f"{name}.shape={arr.shape}")
         )
     return arr
 
@@ -147,7 +147,9 @@ def paired_difference(
     x, y = _as_values("a", a), _as_values("b", b)
     if x.shape != y.shape:
         raise DamchaValueError(
-            f"`a` and `b` must pair up (one value per seed). Received: a.shape={x.shape}, b.shape={y.shape}"
+            invalid_argument(
+                "b", "the shape of `a` (one value per seed in each)", f"a.shape={x.shape}, b.shape={y.shape}"
+            )
         )
     gain = (x - y) if higher_is_better else (y - x)
     n = int(gain.size)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from damcha_core import DamchaTypeError, DamchaValueError, float_dtype_error, mask_dtype_error
+from damcha_core import DamchaTypeError, DamchaValueError, float_dtype_error, invalid_argument, mask_dtype_error
 
 
 class TalkingHeadsAttention(nn.Module):
@@ -43,16 +43,19 @@ class TalkingHeadsAttention(nn.Module):
     ) -> None:
         super().__init__()
         if not isinstance(embed_dim, int) or not isinstance(num_heads, int) or num_heads < 1 or embed_dim < 1:
+            bad = "embed_dim" if not isinstance(embed_dim, int) or embed_dim < 1 else "num_heads"
             raise DamchaTypeError(
-                f"`embed_dim` and `num_heads` must be ints >= 1. Received: embed_dim={embed_dim!r}, num_heads={num_heads!r}"
+                invalid_argument(bad, "an int >= 1", f"embed_dim={embed_dim!r}, num_heads={num_heads!r}")
             )
         if embed_dim % num_heads:
             raise DamchaValueError(
-                f"`embed_dim` must be divisible by `num_heads`. Received: embed_dim={embed_dim}, num_heads={num_heads}"
+                invalid_argument(
+                    "embed_dim", "a multiple of `num_heads`", f"embed_dim={embed_dim}, num_heads={num_heads}"
+                )
             )
         if batch_first is not True:
             raise DamchaValueError(
-                f"`batch_first` must be True (inputs are (B, N, E)). Received: batch_first={batch_first!r}"
+                invalid_argument("batch_first", "True (inputs are (B, N, E))", f"batch_first={batch_first!r}")
             )
         self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, embed_dim // num_heads
         self.dropout, self.batch_first = float(dropout), True
@@ -90,7 +93,7 @@ class TalkingHeadsAttention(nn.Module):
                 raise float_dtype_error(name, t)
             if t.dim() != 3 or t.shape[-1] != self.embed_dim:
                 raise DamchaValueError(
-                    f"`{name}` must have shape (B, T, {self.embed_dim}). Received: {name}.shape={tuple(t.shape)}"
+                    invalid_argument(name, f"shape (B, T, {self.embed_dim})", f"{name}.shape={tuple(t.shape)}")
                 )
         B, N, E = query.shape
         M = key.shape[1]
@@ -112,7 +115,9 @@ class TalkingHeadsAttention(nn.Module):
                 raise mask_dtype_error(attn_mask, "attn_mask")
             if attn_mask.shape != (N, M):
                 raise DamchaValueError(
-                    f"`attn_mask` must have shape (N, M) = {(N, M)}. Received: {tuple(attn_mask.shape)}"
+                    invalid_argument(
+                        "attn_mask", f"shape (N, M) = {(N, M)}", f"attn_mask.shape={tuple(attn_mask.shape)}"
+                    )
                 )
             visible = visible & ~attn_mask[None, None]
         if key_padding_mask is not None:
@@ -120,7 +125,11 @@ class TalkingHeadsAttention(nn.Module):
                 raise mask_dtype_error(key_padding_mask, "key_padding_mask")
             if key_padding_mask.shape != (B, M):
                 raise DamchaValueError(
-                    f"`key_padding_mask` must have shape (B, M) = {(B, M)}. Received: {tuple(key_padding_mask.shape)}"
+                    invalid_argument(
+                        "key_padding_mask",
+                        f"shape (B, M) = {(B, M)}",
+                        f"key_padding_mask.shape={tuple(key_padding_mask.shape)}",
+                    )
                 )
             visible = visible & ~key_padding_mask[:, None, None, :]
         logits = logits.masked_fill(~visible, float("-inf"))

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from damcha_core import DamchaValueError
+from damcha_core import DamchaValueError, invalid_argument
 
 from . import _data
 
@@ -260,15 +260,21 @@ _CONFIGS.update(
 def task_config(task: str, preset: str = "default", **overrides: Any) -> TaskConfig:
     """The config of ``task`` at ``preset``, with ``overrides`` (field=value) applied."""
     if task not in TASK_NAMES:
-        raise DamchaValueError(f"unknown task {task!r}; expected one of {list(TASK_NAMES)}")
+        raise DamchaValueError(invalid_argument("task", f"one of {list(TASK_NAMES)}", f"task={task!r}"))
     if preset not in PRESETS:
-        raise DamchaValueError(f"unknown preset {preset!r}; expected one of {list(PRESETS)}")
+        raise DamchaValueError(invalid_argument("preset", f"one of {list(PRESETS)}", f"preset={preset!r}"))
     cfg = _CONFIGS[(task, preset)]
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if overrides:
         unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(TaskConfig)})
         if unknown:
-            raise DamchaValueError(f"unknown TaskConfig field(s) {unknown}")
+            raise DamchaValueError(
+                invalid_argument(
+                    "overrides",
+                    f"TaskConfig fields, a subset of {[f.name for f in dataclasses.fields(TaskConfig)]}",
+                    f"unknown fields {unknown}",
+                )
+            )
         cfg = dataclasses.replace(cfg, **overrides)
     if cfg.sweep_seeds > cfg.seeds:
         cfg = dataclasses.replace(cfg, sweep_seeds=cfg.seeds)

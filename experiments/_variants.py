@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from damcha_core import DamchaValueError
+from damcha_core import DamchaValueError, invalid_argument
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,5 +113,5 @@ ABLATION_REFERENCE: dict[str, str] = {
 
 def get_variant(name: str) -> Variant:
     if name not in VARIANTS:
-        raise DamchaValueError(f"unknown variant {name!r}; expected one of {sorted(VARIANTS)}")
+        raise DamchaValueError(invalid_argument("name", f"one of {sorted(VARIANTS)}", f"name={name!r}"))
     return VARIANTS[name]

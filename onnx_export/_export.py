@@ -12,7 +12,7 @@ import onnx
 from onnx import TensorProto, helper
 
 import damcha_core as dc
-from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, describe
+from damcha_core import DamchaConfig, DamchaValueError
 
 from . import _io
 from ._graph import ATTENTION_OPSET, GraphBuilder, KVCacheNames, attention_layer
@@ -136,8 +136,11 @@ def finish(draft: Draft, path: str | None, options: ExportOptions) -> onnx.Model
         return model
     if path is None:
         raise DamchaValueError(
-            "A model saved with external data needs a file: pass `path`. Received: path=None, "
-            f"external_data={options.external_data} ({draft.g.nbytes} bytes of weights)"
+            dc.invalid_argument(
+                "path",
+                "a file path for a model saved with external data",
+                f"path=None, external_data={options.external_data} ({draft.g.nbytes} bytes of weights)",
+            )
         )
     model, arrays = draft.model(data_file_name(path))
     save_external(model, arrays, path)
@@ -145,24 +148,29 @@ def finish(draft: Draft, path: str | None, options: ExportOptions) -> onnx.Model
 
 
 def _layer_model(params: Mapping[str, Any], config: DamchaConfig, options: ExportOptions) -> Draft:
-    if not isinstance(config, DamchaConfig):
-        raise DamchaTypeError(f"`config` must be a DamchaConfig. Received: config={describe(config)}")
+    dc.check_config(config)
     params = dc.validate_params(params, config)
     o = options
     if not o.cross and config.context_dim != config.query_dim:
         raise DamchaValueError(
-            "A self-attention export reuses the query as context, so it needs config.context_dim == "
-            f"config.query_dim; pass cross=True for a separate context input. Received: "
-            f"query_dim={config.query_dim}, context_dim={config.context_dim}"
+            dc.invalid_argument(
+                "config",
+                "config.context_dim == config.query_dim without cross=True: a self-attention export reuses the "
+                "query as context (pass cross=True for a separate context input)",
+                f"query_dim={config.query_dim}, context_dim={config.context_dim}",
+            )
         )
     # Value tokens of their own feature size (E_v != E_kv, DECISIONS 8) come in
     # as a third input; otherwise the values are the context's (or query's) tokens.
     separate_value = config.value_input_dim != config.context_dim
     if separate_value and not o.cross:
         raise DamchaValueError(
-            "A self-attention export takes keys and values from the query, so it needs config.value_input_dim == "
-            f"config.query_dim; pass cross=True for separate context and value inputs. Received: "
-            f"query_dim={config.query_dim}, value_input_dim={config.value_input_dim}"
+            dc.invalid_argument(
+                "config",
+                "config.value_input_dim == config.query_dim without cross=True: a self-attention export takes keys "
+                "and values from the query (pass cross=True for separate context and value inputs)",
+                f"query_dim={config.query_dim}, value_input_dim={config.value_input_dim}",
+            )
         )
     B, N, M = o.batch_dim, o.query_dim, o.key_dim
     g = GraphBuilder(o.dtype, o.opset)

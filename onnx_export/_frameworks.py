@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from damcha_core import DamchaTypeError, describe
+from damcha_core import DamchaTypeError, describe, invalid_argument
 
 from ._stack import EncoderConfig
 
@@ -68,5 +68,5 @@ def encoder_from_jax(encoder: Any, *, causal: bool = False) -> tuple[dict[str, n
     import damcha_jax as dj
 
     if not isinstance(encoder, dj.DamchaEncoder):
-        raise DamchaTypeError(f"`encoder` must be a damcha_jax.DamchaEncoder. Received: encoder={describe(encoder)}")
+        raise DamchaTypeError(invalid_argument("encoder", "a damcha_jax.DamchaEncoder", f"encoder={describe(encoder)}"))
     return encoder.to_canonical(causal=causal)

@@ -407,7 +407,9 @@ def attention_layer(
     """
     if cache is not None and (context is not None or not causal):
         raise DamchaValueError(
-            f"A key/value cache needs causal self-attention. Received: context={context!r}, causal={causal}"
+            dc.invalid_argument(
+                "cache", "None unless the attention is causal self-attention", f"context={context!r}, causal={causal}"
+            )
         )
     f = fold_params(params, config, fold_gate=shared is None)
     H, G, d, d_v = config.num_heads, config.side_heads("k"), config.key_dim, cast(int, config.value_dim)

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from damcha_core import DamchaTypeError, DamchaValueError, describe
+from damcha_core import DamchaTypeError, DamchaValueError, describe, invalid_argument
 
 #: protobuf refuses to serialise (or even size) one message of 2 GiB or more:
 #: ``onnx.save_model`` raises a raw EncodeError there.
@@ -31,22 +31,24 @@ def check_path(path: Any, name: str = "path") -> str | None:
     if path is None:
         return None
     if not isinstance(path, (str, os.PathLike)):
-        raise DamchaTypeError(f"`{name}` must be a file path or None. Received: {name}={describe(path)}")
+        raise DamchaTypeError(invalid_argument(name, "a file path or None", f"{name}={describe(path)}"))
     path = os.fspath(path)
     if not isinstance(path, str) or not path:
-        raise DamchaValueError(f"`{name}` must be a non-empty file path. Received: {name}={path!r}")
+        raise DamchaValueError(invalid_argument(name, "a non-empty file path", f"{name}={path!r}"))
     if os.path.isdir(path):
-        raise DamchaValueError(f"`{name}` must be a file path, not a directory. Received: {name}={path!r}")
+        raise DamchaValueError(invalid_argument(name, "a file path, not a directory", f"{name}={path!r}"))
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         raise DamchaValueError(
-            f"`{name}` must be in an existing directory. Received: {name}={path!r} ({parent!r} does not exist)"
+            invalid_argument(name, "a path in an existing directory", f"{name}={path!r} ({parent!r} does not exist)")
         )
     if os.path.exists(path) and not os.access(path, os.W_OK):
-        raise DamchaValueError(f"`{name}` is a read-only file; it is not replaced. Received: {name}={path!r}")
+        raise DamchaValueError(
+            invalid_argument(name, "a path that is not a read-only file (it is not replaced)", f"{name}={path!r}")
+        )
     if not os.access(parent, os.W_OK):
         raise DamchaValueError(
-            f"`{name}` must be in a writable directory. Received: {name}={path!r} ({parent!r} is read-only)"
+            invalid_argument(name, "a path in a writable directory", f"{name}={path!r} ({parent!r} is read-only)")
         )
     return path
 
@@ -74,8 +76,11 @@ def needs_external_data(nbytes: int, external_data: bool | None) -> bool:
         return nbytes > EXTERNAL_DATA_THRESHOLD
     if not external_data and nbytes > PROTOBUF_LIMIT:
         raise DamchaValueError(
-            "`external_data=False` cannot save a model over protobuf's 2 GiB limit in one file; pass "
-            f"external_data=True or None (automatic). Received: a model with {nbytes} bytes of weights"
+            invalid_argument(
+                "external_data",
+                "True or None (automatic) for a model over protobuf's 2 GiB limit (it cannot be saved in one file)",
+                f"external_data=False, a model with {nbytes} bytes of weights",
+            )
         )
     return bool(external_data)
 

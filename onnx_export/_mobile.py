@@ -12,7 +12,7 @@ import shutil
 import tempfile
 from collections.abc import Sequence
 
-from damcha_core import DamchaTypeError, DamchaValueError, describe
+from damcha_core import DamchaTypeError, DamchaValueError, describe, invalid_argument
 
 from ._io import data_file_name
 from ._runtime import as_model
@@ -86,7 +86,7 @@ def convert_to_ort(
     paths = [models] if isinstance(models, (str, os.PathLike)) else models
     if not isinstance(paths, Sequence) or not paths:
         raise DamchaTypeError(
-            f"`models` must be an .onnx path or a non-empty list of them. Received: models={describe(models)}"
+            invalid_argument("models", "an .onnx path or a non-empty list of them", f"models={describe(models)}")
         )
     sources = []
     for i, item in enumerate(paths):
@@ -94,16 +94,22 @@ def convert_to_ort(
         sources.append(pathlib.Path(os.fspath(item)).resolve())
     stems = [p.stem for p in sources]
     if len(set(stems)) != len(stems):
-        raise DamchaValueError(f"`models` must have distinct file names (each becomes <name>.ort). Received: {stems}")
+        raise DamchaValueError(
+            invalid_argument(
+                "models", "distinct file names (each becomes <name>.ort)", f"models with file names {stems}"
+            )
+        )
     if target_platform not in PLATFORMS:
         raise DamchaValueError(
-            f"`target_platform` must be one of {PLATFORMS}. Received: target_platform={target_platform!r}"
+            invalid_argument("target_platform", f"one of {PLATFORMS}", f"target_platform={target_platform!r}")
         )
     if not isinstance(type_reduction, bool):
-        raise DamchaTypeError(f"`type_reduction` must be a bool. Received: type_reduction={describe(type_reduction)}")
+        raise DamchaTypeError(
+            invalid_argument("type_reduction", "a bool", f"type_reduction={describe(type_reduction)}")
+        )
     out = pathlib.Path(os.fspath(output_dir))
     if out.exists() and not out.is_dir():
-        raise DamchaValueError(f"`output_dir` must be a directory. Received: output_dir={str(out)!r} (a file)")
+        raise DamchaValueError(invalid_argument("output_dir", "a directory", f"output_dir={str(out)!r} (a file)"))
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="damcha-ort-") as tmp:
         # A folder of exactly these models (the tool converts every .onnx of a

@@ -15,7 +15,7 @@ from typing import Any
 
 import onnx
 
-from damcha_core import DamchaTypeError, DamchaValueError, check_bool, describe
+from damcha_core import DamchaTypeError, DamchaValueError, check_bool, describe, invalid_argument
 
 from ._graph import ATTENTION_OPSET, DTYPES, MIN_OPSET
 
@@ -30,21 +30,29 @@ def check_opset(opset: Any, form: str = "auto") -> tuple[int, str]:
     """Validate ``opset``/``form``; returns (opset, resolved form)."""
     newest = onnx.defs.onnx_opset_version()
     if isinstance(opset, bool) or not isinstance(opset, numbers.Integral):
-        raise DamchaTypeError(f"`opset` must be an int in [{MIN_OPSET}, {newest}]. Received: opset={describe(opset)}")
+        raise DamchaTypeError(
+            invalid_argument("opset", f"an int in [{MIN_OPSET}, {newest}]", f"opset={describe(opset)}")
+        )
     opset = int(opset)
     if not MIN_OPSET <= opset <= newest:
         raise DamchaValueError(
-            f"`opset` must be in [{MIN_OPSET}, {newest}]: {MIN_OPSET}-{ATTENTION_OPSET - 1} export a decomposed "
-            f"MatMul/Softmax graph, >= {ATTENTION_OPSET} the standard Attention op. Received: opset={opset}"
+            invalid_argument(
+                "opset",
+                f"an int in [{MIN_OPSET}, {newest}]: {MIN_OPSET}-{ATTENTION_OPSET - 1} export a decomposed MatMul/Softmax graph, >= {ATTENTION_OPSET} the standard Attention op",
+                f"opset={opset}",
+            )
         )
     if form not in FORMS:
-        raise DamchaValueError(f"`form` must be one of {FORMS}. Received: form={describe(form)}")
+        raise DamchaValueError(invalid_argument("form", f"one of {FORMS}", f"form={describe(form)}"))
     if form == "auto":
         form = "attention" if opset >= ATTENTION_OPSET else "decomposed"
     elif form == "attention" and opset < ATTENTION_OPSET:
         raise DamchaValueError(
-            f"form='attention' needs opset >= {ATTENTION_OPSET} (the first with the Attention op). "
-            f"Received: opset={opset}"
+            invalid_argument(
+                "opset",
+                f"an int >= {ATTENTION_OPSET} with form='attention' (the first opset with the Attention op)",
+                f"opset={opset}, form='attention'",
+            )
         )
     return int(opset), form
 
@@ -52,12 +60,14 @@ def check_opset(opset: Any, form: str = "auto") -> tuple[int, str]:
 def check_dtype(dtype: Any) -> str:
     if dtype == "bfloat16":
         raise DamchaValueError(
-            f"`dtype` must be one of {tuple(DTYPES)}: bfloat16 graphs are not exported because onnxruntime's CPU "
-            "provider has no bfloat16 kernels for MatMul, Add, Mul, Softmax, Where, ReduceMean, Erf (nor does its "
-            "Python API take bfloat16 feeds), so they could not be validated. Received: dtype='bfloat16'"
+            invalid_argument(
+                "dtype",
+                f"one of {tuple(DTYPES)}: bfloat16 graphs are not exported because onnxruntime's CPU provider has no bfloat16 kernels for MatMul, Add, Mul, Softmax, Where, ReduceMean, Erf (nor does its Python API take bfloat16 feeds), so they could not be validated",
+                "dtype='bfloat16'",
+            )
         )
     if dtype not in DTYPES:
-        raise DamchaValueError(f"`dtype` must be one of {tuple(DTYPES)}. Received: dtype={describe(dtype)}")
+        raise DamchaValueError(invalid_argument("dtype", f"one of {tuple(DTYPES)}", f"dtype={describe(dtype)}"))
     return dtype
 
 
@@ -65,11 +75,15 @@ def _dim(dynamic: bool, name: str, symbol: str, value: Any) -> str | int:
     if dynamic:
         if value is not None:
             raise DamchaValueError(
-                f"`{name}` fixes a dimension, so it needs dynamic=False. Received: {name}={describe(value)}"
+                invalid_argument(
+                    name,
+                    "None with dynamic=True (it fixes a dimension, so it needs dynamic=False)",
+                    f"{name}={describe(value)}",
+                )
             )
         return symbol
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise DamchaValueError(f"dynamic=False needs `{name}` as an int >= 1. Received: {name}={describe(value)}")
+        raise DamchaValueError(invalid_argument(name, "an int >= 1 with dynamic=False", f"{name}={describe(value)}"))
     return int(value)
 
 
@@ -135,7 +149,7 @@ class ExportOptions:
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
-            raise DamchaValueError(f"`kind` must be one of {KINDS}. Received: kind={describe(self.kind)}")
+            raise DamchaValueError(invalid_argument("kind", f"one of {KINDS}", f"kind={describe(self.kind)}"))
         opset, form = check_opset(self.opset, self.form)
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 - frozen dataclass
         set_("opset", opset)
@@ -145,24 +159,34 @@ class ExportOptions:
             set_(name, check_bool(name, getattr(self, name)))
         if self.mask != "padding":
             if isinstance(self.mask, str):
-                raise DamchaValueError(f"`mask` must be a bool or 'padding'. Received: mask={self.mask!r}")
+                raise DamchaValueError(invalid_argument("mask", "a bool or 'padding'", f"mask={self.mask!r}"))
             set_("mask", check_bool("mask", self.mask))
         if self.external_data is not None:
             set_("external_data", check_bool("external_data", self.external_data))
         stack = self.kind != "layer"
         if stack and self.cross:
-            raise DamchaValueError(f"A {self.kind.replace('_', ' ')} is self-attention. Received: cross=True")
+            raise DamchaValueError(
+                invalid_argument("cross", f"False: a {self.kind.replace('_', ' ')} is self-attention", "cross=True")
+            )
         if self.kv_cache:
             causal_name = "config.causal" if stack else "causal"
             if not self.causal:
                 raise DamchaValueError(
-                    f"`kv_cache` exports an autoregressive decode step, so it needs {causal_name}=True (query i of a "
-                    f"step sees cached and new keys j <= P + i). Received: kv_cache=True, {causal_name}={self.causal}"
+                    invalid_argument(
+                        "kv_cache",
+                        f"False unless {causal_name}=True: it exports an autoregressive decode step (query i of a "
+                        "step sees cached and new keys j <= P + i)",
+                        f"kv_cache=True, {causal_name}={self.causal}",
+                    )
                 )
             if self.cross:
                 raise DamchaValueError(
-                    "`kv_cache` caches the layer's own keys and values, so it needs self-attention; a "
-                    "cross-attention context is not a growing sequence. Received: kv_cache=True, cross=True"
+                    invalid_argument(
+                        "kv_cache",
+                        "False with cross=True: it caches the layer's own keys and values, so it needs "
+                        "self-attention (a cross-attention context is not a growing sequence)",
+                        "kv_cache=True, cross=True",
+                    )
                 )
         # Validates batch_size/query_len/context_len against `dynamic` (raises here, not at build time).
         self.batch_dim, self.query_dim  # noqa: B018
@@ -170,7 +194,9 @@ class ExportOptions:
             _dim(self.dynamic, "context_len", "context_len", self.context_len)
         elif self.context_len is not None:
             raise DamchaValueError(
-                f"`context_len` needs cross=True. Received: context_len={describe(self.context_len)}"
+                invalid_argument(
+                    "context_len", "None without cross=True", f"context_len={describe(self.context_len)}, cross=False"
+                )
             )
 
     @property
@@ -199,10 +225,14 @@ class ExportOptions:
         if options is None:
             return cls(kind=kind, **keywords)
         if not isinstance(options, ExportOptions):
-            raise DamchaTypeError(f"`options` must be an ExportOptions or None. Received: options={describe(options)}")
+            raise DamchaTypeError(
+                invalid_argument("options", "an ExportOptions or None", f"options={describe(options)}")
+            )
         if options.kind != kind:
             raise DamchaValueError(
-                f"`options` must be of kind {kind!r} for this exporter. Received: options.kind={options.kind!r}"
+                invalid_argument(
+                    "options", f"options of kind {kind!r} for this exporter", f"options.kind={options.kind!r}"
+                )
             )
         defaults = {f.name: f.default for f in dataclasses.fields(cls)}
         given = sorted(
@@ -210,6 +240,10 @@ class ExportOptions:
         )
         if given:
             raise DamchaValueError(
-                f"Pass the export options either as `options` or as keywords, not both. Received: options and {given}"
+                invalid_argument(
+                    "options",
+                    "None when export options are passed as keywords (pass them one way, not both)",
+                    f"options and keywords {given}",
+                )
             )
         return options

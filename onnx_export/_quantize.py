@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from damcha_core import DamchaTypeError, DamchaValueError, describe
+from damcha_core import DamchaTypeError, DamchaValueError, describe, invalid_argument
 
 from ._io import check_path, save_model
 from ._runtime import as_model, describe_value, feeds_for, run_ort
@@ -32,8 +32,11 @@ def _check_float32(m: onnx.ModelProto) -> None:
     ]
     if others:
         raise DamchaValueError(
-            f"`model` must be a float32 export to quantise (onnxruntime quantises float32 weights). "
-            f"Received: a float64/float16 model (inputs {others})"
+            invalid_argument(
+                "model",
+                "a float32 export to quantise (onnxruntime quantises float32 weights)",
+                f"a float64/float16 model (inputs {others})",
+            )
         )
 
 
@@ -171,17 +174,20 @@ def quantize_static_int8(
     m = as_model(model)
     _check_float32(m)
     if isinstance(per_channel, bool) is False:
-        raise DamchaTypeError(f"`per_channel` must be a bool. Received: per_channel={describe(per_channel)}")
+        raise DamchaTypeError(invalid_argument("per_channel", "a bool", f"per_channel={describe(per_channel)}"))
     if activation_type not in QUANT_TYPES:
         raise DamchaValueError(
-            f"`activation_type` must be one of {QUANT_TYPES}. Received: activation_type={activation_type!r}"
+            invalid_argument("activation_type", f"one of {QUANT_TYPES}", f"activation_type={activation_type!r}")
         )
     if method not in CALIBRATION_METHODS:
-        raise DamchaValueError(f"`method` must be one of {CALIBRATION_METHODS}. Received: method={method!r}")
+        raise DamchaValueError(invalid_argument("method", f"one of {CALIBRATION_METHODS}", f"method={method!r}"))
     if isinstance(calibration, Mapping) or not isinstance(calibration, Iterable):
         raise DamchaTypeError(
-            "`calibration` must be an iterable of feed dicts (input name -> array), e.g. a list of batches. "
-            f"Received: calibration={describe_value(calibration)}"
+            invalid_argument(
+                "calibration",
+                "an iterable of feed dicts (input name -> array), e.g. a list of batches",
+                f"calibration={describe_value(calibration)}",
+            )
         )
     feeds = []
     for i, item in enumerate(calibration):
@@ -190,7 +196,7 @@ def quantize_static_int8(
         except (DamchaValueError, DamchaTypeError) as exc:
             raise type(exc)(f"`calibration[{i}]`: {exc}") from exc
     if not feeds:
-        raise DamchaValueError("`calibration` must hold at least one feed dict. Received: an empty iterable")
+        raise DamchaValueError(invalid_argument("calibration", "at least one feed dict", "an empty iterable"))
     quant = {"int8": QuantType.QInt8, "uint8": QuantType.QUInt8}
     methods = {
         "minmax": CalibrationMethod.MinMax,
@@ -246,7 +252,9 @@ def quantization_error(
     y8 = np.asarray(run_ort(as_model(int8_model, "int8_model"), inputs), dtype=np.float64)
     if reference is not None and np.shape(reference) != y32.shape:
         raise DamchaValueError(
-            f"`reference` must have the model's output shape {y32.shape}. Received: reference.shape={np.shape(reference)}"
+            invalid_argument(
+                "reference", f"the model's output shape {y32.shape}", f"reference.shape={np.shape(reference)}"
+            )
         )
     scale = float(np.sqrt(np.mean(y32**2))) or 1.0
     out = {

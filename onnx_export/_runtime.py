@@ -13,7 +13,14 @@ import numpy as np
 import onnx
 import onnx.external_data_helper
 
-from damcha_core import DamchaTypeError, DamchaValueError, describe, float_dtype_error, mask_dtype_error
+from damcha_core import (
+    DamchaTypeError,
+    DamchaValueError,
+    describe,
+    float_dtype_error,
+    invalid_argument,
+    mask_dtype_error,
+)
 
 from ._io import is_large, write_staged
 
@@ -36,7 +43,7 @@ def describe_value(value: Any) -> str:
 
 def _model_error(name: str, path: str, what: str) -> DamchaValueError:
     return DamchaValueError(
-        f"`{name}` must be an onnx.ModelProto or the path of a readable .onnx file. Received: {name}={path!r} ({what})"
+        invalid_argument(name, "an onnx.ModelProto or the path of a readable .onnx file", f"{name}={path!r} ({what})")
     )
 
 
@@ -55,7 +62,7 @@ def as_model(model: Any, name: str = "model", *, load_weights: bool = True) -> o
         return model
     if not isinstance(model, (str, os.PathLike)):
         raise DamchaTypeError(
-            f"`{name}` must be an onnx.ModelProto or the path of an .onnx file. Received: {name}={describe_value(model)}"
+            invalid_argument(name, "an onnx.ModelProto or the path of an .onnx file", f"{name}={describe_value(model)}")
         )
     path = os.fspath(model)
     if not isinstance(path, str) or not path:
@@ -107,7 +114,7 @@ def ort_session(
     options.log_severity_level = 3  # errors surface as exceptions; no stderr noise
     if threads is not None:
         if isinstance(threads, bool) or not isinstance(threads, numbers.Integral) or threads < 1:
-            raise DamchaValueError(f"`threads` must be an int >= 1 or None. Received: threads={describe(threads)}")
+            raise DamchaValueError(invalid_argument("threads", "an int >= 1 or None", f"threads={describe(threads)}"))
         options.intra_op_num_threads = int(threads)
         options.inter_op_num_threads = 1
     if not spinning:
@@ -118,8 +125,12 @@ def ort_session(
     if isinstance(model, onnx.ModelProto):
         if any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer):
             raise DamchaValueError(
-                f"`{name}` keeps its weights in an external data file, which an in-memory model cannot locate; "
-                f"pass the path of its .onnx file instead. Received: {name}=a ModelProto with external data"
+                invalid_argument(
+                    name,
+                    "the path of the .onnx file of a model with external data (an in-memory model cannot locate "
+                    "its external data file)",
+                    f"{name}=a ModelProto with external data",
+                )
             )
         if not is_large(model):
             return ort.InferenceSession(model.SerializeToString(), options, providers=providers)
@@ -138,7 +149,7 @@ def ort_session(
 def as_path(model: Any, name: str = "model") -> str:
     if not isinstance(model, (str, os.PathLike)):
         raise DamchaTypeError(
-            f"`{name}` must be an onnx.ModelProto or the path of an .onnx file. Received: {name}={describe_value(model)}"
+            invalid_argument(name, "an onnx.ModelProto or the path of an .onnx file", f"{name}={describe_value(model)}")
         )
     path = os.fspath(model)
     if not isinstance(path, str) or not os.path.isfile(path):
@@ -150,15 +161,16 @@ def feeds_for(model: onnx.ModelProto, inputs: Mapping[str, Any]) -> dict[str, np
     """Cast ``inputs`` to the model's declared input dtypes; names must match exactly."""
     if not isinstance(inputs, Mapping):
         raise DamchaTypeError(
-            f"`inputs` must be a mapping of input name -> array. Received: inputs={describe_value(inputs)}"
+            invalid_argument("inputs", "a mapping of input name -> array", f"inputs={describe_value(inputs)}")
         )
     declared = {i.name: i.type.tensor_type.elem_type for i in model.graph.input}
     unknown = sorted(set(inputs) - set(declared))
     missing = sorted(set(declared) - set(inputs))
     if unknown or missing:
         raise DamchaValueError(
-            f"`inputs` must have exactly the model's inputs {sorted(declared)}. "
-            f"Received: missing={missing}, unexpected={unknown}"
+            invalid_argument(
+                "inputs", f"exactly the model's inputs {sorted(declared)}", f"missing={missing}, unexpected={unknown}"
+            )
         )
     out = {}
     for name, value in inputs.items():
@@ -166,7 +178,7 @@ def feeds_for(model: onnx.ModelProto, inputs: Mapping[str, Any]) -> dict[str, np
         try:
             array = np.asarray(value)
         except (ValueError, TypeError) as exc:  # ragged nested lists
-            raise DamchaTypeError(f"`{name}` must be an array. Received: {name}={describe_value(value)}") from exc
+            raise DamchaTypeError(invalid_argument(name, "an array", f"{name}={describe_value(value)}")) from exc
         # Described as received, but lists by shape and dtype (never printed).
         shown = value if hasattr(value, "shape") else array
         if np_dtype == np.bool_ and array.dtype != np.bool_:
@@ -174,7 +186,7 @@ def feeds_for(model: onnx.ModelProto, inputs: Mapping[str, Any]) -> dict[str, np
         if np.issubdtype(np_dtype, np.floating) and not np.issubdtype(array.dtype, np.floating):
             raise float_dtype_error(name, shown)
         if np.issubdtype(np_dtype, np.integer) and not np.issubdtype(array.dtype, np.integer):
-            raise DamchaTypeError(f"`{name}` must be an integer array. Received: {name}={describe(shown)}")
+            raise DamchaTypeError(invalid_argument(name, "an integer array", f"{name}={describe(shown)}"))
         # Float inputs are cast to the graph's dtype (e.g. float64 data into a float32 export).
         out[name] = array.astype(np_dtype, copy=False)
     check_feed_shapes(model, out)
@@ -224,33 +236,46 @@ def check_feed_shapes(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -
         array = feeds[name]
         if array.ndim != len(dims):
             raise DamchaValueError(
-                f"`{name}` must have rank {len(dims)}, shape {shape_text(dims)} as the model declares. "
-                f"Received: {name}.shape={array.shape}"
+                invalid_argument(
+                    name,
+                    f"rank {len(dims)}, shape {shape_text(dims)} as the model declares",
+                    f"{name}.shape={array.shape}",
+                )
             )
         for axis, (dim, size) in enumerate(zip(dims, array.shape)):
             if isinstance(dim, int) and dim > 0 and size != dim:
                 raise DamchaValueError(
-                    f"`{name}` must have shape {shape_text(dims)} (axis {axis} is fixed at {dim}). "
-                    f"Received: {name}.shape={array.shape}"
+                    invalid_argument(
+                        name, f"shape {shape_text(dims)} (axis {axis} is fixed at {dim})", f"{name}.shape={array.shape}"
+                    )
                 )
             if not isinstance(dim, str) or dim in _MASK_DIMS:
                 continue
             if size == 0 and dim != "past_len":  # an empty cache is the first decode step; nothing else may be empty
-                raise DamchaValueError(f"`{name}` must be non-empty ({dim} >= 1). Received: {name}.shape={array.shape}")
+                raise DamchaValueError(
+                    invalid_argument(name, f"a non-empty axis {axis} ({dim} >= 1)", f"{name}.shape={array.shape}")
+                )
             if dim in sizes and sizes[dim][0] != size:
                 other = sizes[dim][1]
                 raise DamchaValueError(
-                    f"`{name}` and `{other}` must agree on {dim} (the model declares {name} {shape_text(dims)}, "
-                    f"{other} {shape_text(declared[other])}). Received: {name}.shape={array.shape}, "
-                    f"{other}.shape={feeds[other].shape}"
+                    invalid_argument(
+                        name,
+                        f"the size of `{other}` on {dim} (the model declares {name} {shape_text(dims)}, "
+                        f"{other} {shape_text(declared[other])})",
+                        f"{name}.shape={array.shape}, {other}.shape={feeds[other].shape}",
+                    )
                 )
             sizes.setdefault(dim, (size, name))
     if "total_len" in sizes and "past_len" in sizes and "query_len" in sizes:
         total, owner = sizes["total_len"]
         if total != sizes["past_len"][0] + sizes["query_len"][0]:
             raise DamchaValueError(
-                f"`{owner}` must span the cache and the new tokens, total_len = past_len + query_len = "
-                f"{sizes['past_len'][0]} + {sizes['query_len'][0]}. Received: {owner}.shape={feeds[owner].shape}"
+                invalid_argument(
+                    owner,
+                    "a span over the cache and the new tokens, total_len = past_len + query_len = "
+                    f"{sizes['past_len'][0]} + {sizes['query_len'][0]}",
+                    f"{owner}.shape={feeds[owner].shape}",
+                )
             )
     known = {dim: size for dim, (size, _) in sizes.items()}
     if "heads" in facts:
@@ -262,8 +287,11 @@ def check_feed_shapes(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -
             if target in known and size not in (1, known[target]):
                 full = tuple(known.get(_MASK_DIMS.get(d, d), d) if isinstance(d, str) else d for d in dims)
                 raise DamchaValueError(
-                    f"`{name}` must be broadcastable to {full} (axis {axis}, {target}, must be 1 or "
-                    f"{known[target]}). Received: {name}.shape={feeds[name].shape}"
+                    invalid_argument(
+                        name,
+                        f"broadcastable to {full} (axis {axis}, {target}, must be 1 or {known[target]})",
+                        f"{name}.shape={feeds[name].shape}",
+                    )
                 )
     tokens = feeds.get("tokens")
     if (
@@ -274,16 +302,22 @@ def check_feed_shapes(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -
     ):
         # Gather would read -1 as the last row: a silent wrap, not an error.
         raise DamchaValueError(
-            f"`tokens` must be ids in [0, {facts['vocab_size']}) (the vocabulary). "
-            f"Received: tokens in [{tokens.min()}, {tokens.max()}]"
+            invalid_argument(
+                "tokens",
+                f"ids in [0, {facts['vocab_size']}) (the vocabulary)",
+                f"tokens in [{tokens.min()}, {tokens.max()}]",
+            )
         )
     if tokens is not None and "max_len" in facts:
         last = known.get("past_len", 0) + tokens.shape[-1]
         if last > facts["max_len"]:
             raise DamchaValueError(
-                f"`tokens` reach position {last - 1}, past the position table (max_len={facts['max_len']}). "
-                f"Received: tokens.shape={tokens.shape}"
-                + (f" after {known['past_len']} cached" if known.get("past_len") else "")
+                invalid_argument(
+                    "tokens",
+                    f"positions within the position table (max_len={facts['max_len']}); they reach {last - 1}",
+                    f"tokens.shape={tokens.shape}"
+                    + (f" after {known['past_len']} cached" if known.get("past_len") else ""),
+                )
             )
 
 
@@ -374,7 +408,7 @@ def empty_kv_cache(model: onnx.ModelProto | str | os.PathLike, batch_size: int) 
         ``{"past_key[.i]": (B, G, 0, d), "past_value[.i]": (B, G, 0, d_v)}`` in the model's dtype.
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
-        raise DamchaValueError(f"`batch_size` must be an int >= 1. Received: batch_size={describe(batch_size)}")
+        raise DamchaValueError(invalid_argument("batch_size", "an int >= 1", f"batch_size={describe(batch_size)}"))
     model = as_model(model, load_weights=False)
     cache = {}
     for value in model.graph.input:
@@ -386,7 +420,10 @@ def empty_kv_cache(model: onnx.ModelProto | str | os.PathLike, batch_size: int) 
             )
     if not cache:
         raise DamchaValueError(
-            "`model` has no past_key/past_value inputs; export it with kv_cache=True. "
-            f"Received: inputs={[v.name for v in model.graph.input]}"
+            invalid_argument(
+                "model",
+                "a model with past_key/past_value inputs (export it with kv_cache=True)",
+                f"model with inputs {[v.name for v in model.graph.input]}",
+            )
         )
     return cache

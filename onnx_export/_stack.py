@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from damcha_core import DamchaTypeError, DamchaValueError, describe
+from damcha_core import DamchaTypeError, DamchaValueError, describe, invalid_argument
 from damcha_core._stack import (
     ACTIVATIONS,
     SHARED,
@@ -218,8 +218,11 @@ def _stack_model(kind: str, params: Mapping[str, Any], config: Any, o: ExportOpt
     B, N = o.batch_dim, o.query_dim
     if kind == "token_model" and isinstance(N, int) and config.max_len < N:
         raise DamchaValueError(
-            f"`query_len` must be <= max_len={config.max_len}: the token model's positions come from its "
-            f"position table, so a longer fixed length could never run. Received: query_len={N}"
+            invalid_argument(
+                "query_len",
+                f"an int <= max_len={config.max_len}: the token model's positions come from its position table, so a longer fixed length could never run",
+                f"query_len={N}",
+            )
         )
     p = validate_stack_params(params, config)
     g = GraphBuilder(o.dtype, o.opset)
@@ -298,8 +301,11 @@ def _stack_options(kind: str, causal: bool, options: ExportOptions | None, keywo
     options = ExportOptions.resolve(options, kind, **keywords)
     if options.causal != causal:
         raise DamchaValueError(
-            f"A stack's causal rule is its config's: `options.causal` must equal config.causal={causal}. "
-            f"Received: options.causal={options.causal}"
+            invalid_argument(
+                "options",
+                f"options.causal == config.causal={causal} (a stack's causal rule is its config's)",
+                f"options.causal={options.causal}",
+            )
         )
     return options
 
@@ -334,7 +340,7 @@ def export_encoder(
     as for ``export``.
     """
     if not isinstance(config, EncoderConfig):
-        raise DamchaTypeError(f"`config` must be an EncoderConfig. Received: config={describe(config)}")
+        raise DamchaTypeError(invalid_argument("config", "an EncoderConfig", f"config={describe(config)}"))
     path = check_path(path)
     keywords = ExportOptions.keywords(locals())
     options = _stack_options("encoder", config.causal, options, keywords)
@@ -367,7 +373,7 @@ def export_token_model(
     logits of the full sequence. P + N > ``max_len`` fails in the runtime.
     """
     if not isinstance(config, TokenModelConfig):
-        raise DamchaTypeError(f"`config` must be a TokenModelConfig. Received: config={describe(config)}")
+        raise DamchaTypeError(invalid_argument("config", "a TokenModelConfig", f"config={describe(config)}"))
     path = check_path(path)
     keywords = ExportOptions.keywords(locals())
     options = _stack_options("token_model", config.encoder.causal, options, keywords)

@@ -11,7 +11,7 @@ from typing import Any
 
 import onnx
 
-from damcha_core import DamchaTypeError, DamchaValueError, describe
+from damcha_core import DamchaTypeError, DamchaValueError, describe, invalid_argument
 
 from ._graph import ATTENTION_OPSET
 from ._io import check_path, save_model, validate_model
@@ -52,19 +52,24 @@ def export_torch(
     import torch  # lazy: the framework-free exporter never needs torch
 
     if not isinstance(model, torch.nn.Module):
-        raise DamchaTypeError(f"`model` must be a torch.nn.Module. Received: model={describe(model)}")
+        raise DamchaTypeError(invalid_argument("model", "a torch.nn.Module", f"model={describe(model)}"))
     path = check_path(path)
     opset, _ = check_opset(opset)
     args = tuple(args)
     if dynamic_shapes is not None:
         if not dynamic:
             raise DamchaValueError(
-                "`dynamic_shapes` needs dynamic=True. Received: dynamic=False and a dynamic_shapes spec"
+                invalid_argument(
+                    "dynamic_shapes", "None unless dynamic=True", "dynamic=False and a dynamic_shapes spec"
+                )
             )
         if not isinstance(dynamic_shapes, (tuple, list)) or len(dynamic_shapes) != len(args):
             raise DamchaValueError(
-                f"`dynamic_shapes` must have one entry per positional input ({len(args)}). "
-                f"Received: dynamic_shapes={describe(dynamic_shapes)}"
+                invalid_argument(
+                    "dynamic_shapes",
+                    f"one entry per positional input ({len(args)})",
+                    f"dynamic_shapes={describe(dynamic_shapes)}",
+                )
             )
         dynamic_shapes = tuple(dynamic_shapes)
     elif dynamic:
@@ -115,6 +120,6 @@ def encoder_from_torch(encoder: Any, *, causal: bool = False) -> tuple[dict[str,
 
     if not isinstance(encoder, dt.DamchaTransformerEncoder):
         raise DamchaTypeError(
-            f"`encoder` must be a damcha_torch.DamchaTransformerEncoder. Received: encoder={describe(encoder)}"
+            invalid_argument("encoder", "a damcha_torch.DamchaTransformerEncoder", f"encoder={describe(encoder)}")
         )
     return encoder.to_canonical(causal=causal)

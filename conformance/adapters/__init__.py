@@ -24,7 +24,7 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from damcha_core import DamchaValueError
+from damcha_core import DamchaValueError, invalid_argument
 
 if TYPE_CHECKING:  # pragma: no cover
     from .._adapter import BackendAdapter
@@ -132,7 +132,7 @@ def load_adapter(spec: str) -> BackendAdapter:
     """
     if not isinstance(spec, str) or not spec:
         raise DamchaValueError(
-            f"`spec` must be a built-in backend ({', '.join(BUILTIN)}) or module:attr. Received: spec={spec!r}"
+            invalid_argument("spec", f"a built-in backend ({', '.join(BUILTIN)}) or module:attr", f"spec={spec!r}")
         )
     builtin = BUILTIN.get(spec)
     if builtin is not None:
@@ -148,8 +148,9 @@ def load_adapter(spec: str) -> BackendAdapter:
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise DamchaValueError(
-            f"`spec` must be a built-in backend ({', '.join(BUILTIN)}) or module:attr naming an adapter. "
-            f"Received: spec={spec!r}"
+            invalid_argument(
+                "spec", f"a built-in backend ({', '.join(BUILTIN)}) or module:attr naming an adapter", f"spec={spec!r}"
+            )
         )
     if importlib.util.find_spec(module_name.split(".")[0]) is None:
         raise DamchaValueError(

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from damcha_core import DamchaValueError
+from damcha_core import DamchaValueError, invalid_argument
 from damcha_jax import damcha_attention, decode_step, init_cache
 
 _JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float64": jnp.float64}
@@ -48,7 +48,7 @@ class JaxAdapter:
     @staticmethod
     def _dtype(dtype: str) -> Any:
         if dtype not in _JNP_DTYPES:
-            raise DamchaValueError(f"`dtype` must be one of {tuple(_JNP_DTYPES)}. Received: dtype={dtype!r}")
+            raise DamchaValueError(invalid_argument("dtype", f"one of {tuple(_JNP_DTYPES)}", f"dtype={dtype!r}"))
         if dtype == "float64" and not jax.config.read("jax_enable_x64"):
             raise DamchaValueError(
                 "`dtype` float64 needs JAX's x64 mode (JAX_ENABLE_X64=1 or "

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from damcha_core import DamchaValueError
+from damcha_core import DamchaValueError, invalid_argument
 from damcha_onnx import ATTENTION_OPSET, build_model, check_opset, empty_kv_cache, run_ort, run_reference
 
 RUNTIMES = ("onnxruntime", "reference")
@@ -35,7 +35,7 @@ class OnnxAdapter:
     def __init__(self, opset: int = ATTENTION_OPSET, runtime: str = "onnxruntime") -> None:
         self.opset, self.form = check_opset(opset)
         if runtime not in RUNTIMES:
-            raise DamchaValueError(f"`runtime` must be one of {RUNTIMES}. Received: runtime={runtime!r}")
+            raise DamchaValueError(invalid_argument("runtime", f"one of {RUNTIMES}", f"runtime={runtime!r}"))
         self.runtime = runtime
         base = "onnxruntime" if runtime == "onnxruntime" else "onnx-reference"
         self.name = base if opset == ATTENTION_OPSET else f"{base}-opset{opset}"
