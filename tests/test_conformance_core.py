@@ -187,7 +187,9 @@ def test_errors_can_be_switched_off_or_narrowed():
     assert dcf.run_conformance(dcf.ReferenceAdapter(), cases=[], errors=False, decoding=False).results == []
     only = dcf.run_conformance(dcf.ReferenceAdapter(), cases=[], errors=dcf.ERROR_CATALOGUE[:2], decoding=False)
     assert [r.case for r in only.results] == [c.name for c in dcf.ERROR_CATALOGUE[:2]]
-    with pytest.raises(dc.DamchaValueError, match=r"`corruption` must be one of .*Received: corruption='typo'"):
+    with pytest.raises(
+        dc.DamchaValueError, match=r"Invalid argument `corruption`: expected one of .*Received: corruption='typo'"
+    ):
         dcf.ErrorCase("x", dcf.CATALOGUE[0], "typo")
 
 
@@ -353,9 +355,13 @@ def test_cli_export_vectors(tmp_path):
 
 
 def test_case_rejects_unknown_mask_kind():
-    with pytest.raises(dc.DamchaValueError, match=r"`mask` must be None or one of .*Received: mask='pading'"):
+    with pytest.raises(
+        dc.DamchaValueError, match=r"Invalid argument `mask`: expected None or one of .*Received: mask='pading'"
+    ):
         dcf.Case("typo", "masks", dc.DamchaConfig(query_dim=4, num_heads=2, key_dim=2), 1, 3, mask="pading")
-    with pytest.raises(dc.DamchaValueError, match=r"`inputs` must be None or one of .*Received: inputs='small'"):
+    with pytest.raises(
+        dc.DamchaValueError, match=r"Invalid argument `inputs`: expected None or one of .*Received: inputs='small'"
+    ):
         dcf.Case("typo", "masks", dc.DamchaConfig(query_dim=4, num_heads=2, key_dim=2), 1, 3, inputs="small")
 
 

@@ -155,10 +155,10 @@ def test_stdlib_corpus_is_deterministic_and_lm_targets_are_next_bytes():
 @pytest.mark.parametrize(
     "call, match",
     [
-        (lambda: make_crosshead(0, 0), "`n` must be an int >= 1"),
+        (lambda: make_crosshead(0, 0), "Invalid argument `n`: expected an int >= 1"),
         (lambda: make_crosshead(5, 0, blocks=4, items=3), "items >= blocks"),
-        (lambda: make_listops(5, 0, max_args=1), "`max_args` must be an int >= 2"),
-        (lambda: _data.stdlib_corpus(val_fraction=1.5), "`val_fraction` must be in"),
+        (lambda: make_listops(5, 0, max_args=1), "Invalid argument `max_args`: expected an int >= 2"),
+        (lambda: _data.stdlib_corpus(val_fraction=1.5), "Invalid argument `val_fraction`: expected"),
     ],
     ids=["n-zero", "too-few-items", "max-args", "val-fraction"],
 )
@@ -200,7 +200,7 @@ def test_corpus_test_split_is_the_tail_and_disjoint():
     assert (len(c.train), len(c.val), len(c.test)) == (80_000, 10_000, 10_000)
     whole = _data.stdlib_corpus(max_bytes=100_000, val_fraction=0.2)
     np.testing.assert_array_equal(np.concatenate([c.train, c.val, c.test]), np.concatenate([whole.train, whole.val]))
-    with pytest.raises(DamchaValueError, match="`test_fraction` must be in"):
+    with pytest.raises(DamchaValueError, match="Invalid argument `test_fraction`: expected a number in"):
         _data.stdlib_corpus(max_bytes=100_000, val_fraction=0.5, test_fraction=0.5)
 
 

@@ -32,11 +32,11 @@ def test_t_distribution_matches_scipy(df):
 
 
 def test_t_rejects_bad_arguments():
-    with pytest.raises(DamchaValueError, match="`df` must be an int >= 1"):
+    with pytest.raises(DamchaValueError, match="Invalid argument `df`: expected an int >= 1"):
         t_cdf(1.0, 0)
-    with pytest.raises(DamchaTypeError, match="`df` must be an int"):
+    with pytest.raises(DamchaTypeError, match="Invalid argument `df`: expected an int"):
         t_quantile(0.9, 2.5)
-    with pytest.raises(DamchaValueError, match=r"`p` must be in \(0, 1\)"):
+    with pytest.raises(DamchaValueError, match=r"Invalid argument `p`: expected a number in \(0, 1\)"):
         t_quantile(1.0, 3)
 
 
@@ -70,7 +70,9 @@ def test_paired_difference_edge_cases():
     assert exact["p"] == 0.0 and exact["ci"] == pytest.approx([0.1, 0.1])
     nan = paired_difference([0.5, math.nan], [0.4, 0.5])
     assert math.isnan(nan["mean"]) and math.isnan(nan["p"])  # a diverged run is never hidden
-    with pytest.raises(DamchaValueError, match="must pair up"):
+    with pytest.raises(
+        DamchaValueError, match=r"Invalid argument `b`: expected the shape of `a` \(one value per seed in each\)"
+    ):
         paired_difference([1, 2, 3], [1, 2])
 
 

@@ -113,19 +113,23 @@ def test_all_masked_query_gives_zero_attention_not_nan():
 @pytest.mark.parametrize(
     "call, error, match",
     [
-        (lambda th: th(torch.ones(1, N, E, dtype=torch.long)), DamchaTypeError, "`query` must be a real floating"),
+        (
+            lambda th: th(torch.ones(1, N, E, dtype=torch.long)),
+            DamchaTypeError,
+            "Invalid argument `query`: expected a real floating",
+        ),
         (lambda th: th(torch.ones(1, N, E + 1, dtype=torch.float64)), DamchaValueError, r"query.shape=\(1, 5, 13\)"),
         (
             lambda th: th(torch.ones(1, N, E, dtype=torch.float64), attn_mask=torch.zeros(N, N)),
             DamchaTypeError,
-            "`attn_mask` must be boolean",
+            "Invalid argument `attn_mask`: expected a mask that is boolean",
         ),
         (
             lambda th: th(
                 torch.ones(2, N, E, dtype=torch.float64), key_padding_mask=torch.zeros(1, N, dtype=torch.bool)
             ),
             DamchaValueError,
-            "`key_padding_mask` must have shape",
+            "Invalid argument `key_padding_mask`: expected shape",
         ),
         (lambda th: TalkingHeadsAttention(10, 3), DamchaValueError, "divisible by `num_heads`"),
     ],

@@ -202,7 +202,9 @@ def test_functional_decode_respects_padding_mask() -> None:
     )
     np.testing.assert_array_equal(y_float, ys[0])
     additive = jnp.where(jnp.asarray(pad), 0.0, -jnp.inf)
-    with pytest.raises(dc.DamchaValueError, match="`mask` must be boolean .* holds other values"):
+    with pytest.raises(
+        dc.DamchaValueError, match="Invalid argument `mask`: expected a mask that is boolean .* holds other values"
+    ):
         dj.decode_step(params, config, dj.init_cache(config, 2, 6), x[:, :1], mask=additive)
 
 
@@ -271,22 +273,22 @@ BAD_DECODING = {
     ),
     "cache-of-other-kv-heads": (
         dc.DamchaValueError,
-        r"`cache\['key'\]` must have shape .*\(B, max_length, 4, 4\).*shape=\(2, 6, 2, 4\)",
+        r"Invalid argument `cache\['key'\]`: expected shape .*\(B, max_length, 4, 4\).*shape=\(2, 6, 2, 4\)",
         lambda: dj.decode_step(_P, CFG, dj.init_cache(_OTHER, 2, 6), _X[:, :1]),
     ),
     "cache-of-other-value-dim": (
         dc.DamchaValueError,
-        r"`cache\['value'\]` must have shape .*shape=\(2, 6, 4, 3\)",
+        r"Invalid argument `cache\['value'\]`: expected shape .*shape=\(2, 6, 4, 3\)",
         lambda: dj.decode_step(_P, CFG, {**_CACHE, "value": np.zeros((2, 6, 4, 3), np.float32)}, _X[:, :1]),
     ),
     "cache-index-vector": (
         dc.DamchaValueError,
-        r"`cache\['index'\]` must be an integer scalar",
+        r"Invalid argument `cache\['index'\]`: expected an integer scalar",
         lambda: dj.decode_step(_P, CFG, {**_CACHE, "index": np.zeros(2, np.int32)}, _X[:, :1]),
     ),
     "cache-int-dtype": (
         dc.DamchaTypeError,
-        r"`dtype` must be a floating dtype. Received: dtype=",
+        r"Invalid argument `dtype`: expected a floating dtype. Received: dtype=",
         lambda: dj.init_cache(CFG, 2, 6, jnp.int32),
     ),
     "coefficients-metric": (

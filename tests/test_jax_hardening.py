@@ -47,7 +47,8 @@ def test_additive_float_mask_is_refused_not_inverted() -> None:
     }
     for name, call in calls.items():
         with pytest.raises(
-            dc.DamchaValueError, match=r"`mask` must be boolean .*holds other values.*Received: mask="
+            dc.DamchaValueError,
+            match=r"Invalid argument `mask`: expected a mask that is boolean .*holds other values.*Received: mask=",
         ) as err:
             call()
         assert "inf" not in str(err.value).split("Received:")[1], name  # shape and dtype only, never the contents
@@ -184,15 +185,15 @@ def test_non_finite_parameters_are_refused_where_they_enter() -> None:
 
 def test_list_inputs_are_described_by_type_not_contents() -> None:
     query = X.tolist()
-    with pytest.raises(dc.DamchaTypeError, match=r"`query` must be a real floating") as err:
+    with pytest.raises(dc.DamchaTypeError, match=r"Invalid argument `query`: expected a real floating") as err:
         dj.damcha_attention(PARAMS, CFG, query)
     assert len(str(err.value)) < 300 and "0." not in str(err.value).split("Received:")[1]
-    with pytest.raises(dc.DamchaTypeError, match=r"`inputs_q` must be a real floating") as err:
+    with pytest.raises(dc.DamchaTypeError, match=r"Invalid argument `inputs_q`: expected a real floating") as err:
         _layer()(query)
     assert len(str(err.value)) < 300
-    with pytest.raises(dc.DamchaTypeError, match=r"`inputs_k` must be a real floating"):
+    with pytest.raises(dc.DamchaTypeError, match=r"Invalid argument `inputs_k`: expected a real floating"):
         _layer()(X, X[0].tolist())
-    with pytest.raises(dc.DamchaTypeError, match=r"`mask` must be boolean"):
+    with pytest.raises(dc.DamchaTypeError, match=r"Invalid argument `mask`: expected a mask that is boolean"):
         _layer()(X, mask=PAD.tolist())
 
 
@@ -201,7 +202,7 @@ def test_list_inputs_are_described_by_type_not_contents() -> None:
     [
         (
             (E,),
-            r"`inputs_q` must have shape \[batch\.\.\., length, features\] \(rank >= 2\)\. Received: inputs_q.shape=\(8,\)",
+            r"Invalid argument `inputs_q`: expected shape \[batch\.\.\., length, features\] \(rank >= 2\)\. Received: inputs_q.shape=\(8,\)",
         ),
         (
             (N, 3),
@@ -275,12 +276,16 @@ BAD_CALL = {
     "sow_weights": (dict(sow_weights=1), dc.DamchaTypeError, "`sow_weights`"),
     "decode": (dict(decode="no"), dc.DamchaTypeError, "`decode`"),
     "mask-rank-3": (dict(mask=np.ones((B, N, N), bool)), dc.DamchaValueError, r"`mask`.*mask\[:, None\]"),
-    "mask-dtype": (dict(mask=np.ones((N, N), np.complex64)), dc.DamchaTypeError, "`mask` must be boolean"),
+    "mask-dtype": (
+        dict(mask=np.ones((N, N), np.complex64)),
+        dc.DamchaTypeError,
+        "Invalid argument `mask`: expected a mask that is boolean",
+    ),
     "inputs_k-batch": (dict(inputs_k=np.ones((3, N, E), np.float32)), dc.DamchaValueError, "`inputs_k`"),
     "inputs_v-without-k": (
         dict(inputs_v=np.ones((B, N, E), np.float32)),
         dc.DamchaValueError,
-        "`inputs_k` cannot be None",
+        "Invalid argument `inputs_k`: expected the key tokens when `inputs_v` is given",
     ),
     "inputs_v-length": (dict(inputs_k=X, inputs_v=np.ones((B, 3, E), np.float32)), dc.DamchaValueError, "`inputs_v`"),
     "inputs_v-int": (dict(inputs_k=X, inputs_v=np.ones((B, N, E), np.int32)), dc.DamchaTypeError, "`inputs_v`"),
@@ -296,25 +301,30 @@ def test_every_bad_call_argument_is_named(case: str) -> None:
 
 def test_bad_dropout_and_cache_arguments_are_named() -> None:
     layer = dj.DamchaAttention(2, 8, dropout_rate=0.5, keep_rngs=False, rngs=nnx.Rngs(0))
-    with pytest.raises(dc.DamchaValueError, match="`deterministic` must be given"):
+    with pytest.raises(
+        dc.DamchaValueError,
+        match="Invalid argument `deterministic`: expected a bool, given to __call__ or the constructor",
+    ):
         layer(X)
-    with pytest.raises(dc.DamchaValueError, match="`rngs` must be given"):
+    with pytest.raises(dc.DamchaValueError, match="Invalid argument `rngs`: expected an nnx.Rngs passed to __call__"):
         layer(X, deterministic=False)
-    with pytest.raises(dc.DamchaTypeError, match="`rngs` must be an nnx.Rngs"):
+    with pytest.raises(dc.DamchaTypeError, match="Invalid argument `rngs`: expected an nnx.Rngs"):
         layer(X, deterministic=False, rngs=3)
     with pytest.raises(dc.DamchaValueError, match="`input_shape`"):
         layer.init_cache((8,))
-    with pytest.raises(dc.DamchaTypeError, match="`dtype` must be a floating dtype"):
+    with pytest.raises(dc.DamchaTypeError, match="Invalid argument `dtype`: expected a floating dtype"):
         layer.init_cache((B, N, E), jnp.int32)
     layer.init_cache((B, N, E))
-    with pytest.raises(dc.DamchaValueError, match=r"`inputs_q` must have the batch axes of the cache.*\(2,\)"):
+    with pytest.raises(
+        dc.DamchaValueError, match=r"Invalid argument `inputs_q`: expected the batch axes of the cache.*\(2,\)"
+    ):
         layer(X[:1, :1], decode=True, deterministic=True)
     with pytest.raises(dc.DamchaValueError, match="`mask`"):
         layer(X[:, :1], decode=True, deterministic=True, mask=np.ones((1, 3), bool))  # the mask spans the cache (T, L)
 
 
 def test_bad_dropout_key_and_block_arguments_are_named() -> None:
-    with pytest.raises(dc.DamchaTypeError, match="`dropout_rng` must be a JAX PRNG key"):
+    with pytest.raises(dc.DamchaTypeError, match="Invalid argument `dropout_rng`: expected a JAX PRNG key"):
         dj.damcha_attention(PARAMS, CFG.replace(dropout=0.5), X, deterministic=False, dropout_rng=3)
     with pytest.raises(dc.DamchaTypeError, match="`mlp_features`"):
         dj.DamchaEncoderBlock(8, 2, "32", rngs=nnx.Rngs(0))

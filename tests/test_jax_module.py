@@ -162,7 +162,7 @@ def test_decode_loop_equals_causal_forward(chunks: tuple[int, ...]) -> None:
     # The cache holds the transformed keys k~ = L(x) k, not the raw k.
     _, k_tilde, _ = dj.transformed_qkv(layer.arrays(), config, x)
     np.testing.assert_allclose(layer.cached_key[...], k_tilde, rtol=1e-5, atol=1e-6)
-    with pytest.raises(dc.DamchaValueError, match="cache` is full"):
+    with pytest.raises(dc.DamchaValueError, match="the cache is full"):
         layer(x[:, :1], decode=True)
 
 
@@ -333,11 +333,13 @@ def test_batch_axes_as_flax_takes_them():
     )
     np.testing.assert_allclose(got.reshape(6, 5, 8), ref, rtol=2e-4, atol=2e-5)
 
-    with pytest.raises(dc.DamchaValueError, match=r"`inputs_k` must have the batch axes of `inputs_q`, \(2, 3\)"):
+    with pytest.raises(
+        dc.DamchaValueError, match=r"Invalid argument `inputs_k`: expected the batch axes of `inputs_q`, \(2, 3\)"
+    ):
         layer(x, x[:, :2])
     with pytest.raises(
         dc.DamchaValueError,
-        match=r"`mask` must be broadcastable to \[batch\.\.\., H, N, M\] = \(2, 3, 2, 5, 5\).*Received: mask.shape=\(2, 2, 1, 5, 5\)",
+        match=r"Invalid argument `mask`: expected a shape broadcastable to \[batch\.\.\., H, N, M\] = \(2, 3, 2, 5, 5\).*Received: mask.shape=\(2, 2, 1, 5, 5\)",
     ):
         layer(x, mask=jnp.ones((2, 2, 1, 5, 5), bool))
 

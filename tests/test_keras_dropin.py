@@ -386,5 +386,5 @@ def test_key_and_value_of_different_feature_sizes():
     np.testing.assert_allclose(np_(layer(q, v, k, use_causal_mask=True)), ref, rtol=1e-4, atol=1e-5)
     again = DamchaAttention.from_canonical(params, layer.config)
     np.testing.assert_array_equal(np_(again(q, v, k)), np_(layer(q, v, k)))
-    with pytest.raises(dc.DamchaValueError, match=r"`key` is required.*Received: key=None"):
+    with pytest.raises(dc.DamchaValueError, match=r"Invalid argument `key`: expected a tensor.*Received: key=None"):
         layer(q, v)

@@ -403,18 +403,18 @@ BAD_CALL = {
     "value-features-changed": (
         dict(value=np.zeros((2, 5, 6), "float32")),
         dc.DamchaValueError,
-        r"`value` must have 8 features.*Received: value\.shape=\(2, 5, 6\)",
+        r"Invalid argument `value`: expected 8 features.*Received: value\.shape=\(2, 5, 6\)",
     ),
     "value-batch": (
         dict(value=np.zeros((3, 5, 8), "float32")),
         dc.DamchaValueError,
-        r"`query` and `value` must have the same batch size.*value\.shape=\(3, 5, 8\)",
+        r"Invalid argument `value`: expected the batch size of `query`.*value\.shape=\(3, 5, 8\)",
     ),
     # A built layer used to pass this key to the projection (a backend reshape error).
     "key-features-changed": (
         dict(key=np.zeros((2, 5, 6), "float32")),
         dc.DamchaValueError,
-        r"`key` must have 8 features.*Received: key\.shape=\(2, 5, 6\)",
+        r"Invalid argument `key`: expected 8 features.*Received: key\.shape=\(2, 5, 6\)",
     ),
 }
 
@@ -595,23 +595,27 @@ def test_cache_in_a_functional_model():
 @pytest.mark.parametrize(
     "kwargs, error, pattern",
     [
-        (dict(cache_update_index=0), dc.DamchaValueError, r"`cache_update_index` needs a `cache`"),
+        (
+            dict(cache_update_index=0),
+            dc.DamchaValueError,
+            r"Invalid argument `cache_update_index`: expected None without a `cache`",
+        ),
         (
             dict(cache=np.zeros((B, 2, 6, H, D + 1)), cache_update_index=0),
             dc.DamchaValueError,
-            r"`cache` must have shape \(B, 2, L, G, d\) = \(2, 2, L, 3, 4\)\. Received: cache.shape=\(2, 2, 6, 3, 5\)",
+            r"Invalid argument `cache`: expected shape \(B, 2, L, G, d\) = \(2, 2, L, 3, 4\)\. Received: cache.shape=\(2, 2, 6, 3, 5\)",
         ),
         (dict(cache=np.zeros((B, 2, 6, H, D), "int32"), cache_update_index=0), dc.DamchaTypeError, r"`cache`"),
         (
             dict(cache_update_index=5),
             dc.DamchaValueError,
-            r"`cache_update_index` must be in \[0, L - M\] = \[0, 4\].*Received: cache_update_index=5",
+            r"Invalid argument `cache_update_index`: expected an index in \[0, L - M\] = \[0, 4\].*Received: cache_update_index=5",
         ),
-        (dict(cache_update_index=1.0), dc.DamchaTypeError, r"`cache_update_index` must be an int"),
+        (dict(cache_update_index=1.0), dc.DamchaTypeError, r"Invalid argument `cache_update_index`: expected an int"),
         (
             dict(value_mask=np.ones((B, 2), bool), cache_update_index=0),
             dc.DamchaValueError,
-            r"`value_mask` is not supported with a cache",
+            r"Invalid argument `value_mask`: expected None with a cache",
         ),
         (dict(use_causal_mask=True), dc.DamchaValueError, r"read-only cache needs `cache_update_index`"),
         (
@@ -675,14 +679,19 @@ def test_decoder_block_cache_decoding_equals_full_forward(normalize_first):
             h, caches[j] = block(h, self_attention_cache=caches[j], self_attention_cache_update_index=i)
         outs.append(np_(h))
     np.testing.assert_allclose(np.concatenate(outs, axis=1), np_(full), rtol=1e-10, atol=1e-12)
-    with pytest.raises(dc.DamchaValueError, match=r"padding mask .* is not supported with `self_attention_cache`"):
+    with pytest.raises(
+        dc.DamchaValueError, match=r"Invalid argument `decoder_padding_mask`: expected None with `self_attention_cache`"
+    ):
         blocks[0](
             x[:, :1],
             decoder_padding_mask=np.ones((B, 1), bool),
             self_attention_cache=caches[0],
             self_attention_cache_update_index=0,
         )
-    with pytest.raises(dc.DamchaValueError, match=r"needs `self_attention_cache_update_index`"):
+    with pytest.raises(
+        dc.DamchaValueError,
+        match=r"Invalid argument `self_attention_cache_update_index`: expected the position of the first new token",
+    ):
         blocks[0](x[:, :1], self_attention_cache=caches[0])
 
 
@@ -715,11 +724,13 @@ def test_mixed_precision_cache_in_a_compiled_generation_loop():
     np.testing.assert_allclose(np_(outs), dc.damcha_attention(params, cfg, np_(x), causal=True), rtol=2e-2, atol=2e-2)
     with pytest.raises(
         dc.DamchaValueError,
-        match=r"`dtype` of a cache must be the layer's compute dtype 'float16'.*"
+        match=r"Invalid argument `dtype`: expected the layer's compute dtype 'float16' for a cache.*"
         r"Received: dtype='float32'",
     ):
         layer.init_cache(B, 5, dtype="float32")
-    with pytest.raises(dc.DamchaTypeError, match=r"`dtype` of a cache must be a float dtype. Received: dtype="):
+    with pytest.raises(
+        dc.DamchaTypeError, match=r"Invalid argument `dtype`: expected a float dtype for a cache. Received: dtype="
+    ):
         layer.init_cache(B, 5, dtype="int32")
 
 
@@ -729,7 +740,8 @@ def test_cache_refuses_keras_mask_filled_value_mask_with_a_hint():
     layer, _, _ = _cache_layer("heads-tied")
     tokens = keras.layers.Embedding(10, E, mask_zero=True, dtype="float64")(np.array([[1], [2]]))
     with pytest.raises(
-        dc.DamchaValueError, match=r"`value_mask` is not supported with a cache.*Embedding\(mask_zero=True\)"
+        dc.DamchaValueError,
+        match=r"Invalid argument `value_mask`: expected None with a cache.*Embedding\(mask_zero=True\)",
     ):
         layer(tokens, tokens, use_causal_mask=True, cache=layer.init_cache(B, 4), cache_update_index=0)
 

@@ -457,7 +457,7 @@ def test_sublayer_conversion_and_register_adapter():
 
 
 def test_errors():
-    with pytest.raises(dc.DamchaTypeError, match="`model` must be a Keras layer"):
+    with pytest.raises(dc.DamchaTypeError, match="Invalid argument `model`: expected a Keras layer"):
         dk.convert(object())
     with pytest.raises(dc.DamchaValueError, match="`metric`"):
         dk.convert(backbone("gpt2"), metric="none")
@@ -465,7 +465,7 @@ def test_errors():
         dk.convert(backbone("gpt2"), coupling="both")
     with pytest.raises(dc.DamchaTypeError, match="`share_metric`"):
         dk.convert(backbone("gpt2"), share_metric=1)
-    with pytest.raises(dc.DamchaValueError, match="must be built"):
+    with pytest.raises(dc.DamchaValueError, match="expected a built model"):
         dk.convert(keras.layers.MultiHeadAttention(2, 4))
     model = dk.convert(backbone("gpt2"))
     n = len(model.weights)

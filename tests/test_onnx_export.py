@@ -137,20 +137,34 @@ def test_params_not_matching_config_are_rejected():
 
 @pytest.mark.parametrize("opset", [16, 11, 1000], ids=["opset16", "opset11", "opset1000"])
 def test_opset_out_of_range_is_rejected(opset):
-    with pytest.raises(dc.DamchaValueError, match=rf"`opset` must be in \[17, \d+\].*opset={opset}"):
+    with pytest.raises(
+        dc.DamchaValueError, match=rf"Invalid argument `opset`: expected an int in \[17, \d+\].*opset={opset}"
+    ):
         do.export(dc.init_params(CFG), CFG, None, opset=opset)
 
 
 @pytest.mark.parametrize(
     "kwargs, error, pattern",
     [
-        (dict(opset="23"), dc.DamchaTypeError, r"`opset` must be an int.*'23'"),
-        (dict(form="attention", opset=18), dc.DamchaValueError, r"form='attention' needs opset >= 23"),
-        (dict(dtype="int8"), dc.DamchaValueError, r"`dtype` must be one of.*'int8'"),
+        (dict(opset="23"), dc.DamchaTypeError, r"Invalid argument `opset`: expected an int.*'23'"),
+        (
+            dict(form="attention", opset=18),
+            dc.DamchaValueError,
+            r"Invalid argument `opset`: expected an int >= 23 with form='attention'",
+        ),
+        (dict(dtype="int8"), dc.DamchaValueError, r"Invalid argument `dtype`: expected one of.*'int8'"),
         (dict(dtype="bfloat16"), dc.DamchaValueError, r"`dtype`.*bfloat16.*no bfloat16 kernels"),
         (dict(causal=1), dc.DamchaTypeError, r"Invalid argument `causal`: expected a bool"),
-        (dict(dynamic=False), dc.DamchaValueError, r"dynamic=False needs `batch_size`"),
-        (dict(batch_size=2), dc.DamchaValueError, r"`batch_size` fixes a dimension, so it needs dynamic=False"),
+        (
+            dict(dynamic=False),
+            dc.DamchaValueError,
+            r"Invalid argument `batch_size`: expected an int >= 1 with dynamic=False",
+        ),
+        (
+            dict(batch_size=2),
+            dc.DamchaValueError,
+            r"Invalid argument `batch_size`: expected None with dynamic=True \(it fixes a dimension, so it needs dynamic=False\)",
+        ),
     ],
     ids=[
         "opset-type",
@@ -215,10 +229,19 @@ def test_onnxruntime_rejects_wrong_input_shapes(bad, opset):
 @pytest.mark.parametrize(
     "kind, pattern",
     [
-        ("decode-mask-short", r"`mask` and `query` must agree on|`mask` must span the cache and the new tokens"),
-        ("decode-batch", r"`past_key` and `query` must agree on batch|`query` and `past_key` must agree on batch"),
-        ("decode-empty-query", r"`query` must be non-empty \(query_len >= 1\)"),
-        ("stack-mask-heads", r"`mask` must be broadcastable to \(2, 2, 3, 3\) \(axis 1, heads, must be 1 or 2\)"),
+        (
+            "decode-mask-short",
+            r"Invalid argument `mask`: expected (the size of `query` on|a span over the cache and the new tokens)",
+        ),
+        (
+            "decode-batch",
+            r"Invalid argument `past_key`: expected the size of `query` on batch|Invalid argument `query`: expected the size of `past_key` on batch",
+        ),
+        ("decode-empty-query", r"Invalid argument `query`: expected a non-empty axis \d \(query_len >= 1\)"),
+        (
+            "stack-mask-heads",
+            r"Invalid argument `mask`: expected a shape broadcastable to \(2, 2, 3, 3\) \(axis 1, heads, must be 1 or 2\)",
+        ),
     ],
 )
 def test_run_ort_checks_decode_and_stack_feeds(kind, pattern):
@@ -252,9 +275,9 @@ def test_run_ort_checks_decode_and_stack_feeds(kind, pattern):
 def test_wrong_input_dtypes_are_rejected_by_feeds_helper():
     model = do.export(dc.init_params(CFG), CFG, None, mask=True)
     x = np.zeros((1, 2, 8))
-    with pytest.raises(dc.DamchaTypeError, match="`mask` must be boolean"):
+    with pytest.raises(dc.DamchaTypeError, match="Invalid argument `mask`: expected a mask that is boolean"):
         do.run_ort(model, {"query": x, "mask": np.ones((1, 1, 2, 2))})
-    with pytest.raises(dc.DamchaTypeError, match="`query` must be a real floating tensor"):
+    with pytest.raises(dc.DamchaTypeError, match="Invalid argument `query`: expected a real floating tensor"):
         do.run_ort(model, {"query": np.zeros((1, 2, 8), dtype=np.int64), "mask": np.ones((1, 1, 2, 2), bool)})
     with pytest.raises(dc.DamchaValueError, match=r"missing=\['mask'\]"):
         do.run_ort(model, {"query": x})
@@ -284,43 +307,47 @@ def test_helpers_take_a_saved_model_path(tmp_path):
         (
             lambda m: do.run_ort(42, {}),
             dc.DamchaTypeError,
-            r"`model` must be an onnx.ModelProto or the path.*Received: model=42",
+            r"Invalid argument `model`: expected an onnx.ModelProto or the path.*Received: model=42",
         ),
         (
             lambda m: do.run_reference("/nonexistent/m.onnx", {}),
             dc.DamchaValueError,
-            r"`model` must be .*Received: model='/nonexistent/m.onnx' \(no such file\)",
+            r"Invalid argument `model`: expected .*Received: model='/nonexistent/m.onnx' \(no such file\)",
         ),
         (
             lambda m: do.run_ort(m, [np.zeros((1, 2, 8))]),
             dc.DamchaTypeError,
-            r"`inputs` must be a mapping.*Received: inputs=",
+            r"Invalid argument `inputs`: expected a mapping.*Received: inputs=",
         ),
         (
             lambda m: do.ort_session(m, threads="2"),
             dc.DamchaValueError,
-            r"`threads` must be an int >= 1 or None. Received: threads='2'",
+            r"Invalid argument `threads`: expected an int >= 1 or None. Received: threads='2'",
         ),
-        (lambda m: do.quantize_int8(42), dc.DamchaTypeError, r"`model` must be an onnx.ModelProto.*Received: model=42"),
+        (
+            lambda m: do.quantize_int8(42),
+            dc.DamchaTypeError,
+            r"Invalid argument `model`: expected an onnx.ModelProto.*Received: model=42",
+        ),
         (
             lambda m: do.quantization_error(m, m, {"query": np.zeros((1, 2, 8))}, np.zeros((1, 3, 8))),
             dc.DamchaValueError,
-            r"`reference` must have the model's output shape \(1, 2, 8\). Received: reference.shape=\(1, 3, 8\)",
+            r"Invalid argument `reference`: expected the model's output shape \(1, 2, 8\). Received: reference.shape=\(1, 3, 8\)",
         ),
         (
             lambda m: do.export(dc.init_params(CFG), CFG, 7),
             dc.DamchaTypeError,
-            r"`path` must be a file path or None. Received: path=7",
+            r"Invalid argument `path`: expected a file path or None. Received: path=7",
         ),
         (
             lambda m: do.init_encoder_params(CFG),
             dc.DamchaTypeError,
-            r"`config` must be an EncoderConfig. Received: config=DamchaConfig",
+            r"Invalid argument `config`: expected an EncoderConfig. Received: config=DamchaConfig",
         ),
         (
             lambda m: do.init_token_model_params(do.EncoderConfig(CFG, 1, 4)),
             dc.DamchaTypeError,
-            r"`config` must be a TokenModelConfig. Received: config=EncoderConfig",
+            r"Invalid argument `config`: expected a TokenModelConfig. Received: config=EncoderConfig",
         ),
         (
             lambda m: do.init_encoder_params(do.EncoderConfig(CFG, 1, 4), seed="0"),

@@ -49,7 +49,9 @@ def test_external_data_on_request(tmp_path):
     do.validate_model(onnx.load(path))
     with pytest.raises(dc.DamchaValueError, match="external data file.*pass the path"):
         do.run_ort(model, {"query": _x()})  # the returned proto refers to the file; run it from its path
-    with pytest.raises(dc.DamchaValueError, match="needs a file: pass `path`"):
+    with pytest.raises(
+        dc.DamchaValueError, match="Invalid argument `path`: expected a file path for a model saved with external data"
+    ):
         do.export(_params(), CONFIG, None, causal=True, external_data=True)
 
 

@@ -88,11 +88,11 @@ def test_keras_converter_errors():
 
     built = dk.TransformerEncoder(16, 2)
     built(np.zeros((1, 3, 8), "float32"))
-    with pytest.raises(dc.DamchaTypeError, match=r"`blocks` must be a non-empty list"):
+    with pytest.raises(dc.DamchaTypeError, match=r"Invalid argument `blocks`: expected a non-empty list"):
         do.encoder_from_keras(built)
     with pytest.raises(
         dc.DamchaTypeError,
-        match=r"must hold blocks of one kind, all TransformerEncoder or all TransformerDecoder.*Received: ",
+        match=r"expected blocks of one kind, all TransformerEncoder or all TransformerDecoder.*Received: ",
     ):
         do.encoder_from_keras([built, dk.TransformerDecoder(16, 2)])
     with pytest.raises(dc.DamchaValueError, match=r"built blocks.*Received: blocks="):
@@ -103,7 +103,10 @@ def test_keras_converter_errors():
         do.encoder_from_keras([silu])
     decoder = dk.TransformerDecoder(16, 2)
     decoder(np.zeros((1, 3, 8), "float32"))
-    with pytest.raises(dc.DamchaValueError, match=r"always causal. Received: causal=False"):
+    with pytest.raises(
+        dc.DamchaValueError,
+        match=r"Invalid argument `causal`: expected True or None for TransformerDecoder blocks \(always causal\)\. Received: causal=False",
+    ):
         do.encoder_from_keras([decoder], causal=False)
 
 
@@ -132,7 +135,7 @@ def test_jax_encoder_converts(share):
         True,
     )
     _check(params, config, x, expected)
-    with pytest.raises(dc.DamchaTypeError, match=r"`encoder` must be a damcha_jax.DamchaEncoder"):
+    with pytest.raises(dc.DamchaTypeError, match=r"Invalid argument `encoder`: expected a damcha_jax.DamchaEncoder"):
         do.encoder_from_jax(enc.layers[0])
 
 

@@ -296,14 +296,15 @@ def test_token_model_decode_past_max_len_fails():
     with pytest.raises(Exception, match="ONNXRuntimeError"):
         session.run(None, {"tokens": tokens[:, 3:], **cache})
     with pytest.raises(
-        dc.DamchaValueError, match=r"`tokens` reach position 4, past the position table \(max_len=4\).*after 3 cached"
+        dc.DamchaValueError,
+        match=r"Invalid argument `tokens`: expected positions within the position table \(max_len=4\); they reach 4.*after 3 cached",
     ):
         do.run_ort(model, {"tokens": tokens[:, 3:], **cache}, session=session)
     step = do.run_ort(model, {"tokens": tokens[:, 3:4], **cache}, session=session, all_outputs=True)
     cache = {k.replace("present_", "past_"): v for k, v in step.items() if k.startswith("present_")}
     with pytest.raises(Exception, match="ONNXRuntimeError"):
         session.run(None, {"tokens": tokens[:, 4:], **cache})
-    with pytest.raises(dc.DamchaValueError, match=r"`tokens` reach position 4"):
+    with pytest.raises(dc.DamchaValueError, match=r"Invalid argument `tokens`: .*they reach 4"):
         do.run_ort(model, {"tokens": tokens[:, 4:], **cache}, session=session)
 
 
@@ -359,12 +360,12 @@ CROSS_CFG = dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4, context_dim=6, 
         (
             lambda: do.empty_kv_cache(do.export(dc.init_params(CFG), CFG, None), 1),
             dc.DamchaValueError,
-            r"no past_key/past_value inputs.*Received: inputs=\['query'\]",
+            r"Invalid argument `model`: expected a model with past_key/past_value inputs.*Received: model with inputs \['query'\]",
         ),
         (
             lambda: do.empty_kv_cache(do.export(dc.init_params(CFG), CFG, None, causal=True, kv_cache=True), 0),
             dc.DamchaValueError,
-            r"`batch_size` must be an int >= 1. Received: batch_size=0",
+            r"Invalid argument `batch_size`: expected an int >= 1. Received: batch_size=0",
         ),
     ],
     ids=[

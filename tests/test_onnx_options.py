@@ -81,7 +81,10 @@ def test_options_object_equals_the_keywords(exporter):
     a = _exporters()[exporter](options=options)
     b = _exporters()[exporter](opset=17, mask=True, dynamic=False, batch_size=2, query_len=3)
     assert a.graph == b.graph
-    with pytest.raises(dc.DamchaValueError, match=r"either as `options` or as keywords.*'opset'"):
+    with pytest.raises(
+        dc.DamchaValueError,
+        match=r"Invalid argument `options`: expected None when export options are passed as keywords.*'opset'",
+    ):
         _exporters()[exporter](options=options, opset=18)
 
 
@@ -90,7 +93,7 @@ def test_options_are_checked_on_construction():
         do.ExportOptions(kv_cache=True)
     with pytest.raises(dc.DamchaValueError, match="needs config.causal=True"):
         do.ExportOptions(kind="encoder", kv_cache=True)
-    with pytest.raises(dc.DamchaValueError, match="context_len` needs cross=True"):
+    with pytest.raises(dc.DamchaValueError, match="Invalid argument `context_len`: expected None without cross=True"):
         do.ExportOptions(context_len=3, dynamic=False, batch_size=1, query_len=1)
     with pytest.raises(dc.DamchaValueError, match="is self-attention"):
         do.ExportOptions(kind="encoder", cross=True)
@@ -98,7 +101,7 @@ def test_options_are_checked_on_construction():
         do.export_encoder(dc.init_encoder_params(ENC, 0), ENC, None, options=do.ExportOptions(causal=True))
     with pytest.raises(dc.DamchaValueError, match="options.causal"):
         do.export_encoder(dc.init_encoder_params(ENC, 0), ENC, None, options=do.ExportOptions(kind="encoder"))
-    with pytest.raises(dc.DamchaTypeError, match="`options` must be an ExportOptions"):
+    with pytest.raises(dc.DamchaTypeError, match="Invalid argument `options`: expected an ExportOptions"):
         do.export(dc.init_params(ATTN, 0), ATTN, None, options={"opset": 23})
     options = do.ExportOptions(kind="encoder", causal=True, mask=True)
     assert (options.batch_dim, options.query_dim, options.key_dim) == ("batch", "query_len", "query_len")
@@ -107,7 +110,7 @@ def test_options_are_checked_on_construction():
 def test_layer_params_checks_the_index():
     params = dc.init_encoder_params(ENC, 0)
     assert set(ENC.layer_params(params, 0)) == set(ATTN.param_shapes())
-    with pytest.raises(dc.DamchaValueError, match="`index` must be < num_layers=1"):
+    with pytest.raises(dc.DamchaValueError, match="Invalid argument `index`: expected an int < num_layers=1"):
         ENC.layer_params(params, 1)
 
 

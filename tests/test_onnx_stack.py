@@ -114,10 +114,13 @@ def test_token_model_end_to_end(opset, tmp_path):
     with pytest.raises(Exception, match="ONNXRuntimeError"):
         do.ort_session(model).run(None, {"tokens": too_long})  # the graph itself refuses, for raw onnxruntime users
     with pytest.raises(
-        dc.DamchaValueError, match=r"`tokens` reach position 10, past the position table \(max_len=10\)"
+        dc.DamchaValueError,
+        match=r"Invalid argument `tokens`: expected positions within the position table \(max_len=10\); they reach 10",
     ):
         do.run_ort(model, {"tokens": too_long})
-    with pytest.raises(dc.DamchaValueError, match=r"`tokens` must be ids in \[0, 13\).*Received: tokens in \[-1, "):
+    with pytest.raises(
+        dc.DamchaValueError, match=r"Invalid argument `tokens`: expected ids in \[0, 13\).*Received: tokens in \[-1, "
+    ):
         do.run_ort(model, {"tokens": np.array([[0, -1, 3]])})  # Gather would wrap -1 to the last row
 
 
@@ -151,7 +154,7 @@ def test_token_model_end_to_end(opset, tmp_path):
                 do.init_encoder_params(_encoder("none", True)), _encoder("none", True), None, opset=16
             ),
             dc.DamchaValueError,
-            "`opset` must be in",
+            "Invalid argument `opset`: expected an int in",
         ),
     ],
     ids=["encoder-dims", "num-layers", "shared-params-for-unshared-config", "stack-bfloat16", "stack-opset"],
@@ -202,7 +205,7 @@ def test_cli_exports_and_validates(tmp_path, capsys):
     )
     assert rc == 2 and "differs from the config stored" in capsys.readouterr().err
     rc = main(["--params", str(tmp_path / "p.safetensors"), "--out", str(out), "--opset", "12"])
-    assert rc == 2 and "`opset` must be in" in capsys.readouterr().err
+    assert rc == 2 and "Invalid argument `opset`: expected an int in" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("opset", [17, 23], ids=lambda o: f"opset{o}")
@@ -221,7 +224,9 @@ def test_one_row_position_table_never_broadcasts(opset):
         assert ratio <= 1
         with pytest.raises(Exception, match="ONNXRuntimeError"):
             session.run(None, {"tokens": tokens})
-    with pytest.raises(dc.DamchaValueError, match=r"`query_len` must be <= max_len=1.*Received: query_len=2"):
+    with pytest.raises(
+        dc.DamchaValueError, match=r"Invalid argument `query_len`: expected an int <= max_len=1.*Received: query_len=2"
+    ):
         do.export_token_model(params, config, None, opset=opset, dynamic=False, batch_size=1, query_len=2)
 
 
@@ -234,7 +239,7 @@ def test_token_model_reference_rejects_ids_outside_the_vocabulary(bad):
     tokens = np.array([[0, bad, 2]])
     with pytest.raises(
         dc.DamchaValueError,
-        match=rf"`tokens` must be ids in \[0, 5\).*Received: tokens in \[{min(bad, 0)}, {max(bad, 2)}\]",
+        match=rf"Invalid argument `tokens`: expected ids in \[0, 5\).*Received: tokens in \[{min(bad, 0)}, {max(bad, 2)}\]",
     ):
         do.token_model_forward(params, config, tokens)
 

@@ -79,5 +79,7 @@ def test_torch_export_with_a_4d_mask_and_a_dynamic_shapes_spec():
     expected = dc.damcha_attention(params, config, x.astype(np.float64), mask=~hidden)
     _, ratio = tolerance("float32").output_ratio(out, expected)
     assert ratio <= 1, ratio
-    with pytest.raises(dc.DamchaValueError, match=r"`dynamic_shapes` must have one entry per positional input \(2\)"):
+    with pytest.raises(
+        dc.DamchaValueError, match=r"Invalid argument `dynamic_shapes`: expected one entry per positional input \(2\)"
+    ):
         do.export_torch(model, example, dynamic_shapes=spec[:1])

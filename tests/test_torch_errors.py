@@ -71,7 +71,7 @@ def _layer(**kw) -> DamchaAttention:
         (
             lambda: DamchaAttention(18, 4),
             DamchaValueError,
-            r"`embed_dim` must be divisible by `num_heads`.*embed_dim=18",
+            r"Invalid argument `embed_dim`: expected a multiple of `num_heads`.*embed_dim=18",
         ),
         (
             lambda: DamchaAttention(16, 4, metric="lowrank"),
@@ -93,7 +93,11 @@ def _layer(**kw) -> DamchaAttention:
             DamchaTypeError,
             r"^Invalid argument `metric_generator`: expected a MetricGenerator, a dict",
         ),
-        (lambda: DamchaAttention.from_mha(nn.Linear(2, 2)), DamchaTypeError, r"`mha` must be an nn.MultiheadAttention"),
+        (
+            lambda: DamchaAttention.from_mha(nn.Linear(2, 2)),
+            DamchaTypeError,
+            r"Invalid argument `mha`: expected an nn.MultiheadAttention",
+        ),
         # nn.MultiheadAttention's argument names, not DamchaConfig's (query_dim, context_dim, use_bias)
         (
             lambda: DamchaAttention(16.0, 4),
@@ -154,7 +158,11 @@ def test_constructor_errors(build, error, pattern):
             DamchaValueError,
             r"Invalid argument `key`: expected a non-empty shape.*key.shape=\(2, 0, 16\)",
         ),
-        (lambda m: m(x.long(), x.long(), x.long()), DamchaTypeError, r"`query` must be a real floating tensor.*int64"),
+        (
+            lambda m: m(x.long(), x.long(), x.long()),
+            DamchaTypeError,
+            r"Invalid argument `query`: expected a real floating tensor.*int64",
+        ),
         (
             lambda m: m(x, x, torch.randn(2, 4, 16)),
             DamchaValueError,
@@ -163,18 +171,22 @@ def test_constructor_errors(build, error, pattern):
         (
             lambda m: m(torch.randn(5, 16), x, x),
             DamchaValueError,
-            r"With an unbatched \(2-D\) `query`, `key` and `value` must be 2-D too.*key.shape=\(2, 5, 16\)",
+            r"Invalid argument `key`: expected a 2-D \(unbatched\) tensor with an unbatched \(2-D\) `query`.*key.shape=\(2, 5, 16\)",
         ),
         (
             lambda m: m(x, torch.randn(5, 16), torch.randn(5, 16)),
             DamchaValueError,
-            r"must all be batched \(B, N, E\) or all unbatched \(N, E\).*key.shape=\(5, 16\)",
+            r"Invalid argument `key`: expected `query`, `key` and `value` all batched \(B, N, E\) or all unbatched \(N, E\).*key.shape=\(5, 16\)",
         ),
-        (lambda m: m(x[None], x[None], x[None]), DamchaValueError, r"must all be batched.*query.shape=\(1, 2, 5, 16\)"),
+        (
+            lambda m: m(x[None], x[None], x[None]),
+            DamchaValueError,
+            r"Invalid argument `query`: expected `query`, `key` and `value` all batched.*query.shape=\(1, 2, 5, 16\)",
+        ),
         (
             lambda m: m(x[0], x[0], x[0], key_padding_mask=torch.zeros(1, 5, dtype=torch.bool)),
             DamchaValueError,
-            r"unbatched inputs `key_padding_mask` must have shape \(M,\) = \(5,\).*\(1, 5\)",
+            r"Invalid argument `key_padding_mask`: expected shape \(M,\) = \(5,\).*\(1, 5\)",
         ),
         (
             lambda m: m(x, x, x, key_padding_mask=torch.zeros(2, 4, dtype=torch.bool)),
@@ -204,7 +216,7 @@ def test_constructor_errors(build, error, pattern):
         (
             lambda m: m(x, x, x, is_causal=True, need_weights=False, kv_cache=object()),
             DamchaTypeError,
-            r"`kv_cache` must be a DamchaKVCache or None\. Received: kv_cache=<object",
+            r"Invalid argument `kv_cache`: expected a DamchaKVCache or None\. Received: kv_cache=<object",
         ),
     ],
     ids=[
@@ -284,7 +296,8 @@ def test_kv_cache_mismatch_names_the_cache_and_leaves_it_intact():
 def test_stack_builders_reject_bad_num_layers(num_layers):
     for build in (build_encoder, build_decoder):
         with pytest.raises(
-            DamchaValueError, match=rf"`num_layers` must be an int >= 1\. Received: num_layers={num_layers}"
+            DamchaValueError,
+            match=rf"Invalid argument `num_layers`: expected an int >= 1\. Received: num_layers={num_layers}",
         ):
             build(16, 4, num_layers, dim_feedforward=8)
 
@@ -298,9 +311,13 @@ def test_stack_builders_reject_bad_num_layers(num_layers):
         (
             lambda: build_encoder(30, 4, 2),
             DamchaValueError,
-            r"^`d_model` must be divisible by `nhead` when `key_dim` is not given\. Received: d_model=30, nhead=4",
+            r"^Invalid argument `d_model`: expected a multiple of `nhead` when `key_dim` is not given\. Received: d_model=30, nhead=4",
         ),
-        (lambda: build_decoder(30, 4, 2), DamchaValueError, r"^`d_model` must be divisible by `nhead`"),
+        (
+            lambda: build_decoder(30, 4, 2),
+            DamchaValueError,
+            r"^Invalid argument `d_model`: expected a multiple of `nhead`",
+        ),
         (
             lambda: build_encoder(16.0, 4, 2),
             DamchaTypeError,
@@ -324,7 +341,7 @@ def test_stack_builders_reject_bad_num_layers(num_layers):
         (
             lambda: build_encoder(16, 4, 2, activation="swish"),
             DamchaValueError,
-            r"^`activation` must be 'relu', 'gelu' or a callable\. Received: activation='swish'",
+            r"^Invalid argument `activation`: expected 'relu', 'gelu' or a callable\. Received: activation='swish'",
         ),
         (
             lambda: build_encoder(16, 4, 2, norm_first="yes"),
@@ -344,7 +361,7 @@ def test_stack_builders_reject_bad_num_layers(num_layers):
         (
             lambda: build_encoder(16, 4, 2, dtype=torch.int32),
             DamchaTypeError,
-            r"^`dtype` must be None or a real floating",
+            r"^Invalid argument `dtype`: expected None or a real floating",
         ),
         (
             lambda: build_encoder(16, 4, 2, metric="full"),
@@ -365,7 +382,7 @@ def test_stack_builders_reject_bad_num_layers(num_layers):
         (
             lambda: DamchaTransformerEncoder(DamchaTransformerEncoderLayer(16, 4), 2, norm=5),
             DamchaTypeError,
-            r"^`norm` must be an nn.Module",
+            r"^Invalid argument `norm`: expected an nn.Module",
         ),
         (
             lambda: build_decoder(16, 4, 2, cross_coupling="crossed"),
@@ -425,7 +442,9 @@ def test_key_dim_frees_d_model_from_dividing_by_nhead():
 @pytest.mark.parametrize("dtype", [torch.complex64, torch.int32, "float32"], ids=["complex64", "int32", "string"])
 def test_parameter_dtype_must_be_real_floating(dtype):
     for build in (lambda: DamchaAttention(16, 4, dtype=dtype), lambda: MetricGenerator(16, 4, 4, dtype=dtype)):
-        with pytest.raises(DamchaTypeError, match=r"^`dtype` must be None or a real floating torch dtype"):
+        with pytest.raises(
+            DamchaTypeError, match=r"^Invalid argument `dtype`: expected None or a real floating torch dtype"
+        ):
             build()
 
 
@@ -439,7 +458,7 @@ def test_inputs_of_another_dtype_name_the_arguments(dtypes):
     q, k, v = (x.to(getattr(torch, d)) for d in dtypes)
     with pytest.raises(
         DamchaTypeError,
-        match=rf"`query`, `key` and `value` must have the dtype of this layer's "
+        match=rf"^Invalid argument `{'query' if dtypes[0] != 'float32' else 'key'}`: expected the dtype of this layer's "
         rf"parameters \(torch.float32\).*query.dtype=torch.{dtypes[0]}, "
         rf"key.dtype=torch.{dtypes[1]}",
     ):
@@ -516,9 +535,13 @@ def test_save_of_a_meta_layer_is_a_clear_error(tmp_path):
 @pytest.mark.parametrize(
     "args, error, pattern",
     [
-        ((np.zeros((1, 2, 3, 4)), torch.zeros(1, 2, 3, 4)), DamchaTypeError, r"^`key` must be a real floating tensor"),
+        (
+            (np.zeros((1, 2, 3, 4)), torch.zeros(1, 2, 3, 4)),
+            DamchaTypeError,
+            r"^Invalid argument `key`: expected a real floating tensor",
+        ),
         ((torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4, dtype=torch.int64)), DamchaTypeError, r"^`value` must be"),
-        ((torch.zeros(2, 3, 4), torch.zeros(2, 3, 4)), DamchaValueError, r"^`key` must have rank 4"),
+        ((torch.zeros(2, 3, 4), torch.zeros(2, 3, 4)), DamchaValueError, r"^Invalid argument `key`: expected rank 4"),
         (
             (torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 2, 4)),
             DamchaValueError,
@@ -550,9 +573,11 @@ def test_replace_mha_and_metric_penalty_name_bad_arguments():
     assert isinstance(model[0], nn.MultiheadAttention)  # nothing replaced
     with pytest.raises(DamchaValueError, match=r"^Invalid argument `metric`: expected one of"):
         replace_mha(model, metric="full")
-    with pytest.raises(DamchaTypeError, match=r"^`model` must be an nn.Module"):
+    with pytest.raises(DamchaTypeError, match=r"^Invalid argument `model`: expected an nn.Module"):
         replace_mha([model])
-    with pytest.raises(DamchaTypeError, match=r"^`model` must be an nn.Module \(or canonical params"):
+    with pytest.raises(
+        DamchaTypeError, match=r"^Invalid argument `model`: expected an nn.Module \(or canonical params"
+    ):
         metric_penalty("model")
     with pytest.raises(DamchaValueError, match=r"`config`, `query` and `context` are for canonical params"):
         metric_penalty(model, query=x)

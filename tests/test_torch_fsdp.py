@@ -95,5 +95,7 @@ def test_shard_stack_trains_like_one_process(tmp_path):
 def test_shard_stack_rejects_other_modules():
     from damcha_core import DamchaTypeError
 
-    with pytest.raises(DamchaTypeError, match=r"`stack` must be a DamchaTransformerEncoder.*Received: stack="):
+    with pytest.raises(
+        DamchaTypeError, match=r"Invalid argument `stack`: expected a DamchaTransformerEncoder.*Received: stack="
+    ):
         shard_stack(torch.nn.Linear(2, 2))

@@ -193,18 +193,26 @@ def test_old_heads_signature_still_works_with_a_deprecation_warning():
 @pytest.mark.parametrize(
     "call, error, pattern",
     [
-        (lambda p, c, x: damcha_attention(p, "cfg", x), dc.DamchaTypeError, r"`config` must be a DamchaConfig"),
+        (
+            lambda p, c, x: damcha_attention(p, "cfg", x),
+            dc.DamchaTypeError,
+            r"Invalid argument `config`: expected a DamchaConfig",
+        ),
         (lambda p, c, x: damcha_attention({}, c, x), dc.DamchaValueError, r"`params` does not match the config"),
         (
             lambda p, c, x: damcha_attention({**p, "query.kernel": p["query.kernel"].numpy()}, c, x),
             dc.DamchaTypeError,
-            r"`params\['query.kernel'\]` must be a torch tensor",
+            r"Invalid argument `params\['query.kernel'\]`: expected a torch tensor",
         ),
-        (lambda p, c, x: damcha_attention(p, c, x.long()), dc.DamchaTypeError, r"`query` must be a real floating"),
+        (
+            lambda p, c, x: damcha_attention(p, c, x.long()),
+            dc.DamchaTypeError,
+            r"Invalid argument `query`: expected a real floating",
+        ),
         (
             lambda p, c, x: damcha_attention(p, c, x, mask=torch.zeros(5, 5, dtype=torch.int32)),
             dc.DamchaTypeError,
-            r"`mask` must be boolean \(True = may attend\) or floating",
+            r"Invalid argument `mask`: expected a mask that is boolean \(True = may attend\) or floating",
         ),
         (
             lambda p, c, x: damcha_attention(p, c, x, mask=torch.zeros(2, 5, 5, dtype=torch.bool)),
@@ -212,16 +220,32 @@ def test_old_heads_signature_still_works_with_a_deprecation_warning():
             r"Invalid argument `mask`: expected shape \(N, M\) or \(B, H, N, M\)",
         ),
         (lambda p, c, x: damcha_attention(p, c, x, query_offset=-1), dc.DamchaValueError, r"`query_offset` must be"),
-        (lambda p, c, x: damcha_attention(p, c, x, causal=1), dc.DamchaTypeError, r"`causal` must be a bool"),
-        (lambda p, c, x: damcha_attention(p, c, x, kv_cache=[]), dc.DamchaTypeError, r"`kv_cache` must be a Damcha"),
-        (lambda p, c, x: damcha_attention(p, c, x, value=x), dc.DamchaValueError, r"`value` needs `context`"),
+        (
+            lambda p, c, x: damcha_attention(p, c, x, causal=1),
+            dc.DamchaTypeError,
+            r"Invalid argument `causal`: expected a bool",
+        ),
+        (
+            lambda p, c, x: damcha_attention(p, c, x, kv_cache=[]),
+            dc.DamchaTypeError,
+            r"Invalid argument `kv_cache`: expected a Damcha",
+        ),
+        (
+            lambda p, c, x: damcha_attention(p, c, x, value=x),
+            dc.DamchaValueError,
+            r"Invalid argument `value`: expected None when `context` is None",
+        ),
         (
             lambda p, c, x: damcha_attention(p, c, x, x, x[:, :3]),
             dc.DamchaValueError,
             r"Invalid argument `value`: expected the batch size and length of `context`",
         ),
-        (lambda p, c, x: apply_map(p, c, "q", x, x), dc.DamchaValueError, r"`side` must be one of"),
-        (lambda p, c, x: generator(p, c, "qk", x.int()), dc.DamchaTypeError, r"`tokens` must be a real floating"),
+        (lambda p, c, x: apply_map(p, c, "q", x, x), dc.DamchaValueError, r"Invalid argument `side`: expected one of"),
+        (
+            lambda p, c, x: generator(p, c, "qk", x.int()),
+            dc.DamchaTypeError,
+            r"Invalid argument `tokens`: expected a real floating",
+        ),
     ],
     ids=[
         "config-type",

@@ -208,7 +208,11 @@ def test_invalid_shapes_and_nested_tensors_are_damcha_errors():
     layer = DamchaAttention(4, 4)
     q = torch.randn(4, 4, 4)
     cases = [
-        (lambda: layer(q, torch.randn(4, 4), q), dc.DamchaValueError, r"must all be batched"),
+        (
+            lambda: layer(q, torch.randn(4, 4), q),
+            dc.DamchaValueError,
+            r"Invalid argument `key`: expected `query`, `key` and `value` all batched",
+        ),
         (
             lambda: layer(q, q, q, key_padding_mask=torch.tensor([False, True, True, True])),
             dc.DamchaValueError,
@@ -226,7 +230,13 @@ def test_invalid_shapes_and_nested_tensors_are_damcha_errors():
         ),
     ]
     nested = torch.nested.nested_tensor([torch.randn(2, 4), torch.randn(3, 4)], layout=torch.jagged)
-    cases.append((lambda: layer(nested, nested, nested), dc.DamchaTypeError, r"`query` is a nested tensor"))
+    cases.append(
+        (
+            lambda: layer(nested, nested, nested),
+            dc.DamchaTypeError,
+            r"Invalid argument `query`: expected a dense \(padded\) tensor.*\(nested\)",
+        )
+    )
     for call, error, pattern in cases:
         with pytest.raises(error, match=pattern):
             call()

@@ -1,0 +1,488 @@
+"""One wording for every argument rule (issues 14 and 16).
+
+Every argument error reads ``Invalid argument `<name>`: expected <rule>.
+Received: <value>`` (Keras's wording), built by ``damcha_core.invalid_argument``,
+so one rule never reads two ways in two places. Two kinds of test:
+
+* an audit of the source (no framework imported): every ``DamchaValueError`` /
+  ``DamchaTypeError`` built from a string literal must not start with the old
+  hand-written forms (a backtick, as in ``"`query_offset` must be ..."``) or
+  spell out ``"Invalid argument"`` by hand; the few messages still written the
+  old way are listed below, each with the reason, and the list can only shrink;
+* the converted messages of each package, through its public API: the class,
+  the argument as the caller spelled it, ``Received:`` with the value (shape
+  and dtype for arrays, never their contents), and the automatic coupling
+  named as automatic (a user who passed no ``coupling`` must not read
+  ``coupling='separate'`` as if they had).
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+import numpy as np
+import pytest
+
+import damcha_core as dc
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("damcha_core", "backends", "onnx_export", "experiments", "conformance")
+ERRORS = {"DamchaValueError", "DamchaTypeError", "DamchaNotIntegerError", "DamchaError"}
+
+# Messages still written the old way: the start of the message -> why. Each is
+# either not an argument rule (a state error: "call convert first") or in code
+# another change moves this session; remove an entry when its message is converted.
+STILL_OLD = {
+    # Not argument rules: the state of an object, or a model's own sublayers.
+    "`{}` needs a built layer": "keras canonical I/O on an unbuilt layer (state)",
+    "`{}` is not available with use_gate=True": "keras canonical I/O with a gate (state)",
+    "`{}` needs float projections": "keras canonical I/O after quantize() (state)",
+    "`canonical_variables` cannot give": "keras canonical variables under LoRA (state)",
+    "`metric_penalty` needs": "keras metric_penalty before track_metric_penalty (state)",
+    "`head_map` is the S x S factor": "torch MetricGenerator.head_map on a low-rank generator (state)",
+    "`{}` is quantized": "keras model-conversion layout of a third-party sublayer",
+    "`{}` computes": "keras model-conversion layout of a third-party sublayer",
+    "`{}` projects": "keras model-conversion layout of a third-party sublayer",
+    "`{}` has {} output features": "torch model-conversion layout of a third-party sublayer",
+    "`{}` already carries a DAMCHA map": "keras model conversion of a sublayer converted twice (state)",
+    # Files other engineers edit this session (speed work on the Keras layer and its
+    # masks, the torch KV cache); convert when they land.
+    "`metric_generator` for side": "backends/keras/_layer.py (kerasshort)",
+    "`{}` must be a tensor or a NumPy array": "backends/keras/_layer.py (kerasshort)",
+    "`cache` needs rank-3 inputs": "backends/keras/_layer.py (kerasshort)",
+    "`weights[{}]` must have the shape": "backends/keras/_layer.py (kerasshort)",
+    "`attention_mask` must have shape": "backends/keras/_masks.py (kerasshort)",
+    "`{}` must have shape {} (the {} tokens)": "backends/keras/_masks.py (kerasshort)",
+    "`{}` of dtype {} must hold only 0 and 1": "backends/keras/_masks.py (kerasshort)",
+    "`{}` must be a real floating tensor of heads": "backends/torch/_cache.py (decode4)",
+    "`{}` must have rank 4, (B, G, M, d)": "backends/torch/_cache.py (decode4)",
+    "`key` and `value` must have the same batch, head count": "backends/torch/_cache.py (decode4)",
+    "`key` and `value` must have one dtype and device": "backends/torch/_cache.py (decode4)",
+    "`kv_cache` holds": "backends/torch/_cache.py (decode4)",
+    # Code that arch3 moves this session (torch and JAX masks to _masks.py, the
+    # share_metric rule to damcha_core._layout); convert after the move.
+    "`{}` must be a bool tensor (True = masked out": "torch mask check, moving to backends/torch/_masks.py",
+    "`key_padding_mask` must have shape (B, M)": "torch mask check, moving to backends/torch/_masks.py",
+    "A 3-D `attn_mask` must have shape": "torch mask check, moving to backends/torch/_masks.py",
+    "`{}` must be {}; this {} mask holds other values": "JAX mask check, moving to backends/jax/_masks.py",
+    "`mask_hint` describes `mask`": "JAX mask check, moving to backends/jax/_masks.py",
+    "`{}` is not what mask_hint={} says": "JAX mask check, moving to backends/jax/_masks.py",
+    "`share_metric=True` needs the same": "model conversion, moving to damcha_core._layout.check_shareable",
+    # The conformance suite's own arguments (its case catalogue and adapter loader).
+    "`names` has an unknown case": "damcha_conformance catalogue selection",
+    "`groups` has an unknown group": "damcha_conformance catalogue selection",
+    "`spec` {} needs KERAS_BACKEND": "damcha_conformance adapter loader",
+    "`spec` names a module": "damcha_conformance adapter loader",
+    "`spec` names an attribute": "damcha_conformance adapter loader",
+    "`dtype` float64 needs JAX's x64 mode": "damcha_conformance JAX adapter",
+}
+
+
+def _leading_text(node: ast.expr) -> str | None:
+    """The literal start of a message (f-string fields as ``{}``), or None."""
+    while isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        node = node.left
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr):
+        return "".join(v.value if isinstance(v, ast.Constant) else "{}" for v in node.values)
+    return None
+
+
+def _old_style_messages() -> list[tuple[str, int, str]]:
+    found = []
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if not (isinstance(node, ast.Call) and node.args):
+                    continue
+                func = node.func
+                name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+                text = _leading_text(node.args[0]) if name in ERRORS else None
+                if text is not None and (text.startswith("`") or text.startswith(("Invalid argument", "A 3-D `"))):
+                    found.append((str(path.relative_to(ROOT)), node.lineno, text))
+    return found
+
+
+def test_no_hand_written_argument_messages():
+    """A hand-written ``"`x` must ..."`` (or ``"Invalid argument ..."``) message
+    reappearing fails here: route it through ``damcha_core.invalid_argument``."""
+    found = _old_style_messages()
+    new = [f"{path}:{line}: {text[:90]}" for path, line, text in found if not text.startswith(tuple(STILL_OLD))]
+    assert not new, "messages not built by damcha_core.invalid_argument:\n" + "\n".join(new)
+    # The list only shrinks: an entry whose message is gone must go too.
+    stale = [start for start in STILL_OLD if not any(text.startswith(start) for _, _, text in found)]
+    assert not stale, f"STILL_OLD lists messages that no longer exist; remove them: {stale}"
+
+
+# ------------------------------------------------------------ the converted messages
+
+
+def _message(call: Callable[[], Any], error: type[Exception]) -> str:
+    with pytest.raises(error) as info:
+        call()
+    assert type(info.value).__module__.startswith("damcha_core"), type(info.value)
+    return str(info.value)
+
+
+CFG = dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4)
+P = dc.init_params(CFG, 0)
+X = np.random.default_rng(0).normal(size=(2, 3, 8))
+
+
+def _nan_params() -> dict[str, np.ndarray]:
+    bad = dict(P)
+    bad["query.bias"] = np.full_like(P["query.bias"], np.nan)
+    return bad
+
+
+CORE = {
+    "config": (
+        lambda: dc.damcha_attention(P, "cfg", X),
+        dc.DamchaTypeError,
+        r"Invalid argument `config`: expected a DamchaConfig\. Received: config='cfg'",
+    ),
+    "config-init": (
+        lambda: dc.init_params({"query_dim": 8}),
+        dc.DamchaTypeError,
+        r"Invalid argument `config`: expected a DamchaConfig\. Received: config=dict\(len=1, keys=\['query_dim'\]\)",
+    ),
+    "query-dtype": (
+        lambda: dc.damcha_attention(P, CFG, X.astype(np.int64)),
+        dc.DamchaTypeError,
+        r"Invalid argument `query`: expected a real floating tensor \(float16/32/64 or bfloat16\)\. "
+        r"Received: query=ndarray\(shape=\(2, 3, 8\), dtype=int64\)",
+    ),
+    "mask-dtype": (
+        lambda: dc.damcha_attention(P, CFG, X, mask=np.ones((3, 3))),
+        dc.DamchaTypeError,
+        r"Invalid argument `mask`: expected a mask that is boolean \(True = may attend\); convert other masks "
+        r"explicitly\. Received: mask=ndarray\(shape=\(3, 3\), dtype=float64\)",
+    ),
+    "query-offset-float": (
+        lambda: dc.damcha_attention(P, CFG, X, query_offset=1.5),
+        dc.DamchaValueError,
+        r"Invalid argument `query_offset`: expected an int >= 0\. Received: query_offset=1\.5",
+    ),
+    "query-offset-negative": (
+        lambda: dc.damcha_attention(P, CFG, X, query_offset=-1),
+        dc.DamchaValueError,
+        r"Invalid argument `query_offset`: expected an int >= 0\. Received: query_offset=-1",
+    ),
+    "param-dtype": (
+        lambda: dc.validate_params({**P, "query.bias": np.zeros((2, 4), np.int32)}, CFG),
+        dc.DamchaTypeError,
+        r"Invalid argument `params\['query.bias'\]`: expected a real floating array\. "
+        r"Received: params\['query.bias'\]=ndarray\(shape=\(2, 4\), dtype=int32\)",
+    ),
+    "param-shape": (
+        lambda: dc.validate_params({**P, "query.bias": np.zeros((4, 2))}, CFG),
+        dc.DamchaValueError,
+        r"Invalid argument `params\['query.bias'\]`: expected shape \(2, 4\) for this config\. "
+        r"Received: params\['query.bias'\]\.shape=\(4, 2\)",
+    ),
+    "param-nan": (
+        lambda: dc.validate_params(_nan_params(), CFG),
+        dc.DamchaValueError,
+        r"Invalid argument `params\['query.bias'\]`: expected finite values \(no NaN or inf\)\. "
+        r"Received: 8 NaN and 0 inf of 8 entries, shape=\(2, 4\)",
+    ),
+    "param-names": (
+        lambda: dc.validate_params({k: v for k, v in P.items() if k != "query.bias"}, CFG),
+        dc.DamchaValueError,
+        r"Invalid argument `params`: expected exactly the config's parameter names \[.*\]\. "
+        r"Received: params with missing \['query.bias'\] names",
+    ),
+    "offset-validator": (
+        lambda: dc.check_offset("pos", True),
+        dc.DamchaValueError,
+        r"Invalid argument `pos`: expected an int >= 0\. Received: pos=True",
+    ),
+    "rotary-dim": (
+        lambda: dc.Rotary.from_base(3),
+        dc.DamchaValueError,
+        r"Invalid argument `dim`: expected an even int >= 2\. Received: dim=3",
+    ),
+}
+
+
+@pytest.mark.parametrize("call, error, pattern", list(CORE.values()), ids=list(CORE))
+def test_core_messages(call, error, pattern):
+    message = _message(call, error)
+    assert re.fullmatch(pattern, message), message
+    assert "[[" not in message  # never an array's contents
+
+
+def _torch_cases() -> dict[str, tuple[Callable[[], Any], type[Exception], str]]:
+    import torch
+
+    import damcha_torch as dt
+
+    layer = dt.DamchaAttention(8, 2, batch_first=True)
+    x = torch.zeros(2, 3, 8)
+    return {
+        "query-dtype": (
+            lambda: layer(x.long(), x.long(), x.long()),
+            dc.DamchaTypeError,
+            r"Invalid argument `query`: expected a real floating tensor .*Received: query=Tensor\(shape=\(2, 3, 8\), "
+            r"dtype=torch\.int64\)",
+        ),
+        "input-dtype": (
+            lambda: layer(x, x.double(), x.double()),
+            dc.DamchaTypeError,
+            r"Invalid argument `key`: expected the dtype of this layer's parameters \(torch\.float32\) .*"
+            r"Received: query\.dtype=torch\.float32, key\.dtype=torch\.float64, value\.dtype=torch\.float64",
+        ),
+        "batched": (
+            lambda: layer(x, torch.zeros(3, 8), torch.zeros(3, 8)),
+            dc.DamchaValueError,
+            r"Invalid argument `key`: expected `query`, `key` and `value` all batched \(B, N, E\) or all unbatched "
+            r"\(N, E\), as in nn\.MultiheadAttention\. Received: query\.shape=\(2, 3, 8\), key\.shape=\(3, 8\), "
+            r"value\.shape=\(3, 8\)",
+        ),
+        "embed-dim": (
+            lambda: dt.DamchaAttention(10, 4),
+            dc.DamchaValueError,
+            r"Invalid argument `embed_dim`: expected a multiple of `num_heads` when `key_dim` is not given\. "
+            r"Received: embed_dim=10, num_heads=4",
+        ),
+        "activation": (
+            lambda: dt.build_encoder(8, 2, 1, activation="swish"),
+            dc.DamchaValueError,
+            r"Invalid argument `activation`: expected 'relu', 'gelu' or a callable\. Received: activation='swish'",
+        ),
+        "num-layers": (
+            lambda: dt.build_encoder(8, 2, 0),
+            dc.DamchaValueError,
+            r"Invalid argument `num_layers`: expected an int >= 1\. Received: num_layers=0",
+        ),
+        "model": (
+            lambda: dt.convert(torch.nn.MultiheadAttention(8, 2)),
+            dc.DamchaValueError,
+            r"Invalid argument `model`: expected a model that contains attention layers; it is itself an "
+            r"nn\.MultiheadAttention \(use DamchaAttention\.from_mha\(model\)\)\. Received: model=.*",
+        ),
+        "rank": (
+            lambda: dt.MetricGenerator(8, 2, 4, metric="lowrank"),
+            dc.DamchaValueError,
+            r"Invalid argument `rank`: expected an int >= 1 with metric='lowrank' \(it is required\)\. "
+            r"Received: rank=None",
+        ),
+    }
+
+
+def _jax_cases() -> dict[str, tuple[Callable[[], Any], type[Exception], str]]:
+    from flax import nnx
+
+    import damcha_jax as dj
+
+    layer = dj.DamchaAttention(2, 8, rngs=nnx.Rngs(0))
+    x = np.zeros((2, 3, 8), np.float32)
+    return {
+        "query-dtype": (
+            lambda: layer(x.astype(np.int32)),
+            dc.DamchaTypeError,
+            r"Invalid argument `inputs_q`: expected a real floating tensor .*Received: inputs_q=ndarray\(shape=\(2, 3, 8\), "
+            r"dtype=int32\)",
+        ),
+        "features": (
+            lambda: layer(x, np.zeros((2, 3, 6), np.float32)),
+            dc.DamchaValueError,
+            r"Invalid argument `inputs_k`: expected 8 features \(in_kv_features\)\. Received: inputs_k\.shape=\(2, 3, 6\)",
+        ),
+        "qkv-features": (
+            lambda: dj.DamchaAttention(2, 8, qkv_features=8, key_dim=3, rngs=nnx.Rngs(0)),
+            dc.DamchaValueError,
+            r"Invalid argument `qkv_features`: expected num_heads \* key_dim when both are given .*"
+            r"Received: qkv_features=8, key_dim=3, num_heads=2",
+        ),
+        "inputs-k": (
+            lambda: layer(x, None, x),
+            dc.DamchaValueError,
+            r"Invalid argument `inputs_k`: expected the key tokens when `inputs_v` is given .*Received: inputs_k=None, "
+            r"inputs_v=ndarray\(shape=\(2, 3, 8\), dtype=float32\)",
+        ),
+    }
+
+
+def _keras_cases() -> dict[str, tuple[Callable[[], Any], type[Exception], str]]:
+    import damcha_keras as dk
+
+    x = np.zeros((2, 3, 8), np.float32)
+
+    def built() -> Any:
+        layer = dk.DamchaAttention(2, 4)
+        layer(x, x)
+        return layer
+
+    return {
+        "batch": (
+            lambda: built()(x, np.zeros((3, 3, 8), np.float32)),
+            dc.DamchaValueError,
+            r"Invalid argument `value`: expected the batch size of `query` \(they must be equal\)\. "
+            r"Received: query\.shape=\(2, 3, 8\), value\.shape=\(3, 3, 8\)",
+        ),
+        "key-value": (
+            # Keras' own MHA test matches "must be equal" here.
+            lambda: dk.DamchaAttention(2, 4).compute_output_shape((2, 4, 8), (2, 2, 8), (2, 1, 8)),
+            dc.DamchaValueError,
+            r"Invalid argument `key`: expected the shape of `value` but for the last \(feature\) axis \(all other dims "
+            r"must be equal\)\. Received: key\.shape=\(2, 1, 8\), value\.shape=\(2, 2, 8\)",
+        ),
+        "cache-index": (
+            lambda: built()(x, x, cache_update_index=0),
+            dc.DamchaValueError,
+            r"Invalid argument `cache_update_index`: expected None without a `cache`\. "
+            r"Received: cache=None, cache_update_index=0",
+        ),
+        "epsilon": (
+            lambda: dk.TransformerEncoder(16, 2, layer_norm_epsilon=0.0),
+            dc.DamchaValueError,
+            r"Invalid argument `layer_norm_epsilon`: expected a number > 0\. Received: layer_norm_epsilon=0\.0",
+        ),
+    }
+
+
+def _onnx_cases() -> dict[str, tuple[Callable[[], Any], type[Exception], str]]:
+    import damcha_onnx as do
+
+    return {
+        "form-opset": (
+            lambda: do.ExportOptions(form="attention", opset=18),
+            dc.DamchaValueError,
+            r"Invalid argument `opset`: expected an int >= 23 with form='attention' .*Received: opset=18, form='attention'",
+        ),
+        "fixed-dim": (
+            lambda: do.ExportOptions(dynamic=False),
+            dc.DamchaValueError,
+            r"Invalid argument `batch_size`: expected an int >= 1 with dynamic=False\. Received: batch_size=None",
+        ),
+        "context-len": (
+            lambda: do.ExportOptions(context_len=3),
+            dc.DamchaValueError,
+            r"Invalid argument `context_len`: expected None without cross=True\. Received: context_len=3, cross=False",
+        ),
+        "kv-cache": (
+            lambda: do.ExportOptions(kv_cache=True),
+            dc.DamchaValueError,
+            r"Invalid argument `kv_cache`: expected False unless causal=True: .*Received: kv_cache=True, causal=False",
+        ),
+    }
+
+
+def _experiments_cases() -> dict[str, tuple[Callable[[], Any], type[Exception], str]]:
+    import damcha_experiments as de
+
+    return {
+        "paired": (
+            lambda: de.paired_difference([1.0, 2.0], [1.0]),
+            dc.DamchaValueError,
+            r"Invalid argument `b`: expected the shape of `a` \(one value per seed in each\)\. "
+            r"Received: a\.shape=\(2,\), b\.shape=\(1,\)",
+        ),
+        "task": (
+            lambda: de.task_config("nope"),
+            dc.DamchaValueError,
+            r"Invalid argument `task`: expected one of \[.*\]\. Received: task='nope'",
+        ),
+    }
+
+
+PORT_CASES = {
+    "torch": _torch_cases,
+    "jax": _jax_cases,
+    "keras": _keras_cases,
+    "onnx": _onnx_cases,
+    "experiments": _experiments_cases,
+}
+PORT_IDS = {
+    "torch": ["query-dtype", "input-dtype", "batched", "embed-dim", "activation", "num-layers", "model", "rank"],
+    "jax": ["query-dtype", "features", "qkv-features", "inputs-k"],
+    "keras": ["batch", "key-value", "cache-index", "epsilon"],
+    "onnx": ["form-opset", "fixed-dim", "context-len", "kv-cache"],
+    "experiments": ["paired", "task"],
+}
+
+
+@pytest.mark.parametrize("package, case", [(p, c) for p, cases in PORT_IDS.items() for c in cases], ids=lambda v: v)
+def test_package_messages(package, case):
+    cases = PORT_CASES[package]()
+    assert sorted(cases) == sorted(PORT_IDS[package])
+    call, error, pattern = cases[case]
+    message = _message(call, error)
+    assert re.fullmatch(pattern, message, re.S), message
+    assert "[[" not in message  # arrays by shape and dtype, never by contents
+
+
+# ----------------------------------------------- the coupling as the user passed it
+
+
+def _separate_layer(port: str, generator: Any, **kwargs: Any) -> Any:
+    """A layer whose coupling comes out "separate" (key features 6 != query features 8)."""
+    if port == "torch":
+        import damcha_torch as dt
+
+        return dt.DamchaAttention(8, 2, kdim=6, vdim=6, metric_generator=generator, **kwargs)
+    if port == "jax":
+        from flax import nnx
+
+        import damcha_jax as dj
+
+        return dj.DamchaAttention(2, 8, in_kv_features=6, metric_generator=generator, rngs=nnx.Rngs(0), **kwargs)
+    import damcha_keras as dk
+
+    layer = dk.DamchaAttention(2, 4, metric_generator=generator, **kwargs)
+    layer(np.zeros((2, 3, 8), np.float32), np.zeros((2, 3, 6), np.float32))
+    return layer
+
+
+def _generator(port: str) -> Any:
+    if port == "torch":
+        import damcha_torch as dt
+
+        return dt.MetricGenerator(8, 2, 4)
+    if port == "jax":
+        from flax import nnx
+
+        import damcha_jax as dj
+
+        return dj.MetricGenerator(8, 2, head_dim=4, rngs=nnx.Rngs(0))
+    import damcha_keras as dk
+
+    return dk.MetricGenerator(2, key_dim=4)
+
+
+SIZES = {
+    "torch": r"kdim=6 != embed_dim=8",
+    "jax": r"in_kv_features=6 != in_features=8",
+    "keras": r"config\.context_dim=6 != config\.query_dim=8",
+}
+
+
+@pytest.mark.parametrize("port", ["torch", "jax", "keras"])
+def test_an_automatic_coupling_is_named_as_automatic(port):
+    """One generator where the sizes make the coupling "separate": with no
+    ``coupling`` passed the message says it was chosen automatically and why;
+    with ``coupling="separate"`` passed it says so, and never ``coupling=None``."""
+    auto = _message(lambda: _separate_layer(port, _generator(port)), dc.DamchaValueError)
+    assert re.fullmatch(
+        r"Invalid argument `metric_generator`: expected a dict \{'q': \.\.\., 'k': \.\.\.\} with coupling='separate', "
+        rf"which was chosen automatically because {SIZES[port]} \(no coupling was passed; pass coupling=\.\.\. to "
+        r"choose one\) \(one generator per side\)\. Received: metric_generator=.*",
+        auto,
+    ), auto
+    explicit = _message(lambda: _separate_layer(port, _generator(port), coupling="separate"), dc.DamchaValueError)
+    assert re.fullmatch(
+        r"Invalid argument `metric_generator`: expected a dict \{'q': \.\.\., 'k': \.\.\.\} with "
+        r"coupling='separate' \(one generator per side\)\. Received: metric_generator=.*",
+        explicit,
+    ), explicit
+    for message in (auto, explicit):
+        assert "coupling=None" not in message and "coupling='auto'" not in message
