@@ -56,11 +56,11 @@ def _rewrite(path, tensors):
         (lambda t: t.__setitem__("metric.qk.gate", np.zeros(4)), r"unexpected \['metric.qk.gate'\]"),
         (
             lambda t: t.__setitem__("value.bias", np.zeros((4, 2), np.int32)),
-            r"\['value.bias'\]` must be a real floating array",
+            r"\['value.bias'\]`: expected a real floating array",
         ),
         (
             lambda t: t.__setitem__("key.kernel", np.zeros((6, 4, 3))),
-            r"`tensors in .*\['key.kernel'\]` must have shape \(6, 4, 2\)",
+            r"Invalid argument `tensors in .*\['key.kernel'\]`: expected shape \(6, 4, 2\)",
         ),
     ],
     ids=["missing", "extra", "integer-tensor", "misshaped"],
@@ -77,14 +77,14 @@ def test_load_rejects_missing_extra_or_misshaped(tmp_path, edit, pattern):
 def test_load_rejects_files_without_damcha_metadata(tmp_path):
     path = tmp_path / "plain.safetensors"
     save_file({"x": np.zeros(2)}, str(path))
-    with pytest.raises(dc.DamchaValueError, match=r"not a DAMCHA parameter file.*metadata keys=\[\]"):
+    with pytest.raises(dc.DamchaValueError, match=r"Invalid argument `path`: expected a DAMCHA parameter file.*metadata keys=\[\]"):
         dc.load_params(path)
 
 
 def test_save_rejects_params_that_do_not_match_config(tmp_path):
     params = dc.init_params(CFG)
     params["output.kernel"] = params["output.kernel"][:3]
-    with pytest.raises(dc.DamchaValueError, match=r"output.kernel.*must have shape \(4, 2, 8\)"):
+    with pytest.raises(dc.DamchaValueError, match=r"output.kernel'\]`: expected shape \(4, 2, 8\)"):
         dc.save_params(tmp_path / "x.safetensors", params, CFG)
     assert not (tmp_path / "x.safetensors").exists()
 
@@ -153,7 +153,7 @@ def _invalid_config(tmp_path):
     [
         (lambda t: t / "missing.safetensors", r"Invalid argument `path`: expected an existing file; it does not exist"),
         (lambda t: t, r"Invalid argument `path`: expected a safetensors file, not a directory"),
-        (_empty, r"not a DAMCHA parameter file: the file is empty"),
+        (_empty, r"expected a DAMCHA parameter file; this is not one: the file is empty"),
         (_short, r"the file is 2 bytes long, too short"),
         (_text, r"announce a \d+-byte header but the file is \d+ bytes long"),
         (_npz, r"announce a \d+-byte header|header is not safetensors JSON"),

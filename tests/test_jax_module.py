@@ -231,9 +231,9 @@ def test_attention_dropout_only_in_training() -> None:
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(num_heads=3, in_features=16), "qkv_features` must be divisible"),
+        (dict(num_heads=3, in_features=16), "Invalid argument `qkv_features`: expected a multiple of `num_heads`"),
         (dict(num_heads=4, in_features=16, num_kv_heads=2, coupling="tied"), "coupling='tied'"),
-        (dict(num_heads=4, in_features=16, qkv_features=16, key_dim=8), "disagree"),
+        (dict(num_heads=4, in_features=16, qkv_features=16, key_dim=8), "expected num_heads \\* key_dim when both"),
         (dict(num_heads=4, in_features=16, metric="lowrank"), "metric_rank"),
     ],
     ids=["indivisible", "tied-gqa", "qkv-vs-key-dim", "lowrank-no-rank"],
@@ -401,5 +401,5 @@ def test_module_metric_penalty_and_nnx_view() -> None:
     np.testing.assert_allclose(layer.metric_penalty(x, c), expected, rtol=1e-4)
     view = nnx.view(layer, decode=True, batch_size=B, max_length=4)
     assert view.decode and view.cached_key.shape == (B, 4, 1, 4) and layer.cached_key is None
-    with pytest.raises(dc.DamchaValueError, match="`batch_size` and `max_length`"):
+    with pytest.raises(dc.DamchaValueError, match="Invalid argument `batch_size`: expected a value with decode=True.*both batch_size and max_length"):
         nnx.view(layer, decode=True)
