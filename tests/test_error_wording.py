@@ -66,15 +66,10 @@ STILL_OLD = {
     "`key` and `value` must have the same batch, head count": "backends/torch/_cache.py (decode4)",
     "`key` and `value` must have one dtype and device": "backends/torch/_cache.py (decode4)",
     "`kv_cache` holds": "backends/torch/_cache.py (decode4)",
-    # Code that arch3 moves this session (torch and JAX masks to _masks.py, the
-    # share_metric rule to damcha_core._layout); convert after the move.
-    "`{}` must be a bool tensor (True = masked out": "torch mask check, moving to backends/torch/_masks.py",
-    "`key_padding_mask` must have shape (B, M)": "torch mask check, moving to backends/torch/_masks.py",
-    "A 3-D `attn_mask` must have shape": "torch mask check, moving to backends/torch/_masks.py",
+    # Code that arch3 moves this session (the JAX masks to _masks.py); convert after the move.
     "`{}` must be {}; this {} mask holds other values": "JAX mask check, moving to backends/jax/_masks.py",
     "`mask_hint` describes `mask`": "JAX mask check, moving to backends/jax/_masks.py",
     "`{}` is not what mask_hint={} says": "JAX mask check, moving to backends/jax/_masks.py",
-    "`share_metric=True` needs the same": "model conversion, moving to damcha_core._layout.check_shareable",
     # The conformance suite's own arguments (its case catalogue and adapter loader).
     "`names` has an unknown case": "damcha_conformance catalogue selection",
     "`groups` has an unknown group": "damcha_conformance catalogue selection",

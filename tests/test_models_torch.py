@@ -808,7 +808,9 @@ def test_register_adapter_for_another_layout():
     )
     if "test-my-attention" not in " ".join(dt.supported_layouts()):
         dt.register_adapter(adapter)
-    with pytest.raises(dc.DamchaValueError, match="Invalid argument `adapter`: expected an adapter whose name is not registered yet"):
+    with pytest.raises(
+        dc.DamchaValueError, match="Invalid argument `adapter`: expected an adapter whose name is not registered yet"
+    ):
         dt.register_adapter(adapter)
     with pytest.raises(dc.DamchaTypeError, match="ModelAdapter"):
         dt.register_adapter("not an adapter")

@@ -191,12 +191,12 @@ def test_constructor_errors(build, error, pattern):
         (
             lambda m: m(x, x, x, key_padding_mask=torch.zeros(2, 4, dtype=torch.bool)),
             DamchaValueError,
-            r"`key_padding_mask` must have shape \(B, M\) = \(2, 5\).*\(2, 4\)",
+            r"Invalid argument `key_padding_mask`: expected shape \(B, M\) = \(2, 5\).*\(2, 4\)",
         ),
         (
             lambda m: m(x, x, x, key_padding_mask=torch.zeros(2, 5, dtype=torch.int64)),
             DamchaTypeError,
-            r"`key_padding_mask` must be a bool tensor \(True = masked out.*int64",
+            r"Invalid argument `key_padding_mask`: expected a bool tensor \(True = masked out.*int64",
         ),
         (
             lambda m: m(x, x, x, attn_mask=torch.zeros(5, 4, dtype=torch.bool)),
@@ -206,12 +206,12 @@ def test_constructor_errors(build, error, pattern):
         (
             lambda m: m(x, x, x, attn_mask=torch.zeros(2, 5, 5, dtype=torch.bool)),
             DamchaValueError,
-            r"3-D `attn_mask` must have shape \(B\*H, N, M\) = \(8, 5, 5\)",
+            r"Invalid argument `attn_mask`: expected shape \(B\*H, N, M\) = \(8, 5, 5\)",
         ),
         (
             lambda m: m(x, x, x, attn_mask=torch.zeros(5, 5, dtype=torch.uint8)),
             DamchaTypeError,
-            r"`attn_mask` must be a bool tensor.*uint8",
+            r"Invalid argument `attn_mask`: expected a bool tensor.*uint8",
         ),
         (
             lambda m: m(x, x, x, is_causal=True, need_weights=False, kv_cache=object()),

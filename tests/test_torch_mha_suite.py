@@ -216,7 +216,7 @@ def test_invalid_shapes_and_nested_tensors_are_damcha_errors():
         (
             lambda: layer(q, q, q, key_padding_mask=torch.tensor([False, True, True, True])),
             dc.DamchaValueError,
-            r"`key_padding_mask` must have shape \(B, M\)",
+            r"Invalid argument `key_padding_mask`: expected shape \(B, M\)",
         ),
         (
             lambda: layer(q, q, q, attn_mask=torch.tensor([False, True, True, True])),
@@ -226,7 +226,7 @@ def test_invalid_shapes_and_nested_tensors_are_damcha_errors():
         (
             lambda: layer(q[0], q[0], q[0], attn_mask=torch.zeros(5, 4, 4, dtype=torch.bool)),
             dc.DamchaValueError,
-            r"3-D `attn_mask` must have shape \(B\*H, N, M\) = \(4, 4, 4\)",
+            r"Invalid argument `attn_mask`: expected shape \(B\*H, N, M\) = \(4, 4, 4\)",
         ),
     ]
     nested = torch.nested.nested_tensor([torch.randn(2, 4), torch.randn(3, 4)], layout=torch.jagged)

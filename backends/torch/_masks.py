@@ -23,8 +23,12 @@ def check_torch_mask(name: str, value: Any) -> None:
     if not isinstance(value, Tensor) or not (value.dtype == torch.bool or value.is_floating_point()):
         # torch's convention, not the reference's: the error says which one applies here.
         raise DamchaTypeError(
-            f"`{name}` must be a bool tensor (True = masked out, as in nn.MultiheadAttention) or a float "
-            f"additive mask (-inf = masked out). Received: {name}={describe(value)}"
+            dc.invalid_argument(
+                name,
+                "a bool tensor (True = masked out, as in nn.MultiheadAttention) or a float additive mask "
+                "(-inf = masked out)",
+                f"{name}={describe(value)}",
+            )
         )
 
 
@@ -62,8 +66,11 @@ def merge_masks(
         check_torch_mask("key_padding_mask", key_padding_mask)
         if tuple(key_padding_mask.shape) != (B, M):
             raise DamchaValueError(
-                f"`key_padding_mask` must have shape (B, M) = {(B, M)}. "
-                f"Received: key_padding_mask.shape={tuple(key_padding_mask.shape)}"
+                dc.invalid_argument(
+                    "key_padding_mask",
+                    f"shape (B, M) = {(B, M)}",
+                    f"key_padding_mask.shape={tuple(key_padding_mask.shape)}",
+                )
             )
         masks.append(key_padding_mask[:, None, None, :])
     if attn_mask is not None:
@@ -72,8 +79,11 @@ def merge_masks(
             # nn.MultiheadAttention's (B*H, N, M) layout, batch-major.
             if tuple(attn_mask.shape) != (B * H, N, M):
                 raise DamchaValueError(
-                    f"A 3-D `attn_mask` must have shape (B*H, N, M) = {(B * H, N, M)}. "
-                    f"Received: attn_mask.shape={tuple(attn_mask.shape)}"
+                    dc.invalid_argument(
+                        "attn_mask",
+                        f"shape (B*H, N, M) = {(B * H, N, M)} for a 3-D mask",
+                        f"attn_mask.shape={tuple(attn_mask.shape)}",
+                    )
                 )
             attn_mask = attn_mask.view(B, H, N, M)
         else:
@@ -88,7 +98,10 @@ def merge_masks(
                     names=names,
                 )
             except DamchaValueError as exc:
-                raise DamchaValueError(str(exc) + " (or (B*H, N, M) as in nn.MultiheadAttention)") from None
+                # The rule's message, with nn.MultiheadAttention's third layout among the expected ones.
+                raise DamchaValueError(
+                    str(exc).replace(". Received:", " (or (B*H, N, M) as in nn.MultiheadAttention). Received:", 1)
+                ) from None
         if not (causal_hint and attn_mask.dim() == 2 and tuple(attn_mask.shape) == (N, M)):
             masks.append(attn_mask)
     if not masks:
