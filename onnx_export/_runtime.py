@@ -289,7 +289,7 @@ def check_feed_shapes(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -
                 raise DamchaValueError(
                     invalid_argument(
                         name,
-                        f"broadcastable to {full} (axis {axis}, {target}, must be 1 or {known[target]})",
+                        f"a shape broadcastable to {full} (axis {axis}, {target}, must be 1 or {known[target]})",
                         f"{name}.shape={feeds[name].shape}",
                     )
                 )

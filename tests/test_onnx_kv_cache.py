@@ -320,17 +320,17 @@ CROSS_CFG = dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4, context_dim=6, 
         (
             lambda: do.export(dc.init_params(CFG), CFG, None, kv_cache=True),
             dc.DamchaValueError,
-            r"`kv_cache` .*needs causal=True.*Received: kv_cache=True, causal=False",
+            r"Invalid argument `kv_cache`: expected False unless causal=True.*Received: kv_cache=True, causal=False",
         ),
         (
             lambda: do.build_model(dc.init_params(CFG), CFG, kv_cache=True),
             dc.DamchaValueError,
-            r"`kv_cache` .*Received: kv_cache=True, causal=False",
+            r"Invalid argument `kv_cache`: .*Received: kv_cache=True, causal=False",
         ),
         (
             lambda: do.export(dc.init_params(CROSS_CFG), CROSS_CFG, None, causal=True, cross=True, kv_cache=True),
             dc.DamchaValueError,
-            r"`kv_cache` .*self-attention.*Received: kv_cache=True, cross=True",
+            r"Invalid argument `kv_cache`: .*self-attention.*Received: kv_cache=True, cross=True",
         ),
         (
             lambda: do.export(dc.init_params(CFG), CFG, None, causal=True, kv_cache=1),
@@ -345,7 +345,7 @@ CROSS_CFG = dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4, context_dim=6, 
                 kv_cache=True,
             ),
             dc.DamchaValueError,
-            r"`kv_cache` .*needs config.causal=True.*Received: kv_cache=True, config.causal=False",
+            r"Invalid argument `kv_cache`: expected False unless config.causal=True.*Received: kv_cache=True, config.causal=False",
         ),
         (
             lambda: do.export_token_model(

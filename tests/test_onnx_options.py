@@ -89,9 +89,9 @@ def test_options_object_equals_the_keywords(exporter):
 
 
 def test_options_are_checked_on_construction():
-    with pytest.raises(dc.DamchaValueError, match="needs causal=True"):
+    with pytest.raises(dc.DamchaValueError, match="expected False unless causal=True"):
         do.ExportOptions(kv_cache=True)
-    with pytest.raises(dc.DamchaValueError, match="needs config.causal=True"):
+    with pytest.raises(dc.DamchaValueError, match="expected False unless config.causal=True"):
         do.ExportOptions(kind="encoder", kv_cache=True)
     with pytest.raises(dc.DamchaValueError, match="Invalid argument `context_len`: expected None without cross=True"):
         do.ExportOptions(context_len=3, dynamic=False, batch_size=1, query_len=1)
