@@ -617,7 +617,7 @@ def test_cache_in_a_functional_model():
             dc.DamchaValueError,
             r"Invalid argument `value_mask`: expected None with a cache",
         ),
-        (dict(use_causal_mask=True), dc.DamchaValueError, r"read-only cache needs `cache_update_index`"),
+        (dict(use_causal_mask=True), dc.DamchaValueError, r"expected the position of the first new token with use_causal_mask=True and a cache"),
         (
             dict(attention_mask=np.ones((B, 2, 2), bool), cache_update_index=0),
             dc.DamchaValueError,
@@ -648,7 +648,7 @@ def test_cache_needs_equal_key_and_value_dims():
     layer = DamchaAttention(H, D, value_dim=D + 1)
     x = rng(0).normal(size=(B, 2, E)).astype("float32")
     layer(x, x)
-    with pytest.raises(dc.DamchaValueError, match=r"needs value_dim == key_dim.*key_dim=4, value_dim=5"):
+    with pytest.raises(dc.DamchaValueError, match=r"expected value_dim == key_dim for a cache.*key_dim=4, value_dim=5"):
         layer.init_cache(B, 4)
 
 
