@@ -77,7 +77,9 @@ def test_load_rejects_missing_extra_or_misshaped(tmp_path, edit, pattern):
 def test_load_rejects_files_without_damcha_metadata(tmp_path):
     path = tmp_path / "plain.safetensors"
     save_file({"x": np.zeros(2)}, str(path))
-    with pytest.raises(dc.DamchaValueError, match=r"Invalid argument `path`: expected a DAMCHA parameter file.*metadata keys=\[\]"):
+    with pytest.raises(
+        dc.DamchaValueError, match=r"Invalid argument `path`: expected a DAMCHA parameter file.*metadata keys=\[\]"
+    ):
         dc.load_params(path)
 
 

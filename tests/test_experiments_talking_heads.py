@@ -131,7 +131,11 @@ def test_all_masked_query_gives_zero_attention_not_nan():
             DamchaValueError,
             "Invalid argument `key_padding_mask`: expected shape",
         ),
-        (lambda th: TalkingHeadsAttention(10, 3), DamchaValueError, "Invalid argument `embed_dim`: expected a multiple of `num_heads`"),
+        (
+            lambda th: TalkingHeadsAttention(10, 3),
+            DamchaValueError,
+            "Invalid argument `embed_dim`: expected a multiple of `num_heads`",
+        ),
     ],
     ids=["int-query", "wrong-width", "float-mask", "padding-shape", "heads-divide"],
 )

@@ -401,5 +401,8 @@ def test_module_metric_penalty_and_nnx_view() -> None:
     np.testing.assert_allclose(layer.metric_penalty(x, c), expected, rtol=1e-4)
     view = nnx.view(layer, decode=True, batch_size=B, max_length=4)
     assert view.decode and view.cached_key.shape == (B, 4, 1, 4) and layer.cached_key is None
-    with pytest.raises(dc.DamchaValueError, match="Invalid argument `batch_size`: expected a value with decode=True.*both batch_size and max_length"):
+    with pytest.raises(
+        dc.DamchaValueError,
+        match="Invalid argument `batch_size`: expected a value with decode=True.*both batch_size and max_length",
+    ):
         nnx.view(layer, decode=True)

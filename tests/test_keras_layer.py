@@ -617,7 +617,11 @@ def test_cache_in_a_functional_model():
             dc.DamchaValueError,
             r"Invalid argument `value_mask`: expected None with a cache",
         ),
-        (dict(use_causal_mask=True), dc.DamchaValueError, r"expected the position of the first new token with use_causal_mask=True and a cache"),
+        (
+            dict(use_causal_mask=True),
+            dc.DamchaValueError,
+            r"expected the position of the first new token with use_causal_mask=True and a cache",
+        ),
         (
             dict(attention_mask=np.ones((B, 2, 2), bool), cache_update_index=0),
             dc.DamchaValueError,

@@ -415,7 +415,10 @@ def test_sublayer_conversion_and_register_adapter():
     assert dk.ModelAdapter is damcha_core._layout.ModelAdapter
     inp = keras.Input((5, 8))
     model = keras.Model(inp, MyAttention(name="mine")(inp))
-    with pytest.raises(dc.DamchaValueError, match=r"knows \(keras-mha.*Received: model with layers of unknown layouts: mine \(.*MyAttention\)"):
+    with pytest.raises(
+        dc.DamchaValueError,
+        match=r"knows \(keras-mha.*Received: model with layers of unknown layouts: mine \(.*MyAttention\)",
+    ):
         dk.convert(model)
     adapter = dk.register_adapter(
         dk.ModelAdapter(

@@ -787,7 +787,10 @@ class MyAttention(nn.Module):
 
 def test_unknown_layout_is_refused_and_nothing_converted():
     model = nn.Sequential(build("vit"), MyAttention())
-    with pytest.raises(dc.DamchaValueError, match=r"expected attention layers of a layout convert\(\) knows \(transformers-llama.*register_adapter\).*Received: .*MyAttention"):
+    with pytest.raises(
+        dc.DamchaValueError,
+        match=r"expected attention layers of a layout convert\(\) knows \(transformers-llama.*register_adapter\).*Received: .*MyAttention",
+    ):
         dt.convert(model)
     assert not dt.converted_layers(model)
 

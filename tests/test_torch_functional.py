@@ -198,7 +198,11 @@ def test_old_heads_signature_still_works_with_a_deprecation_warning():
             dc.DamchaTypeError,
             r"Invalid argument `config`: expected a DamchaConfig",
         ),
-        (lambda p, c, x: damcha_attention({}, c, x), dc.DamchaValueError, r"Invalid argument `params`: expected exactly the config's parameter names"),
+        (
+            lambda p, c, x: damcha_attention({}, c, x),
+            dc.DamchaValueError,
+            r"Invalid argument `params`: expected exactly the config's parameter names",
+        ),
         (
             lambda p, c, x: damcha_attention({**p, "query.kernel": p["query.kernel"].numpy()}, c, x),
             dc.DamchaTypeError,
@@ -219,7 +223,11 @@ def test_old_heads_signature_still_works_with_a_deprecation_warning():
             dc.DamchaValueError,
             r"Invalid argument `mask`: expected shape \(N, M\) or \(B, H, N, M\)",
         ),
-        (lambda p, c, x: damcha_attention(p, c, x, query_offset=-1), dc.DamchaValueError, r"Invalid argument `query_offset`: expected an int >= 0"),
+        (
+            lambda p, c, x: damcha_attention(p, c, x, query_offset=-1),
+            dc.DamchaValueError,
+            r"Invalid argument `query_offset`: expected an int >= 0",
+        ),
         (
             lambda p, c, x: damcha_attention(p, c, x, causal=1),
             dc.DamchaTypeError,
