@@ -66,10 +66,6 @@ STILL_OLD = {
     "`key` and `value` must have the same batch, head count": "backends/torch/_cache.py (decode4)",
     "`key` and `value` must have one dtype and device": "backends/torch/_cache.py (decode4)",
     "`kv_cache` holds": "backends/torch/_cache.py (decode4)",
-    # Code that arch3 moves this session (the JAX masks to _masks.py); convert after the move.
-    "`{}` must be {}; this {} mask holds other values": "JAX mask check, moving to backends/jax/_masks.py",
-    "`mask_hint` describes `mask`": "JAX mask check, moving to backends/jax/_masks.py",
-    "`{}` is not what mask_hint={} says": "JAX mask check, moving to backends/jax/_masks.py",
     # The conformance suite's own arguments (its case catalogue and adapter loader).
     "`names` has an unknown case": "damcha_conformance catalogue selection",
     "`groups` has an unknown group": "damcha_conformance catalogue selection",

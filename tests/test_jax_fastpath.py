@@ -275,7 +275,9 @@ def test_wrong_hint_raises_when_concrete_and_gives_nan_under_jit() -> None:
     rng = np.random.default_rng(0)
     scattered = jnp.asarray(rng.random((B, 1, N, N)) < 0.5).at[..., 0].set(True)  # neither causal nor padding
     for mask, hint in ((padding, "causal"), (scattered, "padding"), (scattered, "causal")):
-        with pytest.raises(dc.DamchaValueError, match=f"`mask` is not what mask_hint='{hint}' says"):
+        with pytest.raises(
+            dc.DamchaValueError, match=f"Invalid argument `mask`: expected what mask_hint='{hint}' says"
+        ):
             dj.damcha_attention(params, SELF, x, mask=np.asarray(mask), mask_hint=hint)
         y = fast_jit(lambda p, x, m, hint=hint: dj.damcha_attention(p, SELF, x, mask=m, mask_hint=hint))(
             params, x, mask

@@ -202,7 +202,10 @@ def test_functional_decode_respects_padding_mask() -> None:
     )
     np.testing.assert_array_equal(y_float, ys[0])
     additive = jnp.where(jnp.asarray(pad), 0.0, -jnp.inf)
-    with pytest.raises(dc.DamchaValueError, match="`mask` must be boolean .* holds other values"):
+    with pytest.raises(
+        dc.DamchaValueError,
+        match="Invalid argument `mask`: expected a mask that is boolean .*Received: mask=.* holds other values",
+    ):
         dj.decode_step(params, config, dj.init_cache(config, 2, 6), x[:, :1], mask=additive)
 
 

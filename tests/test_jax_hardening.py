@@ -48,7 +48,7 @@ def test_additive_float_mask_is_refused_not_inverted() -> None:
     for name, call in calls.items():
         with pytest.raises(
             dc.DamchaValueError,
-            match=r"`mask` must be boolean .*holds other values.*Received: mask=",
+            match=r"Invalid argument `mask`: expected a mask that is boolean .*Received: mask=.*holds other values",
         ) as err:
             call()
         assert "inf" not in str(err.value).split("Received:")[1], name  # shape and dtype only, never the contents

@@ -20,7 +20,7 @@ import numpy as np
 
 import jax
 import jax.numpy as jnp
-from damcha_core import DamchaValueError, check_choice, describe, mask_dtype_error
+from damcha_core import DamchaValueError, check_choice, describe, invalid_argument, mask_dtype_error
 
 Array = jax.Array
 
@@ -74,8 +74,11 @@ def read_mask(mask: Any, name: str = "mask") -> MaskArg:
     values = np.asarray(mask)
     if not np.all((values == 0) | (values == 1)):
         raise DamchaValueError(
-            f"`{name}` must be {MASK_RULE}; this {dtype} mask holds other values (an additive 0/-inf mask? "
-            f"pass `{name} == 0` for one, or a bool mask). Received: {name}={describe(mask)}"
+            invalid_argument(
+                name,
+                f"a mask that is {MASK_RULE} (an additive 0/-inf mask? pass `{name} == 0` for one, or a bool mask)",
+                f"{name}={describe(mask)} that holds other values",
+            )
         )
     host = values != 0
     return MaskArg(jnp.asarray(host), host, None)
@@ -103,8 +106,11 @@ def check_hint(mask_hint: Any, mask: Any) -> str | None:
     hint = check_choice("mask_hint", mask_hint, MASK_HINTS)
     if mask is None:
         raise DamchaValueError(
-            f"`mask_hint` describes `mask`, which is None (use is_causal=True for causal attention without a mask). "
-            f"Received: mask=None, mask_hint={hint!r}"
+            invalid_argument(
+                "mask_hint",
+                "None without a `mask` (it describes the mask; use is_causal=True for causal attention without one)",
+                f"mask=None, mask_hint={hint!r}",
+            )
         )
     return hint
 
@@ -177,13 +183,17 @@ def host_plan(
         split = _host_split(full, grid if hint == "causal" else None)
         if split is None:
             raise DamchaValueError(
-                f"`{name}` is not what mask_hint={hint!r} says: "
-                + (
-                    "the causal rule and padding only (combine_masks(make_causal_mask, padding masks))"
-                    if hint == "causal"
-                    else "padding only (make_attention_mask of query and key padding)"
+                invalid_argument(
+                    name,
+                    f"what mask_hint={hint!r} says, "
+                    + (
+                        "the causal rule and padding only (combine_masks(make_causal_mask, padding masks))"
+                        if hint == "causal"
+                        else "padding only (make_attention_mask of query and key padding)"
+                    )
+                    + "; drop mask_hint for any other mask",
+                    f"{name}.shape={tuple(host.shape)}",
                 )
-                + f". Drop mask_hint for any other mask. Received: {name}.shape={tuple(host.shape)}"
             )
         keys, rows = split
         causal = is_causal or hint == "causal"
