@@ -162,8 +162,11 @@ def _structure(config: DamchaConfig) -> MetricStructure:
     structure = config.metric_structure
     if structure is None:
         raise DamchaValueError(
-            f"`config.metric` must be one of {tuple(METRIC_STRUCTURES)} to compute a cross-head map. "
-            f"Received: config.metric={config.metric!r}"
+            invalid_argument(
+                "config.metric",
+                f"one of {tuple(METRIC_STRUCTURES)} to compute a cross-head map",
+                f"config.metric={config.metric!r}",
+            )
         )
     return structure
 
