@@ -23,7 +23,10 @@ a concatenation of the result) and its recomputation of the whole projection:
   recomputes the rows of the projection that hold mapped heads (two thirds
   of a fused qkv GEMM instead of all of it; a Conv1D's columns, read in
   place) and the generator's S x S coefficients, and writes the
-  gradients by hand: two ``bmm`` per block for the mixing, a few passes over
+  gradients by hand: a ``baddbmm`` and a ``bmm`` per block for the mixing
+  (the first makes that block's dL/dy fresh; the unmapped columns stay views
+  of the incoming gradient and the projection's gradients take the pieces
+  one GEMM each, so the (T, F) gradient is never copied), a few passes over
   the (T, S*S) coefficients and two over the tokens for the generator
   (autograd's norm backward made several (T, E) temporaries). The backward
   is written with differentiable ops, so ``create_graph=True`` (a gradient
@@ -268,12 +271,14 @@ class FusedProjectionMaps(torch.autograd.Function):
         if lora_a is not None and lora_b is not None:
             h = F.linear(t, lora_a)  # (T, r): recomputed, as cheap as storing it
             y = y + F.linear(h, lora_b[lo:hi]) * scaling
-        covered = lo == 0 and hi == features and sum(e - s for s, e in zip(starts, ends)) == features
-        # dL/dy: the incoming gradient, plus mix^T g_b on each mapped block.
-        dy = None if covered else g.clone()
+        # dL/dy, in pieces that tile its columns: each mapped block's gradient
+        # (the incoming one plus mix^T g_b, one baddbmm into a fresh block) and
+        # strided views of the incoming gradient between them. The consumers
+        # below (dx, dW, db, LoRA) take the pieces one by one, so dL/dy is never
+        # assembled: no copy of the (T, F) gradient (a clone, or a cat of blocks).
+        pieces: list[tuple[int, Tensor]] = []
         leaf_grads: list[Tensor | None] = [None] * len(leaves)
         through_generator = []  # (dP, generator weight, c): dL/dt += dP W + c t
-        pieces: list[tuple[int, Tensor]] = []
         scale = math.sqrt(t.shape[-1])
         r = fn._rms_denominator(t)  # as in forward: the same mix, bit for bit
         for blocks, (k, k_end) in zip(sides, _split_leaves(sides, leaves)):
@@ -288,11 +293,7 @@ class FusedProjectionMaps(torch.autograd.Function):
                 for offset in blocks.offsets:
                     gb = _block(g, offset, blocks.heads, blocks.head_dim)
                     yb = _block(y, offset - lo, blocks.heads, blocks.head_dim)
-                    if dy is None:
-                        pieces.append((offset, torch.baddbmm(gb, mix_t, gb)))
-                    else:
-                        # (baddbmm_ into a strided view would loop over the tokens)
-                        _block(dy, offset, blocks.heads, blocks.head_dim).add_(torch.bmm(mix_t, gb))
+                    pieces.append((offset, torch.baddbmm(gb, mix_t, gb).flatten(1)))
                     part = torch.bmm(gb, yb.transpose(1, 2))
                     dmix = part if dmix is None else dmix.add_(part)
                 assert dmix is not None  # a side has at least one block
@@ -301,7 +302,7 @@ class FusedProjectionMaps(torch.autograd.Function):
                 if need[2]:
                     leaf_grads[k + 2] = (dmix.view(-1, S * S) * A).sum(0).view(S, S).sum(1)
             else:
-                dA = _lowrank_backward(blocks, leaves[k:k_end], need, A, g, y, lo, dy, pieces, leaf_grads, k)
+                dA = _lowrank_backward(blocks, leaves[k:k_end], need, A, g, y, lo, pieces, leaf_grads, k)
             # The generator's gradients, written out:
             # A = b + s P / r with P = t W^T, r = sqrt(|t|^2 + E eps).
             need_w_gen, need_b_gen = need[0], need[1]
@@ -315,20 +316,20 @@ class FusedProjectionMaps(torch.autograd.Function):
                     # through r: dL/dr = -s sum(dA P) / r^2, dr/dt = t / r
                     c = (dA * P).sum(-1, keepdim=True).mul_(-scale) / (r * r * r)
                     through_generator.append((dP, w_gen, c))
-        if dy is None:
-            pieces.sort(key=lambda p: p[0])
-            dy = pieces[0][1].flatten(1) if len(pieces) == 1 else torch.cat([p.flatten(1) for _, p in pieces], dim=1)
+        pieces = _tile(pieces, g)
         dx = dW = db = d_la = d_lb = None
         # The LoRA update's gradients: dL/d(x A^T) = s dy B.
-        dh = dy.mm(lora_b) * scaling if lora_b is not None and (need_x or need_la) else None
+        dh = None
+        if lora_b is not None and (need_x or need_la):
+            dh = _sum_mm(pieces, lambda a, b: lora_b[a:b]).mul_(scaling)
         if need_la:
             assert dh is not None
             d_la = dh.t().mm(t)
         if need_lb:
             assert h is not None
-            d_lb = dy.t().mm(h) * scaling
+            d_lb = _cat([dp.t().mm(h) for _, dp in pieces], 0) * scaling
         if need_x:
-            dx = dy.mm(weight.t() if transposed else weight)
+            dx = _sum_mm(pieces, (lambda a, b: weight[:, a:b].t()) if transposed else (lambda a, b: weight[a:b]))
             if dh is not None:
                 assert lora_a is not None
                 dx.addmm_(dh, lora_a)
@@ -336,10 +337,45 @@ class FusedProjectionMaps(torch.autograd.Function):
                 dx.addmm_(dP, w_gen).addcmul_(t, c)
             dx = dx.view_as(x)
         if need_w:
-            dW = t.t().mm(dy) if transposed else dy.t().mm(t)
+            if transposed:
+                dW = _cat([t.t().mm(dp) for _, dp in pieces], 1)
+            else:
+                dW = _cat([dp.t().mm(t) for _, dp in pieces], 0)
         if need_b:
-            db = dy.sum(0)
+            db = _cat([dp.sum(0) for _, dp in pieces], 0)
         return (None, None, None, dx, dW, db, d_la, d_lb, *leaf_grads)
+
+
+def _tile(pieces: list[tuple[int, Tensor]], g: Tensor) -> list[tuple[int, Tensor]]:
+    """``pieces`` (offset, (T, width) gradient of the mapped block there), in
+    column order, with the columns of ``g`` (T, F) that no block covers added
+    as strided views: the pieces of dL/dy, tiling its F columns."""
+    out: list[tuple[int, Tensor]] = []
+    at = 0
+    for offset, piece in sorted(pieces, key=lambda p: p[0]):
+        if offset > at:
+            out.append((at, g[:, at:offset]))
+        out.append((offset, piece))
+        at = offset + piece.shape[1]
+    if at < g.shape[1]:
+        out.append((at, g[:, at:]))
+    return out
+
+
+def _sum_mm(pieces: list[tuple[int, Tensor]], rows: Any) -> Tensor:
+    """dy M for dy given by its column ``pieces`` and M by ``rows(a, b)`` (its
+    rows a:b): one GEMM per piece, accumulated in place (BLAS reads strided views)."""
+    out: Tensor | None = None
+    for offset, piece in pieces:
+        m = rows(offset, offset + piece.shape[1])
+        out = piece.mm(m) if out is None else out.addmm_(piece, m)
+    assert out is not None
+    return out
+
+
+def _cat(parts: list[Tensor], dim: int) -> Tensor:
+    """The parameter gradients of the pieces, joined (no copy for a single piece)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
 
 def _lowrank_backward(
@@ -350,14 +386,13 @@ def _lowrank_backward(
     g: Tensor,
     y: Tensor,
     lo: int,
-    dy: Tensor | None,
     pieces: list[tuple[int, Tensor]],
     leaf_grads: list[Tensor | None],
     k: int,
 ) -> Tensor:
     """Metric "lowrank"'s part of ``FusedProjectionMaps.backward`` for one side:
-    out_b = y_b + (A * (y_b V)) U_g^T on each block. Adds ((g_b U_g) * A) V^T
-    to dL/dy_b (into ``dy``, or as a piece when the blocks cover y), writes
+    out_b = y_b + (A * (y_b V)) U_g^T on each block. Appends each block's
+    dL/dy_b = g_b + ((g_b U_g) * A) V^T to ``pieces`` (a fresh tensor), writes
     the gradients of u, v and the gate into ``leaf_grads[k + 2 : k + 5]``
     and returns dL/dA (T, r)."""
     _, _, gate, u, v = leaves
@@ -373,10 +408,7 @@ def _lowrank_backward(
         z = yb.mm(V)
         dm = gb.mm(U)  # dL/d(A * z)
         dz = dm * A
-        if dy is None:
-            pieces.append((offset, torch.addmm(gb, dz, V.t())))
-        else:
-            dy[:, offset : offset + width].addmm_(dz, V.t())
+        pieces.append((offset, torch.addmm(gb, dz, V.t())))
         dc = dm * z
         dA = dc if dA is None else dA.add_(dc)
         if need_gate or need_u:
