@@ -230,10 +230,14 @@ def catalogue(names: list[str] | None = None, groups: list[str] | None = None) -
     known = {c.name for c in CATALOGUE}
     for name in names or ():
         if name not in known:
-            raise dc.DamchaValueError(f"`names` has an unknown case {name!r}. Expected some of {sorted(known)}")
+            raise dc.DamchaValueError(
+                dc.invalid_argument("names", f"case names, some of {sorted(known)}", f"an unknown case {name!r}")
+            )
     for group in groups or ():
         if group not in GROUPS:
-            raise dc.DamchaValueError(f"`groups` has an unknown group {group!r}. Expected some of {list(GROUPS)}")
+            raise dc.DamchaValueError(
+                dc.invalid_argument("groups", f"group names, some of {list(GROUPS)}", f"an unknown group {group!r}")
+            )
     return [c for c in CATALOGUE if (not names or c.name in names) and (not groups or c.group in groups)]
 
 

@@ -66,13 +66,6 @@ STILL_OLD = {
     "`key` and `value` must have the same batch, head count": "backends/torch/_cache.py (decode4)",
     "`key` and `value` must have one dtype and device": "backends/torch/_cache.py (decode4)",
     "`kv_cache` holds": "backends/torch/_cache.py (decode4)",
-    # The conformance suite's own arguments (its case catalogue and adapter loader).
-    "`names` has an unknown case": "damcha_conformance catalogue selection",
-    "`groups` has an unknown group": "damcha_conformance catalogue selection",
-    "`spec` {} needs KERAS_BACKEND": "damcha_conformance adapter loader",
-    "`spec` names a module": "damcha_conformance adapter loader",
-    "`spec` names an attribute": "damcha_conformance adapter loader",
-    "`dtype` float64 needs JAX's x64 mode": "damcha_conformance JAX adapter",
 }
 
 

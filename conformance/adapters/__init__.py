@@ -141,8 +141,12 @@ def load_adapter(spec: str) -> BackendAdapter:
         adapter = __getattr__(builtin.adapter)(**builtin.kwargs)
         if spec.startswith("keras-") and adapter.name != spec:
             raise DamchaValueError(
-                f"`spec` {spec!r} needs KERAS_BACKEND={builtin.env['KERAS_BACKEND']} before Keras is imported. "
-                f"Received: Keras runs on {adapter.name.removeprefix('keras-')!r}"
+                invalid_argument(
+                    "spec",
+                    f"a backend Keras runs on: {spec!r} needs KERAS_BACKEND={builtin.env['KERAS_BACKEND']} before "
+                    "Keras is imported",
+                    f"spec={spec!r}, Keras runs on {adapter.name.removeprefix('keras-')!r}",
+                )
             )
         return adapter
     module_name, sep, attr = spec.partition(":")
@@ -154,12 +158,21 @@ def load_adapter(spec: str) -> BackendAdapter:
         )
     if importlib.util.find_spec(module_name.split(".")[0]) is None:
         raise DamchaValueError(
-            f"`spec` names a module that is not importable. Received: spec={spec!r} "
-            f"(no module named {module_name.split('.')[0]!r})"
+            invalid_argument(
+                "spec",
+                "module:attr naming an importable module",
+                f"spec={spec!r} (not importable: no module named {module_name.split('.')[0]!r})",
+            )
         )
     module = importlib.import_module(module_name)
     try:
         obj = getattr(module, attr)
     except AttributeError:
-        raise DamchaValueError(f"`spec` names an attribute the module does not have. Received: spec={spec!r}") from None
+        raise DamchaValueError(
+            invalid_argument(
+                "spec",
+                f"module:attr naming an attribute of {module_name}",
+                f"spec={spec!r} ({module_name} does not have {attr!r})",
+            )
+        ) from None
     return obj() if callable(obj) else obj

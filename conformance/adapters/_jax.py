@@ -51,8 +51,12 @@ class JaxAdapter:
             raise DamchaValueError(invalid_argument("dtype", f"one of {tuple(_JNP_DTYPES)}", f"dtype={dtype!r}"))
         if dtype == "float64" and not jax.config.read("jax_enable_x64"):
             raise DamchaValueError(
-                "`dtype` float64 needs JAX's x64 mode (JAX_ENABLE_X64=1 or "
-                "jax.config.update('jax_enable_x64', True)). Received: dtype='float64' with x64 disabled"
+                invalid_argument(
+                    "dtype",
+                    "a dtype JAX computes in: float64 needs JAX's x64 mode (JAX_ENABLE_X64=1 or "
+                    "jax.config.update('jax_enable_x64', True))",
+                    "dtype='float64' with x64 disabled",
+                )
             )
         return _JNP_DTYPES[dtype]
 
