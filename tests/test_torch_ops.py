@@ -257,3 +257,26 @@ def test_training_step_ops_and_copies_stay_near_mha(call):
     # backward only the recomputed rows that hold mapped heads.
     with_bias = [(s[0][0], s[1][0]) for s in gemms if len(s) == 3 and len(s[0]) == 1]
     assert with_bias == TRAIN_BIAS_GEMMS[call], gemms
+
+
+def test_cross_attention_with_one_key_value_tensor_projects_them_with_one_gemm():
+    """attn(x, c, c): k and v from one GEMM of the context tokens (2E outputs),
+    as nn.MultiheadAttention projects them; the generator's is the only other
+    GEMM of those tokens. Sequence-first inputs too (the layer's transposed
+    views of c are two objects). Separate key and value tensors: two GEMMs."""
+    _, layer = _layers()
+    x, c = torch.randn(2, 6, E), torch.randn(2, 4, E)
+
+    def context_gemms(call) -> list:
+        with torch.no_grad():
+            mode = _count(call)
+        return [s for s in _gemms(mode) if (2 * 4, E) in s]  # GEMMs that read the (B*M, E) context
+
+    shared = context_gemms(lambda: layer(x, c, c, need_weights=False, is_causal=True))
+    assert sorted(s[-1][-1] for s in shared) == sorted([2 * E, H * H]), shared
+    layer.batch_first = False
+    xs, cs = x.transpose(0, 1), c.transpose(0, 1)
+    assert len(context_gemms(lambda: layer(xs, cs, cs, need_weights=False))) == 2
+    layer.batch_first = True
+    apart = context_gemms(lambda: layer(x, c, c.clone(), need_weights=False, is_causal=True))
+    assert sorted(s[-1][-1] for s in apart) == sorted([E, E, H * H]), apart
