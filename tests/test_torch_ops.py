@@ -204,10 +204,11 @@ _TRAIN_CALLS = {
     "cross": lambda m, x, c, pad, causal, rect: m(x, c, c, attn_mask=rect, is_causal=True, need_weights=False),
 }
 # Dispatched ops of one fwd+bwd step, DAMCHA minus MHA (B=2, N=8, E=32, H=4).
-# Measured when written: MHA 93 / 102 / 114; DAMCHA 144 / 164 / 203, of which
+# Measured when written: MHA 93 / 102 / 114; DAMCHA 144 / 164 / 204, of which
 # about half are views (202 / 222 / 313 before the fused node, with
-# torch.utils.checkpoint). The bounds only stop them from growing.
-TRAIN_EXTRA_OPS = {"mask+hint": 51, "padding+causal": 62, "cross": 89}
+# torch.utils.checkpoint; cross 203 -> 204 with 0cd4ce5's FusedProjectionMaps
+# backward). The bounds only stop them from growing.
+TRAIN_EXTRA_OPS = {"mask+hint": 51, "padding+causal": 62, "cross": 90}
 # Copies: only the concatenations of the weight gradients' pieces (dW, db of
 # the packed weight), never an activation or its gradient. MHA: 10-12 (its
 # contiguous q/k/v and output, and their gradients).
