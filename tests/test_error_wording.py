@@ -53,7 +53,7 @@ STILL_OLD = {
     "`{}` has {} output features": "torch model-conversion layout of a third-party sublayer",
     "`{}` already carries a DAMCHA map": "keras model conversion of a sublayer converted twice (state)",
     # Files other engineers edit this session (speed work on the Keras layer and its
-    # masks, the torch KV cache); convert when they land.
+    # masks); convert when they land.
     "`metric_generator` for side": "backends/keras/_layer.py (kerasshort)",
     "`{}` must be a tensor or a NumPy array": "backends/keras/_layer.py (kerasshort)",
     "`cache` needs rank-3 inputs": "backends/keras/_layer.py (kerasshort)",
@@ -61,11 +61,6 @@ STILL_OLD = {
     "`attention_mask` must have shape": "backends/keras/_masks.py (kerasshort)",
     "`{}` must have shape {} (the {} tokens)": "backends/keras/_masks.py (kerasshort)",
     "`{}` of dtype {} must hold only 0 and 1": "backends/keras/_masks.py (kerasshort)",
-    "`{}` must be a real floating tensor of heads": "backends/torch/_cache.py (decode4)",
-    "`{}` must have rank 4, (B, G, M, d)": "backends/torch/_cache.py (decode4)",
-    "`key` and `value` must have the same batch, head count": "backends/torch/_cache.py (decode4)",
-    "`key` and `value` must have one dtype and device": "backends/torch/_cache.py (decode4)",
-    "`kv_cache` holds": "backends/torch/_cache.py (decode4)",
 }
 
 

@@ -271,15 +271,15 @@ def test_kv_cache_mismatch_names_the_cache_and_leaves_it_intact():
     bad = [
         (
             lambda: layer(t[:1], t[:1], t[:1], is_causal=True, need_weights=False, kv_cache=cache),
-            r"`kv_cache` holds a different batch.*cached key shape \(2, 4, 1, 4\), new key shape \(1, 4, 1, 4\)",
+            r"Invalid argument `key`: expected the batch, head count and head size the `kv_cache` holds.*cached key shape \(2, 4, 1, 4\), new key shape \(1, 4, 1, 4\)",
         ),
         (
             lambda: wider(t, t, t, is_causal=True, need_weights=False, kv_cache=cache),
-            r"`kv_cache` holds a different batch, head count or head size.*new key shape \(2, 4, 1, 8\)",
+            r"Invalid argument `key`: expected the batch, head count and head size the `kv_cache` holds.*new key shape \(2, 4, 1, 8\)",
         ),
         (
             lambda: _layer()(t.float(), t.float(), t.float(), is_causal=True, need_weights=False, kv_cache=cache),
-            r"`kv_cache` holds keys of another dtype.*cached torch.float64 on cpu, new torch.float32 on cpu",
+            r"Invalid argument `key`: expected the dtype and device of the keys the `kv_cache` holds.*cached torch.float64 on cpu, new torch.float32 on cpu",
         ),
     ]
     for call, pattern in bad:
@@ -538,19 +538,23 @@ def test_save_of_a_meta_layer_is_a_clear_error(tmp_path):
         (
             (np.zeros((1, 2, 3, 4)), torch.zeros(1, 2, 3, 4)),
             DamchaTypeError,
-            r"^`key` must be a real floating tensor",
+            r"^Invalid argument `key`: expected a real floating tensor",
         ),
-        ((torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4, dtype=torch.int64)), DamchaTypeError, r"^`value` must be"),
-        ((torch.zeros(2, 3, 4), torch.zeros(2, 3, 4)), DamchaValueError, r"^`key` must have rank 4"),
+        (
+            (torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4, dtype=torch.int64)),
+            DamchaTypeError,
+            r"^Invalid argument `value`: expected",
+        ),
+        ((torch.zeros(2, 3, 4), torch.zeros(2, 3, 4)), DamchaValueError, r"^Invalid argument `key`: expected rank 4"),
         (
             (torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 2, 4)),
             DamchaValueError,
-            r"^`key` and `value` must have the same batch, head count and length",
+            r"^Invalid argument `value`: expected the batch, head count and length \(B, G, M\) of `key`",
         ),
         (
             (torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4, dtype=torch.float64)),
             DamchaValueError,
-            r"^`key` and `value` must have one dtype and device",
+            r"^Invalid argument `value`: expected the dtype and device of `key`",
         ),
     ],
     ids=["key-numpy", "value-int", "rank-3", "length-mismatch", "dtype-mismatch"],

@@ -315,7 +315,10 @@ def test_static_cache_never_reallocates_and_equals_full_forward(name):
 def test_static_cache_arguments_autograd_inference_and_copies():
     layer, _, _ = _layer("heads-tied")
     x = _x(1, 8, 16, seed=12)
-    with pytest.raises(dc.DamchaValueError, match=r"static.*needs `capacity`.*Received: capacity=None"):
+    with pytest.raises(
+        dc.DamchaValueError,
+        match=r"Invalid argument `capacity`: expected an int >= 1 with static=True.*Received: capacity=None",
+    ):
         DamchaKVCache(static=True)
     with pytest.raises(dc.DamchaTypeError, match=r"`static`.*Received: static="):
         DamchaKVCache(capacity=4, static="yes")

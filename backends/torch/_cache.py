@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from damcha_core import DamchaTypeError, DamchaValueError, check_bool, check_int, describe
+from damcha_core import DamchaTypeError, DamchaValueError, check_bool, check_int, describe, invalid_argument
 from torch import Tensor
 
 __all__ = ["DamchaKVCache"]
@@ -14,10 +14,10 @@ __all__ = ["DamchaKVCache"]
 def _check_heads(name: str, value: Any) -> Tensor:
     if not isinstance(value, Tensor) or not value.is_floating_point():
         raise DamchaTypeError(
-            f"`{name}` must be a real floating tensor of heads (B, G, M, d). Received: {name}={describe(value)}"
+            invalid_argument(name, "a real floating tensor of heads (B, G, M, d)", f"{name}={describe(value)}")
         )
     if value.dim() != 4:
-        raise DamchaValueError(f"`{name}` must have rank 4, (B, G, M, d). Received: {name}.shape={tuple(value.shape)}")
+        raise DamchaValueError(invalid_argument(name, "rank 4, (B, G, M, d)", f"{name}.shape={tuple(value.shape)}"))
     return value
 
 
@@ -61,8 +61,11 @@ class DamchaKVCache:
         self._static = check_bool("static", static)
         if self._static and self._reserve is None:
             raise DamchaValueError(
-                "A static `DamchaKVCache` needs `capacity`, the positions its fixed storage holds. "
-                "Received: capacity=None, static=True"
+                invalid_argument(
+                    "capacity",
+                    "an int >= 1 with static=True (the positions the fixed storage holds)",
+                    "capacity=None, static=True",
+                )
             )
         # The cached positions are the first _length of _kbuf/_vbuf (B, G, C, d).
         # Only those two tensors and an int are state, never views of them:
@@ -268,28 +271,40 @@ class DamchaKVCache:
         key, value = _check_heads("key", key), _check_heads("value", value)
         if key.shape[:3] != value.shape[:3]:
             raise DamchaValueError(
-                "`key` and `value` must have the same batch, head count and length (B, G, M). "
-                f"Received: key.shape={tuple(key.shape)}, value.shape={tuple(value.shape)}"
+                invalid_argument(
+                    "value",
+                    "the batch, head count and length (B, G, M) of `key`",
+                    f"key.shape={tuple(key.shape)}, value.shape={tuple(value.shape)}",
+                )
             )
         if key.dtype != value.dtype or key.device != value.device:
             raise DamchaValueError(
-                "`key` and `value` must have one dtype and device. "
-                f"Received: key {key.dtype} on {key.device}, value {value.dtype} on {value.device}"
+                invalid_argument(
+                    "value",
+                    "the dtype and device of `key`",
+                    f"key {key.dtype} on {key.device}, value {value.dtype} on {value.device}",
+                )
             )
         if ck is None or cv is None or self._length == 0:
             return self._store(key, value, 0)
         if key.shape[:2] != ck.shape[:2] or key.shape[3:] != ck.shape[3:] or (value.shape[3:] != cv.shape[3:]):
             raise DamchaValueError(
-                "`kv_cache` holds a different batch, head count or head size than this call "
-                "(call kv_cache.reset() to start a new sequence). "
-                f"Received: cached key shape {(*ck.shape[:2], self._length, ck.shape[3])}, new key shape {tuple(key.shape)}"
+                invalid_argument(
+                    "key",
+                    "the batch, head count and head size the `kv_cache` holds (call kv_cache.reset() to start a "
+                    "new sequence)",
+                    f"cached key shape {(*ck.shape[:2], self._length, ck.shape[3])}, new key shape {tuple(key.shape)}",
+                )
             )
         if key.dtype != ck.dtype or key.device != ck.device:
             # torch.cat would silently promote the dtype, or fail later in SDPA.
             raise DamchaValueError(
-                "`kv_cache` holds keys of another dtype or device than this call "
-                "(call kv_cache.reset() to start a new sequence). "
-                f"Received: cached {ck.dtype} on {ck.device}, new {key.dtype} on {key.device}"
+                invalid_argument(
+                    "key",
+                    "the dtype and device of the keys the `kv_cache` holds (call kv_cache.reset() to start a new "
+                    "sequence)",
+                    f"cached {ck.dtype} on {ck.device}, new {key.dtype} on {key.device}",
+                )
             )
         return self._store(key, value, self._length)
 
