@@ -551,3 +551,45 @@ def test_fused_node_with_unmapped_columns_between_blocks(metric, transposed):
     assert len(got_grads) == 3 + len(leaves)
     for i, (a, b) in enumerate(zip(got_grads, want_grads)):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-13, msg=f"input {i}")
+
+
+# Per converted layer of a fused qkv (timm's ViT: the tied q/k maps, two
+# blocks of one projection), beyond the original's ops: the per-token S x S
+# mixing is one batched product per block (``bmm``; measured faster than S
+# broadcast multiply-adds, one broadcast product or ``einsum`` for S in 3..16,
+# so there is no switch on S). Without a graph: the bmm and an in-place add per
+# block. In training: the same forward; backward one ``baddbmm`` per block
+# (that block's dL/dy, fresh) and one ``bmm`` per block (dL/d(mix), the second
+# added to the first).
+VIT_MIXING = {
+    "no-grad": {"bmm": 2, "add_": 2},
+    "train": {"bmm": 4, "baddbmm": 2, "add_": 3},
+}
+
+
+@pytest.mark.parametrize("mode", ["no-grad", "train"])
+def test_vit_fused_qkv_mixing_ops_per_layer(mode):
+    counts = []
+    for convert in (False, True):
+        model = build("vit", torch.float32)
+        if convert:
+            open_gates(dt.convert(model, recompute=True))
+        kw = inputs("vit")
+        if mode == "no-grad":
+
+            def call(model=model, kw=kw):
+                with torch.no_grad():
+                    run(model, "vit", kw)
+        else:
+            model.train()
+
+            def call(model=model, kw=kw):
+                model.zero_grad(set_to_none=True)  # no accumulation into .grad (add_) in the counted call
+                run(model, "vit", kw).square().mean().backward()
+
+        call()
+        counts.append(_aten_calls(call)[0])
+    original, damcha = counts
+    layers = len(dt.converted_layers(model))
+    extra = {op: (damcha.get(op, 0) - original.get(op, 0)) / layers for op in ("bmm", "baddbmm", "add_")}
+    assert {op: n for op, n in extra.items() if n} == VIT_MIXING[mode], extra
