@@ -297,25 +297,12 @@ class FusedProjectionMaps(torch.autograd.Function):
                     part = torch.bmm(gb, yb.transpose(1, 2))
                     dmix = part if dmix is None else dmix.add_(part)
                 assert dmix is not None  # a side has at least one block
-                # mix = diag(g) A
-                dA = (dmix * gate.view(S, 1)).view(-1, S * S)
-                if need[2]:
-                    leaf_grads[k + 2] = (dmix.view(-1, S * S) * A).sum(0).view(S, S).sum(1)
+                dA, leaf_grads[k + 2] = _heads_mix_grads(dmix, A, gate, need[2])
             else:
                 dA = _lowrank_backward(blocks, leaves[k:k_end], need, A, g, y, lo, pieces, leaf_grads, k)
-            # The generator's gradients, written out:
-            # A = b + s P / r with P = t W^T, r = sqrt(|t|^2 + E eps).
-            need_w_gen, need_b_gen = need[0], need[1]
-            if need_b_gen:
-                leaf_grads[k + 1] = dA.sum(0)
-            if need_w_gen or need_x:
-                dP = dA * (scale / r)
-                if need_w_gen:
-                    leaf_grads[k] = dP.t().mm(t)
-                if need_x:
-                    # through r: dL/dr = -s sum(dA P) / r^2, dr/dt = t / r
-                    c = (dA * P).sum(-1, keepdim=True).mul_(-scale) / (r * r * r)
-                    through_generator.append((dP, w_gen, c))
+            leaf_grads[k], leaf_grads[k + 1] = _generator_grads(
+                dA, P, r, t, w_gen, need[0], need[1], need_x, through_generator
+            )
         pieces = _tile(pieces, g)
         dx = dW = db = d_la = d_lb = None
         # The LoRA update's gradients: dL/d(x A^T) = s dy B.
@@ -429,45 +416,44 @@ def _lowrank_backward(
     return dA
 
 
-def _heads_generator_grads(
-    dmix: Tensor,
-    A: Tensor,
+def _heads_mix_grads(dmix: Tensor, A: Tensor, gate: Tensor, need_gate: bool) -> tuple[Tensor, Tensor | None]:
+    """(dL/dA (T, S*S), dL/dgate or None) of one "heads" side from dL/dmix (T, S, S),
+    where mix = diag(gate) A."""
+    S = gate.shape[0]
+    dA = (dmix * gate.view(S, 1)).view(-1, S * S)
+    d_gate = (dmix.view(-1, S * S) * A).sum(0).view(S, S).sum(1) if need_gate else None
+    return dA, d_gate
+
+
+def _generator_grads(
+    dA: Tensor,
     P: Tensor,
     r: Tensor,
     t: Tensor,
     w_gen: Tensor,
-    gate: Tensor,
-    needs: Sequence[bool],
+    need_w_gen: bool,
+    need_b_gen: bool,
     need_x: bool,
     through_generator: list[tuple[Tensor, Tensor, Tensor]],
-) -> list[Tensor | None]:
-    """Gradients of one "heads" side's (weight, bias, gate) from dL/dmix (T, S, S),
-    as ``FusedProjectionMaps.backward`` writes them (for ``SplitLinearMaps``).
-
-    Written out: mix = diag(g) A, A = b + s P / r with P = t W^T,
-    r = sqrt(|t|^2 + E eps), s = sqrt(E). With ``need_x`` the tokens'
-    share, dL/dt += dP W + c t, is appended to ``through_generator`` as
-    (dP, W, c). ``dmix`` may be overwritten.
-    """
-    S = gate.shape[0]
+) -> tuple[Tensor | None, Tensor | None]:
+    """The generator's (weight, bias) gradients from dL/dA, written out (every
+    metric structure: its generator is the same): A = b + s P / r with
+    P = t W^T, r = sqrt(|t|^2 + E eps), s = sqrt(E). With ``need_x`` the
+    tokens' share, dL/dt += dP W + c t, is appended to ``through_generator``
+    as (dP, W, c)."""
     scale = math.sqrt(t.shape[-1])
-    need_w_gen, need_b_gen, need_gate = needs
-    grads: list[Tensor | None] = [None, None, None]
-    dA = (dmix * gate.view(S, 1)).view(-1, S * S)
-    dmix = dmix.view(-1, S * S)
-    if need_gate:
-        grads[2] = (dmix * A).sum(0).view(S, S).sum(1)
+    d_w = d_b = None
     if need_b_gen:
-        grads[1] = dA.sum(0)
+        d_b = dA.sum(0)
     if need_w_gen or need_x:
         dP = dA * (scale / r)
         if need_w_gen:
-            grads[0] = dP.t().mm(t)
+            d_w = dP.t().mm(t)
         if need_x:
             # through r: dL/dr = -s sum(dA P) / r^2, dr/dt = t / r
             c = (dA * P).sum(-1, keepdim=True).mul_(-scale) / (r * r * r)
             through_generator.append((dP, w_gen, c))
-    return grads
+    return d_w, d_b
 
 
 class SplitLinearMaps(torch.autograd.Function):
@@ -546,8 +532,10 @@ class SplitLinearMaps(torch.autograd.Function):
                 part = torch.bmm(gb, _block(y, offset - lo, S, d).transpose(1, 2))
                 dmix = part if dmix is None else dmix.add_(part)
             assert dmix is not None  # a side has at least one block
-            leaf_grads[3 * i : 3 * i + 3] = _heads_generator_grads(
-                dmix, A, P, r, t, w_gen, gate, need_leaves[3 * i : 3 * i + 3], need_x, through_generator
+            need = need_leaves[3 * i : 3 * i + 3]
+            dA, leaf_grads[3 * i + 2] = _heads_mix_grads(dmix, A, gate, need[2])
+            leaf_grads[3 * i], leaf_grads[3 * i + 1] = _generator_grads(
+                dA, P, r, t, w_gen, need[0], need[1], need_x, through_generator
             )
         dx = dW = db = None
         if need_x:
