@@ -278,7 +278,7 @@ class FusedProjectionMaps(torch.autograd.Function):
         # assembled: no copy of the (T, F) gradient (a clone, or a cat of blocks).
         pieces: list[tuple[int, Tensor]] = []
         leaf_grads: list[Tensor | None] = [None] * len(leaves)
-        through_generator = []  # (dP, generator weight, c): dL/dt += dP W + c t
+        through_generator: list[tuple[Tensor, Tensor, Tensor]] = []  # (dP, generator weight, c): dL/dt += dP W + c t
         scale = math.sqrt(t.shape[-1])
         r = fn._rms_denominator(t)  # as in forward: the same mix, bit for bit
         for blocks, (k, k_end) in zip(sides, _split_leaves(sides, leaves)):
