@@ -131,14 +131,34 @@ def map_matrix(tokens: Any, kernel: Any, bias: Any, gate: Any) -> Any:
     E = tokens.shape[-1]
     weights = kernel * (gate * math.sqrt(E))  # diag(g) W sqrt(E), (E, S, S)
     offset = ops.add(bias * gate, _eye(S, dtype))  # I + diag(g) b
-    inv_norm = ops.rsqrt(ops.sum(ops.square(tokens), axis=-1, keepdims=True) + E * RMS_EPS)  # (B, T, 1)
+    inv_norm = ops.rsqrt(_sum_squares(tokens) + E * RMS_EPS)  # (B, T, 1)
     return ops.einsum("bte,ehk->bthk", tokens, weights) * ops.expand_dims(inv_norm, -1) + offset
+
+
+def _sum_squares(tokens: Any) -> Any:
+    """sum(t^2) over the features, (B, T, 1), in the tokens' dtype.
+
+    On torch one norm kernel (no (B, T, E) temporary; ``torch.linalg`` directly:
+    Keras 3.15's torch ``ops.norm`` returns float32 for float64), except under
+    torch.onnx export, which keeps the plain ops.
+    """
+    if keras.backend.backend() == "torch" and not _onnx_export():
+        import torch
+
+        return torch.square(torch.linalg.vector_norm(tokens, dim=-1, keepdim=True))
+    return ops.sum(ops.square(tokens), axis=-1, keepdims=True)
 
 
 def apply_map_matrix(matrix: Any, y: Any) -> Any:
     """L(t) y for stacked heads y (B, T, S, d) from ``map_matrix``'s (B, T, S, S):
-    one batched product per token (the ``apply_map`` step for metric "heads")."""
-    return ops.einsum("btha,btad->bthd", matrix, y)
+    one batched product per token (the ``apply_map`` step for metric "heads").
+
+    ``matmul``, which torch runs as one batched GEMM (its einsum permutes and
+    copies first); float64 takes ``einsum``: Keras 3.15's torch matmul returns
+    float32 for float64."""
+    if dtype_name(y) == "float64":
+        return ops.einsum("btha,btad->bthd", matrix, y)
+    return ops.matmul(matrix, y)
 
 
 def map_heads(tokens: Any, kernel: Any, bias: Any, gate: Any, y: Any) -> Any:
