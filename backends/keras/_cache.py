@@ -146,7 +146,17 @@ def check_cache(
 
 def read_cache(cache: Any, dtype: str) -> tuple[Any, Any]:
     """The cached (mapped) keys and values (B, L, G, d), in ``dtype``."""
-    return ops.cast(cache[:, 0], dtype), ops.cast(cache[:, 1], dtype)
+    k, v = halves(cache)
+    return ops.cast(k, dtype), ops.cast(v, dtype)
+
+
+def halves(cache: Any) -> tuple[Any, Any]:
+    """The cache's keys and values (B, L, G, d) as one ``unstack``: one op per
+    step instead of two slices, each of which (``cache[:, 0]``) converts its
+    begin/end/strides to tensors on every eager call; TensorFlow's unstack of a
+    batch of one shares the cache's buffer instead of copying it."""
+    k, v = ops.unstack(cache, num=2, axis=1)
+    return k, v
 
 
 def update_cache(cache: Any, index: Any, k: Any, v: Any) -> tuple[Any, Any, Any]:
@@ -156,7 +166,8 @@ def update_cache(cache: Any, index: Any, k: Any, v: Any) -> tuple[Any, Any, Any]
     # is copied once per step (updating each half and stacking them copied it three times).
     new = ops.stack([ops.cast(k, cache.dtype), ops.cast(v, cache.dtype)], axis=1)
     cache = ops.slice_update(cache, [0, 0, index, 0, 0], new)
-    return cache, ops.cast(cache[:, 0], k.dtype), ops.cast(cache[:, 1], k.dtype)
+    keys, values = halves(cache)
+    return cache, ops.cast(keys, k.dtype), ops.cast(values, k.dtype)
 
 
 @functools.lru_cache(maxsize=64)
@@ -168,9 +179,13 @@ def _slot_offsets(n: int, length: int) -> np.ndarray:
 def causal_slots(n: int | None, length: int | None, index: Any) -> Any:
     """(1, 1, N, L) bool, query i (token index + i) sees slot j <= index + i:
     one comparison of a cached offset table with the index per step (None
-    when N or L is not static)."""
+    when N or L is not static). An index known on the host (an eager decoding
+    loop's int) compares in NumPy: one conversion of the finished mask instead
+    of a conversion of the table, a cast and a comparison on the device."""
     if n is None or length is None:
         return None
+    if isinstance(index, (int, np.integer)) and not isinstance(index, bool):
+        return ops.convert_to_tensor(_slot_offsets(n, length) <= int(index))
     if hasattr(index, "dtype") and dtype_name(index) != "int32":
         index = ops.cast(index, "int32")
     return ops.less_equal(_slot_offsets(n, length), index)
