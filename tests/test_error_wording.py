@@ -37,8 +37,8 @@ PACKAGES = ("damcha_core", "backends", "onnx_export", "experiments", "conformanc
 ERRORS = {"DamchaValueError", "DamchaTypeError", "DamchaNotIntegerError", "DamchaError"}
 
 # Messages still written the old way: the start of the message -> why. Each is
-# either not an argument rule (a state error: "call convert first") or in code
-# another change moves this session; remove an entry when its message is converted.
+# not an argument rule (a state error: "call convert first", or a third-party
+# sublayer's layout); remove an entry when its message is converted.
 STILL_OLD = {
     # Not argument rules: the state of an object, or a model's own sublayers.
     "`{}` needs a built layer": "keras canonical I/O on an unbuilt layer (state)",
@@ -52,15 +52,6 @@ STILL_OLD = {
     "`{}` projects": "keras model-conversion layout of a third-party sublayer",
     "`{}` has {} output features": "torch model-conversion layout of a third-party sublayer",
     "`{}` already carries a DAMCHA map": "keras model conversion of a sublayer converted twice (state)",
-    # Files other engineers edit this session (speed work on the Keras layer and its
-    # masks); convert when they land.
-    "`metric_generator` for side": "backends/keras/_layer.py (kerasshort)",
-    "`{}` must be a tensor or a NumPy array": "backends/keras/_layer.py (kerasshort)",
-    "`cache` needs rank-3 inputs": "backends/keras/_layer.py (kerasshort)",
-    "`weights[{}]` must have the shape": "backends/keras/_layer.py (kerasshort)",
-    "`attention_mask` must have shape": "backends/keras/_masks.py (kerasshort)",
-    "`{}` must have shape {} (the {} tokens)": "backends/keras/_masks.py (kerasshort)",
-    "`{}` of dtype {} must hold only 0 and 1": "backends/keras/_masks.py (kerasshort)",
 }
 
 

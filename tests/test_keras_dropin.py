@@ -286,7 +286,7 @@ def test_set_weights_takes_an_mha_weight_list():
     np.testing.assert_allclose(np_(layer(x, x)), np_(mha(x, x)), rtol=1e-5, atol=1e-5)
     bad = mha.get_weights()
     bad[0] = bad[0][:, :1]
-    with pytest.raises(dc.DamchaValueError, match=r"`weights\[0\]` must have the shape"):
+    with pytest.raises(dc.DamchaValueError, match=r"Invalid argument `weights\[0\]`: expected the shape"):
         layer.set_weights(bad)
 
 
@@ -318,9 +318,12 @@ def test_compute_output_shape_validates_like_mha(query, value, key):
     """MHA raises for key/value shapes that differ outside the feature axis; so do
     compute_output_shape and the call, naming both arguments."""
     layer = DamchaAttention(2, 4)
-    with pytest.raises(dc.DamchaValueError, match=r"`key` and `value`.*must be equal.*Received: key\.shape="):
+    named = (
+        r"Invalid argument `key`: expected the shape of `value`.*must be equal.*Received: key\.shape=.*value\.shape="
+    )
+    with pytest.raises(dc.DamchaValueError, match=named):
         layer.compute_output_shape(query, value, key)
-    with pytest.raises(dc.DamchaValueError, match=r"`key` and `value`.*must be equal"):
+    with pytest.raises(dc.DamchaValueError, match=named):
         layer(np.ones(query, "float32"), np.ones(value, "float32"), np.ones(key, "float32"))
 
 

@@ -397,8 +397,8 @@ BAD_CALL = {
     "rank-2-query": (dict(query=np.zeros((5, 8), "float32")), dc.DamchaValueError, "query"),
     "batch-mismatch": (dict(value=np.zeros((3, 5, 8), "float32")), dc.DamchaValueError, "batch"),
     "causal-not-bool": (dict(use_causal_mask="yes"), dc.DamchaTypeError, "use_causal_mask"),
-    "list-query": (dict(query=np.zeros((2, 5, 8)).tolist()), dc.DamchaTypeError, r"`query` must be a tensor"),
-    "tuple-value": (dict(value=tuple(np.zeros((2, 5, 8)))), dc.DamchaTypeError, r"`value` must be a tensor"),
+    "list-query": (dict(query=np.zeros((2, 5, 8)).tolist()), dc.DamchaTypeError, r"Invalid argument `query`: expected a tensor"),
+    "tuple-value": (dict(value=tuple(np.zeros((2, 5, 8)))), dc.DamchaTypeError, r"Invalid argument `value`: expected a tensor"),
     # The layer's argument names, not damcha_core's (`context`), and the received shape.
     "value-features-changed": (
         dict(value=np.zeros((2, 5, 6), "float32")),
@@ -625,7 +625,7 @@ def test_cache_in_a_functional_model():
         (
             dict(attention_mask=np.ones((B, 2, 2), bool), cache_update_index=0),
             dc.DamchaValueError,
-            r"`attention_mask` must have shape.*\(2, 6\)",
+            r"Invalid argument `attention_mask`: expected shape.*\(2, 6\)",
         ),
     ],
     ids=[
@@ -826,7 +826,7 @@ def test_masks_with_values_other_than_0_1_are_refused_or_nan_under_tracing(bad):
     }[bad]
     with pytest.raises(
         dc.DamchaValueError,
-        match=r"`attention_mask` of dtype .* must hold only 0 and 1.*Received: "
+        match=r"Invalid argument `attention_mask`: expected only 0 and 1 .*Received: "
         r"attention_mask\.shape=\(5, 5\)",
     ):
         layer(x, x, attention_mask=mask)

@@ -374,8 +374,11 @@ class DamchaAttention(keras.layers.Layer):
             differs = cfg.generator_spec(side).mismatches(generator.spec())
             if differs:  # one unbuilt generator given for two sides of other sizes
                 raise DamchaValueError(
-                    f"`metric_generator` for side {side!r} does not fit layer {self.name!r}: {', '.join(differs)}. "
-                    f"Received: {generator.spec()}"
+                    dc.invalid_argument(
+                        "metric_generator",
+                        f"a generator that fits side {side!r} of layer {self.name!r} ({', '.join(differs)})",
+                        f"metric_generator={generator.spec()}",
+                    )
                 )
             self._generators[side] = generator
             # The gate is per layer even when the generator is shared; 0 = exactly MHA.
@@ -556,8 +559,9 @@ class DamchaAttention(keras.layers.Layer):
         for name, value in named.items():
             if isinstance(value, (list, tuple)):
                 raise DamchaTypeError(
-                    f"`{name}` must be a tensor or a NumPy array, (batch, length, features). Received: "
-                    f"{name}={describe(value)}"
+                    dc.invalid_argument(
+                        name, "a tensor or a NumPy array, (batch, length, features)", f"{name}={describe(value)}"
+                    )
                 )
         return super().__call__(*args, **kwargs)
 
@@ -665,7 +669,11 @@ class DamchaAttention(keras.layers.Layer):
                 self.build(tuple(query.shape), tuple(value.shape))
             if self._layout.folded:
                 raise DamchaValueError(
-                    f"`cache` needs rank-3 inputs (batch, length, features). Received: query.shape={tuple(query.shape)}"
+                    dc.invalid_argument(
+                        "cache",
+                        "rank-3 inputs (batch, length, features) beside a cache",
+                        f"query.shape={tuple(query.shape)}",
+                    )
                 )
         return _cache.check_cache(self._built_config, query, value, masks, use_causal_mask, cache, index)
 
@@ -770,8 +778,11 @@ class DamchaAttention(keras.layers.Layer):
         for i, (variable, value) in enumerate(zip(projections, weights)):
             if tuple(np.shape(value)) != tuple(variable.shape):
                 raise DamchaValueError(
-                    f"`weights[{i}]` must have the shape of {variable.path}, {tuple(variable.shape)} (weights in "
-                    f"MultiHeadAttention's order). Received: weights[{i}].shape={tuple(np.shape(value))}"
+                    dc.invalid_argument(
+                        f"weights[{i}]",
+                        f"the shape of {variable.path}, {tuple(variable.shape)} (weights in MultiHeadAttention's order)",
+                        f"weights[{i}].shape={tuple(np.shape(value))}",
+                    )
                 )
         for variable, value in zip(projections, weights):
             variable.assign(value)

@@ -85,9 +85,12 @@ def check_shapes(
         shape = static_shape(m)
         if len(shape) != len(target) or any(s is not None and t is not None and s != t for s, t in zip(shape, target)):
             raise DamchaValueError(
-                f"`{name}` must have shape {target} (the {'query' if name == 'query_mask' else 'key'} "
-                f"tokens) for query.shape={tuple(query.shape)}, value.shape={tuple(value.shape)}. "
-                f"Received: {name}.shape={shape}"
+                dc.invalid_argument(
+                    name,
+                    f"shape {target} (the {'query' if name == 'query_mask' else 'key'} tokens) for "
+                    f"query.shape={tuple(query.shape)}, value.shape={tuple(value.shape)}",
+                    f"{name}.shape={shape}",
+                )
             )
     m = masks.get("attention_mask")
     if m is not None:
@@ -112,9 +115,12 @@ def _check_attention_mask(
     if target is None or any(s is not None and t is not None and s not in (1, t) for s, t in zip(shape, target)):
         expected = " or ".join(str(t) for t in rank_shapes.values())
         raise DamchaValueError(
-            f"`attention_mask` must have shape {expected} (size-1 dims broadcast) for "
-            f"query.shape={tuple(query.shape)}, value.shape={tuple(value.shape)}. "
-            f"Received: attention_mask.shape={shape}"
+            dc.invalid_argument(
+                "attention_mask",
+                f"shape {expected} (size-1 dims broadcast) for "
+                f"query.shape={tuple(query.shape)}, value.shape={tuple(value.shape)}",
+                f"attention_mask.shape={shape}",
+            )
         )
 
 
@@ -153,10 +159,13 @@ def read_masks(masks: dict[str, Any]) -> tuple[dict[str, Any], Any, np.ndarray |
             # Values are 0/1 exactly when they equal their own non-zero pattern (NaN is not).
             if not np.array_equal(values, nonzero):
                 raise DamchaValueError(
-                    f"`{name}` of dtype {dtype_name(m)} must hold only 0 and 1 (1 = may attend, as Keras "
-                    "reads masks); other values, e.g. an additive 0/-inf mask, would be misread. Pass a "
-                    f"boolean mask (True = may attend). Received: {name}.shape={tuple(m.shape)} with "
-                    "other values"
+                    dc.invalid_argument(
+                        name,
+                        f"only 0 and 1 in a {dtype_name(m)} mask (1 = may attend, as Keras reads masks); "
+                        "other values, e.g. an additive 0/-inf mask, would be misread: pass a boolean mask "
+                        "(True = may attend)",
+                        f"{name}.shape={tuple(m.shape)} of dtype {dtype_name(m)} with other values",
+                    )
                 )
             if name == "attention_mask":
                 host = nonzero
