@@ -397,8 +397,16 @@ BAD_CALL = {
     "rank-2-query": (dict(query=np.zeros((5, 8), "float32")), dc.DamchaValueError, "query"),
     "batch-mismatch": (dict(value=np.zeros((3, 5, 8), "float32")), dc.DamchaValueError, "batch"),
     "causal-not-bool": (dict(use_causal_mask="yes"), dc.DamchaTypeError, "use_causal_mask"),
-    "list-query": (dict(query=np.zeros((2, 5, 8)).tolist()), dc.DamchaTypeError, r"Invalid argument `query`: expected a tensor"),
-    "tuple-value": (dict(value=tuple(np.zeros((2, 5, 8)))), dc.DamchaTypeError, r"Invalid argument `value`: expected a tensor"),
+    "list-query": (
+        dict(query=np.zeros((2, 5, 8)).tolist()),
+        dc.DamchaTypeError,
+        r"Invalid argument `query`: expected a tensor",
+    ),
+    "tuple-value": (
+        dict(value=tuple(np.zeros((2, 5, 8)))),
+        dc.DamchaTypeError,
+        r"Invalid argument `value`: expected a tensor",
+    ),
     # The layer's argument names, not damcha_core's (`context`), and the received shape.
     "value-features-changed": (
         dict(value=np.zeros((2, 5, 6), "float32")),
