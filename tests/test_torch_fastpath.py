@@ -427,10 +427,9 @@ def test_decode_fast_step_batched_and_chunks_equal_general_path(name, batch_firs
     assert calls[0] == 0 and calls[4] == 0 and all(c > 0 for c in calls[1:4] + calls[5:]), calls
 
 
-def test_decode_fast_path_sees_parameters_written_through_data():
-    """Nothing derived from the parameters is kept between steps: a gate or a
-    generator weight changed through ``.data`` (which bumps no version
-    counter: an EMA update, a gate set by hand) is used by the next step."""
+def _two_primed_decoders():
+    """A float64 separate-coupling layer and its deep copy, each with its own cache
+    after a prompt and two one-token steps (the flat step's state recorded)."""
     _, layer, prompt, tokens = _decode_pair("heads-separate", torch.float64)
     ref = copy.deepcopy(layer)
     caches = [DamchaKVCache(), DamchaKVCache()]
@@ -439,15 +438,27 @@ def test_decode_fast_path_sees_parameters_written_through_data():
             model(prompt, prompt, prompt, is_causal=True, need_weights=False, kv_cache=cache)
             for t in tokens.unbind(1)[:2]:
                 model(t, t, t, is_causal=True, need_weights=False, kv_cache=cache)
-    for model in (layer, ref):
-        model.metric_gates["k"].data.mul_(-3.0)
-        model.metric_generators["q"].weight.data.add_(0.25)
-    t = tokens[:, 3]
+    return layer, ref, caches, tokens
+
+
+def _fast_step_equals_general(layer, ref, caches, t):
+    """One more token: ``layer``'s flat step (inference mode) equals ``ref``'s general path."""
     with torch.inference_mode():
         fast = layer(t, t, t, is_causal=True, need_weights=False, kv_cache=caches[0])[0]
     with torch.enable_grad():  # the general path
         general = ref(t, t, t, is_causal=True, need_weights=False, kv_cache=caches[1])[0]
     torch.testing.assert_close(fast, general.detach(), rtol=1e-13, atol=1e-14)
+
+
+def test_decode_fast_path_sees_parameters_written_through_data():
+    """Nothing derived from the parameters is kept between steps: a gate or a
+    generator weight changed through ``.data`` (which bumps no version
+    counter: an EMA update, a gate set by hand) is used by the next step."""
+    layer, ref, caches, tokens = _two_primed_decoders()
+    for model in (layer, ref):
+        model.metric_gates["k"].data.mul_(-3.0)
+        model.metric_generators["q"].weight.data.add_(0.25)
+    _fast_step_equals_general(layer, ref, caches, tokens[:, 3])
 
 
 @pytest.mark.parametrize("how", ["copy_", "data-assign", "load-state-dict", "assign", "to-and-back"])
@@ -456,14 +467,7 @@ def test_decode_fast_path_gate_views_follow_every_kind_of_write(how):
     per generator): each way of changing a gate reaches the next step, whether
     it writes in place (copy_, load_state_dict) or gives the gate other
     storage or another object (``.data = ...``, ``assign=True``, ``.to()``)."""
-    _, layer, prompt, tokens = _decode_pair("heads-separate", torch.float64)
-    ref = copy.deepcopy(layer)
-    caches = [DamchaKVCache(), DamchaKVCache()]
-    with torch.inference_mode():
-        for model, cache in zip((layer, ref), caches):
-            model(prompt, prompt, prompt, is_causal=True, need_weights=False, kv_cache=cache)
-            for t in tokens.unbind(1)[:2]:
-                model(t, t, t, is_causal=True, need_weights=False, kv_cache=cache)
+    layer, ref, caches, tokens = _two_primed_decoders()
     new = {"metric_gates.q": torch.tensor([0.3, -0.7, 1.1, 0.2], dtype=torch.float64)}
     for model in (layer, ref):
         gate = model.metric_gates["q"]
@@ -479,13 +483,8 @@ def test_decode_fast_path_gate_views_follow_every_kind_of_write(how):
             with torch.no_grad():
                 model.metric_gates["q"].copy_(new["metric_gates.q"])
     assert torch.equal(layer.metric_gates["q"].detach(), new["metric_gates.q"])
-    t = tokens[:, 3]
-    with torch.inference_mode():
-        fast = layer(t, t, t, is_causal=True, need_weights=False, kv_cache=caches[0])[0]
+    _fast_step_equals_general(layer, ref, caches, tokens[:, 3])
     assert len(layer.__dict__["_gate_columns"]) == 2  # the flat path ran
-    with torch.enable_grad():  # the general path
-        general = ref(t, t, t, is_causal=True, need_weights=False, kv_cache=caches[1])[0]
-    torch.testing.assert_close(fast, general.detach(), rtol=1e-13, atol=1e-14)
 
 
 def test_decode_fast_path_is_taken_with_the_hint_mask():
