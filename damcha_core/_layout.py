@@ -6,8 +6,9 @@ asking registered ``ModelAdapter``s, which describe each layer as an
 framework object, so one definition serves both ports; each port re-exports
 the three classes under its own name (``damcha_torch.ProjectionSite``,
 ``damcha_keras.ProjectionSite``, ...). The rules both converters apply to a
-layout are here too: the ``DamchaConfig`` of a layer's maps (``layout_config``)
-and the sizes ``share_metric=True`` needs (``check_shareable``). The module or
+layout are here too: the values ``coupling`` takes (``check_coupling``), the
+``DamchaConfig`` of a layer's maps (``layout_config``) and the sizes
+``share_metric=True`` needs (``check_shareable``). The module or
 layer an adapter inspects is typed ``Any`` here, so importing this module
 imports NumPy at most.
 """
@@ -22,7 +23,19 @@ from ._config import DamchaConfig
 from ._errors import DamchaTypeError, DamchaValueError, describe, invalid_argument
 from ._policy import resolve_coupling
 
-__all__ = ["AttentionLayout", "ModelAdapter", "ProjectionSite", "check_shareable", "layout_config", "register"]
+__all__ = [
+    "COUPLINGS",
+    "AttentionLayout",
+    "ModelAdapter",
+    "ProjectionSite",
+    "check_coupling",
+    "check_shareable",
+    "layout_config",
+    "register",
+]
+
+# The converters' ``coupling`` values; "auto" is resolved per layer by ``layout_config``.
+COUPLINGS = ("auto", "tied", "separate", "query")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +133,24 @@ def register(registry: list[ModelAdapter], adapter: ModelAdapter, *, port: str) 
         )
     registry.append(adapter)
     return adapter
+
+
+def check_coupling(coupling: Any) -> str:
+    """The ``coupling`` argument of ``convert``, normalised: ``None`` means "auto".
+
+    Args:
+        coupling: "auto", ``None``, "tied", "separate" or "query".
+
+    Returns:
+        One of ``COUPLINGS``.
+
+    Raises:
+        DamchaValueError: any other value.
+    """
+    coupling = "auto" if coupling is None else coupling
+    if coupling not in COUPLINGS:
+        raise DamchaValueError(invalid_argument("coupling", f"one of {COUPLINGS} or None", f"coupling={coupling!r}"))
+    return coupling
 
 
 def layout_config(layout: AttentionLayout, *, metric: str, metric_rank: int | None, coupling: str) -> DamchaConfig:

@@ -465,9 +465,6 @@ def _child(module: nn.Module, attr: str) -> nn.Module:
 # ------------------------------------------------------------------ convert
 
 
-_COUPLINGS = ("auto", "tied", "separate", "query")
-
-
 def _is_attention_like(module: nn.Module) -> bool:
     name = type(module).__name__
     return "attention" in name.lower() or name.endswith("Attn")
@@ -553,11 +550,7 @@ def convert(
         raise DamchaTypeError(dc.invalid_argument("model", "a torch.nn.Module", f"model={describe(model)}"))
     if metric not in ("heads", "lowrank"):
         raise DamchaValueError(dc.invalid_argument("metric", "one of ('heads', 'lowrank')", f"metric={metric!r}"))
-    coupling = "auto" if coupling is None else coupling
-    if coupling not in _COUPLINGS:
-        raise DamchaValueError(
-            dc.invalid_argument("coupling", f"one of {_COUPLINGS} or None", f"coupling={coupling!r}")
-        )
+    coupling = _layout.check_coupling(coupling)
     for name, value in (("share_metric", share_metric), ("recompute", recompute)):
         if not isinstance(value, bool):
             raise DamchaTypeError(dc.invalid_argument(name, "a bool", f"{name}={describe(value)}"))
