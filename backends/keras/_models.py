@@ -289,9 +289,6 @@ class DamchaMaps(keras.layers.Layer):
 # ------------------------------------------------------------------ convert
 
 
-_COUPLINGS = ("auto", "tied", "separate", "query")
-
-
 def _is_attention_like(layer: Any) -> bool:
     return "attention" in type(layer).__name__.lower()
 
@@ -392,11 +389,7 @@ def convert(
     if not isinstance(model, keras.layers.Layer):
         raise DamchaTypeError(dc.invalid_argument("model", "a Keras layer or model", f"model={describe(model)}"))
     metric = dc.check_choice("metric", metric, ("heads", "lowrank"))
-    coupling = "auto" if coupling is None else coupling
-    if coupling not in _COUPLINGS:
-        raise DamchaValueError(
-            dc.invalid_argument("coupling", f"one of {_COUPLINGS} or None", f"coupling={coupling!r}")
-        )
+    coupling = _layout.check_coupling(coupling)
     share_metric = dc.check_bool("share_metric", share_metric)
     if _is_converted(model) or any(isinstance(layer, DamchaMaps) for layer in _walk(model)):
         raise DamchaValueError(
