@@ -1,9 +1,11 @@
 """Tiny random-weight models of every architecture damcha_torch.convert supports,
-built from config objects (no downloads), and the canonical parameters of their
-converted attention layers for comparisons with the NumPy reference."""
+built from config objects (no downloads), the canonical parameters of their
+converted attention layers for comparisons with the NumPy reference, and the
+aten op counts of a model before and after conversion."""
 
 from __future__ import annotations
 
+import collections
 import os
 import sys
 
@@ -250,3 +252,85 @@ def capture(model: nn.Module) -> dict[str, list]:
 
         module.register_forward_hook(hook, with_kwargs=True)
     return calls
+
+
+# ----------------------------------------------------------- aten op counts
+
+# The aten ops that copy data (their output is new memory holding old values).
+COPIES = ("cat", "clone", "copy_", "_to_copy", "contiguous", "_reshape_copy")
+
+
+def aten_calls(call) -> tuple[dict[str, int], list[int], list[tuple[str, int]]]:
+    """Runs ``call()`` and returns what it dispatched below autograd (backward
+    included): aten op name -> number of calls, the output widths of the GEMMs
+    with a bias vector (the projections; an ``addmm`` accumulating into a
+    block is not one), and (op, output numel) of every copy (``COPIES``)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    counts: dict[str, int] = {}
+    widths: list[int] = []
+    copies: list[tuple[str, int]] = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            counts[name] = counts.get(name, 0) + 1
+            out = func(*args, **(kwargs or {}))
+            if name == "addmm" and args[0].dim() == 1:
+                widths.append(out.shape[-1])
+            if name in COPIES:
+                copies.append((name, out.numel()))
+            return out
+
+    with Count():
+        call()
+    return counts, widths, copies
+
+
+def extra_copies(converted: list[tuple[str, int]], original: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """The (op, numel) copies of ``converted`` beyond ``original``'s, sorted."""
+    return sorted((collections.Counter(converted) - collections.Counter(original)).elements())
+
+
+def aten_calls_before_and_after_convert(arch: str, mode: str, *, prepare=None, zero_grad: bool = False, **options):
+    """``aten_calls`` of one step of ``arch``'s float32 model, unconverted and
+    then converted (``recompute=True``, ``options``, gates open), each counted
+    on its second call so one-time work (caches, lazy set-up) stays out.
+
+    Args:
+        arch: a name of ``ARCHS``.
+        mode: "no-grad" (a forward under ``torch.no_grad`` in eval mode) or
+            "train" (train mode, forward and backward of the squared mean).
+        prepare: ``model -> model``, applied to each fresh model first.
+        zero_grad: in "train", set the gradients to None before each call, so
+            the counted backward does not accumulate into the warm-up's.
+
+    Returns:
+        (original counts, converted counts, the converted model).
+    """
+    counts = []
+    for convert in (False, True):
+        model = build(arch, torch.float32)
+        if prepare is not None:
+            model = prepare(model)
+        if convert:
+            open_gates(dt.convert(model, recompute=True, **options))
+        kw = inputs(arch)
+        if mode == "no-grad":
+            model.eval()
+
+            def call(model=model, kw=kw):
+                with torch.no_grad():
+                    run(model, arch, kw)
+        elif mode == "train":
+            model.train()
+
+            def call(model=model, kw=kw):
+                if zero_grad:
+                    model.zero_grad(set_to_none=True)
+                run(model, arch, kw).square().mean().backward()
+        else:
+            raise AssertionError(mode)
+        call()
+        counts.append(aten_calls(call))
+    return counts[0], counts[1], model

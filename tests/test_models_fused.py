@@ -11,11 +11,17 @@ an activation is added."""
 
 from __future__ import annotations
 
-import collections
-
 import pytest
 import torch
-from _models_zoo import build, inputs, open_gates, run
+from _models_zoo import (
+    aten_calls,
+    aten_calls_before_and_after_convert,
+    build,
+    extra_copies,
+    inputs,
+    open_gates,
+    run,
+)
 from torch import nn
 
 import damcha_conformance
@@ -144,40 +150,6 @@ def test_gpt2_conv1d_fast_paths_agree_bit_for_bit(dtype):
     assert torch.equal(got.detach(), want)
 
 
-def _aten_calls(call):
-    """aten op name -> calls below autograd (backward included), the output
-    widths of the GEMMs with a bias vector (the projections), and (op, output numel)
-    of every copy (``_COPIES``)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    counts: dict[str, int] = {}
-    widths: list[int] = []
-    copies: list[tuple[str, int]] = []
-
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func.overloadpacket.__name__
-            counts[name] = counts.get(name, 0) + 1
-            out = func(*args, **(kwargs or {}))
-            if name == "addmm" and args[0].dim() == 1:  # a bias vector, not an accumulated block
-                widths.append(out.shape[-1])
-            if name in _COPIES:
-                copies.append((name, out.numel()))
-            return out
-
-    with Count():
-        call()
-    return counts, widths, copies
-
-
-def _extra_copies(damcha: list[tuple[str, int]], original: list[tuple[str, int]]) -> list[tuple[str, int]]:
-    """The (op, numel) copies of ``damcha`` beyond ``original``'s, sorted."""
-    return sorted((collections.Counter(damcha) - collections.Counter(original)).elements())
-
-
-_COPIES = ("cat", "clone", "copy_", "_to_copy", "contiguous", "_reshape_copy")
-
-
 @pytest.mark.parametrize("metric", ["heads", "lowrank"])
 @pytest.mark.parametrize("mode", ["no-grad", "train"])
 def test_gpt2_conv1d_maps_add_no_copies(mode, metric):
@@ -188,34 +160,15 @@ def test_gpt2_conv1d_maps_add_no_copies(mode, metric):
     v columns), only the joins of c_attn's weight and bias gradients from
     their pieces, and the projection GEMMs of the original plus one
     recomputation of c_attn's q/k columns (2 E of 3 E)."""
-    counts = []
-    for convert in (False, True):
-        model = _no_dropout(build("gpt2", torch.float32))
-        if convert:
-            open_gates(
-                dt.convert(
-                    model, recompute=True, **({"metric": metric, "metric_rank": 3} if metric == "lowrank" else {})
-                )
-            )
-        kw = inputs("gpt2")
-        if mode == "no-grad":
-
-            def call(model=model, kw=kw):
-                with torch.no_grad():
-                    run(model, "gpt2", kw)
-        else:
-            model.train()
-
-            def call(model=model, kw=kw):
-                run(model, "gpt2", kw).square().mean().backward()
-
-        call()
-        counts.append(_aten_calls(call))
-    (original, original_gemms, original_copies), (damcha, damcha_gemms, damcha_copies) = counts
+    (original, original_gemms, original_copies), (damcha, damcha_gemms, damcha_copies), model = (
+        aten_calls_before_and_after_convert(
+            "gpt2", mode, prepare=_no_dropout, **({"metric": metric, "metric_rank": 3} if metric == "lowrank" else {})
+        )
+    )
     layers = len(dt.converted_layers(model))
     E = model.config.n_embd
     joins = [("cat", 3 * E), ("cat", 3 * E * E)]  # c_attn's bias and weight gradients
-    assert _extra_copies(damcha_copies, original_copies) == ([] if mode == "no-grad" else sorted(joins * layers))
+    assert extra_copies(damcha_copies, original_copies) == ([] if mode == "no-grad" else sorted(joins * layers))
     recomputed = list(damcha_gemms)
     for w in original_gemms:
         recomputed.remove(w)
@@ -320,10 +273,10 @@ def test_bf16_autocast_exact_at_init_on_the_in_place_path(arch, metric):
     kw = inputs(arch)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         before = run(model, arch, kw)
-        (original, _, _) = _aten_calls(lambda: run(model, arch, kw))
+        (original, _, _) = aten_calls(lambda: run(model, arch, kw))
         dt.convert(model, **_options(metric))
         after = run(model, arch, kw)
-        (converted, _, _) = _aten_calls(lambda: run(model, arch, kw))
+        (converted, _, _) = aten_calls(lambda: run(model, arch, kw))
     assert torch.equal(after, before)
     extra = {op: converted.get(op, 0) - original.get(op, 0) for op in ("cat", "split", "split_with_sizes", "clone")}
     assert not any(extra.values()), extra
@@ -569,27 +522,8 @@ VIT_MIXING = {
 
 @pytest.mark.parametrize("mode", ["no-grad", "train"])
 def test_vit_fused_qkv_mixing_ops_per_layer(mode):
-    counts = []
-    for convert in (False, True):
-        model = build("vit", torch.float32)
-        if convert:
-            open_gates(dt.convert(model, recompute=True))
-        kw = inputs("vit")
-        if mode == "no-grad":
-
-            def call(model=model, kw=kw):
-                with torch.no_grad():
-                    run(model, "vit", kw)
-        else:
-            model.train()
-
-            def call(model=model, kw=kw):
-                model.zero_grad(set_to_none=True)  # no accumulation into .grad (add_) in the counted call
-                run(model, "vit", kw).square().mean().backward()
-
-        call()
-        counts.append(_aten_calls(call)[0])
-    original, damcha = counts
+    # zero_grad: no accumulation into .grad (an add_) in the counted call.
+    (original, _, _), (damcha, _, _), model = aten_calls_before_and_after_convert("vit", mode, zero_grad=True)
     layers = len(dt.converted_layers(model))
     extra = {op: (damcha.get(op, 0) - original.get(op, 0)) / layers for op in ("bmm", "baddbmm", "add_")}
     assert {op: n for op, n in extra.items() if n} == VIT_MIXING[mode], extra

@@ -4,7 +4,6 @@ open, generation with a cache, training, checkpoints, tracing and errors."""
 
 from __future__ import annotations
 
-import collections
 import copy
 import io
 import logging
@@ -15,8 +14,10 @@ import torch
 from _models_zoo import (
     ARCHS,
     CAUSAL,
+    aten_calls_before_and_after_convert,
     build,
     capture,
+    extra_copies,
     inputs,
     layer_params,
     open_gates,
@@ -473,35 +474,6 @@ def test_fast_paths_agree_bit_for_bit(arch):
     assert got.requires_grad and same(got.detach(), want)
 
 
-_COPIES = ("cat", "clone", "copy_", "_to_copy", "contiguous", "_reshape_copy")
-
-
-def _aten_calls(call):
-    """aten op name -> calls, as dispatched below autograd (backward included),
-    the output widths of the GEMMs with a bias (projections), and (op, output
-    numel) of every copy (``_COPIES``)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    counts: dict[str, int] = {}
-    widths: list[int] = []
-    copies: list[tuple[str, int]] = []
-
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func.overloadpacket.__name__
-            counts[name] = counts.get(name, 0) + 1
-            out = func(*args, **(kwargs or {}))
-            if name == "addmm":
-                widths.append(out.shape[-1])
-            if name in _COPIES:
-                copies.append((name, out.numel()))
-            return out
-
-    with Count():
-        call()
-    return counts, widths, copies
-
-
 @pytest.mark.parametrize("mode", ["no-grad", "train"])
 def test_fused_qkv_maps_add_no_copies(mode):
     """The converted timm ViT copies no activation more than the original:
@@ -509,32 +481,14 @@ def test_fused_qkv_maps_add_no_copies(mode):
     training one autograd node per layer recomputes only the q/k rows of the
     projection and makes one gradient buffer (no split, concatenation or
     contiguous copies of strided q/k slices). Counted per converted layer."""
-    counts = []
-    for convert in (False, True):
-        model = build("vit", torch.float32)
-        if convert:
-            open_gates(dt.convert(model, recompute=True))
-        kw = inputs("vit")
-        if mode == "no-grad":
-            model.eval()
-
-            def call(model=model, kw=kw):
-                with torch.no_grad():
-                    run(model, "vit", kw)
-        else:
-            model.train()
-
-            def call(model=model, kw=kw):
-                run(model, "vit", kw).square().mean().backward()
-
-        call()
-        counts.append(_aten_calls(call))
-    (original, original_gemms, original_copies), (damcha, damcha_gemms, damcha_copies) = counts
+    (original, original_gemms, original_copies), (damcha, damcha_gemms, damcha_copies), model = (
+        aten_calls_before_and_after_convert("vit", mode)
+    )
     layers = len(dt.converted_layers(model))
     E = model.embed_dim
     # In training only the qkv weight and bias gradients, joined from the pieces (parameter-sized).
     joins = [("cat", 3 * E), ("cat", 3 * E * E)]
-    extra = sorted((collections.Counter(damcha_copies) - collections.Counter(original_copies)).elements())
+    extra = extra_copies(damcha_copies, original_copies)
     assert extra == ([] if mode == "no-grad" else sorted(joins * layers)), extra
     # The projections run as often as in the original, except that training
     # recomputes, once per layer, the q/k rows of qkv only (2 E of its 3 E outputs).
