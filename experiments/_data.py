@@ -61,7 +61,13 @@ def crosshead_answer(items: np.ndarray, query_blocks: np.ndarray, shift: int) ->
     want = crosshead_example(query_blocks, shift)
     hits = np.flatnonzero(np.all(items == want, axis=-1))
     if len(hits) != 1:
-        raise DamchaValueError(f"expected exactly one matching item, found {len(hits)}")
+        raise DamchaValueError(
+            invalid_argument(
+                "items",
+                f"exactly one item whose blocks match `query_blocks` shifted by shift={shift}",
+                f"items.shape={np.shape(items)} with {len(hits)} matching items",
+            )
+        )
     return int(hits[0])
 
 

@@ -6,9 +6,11 @@ so one rule never reads two ways in two places. Two kinds of test:
 
 * an audit of the source (no framework imported): every ``DamchaValueError`` /
   ``DamchaTypeError`` built from a string literal must not start with the old
-  hand-written forms (a backtick, as in ``"`query_offset` must be ..."``) or
-  spell out ``"Invalid argument"`` by hand; the few messages still written the
-  old way are listed below, each with the reason, and the list can only shrink;
+  hand-written forms (a backtick, as in ``"`query_offset` must be ..."``),
+  spell out ``"Invalid argument"`` by hand, or spell out the rule and the value
+  by hand under another first word (``"expected ..."``, or ``"... expected
+  ... Received: ..."``); the few messages still written the old way are listed
+  below, each with the reason, and the list can only shrink;
 * the converted messages of each package, through its public API: the class,
   the argument as the caller spelled it, ``Received:`` with the value (shape
   and dtype for arrays, never their contents), and the automatic coupling
@@ -55,15 +57,32 @@ STILL_OLD = {
 }
 
 
-def _leading_text(node: ast.expr) -> str | None:
-    """The literal start of a message (f-string fields as ``{}``), or None."""
-    while isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
-        node = node.left
+def _literal_text(node: ast.expr) -> str | None:
+    """The text of a message written as literals (f-string fields, and
+    operands of ``+`` that are not literals, as ``{}``), or None when it has
+    no literal start (a variable, a call such as ``invalid_argument(...)``)."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        left = _literal_text(node.left)
+        return None if left is None else left + (_literal_text(node.right) or "{}")
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         return node.value
     if isinstance(node, ast.JoinedStr):
         return "".join(v.value if isinstance(v, ast.Constant) else "{}" for v in node.values)
     return None
+
+
+# ``invalid_argument``'s two parts spelled by hand, whatever the first word: a
+# rule ("expected ...") followed by the value ("Received: ..."). State errors
+# ("... needs a built layer. Received: an unbuilt layer") have no rule part.
+_RULE_AND_VALUE = re.compile(r"\b[Ee]xpected\b.*\bReceived:", re.S)
+
+
+def _hand_written(text: str) -> bool:
+    return (
+        text.startswith(("`", "Invalid argument", "A 3-D `"))
+        or text.lower().startswith("expected")
+        or _RULE_AND_VALUE.search(text) is not None
+    )
 
 
 def _old_style_messages() -> list[tuple[str, int, str]]:
@@ -75,21 +94,42 @@ def _old_style_messages() -> list[tuple[str, int, str]]:
                     continue
                 func = node.func
                 name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
-                text = _leading_text(node.args[0]) if name in ERRORS else None
-                if text is not None and (text.startswith("`") or text.startswith(("Invalid argument", "A 3-D `"))):
+                text = _literal_text(node.args[0]) if name in ERRORS else None
+                if text is not None and _hand_written(text):
                     found.append((str(path.relative_to(ROOT)), node.lineno, text))
     return found
 
 
 def test_no_hand_written_argument_messages():
-    """A hand-written ``"`x` must ..."`` (or ``"Invalid argument ..."``) message
-    reappearing fails here: route it through ``damcha_core.invalid_argument``."""
+    """A hand-written ``"`x` must ..."`` (or ``"Invalid argument ..."``, or
+    ``"... expected ... Received: ..."``) message reappearing fails here: route
+    it through ``damcha_core.invalid_argument``."""
     found = _old_style_messages()
     new = [f"{path}:{line}: {text[:90]}" for path, line, text in found if not text.startswith(tuple(STILL_OLD))]
     assert not new, "messages not built by damcha_core.invalid_argument:\n" + "\n".join(new)
     # The list only shrinks: an entry whose message is gone must go too.
     stale = [start for start in STILL_OLD if not any(text.startswith(start) for _, _, text in found)]
     assert not stale, f"STILL_OLD lists messages that no longer exist; remove them: {stale}"
+
+
+def test_the_audit_finds_a_rule_and_value_spelled_by_hand_under_any_first_word():
+    def text(source: str) -> str | None:
+        call = ast.parse(source, mode="eval").body
+        assert isinstance(call, ast.Call)
+        return _literal_text(call.args[0])
+
+    hand = text('DamchaValueError(f"expected exactly one {what}, " + "as the rule says. Received: " + str(n))')
+    assert hand == "expected exactly one {}, as the rule says. Received: {}"
+    assert _hand_written(hand)
+    assert _hand_written(
+        text('DamchaValueError(f"The {name} offset is wrong: expected a multiple of {d}. Received: o={o}")')
+    )
+    # A state error names no rule; a message built by invalid_argument is not literal text.
+    assert not _hand_written(
+        text('DamchaValueError("The cache was made under inference_mode. Received: a call outside it")')
+    )
+    assert text('DamchaValueError(invalid_argument("n", "an int", f"n={n}"))') is None
+    assert text('DamchaValueError(prefix + "expected x. Received: y")') is None
 
 
 # ------------------------------------------------------------ the converted messages
@@ -194,6 +234,13 @@ def test_core_messages(call, error, pattern):
     assert "[[" not in message  # never an array's contents
 
 
+# Both model converters check `coupling` with damcha_core._layout.check_coupling: one wording.
+CONVERT_COUPLING = (
+    r"Invalid argument `coupling`: expected one of \('auto', 'tied', 'separate', 'query'\) or None\. "
+    r"Received: coupling='both'"
+)
+
+
 def _torch_cases() -> dict[str, tuple[Callable[[], Any], type[Exception], str]]:
     import torch
 
@@ -243,6 +290,11 @@ def _torch_cases() -> dict[str, tuple[Callable[[], Any], type[Exception], str]]:
             r"Invalid argument `model`: expected a model that contains attention layers; it is itself an "
             r"nn\.MultiheadAttention \(use DamchaAttention\.from_mha\(model\)\)\. Received: model=.*",
         ),
+        "coupling": (
+            lambda: dt.convert(torch.nn.Linear(2, 2), coupling="both"),
+            dc.DamchaValueError,
+            CONVERT_COUPLING,
+        ),
         "rank": (
             lambda: dt.MetricGenerator(8, 2, 4, metric="lowrank"),
             dc.DamchaValueError,
@@ -287,6 +339,8 @@ def _jax_cases() -> dict[str, tuple[Callable[[], Any], type[Exception], str]]:
 
 
 def _keras_cases() -> dict[str, tuple[Callable[[], Any], type[Exception], str]]:
+    import keras
+
     import damcha_keras as dk
 
     x = np.zeros((2, 3, 8), np.float32)
@@ -320,6 +374,11 @@ def _keras_cases() -> dict[str, tuple[Callable[[], Any], type[Exception], str]]:
             lambda: dk.TransformerEncoder(16, 2, layer_norm_epsilon=0.0),
             dc.DamchaValueError,
             r"Invalid argument `layer_norm_epsilon`: expected a number > 0\. Received: layer_norm_epsilon=0\.0",
+        ),
+        "coupling": (
+            lambda: dk.convert(keras.layers.Dense(2), coupling="both"),
+            dc.DamchaValueError,
+            CONVERT_COUPLING,
         ),
     }
 
@@ -377,9 +436,19 @@ PORT_CASES = {
     "experiments": _experiments_cases,
 }
 PORT_IDS = {
-    "torch": ["query-dtype", "input-dtype", "batched", "embed-dim", "activation", "num-layers", "model", "rank"],
+    "torch": [
+        "query-dtype",
+        "input-dtype",
+        "batched",
+        "embed-dim",
+        "activation",
+        "num-layers",
+        "model",
+        "coupling",
+        "rank",
+    ],
     "jax": ["query-dtype", "features", "qkv-features", "inputs-k"],
-    "keras": ["batch", "key-value", "cache-index", "epsilon"],
+    "keras": ["batch", "key-value", "cache-index", "epsilon", "coupling"],
     "onnx": ["form-opset", "fixed-dim", "context-len", "kv-cache"],
     "experiments": ["paired", "task"],
 }
