@@ -749,3 +749,100 @@ def test_training_fused_path_gradcheck_and_double_backward(case):
     assert torch.autograd.gradcheck(f, leaves, eps=1e-6, atol=1e-7, fast_mode=True)
     leaves, f = _functional_layer(layer, call, need_weights=True)
     assert torch.autograd.gradgradcheck(f, leaves, eps=1e-6, atol=1e-6, fast_mode=True)
+
+
+# Store mode (the default on CPU): the fused nodes keep each projection's output
+# unmapped and SDPA saves q~ and k~ as their recipes (made again in backward from
+# it), so backward projects nothing again. Under saved-tensor hooks of the
+# caller's (checkpoint, save_on_cpu) the nodes map in place and backward
+# projects the mapped rows again. Both equal the stored path.
+@pytest.mark.parametrize("case", ["tied", "gqa-separate", "cross-tied", "cross-kdim-vdim"])
+@pytest.mark.parametrize("hooks", ["none", "save_on_cpu", "checkpoint"])
+def test_training_store_mode_and_in_place_nodes_equal_stored_path(case, hooks):
+    overrides, call = TRAIN_CASES[case]
+    cfg = _config(**overrides)
+    inputs = _train_inputs(cfg, call)
+    run = _train_call(call)
+
+    def wrapped(layer, *ts):
+        if hooks == "save_on_cpu":
+            with torch.autograd.graph.save_on_cpu():
+                return run(layer, *ts)
+        if hooks == "checkpoint":
+            return torch.utils.checkpoint.checkpoint(run, layer, *ts, use_reentrant=False)
+        return run(layer, *ts)
+
+    fused, _ = _train_layer(cfg, True, batch_first=True)
+    stored, _ = _train_layer(cfg, False, batch_first=True)
+    _assert_same(_run(fused, inputs, wrapped), _run(stored, inputs, run))
+
+
+@pytest.mark.parametrize("case", ["tied", "cross-tied"])
+def test_training_store_mode_backward_twice_with_retain_graph(case):
+    """The coefficients made for the recomputed q~/k~ are let go after the node's
+    backward; a second backward over the same graph makes them again and
+    gives the same gradients."""
+    overrides, call = TRAIN_CASES[case]
+    cfg = _config(**overrides)
+    layer, _ = _train_layer(cfg, True, batch_first=True)
+    leaves = [t.requires_grad_(True) for t in _train_inputs(cfg, call)]
+    out = _train_call(call)(layer, *leaves).sum()
+    first = torch.autograd.grad(out, [*leaves, *layer.parameters()], retain_graph=True)
+    second = torch.autograd.grad(out, [*leaves, *layer.parameters()])
+    for a, b in zip(first, second):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("case", ["tied", "separate", "cross-tied", "cross-kdim-vdim"])
+def test_training_sequence_first_equals_batch_first(case):
+    """batch_first=False projects the (N, B, E) tokens in their own order (no
+    copy into batch-first order) and gives SDPA permuted views: outputs and
+    gradients equal batch_first=True's, with a padding mask and the hint."""
+    overrides, call = TRAIN_CASES[case]
+    cfg = _config(**overrides)
+    inputs = _train_inputs(cfg, call)
+    m = inputs[-1].shape[1]
+    pad = torch.zeros(2, m, dtype=torch.bool)
+    pad[1, -1] = True
+    run = _train_call(call, key_padding_mask=pad, attn_mask=_causal(inputs[0].shape[1], m))
+
+    def seq_first(layer, *ts):
+        return run(layer, *(t.transpose(0, 1) for t in ts)).transpose(0, 1)
+
+    batch, _ = _train_layer(cfg, True, batch_first=True)
+    seq, _ = _train_layer(cfg, True, batch_first=False)
+    _assert_same(_run(seq, inputs, seq_first), _run(batch, inputs, run))
+
+
+@pytest.mark.parametrize("first_key", ["kept", "padded"])
+@pytest.mark.parametrize("case", ["tied", "cross-tied"])
+def test_padding_with_the_hint_with_and_without_empty_rows(case, first_key):
+    """With the causal rule every query sees key 0, so a padding mask that keeps
+    each sequence's first key leaves no row empty (the forward then skips
+    unhiding and zeroing rows); one that pads it empties the first rows of
+    that sequence (attention output 0 there: y = out_proj.bias, finite
+    gradients). Fused and explicit (need_weights=True) paths agree in outputs
+    and gradients, and outputs equal the reference."""
+    overrides, call = TRAIN_CASES[case]
+    cfg = _config(**overrides)
+    inputs = _train_inputs(cfg, call)
+    n, m = inputs[0].shape[1], inputs[-1].shape[1]
+    pad = torch.zeros(2, m, dtype=torch.bool)
+    pad[1, -1] = True
+    if first_key == "padded":
+        pad[1, :2] = True
+    layer, params = _train_layer(cfg, True, batch_first=True)
+    fused = _run(layer, inputs, _train_call(call, key_padding_mask=pad, attn_mask=_causal(n, m)))
+
+    def explicit(layer, *ts):
+        x, key = ts[0], ts[-1]
+        return layer(x, key, key, key_padding_mask=pad, is_causal=True, need_weights=True)[0]
+
+    _assert_same(fused, _run(layer, inputs, explicit))
+    assert all(torch.isfinite(g).all() for g in fused[1])
+    if first_key == "padded":
+        torch.testing.assert_close(fused[0][1, :2], layer.out_proj.bias.detach().expand(2, E), rtol=0, atol=1e-15)
+    x, *rest = (t.numpy() for t in inputs)
+    keep = ~pad.numpy()[:, None, None, :]
+    want = dc.damcha_attention(params, cfg, x, rest[0] if rest else None, mask=keep, causal=True)
+    np.testing.assert_allclose(fused[0].numpy(), want, rtol=1e-9, atol=1e-10)

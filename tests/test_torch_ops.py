@@ -133,26 +133,35 @@ def test_fused_path_runs_one_sdpa_kernel_and_no_softmax():
     assert causal.ops["arange"] == causal.ops["tril"] == causal.ops["triu"] == 0, sorted(causal.ops.items())
 
 
-@pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "store"])
-def test_training_projects_once_and_recomputes_only_the_qk_rows(recompute):
+@pytest.mark.parametrize("mode", ["recompute", "recompute-under-hooks", "no-recompute"])
+def test_training_projects_once_and_projects_again_only_under_hooks(mode):
     """Training: q, k and v come from one packed GEMM (3E outputs) in forward,
-    as in MHA. With recompute=True (the default) backward projects the q/k
-    rows (2E outputs) once more, inside the fused node (no checkpoint running
-    the forward's ops again); without recompute nothing is projected again."""
+    as in MHA. With recompute=True (the default) the fused node keeps the
+    projection's output and SDPA saves q~/k~ as their recipes: backward
+    projects nothing again. Under saved-tensor hooks of the caller's (here
+    save_on_cpu) the node maps in place and backward projects the q/k rows
+    (2E outputs) once more; without recompute nothing is projected again."""
     torch.manual_seed(0)
-    layer = DamchaAttention(E, H, batch_first=True, recompute=recompute).train()
+    layer = DamchaAttention(E, H, batch_first=True, recompute=mode != "no-recompute").train()
     with torch.no_grad():
         layer.metric_gates["qk"].fill_(0.5)
     x = torch.randn(2, 6, E, requires_grad=True)
-    forward = _count(lambda: layer(x, x, x, need_weights=False))
-    out, _ = layer(x, x, x, need_weights=False)
+
+    def call():
+        if mode == "recompute-under-hooks":
+            with torch.autograd.graph.save_on_cpu():
+                return layer(x, x, x, need_weights=False)
+        return layer(x, x, x, need_weights=False)
+
+    forward = _count(call)
+    out, _ = call()
     backward = _count(lambda: out.sum().backward())
 
     def gemms_with(width: int, mode: _Ops) -> int:
         return len([s for s in _gemms(mode) if any(width in dims for dims in s)])
 
     assert gemms_with(3 * E, forward) == 1 and gemms_with(2 * E, forward) == 0, _gemms(forward)
-    assert gemms_with(2 * E, backward) == (1 if recompute else 0), _gemms(backward)
+    assert gemms_with(2 * E, backward) == (1 if mode == "recompute-under-hooks" else 0), _gemms(backward)
 
 
 @pytest.mark.parametrize("need_weights", [True, False], ids=["weights", "fused"])
@@ -207,28 +216,39 @@ _TRAIN_CALLS = {
 # Measured when written: MHA 93 / 102 / 114; DAMCHA 144 / 164 / 204, of which
 # about half are views (202 / 222 / 313 before the fused node, with
 # torch.utils.checkpoint; cross 203 -> 204 with 0cd4ce5's FusedProjectionMaps
-# backward). The bounds only stop them from growing.
-TRAIN_EXTRA_OPS = {"mask+hint": 51, "padding+causal": 62, "cross": 90}
+# backward). Raised to 154 / 171 / 212 by the store mode, which takes out
+# the backward's projection GEMM (one addmm of the q/k rows per node, and
+# its slices) and adds alias ops only and two small products: a detach per
+# tensor SDPA saves (saved-tensor hooks must not return their input), an
+# as_strided per recipe, views, and the two baddbmm that make q~ and k~
+# again (S*S*d multiply-adds per token each, S = heads: 1/64 of a
+# projection's E*E at E = 512, H = 8); padding+causal also loses the
+# unhiding and zeroing of rows when every query sees key 0 (5 ops, 3 added
+# to read that). The bounds only stop them from growing.
+TRAIN_EXTRA_OPS = {"mask+hint": 61, "padding+causal": 69, "cross": 98}
 # Copies: only the concatenations of the weight gradients' pieces (dW, db of
 # the packed weight), never an activation or its gradient. MHA: 10-12 (its
 # contiguous q/k/v and output, and their gradients).
 TRAIN_COPIES = {"mask+hint": 2, "padding+causal": 2, "cross": 4}
 TRAIN_BIAS_GEMMS = {
-    "mask+hint": [(3 * E, 16), (E, 16), (2 * E, 16)],
-    "padding+causal": [(3 * E, 16), (E, 16), (2 * E, 16)],
-    "cross": [(E, 16), (2 * E, 8), (E, 16), (E, 8), (E, 16)],
+    "mask+hint": [(3 * E, 16), (E, 16)],
+    "padding+causal": [(3 * E, 16), (E, 16)],
+    "cross": [(E, 16), (2 * E, 8), (E, 16)],
 }
 _COPY_OPS = ("cat", "clone", "copy_", "_to_copy", "contiguous", "_reshape_copy", "stack")
 
 
-def _train_counts(call: str) -> tuple[Counter, Counter, list, list]:
+def _train_counts(call: str, batch_first: bool = True) -> tuple[Counter, Counter, list, list]:
     torch.manual_seed(0)
-    mha = nn.MultiheadAttention(E, H, batch_first=True).train()
+    mha = nn.MultiheadAttention(E, H, batch_first=batch_first).train()
     layer = DamchaAttention.from_mha(mha).train()
     with torch.no_grad():
         layer.metric_gates["qk"].fill_(0.5)
     n = 8
-    x, c = torch.randn(2, n, E, requires_grad=True), torch.randn(2, n // 2, E, requires_grad=True)
+    if batch_first:
+        x, c = torch.randn(2, n, E, requires_grad=True), torch.randn(2, n // 2, E, requires_grad=True)
+    else:
+        x, c = torch.randn(n, 2, E, requires_grad=True), torch.randn(n // 2, 2, E, requires_grad=True)
     pad = torch.zeros(2, n, dtype=torch.bool)
     pad[1, -2:] = True
     causal = torch.ones(n, n, dtype=torch.bool).triu(1)
@@ -254,10 +274,30 @@ def test_training_step_ops_and_copies_stay_near_mha(call):
     assert ours["_scaled_dot_product_flash_attention_for_cpu_backward"] == 1
     # GEMMs with a bias (bias width, tokens): the projections as MHA's (one
     # packed 3E for self-attention; E for the queries and 2E for keys and
-    # values together in cross-attention), the output projection, and in
-    # backward only the recomputed rows that hold mapped heads.
+    # values together in cross-attention) and the output projection; none in
+    # backward (SDPA saved q~ and k~ as recipes: nothing is projected again).
     with_bias = [(s[0][0], s[1][0]) for s in gemms if len(s) == 3 and len(s[0]) == 1]
     assert with_bias == TRAIN_BIAS_GEMMS[call], gemms
+
+
+@pytest.mark.parametrize("call", list(_TRAIN_CALLS))
+def test_sequence_first_training_copies_no_tokens(call):
+    """batch_first=False: the tokens are projected in their (N, B) order, so
+    neither forward nor backward copies x or the context (3 copies more in
+    cross-attention before); fwd+bwd makes the batch-first step's copies plus
+    one per q, k, v gradient, which SDPA's backward returns in (B, N) order
+    (nn.MultiheadAttention's sequence-first step makes 8-10 copies), and no
+    more GEMMs."""
+    _, batch, _, batch_gemms = _train_counts(call)
+    _, seq, _, seq_gemms = _train_counts(call, batch_first=False)
+    copies = {n: seq[n] for n in _COPY_OPS if seq[n]}
+    assert sum(copies.values()) == sum(batch[n] for n in _COPY_OPS) + 3, (
+        copies,
+        {n: batch[n] for n in _COPY_OPS if batch[n]},
+    )
+    assert len(seq_gemms) == len(batch_gemms), (seq_gemms, batch_gemms)
+    # Those 3 copies and SDPA's permuted views (5-6 ops more when written).
+    assert sum(seq.values()) <= sum(batch.values()) + 6, sorted((seq - batch).items())
 
 
 def test_cross_attention_with_one_key_value_tensor_projects_them_with_one_gemm():
@@ -281,3 +321,55 @@ def test_cross_attention_with_one_key_value_tensor_projects_them_with_one_gemm()
     layer.batch_first = True
     apart = context_gemms(lambda: layer(x, c, c.clone(), need_weights=False, is_causal=True))
     assert sorted(s[-1][-1] for s in apart) == sorted([E, E, H * H]), apart
+
+
+def _kept_bytes(call) -> int:
+    """Bytes one training forward leaves allocated (what autograd keeps for
+    backward, and the output), from the profiler's allocation records: every
+    allocation in the window minus every free."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = call()
+    kept = sum(e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    del out
+    return kept
+
+
+@pytest.mark.parametrize("call", ["mask+hint", "padding+causal", "cross"])
+def test_training_keeps_no_more_memory_than_mha(call):
+    """recompute=True (the default) keeps no more after forward than
+    nn.MultiheadAttention: SDPA saves q~/k~ as recipes and the nodes keep the
+    projections' outputs (the store mode on CPU), or, under saved-tensor hooks
+    of the caller's, the nodes map in place and keep only their inputs.
+    recompute=False keeps more (q/k and q~/k~ both), which shows the
+    measurement sees what autograd keeps. (MHA's padding+causal call keeps
+    its (B*H, N, M) float mask; DAMCHA's keeps a (B, 1, N, M) one.)"""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(E, H, batch_first=True).train()
+    layer = DamchaAttention.from_mha(mha).train()
+    stored = DamchaAttention.from_mha(mha, recompute=False).train()
+    for m in (layer, stored):
+        with torch.no_grad():
+            m.metric_gates["qk"].fill_(0.5)
+    n = 64
+    x, c = torch.randn(2, n, E, requires_grad=True), torch.randn(2, n // 2, E, requires_grad=True)
+    pad = torch.zeros(2, n, dtype=torch.bool)
+    pad[1, -5:] = True
+    causal = torch.ones(n, n, dtype=torch.bool).triu(1)
+    rect = torch.ones(n, n // 2, dtype=torch.bool).triu(1)
+    run = _TRAIN_CALLS[call]
+
+    def kept(model, hooks=False) -> int:
+        def forward():
+            if hooks:
+                with torch.autograd.graph.save_on_cpu():  # CPU tensors: kept as they are
+                    return run(model, x, c, pad, causal, rect)[0]
+            return run(model, x, c, pad, causal, rect)[0]
+
+        return _kept_bytes(forward)
+
+    for model in (mha, layer, stored):
+        run(model, x, c, pad, causal, rect)  # first calls make constants that stay (phi's sqrt(E * eps))
+    base, ours, in_place, more = kept(mha), kept(layer), kept(layer, hooks=True), kept(stored)
+    assert ours <= base and in_place <= base and max(ours, in_place) < more, (ours, in_place, base, more)

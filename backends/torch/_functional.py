@@ -33,6 +33,7 @@ from torch.utils.checkpoint import checkpoint
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._cache import DamchaKVCache
+    from ._models_fused import MapRecipes
 
 __all__ = [
     "LayerWeights",
@@ -335,9 +336,11 @@ def _attend(
     dropout_p: float,
     need_weights: bool,
     guard: tuple[Tensor, Tensor] | None,
+    recipes: list[MapRecipes] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """``softmax_attend`` given the NaN ``guard`` (a, b) of the fused path: the
-    output becomes o + 0 * a * b, see ``_guard``."""
+    output becomes o + 0 * a * b, see ``_guard``. ``recipes``: the store-mode
+    nodes that made q and k; SDPA saves q~ and k~ as their recipes."""
     n, m = q.shape[-2], k.shape[-2]
     # Python ints even under torch.jit.trace, which records sizes as tensors.
     heads, kv_heads = int(q.shape[1]), int(k.shape[1])
@@ -355,8 +358,12 @@ def _attend(
         # are unhidden for the kernel and zeroed after. Which rows they are is
         # read from the mask alone, never from the logits.
         if mask.dtype == torch.bool:
-            row_ok = mask.any(dim=-1, keepdim=True)
-            mask = mask | ~row_ok
+            if not _reads_values(mask) or not bool(mask[..., 0].all()):
+                row_ok = mask.any(dim=-1, keepdim=True)
+                mask = mask | ~row_ok
+            # else every query sees key 0 (the causal rule never hides it), so
+            # no row is empty: no pass to unhide rows or to zero them after
+            # (a padding mask that keeps each sequence's first token).
         else:
             # One pass over the mask: the row maximum is -inf exactly when every
             # key is hidden, and NaN when the row holds a NaN (which must reach
@@ -368,16 +375,33 @@ def _attend(
                 # + 0 * row_max: NaN for a NaN row, 0 for any finite one (also -1e9).
                 guard = (guard[0], torch.add(guard[1], row_max, alpha=0).to(q.dtype))
     if not need_weights:
-        o = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=mask,
-            dropout_p=dropout_p,
-            is_causal=causal,
-            scale=scale,
-            enable_gqa=kv_heads != heads,
-        )
+        if recipes:
+            from ._models_fused import saved_as_recipes  # it imports this module
+
+            with saved_as_recipes(recipes):
+                o = F.scaled_dot_product_attention(
+                    q,
+                    k,
+                    v,
+                    attn_mask=mask,
+                    dropout_p=dropout_p,
+                    is_causal=causal,
+                    scale=scale,
+                    enable_gqa=kv_heads != heads,
+                )
+            for r in recipes:
+                r.settle()
+        else:
+            o = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                dropout_p=dropout_p,
+                is_causal=causal,
+                scale=scale,
+                enable_gqa=kv_heads != heads,
+            )
         if guard is not None:
             # SDPA's CPU kernel returns 0, not NaN, for a row whose logits are
             # all NaN (it reads them as masked): one NaN weight would give a
@@ -403,6 +427,25 @@ def _attend(
     if dropout_p > 0.0:
         probs = F.dropout(probs, p=dropout_p)
     return torch.matmul(probs, v), probs
+
+
+def _saved_tensor_hooks_on() -> bool:
+    """Whether saved-tensor hooks of the caller's are active (checkpoint, save_on_cpu)."""
+    hooks: object = torch._C._autograd._top_saved_tensors_default_hooks(True)  # None when there are none
+    return hooks is not None
+
+
+def _reads_values(t: Tensor) -> bool:
+    """Whether a forward may branch on values of ``t`` (a mask): eager, on
+    CPU, where reading one costs no device sync and no trace, compiled
+    graph or torch.func transform would bake the branch in."""
+    return (
+        type(t) is Tensor  # not a fake, functional or other subclass tensor of a tracer
+        and t.device.type == "cpu"
+        and not torch.compiler.is_compiling()
+        and not torch._C._is_tracing()
+        and not torch._C._are_functorch_transforms_active()
+    )
 
 
 def _guard(q: Tensor, k: Tensor, own_keys: bool = False) -> tuple[Tensor, Tensor]:
@@ -547,9 +590,19 @@ def _apply_maps(
 
 
 def _project(
-    w: LayerWeights, config: DamchaConfig, x: Tensor, c: Tensor, value: Tensor, self_attention: bool, recompute: bool
+    w: LayerWeights,
+    config: DamchaConfig,
+    x: Tensor,
+    c: Tensor,
+    value: Tensor,
+    self_attention: bool,
+    recompute: bool,
+    recipes: list[MapRecipes] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """q~ (B, N, H, d), k~ (B, M, G, d), v (B, M, G, d_v)."""
+    """q~ (B, N, H, d), k~ (B, M, G, d), v (B, M, G, d_v).
+
+    ``recipes``: a list where the fused nodes may run in store mode (see
+    ``_project_fused``); the ``MapRecipes`` of each are appended to it."""
     # torch.func's grad/vjp/jacrev reject the saved-tensor hooks checkpoint
     # uses, so under a functorch transform the maps are stored instead.
     recompute = (
@@ -559,7 +612,7 @@ def _project(
         and not torch._C._are_functorch_transforms_active()
     )
     if recompute and _fusable(w, config, x):
-        return _project_fused(w, config, x, c, value, self_attention)
+        return _project_fused(w, config, x, c, value, self_attention, recipes)
     G, dv = config_sizes(config)[3:]
     if self_attention and w.in_proj is not None and not recompute:
         # One packed GEMM for q, k, v, as nn.MultiheadAttention does.
@@ -577,7 +630,6 @@ def _project(
     elif not recompute and not self_attention and w.in_proj is not None and value is c:
         # Cross-attention with one tensor for key and value: k and v from one
         # GEMM, as nn.MultiheadAttention projects them.
-        B, N, M = x.shape[0], x.shape[1], c.shape[1]
         n_q, n_kv = w.sizes[0], w.sizes[1] + w.sizes[2]
         W_q, W_kv = w.in_proj.split_with_sizes((n_q, n_kv))
         b_q, b_kv = (None, None) if w.in_bias is None else w.in_bias.split_with_sizes((n_q, n_kv))
@@ -587,8 +639,8 @@ def _project(
             config,
             x,
             c,
-            F.linear(x, W_q, b_q).view(B, N, config.num_heads, config.key_dim),
-            k.view(B, M, G, config.key_dim),
+            F.linear(x, W_q, b_q).view(*x.shape[:2], config.num_heads, config.key_dim),
+            k.view(*c.shape[:2], G, config.key_dim),
             False,
         )
     else:
@@ -635,7 +687,13 @@ def _fusable(w: LayerWeights, config: DamchaConfig, x: Tensor) -> bool:
 
 
 def _project_fused(
-    w: LayerWeights, config: DamchaConfig, x: Tensor, c: Tensor, value: Tensor, self_attention: bool
+    w: LayerWeights,
+    config: DamchaConfig,
+    x: Tensor,
+    c: Tensor,
+    value: Tensor,
+    self_attention: bool,
+    recipes: list[MapRecipes] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``_project`` of a training call with recompute, one autograd node per projection GEMM.
 
@@ -650,8 +708,14 @@ def _project_fused(
     Self-attention is one packed GEMM; cross-attention with one tensor for
     key and value (``value is c``) and the packed weight is two, as in
     nn.MultiheadAttention (queries; keys and values).
+
+    With ``recipes`` (a list) the nodes run in store mode: q~ and k~ are fresh
+    tensors, each node keeps its projection's output unmapped and projects
+    nothing again in backward, and the ``MapRecipes`` of each node are
+    appended to ``recipes`` for the attention to save q~ and k~ as (see
+    ``attend_weights``).
     """
-    from ._models_fused import FusedProjectionMaps, SideBlocks, SplitLinearMaps  # it imports this module
+    from ._models_fused import MapRecipes, SideBlocks, SplitLinearMaps  # it imports this module
 
     H, d = config.num_heads, config.key_dim
     G, dv = config_sizes(config)[3:]
@@ -661,14 +725,20 @@ def _project_fused(
         s = w.sides[side]
         return s.weight, s.bias, s.gate
 
+    def store() -> MapRecipes | None:
+        if recipes is None:
+            return None
+        recipes.append(MapRecipes())
+        return recipes[-1]
+
     def mapped(t: Tensor, weight: Tensor, bias: Tensor | None, side: str | None) -> Tensor:
-        """F.linear(t, weight, bias) with its first S*d features mapped by ``side``."""
+        """F.linear(t, weight, bias) (all S*d features: one role's heads) mapped by ``side``."""
         if side is None:
             return F.linear(t, weight, bias)
         blocks = (SideBlocks(side, config.side_heads(side), d, (0,)),)
-        return FusedProjectionMaps.apply(blocks, False, 1.0, t, weight, bias, None, None, *leaves(side))
+        (out,) = SplitLinearMaps.apply(blocks, (weight.shape[0],), store(), t, weight, bias, *leaves(side))
+        return out
 
-    B, N, M = x.shape[0], x.shape[1], c.shape[1]
     if self_attention and w.in_proj is not None:
         if sq is not None and sq == sk:
             # Tied: the query and key blocks share one generator call.
@@ -680,7 +750,7 @@ def _project_fused(
                 if side is not None:
                     sides += (SideBlocks(side, heads, d, (offset,)),)
                     side_leaves += leaves(side)
-        q, k, v = SplitLinearMaps.apply(sides, w.sizes, x, w.in_proj, w.in_bias, *side_leaves)
+        q, k, v = SplitLinearMaps.apply(sides, w.sizes, store(), x, w.in_proj, w.in_bias, *side_leaves)
     elif w.in_proj is not None and value is c:
         # One weight split (its backward is one cat) and one GEMM for k and v.
         n_q, n_kv = w.sizes[0], w.sizes[1] + w.sizes[2]
@@ -691,11 +761,11 @@ def _project_fused(
             k, v = F.linear(c, W_kv, b_kv).split_with_sizes(w.sizes[1:], dim=-1)
         else:
             blocks = (SideBlocks(sk, G, d, (0,)),)
-            k, v = SplitLinearMaps.apply(blocks, w.sizes[1:], c, W_kv, b_kv, *leaves(sk))
+            k, v = SplitLinearMaps.apply(blocks, w.sizes[1:], store(), c, W_kv, b_kv, *leaves(sk))
     else:
         (W_q, b_q), (W_k, b_k), (W_v, b_v) = w.projections()
         q, k, v = mapped(x, W_q, b_q, sq), mapped(c, W_k, b_k, sk), F.linear(value, W_v, b_v)
-    return q.view(B, N, H, d), k.view(B, M, G, d), v.view(v.shape[0], v.shape[1], G, dv)
+    return q.view(*x.shape[:2], H, d), k.view(*c.shape[:2], G, d), v.view(v.shape[0], v.shape[1], G, dv)
 
 
 def attend_weights(
@@ -712,14 +782,44 @@ def attend_weights(
     dropout_p: float,
     need_weights: bool,
     recompute: bool,
+    seq_first: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """The forward pass on validated inputs: y (B, N, E_o) and the per-head
     probabilities (B, H, N, M) or ``None``. ``DamchaAttention.forward`` and
-    ``damcha_attention`` both end here."""
+    ``damcha_attention`` both end here.
+
+    ``seq_first``: the tokens are (N, B, E) and (M, B, E) and y is (N, B, E_o)
+    (nn.MultiheadAttention's default layout). The projections and maps act
+    on each token alone, so they run in that order; SDPA reads permuted
+    views, and only its output is copied into (N, B) order, as MHA copies it.
+    Not with ``kv_cache``."""
     self_attention = context is None
     c = query if context is None else context
-    q, k, v = _project(w, config, query, c, c if value is None else value, self_attention, recompute)
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    # Store mode of the fused nodes (see _project_fused) where the one consumer
+    # of q~ and k~ that saves them is this call's SDPA kernel, on CPU (whose
+    # kernel saves its inputs as given: measured, see docs/torch.md): SDPA
+    # then saves each as its recipe and autograd stores the unmapped
+    # projections, what MHA stores, and backward projects nothing again. Not
+    # under saved-tensor hooks of the caller's (torch.utils.checkpoint,
+    # save_on_cpu): only one pair applies at a time, and theirs must see SDPA's.
+    recipes: list[MapRecipes] | None = None
+    if (
+        recompute
+        and not need_weights
+        and kv_cache is None
+        and w.bias_k is None
+        and not w.zero_attn
+        and query.device.type == "cpu"
+        and not torch.compiler.is_compiling()
+        and torch.is_grad_enabled()
+        and not _saved_tensor_hooks_on()
+    ):
+        recipes = []
+    q, k, v = _project(w, config, query, c, c if value is None else value, self_attention, recompute, recipes)
+    if seq_first:
+        q, k, v = q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
+    else:
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     # The NaN guard reads this call's keys only, not a whole cache: a cached
     # NaN key is read by a query next to this call's finite ones, and SDPA
     # propagates it itself.
@@ -743,8 +843,9 @@ def attend_weights(
         dropout_p=dropout_p,
         need_weights=need_weights,
         guard=guard,
+        recipes=recipes,
     )
-    return w.output(o.transpose(1, 2).flatten(-2)), weights
+    return w.output((o.permute(2, 0, 1, 3) if seq_first else o.transpose(1, 2)).flatten(-2)), weights
 
 
 def few_tokens_step(

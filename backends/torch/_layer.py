@@ -116,9 +116,11 @@ class DamchaAttention(CanonicalIO, nn.Module):
         metric_generator: a ``MetricGenerator`` to share with other layers
             (tied/query coupling), or a mapping ``{"q": ..., "k": ...}``
             (separate); the layer keeps its own gates.
-        recompute: in training, recompute the q/k projections and maps in
-            backward instead of storing them, so activation memory stays at
-            MHA's (costs one extra q/k projection in backward).
+        recompute: in training, store no more activations than MHA: q~ and
+            k~ are made again in backward (on CPU from the kept projection
+            outputs, by the small map alone; elsewhere, or under the
+            caller's saved-tensor hooks, by projecting the q/k rows again),
+            instead of storing q/k and q~/k~ both. See docs/torch.md.
 
     Parameters (``nn.MultiheadAttention`` layout, so ``from_mha`` is a copy):
     ``in_proj_weight`` (H*d + G*d + G*d_v, E) when ``kdim == vdim == embed_dim``,
@@ -660,6 +662,12 @@ class DamchaAttention(CanonicalIO, nn.Module):
                 )
             )
         unbatched = query.dim() == 2
+        # Sequence-first inputs go to the core as they are (it projects tokens in
+        # any order and gives SDPA permuted views), so neither the projections
+        # nor their backward copy x into batch-first order; the batch-first
+        # views below serve the shape checks only. With a cache, batch-first.
+        seq_first = not unbatched and not self.batch_first and kv_cache is None
+        given = (query, key, value)
         if unbatched:
             query, key, value, key_padding_mask = _add_batch_dim(query, key, value, key_padding_mask)
         elif not self.batch_first:
@@ -718,12 +726,15 @@ class DamchaAttention(CanonicalIO, nn.Module):
                 names=_FORWARD_NAMES,
                 causal_hint=is_causal,
             )
+        if seq_first:
+            query, key, value = given
         out, weights = fn.attend_weights(
             self._weights(),
             self.config,
             query,
             None if self_attention else key,
             None if self_attention or shared_kv else value,
+            seq_first=seq_first,
             mask=mask,
             causal=is_causal,
             query_offset=0,
@@ -736,7 +747,7 @@ class DamchaAttention(CanonicalIO, nn.Module):
             weights = weights.mean(dim=1)
         if unbatched:
             return out.squeeze(0), (None if weights is None else weights.squeeze(0))
-        if not self.batch_first:
+        if not self.batch_first and not seq_first:
             out = out.transpose(0, 1)
         return out, weights
 

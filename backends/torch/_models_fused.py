@@ -33,17 +33,23 @@ a concatenation of the result) and its recomputation of the whole projection:
   penalty) differentiates it. float32/float64 outside autocast only (the
   caller keeps 16-bit and autocast training on the general path).
 
-- ``SplitLinearMaps``: ``DamchaAttention``'s packed projection in training
+- ``SplitLinearMaps``: ``DamchaAttention``'s projections in training
   (``recompute``, metric "heads"): ``FusedProjectionMaps`` on an ``nn.Linear``
-  weight whose output comes back as the pieces q~, k~, v, each with its own
-  gradient (no concatenation or copy of them in backward).
+  weight whose output comes back as the pieces q~, k~, v (or q~ alone), each
+  with its own gradient (no concatenation or copy of them in backward). Its
+  store mode (``MapRecipes``) returns q~ and k~ as fresh tensors and keeps
+  the unmapped output instead of projecting again in backward; the layer's
+  SDPA call saves q~ and k~ as recipes (``saved_as_recipes``), so what
+  autograd keeps is still what nn.MultiheadAttention keeps.
 
 Both compute each mapped block the same way (y_b + bmm(diag(g) A(t), y_b),
 or the "lowrank" ``addmm_``), one product per block (the tied queries and keys of one projection share one A(t)), so
 they agree bit for bit with each other (a host's reentrant gradient
 checkpointing runs the first under ``no_grad`` and the second when it
 recomputes). With the gates at 0 the product is exactly 0 and y is returned
-unchanged, bit for bit.
+unchanged, bit for bit. ``SplitLinearMaps``' store mode maps each block as
+the layer's general path does (one ``baddbmm``, y_b + diag(g) A(t) y_b),
+and its recipes make the block again with the same op.
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ from . import _functional as fn
 
 __all__ = [
     "FusedProjectionMaps",
+    "MapRecipes",
     "SideBlocks",
     "SplitLinearMaps",
     "coefficients",
@@ -67,6 +74,7 @@ __all__ = [
     "map_blocks_",
     "mix_coefficients",
     "project",
+    "saved_as_recipes",
     "side_leaves",
 ]
 
@@ -456,15 +464,130 @@ def _generator_grads(
     return d_w, d_b
 
 
+class MapRecipes:
+    """The store mode of ``SplitLinearMaps``: what its mapped blocks are made of.
+
+    In store mode the node returns each mapped block (q~ or k~, (T, S, d)) as
+    a fresh tensor and keeps the projection's output y unmapped, so its
+    backward reads y instead of projecting again. A consumer that would save
+    a mapped block for its own backward (SDPA saves q~ and k~) saves this
+    recipe of it instead (``saved_as_recipes``): the block is made again in
+    backward from y and the tokens, one generator GEMM of S*S outputs and one
+    small ``baddbmm``, and y is stored where nn.MultiheadAttention stores q
+    and k. The generator's coefficients made then are kept until the node's
+    backward, which reads them (``coefficients``) and lets them go
+    (``release``). Never holds a mapped block itself (that is what it saves).
+    """
+
+    __slots__ = ("_blocks", "_coefficients", "_state", "hits")
+
+    def __init__(self) -> None:
+        # A mapped block's storage (its data pointer) -> (side index, offset, bytes).
+        self._blocks: dict[int, tuple[int, int, int]] = {}
+        self._coefficients: dict[int, tuple[Tensor, Tensor, Tensor, Tensor]] = {}
+        self._state: tuple[Tensor, Tensor | None, tuple[SideBlocks, ...], tuple[Tensor, ...]] | None = None
+        self.hits = 0  # blocks a consumer saved as their recipe (tests read it)
+
+    def _add(self, block: Tensor, side: int, offset: int) -> None:
+        storage = block.untyped_storage()
+        self._blocks[storage.data_ptr()] = (side, offset, storage.nbytes())
+
+    def _keep(self, x: Tensor, y: Tensor | None, sides: tuple[SideBlocks, ...], leaves: tuple[Tensor, ...]) -> None:
+        self._state = (x, y, sides, leaves)
+
+    def coefficients(self, side: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(P = t W^T, r, A, diag(g) A) of side ``side`` for the tokens t (T, E),
+        computed as the forward computed them (the same mix, bit for bit)."""
+        out = self._coefficients.get(side)
+        if out is None:
+            assert self._state is not None
+            x, _, sides, leaves = self._state
+            t = x.reshape(-1, x.shape[-1])
+            w_gen, b_gen, gate = leaves[3 * side : 3 * side + 3]
+            S = sides[side].heads
+            known = next(iter(self._coefficients.values()), None)
+            r = fn._rms_denominator(t) if known is None else known[1]
+            P = F.linear(t, w_gen)
+            A = torch.addcdiv(b_gen, P, r, value=math.sqrt(t.shape[-1]))
+            out = self._coefficients[side] = (P, r, A, A.view(-1, S, S) * gate.view(S, 1))
+        return out
+
+    def block(self, side: int, offset: int) -> Tensor:
+        """The mapped block at ``offset`` (T, S, d), made again as the forward made it."""
+        assert self._state is not None
+        _, y, sides, _ = self._state
+        assert y is not None  # a block is made again only when its recipe was saved (then settle keeps y)
+        mix = self.coefficients(side)[3]
+        yb = _block(y, offset, sides[side].heads, sides[side].head_dim)
+        return torch.baddbmm(yb, mix, yb)
+
+    def release(self) -> None:
+        self._coefficients.clear()
+
+    def settle(self) -> None:
+        """After the consumer's forward: if it saved none of the blocks as their
+        recipe (a kernel that saves copies, or nothing), let y go; the node's
+        backward then projects the mapped rows again, as without recipes."""
+        if self.hits == 0 and self._state is not None:
+            x, _, sides, leaves = self._state
+            self._state = (x, None, sides, leaves)
+
+    def stored(self) -> Tensor | None:
+        """The projection's output y (T, F), unmapped, or None (see ``settle``)."""
+        return None if self._state is None else self._state[1]
+
+
+class _Packed(NamedTuple):
+    recipes: MapRecipes
+    side: int
+    offset: int
+    size: torch.Size
+    stride: Any
+    storage_offset: Any  # int, or a SymInt under a tracer
+
+
+def saved_as_recipes(recipes: Sequence[MapRecipes]) -> torch.autograd.graph.saved_tensors_hooks:
+    """Saved-tensor hooks under which a tensor saved for backward that lies in
+    a mapped block of ``recipes`` (the block itself or a view of it) is saved
+    as its recipe and made again when backward reads it; any other tensor is
+    saved as autograd saves it (detached, as the hooks must)."""
+
+    def pack(t: Tensor) -> Any:
+        if type(t) is Tensor:  # a plain tensor (a subclass may have no storage of its own)
+            storage = t.untyped_storage()
+            for r in recipes:
+                found = r._blocks.get(storage.data_ptr())
+                if found is not None and found[2] == storage.nbytes():
+                    r.hits += 1
+                    return _Packed(r, found[0], found[1], t.size(), t.stride(), t.storage_offset())
+        return t.detach()
+
+    def unpack(packed: Any) -> Tensor:
+        if isinstance(packed, _Packed):
+            block = packed.recipes.block(packed.side, packed.offset)
+            return block.as_strided(packed.size, packed.stride, packed.storage_offset)
+        return packed
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
 class SplitLinearMaps(torch.autograd.Function):
     """``FusedProjectionMaps`` whose output comes back in pieces (the attention
-    layer's q~, k~, v of one packed projection).
+    layer's q~, k~, v of one packed projection, or q~ alone).
 
-    ``apply(sides, sizes, x, weight, bias, *leaves)``: ``F.linear(x, weight,
-    bias)`` with the maps of ``sides`` applied to its blocks, as
-    ``FusedProjectionMaps`` computes it (bit for bit), returned split along the
-    features into pieces of ``sizes`` (views of one tensor, as
-    ``split_with_sizes`` gives them). Each block lies inside one piece.
+    ``apply(sides, sizes, recipes, x, weight, bias, *leaves)``: ``F.linear(x,
+    weight, bias)`` with the maps of ``sides`` applied to its blocks, returned
+    split along the features into pieces of ``sizes``. Each mapped block is
+    exactly one piece (its offset is the piece's start, its width the
+    piece's size).
+
+    ``recipes`` None: the blocks are mapped in place, as
+    ``FusedProjectionMaps`` maps them (bit for bit), the pieces are views of
+    one tensor (as ``split_with_sizes`` gives them), and the node saves what
+    ``FusedProjectionMaps`` saves (x, weight, bias, leaves): backward projects
+    the mapped rows again. A ``MapRecipes``: store mode, each mapped piece is
+    a fresh tensor (y_b + diag(g) A(t) y_b, one ``baddbmm``), the node also
+    saves y, and backward projects nothing again (see ``MapRecipes``).
 
     Why not ``FusedProjectionMaps(...).split_with_sizes(...)``: then the pieces'
     gradients reach backward as one tensor, a concatenation made by split's
@@ -472,8 +595,7 @@ class SplitLinearMaps(torch.autograd.Function):
     (two copies of the whole output's gradient). Here each piece's gradient
     arrives on its own: a mapped piece's gradient becomes g + mix^T g in a
     new tensor (one ``baddbmm``), an unmapped one is used as it is, and the
-    projection's gradients are one GEMM per piece. It saves what
-    ``FusedProjectionMaps`` saves (x, weight, bias, leaves). Metric "heads",
+    projection's gradients are one GEMM per piece. Metric "heads",
     float32/float64 outside autocast only (the caller checks).
     """
 
@@ -482,61 +604,92 @@ class SplitLinearMaps(torch.autograd.Function):
         ctx: Any,
         sides: tuple[SideBlocks, ...],
         sizes: tuple[int, ...],
+        recipes: MapRecipes | None,
         x: Tensor,
         weight: Tensor,
         bias: Tensor | None,
         *leaves: Tensor,
     ) -> tuple[Tensor, ...]:
+        starts = {sum(sizes[:i]): i for i in range(len(sizes))}
+        for b in sides:
+            for offset in b.offsets:  # the caller's contract (_functional._project_fused)
+                assert offset in starts and sizes[starts[offset]] == b.heads * b.head_dim, (b, sizes)
         y = F.linear(x, weight, bias)
-        map_blocks_(y, x, [(b, _side_weights("heads", leaves[3 * i : 3 * i + 3])) for i, b in enumerate(sides)])
-        ctx.sides, ctx.sizes = sides, sizes
+        ctx.sides, ctx.sizes, ctx.recipes = sides, sizes, recipes
+        if recipes is None:
+            map_blocks_(y, x, [(b, _side_weights("heads", leaves[3 * i : 3 * i + 3])) for i, b in enumerate(sides)])
+            ctx.save_for_backward(x, weight, bias, *leaves)
+            return tuple(y.split_with_sizes(sizes, dim=-1))
+        pieces = list(y.split_with_sizes(sizes, dim=-1))
+        t, flat = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
+        for i, b in enumerate(sides):
+            mix = mix_coefficients(_side_weights("heads", leaves[3 * i : 3 * i + 3]), t)
+            for offset in b.offsets:
+                part = _block(flat, offset, b.heads, b.head_dim)
+                mapped = torch.baddbmm(part, mix, part)
+                recipes._add(mapped, i, offset)
+                p = starts[offset]
+                pieces[p] = mapped.view(pieces[p].shape)
+        # y is kept by the recipes, not saved here: if the consumer saves none
+        # of the blocks as their recipe, they let it go (settle).
+        recipes._keep(x, flat, sides, tuple(leaves))
         ctx.save_for_backward(x, weight, bias, *leaves)
-        return tuple(y.split_with_sizes(sizes, dim=-1))
+        return tuple(pieces)
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
-        x, weight, bias, *leaves = ctx.saved_tensors
         sides: tuple[SideBlocks, ...] = ctx.sides
         sizes: tuple[int, ...] = ctx.sizes
-        need_x, need_w, need_b = ctx.needs_input_grad[2:5]
-        need_leaves = ctx.needs_input_grad[5:]
+        recipes: MapRecipes | None = ctx.recipes
+        x, weight, bias, *leaves = ctx.saved_tensors
+        stored = None if recipes is None else recipes.stored()
+        need_x, need_w, need_b = ctx.needs_input_grad[3:6]
+        need_leaves = ctx.needs_input_grad[6:]
         t = x.reshape(-1, x.shape[-1])
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
         gs = [g.reshape(-1, n) for g, n in zip(grads, sizes)]
         dys: list[Tensor] = list(gs)
-        starts_b = [o for b in sides for o in b.offsets]
-        lo = min(starts_b)
-        hi = max(o + b.heads * b.head_dim for b in sides for o in b.offsets)
-        y = F.linear(t, weight[lo:hi], None if bias is None else bias[lo:hi])
+        # Under create_graph the stored y and coefficients carry no graph: made again, differentiably.
+        reuse = stored is not None and not torch.is_grad_enabled()
+        if reuse:
+            assert stored is not None and recipes is not None
+            y, lo = stored, 0
+        else:
+            lo = min(o for b in sides for o in b.offsets)
+            hi = max(o + b.heads * b.head_dim for b in sides for o in b.offsets)
+            y = F.linear(t, weight[lo:hi], None if bias is None else bias[lo:hi])
         leaf_grads: list[Tensor | None] = [None] * len(leaves)
         through_generator: list[tuple[Tensor, Tensor, Tensor]] = []
         scale = math.sqrt(t.shape[-1])
-        r = fn._rms_denominator(t)  # as in forward: the same mix, bit for bit
+        r: Tensor | None = None
         for i, blocks in enumerate(sides):
             w_gen, b_gen, gate = leaves[3 * i : 3 * i + 3]
             S, d = blocks.heads, blocks.head_dim
-            P = F.linear(t, w_gen)
-            A = torch.addcdiv(b_gen, P, r, value=scale)
-            mix_t = (A.view(-1, S, S) * gate.view(S, 1)).transpose(1, 2)
+            if reuse:
+                assert recipes is not None
+                P, r, A, mix = recipes.coefficients(i)
+            else:
+                if r is None:
+                    r = fn._rms_denominator(t)  # as in forward: the same mix, bit for bit
+                P = F.linear(t, w_gen)
+                A = torch.addcdiv(b_gen, P, r, value=scale)
+                mix = A.view(-1, S, S) * gate.view(S, 1)
+            mix_t = mix.transpose(1, 2)
             dmix: Tensor | None = None
             for offset in blocks.offsets:
-                p = max(j for j, s in enumerate(starts) if s <= offset)
-                local = offset - starts[p]
-                gb = _block(gs[p], local, S, d)
-                if local == 0 and S * d == sizes[p]:
-                    dys[p] = torch.baddbmm(gb, mix_t, gb).view(-1, sizes[p])
-                else:
-                    if dys[p] is gs[p]:
-                        dys[p] = gs[p].clone()
-                    _block(dys[p], local, S, d).add_(torch.bmm(mix_t, gb))
+                p = starts.index(offset)
+                gb = _block(gs[p], 0, S, d)
+                dys[p] = torch.baddbmm(gb, mix_t, gb).view(-1, sizes[p])
                 part = torch.bmm(gb, _block(y, offset - lo, S, d).transpose(1, 2))
                 dmix = part if dmix is None else dmix.add_(part)
-            assert dmix is not None  # a side has at least one block
+            assert dmix is not None and r is not None  # a side has at least one block
             need = need_leaves[3 * i : 3 * i + 3]
             dA, leaf_grads[3 * i + 2] = _heads_mix_grads(dmix, A, gate, need[2])
             leaf_grads[3 * i], leaf_grads[3 * i + 1] = _generator_grads(
                 dA, P, r, t, w_gen, need[0], need[1], need_x, through_generator
             )
+        if recipes is not None:
+            recipes.release()
         dx = dW = db = None
         if need_x:
             pieces = weight.split_with_sizes(sizes)
@@ -547,7 +700,7 @@ class SplitLinearMaps(torch.autograd.Function):
                 dx.addmm_(dP, w_gen).addcmul_(t, c)
             dx = dx.view_as(x)
         if need_w:
-            dW = torch.cat([dy.t().mm(t) for dy in dys])
+            dW = _cat([dy.t().mm(t) for dy in dys], 0)
         if need_b:
-            db = torch.cat([dy.sum(0) for dy in dys])
-        return (None, None, dx, dW, db, *leaf_grads)
+            db = _cat([dy.sum(0) for dy in dys], 0)
+        return (None, None, None, dx, dW, db, *leaf_grads)
