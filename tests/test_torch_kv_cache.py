@@ -10,6 +10,7 @@ import pickle
 import numpy as np
 import pytest
 import torch
+from _devices import TORCH_DEVICES
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import damcha_core as dc
@@ -274,7 +275,8 @@ def test_compiled_decode_does_not_recompile_per_token_or_per_growth():
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_static_cache_never_reallocates_and_equals_full_forward(name):
+@pytest.mark.parametrize("fixed_shape", [False, True], ids=["static", "fixed-shape"])
+def test_static_cache_never_reallocates_and_equals_full_forward(name, fixed_shape):
     """DamchaKVCache(capacity, static=True): the first call allocates the
     storage and every later call, a reset and a second sequence write into
     that same storage (its address never changes); the outputs equal the full
@@ -284,7 +286,7 @@ def test_static_cache_never_reallocates_and_equals_full_forward(name):
     x = _x(2, 12, 16, seed=11)
     with torch.no_grad():
         full = layer(x, x, x, is_causal=True, need_weights=False)[0]
-    cache = DamchaKVCache(capacity=12, static=True)
+    cache = DamchaKVCache(capacity=12, static=True, fixed_shape=fixed_shape)
     assert cache.static and cache.capacity == 12 and len(cache) == 0 and cache.key is None
     for sequence in range(2):
         outs, addresses = [], set()
@@ -401,3 +403,147 @@ def test_reduce_overhead_decode_with_a_static_cache_on_cpu():
             outs.append(step(t, t, t, is_causal=True, need_weights=False, kv_cache=cache)[0].clone())
     assert cache._kbuf.data_ptr() == address and len(cache) == 6
     torch.testing.assert_close(torch.cat(outs, dim=1), full, rtol=1e-10, atol=1e-12)
+
+
+# ------------------------------------------------------- fixed-shape reads
+
+
+def _symbolic_inputs(gm: torch.fx.GraphModule) -> list[str]:
+    """Placeholders of a dynamo graph that are symbolic ints or tensors of
+    symbolic size: what makes cudagraph trees record one graph per value."""
+    found = []
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        v = node.meta.get("example_value")
+        if isinstance(v, torch.SymInt) or (
+            isinstance(v, torch.Tensor) and not all(isinstance(s, int) for s in (*v.shape, *v.stride()))
+        ):
+            found.append(node.name)
+    return found
+
+
+def _decode_compiled(layer, step, x, cache, prompt: int = 2, mark_steps: bool = False) -> torch.Tensor:
+    """The prompt uncompiled (it allocates the storage, as docs/torch.md advises),
+    then one compiled call per token; outputs cloned (CUDA graphs reuse theirs)."""
+    outs = [_step(layer, x[:, :prompt], cache)]
+    for i in range(prompt, x.shape[1]):
+        t = x[:, i : i + 1]
+        if mark_steps:
+            torch.compiler.cudagraph_mark_step_begin()
+        outs.append(step(t, t, t, is_causal=True, need_weights=False, kv_cache=cache)[0].clone())
+    return torch.cat(outs, dim=1)
+
+
+def test_fixed_shape_cache_compiles_one_static_graph_for_every_length():
+    """DamchaKVCache(capacity, static=True, fixed_shape=True): a compiled token
+    step reads the whole capacity with a mask of the cached positions and
+    writes at a position held in a tensor, so one graph without any symbolic
+    size serves every length (what lets CUDA graphs record once), also for a
+    second sequence after reset(). The same loop on a static cache without it
+    makes a graph whose key length is symbolic (one CUDA graph per length).
+    Both equal the eager growing cache token for token and the reference
+    (float64)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    layer, params, cfg = _layer("heads-tied")
+    x = _x(2, 10, 16, seed=15)
+    with torch.no_grad():
+        eager = DamchaKVCache()
+        want = torch.cat(
+            [_step(layer, x[:, :2], eager)] + [_step(layer, x[:, i : i + 1], eager) for i in range(2, 10)], dim=1
+        )
+    np.testing.assert_allclose(
+        want.numpy(), dc.damcha_attention(params, cfg, x.numpy(), causal=True), rtol=1e-10, atol=1e-12
+    )
+    graphs = {}
+    for fixed in (True, False):
+        torch._dynamo.reset()
+        counter = CompileCounterWithBackend("aot_eager")
+        step = torch.compile(layer, fullgraph=True, backend=counter)
+        cache = DamchaKVCache(capacity=12, static=True, fixed_shape=fixed)
+        with torch.no_grad():
+            got = _decode_compiled(layer, step, x, cache)
+            address = cache._kbuf.data_ptr()
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-13)
+            assert len(cache) == 10 and cache._kbuf.data_ptr() == address
+            torch.testing.assert_close(cache.key, eager.key, rtol=1e-13, atol=1e-14)
+            cache.reset()
+            again = _decode_compiled(layer, step, x[:, :6], cache, prompt=3)
+        torch.testing.assert_close(again, want[:, :6], rtol=1e-12, atol=1e-13)
+        assert len(cache) == 6 and cache._kbuf.data_ptr() == address
+        graphs[fixed] = (counter.frame_count, [_symbolic_inputs(g) for g in counter.graphs])
+    assert graphs[True] == (1, [[]]), graphs
+    assert any(graphs[False][1]), graphs  # the contrast: the plain static cache's length is a graph size
+
+
+def test_fixed_shape_cache_eager_steps_arguments_and_finite_masked_positions():
+    """Eager steps of a fixed_shape cache read the cached positions as a static
+    cache does (same outputs); the position tensor follows every write, reset,
+    copy and assignment; `fixed_shape` needs `static`; a NaN sequence leaves
+    nothing behind that a masked read of the next one would turn into NaN."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    with pytest.raises(
+        dc.DamchaValueError, match=r"`fixed_shape`.*static=True.*Received: fixed_shape=True, static=False"
+    ):
+        DamchaKVCache(capacity=4, fixed_shape=True)
+    with pytest.raises(dc.DamchaTypeError, match=r"`fixed_shape`.*Received: fixed_shape="):
+        DamchaKVCache(capacity=4, static=True, fixed_shape="yes")
+    layer, _, _ = _layer("heads-separate")
+    x = _x(1, 8, 16, seed=16)
+    with torch.no_grad():
+        full = layer(x, x, x, is_causal=True, need_weights=False)[0]
+        cache = DamchaKVCache(capacity=8, static=True, fixed_shape=True)
+        outs = [_step(layer, x[:, :3], cache)] + [_step(layer, x[:, i : i + 1], cache) for i in range(3, 5)]
+        assert cache.fixed_shape and int(cache._pos) == len(cache) == 5
+        for twin in (copy.deepcopy(cache), pickle.loads(pickle.dumps(cache))):
+            assert twin.fixed_shape and int(twin._pos) == len(twin) == 5 and twin._kbuf.shape[2] == 9
+            rest = [_step(layer, x[:, i : i + 1], twin) for i in range(5, 8)]
+            torch.testing.assert_close(torch.cat(outs + rest, dim=1), full, rtol=1e-12, atol=1e-13)
+        # A NaN sequence over the whole capacity, then reset and a finite one read at
+        # the fixed shape: its masked positions must not be the old NaN.
+        torch._dynamo.reset()
+        step = torch.compile(layer, fullgraph=True, backend=CompileCounterWithBackend("aot_eager"))
+        cache.reset()
+        assert int(cache._pos) == 0
+        bad = x.clone()
+        bad[:, 0] = float("nan")  # every later query reads its key: all outputs NaN
+        assert torch.isnan(_step(layer, bad, cache)).all()  # fills every position
+        cache.reset()
+        got = _decode_compiled(layer, step, x, cache, prompt=3)
+    torch.testing.assert_close(got, full, rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("device", TORCH_DEVICES)
+def test_reduce_overhead_fixed_shape_decode_compiles_and_records_once(device, monkeypatch):
+    """mode="reduce-overhead" with a fixed_shape cache: Inductor compiles the
+    token step once for every length, and on CUDA the cudagraph trees record
+    one graph for the whole decode (on CPU there are no CUDA graphs: Inductor
+    alone). Outputs equal the eager decode (float64)."""
+    from torch._inductor import cudagraph_trees
+
+    recordings = []
+    original = cudagraph_trees.CUDAGraphTreeManager.record_function
+
+    def record_function(self, *args, **kwargs):
+        recordings.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(cudagraph_trees.CUDAGraphTreeManager, "record_function", record_function)
+    layer, _, _ = _layer("heads-tied")
+    layer = layer.to(device)
+    x = _x(1, 9, 16, seed=17).to(device)
+    with torch.no_grad():
+        full = layer(x, x, x, is_causal=True, need_weights=False)[0]
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    step = torch.compile(layer, fullgraph=True, mode="reduce-overhead")
+    cache = DamchaKVCache(capacity=9, static=True, fixed_shape=True)
+    with torch.no_grad():
+        got = _decode_compiled(layer, step, x, cache, mark_steps=True)
+    torch.testing.assert_close(got, full, rtol=1e-10, atol=1e-12)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert len(recordings) == (1 if device == "cuda" else 0), recordings
+    if device == "cuda":  # on CPU Inductor reports CUDA graphs skipped for the device
+        assert not torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]

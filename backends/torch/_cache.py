@@ -54,11 +54,32 @@ class DamchaKVCache:
             with autograd recording (an in-place write would break the
             backward of earlier steps): decode under ``torch.no_grad()`` or
             ``torch.inference_mode()``.
+        fixed_shape: with ``static=True``, a step that is compiled
+            (``torch.compile``) or captured in a CUDA graph reads the whole
+            ``capacity`` with a mask of the cached positions, and writes at a
+            position kept in a device tensor: its graph has one shape at
+            every length, so ``mode="reduce-overhead"`` records one CUDA
+            graph for all lengths rather than one per length. Eager steps
+            still read only the cached positions. Such a step costs
+            O(capacity) whatever the length, and under compilation a write
+            past ``capacity`` cannot be checked in Python: the indexed write
+            fails instead (an index error; a device-side assert on CUDA).
+            Steps with masks, ``need_weights=True``, ``add_bias_kv`` or
+            ``add_zero_attn`` read the cached positions as without it.
     """
 
-    def __init__(self, capacity: int | None = None, *, static: bool = False) -> None:
+    def __init__(self, capacity: int | None = None, *, static: bool = False, fixed_shape: bool = False) -> None:
         self._reserve = check_int("capacity", capacity, optional=True)
         self._static = check_bool("static", static)
+        self._fixed = check_bool("fixed_shape", fixed_shape)
+        if self._fixed and not self._static:
+            raise DamchaValueError(
+                invalid_argument(
+                    "fixed_shape",
+                    "False unless static=True (the fixed-shape read needs the fixed storage)",
+                    f"fixed_shape=True, static={self._static}",
+                )
+            )
         if self._static and self._reserve is None:
             raise DamchaValueError(
                 invalid_argument(
@@ -73,13 +94,17 @@ class DamchaKVCache:
         # as separate inputs cost recompiles) and marks _length dynamic.
         self._kbuf: Tensor | None = None
         self._vbuf: Tensor | None = None
+        # -1: a compiled or captured fixed-shape step advanced only _pos (see _synced).
         self._length = 0
+        # fixed_shape: the cached length as a 0-d int64 tensor beside the storage,
+        # which a compiled step reads and advances without a Python int.
+        self._pos: Tensor | None = None
 
     @property
     def key(self) -> Tensor | None:
         """The cached keys k~ (B, G, P, d), or None when empty."""
-        kb = self._kbuf
-        return None if kb is None or (self._static and not self._length) else kb.narrow(2, 0, self._length)
+        kb, n = self._kbuf, self._synced()
+        return None if kb is None or (self._static and not n) else kb.narrow(2, 0, n)
 
     @key.setter
     def key(self, tensor: Tensor | None) -> None:
@@ -88,12 +113,23 @@ class DamchaKVCache:
     @property
     def value(self) -> Tensor | None:
         """The cached values (B, G, P, d_v), or None when empty."""
-        vb = self._vbuf
-        return None if vb is None or (self._static and not self._length) else vb.narrow(2, 0, self._length)
+        vb, n = self._vbuf, self._synced()
+        return None if vb is None or (self._static and not n) else vb.narrow(2, 0, n)
 
     @value.setter
     def value(self, tensor: Tensor | None) -> None:
         self._set(self.key, tensor)
+
+    def _synced(self) -> int:
+        """The cached length as a Python int. A compiled or CUDA-graph-captured
+        step of a ``fixed_shape`` cache advances only the position tensor (a
+        Python int would make the length a size of its graph): the int is
+        then read back from it (a device sync, outside the step)."""
+        n = self._length
+        if n < 0:
+            assert self._pos is not None  # set with the storage of a fixed_shape cache
+            n = self._length = int(self._pos)
+        return n
 
     def _set(self, key: Tensor | None, value: Tensor | None) -> None:
         # Assigned tensors become the storage (full, so the next append copies
@@ -105,8 +141,21 @@ class DamchaKVCache:
                 f"A static `DamchaKVCache` holds at most `capacity`={self._reserve} positions. "
                 f"Received: key.shape={tuple(key.shape)}"  # type: ignore[union-attr]
             )
-        self._kbuf, self._vbuf = key, value
+        self._kbuf, self._vbuf, self._pos = key, value, None
         self._length = length
+        if (
+            self._fixed
+            and key is not None
+            and value is not None
+            and length
+            and key.dim() == value.dim() == 4
+            and key.shape[:3] == value.shape[:3]
+        ):
+            # Copied into the fixed storage now, so that a compiled step (which
+            # cannot allocate marked storage) finds it there.
+            self._kbuf = self._vbuf = None
+            with torch.no_grad():
+                self._store_static(key.detach(), value.detach(), 0, length)
 
     @property
     def capacity(self) -> int:
@@ -121,8 +170,16 @@ class DamchaKVCache:
         """Whether the storage is fixed (``DamchaKVCache(capacity, static=True)``)."""
         return self._static
 
+    @property
+    def fixed_shape(self) -> bool:
+        """Whether compiled steps read the whole capacity (``fixed_shape=True``)."""
+        return self._fixed
+
     def __len__(self) -> int:
-        return 0 if self._kbuf is None else self._length
+        if self._kbuf is None:
+            return 0
+        n = self._length
+        return n if n >= 0 else self._synced()
 
     def __getstate__(self) -> dict[str, Any]:
         # Only the cached positions (pickling a view saves its whole storage),
@@ -133,11 +190,13 @@ class DamchaKVCache:
             "value": None if value is None else value.clone(),
             "capacity": self._reserve,
             "static": self._static,
+            "fixed_shape": self._fixed,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._reserve = state.get("capacity")
         self._static = state.get("static", False)
+        self._fixed = state.get("fixed_shape", False)
         self._set(state["key"], state["value"])
 
     def _store(self, key: Tensor, value: Tensor, P: int) -> tuple[Tensor, Tensor]:
@@ -219,19 +278,11 @@ class DamchaKVCache:
         ):
             # The first call of a sequence (or after a pickle round trip or an
             # assignment): the only allocation.
-            new_k = key.new_empty(key.shape[0], key.shape[1], cap + 1, key.shape[3])
-            new_v = value.new_empty(value.shape[0], value.shape[1], cap + 1, value.shape[3])
+            new_k, new_v = self._allocate(key, value, cap + 1, compiling)
             if kb is not None and vb is not None and P > 0:
                 new_k.narrow(2, 0, P).copy_(kb.narrow(2, 0, P))
                 new_v.narrow(2, 0, P).copy_(vb.narrow(2, 0, P))
-            if not compiling:
-                # Tell torch.compile the address is fixed: CUDA graphs then write
-                # into this storage rather than copy it in and out of their pool.
-                import torch._dynamo as dynamo  # imported here: eager-only code never needs it
-
-                dynamo.mark_static_address(new_k)
-                dynamo.mark_static_address(new_v)
-            self._kbuf, self._vbuf, kb, vb = new_k, new_v, new_k, new_v
+            kb, vb = new_k, new_v
         elif not compiling and kb.is_inference() and not torch.is_inference_mode_enabled():
             raise DamchaValueError(
                 "This static `kv_cache` was allocated under torch.inference_mode() and cannot be written "
@@ -240,8 +291,95 @@ class DamchaKVCache:
             )
         kb.narrow(2, P, n).copy_(key)
         vb.narrow(2, P, n).copy_(value)
+        if self._pos is not None:
+            self._pos.fill_(P + n)
         self._length = P + n
         return kb.narrow(2, 0, P + n), vb.narrow(2, 0, P + n)
+
+    def _allocate(self, key: Tensor, value: Tensor, size: int, compiling: bool) -> tuple[Tensor, Tensor]:
+        """A static cache's storage (B, G, size, d) for key and value, made the
+        cache's (and, with fixed_shape, a zero position tensor)."""
+        shape_k = (key.shape[0], key.shape[1], size, key.shape[3])
+        shape_v = (value.shape[0], value.shape[1], size, value.shape[3])
+        if self._fixed:
+            # A fixed-shape read covers every position, the unwritten ones
+            # masked: they must hold finite numbers (a masked NaN key or value
+            # still gives NaN: 0 * NaN).
+            new_k, new_v = key.new_zeros(shape_k), value.new_zeros(shape_v)
+            self._pos = torch.zeros((), dtype=torch.int64, device=key.device)
+        else:
+            new_k, new_v = key.new_empty(shape_k), value.new_empty(shape_v)
+        if not compiling:
+            # Tell torch.compile the address is fixed: CUDA graphs then write
+            # into this storage rather than copy it in and out of their pool.
+            import torch._dynamo as dynamo  # imported here: eager-only code never needs it
+
+            for t in (new_k, new_v) if self._pos is None else (new_k, new_v, self._pos):
+                dynamo.mark_static_address(t)
+        self._kbuf, self._vbuf = new_k, new_v
+        return new_k, new_v
+
+    def _append_fixed(self, key: Tensor, value: Tensor, causal: bool) -> tuple[Tensor, Tensor, Tensor] | None:
+        """``update`` at one shape for every length, for a compiled or
+        CUDA-graph-captured step of a ``fixed_shape`` cache: the whole
+        capacity (B, G, C, d) and (B, G, C, d_v) with the bool (M, C) mask of
+        the positions each of the M new queries may attend (True = attend;
+        the causal rule when ``causal``). None when this call reads the
+        cached positions as usual (eager steps, other caches).
+        """
+        if not self._fixed or not (
+            torch.compiler.is_compiling() or (key.is_cuda and torch.cuda.is_current_stream_capturing())
+        ):
+            return None
+        cap = self._reserve
+        assert cap is not None  # required with static
+        kb, vb, pos = self._kbuf, self._vbuf, self._pos
+        if torch.is_grad_enabled() and (key.requires_grad or value.requires_grad):
+            return None  # update() raises its error
+        if kb is None or vb is None or pos is None:
+            # Nothing cached (the position is 0): allocate here. Unmarked storage
+            # under compilation; docs/torch.md advises an eager first call.
+            kb, vb = self._allocate(key, value, cap + 1, torch.compiler.is_compiling())
+            pos = self._pos
+            assert pos is not None  # made by _allocate with fixed_shape
+        elif (
+            key.dim() != 4
+            or value.dim() != 4
+            or kb.shape[:2] != key.shape[:2]
+            or key.shape[:3] != value.shape[:3]
+            or kb.shape[3] != key.shape[3]
+            or vb.shape[3] != value.shape[3]
+            or kb.dtype != key.dtype
+            or vb.dtype != value.dtype
+            or kb.device != key.device
+        ):
+            raise DamchaValueError(
+                invalid_argument(
+                    "key",
+                    "the batch, head count, head size, dtype and device of the fixed_shape `kv_cache`'s storage "
+                    "(a compiled step cannot reallocate it: run the first call of a sequence with other sizes "
+                    "uncompiled)",
+                    f"storage key shape {tuple(kb.shape)} {kb.dtype}, new key shape {tuple(key.shape)} {key.dtype}",
+                )
+            )
+        n = key.shape[2]
+        if n > cap:
+            raise DamchaValueError(
+                f"This call does not fit the static `kv_cache`: `capacity`={cap} positions and the call appends "
+                f"{int(n)}. Received: key.shape={tuple(int(s) for s in key.shape)}"
+            )
+        # Positions P .. P + n - 1 from the device tensor; the cap-position views
+        # make an index past the capacity an error (the free last position of
+        # the storage is not written).
+        at = pos + torch.arange(n, device=pos.device)
+        keys, values = kb.narrow(2, 0, cap), vb.narrow(2, 0, cap)
+        keys.index_copy_(2, at, key)
+        values.index_copy_(2, at, value)
+        last = at if causal else at[-1:].expand(n)
+        visible = torch.arange(cap, device=pos.device) <= last.unsqueeze(-1)
+        pos.add_(n)
+        self._length = -1  # the Python int is read back from _pos when asked (_synced)
+        return keys, values, visible
 
     def update(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
         """Append key (B, G, M, d) and value (B, G, M, d_v); return the full cache.
@@ -267,7 +405,7 @@ class DamchaKVCache:
             and key.device == ck.device == value.device
         ):
             # What every decoding step passes: the checks below in one expression.
-            return self._store(key, value, self._length)
+            return self._store(key, value, self._synced())
         key, value = _check_heads("key", key), _check_heads("value", value)
         if key.shape[:3] != value.shape[:3]:
             raise DamchaValueError(
@@ -285,7 +423,7 @@ class DamchaKVCache:
                     f"key {key.dtype} on {key.device}, value {value.dtype} on {value.device}",
                 )
             )
-        if ck is None or cv is None or self._length == 0:
+        if ck is None or cv is None or self._synced() == 0:
             return self._store(key, value, 0)
         if key.shape[:2] != ck.shape[:2] or key.shape[3:] != ck.shape[3:] or (value.shape[3:] != cv.shape[3:]):
             raise DamchaValueError(
@@ -306,7 +444,7 @@ class DamchaKVCache:
                     f"cached {ck.dtype} on {ck.device}, new {key.dtype} on {key.device}",
                 )
             )
-        return self._store(key, value, self._length)
+        return self._store(key, value, self._synced())
 
     def _extend(self, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
         """``update`` for the flat decoding step, whose key and value are plain
@@ -322,13 +460,21 @@ class DamchaKVCache:
             and cv.shape[3] == value.shape[3]
             and ck.get_device() == key.get_device()
         ):
-            return self._store(key, value, self._length)
+            P = self._length
+            return self._store(key, value, P if P >= 0 else self._synced())
         return self.update(key, value)
 
     def reset(self) -> None:
         """Forget every cached token. The storage is dropped (views handed out
         before stay as they were), except a static cache's, which is kept for
-        the next sequence (its views are then overwritten)."""
+        the next sequence (its views are then overwritten; a ``fixed_shape``
+        cache's is zeroed, as its masked positions must stay finite)."""
         if not self._static:
             self._kbuf = self._vbuf = None
+        elif self._fixed and self._kbuf is not None and self._vbuf is not None and self._pos is not None:
+            # In place, so the addresses stay those a CUDA graph recorded;
+            # storage made under inference_mode is written under it.
+            with torch.inference_mode() if self._kbuf.is_inference() else torch.no_grad():
+                for t in (self._kbuf, self._vbuf, self._pos):
+                    t.zero_()
         self._length = 0

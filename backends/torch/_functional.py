@@ -827,9 +827,18 @@ def attend_weights(
     if not need_weights:
         own = self_attention and mask is None and q.shape[1] == k.shape[1] and q.shape[-1] == v.shape[-1]
         guard = _guard(q, k, own_keys=own)
+    fixed = None
     if kv_cache is not None:
-        query_offset = query_offset + len(kv_cache)
-        k, v = kv_cache.update(k, v)
+        if mask is None and not need_weights and not query_offset and w.bias_k is None and not w.zero_attn:
+            # A compiled step of a fixed_shape cache: the whole capacity and the
+            # mask of its cached positions, never the length as a Python int.
+            fixed = kv_cache._append_fixed(k, v, causal)
+        if fixed is not None:
+            k, v, mask = fixed
+            causal = False
+        else:
+            query_offset = query_offset + len(kv_cache)
+            k, v = kv_cache.update(k, v)
     if w.bias_k is not None or w.zero_attn:
         k, v, mask, causal = _append_keys(w, k, v, mask, causal, query_offset, q.shape[-2])
     o, weights = _attend(
@@ -1117,7 +1126,7 @@ def damcha_attention(
             raise DamchaTypeError(
                 dc.invalid_argument("kv_cache", "a DamchaKVCache or None", f"kv_cache={describe(kv_cache)}")
             )
-    mask = _check_mask(mask, config, B, N, M + (0 if kv_cache is None else len(kv_cache)))
+    mask = _check_mask(mask, config, B, N, M + (0 if kv_cache is None or mask is None else len(kv_cache)))
     params, (x, c, vt) = _promote(params, x, c, vt)
     w = weights_from_canonical(params, config)
     y, weights = attend_weights(

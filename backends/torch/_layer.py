@@ -469,6 +469,8 @@ class DamchaAttention(CanonicalIO, nn.Module):
         every step (attributes, dict entries, dtypes: no tensor is made), so
         a parameter replaced, retyped or moved between steps is seen.
         """
+        if torch.compiler.is_compiling():
+            return None  # first: a compiled step then reads none of the memos below (no guard on them)
         if type(query) is not Tensor or type(kv_cache) is not DamchaKVCache or query.is_nested or query.dim() != 3:
             return None
         x = query if self.batch_first else query.transpose(0, 1)
@@ -493,14 +495,11 @@ class DamchaAttention(CanonicalIO, nn.Module):
             device = "cpu"
         elif x.is_cuda:
             device = "cuda"
+            if kv_cache._fixed and torch.cuda.is_current_stream_capturing():
+                return None  # a captured graph must not record the length: the fixed-shape read
         else:
             return None
-        if (
-            torch.is_autocast_enabled(device)
-            or torch.compiler.is_compiling()
-            or torch._C._is_tracing()
-            or torch._C._are_functorch_transforms_active()
-        ):
+        if torch.is_autocast_enabled(device) or torch._C._is_tracing() or torch._C._are_functorch_transforms_active():
             return None
         N = x.shape[1]
         if is_causal and N > 1 and len(kv_cache) > 0:
@@ -707,7 +706,6 @@ class DamchaAttention(CanonicalIO, nn.Module):
             raise DamchaTypeError(
                 dc.invalid_argument("kv_cache", "a DamchaKVCache or None", f"kv_cache={describe(kv_cache)}")
             )
-        offset = 0 if kv_cache is None else len(kv_cache)
         is_causal = bool(is_causal)
         mask = None
         if key_padding_mask is not None or attn_mask is not None:
@@ -721,7 +719,9 @@ class DamchaAttention(CanonicalIO, nn.Module):
                 attn_mask,
                 B,
                 N,
-                M + offset,
+                # The cache's length is read only here: a compiled step without
+                # masks never makes it a size of its graph (fixed_shape caches).
+                M + (0 if kv_cache is None else len(kv_cache)),
                 query.dtype,
                 names=_FORWARD_NAMES,
                 causal_hint=is_causal,
