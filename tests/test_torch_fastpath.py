@@ -299,11 +299,14 @@ def test_transformer_decoder_after_replace_mha_uses_the_causal_kernel(is_causal)
 # (the gate's (S, 1) view is kept by the layer) and one view; phi's norm
 # (vector_norm, hypot) once; one baddbmm per side with a view of its input and
 # of its output, or one for both when tied with one token (A read twice by an
-# as_strided, q and k split by a view and an unbind).
-# Measured when written: none 14, heads-tied 22, heads-separate 28, heads-query
+# as_strided, q and k split by a view and an unbind). Separate coupling scales
+# and gates both sides with one foreach call each.
+# Measured when written: none 14, heads-tied 22, heads-separate 26, heads-query
 # 22 (24, 30 and 23 before the gate views were kept and the tied product lost
-# its expand).
-DECODE_MARGIN = {"none": 0, "heads-tied": 8, "heads-separate": 14, "heads-query": 8}
+# its expand; separate 28 before the foreach calls). Without caching values
+# derived from the parameters (see the .data tests below) this is the floor
+# of the map: norm, hypot, GEMM, scaling, gate product, batched product.
+DECODE_MARGIN = {"none": 0, "heads-tied": 8, "heads-separate": 12, "heads-query": 8}
 DECODE_CONFIGS = {
     "none": dict(metric="none"),
     "heads-tied": dict(metric="heads", coupling="tied"),
@@ -364,7 +367,11 @@ def test_decode_step_aten_calls_stay_near_the_mha_step(name):
     assert ours["aten.linear"] == theirs["aten.linear"] + generators  # tied q and k: one generator GEMM
     # The head mix: one batched product (q and k together when tied), one gate product per generator.
     assert ours["aten.baddbmm"] == generators
-    assert ours["aten.mul"] == generators
+    if name == "heads-separate":  # both sides' scaling and gate products: one foreach call each
+        assert ours["aten._foreach_addcdiv"] == ours["aten._foreach_mul"] == 1, table
+        assert "aten.mul" not in ours and "aten.addcdiv" not in ours, table
+    else:
+        assert ours["aten.mul"] == generators
 
 
 @pytest.mark.parametrize("name", list(DECODE_CONFIGS))

@@ -883,7 +883,10 @@ def few_tokens_step(
     - q, k and v are read out of the packed projection's output by one
       ``as_strided`` each, straight in SDPA's (B, heads, N, d) layout (or the
       (T, S, d) layout of the head mix), where split/view/transpose took three;
-    - tied with one token, q and k are mixed by one batched product.
+    - tied with one token, q and k are mixed by one batched product;
+    - separate, the two sides' phi scaling and gate products are one foreach
+      call each (``torch._foreach_addcdiv``/``_foreach_mul``: one dispatch for
+      both sides, the same kernels).
     Nothing computed from the parameters is kept between steps (the layer
     keeps only views of its gates, which share their storage): a cache keyed
     on their version would miss writes through ``.data`` (an EMA update, a
@@ -928,23 +931,31 @@ def few_tokens_step(
             q = mixed.as_strided((1, H, 1, d), (H * d, d, d, 1), 0)
             k = mixed.as_strided((1, H, 1, d), (H * d, d, d, 1), H * d)
         else:
-            gA_q = None
-            if mq is not None:
+            gA_q = gA_k = None
+            if mq is not None and mk is not None and mk is not mq:
+                # Separate coupling: both sides' phi scaling in one call and both
+                # gate products in another (foreach ops: one dispatch for the two).
+                (w_q, b_q, g_q), (w_k, b_k, g_k) = mq, mk
+                A_q, A_k = torch._foreach_addcdiv(
+                    [b_q, b_k], [F.linear(x, w_q), F.linear(x, w_k)], [denom, denom], root
+                )
+                gA_q, gA_k = torch._foreach_mul([A_q.view(T, H, H), A_k.view(T, G, G)], [g_q, g_k])
+            elif mq is not None:
                 weight, bias, gate = mq
                 gA_q = torch.addcdiv(bias, F.linear(x, weight), denom, value=root).view(T, H, H) * gate
+                gA_k = gA_q if mk is mq else None
+            elif mk is not None:
+                weight, bias, gate = mk
+                gA_k = torch.addcdiv(bias, F.linear(x, weight), denom, value=root).view(T, G, G) * gate
+            if gA_q is not None:
                 flat = qkv.as_strided((T, H, d), (width, d, 1), at)
                 q = torch.baddbmm(flat, gA_q, flat)
                 q = q.view(B, H, 1, d) if N == 1 else q.view(B, N, H, d).transpose(1, 2)
             else:
                 q = qkv.as_strided((B, H, N, d), (N * width, d, width, 1), at)
-            if mk is not None:
-                if mk is mq:
-                    gA_k = gA_q
-                else:
-                    weight, bias, gate = mk
-                    gA_k = torch.addcdiv(bias, F.linear(x, weight), denom, value=root).view(T, G, G) * gate
+            if gA_k is not None:
                 flat = qkv.as_strided((T, G, d), (width, d, 1), at + H * d)
-                k = torch.baddbmm(flat, gA_k, flat)  # type: ignore[arg-type]
+                k = torch.baddbmm(flat, gA_k, flat)
                 k = k.view(B, G, 1, d) if N == 1 else k.view(B, N, G, d).transpose(1, 2)
             else:
                 k = qkv.as_strided((B, G, N, d), (N * width, d, width, 1), at + H * d)
