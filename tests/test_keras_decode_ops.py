@@ -1,6 +1,11 @@
 """The per-step work of DamchaAttention's cache path on TensorFlow (issue 12,
 decoding at B=1): counted in the traced graph of a step, never timed.
 
+An eager step (B=1, an int index, as a Python decoding loop calls it) runs no
+more eager TensorFlow ops than Keras MHA's step on a KerasHub-style cache, and
+reads no variable but the projections' (the map's compiled function reads its
+weights itself), counted with TensorFlow's op callbacks.
+
 A step writes the new tokens' mapped keys and values with one slice update of
 the whole (B, 2, L, G, d) cache and reads both halves back with one unstack (no
 per-half slices, no casts when the dtypes agree); its causal rule over the cache
@@ -109,4 +114,73 @@ def test_counted_cache_steps_equal_the_reference(mode):
         ys.append(np.asarray(y))
     np.testing.assert_allclose(
         np.concatenate(ys, axis=1), dc.damcha_attention(params, cfg, x, causal=True), rtol=1e-10, atol=1e-12
+    )
+
+
+def _eager_op_types(fn) -> list[str]:
+    """The types of the TensorFlow ops ``fn()`` runs eagerly, in order (a compiled
+    function's call counts as one op, named after its graph)."""
+    from tensorflow.python.framework import op_callbacks
+
+    seen: list[str] = []
+
+    def record(op_type, inputs, attrs, outputs, op_name=None, graph=None):
+        if graph is None:
+            seen.append(op_type)
+
+    op_callbacks.add_op_callback(record)
+    try:
+        fn()
+    finally:
+        op_callbacks.remove_op_callback(record)
+    return seen
+
+
+def _mha_step(mha: keras.layers.MultiHeadAttention, x, cache, index: int, mask):
+    """Keras MHA's decoding step on a KerasHub-style cache (B, 2, L, H, d) (as
+    ``keras_hub.layers.CachedMultiHeadAttention`` writes it): the new keys and
+    values written with ``slice_update``, MHA's own attention over the whole
+    cache with an explicit mask."""
+    ops = keras.ops
+    q = mha.query_dense(x)
+    k = ops.slice_update(cache[:, 0], (0, index, 0, 0), mha.key_dense(x))
+    v = ops.slice_update(cache[:, 1], (0, index, 0, 0), mha.value_dense(x))
+    out, _ = mha._compute_attention(q, k, v, attention_mask=mask, training=False)
+    return mha.output_dense(out), ops.stack([k, v], axis=1)
+
+
+def test_eager_step_runs_no_more_ops_than_keras_mha_and_reads_only_the_projections():
+    """Counted, not timed: an eager decoding step of a converted MHA (gates open)
+    runs at most as many eager TensorFlow ops as the MHA's own step on the same
+    cache layout, its variable reads are exactly the four projections' kernels
+    and biases (the map's three weights are read inside its compiled function;
+    before: three eager ReadVariableOps more per step), and the steps equal the
+    NumPy reference."""
+    mha = keras.layers.MultiHeadAttention(H, D, dtype="float64")
+    x = np.random.default_rng(7).normal(size=(B, L, E))
+    mha(x[:, :1], x[:, :1])
+    layer = DamchaAttention.from_mha(mha)
+    params = {k: np.full_like(v, 0.5) if k.endswith(".gate") else v for k, v in layer.to_canonical().items()}
+    layer.load_canonical(params)
+    cache, mha_cache = layer.init_cache(B, L), tf.zeros((B, 2, L, H, D), "float64")
+    ys, counts = [], {}
+    for i in range(L):
+        t = tf.constant(x[:, i : i + 1])
+        mask = tf.constant(np.arange(L)[None, None, :] <= i)
+        if i == 3:  # a steady-state step (the map traced at step 0)
+            counts["damcha"] = _eager_op_types(
+                lambda t=t, c=cache, i=i: layer(t, t, use_causal_mask=True, cache=c, cache_update_index=i)
+            )
+            counts["mha"] = _eager_op_types(lambda t=t, c=mha_cache, i=i, m=mask: _mha_step(mha, t, c, i, m))
+        y, cache = layer(t, t, use_causal_mask=True, cache=cache, cache_update_index=i)
+        _, mha_cache = _mha_step(mha, t, mha_cache, i, mask)
+        ys.append(np.asarray(y))
+    ours, theirs = counts["damcha"], counts["mha"]
+    assert ours.count("ReadVariableOp") == theirs.count("ReadVariableOp") == 8, (ours, theirs)
+    assert len(ours) <= len(theirs), (ours, theirs)
+    np.testing.assert_allclose(
+        np.concatenate(ys, axis=1),
+        dc.damcha_attention(params, layer.config, x, causal=True),
+        rtol=1e-10,
+        atol=1e-12,
     )

@@ -88,6 +88,8 @@ def _case(name):
     pad_k = _padding([M, M - 1, 2], M)
     am_full = r.random((B, N, N)) < 0.7
     am_full[:, :, 0] = True
+    am_empty_row = am_full.copy()
+    am_empty_row[1, 2] = False  # query 2 of batch 1 sees no key: its output is the bias
     cases = {
         "causal": (False, dict(use_causal_mask=True), None, True, ("causal", None)),
         "causal+padding": (
@@ -138,7 +140,7 @@ def _case(name):
             dict(use_causal_mask=True, attention_mask=am_full),
             am_full[:, None],
             True,
-            ("plain", "full"),
+            ("causal", "full"),
         ),
         "explicit-causal-bool": (False, dict(attention_mask=_tril(N, N)), None, True, ("causal", None)),
         "explicit-causal-float": (
@@ -174,6 +176,13 @@ def _case(name):
             False,
             dict(attention_mask=_tril(N, N) & ~np.eye(N, k=-1, dtype=bool)),
             (_tril(N, N) & ~np.eye(N, k=-1, dtype=bool))[None, None],
+            False,
+            ("plain", "full"),
+        ),
+        "general-mask-with-an-empty-row": (
+            False,
+            dict(attention_mask=am_empty_row),
+            am_empty_row[:, None],
             False,
             ("plain", "full"),
         ),
@@ -219,6 +228,7 @@ CASES = [
     "explicit-query-and-key-padding",
     "explicit-causal+use_causal_mask",
     "almost-causal",
+    "general-mask-with-an-empty-row",
     "cross+key-padding",
     "cross+query+key-padding",
     "cross+rectangular-mask",
@@ -323,8 +333,8 @@ def test_fast_path_equals_reference_and_explicit_path(name, kernel_calls):
     if g_fast is not None:
         for a, b, var in zip(g_fast, g_explicit, ["query", "value"] + [v.path for v in layer.trainable_variables]):
             _grads_close(a, b, var)
-    if name == "causal+left-padding":  # the case really has rows that see nothing
-        seen = (ref_mask & _tril(N, N)).any(-1)[:, 0]
+    if name in ("causal+left-padding", "general-mask-with-an-empty-row"):  # the cases really have rows that see nothing
+        seen = (ref_mask & (_tril(N, N) if causal else True)).any(-1)[:, 0]
         assert not seen.all()
         _close(y_fast[~seen], np.broadcast_to(params["output.bias"], y_fast[~seen].shape), "rows that see nothing")
 
@@ -458,7 +468,7 @@ def test_other_keras_backends_take_the_same_fast_paths():
                 "-p",
                 "no:cacheprovider",
                 "-k",
-                "not tf_graph and not other_keras_backends",
+                "not tf_graph and not tf_eager and not other_keras_backends",
                 "-W",
                 "ignore::DeprecationWarning",
             ],
@@ -602,3 +612,153 @@ def test_tf_graph_map_passes_over_the_tokens_once():
         rtol=1e-4,
         atol=1e-5,
     )
+
+
+def _eager_op_types(fn):
+    """The types of the TensorFlow ops ``fn()`` runs eagerly, in order (a compiled
+    function's call counts as one op, named after its graph)."""
+    from tensorflow.python.framework import op_callbacks
+
+    seen = []
+
+    def record(op_type, inputs, attrs, outputs, op_name=None, graph=None):
+        if graph is None:
+            seen.append(op_type)
+
+    op_callbacks.add_op_callback(record)
+    try:
+        fn()
+    finally:
+        op_callbacks.remove_op_callback(record)
+    return seen
+
+
+@TF_ONLY
+@pytest.mark.parametrize("dtype", ["float", "bool"])
+def test_tf_eager_causal_attention_mask_costs_no_op(dtype, kernel_calls):
+    """Counted, not timed: an eager ``attention_mask=ops.tril(ops.ones((N, N)))``
+    (float or cast to bool) is read on the host and never converted or expanded
+    into a 4-D tensor, so the call runs exactly the eager ops of
+    ``use_causal_mask=True`` (before: a conversion and two expand_dims more)."""
+    import tensorflow as tf
+
+    layer, params, cfg = _layer(cross=False)
+    x = tf.constant(rng(14).normal(size=(B, N, E)))
+    mask = keras.ops.tril(keras.ops.ones((N, N), dtype=DTYPE))
+    mask = mask if dtype == "float" else keras.ops.cast(mask, "bool")
+    for _ in range(2):  # traces and first-call work out of the way
+        layer(x, x, attention_mask=mask), layer(x, x, use_causal_mask=True)
+    kernel_calls.clear()
+    masked = _eager_op_types(lambda: layer(x, x, attention_mask=mask))
+    causal = _eager_op_types(lambda: layer(x, x, use_causal_mask=True))
+    assert kernel_calls == [(True, None)] * 2, kernel_calls
+    assert masked == causal, (masked, causal)
+    _close(np_(layer(x, x, attention_mask=mask)), dc.damcha_attention(params, cfg, np_(x), causal=True))
+
+
+@TF_ONLY
+@pytest.mark.parametrize("dtype", ["float", "bool"])
+def test_tf_eager_general_mask_costs_no_op_beyond_mha(dtype):
+    """Counted, not timed: an eager ``attention_mask`` of no causal/padding form
+    (values on the host, every row sees a key) reaches the kernel as it is. The
+    eager ops a DAMCHA call with it runs beyond its ``use_causal_mask=True`` call
+    are among those Keras MHA's runs beyond its own (the mask's expand_dims, the
+    kernel's mask handling), no more: no zeroing of empty rows (before: an any,
+    a transpose, a cast and a product per call), no second mask."""
+    import collections
+
+    import tensorflow as tf
+
+    x = tf.constant(rng(16).normal(size=(B, N, E)).astype(DTYPE))
+    mha = keras.layers.MultiHeadAttention(H, D, dtype=DTYPE)
+    mha(x, x)
+    layer = DamchaAttention.from_mha(mha)
+    mask = rng(17).random((N, N)) < 0.6
+    mask[:, 0] = True
+    mask = tf.constant(mask if dtype == "bool" else mask.astype(DTYPE))
+    deltas = {}
+    for name, attn in (("damcha", layer), ("mha", mha)):
+        for _ in range(2):
+            attn(x, x, attention_mask=mask), attn(x, x, use_causal_mask=True)
+        masked = collections.Counter(_eager_op_types(lambda a=attn: a(x, x, attention_mask=mask)))
+        causal = collections.Counter(_eager_op_types(lambda a=attn: a(x, x, use_causal_mask=True)))
+        deltas[name] = (masked - causal, causal - masked)
+    (ours_more, ours_fewer), (theirs_more, theirs_fewer) = deltas["damcha"], deltas["mha"]
+    assert not ours_more - theirs_more, deltas
+    assert ours_fewer == theirs_fewer, deltas
+    want = dc.damcha_attention(
+        {k: v.astype(np.float64) for k, v in layer.to_canonical().items()},
+        layer.config,
+        np_(x),
+        mask=np.asarray(mask, bool),
+    )
+    _close(np_(layer(x, x, attention_mask=mask)), want)
+
+
+@TF_ONLY
+@pytest.mark.parametrize("dtype", ["float", "bool"])
+def test_tf_graph_causal_mask_made_in_the_traced_call_takes_the_causal_kernel(dtype, kernel_calls):
+    """``ops.tril(ops.ones((N, N)))`` made inside a traced call (a layer's call in a
+    compiled ``predict``/``fit``) is a constant of the graph: its values are read
+    when tracing, so it reaches the kernel as ``is_causal`` with no mask, and the
+    graph runs exactly the compute ops of ``use_causal_mask=True`` (before: the
+    full mask, the 0/1 check of a float mask and the zeroing of empty rows)."""
+    import tensorflow as tf
+
+    layer, params, cfg = _layer(cross=False)
+    x = tf.constant(rng(15).normal(size=(B, N, E)))
+
+    def masked():
+        mask = keras.ops.tril(keras.ops.ones((N, N), dtype=DTYPE))
+        return layer(x, x, attention_mask=mask if dtype == "float" else keras.ops.cast(mask, "bool"))
+
+    kernel_calls.clear()
+    y = tf.function(masked)()
+    assert kernel_calls == [(True, None)], kernel_calls
+    _close(np_(y), dc.damcha_attention(params, cfg, np_(x), causal=True))
+    ours = sorted(op.type for op in _graph_ops(masked))
+    assert ours == sorted(op.type for op in _graph_ops(lambda: layer(x, x, use_causal_mask=True))), ours
+
+
+@TF_ONLY
+def test_tf_graph_band_masks_are_read_when_tracing():
+    """``host_values`` reads the masks Keras users build in a traced call
+    (``ops.tril``/``ops.triu`` of ``ops.ones``, cast, expanded, reshaped or
+    broadcast) as NumPy, equal to NumPy's own; a mask that depends on an input
+    is not known (None)."""
+    import tensorflow as tf
+
+    o = keras.ops
+    one = lambda *shape: np.ones(shape, "float32")  # noqa: E731 - ops.ones makes float32
+    built = {
+        "tril": (lambda: o.tril(o.ones((4, 6))), np.tril(one(4, 6))),
+        "tril 40x40 (a Fill, not a constant)": (lambda: o.tril(o.ones((40, 40))), np.tril(one(40, 40))),
+        "tril k=2": (lambda: o.tril(o.ones((4, 6)), 2), np.tril(one(4, 6), 2)),
+        "triu k=-1 bool": (lambda: o.cast(o.triu(o.ones((5, 3)), -1), "bool"), np.triu(one(5, 3), -1) > 0),
+        "triu expanded": (lambda: o.expand_dims(o.triu(o.ones((3, 3))), 0), np.triu(one(3, 3))[None]),
+        "tril broadcast": (
+            lambda: o.broadcast_to(o.reshape(o.tril(o.ones((3, 4))), (1, 3, 4)), (2, 3, 4)),
+            np.broadcast_to(np.tril(one(3, 4)), (2, 3, 4)),
+        ),
+    }
+    for name, (make, want) in built.items():
+        got = _traced_host_values(make)
+        np.testing.assert_array_equal(got, want, err_msg=name)
+        assert got.dtype == want.dtype, name
+    assert _traced_host_values(o.tril, tf.TensorSpec((3, 3), "float32")) is None
+
+
+def _traced_host_values(make, *specs):
+    """``host_values`` of ``make(*inputs)`` while tracing a tf.function of ``specs``."""
+    import tensorflow as tf
+
+    from damcha_keras._functional import host_values
+
+    got = []
+
+    def probe(*inputs):
+        got.append(host_values(make(*inputs)))
+        return tf.constant(0)
+
+    tf.function(probe, autograph=False).get_concrete_function(*specs)
+    return got[0]

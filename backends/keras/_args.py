@@ -249,6 +249,26 @@ def check_inputs(
     _masks.check_shapes(masks, layout, config.num_heads, query, value, N, M, kv_len)
 
 
+def input_signature(query: Any, value: Any, key: Any, masks: dict[str, Any], kv_len: int | None) -> tuple | None:
+    """What ``check_inputs`` reads of a call, as a hashable key: each tensor's
+    shape and dtype (None for an absent one) and ``kv_len``; None when a dim
+    is not a plain int (symbolic: no key, the call is checked as it is).
+
+    ``check_inputs`` depends on nothing else once the layer is built, so a
+    layer checks a signature once: a decoding loop's steps (one shape) are
+    checked at the first step, not re-validated at every token."""
+    parts: list[Any] = [kv_len]
+    for x in (query, value, key, *masks.values()):
+        if x is None:
+            parts.append(None)
+            continue
+        shape = tuple(getattr(x, "shape", (None,)))
+        if not all(type(d) is int for d in shape):
+            return None
+        parts.append((shape, x.dtype))
+    return tuple(parts)
+
+
 def _size(dims: list[int | None]) -> int | None:
     """The number of positions over ``dims``; None if one is unknown."""
     known = [s for s in dims if s is not None]

@@ -178,7 +178,8 @@ def compiled(fn: Callable, *args: Any) -> Any:
     map: eager Keras pays a dispatch per op, a compiled call pays one. When
     already traced (``tf.function``, ``jit``, export) and on torch, ``fn`` runs
     as it is. Compiled once per layer geometry and dtypes (jax: and per shape).
-    ``args``: tokens (B, T, E), the generator's kernel and bias, the gate, then
+    ``args``: tokens (B, T, E), the generator's kernel and bias, the gate
+    (tensors, or on TensorFlow the ``tf.Variable``s from ``map_weights``), then
     heads (B, T, S, d)."""
     backend = keras.backend.backend()
     if backend == "torch":
@@ -198,21 +199,71 @@ def compiled(fn: Callable, *args: Any) -> Any:
     # One function per layer geometry (the weights' shapes, the heads' sizes, the
     # dtypes): only the batch and length dims of the tokens and heads vary within it.
     varying = [i == 0 or i > 3 for i in range(len(args))]
-    key = (fn, backend, tuple((tuple(a.shape[2:] if v else a.shape), dtype_name(a)) for a, v in zip(args, varying)))
-    call = _COMPILED.get(key)
+    key = (
+        fn,
+        backend,
+        tuple((tuple(a.shape[2:] if v else a.shape), dtype_name(a), _is_tf_variable(a)) for a, v in zip(args, varying)),
+    )
+    call: Any = _COMPILED.get(key)
     if call is None:
         if backend == "tensorflow":
             # One concrete function traced for any batch and length: calling it skips
             # tf.function's per-call signature matching, a large part of an eager
-            # call's cost at short lengths.
+            # call's cost at short lengths. A variable is traced as itself: an input
+            # of the function (any variable of its shape and dtype), not a capture.
             specs = [
-                tf.TensorSpec((None, None, *a.shape[2:]) if v else a.shape, a.dtype) for a, v in zip(args, varying)
+                a if _is_tf_variable(a) else tf.TensorSpec((None, None, *a.shape[2:]) if v else a.shape, a.dtype)
+                for a, v in zip(args, varying)
             ]
             call = tf.function(fn, autograph=False).get_concrete_function(*specs)
         else:
             call = jax.jit(fn)
         _COMPILED[key] = call
+    if backend == "tensorflow" and not _tape_may_record() and hasattr(call, "_call_flat"):
+        # The flat call (what ConcreteFunction.__call__ ends in, without binding the
+        # arguments to the Python signature: about a thousand Python calls fewer). With
+        # no tape recording, nothing needs the variables marked as read.
+        flat = [a.handle if _is_tf_variable(a) else a for a in args]
+        if all(isinstance(a, tf.Tensor) for a in flat):
+            return call._call_flat(flat, call.captured_inputs)
     return call(*args)
+
+
+def _is_tf_variable(x: Any) -> bool:
+    if keras.backend.backend() != "tensorflow":
+        return False
+    import tensorflow as tf
+
+    return isinstance(x, tf.Variable)
+
+
+def _tape_may_record() -> bool:
+    """Whether a TensorFlow gradient tape is active (True when it cannot be told)."""
+    try:
+        from tensorflow.python.eager import record
+    except ImportError:  # pragma: no cover - a TensorFlow without the module: the safe answer
+        return True
+    return bool(record.could_possibly_record())
+
+
+def map_weights(variables: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The map's weights (the generator's kernel and bias, the gate) as
+    ``compiled`` takes them. On eager TensorFlow with no gradient tape
+    recording, the ``tf.Variable``s themselves: the compiled function reads
+    them, where reading them first costs an eager ``ReadVariableOp`` each per
+    call. Otherwise (a tape, a trace, another backend, a dtype policy that
+    casts the variables) their values as tensors."""
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        if tf.executing_eagerly():
+            # A Keras variable's value: its tf.Variable, or under a dtype policy's
+            # autocast the variable cast to the compute dtype.
+            values = tuple(getattr(v, "value", v) for v in variables)
+            if not _tape_may_record() and all(isinstance(v, tf.Variable) for v in values):
+                return values
+            return tuple(tf.convert_to_tensor(v) for v in values)
+    return tuple(ops.convert_to_tensor(v) for v in variables)
 
 
 _COMPILED: dict = {}
@@ -353,7 +404,9 @@ def host_values(mask: Any) -> np.ndarray | None:
             import tensorflow as tf
 
             if not tf.executing_eagerly():
-                return tf.get_static_value(mask)  # a constant of the graph (a NumPy mask): known when tracing
+                # A constant of the graph (a NumPy mask, ops.tril(ops.ones(...)) made in
+                # the traced call): known when tracing.
+                return _tf_static_value(mask)
             if "GPU" in mask.device or "TPU" in mask.device:
                 return None
             return mask.numpy()
@@ -372,6 +425,44 @@ def host_values(mask: Any) -> np.ndarray | None:
     except Exception:  # noqa: BLE001 - a symbolic or fake tensor: its values are not known
         return None
     return None
+
+
+def _tf_static_value(tensor: Any, depth: int = 0) -> np.ndarray | None:
+    """A traced TensorFlow tensor's value when the graph holds it as constants:
+    ``tf.get_static_value``, which also folds the few ops a mask built inside a
+    traced call is made of: ``ops.tril``/``ops.triu`` of ``ops.ones`` (a
+    ``MatrixBandPart`` of a ``Fill``), casts, ``expand_dims``, ``reshape`` and
+    ``broadcast_to``. None when any input is not a constant."""
+    import tensorflow as tf
+
+    value = tf.get_static_value(tensor)
+    if value is not None or depth > 8 or not hasattr(tensor, "op"):
+        return value
+    op = tensor.op
+    if op.type not in _FOLDED_OPS:
+        return None
+    inputs: list[Any] = [_tf_static_value(t, depth + 1) for t in op.inputs]
+    if any(v is None for v in inputs):
+        return None
+    x = np.asarray(inputs[0])
+    if op.type == "Identity":
+        return x
+    if op.type == "Cast":
+        return x.astype(tensor.dtype.as_numpy_dtype)
+    if op.type == "MatrixBandPart":
+        # TensorFlow's rule: (i, j) is kept iff (lower < 0 or i - j <= lower) and (upper < 0 or j - i <= upper).
+        lower, upper = int(inputs[1]), int(inputs[2])
+        offset = np.arange(x.shape[-2])[:, None] - np.arange(x.shape[-1])[None, :]
+        band = ((lower < 0) | (offset <= lower)) & ((upper < 0) | (-offset <= upper))
+        return np.where(band, x, np.zeros((), x.dtype))
+    if op.type == "ExpandDims":
+        return np.expand_dims(x, int(inputs[1]))
+    if op.type == "Reshape":
+        return x.reshape(tuple(int(d) for d in np.asarray(inputs[1]).ravel()))
+    return np.broadcast_to(x, tuple(int(d) for d in np.asarray(inputs[1]).ravel()))  # BroadcastTo
+
+
+_FOLDED_OPS = ("Identity", "Cast", "MatrixBandPart", "ExpandDims", "Reshape", "BroadcastTo")
 
 
 @functools.lru_cache(maxsize=4)

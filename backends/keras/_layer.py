@@ -222,6 +222,8 @@ class DamchaAttention(keras.layers.Layer):
         # Set by from_canonical/from_mha, whose values overwrite the initial ones:
         # zeros skip the random draws (slow to compile per shape on JAX).
         self._zero_init = False
+        # Input signatures already checked (``_check_inputs``); the checks depend on the built config only.
+        self._checked: set[tuple] = set()
 
     # ------------------------------------------------------------ properties
 
@@ -312,6 +314,7 @@ class DamchaAttention(keras.layers.Layer):
             dropout=self._dropout,
         )
         self._layout = F.Layout(len(query_shape), _args.resolve_axes(self._attention_axes, len(query_shape)))
+        self._checked.clear()
         cfg = self.config
         H, G, d, d_v = cfg.num_heads, cfg.num_kv_heads, cfg.key_dim, cfg.value_dim
         dense = lambda equation, shape, axes, name, **kw: keras.layers.EinsumDense(  # noqa: E731
@@ -417,9 +420,9 @@ class DamchaAttention(keras.layers.Layer):
         )
 
     def _map_weights(self, side: str) -> tuple[Any, Any, Any]:
-        """The generator's kernel and bias and the gate of ``side``, as tensors."""
+        """The generator's kernel and bias and the gate of ``side``, for ``F.compiled`` (``F.map_weights``)."""
         generator = self._generators[side]
-        return tuple(ops.convert_to_tensor(w) for w in (generator.kernel, generator.bias, self._gates[side]))
+        return F.map_weights((generator.kernel, generator.bias, self._gates[side]))
 
     def _attend(
         self,
@@ -586,7 +589,7 @@ class DamchaAttention(keras.layers.Layer):
             self._compute_attention(None, None, None, return_attention_scores=True)  # raises
         masks = dict(query_mask=query_mask, value_mask=value_mask, key_mask=key_mask, attention_mask=attention_mask)
         kv_len = self._check_cache(query, value, masks, use_causal_mask, cache, cache_update_index)
-        _args.check_inputs(self._built_config, self._layout, query, value, key, masks, kv_len)
+        self._check_inputs(query, value, key, masks, kv_len)
         masks, poison, mask_values = _masks.read_masks(masks)
         # The masks are consumed here (as MHA does): the projections must not
         # see them (they do not support masking and would warn).
@@ -643,6 +646,17 @@ class DamchaAttention(keras.layers.Layer):
         if cache is not None:
             result = result + (cache,)
         return result if len(result) > 1 else y
+
+    def _check_inputs(self, query: Any, value: Any, key: Any, masks: dict[str, Any], kv_len: int | None) -> None:
+        """``_args.check_inputs``, once per input signature (shapes and dtypes)."""
+        signature = _args.input_signature(query, value, key, masks, kv_len)
+        if signature is not None and signature in self._checked:
+            return
+        _args.check_inputs(self._built_config, self._layout, query, value, key, masks, kv_len)
+        if signature is not None:
+            if len(self._checked) >= 64:  # bounded: a layer called with ever new shapes
+                self._checked.clear()
+            self._checked.add(signature)
 
     # ------------------------------------------------------------ decoding
 

@@ -31,7 +31,13 @@ MASK_EXPECTED = "boolean, or integer/float with values 0 and 1 (True / 1 = may a
 class CallMasks(NamedTuple):
     """A call's masks, boolean and folded to rank-3 token layout, and
     ``values``: the attention mask's values as boolean (B|1, H|1, N, M) NumPy
-    when they are known on the host at no cost (else None)."""
+    when they are known on the host at no cost (else None).
+
+    ``attention_mask`` keeps its Keras shape ((N, M), (B, N, M) or
+    (B|1, H|1, N, M); ``F.as_4d`` reads it as 4-D) and, when its values are
+    known on the host, may be that NumPy array: it becomes a tensor only where
+    the call needs it as one (``hook_mask``, a key-only mask in
+    ``kernel_plan``), so a mask the fused kernel reads as causal costs no op."""
 
     query_mask: Any
     value_mask: Any
@@ -172,8 +178,12 @@ def read_masks(masks: dict[str, Any]) -> tuple[dict[str, Any], Any, np.ndarray |
         else:
             wrong = ops.any(ops.logical_and(ops.not_equal(m, 0), ops.not_equal(m, 1)))
             bad = wrong if bad is None else ops.logical_or(bad, wrong)
-        # Values on the host: the boolean mask is a constant (no op in a traced graph).
-        out[name] = ops.not_equal(m, 0) if on_host is None else ops.convert_to_tensor(nonzero)
+        # Values on the host: the boolean mask is a constant (no op in a traced graph);
+        # the attention mask stays NumPy until a full mask is needed (CallMasks).
+        if on_host is None:
+            out[name] = ops.not_equal(m, 0)
+        else:
+            out[name] = nonzero if name == "attention_mask" else ops.convert_to_tensor(nonzero)
     return out, bad, host
 
 
@@ -181,9 +191,11 @@ def fold(
     layout: F.Layout, masks: dict[str, Any], values: np.ndarray | None, query: Any, value: Any, num_heads: int
 ) -> CallMasks:
     """The boolean masks of ``read_masks`` in the layout the attention runs in
-    (rank-3 tokens); ``values`` are kept, as 4-D, for unfolded inputs only."""
+    (rank-3 tokens); ``values`` are kept, as 4-D, for unfolded inputs only.
+    An unfolded attention mask keeps its Keras shape (``CallMasks``): no
+    expand_dims unless it is read as a full mask."""
     attention_mask = masks["attention_mask"]
-    if attention_mask is not None:
+    if attention_mask is not None and layout.folded:
         attention_mask = layout.fold_attention_mask(attention_mask, query, value, num_heads)
     if values is not None and not layout.folded:
         while values.ndim < 4:  # as F.as_4d: (N, M) -> (1, 1, N, M), (B, N, M) -> (B, 1, N, M)
@@ -220,13 +232,19 @@ def kernel_plan(
     (Keras fills them from ``Embedding(mask_zero=True)``), and an
     ``attention_mask`` whose values are known on the host (``masks.values``)
     and are exactly causal and/or padding (``F.split_mask``:
-    ``ops.tril(ops.ones((N, N)))``, a causal-and-padding mask). A decoding
-    step's causal rule over the cache is one comparison against a cached
-    (N, L) offset table. Anything else (an attention mask of another form or
-    traced, a sliding window) needs the full boolean mask (``hook_mask``).
+    ``ops.tril(ops.ones((N, N)))``, a causal-and-padding mask). Such a mask
+    of any other form (the only mask, with or without ``use_causal_mask``)
+    reaches the kernel as it is, its empty rows read from its values
+    (``_general_plan``). A decoding step's causal rule over the cache is one
+    comparison against a cached (N, L) offset table. Anything else (an
+    attention mask that is traced or beside other masks, a sliding window)
+    needs the full boolean mask (``hook_mask``).
     """
     query_mask, value_mask, key_mask, attention_mask = masks[:4]
-    over_queries = attention_mask is not None and static_shape(attention_mask)[2] != 1
+    # The query dim is the second to last in every Keras mask shape.
+    over_queries = attention_mask is not None and static_shape(attention_mask)[-2] != 1
+    if attention_mask is not None and not over_queries:
+        attention_mask = F.as_4d(ops.convert_to_tensor(attention_mask))
     key_part, rows, causal = attention_mask, None, use_causal_mask
     if over_queries and masks.values is not None and cache is None and window is None:
         parts = F.split_mask(masks.values)
@@ -234,6 +252,13 @@ def kernel_plan(
             rows, key_part, split_causal = parts
             key_part = None if key_part is None else ops.convert_to_tensor(key_part)
             over_queries, causal = False, causal or split_causal
+        elif (
+            query_mask is None
+            and value_mask is None
+            and key_mask is None
+            and (not causal or (n_static is not None and n_static == m_static))
+        ):
+            return _general_plan(attention_mask, masks.values, causal)
     if (
         cache is None
         and window is None
@@ -261,6 +286,18 @@ def kernel_plan(
     return None
 
 
+def _general_plan(attention_mask: Any, values: np.ndarray, causal: bool) -> KernelPlan:
+    """A mask of no causal/padding form whose values are on the host: the
+    kernel takes it as it is (as MHA's takes it, with ``is_causal`` beside it),
+    and which query rows see no key is read from the values, so the zeroing of
+    such rows (the all-masked-row rule) costs no op when there are none, the
+    usual case."""
+    visible = values & F._tri(values.shape[-1]) if causal else values
+    seen = visible.any(axis=-1)  # (B|1, H|1, N)
+    keep = None if seen.all() else ops.convert_to_tensor(np.transpose(seen, (0, 2, 1))[..., None])
+    return KernelPlan(F.as_4d(ops.convert_to_tensor(attention_mask)), causal, keep)
+
+
 def hook_mask(
     masks: CallMasks,
     q_in: Any,
@@ -277,6 +314,8 @@ def hook_mask(
     hook as ``use_causal_mask=True`` with no mask, as in MHA (not for a
     subclass that overrides the hook: it gets the full mask)."""
     n_static, m_static = static_shape(q_in)[1], static_shape(v_in)[1]
+    if masks.attention_mask is not None:
+        masks = masks._replace(attention_mask=ops.convert_to_tensor(masks.attention_mask))
     causal_only = (
         use_causal_mask
         and not overridden
