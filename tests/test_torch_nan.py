@@ -146,3 +146,38 @@ def test_encoder_stack_with_a_nan_weight_gives_nan_loss_and_all_masked_rows_stay
         enc.layers[0].self_attn.metric_generators["qk"].bias[0] = float("nan")
         enc.layers[0].self_attn.metric_gates["qk"].fill_(0.5)
     assert torch.isnan(enc(x)).all()
+
+
+@pytest.mark.parametrize("batch_first", [True, False], ids=["batch-first", "seq-first"])
+@pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "training"])
+def test_a_nan_query_gives_nan_in_its_own_output_row_only(batch_first, grad):
+    """Cross-attention without a mask guards the output rows (the fused path's
+    NaN guard on y, not on o): the row of a NaN query is NaN, in either token
+    layout, and every other row, which reads only finite keys, stays finite;
+    a NaN key of the context makes its whole batch entry NaN."""
+    torch.manual_seed(0)
+    layer = DamchaAttention(E, H, batch_first=batch_first).train(grad)
+    with torch.no_grad():
+        for gate in layer.metric_gates.values():
+            gate.fill_(0.5)
+    x, c = torch.randn(2, 5, E), torch.randn(2, 3, E)
+    x[1, 2, 0] = float("nan")
+    c2 = c.clone()
+    c2[0, 1, 5] = float("nan")
+
+    def run(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        if not batch_first:
+            q, kv = q.transpose(0, 1), kv.transpose(0, 1)
+        with torch.set_grad_enabled(grad):
+            out = layer(q, kv, kv, need_weights=False)[0]
+        return out if batch_first else out.transpose(0, 1)
+
+    out = run(x, c)
+    nan_rows = torch.isnan(out).any(dim=-1)
+    expected = torch.zeros(2, 5, dtype=torch.bool)
+    expected[1, 2] = True
+    assert torch.equal(nan_rows, expected), nan_rows
+    assert torch.isnan(out[1, 2]).all()
+    out = run(x, c2)
+    assert torch.isnan(out[0]).all() and torch.isnan(out[1, 2]).all()
+    assert torch.isfinite(out[1, :2]).all() and torch.isfinite(out[1, 3:]).all()

@@ -466,6 +466,27 @@ def _guard(q: Tensor, k: Tensor, own_keys: bool = False) -> tuple[Tensor, Tensor
     return q, torch.linalg.vector_norm(k, ord=math.inf, dim=(1, 2, 3), keepdim=True)
 
 
+def _row_guard(q: Tensor, k: Tensor, own_keys: bool, batch_dim: int) -> tuple[Tensor, Tensor]:
+    """``_guard`` reduced to output rows, from token-major q (B, N, H, d) and
+    k (B, M, G, d), or (N, B, ...) and (M, B, ...) with ``batch_dim`` 1: (a, b)
+    with y + 0 * a * b NaN exactly in the rows of y (B, N, E_o) (or (N, B,
+    E_o)) that the per-element guard makes NaN in o, i.e. where the row's
+    query (over all heads) or, with ``own_keys``, the row's own key, else any
+    key of the batch, is not finite. a = max |q| per token (.., .., 1); b
+    likewise or one per batch entry. Maxima (NaN-propagating), never sums, so
+    finite values cannot overflow (float16); addcmul's 0 * a * b is
+    (0 * a) * b, so neither does the product."""
+    # Detached: the guard adds nothing to the gradient, so autograd keeps no
+    # tensor and runs no backward for it.
+    a = torch.linalg.vector_norm(q.detach(), ord=math.inf, dim=(2, 3)).unsqueeze(-1)
+    if own_keys:
+        b = torch.linalg.vector_norm(k.detach(), ord=math.inf, dim=(2, 3)).unsqueeze(-1)
+    else:
+        dims = (1 - batch_dim, 2, 3)
+        b = torch.linalg.vector_norm(k.detach(), ord=math.inf, dim=dims, keepdim=True).squeeze(-1)
+    return a, b
+
+
 def softmax_attend(
     q: Tensor,
     k: Tensor,
@@ -816,6 +837,15 @@ def attend_weights(
     ):
         recipes = []
     q, k, v = _project(w, config, query, c, c if value is None else value, self_attention, recompute, recipes)
+    row_guard = None
+    if not need_weights and mask is None and w.bias_k is None and not w.zero_attn:
+        # Guarding the (B, N, E_o) output instead of o keeps o itself (saved by
+        # SDPA for its backward) the output projection's input: a guarded copy
+        # of o would be a second (B, N, H*d_v) activation that the projection
+        # saves too, one more per layer than nn.MultiheadAttention. Read in the
+        # tokens' own order, so y's, with no permuted views.
+        own = self_attention and q.shape[-2] == k.shape[-2] and q.shape[-1] == v.shape[-1]
+        row_guard = _row_guard(q, k, own_keys=own, batch_dim=1 if seq_first else 0)
     if seq_first:
         q, k, v = q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
     else:
@@ -824,7 +854,7 @@ def attend_weights(
     # NaN key is read by a query next to this call's finite ones, and SDPA
     # propagates it itself.
     guard = None
-    if not need_weights:
+    if not need_weights and row_guard is None:
         own = self_attention and mask is None and q.shape[1] == k.shape[1] and q.shape[-1] == v.shape[-1]
         guard = _guard(q, k, own_keys=own)
     fixed = None
@@ -854,7 +884,13 @@ def attend_weights(
         guard=guard,
         recipes=recipes,
     )
-    return w.output((o.permute(2, 0, 1, 3) if seq_first else o.transpose(1, 2)).flatten(-2)), weights
+    y = w.output((o.permute(2, 0, 1, 3) if seq_first else o.transpose(1, 2)).flatten(-2))
+    if row_guard is not None:
+        # y + 0 * a * b: NaN in exactly the rows the per-element guard of
+        # ``_guard`` makes NaN in o, since the output projection mixes every
+        # head and column of a row (a NaN anywhere in a row of o fills y's row).
+        y = torch.addcmul(y, *row_guard, value=0)
+    return y, weights
 
 
 def few_tokens_step(
