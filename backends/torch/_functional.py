@@ -995,10 +995,13 @@ def few_tokens_step(
                 k = k.view(B, G, 1, d) if N == 1 else k.view(B, N, G, d).transpose(1, 2)
             else:
                 k = qkv.as_strided((B, G, N, d), (N * width, d, width, 1), at + H * d)
-    guard = _guard(q, k, own_keys=G == H and d == dv)
-    offset = 0
+    # The NaN guard (see _guard), written out: with G = H and d = d_v each query
+    # reads its own token's key; otherwise one max |k| per batch row.
+    if G == H and d == dv:
+        a, b = q, k
+    else:
+        a, b = q, torch.linalg.vector_norm(k, ord=math.inf, dim=(1, 2, 3), keepdim=True)
     if kv_cache is not None:
-        offset = len(kv_cache)
         k, v = kv_cache._extend(k, v)
     o = F.scaled_dot_product_attention(
         q,
@@ -1006,11 +1009,13 @@ def few_tokens_step(
         v,
         attn_mask=None,
         dropout_p=0.0,
-        is_causal=causal and offset < k.shape[-2] - 1,
-        scale=config.softmax_scale,
+        # The rule hides something only for N > 1 (the flat path takes a causal
+        # chunk only on an empty cache; one token sees every cached key).
+        is_causal=causal and N > 1,
+        # None is SDPA's own 1/sqrt(d), the same double as config.softmax_scale.
+        scale=config.scale,
         enable_gqa=G != H,
     )
-    a, b = guard
     o = torch.addcmul(o, a if a.shape[-1] == dv else a.sum(dim=-1, keepdim=True), b, value=0)
     # (B, H, 1, d_v) -> (B, 1, H * d_v) is a view for SDPA's output layouts; reshape copies otherwise.
     return output(o.reshape(B, 1, H * dv) if N == 1 else o.transpose(1, 2).reshape(B, N, H * dv))
