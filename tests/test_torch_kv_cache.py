@@ -511,7 +511,14 @@ def test_fixed_shape_cache_eager_steps_arguments_and_finite_masked_positions():
         bad[:, 0] = float("nan")  # every later query reads its key: all outputs NaN
         assert torch.isnan(_step(layer, bad, cache)).all()  # fills every position
         cache.reset()
-        got = _decode_compiled(layer, step, x, cache, prompt=3)
+        # Compiled steps (fixed-shape reads) alternate with eager ones, which read
+        # the length the compiled ones left in the position tensor.
+        got = [_step(layer, x[:, :3], cache)]
+        for i in range(3, 8):
+            t = x[:, i : i + 1]
+            got.append((step if i % 2 else layer)(t, t, t, is_causal=True, need_weights=False, kv_cache=cache)[0])
+        assert len(cache) == 8
+        got = torch.cat(got, dim=1)
     torch.testing.assert_close(got, full, rtol=1e-12, atol=1e-13)
 
 
