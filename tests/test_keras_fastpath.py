@@ -348,7 +348,8 @@ def test_explicit_causal_mask_takes_the_causal_kernel(kernel_calls):
     want = dc.damcha_attention(params, cfg, x, causal=True)
     _close(np_(layer(x, x, use_causal_mask=True)), want, "use_causal_mask")
     tril = keras.ops.tril(keras.ops.ones((N, N), dtype=DTYPE))
-    for mask in (tril, keras.ops.cast(tril, "bool")):
+    signed_zeros = np.where(_tril(N, N), 1.0, -0.0).astype(DTYPE)  # -0.0 is 0: still the causal mask
+    for mask in (tril, keras.ops.cast(tril, "bool"), signed_zeros):
         kernel_calls.clear()
         _close(np_(layer(x, x, attention_mask=mask)), want, "attention_mask")
         assert kernel_calls == [(True, None)], kernel_calls

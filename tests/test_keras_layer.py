@@ -818,7 +818,7 @@ def test_numeric_0_1_masks_read_as_keras_mha_reads_them(dtype):
     np.testing.assert_array_equal(np_(layer(x, c, attention_mask=tril)), np_(layer(x, c, use_causal_mask=True)))
 
 
-@pytest.mark.parametrize("bad", ["additive-0-inf", "nan", "two"])
+@pytest.mark.parametrize("bad", ["additive-0-inf", "nan", "two", "tril-with-a-two"])
 def test_masks_with_values_other_than_0_1_are_refused_or_nan_under_tracing(bad):
     """DECISIONS 5: an additive 0/-inf float mask (or NaN, or an int 2) is never read
     as a boolean. Concrete values: DamchaValueError naming the argument; traced
@@ -831,6 +831,8 @@ def test_masks_with_values_other_than_0_1_are_refused_or_nan_under_tracing(bad):
         "additive-0-inf": np.where(allowed > 0, 0.0, -np.inf).astype("float32"),
         "nan": np.where(allowed > 0, 1.0, np.nan).astype("float32"),
         "two": (allowed * 2).astype("int32"),
+        # The causal pattern with one value 2: not read as causal (the exact lower triangle is compared first).
+        "tril-with-a-two": np.where(np.eye(5, k=-2) > 0, 2.0, allowed).astype("float32"),
     }[bad]
     with pytest.raises(
         dc.DamchaValueError,

@@ -409,7 +409,8 @@ def host_values(mask: Any) -> np.ndarray | None:
                 return _tf_static_value(mask)
             if "GPU" in mask.device or "TPU" in mask.device:
                 return None
-            return mask.numpy()
+            # _numpy() shares the tensor's buffer (read only here); numpy() would copy it.
+            return mask._numpy() if hasattr(mask, "_numpy") else mask.numpy()
         if backend == "torch":
             import torch
 
@@ -473,6 +474,26 @@ def _tri(n: int) -> np.ndarray:
     return tri
 
 
+@functools.lru_cache(maxsize=8)
+def _tri_as(n: int, dtype: np.dtype) -> np.ndarray:
+    """``_tri(n)`` as 0/1 of ``dtype`` (read-only: shared by calls)."""
+    tri = _tri(n).astype(dtype)
+    tri.flags.writeable = False
+    return tri
+
+
+def causal_values(values: np.ndarray) -> np.ndarray | None:
+    """The cached boolean lower triangle ``_tri(N)`` when an (N, N) mask's
+    values are exactly it (bool, or 0/1 of any dtype): one comparison, which
+    also proves a float mask's values 0/1, and ``split_mask`` then knows the
+    mask by identity (no second pass); None for any other mask."""
+    if values.ndim != 2 or values.shape[0] != values.shape[1] or values.shape[0] < 2:
+        return None
+    n = values.shape[0]
+    want = _tri(n) if values.dtype == bool else _tri_as(n, values.dtype)
+    return _tri(n) if np.array_equal(values, want) else None
+
+
 def split_mask(mask: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None, bool] | None:
     """A boolean (B|1, H|1, N, M) mask read as the fused kernel's parts, when it
     is exactly one: ``(rows, keys, causal)`` with ``rows`` (B|1, H|1, N) the
@@ -486,7 +507,7 @@ def split_mask(mask: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None, 
     queries) reaches the kernel's causal path and a (B, 1, 1, M) key mask.
     """
     n, m = mask.shape[-2:]
-    if n == m and n > 1 and np.array_equal(np.broadcast_to(_tri(n), mask.shape), mask):
+    if n == m and n > 1 and (mask.base is _tri(n) or np.array_equal(np.broadcast_to(_tri(n), mask.shape), mask)):
         return None, None, True  # the common case, in one pass: exactly top-left causal
     rows = np.asarray(mask.any(axis=-1))
     keys = np.asarray(mask.any(axis=-2, keepdims=True))

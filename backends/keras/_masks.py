@@ -152,6 +152,9 @@ def read_masks(masks: dict[str, Any]) -> tuple[dict[str, Any], Any, np.ndarray |
             out[name] = m
             if name == "attention_mask" and m is not None:
                 host = F.host_values(m)
+                if host is not None:
+                    tri = F.causal_values(host)
+                    host = host if tri is None else tri
             continue
         values = on_host = F.host_values(m)
         if values is None:
@@ -161,9 +164,11 @@ def read_masks(masks: dict[str, Any]) -> tuple[dict[str, Any], Any, np.ndarray |
                 values = None
         nonzero = None
         if values is not None:
-            nonzero = values != 0
+            # An exact (N, N) lower triangle (ops.tril(ops.ones(...))): one comparison, 0/1 proven.
+            tri = F.causal_values(values)
+            nonzero = values != 0 if tri is None else tri
             # Values are 0/1 exactly when they equal their own non-zero pattern (NaN is not).
-            if not np.array_equal(values, nonzero):
+            if tri is None and not np.array_equal(values, nonzero):
                 raise DamchaValueError(
                     dc.invalid_argument(
                         name,
