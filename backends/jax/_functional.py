@@ -236,12 +236,12 @@ def _apply_maps(
     """L(t) y for each y of ``ys`` (same tokens, same side), in at least float32.
 
     A compact structure ("heads": L(t) = l(t) (x) I_d with l = I + diag(g) A)
-    maps y with one batched (S, S) @ (S, d) product per token, the gate and
-    the identity folded into l (no y + g * delta passes over (B, T, S, d)).
-    The product runs at HIGHEST precision unless one is given, so that the
-    identity part of l leaves y unrounded (gates at 0 stay exactly MHA on
-    every platform; DEFAULT would round y to bfloat16/TF32 on TPU/GPU); it
-    costs S*S*d per token.
+    maps y with one (S, S) @ (S, d) product per token (``_mix_heads``), the
+    gate and the identity folded into l (no y + g * delta passes over
+    (B, T, S, d)). Batched products run at HIGHEST precision unless one is
+    given, so that the identity part of l leaves y unrounded (gates at 0
+    stay exactly MHA on every platform; DEFAULT would round y to
+    bfloat16/TF32 on TPU/GPU); it costs S*S*d per token.
     """
     structure = _structure(config)
     ys = [y.astype(_acc(y.dtype)) for y in ys]
@@ -250,7 +250,68 @@ def _apply_maps(
     head_map = structure.head_map(jnp, coeff, leaves)
     prec = jax.lax.Precision.HIGHEST if precision is None else precision
     # One product per side: stacking q and k (tied) would copy both (measured: more bytes on CPU).
-    return [jnp.einsum("btha,btad->bthd", head_map, y, precision=prec) for y in ys]
+    return [_mix_heads(head_map, y, prec, _unrolled_mix(head_map, y)) for y in ys]
+
+
+# Head counts S and token counts for which the forward l(t) y is S
+# multiply-adds (see ``_mix_heads``).
+UNROLL_MAX_HEADS = 16
+UNROLL_MIN_TOKENS = 64
+
+
+def _unrolled_mix(head_map: Array, y: Array) -> bool:
+    """Whether ``_mix_heads`` writes l(t) y as S elementwise multiply-adds:
+    under tracing (jit, grad), for up to ``UNROLL_MAX_HEADS`` heads and at
+    least ``UNROLL_MIN_TOKENS`` tokens. XLA then fuses the map with its
+    producer (the projection's bias) and consumer (the attention's
+    transpose): q~ costs no pass over (B, T, S, d) of its own. Eager calls
+    (one dispatch per operation) and a decode step's few tokens keep the one
+    batched product."""
+    tokens = int(np.prod(y.shape[:-2]))
+    return isinstance(y, jax.core.Tracer) and head_map.shape[-1] <= UNROLL_MAX_HEADS and tokens >= UNROLL_MIN_TOKENS
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
+def _mix_heads(head_map: Array, y: Array, precision: Any, unrolled: bool) -> Array:
+    """l(t) y per token: (B, T, S, S) x (B, T, S, d) -> (B, T, S, d).
+
+    ``unrolled`` (``_unrolled_mix``): as sum_a l[:, a] y[a], S exact float
+    products (no ``precision`` needed: the identity part of l leaves y
+    unrounded either way); else one batched product at ``precision``. Its
+    derivative is ``_mix_heads_jvp``.
+    """
+    if unrolled:
+        out = head_map[..., :, 0, None] * y[..., None, 0, :]
+        for a in range(1, head_map.shape[-1]):
+            out = out + head_map[..., :, a, None] * y[..., None, a, :]
+        return out
+    return jnp.einsum("btha,btad->bthd", head_map, y, precision=precision)
+
+
+@_mix_heads.defjvp
+def _mix_heads_jvp(
+    precision: Any, unrolled: bool, primals: tuple[Array, Array], tangents: tuple[Array, Array]
+) -> tuple[Array, Array]:
+    """d(l y) = dl y + l dy, with l dy written as l^T's transpose.
+
+    Reverse mode transposes this rule. Plain autodiff would get y's cotangent
+    as l^T g, a product contracting l's *row* axis per token, which XLA:CPU
+    leaves as a per-token loop of tiny matrix products (measured: 7x the time
+    of the forward product, the largest cost the maps added to a training
+    step). With l^T materialised (an (S, S) transpose per token, 1/d of y's
+    size) and the tangent written as l^T's contraction over its minor axis,
+    the transpose is the same kind of product as the forward one. The
+    barrier keeps XLA from folding the transpose back into the product.
+    Forward mode (``jax.jvp``) evaluates the same rule.
+    """
+    head_map, y = primals
+    d_map, dy = tangents
+    head_map_t = jax.lax.optimization_barrier(jnp.swapaxes(head_map, -1, -2))
+    out = _mix_heads(head_map, y, precision, unrolled)
+    d_out = jnp.einsum("btha,btad->bthd", d_map, y, precision=precision) + jnp.einsum(
+        "btah,btad->bthd", head_map_t, dy, precision=precision
+    )
+    return out, d_out
 
 
 def cross_head_maps(
