@@ -321,3 +321,53 @@ def test_decode_step_takes_a_python_int_cache_index() -> None:
     y_int, y_arr, i_int, i_arr = fast_jit(fn)(params, x)
     np.testing.assert_array_equal(y_int, y_arr)
     assert int(i_int) == int(i_arr) == 3
+
+
+def _eqns(jaxpr):
+    """Every equation of ``jaxpr`` and of the jaxprs nested in it (jit, custom_jvp, ...)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for v in value if isinstance(value, (list, tuple)) else [value]:
+                inner = v if hasattr(v, "eqns") else getattr(v, "jaxpr", None)
+                if hasattr(inner, "eqns"):
+                    yield from _eqns(inner)
+
+
+def test_many_token_maps_under_jit_match_the_reference_in_float64() -> None:
+    """Under jit with >= 64 tokens the maps are S multiply-adds fused into
+    the neighbouring passes, their gradient a rearranged product
+    (``_mix_heads``): forward, reverse and forward-mode derivatives equal the
+    float64 reference."""
+    config = dc.DamchaConfig(query_dim=16, num_heads=4, key_dim=3)  # d=3: l (.., 4, 4) and y (.., 4, 3) differ
+    with jax.enable_x64(True):
+        params = {k: jnp.asarray(v) for k, v in case_params(config, 0).items()}
+        params = {k: v + 0.3 if k.endswith("gate") else v for k, v in params.items()}  # open gates
+        x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 40, 16)))  # 80 tokens
+        fn = lambda p, x: dj.damcha_attention(p, config, x, is_causal=True)  # noqa: E731
+        map_products = [
+            e
+            for e in _eqns(jax.make_jaxpr(fn)(params, x).jaxpr)
+            if e.primitive.name == "dot_general" and e.invars[0].aval.shape == (2, 40, 4, 4)
+        ]
+        assert map_products == []  # the unrolled path, not the batched product
+        np_params = {k: np.asarray(v) for k, v in params.items()}
+        ref = lambda p, x: dc.damcha_attention(p, config, x, causal=True)  # noqa: E731
+        np.testing.assert_allclose(jax.jit(fn)(params, x), ref(np_params, np.asarray(x)), rtol=1e-10, atol=1e-12)
+
+        loss = lambda p, x: jnp.sum(jnp.sin(fn(p, x)))  # noqa: E731
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, x)
+        rng = np.random.default_rng(1)
+        dp = {k: rng.normal(size=v.shape) for k, v in np_params.items()}
+        dx = rng.normal(size=x.shape)
+        _, jvp = jax.jit(lambda p, x, dp, dx: jax.jvp(loss, (p, x), (dp, dx)))(params, x, dp, dx)
+
+        def ref_loss(t: float) -> float:
+            moved = {k: v + t * dp[k] for k, v in np_params.items()}
+            return float(np.sum(np.sin(ref(moved, np.asarray(x) + t * dx))))
+
+        fd = (ref_loss(1e-6) - ref_loss(-1e-6)) / 2e-6
+        along = sum(float(np.sum(np.asarray(grads[0][k]) * dp[k])) for k in dp) + float(
+            np.sum(np.asarray(grads[1]) * dx)
+        )
+        assert abs(along - fd) <= 1e-6 * (1 + abs(fd)) and abs(float(jvp) - fd) <= 1e-6 * (1 + abs(fd))
