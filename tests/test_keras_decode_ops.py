@@ -22,6 +22,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from _tf_ops import eager_op_types
 
 import damcha_core as dc
 from damcha_conformance import case_params
@@ -117,25 +118,6 @@ def test_counted_cache_steps_equal_the_reference(mode):
     )
 
 
-def _eager_op_types(fn) -> list[str]:
-    """The types of the TensorFlow ops ``fn()`` runs eagerly, in order (a compiled
-    function's call counts as one op, named after its graph)."""
-    from tensorflow.python.framework import op_callbacks
-
-    seen: list[str] = []
-
-    def record(op_type, inputs, attrs, outputs, op_name=None, graph=None):
-        if graph is None:
-            seen.append(op_type)
-
-    op_callbacks.add_op_callback(record)
-    try:
-        fn()
-    finally:
-        op_callbacks.remove_op_callback(record)
-    return seen
-
-
 def _mha_step(mha: keras.layers.MultiHeadAttention, x, cache, index: int, mask):
     """Keras MHA's decoding step on a KerasHub-style cache (B, 2, L, H, d) (as
     ``keras_hub.layers.CachedMultiHeadAttention`` writes it): the new keys and
@@ -168,10 +150,10 @@ def test_eager_step_runs_no_more_ops_than_keras_mha_and_reads_only_the_projectio
         t = tf.constant(x[:, i : i + 1])
         mask = tf.constant(np.arange(L)[None, None, :] <= i)
         if i == 3:  # a steady-state step (the map traced at step 0)
-            counts["damcha"] = _eager_op_types(
+            counts["damcha"] = eager_op_types(
                 lambda t=t, c=cache, i=i: layer(t, t, use_causal_mask=True, cache=c, cache_update_index=i)
             )
-            counts["mha"] = _eager_op_types(lambda t=t, c=mha_cache, i=i, m=mask: _mha_step(mha, t, c, i, m))
+            counts["mha"] = eager_op_types(lambda t=t, c=mha_cache, i=i, m=mask: _mha_step(mha, t, c, i, m))
         y, cache = layer(t, t, use_causal_mask=True, cache=cache, cache_update_index=i)
         _, mha_cache = _mha_step(mha, t, mha_cache, i, mask)
         ys.append(np.asarray(y))

@@ -34,6 +34,7 @@ import sys
 import keras
 import numpy as np
 import pytest
+from _tf_ops import eager_op_types
 
 import damcha_core as dc
 from damcha_conformance import TOLERANCES, case_params
@@ -615,25 +616,6 @@ def test_tf_graph_map_passes_over_the_tokens_once():
     )
 
 
-def _eager_op_types(fn):
-    """The types of the TensorFlow ops ``fn()`` runs eagerly, in order (a compiled
-    function's call counts as one op, named after its graph)."""
-    from tensorflow.python.framework import op_callbacks
-
-    seen = []
-
-    def record(op_type, inputs, attrs, outputs, op_name=None, graph=None):
-        if graph is None:
-            seen.append(op_type)
-
-    op_callbacks.add_op_callback(record)
-    try:
-        fn()
-    finally:
-        op_callbacks.remove_op_callback(record)
-    return seen
-
-
 @TF_ONLY
 @pytest.mark.parametrize("dtype", ["float", "bool"])
 def test_tf_eager_causal_attention_mask_costs_no_op(dtype, kernel_calls):
@@ -650,8 +632,8 @@ def test_tf_eager_causal_attention_mask_costs_no_op(dtype, kernel_calls):
     for _ in range(2):  # traces and first-call work out of the way
         layer(x, x, attention_mask=mask), layer(x, x, use_causal_mask=True)
     kernel_calls.clear()
-    masked = _eager_op_types(lambda: layer(x, x, attention_mask=mask))
-    causal = _eager_op_types(lambda: layer(x, x, use_causal_mask=True))
+    masked = eager_op_types(lambda: layer(x, x, attention_mask=mask))
+    causal = eager_op_types(lambda: layer(x, x, use_causal_mask=True))
     assert kernel_calls == [(True, None)] * 2, kernel_calls
     assert masked == causal, (masked, causal)
     _close(np_(layer(x, x, attention_mask=mask)), dc.damcha_attention(params, cfg, np_(x), causal=True))
@@ -681,8 +663,8 @@ def test_tf_eager_general_mask_costs_no_op_beyond_mha(dtype):
     for name, attn in (("damcha", layer), ("mha", mha)):
         for _ in range(2):
             attn(x, x, attention_mask=mask), attn(x, x, use_causal_mask=True)
-        masked = collections.Counter(_eager_op_types(lambda a=attn: a(x, x, attention_mask=mask)))
-        causal = collections.Counter(_eager_op_types(lambda a=attn: a(x, x, use_causal_mask=True)))
+        masked = collections.Counter(eager_op_types(lambda a=attn: a(x, x, attention_mask=mask)))
+        causal = collections.Counter(eager_op_types(lambda a=attn: a(x, x, use_causal_mask=True)))
         deltas[name] = (masked - causal, causal - masked)
     (ours_more, ours_fewer), (theirs_more, theirs_fewer) = deltas["damcha"], deltas["mha"]
     assert not ours_more - theirs_more, deltas

@@ -18,6 +18,7 @@ transposes (views, no copies) to SDPA's (B, H, N, d).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import warnings
@@ -375,23 +376,12 @@ def _attend(
                 # + 0 * row_max: NaN for a NaN row, 0 for any finite one (also -1e9).
                 guard = (guard[0], torch.add(guard[1], row_max, alpha=0).to(q.dtype))
     if not need_weights:
+        hooks: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
         if recipes:
             from ._models_fused import saved_as_recipes  # it imports this module
 
-            with saved_as_recipes(recipes):
-                o = F.scaled_dot_product_attention(
-                    q,
-                    k,
-                    v,
-                    attn_mask=mask,
-                    dropout_p=dropout_p,
-                    is_causal=causal,
-                    scale=scale,
-                    enable_gqa=kv_heads != heads,
-                )
-            for r in recipes:
-                r.settle()
-        else:
+            hooks = saved_as_recipes(recipes)
+        with hooks:
             o = F.scaled_dot_product_attention(
                 q,
                 k,
@@ -402,6 +392,8 @@ def _attend(
                 scale=scale,
                 enable_gqa=kv_heads != heads,
             )
+        for r in recipes or ():
+            r.settle()
         if guard is not None:
             # SDPA's CPU kernel returns 0, not NaN, for a row whose logits are
             # all NaN (it reads them as masked): one NaN weight would give a
