@@ -832,8 +832,14 @@ def test_errors():
         dt.convert(nn.Sequential(nn.Linear(4, 4)))
     with pytest.raises(dc.DamchaTypeError, match="model"):
         dt.convert("llama")
-    with pytest.raises(dc.DamchaValueError, match="metric"):
+    with pytest.raises(
+        dc.DamchaValueError, match=r"`metric`: expected one of \('heads', 'lowrank'\)\. Received: metric='none'"
+    ):
         dt.convert(build("vit"), metric="none")
+    with pytest.raises(
+        dc.DamchaTypeError, match=r"`metric`: expected one of \('heads', 'lowrank'\)\. Received: metric=2$"
+    ):
+        dt.convert(build("vit"), metric=2)
     with pytest.raises(dc.DamchaValueError, match="coupling"):
         dt.convert(build("vit"), coupling="both")
     with pytest.raises(dc.DamchaTypeError, match="share_metric"):

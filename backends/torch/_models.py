@@ -542,14 +542,15 @@ def convert(
         ``model``, converted.
 
     Raises:
+        DamchaTypeError: ``model`` not a module, ``metric`` not a string,
+            ``share_metric`` or ``recompute`` not a bool.
         DamchaValueError: no supported attention layer, an attention layer of
-            a layout no adapter knows (nothing is converted then), or a model
-            already converted.
+            a layout no adapter knows (nothing is converted then), a model
+            already converted, or an unknown ``metric``.
     """
     if not isinstance(model, nn.Module):
         raise DamchaTypeError(dc.invalid_argument("model", "a torch.nn.Module", f"model={describe(model)}"))
-    if metric not in ("heads", "lowrank"):
-        raise DamchaValueError(dc.invalid_argument("metric", "one of ('heads', 'lowrank')", f"metric={metric!r}"))
+    metric = dc.check_choice("metric", metric, ("heads", "lowrank"))
     coupling = _layout.check_coupling(coupling)
     for name, value in (("share_metric", share_metric), ("recompute", recompute)):
         if not isinstance(value, bool):
