@@ -11,6 +11,9 @@ an activation is added."""
 
 from __future__ import annotations
 
+import collections
+import gc
+
 import pytest
 import torch
 from _models_zoo import (
@@ -28,6 +31,8 @@ import damcha_conformance
 import damcha_torch as dt
 
 FUSED_NODE = "FusedProjectionMapsBackward"
+STORED_NODE = "StoredProjectionMapsBackward"  # its store mode (see OutputRecipe)
+FUSED_NODES = {FUSED_NODE, STORED_NODE}
 
 
 def _no_dropout(model: nn.Module) -> nn.Module:
@@ -80,7 +85,8 @@ def _set_recompute(model: nn.Module, value: bool) -> None:
 
 def test_gpt2_conv1d_training_takes_the_fused_node():
     model = dt.convert(build("gpt2", torch.float32)).train()
-    assert _site_nodes(model, "gpt2", inputs("gpt2")) == [FUSED_NODE] * 2
+    # Store mode: the host's SDPA saves views of c_attn's output, which become recipes.
+    assert _site_nodes(model, "gpt2", inputs("gpt2")) == [STORED_NODE] * 2
 
 
 @pytest.mark.parametrize("checkpointing", ["none", "reentrant", "non-reentrant"])
@@ -154,25 +160,30 @@ def test_gpt2_conv1d_fast_paths_agree_bit_for_bit(dtype):
 @pytest.mark.parametrize("mode", ["no-grad", "train"])
 def test_gpt2_conv1d_maps_add_no_copies(mode, metric):
     """Per converted GPT-2 layer: without a graph, no copy at all (the maps
-    are added in place to c_attn's output); in training, no copy of an
-    activation or of c_attn's output gradient either (the backward takes that
-    gradient in column pieces: the mapped q/k blocks, fresh, and a view of the
-    v columns), only the joins of c_attn's weight and bias gradients from
-    their pieces, and the projection GEMMs of the original plus one
-    recomputation of c_attn's q/k columns (2 E of 3 E)."""
+    are added in place to c_attn's output); in training, no copy of c_attn's
+    output gradient (the backward takes that gradient in column pieces: the
+    mapped q/k blocks, fresh, and a view of the v columns), the joins of
+    c_attn's weight and bias gradients from their pieces, and store mode's two
+    copies of c_attn's output (the mapped output made from the kept unmapped
+    one, in forward and again in backward for SDPA's saved views) where
+    backward used to project c_attn's q/k columns (2 E of 3 E) again: the
+    projection GEMMs are exactly the original's."""
     (original, original_gemms, original_copies), (damcha, damcha_gemms, damcha_copies), model = (
         aten_calls_before_and_after_convert(
             "gpt2", mode, prepare=_no_dropout, **({"metric": metric, "metric_rank": 3} if metric == "lowrank" else {})
         )
     )
     layers = len(dt.converted_layers(model))
-    E = model.config.n_embd
+    E, tokens = model.config.n_embd, inputs("gpt2")["input_ids"].numel()
     joins = [("cat", 3 * E), ("cat", 3 * E * E)]  # c_attn's bias and weight gradients
-    assert extra_copies(damcha_copies, original_copies) == ([] if mode == "no-grad" else sorted(joins * layers))
+    store = [("clone", tokens * 3 * E)] * 2  # store mode: the mapped output, in forward and made again in backward
+    assert extra_copies(damcha_copies, original_copies) == (
+        [] if mode == "no-grad" else sorted((joins + store) * layers)
+    )
     recomputed = list(damcha_gemms)
     for w in original_gemms:
         recomputed.remove(w)
-    assert recomputed == ([] if mode == "no-grad" else [2 * E] * layers), recomputed
+    assert recomputed == [], recomputed  # store mode: backward projects nothing again
 
 
 # ------------------------------------------------------------ metric lowrank
@@ -189,7 +200,7 @@ def test_lowrank_fused_gradients_equal_the_stored_path(arch):
     kw = inputs(arch, torch.float64)
     want = _grads(model, arch, kw)
     _set_recompute(model, True)
-    assert set(_site_nodes(model, arch, kw)) == {FUSED_NODE}
+    assert set(_site_nodes(model, arch, kw)) <= FUSED_NODES
     got = _grads(model, arch, kw)
     assert set(got) == set(want)
     assert all(
@@ -349,7 +360,7 @@ def test_bf16_autocast_training_keeps_the_general_path():
             model.zero_grad()
             _loss(model, "gpt2", kw).backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-    assert FUSED_NODE not in nodes[1]
+    assert not FUSED_NODES & set(nodes[1])
     want, got = grads
     assert set(got) == set(want) and any(".damcha.gates." in n for n in want)
     for n in want:
@@ -394,7 +405,7 @@ def test_peft_lora_fused_gradients_equal_the_stored_path(arch, order, trainable)
     _set_recompute(model, False)
     want = _grads(model, arch, kw)
     _set_recompute(model, True)
-    assert set(_site_nodes(model, arch, kw)) == {FUSED_NODE}
+    assert set(_site_nodes(model, arch, kw)) <= FUSED_NODES
     got = _grads(model, arch, kw)
     assert set(got) == set(want)
     assert any(".lora_A." in n for n in want) and any(".lora_B." in n for n in want)
@@ -426,9 +437,9 @@ def test_peft_lora_variants_keep_the_general_path():
     for p in dt.damcha_parameters(model):
         p.requires_grad_(True)
     kw = inputs("llama", torch.float64)
-    assert FUSED_NODE not in _site_nodes(model, "llama", kw)
+    assert not FUSED_NODES & set(_site_nodes(model, "llama", kw))
     with model.disable_adapter():
-        assert FUSED_NODE not in _site_nodes(model, "llama", kw)
+        assert not FUSED_NODES & set(_site_nodes(model, "llama", kw))
 
 
 # ------------------------------------------- the node on its own, with gaps
@@ -511,12 +522,13 @@ def test_fused_node_with_unmapped_columns_between_blocks(metric, transposed):
 # mixing is one batched product per block (``bmm``; measured faster than S
 # broadcast multiply-adds, one broadcast product or ``einsum`` for S in 3..16,
 # so there is no switch on S). Without a graph: the bmm and an in-place add per
-# block. In training: the same forward; backward one ``baddbmm`` per block
-# (that block's dL/dy, fresh) and one ``bmm`` per block (dL/d(mix), the second
-# added to the first).
+# block. In training: the same forward, made again once in backward from the
+# kept unmapped output (store mode: a bmm and an add_ per block); backward one
+# ``baddbmm`` per block (that block's dL/dy, fresh) and one ``bmm`` per block
+# (dL/d(mix), the second added to the first).
 VIT_MIXING = {
     "no-grad": {"bmm": 2, "add_": 2},
-    "train": {"bmm": 4, "baddbmm": 2, "add_": 3},
+    "train": {"bmm": 6, "baddbmm": 2, "add_": 5},
 }
 
 
@@ -527,3 +539,91 @@ def test_vit_fused_qkv_mixing_ops_per_layer(mode):
     layers = len(dt.converted_layers(model))
     extra = {op: (damcha.get(op, 0) - original.get(op, 0)) / layers for op in ("bmm", "baddbmm", "add_")}
     assert {op: n for op, n in extra.items() if n} == VIT_MIXING[mode], extra
+
+
+# -------------------------------------------------------------- store mode
+
+
+def _held_after_forward(model: nn.Module, arch: str, kw: dict) -> tuple[collections.Counter, torch.Tensor]:
+    """The storages a training forward allocates that are still alive when
+    it returns (what autograd keeps for backward, and the output; parameter
+    storages, which ``detach`` aliases, left out), as a Counter of their
+    sizes in bytes, and the output (kept alive while counted)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    made: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    class Allocations(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    s = t.untyped_storage()  # a reused address holds the newer storage
+                    made[s.data_ptr()] = (StorageWeakRef(s), s.nbytes())
+            return out
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    with Allocations():
+        out = run(model, arch, kw)
+    gc.collect()
+    return collections.Counter(n for ptr, (ref, n) in made.items() if ptr not in params and not ref.expired()), out
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "vit"])
+def test_store_mode_holds_what_the_original_holds(arch):
+    """Store mode keeps the unmapped projection output where the original
+    kept its output (SDPA's saved views of it become recipes): the storages
+    a training forward leaves alive are the original model's, size for size
+    (a mapped copy left alive would be one (T, 3E) more per layer)."""
+    model = _no_dropout(build(arch, torch.float32)).train()
+    kw = inputs(arch)
+    run(model, arch, kw)  # warm-up: lazy caches out of the counts
+    theirs, _a = _held_after_forward(model, arch, kw)
+    open_gates(dt.convert(model))
+    run(model, arch, kw)
+    assert set(_site_nodes(model, arch, kw)) == {STORED_NODE}
+    ours, _b = _held_after_forward(model, arch, kw)
+    assert ours == theirs, (sorted((ours - theirs).items()), sorted((theirs - ours).items()))
+
+
+def test_store_mode_turns_off_where_nothing_is_saved():
+    """Llama's kernel saves q and k after RoPE, never the projections'
+    outputs: the first training call finds that and later calls take the
+    recomputing node, with no copy of the outputs."""
+    model = open_gates(dt.convert(build("llama", torch.float32))).train()
+    kw = inputs("llama")
+    assert set(_site_nodes(model, "llama", kw)) == {STORED_NODE}
+    assert set(_site_nodes(model, "llama", kw)) == {FUSED_NODE}
+
+
+def _hold_outputs(model: nn.Module, held: list) -> None:
+    for layer in dt.converted_layers(model).values():
+        layer.c_attn.register_forward_hook(lambda m, a, out: held.append(out))
+
+
+@pytest.mark.parametrize("case", ["retain-graph", "output-held-elsewhere"])
+def test_store_mode_gradients(case):
+    """Store mode's gradients equal ``recompute=False``'s (float64, 1e-13)
+    when a second backward reads the graph again (``retain_graph``: the
+    recipes make the output again; the second gives the first's bits) and
+    when the mapped output stays referenced after the forward (a hook keeps
+    it: then it is its own recipe and backward projects again)."""
+    model = _no_dropout(open_gates(dt.convert(build("gpt2", torch.float64), recompute=False))).train()
+    kw = inputs("gpt2", torch.float64)
+    params = [p for p in model.parameters() if p.requires_grad]
+    want = torch.autograd.grad(_loss(model, "gpt2", kw), params)
+    _set_recompute(model, True)
+    held: list = []
+    if case == "output-held-elsewhere":
+        _hold_outputs(model, held)
+    loss = _loss(model, "gpt2", kw)
+    got = torch.autograd.grad(loss, params, retain_graph=case == "retain-graph")
+    if case == "retain-graph":
+        again = torch.autograd.grad(loss, params)
+        assert all(torch.equal(a, b) for a, b in zip(again, got))
+    else:
+        assert len(held) == 2
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-13)

@@ -129,6 +129,28 @@ class _SyncHook:
         self.maps.sync(module)
 
 
+class _StoreOpen:
+    """Forward pre-hook of a converted attention module: opens the store mode
+    of its fused projections for this call (``DamchaMaps._open_store``)."""
+
+    def __init__(self, maps: DamchaMaps) -> None:
+        self.maps = maps
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        self.maps._open_store()
+
+
+class _StoreClose:
+    """Forward hook (always called, also when the forward raises) of a
+    converted attention module: closes what ``_StoreOpen`` opened."""
+
+    def __init__(self, maps: DamchaMaps) -> None:
+        self.maps = maps
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.maps._close_store()
+
+
 class DamchaMaps(nn.Module):
     """The DAMCHA parameters of one converted attention module, and its maps.
 
@@ -194,6 +216,8 @@ class DamchaMaps(nn.Module):
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state["_penalty_terms"] = {}  # tensors of the last forward's graph, not state
+        for key in ("_store", "_store_hooks", "_store_pays"):  # one call's store mode, and what it found
+            state.pop(key, None)
         return state
 
     # ------------------------------------------------------------ install
@@ -203,6 +227,8 @@ class DamchaMaps(nn.Module):
         for site in self.layout.sites:
             self._install(site, _child(attention, site.attr))
         attention.register_forward_pre_hook(_SyncHook(self))
+        attention.register_forward_pre_hook(_StoreOpen(self))
+        attention.register_forward_hook(_StoreClose(self), always_call=True)
 
     def _install(self, site: ProjectionSite, projection: nn.Module) -> None:
         previous = projection.__dict__.get("forward")
@@ -248,6 +274,43 @@ class DamchaMaps(nn.Module):
             and torch.is_grad_enabled()
             and not torch._C._are_functorch_transforms_active()
         )
+
+    def _open_store(self) -> None:
+        """Store mode for this call of the attention module, where it pays: in
+        training with ``recompute`` on CPU, with no saved-tensor hooks of the
+        caller's (checkpointing, save_on_cpu: only one pair applies at a time,
+        and theirs must see what the host saves), the fused projections run
+        as ``StoredProjectionMaps`` and every view of their outputs that the
+        host saves for backward is saved as its ``OutputRecipe`` (see there):
+        the backward then projects nothing again. A host that saved none of
+        them in a call (a rotary one: its kernel saves q and k after RoPE)
+        is not put in store mode again, its outputs' copies would buy nothing."""
+        if torch.compiler.is_compiling():
+            return
+        if not (self.recompute and self.training and torch.is_grad_enabled()) or self.track_metric_penalty:
+            return
+        if self.__dict__.get("_store_pays", True) is False or "_store" in self.__dict__:
+            return
+        if torch._C._are_functorch_transforms_active() or fn._saved_tensor_hooks_on():
+            return
+        if any(g.device.type != "cpu" for g in self.gates.values()):
+            return  # CPU kernels save their inputs as given (measured); others are not
+        recipes: list[_fused.OutputRecipe] = []
+        hooks = _fused.saved_as_recipes(recipes)
+        hooks.__enter__()
+        self.__dict__["_store"], self.__dict__["_store_hooks"] = recipes, hooks
+
+    def _close_store(self) -> None:
+        if torch.compiler.is_compiling():
+            return
+        recipes = self.__dict__.pop("_store", None)
+        if recipes is None:
+            return
+        self.__dict__.pop("_store_hooks").__exit__(None, None, None)
+        for recipe in recipes:
+            recipe.settle()
+        if recipes and not any(recipe.hits for recipe in recipes):
+            self.__dict__["_store_pays"] = False
 
     def _site_blocks(self, site: ProjectionSite) -> tuple[_fused.SideBlocks, ...] | None:
         """The blocks of ``site``'s output each side maps, for the fast paths
@@ -302,6 +365,12 @@ class DamchaMaps(nn.Module):
                 if parts is not None and all(t is None or t.dtype == x.dtype for t in parts[1:5]):
                     # One autograd node for the projection and its maps, saving what the projection saves.
                     transposed, weight, bias, lora_a, lora_b, scaling = parts
+                    store = self.__dict__.get("_store")
+                    if store is not None:
+                        store.append(recipe := _fused.OutputRecipe())
+                        return _fused.StoredProjectionMaps.apply(
+                            recipe, blocks, transposed, scaling, x, weight, bias, lora_a, lora_b, *leaves
+                        )
                     return _fused.FusedProjectionMaps.apply(
                         blocks, transposed, scaling, x, weight, bias, lora_a, lora_b, *leaves
                     )

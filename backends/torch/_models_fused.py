@@ -32,6 +32,10 @@ a concatenation of the result) and its recomputation of the whole projection:
   is written with differentiable ops, so ``create_graph=True`` (a gradient
   penalty) differentiates it. float32/float64 outside autocast only (the
   caller keeps 16-bit and autocast training on the general path).
+  ``StoredProjectionMaps`` is its store mode (``OutputRecipe``): the mapped
+  output a copy, the unmapped output kept, and the host's saved views of
+  the mapped output saved as recipes (hooks opened around the host's
+  attention module by ``DamchaMaps``), so backward projects nothing again.
 
 - ``SplitLinearMaps``: ``DamchaAttention``'s projections in training
   (``recompute``, metric "heads"): ``FusedProjectionMaps`` on an ``nn.Linear``
@@ -67,8 +71,10 @@ from . import _functional as fn
 __all__ = [
     "FusedProjectionMaps",
     "MapRecipes",
+    "OutputRecipe",
     "SideBlocks",
     "SplitLinearMaps",
+    "StoredProjectionMaps",
     "coefficients",
     "lowrank_factors",
     "map_blocks_",
@@ -249,96 +255,132 @@ class FusedProjectionMaps(torch.autograd.Function):
         lora_b: Tensor | None,
         *leaves: Tensor,
     ) -> Tensor:
-        y = project(x, weight, bias, transposed)
-        if lora_a is not None and lora_b is not None:
-            y = y + F.linear(F.linear(x, lora_a), lora_b) * scaling  # PEFT's own expression, bit for bit
-        spans = _split_leaves(sides, leaves)
-        map_blocks_(y, x, [(b, _side_weights(b.metric, leaves[i:j])) for b, (i, j) in zip(sides, spans)])
-        ctx.sides, ctx.transposed, ctx.scaling = sides, transposed, scaling
-        ctx.save_for_backward(x, weight, bias, lora_a, lora_b, *leaves)
-        return y
+        return _fused_forward(ctx, None, (sides, transposed, scaling, x, weight, bias, lora_a, lora_b, leaves))
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        x, weight, bias, lora_a, lora_b, *leaves = ctx.saved_tensors
-        sides: tuple[SideBlocks, ...] = ctx.sides
-        transposed: bool = ctx.transposed
-        scaling: float = ctx.scaling
-        need_x, need_w, need_b, need_la, need_lb = ctx.needs_input_grad[3:8]
-        need_leaves = ctx.needs_input_grad[8:]
-        features = weight.shape[1 if transposed else 0]
-        t = x.reshape(-1, x.shape[-1])
-        g = grad.reshape(-1, features)
+        return _fused_backward(ctx, grad, 0)
+
+
+def _project_and_map(args: tuple, out_of: Any = None) -> tuple[Tensor, Tensor]:
+    """(y, out) of ``FusedProjectionMaps``' arguments ``args``: y the projection
+    (with its LoRA update), out the same with the maps applied, made in place
+    in ``out_of(y)`` (y itself when None: then out is y)."""
+    sides, transposed, scaling, x, weight, bias, lora_a, lora_b, leaves = args
+    y = project(x, weight, bias, transposed)
+    if lora_a is not None and lora_b is not None:
+        y = y + F.linear(F.linear(x, lora_a), lora_b) * scaling  # PEFT's own expression, bit for bit
+    out = y if out_of is None else out_of(y)
+    return y, _map_out(out, x, sides, leaves)
+
+
+def _map_out(out: Tensor, x: Tensor, sides: tuple[SideBlocks, ...], leaves: Sequence[Tensor]) -> Tensor:
+    spans = _split_leaves(sides, leaves)
+    return map_blocks_(out, x, [(b, _side_weights(b.metric, leaves[i:j])) for b, (i, j) in zip(sides, spans)])
+
+
+def _fused_forward(ctx: Any, recipe: OutputRecipe | None, args: tuple) -> Tensor:
+    sides, transposed, scaling, x, weight, bias, lora_a, lora_b, leaves = args
+    ctx.sides, ctx.transposed, ctx.scaling, ctx.recipe = sides, transposed, scaling, recipe
+    ctx.save_for_backward(x, weight, bias, lora_a, lora_b, *leaves)
+    if recipe is None:
+        return _project_and_map(args)[1]
+    # Store mode: the mapped output is a copy, y stays unmapped (kept by the recipe).
+    y, out = _project_and_map(args, torch.clone)
+    recipe._keep(out, y, args)
+    return out
+
+
+def _fused_backward(ctx: Any, grad: Tensor, first: int) -> tuple[Tensor | None, ...]:
+    """``FusedProjectionMaps.backward`` (``first``: the index of its argument
+    ``sides`` among the node's arguments; ``StoredProjectionMaps`` has one more)."""
+    x, weight, bias, lora_a, lora_b, *leaves = ctx.saved_tensors
+    sides: tuple[SideBlocks, ...] = ctx.sides
+    transposed: bool = ctx.transposed
+    scaling: float = ctx.scaling
+    recipe: OutputRecipe | None = ctx.recipe
+    need_x, need_w, need_b, need_la, need_lb = ctx.needs_input_grad[first + 3 : first + 8]
+    need_leaves = ctx.needs_input_grad[first + 8 :]
+    features = weight.shape[1 if transposed else 0]
+    t = x.reshape(-1, x.shape[-1])
+    g = grad.reshape(-1, features)
+    stored = None if recipe is None else recipe.stored()
+    h = None
+    if lora_a is not None and lora_b is not None:
+        h = F.linear(t, lora_a)  # (T, r): recomputed, as cheap as storing it
+    # Under create_graph the stored y carries no graph: projected again, differentiably.
+    if stored is not None and not torch.is_grad_enabled():
+        # Store mode: the projection's output as the forward made it (LoRA update included).
+        y, lo = stored.view(-1, features), 0
+    else:
         # The rows of the projection that hold mapped heads: one GEMM on them.
         starts = [o for b in sides for o in b.offsets]
         ends = [o + b.heads * b.head_dim for b in sides for o in b.offsets]
         lo, hi = min(starts), max(ends)
         rows = weight[:, lo:hi] if transposed else weight[lo:hi]  # a strided view: BLAS reads it in place
         y = project(t, rows, None if bias is None else bias[lo:hi], transposed)
-        h = None
-        if lora_a is not None and lora_b is not None:
-            h = F.linear(t, lora_a)  # (T, r): recomputed, as cheap as storing it
+        if h is not None:
+            assert lora_b is not None
             y = y + F.linear(h, lora_b[lo:hi]) * scaling
-        # dL/dy, in pieces that tile its columns: each mapped block's gradient
-        # (the incoming one plus mix^T g_b, one baddbmm into a fresh block) and
-        # strided views of the incoming gradient between them. The consumers
-        # below (dx, dW, db, LoRA) take the pieces one by one, so dL/dy is never
-        # assembled: no copy of the (T, F) gradient (a clone, or a cat of blocks).
-        pieces: list[tuple[int, Tensor]] = []
-        leaf_grads: list[Tensor | None] = [None] * len(leaves)
-        through_generator: list[tuple[Tensor, Tensor, Tensor]] = []  # (dP, generator weight, c): dL/dt += dP W + c t
-        scale = math.sqrt(t.shape[-1])
-        r = fn._rms_denominator(t)  # as in forward: the same mix, bit for bit
-        for blocks, (k, k_end) in zip(sides, _split_leaves(sides, leaves)):
-            w_gen, b_gen, gate = leaves[k : k + 3]
-            need = need_leaves[k:k_end]
-            S = blocks.heads
-            P = F.linear(t, w_gen)
-            A = torch.addcdiv(b_gen, P, r, value=scale)
-            if blocks.metric == "heads":
-                mix_t = (A.view(-1, S, S) * gate.view(S, 1)).transpose(1, 2)
-                dmix: Tensor | None = None
-                for offset in blocks.offsets:
-                    gb = _block(g, offset, blocks.heads, blocks.head_dim)
-                    yb = _block(y, offset - lo, blocks.heads, blocks.head_dim)
-                    pieces.append((offset, torch.baddbmm(gb, mix_t, gb).flatten(1)))
-                    part = torch.bmm(gb, yb.transpose(1, 2))
-                    dmix = part if dmix is None else dmix.add_(part)
-                assert dmix is not None  # a side has at least one block
-                dA, leaf_grads[k + 2] = _heads_mix_grads(dmix, A, gate, need[2])
-            else:
-                dA = _lowrank_backward(blocks, leaves[k:k_end], need, A, g, y, lo, pieces, leaf_grads, k)
-            leaf_grads[k], leaf_grads[k + 1] = _generator_grads(
-                dA, P, r, t, w_gen, need[0], need[1], need_x, through_generator
-            )
-        pieces = _tile(pieces, g)
-        dx = dW = db = d_la = d_lb = None
-        # The LoRA update's gradients: dL/d(x A^T) = s dy B.
-        dh = None
-        if lora_b is not None and (need_x or need_la):
-            dh = _sum_mm(pieces, lambda a, b: lora_b[a:b]).mul_(scaling)
-        if need_la:
-            assert dh is not None
-            d_la = dh.t().mm(t)
-        if need_lb:
-            assert h is not None
-            d_lb = _cat([dp.t().mm(h) for _, dp in pieces], 0) * scaling
-        if need_x:
-            dx = _sum_mm(pieces, (lambda a, b: weight[:, a:b].t()) if transposed else (lambda a, b: weight[a:b]))
-            if dh is not None:
-                assert lora_a is not None
-                dx.addmm_(dh, lora_a)
-            for dP, w_gen, c in through_generator:
-                dx.addmm_(dP, w_gen).addcmul_(t, c)
-            dx = dx.view_as(x)
-        if need_w:
-            if transposed:
-                dW = _cat([t.t().mm(dp) for _, dp in pieces], 1)
-            else:
-                dW = _cat([dp.t().mm(t) for _, dp in pieces], 0)
-        if need_b:
-            db = _cat([dp.sum(0) for _, dp in pieces], 0)
-        return (None, None, None, dx, dW, db, d_la, d_lb, *leaf_grads)
+    # dL/dy, in pieces that tile its columns: each mapped block's gradient
+    # (the incoming one plus mix^T g_b, one baddbmm into a fresh block) and
+    # strided views of the incoming gradient between them. The consumers
+    # below (dx, dW, db, LoRA) take the pieces one by one, so dL/dy is never
+    # assembled: no copy of the (T, F) gradient (a clone, or a cat of blocks).
+    pieces: list[tuple[int, Tensor]] = []
+    leaf_grads: list[Tensor | None] = [None] * len(leaves)
+    through_generator: list[tuple[Tensor, Tensor, Tensor]] = []  # (dP, generator weight, c): dL/dt += dP W + c t
+    scale = math.sqrt(t.shape[-1])
+    r = fn._rms_denominator(t)  # as in forward: the same mix, bit for bit
+    for blocks, (k, k_end) in zip(sides, _split_leaves(sides, leaves)):
+        w_gen, b_gen, gate = leaves[k : k + 3]
+        need = need_leaves[k:k_end]
+        S = blocks.heads
+        P = F.linear(t, w_gen)
+        A = torch.addcdiv(b_gen, P, r, value=scale)
+        if blocks.metric == "heads":
+            mix_t = (A.view(-1, S, S) * gate.view(S, 1)).transpose(1, 2)
+            dmix: Tensor | None = None
+            for offset in blocks.offsets:
+                gb = _block(g, offset, blocks.heads, blocks.head_dim)
+                yb = _block(y, offset - lo, blocks.heads, blocks.head_dim)
+                pieces.append((offset, torch.baddbmm(gb, mix_t, gb).flatten(1)))
+                part = torch.bmm(gb, yb.transpose(1, 2))
+                dmix = part if dmix is None else dmix.add_(part)
+            assert dmix is not None  # a side has at least one block
+            dA, leaf_grads[k + 2] = _heads_mix_grads(dmix, A, gate, need[2])
+        else:
+            dA = _lowrank_backward(blocks, leaves[k:k_end], need, A, g, y, lo, pieces, leaf_grads, k)
+        leaf_grads[k], leaf_grads[k + 1] = _generator_grads(
+            dA, P, r, t, w_gen, need[0], need[1], need_x, through_generator
+        )
+    pieces = _tile(pieces, g)
+    dx = dW = db = d_la = d_lb = None
+    # The LoRA update's gradients: dL/d(x A^T) = s dy B.
+    dh = None
+    if lora_b is not None and (need_x or need_la):
+        dh = _sum_mm(pieces, lambda a, b: lora_b[a:b]).mul_(scaling)
+    if need_la:
+        assert dh is not None
+        d_la = dh.t().mm(t)
+    if need_lb:
+        assert h is not None
+        d_lb = _cat([dp.t().mm(h) for _, dp in pieces], 0) * scaling
+    if need_x:
+        dx = _sum_mm(pieces, (lambda a, b: weight[:, a:b].t()) if transposed else (lambda a, b: weight[a:b]))
+        if dh is not None:
+            assert lora_a is not None
+            dx.addmm_(dh, lora_a)
+        for dP, w_gen, c in through_generator:
+            dx.addmm_(dP, w_gen).addcmul_(t, c)
+        dx = dx.view_as(x)
+    if need_w and transposed:
+        dW = _cat([t.t().mm(dp) for _, dp in pieces], 1)
+    elif need_w:
+        dW = _cat([dp.t().mm(t) for _, dp in pieces], 0)
+    if need_b:
+        db = _cat([dp.sum(0) for _, dp in pieces], 0)
+    return (*[None] * (first + 3), dx, dW, db, d_la, d_lb, *leaf_grads)
 
 
 def _tile(pieces: list[tuple[int, Tensor]], g: Tensor) -> list[tuple[int, Tensor]]:
@@ -495,6 +537,13 @@ class MapRecipes:
     def _keep(self, x: Tensor, y: Tensor | None, sides: tuple[SideBlocks, ...], leaves: tuple[Tensor, ...]) -> None:
         self._state = (x, y, sides, leaves)
 
+    def _pack(self, t: Tensor, storage: torch.UntypedStorage) -> Any:
+        """The recipe of ``t`` if it lies in a mapped block; else None."""
+        found = self._blocks.get(storage.data_ptr())
+        if found is None or found[2] != storage.nbytes():
+            return None
+        return _Packed(self, found[0], found[1], t.size(), t.stride(), t.storage_offset())
+
     def coefficients(self, side: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """(P = t W^T, r, A, diag(g) A) of side ``side`` for the tokens t (T, E),
         computed as the forward computed them (the same mix, bit for bit)."""
@@ -537,6 +586,131 @@ class MapRecipes:
         return None if self._state is None else self._state[1]
 
 
+class OutputRecipe:
+    """The store mode of ``FusedProjectionMaps`` (``StoredProjectionMaps``):
+    what its mapped output is made of.
+
+    A converted host (GPT-2, BERT, a timm ViT) saves views of the projection's
+    output for its attention kernel's backward (SDPA's q~, k~, v, a q/k norm's
+    input), and the node's backward needs the unmapped output y. In store mode
+    the node returns the mapped output as a copy of y (mapped in place, as
+    ``map_blocks_`` maps it) and keeps y; under ``saved_as_recipes`` (around
+    the host's attention module, see ``DamchaMaps``) every saved view of that
+    output is saved as this recipe instead, so autograd keeps y where the
+    original model kept the output, and backward remakes the output once (a
+    copy of y and the maps' small products) for all the views a kernel
+    unpacks, instead of projecting the mapped rows again.
+
+    Who keeps y: until ``settle`` (when the attention module returns) this
+    recipe; then only the saved views' recipes (so autograd frees y with
+    them, after the kernel's backward, unless ``retain_graph``); a kernel's
+    backward hands y to the node's backward, which reads it and lets it go.
+    ``settle`` with no view saved as the recipe (a host that saves nothing of
+    the output, e.g. a rotary one whose kernel saves q and k after RoPE) lets
+    y go, and the node's backward projects again, as without store mode; so
+    too if the output is still referenced elsewhere (then it stays alive
+    anyway, and is the recipe).
+    """
+
+    __slots__ = ("_handoff", "_out", "_state", "_storage", "_version", "hits")
+
+    def __init__(self) -> None:
+        self._state: _OutputState | None = None  # until settle
+        self._out: Tensor | None = None  # until settle, so its storage's address stays its own
+        self._storage = (0, 0)  # (data pointer, bytes) of the output's storage
+        self._version = 0
+        self._handoff: _OutputState | None = None  # from the kernel's backward to the node's
+        self.hits = 0
+
+    def _keep(self, out: Tensor, y: Tensor, args: tuple) -> None:
+        storage = out.untyped_storage()
+        self._storage = (storage.data_ptr(), storage.nbytes())
+        self._out, self._version, self._state = out, out._version, _OutputState(y, args)
+
+    def _pack(self, t: Tensor, storage: torch.UntypedStorage) -> Any:
+        """The recipe of ``t`` if it is a view of the output, unmodified since
+        the node made it; else None."""
+        if self._state is None or (storage.data_ptr(), storage.nbytes()) != self._storage:
+            return None
+        if t._version != self._version:
+            return None
+        return _PackedOutput(self, self._state, t.size(), t.stride(), t.storage_offset())
+
+    def _made(self, state: _OutputState) -> Tensor:
+        """The mapped output (..., F), made again as the forward made it, bit for bit."""
+        if torch.is_grad_enabled():
+            # A backward that builds a graph (create_graph): made with one.
+            return FusedProjectionMaps.apply(*state.args[:8], *state.args[8])
+        if state.out is not None:  # settle found the output held elsewhere
+            return state.out
+        self._handoff = state
+        if state.made is None:
+            assert state.y is not None
+            sides, x, leaves = state.args[0], state.args[3], state.args[8]
+            state.made, state.pending = _map_out(state.y.clone(), x, sides, leaves), self.hits
+        out = state.made
+        state.pending -= 1
+        if state.pending <= 0:  # the last saved view read (a retain_graph backward makes it again)
+            state.made = None
+        return out
+
+    def settle(self) -> None:
+        """When the attention module returns (see the class docstring)."""
+        out, state, self._out, self._state = self._out, self._state, None, None
+        if state is not None and self.hits and out is not None and _held_elsewhere(out):
+            state.y, state.out = None, out
+
+    def stored(self) -> Tensor | None:
+        """For the node's backward: the projection's output y, unmapped, as a
+        kernel's backward handed it over, or None (then it projects again)."""
+        state, self._handoff = self._handoff, None
+        return None if state is None else state.y
+
+
+class _OutputState:
+    __slots__ = ("args", "made", "out", "pending", "y")
+
+    def __init__(self, y: Tensor, args: tuple) -> None:
+        self.y: Tensor | None = y
+        self.args = args
+        self.out: Tensor | None = None
+        self.made: Tensor | None = None
+        self.pending = 0
+
+
+class _PackedOutput(NamedTuple):
+    recipe: OutputRecipe
+    state: _OutputState
+    size: torch.Size
+    stride: Any
+    storage_offset: Any
+
+
+def _held_elsewhere(t: Tensor) -> bool:
+    """Whether anything but ``t`` itself refers to its storage (a view kept by the host)."""
+    counter = getattr(torch._C, "_storage_Use_Count", None)
+    if counter is None:
+        return True  # cannot tell: the safe answer
+    storage = t.untyped_storage()  # one reference more while it lives
+    return bool(counter(storage._cdata) > 2)
+
+
+class StoredProjectionMaps(torch.autograd.Function):
+    """``FusedProjectionMaps`` in store mode: ``apply(recipe, sides, transposed,
+    scaling, x, weight, bias, lora_a, lora_b, *leaves)`` with an ``OutputRecipe``
+    (see there). The same output, bit for bit, as a fresh tensor; the node saves
+    what ``FusedProjectionMaps`` saves and the recipe keeps the unmapped output."""
+
+    @staticmethod
+    def forward(ctx: Any, recipe: OutputRecipe, *args: Any) -> Tensor:
+        sides, transposed, scaling, x, weight, bias, lora_a, lora_b, *leaves = args
+        return _fused_forward(ctx, recipe, (sides, transposed, scaling, x, weight, bias, lora_a, lora_b, tuple(leaves)))
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        return _fused_backward(ctx, grad, 1)
+
+
 class _Packed(NamedTuple):
     recipes: MapRecipes
     side: int
@@ -546,7 +720,7 @@ class _Packed(NamedTuple):
     storage_offset: Any  # int, or a SymInt under a tracer
 
 
-def saved_as_recipes(recipes: Sequence[MapRecipes]) -> torch.autograd.graph.saved_tensors_hooks:
+def saved_as_recipes(recipes: Sequence[MapRecipes | OutputRecipe]) -> torch.autograd.graph.saved_tensors_hooks:
     """Saved-tensor hooks under which a tensor saved for backward that lies in
     a mapped block of ``recipes`` (the block itself or a view of it) is saved
     as its recipe and made again when backward reads it; any other tensor is
@@ -556,16 +730,19 @@ def saved_as_recipes(recipes: Sequence[MapRecipes]) -> torch.autograd.graph.save
         if type(t) is Tensor:  # a plain tensor (a subclass may have no storage of its own)
             storage = t.untyped_storage()
             for r in recipes:
-                found = r._blocks.get(storage.data_ptr())
-                if found is not None and found[2] == storage.nbytes():
+                packed = r._pack(t, storage)
+                if packed is not None:
                     r.hits += 1
-                    return _Packed(r, found[0], found[1], t.size(), t.stride(), t.storage_offset())
+                    return packed
         return t.detach()
 
     def unpack(packed: Any) -> Tensor:
         if isinstance(packed, _Packed):
             block = packed.recipes.block(packed.side, packed.offset)
             return block.as_strided(packed.size, packed.stride, packed.storage_offset)
+        if isinstance(packed, _PackedOutput):
+            made = packed.recipe._made(packed.state)
+            return made.as_strided(packed.size, packed.stride, packed.storage_offset)
         return packed
 
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
