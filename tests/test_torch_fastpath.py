@@ -853,3 +853,79 @@ def test_padding_with_the_hint_with_and_without_empty_rows(case, first_key):
     keep = ~pad.numpy()[:, None, None, :]
     want = dc.damcha_attention(params, cfg, x, rest[0] if rest else None, mask=keep, causal=True)
     np.testing.assert_allclose(fused[0].numpy(), want, rtol=1e-9, atol=1e-10)
+
+
+def _masks_without_hint(kind: str, n: int, m: int) -> dict:
+    """Masks that can leave a query row empty, without the causal hint (torch's
+    convention: True / -inf = hidden). Batch entry 1 of "padding-empty" pads
+    every key; the (N, M) masks hide every key from query 1."""
+    pad = torch.zeros(2, m, dtype=torch.bool)
+    pad[0, -1] = True
+    if kind == "padding":
+        return {"key_padding_mask": pad}
+    if kind == "padding-empty":
+        pad[1] = True
+        return {"key_padding_mask": pad}
+    hidden = torch.zeros(n, m, dtype=torch.bool)
+    hidden[1] = True
+    hidden[3, ::2] = True
+    if kind == "bool-mask":
+        return {"attn_mask": hidden}
+    if kind == "float-mask":
+        return {"attn_mask": torch.zeros(n, m, dtype=torch.float64).masked_fill(hidden, float("-inf"))}
+    if kind == "padding+bool-mask":
+        return {"key_padding_mask": pad, "attn_mask": hidden}
+    assert kind == "per-head-bool", kind
+    per_head = torch.zeros(2 * H, n, m, dtype=torch.bool)
+    per_head[1, 2] = True  # batch 0, head 1, query 2 sees nothing; its other heads do
+    per_head[5, 0] = True
+    return {"attn_mask": per_head}
+
+
+@pytest.mark.parametrize("case", ["tied", "cross-tied"])
+@pytest.mark.parametrize(
+    "kind", ["padding", "padding-empty", "bool-mask", "float-mask", "padding+bool-mask", "per-head-bool"]
+)
+@pytest.mark.parametrize("layout", ["batch-first", "seq-first"])
+def test_masks_without_the_hint_fused_training_equals_explicit_and_reference(kind, case, layout):
+    """A key_padding_mask alone or a bool/float attn_mask, no causal hint, with
+    rows that see no key: the fused training path sets those rows and the NaN
+    guard on y (not on o, whose guarded copy the output projection would
+    keep) and equals the explicit path (need_weights=True) in outputs and
+    gradients, and the reference in outputs; an empty row gives
+    out_proj.bias exactly, with finite gradients."""
+    overrides, call = TRAIN_CASES[case]
+    cfg = _config(**overrides)
+    inputs = _train_inputs(cfg, call)
+    n, m = inputs[0].shape[1], inputs[-1].shape[1]
+    masks = _masks_without_hint(kind, n, m)
+    layer, params = _train_layer(cfg, True, batch_first=layout == "batch-first")
+
+    def call_with(need_weights: bool):
+        def run(layer, *ts):
+            if layout == "seq-first":
+                ts = tuple(t.transpose(0, 1) for t in ts)
+            x, key = ts[0], ts[-1]
+            out = layer(x, key, key, need_weights=need_weights, **masks)[0]
+            return out.transpose(0, 1) if layout == "seq-first" else out
+
+        return run
+
+    fused = _run(layer, inputs, call_with(False))
+    _assert_same(fused, _run(layer, inputs, call_with(True)))
+    assert all(torch.isfinite(g).all() for g in fused[1])
+    bias = layer.out_proj.bias.detach()
+    if kind == "padding-empty":
+        torch.testing.assert_close(fused[0][1], bias.expand(n, E), rtol=0, atol=0)
+    elif kind in ("bool-mask", "float-mask", "padding+bool-mask"):
+        torch.testing.assert_close(fused[0][:, 1], bias.expand(2, E), rtol=0, atol=0)
+    keep = np.ones((2, 1, n, m), dtype=bool)
+    if "key_padding_mask" in masks:
+        keep &= ~masks["key_padding_mask"].numpy()[:, None, None, :]
+    if "attn_mask" in masks:
+        hidden = masks["attn_mask"]
+        hidden = hidden.view(2, H, n, m) if hidden.dim() == 3 else hidden
+        keep = keep & ~(hidden.isinf() if hidden.is_floating_point() else hidden).numpy()
+    x, *rest = (t.numpy() for t in inputs)
+    want = dc.damcha_attention(params, cfg, x, rest[0] if rest else None, mask=keep)
+    np.testing.assert_allclose(fused[0].numpy(), want, rtol=1e-9, atol=1e-10)

@@ -181,3 +181,53 @@ def test_a_nan_query_gives_nan_in_its_own_output_row_only(batch_first, grad):
     out = run(x, c2)
     assert torch.isnan(out[0]).all() and torch.isnan(out[1, 2]).all()
     assert torch.isfinite(out[1, :2]).all() and torch.isfinite(out[1, 3:]).all()
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "training"])
+@pytest.mark.parametrize("kind", ["padding", "bool-mask"])
+def test_rows_a_mask_empties_give_the_bias_and_nan_reaches_every_other_row_it_should(kind, grad):
+    """With a mask and no causal hint the fused path guards the output rows and
+    sets the rows the mask empties on y (not on o): an empty row is
+    out_proj.bias exactly, a NaN query makes its own row NaN, a NaN key its
+    batch entry's visible rows, and a NaN output weight every row (the
+    reference's 0 * W_o + b_o for the empty ones)."""
+    torch.manual_seed(0)
+    layer = DamchaAttention(E, H, batch_first=True).train(grad)
+    with torch.no_grad():
+        for gate in layer.metric_gates.values():
+            gate.fill_(0.5)
+    x, c = torch.randn(2, 5, E), torch.randn(2, 3, E)
+    empty = torch.zeros(2, 5, dtype=torch.bool)
+    if kind == "padding":
+        pad = torch.zeros(2, 3, dtype=torch.bool)
+        pad[1] = True  # batch entry 1 sees no key
+        pad[0, 2] = True
+        masks = {"key_padding_mask": pad}
+        empty[1] = True
+    else:
+        hidden = torch.zeros(5, 3, dtype=torch.bool)
+        hidden[4] = True  # query 4 sees no key
+        hidden[0, 1:] = True
+        masks = {"attn_mask": hidden}
+        empty[:, 4] = True
+    x[0, 2, 0] = float("nan")
+
+    def run(q, kv):
+        with torch.set_grad_enabled(grad):
+            return layer(q, kv, kv, need_weights=False, **masks)[0].detach()
+
+    bias = layer.out_proj.bias.detach()
+    out = run(x, c)
+    expected = torch.zeros(2, 5, dtype=torch.bool)
+    expected[0, 2] = True
+    assert torch.equal(torch.isnan(out).any(dim=-1), expected)
+    assert torch.isnan(out[0, 2]).all()
+    torch.testing.assert_close(out[empty], bias.expand(int(empty.sum()), E), rtol=0, atol=0)
+    c2 = c.clone()
+    c2[0, 0, 5] = float("nan")
+    out = run(x, c2)
+    assert torch.equal(torch.isnan(out).all(dim=-1), (torch.arange(2)[:, None] == 0) & ~empty)
+    torch.testing.assert_close(out[empty], bias.expand(int(empty.sum()), E), rtol=0, atol=0)
+    with torch.no_grad():
+        layer.out_proj.weight[0, 0] = float("nan")
+    assert torch.isnan(run(x, c)[..., 0]).all()

@@ -36,6 +36,24 @@ def _held_bytes(module: nn.Module, *args, **kwargs) -> tuple[int, torch.Tensor]:
     return sum(e.cpu_memory_usage for e in prof.events() if e.name == "[memory]"), y
 
 
+def _padding(m: int, empty: bool) -> torch.Tensor:
+    """A key_padding_mask (B, m): batch entry 1 pads its last 5 keys, or every
+    key with ``empty`` (then each of its queries sees nothing)."""
+    pad = torch.zeros(B, m, dtype=torch.bool)
+    pad[1, -5:] = True
+    if empty:
+        pad[1] = True
+    return pad
+
+
+def _hidden_row(m: int) -> torch.Tensor:
+    """A bool attn_mask (N, m) that hides every key from query 3 and a few from others."""
+    hidden = torch.zeros(N, m, dtype=torch.bool)
+    hidden[3] = True
+    hidden[::2, ::3] = True
+    return hidden
+
+
 CALLS = {
     "no-mask": lambda x, c: ((x, x, x), {}),
     "causal-hint": lambda x, c: (
@@ -43,6 +61,16 @@ CALLS = {
         {"attn_mask": nn.Transformer.generate_square_subsequent_mask(N), "is_causal": True},
     ),
     "cross": lambda x, c: ((x, c, c), {}),
+    # Masks without the causal hint (the fused path then guards y and sets the
+    # rows the mask empties on y, not on o):
+    "padding": lambda x, c: ((x, x, x), {"key_padding_mask": _padding(N, empty=False)}),
+    "padding-empty-rows": lambda x, c: ((x, x, x), {"key_padding_mask": _padding(N, empty=True)}),
+    "bool-mask-empty-row": lambda x, c: ((x, x, x), {"attn_mask": _hidden_row(N)}),
+    "padding+bool-mask": lambda x, c: (
+        (x, x, x),
+        {"key_padding_mask": _padding(N, empty=False), "attn_mask": _hidden_row(N)},
+    ),
+    "cross-padding-empty-rows": lambda x, c: ((x, c, c), {"key_padding_mask": _padding(M, empty=True)}),
 }
 
 
@@ -69,6 +97,8 @@ def test_a_training_forward_keeps_no_more_activations_than_mha(call, count):
         ours, _y = _held_bytes(layer, *args, need_weights=False, **kwargs)
         theirs, _z = _held_bytes(mha, *args, need_weights=False, **kwargs)
     # The NaN guard once made a guarded copy of the attention output, which the
-    # output projection saved beside SDPA's own output: one activation more.
-    # What may remain is parameter-sized (the generator's weights), far below one.
+    # output projection saved beside SDPA's own output: one activation more
+    # (without a mask until cf0048d; with a mask, and the zeroing of the rows it
+    # empties, until the guard and those rows moved to y). What may remain is
+    # parameter-sized (the generator's weights), far below one.
     assert ours - theirs < ACTIVATION / 2, (ours, theirs, ACTIVATION)

@@ -80,7 +80,11 @@ class LayerWeights(NamedTuple):
     hooks on it run); ``sides`` maps a canonical side to its ``SideWeights``.
     ``bias_k`` (1, 1, G*d), ``bias_v`` (1, 1, G*d_v) and ``zero_attn`` are
     nn.MultiheadAttention's ``add_bias_kv``/``add_zero_attn`` (see
-    ``_append_keys``); canonical parameters have neither.
+    ``_append_keys``); canonical parameters have neither. ``output_params``:
+    (weight (E_o, H*d_v), bias or None) when ``output`` is exactly
+    ``F.linear`` with them (no hooks, no wrapper), else ``None``: the fused
+    path then sets y's all-masked rows and NaN guard on y (see
+    ``attend_weights``), otherwise on o.
     """
 
     sizes: tuple[int, int, int]
@@ -94,6 +98,7 @@ class LayerWeights(NamedTuple):
     bias_k: Tensor | None = None
     bias_v: Tensor | None = None
     zero_attn: bool = False
+    output_params: tuple[Tensor, Tensor | None] | None = None
 
     def projections(self) -> tuple[tuple[Tensor, Tensor | None], ...]:
         """(weight, bias) of the query, key and value projections."""
@@ -129,7 +134,7 @@ def weights_from_canonical(params: Mapping[str, Tensor], config: DamchaConfig) -
         return F.linear(o, out_w, out_b)
 
     sides = {side: _side_from_canonical(params, config, side) for side in config.metric_sides}
-    return LayerWeights(sizes, None, q, k, v, bias, output, sides)
+    return LayerWeights(sizes, None, q, k, v, bias, output, sides, output_params=(out_w, out_b))
 
 
 # ------------------------------------------------------------------ steps
@@ -338,10 +343,19 @@ def _attend(
     need_weights: bool,
     guard: tuple[Tensor, Tensor] | None,
     recipes: list[MapRecipes] | None = None,
-) -> tuple[Tensor, Tensor | None]:
+    rows_out: bool = False,
+) -> tuple[Tensor, Tensor | None, _Rows | None]:
     """``softmax_attend`` given the NaN ``guard`` (a, b) of the fused path: the
     output becomes o + 0 * a * b, see ``_guard``. ``recipes``: the store-mode
-    nodes that made q and k; SDPA saves q~ and k~ as their recipes."""
+    nodes that made q and k; SDPA saves q~ and k~ as their recipes.
+
+    ``rows_out`` (fused path only, the caller guards the output rows): what the
+    mask says about each query row is returned as ``_Rows`` for the caller
+    to apply to y instead of o, where it can: the all-masked rows when they
+    are the same for every head (zeroing them in o would make a copy of o that
+    the output projection saves beside SDPA's own output, one (B, N, H*d_v)
+    activation more than nn.MultiheadAttention), and a float mask's NaN rows.
+    Rows that are empty for some heads only are still zeroed in o."""
     n, m = q.shape[-2], k.shape[-2]
     # Python ints even under torch.jit.trace, which records sizes as tensors.
     heads, kv_heads = int(q.shape[1]), int(k.shape[1])
@@ -353,11 +367,13 @@ def _attend(
         mask = _combine(mask, causal_visibility(n, m, query_offset, q.device))
         causal = False
     row_ok = None
+    rows = None
     if mask is not None:
         # SDPA turns a row with no visible key into NaN (0/0) or 0 depending
         # on the kernel; v1 defines it as 0 with finite gradients: such rows
         # are unhidden for the kernel and zeroed after. Which rows they are is
         # read from the mask alone, never from the logits.
+        row_max = None
         if mask.dtype == torch.bool:
             if not _reads_values(mask) or not bool(mask[..., 0].all()):
                 row_ok = mask.any(dim=-1, keepdim=True)
@@ -375,6 +391,18 @@ def _attend(
             if guard is not None:
                 # + 0 * row_max: NaN for a NaN row, 0 for any finite one (also -1e9).
                 guard = (guard[0], torch.add(guard[1], row_max, alpha=0).to(q.dtype))
+        if rows_out:
+            if row_max is not None and row_ok is not None:  # both set by a float mask
+                # 0 where the row is empty (its -inf would make 0 * row_max NaN),
+                # one value per row over the heads: NaN if any head's row has one.
+                row_max = _per_row(row_max.masked_fill(~row_ok, 0.0))
+            if row_ok is not None and row_ok.dim() >= 3 and row_ok.shape[-3] != 1:
+                # Empty for some heads only (the caller passes no such mask):
+                # zeroed in o below.
+                rows = _Rows(None, row_max)
+            else:
+                rows = _Rows(None if row_ok is None else _per_row(row_ok), row_max)
+                row_ok = None
     if not need_weights:
         hooks: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
         if recipes:
@@ -405,7 +433,7 @@ def _attend(
             if a.shape[-1] != o.shape[-1]:
                 a = a.sum(dim=-1, keepdim=True)
             o = torch.addcmul(o, a.detach(), b.detach(), value=0)  # always detach: one graph for jit.trace
-        return (o if row_ok is None else torch.where(row_ok, o, 0.0)), None
+        return (o if row_ok is None else torch.where(row_ok, o, 0.0)), None, rows
     if kv_heads != heads:
         k = k.repeat_interleave(heads // kv_heads, dim=1)
         v = v.repeat_interleave(heads // kv_heads, dim=1)
@@ -418,7 +446,27 @@ def _attend(
         probs = torch.where(row_ok, probs, 0.0)
     if dropout_p > 0.0:
         probs = F.dropout(probs, p=dropout_p)
-    return torch.matmul(probs, v), probs
+    return torch.matmul(probs, v), probs, None
+
+
+class _Rows(NamedTuple):
+    """What a mask says about each query row, (B|1, N|1, 1) like the rows of
+    y (B, N, E_o): ``ok`` (bool) False where the row sees no key, or None
+    when no row is empty; ``nan`` a float mask's row maximum (NaN where the
+    row holds a NaN, else finite), or None."""
+
+    ok: Tensor | None
+    nan: Tensor | None
+
+
+def _per_row(t: Tensor) -> Tensor:
+    """(B|1, 1, N|1, 1) from a per-row tensor broadcastable to (B, H, N, 1)
+    (any leading dims missing; the head dim reduced or 1): (B|1, N|1, 1)."""
+    if t.dim() < 4:
+        t = t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))
+    if t.shape[1] != 1:
+        t = t.amax(dim=1, keepdim=True)
+    return t[:, 0]
 
 
 def _saved_tensor_hooks_on() -> bool:
@@ -518,7 +566,7 @@ def softmax_attend(
         A NaN or inf in q, k or a float mask gives NaN in the rows it reaches
         (the fused kernel alone would return 0 for some of them).
     """
-    return _attend(
+    o, weights, _ = _attend(
         q,
         k,
         v,
@@ -530,6 +578,7 @@ def softmax_attend(
         need_weights=need_weights,
         guard=_guard(q, k),
     )
+    return o, weights
 
 
 def safe_attention(
@@ -834,13 +883,23 @@ def attend_weights(
         recipes = []
     q, k, v = _project(w, config, query, c, c if value is None else value, self_attention, recompute, recipes)
     row_guard = None
-    if not need_weights and mask is None and w.bias_k is None and not w.zero_attn:
+    # A mask with a head dim may leave a row empty for some heads only, which
+    # y cannot express: its rows are guarded and zeroed in o, as before.
+    per_head = mask is not None and mask.dim() >= 3 and mask.shape[-3] != 1
+    if (
+        not need_weights
+        and w.bias_k is None
+        and not w.zero_attn
+        and (mask is None or (w.output_params is not None and not per_head))
+    ):
         # Guarding the (B, N, E_o) output instead of o keeps o itself (saved by
         # SDPA for its backward) the output projection's input: a guarded copy
         # of o would be a second (B, N, H*d_v) activation that the projection
         # saves too, one more per layer than nn.MultiheadAttention. Read in the
-        # tokens' own order, so y's, with no permuted views.
-        own = self_attention and q.shape[-2] == k.shape[-2] and q.shape[-1] == v.shape[-1]
+        # tokens' own order, so y's, with no permuted views. With a mask, the
+        # rows it leaves empty are set on y too (see below), and every key of
+        # the batch entry counts (the row's own key may be hidden).
+        own = mask is None and self_attention and q.shape[-2] == k.shape[-2] and q.shape[-1] == v.shape[-1]
         row_guard = _row_guard(q, k, own_keys=own, batch_dim=1 if seq_first else 0)
     if seq_first:
         q, k, v = q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
@@ -867,7 +926,7 @@ def attend_weights(
             k, v = kv_cache.update(k, v)
     if w.bias_k is not None or w.zero_attn:
         k, v, mask, causal = _append_keys(w, k, v, mask, causal, query_offset, q.shape[-2])
-    o, weights = _attend(
+    o, weights, rows = _attend(
         q,
         k,
         v,
@@ -879,13 +938,29 @@ def attend_weights(
         need_weights=need_weights,
         guard=guard,
         recipes=recipes,
+        rows_out=row_guard is not None and w.output_params is not None,
     )
     y = w.output((o.permute(2, 0, 1, 3) if seq_first else o.transpose(1, 2)).flatten(-2))
     if row_guard is not None:
         # y + 0 * a * b: NaN in exactly the rows the per-element guard of
         # ``_guard`` makes NaN in o, since the output projection mixes every
         # head and column of a row (a NaN anywhere in a row of o fills y's row).
-        y = torch.addcmul(y, *row_guard, value=0)
+        a, b = row_guard
+        if rows is not None and rows.nan is not None:
+            # A float mask's NaN rows (0 * NaN), in y's layout.
+            b = torch.add(b, rows.nan.transpose(0, 1) if seq_first else rows.nan, alpha=0).to(y.dtype)
+        y = torch.addcmul(y, a, b, value=0)
+        if rows is not None and rows.ok is not None:
+            # The rows the mask leaves empty: attention output 0, so y is the
+            # output projection of 0 (its bias; NaN if a weight is, as in the
+            # reference's 0 * W_o + b_o). A select, whose backward keeps only the
+            # small condition: the projection's input stays SDPA's saved output,
+            # where zeroing those rows of o would make a copy that it saves too.
+            # The rows' gradient is 0 through y, so q, k and v get none from them.
+            assert w.output_params is not None  # rows_out
+            W_o, b_o = w.output_params
+            empty = F.linear(o.new_zeros(1, W_o.shape[1]), W_o, b_o)
+            y = torch.where(rows.ok.transpose(0, 1) if seq_first else rows.ok, y, empty)
     return y, weights
 
 

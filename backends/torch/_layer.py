@@ -78,6 +78,23 @@ def _check_shapes(
     return dc.check_shapes(config, query_shape, key_shape, mask_shape, value_shape=value_shape, names=_FORWARD_NAMES)
 
 
+def _linear_params(module: nn.Module) -> tuple[Tensor, Tensor | None] | None:
+    """(weight, bias) of a module whose call is exactly ``F.linear`` with them
+    (an ``nn.Linear`` with no hooks, not wrapped or overridden), else None."""
+    if (
+        type(module).forward is not nn.Linear.forward
+        or module._forward_hooks
+        or module._forward_pre_hooks
+        or nn.modules.module._global_forward_hooks
+        or nn.modules.module._global_forward_pre_hooks
+    ):
+        return None
+    weight = module._parameters.get("weight")
+    if weight is None:
+        return None
+    return weight, module._parameters.get("bias")
+
+
 class DamchaAttention(CanonicalIO, nn.Module):
     """Data-Adaptive Mahalanobis Cross-Head Attention, a drop-in for ``nn.MultiheadAttention``.
 
@@ -393,6 +410,7 @@ class DamchaAttention(CanonicalIO, nn.Module):
             p.get("bias_k"),
             p.get("bias_v"),
             self.add_zero_attn,
+            _linear_params(out_proj),
         )
 
     def _native_ok(self, query: Tensor) -> bool:
