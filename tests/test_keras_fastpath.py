@@ -56,7 +56,9 @@ def rng(seed=0):
 
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    """Records (is_causal, mask shape or None) of every keras.ops.dot_product_attention call."""
+    """Records (is_causal, mask shape or None) of every keras.ops.dot_product_attention
+    call, and on torch of every direct SDPA call (``F._torch_attention``: a call
+    without a mask skips Keras's wrapper there)."""
     calls = []
     real = keras.ops.dot_product_attention
 
@@ -66,6 +68,17 @@ def kernel_calls(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(keras.ops, "dot_product_attention", spy)
+    if BACKEND == "torch":
+        # A call without a mask runs torch's SDPA directly (F._torch_attention).
+        import damcha_keras._functional as F
+
+        real_torch = F._torch_attention
+
+        def torch_spy(q, k, v, *, scale, is_causal):
+            calls.append((bool(is_causal), None))
+            return real_torch(q, k, v, scale=scale, is_causal=is_causal)
+
+        monkeypatch.setattr(F, "_torch_attention", torch_spy)
     return calls
 
 
@@ -460,6 +473,9 @@ def test_other_keras_backends_take_the_same_fast_paths():
         pytest.skip("launched from the tensorflow run only")
     for backend in ("jax", "torch"):
         env = {**os.environ, "KERAS_BACKEND": backend}
+        skip = "not tf_graph and not tf_eager and not other_keras_backends"
+        if backend != "torch":
+            skip += " and not torch_aten"
         proc = subprocess.run(
             [
                 sys.executable,
@@ -470,7 +486,7 @@ def test_other_keras_backends_take_the_same_fast_paths():
                 "-p",
                 "no:cacheprovider",
                 "-k",
-                "not tf_graph and not tf_eager and not other_keras_backends",
+                skip,
                 "-W",
                 "ignore::DeprecationWarning",
             ],
@@ -483,7 +499,9 @@ def test_other_keras_backends_take_the_same_fast_paths():
         assert proc.returncode == 0, tail
         summary = proc.stdout.strip().splitlines()[-1]
         passed = re.search(r"(\d+) passed", summary)
-        assert passed and int(passed.group(1)) == len(CASES) + 6, summary  # the cases + 6 other tests
+        # The cases + 6 other tests (+ the aten counts on torch).
+        want = len(CASES) + 6 + (TORCH_ATEN_TESTS if backend == "torch" else 0)
+        assert passed and int(passed.group(1)) == want, summary
         assert "skipped" not in summary and "deselected" in summary, summary
 
 
@@ -745,3 +763,95 @@ def _traced_host_values(make, *specs):
 
     tf.function(probe, autograph=False).get_concrete_function(*specs)
     return got[0]
+
+
+# ------------------------------------------------------- torch aten op counts
+
+TORCH_ONLY = pytest.mark.skipif(
+    BACKEND != "torch", reason="counts aten ops: runs in the torch subprocess of test_other_keras_backends_*"
+)
+TORCH_ATEN_TESTS = 2
+
+
+def _aten_ops(fn):
+    """The aten ops ``fn()`` calls at the top level, in order (torch.profiler;
+    the ops an aten op runs inside itself are not counted)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    events = sorted(
+        (e for e in prof.events() if e.name.startswith("aten::")),
+        key=lambda e: (e.time_range.start, -e.time_range.end),
+    )
+    names, end = [], -1
+    for e in events:
+        if e.time_range.start >= end:  # not inside the previous top-level op
+            names.append(e.name)
+            end = e.time_range.end
+    return names
+
+
+def _torch_pair():
+    """A Keras MHA and the DamchaAttention converted from it (gates opened), float32."""
+    x = rng(20).normal(size=(B, N, E)).astype("float32")
+    mha = keras.layers.MultiHeadAttention(H, D)
+    mha(x, x)
+    layer = DamchaAttention.from_mha(mha)
+    layer.load_canonical(
+        {k: np.full_like(v, 0.5) if k.endswith(".gate") else v for k, v in layer.to_canonical().items()}
+    )
+    return mha, layer, keras.ops.convert_to_tensor(x)
+
+
+@TORCH_ONLY
+def test_torch_aten_causal_forward_runs_sdpa_on_the_heads_without_copies(monkeypatch):
+    """Counted, not timed (keras-torch): ``use_causal_mask=True`` reaches torch's SDPA
+    once, with ``is_causal=True`` and no mask, on strided views of the mapped heads
+    (no ``contiguous`` copy: Keras's wrapper copies q, k and v); the NaN probe is
+    two sums and one add with alpha=0; the map is torch calls with no
+    conversion or cast. The call's top-level aten ops stay within 13 of Keras
+    MHA's (before: 75 vs 35), and the output equals the reference."""
+    import torch
+
+    mha, layer, x = _torch_pair()
+    sdpa, real = [], torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, *args, **kwargs):
+        sdpa.append((kwargs.get("is_causal"), attn_mask is None, q.is_contiguous()))
+        return real(q, k, v, attn_mask, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    for attn in (layer, mha):
+        attn(x, x, use_causal_mask=True)
+    sdpa.clear()
+    ours = _aten_ops(lambda: layer(x, x, use_causal_mask=True))
+    assert sdpa == [(True, True, False)], sdpa  # is_causal, no mask, the heads as strided views
+    theirs = _aten_ops(lambda: mha(x, x, use_causal_mask=True))
+    assert "aten::contiguous" in theirs and "aten::contiguous" not in ours, (ours, theirs)
+    assert ours.count("aten::sum") == 2 and ours.count("aten::scaled_dot_product_attention") == 1, ours
+    assert len(ours) <= len(theirs) + 13, (len(ours), len(theirs), ours)
+    params = {k: v.astype(np.float64) for k, v in layer.to_canonical().items()}
+    want = dc.damcha_attention(params, layer.config, np_(x), causal=True)
+    _close(np_(layer(x, x, use_causal_mask=True).detach()), want, "causal forward")
+
+
+@TORCH_ONLY
+def test_torch_aten_causal_training_step_within_margin_of_mha():
+    """Counted, not timed (keras-torch): a training step's top-level aten ops
+    (forward, loss, backward) of ``use_causal_mask=True`` stay within a fixed
+    margin of Keras MHA's: 62 more, the map's ops and their gradients (before: 198 vs
+    110; now 170); the gradients reach the map's weights and are finite."""
+    mha, layer, x = _torch_pair()
+
+    def step(attn):
+        y = attn(x, x, use_causal_mask=True)
+        (y**2).mean().backward()
+
+    for attn in (layer, mha):
+        step(attn)
+    ours, theirs = _aten_ops(lambda: step(layer)), _aten_ops(lambda: step(mha))
+    assert len(ours) <= len(theirs) + 62, (len(ours), len(theirs))
+    for name, var in layer.canonical_variables().items():
+        grad = var.value.grad
+        assert grad is not None and np.isfinite(grad.numpy()).all(), name

@@ -124,6 +124,8 @@ def map_matrix(tokens: Any, kernel: Any, bias: Any, gate: Any) -> Any:
     """
     dtype = dtype_name(tokens)
     S = gate.shape[0]
+    if dtype == _wide(dtype) and keras.backend.backend() == "torch":
+        return _torch_map_matrix(tokens, kernel, bias, gate, dtype)
     kernel, bias, gate = _as(kernel, dtype), _as(bias, dtype), ops.reshape(_as(gate, dtype), (S, 1))
     if dtype != _wide(dtype):
         coeff = ops.einsum("bte,ehk->bthk", rms_normalise(tokens), kernel) + bias
@@ -133,6 +135,37 @@ def map_matrix(tokens: Any, kernel: Any, bias: Any, gate: Any) -> Any:
     offset = ops.add(bias * gate, _eye(S, dtype))  # I + diag(g) b
     inv_norm = ops.rsqrt(_sum_squares(tokens) + E * RMS_EPS)  # (B, T, 1)
     return ops.einsum("bte,ehk->bthk", tokens, weights) * ops.expand_dims(inv_norm, -1) + offset
+
+
+def _torch_map_matrix(tokens: Any, kernel: Any, bias: Any, gate: Any, dtype: str) -> Any:
+    """``map_matrix``'s float32/float64 form in torch calls, each one aten op
+    (``keras.ops`` adds conversions, dtype checks and casts around each): the
+    generator product as one GEMM on the (B*T, E) tokens against the (E, S*S)
+    weights, and its scale and offset as one ``addcmul``."""
+    import torch
+
+    S, E = gate.shape[0], tokens.shape[-1]
+    kernel, bias, gate = (x if x.dtype == tokens.dtype else x.to(tokens.dtype) for x in (kernel, bias, gate))
+    gate = gate.reshape(S, 1)
+    weights = (kernel * (gate * math.sqrt(E))).reshape(E, S * S)  # diag(g) W sqrt(E)
+    offset = torch.addcmul(_torch_eye(S, tokens), bias, gate).reshape(S * S)  # I + diag(g) b
+    inv_norm = torch.rsqrt(_sum_squares(tokens) + E * RMS_EPS)  # (B, T, 1)
+    matrix = torch.addcmul(offset, torch.matmul(tokens, weights), inv_norm)  # (B, T, S*S)
+    return matrix.reshape(*matrix.shape[:-1], S, S)
+
+
+def _torch_eye(size: int, like: Any) -> Any:
+    """The identity (S, S) as a torch tensor of ``like``'s dtype and device, made once."""
+    key = (size, str(like.dtype), str(like.device))
+    eye = _TORCH_EYES.get(key)
+    if eye is None:
+        import torch
+
+        eye = _TORCH_EYES[key] = torch.eye(size, dtype=like.dtype, device=like.device)
+    return eye
+
+
+_TORCH_EYES: dict[tuple[int, str, str], Any] = {}
 
 
 def _sum_squares(tokens: Any) -> Any:
@@ -156,6 +189,10 @@ def apply_map_matrix(matrix: Any, y: Any) -> Any:
     ``matmul``, which torch runs as one batched GEMM (its einsum permutes and
     copies first); float64 takes ``einsum``: Keras 3.15's torch matmul returns
     float32 for float64."""
+    if keras.backend.backend() == "torch":
+        import torch
+
+        return torch.matmul(matrix, y)  # any float dtype: Keras's float64 issue is its wrapper's
     if dtype_name(y) == "float64":
         return ops.einsum("btha,btad->bthd", matrix, y)
     return ops.matmul(matrix, y)
@@ -263,6 +300,10 @@ def map_weights(variables: tuple[Any, ...]) -> tuple[Any, ...]:
             if not _tape_may_record() and all(isinstance(v, tf.Variable) for v in values):
                 return values
             return tuple(tf.convert_to_tensor(v) for v in values)
+    if keras.backend.backend() == "torch":
+        # The variables' tensors (under a dtype policy's autocast, cast), without
+        # convert_to_tensor's device move and its aten call per weight.
+        return tuple(getattr(v, "value", v) for v in variables)
     return tuple(ops.convert_to_tensor(v) for v in variables)
 
 
@@ -556,9 +597,12 @@ def fused_attention(
         width = max(d, d_v)
         pad = lambda x: ops.pad(x, [(0, 0)] * 3 + [(0, width - x.shape[-1])])  # noqa: E731
         q, k, v = (pad(x) if x.shape[-1] < width else x for x in (q, k, v))
-    out = ops.dot_product_attention(
-        q, k, v, mask=mask, scale=scale, is_causal=is_causal, flash_attention=flash_attention
-    )
+    if mask is None and flash_attention is not True and keras.backend.backend() == "torch":
+        out = _torch_attention(q, k, v, scale=scale, is_causal=is_causal)
+    else:
+        out = ops.dot_product_attention(
+            q, k, v, mask=mask, scale=scale, is_causal=is_causal, flash_attention=flash_attention
+        )
     if d != d_v:
         out = out[..., :d_v]
     if mask is None:
@@ -622,6 +666,20 @@ def attend(
     return fused_attention(q, k, v, scale=scale, mask=visible, keep=keep, flash_attention=flash_attention), None
 
 
+def _torch_attention(q: Any, k: Any, v: Any, *, scale: float, is_causal: bool) -> Any:
+    """torch's ``scaled_dot_product_attention`` on (B, H, N, d) views of the
+    heads (B, N, H, d), for a call without a mask: the kernel
+    ``keras.ops.dot_product_attention`` runs, without the wrapper's
+    conversions, casts and the three ``contiguous`` copies of the heads (the
+    CPU kernels read strided heads)."""
+    import torch
+
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=is_causal, scale=scale
+    )
+    return out.transpose(1, 2)
+
+
 def _nan_probe(out: Any, q: Any, k: Any) -> Any:
     """NaN in, NaN out through torch's fused kernel without a mask.
 
@@ -634,8 +692,12 @@ def _nan_probe(out: Any, q: Any, k: Any) -> Any:
     """
     if keras.backend.backend() != "torch":
         return out
-    probe = ops.sum(q, axis=-1, keepdims=True) + ops.sum(k, axis=(1, 2, 3), keepdims=True)  # (B, N, H, 1)
-    return out + probe * ops.convert_to_tensor(0.0, dtype=dtype_name(out))
+    import torch
+
+    # torch calls (one aten op each), the probe (B, N, H, 1) added with alpha=0:
+    # out + 0 * probe in one pass over the output (0 * NaN = NaN).
+    probe = torch.sum(q, dim=-1, keepdim=True) + torch.sum(k, dim=(1, 2, 3), keepdim=True)
+    return torch.add(out, probe, alpha=0)
 
 
 def _prod(dims: Any) -> Any:
