@@ -3,7 +3,10 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.damcha-installed
-# pytest-xdist workers; the suite is sized for this 2-core machine.
+# pytest-xdist workers; the suite is sized for this 2-core machine. worksteal (xdist >= 3.2):
+# a worker that runs out of tests takes the tail half of the other's queue, where `--dist load`
+# leaves tests queued behind a long one on a busy worker while the other idles; with the long
+# modules first (tests/conftest.py, RUN_FIRST) the last tests on each worker are short.
 WORKERS ?= 2
 
 .PHONY: install js-deps lint test demo bench clean
@@ -52,7 +55,7 @@ lint: install $(TYPING_STAMP)
 	$(PY) -m mypy $(foreach p,$(PACKAGES),-p $(word 1,$(subst :, ,$(p))))
 
 test: install js-deps lint
-	DAMCHA_REQUIRE_ALL_BACKENDS=1 $(PY) -m pytest -n $(WORKERS) --durations=15 tests
+	DAMCHA_REQUIRE_ALL_BACKENDS=1 $(PY) -m pytest -n $(WORKERS) --dist worksteal --durations=15 tests
 
 demo: install
 	$(VENV)/bin/damcha conform

@@ -14,3 +14,36 @@ import os
 for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
     os.environ.setdefault(var, "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+# Modules holding the suite's longest single tests (Keras backends and KerasHub models in
+# subprocesses, the upstream Keras suite, the benchmark scripts, Node.js, the experiments'
+# end-to-end smoke run, torch.compile/Inductor, multi-process torch/JAX), longest first.
+# They run first: `make test` uses xdist's worksteal scheduler, where each worker starts on
+# half of the collection and an idle worker takes the tail half of the other's queue, so a
+# long test is absorbed when it runs early and adds its whole length to the wall time
+# when it lands on one worker at the end. Whole modules move, in their own order, so
+# module-scoped fixtures are still set up once per worker; xdist already runs the tests
+# in varying order across workers, so no test may depend on which module ran before it.
+RUN_FIRST = (
+    "test_keras_upstream.py",
+    "test_models_keras_backends.py",
+    "test_keras_backends.py",
+    "test_benchmarks_quick.py",
+    "test_experiments_run.py",
+    "test_onnx_js.py",
+    "test_torch_kv_cache.py",
+    "test_torch_layers.py",
+    "test_models_torch.py",
+    "test_models_keras.py",
+    "test_torch_mha_suite.py",
+    "test_torch_nan.py",
+    "test_jax_compiled_cost.py",
+    "test_jax_sharding.py",
+    "test_torch_ddp.py",
+    "test_torch_fsdp.py",
+)
+
+
+def pytest_collection_modifyitems(items: list) -> None:
+    rank = {name: i for i, name in enumerate(RUN_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
