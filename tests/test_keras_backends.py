@@ -12,7 +12,10 @@ model equals Keras MHA quantized the same way; the
 torch backend also exports a model with Keras's ``model.export(format="onnx")``
 and runs it in onnxruntime; the jax backend exports one with
 ``model.export(format="tf_saved_model")`` (jax2tf, symbolic batch and length)
-and runs it with ``tf.saved_model.load``.
+and runs it with ``tf.saved_model.load``, and checks that
+``DamchaAttention.from_mha`` copies the MHA's weights rather than sharing them
+(a jitted ``model.fit`` donates its variables' buffers: shared weights would be
+deleted under the layer that was not trained, "Array has been deleted").
 """
 
 from __future__ import annotations
@@ -47,6 +50,15 @@ def test_keras_backend(backend, tmp_path):
     assert result["saved_model_export_matches"] is (True if backend == "jax" else None), result
     assert result["nan_not_nan"] == [], result["nan_not_nan"]
     assert result["quantized_vs_mha_mse"] is not None and result["quantized_vs_mha_mse"] < 1e-8, result
+    if backend == "jax":  # from_mha copies, never shares, the weights: each layer trains alone
+        assert result["from_mha_copies"] == {
+            "damcha_trained": True,
+            "mha_unchanged_after_damcha_fit": True,
+            "mha_trained": True,
+            "damcha_unchanged_after_mha_fit": True,
+        }, result["from_mha_copies"]
+    else:
+        assert result["from_mha_copies"] is None, result
 
 
 NAN_PLACES = ("query.kernel", "metric.qk.kernel", "metric.qk.gate", "query-token", "key-token")
@@ -120,6 +132,33 @@ def quantized_vs_mha(DamchaAttention, keras, np) -> float:
             model.quantize("int8")
         outs.append(np.asarray(keras.ops.convert_to_numpy(model(x))))
     return float(np.mean((outs[0] - outs[1]) ** 2))
+
+
+def _fit_one_step(keras, np, layer, x) -> bool:
+    """Train ``layer`` (self-attention on ``x``) one step with ``model.fit``;
+    return whether its weights moved."""
+    inputs = keras.Input(x.shape[1:])
+    model = keras.Model(inputs, layer(inputs, inputs))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    before = [np.array(keras.ops.convert_to_numpy(v.value)) for v in layer.trainable_variables]
+    model.fit(x, np.zeros_like(x), epochs=1, batch_size=len(x), verbose=0)
+    after = [keras.ops.convert_to_numpy(v.value) for v in layer.trainable_variables]
+    return any(not np.array_equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+def from_mha_copies(DamchaAttention, keras, np) -> dict[str, bool]:
+    """Fit a converted layer, then its MHA, one step each: each must train and
+    leave the other's outputs unchanged (JAX donates a jitted fit's buffers)."""
+    x = np.random.default_rng(0).normal(size=(4, 5, 8)).astype("float32")
+    mha = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4, seed=0)
+    y_mha = keras.ops.convert_to_numpy(mha(x, x))
+    damcha = DamchaAttention.from_mha(mha)
+    result = {"damcha_trained": _fit_one_step(keras, np, damcha, x)}
+    result["mha_unchanged_after_damcha_fit"] = bool(np.array_equal(keras.ops.convert_to_numpy(mha(x, x)), y_mha))
+    y_damcha = keras.ops.convert_to_numpy(damcha(x, x))
+    result["mha_trained"] = _fit_one_step(keras, np, mha, x)
+    result["damcha_unchanged_after_mha_fit"] = bool(np.array_equal(keras.ops.convert_to_numpy(damcha(x, x)), y_damcha))
+    return result
 
 
 def _main(backend: str, workdir: str) -> None:
@@ -208,6 +247,7 @@ def _main(backend: str, workdir: str) -> None:
             {
                 "nan_not_nan": nan_cases(DamchaAttention, keras, np),
                 "quantized_vs_mha_mse": quantized_vs_mha(DamchaAttention, keras, np),
+                "from_mha_copies": from_mha_copies(DamchaAttention, keras, np) if backend == "jax" else None,
                 "saved_model_export_matches": saved_model_ok,
                 "onnx_export_matches": onnx_ok,
                 "decode_within_float32_tolerance": decode_ratio <= 1.0,

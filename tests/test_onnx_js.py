@@ -12,6 +12,7 @@ files; the expected values are the files' too. Node.js and ``npm ci`` in js/
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -256,7 +257,27 @@ def _stack_vectors(vectors: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def manifest(tmp_path_factory) -> Path:
-    vectors = tmp_path_factory.mktemp("js") / "vectors"
+    """The vectors and models, written once per test session: under xdist the
+    two runtimes' tests may run on different workers; the first one writes
+    them under a file lock in the workers' common temporary folder, the other
+    waits for it and reads them."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    path = shared / "onnx-js-vectors" / "manifest.json"
+    with open(shared / "onnx-js-vectors.lock", "w") as handle:
+        try:
+            import fcntl
+        except ImportError:  # not POSIX: one folder per worker, no sharing
+            path = base / "onnx-js-vectors" / "manifest.json"
+        else:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        if not path.exists():
+            _write_manifest(path)
+    return path
+
+
+def _write_manifest(path: Path) -> None:
+    vectors = path.parent
     # The vectors exactly as the CLI writes them.
     subprocess.run(
         [sys.executable, "-m", "damcha_core._cli", "conform", "--export-vectors", str(vectors)],
@@ -280,9 +301,9 @@ def manifest(tmp_path_factory) -> Path:
                 }
             ]
     runs += _stack_vectors(vectors)
-    path = vectors / "manifest.json"
-    path.write_text(json.dumps({"runs": runs}))
-    return path
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps({"runs": runs}))
+    partial.replace(path)  # complete or absent: a failed run leaves nothing that looks done
 
 
 @pytest.mark.parametrize("runtime", RUNTIMES, ids=[f"onnxruntime-{r}" for r in RUNTIMES])

@@ -268,7 +268,9 @@ def test_compiled_decode_does_not_recompile_per_token_or_per_growth():
             capacities.add(cache.capacity)
     assert len(capacities) >= 5, capacities
     torch.testing.assert_close(torch.cat(outs, dim=1), full, rtol=1e-10, atol=1e-12)
-    assert frames[-1] <= 6 and frames[16] == frames[-1], frames
+    # After 8 tokens (empty cache, sizes 0/1, a static then a dynamic storage size) at most 4
+    # graphs, as tests/test_torch_layers.py's compiled decode of lowrank-query-gqa asserts.
+    assert frames[7] <= 4 and frames[-1] <= 6 and frames[16] == frames[-1], frames
 
 
 # ------------------------------------------------------------------ static storage

@@ -188,7 +188,9 @@ def test_kv_cache_decoding_equals_full_forward(name, chunks):
     torch.testing.assert_close(torch.cat(outs, dim=1)[:, P:], torch.from_numpy(y), rtol=1e-9, atol=1e-10)
 
 
-@pytest.mark.parametrize("name", ["heads-tied", "lowrank-query-gqa"])
+# heads-tied (the same layer) is tests/test_torch_kv_cache.py's compiled decode, through more
+# growths and with the same frame bound after 8 tokens: one compiled config here is enough.
+@pytest.mark.parametrize("name", ["lowrank-query-gqa"])
 def test_kv_cache_decoding_under_torch_compile(name):
     """A compiled decoding loop (fullgraph) equals the eager full forward, and the
     growing cache does not recompile per token: dynamo marks its length and
