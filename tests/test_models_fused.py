@@ -544,11 +544,12 @@ def test_vit_fused_qkv_mixing_ops_per_layer(mode):
 # -------------------------------------------------------------- store mode
 
 
-def _held_after_forward(model: nn.Module, arch: str, kw: dict) -> tuple[collections.Counter, torch.Tensor]:
-    """The storages a training forward allocates that are still alive when
-    it returns (what autograd keeps for backward, and the output; parameter
-    storages, which ``detach`` aliases, left out), as a Counter of their
-    sizes in bytes, and the output (kept alive while counted)."""
+def _alive_after(call, model: nn.Module) -> tuple[collections.Counter, object]:
+    """The storages ``call()`` allocates that are still alive when it returns
+    (what autograd keeps for backward, the result; the storages of
+    ``model``'s parameters and gradients, which ``detach`` aliases, left
+    out), as a Counter of their sizes in bytes, and the result (kept alive
+    while counted)."""
     from torch.multiprocessing.reductions import StorageWeakRef
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
@@ -564,11 +565,16 @@ def _held_after_forward(model: nn.Module, arch: str, kw: dict) -> tuple[collecti
                     made[s.data_ptr()] = (StorageWeakRef(s), s.nbytes())
             return out
 
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     with Allocations():
-        out = run(model, arch, kw)
+        out = call()
     gc.collect()
-    return collections.Counter(n for ptr, (ref, n) in made.items() if ptr not in params and not ref.expired()), out
+    own = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    own |= {p.grad.untyped_storage().data_ptr() for p in model.parameters() if p.grad is not None}
+    return collections.Counter(n for ptr, (ref, n) in made.items() if ptr not in own and not ref.expired()), out
+
+
+def _held_after_forward(model: nn.Module, arch: str, kw: dict) -> tuple[collections.Counter, object]:
+    return _alive_after(lambda: run(model, arch, kw), model)
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "vit"])
@@ -627,3 +633,45 @@ def test_store_mode_gradients(case):
         assert len(held) == 2
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-13)
+
+
+def _step(model: nn.Module, forward) -> torch.Tensor:
+    """A training step that keeps its loss (and so the graph object) alive, as
+    a loop keeps the last loss while the next forward runs."""
+    model.zero_grad(set_to_none=True)
+    loss = forward().float().square().mean()
+    loss.backward()
+    return loss
+
+
+@pytest.mark.parametrize("case", ["gpt2-convert", "layer"])
+def test_store_mode_keeps_nothing_after_backward(case):
+    """After backward, with the loss still alive, store mode holds nothing the
+    original does not (the kept projection output and tokens go with the
+    saved recipes, or when the node's backward has read them): converted
+    GPT-2 against the original, and ``DamchaAttention``'s own store mode
+    (``MapRecipes``) against nn.MultiheadAttention."""
+    torch.manual_seed(0)
+    if case == "layer":
+        theirs_model = nn.MultiheadAttention(32, 4, batch_first=True)
+        ours_model = dt.DamchaAttention.from_mha(theirs_model)
+        open_gates(ours_model)
+        x = torch.randn(2, 9, 32, requires_grad=True)
+
+        def forward(m):
+            return lambda: m(x, x, x, need_weights=False)[0]
+    else:
+        kw = inputs("gpt2")
+        theirs_model = _no_dropout(build("gpt2", torch.float32))
+        ours_model = open_gates(dt.convert(_no_dropout(build("gpt2", torch.float32))))
+
+        def forward(m):
+            return lambda: run(m, "gpt2", kw)
+
+    counts = []
+    for model in (theirs_model, ours_model):
+        model.train()
+        _step(model, forward(model))  # warm-up
+        counts.append(_alive_after(lambda model=model: _step(model, forward(model)), model))
+    (theirs, _a), (ours, _b) = counts
+    assert ours == theirs, (sorted((ours - theirs).items()), sorted((theirs - ours).items()))

@@ -542,7 +542,7 @@ class MapRecipes:
         found = self._blocks.get(storage.data_ptr())
         if found is None or found[2] != storage.nbytes():
             return None
-        return _Packed(self, found[0], found[1], t.size(), t.stride(), t.storage_offset())
+        return _Packed(self, found[0], found[1], t.size(), t.stride(), t.storage_offset(), self._state)
 
     def coefficients(self, side: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """(P = t W^T, r, A, diag(g) A) of side ``side`` for the tokens t (T, E),
@@ -571,15 +571,20 @@ class MapRecipes:
         return torch.baddbmm(yb, mix, yb)
 
     def release(self) -> None:
+        """After the node's backward: what the kernel's backward handed over goes."""
         self._coefficients.clear()
+        self._state = None
 
     def settle(self) -> None:
-        """After the consumer's forward: if it saved none of the blocks as their
-        recipe (a kernel that saves copies, or nothing), let y go; the node's
-        backward then projects the mapped rows again, as without recipes."""
-        if self.hits == 0 and self._state is not None:
-            x, _, sides, leaves = self._state
-            self._state = (x, None, sides, leaves)
+        """After the consumer's forward. From here the saved recipes alone keep
+        y (and the tokens): autograd frees them with the consumer's saved
+        tensors (after its backward, unless ``retain_graph``), and a recipe made
+        again in backward hands them to the node's backward (``release`` lets
+        them go), so nothing of them outlives the backward while the graph
+        object does (a loss kept alive). If the consumer saved none of the
+        blocks as their recipe (a kernel that saves copies, or nothing), y goes
+        now and the node's backward projects the mapped rows again."""
+        self._state = None
 
     def stored(self) -> Tensor | None:
         """The projection's output y (T, F), unmapped, or None (see ``settle``)."""
@@ -718,6 +723,7 @@ class _Packed(NamedTuple):
     size: torch.Size
     stride: Any
     storage_offset: Any  # int, or a SymInt under a tracer
+    state: Any  # the recipes' (x, y, sides, leaves), handed back when made again
 
 
 def saved_as_recipes(recipes: Sequence[MapRecipes | OutputRecipe]) -> torch.autograd.graph.saved_tensors_hooks:
@@ -738,6 +744,7 @@ def saved_as_recipes(recipes: Sequence[MapRecipes | OutputRecipe]) -> torch.auto
 
     def unpack(packed: Any) -> Tensor:
         if isinstance(packed, _Packed):
+            packed.recipes._state = packed.state  # for the node's backward (release lets it go)
             block = packed.recipes.block(packed.side, packed.offset)
             return block.as_strided(packed.size, packed.stride, packed.storage_offset)
         if isinstance(packed, _PackedOutput):
