@@ -150,7 +150,8 @@ COPIES = ("cat", "clone", "copy_", "_to_copy", "contiguous", "_reshape_copy", "f
 def op_counts(model: str, n: int, mode: str, tiny: bool) -> dict[str, float]:
     """aten ops (as dispatched below autograd, backward included) per converted
     layer, DAMCHA minus the original: all of them, the copies, and the MACs of
-    the GEMMs with a bias (projections) relative to the original's."""
+    the 2-D GEMMs (``mm``, ``addmm``, ``addmm_``: projections, their gradients,
+    the generators) relative to the original's."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -165,7 +166,8 @@ def op_counts(model: str, n: int, mode: str, tiny: bool) -> dict[str, float]:
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             name = func.overloadpacket.__name__
             self.counts[name] = self.counts.get(name, 0) + 1
-            if name in ("addmm", "mm"):
+            # addmm_: the fused nodes accumulate gradient pieces in place (their GEMMs count too).
+            if name in ("addmm", "addmm_", "mm"):
                 self.macs += args[-2].numel() * args[-1].shape[-1]
             return func(*args, **(kwargs or {}))
 
