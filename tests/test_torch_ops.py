@@ -235,7 +235,12 @@ _TRAIN_CALLS = {
 # (the output projection no longer saves a guarded copy of o): max |q~| per
 # token and max |k~| per batch entry (abs, amax and a view each) where the
 # o-level guard read max |k~| alone: 69 -> 74.
-TRAIN_EXTRA_OPS = {"mask+hint": 66, "padding+causal": 74, "cross": 102}
+# The recipes keep the generator's product P = t W^T and the norm r of the
+# forward (S*S + 1 floats per token and side), so backward runs no generator
+# GEMM and no norm of the tokens again (linear, vector_norm, hypot and views
+# per node; r is also computed once per node, not once per side):
+# 66 / 74 / 102 -> 63 / 70 / 94, and two GEMMs fewer in cross-attention.
+TRAIN_EXTRA_OPS = {"mask+hint": 63, "padding+causal": 70, "cross": 94}
 # Copies: only the concatenations of the weight gradients' pieces (dW, db of
 # the packed weight), never an activation or its gradient. MHA: 10-12 (its
 # contiguous q/k/v and output, and their gradients).
@@ -288,6 +293,11 @@ def test_training_step_ops_and_copies_stay_near_mha(call):
     # backward (SDPA saved q~ and k~ as recipes: nothing is projected again).
     with_bias = [(s[0][0], s[1][0]) for s in gemms if len(s) == 3 and len(s[0]) == 1]
     assert with_bias == TRAIN_BIAS_GEMMS[call], gemms
+    # The generator's product t W^T (S*S = H*H outputs per token) once per set
+    # of tokens, in forward: backward reads the one the recipes kept (it ran
+    # again for the q~/k~ recipes until they kept it).
+    products = [s for s in gemms if len(s) == 2 and s[1] == (E, H * H)]
+    assert len(products) == (2 if call == "cross" else 1), gemms
 
 
 @pytest.mark.parametrize("call", list(_TRAIN_CALLS))

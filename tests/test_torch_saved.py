@@ -100,5 +100,7 @@ def test_a_training_forward_keeps_no_more_activations_than_mha(call, count):
     # output projection saved beside SDPA's own output: one activation more
     # (without a mask until cf0048d; with a mask, and the zeroing of the rows it
     # empties, until the guard and those rows moved to y). What may remain is
-    # parameter-sized (the generator's weights), far below one.
+    # the generator's weights and, in store mode, its product P = t W^T kept for
+    # backward (S*S floats per token and side: a quarter of an activation per
+    # side here, E = 64, H = 4; an eighth at E = 512, H = 8), below a half.
     assert ours - theirs < ACTIVATION / 2, (ours, theirs, ACTIVATION)

@@ -514,19 +514,26 @@ class MapRecipes:
     backward reads y instead of projecting again. A consumer that would save
     a mapped block for its own backward (SDPA saves q~ and k~) saves this
     recipe of it instead (``saved_as_recipes``): the block is made again in
-    backward from y and the tokens, one generator GEMM of S*S outputs and one
-    small ``baddbmm``, and y is stored where nn.MultiheadAttention stores q
+    backward from y and the generator's product P = t W^T (T, S*S) and norm
+    r (T, 1) of the forward, which the recipes keep (a few elementwise passes
+    over P and one small ``baddbmm``: no generator GEMM, no pass over the
+    tokens), and y is stored where nn.MultiheadAttention stores q
     and k. The generator's coefficients made then are kept until the node's
     backward, which reads them (``coefficients``) and lets them go
     (``release``). Never holds a mapped block itself (that is what it saves).
     """
 
-    __slots__ = ("_blocks", "_coefficients", "_state", "hits")
+    __slots__ = ("_blocks", "_coefficients", "_products", "_state", "hits")
 
     def __init__(self) -> None:
         # A mapped block's storage (its data pointer) -> (side index, offset, bytes).
         self._blocks: dict[int, tuple[int, int, int]] = {}
         self._coefficients: dict[int, tuple[Tensor, Tensor, Tensor, Tensor]] = {}
+        # Side index -> (P = t W^T (T, S*S), r (T, 1)) of the forward: kept, so
+        # backward runs no generator GEMM and no norm of the tokens again
+        # (S*S + 1 floats per token and side: 1/8 of a (T, E) activation at
+        # E = 512, H = 8; A and diag(g) A are made again from them, elementwise).
+        self._products: dict[int, tuple[Tensor, Tensor]] = {}
         self._state: tuple[Tensor, Tensor | None, tuple[SideBlocks, ...], tuple[Tensor, ...]] | None = None
         self.hits = 0  # blocks a consumer saved as their recipe (tests read it)
 
@@ -554,9 +561,13 @@ class MapRecipes:
             t = x.reshape(-1, x.shape[-1])
             w_gen, b_gen, gate = leaves[3 * side : 3 * side + 3]
             S = sides[side].heads
-            known = next(iter(self._coefficients.values()), None)
-            r = fn._rms_denominator(t) if known is None else known[1]
-            P = F.linear(t, w_gen)
+            kept = self._products.get(side)
+            if kept is not None:
+                P, r = kept
+            else:
+                known = next(iter(self._coefficients.values()), None)
+                r = fn._rms_denominator(t) if known is None else known[1]
+                P = F.linear(t, w_gen)
             A = torch.addcdiv(b_gen, P, r, value=math.sqrt(t.shape[-1]))
             out = self._coefficients[side] = (P, r, A, A.view(-1, S, S) * gate.view(S, 1))
         return out
@@ -574,6 +585,7 @@ class MapRecipes:
         """After the node's backward: what the kernel's backward handed over goes."""
         self._coefficients.clear()
         self._state = None
+        self._products.clear()
 
     def settle(self) -> None:
         """After the consumer's forward. From here the saved recipes alone keep
@@ -583,8 +595,11 @@ class MapRecipes:
         them go), so nothing of them outlives the backward while the graph
         object does (a loss kept alive). If the consumer saved none of the
         blocks as their recipe (a kernel that saves copies, or nothing), y goes
-        now and the node's backward projects the mapped rows again."""
+        now and the node's backward projects the mapped rows again. The
+        generator's products stay here until ``release`` (or go now with y)."""
         self._state = None
+        if self.hits == 0:
+            self._products.clear()
 
     def stored(self) -> Tensor | None:
         """The projection's output y (T, F), unmapped, or None (see ``settle``)."""
@@ -806,8 +821,14 @@ class SplitLinearMaps(torch.autograd.Function):
             return tuple(y.split_with_sizes(sizes, dim=-1))
         pieces = list(y.split_with_sizes(sizes, dim=-1))
         t, flat = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
+        r = fn._rms_denominator(t)
         for i, b in enumerate(sides):
-            mix = mix_coefficients(_side_weights("heads", leaves[3 * i : 3 * i + 3]), t)
+            # mix_coefficients' ops, with P and r kept for backward (MapRecipes).
+            w_gen, b_gen, gate = leaves[3 * i : 3 * i + 3]
+            P = F.linear(t, w_gen)
+            recipes._products[i] = (P, r)
+            S = b.heads
+            mix = torch.addcdiv(b_gen, P, r, value=math.sqrt(t.shape[-1])).view(-1, S, S) * gate.view(S, 1)
             for offset in b.offsets:
                 part = _block(flat, offset, b.heads, b.head_dim)
                 mapped = torch.baddbmm(part, mix, part)
