@@ -304,14 +304,20 @@ def _fused_backward(ctx: Any, grad: Tensor, first: int) -> tuple[Tensor | None, 
     features = weight.shape[1 if transposed else 0]
     t = x.reshape(-1, x.shape[-1])
     g = grad.reshape(-1, features)
-    stored = None if recipe is None else recipe.stored()
+    state = None if recipe is None else recipe.stored()
     h = None
     if lora_a is not None and lora_b is not None:
         h = F.linear(t, lora_a)  # (T, r): recomputed, as cheap as storing it
     # Under create_graph the stored y carries no graph: projected again, differentiably.
-    if stored is not None and not torch.is_grad_enabled():
-        # Store mode: the projection's output as the forward made it (LoRA update included).
-        y, lo = stored.view(-1, features), 0
+    reuse = state is not None and state.y is not None and not torch.is_grad_enabled()
+    made = None
+    if reuse:
+        # Store mode: the projection's output as the forward made it (LoRA
+        # update included), and the generator's products the output was made
+        # again with in the kernel's backward.
+        assert state is not None and state.y is not None
+        y, lo = state.y.view(-1, features), 0
+        made, state.products = state.products, None
     else:
         # The rows of the projection that hold mapped heads: one GEMM on them.
         starts = [o for b in sides for o in b.offsets]
@@ -331,13 +337,18 @@ def _fused_backward(ctx: Any, grad: Tensor, first: int) -> tuple[Tensor | None, 
     leaf_grads: list[Tensor | None] = [None] * len(leaves)
     through_generator: list[tuple[Tensor, Tensor, Tensor]] = []  # (dP, generator weight, c): dL/dt += dP W + c t
     scale = math.sqrt(t.shape[-1])
-    r = fn._rms_denominator(t)  # as in forward: the same mix, bit for bit
-    for blocks, (k, k_end) in zip(sides, _split_leaves(sides, leaves)):
+    # The generator's products: those the recipe made the output again with
+    # (store mode), or made here as the forward made them (the same mix, bit for bit).
+    r = made[0] if made else fn._rms_denominator(t)
+    for i, (blocks, (k, k_end)) in enumerate(zip(sides, _split_leaves(sides, leaves))):
         w_gen, b_gen, gate = leaves[k : k + 3]
         need = need_leaves[k:k_end]
         S = blocks.heads
-        P = F.linear(t, w_gen)
-        A = torch.addcdiv(b_gen, P, r, value=scale)
+        if made:
+            P, A = made[1][i]
+        else:
+            P = F.linear(t, w_gen)
+            A = torch.addcdiv(b_gen, P, r, value=scale)
         if blocks.metric == "heads":
             mix_t = (A.view(-1, S, S) * gate.view(S, 1)).transpose(1, 2)
             dmix: Tensor | None = None
@@ -667,7 +678,8 @@ class OutputRecipe:
         if state.made is None:
             assert state.y is not None
             sides, x, leaves = state.args[0], state.args[3], state.args[8]
-            state.made, state.pending = _map_out(state.y.clone(), x, sides, leaves), self.hits
+            state.made, state.products = _remap(state.y.clone(), x, sides, leaves)
+            state.pending = self.hits
         out = state.made
         state.pending -= 1
         if state.pending <= 0:  # the last saved view read (a retain_graph backward makes it again)
@@ -680,15 +692,16 @@ class OutputRecipe:
         if state is not None and self.hits and out is not None and _held_elsewhere(out):
             state.y, state.out = None, out
 
-    def stored(self) -> Tensor | None:
-        """For the node's backward: the projection's output y, unmapped, as a
-        kernel's backward handed it over, or None (then it projects again)."""
+    def stored(self) -> _OutputState | None:
+        """For the node's backward: what a kernel's backward handed over (the
+        projection's output y, unmapped, and the generator's products the
+        output was made again with), or None (then it projects again)."""
         state, self._handoff = self._handoff, None
-        return None if state is None else state.y
+        return state
 
 
 class _OutputState:
-    __slots__ = ("args", "made", "out", "pending", "y")
+    __slots__ = ("args", "made", "out", "pending", "products", "y")
 
     def __init__(self, y: Tensor, args: tuple) -> None:
         self.y: Tensor | None = y
@@ -696,6 +709,38 @@ class _OutputState:
         self.out: Tensor | None = None
         self.made: Tensor | None = None
         self.pending = 0
+        # (r, [(P, A) per side]) of the last remake, for the node's backward.
+        self.products: tuple[Tensor, list[tuple[Tensor, Tensor]]] | None = None
+
+
+def _remap(
+    out: Tensor, x: Tensor, sides: tuple[SideBlocks, ...], leaves: Sequence[Tensor]
+) -> tuple[Tensor, tuple[Tensor, list[tuple[Tensor, Tensor]]]]:
+    """``_map_out`` (float32/float64, no autocast: the fused node's case) with
+    ``map_blocks_``' ops, bit for bit, returning also the generator's products
+    (r, [(P = t W^T, A) per side]) for the node's backward."""
+    t = x.reshape(-1, x.shape[-1])
+    flat = out.view(-1, out.shape[-1])
+    r = fn._rms_denominator(t)
+    products = []
+    for blocks, (i, j) in zip(sides, _split_leaves(sides, leaves)):
+        weights = _side_weights(blocks.metric, leaves[i:j])
+        P = F.linear(t, weights.weight)
+        A = torch.addcdiv(weights.bias, P, r, value=math.sqrt(t.shape[-1]))
+        products.append((P, A))
+        if blocks.metric == "heads":
+            S = blocks.heads
+            mix = A.view(-1, S, S) * weights.gate.view(S, 1)
+            for offset in blocks.offsets:
+                part = _block(flat, offset, blocks.heads, blocks.head_dim)
+                part.add_(torch.bmm(mix, part))
+        else:
+            v, u = lowrank_factors(weights)
+            width = blocks.heads * blocks.head_dim
+            for offset in blocks.offsets:
+                part = flat[:, offset : offset + width]
+                part.addmm_(A * part.mm(v), u.t())
+    return out, (r, products)
 
 
 class _PackedOutput(NamedTuple):
