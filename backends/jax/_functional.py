@@ -250,48 +250,29 @@ def _apply_maps(
     head_map = structure.head_map(jnp, coeff, leaves)
     prec = jax.lax.Precision.HIGHEST if precision is None else precision
     # One product per side: stacking q and k (tied) would copy both (measured: more bytes on CPU).
-    return [_mix_heads(head_map, y, prec, _unrolled_mix(head_map, y)) for y in ys]
+    return [_mix_heads(head_map, y, prec) for y in ys]
 
 
-# Head counts S and token counts for which the forward l(t) y is S
-# multiply-adds (see ``_mix_heads``).
-UNROLL_MAX_HEADS = 16
-UNROLL_MIN_TOKENS = 64
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def _mix_heads(head_map: Array, y: Array, precision: Any) -> Array:
+    """l(t) y per token: (B, T, S, S) x (B, T, S, d) -> (B, T, S, d), one
+    batched product at ``precision``; its derivative is ``_mix_heads_jvp``.
 
-
-def _unrolled_mix(head_map: Array, y: Array) -> bool:
-    """Whether ``_mix_heads`` writes l(t) y as S elementwise multiply-adds:
-    under tracing (jit, grad), for up to ``UNROLL_MAX_HEADS`` heads and at
-    least ``UNROLL_MIN_TOKENS`` tokens. XLA then fuses the map with its
-    producer (the projection's bias) and consumer (the attention's
-    transpose): q~ costs no pass over (B, T, S, d) of its own. Eager calls
-    (one dispatch per operation) and a decode step's few tokens keep the one
-    batched product."""
-    tokens = int(np.prod(y.shape[:-2]))
-    return isinstance(y, jax.core.Tracer) and head_map.shape[-1] <= UNROLL_MAX_HEADS and tokens >= UNROLL_MIN_TOKENS
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
-def _mix_heads(head_map: Array, y: Array, precision: Any, unrolled: bool) -> Array:
-    """l(t) y per token: (B, T, S, S) x (B, T, S, d) -> (B, T, S, d).
-
-    ``unrolled`` (``_unrolled_mix``): as sum_a l[:, a] y[a], S exact float
-    products (no ``precision`` needed: the identity part of l leaves y
-    unrounded either way); else one batched product at ``precision``. Its
-    derivative is ``_mix_heads_jvp``.
+    Under ``jit`` XLA:CPU runs the product as one library fusion over all
+    tokens (a few ms for a (4096, 8, 8) x (4096, 8, 64) map) and the
+    attention's transposes of q~ and k~ stay plain copies, as in MHA. Writing
+    l(t) y as S elementwise multiply-adds instead (the previous form) let XLA
+    fuse the map into those transposes: fewer bytes, but k's transpose to the
+    (B, H, d, M) layout of the logits product then gathered S strided values
+    per element, measured 4-10x the plain transpose's time, the largest part
+    of what the maps added to a whole model's inference at N=1024
+    (``tests/test_jax_compiled_cost.py`` pins the plain transposes).
     """
-    if unrolled:
-        out = head_map[..., :, 0, None] * y[..., None, 0, :]
-        for a in range(1, head_map.shape[-1]):
-            out = out + head_map[..., :, a, None] * y[..., None, a, :]
-        return out
     return jnp.einsum("btha,btad->bthd", head_map, y, precision=precision)
 
 
 @_mix_heads.defjvp
-def _mix_heads_jvp(
-    precision: Any, unrolled: bool, primals: tuple[Array, Array], tangents: tuple[Array, Array]
-) -> tuple[Array, Array]:
+def _mix_heads_jvp(precision: Any, primals: tuple[Array, Array], tangents: tuple[Array, Array]) -> tuple[Array, Array]:
     """d(l y) = dl y + l dy, with l dy written as l^T's transpose.
 
     Reverse mode transposes this rule. Plain autodiff would get y's cotangent
@@ -307,7 +288,7 @@ def _mix_heads_jvp(
     head_map, y = primals
     d_map, dy = tangents
     head_map_t = jax.lax.optimization_barrier(jnp.swapaxes(head_map, -1, -2))
-    out = _mix_heads(head_map, y, precision, unrolled)
+    out = _mix_heads(head_map, y, precision)
     d_out = jnp.einsum("btha,btad->bthd", d_map, y, precision=precision) + jnp.einsum(
         "btah,btad->bthd", head_map_t, dy, precision=precision
     )
