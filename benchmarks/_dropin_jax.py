@@ -28,7 +28,10 @@ from _harness import (
     decode_target,
     each_case,
     each_decode,
+    entry,
     interleaved,
+    memory_comparison,
+    time_target,
 )
 from flax import nnx
 
@@ -362,14 +365,39 @@ MODELS = {
 }
 
 
-def _model_fns(kind: str, mode: str, model: Stack) -> Callable:
+class ModelStep:
+    """One jitted whole-model call (``nnx.jit``): ``step(model, x)`` runs it,
+    ``step.memory(model, x)`` is XLA's memory estimate of its compiled program."""
+
+    def __init__(self, jitted: Any, *extra: Any) -> None:
+        self.jitted, self.extra = jitted, extra  # extra: arguments between the model and x (the optimizer)
+
+    def __call__(self, m: Stack, x: Any) -> Any:
+        return self.jitted(m, *self.extra, x)
+
+    def memory(self, m: Stack, x: Any) -> dict[str, float]:
+        return compiled_memory(self.jitted.lower(m, *self.extra, x).compile())
+
+
+def compiled_memory(compiled: Any) -> dict[str, float]:
+    """XLA's ``memory_analysis()`` of a compiled program in MiB: ``temp`` (the
+    buffers XLA allocates while it runs: activations, saved residuals),
+    ``argument`` and ``output`` (parameters, optimizer state, inputs, results),
+    ``alias`` (outputs that reuse a donated argument) and ``total`` = argument
+    + output + temp - alias, the memory the call needs at its peak."""
+    stats = compiled.memory_analysis()
+    mib = {k: getattr(stats, f"{k}_size_in_bytes") / 2**20 for k in ("temp", "argument", "output", "alias")}
+    return {**mib, "total": mib["argument"] + mib["output"] + mib["temp"] - mib["alias"]}
+
+
+def _model_fns(kind: str, mode: str, model: Stack) -> ModelStep:
     def apply(m: Stack, x: Any) -> Any:
         if kind == "lm":
             return m(x, mask=nnx.make_causal_mask(x))
         return m(x)
 
     if mode == "inference":
-        return nnx.jit(apply)
+        return ModelStep(nnx.jit(apply))
 
     def loss(m: Stack, x: Any) -> Any:
         out = apply(m, x)
@@ -385,7 +413,7 @@ def _model_fns(kind: str, mode: str, model: Stack) -> Callable:
         opt.update(m, grads)
         return value
 
-    return lambda m, x: train(m, optimizer, x)
+    return ModelStep(train, optimizer)
 
 
 def _model(kind: str, impl: str, n: int, s: Any) -> tuple[Stack, Any]:
@@ -398,14 +426,20 @@ def _model(kind: str, impl: str, n: int, s: Any) -> tuple[Stack, Any]:
     return model, x
 
 
-def memory_worker(kind: str, impl: str, n: int, mode: str, s: Any) -> dict[str, Any]:
-    from _harness import measure_peak
+MEMORY_METHOD = (
+    "XLA's estimate for the compiled call, jitted.lower(...).compile().memory_analysis(): temp + argument + "
+    "output bytes (the process's resident set is XLA's allocator's, not the program's: 0.4-2.6 across runs)"
+)
 
+
+def memory_worker(kind: str, impl: str, n: int, mode: str, s: Any) -> dict[str, Any]:
+    """XLA's memory estimate of one model's compiled call (``compiled_memory``), as
+    ``bench_dropin.py --memory-worker`` asks; ``peak_mib`` is its total."""
     model, x = _model(kind, impl, n, s)
     if impl == "damcha":
         open_gates(model)
-    fn = _model_fns(kind, mode, model)
-    return {"peak_mib": measure_peak(lambda: jax.block_until_ready(fn(model, x)))}
+    mem = _model_fns(kind, mode, model).memory(model, x)
+    return {"peak_mib": mem["total"], **mem}
 
 
 def model_section(ses: Session) -> None:
@@ -414,29 +448,22 @@ def model_section(ses: Session) -> None:
 
 def _model_case(ses: Session, kind: str, text: str, n: int, todo: dict[str, str]) -> None:
     s = ses.sizes
-    mha, x = _model(kind, "mha", n, s)
-    damcha, _ = _model(kind, "damcha", n, s)
+    models = {"damcha": _model(kind, "damcha", n, s)[0]}
+    models["mha"], x = _model(kind, "mha", n, s)
     # Same projections; the blocks' other weights come from the same seeds.
-    infer = {"damcha": _model_fns(kind, "inference", damcha), "mha": _model_fns(kind, "inference", mha)}
-    check = closed_gate_check(infer["damcha"](damcha, x), infer["mha"](mha, x))
-    open_gates(damcha)
+    infer = {impl: _model_fns(kind, "inference", m) for impl, m in models.items()}
+    check = closed_gate_check(infer["damcha"](models["damcha"], x), infer["mha"](models["mha"], x))
+    open_gates(models["damcha"])
     for mode, entry_id in todo.items():
-        fns = (
-            infer
-            if mode == "inference"
-            else {"damcha": _model_fns(kind, mode, damcha), "mha": _model_fns(kind, mode, mha)}
-        )
-        calls = {
-            "damcha": functools.partial(fns["damcha"], damcha, x),
-            "mha": functools.partial(fns["mha"], mha, x),
-        }
+        fns = infer if mode == "inference" else {impl: _model_fns(kind, mode, m) for impl, m in models.items()}
+        calls = {impl: functools.partial(fns[impl], models[impl], x) for impl in ("damcha", "mha")}
         times = interleaved(calls, repeats=s.model_repeats(n), warmup=1, sync=_sync)
-        ses.record_timed(
+        record = entry(
             entry_id,
             "model",
             kind,
             mode,
-            n,
+            shape=s.model_shape(n, kind),
             call=text.format(L=s.model_layers, F=s.ffn, V=s.vocab)
             + (
                 "; train: nnx.jit(value_and_grad + nnx.Optimizer(optax.sgd) update)"
@@ -447,9 +474,17 @@ def _model_case(ses: Session, kind: str, text: str, n: int, todo: dict[str, str]
             "generator shared by all layers)",
             times=times,
             check=check,
-            memory="peak RSS increase (VmHWM) of one jitted call after a warm-up (compiling) call, "
-            "each model in a fresh process, MALLOC_MMAP_THRESHOLD_=65536",
+            comparisons=[comparison("time", times, "damcha", "mha", time_target(n))],
         )
+        if ses.memory:
+            # In this process: XLA's numbers do not depend on what ran before (RSS would).
+            mems = {impl: fns[impl].memory(models[impl], x) for impl in ("damcha", "mha")}
+            record["memory"] = {
+                "method": MEMORY_METHOD,
+                **memory_comparison({impl: m["total"] for impl, m in mems.items()}, "damcha", "mha"),
+                "xla_mib": mems,
+            }
+        ses.record(record)
 
 
 SECTIONS = {"layer": layer_section, "decode": decode_section, "model": model_section}
