@@ -29,7 +29,11 @@ METHOD = """\
 Every number is a ratio DAMCHA / MHA of the framework's own multi-head
 attention, both built in one process and called alternately (A B, then B A)
 after warm-up calls, so that load drifts hit both. A cell shows the median of
-the per-round ratios and, in brackets, their quartiles. DAMCHA layers are
+the per-round ratios and, in brackets, their quartiles. Where the same
+commit was measured in several runs, their rounds are pooled: the median and
+quartiles are over every round, and `[k runs: ...]` lists each run's own
+median (idle runs of unchanged code have moved by up to 0.2 on this machine,
+more than one run's quartiles show). DAMCHA layers are
 made from the MHA the way a user makes them (`from_mha`, `replace_mha`; same
 weights), are checked to reproduce MHA's output with closed gates (relative
 difference <= 1e-4; a failed check is marked **check failed**), and are
@@ -82,7 +86,10 @@ minute per port and is never written here."""
 
 def _fmt_ratio(c: dict[str, Any]) -> str:
     r = c["ratio"]
-    return f"{r['median']:.3f} ({r['q1']:.2f}-{r['q3']:.2f})"
+    text = f"{r['median']:.3f} ({r['q1']:.2f}-{r['q3']:.2f})"
+    if c.get("per_run"):
+        text += f" [{len(c['per_run'])} runs: " + ", ".join(f"{m:.2f}" for m in c["per_run"]) + "]"
+    return text
 
 
 def _fmt_target(target: float | None, met: bool | None) -> str:
@@ -102,8 +109,46 @@ def _n_of(entry: dict[str, Any]) -> int:
     return int(entry.get("shape", {}).get("N", entry.get("shape", {}).get("B", 0)))
 
 
-def load(paths: Sequence[str | Path]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(runs, entries) of several result files; a later file's entry replaces an earlier one's."""
+def _commit(run: dict[str, Any]) -> str:
+    """The code a run measured: its commit without the "+dirty" mark (docs and result
+    files are what make a benchmark checkout dirty)."""
+    return str(run.get("git", "?")).split("+", 1)[0]
+
+
+def _pool(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """One entry from two runs of the same code: every raw timing concatenated and
+    each comparison recomputed over all rounds, so the cell's median and quartiles
+    are over every round of every run; ``per_run`` keeps each run's own median (the
+    spread between idle runs is larger than the spread within one)."""
+    from _harness import comparison
+
+    times = {
+        name: {kind: list(old["times"][name][kind]) + list(new["times"][name][kind]) for kind in new["times"][name]}
+        for name in new["times"]
+    }
+    comparisons = []
+    for c_old, c_new in zip(old["comparisons"], new["comparisons"]):
+        pooled = comparison(c_new["label"], times, c_new["num"], c_new["den"], c_new["target"])
+        pooled["per_run"] = c_old.get("per_run", [c_old["ratio"]["median"]]) + [c_new["ratio"]["median"]]
+        comparisons.append(pooled)
+    checks = [e.get("check", {"ok": True}) for e in (old, new)]
+    check = {
+        "ok": all(c.get("ok", True) for c in checks),
+        "max_rel_diff": max(c.get("max_rel_diff", 0.0) for c in checks),
+    }
+    pooled_entry = {**new, "times": times, "comparisons": comparisons, "check": check}
+    pooled_entry["runs"] = old.get("runs", [old["run"]]) + [new["run"]]
+    return pooled_entry
+
+
+def load(paths: Sequence[str | Path], *, pool: bool = True) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(runs, entries) of several result files, in the order given.
+
+    A later file's entry replaces an earlier one's, unless both runs measured the
+    same commit with the same timing setup (rounds' shapes, threads): then, with
+    ``pool``, the two are pooled (see ``_pool``), so repeated idle runs of one
+    code state report one median over all their rounds. Memory is the later
+    run's (it is one measurement, not a sample)."""
     runs: list[dict[str, Any]] = []
     entries: dict[str, dict[str, Any]] = {}
     for path in paths:
@@ -113,16 +158,30 @@ def load(paths: Sequence[str | Path]) -> tuple[list[dict[str, Any]], list[dict[s
         for run in data["runs"]:
             runs.append({**run, "file": str(path)})
         for entry_id, entry in data["entries"].items():
-            entries[entry_id] = {**entry, "run": entry["run"] + offset}
+            entry = {**entry, "run": entry["run"] + offset}
+            old = entries.get(entry_id)
+            if (
+                pool
+                and old is not None
+                and "times" in old
+                and "times" in entry
+                and _commit(runs[old["run"]]) == _commit(runs[entry["run"]])
+                and runs[old["run"]].get("threads") == runs[entry["run"]].get("threads")
+                and set(old["times"]) == set(entry["times"])
+                and [c["label"] for c in old["comparisons"]] == [c["label"] for c in entry["comparisons"]]
+            ):
+                entry = _pool(old, entry)
+            entries[entry_id] = entry
     return runs, list(entries.values())
 
 
 def _commands(runs: list[dict[str, Any]], entries: Iterable[dict[str, Any]]) -> list[str]:
     seen: list[str] = []
     for e in entries:
-        cmd = runs[e["run"]]["command"]
-        if cmd not in seen:
-            seen.append(cmd)
+        for r in e.get("runs", [e["run"]]):
+            cmd = runs[r]["command"]
+            if cmd not in seen:
+                seen.append(cmd)
     return seen
 
 
@@ -220,7 +279,7 @@ def render(runs: list[dict[str, Any]], entries: list[dict[str, Any]]) -> str:
             END,
         ]
         return "\n".join(out) + "\n"
-    used = sorted({e["run"] for e in entries})
+    used = sorted({r for e in entries for r in e.get("runs", [e["run"]])})
     out.append("Runs:")
     out.append("")
     for r in used:
