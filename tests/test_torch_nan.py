@@ -17,9 +17,10 @@ from damcha_torch import DamchaAttention, DamchaKVCache, build_encoder, softmax_
 E, H = 16, 4
 
 
-def _layer(**kw) -> DamchaAttention:
+def _layer(batch_first: bool = True, training: bool = False, **kw) -> DamchaAttention:
+    """A seeded layer with every gate opened to 0.5 (the map does its full work)."""
     torch.manual_seed(0)
-    layer = DamchaAttention(E, H, batch_first=True, **kw).eval()
+    layer = DamchaAttention(E, H, batch_first=batch_first, **kw).train(training)
     with torch.no_grad():
         for gate in layer.metric_gates.values():
             gate.fill_(0.5)
@@ -155,11 +156,7 @@ def test_a_nan_query_gives_nan_in_its_own_output_row_only(batch_first, grad):
     NaN guard on y, not on o): the row of a NaN query is NaN, in either token
     layout, and every other row, which reads only finite keys, stays finite;
     a NaN key of the context makes its whole batch entry NaN."""
-    torch.manual_seed(0)
-    layer = DamchaAttention(E, H, batch_first=batch_first).train(grad)
-    with torch.no_grad():
-        for gate in layer.metric_gates.values():
-            gate.fill_(0.5)
+    layer = _layer(batch_first=batch_first, training=grad)
     x, c = torch.randn(2, 5, E), torch.randn(2, 3, E)
     x[1, 2, 0] = float("nan")
     c2 = c.clone()
@@ -191,11 +188,7 @@ def test_rows_a_mask_empties_give_the_bias_and_nan_reaches_every_other_row_it_sh
     out_proj.bias exactly, a NaN query makes its own row NaN, a NaN key its
     batch entry's visible rows, and a NaN output weight every row (the
     reference's 0 * W_o + b_o for the empty ones)."""
-    torch.manual_seed(0)
-    layer = DamchaAttention(E, H, batch_first=True).train(grad)
-    with torch.no_grad():
-        for gate in layer.metric_gates.values():
-            gate.fill_(0.5)
+    layer = _layer(training=grad)
     x, c = torch.randn(2, 5, E), torch.randn(2, 3, E)
     empty = torch.zeros(2, 5, dtype=torch.bool)
     if kind == "padding":
