@@ -426,6 +426,8 @@ def plan_mask(
         if arr.shape[-2] == 1 and is_causal:
             first = jnp.argmax(arr, axis=-1)  # a key mask: O(M), row i sees the first key iff it is <= i
             rows = jnp.any(arr, axis=-1) & (first <= jnp.arange(n) + query_offset)
+        elif mask.rows is not None and not is_causal:
+            rows = mask.rows.reshape(arr.shape[:-1])  # found while reading the mask (one pass over it)
         else:
             assert visible is not None  # visibility() of a mask is an array
             rows = jnp.any(visible, axis=-1)
