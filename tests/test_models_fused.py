@@ -544,6 +544,27 @@ def test_vit_fused_qkv_mixing_ops_per_layer(mode):
 # -------------------------------------------------------------- store mode
 
 
+# Store mode's saved-tensor hooks (``saved_as_recipes``) open after the
+# converted projection's node, not with the attention module: nothing saved
+# before it can be a view of its output, and each tensor packed under the
+# hooks costs a ``detach`` (only those with an autograd node are detached).
+# Extra ``detach`` calls per converted layer in a training step, hooks and
+# autograd's own (the layer's new parameters) together: ViT 23 and GPT-2 26
+# when the hooks opened with the attention module and detached every tensor.
+STORE_DETACHES = {"vit": 10, "gpt2": 11}
+
+
+@pytest.mark.parametrize("arch", ["vit", "gpt2"])
+def test_store_mode_hooks_pack_only_what_follows_the_projection(arch):
+    (original, _, _), (damcha, _, _), model = aten_calls_before_and_after_convert(
+        arch, "train", prepare=_no_dropout, zero_grad=True
+    )
+    assert set(_site_nodes(model, arch, inputs(arch))) == {STORED_NODE}
+    layers = len(dt.converted_layers(model))
+    extra = (damcha.get("detach", 0) - original.get("detach", 0)) / layers
+    assert extra <= STORE_DETACHES[arch], extra
+
+
 def _alive_after(call, model: nn.Module) -> tuple[collections.Counter, object]:
     """The storages ``call()`` allocates that are still alive when it returns
     (what autograd keeps for backward, the result; the storages of

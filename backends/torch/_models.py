@@ -295,10 +295,19 @@ class DamchaMaps(nn.Module):
             return
         if any(g.device.type != "cpu" for g in self.gates.values()):
             return  # CPU kernels save their inputs as given (measured); others are not
-        recipes: list[_fused.OutputRecipe] = []
-        hooks = _fused.saved_as_recipes(recipes)
-        hooks.__enter__()
-        self.__dict__["_store"], self.__dict__["_store_hooks"] = recipes, hooks
+        # The hooks open only after the first stored node (``_stored_site``):
+        # what the host and the node save before it cannot be a view of a
+        # mapped output, and every tensor packed under the hooks costs a detach.
+        self.__dict__["_store"] = []
+
+    def _stored_site(self, recipe: _fused.OutputRecipe) -> None:
+        """A site ran in store mode with ``recipe``: open the hooks if not yet open."""
+        recipes = self.__dict__["_store"]
+        recipes.append(recipe)
+        if "_store_hooks" not in self.__dict__:
+            hooks = _fused.saved_as_recipes(recipes)
+            hooks.__enter__()
+            self.__dict__["_store_hooks"] = hooks
 
     def _close_store(self) -> None:
         if torch.compiler.is_compiling():
@@ -306,7 +315,9 @@ class DamchaMaps(nn.Module):
         recipes = self.__dict__.pop("_store", None)
         if recipes is None:
             return
-        self.__dict__.pop("_store_hooks").__exit__(None, None, None)
+        hooks = self.__dict__.pop("_store_hooks", None)
+        if hooks is not None:
+            hooks.__exit__(None, None, None)
         for recipe in recipes:
             recipe.settle()
         if recipes and not any(recipe.hits for recipe in recipes):
@@ -365,12 +376,13 @@ class DamchaMaps(nn.Module):
                 if parts is not None and all(t is None or t.dtype == x.dtype for t in parts[1:5]):
                     # One autograd node for the projection and its maps, saving what the projection saves.
                     transposed, weight, bias, lora_a, lora_b, scaling = parts
-                    store = self.__dict__.get("_store")
-                    if store is not None:
-                        store.append(recipe := _fused.OutputRecipe())
-                        return _fused.StoredProjectionMaps.apply(
+                    if "_store" in self.__dict__:
+                        recipe = _fused.OutputRecipe()
+                        out = _fused.StoredProjectionMaps.apply(
                             recipe, blocks, transposed, scaling, x, weight, bias, lora_a, lora_b, *leaves
                         )
+                        self._stored_site(recipe)
+                        return out
                     return _fused.FusedProjectionMaps.apply(
                         blocks, transposed, scaling, x, weight, bias, lora_a, lora_b, *leaves
                     )

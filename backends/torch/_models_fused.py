@@ -790,7 +790,7 @@ def saved_as_recipes(recipes: Sequence[MapRecipes | OutputRecipe]) -> torch.auto
     """Saved-tensor hooks under which a tensor saved for backward that lies in
     a mapped block of ``recipes`` (the block itself or a view of it) is saved
     as its recipe and made again when backward reads it; any other tensor is
-    saved as autograd saves it (detached, as the hooks must)."""
+    saved as autograd saves it (detached where it has an autograd node)."""
 
     def pack(t: Tensor) -> Any:
         if type(t) is Tensor:  # a plain tensor (a subclass may have no storage of its own)
@@ -800,7 +800,9 @@ def saved_as_recipes(recipes: Sequence[MapRecipes | OutputRecipe]) -> torch.auto
                 if packed is not None:
                     r.hits += 1
                     return packed
-        return t.detach()
+        # Detached, as autograd saves it (an op's output kept as is would hold
+        # its own node); a tensor with no node (a leaf, one without grad) as it is.
+        return t if t.grad_fn is None else t.detach()
 
     def unpack(packed: Any) -> Tensor:
         if isinstance(packed, _Packed):
