@@ -208,7 +208,7 @@ def head_map_weights(side: SideWeights, tokens: Tensor) -> Tensor:
 _FEW_TOKENS = 16
 
 
-def _map_heads(side: SideWeights, tokens: Tensor, ys: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+def _map_heads(side: SideWeights, tokens: Tensor, ys: tuple[Tensor, ...], in_place: bool = False) -> tuple[Tensor, ...]:
     dtype = tokens.dtype
     if side.metric == "heads":
         # Written out (no helper calls): this runs once per call, which is
@@ -227,7 +227,15 @@ def _map_heads(side: SideWeights, tokens: Tensor, ys: tuple[Tensor, ...]) -> tup
         out = []
         for y in ys:
             flat = y.reshape(-1, S, y.shape[-1])
-            out.append(torch.baddbmm(flat, gA, flat).view(y.shape))
+            if in_place and _writable(flat):
+                # The same y + (diag(g) A) y, added into y's own storage (the
+                # projection's output, which nothing else reads): q~ and k~
+                # then take no tensors of their own beside the projection's
+                # output, which v keeps alive, as nn.MultiheadAttention's
+                # q, k, v views of it.
+                out.append(flat.add_(torch.bmm(gA, flat)).view(y.shape))
+            else:
+                out.append(torch.baddbmm(flat, gA, flat).view(y.shape))
         return tuple(out)
     u = _coefficients(_cast(side.weight, dtype), _cast(side.bias, dtype), tokens)  # (B, T, r)
     v = _cast(side.v, dtype).flatten(0, 1)  # (S*d, r)
@@ -240,19 +248,25 @@ def _map_heads(side: SideWeights, tokens: Tensor, ys: tuple[Tensor, ...]) -> tup
     return tuple(out)
 
 
-def apply_map_weights(side: SideWeights, tokens: Tensor, ys: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+def apply_map_weights(
+    side: SideWeights, tokens: Tensor, ys: tuple[Tensor, ...], *, in_place: bool = False
+) -> tuple[Tensor, ...]:
     """L(t) y for each y in ``ys`` (B, T, S, d), one generator call for all.
 
     16-bit heads (or autocast) are mapped in float32: l sits near I, and in a
     16-bit type it would round q~ twice (l, then l q); the map is tiny next
     to attention.
+
+    ``in_place``: the caller owns each y (a fresh projection output that
+    nothing else reads); where no autograd records it (inference), the
+    metric "heads" map is then written into y itself.
     """
     dtype = ys[0].dtype
     if dtype == torch.float16 or dtype == torch.bfloat16:
         with torch.autocast(ys[0].device.type, enabled=False):
             out = _map_heads(side, tokens.float(), tuple(t.float() for t in ys))
         return tuple(t.to(dtype) for t in out)
-    return _map_heads(side, tokens if tokens.dtype == dtype else tokens.to(dtype), ys)
+    return _map_heads(side, tokens if tokens.dtype == dtype else tokens.to(dtype), ys, in_place)
 
 
 def role_penalty_weights(side: SideWeights, tokens: Tensor, head_dim: int) -> Tensor:
@@ -432,7 +446,11 @@ def _attend(
             a, b = guard
             if a.shape[-1] != o.shape[-1]:
                 a = a.sum(dim=-1, keepdim=True)
-            o = torch.addcmul(o, a.detach(), b.detach(), value=0)  # always detach: one graph for jit.trace
+            # Where nothing records o (inference) SDPA's fresh output is guarded
+            # in place: a copy would allocate and write a (B, H, N, d_v) tensor
+            # more per call than nn.MultiheadAttention. Always detach otherwise:
+            # one graph for jit.trace.
+            o = o.addcmul_(a, b, value=0) if _writable(o) else torch.addcmul(o, a.detach(), b.detach(), value=0)
         return (o if row_ok is None else torch.where(row_ok, o, 0.0)), None, rows
     if kv_heads != heads:
         k = k.repeat_interleave(heads // kv_heads, dim=1)
@@ -482,6 +500,19 @@ def _reads_values(t: Tensor) -> bool:
     return (
         type(t) is Tensor  # not a fake, functional or other subclass tensor of a tracer
         and t.device.type == "cpu"
+        and not torch.compiler.is_compiling()
+        and not torch._C._is_tracing()
+        and not torch._C._are_functorch_transforms_active()
+    )
+
+
+def _writable(t: Tensor) -> bool:
+    """Whether an op's fresh output ``t`` may be written in place: no autograd
+    records it, and no tracer, compiler or torch.func transform sees the
+    call (they keep the out-of-place op, one graph for every grad mode)."""
+    return (
+        not (torch.is_grad_enabled() and t.requires_grad)
+        and type(t) is Tensor
         and not torch.compiler.is_compiling()
         and not torch._C._is_tracing()
         and not torch._C._are_functorch_transforms_active()
@@ -644,14 +675,16 @@ def _queries_keys(
 def _apply_maps(
     w: LayerWeights, config: DamchaConfig, x: Tensor, c: Tensor, q: Tensor, k: Tensor, self_attention: bool
 ) -> tuple[Tensor, Tensor]:
+    """q~ and k~ from the projections q (B, N, H, d) and k (B, M, G, d), fresh
+    outputs of this call's projections (mapped in place in inference)."""
     if self_attention and config.metric != "none" and config.coupling == "tied":
         # One generator, one set of tokens: build l(t) once for both sides.
-        return apply_map_weights(w.sides["qk"], x, (q, k))  # type: ignore[return-value]
+        return apply_map_weights(w.sides["qk"], x, (q, k), in_place=True)  # type: ignore[return-value]
     sq, sk = dc.side_of(config, "q"), dc.side_of(config, "k")
     if sq is not None:
-        (q,) = apply_map_weights(w.sides[sq], x, (q,))
+        (q,) = apply_map_weights(w.sides[sq], x, (q,), in_place=True)
     if sk is not None:
-        (k,) = apply_map_weights(w.sides[sk], c, (k,))
+        (k,) = apply_map_weights(w.sides[sk], c, (k,), in_place=True)
     return q, k
 
 
@@ -951,6 +984,12 @@ def attend_weights(
         recipes=recipes,
         rows_out=row_guard is not None and w.output_params is not None,
     )
+    # Nothing past attention reads q~, k~ or v (nor the guard's q~): let them
+    # go before the output projection allocates y. In inference they (and the
+    # packed projection's output, which v views in self-attention) would
+    # otherwise stay allocated beside o and y, the call's peak; in training
+    # autograd keeps what it saved either way.
+    del q, k, v, guard, fixed
     y = w.output((o.permute(2, 0, 1, 3) if seq_first else o.transpose(1, 2)).flatten(-2))
     if row_guard is not None:
         # y + 0 * a * b: NaN in exactly the rows the per-element guard of
