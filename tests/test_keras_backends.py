@@ -1,9 +1,12 @@
 """A fit/save/load smoke test under each Keras backend (the conformance
 catalogue, one test per check, is tests/test_keras_conformance.py).
 
-Keras fixes its backend at import, so each backend runs this file as a script
-in its own subprocess (``python tests/test_keras_backends.py BACKEND``); the
-pytest side only launches it and asserts on the result.
+Keras fixes its backend at import, so each backend runs ``run`` below in a
+Keras process of its own, shared with tests/test_models_keras_backends.py
+(tests/_keras_processes.py: one process per backend per test session); each
+check here is one pytest item, ``test_keras_backend[BACKEND-CHECK]``, asserting
+on that process's results. ``python tests/test_keras_backends.py BACKEND TMPDIR``
+(with ``KERAS_BACKEND=BACKEND``) prints them.
 
 Every backend decodes token by token with a cache (jitted on jax), checks
 that NaN in a parameter or an input gives NaN out on every path of the layer
@@ -21,44 +24,67 @@ deleted under the layer that was not trained, "Array has been deleted").
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _keras_processes import part_results
 
 BACKENDS = ("tensorflow", "torch", "jax")
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_keras_backend(backend, tmp_path):
-    env = {**os.environ, "KERAS_BACKEND": backend}
-    if backend == "jax":
-        # Every case is a fresh XLA compilation of tiny shapes: compile time, not
-        # run time, dominates, and cheaper codegen cuts it by about a third.
-        env.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
-    proc = subprocess.run(
-        [sys.executable, __file__, backend, str(tmp_path)], env=env, capture_output=True, text=True, timeout=400
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["backend"] == backend
-    assert result["fit_loss_decreased"] and result["reload_bit_exact"], result
-    assert result["decode_within_float32_tolerance"], result
-    assert result["onnx_export_matches"] is (True if backend == "torch" else None), result
-    assert result["saved_model_export_matches"] is (True if backend == "jax" else None), result
-    assert result["nan_not_nan"] == [], result["nan_not_nan"]
-    assert result["quantized_vs_mha_mse"] is not None and result["quantized_vs_mha_mse"] < 1e-8, result
+def check_fit_save_load(r: dict, backend: str) -> None:
+    assert r["fit_loss_decreased"] and r["reload_bit_exact"], r
+
+
+def check_decode_with_cache(r: dict, backend: str) -> None:
+    assert r["decode_within_float32_tolerance"], r
+
+
+def check_onnx_export(r: dict, backend: str) -> None:
+    assert r["onnx_export_matches"] is (True if backend == "torch" else None), r
+
+
+def check_saved_model_export(r: dict, backend: str) -> None:
+    assert r["saved_model_export_matches"] is (True if backend == "jax" else None), r
+
+
+def check_nan_gives_nan(r: dict, backend: str) -> None:
+    assert r["nan_not_nan"] == [], r["nan_not_nan"]
+
+
+def check_int8_equals_mha(r: dict, backend: str) -> None:
+    assert r["quantized_vs_mha_mse"] is not None and r["quantized_vs_mha_mse"] < 1e-8, r
+
+
+def check_from_mha_copies(r: dict, backend: str) -> None:
     if backend == "jax":  # from_mha copies, never shares, the weights: each layer trains alone
-        assert result["from_mha_copies"] == {
+        assert r["from_mha_copies"] == {
             "damcha_trained": True,
             "mha_unchanged_after_damcha_fit": True,
             "mha_trained": True,
             "damcha_unchanged_after_mha_fit": True,
-        }, result["from_mha_copies"]
+        }, r["from_mha_copies"]
     else:
-        assert result["from_mha_copies"] is None, result
+        assert r["from_mha_copies"] is None, r
+
+
+# Each check on every backend: the export and from_mha checks run on one backend
+# and assert that the others' runs left them out (None, never a silent pass).
+CHECKS = {
+    "fit-save-load": check_fit_save_load,
+    "decode-with-cache": check_decode_with_cache,
+    "onnx-export": check_onnx_export,
+    "saved-model-export": check_saved_model_export,
+    "nan-gives-nan": check_nan_gives_nan,
+    "int8-equals-mha": check_int8_equals_mha,
+    "from-mha-copies": check_from_mha_copies,
+}
+
+
+@pytest.mark.parametrize("backend, check", [pytest.param(b, c, id=f"{b}-{c}") for b in BACKENDS for c in CHECKS])
+def test_keras_backend(backend, check, tmp_path_factory, request):
+    CHECKS[check](part_results(backend, "layer", tmp_path_factory, request), backend)
 
 
 NAN_PLACES = ("query.kernel", "metric.qk.kernel", "metric.qk.gate", "query-token", "key-token")
@@ -161,7 +187,8 @@ def from_mha_copies(DamchaAttention, keras, np) -> dict[str, bool]:
     return result
 
 
-def _main(backend: str, workdir: str) -> None:
+def run(backend: str, workdir: str) -> dict:
+    """Every check's measurements on this process's Keras backend (a JSON-able dict)."""
     import keras
     import numpy as np
 
@@ -242,22 +269,18 @@ def _main(backend: str, workdir: str) -> None:
             TOLERANCES["float32"].output_ratio(got, dc.damcha_attention(params, cfg, seq7, causal=True))[1] <= 1.0
         )
 
-    print(
-        json.dumps(
-            {
-                "nan_not_nan": nan_cases(DamchaAttention, keras, np),
-                "quantized_vs_mha_mse": quantized_vs_mha(DamchaAttention, keras, np),
-                "from_mha_copies": from_mha_copies(DamchaAttention, keras, np) if backend == "jax" else None,
-                "saved_model_export_matches": saved_model_ok,
-                "onnx_export_matches": onnx_ok,
-                "decode_within_float32_tolerance": decode_ratio <= 1.0,
-                "backend": backend,
-                "fit_loss_decreased": history.history["loss"][-1] < history.history["loss"][0],
-                "reload_bit_exact": bool(np.array_equal(before, after)) and shared_again,
-            }
-        )
-    )
+    return {
+        "nan_not_nan": nan_cases(DamchaAttention, keras, np),
+        "quantized_vs_mha_mse": quantized_vs_mha(DamchaAttention, keras, np),
+        "from_mha_copies": from_mha_copies(DamchaAttention, keras, np) if backend == "jax" else None,
+        "saved_model_export_matches": saved_model_ok,
+        "onnx_export_matches": onnx_ok,
+        "decode_within_float32_tolerance": decode_ratio <= 1.0,
+        "backend": backend,
+        "fit_loss_decreased": history.history["loss"][-1] < history.history["loss"][0],
+        "reload_bit_exact": bool(np.array_equal(before, after)) and shared_again,
+    }
 
 
 if __name__ == "__main__":
-    _main(sys.argv[1], sys.argv[2])
+    print(json.dumps(run(sys.argv[1], sys.argv[2])))

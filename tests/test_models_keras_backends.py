@@ -1,8 +1,11 @@
 """damcha_keras.convert on the jax and torch Keras backends.
 
-Keras fixes its backend at import, so each backend runs this file as a script
-in its own subprocess (``python tests/test_models_keras_backends.py BACKEND
-TMPDIR``); the pytest side launches it and asserts on the JSON it prints.
+Keras fixes its backend at import, so each backend runs ``run`` below in a
+Keras process of its own, shared with tests/test_keras_backends.py
+(tests/_keras_processes.py: one process per backend per test session); each
+check here is one pytest item, ``test_models_keras_backend[BACKEND-CHECK]``,
+asserting on that process's results. ``python tests/test_models_keras_backends.py
+BACKEND TMPDIR`` (with ``KERAS_BACKEND=BACKEND``) prints them.
 tests/test_models_keras.py covers tensorflow (in process) in more depth.
 
 Per backend: every converted architecture (GPT-2, BERT, Llama, Mistral, Qwen,
@@ -23,10 +26,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+from _keras_processes import part_results
 
 BACKENDS = ("jax", "torch")
 CAUSAL = ("gpt2", "llama", "mistral", "qwen", "qwen3", "gemma")  # every KerasHub causal LM convert() knows
@@ -46,35 +49,58 @@ MIXED_BOUND = {"mixed_bfloat16": 8 * 2.0**-7, "mixed_float16": 8 * 2.0**-10}
 MIXED = {"jax": ("gemma", "mixed_bfloat16"), "torch": ("qwen3", "mixed_float16")}
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_models_keras_backend(backend, tmp_path):
-    env = {**os.environ, "KERAS_BACKEND": backend}
-    if backend == "jax":
-        # Compile time, not run time, dominates tiny models: cheaper codegen (as test_keras_backends).
-        env.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
-    proc = subprocess.run(
-        [sys.executable, __file__, backend, str(tmp_path)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=500,
-        cwd=os.path.dirname(__file__),
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    r = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert r["backend"] == backend
-    assert r["exact_at_init"] == dict.fromkeys(ALL, True), r
-    assert max(r["reference_error_exact"].values()) <= 1e-12, r
-    assert r["reference_error_llama_layer"] <= 1e-6, r
+def check_exact_at_init(r: dict, backend: str) -> None:
+    assert r["exact_at_init"] == dict.fromkeys(ALL, True), r["exact_at_init"]
+
+
+def check_layers_equal_reference(r: dict, backend: str) -> None:
     assert r["maps_open"], r
-    assert r["generate_mismatches"] == dict.fromkeys(CAUSAL, 0), r
-    assert max(r["call_with_cache_error"].values()) <= 1e-5 and len(r["call_with_cache_error"]) == len(CAUSAL), r
+    assert max(r["reference_error_exact"].values()) <= 1e-12, r["reference_error_exact"]
+    assert r["reference_error_llama_layer"] <= 1e-6, r["reference_error_llama_layer"]
+
+
+def check_generate_equals_greedy(r: dict, backend: str) -> None:
+    assert r["generate_mismatches"] == dict.fromkeys(CAUSAL, 0), r["generate_mismatches"]
+
+
+def check_call_with_cache(r: dict, backend: str) -> None:
+    errors = r["call_with_cache_error"]
+    assert max(errors.values()) <= 1e-5 and len(errors) == len(CAUSAL), errors
+
+
+def check_mixed_precision(r: dict, backend: str) -> None:
     assert r["mixed_exact_at_init"], r
     bound = MIXED_BOUND[MIXED[backend][1]]
     assert r["mixed_error"] <= bound < r["mixed_map_effect"] / 2, r
+
+
+def check_fit_moves_gates(r: dict, backend: str) -> None:
     assert r["fit_gates_moved"], r
+
+
+def check_file_round_trips(r: dict, backend: str) -> None:
     assert r["weights_round_trip"] and r["keras_round_trip"], r
-    assert r["docs_example"] == {"same": True, "moved": True}, r
+
+
+def check_docs_example(r: dict, backend: str) -> None:
+    assert r["docs_example"] == {"same": True, "moved": True}, r["docs_example"]
+
+
+CHECKS = {
+    "exact-at-init": check_exact_at_init,
+    "layers-equal-reference": check_layers_equal_reference,
+    "generate-equals-greedy": check_generate_equals_greedy,
+    "call-with-cache": check_call_with_cache,
+    "mixed-precision": check_mixed_precision,
+    "fit-moves-gates": check_fit_moves_gates,
+    "file-round-trips": check_file_round_trips,
+    "docs-example": check_docs_example,
+}
+
+
+@pytest.mark.parametrize("backend, check", [pytest.param(b, c, id=f"{b}-{c}") for b in BACKENDS for c in CHECKS])
+def test_models_keras_backend(backend, check, tmp_path_factory, request):
+    CHECKS[check](part_results(backend, "models", tmp_path_factory, request), backend)
 
 
 # ------------------------------------------------------------ the subprocess
@@ -91,7 +117,8 @@ def _jax_x64(backend: str, enabled: bool) -> bool:
     return previous
 
 
-def main(backend: str, tmp: str) -> dict:
+def run(backend: str, tmp: str) -> dict:
+    """Every check's measurements on this process's Keras backend (a JSON-able dict)."""
     import re
 
     import keras
@@ -241,4 +268,4 @@ if __name__ == "__main__":
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ.setdefault(var, "1")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    print(json.dumps(main(sys.argv[1], sys.argv[2])))
+    print(json.dumps(run(sys.argv[1], sys.argv[2])))
