@@ -220,21 +220,25 @@ def _map_heads(side: SideWeights, tokens: Tensor, ys: tuple[Tensor, ...], in_pla
         # A(t) = phi(t) W + b as in _coefficients, (tokens, S, S); then diag(g) A(t):
         # the gate scales row h of each token's matrix.
         A = torch.addcdiv(bias, F.linear(tokens, weight), _rms_denominator(tokens), value=math.sqrt(tokens.shape[-1]))
-        gA = A.view(-1, S, S) * gate.view(S, 1)
+        A, g = A.view(-1, S, S), gate.view(S, 1)
         # The residual form y + (diag(g) A) y, never (I + diag(g) A) y: a GEMM
         # in TF32 or bf16 then rounds only the small correction, and gates at 0
         # give y bit for bit (a fresh or converted layer is exactly MHA).
         out = []
+        gA = None
         for y in ys:
             flat = y.reshape(-1, S, y.shape[-1])
             if in_place and _writable(flat):
-                # The same y + (diag(g) A) y, added into y's own storage (the
-                # projection's output, which nothing else reads): q~ and k~
-                # then take no tensors of their own beside the projection's
-                # output, which v keeps alive, as nn.MultiheadAttention's
-                # q, k, v views of it.
-                out.append(flat.add_(torch.bmm(gA, flat)).view(y.shape))
+                # y + g * (A y), row h of A y scaled by g_h: the same residual
+                # form, added into y's own storage (the projection's output,
+                # which nothing else reads) by one addcmul_, with no gated copy
+                # of A: q~ and k~ then take no tensors of their own beside the
+                # projection's output, which v keeps alive, as
+                # nn.MultiheadAttention's q, k, v views of it.
+                out.append(flat.addcmul_(torch.bmm(A, flat), g).view(y.shape))
             else:
+                if gA is None:
+                    gA = A * g
                 out.append(torch.baddbmm(flat, gA, flat).view(y.shape))
         return tuple(out)
     u = _coefficients(_cast(side.weight, dtype), _cast(side.bias, dtype), tokens)  # (B, T, r)
