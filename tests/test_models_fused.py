@@ -163,11 +163,13 @@ def test_gpt2_conv1d_maps_add_no_copies(mode, metric):
     are added in place to c_attn's output); in training, no copy of c_attn's
     output gradient (the backward takes that gradient in column pieces: the
     mapped q/k blocks, fresh, and a view of the v columns), the joins of
-    c_attn's weight and bias gradients from their pieces, and store mode's two
-    copies of c_attn's output (the mapped output made from the kept unmapped
-    one, in forward and again in backward for SDPA's saved views) where
-    backward used to project c_attn's q/k columns (2 E of 3 E) again: the
-    projection GEMMs are exactly the original's."""
+    c_attn's weight and bias gradients from their pieces, and store mode's
+    copy of c_attn's output (the mapped output made from the kept unmapped
+    one) where backward used to project c_attn's q/k columns (2 E of 3 E)
+    again: the projection GEMMs are exactly the original's. In backward,
+    SDPA's saved views are made again from the kept output without a copy of
+    it ("heads": each mapped block alone, the v columns read in place;
+    "lowrank": the whole output again, a second copy)."""
     (original, original_gemms, original_copies), (damcha, damcha_gemms, damcha_copies), model = (
         aten_calls_before_and_after_convert(
             "gpt2", mode, prepare=_no_dropout, **({"metric": metric, "metric_rank": 3} if metric == "lowrank" else {})
@@ -176,7 +178,7 @@ def test_gpt2_conv1d_maps_add_no_copies(mode, metric):
     layers = len(dt.converted_layers(model))
     E, tokens = model.config.n_embd, inputs("gpt2")["input_ids"].numel()
     joins = [("cat", 3 * E), ("cat", 3 * E * E)]  # c_attn's bias and weight gradients
-    store = [("clone", tokens * 3 * E)] * 2  # store mode: the mapped output, in forward and made again in backward
+    store = [("clone", tokens * 3 * E)] * (1 if metric == "heads" else 2)  # the mapped output (and made again)
     assert extra_copies(damcha_copies, original_copies) == (
         [] if mode == "no-grad" else sorted((joins + store) * layers)
     )
@@ -522,13 +524,14 @@ def test_fused_node_with_unmapped_columns_between_blocks(metric, transposed):
 # mixing is one batched product per block (``bmm``; measured faster than S
 # broadcast multiply-adds, one broadcast product or ``einsum`` for S in 3..16,
 # so there is no switch on S). Without a graph: the bmm and an in-place add per
-# block. In training: the same forward, made again once in backward from the
-# kept unmapped output (store mode: a bmm and an add_ per block); backward one
-# ``baddbmm`` per block (that block's dL/dy, fresh) and one ``bmm`` per block
-# (dL/d(mix), the second added to the first).
+# block. In training: the same forward, each block made again once in backward
+# from the kept unmapped output for SDPA's saved view of it (store mode: a bmm
+# and an ``add`` into a fresh block; the v columns are read from the kept
+# output, no copy); backward one ``baddbmm`` per block (that block's dL/dy,
+# fresh) and one ``bmm`` per block (dL/d(mix), the second added to the first).
 VIT_MIXING = {
     "no-grad": {"bmm": 2, "add_": 2},
-    "train": {"bmm": 6, "baddbmm": 2, "add_": 5},
+    "train": {"bmm": 6, "baddbmm": 2, "add_": 3, "add": 2},
 }
 
 
@@ -537,7 +540,7 @@ def test_vit_fused_qkv_mixing_ops_per_layer(mode):
     # zero_grad: no accumulation into .grad (an add_) in the counted call.
     (original, _, _), (damcha, _, _), model = aten_calls_before_and_after_convert("vit", mode, zero_grad=True)
     layers = len(dt.converted_layers(model))
-    extra = {op: (damcha.get(op, 0) - original.get(op, 0)) / layers for op in ("bmm", "baddbmm", "add_")}
+    extra = {op: (damcha.get(op, 0) - original.get(op, 0)) / layers for op in ("bmm", "baddbmm", "add_", "add")}
     assert {op: n for op, n in extra.items() if n} == VIT_MIXING[mode], extra
 
 
@@ -623,6 +626,51 @@ def test_store_mode_turns_off_where_nothing_is_saved():
     kw = inputs("llama")
     assert set(_site_nodes(model, "llama", kw)) == {STORED_NODE}
     assert set(_site_nodes(model, "llama", kw)) == {FUSED_NODE}
+
+
+@pytest.mark.parametrize(
+    "arch, options",
+    [("vit", {}), ("gpt2", {}), ("gpt2", LOWRANK)],
+    ids=["vit-heads", "gpt2-heads", "gpt2-lowrank"],
+)
+def test_store_mode_views_made_again_bit_for_bit(monkeypatch, arch, options):
+    """Every view of a stored node's output that the host saved (SDPA's q~,
+    k~, v, or some of them) comes back in backward equal, bit for bit, to what the forward
+    made: "heads" makes each mapped block again alone and reads the v
+    columns from the kept unmapped output; "lowrank" makes the whole output
+    again."""
+    import damcha_torch._models_fused as fused
+
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    made = fused.saved_as_recipes
+
+    def checking(recipes):
+        hooks = made(recipes)
+        pack, unpack = hooks.pack_hook, hooks.unpack_hook
+
+        def pack_and_note(t):
+            packed = pack(t)
+            return (packed, t.detach().clone()) if isinstance(packed, fused._PackedOutput) else packed
+
+        def unpack_and_note(packed):
+            if isinstance(packed, tuple):
+                packed, forward = packed
+                seen.append((unpack(packed), forward))
+                return seen[-1][0]
+            return unpack(packed)
+
+        return torch.autograd.graph.saved_tensors_hooks(pack_and_note, unpack_and_note)
+
+    monkeypatch.setattr(fused, "saved_as_recipes", checking)
+    model = _no_dropout(open_gates(dt.convert(build(arch, torch.float32), **options))).train()
+    kw = inputs(arch)
+    assert set(_site_nodes(model, arch, kw)) == {STORED_NODE}
+    seen.clear()
+    _loss(model, arch, kw).backward()
+    # ViT's SDPA saves q~, k~ and v of each layer; GPT-2's (with a padding mask) one of them.
+    assert len(seen) == (3 if arch == "vit" else 1) * len(dt.converted_layers(model))
+    for got, want in seen:
+        assert got.shape == want.shape and torch.equal(got, want)
 
 
 def _hold_outputs(model: nn.Module, held: list) -> None:

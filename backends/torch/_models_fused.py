@@ -625,12 +625,15 @@ class OutputRecipe:
     output for its attention kernel's backward (SDPA's q~, k~, v, a q/k norm's
     input), and the node's backward needs the unmapped output y. In store mode
     the node returns the mapped output as a copy of y (mapped in place, as
-    ``map_blocks_`` maps it) and keeps y; under ``saved_as_recipes`` (around
-    the host's attention module, see ``DamchaMaps``) every saved view of that
-    output is saved as this recipe instead, so autograd keeps y where the
-    original model kept the output, and backward remakes the output once (a
-    copy of y and the maps' small products) for all the views a kernel
-    unpacks, instead of projecting the mapped rows again.
+    ``map_blocks_`` maps it) and keeps y; under ``saved_as_recipes`` (opened
+    by ``DamchaMaps`` after the node, closed when the host's attention module
+    returns) every saved view of that output is saved as this recipe
+    instead, so autograd keeps y where the original model kept the output,
+    and backward makes each view again (``_view``: a view within a mapped
+    "heads" block from that block alone, y_b + diag(g) A(t) y_b with the
+    forward's ops; a view of unmapped columns, such as SDPA's v, read from y
+    in place; otherwise the whole output again, a copy of y and the maps),
+    instead of projecting the mapped rows again.
 
     Who keeps y: until ``settle`` (when the attention module returns) this
     recipe; then only the saved views' recipes (so autograd frees y with
@@ -686,6 +689,31 @@ class OutputRecipe:
             state.made = None
         return out
 
+    def _view(self, packed: _PackedOutput) -> Tensor:
+        """The saved view ``packed`` of the mapped output, made again as the
+        forward made it, bit for bit. A view within one mapped block of metric
+        "heads" is made from that block alone (y_b + bmm(diag(g) A(t), y_b),
+        the forward's ops on a view of y laid out as the output was); a view
+        of unmapped columns is the same view of y (the output's copy of them);
+        anything else, from the whole output made again (``_made``)."""
+        state = packed.state
+        if not torch.is_grad_enabled() and state.out is None and state.y is not None:
+            found = _columns(state.y, state.args[0], packed)
+            if found is not None:
+                self._handoff = state
+                blocks, offset, size, stride, storage_offset = found
+                if blocks is None:  # unmapped columns: the output holds y's values there
+                    return state.y.as_strided(size, stride, storage_offset)
+                i = state.args[0].index(blocks)
+                x, leaves = state.args[3], state.args[8]
+                r, products = state.products or _coefficient_products(x, state.args[0], leaves)
+                state.products = (r, products)
+                S = blocks.heads
+                mix = products[i][1].view(-1, S, S) * _split_side(state.args[0], leaves, i).gate.view(S, 1)
+                yb = _block(state.y.view(-1, state.y.shape[-1]), offset, S, blocks.head_dim)
+                return torch.add(yb, torch.bmm(mix, yb)).as_strided(size, stride, storage_offset)
+        return self._made(state).as_strided(packed.size, packed.stride, packed.storage_offset)
+
     def settle(self) -> None:
         """When the attention module returns (see the class docstring)."""
         out, state, self._out, self._state = self._out, self._state, None, None
@@ -711,6 +739,65 @@ class _OutputState:
         self.pending = 0
         # (r, [(P, A) per side]) of the last remake, for the node's backward.
         self.products: tuple[Tensor, list[tuple[Tensor, Tensor]]] | None = None
+
+
+def _columns(
+    y: Tensor, sides: tuple[SideBlocks, ...], packed: _PackedOutput
+) -> tuple[SideBlocks | None, int, Any, Any, Any] | None:
+    """Where the saved view ``packed`` of the output (laid out as y (..., F),
+    contiguous) lies: (the side's blocks, the block's offset, and the view's
+    size, stride and storage offset within that block made alone (T, S*d))
+    when it lies within one mapped block of metric "heads"; (None, 0, and the
+    view's own geometry, read from y) when it lies in unmapped columns only;
+    None otherwise (a view across blocks, a strided layout this does not read)."""
+    F_ = y.shape[-1]
+    if not y.is_contiguous() or y.storage_offset() != 0 or not isinstance(packed.storage_offset, int):
+        return None
+    first, row = packed.storage_offset % F_, packed.storage_offset // F_
+    extent = 0  # the last column the view reaches, from its first
+    rows: list[bool] = []
+    for n, st in zip(packed.size, packed.stride):
+        if not isinstance(n, int) or not isinstance(st, int):
+            return None  # symbolic sizes (a tracer): the whole output
+        rows.append(st % F_ == 0)
+        if n > 1 and not rows[-1]:
+            if st >= F_:
+                return None
+            extent += (n - 1) * st
+    last = first + extent
+    if last >= F_:
+        return None
+    for blocks in sides:
+        width = blocks.heads * blocks.head_dim
+        for offset in blocks.offsets:
+            if offset <= first and last < offset + width:
+                if blocks.metric != "heads":
+                    return None
+                stride = tuple(st // F_ * width if by_row else st for st, by_row in zip(packed.stride, rows))
+                return blocks, offset, packed.size, stride, row * width + first - offset
+            if first < offset + width and offset <= last:
+                return None  # partly in a mapped block
+    return None, 0, packed.size, packed.stride, packed.storage_offset
+
+
+def _split_side(sides: tuple[SideBlocks, ...], leaves: Sequence[Tensor], i: int) -> fn.SideWeights:
+    """The weights of side ``i`` from the fused node's ``leaves``."""
+    k, k_end = _split_leaves(sides, leaves)[i]
+    return _side_weights(sides[i].metric, leaves[k:k_end])
+
+
+def _coefficient_products(
+    x: Tensor, sides: tuple[SideBlocks, ...], leaves: Sequence[Tensor]
+) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
+    """(r, [(P = t W^T, A) per side]) of the tokens x, as ``_remap`` makes them."""
+    t = x.reshape(-1, x.shape[-1])
+    r = fn._rms_denominator(t)
+    products = []
+    for i in range(len(sides)):
+        weights = _split_side(sides, leaves, i)
+        P = F.linear(t, weights.weight)
+        products.append((P, torch.addcdiv(weights.bias, P, r, value=math.sqrt(t.shape[-1]))))
+    return r, products
 
 
 def _remap(
@@ -810,8 +897,7 @@ def saved_as_recipes(recipes: Sequence[MapRecipes | OutputRecipe]) -> torch.auto
             block = packed.recipes.block(packed.side, packed.offset)
             return block.as_strided(packed.size, packed.stride, packed.storage_offset)
         if isinstance(packed, _PackedOutput):
-            made = packed.recipe._made(packed.state)
-            return made.as_strided(packed.size, packed.stride, packed.storage_offset)
+            return packed.recipe._view(packed)
         return packed
 
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
