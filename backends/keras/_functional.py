@@ -193,9 +193,44 @@ def apply_map_matrix(matrix: Any, y: Any) -> Any:
         import torch
 
         return torch.matmul(matrix, y)  # any float dtype: Keras's float64 issue is its wrapper's
+    if keras.backend.backend() == "jax":
+        return _jax_mix_heads()(matrix, y)
     if dtype_name(y) == "float64":
         return ops.einsum("btha,btad->bthd", matrix, y)
     return ops.matmul(matrix, y)
+
+
+@functools.cache
+def _jax_mix_heads() -> Callable[[Any, Any], Any]:
+    """The (B, T, S, S) x (B, T, S, d) per-token product on JAX, with a
+    derivative rule that keeps its transpose a plain batched product.
+
+    Plain autodiff gets y's cotangent as l^T g, a product contracting l's
+    *row* axis per token, which XLA:CPU does not hand to its GEMM library:
+    it stays a native per-token loop of tiny products (``dot`` in the
+    compiled training step, next to the library fusions of MHA's own
+    products). With l^T materialised (an (S, S) transpose per token, 1/d of
+    y's size; the barrier keeps XLA from folding it back) and contracted
+    over its minor axis, the transpose is the same kind of product as the
+    forward one. ``damcha_jax``'s ``_mix_heads`` does the same for the Flax
+    port.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    @jax.custom_jvp
+    def mix(matrix: Any, y: Any) -> Any:
+        return jnp.matmul(matrix, y)
+
+    @mix.defjvp
+    def mix_jvp(primals: tuple[Any, Any], tangents: tuple[Any, Any]) -> tuple[Any, Any]:
+        matrix, y = primals
+        d_matrix, d_y = tangents
+        matrix_t = jax.lax.optimization_barrier(jnp.swapaxes(matrix, -1, -2))
+        d_out = jnp.matmul(d_matrix, y) + jnp.einsum("btah,btad->bthd", matrix_t, d_y)
+        return mix(matrix, y), d_out
+
+    return mix
 
 
 def map_heads(tokens: Any, kernel: Any, bias: Any, gate: Any, y: Any) -> Any:
@@ -695,8 +730,13 @@ def _nan_probe(out: Any, q: Any, k: Any) -> Any:
     import torch
 
     # torch calls (one aten op each), the probe (B, N, H, 1) added with alpha=0:
-    # out + 0 * probe in one pass over the output (0 * NaN = NaN).
-    probe = torch.sum(q, dim=-1, keepdim=True) + torch.sum(k, dim=(1, 2, 3), keepdim=True)
+    # out + 0 * probe in one pass over the output (0 * NaN = NaN). The probe is
+    # made without autograd: its gradient is 0 * the output's, so autograd would only
+    # add zeros to q's and k's (a product, two sums, two expands and two adds over
+    # the heads in every backward); NaN still reaches the output, hence the loss
+    # and every gradient that depends on it.
+    with torch.no_grad():
+        probe = torch.sum(q, dim=-1, keepdim=True) + torch.sum(k, dim=(1, 2, 3), keepdim=True)
     return torch.add(out, probe, alpha=0)
 
 
