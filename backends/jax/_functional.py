@@ -43,6 +43,7 @@ from damcha_core import (
     role_penalty,
     side_of,
 )
+from jax.ad_checkpoint import checkpoint_name
 
 from ._masks import (
     MaskArg,
@@ -322,6 +323,74 @@ def cross_head_maps(
         coeff_k = _affine_coefficients(structure, x if c is None else c, leaves, precision, shared)
         k_out = _apply_maps(config, leaves, coeff_k, [k], precision)[0].astype(k.dtype)
     return q_out, k_out
+
+
+# The names of q~ and k~ (the mapped heads) for jax.checkpoint policies.
+MAPPED_NAMES = ("damcha_q_mapped", "damcha_k_mapped")
+# dot_general's dimension numbers of the maps' per-token products ("btha,btad->bthd").
+_MAP_DIMS = (((3,), (2,)), ((0, 1), (0, 1)))
+
+
+def mapped_attention(
+    params: Params,
+    config: DamchaConfig,
+    x: Array,
+    c: Array | None,
+    q: Array,
+    k: Array,
+    v: Array,
+    *,
+    precision: Any = None,
+    **attend_kwargs: Any,
+) -> tuple[Array, Array | None, Array | None]:
+    """``cross_head_maps`` then ``attend`` (same arguments and result), with q~
+    and k~ recomputed from q, k and the maps in the backward pass.
+
+    The attention's backward needs q~ and k~, the maps' backward needs the
+    unmapped q and k (for the maps' gradient): saving all four kept one
+    (B, T, S, d) tensor per side more than MHA does (XLA's memory estimate
+    of a 6-layer training step: 1.04x MHA's at N=1024). Under this
+    checkpoint training keeps q and k and the small (S, S) maps, and the
+    backward pass runs the two map products again (about 0.05% of a
+    6-layer encoder's training FLOPs), not the projections. Without
+    differentiation the checkpoint changes nothing in the compiled program.
+
+    The policy saves everything except q~, k~ and the values that are only
+    other names for them: ``save_anything_except_these_names`` alone still
+    saved them, as the output of the maps' product (``checkpoint_name`` is an
+    alias of it) and as ``jax.nn.dot_product_attention``'s grouped reshape of
+    q~. ``tests/test_jax_compiled_cost.py`` holds the training step's temp
+    bytes to MHA's and its FLOPs to MHA's plus the maps' (recompute included).
+    """
+    if not (side_of(config, "q") or side_of(config, "k")) or q.dtype not in (jnp.float32, jnp.float64):
+        # No maps (metric "none"), or 16-bit heads: under the checkpoint
+        # XLA:CPU refused the attention's float16 product (its precision
+        # F16_F16_F32), so they keep q~ and k~ as before.
+        q, k = cross_head_maps(params, config, x, c, q, k, precision=precision)
+        return attend(config, q, k, v, precision=precision, **attend_kwargs)
+
+    def run(p: Params, x: Array, c: Array | None, q: Array, k: Array, v: Array) -> Any:
+        q, k = cross_head_maps(p, config, x, c, q, k, precision=precision)
+        q = checkpoint_name(q, MAPPED_NAMES[0])
+        k = checkpoint_name(k, MAPPED_NAMES[1])
+        return attend(config, q, k, v, precision=precision, **attend_kwargs)
+
+    B, N, H, d = q.shape
+    grouped = (B, N, H // config.group_size, config.group_size, d)
+
+    def policy(prim: Any, *avals: Any, **kw: Any) -> bool:
+        """Save this primitive's output for the backward pass?"""
+        if prim.name == "name":
+            return kw.get("name") not in MAPPED_NAMES
+        if prim.name == "custom_jvp_call":
+            return False
+        if prim.name == "dot_general":
+            return kw.get("dimension_numbers") != _MAP_DIMS
+        if prim.name == "reshape":
+            return not (avals[0].shape == q.shape and tuple(kw.get("new_sizes", ())) == grouped)
+        return True
+
+    return jax.checkpoint(run, policy=policy)(params, x, c, q, k, v)
 
 
 def _project(params: Params, config: DamchaConfig, name: str, tokens: Array, precision: Any) -> Array:

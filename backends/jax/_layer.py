@@ -571,7 +571,8 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
         v = self.value(ctx if v_in is None else v_in, out_sharding=qkv_sharding)
         if self.query_ln is not None and self.key_ln is not None:
             q, k = self.query_ln(q), self.key_ln(k)
-        if self.config.metric_sides:
+        default = _is_default_attention(self.attention_fn) and not decode
+        if self.config.metric_sides and not default:
             folded_q, folded_k = F.cross_head_maps(
                 self._metric_params(),
                 self.config,
@@ -601,8 +602,12 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
                 mask_hint=mask_hint,
             )
         else:
-            o, weights, bad = F.attend(
+            # The maps run here, under mapped_attention's checkpoint (training saves q and k, not q~ and k~).
+            o, weights, bad = F.mapped_attention(
+                self._metric_params(),
                 self.config,
+                _fold(x, lead, 2),
+                _fold(k_in, lead, 2),
                 _fold(q, lead, 3),
                 _fold(k, lead, 3),
                 _fold(v, lead, 3),
