@@ -4,10 +4,12 @@ tests/test_models_keras_backends.py (KerasHub conversion: ``models``).
 
 Keras fixes its backend at import, so those checks run in a subprocess
 (``python tests/_keras_processes.py BACKEND OUT WORKDIR``); starting Keras with
-its backend costs about 15 s of CPU, so each backend starts one process per
-test session that runs every part it has (tensorflow: the layer only) and
-writes the parts' results as JSON. Each check is its own pytest item that
-asserts on its part's results.
+its backend costs 5-15 s of CPU, so each backend starts one process per test
+session that runs every part it has (tensorflow: the layer only) and writes the
+parts' results as JSON; the test process's own backend (tensorflow unless
+KERAS_BACKEND says otherwise) runs its parts in the test process, which has
+Keras loaded already. Each check is its own pytest item that asserts on its
+part's results.
 
 A part that raises is recorded with its traceback and the other parts still run;
 a process that dies is recorded with its output. Either way every item of the
@@ -96,14 +98,28 @@ def _run_once(backend: str, shared: Path, *, wait: bool) -> bool:
     return True
 
 
+def _in_this_process(backend: str) -> bool:
+    """Whether this process's Keras runs on ``backend`` (tensorflow unless
+    KERAS_BACKEND says otherwise): then its parts run here, without starting
+    Keras again (the test process imports Keras for its own Keras tests anyway)."""
+    if backend != os.environ.get("KERAS_BACKEND", "tensorflow"):
+        return False
+    import keras
+
+    return bool(keras.backend.backend() == backend)
+
+
 def _run_process(backend: str, shared: Path, out: Path) -> None:
+    workdir = shared / f"keras-process-{backend}"
+    workdir.mkdir(exist_ok=True)
+    if _in_this_process(backend):
+        out.write_text(json.dumps(_run_parts(backend, str(workdir))))
+        return
     env = {**os.environ, "KERAS_BACKEND": backend}
     if backend == "jax":
         # Every case is a fresh XLA compilation of tiny shapes: compile time, not
         # run time, dominates, and cheaper codegen cuts it by about a third.
         env.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
-    workdir = shared / f"keras-process-{backend}"
-    workdir.mkdir(exist_ok=True)
     partial = out.with_suffix(".partial")
     try:
         proc = subprocess.run(
@@ -124,7 +140,7 @@ def _run_process(backend: str, shared: Path, out: Path) -> None:
     out.write_text(json.dumps({"crashed": crashed}))
 
 
-def _main(backend: str, out: str, workdir: str) -> None:
+def _run_parts(backend: str, workdir: str) -> dict[str, Any]:
     import importlib
     import time
 
@@ -139,7 +155,11 @@ def _main(backend: str, out: str, workdir: str) -> None:
             results[part]["cpu_s"] = round(time.process_time() - start, 1)  # this process's CPU, for tuning
         except Exception:  # noqa: BLE001  (recorded: that part's items fail with it, the next part runs)
             results[part] = {"error": traceback.format_exc()[-6000:]}
-    Path(out).write_text(json.dumps(results))
+    return results
+
+
+def _main(backend: str, out: str, workdir: str) -> None:
+    Path(out).write_text(json.dumps(_run_parts(backend, workdir)))
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@ catalogue, one test per check, is tests/test_keras_conformance.py).
 
 Keras fixes its backend at import, so each backend runs ``run`` below in a
 Keras process of its own, shared with tests/test_models_keras_backends.py
-(tests/_keras_processes.py: one process per backend per test session); each
+(tests/_keras_processes.py: one process per backend per test session; the test
+process's own backend, tensorflow unless KERAS_BACKEND says otherwise, runs in
+the test process); each
 check here is one pytest item, ``test_keras_backend[BACKEND-CHECK]``, asserting
 on that process's results. ``python tests/test_keras_backends.py BACKEND TMPDIR``
 (with ``KERAS_BACKEND=BACKEND``) prints them.
