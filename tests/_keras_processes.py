@@ -81,9 +81,19 @@ def _run_once(backend: str, shared: Path, *, wait: bool) -> bool:
     """Run ``backend``'s process unless its results exist; False when another
     worker holds its lock and ``wait`` is False."""
     out = shared / f"keras-process-{backend}.json"
+    return run_once_locked(
+        out, shared / f"keras-process-{backend}.lock", lambda: _run_process(backend, shared, out), wait=wait
+    )
+
+
+def run_once_locked(out: Path, lock: Path, run: Any, *, wait: bool) -> bool:
+    """Call ``run`` (which writes ``out``) unless ``out`` exists, under an
+    exclusive lock on ``lock`` shared by the xdist workers; False when another
+    worker holds the lock and ``wait`` is False (tests/test_keras_upstream.py
+    uses it for Keras's own suite)."""
     if out.exists():
         return True
-    with open(shared / f"keras-process-{backend}.lock", "w") as handle:
+    with open(lock, "w") as handle:
         try:
             import fcntl
         except ImportError:  # not POSIX: no sharing between workers
@@ -94,7 +104,7 @@ def _run_once(backend: str, shared: Path, *, wait: bool) -> bool:
             except BlockingIOError:
                 return False
         if not out.exists():
-            _run_process(backend, shared, out)
+            run()
     return True
 
 

@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _keras_processes import run_once_locked
 
 BACKENDS = ("tensorflow", "jax", "torch")
 CONFIGS = {"heads": {}, "none": {"metric": "none"}}
@@ -135,21 +136,8 @@ def _run_once(backend: str, shared_dir: Path, *, wait: bool) -> bool:
     """Run ``backend``'s subprocess unless its results exist; False when another
     worker holds its lock and ``wait`` is False."""
     out = shared_dir / f"keras-upstream-{backend}.json"
-    if out.exists():
-        return True
-    with open(shared_dir / f"keras-upstream-{backend}.lock", "w") as handle:
-        try:
-            import fcntl
-        except ImportError:  # not POSIX: no sharing between workers
-            fcntl = None
-        if fcntl is not None:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-            except BlockingIOError:
-                return False
-        if not out.exists():
-            _run_subprocess(backend, out)
-    return True
+    lock = shared_dir / f"keras-upstream-{backend}.lock"
+    return run_once_locked(out, lock, lambda: _run_subprocess(backend, out), wait=wait)
 
 
 def _run_subprocess(backend: str, out: Path) -> None:
