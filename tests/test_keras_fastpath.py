@@ -46,6 +46,17 @@ TOL = TOLERANCES[DTYPE]
 B, N, M, E, H, D = 3, 6, 4, 8, 2, 4
 
 
+def _opened_from_mha(x, heads: int, key_dim: int):
+    """A built Keras MHA and the DamchaAttention converted from it, every gate opened to 0.5."""
+    mha = keras.layers.MultiHeadAttention(heads, key_dim)
+    mha(x, x)
+    layer = DamchaAttention.from_mha(mha)
+    layer.load_canonical(
+        {k: np.full_like(v, 0.5) if k.endswith(".gate") else v for k, v in layer.to_canonical().items()}
+    )
+    return mha, layer
+
+
 def np_(x):
     return np.asarray(keras.ops.convert_to_numpy(x), dtype=np.float64)
 
@@ -649,12 +660,7 @@ def test_tf_graph_map_passes_over_the_tokens_once():
 
     b, n, e, h, d = 2, 16, 24, 2, 4  # tokens, heads and logits of distinct sizes
     x = tf.constant(rng(13).normal(size=(b, n, e)).astype("float32"))
-    mha = keras.layers.MultiHeadAttention(h, d)
-    mha(x, x)
-    layer = DamchaAttention.from_mha(mha)
-    layer.load_canonical(
-        {k: np.full_like(v, 0.5) if k.endswith(".gate") else v for k, v in layer.to_canonical().items()}
-    )
+    mha, layer = _opened_from_mha(x, h, d)
     ours = _graph_ops(lambda: layer(x, x, use_causal_mask=True))
     theirs = _graph_ops(lambda: mha(x, x, use_causal_mask=True))
 
@@ -836,12 +842,7 @@ def _aten_ops(fn):
 def _torch_pair():
     """A Keras MHA and the DamchaAttention converted from it (gates opened), float32."""
     x = rng(20).normal(size=(B, N, E)).astype("float32")
-    mha = keras.layers.MultiHeadAttention(H, D)
-    mha(x, x)
-    layer = DamchaAttention.from_mha(mha)
-    layer.load_canonical(
-        {k: np.full_like(v, 0.5) if k.endswith(".gate") else v for k, v in layer.to_canonical().items()}
-    )
+    mha, layer = _opened_from_mha(x, H, D)
     return mha, layer, keras.ops.convert_to_tensor(x)
 
 
@@ -945,12 +946,7 @@ def test_jax_hlo_training_step_maps_heads_with_library_products_only(monkeypatch
 
     b, n, e, h, d = 2, 32, 64, 8, 8  # small, but large enough for XLA:CPU to call its library
     x = rng(22).normal(size=(b, n, e)).astype("float32")
-    mha = keras.layers.MultiHeadAttention(h, d)
-    mha(x, x)
-    layer = DamchaAttention.from_mha(mha)
-    layer.load_canonical(
-        {k: np.full_like(v, 0.5) if k.endswith(".gate") else v for k, v in layer.to_canonical().items()}
-    )
+    mha, layer = _opened_from_mha(x, h, d)
 
     def native_dots(attn):
         step, weights = _jax_training_step(attn, x)
