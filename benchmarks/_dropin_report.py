@@ -2,6 +2,11 @@
 
 The section sits between two marker comments; everything else in the file
 belongs to the other benchmarks' owners and is left as it is.
+
+bench_models.py's report (``_models_report.py``) uses the same reading and
+pooling of result files (``load``), the same cells, run lines and model
+table, and ``write_section`` with its own markers: one implementation of
+how repeated runs become one number.
 """
 
 from __future__ import annotations
@@ -141,19 +146,24 @@ def _pool(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     return pooled_entry
 
 
-def load(paths: Sequence[str | Path], *, pool: bool = True) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def load(
+    paths: Sequence[str | Path], *, pool: bool = True, file_format: str | None = None
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(runs, entries) of several result files, in the order given.
 
     A later file's entry replaces an earlier one's, unless both runs measured the
     same commit with the same timing setup (rounds' shapes, threads): then, with
     ``pool``, the two are pooled (see ``_pool``), so repeated idle runs of one
     code state report one median over all their rounds. Memory is the later
-    run's (it is one measurement, not a sample)."""
+    run's (it is one measurement, not a sample). With ``file_format``, a file
+    of another format (another benchmark's) is refused with a ValueError."""
     runs: list[dict[str, Any]] = []
     entries: dict[str, dict[str, Any]] = {}
     for path in paths:
         with open(path) as fh:
             data = json.load(fh)
+        if file_format is not None and data.get("format") != file_format:
+            raise ValueError(f"{path}: format {data.get('format')!r}, expected {file_format!r}")
         offset = len(runs)
         for run in data["runs"]:
             runs.append({**run, "file": str(path)})
@@ -188,7 +198,9 @@ def _commands(runs: list[dict[str, Any]], entries: Iterable[dict[str, Any]]) -> 
 def _run_line(run: dict[str, Any]) -> str:
     v = run.get("versions", {})
     versions = ", ".join(
-        f"{k} {v[k]}" for k in ("torch", "jax", "flax", "keras", "tensorflow-cpu", "tensorflow") if k in v
+        f"{k} {v[k]}"
+        for k in ("torch", "jax", "flax", "keras", "tensorflow-cpu", "tensorflow", "transformers", "timm")
+        if k in v
     )
     m = run.get("machine", {})
     load_ = run.get("loadavg_start"), run.get("loadavg_end")
@@ -234,10 +246,13 @@ def _memory_unit(entries: list[dict[str, Any]]) -> str:
     return "XLA MiB" if xla else "peak MiB"
 
 
-def _table_model(entries: list[dict[str, Any]]) -> list[str]:
+def _table_model(entries: list[dict[str, Any]], baseline: str = "MHA") -> list[str]:
+    """Whole-model rows: time and memory of DAMCHA (each entry's first comparison's
+    ``num``) against ``baseline`` (its ``den``: MHA here, the original model in
+    bench_models.py's report)."""
     unit = _memory_unit(entries)
     lines = [
-        f"| model | mode | N | MHA ms | DAMCHA ms | time ratio (quartiles) | target | MHA {unit} | "
+        f"| model | mode | N | {baseline} ms | DAMCHA ms | time ratio (quartiles) | target | {baseline} {unit} | "
         f"DAMCHA {unit} | memory ratio | target |",
         "|---|---|---:|---:|---:|---|---|---:|---:|---:|---|",
     ]
@@ -249,7 +264,7 @@ def _table_model(entries: list[dict[str, Any]]) -> list[str]:
             if unit == "XLA MiB" and not mem.get("method", "").startswith("XLA"):
                 ratio += " (peak RSS, an older run)"
             mcells = (
-                f"{mem['mib']['mha']:.1f} | {mem['mib']['damcha']:.1f} | {ratio} | "
+                f"{mem['mib'][c['den']]:.1f} | {mem['mib'][c['num']]:.1f} | {ratio} | "
                 f"{_fmt_target(mem['target'], mem['met'])}"
             )
         else:
@@ -268,20 +283,11 @@ def _order(entry: dict[str, Any]) -> tuple:
     return (entry["case"], entry["mode"], _n_of(entry))
 
 
-def render(runs: list[dict[str, Any]], entries: list[dict[str, Any]]) -> str:
-    """The whole section (between and including the markers)."""
-    out = [BEGIN, HEADING, "", METHOD, ""]
-    if not entries:
-        out += [
-            "**Not yet measured on an idle machine.** The tables appear here after",
-            "`make bench` (or `.venv/bin/python benchmarks/bench_dropin.py`) on a quiet machine.",
-            "",
-            END,
-        ]
-        return "\n".join(out) + "\n"
+def runs_block(runs: list[dict[str, Any]], entries: list[dict[str, Any]]) -> list[str]:
+    """The lines naming every run the entries come from (command, machine, versions,
+    load, commit) and counting the measurements, missed targets and failed checks."""
     used = sorted({r for e in entries for r in e.get("runs", [e["run"]])})
-    out.append("Runs:")
-    out.append("")
+    out = ["Runs:", ""]
     for r in used:
         out.append(f"- `{runs[r]['command']}`: {_run_line(runs[r])}")
     out.append("")
@@ -294,6 +300,21 @@ def render(runs: list[dict[str, Any]], entries: list[dict[str, Any]]) -> str:
         + "."
     )
     out.append("")
+    return out
+
+
+def render(runs: list[dict[str, Any]], entries: list[dict[str, Any]]) -> str:
+    """The whole section (between and including the markers)."""
+    out = [BEGIN, HEADING, "", METHOD, ""]
+    if not entries:
+        out += [
+            "**Not yet measured on an idle machine.** The tables appear here after",
+            "`make bench` (or `.venv/bin/python benchmarks/bench_dropin.py`) on a quiet machine.",
+            "",
+            END,
+        ]
+        return "\n".join(out) + "\n"
+    out += runs_block(runs, entries)
     ports = [p for p in PORT_TITLES if any(e["port"] == p for e in entries)]
     ports += sorted({e["port"] for e in entries} - set(ports))
     for port in ports:
@@ -323,11 +344,12 @@ def render(runs: list[dict[str, Any]], entries: list[dict[str, Any]]) -> str:
     return "\n".join(out) + "\n"
 
 
-def write_section(doc: str | Path, text: str) -> None:
-    """Replace the marked section of ``doc`` with ``text`` (append it when absent)."""
+def write_section(doc: str | Path, text: str, *, begin: str = BEGIN, end: str = END) -> None:
+    """Replace the section of ``doc`` between the markers ``begin`` and ``end``
+    (this section's by default) with ``text``; append it when absent."""
     path = Path(doc)
     old = path.read_text() if path.exists() else ""
-    pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END) + r"\n?", re.S)
+    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end) + r"\n?", re.S)
     if pattern.search(old):
         new = pattern.sub(lambda _: text, old, count=1)
     else:

@@ -202,6 +202,8 @@ def versions() -> dict[str, str]:
         "tensorflow-cpu",
         "tensorflow",
         "keras-hub",
+        "transformers",
+        "timm",
         "damcha",
     ):
         with contextlib.suppress(metadata.PackageNotFoundError):
@@ -267,17 +269,19 @@ class Results:
     ``{"format", "runs": [run metadata...], "entries": {id: entry}}``. A run
     continued with ``--resume`` appends its metadata to ``runs`` and skips
     the ids already in ``entries``; each entry names the run that made it.
+    ``file_format`` names the benchmark that writes the file (bench_dropin.py's
+    ``FORMAT``, bench_models.py's own), so one never resumes the other's file.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, resume: bool) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, resume: bool, file_format: str = FORMAT) -> None:
         self.path = Path(path)
         if resume and self.path.exists():
             with open(self.path) as fh:
                 self.data = json.load(fh)
-            if self.data.get("format") != FORMAT:
-                raise SystemExit(f"{self.path}: not a drop-in results file (format {self.data.get('format')!r})")
+            if self.data.get("format") != file_format:
+                raise SystemExit(f"{self.path}: format {self.data.get('format')!r}, expected {file_format!r}")
         else:
-            self.data = {"format": FORMAT, "runs": [], "entries": {}}
+            self.data = {"format": file_format, "runs": [], "entries": {}}
 
     def start_run(self, meta: dict[str, Any]) -> int:
         self.data["runs"].append(meta)

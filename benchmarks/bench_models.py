@@ -1,8 +1,10 @@
-"""Whole converted models vs the originals on CPU: time and peak memory ratios.
+"""Whole converted models vs the originals on CPU: time and peak memory ratios (issue 13).
 
 Usage:
-    .venv/bin/python benchmarks/bench_models.py [--models llama vit] [--lengths 512 1024] [--repeats 5]
-    .venv/bin/python benchmarks/bench_models.py --tiny   # seconds: checks the script runs
+    .venv/bin/python benchmarks/bench_models.py            # gpt2, llama, vit at N=576, 1024, 9 rounds (idle machine)
+    .venv/bin/python benchmarks/bench_models.py --models vit --lengths 576 --json FILE
+    .venv/bin/python benchmarks/bench_models.py --report [FILE...]   # rewrite the docs section only
+    .venv/bin/python benchmarks/bench_models.py --tiny     # seconds: checks the script, measures nothing
     .venv/bin/python benchmarks/bench_models.py --counts --lengths 64   # aten ops and copies per converted layer
 
 Models (random weights, built from configs):
@@ -16,35 +18,62 @@ Models (random weights, built from configs):
   3 heads, patch 16) at an image size giving N patches (N=576: 384x384), B=4.
 
 "original" is the model as built; "DAMCHA" is the same model after
-``damcha_torch.convert(model)`` (metric "heads", coupling auto, recompute on)
-with every gate set to 0.5 (an open map costs the same, but is honest).
-"forward" is eval mode under ``torch.inference_mode``; "fwd+bwd" is train mode
-with a backward of the mean of the output (the logits).
+``damcha_torch.convert(model)`` (metric "heads", coupling auto, recompute on).
+Each entry first checks that the converted model with closed gates gives the
+original's output (``_harness.closed_gate_check``), then opens every gate to
+0.5 (an open map costs the same, but is honest). "forward" is eval mode under
+``torch.inference_mode``; "fwd+bwd" is train mode with a backward of the mean
+of the output (the logits).
 
-Times: both models are built in this process and called alternately
-(``--repeats`` rounds after a warm-up), medians of wall and process CPU time.
-Peak memory: each (implementation, model, N, mode) runs once more in a fresh
-subprocess: after a warm-up call the high-water mark (VmHWM) is reset and the
-RSS noted, then one call runs; glibc mmaps every block >= 64 KiB so the RSS
-tracks live memory. Targets (issue 13): time ratio <= 1.10, memory ratio <= 1.05
-at N >= 512.
+Times: both models are built in this process and called alternately (A B,
+then B A: ``_harness.interleaved``), ``--repeats`` rounds after a warm-up;
+every round's wall and process CPU time is kept. Peak memory: each
+(implementation, model, N, mode) runs once more in a fresh subprocess: after
+a warm-up call the high-water mark (VmHWM) is reset and the RSS noted, then
+one call runs; glibc mmaps every block >= 64 KiB so the RSS tracks live
+memory. Targets (issue 13): time ratio <= 1.10, memory ratio <= 1.05 at
+N >= 512.
+
+Results: every entry (model, mode, N) is written, as soon as it is measured,
+to a JSON file (``--json FILE``; default ``benchmarks/results/models-<date>-
+<time>.json``; with ``--tiny`` none unless ``--json`` is given) with the run's
+command, commit, machine, versions, threads and load average (the format of
+bench_dropin.py's files, ``"format": "damcha-models/1"``). After a run (not
+``--tiny``, not ``--no-docs``) the "Converted third-party models" section of
+docs/benchmarks.md is rewritten from every ``benchmarks/results/models-*.json``:
+runs of one commit pooled, later commits replacing earlier ones
+(``_models_report.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
-import platform
-import statistics
-import subprocess
+import shlex
 import sys
-import time
+import tempfile
+from pathlib import Path
+from typing import Any
 
-from _memory import peak_rss_bytes, reset_peak_rss, rss_bytes  # benchmarks/ is sys.path[0]
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+import _harness as h  # noqa: E402  (benchmarks/ on sys.path first)
+import _models_report as rep  # noqa: E402
+
+RESULTS = HERE / "results"
+DOCS = h.REPO / "docs" / "benchmarks.md"
+IMPLS = ("original", "damcha")
+MODES = ("forward", "fwd+bwd")
+DESCRIPTIONS = {
+    "gpt2": "transformers `GPT2LMHeadModel` (fused `c_attn` Conv1D), sdpa attention, dropout 0",
+    "llama": "transformers `LlamaForCausalLM`, GQA (separate query and key maps), RoPE, sdpa attention",
+    "vit": "timm `vit_tiny_patch16_224` at an image size giving N patches (N=576: 384x384)",
+}
+MEMORY_METHOD = "peak RSS increase (VmHWM) of one call after a warm-up call, a fresh process each"
 TINY = {
     "llama": dict(hidden=32, heads=4, kv=2, mlp=64, vocab=64, layers=1, batch=2),
     "gpt2": dict(hidden=32, heads=4, vocab=64, layers=1, batch=2),
@@ -62,7 +91,7 @@ def _build(model: str, n: int, tiny: bool):
     import torch
 
     # transformers and timm both import torchvision; see examples/_torchvision_compat.py.
-    sys.path.insert(0, os.path.join(HERE, os.pardir, "examples"))
+    sys.path.insert(0, str(h.REPO / "examples"))
     from _torchvision_compat import ensure_torchvision_importable
 
     ensure_torchvision_importable()
@@ -119,7 +148,9 @@ def _build(model: str, n: int, tiny: bool):
     return (lambda m, x: m(x)), module, images
 
 
-def _make(impl: str, model: str, n: int, mode: str, tiny: bool):
+def _instance(impl: str, model: str, n: int, tiny: bool) -> tuple[Any, Any, Any]:
+    """(call, module, input) of one implementation; both are built from one seed, so
+    they hold the same weights and inputs. DAMCHA's gates are still closed (0)."""
     import torch
 
     import damcha_torch as dt
@@ -128,9 +159,23 @@ def _make(impl: str, model: str, n: int, mode: str, tiny: bool):
     fn, module, x = _build(model, n, tiny)
     if impl == "damcha":
         dt.convert(module)
-        with torch.no_grad():
-            for p in dt.damcha_parameters(module, generators=False):
-                p.fill_(0.5)
+    return fn, module, x
+
+
+def _open_gates(module: Any) -> None:
+    import torch
+
+    import damcha_torch as dt
+
+    with torch.no_grad():
+        for p in dt.damcha_parameters(module, generators=False):
+            p.fill_(0.5)
+
+
+def _timed(fn: Any, module: Any, x: Any, mode: str):
+    """The call timed (and measured) in ``mode``."""
+    import torch
+
     module.train(mode == "fwd+bwd")
 
     def call() -> None:
@@ -144,6 +189,13 @@ def _make(impl: str, model: str, n: int, mode: str, tiny: bool):
     return call
 
 
+def _make(impl: str, model: str, n: int, mode: str, tiny: bool):
+    fn, module, x = _instance(impl, model, n, tiny)
+    if impl == "damcha":
+        _open_gates(module)
+    return _timed(fn, module, x, mode)
+
+
 COPIES = ("cat", "clone", "copy_", "_to_copy", "contiguous", "_reshape_copy", "fill_", "zero_")
 
 
@@ -152,7 +204,6 @@ def op_counts(model: str, n: int, mode: str, tiny: bool) -> dict[str, float]:
     layer, DAMCHA minus the original: all of them, the copies, and the MACs of
     the 2-D GEMMs (``mm``, ``addmm``, ``addmm_``: projections, their gradients,
     the generators) relative to the original's."""
-    import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
     import damcha_torch as dt
@@ -178,8 +229,7 @@ def op_counts(model: str, n: int, mode: str, tiny: bool) -> dict[str, float]:
         with Count() as counter:
             call()
         out[impl] = (counter.counts, counter.macs)
-    torch.manual_seed(0)
-    layers = len(dt.converted_layers(dt.convert(_build(model, n, tiny)[1])))
+    layers = len(dt.converted_layers(_instance("damcha", model, n, tiny)[1]))
     (o, o_macs), (d, d_macs) = out["original"], out["damcha"]
     extra = {"ops": (sum(d.values()) - sum(o.values())) / layers}
     for op in COPIES:
@@ -189,52 +239,176 @@ def op_counts(model: str, n: int, mode: str, tiny: bool) -> dict[str, float]:
     return extra
 
 
-def peak_memory(impl: str, model: str, n: int, mode: str, tiny: bool) -> float:
-    call = _make(impl, model, n, mode, tiny)
-    call()
-    reset_peak_rss()
-    base = rss_bytes()
-    call()
-    return (peak_rss_bytes() - base) / 2**20
+def _closed_gate_check(built: dict[str, tuple[Any, Any, Any]]) -> dict[str, Any]:
+    """Converted with closed gates, the model must compute the original's output:
+    otherwise the ratios would compare two different computations."""
+    import torch
+
+    outs = {}
+    for impl, (fn, module, x) in built.items():
+        module.eval()
+        with torch.inference_mode():
+            outs[impl] = fn(module, x).to(torch.float64).numpy()
+    return h.closed_gate_check(outs["damcha"], outs["original"])
 
 
-def time_pair(model: str, n: int, mode: str, repeats: int, tiny: bool) -> dict[str, dict[str, float]]:
-    calls = {impl: _make(impl, model, n, mode, tiny) for impl in ("original", "damcha")}
-    wall: dict[str, list[float]] = {impl: [] for impl in calls}
-    cpu: dict[str, list[float]] = {impl: [] for impl in calls}
-    for call in calls.values():
-        call()
-    for _ in range(repeats):
-        for impl, call in calls.items():
-            w0, c0 = time.perf_counter(), time.process_time()
-            call()
-            wall[impl].append(time.perf_counter() - w0)
-            cpu[impl].append(time.process_time() - c0)
-    return {
-        impl: {"wall": 1e3 * statistics.median(wall[impl]), "cpu": 1e3 * statistics.median(cpu[impl])} for impl in calls
+def peak_mib(impl: str, model: str, n: int, mode: str, *, tiny: bool, threads: int, fresh: bool = True) -> float:
+    """Peak memory (MiB) of one call, in a fresh process (``fresh``) or in this one."""
+    if not fresh:
+        return h.measure_peak(_make(impl, model, n, mode, tiny))
+    argv = [str(Path(__file__).resolve()), "--worker", impl, model, str(n), mode, "--threads", str(threads)]
+    return float(h.peak_in_subprocess(argv + (["--tiny"] if tiny else []))["peak_mib"])
+
+
+def _shape(model: str, n: int, tiny: bool) -> dict[str, Any]:
+    sizes = (TINY if tiny else FULL)[model]
+    return {"B": sizes["batch"], "N": n, **{k: v for k, v in sizes.items() if k != "batch"}}
+
+
+def measure(
+    model: str, n: int, mode: str, *, repeats: int, tiny: bool, threads: int, fresh: dict[str, bool] | None = None
+) -> dict[str, Any]:
+    """One entry: closed-gate check, ``repeats`` interleaved rounds of both models and
+    each one's peak memory (``fresh``: impl -> whether in a fresh process; default all)."""
+    peaks = {
+        impl: peak_mib(impl, model, n, mode, tiny=tiny, threads=threads, fresh=(fresh or {}).get(impl, True))
+        for impl in IMPLS
     }
+    built = {impl: _instance(impl, model, n, tiny) for impl in IMPLS}
+    check = _closed_gate_check(built)
+    _open_gates(built["damcha"][1])
+    times = h.interleaved({impl: _timed(*built[impl], mode) for impl in IMPLS}, repeats=repeats, warmup=1)
+    record = h.entry(
+        f"models/{model}/{mode}/N={n}",
+        "model",
+        model,
+        mode,
+        shape=_shape(model, n, tiny),
+        call=DESCRIPTIONS[model],
+        baseline="the same model before `damcha_torch.convert`",
+        times=times,
+        check=check,
+        comparisons=[h.comparison("time", times, "damcha", "original", rep.time_target(n))],
+    )
+    record["memory"] = {
+        "method": MEMORY_METHOD,
+        **h.memory_comparison(peaks, "damcha", "original", rep.memory_target(n)),
+    }
+    return record
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", nargs="+", default=["llama", "vit"], choices=["llama", "gpt2", "vit"])
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--models", nargs="+", default=list(rep.MODEL_ORDER), choices=list(rep.MODEL_ORDER))
     parser.add_argument("--lengths", type=int, nargs="+", default=[576, 1024])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=9, help="timed rounds per entry (each calls both models)")
     parser.add_argument("--tiny", action="store_true", help="tiny models, N=16, 2 repeats: a smoke run")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads (and cores) of the process")
+    parser.add_argument(
+        "--json",
+        type=Path,
+        help="results file (default benchmarks/results/models-<time>.json; --tiny: none); must not exist",
+    )
+    parser.add_argument("--docs", type=Path, default=DOCS, help="the Markdown file whose models section is rewritten")
+    parser.add_argument("--no-docs", action="store_true", help="do not rewrite the docs section after the run")
+    parser.add_argument(
+        "--report",
+        nargs="*",
+        type=Path,
+        metavar="FILE",
+        help="only rewrite the docs section from these result files, in this order "
+        "(default: every benchmarks/results/models-*.json, oldest run first)",
+    )
     parser.add_argument(
         "--counts", action="store_true", help="print aten op and copy counts per converted layer instead of timing"
     )
     parser.add_argument("--worker", nargs=4, metavar=("IMPL", "MODEL", "N", "MODE"), help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def report(paths: list[Path], docs: Path) -> int:
+    """Rewrite the models section of ``docs`` from ``paths`` (none: every results file)."""
+    if not paths:
+        paths = rep.result_files(RESULTS)
+        if not paths:
+            print(f"no models-*.json in {RESULTS}; writing the 'not yet measured' section", file=sys.stderr)
+    try:
+        runs, entries = rep.load(paths)
+    except ValueError as exc:
+        print(f"--report: {exc}", file=sys.stderr)
+        return 2
+    tiny = sorted({r["file"] for r in runs if r.get("tiny")})
+    if tiny:
+        print(f"refusing to write --tiny results into the docs (they measure nothing): {tiny}", file=sys.stderr)
+        return 2
+    rep.write_section(docs, rep.render(runs, entries))
+    print(f"wrote the converted-models section of {docs} from {len(entries)} entries ({len(paths)} files)")
+    return 0
+
+
+def run(args: argparse.Namespace, argv: list[str], path: Path, threads: dict[str, Any]) -> int:
+    import torch
+
+    results = h.Results(path, resume=False, file_format=rep.FORMAT)
+    index = results.start_run(
+        {
+            "command": shlex.join([".venv/bin/python", "benchmarks/bench_models.py", *argv]),
+            "argv": argv,
+            "started": h.now(),
+            "tiny": args.tiny,
+            "threads": args.threads,
+            "torch_threads": torch.get_num_threads(),
+            "models": args.models,
+            "lengths": args.lengths,
+            "repeats": args.repeats,
+            "machine": h.machine(),
+            "versions": h.versions(),
+            "git": h.git_commit(),
+            "loadavg_start": h.loadavg(),
+        }
+    )
+    env = {**threads, "torch_threads": torch.get_num_threads(), "pid": os.getpid()}
+    # The drop-in session records entries (run, env, time, load) and turns an exception into an
+    # error entry so the other entries still run; its Sizes are the drop-in's and go unused here.
+    ses = h.Session(port="torch", sizes=h.Sizes(args.tiny), results=results, run=index, env=env)
+    for model in args.models:
+        for n in args.lengths:
+            for mode in MODES:
+                # Tiny measures nothing: one worker process checks that path, the rest run here.
+                first = (model, n, mode) == (args.models[0], args.lengths[0], MODES[0])
+                fresh = {"original": first, "damcha": False} if args.tiny else None
+                entry_id = f"models/{model}/{mode}/N={n}"
+                with ses.attempt([entry_id], section="model", case=model, mode=mode):
+                    ses.record(
+                        measure(model, n, mode, repeats=args.repeats, tiny=args.tiny, threads=args.threads, fresh=fresh)
+                    )
+    results.update_run(index, finished=h.now(), loadavg_end=h.loadavg(), errors=ses.errors)
+    print(
+        f"\nfloat32, CPU, {args.threads} threads; time: median (quartiles) of the per-round ratios of "
+        f"{args.repeats} alternating rounds; peak: RSS increase of one call in a fresh process\n"
+    )
+    print("\n".join(rep.table(list(results.data["entries"].values()))))
+    print(f"\nresults: {path}" + (f"; {ses.errors} entries failed" if ses.errors else ""), flush=True)
+    return 1 if ses.errors else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = _parser().parse_args(argv)
+    if args.report is not None:
+        return report(list(args.report), args.docs)
+    threads = h.fix_threads(args.threads)  # before torch is imported
     if args.tiny:
         args.lengths, args.repeats = [16], 2
     if args.worker:
         impl, model, n, mode = args.worker
-        print(json.dumps({"peak_mb": peak_memory(impl, model, int(n), mode, args.tiny)}))
+        print(json.dumps({"peak_mib": peak_mib(impl, model, int(n), mode, tiny=args.tiny, threads=0, fresh=False)}))
         return 0
     if args.counts:
         for model in args.models:
-            for mode in ("forward", "fwd+bwd"):
+            for mode in MODES:
                 extra = op_counts(model, args.lengths[0], mode, args.tiny)
                 print(
                     f"{model} {mode}: per converted layer, vs the original: "
@@ -242,45 +416,22 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
         return 0
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-    import torch
-
-    print(
-        f"<!-- {datetime.date.today()} {platform.machine()} {os.cpu_count()} CPUs, torch {torch.__version__}, "
-        f"threads {torch.get_num_threads()}{', TINY sizes' if args.tiny else ''} -->"
-    )
-    print(
-        f"float32, CPU; time: median of {args.repeats} alternating calls; "
-        "peak: RSS increase of one call in a fresh process\n"
-    )
-    print(
-        "| model | N | mode | original wall ms | DAMCHA wall ms | wall ratio | original CPU ms | DAMCHA CPU ms "
-        "| CPU ratio | original peak MiB | DAMCHA peak MiB | memory ratio |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for model in args.models:
-        for n in args.lengths:
-            for mode in ("forward", "fwd+bwd"):
-                peak = {}
-                for impl in ("original", "damcha"):
-                    if args.tiny and (impl, model, mode) != ("original", args.models[0], "forward"):
-                        # Tiny measures nothing: one worker process checks that path, the rest run here.
-                        peak[impl] = peak_memory(impl, model, n, mode, True)
-                        continue
-                    cmd = [sys.executable, os.path.abspath(__file__), "--worker", impl, model, str(n), mode]
-                    if args.tiny:
-                        cmd.append("--tiny")
-                    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
-                    peak[impl] = json.loads(out.stdout.strip().splitlines()[-1])["peak_mb"]
-                t = time_pair(model, n, mode, args.repeats, args.tiny)
-                o, d = t["original"], t["damcha"]
-                print(
-                    f"| {model} | {n} | {mode} | {o['wall']:.0f} | {d['wall']:.0f} | {d['wall'] / o['wall']:.2f} | "
-                    f"{o['cpu']:.0f} | {d['cpu']:.0f} | {d['cpu'] / o['cpu']:.2f} | {peak['original']:.1f} | "
-                    f"{peak['damcha']:.1f} | {peak['damcha'] / max(peak['original'], 1e-9):.2f} |",
-                    flush=True,
-                )
-    return 0
+    if args.json is not None and args.json.exists():
+        print(f"--json: {args.json} exists; choose another file (runs are pooled across files)", file=sys.stderr)
+        return 2
+    with contextlib.ExitStack() as stack:
+        path = args.json
+        if path is None and args.tiny:
+            path = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="damcha-models-tiny-"))) / "models.json"
+        elif path is None:
+            path = RESULTS / f"models-{datetime.datetime.now():%Y%m%d-%H%M%S}.json"
+        rc = run(args, argv, path, threads)
+    if args.tiny or args.no_docs:
+        return rc
+    files = rep.result_files(RESULTS)
+    if path.resolve() not in {f.resolve() for f in files}:
+        files.append(path)
+    return report(files, args.docs) or rc
 
 
 if __name__ == "__main__":

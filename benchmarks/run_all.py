@@ -8,9 +8,12 @@ Every ``benchmarks/bench_*.py`` is run (a new script joins by existing; each
 must accept ``--tiny``). Most scripts print markdown tables of ratios against
 their framework's MHA measured in the same run: copy them into
 docs/benchmarks.md with the command, the date and the machine load.
-``bench_dropin.py`` writes its JSON results to ``benchmarks/results/`` and its
-own section of docs/benchmarks.md. Run on an otherwise idle machine: the
-ratios are robust to a steady load, not to a fluctuating one.
+``bench_dropin.py`` and ``bench_models.py`` write their JSON results to
+``benchmarks/results/`` and their own sections of docs/benchmarks.md
+(``bench_models.py`` pools every run of the same commit found there, so
+running ``make bench`` twice on unchanged code reports both runs' rounds). Run
+on an otherwise idle machine: the ratios are robust to a steady load, not to a
+fluctuating one.
 """
 
 from __future__ import annotations

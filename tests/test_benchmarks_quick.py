@@ -26,6 +26,7 @@ sys.path.insert(0, str(BENCH))
 
 import _counts  # noqa: E402
 import _dropin_report  # noqa: E402
+import _models_report  # noqa: E402
 import run_all  # noqa: E402
 
 
@@ -36,8 +37,8 @@ def _run(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-# bench_dropin.py gets its own tests below; the others print their tables.
-TABLE_SCRIPTS = [s for s in run_all.scripts() if s != "bench_dropin.py"]
+# bench_dropin.py and bench_models.py get their own tests below; the others print their tables.
+TABLE_SCRIPTS = [s for s in run_all.scripts() if s not in ("bench_dropin.py", "bench_models.py")]
 
 
 @pytest.mark.parametrize("script", TABLE_SCRIPTS)
@@ -116,6 +117,37 @@ def test_dropin_tiny(port: str, tmp_path: Path) -> None:
         assert len(resumed["runs"]) == 2 and resumed["entries"] == entries and "already in" in again.stdout
         refused = _run([str(BENCH / "bench_dropin.py"), "--tiny", "--port", port, "--json", str(path)])
         assert refused.returncode == 2 and "--resume" in refused.stderr
+
+
+def test_models_tiny_writes_every_round(tmp_path: Path) -> None:
+    """bench_models.py --tiny --json: every model, mode and implementation is timed, checked
+    (closed gates reproduce the original model) and measured, with the run's metadata."""
+    path = tmp_path / "models.json"
+    out = _run([str(BENCH / "bench_models.py"), "--tiny", "--threads", "1", "--json", str(path)])
+    assert out.returncode == 0, f"bench_models --tiny failed:\n{out.stdout[-3000:]}\n{out.stderr[-4000:]}"
+    assert "| gpt2 | forward | 16 |" in out.stdout  # the table of this run is printed too
+    data = json.loads(path.read_text())
+    assert data["format"] == _models_report.FORMAT
+    (run,) = data["runs"]
+    assert run["tiny"] is True and run["threads"] == 1 and run["torch_threads"] == 1
+    assert run["command"] == f".venv/bin/python benchmarks/bench_models.py --tiny --threads 1 --json {path}"
+    assert run["finished"] and run["errors"] == 0 and run["git"] and len(run["loadavg_end"]) == 3
+    assert {"cpu", "cpu_count"} <= set(run["machine"]) and {"torch", "transformers", "timm"} <= set(run["versions"])
+    entries = data["entries"]
+    modes = ("forward", "fwd+bwd")
+    assert set(entries) == {f"models/{m}/{mode}/N=16" for m in ("gpt2", "llama", "vit") for mode in modes}
+    for entry_id, e in entries.items():
+        assert "error" not in e, f"{entry_id}: {e['error']}"
+        assert e["check"]["ok"], f"{entry_id}: the converted model with closed gates differs: {e['check']}"
+        assert set(e["times"]) == {"original", "damcha"} and e["run"] == 0 and e["env"]["threads"] == run["threads"]
+        assert all(len(t[k]) == 2 and min(t[k]) > 0 for t in e["times"].values() for k in ("wall", "cpu"))
+        (c,) = e["comparisons"]
+        assert (c["num"], c["den"], c["target"], c["met"]) == ("damcha", "original", None, None)  # N < 512
+        assert c["ratio"]["rounds"] == 2 and c["ratio"]["q1"] <= c["ratio"]["median"] <= c["ratio"]["q3"]
+        assert set(e["memory"]["mib"]) == {"original", "damcha"} and e["memory"]["target"] is None
+    runs, loaded = _models_report.load([path])
+    text = _models_report.render(runs, loaded)
+    assert run["command"] in text and text.count("| vit |") == 2
 
 
 def test_dropin_report_writes_only_its_section(tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""The drop-in report's pooling of repeated runs (benchmarks/_dropin_report.py).
+"""The benchmark reports' pooling of repeated runs (benchmarks/_dropin_report.py, and
+benchmarks/_models_report.py for bench_models.py, which uses the same function).
 
 A row measured in several idle runs of the same commit is reported as one
 median over every round of every run, with each run's own median beside it;
@@ -18,6 +19,9 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
 import _dropin_report  # noqa: E402
+import _harness  # noqa: E402
+import _models_report  # noqa: E402
+import bench_models  # noqa: E402  (light: torch is imported only when something is measured)
 
 ENTRY_ID = "torch/layer/cross/forward/N=256"
 
@@ -100,3 +104,158 @@ def test_pooling_can_be_switched_off(two_runs: tuple[Path, Path, list[float]]) -
     first, second, _ = two_runs
     _, entries = _dropin_report.load([first, second], pool=False)
     assert entries[0]["comparisons"][0]["ratio"]["median"] == pytest.approx(1.0)
+
+
+# ------------------------------------------------ bench_models.py's report (issue 13)
+
+
+def _model_entry(
+    model: str,
+    mode: str,
+    n: int,
+    damcha: list[float],
+    original: list[float],
+    *,
+    peaks: tuple[float, float] = (100.0, 100.0),
+    check_ok: bool = True,
+) -> dict:
+    """A bench_models.py entry built the way bench_models.measure builds one, from these wall times."""
+    times = {"damcha": {"wall": damcha, "cpu": damcha}, "original": {"wall": original, "cpu": original}}
+    entry = _harness.entry(
+        f"models/{model}/{mode}/N={n}",
+        "model",
+        model,
+        mode,
+        shape={"B": 2, "N": n, "hidden": 32},
+        call=bench_models.DESCRIPTIONS[model],
+        baseline="the same model before conversion",
+        times=times,
+        check={"ok": check_ok, "max_rel_diff": 0.0 if check_ok else 0.5},
+        comparisons=[_harness.comparison("time", times, "damcha", "original", _models_report.time_target(n))],
+    )
+    memory = _harness.memory_comparison(
+        {"damcha": peaks[0], "original": peaks[1]}, "damcha", "original", _models_report.memory_target(n)
+    )
+    return {**entry, "port": "torch", "run": 0, "memory": {"method": "peak RSS", **memory}}
+
+
+def _models_file(
+    path: Path, commit: str, entries: list[dict], *, started: str = "2026-12-01T20:00:00+00:00", tiny: bool = False
+) -> Path:
+    run = {
+        "command": f".venv/bin/python benchmarks/bench_models.py --json {path.name}",
+        "git": commit,
+        "threads": 2,
+        "tiny": tiny,
+        "started": started,
+        "versions": {"torch": "2.13.0", "transformers": "4.0"},
+    }
+    data = {"format": _models_report.FORMAT, "runs": [run], "entries": {e["id"]: e for e in entries}}
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_models_runs_of_one_commit_are_pooled_and_marked(tmp_path: Path) -> None:
+    # Each run's own median is 1.3 and 1.0; pooled, the six rounds' median is 1.15,
+    # above the 1.10 target although the later run alone meets it.
+    first = _models_file(
+        tmp_path / "models-a.json", "abc123+dirty", [_model_entry("vit", "fwd+bwd", 576, [1.3] * 3, [1.0] * 3)]
+    )
+    second = _models_file(
+        tmp_path / "models-b.json", "abc123", [_model_entry("vit", "fwd+bwd", 576, [2.0] * 3, [2.0] * 3)]
+    )
+    runs, entries = _models_report.load([first, second])
+    (entry,) = entries
+    c = entry["comparisons"][0]
+    assert c["ratio"]["rounds"] == 6 and c["ratio"]["median"] == pytest.approx(1.15)
+    assert c["per_run"] == pytest.approx([1.3, 1.0]) and entry["runs"] == [0, 1] and c["met"] is False
+    assert _models_report.load([second])[1][0]["comparisons"][0]["met"] is True
+    text = _models_report.render(runs, entries)
+    row = next(line for line in text.splitlines() if line.startswith("| vit |"))
+    assert "1.150 (" in row and "[2 runs: 1.30, 1.00]" in row and "<= 1.10 **missed**" in row
+    assert "--json models-a.json" in text and "--json models-b.json" in text and "targets missed: 1" in text
+
+
+def test_models_newer_commit_replaces_older_rows(tmp_path: Path) -> None:
+    old = _models_file(
+        tmp_path / "models-z-old.json",
+        "abc123",
+        [
+            _model_entry("gpt2", "forward", 1024, [1.3] * 3, [1.0] * 3),
+            _model_entry("llama", "forward", 1024, [1.2] * 3, [1.0] * 3),
+        ],
+        started="2026-12-01T20:00:00+00:00",
+    )
+    new = _models_file(
+        tmp_path / "models-a-new.json",
+        "def456",
+        [_model_entry("gpt2", "forward", 1024, [1.0] * 3, [1.0] * 3)],
+        started="2026-12-01T21:00:00+00:00",
+    )
+    # The default file list is ordered by when each run started, not by name.
+    assert _models_report.result_files(tmp_path) == [old, new]
+    runs, entries = _models_report.load(_models_report.result_files(tmp_path))
+    by_id = {e["id"]: e for e in entries}
+    gpt2 = by_id["models/gpt2/forward/N=1024"]["comparisons"][0]
+    assert gpt2["ratio"]["median"] == pytest.approx(1.0) and "per_run" not in gpt2
+    assert by_id["models/llama/forward/N=1024"]["comparisons"][0]["ratio"]["median"] == pytest.approx(1.2)
+    text = _models_report.render(runs, entries)
+    assert "[2 runs:" not in text and "commit def456" in text and "commit abc123" in text
+    lines = text.splitlines()
+    assert lines.index(next(x for x in lines if x.startswith("| gpt2 |"))) < lines.index(
+        next(x for x in lines if x.startswith("| llama |"))
+    )
+
+
+def test_models_targets_apply_from_n_512(tmp_path: Path) -> None:
+    entries = [
+        _model_entry("llama", "forward", 256, [1.5] * 3, [1.0] * 3, peaks=(120.0, 100.0)),
+        _model_entry("llama", "forward", 576, [1.05] * 3, [1.0] * 3, peaks=(106.0, 100.0)),
+        _model_entry("llama", "fwd+bwd", 576, [1.0] * 3, [1.0] * 3, check_ok=False),
+    ]
+    runs, loaded = _models_report.load([_models_file(tmp_path / "m.json", "abc", entries)])
+    rows = {line.split(" | ")[2] + line.split(" | ")[1]: line for line in _models_report.table(loaded)[2:]}
+    # N < 512: informative only, whatever the ratio.
+    assert rows["256forward"].count("| - |") == 2 and "missed" not in rows["256forward"]
+    assert "<= 1.10 |" in rows["576forward"] and "1.06 | <= 1.05 **missed**" in rows["576forward"]
+    assert "**check failed**" in rows["576fwd+bwd"] and "1.00 | <= 1.05 |" in rows["576fwd+bwd"]
+    assert "targets missed: 1; equality checks failed: 1." in _models_report.render(runs, loaded)
+
+
+def test_models_section_replacement_keeps_the_rest_of_the_doc(tmp_path: Path) -> None:
+    before = "# Benchmarks\n\n## PyTorch\n\nhand-written, kept\n\n"
+    after = (
+        "\n### Earlier runs\n\nhistory, kept\n\n"
+        + _dropin_report.BEGIN
+        + "\ndrop-in tables\n"
+        + _dropin_report.END
+        + "\n"
+    )
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text(before + _models_report.BEGIN + "\nstale table\n" + _models_report.END + "\n" + after)
+    entries = [_model_entry("gpt2", "forward", 576, [1.0] * 3, [1.0] * 3)]
+    text = _models_report.render(*_models_report.load([_models_file(tmp_path / "m.json", "abc", entries)]))
+    _models_report.write_section(doc, text)
+    _models_report.write_section(doc, text)  # replaced, not appended twice
+    assert doc.read_text() == before + text + after
+    # The real doc has one models section, before the drop-in one (so it is replaced in place).
+    real = (BENCH.parent / "docs" / "benchmarks.md").read_text()
+    assert real.count(_models_report.BEGIN) == 1 and real.count(_models_report.END) == 1
+    assert real.index(_models_report.END) < real.index(_dropin_report.BEGIN)
+
+
+def test_models_report_command_refuses_tiny_and_other_formats(tmp_path: Path) -> None:
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("# Benchmarks\n")
+    entries = [_model_entry("vit", "forward", 16, [1.0] * 2, [1.0] * 2)]
+    tiny = _models_file(tmp_path / "tiny.json", "abc", entries, tiny=True)
+    assert bench_models.main(["--report", str(tiny), "--docs", str(doc)]) == 2
+    dropin = _result_file(tmp_path / "dropin.json", "abc", [1.0], [1.0])
+    assert bench_models.main(["--report", str(dropin), "--docs", str(doc)]) == 2
+    assert doc.read_text() == "# Benchmarks\n"
+    real = _models_file(tmp_path / "real.json", "abc", [_model_entry("vit", "forward", 576, [1.0] * 2, [1.0] * 2)])
+    assert bench_models.main(["--report", str(real), "--docs", str(doc)]) == 0
+    assert (
+        doc.read_text().startswith("# Benchmarks\n\n" + _models_report.BEGIN)
+        and "| vit | forward | 576 |" in doc.read_text()
+    )
