@@ -321,7 +321,10 @@ def render(runs: list[dict[str, Any]], entries: list[dict[str, Any]]) -> str:
         out.append(f"### {PORT_TITLES.get(port, port)}")
         out.append("")
         for section in ("layer", "decode", "model"):
-            group = sorted((e for e in entries if e["port"] == port and e["section"] == section), key=_order)
+            group = sorted(
+                (e for e in entries if e["port"] == port and e.get("section") == section and "error" not in e),
+                key=_order,
+            )
             if not group:
                 continue
             first = group[0]
@@ -339,6 +342,14 @@ def render(runs: list[dict[str, Any]], entries: list[dict[str, Any]]) -> str:
                 out.append(f"- `{case}`: {call}. Baseline: {baseline}.")
             out.append("")
             out += TABLES[section](group)
+            out.append("")
+        # A call pattern the run could not measure (the port refused it, or the benchmark
+        # broke) has no times: it is listed, never dropped and never put in a table.
+        failed = sorted((e["id"], e["error"]) for e in entries if e["port"] == port and "error" in e)
+        if failed:
+            out.append("Not measured (the run raised):")
+            out.append("")
+            out += [f"- `{i}`: {message}" for i, message in failed]
             out.append("")
     out.append(END)
     return "\n".join(out) + "\n"

@@ -106,6 +106,30 @@ def test_pooling_can_be_switched_off(two_runs: tuple[Path, Path, list[float]]) -
     assert entries[0]["comparisons"][0]["ratio"]["median"] == pytest.approx(1.0)
 
 
+def test_a_call_pattern_that_raised_is_listed_not_tabled(tmp_path: Path) -> None:
+    # bench_dropin's Session.attempt records an entry with no times and no mode when
+    # a port refuses a call pattern; the report must still render and must name it.
+    path = _result_file(tmp_path / "a.json", "abc123", [1.0, 1.0, 1.0], [1.0, 1.0, 1.0])
+    data = json.loads(path.read_text())
+    failed_id = "torch/layer/cross/fwd+bwd/N=256"
+    data["entries"][failed_id] = {
+        "id": failed_id,
+        "port": "torch",
+        "section": "layer",
+        "case": "cross",
+        "error": "DamchaValueError: attn_mask.shape=(3, 3) refused",
+        "error_kind": "damcha",
+        "run": 0,
+    }
+    path.write_text(json.dumps(data))
+    runs, entries = _dropin_report.load([path])
+    text = _dropin_report.render(runs, entries)
+    table_rows = [line for line in text.splitlines() if line.startswith("| cross |")]
+    assert len(table_rows) == 1 and "| forward |" in table_rows[0]
+    assert f"- `{failed_id}`: DamchaValueError: attn_mask.shape=(3, 3) refused" in text
+    assert "2 measurements; targets missed: 0." in text
+
+
 # ------------------------------------------------ bench_models.py's report (issue 13)
 
 
