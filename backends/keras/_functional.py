@@ -623,6 +623,9 @@ def fused_attention(
     if group > 1:
         # Repeating keeps every backend's dot_product_attention on its plain MHA path.
         k, v = ops.repeat(k, group, axis=2), ops.repeat(v, group, axis=2)
+    if flash_attention is not True and keras.backend.backend() == "tensorflow" and dtype_name(q) in _TF_KERNEL_DTYPES:
+        out = _tf_attention(q, k, v, scale=scale, mask=mask, is_causal=is_causal)
+        return out if keep is None else out * ops.cast(keep, out.dtype)
     if dtype_name(q) == "float64":
         q, scale = _scaled(q, scale), 1.0
     d, d_v = q.shape[-1], v.shape[-1]
@@ -713,6 +716,71 @@ def _torch_attention(q: Any, k: Any, v: Any, *, scale: float, is_causal: bool) -
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=is_causal, scale=scale
     )
     return out.transpose(1, 2)
+
+
+_TF_KERNEL_DTYPES = ("float32", "float64")
+# Keras's TensorFlow kernel fills hidden logits with this (finite: a row that sees
+# nothing comes out uniform, then ``keep`` zeroes it).
+_TF_LARGE_NEGATIVE = -0.7 * 3.38953e38
+
+
+def _tf_attention(q: Any, k: Any, v: Any, *, scale: float, mask: Any, is_causal: bool) -> Any:
+    """Scaled dot-product attention in TensorFlow ops, (B, N, H, d_v), for
+    float32/float64 heads: ``keras.ops.dot_product_attention``'s computation
+    (TensorFlow has no fused kernel: Keras composes it from einsums, a masked
+    fill and a softmax) with fewer passes over the (B, H, N, M) logits.
+
+    Keras's composition scales the logits (a (B, H, N, M) product, and its
+    gradient in training) and builds its mask at the logits' full size (a
+    ``ones_like`` of them, ANDed with the mask and again with the causal
+    triangle) before the fill. Here the scale multiplies the queries
+    ((B, N, H, d), 1/M of the logits) and the small masks are combined at their
+    own size ((N, M) triangle and a (B|1, H|1, 1|N, M) mask), so the fill
+    ``where`` is the only masking op over the logits, as it is the only one
+    that needs them. Same rule as Keras's: hidden logits are set to the same
+    large finite negative, so NaN at a hidden key stays hidden (the
+    reference's rule), and a row that sees nothing comes out uniform
+    (``fused_attention``'s ``keep`` zeroes it).
+
+    Args:
+        q: (B, N, H, d); k: (B, M, H, d); v: (B, M, H, d_v) (heads repeated).
+        scale: the softmax scale.
+        mask: bool (B|1, H|1, N|1, M), True = may attend, or None.
+        is_causal: top-left causal (N == M where the callers set it).
+    """
+    import tensorflow as tf
+
+    if scale != 1.0:
+        q = q * tf.constant(scale, dtype=q.dtype)
+    logits = tf.einsum("bnhd,bmhd->bhnm", q, k)
+    if is_causal:
+        tri = _tf_causal(q, k)
+        mask = tri if mask is None else tf.logical_and(mask, tri)
+    if mask is not None:
+        logits = tf.where(mask, logits, tf.constant(_TF_LARGE_NEGATIVE, dtype=logits.dtype))
+    probs = tf.nn.softmax(logits, axis=-1)
+    return tf.einsum("bhnm,bmhd->bnhd", probs, v)
+
+
+def _tf_causal(q: Any, k: Any) -> Any:
+    """The top-left causal rule (N, M) bool for (B, N, H, d) queries and
+    (B, M, H, d) keys: eagerly a tensor made once per (N, M) (no op per call),
+    in a traced graph two small ops (an (N, M) fill and its band)."""
+    import tensorflow as tf
+
+    n, m = q.shape[1], k.shape[1]
+    if tf.executing_eagerly() and n is not None and m is not None:
+        return _tf_eager_tri(int(n), int(m))
+    n, m = tf.shape(q)[1], tf.shape(k)[1]
+    return tf.linalg.band_part(tf.ones((n, m), tf.bool), -1, 0)
+
+
+@functools.lru_cache(maxsize=8)
+def _tf_eager_tri(n: int, m: int) -> Any:
+    import tensorflow as tf
+
+    with tf.init_scope():
+        return tf.linalg.band_part(tf.ones((n, m), tf.bool), -1, 0)
 
 
 def _nan_probe(out: Any, q: Any, k: Any) -> Any:
