@@ -273,6 +273,96 @@ def test_compiled_decode_does_not_recompile_per_token_or_per_growth():
     assert frames[7] <= 4 and frames[-1] <= 6 and frames[16] == frames[-1], frames
 
 
+class _Ops(TorchDispatchMode):
+    """Counts the aten calls of each name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.ops[name] = self.ops.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def _flat_steps(layer: DamchaAttention, x: torch.Tensor, cache: DamchaKVCache, start: int) -> list[torch.Tensor]:
+    """One-token steps from ``start`` on, under inference_mode, each checked to
+    take the flat path (fn.few_tokens_step: its NaN guard is an addcmul_)."""
+    outs = []
+    with torch.inference_mode():
+        for i in range(start, x.shape[1]):
+            mode = _Ops()
+            with mode:
+                outs.append(_step(layer, x[:, i : i + 1], cache))
+            assert mode.ops.get("addcmul_") == 1 and "addcmul" not in mode.ops, mode.ops
+    return outs
+
+
+@pytest.mark.parametrize("name", ["heads-tied", "heads-separate"])
+@pytest.mark.parametrize("where", ["token", "generator", "query-weight", "gate"])
+def test_flat_decode_step_gives_nan_where_the_reference_does(name, where):
+    """NaN in gives NaN out on the flat decoding path (inference, shapes seen),
+    whose NaN guard is added into SDPA's output in place (SDPA's CPU kernel
+    gives 0, not NaN, for some rows whose logits are all NaN): a NaN token
+    makes its own row and every later row NaN, as the reference; a weight
+    made non-finite between steps (the flat path reads them every step)
+    makes every later row NaN. The rows before stay finite and equal."""
+    layer, params, cfg = _layer(name)
+    x = _x(1, 9, 16, seed=15)
+    with torch.inference_mode():
+        cache = DamchaKVCache()
+        first = [_step(layer, x[:, :3], cache)] + [_step(layer, x[:, i : i + 1], cache) for i in (3, 4)]
+    if where == "token":
+        x[0, 6, 5] = float("nan")
+        want = dc.damcha_attention(params, cfg, x.numpy(), causal=True)
+        got = torch.cat(first + _flat_steps(layer, x, cache, 5), dim=1).numpy()
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+        assert np.isnan(want[0, 6:]).all() and not np.isnan(want[0, :6]).any()
+        np.testing.assert_allclose(got[0, :6], want[0, :6], rtol=1e-10, atol=1e-12)
+        return
+    with torch.no_grad():
+        if where == "generator":
+            next(iter(layer.metric_generators.values())).weight[0, 0] = float("nan")
+        elif where == "query-weight":
+            layer.in_proj_weight[0, 0] = float("nan")
+        else:
+            next(iter(layer.metric_gates.values()))[0] = float("inf")
+    later = torch.cat(_flat_steps(layer, x, cache, 5), dim=1)
+    assert torch.isnan(later).all(), later
+    assert torch.isfinite(torch.cat(first, dim=1)).all()
+
+
+def test_flat_decode_step_runs_out_proj_hooks():
+    """The flat step calls F.linear on out_proj's parameters only when the
+    module's call is exactly that: with a forward hook on out_proj the hook
+    runs on every step, and the outputs equal the general path's (autograd
+    on) with the same hook."""
+    layer, _, _ = _layer("heads-tied")
+    x = _x(2, 7, 16, seed=16)
+    calls = []
+
+    def hook(module, args, out):
+        calls.append(out.shape)
+        return out * 2.0 - 1.0
+
+    handle = layer.out_proj.register_forward_hook(hook)
+    try:
+        outs = {}
+        for grad in (False, True):
+            cache = DamchaKVCache()
+            with torch.set_grad_enabled(grad):
+                steps = [_step(layer, x[:, :3], cache)] + [_step(layer, x[:, i : i + 1], cache) for i in range(3, 7)]
+            outs[grad] = torch.cat(steps, dim=1).detach()
+        assert len(calls) == 10, calls
+        torch.testing.assert_close(outs[False], outs[True], rtol=1e-12, atol=1e-13)
+    finally:
+        handle.remove()
+    with torch.no_grad():
+        plain = layer(x, x, x, is_causal=True, need_weights=False)[0]
+    torch.testing.assert_close(outs[False], plain * 2.0 - 1.0, rtol=1e-12, atol=1e-13)
+
+
 # ------------------------------------------------------------------ static storage
 
 

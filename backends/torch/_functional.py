@@ -1026,7 +1026,7 @@ def few_tokens_step(
     in_proj: Tensor,
     in_bias: Tensor | None,
     maps: tuple[tuple[Tensor, Tensor, Tensor] | None, tuple[Tensor, Tensor, Tensor] | None],
-    output: Callable[[Tensor], Tensor],
+    output: Callable[[Tensor], Tensor] | tuple[Tensor, Tensor | None],
     kv_cache: DamchaKVCache | None,
     causal: bool,
 ) -> Tensor:
@@ -1038,7 +1038,10 @@ def few_tokens_step(
     (float32/64), and either an empty cache or a causal rule that hides
     nothing (N = 1) or no causal rule. ``maps`` holds (weight, bias, gate
     column (S, 1)) of the q side and of the k side (the same tuple when tied;
-    None for none).
+    None for none). ``output`` is the output projection: a callable (the
+    layer's ``out_proj`` module, so its hooks run), or (weight, bias) when
+    that module's call is exactly ``F.linear`` with them, which is then
+    called directly (no module call: a few microseconds per step).
 
     The math is the general path's; at B = 1 a step's kernels are tiny, so
     what it costs is their number, the tensors made around them and Python:
@@ -1123,11 +1126,13 @@ def few_tokens_step(
             else:
                 k = qkv.as_strided((B, G, N, d), (N * width, d, width, 1), at + H * d)
     # The NaN guard (see _guard), written out: with G = H and d = d_v each query
-    # reads its own token's key; otherwise one max |k| per batch row.
+    # reads its own token's key; otherwise one max |k| per batch row (and with
+    # d != d_v the sum of each query head, one number per head).
     if G == H and d == dv:
         a, b = q, k
     else:
-        a, b = q, torch.linalg.vector_norm(k, ord=math.inf, dim=(1, 2, 3), keepdim=True)
+        a = q if d == dv else q.sum(dim=-1, keepdim=True)
+        b = torch.linalg.vector_norm(k, ord=math.inf, dim=(1, 2, 3), keepdim=True)
     if kv_cache is not None:
         k, v = kv_cache._extend(k, v)
     o = F.scaled_dot_product_attention(
@@ -1143,9 +1148,14 @@ def few_tokens_step(
         scale=config.scale,
         enable_gqa=G != H,
     )
-    o = torch.addcmul(o, a if a.shape[-1] == dv else a.sum(dim=-1, keepdim=True), b, value=0)
+    # Added into SDPA's own output (nothing else holds it, and no autograd
+    # records this path): no second (B, H, N, d_v) tensor.
+    o.addcmul_(a, b, value=0)
     # (B, H, 1, d_v) -> (B, 1, H * d_v) is a view for SDPA's output layouts; reshape copies otherwise.
-    return output(o.reshape(B, 1, H * dv) if N == 1 else o.transpose(1, 2).reshape(B, N, H * dv))
+    o = o.reshape(B, 1, H * dv) if N == 1 else o.transpose(1, 2).reshape(B, N, H * dv)
+    if type(output) is tuple:
+        return F.linear(o, output[0], output[1])
+    return output(o)  # type: ignore[operator]  # the callable form
 
 
 def _append_keys(

@@ -492,7 +492,8 @@ class DamchaAttention(CanonicalIO, nn.Module):
         if type(query) is not Tensor or type(kv_cache) is not DamchaKVCache or query.is_nested or query.dim() != 3:
             return None
         x = query if self.batch_first else query.transpose(0, 1)
-        if x.shape != self.__dict__.get("_flat_shape"):
+        shape = x.shape  # read once: each .shape makes a new torch.Size
+        if shape != self.__dict__.get("_flat_shape"):
             return None  # shapes not validated yet, or more than fn._FEW_TOKENS tokens
         p = self._parameters
         weight, bias = p["in_proj_weight"], p["in_proj_bias"]
@@ -507,19 +508,20 @@ class DamchaAttention(CanonicalIO, nn.Module):
             or (self.training and self.dropout > 0.0)
             or self.add_zero_attn
             or p.get("bias_k") is not None
+            # Autocast on any device (one call, where asking for x's device
+            # parses a device string), tracing, torch.func transforms.
+            or torch._C._is_any_autocast_enabled()
+            or torch._C._is_tracing()
+            or torch._C._are_functorch_transforms_active()
         ):
             return None
-        if x.is_cpu:
-            device = "cpu"
-        elif x.is_cuda:
-            device = "cuda"
-            if kv_cache._fixed and torch.cuda.is_current_stream_capturing():
-                return None  # a captured graph must not record the length: the fixed-shape read
-        else:
+        if not x.is_cpu and (
+            not x.is_cuda
+            # A captured graph must not record the length: the fixed-shape read.
+            or (kv_cache._fixed and torch.cuda.is_current_stream_capturing())
+        ):
             return None
-        if torch.is_autocast_enabled(device) or torch._C._is_tracing() or torch._C._are_functorch_transforms_active():
-            return None
-        N = x.shape[1]
+        N = shape[1]
         if is_causal and N > 1 and len(kv_cache) > 0:
             return None  # a chunk after cached tokens needs the bottom-right mask: the general path builds it
         if attn_mask is not None and not (
@@ -538,19 +540,50 @@ class DamchaAttention(CanonicalIO, nn.Module):
         if sq is not None or sk is not None:
             gens = modules["metric_generators"]._modules  # type: ignore[union-attr]  # registered with out_proj
             gates = modules["metric_gates"]._parameters  # type: ignore[union-attr]
+            # The kept gate views (see _gate_column), their check written out here.
+            columns = self.__dict__.get("_gate_columns") or {}
             if sq is not None:
-                g = gens[sq]._parameters  # type: ignore[union-attr]  # one generator per metric side
-                mq = (g["weight"], g["bias"], self._gate_column(sq, gates[sq]))  # type: ignore[arg-type]
-                if mq[0].dtype is not dtype or mq[1].dtype is not dtype or mq[2].dtype is not dtype:  # type: ignore[union-attr]
+                g, gate, kept = gens[sq]._parameters, gates[sq], columns.get(sq)  # type: ignore[union-attr]
+                column = (
+                    kept[2]
+                    if kept is not None
+                    and kept[0] is gate
+                    and kept[1] == gate.data_ptr()
+                    and kept[2].dtype is gate.dtype
+                    else self._gate_column(sq, gate)  # type: ignore[arg-type]
+                )
+                mq = (g["weight"], g["bias"], column)
+                if mq[0].dtype is not dtype or mq[1].dtype is not dtype or column.dtype is not dtype:  # type: ignore[union-attr]
                     return None
             if sk == sq:
                 mk = mq  # tied: the same tuple, one generator GEMM
             elif sk is not None:
-                g = gens[sk]._parameters  # type: ignore[union-attr]
-                mk = (g["weight"], g["bias"], self._gate_column(sk, gates[sk]))  # type: ignore[arg-type]
-                if mk[0].dtype is not dtype or mk[1].dtype is not dtype or mk[2].dtype is not dtype:  # type: ignore[union-attr]
+                g, gate, kept = gens[sk]._parameters, gates[sk], columns.get(sk)  # type: ignore[union-attr]
+                column = (
+                    kept[2]
+                    if kept is not None
+                    and kept[0] is gate
+                    and kept[1] == gate.data_ptr()
+                    and kept[2].dtype is gate.dtype
+                    else self._gate_column(sk, gate)  # type: ignore[arg-type]
+                )
+                mk = (g["weight"], g["bias"], column)
+                if mk[0].dtype is not dtype or mk[1].dtype is not dtype or column.dtype is not dtype:  # type: ignore[union-attr]
                     return None
-        out = fn.few_tokens_step(self.config, x, weight, bias, (mq, mk), out_proj, kv_cache, is_causal)  # type: ignore[arg-type]
+        # out_proj as F.linear on its parameters when its call is exactly that
+        # (no hooks, not wrapped): one module call fewer per step.
+        linear = _linear_params(out_proj)
+        maps = (mq, mk)
+        out = fn.few_tokens_step(
+            self.config,
+            x,
+            weight,
+            bias,
+            maps,  # type: ignore[arg-type]  # the generators' registered Parameters
+            out_proj if linear is None else linear,
+            kv_cache,
+            is_causal,
+        )
         return out if self.batch_first else out.transpose(0, 1)
 
     def _gate_column(self, side: str, gate: Tensor) -> Tensor:
