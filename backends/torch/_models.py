@@ -354,7 +354,7 @@ class DamchaMaps(nn.Module):
                 # (16-bit outputs, autocast's included, get float32 corrections).
                 y = fwd.project(x, *args, **kwargs)
                 if y.is_contiguous() and y.is_floating_point():
-                    return _fused.map_blocks_(y, x, list(zip(blocks, weights)))
+                    return _fused.map_blocks_(y, x, list(zip(blocks, weights)), merge=True)
                 return self.apply_maps(fwd.site, x, y)
             leaves = [t for w in weights for t in _fused.side_leaves(w)]
             # The fused training node: float32/float64 outside autocast only. Under

@@ -11,7 +11,8 @@ a concatenation of the result) and its recomputation of the whole projection:
 - ``map_blocks_``: no autograd graph to build (``torch.no_grad``, inference
   mode). The mixing product of each block is added to y in place, through
   strided views: one small ``bmm`` and one ``add_`` per block ("lowrank":
-  one ``mm`` and one ``addmm_``), no copy. In every float dtype: a 16-bit
+  one ``mm`` and one ``addmm_``), no copy; with ``merge`` (converted
+  models) one ``bmm`` per run of adjacent blocks (``_run_mix``). In every float dtype: a 16-bit
   block (a bfloat16 model, autocast) gets its correction in float32, added
   with one rounding.
 - ``FusedProjectionMaps``: training with ``recompute`` on a plain
@@ -23,10 +24,12 @@ a concatenation of the result) and its recomputation of the whole projection:
   recomputes the rows of the projection that hold mapped heads (two thirds
   of a fused qkv GEMM instead of all of it; a Conv1D's columns, read in
   place) and the generator's S x S coefficients, and writes the
-  gradients by hand: a ``baddbmm`` and a ``bmm`` per block for the mixing
-  (the first makes that block's dL/dy fresh; the unmapped columns stay views
-  of the incoming gradient and the projection's gradients take the pieces
-  one GEMM each, so the (T, F) gradient is never copied), a few passes over
+  gradients by hand: a ``baddbmm`` per run of adjacent blocks and a ``bmm``
+  per block for the mixing (the first makes that run's dL/dy fresh; the
+  unmapped columns stay views of the incoming gradient and the projection's
+  gradients take the pieces one GEMM each, writing the weight and bias
+  gradients in place, so neither the (T, F) gradient nor the parameter
+  gradients are ever copied), a few passes over
   the (T, S*S) coefficients and two over the tokens for the generator
   (autograd's norm backward made several (T, E) temporaries). The backward
   is written with differentiable ops, so ``create_graph=True`` (a gradient
@@ -58,6 +61,7 @@ and its recipes make the block again with the same op.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -140,7 +144,39 @@ def _block(flat: Tensor, offset: int, heads: int, head_dim: int) -> Tensor:
     return flat[:, offset : offset + heads * head_dim].unflatten(-1, (heads, head_dim))
 
 
-def map_blocks_(y: Tensor, tokens: Tensor, sides: Sequence[tuple[SideBlocks, fn.SideWeights]]) -> Tensor:
+@functools.lru_cache(maxsize=256)
+def _runs(blocks: SideBlocks) -> tuple[tuple[int, int], ...]:
+    """(offset, n) of each run of ``blocks``' blocks that lie side by side in
+    the output, in column order (a fused qkv's tied queries and keys: one
+    run of 2 at offset 0)."""
+    width = blocks.heads * blocks.head_dim
+    runs: list[tuple[int, int]] = []
+    for offset in sorted(blocks.offsets):
+        if runs and runs[-1][0] + runs[-1][1] * width == offset:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((offset, 1))
+    return tuple(runs)
+
+
+def _run_mix(A: Tensor, gate: Tensor, n: int) -> Tensor:
+    """diag(g) A(t), (T, S, S), of the coefficients A (T, S*S); for a run of n
+    blocks (n > 1) its block diagonal (T, n*S, n*S): n copies of it on the
+    diagonal, exact zeros off it, so that one ``bmm`` maps the whole run as
+    (T, n*S, d). At S = 3 a batched product of T tiny matrices costs about
+    the same per matrix whether it is 3 x 3 or 6 x 6 (MKL's batched GEMM is
+    overhead-bound there), so one call for the queries and keys beats two.
+    Each entry is the one product A * g_i (or an exact 0), as ``mix_coefficients``'."""
+    S = gate.shape[0]
+    if n == 1:
+        return A.view(-1, S, S) * gate.view(S, 1)
+    scale = torch.eye(n, dtype=A.dtype, device=A.device).view(n, 1, n, 1) * gate.view(1, S, 1, 1)
+    return (A.view(-1, 1, S, 1, S) * scale).view(-1, n * S, n * S)
+
+
+def map_blocks_(
+    y: Tensor, tokens: Tensor, sides: Sequence[tuple[SideBlocks, fn.SideWeights]], *, merge: bool = False
+) -> Tensor:
     """Map the blocks of y (..., F) in place; y must be contiguous. Returns y.
 
     Only where no autograd graph is recorded (the caller checks), or inside
@@ -149,20 +185,24 @@ def map_blocks_(y: Tensor, tokens: Tensor, sides: Sequence[tuple[SideBlocks, fn.
     correction g A(t) y_b of each block is computed in float32 (tokens,
     weights and the block cast up, autocast off) and added to y_b in place,
     rounded once, so the result is the 16-bit rounding of y_b + correction,
-    the residual form (gates at 0 leave y as it was, bit for bit)."""
+    the residual form (gates at 0 leave y as it was, bit for bit).
+
+    ``merge``: a float32/float64 y maps each run of adjacent "heads" blocks
+    with one ``bmm`` (``_run_mix``; the converted models' fused qkv), as
+    ``_remap``, ``OutputRecipe`` and the fused node's backward do."""
     dtype = torch.float32 if y.dtype in _HALF else y.dtype
     device = y.device.type
     if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
         with torch.autocast(device, enabled=False):
-            return _map_blocks(y, tokens, sides, dtype)
-    return _map_blocks(y, tokens, sides, dtype)
+            return _map_blocks(y, tokens, sides, dtype, merge)
+    return _map_blocks(y, tokens, sides, dtype, merge)
 
 
 _HALF = (torch.float16, torch.bfloat16)
 
 
 def _map_blocks(
-    y: Tensor, tokens: Tensor, sides: Sequence[tuple[SideBlocks, fn.SideWeights]], dtype: torch.dtype
+    y: Tensor, tokens: Tensor, sides: Sequence[tuple[SideBlocks, fn.SideWeights]], dtype: torch.dtype, merge: bool
 ) -> Tensor:
     flat = y.view(-1, y.shape[-1])
     t = tokens.reshape(-1, tokens.shape[-1])
@@ -170,7 +210,9 @@ def _map_blocks(
     same = y.dtype == dtype  # else each block is read in float32 and its correction added with one rounding
     for blocks, weights in sides:
         weights = _cast_side(weights, dtype)
-        if blocks.metric == "heads":
+        if blocks.metric == "heads" and merge and same:
+            _map_runs_(flat, blocks, coefficients(weights, t), weights.gate)
+        elif blocks.metric == "heads":
             mix = mix_coefficients(weights, t)
             for offset in blocks.offsets:
                 part = _block(flat, offset, blocks.heads, blocks.head_dim)
@@ -187,6 +229,18 @@ def _map_blocks(
                 else:
                     part.add_(torch.mm(c * part.to(dtype).mm(v), u.t()))
     return y
+
+
+def _map_runs_(flat: Tensor, blocks: SideBlocks, A: Tensor, gate: Tensor) -> None:
+    """Map the "heads" blocks of ``flat`` (T, F) in place, one ``bmm`` per run
+    of adjacent blocks (``_run_mix``), from the side's coefficients A (T, S*S)."""
+    mixes: dict[int, Tensor] = {}
+    for offset, n in _runs(blocks):
+        mix = mixes.get(n)
+        if mix is None:
+            mix = mixes[n] = _run_mix(A, gate, n)
+        part = _block(flat, offset, n * blocks.heads, blocks.head_dim)
+        part.add_(torch.bmm(mix, part))
 
 
 def _cast_side(side: fn.SideWeights, dtype: torch.dtype) -> fn.SideWeights:
@@ -262,21 +316,56 @@ class FusedProjectionMaps(torch.autograd.Function):
         return _fused_backward(ctx, grad, 0)
 
 
-def _project_and_map(args: tuple, out_of: Any = None) -> tuple[Tensor, Tensor]:
+def _project_and_map(args: tuple, copy: bool = False) -> tuple[Tensor, Tensor]:
     """(y, out) of ``FusedProjectionMaps``' arguments ``args``: y the projection
-    (with its LoRA update), out the same with the maps applied, made in place
-    in ``out_of(y)`` (y itself when None: then out is y)."""
+    (with its LoRA update), out the same with the maps applied: y itself,
+    mapped in place, or with ``copy`` a new tensor (``_mapped_copy``)."""
     sides, transposed, scaling, x, weight, bias, lora_a, lora_b, leaves = args
     y = project(x, weight, bias, transposed)
     if lora_a is not None and lora_b is not None:
         y = y + F.linear(F.linear(x, lora_a), lora_b) * scaling  # PEFT's own expression, bit for bit
-    out = y if out_of is None else out_of(y)
-    return y, _map_out(out, x, sides, leaves)
+    if copy:
+        return y, _mapped_copy(y, x, sides, leaves)
+    return y, _map_out(y, x, sides, leaves)
+
+
+def _mapped_copy(y: Tensor, x: Tensor, sides: tuple[SideBlocks, ...], leaves: Sequence[Tensor]) -> Tensor:
+    """The mapped output as a new tensor, y left as it is (float32/float64, no
+    autocast: the fused node's case), the same bits as ``_map_out`` on a
+    copy of y. Metric "heads": each run of mapped blocks written once, as
+    y_run + bmm(mix, y_run) into its columns of a new tensor, and only the
+    unmapped columns copied from y (a clone and an in-place add passed over
+    the mapped columns twice more); "lowrank": ``_map_out`` on a clone."""
+    if any(b.metric != "heads" for b in sides) or not y.is_contiguous():
+        return _map_out(y.clone(), x, sides, leaves)
+    out = torch.empty_like(y)
+    flat, out_flat = y.view(-1, y.shape[-1]), out.view(-1, y.shape[-1])
+    t = x.reshape(-1, x.shape[-1])
+    written: list[tuple[int, int]] = []
+    for blocks, (i, j) in zip(sides, _split_leaves(sides, leaves)):
+        weights = _side_weights(blocks.metric, leaves[i:j])
+        A = coefficients(weights, t)
+        mixes: dict[int, Tensor] = {}
+        for offset, n in _runs(blocks):
+            mix = mixes.get(n)
+            if mix is None:
+                mix = mixes[n] = _run_mix(A, weights.gate, n)
+            part = _block(flat, offset, n * blocks.heads, blocks.head_dim)
+            torch.add(part, torch.bmm(mix, part), out=_block(out_flat, offset, n * blocks.heads, blocks.head_dim))
+            written.append((offset, offset + n * blocks.heads * blocks.head_dim))
+    at = 0
+    for start, stop in sorted(written) + [(y.shape[-1], y.shape[-1])]:
+        if start > at:
+            out_flat[:, at:start].copy_(flat[:, at:start])
+        at = max(at, stop)
+    return out
 
 
 def _map_out(out: Tensor, x: Tensor, sides: tuple[SideBlocks, ...], leaves: Sequence[Tensor]) -> Tensor:
     spans = _split_leaves(sides, leaves)
-    return map_blocks_(out, x, [(b, _side_weights(b.metric, leaves[i:j])) for b, (i, j) in zip(sides, spans)])
+    return map_blocks_(
+        out, x, [(b, _side_weights(b.metric, leaves[i:j])) for b, (i, j) in zip(sides, spans)], merge=True
+    )
 
 
 def _fused_forward(ctx: Any, recipe: OutputRecipe | None, args: tuple) -> Tensor:
@@ -286,7 +375,7 @@ def _fused_forward(ctx: Any, recipe: OutputRecipe | None, args: tuple) -> Tensor
     if recipe is None:
         return _project_and_map(args)[1]
     # Store mode: the mapped output is a copy, y stays unmapped (kept by the recipe).
-    y, out = _project_and_map(args, torch.clone)
+    y, out = _project_and_map(args, copy=True)
     recipe._keep(out, y, args)
     return out
 
@@ -350,14 +439,22 @@ def _fused_backward(ctx: Any, grad: Tensor, first: int) -> tuple[Tensor | None, 
             P = F.linear(t, w_gen)
             A = torch.addcdiv(b_gen, P, r, value=scale)
         if blocks.metric == "heads":
-            mix_t = (A.view(-1, S, S) * gate.view(S, 1)).transpose(1, 2)
+            # One baddbmm per run of adjacent blocks (the run's dL/dy, fresh),
+            # as the forward mapped it (_run_mix); dL/d(mix) one bmm per block
+            # (a run's (T, n*S, n*S) product g y^T measured slower than n
+            # (T, S, S) ones: its off-diagonal blocks are n^2 - n wasted ones).
+            mixes: dict[int, Tensor] = {}
             dmix: Tensor | None = None
-            for offset in blocks.offsets:
-                gb = _block(g, offset, blocks.heads, blocks.head_dim)
-                yb = _block(y, offset - lo, blocks.heads, blocks.head_dim)
+            d = blocks.head_dim
+            for offset, n in _runs(blocks):
+                mix_t = mixes.get(n)
+                if mix_t is None:
+                    mix_t = mixes[n] = _run_mix(A, gate, n).transpose(1, 2)
+                gb = _block(g, offset, n * S, d)
                 pieces.append((offset, torch.baddbmm(gb, mix_t, gb).flatten(1)))
-                part = torch.bmm(gb, yb.transpose(1, 2))
-                dmix = part if dmix is None else dmix.add_(part)
+                for at in range(offset, offset + n * S * d, S * d):
+                    part = torch.bmm(_block(g, at, S, d), _block(y, at - lo, S, d).transpose(1, 2))
+                    dmix = part if dmix is None else dmix.add_(part)
             assert dmix is not None  # a side has at least one block
             dA, leaf_grads[k + 2] = _heads_mix_grads(dmix, A, gate, need[2])
         else:
@@ -385,12 +482,10 @@ def _fused_backward(ctx: Any, grad: Tensor, first: int) -> tuple[Tensor | None, 
         for dP, w_gen, c in through_generator:
             dx.addmm_(dP, w_gen).addcmul_(t, c)
         dx = dx.view_as(x)
-    if need_w and transposed:
-        dW = _cat([t.t().mm(dp) for _, dp in pieces], 1)
-    elif need_w:
-        dW = _cat([dp.t().mm(t) for _, dp in pieces], 0)
+    if need_w:
+        dW = _joined_mm(pieces, t, transposed)
     if need_b:
-        db = _cat([dp.sum(0) for _, dp in pieces], 0)
+        db = _joined_sum(pieces)
     return (*[None] * (first + 3), dx, dW, db, d_la, d_lb, *leaf_grads)
 
 
@@ -424,6 +519,40 @@ def _sum_mm(pieces: list[tuple[int, Tensor]], rows: Any) -> Tensor:
 def _cat(parts: list[Tensor], dim: int) -> Tensor:
     """The parameter gradients of the pieces, joined (no copy for a single piece)."""
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+
+def _joined_mm(pieces: list[tuple[int, Tensor]], t: Tensor, transposed: bool) -> Tensor:
+    """The weight gradient dy^T t ((F, E); ``transposed``: t^T dy, (E, F)) of
+    dy given by its column ``pieces`` and the tokens t (T, E): each piece's
+    GEMM writes its rows (columns) of one gradient tensor in place (BLAS
+    writes a strided block), so the pieces are never joined by a copy. Under
+    a graph (``create_graph``; ``out=`` is not differentiable) a ``cat`` of
+    the pieces' GEMMs."""
+    if len(pieces) == 1 or torch.is_grad_enabled():
+        if transposed:
+            return _cat([t.t().mm(dp) for _, dp in pieces], 1)
+        return _cat([dp.t().mm(t) for _, dp in pieces], 0)
+    features = pieces[-1][0] + pieces[-1][1].shape[1]
+    E = t.shape[1]
+    out = t.new_empty((E, features) if transposed else (features, E))
+    for offset, dp in pieces:
+        width = dp.shape[1]
+        if transposed:
+            torch.mm(t.t(), dp, out=out[:, offset : offset + width])
+        else:
+            torch.mm(dp.t(), t, out=out[offset : offset + width])
+    return out
+
+
+def _joined_sum(pieces: list[tuple[int, Tensor]]) -> Tensor:
+    """The bias gradient (F,): each piece's column sums written in place into
+    one tensor (a ``cat`` of them under a graph, as ``_joined_mm``)."""
+    if len(pieces) == 1 or torch.is_grad_enabled():
+        return _cat([dp.sum(0) for _, dp in pieces], 0)
+    out = pieces[0][1].new_empty(pieces[-1][0] + pieces[-1][1].shape[1])
+    for offset, dp in pieces:
+        torch.sum(dp, 0, out=out[offset : offset + dp.shape[1]])
+    return out
 
 
 def _lowrank_backward(
@@ -668,7 +797,13 @@ class OutputRecipe:
             return None
         if t._version != self._version:
             return None
-        return _PackedOutput(self, self._state, t.size(), t.stride(), t.storage_offset())
+        state = self._state
+        size, stride, storage_offset = t.size(), t.stride(), t.storage_offset()
+        found = None if state.y is None else _columns(state.y, state.args[0], size, stride, storage_offset)
+        if found is not None and found[0] is not None:
+            key = (state.args[0].index(found[0]), found[1])
+            state.run_views[key] = state.run_views.get(key, 0) + 1
+        return _PackedOutput(self, state, size, stride, storage_offset, found)
 
     def _made(self, state: _OutputState) -> Tensor:
         """The mapped output (..., F), made again as the forward made it, bit for bit."""
@@ -697,22 +832,38 @@ class OutputRecipe:
         of unmapped columns is the same view of y (the output's copy of them);
         anything else, from the whole output made again (``_made``)."""
         state = packed.state
-        if not torch.is_grad_enabled() and state.out is None and state.y is not None:
-            found = _columns(state.y, state.args[0], packed)
-            if found is not None:
-                self._handoff = state
-                blocks, offset, size, stride, storage_offset = found
-                if blocks is None:  # unmapped columns: the output holds y's values there
-                    return state.y.as_strided(size, stride, storage_offset)
-                i = state.args[0].index(blocks)
-                x, leaves = state.args[3], state.args[8]
-                r, products = state.products or _coefficient_products(x, state.args[0], leaves)
-                state.products = (r, products)
-                S = blocks.heads
-                mix = products[i][1].view(-1, S, S) * _split_side(state.args[0], leaves, i).gate.view(S, 1)
-                yb = _block(state.y.view(-1, state.y.shape[-1]), offset, S, blocks.head_dim)
-                return torch.add(yb, torch.bmm(mix, yb)).as_strided(size, stride, storage_offset)
+        found = packed.found
+        if not torch.is_grad_enabled() and state.out is None and state.y is not None and found is not None:
+            self._handoff = state
+            blocks, offset, size, stride, storage_offset = found
+            if blocks is None:  # unmapped columns: the output holds y's values there
+                return state.y.as_strided(size, stride, storage_offset)
+            return self._run(state, blocks, offset).as_strided(size, stride, storage_offset)
         return self._made(state).as_strided(packed.size, packed.stride, packed.storage_offset)
+
+    @staticmethod
+    def _run(state: _OutputState, blocks: SideBlocks, offset: int) -> Tensor:
+        """The run of mapped blocks of ``blocks`` at ``offset``, (T, n*S, d),
+        made again alone as the forward made it (y_run + bmm(``_run_mix``,
+        y_run), bit for bit), once for the saved views that lie in it (SDPA's
+        q~ and k~ of a fused qkv: one product for both), kept until the last
+        of them is read."""
+        sides, x, leaves = state.args[0], state.args[3], state.args[8]
+        i = sides.index(blocks)
+        key = (i, offset)
+        kept = state.runs.pop(key, None)
+        if kept is None:
+            assert state.y is not None
+            r, products = state.products or _coefficient_products(x, sides, leaves)
+            state.products = (r, products)
+            n = dict(_runs(blocks))[offset]
+            mix = _run_mix(products[i][1], _split_side(sides, leaves, i).gate, n)
+            yb = _block(state.y.view(-1, state.y.shape[-1]), offset, n * blocks.heads, blocks.head_dim)
+            kept = (torch.add(yb, torch.bmm(mix, yb)), state.run_views.get(key, 1))
+        run, left = kept
+        if left > 1:
+            state.runs[key] = (run, left - 1)
+        return run
 
     def settle(self) -> None:
         """When the attention module returns (see the class docstring)."""
@@ -729,7 +880,7 @@ class OutputRecipe:
 
 
 class _OutputState:
-    __slots__ = ("args", "made", "out", "pending", "products", "y")
+    __slots__ = ("args", "made", "out", "pending", "products", "run_views", "runs", "y")
 
     def __init__(self, y: Tensor, args: tuple) -> None:
         self.y: Tensor | None = y
@@ -739,24 +890,31 @@ class _OutputState:
         self.pending = 0
         # (r, [(P, A) per side]) of the last remake, for the node's backward.
         self.products: tuple[Tensor, list[tuple[Tensor, Tensor]]] | None = None
+        # (side index, run offset) -> the saved views that lie in that run of
+        # mapped blocks, and the run made again in backward with the views
+        # still to read from it (``OutputRecipe._run``).
+        self.run_views: dict[tuple[int, int], int] = {}
+        self.runs: dict[tuple[int, int], tuple[Tensor, int]] = {}
 
 
 def _columns(
-    y: Tensor, sides: tuple[SideBlocks, ...], packed: _PackedOutput
+    y: Tensor, sides: tuple[SideBlocks, ...], size: Any, strides: Any, storage_offset: Any
 ) -> tuple[SideBlocks | None, int, Any, Any, Any] | None:
-    """Where the saved view ``packed`` of the output (laid out as y (..., F),
-    contiguous) lies: (the side's blocks, the block's offset, and the view's
-    size, stride and storage offset within that block made alone (T, S*d))
-    when it lies within one mapped block of metric "heads"; (None, 0, and the
-    view's own geometry, read from y) when it lies in unmapped columns only;
-    None otherwise (a view across blocks, a strided layout this does not read)."""
+    """Where a saved view (``size``, ``strides``, ``storage_offset``) of the
+    output (laid out as y (..., F), contiguous) lies: (the side's blocks, the
+    offset of the run of adjacent blocks (``_runs``) it lies in, and the
+    view's size, stride and storage offset within that run made alone
+    (T, n*S*d)) when it lies within one run of mapped blocks of metric
+    "heads"; (None, 0, and the view's own geometry, read from y) when it lies
+    in unmapped columns only; None otherwise (a view across runs, a strided
+    layout this does not read)."""
     F_ = y.shape[-1]
-    if not y.is_contiguous() or y.storage_offset() != 0 or not isinstance(packed.storage_offset, int):
+    if not y.is_contiguous() or y.storage_offset() != 0 or not isinstance(storage_offset, int):
         return None
-    first, row = packed.storage_offset % F_, packed.storage_offset // F_
+    first, row = storage_offset % F_, storage_offset // F_
     extent = 0  # the last column the view reaches, from its first
     rows: list[bool] = []
-    for n, st in zip(packed.size, packed.stride):
+    for n, st in zip(size, strides):
         if not isinstance(n, int) or not isinstance(st, int):
             return None  # symbolic sizes (a tracer): the whole output
         rows.append(st % F_ == 0)
@@ -768,16 +926,16 @@ def _columns(
     if last >= F_:
         return None
     for blocks in sides:
-        width = blocks.heads * blocks.head_dim
-        for offset in blocks.offsets:
+        for offset, n_blocks in _runs(blocks):
+            width = n_blocks * blocks.heads * blocks.head_dim
             if offset <= first and last < offset + width:
                 if blocks.metric != "heads":
                     return None
-                stride = tuple(st // F_ * width if by_row else st for st, by_row in zip(packed.stride, rows))
-                return blocks, offset, packed.size, stride, row * width + first - offset
+                stride = tuple(st // F_ * width if by_row else st for st, by_row in zip(strides, rows))
+                return blocks, offset, size, stride, row * width + first - offset
             if first < offset + width and offset <= last:
-                return None  # partly in a mapped block
-    return None, 0, packed.size, packed.stride, packed.storage_offset
+                return None  # partly in a mapped run
+    return None, 0, size, strides, storage_offset
 
 
 def _split_side(sides: tuple[SideBlocks, ...], leaves: Sequence[Tensor], i: int) -> fn.SideWeights:
@@ -816,11 +974,7 @@ def _remap(
         A = torch.addcdiv(weights.bias, P, r, value=math.sqrt(t.shape[-1]))
         products.append((P, A))
         if blocks.metric == "heads":
-            S = blocks.heads
-            mix = A.view(-1, S, S) * weights.gate.view(S, 1)
-            for offset in blocks.offsets:
-                part = _block(flat, offset, blocks.heads, blocks.head_dim)
-                part.add_(torch.bmm(mix, part))
+            _map_runs_(flat, blocks, A, weights.gate)
         else:
             v, u = lowrank_factors(weights)
             width = blocks.heads * blocks.head_dim
@@ -836,6 +990,7 @@ class _PackedOutput(NamedTuple):
     size: torch.Size
     stride: Any
     storage_offset: Any
+    found: tuple[SideBlocks | None, int, Any, Any, Any] | None  # _columns of the view
 
 
 def _held_elsewhere(t: Tensor) -> bool:
