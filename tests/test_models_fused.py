@@ -522,7 +522,7 @@ def test_fused_node_with_unmapped_columns_between_blocks(metric, transposed, lay
     for t in inputs_:
         t.requires_grad_(True)
     probe = torch.randn(2, 5, features, **f64)
-    got = FusedProjectionMaps.apply(sides, transposed, 1.0, x, weight, bias, None, None, *leaves)
+    got = FusedProjectionMaps.apply(sides, transposed, 1.0, None, x, weight, bias, None, None, *leaves)
     want = _reference_maps(sides, transposed, x, weight, bias, *leaves)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-13)
     grads: list = []
@@ -566,6 +566,20 @@ def test_vit_fused_qkv_mixing_ops_per_layer(mode):
     layers = len(dt.converted_layers(model))
     extra = {op: (damcha.get(op, 0) - original.get(op, 0)) / layers for op in ("bmm", "baddbmm", "add_", "add")}
     assert {op: n for op, n in extra.items() if n} == VIT_MIXING[mode], extra
+
+
+@pytest.mark.parametrize("mode", ["no-grad", "train"])
+def test_llama_sites_share_the_norm_of_their_input(mode):
+    """Llama's q_proj and k_proj project the same hidden states: the RMS
+    denominator of those tokens (the generators' phi) is computed once per
+    layer in forward and once in backward (``SharedNorm``), where each site
+    computed its own in each (2 without a graph, 4 in a training step).
+    The gradients and outputs these feed are pinned bit for bit / to 1e-13
+    by the fused-path tests above and in test_models_torch.py."""
+    (original, _, _), (damcha, _, _), model = aten_calls_before_and_after_convert("llama", mode, zero_grad=True)
+    layers = len(dt.converted_layers(model))
+    extra = (damcha.get("linalg_vector_norm", 0) - original.get("linalg_vector_norm", 0)) / layers
+    assert extra == (1 if mode == "no-grad" else 2), extra
 
 
 # -------------------------------------------------------------- store mode

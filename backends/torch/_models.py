@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -137,6 +138,7 @@ class _StoreOpen:
         self.maps = maps
 
     def __call__(self, module: nn.Module, args: Any) -> None:
+        self.maps._end_norm()  # a call that raised before its forward hook
         self.maps._open_store()
 
 
@@ -148,6 +150,7 @@ class _StoreClose:
         self.maps = maps
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.maps._end_norm()
         self.maps._close_store()
 
 
@@ -216,7 +219,7 @@ class DamchaMaps(nn.Module):
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state["_penalty_terms"] = {}  # tensors of the last forward's graph, not state
-        for key in ("_store", "_store_hooks", "_store_pays"):  # one call's store mode, and what it found
+        for key in ("_store", "_store_hooks", "_store_pays", "_norm_memo"):  # one call's state, and what it found
             state.pop(key, None)
         return state
 
@@ -354,7 +357,7 @@ class DamchaMaps(nn.Module):
                 # (16-bit outputs, autocast's included, get float32 corrections).
                 y = fwd.project(x, *args, **kwargs)
                 if y.is_contiguous() and y.is_floating_point():
-                    return _fused.map_blocks_(y, x, list(zip(blocks, weights)), merge=True)
+                    return _fused.map_blocks_(y, x, list(zip(blocks, weights)), merge=True, norm=self._shared_norm(x))
                 return self.apply_maps(fwd.site, x, y)
             leaves = [t for w in weights for t in _fused.side_leaves(w)]
             # The fused training node: float32/float64 outside autocast only. Under
@@ -379,18 +382,50 @@ class DamchaMaps(nn.Module):
                     if "_store" in self.__dict__:
                         recipe = _fused.OutputRecipe()
                         out = _fused.StoredProjectionMaps.apply(
-                            recipe, blocks, transposed, scaling, x, weight, bias, lora_a, lora_b, *leaves
+                            recipe,
+                            blocks,
+                            transposed,
+                            scaling,
+                            self._shared_norm(x),
+                            x,
+                            weight,
+                            bias,
+                            lora_a,
+                            lora_b,
+                            *leaves,
                         )
                         self._stored_site(recipe)
                         return out
                     return _fused.FusedProjectionMaps.apply(
-                        blocks, transposed, scaling, x, weight, bias, lora_a, lora_b, *leaves
+                        blocks, transposed, scaling, self._shared_norm(x), x, weight, bias, lora_a, lora_b, *leaves
                     )
         if self._recompute_now():
             # Only x (which the projection keeps anyway) is stored; the projected
             # q/k and the map's coefficients are recomputed in backward.
             return checkpoint(self._project_and_map, fwd, x, args, kwargs, use_reentrant=False)
         return self._project_and_map(fwd, x, args, kwargs)
+
+    def _shared_norm(self, x: Tensor) -> _fused.SharedNorm | None:
+        """The ``SharedNorm`` of the tokens x for this call of the attention
+        module: the one an earlier site of this call made for the same tensor
+        (unmodified since), or a new one, kept (x only weakly) until the
+        module returns (``_end_norm``). None while compiling (traced graphs
+        share the norm themselves)."""
+        if torch.compiler.is_compiling():
+            return None
+        memo = self.__dict__.get("_norm_memo")
+        if memo is not None and memo[0]() is x and memo[1] == x._version:
+            return memo[2]
+        norm = _fused.SharedNorm()
+        self.__dict__["_norm_memo"] = (weakref.ref(x), x._version, norm)
+        return norm
+
+    def _end_norm(self) -> None:
+        if torch.compiler.is_compiling():
+            return
+        memo = self.__dict__.pop("_norm_memo", None)
+        if memo is not None:
+            memo[2].end_forward()
 
     def _project_and_map(self, fwd: _SiteForward, x: Tensor, args: tuple, kwargs: dict) -> Tensor:
         return self.apply_maps(fwd.site, x, fwd.project(x, *args, **kwargs))

@@ -76,6 +76,7 @@ __all__ = [
     "FusedProjectionMaps",
     "MapRecipes",
     "OutputRecipe",
+    "SharedNorm",
     "SideBlocks",
     "SplitLinearMaps",
     "StoredProjectionMaps",
@@ -115,13 +116,52 @@ def side_leaves(weights: fn.SideWeights) -> tuple[Tensor, ...]:
     return (weights.weight, weights.bias, weights.gate, weights.u, weights.v)
 
 
-def coefficients(side: fn.SideWeights, tokens: Tensor) -> Tensor:
+def coefficients(side: fn.SideWeights, tokens: Tensor, r: Tensor | None = None) -> Tensor:
     """A(t) = phi(t) W + b, (T, S*S) for "heads" or (T, r) for "lowrank", of
     tokens (T, E), computed as the functional core does (one GEMM on the raw
-    tokens, the RMS normalisation applied to its small output)."""
-    return torch.addcdiv(
-        side.bias, F.linear(tokens, side.weight), fn._rms_denominator(tokens), value=math.sqrt(tokens.shape[-1])
-    )
+    tokens, the RMS normalisation applied to its small output); ``r`` the
+    tokens' ``_rms_denominator`` if already known."""
+    if r is None:
+        r = fn._rms_denominator(tokens)
+    return torch.addcdiv(side.bias, F.linear(tokens, side.weight), r, value=math.sqrt(tokens.shape[-1]))
+
+
+class SharedNorm:
+    """The RMS denominator r (T, 1) of one input that several converted
+    projections of an attention module read (Llama's ``q_proj`` and
+    ``k_proj`` both project the same hidden states): computed once in
+    forward and once in backward, where each site computed its own in each.
+    The forward's lives until the attention module returns
+    (``end_forward``); the backward's from the first fused node's backward
+    until the last node that read it in forward has it. The same op on the
+    same tokens, so the same bits."""
+
+    __slots__ = ("_backward", "_forward", "_left", "readers")
+
+    def __init__(self) -> None:
+        self.readers = 0  # fused nodes that read it in forward (each reads it in backward)
+        self._forward: Tensor | None = None
+        self._backward: Tensor | None = None
+        self._left = 0
+
+    def forward(self, t: Tensor, reader: bool = True) -> Tensor:
+        """r of the tokens t (T, E) in forward (``reader``: a fused node's, which reads it again in backward)."""
+        self.readers += reader
+        if self._forward is None:
+            self._forward = fn._rms_denominator(t)
+        return self._forward
+
+    def end_forward(self) -> None:
+        self._forward = None
+
+    def backward(self, t: Tensor) -> Tensor:
+        """r of the tokens t (T, E) in a fused node's backward."""
+        r = self._backward
+        if r is None or self._left <= 0:
+            r, self._left = fn._rms_denominator(t), self.readers
+        self._left -= 1
+        self._backward = r if self._left > 0 else None
+        return r
 
 
 def mix_coefficients(side: fn.SideWeights, tokens: Tensor) -> Tensor:
@@ -175,7 +215,12 @@ def _run_mix(A: Tensor, gate: Tensor, n: int) -> Tensor:
 
 
 def map_blocks_(
-    y: Tensor, tokens: Tensor, sides: Sequence[tuple[SideBlocks, fn.SideWeights]], *, merge: bool = False
+    y: Tensor,
+    tokens: Tensor,
+    sides: Sequence[tuple[SideBlocks, fn.SideWeights]],
+    *,
+    merge: bool = False,
+    norm: SharedNorm | None = None,
 ) -> Tensor:
     """Map the blocks of y (..., F) in place; y must be contiguous. Returns y.
 
@@ -189,36 +234,45 @@ def map_blocks_(
 
     ``merge``: a float32/float64 y maps each run of adjacent "heads" blocks
     with one ``bmm`` (``_run_mix``; the converted models' fused qkv), as
-    ``_remap``, ``OutputRecipe`` and the fused node's backward do."""
+    ``_remap``, ``OutputRecipe`` and the fused node's backward do. ``norm``:
+    the tokens' RMS denominator shared with the module's other sites (else
+    computed here, once for all sides)."""
     dtype = torch.float32 if y.dtype in _HALF else y.dtype
     device = y.device.type
     if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
         with torch.autocast(device, enabled=False):
-            return _map_blocks(y, tokens, sides, dtype, merge)
-    return _map_blocks(y, tokens, sides, dtype, merge)
+            return _map_blocks(y, tokens, sides, dtype, merge, norm)
+    return _map_blocks(y, tokens, sides, dtype, merge, norm)
 
 
 _HALF = (torch.float16, torch.bfloat16)
 
 
 def _map_blocks(
-    y: Tensor, tokens: Tensor, sides: Sequence[tuple[SideBlocks, fn.SideWeights]], dtype: torch.dtype, merge: bool
+    y: Tensor,
+    tokens: Tensor,
+    sides: Sequence[tuple[SideBlocks, fn.SideWeights]],
+    dtype: torch.dtype,
+    merge: bool,
+    norm: SharedNorm | None,
 ) -> Tensor:
     flat = y.view(-1, y.shape[-1])
     t = tokens.reshape(-1, tokens.shape[-1])
     t = fn._cast(t, dtype)
     same = y.dtype == dtype  # else each block is read in float32 and its correction added with one rounding
+    r = fn._rms_denominator(t) if norm is None else norm.forward(t, reader=False)
     for blocks, weights in sides:
         weights = _cast_side(weights, dtype)
         if blocks.metric == "heads" and merge and same:
-            _map_runs_(flat, blocks, coefficients(weights, t), weights.gate)
+            _map_runs_(flat, blocks, coefficients(weights, t, r), weights.gate)
         elif blocks.metric == "heads":
-            mix = mix_coefficients(weights, t)
+            S = weights.gate.shape[0]
+            mix = coefficients(weights, t, r).view(-1, S, S) * weights.gate.view(S, 1)
             for offset in blocks.offsets:
                 part = _block(flat, offset, blocks.heads, blocks.head_dim)
                 part.add_(torch.bmm(mix, part if same else part.to(dtype)))
         else:
-            c = coefficients(weights, t)
+            c = coefficients(weights, t, r)
             v, u = lowrank_factors(weights)
             width = blocks.heads * blocks.head_dim
             for offset in blocks.offsets:
@@ -256,6 +310,16 @@ def _cast_side(side: fn.SideWeights, dtype: torch.dtype) -> fn.SideWeights:
     )
 
 
+class _KnownNorm(SharedNorm):
+    """A ``SharedNorm`` whose forward value is given (``_map_out``'s ``r``)."""
+
+    __slots__ = ()
+
+    def __init__(self, r: Tensor) -> None:
+        super().__init__()
+        self._forward = r
+
+
 def _side_weights(metric: str, leaves: Sequence[Tensor]) -> fn.SideWeights:
     return fn.SideWeights(metric, *leaves)
 
@@ -285,9 +349,10 @@ class FusedProjectionMaps(torch.autograd.Function):
     """The projection (``project``) with the maps of ``sides`` applied to its
     blocks, saving only x, weight and bias (see the module docstring).
 
-    ``apply(sides, transposed, scaling, x, weight, bias, lora_a, lora_b,
-    *leaves)``: ``sides`` a tuple of ``SideBlocks``; ``transposed`` False for
+    ``apply(sides, transposed, scaling, norm, x, weight, bias, lora_a,
+    lora_b, *leaves)``: ``sides`` a tuple of ``SideBlocks``; ``transposed`` False for
     an ``nn.Linear`` weight (out, in), True for a ``Conv1D`` weight (in, out);
+    ``norm`` a ``SharedNorm`` of x shared with other sites, or None;
     ``lora_a`` (r, in) and ``lora_b`` (out, r), or both None: a LoRA update
     added as PEFT adds it, y = P(x) + (x A^T B^T) * ``scaling``; ``leaves`` the
     ``side_leaves`` of each side in that order (the generator's
@@ -302,6 +367,7 @@ class FusedProjectionMaps(torch.autograd.Function):
         sides: tuple[SideBlocks, ...],
         transposed: bool,
         scaling: float,
+        norm: SharedNorm | None,
         x: Tensor,
         weight: Tensor,
         bias: Tensor | None,
@@ -309,27 +375,30 @@ class FusedProjectionMaps(torch.autograd.Function):
         lora_b: Tensor | None,
         *leaves: Tensor,
     ) -> Tensor:
-        return _fused_forward(ctx, None, (sides, transposed, scaling, x, weight, bias, lora_a, lora_b, leaves))
+        return _fused_forward(ctx, None, (sides, transposed, scaling, x, weight, bias, lora_a, lora_b, leaves), norm)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         return _fused_backward(ctx, grad, 0)
 
 
-def _project_and_map(args: tuple, copy: bool = False) -> tuple[Tensor, Tensor]:
+def _project_and_map(args: tuple, copy: bool = False, r: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(y, out) of ``FusedProjectionMaps``' arguments ``args``: y the projection
     (with its LoRA update), out the same with the maps applied: y itself,
-    mapped in place, or with ``copy`` a new tensor (``_mapped_copy``)."""
+    mapped in place, or with ``copy`` a new tensor (``_mapped_copy``); ``r``
+    the tokens' RMS denominator if known."""
     sides, transposed, scaling, x, weight, bias, lora_a, lora_b, leaves = args
     y = project(x, weight, bias, transposed)
     if lora_a is not None and lora_b is not None:
         y = y + F.linear(F.linear(x, lora_a), lora_b) * scaling  # PEFT's own expression, bit for bit
     if copy:
-        return y, _mapped_copy(y, x, sides, leaves)
-    return y, _map_out(y, x, sides, leaves)
+        return y, _mapped_copy(y, x, sides, leaves, r)
+    return y, _map_out(y, x, sides, leaves, r)
 
 
-def _mapped_copy(y: Tensor, x: Tensor, sides: tuple[SideBlocks, ...], leaves: Sequence[Tensor]) -> Tensor:
+def _mapped_copy(
+    y: Tensor, x: Tensor, sides: tuple[SideBlocks, ...], leaves: Sequence[Tensor], r: Tensor | None = None
+) -> Tensor:
     """The mapped output as a new tensor, y left as it is (float32/float64, no
     autocast: the fused node's case), the same bits as ``_map_out`` on a
     copy of y. Metric "heads": each run of mapped blocks written once, as
@@ -337,14 +406,16 @@ def _mapped_copy(y: Tensor, x: Tensor, sides: tuple[SideBlocks, ...], leaves: Se
     unmapped columns copied from y (a clone and an in-place add passed over
     the mapped columns twice more); "lowrank": ``_map_out`` on a clone."""
     if any(b.metric != "heads" for b in sides) or not y.is_contiguous():
-        return _map_out(y.clone(), x, sides, leaves)
+        return _map_out(y.clone(), x, sides, leaves, r)
     out = torch.empty_like(y)
     flat, out_flat = y.view(-1, y.shape[-1]), out.view(-1, y.shape[-1])
     t = x.reshape(-1, x.shape[-1])
+    if r is None:
+        r = fn._rms_denominator(t)
     written: list[tuple[int, int]] = []
     for blocks, (i, j) in zip(sides, _split_leaves(sides, leaves)):
         weights = _side_weights(blocks.metric, leaves[i:j])
-        A = coefficients(weights, t)
+        A = coefficients(weights, t, r)
         mixes: dict[int, Tensor] = {}
         for offset, n in _runs(blocks):
             mix = mixes.get(n)
@@ -361,21 +432,23 @@ def _mapped_copy(y: Tensor, x: Tensor, sides: tuple[SideBlocks, ...], leaves: Se
     return out
 
 
-def _map_out(out: Tensor, x: Tensor, sides: tuple[SideBlocks, ...], leaves: Sequence[Tensor]) -> Tensor:
+def _map_out(
+    out: Tensor, x: Tensor, sides: tuple[SideBlocks, ...], leaves: Sequence[Tensor], r: Tensor | None = None
+) -> Tensor:
     spans = _split_leaves(sides, leaves)
-    return map_blocks_(
-        out, x, [(b, _side_weights(b.metric, leaves[i:j])) for b, (i, j) in zip(sides, spans)], merge=True
-    )
+    weights = [(b, _side_weights(b.metric, leaves[i:j])) for b, (i, j) in zip(sides, spans)]
+    return map_blocks_(out, x, weights, merge=True, norm=None if r is None else _KnownNorm(r))
 
 
-def _fused_forward(ctx: Any, recipe: OutputRecipe | None, args: tuple) -> Tensor:
+def _fused_forward(ctx: Any, recipe: OutputRecipe | None, args: tuple, norm: SharedNorm | None) -> Tensor:
     sides, transposed, scaling, x, weight, bias, lora_a, lora_b, leaves = args
-    ctx.sides, ctx.transposed, ctx.scaling, ctx.recipe = sides, transposed, scaling, recipe
+    ctx.sides, ctx.transposed, ctx.scaling, ctx.recipe, ctx.norm = sides, transposed, scaling, recipe, norm
     ctx.save_for_backward(x, weight, bias, lora_a, lora_b, *leaves)
+    r = None if norm is None else norm.forward(x.reshape(-1, x.shape[-1]))
     if recipe is None:
-        return _project_and_map(args)[1]
+        return _project_and_map(args, r=r)[1]
     # Store mode: the mapped output is a copy, y stays unmapped (kept by the recipe).
-    y, out = _project_and_map(args, copy=True)
+    y, out = _project_and_map(args, copy=True, r=r)
     recipe._keep(out, y, args)
     return out
 
@@ -388,8 +461,9 @@ def _fused_backward(ctx: Any, grad: Tensor, first: int) -> tuple[Tensor | None, 
     transposed: bool = ctx.transposed
     scaling: float = ctx.scaling
     recipe: OutputRecipe | None = ctx.recipe
-    need_x, need_w, need_b, need_la, need_lb = ctx.needs_input_grad[first + 3 : first + 8]
-    need_leaves = ctx.needs_input_grad[first + 8 :]
+    norm: SharedNorm | None = ctx.norm
+    need_x, need_w, need_b, need_la, need_lb = ctx.needs_input_grad[first + 4 : first + 9]
+    need_leaves = ctx.needs_input_grad[first + 9 :]
     features = weight.shape[1 if transposed else 0]
     t = x.reshape(-1, x.shape[-1])
     g = grad.reshape(-1, features)
@@ -428,7 +502,7 @@ def _fused_backward(ctx: Any, grad: Tensor, first: int) -> tuple[Tensor | None, 
     scale = math.sqrt(t.shape[-1])
     # The generator's products: those the recipe made the output again with
     # (store mode), or made here as the forward made them (the same mix, bit for bit).
-    r = made[0] if made else fn._rms_denominator(t)
+    r = made[0] if made else (fn._rms_denominator(t) if norm is None else norm.backward(t))
     for i, (blocks, (k, k_end)) in enumerate(zip(sides, _split_leaves(sides, leaves))):
         w_gen, b_gen, gate = leaves[k : k + 3]
         need = need_leaves[k:k_end]
@@ -486,7 +560,7 @@ def _fused_backward(ctx: Any, grad: Tensor, first: int) -> tuple[Tensor | None, 
         dW = _joined_mm(pieces, t, transposed)
     if need_b:
         db = _joined_sum(pieces)
-    return (*[None] * (first + 3), dx, dW, db, d_la, d_lb, *leaf_grads)
+    return (*[None] * (first + 4), dx, dW, db, d_la, d_lb, *leaf_grads)
 
 
 def _tile(pieces: list[tuple[int, Tensor]], g: Tensor) -> list[tuple[int, Tensor]]:
@@ -809,7 +883,7 @@ class OutputRecipe:
         """The mapped output (..., F), made again as the forward made it, bit for bit."""
         if torch.is_grad_enabled():
             # A backward that builds a graph (create_graph): made with one.
-            return FusedProjectionMaps.apply(*state.args[:8], *state.args[8])
+            return FusedProjectionMaps.apply(*state.args[:3], None, *state.args[3:8], *state.args[8])
         if state.out is not None:  # settle found the output held elsewhere
             return state.out
         self._handoff = state
@@ -1010,8 +1084,10 @@ class StoredProjectionMaps(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, recipe: OutputRecipe, *args: Any) -> Tensor:
-        sides, transposed, scaling, x, weight, bias, lora_a, lora_b, *leaves = args
-        return _fused_forward(ctx, recipe, (sides, transposed, scaling, x, weight, bias, lora_a, lora_b, tuple(leaves)))
+        sides, transposed, scaling, norm, x, weight, bias, lora_a, lora_b, *leaves = args
+        return _fused_forward(
+            ctx, recipe, (sides, transposed, scaling, x, weight, bias, lora_a, lora_b, tuple(leaves)), norm
+        )
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
