@@ -568,6 +568,40 @@ def test_vit_fused_qkv_mixing_ops_per_layer(mode):
     assert {op: n for op, n in extra.items() if n} == VIT_MIXING[mode], extra
 
 
+def test_cross_key_value_node_joins_no_weight_gradient():
+    """DamchaAttention(x, c, c) in training: keys and values are one
+    ``SplitLinearMaps`` node over the packed k/v weight, whose output
+    gradient comes back in two pieces (k~'s, mapped, fresh; v's as SDPA
+    returns it). Each piece's GEMM writes its rows of the k/v weight
+    gradient, and its column sums its part of the bias gradient, in place:
+    the only joins left are autograd's, of the packed ``in_proj`` weight and
+    bias split into the query and key/value projections (before, the k/v
+    weight and bias gradients were each a ``cat`` of the pieces' too).
+    Gradients: ``recompute=False`` (the composite path), float64."""
+    E = 32
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(E, 4, batch_first=True, dtype=torch.float64)
+    x, c = torch.randn(2, 8, E, dtype=torch.float64), torch.randn(2, 4, E, dtype=torch.float64)
+    grads = []
+    for recompute in (True, False):
+        torch.manual_seed(1)  # the same generator weights in both
+        layer = open_gates(dt.DamchaAttention.from_mha(mha, recompute=recompute)).train()
+
+        def step(layer=layer):
+            layer.zero_grad(set_to_none=True)
+            layer(x, c, c, need_weights=False)[0].square().mean().backward()
+
+        step()
+        if recompute:
+            _, _, copies = aten_calls(step)
+            assert sorted(n for op, n in copies if op == "cat") == [3 * E, 3 * E * E], copies
+        grads.append({n: p.grad for n, p in layer.named_parameters()})
+    got, want = grads
+    assert set(got) == set(want)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=0, atol=1e-13, msg=n)
+
+
 @pytest.mark.parametrize("mode", ["no-grad", "train"])
 def test_llama_sites_share_the_norm_of_their_input(mode):
     """Llama's q_proj and k_proj project the same hidden states: the RMS

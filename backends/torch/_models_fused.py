@@ -606,15 +606,15 @@ def _joined_mm(pieces: list[tuple[int, Tensor]], t: Tensor, transposed: bool) ->
         if transposed:
             return _cat([t.t().mm(dp) for _, dp in pieces], 1)
         return _cat([dp.t().mm(t) for _, dp in pieces], 0)
-    features = pieces[-1][0] + pieces[-1][1].shape[1]
+    widths = [dp.shape[1] for _, dp in pieces]
     E = t.shape[1]
-    out = t.new_empty((E, features) if transposed else (features, E))
-    for offset, dp in pieces:
-        width = dp.shape[1]
+    out = t.new_empty((E, sum(widths)) if transposed else (sum(widths), E))
+    # One split of the result into the pieces' blocks (one op, not a slice each).
+    for (_, dp), block in zip(pieces, out.split_with_sizes(widths, dim=1 if transposed else 0)):
         if transposed:
-            torch.mm(t.t(), dp, out=out[:, offset : offset + width])
+            torch.mm(t.t(), dp, out=block)
         else:
-            torch.mm(dp.t(), t, out=out[offset : offset + width])
+            torch.mm(dp.t(), t, out=block)
     return out
 
 
@@ -623,9 +623,10 @@ def _joined_sum(pieces: list[tuple[int, Tensor]]) -> Tensor:
     one tensor (a ``cat`` of them under a graph, as ``_joined_mm``)."""
     if len(pieces) == 1 or torch.is_grad_enabled():
         return _cat([dp.sum(0) for _, dp in pieces], 0)
-    out = pieces[0][1].new_empty(pieces[-1][0] + pieces[-1][1].shape[1])
-    for offset, dp in pieces:
-        torch.sum(dp, 0, out=out[offset : offset + dp.shape[1]])
+    widths = [dp.shape[1] for _, dp in pieces]
+    out = pieces[0][1].new_empty(sum(widths))
+    for (_, dp), block in zip(pieces, out.split_with_sizes(widths)):
+        torch.sum(dp, 0, out=block)
     return out
 
 
@@ -1247,7 +1248,7 @@ class SplitLinearMaps(torch.autograd.Function):
             dmix: Tensor | None = None
             for offset in blocks.offsets:
                 p = starts.index(offset)
-                gb = _block(gs[p], 0, S, d)
+                gb = gs[p].unflatten(-1, (S, d))  # the piece is the block (forward's contract)
                 dys[p] = torch.baddbmm(gb, mix_t, gb).view(-1, sizes[p])
                 part = torch.bmm(gb, _block(y, offset - lo, S, d).transpose(1, 2))
                 dmix = part if dmix is None else dmix.add_(part)
@@ -1268,8 +1269,9 @@ class SplitLinearMaps(torch.autograd.Function):
             for dP, w_gen, c in through_generator:
                 dx.addmm_(dP, w_gen).addcmul_(t, c)
             dx = dx.view_as(x)
+        pieces = list(zip(starts, dys))
         if need_w:
-            dW = _cat([dy.t().mm(t) for dy in dys], 0)
+            dW = _joined_mm(pieces, t, False)
         if need_b:
-            db = _cat([dy.sum(0) for dy in dys], 0)
+            db = _joined_sum(pieces)
         return (None, None, None, dx, dW, db, *leaf_grads)
