@@ -232,9 +232,16 @@ def apply_map(
 
 
 def _apply_maps(
-    config: DamchaConfig, leaves: Mapping[str, Array], coeff: Array, ys: list[Array], precision: Any
+    config: DamchaConfig,
+    leaves: Mapping[str, Array],
+    coeff: Array,
+    ys: list[Array],
+    precision: Any,
+    biases: list[Array | None] | None = None,
 ) -> list[Array]:
-    """L(t) y for each y of ``ys`` (same tokens, same side), in at least float32.
+    """L(t) y for each y of ``ys`` (same tokens, same side), in at least float32;
+    a y with a bias in ``biases`` is the query without its projection bias
+    (S, d), mapped as L(t) (y + b) by ``_mix_query``.
 
     A compact structure ("heads": L(t) = l(t) (x) I_d with l = I + diag(g) A)
     maps y with one (S, S) @ (S, d) product per token (``_mix_heads``), the
@@ -246,12 +253,13 @@ def _apply_maps(
     """
     structure = _structure(config)
     ys = [y.astype(_acc(y.dtype)) for y in ys]
+    bs = [None if b is None else b.astype(y.dtype) for y, b in zip(ys, biases or [None] * len(ys), strict=True)]
     if not structure.compact_head_map:
-        return [structure.apply(_xp(precision), coeff, y, leaves) for y in ys]
+        return [structure.apply(_xp(precision), coeff, y if b is None else y + b, leaves) for y, b in zip(ys, bs)]
     head_map = structure.head_map(jnp, coeff, leaves)
     prec = jax.lax.Precision.HIGHEST if precision is None else precision
     # One product per side: stacking q and k (tied) would copy both (measured: more bytes on CPU).
-    return [_mix_heads(head_map, y, prec) for y in ys]
+    return [_mix_heads(head_map, y, prec) if b is None else _mix_query(head_map, y, b, prec) for y, b in zip(ys, bs)]
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
@@ -296,12 +304,70 @@ def _mix_heads_jvp(precision: Any, primals: tuple[Array, Array], tangents: tuple
     return out, d_out
 
 
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
+def _mix_query(head_map: Array, y: Array, bias: Array, precision: Any) -> Array:
+    """l(t) (y + b) per token for the query without its projection bias b
+    (S, d): (B, T, S, S) x (B, T, S, d) -> (B, T, S, d), written as S
+    multiply-adds (exact float arithmetic, as a HIGHEST product); its
+    derivative is ``_mix_query_jvp``.
+
+    XLA:CPU fuses this, the bias add included, into the attention's copy of
+    q~ to its (B, H, N, d) layout, which reads each token's (S, d) block
+    contiguously: one pass over q where the bias add, the map's product and
+    the copy were three (measured at B=4, N=1024, E=512, H=8: 17 MiB against
+    49 MiB, and a shorter time). The library dot cannot absorb the bias add
+    (MHA's rides in that copy). The keys keep ``_mix_heads``: fused into
+    k's (B, H, d, M) copy the same sum gathers S strided values per element
+    (7x that copy's time).
+    """
+    yb = y + bias
+    terms = [head_map[..., :, a, None] * yb[..., a, None, :] for a in range(head_map.shape[-1])]
+    return functools.reduce(jnp.add, terms)
+
+
+@_mix_query.defjvp
+def _mix_query_jvp(
+    precision: Any, primals: tuple[Array, Array, Array], tangents: tuple[Array, Array, Array]
+) -> tuple[Array, Array]:
+    """d(l (y + b)) = dl y + dl b + l (dy + db), products as in ``_mix_heads_jvp``.
+
+    dl b is its own small product (not dl (y + b)): y + b written out for
+    the product would be a residual of q's size under ``mapped_attention``'s
+    checkpoint. b's cotangent is the sum over tokens of y's.
+    """
+    head_map, y, bias = primals
+    d_map, dy, d_bias = tangents
+    head_map_t = jax.lax.optimization_barrier(jnp.swapaxes(head_map, -1, -2))
+    out = _mix_query(head_map, y, bias, precision)
+    d_out = (
+        jnp.einsum("btha,btad->bthd", d_map, y, precision=precision)
+        + jnp.einsum("btha,ad->bthd", d_map, bias, precision=precision)
+        + jnp.einsum("btah,btad->bthd", head_map_t, dy + d_bias, precision=precision)
+    )
+    return out, d_out
+
+
 def cross_head_maps(
-    params: Params, config: DamchaConfig, x: Array, c: Array | None, q: Array, k: Array, *, precision: Any = None
+    params: Params,
+    config: DamchaConfig,
+    x: Array,
+    c: Array | None,
+    q: Array,
+    k: Array,
+    *,
+    precision: Any = None,
+    q_bias: Array | None = None,
 ) -> tuple[Array, Array]:
     """q~ = L_q(x) q (B, N, H, d) and k~ = L_k(c) k (B, M, G, d), in the dtypes of
-    q and k; ``c=None`` means the keys come from ``x`` (self-attention)."""
+    q and k; ``c=None`` means the keys come from ``x`` (self-attention).
+
+    ``q_bias`` (H, d): q is given without its projection's bias and the
+    spec's q is q + q_bias; the map takes the bias in its own pass
+    (``_mix_query``) instead of a pass of its own over q."""
     sq, sk = side_of(config, "q"), side_of(config, "k")
+    if not sq:
+        q = q if q_bias is None else (q + q_bias).astype(q.dtype)
+        q_bias = None
     if not sq and not sk:
         return q, k  # metric "none": no maps
     structure = _structure(config)
@@ -309,7 +375,7 @@ def cross_head_maps(
         # Tied self-attention: one generator on the same tokens, so one l(t) maps q and k.
         leaves = _leaves(params, config, sq)
         coeff = _affine_coefficients(structure, x, leaves, precision)
-        q_out, k_out = _apply_maps(config, leaves, coeff, [q, k], precision)
+        q_out, k_out = _apply_maps(config, leaves, coeff, [q, k], precision, [q_bias, None])
         return q_out.astype(q.dtype), k_out.astype(k.dtype)
     # Two generators reading the same tokens (separate coupling, self-attention) share their RMS scale.
     shared = _rms_scale(x.astype(_acc(x.dtype))) if sq and sk and c is None else None
@@ -317,7 +383,7 @@ def cross_head_maps(
     if sq:
         leaves = _leaves(params, config, sq)
         coeff_q = _affine_coefficients(structure, x, leaves, precision, shared)
-        q_out = _apply_maps(config, leaves, coeff_q, [q], precision)[0].astype(q.dtype)
+        q_out = _apply_maps(config, leaves, coeff_q, [q], precision, [q_bias])[0].astype(q.dtype)
     if sk:
         leaves = _leaves(params, config, sk)
         coeff_k = _affine_coefficients(structure, x if c is None else c, leaves, precision, shared)
@@ -341,6 +407,7 @@ def mapped_attention(
     v: Array,
     *,
     precision: Any = None,
+    q_bias: Array | None = None,
     **attend_kwargs: Any,
 ) -> tuple[Array, Array | None, Array | None]:
     """``cross_head_maps`` then ``attend`` (same arguments and result), with q~
@@ -366,11 +433,11 @@ def mapped_attention(
         # No maps (metric "none"), or 16-bit heads: under the checkpoint
         # XLA:CPU refused the attention's float16 product (its precision
         # F16_F16_F32), so they keep q~ and k~ as before.
-        q, k = cross_head_maps(params, config, x, c, q, k, precision=precision)
+        q, k = cross_head_maps(params, config, x, c, q, k, precision=precision, q_bias=q_bias)
         return attend(config, q, k, v, precision=precision, **attend_kwargs)
 
-    def run(p: Params, x: Array, c: Array | None, q: Array, k: Array, v: Array) -> Any:
-        q, k = cross_head_maps(p, config, x, c, q, k, precision=precision)
+    def run(p: Params, x: Array, c: Array | None, q: Array, k: Array, v: Array, q_bias: Array | None) -> Any:
+        q, k = cross_head_maps(p, config, x, c, q, k, precision=precision, q_bias=q_bias)
         q = checkpoint_name(q, MAPPED_NAMES[0])
         k = checkpoint_name(k, MAPPED_NAMES[1])
         return attend(config, q, k, v, precision=precision, **attend_kwargs)
@@ -390,11 +457,14 @@ def mapped_attention(
             return not (avals[0].shape == q.shape and tuple(kw.get("new_sizes", ())) == grouped)
         return True
 
-    return jax.checkpoint(run, policy=policy)(params, x, c, q, k, v)
+    return jax.checkpoint(run, policy=policy)(params, x, c, q, k, v, q_bias)
 
 
-def _project(params: Params, config: DamchaConfig, name: str, tokens: Array, precision: Any) -> Array:
-    """tokens (B, T, E) -> heads (B, T, S, d), accumulated in at least float32."""
+def _project(
+    params: Params, config: DamchaConfig, name: str, tokens: Array, precision: Any, bias: bool = True
+) -> Array:
+    """tokens (B, T, E) -> heads (B, T, S, d), accumulated in at least float32;
+    ``bias=False`` leaves the bias out (the caller adds it)."""
     y = jnp.einsum(
         "bte,ehd->bthd",
         tokens,
@@ -402,7 +472,7 @@ def _project(params: Params, config: DamchaConfig, name: str, tokens: Array, pre
         precision=precision,
         preferred_element_type=_acc(tokens.dtype),
     )
-    if config.use_bias:
+    if config.use_bias and bias:
         y = y + params[f"{name}.bias"]
     return y
 
@@ -412,10 +482,12 @@ def _qkv(
 ) -> tuple[Array, Array, Array]:
     """q~ (B, N, H, d), k~ (B, M, G, d), v (B, M, G, d_v) in x's dtype; c=None is self-attention."""
     ctx = x if c is None else c
-    q = _project(params, config, "query", x, precision)
+    # A mapped query's bias goes into its map (cross_head_maps' q_bias).
+    q_bias = params["query.bias"] if config.use_bias and side_of(config, "q") else None
+    q = _project(params, config, "query", x, precision, bias=q_bias is None)
     k = _project(params, config, "key", ctx, precision)
     v = _project(params, config, "value", ctx if v_tokens is None else v_tokens, precision)
-    q, k = cross_head_maps(params, config, x, c, q, k, precision=precision)
+    q, k = cross_head_maps(params, config, x, c, q, k, precision=precision, q_bias=q_bias)
     dt = x.dtype
     return q.astype(dt), k.astype(dt), v.astype(dt)
 
@@ -482,12 +554,14 @@ def plan_mask(
             if found[0].all():
                 keys = None
     if found is None and mask_hint is not None:
-        keys, rows, ok = traced_split(arr, n, m, hint=mask_hint, offset=query_offset)
+        raw = mask4(mask.raw)
+        keys, rows, ok = traced_split(arr, n, m, hint=mask_hint, offset=query_offset, raw=raw)
         causal = is_causal or mask_hint == "causal"
         if causal and mask_hint == "padding":
             first = jnp.argmax(keys, axis=-1)[..., None]  # rows already require some key
             rows = rows & (first <= jnp.arange(n) + query_offset)
-        flag = or_masks(flag, ~ok)
+        # With the raw values ok holds the 0/1 rule too: the flag's own pass over the mask is dropped.
+        flag = ~ok if raw is not None else or_masks(flag, ~ok)
         found = True
     if found is None:
         # Any other mask: to the kernel as it is; a row sees a key iff the mask shows it one.

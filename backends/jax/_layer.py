@@ -138,6 +138,32 @@ def _is_default_attention(fn: Any) -> bool:
     return fn is None or fn is nnx.dot_product_attention
 
 
+def _project_unbiased(linear: nnx.LinearGeneral, inputs: Array, out_sharding: Any) -> tuple[Array, Array | None]:
+    """``linear(inputs)`` as its product without the bias, and the bias, each
+    as ``linear`` computes them (its promote_dtype, dot_general hooks,
+    precision and sharding), for a LinearGeneral over the last axis.
+
+    The query's map takes the bias in its own pass (``_functional.cross_head_maps``'
+    ``q_bias``): added here it would cost a pass over q of its own, which
+    XLA:CPU's library dot does not absorb (in MHA it rides in the
+    attention's copy of q, which DAMCHA's map now sits before).
+    """
+    kernel = linear.kernel[...]
+    bias = None if linear.bias is None else linear.bias[...]
+    inputs, kernel, bias = linear.promote_dtype((inputs, kernel, bias), dtype=linear.dtype)
+    if linear.dot_general_cls is not None:
+        dot_general = linear.dot_general_cls()
+    elif linear.dot_general is not None:
+        dot_general = linear.dot_general
+    else:
+        dot_general = jax.lax.dot_general
+    kwargs: dict[str, Any] = {"out_sharding": out_sharding}
+    if linear.preferred_element_type is not None:
+        kwargs["preferred_element_type"] = linear.preferred_element_type
+    dims = (((inputs.ndim - 1,), (0,)), ((), ()))
+    return dot_general(inputs, kernel, dims, precision=linear.precision, **kwargs), bias
+
+
 def _check_inputs(
     config: DamchaConfig, x: Array, k: Array | None, v: Array | None, mask: Array | None, *, keys: int | None = None
 ) -> tuple[int, ...]:
@@ -566,12 +592,17 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
         deterministic, dropout_rng = self._dropout_rng(deterministic, rngs)
 
         ctx = x if k_in is None else k_in
-        q = self.query(x, out_sharding=qkv_sharding)
+        default = _is_default_attention(self.attention_fn) and not decode
+        q_bias = None
+        if default and self.query_ln is None and side_of(self.config, "q") and len(self.query.batch_axis) == 0:
+            # The mapped query's bias goes into its map (mapped_attention's q_bias), not a pass of its own.
+            q, q_bias = _project_unbiased(self.query, x, qkv_sharding)
+        else:
+            q = self.query(x, out_sharding=qkv_sharding)
         k = self.key(ctx, out_sharding=qkv_sharding)
         v = self.value(ctx if v_in is None else v_in, out_sharding=qkv_sharding)
         if self.query_ln is not None and self.key_ln is not None:
             q, k = self.query_ln(q), self.key_ln(k)
-        default = _is_default_attention(self.attention_fn) and not decode
         if self.config.metric_sides and not default:
             folded_q, folded_k = F.cross_head_maps(
                 self._metric_params(),
@@ -611,6 +642,7 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
                 _fold(q, lead, 3),
                 _fold(k, lead, 3),
                 _fold(v, lead, 3),
+                q_bias=q_bias,
                 mask=fold_mask(checked, lead),
                 is_causal=is_causal,
                 return_weights=sow_weights,
