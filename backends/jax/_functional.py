@@ -478,12 +478,23 @@ def _project(
 
 
 def _qkv(
-    params: Params, config: DamchaConfig, x: Array, c: Array | None, v_tokens: Array | None, precision: Any = None
+    params: Params,
+    config: DamchaConfig,
+    x: Array,
+    c: Array | None,
+    v_tokens: Array | None,
+    precision: Any = None,
+    *,
+    bias_in_map: bool = False,
 ) -> tuple[Array, Array, Array]:
-    """q~ (B, N, H, d), k~ (B, M, G, d), v (B, M, G, d_v) in x's dtype; c=None is self-attention."""
+    """q~ (B, N, H, d), k~ (B, M, G, d), v (B, M, G, d_v) in x's dtype; c=None is self-attention.
+
+    ``bias_in_map``: a mapped query's bias goes into its map (cross_head_maps'
+    ``q_bias``), for q~ that the attention copies; a decode step keeps the
+    product (its S multiply-adds are more ops to dispatch at B=1).
+    """
     ctx = x if c is None else c
-    # A mapped query's bias goes into its map (cross_head_maps' q_bias).
-    q_bias = params["query.bias"] if config.use_bias and side_of(config, "q") else None
+    q_bias = params["query.bias"] if bias_in_map and config.use_bias and side_of(config, "q") else None
     q = _project(params, config, "query", x, precision, bias=q_bias is None)
     k = _project(params, config, "key", ctx, precision)
     v = _project(params, config, "value", ctx if v_tokens is None else v_tokens, precision)
@@ -817,7 +828,7 @@ def damcha_attention(
         )
     if use_dropout:
         _check_key("dropout_rng", dropout_rng)
-    q, k, v = _qkv(p, config, x, c, v_tokens, precision)
+    q, k, v = _qkv(p, config, x, c, v_tokens, precision, bias_in_map=True)
     o, weights, bad = attend(
         config,
         q,
