@@ -363,6 +363,50 @@ def test_flat_decode_step_runs_out_proj_hooks():
     torch.testing.assert_close(outs[False], plain * 2.0 - 1.0, rtol=1e-12, atol=1e-13)
 
 
+def test_compiled_decode_step_is_the_flat_step_in_one_graph():
+    """torch.compile (fullgraph: no graph break) of a decoding loop without
+    autograd traces the flat step: each token graph holds one generator
+    GEMM, one batched product for tied q and k and the NaN guard on SDPA's
+    output, with no reduction (the general path's graph had a product per
+    side and per-row maxima of |q~| and |k~|: 2 baddbmm, 2 amax); no
+    graph is made after the first token steps; the outputs equal the eager
+    decode and the reference (float64)."""
+    layer, params, cfg = _layer("heads-tied")
+    x = _x(1, 11, 16, seed=17)
+    graphs: list[dict[str, int]] = []
+
+    def backend(gm, example_inputs):
+        ops: dict[str, int] = {}
+        for node in gm.graph.nodes:
+            if node.op in ("call_function", "call_method"):
+                name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "?")
+                ops[name] = ops.get(name, 0) + 1
+        graphs.append(ops)
+        return gm.forward
+
+    torch._dynamo.reset()
+    step = torch.compile(layer, fullgraph=True, backend=backend)
+    outs, made = [], []
+    with torch.no_grad():
+        cache = DamchaKVCache()
+        outs.append(step(x[:, :3], x[:, :3], x[:, :3], is_causal=True, need_weights=False, kv_cache=cache)[0])
+        for i in range(3, 11):
+            t = x[:, i : i + 1]
+            outs.append(step(t, t, t, is_causal=True, need_weights=False, kv_cache=cache)[0])
+            made.append(len(graphs))
+        eager = DamchaKVCache()
+        want = [_step(layer, x[:, :3], eager)] + [_step(layer, x[:, i : i + 1], eager) for i in range(3, 11)]
+    assert made[2] == made[-1] <= 4, made  # the prompt, the first token sizes, then one dynamic length
+    for ops in graphs[1:]:  # the one-token graphs
+        assert ops.get("baddbmm") == 1 and ops.get("linear") == 3, ops
+        assert not ops.get("amax") and not ops.get("abs") and not ops.get("bmm"), ops
+    got = torch.cat(outs, dim=1)
+    torch.testing.assert_close(got, torch.cat(want, dim=1), rtol=1e-12, atol=1e-13)
+    np.testing.assert_allclose(
+        got.numpy(), dc.damcha_attention(params, cfg, x.numpy(), causal=True), rtol=1e-10, atol=1e-12
+    )
+
+
 # ------------------------------------------------------------------ static storage
 
 

@@ -1029,6 +1029,7 @@ def few_tokens_step(
     output: Callable[[Tensor], Tensor] | tuple[Tensor, Tensor | None],
     kv_cache: DamchaKVCache | None,
     causal: bool,
+    traced: bool = False,
 ) -> Tensor:
     """``attend_weights`` for a decoding step, written out flat: y (B, N, E_o).
 
@@ -1042,6 +1043,10 @@ def few_tokens_step(
     layer's ``out_proj`` module, so its hooks run), or (weight, bias) when
     that module's call is exactly ``F.linear`` with them, which is then
     called directly (no module call: a few microseconds per step).
+    ``traced``: the call runs under ``torch.compile`` (the layer's
+    ``_traced_few_tokens_step``): no module-level constant tensor and no
+    ``storage_offset()`` (it would break the graph), so an eager step asks
+    nothing about compilation.
 
     The math is the general path's; at B = 1 a step's kernels are tiny, so
     what it costs is their number, the tensors made around them and Python:
@@ -1069,7 +1074,8 @@ def few_tokens_step(
     # F.linear's output is contiguous (contiguous() then returns it without a
     # call); the strides below read q, k and v out of that layout.
     qkv = F.linear(x, in_proj, in_bias).contiguous()
-    width, at = qkv.shape[-1], qkv.storage_offset()
+    # (Traced: a fresh intermediate's offset is 0, and storage_offset() would break the graph.)
+    width, at = qkv.shape[-1], 0 if traced else qkv.storage_offset()
     v = qkv.as_strided((B, G, N, dv), (N * width, dv, width, 1), at + (H + G) * d)
     mq, mk = maps
     if mq is None and mk is None:
@@ -1079,10 +1085,14 @@ def few_tokens_step(
         # phi(x) W + b as _coefficients computes it: x W scaled by sqrt(E) / ||x||_eps
         # (F.rms_norm is one aten call but several kernels on CPU: 18 us where
         # vector_norm, hypot and the addcdiv below take 10 at E = 512).
-        const = _HYPOT_CONSTANTS.get((E, x.dtype))
-        if const is None:
-            const = _hypot_constant(E, x.dtype)
-        denom, root = torch.hypot(torch.linalg.vector_norm(x, dim=-1, keepdim=True), const), math.sqrt(E)
+        norm, root = torch.linalg.vector_norm(x, dim=-1, keepdim=True), math.sqrt(E)
+        if traced:
+            denom = torch.sqrt(norm * norm + E * dc.RMS_EPS)  # no module-level tensor in traced graphs
+        else:
+            const = _HYPOT_CONSTANTS.get((E, x.dtype))
+            if const is None:
+                const = _hypot_constant(E, x.dtype)
+            denom = torch.hypot(norm, const)
         if mk is mq and T == 1:
             # Tied, one token: q and k are adjacent in qkv, (2, H, d) is a view of
             # it, and one baddbmm maps both with the same (H, H) matrix, which the

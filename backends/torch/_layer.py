@@ -488,7 +488,8 @@ class DamchaAttention(CanonicalIO, nn.Module):
         a parameter replaced, retyped or moved between steps is seen.
         """
         if torch.compiler.is_compiling():
-            return None  # first: a compiled step then reads none of the memos below (no guard on them)
+            # First: a compiled step reads none of the memos below (no guard on them).
+            return self._traced_few_tokens_step(query, is_causal, kv_cache, attn_mask)
         if type(query) is not Tensor or type(kv_cache) is not DamchaKVCache or query.is_nested or query.dim() != 3:
             return None
         x = query if self.batch_first else query.transpose(0, 1)
@@ -583,6 +584,83 @@ class DamchaAttention(CanonicalIO, nn.Module):
             out_proj if linear is None else linear,
             kv_cache,
             is_causal,
+        )
+        return out if self.batch_first else out.transpose(0, 1)
+
+    def _traced_few_tokens_step(
+        self, query: Tensor, is_causal: bool, kv_cache: Any, attn_mask: Any = None
+    ) -> Tensor | None:
+        """``_few_tokens_step`` inside ``torch.compile``: the same flat step, so
+        the compiled graph holds its few ops (one generator GEMM, one batched
+        product for tied q and k, the guard on o) rather than the general
+        path's. Its conditions are read while tracing, so dynamo guards each
+        of them (no memo: the shape rules run at trace time, as on the general
+        path); a fixed_shape cache keeps the general path (its read of the
+        whole capacity)."""
+        if type(kv_cache) is not DamchaKVCache or kv_cache._fixed or query.dim() != 3 or query.is_nested:
+            return None
+        if not query.is_floating_point():
+            return None  # the general path raises its error
+        x = query if self.batch_first else query.transpose(0, 1)
+        B, N, _ = self._sizes_of(x, x, x)
+        if B * N > fn._FEW_TOKENS:
+            return None
+        p = self._parameters
+        weight, bias = p["in_proj_weight"], p["in_proj_bias"]
+        dtype = x.dtype
+        device = x.device.type
+        if (
+            weight is None
+            or weight.dtype != dtype
+            or (bias is not None and bias.dtype != dtype)
+            or dtype not in (torch.float32, torch.float64)
+            or self.track_metric_penalty
+            or (self.training and self.dropout > 0.0)
+            or self.add_zero_attn
+            or p.get("bias_k") is not None
+            or device not in ("cpu", "cuda")
+            or torch.is_autocast_enabled(device)
+            or (is_causal and N > 1 and len(kv_cache) > 0)
+        ):
+            return None
+        if attn_mask is not None and not (
+            isinstance(attn_mask, Tensor)
+            and attn_mask.dim() == 2
+            and attn_mask.shape[0] == N
+            and attn_mask.shape[1] == len(kv_cache) + N
+            and (attn_mask.dtype == torch.bool or attn_mask.is_floating_point())
+        ):
+            return None
+        modules = self._modules
+        out_proj = modules["out_proj"]
+        assert out_proj is not None  # registered in _init_from_config
+        sq, sk = self._map_sides
+        maps: list[tuple[Tensor, Tensor, Tensor] | None] = [None, None]
+        if sq is not None or sk is not None:
+            gens = modules["metric_generators"]._modules  # type: ignore[union-attr]  # registered with out_proj
+            gates = modules["metric_gates"]._parameters  # type: ignore[union-attr]
+            for i, side in enumerate((sq, sk)):
+                if side is None:
+                    continue
+                if i == 1 and side == sq:
+                    maps[1] = maps[0]  # tied: the same tuple, one generator GEMM
+                    continue
+                g, gate = gens[side]._parameters, gates[side]  # type: ignore[union-attr]
+                w_g, b_g = g["weight"], g["bias"]
+                if w_g.dtype != dtype or b_g.dtype != dtype or gate.dtype != dtype:  # type: ignore[union-attr]
+                    return None
+                maps[i] = (w_g, b_g, gate.view(-1, 1))  # type: ignore[assignment,union-attr]
+        linear = _linear_params(out_proj)
+        out = fn.few_tokens_step(
+            self.config,
+            x,
+            weight,
+            bias,
+            (maps[0], maps[1]),
+            out_proj if linear is None else linear,
+            kv_cache,
+            is_causal,
+            traced=True,
         )
         return out if self.batch_first else out.transpose(0, 1)
 
