@@ -568,6 +568,20 @@ def test_vit_fused_qkv_mixing_ops_per_layer(mode):
     assert {op: n for op, n in extra.items() if n} == VIT_MIXING[mode], extra
 
 
+@pytest.mark.parametrize("arch", ["llama", "vit"])
+def test_inference_mode_equals_no_grad(arch):
+    """Under ``torch.inference_mode`` (inference tensors: no version counter,
+    so the sites do not share the tokens' norm there) the converted model
+    gives the bits it gives under ``torch.no_grad``."""
+    model = open_gates(dt.convert(build(arch, torch.float32))).eval()
+    kw = inputs(arch)
+    with torch.no_grad():
+        want = run(model, arch, kw)
+    with torch.inference_mode():
+        got = run(model, arch, kw)
+    assert torch.equal(got, want)
+
+
 def test_cross_key_value_node_joins_no_weight_gradient():
     """DamchaAttention(x, c, c) in training: keys and values are one
     ``SplitLinearMaps`` node over the packed k/v weight, whose output

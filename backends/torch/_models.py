@@ -410,8 +410,9 @@ class DamchaMaps(nn.Module):
         module: the one an earlier site of this call made for the same tensor
         (unmodified since), or a new one, kept (x only weakly) until the
         module returns (``_end_norm``). None while compiling (traced graphs
-        share the norm themselves)."""
-        if torch.compiler.is_compiling():
+        share the norm themselves) and for inference tensors (no version
+        counter tells whether x changed in place between the sites)."""
+        if torch.compiler.is_compiling() or x.is_inference():
             return None
         memo = self.__dict__.get("_norm_memo")
         if memo is not None and memo[0]() is x and memo[1] == x._version:
