@@ -541,36 +541,27 @@ class DamchaAttention(CanonicalIO, nn.Module):
         if sq is not None or sk is not None:
             gens = modules["metric_generators"]._modules  # type: ignore[union-attr]  # registered with out_proj
             gates = modules["metric_gates"]._parameters  # type: ignore[union-attr]
-            # The kept gate views (see _gate_column), their check written out here.
+            # The kept gate views (see _gate_column), their check written out here: this
+            # runs once per decoded token (tests/test_torch_ops.py counts its Python calls).
             columns = self.__dict__.get("_gate_columns") or {}
-            if sq is not None:
-                g, gate, kept = gens[sq]._parameters, gates[sq], columns.get(sq)  # type: ignore[union-attr]
+            flat: dict[str, tuple[Tensor, Tensor, Tensor]] = {}
+            for side in (sq, sk):
+                if side is None or side in flat:
+                    continue  # no map on this side, or tied: one tuple, one generator GEMM
+                g, gate, kept = gens[side]._parameters, gates[side], columns.get(side)  # type: ignore[union-attr]
                 column = (
                     kept[2]
                     if kept is not None
                     and kept[0] is gate
                     and kept[1] == gate.data_ptr()
                     and kept[2].dtype is gate.dtype
-                    else self._gate_column(sq, gate)  # type: ignore[arg-type]
+                    else self._gate_column(side, gate)  # type: ignore[arg-type]
                 )
-                mq = (g["weight"], g["bias"], column)
-                if mq[0].dtype is not dtype or mq[1].dtype is not dtype or column.dtype is not dtype:  # type: ignore[union-attr]
+                if g["weight"].dtype is not dtype or g["bias"].dtype is not dtype or column.dtype is not dtype:  # type: ignore[union-attr]
                     return None
-            if sk == sq:
-                mk = mq  # tied: the same tuple, one generator GEMM
-            elif sk is not None:
-                g, gate, kept = gens[sk]._parameters, gates[sk], columns.get(sk)  # type: ignore[union-attr]
-                column = (
-                    kept[2]
-                    if kept is not None
-                    and kept[0] is gate
-                    and kept[1] == gate.data_ptr()
-                    and kept[2].dtype is gate.dtype
-                    else self._gate_column(sk, gate)  # type: ignore[arg-type]
-                )
-                mk = (g["weight"], g["bias"], column)
-                if mk[0].dtype is not dtype or mk[1].dtype is not dtype or column.dtype is not dtype:  # type: ignore[union-attr]
-                    return None
+                flat[side] = (g["weight"], g["bias"], column)  # type: ignore[assignment]
+            mq = None if sq is None else flat[sq]
+            mk = None if sk is None else flat[sk]
         # out_proj as F.linear on its parameters when its call is exactly that
         # (no hooks, not wrapped): one module call fewer per step.
         linear = _linear_params(out_proj)
@@ -580,7 +571,7 @@ class DamchaAttention(CanonicalIO, nn.Module):
             x,
             weight,
             bias,
-            maps,  # type: ignore[arg-type]  # the generators' registered Parameters
+            maps,
             out_proj if linear is None else linear,
             kv_cache,
             is_causal,
