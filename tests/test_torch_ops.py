@@ -326,10 +326,12 @@ _TRAIN_CALLS = {
 # (Measured 62 / 67 / 93 by then.) The output-row guard's maxima taken under
 # no_grad instead of from a detach of q~ and of k~: two ops fewer, 60 / 65 / 91.
 TRAIN_EXTRA_OPS = {"mask+hint": 60, "padding+causal": 65, "cross": 91}
-# Copies: only the concatenations of the weight gradients' pieces (dW, db of
-# the packed weight), never an activation or its gradient. MHA: 10-12 (its
-# contiguous q/k/v and output, and their gradients).
-TRAIN_COPIES = {"mask+hint": 2, "padding+causal": 2, "cross": 4}
+# Copies: none in self-attention (the fused projections write their weight and
+# bias gradients piece by piece into one result); cross-attention keeps autograd's
+# own join of the packed in_proj_weight's query and key/value slices. Never an
+# activation or its gradient. MHA: 10-12 (its contiguous q/k/v and output, and
+# their gradients).
+TRAIN_COPIES = {"mask+hint": 0, "padding+causal": 0, "cross": 2}
 TRAIN_BIAS_GEMMS = {
     "mask+hint": [(3 * E, 16), (E, 16)],
     "padding+causal": [(3 * E, 16), (E, 16)],
