@@ -407,6 +407,65 @@ def test_compiled_decode_step_is_the_flat_step_in_one_graph():
     )
 
 
+def test_flat_decode_step_takes_the_hint_mask_and_no_other(monkeypatch):
+    """With is_causal, the hint's 2-D (1, P + 1) mask, bool or float, takes
+    the flat step, its values unread (all "masked" here, as the hint's
+    contract says); a mask of another shape or dtype takes the general path.
+    The eager step and the one torch.compile traces (called here as it is
+    traced, without the compilation's seconds; compiled hint decodes are in
+    tests/test_torch_fastpath.py) share the predicate. Every output equals
+    the reference's causal decode."""
+    import damcha_torch._functional as fn
+
+    layer, params, cfg = _layer("heads-tied")
+    x = _x(2, 10, 16, seed=21)
+    flat = []
+    real = fn.few_tokens_step
+
+    def counted(*args, **kwargs):
+        flat.append(kwargs.get("traced", False))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fn, "few_tokens_step", counted)
+    masks = {
+        "bool": lambda P: torch.ones(1, P + 1, dtype=torch.bool),
+        "float": lambda P: torch.full((1, P + 1), -1e9, dtype=torch.float64),
+        "3-d": lambda P: torch.zeros(2 * 4, 1, P + 1, dtype=torch.bool),
+    }
+    taken = {}
+    with torch.no_grad():
+        cache = DamchaKVCache()
+        outs = [_step(layer, x[:, :3], cache), _step(layer, x[:, 3:4], cache)]  # the second records the shapes
+        for i, (kind, traced) in zip(range(4, 10), [(k, t) for t in (False, True) for k in masks]):
+            t, before = x[:, i : i + 1], len(flat)
+            mask = masks[kind](i)
+            if traced:
+                out = layer._traced_few_tokens_step(t, True, cache, mask)
+                if out is None:  # forward goes on to the general path
+                    out = layer(t, t, t, attn_mask=mask, is_causal=True, need_weights=False, kv_cache=cache)[0]
+            else:
+                out = layer(t, t, t, attn_mask=mask, is_causal=True, need_weights=False, kv_cache=cache)[0]
+            outs.append(out)
+            taken[kind, traced] = flat[before:]
+        # Not the hint's (1, P + 1): the general path, which names the mask in its error.
+        t, before, P = x[:, 9:10], len(flat), len(cache)
+        for bad in (torch.zeros(1, P + 3, dtype=torch.bool), torch.zeros(1, P + 1, dtype=torch.int64)):
+            assert layer._traced_few_tokens_step(t, True, cache, bad) is None
+            with pytest.raises((ValueError, TypeError), match="attn_mask"):
+                layer(t, t, t, attn_mask=bad, is_causal=True, need_weights=False, kv_cache=cache)
+        assert len(flat) == before and len(cache) == P
+    assert taken == {
+        ("bool", False): [False],
+        ("float", False): [False],
+        ("3-d", False): [],
+        ("bool", True): [True],
+        ("float", True): [True],
+        ("3-d", True): [],
+    }, taken
+    want = dc.damcha_attention(params, cfg, x.numpy(), causal=True)
+    np.testing.assert_allclose(torch.cat(outs, dim=1).numpy(), want, rtol=1e-10, atol=1e-12)
+
+
 # ------------------------------------------------------------------ static storage
 
 

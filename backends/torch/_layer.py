@@ -58,6 +58,23 @@ def _add_batch_dim(
     return query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0), key_padding_mask
 
 
+def _is_hint_mask(attn_mask: Any, N: Any, M: Any) -> bool:
+    """Whether ``attn_mask``, given with ``is_causal`` to a decoding step of N
+    new tokens after M - N cached ones, is nn.MultiheadAttention's causal
+    hint that the flat step takes: a 2-D (N, M) bool or float tensor. It is
+    not read (see _masks.merge_masks: with ``is_causal`` a 2-D mask is taken
+    to be the causal mask), so its values never matter. Called by the eager
+    and the traced step only when a mask is given: the step without one
+    makes no call (tests/test_torch_ops.py counts its Python calls)."""
+    return (
+        type(attn_mask) is Tensor
+        and attn_mask.dim() == 2
+        and attn_mask.shape[0] == N
+        and attn_mask.shape[1] == M
+        and (attn_mask.dtype is torch.bool or attn_mask.is_floating_point())
+    )
+
+
 # damcha_core names things as DamchaConfig and the reference do; the errors
 # speak of the arguments the caller passed.
 _CONSTRUCTOR_NAMES = {"query_dim": "embed_dim", "context_dim": "kdim", "value_input_dim": "vdim", "use_bias": "bias"}
@@ -525,14 +542,8 @@ class DamchaAttention(CanonicalIO, nn.Module):
         N = shape[1]
         if is_causal and N > 1 and len(kv_cache) > 0:
             return None  # a chunk after cached tokens needs the bottom-right mask: the general path builds it
-        if attn_mask is not None and not (
-            type(attn_mask) is Tensor
-            and attn_mask.dim() == 2
-            and attn_mask.shape[0] == N
-            and attn_mask.shape[1] == len(kv_cache) + N
-            and (attn_mask.dtype is torch.bool or attn_mask.is_floating_point())
-        ):
-            return None  # only the is_causal hint's (N, P + N) mask, which is not read (see _masks.merge_masks)
+        if attn_mask is not None and not _is_hint_mask(attn_mask, N, len(kv_cache) + N):
+            return None
         modules = self._modules
         out_proj = modules["out_proj"]
         assert out_proj is not None  # registered in _init_from_config
@@ -614,13 +625,7 @@ class DamchaAttention(CanonicalIO, nn.Module):
             or (is_causal and N > 1 and len(kv_cache) > 0)
         ):
             return None
-        if attn_mask is not None and not (
-            isinstance(attn_mask, Tensor)
-            and attn_mask.dim() == 2
-            and attn_mask.shape[0] == N
-            and attn_mask.shape[1] == len(kv_cache) + N
-            and (attn_mask.dtype == torch.bool or attn_mask.is_floating_point())
-        ):
+        if attn_mask is not None and not _is_hint_mask(attn_mask, N, len(kv_cache) + N):
             return None
         modules = self._modules
         out_proj = modules["out_proj"]
