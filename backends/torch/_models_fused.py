@@ -206,12 +206,26 @@ def _run_mix(A: Tensor, gate: Tensor, n: int) -> Tensor:
     (T, n*S, d). At S = 3 a batched product of T tiny matrices costs about
     the same per matrix whether it is 3 x 3 or 6 x 6 (MKL's batched GEMM is
     overhead-bound there), so one call for the queries and keys beats two.
-    Each entry is the one product A * g_i (or an exact 0), as ``mix_coefficients``'."""
+    Each entry is the one product A * g_i (or an exact 0), as ``mix_coefficients``'.
+
+    The diagonal blocks are written by one ``mul`` into the diagonal of a
+    zeroed (T, n, S, n, S) tensor: a third of the CPU time of a broadcast
+    product A * (I_n (x) diag(g)) over all n^2 blocks (0.17 vs 0.47 ms at
+    T = 2308, S = 3, n = 2, one thread), whose TensorIterator broadcasts A
+    over two inner dimensions. The same entries (1 * g_i = g_i exactly), but
+    the off-diagonal zeros are +0 where A * 0 gave -0 for a negative A (the
+    products agree: a 0 term adds nothing to a sum). ``out=`` records no
+    graph and Dynamo does not trace a strided ``out=``: under a graph (a
+    ``create_graph`` backward) or a tracer, the broadcast product."""
     S = gate.shape[0]
     if n == 1:
         return A.view(-1, S, S) * gate.view(S, 1)
-    scale = torch.eye(n, dtype=A.dtype, device=A.device).view(n, 1, n, 1) * gate.view(1, S, 1, 1)
-    return (A.view(-1, 1, S, 1, S) * scale).view(-1, n * S, n * S)
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (A.requires_grad or gate.requires_grad)):
+        scale = torch.eye(n, dtype=A.dtype, device=A.device).view(n, 1, n, 1) * gate.view(1, S, 1, 1)
+        return (A.view(-1, 1, S, 1, S) * scale).view(-1, n * S, n * S)
+    mix = A.new_zeros(A.shape[0], n, S, n, S)
+    torch.mul(A.view(-1, S, S, 1).expand(-1, S, S, n), gate.view(S, 1, 1), out=mix.diagonal(0, 1, 3))
+    return mix.view(-1, n * S, n * S)
 
 
 def map_blocks_(
@@ -382,40 +396,41 @@ class FusedProjectionMaps(torch.autograd.Function):
         return _fused_backward(ctx, grad, 0)
 
 
-def _project_and_map(args: tuple, copy: bool = False, r: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """(y, out) of ``FusedProjectionMaps``' arguments ``args``: y the projection
-    (with its LoRA update), out the same with the maps applied: y itself,
-    mapped in place, or with ``copy`` a new tensor (``_mapped_copy``); ``r``
-    the tokens' RMS denominator if known."""
-    sides, transposed, scaling, x, weight, bias, lora_a, lora_b, leaves = args
+def _project(args: tuple) -> Tensor:
+    """The projection of ``FusedProjectionMaps``' arguments ``args``, with its LoRA update."""
+    _, transposed, scaling, x, weight, bias, lora_a, lora_b, _ = args
     y = project(x, weight, bias, transposed)
     if lora_a is not None and lora_b is not None:
         y = y + F.linear(F.linear(x, lora_a), lora_b) * scaling  # PEFT's own expression, bit for bit
-    if copy:
-        return y, _mapped_copy(y, x, sides, leaves, r)
-    return y, _map_out(y, x, sides, leaves, r)
+    return y
 
 
 def _mapped_copy(
     y: Tensor, x: Tensor, sides: tuple[SideBlocks, ...], leaves: Sequence[Tensor], r: Tensor | None = None
-) -> Tensor:
-    """The mapped output as a new tensor, y left as it is (float32/float64, no
-    autocast: the fused node's case), the same bits as ``_map_out`` on a
-    copy of y. Metric "heads": each run of mapped blocks written once, as
-    y_run + bmm(mix, y_run) into its columns of a new tensor, and only the
-    unmapped columns copied from y (a clone and an in-place add passed over
-    the mapped columns twice more); "lowrank": ``_map_out`` on a clone."""
+) -> tuple[Tensor, tuple[Tensor, list[Tensor]] | None]:
+    """(out, kept): the mapped output as a new tensor, y left as it is
+    (float32/float64, no autocast: the fused node's case), the same bits as
+    ``_map_out`` on a copy of y. Metric "heads": each run of mapped blocks
+    written once, as y_run + bmm(mix, y_run) into its columns of a new
+    tensor, and only the unmapped columns copied from y (a clone and an
+    in-place add passed over the mapped columns twice more), and kept the
+    generator's (r, [P = t W^T per side]) it was mapped with; "lowrank":
+    ``_map_out`` on a clone, None."""
     if any(b.metric != "heads" for b in sides) or not y.is_contiguous():
-        return _map_out(y.clone(), x, sides, leaves, r)
+        return _map_out(y.clone(), x, sides, leaves, r), None
     out = torch.empty_like(y)
     flat, out_flat = y.view(-1, y.shape[-1]), out.view(-1, y.shape[-1])
     t = x.reshape(-1, x.shape[-1])
     if r is None:
         r = fn._rms_denominator(t)
     written: list[tuple[int, int]] = []
+    kept = []
     for blocks, (i, j) in zip(sides, _split_leaves(sides, leaves)):
         weights = _side_weights(blocks.metric, leaves[i:j])
-        A = coefficients(weights, t, r)
+        # coefficients()' ops, with P kept.
+        P = F.linear(t, weights.weight)
+        A = torch.addcdiv(weights.bias, P, r, value=math.sqrt(t.shape[-1]))
+        kept.append(P)
         mixes: dict[int, Tensor] = {}
         for offset, n in _runs(blocks):
             mix = mixes.get(n)
@@ -429,7 +444,7 @@ def _mapped_copy(
         if start > at:
             out_flat[:, at:start].copy_(flat[:, at:start])
         at = max(at, stop)
-    return out
+    return out, (r, kept)
 
 
 def _map_out(
@@ -445,11 +460,15 @@ def _fused_forward(ctx: Any, recipe: OutputRecipe | None, args: tuple, norm: Sha
     ctx.sides, ctx.transposed, ctx.scaling, ctx.recipe, ctx.norm = sides, transposed, scaling, recipe, norm
     ctx.save_for_backward(x, weight, bias, lora_a, lora_b, *leaves)
     r = None if norm is None else norm.forward(x.reshape(-1, x.shape[-1]))
+    y = _project(args)
     if recipe is None:
-        return _project_and_map(args, r=r)[1]
-    # Store mode: the mapped output is a copy, y stays unmapped (kept by the recipe).
-    y, out = _project_and_map(args, copy=True, r=r)
-    recipe._keep(out, y, args)
+        return _map_out(y, x, sides, leaves, r)
+    # Store mode: the mapped output is a copy, y stays unmapped (kept by the
+    # recipe, with the generator's product P and the norm r, so that backward
+    # runs no generator GEMM and no norm of the tokens again: S*S + 1 floats
+    # a token and side, as MapRecipes keeps them; A is made again from them).
+    out, kept = _mapped_copy(y, x, sides, leaves, r)
+    recipe._keep(out, y, args, kept)
     return out
 
 
@@ -474,6 +493,7 @@ def _fused_backward(ctx: Any, grad: Tensor, first: int) -> tuple[Tensor | None, 
     # Under create_graph the stored y carries no graph: projected again, differentiably.
     reuse = state is not None and state.y is not None and not torch.is_grad_enabled()
     made = None
+    made_mixes: dict[tuple[int, int], Tensor] = {}
     if reuse:
         # Store mode: the projection's output as the forward made it (LoRA
         # update included), and the generator's products the output was made
@@ -481,6 +501,10 @@ def _fused_backward(ctx: Any, grad: Tensor, first: int) -> tuple[Tensor | None, 
         assert state is not None and state.y is not None
         y, lo = state.y.view(-1, features), 0
         made, state.products = state.products, None
+        if made is None and state.kept is not None:  # no view of a mapped run was saved
+            made = _coefficient_products(x, sides, leaves, state.kept)
+        state.kept = None
+        made_mixes, state.mixes = state.mixes, {}
     else:
         # The rows of the projection that hold mapped heads: one GEMM on them.
         starts = [o for b in sides for o in b.offsets]
@@ -523,7 +547,8 @@ def _fused_backward(ctx: Any, grad: Tensor, first: int) -> tuple[Tensor | None, 
             for offset, n in _runs(blocks):
                 mix_t = mixes.get(n)
                 if mix_t is None:
-                    mix_t = mixes[n] = _run_mix(A, gate, n).transpose(1, 2)
+                    mix = made_mixes.get((i, n))
+                    mix_t = mixes[n] = (_run_mix(A, gate, n) if mix is None else mix).transpose(1, 2)
                 gb = _block(g, offset, n * S, d)
                 pieces.append((offset, torch.baddbmm(gb, mix_t, gb).flatten(1)))
                 for at in range(offset, offset + n * S * d, S * d):
@@ -860,10 +885,11 @@ class OutputRecipe:
         self._handoff: _OutputState | None = None  # from the kernel's backward to the node's
         self.hits = 0
 
-    def _keep(self, out: Tensor, y: Tensor, args: tuple) -> None:
+    def _keep(self, out: Tensor, y: Tensor, args: tuple, kept: tuple[Tensor, list[Tensor]] | None) -> None:
         storage = out.untyped_storage()
         self._storage = (storage.data_ptr(), storage.nbytes())
         self._out, self._version, self._state = out, out._version, _OutputState(y, args)
+        self._state.kept = kept
 
     def _pack(self, t: Tensor, storage: torch.UntypedStorage) -> Any:
         """The recipe of ``t`` if it is a view of the output, unmodified since
@@ -929,10 +955,12 @@ class OutputRecipe:
         kept = state.runs.pop(key, None)
         if kept is None:
             assert state.y is not None
-            r, products = state.products or _coefficient_products(x, sides, leaves)
-            state.products = (r, products)
+            r, products = state.products or _coefficient_products(x, sides, leaves, state.kept)
+            state.products, state.kept = (r, products), None
             n = dict(_runs(blocks))[offset]
-            mix = _run_mix(products[i][1], _split_side(sides, leaves, i).gate, n)
+            mix = state.mixes.get((i, n))
+            if mix is None:  # kept for the node's backward, which maps its gradient with it
+                mix = state.mixes[i, n] = _run_mix(products[i][1], _split_side(sides, leaves, i).gate, n)
             yb = _block(state.y.view(-1, state.y.shape[-1]), offset, n * blocks.heads, blocks.head_dim)
             kept = (torch.add(yb, torch.bmm(mix, yb)), state.run_views.get(key, 1))
         run, left = kept
@@ -944,7 +972,7 @@ class OutputRecipe:
         """When the attention module returns (see the class docstring)."""
         out, state, self._out, self._state = self._out, self._state, None, None
         if state is not None and self.hits and out is not None and _held_elsewhere(out):
-            state.y, state.out = None, out
+            state.y, state.out, state.kept = None, out, None
 
     def stored(self) -> _OutputState | None:
         """For the node's backward: what a kernel's backward handed over (the
@@ -955,7 +983,7 @@ class OutputRecipe:
 
 
 class _OutputState:
-    __slots__ = ("args", "made", "out", "pending", "products", "run_views", "runs", "y")
+    __slots__ = ("args", "kept", "made", "mixes", "out", "pending", "products", "run_views", "runs", "y")
 
     def __init__(self, y: Tensor, args: tuple) -> None:
         self.y: Tensor | None = y
@@ -964,7 +992,13 @@ class _OutputState:
         self.made: Tensor | None = None
         self.pending = 0
         # (r, [(P, A) per side]) of the last remake, for the node's backward.
+        # (r, [P per side]) of the forward (``_mapped_copy``), until the
+        # output is made again in backward (``_coefficient_products``).
+        self.kept: tuple[Tensor, list[Tensor]] | None = None
         self.products: tuple[Tensor, list[tuple[Tensor, Tensor]]] | None = None
+        # (side index, run length) -> the run's mix (``_run_mix``) made by
+        # ``_run`` in backward, for the node's backward.
+        self.mixes: dict[tuple[int, int], Tensor] = {}
         # (side index, run offset) -> the saved views that lie in that run of
         # mapped blocks, and the run made again in backward with the views
         # still to read from it (``OutputRecipe._run``).
@@ -1020,15 +1054,16 @@ def _split_side(sides: tuple[SideBlocks, ...], leaves: Sequence[Tensor], i: int)
 
 
 def _coefficient_products(
-    x: Tensor, sides: tuple[SideBlocks, ...], leaves: Sequence[Tensor]
+    x: Tensor, sides: tuple[SideBlocks, ...], leaves: Sequence[Tensor], kept: tuple[Tensor, list[Tensor]] | None = None
 ) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
-    """(r, [(P = t W^T, A) per side]) of the tokens x, as ``_remap`` makes them."""
+    """(r, [(P = t W^T, A) per side]) of the tokens x, as ``_remap`` makes
+    them; r and P those ``kept`` by the forward if given (then only A is made)."""
     t = x.reshape(-1, x.shape[-1])
-    r = fn._rms_denominator(t)
+    r = fn._rms_denominator(t) if kept is None else kept[0]
     products = []
     for i in range(len(sides)):
         weights = _split_side(sides, leaves, i)
-        P = F.linear(t, weights.weight)
+        P = F.linear(t, weights.weight) if kept is None else kept[1][i]
         products.append((P, torch.addcdiv(weights.bias, P, r, value=math.sqrt(t.shape[-1]))))
     return r, products
 
