@@ -80,6 +80,32 @@ def test_weights_path_equals_reference(name):
     np.testing.assert_allclose(w.detach().numpy(), probs, rtol=1e-9, atol=1e-10)
 
 
+@pytest.mark.parametrize("name", ["heads-tied", "heads-separate"])
+@pytest.mark.parametrize("shared_kv", [True, False], ids=["kv-one-tensor", "kv-two-tensors"])
+def test_cross_attention_inference_equals_reference(name, shared_kv):
+    """Without autograd a query projection of its own (and, with separate key
+    and value tensors, the key projection too) is mapped by one bmm of
+    I + diag(g) A, not the reference's residual y + g (A y): float64 agrees
+    to 1e-12, and with its gates at 0 a layer made from nn.MultiheadAttention
+    gives MHA's float32 output bit for bit."""
+    cfg = _config(name)
+    layer, params = _layer(cfg, seed=4)
+    x, c = _x(2, 6, 16, seed=1), _x(2, 4, 16, seed=2)
+    v = c if shared_kv else _x(2, 4, 16, seed=3)
+    expected = dc.damcha_attention(params, cfg, x.numpy(), c.numpy(), value=v.numpy(), causal=True)
+    with torch.no_grad():
+        out, _ = layer(x, c, v, need_weights=False, is_causal=True)
+    np.testing.assert_allclose(out.numpy(), expected, rtol=1e-12, atol=1e-12)
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(16, 4, batch_first=True).eval()
+    fresh = DamchaAttention.from_mha(mha, coupling=cfg.coupling).eval()
+    x32, c32, v32 = x.float(), c.float(), v.float()
+    with torch.no_grad():
+        ours, _ = fresh(x32, c32, v32, need_weights=False, is_causal=True)
+        theirs, _ = mha(x32, c32, v32, need_weights=False, attn_mask=torch.ones(6, 4, dtype=torch.bool).triu(1))
+    assert torch.equal(ours, theirs)
+
+
 def test_all_masked_rows_give_bias_and_finite_grads():
     cfg = _config("heads-tied")
     layer, params = _layer(cfg)

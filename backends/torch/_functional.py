@@ -208,7 +208,23 @@ def head_map_weights(side: SideWeights, tokens: Tensor) -> Tensor:
 _FEW_TOKENS = 16
 
 
-def _map_heads(side: SideWeights, tokens: Tensor, ys: tuple[Tensor, ...], in_place: bool = False) -> tuple[Tensor, ...]:
+def _exact_matmul(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a GEMM of ``dtype`` on ``device`` rounds like its own dtype:
+    float64, or float32 on CPU with no reduced-precision matmul mode set
+    (``torch.set_float32_matmul_precision``; oneDNN's bf16/tf32 modes)."""
+    if device.type != "cpu":
+        return False
+    if dtype is torch.float64:
+        return True
+    if dtype is not torch.float32 or torch.get_float32_matmul_precision() != "highest":
+        return False
+    mode = getattr(getattr(torch.backends.mkldnn, "matmul", None), "fp32_precision", "none")
+    return mode in ("none", "ieee")
+
+
+def _map_heads(
+    side: SideWeights, tokens: Tensor, ys: tuple[Tensor, ...], in_place: bool = False, sole: bool = False
+) -> tuple[Tensor, ...]:
     dtype = tokens.dtype
     if side.metric == "heads":
         # Written out (no helper calls): this runs once per call, which is
@@ -228,7 +244,22 @@ def _map_heads(side: SideWeights, tokens: Tensor, ys: tuple[Tensor, ...], in_pla
         gA = None
         for y in ys:
             flat = y.reshape(-1, S, y.shape[-1])
-            if in_place and _writable(flat):
+            if sole and len(ys) == 1 and _writable(flat) and _exact_matmul(flat.dtype, flat.device):
+                # (I + diag(g) A) y in one bmm into a new tensor: reads y and
+                # writes q~ (2 passes over the heads), where the residual form
+                # writes A y, then reads y and A y and writes y (5). Only where
+                # y is the sole view of its projection's output (a query
+                # projection of its own), which is freed after, so no tensor
+                # outlives the call; and where the GEMM rounds in y's own
+                # dtype (float64; float32 on CPU at "highest" precision): I + g A
+                # holds the 1s exactly, gates at 0 give I and y's values, and
+                # float64 agrees with the reference's y + g A y to ~1e-16.
+                # I + diag(g) A is made in A's own storage (this call's, read by
+                # nothing else; one y): no (T, S, S) tensor more at the peak.
+                IgA = A.mul_(g)
+                IgA.diagonal(dim1=-2, dim2=-1).add_(1.0)
+                out.append(torch.bmm(IgA, flat).view(y.shape))
+            elif in_place and _writable(flat):
                 # y + g * (A y), row h of A y scaled by g_h: the same residual
                 # form, added into y's own storage (the projection's output,
                 # which nothing else reads) by one addcmul_, with no gated copy
@@ -253,7 +284,7 @@ def _map_heads(side: SideWeights, tokens: Tensor, ys: tuple[Tensor, ...], in_pla
 
 
 def apply_map_weights(
-    side: SideWeights, tokens: Tensor, ys: tuple[Tensor, ...], *, in_place: bool = False
+    side: SideWeights, tokens: Tensor, ys: tuple[Tensor, ...], *, in_place: bool = False, sole: bool = False
 ) -> tuple[Tensor, ...]:
     """L(t) y for each y in ``ys`` (B, T, S, d), one generator call for all.
 
@@ -263,14 +294,16 @@ def apply_map_weights(
 
     ``in_place``: the caller owns each y (a fresh projection output that
     nothing else reads); where no autograd records it (inference), the
-    metric "heads" map is then written into y itself.
+    metric "heads" map is then written into y itself. ``sole``: moreover
+    each y is the only view of its storage (freed once mapped), so the map
+    may make a new tensor instead, in fewer passes (see ``_map_heads``).
     """
     dtype = ys[0].dtype
     if dtype == torch.float16 or dtype == torch.bfloat16:
         with torch.autocast(ys[0].device.type, enabled=False):
             out = _map_heads(side, tokens.float(), tuple(t.float() for t in ys))
         return tuple(t.to(dtype) for t in out)
-    return _map_heads(side, tokens if tokens.dtype == dtype else tokens.to(dtype), ys, in_place)
+    return _map_heads(side, tokens if tokens.dtype == dtype else tokens.to(dtype), ys, in_place, sole)
 
 
 def role_penalty_weights(side: SideWeights, tokens: Tensor, head_dim: int) -> Tensor:
@@ -683,6 +716,7 @@ def _queries_keys(
     and bias's q/k rows, split off by the caller (see ``_project``)."""
     H, d = config.num_heads, config.key_dim
     G = config_sizes(config)[3]
+    sole = False
     if self_attention and w.in_proj is not None:
         if qk_proj is None:
             n_qk = w.sizes[0] + w.sizes[1]
@@ -691,24 +725,33 @@ def _queries_keys(
     else:
         (W_q, b_q), (W_k, b_k), _ = w.projections()
         q, k = F.linear(x, W_q, b_q), F.linear(c, W_k, b_k)
-    return _apply_maps(
-        w, config, x, c, q.view(q.shape[0], q.shape[1], H, d), k.view(k.shape[0], k.shape[1], G, d), self_attention
-    )
+        sole = True  # two GEMM outputs of their own
+    q, k = q.view(q.shape[0], q.shape[1], H, d), k.view(k.shape[0], k.shape[1], G, d)
+    return _apply_maps(w, config, x, c, q, k, self_attention, (sole, sole))
 
 
 def _apply_maps(
-    w: LayerWeights, config: DamchaConfig, x: Tensor, c: Tensor, q: Tensor, k: Tensor, self_attention: bool
+    w: LayerWeights,
+    config: DamchaConfig,
+    x: Tensor,
+    c: Tensor,
+    q: Tensor,
+    k: Tensor,
+    self_attention: bool,
+    sole: tuple[bool, bool] = (False, False),
 ) -> tuple[Tensor, Tensor]:
     """q~ and k~ from the projections q (B, N, H, d) and k (B, M, G, d), fresh
-    outputs of this call's projections (mapped in place in inference)."""
+    outputs of this call's projections (mapped in place in inference).
+    ``sole``: q, k is a projection output of its own (not a view of a packed
+    one that v also views), which the map may replace (``apply_map_weights``)."""
     if self_attention and config.metric != "none" and config.coupling == "tied":
         # One generator, one set of tokens: build l(t) once for both sides.
         return apply_map_weights(w.sides["qk"], x, (q, k), in_place=True)  # type: ignore[return-value]
     sq, sk = dc.side_of(config, "q"), dc.side_of(config, "k")
     if sq is not None:
-        (q,) = apply_map_weights(w.sides[sq], x, (q,), in_place=True)
+        (q,) = apply_map_weights(w.sides[sq], x, (q,), in_place=True, sole=sole[0])
     if sk is not None:
-        (k,) = apply_map_weights(w.sides[sk], c, (k,), in_place=True)
+        (k,) = apply_map_weights(w.sides[sk], c, (k,), in_place=True, sole=sole[1])
     return q, k
 
 
@@ -765,6 +808,7 @@ def _project(
             F.linear(x, W_q, b_q).view(*x.shape[:2], config.num_heads, config.key_dim),
             k.view(*c.shape[:2], G, config.key_dim),
             False,
+            (True, False),  # q is its own GEMM's output; k shares the k/v one with v
         )
     else:
         qk_proj = None
