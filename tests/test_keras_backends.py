@@ -71,6 +71,26 @@ def check_from_mha_copies(r: dict, backend: str) -> None:
         assert r["from_mha_copies"] is None, r
 
 
+def check_torch_padding_path(r: dict, backend: str) -> None:
+    if backend != "torch":
+        assert r["torch_padding_path"] is None, r
+        return
+    got = r["torch_padding_path"]
+    # Counted, not timed: the padding call's heads reach SDPA as strided views (Keras's
+    # wrapper, which the call went through before, copies all three with
+    # ``contiguous``, as MHA's call does) and its top-level aten ops stay within 13 of
+    # MHA's (58 vs 45 here; before: 69, 4 clones); the tokens' sum of squares has its
+    # own backward, one product (before: vector_norm's: a division, a comparison and a
+    # fill over the tokens).
+    assert got["sdpa_calls"] == [[False, True]], got  # one call, no is_causal, an additive mask
+    assert got["clones"]["forward"] == 0 and got["clones"]["mha_forward"] >= 3, got
+    assert got["forward_ops"] <= got["mha_forward_ops"] + 13, got
+    assert got["norm_backward_ops"] == [], got
+    assert got["sum_squares_grad_fn"] == "SumSquaresBackward", got
+    assert got["gradcheck"] and got["gradgradcheck"] and got["grad_vs_2t"] == 0.0, got
+    assert got["ratio_vs_reference"] <= 1.0 and got["mha_max_diff"] < 1e-5, got
+
+
 # Each check on every backend: the export and from_mha checks run on one backend
 # and assert that the others' runs left them out (None, never a silent pass).
 CHECKS = {
@@ -81,6 +101,7 @@ CHECKS = {
     "nan-gives-nan": check_nan_gives_nan,
     "int8-equals-mha": check_int8_equals_mha,
     "from-mha-copies": check_from_mha_copies,
+    "torch-padding-path": check_torch_padding_path,
 }
 
 
@@ -189,6 +210,104 @@ def from_mha_copies(DamchaAttention, keras, np) -> dict[str, bool]:
     return result
 
 
+def _aten_top_level(fn) -> list[str]:
+    """The aten ops ``fn()`` calls at the top level, in order (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    events = sorted(
+        (e for e in prof.events() if e.name.startswith("aten::")),
+        key=lambda e: (e.time_range.start, -e.time_range.end),
+    )
+    names, end = [], -1
+    for e in events:
+        if e.time_range.start >= end:
+            names.append(e.name)
+            end = e.time_range.end
+    return names
+
+
+def torch_padding_path(DamchaAttention, keras, np) -> dict:
+    """keras-torch: a padded self-attention (the query and value masks that
+    ``Embedding(mask_zero=True)`` makes Keras fill, here passed as such: a
+    (B, 1, 1, M) key mask reaches the kernel) against the
+    MHA it was converted from, gates opened: the SDPA call, the aten ops of a
+    forward, the backward of the tokens' sum of squares (``F._sum_squares``:
+    gradcheck in float64, its own rule 2 t g), and the output against the
+    reference."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    import damcha_core as dc
+    import damcha_keras._functional as F
+    from damcha_conformance import TOLERANCES
+
+    keras.utils.set_random_seed(4)
+    ids = np.array([[3, 4, 5, 6, 7, 8], [1, 2, 3, 0, 0, 0]], "int32")
+    emb = keras.layers.Embedding(11, 16)
+    mha = keras.layers.MultiHeadAttention(2, 8)
+    h = emb(ids).detach()
+    pad = keras.ops.convert_to_tensor(ids != 0)
+    masks = dict(query_mask=pad, value_mask=pad)
+    y_mha = keras.ops.convert_to_numpy(mha(h, h, **masks))
+    layer = DamchaAttention.from_mha(mha)
+    closed = np.abs(keras.ops.convert_to_numpy(layer(h, h, **masks)) - y_mha)[ids != 0].max()
+    params = layer.to_canonical()
+    layer.load_canonical({k: (np.full_like(v, 0.5) if k.endswith(".gate") else v) for k, v in params.items()})
+
+    sdpa, real = [], torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, *args, **kwargs):
+        sdpa.append([bool(kwargs.get("is_causal")), attn_mask is not None and attn_mask.is_floating_point()])
+        return real(q, k, v, attn_mask, *args, **kwargs)
+
+    torch.nn.functional.scaled_dot_product_attention = spy
+    try:
+        y = layer(h, h, **masks)
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = real
+    ours, theirs = _aten_top_level(lambda: layer(h, h, **masks)), _aten_top_level(lambda: mha(h, h, **masks))
+
+    def clones(fn) -> int:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn()
+        return sum(e.name == "aten::clone" for e in prof.events())
+
+    # The tokens' sum of squares: the training step's norm backward, and the rule itself.
+    tokens = emb(ids)  # requires grad (the embedding's table)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        (layer(tokens, tokens, **masks) ** 2).mean().backward()
+    norm_backward = sorted(
+        {e.name for e in prof.events() if "VectorNormBackward" in e.name or e.name == "aten::masked_fill_"}
+    )
+    t64 = torch.tensor(np.random.default_rng(1).normal(size=(2, 3, 5)), dtype=torch.float64, requires_grad=True)
+    out = F._sum_squares(t64)
+    (grad,) = torch.autograd.grad(out, t64, torch.ones_like(out))
+    ref = dc.damcha_attention(
+        {k: v.astype(np.float64) for k, v in layer.to_canonical().items()},
+        layer.config,
+        keras.ops.convert_to_numpy(h).astype(np.float64),
+        mask=(ids != 0)[:, None, None, :] & (ids != 0)[:, None, :, None],
+    )
+    rows = ids != 0
+    return {
+        "sdpa_calls": sdpa,
+        "clones": {"forward": clones(lambda: layer(h, h, **masks)), "mha_forward": clones(lambda: mha(h, h, **masks))},
+        "forward_ops": len(ours),
+        "mha_forward_ops": len(theirs),
+        "norm_backward_ops": norm_backward,
+        "sum_squares_grad_fn": type(out.grad_fn).__name__,
+        "gradcheck": bool(torch.autograd.gradcheck(F._sum_squares, (t64,))),
+        "gradgradcheck": bool(torch.autograd.gradgradcheck(F._sum_squares, (t64,))),
+        "grad_vs_2t": float((grad - 2 * t64.detach()).abs().max()),
+        "ratio_vs_reference": float(
+            TOLERANCES["float32"].output_ratio(keras.ops.convert_to_numpy(y)[rows], ref[rows])[1]
+        ),
+        "mha_max_diff": float(closed),
+    }
+
+
 def run(backend: str, workdir: str) -> dict:
     """Every check's measurements on this process's Keras backend (a JSON-able dict)."""
     import keras
@@ -275,6 +394,7 @@ def run(backend: str, workdir: str) -> dict:
         "nan_not_nan": nan_cases(DamchaAttention, keras, np),
         "quantized_vs_mha_mse": quantized_vs_mha(DamchaAttention, keras, np),
         "from_mha_copies": from_mha_copies(DamchaAttention, keras, np) if backend == "jax" else None,
+        "torch_padding_path": torch_padding_path(DamchaAttention, keras, np) if backend == "torch" else None,
         "saved_model_export_matches": saved_model_ok,
         "onnx_export_matches": onnx_ok,
         "decode_within_float32_tolerance": decode_ratio <= 1.0,

@@ -69,7 +69,7 @@ def rng(seed=0):
 def kernel_calls(monkeypatch):
     """Records (is_causal, mask shape or None) of every keras.ops.dot_product_attention
     call, on torch of every direct SDPA call (``F._torch_attention``: a call
-    without a mask skips Keras's wrapper there) and on TensorFlow of every call of
+    without both a mask and is_causal skips Keras's wrapper there) and on TensorFlow of every call of
     its own composition (``F._tf_attention``, float32/float64)."""
     calls = []
     real = keras.ops.dot_product_attention
@@ -81,14 +81,14 @@ def kernel_calls(monkeypatch):
 
     monkeypatch.setattr(keras.ops, "dot_product_attention", spy)
     if BACKEND == "torch":
-        # A call without a mask runs torch's SDPA directly (F._torch_attention).
+        # A call without is_causal beside a mask runs torch's SDPA directly (F._torch_attention).
         import damcha_keras._functional as F
 
         real_torch = F._torch_attention
 
-        def torch_spy(q, k, v, *, scale, is_causal):
-            calls.append((bool(is_causal), None))
-            return real_torch(q, k, v, scale=scale, is_causal=is_causal)
+        def torch_spy(q, k, v, *, scale, is_causal, mask=None):
+            calls.append((bool(is_causal), None if mask is None else tuple(mask.shape)))
+            return real_torch(q, k, v, scale=scale, is_causal=is_causal, mask=mask)
 
         monkeypatch.setattr(F, "_torch_attention", torch_spy)
     if BACKEND == "tensorflow":

@@ -173,13 +173,40 @@ def _sum_squares(tokens: Any) -> Any:
 
     On torch one norm kernel (no (B, T, E) temporary; ``torch.linalg`` directly:
     Keras 3.15's torch ``ops.norm`` returns float32 for float64), except under
-    torch.onnx export, which keeps the plain ops.
+    torch.onnx export, which keeps the plain ops. Tokens that need a gradient
+    (from an ``Embedding``, a previous layer) take ``_torch_sum_squares``: the
+    same forward, and the gradient 2 t g in one product (autograd's rule for
+    ``square(vector_norm)`` divides by the norm, guards zero norms with a
+    comparison and a fill, and scales: four passes over the tokens).
     """
     if keras.backend.backend() == "torch" and not _onnx_export():
         import torch
 
+        if tokens.requires_grad and torch.is_grad_enabled():
+            return _torch_sum_squares().apply(tokens)
         return torch.square(torch.linalg.vector_norm(tokens, dim=-1, keepdim=True))
     return ops.sum(ops.square(tokens), axis=-1, keepdims=True)
+
+
+@functools.cache
+def _torch_sum_squares() -> Any:
+    """sum(t^2) over the last axis (keepdim) as a torch autograd function:
+    forward ``square(vector_norm(t))``, backward ``t * (2 g)`` (written in torch
+    ops, so it is differentiable again)."""
+    import torch
+
+    class SumSquares(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, tokens: Any) -> Any:
+            ctx.save_for_backward(tokens)
+            return torch.square(torch.linalg.vector_norm(tokens, dim=-1, keepdim=True))
+
+        @staticmethod
+        def backward(ctx: Any, grad: Any) -> Any:
+            (tokens,) = ctx.saved_tensors
+            return tokens * (2 * grad)
+
+    return SumSquares
 
 
 def apply_map_matrix(matrix: Any, y: Any) -> Any:
@@ -635,8 +662,8 @@ def fused_attention(
         width = max(d, d_v)
         pad = lambda x: ops.pad(x, [(0, 0)] * 3 + [(0, width - x.shape[-1])])  # noqa: E731
         q, k, v = (pad(x) if x.shape[-1] < width else x for x in (q, k, v))
-    if mask is None and flash_attention is not True and keras.backend.backend() == "torch":
-        out = _torch_attention(q, k, v, scale=scale, is_causal=is_causal)
+    if flash_attention is not True and keras.backend.backend() == "torch" and (mask is None or not is_causal):
+        out = _torch_attention(q, k, v, scale=scale, is_causal=is_causal, mask=mask)
     else:
         out = ops.dot_product_attention(
             q, k, v, mask=mask, scale=scale, is_causal=is_causal, flash_attention=flash_attention
@@ -704,18 +731,43 @@ def attend(
     return fused_attention(q, k, v, scale=scale, mask=visible, keep=keep, flash_attention=flash_attention), None
 
 
-def _torch_attention(q: Any, k: Any, v: Any, *, scale: float, is_causal: bool) -> Any:
+def _torch_attention(q: Any, k: Any, v: Any, *, scale: float, is_causal: bool, mask: Any = None) -> Any:
     """torch's ``scaled_dot_product_attention`` on (B, H, N, d) views of the
-    heads (B, N, H, d), for a call without a mask: the kernel
-    ``keras.ops.dot_product_attention`` runs, without the wrapper's
-    conversions, casts and the three ``contiguous`` copies of the heads (the
-    CPU kernels read strided heads)."""
+    heads (B, N, H, d): the kernel ``keras.ops.dot_product_attention`` runs,
+    without the wrapper's conversions, casts and the three ``contiguous``
+    copies of the heads (the CPU kernels read strided heads).
+
+    ``mask`` (bool (B|1, H|1, N|1, M), True = may attend) reaches the kernel
+    as the wrapper hands it over: an additive mask of the heads' dtype, 0 or
+    the wrapper's large finite negative (a row that sees nothing comes out
+    finite, uniform, and ``keep`` zeroes it; ``-inf`` would make it NaN). Not
+    with ``is_causal`` (the kernel takes one or the other; the caller sends
+    that case to the wrapper, which folds the two)."""
     import torch
 
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+            mask = ops.convert_to_tensor(mask, dtype="bool")
+        mask = torch.where(mask, 0.0, _torch_large_negative(q))
     out = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=is_causal, scale=scale
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=is_causal, scale=scale
     )
     return out.transpose(1, 2)
+
+
+def _torch_large_negative(like: Any) -> Any:
+    """Keras's torch fill for hidden logits, a 0-dim tensor of ``like``'s dtype and device, made once."""
+    key = (str(like.dtype), str(like.device))
+    value = _TORCH_NEGATIVES.get(key)
+    if value is None:
+        import torch
+
+        fill = -0.7 * (65500.0 if like.dtype == torch.float16 else 3.38953e38)
+        value = _TORCH_NEGATIVES[key] = torch.tensor(fill, dtype=like.dtype, device=like.device)
+    return value
+
+
+_TORCH_NEGATIVES: dict[tuple[str, str], Any] = {}
 
 
 _TF_KERNEL_DTYPES = ("float32", "float64")
