@@ -1,15 +1,18 @@
 """One Keras process per backend for the checks that need a backend other than
-the test process's own: tests/test_keras_backends.py (the layer: ``layer``) and
-tests/test_models_keras_backends.py (KerasHub conversion: ``models``).
+the test process's own: tests/test_keras_backends.py (the layer: ``layer``),
+tests/test_models_keras_backends.py (KerasHub conversion: ``models``),
+tests/test_keras_fastpath.py (that file's tests, run by pytest in the process:
+``fastpath``) and tests/test_keras_upstream.py (Keras's own MHA suite, run by
+pytest in the process: ``upstream``).
 
 Keras fixes its backend at import, so those checks run in a subprocess
-(``python tests/_keras_processes.py BACKEND OUT WORKDIR``); starting Keras with
-its backend costs 5-15 s of CPU, so each backend starts one process per test
-session that runs every part it has (tensorflow: the layer only) and writes the
-parts' results as JSON; the test process's own backend (tensorflow unless
-KERAS_BACKEND says otherwise) runs its parts in the test process, which has
-Keras loaded already. Each check is its own pytest item that asserts on its
-part's results.
+(``python tests/_keras_processes.py BACKEND OUT WORKDIR [PART...]``); starting
+Keras with its backend costs 5-15 s of CPU, so each backend starts one process
+per test session that runs every part it has that the session's items ask for
+and writes the parts' results as JSON; the
+test process's own backend (tensorflow unless KERAS_BACKEND says otherwise)
+runs its parts in the test process, which has Keras loaded already. Each check
+is its own pytest item that asserts on its part's results.
 
 A part that raises is recorded with its traceback and the other parts still run;
 a process that dies is recorded with its output. Either way every item of the
@@ -31,13 +34,26 @@ from pathlib import Path
 from typing import Any
 
 TESTS = Path(__file__).resolve().parent
+PYPROJECT = TESTS.parent / "pyproject.toml"
 BACKENDS = ("tensorflow", "torch", "jax")
 # part -> (test module, the backends it runs on)
+# (in this order: Keras's own suite last, its test case clears Keras's global state)
 PARTS = {
     "layer": ("test_keras_backends", ("tensorflow", "torch", "jax")),
     "models": ("test_models_keras_backends", ("jax", "torch")),
+    "fastpath": ("test_keras_fastpath", ("jax", "torch")),
+    "upstream": ("test_keras_upstream", ("tensorflow", "jax", "torch")),
 }
-TIMEOUT_S = 1200
+# Parts that are a test file of ours run by pytest: -k expression by backend. Not
+# imported before pytest imports it, so pytest rewrites its asserts (a failure
+# shows the compared values, as in the test process).
+PYTEST_PARTS = {
+    "fastpath": lambda backend: (
+        "not tf_graph and not tf_eager and not other_keras_backends"
+        + ("" if backend == "torch" else " and not torch_aten")
+    ),
+}
+TIMEOUT_S = 2400  # a hung process, not a slow one: jax runs ~300 s of CPU, 2-5x that in wall time on a loaded machine
 
 _RESULTS: dict[str, dict[str, Any]] = {}
 
@@ -52,45 +68,48 @@ def part_results(backend: str, part: str, tmp_path_factory: Any, request: Any) -
     base = tmp_path_factory.getbasetemp()
     shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # xdist: the workers' common root
     if backend not in _RESULTS:
-        if not _run_once(backend, shared, wait=False):
-            for other in _needed(request.session):
+        needed = _needed(request.session)
+        if not _run_once(backend, shared, needed[backend], wait=False):
+            for other, parts in needed.items():
                 if other != backend:
-                    _run_once(other, shared, wait=False)
-            _run_once(backend, shared, wait=True)
+                    _run_once(other, shared, parts, wait=False)
+            _run_once(backend, shared, needed[backend], wait=True)
         _RESULTS[backend] = json.loads((shared / f"keras-process-{backend}.json").read_text())
     results = _RESULTS[backend]
     assert "crashed" not in results, f"the {backend} Keras process failed:\n{results.get('crashed')}"
+    assert part in results, f"the {backend} Keras process did not run {part}: ran {sorted(results)}"
     result = results[part]
     assert "error" not in result, f"{part} on {backend} raised:\n{result['error']}"
     assert result["backend"] == backend, result
     return result
 
 
-def _needed(session: Any) -> list[str]:
-    """The backends some collected item of this module's parts asks for."""
-    modules = {module for module, _ in PARTS.values()}
-    needed = set()
+def _needed(session: Any) -> dict[str, list[str]]:
+    """backend -> the parts some collected item asks for on it (in PARTS' order):
+    a process runs only those, so ``pytest tests/test_keras_fastpath.py`` does
+    not run Keras's suite too. Every xdist worker collects the same items."""
+    part_of = {module: part for part, (module, _) in PARTS.items()}
+    needed: dict[str, set[str]] = {}
     for item in session.items:
         params = getattr(getattr(item, "callspec", None), "params", {})
-        if item.path.stem in modules and "backend" in params:
-            needed.add(params["backend"])
-    return [b for b in BACKENDS if b in needed]
+        if item.path.stem in part_of and "backend" in params:
+            needed.setdefault(params["backend"], set()).add(part_of[item.path.stem])
+    return {b: [p for p in PARTS if p in needed[b]] for b in BACKENDS if b in needed}
 
 
-def _run_once(backend: str, shared: Path, *, wait: bool) -> bool:
-    """Run ``backend``'s process unless its results exist; False when another
-    worker holds its lock and ``wait`` is False."""
+def _run_once(backend: str, shared: Path, parts: list[str], *, wait: bool) -> bool:
+    """Run ``backend``'s process (``parts``) unless its results exist; False when
+    another worker holds its lock and ``wait`` is False."""
     out = shared / f"keras-process-{backend}.json"
     return run_once_locked(
-        out, shared / f"keras-process-{backend}.lock", lambda: _run_process(backend, shared, out), wait=wait
+        out, shared / f"keras-process-{backend}.lock", lambda: _run_process(backend, parts, shared, out), wait=wait
     )
 
 
 def run_once_locked(out: Path, lock: Path, run: Any, *, wait: bool) -> bool:
     """Call ``run`` (which writes ``out``) unless ``out`` exists, under an
     exclusive lock on ``lock`` shared by the xdist workers; False when another
-    worker holds the lock and ``wait`` is False (tests/test_keras_upstream.py
-    uses it for Keras's own suite)."""
+    worker holds the lock and ``wait`` is False."""
     if out.exists():
         return True
     with open(lock, "w") as handle:
@@ -119,11 +138,11 @@ def _in_this_process(backend: str) -> bool:
     return bool(keras.backend.backend() == backend)
 
 
-def _run_process(backend: str, shared: Path, out: Path) -> None:
+def _run_process(backend: str, parts: list[str], shared: Path, out: Path) -> None:
     workdir = shared / f"keras-process-{backend}"
     workdir.mkdir(exist_ok=True)
     if _in_this_process(backend):
-        out.write_text(json.dumps(_run_parts(backend, str(workdir))))
+        out.write_text(json.dumps(_run_parts(backend, parts, str(workdir))))
         return
     env = {**os.environ, "KERAS_BACKEND": backend}
     if backend == "jax":
@@ -133,7 +152,7 @@ def _run_process(backend: str, shared: Path, out: Path) -> None:
     partial = out.with_suffix(".partial")
     try:
         proc = subprocess.run(
-            [sys.executable, __file__, backend, str(partial), str(workdir)],
+            [sys.executable, __file__, backend, str(partial), str(workdir), *parts],
             env=env,
             capture_output=True,
             text=True,
@@ -150,26 +169,73 @@ def _run_process(backend: str, shared: Path, out: Path) -> None:
     out.write_text(json.dumps({"crashed": crashed}))
 
 
-def _run_parts(backend: str, workdir: str) -> dict[str, Any]:
+def _run_parts(backend: str, parts: list[str], workdir: str) -> dict[str, Any]:
     import importlib
     import time
 
     results: dict[str, Any] = {}
-    for part in parts_of(backend):
-        module = importlib.import_module(PARTS[part][0])
+    for part in parts:
         path = Path(workdir) / part
         path.mkdir(exist_ok=True)
         start = time.process_time()
         try:
-            results[part] = module.run(backend, str(path))
+            if part in PYTEST_PARTS:
+                results[part] = run_pytest(
+                    [str(TESTS / f"{PARTS[part][0]}.py"), "-c", str(PYPROJECT), "-k", PYTEST_PARTS[part](backend)]
+                    + ["-W", "ignore::DeprecationWarning"]
+                )
+                results[part]["backend"] = backend
+            else:
+                results[part] = importlib.import_module(PARTS[part][0]).run(backend, str(path))
             results[part]["cpu_s"] = round(time.process_time() - start, 1)  # this process's CPU, for tuning
-        except Exception:  # noqa: BLE001  (recorded: that part's items fail with it, the next part runs)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException:  # noqa: BLE001  (recorded, pytest.fail's too: that part's items fail with it, the next part runs)
             results[part] = {"error": traceback.format_exc()[-6000:]}
     return results
 
 
-def _main(backend: str, out: str, workdir: str) -> None:
-    Path(out).write_text(json.dumps(_run_parts(backend, workdir)))
+def run_pytest(args: list[str], plugins: tuple = ()) -> dict[str, Any]:
+    """Run pytest on ``args`` in this process: each test's outcome ("passed",
+    "failed" or "skipped") and message by its id (the node id's last part: a
+    test method's name without its class), how many tests were deselected, and
+    pytest's exit status. A collection error
+    is a failed entry named after what failed to collect."""
+    import pytest
+
+    class Collector:
+        def __init__(self) -> None:
+            self.tests: dict[str, dict[str, str]] = {}
+            self.deselected = 0
+
+        def pytest_collectreport(self, report: Any) -> None:
+            if report.failed:
+                self.tests[report.nodeid or "collection"] = {
+                    "outcome": "failed",
+                    "message": str(report.longrepr)[-4000:],
+                }
+
+        def pytest_deselected(self, items: list) -> None:
+            self.deselected += len(items)
+
+        def pytest_runtest_logreport(self, report: Any) -> None:
+            test_id = report.nodeid.split("::")[-1]
+            entry = self.tests.setdefault(test_id, {"outcome": "passed", "message": ""})
+            if report.failed or (report.skipped and entry["outcome"] == "passed"):
+                entry["outcome"] = "failed" if report.failed else "skipped"
+                if report.skipped and isinstance(report.longrepr, tuple):
+                    entry["message"] = str(report.longrepr[2])
+                else:
+                    entry["message"] = str(report.longrepr)[-4000:]
+
+    collector = Collector()
+    base = ["-q", "-p", "no:cacheprovider", "--tb=short", "--no-header", "-o", "console_output_style=classic"]
+    status = pytest.main([*args, *base], plugins=[collector, *plugins])
+    return {"tests": collector.tests, "deselected": collector.deselected, "exit_status": int(status)}
+
+
+def _main(backend: str, out: str, workdir: str, parts: list[str]) -> None:
+    Path(out).write_text(json.dumps(_run_parts(backend, parts or parts_of(backend), workdir)))
 
 
 if __name__ == "__main__":
@@ -177,4 +243,4 @@ if __name__ == "__main__":
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ.setdefault(var, "1")
     sys.path.insert(0, str(TESTS))
-    _main(sys.argv[1], sys.argv[2], sys.argv[3])
+    _main(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:])

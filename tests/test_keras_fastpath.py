@@ -13,8 +13,8 @@ it the same way; a decoding step's causal rule over the cache is one
 traced one) goes to the kernel as given.
 
 This file runs on the current backend (tensorflow unless KERAS_BACKEND says
-otherwise) and, from ``test_other_keras_backends``, on jax and torch in
-subprocesses. TensorFlow's kernel keeps float64, so there every case runs in
+otherwise) and, from ``test_other_keras_backends``, on jax and torch in their
+Keras processes (tests/_keras_processes.py). TensorFlow's kernel keeps float64, so there every case runs in
 float64 against the NumPy reference and the explicit path
 (``return_attention_scores=True``: einsum and softmax), outputs and gradients
 (inputs and every weight); jax and torch run float32 with the conformance
@@ -26,14 +26,10 @@ MHA's for the same call (``tf_graph`` tests).
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
-
 import keras
 import numpy as np
 import pytest
+from _keras_processes import part_results
 from _tf_ops import eager_op_types
 
 import damcha_core as dc
@@ -487,44 +483,23 @@ def test_eager_calls_of_growing_length_do_not_trace_the_map_per_length(monkeypat
     assert len(runs) <= 2 if BACKEND == "tensorflow" else len(runs) == 4, runs
 
 
-def test_other_keras_backends_take_the_same_fast_paths():
+@pytest.mark.parametrize("backend", ["jax", "torch"])
+def test_other_keras_backends_take_the_same_fast_paths(backend, tmp_path_factory, request):
     """Every test of this file that is not TensorFlow-specific, run on the jax
-    and torch backends (Keras fixes its backend per process: one subprocess
-    each); each must pass, none may be skipped."""
+    and torch backends (Keras fixes its backend per process: pytest runs this
+    file in that backend's Keras process, tests/_keras_processes.py, part
+    ``fastpath``); each must pass, none may be skipped."""
     if BACKEND != "tensorflow":
         pytest.skip("launched from the tensorflow run only")
-    for backend in ("jax", "torch"):
-        env = {**os.environ, "KERAS_BACKEND": backend}
-        skip = "not tf_graph and not tf_eager and not other_keras_backends"
-        if backend != "torch":
-            skip += " and not torch_aten"
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pytest",
-                __file__,
-                "-q",
-                "-p",
-                "no:cacheprovider",
-                "-k",
-                skip,
-                "-W",
-                "ignore::DeprecationWarning",
-            ],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        tail = proc.stdout[-3000:] + proc.stderr[-2000:]
-        assert proc.returncode == 0, tail
-        summary = proc.stdout.strip().splitlines()[-1]
-        passed = re.search(r"(\d+) passed", summary)
-        # The cases + 6 other tests (+ the aten counts on torch, the compiled programs on jax).
-        want = len(CASES) + 6 + {"torch": TORCH_ATEN_TESTS, "jax": JAX_HLO_TESTS}[backend]
-        assert passed and int(passed.group(1)) == want, summary
-        assert "skipped" not in summary and "deselected" in summary, summary
+    r = part_results(backend, "fastpath", tmp_path_factory, request)
+    failed = {t: e["message"] for t, e in r["tests"].items() if e["outcome"] == "failed"}
+    assert not failed, "\n\n".join(f"{backend}: {t} failed:\n{m}" for t, m in failed.items())
+    assert r["exit_status"] == 0, r
+    outcomes = sorted(e["outcome"] for e in r["tests"].values())
+    # The cases + 6 other tests (+ the aten counts on torch, the compiled programs on jax).
+    want = len(CASES) + 6 + {"torch": TORCH_ATEN_TESTS, "jax": JAX_HLO_TESTS}[backend]
+    assert outcomes == ["passed"] * want, (want, r["tests"])
+    assert r["deselected"] > 0, r  # the TensorFlow-only tests exist and were left out
 
 
 # ------------------------------------------------------------- op counts
@@ -857,8 +832,8 @@ def _traced_host_values(make, *specs):
 
 # ------------------------------------------------------- torch aten op counts
 
-# The aten counts exist only where Keras runs on torch: the torch subprocess of
-# test_other_keras_backends_* collects and runs them (it counts TORCH_ATEN_TESTS passes); the
+# The aten counts exist only where Keras runs on torch: the torch Keras process's run
+# of this file (test_other_keras_backends_*) collects and runs them (it counts TORCH_ATEN_TESTS passes); the
 # other processes never define them (end of file), so no run reports them as skipped.
 TORCH_ATEN_TESTS = 2
 
@@ -951,7 +926,7 @@ if BACKEND != "torch":
 
 # ------------------------------------------------------ jax compiled programs
 
-# Defined only where Keras runs on jax (the jax subprocess of test_other_keras_backends_*
+# Defined only where Keras runs on jax (the jax Keras process's run of test_other_keras_backends_*
 # counts JAX_HLO_TESTS passes), as the torch aten counts above.
 JAX_HLO_TESTS = 1
 

@@ -10,9 +10,12 @@ with ``metric="none"``, and once with Keras's own MHA as the baseline (a test
 that fails or skips for MHA itself on this machine says so).
 
 Keras fixes its backend per process, so each backend runs every configuration
-in one subprocess (``python tests/test_keras_upstream.py BACKEND OUT``), pytest
-inside it; the results come back as JSON and each upstream test becomes one
-item here, ``test_upstream[BACKEND-CONFIG-TEST]``. Every remaining failure is a
+in its Keras process (tests/_keras_processes.py, part ``upstream``: one process
+per backend per test session, shared with the other tests that need that
+backend; tensorflow in the test process), pytest inside it; the results come
+back as JSON and each upstream test becomes one item here,
+``test_upstream[BACKEND-CONFIG-TEST]``. ``python tests/test_keras_upstream.py
+BACKEND`` (with ``KERAS_BACKEND=BACKEND``) prints them. Every remaining failure is a
 strict ``xfail`` with its reason (``EXPECTED_FAILURES``), so a fix shows up as
 an XPASS; tests that reach into private attributes or protected methods of
 Keras's class are listed in ``PRIVATE`` and counted separately.
@@ -24,12 +27,13 @@ import ast
 import importlib.util
 import json
 import os
-import subprocess
 import sys
+import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
-from _keras_processes import run_once_locked
+from _keras_processes import part_results
 
 BACKENDS = ("tensorflow", "jax", "torch")
 CONFIGS = {"heads": {}, "none": {"metric": "none"}}
@@ -110,70 +114,18 @@ def _expected_failure(backend: str, config: str, test_id: str) -> str | None:
     return None
 
 
-_RESULTS: dict[str, dict] = {}
-
-
-def _results(backend: str, shared_dir: Path, needed: set[str]) -> dict:
-    """The upstream suite's results on ``backend``, run once per test session.
-
-    Under pytest-xdist every worker asks for them: the first one runs the
-    subprocess under a file lock in the directory the workers share and writes
-    the JSON; the others read it. A worker that finds the backend it needs
-    already running first runs a backend nobody has started, then waits, so
-    no backend runs twice and no worker idles while one is left.
-    """
-    if backend not in _RESULTS:
-        if not _run_once(backend, shared_dir, wait=False):
-            for other in BACKENDS:
-                if other != backend and other in needed:
-                    _run_once(other, shared_dir, wait=False)
-            _run_once(backend, shared_dir, wait=True)
-        _RESULTS[backend] = json.loads((shared_dir / f"keras-upstream-{backend}.json").read_text())
-    return _RESULTS[backend]
-
-
-def _run_once(backend: str, shared_dir: Path, *, wait: bool) -> bool:
-    """Run ``backend``'s subprocess unless its results exist; False when another
-    worker holds its lock and ``wait`` is False."""
-    out = shared_dir / f"keras-upstream-{backend}.json"
-    lock = shared_dir / f"keras-upstream-{backend}.lock"
-    return run_once_locked(out, lock, lambda: _run_subprocess(backend, out), wait=wait)
-
-
-def _run_subprocess(backend: str, out: Path) -> None:
-    env = {**os.environ, "KERAS_BACKEND": backend}
-    if backend == "jax":
-        # Compilation, not running, dominates: cheaper codegen cuts it by about a third.
-        env.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
-    partial = out.with_suffix(".partial")
-    proc = subprocess.run(
-        [sys.executable, __file__, backend, str(partial)], env=env, capture_output=True, text=True, timeout=900
-    )
-    assert proc.returncode == 0 and partial.exists(), proc.stdout[-4000:] + proc.stderr[-4000:]
-    partial.replace(out)
-
-
 def _params():
     for backend in BACKENDS:
         for config in CONFIGS:
             for test_id in upstream_test_ids():
                 reason = _expected_failure(backend, config, test_id)
-                # One xdist group per backend: with --dist loadgroup one worker runs it all.
-                marks = [pytest.mark.xdist_group(f"keras-upstream-{backend}")]
-                marks += [pytest.mark.xfail(reason=reason, strict=True)] if reason else []
+                marks = [pytest.mark.xfail(reason=reason, strict=True)] if reason else []
                 yield pytest.param(backend, config, test_id, id=f"{backend}-{config}-{test_id}", marks=marks)
 
 
 @pytest.mark.parametrize("backend, config, test_id", list(_params()))
 def test_upstream(backend, config, test_id, tmp_path_factory, request):
-    base = tmp_path_factory.getbasetemp()
-    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # xdist: the workers' common root
-    needed = {
-        item.callspec.params["backend"]
-        for item in request.session.items
-        if getattr(item, "originalname", None) == "test_upstream"
-    }
-    results = _results(backend, shared, needed)
+    results = part_results(backend, "upstream", tmp_path_factory, request)
     ours = results[config].get(test_id)
     assert ours is not None, f"{test_id} did not run; ran: {sorted(results[config])}"
     baseline = results.get("mha", {}).get(test_id)
@@ -185,21 +137,36 @@ def test_upstream(backend, config, test_id, tmp_path_factory, request):
     assert ours["outcome"] == "passed", ours["message"]
 
 
-# ------------------------------------------------------------- subprocess
+# ------------------------------------------ in the backend's Keras process
 
 
-def _run(backend: str, out: str) -> None:
+class _Substitute:
+    """Points the upstream module's ``layers`` at ``proxy`` once pytest has
+    imported it: pytest imports it, not this process, so its marks are checked
+    against the inner run's configuration (where Keras's markers are declared),
+    also when this runs inside the test process (tensorflow)."""
+
+    def __init__(self, proxy: Any) -> None:
+        self.proxy = proxy
+
+    def pytest_collection_finish(self, session: Any) -> None:
+        sys.modules[UPSTREAM_MODULE].layers = self.proxy
+
+
+def run(backend: str, workdir: str) -> dict:
+    """Keras's suite on this process's backend, once per configuration: each
+    test's outcome and message by configuration and test id (a JSON-able dict)."""
     import importlib
     import types
 
     import keras
-    import pytest as pt
+    from _keras_processes import run_pytest
+    from keras.src.backend.common import global_state
 
     from damcha_keras import DamchaAttention
 
     assert keras.backend.backend() == backend
-    module = importlib.import_module(UPSTREAM_MODULE)
-    real_layers = module.layers
+    real_layers = importlib.import_module("keras.src.layers")
 
     def substitute(config: str) -> type:
         if config == "mha":
@@ -215,53 +182,26 @@ def _run(backend: str, out: str) -> None:
 
         return MultiHeadAttention
 
-    class Collector:
-        def __init__(self) -> None:
-            self.results: dict[str, dict] = {}
-
-        def pytest_runtest_logreport(self, report) -> None:
-            test_id = report.nodeid.split("::")[-1]
-            entry = self.results.setdefault(test_id, {"outcome": "passed", "message": ""})
-            if report.failed or (report.skipped and entry["outcome"] == "passed"):
-                entry["outcome"] = "failed" if report.failed else "skipped"
-                if report.skipped and isinstance(report.longrepr, tuple):
-                    entry["message"] = str(report.longrepr[2])
-                else:
-                    entry["message"] = str(report.longrepr)[-1500:]
-
-    results = {}
+    args = [str(_upstream_file()), "-c", os.devnull, "--rootdir", workdir, "-W", "ignore"]
+    args += ["-o", "markers=requires_trainable_backend"]
+    results: dict = {"backend": backend}
     configs = (("mha",) if os.environ.get("DAMCHA_UPSTREAM_MHA") == "1" else ()) + tuple(CONFIGS)
-    for config in configs:
-        proxy = types.ModuleType("layers")
-        proxy.__getattr__ = lambda name: getattr(real_layers, name)  # type: ignore[method-assign]
-        proxy.MultiHeadAttention = substitute(config)
-        module.layers = proxy
-        collector = Collector()
-        pt.main(
-            [
-                str(_upstream_file()),
-                "-q",
-                "-p",
-                "no:cacheprovider",
-                "-c",
-                os.devnull,
-                "--rootdir",
-                os.path.dirname(out),
-                "-o",
-                "markers=requires_trainable_backend",
-                "-W",
-                "ignore",
-                "--tb=short",
-                "--no-header",
-                "-o",
-                "console_output_style=classic",
-            ],
-            plugins=[collector],
-        )
-        results[config] = collector.results
-    module.layers = real_layers
-    Path(out).write_text(json.dumps(results))
+    # Keras's test case clears Keras's global state (layer name counters, seeds, dtype
+    # policy) before each test: put the process's back, for the tests run after it here.
+    state = (global_state.GLOBAL_STATE_TRACKER, global_state.GLOBAL_SETTINGS_TRACKER)
+    try:
+        for config in configs:
+            proxy = types.ModuleType("layers")
+            proxy.__getattr__ = lambda name: getattr(real_layers, name)  # type: ignore[method-assign]
+            proxy.MultiHeadAttention = substitute(config)
+            results[config] = run_pytest(args, plugins=(_Substitute(proxy),))["tests"]
+    finally:
+        if UPSTREAM_MODULE in sys.modules:
+            sys.modules[UPSTREAM_MODULE].layers = real_layers
+        global_state.GLOBAL_STATE_TRACKER, global_state.GLOBAL_SETTINGS_TRACKER = state
+    return results
 
 
 if __name__ == "__main__":
-    _run(sys.argv[1], sys.argv[2])
+    with tempfile.TemporaryDirectory() as tmp:
+        print(json.dumps(run(sys.argv[1], tmp)))
