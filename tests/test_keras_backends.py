@@ -87,6 +87,7 @@ def check_torch_padding_path(r: dict, backend: str) -> None:
     assert got["forward_ops"] <= got["mha_forward_ops"] + 13, got
     assert got["norm_backward_ops"] == [], got
     assert got["decode_step_contiguous"] == 0, got
+    assert got["causal_padding_clones"] == 0, got  # padding with use_causal_mask: the triangle folded in
     assert got["sum_squares_grad_fn"] == "SumSquaresBackward", got
     assert got["gradcheck"] and got["gradgradcheck"] and got["grad_vs_2t"] == 0.0, got
     assert got["ratio_vs_reference"] <= 1.0 and got["mha_max_diff"] < 1e-5, got
@@ -292,6 +293,7 @@ def torch_padding_path(DamchaAttention, keras, np) -> dict:
         mask=(ids != 0)[:, None, None, :] & (ids != 0)[:, None, :, None],
     )
     rows = ids != 0
+    causal_clones = clones(lambda: layer(h, h, use_causal_mask=True, **masks))
     # A decoding step: its cache-slot mask takes the same direct call (before: the
     # wrapper's three contiguous copies of the step's heads).
     cache = layer.init_cache(2, 8)
@@ -301,6 +303,7 @@ def torch_padding_path(DamchaAttention, keras, np) -> dict:
         decode_ops = _aten_top_level(lambda: layer(step, step, use_causal_mask=True, cache=cache, cache_update_index=6))
     return {
         "decode_step_contiguous": decode_ops.count("aten::contiguous"),
+        "causal_padding_clones": causal_clones,
         "sdpa_calls": sdpa,
         "clones": {"forward": clones(lambda: layer(h, h, **masks)), "mha_forward": clones(lambda: mha(h, h, **masks))},
         "forward_ops": len(ours),

@@ -662,7 +662,7 @@ def fused_attention(
         width = max(d, d_v)
         pad = lambda x: ops.pad(x, [(0, 0)] * 3 + [(0, width - x.shape[-1])])  # noqa: E731
         q, k, v = (pad(x) if x.shape[-1] < width else x for x in (q, k, v))
-    if flash_attention is not True and keras.backend.backend() == "torch" and (mask is None or not is_causal):
+    if flash_attention is not True and keras.backend.backend() == "torch":
         out = _torch_attention(q, k, v, scale=scale, is_causal=is_causal, mask=mask)
     else:
         out = ops.dot_product_attention(
@@ -740,14 +740,16 @@ def _torch_attention(q: Any, k: Any, v: Any, *, scale: float, is_causal: bool, m
     ``mask`` (bool (B|1, H|1, N|1, M), True = may attend) reaches the kernel
     as the wrapper hands it over: an additive mask of the heads' dtype, 0 or
     the wrapper's large finite negative (a row that sees nothing comes out
-    finite, uniform, and ``keep`` zeroes it; ``-inf`` would make it NaN). Not
-    with ``is_causal`` (the kernel takes one or the other; the caller sends
-    that case to the wrapper, which folds the two)."""
+    finite, uniform, and ``keep`` zeroes it; ``-inf`` would make it NaN). With
+    ``is_causal`` too (causal and padding) the top-left triangle is folded into
+    it first, as the wrapper does: the kernel takes a mask or ``is_causal``."""
     import torch
 
     if mask is not None:
         if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
             mask = ops.convert_to_tensor(mask, dtype="bool")
+        if is_causal:
+            mask, is_causal = torch.logical_and(mask, _torch_tril(q.shape[1], k.shape[1], mask.device)), False
         mask = torch.where(mask, 0.0, _torch_large_negative(q))
     out = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=is_causal, scale=scale
@@ -768,6 +770,14 @@ def _torch_large_negative(like: Any) -> Any:
 
 
 _TORCH_NEGATIVES: dict[tuple[str, str], Any] = {}
+
+
+@functools.lru_cache(maxsize=8)
+def _torch_tril(n: int, m: int, device: Any) -> Any:
+    """The top-left causal rule (N, M) bool on ``device``, made once per size."""
+    import torch
+
+    return torch.ones((n, m), dtype=torch.bool, device=device).tril()
 
 
 _TF_KERNEL_DTYPES = ("float32", "float64")
