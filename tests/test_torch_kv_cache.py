@@ -466,6 +466,37 @@ def test_flat_decode_step_takes_the_hint_mask_and_no_other(monkeypatch):
     np.testing.assert_allclose(torch.cat(outs, dim=1).numpy(), want, rtol=1e-10, atol=1e-12)
 
 
+def test_every_sequence_after_the_first_takes_the_flat_step_from_its_first_token(monkeypatch):
+    """The token shape a step validated stays remembered across prompts of
+    other shapes: after the first sequence (whose first token step records
+    it), every token step of the next sequences, each after its own prompt,
+    is the flat step. Before, the prompt replaced the memo and each
+    sequence's first token step took the general path again (its one-token
+    call dispatches about twice the flat step's aten ops). Outputs equal the
+    reference."""
+    import damcha_torch._functional as fn
+
+    layer, params, cfg = _layer("heads-tied")
+    flat = []
+    real = fn.few_tokens_step
+
+    def counted(*args, **kwargs):
+        flat.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fn, "few_tokens_step", counted)
+    for seq, prompt in enumerate((3, 5, 4)):
+        x = _x(2, prompt + 4, 16, seed=30 + seq)
+        before = len(flat)
+        with torch.inference_mode():
+            cache = DamchaKVCache()
+            outs = [_step(layer, x[:, :prompt], cache)]
+            outs += [_step(layer, x[:, i : i + 1], cache) for i in range(prompt, prompt + 4)]
+        assert len(flat) - before == (3 if seq == 0 else 4), (seq, len(flat) - before)
+        want = dc.damcha_attention(params, cfg, x.numpy(), causal=True)
+        np.testing.assert_allclose(torch.cat(outs, dim=1).numpy(), want, rtol=1e-10, atol=1e-12)
+
+
 # ------------------------------------------------------------------ static storage
 
 

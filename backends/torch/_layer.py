@@ -511,7 +511,7 @@ class DamchaAttention(CanonicalIO, nn.Module):
             return None
         x = query if self.batch_first else query.transpose(0, 1)
         shape = x.shape  # read once: each .shape makes a new torch.Size
-        if shape != self.__dict__.get("_flat_shape"):
+        if shape not in self.__dict__.get("_flat_shapes", ()):
             return None  # shapes not validated yet, or more than fn._FEW_TOKENS tokens
         p = self._parameters
         weight, bias = p["in_proj_weight"], p["in_proj_bias"]
@@ -694,9 +694,16 @@ class DamchaAttention(CanonicalIO, nn.Module):
         sizes = _check_shapes(self.config, tuple(query.shape), tuple(key.shape), tuple(value.shape))
         if all(type(n) is int for n in sizes):
             self.__dict__["_shapes_seen"] = (shapes, sizes)
-            # The flat decoding path compares one shape: self-attention's, of few tokens.
-            few = query.shape == key.shape == value.shape and sizes[0] * sizes[1] <= fn._FEW_TOKENS
-            self.__dict__["_flat_shape"] = query.shape if few else None
+            # The flat decoding path looks its shape up here: self-attention's,
+            # of few tokens. A few such shapes are kept (the rules depend on the
+            # config alone), so a prompt, or a short chunk, between sequences
+            # does not send the next sequence's first token step down the
+            # general path again.
+            if query.shape == key.shape == value.shape and sizes[0] * sizes[1] <= fn._FEW_TOKENS:
+                flat = self.__dict__.get("_flat_shapes")
+                if flat is None or len(flat) >= 8:
+                    flat = self.__dict__["_flat_shapes"] = set()
+                flat.add(query.shape)
         return sizes
 
     def forward(
