@@ -85,7 +85,13 @@ def test_golden_file_pins_the_reference():
     for case in dcf.CATALOGUE:
         for key, value in _golden.golden_entries(case).items():
             expected_keys.add(key)
-            np.testing.assert_allclose(value, frozen[key], rtol=1e-10, atol=1e-12, err_msg=key)
+            # The directional derivatives are central differences: they divide the
+            # loss's rounding error by 2e-5, so another CPU's BLAS kernels move them
+            # (the file was frozen on an Intel Xeon; an AMD EPYC reads them up to
+            # 3.6e-11 apart, its outputs 1.6e-15). A drifted reference moves them
+            # by orders of magnitude more; the outputs keep the tight bound.
+            atol = 1e-8 if key.endswith("/directional") else 1e-12
+            np.testing.assert_allclose(value, frozen[key], rtol=1e-10, atol=atol, err_msg=key)
     assert expected_keys == set(frozen), "golden file and catalogue disagree on cases"
 
 
