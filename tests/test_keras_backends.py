@@ -30,6 +30,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _aten import top_level_aten_ops
 from _keras_processes import part_results
 
 BACKENDS = ("tensorflow", "torch", "jax")
@@ -212,24 +213,6 @@ def from_mha_copies(DamchaAttention, keras, np) -> dict[str, bool]:
     return result
 
 
-def _aten_top_level(fn) -> list[str]:
-    """The aten ops ``fn()`` calls at the top level, in order (torch.profiler)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        fn()
-    events = sorted(
-        (e for e in prof.events() if e.name.startswith("aten::")),
-        key=lambda e: (e.time_range.start, -e.time_range.end),
-    )
-    names, end = [], -1
-    for e in events:
-        if e.time_range.start >= end:
-            names.append(e.name)
-            end = e.time_range.end
-    return names
-
-
 def torch_padding_path(DamchaAttention, keras, np) -> dict:
     """keras-torch: a padded self-attention (the query and value masks that
     ``Embedding(mask_zero=True)`` makes Keras fill, here passed as such: a
@@ -269,7 +252,7 @@ def torch_padding_path(DamchaAttention, keras, np) -> dict:
         y = layer(h, h, **masks)
     finally:
         torch.nn.functional.scaled_dot_product_attention = real
-    ours, theirs = _aten_top_level(lambda: layer(h, h, **masks)), _aten_top_level(lambda: mha(h, h, **masks))
+    ours, theirs = top_level_aten_ops(lambda: layer(h, h, **masks)), top_level_aten_ops(lambda: mha(h, h, **masks))
 
     def clones(fn) -> int:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -300,7 +283,9 @@ def torch_padding_path(DamchaAttention, keras, np) -> dict:
     with torch.no_grad():
         _, cache = layer(h, h, use_causal_mask=True, cache=cache, cache_update_index=0)
         step = h[:, :1]
-        decode_ops = _aten_top_level(lambda: layer(step, step, use_causal_mask=True, cache=cache, cache_update_index=6))
+        decode_ops = top_level_aten_ops(
+            lambda: layer(step, step, use_causal_mask=True, cache=cache, cache_update_index=6)
+        )
     return {
         "decode_step_contiguous": decode_ops.count("aten::contiguous"),
         "causal_padding_clones": causal_clones,

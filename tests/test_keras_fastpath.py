@@ -29,6 +29,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
+from _aten import top_level_aten_ops
 from _keras_processes import part_results
 from _tf_ops import eager_op_types
 
@@ -838,25 +839,6 @@ def _traced_host_values(make, *specs):
 TORCH_ATEN_TESTS = 2
 
 
-def _aten_ops(fn):
-    """The aten ops ``fn()`` calls at the top level, in order (torch.profiler;
-    the ops an aten op runs inside itself are not counted)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        fn()
-    events = sorted(
-        (e for e in prof.events() if e.name.startswith("aten::")),
-        key=lambda e: (e.time_range.start, -e.time_range.end),
-    )
-    names, end = [], -1
-    for e in events:
-        if e.time_range.start >= end:  # not inside the previous top-level op
-            names.append(e.name)
-            end = e.time_range.end
-    return names
-
-
 def _torch_pair():
     """A Keras MHA and the DamchaAttention converted from it (gates opened), float32."""
     x = rng(20).normal(size=(B, N, E)).astype("float32")
@@ -884,9 +866,9 @@ def test_torch_aten_causal_forward_runs_sdpa_on_the_heads_without_copies(monkeyp
     for attn in (layer, mha):
         attn(x, x, use_causal_mask=True)
     sdpa.clear()
-    ours = _aten_ops(lambda: layer(x, x, use_causal_mask=True))
+    ours = top_level_aten_ops(lambda: layer(x, x, use_causal_mask=True))
     assert sdpa == [(True, True, False)], sdpa  # is_causal, no mask, the heads as strided views
-    theirs = _aten_ops(lambda: mha(x, x, use_causal_mask=True))
+    theirs = top_level_aten_ops(lambda: mha(x, x, use_causal_mask=True))
     assert "aten::contiguous" in theirs and "aten::contiguous" not in ours, (ours, theirs)
     assert ours.count("aten::sum") == 2 and ours.count("aten::scaled_dot_product_attention") == 1, ours
     assert len(ours) <= len(theirs) + 13, (len(ours), len(theirs), ours)
@@ -911,7 +893,7 @@ def test_torch_aten_causal_training_step_within_margin_of_mha():
 
     for attn in (layer, mha):
         step(attn)
-    ours, theirs = _aten_ops(lambda: step(layer)), _aten_ops(lambda: step(mha))
+    ours, theirs = top_level_aten_ops(lambda: step(layer)), top_level_aten_ops(lambda: step(mha))
     assert len(ours) <= len(theirs) + 53, (len(ours), len(theirs))
     assert ours.count("aten::expand") == theirs.count("aten::expand"), (ours, theirs)
     for name, var in layer.canonical_variables().items():
