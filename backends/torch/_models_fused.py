@@ -123,7 +123,15 @@ def coefficients(side: fn.SideWeights, tokens: Tensor, r: Tensor | None = None) 
     tokens' ``_rms_denominator`` if already known."""
     if r is None:
         r = fn._rms_denominator(tokens)
-    return torch.addcdiv(side.bias, F.linear(tokens, side.weight), r, value=math.sqrt(tokens.shape[-1]))
+    return coefficients_of(F.linear(tokens, side.weight), r, side.bias, tokens.shape[-1])
+
+
+def coefficients_of(P: Tensor, r: Tensor, bias: Tensor, width: int) -> Tensor:
+    """A = b + sqrt(E) P / r from the generator's product P = t W^T (T, k),
+    the tokens' RMS denominator r (T, 1) and their width E: the one
+    expression every site of this module makes A with (forward, remake and
+    backward must agree bit for bit)."""
+    return torch.addcdiv(bias, P, r, value=math.sqrt(width))
 
 
 class SharedNorm:
@@ -429,7 +437,7 @@ def _mapped_copy(
         weights = _side_weights(blocks.metric, leaves[i:j])
         # coefficients()' ops, with P kept.
         P = F.linear(t, weights.weight)
-        A = torch.addcdiv(weights.bias, P, r, value=math.sqrt(t.shape[-1]))
+        A = coefficients_of(P, r, weights.bias, t.shape[-1])
         kept.append(P)
         mixes: dict[int, Tensor] = {}
         for offset, n in _runs(blocks):
@@ -523,7 +531,6 @@ def _fused_backward(ctx: Any, grad: Tensor, first: int) -> tuple[Tensor | None, 
     pieces: list[tuple[int, Tensor]] = []
     leaf_grads: list[Tensor | None] = [None] * len(leaves)
     through_generator: list[tuple[Tensor, Tensor, Tensor]] = []  # (dP, generator weight, c): dL/dt += dP W + c t
-    scale = math.sqrt(t.shape[-1])
     # The generator's products: those the recipe made the output again with
     # (store mode), or made here as the forward made them (the same mix, bit for bit).
     r = made[0] if made else (fn._rms_denominator(t) if norm is None else norm.backward(t))
@@ -535,7 +542,7 @@ def _fused_backward(ctx: Any, grad: Tensor, first: int) -> tuple[Tensor | None, 
             P, A = made[1][i]
         else:
             P = F.linear(t, w_gen)
-            A = torch.addcdiv(b_gen, P, r, value=scale)
+            A = coefficients_of(P, r, b_gen, t.shape[-1])
         if blocks.metric == "heads":
             # One baddbmm per run of adjacent blocks (the run's dL/dy, fresh),
             # as the forward mapped it (_run_mix); dL/d(mix) one bmm per block
@@ -808,7 +815,7 @@ class MapRecipes:
                 known = next(iter(self._coefficients.values()), None)
                 r = fn._rms_denominator(t) if known is None else known[1]
                 P = F.linear(t, w_gen)
-            A = torch.addcdiv(b_gen, P, r, value=math.sqrt(t.shape[-1]))
+            A = coefficients_of(P, r, b_gen, t.shape[-1])
             out = self._coefficients[side] = (P, r, A, A.view(-1, S, S) * gate.view(S, 1))
         return out
 
@@ -1064,7 +1071,7 @@ def _coefficient_products(
     for i in range(len(sides)):
         weights = _split_side(sides, leaves, i)
         P = F.linear(t, weights.weight) if kept is None else kept[1][i]
-        products.append((P, torch.addcdiv(weights.bias, P, r, value=math.sqrt(t.shape[-1]))))
+        products.append((P, coefficients_of(P, r, weights.bias, t.shape[-1])))
     return r, products
 
 
@@ -1081,7 +1088,7 @@ def _remap(
     for blocks, (i, j) in zip(sides, _split_leaves(sides, leaves)):
         weights = _side_weights(blocks.metric, leaves[i:j])
         P = F.linear(t, weights.weight)
-        A = torch.addcdiv(weights.bias, P, r, value=math.sqrt(t.shape[-1]))
+        A = coefficients_of(P, r, weights.bias, t.shape[-1])
         products.append((P, A))
         if blocks.metric == "heads":
             _map_runs_(flat, blocks, A, weights.gate)
@@ -1228,7 +1235,7 @@ class SplitLinearMaps(torch.autograd.Function):
             P = F.linear(t, w_gen)
             recipes._products[i] = (P, r)
             S = b.heads
-            mix = torch.addcdiv(b_gen, P, r, value=math.sqrt(t.shape[-1])).view(-1, S, S) * gate.view(S, 1)
+            mix = coefficients_of(P, r, b_gen, t.shape[-1]).view(-1, S, S) * gate.view(S, 1)
             for offset in b.offsets:
                 part = _block(flat, offset, b.heads, b.head_dim)
                 mapped = torch.baddbmm(part, mix, part)
@@ -1265,7 +1272,6 @@ class SplitLinearMaps(torch.autograd.Function):
             y = F.linear(t, weight[lo:hi], None if bias is None else bias[lo:hi])
         leaf_grads: list[Tensor | None] = [None] * len(leaves)
         through_generator: list[tuple[Tensor, Tensor, Tensor]] = []
-        scale = math.sqrt(t.shape[-1])
         r: Tensor | None = None
         for i, blocks in enumerate(sides):
             w_gen, b_gen, gate = leaves[3 * i : 3 * i + 3]
@@ -1277,7 +1283,7 @@ class SplitLinearMaps(torch.autograd.Function):
                 if r is None:
                     r = fn._rms_denominator(t)  # as in forward: the same mix, bit for bit
                 P = F.linear(t, w_gen)
-                A = torch.addcdiv(b_gen, P, r, value=scale)
+                A = coefficients_of(P, r, b_gen, t.shape[-1])
                 mix = A.view(-1, S, S) * gate.view(S, 1)
             mix_t = mix.transpose(1, 2)
             dmix: Tensor | None = None
