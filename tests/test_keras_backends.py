@@ -91,6 +91,8 @@ def check_torch_padding_path(r: dict, backend: str) -> None:
     assert got["causal_padding_clones"] == 0, got  # padding with use_causal_mask: the triangle folded in
     assert got["sum_squares_grad_fn"] == "SumSquaresBackward", got
     assert got["gradcheck"] and got["gradgradcheck"] and got["grad_vs_2t"] == 0.0, got
+    # torch.func and forward-mode AD work through the autograd function (its vmap rule, its jvp).
+    assert got["forward_ad_gradcheck"] and got["func_grad_vs_autograd"] < 1e-6 and got["vmap_vs_loop"] == 0.0, got
     assert got["ratio_vs_reference"] <= 1.0 and got["mha_max_diff"] < 1e-5, got
 
 
@@ -269,6 +271,17 @@ def torch_padding_path(DamchaAttention, keras, np) -> dict:
     t64 = torch.tensor(np.random.default_rng(1).normal(size=(2, 3, 5)), dtype=torch.float64, requires_grad=True)
     out = F._sum_squares(t64)
     (grad,) = torch.autograd.grad(out, t64, torch.ones_like(out))
+    # torch.func through the layer (its tokens need a gradient there, so the call
+    # takes the autograd function) against autograd; forward mode and vmap on the rule.
+    x = tokens.detach()
+
+    def loss(t):
+        return (layer(t, t, **masks) ** 2).mean()
+
+    x_leaf = x.clone().requires_grad_(True)
+    (want_grad,) = torch.autograd.grad(loss(x_leaf), x_leaf)
+    func_grad = torch.func.grad(loss)(x)
+    vmapped = torch.func.vmap(F._sum_squares)(t64.detach())
     ref = dc.damcha_attention(
         {k: v.astype(np.float64) for k, v in layer.to_canonical().items()},
         layer.config,
@@ -297,6 +310,11 @@ def torch_padding_path(DamchaAttention, keras, np) -> dict:
         "sum_squares_grad_fn": type(out.grad_fn).__name__,
         "gradcheck": bool(torch.autograd.gradcheck(F._sum_squares, (t64,))),
         "gradgradcheck": bool(torch.autograd.gradgradcheck(F._sum_squares, (t64,))),
+        "forward_ad_gradcheck": bool(
+            torch.autograd.gradcheck(F._sum_squares, (t64,), check_forward_ad=True, check_backward_ad=False)
+        ),
+        "func_grad_vs_autograd": float((func_grad - want_grad).abs().max()),
+        "vmap_vs_loop": float((vmapped - torch.stack([F._sum_squares(t) for t in t64.detach()])).abs().max()),
         "grad_vs_2t": float((grad - 2 * t64.detach()).abs().max()),
         "ratio_vs_reference": float(
             TOLERANCES["float32"].output_ratio(keras.ops.convert_to_numpy(y)[rows], ref[rows])[1]

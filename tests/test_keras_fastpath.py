@@ -65,8 +65,8 @@ def rng(seed=0):
 @pytest.fixture
 def kernel_calls(monkeypatch):
     """Records (is_causal, mask shape or None) of every keras.ops.dot_product_attention
-    call, on torch of every direct SDPA call (``F._torch_attention``: a call
-    without both a mask and is_causal skips Keras's wrapper there) and on TensorFlow of every call of
+    call, on torch of every direct SDPA call (``F._torch_attention``: every call
+    without ``flash_attention=True`` skips Keras's wrapper there) and on TensorFlow of every call of
     its own composition (``F._tf_attention``, float32/float64)."""
     calls = []
     real = keras.ops.dot_product_attention
@@ -78,7 +78,7 @@ def kernel_calls(monkeypatch):
 
     monkeypatch.setattr(keras.ops, "dot_product_attention", spy)
     if BACKEND == "torch":
-        # A call without is_causal beside a mask runs torch's SDPA directly (F._torch_attention).
+        # Every call without flash_attention=True runs torch's SDPA directly (F._torch_attention).
         import damcha_keras._functional as F
 
         real_torch = F._torch_attention

@@ -846,3 +846,18 @@ def test_store_mode_keeps_nothing_after_backward(case):
         counts.append(_alive_after(lambda model=model: _step(model, forward(model)), model))
     (theirs, _a), (ours, _b) = counts
     assert ours == theirs, (sorted((ours - theirs).items()), sorted((theirs - ours).items()))
+
+
+# torch's own vmap fallback for SDPA warns; the comparison is what matters here.
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
+def test_vit_inference_under_vmap_equals_a_loop():
+    """The no-graph forward writes the ViT's block-diagonal mixes with a strided
+    ``out=`` that torch.func has no batching rule for: under a transform it
+    takes the broadcast product, so ``torch.func.vmap`` over a batch of
+    batches computes what a loop over them computes."""
+    model = open_gates(dt.convert(build("vit", torch.float64)))
+    x = torch.randn(3, 2, 3, 16, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = torch.func.vmap(model)(x)
+        want = torch.stack([model(xi) for xi in x])
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

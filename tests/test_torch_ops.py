@@ -233,6 +233,57 @@ def test_cross_attention_inference_maps_and_guards_in_place():
     assert torch.isnan(out[1]).all() and torch.isfinite(out[0]).all()
 
 
+# Each way a user can ask for reduced-precision float32 matmuls, and whether a
+# CPU GEMM then still rounds like float32 (only the CUDA-only setting leaves it so).
+MATMUL_PRECISION_SETTINGS = {
+    "legacy-medium": (lambda: torch.set_float32_matmul_precision("medium"), False),
+    "legacy-high": (lambda: torch.set_float32_matmul_precision("high"), False),
+    "mkldnn-matmul-bf16": (lambda: setattr(torch.backends.mkldnn.matmul, "fp32_precision", "bf16"), False),
+    "global-tf32": (lambda: setattr(torch.backends, "fp32_precision", "tf32"), False),
+    "cuda-matmul-tf32": (lambda: setattr(torch.backends.cuda.matmul, "fp32_precision", "tf32"), True),
+}
+_NEW_PRECISION_API = (torch.backends.cuda.matmul, torch.backends.mkldnn.matmul, torch.backends.mkldnn, torch.backends)
+
+
+def _reset_new_precision_api() -> None:
+    # "none" inherits from the parent. The legacy setter writes explicit values
+    # ("highest" -> mkldnn.matmul "ieee", which a global "tf32" would not
+    # override) and keeps its own, which this leaves alone.
+    for setting in _NEW_PRECISION_API:
+        setting.fp32_precision = "none"
+
+
+@pytest.fixture
+def restored_matmul_precision():
+    legacy = torch.get_float32_matmul_precision()
+    _reset_new_precision_api()  # torch's defaults, whatever an earlier test left
+    yield
+    _reset_new_precision_api()
+    torch.set_float32_matmul_precision(legacy)
+    assert torch.get_float32_matmul_precision() == legacy  # nothing leaks into the next test
+
+
+@pytest.mark.parametrize("setting", list(MATMUL_PRECISION_SETTINGS))
+def test_cross_inference_reads_every_matmul_precision_api(setting, restored_matmul_precision):
+    """The query side's one-bmm map is taken only where a float32 CPU GEMM is
+    exact. Once any new-style fp32_precision setting is used,
+    torch.get_float32_matmul_precision() raises: the call must not ask it (a
+    GPU user's cuda.matmul setting broke CPU inference), and must still see
+    the CPU's reduced modes set either way."""
+    _, layer = _layers()
+    x, c = torch.randn(2, 8, E), torch.randn(2, 4, E)
+    with torch.no_grad():
+        want, _ = layer(x, c, c, need_weights=False)
+        set_precision, exact = MATMUL_PRECISION_SETTINGS[setting]
+        set_precision()
+        ops = _count(lambda: layer(x, c, c, need_weights=False))
+        got, _ = layer(x, c, c, need_weights=False)
+    # exact: one bmm of (I + g A) and q for the query side, one addcmul_ for the key side;
+    # reduced: the residual form on both sides (addcmul_ each), whose GEMM rounds only A y.
+    assert ops.ops["bmm"] == 2 and ops.ops["addcmul_"] == (1 if exact else 2), sorted(ops.ops.items())
+    torch.testing.assert_close(got, want, rtol=1e-2 if not exact else 1e-6, atol=1e-2 if not exact else 1e-6)
+
+
 def test_fused_path_runs_one_sdpa_kernel_and_no_softmax():
     _, layer = _layers()
     x = torch.randn(2, 6, E)

@@ -196,15 +196,29 @@ def _torch_sum_squares() -> Any:
     import torch
 
     class SumSquares(torch.autograd.Function):
+        # forward and setup_context apart, a vmap rule and a jvp: torch.func's
+        # transforms (grad, vmap, jacrev) and forward-mode AD work through it.
+        generate_vmap_rule = True
+
         @staticmethod
-        def forward(ctx: Any, tokens: Any) -> Any:
-            ctx.save_for_backward(tokens)
+        def forward(tokens: Any) -> Any:
             return torch.square(torch.linalg.vector_norm(tokens, dim=-1, keepdim=True))
+
+        @staticmethod
+        def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+            (tokens,) = inputs
+            ctx.save_for_backward(tokens)
+            ctx.save_for_forward(tokens)
 
         @staticmethod
         def backward(ctx: Any, grad: Any) -> Any:
             (tokens,) = ctx.saved_tensors
             return tokens * (2 * grad)
+
+        @staticmethod
+        def jvp(ctx: Any, tangent: Any) -> Any:
+            (tokens,) = ctx.saved_tensors
+            return 2 * (tokens * tangent).sum(-1, keepdim=True)
 
     return SumSquares
 

@@ -175,6 +175,15 @@ def rms_normalise(t: Tensor) -> Tensor:
     return torch.div(t, _rms_denominator(t)) * math.sqrt(t.shape[-1])
 
 
+def coefficients_of(P: Tensor, r: Tensor, bias: Tensor, width: int) -> Tensor:
+    """A = b + sqrt(E) P / r from the generator's product P = t W^T (T, k),
+    the tokens' RMS denominator r (T, 1) and their width E: the one
+    expression the layers and the converted models' projections
+    (_models_fused: forward, remake and backward must agree bit for bit) make
+    A with; the decoding steps write it out inline (a call per step counts)."""
+    return torch.addcdiv(bias, P, r, value=math.sqrt(width))
+
+
 def _coefficients(weight: Tensor, bias: Tensor, tokens: Tensor) -> Tensor:
     """phi(t) W + b without building phi.
 
@@ -183,7 +192,7 @@ def _coefficients(weight: Tensor, bias: Tensor, tokens: Tensor) -> Tensor:
     the small output; materialising phi would cost a pass and a stored
     (B, T, E) tensor.
     """
-    return torch.addcdiv(bias, F.linear(tokens, weight), _rms_denominator(tokens), value=math.sqrt(tokens.shape[-1]))
+    return coefficients_of(F.linear(tokens, weight), _rms_denominator(tokens), bias, tokens.shape[-1])
 
 
 def _cast(t: Tensor | None, dtype: torch.dtype) -> Any:
@@ -211,15 +220,23 @@ _FEW_TOKENS = 16
 def _exact_matmul(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether a GEMM of ``dtype`` on ``device`` rounds like its own dtype:
     float64, or float32 on CPU with no reduced-precision matmul mode set
-    (``torch.set_float32_matmul_precision``; oneDNN's bf16/tf32 modes)."""
+    (``torch.set_float32_matmul_precision``, or oneDNN's bf16/tf32 modes set
+    through ``torch.backends[.mkldnn[.matmul]].fp32_precision``)."""
     if device.type != "cpu":
         return False
     if dtype is torch.float64:
         return True
-    if dtype is not torch.float32 or torch.get_float32_matmul_precision() != "highest":
+    if dtype is not torch.float32:
         return False
-    mode = getattr(getattr(torch.backends.mkldnn, "matmul", None), "fp32_precision", "none")
-    return mode in ("none", "ieee")
+    matmul = getattr(torch.backends.mkldnn, "matmul", None)
+    if matmul is not None and hasattr(matmul, "fp32_precision"):
+        # Read, this setting resolves its inheritance (global -> mkldnn ->
+        # matmul) and the legacy setter writes it too ("high" tf32, "medium"
+        # bf16). torch.get_float32_matmul_precision() is not asked: it raises
+        # once any fp32_precision setting has been used, e.g. a GPU user's
+        # torch.backends.cuda.matmul.fp32_precision = "tf32".
+        return str(matmul.fp32_precision) in ("none", "ieee")
+    return torch.get_float32_matmul_precision() == "highest"  # torch without the fp32_precision API
 
 
 def _map_heads(

@@ -123,15 +123,7 @@ def coefficients(side: fn.SideWeights, tokens: Tensor, r: Tensor | None = None) 
     tokens' ``_rms_denominator`` if already known."""
     if r is None:
         r = fn._rms_denominator(tokens)
-    return coefficients_of(F.linear(tokens, side.weight), r, side.bias, tokens.shape[-1])
-
-
-def coefficients_of(P: Tensor, r: Tensor, bias: Tensor, width: int) -> Tensor:
-    """A = b + sqrt(E) P / r from the generator's product P = t W^T (T, k),
-    the tokens' RMS denominator r (T, 1) and their width E: the one
-    expression every site of this module makes A with (forward, remake and
-    backward must agree bit for bit)."""
-    return torch.addcdiv(bias, P, r, value=math.sqrt(width))
+    return fn.coefficients_of(F.linear(tokens, side.weight), r, side.bias, tokens.shape[-1])
 
 
 class SharedNorm:
@@ -223,12 +215,13 @@ def _run_mix(A: Tensor, gate: Tensor, n: int) -> Tensor:
     over two inner dimensions. The same entries (1 * g_i = g_i exactly), but
     the off-diagonal zeros are +0 where A * 0 gave -0 for a negative A (the
     products agree: a 0 term adds nothing to a sum). ``out=`` records no
-    graph and Dynamo does not trace a strided ``out=``: under a graph (a
-    ``create_graph`` backward) or a tracer, the broadcast product."""
+    graph, Dynamo does not trace a strided ``out=`` and torch.func has no
+    batching rule for it: under a graph (a ``create_graph`` backward), a
+    tracer, a compiler or a torch.func transform, the broadcast product."""
     S = gate.shape[0]
     if n == 1:
         return A.view(-1, S, S) * gate.view(S, 1)
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (A.requires_grad or gate.requires_grad)):
+    if not fn._writable(A) or (torch.is_grad_enabled() and gate.requires_grad):
         scale = torch.eye(n, dtype=A.dtype, device=A.device).view(n, 1, n, 1) * gate.view(1, S, 1, 1)
         return (A.view(-1, 1, S, 1, S) * scale).view(-1, n * S, n * S)
     mix = A.new_zeros(A.shape[0], n, S, n, S)
@@ -437,7 +430,7 @@ def _mapped_copy(
         weights = _side_weights(blocks.metric, leaves[i:j])
         # coefficients()' ops, with P kept.
         P = F.linear(t, weights.weight)
-        A = coefficients_of(P, r, weights.bias, t.shape[-1])
+        A = fn.coefficients_of(P, r, weights.bias, t.shape[-1])
         kept.append(P)
         mixes: dict[int, Tensor] = {}
         for offset, n in _runs(blocks):
@@ -542,7 +535,7 @@ def _fused_backward(ctx: Any, grad: Tensor, first: int) -> tuple[Tensor | None, 
             P, A = made[1][i]
         else:
             P = F.linear(t, w_gen)
-            A = coefficients_of(P, r, b_gen, t.shape[-1])
+            A = fn.coefficients_of(P, r, b_gen, t.shape[-1])
         if blocks.metric == "heads":
             # One baddbmm per run of adjacent blocks (the run's dL/dy, fresh),
             # as the forward mapped it (_run_mix); dL/d(mix) one bmm per block
@@ -815,7 +808,7 @@ class MapRecipes:
                 known = next(iter(self._coefficients.values()), None)
                 r = fn._rms_denominator(t) if known is None else known[1]
                 P = F.linear(t, w_gen)
-            A = coefficients_of(P, r, b_gen, t.shape[-1])
+            A = fn.coefficients_of(P, r, b_gen, t.shape[-1])
             out = self._coefficients[side] = (P, r, A, A.view(-1, S, S) * gate.view(S, 1))
         return out
 
@@ -1071,7 +1064,7 @@ def _coefficient_products(
     for i in range(len(sides)):
         weights = _split_side(sides, leaves, i)
         P = F.linear(t, weights.weight) if kept is None else kept[1][i]
-        products.append((P, coefficients_of(P, r, weights.bias, t.shape[-1])))
+        products.append((P, fn.coefficients_of(P, r, weights.bias, t.shape[-1])))
     return r, products
 
 
@@ -1088,7 +1081,7 @@ def _remap(
     for blocks, (i, j) in zip(sides, _split_leaves(sides, leaves)):
         weights = _side_weights(blocks.metric, leaves[i:j])
         P = F.linear(t, weights.weight)
-        A = coefficients_of(P, r, weights.bias, t.shape[-1])
+        A = fn.coefficients_of(P, r, weights.bias, t.shape[-1])
         products.append((P, A))
         if blocks.metric == "heads":
             _map_runs_(flat, blocks, A, weights.gate)
@@ -1235,7 +1228,7 @@ class SplitLinearMaps(torch.autograd.Function):
             P = F.linear(t, w_gen)
             recipes._products[i] = (P, r)
             S = b.heads
-            mix = coefficients_of(P, r, b_gen, t.shape[-1]).view(-1, S, S) * gate.view(S, 1)
+            mix = fn.coefficients_of(P, r, b_gen, t.shape[-1]).view(-1, S, S) * gate.view(S, 1)
             for offset in b.offsets:
                 part = _block(flat, offset, b.heads, b.head_dim)
                 mapped = torch.baddbmm(part, mix, part)
@@ -1283,7 +1276,7 @@ class SplitLinearMaps(torch.autograd.Function):
                 if r is None:
                     r = fn._rms_denominator(t)  # as in forward: the same mix, bit for bit
                 P = F.linear(t, w_gen)
-                A = coefficients_of(P, r, b_gen, t.shape[-1])
+                A = fn.coefficients_of(P, r, b_gen, t.shape[-1])
                 mix = A.view(-1, S, S) * gate.view(S, 1)
             mix_t = mix.transpose(1, 2)
             dmix: Tensor | None = None
