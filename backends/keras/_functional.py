@@ -660,6 +660,69 @@ def fused_attention(
             are set to 0 by a product (NaN from the kernel stays NaN).
         flash_attention: passed to the kernel.
     """
+    if keras.backend.backend() == "jax" and dtype_name(q) == "float32" and _jax_concrete(q, k, v, mask, keep):
+        call = _jax_fused_attention(ops.dot_product_attention)
+        return call(q, k, v, mask, keep, scale, is_causal, flash_attention)
+    return _fused_attention(
+        q, k, v, scale=scale, mask=mask, is_causal=is_causal, keep=keep, flash_attention=flash_attention
+    )
+
+
+def _jax_concrete(*args: Any) -> bool:
+    """Whether no argument is a JAX tracer (an eager call, not under ``jit``/``grad``),
+    off TPU: there Keras's eager kernel takes its Splash path only with a concrete mask."""
+    import jax
+
+    return not any(isinstance(a, jax.core.Tracer) for a in args) and not _jax_on_tpu()
+
+
+@functools.cache
+def _jax_on_tpu() -> bool:
+    import jax
+
+    return jax.devices()[0].platform == "tpu"
+
+
+@functools.lru_cache(maxsize=4)
+def _jax_fused_attention(kernel: Callable[..., Any]) -> Callable[..., Any]:
+    """``_fused_attention`` as one compiled call, for eager calls on JAX.
+
+    Eagerly, Keras runs ``jax.nn.dot_product_attention`` op by op: each of its
+    steps (the logits, their scale, a ``ones_like`` of them, the mask ANDs,
+    the fill, the softmax's max, subtraction, exponential, sum and division,
+    the product with the values) is a dispatch and a pass over the
+    (B, H, N, M) logits in memory. Compiled, XLA fuses the masking and the
+    softmax into a few loops over them, as in a compiled ``predict``. Under
+    tracing (``jit``, ``predict``, training) the steps are traced as they are.
+    float32 only: XLA:CPU compiles no float16 product with float32 results
+    (Keras's kernel asks for one), which the eager steps run. Compiled once
+    per shape (as any ``jit``) and per scale, causal flag and flash setting. ``kernel`` is the ``keras.ops.dot_product_attention``
+    the body calls: a kernel replaced later (a wrapper, a spy) gets a function
+    of its own, traced anew."""
+    import jax
+
+    def run(q: Any, k: Any, v: Any, mask: Any, keep: Any, scale: float, is_causal: bool, flash: Any) -> Any:
+        return _fused_attention(
+            q, k, v, scale=scale, mask=mask, is_causal=is_causal, keep=keep, flash_attention=flash, kernel=kernel
+        )
+
+    return jax.jit(run, static_argnums=(5, 6, 7))
+
+
+def _fused_attention(
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    scale: float,
+    mask: Any,
+    is_causal: bool,
+    keep: Any,
+    flash_attention: bool | None,
+    kernel: Callable[..., Any] | None = None,
+) -> Any:
+    """``fused_attention``'s computation, traced or eager; ``kernel``: the
+    ``keras.ops.dot_product_attention`` to call (default: the current one)."""
     group = q.shape[2] // k.shape[2]
     if group > 1:
         # Repeating keeps every backend's dot_product_attention on its plain MHA path.
@@ -679,7 +742,7 @@ def fused_attention(
     if flash_attention is not True and keras.backend.backend() == "torch":
         out = _torch_attention(q, k, v, scale=scale, is_causal=is_causal, mask=mask)
     else:
-        out = ops.dot_product_attention(
+        out = (kernel or ops.dot_product_attention)(
             q, k, v, mask=mask, scale=scale, is_causal=is_causal, flash_attention=flash_attention
         )
     if d != d_v:
