@@ -86,7 +86,7 @@ def _validate(args: argparse.Namespace) -> None:
             cu.usage_error(
                 "--case",
                 f"unknown case {name!r}; expected catalogue case names (see "
-                "damcha_conformance.CATALOGUE), e.g. {', '.join(sorted(known)[:3])}, ...",
+                f"damcha_conformance.CATALOGUE), e.g. {', '.join(sorted(known)[:3])}, ...",
                 prog=PROG,
             )
     if args.json is not None:

@@ -82,7 +82,9 @@ def test_json_into_a_missing_folder_is_refused_before_any_work(tmp_path):
 
 
 def test_unknown_case_backend_and_group_are_one_line_errors():
-    assert "unknown case 'nosuch'" in one_line_usage_error(conform("--case", "nosuch"), "--case")
+    line = one_line_usage_error(conform("--case", "nosuch"), "--case")
+    first = sorted(c.name for c in dcf.CATALOGUE)[0]
+    assert "unknown case 'nosuch'" in line and f"e.g. {first}, " in line and "{" not in line, line
     assert "invalid choice: 'nosuch'" in one_line_usage_error(conform("--backend", "nosuch"), "--backend")
     assert "invalid choice: 'nosuch'" in one_line_usage_error(conform("--group", "nosuch"), "--group")
     assert "invalid choice: 'float8'" in one_line_usage_error(conform("--dtype", "float8"), "--dtype")

@@ -311,8 +311,10 @@ def test_use_causal_mask_takes_truthy_values_as_keras_does(flag):
         ((B, N, E), (B, M, 7), (B, 3, 7)),  # key/value lengths differ
         ((B, N, E), (B, M, E), (B,)),  # key of another rank
         ((B, 3, N, E), (B, 3, M, E), (B, 2, M, E)),  # key/value non-feature dims differ
+        ((B, N, E), (B, M, E), (1, M, E)),  # a key of batch 1 (Keras's MHA broadcasts it on JAX and torch)
+        ((B, N, E), (B, M, E), (B + 1, M, E)),  # another batch size
     ],
-    ids=["length", "rank", "high-rank"],
+    ids=["length", "rank", "high-rank", "key-batch-1", "key-batch"],
 )
 def test_compute_output_shape_validates_like_mha(query, value, key):
     """MHA raises for key/value shapes that differ outside the feature axis; so do

@@ -140,7 +140,10 @@ def check_build_shapes(
     """MHA's rules on the shapes alone (``build`` and ``compute_output_shape``)."""
     query_shape, value_shape = tuple(query_shape), tuple(value_shape)
     key_shape = value_shape if key_shape is None else tuple(key_shape)
-    if tuple(value_shape[1:-1]) != tuple(key_shape[1:-1]):
+    # The batch axis too where both are known (Keras's MHA compares only the
+    # others: on JAX and torch a key of batch 1 then broadcasts silently).
+    batches_differ = None not in (value_shape[:1] + key_shape[:1]) and value_shape[:1] != key_shape[:1]
+    if tuple(value_shape[1:-1]) != tuple(key_shape[1:-1]) or batches_differ:
         raise DamchaValueError(
             dc.invalid_argument(
                 "key",
@@ -192,9 +195,7 @@ def check_inputs(
     _masks.check_dtypes(masks)
     qs, vs = static_shape(query), static_shape(value)
     ks = vs if key is None else static_shape(key)
-    if len(vs[1:-1]) != len(ks[1:-1]) or any(
-        a is not None and b is not None and a != b for a, b in zip(vs[1:-1], ks[1:-1])
-    ):
+    if len(vs) != len(ks) or any(a is not None and b is not None and a != b for a, b in zip(vs[:-1], ks[:-1])):
         raise DamchaValueError(
             dc.invalid_argument(
                 "key",
