@@ -151,6 +151,9 @@ def _load_config(text: str) -> dc.DamchaConfig:
                 text = f.read()
         except (OSError, UnicodeDecodeError) as exc:
             cu.usage_error("--config", f"cannot read {source!r}: {exc}", prog=PROG)
+    elif not text.lstrip().startswith("{"):
+        # Neither a file nor inline JSON (an object): a path that does not exist, most likely.
+        cu.usage_error("--config", f"no such file {source!r} (inline JSON is an object: '{{...}}')", prog=PROG)
     try:
         return dc.DamchaConfig.from_dict(json.loads(text))
     except (

@@ -180,6 +180,26 @@ def test_functional_decode_under_jit_equals_causal_forward() -> None:
     np.testing.assert_allclose(steps, full, rtol=1e-5, atol=1e-5)
 
 
+def test_functional_decode_overflow_under_jit_is_nan() -> None:
+    """A traced cache index cannot be checked on the host: a step past
+    max_length gives NaN (dynamic_update_slice would clamp the index and
+    overwrite the last slot silently); the steps before it are unchanged."""
+    config = CROSS.replace(context_dim=16, coupling="query")
+    params, x = _params(config), _x((2, 4, 16))
+
+    def fn(params, x):
+        cache = dj.init_cache(config, 2, 3)
+        ys = []
+        for t in range(4):
+            y, cache = dj.decode_step(params, config, cache, x[:, t : t + 1])
+            ys.append(y)
+        return jnp.concatenate(ys, axis=1), dj.damcha_attention(params, config, x[:, :3], is_causal=True)
+
+    steps, full = fast_jit(fn)(params, x)
+    np.testing.assert_allclose(steps[:, :3], full, rtol=1e-5, atol=1e-5)
+    assert np.isnan(np.asarray(steps[:, 3])).all()
+
+
 def test_functional_decode_respects_padding_mask() -> None:
     """The mask spans the cache (B, H|1, T, L); decoding with it equals the full
     masked causal forward; a float 0/1 mask is read as the bool one, an additive

@@ -157,13 +157,34 @@ def test_decode_loop_equals_causal_forward(chunks: tuple[int, ...]) -> None:
         y, state = step(state, x[:, start : start + size])
         outs.append(y)
         start += size
+    # Under jit the full cache cannot be checked on the host: the next step is NaN
+    # (dynamic_update_slice would clamp its index and overwrite the last slot).
+    over, _ = step(state, x[:, :1])
+    assert np.isnan(np.asarray(over)).all()
     nnx.update(layer, state)
     np.testing.assert_allclose(jnp.concatenate(outs, axis=1), full, rtol=1e-5, atol=1e-5)
     # The cache holds the transformed keys k~ = L(x) k, not the raw k.
     _, k_tilde, _ = dj.transformed_qkv(layer.arrays(), config, x)
     np.testing.assert_allclose(layer.cached_key[...], k_tilde, rtol=1e-5, atol=1e-6)
-    with pytest.raises(dc.DamchaValueError, match="the cache is full"):
+    with pytest.raises(dc.DamchaValueError, match=rf"the cache is full .*Received: inputs_q\.shape=\({B}, 1, {E}\)$"):
         layer(x[:, :1], decode=True)
+
+
+@pytest.mark.parametrize("q_len, k_len", [(1, 2), (2, 1)], ids=["more-keys", "fewer-keys"])
+def test_decode_refuses_keys_of_another_length(q_len: int, k_len: int) -> None:
+    """As Flax's MHA does: a step appends one key per query token. Keys of another
+    length would fill the cache out of step with cache_index (a slot overwritten
+    at the next step, or a slot left zero that later queries attend to)."""
+    layer = build(lambda: dj.DamchaAttention(4, E, rngs=nnx.Rngs(0)))
+    layer.init_cache((B, 4, E))
+    x = _normal((B, 2, E), 6)
+    with pytest.raises(
+        dc.DamchaValueError,
+        match=rf"Invalid argument `inputs_k`: expected one key token per query token when decoding: {q_len}, .*"
+        rf"Received: inputs_k\.shape=\({B}, {k_len}, {E}\), inputs_q\.shape=\({B}, {q_len}, {E}\)",
+    ):
+        layer(x[:, :q_len], x[:, :k_len], decode=True)
+    assert int(layer.cache_index[...]) == 0  # nothing was written
 
 
 def test_decode_needs_init_cache() -> None:

@@ -547,6 +547,11 @@ def test_cache_step_under_tf_function_with_tensor_index():
     np.testing.assert_allclose(
         np.concatenate(outs, axis=1), dc.damcha_attention(params, cfg, x, causal=True), rtol=1e-10, atol=1e-12
     )
+    # Past the cache's end (or before its start) a traced index cannot be refused on
+    # the host: NaN, where slice_update would clamp it and overwrite the last slot.
+    for bad in (5, -1):
+        y, _ = step(tf.constant(x[:, :1]), cache, tf.constant(bad))
+        assert np.isnan(np_(y)).all(), bad
 
 
 def test_read_only_cache_serves_cross_attention():

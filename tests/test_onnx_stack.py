@@ -250,8 +250,9 @@ def test_token_model_reference_rejects_ids_outside_the_vocabulary(bad):
         ("params-not-safetensors", r"--params: '.*bad.safetensors' is not a readable damcha_core.save_params file"),
         ("config-lacks-fields", r"--config: must be a DamchaConfig as JSON.*Received: --config='\{\"query_dim\": 8\}'"),
         ("config-not-json", r"--config: must be a DamchaConfig as JSON.*Received: --config='.*bad.safetensors'"),
+        ("config-missing-file", r"--config: no such file '.*missing.json' \(inline JSON is an object: '\{\.\.\.\}'\)"),
     ],
-    ids=["params-not-safetensors", "config-lacks-fields", "config-not-json"],
+    ids=["params-not-safetensors", "config-lacks-fields", "config-not-json", "config-missing-file"],
 )
 def test_cli_bad_files_exit_2_not_1(tmp_path, capsys, which, pattern):
     # Exit 1 means "the export does not match the reference"; a file that cannot
@@ -266,6 +267,7 @@ def test_cli_bad_files_exit_2_not_1(tmp_path, capsys, which, pattern):
         "params-not-safetensors": ["--params", str(bad)],
         "config-lacks-fields": ["--params", str(good), "--config", '{"query_dim": 8}'],
         "config-not-json": ["--params", str(good), "--config", str(bad)],
+        "config-missing-file": ["--params", str(good), "--config", str(tmp_path / "missing.json")],
     }[which]
     rc = main([*args, "--out", str(tmp_path / "m.onnx")])
     assert rc == 2 and not (tmp_path / "m.onnx").exists()

@@ -587,6 +587,22 @@ def test_replace_mha_and_metric_penalty_name_bad_arguments():
         metric_penalty(model, query=x)
 
 
+def test_replace_mha_warns_when_nothing_is_replaced():
+    """A model without nn.MultiheadAttention (the wrong model, or converted
+    already) would otherwise train plain attention believing it DAMCHA."""
+    from damcha_torch import replace_mha
+
+    with pytest.warns(
+        UserWarning, match=r"^replace_mha found no nn.MultiheadAttention in Linear: nothing was replaced\.$"
+    ):
+        replace_mha(nn.Linear(4, 4))
+    model = replace_mha(nn.Sequential(nn.MultiheadAttention(16, 4)))
+    with pytest.warns(
+        UserWarning, match=r"in Sequential: nothing was replaced \(it holds 1 DamchaAttention layers already\)"
+    ):
+        assert replace_mha(model) is model
+
+
 # ------------------------------------------------------------ malformed inputs (issue 11)
 
 

@@ -125,11 +125,18 @@ def decode_attend(
     broadcast_dropout: bool = False,
     precision: Any = None,
     mask_hint: str | None = None,
+    room_checked: bool = False,
 ) -> tuple[Array, dict[str, Array], Array | None]:
     """Write k~ (B, T, G, d) and v (B, T, G, d_v) into ``cache`` at ``index`` and
     attend q~ (B, T, H, d) causally over the cache: query i sits at position
-    index + i. Returns o (B, T, H, d_v), the new cache and the mask's NaN flag."""
+    index + i. Returns o (B, T, H, d_v), the new cache and the NaN flag: the
+    mask's, and a traced index that leaves no room for T tokens (unless the
+    caller checked a concrete one: ``room_checked``), which
+    dynamic_update_slice would clamp, overwriting the last slots silently."""
     cached_k, cached_v, index = cache["key"], cache["value"], cache["index"]
+    overflow = None
+    if not room_checked and isinstance(index, jax.core.Tracer):
+        overflow = index + q.shape[1] > cached_k.shape[1]
     zero = jnp.zeros((), jnp.int32)
     start = (zero, index.astype(jnp.int32), zero, zero)
     keys = jax.lax.dynamic_update_slice(cached_k, k.astype(cached_k.dtype), start)
@@ -148,6 +155,8 @@ def decode_attend(
         precision=precision,
         mask_hint=mask_hint,
     )
+    if overflow is not None:
+        flag = overflow if flag is None else jnp.logical_or(flag, overflow)
     return o, {"key": keys, "value": values, "index": index + q.shape[1]}, flag
 
 
@@ -160,6 +169,21 @@ def check_room(index: Any, T: int, L: int, name: str, shape: tuple[int, ...]) ->
                 f"at most {L - int(index)} new tokens: the cache is full ({int(index)} of max_length={L} "
                 "positions are used)",
                 f"{name}.shape={tuple(shape)}",
+            )
+        )
+
+
+def check_step_keys(T: int, k: Array, lead: tuple[int, ...], config: DamchaConfig) -> None:
+    """A decoding step appends one key per query token (as Flax's MHA
+    requires): keys of another length would fill the cache out of step with
+    ``cache_index`` (slots overwritten next step, or left zero and attended)."""
+    if k.shape[-3] != T:
+        raise DamchaValueError(
+            invalid_argument(
+                "inputs_k",
+                f"one key token per query token when decoding: {T}, the length of `inputs_q`",
+                f"inputs_k.shape={(*lead, k.shape[-3], config_sizes(config)[0])}, "
+                f"inputs_q.shape={(*lead, T, config.query_dim)}",
             )
         )
 
@@ -254,6 +278,7 @@ def decode_step(
         checked.flag,
         precision=precision,
         mask_hint=mask_hint,
+        room_checked=not isinstance(index, jax.core.Tracer),
     )
 
 
@@ -271,6 +296,7 @@ def _step(
     *,
     precision: Any,
     mask_hint: str | None,
+    room_checked: bool = False,
     host: np.ndarray | None = None,
 ) -> tuple[Array, dict[str, Array]]:
     """decode_step's math on checked arguments (``mask``, ``flag``, ``host``: the fields of a MaskArg)."""
@@ -285,6 +311,7 @@ def _step(
         mask=checked,
         precision=precision,
         mask_hint=mask_hint,
+        room_checked=room_checked,
     )
     y = _poison(_output(p, config, o.astype(x.dtype), precision), bad)
     return y, new_cache
@@ -292,8 +319,8 @@ def _step(
 
 # An eager step dispatches ~90 small ops one by one (each a Python-side dispatch of
 # several microseconds, more than its arithmetic at B=1); compiled, it is one.
-# Under an outer jit this is inlined as a nested call. config, precision and mask_hint are static.
-_compiled_step = jax.jit(_step, static_argnames=("config", "precision", "mask_hint"))
+# Under an outer jit this is inlined as a nested call. config, precision, mask_hint and room_checked are static.
+_compiled_step = jax.jit(_step, static_argnames=("config", "precision", "mask_hint", "room_checked"))
 
 
 def _hashable(value: Any) -> bool:
@@ -362,7 +389,8 @@ class DecodeCache:
                     f"{name} with batch axes {lead} (cache_key.shape={tuple(cached_k.shape)})",
                 )
             )
-        check_room(index, T, L, name, (*lead, T))
+        check_step_keys(T, k, lead, self.config)
+        check_room(index, T, L, name, (*lead, T, self.config.query_dim))
         B = int(np.prod(batch)) if batch else 1
         fold = lambda t: jnp.reshape(t, (B, *t.shape[len(batch) :]))  # noqa: E731
         cache = {"key": fold(cached_k), "value": fold(cached_v), "index": index}

@@ -37,7 +37,7 @@ from damcha_core import (
 )
 
 from . import _functional as F
-from ._cache import DecodeCache, check_room
+from ._cache import DecodeCache, check_room, check_step_keys
 from ._canonical import CanonicalIO
 from ._convert import from_mha
 from ._generator import CrossHeadMap, MetricGenerator, make_metric_generators, resolve_metric_generators
@@ -662,11 +662,15 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
         if self.config.scale is not None:
             # A standard kernel scales by 1/sqrt(d): fold the configured scale into q~.
             q = q * jnp.asarray(self.config.scale * np.sqrt(self.config.key_dim), q.dtype)
+        overflow = None
         if decode:
             cached_k, cached_v, index = self.cached_key, self.cached_value, self.cache_index
             assert cached_k is not None and cached_v is not None and index is not None  # init_cache set all three
             T = q.shape[-3]
-            check_room(index[...], T, cached_k.shape[-3], "inputs_q", q.shape[:-2])
+            if isinstance(index[...], jax.core.Tracer):  # as decode_attend: no silent clamp under jit
+                overflow = index[...] + T > cached_k.shape[-3]
+            check_step_keys(T, k, lead, self.config)
+            check_room(index[...], T, cached_k.shape[-3], "inputs_q", (*lead, T, self.config.query_dim))
             zero = jnp.zeros((), jnp.int32)
             start = (zero,) * len(lead) + (index[...].astype(jnp.int32), zero, zero)
             cached_k[...] = jax.lax.dynamic_update_slice(cached_k[...], k.astype(cached_k.dtype), start)
@@ -677,7 +681,7 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
             index[...] = index[...] + T
         attention_fn = self.attention_fn
         assert attention_fn is not None  # __call__ comes here for a custom attention_fn only
-        return attention_fn(
+        o = attention_fn(
             q,
             k,
             v,
@@ -691,6 +695,7 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
             module=self if sow_weights else None,
             is_causal=is_causal,
         )
+        return F._poison(o, overflow)
 
     def metric_penalty(self, inputs_q: Array, inputs_k: Array | None = None) -> Array:
         """The optional regulariser mean ||L(t) - I||_F^2 / (S*d) (``damcha_core.metric_penalty``)."""

@@ -144,6 +144,17 @@ def check_cache(
     return shape[2]
 
 
+def traced_overflow(index: Any, length: int | None, T: int | None) -> Any:
+    """A traced ``cache_update_index`` (under jit) that leaves no room for T
+    tokens, as a boolean scalar for the output's NaN poison (slice_update
+    would clamp it and overwrite the last slots silently); None where
+    ``check_cache`` checked a known index, or a size is unknown."""
+    if concrete_int(index) is not None or length is None or T is None:
+        return None
+    index = ops.convert_to_tensor(index)
+    return ops.logical_or(ops.less(index, 0), ops.greater(index, length - T))
+
+
 def read_cache(cache: Any, dtype: str) -> tuple[Any, Any]:
     """The cached (mapped) keys and values (B, L, G, d), in ``dtype``."""
     k, v = halves(cache)

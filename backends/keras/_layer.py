@@ -618,6 +618,9 @@ class DamchaAttention(keras.layers.Layer):
             if side_k and not read_only:
                 k = self._apply_map(side_k, k_in, k, penalties)
         if cache is not None and not read_only:
+            over = _cache.traced_overflow(cache_update_index, kv_len, static_shape(k)[1])
+            if over is not None:
+                poison = over if poison is None else ops.logical_or(poison, over)
             cache, k, v = _cache.update_cache(cache, cache_update_index, k, v)
         if penalties:
             self.add_loss(self._metric_l2 * ops.mean(ops.stack(penalties)))

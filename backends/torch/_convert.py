@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -107,6 +108,16 @@ def replace_mha(model: nn.Module, **kwargs: Any) -> nn.Module:
                 visit(child)
 
     visit(model)
+    if not done:
+        # Most likely the wrong model (or one converted already): training it
+        # would silently train plain attention, not DAMCHA.
+        already = sum(isinstance(m, DamchaAttention) for m in model.modules())
+        warnings.warn(
+            f"replace_mha found no nn.MultiheadAttention in {type(model).__name__}: nothing was replaced"
+            + (f" (it holds {already} DamchaAttention layers already)." if already else "."),
+            UserWarning,
+            stacklevel=2,
+        )
     if done:
         for module in model.modules():
             # nn.TransformerEncoder decided at construction, while it still held
