@@ -434,6 +434,37 @@ def test_decode_fast_step_batched_and_chunks_equal_general_path(name, batch_firs
     assert calls[0] == 0 and calls[4] == 0 and all(c > 0 for c in calls[1:4] + calls[5:]), calls
 
 
+@pytest.mark.parametrize("name", [n for n in DECODE_CONFIGS if n != "none"])
+def test_decode_step_of_several_tokens_gives_every_gemm_its_bias(name):
+    """With B * N > 1 tokens each generator GEMM of the flat step gets a bias
+    (a constant zero; b is added with the phi scaling after), as the
+    projections' linears have theirs: on CPU MKL runs a bias-free GEMM of a
+    few rows (beta = 0) in two OpenMP parallel regions and one with a bias in
+    one, and at 2 threads each region of such a tiny op costs more than the
+    op. No op more. Structure only: the values are the batched test's above."""
+    _, layer, prompt, _ = _decode_pair(name, torch.float64)
+    cache = DamchaKVCache()
+    steps = [_x(3, 1, 32, seed=30 + i) for i in range(3)]  # float64
+    gemms: list[tuple[str, bool]] = []
+
+    def record(func, args, kwargs):
+        op = func._schema.name
+        if op in ("aten::linear", "aten::addmm", "aten::mm", "aten::matmul"):
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            gemms.append((op, bias is not None))
+
+    with torch.inference_mode():
+        p = prompt.expand(3, -1, -1)
+        layer(p, p, p, is_causal=True, need_weights=False, kv_cache=cache)
+        for t in steps[:2]:  # the first records the shape
+            layer(t, t, t, is_causal=True, need_weights=False, kv_cache=cache)
+        with _counts._recorder(record):
+            layer(steps[2], steps[2], steps[2], is_causal=True, need_weights=False, kv_cache=cache)
+    generators = 2 if name == "heads-separate" else 1
+    # The packed projection, the generators and the output, each with a bias.
+    assert gemms == [("aten::linear", True)] * (2 + generators), gemms
+
+
 def _two_primed_decoders():
     """A float64 separate-coupling layer and its deep copy, each with its own cache
     after a prompt and two one-token steps (the flat step's state recorded)."""

@@ -153,6 +153,22 @@ def _hypot_constant(features: int, dtype: torch.dtype) -> Tensor:
     return const
 
 
+_ZEROS: dict[tuple[int, torch.dtype, torch.device], Tensor] = {}
+
+
+def _zero_bias(n: int, x: Tensor) -> Tensor:
+    """A constant (n,) zero vector of x's dtype and device: the bias of a GEMM
+    whose bias is added later (see ``few_tokens_step``). Made once per (n,
+    dtype, device), outside inference mode, as ``_hypot_constant``; derived
+    from no parameter, so it never goes stale."""
+    key = (n, x.dtype, x.device)
+    z = _ZEROS.get(key)
+    if z is None:
+        with torch.inference_mode(False):
+            z = _ZEROS[key] = torch.zeros(n, dtype=x.dtype, device=x.device)
+    return z
+
+
 def _rms_denominator(t: Tensor) -> Tensor:
     """sqrt(sum(t^2 over features) + E * eps), (..., 1).
 
@@ -1195,21 +1211,33 @@ def few_tokens_step(
             k = mixed.as_strided((1, H, 1, d), (H * d, d, d, 1), H * d)
         else:
             gA_q = gA_k = None
+            # x W of T > 1 tokens on CPU adds a constant zero bias: MKL runs a
+            # bias-free GEMM of a few rows (beta = 0) in two OpenMP parallel
+            # regions and one with a bias in one, and at 2 threads each region
+            # of such a tiny op costs more than the op. The (T, S*S) copy of
+            # the zeros is all it adds, with no op more: b and the phi scaling
+            # stay in the addcdiv after (a true bias there would need phi(x),
+            # a (T, E) pass and more ops). One token's GEMM is a GEMV, serial
+            # either way (tests/test_torch_fastpath.py).
+            zq = zk = None
+            if T > 1 and not traced and x.is_cpu:
+                zq = None if mq is None else _zero_bias(mq[0].shape[0], x)
+                zk = zq if mk is mq else (None if mk is None else _zero_bias(mk[0].shape[0], x))
             if mq is not None and mk is not None and mk is not mq:
                 # Separate coupling: both sides' phi scaling in one call and both
                 # gate products in another (foreach ops: one dispatch for the two).
                 (w_q, b_q, g_q), (w_k, b_k, g_k) = mq, mk
                 A_q, A_k = torch._foreach_addcdiv(
-                    [b_q, b_k], [F.linear(x, w_q), F.linear(x, w_k)], [denom, denom], root
+                    [b_q, b_k], [F.linear(x, w_q, zq), F.linear(x, w_k, zk)], [denom, denom], root
                 )
                 gA_q, gA_k = torch._foreach_mul([A_q.view(T, H, H), A_k.view(T, G, G)], [g_q, g_k])
             elif mq is not None:
                 weight, bias, gate = mq
-                gA_q = torch.addcdiv(bias, F.linear(x, weight), denom, value=root).view(T, H, H) * gate
+                gA_q = torch.addcdiv(bias, F.linear(x, weight, zq), denom, value=root).view(T, H, H) * gate
                 gA_k = gA_q if mk is mq else None
             elif mk is not None:
                 weight, bias, gate = mk
-                gA_k = torch.addcdiv(bias, F.linear(x, weight), denom, value=root).view(T, G, G) * gate
+                gA_k = torch.addcdiv(bias, F.linear(x, weight, zk), denom, value=root).view(T, G, G) * gate
             if gA_q is not None:
                 flat = qkv.as_strided((T, H, d), (width, d, 1), at)
                 q = torch.baddbmm(flat, gA_q, flat)
