@@ -96,6 +96,28 @@ def check_torch_padding_path(r: dict, backend: str) -> None:
     assert got["ratio_vs_reference"] <= 1.0 and got["mha_max_diff"] < 1e-5, got
 
 
+def check_torch_causal_probe(r: dict, backend: str) -> None:
+    if backend != "torch":
+        assert r["torch_causal_probe"] is None, r
+        return
+    got = r["torch_causal_probe"]
+    # Counted, not timed: with finite q~ and k~ (one sum of each, read eagerly on CPU)
+    # the NaN probe is skipped, nothing runs between SDPA and the output projection
+    # but views (before: the probe's row sums of q~, sum of k~ and two adds, one a
+    # pass over the output); two full sums read q~ and k~ before SDPA instead.
+    assert got["after_sdpa"] == ["aten::transpose", "aten::to", "aten::to"], got
+    assert got["sums"] == 2 and got["items"] == 2, got
+    # The check itself: a NaN or inf in either, or a sum that overflows (float16),
+    # says "not certainly finite"; so does every call it must not branch in.
+    assert got["finite"] is True and got["not_finite"] == [False] * 5, got
+    assert got["in_transforms"] == {"vmap": False, "grad": False, "jit_trace": False}, got
+    # The same outputs and the same NaN rows as with the probe always run: a NaN query
+    # token (self-attention) or key token (cross-attention) makes every row of its
+    # batch entry NaN and leaves the other entry finite; finite inputs, equal bits.
+    assert got["same_as_probe"] == {"finite": True, "query-token": True, "key-token": True}, got
+    assert got["nan_rows"] == {"query-token": [[True] * 6, [False] * 6], "key-token": [[False] * 6, [True] * 6]}, got
+
+
 # Each check on every backend: the export and from_mha checks run on one backend
 # and assert that the others' runs left them out (None, never a silent pass).
 CHECKS = {
@@ -107,6 +129,7 @@ CHECKS = {
     "int8-equals-mha": check_int8_equals_mha,
     "from-mha-copies": check_from_mha_copies,
     "torch-padding-path": check_torch_padding_path,
+    "torch-causal-probe": check_torch_causal_probe,
 }
 
 
@@ -323,6 +346,87 @@ def torch_padding_path(DamchaAttention, keras, np) -> dict:
     }
 
 
+def torch_causal_probe(DamchaAttention, keras, np) -> dict:
+    """keras-torch: ``use_causal_mask`` without a mask, gates opened: the aten ops
+    of a finite call around SDPA, ``F._torch_certainly_finite`` on finite and
+    non-finite heads and under torch.func and tracing, and the outputs and NaN
+    rows against the same calls with the NaN probe forced (the code before)."""
+    import torch
+
+    import damcha_keras._functional as F
+
+    keras.utils.set_random_seed(5)
+    mha = keras.layers.MultiHeadAttention(2, 8)
+    h = torch.tensor(np.random.default_rng(5).normal(size=(2, 6, 16)).astype("float32"))
+    mha(h, h)
+    layer = DamchaAttention.from_mha(mha)
+    params = layer.to_canonical()
+    layer.load_canonical({k: (np.full_like(v, 0.5) if k.endswith(".gate") else v) for k, v in params.items()})
+    ops = top_level_aten_ops(lambda: layer(h, h, use_causal_mask=True))
+    start = ops.index("aten::scaled_dot_product_attention") + 1
+    after_sdpa = ops[start : ops.index("aten::einsum", start)]
+
+    q, k = torch.ones(2, 3, 2, 4), torch.ones(2, 3, 2, 4)
+    bad = []
+    for name in ("nan-q", "nan-k", "inf-q", "inf-k"):
+        qq, kk = q.clone(), k.clone()
+        (qq if name.endswith("q") else kk)[1, 2, 0, 3] = float("nan") if name.startswith("nan") else float("inf")
+        bad.append(F._torch_certainly_finite(qq, kk))
+    big = torch.full((2, 3, 2, 4), 60000.0, dtype=torch.float16)  # every element finite, the sum is not
+    bad.append(F._torch_certainly_finite(big, big))
+    seen: dict[str, bool] = {}
+
+    def probe(name: str):
+        def fn(a):
+            seen[name] = F._torch_certainly_finite(a, a)
+            return a * 2
+
+        return fn
+
+    torch.func.vmap(probe("vmap"))(q)
+    torch.func.grad(lambda a: probe("grad")(a).sum())(q)
+    torch.jit.trace(probe("jit_trace"), (q,), check_trace=False)
+
+    real = F._torch_certainly_finite
+
+    def both(x, c):
+        y = layer(x, c, use_causal_mask=True).detach()
+        F._torch_certainly_finite = lambda q, k: False
+        try:
+            y_probe = layer(x, c, use_causal_mask=True).detach()
+        finally:
+            F._torch_certainly_finite = real
+        return y, y_probe
+
+    same, nan_rows = {}, {}
+    y, y_probe = both(h, h)
+    same["finite"] = bool(torch.equal(y, y_probe))
+    x_nan = h.clone()
+    x_nan[0, 2, 1] = float("nan")
+    y, y_probe = both(x_nan, x_nan)
+    same["query-token"] = bool(
+        torch.equal(y.isnan(), y_probe.isnan()) and torch.equal(y.nan_to_num(), y_probe.nan_to_num())
+    )
+    nan_rows["query-token"] = y.isnan().all(-1).tolist()
+    c_nan = torch.tensor(np.random.default_rng(6).normal(size=(2, 6, 16)).astype("float32"))
+    c_nan[1, 0, 3] = float("nan")
+    y, y_probe = both(h, c_nan)
+    same["key-token"] = bool(
+        torch.equal(y.isnan(), y_probe.isnan()) and torch.equal(y.nan_to_num(), y_probe.nan_to_num())
+    )
+    nan_rows["key-token"] = y.isnan().all(-1).tolist()
+    return {
+        "after_sdpa": after_sdpa,
+        "sums": ops.count("aten::sum"),
+        "items": ops.count("aten::item"),
+        "finite": F._torch_certainly_finite(q, k),
+        "not_finite": bad,
+        "in_transforms": seen,
+        "same_as_probe": same,
+        "nan_rows": nan_rows,
+    }
+
+
 def run(backend: str, workdir: str) -> dict:
     """Every check's measurements on this process's Keras backend (a JSON-able dict)."""
     import keras
@@ -410,6 +514,7 @@ def run(backend: str, workdir: str) -> dict:
         "quantized_vs_mha_mse": quantized_vs_mha(DamchaAttention, keras, np),
         "from_mha_copies": from_mha_copies(DamchaAttention, keras, np) if backend == "jax" else None,
         "torch_padding_path": torch_padding_path(DamchaAttention, keras, np) if backend == "torch" else None,
+        "torch_causal_probe": torch_causal_probe(DamchaAttention, keras, np) if backend == "torch" else None,
         "saved_model_export_matches": saved_model_ok,
         "onnx_export_matches": onnx_ok,
         "decode_within_float32_tolerance": decode_ratio <= 1.0,

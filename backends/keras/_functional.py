@@ -724,6 +724,7 @@ def _fused_attention(
     """``fused_attention``'s computation, traced or eager; ``kernel``: the
     ``keras.ops.dot_product_attention`` to call (default: the current one)."""
     group = q.shape[2] // k.shape[2]
+    heads_k = k  # the probe's keys before the repeat: their finiteness is the repeat's, one G-th of the reads
     if group > 1:
         # Repeating keeps every backend's dot_product_attention on its plain MHA path.
         k, v = ops.repeat(k, group, axis=2), ops.repeat(v, group, axis=2)
@@ -732,6 +733,9 @@ def _fused_attention(
         return out if keep is None else out * ops.cast(keep, out.dtype)
     if dtype_name(q) == "float64":
         q, scale = _scaled(q, scale), 1.0
+    # Read on the queries the probe would read (scaled: a finite q times a scale
+    # above 1 may overflow); the zero channels of the padding below change no sum.
+    probe = mask is None and not _torch_certainly_finite(q, heads_k)
     d, d_v = q.shape[-1], v.shape[-1]
     if d != d_v:
         # jax.nn.dot_product_attention needs d == d_v; zero channels change
@@ -747,7 +751,7 @@ def _fused_attention(
         )
     if d != d_v:
         out = out[..., :d_v]
-    if mask is None:
+    if probe:
         out = _nan_probe(out, q, k)
     if keep is not None:
         out = out * ops.cast(keep, out.dtype)
@@ -920,6 +924,38 @@ def _tf_eager_tri(n: int, m: int) -> Any:
 
     with tf.init_scope():
         return tf.linalg.band_part(tf.ones((n, m), tf.bool), -1, 0)
+
+
+def _torch_certainly_finite(q: Any, k: Any) -> bool:
+    """On the torch backend, whether q~ and k~ certainly hold no NaN or inf:
+    one sum of each, read only where a forward may branch on values (eager, on
+    CPU: no device sync; not under torch.compile, tracing, a torch.func
+    transform or an ONNX export, which would bake the branch into their graph;
+    elsewhere, and on the other backends, False).
+
+    A NaN or inf anywhere makes the sum NaN or inf, so a finite sum proves
+    every element finite (a sum that overflows says False, which only costs
+    the probe). ``_nan_probe`` then adds 0 everywhere and is skipped: one read
+    of q~ and of k~ instead of its row sums of q~, sum of k~ and pass over the
+    output (as ``damcha_torch``'s ``_certainly_finite``).
+    """
+    if keras.backend.backend() != "torch":
+        return False
+    import torch
+
+    if not (
+        type(q) is torch.Tensor  # not a fake, functional or other subclass tensor of a tracer
+        and type(k) is torch.Tensor
+        and q.device.type == "cpu"
+        and k.device.type == "cpu"
+        and not torch.compiler.is_compiling()
+        and not torch._C._is_tracing()
+        and not torch._C._are_functorch_transforms_active()
+        and not torch.onnx.is_in_onnx_export()
+    ):
+        return False
+    with torch.no_grad():
+        return math.isfinite(q.sum().item()) and math.isfinite(k.sum().item())
 
 
 def _nan_probe(out: Any, q: Any, k: Any) -> Any:
