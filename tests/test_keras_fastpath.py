@@ -928,7 +928,7 @@ if BACKEND != "torch":
 
 # Defined only where Keras runs on jax (the jax Keras process's run of test_other_keras_backends_*
 # counts JAX_HLO_TESTS passes), as the torch aten counts above.
-JAX_HLO_TESTS = 1
+JAX_HLO_TESTS = 2
 
 
 def _jax_training_step(attn, x):
