@@ -125,18 +125,12 @@ def decode_attend(
     broadcast_dropout: bool = False,
     precision: Any = None,
     mask_hint: str | None = None,
-    room_checked: bool = False,
 ) -> tuple[Array, dict[str, Array], Array | None]:
     """Write k~ (B, T, G, d) and v (B, T, G, d_v) into ``cache`` at ``index`` and
     attend q~ (B, T, H, d) causally over the cache: query i sits at position
-    index + i. Returns o (B, T, H, d_v), the new cache and the NaN flag: the
-    mask's, and a traced index that leaves no room for T tokens (unless the
-    caller checked a concrete one: ``room_checked``), which
-    dynamic_update_slice would clamp, overwriting the last slots silently."""
+    index + i. Returns o (B, T, H, d_v), the new cache and the mask's NaN flag
+    (the caller checks the room: ``check_room``)."""
     cached_k, cached_v, index = cache["key"], cache["value"], cache["index"]
-    overflow = None
-    if not room_checked and isinstance(index, jax.core.Tracer):
-        overflow = index + q.shape[1] > cached_k.shape[1]
     zero = jnp.zeros((), jnp.int32)
     start = (zero, index.astype(jnp.int32), zero, zero)
     keys = jax.lax.dynamic_update_slice(cached_k, k.astype(cached_k.dtype), start)
@@ -155,14 +149,18 @@ def decode_attend(
         precision=precision,
         mask_hint=mask_hint,
     )
-    if overflow is not None:
-        flag = overflow if flag is None else jnp.logical_or(flag, overflow)
     return o, {"key": keys, "value": values, "index": index + q.shape[1]}, flag
 
 
-def check_room(index: Any, T: int, L: int, name: str, shape: tuple[int, ...]) -> None:
-    """A concrete cache index must leave room for T more positions (a traced one cannot be checked)."""
-    if not isinstance(index, jax.core.Tracer) and int(index) + T > L:
+def check_room(index: Any, T: int, L: int, name: str, shape: tuple[int, ...]) -> Array | None:
+    """A concrete cache index must leave room for T more positions (raises if
+    not; returns None). A traced one (under jit) cannot be checked on the host:
+    returns the flag index + T > L for the output's NaN poison, where
+    dynamic_update_slice would clamp the index and overwrite the last slots
+    silently."""
+    if isinstance(index, jax.core.Tracer):
+        return index + T > L
+    if int(index) + T > L:
         raise DamchaValueError(
             invalid_argument(
                 name,
@@ -171,6 +169,12 @@ def check_room(index: Any, T: int, L: int, name: str, shape: tuple[int, ...]) ->
                 f"{name}.shape={tuple(shape)}",
             )
         )
+    return None
+
+
+def either_flag(a: Array | None, b: Array | None) -> Array | None:
+    """Two NaN flags (None: never) as one."""
+    return b if a is None else a if b is None else jnp.logical_or(a, b)
 
 
 def check_step_keys(T: int, k: Array, lead: tuple[int, ...], config: DamchaConfig) -> None:
@@ -257,7 +261,7 @@ def decode_step(
     checked = read_mask(mask)
     if checked.array is not None:
         check_shapes(config, x.shape, (B, L, config_sizes(config)[0]), checked.array.shape)
-    check_room(index, T, L, "query", x.shape)
+    overflow = check_room(index, T, L, "query", x.shape)
     step: Any
     if _hashable(precision) and (mask_hint is None or checked.host is None):
         # Everything is checked: the math is one compiled program (one dispatch per step when eager).
@@ -276,9 +280,9 @@ def decode_step(
         v_tokens,
         checked.array,
         checked.flag,
+        overflow,
         precision=precision,
         mask_hint=mask_hint,
-        room_checked=not isinstance(index, jax.core.Tracer),
     )
 
 
@@ -293,13 +297,14 @@ def _step(
     v_tokens: Array | None,
     mask: Array | None,
     flag: Array | None,
+    overflow: Array | None,
     *,
     precision: Any,
     mask_hint: str | None,
-    room_checked: bool = False,
     host: np.ndarray | None = None,
 ) -> tuple[Array, dict[str, Array]]:
-    """decode_step's math on checked arguments (``mask``, ``flag``, ``host``: the fields of a MaskArg)."""
+    """decode_step's math on checked arguments (``mask``, ``flag``, ``host``: the
+    fields of a MaskArg; ``overflow``: ``check_room``'s flag of a traced index)."""
     checked = None if mask is None else MaskArg(mask, host, flag)
     q, k, v = _qkv(p, config, x, c, v_tokens, precision)
     o, new_cache, bad = decode_attend(
@@ -311,16 +316,15 @@ def _step(
         mask=checked,
         precision=precision,
         mask_hint=mask_hint,
-        room_checked=room_checked,
     )
-    y = _poison(_output(p, config, o.astype(x.dtype), precision), bad)
+    y = _poison(_output(p, config, o.astype(x.dtype), precision), either_flag(bad, overflow))
     return y, new_cache
 
 
 # An eager step dispatches ~90 small ops one by one (each a Python-side dispatch of
 # several microseconds, more than its arithmetic at B=1); compiled, it is one.
-# Under an outer jit this is inlined as a nested call. config, precision, mask_hint and room_checked are static.
-_compiled_step = jax.jit(_step, static_argnames=("config", "precision", "mask_hint", "room_checked"))
+# Under an outer jit this is inlined as a nested call. config, precision and mask_hint are static.
+_compiled_step = jax.jit(_step, static_argnames=("config", "precision", "mask_hint"))
 
 
 def _hashable(value: Any) -> bool:
@@ -390,7 +394,7 @@ class DecodeCache:
                 )
             )
         check_step_keys(T, k, lead, self.config)
-        check_room(index, T, L, name, (*lead, T, self.config.query_dim))
+        overflow = check_room(index, T, L, name, (*lead, T, self.config.query_dim))
         B = int(np.prod(batch)) if batch else 1
         fold = lambda t: jnp.reshape(t, (B, *t.shape[len(batch) :]))  # noqa: E731
         cache = {"key": fold(cached_k), "value": fold(cached_v), "index": index}
@@ -409,7 +413,7 @@ class DecodeCache:
         self.cached_key[...] = jnp.reshape(cache["key"], cached_k.shape)
         self.cached_value[...] = jnp.reshape(cache["value"], cached_v.shape)
         self.cache_index[...] = cache["index"]
-        return jnp.reshape(o, (*lead, *o.shape[1:])), flag
+        return jnp.reshape(o, (*lead, *o.shape[1:])), either_flag(flag, overflow)
 
     def _decode_mask(self, T: int) -> Array:
         """(1, 1, T, L) bool: query i of this step (position index + i) sees cached keys j <= index + i."""

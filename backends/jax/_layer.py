@@ -667,10 +667,8 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
             cached_k, cached_v, index = self.cached_key, self.cached_value, self.cache_index
             assert cached_k is not None and cached_v is not None and index is not None  # init_cache set all three
             T = q.shape[-3]
-            if isinstance(index[...], jax.core.Tracer):  # as decode_attend: no silent clamp under jit
-                overflow = index[...] + T > cached_k.shape[-3]
             check_step_keys(T, k, lead, self.config)
-            check_room(index[...], T, cached_k.shape[-3], "inputs_q", (*lead, T, self.config.query_dim))
+            overflow = check_room(index[...], T, cached_k.shape[-3], "inputs_q", (*lead, T, self.config.query_dim))
             zero = jnp.zeros((), jnp.int32)
             start = (zero,) * len(lead) + (index[...].astype(jnp.int32), zero, zero)
             cached_k[...] = jax.lax.dynamic_update_slice(cached_k[...], k.astype(cached_k.dtype), start)
