@@ -238,16 +238,47 @@ def sweep_thresholds(results: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def not_learned(results: dict[str, Any], name: str) -> tuple[int, int] | None:
+    """Runs of ``name`` that never reached the task's first validation threshold: (chosen rate, whole sweep).
+
+    A run stuck at a plateau (e.g. chance accuracy) neither diverges nor
+    spikes, so without this count the stability columns would call it
+    stable. None where the task declares no thresholds (no level to fail).
+    """
+    thresholds = results.get("config", {}).get("thresholds") or []
+    if not thresholds:
+        return None
+    key = f"{float(thresholds[0]):g}"  # as _train writes it
+    r = results["variants"][name]
+
+    def failed(run: dict[str, Any]) -> bool:
+        reached = run.get("steps_to_threshold") or {}
+        # A missing key means the run predates the threshold: not judged.
+        return key in reached and reached[key] is None
+
+    chosen = sum(failed(run) for run in r["runs"])
+    chosen_lr = r.get("chosen_lr")
+    # The chosen rate's sweep seeds are also among r["runs"]: count the
+    # sweep once, then the chosen rate's further seeds.
+    sweep_runs = r.get("lr_sweep", {}).get("runs", [])
+    sweep_seeds = {run["seed"] for run in sweep_runs if run["lr"] == chosen_lr}
+    extra = sum(failed(run) for run in r["runs"] if run["seed"] not in sweep_seeds)
+    return chosen, sum(failed(run) for run in sweep_runs) + extra
+
+
 def stability(results: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for name, r in results["variants"].items():
         tests = [run["test_metric"] for run in r["runs"]]
+        stuck = not_learned(results, name)
         rows.append(
             {
                 "variant": name,
                 "divergences": r["divergences"],
                 "sweep_divergences": r.get("sweep_divergences", 0),
                 "loss_spikes": r["loss_spikes"],
+                "not_learned": None if stuck is None else stuck[0],
+                "sweep_not_learned": None if stuck is None else stuck[1],
                 "runs": len(r["runs"]),
                 "seed_std": describe(tests)["std"],
                 "seed_range": [min(tests), max(tests)],
@@ -436,7 +467,8 @@ def verdicts(
         "stack-wise sharing (damcha-heads-tied-shared vs damcha-heads-tied, damcha-heads-query-shared vs "
         "damcha-heads-query, paired, converged test metric): supported if on every ablation task each shared "
         "variant is non-inferior (lower end of the 95% interval of its gain above -margin) with no more "
-        "divergences and loss spikes than its unshared reference; not supported if a shared variant is "
+        "divergences, loss spikes and runs that never reach the task's first threshold than its unshared "
+        "reference; not supported if a shared variant is "
         "'worse' (Holm over the ablation family) or diverges more often; inconclusive otherwise. The other "
         "ablations are reported with their decisions and carry no claim verdict."
     )
@@ -456,7 +488,9 @@ def verdicts(
                     "reference": ref,
                     "decision": row["decision"],
                     "non_inferior": bool(math.isfinite(lo) and lo > -row["margin"]),
-                    "stability_ok": s["divergences"] <= r_["divergences"] and s["loss_spikes"] <= r_["loss_spikes"],
+                    "stability_ok": s["divergences"] <= r_["divergences"]
+                    and s["loss_spikes"] <= r_["loss_spikes"]
+                    and (not_learned(res, shared) or (0, 0))[0] <= (not_learned(res, ref) or (0, 0))[0],
                     "more_divergences": s["divergences"] > r_["divergences"],
                     "gain": row,
                 }

@@ -316,14 +316,23 @@ def cost_table(cost: dict[str, Any]) -> str:
 
 def stability_table(results: dict[str, Any]) -> str:
     lines = [
-        "| variant | runs | divergences (chosen lr / whole sweep) | loss spikes | seed std | seed range |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        "| variant | runs | divergences (chosen lr / whole sweep) | failed to learn (chosen lr / whole sweep) "
+        "| loss spikes | seed std | seed range |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in an.stability(results):
+        stuck = "-" if r["not_learned"] is None else f"{r['not_learned']} / {r['sweep_not_learned']}"
         lines.append(
-            f"| {r['variant']} | {r['runs']} | {r['divergences']} / {r['sweep_divergences']} | "
+            f"| {r['variant']} | {r['runs']} | {r['divergences']} / {r['sweep_divergences']} | {stuck} | "
             f"{r['loss_spikes']} | {_f(r['seed_std'])} | {_f(r['seed_range'][0])} - {_f(r['seed_range'][1])} |"
         )
+    thresholds = results.get("config", {}).get("thresholds") or []
+    if thresholds:
+        lines += [
+            "",
+            f"Failed to learn: runs whose validation {results.get('metric', 'metric')} never reached "
+            f"{float(thresholds[0]):g} (the task's first threshold); such a run neither diverges nor spikes.",
+        ]
     return "\n".join(lines)
 
 

@@ -214,6 +214,59 @@ def test_steps_to_threshold_censors_runs_that_never_reach_it():
     assert rows["damcha-heads-query"]["vs_mha"]["mean"] == pytest.approx(1600 / 3)
 
 
+def _stuck_results() -> dict:
+    """tied: its chosen rate 2e-3 learns; one 4e-3 sweep run sticks at chance. mha: one chosen-rate seed sticks."""
+    res = _results("crosshead", {"mha": [0.9] * 3, "damcha-heads-tied": [0.9] * 3})
+    res["config"]["thresholds"] = [0.5, 0.95]
+    for name, chosen_hits in (("mha", [400, None, 500]), ("damcha-heads-tied", [300, 300, 300])):
+        v = res["variants"][name]
+        v["chosen_lr"] = 2e-3
+        for r, hit in zip(v["runs"], chosen_hits):
+            r["steps_to_threshold"] = {"0.5": hit, "0.95": None}
+        # Seed 0 is the sweep seed: its chosen-rate run is both in the sweep and in runs.
+        v["lr_sweep"] = {
+            "lrs": [2e-3, 4e-3],
+            "chosen_lr": 2e-3,
+            "runs": [
+                {"lr": 2e-3, "seed": 0, "steps_to_threshold": {"0.5": chosen_hits[0], "0.95": None}},
+                {"lr": 4e-3, "seed": 0, "steps_to_threshold": {"0.5": None if name != "mha" else 200, "0.95": None}},
+            ],
+        }
+    return res
+
+
+def test_stability_counts_runs_that_never_reach_the_first_threshold():
+    res = _stuck_results()
+    rows = {r["variant"]: r for r in an.stability(res)}
+    # mha: seed 1 (chosen rate, not a sweep seed) stuck: counted once in each column.
+    assert (rows["mha"]["not_learned"], rows["mha"]["sweep_not_learned"]) == (1, 1)
+    # tied: only the 4e-3 sweep run is stuck; no divergence shows it.
+    assert (rows["damcha-heads-tied"]["not_learned"], rows["damcha-heads-tied"]["sweep_not_learned"]) == (0, 1)
+    assert rows["damcha-heads-tied"]["divergences"] == 0
+    from damcha_experiments._report import stability_table
+
+    text = stability_table(res)
+    assert "| damcha-heads-tied | 3 | 0 / 0 | 0 / 1 |" in text
+    assert "never reached 0.5" in text
+    # A task without thresholds has no level to fail: "-" and no footnote.
+    plain = _results("crosshead", {"mha": [0.9] * 2})
+    assert an.stability(plain)[0]["not_learned"] is None
+    assert "| mha | 2 | 0 / 0 | - |" in stability_table(plain)
+    assert "never reached" not in stability_table(plain)
+
+
+def test_claim4_sharing_is_not_stable_when_more_shared_runs_fail_to_learn():
+    res = _results(
+        "crosshead", {"mha": _base(0.6), "damcha-heads-tied": _base(0.70), "damcha-heads-tied-shared": _base(0.70)}
+    )
+    res["suite"] = "ablation"
+    res["config"]["thresholds"] = [0.5]
+    assert an.verdicts({}, {"crosshead": res}, {})[3]["verdict"] == "supported"
+    res["variants"]["damcha-heads-tied-shared"]["runs"][3]["steps_to_threshold"] = {"0.5": None}
+    claim4 = an.verdicts({}, {"crosshead": res}, {})[3]
+    assert claim4["verdict"] == "inconclusive" and "stability_ok=False" in claim4["reason"]
+
+
 def _sweep(steps_by_lr: dict[float, list[int | None]], chosen: float) -> dict:
     runs = [
         {"lr": lr, "seed": seed, "steps_to_threshold": {"0.95": s}}
