@@ -259,8 +259,13 @@ def markdown_table(results: dict[str, Any], cost: dict[str, Any] | None = None) 
     """Per variant: params, chosen lr, test metric (mean +- std, 95% CI), steps, stops, and the paired gain vs MHA."""
     vs = {}
     if "mha" in results["variants"]:
-        others = [n for n in results["variants"] if n != "mha"]
-        vs = {r["variant"]: r for r in an.compare(results, others, "mha", cost=cost)} if others else {}
+        # The same Holm families as the verdicts: the DAMCHA variants together, each other
+        # baseline (talking-heads) on its own.
+        damcha = an.damcha_names(results)
+        others = [n for n in results["variants"] if n != "mha" and n not in damcha]
+        for family in [damcha] + [[n] for n in others]:
+            if family:
+                vs.update({r["variant"]: r for r in an.compare(results, family, "mha", cost=cost)})
     m = results["metric"]
     lines = [
         f"| variant | params | lr | test {m} mean +- std | 95% CI | steps (mean) | plateau/max/div | "
@@ -276,8 +281,10 @@ def markdown_table(results: dict[str, Any], cost: dict[str, Any] | None = None) 
         gain = "-" if c is None else f"{c['mean']:+.4f} {_ci(c)}"
         p = "-" if c is None or c["p_holm"] is None else f"{c['p_holm']:.3g}"
         dec = "-" if c is None else c["decision"]
+        edge = an.at_grid_edge(results, name)
+        lr = f"{r['chosen_lr']:g}" + (f" ({edge} of the grid)" if edge else "")
         lines.append(
-            f"| {name} | {r['params']:,} | {r['chosen_lr']:g} | {_f(t['mean'])} +- {_f(t['std'])} | {_ci(t)} | "
+            f"| {name} | {r['params']:,} | {lr} | {_f(t['mean'])} +- {_f(t['std'])} | {_ci(t)} | "
             f"{r['steps']['mean']:.0f} | {stops} | {gain} | {p} | {dec} |"
         )
     return "\n".join(lines)
@@ -436,6 +443,20 @@ def build_report(folder: str | Path, tolerance: float = an.OVERHEAD_TOLERANCE) -
                     rows += an.compare(res, names, base, budget=budget, cost=c)
         if rows:
             md += ["Paired comparisons (converged, equal steps, equal training time):", "", comparison_table(rows), ""]
+        fresh = an.fresh_seeds(res)
+        fresh_rows = []
+        if fresh is not None:
+            for base in an.BASELINES:
+                if base in fresh["variants"] and names:
+                    fresh_rows += an.compare(fresh, names, base)
+        if fresh_rows:
+            md += [
+                "Selection-bias check: the same converged comparison on the seeds that took no part in any "
+                "variant's learning-rate choice (fewer seeds, wider intervals):",
+                "",
+                comparison_table(fresh_rows),
+                "",
+            ]
         thr = threshold_table(res)
         if thr:
             md += ["Steps to reach a validation threshold:", "", thr, ""]
@@ -451,9 +472,12 @@ def build_report(folder: str | Path, tolerance: float = an.OVERHEAD_TOLERANCE) -
             ]
         md += ["Stability:", "", stability_table(res), ""]
         if c is not None:
+            trouble = an.timing_trouble(c)
             md += [
                 f"Cost per training step (batch {c['batch']}, {c['cost_rounds']} interleaved rounds of "
-                f"{c['cost_steps']} steps; load average {c['environment'].get('loadavg')}):",
+                f"{c['cost_steps']} steps; load average {c['environment'].get('loadavg')}"
+                + (f"; **not trusted: {trouble}**" if trouble else "")
+                + "):",
                 "",
                 cost_table(c),
                 "",
@@ -461,6 +485,7 @@ def build_report(folder: str | Path, tolerance: float = an.OVERHEAD_TOLERANCE) -
         md += [f"![{task} curves]({s}_curves.png) ![{task} time]({s}_time.png) ![{task} final]({s}_final.png)", ""]
         summary["tasks"][task] = {
             "comparisons": rows,
+            "fresh_seed_comparisons": fresh_rows,
             "stability": an.stability(res),
             "thresholds": an.threshold_summary(res),
             "sweep_thresholds": an.sweep_thresholds(res),

@@ -69,6 +69,12 @@ def _base(level):
     return [level + n for n in NOISE]
 
 
+def _other(level):
+    """Seeds whose noise differs from _base's: a paired gain with a real spread (an identical gain on
+    every seed is only worth the sign test's p = 0.0625 with 5 seeds)."""
+    return [level + n for n in reversed(NOISE)]
+
+
 def test_value_at_reads_the_best_validation_point_within_the_budget():
     res = _results("crosshead", {"mha": [0.5]})
     run = _run(0, [100, 200, 300], [0.4, 0.6, 0.5], [0.41, 0.61, 0.51], times=[1.0, 2.0, 3.0])
@@ -95,7 +101,7 @@ def test_claim1_supported_when_a_damcha_variant_beats_both_baselines():
         {
             "mha": _base(0.60),
             "talking-heads": _base(0.62),
-            "damcha-heads-query": _base(0.80),
+            "damcha-heads-query": _other(0.80),
             "damcha-heads-tied": [0.63, 0.58, 0.61, 0.57, 0.62],
         },
     )
@@ -121,7 +127,7 @@ def test_claim1_not_supported_when_the_interval_excludes_a_meaningful_gain():
 
 def test_claim1_supported_by_the_one_layer_configuration_alone():
     two = _results("crosshead", {"mha": _base(0.99), "talking-heads": _base(0.99), "damcha-heads-query": _base(0.99)})
-    one = _results("crosshead1", {"mha": _base(0.90), "talking-heads": _base(0.91), "damcha-heads-query": _base(0.97)})
+    one = _results("crosshead1", {"mha": _base(0.90), "talking-heads": _base(0.91), "damcha-heads-query": _other(0.97)})
     v = {x["claim"]: x for x in an.verdicts({"crosshead": two, "crosshead1": one}, {}, {})}
     assert v[1]["verdict"] == "supported"
     assert "crosshead1: better than mha, talking-heads: damcha-heads-query" in v[1]["reason"]
@@ -141,9 +147,9 @@ def test_claim1_inconclusive_with_noisy_seeds():
 
 
 def test_claim2_needs_every_task_and_lower_is_better_for_bits_per_char():
-    good = {"mha": _base(0.6), "talking-heads": _base(0.6), "damcha-heads-tied": _base(0.7)}
+    good = {"mha": _base(0.6), "talking-heads": _base(0.6), "damcha-heads-tied": _other(0.7)}
     lm = _results(
-        "charlm", {"mha": _base(2.0), "talking-heads": _base(2.0), "damcha-heads-tied": _base(1.9)}, higher=False
+        "charlm", {"mha": _base(2.0), "talking-heads": _base(2.0), "damcha-heads-tied": _other(1.9)}, higher=False
     )
     tasks = {"charlm": lm, "listops": _results("listops", good), "digits": _results("digits", good)}
     v = {x["claim"]: x for x in an.verdicts(tasks, {}, {})}
@@ -304,9 +310,105 @@ def test_sweep_thresholds_skip_results_written_before_the_field():
 
 
 def test_report_of_a_folder(tmp_path):
-    res = _results("crosshead", {"mha": _base(0.60), "talking-heads": _base(0.62), "damcha-heads-query": _base(0.8)})
+    res = _results("crosshead", {"mha": _base(0.60), "talking-heads": _base(0.62), "damcha-heads-query": _other(0.8)})
     write_json(res, tmp_path / "crosshead.json")
     write_json([1, 2], tmp_path / "notes.json")  # other JSON files are ignored
     text, summary = build_report(tmp_path)
     assert summary["verdicts"][0]["verdict"] == "supported"
     assert "| damcha-heads-query | mha | converged |" in text and "better" in text
+
+
+def test_claim1_baselines_at_the_ceiling_leave_it_open():
+    """A baseline within the margin of 1.0 cannot be beaten by the margin: 'ceiling', not 'no gain'."""
+    top = [0.999, 0.9985, 0.9995, 0.999, 0.9988]
+    res = _results("crosshead", {"mha": top, "talking-heads": top, "damcha-heads-query": list(reversed(top))})
+    one = dict(res, task="crosshead1")
+    v = {x["claim"]: x for x in an.verdicts({"crosshead": res, "crosshead1": one}, {}, {})}
+    assert v[1]["verdict"] == "inconclusive"
+    assert "(ceiling: mha, talking-heads within the margin of 1.0)" in v[1]["reason"]
+    # The same gains far from the ceiling are evidence against the claim.
+    low = {k: [x - 0.3 for x in vals] for k, vals in (("mha", top), ("talking-heads", top))}
+    res = _results("crosshead", low | {"damcha-heads-query": [x - 0.3 for x in reversed(top)]})
+    v = {x["claim"]: x for x in an.verdicts({"crosshead": res, "crosshead1": dict(res, task="crosshead1")}, {}, {})}
+    assert v[1]["verdict"] == "not supported"
+    # Bits per character has no known floor: never at the ceiling.
+    lm = _results("charlm", {"mha": _base(0.01)}, higher=False)
+    assert an.headroom(lm, "mha") == math.inf
+
+
+def test_equal_time_reads_the_interleaved_ratio_not_each_variants_median():
+    """Rounds that drift move each median; the per-round ratio stays (the drifting crosshead cost file:
+    tied's median 0.995x MHA's, its ratio 1.25x)."""
+    cost = _cost(1.5)
+    cost["variants"]["damcha-heads-tied"]["s_per_step"] = 0.01  # its own median: as fast as MHA
+    assert an._s_per_step(cost, "damcha-heads-tied") == pytest.approx(0.015)
+    assert an._s_per_step(cost, "mha") == pytest.approx(0.01)
+    res = _results("crosshead", {"mha": [0.6], "damcha-heads-tied": [0.6]})
+    for name in ("mha", "damcha-heads-tied"):
+        res["variants"][name]["runs"][0]["curve"]["step"] = [1000]
+    assert an.budgets(res, ["mha", "damcha-heads-tied"], cost)["time_s"] == pytest.approx(10.0)
+
+
+def test_claim3_distrusts_rounds_that_drift():
+    steady = _cost(1.1)
+    steady["variants"]["mha"]["round_s_per_step"] = [0.010, 0.011, 0.0105, 0.0098]
+    assert an.timing_trouble(steady) is None
+    drifting = _cost(1.1)
+    drifting["variants"]["mha"]["round_s_per_step"] = [0.0163, 0.0126, 0.0119, 0.0118, 0.0089, 0.0085, 0.0072]
+    assert "drift 2.26x" in an.timing_trouble(drifting)
+    res = _results("crosshead", {"mha": _base(0.6), "damcha-heads-tied": _base(0.6)})
+    claim3 = an.verdicts({"crosshead": res}, {}, {"crosshead": drifting})[2]
+    assert claim3["verdict"] == "inconclusive" and "drifting" in claim3["reason"]
+
+
+def _spiky(ref_spikes, shared_spikes, steps=(4000,) * 5):
+    res = _results(
+        "crosshead", {"mha": _base(0.6), "damcha-heads-tied": _base(0.70), "damcha-heads-tied-shared": _other(0.70)}
+    )
+    res["suite"] = "ablation"
+    for name, spikes in (("damcha-heads-tied", ref_spikes), ("damcha-heads-tied-shared", shared_spikes)):
+        for run, k, n in zip(res["variants"][name]["runs"], spikes, steps):
+            run["loss_spikes"], run["steps"] = k, n
+        res["variants"][name]["loss_spikes"] = sum(spikes)
+    return res
+
+
+@pytest.mark.parametrize(
+    "ref, shared, verdict",
+    [
+        # 42 vs 40 raw spikes (the two-layer tied pair): per-seed rates straddle 0.
+        ([5, 4, 16, 4, 11], [12, 12, 12, 1, 5], "supported"),
+        ([1, 2, 1, 2, 1], [9, 11, 10, 12, 9], "inconclusive"),
+    ],
+    ids=["noisy-spikes", "more-spikes"],
+)
+def test_claim4_compares_spike_rates_not_raw_counts(ref, shared, verdict):
+    claim4 = an.verdicts({}, {"crosshead": _spiky(ref, shared)}, {})[3]
+    assert claim4["verdict"] == verdict
+
+
+def test_fresh_seeds_drop_every_seed_that_chose_a_rate_and_edges_are_flagged():
+    res = _results("crosshead", {"mha": _base(0.6), "damcha-heads-tied": _other(0.7)})
+    res["variants"]["mha"]["lr_sweep"] = {"lrs": [1e-3, 2e-3, 4e-3], "seeds": [0], "chosen_lr": 4e-3, "runs": []}
+    res["variants"]["mha"]["chosen_lr"] = 4e-3
+    res["variants"]["damcha-heads-tied"]["lr_sweep"] = {"lrs": [1e-3, 2e-3, 4e-3], "seeds": [0, 1], "runs": []}
+    res["variants"]["damcha-heads-tied"]["chosen_lr"] = 2e-3
+    fresh = an.fresh_seeds(res)
+    # Seeds 0 and 1 chose some variant's rate: both leave every variant (the pairs stay paired).
+    assert [r["seed"] for r in fresh["variants"]["mha"]["runs"]] == [2, 3, 4]
+    assert [r["seed"] for r in fresh["variants"]["damcha-heads-tied"]["runs"]] == [2, 3, 4]
+    assert an.at_grid_edge(res, "mha") == "highest" and an.at_grid_edge(res, "damcha-heads-tied") is None
+    from damcha_experiments._report import markdown_table
+
+    assert "| mha | 1,000 | 0.004 (highest of the grid) |" in markdown_table(res)
+    for r in res["variants"].values():
+        r["lr_sweep"]["seeds"] = [0, 1, 2, 3, 4]
+    assert an.fresh_seeds(res) is None
+
+
+def test_claim4_at_the_ceiling_is_not_supported_by_non_inferiority():
+    top = [0.999, 0.9985, 0.9995, 0.999, 0.9988]
+    res = _results("crosshead", {"mha": top, "damcha-heads-tied": top, "damcha-heads-tied-shared": top[::-1]})
+    res["suite"] = "ablation"
+    claim4 = an.verdicts({}, {"crosshead": res}, {})[3]
+    assert claim4["verdict"] == "inconclusive" and "ceiling (damcha-heads-tied within the margin" in claim4["reason"]
