@@ -29,6 +29,11 @@ TASK_NAMES = ("crosshead", "crosshead1", "charlm", "listops", "digits")
 CLAIM1_TASKS = ("crosshead", "crosshead1")
 
 # Fixed data seeds: a run's seed must never change its data, only its order.
+# Tasks whose data changed after runs of them were saved. A run's identity names the version, so a
+# result or checkpoint made on the old data is never reused; a task absent here is at version 1 and
+# its identity has no such field (the saved runs of the other tasks stay valid).
+# listops 2: validation and test expressions are never in the training set (nor test in validation).
+DATA_VERSIONS = {"listops": 2}
 TRAIN_DATA_SEED, VAL_DATA_SEED, TEST_DATA_SEED = 0, 1, 2
 # 1797 digits split 60/20/20 within each class (digits_split): 359 validation, 359 test images.
 DIGITS_EVAL_MAX = 359
@@ -355,16 +360,17 @@ class TaskData:
             self.num_outputs = 10
         else:
             if cfg.task in CLAIM1_TASKS:
-
-                def make(n: int, seed: int) -> _data.Dataset:
-                    return _data.make_crosshead(n, seed, **cfg.data)
+                # Independent draws never repeat here: 8 items of 4 blocks of 8 symbols (no overlap
+                # between the full preset's splits, tests/test_experiments_data.py checks a smaller one).
+                train = _data.make_crosshead(cfg.train_size, TRAIN_DATA_SEED, **cfg.data)
+                val = _data.make_crosshead(cfg.val_size, VAL_DATA_SEED, **cfg.data)
+                test = _data.make_crosshead(cfg.test_size, TEST_DATA_SEED, **cfg.data)
             else:
-
-                def make(n: int, seed: int) -> _data.Dataset:
-                    return _data.make_listops(n, seed, **cfg.data)
-
-            train = make(cfg.train_size, TRAIN_DATA_SEED)
-            val, test = make(cfg.val_size, VAL_DATA_SEED), make(cfg.test_size, TEST_DATA_SEED)
+                # ListOps' short expressions recur: independent draws put 171 of the full preset's 2,000
+                # test expressions in its training set. Evaluation sets skip every expression seen before.
+                train = _data.make_listops(cfg.train_size, TRAIN_DATA_SEED, **cfg.data)
+                val = _data.make_listops(cfg.val_size, VAL_DATA_SEED, exclude=train, **cfg.data)
+                test = _data.make_listops(cfg.test_size, TEST_DATA_SEED, exclude=(train, val), **cfg.data)
             self.train_inputs, self.train_targets = train.inputs, train.targets
             self.val, self.test = (val.inputs, val.targets), (test.inputs, test.targets)
             self.vocab_sizes, self.num_outputs, self.readout = train.vocab_sizes, train.num_classes, train.readout

@@ -39,7 +39,7 @@ from ._models import (
     metric_parameter_names,
     prepare_model,
 )
-from ._tasks import TaskConfig, TaskData
+from ._tasks import DATA_VERSIONS, TaskConfig, TaskData
 
 CHECKPOINT_FORMAT = 1
 
@@ -192,7 +192,7 @@ def run_identity(
     cfg: TaskConfig, variant: Variant, lr: float, seed: int, mlp_hidden: int, device: torch.device
 ) -> dict[str, Any]:
     """What a run's numbers depend on; a checkpoint or result is reused only when this matches."""
-    return {
+    identity = {
         "config": cfg.run_fingerprint(),
         "variant": dataclasses.asdict(variant),
         "lr": float(lr),
@@ -201,6 +201,9 @@ def run_identity(
         "device": device.type,
         "torch_threads": torch.get_num_threads() if device.type == "cpu" else None,
     }
+    if cfg.task in DATA_VERSIONS:
+        identity["data_version"] = DATA_VERSIONS[cfg.task]
+    return identity
 
 
 def _json_roundtrip(obj: Any) -> Any:

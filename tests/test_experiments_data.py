@@ -262,3 +262,70 @@ def test_importing_the_package_and_the_report_needs_no_torch():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+# ----------------------------------------------------------- disjoint splits
+
+
+def _rows(x):
+    return [row.tobytes() for row in np.ascontiguousarray(x).reshape(len(x), -1)]
+
+
+@pytest.mark.parametrize("task", ["crosshead", "listops"])
+def test_task_data_evaluation_sets_share_no_example_with_training(task):
+    """No validation or test example occurs verbatim in training, nor a test one in validation.
+
+    With independent draws ListOps failed this: at these sizes 15 validation and 10 test
+    expressions were training ones and 2 test ones validation ones (at the full preset
+    177 and 171 of 2,000 were training ones).
+    """
+    from damcha_experiments._tasks import TaskData, task_config
+
+    sizes = {"crosshead": (1500, 300), "listops": (5000, 500)}[task]
+    data = TaskData(task_config(task, "default", train_size=sizes[0], val_size=sizes[1], test_size=sizes[1]))
+    train, val, test = set(_rows(data.train_inputs)), _rows(data.val[0]), _rows(data.test[0])
+    assert len(val) == len(test) == sizes[1]
+    assert [r for r in val if r in train] == []
+    assert [r for r in test if r in train] == []
+    assert [r for r in test if r in set(val)] == []
+
+
+def test_listops_exclusion_only_skips_seen_expressions():
+    """``exclude`` is a rejection in the generator's own stream: nothing but the seen expressions changes.
+
+    So the evaluation sets are the generator's distribution conditioned on an unseen
+    expression, with no selection by label or length.
+    """
+    from damcha_experiments._tasks import task_config
+
+    opts = task_config("listops", "default").data
+    train = make_listops(3000, seed=0, **opts)
+    seen = _data.listops_expressions(train)
+    free = make_listops(800, seed=4, **opts)
+    keys = [bytes(row[row != _data.PAD].astype(np.uint8)) for row in free.inputs[:, 1:, 0]]
+    keep = [i for i, key in enumerate(keys) if key not in seen]
+    assert 5 <= 800 - len(keep) <= 100  # the generator repeats itself: some draws are training ones
+    held = make_listops(len(keep), seed=4, exclude=train, **opts)
+    np.testing.assert_array_equal(held.inputs, free.inputs[keep])
+    np.testing.assert_array_equal(held.targets, free.targets[keep])
+    assert not _data.listops_expressions(held) & seen
+    # Excluding several sets excludes their union; one set or a one-element sequence is the same.
+    other = make_listops(200, seed=9, **opts)
+    both = make_listops(100, seed=4, exclude=(train, other), **opts)
+    assert not _data.listops_expressions(both) & (seen | _data.listops_expressions(other))
+    np.testing.assert_array_equal(make_listops(50, seed=4, exclude=[train], **opts).inputs, held.inputs[:50])
+    with pytest.raises(TypeError, match="Invalid argument `exclude`: expected a Dataset or a sequence"):
+        make_listops(5, seed=4, exclude=[train.inputs])
+
+
+def test_listops_with_nothing_left_to_draw_raises_instead_of_looping(monkeypatch):
+    monkeypatch.setattr(_data, "_LISTOPS_MAX_REDRAWS", 300)
+    match = "Invalid argument `max_len`: expected room for expressions not in `exclude`"
+    with pytest.raises(DamchaValueError, match=match + r".*max_len=4, 0 excluded"):
+        make_listops(5, 0, max_len=4)  # "[MAX 1 2 ]" is 4 tokens: nothing fits after CLS
+    # All 400 expressions "[OP d d ]" fit max_len=5; excluding them leaves nothing.
+    small = {"max_depth": 1, "max_args": 2, "max_len": 5}
+    every = make_listops(3000, 0, **small)
+    assert len(_data.listops_expressions(every)) == 4 * 10 * 10
+    with pytest.raises(DamchaValueError, match=match + r".*max_len=5, 400 excluded"):
+        make_listops(1, 1, exclude=every, **small)

@@ -464,3 +464,40 @@ def test_spike_rule_needs_a_relative_and_an_absolute_jump(value, recent, spike, 
     from damcha_experiments._train import is_spike
 
     assert is_spike(value, recent, smoke_data["crosshead"].cfg) is spike
+
+
+def test_saved_runs_still_match_the_identity_this_code_computes():
+    """Every finished run kept in experiments/results/full-in-progress is reused, not retrained.
+
+    A change to what a run's identity holds (a field for every task, not only the task whose
+    data changed) would silently orphan these runs; listops' identity alone names a data version.
+    """
+    import pathlib
+
+    from damcha_experiments._tasks import DATA_VERSIONS
+    from damcha_experiments._train import run_identity
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "results" / "full-in-progress" / "runs"
+    files = sorted(root.glob("*/*/*/*/result.json"))
+    if not files:
+        pytest.skip("no saved runs in this checkout")
+    threads = torch.get_num_threads()
+    try:
+        for path in files:
+            stored = json.loads(path.read_text())["identity"]
+            torch.set_num_threads(stored["torch_threads"])
+            cfg = task_config(stored["config"]["task"], stored["config"]["preset"])
+            assert cfg.task not in DATA_VERSIONS, path  # their data is unchanged
+            now = run_identity(
+                cfg,
+                VARIANTS[stored["variant"]["name"]],
+                stored["lr"],
+                stored["seed"],
+                stored["mlp_hidden"],
+                torch.device(stored["device"]),
+            )
+            assert json.loads(json.dumps(now)) == stored, path
+    finally:
+        torch.set_num_threads(threads)
+    listops = run_identity(task_config("listops", "smoke"), VARIANTS["mha"], 1e-3, 0, 16, torch.device("cpu"))
+    assert listops["data_version"] == DATA_VERSIONS["listops"] == 2
