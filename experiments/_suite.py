@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import platform
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,7 +25,7 @@ import torch
 from ._models import Variant
 from ._stats import describe
 from ._tasks import RESULTS_FORMAT, TaskConfig, TaskData
-from ._train import model_width, train_run
+from ._train import model_width, run_environment, train_run
 from ._variants import get_variant
 
 
@@ -138,21 +137,10 @@ def run_variant(
 
 
 def environment(device: torch.device) -> dict[str, Any]:
-    env = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "numpy": np.__version__,
-        "machine": platform.machine(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "device": str(device),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-    }
+    """A run's environment (``run_environment``) with the date and the load average at this moment."""
+    env = run_environment(device) | {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     if hasattr(os, "getloadavg"):
         env["loadavg"] = list(os.getloadavg())
-    if device.type == "cuda":
-        env["device_name"] = torch.cuda.get_device_name(device)
     return env
 
 

@@ -5,7 +5,10 @@ returns a plain-JSON result. With a ``run_dir`` it checkpoints at every
 evaluation and resumes from the last checkpoint: model, optimiser, torch
 RNG, the data order and every counter are restored, so a resumed run ends
 with exactly (bitwise) the numbers of an uninterrupted one. Only the wall
-and CPU time measurements differ.
+and CPU time measurements differ. That guarantee is tested within one
+environment (same versions, CPU, threads, device); a checkpoint carries the
+environments it ran in, and the result lists each with the step it started at
+(``environments``), warning when a run resumes in another one.
 """
 
 from __future__ import annotations
@@ -14,7 +17,10 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
+import platform
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -46,6 +52,57 @@ CHECKPOINT_FORMAT = 1
 
 class RunInterrupted(Exception):
     """Raised when ``should_stop`` asked a run to stop; its checkpoint is saved."""
+
+
+class ResumedElsewhereWarning(UserWarning):
+    """A run resumed from a checkpoint written in another environment (or one that records none)."""
+
+
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def run_environment(device: torch.device) -> dict[str, Any]:
+    """What a run's numbers may depend on beyond its identity: versions, CPU, threads, device.
+
+    The resume guarantee (bitwise the numbers of an uninterrupted run) is tested
+    within one environment only; another torch, NumPy, CPU kernel set
+    (``cpu_capability``: torch picks its CPU kernels by it) or GPU can change
+    the last bits. Nothing here varies between two processes on one machine
+    (no date or load), so a change means another environment.
+    """
+    device = torch.device(device)
+    env: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "machine": platform.machine(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_model": _cpu_model(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "device": str(device),
+    }
+    if device.type == "cuda":
+        env["device_name"] = torch.cuda.get_device_name(device)
+        env["cuda"] = torch.version.cuda
+        env["cudnn"] = torch.backends.cudnn.version()
+    return env
+
+
+def _environment_change(before: dict[str, Any] | None, now: dict[str, Any]) -> str:
+    if before is None:
+        return "the checkpoint records no environment (written before runs recorded theirs)"
+    keys = [k for k in {**before, **now} if before.get(k) != now.get(k)]
+    return ", ".join(f"{k} {before.get(k)!r} -> {now.get(k)!r}" for k in keys)
 
 
 # ------------------------------------------------------------------ models
@@ -218,6 +275,7 @@ def _save_checkpoint(
     order: Any,
     state: RunState,
     device: torch.device,
+    environments: list[dict[str, Any]],
 ) -> None:
     payload = {
         "format": CHECKPOINT_FORMAT,
@@ -228,6 +286,8 @@ def _save_checkpoint(
         "cuda_rng": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
         "order": json.dumps(order.state_dict()),
         "state": json.dumps(dataclasses.asdict(state)),
+        # Not part of the identity: a checkpoint resumes anywhere, the result says where each stretch ran.
+        "environments": json.dumps(environments),
     }
     with cu.atomic_write(path, "wb") as f:  # never a half-written checkpoint
         torch.save(payload, f)
@@ -235,7 +295,7 @@ def _save_checkpoint(
 
 def _load_checkpoint(
     path: Path, identity: dict[str, Any], model: nn.Module, opt: torch.optim.Optimizer, order: Any, device: torch.device
-) -> RunState:
+) -> tuple[RunState, list[dict[str, Any]]]:
     try:
         payload = torch.load(path, map_location=device, weights_only=True)
         stored = payload["identity"]
@@ -252,7 +312,9 @@ def _load_checkpoint(
     if payload["cuda_rng"] is not None:
         torch.cuda.set_rng_state(payload["cuda_rng"].cpu(), device)
     order.load_state_dict(json.loads(payload["order"]))
-    return RunState(**json.loads(payload["state"]))
+    # A checkpoint written before environments were recorded: its steps ran somewhere unknown.
+    environments = json.loads(payload.get("environments", '[{"first_step": 1, "environment": null}]'))
+    return RunState(**json.loads(payload["state"])), environments
 
 
 def train_run(
@@ -288,7 +350,12 @@ def train_run(
     the best-validation point and the test metric *at* it (early stopping:
     the test set is never used for a decision), the stop reason ("plateau",
     "max_steps" or "diverged"), the steps at which each threshold of the
-    validation metric was first reached, loss spikes, and time per step.
+    validation metric was first reached, loss spikes, and time per step;
+    ``environment`` (``run_environment``) is where it finished and
+    ``environments`` every environment it ran in, ``{"first_step": s,
+    "environment": {...}}`` in order (one entry unless it resumed from a
+    checkpoint written elsewhere; ``null`` for steps of a checkpoint that
+    recorded none). Results written before these fields lack them.
     """
     cfg = data.cfg
     device = torch.device(device)
@@ -313,9 +380,21 @@ def train_run(
     order = data.order(seed)
     state = RunState()
     resumed_at = None
+    environment = _json_roundtrip(run_environment(device))
+    environments = [{"first_step": 1, "environment": environment}]
     if paths is not None and paths["ckpt"].exists():
-        state = _load_checkpoint(paths["ckpt"], identity, model, opt, order, device)
+        state, environments = _load_checkpoint(paths["ckpt"], identity, model, opt, order, device)
         resumed_at = state.step
+        if environments[-1]["environment"] != environment:
+            warnings.warn(
+                f"{paths['ckpt']}: resuming at step {resumed_at} in another environment than the checkpoint's "
+                f"({_environment_change(environments[-1]['environment'], environment)}); a resumed run equals an "
+                "uninterrupted one bit for bit only within one environment, so its result lists both "
+                "(`environments`)",
+                ResumedElsewhereWarning,
+                stacklevel=2,
+            )
+            environments.append({"first_step": resumed_at + 1, "environment": environment})
     model.train()
     penalty_fn = None
     if variant.penalty:
@@ -359,13 +438,15 @@ def train_run(
             if step >= cfg.max_steps and state.stop_reason is None:
                 state.stop_reason = "max_steps"
             if paths is not None and state.stop_reason is None:
-                _save_checkpoint(paths["ckpt"], identity, model, opt, order, state, device)
+                _save_checkpoint(paths["ckpt"], identity, model, opt, order, state, device, environments)
         if state.stop_reason is None and should_stop is not None and should_stop(step):
             if paths is not None:
-                _save_checkpoint(paths["ckpt"], identity, model, opt, order, state, device)
+                _save_checkpoint(paths["ckpt"], identity, model, opt, order, state, device, environments)
             raise RunInterrupted(f"stopped at step {step}")
 
     result = _result(cfg, identity, state, model, resumed_at)
+    result["environment"] = environment
+    result["environments"] = environments
     if head_maps:
         result["head_maps"] = head_map_means(model, data, device)
     if paths is not None:

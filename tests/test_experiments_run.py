@@ -8,6 +8,7 @@ import copy
 import json
 import math
 import shutil
+import warnings
 
 import numpy as np
 import pytest
@@ -501,3 +502,71 @@ def test_saved_runs_still_match_the_identity_this_code_computes():
         torch.set_num_threads(threads)
     listops = run_identity(task_config("listops", "smoke"), VARIANTS["mha"], 1e-3, 0, 16, torch.device("cpu"))
     assert listops["data_version"] == DATA_VERSIONS["listops"] == 2
+
+
+def _without_environment(result):
+    return {k: v for k, v in result.items() if k not in ("environment", "environments")}
+
+
+def test_a_resume_in_another_environment_is_recorded_and_warned_once(tmp_path, monkeypatch):
+    """The result lists every environment a run ran in, with its first step; the numbers are untouched."""
+    from damcha_experiments import _train
+
+    data = TaskData(task_config("listops", "smoke", max_steps=7, eval_every=2, patience=5))
+    v = VARIANTS["mha"]
+    width, _ = model_width(data, v)
+    here = json.loads(json.dumps(_train.run_environment(torch.device("cpu"))))
+    assert {"python", "torch", "numpy", "machine", "processor", "cpu_count", "torch_threads", "device"} <= set(here)
+    assert here["torch"] == torch.__version__ and here["numpy"] == np.__version__ and here["device"] == "cpu"
+    whole = train_run(data, v, 1e-3, 1, width, run_dir=tmp_path / "whole")
+    assert whole["environment"] == here and whole["environments"] == [{"first_step": 1, "environment": here}]
+
+    cut = tmp_path / "cut"
+    with pytest.raises(RunInterrupted):
+        train_run(data, v, 1e-3, 1, width, run_dir=cut, should_stop=lambda s: s == 3)
+    payload = torch.load(cut / "checkpoint.pt", weights_only=True)
+    assert json.loads(payload["environments"]) == whole["environments"]
+
+    elsewhere = {**here, "torch": "9.9.9", "cpu_capability": "NONE"}
+    monkeypatch.setattr(_train, "run_environment", lambda device: dict(elsewhere))
+    with pytest.warns(_train.ResumedElsewhereWarning) as record, pytest.raises(RunInterrupted):
+        train_run(data, v, 1e-3, 1, width, run_dir=cut, should_stop=lambda s: s == 5)
+    ours = [w for w in record if issubclass(w.category, _train.ResumedElsewhereWarning)]
+    assert len(ours) == 1  # once, although the run saved checkpoints after the resume
+    message = str(ours[0].message)
+    assert "resuming at step 3" in message and f"torch {here['torch']!r} -> '9.9.9'" in message
+    assert "cpu_capability" in message and "numpy" not in message
+    # Resumed again in that same environment: no warning, no new entry.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", _train.ResumedElsewhereWarning)
+        resumed = train_run(data, v, 1e-3, 1, width, run_dir=cut)
+    assert resumed["resumed_at_step"] == 5 and resumed["environment"] == elsewhere
+    assert resumed["environments"] == [
+        {"first_step": 1, "environment": here},
+        {"first_step": 4, "environment": elsewhere},
+    ]
+    # Recording the environment changes no number: bitwise the uninterrupted run.
+    assert _strip_timing(_without_environment(resumed)) == _strip_timing(_without_environment(whole))
+    assert json.loads((cut / "result.json").read_text()) == resumed
+
+
+def test_a_checkpoint_or_result_written_before_environments_were_recorded_still_loads(tmp_path):
+    from damcha_experiments import _train
+
+    data = TaskData(task_config("listops", "smoke", max_steps=7, eval_every=2, patience=5))
+    v = VARIANTS["mha"]
+    width, _ = model_width(data, v)
+    cut = tmp_path / "cut"
+    with pytest.raises(RunInterrupted):
+        train_run(data, v, 1e-3, 1, width, run_dir=cut, should_stop=lambda s: s == 3)
+    payload = torch.load(cut / "checkpoint.pt", weights_only=True)
+    del payload["environments"]  # as the checkpoints of earlier sessions are
+    torch.save(payload, cut / "checkpoint.pt")
+    with pytest.warns(_train.ResumedElsewhereWarning, match="records no environment"):
+        resumed = train_run(data, v, 1e-3, 1, width, run_dir=cut)
+    here = json.loads(json.dumps(_train.run_environment(torch.device("cpu"))))
+    assert resumed["environments"] == [{"first_step": 1, "environment": None}, {"first_step": 4, "environment": here}]
+    # An old result.json (no environment fields) is read back as is.
+    old = _without_environment(resumed)
+    (cut / "result.json").write_text(json.dumps(old))
+    assert train_run(data, v, 1e-3, 1, width, run_dir=cut) == old
