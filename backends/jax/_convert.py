@@ -6,7 +6,7 @@ from typing import Any
 
 from flax import nnx
 
-from damcha_core import DamchaTypeError, describe, invalid_argument
+from damcha_core import DamchaTypeError, DamchaValueError, describe, invalid_argument
 
 # Bound once: code that swaps nnx.MultiHeadAttention for DamchaAttention
 # (e.g. to run Flax's own tests against it) still converts real Flax layers.
@@ -19,6 +19,17 @@ def from_mha(cls: Any, mha: Any, *, metric: str, metric_rank: int | None, coupli
     the metric. The generator is fresh; ``coupling=None`` is automatic."""
     if not isinstance(mha, _FlaxMHA):
         raise DamchaTypeError(invalid_argument("mha", "an nnx.MultiHeadAttention", f"mha={describe(mha)}"))
+    if type(mha).__call__ is not _FlaxMHA.__call__:
+        # The copy reproduces nnx.MultiHeadAttention.__call__ only: a subclass
+        # with its own __call__ would convert to a layer with other outputs.
+        raise DamchaValueError(
+            invalid_argument(
+                "mha",
+                "an nnx.MultiHeadAttention whose __call__ is nnx.MultiHeadAttention.__call__ (a subclass with its "
+                "own __call__ computes something from_mha cannot copy)",
+                f"mha={type(mha).__module__}.{type(mha).__qualname__}, which overrides __call__",
+            )
+        )
     attention_fn = None if mha.attention_fn is nnx.dot_product_attention else mha.attention_fn
     layer = cls(
         mha.num_heads,

@@ -56,6 +56,10 @@ def _gqa_options(layer: keras.layers.GroupQueryAttention) -> dict[str, Any]:
     )
 
 
+def _name(layer: Any) -> str:
+    return getattr(layer, "path", None) or layer.name
+
+
 def _copy(source: Any, target: Any) -> Any:
     """A fresh NumPy copy of variable ``source``'s value, in ``target``'s shape."""
     return np.array(keras.ops.convert_to_numpy(source.value)).reshape(tuple(target.shape))
@@ -72,6 +76,22 @@ def from_mha(cls: type, layer: Any, **kwargs: Any) -> DamchaAttention:
         raise DamchaTypeError(
             invalid_argument(
                 "layer", "a keras.layers.MultiHeadAttention or GroupQueryAttention", f"layer={describe(layer)}"
+            )
+        )
+    base = (
+        keras.layers.MultiHeadAttention
+        if isinstance(layer, keras.layers.MultiHeadAttention)
+        else keras.layers.GroupQueryAttention
+    )
+    if type(layer).call is not base.call:
+        # from_mha builds a new layer that reproduces the base class's call only;
+        # convert() keeps the layer (and its own call) and hooks its projections.
+        raise DamchaValueError(
+            invalid_argument(
+                "layer",
+                f"a keras.layers.{base.__name__} whose call is {base.__name__}.call (a subclass with its own call "
+                "computes something from_mha cannot copy; damcha_keras.convert(model) keeps the subclass's call)",
+                f"layer={_name(layer)} ({type(layer).__module__}.{type(layer).__qualname__}), which overrides call",
             )
         )
     if not layer.built:

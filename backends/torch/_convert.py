@@ -15,6 +15,32 @@ from ._layer import DamchaAttention
 
 __all__ = ["from_mha", "replace_mha"]
 
+
+def _class_path(obj: Any) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def check_own_forward(mha: nn.Module, where: str = "mha") -> None:
+    """Refuse an ``nn.MultiheadAttention`` subclass that computes something else.
+
+    ``from_mha`` copies the attributes ``nn.MultiheadAttention.forward`` reads;
+    a subclass with its own ``forward`` (e.g. torch.ao.nn.quantizable's, whose
+    weights live in ``linear_Q/K/V`` while ``in_proj_weight`` is stale) would be
+    swapped for a layer with different outputs. Subclasses that only add
+    attributes or methods keep MHA's forward and convert exactly.
+    """
+    if type(mha).forward is not nn.MultiheadAttention.forward:
+        raise DamchaValueError(
+            invalid_argument(
+                where,
+                "an nn.MultiheadAttention whose forward is nn.MultiheadAttention.forward (a subclass with its own "
+                "forward computes something from_mha cannot copy; convert the plain layer, or rewrite the subclass "
+                "around DamchaAttention)",
+                f"{where}={_class_path(mha)}, which overrides forward",
+            )
+        )
+
+
 _FROM_MHA_KEYS = ("metric", "metric_rank", "coupling", "metric_generator", "recompute")
 
 
@@ -35,6 +61,7 @@ def from_mha(
     """
     if not isinstance(mha, nn.MultiheadAttention):
         raise DamchaTypeError(invalid_argument("mha", "an nn.MultiheadAttention", f"mha={describe(mha)}"))
+    check_own_forward(mha)
     ref = mha.out_proj.weight
     layer = cls(
         mha.embed_dim,
@@ -80,6 +107,13 @@ def replace_mha(model: nn.Module, **kwargs: Any) -> nn.Module:
     In place; returns ``model``. Outputs are unchanged (gates start at 0). A
     module instance used in several places stays shared. ``kwargs`` go to
     ``from_mha`` (metric, coupling, ...).
+
+    A subclass of ``nn.MultiheadAttention`` with its own ``forward`` (e.g.
+    ``torch.ao.nn.quantizable.MultiheadAttention``, or a user class that
+    rescales the output) cannot be converted exactly: ``replace_mha`` raises a
+    ``DamchaValueError`` naming its module path and class, and replaces nothing
+    (skipping it would leave plain attention that the caller believes is
+    DAMCHA). Subclasses that keep MHA's ``forward`` are converted.
     """
     if not isinstance(model, nn.Module):
         raise DamchaTypeError(invalid_argument("model", "an nn.Module", f"model={describe(model)}"))
@@ -96,6 +130,9 @@ def replace_mha(model: nn.Module, **kwargs: Any) -> nn.Module:
         raise DamchaTypeError(
             f"replace_mha() got unknown keyword arguments {unknown}; it passes {list(_FROM_MHA_KEYS)} to from_mha."
         )
+    for path, module in model.named_modules():
+        if isinstance(module, nn.MultiheadAttention):
+            check_own_forward(module, f"model.{path}")
     done: dict[int, DamchaAttention] = {}
 
     def visit(parent: nn.Module) -> None:

@@ -34,6 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 # The port's public names (bound in damcha_torch/__init__ before this module loads).
 from . import DamchaAttention, MetricGenerator, replace_mha
+from . import _convert as _convert_mod
 from . import _functional as fn
 from . import _models_fused as _fused
 
@@ -691,6 +692,10 @@ def convert(
             )
         )
     matched, mhas, unknown = _find(model)
+    for name, mha in mhas:
+        # Before anything is converted: a subclass with its own forward would be
+        # swapped for a layer with different outputs.
+        _convert_mod.check_own_forward(mha, f"model.{name}")
     if unknown:
         raise DamchaValueError(
             dc.invalid_argument(

@@ -1,0 +1,123 @@
+"""Hostile inputs that used to change results silently, in every port (session 10 audit).
+
+Each test here failed on a63638c: a converted subclass with its own forward
+computed something else, a float16 layer held inf, a file lost options.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+import jax
+import keras
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from torch import nn
+
+import damcha_core as dc
+import damcha_jax as dj
+import damcha_keras as dk
+import damcha_torch as dt
+
+# ------------------------------------------------------- 1. MHA subclasses
+
+
+class _ScaledTorchMHA(nn.MultiheadAttention):
+    def forward(self, query, key, value, **kwargs):  # type: ignore[override]
+        out, weights = super().forward(query, key, value, **kwargs)
+        return 2 * out, weights
+
+
+class _TaggedTorchMHA(nn.MultiheadAttention):
+    """Adds an attribute only: MHA's forward, so it converts exactly."""
+
+    tag = "mine"
+
+
+class _Holder(nn.Module):
+    def __init__(self, attention: nn.Module) -> None:
+        super().__init__()
+        self.block = nn.Sequential(nn.Identity(), attention)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block[1](x, x, x)[0]
+
+
+def _torch_subclasses() -> list[type[nn.MultiheadAttention]]:
+    from torch.ao.nn.quantizable import MultiheadAttention as QuantizableMHA
+
+    return [_ScaledTorchMHA, QuantizableMHA]
+
+
+@pytest.mark.parametrize("cls", _torch_subclasses(), ids=lambda c: c.__name__)
+@pytest.mark.parametrize("how", ["from_mha", "replace_mha", "convert"])
+def test_torch_refuses_mha_subclass_with_own_forward(cls: type, how: str) -> None:
+    torch.manual_seed(0)
+    model = _Holder(cls(8, 2)).eval()
+    x = torch.randn(3, 2, 8)
+    before = model(x)
+    with pytest.raises(dc.DamchaValueError) as info:
+        if how == "from_mha":
+            dt.DamchaAttention.from_mha(model.block[1])
+        elif how == "replace_mha":
+            dt.replace_mha(model)
+        else:
+            dt.convert(model)
+    text = str(info.value)
+    assert cls.__qualname__ in text and "overrides forward" in text
+    if how != "from_mha":
+        assert "model.block.1" in text
+    # Nothing replaced: the model still computes what it computed.
+    assert type(model.block[1]) is cls
+    torch.testing.assert_close(model(x), before, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("how", ["replace_mha", "convert"])
+def test_torch_converts_mha_subclass_keeping_forward(how: str) -> None:
+    torch.manual_seed(0)
+    model = _Holder(_TaggedTorchMHA(8, 2)).eval()
+    x = torch.randn(3, 2, 8)
+    before = model(x)
+    (dt.replace_mha if how == "replace_mha" else dt.convert)(model)
+    assert isinstance(model.block[1], dt.DamchaAttention)
+    torch.testing.assert_close(model(x), before, rtol=1e-6, atol=1e-6)
+
+
+def test_jax_from_mha_refuses_subclass_with_own_call() -> None:
+    class Scaled(nnx.MultiHeadAttention):
+        def __call__(self, *args, **kwargs):  # type: ignore[override]
+            return 2 * super().__call__(*args, **kwargs)
+
+    class Tagged(nnx.MultiHeadAttention):
+        tag = "mine"
+
+    mha = Scaled(num_heads=2, in_features=8, decode=False, rngs=nnx.Rngs(0))
+    with pytest.raises(dc.DamchaValueError, match=r"Scaled, which overrides __call__"):
+        dj.DamchaAttention.from_mha(mha, rngs=nnx.Rngs(1))
+    plain = Tagged(num_heads=2, in_features=8, decode=False, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(0), (1, 3, 8))
+    converted = dj.DamchaAttention.from_mha(plain, rngs=nnx.Rngs(1))
+    np.testing.assert_allclose(np.asarray(converted(x)), np.asarray(plain(x)), rtol=1e-5, atol=1e-6)
+
+
+def test_keras_from_mha_refuses_subclass_with_own_call() -> None:
+    class Scaled(keras.layers.MultiHeadAttention):
+        def call(self, query, value, key=None, **kwargs):  # type: ignore[override]
+            return 2 * super().call(query, value, key, **kwargs)
+
+    class Tagged(keras.layers.MultiHeadAttention):
+        pass
+
+    x = np.random.default_rng(0).normal(size=(1, 4, 8)).astype("float32")
+    layer = Scaled(2, 4)
+    layer(x, x)
+    with pytest.raises(dc.DamchaValueError, match=r"Scaled\), which overrides call"):
+        dk.DamchaAttention.from_mha(layer)
+    plain = Tagged(2, 4)
+    want = keras.ops.convert_to_numpy(plain(x, x))
+    got = keras.ops.convert_to_numpy(dk.DamchaAttention.from_mha(plain)(x, x))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
