@@ -82,16 +82,20 @@ def test_weights_path_equals_reference(name):
 
 @pytest.mark.parametrize("name", ["heads-tied", "heads-separate"])
 @pytest.mark.parametrize("shared_kv", [True, False], ids=["kv-one-tensor", "kv-two-tensors"])
-def test_cross_attention_inference_equals_reference(name, shared_kv):
+@pytest.mark.parametrize("tokens", [(6, 4), (48, 40)], ids=["few", "many"])
+def test_cross_attention_inference_equals_reference(name, shared_kv, tokens):
     """Without autograd a query projection of its own (and, with separate key
     and value tensors, the key projection too) is mapped by one bmm of
     I + diag(g) A, not the reference's residual y + g (A y): float64 agrees
     to 1e-12, and with its gates at 0 a layer made from nn.MultiheadAttention
-    gives MHA's float32 output bit for bit."""
+    gives MHA's float32 output bit for bit. "many": enough tokens that the
+    generator's product comes out of the projections' GEMMs (one joined
+    weight per side; see _functional._linear_and_product)."""
     cfg = _config(name)
     layer, params = _layer(cfg, seed=4)
-    x, c = _x(2, 6, 16, seed=1), _x(2, 4, 16, seed=2)
-    v = c if shared_kv else _x(2, 4, 16, seed=3)
+    n, m = tokens
+    x, c = _x(2, n, 16, seed=1), _x(2, m, 16, seed=2)
+    v = c if shared_kv else _x(2, m, 16, seed=3)
     expected = dc.damcha_attention(params, cfg, x.numpy(), c.numpy(), value=v.numpy(), causal=True)
     with torch.no_grad():
         out, _ = layer(x, c, v, need_weights=False, is_causal=True)
@@ -102,7 +106,7 @@ def test_cross_attention_inference_equals_reference(name, shared_kv):
     x32, c32, v32 = x.float(), c.float(), v.float()
     with torch.no_grad():
         ours, _ = fresh(x32, c32, v32, need_weights=False, is_causal=True)
-        theirs, _ = mha(x32, c32, v32, need_weights=False, attn_mask=torch.ones(6, 4, dtype=torch.bool).triu(1))
+        theirs, _ = mha(x32, c32, v32, need_weights=False, attn_mask=torch.ones(n, m, dtype=torch.bool).triu(1))
     assert torch.equal(ours, theirs)
 
 

@@ -498,24 +498,40 @@ def test_sequence_first_training_copies_no_tokens(call):
 def test_cross_attention_with_one_key_value_tensor_projects_them_with_one_gemm():
     """attn(x, c, c): k and v from one GEMM of the context tokens (2E outputs),
     as nn.MultiheadAttention projects them; the generator's is the only other
-    GEMM of those tokens. Sequence-first inputs too (the layer's transposed
-    views of c are two objects). Separate key and value tensors: two GEMMs."""
+    GEMM of those tokens. In inference, where the queries are at least as
+    many as the joined weight's rows, the generator's product of the queries
+    (H*H outputs) comes out of the query GEMM (E + H*H outputs), where its
+    own GEMM, 64 columns wide at E = 512, ran well below the GEMM rate; with
+    fewer queries it keeps its own GEMM (joining the weights would copy more
+    than the tokens). Sequence-first inputs too (the layer's transposed views
+    of c are two objects). Separate key and value tensors: two GEMMs."""
     _, layer = _layers()
-    x, c = torch.randn(2, 6, E), torch.randn(2, 4, E)
 
-    def context_gemms(call) -> list:
+    def gemms(call, n: int, m: int) -> tuple[list, list]:
+        """The GEMMs that read the queries (2, n, E) and the context (2, m, E),
+        batch-first (B*T, E) or sequence-first (T, B, E)."""
         with torch.no_grad():
             mode = _count(call)
-        return [s for s in _gemms(mode) if (2 * 4, E) in s]  # GEMMs that read the (B*M, E) context
+        reads = [[s for s in _gemms(mode) if (2 * t, E) in s or (t, 2, E) in s] for t in (n, m)]
+        return reads[0], reads[1]
 
-    shared = context_gemms(lambda: layer(x, c, c, need_weights=False, is_causal=True))
-    assert sorted(s[-1][-1] for s in shared) == sorted([2 * E, H * H]), shared
+    def widths(found: list) -> list:
+        return sorted(s[-1][-1] for s in found)
+
+    n, m = 32, 40  # 64 >= E + H*H = 48 query tokens
+    x, c = torch.randn(2, n, E), torch.randn(2, m, E)
+    queries, context = gemms(lambda: layer(x, c, c, need_weights=False, is_causal=True), n, m)
+    assert widths(context) == sorted([2 * E, H * H]), context
+    assert widths(queries) == [E, E + H * H], queries  # with the output projection
+    xf, cf = torch.randn(2, 6, E), torch.randn(2, 4, E)
+    few = gemms(lambda: layer(xf, cf, cf, need_weights=False, is_causal=True), 6, 4)
+    assert widths(few[0]) == sorted([E, E, H * H]) and widths(few[1]) == sorted([2 * E, H * H]), few
     layer.batch_first = False
     xs, cs = x.transpose(0, 1), c.transpose(0, 1)
-    assert len(context_gemms(lambda: layer(xs, cs, cs, need_weights=False))) == 2
+    assert len(gemms(lambda: layer(xs, cs, cs, need_weights=False), n, m)[1]) == 2
     layer.batch_first = True
-    apart = context_gemms(lambda: layer(x, c, c.clone(), need_weights=False, is_causal=True))
-    assert sorted(s[-1][-1] for s in apart) == sorted([E, E, H * H]), apart
+    _, separate = gemms(lambda: layer(x, c, c.clone(), need_weights=False, is_causal=True), n, m)
+    assert widths(separate) == sorted([E, E, H * H]), separate
 
 
 def _kept_bytes(call) -> int:

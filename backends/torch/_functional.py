@@ -256,7 +256,12 @@ def _exact_matmul(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def _map_heads(
-    side: SideWeights, tokens: Tensor, ys: tuple[Tensor, ...], in_place: bool = False, sole: bool = False
+    side: SideWeights,
+    tokens: Tensor,
+    ys: tuple[Tensor, ...],
+    in_place: bool = False,
+    sole: bool = False,
+    product: Tensor | None = None,
 ) -> tuple[Tensor, ...]:
     dtype = tokens.dtype
     if side.metric == "heads":
@@ -268,7 +273,9 @@ def _map_heads(
         S = gate.shape[0]
         # A(t) = phi(t) W + b as in _coefficients, (tokens, S, S); then diag(g) A(t):
         # the gate scales row h of each token's matrix.
-        A = torch.addcdiv(bias, F.linear(tokens, weight), _rms_denominator(tokens), value=math.sqrt(tokens.shape[-1]))
+        if product is None:
+            product = F.linear(tokens, weight)
+        A = torch.addcdiv(bias, product, _rms_denominator(tokens), value=math.sqrt(tokens.shape[-1]))
         A, g = A.view(-1, S, S), gate.view(S, 1)
         # The residual form y + (diag(g) A) y, never (I + diag(g) A) y: a GEMM
         # in TF32 or bf16 then rounds only the small correction, and gates at 0
@@ -317,7 +324,13 @@ def _map_heads(
 
 
 def apply_map_weights(
-    side: SideWeights, tokens: Tensor, ys: tuple[Tensor, ...], *, in_place: bool = False, sole: bool = False
+    side: SideWeights,
+    tokens: Tensor,
+    ys: tuple[Tensor, ...],
+    *,
+    in_place: bool = False,
+    sole: bool = False,
+    product: Tensor | None = None,
 ) -> tuple[Tensor, ...]:
     """L(t) y for each y in ``ys`` (B, T, S, d), one generator call for all.
 
@@ -330,8 +343,13 @@ def apply_map_weights(
     metric "heads" map is then written into y itself. ``sole``: moreover
     each y is the only view of its storage (freed once mapped), so the map
     may make a new tensor instead, in fewer passes (see ``_map_heads``).
+    ``product``: the generator's product t W^T, made by the caller in the
+    projection's GEMM (``_linear_and_product``: metric "heads", tokens and
+    weights of one float32/float64 dtype, no autocast).
     """
     dtype = ys[0].dtype
+    if product is not None:
+        return _map_heads(side, tokens, ys, in_place, sole, product)
     if dtype == torch.float16 or dtype == torch.bfloat16:
         with torch.autocast(ys[0].device.type, enabled=False):
             out = _map_heads(side, tokens.float(), tuple(t.float() for t in ys))
@@ -788,6 +806,45 @@ def _apply_maps(
     return q, k
 
 
+def _merges_products(w: LayerWeights, config: DamchaConfig, x: Tensor) -> bool:
+    """Whether the generators' products t W^T may come out of the projections'
+    GEMMs (``_linear_and_product``): metric "heads", every projection and
+    generator weight and bias in the tokens' float32/float64 dtype (the map
+    then computes in that dtype, as ``apply_map_weights`` would), and no
+    autocast (which would make the product in 16 bits)."""
+    dtype = x.dtype
+    if config.metric != "heads" or (dtype is not torch.float32 and dtype is not torch.float64):
+        return False
+    device = x.device.type
+    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+        return False
+    tensors = [w.in_proj, w.q, w.k, w.v, w.in_bias]
+    for side in w.sides.values():
+        tensors += [side.weight, side.bias, side.gate]
+    return all(t is None or t.dtype is dtype for t in tensors)
+
+
+def _linear_and_product(
+    t: Tensor, weight: Tensor, bias: Tensor | None, side: SideWeights | None
+) -> tuple[Tensor, Tensor | None]:
+    """(F.linear(t, weight, bias), t W_g^T) with ``side``'s generator weight
+    W_g (S*S, E) appended to ``weight``: one GEMM of out + S*S columns where
+    the product alone, S*S = 64 columns, ran well below the GEMM rate on CPU.
+    The weights are joined per call, so only where there are at least as many
+    tokens as joined rows: the copy (out + S*S, E) is then no larger than the
+    (tokens, E) input, its time small next to the GEMM's, and the call's peak
+    memory stays below nn.MultiheadAttention's (tests/test_torch_saved.py).
+    Both results are views of one output. Otherwise (or without ``side``):
+    F.linear alone, and None (the map makes the product itself)."""
+    n = weight.shape[0]
+    if side is None or t.numel() < (n + side.weight.shape[0]) * t.shape[-1]:
+        return F.linear(t, weight, bias), None
+    extra = side.weight.shape[0]
+    joined_bias = None if bias is None else torch.cat((bias, _zero_bias(extra, t)))
+    out = F.linear(t, torch.cat((weight, side.weight)), joined_bias)
+    return out[..., :n], out[..., n:]
+
+
 def _project(
     w: LayerWeights,
     config: DamchaConfig,
@@ -832,17 +889,25 @@ def _project(
         n_q, n_kv = w.sizes[0], w.sizes[1] + w.sizes[2]
         W_q, W_kv = w.in_proj.split_with_sizes((n_q, n_kv))
         b_q, b_kv = (None, None) if w.in_bias is None else w.in_bias.split_with_sizes((n_q, n_kv))
+        sq, sk = dc.side_of(config, "q"), dc.side_of(config, "k")
         k, v = F.linear(c, W_kv, b_kv).split_with_sizes(w.sizes[1:], dim=-1)
-        q, k = _apply_maps(
-            w,
-            config,
-            x,
-            c,
-            F.linear(x, W_q, b_q).view(*x.shape[:2], config.num_heads, config.key_dim),
-            k.view(*c.shape[:2], G, config.key_dim),
-            False,
-            (True, False),  # q is its own GEMM's output; k shares the k/v one with v
-        )
+        # The query side's generator product comes out of the query GEMM where
+        # that pays (_linear_and_product). Not the key side's: its columns
+        # would share the k/v output that v keeps alive through SDPA, S*S
+        # floats per key above nn.MultiheadAttention's peak.
+        side = w.sides[sq] if sq is not None and _merges_products(w, config, x) else None
+        q, P_x = _linear_and_product(x, W_q, b_q, side)
+        q = q.view(*x.shape[:2], config.num_heads, config.key_dim)
+        if sq is not None:
+            # q is its own GEMM's output (sole): mapped into a new tensor, and
+            # let go (with P_x, a view of the same output) before the keys are
+            # mapped: the call's peak stays nn.MultiheadAttention's.
+            (q,) = apply_map_weights(w.sides[sq], x, (q,), in_place=True, sole=True, product=P_x)
+        del P_x
+        k = k.view(*c.shape[:2], G, config.key_dim)
+        if sk is not None:
+            # k shares the k/v GEMM's output with v: mapped in place.
+            (k,) = apply_map_weights(w.sides[sk], c, (k,), in_place=True)
     else:
         qk_proj = None
         if self_attention and w.in_proj is not None:
