@@ -177,9 +177,46 @@ def _check_ort_dir(args: argparse.Namespace) -> None:
             cu.check_output_file(folder / name, "--ort-dir", prog=PROG)
 
 
+def _same_file(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet): compare where they would be
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _check_not_an_input(args: argparse.Namespace) -> None:
+    """No file this command writes may be one it reads: the export would replace the weights."""
+    inputs = [("--params", args.params)]
+    if args.config is not None and os.path.isfile(args.config):
+        inputs.append(("--config", args.config))
+    outputs = [
+        ("--out", args.out),
+        ("--out", os.path.join(os.path.dirname(os.path.abspath(args.out)), data_file_name(args.out))),
+    ]
+    if args.quantize is not None:
+        outputs.append(("--quantize", int8_path(args.out)))
+    if args.ort_dir is not None:
+        outputs += [
+            ("--ort-dir", os.path.join(args.ort_dir, n)) for n in ort_names(args.out, args.quantize is not None)
+        ]
+    for flag, written in outputs:
+        for source, read in inputs:
+            if _same_file(written, read):
+                cu.usage_error(
+                    flag,
+                    f"would overwrite the {source} file {read!r}; expected a path other than the input. "
+                    f"Received: {flag} {written!r}",
+                    prog=PROG,
+                )
+
+
 def _validate(args: argparse.Namespace) -> tuple[dict[str, np.ndarray], dc.DamchaConfig]:
     """Every flag before any work; returns the params and config."""
     out = cu.check_output_file(args.out, "--out", prog=PROG)
+    if not str(args.out).endswith(".onnx"):
+        # onnx.save picks the format from the suffix (.json, .textproto, .onnxtxt
+        # write text), and --ort-dir/--quantize derive their names from a .onnx stem.
+        cu.usage_error("--out", f"expected a .onnx path. Received: {args.out!r}", prog=PROG)
     if args.quantize is not None:
         if args.dtype != "float32":
             cu.usage_error(
@@ -208,6 +245,7 @@ def _validate(args: argparse.Namespace) -> tuple[dict[str, np.ndarray], dc.Damch
         )
     cu.require("onnxruntime", prog=PROG, why="the validation, --quantize and --ort-dir")
     cu.check_input_file(args.params, "--params", prog=PROG)
+    _check_not_an_input(args)
     try:
         params, stored = dc.load_params(args.params)
     except Exception as exc:  # noqa: BLE001 - a corrupt or foreign file is a bad argument (exit 2), not a mismatch

@@ -4,6 +4,7 @@ nothing and keeps an earlier good file; exit 0 only for a validated model."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -432,3 +433,35 @@ def test_ort_dir_writes_validated_ort_files_and_their_operator_config(params_fil
     int8 = do.run_ort(str(tmp_path / "m.int8.onnx"), feeds, session=do.ort_session(str(ort_dir / "m.int8.ort")))
     assert np.sqrt(np.mean((int8 - want) ** 2) / np.mean(want**2)) <= 0.1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.int8.onnx", "m.onnx", "mobile", "p.safetensors"]
+
+
+@pytest.mark.parametrize("how", ["same-path", "relative-vs-absolute", "symlink", "config"])
+def test_out_that_is_an_input_exits_2_and_keeps_it(tmp_path, monkeypatch, how):
+    """`--out` naming the --params (or --config) file used to replace the weights with the model, exit 0."""
+    # Inputs named .onnx, so that the suffix rule does not refuse --out first.
+    params = tmp_path / "w.onnx"
+    dc.save_params(params, dc.init_params(CONFIG, 1), CONFIG)
+    config = tmp_path / "c.onnx"
+    config.write_text(json.dumps(CONFIG.to_dict()))
+    args = ["--params", str(params), "--out", str(params)]
+    if how == "relative-vs-absolute":
+        monkeypatch.chdir(tmp_path)
+        args = ["--params", "./w.onnx", "--out", str(params)]
+    elif how == "symlink":
+        (tmp_path / "link.onnx").symlink_to(params)
+        args[-1] = str(tmp_path / "link.onnx")
+    elif how == "config":
+        args = ["--params", str(params), "--config", str(config), "--out", str(config)]
+    before = {p: p.read_bytes() for p in (params, config)}
+    line = one_line_usage_error(export(*args), "--out")
+    assert "would overwrite the " + ("--config" if how == "config" else "--params") in line
+    assert {p: p.read_bytes() for p in (params, config)} == before
+
+
+@pytest.mark.parametrize("suffix", [".ort", ".json", ".textproto", ".onnxtxt", ".st"])
+def test_out_not_onnx_exits_2_before_any_work(params_file, tmp_path, suffix):
+    """onnx.save writes text for .json/.textproto/.onnxtxt; .ort used to die after the export (exit 1)."""
+    out = tmp_path / f"m{suffix}"
+    line = one_line_usage_error(export("--params", params_file, "--out", str(out)), "--out")
+    assert f"expected a .onnx path. Received: {str(out)!r}" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.safetensors"]
