@@ -331,3 +331,47 @@ def test_training_memory_is_not_above_mhas() -> None:
     # the backward pass from q, k and the small maps (0.93x here).
     temp = {impl: _train_temp(impl) for impl in ("damcha", "mha")}
     assert temp["damcha"] <= temp["mha"], temp
+
+
+# ------------------------------------------------------------ decode steps
+# One cached decoding step (issue 12, "Decoding with a kv cache"), jitted with
+# the cache donated as the benchmark's step is: the programs' thunks (the
+# ENTRY computation's fusions, dots, custom calls and copies, each one
+# dispatch of XLA:CPU's runtime), DAMCHA beside Flax's MHA.
+DEC_B, DEC_LEN = 2, 16
+
+
+def _thunks(text: str) -> list[str]:
+    return re.findall(r"= \S+ (fusion|dot|custom-call|copy)\(", text[text.index("\nENTRY") :])
+
+
+def _decode_thunks(impl: str) -> list[str]:
+    x = jax.ShapeDtypeStruct((DEC_B, 1, E), jnp.float32)
+    with jax.default_device(jax.devices("cpu")[0]):
+        mha = nnx.MultiHeadAttention(H, E, decode=True, rngs=nnx.Rngs(0))
+        layer = mha if impl == "mha" else dj.DamchaAttention.from_mha(mha, rngs=nnx.Rngs(1))
+        if impl == "decode_step":
+            config = layer.config
+            cache = dj.init_cache(config, DEC_B, DEC_LEN, jnp.float32)
+            fn = jax.jit(lambda c, x, p: dj.decode_step(p, config, c, x), donate_argnums=0)
+            return _thunks(fn.lower(cache, x, layer.arrays()).compile().as_text())
+        layer.init_cache((DEC_B, DEC_LEN, E))
+        graphdef, cache, params = nnx.split(layer, nnx.Cache, ...)
+
+        def step(cache: Any, x: jax.Array, params: Any) -> Any:
+            m = nnx.merge(graphdef, cache, params)
+            return m(x, decode=True), nnx.state(m, nnx.Cache)
+
+        return _thunks(jax.jit(step, donate_argnums=0).lower(cache, x, params).compile().as_text())
+
+
+@pytest.mark.parametrize("impl", ["damcha", "decode_step"])
+def test_decode_step_adds_only_the_generators_thunks(impl: str) -> None:
+    # What a step may add to MHA's: the generator's (the RMS reduction, its
+    # GEMM, the scale and the coefficients). The maps' multiply-adds ride in
+    # the cache update of k~ and the copy of q~ (cross_head_maps' terms);
+    # as batched products they were a library call each, with k's and q's
+    # bias adds and l in fusions of their own before them: 8 more than MHA
+    # here, 7 at the benchmark's B=8, E=512, where a step is ~4 ms.
+    extra = len(_decode_thunks(impl)) - len(_decode_thunks("mha"))
+    assert 0 < extra <= 4, (extra, sorted(_decode_thunks(impl)))

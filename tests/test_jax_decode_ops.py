@@ -69,10 +69,15 @@ def _damcha_step_counts(config: dc.DamchaConfig, api: str) -> collections.Counte
 
 
 # DAMCHA's own work in a step, over Flax's: the generator (1 GEMM, its RMS
-# scale, the gate and identity folded into l(t)) and the two head-mix
-# products (q and k). Measured 26 (tied, query) / 42 (separate) on JAX
-# 0.10.2; the margin leaves room for a JAX upgrade, not for a second pass.
-MARGIN = {"tied": 30, "query": 30, "separate": 46}
+# scale, the gate and identity folded into l(t)) and the two head maps (q
+# and k). A step is traced (decode_step compiles it, the module runs under
+# jit), where each map is S multiply-adds (cross_head_maps' terms: XLA fuses
+# them into the cache update and q's copy, test_jax_compiled_cost counts the
+# compiled thunks), about 8 S equations per side here. Measured 90 (tied) /
+# 59 (query) / 106 (separate) on JAX 0.10.2 (26 / 26 / 42 as one batched
+# product per side); the margin leaves room for a JAX upgrade, not for a
+# second pass.
+MARGIN = {"tied": 96, "query": 64, "separate": 112}
 
 
 @pytest.mark.parametrize("api", ["decode_step", "module"])
@@ -83,11 +88,10 @@ def test_decode_step_ops_stay_within_a_margin_of_flax_mha(coupling: str, api: st
     flax_counts, damcha_counts = _flax_step_counts(), _damcha_step_counts(config, api)
     extra = sum(damcha_counts.values()) - sum(flax_counts.values())
     assert 0 < extra <= MARGIN[coupling], (extra, damcha_counts, flax_counts)
-    # GEMMs: Flax's 6 (q, k, v, logits, probs x v, out), one per generator (a tied
-    # generator is evaluated once for q and k) and one head-mix product per mapped side.
+    # GEMMs: Flax's 6 (q, k, v, logits, probs x v, out) and one per generator (a tied
+    # generator is evaluated once for q and k); the head maps are multiply-adds.
     generators = 2 if coupling == "separate" else 1
-    sides = 1 if coupling == "query" else 2
-    assert damcha_counts["dot_general"] == flax_counts["dot_general"] + generators + sides
+    assert damcha_counts["dot_general"] == flax_counts["dot_general"] + generators
     # One RMS scale per step, shared by every generator reading the same tokens.
     assert damcha_counts["rsqrt"] == 1
 

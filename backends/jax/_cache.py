@@ -306,7 +306,8 @@ def _step(
     """decode_step's math on checked arguments (``mask``, ``flag``, ``host``: the
     fields of a MaskArg; ``overflow``: ``check_room``'s flag of a traced index)."""
     checked = None if mask is None else MaskArg(mask, host, flag)
-    q, k, v = _qkv(p, config, x, c, v_tokens, precision)
+    # Compiled, the maps' multiply-adds fuse into the cache update and q's copy (``cross_head_maps``' terms).
+    q, k, v = _qkv(p, config, x, c, v_tokens, precision, terms=isinstance(x, jax.core.Tracer))
     o, new_cache, bad = decode_attend(
         config,
         {"key": cached_k, "value": cached_v, "index": index},

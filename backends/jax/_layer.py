@@ -612,6 +612,7 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
                 _fold(q, lead, 3),
                 _fold(k, lead, 3),
                 precision=self.precision,
+                terms=bool(decode) and isinstance(q, jax.core.Tracer),
             )
             q, k = jnp.reshape(folded_q, q.shape), jnp.reshape(folded_k, k.shape)
 
