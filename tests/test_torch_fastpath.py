@@ -719,6 +719,60 @@ def test_training_fused_path_equals_stored_path_and_reference(case):
     np.testing.assert_allclose(got[0].numpy(), want, rtol=1e-9, atol=1e-10)
 
 
+@pytest.mark.parametrize("layout", ["batch-first", "sequence-first"])
+@pytest.mark.parametrize("case", ["tied", "cross-tied", "cross-separate"])
+def test_training_store_mode_takes_the_product_from_the_projection_gemm(case, layout):
+    """With at least as many tokens as the joined weight has rows, a store-mode
+    node with one metric side makes the generator's product t W^T as the
+    last S*S columns of its projection GEMM (one GEMM, where the product
+    alone, 64 columns at E = 512, ran well below the GEMM rate): each
+    projection GEMM S*S wider and no other GEMM in forward but the output
+    projection's. Outputs and gradients equal the stored path's and the
+    output the reference's. (Fails on the old code: its forward ran the
+    products' own GEMMs.)"""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    overrides, call = TRAIN_CASES[case]
+    cfg = _config(**overrides)
+    # 64 query tokens >= 3E + H*H = 64 rows (the packed node); 48 context tokens >= 2E + H*H = 48
+    inputs = _train_inputs(cfg, call, n=32, m=24)
+    run = _train_call(call)
+    if layout == "sequence-first":
+
+        def wrapped(layer, *ts):
+            return run(layer, *(t.transpose(0, 1) for t in ts)).transpose(0, 1)
+
+    else:
+        wrapped = run
+
+    class Widths(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.widths: list[int] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket in (torch.ops.aten.addmm, torch.ops.aten.mm, torch.ops.aten.bmm):
+                self.widths.append(out.shape[-1])
+            return out
+
+    fused, params = _train_layer(cfg, True, batch_first=layout == "batch-first")
+    stored, _ = _train_layer(cfg, False, batch_first=layout == "batch-first")
+    layer = copy.deepcopy(fused)
+    leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
+    with Widths() as mode:
+        wrapped(layer, *leaves)
+    S2 = H * H
+    # The projections' GEMMs with the product's columns, and the output projection (E).
+    joined = [3 * E + S2] if call == "self" else [E + S2, 2 * E + S2]
+    assert sorted(mode.widths) == sorted([*joined, E]), mode.widths
+    got = _run(fused, inputs, wrapped)
+    _assert_same(got, _run(stored, inputs, wrapped))
+    x, *rest = (t.numpy() for t in inputs)
+    want = dc.damcha_attention(params, cfg, x, rest[0] if rest else None, causal=True)
+    np.testing.assert_allclose(got[0].numpy(), want, rtol=1e-9, atol=1e-10)
+
+
 @pytest.mark.parametrize("case", ["tied", "cross-tied"])
 def test_training_fused_path_with_padding_and_sequence_first_inputs(case):
     """key_padding_mask + the causal hint, (N, B, E) inputs (the layer's views

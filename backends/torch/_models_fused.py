@@ -1213,7 +1213,16 @@ class SplitLinearMaps(torch.autograd.Function):
         for b in sides:
             for offset in b.offsets:  # the caller's contract (_functional._project_fused)
                 assert offset in starts and sizes[starts[offset]] == b.heads * b.head_dim, (b, sizes)
-        y = F.linear(x, weight, bias)
+        product = None
+        if recipes is not None and len(sides) == 1:
+            # Store mode keeps P = t W_g^T for backward anyway: it may be the
+            # projection GEMM's last S*S columns (fn._linear_and_product), one
+            # GEMM where P alone (64 columns at E = 512, H = 8) ran well below
+            # the GEMM rate; y and P are views of the one output, which
+            # autograd and the recipes keep as they kept the two.
+            y, product = fn._linear_and_product(x, weight, bias, _side_weights("heads", leaves[:3]))
+        else:
+            y = F.linear(x, weight, bias)
         ctx.sides, ctx.sizes, ctx.recipes = sides, sizes, recipes
         if recipes is None:
             map_blocks_(y, x, [(b, _side_weights("heads", leaves[3 * i : 3 * i + 3])) for i, b in enumerate(sides)])
@@ -1225,7 +1234,7 @@ class SplitLinearMaps(torch.autograd.Function):
         for i, b in enumerate(sides):
             # mix_coefficients' ops, with P and r kept for backward (MapRecipes).
             w_gen, b_gen, gate = leaves[3 * i : 3 * i + 3]
-            P = F.linear(t, w_gen)
+            P = F.linear(t, w_gen) if product is None else product.reshape(-1, product.shape[-1])
             recipes._products[i] = (P, r)
             S = b.heads
             mix = fn.coefficients_of(P, r, b_gen, t.shape[-1]).view(-1, S, S) * gate.view(S, 1)
