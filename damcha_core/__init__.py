@@ -18,7 +18,7 @@ from ._errors import (
 )
 from ._io import load_params, save_params
 from ._metrics import METRIC_STRUCTURES, GeneratorSpec, MetricLeaf, MetricStructure
-from ._params import check_params, init_params, validate_params
+from ._params import check_params, check_params_fit, init_params, validate_params
 from ._policy import (
     check_bool,
     check_choice,
@@ -115,5 +115,6 @@ __all__ = [
     "side_of",
     "token_model_forward",
     "validate_params",
+    "check_params_fit",
     "validate_stack_params",
 ]

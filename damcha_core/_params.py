@@ -178,3 +178,27 @@ def validate_params(
             )
         out[name] = array
     return out
+
+
+def check_params_fit(params: Mapping[str, Any], dtype_name: str, max_value: float, *, argument: str = "params") -> None:
+    """Refuse params whose magnitude overflows a narrower dtype they are cast to.
+
+    ``validate_params`` checks finiteness in float64; a finite 1e6 still
+    becomes inf in float16 (max 65504), and the layer would hold inf and
+    compute NaN. Each port calls this with its target dtype's largest finite
+    value (``torch.finfo``, ``jnp.finfo``, ``np.finfo``).
+
+    Raises:
+        DamchaValueError: naming the tensor, its max |value| and the dtype's max.
+    """
+    for name, value in params.items():
+        array = np.abs(np.asarray(value, dtype=np.float64))
+        largest = float(array.max()) if array.size else 0.0
+        if largest > max_value:
+            raise DamchaValueError(
+                invalid_argument(
+                    f"{argument}[{name!r}]",
+                    f"values that fit {dtype_name} (max |value| <= {max_value:g}; larger ones become inf)",
+                    f"max |value| = {largest:g}",
+                )
+            )

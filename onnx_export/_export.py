@@ -8,6 +8,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
@@ -151,6 +152,7 @@ def _layer_model(params: Mapping[str, Any], config: DamchaConfig, options: Expor
     dc.check_config(config)
     params = dc.validate_params(params, config)
     o = options
+    dc.check_params_fit(params, o.dtype, float(np.finfo(o.dtype).max))
     if not o.cross and config.context_dim != config.query_dim:
         raise DamchaValueError(
             dc.invalid_argument(

@@ -119,6 +119,9 @@ class GraphBuilder:
 
     def weight(self, name: str, array: np.ndarray) -> str:
         """A floating initialiser in the graph dtype."""
+        # Folding (the softmax scale into the query kernel, gates into U) can
+        # grow a weight past what the canonical params' own check saw.
+        dc.check_params_fit({name: array}, self.np_dtype.name, float(np.finfo(self.np_dtype).max), argument="weight")
         name = self.fresh(name)
         self.arrays.append((name, np.ascontiguousarray(array, dtype=self.np_dtype)))
         return name

@@ -7,6 +7,7 @@ computed something else, a float16 layer held inf, a file lost options.
 from __future__ import annotations
 
 import os
+import re
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
@@ -121,3 +122,67 @@ def test_keras_from_mha_refuses_subclass_with_own_call() -> None:
     want = keras.ops.convert_to_numpy(plain(x, x))
     got = keras.ops.convert_to_numpy(dk.DamchaAttention.from_mha(plain)(x, x))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------- 3. Keras options the file lacks
+
+
+@pytest.mark.parametrize("option", [{"sliding_window": 2}, {"attention_axes": (2,)}], ids=lambda o: next(iter(o)))
+def test_keras_save_refuses_options_the_canonical_file_lacks(tmp_path, option):
+    """The file used to load as a layer without the option (outputs differed by 1.68)."""
+    x = np.random.default_rng(0).normal(size=(2, 3, 4, 8)).astype("float32")
+    x = x if "attention_axes" in option else x[:, 0]
+    layer = dk.DamchaAttention(num_heads=2, key_dim=4, **option)
+    layer(x, x)
+    ((name, value),) = option.items()
+    with pytest.raises(dc.DamchaValueError, match=re.escape(f"`save` is not available with {name}={value!r}")):
+        layer.save(tmp_path / "l.safetensors")
+    assert not (tmp_path / "l.safetensors").exists()
+    # The weights stay available, and the option travels when the caller passes it.
+    path = tmp_path / "w.safetensors"
+    dc.save_params(path, layer.to_canonical(), layer.config)
+    loaded = dk.DamchaAttention(num_heads=2, key_dim=4, **option)
+    loaded(x, x)
+    loaded.load_canonical(dc.load_params(path)[0])
+    got, want = (keras.ops.convert_to_numpy(m(x, x)) for m in (loaded, layer))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------- 4. finite float64 params that overflow
+
+
+def _big_params() -> tuple[dict[str, np.ndarray], dc.DamchaConfig]:
+    config = dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4)
+    params = dc.init_params(config, seed=0)
+    params["query.kernel"] = params["query.kernel"] * 1e6  # finite, far past float16's 65504
+    return params, config
+
+
+def _load_float16(port: str, params: dict, config: dc.DamchaConfig) -> object:
+    if port == "torch":
+        return dt.DamchaAttention.from_canonical(params, config, dtype=torch.float16)
+    if port == "jax":
+        return dj.DamchaAttention.from_canonical(params, config, param_dtype=np.float16)
+    if port == "keras":
+        return dk.DamchaAttention.from_canonical(params, config, dtype="float16")
+    import damcha_onnx as do
+
+    return do.export(params, config, None, dtype="float16")
+
+
+@pytest.mark.parametrize("port", ["torch", "jax", "keras", "onnx"])
+def test_float16_refuses_params_that_overflow(port):
+    """Each used to hold inf (the ONNX export returned a 'validated' model computing NaN)."""
+    params, config = _big_params()
+    largest = float(np.abs(params["query.kernel"]).max())
+    with pytest.raises(dc.DamchaValueError) as info:
+        _load_float16(port, params, config)
+    text = str(info.value)
+    assert "'query.kernel'" in text and "float16" in text and "65504" in text and f"{largest:g}" in text
+    # In range, float16 loads and holds the params (to float16's precision).
+    fine = dc.init_params(config, seed=0)
+    layer = _load_float16(port, fine, config)
+    if port != "onnx":
+        got = layer.to_canonical()  # type: ignore[attr-defined]
+        for name in fine:
+            np.testing.assert_allclose(got[name], fine[name], rtol=1e-3, atol=1e-3)

@@ -70,7 +70,9 @@ class CanonicalIO:
         shapes, dtypes, finite values), cast to ``param_dtype``; returns self.
         A shared generator is shared: loading it here sets it for every layer
         that holds it."""
-        dc.validate_params(params, self.config)
+        checked = dc.validate_params(params, self.config)
+        dtype = jnp.dtype(self.param_dtype)
+        dc.check_params_fit(checked, dtype.name, float(jnp.finfo(dtype).max))
         for name, var in self._variables().items():
             var[...] = jnp.asarray(params[name], self.param_dtype)
         return self

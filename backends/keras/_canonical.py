@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import ml_dtypes
 import numpy as np
 
 import damcha_core as dc
@@ -92,7 +93,11 @@ def to_canonical(layer: DamchaAttention) -> dict[str, np.ndarray]:
 def load_canonical(layer: DamchaAttention, params: Mapping[str, Any]) -> None:
     """Assign canonical params, validated against ``layer.config``."""
     checked = dc.validate_params(params, require_built(layer, "load_canonical"))
-    for name, variable in canonical_variables(layer).items():
+    variables = canonical_variables(layer)
+    for name, variable in variables.items():  # all checked before any is assigned
+        dtype = keras.backend.standardize_dtype(variable.dtype)
+        dc.check_params_fit({name: checked[name]}, dtype, float(ml_dtypes.finfo(dtype).max))
+    for name, variable in variables.items():
         value = checked[name].reshape(tuple(variable.shape))
         variable.assign(value.astype(keras.backend.standardize_dtype(variable.dtype)))
 
@@ -124,9 +129,28 @@ def from_canonical(cls: type, params: Mapping[str, Any], config: DamchaConfig, *
     return layer
 
 
+def _check_file_options(layer: DamchaAttention) -> None:
+    """A file loads in every port with its config only: refuse options that
+    change the outputs and that DAMCHA v1's canonical config has no field for."""
+    options = {
+        "sliding_window": getattr(layer, "_sliding_window", None),
+        "attention_axes": getattr(layer, "_attention_axes", None),
+    }
+    for name, value in options.items():
+        if value is not None:
+            raise DamchaValueError(
+                f"`save` is not available with {name}={value!r}: DAMCHA v1's canonical config has no {name}, so "
+                f"the file would load (in every port) as a layer without it, with other outputs. Save the weights "
+                f"with damcha_core.save_params(path, layer.to_canonical(), layer.config) and restore {name} "
+                f"yourself (build a layer with it, then load_canonical). Received: layer {layer.name!r} with {name}={value!r}"
+            )
+
+
 def save(layer: DamchaAttention, path: str) -> None:
     """Weights and config as DAMCHA safetensors (``damcha_core.save_params``)."""
-    dc.save_params(path, to_canonical(layer), require_built(layer, "save"))
+    config = require_built(layer, "save")
+    _check_file_options(layer)
+    dc.save_params(path, to_canonical(layer), config)
 
 
 def load(cls: type, path: str, **kwargs: Any) -> DamchaAttention:

@@ -122,6 +122,9 @@ class CanonicalIO:
         """Copy canonical params (validated against ``self.config``, finite) into this layer; returns self."""
         checked = dc.validate_params(params, self.config)
         targets = self._canonical_views(dict(self.named_parameters(remove_duplicate=False)))
+        for name, value in checked.items():  # all checked before any is copied
+            dtype = targets[name].dtype
+            dc.check_params_fit({name: value}, str(dtype).removeprefix("torch."), torch.finfo(dtype).max)
         for name, value in checked.items():
             target = targets[name]
             # The views share storage with the parameters, so copy_ writes through.
