@@ -215,7 +215,7 @@ def check_gradients(adapter: BackendAdapter, case: Case, dtype: str) -> Result:
             raise KeyError(f"gradients keys {sorted(grads)} != expected {sorted(expected_keys)}")
         worst = (0.0, 0.0, "")
         for target, (direction, dd_ref) in reference_directional(case).items():
-            g = np.asarray(grads[target], dtype=np.float64)
+            g = _real_float64(grads[target], f"the gradient of {target}")
             if g.shape != direction.shape:
                 raise ValueError(f"gradient of {target} has shape {g.shape}, expected {direction.shape}")
             err, ratio = tol.grad_ratio(
@@ -291,12 +291,25 @@ def _output_result(base: dict[str, Any], run: Any, expected: np.ndarray, tol: An
     """Run ``run()`` and judge its output against ``expected``; a crash is a
     reported error, not the end of the run."""
     try:
-        out = np.asarray(run(), dtype=np.float64)
+        out = _real_float64(run(), "the output")
     except Exception as exc:  # noqa: BLE001 - a port's crash is a reported error, not the end of the run
         return Result(**base, status="error", detail=_describe_exc(exc))
     err, ratio = tol.output_ratio(out, expected)
     detail = "" if out.shape == expected.shape else f"shape {out.shape} != expected {expected.shape}"
     return Result(**base, status="pass" if ratio <= 1 else "fail", max_error=err, ratio=ratio, detail=detail)
+
+
+def _real_float64(value: Any, what: str) -> np.ndarray:
+    """``value`` in float64, refusing anything that is not a real floating array:
+    np.asarray(..., float64) would drop a complex output's imaginary part (an
+    output of ref + 1e6j scored error 0) and accept integers or booleans."""
+    array = np.asarray(value)
+    if not (np.issubdtype(array.dtype, np.floating) or array.dtype.name == "bfloat16"):
+        raise TypeError(
+            f"{what} must be a real floating array (float16/bfloat16/float32/float64). "
+            f"Received: dtype {array.dtype}, shape {array.shape}"
+        )
+    return array.astype(np.float64)
 
 
 def _describe_exc(exc: Exception) -> str:

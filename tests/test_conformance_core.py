@@ -530,3 +530,32 @@ def test_the_value_case_checks_the_values_and_their_gradient():
     assert [r.status for r in dcf.check_case(grads, small, "float64")] == ["pass", "pass"]
     wrong = dcf.check_case(_FiniteDifferenceGradients(drop="value"), small, "float64")
     assert wrong[1].status == "error" and "value" in wrong[1].detail
+
+
+class _Retyped(dcf.ReferenceAdapter):
+    """Returns the right values in a dtype that is no real float (or adds an imaginary part)."""
+
+    def __init__(self, how):
+        self.how = how
+        self.name = f"retyped-{how}"
+
+    def forward(self, data, dtype):
+        y = super().forward(data, dtype)
+        if self.how == "complex":
+            return y + 1e6j  # np.asarray(..., float64) used to drop the 1e6j: error 0, pass
+        if self.how == "int":
+            return y.astype(np.int64)
+        return y.astype(np.float32)  # a real float32 output stays judged by the values
+
+
+@pytest.mark.parametrize("how", ["complex", "int", "float32"])
+def test_output_must_be_a_real_floating_array(how):
+    [result] = dcf.check_case(_Retyped(how), TINY, "float64", gradients=False)
+    if how == "float32":
+        assert result.status == "fail" and "dtype" not in result.detail  # float32 rounding misses float64's tolerance
+        return
+    assert result.status == "error", result
+    assert (
+        "must be a real floating array" in result.detail
+        and f"Received: dtype {'complex128' if how == 'complex' else 'int64'}" in result.detail
+    )
