@@ -186,3 +186,25 @@ def test_float16_refuses_params_that_overflow(port):
         got = layer.to_canonical()  # type: ignore[attr-defined]
         for name in fine:
             np.testing.assert_allclose(got[name], fine[name], rtol=1e-3, atol=1e-3)
+
+
+# --------------------------------------- 7. value_input_dim != context_dim
+
+
+def test_jax_loads_a_file_whose_values_have_their_own_feature_size(tmp_path):
+    """torch and Keras loaded it; JAX built (E_kv, ...) value kernels and blamed the params."""
+    config = dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4, context_dim=6, value_input_dim=5, coupling="separate")
+    params = dc.init_params(config, seed=1)
+    for name in params:
+        if name.endswith("gate"):
+            params[name] = np.full(params[name].shape, 0.3)
+    path = tmp_path / "v.safetensors"
+    dc.save_params(path, params, config)
+    rng = np.random.default_rng(0)
+    q, ctx, val = rng.normal(size=(2, 3, 8)), rng.normal(size=(2, 4, 6)), rng.normal(size=(2, 4, 5))
+    want = dc.damcha_attention(params, config, q, ctx, value=val)
+    with jax.enable_x64(True):
+        layer = dj.DamchaAttention.load(path, param_dtype=np.float64, dtype=np.float64)
+        assert layer.config == config
+        got = np.asarray(layer(q, ctx, val))
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)

@@ -84,6 +84,10 @@ class CanonicalIO:
         """A layer with ``config``'s shape holding ``params``; ``kwargs`` are
         the non-shape arguments (dtype, param_dtype, decode, deterministic, ...)."""
         dc.check_config(config)
+        if config.value_input_dim != config.context_dim:
+            # Values of their own feature size (E_v != E_kv): the value kernel is
+            # (E_v, G, d_v); without this the layer expects (E_kv, ...) and blames the params.
+            kwargs = {"in_v_features": config.value_input_dim, **kwargs}
         layer = cls(  # type: ignore[call-arg]
             config.num_heads,
             config.query_dim,
