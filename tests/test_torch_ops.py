@@ -584,3 +584,28 @@ def test_training_keeps_no_more_memory_than_mha(call):
         run(model, x, c, pad, causal, rect)  # first calls make constants that stay (phi's sqrt(E * eps))
     base, ours, in_place, more = kept(mha), kept(layer), kept(layer, hooks=True), kept(stored)
     assert ours <= base and in_place <= base and max(ours, in_place) < more, (ours, in_place, base, more)
+
+
+def test_cross_attention_joins_no_weights_under_a_tracer():
+    """The query GEMM with the generator's product (_linear_and_product) is
+    taken eagerly only: its branch on the token count would be baked into a
+    traced graph (or guard a dynamic length under torch.export), so
+    torch.jit.trace records the separate product GEMM and no weight join, and
+    gives the eager output."""
+    _, layer = _layers()
+
+    class Cross(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = layer
+
+        def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return self.attn(a, b, b, need_weights=False)[0]
+
+    x, c = torch.randn(2, 32, E), torch.randn(2, 40, E)  # enough query tokens to join eagerly
+    with torch.no_grad():
+        want, _ = layer(x, c, c, need_weights=False)
+        traced = torch.jit.trace(Cross(), (x, c), check_trace=False)
+    graph = str(traced.inlined_graph)
+    assert "aten::cat" not in graph and "aten::linalg_vector_norm" in graph, graph
+    torch.testing.assert_close(traced(x, c), want, rtol=1e-6, atol=1e-6)

@@ -810,10 +810,19 @@ def _merges_products(w: LayerWeights, config: DamchaConfig, x: Tensor) -> bool:
     """Whether the generators' products t W^T may come out of the projections'
     GEMMs (``_linear_and_product``): metric "heads", every projection and
     generator weight and bias in the tokens' float32/float64 dtype (the map
-    then computes in that dtype, as ``apply_map_weights`` would), and no
-    autocast (which would make the product in 16 bits)."""
+    then computes in that dtype, as ``apply_map_weights`` would), no
+    autocast (which would make the product in 16 bits), and eager (a tracer,
+    compiler or exporter would bake ``_linear_and_product``'s branch on the
+    token count into its graph, or guard a dynamic length on it)."""
     dtype = x.dtype
     if config.metric != "heads" or (dtype is not torch.float32 and dtype is not torch.float64):
+        return False
+    if (
+        type(x) is not Tensor
+        or torch.compiler.is_compiling()
+        or torch._C._is_tracing()
+        or torch._C._are_functorch_transforms_active()
+    ):
         return False
     device = x.device.type
     if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
