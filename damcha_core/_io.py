@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 from collections.abc import Mapping
@@ -27,7 +28,7 @@ import numpy as np
 from ._cliutil import atomic_write, read_only
 from ._config import DamchaConfig
 from ._errors import DamchaError, DamchaTypeError, DamchaValueError, describe, invalid_argument
-from ._params import validate_params
+from ._params import as_numpy, validate_params
 
 FORMAT = "damcha-v1"
 CHECKSUM_KEY = "damcha_checksum"
@@ -38,20 +39,68 @@ def tensor_checksum(tensors: Mapping[str, np.ndarray]) -> str:
     """``"sha256:<hex>"`` over the tensors in sorted name order: for each, its
     name, dtype name, shape and little-endian bytes, each length-prefixed so
     that no two different sets of tensors hash the same stream."""
+    entries = {}
+    for name, value in tensors.items():
+        array = np.asarray(value)
+        little = np.ascontiguousarray(array.astype(array.dtype.newbyteorder("<"), copy=False))
+        entries[name] = (array.dtype.name, array.shape, little.view(np.uint8).tobytes() if little.size else b"")
+    return _checksum(entries)
+
+
+def _checksum(entries: Mapping[str, tuple[str, tuple[int, ...], bytes]]) -> str:
+    """``tensor_checksum`` over (dtype name, shape, little-endian bytes) per name."""
     digest = hashlib.sha256()
 
     def field(data: bytes) -> None:
         digest.update(struct.pack("<Q", len(data)))
         digest.update(data)
 
-    for name in sorted(tensors):
-        array = np.asarray(tensors[name])
-        little = np.ascontiguousarray(array.astype(array.dtype.newbyteorder("<"), copy=False))
+    for name in sorted(entries):
+        dtype, shape, data = entries[name]
         field(name.encode("utf-8"))
-        field(array.dtype.name.encode("ascii"))
-        field(json.dumps(list(array.shape)).encode("ascii"))
-        field(little.view(np.uint8).tobytes() if little.size else b"")
+        field(dtype.encode("ascii"))
+        field(json.dumps(list(shape)).encode("ascii"))
+        field(data)
     return "sha256:" + digest.hexdigest()
+
+
+def _read_bf16(path: Path, header: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], bytes]]:
+    """The BF16 tensors of ``path`` as (shape, raw little-endian bytes).
+
+    NumPy has no bfloat16 (it comes from ml_dtypes, which damcha_core does not
+    depend on), so safetensors' NumPy reader fails on them unless ml_dtypes
+    happens to be imported. They are read here from the header's offsets.
+    """
+    entries = {
+        name: entry
+        for name, entry in header.items()
+        if name != "__metadata__" and isinstance(entry, dict) and entry.get("dtype") == "BF16"
+    }
+    if not entries:
+        return {}
+    out = {}
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        for name, entry in entries.items():
+            shape, offsets = entry.get("shape"), entry.get("data_offsets")
+            if (
+                not isinstance(shape, list)
+                or not all(isinstance(n, int) and n >= 0 for n in shape)
+                or not isinstance(offsets, list)
+                or len(offsets) != 2
+                or not all(isinstance(o, int) for o in offsets)
+                or offsets[1] - offsets[0] != 2 * math.prod(shape)
+            ):
+                raise _unreadable(path, f"the header entry of {name!r} is malformed ({entry})")
+            f.seek(8 + length + offsets[0])
+            out[name] = (tuple(shape), f.read(offsets[1] - offsets[0]))
+    return out
+
+
+def _widen_bf16(data: bytes, shape: tuple[int, ...]) -> np.ndarray:
+    # bfloat16 is the top half of a float32: shifting the bits up is exact.
+    bits = np.frombuffer(data, dtype="<u2").astype(np.uint32) << 16
+    return bits.view(np.float32).reshape(shape)
 
 
 def _check_path(path: Any, *, argument: str = "path") -> Path:
@@ -63,11 +112,12 @@ def _check_path(path: Any, *, argument: str = "path") -> Path:
     return Path(text)
 
 
-def _as_numpy(value: Any) -> Any:
+def _as_numpy(value: Any, name: str) -> Any:
     # A framework tensor that tracks gradients refuses NumPy conversion; its values are what is saved.
     if getattr(value, "requires_grad", False) and callable(getattr(value, "detach", None)):
         value = value.detach()
-    return value
+    # torch bfloat16 (no NumPy dtype) is saved widened to float32: exact.
+    return as_numpy(value, f"params[{name!r}]") if hasattr(value, "shape") else value
 
 
 def save_params(path: str | os.PathLike[str], params: Mapping[str, Any], config: DamchaConfig) -> None:
@@ -88,7 +138,7 @@ def save_params(path: str | os.PathLike[str], params: Mapping[str, Any], config:
     target = _check_path(path)
     if not isinstance(params, Mapping):
         raise DamchaTypeError(invalid_argument("params", "a mapping of name -> array", f"params={describe(params)}"))
-    params = {name: _as_numpy(value) for name, value in params.items()}
+    params = {name: _as_numpy(value, name) for name, value in params.items()}
     validate_params(params, config)
     tensors = {name: np.ascontiguousarray(np.asarray(params[name])) for name in config.param_shapes()}
     metadata = {
@@ -144,6 +194,13 @@ def _read_header(path: Path) -> dict[str, Any]:
             raise DamchaValueError(
                 invalid_argument("path", "a safetensors file, not a directory", f"path={str(path)!r}")
             )
+        if not path.is_file():
+            # A FIFO (or a device) would block open() or read() forever.
+            raise DamchaValueError(
+                invalid_argument(
+                    "path", "a regular file; this is a named pipe, device or socket", f"path={str(path)!r}"
+                )
+            )
         size = path.stat().st_size
         with open(path, "rb") as f:
             prefix = f.read(8)
@@ -188,6 +245,10 @@ def _read_header(path: Path) -> dict[str, Any]:
 def load_params(path: str | os.PathLike[str]) -> tuple[dict[str, np.ndarray], DamchaConfig]:
     """Read a file written by ``save_params``; returns ``(params, config)``.
 
+    Tensors keep their dtype, except bfloat16 ones (e.g. from a Keras
+    bfloat16 layer), which come back as float32 holding the same values
+    exactly: NumPy itself has no bfloat16.
+
     Raises:
         DamchaValueError: ``path`` is missing, a folder, unreadable, not a
             safetensors file or truncated; the file has no DAMCHA metadata or
@@ -216,12 +277,19 @@ def load_params(path: str | os.PathLike[str]) -> tuple[dict[str, np.ndarray], Da
     except DamchaError as exc:
         raise _unreadable(path, f"its damcha_config metadata is not a valid config ({exc})") from None
     try:
+        bf16 = _read_bf16(path, header)
         with safe_open(os.fspath(path), framework="numpy") as f:
-            params = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - safe_open is not iterable
+            # safe_open is not iterable
+            params = {name: f.get_tensor(name) for name in f.keys() if name not in bf16}  # noqa: SIM118
     except (SafetensorError, OSError, ValueError, TypeError) as exc:
         raise _unreadable(path, f"its tensors cannot be read ({' '.join(str(exc).split())})") from None
+    entries = {name: ("bfloat16", shape, data) for name, (shape, data) in bf16.items()}
+    for name, array in params.items():
+        little = np.ascontiguousarray(array.astype(array.dtype.newbyteorder("<"), copy=False))
+        entries[name] = (array.dtype.name, array.shape, little.view(np.uint8).tobytes() if little.size else b"")
+    params.update({name: _widen_bf16(data, shape) for name, (shape, data) in bf16.items()})
     stored = metadata.get(CHECKSUM_KEY)
-    if stored is not None and stored != tensor_checksum(params):
+    if stored is not None and stored != _checksum(entries):
         raise DamchaValueError(
             invalid_argument(
                 "path",

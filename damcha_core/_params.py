@@ -44,6 +44,32 @@ def _is_real_float(dtype: np.dtype) -> bool:
     return np.issubdtype(dtype, np.floating) or dtype.name == "bfloat16"
 
 
+def as_numpy(value: Any, argument: str) -> np.ndarray:
+    """``np.asarray(value)``, with a clear error for tensors NumPy cannot read.
+
+    A torch bfloat16 tensor (no NumPy dtype) is widened to float32, which holds
+    every bfloat16 value exactly. A tensor that requires grad or lives on a GPU
+    raises a ``DamchaTypeError`` naming ``argument`` instead of torch's bare
+    RuntimeError/TypeError.
+    """
+    try:
+        return np.asarray(value)
+    except (TypeError, RuntimeError, ValueError) as exc:
+        failure = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+        if str(getattr(value, "dtype", "")).endswith("bfloat16") and callable(getattr(value, "float", None)):
+            try:
+                return np.asarray(value.float())
+            except (TypeError, RuntimeError, ValueError) as again:
+                failure = f"{type(again).__name__}: {' '.join(str(again).split())}"
+    raise DamchaTypeError(
+        invalid_argument(
+            argument,
+            "an array NumPy can read (a torch tensor that requires grad or is on a GPU needs .detach().cpu())",
+            f"{argument}={describe(value)} ({failure})",
+        )
+    )
+
+
 def _glorot(rng: np.random.Generator, shape: tuple[int, ...], fan_in: int, fan_out: int) -> np.ndarray:
     limit = math.sqrt(6.0 / (fan_in + fan_out))
     return rng.uniform(-limit, limit, size=shape)
@@ -165,7 +191,7 @@ def validate_params(
     check_params(params, config, argument=argument)
     out: dict[str, np.ndarray] = {}
     for name in config.param_shapes():
-        array = np.asarray(params[name]).astype(np.float64)
+        array = as_numpy(params[name], f"{argument}[{name!r}]").astype(np.float64)
         finite = np.isfinite(array)
         if not np.all(finite):
             raise DamchaValueError(

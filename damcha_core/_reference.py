@@ -21,7 +21,7 @@ import numpy as np
 from ._config import DamchaConfig
 from ._errors import DamchaTypeError, DamchaValueError, describe, invalid_argument
 from ._metrics import structure
-from ._params import _is_real_float, validate_params
+from ._params import _is_real_float, as_numpy, validate_params
 from ._policy import check_bool, check_choice, check_config, check_offset, check_shapes
 from ._rotary import Rotary, apply_rotary
 
@@ -54,7 +54,7 @@ def mask_dtype_error(value: Any, name: str = "mask", expected: str = "boolean (T
 
 
 def _as_float64(name: str, value: Any) -> np.ndarray:
-    array = np.asarray(value)
+    array = as_numpy(value, name)
     if not _is_real_float(array.dtype):
         raise float_dtype_error(name, value)
     return array.astype(np.float64)
@@ -264,7 +264,7 @@ def damcha_attention(
     c = x if context is None else _as_float64("context", context)
     v_tokens = None if value is None else _as_float64("value", value)
     if mask is not None:
-        mask = np.asarray(mask)
+        mask = as_numpy(mask, "mask")
         if mask.dtype != np.bool_:
             raise mask_dtype_error(mask)
     B, N, M = check_shapes(

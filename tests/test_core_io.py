@@ -299,3 +299,88 @@ def test_save_refuses_a_read_only_target(tmp_path):
     ):
         dc.save_params(path, dc.init_params(CFG, seed=4), CFG)
     assert path.read_bytes() == before
+
+
+def test_bfloat16_files_load_without_ml_dtypes(tmp_path):
+    """A Keras bfloat16 layer's file failed in damcha_core ("data type 'bfloat16' not
+    understood") unless ml_dtypes happened to be imported: now the bits are widened."""
+    import subprocess
+    import sys
+
+    import ml_dtypes
+
+    params = {k: v.astype(ml_dtypes.bfloat16) for k, v in dc.init_params(CFG, seed=3).items()}
+    path = tmp_path / "bf16.safetensors"
+    dc.save_params(path, params, CFG)
+    want = {k: v.astype(np.float32) for k, v in params.items()}
+    np.savez(tmp_path / "want.npz", **want)
+    script = (
+        "import sys; sys.modules['ml_dtypes'] = None\n"  # as in an environment without it
+        "import numpy as np, damcha_core as dc\n"
+        f"p, c = dc.load_params({str(path)!r}); w = np.load({str(tmp_path / 'want.npz')!r})\n"
+        "assert all(p[k].dtype == np.float32 and np.array_equal(p[k], w[k]) for k in w), 'values'\n"
+        "print('ok', sorted(p) == sorted(w))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok True", proc.stderr
+    # In this process too (ml_dtypes imported): the same float32 values, checksum verified.
+    loaded, config = dc.load_params(path)
+    assert config == CFG
+    for k in want:
+        assert loaded[k].dtype == np.float32
+        np.testing.assert_array_equal(loaded[k], want[k])
+    # A flipped bit in a bfloat16 tensor still fails the stored checksum.
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+    with pytest.raises(dc.DamchaValueError, match="corrupted"):
+        dc.load_params(path)
+
+
+def test_load_refuses_a_named_pipe(tmp_path):
+    """load_params on a FIFO blocked forever in open()."""
+    import os
+    import signal
+
+    fifo = tmp_path / "pipe.safetensors"
+    os.mkfifo(fifo)
+
+    def hung(*_):
+        raise AssertionError("load_params blocked on a named pipe")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(10)  # fail, not hang, where the refusal is missing
+    try:
+        with pytest.raises(dc.DamchaValueError, match="a regular file; this is a named pipe"):
+            dc.load_params(fifo)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_torch_tensors_bfloat16_or_requiring_grad():
+    """save_params with torch bfloat16 raised a bare TypeError after check_params accepted
+    them; damcha_attention with tensors that require grad raised a bare RuntimeError."""
+    torch = pytest.importorskip("torch")
+    config = dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4)
+    params = dc.init_params(config, seed=0)
+    bf16 = {k: torch.from_numpy(v).to(torch.bfloat16) for k, v in params.items()}
+    exact = {k: v.float().numpy() for k, v in bf16.items()}
+    x = np.random.default_rng(0).normal(size=(1, 3, 8))
+    with pytest.raises(dc.DamchaTypeError, match=r"`query`: expected an array NumPy can read .*requires grad"):
+        dc.damcha_attention(params, config, torch.from_numpy(x).requires_grad_())
+    grad_params = {k: torch.from_numpy(v).requires_grad_() for k, v in params.items()}
+    with pytest.raises(dc.DamchaTypeError, match=r"`params\['query.kernel'\]`: expected an array NumPy can read"):
+        dc.damcha_attention(grad_params, config, x)
+    # bfloat16 widens to float32 exactly, in the reference and in save_params.
+    np.testing.assert_array_equal(dc.damcha_attention(bf16, config, x), dc.damcha_attention(exact, config, x))
+
+
+def test_save_params_widens_torch_bfloat16(tmp_path):
+    torch = pytest.importorskip("torch")
+    config = dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4)
+    bf16 = {k: torch.from_numpy(v).to(torch.bfloat16).requires_grad_() for k, v in dc.init_params(config).items()}
+    dc.save_params(tmp_path / "t.safetensors", bf16, config)
+    loaded, _ = dc.load_params(tmp_path / "t.safetensors")
+    for k, v in bf16.items():
+        np.testing.assert_array_equal(loaded[k], v.detach().float().numpy())
