@@ -22,10 +22,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from damcha_core import DamchaError
 from damcha_core import _cliutil as cu
 
 from ._cases import CATALOGUE, DECODE_CATALOGUE, GROUPS, catalogue
-from ._runner import Report, Result, run_conformance
+from ._runner import Report, Result, check_adapter, run_conformance
 from ._tolerances import DTYPES
 from .adapters import BUILTIN, load_adapter
 
@@ -89,6 +90,15 @@ def _validate(args: argparse.Namespace) -> None:
                 f"damcha_conformance.CATALOGUE), e.g. {', '.join(sorted(known)[:3])}, ...",
                 prog=PROG,
             )
+    if args.case and args.group and not catalogue(args.case, args.group):
+        groups = {c.name: c.group for c in CATALOGUE}
+        cu.usage_error(
+            "--group",
+            f"selects none of the --case cases (each filter narrows the other): "
+            f"{', '.join(f'{n} is in group {groups[n]!r}' for n in args.case)}. Received: --group "
+            f"{' --group '.join(args.group)}",
+            prog=PROG,
+        )
     if args.json is not None:
         cu.check_output_file(args.json, "--json", prog=PROG)
     if args.export_vectors is not None:
@@ -151,6 +161,10 @@ def _run_in_process(spec: str, args: argparse.Namespace) -> Report:
         adapter = load_adapter(spec)
     except Exception as exc:  # noqa: BLE001 - a third party's constructor may raise anything
         return Report(notes=[f"FAIL {spec}: the adapter could not be built: {type(exc).__name__}: {exc}"])
+    try:
+        check_adapter(adapter)
+    except DamchaError as exc:
+        return Report(notes=[f"FAIL {spec}: not a usable adapter: {exc}"])
     cases = catalogue(args.case, args.group)
     # The bad-input checks are the "errors" group: on unless the run is narrowed to other cases.
     errors = not args.case and (not args.group or "errors" in args.group)

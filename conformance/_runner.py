@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from damcha_core import DamchaTypeError, describe, invalid_argument
+
 from ._adapter import BackendAdapter
 from ._cases import (
     CATALOGUE,
@@ -361,6 +363,40 @@ class Plan:
     subset: list[tuple[str, str]]
 
 
+def check_adapter(adapter: Any) -> None:
+    """Refuse an object that is not a usable adapter, naming what it lacks.
+
+    Raises:
+        DamchaTypeError: a missing attribute or method (instead of an
+            AttributeError deep in a check), or ``dtypes`` given as one string
+            (iterating "float64" yields letters).
+    """
+    for attr in ("name", "dtypes", "supports_gradients", "unsupported", "forward"):
+        if not hasattr(adapter, attr):
+            raise DamchaTypeError(
+                f"adapter lacks {attr}: a conformance adapter has name, dtypes, supports_gradients, "
+                f"unsupported(case) and forward(data, dtype) (see damcha_conformance.BackendAdapter). "
+                f"Received: {type(adapter).__module__}.{type(adapter).__qualname__}"
+            )
+    for method in ("unsupported", "forward"):
+        if not callable(getattr(adapter, method)):
+            raise DamchaTypeError(
+                invalid_argument(
+                    f"adapter.{method}", "a method", f"adapter.{method}={describe(getattr(adapter, method))}"
+                )
+            )
+    dtypes = adapter.dtypes
+    if isinstance(dtypes, (str, bytes)) or not isinstance(dtypes, Iterable):
+        raise DamchaTypeError(
+            invalid_argument(
+                "adapter.dtypes",
+                f"a sequence of dtype names, e.g. ('float64',), some of {DTYPES}",
+                f"adapter.dtypes={dtypes!r}"
+                + (" (one string, read letter by letter)" if isinstance(dtypes, str) else ""),
+            )
+        )
+
+
 def plan_checks(
     adapter: BackendAdapter,
     cases: Iterable[Case] | None = None,
@@ -377,6 +413,7 @@ def plan_checks(
     Raises:
         DamchaValueError: an unknown dtype name.
     """
+    check_adapter(adapter)
     name = adapter.name
     cases = list(CATALOGUE if cases is None else cases)
     declared = list(adapter.dtypes)

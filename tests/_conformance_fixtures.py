@@ -47,3 +47,21 @@ class Interrupted(ReferenceAdapter):
         if data.case.group == "masks":
             raise KeyboardInterrupt
         return super().forward(data, dtype)
+
+
+class DtypesString(ReferenceAdapter):
+    """``dtypes = "float64"``: iterating it used to run dtypes 'f', 'l', 'o', ..."""
+
+    name = "dtypes-string"
+    dtypes = "float64"  # type: ignore[assignment]
+
+
+class NoUnsupported:
+    """Has forward but no ``unsupported``: used to die with an AttributeError fragment."""
+
+    name = "no-unsupported"
+    dtypes = ("float64",)
+    supports_gradients = False
+
+    def forward(self, data, dtype):
+        return ReferenceAdapter().forward(data, dtype)

@@ -212,3 +212,24 @@ def test_a_terminal_gets_a_progress_bar(tmp_path):
     assert "\r" in terminal and "%|" in terminal and "reference" in terminal  # a redrawn bar
     assert "reference [1/" not in terminal  # not the plain lines
     assert "reference: 4 checks in " in terminal and "PASSED" in stdout
+
+
+@pytest.mark.parametrize(
+    "adapter, says",
+    [
+        ("DtypesString", "`adapter.dtypes`: expected a sequence of dtype names"),
+        ("NoUnsupported", "adapter lacks unsupported"),
+    ],
+)
+def test_a_malformed_adapter_is_named_not_a_traceback(adapter, says):
+    proc = conform("--adapter", f"_conformance_fixtures:{adapter}", "--case", dcf.CATALOGUE[0].name, "--no-progress")
+    assert proc.returncode == 1, proc.stdout
+    assert f"FAIL _conformance_fixtures:{adapter}: not a usable adapter: " in proc.stdout and says in proc.stdout
+    assert "Traceback" not in proc.stdout + proc.stderr and "File " not in proc.stdout
+
+
+def test_case_and_group_that_select_nothing_exit_2_before_any_work():
+    case = dcf.CATALOGUE[0]
+    other = next(g for g in dcf.GROUPS if g != case.group)
+    line = one_line_usage_error(conform("--case", case.name, "--group", other), "--group")
+    assert f"{case.name} is in group {case.group!r}" in line
