@@ -87,6 +87,7 @@ __all__ = [
     "check_layer_args",
     "check_offset",
     "check_params",
+    "check_params_fit",
     "check_rate",
     "check_real",
     "check_seed",
@@ -115,6 +116,5 @@ __all__ = [
     "side_of",
     "token_model_forward",
     "validate_params",
-    "check_params_fit",
     "validate_stack_params",
 ]
