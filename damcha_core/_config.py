@@ -7,7 +7,7 @@ import math
 from collections.abc import Mapping
 from typing import Any, cast
 
-from ._errors import DamchaTypeError, DamchaValueError, describe, invalid_argument
+from ._errors import DamchaError, DamchaTypeError, DamchaValueError, describe, invalid_argument
 from ._metrics import METRIC_STRUCTURES, GeneratorSpec, MetricStructure, structure
 from ._validators import CONFIG_NAMES, check_config_fields
 
@@ -185,13 +185,40 @@ class DamchaConfig:
     def replace(self, **changes: Any) -> DamchaConfig:
         """A copy with some fields changed, validated again.
 
-        Values that are the context tokens stay so: unless ``value_input_dim``
-        is among the changes, a config with ``value_input_dim == context_dim``
-        keeps them equal when ``context_dim`` changes.
+        A field that holds its default keeps following it: unless it is among
+        the changes, each of ``value_dim``, ``num_kv_heads``, ``context_dim``,
+        ``output_dim``, ``value_input_dim`` and ``coupling`` that equals what
+        its default (None/"auto") resolves to in this config is reset to that
+        default, so ``DamchaConfig(8, 2, 4).replace(num_heads=4)`` has 4 key/
+        value heads, ``.replace(key_dim=8)`` value heads of 8 and
+        ``.replace(query_dim=16)`` stays self-attention with context_dim 16.
+        Defaults are resolved at construction, so which fields were given
+        explicitly is not known: a value equal to its default is read as the
+        default (two equal configs always replace alike). Set a field in the
+        changes to keep it.
         """
-        if "value_input_dim" not in changes and self.value_input_dim == self.context_dim:
-            changes["value_input_dim"] = None
-        return dataclasses.replace(self, **changes)
+        following = {}
+        for name, default in _FOLLOWING:
+            if name in changes:
+                continue
+            try:
+                probe = dataclasses.replace(self, **{name: default})
+            except DamchaError:
+                continue
+            if getattr(probe, name) == getattr(self, name):
+                following[name] = default
+        return dataclasses.replace(self, **{**following, **changes})
+
+
+#: The fields whose default is derived from other fields, and that default.
+_FOLLOWING: tuple[tuple[str, Any], ...] = (
+    ("value_dim", None),
+    ("num_kv_heads", None),
+    ("context_dim", None),
+    ("output_dim", None),
+    ("value_input_dim", None),
+    ("coupling", "auto"),
+)
 
 
 def config_sizes(config: DamchaConfig) -> tuple[int, int, int, int, int]:

@@ -237,3 +237,24 @@ def test_messages_stay_one_line_for_list_inputs():
     with pytest.raises(dc.DamchaTypeError) as info:
         dc.check_bool("causal", nested)
     assert str(info.value) == "Invalid argument `causal`: expected a bool. Received: causal=list(len=1, element type list)"
+
+
+def test_replace_lets_defaulted_fields_follow_the_fields_they_derive_from():
+    """replace kept defaults resolved at construction: C(8,2,4).replace(num_heads=4)
+    failed on num_kv_heads=2 (never set), key_dim=8 kept value_dim 4, and
+    query_dim=16 silently became cross-attention from 8-feature context."""
+    base = dc.DamchaConfig(8, 2, 4)
+    assert base.replace(num_heads=4) == dc.DamchaConfig(8, 4, 4)
+    assert base.replace(key_dim=8) == dc.DamchaConfig(8, 2, 8)
+    assert base.replace(query_dim=16, coupling="auto") == dc.DamchaConfig(16, 2, 4)
+    assert base.replace(query_dim=16).context_dim == 16
+    # Values that differ from their default are kept ...
+    gqa = dc.DamchaConfig(8, 4, 4, num_kv_heads=2, value_dim=3, output_dim=5, context_dim=6)
+    changed = gqa.replace(num_heads=8, key_dim=2, query_dim=10)
+    assert (changed.num_kv_heads, changed.value_dim, changed.output_dim, changed.context_dim) == (2, 3, 5, 6)
+    assert changed.coupling == "separate"
+    # ... as is any field given in the changes.
+    assert base.replace(num_heads=4, num_kv_heads=2).num_kv_heads == 2
+    # Equal configs replace alike, however they were built.
+    explicit = dc.DamchaConfig(8, 2, 4, value_dim=4, num_kv_heads=2, context_dim=8, output_dim=8, coupling="tied")
+    assert explicit == base and explicit.replace(num_heads=4) == base.replace(num_heads=4)
