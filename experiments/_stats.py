@@ -140,7 +140,8 @@ def paired_difference(
     ``gain`` is oriented so that positive means ``a`` is better: a - b when
     higher is better, b - a otherwise. Returns n, mean/std/se of the gain, its
     t interval, the t statistic, the two-sided p-value of H0: mean gain = 0,
-    and ``a_mean``/``b_mean``. Needs n >= 2 pairs for any noise estimate; with
+    and ``a_mean``/``b_mean``. When every pair differs by the same amount the
+    p-value is the exact sign test's and the interval is None. Needs n >= 2 pairs for any noise estimate; with
     one pair the std, interval and p are None. A pair with a NaN (a diverged
     run) makes every statistic NaN: divergences are reported, not hidden.
     """
@@ -185,6 +186,9 @@ def paired_difference(
         out["t"] = None
         out["p"] = min(1.0, 2.0 * 0.5**n) if out["mean"] else 1.0
         out["test"] = "sign"
+        # Nor is [mean, mean] an interval: the noise is unknown, not zero, so
+        # no decision that reads the interval (no gain, non-inferior) may use it.
+        out["ci"] = None
     else:
         out["p"] = math.nan
     return out

@@ -155,7 +155,7 @@ def test_claim2_needs_every_task_and_lower_is_better_for_bits_per_char():
     v = {x["claim"]: x for x in an.verdicts(tasks, {}, {})}
     assert v[2]["verdict"] == "supported"
     worse_lm = _results(
-        "charlm", {"mha": _base(2.0), "talking-heads": _base(2.0), "damcha-heads-tied": _base(2.1)}, higher=False
+        "charlm", {"mha": _base(2.0), "talking-heads": _base(2.0), "damcha-heads-tied": _other(2.1)}, higher=False
     )
     v = {x["claim"]: x for x in an.verdicts(tasks | {"charlm": worse_lm}, {}, {})}
     assert v[2]["verdict"] == "not supported" and "charlm" in v[2]["reason"]
@@ -196,7 +196,7 @@ def test_claim3_rule(cost, verdict):
 
 @pytest.mark.parametrize(
     "shared, verdict",
-    [(_base(0.70), "supported"), ([0.60] * 5, "not supported"), ([0.7, 0.6, 0.75, 0.55, 0.8], "inconclusive")],
+    [(_other(0.70), "supported"), ([0.60] * 5, "not supported"), ([0.7, 0.6, 0.75, 0.55, 0.8], "inconclusive")],
     ids=["non-inferior", "worse", "noisy"],
 )
 def test_claim4_sharing_rule(shared, verdict):
@@ -263,7 +263,7 @@ def test_stability_counts_runs_that_never_reach_the_first_threshold():
 
 def test_claim4_sharing_is_not_stable_when_more_shared_runs_fail_to_learn():
     res = _results(
-        "crosshead", {"mha": _base(0.6), "damcha-heads-tied": _base(0.70), "damcha-heads-tied-shared": _base(0.70)}
+        "crosshead", {"mha": _base(0.6), "damcha-heads-tied": _base(0.70), "damcha-heads-tied-shared": _other(0.70)}
     )
     res["suite"] = "ablation"
     res["config"]["thresholds"] = [0.5]
