@@ -203,8 +203,8 @@ def test_jax_loads_a_file_whose_values_have_their_own_feature_size(tmp_path):
     rng = np.random.default_rng(0)
     q, ctx, val = rng.normal(size=(2, 3, 8)), rng.normal(size=(2, 4, 6)), rng.normal(size=(2, 4, 5))
     want = dc.damcha_attention(params, config, q, ctx, value=val)
-    with jax.enable_x64(True):
-        layer = dj.DamchaAttention.load(path, param_dtype=np.float64, dtype=np.float64)
-        assert layer.config == config
-        got = np.asarray(layer(q, ctx, val))
-    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    # float32 (x64 would compile every op again, ~10 s here): the load is what is tested.
+    layer = dj.DamchaAttention.load(path)
+    assert layer.config == config
+    got = np.asarray(layer(q.astype(np.float32), ctx.astype(np.float32), val.astype(np.float32)))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
