@@ -208,3 +208,13 @@ def test_jax_loads_a_file_whose_values_have_their_own_feature_size(tmp_path):
     assert layer.config == config
     got = np.asarray(layer(q.astype(np.float32), ctx.astype(np.float32), val.astype(np.float32)))
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_keras_from_mha_converts_keras_hub_cached_mha():
+    """Its own call is MHA's plus the cache arguments DamchaAttention takes: exact."""
+    keras_hub = pytest.importorskip("keras_hub")
+    x = np.random.default_rng(0).normal(size=(1, 4, 8)).astype("float32")
+    layer = keras_hub.layers.CachedMultiHeadAttention(2, 4)
+    want = keras.ops.convert_to_numpy(layer(x, x))
+    got = keras.ops.convert_to_numpy(dk.DamchaAttention.from_mha(layer)(x, x))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

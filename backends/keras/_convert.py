@@ -56,6 +56,16 @@ def _gqa_options(layer: keras.layers.GroupQueryAttention) -> dict[str, Any]:
     )
 
 
+def _own_call(layer: Any, base: type) -> bool:
+    """Whether ``layer`` computes what ``base.call`` computes: its ``call`` is
+    the base's, or KerasHub's CachedMultiHeadAttention's (MHA's attention plus
+    the cache arguments, which DamchaAttention takes too)."""
+    owner = next(c for c in type(layer).__mro__ if "call" in c.__dict__)
+    if owner is base:
+        return True
+    return owner.__module__.startswith("keras_hub.") and owner.__qualname__ == "CachedMultiHeadAttention"
+
+
 def _name(layer: Any) -> str:
     return getattr(layer, "path", None) or layer.name
 
@@ -83,7 +93,7 @@ def from_mha(cls: type, layer: Any, **kwargs: Any) -> DamchaAttention:
         if isinstance(layer, keras.layers.MultiHeadAttention)
         else keras.layers.GroupQueryAttention
     )
-    if type(layer).call is not base.call:
+    if not _own_call(layer, base):
         # from_mha builds a new layer that reproduces the base class's call only;
         # convert() keeps the layer (and its own call) and hooks its projections.
         raise DamchaValueError(
