@@ -52,7 +52,7 @@ Outputs = dict[str, np.ndarray]
 
 def int8_path(out: str) -> str:
     """Where ``--quantize`` writes the int8 model: ``m.onnx`` -> ``m.int8.onnx``."""
-    stem = out[: -len(".onnx")] if out.endswith(".onnx") else out
+    stem = out[: -len(".onnx")] if out.lower().endswith(".onnx") else out
     return stem + ".int8.onnx"
 
 
@@ -213,7 +213,7 @@ def _check_not_an_input(args: argparse.Namespace) -> None:
 def _validate(args: argparse.Namespace) -> tuple[dict[str, np.ndarray], dc.DamchaConfig]:
     """Every flag before any work; returns the params and config."""
     out = cu.check_output_file(args.out, "--out", prog=PROG)
-    if not str(args.out).endswith(".onnx"):
+    if not str(args.out).lower().endswith(".onnx"):
         # onnx.save picks the format from the suffix (.json, .textproto, .onnxtxt
         # write text), and --ort-dir/--quantize derive their names from a .onnx stem.
         cu.usage_error("--out", f"expected a .onnx path. Received: {args.out!r}", prog=PROG)

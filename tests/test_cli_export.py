@@ -465,3 +465,11 @@ def test_out_not_onnx_exits_2_before_any_work(params_file, tmp_path, suffix):
     line = one_line_usage_error(export("--params", params_file, "--out", str(out)), "--out")
     assert f"expected a .onnx path. Received: {str(out)!r}" in line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.safetensors"]
+
+
+def test_out_suffix_check_ignores_case(params_file, tmp_path):
+    """onnx.save writes protobuf for .ONNX as for .onnx: only the text suffixes are refused."""
+    out = tmp_path / "M.ONNX"
+    result = export("--params", params_file, "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    assert onnx.load(str(out)).graph.node

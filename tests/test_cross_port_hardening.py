@@ -218,3 +218,73 @@ def test_keras_from_mha_converts_keras_hub_cached_mha():
     want = keras.ops.convert_to_numpy(layer(x, x))
     got = keras.ops.convert_to_numpy(dk.DamchaAttention.from_mha(layer)(x, x))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------- review of the fixes above (session 10)
+
+
+def test_keras_save_takes_a_converted_keras_mha_and_default_axes(tmp_path):
+    """Keras's MHA writes attention_axes=(1,) into its config when it builds: the default for
+    3-D inputs, which the file reproduces, so from_mha then save must work."""
+    x = np.random.default_rng(1).normal(size=(2, 4, 8)).astype("float32")
+    mha = keras.layers.MultiHeadAttention(2, 4)
+    want = keras.ops.convert_to_numpy(mha(x, x))
+    layer = dk.DamchaAttention.from_mha(mha)
+    layer.save(tmp_path / "c.safetensors")
+    got = keras.ops.convert_to_numpy(dk.DamchaAttention.load(tmp_path / "c.safetensors")(x, x))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    explicit = dk.DamchaAttention(num_heads=2, key_dim=4, attention_axes=1)
+    explicit(x, x)
+    explicit.save(tmp_path / "e.safetensors")
+    # Not the default for 4-D inputs: refused (the test above).
+    x4 = np.random.default_rng(2).normal(size=(2, 3, 4, 8)).astype("float32")
+    axis1 = dk.DamchaAttention(num_heads=2, key_dim=4, attention_axes=1)
+    axis1(x4, x4)
+    with pytest.raises(dc.DamchaValueError, match=r"`save` is not available with attention_axes=\(1,\)"):
+        axis1.save(tmp_path / "a.safetensors")
+
+
+def test_keras_from_mha_refuses_a_subclass_that_changes_an_attention_hook() -> None:
+    class Hooked(keras.layers.MultiHeadAttention):
+        def _compute_attention(self, *args, **kwargs):  # type: ignore[override]
+            out, scores = super()._compute_attention(*args, **kwargs)
+            return 2 * out, scores
+
+    x = np.random.default_rng(0).normal(size=(1, 4, 8)).astype("float32")
+    layer = Hooked(2, 4)
+    layer(x, x)
+    with pytest.raises(dc.DamchaValueError, match=r"Hooked\), which overrides _compute_attention"):
+        dk.DamchaAttention.from_mha(layer)
+
+
+def _stack() -> tuple[dict[str, np.ndarray], dc.EncoderConfig]:
+    attention = dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4)
+    config = dc.EncoderConfig(attention, num_layers=2, ffn_dim=12, final_norm=True)
+    return dc.init_encoder_params(config, seed=0), config
+
+
+@pytest.mark.parametrize("port", ["torch", "keras"])
+@pytest.mark.parametrize(
+    "name", ["layers.1.ffn.in.kernel", "layers.1.attention.query.kernel", "shared.metric.qk.kernel", "final_norm.scale"]
+)
+def test_float16_stacks_refuse_overflow_before_loading_anything(port, name):
+    """A stack's FFN and norm weights were copied without a fit check (inf in float16), and a
+    refused layer 1 left layer 0 already overwritten."""
+    params, config = _stack()
+    if port == "torch":
+        stack = dt.DamchaTransformerEncoder.from_canonical(params, config, dtype=torch.float16)
+        before = {k: v.clone() for k, v in stack.state_dict().items()}
+    else:
+        stack = dk.stack_from_canonical(params, config, dtype="float16")
+        before = [keras.ops.convert_to_numpy(w).copy() for layer in stack for w in layer.weights]
+    bad = {k: v * 3 for k, v in params.items()}  # in range: would change every tensor if loaded
+    bad[name] = params[name] * 1e6
+    with pytest.raises(dc.DamchaValueError, match=re.escape(f"'{name}'") + r".*float16"):
+        stack.load_canonical(bad) if port == "torch" else dk.stack_load_canonical(stack, bad)
+    if port == "torch":
+        for k, v in stack.state_dict().items():
+            assert torch.equal(v, before[k]), k
+    else:
+        after = [keras.ops.convert_to_numpy(w) for layer in stack for w in layer.weights]
+        for a, b in zip(after, before):
+            np.testing.assert_array_equal(a, b)

@@ -90,13 +90,18 @@ def to_canonical(layer: DamchaAttention) -> dict[str, np.ndarray]:
     return {name: np.asarray(keras.ops.convert_to_numpy(out[name])).reshape(shapes[name]) for name in shapes}
 
 
+def _check_fit(name: str, value: Any, variable: Any) -> None:
+    """``check_params_fit`` of one value against a Keras variable's dtype."""
+    dtype = keras.backend.standardize_dtype(variable.dtype)
+    dc.check_params_fit({name: value}, dtype, float(ml_dtypes.finfo(dtype).max))
+
+
 def load_canonical(layer: DamchaAttention, params: Mapping[str, Any]) -> None:
     """Assign canonical params, validated against ``layer.config``."""
     checked = dc.validate_params(params, require_built(layer, "load_canonical"))
     variables = canonical_variables(layer)
     for name, variable in variables.items():  # all checked before any is assigned
-        dtype = keras.backend.standardize_dtype(variable.dtype)
-        dc.check_params_fit({name: checked[name]}, dtype, float(ml_dtypes.finfo(dtype).max))
+        _check_fit(name, checked[name], variable)
     for name, variable in variables.items():
         value = checked[name].reshape(tuple(variable.shape))
         variable.assign(value.astype(keras.backend.standardize_dtype(variable.dtype)))
@@ -132,10 +137,13 @@ def from_canonical(cls: type, params: Mapping[str, Any], config: DamchaConfig, *
 def _check_file_options(layer: DamchaAttention) -> None:
     """A file loads in every port with its config only: refuse options that
     change the outputs and that DAMCHA v1's canonical config has no field for."""
-    options = {
-        "sliding_window": getattr(layer, "_sliding_window", None),
-        "attention_axes": getattr(layer, "_attention_axes", None),
-    }
+    axes = getattr(layer, "_attention_axes", None)
+    layout = getattr(layer, "_layout", None)
+    if axes is not None and layout is not None and layout.attention_axes == tuple(range(1, layout.rank - 1)):
+        # Every axis but batch and features, for the built rank: the default, which
+        # Keras's own MHA writes into its config when it builds (from_mha copies it).
+        axes = None
+    options = {"sliding_window": getattr(layer, "_sliding_window", None), "attention_axes": axes}
     for name, value in options.items():
         if value is not None:
             raise DamchaValueError(
@@ -312,6 +320,18 @@ def stack_load_canonical(layers: Sequence[Any], params: Mapping[str, Any]) -> Se
     config = stack_config(layers)
     checked = dc.validate_stack_params(params, config)
     blocks, final = _split_stack(layers, "blocks")
+    # Every value is checked against its variable's dtype before anything is assigned: a
+    # refusal must not leave the first blocks loaded and the rest as they were.
+    targets: dict[str, Any] = {}
+    for i, block in enumerate(blocks):
+        targets.update({f"layers.{i}.attention.{k}": v for k, v in canonical_variables(block._attention).items()})
+        targets.update({f"layers.{i}.{key}": v for key, v in _block_variables(block).items()})
+    if final is not None:
+        targets.update({"final_norm.scale": final.gamma, "final_norm.bias": final.beta})
+    for name, variable in targets.items():
+        if name not in checked:  # a shared generator: stored once under "shared."
+            name = f"shared.{name.split('.attention.', 1)[1]}"
+        _check_fit(name, checked[name], variable)
     for i, block in enumerate(blocks):
         block._attention.load_canonical(config.layer_params(checked, i))
         for key, variable in _block_variables(block).items():

@@ -56,14 +56,24 @@ def _gqa_options(layer: keras.layers.GroupQueryAttention) -> dict[str, Any]:
     )
 
 
-def _own_call(layer: Any, base: type) -> bool:
-    """Whether ``layer`` computes what ``base.call`` computes: its ``call`` is
-    the base's, or KerasHub's CachedMultiHeadAttention's (MHA's attention plus
-    the cache arguments, which DamchaAttention takes too)."""
-    owner = next(c for c in type(layer).__mro__ if "call" in c.__dict__)
-    if owner is base:
-        return True
-    return owner.__module__.startswith("keras_hub.") and owner.__qualname__ == "CachedMultiHeadAttention"
+# The methods through which a subclass can change what MHA / GQA computes: ``call``
+# and the attention hooks it calls (a subclass overriding ``_compute_attention``
+# keeps ``call`` and still computes something else).
+_ATTENTION_HOOKS = ("call", "_compute_attention", "_masked_softmax", "_compute_attention_mask", "_compute_causal_mask")
+
+
+def _overridden(layer: Any, base: type) -> list[str]:
+    """The attention methods ``layer``'s class overrides below ``base``. KerasHub's
+    CachedMultiHeadAttention does not count: MHA's attention plus the cache
+    arguments, which DamchaAttention takes too."""
+    found: list[str] = []
+    for cls in type(layer).__mro__:
+        if cls is base:
+            break
+        if cls.__module__.startswith("keras_hub.") and cls.__qualname__ == "CachedMultiHeadAttention":
+            continue
+        found += [h for h in _ATTENTION_HOOKS if h in cls.__dict__ and h not in found]
+    return found
 
 
 def _name(layer: Any) -> str:
@@ -93,15 +103,18 @@ def from_mha(cls: type, layer: Any, **kwargs: Any) -> DamchaAttention:
         if isinstance(layer, keras.layers.MultiHeadAttention)
         else keras.layers.GroupQueryAttention
     )
-    if not _own_call(layer, base):
+    overridden = _overridden(layer, base)
+    if overridden:
         # from_mha builds a new layer that reproduces the base class's call only;
         # convert() keeps the layer (and its own call) and hooks its projections.
         raise DamchaValueError(
             invalid_argument(
                 "layer",
-                f"a keras.layers.{base.__name__} whose call is {base.__name__}.call (a subclass with its own call "
-                "computes something from_mha cannot copy; damcha_keras.convert(model) keeps the subclass's call)",
-                f"layer={_name(layer)} ({type(layer).__module__}.{type(layer).__qualname__}), which overrides call",
+                f"a keras.layers.{base.__name__} computing what {base.__name__} computes (a subclass with its own "
+                "call or attention hooks computes something from_mha cannot copy; damcha_keras.convert(model) "
+                "keeps the subclass's call)",
+                f"layer={_name(layer)} ({type(layer).__module__}.{type(layer).__qualname__}), which overrides "
+                + ", ".join(overridden),
             )
         )
     if not layer.built:

@@ -123,8 +123,7 @@ class CanonicalIO:
         checked = dc.validate_params(params, self.config)
         targets = self._canonical_views(dict(self.named_parameters(remove_duplicate=False)))
         for name, value in checked.items():  # all checked before any is copied
-            dtype = targets[name].dtype
-            dc.check_params_fit({name: value}, str(dtype).removeprefix("torch."), torch.finfo(dtype).max)
+            dc.check_params_fit({name: value}, *_fit(targets[name].dtype))
         for name, value in checked.items():
             target = targets[name]
             # The views share storage with the parameters, so copy_ writes through.
@@ -254,11 +253,30 @@ def encoder_to_canonical(encoder: Any, *, causal: bool = False) -> tuple[dict[st
     return params, config
 
 
+def _fit(dtype: torch.dtype) -> tuple[str, float]:
+    """``check_params_fit``'s dtype name and largest finite value for a torch dtype."""
+    return str(dtype).removeprefix("torch."), float(torch.finfo(dtype).max)
+
+
 @torch.no_grad()
 def encoder_load_canonical(encoder: Any, params: Mapping[str, Any]) -> Any:
     """Copy stack params (validated, finite) into ``encoder``; returns it."""
     config = encoder_config(encoder)
     checked = dc.validate_stack_params(params, config)
+    # Every tensor is checked against its target dtype before anything is copied: a
+    # refusal must not leave the first layers loaded and the rest as they were.
+    targets: dict[str, torch.dtype] = {}
+    for i, layer in enumerate(encoder.layers):
+        views = layer.self_attn._canonical_views(dict(layer.self_attn.named_parameters(remove_duplicate=False)))
+        for key, value in config.layer_params(checked, i).items():
+            name = f"layers.{i}.attention.{key}"
+            name = name if name in checked else f"shared.{key}"  # the stack's one generator
+            dc.check_params_fit({name: value}, *_fit(views[key].dtype))
+        targets.update({f"layers.{i}.{key}": t.dtype for key, t in _block_tensors(layer).items()})
+    if encoder.norm is not None:
+        targets.update({"final_norm.scale": encoder.norm.weight.dtype, "final_norm.bias": encoder.norm.bias.dtype})
+    for name, dtype in targets.items():
+        dc.check_params_fit({name: checked[name]}, *_fit(dtype))
     for i, layer in enumerate(encoder.layers):
         layer.self_attn.load_canonical(config.layer_params(checked, i))
         for key, target in _block_tensors(layer).items():

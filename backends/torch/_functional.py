@@ -341,8 +341,10 @@ def apply_map_weights(
     ``in_place``: the caller owns each y (a fresh projection output that
     nothing else reads); where no autograd records it (inference), the
     metric "heads" map is then written into y itself. ``sole``: moreover
-    each y is the only view of its storage (freed once mapped), so the map
-    may make a new tensor instead, in fewer passes (see ``_map_heads``).
+    nothing else reads y after the map (it is freed once mapped; a
+    ``product`` made in the same GEMM may share its storage, and is read
+    before y is mapped), so the map may make a new tensor instead, in fewer
+    passes (see ``_map_heads``).
     ``product``: the generator's product t W^T, made by the caller in the
     projection's GEMM (``_linear_and_product``: metric "heads", tokens and
     weights of one float32/float64 dtype, no autocast).

@@ -1283,7 +1283,11 @@ class SplitLinearMaps(torch.autograd.Function):
                 P, r, A, mix = recipes.coefficients(i)
             else:
                 if r is None:
-                    r = fn._rms_denominator(t)  # as in forward: the same mix, bit for bit
+                    r = fn._rms_denominator(t)  # as in forward
+                # The forward may have taken P from its joined projection GEMM (an
+                # eager node with one metric side): this separate GEMM agrees with it
+                # to rounding (a GEMM's column results depend on its output width),
+                # not bit for bit; the gradient is exact up to that rounding.
                 P = F.linear(t, w_gen)
                 A = fn.coefficients_of(P, r, b_gen, t.shape[-1])
                 mix = A.view(-1, S, S) * gate.view(S, 1)
