@@ -125,6 +125,17 @@ def _peak_bytes(module: nn.Module, *args, **kwargs) -> int:
     return peak
 
 
+def _mha_and_open_layer() -> tuple[nn.MultiheadAttention, DamchaAttention]:
+    """An eval nn.MultiheadAttention (seed 0) and its DamchaAttention with every gate at 0.5."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(E, H, batch_first=True).eval()
+    layer = DamchaAttention.from_mha(mha).eval()
+    with torch.no_grad():
+        for gate in layer.metric_gates.values():
+            gate.fill_(0.5)
+    return mha, layer
+
+
 @pytest.mark.parametrize("call", ["no-mask", "causal-hint", "cross"])
 def test_an_inference_call_peaks_no_higher_than_mha(call):
     """Inference (eval, inference_mode, gates open): the maps are added into
@@ -134,12 +145,7 @@ def test_an_inference_call_peaks_no_higher_than_mha(call):
     Before, q~, k~, a guarded copy of o and the packed projection's output
     (which v views) were all alive beside y: 1.25 activations over MHA's peak
     in cross-attention and 1 without a mask (7 vs 6 activations)."""
-    torch.manual_seed(0)
-    mha = nn.MultiheadAttention(E, H, batch_first=True).eval()
-    layer = DamchaAttention.from_mha(mha).eval()
-    with torch.no_grad():
-        for gate in layer.metric_gates.values():
-            gate.fill_(0.5)
+    mha, layer = _mha_and_open_layer()
     x, c = torch.randn(B, N, E), torch.randn(B, M, E)
     args, kwargs = CALLS[call](x, c)
     with torch.inference_mode():
@@ -159,12 +165,7 @@ def test_cross_inference_with_joined_generator_gemms_peaks_no_higher_than_mha():
     held one step longer, the peak was 4.6 activations to MHA's 4.0 at N=32;
     the key side's product from the k/v GEMM, whose output v keeps alive
     through SDPA, was 4.19 to 4.01 here.)"""
-    torch.manual_seed(0)
-    mha = nn.MultiheadAttention(E, H, batch_first=True).eval()
-    layer = DamchaAttention.from_mha(mha).eval()
-    with torch.no_grad():
-        for gate in layer.metric_gates.values():
-            gate.fill_(0.5)
+    mha, layer = _mha_and_open_layer()
     n, m = 4 * N, 4 * M  # B*n = 256 query tokens >= E + H*H = 80 joined rows
     x, c = torch.randn(B, n, E), torch.randn(B, m, E)
     with torch.inference_mode():

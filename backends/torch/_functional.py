@@ -808,6 +808,14 @@ def _apply_maps(
     return q, k
 
 
+def _weights_in(w: LayerWeights, dtype: torch.dtype) -> bool:
+    """Whether every projection and generator weight, bias and gate of ``w`` is of ``dtype``."""
+    tensors = [w.in_proj, w.q, w.k, w.v, w.in_bias]
+    for side in w.sides.values():
+        tensors += [side.weight, side.bias, side.gate]
+    return all(t is None or t.dtype is dtype for t in tensors)
+
+
 def _merges_products(w: LayerWeights, config: DamchaConfig, x: Tensor) -> bool:
     """Whether the generators' products t W^T may come out of the projections'
     GEMMs (``_linear_and_product``): metric "heads", every projection and
@@ -829,10 +837,7 @@ def _merges_products(w: LayerWeights, config: DamchaConfig, x: Tensor) -> bool:
     device = x.device.type
     if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
         return False
-    tensors = [w.in_proj, w.q, w.k, w.v, w.in_bias]
-    for side in w.sides.values():
-        tensors += [side.weight, side.bias, side.gate]
-    return all(t is None or t.dtype is dtype for t in tensors)
+    return _weights_in(w, dtype)
 
 
 def _linear_and_product(
@@ -956,10 +961,7 @@ def _fusable(w: LayerWeights, config: DamchaConfig, x: Tensor) -> bool:
         or torch._C._is_tracing()
     ):
         return False
-    tensors = [w.in_proj, w.q, w.k, w.v, w.in_bias]
-    for side in w.sides.values():
-        tensors += [side.weight, side.bias, side.gate]
-    return all(t is None or t.dtype is dtype for t in tensors)
+    return _weights_in(w, dtype)
 
 
 def _project_fused(
