@@ -488,7 +488,8 @@ def test_saved_runs_still_match_the_identity_this_code_computes():
             stored = json.loads(path.read_text())["identity"]
             torch.set_num_threads(stored["torch_threads"])
             cfg = task_config(stored["config"]["task"], stored["config"]["preset"])
-            assert cfg.task not in DATA_VERSIONS, path  # their data is unchanged
+            # A task whose data changed (DATA_VERSIONS) has the version in its identity:
+            # runs saved on older data no longer match, runs on the current data do.
             now = run_identity(
                 cfg,
                 VARIANTS[stored["variant"]["name"]],
