@@ -147,10 +147,14 @@ def _check_file_options(layer: DamchaAttention) -> None:
     for name, value in options.items():
         if value is not None:
             raise DamchaValueError(
-                f"`save` is not available with {name}={value!r}: DAMCHA v1's canonical config has no {name}, so "
-                f"the file would load (in every port) as a layer without it, with other outputs. Save the weights "
-                f"with damcha_core.save_params(path, layer.to_canonical(), layer.config) and restore {name} "
-                f"yourself (build a layer with it, then load_canonical). Received: layer {layer.name!r} with {name}={value!r}"
+                dc.invalid_argument(
+                    name,
+                    f"its default for `save`: DAMCHA v1's canonical config has no {name}, so the file would load (in "
+                    f"every port) as a layer without it, with other outputs. Save the weights with "
+                    f"damcha_core.save_params(path, layer.to_canonical(), layer.config) and restore {name} yourself "
+                    f"(build a layer with it, then load_canonical)",
+                    f"layer {layer.name!r} with {name}={value!r}",
+                )
             )
 
 
