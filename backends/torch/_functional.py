@@ -808,36 +808,16 @@ def _apply_maps(
     return q, k
 
 
-def _weights_in(w: LayerWeights, dtype: torch.dtype) -> bool:
-    """Whether every projection and generator weight, bias and gate of ``w`` is of ``dtype``."""
-    tensors = [w.in_proj, w.q, w.k, w.v, w.in_bias]
-    for side in w.sides.values():
-        tensors += [side.weight, side.bias, side.gate]
-    return all(t is None or t.dtype is dtype for t in tensors)
-
-
 def _merges_products(w: LayerWeights, config: DamchaConfig, x: Tensor) -> bool:
     """Whether the generators' products t W^T may come out of the projections'
-    GEMMs (``_linear_and_product``): metric "heads", every projection and
-    generator weight and bias in the tokens' float32/float64 dtype (the map
-    then computes in that dtype, as ``apply_map_weights`` would), no
-    autocast (which would make the product in 16 bits), and eager (a tracer,
-    compiler or exporter would bake ``_linear_and_product``'s branch on the
-    token count into its graph, or guard a dynamic length on it)."""
-    dtype = x.dtype
-    if config.metric != "heads" or (dtype is not torch.float32 and dtype is not torch.float64):
-        return False
-    if (
-        type(x) is not Tensor
-        or torch.compiler.is_compiling()
-        or torch._C._is_tracing()
-        or torch._C._are_functorch_transforms_active()
-    ):
-        return False
-    device = x.device.type
-    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
-        return False
-    return _weights_in(w, dtype)
+    GEMMs (``_linear_and_product``): where a training call's nodes could run
+    (``_fusable``: metric "heads", every weight in the tokens' float32/float64
+    dtype, so the map computes in that dtype as ``apply_map_weights`` would;
+    no autocast, which would make the product in 16 bits; not compiling or
+    tracing), and moreover on a plain tensor outside torch.func transforms (a
+    tracer, compiler or exporter would bake ``_linear_and_product``'s branch
+    on the token count into its graph, or guard a dynamic length on it)."""
+    return type(x) is Tensor and not torch._C._are_functorch_transforms_active() and _fusable(w, config, x)
 
 
 def _linear_and_product(
@@ -961,7 +941,10 @@ def _fusable(w: LayerWeights, config: DamchaConfig, x: Tensor) -> bool:
         or torch._C._is_tracing()
     ):
         return False
-    return _weights_in(w, dtype)
+    tensors = [w.in_proj, w.q, w.k, w.v, w.in_bias]
+    for side in w.sides.values():
+        tensors += [side.weight, side.bias, side.gate]
+    return all(t is None or t.dtype is dtype for t in tensors)
 
 
 def _project_fused(
