@@ -578,7 +578,10 @@ def test_training_keeps_no_more_memory_than_mha(call):
                     return run(model, x, c, pad, causal, rect)[0]
             return run(model, x, c, pad, causal, rect)[0]
 
-        return _kept_bytes(forward)
+        # The median of three windows: one odd profiler window (seen in
+        # tests/test_torch_saved.py under xdist, never reproduced) must not
+        # decide the comparison.
+        return sorted(_kept_bytes(forward) for _ in range(3))[1]
 
     for model in (mha, layer, stored):
         run(model, x, c, pad, causal, rect)  # first calls make constants that stay (phi's sqrt(E * eps))

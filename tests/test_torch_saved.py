@@ -8,6 +8,11 @@ allocation records; the default path, where SDPA saves q~, k~ as recipes)."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import statistics
+from collections.abc import Iterator
+
 import pytest
 import torch
 from torch import nn
@@ -30,12 +35,29 @@ def _saved_bytes(module: nn.Module, *args, **kwargs) -> int:
     return sum(storages.values())
 
 
+@contextlib.contextmanager
+def _no_collection() -> Iterator[None]:
+    """No cyclic garbage collection inside a profiling window, so that the
+    window's records are the call's own allocations and frees, whatever
+    earlier tests left in reference cycles (a cheap guard: forcing a
+    collection inside a window did not reproduce the odd windows described
+    in the test below)."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def _held_bytes(module: nn.Module, *args, **kwargs) -> tuple[int, torch.Tensor]:
     # Every allocation and free of the window, from the profiler's raw records.
     # (The "[memory]" entries of prof.events() are only those outside any op,
     # in practice the frees of temporaries: a call that made fewer of them
     # looked as if it held more.)
-    with torch.profiler.profile(profile_memory=True) as prof:
+    with _no_collection(), torch.profiler.profile(profile_memory=True) as prof:
         y = module(*args, **kwargs)[0]
     return sum(e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), y
 
@@ -92,14 +114,24 @@ def test_a_training_forward_keeps_no_more_activations_than_mha(call, count):
     x = torch.randn(B, N, E, requires_grad=True)
     c = torch.randn(B, M, E, requires_grad=True)
     args, kwargs = CALLS[call](x, c)
+    samples: dict[str, list[int]] = {"ours": [], "theirs": []}
     if count == "saved-storages":
         ours = _saved_bytes(layer, *args, need_weights=False, **kwargs)
         theirs = _saved_bytes(mha, *args, need_weights=False, **kwargs)
     else:
         # Each output stays alive until both are counted, so neither window
-        # frees the other's.
-        ours, _y = _held_bytes(layer, *args, need_weights=False, **kwargs)
-        theirs, _z = _held_bytes(mha, *args, need_weights=False, **kwargs)
+        # frees the other's. Three alternating windows each, compared by
+        # their medians: in two CI runs under xdist one MHA window (of
+        # hundreds) counted 24-27 KB less than every other (72,704 or
+        # 74,752 against 99,328; never reproduced alone), so one odd window
+        # must not decide; a real extra activation of ours shows in all three.
+        kept = []
+        for _ in range(3):
+            for side, module in (("ours", layer), ("theirs", mha)):
+                held, out = _held_bytes(module, *args, need_weights=False, **kwargs)
+                samples[side].append(held)
+                kept.append(out)
+        ours, theirs = (statistics.median(samples[side]) for side in ("ours", "theirs"))
     # The NaN guard once made a guarded copy of the attention output, which the
     # output projection saved beside SDPA's own output: one activation more
     # (without a mask until cf0048d; with a mask, and the zeroing of the rows it
@@ -107,13 +139,13 @@ def test_a_training_forward_keeps_no_more_activations_than_mha(call, count):
     # the generator's weights and, in store mode, its product P = t W^T kept for
     # backward (S*S floats per token and side: a quarter of an activation per
     # side here, E = 64, H = 4; an eighth at E = 512, H = 8), below a half.
-    assert ours - theirs < ACTIVATION / 2, (ours, theirs, ACTIVATION)
+    assert ours - theirs < ACTIVATION / 2, (ours, theirs, ACTIVATION, samples)
 
 
 def _peak_bytes(module: nn.Module, *args, **kwargs) -> int:
     """The most bytes one call holds at once beyond what existed before it,
     from the profiler's allocation records in the order they happened."""
-    with torch.profiler.profile(profile_memory=True) as prof:
+    with _no_collection(), torch.profiler.profile(profile_memory=True) as prof:
         module(*args, **kwargs)
     records = sorted(
         (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
