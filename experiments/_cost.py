@@ -3,9 +3,9 @@
 Every variant's model (at its budget-matched width, the same batch) trains
 ``cost_steps`` steps per round, the variants in a rotating order, for
 ``cost_rounds`` rounds, all in one process: a slow moment of the machine
-hits every variant alike. Reported per variant: the median seconds per
-step, and the median over rounds of the ratio to MHA's time in the same
-round. Memory, device-agnostic and exact: the bytes of the tensors autograd
+hits every variant alike. A round's time is the median of its steps' times
+(each step timed alone). Reported per variant: the median over rounds, and
+the median over rounds of the ratio to MHA's time in the same round. Memory, device-agnostic and exact: the bytes of the tensors autograd
 saves for backward during one step (activation memory, parameters
 excluded), plus parameters, gradients and optimiser state; on CUDA also the
 allocator's peak (``torch.cuda.max_memory_allocated``) over one step.
@@ -108,19 +108,29 @@ def measure_cost(
             entry["cuda_peak_over_resident_bytes"] = int(torch.cuda.max_memory_allocated(device) - base)
         entries[name] = entry
     times: dict[str, list[float]] = {name: [] for name in variants}
+    means: dict[str, list[float]] = {name: [] for name in variants}
     for r in range(cfg.cost_rounds):
         rotated = variants[r % len(variants) :] + variants[: r % len(variants)]
         for name in rotated:
             v = get_variant(name)
-            _sync(device)
-            t0 = time.perf_counter()
+            steps = []
             for _ in range(cfg.cost_steps):
+                _sync(device)
+                t0 = time.perf_counter()
                 _step(models[name], opts[name], x, y, v.penalty, cfg.clip)
-            _sync(device)
-            times[name].append((time.perf_counter() - t0) / cfg.cost_steps)
+                _sync(device)
+                steps.append(time.perf_counter() - t0)
+            # A round's time is the median of its steps: at CPU step times of a few
+            # milliseconds, round means moved 1.5-1.7x between rounds of the same
+            # model on an idle machine (a step preempted or stalled now and then),
+            # which no number of rounds averaged away.
+            times[name].append(statistics.median(steps))
+            means[name].append(statistics.fmean(steps))
     for name in variants:
         e = entries[name]
+        e["round_statistic"] = "median step"
         e["round_s_per_step"] = times[name]
+        e["round_mean_s_per_step"] = means[name]
         e["s_per_step"] = statistics.median(times[name])
         if "mha" in times:
             e["time_ratio_vs_mha"] = statistics.median(a / b for a, b in zip(times[name], times["mha"]))

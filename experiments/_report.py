@@ -475,7 +475,13 @@ def build_report(folder: str | Path, tolerance: float = an.OVERHEAD_TOLERANCE) -
             trouble = an.timing_trouble(c)
             md += [
                 f"Cost per training step (batch {c['batch']}, {c['cost_rounds']} interleaved rounds of "
-                f"{c['cost_steps']} steps; load average {c['environment'].get('loadavg')}"
+                f"{c['cost_steps']} steps"
+                + (
+                    ", a round's time the median of its steps"
+                    if any(e.get("round_statistic") == "median step" for e in c["variants"].values())
+                    else ", a round's time the mean of its steps"
+                )
+                + f"; load average {c['environment'].get('loadavg')}"
                 + (f"; **not trusted: {trouble}**" if trouble else "")
                 + "):",
                 "",

@@ -5,6 +5,7 @@ DAMCHA/talking-heads models start exactly at the MHA model."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import shutil
@@ -215,6 +216,37 @@ def test_cost_only_measures_without_training(tmp_path):
     assert not (out / "runs").exists() and not (out / "digits.json").exists()
 
 
+def test_a_stalled_step_does_not_move_a_cost_round(monkeypatch):
+    """A round's time is the median of its steps: one step stalled 50x (a
+    preemption) in every MHA round leaves MHA's rounds, and the ratio, where
+    the other steps put them; round means would have moved 1.5-3x."""
+    from damcha_experiments import _cost
+
+    cfg = dataclasses.replace(task_config("crosshead", "smoke"), cost_steps=5, cost_rounds=3)
+    clock = {"now": 0.0, "mha_steps": 0}
+    step_s = {"mha": 0.010, "damcha-heads-tied": 0.012}
+    real_step = _cost._step
+
+    def timed_step(model, opt, x, y, penalty, clip):
+        real_step(model, opt, x, y, penalty, clip)
+        name = "mha" if not any(True for _ in damcha_layers(model)) else "damcha-heads-tied"
+        seconds = step_s[name]
+        if name == "mha":
+            clock["mha_steps"] += 1
+            if clock["mha_steps"] % cfg.cost_steps == 2:
+                seconds *= 50
+        clock["now"] += seconds
+
+    monkeypatch.setattr(_cost, "_step", timed_step)
+    monkeypatch.setattr(_cost.time, "perf_counter", lambda: clock["now"])
+    cost = _cost.measure_cost(cfg, ["mha", "damcha-heads-tied"])
+    mha, tied = cost["variants"]["mha"], cost["variants"]["damcha-heads-tied"]
+    assert mha["round_statistic"] == "median step"
+    assert mha["round_s_per_step"] == pytest.approx([0.010] * 3)
+    assert tied["time_ratio_vs_mha"] == pytest.approx(1.2)
+    assert mha["round_mean_s_per_step"] == pytest.approx([(4 * 0.010 + 0.5) / 5] * 3)  # what a mean would say
+
+
 def test_same_seed_same_data_order_for_every_variant(smoke_data):
     data = smoke_data["listops"]
     batches = [data.batch(data.order(3))[0] for _ in range(2)]
@@ -300,8 +332,6 @@ def test_divergence_and_spikes_are_recorded_not_raised(smoke_data):
         calls["n"] += 1
         # After a few normal steps the loss jumps (a spike), then turns NaN (a divergence).
         return output * 50.0 if calls["n"] == 5 else (output * math.nan if calls["n"] >= 7 else output)
-
-    import dataclasses
 
     data = copy.copy(data)
     data.cfg = dataclasses.replace(
