@@ -206,25 +206,48 @@ def validate_params(
     return out
 
 
+def _overflow_threshold(max_value: float) -> float:
+    """The smallest magnitude that rounds to inf in a binary float format whose
+    largest finite value is ``max_value``: max + half an ulp. The format's max
+    is (2 - ulp) * 2**e, and the tie rounds to inf (max's last bit is odd), so
+    a value fits iff its magnitude is below this; float16: 65520, not 65504."""
+    _, exponent = math.frexp(max_value)  # max_value = m * 2**exponent, 0.5 <= m < 1
+    return max_value / 2 + math.ldexp(1.0, exponent - 1)
+
+
 def check_params_fit(params: Mapping[str, Any], dtype_name: str, max_value: float, *, argument: str = "params") -> None:
-    """Refuse params whose magnitude overflows a narrower dtype they are cast to.
+    """Refuse params that round to inf in a narrower dtype they are cast to.
 
     ``validate_params`` checks finiteness in float64; a finite 1e6 still
     becomes inf in float16 (max 65504), and the layer would hold inf and
     compute NaN. Each port calls this with its target dtype's largest finite
-    value (``torch.finfo``, ``jnp.finfo``, ``np.finfo``).
+    value (``torch.finfo``, ``jnp.finfo``, ``np.finfo``, ``ml_dtypes.finfo``).
+
+    A value fits iff it rounds to a finite number: float16 keeps 65519.99 (it
+    rounds to 65504) and makes 65520 inf. The rounding is the ports' own:
+    torch's and ml_dtypes' float64 -> float16/bfloat16 casts round through
+    float32, so a value is judged once rounded to float32, and every port keeps
+    or refuses the same params (NumPy's direct cast would also keep the values
+    within half a float32 ulp below the threshold, e.g. 65519.999, that torch
+    makes inf). A float64 target keeps every finite value.
 
     Raises:
-        DamchaValueError: naming the tensor, its max |value| and the dtype's max.
+        DamchaValueError: naming the tensor, its max |value| and the dtype's limits.
     """
+    if max_value >= np.finfo(np.float64).max:
+        return
+    threshold = _overflow_threshold(max_value)
     for name, value in params.items():
         array = np.abs(np.asarray(value, dtype=np.float64))
         largest = float(array.max()) if array.size else 0.0
-        if largest > max_value:
+        with np.errstate(over="ignore"):  # past float32's range is inf, which is refused
+            rounded = float(np.float32(largest))
+        if rounded >= threshold:
             raise DamchaValueError(
                 invalid_argument(
                     f"{argument}[{name!r}]",
-                    f"values that fit {dtype_name} (max |value| <= {max_value:g}; larger ones become inf)",
-                    f"max |value| = {largest:g}",
+                    f"values that round to a finite {dtype_name} (max {max_value:g}; a magnitude of "
+                    f"{threshold:.7g} or more, once rounded to float32 as the ports cast, becomes inf)",
+                    f"max |value| = {largest!r}",
                 )
             )

@@ -180,7 +180,7 @@ def test_float16_refuses_params_that_overflow(port):
     with pytest.raises(dc.DamchaValueError) as info:
         _load_float16(port, params, config)
     text = str(info.value)
-    assert "'query.kernel'" in text and "float16" in text and "65504" in text and f"{largest:g}" in text
+    assert "'query.kernel'" in text and "float16" in text and "65504" in text and repr(largest) in text
     # In range, float16 loads and holds the params (to float16's precision).
     fine = dc.init_params(config, seed=0)
     layer = _load_float16(port, fine, config)
@@ -188,6 +188,61 @@ def test_float16_refuses_params_that_overflow(port):
         got = layer.to_canonical()  # type: ignore[attr-defined]
         for name in fine:
             np.testing.assert_allclose(got[name], fine[name], rtol=1e-3, atol=1e-3)
+
+
+_BF16_MAX = float(2.0**127 * (2 - 2.0**-7))
+_BF16_INF_FROM = float(2.0**127 * (2 - 2.0**-8))  # bfloat16's max plus half an ulp
+
+
+def _load(port: str, params: dict, config: dc.DamchaConfig, dtype: str) -> object:
+    if port == "torch":
+        return dt.DamchaAttention.from_canonical(params, config, dtype=getattr(torch, dtype))
+    if port == "jax":
+        return dj.DamchaAttention.from_canonical(params, config, param_dtype=getattr(jax.numpy, dtype))
+    if port == "keras":
+        return dk.DamchaAttention.from_canonical(params, config, dtype=dtype)
+    import damcha_onnx as do
+
+    return do.export(params, config, None, dtype=dtype)
+
+
+# float16 rounds to nearest even: up to 65520 (max 65504 plus half its ulp of 32) a value
+# rounds to 65504 and fits. 65519.999 is refused: torch's float64 -> float16 cast rounds
+# through float32, where it is 65520, and becomes inf.
+_FLOAT16_EDGES = [(65504.0, True), (65519.99, True), (65519.999, False), (65520.0, False)]
+_BFLOAT16_EDGES = [(_BF16_MAX, True), (_BF16_INF_FROM - 2.0**104, True), (_BF16_INF_FROM, False)]
+_EDGES = [("float16", v, fits) for v, fits in _FLOAT16_EDGES] + [("bfloat16", v, fits) for v, fits in _BFLOAT16_EDGES]
+
+
+@pytest.mark.parametrize("port", ["torch", "jax", "keras", "onnx"])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+@pytest.mark.parametrize(("dtype", "value", "fits"), _EDGES)
+def test_params_fit_iff_they_round_to_a_finite_value(port, sign, dtype, value, fits):
+    """The check refused 65504 < |value| < 65520 (and bfloat16's like band), which float16
+    rounds to 65504: it compared with the max, not with where rounding reaches inf."""
+    if port == "onnx" and dtype == "bfloat16":
+        pytest.skip("the ONNX export refuses bfloat16 graphs")
+    config = dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4)
+    params = dc.init_params(config, seed=0)
+    params["query.kernel"][0, 0, 0] = sign * value
+    if not fits:
+        with pytest.raises(
+            dc.DamchaValueError, match=rf"round to a finite {dtype}.*max \|value\| = {re.escape(repr(value))}"
+        ):
+            _load(port, params, config, dtype)
+        return
+    layer = _load(port, params, config, dtype)
+    if port != "onnx":
+        held = layer.to_canonical()["query.kernel"][0, 0, 0]  # type: ignore[attr-defined]
+        assert held == sign * float(np.finfo(np.float16).max if dtype == "float16" else _BF16_MAX)
+
+
+def test_params_fit_edges_are_where_each_framework_casts_to_inf():
+    """The refused values are the ones torch's own cast makes inf (NumPy's direct float16
+    cast keeps 65519.999, a value in the half float32 ulp below 65520)."""
+    for dtype, value, fits in _EDGES:
+        cast = torch.tensor([value], dtype=torch.float64).to(getattr(torch, dtype))
+        assert bool(torch.isfinite(cast)) == fits, (dtype, value)
 
 
 # --------------------------------------- 7. value_input_dim != context_dim
