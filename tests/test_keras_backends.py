@@ -118,6 +118,23 @@ def check_torch_causal_probe(r: dict, backend: str) -> None:
     assert got["nan_rows"] == {"query-token": [[True] * 6, [False] * 6], "key-token": [[False] * 6, [True] * 6]}, got
 
 
+def check_mixed_precision_fit(r: dict, backend: str) -> None:
+    got = r["mixed_precision_fit"]
+    # float32 variables that fit, but not in the float16/bfloat16 the policy computes in:
+    # refused, naming the compute dtype (they were accepted and every call gave inf/NaN).
+    for policy, compute in (("mixed_float16", "float16"), ("mixed_bfloat16", "bfloat16")):
+        for what in ("layer", "stack_attention", "stack_ffn"):
+            assert f"round to a finite {compute}, the compute dtype of dtype policy '{policy}'" in got[policy][what], (
+                policy,
+                what,
+                got[policy][what],
+            )
+        # Just inside: loads, and the call is finite.
+        assert got[policy]["fits_finite"] is True, got
+        # LayerNormalization reads its float32 weights in float32 (autocast=False): not refused.
+        assert got[policy]["norm_scale"] == "accepted", got
+
+
 # Each check on every backend: the export and from_mha checks run on one backend
 # and assert that the others' runs left them out (None, never a silent pass).
 CHECKS = {
@@ -130,6 +147,7 @@ CHECKS = {
     "from-mha-copies": check_from_mha_copies,
     "torch-padding-path": check_torch_padding_path,
     "torch-causal-probe": check_torch_causal_probe,
+    "mixed-precision-fit": check_mixed_precision_fit,
 }
 
 
@@ -427,6 +445,50 @@ def torch_causal_probe(DamchaAttention, keras, np) -> dict:
     }
 
 
+def mixed_precision_fit(DamchaAttention, keras, np) -> dict:
+    """What loading params that fit float32 but not the compute dtype does under each
+    mixed policy: the error's text, or "accepted"."""
+    import damcha_core as dc
+    from damcha_keras import stack_from_canonical, stack_load_canonical
+
+    def outcome(load, *args, **kwargs) -> str:
+        try:
+            load(*args, **kwargs)
+        except dc.DamchaValueError as exc:
+            return str(exc)
+        return "accepted"
+
+    cfg = dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4)
+    stack_cfg = dc.EncoderConfig(cfg, num_layers=2, ffn_dim=12, final_norm=True)
+    # Small inputs: the products of a kernel entry at the dtype's max stay finite.
+    x = 1e-6 * np.random.default_rng(0).normal(size=(1, 3, 8)).astype("float32")
+    out: dict = {}
+    # The smallest magnitude that is inf in the compute dtype, and its largest finite value.
+    for policy, big, largest in (
+        ("mixed_float16", 65520.0, 65504.0),
+        ("mixed_bfloat16", 2.0**127 * (2 - 2.0**-8), 2.0**127 * (2 - 2.0**-7)),
+    ):
+        params = dc.init_params(cfg, seed=0)
+        params["query.kernel"][0, 0, 0] = big
+        got = {"layer": outcome(DamchaAttention.from_canonical, params, cfg, dtype=policy)}
+        params["query.kernel"][0, 0, 0] = largest
+        layer = DamchaAttention.from_canonical(params, cfg, dtype=policy)
+        got["fits_finite"] = bool(np.all(np.isfinite(keras.ops.convert_to_numpy(layer(x, x)))))
+        stack_params = dc.init_encoder_params(stack_cfg, seed=0)
+        stack = stack_from_canonical(stack_params, stack_cfg, dtype=policy)
+        for what, name in (
+            ("stack_attention", "layers.0.attention.key.kernel"),
+            ("stack_ffn", "layers.0.ffn.in.kernel"),
+            ("norm_scale", "final_norm.scale"),
+        ):
+            bad = dict(stack_params)
+            bad[name] = stack_params[name].copy()
+            bad[name].flat[0] = big
+            got[what] = outcome(stack_load_canonical, stack, bad)
+        out[policy] = got
+    return out
+
+
 def run(backend: str, workdir: str) -> dict:
     """Every check's measurements on this process's Keras backend (a JSON-able dict)."""
     import keras
@@ -511,6 +573,7 @@ def run(backend: str, workdir: str) -> dict:
 
     return {
         "nan_not_nan": nan_cases(DamchaAttention, keras, np),
+        "mixed_precision_fit": mixed_precision_fit(DamchaAttention, keras, np),
         "quantized_vs_mha_mse": quantized_vs_mha(DamchaAttention, keras, np),
         "from_mha_copies": from_mha_copies(DamchaAttention, keras, np) if backend == "jax" else None,
         "torch_padding_path": torch_padding_path(DamchaAttention, keras, np) if backend == "torch" else None,

@@ -507,6 +507,28 @@ def test_errors():
         dk.convert(two_sizes, share_metric=True)
 
 
+@pytest.mark.parametrize("policy", ["float16", "mixed_float16"])
+def test_converted_maps_refuse_metric_weights_that_overflow_the_compute_dtype(policy):
+    """DamchaMaps.load_canonical checked finiteness only: 1e5 loaded into a float16 (or
+    mixed_float16: float32 variables, float16 compute) model, whose every output was then NaN."""
+    inp = keras.Input((5, 8))
+    model = keras.Model(inp, keras.layers.MultiHeadAttention(2, 4, dtype=policy)(inp, inp))
+    dk.convert(model)
+    maps = next(iter(dk.converted_layers(model).values())).damcha
+    params = maps.to_canonical()
+    before = {k: v.copy() for k, v in params.items()}
+    params["metric.qk.kernel"].flat[0] = 65520.0  # float16's first value that is inf
+    with pytest.raises(
+        dc.DamchaValueError, match=r"`params\['metric.qk.kernel'\]`: expected values that round to a finite float16"
+    ):
+        maps.load_canonical(params)
+    for name, value in maps.to_canonical().items():  # nothing was assigned
+        np.testing.assert_array_equal(value, before[name])
+    params["metric.qk.kernel"].flat[0] = 65504.0
+    maps.load_canonical(params)
+    assert maps.to_canonical()["metric.qk.kernel"].flat[0] == 65504.0
+
+
 # ------------------------------------------------------------------- docs
 
 

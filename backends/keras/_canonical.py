@@ -90,10 +90,22 @@ def to_canonical(layer: DamchaAttention) -> dict[str, np.ndarray]:
     return {name: np.asarray(keras.ops.convert_to_numpy(out[name])).reshape(shapes[name]) for name in shapes}
 
 
-def _check_fit(name: str, value: Any, variable: Any) -> None:
-    """``check_params_fit`` of one value against a Keras variable's dtype."""
+def _check_fit(name: str, value: Any, variable: Any, layer: Any) -> None:
+    """``check_params_fit`` of one value against a Keras variable's dtype and,
+    where ``layer`` casts the variable when it computes (a mixed precision
+    policy: float32 variables, float16 compute), against ``layer``'s compute
+    dtype: a value that fits float32 but not float16 would be inf in every call."""
     dtype = keras.backend.standardize_dtype(variable.dtype)
     dc.check_params_fit({name: value}, dtype, float(ml_dtypes.finfo(dtype).max))
+    compute = keras.backend.standardize_dtype(layer.compute_dtype)
+    # A variable made with autocast=False (LayerNormalization's) is read in its own dtype.
+    casts = layer.autocast and getattr(variable, "_autocast", True)
+    if compute != dtype and casts and keras.backend.is_float_dtype(compute):
+        dc.check_params_fit(
+            {name: value},
+            f"{compute}, the compute dtype of dtype policy {layer.dtype_policy.name!r}",
+            float(ml_dtypes.finfo(compute).max),
+        )
 
 
 def load_canonical(layer: DamchaAttention, params: Mapping[str, Any]) -> None:
@@ -101,7 +113,7 @@ def load_canonical(layer: DamchaAttention, params: Mapping[str, Any]) -> None:
     checked = dc.validate_params(params, require_built(layer, "load_canonical"))
     variables = canonical_variables(layer)
     for name, variable in variables.items():  # all checked before any is assigned
-        _check_fit(name, checked[name], variable)
+        _check_fit(name, checked[name], variable, layer)
     for name, variable in variables.items():
         value = checked[name].reshape(tuple(variable.shape))
         variable.assign(value.astype(keras.backend.standardize_dtype(variable.dtype)))
@@ -326,16 +338,17 @@ def stack_load_canonical(layers: Sequence[Any], params: Mapping[str, Any]) -> Se
     blocks, final = _split_stack(layers, "blocks")
     # Every value is checked against its variable's dtype before anything is assigned: a
     # refusal must not leave the first blocks loaded and the rest as they were.
-    targets: dict[str, Any] = {}
+    targets: dict[str, tuple[Any, Any]] = {}  # name -> (variable, the layer that computes with it)
     for i, block in enumerate(blocks):
-        targets.update({f"layers.{i}.attention.{k}": v for k, v in canonical_variables(block._attention).items()})
-        targets.update({f"layers.{i}.{key}": v for key, v in _block_variables(block).items()})
+        attention = block._attention
+        targets.update({f"layers.{i}.attention.{k}": (v, attention) for k, v in canonical_variables(attention).items()})
+        targets.update({f"layers.{i}.{key}": (v, block) for key, v in _block_variables(block).items()})
     if final is not None:
-        targets.update({"final_norm.scale": final.gamma, "final_norm.bias": final.beta})
-    for name, variable in targets.items():
+        targets.update({"final_norm.scale": (final.gamma, final), "final_norm.bias": (final.beta, final)})
+    for name, (variable, owner) in targets.items():
         if name not in checked:  # a shared generator: stored once under "shared."
             name = f"shared.{name.split('.attention.', 1)[1]}"
-        _check_fit(name, checked[name], variable)
+        _check_fit(name, checked[name], variable, owner)
     for i, block in enumerate(blocks):
         block._attention.load_canonical(config.layer_params(checked, i))
         for key, variable in _block_variables(block).items():

@@ -38,6 +38,7 @@ from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, _layout
 from damcha_core._layout import AttentionLayout, ModelAdapter, ProjectionSite
 from keras import ops
 
+from ._canonical import _check_fit
 from ._functional import apply_map
 from ._functional import metric_penalty as _side_penalty
 from ._generator import MetricGenerator
@@ -280,6 +281,7 @@ class DamchaMaps(keras.layers.Layer):
                 )
             if not np.all(np.isfinite(value)):
                 raise DamchaValueError(dc.invalid_argument(f"params[{name!r}]", "finite values", "a non-finite value"))
+            _check_fit(name, value, variable, self)
             values[name] = value
         for name, variable in variables.items():
             variable.assign(values[name].astype(keras.backend.standardize_dtype(variable.dtype)))
