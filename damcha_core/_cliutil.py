@@ -31,7 +31,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any, NoReturn
 
@@ -94,6 +94,25 @@ class ArgumentParser(argparse.ArgumentParser):
         message = message.removeprefix("argument ")
         print(f"{self.prog}: error: {_one_line(message)} (see {self.prog} --help)", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_USAGE)
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        """argparse's, but an unknown argument is reported before a missing one:
+        argparse checks the required arguments first, so ``--bogus`` alone was
+        reported as "the following arguments are required: task"."""
+        args = list(sys.argv[1:] if args is None else args)
+        # A first pass with nothing required finds the unknown ones.
+        required: list[Any] = [action for action in self._actions if action.required]
+        required += [group for group in self._mutually_exclusive_groups if group.required]
+        for item in required:
+            item.required = False
+        try:
+            _, unknown = self.parse_known_args(args, argparse.Namespace())
+        finally:
+            for item in required:
+                item.required = True
+        if unknown:
+            self.error(f"unrecognized arguments: {' '.join(unknown)}")
+        return super().parse_args(args, namespace)
 
 
 def int_arg(minimum: int | None = None, maximum: int | None = None) -> Callable[[str], int]:

@@ -133,6 +133,27 @@ def test_argument_parser_errors_are_one_line_naming_the_flag(capsys):
         assert line.startswith("damcha test: error: --seed: ") and says in line
 
 
+def test_argument_parser_names_an_unknown_option_before_a_missing_argument(capsys):
+    """argparse checks the required arguments first: ``--bogus`` alone was reported as
+    "the following arguments are required: task, --out"."""
+    p = cu.ArgumentParser(prog="damcha test")
+    p.add_argument("task", choices=["a", "b"])
+    p.add_argument("--out", required=True)
+    group = p.add_mutually_exclusive_group(required=True)
+    group.add_argument("--x", action="store_true")
+    group.add_argument("--y", action="store_true")
+    for argv, says in (
+        (["--bogus"], "unrecognized arguments: --bogus"),
+        (["a", "--out", "o", "--x", "extra"], "unrecognized arguments: extra"),
+        (["--out", "o"], "the following arguments are required: task"),  # nothing unknown: as argparse says
+        (["a", "--out", "o"], "one of the arguments --x --y is required"),
+    ):
+        assert _usage(capsys, p.parse_args, argv) == f"damcha test: error: {says} (see damcha test --help)"
+    # The first pass leaves every requirement as it was, and a good command line parses.
+    assert [a.required for a in p._actions if a.dest in ("task", "out")] == [True, True]
+    assert vars(p.parse_args(["b", "--out", "o", "--y"])) == {"task": "b", "out": "o", "x": False, "y": True}
+
+
 def _usage(capsys, fn, *args, **kw) -> str:
     with pytest.raises(SystemExit) as exc:
         fn(*args, **kw)

@@ -73,6 +73,11 @@ BAD = [
     (["report", "good"], "FOLDER"),  # holds no results file of this format
     (["report", "good", "--out", "good"], "--out"),
     (["report", "good", "--tolerance", "-1"], "--tolerance"),
+    # An unknown option is named even with the task (or folder) missing: argparse checked
+    # the required arguments first and said only "required: task".
+    (["--bogus"], "unrecognized arguments: --bogus"),
+    (["--preset", "smoke", "--bogus=1"], "unrecognized arguments: --bogus=1"),
+    (["report", "--bogus"], "unrecognized arguments: --bogus"),
 ]
 
 
