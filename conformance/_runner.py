@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from damcha_core import DamchaTypeError, describe, invalid_argument
+from damcha_core._params import is_real_float
 
 from ._adapter import BackendAdapter
 from ._cases import (
@@ -306,7 +307,7 @@ def _real_float64(value: Any, what: str) -> np.ndarray:
     np.asarray(..., float64) would drop a complex output's imaginary part (an
     output of ref + 1e6j scored error 0) and accept integers or booleans."""
     array = np.asarray(value)
-    if not (np.issubdtype(array.dtype, np.floating) or array.dtype.name == "bfloat16"):
+    if not is_real_float(array.dtype):
         raise TypeError(
             f"{what} must be a real floating array (float16/bfloat16/float32/float64). "
             f"Received: dtype {array.dtype}, shape {array.shape}"

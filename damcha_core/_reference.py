@@ -21,7 +21,7 @@ import numpy as np
 from ._config import DamchaConfig
 from ._errors import DamchaTypeError, DamchaValueError, describe, invalid_argument
 from ._metrics import structure
-from ._params import _is_real_float, as_numpy, validate_params
+from ._params import as_numpy, is_real_float, validate_params
 from ._policy import check_bool, check_choice, check_config, check_offset, check_shapes
 from ._rotary import Rotary, apply_rotary
 
@@ -55,7 +55,7 @@ def mask_dtype_error(value: Any, name: str = "mask", expected: str = "boolean (T
 
 def _as_float64(name: str, value: Any) -> np.ndarray:
     array = as_numpy(value, name)
-    if not _is_real_float(array.dtype):
+    if not is_real_float(array.dtype):
         raise float_dtype_error(name, value)
     return array.astype(np.float64)
 

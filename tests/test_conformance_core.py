@@ -559,3 +559,33 @@ def test_output_must_be_a_real_floating_array(how):
         "must be a real floating array" in result.detail
         and f"Received: dtype {'complex128' if how == 'complex' else 'int64'}" in result.detail
     )
+
+
+def test_outputs_are_judged_by_the_reference_s_own_real_float_rule():
+    """The runner had its own copy of damcha_core's rule; both must agree on every dtype,
+    bfloat16 (no np.floating subtype) and float8 (ml_dtypes: not a real float here) included."""
+    import ml_dtypes
+
+    from damcha_conformance._runner import _real_float64
+    from damcha_core._params import is_real_float
+
+    dtypes = [np.float16, np.float32, np.float64, ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn]
+    dtypes += [np.int64, np.bool_, np.complex64]
+    for dtype in dtypes:
+        value = np.ones((2, 3), dtype=dtype)
+        accepted = is_real_float(value.dtype)
+        assert accepted == (dtype in (np.float16, np.float32, np.float64, ml_dtypes.bfloat16)), dtype
+        if accepted:
+            np.testing.assert_array_equal(_real_float64(value, "the output"), np.ones((2, 3)))
+        else:
+            with pytest.raises(TypeError, match="the output must be a real floating array"):
+                _real_float64(value, "the output")
+        # The reference's own inputs follow the same rule.
+        config = dc.DamchaConfig(query_dim=3, num_heads=1, key_dim=3)
+        params = dc.init_params(config, seed=0)
+        x = np.ones((1, 2, 3), dtype=dtype)
+        if accepted:
+            dc.damcha_attention(params, config, x)
+        else:
+            with pytest.raises(dc.DamchaTypeError, match="expected a real floating tensor"):
+                dc.damcha_attention(params, config, x)
