@@ -6,6 +6,7 @@ computed something else, a float16 layer held inf, a file lost options.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 
@@ -303,17 +304,106 @@ def test_keras_save_takes_a_converted_keras_mha_and_default_axes(tmp_path):
         axis1.save(tmp_path / "a.safetensors")
 
 
-def test_keras_from_mha_refuses_a_subclass_that_changes_an_attention_hook() -> None:
-    class Hooked(keras.layers.MultiHeadAttention):
-        def _compute_attention(self, *args, **kwargs):  # type: ignore[override]
-            out, scores = super()._compute_attention(*args, **kwargs)
-            return 2 * out, scores
+def _keras_attention(base: type) -> keras.layers.Layer:
+    if issubclass(base, keras.layers.GroupQueryAttention):
+        return base(head_dim=4, num_query_heads=2, num_key_value_heads=1)
+    return base(2, 4)
 
+
+# What MHA's and GQA's call reaches that a subclass can change (read from Keras, so a hook a
+# later Keras adds shows up here): call, the _compute_* steps and mask builders, the softmax,
+# and the builders of the softmax/equations and of the output projection.
+_KERAS_HOOKS = sorted(
+    {
+        name
+        for cls in (keras.layers.MultiHeadAttention, keras.layers.GroupQueryAttention)
+        for name in vars(cls)
+        if name == "call" or name.startswith(("_compute_", "_masked_softmax", "_build_attention", "_make_output"))
+    }
+)
+
+
+@pytest.mark.parametrize("hook", _KERAS_HOOKS)
+@pytest.mark.parametrize("base", ["MultiHeadAttention", "GroupQueryAttention"])
+def test_keras_from_mha_refuses_a_subclass_that_changes_an_attention_hook(base, hook) -> None:
+    """from_mha rebuilds the base class's computation: a subclass's own hook would be lost.
+    _build_attention (MHA's softmax and equations), _compute_sliding_window_mask and
+    _make_output_dense were not looked at."""
+    cls = getattr(keras.layers, base)
+    if not hasattr(cls, hook):
+        pytest.skip(f"{base} has no {hook}")
+
+    @functools.wraps(getattr(cls, hook))  # its signature: Keras reads call's
+    def same(self, *args, **kwargs):  # an override that changes nothing is refused too: it could
+        return getattr(cls, hook)(self, *args, **kwargs)
+
+    hooked = type("Hooked", (cls,), {hook: same})
     x = np.random.default_rng(0).normal(size=(1, 4, 8)).astype("float32")
-    layer = Hooked(2, 4)
+    layer = _keras_attention(hooked)
     layer(x, x)
-    with pytest.raises(dc.DamchaValueError, match=r"Hooked\), which overrides _compute_attention"):
+    with pytest.raises(
+        dc.DamchaValueError,
+        match=rf"expected a keras.layers.{cls.__name__} computing what.*Hooked\), which overrides {hook}$",
+    ):
         dk.DamchaAttention.from_mha(layer)
+    dk.DamchaAttention.from_mha(_built(_keras_attention(cls), x))  # the base class itself converts
+
+
+def _built(layer: keras.layers.Layer, x: np.ndarray) -> keras.layers.Layer:
+    layer(x, x)
+    return layer
+
+
+class _DoubledKerasMHA(keras.layers.MultiHeadAttention):
+    def _compute_attention(self, *args, **kwargs):  # type: ignore[override]
+        out, scores = super()._compute_attention(*args, **kwargs)
+        return 2 * out, scores
+
+
+def test_keras_convert_keeps_a_subclass_s_attention_hook() -> None:
+    """convert() maps the projections and keeps the layer's own call and hooks (what from_mha's
+    refusal points to): a doubling _compute_attention still doubles, maps included."""
+    keras_hub = pytest.importorskip("keras_hub")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2, 5, 8)).astype("float32")
+
+    def model(cls: type) -> keras.Model:
+        inp = keras.Input((5, 8))
+        return keras.Model(inp, cls(2, 4, name="attention")(inp, inp))
+
+    plain, doubled, cached = (
+        model(keras.layers.MultiHeadAttention),
+        model(_DoubledKerasMHA),
+        model(keras_hub.layers.CachedMultiHeadAttention),
+    )
+    doubled.set_weights(plain.get_weights())
+    cached.set_weights(plain.get_weights())
+    before = {
+        name: keras.ops.convert_to_numpy(m(x))
+        for name, m in (("plain", plain), ("doubled", doubled), ("cached", cached))
+    }
+    np.testing.assert_allclose(before["doubled"], 2 * before["plain"], rtol=1e-6, atol=1e-6)
+    for m in (plain, doubled, cached):
+        dk.convert(m)
+    # Gates at 0: each converted model is its original, bit for bit.
+    for name, m in (("plain", plain), ("doubled", doubled), ("cached", cached)):
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(m(x)), before[name])
+    # Open gates, the same maps in all three: the subclass still doubles what MHA computes.
+    maps = {
+        name: next(iter(dk.converted_layers(m).values())).damcha
+        for name, m in (("plain", plain), ("doubled", doubled), ("cached", cached))
+    }
+    params = maps["plain"].to_canonical()
+    params["metric.qk.gate"] = np.full_like(params["metric.qk.gate"], 0.7)
+    for m in maps.values():
+        m.load_canonical(params)
+    got = {
+        name: keras.ops.convert_to_numpy(m(x))
+        for name, m in (("plain", plain), ("doubled", doubled), ("cached", cached))
+    }
+    assert np.abs(got["plain"] - before["plain"]).max() > 1e-3  # the maps act
+    np.testing.assert_allclose(got["doubled"], 2 * got["plain"], rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(got["cached"], got["plain"])
 
 
 def _stack() -> tuple[dict[str, np.ndarray], dc.EncoderConfig]:

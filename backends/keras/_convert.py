@@ -58,8 +58,19 @@ def _gqa_options(layer: keras.layers.GroupQueryAttention) -> dict[str, Any]:
 
 # The methods through which a subclass can change what MHA / GQA computes: ``call``
 # and the attention hooks it calls (a subclass overriding ``_compute_attention``
-# keeps ``call`` and still computes something else).
-_ATTENTION_HOOKS = ("call", "_compute_attention", "_masked_softmax", "_compute_attention_mask", "_compute_causal_mask")
+# keeps ``call`` and still computes something else), and the builders of what they
+# use (``_build_attention`` sets MHA's softmax and einsum equations, ``_make_output_dense``
+# its output projection).
+_ATTENTION_HOOKS = (
+    "call",
+    "_compute_attention",
+    "_masked_softmax",
+    "_compute_attention_mask",
+    "_compute_causal_mask",
+    "_compute_sliding_window_mask",
+    "_build_attention",
+    "_make_output_dense",
+)
 
 
 def _overridden(layer: Any, base: type) -> list[str]:
