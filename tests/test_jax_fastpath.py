@@ -338,3 +338,73 @@ def test_module_decode_with_a_hinted_padding_mask(kernel_calls) -> None:
     np.testing.assert_allclose(outputs["padding"], outputs[None], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(outputs["padding"], full, rtol=1e-5, atol=1e-5)
     assert all(call["mask"] == (B, 1, 1, 6) for call in kernel_calls[1:])
+
+
+# Values a wrong mask may hold in one cell; 0.5 and 1.5 together keep a row's sum.
+ODD_VALUES = [0.5, 1.5, 2.0, -1.0, 1e-30, -1e-30, 1 + 2**-23, 1 - 2**-24, np.nan, np.inf, -np.inf, 3e38]
+
+
+def _hint_masks(n: int, m: int, offset: int, hint: str) -> list[np.ndarray]:
+    """(B, 1, n, m) float masks: valid ones for ``hint`` and wrong ones (an odd value, a one outside
+    the causal grid, a missing one, two cells that keep the row's sum), each in every row."""
+    grid = np.arange(m)[None, :] <= np.arange(n)[:, None] + offset if hint == "causal" else np.ones((n, m), bool)
+    q_ok = np.array([[True] * n, [False] + [True] * (n - 2) + [False]])
+    k_ok = np.array([[True] * m, [True] * (m - 2) + [False, False]])
+    valid = (q_ok[:, :, None] & k_ok[:, None, :] & grid)[:, None].astype(np.float64)
+    masks = [valid, np.zeros_like(valid)]
+    for i in range(n):
+        ones = np.flatnonzero(valid[1, 0, i])
+        for v in ODD_VALUES:
+            bad = valid.copy()
+            bad[1, 0, i, ones[0] if len(ones) else 0] = v
+            masks.append(bad)
+        outside = np.flatnonzero(~grid[i])
+        if len(outside):
+            bad = valid.copy()
+            bad[0, 0, i, outside[0]] = 1.0
+            masks.append(bad)
+        if len(ones) >= 2:
+            bad = valid.copy()
+            bad[1, 0, i, ones[0]] = 0.0  # a missing one: the row no longer equals rows x key_ok
+            masks.append(bad)
+            bad = bad.copy()
+            bad[1, 0, i, ones[0]], bad[1, 0, i, ones[1]] = 0.5, 1.5
+            masks.append(bad)
+    return masks
+
+
+def _host_check(mask: np.ndarray, n: int, m: int, offset: int, hint: str) -> tuple[bool, np.ndarray, np.ndarray]:
+    """(ok, key_ok, rows) by definition: only 0 and 1, and the mask equals [causal &] rows x key_ok."""
+    grid = np.arange(m)[None, :] <= np.arange(n)[:, None] + offset if hint == "causal" else np.ones((n, m), bool)
+    binary = bool(np.all((mask == 0) | (mask == 1)))
+    v = mask != 0
+    keys, rows = v.any(-2), v.any(-1)
+    return binary and np.array_equal(v, rows[..., None] & keys[..., None, :] & grid), keys, rows
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "int32"])
+@pytest.mark.parametrize(("n", "m", "offset", "hint"), [(6, 6, 0, "causal"), (3, 7, 4, "causal"), (5, 6, 0, "padding")])
+def test_hint_check_is_exact_for_wrong_values(dtype, n, m, offset, hint) -> None:
+    """``_masks.traced_split`` on a traced numeric mask (float32 counts fused into
+    XLA:CPU's reductions, compiled as users compile): ok exactly when the mask
+    holds only 0 and 1 and is [causal &] rows x key_ok, then key_ok and rows as
+    defined; a value the counts could round away (1e-30, 1 + 2**-23) or two
+    that keep a row's sum (0.5, 1.5) still fails it."""
+    from damcha_jax._masks import traced_split
+
+    with jax.enable_x64(dtype == "float64"):
+        check = jax.jit(lambda a: traced_split(a != 0, n, m, hint=hint, offset=offset, raw=a))
+        tried = 0
+        for mask in _hint_masks(n, m, offset, hint):
+            with np.errstate(invalid="ignore", over="ignore"):
+                typed = mask.astype(dtype)
+            if dtype == "int32" and not np.array_equal(typed, mask):
+                continue  # an odd value an int mask cannot hold (its cast is checked as it is)
+            ok, keys, rows = _host_check(typed.astype(np.float64), n, m, offset, hint)
+            got = check(jnp.asarray(typed))
+            assert bool(got[2]) == ok, (typed, ok)
+            if ok:
+                np.testing.assert_array_equal(got[0], keys)
+                np.testing.assert_array_equal(got[1], rows)
+            tried += 1
+        assert tried > 2 * n

@@ -249,26 +249,22 @@ def traced_split(
     Two passes over the mask: key_ok is its ``any`` over the queries, and
     one reduction over the keys gives the rest, by counting. Each entry
     scores 1 for a one the reconstruction may hold (inside the causal
-    grid), 0 for a zero, and M + 1 for anything else (a one outside the
-    grid, a value other than 0 and 1, NaN), so a row's sum s says which
-    rows show a key (s > 0) and, since a row's ones lie among key_ok's (a
-    subset), s equal to the count the reconstruction gives the row means
-    equal rows (anything else makes s > M or a different count). Measured
-    on XLA:CPU: the rows, the keys, the counts, the cells outside the grid
-    and the 0/1 rule were five reductions over the mask, about 8% of a
-    layer's forward bytes at N=1024.
+    grid), 0 for a zero, and at least M + 1 for anything else (a one
+    outside the grid, a value other than 0 and 1, NaN), so a row's sum s
+    says which rows show a key (s > 0) and, since a row's ones lie among
+    key_ok's (a subset), s equal to the count the reconstruction gives the
+    row means equal rows (anything else makes s > M or a different count).
+    A numeric mask is scored by ``_float_counts``: arithmetic only, which
+    XLA:CPU fuses into the reductions, so neither pass writes a copy of the
+    mask.
     """
-    values = a if raw is None else raw
-    values = jnp.broadcast_to(values, values.shape[:2] + (n, m))
-    one, zero = (values, ~values) if raw is None else (values == 1, values == 0)
-    keys = jnp.any(values != 0, axis=-2) if raw is not None else jnp.any(values, axis=-2)
-    allowed = one if hint == "padding" else one & causal_grid(n, m, offset)
-    if m * (m + 1) < 2**31:
-        score = jnp.where(allowed, 1, jnp.where(zero, 0, m + 1)).astype(jnp.int32)
-        sums = jnp.sum(score, axis=-1, dtype=jnp.int32)
-    else:  # M * (M + 1) would overflow int32: count and flag apart
-        sums = jnp.sum(allowed, axis=-1, dtype=jnp.int32)
-        sums = jnp.where(jnp.any(~allowed & ~zero, axis=-1), m + 1, sums)
+    if raw is not None and m < 2**24 and n < 2**24:
+        values = jnp.broadcast_to(raw, raw.shape[:2] + (n, m))
+        keys, sums = _float_counts(values, n, m, hint=hint, offset=offset)
+    else:
+        values = a if raw is None else raw
+        values = jnp.broadcast_to(values, values.shape[:2] + (n, m))
+        keys, sums = _int_counts(values, n, m, hint=hint, offset=offset, numeric=raw is not None)
     rows = sums > 0
     if hint == "padding":
         expected = jnp.sum(keys, axis=-1, dtype=jnp.int32)[..., None]
@@ -277,4 +273,54 @@ def traced_split(
         prefix = jnp.cumsum(keys, axis=-1, dtype=jnp.int32)
         last = jnp.minimum(jnp.arange(n) + offset, m - 1)
         expected = jnp.take(prefix, last, axis=-1)
-    return keys, rows, jnp.all(sums == jnp.where(rows, expected, 0))
+    return keys, rows, jnp.all(sums == jnp.where(rows, expected, 0).astype(sums.dtype))
+
+
+def _float_counts(values: Array, n: int, m: int, *, hint: str, offset: Any) -> tuple[Array, Array]:
+    """``traced_split``'s key_ok and row sums of a numeric mask (b, h, N, M), N, M < 2**24.
+
+    Floating sums in float32 (float64 for a float64 mask, which float32
+    could round to 0 or 1), with no compare or select: XLA:CPU's fused
+    reductions take abs, min, max, sign and products but not those, which
+    made it write the mask's scores (int32) and its != 0 (bool) out for the
+    reductions to read back: 73 MiB for a (4, 1, 1024, 1024) float mask,
+    32 MiB (two reads) now (``tests/test_jax_compiled_cost.py``).
+
+    Exact: an entry scores |v| * (1 + M * over) + (M + 1) * sign(d), with
+    over = max(j - i - offset, 0) (> 0 outside the causal grid) and d =
+    min(|v|, |v - 1|) (> 0 for any value but 0 and 1, NaN for NaN): 0 for
+    a zero, 1 for a one in the grid, at least M + 1 (or inf, NaN) for
+    anything else. Every score is >= 0, so a float sum, rounded in any
+    order, is at least its largest term: a row with anything else sums to
+    more than M, which no expected count reaches; rows of zeros and ones
+    in the grid sum exactly (integers below 2**24). key_ok is the sum over
+    the queries > 0, exact whenever every value is 0 or 1 (else ok is
+    False and nothing reads it). XLA:CPU flushes subnormal floats to zero
+    in these sums as in the compares that read the mask elsewhere, so
+    both see such a value as 0.
+    """
+    dt = jnp.float64 if values.dtype == jnp.float64 else jnp.float32
+    v = values.astype(dt)
+    keys = jnp.sum(v, axis=-2) > 0
+    mag = jnp.abs(v)
+    score = mag + (m + 1.0) * jnp.sign(jnp.minimum(mag, jnp.abs(v - 1.0)))
+    if hint != "padding":
+        # Vectors, not causal_grid's compare: the product stays inside the fused reduction.
+        over = jnp.maximum(jnp.arange(m, dtype=dt)[None, :] - (jnp.arange(n, dtype=dt) + offset)[:, None], 0.0)
+        score = score + m * over * mag
+    return keys, jnp.sum(score, axis=-1)
+
+
+def _int_counts(values: Array, n: int, m: int, *, hint: str, offset: Any, numeric: bool) -> tuple[Array, Array]:
+    """``traced_split``'s key_ok and row sums by compares: a bool mask (the
+    float scores would convert it to a float copy first, measured 76 MiB
+    against 41 at (4, 1, 1024, 1024)), or N or M too large for float32 counts."""
+    one, zero = (values == 1, values == 0) if numeric else (values, ~values)
+    keys = jnp.any(values != 0, axis=-2) if numeric else jnp.any(values, axis=-2)
+    allowed = one if hint == "padding" else one & causal_grid(n, m, offset)
+    if m * (m + 1) < 2**31:
+        score = jnp.where(allowed, 1, jnp.where(zero, 0, m + 1)).astype(jnp.int32)
+        return keys, jnp.sum(score, axis=-1, dtype=jnp.int32)
+    # M * (M + 1) would overflow int32: count and flag apart
+    sums = jnp.sum(allowed, axis=-1, dtype=jnp.int32)
+    return keys, jnp.where(jnp.any(~allowed & ~zero, axis=-1), m + 1, sums)
