@@ -51,6 +51,31 @@ BUSY_LOAD_FRACTION = 0.5
 UNSTEADY_ROUND_SPREAD = 1.5
 
 
+def environment_change(before: dict[str, Any] | None, now: dict[str, Any] | None) -> str:
+    """What differs between two of a run's environments (``_train.run_environment``), as
+    ``key 'old' -> 'new'``; None stands for a checkpoint written before runs recorded theirs."""
+    if before is None:
+        return "the checkpoint records no environment (written before runs recorded theirs)"
+    if now is None:
+        return "the later steps record no environment"
+    keys = [k for k in {**before, **now} if before.get(k) != now.get(k)]
+    return ", ".join(f"{k} {before.get(k)!r} -> {now.get(k)!r}" for k in keys)
+
+
+def environment_changes(run: dict[str, Any]) -> list[str] | None:
+    """Where a run's environment changed (``at step S: ...``, one entry a resume in
+    another environment); [] when it ran in one, None when it records none."""
+    environments = run.get("environments")
+    if not environments:
+        return None
+    changes = []
+    for before, now in zip(environments, environments[1:]):
+        if before.get("environment") != now.get("environment"):
+            what = environment_change(before.get("environment"), now.get("environment"))
+            changes.append(f"at step {now.get('first_step')}: {what}")
+    return changes
+
+
 def timing_trouble(cost: dict[str, Any]) -> str | None:
     """Why a cost file's timings are not trusted (a busy or drifting machine), or None."""
     env = cost.get("environment", {})

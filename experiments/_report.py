@@ -382,6 +382,52 @@ def sweep_threshold_table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def changed_environments(folder: Path, results: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
+    """The runs that ran in more than one environment (resumed from a checkpoint on another
+    machine or other versions), from the results files' runs and every ``runs/**/result.json``
+    under ``folder`` (the sweep's other rates are only there), each once; and how many runs
+    record no environment (written before runs recorded theirs)."""
+    seen: set[tuple] = set()
+    rows: list[dict[str, Any]] = []
+    unrecorded = 0
+
+    def add(task: Any, preset: Any, run: dict[str, Any]) -> None:
+        nonlocal unrecorded
+        key = (task, preset, run.get("variant"), run.get("lr"), run.get("seed"))
+        if key in seen:
+            return
+        seen.add(key)
+        changes = an.environment_changes(run)
+        if changes is None:
+            unrecorded += 1
+        elif changes:
+            rows.append(dict(zip(("task", "preset", "variant", "lr", "seed"), key), changes=changes))
+
+    for res in results:
+        for name, entry in res.get("variants", {}).items():
+            for run in entry.get("runs", []):
+                add(res.get("task"), res.get("preset"), {"variant": name, **run})
+    for path in sorted((folder / "runs").glob("**/result.json")):
+        try:
+            run = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        config = run.get("identity", {}).get("config", {}) if isinstance(run, dict) else {}
+        if isinstance(config, dict) and "task" in config:
+            add(config["task"], config.get("preset"), run)
+    rows.sort(key=lambda r: tuple(str(r[k]) for k in ("task", "preset", "variant", "lr", "seed")))
+    return rows, unrecorded
+
+
+def environment_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| task | variant | lr | seed | what changed |", "| --- | --- | ---: | ---: | --- |"]
+    for r in rows:
+        task = r["task"] if r["preset"] is None else f"{r['task']} ({r['preset']})"
+        lr = "?" if r["lr"] is None else f"{r['lr']:g}"
+        lines.append(f"| {task} | {r['variant']} | {lr} | {r['seed']} | {'; '.join(r['changes'])} |")
+    return "\n".join(lines)
+
+
 def load_folder(folder: Path) -> tuple[dict[str, dict], dict[str, dict], dict[str, dict]]:
     """(headline, ablation, cost) results found in ``folder``, keyed by task."""
     headline, ablation, cost = {}, {}, {}
@@ -420,7 +466,24 @@ def build_report(folder: str | Path, tolerance: float = an.OVERHEAD_TOLERANCE) -
         md.append(f"* Claim {v['claim']}: {v['rule']}")
     md.append("")
     md.append(an.__doc__.split("Decisions (the rules the report states):")[1].strip().replace("\n\n", "\n"))
-    summary: dict[str, Any] = {"verdicts": verdicts, "tasks": {}}
+    changed, unrecorded = changed_environments(folder, [*headline.values(), *ablation.values()])
+    md += [
+        "",
+        "## Runs whose environment changed",
+        "",
+        "A run resumed from its checkpoint in another environment (versions, CPU, threads, device) equals an "
+        "uninterrupted one only up to the last bits.",
+        "",
+        environment_table(changed) if changed else "None.",
+    ]
+    if unrecorded:
+        md += ["", f"Runs that record no environment (written before runs recorded theirs; unknown): {unrecorded}."]
+    summary: dict[str, Any] = {
+        "verdicts": verdicts,
+        "environment_changes": changed,
+        "runs_without_environment": unrecorded,
+        "tasks": {},
+    }
     for task, res in headline.items():
         c = cost.get(task)
         s = stem(res)

@@ -33,6 +33,7 @@ from torch.nn import functional as F
 from damcha_core import DamchaValueError
 from damcha_core import _cliutil as cu
 
+from ._analysis import environment_change
 from ._models import (
     DigitsViT,
     TinyTransformer,
@@ -96,13 +97,6 @@ def run_environment(device: torch.device) -> dict[str, Any]:
         env["cuda"] = torch.version.cuda
         env["cudnn"] = torch.backends.cudnn.version()
     return env
-
-
-def _environment_change(before: dict[str, Any] | None, now: dict[str, Any]) -> str:
-    if before is None:
-        return "the checkpoint records no environment (written before runs recorded theirs)"
-    keys = [k for k in {**before, **now} if before.get(k) != now.get(k)]
-    return ", ".join(f"{k} {before.get(k)!r} -> {now.get(k)!r}" for k in keys)
 
 
 # ------------------------------------------------------------------ models
@@ -388,7 +382,7 @@ def train_run(
         if environments[-1]["environment"] != environment:
             warnings.warn(
                 f"{paths['ckpt']}: resuming at step {resumed_at} in another environment than the checkpoint's "
-                f"({_environment_change(environments[-1]['environment'], environment)}); a resumed run equals an "
+                f"({environment_change(environments[-1]['environment'], environment)}); a resumed run equals an "
                 "uninterrupted one bit for bit only within one environment, so its result lists both "
                 "(`environments`)",
                 ResumedElsewhereWarning,

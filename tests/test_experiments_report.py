@@ -412,3 +412,52 @@ def test_claim4_at_the_ceiling_is_not_supported_by_non_inferiority():
     res["suite"] = "ablation"
     claim4 = an.verdicts({}, {"crosshead": res}, {})[3]
     assert claim4["verdict"] == "inconclusive" and "ceiling (damcha-heads-tied within the margin" in claim4["reason"]
+
+
+_ENV = {"python": "3.11.9", "torch": "2.5.1", "numpy": "2.1.0", "cpu_capability": "AVX512", "torch_threads": 1}
+
+
+def test_report_lists_runs_whose_environment_changed(tmp_path):
+    """A run resumed on another machine or other versions records each environment it ran in;
+    the report did not show them (a resumed run equals an uninterrupted one only within one)."""
+    res = _results("crosshead", {"mha": _base(0.60), "talking-heads": _base(0.62), "damcha-heads-query": _other(0.8)})
+    for name, entry in res["variants"].items():
+        for run in entry["runs"]:
+            run.update(variant=name, lr=1e-3, environments=[{"first_step": 1, "environment": _ENV}])
+    write_json(res, tmp_path / "crosshead.json")
+    text, summary = build_report(tmp_path)
+    assert "## Runs whose environment changed\n\nA run resumed" in text
+    assert text.split("## Runs whose environment changed", 1)[1].split("##", 1)[0].strip().endswith("None.")
+    assert summary["environment_changes"] == [] and summary["runs_without_environment"] == 0
+
+    # One run of the results file resumed with another torch and thread count, and a sweep run at
+    # another rate (only in runs/) resumed from a checkpoint that recorded none.
+    moved = dict(_ENV, torch="2.6.0", torch_threads=2)
+    res["variants"]["damcha-heads-query"]["runs"][3]["environments"].append({"first_step": 1201, "environment": moved})
+    write_json(res, tmp_path / "crosshead.json")
+    sweep_run = {
+        "identity": {"config": {"task": "crosshead", "preset": "full"}},
+        "variant": "mha",
+        "lr": 4e-3,
+        "seed": 1,
+        "environments": [{"first_step": 1, "environment": None}, {"first_step": 501, "environment": _ENV}],
+    }
+    old_run = {"identity": {"config": {"task": "crosshead", "preset": "full"}}, "variant": "mha", "lr": 2e-3, "seed": 0}
+    for run, where in ((sweep_run, "mha/lr0.004/seed1"), (old_run, "mha/lr0.002/seed0")):
+        (tmp_path / "runs" / "crosshead-full-cpu" / where).mkdir(parents=True)
+        write_json(run, tmp_path / "runs" / "crosshead-full-cpu" / where / "result.json")
+    text, summary = build_report(tmp_path)
+    assert [(r["variant"], r["lr"], r["seed"]) for r in summary["environment_changes"]] == [
+        ("damcha-heads-query", 1e-3, 3),
+        ("mha", 4e-3, 1),
+    ]
+    assert summary["runs_without_environment"] == 1  # the older result.json
+    assert (
+        "| crosshead (full) | damcha-heads-query | 0.001 | 3 | at step 1201: torch '2.5.1' -> '2.6.0', "
+        "torch_threads 1 -> 2 |" in text
+    )
+    assert (
+        "| crosshead (full) | mha | 0.004 | 1 | at step 501: the checkpoint records no environment (written before "
+        "runs recorded theirs) |" in text
+    )
+    assert "Runs that record no environment (written before runs recorded theirs; unknown): 1." in text
