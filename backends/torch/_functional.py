@@ -1185,7 +1185,7 @@ def attend_weights(
 
 
 def few_tokens_step(
-    config: DamchaConfig,
+    sizes: tuple[int, int, int, int, float | None],
     x: Tensor,
     in_proj: Tensor,
     in_bias: Tensor | None,
@@ -1201,7 +1201,9 @@ def few_tokens_step(
     projection, at most ``_FEW_TOKENS`` tokens, no mask, no weights returned,
     no dropout, no autograd, metric "none" or "heads", parameters in x's dtype
     (float32/64), and either an empty cache or a causal rule that hides
-    nothing (N = 1) or no causal rule. ``maps`` holds (weight, bias, gate
+    nothing (N = 1) or no causal rule. ``sizes`` is the config's (num_heads,
+    num_kv_heads, key_dim, value_dim, scale) (the layer's ``_flat_sizes``).
+    ``maps`` holds (weight, bias, gate
     column (S, 1)) of the q side and of the k side (the same tuple when tied;
     None for none). ``output`` is the output projection: a callable (the
     layer's ``out_proj`` module, so its hooks run), or (weight, bias) when
@@ -1232,9 +1234,7 @@ def few_tokens_step(
     """
     B, N, E = x.shape
     T = B * N
-    H, G, d, dv = config.num_heads, config.num_kv_heads, config.key_dim, config.value_dim
-    # Inline rather than config_sizes(): this path is sized in Python overhead.
-    assert G is not None and dv is not None, config
+    H, G, d, dv, scale = sizes
     # F.linear's output is contiguous (contiguous() then returns it without a
     # call); the strides below read q, k and v out of that layout.
     qkv = F.linear(x, in_proj, in_bias).contiguous()
@@ -1331,7 +1331,7 @@ def few_tokens_step(
         # chunk only on an empty cache; one token sees every cached key).
         is_causal=causal and N > 1,
         # None is SDPA's own 1/sqrt(d), the same double as config.softmax_scale.
-        scale=config.scale,
+        scale=scale,
         enable_gqa=G != H,
     )
     # Added into SDPA's own output (nothing else holds it, and no autograd

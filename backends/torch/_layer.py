@@ -340,6 +340,9 @@ class DamchaAttention(CanonicalIO, nn.Module):
         # Which generator maps queries and keys, and whether a decoding step
         # may take the flat path (fn.few_tokens_step): see _few_tokens_step.
         self._map_sides = (dc.side_of(cfg, "q"), dc.side_of(cfg, "k"))
+        # The config's sizes the flat step reads, in one tuple: a compiled step
+        # guards one constant rather than each config field it reads.
+        self._flat_sizes = (H, G, d, dv, cfg.scale)
         self._few_tokens_ok = cfg.metric in ("none", "heads") and Ekv == E and Ev == E
         self._reset_projections()
 
@@ -578,7 +581,7 @@ class DamchaAttention(CanonicalIO, nn.Module):
         linear = _linear_params(out_proj)
         maps = (mq, mk)
         out = fn.few_tokens_step(
-            self.config,
+            self._flat_sizes,
             x,
             weight,
             bias,
@@ -604,16 +607,24 @@ class DamchaAttention(CanonicalIO, nn.Module):
         if not query.is_floating_point():
             return None  # the general path raises its error
         x = query if self.batch_first else query.transpose(0, 1)
-        B, N, _ = self._sizes_of(x, x, x)
-        if B * N > fn._FEW_TOKENS:
-            return None
         p = self._parameters
         weight, bias = p["in_proj_weight"], p["in_proj_bias"]
+        if weight is None:
+            return None
+        # damcha_core's shape rules for this call, written out: with the packed
+        # projection (query_dim = context_dim = value_input_dim) they ask a
+        # non-empty (B, N, query_dim), and query_dim is the weight's input
+        # size, which the weight's own guard fixes. Calling the rules would
+        # guard every config field and function they read (about 40 guards,
+        # checked on every compiled call); a call they reject goes on to the
+        # general path, which raises their error.
+        B, N, E = x.shape
+        if weight.shape[1] != E or B == 0 or N == 0 or B * N > fn._FEW_TOKENS:
+            return None
         dtype = x.dtype
         device = x.device.type
         if (
-            weight is None
-            or weight.dtype != dtype
+            weight.dtype != dtype
             or (bias is not None and bias.dtype != dtype)
             or dtype not in (torch.float32, torch.float64)
             or self.track_metric_penalty
@@ -646,14 +657,16 @@ class DamchaAttention(CanonicalIO, nn.Module):
                 if w_g.dtype != dtype or b_g.dtype != dtype or gate.dtype != dtype:  # type: ignore[union-attr]
                     return None
                 maps[i] = (w_g, b_g, gate.view(-1, 1))  # type: ignore[assignment,union-attr]
-        linear = _linear_params(out_proj)
+        # The module itself: traced, its call is the same F.linear in the graph,
+        # and dynamo checks its hooks as it does for any module call
+        # (_linear_params' reads would be guarded besides).
         out = fn.few_tokens_step(
-            self.config,
+            self._flat_sizes,
             x,
             weight,
             bias,
             (maps[0], maps[1]),
-            out_proj if linear is None else linear,
+            out_proj,
             kv_cache,
             is_causal,
             traced=True,
