@@ -188,6 +188,10 @@ def validate_params(
         DamchaTypeError, DamchaValueError: as ``check_params``; also
             DamchaValueError when a value is NaN or infinite.
     """
+    if isinstance(params, Mapping):
+        # One read per value: a mapping that answers a second read differently
+        # (lazy or mutating) must not get a value past the checks below.
+        params = dict(params)
     check_params(params, config, argument=argument)
     out: dict[str, np.ndarray] = {}
     for name in config.param_shapes():

@@ -180,6 +180,31 @@ def test_non_finite_parameters_are_refused_where_they_enter() -> None:
         dj.DamchaAttention.from_canonical(params, CFG)
 
 
+def test_load_canonical_loads_the_values_it_checked() -> None:
+    """A mapping that answers a second read differently (a lazy or mutating
+    store) cannot slip an unchecked value in: what is loaded is the copy
+    validate_params checked, read once."""
+    from collections.abc import Mapping
+
+    class SecondReadIsInf(Mapping):
+        def __init__(self) -> None:
+            self.reads: dict[str, int] = {}
+
+        def __getitem__(self, name: str) -> np.ndarray:
+            self.reads[name] = self.reads.get(name, 0) + 1
+            return PARAMS[name] if self.reads[name] == 1 else np.full_like(PARAMS[name], np.inf)
+
+        def __iter__(self):
+            return iter(PARAMS)
+
+        def __len__(self) -> int:
+            return len(PARAMS)
+
+    layer = _layer().load_canonical(SecondReadIsInf())
+    for name, value in layer.to_canonical().items():
+        np.testing.assert_array_equal(value, PARAMS[name], err_msg=name)
+
+
 # -------------------------------------------------------------- error messages
 
 

@@ -74,7 +74,7 @@ class CanonicalIO:
         dtype = jnp.dtype(self.param_dtype)
         dc.check_params_fit(checked, dtype.name, float(jnp.finfo(dtype).max))
         for name, var in self._variables().items():
-            var[...] = jnp.asarray(params[name], self.param_dtype)
+            var[...] = jnp.asarray(checked[name], self.param_dtype)
         return self
 
     @classmethod
