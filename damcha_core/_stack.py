@@ -54,7 +54,9 @@ class EncoderConfig:
         num_layers: L, layers in the stack.
         ffn_dim: F, hidden size of each feed-forward block.
         share_metric: stack-wise sharing of the metric generator (W_A, b_A or
-            W_u, b_u, U, V) by every layer; each layer keeps its own gate.
+            W_u, b_u, U, V) by every layer; each layer keeps its own gate. The
+            generator is then named ``shared.metric.*`` whatever num_layers is,
+            1 included (the ports follow this name rule).
         norm_eps: LayerNorm epsilon.
         causal: causal self-attention in every layer.
         norm_first: pre-norm (True) or post-norm (False) layers.

@@ -11,8 +11,21 @@ from flax import nnx
 
 import jax
 import jax.numpy as jnp
-from damcha_core import DamchaValueError, EncoderConfig, check_bool, check_int, check_rate, describe, invalid_argument
+from damcha_core import (
+    DamchaTypeError,
+    DamchaValueError,
+    EncoderConfig,
+    check_bool,
+    check_int,
+    check_params_fit,
+    check_rate,
+    check_real,
+    describe,
+    invalid_argument,
+    validate_stack_params,
+)
 
+from ._canonical import variables as canonical_variables
 from ._generator import MetricGenerator, make_metric_generators
 from ._layer import DamchaAttention, attention_config
 
@@ -30,6 +43,7 @@ class DamchaEncoderBlock(nnx.Module):
         dropout_rate: residual dropout.
         attention_dropout_rate: attention-probability dropout.
         metric_generator: shared generator(s), see ``DamchaAttention``.
+        norm_epsilon: the LayerNorms' epsilon (Flax's default, 1e-6).
         **attention_kwargs: further ``DamchaAttention`` options (key_dim,
             metric, metric_rank, coupling, num_kv_heads, dtype, param_dtype...).
     """
@@ -43,14 +57,16 @@ class DamchaEncoderBlock(nnx.Module):
         dropout_rate: float = 0.0,
         attention_dropout_rate: float = 0.0,
         metric_generator: MetricGenerator | Mapping[str, MetricGenerator] | None = None,
+        norm_epsilon: float = 1e-6,
         rngs: nnx.Rngs,
         **attention_kwargs: Any,
     ) -> None:
         mlp_features = check_int("mlp_features", mlp_features)
         check_rate("dropout_rate", dropout_rate)
+        norm_epsilon = _check_epsilon(norm_epsilon)
         dtype, param_dtype = attention_kwargs.get("dtype"), attention_kwargs.get("param_dtype", jnp.float32)
         norm = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.attention_norm = nnx.LayerNorm(in_features, **norm)
+        self.attention_norm = nnx.LayerNorm(in_features, epsilon=norm_epsilon, **norm)
         self.attention = DamchaAttention(
             num_heads,
             in_features,
@@ -59,7 +75,7 @@ class DamchaEncoderBlock(nnx.Module):
             rngs=rngs,
             **attention_kwargs,
         )
-        self.mlp_norm = nnx.LayerNorm(in_features, **norm)
+        self.mlp_norm = nnx.LayerNorm(in_features, epsilon=norm_epsilon, **norm)
         self.mlp_in = nnx.Linear(in_features, mlp_features, **norm)
         self.mlp_out = nnx.Linear(mlp_features, in_features, **norm)
         self.dropout = nnx.Dropout(dropout_rate, rngs=rngs)
@@ -125,6 +141,9 @@ class DamchaEncoder(nnx.Module):
         if share_metric:
             config = attention_config(num_heads, in_features, **_shape_kwargs(block_kwargs))
             shared = make_metric_generators(config, param_dtype=block_kwargs.get("param_dtype", jnp.float32), rngs=rngs)
+        # Kept apart from the generators: metric "none" has none, yet the stack's
+        # EncoderConfig still records share_metric as built (it round-trips).
+        self.share_metric = share_metric
         self.metric_generators = nnx.Dict(shared)
         self.layers = nnx.List(
             [
@@ -141,6 +160,7 @@ class DamchaEncoder(nnx.Module):
         )
         self.final_norm = nnx.LayerNorm(
             in_features,
+            epsilon=_check_epsilon(block_kwargs.get("norm_epsilon", 1e-6)),
             dtype=block_kwargs.get("dtype"),
             param_dtype=block_kwargs.get("param_dtype", jnp.float32),
             rngs=rngs,
@@ -174,14 +194,105 @@ class DamchaEncoder(nnx.Module):
                 takes ``is_causal`` per call).
         """
         layers = list(self.layers)
-        share = bool(len(self.metric_generators)) and len(layers) > 1
-        return _stack_canonical(layers, self.final_norm, share=share, causal=causal, name="encoder")
+        # damcha_core's rule: shared.* whenever the stack shares, one layer too.
+        return _stack_canonical(layers, self.final_norm, share=self.share_metric, causal=causal, name="encoder")
+
+    def load_canonical(self, params: Mapping[str, Any]) -> DamchaEncoder:
+        """Copy stack params in (validated against this encoder's own
+        ``EncoderConfig``: names, shapes, finite values), each cast to its
+        variable's dtype; returns self. A shared generator is loaded once, into
+        the generator every layer holds."""
+        layers = list(self.layers)
+        config = _stack_config(layers, self.final_norm, share=self.share_metric, causal=False, name="encoder")
+        checked = validate_stack_params(params, config)
+        targets: dict[str, Any] = {}  # name -> its variable (None-free: _stack_config checks)
+        for i, block in enumerate(layers):
+            for key, var in canonical_variables(block.attention).items():
+                name = f"layers.{i}.attention.{key}"
+                targets[name if name in checked else f"shared.{key}"] = var
+            targets.update({f"layers.{i}.{key}": var for key, var in _block_variables(block).items()})
+        targets.update({"final_norm.scale": self.final_norm.scale, "final_norm.bias": self.final_norm.bias})
+        # Every value is checked against its variable's dtype before anything is
+        # assigned: a refusal must not leave the first layers loaded.
+        for name, var in targets.items():
+            dtype = jnp.dtype(var[...].dtype)
+            check_params_fit({name: checked[name]}, dtype.name, float(jnp.finfo(dtype).max))
+        for name, var in targets.items():
+            var[...] = jnp.asarray(checked[name], var[...].dtype)
+        return self
+
+    @classmethod
+    def from_canonical(
+        cls, params: Mapping[str, Any], config: EncoderConfig, *, rngs: nnx.Rngs | None = None, **kwargs: Any
+    ) -> DamchaEncoder:
+        """An encoder built for ``config`` (a ``damcha_core.EncoderConfig``)
+        holding ``params``; ``kwargs`` are what the config does not hold
+        (``dtype``, ``param_dtype``, ``dropout_rate``, ...). The encoder is
+        pre-norm with ``nnx.gelu`` and a final LayerNorm, so the config must
+        say ``norm_first=True``, ``activation="gelu_tanh"``, ``final_norm=True``."""
+        if not isinstance(config, EncoderConfig):
+            raise DamchaTypeError(
+                invalid_argument("config", "a damcha_core.EncoderConfig", f"config={describe(config)}")
+            )
+        fixed = {"norm_first": True, "activation": "gelu_tanh", "final_norm": True}
+        wrong = {k: getattr(config, k) for k, v in fixed.items() if getattr(config, k) != v}
+        if wrong:
+            raise DamchaValueError(
+                invalid_argument(
+                    "config",
+                    "an EncoderConfig that DamchaEncoder computes: norm_first=True, activation='gelu_tanh', "
+                    "final_norm=True",
+                    ", ".join(f"config.{k}={v!r}" for k, v in wrong.items()),
+                )
+            )
+        a = config.attention
+        encoder = cls(
+            config.num_layers,
+            a.query_dim,
+            a.num_heads,
+            config.ffn_dim,
+            share_metric=config.share_metric,
+            rngs=rngs or nnx.Rngs(0),
+            norm_epsilon=config.norm_eps,
+            attention_dropout_rate=a.dropout,
+            key_dim=a.key_dim,
+            value_dim=a.value_dim,
+            num_kv_heads=a.num_kv_heads,
+            metric=a.metric,
+            metric_rank=a.metric_rank,
+            coupling=a.coupling,
+            scale=a.scale,
+            use_bias=a.use_bias,
+            **kwargs,
+        )
+        return encoder.load_canonical(params)
 
 
-def _stack_canonical(
+def _check_epsilon(value: Any) -> float:
+    if not check_real("norm_epsilon", value) > 0:  # NaN fails too
+        raise DamchaValueError(invalid_argument("norm_epsilon", "a number > 0", f"norm_epsilon={describe(value)}"))
+    return float(value)
+
+
+def _block_variables(block: DamchaEncoderBlock) -> dict[str, Any]:
+    """Stack names of one block's norm and MLP variables."""
+    return {
+        "norm1.scale": block.attention_norm.scale,
+        "norm1.bias": block.attention_norm.bias,
+        "norm2.scale": block.mlp_norm.scale,
+        "norm2.bias": block.mlp_norm.bias,
+        "ffn.in.kernel": block.mlp_in.kernel,
+        "ffn.in.bias": block.mlp_in.bias,
+        "ffn.out.kernel": block.mlp_out.kernel,
+        "ffn.out.bias": block.mlp_out.bias,
+    }
+
+
+def _stack_config(
     blocks: Sequence[DamchaEncoderBlock], final_norm: nnx.LayerNorm | None, *, share: bool, causal: Any, name: str
-) -> tuple[dict[str, np.ndarray], EncoderConfig]:
-    """Blocks (and a final norm) as stack params and their ``EncoderConfig``."""
+) -> EncoderConfig:
+    """The ``EncoderConfig`` of blocks (and a final norm), or a DamchaValueError
+    listing what does not fit the stack format."""
     causal = check_bool("causal", causal)
     first = blocks[0]
     eps = first.attention_norm.epsilon
@@ -203,7 +314,7 @@ def _stack_canonical(
                 f"{name} with {len(blocks)} block(s)",
             )
         )
-    config = EncoderConfig(
+    return EncoderConfig(
         first.attention.config,
         num_layers=len(blocks),
         ffn_dim=int(first.mlp_in.out_features),
@@ -214,6 +325,13 @@ def _stack_canonical(
         activation="gelu_tanh",
         final_norm=final_norm is not None,
     )
+
+
+def _stack_canonical(
+    blocks: Sequence[DamchaEncoderBlock], final_norm: nnx.LayerNorm | None, *, share: bool, causal: Any, name: str
+) -> tuple[dict[str, np.ndarray], EncoderConfig]:
+    """Blocks (and a final norm) as stack params and their ``EncoderConfig``."""
+    config = _stack_config(blocks, final_norm, share=share, causal=causal, name=name)
     shared = set(config.shared_names()) if share else set()
     f64 = lambda v: np.asarray(v[...], dtype=np.float64)  # noqa: E731
     params: dict[str, np.ndarray] = {}
@@ -224,16 +342,7 @@ def _stack_canonical(
                 params.setdefault("shared." + key, value)  # the shared generator, once
             else:
                 params[f"{pre}attention.{key}"] = value
-        for key, var in (
-            ("norm1.scale", block.attention_norm.scale),
-            ("norm1.bias", block.attention_norm.bias),
-            ("norm2.scale", block.mlp_norm.scale),
-            ("norm2.bias", block.mlp_norm.bias),
-            ("ffn.in.kernel", block.mlp_in.kernel),
-            ("ffn.in.bias", block.mlp_in.bias),
-            ("ffn.out.kernel", block.mlp_out.kernel),
-            ("ffn.out.bias", block.mlp_out.bias),
-        ):
+        for key, var in _block_variables(block).items():
             params[pre + key] = f64(var)
     if final_norm is not None:
         params["final_norm.scale"], params["final_norm.bias"] = f64(final_norm.scale), f64(final_norm.bias)

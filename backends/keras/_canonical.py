@@ -221,13 +221,19 @@ def _split_stack(layers: Any, argument: str) -> tuple[list[Any], Any]:
 
 
 def _sharing(blocks: list[Any]) -> bool:
-    """True when every block uses block 0's generator objects (stack-wise sharing)."""
+    """True when every block uses block 0's generator objects (stack-wise sharing).
+
+    A lone block shares when its generator was handed to it (``metric_generator``,
+    as ``stack_from_canonical`` does for ``share_metric=True``): damcha_core names
+    a one-layer stack's generator ``shared.*`` whenever ``share_metric``, so the
+    names must round-trip for one layer too. A block that made its own does not.
+    """
     first = blocks[0]._attention.metric_generators
-    return (
-        bool(first)
-        and len(blocks) > 1
-        and all(all(b._attention.metric_generators.get(side) is g for side, g in first.items()) for b in blocks[1:])
-    )
+    if not first:
+        return False
+    if len(blocks) == 1:
+        return blocks[0].metric_generator is not None
+    return all(all(b._attention.metric_generators.get(side) is g for side, g in first.items()) for b in blocks[1:])
 
 
 def stack_config(layers: Sequence[Any], *, causal: bool | None = None) -> dc.EncoderConfig:
@@ -328,7 +334,7 @@ def stack_to_canonical(
         params.update({f"layers.{i}.{key}": to_np(v) for key, v in _block_variables(block).items()})
     if final is not None:
         params["final_norm.scale"], params["final_norm.bias"] = to_np(final.gamma), to_np(final.beta)
-    return params, config
+    return {name: params[name] for name in shapes}, config  # the core's order: files and diffs agree
 
 
 def stack_load_canonical(layers: Sequence[Any], params: Mapping[str, Any]) -> Sequence[Any]:

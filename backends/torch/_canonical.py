@@ -212,7 +212,7 @@ def encoder_config(encoder: Any, *, causal: bool = False) -> dc.EncoderConfig:
         first.self_attn.config,
         num_layers=len(layers),
         ffn_dim=first.linear1.out_features,
-        share_metric=encoder.share_metric and len(layers) > 1,
+        share_metric=encoder.share_metric,  # damcha_core's rule: shared.* whenever True, one layer too
         norm_eps=eps,
         causal=causal,
         norm_first=bool(first.norm_first),
@@ -250,7 +250,7 @@ def encoder_to_canonical(encoder: Any, *, causal: bool = False) -> tuple[dict[st
         params.update({f"layers.{i}.{key}": _numpy(t) for key, t in _block_tensors(layer).items()})
     if encoder.norm is not None:
         params["final_norm.scale"], params["final_norm.bias"] = _numpy(encoder.norm.weight), _numpy(encoder.norm.bias)
-    return params, config
+    return {name: params[name] for name in shapes}, config  # the core's order: files and diffs agree
 
 
 def _fit(dtype: torch.dtype) -> tuple[str, float]:
