@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import os
 import subprocess
 import sys
@@ -56,7 +57,8 @@ def _parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="MODULE:ATTR",
-        help="a third-party adapter as module:attr (class, factory or instance), repeatable",
+        help="a third-party adapter as module:attr (class or factory called with no arguments, or an instance; "
+        "checked before anything runs), repeatable",
     )
     p.add_argument("--dtype", action="append", choices=DTYPES, help="only these dtypes (default: each adapter's own)")
     p.add_argument("--case", action="append", metavar="NAME", help="only these catalogue cases")
@@ -144,6 +146,44 @@ def _validate(args: argparse.Namespace) -> None:
             cu.usage_error(
                 "--adapter", f"module {module_name!r} has no attribute {attr!r}. Received: {spec!r}", prog=PROG
             )
+        problem = _not_an_adapter(getattr(module, attr))
+        if problem is not None:
+            cu.usage_error("--adapter", f"{spec} is not a conformance adapter: {problem}", prog=PROG)
+
+
+def _not_an_adapter(obj: object) -> str | None:
+    """Why ``obj`` (what ``module:attr`` names) cannot be an adapter, or None when it may be.
+
+    Checked without building it: the adapter is built in its worker (a constructor may import a
+    framework or pick a Keras backend). An instance gets ``check_adapter``'s full check; a class
+    must define ``unsupported`` and ``forward`` and be callable with no arguments, as
+    ``load_adapter`` calls it; a factory must be callable with no arguments (what it returns is
+    checked in the worker)."""
+    if not callable(obj):  # load_adapter calls what is callable, takes the rest as the adapter
+        try:
+            check_adapter(obj)
+        except DamchaError as exc:
+            return str(exc)
+        return None
+    if isinstance(obj, type):
+        lacks = [m for m in ("unsupported", "forward") if not callable(getattr(obj, m, None))]
+        if lacks:
+            return (
+                f"class {obj.__module__}.{obj.__qualname__} has no method {' or '.join(lacks)} (an adapter has "
+                "name, dtypes, supports_gradients, unsupported(case) and forward(data, dtype); see "
+                "damcha_conformance.BackendAdapter)"
+            )
+        dtypes = getattr(obj, "dtypes", None)
+        if isinstance(dtypes, (str, bytes)):
+            return f"its dtypes is one string {dtypes!r}; expected a sequence of dtype names, e.g. ('float64',)"
+    try:
+        inspect.signature(obj).bind()
+    except ValueError:  # no signature to read (a builtin): left to the worker
+        return None
+    except TypeError as exc:
+        name = f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', type(obj).__qualname__)}"
+        return f"the adapter is built by calling {name}() with no arguments, which it refuses ({exc})"
+    return None
 
 
 def _filters(args: argparse.Namespace) -> list[str]:

@@ -65,3 +65,20 @@ class NoUnsupported:
 
     def forward(self, data, dtype):
         return ReferenceAdapter().forward(data, dtype)
+
+
+def make_dtypes_string():
+    """A factory: what it builds is only known once called, so the worker checks it."""
+    return DtypesString()
+
+
+def make_no_unsupported():
+    return NoUnsupported()
+
+
+no_unsupported_instance = NoUnsupported()
+
+
+def needs_an_argument(device):
+    """A factory ``load_adapter`` cannot call (it calls with no arguments)."""
+    return ReferenceAdapter()

@@ -102,6 +102,23 @@ def test_bad_adapter_specs_are_one_line_errors(spec, says):
     assert says in one_line_usage_error(conform("--adapter", spec), "--adapter")
 
 
+@pytest.mark.parametrize(
+    "spec, says",
+    [
+        ("json:JSONDecoder", "class json.decoder.JSONDecoder has no method unsupported or forward"),
+        ("_conformance_fixtures:NoUnsupported", "has no method unsupported ("),
+        ("_conformance_fixtures:DtypesString", "its dtypes is one string 'float64'"),
+        ("_conformance_fixtures:no_unsupported_instance", "adapter lacks unsupported"),
+        ("_conformance_fixtures:needs_an_argument", "calling _conformance_fixtures.needs_an_argument() with no"),
+        ("json:decoder", "adapter lacks name"),
+    ],
+)
+def test_an_importable_object_that_is_not_an_adapter_exits_2_before_any_work(spec, says):
+    # Used to start a worker and end in FAILED (exit 1): a bad argument, like a missing attribute.
+    line = one_line_usage_error(conform("--adapter", spec), "--adapter")
+    assert f"{spec} is not a conformance adapter: " in line and says in line, line
+
+
 def test_export_vectors_into_an_unwritable_folder_is_refused(tmp_path):
     if os.geteuid() == 0:
         locked = Path("/proc")  # root ignores permission bits; /proc refuses new files
@@ -217,11 +234,12 @@ def test_a_terminal_gets_a_progress_bar(tmp_path):
 @pytest.mark.parametrize(
     "adapter, says",
     [
-        ("DtypesString", "`adapter.dtypes`: expected a sequence of dtype names"),
-        ("NoUnsupported", "adapter lacks unsupported"),
+        ("make_dtypes_string", "`adapter.dtypes`: expected a sequence of dtype names"),
+        ("make_no_unsupported", "adapter lacks unsupported"),
     ],
 )
 def test_a_malformed_adapter_is_named_not_a_traceback(adapter, says):
+    # Factories: what they build is only seen in the worker, where a bad one is a FAIL.
     proc = conform("--adapter", f"_conformance_fixtures:{adapter}", "--case", dcf.CATALOGUE[0].name, "--no-progress")
     assert proc.returncode == 1, proc.stdout
     assert f"FAIL _conformance_fixtures:{adapter}: not a usable adapter: " in proc.stdout and says in proc.stdout
