@@ -93,20 +93,18 @@ def test_torch_one_layer_stack(kind: str, share: bool) -> None:
 @pytest.mark.parametrize("share", [True, False], ids=["shared", "unshared"])
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_jax_one_layer_stack(kind: str, share: bool, x64: None) -> None:
+    # 2-4 s each, the first ~10 s, on 2 loaded cores: x64 compiles every JAX op afresh (parameter init
+    # included); the forward is one nnx.jit so that it compiles once, not per op.
     params, config = _stack("jax", kind, share)
     x = _x()
-    f64 = dict(dtype=jnp.float64, param_dtype=jnp.float64)
-    enc = dj.DamchaEncoder.from_canonical(params, config, **f64)
-    got = np.asarray(enc(jnp.asarray(x)))
+    enc = dj.DamchaEncoder.from_canonical(params, config, dtype=jnp.float64, param_dtype=jnp.float64)
+    got = np.asarray(nnx.jit(lambda m, x: m(x))(enc, jnp.asarray(x)))
     np.testing.assert_allclose(got, dc.encoder_forward(params, config, x), rtol=1e-12, atol=1e-12)
     _assert_round_trip(*enc.to_canonical(), params, config)
-    # The constructor's one-layer stack loads them in place too.
-    built = dj.DamchaEncoder(
-        1, E, H, F, share_metric=share, norm_epsilon=config.norm_eps, key_dim=D, rngs=nnx.Rngs(1), **f64,
-        **KINDS[kind],
-    )  # fmt: skip
-    assert built.load_canonical(params) is built
-    _assert_round_trip(*built.to_canonical(), params, config)
+    # load_canonical in place (from_canonical's own path) of a copy with other values.
+    moved = {name: value + 0.25 for name, value in params.items()}
+    assert enc.load_canonical(moved) is enc
+    _assert_round_trip(*enc.to_canonical(), moved, config)
 
 
 @pytest.mark.parametrize("share", [True, False], ids=["shared", "unshared"])
@@ -121,6 +119,16 @@ def test_keras_one_layer_stack(kind: str, share: bool) -> None:
     np.testing.assert_allclose(np.asarray(h), dc.encoder_forward(params, config, x), rtol=1e-12, atol=1e-12)
     _assert_round_trip(*dk.stack_to_canonical(layers), params, config)
     assert dk.stack_load_canonical(layers, params) is layers
+    # The block alone keeps the rule (its generator was handed to it when shared);
+    # a block that made its own generator is a one-layer stack that does not share.
+    one, one_config = layers[0].to_canonical()
+    assert (
+        one_config.share_metric == share
+        and ("shared.metric." + next(iter(config.attention.metric_sides)) + ".kernel" in one) == share
+    )
+    own = type(layers[0])(F, H, key_dim=D, dtype="float64", **KINDS[kind])
+    own(x)
+    assert not own.to_canonical()[1].share_metric
 
 
 def test_jax_from_canonical_names_what_the_encoder_cannot_compute() -> None:
