@@ -473,3 +473,54 @@ def test_out_suffix_check_ignores_case(params_file, tmp_path):
     result = export("--params", params_file, "--out", str(out))
     assert result.returncode == 0, result.stderr
     assert onnx.load(str(out)).graph.node
+
+
+def test_a_later_export_removes_the_companions_it_did_not_write(tmp_path):
+    """An E=8 export with --quantize and --ort-dir, then an E=16 one to the same --out: the
+    second used to leave m.int8.onnx and ort/m.int8.ort of the first, no longer matching m.onnx."""
+    small, large = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    dc.save_params(small, dc.init_params(CONFIG, 1), CONFIG)
+    wide = CONFIG.replace(query_dim=16)
+    dc.save_params(large, dc.init_params(wide, 2), wide)
+    out, ort_dir = tmp_path / "m.onnx", tmp_path / "ort"
+    first = export("--params", str(small), "--out", str(out), "--quantize", "dynamic", "--ort-dir", str(ort_dir))
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert (tmp_path / "m.int8.onnx").exists() and (ort_dir / "m.int8.ort").exists()
+    keep = tmp_path / "keep.onnx"  # a file of the user's beside --out: not derived from it, never touched
+    keep.write_bytes(b"x")
+    # --ort-dir without --quantize: the int8 files beside --out and in --ort-dir are stale.
+    second = export("--params", str(large), "--out", str(out), "--ort-dir", str(ort_dir))
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert f"removed {tmp_path / 'm.int8.onnx'}: left by an earlier export" in second.stdout
+    assert f"removed {ort_dir / 'm.int8.ort'}: left by an earlier export" in second.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "a.safetensors",
+        "b.safetensors",
+        "keep.onnx",
+        "m.onnx",
+        "ort",
+    ]
+    assert sorted(p.name for p in ort_dir.iterdir()) == ["m.ort", "required_operators_and_types.config"]
+    dim = onnx.load(str(out)).graph.input[0].type.tensor_type.shape.dim[-1].dim_value
+    assert dim == 16  # the second model, and the .ort file beside it is of the same model
+    feeds = {"query": np.random.default_rng(0).normal(size=(1, 3, 16)).astype(np.float32)}
+    np.testing.assert_allclose(
+        do.run_ort(str(out), feeds, session=do.ort_session(str(ort_dir / "m.ort"))), do.run_ort(str(out), feeds), atol=0
+    )
+
+
+def test_a_stale_companion_that_is_read_only_or_an_input_is_kept(params_file, tmp_path):
+    out = tmp_path / "m.onnx"
+    stale = tmp_path / "m.int8.onnx"
+    stale.write_bytes(b"old")
+    stale.chmod(0o444)
+    proc = export("--params", params_file, "--out", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert stale.read_bytes() == b"old"
+    assert f"warning: {stale} is from an earlier export and no longer matches {out}; it is read-only" in proc.stderr
+    # --params named like the int8 companion: an input, never removed.
+    params = tmp_path / "n.int8.onnx"
+    params.write_bytes(Path(params_file).read_bytes())
+    proc = export("--params", str(params), "--out", str(tmp_path / "n.onnx"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert params.exists() and "removed" not in proc.stdout
