@@ -190,7 +190,8 @@ class MetricGenerator(nn.Module):
         # Runs on every forward: parameters read from the registry, in
         # SideWeights' order (kernel, bias, then "lowrank"'s u, v).
         p = self._parameters
-        kernel, bias, *rest = (p[name] for name in _SIDE_ATTRIBUTES[self.metric])
+        # A parametrized or pruned weight has no entry: its attribute is the computed tensor.
+        kernel, bias, *rest = (p[name] if name in p else getattr(self, name) for name in _SIDE_ATTRIBUTES[self.metric])
         return fn.SideWeights(self.metric, kernel, bias, gate, *rest)  # type: ignore[arg-type]
 
     def canonical_views(self, gate: Tensor, side: str = "qk") -> dict[str, Tensor]:

@@ -14,6 +14,7 @@ import damcha_core as dc
 import torch
 from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, describe
 from torch import Tensor, nn
+from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from . import _functional as fn
 from ._cache import DamchaKVCache
@@ -93,6 +94,15 @@ def _check_shapes(
     """``dc.check_shapes`` with this module's argument names; returns (B, N, M)
     as torch gives them (SymInts under ``torch.export``)."""
     return dc.check_shapes(config, query_shape, key_shape, mask_shape, value_shape=value_shape, names=_FORWARD_NAMES)
+
+
+def _entry(module: nn.Module, name: str) -> Any:
+    """``module``'s parameter ``name``: its registry entry (one dict read, the
+    common case), else the attribute. Parametrizations (weight_norm,
+    spectral_norm, torch.nn.utils.parametrize) and pruning remove the entry
+    and compute the effective tensor in its place, as the attribute."""
+    p = module._parameters
+    return p[name] if name in p else getattr(module, name)
 
 
 def _linear_params(module: nn.Module) -> tuple[Tensor, Tensor | None] | None:
@@ -182,19 +192,41 @@ class DamchaAttention(CanonicalIO, nn.Module):
     def q_proj_weight(self) -> Tensor | None:
         return self._separate_weight(0)
 
+    @q_proj_weight.setter
+    def q_proj_weight(self, value: Tensor) -> None:
+        self._set_separate(0, value)
+
     @property
     def k_proj_weight(self) -> Tensor | None:
         return self._separate_weight(1)
+
+    @k_proj_weight.setter
+    def k_proj_weight(self, value: Tensor) -> None:
+        self._set_separate(1, value)
 
     @property
     def v_proj_weight(self) -> Tensor | None:
         return self._separate_weight(2)
 
+    @v_proj_weight.setter
+    def v_proj_weight(self, value: Tensor) -> None:
+        self._set_separate(2, value)
+
+    def _set_separate(self, index: int, value: Tensor) -> None:
+        # Reached only with no registry entry (nn.Module.__setattr__ takes
+        # it otherwise): pruning deleted it and sets the pruned tensor here.
+        self.__dict__[_SEPARATE[index]] = value
+
     def _separate_weight(self, index: int) -> Tensor | None:
-        own = self._parameters.get(_SEPARATE[index])
+        name = _SEPARATE[index]
+        own = self._parameters.get(name)
         if own is not None:
             return own
-        packed = self._parameters.get("in_proj_weight")
+        if name in self.__dict__:
+            # Pruning removes the parameter and sets the pruned tensor as an
+            # attribute (the setters above keep it where a property can't).
+            return self.__dict__[name]
+        packed = _entry(self, "in_proj_weight")
         return None if packed is None else packed.split(self._sizes)[index]
 
     def __init__(
@@ -327,7 +359,9 @@ class DamchaAttention(CanonicalIO, nn.Module):
             self.in_proj_bias = nn.Parameter(torch.empty(sum(self._sizes), **kw))
         else:
             self.register_parameter("in_proj_bias", None)
-        self.out_proj = nn.Linear(H * dv, Eo, bias=cfg.use_bias, **kw)
+        # nn.MultiheadAttention's class for it: quantize_dynamic leaves it as
+        # it is (the layer reads its weight, as MHA's fused kernel does).
+        self.out_proj = NonDynamicallyQuantizableLinear(H * dv, Eo, bias=cfg.use_bias, **kw)
         self.metric_gates = nn.ParameterDict()
         self.metric_generators = nn.ModuleDict()
         for side in cfg.metric_sides:
@@ -409,9 +443,12 @@ class DamchaAttention(CanonicalIO, nn.Module):
             gen, gate = gens._modules[side], gates[side]
             assert isinstance(gen, MetricGenerator) and gate is not None  # one of each per metric side
             sides[side] = gen.side(gate)
-        bias: Tensor | None = p["in_proj_bias"]
-        packed = p["in_proj_weight"]
-        weight = packed if packed is not None else p["q_proj_weight"]
+        bias: Tensor | None = _entry(self, "in_proj_bias")
+        packed = _entry(self, "in_proj_weight")
+        q = k = v = None
+        if packed is None:
+            q, k, v = (_entry(self, n) for n in _SEPARATE)
+        weight = packed if packed is not None else q
         assert weight is not None  # q_proj_weight is registered when in_proj_weight is None
         if bias is not None and bias.dtype != weight.dtype:
             # A bias loaded in another dtype (load_state_dict(assign=True), a
@@ -421,9 +458,9 @@ class DamchaAttention(CanonicalIO, nn.Module):
         return fn.LayerWeights(
             self._sizes,
             packed,
-            p["q_proj_weight"],
-            p["k_proj_weight"],
-            p["v_proj_weight"],
+            q,
+            k,
+            v,
             bias,
             out_proj,
             sides,
@@ -469,7 +506,7 @@ class DamchaAttention(CanonicalIO, nn.Module):
         """
         out_proj = self._modules["out_proj"]
         assert out_proj is not None  # registered in _init_from_config
-        out_weight = out_proj._parameters["weight"]
+        out_weight = _entry(out_proj, "weight")
         assert out_weight is not None
         dtype = out_weight.dtype
         if query.dtype == dtype and key.dtype == dtype and value.dtype == dtype:
@@ -517,6 +554,8 @@ class DamchaAttention(CanonicalIO, nn.Module):
         if shape not in self.__dict__.get("_flat_shapes", ()):
             return None  # shapes not validated yet, or more than fn._FEW_TOKENS tokens
         p = self._parameters
+        if "in_proj_weight" not in p or "in_proj_bias" not in p:
+            return None  # parametrized or pruned: the general path reads the computed tensor
         weight, bias = p["in_proj_weight"], p["in_proj_bias"]
         dtype = x.dtype
         if (
@@ -563,6 +602,8 @@ class DamchaAttention(CanonicalIO, nn.Module):
                 if side is None or side in flat:
                     continue  # no map on this side, or tied: one tuple, one generator GEMM
                 g, gate, kept = gens[side]._parameters, gates[side], columns.get(side)  # type: ignore[union-attr]
+                if "weight" not in g or "bias" not in g:
+                    return None  # parametrized or pruned (see _entry)
                 column = (
                     kept[2]
                     if kept is not None
@@ -608,6 +649,8 @@ class DamchaAttention(CanonicalIO, nn.Module):
             return None  # the general path raises its error
         x = query if self.batch_first else query.transpose(0, 1)
         p = self._parameters
+        if "in_proj_weight" not in p or "in_proj_bias" not in p:
+            return None  # parametrized or pruned: the general path reads the computed tensor
         weight, bias = p["in_proj_weight"], p["in_proj_bias"]
         if weight is None:
             return None
@@ -653,6 +696,8 @@ class DamchaAttention(CanonicalIO, nn.Module):
                     maps[1] = maps[0]  # tied: the same tuple, one generator GEMM
                     continue
                 g, gate = gens[side]._parameters, gates[side]  # type: ignore[union-attr]
+                if "weight" not in g or "bias" not in g:
+                    return None  # parametrized or pruned (see _entry)
                 w_g, b_g = g["weight"], g["bias"]
                 if w_g.dtype != dtype or b_g.dtype != dtype or gate.dtype != dtype:  # type: ignore[union-attr]
                     return None
