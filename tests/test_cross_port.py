@@ -305,3 +305,32 @@ def test_each_port_reads_what_every_other_port_writes(
     assert loaded.config == config
     _assert_same_params(loaded.to_canonical(), start)
     _assert_reference(target, loaded, start, config, self_attention)
+
+
+def test_float_masks_mean_what_the_readme_says_per_port() -> None:
+    """The README used to say masks are read "identically in every backend"; a float mask is
+    not (torch: additive, as SDPA; JAX: 0/1, as Flax; the reference: refused). Its table is
+    pinned here against each function's actual behaviour, which this does not change."""
+    config = dc.DamchaConfig(query_dim=E, num_heads=H, key_dim=D)
+    params = dc.init_params(config, 0)
+    x = np.random.default_rng(0).normal(size=(1, N, E))
+    visible = np.array([[True, False, True]] * N)
+    want = dc.damcha_attention(params, config, x, mask=visible)
+    additive, zero_one = np.where(visible, 0.0, -np.inf), visible.astype(np.float64)
+    with pytest.raises(dc.DamchaTypeError):
+        dc.damcha_attention(params, config, x, mask=zero_one)
+    tp, tx = {k: torch.tensor(v) for k, v in params.items()}, torch.tensor(x)
+    np.testing.assert_allclose(dt.damcha_attention(tp, config, tx, mask=torch.tensor(additive)), want, atol=1e-12)
+    # A 0/1 float mask is added to the logits (softmax ignores the shift by 1): hidden keys stay visible.
+    as_additive = dt.damcha_attention(tp, config, tx, mask=torch.tensor(zero_one)).numpy()
+    np.testing.assert_allclose(as_additive, dt.damcha_attention(tp, config, tx, mask=torch.tensor(zero_one - 1)))
+    assert np.abs(as_additive - want).max() > 1e-3
+    with jax.enable_x64(True):
+        jp, jx = {k: jnp.asarray(v) for k, v in params.items()}, jnp.asarray(x)
+        np.testing.assert_allclose(dj.damcha_attention(jp, config, jx, mask=jnp.asarray(zero_one)), want, atol=1e-12)
+        with pytest.raises(dc.DamchaValueError):
+            dj.damcha_attention(jp, config, jx, mask=jnp.asarray(additive))
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    assert "| `damcha_torch.damcha_attention` | True = may attend | **additive**" in readme
+    assert "| `damcha_jax.damcha_attention` | True = may attend | **0/1**" in readme
+    assert "| `damcha_core.damcha_attention` | True = may attend | refused" in readme
