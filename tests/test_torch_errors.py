@@ -281,6 +281,17 @@ def test_kv_cache_mismatch_names_the_cache_and_leaves_it_intact():
             lambda: _layer()(t.float(), t.float(), t.float(), is_causal=True, need_weights=False, kv_cache=cache),
             r"Invalid argument `key`: expected the dtype and device of the keys the `kv_cache` holds.*cached torch.float64 on cpu, new torch.float32 on cpu",
         ),
+        # Causal decoding appends one key per query (query i sits at P + i):
+        # other counts would put the cache's positions out of step.
+        (
+            lambda: layer(t, x.double()[:, 1:3], x.double()[:, 1:3], is_causal=True, kv_cache=cache),
+            r"Invalid argument `key`: expected one new key per query token with is_causal=True and a kv_cache "
+            r"\(self-attention decoding\)\. Received: query\.shape=\(2, 1, 16\), key\.shape=\(2, 2, 16\)",
+        ),
+        (
+            lambda: layer(x.double()[:, 1:3], t, t, is_causal=True, need_weights=False, kv_cache=cache),
+            r"one new key per query token.*Received: query\.shape=\(2, 2, 16\), key\.shape=\(2, 1, 16\)",
+        ),
     ]
     for call, pattern in bad:
         with pytest.raises(DamchaValueError, match=pattern):
@@ -290,6 +301,23 @@ def test_kv_cache_mismatch_names_the_cache_and_leaves_it_intact():
     out, _ = layer(s, s, s, is_causal=True, need_weights=False, kv_cache=cache)
     full, _ = layer(x.double()[:, :2], x.double()[:, :2], x.double()[:, :2], is_causal=True, need_weights=False)
     torch.testing.assert_close(out, full[:, 1:], rtol=1e-12, atol=1e-12)
+
+
+def test_kv_cache_without_is_causal_appends_any_number_of_keys():
+    """Only causal decoding ties the key count to the query count: without
+    ``is_causal`` the cache takes, e.g., a prefix or cross-attention keys."""
+    from damcha_torch import DamchaKVCache
+
+    layer = _layer().double().eval()
+    with torch.no_grad():
+        layer.metric_gates["qk"].normal_()
+    xd = x.double()
+    cache = DamchaKVCache()
+    layer(xd[:, :1], xd[:, :3], xd[:, :3], kv_cache=cache)
+    out, _ = layer(xd[:, 3:5], xd[:, 3:4], xd[:, 3:4], kv_cache=cache)
+    assert len(cache) == 4
+    full, _ = layer(xd[:, 3:5], xd[:, :4], xd[:, :4])
+    torch.testing.assert_close(out, full, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("num_layers", [0, 2.0])

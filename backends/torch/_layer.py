@@ -897,6 +897,18 @@ class DamchaAttention(CanonicalIO, nn.Module):
                 dc.invalid_argument("kv_cache", "a DamchaKVCache or None", f"kv_cache={describe(kv_cache)}")
             )
         is_causal = bool(is_causal)
+        if is_causal and kv_cache is not None and M != N:
+            # Query i sits at P + i: a call appending another number of keys
+            # puts the cache's positions out of step with the queries' (as the
+            # Keras and Flax caches refuse it). Without is_causal any number of
+            # keys may be appended (a prefix, cross-attention keys).
+            raise DamchaValueError(
+                dc.invalid_argument(
+                    "key",
+                    "one new key per query token with is_causal=True and a kv_cache (self-attention decoding)",
+                    f"query.shape={tuple(given[0].shape)}, key.shape={tuple(given[1].shape)}",
+                )
+            )
         mask = None
         if key_padding_mask is not None or attn_mask is not None:
             # The is_causal hint (nn.MultiheadAttention's contract): a 2-D
