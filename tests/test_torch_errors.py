@@ -745,3 +745,35 @@ def test_malformed_layer_calls_raise_damcha_errors(seed):
         except dc.DamchaError:
             continue
         assert out.shape == (*q.shape[:-1], 16)
+
+
+def test_shape_errors_print_the_shapes_as_passed():
+    """Sequence-first and unbatched inputs are checked on batch-first views;
+    the messages show what the caller passed (as the JAX and Keras layers do)."""
+    seq_first = DamchaAttention(16, 4)  # batch_first=False
+    q, k = torch.randn(5, 2, 16), torch.randn(4, 2, 16)
+    cases = [
+        (
+            lambda: seq_first(torch.randn(5, 2, 8), torch.randn(5, 2, 8), torch.randn(5, 2, 8)),
+            r"query\.shape=\(5, 2, 8\)$",
+        ),
+        (
+            lambda: seq_first(q, torch.randn(4, 3, 16), torch.randn(4, 3, 16)),
+            r"query\.shape=\(5, 2, 16\), key\.shape=\(4, 3, 16\)$",
+        ),
+        (lambda: seq_first(q, k, torch.randn(3, 2, 16)), r"key\.shape=\(4, 2, 16\), value\.shape=\(3, 2, 16\)$"),
+        (
+            lambda: seq_first(q, torch.randn(4, 2, 8), k),
+            r"expected 16 features \(kdim\)\. Received: key\.shape=\(4, 2, 8\)$",
+        ),
+        (lambda: seq_first(torch.randn(5, 8), torch.randn(5, 8), torch.randn(5, 8)), r"query\.shape=\(5, 8\)$"),
+        (lambda: seq_first(q[:, 0], k[:, 0], k[:3, 0]), r"key\.shape=\(4, 16\), value\.shape=\(3, 16\)$"),
+        (
+            lambda: seq_first(q[:, 0], q[:, 0], q[:, 0], key_padding_mask=torch.zeros(4, dtype=torch.bool)),
+            r"expected shape \(M,\) = \(5,\) with unbatched inputs\. Received: key_padding_mask\.shape=\(4,\)",
+        ),
+        (lambda: seq_first.metric_penalty(torch.randn(5, 2, 8)), r"query\.shape=\(5, 2, 8\)$"),
+    ]
+    for call, pattern in cases:
+        with pytest.raises(DamchaValueError, match=pattern):
+            call()

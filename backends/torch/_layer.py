@@ -55,6 +55,15 @@ def _add_batch_dim(
                     f"key_padding_mask.shape={tuple(key_padding_mask.shape)}",
                 )
             )
+        if key_padding_mask.shape[0] != key.shape[0]:
+            # Checked here: the batched rule would print the (1, M) view made below.
+            raise DamchaValueError(
+                dc.invalid_argument(
+                    "key_padding_mask",
+                    f"shape (M,) = ({key.shape[0]},) with unbatched inputs",
+                    f"key_padding_mask.shape={tuple(key_padding_mask.shape)}, key.shape={tuple(key.shape)}",
+                )
+            )
         key_padding_mask = key_padding_mask.unsqueeze(0)
     return query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0), key_padding_mask
 
@@ -103,6 +112,16 @@ def _entry(module: nn.Module, name: str) -> Any:
     and compute the effective tensor in its place, as the attribute."""
     p = module._parameters
     return p[name] if name in p else getattr(module, name)
+
+
+def _as_passed(error: DamchaValueError, names: tuple[str, ...], seen: tuple, passed: tuple) -> DamchaValueError:
+    """``error`` of the shape rules, which ran on batch-first views, with each
+    tensor's shape as the caller passed it (sequence-first or unbatched), as
+    the JAX and Keras layers report them."""
+    message = str(error)
+    for name, s, p in zip(names, seen, passed):
+        message = message.replace(f"{name}.shape={tuple(s.shape)}", f"{name}.shape={tuple(p.shape)}")
+    return DamchaValueError(message)
 
 
 def _linear_params(module: nn.Module) -> tuple[Tensor, Tensor | None] | None:
@@ -861,7 +880,10 @@ class DamchaAttention(CanonicalIO, nn.Module):
             query, key, value, key_padding_mask = _add_batch_dim(query, key, value, key_padding_mask)
         elif not self.batch_first:
             query, key, value = (t.transpose(0, 1) for t in (query, key, value))
-        B, N, M = self._sizes_of(query, key, value)
+        try:
+            B, N, M = self._sizes_of(query, key, value)
+        except DamchaValueError as error:
+            raise _as_passed(error, ("query", "key", "value"), (query, key, value), given) from None
         if self.track_metric_penalty:
             self.last_metric_penalty = self._penalty(query, key)
         if (
@@ -968,18 +990,22 @@ class DamchaAttention(CanonicalIO, nn.Module):
         _check_float("query", query)
         key = query if key is None else key
         _check_float("key", key)
+        given = (query, key)
         if query.dim() == 2:
             query, key, _, _ = _add_batch_dim(query, key, key, None)
         elif not self.batch_first:
             query, key = query.transpose(0, 1), key.transpose(0, 1)
         cfg = self.config
-        dc.check_shapes(
-            cfg,
-            tuple(query.shape),
-            tuple(key.shape),
-            value_shape=(*key.shape[:2], fn.config_sizes(cfg)[1]),
-            names=_FORWARD_NAMES,
-        )
+        try:
+            dc.check_shapes(
+                cfg,
+                tuple(query.shape),
+                tuple(key.shape),
+                value_shape=(*key.shape[:2], fn.config_sizes(cfg)[1]),
+                names=_FORWARD_NAMES,
+            )
+        except DamchaValueError as error:
+            raise _as_passed(error, ("query", "key"), (query, key), given) from None
         return self._penalty(query, key)
 
     def _penalty(self, query: Tensor, key: Tensor) -> Tensor:
