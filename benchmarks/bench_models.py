@@ -90,9 +90,8 @@ def _build(model: str, n: int, tiny: bool):
     """(module, input) for ``model`` at N tokens (patches for the ViT)."""
     import torch
 
-    # transformers and timm both import torchvision; see examples/_torchvision_compat.py.
-    sys.path.insert(0, str(h.REPO / "examples"))
-    from _torchvision_compat import ensure_torchvision_importable
+    # transformers and timm both import torchvision (docs/models.md, "Installing on a CPU-only machine").
+    from damcha_torch import ensure_torchvision_importable
 
     ensure_torchvision_importable()
     sizes = (TINY if tiny else FULL)[model]

@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _torchvision_compat import ensure_torchvision_importable
+from damcha_torch import ensure_torchvision_importable
 
-ensure_torchvision_importable()  # timm imports torchvision; see that module
+ensure_torchvision_importable()  # timm imports torchvision (docs/models.md, "Installing on a CPU-only machine")
 
 import onnxruntime as ort  # noqa: E402
 import timm  # noqa: E402

@@ -6,8 +6,6 @@ aten op counts of a model before and after conversion."""
 from __future__ import annotations
 
 import collections
-import os
-import sys
 
 import numpy as np
 import torch
@@ -16,10 +14,7 @@ from torch import nn
 import damcha_core as dc
 import damcha_torch as dt
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "examples"))
-from _torchvision_compat import ensure_torchvision_importable
-
-ensure_torchvision_importable()
+dt.ensure_torchvision_importable()  # timm imports torchvision (docs/models.md, "Installing on a CPU-only machine")
 
 import timm  # noqa: E402
 import transformers  # noqa: E402

@@ -5,8 +5,6 @@ the effective weights, and the gradients reach the tools' own parameters."""
 
 from __future__ import annotations
 
-import os
-import sys
 import warnings
 
 import pytest
@@ -154,8 +152,7 @@ def test_quantize_dynamic_leaves_out_proj_as_multihead_attention_does() -> None:
 
 
 def test_peft_lora_on_out_proj() -> None:
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "examples"))
-    from _torchvision_compat import ensure_torchvision_importable
+    from damcha_torch import ensure_torchvision_importable
 
     ensure_torchvision_importable()
     peft = pytest.importorskip("peft")

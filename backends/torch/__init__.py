@@ -51,6 +51,7 @@ from ._models import (
     supported_layouts,
     track_metric_penalty,
 )
+from ._torchvision_compat import ensure_torchvision_importable
 
 __all__ = [
     "AttentionLayout",
@@ -72,6 +73,7 @@ __all__ = [
     "converted_layers",
     "damcha_attention",
     "damcha_parameters",
+    "ensure_torchvision_importable",
     "from_pretrained",
     "generator",
     "metric_penalty",

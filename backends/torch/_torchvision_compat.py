@@ -11,7 +11,10 @@ part imports, and calling ``torchvision.ops.nms`` raises torch's "no kernel"
 error instead of silently doing anything. Where torchvision's ops load
 (a matching CPU or CUDA build), this does nothing.
 
-Call ``ensure_torchvision_importable()`` before ``import timm``.
+Call ``damcha_torch.ensure_torchvision_importable()`` before importing
+``timm`` or ``transformers`` (which imports torchvision whenever it is
+installed). Why torchvision mismatches: docs/models.md, "Installing on a
+CPU-only machine".
 """
 
 from __future__ import annotations
@@ -22,7 +25,10 @@ import sys
 
 
 def ensure_torchvision_importable() -> bool:
-    """Returns True when the operator schemas had to be declared."""
+    """Make ``import torchvision`` (hence ``timm``, ``transformers``) work beside a torchvision
+    whose compiled ops cannot load; a no-op where they load or torchvision is not installed.
+
+    Returns True when the operator schemas had to be declared."""
     if "torchvision" in sys.modules:
         return False
     spec = importlib.util.find_spec("torchvision")
