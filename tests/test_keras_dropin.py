@@ -169,6 +169,32 @@ def test_attention_axes_equal_mha_and_the_reference_per_token(axes, q_shape, v_s
     np.testing.assert_allclose(fold(got), ref, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("shape", [(B, N, E), (B, 3, 4, E)], ids=["rank3", "rank4"])
+def test_default_attention_axes_and_the_name_read_as_mhas_after_build(shape, tmp_path):
+    """Keras MHA sets its default attention_axes at build ((1,) for rank 3): DAMCHA's stayed
+    None; and from_mha(mha) dropped the name ('foo' became 'damcha_attention_1')."""
+    x = rng(3).normal(size=shape).astype("float32")
+    mha, layer = keras.layers.MultiHeadAttention(2, 4, name="foo"), DamchaAttention(num_heads=2, key_dim=4)
+    assert layer.attention_axes is None  # unbuilt: as MHA's
+    mha(x, x), layer(x, x)
+    assert layer.attention_axes == mha.attention_axes == tuple(range(1, len(shape) - 1))
+    assert layer.get_config()["attention_axes"] == mha.get_config()["attention_axes"]
+    converted = DamchaAttention.from_mha(mha)
+    assert converted.name == "foo" and converted.attention_axes == mha.attention_axes
+    assert DamchaAttention.from_mha(mha, name="bar").name == "bar"
+    # The config with the axes set reloads (.keras) to the same outputs, and the canonical file
+    # still takes the default axes of rank 3.
+    inp = keras.Input(shape[1:])
+    model = keras.Model(inp, converted(inp, inp))
+    model.save(tmp_path / "m.keras")
+    again = keras.saving.load_model(tmp_path / "m.keras")
+    assert again.get_layer("foo").attention_axes == mha.attention_axes
+    np.testing.assert_allclose(np_(again(x)), np_(mha(x, x)), rtol=1e-5, atol=1e-6)
+    if len(shape) == 3:
+        layer.save(tmp_path / "l.safetensors")
+        np.testing.assert_allclose(np_(DamchaAttention.load(tmp_path / "l.safetensors")(x, x)), np_(layer(x, x)))
+
+
 def test_attention_axes_masks_and_causal():
     """Masks of high-rank inputs: an attention mask in MHA's layout (B, *batch
     axes, *query axes, *key axes) and a (B, *dims) Keras value mask hide what MHA

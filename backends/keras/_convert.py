@@ -152,7 +152,8 @@ def from_mha(cls: type, layer: Any, **kwargs: Any) -> DamchaAttention:
     # Build from the kernels: they hold the feature sizes whatever the input rank.
     E_q, E_k, E_v = (int(theirs[n].kernel.shape[0]) for n in ("query", "key", "value"))
     rank = len(layer._query_dense.equation.split(",")[0])  # the query's rank, from its projection
-    options.update(dtype=layer.dtype_policy)
+    # The name too, as a drop-in: weights, checkpoints and model.get_layer() find layers by it.
+    options.update(dtype=layer.dtype_policy, name=layer.name)
     options.update(kwargs)
     new = cls(**options)
     dims = (None,) * (rank - 1)

@@ -58,9 +58,10 @@ class DamchaAttention(keras.layers.Layer):
             (E_o = their product in the canonical form); defaults to the
             query's feature size.
         attention_axes: the axes of rank > 3 inputs attended over (MHA's
-            meaning; default: every axis but batch and features). The other
-            axes act as batch axes; the cross-head map acts on each position's
-            heads.
+            meaning; default: every axis but batch and features, set at
+            build as MHA does, so a built layer reads ``(1,)`` for rank-3
+            inputs). The other axes act as batch axes; the cross-head map acts
+            on each position's heads.
         sliding_window: a query attends only to keys within
             ``sliding_window - 1`` positions of itself (MHA's symmetric band;
             with ``use_causal_mask`` the causal window).
@@ -314,6 +315,10 @@ class DamchaAttention(keras.layers.Layer):
             dropout=self._dropout,
         )
         self._layout = F.Layout(len(query_shape), _args.resolve_axes(self._attention_axes, len(query_shape)))
+        if self._attention_axes is None:
+            # As Keras MHA: the default axes are set at build, so attention_axes and get_config
+            # read (1,) for rank-3 inputs (save takes them: _canonical._check_file_options).
+            self._attention_axes = self._layout.attention_axes
         self._checked.clear()
         cfg = self.config
         H, G, d, d_v = cfg.num_heads, cfg.num_kv_heads, cfg.key_dim, cfg.value_dim
