@@ -7,9 +7,10 @@ reference evaluator against the NumPy reference), and moved into place only
 when every check passed: a failed export (exit 1 on a mismatch) never
 leaves a partial file and never replaces an earlier good one. The same
 holds for the int8 model of ``--quantize`` and the ORT files of ``--ort-dir``.
-After a successful run, the files an earlier run derived from the same
-``--out`` and this one did not write (``<out>.data``, ``<out stem>.int8.onnx``,
-``<out stem>.int8.ort`` in ``--ort-dir``) are removed: they no longer match.
+After a successful run, a stale ``<out>.data`` is removed (``--out`` owns that
+name); ``<out stem>.int8.onnx`` and ``<out stem>.int8.ort`` (in ``--ort-dir``)
+that this run did not write are named in a warning, not removed: nothing shows
+whether an earlier export or their owner wrote them.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from damcha_core import _cliutil as cu
 
 from ._export import export
 from ._graph import ATTENTION_OPSET, DTYPES
-from ._io import data_file_name
+from ._io import data_file_name, remove_stale_data
 from ._options import check_opset
 from ._runtime import empty_kv_cache, ort_session, run_ort, run_reference
 
@@ -82,10 +83,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--out",
         required=True,
-        help="path of the .onnx file to write; files an earlier export derived from the same path and this "
-        "one does not write (<out>.data, <out stem>.int8.onnx, <out stem>.int8.ort in --ort-dir) are removed "
-        "after a successful run (read-only ones are kept, with a warning). A run without --ort-dir does not "
-        "know an earlier run's --ort-dir: its .ort files stay as they were",
+        help="path of the .onnx file to write; a stale <out>.data is removed after a successful run, and "
+        "<out stem>.int8.onnx / <out stem>.int8.ort (in --ort-dir) that this run did not write are named in a "
+        "warning (an earlier export's would no longer match), never removed",
     )
     p.add_argument(
         "--opset", type=int, default=ATTENTION_OPSET, help="17-22: decomposed graph; >= 23: Attention op (default 23)"
@@ -354,9 +354,11 @@ def _main(argv: list[str] | None) -> int:
         )  # the data file first
         for name in written:
             os.replace(os.path.join(staging, name), os.path.join(os.path.dirname(out), name))
+        if data_file_name(out) not in written:
+            remove_stale_data(out)
         moved = [os.path.join(os.path.dirname(args.out), n) for n in sorted(written)] + moved
         print("wrote " + ", ".join(moved))
-        _remove_stale_companions(args, written)
+        _warn_stale_companions(args, written)
         return cu.EXIT_OK
     except OSError as exc:  # the disk filled up, the folder vanished: nothing was moved into place
         print(f"{PROG}: error: --out: could not write {args.out!r}: {exc}", file=sys.stderr)
@@ -365,36 +367,27 @@ def _main(argv: list[str] | None) -> int:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _remove_stale_companions(args: argparse.Namespace, written: list[str]) -> None:
-    """Remove the files an earlier run derived from the same ``--out`` that this run did not
-    write (``<out>.data``, ``<out stem>.int8.onnx`` and its data file, and in ``--ort-dir`` the
-    ``.ort`` file of the int8 model): they describe a model that is no longer there. Only names
-    this command derives from ``--out`` are touched, never an input of this run; a read-only one
-    is kept (its owner marked it so) with a warning naming it."""
+def _warn_stale_companions(args: argparse.Namespace, written: list[str]) -> None:
+    """Name, on stderr, the files an earlier run may have derived from the same ``--out`` that
+    this run did not write (``<out stem>.int8.onnx`` and its data file, and in ``--ort-dir`` the
+    ``.ort`` file of the int8 model): if an earlier export wrote them, they no longer match.
+    They are only named, never removed: the names are the ones people give their own files
+    (``m.int8.onnx`` from onnxruntime's quantizer), and nothing in such a file shows who wrote
+    it. (``<out>.data`` is different: the new ``--out`` owns that name, and an external-data
+    reader of ``--out`` would pick a stale one up, so it is removed.)"""
     folder = os.path.dirname(os.path.abspath(args.out))
     int8 = int8_path(os.path.basename(args.out))
-    beside = [data_file_name(args.out), int8, data_file_name(int8)]
-    stale = [os.path.join(folder, n) for n in beside if n not in written]
+    stale = [os.path.join(folder, n) for n in (int8, data_file_name(int8)) if n not in written]
     if args.ort_dir is not None:
         done = set(ort_names(args.out, args.quantize is not None))
         stale += [os.path.join(args.ort_dir, n) for n in ort_names(args.out, True) if n not in done]
-    inputs = [args.params] + ([args.config] if args.config is not None and os.path.isfile(args.config) else [])
     for path in stale:
-        if not os.path.isfile(path) or any(_same_file(path, i) for i in inputs):
-            continue
-        if cu.read_only(path):
+        if os.path.isfile(path):
             print(
-                f"{PROG}: warning: {path} is from an earlier export and no longer matches {args.out}; it is "
-                "read-only, so it was kept: remove it yourself",
+                f"{PROG}: warning: {path} was not written by this run; if an earlier export of {args.out} "
+                "wrote it, it no longer matches the new model: remove or replace it",
                 file=sys.stderr,
             )
-            continue
-        try:
-            os.remove(path)
-        except OSError as exc:
-            print(f"{PROG}: warning: could not remove {path}, left by an earlier export: {exc}", file=sys.stderr)
-        else:
-            print(f"removed {path}: left by an earlier export, it no longer matched {args.out}")
 
 
 def _inputs(args: argparse.Namespace, config: dc.DamchaConfig, rng: np.random.Generator) -> dict[str, np.ndarray]:
