@@ -215,14 +215,20 @@ _BFLOAT16_EDGES = [(_BF16_MAX, True), (_BF16_INF_FROM - 2.0**104, True), (_BF16_
 _EDGES = [("float16", v, fits) for v, fits in _FLOAT16_EDGES] + [("bfloat16", v, fits) for v, fits in _BFLOAT16_EDGES]
 
 
-@pytest.mark.parametrize("port", ["torch", "jax", "keras", "onnx"])
 @pytest.mark.parametrize("sign", [1.0, -1.0])
-@pytest.mark.parametrize(("dtype", "value", "fits"), _EDGES)
+@pytest.mark.parametrize(
+    ("port", "dtype", "value", "fits"),
+    # The ONNX export has no bfloat16 graphs (refused up front): no such cases, rather than skips.
+    [
+        (port, *edge)
+        for port in ("torch", "jax", "keras", "onnx")
+        for edge in _EDGES
+        if (port, edge[0]) != ("onnx", "bfloat16")
+    ],
+)
 def test_params_fit_iff_they_round_to_a_finite_value(port, sign, dtype, value, fits):
     """The check refused 65504 < |value| < 65520 (and bfloat16's like band), which float16
     rounds to 65504: it compared with the max, not with where rounding reaches inf."""
-    if port == "onnx" and dtype == "bfloat16":
-        pytest.skip("the ONNX export refuses bfloat16 graphs")
     config = dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4)
     params = dc.init_params(config, seed=0)
     params["query.kernel"][0, 0, 0] = sign * value
@@ -323,15 +329,21 @@ _KERAS_HOOKS = sorted(
 )
 
 
-@pytest.mark.parametrize("hook", _KERAS_HOOKS)
-@pytest.mark.parametrize("base", ["MultiHeadAttention", "GroupQueryAttention"])
+@pytest.mark.parametrize(
+    ("base", "hook"),
+    # Each class's own hooks (GroupQueryAttention has no _build_attention or _make_output_dense).
+    [
+        (base, hook)
+        for base in ("MultiHeadAttention", "GroupQueryAttention")
+        for hook in _KERAS_HOOKS
+        if hasattr(getattr(keras.layers, base), hook)
+    ],
+)
 def test_keras_from_mha_refuses_a_subclass_that_changes_an_attention_hook(base, hook) -> None:
     """from_mha rebuilds the base class's computation: a subclass's own hook would be lost.
     _build_attention (MHA's softmax and equations), _compute_sliding_window_mask and
     _make_output_dense were not looked at."""
     cls = getattr(keras.layers, base)
-    if not hasattr(cls, hook):
-        pytest.skip(f"{base} has no {hook}")
 
     @functools.wraps(getattr(cls, hook))  # its signature: Keras reads call's
     def same(self, *args, **kwargs):  # an override that changes nothing is refused too: it could
