@@ -112,6 +112,30 @@ def test_tool_matches_multihead_attention(tool: str) -> None:
     torch.testing.assert_close(layer(x, x, x, attn_mask=mask)[0], mha(x, x, x, attn_mask=mask)[0])
 
 
+def test_training_forward_computes_a_spectral_norm_weight_once_as_mha_does() -> None:
+    """In training, each read of a spectral_norm weight is a power-iteration
+    step: the dtype check read out_proj.weight before the projection did, so
+    the estimate moved twice per forward (MHA: once) and the outputs drifted
+    from MHA's (1.6e-6 after 3 forwards, float64)."""
+    layer = _layer(metric="none")
+    mha = nn.MultiheadAttention(E, H, batch_first=True, dtype=torch.float64)
+    mha.load_state_dict(layer.state_dict())
+    for module in (layer, mha):
+        torch.manual_seed(1)  # the same initial u, v
+        spectral_norm(module.out_proj)
+        module.train()
+    computed = {"layer": 0, "mha": 0}
+    for key, module in (("layer", layer), ("mha", mha)):
+        parametrization = module.out_proj.parametrizations.weight[0]
+        parametrization.register_forward_hook(lambda *_, key=key: computed.__setitem__(key, computed[key] + 1))
+    x = torch.randn(2, 5, E, dtype=torch.float64)
+    mask = torch.randn(5, 5, dtype=torch.float64)  # a mask keeps MHA off its fused kernel
+    for _ in range(3):
+        ours, theirs = layer(x, x, x, attn_mask=mask)[0], mha(x, x, x, attn_mask=mask)[0]
+    assert computed["layer"] == computed["mha"] == 3, computed
+    torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
+
+
 def test_gradients_reach_parametrization_and_pruning_parameters() -> None:
     """Training calls run the fused projection node (custom backward); gradcheck
     in float64 through weight_norm's and pruning's own parameters."""

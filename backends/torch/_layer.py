@@ -525,7 +525,11 @@ class DamchaAttention(CanonicalIO, nn.Module):
         """
         out_proj = self._modules["out_proj"]
         assert out_proj is not None  # registered in _init_from_config
-        out_weight = _entry(out_proj, "weight")
+        # The registered tensor, not _entry's attribute: reading a parametrized
+        # weight computes it, and spectral_norm's computation in training is a
+        # power-iteration step, which the out_proj call takes once (as MHA's).
+        registered = out_proj._parameters
+        out_weight = registered["weight"] if "weight" in registered else next(out_proj.parameters(), None)
         assert out_weight is not None
         dtype = out_weight.dtype
         if query.dtype == dtype and key.dtype == dtype and value.dtype == dtype:
