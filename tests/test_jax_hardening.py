@@ -205,6 +205,23 @@ def test_load_canonical_loads_the_values_it_checked() -> None:
         np.testing.assert_array_equal(value, PARAMS[name], err_msg=name)
 
 
+def test_params_are_checked_against_the_compute_dtype() -> None:
+    """dtype=float16 with float32 params: a 1e5 weight fits the variable and is
+    inf in every call (Flax promotes the params to dtype); it was loaded and
+    the output was not finite. Keras checks its mixed policy's compute dtype."""
+    params = {k: v.copy() for k, v in PARAMS.items()}
+    params["output.kernel"][0, 0, 0] = 1e5
+    with pytest.raises(dc.DamchaValueError, match=r"output.kernel.*float16, the compute dtype \(dtype=\)"):
+        dj.DamchaAttention.from_canonical(params, CFG, dtype=jnp.float16, param_dtype=jnp.float32)
+    layer = dj.DamchaAttention.from_canonical(params, CFG, dtype=jnp.float32, param_dtype=jnp.float32)
+    assert layer.to_canonical()["output.kernel"][0, 0, 0] == 1e5
+    stack_cfg = dc.EncoderConfig(CFG, num_layers=1, ffn_dim=8, activation="gelu_tanh")
+    stack_params = dc.init_encoder_params(stack_cfg, seed=0)
+    stack_params["layers.0.ffn.in.kernel"][0, 0] = 1e5
+    with pytest.raises(dc.DamchaValueError, match=r"ffn.in.kernel.*float16, the compute dtype"):
+        dj.DamchaEncoder.from_canonical(stack_params, stack_cfg, dtype=jnp.float16, param_dtype=jnp.float32)
+
+
 # -------------------------------------------------------------- error messages
 
 

@@ -25,6 +25,7 @@ from damcha_core import (
     validate_stack_params,
 )
 
+from ._canonical import check_compute_fit
 from ._canonical import variables as canonical_variables
 from ._generator import MetricGenerator, make_metric_generators
 from ._layer import DamchaAttention, attention_config
@@ -217,6 +218,8 @@ class DamchaEncoder(nnx.Module):
         for name, var in targets.items():
             dtype = jnp.dtype(var[...].dtype)
             check_params_fit({name: checked[name]}, dtype.name, float(jnp.finfo(dtype).max))
+        # Every block is built with the attention's compute dtype (norms and FFN too).
+        check_compute_fit(checked, getattr(layers[0].attention, "dtype", None))
         for name, var in targets.items():
             var[...] = jnp.asarray(checked[name], var[...].dtype)
         return self

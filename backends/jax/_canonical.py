@@ -47,6 +47,17 @@ def variables(layer: Any) -> dict[str, nnx.Variable]:
     return {name: out[name] for name in layer.config.param_shapes()}
 
 
+def check_compute_fit(params: Mapping[str, Any], dtype: Any) -> None:
+    """``check_params_fit`` against a module's compute ``dtype`` (Flax's
+    ``dtype=``: the parameters are promoted to it in every call), when one is
+    set: float32 parameters of a ``dtype=float16`` layer that hold 1e5 load
+    fine and make every output inf or NaN."""
+    if dtype is None or not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+        return
+    compute = jnp.dtype(dtype)
+    dc.check_params_fit(params, f"{compute.name}, the compute dtype (dtype=)", float(jnp.finfo(compute).max))
+
+
 class CanonicalIO:
     """Canonical I/O of ``DamchaAttention`` (a base class; needs ``config``,
     ``param_dtype`` and the variables that ``variables`` reads)."""
@@ -73,6 +84,7 @@ class CanonicalIO:
         checked = dc.validate_params(params, self.config)
         dtype = jnp.dtype(self.param_dtype)
         dc.check_params_fit(checked, dtype.name, float(jnp.finfo(dtype).max))
+        check_compute_fit(checked, getattr(self, "dtype", None))
         for name, var in self._variables().items():
             var[...] = jnp.asarray(checked[name], self.param_dtype)
         return self
