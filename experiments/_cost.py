@@ -120,10 +120,11 @@ def measure_cost(
                 _step(models[name], opts[name], x, y, v.penalty, cfg.clip)
                 _sync(device)
                 steps.append(time.perf_counter() - t0)
-            # A round's time is the median of its steps: at CPU step times of a few
-            # milliseconds, round means moved 1.5-1.7x between rounds of the same
-            # model on an idle machine (a step preempted or stalled now and then),
-            # which no number of rounds averaged away.
+            # A round's time is the median of its steps, so that a step preempted
+            # now and then does not move it. (This did not explain the drift seen
+            # in session 10: on this VM, idle, one model's round medians still
+            # moved 1.5-1.6x between rounds seconds apart, 7.4 to 12 ms, whole
+            # rounds fast or slow; the per-round ratios moved with them.)
             times[name].append(statistics.median(steps))
             means[name].append(statistics.fmean(steps))
     for name in variants:
