@@ -29,7 +29,7 @@ import damcha_core as dc
 import torch
 import torch.nn.functional as F
 from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, config_sizes, describe
-from torch import Tensor
+from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -1762,3 +1762,12 @@ def _heads_attention(
         need_weights=need_weights,
     )
     return o.transpose(1, 2), weights
+
+
+def param_entry(module: nn.Module, name: str) -> Any:
+    """``module``'s parameter ``name``: its registry entry (one dict read, the
+    common case), else the attribute. Parametrizations (weight_norm,
+    spectral_norm, torch.nn.utils.parametrize) and pruning remove the entry
+    and compute the effective tensor in its place, as the attribute."""
+    p = module._parameters
+    return p[name] if name in p else getattr(module, name)

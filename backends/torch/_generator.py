@@ -189,10 +189,8 @@ class MetricGenerator(nn.Module):
         """This generator's parameters with a layer's ``gate``, as the functional core takes them."""
         # Runs on every forward: parameters read from the registry, in
         # SideWeights' order (kernel, bias, then "lowrank"'s u, v).
-        p = self._parameters
-        # A parametrized or pruned weight has no entry: its attribute is the computed tensor.
-        kernel, bias, *rest = (p[name] if name in p else getattr(self, name) for name in _SIDE_ATTRIBUTES[self.metric])
-        return fn.SideWeights(self.metric, kernel, bias, gate, *rest)  # type: ignore[arg-type]
+        kernel, bias, *rest = (fn.param_entry(self, name) for name in _SIDE_ATTRIBUTES[self.metric])
+        return fn.SideWeights(self.metric, kernel, bias, gate, *rest)
 
     def canonical_views(self, gate: Tensor, side: str = "qk") -> dict[str, Tensor]:
         """``metric.<side>.<leaf>`` -> canonical view of each parameter (and the gate)."""

@@ -105,15 +105,6 @@ def _check_shapes(
     return dc.check_shapes(config, query_shape, key_shape, mask_shape, value_shape=value_shape, names=_FORWARD_NAMES)
 
 
-def _entry(module: nn.Module, name: str) -> Any:
-    """``module``'s parameter ``name``: its registry entry (one dict read, the
-    common case), else the attribute. Parametrizations (weight_norm,
-    spectral_norm, torch.nn.utils.parametrize) and pruning remove the entry
-    and compute the effective tensor in its place, as the attribute."""
-    p = module._parameters
-    return p[name] if name in p else getattr(module, name)
-
-
 def _as_passed(error: DamchaValueError, names: tuple[str, ...], seen: tuple, passed: tuple) -> DamchaValueError:
     """``error`` of the shape rules, which ran on batch-first views, with each
     tensor's shape as the caller passed it (sequence-first or unbatched), as
@@ -245,7 +236,7 @@ class DamchaAttention(CanonicalIO, nn.Module):
             # Pruning removes the parameter and sets the pruned tensor as an
             # attribute (the setters above keep it where a property can't).
             return self.__dict__[name]
-        packed = _entry(self, "in_proj_weight")
+        packed = fn.param_entry(self, "in_proj_weight")
         return None if packed is None else packed.split(self._sizes)[index]
 
     def __init__(
@@ -462,11 +453,11 @@ class DamchaAttention(CanonicalIO, nn.Module):
             gen, gate = gens._modules[side], gates[side]
             assert isinstance(gen, MetricGenerator) and gate is not None  # one of each per metric side
             sides[side] = gen.side(gate)
-        bias: Tensor | None = _entry(self, "in_proj_bias")
-        packed = _entry(self, "in_proj_weight")
+        bias: Tensor | None = fn.param_entry(self, "in_proj_bias")
+        packed = fn.param_entry(self, "in_proj_weight")
         q = k = v = None
         if packed is None:
-            q, k, v = (_entry(self, n) for n in _SEPARATE)
+            q, k, v = (fn.param_entry(self, n) for n in _SEPARATE)
         weight = packed if packed is not None else q
         assert weight is not None  # q_proj_weight is registered when in_proj_weight is None
         if bias is not None and bias.dtype != weight.dtype:
