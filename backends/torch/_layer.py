@@ -516,7 +516,7 @@ class DamchaAttention(CanonicalIO, nn.Module):
         """
         out_proj = self._modules["out_proj"]
         assert out_proj is not None  # registered in _init_from_config
-        # The registered tensor, not _entry's attribute: reading a parametrized
+        # The registered tensor, not fn.param_entry's attribute: reading a parametrized
         # weight computes it, and spectral_norm's computation in training is a
         # power-iteration step, which the out_proj call takes once (as MHA's).
         registered = out_proj._parameters
@@ -617,7 +617,7 @@ class DamchaAttention(CanonicalIO, nn.Module):
                     continue  # no map on this side, or tied: one tuple, one generator GEMM
                 g, gate, kept = gens[side]._parameters, gates[side], columns.get(side)  # type: ignore[union-attr]
                 if "weight" not in g or "bias" not in g:
-                    return None  # parametrized or pruned (see _entry)
+                    return None  # parametrized or pruned (see fn.param_entry)
                 column = (
                     kept[2]
                     if kept is not None
@@ -711,7 +711,7 @@ class DamchaAttention(CanonicalIO, nn.Module):
                     continue
                 g, gate = gens[side]._parameters, gates[side]  # type: ignore[union-attr]
                 if "weight" not in g or "bias" not in g:
-                    return None  # parametrized or pruned (see _entry)
+                    return None  # parametrized or pruned (see fn.param_entry)
                 w_g, b_g = g["weight"], g["bias"]
                 if w_g.dtype != dtype or b_g.dtype != dtype or gate.dtype != dtype:  # type: ignore[union-attr]
                     return None
