@@ -5,12 +5,13 @@ the effective weights, and the gradients reach the tools' own parameters."""
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
 import torch
 from torch import nn
-from torch.nn.utils import prune
+from torch.nn.utils import parametrize, prune
 from torch.nn.utils.parametrizations import spectral_norm, weight_norm
 
 from damcha_torch import DamchaAttention
@@ -86,7 +87,7 @@ def test_tool_decode_step_uses_effective_weights(tool: str) -> None:
 
 
 def test_pruned_separate_projection_weight() -> None:
-    """kdim != embed_dim: q/k/v_proj_weight are parameters (properties of the class), prunable as on MHA."""
+    """kdim != embed_dim: q/k/v_proj_weight are registered parameters, prunable as on MHA."""
     layer = _layer(kdim=12)
     prune.l1_unstructured(layer, "k_proj_weight", 0.4)
     assert "k_proj_weight" not in layer._parameters and (layer.k_proj_weight == 0).any()
@@ -206,3 +207,230 @@ def test_peft_lora_on_out_proj() -> None:
     torch.testing.assert_close(got, plain(x, x, x, need_weights=False)[0], rtol=1e-12, atol=1e-12)
     got.sum().backward()
     assert lora.lora_B["default"].weight.grad is not None and lora.lora_B["default"].weight.grad.abs().max() > 0
+
+
+# ------------------------------------------------ each tool on each projection weight, against MHA
+# Small sizes of their own; kdim/vdim differ from embed_dim in the "separate" layout, so
+# q/k/v_proj_weight are the registered parameters (as in nn.MultiheadAttention).
+E8, H2, KDIM, VDIM = 8, 2, 6, 5
+WEIGHTS = [("packed", "in_proj_weight"), ("separate", "q_proj_weight"), ("separate", "k_proj_weight")]
+
+
+class _Bend(nn.Module):
+    """A parametrization of our own (no right_inverse): w -> 1.5 w - 0.2 w^2."""
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return 1.5 * w - 0.2 * w * w
+
+
+def _quiet(call):  # the old-style weight_norm warns that it is deprecated
+    def apply(module: nn.Module, name: str) -> object:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return call(module, name)
+
+    return apply
+
+
+# tool: (apply, remove, names of the tool's own parameters for `name`)
+WEIGHT_TOOLS = {
+    "weight_norm": (
+        weight_norm,
+        lambda m, n: parametrize.remove_parametrizations(m, n),
+        lambda n: [f"parametrizations.{n}.original0", f"parametrizations.{n}.original1"],
+    ),
+    "spectral_norm": (
+        spectral_norm,
+        lambda m, n: parametrize.remove_parametrizations(m, n),
+        lambda n: [f"parametrizations.{n}.original"],
+    ),
+    "register_parametrization": (
+        lambda m, n: parametrize.register_parametrization(m, n, _Bend()),
+        lambda m, n: parametrize.remove_parametrizations(m, n),
+        lambda n: [f"parametrizations.{n}.original"],
+    ),
+    "prune": (lambda m, n: prune.l1_unstructured(m, n, amount=0.3), prune.remove, lambda n: [f"{n}_orig"]),
+    "old weight_norm": (
+        _quiet(nn.utils.weight_norm),
+        _quiet(nn.utils.remove_weight_norm),
+        lambda n: [f"{n}_g", f"{n}_v"],
+    ),
+    "old spectral_norm": (nn.utils.spectral_norm, nn.utils.remove_spectral_norm, lambda n: [f"{n}_orig"]),
+}
+
+
+def _pair(layout: str) -> tuple[nn.MultiheadAttention, DamchaAttention]:
+    """An MHA and its DamchaAttention copy (gates 0: DAMCHA is MHA)."""
+    torch.manual_seed(3)
+    dims = {"kdim": KDIM, "vdim": VDIM} if layout == "separate" else {}
+    mha = nn.MultiheadAttention(E8, H2, batch_first=True, dtype=torch.float64, **dims)
+    with torch.no_grad():
+        mha.in_proj_bias.normal_()
+    return mha, DamchaAttention.from_mha(mha)
+
+
+def _inputs(layout: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 4, E8, dtype=torch.float64, generator=g)
+    k = torch.randn(2, 5, KDIM if layout == "separate" else E8, dtype=torch.float64, generator=g)
+    v = torch.randn(2, 5, VDIM if layout == "separate" else E8, dtype=torch.float64, generator=g)
+    mask = torch.randn(4, 5, dtype=torch.float64, generator=g)  # keeps MHA off its fused kernel
+    return x, k, v, mask
+
+
+def _apply(tool: str, module: nn.Module, name: str) -> None:
+    """The tool, then its parameters moved (the same in every module): weight
+    norms start at the weight itself, so without it their effective weight
+    would be the original one and a module ignoring the tool would pass."""
+    torch.manual_seed(5)  # spectral norms start their power iteration from a random vector
+    WEIGHT_TOOLS[tool][0](module, name)
+    g = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for n in WEIGHT_TOOLS[tool][2](name):
+            p = module.get_parameter(n)
+            p.mul_(1 + 0.5 * torch.randn(p.shape, dtype=p.dtype, generator=g))
+
+
+def _run(module: nn.Module, layout: str) -> torch.Tensor:
+    x, k, v, mask = _inputs(layout)
+    return module(x, k, v, attn_mask=mask)[0]
+
+
+def _metric_keys(layer: DamchaAttention) -> set[str]:
+    return {n for n in layer.state_dict() if n.startswith(("metric_gates.", "metric_generators."))}
+
+
+@pytest.mark.parametrize("tool", list(WEIGHT_TOOLS))
+@pytest.mark.parametrize("layout, name", WEIGHTS)
+def test_weight_tool_on_projection_weight_equals_multihead_attention(layout: str, name: str, tool: str) -> None:
+    """Each tool on in_proj_weight (packed) or q/k_proj_weight (separate: kdim,
+    vdim != embed_dim) applies as on nn.MultiheadAttention, the forward uses the
+    effective weight (output and every gradient equal MHA's under the same
+    tool, in training: spectral norms step their power iteration once per
+    forward in both), the tool's parameters get gradients, and state_dict
+    has MHA's keys plus the metric ones."""
+    mha, layer = _pair(layout)
+    for module in (mha, layer):
+        _apply(tool, module, name)
+    names = WEIGHT_TOOLS[tool][2](name)
+    own = dict(layer.named_parameters())
+    assert set(names) <= set(own) and name not in layer._parameters
+    assert set(layer.state_dict()) - _metric_keys(layer) == set(mha.state_dict())
+    want, got = _run(mha, layout), _run(layer, layout)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    (want * want).sum().backward()
+    (got * got).sum().backward()
+    for n, p in mha.named_parameters():
+        assert p.grad is not None and own[n].grad is not None, n
+        torch.testing.assert_close(own[n].grad, p.grad, rtol=1e-9, atol=1e-12, msg=n)
+    assert all(own[n].grad.abs().max() > 0 for n in names)
+    # The effective weight differs from the original one, so the outputs above
+    # could not have matched with the tool ignored by one of the two modules.
+    plain, _ = _pair(layout)
+    assert (_run(plain, layout) - want).abs().max() > 1e-6
+
+
+@pytest.mark.parametrize("tool", list(WEIGHT_TOOLS))
+@pytest.mark.parametrize("layout, name", WEIGHTS)
+def test_weight_tool_removal_leaves_a_plain_parameter(layout: str, name: str, tool: str) -> None:
+    """prune.remove, remove_parametrizations (leave_parametrized) and the old
+    remove_* register the effective weight again as a plain parameter, as on
+    MHA: the class is DamchaAttention again and the output is unchanged."""
+    mha, layer = _pair(layout)
+    for module in (mha, layer):
+        _apply(tool, module, name)
+        module.eval()  # spectral norms: no power-iteration step, the weight stays put
+    before = _run(layer, layout).detach()
+    for module in (mha, layer):
+        WEIGHT_TOOLS[tool][1](module, name)
+    assert type(layer) is DamchaAttention and type(mha) is nn.MultiheadAttention
+    assert type(layer._parameters[name]) is nn.Parameter
+    assert set(layer.state_dict()) - _metric_keys(layer) == set(mha.state_dict())
+    assert not any(n.endswith(("_orig", "_g", "_v", "_mask", "_u")) for n in layer.state_dict())
+    torch.testing.assert_close(_run(layer, layout), before, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(_run(layer, layout), _run(mha, layout), rtol=1e-10, atol=1e-12)
+    # Registered as before: the tool applies again.
+    _apply(tool, layer, name)
+    assert name not in layer._parameters
+
+
+@pytest.mark.parametrize("tool", list(WEIGHT_TOOLS))
+@pytest.mark.parametrize("layout, name", WEIGHTS)
+def test_weight_tool_state_dict_round_trips_and_loads_mha_state(layout: str, name: str, tool: str) -> None:
+    """The state_dict of a layer under a tool loads into a fresh layer under
+    the same tool (and MHA's into it, strict=False: only the metric keys are
+    missing); copy.deepcopy works where it works on MHA (pruning and the old
+    tools keep a computed, non-leaf tensor that deepcopy refuses on both)."""
+    mha, layer = _pair(layout)
+    for module in (mha, layer):
+        _apply(tool, module, name)
+        module.eval()
+    want = _run(mha, layout).detach()
+    torch.testing.assert_close(_run(layer, layout), want, rtol=1e-10, atol=1e-12)  # both ran a forward
+    for state, strict in ((layer.state_dict(), True), (mha.state_dict(), False)):
+        _, fresh = _pair(layout)
+        with torch.no_grad():
+            fresh.in_proj_bias.zero_()  # differs from the source until loaded
+        _apply(tool, fresh, name)
+        result = fresh.load_state_dict(state, strict=strict)
+        if not strict:
+            assert set(result.missing_keys) == _metric_keys(fresh) and not result.unexpected_keys
+        torch.testing.assert_close(_run(fresh.eval(), layout), want, rtol=1e-10, atol=1e-12)
+    try:
+        copy.deepcopy(mha)
+        mha_copies = True
+    except RuntimeError:
+        mha_copies = False
+    if mha_copies:
+        torch.testing.assert_close(_run(copy.deepcopy(layer), layout), want, rtol=1e-10, atol=1e-12)
+    else:
+        with pytest.raises(RuntimeError, match="deepcopy"):
+            copy.deepcopy(layer)
+
+
+@pytest.mark.parametrize("tool", ["weight_norm", "prune", "old spectral_norm"])
+@pytest.mark.parametrize("layout, name", WEIGHTS)
+def test_from_mha_copies_the_effective_weight_of_a_tool(layout: str, name: str, tool: str) -> None:
+    mha, _ = _pair(layout)
+    _apply(tool, mha, name)
+    mha.eval()
+    # Pruning and the old tools recompute the weight they set on the module in a
+    # forward pre-hook (so, on MHA too, it is current after a forward).
+    want = _run(mha, layout)
+    layer = DamchaAttention.from_mha(mha)
+    assert type(layer._parameters[name]) is nn.Parameter  # the weight, not the tool
+    torch.testing.assert_close(_run(layer, layout), want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("tool", ["weight_norm", "prune", "old weight_norm"])
+def test_packed_views_follow_a_tool_on_in_proj_weight(tool: str) -> None:
+    """Code written for MHA reads q/k/v_proj_weight (`_qkv_same_embed_dim` is
+    False here): on a packed layer under a tool they are the effective weight's
+    rows, and F.multi_head_attention_forward on them equals the layer."""
+    mha, layer = _pair("packed")
+    for module in (mha, layer):
+        _apply(tool, module, "in_proj_weight")
+        _run(module, "packed")  # see test_from_mha_copies_the_effective_weight_of_a_tool
+    effective = mha.in_proj_weight.detach()
+    assert "q_proj_weight" in layer._parameters and layer._parameters["q_proj_weight"] is None  # as MHA
+    for i, n in enumerate(("q_proj_weight", "k_proj_weight", "v_proj_weight")):
+        torch.testing.assert_close(getattr(layer, n), effective[i * E8 : (i + 1) * E8], rtol=0, atol=0)
+    x, k, v, mask = _inputs("packed")
+    q_, k_, v_ = (t.transpose(0, 1) for t in (x, k, v))
+    want = nn.functional.multi_head_attention_forward(
+        q_, k_, v_, E8, H2, None, layer.in_proj_bias, None, None, False, 0.0,
+        layer.out_proj.weight, layer.out_proj.bias, training=False, attn_mask=mask,
+        use_separate_proj_weight=True, q_proj_weight=layer.q_proj_weight,
+        k_proj_weight=layer.k_proj_weight, v_proj_weight=layer.v_proj_weight,
+    )[0].transpose(0, 1)  # fmt: skip
+    torch.testing.assert_close(_run(layer, "packed"), want, rtol=1e-10, atol=1e-12)
+
+
+def test_separate_weight_names_are_absent_where_mha_lacks_them() -> None:
+    """A separate layer whose q_proj_weight a tool has just removed has no such
+    attribute (the tools check hasattr before registering it again); MHA's error."""
+    _, layer = _pair("separate")
+    del layer.q_proj_weight
+    assert not hasattr(layer, "q_proj_weight")
+    with pytest.raises(AttributeError, match="'DamchaAttention' object has no attribute 'q_proj_weight'"):
+        layer.q_proj_weight  # noqa: B018

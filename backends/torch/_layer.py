@@ -28,6 +28,39 @@ __all__ = ["DamchaAttention"]
 _SEPARATE = ("q_proj_weight", "k_proj_weight", "v_proj_weight")
 
 
+class _SeparateWeight:
+    """``DamchaAttention.q_proj_weight`` (``k_``, ``v_``): the registered
+    parameter, else a view of the packed ``in_proj_weight`` (of its effective
+    value when that is parametrized or pruned).
+
+    A non-data descriptor (no ``__set__``/``__delete__``), not a property:
+    torch's weight tools must see these names as they see MHA's parameters.
+    Pruning and the old ``weight_norm`` set the effective tensor as an instance
+    attribute, which outranks a non-data descriptor (a property's missing
+    setter or deleter refuses it), and parametrize puts its own property on a
+    subclass. With neither a parameter nor a packed weight to view it raises
+    AttributeError, so ``hasattr`` is False where a tool has just removed the
+    parameter: ``register_parameter``, ``parametrize`` and ``prune.remove``
+    check that before registering the name again.
+    """
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.name = _SEPARATE[index]
+
+    def __get__(self, layer: Any, owner: type | None = None) -> Any:
+        if layer is None:
+            return self
+        own = layer._parameters.get(self.name)
+        if own is not None:
+            return own
+        packed = fn.param_entry(layer, "in_proj_weight")
+        if packed is None:
+            # Python then asks nn.Module.__getattr__, whose error is MHA's.
+            raise AttributeError(self.name)
+        return packed.split(layer._sizes)[self.index]
+
+
 def _check_float(name: str, value: Any) -> None:
     if not isinstance(value, Tensor) or not value.is_floating_point():
         raise dc.float_dtype_error(name, value)
@@ -197,47 +230,11 @@ class DamchaAttention(CanonicalIO, nn.Module):
     # Code written for nn.MultiheadAttention picks its weights by that flag:
     # ``in_proj_weight`` when True, else these three. As the flag is always
     # False here, a packed layer gives views of ``in_proj_weight`` (MHA gives
-    # None); a layer with separate weights gives its parameters.
-    @property
-    def q_proj_weight(self) -> Tensor | None:
-        return self._separate_weight(0)
-
-    @q_proj_weight.setter
-    def q_proj_weight(self, value: Tensor) -> None:
-        self._set_separate(0, value)
-
-    @property
-    def k_proj_weight(self) -> Tensor | None:
-        return self._separate_weight(1)
-
-    @k_proj_weight.setter
-    def k_proj_weight(self, value: Tensor) -> None:
-        self._set_separate(1, value)
-
-    @property
-    def v_proj_weight(self) -> Tensor | None:
-        return self._separate_weight(2)
-
-    @v_proj_weight.setter
-    def v_proj_weight(self, value: Tensor) -> None:
-        self._set_separate(2, value)
-
-    def _set_separate(self, index: int, value: Tensor) -> None:
-        # Reached only with no registry entry (nn.Module.__setattr__ takes
-        # it otherwise): pruning deleted it and sets the pruned tensor here.
-        self.__dict__[_SEPARATE[index]] = value
-
-    def _separate_weight(self, index: int) -> Tensor | None:
-        name = _SEPARATE[index]
-        own = self._parameters.get(name)
-        if own is not None:
-            return own
-        if name in self.__dict__:
-            # Pruning removes the parameter and sets the pruned tensor as an
-            # attribute (the setters above keep it where a property can't).
-            return self.__dict__[name]
-        packed = fn.param_entry(self, "in_proj_weight")
-        return None if packed is None else packed.split(self._sizes)[index]
+    # None); a layer with separate weights gives its parameters (see
+    # _SeparateWeight for why these are not properties).
+    q_proj_weight = _SeparateWeight(0)
+    k_proj_weight = _SeparateWeight(1)
+    v_proj_weight = _SeparateWeight(2)
 
     def __init__(
         self,
@@ -363,7 +360,6 @@ class DamchaAttention(CanonicalIO, nn.Module):
         else:
             self.register_parameter("in_proj_weight", None)
             for name, shape in zip(_SEPARATE, ((H * d, E), (G * d, Ekv), (G * dv, Ev))):
-                self._parameters[name] = None  # the class property below must not shadow the registration
                 self.register_parameter(name, nn.Parameter(torch.empty(shape, **kw)))
         if cfg.use_bias:
             self.in_proj_bias = nn.Parameter(torch.empty(sum(self._sizes), **kw))
