@@ -434,3 +434,57 @@ def test_separate_weight_names_are_absent_where_mha_lacks_them() -> None:
     assert not hasattr(layer, "q_proj_weight")
     with pytest.raises(AttributeError, match="'DamchaAttention' object has no attribute 'q_proj_weight'"):
         layer.q_proj_weight  # noqa: B018
+
+
+@pytest.mark.parametrize("tool", list(WEIGHT_TOOLS))
+@pytest.mark.parametrize("layout, name", WEIGHTS)
+def test_reset_parameters_reinitialises_what_a_tool_trains(layout: str, name: str, tool: str) -> None:
+    """reset_parameters with a tool on a projection weight keeps the tool and
+    gives its trained tensors the values that applying the tool to a freshly
+    reset layer gives them (nn.MultiheadAttention's reset writes into the
+    tool's computed weight and changes nothing); the attribute shows the new
+    effective weight at once."""
+    _, layer = _pair(layout)
+    _apply(tool, layer, name)
+    before = {n: p.detach().clone() for n, p in layer.named_parameters()}
+    torch.manual_seed(11)
+    layer.reset_parameters()
+    _, fresh = _pair(layout)
+    torch.manual_seed(11)
+    fresh.reset_parameters()
+    WEIGHT_TOOLS[tool][0](fresh, name)
+    own, want = dict(layer.named_parameters()), dict(fresh.named_parameters())
+    assert set(own) == set(want) == set(before)
+    for n in WEIGHT_TOOLS[tool][2](name):
+        assert not torch.equal(own[n], before[n]), n  # the reset reached the tool's tensor
+    for n, p in want.items():
+        if not n.startswith("metric_generators."):  # the layer's reset leaves shared generators alone
+            torch.testing.assert_close(own[n], p, rtol=1e-12, atol=0, msg=n)
+    if tool == "prune":
+        mask = getattr(layer, f"{name}_mask")
+        torch.testing.assert_close(getattr(layer, name), own[f"{name}_orig"] * mask, rtol=0, atol=0)
+    elif "spectral" not in tool:  # spectral norms' power-iteration vectors are the tool's own state
+        torch.testing.assert_close(getattr(layer, name), getattr(fresh, name), rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("tool", ["weight_norm", "prune", "old weight_norm"])
+def test_reset_parameters_under_a_tool_on_out_proj_and_generator(tool: str) -> None:
+    """The same for out_proj.weight (weight_norm on an output projection is
+    common) and for a generator's kernel under the generator's own reset."""
+    layer = _layer()
+    gen = layer.metric_generators["qk"]
+    _apply(tool, layer.out_proj, "weight")
+    _apply(tool, gen, "weight")
+    torch.manual_seed(12)
+    layer.reset_parameters()
+    gen.reset_parameters()
+    fresh = _layer()
+    torch.manual_seed(12)
+    fresh.reset_parameters()
+    fresh.metric_generators["qk"].reset_parameters()
+    WEIGHT_TOOLS[tool][0](fresh.out_proj, "weight")
+    WEIGHT_TOOLS[tool][0](fresh.metric_generators["qk"], "weight")
+    want = dict(fresh.named_parameters())
+    for n, p in layer.named_parameters():
+        torch.testing.assert_close(p, want[n], rtol=1e-12, atol=0, msg=n)
+    assert all(not g.detach().any() for g in layer.metric_gates.values())

@@ -17,6 +17,7 @@ from damcha_core import DamchaTypeError, DamchaValueError, describe
 from torch import Tensor, nn
 
 from . import _functional as fn
+from ._weight_tools import write_initial
 
 __all__ = ["TORCH_LEAVES", "MetricGenerator", "TorchLeaf", "check_param_dtype", "generator_shapes"]
 
@@ -171,11 +172,12 @@ class MetricGenerator(nn.Module):
         stds = dc.METRIC_STRUCTURES[self.metric].stds(self.features, self.heads, self.head_dim, self.rank)
         with torch.no_grad():
             for name, leaf in TORCH_LEAVES[self.metric].items():
-                param = getattr(self, leaf.attribute)
+                fresh = torch.empty_like(getattr(self, leaf.attribute))
                 if stds[name] == 0.0:
-                    param.zero_()
+                    fresh.zero_()
                 else:
-                    param.normal_(0.0, stds[name])
+                    fresh.normal_(0.0, stds[name])
+                write_initial(self, leaf.attribute, fresh)  # also under a weight tool (pruning, parametrize)
 
     def extra_repr(self) -> str:
         rank = f", rank={self.rank}" if self.metric == "lowrank" else ""

@@ -21,6 +21,7 @@ from ._cache import DamchaKVCache
 from ._canonical import CanonicalIO, check_config_rebuilt
 from ._generator import MetricGenerator, check_param_dtype
 from ._masks import merge_masks
+from ._weight_tools import write_initial
 
 __all__ = ["DamchaAttention"]
 
@@ -387,16 +388,28 @@ class DamchaAttention(CanonicalIO, nn.Module):
         self._reset_projections()
 
     def _reset_projections(self) -> None:
-        """Canonical initialisers: Glorot per projection, zero biases, zero gates."""
+        """Canonical initialisers: Glorot per projection, zero biases, zero gates.
+
+        Each fresh value goes where a weight tool (parametrize, weight_norm,
+        spectral_norm, pruning, their old hook-based forms) keeps the trained
+        tensor, through ``write_initial``: nn.MultiheadAttention's reset writes
+        into the tool's computed weight, a temporary, and so changes nothing.
+        """
         with torch.no_grad():
-            for w in self._proj_weights():
-                nn.init.xavier_uniform_(w)
-            nn.init.xavier_uniform_(self.out_proj.weight)
+            if self.in_proj_weight is not None:
+                packed = torch.empty_like(self.in_proj_weight)
+                for part in packed.split(self._sizes):  # Glorot per projection, not over the packed (3E, E)
+                    nn.init.xavier_uniform_(part)
+                write_initial(self, "in_proj_weight", packed)
+            else:
+                for name in _SEPARATE:
+                    write_initial(self, name, nn.init.xavier_uniform_(torch.empty_like(getattr(self, name))))
+            write_initial(self.out_proj, "weight", nn.init.xavier_uniform_(torch.empty_like(self.out_proj.weight)))
             if self.in_proj_bias is not None:
-                self.in_proj_bias.zero_()
-                self.out_proj.bias.zero_()
-            for gate in self.metric_gates.values():
-                gate.zero_()
+                write_initial(self, "in_proj_bias", torch.zeros_like(self.in_proj_bias))
+                write_initial(self.out_proj, "bias", torch.zeros_like(self.out_proj.bias))
+            for name, gate in self.metric_gates.items():
+                write_initial(self.metric_gates, name, torch.zeros_like(gate))
 
     def reset_parameters(self) -> None:
         """Fresh projections and zero gates (a fresh layer is exactly MHA). The
