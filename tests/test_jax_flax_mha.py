@@ -8,6 +8,8 @@ or ``metric="none"``), and with the NumPy reference with the gates open.
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -233,6 +235,88 @@ def test_key_and_value_inputs_of_different_sizes() -> None:
             match=r"Invalid argument `inputs_v`: expected a tensor when in_v_features != in_kv_features",
         ):
             layer(x, k)
+
+
+# ------------------------------------------------------- mask broadcasting
+
+# (batch axes of the inputs, mask shape) with H = 4 heads, N = M = 5.
+# Flax broadcasts the mask with jnp's rules; DAMCHA takes every such mask whose
+# meaning no alignment of its axes can change.
+LIKE_FLAX = [
+    ((), (5, 5)),
+    ((), (1, 5, 5)),
+    ((), (4, 5, 5)),  # unbatched: [H, N, M], the full rank
+    ((), (1, 1, 5, 5)),
+    ((), (1, 4, 5, 5)),
+    ((), (1, 5)),
+    ((2,), (1, 5, 5)),
+    ((2,), (1, 1, 5, 5)),
+    ((2,), (2, 1, 5, 5)),
+    ((2,), (2, 4, 1, 5)),
+    ((2, 3), (5, 5)),
+    ((2, 3), (1, 5, 5)),
+    ((2, 3), (1, 1, 5, 5)),
+    ((2, 3), (1, 1, 1, 5, 5)),
+    ((2, 3), (2, 3, 1, 5, 5)),
+    ((2, 3), (1, 1, 1, 1, 5, 5)),
+]
+# Accepted here, refused by Flax 0.12.8: more than 4 axes on its fused path, or
+# its fold of several batch axes (mask.shape[:-3] flattened apart from the inputs').
+BEYOND_FLAX = [((), (1, 1, 1, 5, 5)), ((2,), (1, 1, 1, 5, 5)), ((2, 3), (1, 3, 1, 5, 5)), ((2, 3), (2, 1, 4, 5, 5))]
+# Accepted by Flax, refused here: a non-1 axis whose place depends on the
+# alignment (Flax reads a (B, N, M) mask's B as the heads), or a mask without
+# its query axis (a (N,) padding vector would be read as the keys').
+REFUSED = [((2,), (4, 5, 5)), ((2, 3), (1, 4, 5, 5)), ((), (5,)), ((2,), (5,))]
+
+
+def _full_mask(mask: np.ndarray, lead: tuple[int, ...]) -> np.ndarray:
+    """``mask`` as [batch..., H, N, M], which Flax takes for every batch shape."""
+    rank = len(lead) + 3
+    if mask.ndim > rank:
+        mask = mask.reshape(mask.shape[mask.ndim - rank :])
+    elif mask.ndim < rank:
+        mask = mask.reshape(mask.shape[-2:])
+    return np.broadcast_to(mask, (*lead, 4, 5, 5))
+
+
+@pytest.mark.parametrize("case", LIKE_FLAX + BEYOND_FLAX, ids=str)
+def test_masks_broadcast_as_in_flax(case) -> None:
+    """Unbatched inputs and several batch axes take the masks Flax broadcasts
+    (size-1 axes, extra leading ones): gates at 0 give Flax's output for the
+    same call, and for the same mask broadcast to [batch..., H, N, M]."""
+    lead, shape = case
+    mha = nnx.MultiHeadAttention(4, E, 16, decode=False, rngs=nnx.Rngs(1))
+    layer = dj.DamchaAttention.from_mha(mha, rngs=nnx.Rngs(2))
+    rng = np.random.default_rng(len(lead) + len(shape))
+    x = _normal((*lead, 5, E), 7)
+    mask = rng.random(shape) < 0.6
+    mask[..., 0] = True  # every query sees a key (Flax averages the values in a row that sees none)
+    full = _full_mask(mask, lead)
+    both = lambda m, mha, x, mask, full: (m(x, mask=mask), mha(x, mask=full))  # noqa: E731
+    ours, flax = in_one_program(both, (layer, mha), x, jnp.asarray(mask), jnp.asarray(full))
+    assert ours.shape == (*lead, 5, E)
+    np.testing.assert_allclose(ours, flax, rtol=1e-5, atol=1e-5)
+    if case in LIKE_FLAX:
+        np.testing.assert_allclose(ours, run(lambda x, m: mha(x, mask=m), x, jnp.asarray(mask)), rtol=1e-5, atol=1e-5)
+    # A float 0/1 mask traced under jit, with a hint, takes the same route (its row flags are reshaped too).
+    padding = np.broadcast_to(np.arange(5) < 4, shape).astype(np.float32)
+    full = _full_mask(padding, lead)
+    hinted = lambda m, mha, x, p, f: (m(x, mask=p, mask_hint="padding"), mha(x, mask=f))  # noqa: E731
+    ours, flax = in_one_program(hinted, (layer, mha), x, jnp.asarray(padding), jnp.asarray(full))
+    np.testing.assert_allclose(ours, flax, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", REFUSED, ids=str)
+def test_ambiguous_masks_are_refused_where_flax_guesses(case) -> None:
+    lead, shape = case
+    mha = nnx.MultiHeadAttention(4, E, 16, decode=False, rngs=nnx.Rngs(1))
+    layer = dj.DamchaAttention.from_mha(mha, rngs=nnx.Rngs(2))
+    x, mask = _normal((*lead, 5, E), 7), jnp.ones(shape, bool)
+    assert jax.eval_shape(lambda x, m: mha(x, mask=m), x, mask).shape == (*lead, 5, E)  # Flax takes it
+    with pytest.raises(
+        dc.DamchaValueError, match=rf"Invalid argument `mask`.*Received: mask\.shape={re.escape(str(shape))}"
+    ):
+        layer(x, mask=mask)
 
 
 # ------------------------------------------------------------ sow_weights

@@ -7,6 +7,7 @@ NNX module) and compares with the NumPy reference where a result is expected.
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -79,6 +80,50 @@ def test_additive_mask_under_jit_gives_nan() -> None:
         assert np.all(np.isnan(np.asarray(out)))
     for out in fast_jit(calls)(jnp.asarray(PAD, jnp.float32)):  # 0/1 under jit: the real answer
         assert np.all(np.isfinite(np.asarray(out)))
+
+
+@pytest.mark.parametrize(
+    "lead, shape",
+    [((B,), (N, N)), ((), (1, 1, N, N)), ((2, 3), (2, 3, 1, N, N)), ((2, 3), (N, N))],
+    ids=["batched-(N,M)", "unbatched-extra-axes", "two-batch-axes", "two-batch-axes-(N,M)"],
+)
+def test_a_wrong_mask_hint_reports_the_mask_as_passed(lead, shape) -> None:
+    """The hint's refusal prints the mask's shape as given, not the (b, h, N, M)
+    view the kernel planning uses."""
+    causal = np.broadcast_to(np.tril(np.ones((N, N), bool)), shape)  # causal, so not what "padding" says
+    x = np.ones((*lead, N, E), np.float32)
+    received = re.escape(f"Received: mask.shape={shape}")
+    with pytest.raises(
+        dc.DamchaValueError, match=r"Invalid argument `mask`: expected what mask_hint='padding'.*" + received
+    ):
+        _layer()(x, mask=causal, mask_hint="padding")
+    if len(lead) == 1 and len(shape) == 2:
+        with pytest.raises(dc.DamchaValueError, match=r"expected what mask_hint='padding'.*" + received):
+            dj.damcha_attention(PARAMS, CFG, x, mask=causal, mask_hint="padding")
+
+
+def test_nan_from_a_traced_mask_is_explained_by_the_debug_recipes() -> None:
+    """docs/jax.md's recipe: under jit a bad mask can only make the output NaN;
+    jax_debug_nans reruns the step op by op, where the mask's values are
+    concrete and the DamchaValueError says what is wrong. A JAX bool mask is
+    never read back, so a wrong hint on one is found with a NumPy copy under
+    jax.disable_jit()."""
+    layer = _layer()
+    step = nnx.jit(lambda m, x, mask, hint=None: m(x, mask=mask, mask_hint=hint), static_argnames="hint")
+    additive = jnp.asarray(np.where(PAD, 0.0, -np.inf), jnp.float32)
+    assert np.isnan(np.asarray(step(layer, X, additive))).all()
+    with (
+        jax.debug_nans(True),
+        pytest.raises(dc.DamchaValueError, match="Invalid argument `mask`: expected a mask that is boolean"),
+    ):
+        step(layer, X, additive)
+    not_causal = jnp.ones((N, N), bool).at[0, 3].set(False)
+    assert np.isnan(np.asarray(step(layer, X, not_causal, hint="causal"))).all()
+    with (
+        jax.disable_jit(),
+        pytest.raises(dc.DamchaValueError, match=r"expected what mask_hint='causal' says.*mask\.shape=\(4, 4\)"),
+    ):
+        step(layer, X, np.asarray(not_causal), hint="causal")
 
 
 # --------------------------------------------------------------- NaN in, NaN out
@@ -358,7 +403,9 @@ def test_bad_dropout_and_cache_arguments_are_named() -> None:
         layer.init_cache((B, N, E), jnp.int32)
     layer.init_cache((B, N, E))
     with pytest.raises(
-        dc.DamchaValueError, match=r"Invalid argument `inputs_q`: expected the batch axes of the cache.*\(2,\)"
+        dc.DamchaValueError,
+        match=r"Invalid argument `inputs_q`: expected the batch axes of the cache.*\(2,\).*"
+        r"\(cached_key\.shape=\(2, 4, 2, 4\)\)",  # the layer's attribute, by its name
     ):
         layer(X[:1, :1], decode=True, deterministic=True)
     with pytest.raises(dc.DamchaValueError, match="`mask`"):

@@ -64,7 +64,8 @@ def _normal(shape, seed: int) -> jax.Array:
 def _mask(kind: str, heads: int, m: int):
     rng = np.random.default_rng(0)
     if kind in ("padding", "causal+padding"):
-        # Key 0 stays visible so no row is empty (nnx MHA would average there).
+        # Key 0 stays visible so no row is empty: there nnx MHA averages the values and
+        # DAMCHA gives the output bias (test_flax_mask_helpers_work_as_in_flax_mha checks both).
         return jnp.asarray(np.arange(m)[None, None, None, :] < np.array([m, m - 2])[:, None, None, None])
     if kind == "per_head":
         mask = rng.random((B, heads, N, m)) < 0.6
@@ -227,6 +228,77 @@ def test_stack_shares_one_generator_and_sums_its_gradient() -> None:
     np.testing.assert_allclose(kernels[0][...], summed, rtol=1e-4, atol=1e-6)
 
 
+def _call(model, x, **kwargs) -> np.ndarray:
+    """``model(x, **kwargs)`` as one compiled program, its RNG counts written back."""
+    graphdef, state = nnx.split(model)
+
+    def inner(state, x):
+        merged = nnx.merge(graphdef, state)
+        return merged(x, **kwargs), nnx.state(merged)
+
+    y, state = run(inner, state, x)
+    nnx.update(model, state)
+    return np.asarray(y)
+
+
+def test_encoder_dropouts_follow_deterministic_as_in_flax() -> None:
+    """Every dropout of the blocks (residual and attention) takes the
+    constructor's ``deterministic`` as its default, a call's as an override,
+    and eval()/train()/nnx.view as Flax's modules do (the residual dropout
+    once ignored the constructor's and dropped at every call)."""
+    kwargs = dict(num_layers=2, in_features=8, num_heads=2, mlp_features=16)
+    enc = build(
+        lambda: dj.DamchaEncoder(
+            **kwargs, dropout_rate=0.5, attention_dropout_rate=0.5, deterministic=True, rngs=nnx.Rngs(0, dropout=1)
+        )
+    )
+    plain = build(lambda: dj.DamchaEncoder(**kwargs, rngs=nnx.Rngs(2)))  # no dropout at all, same weights below
+    plain.load_canonical(enc.to_canonical()[0])
+    x = _normal((B, N, 8), 11)
+    expected = _call(plain, x)
+    for _ in range(2):  # repeated calls: nothing dropped, the dropout-free output
+        np.testing.assert_allclose(_call(enc, x), expected, rtol=1e-6, atol=1e-6)
+    first, second = _call(enc, x, deterministic=False), _call(enc, x, deterministic=False)
+    assert np.abs(first - expected).max() > 1e-2 and np.abs(first - second).max() > 1e-2  # fresh masks per call
+
+    dropouts = [m for layer in enc.layers for m in (layer.dropout, layer.attention)]
+    enc.train()
+    assert all(m.deterministic is False for m in dropouts)
+    assert np.abs(_call(enc, x) - expected).max() > 1e-2
+    np.testing.assert_allclose(_call(enc, x, deterministic=True), expected, rtol=1e-6, atol=1e-6)
+    enc.eval()
+    assert all(m.deterministic is True for m in dropouts)
+    np.testing.assert_allclose(_call(enc, x), expected, rtol=1e-6, atol=1e-6)
+    training = nnx.view(enc, deterministic=False)
+    assert np.abs(_call(training, x) - expected).max() > 1e-2
+    np.testing.assert_allclose(_call(enc, x), expected, rtol=1e-6, atol=1e-6)  # the view left enc in eval mode
+    # Each dropout alone is switched too: only the residual, then only the attention, drops.
+    for rates in (dict(dropout_rate=0.5), dict(attention_dropout_rate=0.5)):
+        one = build(lambda rates=rates: dj.DamchaEncoder(**kwargs, **rates, rngs=nnx.Rngs(0, dropout=1)))
+        one.eval()
+        np.testing.assert_allclose(_call(one, x), expected, rtol=1e-6, atol=1e-6)
+        one.train()
+        assert np.abs(_call(one, x) - expected).max() > 1e-2, rates
+
+
+@pytest.mark.parametrize("rate", ["dropout_rate", "attention_dropout_rate"])
+def test_block_without_deterministic_refuses_either_dropout_alike(rate: str) -> None:
+    """deterministic=None (the default) decides nothing, for the residual
+    dropout as for the attention's (as nnx.MultiHeadAttention): a call needs
+    one, else the same DamchaValueError; with no dropout nothing is needed."""
+    block = build(lambda: dj.DamchaEncoderBlock(8, 2, 16, **{rate: 0.5}, rngs=nnx.Rngs(0, dropout=1)))
+    x = _normal((B, N, 8), 12)
+    with pytest.raises(
+        dc.DamchaValueError,
+        match=rf"Invalid argument `deterministic`: expected a bool when {rate}=0.5 > 0: given to __call__ or the "
+        r"constructor, or set by eval\(\)/train\(\).*Received: deterministic=None",
+    ):
+        block(x)
+    kept = _call(block, x, deterministic=True)
+    assert np.abs(_call(block, x, deterministic=False) - kept).max() > 1e-2
+    assert np.all(np.isfinite(_call(build(lambda: dj.DamchaEncoderBlock(8, 2, 16, rngs=nnx.Rngs(0))), x)))
+
+
 def test_attention_dropout_only_in_training() -> None:
     layer, params, config = _open_layer("self")
     dropping = build(
@@ -281,14 +353,25 @@ def test_flax_mask_helpers_work_as_in_flax_mha() -> None:
     padding = nnx.make_attention_mask(tokens > 0, tokens > 0)  # (B, 1, N, N) float32
     mask = nnx.combine_masks(padding, nnx.make_causal_mask(tokens))
     assert mask.dtype == jnp.float32
-    expected, actual, boolean = run(lambda x, m: (mha(x, mask=m), layer(x, mask=m), layer(x, mask=m > 0)), x, mask)
-    # Padded queries see no key: Flax averages the values there, DAMCHA gives
-    # attention output 0 (the spec's rule), so compare the real queries.
+    expected, actual, boolean, mean = run(
+        lambda x, m: (
+            mha(x, mask=m),
+            layer(x, mask=m),
+            layer(x, mask=m > 0),
+            mha.out(jnp.mean(mha.value(x), axis=1)),  # (B, E): the output of the mean of every key's value
+        ),
+        x,
+        mask,
+    )
+    # Padded queries see no key: Flax averages the values of all keys there,
+    # DAMCHA gives attention output 0 (the spec's rule), so y = the output bias.
+    # from_mha's layer equals Flax everywhere else.
     real = np.asarray(tokens > 0)
     np.testing.assert_allclose(np.asarray(actual)[real], np.asarray(expected)[real], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(
         np.asarray(actual)[~real], np.broadcast_to(np.asarray(layer.out.bias[...]), (2, 16)), atol=1e-6
     )
+    np.testing.assert_allclose(np.asarray(expected)[1, 3:], np.asarray(mean)[1][None].repeat(2, 0), atol=1e-5)
     np.testing.assert_array_equal(actual, boolean)
 
 

@@ -43,6 +43,13 @@ class DamchaEncoderBlock(nnx.Module):
         mlp_features: hidden size of the MLP.
         dropout_rate: residual dropout.
         attention_dropout_rate: attention-probability dropout.
+        deterministic: the default of both dropouts (the residual
+            ``nnx.Dropout`` and the attention's), as in Flax's modules: a
+            call's ``deterministic`` overrides it, and ``eval()``,
+            ``train()``, ``set_attributes(deterministic=...)`` and
+            ``nnx.view(..., deterministic=...)`` set it. ``None`` (default)
+            decides nothing: a call with a dropout rate > 0 then needs one of
+            those, else a DamchaValueError (as ``nnx.MultiHeadAttention``).
         metric_generator: shared generator(s), see ``DamchaAttention``.
         norm_epsilon: the LayerNorms' epsilon (Flax's default, 1e-6).
         **attention_kwargs: further ``DamchaAttention`` options (key_dim,
@@ -59,11 +66,14 @@ class DamchaEncoderBlock(nnx.Module):
         attention_dropout_rate: float = 0.0,
         metric_generator: MetricGenerator | Mapping[str, MetricGenerator] | None = None,
         norm_epsilon: float = 1e-6,
+        deterministic: bool | None = None,
         rngs: nnx.Rngs,
         **attention_kwargs: Any,
     ) -> None:
         mlp_features = check_int("mlp_features", mlp_features)
         check_rate("dropout_rate", dropout_rate)
+        if deterministic is not None:
+            deterministic = check_bool("deterministic", deterministic)
         norm_epsilon = _check_epsilon(norm_epsilon)
         dtype, param_dtype = attention_kwargs.get("dtype"), attention_kwargs.get("param_dtype", jnp.float32)
         norm = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -72,6 +82,7 @@ class DamchaEncoderBlock(nnx.Module):
             num_heads,
             in_features,
             dropout_rate=attention_dropout_rate,
+            deterministic=deterministic,
             metric_generator=metric_generator,
             rngs=rngs,
             **attention_kwargs,
@@ -79,7 +90,8 @@ class DamchaEncoderBlock(nnx.Module):
         self.mlp_norm = nnx.LayerNorm(in_features, epsilon=norm_epsilon, **norm)
         self.mlp_in = nnx.Linear(in_features, mlp_features, **norm)
         self.mlp_out = nnx.Linear(mlp_features, in_features, **norm)
-        self.dropout = nnx.Dropout(dropout_rate, rngs=rngs)
+        # Each dropout holds its own ``deterministic`` (the attribute eval()/train() and nnx.view set).
+        self.dropout = nnx.Dropout(dropout_rate, deterministic=deterministic, rngs=rngs)
 
     def __call__(
         self,
@@ -90,13 +102,39 @@ class DamchaEncoderBlock(nnx.Module):
         deterministic: bool | None = None,
         mask_hint: str | None = None,
     ) -> Array:
-        """x (B, N, E) -> (B, N, E); ``mask_hint`` as in ``DamchaAttention``."""
+        """x (B, N, E) -> (B, N, E); ``mask_hint`` as in ``DamchaAttention``;
+        ``deterministic`` overrides the dropouts' own setting for this call."""
+        deterministic = self._check_deterministic(deterministic)
         h = self.attention(
             self.attention_norm(x), mask=mask, is_causal=is_causal, deterministic=deterministic, mask_hint=mask_hint
         )
-        x = x + self.dropout(h, deterministic=deterministic)
+        x = x + self._drop(h, deterministic)
         h = self.mlp_out(nnx.gelu(self.mlp_in(self.mlp_norm(x))))
-        return x + self.dropout(h, deterministic=deterministic)
+        return x + self._drop(h, deterministic)
+
+    def _check_deterministic(self, deterministic: Any) -> bool | None:
+        """The call's ``deterministic``; with None, each active dropout must
+        have its own (one rule for the residual and the attention dropout)."""
+        if deterministic is not None:
+            return check_bool("deterministic", deterministic)
+        for name, rate, default in (
+            ("dropout_rate", self.dropout.rate, self.dropout.deterministic),
+            ("attention_dropout_rate", self.attention.dropout_rate, self.attention.deterministic),
+        ):
+            if rate > 0 and default is None:
+                raise DamchaValueError(
+                    invalid_argument(
+                        "deterministic",
+                        f"a bool when {name}={rate} > 0: given to __call__ or the constructor, or set by "
+                        "eval()/train() or nnx.view(..., deterministic=...)",
+                        "deterministic=None",
+                    )
+                )
+        return None
+
+    def _drop(self, h: Array, deterministic: bool | None) -> Array:
+        # nnx.Dropout asks for a deterministic even at rate 0: skip it then, as the attention does.
+        return h if self.dropout.rate == 0.0 else self.dropout(h, deterministic=deterministic)
 
     def to_canonical(self, *, causal: bool = False) -> tuple[dict[str, np.ndarray], EncoderConfig]:
         """This block as a one-layer stack in ``damcha_core``'s stack format
@@ -115,6 +153,8 @@ class DamchaEncoder(nnx.Module):
     With ``share_metric=True`` (the paper's stack-wise regulariser) one
     ``MetricGenerator`` per side serves every layer; each layer keeps its own
     gate. ``self.metric_generators`` holds the shared ones (``{}`` otherwise).
+    ``block_kwargs`` go to every block (``dropout_rate``, ``deterministic``,
+    the attention options, ...).
     """
 
     def __init__(

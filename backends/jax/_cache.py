@@ -359,7 +359,7 @@ class DecodeCache:
                     f"input_shape={describe(input_shape)}",
                 )
             )
-        batch = tuple(check_int("input_shape[i]", n) for n in shape[:-2])
+        batch = tuple(check_int(f"input_shape[{i}]", n) for i, n in enumerate(shape[:-2]))
         max_length = check_int("max_length (input_shape[-2])", shape[-2])
         cache = _empty_cache(self.config, batch, max_length, dtype)
         self.cached_key = nnx.Cache(cache["key"])
@@ -391,7 +391,7 @@ class DecodeCache:
                 invalid_argument(
                     name,
                     f"the batch axes of the cache from init_cache, {batch}",
-                    f"{name} with batch axes {lead} (cache_key.shape={tuple(cached_k.shape)})",
+                    f"{name} with batch axes {lead} (cached_key.shape={tuple(cached_k.shape)})",
                 )
             )
         check_step_keys(T, k, lead, self.config)

@@ -15,7 +15,8 @@ _FlaxMHA = nnx.MultiHeadAttention
 
 def from_mha(cls: Any, mha: Any, *, metric: str, metric_rank: int | None, coupling: str | None, rngs: nnx.Rngs) -> Any:
     """``cls`` (``DamchaAttention``) with ``mha``'s projections (and q/k norms)
-    and every option it has, gates at 0: identical outputs, ready to fine-tune
+    and every option it has, gates at 0: ``mha``'s outputs (except in rows
+    that see no key, see ``DamchaAttention.from_mha``), ready to fine-tune
     the metric. The generator is fresh; ``coupling=None`` is automatic."""
     if not isinstance(mha, _FlaxMHA):
         raise DamchaTypeError(invalid_argument("mha", "an nnx.MultiHeadAttention", f"mha={describe(mha)}"))

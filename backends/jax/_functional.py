@@ -589,8 +589,12 @@ def plan_mask(
     found: tuple[np.ndarray, np.ndarray, bool] | bool | None = None
     concrete_offset = not isinstance(query_offset, jax.core.Tracer)
     if mask.host is not None and concrete_offset:
+        # Messages give the shape as passed, not the (b, h, N, M) view.
+        shape = mask.shape if mask.shape is not None else tuple(np.shape(mask.host))
         host = np.asarray(mask.host).reshape(arr.shape)
-        found = host_plan(host, n, m, is_causal=is_causal, offset=int(query_offset), hint=mask_hint, name=name)
+        found = host_plan(
+            host, n, m, is_causal=is_causal, offset=int(query_offset), hint=mask_hint, name=name, shape=shape
+        )
         if found is not None:
             keys, rows, causal = (jnp.asarray(found[0]), None if found[1].all() else jnp.asarray(found[1]), found[2])
             if found[0].all():

@@ -41,7 +41,7 @@ from ._cache import DecodeCache, check_room, check_step_keys
 from ._canonical import CanonicalIO
 from ._convert import from_mha
 from ._generator import CrossHeadMap, MetricGenerator, make_metric_generators, resolve_metric_generators
-from ._masks import check_hint, fold_mask, read_mask
+from ._masks import check_hint, fold_mask, read_mask, reshape_mask
 
 Array = jax.Array
 Initializer = Callable[..., Array]
@@ -164,12 +164,30 @@ def _project_unbiased(linear: nnx.LinearGeneral, inputs: Array, out_sharding: An
     return dot_general(inputs, kernel, dims, precision=linear.precision, **kwargs), bias
 
 
+def _mask_view(mask_shape: tuple[int, ...], rank: int) -> tuple[int, ...]:
+    """The shape a mask is read as, for inputs whose full mask rank is
+    ``rank`` (len(batch axes) + 3): size-1 axes that change nothing are
+    dropped, so that the masks Flax broadcasts without ambiguity work. Extra
+    leading size-1 axes go (a (1, 1, N, M) mask of unbatched inputs); a mask
+    with fewer axes whose axes before the last two are all 1 is read as
+    (N|1, M) (then no alignment of the axes can change its meaning). Any
+    other shape is returned as it is and checked as given (a (B, N, M)
+    mask stays refused: Flax would read its B as the heads)."""
+    n = len(mask_shape)
+    if n > rank and all(s == 1 for s in mask_shape[: n - rank]):
+        return mask_shape[n - rank :]
+    if 2 < n < rank and all(s == 1 for s in mask_shape[:-2]):
+        return mask_shape[-2:]
+    return mask_shape
+
+
 def _check_inputs(
     config: DamchaConfig, x: Array, k: Array | None, v: Array | None, mask: Array | None, *, keys: int | None = None
-) -> tuple[int, ...]:
+) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
     """Flax's ``[batch..., length, features]`` shapes, checked as the user passed
-    them; returns the batch axes. ``keys`` is the cache length when decoding
-    (the mask then spans the cache)."""
+    them; returns the batch axes and the shape the mask is read as
+    (``_mask_view``). ``keys`` is the cache length when decoding (the mask
+    then spans the cache)."""
     names = {"inputs_q": x, "inputs_k": k, "inputs_v": v}
     for name, t in names.items():
         if t is not None and t.ndim < 2:
@@ -190,9 +208,9 @@ def _check_inputs(
                 )
             )
     mask_shape = None if mask is None else tuple(mask.shape)
-    fold_mask = mask_shape is not None and len(mask_shape) == len(lead) + 3
-    if len(lead) == 1 and keys is None:
-        # (B, N, E): the shared rules and messages, with Flax's names.
+    view = None if mask_shape is None else _mask_view(mask_shape, len(lead) + 3)
+    if len(lead) == 1 and keys is None and view == mask_shape:
+        # (B, N, E) with a mask read as given: the shared rules and messages, with Flax's names.
         check_shapes(
             config,
             x.shape,
@@ -201,8 +219,8 @@ def _check_inputs(
             value_shape=None if v is None else v.shape,
             names=CALL_NAMES,
         )
-        return lead
-    # Other batch axes: the same rules on the shapes as given.
+        return lead, view
+    # Other batch axes, or a mask read without some size-1 axes: the same rules on the shapes as given.
     for name, t, features, arg in (
         ("inputs_q", x, config.query_dim, "in_features"),
         ("inputs_k", k, config.context_dim, "in_kv_features"),
@@ -223,10 +241,10 @@ def _check_inputs(
     M = keys if keys is not None else (x if k is None else k).shape[-2]
     folded = lambda t: None if t is None else (B, *t.shape[-2:])  # noqa: E731
     check_shapes(config, (B, *x.shape[-2:]), folded(k), None, value_shape=folded(v), names=CALL_NAMES)
-    if mask_shape is not None:
+    if mask_shape is not None and view is not None:
         target = (*lead, config.num_heads, N, M)
-        if len(mask_shape) == 2 or fold_mask:
-            if any(s not in (1, t) for s, t in zip(mask_shape[::-1], target[::-1])):
+        if len(view) == 2 or len(view) == len(target):
+            if any(s not in (1, t) for s, t in zip(view[::-1], target[::-1])):
                 raise DamchaValueError(
                     invalid_argument(
                         "mask",
@@ -238,11 +256,12 @@ def _check_inputs(
             raise DamchaValueError(
                 invalid_argument(
                     "mask",
-                    f"shape (N, M) or [batch..., H, N, M] = {target} with size-1 dims allowed",
+                    f"shape (N, M) or [batch..., H, N, M] = {target} with size-1 dims allowed (fewer "
+                    "axes only when those before (N, M) are all 1)",
                     f"mask.shape={mask_shape}",
                 )
             )
-    return lead
+    return lead, view
 
 
 @overload
@@ -478,7 +497,10 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
         rngs: nnx.Rngs,
     ) -> DamchaAttention:
         """A DAMCHA layer with ``mha``'s projections (and q/k norms) and gates
-        at 0: identical outputs, ready to fine-tune the metric. The generator
+        at 0: ``mha``'s outputs, ready to fine-tune the metric, except in a
+        query row that sees no key (fully masked), where ``mha`` outputs the
+        projected mean of all the values and this layer the output bias (the
+        spec's empty-row rule). The generator
         is fresh; ``coupling=None`` picks it from ``mha``'s shape (tied when
         num_kv_heads == num_heads and in_kv_features == in_features)."""
         return from_mha(cls, mha, metric=metric, metric_rank=metric_rank, coupling=coupling, rngs=rngs)
@@ -548,7 +570,9 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
         As ``nnx.MultiHeadAttention``: ``inputs_k=None`` is self-attention,
         ``inputs_v`` defaults to ``inputs_k``; inputs may be unbatched (N, E)
         or carry several batch axes. ``mask`` is True (or 1) = attend, shape
-        (N, M) or [batch..., H|1, N|1, M]; bool, or numeric with only 0 and 1
+        (N, M) or [batch..., H|1, N|1, M], with extra leading size-1 axes or
+        fewer axes when those before (N, M) are 1 (what Flax broadcasts
+        unambiguously); bool, or numeric with only 0 and 1
         (``nnx.make_attention_mask``/``make_causal_mask`` give float 0/1
         masks). A numeric mask with other values (an additive 0/-inf mask,
         which Flax would read inverted) is refused, or under ``jit`` makes the
@@ -588,7 +612,9 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
             if self.cached_key is None:
                 raise DamchaValueError("The decoding cache is not initialised: call init_cache(input_shape) first.")
             cache_len = self.cached_key.shape[-3]
-        lead = _check_inputs(self.config, x, k_in, v_in, checked.array, keys=cache_len)
+        lead, view = _check_inputs(self.config, x, k_in, v_in, checked.array, keys=cache_len)
+        if view is not None:
+            checked = reshape_mask(checked, view)
         deterministic, dropout_rng = self._dropout_rng(deterministic, rngs)
 
         ctx = x if k_in is None else k_in
@@ -700,7 +726,7 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
         """The optional regulariser mean ||L(t) - I||_F^2 / (S*d) (``damcha_core.metric_penalty``)."""
         x = F.check_float("inputs_q", inputs_q)
         c = None if inputs_k is None else F.check_float("inputs_k", inputs_k)
-        lead = _check_inputs(self.config, x, c, None, None)
+        lead, _ = _check_inputs(self.config, x, c, None, None)
         x, c = _fold(x, lead, 2), _fold(c, lead, 2)
         params = self._metric_params()
         per_role = []

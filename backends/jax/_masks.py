@@ -55,13 +55,16 @@ class MaskArg(NamedTuple):
     last axis, shape ``array.shape[:-1]``) when reading the mask gave it
     anyway (None: not known), ``raw`` the traced numeric mask as given when
     ``flag`` is its 0/1 rule (a hint's check then reads the values once for
-    both, ``traced_split``; None otherwise)."""
+    both, ``traced_split``; None otherwise), ``shape`` the mask's shape as
+    the user passed it, for messages (None: ``host``'s shape, when it was
+    not reshaped)."""
 
     array: Array | None
     host: np.ndarray | None
     flag: Array | None
     rows: Array | None = None
     raw: Array | None = None
+    shape: tuple[int, ...] | None = None
 
 
 def _traced_numeric(mask: Array) -> MaskArg:
@@ -74,7 +77,7 @@ def _traced_numeric(mask: Array) -> MaskArg:
     forward bytes at N=1024)."""
     code = jnp.where(mask == 0, 0, jnp.where(mask == 1, 1, 2)).astype(jnp.int8)
     per_row = jnp.max(code, axis=-1)
-    return MaskArg(mask != 0, None, jnp.any(per_row == 2), per_row != 0, mask)
+    return MaskArg(mask != 0, None, jnp.any(per_row == 2), per_row != 0, mask, tuple(mask.shape))
 
 
 def read_mask(mask: Any, name: str = "mask") -> MaskArg:
@@ -88,7 +91,8 @@ def read_mask(mask: Any, name: str = "mask") -> MaskArg:
         raise mask_dtype_error(mask, name, MASK_RULE)
     if dtype == np.bool_:
         # A bool JAX array is never read back (that would be a device sync); a NumPy one is on the host already.
-        return MaskArg(jnp.asarray(mask), mask if isinstance(mask, np.ndarray) else None, None)
+        host = mask if isinstance(mask, np.ndarray) else None
+        return MaskArg(jnp.asarray(mask), host, None, shape=tuple(mask.shape))
     if isinstance(mask, jax.core.Tracer):
         return _traced_numeric(mask)
     values = np.asarray(mask)
@@ -101,7 +105,7 @@ def read_mask(mask: Any, name: str = "mask") -> MaskArg:
             )
         )
     host = values != 0
-    return MaskArg(jnp.asarray(host), host, None)
+    return MaskArg(jnp.asarray(host), host, None, shape=tuple(values.shape))
 
 
 def check_mask(mask: Any, name: str = "mask") -> tuple[Array | None, Array | None]:
@@ -150,7 +154,20 @@ def fold_mask(mask: MaskArg, lead: tuple[int, ...]) -> MaskArg:
     raw = mask.raw
     if raw is not None:
         raw = jnp.reshape(jnp.broadcast_to(raw, (*lead, *tail)), (B, *tail))
-    return MaskArg(jnp.reshape(jnp.broadcast_to(array, (*lead, *tail)), (B, *tail)), host, mask.flag, rows, raw)
+    return MaskArg(
+        jnp.reshape(jnp.broadcast_to(array, (*lead, *tail)), (B, *tail)), host, mask.flag, rows, raw, mask.shape
+    )
+
+
+def reshape_mask(mask: MaskArg, shape: tuple[int, ...]) -> MaskArg:
+    """``mask`` with size-1 axes dropped to ``shape`` (same values; ``shape``
+    keeps the shape as passed, for messages)."""
+    if mask.array is None or tuple(mask.array.shape) == shape:
+        return mask
+    host = None if mask.host is None else np.reshape(mask.host, shape)
+    rows = None if mask.rows is None else jnp.reshape(mask.rows, shape[:-1])
+    raw = None if mask.raw is None else jnp.reshape(mask.raw, shape)
+    return MaskArg(jnp.reshape(mask.array, shape), host, mask.flag, rows, raw, mask.shape)
 
 
 # ---------------------------------------------------------------- planning
@@ -199,10 +216,19 @@ def _host_split(v: np.ndarray, grid: np.ndarray | None) -> tuple[np.ndarray, np.
 
 
 def host_plan(
-    host: np.ndarray, n: int, m: int, *, is_causal: bool, offset: int, hint: str | None, name: str
+    host: np.ndarray,
+    n: int,
+    m: int,
+    *,
+    is_causal: bool,
+    offset: int,
+    hint: str | None,
+    name: str,
+    shape: tuple[int, ...] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, bool] | None:
     """(key_ok, rows, kernel_causal) of a mask whose values are on the host, or
-    None when it is neither causal nor padding; a wrong ``hint`` raises."""
+    None when it is neither causal nor padding; a wrong ``hint`` raises
+    (naming the mask's ``shape`` as passed; default ``host``'s)."""
     full = np.broadcast_to(host, host.shape[:2] + (n, m))
     grid = np.arange(m)[None, :] <= np.arange(n)[:, None] + offset
     if hint is not None:
@@ -218,7 +244,7 @@ def host_plan(
                         else "padding only (make_attention_mask of query and key padding)"
                     )
                     + "; drop mask_hint for any other mask",
-                    f"{name}.shape={tuple(host.shape)}",
+                    f"{name}.shape={tuple(host.shape) if shape is None else tuple(shape)}",
                 )
             )
         keys, rows = split
