@@ -412,6 +412,34 @@ def test_bad_dropout_and_cache_arguments_are_named() -> None:
         layer(X[:, :1], decode=True, deterministic=True, mask=np.ones((1, 3), bool))  # the mask spans the cache (T, L)
 
 
+@pytest.mark.parametrize("module", ["block", "encoder"])
+@pytest.mark.parametrize(
+    "x, error, expected",
+    [
+        (
+            np.zeros((2, 3, 7), np.float32),
+            dc.DamchaValueError,
+            r"expected 8 features \(in_features\)\. Received: x\.shape=\(2, 3, 7\)",
+        ),
+        (np.zeros((8,), np.float32), dc.DamchaValueError, r"rank >= 2\)\. Received: x\.shape=\(8,\)"),
+        (np.zeros((2, 0, 8), np.float32), dc.DamchaValueError, r"non-empty shape.*Received: x\.shape=\(2, 0, 8\)"),
+        ([1.0, 2.0], dc.DamchaTypeError, r"expected an array.*Received: x=\[1\.0, 2\.0\]"),
+    ],
+    ids=["features", "rank-1", "empty", "list"],
+)
+def test_block_input_errors_name_x(module: str, x: object, error: type, expected: str) -> None:
+    """The blocks' argument is ``x``: its mistakes are named so (not ``inputs_q``,
+    the attention's name inside), and a wrong feature size is not a LayerNorm
+    reshape error."""
+    m = (
+        dj.DamchaEncoderBlock(8, 2, 16, rngs=nnx.Rngs(0))
+        if module == "block"
+        else dj.DamchaEncoder(1, 8, 2, 16, rngs=nnx.Rngs(0))
+    )
+    with pytest.raises(error, match=r"Invalid argument `x`: " + ".*" + expected):
+        m(x)
+
+
 def test_bad_dropout_key_and_block_arguments_are_named() -> None:
     with pytest.raises(dc.DamchaTypeError, match="Invalid argument `dropout_rng`: expected a JAX PRNG key"):
         dj.damcha_attention(PARAMS, CFG.replace(dropout=0.5), X, deterministic=False, dropout_rng=3)

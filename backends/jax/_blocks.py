@@ -33,6 +33,22 @@ from ._layer import DamchaAttention, attention_config
 Array = jax.Array
 
 
+def _check_x(x: Any, features: int) -> None:
+    """The blocks' ``x`` (..., N, E), checked here so that a mistake is named
+    ``x`` (the attention inside calls it ``inputs_q``) and is not a LayerNorm
+    reshape error."""
+    shape = getattr(x, "shape", None)
+    if shape is None:
+        raise DamchaTypeError(invalid_argument("x", "an array (..., N, E)", f"x={describe(x)}"))
+    received = f"x.shape={tuple(shape)}"
+    if len(shape) < 2:
+        raise DamchaValueError(invalid_argument("x", "shape [batch..., length, features] (rank >= 2)", received))
+    if shape[-1] != features:
+        raise DamchaValueError(invalid_argument("x", f"{features} features (in_features)", received))
+    if 0 in shape:
+        raise DamchaValueError(invalid_argument("x", "a non-empty shape (no size-0 dim)", received))
+
+
 class DamchaEncoderBlock(nnx.Module):
     """Pre-LN transformer encoder block with DAMCHA self-attention:
     x + Drop(Attn(LN(x))), then x + Drop(MLP(LN(x))) with a GELU MLP.
@@ -104,6 +120,7 @@ class DamchaEncoderBlock(nnx.Module):
     ) -> Array:
         """x (B, N, E) -> (B, N, E); ``mask_hint`` as in ``DamchaAttention``;
         ``deterministic`` overrides the dropouts' own setting for this call."""
+        _check_x(x, self.mlp_norm.num_features)
         deterministic = self._check_deterministic(deterministic)
         h = self.attention(
             self.attention_norm(x), mask=mask, is_causal=is_causal, deterministic=deterministic, mask_hint=mask_hint
@@ -217,6 +234,7 @@ class DamchaEncoder(nnx.Module):
         mask_hint: str | None = None,
     ) -> Array:
         """x (B, N, E) -> (B, N, E); ``mask_hint`` as in ``DamchaAttention`` (the mask is checked in each layer)."""
+        _check_x(x, self.final_norm.num_features)
         for layer in self.layers:
             x = layer(x, mask=mask, is_causal=is_causal, deterministic=deterministic, mask_hint=mask_hint)
         return self.final_norm(x)
