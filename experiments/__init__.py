@@ -25,7 +25,7 @@ from ._data import (
     make_listops,
     stdlib_corpus,
 )
-from ._stats import describe, holm, paired_difference, t_cdf, t_quantile
+from ._stats import describe, holm, median_interval, paired_difference, t_cdf, t_quantile
 from ._tasks import PRESETS, TASK_NAMES, TaskConfig, task_config
 from ._variants import ABLATION, HEADLINE, SUITES, VARIANTS, Variant
 
@@ -56,6 +56,7 @@ __all__ = [
     "make_crosshead",
     "make_listops",
     "measure_cost",
+    "median_interval",
     "paired_difference",
     "run_experiment",
     "run_suite",

@@ -364,7 +364,7 @@ def _train_main(argv: list[str]) -> int:
 
 def _train(args, cfg, variants, out, device, should_stop) -> int:
     from ._cost import measure_cost
-    from ._report import cost_table, markdown_table, stem, write_json, write_results
+    from ._report import cost_caption, cost_table, markdown_table, stem, write_json, write_results
     from ._suite import run_suite
     from ._train import RunInterrupted
 
@@ -386,7 +386,7 @@ def _train(args, cfg, variants, out, device, should_stop) -> int:
             return paths
 
         written = _staged(out, write_cost)
-        print(cost_table(cost))
+        print(f"{cost_caption(cost)}\n\n{cost_table(cost)}")
         print("\nwrote " + ", ".join(str(p) for p in written.values()))
         return 0
     runs_per_variant = len(cfg.lrs) * cfg.sweep_seeds + cfg.seeds - cfg.sweep_seeds

@@ -1,18 +1,43 @@
 """Claim 3: whole-model cost of one training step, DAMCHA vs MHA, measured interleaved.
 
-Every variant's model (at its budget-matched width, the same batch) trains
-``cost_steps`` steps per round, the variants in a rotating order, for
-``cost_rounds`` rounds, all in one process: a slow moment of the machine
-hits every variant alike. A round's time is the median of its steps' times
-(each step timed alone). Reported per variant: the median over rounds, and
-the median over rounds of the ratio to MHA's time in the same round. Memory, device-agnostic and exact: the bytes of the tensors autograd
-saves for backward during one step (activation memory, parameters
-excluded), plus parameters, gradients and optimiser state; on CUDA also the
-allocator's peak (``torch.cuda.max_memory_allocated``) over one step.
+Every variant's model (at its budget-matched width, the same batch) is
+built in one process and timed in ``cost_rounds`` short rounds of
+``cost_steps`` steps each. Within a round the variants alternate step by
+step: step k of the measurement runs every variant once, in an order
+rotated by one at every step (so each variant is as often first as last),
+and an MHA step sits a few milliseconds from each DAMCHA step. A slow phase
+of the machine, which on the shared VM lasts seconds and made whole rounds
+of the older schedule (20 steps of one variant, then the next) 1.5-1.6x
+slower than others, then hits every variant of the round alike.
 
-Timings are only meaningful on a quiet machine: the JSON records the load
-average before and after, and the report calls a measurement taken under
-load inconclusive.
+Clock. With one torch intra-op thread on CPU (``--threads 1``, the
+default) a step runs on the calling thread alone (autograd runs CPU
+backward on the thread that calls it), so its *thread CPU time*
+(``time.thread_time``) counts its own work and not the time other processes
+held the core; that is the clock the ratio uses (``clock``:
+"thread_time"). It is not immune to everything: a co-tenant still slows the
+step through shared caches, memory bandwidth, clock frequency and
+hypervisor steal time the guest kernel does not account. With more threads
+(work on threads the clock does not see) or on CUDA (work on the GPU) the
+clock is the wall clock (``clock``: "perf_counter"). Both are recorded for
+every step (``step_cpu_s``, ``step_wall_s``).
+
+Statistics. A round's time is the median of its steps on the chosen clock
+(a step stalled now and then does not move it), a variant's ratio in a
+round is its round time over MHA's, and the reported ratio is the median
+of the per-round ratios with a 95% percentile bootstrap interval resampling
+rounds (``_analysis.ratio_interval``, fixed seed: the same file always gives
+the same interval). ``_analysis`` decides claim 3 by that interval.
+
+Memory, device-agnostic and exact: the bytes of the tensors autograd saves
+for backward during one step (activation memory, parameters excluded), plus
+parameters, gradients and optimiser state; on CUDA also the allocator's peak
+(``torch.cuda.max_memory_allocated``) over one step.
+
+The JSON records the load average before and after. Files written before
+this schedule (no ``cost_format``) timed 7 rounds of 20 consecutive steps of
+one variant on the wall clock; their ``round_s_per_step`` reads the same and
+``_analysis`` computes the same interval from it.
 """
 
 from __future__ import annotations
@@ -24,11 +49,25 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
+from ._analysis import RATIO_CONFIDENCE, RATIO_RESAMPLES, RATIO_SEED, ratio_interval
 from ._models import count_parameters
 from ._suite import environment
 from ._tasks import RESULTS_FORMAT, TaskConfig, TaskData
 from ._train import _sync, _to_device, build_model, model_width, param_groups
 from ._variants import get_variant
+
+# Written as ``cost_format``; a file without it is the older schedule (see the module docstring).
+COST_FORMAT = 2
+
+
+def timing_clock(device: torch.device) -> tuple[str, str]:
+    """The clock the ratios use on ``device`` with torch's current thread count, and why."""
+    threads = torch.get_num_threads()
+    if device.type == "cpu" and threads == 1:
+        return "thread_time", "one torch intra-op thread on CPU: the step's own CPU time, blind to preemption"
+    if device.type != "cpu":
+        return "perf_counter", f"device {device.type}: the work runs on the device, so wall time"
+    return "perf_counter", f"{threads} torch intra-op threads: thread CPU time would miss the workers, so wall time"
 
 
 def _step(
@@ -107,34 +146,48 @@ def measure_cost(
             entry["cuda_peak_bytes"] = int(torch.cuda.max_memory_allocated(device))
             entry["cuda_peak_over_resident_bytes"] = int(torch.cuda.max_memory_allocated(device) - base)
         entries[name] = entry
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    means: dict[str, list[float]] = {name: [] for name in variants}
+    clock, clock_note = timing_clock(device)
+    # step_s[name][clock][round] lists that round's steps of the variant.
+    step_s: dict[str, dict[str, list[list[float]]]] = {name: {"wall": [], "cpu": []} for name in variants}
+    n = len(variants)
     for r in range(cfg.cost_rounds):
-        rotated = variants[r % len(variants) :] + variants[: r % len(variants)]
-        for name in rotated:
-            v = get_variant(name)
-            steps = []
-            for _ in range(cfg.cost_steps):
+        for name in variants:
+            step_s[name]["wall"].append([])
+            step_s[name]["cpu"].append([])
+        for k in range(cfg.cost_steps):
+            shift = (r * cfg.cost_steps + k) % n
+            for name in variants[shift:] + variants[:shift]:
+                v = get_variant(name)
                 _sync(device)
-                t0 = time.perf_counter()
+                w0, c0 = time.perf_counter(), time.thread_time()
                 _step(models[name], opts[name], x, y, v.penalty, cfg.clip)
                 _sync(device)
-                steps.append(time.perf_counter() - t0)
-            # A round's time is the median of its steps, so that a step preempted
-            # now and then does not move it. (This did not explain the drift seen
-            # in session 10: on this VM, idle, one model's round medians still
-            # moved 1.5-1.6x between rounds seconds apart, 7.4 to 12 ms, whole
-            # rounds fast or slow; the per-round ratios moved with them.)
-            times[name].append(statistics.median(steps))
-            means[name].append(statistics.fmean(steps))
+                c1, w1 = time.thread_time(), time.perf_counter()
+                step_s[name]["wall"][r].append(w1 - w0)
+                step_s[name]["cpu"][r].append(c1 - c0)
+    key = "cpu" if clock == "thread_time" else "wall"
+    # A round's time is the median of its steps, so that a step preempted now
+    # and then does not move it.
+    rounds = {name: [statistics.median(st) for st in step_s[name][key]] for name in variants}
+    wall_rounds = {name: [statistics.median(st) for st in step_s[name]["wall"]] for name in variants}
     for name in variants:
         e = entries[name]
         e["round_statistic"] = "median step"
-        e["round_s_per_step"] = times[name]
-        e["round_mean_s_per_step"] = means[name]
-        e["s_per_step"] = statistics.median(times[name])
-        if "mha" in times:
-            e["time_ratio_vs_mha"] = statistics.median(a / b for a, b in zip(times[name], times["mha"]))
+        e["step_wall_s"] = step_s[name]["wall"]
+        e["step_cpu_s"] = step_s[name]["cpu"]
+        e["round_s_per_step"] = rounds[name]
+        e["round_wall_s_per_step"] = wall_rounds[name]
+        e["round_mean_s_per_step"] = [statistics.fmean(st) for st in step_s[name][key]]
+        e["s_per_step"] = statistics.median(rounds[name])
+        e["wall_s_per_step"] = statistics.median(wall_rounds[name])
+        if "mha" in rounds:
+            iv = ratio_interval(rounds[name], rounds["mha"])
+            e["time_ratio_vs_mha"] = iv["median"]
+            e["time_ratio_ci_vs_mha"] = iv["ci"]
+            # Beside it, what the wall clock says (the difference is what preemption did).
+            e["wall_time_ratio_vs_mha"] = statistics.median(
+                a / b for a, b in zip(wall_rounds[name], wall_rounds["mha"])
+            )
             m = entries["mha"]
             e["activation_ratio_vs_mha"] = e["activation_bytes"] / max(1, m["activation_bytes"])
             e["train_bytes_ratio_vs_mha"] = e["train_bytes"] / max(1, m["train_bytes"])
@@ -149,6 +202,17 @@ def measure_cost(
         "batch": cfg.batch,
         "cost_steps": cfg.cost_steps,
         "cost_rounds": cfg.cost_rounds,
+        "cost_format": COST_FORMAT,
+        "schedule": "steps interleaved, order rotated every step",
+        "clock": clock,
+        "clock_note": clock_note,
+        "torch_threads": torch.get_num_threads(),
+        "ratio_interval": {
+            "confidence": RATIO_CONFIDENCE,
+            "method": "percentile bootstrap over rounds",
+            "resamples": RATIO_RESAMPLES,
+            "seed": RATIO_SEED,
+        },
         "variants": entries,
         "environment": env_before | {"loadavg_after": environment(device).get("loadavg")},
         "params_check": {name: count_parameters(models[name]) for name in variants},

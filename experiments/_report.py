@@ -306,15 +306,47 @@ def comparison_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+_CLOCK_NAMES = {"thread_time": "thread CPU time", "perf_counter": "wall time"}
+
+
+def cost_caption(cost: dict[str, Any]) -> str:
+    """How a cost file was measured: schedule, rounds x steps, clock, interval, load, MHA's round spread."""
+    clock = an.timing_clock(cost)
+    if cost.get("cost_format"):
+        schedule = "the variants alternating step by step"
+    else:
+        schedule = "each round one variant's steps in a row"
+    spread = an.round_spread(cost)
+    trouble, caveat = an.timing_trouble(cost), an.timing_caveat(cost)
+    return (
+        f"batch {cost['batch']}, {cost['cost_rounds']} interleaved rounds x {cost['cost_steps']} steps, "
+        f"{schedule}; a round's time the median of its steps"
+        + ("" if any(e.get("round_statistic") == "median step" for e in cost["variants"].values()) else " (mean)")
+        + f"; clock: {_CLOCK_NAMES.get(clock, clock)}; ratio: median of the per-round ratios to MHA, "
+        f"{an.RATIO_CONFIDENCE:.0%} bootstrap interval over rounds (seed {an.RATIO_SEED}); "
+        f"load average {cost['environment'].get('loadavg')} before, {cost['environment'].get('loadavg_after')} after"
+        + ("" if spread is None else f"; MHA's slowest / fastest round {spread:.2f}x (diagnostic)")
+        + (f"; **cannot decide: {trouble}**" if trouble else "")
+        + (f"; caveat: {caveat}" if caveat else "")
+    )
+
+
 def cost_table(cost: dict[str, Any]) -> str:
+    """Per variant: params, time per step, its ratio to MHA with the interval, wall-clock ratio, memory ratios."""
+    clock = _CLOCK_NAMES.get(an.timing_clock(cost), an.timing_clock(cost))
     lines = [
-        "| variant | params | ms/step (median) | time vs mha | activations (KiB) | activations vs mha | "
-        "train memory vs mha | CUDA peak vs mha |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        f"| variant | params | ms/step ({clock}, median) | time vs mha | 95% CI | time vs mha (wall) | "
+        "activations (KiB) | activations vs mha | train memory vs mha | CUDA peak vs mha |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, e in cost["variants"].items():
+        ratio = an.time_ratio(cost, name)
+        ci = "n/a" if ratio is None or ratio["ci"] is None else f"[{ratio['ci'][0]:.2f}, {ratio['ci'][1]:.2f}]"
+        # Files before cost_format 2 timed on the wall clock: their ratio is the wall ratio.
+        wall = e.get("wall_time_ratio_vs_mha", None if cost.get("cost_format") else e.get("time_ratio_vs_mha"))
         lines.append(
-            f"| {name} | {e['params']:,} | {1000 * e['s_per_step']:.2f} | {_f(e.get('time_ratio_vs_mha'), 2)} | "
+            f"| {name} | {e['params']:,} | {1000 * e['s_per_step']:.2f} | "
+            f"{_f(None if ratio is None else ratio['median'], 2)} | {ci} | {_f(wall, 2)} | "
             f"{e['activation_bytes'] / 1024:.0f} | {_f(e.get('activation_ratio_vs_mha'), 2)} | "
             f"{_f(e.get('train_bytes_ratio_vs_mha'), 2)} | {_f(e.get('cuda_peak_ratio_vs_mha'), 2)} |"
         )
@@ -535,18 +567,8 @@ def build_report(folder: str | Path, tolerance: float = an.OVERHEAD_TOLERANCE) -
             ]
         md += ["Stability:", "", stability_table(res), ""]
         if c is not None:
-            trouble = an.timing_trouble(c)
             md += [
-                f"Cost per training step (batch {c['batch']}, {c['cost_rounds']} interleaved rounds of "
-                f"{c['cost_steps']} steps"
-                + (
-                    ", a round's time the median of its steps"
-                    if any(e.get("round_statistic") == "median step" for e in c["variants"].values())
-                    else ", a round's time the mean of its steps"
-                )
-                + f"; load average {c['environment'].get('loadavg')}"
-                + (f"; **not trusted: {trouble}**" if trouble else "")
-                + "):",
+                f"Cost per training step ({cost_caption(c)}):",
                 "",
                 cost_table(c),
                 "",

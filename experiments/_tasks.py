@@ -80,7 +80,9 @@ class TaskConfig:
             a spike. The absolute floor matters near convergence: at a loss of
             0.01 an ordinary batch at 0.03 is 3x the median without being
             an instability.
-        cost_steps, cost_rounds: the interleaved timing measurement.
+        cost_steps, cost_rounds: the interleaved timing measurement (``_cost``):
+            many short rounds, so that the bootstrap interval of the median
+            per-round ratio has rounds to resample.
     """
 
     task: str
@@ -116,8 +118,8 @@ class TaskConfig:
     spike_factor: float = 2.0
     spike_window: int = 50
     spike_min_jump: float = 0.25
-    cost_steps: int = 20
-    cost_rounds: int = 7
+    cost_steps: int = 5
+    cost_rounds: int = 41
 
     def run_fingerprint(self) -> dict[str, Any]:
         """The fields a single run depends on (not which seeds or rates are run, nor the timing)."""

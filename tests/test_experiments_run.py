@@ -210,7 +210,22 @@ def test_cost_only_measures_without_training(tmp_path):
     )
     cost = json.loads((out / "digits_cost.json").read_text())
     mha, tied = cost["variants"]["mha"], cost["variants"]["damcha-heads-tied"]
-    assert len(mha["round_s_per_step"]) == task_config("digits", "smoke").cost_rounds
+    cfg = task_config("digits", "smoke")
+    assert len(mha["round_s_per_step"]) == cfg.cost_rounds
+    # The interleaved schedule's fields: every step on both clocks, the clock the ratio used, its interval.
+    assert cost["cost_format"] == 2 and cost["clock"] == "thread_time" and cost["torch_threads"] == 1
+    assert cost["ratio_interval"] == {
+        "confidence": 0.95,
+        "method": "percentile bootstrap over rounds",
+        "resamples": 10_000,
+        "seed": 0,
+    }
+    for e in (mha, tied):
+        assert [len(r) for r in e["step_cpu_s"]] == [len(r) for r in e["step_wall_s"]] == [cfg.cost_steps] * 2
+        assert e["round_s_per_step"] == [float(np.median(r)) for r in e["step_cpu_s"]]
+        assert all(c > 0 for r in e["step_cpu_s"] for c in r)
+    lo, hi = tied["time_ratio_ci_vs_mha"]
+    assert lo <= tied["time_ratio_vs_mha"] <= hi and mha["time_ratio_ci_vs_mha"] == [1.0, 1.0]
     assert tied["activation_ratio_vs_mha"] == pytest.approx(tied["activation_bytes"] / mha["activation_bytes"])
     assert tied["activation_bytes"] > mha["activation_bytes"]  # the stored maps (recompute=False)
     assert not (out / "runs").exists() and not (out / "digits.json").exists()
@@ -238,13 +253,58 @@ def test_a_stalled_step_does_not_move_a_cost_round(monkeypatch):
         clock["now"] += seconds
 
     monkeypatch.setattr(_cost, "_step", timed_step)
+    # One fake clock for both (the ratio reads thread CPU time at one torch thread, as in tests).
     monkeypatch.setattr(_cost.time, "perf_counter", lambda: clock["now"])
+    monkeypatch.setattr(_cost.time, "thread_time", lambda: clock["now"])
     cost = _cost.measure_cost(cfg, ["mha", "damcha-heads-tied"])
     mha, tied = cost["variants"]["mha"], cost["variants"]["damcha-heads-tied"]
+    assert cost["clock"] == "thread_time"
     assert mha["round_statistic"] == "median step"
     assert mha["round_s_per_step"] == pytest.approx([0.010] * 3)
     assert tied["time_ratio_vs_mha"] == pytest.approx(1.2)
+    assert tied["time_ratio_ci_vs_mha"] == pytest.approx([1.2, 1.2])
     assert mha["round_mean_s_per_step"] == pytest.approx([(4 * 0.010 + 0.5) / 5] * 3)  # what a mean would say
+
+
+def test_cost_steps_alternate_variants_step_by_step(monkeypatch):
+    """Within a round every variant takes one step before any takes its next (an MHA step sits
+    next to each DAMCHA step), and the order rotates every step so each variant leads equally
+    often; on more than one torch thread the ratio falls back to the wall clock."""
+    from damcha_experiments import _cost
+
+    names = ["mha", "talking-heads", "damcha-heads-tied"]
+    cfg = dataclasses.replace(task_config("crosshead", "smoke"), cost_steps=3, cost_rounds=4)
+    calls: list[str] = []
+    real_build, real_step = _cost.build_model, _cost._step
+
+    def build(data, v, width):
+        model = real_build(data, v, width)
+        model.cost_test_name = v.name
+        return model
+
+    def step(model, opt, x, y, penalty, clip):
+        calls.append(model.cost_test_name)
+        real_step(model, opt, x, y, penalty, clip)
+
+    monkeypatch.setattr(_cost, "build_model", build)
+    monkeypatch.setattr(_cost, "_step", step)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        cost = _cost.measure_cost(cfg, names)
+    finally:
+        torch.set_num_threads(threads)
+    assert calls[: len(names)] == names  # one untimed step each: optimiser state, warm caches
+    timed = calls[len(names) :]
+    assert len(timed) == cfg.cost_rounds * cfg.cost_steps * len(names)
+    cycles = [timed[i : i + len(names)] for i in range(0, len(timed), len(names))]
+    assert all(sorted(c) == sorted(names) for c in cycles)
+    leads = [c[0] for c in cycles]
+    assert leads[:4] == ["mha", "talking-heads", "damcha-heads-tied", "mha"]
+    assert all(leads.count(n) == len(cycles) // len(names) for n in names)
+    assert cost["clock"] == "perf_counter" and "2 torch intra-op threads" in cost["clock_note"]
+    for e in cost["variants"].values():
+        assert e["round_s_per_step"] == [float(np.median(r)) for r in e["step_wall_s"]]
 
 
 def test_same_seed_same_data_order_for_every_variant(smoke_data):

@@ -10,7 +10,7 @@ import pytest
 from scipy import stats
 
 from damcha_core import DamchaTypeError, DamchaValueError
-from damcha_experiments import describe, holm, paired_difference, t_cdf, t_quantile
+from damcha_experiments import describe, holm, median_interval, paired_difference, t_cdf, t_quantile
 
 
 @pytest.mark.parametrize(
@@ -93,3 +93,38 @@ def test_describe_hand_checked():
     assert d["mean"] == 2.0 and d["std"] == 1.0 and d["n"] == 3
     assert d["ci"] == pytest.approx([2.0 - 4.302653 / math.sqrt(3), 2.0 + 4.302653 / math.sqrt(3)], rel=1e-6)
     assert describe([5.0])["std"] is None
+
+
+def test_median_interval_is_reproducible_and_matches_scipy():
+    """The bootstrap of a median (claim 3's per-round ratios): the same seed gives the same interval
+    (a report regenerated from one file prints one interval), and it agrees with SciPy's percentile
+    bootstrap up to the resampling noise (an independent implementation with its own draws)."""
+    ratios = np.random.default_rng(7).normal(1.2, 0.05, 41)
+    first, again = median_interval(ratios), median_interval(list(ratios))
+    assert first == again and first["n"] == 41 and first["median"] == pytest.approx(np.median(ratios))
+    lo, hi = first["ci"]
+    assert lo < first["median"] < hi
+    ref = stats.bootstrap(
+        (ratios,), np.median, confidence_level=0.95, n_resamples=10_000, method="percentile", random_state=1
+    ).confidence_interval
+    # Endpoints are order statistics of 41 values ~0.01 apart near the centre: within two of SciPy's.
+    assert lo == pytest.approx(ref.low, abs=0.02) and hi == pytest.approx(ref.high, abs=0.02)
+    assert first["seed"] == 0 and first["resamples"] == 10_000 and first["confidence"] == 0.95
+    # More noise, wider interval; the same noise shifted, the same width.
+    wide = median_interval(1.2 + 3 * (ratios - 1.2))["ci"]
+    assert wide[1] - wide[0] == pytest.approx(3 * (hi - lo))
+
+
+def test_median_interval_hand_checked_and_edge_cases():
+    # Two rounds: the resampled medians are 1, 2, 3 with probabilities 1/4, 1/2, 1/4.
+    assert median_interval([1.0, 3.0])["ci"] == [1.0, 3.0]
+    assert median_interval([1.0, 3.0], confidence=0.4)["ci"] == [2.0, 2.0]
+    one = median_interval([1.3])
+    assert one["median"] == 1.3 and one["ci"] is None  # no noise estimate from one round
+    assert median_interval([1.1, math.nan, 1.2])["ci"] is None
+    with pytest.raises(DamchaValueError, match="`values`"):
+        median_interval([])
+    with pytest.raises(DamchaValueError, match="`confidence`"):
+        median_interval([1.0, 2.0], confidence=95)
+    with pytest.raises(DamchaValueError, match="`resamples`"):
+        median_interval([1.0, 2.0], resamples=0)
