@@ -42,7 +42,11 @@ def check_path(path: Any, name: str = "path") -> str | None:
         raise DamchaValueError(
             invalid_argument(name, "a path in an existing directory", f"{name}={path!r} ({parent!r} does not exist)")
         )
-    if os.path.exists(path) and not os.access(path, os.W_OK):
+    # read_only, not os.access alone: root may write anything, yet a file
+    # without write bits was marked by its owner as not to be replaced.
+    from damcha_core._cliutil import read_only
+
+    if os.path.isfile(path) and read_only(path):
         raise DamchaValueError(
             invalid_argument(name, "a path that is not a read-only file (it is not replaced)", f"{name}={path!r}")
         )

@@ -148,15 +148,32 @@ def test_output_paths_are_checked_before_any_work(tmp_path):
         (tmp_path / "missing" / "x.onnx", dc.DamchaValueError, "existing directory"),
         (3, dc.DamchaTypeError, "file path"),
     ]
-    read_only = tmp_path / "ro.onnx"
-    read_only.write_bytes(b"keep")
-    read_only.chmod(stat.S_IRUSR)
-    if not os.access(read_only, os.W_OK):  # root may write anyway
-        cases.append((read_only, dc.DamchaValueError, "read-only"))
     for path, error, text in cases:
         with pytest.raises(error, match=rf"`path`.*{text}"):
             do.export(_params(), CONFIG, path, causal=True)
-    assert read_only.read_bytes() == b"keep"
+
+
+@pytest.mark.parametrize("entry", ["export", "export_encoder", "quantize_int8"])
+def test_a_read_only_file_is_refused_before_any_work_even_for_root(tmp_path, monkeypatch, entry):
+    # 0444: root could write it (os.access says yes), but its owner marked it as
+    # not to be replaced; the CLI refuses it too (damcha_core._cliutil.read_only).
+    read_only = tmp_path / "ro.onnx"
+    read_only.write_bytes(b"keep")
+    read_only.chmod(0o444)
+    model = do.build_model(_params(), CONFIG, causal=True)  # quantize_int8's input, built before the spy
+    encoder = do.EncoderConfig(CONFIG, num_layers=1, ffn_dim=8)
+    encoder_params = do.init_encoder_params(encoder, seed=0)
+    checked = []
+    monkeypatch.setattr(onnx.checker, "check_model", lambda *a, **k: checked.append(a))
+    calls = {
+        "export": lambda: do.export(_params(), CONFIG, read_only, causal=True),
+        "export_encoder": lambda: do.export_encoder(encoder_params, encoder, read_only),
+        "quantize_int8": lambda: do.quantize_int8(model, read_only),
+    }
+    with pytest.raises(dc.DamchaValueError, match=r"Invalid argument `path`: .*read-only.*ro\.onnx"):
+        calls[entry]()
+    assert not checked  # refused before the model was built and validated
+    assert read_only.read_bytes() == b"keep" and _listing(tmp_path) == ["ro.onnx"]
 
 
 def test_files_get_the_users_umask(tmp_path):
