@@ -505,7 +505,18 @@ def attention_layer(
         if rows_ok is not None:
             o = _zero_empty_rows_3d(g, o, rows_ok, H, d_v, P)
         if weights is not None:
-            probs = outputs[-1]
+            # onnx's shape inference for Attention types this output with a
+            # static key count of 0 (B, H, N, 0); onnxruntime re-infers it at
+            # load and then warns on every run that the real (B, H, N, M)
+            # differs. A Reshape to the shape read from the inputs (free in
+            # onnxruntime: it aliases) gives the output its real, symbolic dims.
+            full = g.op(
+                "Concat",
+                [g.dim(query, 0, f"{P}wB"), g.ints([H]), g.dim(query, 1, f"{P}wN"), key_len],
+                f"{P}weights_shape",
+                axis=0,
+            )
+            probs = g.op("Reshape", [outputs[-1], full], f"{P}probs")
             if rows_ok is not None:
                 probs = g.op("Where", [rows_ok, probs, g.scalar(0.0)], f"{P}probs_safe")
             g.named_op("Identity", [probs], [weights])

@@ -256,6 +256,61 @@ def test_attention_weights_of_a_decode_step(opset):
     assert tolerance("float32").output_ratio(step["weights"], w)[1] <= 1
 
 
+_RAW_SESSION = """
+import sys, numpy as np, onnxruntime as ort
+feeds = dict(np.load(sys.argv[2]))
+# A plain session at onnxruntime's default log level (warnings shown), as users create one.
+session = ort.InferenceSession(sys.argv[1], providers=["CPUExecutionProvider"])
+for _ in range(2):
+    outs = session.run(None, feeds)
+np.savez(sys.argv[3], **{o.name: v for o, v in zip(session.get_outputs(), outs)})
+"""
+
+
+@pytest.mark.parametrize("form", ["self", "cross-padding", "decode-step"])
+def test_attention_weights_run_without_onnxruntime_warnings(tmp_path, form):
+    # onnx infers the Attention op's weights output as (B, H, N, 0); onnxruntime
+    # warned on every run of a raw session that the real shape differs.
+    import subprocess
+    import sys
+
+    config = dc.DamchaConfig(query_dim=16, num_heads=4, num_kv_heads=2, key_dim=4, coupling="query")
+    params = dc.init_params(config, seed=1)
+    rng = np.random.default_rng(0)
+    tokens, c = rng.normal(size=(2, 7, 16)), rng.normal(size=(2, 5, 16))
+    x = tokens[:, 4:]  # the queries run; in the decode step the first 4 tokens are the cache
+    kw = {"cross": True, "mask": "padding"} if form == "cross-padding" else {"kv_cache": form == "decode-step"}
+    model = do.export(params, config, tmp_path / "m.onnx", opset=23, causal=True, return_weights=True, **kw)
+    inferred = do.validate_model(model)
+    (weights,) = [o for o in inferred.graph.output if o.name == "weights"]
+    dims = [d.dim_value if d.HasField("dim_value") else d.dim_param for d in weights.type.tensor_type.shape.dim]
+    assert weights.name == "weights" and dims[1] == 4 and all(isinstance(d, str) and d for d in dims[2:]), dims
+    feeds = {"query": x}
+    reference = {"causal": True, "return_weights": True}
+    if form == "cross-padding":
+        padding = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], bool)
+        feeds |= {"context": c, "mask": padding}
+        reference |= {"context": c, "mask": padding[:, None, None, :]}
+    if form == "decode-step":
+        prefix = do.run_ort(model, {"query": tokens[:, :4], **do.empty_kv_cache(model, 2)}, all_outputs=True)
+        feeds |= {"past_key": prefix["present_key"], "past_value": prefix["present_value"]}
+        reference |= {"context": tokens, "query_offset": 4}
+    np.savez(tmp_path / "feeds.npz", **{k: v.astype(np.float32) if v.dtype != bool else v for k, v in feeds.items()})
+    proc = subprocess.run(
+        [sys.executable, "-c", _RAW_SESSION, tmp_path / "m.onnx", tmp_path / "feeds.npz", tmp_path / "outs.npz"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == "", proc.stderr  # was: "[W:onnxruntime ...] Expected shape from model of {-1,4,-1,0} ..."
+    outs = np.load(tmp_path / "outs.npz")
+    y, w = dc.damcha_attention(params, config, x, **reference)
+    assert outs["weights"].shape == w.shape
+    assert tolerance("float32").output_ratio(outs["weights"], w)[1] <= 1
+    assert tolerance("float32").output_ratio(outs["output"], y)[1] <= 1
+
+
 # ------------------------------------------------------------- padding masks
 
 
