@@ -57,9 +57,12 @@ def describe(value: Any) -> str:
     Never prints the contents of a large value: arrays and tensors (anything
     with ``shape`` and ``dtype``) by type, shape and dtype; lists, tuples and
     mappings by type and length (small flat ones of scalars, such as a shape
-    tuple, as written); strings and other objects by a ``repr`` cut to about
-    80 characters.
+    tuple, as written); classes by their qualified name; strings and other
+    objects by a ``repr`` cut to about 80 characters.
     """
+    if isinstance(value, type):  # a class by its name: its attributes are descriptors, not a shape
+        module = value.__module__
+        return value.__qualname__ if module == "builtins" else f"{module}.{value.__qualname__}"
     if isinstance(value, np.generic):  # a NumPy scalar reads as the number it is
         value = value.item()
     shape = getattr(value, "shape", None)

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import onnx
 from onnx import TensorProto, helper
 
@@ -236,7 +237,7 @@ def build_model(
     cross: bool = False,
     mask: bool | str = False,
     dynamic: bool = True,
-    dtype: str = "float32",
+    dtype: npt.DTypeLike = "float32",
     form: str = "auto",
     batch_size: int | None = None,
     query_len: int | None = None,
@@ -271,7 +272,7 @@ def export(
     dynamic: bool = True,
     cross: bool = False,
     mask: bool | str = False,
-    dtype: str = "float32",
+    dtype: npt.DTypeLike = "float32",
     form: str = "auto",
     batch_size: int | None = None,
     query_len: int | None = None,
@@ -304,7 +305,8 @@ def export(
         mask: add a boolean ``mask`` input (B|1, H|1, N|1, M), True = may
             attend; ``mask="padding"`` a (B, M) key padding mask instead. A
             query row with no visible key outputs ``output.bias``.
-        dtype: "float32" (default), "float64" or "float16" for inputs,
+        dtype: "float32" (default), "float64" or "float16" (or its NumPy
+            dtype: ``np.float16``, ``np.dtype("float16")``) for inputs,
             weights and output; float16 accumulates the RMS statistic and the
             softmax in float32. bfloat16 is refused: onnxruntime's CPU
             provider has no bfloat16 kernels to validate it with.

@@ -8,11 +8,14 @@ that object.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import numbers
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import onnx
 
 from damcha_core import DamchaTypeError, DamchaValueError, check_bool, describe, invalid_argument
@@ -58,17 +61,26 @@ def check_opset(opset: Any, form: str = "auto") -> tuple[int, str]:
 
 
 def check_dtype(dtype: Any) -> str:
-    if dtype == "bfloat16":
+    """``dtype``'s name ("float32", "float64" or "float16") from a name or any
+    NumPy dtype-like (``np.float16``, ``np.dtype("float16")``, ``"f2"``)."""
+    name = dtype
+    # None and bools are not dtype-likes here, though np.dtype(None) is float64.
+    if dtype is not None and not isinstance(dtype, bool):
+        with contextlib.suppress(TypeError, ValueError):
+            name = np.dtype(dtype).name
+    if name == "bfloat16":
         raise DamchaValueError(
             invalid_argument(
                 "dtype",
                 f"one of {tuple(DTYPES)}: bfloat16 graphs are not exported because onnxruntime's CPU provider has no bfloat16 kernels for MatMul, Add, Mul, Softmax, Where, ReduceMean, Erf (nor does its Python API take bfloat16 feeds), so they could not be validated",
-                "dtype='bfloat16'",
+                f"dtype={describe(dtype)}",
             )
         )
-    if dtype not in DTYPES:
-        raise DamchaValueError(invalid_argument("dtype", f"one of {tuple(DTYPES)}", f"dtype={describe(dtype)}"))
-    return dtype
+    if not isinstance(name, str) or name not in DTYPES:
+        raise DamchaValueError(
+            invalid_argument("dtype", f"one of {tuple(DTYPES)} or its NumPy dtype", f"dtype={describe(dtype)}")
+        )
+    return name
 
 
 def _dim(dynamic: bool, name: str, symbol: str, value: Any) -> str | int:
@@ -95,7 +107,8 @@ class ExportOptions:
         opset: 17-22 export a decomposed MatMul/Softmax graph; >= 23 (default)
             one standard ``Attention`` op per layer.
         form: "auto" (by opset), "attention" or "decomposed".
-        dtype: "float32" (default), "float64" or "float16" for inputs,
+        dtype: "float32" (default), "float64" or "float16" (or a NumPy
+            dtype-like of one: ``np.float16``, ``np.dtype("float16")``) for inputs,
             weights and outputs (float16 accumulates the RMS statistic and
             the softmax in float32).
         causal: hide key j from query i when j > i (layers; a stack's comes
@@ -121,7 +134,7 @@ class ExportOptions:
 
     opset: int = ATTENTION_OPSET
     form: str = "auto"
-    dtype: str = "float32"
+    dtype: npt.DTypeLike = "float32"  # stored as its name
     causal: bool = False
     cross: bool = False
     mask: bool | str = False

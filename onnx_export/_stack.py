@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import onnx
 from onnx import TensorProto, helper
 
@@ -318,7 +319,7 @@ def export_encoder(
     opset: int = ATTENTION_OPSET,
     mask: bool = False,
     dynamic: bool = True,
-    dtype: str = "float32",
+    dtype: npt.DTypeLike = "float32",
     form: str = "auto",
     batch_size: int | None = None,
     query_len: int | None = None,
@@ -355,7 +356,7 @@ def export_token_model(
     opset: int = ATTENTION_OPSET,
     mask: bool = False,
     dynamic: bool = True,
-    dtype: str = "float32",
+    dtype: npt.DTypeLike = "float32",
     form: str = "auto",
     batch_size: int | None = None,
     query_len: int | None = None,

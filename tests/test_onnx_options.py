@@ -73,6 +73,27 @@ def test_every_exporter_rejects_a_bad_option_alike(exporter, field, value, error
 
 
 @pytest.mark.parametrize("exporter", list(_exporters()))
+def test_numpy_dtypes_are_taken_like_their_names(exporter):
+    by_name = _exporters()[exporter](dtype="float16")
+    for dtype in (np.float16, np.dtype("float16"), "f2"):
+        assert _exporters()[exporter](dtype=dtype).graph == by_name.graph, dtype
+    assert do.ExportOptions(dtype=np.float64).dtype == "float64"
+    # A class is named as such in the message (it read `type(shape=<attribute 'shape' ...>, ...)`).
+    with pytest.raises(dc.DamchaValueError, match=r"Received: dtype=numpy\.int32$"):
+        _exporters()[exporter](dtype=np.int32)
+    with pytest.raises(dc.DamchaValueError, match=r"bfloat16 graphs are not exported"):
+        _exporters()[exporter](dtype="bfloat16")
+    with pytest.raises(dc.DamchaValueError, match=r"Received: dtype=None$"):
+        _exporters()[exporter](dtype=None)  # not np.dtype(None), which is float64
+
+
+def test_describe_names_a_class():
+    assert dc.describe(np.float32) == "numpy.float32"
+    assert dc.describe(int) == "int"
+    assert dc.describe(np.dtype("float16")) == "dtype('float16')"
+
+
+@pytest.mark.parametrize("exporter", list(_exporters()))
 def test_options_object_equals_the_keywords(exporter):
     kind = {"export": "layer", "build_model": "layer", "export_encoder": "encoder", "export_token_model": "token_model"}
     options = do.ExportOptions(
