@@ -255,6 +255,31 @@ def test_quantize_writes_a_validated_int8_model_beside_the_float_one(params_file
     assert ({"DynamicQuantizeLinear", "MatMulInteger"} & ops) if how == "dynamic" else ("QuantizeLinear" in ops)
 
 
+@pytest.mark.parametrize("how", ["dynamic", "static"])
+def test_quantize_a_decode_step_judged_through_its_cache(params_file, tmp_path, how):
+    # The API quantises decode steps (it only needs float32); the CLI refused --kv-cache with --quantize.
+    out = tmp_path / "step.onnx"
+    flags = ["--causal", "--kv-cache", "--mask", "padding", "--quantize", how]
+    proc = export("--params", params_file, "--out", str(out), *flags)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"int8 ({how}) vs NumPy reference" in proc.stdout and proc.stdout.count("-> ok") == 3
+    assert "decoded in chunks (3, 1, 3) -> ok (allowed 0.1)" in proc.stdout
+    # The written int8 step, decoded here through its own cache against the full causal reference.
+    params, _ = dc.load_params(params_file)
+    rng = np.random.default_rng(5)
+    x, padding = rng.normal(size=(2, 6, 8)), rng.random((2, 6)) < 0.8
+    padding[:, 0] = True
+    int8 = str(tmp_path / "step.int8.onnx")
+    cache, outs = do.empty_kv_cache(int8, 2), []
+    for start, stop in [(0, 4), (4, 5), (5, 6)]:
+        step = do.run_ort(int8, {"query": x[:, start:stop], "mask": padding[:, :stop], **cache}, all_outputs=True)
+        cache = {"past_key": step["present_key"], "past_value": step["present_value"]}
+        outs.append(step["output"])
+    ref = dc.damcha_attention(params, CONFIG, x, causal=True, mask=padding[:, None, None, :])
+    rel = np.sqrt(np.mean((np.concatenate(outs, axis=1) - ref) ** 2)) / np.sqrt(np.mean(ref**2))
+    assert rel <= 0.1
+
+
 def test_an_int8_model_outside_its_allowance_writes_neither_file(params_file, tmp_path):
     code = (
         "import sys\nimport damcha_onnx._cli as cli\ncli.INT8_RTOL = 0.0  # no int8 model is that exact\n"
