@@ -6,6 +6,7 @@ torch is imported only when ``export_torch`` is called.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -90,10 +91,51 @@ def export_torch(
     if program is None:  # torch.onnx.export returns None only when it writes to a file itself
         raise RuntimeError("torch.onnx.export(dynamo=True) returned no ONNXProgram")
     proto = program.model_proto
+    _name_dynamic_dims(proto)
     validate_model(proto)
     if path is not None:
         save_model(proto, path)  # atomic: a failure keeps an earlier file at path
     return proto
+
+
+#: torch.export's own symbols for dynamic dims (s77, s27): named after the input they size instead.
+_TORCH_SYMBOL = re.compile(r"\bs\d+\b")
+
+
+def _name_dynamic_dims(proto: onnx.ModelProto) -> None:
+    """Rename torch.export's dynamic dims (``s77``) as the native exporter names
+    them: dim 0 ``batch``, dim 1 ``<input>_len`` (``query_len``, ``context_len``),
+    others ``<input>_dim<k>``; one symbol keeps one name everywhere (inputs,
+    outputs, value_info, expressions such as ``s48*s83``), and a name already
+    taken by another symbol gets the input's name appended."""
+    inputs = [v for v in proto.graph.input if v.type.HasField("tensor_type")]
+    used = {
+        d.dim_param
+        for v in inputs
+        for d in v.type.tensor_type.shape.dim
+        if d.dim_param and not _TORCH_SYMBOL.fullmatch(d.dim_param)
+    }
+    names: dict[str, str] = {}
+    for value in inputs:
+        for k, dim in enumerate(value.type.tensor_type.shape.dim):
+            symbol = dim.dim_param
+            if not _TORCH_SYMBOL.fullmatch(symbol) or symbol in names:
+                continue
+            base = "batch" if k == 0 else f"{value.name}_len" if k == 1 else f"{value.name}_dim{k}"
+            name = base if base not in used else f"{base}_{value.name}"
+            n = 2
+            while name in used:
+                name, n = f"{base}_{n}", n + 1
+            names[symbol] = name
+            used.add(name)
+    if not names:
+        return
+    graph = proto.graph
+    for value in [*graph.input, *graph.output, *graph.value_info]:
+        if value.type.HasField("tensor_type"):
+            for dim in value.type.tensor_type.shape.dim:
+                if dim.dim_param:
+                    dim.dim_param = _TORCH_SYMBOL.sub(lambda m: names.get(m.group(), m.group()), dim.dim_param)
 
 
 def encoder_from_torch(encoder: Any, *, causal: bool = False) -> tuple[dict[str, Any], Any]:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
+import onnx
 import pytest
 import torch
 
@@ -10,6 +13,15 @@ import damcha_core as dc
 import damcha_onnx as do
 import damcha_torch as dt
 from damcha_conformance import case_params, tolerance
+
+
+def _dims(values) -> dict[str, list]:
+    return {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in values}
+
+
+def _torch_symbols(proto) -> set[str]:
+    values = [*proto.graph.input, *proto.graph.output, *proto.graph.value_info]
+    return {d.dim_param for v in values for d in v.type.tensor_type.shape.dim if re.search(r"\bs\d+\b", d.dim_param)}
 
 
 class _Block(torch.nn.Module):
@@ -40,6 +52,11 @@ def test_torch_dynamo_export_matches_reference_with_dynamic_shapes(tmp_path):
         model, (torch.randn(2, 6, 16, dtype=torch.float64),), path, input_names=["query"], output_names=["logits"]
     )
     assert 23 in {o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")}
+    # The dynamic dims carry the native exporter's names, not torch.export's s77/s27.
+    assert _dims(proto.graph.input) == {"query": ["batch", "query_len", 16]}
+    assert _dims(proto.graph.output) == {"logits": ["batch", "query_len", 3]}
+    assert not _torch_symbols(proto)
+    assert _dims(onnx.load(path).graph.input) == {"query": ["batch", "query_len", 16]}  # the file too
     session = do.ort_session(str(path))
     w, b = model.head.weight.detach().numpy(), model.head.bias.detach().numpy()
     rng = np.random.default_rng(1)
@@ -70,6 +87,12 @@ def test_torch_export_with_a_4d_mask_and_a_dynamic_shapes_spec():
     example = (torch.randn(2, 6, 16), torch.zeros(2, 1, 6, 6, dtype=torch.bool))
     spec = ({0: Dim.DYNAMIC, 1: Dim.DYNAMIC}, {0: Dim.DYNAMIC, 2: Dim.DYNAMIC, 3: Dim.DYNAMIC})
     proto = do.export_torch(model, example, input_names=["query", "hidden"], dynamic_shapes=spec)
+    # torch.export found the mask's dims equal to the query's: one symbol, one name.
+    assert _dims(proto.graph.input) == {
+        "query": ["batch", "query_len", 16],
+        "hidden": ["batch", 1, "query_len", "query_len"],
+    }
+    assert not _torch_symbols(proto)
     session = do.ort_session(proto)
     rng = np.random.default_rng(2)
     x = rng.normal(size=(3, 9, 16)).astype(np.float32)
@@ -83,3 +106,27 @@ def test_torch_export_with_a_4d_mask_and_a_dynamic_shapes_spec():
         dc.DamchaValueError, match=r"Invalid argument `dynamic_shapes`: expected one entry per positional input \(2\)"
     ):
         do.export_torch(model, example, dynamic_shapes=spec[:1])
+
+
+def test_torch_dim_names_keep_distinct_symbols_distinct():
+    # Two inputs whose batch dims torch.export left independent must not both read "batch".
+    from onnx import TensorProto, helper
+
+    from damcha_onnx._torch import _name_dynamic_dims
+
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["query"], ["out"])],
+        "g",
+        [
+            helper.make_tensor_value_info("query", TensorProto.FLOAT, ["s3", "s5", 4]),
+            helper.make_tensor_value_info("context", TensorProto.FLOAT, ["s7", "s11", 4]),
+        ],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["s3", "s3*s5", 4])],
+    )
+    proto = helper.make_model(graph)
+    _name_dynamic_dims(proto)
+    assert _dims(proto.graph.input) == {
+        "query": ["batch", "query_len", 4],
+        "context": ["batch_context", "context_len", 4],
+    }
+    assert _dims(proto.graph.output) == {"out": ["batch", "batch*query_len", 4]}
