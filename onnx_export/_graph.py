@@ -320,19 +320,17 @@ def _generator(
 ) -> str:
     """l(t) flattened (B, T, S*S) for "heads"; u(t) (B, T, r) for "lowrank"."""
     mm = g.op("MatMul", [phi, _gen_weight(g, f, f"{side}.gen.kernel", shared, prefix)], f"{hint}_mm")
-    bias = _gen_weight(g, f, f"{side}.gen.bias", shared, prefix)
     if shared is not None and config.metric == "heads":
         # The layer's own gate on the shared A(t): l(t) = I + diag(g) A(t)
-        # = (phi W_A) * g_rows + (I + b_A * g_rows). The offset depends on
-        # initialisers only, so runtimes fold it once at load; W_A stays a
+        # = (phi W_A) * g_rows + (I + b_A * g_rows). The offset is folded here,
+        # in float64, into one small per-layer initialiser: runtimes do not
+        # all fold it at load (onnxruntime's CPU provider has no float16 Mul
+        # kernel for constant folding, and warned per layer). W_A stays one
         # stored initialiser (quantisable, stored once).
         rows = g.weight(f"{hint}.gate_rows", f[f"{side}.gate_rows"])
-        offset = g.op(
-            "Add",
-            [g.op("Mul", [bias, rows], f"{hint}_gated_bias"), g.weight(f"{hint}.eye", f[f"{side}.eye"])],
-            f"{hint}_offset",
-        )
+        offset = g.weight(f"{hint}.offset", f[f"{side}.eye"] + f[f"{side}.gen.bias"] * f[f"{side}.gate_rows"])
         return g.op("Add", [g.op("Mul", [mm, rows], f"{hint}_gated"), offset], hint)
+    bias = _gen_weight(g, f, f"{side}.gen.bias", shared, prefix)
     return g.op("Add", [mm, bias], hint)
 
 

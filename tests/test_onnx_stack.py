@@ -84,6 +84,35 @@ def test_shared_generator_is_stored_once_and_gates_stay_per_layer(metric):
     np.testing.assert_allclose(do.run_ort(m_shared, {"query": x}), do.run_ort(m_unshared, {"query": x}), atol=1e-5)
 
 
+def test_shared_generator_offset_is_folded_at_export(tmp_path):
+    # (I + g b_A) was a Mul/Add on initialisers left to the runtime: onnxruntime's
+    # CPU provider cannot constant-fold a float16 Mul and warned per layer at load.
+    import subprocess
+    import sys
+
+    rng = np.random.default_rng(3)
+    config = _encoder("heads", True)
+    params = _open(do.init_encoder_params(config, 4), rng)
+    x = rng.normal(size=(2, 5, 16))
+    expected = do.encoder_forward(params, config, x)
+    for dtype in ("float32", "float16"):
+        path = tmp_path / f"{dtype}.onnx"
+        model = do.export_encoder(params, config, path, dtype=dtype)
+        stored = {t.name for t in model.graph.initializer}
+        assert not [n.name for n in model.graph.node if n.input and set(n.input) <= stored]
+        np.save(tmp_path / "x.npy", x.astype(dtype))
+        code = (
+            "import sys, numpy as np, onnxruntime as ort\n"
+            "s = ort.InferenceSession(sys.argv[1], providers=['CPUExecutionProvider'])  # default log level\n"
+            "np.save(sys.argv[3], s.run(None, {'query': np.load(sys.argv[2])})[0])\n"
+        )
+        proc = subprocess.run(
+            [sys.executable, "-c", code, path, tmp_path / "x.npy", tmp_path / "y.npy"], capture_output=True, text=True
+        )
+        assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+        assert tolerance(dtype).output_ratio(np.load(tmp_path / "y.npy"), expected)[1] <= 1, dtype
+
+
 def test_gates_zero_stack_equals_mha_stack():
     # Identity anchoring through a whole stack: gates 0 -> the metric "none" stack.
     rng = np.random.default_rng(3)
