@@ -95,6 +95,29 @@ class ArgumentParser(argparse.ArgumentParser):
         print(f"{self.prog}: error: {_one_line(message)} (see {self.prog} --help)", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_USAGE)
 
+    _relaxed: list[Any] = []  # the required arguments, while the first pass of parse_args relaxes them
+
+    def format_usage(self) -> str:
+        with self._as_declared():
+            return super().format_usage()
+
+    def format_help(self) -> str:
+        # --help is acted on in parse_args's first pass: without this the
+        # required flags were shown as optional ([--out OUT]).
+        with self._as_declared():
+            return super().format_help()
+
+    @contextlib.contextmanager
+    def _as_declared(self) -> Iterator[None]:
+        relaxed = list(self._relaxed)
+        for item in relaxed:
+            item.required = True
+        try:
+            yield
+        finally:
+            for item in relaxed:
+                item.required = False
+
     def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
         """argparse's, but an unknown argument is reported before a missing one:
         argparse checks the required arguments first, so ``--bogus`` alone was
@@ -105,9 +128,11 @@ class ArgumentParser(argparse.ArgumentParser):
         required += [group for group in self._mutually_exclusive_groups if group.required]
         for item in required:
             item.required = False
+        self._relaxed = required
         try:
             _, unknown = self.parse_known_args(args, argparse.Namespace())
         finally:
+            self._relaxed = []
             for item in required:
                 item.required = True
         if unknown:

@@ -27,12 +27,13 @@ from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
+import onnx
 
 import damcha_core as dc
 from damcha_core import _cliutil as cu
 
 from ._export import export
-from ._graph import ATTENTION_OPSET, DTYPES
+from ._graph import ATTENTION_OPSET, DTYPES, MIN_OPSET
 from ._io import data_file_name, remove_stale_data
 from ._options import check_opset
 from ._runtime import empty_kv_cache, ort_session, run_ort, run_reference
@@ -79,8 +80,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--config", help="DamchaConfig as a JSON file or inline JSON (default: the config stored in --params)"
     )
-    p.add_argument("--params", required=True, help="safetensors file written by damcha_core.save_params")
-    p.add_argument(
+    required = p.add_argument_group("required")
+    required.add_argument("--params", required=True, help="safetensors file written by damcha_core.save_params")
+    required.add_argument(
         "--out",
         required=True,
         help="path of the .onnx file to write; a stale <out>.data is removed after a successful run, and "
@@ -88,7 +90,12 @@ def _parser() -> argparse.ArgumentParser:
         "warning (an earlier export's would no longer match), never removed",
     )
     p.add_argument(
-        "--opset", type=int, default=ATTENTION_OPSET, help="17-22: decomposed graph; >= 23: Attention op (default 23)"
+        "--opset",
+        type=int,
+        default=ATTENTION_OPSET,
+        help=f"an integer in [{MIN_OPSET}, {onnx.defs.onnx_opset_version()}] (the installed onnx's newest): "
+        f"{MIN_OPSET}-{ATTENTION_OPSET - 1} a decomposed graph, >= {ATTENTION_OPSET} the Attention op "
+        f"(default {ATTENTION_OPSET})",
     )
     p.add_argument(
         "--dtype",

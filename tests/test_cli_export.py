@@ -541,3 +541,16 @@ def test_a_users_own_file_named_like_a_companion_is_never_removed(params_file, t
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert mine.read_bytes() == b"the user's own model"
     assert f"warning: {mine} was not written by this run" in proc.stderr
+
+
+def test_help_shows_the_required_flags_as_required_and_the_opset_range():
+    proc = export("--help")
+    assert proc.returncode == 0, proc.stderr
+    usage = " ".join(proc.stdout.split("\n\n")[0].split())
+    # --help is handled while the required flags are relaxed (unknown flags are found first): shown as required anyway.
+    assert "--params PARAMS --out OUT" in usage and "[--params" not in usage and "[--out" not in usage, usage
+    assert "\nrequired:\n  --params PARAMS" in proc.stdout
+    text = " ".join(proc.stdout.split())
+    assert f"--opset OPSET an integer in [17, {onnx.defs.onnx_opset_version()}]" in text
+    # Still one line for a missing one.
+    assert "the following arguments are required: --params" in one_line_usage_error(export("--out", "x.onnx"), "")
