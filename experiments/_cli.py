@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
+from damcha_core import DamchaValueError
 from damcha_core import _cliutil as cu
 
 PROG = "damcha experiment"
@@ -34,6 +35,18 @@ def _positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must be a positive number. Received: {text!r}") from None
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"must be a finite number > 0. Received: {text!r}")
+    return value
+
+
+# Adam's update is lr-sized: beyond 10 every weight leaves the float range within a step or two
+# (1e300 overflowed at the first update); the presets' grids stay below 1e-2.
+LR_MAX = 10.0
+
+
+def _learning_rate(text: str) -> float:
+    value = _positive_float(text)
+    if value > LR_MAX:
+        raise argparse.ArgumentTypeError(f"must be a learning rate in (0, {LR_MAX:g}]. Received: {text!r}")
     return value
 
 
@@ -82,7 +95,7 @@ def _train_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--lrs",
-        type=_positive_float,
+        type=_learning_rate,
         nargs="+",
         default=None,
         metavar="LR",
@@ -209,6 +222,8 @@ def _variants(args: argparse.Namespace) -> list[str]:
     if not args.variants:
         return list(SUITES[args.suite])
     names = [v for item in args.variants for v in item.split(",") if v]
+    if not names:
+        _fail("--variants", f"names no variant; expected names from {sorted(VARIANTS)}. Received: {args.variants!r}")
     unknown = [v for v in names if v not in VARIANTS]
     if unknown:
         _fail("--variants", f"unknown variant(s) {unknown}; expected from {sorted(VARIANTS)}")
@@ -218,7 +233,7 @@ def _variants(args: argparse.Namespace) -> list[str]:
 
 
 def _config(args: argparse.Namespace):
-    from ._tasks import DIGITS_EVAL_MAX, task_config
+    from ._tasks import eval_size_limit, task_config
 
     overrides: dict[str, Any] = {"seeds": args.seeds, "sweep_seeds": args.sweep_seeds, "max_steps": args.max_steps}
     if args.lrs:
@@ -226,10 +241,16 @@ def _config(args: argparse.Namespace):
             _fail("--lrs", f"a learning rate is given twice: {args.lrs}")
         overrides["lrs"] = tuple(sorted(args.lrs))
     if args.eval_size is not None:
-        if args.task == "digits" and args.eval_size > DIGITS_EVAL_MAX:
-            _fail("--eval-size", f"digits has {DIGITS_EVAL_MAX} validation and test images, got {args.eval_size}")
         overrides["val_size"] = overrides["test_size"] = args.eval_size
     cfg = task_config(args.task, args.preset, **overrides)
+    if args.eval_size is not None:
+        limit = eval_size_limit(cfg.task, cfg.train_size, cfg.seq_len)
+        if args.eval_size > limit:
+            what = {
+                "digits": "validation and test images",
+                "charlm": f"distinct {cfg.seq_len}-byte windows in its validation and test text at this preset",
+            }.get(cfg.task, "examples at most (generated evaluation sets)")
+            _fail("--eval-size", f"{cfg.task} has {limit} {what}; expected <= {limit}, got {args.eval_size}")
     if args.sweep_seeds is not None and args.sweep_seeds > cfg.seeds:
         _fail("--sweep-seeds", f"must be at most --seeds ({cfg.seeds}), got {args.sweep_seeds}")
     return cfg
@@ -269,9 +290,19 @@ def _report_main(argv: list[str]) -> int:
     from . import _analysis as an
     from ._report import build_report, load_folder, plot_time_curves, stem, write_json
 
-    headline, ablation, cost = load_folder(folder)
+    skipped: list[tuple[Path, str]] = []
+    try:
+        headline, ablation, cost = load_folder(folder, skipped)
+    except DamchaValueError as exc:
+        _fail("FOLDER", str(exc))
+    why = "; ".join(f"{path.name} {reason}" for path, reason in skipped)
     if not (headline or ablation or cost):
-        _fail("FOLDER", f"holds no damcha experiment results JSON. Received: {args.folder!r}")
+        _fail(
+            "FOLDER",
+            f"holds no damcha experiment results JSON{f' (skipped: {why})' if why else ''}. Received: {args.folder!r}",
+        )
+    for path, reason in skipped:
+        print(f"{PROG} report: warning: skipped {path}: it {reason}", file=sys.stderr)
     text, summary = build_report(folder, args.tolerance or an.OVERHEAD_TOLERANCE)
     cu.atomic_write_text(out, text)
     write_json(summary, out.with_suffix(".json"))
@@ -366,7 +397,7 @@ def _train(args, cfg, variants, out, device, should_stop) -> int:
     from ._cost import measure_cost
     from ._report import cost_caption, cost_table, markdown_table, stem, write_json, write_results
     from ._suite import run_suite
-    from ._train import RunInterrupted
+    from ._train import RunInterrupted, RunSettingsMismatch
 
     name = cfg.task if args.suite == "headline" else f"{cfg.task}_{args.suite}"
     if args.cost_only:
@@ -407,6 +438,9 @@ def _train(args, cfg, variants, out, device, should_stop) -> int:
             file=sys.stderr,
         )
         return 130
+    except RunSettingsMismatch as exc:
+        bar.close()
+        _fail("--out", f"holds runs of other settings, checked before training: {exc}")
     finally:
         bar.close()
     run_cost: dict[str, Any] | None = None

@@ -304,6 +304,19 @@ class Corpus:
     test: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.uint8))
 
 
+def stdlib_split_lengths(max_bytes: int, val_fraction: float = 0.1, test_fraction: float = 0.0) -> tuple[int, int]:
+    """(validation, test) bytes ``stdlib_corpus`` would cut, from the files' sizes (nothing is read)."""
+    total = 0
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        total += path.stat().st_size
+        if total >= max_bytes:
+            break
+    n = min(total, max_bytes)
+    cut = int(n * (1.0 - val_fraction - test_fraction))
+    cut_test = int(n * (1.0 - test_fraction)) if test_fraction else n
+    return cut_test - cut, n - cut_test
+
+
 def stdlib_corpus(max_bytes: int = 1_000_000, val_fraction: float = 0.1, test_fraction: float = 0.0) -> Corpus:
     """Concatenate this interpreter's standard-library ``*.py`` files (sorted by name).
 

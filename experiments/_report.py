@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from damcha_core import DamchaValueError
 from damcha_core import _cliutil as cu
 
 from . import _analysis as an
@@ -460,16 +461,38 @@ def environment_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def load_folder(folder: Path) -> tuple[dict[str, dict], dict[str, dict], dict[str, dict]]:
-    """(headline, ablation, cost) results found in ``folder``, keyed by task."""
+def load_folder(
+    folder: Path, skipped: list[tuple[Path, str]] | None = None
+) -> tuple[dict[str, dict], dict[str, dict], dict[str, dict]]:
+    """(headline, ablation, cost) results found in ``folder``, keyed by task.
+
+    JSON files of other kinds (this report's own ``report.json``, notes) are
+    ignored; a ``*.json`` that cannot be read or parsed is skipped and, when
+    ``skipped`` is a list, appended to it as (path, why). A file of the results
+    format without a task or without variants raises ``DamchaValueError``: a
+    report of it would be an empty table.
+    """
     headline, ablation, cost = {}, {}, {}
     for path in sorted(folder.glob("*.json")):
         try:
             obj = json.loads(path.read_text())
-        except (OSError, ValueError):
+        except (OSError, UnicodeDecodeError) as exc:
+            if skipped is not None:
+                skipped.append((path, f"cannot be read ({type(exc).__name__}: {exc})"))
+            continue
+        except ValueError as exc:
+            if skipped is not None:
+                skipped.append((path, f"is not valid JSON ({exc})"))
             continue
         if not isinstance(obj, dict) or obj.get("format") != RESULTS_FORMAT:
             continue
+        variants = obj.get("variants")
+        if not isinstance(obj.get("task"), str) or not isinstance(variants, dict) or not variants:
+            raise DamchaValueError(
+                f"{path} is a {RESULTS_FORMAT} file with no results (task {obj.get('task')!r}, "
+                f"{len(variants) if isinstance(variants, dict) else 'no'} variants); expected a task and at "
+                "least one variant: delete it or rerun the experiment"
+            )
         if obj.get("kind") == "cost":
             cost[obj["task"]] = obj
         elif obj.get("suite") == "ablation":

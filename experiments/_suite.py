@@ -25,7 +25,7 @@ import torch
 from ._models import Variant
 from ._stats import describe
 from ._tasks import RESULTS_FORMAT, TaskConfig, TaskData
-from ._train import model_width, run_environment, train_run
+from ._train import check_run_dir, model_width, run_environment, run_identity, train_run
 from ._variants import get_variant
 
 
@@ -53,6 +53,28 @@ def choose_lr(cfg: TaskConfig, sweep: dict[float, list[dict[str, Any]]]) -> floa
         )
 
     return max(sweep, key=key)
+
+
+def check_resumable(data: TaskData, variants: list[str], out: Path, device: torch.device) -> None:
+    """Raise ``RunSettingsMismatch`` if any run folder this suite could resume holds another run's files.
+
+    Every (variant, rate, seed) folder of the grid is checked before the first
+    step, so a stale ``--out`` fails at once rather than after the runs before
+    it have trained. A folder of a rate outside the grid is never read by this
+    suite and is left alone.
+    """
+    cfg = data.cfg
+    for name in variants:
+        variant = get_variant(name)
+        width = None
+        for lr in cfg.lrs:
+            for seed in range(cfg.seeds):
+                folder = run_folder(out, cfg, device, name, lr, seed)
+                if not ((folder / "result.json").exists() or (folder / "checkpoint.pt").exists()):
+                    continue
+                if width is None:
+                    width, _ = model_width(data, variant)
+                check_run_dir(folder, run_identity(cfg, variant, lr, seed, width, device), device)
 
 
 def run_variant(
@@ -159,6 +181,8 @@ def run_suite(
     started, cpu_started = time.perf_counter(), time.process_time()
     env = environment(device)
     data = TaskData(cfg)
+    if out is not None:
+        check_resumable(data, variants, Path(out), device)
     results = {
         name: run_variant(data, get_variant(name), out=out, device=device, should_stop=should_stop, progress=progress)
         for name in variants

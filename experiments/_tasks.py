@@ -37,6 +37,25 @@ DATA_VERSIONS = {"listops": 2}
 TRAIN_DATA_SEED, VAL_DATA_SEED, TEST_DATA_SEED = 0, 1, 2
 # 1797 digits split 60/20/20 within each class (digits_split): 359 validation, 359 test images.
 DIGITS_EVAL_MAX = 359
+# The generated tasks (crosshead, listops) draw their evaluation sets in a Python loop: 100,000
+# examples (20x the large preset's) is a few hundred MB and minutes; beyond it a typo (1e9) would
+# allocate hundreds of GB before the first step.
+GENERATED_EVAL_MAX = 100_000
+
+
+def eval_size_limit(task: str, train_size: int, seq_len: int) -> int:
+    """The largest validation/test size (``--eval-size``) of ``task``; charlm: distinct windows of its splits.
+
+    charlm's windows are evenly spaced in the validation and test text (10% of
+    the corpus each); more than one per start position would only repeat
+    windows, so the bound is the number of start positions of the shorter split.
+    """
+    if task == "digits":
+        return DIGITS_EVAL_MAX
+    if task == "charlm":
+        val_bytes, test_bytes = _data.stdlib_split_lengths(train_size, val_fraction=0.1, test_fraction=0.1)
+        return max(min(val_bytes, test_bytes) - seq_len - 1, 0)
+    return GENERATED_EVAL_MAX
 
 
 @dataclasses.dataclass(frozen=True)

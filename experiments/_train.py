@@ -55,6 +55,71 @@ class RunInterrupted(Exception):
     """Raised when ``should_stop`` asked a run to stop; its checkpoint is saved."""
 
 
+class RunSettingsMismatch(DamchaValueError):
+    """A run folder holds a checkpoint or result of other settings, or one that cannot be read.
+
+    ``path`` is that file; ``differs`` names the identity fields that differ
+    (``["config.max_steps", "torch_threads"]``), empty when the file could not be read.
+    """
+
+    def __init__(self, message: str, path: Path, differs: list[str]) -> None:
+        super().__init__(message)
+        self.path, self.differs = path, differs
+
+
+def identity_differences(stored: Any, current: Any, prefix: str = "") -> list[str]:
+    """The dotted names of the fields where two run identities differ (``config.max_steps``)."""
+    if not (isinstance(stored, dict) and isinstance(current, dict)):
+        return [prefix or "identity"] if stored != current else []
+    names: list[str] = []
+    for key in sorted(set(stored) | set(current), key=str):
+        names += identity_differences(
+            stored.get(key), current.get(key), f"{prefix}{key}" if not prefix else f"{prefix}.{key}"
+        )
+    return names
+
+
+def _mismatch(path: Path, stored: Any, identity: dict[str, Any]) -> RunSettingsMismatch:
+    differs = identity_differences(stored, _json_roundtrip(identity))
+    return RunSettingsMismatch(
+        f"{path} belongs to a run with other settings (differing: {', '.join(differs) or 'format'}; preset, "
+        "overrides, threads or code changed); use another --out or delete that folder",
+        path,
+        differs,
+    )
+
+
+def check_run_dir(run_dir: str | Path, identity: dict[str, Any], device: torch.device | str = "cpu") -> bool:
+    """Whether ``run_dir`` holds a finished run of ``identity``; raises ``RunSettingsMismatch`` if it holds another.
+
+    Reads only the stored identities (``result.json``, then ``checkpoint.pt``), so a suite can check every
+    folder it would resume before it trains anything.
+    """
+    run_dir = Path(run_dir)
+    result, ckpt = run_dir / "result.json", run_dir / "checkpoint.pt"
+    if result.exists():
+        try:
+            stored = json.loads(result.read_text()).get("identity")
+        except (OSError, ValueError, AttributeError) as exc:
+            raise RunSettingsMismatch(
+                f"cannot read {result}: {exc}; delete that folder to restart the run", result, []
+            ) from None
+        if stored != _json_roundtrip(identity):
+            raise _mismatch(result, stored, identity)
+        return True
+    if ckpt.exists():
+        try:
+            payload = torch.load(ckpt, map_location="cpu", weights_only=True)
+            fmt, stored = payload.get("format"), json.loads(payload["identity"])
+        except Exception as exc:  # noqa: BLE001 - a damaged file is named, never half-used
+            raise RunSettingsMismatch(
+                f"cannot read the checkpoint {ckpt}: {exc}; delete it to restart that run", ckpt, []
+            ) from None
+        if fmt != CHECKPOINT_FORMAT or stored != _json_roundtrip(identity):
+            raise _mismatch(ckpt, stored, identity)
+    return False
+
+
 class ResumedElsewhereWarning(UserWarning):
     """A run resumed from a checkpoint written in another environment (or one that records none)."""
 
@@ -294,12 +359,11 @@ def _load_checkpoint(
         payload = torch.load(path, map_location=device, weights_only=True)
         stored = payload["identity"]
     except Exception as exc:  # noqa: BLE001 - a damaged file is named, never half-used
-        raise DamchaValueError(f"cannot read the checkpoint {path}: {exc}; delete it to restart that run") from None
+        raise RunSettingsMismatch(
+            f"cannot read the checkpoint {path}: {exc}; delete it to restart that run", path, []
+        ) from None
     if payload.get("format") != CHECKPOINT_FORMAT or json.loads(stored) != _json_roundtrip(identity):
-        raise DamchaValueError(
-            f"the checkpoint {path} belongs to a run with other settings (preset, overrides, threads or code "
-            "changed); use another --out or delete that folder"
-        )
+        raise _mismatch(path, json.loads(stored), identity)
     model.load_state_dict(payload["model"])
     opt.load_state_dict(payload["optimizer"])
     torch.set_rng_state(payload["torch_rng"].cpu())
@@ -362,10 +426,7 @@ def train_run(
             done = json.loads(paths["result"].read_text())
             if done.get("identity") == _json_roundtrip(identity):
                 return done
-            raise DamchaValueError(
-                f"{paths['result']} holds a run with other settings (preset, overrides, threads or code changed); "
-                "use another --out or delete that folder"
-            )
+            raise _mismatch(paths["result"], done.get("identity"), identity)
         run_dir.mkdir(parents=True, exist_ok=True)
 
     torch.manual_seed(seed)

@@ -35,6 +35,13 @@ def workdir(tmp_path):
     good = tmp_path / "good"
     good.mkdir()
     (good / "crosshead.json").write_text('{"earlier": "good"}\n')
+    from experiments._tasks import RESULTS_FORMAT
+
+    (tmp_path / "noresults").mkdir()
+    empty = {"format": RESULTS_FORMAT, "task": "crosshead", "suite": "headline", "variants": {}}
+    (tmp_path / "noresults" / "crosshead.json").write_text(json.dumps(empty))
+    (tmp_path / "garbage").mkdir()
+    (tmp_path / "garbage" / "garbage.json").write_text("garbage")
     return tmp_path
 
 
@@ -49,14 +56,22 @@ BAD = [
     (["crosshead", "--lrs", "0"], "--lrs"),
     (["crosshead", "--lrs", "nan"], "--lrs"),
     (["crosshead", "--lrs", "1e-3", "1e-3"], "--lrs"),
+    (["crosshead", "--lrs", "1e300"], "--lrs"),  # Adam overflowed at the first update
+    (["crosshead", "--lrs", "10.5"], "--lrs"),
     (["crosshead", "--max-steps", "0"], "--max-steps"),
     (["crosshead", "--eval-size", "0"], "--eval-size"),
     (["digits", "--eval-size", "400"], "--eval-size"),
+    # 365 GiB of windows were allocated before the first step; the generated tasks looped for hours.
+    (["charlm", "--eval-size", "1000000000"], "--eval-size"),
+    (["crosshead", "--eval-size", "100001"], "--eval-size"),
+    (["listops", "--eval-size", "100001"], "--eval-size"),
     (["crosshead", "--threads", "0"], "--threads"),
     (["crosshead", "--device", "gpu"], "--device"),
     (["crosshead", "--device", "meta"], "--device"),
     (["crosshead", "--variants", "mha,nope"], "--variants"),
     (["crosshead", "--variants", "mha", "mha"], "--variants"),
+    (["crosshead", "--variants", ""], "--variants"),  # no variant: a results JSON with zero variants
+    (["crosshead", "--variants", ","], "--variants"),
     (["crosshead", "--preset", "huge"], "--preset"),
     (["crosshead", "--suite", "all"], "--suite"),
     (["nosuchtask"], "task"),
@@ -72,6 +87,8 @@ BAD = [
     (["report", "missing"], "FOLDER"),
     (["report", "good"], "FOLDER"),  # holds no results file of this format
     (["report", "good", "--out", "good"], "--out"),
+    (["report", "noresults"], "noresults/crosshead.json"),  # the results format, but no variant in it
+    (["report", "garbage"], "garbage.json is not valid JSON"),  # the only file is named, not just "no results"
     (["report", "good", "--tolerance", "-1"], "--tolerance"),
     # An unknown option is named even with the task (or folder) missing: argparse checked
     # the required arguments first and said only "required: task".
@@ -212,3 +229,44 @@ def test_interrupt_then_rerun_gives_the_uninterrupted_numbers(tmp_path):
         if key == "curve":
             a, b = ({k: v for k, v in c.items() if k != "train_time_s"} for c in (a, b))
         assert a == b, key
+
+
+@pytest.mark.parametrize("stored", ["result.json", "checkpoint.pt"])
+def test_out_with_runs_of_other_settings_fails_before_any_training(stored, tmp_path):
+    """Every run folder the suite could resume is checked first: the stale one is named, nothing trains."""
+    import torch
+
+    folder = tmp_path / "out" / "runs" / "crosshead-smoke-cpu" / "mha" / "lr0.001" / "seed0"
+    folder.mkdir(parents=True)
+    other = {"lr": 0.001, "seed": 0, "torch_threads": 7}
+    if stored == "result.json":
+        (folder / stored).write_text(json.dumps({"identity": other}))
+    else:
+        torch.save({"format": 1, "identity": json.dumps(other)}, folder / stored)
+    before = _snapshot(tmp_path)
+    # talking-heads comes first and has no folder: before this check it trained, then mha failed.
+    args = ["crosshead", "--preset", "smoke", "--variants", "talking-heads,mha", "--no-cost", "--no-plots"]
+    proc = _run([*args, "--out", "out"], tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("damcha experiment: error: --out: "), proc.stderr
+    assert str(Path("mha", "lr0.001", "seed0", stored)) in lines[0] and "torch_threads" in lines[0]
+    assert _snapshot(tmp_path) == before  # no talking-heads run folder
+
+
+def test_charlm_eval_size_limit_is_the_number_of_distinct_windows():
+    """At the bound every evaluation window starts at its own byte; one more would repeat a window."""
+    import numpy as np
+
+    from experiments import _data
+    from experiments._tasks import eval_size_limit, task_config
+
+    cfg = task_config("charlm", "smoke")
+    limit = eval_size_limit("charlm", cfg.train_size, cfg.seq_len)
+    corpus = _data.stdlib_corpus(max_bytes=cfg.train_size, val_fraction=0.1, test_fraction=0.1)
+    assert limit == min(len(corpus.val), len(corpus.test)) - cfg.seq_len - 1
+    last_start = min(len(corpus.val), len(corpus.test)) - cfg.seq_len - 2  # lm_eval_windows' spacing
+    for count, distinct in ((limit, limit), (limit + 1, limit)):  # one more window repeats a start
+        assert len(np.unique(np.linspace(0, last_start, count).astype(np.int64))) == distinct
+    wins, targets = _data.lm_eval_windows(corpus.val, cfg.seq_len, limit)
+    assert wins.shape == (limit, cfg.seq_len, 1) and targets.shape == (limit, cfg.seq_len)

@@ -419,6 +419,20 @@ def test_report_of_a_folder(tmp_path):
     assert "| damcha-heads-query | mha | converged |" in text and "better" in text
 
 
+def test_report_names_the_json_files_it_skips(tmp_path, capsys):
+    from experiments._cli import main
+
+    res = _results("crosshead", {"mha": _base(0.60), "talking-heads": _base(0.62), "damcha-heads-query": _other(0.8)})
+    write_json(res, tmp_path / "crosshead.json")
+    (tmp_path / "charlm.json").write_text("garbage")
+    (tmp_path / "listops.json").write_bytes(b"\xff\xfe")
+    assert main(["report", str(tmp_path), "--no-plots"]) == 0
+    err = capsys.readouterr().err
+    assert f"skipped {tmp_path / 'charlm.json'}: it is not valid JSON" in err
+    assert f"skipped {tmp_path / 'listops.json'}: it cannot be read (UnicodeDecodeError" in err
+    assert (tmp_path / "report.md").exists()
+
+
 def test_claim1_baselines_at_the_ceiling_leave_it_open():
     """A baseline within the margin of 1.0 cannot be beaten by the margin: 'ceiling', not 'no gain'."""
     top = [0.999, 0.9985, 0.9995, 0.999, 0.9988]
