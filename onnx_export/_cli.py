@@ -34,7 +34,7 @@ from damcha_core import _cliutil as cu
 
 from ._export import export
 from ._graph import ATTENTION_OPSET, DTYPES, MIN_OPSET
-from ._io import data_file_name, remove_stale_data
+from ._io import ONNX_PATH_RULE, data_file_name, is_onnx_path, remove_stale_data
 from ._options import check_opset
 from ._runtime import empty_kv_cache, ort_session, run_ort, run_reference
 
@@ -230,10 +230,8 @@ def _check_not_an_input(args: argparse.Namespace) -> None:
 def _validate(args: argparse.Namespace) -> tuple[dict[str, np.ndarray], dc.DamchaConfig]:
     """Every flag before any work; returns the params and config."""
     out = cu.check_output_file(args.out, "--out", prog=PROG)
-    if not str(args.out).lower().endswith(".onnx"):
-        # onnx.save picks the format from the suffix (.json, .textproto, .onnxtxt
-        # write text), and --ort-dir/--quantize derive their names from a .onnx stem.
-        cu.usage_error("--out", f"expected a .onnx path. Received: {args.out!r}", prog=PROG)
+    if not is_onnx_path(str(args.out)):  # the Python API's rule (damcha_onnx._io.check_path)
+        cu.usage_error("--out", f"expected {ONNX_PATH_RULE}. Received: {args.out!r}", prog=PROG)
     if args.quantize is not None:
         if args.dtype != "float32":
             cu.usage_error(

@@ -25,9 +25,23 @@ EXTERNAL_DATA_THRESHOLD = PROTOBUF_LIMIT - (64 << 20)
 EXTERNAL_DATA_MIN_BYTES = 1024
 
 
+#: What a model file's path must look like, for the Python API and ``damcha export --out`` alike.
+ONNX_PATH_RULE = (
+    "a .onnx file path with a name before the suffix (any case: .ONNX too; onnx.save_model writes "
+    "text for .json/.textproto/.onnxtxt, which onnxruntime cannot load, and the .int8.onnx/.ort "
+    "names derive from the .onnx stem)"
+)
+
+
+def is_onnx_path(path: str) -> bool:
+    """Whether ``path`` ends in ``.onnx`` (any case) after a non-empty file name."""
+    base = os.path.basename(path)
+    return base.lower().endswith(".onnx") and len(base) > len(".onnx")
+
+
 def check_path(path: Any, name: str = "path") -> str | None:
-    """``path`` as a ``str`` (or ``None``): a file path whose directory exists,
-    not a directory, not a read-only file. Called before any work is done."""
+    """``path`` as a ``str`` (or ``None``): a ``.onnx`` file path whose directory
+    exists, not a directory, not a read-only file. Called before any work is done."""
     if path is None:
         return None
     if not isinstance(path, (str, os.PathLike)):
@@ -37,6 +51,8 @@ def check_path(path: Any, name: str = "path") -> str | None:
         raise DamchaValueError(invalid_argument(name, "a non-empty file path", f"{name}={path!r}"))
     if os.path.isdir(path):
         raise DamchaValueError(invalid_argument(name, "a file path, not a directory", f"{name}={path!r}"))
+    if not is_onnx_path(path):
+        raise DamchaValueError(invalid_argument(name, ONNX_PATH_RULE, f"{name}={path!r}"))
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         raise DamchaValueError(

@@ -483,12 +483,17 @@ def test_out_that_is_an_input_exits_2_and_keeps_it(tmp_path, monkeypatch, how):
     assert {p: p.read_bytes() for p in (params, config)} == before
 
 
-@pytest.mark.parametrize("suffix", [".ort", ".json", ".textproto", ".onnxtxt", ".st"])
-def test_out_not_onnx_exits_2_before_any_work(params_file, tmp_path, suffix):
-    """onnx.save writes text for .json/.textproto/.onnxtxt; .ort used to die after the export (exit 1)."""
-    out = tmp_path / f"m{suffix}"
+@pytest.mark.parametrize("name", ["m.ort", "m.json", "m.textproto", "m.onnxtxt", "m.st", ".onnx", ".ONNX"])
+def test_out_not_onnx_exits_2_before_any_work(params_file, tmp_path, name):
+    """onnx.save writes text for .json/.textproto/.onnxtxt; .ort used to die after the export (exit 1);
+    a bare .onnx has no stem for the .int8.onnx/.ort names. The Python API's rule, word for word."""
+    out = tmp_path / name
     line = one_line_usage_error(export("--params", params_file, "--out", str(out)), "--out")
-    assert f"expected a .onnx path. Received: {str(out)!r}" in line
+    assert "expected a .onnx file path with a name before the suffix (any case" in line
+    assert f"Received: {str(out)!r}" in line
+    with pytest.raises(dc.DamchaValueError) as api:
+        do.export(dc.load_params(params_file)[0], CONFIG, out)
+    assert line.split("expected ", 1)[1].split(". Received")[0] in str(api.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.safetensors"]
 
 

@@ -147,10 +147,18 @@ def test_output_paths_are_checked_before_any_work(tmp_path):
         (tmp_path, dc.DamchaValueError, "not a directory"),
         (tmp_path / "missing" / "x.onnx", dc.DamchaValueError, "existing directory"),
         (3, dc.DamchaTypeError, "file path"),
+        # The CLI's --out rule: binary protobuf in a .onnx file, with a name before the suffix.
+        (tmp_path / "x.json", dc.DamchaValueError, "a .onnx file path with a name before the suffix"),
+        (tmp_path / ".onnx", dc.DamchaValueError, "a .onnx file path with a name before the suffix"),
+        (tmp_path / "x", dc.DamchaValueError, "a .onnx file path"),
     ]
     for path, error, text in cases:
         with pytest.raises(error, match=rf"`path`.*{text}"):
             do.export(_params(), CONFIG, path, causal=True)
+    assert _listing(tmp_path) == []
+    # The suffix in any case, as the CLI takes it (onnx.save_model writes binary protobuf for .ONNX).
+    do.export(_params(), CONFIG, tmp_path / "z.ONNX", causal=True)
+    _check_matches(str(tmp_path / "z.ONNX"), _params())
 
 
 @pytest.mark.parametrize("entry", ["export", "export_encoder", "quantize_int8"])
