@@ -269,10 +269,11 @@ def _validate(args: argparse.Namespace) -> tuple[dict[str, np.ndarray], dc.Damch
         )
     config = stored if args.config is None else _load_config(args.config)
     if config != stored:
+        given, kept = config.to_dict(), stored.to_dict()
+        fields = ", ".join(f"{k}={given[k]!r} (stored {kept[k]!r})" for k in given if given[k] != kept[k])
         cu.usage_error(
             "--config",
-            f"differs from the config stored in {args.params!r}. "
-            f"Received: {config.to_dict()}, stored={stored.to_dict()}",
+            f"differs from the config stored in {args.params!r} in: {fields}. Omit --config to use the stored one",
             prog=PROG,
         )
     if not args.cross and config.context_dim != config.query_dim:

@@ -221,7 +221,7 @@ def test_cli_exports_and_validates(tmp_path, capsys):
     assert rc == 0, text
     assert "shape inference: ok" in text and text.count("-> ok") == 2
     assert "Softmax" in {n.op_type for n in onnx.load(out).graph.node}
-    other = config.replace(key_dim=2)
+    other = config.replace(key_dim=2, num_kv_heads=1)  # value_dim follows key_dim
     rc = main(
         [
             "--config",
@@ -232,7 +232,11 @@ def test_cli_exports_and_validates(tmp_path, capsys):
             str(out),
         ]
     )
-    assert rc == 2 and "differs from the config stored" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    # The fields that differ, and only those, with both values.
+    assert rc == 2 and f"differs from the config stored in {str(tmp_path / 'p.safetensors')!r} in: " in err, err
+    assert "key_dim=2 (stored 4), value_dim=2 (stored 4), num_kv_heads=1 (stored 2). Omit --config to use the" in err
+    assert "query_dim" not in err
     rc = main(["--params", str(tmp_path / "p.safetensors"), "--out", str(out), "--opset", "12"])
     assert rc == 2 and "Invalid argument `opset`: expected an int in" in capsys.readouterr().err
 
