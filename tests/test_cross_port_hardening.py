@@ -449,3 +449,71 @@ def test_float16_stacks_refuse_overflow_before_loading_anything(port, name):
         after = [keras.ops.convert_to_numpy(w) for layer in stack for w in layer.weights]
         for a, b in zip(after, before):
             np.testing.assert_array_equal(a, b)
+
+
+# --------------------------------------- flags and float masks (cli review B1, B2)
+
+
+def _port_call(port: str, **kw):
+    """A (2, 5, 8) self-attention call of each port's layer, with ``kw`` as that port names it."""
+    x = np.random.default_rng(0).standard_normal((2, 5, 8)).astype(np.float32)
+    if port == "torch":
+        torch.manual_seed(0)
+        layer = dt.DamchaAttention(8, 2, batch_first=True).eval()
+        t = torch.as_tensor(x)
+        kw = {k: torch.as_tensor(v) if isinstance(v, np.ndarray) else v for k, v in kw.items()}
+        return layer(t, t, t, **kw)
+    if port == "jax":
+        layer = dj.DamchaAttention(2, 8, rngs=nnx.Rngs(0), deterministic=True)
+        return layer(
+            jax.numpy.asarray(x), **{k: jax.numpy.asarray(v) if isinstance(v, np.ndarray) else v for k, v in kw.items()}
+        )
+    return dk.DamchaAttention(2, 4)(x, x, **kw)
+
+
+@pytest.mark.parametrize(
+    ("port", "name", "value"),
+    [
+        ("torch", "need_weights", "False"),  # truthy: it computed the weights
+        ("torch", "need_weights", 0),
+        ("torch", "is_causal", 1),
+        ("torch", "average_attn_weights", None),
+        ("jax", "is_causal", 1),
+        ("jax", "sow_weights", None),
+    ],
+)
+def test_call_flags_must_be_bools_with_one_message(port, name, value):
+    with pytest.raises(
+        dc.DamchaTypeError, match=re.escape(f"Invalid argument `{name}`: expected a bool. Received: {name}={value!r}")
+    ):
+        _port_call(port, **{name: value})
+
+
+@pytest.mark.parametrize("port", ["torch", "jax"])
+def test_call_flags_take_numpy_bools(port):
+    """np.bool_ is a bool in every port (dc.check_bool); the result equals the Python bool's."""
+    name = "is_causal"
+    extra = {"need_weights": False} if port == "torch" else {}
+    a = _port_call(port, **{name: np.bool_(True)}, **extra)
+    b = _port_call(port, **{name: True}, **extra)
+    a, b = (r[0] if isinstance(r, tuple) else r for r in (a, b))
+    np.testing.assert_array_equal(
+        np.asarray(a.detach() if port == "torch" else a), np.asarray(b.detach() if port == "torch" else b)
+    )
+
+
+# Each port's mask argument; torch reads a float mask as additive (nn.MultiheadAttention), jax and
+# keras as 0/1, but NaN (and torch's +inf) is refused by all three as a mask error, DamchaValueError.
+_MASKS = {"torch": "attn_mask", "jax": "mask", "keras": "attention_mask"}
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("port", ["torch", "jax", "keras"])
+def test_float_mask_with_nan_or_inf_is_refused_in_every_port(port, bad):
+    mask = np.zeros((5, 5), np.float32) if port == "torch" else np.ones((5, 5), np.float32)
+    mask[2, 3] = bad
+    kw = {_MASKS[port]: mask}
+    if port == "torch":
+        kw["need_weights"] = False
+    with pytest.raises(dc.DamchaValueError, match=f"Invalid argument `{_MASKS[port]}`"):
+        _port_call(port, **kw)

@@ -12,7 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from damcha_torch import DamchaAttention, DamchaKVCache, build_encoder, softmax_attend
+from damcha_core import DamchaValueError
+from damcha_torch import DamchaAttention, DamchaKVCache, build_encoder, damcha_attention, softmax_attend
 
 E, H = 16, 4
 
@@ -90,9 +91,37 @@ def test_a_nan_token_gives_nan_in_the_rows_that_read_it(path):
     assert torch.isfinite(out[0]).all()
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("name", ["attn_mask", "key_padding_mask", "mask"])
+def test_eager_cpu_refuses_nan_or_inf_in_a_float_mask(name, bad):
+    """Where the forward reads mask values (eager, CPU) a NaN or +inf, which would make its rows
+    NaN, is a mask error, as in the jax and keras ports (tests/test_cross_port_hardening.py)."""
+    layer = _layer()
+    x = torch.randn(2, 5, E)
+    mask = torch.zeros((2, 5) if name == "key_padding_mask" else (5, 5))
+    mask[1, 3] = bad
+    with pytest.raises(
+        DamchaValueError, match=f"Invalid argument `{name}`.*holding {'NaN' if bad != bad else '[+]inf'}"
+    ):
+        if name == "mask":
+            params = {k: torch.as_tensor(v, dtype=torch.float32) for k, v in layer.to_canonical().items()}
+            damcha_attention(params, layer.config, x, mask=mask)
+        else:
+            layer(x, x, x, need_weights=False, **{name: mask})
+    mask[1, 3] = float("-inf")  # -inf hides the key: fine
+    if name != "mask":
+        assert torch.isfinite(layer(x, x, x, need_weights=False, **{name: mask})[0]).all()
+    # The is_causal hint's 2-D mask is never read (nn.MultiheadAttention's contract): not checked either.
+    if name == "attn_mask":
+        mask[1, 3] = bad
+        out, _ = layer(x, x, x, attn_mask=mask, is_causal=True, need_weights=False)
+        assert torch.isfinite(out).all()
+
+
 @pytest.mark.parametrize("need_weights", [False, True], ids=["fused", "weights"])
-def test_a_nan_in_a_float_attn_mask_gives_nan_as_mha_does(need_weights):
-    """MHA adds the float mask to the logits, so a NaN poisons its row; it is not
+def test_a_nan_in_a_float_attn_mask_gives_nan_as_mha_does_where_values_are_not_read(need_weights):
+    """Compiled (or traced, or on a GPU) the mask's values are not read (a host sync per call);
+    there, MHA's rule: it adds the float mask to the logits, so a NaN poisons its row; it is not
     'every key hidden' (the rule that gives output 0)."""
     torch.manual_seed(1)
     mha = nn.MultiheadAttention(E, H, batch_first=True).eval()
@@ -102,7 +131,10 @@ def test_a_nan_in_a_float_attn_mask_gives_nan_as_mha_does(need_weights):
     mask[1, 2] = float("nan")  # one entry of row 1
     mask[3, :] = float("nan")  # all of row 3
     mask[4, :] = float("-inf")  # row 4 genuinely hidden
-    out, _ = layer(x, x, x, attn_mask=mask, need_weights=need_weights)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        out, _ = compiled(x, x, x, attn_mask=mask, need_weights=need_weights)
     expected, _ = mha(x, x, x, attn_mask=mask, need_weights=True)  # MHA's explicit path
     assert torch.isnan(out[:, [1, 3]]).all() and torch.isnan(expected[:, [1, 3]]).all()
     torch.testing.assert_close(out[:, [0, 2]], expected[:, [0, 2]], rtol=1e-5, atol=1e-6)

@@ -596,6 +596,27 @@ def _reads_values(t: Tensor) -> bool:
     )
 
 
+def check_mask_values(name: str, mask: Tensor) -> None:
+    """Refuse a float (additive) mask holding NaN or +inf, where a forward reads values (``_reads_values``).
+
+    Either makes every output of its row NaN (softmax of +inf - +inf, or a NaN
+    logit), which the other ports refuse as a mask error. One comparison and
+    one ``all`` over the mask you passed, eager on CPU only: elsewhere the
+    read would sync the device per call (CUDA) or bake a branch into a
+    trace or compiled graph, so the values are not read there (docs/torch.md).
+    """
+    if mask.is_floating_point() and _reads_values(mask) and not bool((mask < math.inf).all()):
+        found = "NaN" if bool(mask.isnan().any()) else "+inf"
+        raise DamchaValueError(
+            dc.invalid_argument(
+                name,
+                "an additive float mask of finite values and -inf (0 = attend, -inf = masked out); NaN or +inf "
+                "would make every output of its rows NaN (pass a bool mask, or -inf for hidden keys)",
+                f"{name}={describe(mask)} holding {found}",
+            )
+        )
+
+
 def _writable(t: Tensor) -> bool:
     """Whether an op's fresh output ``t`` may be written in place: no autograd
     records it, and no tracer, compiler or torch.func transform sees the
@@ -1404,6 +1425,7 @@ def _check_mask(mask: Any, config: DamchaConfig, B: int, N: int, M: int) -> Tens
         raise dc.mask_dtype_error(mask, expected="boolean (True = may attend) or floating (additive, -inf = hidden)")
     Ekv, Ev = config_sizes(config)[:2]
     dc.check_shapes(config, (B, N, config.query_dim), (B, M, Ekv), tuple(mask.shape), value_shape=(B, M, Ev))
+    check_mask_values("mask", mask)
     return mask
 
 

@@ -833,7 +833,21 @@ class DamchaAttention(CanonicalIO, nn.Module):
             (B, N, M) averaged, (B, H, N, M) per head, or ``None``. Unbatched
             inputs drop the B dim from both. A query that
             sees no key gets output ``out_proj.bias`` (attention output 0), never NaN.
+
+        Raises:
+            DamchaTypeError: ``need_weights``, ``average_attn_weights`` or
+                ``is_causal`` not a bool (a NumPy bool is taken); a string such
+                as ``"False"`` is truthy and would silently pick the other path.
         """
+        # Three identity tests on the decode hot path (no tensor op); the check runs only off it.
+        if (
+            need_weights.__class__ is not bool
+            or average_attn_weights.__class__ is not bool
+            or is_causal.__class__ is not bool
+        ):
+            need_weights = dc.check_bool("need_weights", need_weights)
+            average_attn_weights = dc.check_bool("average_attn_weights", average_attn_weights)
+            is_causal = dc.check_bool("is_causal", is_causal)
         if (
             kv_cache is not None
             and not need_weights

@@ -18,6 +18,8 @@ import torch
 from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, describe
 from torch import Tensor
 
+from ._functional import check_mask_values
+
 
 def check_torch_mask(name: str, value: Any) -> None:
     if not isinstance(value, Tensor) or not (value.dtype == torch.bool or value.is_floating_point()):
@@ -72,6 +74,7 @@ def merge_masks(
                     f"key_padding_mask.shape={tuple(key_padding_mask.shape)}",
                 )
             )
+        check_mask_values("key_padding_mask", key_padding_mask)
         masks.append(key_padding_mask[:, None, None, :])
     if attn_mask is not None:
         check_torch_mask("attn_mask", attn_mask)
@@ -103,6 +106,8 @@ def merge_masks(
                     str(exc).replace(". Received:", " (or (B*H, N, M) as in nn.MultiheadAttention). Received:", 1)
                 ) from None
         if not (causal_hint and attn_mask.dim() == 2 and tuple(attn_mask.shape) == (N, M)):
+            # The hint's mask is never read, so only a mask that applies has its values checked.
+            check_mask_values("attn_mask", attn_mask)
             masks.append(attn_mask)
     if not masks:
         return None
