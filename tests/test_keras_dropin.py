@@ -331,6 +331,31 @@ def test_use_causal_mask_takes_truthy_values_as_keras_does(flag):
     assert np.all(np_(scores)[..., np.triu_indices(N, 1)[0], np.triu_indices(N, 1)[1]] == 0) == bool(flag)
 
 
+@pytest.mark.parametrize("kind", ["bool", "int"])
+def test_a_list_mask_is_taken_as_keras_mha_takes_it(kind):
+    """Keras MHA casts any mask it is given; a nested list raised AttributeError ('list' has no dtype)."""
+    x, c = rng(13).normal(size=(B, N, E)).astype("float32"), rng(14).normal(size=(B, M, E)).astype("float32")
+    mha = keras.layers.MultiHeadAttention(2, 4)
+    mha(x, c)
+    randomize_biases(mha)
+    layer = DamchaAttention.from_mha(mha)  # gates 0: it computes what the MHA computes
+    visible = rng(15).uniform(size=(B, N, M)) < 0.6
+    visible[..., 0] = True
+    mask = visible.tolist() if kind == "bool" else visible.astype(int).tolist()
+    want = np_(mha(x, c, attention_mask=mask))
+    np.testing.assert_allclose(np_(layer(x, c, attention_mask=mask)), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np_(layer(x, c, attention_mask=visible)), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(dc.DamchaValueError, match="attention_mask"):
+        layer(x, c, attention_mask=(2 * visible.astype(int)).tolist())  # values other than 0/1, as for arrays
+
+
+@pytest.mark.parametrize("mask", ["all", 1, {1, 2}, [[True], [True, False]]], ids=["str", "int", "set", "ragged"])
+def test_a_mask_that_is_no_array_is_a_mask_dtype_error(mask):
+    x = rng(16).normal(size=(B, N, E)).astype("float32")
+    with pytest.raises(dc.DamchaTypeError, match=r"Invalid argument `attention_mask`: expected a mask that is boolean"):
+        DamchaAttention(2, 4, seed=0)(x, x, attention_mask=mask)
+
+
 @pytest.mark.parametrize(
     "query, value, key",
     [

@@ -592,7 +592,9 @@ class DamchaAttention(keras.layers.Layer):
         use_causal_mask = _args.flag("use_causal_mask", use_causal_mask)
         if self._flash_attention and return_attention_scores:
             self._compute_attention(None, None, None, return_attention_scores=True)  # raises
-        masks = dict(query_mask=query_mask, value_mask=value_mask, key_mask=key_mask, attention_mask=attention_mask)
+        masks = _masks.as_tensors(
+            dict(query_mask=query_mask, value_mask=value_mask, key_mask=key_mask, attention_mask=attention_mask)
+        )
         kv_len = self._check_cache(query, value, masks, use_causal_mask, cache, cache_update_index)
         self._check_inputs(query, value, key, masks, kv_len)
         masks, poison, mask_values = _masks.read_masks(masks)
@@ -726,7 +728,9 @@ class DamchaAttention(keras.layers.Layer):
         use_causal_mask = _args.flag("use_causal_mask", use_causal_mask)
         if not self.built:
             self.build(tuple(query.shape), tuple(value.shape), None if key is None else tuple(key.shape))
-        masks = dict(query_mask=query_mask, value_mask=value_mask, key_mask=key_mask, attention_mask=attention_mask)
+        masks = _masks.as_tensors(
+            dict(query_mask=query_mask, value_mask=value_mask, key_mask=key_mask, attention_mask=attention_mask)
+        )
         kv_len = self._check_cache(query, value, masks, use_causal_mask, cache, cache_update_index)
         _args.check_inputs(self._built_config, self._layout, query, value, key, masks, kv_len)
         shape = self.compute_output_shape(query.shape, value.shape, None if key is None else key.shape)

@@ -58,6 +58,30 @@ class KernelPlan(NamedTuple):
 # ----------------------------------------------------------------- checks
 
 
+def as_tensors(masks: dict[str, Any]) -> dict[str, Any]:
+    """The masks with Python lists and tuples made arrays, as Keras MHA takes them (``ops.cast``).
+
+    A NumPy array rather than a tensor: its values are then known on the host
+    (``read_masks``), as for a NumPy mask. Anything else without a dtype (a
+    string, a number, a set) is refused with the mask dtype error; tensors and
+    arrays pass as they are, and ``check_dtypes`` judges the converted dtype.
+    """
+    out = dict(masks)
+    for name, m in masks.items():
+        if m is None or hasattr(m, "dtype"):
+            continue
+        if isinstance(m, (list, tuple)):
+            try:
+                out[name] = np.asarray(m)
+            except (ValueError, TypeError):  # ragged or mixed: not an array
+                raise dc.mask_dtype_error(
+                    m, name, MASK_EXPECTED + " (a tensor, array or rectangular nested list)"
+                ) from None
+            continue
+        raise dc.mask_dtype_error(m, name, MASK_EXPECTED + " (a tensor, array or rectangular nested list)")
+    return out
+
+
 def check_dtypes(masks: dict[str, Any]) -> None:
     for name, m in masks.items():
         if m is not None and not dtype_name(m).startswith(MASK_DTYPES):
