@@ -265,3 +265,42 @@ def call_layer(arch: str, layer: Any, x: np.ndarray, mask: np.ndarray) -> np.nda
     if arch in ("gpt2", "bert", "vit"):
         return numpy(layer(x, x, attention_mask=mask))
     return numpy(layer(x, attention_mask=mask))
+
+
+def convert_after_fit() -> dict[str, Any]:
+    """convert() of a model whose optimizer is built (fitted once) is refused and
+    leaves it unconverted; compiled again (a new optimizer), it converts and fit()
+    trains the gates; compiled but not yet run, it converts and trains too."""
+    import damcha_keras as dk
+
+    x = np.random.default_rng(0).standard_normal((2, 3, 8)).astype("float32")
+
+    def model() -> Any:
+        inp = keras.Input((None, 8))
+        return keras.Model(inp, keras.layers.MultiHeadAttention(2, 4)(inp, inp))
+
+    def gates_moved(m: Any) -> bool:
+        m.fit(x, x, epochs=2, verbose=0)
+        return all(bool(np.abs(numpy(g)).max() > 0) for g in dk.damcha_variables(m, generators=False))
+
+    fitted = model()
+    fitted.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    fitted.fit(x, x, verbose=0)
+    n = len(fitted.weights)
+    try:
+        dk.convert(fitted)
+        refused = ""
+    except dc.DamchaValueError as exc:
+        refused = str(exc)
+    unchanged = len(fitted.weights) == n and not dk.converted_layers(fitted)
+    fitted.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    recompiled_moved = gates_moved(dk.convert(fitted))
+    compiled_only = model()
+    compiled_only.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    return {
+        "refused": refused,
+        "unchanged": unchanged,
+        "recompiled_moved": recompiled_moved,
+        "compiled_only_moved": gates_moved(dk.convert(compiled_only)),
+    }
+

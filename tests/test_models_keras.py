@@ -23,6 +23,7 @@ from _models_keras_zoo import (
     cached_logits,
     call_layer,
     causal_lm,
+    convert_after_fit,
     greedy_generate,
     greedy_without_cache,
     inputs,
@@ -505,6 +506,17 @@ def test_errors():
     )
     with pytest.raises(dc.DamchaValueError, match="share_metric"):
         dk.convert(two_sizes, share_metric=True)
+
+
+def test_convert_refuses_a_model_whose_optimizer_is_built():
+    """An optimizer built before convert() never trains the new variables (TensorFlow
+    silently: the gates stayed 0 after fit). Refused, model untouched; compiled again,
+    or compiled but not yet run (as KerasHub tasks are at construction), it converts
+    and fit() moves the gates. The jax and torch processes run the same check."""
+    r = convert_after_fit()
+    assert r["refused"].startswith("Invalid argument `model`: expected a model whose optimizer is not built"), r
+    assert "compiled with optimizer Adam, already built for 8 variables" in r["refused"], r
+    assert r["unchanged"] and r["recompiled_moved"] and r["compiled_only_moved"], r
 
 
 @pytest.mark.parametrize("policy", ["float16", "mixed_float16"])

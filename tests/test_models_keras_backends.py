@@ -18,7 +18,7 @@ RoPE rounding; for every causal LM greedy generate() with the cache equals
 greedy decoding without it and call_with_cache step by step the full forward;
 one mixed-precision model (jax: Gemma in mixed_bfloat16, torch: Qwen3 in
 mixed_float16) exact at init and close to its float32 twin with the gates open;
-fit moves the gates; .weights.h5 and .keras files round-trip; the docs' Keras
+fit moves the gates; convert() refuses a model whose optimizer is built; .weights.h5 and .keras files round-trip; the docs' Keras
 example runs.
 """
 
@@ -78,6 +78,15 @@ def check_fit_moves_gates(r: dict, backend: str) -> None:
     assert r["fit_gates_moved"], r
 
 
+def check_convert_after_fit(r: dict, backend: str) -> None:
+    # What is checked is shared with the tensorflow test (tests/test_models_keras.py).
+    assert "convert_after_fit" in r, sorted(r)
+    refused = r["convert_after_fit"]["refused"]
+    assert refused.startswith("Invalid argument `model`: expected a model whose optimizer is not built"), r
+    assert "compiled with optimizer Adam, already built for 8 variables" in refused, r
+    assert all(r["convert_after_fit"][k] for k in ("unchanged", "recompiled_moved", "compiled_only_moved")), r
+
+
 def check_file_round_trips(r: dict, backend: str) -> None:
     assert r["weights_round_trip"] and r["keras_round_trip"], r
 
@@ -93,6 +102,7 @@ CHECKS = {
     "call-with-cache": check_call_with_cache,
     "mixed-precision": check_mixed_precision,
     "fit-moves-gates": check_fit_moves_gates,
+    "convert-after-fit": check_convert_after_fit,
     "file-round-trips": check_file_round_trips,
     "docs-example": check_docs_example,
 }
@@ -131,6 +141,7 @@ def run(backend: str, tmp: str) -> dict:
         cached_logits,
         call_layer,
         causal_lm,
+        convert_after_fit,
         generate_batch,
         greedy_mismatches,
         inputs,
@@ -247,6 +258,7 @@ def run(backend: str, tmp: str) -> dict:
     head.compile(optimizer=keras.optimizers.SGD(0.5), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     head.fit(inputs("bert"), np.array([0, 1]), epochs=2, verbose=0)
     r["fit_gates_moved"] = all(bool(np.abs(numpy(g)).max() > 0) for g in dk.damcha_variables(head, generators=False))
+    r["convert_after_fit"] = convert_after_fit()
 
     with open(os.path.join(os.path.dirname(__file__), os.pardir, "docs", "models.md"), encoding="utf-8") as f:
         example = re.search(

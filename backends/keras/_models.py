@@ -359,7 +359,9 @@ def convert(
 
     Convert a built model (KerasHub backbones and tasks are built at
     construction), and before ``compile``: trainers compiled earlier do not
-    see the new variables.
+    see the new variables, so a ``model`` whose optimizer is built (after a
+    ``fit``/``evaluate``, or loaded compiled) is refused; a model compiled but
+    not yet run (KerasHub tasks compile at construction) is fine.
 
     Args:
         model: a built Keras layer or model, e.g. a KerasHub ``GPT2Backbone``,
@@ -379,7 +381,7 @@ def convert(
 
     Raises:
         DamchaTypeError: ``model`` is not a Keras layer, or a bad option type.
-        DamchaValueError: an unbuilt model, no supported attention layer, an
+        DamchaValueError: an unbuilt model or one whose optimizer is built, no supported attention layer, an
             attention layer of a layout no adapter knows (nothing is converted
             then), or a model already converted.
 
@@ -400,6 +402,25 @@ def convert(
                 "a model not yet converted; it is already converted (it has DAMCHA maps: "
                 f"{', '.join(converted_layers(model)) or type(model).__name__})",
                 f"model={type(model).__name__}",
+            )
+        )
+    optimizer = getattr(model, "optimizer", None) if isinstance(model, keras.Model) else None
+    if optimizer is not None and getattr(optimizer, "built", False):
+        # Refused, not handled: an optimizer builds its slots for the trainable variables it
+        # sees at the first fit()/evaluate() (or when a compiled model is loaded) and never
+        # learns of variables added later (TensorFlow then silently never trains the gates,
+        # torch and JAX fail inside Keras). Recompiling for the caller would drop the
+        # optimizer's state. A model compiled but not yet run (KerasHub tasks compile at
+        # construction) is fine: its optimizer is built at the first fit().
+        raise DamchaValueError(
+            dc.invalid_argument(
+                "model",
+                "a model whose optimizer is not built yet: an optimizer built before convert() never trains "
+                "the new DAMCHA variables. Convert before the first fit()/evaluate(), then compile and fit; or "
+                "compile this model again (a new optimizer) and then convert it; load a saved model with "
+                "keras.saving.load_model(..., compile=False)",
+                f"{type(model).__name__} {model.name!r} compiled with optimizer {type(optimizer).__name__}, "
+                f"already built for {len(getattr(optimizer, '_trainable_variables', []) or [])} variables",
             )
         )
     if not model.built:
