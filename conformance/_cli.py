@@ -257,18 +257,31 @@ def _run_subprocess(spec: str, args: argparse.Namespace, env_extra: dict[str, st
         bar: cu.Progress | None = None
         with open(Path(tmp) / "stderr.txt", "w+") as err:
             proc = subprocess.Popen(cmd, env={**os.environ, **env_extra}, stdout=subprocess.PIPE, stderr=err, text=True)
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                if not line.startswith(_PROGRESS):
-                    continue
-                _, done, total, what = line.rstrip("\n").split(" ", 3)
-                if bar is None:
-                    bar = cu.Progress(int(total), spec, enabled=not args.no_progress, every=5.0)
-                bar.total = int(total)
-                bar.step(what, force=what.endswith((" fail", " error")))
-            returncode = proc.wait()
-            if bar is not None:
-                bar.close()
+            try:
+                assert proc.stdout is not None
+                for line in proc.stdout:
+                    if not line.startswith(_PROGRESS):
+                        continue
+                    _, done, total, what = line.rstrip("\n").split(" ", 3)
+                    if bar is None:
+                        bar = cu.Progress(int(total), spec, enabled=not args.no_progress, every=5.0)
+                    bar.total = int(total)
+                    bar.step(what, force=what.endswith((" fail", " error")))
+                returncode = proc.wait()
+            finally:
+                # Interrupted here (a signal to this process alone, not its group): the worker must not
+                # outlive it, still computing and holding its temporary folder.
+                if proc.poll() is None:
+                    proc.terminate()
+                    try:
+                        proc.wait(timeout=10)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+                        proc.wait()
+                if proc.stdout is not None:
+                    proc.stdout.close()
+                if bar is not None:
+                    bar.close()
             err.seek(0)
             stderr = err.read()
         if out.exists():

@@ -3,7 +3,9 @@ and are imported only when called, so ``damcha conform`` needs no ONNX and
 ``damcha export`` no PyTorch.
 
 Exit statuses, for every subcommand: 0 ok, 1 a check failed (a mismatch),
-2 bad arguments (one line on stderr naming the flag; see ``_cliutil``).
+2 bad arguments (one line on stderr naming the flag; see ``_cliutil``),
+130 interrupted (Ctrl-C: one line, no traceback; outputs are written atomically,
+so none is left partial).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import importlib
 import sys
 
 from ._cliutil import EXIT_USAGE, install_hint
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command stopped by Ctrl-C
 
 # subcommand -> (module, one-line help)
 SUBCOMMANDS = {
@@ -72,7 +76,11 @@ def main(argv: list[str] | None = None) -> int:
             message = " ".join(str(exc).split())
         print(f"damcha {argv[0]}: error: {message}", file=sys.stderr)
         return EXIT_USAGE
-    return int(module.main(argv[1:]) or 0)
+    try:
+        return int(module.main(argv[1:]) or 0)
+    except KeyboardInterrupt:
+        print(f"damcha {argv[0]}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -266,3 +266,21 @@ def test_usage_error_is_one_line(capsys):
         capsys, cu.usage_error, "--case", "unknown case 'nosuch'.\nExpected one of [...]", prog="damcha conform"
     )
     assert line == "damcha conform: error: --case: unknown case 'nosuch'. Expected one of [...]"
+
+
+@pytest.mark.parametrize("command, module", [("export", "damcha_onnx._cli"), ("conform", "damcha_conformance._cli")])
+def test_ctrl_c_is_one_line_and_exit_130(command, module, monkeypatch, capsys):
+    """A KeyboardInterrupt printed a full traceback (experiment alone printed one line)."""
+    import importlib
+
+    from damcha_core._cli import main
+
+    target = importlib.import_module(module)
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(target, "main", interrupted)
+    assert main([command, "--anything"]) == 130
+    captured = capsys.readouterr()
+    assert captured.err == f"damcha {command}: interrupted\n" and captured.out == ""

@@ -163,7 +163,8 @@ def test_an_interrupted_run_keeps_the_earlier_json_report(tmp_path):
     proc = conform(
         "--in-process", "--adapter", "_conformance_fixtures:Interrupted", "--json", str(out), "--no-progress"
     )
-    assert proc.returncode != 0 and "KeyboardInterrupt" in proc.stderr
+    # One line, exit 130 (damcha_core._cli), not a KeyboardInterrupt traceback.
+    assert proc.returncode == 130 and proc.stderr.strip().splitlines() == ["damcha conform: interrupted"], proc.stderr
     assert out.read_text() == '{"earlier": "good"}'
     assert [p.name for p in tmp_path.iterdir()] == ["report.json"]  # no partial or temporary file
 
@@ -251,3 +252,35 @@ def test_case_and_group_that_select_nothing_exit_2_before_any_work():
     other = next(g for g in dcf.GROUPS if g != case.group)
     line = one_line_usage_error(conform("--case", case.name, "--group", other), "--group")
     assert f"{case.name} is in group {case.group!r}" in line
+
+
+def test_an_interrupted_parent_terminates_its_backend_worker(monkeypatch):
+    """Ctrl-C delivered to the parent alone (kill -INT PID) left the worker process running."""
+    import argparse
+
+    from damcha_conformance import _cli as ccli
+    from damcha_core import _cliutil as cu
+
+    started = []
+    real_popen = subprocess.Popen
+
+    def worker(cmd, **kw):
+        # A worker that reports one check and would then run for ten minutes.
+        code = (
+            f"print({ccli._PROGRESS!r} + ' 1 2 float64 case [output] pass', flush=True); import time; time.sleep(600)"
+        )
+        proc = real_popen([sys.executable, "-c", code], **kw)
+        started.append(proc)
+        return proc
+
+    class InterruptedProgress(cu.Progress):
+        def step(self, what, *, force=False):  # the Ctrl-C arrives while the parent shows progress
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(ccli.subprocess, "Popen", worker)
+    monkeypatch.setattr(ccli.cu, "Progress", InterruptedProgress)
+    args = argparse.Namespace(no_progress=True, case=[], group=[], dtype=[], no_gradients=False)
+    monkeypatch.setattr(ccli, "_filters", lambda args: [])
+    with pytest.raises(KeyboardInterrupt):
+        ccli._run_subprocess("reference", args, {})
+    assert len(started) == 1 and started[0].poll() is not None  # terminated and reaped, not left running
