@@ -21,7 +21,7 @@ import transformers  # noqa: E402
 
 VOCAB = 61
 CAUSAL = ("llama", "llama-mha", "llama-mqa", "mistral", "qwen2", "qwen3", "gpt2", "bert-decoder")
-ARCHS = CAUSAL + ("bert", "roberta", "vit", "vit-qknorm", "mha")
+ARCHS = CAUSAL + ("bert", "roberta", "vit", "vit-qknorm", "hf-vit", "mha")
 
 
 def _dec(cls_cfg, **kw):
@@ -97,6 +97,18 @@ def build(arch: str, dtype: torch.dtype = torch.float32, attn: str = "sdpa", see
             num_classes=5,
             qk_norm=arch == "vit-qknorm",
         )
+    elif arch == "hf-vit":  # transformers' ViT (timm's is "vit")
+        m = T.ViTModel(
+            T.ViTConfig(
+                hidden_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                intermediate_size=48,
+                image_size=16,
+                patch_size=8,
+                attn_implementation=attn,
+            )
+        )
     elif arch == "mha":
         layer = nn.TransformerEncoderLayer(32, 4, 48, dropout=0.0, batch_first=True)
         m = nn.Sequential(nn.Embedding(VOCAB, 32), nn.TransformerEncoder(layer, 2, enable_nested_tensor=False))
@@ -112,6 +124,8 @@ def inputs(
     g = torch.Generator().manual_seed(seed)
     if arch.startswith("vit"):
         return {"x": torch.randn(batch, 3, 16, 16, generator=g, dtype=dtype)}
+    if arch == "hf-vit":
+        return {"pixel_values": torch.randn(batch, 3, 16, 16, generator=g, dtype=dtype)}
     ids = torch.randint(1, VOCAB, (batch, length), generator=g)
     if arch == "mha":
         kpm = torch.zeros(batch, length, dtype=torch.bool)
@@ -189,7 +203,7 @@ def layer_params(arch: str, module: nn.Module) -> tuple[dict[str, np.ndarray], d
     c = maps.config
     E, Ekv, H, G, d = c.query_dim, c.context_dim, c.num_heads, c.num_kv_heads, c.key_dim
     p: dict[str, np.ndarray] = {}
-    if arch.startswith(("llama", "mistral", "qwen")):
+    if arch.startswith(("llama", "mistral", "qwen")) or arch == "hf-vit":
         projs = {"query": (module.q_proj, E, H), "key": (module.k_proj, E, G), "value": (module.v_proj, E, G)}
         for n, (lin, e, s) in projs.items():
             p[f"{n}.kernel"], p[f"{n}.bias"] = _linear(lin, e, s, d)

@@ -48,7 +48,9 @@ def converted(arch, dtype=torch.float64, attn="sdpa", **kw):
 
 
 # timm and nn.MultiheadAttention choose no attention implementation: one run each.
-INIT_CASES = [(a, i) for a in ARCHS for i in (("eager", "sdpa") if a in CAUSAL + ("bert", "roberta") else ("sdpa",))]
+INIT_CASES = [
+    (a, i) for a in ARCHS for i in (("eager", "sdpa") if a in CAUSAL + ("bert", "roberta", "hf-vit") else ("sdpa",))
+]
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -881,6 +883,7 @@ def test_errors():
         ("gpt2", {"qk"}),
         ("bert-decoder", {"qk", "q", "k"}),
         ("vit", {"qk"}),
+        ("hf-vit", {"qk"}),
     ],
 )
 def test_auto_coupling(arch, expected):

@@ -91,6 +91,33 @@ def _bert_layout(m: Any) -> AttentionLayout:
     )
 
 
+# The ViT family of transformers 5 (one attention class, copied per model):
+# q_proj/k_proj/v_proj/o_proj Linear layers of num_attention_heads heads of
+# head_dim, no RoPE, no cache, no GQA. (Before transformers 5 these models had
+# BERT's ViTSelfAttention query/key/value layout; this package needs >= 5.)
+_VIT = frozenset(
+    {
+        "ViTAttention",
+        "DeiTAttention",
+        "ViTMAEAttention",
+        "ViTMSNAttention",
+        "Dinov2Attention",
+        "Dinov2WithRegistersAttention",
+        "IJepaAttention",
+        "ASTAttention",
+        "VivitAttention",
+    }
+)
+
+
+def _vit_layout(m: Any) -> AttentionLayout:
+    H, d = int(m.num_attention_heads), int(m.head_dim)
+    (eq, q_out), (ek, k_out) = _features(m.q_proj), _features(m.k_proj)
+    _heads("q_proj", q_out, d, H)
+    _heads("k_proj", k_out, d, H)
+    return AttentionLayout(H, H, d, eq, ek, (ProjectionSite("q_proj", q=0), ProjectionSite("k_proj", k=0)))
+
+
 # ------------------------------------------------------------------- timm
 
 
@@ -119,6 +146,13 @@ for _adapter in (
         "transformers BERT/RoBERTa self- and cross-attention (query/key/value)",
         lambda m: _is(m, "transformers", _BERT_SELF | _BERT_CROSS),
         _bert_layout,
+    ),
+    ModelAdapter(
+        "transformers-vit",
+        "transformers ViT-family attention: ViT, DeiT, ViTMAE, ViTMSN, Dinov2 (with registers), I-JEPA, AST, "
+        "ViViT (q_proj/k_proj)",
+        lambda m: _is(m, "transformers", _VIT),
+        _vit_layout,
     ),
     ModelAdapter(
         "timm-attention",
