@@ -440,7 +440,7 @@ def _train(args, cfg, variants, out, device, should_stop) -> int:
         return 130
     except RunSettingsMismatch as exc:
         bar.close()
-        _fail("--out", f"holds runs of other settings, checked before training: {exc}")
+        _fail("--out", f"{exc} (every run folder this command could resume is checked before any training)")
     finally:
         bar.close()
     run_cost: dict[str, Any] | None = None

@@ -113,7 +113,9 @@ def check_run_dir(run_dir: str | Path, identity: dict[str, Any], device: torch.d
             fmt, stored = payload.get("format"), json.loads(payload["identity"])
         except Exception as exc:  # noqa: BLE001 - a damaged file is named, never half-used
             raise RunSettingsMismatch(
-                f"cannot read the checkpoint {ckpt}: {exc}; delete it to restart that run", ckpt, []
+                f"cannot read the checkpoint {ckpt} ({type(exc).__name__}: {exc}); delete it to restart that run",
+                ckpt,
+                [],
             ) from None
         if fmt != CHECKPOINT_FORMAT or stored != _json_roundtrip(identity):
             raise _mismatch(ckpt, stored, identity)
@@ -360,7 +362,7 @@ def _load_checkpoint(
         stored = payload["identity"]
     except Exception as exc:  # noqa: BLE001 - a damaged file is named, never half-used
         raise RunSettingsMismatch(
-            f"cannot read the checkpoint {path}: {exc}; delete it to restart that run", path, []
+            f"cannot read the checkpoint {path} ({type(exc).__name__}: {exc}); delete it to restart that run", path, []
         ) from None
     if payload.get("format") != CHECKPOINT_FORMAT or json.loads(stored) != _json_roundtrip(identity):
         raise _mismatch(path, json.loads(stored), identity)

@@ -231,7 +231,7 @@ def test_interrupt_then_rerun_gives_the_uninterrupted_numbers(tmp_path):
         assert a == b, key
 
 
-@pytest.mark.parametrize("stored", ["result.json", "checkpoint.pt"])
+@pytest.mark.parametrize("stored", ["result.json", "checkpoint.pt", "damaged"])
 def test_out_with_runs_of_other_settings_fails_before_any_training(stored, tmp_path):
     """Every run folder the suite could resume is checked first: the stale one is named, nothing trains."""
     import torch
@@ -241,6 +241,9 @@ def test_out_with_runs_of_other_settings_fails_before_any_training(stored, tmp_p
     other = {"lr": 0.001, "seed": 0, "torch_threads": 7}
     if stored == "result.json":
         (folder / stored).write_text(json.dumps({"identity": other}))
+    elif stored == "damaged":
+        stored = "checkpoint.pt"
+        (folder / stored).write_bytes(b"not a checkpoint")
     else:
         torch.save({"format": 1, "identity": json.dumps(other)}, folder / stored)
     before = _snapshot(tmp_path)
@@ -250,7 +253,8 @@ def test_out_with_runs_of_other_settings_fails_before_any_training(stored, tmp_p
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("damcha experiment: error: --out: "), proc.stderr
-    assert str(Path("mha", "lr0.001", "seed0", stored)) in lines[0] and "torch_threads" in lines[0]
+    assert str(Path("mha", "lr0.001", "seed0", stored)) in lines[0]
+    assert ("torch_threads" if b"identity" in (folder / stored).read_bytes() else "cannot read") in lines[0]
     assert _snapshot(tmp_path) == before  # no talking-heads run folder
 
 
