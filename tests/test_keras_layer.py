@@ -105,6 +105,25 @@ def test_from_mha_keeps_weights_and_names():
     assert np.all(canonical["metric.qk.gate"] == 0)
 
 
+@pytest.mark.parametrize("metric", ["heads", "none"])
+def test_weights_order_is_the_documented_one(metric):
+    """docs/keras.md: layer.weights = the gates (the layer's own variables, which
+    Keras lists first), MHA's weights in MHA's order (names and shapes), then the
+    generators; exactly MHA's list without the metric."""
+    x, c = np.zeros((1, 3, 8), "float32"), np.zeros((1, 4, 6), "float32")
+    mha = keras.layers.MultiHeadAttention(2, 4, use_gate=True)
+    mha(x, c)
+    layer = DamchaAttention(2, 4, use_gate=True, metric=metric, coupling="separate" if metric != "none" else None)
+    layer(x, c)
+    names = [w.path.split("/", 1)[1] for w in layer.weights]
+    theirs = [(w.path.split("/", 1)[1], tuple(w.shape)) for w in mha.weights]
+    gates = ["metric_q_gate", "metric_k_gate"] if metric != "none" else []
+    generators = ["metric_q/kernel", "metric_q/bias", "metric_k/kernel", "metric_k/bias"] if metric != "none" else []
+    assert names == gates + [n for n, _ in theirs] + generators
+    mine = [(w.path.split("/", 1)[1], tuple(w.shape)) for w in layer.weights[len(gates) : len(gates) + len(theirs)]]
+    assert mine == theirs
+
+
 # ------------------------------------------------------ reference equality
 
 CONFIGS = {
