@@ -153,7 +153,7 @@ def _layer_model(params: Mapping[str, Any], config: DamchaConfig, options: Expor
     dc.check_config(config)
     params = dc.validate_params(params, config)
     o = options
-    dc.check_params_fit(params, o.dtype, float(np.finfo(o.dtype).max))
+    dc.check_params_fit(params, o.dtype_name, float(np.finfo(o.dtype_name).max))
     if not o.cross and config.context_dim != config.query_dim:
         raise DamchaValueError(
             dc.invalid_argument(
@@ -176,7 +176,7 @@ def _layer_model(params: Mapping[str, Any], config: DamchaConfig, options: Expor
             )
         )
     B, N, M = o.batch_dim, o.query_dim, o.key_dim
-    g = GraphBuilder(o.dtype, o.opset)
+    g = GraphBuilder(o.dtype_name, o.opset)
     inputs = [helper.make_tensor_value_info(QUERY, g.onnx_dtype, [B, N, config.query_dim])]
     outputs = [helper.make_tensor_value_info(OUTPUT, g.onnx_dtype, [B, N, config.output_dim])]
     if o.cross:

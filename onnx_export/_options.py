@@ -160,6 +160,11 @@ class ExportOptions:
         """
         return {f.name: arguments[f.name] for f in dataclasses.fields(cls) if f.name != "kind" and f.name in arguments}
 
+    @property
+    def dtype_name(self) -> str:
+        """``dtype`` as stored: its name, "float32", "float64" or "float16"."""
+        return str(self.dtype)
+
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise DamchaValueError(invalid_argument("kind", f"one of {KINDS}", f"kind={describe(self.kind)}"))

@@ -226,7 +226,7 @@ def _stack_model(kind: str, params: Mapping[str, Any], config: Any, o: ExportOpt
             )
         )
     p = validate_stack_params(params, config)
-    g = GraphBuilder(o.dtype, o.opset)
+    g = GraphBuilder(o.dtype_name, o.opset)
     inputs = []
     if kind == "encoder":
         inputs.append(helper.make_tensor_value_info("query", g.onnx_dtype, [B, N, encoder.width]))
