@@ -410,7 +410,7 @@ def test_stack_builders_reject_bad_num_layers(num_layers):
         (
             lambda: DamchaTransformerEncoder(DamchaTransformerEncoderLayer(16, 4), 2, norm=5),
             DamchaTypeError,
-            r"^Invalid argument `norm`: expected an nn.Module",
+            r"^Invalid argument `norm`: expected a torch.nn.Module",
         ),
         (
             lambda: build_decoder(16, 4, 2, cross_coupling="crossed"),
@@ -605,10 +605,10 @@ def test_replace_mha_and_metric_penalty_name_bad_arguments():
     assert isinstance(model[0], nn.MultiheadAttention)  # nothing replaced
     with pytest.raises(DamchaValueError, match=r"^Invalid argument `metric`: expected one of"):
         replace_mha(model, metric="full")
-    with pytest.raises(DamchaTypeError, match=r"^Invalid argument `model`: expected an nn.Module"):
+    with pytest.raises(DamchaTypeError, match=r"^Invalid argument `model`: expected a torch.nn.Module"):
         replace_mha([model])
     with pytest.raises(
-        DamchaTypeError, match=r"^Invalid argument `model`: expected an nn.Module \(or canonical params"
+        DamchaTypeError, match=r"^Invalid argument `model`: expected a torch.nn.Module \(or canonical params"
     ):
         metric_penalty("model")
     with pytest.raises(DamchaValueError, match=r"`config`, `query` and `context` are for canonical params"):

@@ -224,7 +224,7 @@ def _check_num_layers(num_layers: Any) -> None:
 def _check_norm(norm: Any) -> None:
     if norm is not None and not isinstance(norm, nn.Module):
         raise DamchaTypeError(
-            dc.invalid_argument("norm", "an nn.Module (e.g. nn.LayerNorm) or None", f"norm={describe(norm)}")
+            dc.invalid_argument("norm", "a torch.nn.Module (e.g. nn.LayerNorm) or None", f"norm={describe(norm)}")
         )
 
 
@@ -503,7 +503,7 @@ def metric_penalty(
         return fn.metric_penalty(model, config, query, context)  # type: ignore[arg-type]
     if not isinstance(model, nn.Module):
         raise DamchaTypeError(
-            dc.invalid_argument("model", "an nn.Module (or canonical params with a config)", f"model={describe(model)}")
+            dc.invalid_argument("model", "a torch.nn.Module (or canonical params with a config)", f"model={describe(model)}")
         )
     if config is not None or query is not None or context is not None:
         raise DamchaValueError(

@@ -116,7 +116,7 @@ def replace_mha(model: nn.Module, **kwargs: Any) -> nn.Module:
     DAMCHA). Subclasses that keep MHA's ``forward`` are converted.
     """
     if not isinstance(model, nn.Module):
-        raise DamchaTypeError(invalid_argument("model", "an nn.Module", f"model={describe(model)}"))
+        raise DamchaTypeError(invalid_argument("model", "a torch.nn.Module", f"model={describe(model)}"))
     if isinstance(model, nn.MultiheadAttention):
         raise DamchaValueError(
             invalid_argument(
