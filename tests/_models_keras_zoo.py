@@ -303,4 +303,3 @@ def convert_after_fit() -> dict[str, Any]:
         "recompiled_moved": recompiled_moved,
         "compiled_only_moved": gates_moved(dk.convert(compiled_only)),
     }
-
