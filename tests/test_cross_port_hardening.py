@@ -480,6 +480,8 @@ def _port_call(port: str, **kw):
         ("torch", "average_attn_weights", None),
         ("jax", "is_causal", 1),
         ("jax", "sow_weights", None),
+        ("jax", "deterministic", "no"),  # truthy, and the layer has no dropout: was accepted
+        ("jax", "decode", 1),
     ],
 )
 def test_call_flags_must_be_bools_with_one_message(port, name, value):

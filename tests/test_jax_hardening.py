@@ -362,6 +362,12 @@ BAD_CALL = {
     "is_causal": (dict(is_causal="yes"), dc.DamchaTypeError, "`is_causal`"),
     "sow_weights": (dict(sow_weights=1), dc.DamchaTypeError, "`sow_weights`"),
     "decode": (dict(decode="no"), dc.DamchaTypeError, "`decode`"),
+    # dropout_rate=0 here: the flag is still checked (a truthy "no" used to pass silently)
+    "deterministic": (
+        dict(deterministic="no"),
+        dc.DamchaTypeError,
+        r"^Invalid argument `deterministic`: expected a bool\. Received: deterministic='no'$",
+    ),
     "mask-rank-3": (dict(mask=np.ones((B, N, N), bool)), dc.DamchaValueError, r"`mask`.*mask\[:, None\]"),
     "mask-dtype": (
         dict(mask=np.ones((N, N), np.complex64)),
@@ -384,6 +390,22 @@ def test_every_bad_call_argument_is_named(case: str) -> None:
     kwargs, error, name = BAD_CALL[case]
     with pytest.raises(error, match=name):
         _layer()(X, **kwargs)
+
+
+@pytest.mark.parametrize("dropout_rate", [0.0, 0.5])
+@pytest.mark.parametrize("kind", ["attention", "block", "encoder"])
+def test_deterministic_is_a_bool_with_or_without_dropout(kind: str, dropout_rate: float) -> None:
+    """One rule whether or not a dropout would read the flag: bool or np.bool_ (None: the module's own)."""
+    if kind == "attention":
+        module = dj.DamchaAttention(2, 8, dropout_rate=dropout_rate, rngs=nnx.Rngs(0))
+    elif kind == "block":
+        module = dj.DamchaEncoderBlock(8, 2, 16, dropout_rate=dropout_rate, rngs=nnx.Rngs(0))
+    else:
+        module = dj.DamchaEncoder(1, 8, 2, 16, dropout_rate=dropout_rate, rngs=nnx.Rngs(0))
+    for bad in ("no", 0, jnp.asarray(True)):
+        with pytest.raises(dc.DamchaTypeError, match=r"^Invalid argument `deterministic`: expected a bool\. Received"):
+            module(X, deterministic=bad)
+    np.testing.assert_array_equal(module(X, deterministic=np.bool_(True)), module(X, deterministic=True))
 
 
 def test_bad_dropout_and_cache_arguments_are_named() -> None:

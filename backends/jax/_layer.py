@@ -509,9 +509,14 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
 
     def _dropout_rng(self, deterministic: bool | None, rngs: Any) -> tuple[bool, Array | None]:
         """(deterministic, key) as nnx.MultiHeadAttention decides them."""
+        # Checked before the rate: a non-bool is refused even where dropout is off (a truthy
+        # "no" read as True would hide the mistake until dropout_rate > 0).
+        if deterministic is not None:
+            deterministic = check_bool("deterministic", deterministic)
         if self.dropout_rate == 0.0:
             return True, None
-        deterministic = self.deterministic if deterministic is None else check_bool("deterministic", deterministic)
+        if deterministic is None:
+            deterministic = self.deterministic
         if deterministic is None:
             raise DamchaValueError(
                 invalid_argument(
