@@ -503,7 +503,9 @@ def metric_penalty(
         return fn.metric_penalty(model, config, query, context)  # type: ignore[arg-type]
     if not isinstance(model, nn.Module):
         raise DamchaTypeError(
-            dc.invalid_argument("model", "a torch.nn.Module (or canonical params with a config)", f"model={describe(model)}")
+            dc.invalid_argument(
+                "model", "a torch.nn.Module (or canonical params with a config)", f"model={describe(model)}"
+            )
         )
     if config is not None or query is not None or context is not None:
         raise DamchaValueError(
