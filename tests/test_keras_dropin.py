@@ -331,6 +331,69 @@ def test_use_causal_mask_takes_truthy_values_as_keras_does(flag):
     assert np.all(np_(scores)[..., np.triu_indices(N, 1)[0], np.triu_indices(N, 1)[1]] == 0) == bool(flag)
 
 
+@pytest.mark.parametrize(
+    "flag",
+    [None, False, True, 0, 1, np.True_, np.False_, "tensor-True", "tensor-False"],
+    ids=["None", "False", "True", "0", "1", "np.True_", "np.False_", "tensor-True", "tensor-False"],
+)
+def test_training_takes_what_keras_takes(flag):
+    """None or a truthy flag known at call time, as Keras Dropout reads it: dropout
+    happens exactly when it is truthy (None: inference, as Keras resolves it)."""
+    flag = keras.ops.convert_to_tensor(flag == "tensor-True") if isinstance(flag, str) else flag
+    x = rng(16).normal(size=(B, N, E)).astype("float32")
+    layer = DamchaAttention(2, 4, dropout=0.5, seed=0)
+    off = np_(layer(x, x, training=False))
+    out = np_(layer(x, x, training=flag))
+    truthy = flag is not None and bool(np.asarray(keras.ops.convert_to_numpy(flag)))
+    assert np.array_equal(out, off) is not truthy
+
+
+@pytest.mark.parametrize("value", ["yes", "False", 1.0, [True]], ids=["yes", "str-False", "float", "list"])
+@pytest.mark.parametrize("where", ["layer", "encoder"])
+def test_training_refuses_what_is_not_a_flag(value, where):
+    """A string is truthy: training="False" used to switch dropout on; the message
+    names `training` as the other flags' do, in the layer and in the blocks."""
+    from damcha_keras import TransformerEncoder
+
+    x = rng(17).normal(size=(B, N, E)).astype("float32")
+    match = (
+        r"Invalid argument `training`: expected None or a bool \(or an int / concrete scalar, read as truthy\), "
+        r"known when the layer is called\. Received: training="
+    )
+    with pytest.raises(dc.DamchaTypeError, match=match):
+        if where == "layer":
+            DamchaAttention(2, 4)(x, x, training=value)
+        else:
+            TransformerEncoder(16, 2)(x, training=value)
+
+
+def test_training_traced_is_taken_where_keras_mha_takes_it():
+    """Under tf.function Keras MHA without dropout takes a symbolic `training`
+    (autograph reads Dropout's test); so does the layer (it passes it on
+    unread), where the other backends' tracers fail in MHA too."""
+    x = rng(18).normal(size=(B, N, E)).astype("float32")
+
+    def traced(layer):
+        layer(x, x)
+        if keras.backend.backend() == "tensorflow":
+            import tensorflow as tf
+
+            fn = tf.function(lambda t: layer(x, x, training=t), input_signature=[tf.TensorSpec((), tf.bool)])
+            return fn(tf.constant(True))
+        if keras.backend.backend() == "jax":
+            import jax
+
+            return jax.jit(lambda t: layer(x, x, training=t))(True)
+        return layer(x, x, training=keras.ops.convert_to_tensor(True))
+
+    try:
+        want = np_(traced(keras.layers.MultiHeadAttention(2, 4, seed=0)))
+    except Exception:  # noqa: BLE001 - this backend's MHA refuses it: nothing to match
+        want = None
+    if want is not None:
+        assert np_(traced(DamchaAttention(2, 4, seed=0))).shape == want.shape
+
+
 @pytest.mark.parametrize("kind", ["bool", "int"])
 def test_a_list_mask_is_taken_as_keras_mha_takes_it(kind):
     """Keras MHA casts any mask it is given; a nested list raised AttributeError ('list' has no dtype)."""

@@ -416,6 +416,16 @@ BAD_CALL = {
     "rank-2-query": (dict(query=np.zeros((5, 8), "float32")), dc.DamchaValueError, "query"),
     "batch-mismatch": (dict(value=np.zeros((3, 5, 8), "float32")), dc.DamchaValueError, "batch"),
     "causal-not-bool": (dict(use_causal_mask="yes"), dc.DamchaTypeError, "use_causal_mask"),
+    "scores-not-bool": (
+        dict(return_attention_scores="no"),
+        dc.DamchaTypeError,
+        r"Invalid argument `return_attention_scores`: expected a bool.*Received: return_attention_scores='no'",
+    ),
+    "training-not-bool": (
+        dict(training="yes"),
+        dc.DamchaTypeError,
+        r"Invalid argument `training`: expected None or a bool.*Received: training='yes'",
+    ),
     "list-query": (
         dict(query=np.zeros((2, 5, 8)).tolist()),
         dc.DamchaTypeError,

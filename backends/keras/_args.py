@@ -114,6 +114,31 @@ def flag(name: str, value: Any) -> bool:
     )
 
 
+def training_flag(value: Any) -> Any:
+    """``training`` as Keras passes it (None: not given and no outer layer's,
+    else what the caller gave; fit/evaluate/predict give Python bools), read
+    by the rule of the other call flags, except that a traced scalar is passed
+    on as it is: Keras MHA takes one under tf.function when it has no dropout,
+    so this layer does too. A string ("no" is truthy), a float or a non-scalar
+    is refused instead of switching dropout on."""
+    if value is None or isinstance(value, bool):  # what Keras itself passes: no other test on the hot path
+        return value
+    if isinstance(value, (int, np.bool_, np.integer)):
+        return bool(value)
+    if hasattr(value, "shape") and hasattr(value, "dtype") and tuple(value.shape) == ():
+        try:
+            return bool(np.asarray(ops.convert_to_numpy(value)))
+        except Exception:  # noqa: BLE001 - traced (each backend raises its own error type): passed on, see above
+            return value
+    raise DamchaTypeError(
+        dc.invalid_argument(
+            "training",
+            "None or a bool (or an int / concrete scalar, read as truthy), known when the layer is called",
+            f"training={describe(value)}",
+        )
+    )
+
+
 # ------------------------------------------------------------------ shapes
 
 

@@ -590,6 +590,7 @@ class DamchaAttention(keras.layers.Layer):
     ) -> Any:
         return_attention_scores = _args.flag("return_attention_scores", return_attention_scores)
         use_causal_mask = _args.flag("use_causal_mask", use_causal_mask)
+        training = _args.training_flag(training)
         if self._flash_attention and return_attention_scores:
             self._compute_attention(None, None, None, return_attention_scores=True)  # raises
         masks = _masks.as_tensors(
@@ -726,6 +727,7 @@ class DamchaAttention(keras.layers.Layer):
         # Functional models fail at model-building time, not at the first fit.
         return_attention_scores = _args.flag("return_attention_scores", return_attention_scores)
         use_causal_mask = _args.flag("use_causal_mask", use_causal_mask)
+        training = _args.training_flag(training)
         if not self.built:
             self.build(tuple(query.shape), tuple(value.shape), None if key is None else tuple(key.shape))
         masks = _masks.as_tensors(
