@@ -278,6 +278,32 @@ def test_functional_errors_name_the_argument(call, error, pattern):
         call(p, cfg, torch.randn(2, 5, 16, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("flag", ["causal", "return_weights", "return_metric", "recompute"])
+def test_functional_flags_follow_the_layers_rule(flag):
+    """One rule with DamchaAttention.forward (dc.check_bool): a NumPy bool is a
+    bool, computing what the Python bool computes; a 0-d bool tensor and an int
+    are refused with the same message."""
+    cfg = _config("heads-tied")
+    p = _torch(case_params(cfg, 0))
+    x = torch.from_numpy(_tokens(cfg, 4)[0])
+    for value in (True, False):
+        got = damcha_attention(p, cfg, x, **{flag: np.bool_(value)})
+        want = damcha_attention(p, cfg, x, **{flag: value})
+        got, want = (r if isinstance(r, tuple) else (r,) for r in (got, want))
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            a, b = (list(r.values()) if isinstance(r, dict) else [r] for r in (a, b))  # return_metric: a dict
+            assert len(a) == len(b) and all(torch.equal(u, v) for u, v in zip(a, b))
+    for bad in (torch.tensor(True), 1):
+        with pytest.raises(
+            dc.DamchaTypeError, match=rf"^Invalid argument `{flag}`: expected a bool\. Received: {flag}="
+        ):
+            damcha_attention(p, cfg, x, **{flag: bad})
+        layer = DamchaAttention(16, 4, batch_first=True)
+        with pytest.raises(dc.DamchaTypeError, match=r"^Invalid argument `is_causal`: expected a bool\. Received"):
+            layer(x.float(), x.float(), x.float(), is_causal=bad, need_weights=False)
+
+
 def test_mixed_dtypes_compute_in_the_promoted_dtype():
     """float64 params (damcha_core.init_params) with a float32 query, or the
     other way round: computed in float64, as the JAX functional promotes."""

@@ -1394,9 +1394,11 @@ def _append_keys(
 
 
 def _check_bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise DamchaTypeError(dc.invalid_argument(name, "a bool", f"{name}={describe(value)}"))
-    return value
+    """The layer's rule (dc.check_bool: a bool or a NumPy bool, never a tensor or
+    an int), with an identity test first so a Python bool costs one comparison."""
+    if value.__class__ is bool:
+        return value
+    return dc.check_bool(name, value)
 
 
 def _check_float(name: str, value: Any) -> Tensor:
