@@ -14,13 +14,17 @@ have, unsupported cases); 2 bad arguments (nothing is run).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import inspect
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from damcha_core import DamchaError
@@ -269,8 +273,8 @@ def _run_subprocess(spec: str, args: argparse.Namespace, env_extra: dict[str, st
                     bar.step(what, force=what.endswith((" fail", " error")))
                 returncode = proc.wait()
             finally:
-                # Interrupted here (a signal to this process alone, not its group): the worker must not
-                # outlive it, still computing and holding its temporary folder.
+                # Interrupted here (Ctrl-C or SIGTERM to this process alone, not its group): the worker
+                # must not outlive it, still computing and holding its temporary folder.
                 if proc.poll() is None:
                     proc.terminate()
                     try:
@@ -290,9 +294,73 @@ def _run_subprocess(spec: str, args: argparse.Namespace, env_extra: dict[str, st
         return Report(notes=[f"FAIL {spec}: worker exited {returncode}: " + " | ".join(tail)])
 
 
+# 128 + SIGTERM, what a shell reports for a process that SIGTERM ended.
+EXIT_TERMINATED = 128 + signal.SIGTERM
+
+
+class _Terminated(BaseException):
+    """SIGTERM in the parent, raised where it was waiting so the ``finally``
+    that terminates and reaps the worker runs, as it does for Ctrl-C. A
+    BaseException like KeyboardInterrupt: no ``except Exception`` swallows it."""
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """SIGTERM raises ``_Terminated`` for the duration (Python's default ends the
+    parent at once, leaving its worker running). Only the main thread can set a
+    handler; elsewhere (main() called from a thread) the default is kept."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    fired: list[int] = []
+
+    def handler(signum: int, frame: object) -> None:
+        # Once: a second SIGTERM must not break off the cleanup the first one started.
+        if not fired:
+            fired.append(signum)
+            raise _Terminated
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """The command; returns the exit status (usage errors too: 2)."""
-    return cu.run_main(_main, argv)
+    """The command; returns the exit status (usage errors too: 2; 143 when
+    SIGTERM ended it, after its worker was terminated and reaped)."""
+    try:
+        return cu.run_main(_main, argv)
+    except _Terminated:
+        print(f"{PROG}: terminated", file=sys.stderr, flush=True)
+        return EXIT_TERMINATED
+
+
+def _run_backends(specs: list[str], args: argparse.Namespace, report: Report, timings: list[str]) -> None:
+    """Each backend in its worker process, in turn; parts and timings go into ``report`` and ``timings``."""
+    for spec in specs or BACKENDS:
+        builtin = BUILTIN.get(spec)
+        missing = builtin.missing() if builtin else []
+        if missing:  # only in the default run: an explicit --backend was checked in _validate
+            hint = cu.install_hint(missing[0], builtin.extra if builtin else None)
+            if args.require_all:
+                report.notes.append(f"FAIL {spec}: {', '.join(missing)} not installed ({hint})")
+            else:
+                report.gaps.append((spec, f"{', '.join(missing)} not installed ({hint})"))
+            continue
+        start = time.perf_counter()
+        if args.no_progress:
+            print(f"running {spec} ...", file=sys.stderr, flush=True)
+        part = _run_subprocess(spec, args, dict(builtin.env) if builtin else {})
+        elapsed = time.perf_counter() - start
+        timings.append(f"{spec} {elapsed:.0f} s")
+        print(
+            f"{spec}: {sum(r.status != 'unsupported' for r in part.results)} checks in {elapsed:.1f} s: {part.verdict}",
+            file=sys.stderr,
+            flush=True,
+        )
+        report.extend(part)
 
 
 def _main(argv: list[str] | None) -> int:
@@ -315,30 +383,9 @@ def _main(argv: list[str] | None) -> int:
         report = _run_in_process(specs[0], args)
     else:
         report = Report()
-        timings = []
-        for spec in specs or BACKENDS:
-            builtin = BUILTIN.get(spec)
-            missing = builtin.missing() if builtin else []
-            if missing:  # only in the default run: an explicit --backend was checked in _validate
-                hint = cu.install_hint(missing[0], builtin.extra if builtin else None)
-                if args.require_all:
-                    report.notes.append(f"FAIL {spec}: {', '.join(missing)} not installed ({hint})")
-                else:
-                    report.gaps.append((spec, f"{', '.join(missing)} not installed ({hint})"))
-                continue
-            start = time.perf_counter()
-            if args.no_progress:
-                print(f"running {spec} ...", file=sys.stderr, flush=True)
-            part = _run_subprocess(spec, args, dict(builtin.env) if builtin else {})
-            elapsed = time.perf_counter() - start
-            timings.append(f"{spec} {elapsed:.0f} s")
-            print(
-                f"{spec}: {sum(r.status != 'unsupported' for r in part.results)} checks in {elapsed:.1f} s: "
-                f"{part.verdict}",
-                file=sys.stderr,
-                flush=True,
-            )
-            report.extend(part)
+        timings: list[str] = []
+        with _sigterm_raises():  # the parent of the workers (a worker keeps SIGTERM's default: it ends at once)
+            _run_backends(specs, args, report, timings)
         if timings:
             report.notes.append("time per backend: " + ", ".join(timings))
     if args.json is not None:

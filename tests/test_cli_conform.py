@@ -254,6 +254,48 @@ def test_case_and_group_that_select_nothing_exit_2_before_any_work():
     assert f"{case.name} is in group {case.group!r}" in line
 
 
+def test_sigterm_to_the_parent_terminates_its_backend_worker_and_exits_143(monkeypatch, capsys):
+    """SIGTERM delivered to the parent alone (kill PID) ended it at once and left the worker
+    running; now it goes through the same cleanup as Ctrl-C: worker terminated and reaped, exit 143."""
+    import signal
+
+    from damcha_conformance import _cli as ccli
+    from damcha_core import _cli as dcli
+    from damcha_core import _cliutil as cu
+
+    started = []
+    real_popen = subprocess.Popen
+
+    def worker(cmd, **kw):
+        code = (
+            f"print({ccli._PROGRESS!r} + ' 1 2 float64 case [output] pass', flush=True); import time; time.sleep(600)"
+        )
+        proc = real_popen([sys.executable, "-c", code], **kw)
+        started.append(proc)
+        return proc
+
+    class TerminatedProgress(cu.Progress):
+        def step(self, what, *, force=False):  # SIGTERM arrives while the parent shows progress
+            signal.raise_signal(signal.SIGTERM)
+
+    def not_handled(signum, frame):
+        # What the test process does when the command installs no handler: stop the run (exit 130, not
+        # 143) instead of dying with the default action or sleeping on with the worker.
+        raise KeyboardInterrupt
+
+    original = signal.signal(signal.SIGTERM, not_handled)
+    try:
+        monkeypatch.setattr(ccli.subprocess, "Popen", worker)
+        monkeypatch.setattr(ccli.cu, "Progress", TerminatedProgress)
+        status = dcli.main(["conform", "--backend", "reference", "--no-progress"])
+        assert signal.getsignal(signal.SIGTERM) is not_handled  # the command's handler lasts for the run only
+    finally:
+        signal.signal(signal.SIGTERM, original)
+    assert status == 143
+    assert len(started) == 1 and started[0].poll() is not None  # terminated and reaped, not left running
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "damcha conform: terminated"
+
+
 def test_an_interrupted_parent_terminates_its_backend_worker(monkeypatch):
     """Ctrl-C delivered to the parent alone (kill -INT PID) left the worker process running."""
     import argparse
