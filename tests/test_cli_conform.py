@@ -254,14 +254,10 @@ def test_case_and_group_that_select_nothing_exit_2_before_any_work():
     assert f"{case.name} is in group {case.group!r}" in line
 
 
-def test_sigterm_to_the_parent_terminates_its_backend_worker_and_exits_143(monkeypatch, capsys):
-    """SIGTERM delivered to the parent alone (kill PID) ended it at once and left the worker
-    running; now it goes through the same cleanup as Ctrl-C: worker terminated and reaped, exit 143."""
-    import signal
-
+def _sleeping_workers(monkeypatch) -> list:
+    """conform's backend workers replaced by one that reports one check and would then run
+    for ten minutes; returns the list of the processes started."""
     from damcha_conformance import _cli as ccli
-    from damcha_core import _cli as dcli
-    from damcha_core import _cliutil as cu
 
     started = []
     real_popen = subprocess.Popen
@@ -274,6 +270,21 @@ def test_sigterm_to_the_parent_terminates_its_backend_worker_and_exits_143(monke
         started.append(proc)
         return proc
 
+    monkeypatch.setattr(ccli.subprocess, "Popen", worker)
+    return started
+
+
+def test_sigterm_to_the_parent_terminates_its_backend_worker_and_exits_143(monkeypatch, capsys):
+    """SIGTERM delivered to the parent alone (kill PID) ended it at once and left the worker
+    running; now it goes through the same cleanup as Ctrl-C: worker terminated and reaped, exit 143."""
+    import signal
+
+    from damcha_conformance import _cli as ccli
+    from damcha_core import _cli as dcli
+    from damcha_core import _cliutil as cu
+
+    started = _sleeping_workers(monkeypatch)
+
     class TerminatedProgress(cu.Progress):
         def step(self, what, *, force=False):  # SIGTERM arrives while the parent shows progress
             signal.raise_signal(signal.SIGTERM)
@@ -285,7 +296,6 @@ def test_sigterm_to_the_parent_terminates_its_backend_worker_and_exits_143(monke
 
     original = signal.signal(signal.SIGTERM, not_handled)
     try:
-        monkeypatch.setattr(ccli.subprocess, "Popen", worker)
         monkeypatch.setattr(ccli.cu, "Progress", TerminatedProgress)
         status = dcli.main(["conform", "--backend", "reference", "--no-progress"])
         assert signal.getsignal(signal.SIGTERM) is not_handled  # the command's handler lasts for the run only
@@ -303,23 +313,12 @@ def test_an_interrupted_parent_terminates_its_backend_worker(monkeypatch):
     from damcha_conformance import _cli as ccli
     from damcha_core import _cliutil as cu
 
-    started = []
-    real_popen = subprocess.Popen
-
-    def worker(cmd, **kw):
-        # A worker that reports one check and would then run for ten minutes.
-        code = (
-            f"print({ccli._PROGRESS!r} + ' 1 2 float64 case [output] pass', flush=True); import time; time.sleep(600)"
-        )
-        proc = real_popen([sys.executable, "-c", code], **kw)
-        started.append(proc)
-        return proc
+    started = _sleeping_workers(monkeypatch)
 
     class InterruptedProgress(cu.Progress):
         def step(self, what, *, force=False):  # the Ctrl-C arrives while the parent shows progress
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(ccli.subprocess, "Popen", worker)
     monkeypatch.setattr(ccli.cu, "Progress", InterruptedProgress)
     args = argparse.Namespace(no_progress=True, case=[], group=[], dtype=[], no_gradients=False)
     monkeypatch.setattr(ccli, "_filters", lambda args: [])
