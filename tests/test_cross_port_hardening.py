@@ -471,13 +471,37 @@ def _port_call(port: str, **kw):
     return dk.DamchaAttention(2, 4)(x, x, **kw)
 
 
+@pytest.mark.parametrize("name", ["need_weights", "average_attn_weights", "is_causal"])
+def test_torch_flag_none_reads_as_multihead_attention_reads_it(name):
+    """nn.MultiheadAttention reads a None flag as False (a truth test); code that
+    passes an optional flag on keeps working with DamchaAttention."""
+    import torch
+
+    from damcha_torch import DamchaAttention
+
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(8, 2, batch_first=True, dtype=torch.float64).eval()
+    layer = DamchaAttention.from_mha(mha).eval()
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    mask = torch.nn.Transformer.generate_square_subsequent_mask(5, dtype=torch.float64) if name == "is_causal" else None
+    for module in (mha, layer):
+        got = module(x, x, x, attn_mask=mask, **{name: None})
+        want = module(x, x, x, attn_mask=mask, **{name: False})
+        for g, w in zip(got, want):
+            assert (g is None) == (w is None)
+            if g is not None:
+                torch.testing.assert_close(g, w, rtol=0, atol=0)
+    got, want = layer(x, x, x, attn_mask=mask, **{name: None}), mha(x, x, x, attn_mask=mask, **{name: None})
+    torch.testing.assert_close(got[0], want[0], rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize(
     ("port", "name", "value"),
     [
         ("torch", "need_weights", "False"),  # truthy: it computed the weights
         ("torch", "need_weights", 0),
         ("torch", "is_causal", 1),
-        ("torch", "average_attn_weights", None),
+        ("torch", "average_attn_weights", 0.5),
         ("jax", "is_causal", 1),
         ("jax", "sow_weights", None),
         ("jax", "deterministic", "no"),  # truthy, and the layer has no dropout: was accepted

@@ -488,3 +488,45 @@ def test_reset_parameters_under_a_tool_on_out_proj_and_generator(tool: str) -> N
     for n, p in layer.named_parameters():
         torch.testing.assert_close(p, want[n], rtol=1e-12, atol=0, msg=n)
     assert all(not g.detach().any() for g in layer.metric_gates.values())
+
+
+class _Double(nn.Module):
+    """A parametrization with an exact right_inverse: w -> 2 w."""
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return 2 * w
+
+    def right_inverse(self, w: torch.Tensor) -> torch.Tensor:
+        return w / 2
+
+
+@pytest.mark.parametrize(
+    "chain",
+    [("weight_norm", "bend"), ("double", "bend"), ("bend", "double"), ("double", "double")],
+    ids="+".join,
+)
+def test_reset_parameters_under_a_chain_of_parametrizations(chain: tuple[str, str]) -> None:
+    """Two parametrizations on one weight, with and without right_inverse (or
+    several originals): the reset leaves what registering the chain on a freshly
+    reset layer leaves, parameter for parameter, so the effective weights agree."""
+    make = {"bend": _Bend, "double": _Double}
+
+    def apply(module: nn.Module) -> None:
+        for tool in chain:
+            if tool == "weight_norm":
+                weight_norm(module, "in_proj_weight")
+            else:
+                parametrize.register_parametrization(module, "in_proj_weight", make[tool]())
+
+    _, layer = _pair("packed")
+    apply(layer)
+    torch.manual_seed(13)
+    layer.reset_parameters()
+    _, fresh = _pair("packed")
+    torch.manual_seed(13)
+    fresh.reset_parameters()
+    apply(fresh)
+    want = dict(fresh.named_parameters())
+    for n, p in layer.named_parameters():
+        torch.testing.assert_close(p, want[n], rtol=1e-12, atol=0, msg=n)
+    torch.testing.assert_close(layer.in_proj_weight, fresh.in_proj_weight, rtol=1e-12, atol=1e-15)

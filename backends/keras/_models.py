@@ -358,10 +358,11 @@ def convert(
     ``model.save("m.keras")`` / ``keras.saving.load_model`` round-trip it.
 
     Convert a built model (KerasHub backbones and tasks are built at
-    construction), and before ``compile``: trainers compiled earlier do not
-    see the new variables, so a ``model`` whose optimizer is built (after a
-    ``fit``/``evaluate``, or loaded compiled) is refused; a model compiled but
-    not yet run (KerasHub tasks compile at construction) is fine.
+    construction), before its first ``fit``/``evaluate``: an optimizer built
+    earlier does not see the new variables, so a ``model`` whose optimizer is
+    built (after a ``fit``/``evaluate``, or loaded compiled) is refused; a
+    model compiled but not yet run (KerasHub tasks compile at construction)
+    is fine.
 
     Args:
         model: a built Keras layer or model, e.g. a KerasHub ``GPT2Backbone``,

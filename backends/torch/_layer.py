@@ -836,8 +836,9 @@ class DamchaAttention(CanonicalIO, nn.Module):
 
         Raises:
             DamchaTypeError: ``need_weights``, ``average_attn_weights`` or
-                ``is_causal`` not a bool (a NumPy bool is taken); a string such
-                as ``"False"`` is truthy and would silently pick the other path.
+                ``is_causal`` not a bool (a NumPy bool is taken, and ``None``
+                reads as False, as in nn.MultiheadAttention); a string such as
+                ``"False"`` is truthy and would silently pick the other path.
         """
         # Three identity tests on the decode hot path (no tensor op); the check runs only off it.
         if (
@@ -845,9 +846,13 @@ class DamchaAttention(CanonicalIO, nn.Module):
             or average_attn_weights.__class__ is not bool
             or is_causal.__class__ is not bool
         ):
-            need_weights = dc.check_bool("need_weights", need_weights)
-            average_attn_weights = dc.check_bool("average_attn_weights", average_attn_weights)
-            is_causal = dc.check_bool("is_causal", is_causal)
+            # None reads as False, as nn.MultiheadAttention's truth tests read it:
+            # code that passes an optional flag on keeps working.
+            need_weights = need_weights is not None and dc.check_bool("need_weights", need_weights)
+            average_attn_weights = average_attn_weights is not None and dc.check_bool(
+                "average_attn_weights", average_attn_weights
+            )
+            is_causal = is_causal is not None and dc.check_bool("is_causal", is_causal)
         if (
             kv_cache is not None
             and not need_weights

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
@@ -10,9 +13,11 @@ from torch.nn.utils import parametrize
 def write_initial(module: nn.Module, name: str, value: Tensor) -> None:
     """Make ``value`` the initial value of ``module.<name>``, also under a weight tool.
 
-    Parametrized: assigned through the parametrizations' ``right_inverse``
-    (weight_norm splits it into norm and direction), or, where one of them has
-    none, written into the original, as registering it would have done.
+    Parametrized: the original(s) get what registering the parametrizations
+    on a fresh weight leaves there: the first one's ``right_inverse`` of
+    ``value`` (weight_norm splits it into norm and direction), ``value``
+    itself where it has none; parametrizations registered after the first
+    leave the original alone, as in ``register_parametrization``.
     Pruning and the old spectral_norm train ``<name>_orig``, the old
     weight_norm ``<name>_g`` and ``<name>_v``; their forward pre-hook is run
     once so that the attribute shows the new effective weight at once.
@@ -20,10 +25,19 @@ def write_initial(module: nn.Module, name: str, value: Tensor) -> None:
     """
     if parametrize.is_parametrized(module, name):
         chain: parametrize.ParametrizationList = module.get_submodule(f"parametrizations.{name}")  # type: ignore[assignment]
-        if all(hasattr(p, "right_inverse") for p in chain):
-            setattr(module, name, value)
+        # What registering the chain on a fresh weight leaves in the original:
+        # the first parametrization's right_inverse of it (the value itself
+        # without one); parametrizations registered later never touch it.
+        first: Any = chain[0]
+        stored = value
+        if hasattr(first, "right_inverse"):
+            with contextlib.suppress(NotImplementedError):  # as ParametrizationList takes it at registration
+                stored = first.right_inverse(value)
+        if isinstance(stored, (tuple, list)):
+            for i, part in enumerate(stored):
+                getattr(chain, f"original{i}").copy_(part)
         else:
-            chain.original.copy_(value)
+            chain.original.copy_(stored)
         return
     params = module._parameters
     hooks = [
