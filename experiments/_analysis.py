@@ -101,16 +101,17 @@ def _busy_load(cost: dict[str, Any]) -> str | None:
     return None
 
 
-def timing_clock(cost: dict[str, Any]) -> str:
-    """The clock behind a cost file's ratios: "thread_time" or "perf_counter" (files before
-    ``cost_format`` 2 timed on the wall clock)."""
+def recorded_clock(cost: dict[str, Any]) -> str:
+    """The clock a cost file's ratios were timed on, as the file records it (``_cost.choose_clock``
+    chose it): "thread_time" or "perf_counter" (files before ``cost_format`` 2 record none and
+    timed on the wall clock)."""
     return str(cost.get("clock", "perf_counter"))
 
 
 def timing_trouble(cost: dict[str, Any]) -> str | None:
     """Why a cost file's timings cannot decide claim 3 (a busy machine timed on the wall clock), or None."""
     busy = _busy_load(cost)
-    if busy is None or timing_clock(cost) == "thread_time":
+    if busy is None or recorded_clock(cost) == "thread_time":
         return None
     return f"{busy}, timed on the wall clock"
 
@@ -123,7 +124,7 @@ def timing_caveat(cost: dict[str, Any]) -> str | None:
     bandwidth and clock frequency, which the interval only partly shows.
     """
     busy = _busy_load(cost)
-    if busy is None or timing_clock(cost) != "thread_time":
+    if busy is None or recorded_clock(cost) != "thread_time":
         return None
     return f"{busy}, timed on thread CPU time (blind to preemption, not to cache or memory contention)"
 
@@ -164,7 +165,7 @@ def time_ratio(cost: dict[str, Any], name: str) -> dict[str, Any] | None:
         out = ratio_interval(rounds, mha_rounds)
     else:
         out = {"n": None, "median": float(entry["time_ratio_vs_mha"]), "ci": entry.get("time_ratio_ci_vs_mha")}
-    out["clock"] = timing_clock(cost)
+    out["clock"] = recorded_clock(cost)
     return out
 
 

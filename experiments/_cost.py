@@ -60,8 +60,10 @@ from ._variants import get_variant
 COST_FORMAT = 2
 
 
-def timing_clock(device: torch.device) -> tuple[str, str]:
-    """The clock the ratios use on ``device`` with torch's current thread count, and why."""
+def choose_clock(device: torch.device) -> tuple[str, str]:
+    """Choose the clock a measurement on ``device`` times its ratios with, given torch's current
+    thread count: its name ("thread_time" or "perf_counter", written as ``clock``) and why
+    (``clock_note``). ``_analysis.recorded_clock`` reads the choice back from a cost file."""
     threads = torch.get_num_threads()
     if device.type == "cpu" and threads == 1:
         return "thread_time", "one torch intra-op thread on CPU: the step's own CPU time, blind to preemption"
@@ -146,7 +148,7 @@ def measure_cost(
             entry["cuda_peak_bytes"] = int(torch.cuda.max_memory_allocated(device))
             entry["cuda_peak_over_resident_bytes"] = int(torch.cuda.max_memory_allocated(device) - base)
         entries[name] = entry
-    clock, clock_note = timing_clock(device)
+    clock, clock_note = choose_clock(device)
     # step_s[name][clock][round] lists that round's steps of the variant.
     step_s: dict[str, dict[str, list[list[float]]]] = {name: {"wall": [], "cpu": []} for name in variants}
     n = len(variants)

@@ -312,7 +312,7 @@ _CLOCK_NAMES = {"thread_time": "thread CPU time", "perf_counter": "wall time"}
 
 def cost_caption(cost: dict[str, Any]) -> str:
     """How a cost file was measured: schedule, rounds x steps, clock, interval, load, MHA's round spread."""
-    clock = an.timing_clock(cost)
+    clock = an.recorded_clock(cost)
     if cost.get("cost_format"):
         schedule = "the variants alternating step by step"
     else:
@@ -334,7 +334,7 @@ def cost_caption(cost: dict[str, Any]) -> str:
 
 def cost_table(cost: dict[str, Any]) -> str:
     """Per variant: params, time per step, its ratio to MHA with the interval, wall-clock ratio, memory ratios."""
-    clock = _CLOCK_NAMES.get(an.timing_clock(cost), an.timing_clock(cost))
+    clock = _CLOCK_NAMES.get(an.recorded_clock(cost), an.recorded_clock(cost))
     lines = [
         f"| variant | params | ms/step ({clock}, median) | time vs mha | 95% CI | time vs mha (wall) | "
         "activations (KiB) | activations vs mha | train memory vs mha | CUDA peak vs mha |",

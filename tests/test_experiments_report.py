@@ -280,6 +280,19 @@ def test_claim3_reads_old_cost_files():
     assert "no interval" in claim3["reason"]
 
 
+def test_recorded_clock_reads_the_cost_files_clock():
+    """``recorded_clock`` reads a cost file's clock (old files: the wall clock); it was one of two
+    ``timing_clock`` functions, the other (``_cost.choose_clock``) chooses the clock for a device."""
+    from damcha_experiments import _cost as cost_module
+
+    assert an.recorded_clock(_cost(1.1)) == "thread_time"
+    assert an.recorded_clock(_cost(1.1, clock="perf_counter")) == "perf_counter"
+    old = _cost(1.1)
+    del old["clock"]
+    assert an.recorded_clock(old) == "perf_counter"
+    assert not hasattr(an, "timing_clock") and not hasattr(cost_module, "timing_clock")
+
+
 def test_report_cost_section_states_the_interval_and_clock(tmp_path):
     res = _results("crosshead", {"mha": _base(0.6), "damcha-heads-tied": _base(0.6)})
     write_json(res, tmp_path / "crosshead.json")

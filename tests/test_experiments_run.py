@@ -266,6 +266,25 @@ def test_a_stalled_step_does_not_move_a_cost_round(monkeypatch):
     assert mha["round_mean_s_per_step"] == pytest.approx([(4 * 0.010 + 0.5) / 5] * 3)  # what a mean would say
 
 
+def test_choose_clock_picks_thread_time_only_for_one_cpu_thread():
+    """The clock a measurement times with: thread CPU time on one CPU thread, else the wall clock, with why."""
+    from damcha_experiments._cost import choose_clock
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert choose_clock(torch.device("cpu"))[0] == "thread_time"
+        assert choose_clock(torch.device("meta")) == (
+            "perf_counter",
+            "device meta: the work runs on the device, so wall time",
+        )
+        torch.set_num_threads(2)
+        clock, why = choose_clock(torch.device("cpu"))
+        assert clock == "perf_counter" and why.startswith("2 torch intra-op threads")
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_cost_steps_alternate_variants_step_by_step(monkeypatch):
     """Within a round every variant takes one step before any takes its next (an MHA step sits
     next to each DAMCHA step), and the order rotates every step so each variant leads equally
