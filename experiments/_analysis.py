@@ -49,7 +49,7 @@ import numpy as np
 
 from damcha_core import DamchaValueError, invalid_argument
 
-from ._stats import describe, holm, median_interval, paired_difference
+from ._stats import _as_real_values, describe, holm, median_interval, paired_difference
 from ._tasks import CLAIM1_TASKS
 
 ALPHA = 0.05
@@ -137,15 +137,27 @@ def round_spread(cost: dict[str, Any], name: str = "mha") -> float | None:
     return max(rounds) / min(rounds)
 
 
+def _round_times(name: str, rounds: object) -> np.ndarray:
+    expected = "a non-empty list of round times (seconds per step, finite and > 0)"
+    arr = _as_real_values(name, rounds, expected)
+    # A time of 0 divided by zero, a negative one gave a negative ratio, an infinite one a ratio of 0 or NaN.
+    bad = np.flatnonzero(~(np.isfinite(arr) & (arr > 0)))
+    if bad.size:
+        i = int(bad[0])
+        raise DamchaValueError(invalid_argument(name, expected, f"{name}[{i}]={float(arr[i])!r}"))
+    return arr
+
+
 def ratio_interval(rounds: list[float], mha_rounds: list[float]) -> dict[str, Any]:
     """Median of the per-round ratios ``rounds[r] / mha_rounds[r]`` and its 95% bootstrap interval over rounds."""
-    if len(rounds) != len(mha_rounds):
+    a, b = _round_times("rounds", rounds), _round_times("mha_rounds", mha_rounds)
+    if a.size != b.size:
         raise DamchaValueError(
             invalid_argument(
-                "mha_rounds", "one round time per round of `rounds`", f"{len(rounds)} rounds and {len(mha_rounds)}"
+                "mha_rounds", "one round time per round of `rounds`", f"len(rounds)={a.size}, len(mha_rounds)={b.size}"
             )
         )
-    ratios = [float(a) / float(b) for a, b in zip(rounds, mha_rounds)]
+    ratios = [float(x) for x in a / b]
     return median_interval(ratios, confidence=RATIO_CONFIDENCE, resamples=RATIO_RESAMPLES, seed=RATIO_SEED)
 
 

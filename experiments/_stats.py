@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from damcha_core import DamchaTypeError, DamchaValueError, invalid_argument
+from damcha_core import describe as describe_value  # of a received value; this module's describe is statistics
 
 __all__ = [
     "describe",
@@ -110,6 +111,37 @@ def _as_values(name: str, values: Sequence[float]) -> np.ndarray:
         raise DamchaValueError(
             invalid_argument(name, "a non-empty 1-D sequence of numbers", f"{name}.shape={arr.shape}")
         )
+    return arr
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
+
+
+def _as_real_values(
+    name: str, values: object, expected: str = "a non-empty 1-D sequence of real numbers"
+) -> np.ndarray:
+    """``values`` as a non-empty 1-D float64 array, refusing what ``np.asarray`` would turn into a
+    cryptic error (a string, a complex number) or silently into a number (a string of digits, None
+    as NaN, a bool as 0 or 1): only a list, tuple or array of real numbers is one. NaN and
+    infinities pass (a diverged run); callers that need finite values check that."""
+    if isinstance(values, np.ndarray):
+        if values.dtype.kind not in "iuf":
+            raise DamchaTypeError(invalid_argument(name, expected, f"{name}={describe_value(values)}"))
+        arr = values.astype(np.float64)
+    elif isinstance(values, (list, tuple)):
+        for i, x in enumerate(values):
+            if not _is_real(x):
+                raise DamchaTypeError(
+                    invalid_argument(name, expected, f"{name}[{i}]={describe_value(x)} ({type(x).__name__})")
+                )
+        arr = np.asarray(values, dtype=np.float64)
+    else:
+        raise DamchaTypeError(
+            invalid_argument(name, expected, f"{name}={describe_value(values)} ({type(values).__name__})")
+        )
+    if arr.ndim != 1 or arr.size == 0:
+        raise DamchaValueError(invalid_argument(name, expected, f"{name}={describe_value(values)}"))
     return arr
 
 
@@ -228,23 +260,45 @@ def median_interval(
     of the resampled medians. It treats the rounds as independent draws, so
     a slow phase lasting several rounds makes it too narrow; with few rounds
     (7) it is coarse and tends to be too narrow as well, which is why the
-    measurement takes dozens. With fewer than 2 values, or any NaN, ``ci``
-    is None.
+    measurement takes dozens. With fewer than 2 values, or any NaN or
+    infinity, ``ci`` is None.
     """
-    arr = _as_values("values", values)
-    if not 0.0 < confidence < 1.0:
+    arr = _as_real_values("values", values)
+    if not _is_real(confidence):
+        raise DamchaTypeError(
+            invalid_argument(
+                "confidence",
+                "a number in (0, 1)",
+                f"confidence={describe_value(confidence)} ({type(confidence).__name__})",
+            )
+        )
+    if not 0.0 < confidence < 1.0:  # NaN fails this too
         raise DamchaValueError(invalid_argument("confidence", "a number in (0, 1)", f"confidence={confidence}"))
-    if isinstance(resamples, bool) or not isinstance(resamples, (int, np.integer)) or resamples < 1:
-        raise DamchaValueError(invalid_argument("resamples", "an int >= 1", f"resamples={resamples!r}"))
+    if isinstance(resamples, (bool, np.bool_)) or not isinstance(resamples, (int, np.integer)):
+        raise DamchaTypeError(
+            invalid_argument(
+                "resamples", "an int >= 1", f"resamples={describe_value(resamples)} ({type(resamples).__name__})"
+            )
+        )
+    if resamples < 1:
+        raise DamchaValueError(invalid_argument("resamples", "an int >= 1", f"resamples={resamples}"))
+    # None would draw a fresh seed each call: the interval would no longer be a function of the values.
+    seed_expected = "an int >= 0 (a fixed seed, so the same values give the same interval)"
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)):
+        raise DamchaTypeError(
+            invalid_argument("seed", seed_expected, f"seed={describe_value(seed)} ({type(seed).__name__})")
+        )
+    if seed < 0:
+        raise DamchaValueError(invalid_argument("seed", seed_expected, f"seed={seed}"))
     n = int(arr.size)
     out: dict[str, Any] = {
         "n": n,
         "median": float(np.median(arr)),
         "ci": None,
-        "confidence": confidence,
+        "confidence": float(confidence),
         "method": "percentile bootstrap over rounds",
         "resamples": int(resamples),
-        "seed": seed,
+        "seed": int(seed),
     }
     if n < 2 or not np.isfinite(arr).all():
         return out

@@ -128,3 +128,69 @@ def test_median_interval_hand_checked_and_edge_cases():
         median_interval([1.0, 2.0], confidence=95)
     with pytest.raises(DamchaValueError, match="`resamples`"):
         median_interval([1.0, 2.0], resamples=0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, received",
+    [
+        ({"values": "1.5"}, DamchaTypeError, "values='1.5' (str)"),
+        ({"values": 1.5}, DamchaTypeError, "values=1.5 (float)"),
+        ({"values": None}, DamchaTypeError, "values=None (NoneType)"),
+        ({"values": ["1.5", "2"]}, DamchaTypeError, "values[0]='1.5' (str)"),  # was silently 1.5
+        ({"values": [1.0, None]}, DamchaTypeError, "values[1]=None (NoneType)"),  # was silently NaN
+        ({"values": [1.0, True]}, DamchaTypeError, "values[1]=True (bool)"),  # was silently 1.0
+        ({"values": [1 + 2j, 1.0]}, DamchaTypeError, "values[0]=(1+2j) (complex)"),
+        ({"values": np.array(["a"])}, DamchaTypeError, "values=ndarray(shape=(1,), dtype=<U1)"),
+        ({"values": []}, DamchaValueError, "values=[]"),
+        ({"values": np.ones((2, 2))}, DamchaValueError, "values=ndarray(shape=(2, 2), dtype=float64)"),
+        ({"confidence": "0.9"}, DamchaTypeError, "confidence='0.9' (str)"),
+        ({"confidence": None}, DamchaTypeError, "confidence=None (NoneType)"),
+        ({"confidence": math.nan}, DamchaValueError, "confidence=nan"),
+        ({"resamples": 10.0}, DamchaTypeError, "resamples=10.0 (float)"),
+        ({"resamples": "10"}, DamchaTypeError, "resamples='10' (str)"),
+        ({"seed": "x"}, DamchaTypeError, "seed='x' (str)"),
+        ({"seed": 1.5}, DamchaTypeError, "seed=1.5 (float)"),
+        ({"seed": None}, DamchaTypeError, "seed=None (NoneType)"),  # was a fresh random seed per call
+        ({"seed": -1}, DamchaValueError, "seed=-1"),
+    ],
+)
+def test_median_interval_refuses_bad_arguments_naming_them(kwargs, error, received):
+    """Strings, None and floats reached numpy or python internals (a bare TypeError or ValueError about
+    '<' or SeedSequence) or were read silently as numbers; each is refused up front by name."""
+    (name,) = kwargs
+    args = {"values": [1.0, 2.0, 3.0], **kwargs}
+    with pytest.raises(error, match=f"argument `{name}`") as info:
+        median_interval(args.pop("values"), **args)
+    assert str(info.value).endswith(f"Received: {received}")
+
+
+def test_median_interval_takes_numpy_scalars_and_arrays():
+    ints = median_interval(np.array([1, 3]), confidence=np.float64(0.4), resamples=np.int64(100), seed=np.int64(3))
+    assert ints["ci"] == [2.0, 2.0] and ints["seed"] == 3 and type(ints["confidence"]) is float
+    assert median_interval([np.float32(1.0), np.int64(3)])["ci"] == [1.0, 3.0]
+    assert median_interval([1.0, math.inf])["ci"] is None  # a diverged value: no interval, not an error
+
+
+@pytest.mark.parametrize(
+    "rounds, mha_rounds, error, received",
+    [
+        (None, [1.0], DamchaTypeError, "rounds=None (NoneType)"),
+        ([1.0], 2.0, DamchaTypeError, "mha_rounds=2.0 (float)"),
+        ("ab", "cd", DamchaTypeError, "rounds='ab' (str)"),
+        ([1.0], ["x"], DamchaTypeError, "mha_rounds[0]='x' (str)"),
+        ([1.0], [None], DamchaTypeError, "mha_rounds[0]=None (NoneType)"),
+        ([], [], DamchaValueError, "rounds=[]"),
+        ([1.0, 1.0], [0.5, 0.0], DamchaValueError, "mha_rounds[1]=0.0"),  # was ZeroDivisionError
+        ([1.0], [-1.0], DamchaValueError, "mha_rounds[0]=-1.0"),  # was a ratio of -1
+        ([1.0], [math.inf], DamchaValueError, "mha_rounds[0]=inf"),  # was a ratio of 0
+        ([math.nan], [1.0], DamchaValueError, "rounds[0]=nan"),
+        ([1.0, 2.0], [1.0], DamchaValueError, "len(rounds)=2, len(mha_rounds)=1"),
+    ],
+)
+def test_ratio_interval_refuses_what_is_not_round_times(rounds, mha_rounds, error, received):
+    from damcha_experiments._analysis import ratio_interval
+
+    with pytest.raises(error, match="argument `(mha_)?rounds`") as info:
+        ratio_interval(rounds, mha_rounds)
+    assert str(info.value).endswith(f"Received: {received}")
+    assert ratio_interval([2.0, 3.0], [1, 2])["median"] == 1.75  # JSON ints are round times too
