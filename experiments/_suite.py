@@ -74,7 +74,7 @@ def check_resumable(data: TaskData, variants: list[str], out: Path, device: torc
                     continue
                 if width is None:
                     width, _ = model_width(data, variant)
-                check_run_dir(folder, run_identity(cfg, variant, lr, seed, width, device), device)
+                check_run_dir(folder, run_identity(cfg, variant, lr, seed, width, device))
 
 
 def run_variant(

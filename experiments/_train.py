@@ -89,11 +89,15 @@ def _mismatch(path: Path, stored: Any, identity: dict[str, Any]) -> RunSettingsM
     )
 
 
-def check_run_dir(run_dir: str | Path, identity: dict[str, Any], device: torch.device | str = "cpu") -> bool:
+def check_run_dir(run_dir: str | Path, identity: dict[str, Any]) -> bool:
     """Whether ``run_dir`` holds a finished run of ``identity``; raises ``RunSettingsMismatch`` if it holds another.
 
     Reads only the stored identities (``result.json``, then ``checkpoint.pt``), so a suite can check every
-    folder it would resume before it trains anything.
+    folder it would resume before it trains anything. The device is no argument: ``identity`` carries the
+    device type (``run_identity``), so a folder of a CUDA run checked for a CPU run is refused naming
+    ``device``, and the checkpoint is read onto the CPU whatever device wrote it (only its identity is
+    looked at), so this works on a machine without that device. ``train_run`` then loads the tensors onto
+    the run's device.
     """
     run_dir = Path(run_dir)
     result, ckpt = run_dir / "result.json", run_dir / "checkpoint.pt"

@@ -660,6 +660,39 @@ def test_a_resume_in_another_environment_is_recorded_and_warned_once(tmp_path, m
     assert json.loads((cut / "result.json").read_text()) == resumed
 
 
+def test_a_run_folder_of_another_device_type_is_refused_naming_device(tmp_path):
+    """check_run_dir took a device it never used: the identity carries the device type, and the
+    checkpoint is read onto the CPU for its identity alone. A folder of a CUDA run (here: a CPU
+    checkpoint relabelled as one) is refused for a CPU run naming ``device``, before and at training,
+    and is still recognised as resumable for a CUDA run from a machine that need not have CUDA."""
+    import inspect
+
+    from damcha_experiments import _train
+
+    assert list(inspect.signature(_train.check_run_dir).parameters) == ["run_dir", "identity"]
+    data = TaskData(task_config("listops", "smoke", max_steps=5, eval_every=2, patience=5))
+    v = VARIANTS["mha"]
+    width, _ = model_width(data, v)
+    cut = tmp_path / "cut"
+    with pytest.raises(RunInterrupted):
+        train_run(data, v, 1e-3, 0, width, run_dir=cut, should_stop=lambda s: s == 3)
+    on_cuda = _train.run_identity(data.cfg, v, 1e-3, 0, width, torch.device("cuda"))
+    on_cpu = _train.run_identity(data.cfg, v, 1e-3, 0, width, torch.device("cpu"))
+    payload = torch.load(cut / "checkpoint.pt", weights_only=True)
+    payload["identity"] = json.dumps(on_cuda)
+    torch.save(payload, cut / "checkpoint.pt")
+    assert _train.check_run_dir(cut, on_cuda) is False  # resumable there, not finished
+    with pytest.raises(_train.RunSettingsMismatch, match="differing: device, torch_threads") as info:
+        _train.check_run_dir(cut, on_cpu)
+    assert info.value.differs == ["device", "torch_threads"] and info.value.path == cut / "checkpoint.pt"
+    with pytest.raises(_train.RunSettingsMismatch, match="differing: device, torch_threads"):
+        train_run(data, v, 1e-3, 0, width, run_dir=cut)
+    (cut / "result.json").write_text(json.dumps({"identity": on_cuda}))
+    assert _train.check_run_dir(cut, on_cuda) is True
+    with pytest.raises(_train.RunSettingsMismatch, match="differing: device, torch_threads"):
+        _train.check_run_dir(cut, on_cpu)
+
+
 def test_a_checkpoint_or_result_written_before_environments_were_recorded_still_loads(tmp_path):
     from damcha_experiments import _train
 
