@@ -64,9 +64,19 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
-    module_name = SUBCOMMANDS[argv[0]][0]
+    # Ctrl-C while the subcommand's module imports (torch, onnx: seconds) is as
+    # much an interrupt as one while it runs: one line and 130 for both.
     try:
-        module = importlib.import_module(module_name)
+        return _dispatch(argv[0], argv[1:])
+    except KeyboardInterrupt:
+        print(f"damcha {argv[0]}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _dispatch(command: str, args: list[str]) -> int:
+    """Import ``command``'s module and run its ``main(args)``."""
+    try:
+        module = importlib.import_module(SUBCOMMANDS[command][0])
     except ImportError as exc:
         # A port's own ImportError already names its extra; a bare
         # ModuleNotFoundError gets the smallest extra that installs the module.
@@ -74,13 +84,9 @@ def main(argv: list[str] | None = None) -> int:
             message = f"needs {exc.name}, which is not installed: {install_hint(exc.name)}"
         else:
             message = " ".join(str(exc).split())
-        print(f"damcha {argv[0]}: error: {message}", file=sys.stderr)
+        print(f"damcha {command}: error: {message}", file=sys.stderr)
         return EXIT_USAGE
-    try:
-        return int(module.main(argv[1:]) or 0)
-    except KeyboardInterrupt:
-        print(f"damcha {argv[0]}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+    return int(module.main(args) or 0)
 
 
 if __name__ == "__main__":

@@ -284,3 +284,29 @@ def test_ctrl_c_is_one_line_and_exit_130(command, module, monkeypatch, capsys):
     assert main([command, "--anything"]) == 130
     captured = capsys.readouterr()
     assert captured.err == f"damcha {command}: interrupted\n" and captured.out == ""
+
+
+@pytest.mark.parametrize(
+    "command, module",
+    [("export", "damcha_onnx._cli"), ("conform", "damcha_conformance._cli"), ("experiment", "damcha_experiments._cli")],
+)
+def test_ctrl_c_while_the_subcommand_imports_is_one_line_and_exit_130(command, module, monkeypatch, capsys):
+    """Importing a subcommand (torch, onnx) takes seconds, and Ctrl-C then printed a traceback:
+    only the subcommand's main was covered. A finder that raises KeyboardInterrupt stands for it."""
+    from damcha_core._cli import main
+
+    class Interrupting:
+        def find_spec(self, name, path=None, target=None):
+            if name in (module, module.rsplit(".", 1)[0]):
+                raise KeyboardInterrupt
+            return None
+
+    monkeypatch.delitem(sys.modules, module, raising=False)
+    monkeypatch.setattr(sys, "meta_path", [Interrupting(), *sys.meta_path])
+    try:
+        status = main([command, "--anything"])
+    except KeyboardInterrupt:  # caught here, or it would stop the whole pytest session
+        pytest.fail("the KeyboardInterrupt escaped damcha's main (a traceback for the user)")
+    assert status == 130
+    captured = capsys.readouterr()
+    assert captured.err == f"damcha {command}: interrupted\n" and captured.out == ""
