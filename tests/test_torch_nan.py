@@ -118,6 +118,29 @@ def test_eager_cpu_refuses_nan_or_inf_in_a_float_mask(name, bad):
         assert torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("shape", [(7,), (3, 37), (2, 3, 64, 67)], ids=["1d", "2d", "4d"])
+def test_mask_value_check_finds_every_nan_and_inf_entry(shape, dtype):
+    """The check reads row maxima (vectorised; a max propagates NaN): a NaN or +inf anywhere,
+    in any lane of the vector loop and beside -inf entries, is found; -inf and finite values
+    are not. Against the entrywise definition, for every position of a small mask and random
+    positions of larger ones."""
+    from damcha_torch._functional import check_mask_values
+
+    g = torch.Generator().manual_seed(sum(shape))
+    base = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+    base[torch.rand(shape, generator=g) < 0.3] = float("-inf")
+    check_mask_values("attn_mask", base)  # finite and -inf only
+    flat = list(range(base.numel())) if base.numel() < 300 else torch.randperm(base.numel(), generator=g)[:40]
+    for bad in (float("nan"), float("inf")):
+        for i in flat:
+            mask = base.clone()
+            mask.view(-1)[int(i)] = bad
+            assert not bool((mask < float("inf")).all())  # the entrywise definition
+            with pytest.raises(DamchaValueError, match="holding " + ("NaN" if bad != bad else "[+]inf")):
+                check_mask_values("attn_mask", mask)
+
+
 @pytest.mark.parametrize("need_weights", [False, True], ids=["fused", "weights"])
 def test_a_nan_in_a_float_attn_mask_gives_nan_as_mha_does_where_values_are_not_read(need_weights):
     """Compiled (or traced, or on a GPU) the mask's values are not read (a host sync per call);
