@@ -48,6 +48,29 @@ def _check_df(df: object) -> int:
     return int(df)
 
 
+def _is_real(x: object) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
+
+
+def _check_real(name: str, value: object, expected: str) -> float:
+    """``value`` as a float if it is a real number (a Python or numpy int or float, not a bool);
+    ``float()`` would read a string of digits or a bool as a number and fail on None with a bare
+    TypeError."""
+    if not _is_real(value):
+        raise DamchaTypeError(
+            invalid_argument(name, expected, f"{name}={describe_value(value)} ({type(value).__name__})")
+        )
+    return float(value)  # type: ignore[arg-type]
+
+
+def _check_confidence(confidence: object) -> float:
+    expected = "a number in (0, 1)"
+    value = _check_real("confidence", confidence, expected)
+    if not 0.0 < value < 1.0:  # NaN fails this too
+        raise DamchaValueError(invalid_argument("confidence", expected, f"confidence={confidence}"))
+    return value
+
+
 def _abs_t_prob(t: float, df: int) -> float:
     """P(|T| <= t) for t >= 0 and Student's T with integer ``df`` degrees of freedom."""
     if math.isinf(t):
@@ -74,7 +97,7 @@ def _abs_t_prob(t: float, df: int) -> float:
 def t_cdf(t: float, df: int) -> float:
     """P(T <= t) for Student's t with integer ``df`` >= 1 degrees of freedom (exact series)."""
     df = _check_df(df)
-    t = float(t)
+    t = _check_real("t", t, "a real number")
     if math.isnan(t):
         return math.nan
     half = 0.5 * _abs_t_prob(abs(t), df)
@@ -84,7 +107,7 @@ def t_cdf(t: float, df: int) -> float:
 def t_quantile(p: float, df: int) -> float:
     """The ``p`` quantile of Student's t with integer ``df`` degrees of freedom (e.g. 2.776 for p=0.975, df=4)."""
     df = _check_df(df)
-    p = float(p)
+    p = _check_real("p", p, "a number in (0, 1)")
     if not 0.0 < p < 1.0:
         raise DamchaValueError(invalid_argument("p", "a number in (0, 1)", f"p={p}"))
     if p == 0.5:
@@ -103,19 +126,6 @@ def t_quantile(p: float, df: int) -> float:
         if hi - lo <= 1e-13 * max(1.0, hi):
             break
     return 0.5 * (lo + hi)
-
-
-def _as_values(name: str, values: Sequence[float]) -> np.ndarray:
-    arr = np.asarray(values, dtype=np.float64)
-    if arr.ndim != 1 or arr.size == 0:
-        raise DamchaValueError(
-            invalid_argument(name, "a non-empty 1-D sequence of numbers", f"{name}.shape={arr.shape}")
-        )
-    return arr
-
-
-def _is_real(x: object) -> bool:
-    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
 
 
 def _as_real_values(
@@ -150,9 +160,12 @@ def describe(values: Sequence[float], confidence: float = 0.95) -> dict[str, Any
 
     With one value, std and the interval are None (no estimate of noise).
     NaN values (diverged runs) propagate into mean and std; ``n_finite``
-    says how many are finite.
+    says how many are finite. ``values`` is a list, tuple or array of real
+    numbers (not strings, None or bools, which numpy would read as numbers
+    or NaN); ``confidence`` a number in (0, 1).
     """
-    arr = _as_values("values", values)
+    arr = _as_real_values("values", values)
+    confidence = _check_confidence(confidence)
     n = int(arr.size)
     out: dict[str, Any] = {
         "n": n,
@@ -183,8 +196,20 @@ def paired_difference(
     p-value is the exact sign test's and the interval is None. Needs n >= 2 pairs for any noise estimate; with
     one pair the std, interval and p are None. A pair with a NaN (a diverged
     run) makes every statistic NaN: divergences are reported, not hidden.
+    ``a`` and ``b`` are lists, tuples or arrays of real numbers;
+    ``higher_is_better`` a bool (a string such as "False" is truthy, and
+    would silently flip the gain).
     """
-    x, y = _as_values("a", a), _as_values("b", b)
+    x, y = _as_real_values("a", a), _as_real_values("b", b)
+    if not isinstance(higher_is_better, (bool, np.bool_)):
+        raise DamchaTypeError(
+            invalid_argument(
+                "higher_is_better",
+                "True or False",
+                f"higher_is_better={describe_value(higher_is_better)} ({type(higher_is_better).__name__})",
+            )
+        )
+    confidence = _check_confidence(confidence)
     if x.shape != y.shape:
         raise DamchaValueError(
             invalid_argument(
@@ -236,8 +261,28 @@ def paired_difference(
 def holm(p_values: Sequence[float | None]) -> list[float | None]:
     """Holm's step-down adjusted p-values (same order as given; None and NaN stay as they are).
 
-    The family size m counts the usable (finite) p-values only.
+    The family size m counts the usable (finite) p-values only. ``p_values``
+    is a list, tuple or 1-D array whose entries are None or real numbers,
+    the finite ones in [0, 1].
     """
+    expected = "a list, tuple or 1-D array of p-values (None, NaN or a real number in [0, 1])"
+    if isinstance(p_values, np.ndarray):
+        if p_values.dtype.kind not in "iuf" or p_values.ndim != 1:
+            raise DamchaTypeError(invalid_argument("p_values", expected, f"p_values={describe_value(p_values)}"))
+    elif not isinstance(p_values, (list, tuple)):
+        # A string would be iterated character by character; a number is not a family.
+        raise DamchaTypeError(
+            invalid_argument("p_values", expected, f"p_values={describe_value(p_values)} ({type(p_values).__name__})")
+        )
+    for i, p in enumerate(p_values):
+        if p is None:
+            continue
+        if not _is_real(p):
+            raise DamchaTypeError(
+                invalid_argument("p_values", expected, f"p_values[{i}]={describe_value(p)} ({type(p).__name__})")
+            )
+        if math.isfinite(p) and not 0.0 <= p <= 1.0:
+            raise DamchaValueError(invalid_argument("p_values", expected, f"p_values[{i}]={p!r}"))
     usable = [(p, i) for i, p in enumerate(p_values) if p is not None and math.isfinite(p)]
     usable.sort()
     m = len(usable)
@@ -264,16 +309,7 @@ def median_interval(
     infinity, ``ci`` is None.
     """
     arr = _as_real_values("values", values)
-    if not _is_real(confidence):
-        raise DamchaTypeError(
-            invalid_argument(
-                "confidence",
-                "a number in (0, 1)",
-                f"confidence={describe_value(confidence)} ({type(confidence).__name__})",
-            )
-        )
-    if not 0.0 < confidence < 1.0:  # NaN fails this too
-        raise DamchaValueError(invalid_argument("confidence", "a number in (0, 1)", f"confidence={confidence}"))
+    confidence = _check_confidence(confidence)
     if isinstance(resamples, (bool, np.bool_)) or not isinstance(resamples, (int, np.integer)):
         raise DamchaTypeError(
             invalid_argument(
@@ -295,7 +331,7 @@ def median_interval(
         "n": n,
         "median": float(np.median(arr)),
         "ci": None,
-        "confidence": float(confidence),
+        "confidence": confidence,
         "method": "percentile bootstrap over rounds",
         "resamples": int(resamples),
         "seed": int(seed),

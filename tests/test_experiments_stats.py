@@ -194,3 +194,77 @@ def test_ratio_interval_refuses_what_is_not_round_times(rounds, mha_rounds, erro
         ratio_interval(rounds, mha_rounds)
     assert str(info.value).endswith(f"Received: {received}")
     assert ratio_interval([2.0, 3.0], [1, 2])["median"] == 1.75  # JSON ints are round times too
+
+
+@pytest.mark.parametrize(
+    "call, name, error, received",
+    [
+        (lambda: describe("1.5"), "values", DamchaTypeError, "values='1.5' (str)"),  # was a TypeError inside numpy
+        (lambda: describe(["1.5", "2"]), "values", DamchaTypeError, "values[0]='1.5' (str)"),  # was read as 1.5
+        (lambda: describe([1.0, None]), "values", DamchaTypeError, "values[1]=None (NoneType)"),  # was NaN
+        (lambda: describe([True, 2.0]), "values", DamchaTypeError, "values[0]=True (bool)"),  # was 1.0
+        (lambda: describe(None), "values", DamchaTypeError, "values=None (NoneType)"),  # was shape ()
+        (lambda: describe([]), "values", DamchaValueError, "values=[]"),
+        (lambda: describe([1.0, 2.0], confidence="0.9"), "confidence", DamchaTypeError, "confidence='0.9' (str)"),
+        (lambda: describe([1.0, 2.0], confidence=95), "confidence", DamchaValueError, "confidence=95"),  # was `p`
+        (lambda: describe([1.0, 2.0], confidence=None), "confidence", DamchaTypeError, "confidence=None (NoneType)"),
+        (lambda: paired_difference(["0.5", "0.6"], [0.4, 0.5]), "a", DamchaTypeError, "a[0]='0.5' (str)"),
+        (lambda: paired_difference([0.5, 0.6], [0.4, None]), "b", DamchaTypeError, "b[1]=None (NoneType)"),
+        (lambda: paired_difference([0.5, 0.6], [True, 0.5]), "b", DamchaTypeError, "b[0]=True (bool)"),
+        (lambda: paired_difference([0.5, 0.6], "ab"), "b", DamchaTypeError, "b='ab' (str)"),
+        (lambda: paired_difference([0.5, 0.6], np.array(["a", "b"])), "b", DamchaTypeError, "b=ndarray("),
+        (
+            lambda: paired_difference([0.5, 0.6], [0.4, 0.5], higher_is_better="False"),  # was truthy: gain a - b
+            "higher_is_better",
+            DamchaTypeError,
+            "higher_is_better='False' (str)",
+        ),
+        (
+            lambda: paired_difference([0.5, 0.6], [0.4, 0.5], higher_is_better=None),
+            "higher_is_better",
+            DamchaTypeError,
+            "higher_is_better=None (NoneType)",
+        ),
+        (
+            lambda: paired_difference([0.5, 0.6], [0.4, 0.5], confidence=0),
+            "confidence",
+            DamchaValueError,
+            "confidence=0",
+        ),
+        (lambda: t_cdf("1.5", 3), "t", DamchaTypeError, "t='1.5' (str)"),  # was read as 1.5
+        (lambda: t_cdf(None, 3), "t", DamchaTypeError, "t=None (NoneType)"),  # was a bare TypeError
+        (lambda: t_cdf(True, 3), "t", DamchaTypeError, "t=True (bool)"),  # was 1.0
+        (lambda: t_quantile("0.975", 3), "p", DamchaTypeError, "p='0.975' (str)"),  # was read as 0.975
+        (lambda: t_quantile(True, 3), "p", DamchaTypeError, "p=True (bool)"),  # was refused as p=1.0
+        (lambda: t_quantile(None, 3), "p", DamchaTypeError, "p=None (NoneType)"),
+        (lambda: holm(["0.01", 0.5]), "p_values", DamchaTypeError, "p_values[0]='0.01' (str)"),  # a bare TypeError
+        (lambda: holm([0.01, True]), "p_values", DamchaTypeError, "p_values[1]=True (bool)"),  # was p = 1
+        (lambda: holm("0.01"), "p_values", DamchaTypeError, "p_values='0.01' (str)"),  # iterated its characters
+        (lambda: holm(0.01), "p_values", DamchaTypeError, "p_values=0.01 (float)"),
+        (lambda: holm([0.01, -0.2]), "p_values", DamchaValueError, "p_values[1]=-0.2"),  # not a p-value
+        (lambda: holm([1.5]), "p_values", DamchaValueError, "p_values[0]=1.5"),
+    ],
+)
+def test_stats_functions_refuse_bad_arguments_naming_them(call, name, error, received):
+    """Strings, None and bools were read silently as numbers (or NaN) or reached numpy and python
+    internals; like median_interval (1f1bd09), each function refuses them up front by name."""
+    with pytest.raises(error, match=f"argument `{name}`") as info:
+        call()
+    assert f"Received: {received}" in str(info.value)
+
+
+def test_stats_functions_take_numpy_scalars_and_arrays():
+    d = describe(np.array([1, 2, 3]), confidence=np.float64(0.95))
+    assert d == describe([1.0, 2.0, 3.0]) and d["n"] == 3
+    assert describe([np.float32(1.0), np.int64(2), 3])["mean"] == 2.0
+    assert describe([1.0, math.nan])["n_finite"] == 1  # a diverged run: reported, not refused
+    r = paired_difference(np.array([0.52, 0.54, 0.56]), (0.5, 0.5, np.float64(0.5)), higher_is_better=np.True_)
+    assert r == paired_difference([0.52, 0.54, 0.56], [0.5, 0.5, 0.5])
+    low = paired_difference([2.0, 2.1], [2.1, 2.2], higher_is_better=np.False_)
+    assert low["mean"] == pytest.approx(0.1)
+    assert t_cdf(np.float32(0.0), np.int64(3)) == 0.5 and t_cdf(2, 3) == pytest.approx(stats.t.cdf(2, 3))
+    assert math.isnan(t_cdf(math.nan, 3))
+    assert t_quantile(np.float64(0.975), 4) == pytest.approx(2.776, abs=5e-4)
+    assert holm(np.array([0.01, 0.04, 0.03])) == pytest.approx([0.03, 0.06, 0.06])
+    assert holm((np.float64(0.01), None, math.nan)) == [pytest.approx(0.01), None, pytest.approx(math.nan, nan_ok=True)]
+    assert holm([]) == []
