@@ -101,6 +101,9 @@ def _busy_load(cost: dict[str, Any]) -> str | None:
     return None
 
 
+CLOCK_NAMES = {"thread_time": "thread CPU time", "perf_counter": "wall time"}
+
+
 def recorded_clock(cost: dict[str, Any]) -> str:
     """The clock a cost file's ratios were timed on, as the file records it (``_cost.choose_clock``
     chose it): "thread_time" or "perf_counter" (files before ``cost_format`` 2 record none and
@@ -129,10 +132,20 @@ def timing_caveat(cost: dict[str, Any]) -> str | None:
     return f"{busy}, timed on thread CPU time (blind to preemption, not to cache or memory contention)"
 
 
+def no_time_ratio(cost: dict[str, Any]) -> str | None:
+    """Why a cost file has no time ratio: its clock could not time the steps ("thread CPU time:
+    round 0 of mha: 0.0 s per step", from ``unusable_clocks``, see ``_cost``), or None."""
+    clock = recorded_clock(cost)
+    why = (cost.get("unusable_clocks") or {}).get(clock)
+    if why is None:
+        return None
+    return f"{CLOCK_NAMES.get(clock, clock)}: {why}"
+
+
 def round_spread(cost: dict[str, Any], name: str = "mha") -> float | None:
     """Slowest / fastest of ``name``'s round times: a diagnostic of the machine, not a gate (module docstring)."""
     rounds = [float(x) for x in cost.get("variants", {}).get(name, {}).get("round_s_per_step") or []]
-    if len(rounds) < 2 or min(rounds) <= 0:
+    if len(rounds) < 2 or not all(math.isfinite(x) and x > 0 for x in rounds):
         return None
     return max(rounds) / min(rounds)
 
@@ -212,9 +225,10 @@ def _s_per_step(cost: dict[str, Any] | None, name: str) -> float | None:
     if cost is None or name not in cost.get("variants", {}):
         return None
     entry, mha = cost["variants"][name], cost["variants"].get("mha")
-    if mha is not None and entry.get("time_ratio_vs_mha") is not None:
+    if mha is not None and mha.get("s_per_step") is not None and entry.get("time_ratio_vs_mha") is not None:
         return float(mha["s_per_step"]) * float(entry["time_ratio_vs_mha"])
-    return float(entry["s_per_step"])
+    # None when the file's clock could not time the steps (``_cost``): then each run's own clock.
+    return None if entry.get("s_per_step") is None else float(entry["s_per_step"])
 
 
 def budgets(results: dict[str, Any], names: list[str], cost: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -617,7 +631,8 @@ def verdicts(
         f"interval straddles {tolerance:g} (or there is none). Supported if every headline DAMCHA variant is "
         f"within on every task measured; not supported if every one is over on some task; inconclusive "
         f"otherwise, or if a timing on the wall clock ran with a load average above {BUSY_LOAD_FRACTION:g} x "
-        f"the cores (on thread CPU time such a load is a stated caveat)."
+        f"the cores (on thread CPU time such a load is a stated caveat), or if a cost file has no time ratio "
+        f"(its clock could not time the steps)."
     )
     rows3, busy, caveats = [], [], []
     for task, cost in costs.items():
@@ -656,10 +671,14 @@ def verdicts(
 
     tasks3 = sorted({r["task"] for r in rows3})
     all_over = [t for t in tasks3 if all(r["status"] == "over" for r in rows3 if r["task"] == t)]
+    untimed = [f"{task} ({why})" for task, cost in costs.items() if (why := no_time_ratio(cost)) is not None]
     if not rows3:
-        verdict, reason = "inconclusive", "no cost measurement"
+        verdict = "inconclusive"
+        reason = f"no time ratio: {'; '.join(untimed)}" if untimed else "no cost measurement"
     elif busy:
         verdict, reason = "inconclusive", f"timing on the wall clock of a busy machine: {'; '.join(busy)}"
+    elif untimed:
+        verdict, reason = "inconclusive", f"no time ratio: {'; '.join(untimed)}"
     elif all(r["status"] == "within" for r in rows3):
         verdict, reason = "supported", "every DAMCHA variant's interval within the tolerance on every task"
     elif all_over:

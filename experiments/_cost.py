@@ -22,6 +22,20 @@ hypervisor steal time the guest kernel does not account. With more threads
 clock is the wall clock (``clock``: "perf_counter"). Both are recorded for
 every step (``step_cpu_s``, ``step_wall_s``).
 
+A clock can fail to time a step: one coarser than a step reads 0 (thread
+CPU time advances in 15.6 ms ticks on Windows), and a broken or faked one
+can read a negative, NaN or infinite time. A ratio needs every step time
+of every variant finite and > 0 on its clock (a round time of 0 divided by
+zero, a negative one gave a negative ratio, and a clock with coarse ticks
+gives round medians of whole ticks). ``unusable_clocks`` names each clock
+that failed with its first bad step. When thread CPU time fails and the
+wall clock does not, the ratio uses the wall clock (``clock``
+"perf_counter", ``clock_note`` says why); when the ratio's clock fails, no
+time is derived from it: ``s_per_step``, ``time_ratio_vs_mha`` and its
+interval are None, as are ``wall_s_per_step`` and ``wall_time_ratio_vs_mha``
+when the wall clock fails (the report prints n/a and says why). The memory
+figures do not depend on a clock and are always written.
+
 Statistics. A round's time is the median of its steps on the chosen clock
 (a step stalled now and then does not move it), a variant's ratio in a
 round is its round time over MHA's, and the reported ratio is the median
@@ -42,6 +56,7 @@ one variant on the wall clock; their ``round_s_per_step`` reads the same and
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from typing import Any
@@ -70,6 +85,21 @@ def choose_clock(device: torch.device) -> tuple[str, str]:
     if device.type != "cpu":
         return "perf_counter", f"device {device.type}: the work runs on the device, so wall time"
     return "perf_counter", f"{threads} torch intra-op threads: thread CPU time would miss the workers, so wall time"
+
+
+def _bad_step(steps: dict[str, list[list[float]]]) -> str | None:
+    """The first step time (of any variant) that is not finite and > 0, as "round R, step K of
+    NAME: T s", or None when the clock timed every step (see the module docstring).
+
+    Every step, not only the round medians: a clock with ticks longer than a step reads some steps
+    as 0 and others as a whole tick, and its medians can all be a tick, a ratio of 1 that is none.
+    """
+    for name, rounds in steps.items():
+        for r, times in enumerate(rounds):
+            for k, t in enumerate(times):
+                if not (math.isfinite(t) and t > 0):
+                    return f"round {r}, step {k} of {name}: {t!r} s"
+    return None
 
 
 def _step(
@@ -167,11 +197,28 @@ def measure_cost(
                 c1, w1 = time.thread_time(), time.perf_counter()
                 step_s[name]["wall"][r].append(w1 - w0)
                 step_s[name]["cpu"][r].append(c1 - c0)
-    key = "cpu" if clock == "thread_time" else "wall"
     # A round's time is the median of its steps, so that a step preempted now
     # and then does not move it.
-    rounds = {name: [statistics.median(st) for st in step_s[name][key]] for name in variants}
-    wall_rounds = {name: [statistics.median(st) for st in step_s[name]["wall"]] for name in variants}
+    by_clock = {
+        c: {name: [statistics.median(st) for st in step_s[name][key]] for name in variants}
+        for c, key in (("thread_time", "cpu"), ("perf_counter", "wall"))
+    }
+    unusable = {
+        c: why
+        for c, key in (("thread_time", "cpu"), ("perf_counter", "wall"))
+        if (why := _bad_step({name: step_s[name][key] for name in variants})) is not None
+    }
+    if clock == "thread_time" and "thread_time" in unusable and "perf_counter" not in unusable:
+        # Only from thread CPU time to the wall clock: with more threads or on a device the
+        # wall clock is the one that sees the work, and thread CPU time would miss it.
+        clock = "perf_counter"
+        clock_note = (
+            f"thread CPU time could not time the steps ({unusable['thread_time']}: a clock coarser than a "
+            "step), so wall time, which preemption lengthens"
+        )
+    key = "cpu" if clock == "thread_time" else "wall"
+    rounds, wall_rounds = by_clock[clock], by_clock["perf_counter"]
+    timed, wall_timed = clock not in unusable, "perf_counter" not in unusable
     for name in variants:
         e = entries[name]
         e["round_statistic"] = "median step"
@@ -180,15 +227,16 @@ def measure_cost(
         e["round_s_per_step"] = rounds[name]
         e["round_wall_s_per_step"] = wall_rounds[name]
         e["round_mean_s_per_step"] = [statistics.fmean(st) for st in step_s[name][key]]
-        e["s_per_step"] = statistics.median(rounds[name])
-        e["wall_s_per_step"] = statistics.median(wall_rounds[name])
+        # No time is derived from a clock that could not time the steps (None, never 0, inf or NaN).
+        e["s_per_step"] = statistics.median(rounds[name]) if timed else None
+        e["wall_s_per_step"] = statistics.median(wall_rounds[name]) if wall_timed else None
         if "mha" in rounds:
-            iv = ratio_interval(rounds[name], rounds["mha"])
+            iv = ratio_interval(rounds[name], rounds["mha"]) if timed else {"median": None, "ci": None}
             e["time_ratio_vs_mha"] = iv["median"]
             e["time_ratio_ci_vs_mha"] = iv["ci"]
             # Beside it, what the wall clock says (the difference is what preemption did).
-            e["wall_time_ratio_vs_mha"] = statistics.median(
-                a / b for a, b in zip(wall_rounds[name], wall_rounds["mha"])
+            e["wall_time_ratio_vs_mha"] = (
+                statistics.median(a / b for a, b in zip(wall_rounds[name], wall_rounds["mha"])) if wall_timed else None
             )
             m = entries["mha"]
             e["activation_ratio_vs_mha"] = e["activation_bytes"] / max(1, m["activation_bytes"])
@@ -208,6 +256,7 @@ def measure_cost(
         "schedule": "steps interleaved, order rotated every step",
         "clock": clock,
         "clock_note": clock_note,
+        "unusable_clocks": unusable,
         "torch_threads": torch.get_num_threads(),
         "ratio_interval": {
             "confidence": RATIO_CONFIDENCE,

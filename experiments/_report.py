@@ -307,7 +307,7 @@ def comparison_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-_CLOCK_NAMES = {"thread_time": "thread CPU time", "perf_counter": "wall time"}
+_CLOCK_NAMES = an.CLOCK_NAMES
 
 
 def cost_caption(cost: dict[str, Any]) -> str:
@@ -318,7 +318,7 @@ def cost_caption(cost: dict[str, Any]) -> str:
     else:
         schedule = "each round one variant's steps in a row"
     spread = an.round_spread(cost)
-    trouble, caveat = an.timing_trouble(cost), an.timing_caveat(cost)
+    trouble, caveat, untimed = an.timing_trouble(cost), an.timing_caveat(cost), an.no_time_ratio(cost)
     return (
         f"batch {cost['batch']}, {cost['cost_rounds']} interleaved rounds x {cost['cost_steps']} steps, "
         f"{schedule}; a round's time the median of its steps"
@@ -329,6 +329,7 @@ def cost_caption(cost: dict[str, Any]) -> str:
         + ("" if spread is None else f"; MHA's slowest / fastest round {spread:.2f}x (diagnostic)")
         + (f"; **cannot decide: {trouble}**" if trouble else "")
         + (f"; caveat: {caveat}" if caveat else "")
+        + (f"; **no time ratio: {untimed}** (the clock could not time the steps)" if untimed else "")
     )
 
 
@@ -346,7 +347,7 @@ def cost_table(cost: dict[str, Any]) -> str:
         # Files before cost_format 2 timed on the wall clock: their ratio is the wall ratio.
         wall = e.get("wall_time_ratio_vs_mha", None if cost.get("cost_format") else e.get("time_ratio_vs_mha"))
         lines.append(
-            f"| {name} | {e['params']:,} | {1000 * e['s_per_step']:.2f} | "
+            f"| {name} | {e['params']:,} | {_f(None if e['s_per_step'] is None else 1000 * e['s_per_step'], 2)} | "
             f"{_f(None if ratio is None else ratio['median'], 2)} | {ci} | {_f(wall, 2)} | "
             f"{e['activation_bytes'] / 1024:.0f} | {_f(e.get('activation_ratio_vs_mha'), 2)} | "
             f"{_f(e.get('train_bytes_ratio_vs_mha'), 2)} | {_f(e.get('cuda_peak_ratio_vs_mha'), 2)} |"

@@ -280,6 +280,21 @@ def test_claim3_reads_old_cost_files():
     assert "no interval" in claim3["reason"]
 
 
+def test_claim3_says_why_a_cost_file_has_no_time_ratio():
+    """A cost file whose clock could not time the steps has no ratio (None): claim 3 said "no cost
+    measurement" as if none had run; it now names the clock and the first bad round."""
+    cost = _cost(1.1)
+    cost["unusable_clocks"] = {"thread_time": "round 0, step 0 of mha: 0.0 s"}
+    for e in cost["variants"].values():
+        e.update(s_per_step=None, time_ratio_vs_mha=None)
+    claim3 = _claim3(cost)
+    assert claim3["verdict"] == "inconclusive" and claim3["rows"] == []
+    assert claim3["reason"].startswith("no time ratio: crosshead (thread CPU time: round 0, step 0 of mha: 0.0 s);")
+    assert an.no_time_ratio(_cost(1.1)) is None
+    cost["unusable_clocks"] = {"perf_counter": "round 1, step 0 of mha: nan s"}  # the other clock only
+    assert an.no_time_ratio(cost) is None
+
+
 def test_recorded_clock_reads_the_cost_files_clock():
     """``recorded_clock`` reads a cost file's clock (old files: the wall clock); it was one of two
     ``timing_clock`` functions, the other (``_cost.choose_clock``) chooses the clock for a device."""

@@ -8,6 +8,7 @@ import copy
 import dataclasses
 import json
 import math
+import re
 import shutil
 import warnings
 
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from damcha_core import DamchaValueError
+from damcha_experiments import _analysis as an
 from damcha_experiments import _cli
 from damcha_experiments._cost import saved_activation_bytes
 from damcha_experiments._models import as_variant, count_parameters, damcha_layers
@@ -264,6 +266,85 @@ def test_a_stalled_step_does_not_move_a_cost_round(monkeypatch):
     assert tied["time_ratio_vs_mha"] == pytest.approx(1.2)
     assert tied["time_ratio_ci_vs_mha"] == pytest.approx([1.2, 1.2])
     assert mha["round_mean_s_per_step"] == pytest.approx([(4 * 0.010 + 0.5) / 5] * 3)  # what a mean would say
+
+
+def _fake_clocks(monkeypatch, cfg, mha_s, tied_s=0.012, *, thread=None):
+    """Fake perf_counter and thread_time advanced by each timed step: an MHA step by ``mha_s``, a
+    DAMCHA step by ``tied_s``; ``thread`` (a function of the wall time) replaces thread_time."""
+    from damcha_experiments import _cost
+
+    clock = {"now": 0.0}
+    real_step = _cost._step
+
+    def timed_step(model, opt, x, y, penalty, clip):
+        real_step(model, opt, x, y, penalty, clip)
+        clock["now"] += tied_s if any(True for _ in damcha_layers(model)) else mha_s
+
+    monkeypatch.setattr(_cost, "_step", timed_step)
+    monkeypatch.setattr(_cost.time, "perf_counter", lambda: clock["now"])
+    monkeypatch.setattr(_cost.time, "thread_time", lambda: clock["now"] if thread is None else thread(clock["now"]))
+    return _cost
+
+
+@pytest.mark.parametrize(
+    "thread",
+    [lambda now: 5.0, lambda now: 0.0156 * math.floor(now / 0.0156)],
+    ids=["frozen", "15.6ms-ticks"],
+)
+def test_a_thread_clock_coarser_than_a_step_falls_back_to_the_wall_clock(thread, monkeypatch):
+    """A thread CPU clock that does not advance within a step gave MHA round times of 0:
+    ratio_interval refused them after the whole measurement (``mha_rounds[0]=0.0``), losing it; one
+    that advances in ticks longer than a step (Windows' 15.6 ms) reads steps as 0 or a tick, and its
+    round medians could all be a tick (a ratio of 1.0). The wall clock times every step: the ratio
+    uses it, and the file says why."""
+    cfg = dataclasses.replace(task_config("crosshead", "smoke"), cost_steps=3, cost_rounds=3)
+    _cost = _fake_clocks(monkeypatch, cfg, 0.010, thread=thread)
+    cost = _cost.measure_cost(cfg, ["mha", "damcha-heads-tied"])
+    mha, tied = cost["variants"]["mha"], cost["variants"]["damcha-heads-tied"]
+    assert cost["clock"] == "perf_counter" and cost["torch_threads"] == 1
+    (why,) = cost["unusable_clocks"].values()
+    assert list(cost["unusable_clocks"]) == ["thread_time"] and re.fullmatch(r"round \d, step \d of \S+: 0\.0 s", why)
+    assert cost["clock_note"].startswith(f"thread CPU time could not time the steps ({why}: a clock coarser")
+    assert mha["round_s_per_step"] == pytest.approx([0.010] * 3) and mha["s_per_step"] == pytest.approx(0.010)
+    assert tied["time_ratio_vs_mha"] == pytest.approx(1.2) and tied["time_ratio_ci_vs_mha"] == pytest.approx([1.2] * 2)
+    assert tied["wall_time_ratio_vs_mha"] == pytest.approx(1.2)
+    json.dumps(cost, allow_nan=False)  # no NaN or infinity anywhere
+    assert an.time_ratio(cost, "damcha-heads-tied")["clock"] == "perf_counter"
+
+
+@pytest.mark.parametrize(
+    "bad, read",
+    # inf: the warm-up step before the timing already moved the clock to inf, so a step reads inf - inf.
+    [(0.0, "0.0"), (-0.01, "-0.01"), (math.nan, "nan"), (math.inf, "nan")],
+    ids=["zero", "negative", "nan", "inf"],
+)
+def test_clocks_that_cannot_time_a_step_give_no_ratio_and_say_why(bad, read, monkeypatch):
+    """Both clocks read an MHA step as 0 (too coarse), negative (stepped back), NaN or infinite: a
+    round time of 0 raised in ratio_interval (the same for a negative or NaN one) and a wall ratio
+    divided by it. Now no ratio is written (None, not inf or NaN), the file names the first bad
+    step on each clock, and the report prints n/a and says why claim 3 has no timing."""
+    from damcha_experiments._report import cost_caption, cost_table
+
+    cfg = dataclasses.replace(task_config("crosshead", "smoke"), cost_steps=3, cost_rounds=2)
+    _cost = _fake_clocks(monkeypatch, cfg, bad)
+    cost = _cost.measure_cost(cfg, ["mha", "damcha-heads-tied"])
+    mha, tied = cost["variants"]["mha"], cost["variants"]["damcha-heads-tied"]
+    assert cost["clock"] == "thread_time"  # the chosen clock, recorded as such
+    assert set(cost["unusable_clocks"]) == {"thread_time", "perf_counter"}
+    assert cost["unusable_clocks"]["thread_time"] == f"round 0, step 0 of mha: {read} s"
+    for e in (mha, tied):
+        assert e["s_per_step"] is None and e["wall_s_per_step"] is None
+        assert e["time_ratio_vs_mha"] is None and e["time_ratio_ci_vs_mha"] is None
+        assert e["wall_time_ratio_vs_mha"] is None
+    assert tied["train_bytes_ratio_vs_mha"] > 0  # memory is exact and still there
+    derived = {k: v for e in (mha, tied) for k, v in e.items() if not k.startswith(("step_", "round_"))}
+    json.dumps(derived, allow_nan=False)  # only the raw clock readings keep what the clock said
+    assert an.time_ratio(cost, "damcha-heads-tied") is None and an._s_per_step(cost, "mha") is None
+    rows = [line for line in cost_table(cost).splitlines() if line.startswith(("| mha |", "| damcha-heads-tied |"))]
+    assert len(rows) == 2 and all(row.count("| n/a |") >= 3 for row in rows)  # ms/step, ratio, CI, wall ratio
+    assert "no time ratio: thread CPU time" in cost_caption(cost)
+    reason = an.no_time_ratio(cost)
+    assert reason == f"thread CPU time: {cost['unusable_clocks']['thread_time']}", reason
 
 
 def test_choose_clock_picks_thread_time_only_for_one_cpu_thread():
