@@ -197,6 +197,55 @@ def _sibling_cost(path: Path, results: dict[str, Any]) -> dict[str, Any] | None:
     return cost if ok and isinstance(cost.get("variants"), dict) else None
 
 
+def _check_results_files(out: Path, name: str, preset: Any, device_type: Any) -> None:
+    """Exit 2 when ``out`` holds this command's results or cost file (``NAME.json``,
+    ``NAME_cost.json``) of another preset or device type.
+
+    The run folders are kept apart by preset and device type (``runs/TASK-PRESET-DEVICE``), but
+    these files are named by task and suite only: writing them replaced, say, a CUDA ``large``
+    run's results with a CPU smoke run's, and a results file beside a cost file of another run
+    made the report pair them. The same preset and device type (a rerun, another ``--variants``
+    subset) replace them as before, and so is a file that cannot be read or records neither.
+    """
+    for path in (out / f"{name}.json", out / f"{name}_cost.json"):
+        try:
+            obj = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, ValueError):
+            continue
+        if not isinstance(obj, dict):
+            continue
+        differ = [
+            f"{label} {obj[key]!r} there, {mine!r} here"
+            for key, label, mine in (("preset", "preset", preset), ("device", "device type", device_type))
+            if obj.get(key) is not None and mine is not None and obj[key] != mine
+        ]
+        if differ:
+            _fail(
+                "--out",
+                f"{path} holds the results of another run ({'; '.join(differ)}); results files are named by task, "
+                "not by preset or device, so this command would replace them: give it another --out",
+            )
+
+
+def _note_runs_elsewhere(out: Path, cfg, variants: list[str], device_type: str) -> None:
+    """One line on stderr when ``out`` holds no run of this command on its device type to resume
+    but runs of it on another: those are never resumed here (another device gives other numbers),
+    so training starts over; said, since a forgotten ``--device`` would otherwise retrain silently."""
+    from ._suite import run_group, runs_by_device
+
+    found = runs_by_device(out, cfg, variants)
+    others = {d: n for d, n in found.items() if d != device_type}
+    if not others or found.get(device_type):
+        return
+    where = ", ".join(f"{n} on {d} ({run_group(out, cfg, d).name})" for d, n in others.items())
+    print(
+        f"{PROG}: note: no run of {cfg.task} ({cfg.preset}) on {device_type} to resume in {out / 'runs'}, but "
+        f"{where}: this command starts over on {device_type} in {run_group(out, cfg, device_type).name} and "
+        f"leaves those alone (--device {next(iter(others))} resumes them)",
+        file=sys.stderr,
+    )
+
+
 def _check_device(text: str) -> str:
     if not re.fullmatch(r"cpu|cuda(:\d+)?|mps|xpu(:\d+)?|meta", text):
         _fail("--device", f"expected cpu, cuda or cuda:N, got {text!r}")
@@ -337,6 +386,8 @@ def _train_main(argv: list[str]) -> int:
         results = _read_results("--from-json", args.from_json, args.task)
         from ._report import markdown_table, stem, write_json, write_results
 
+        # This command's preset and device are those of the results it writes (--preset is not read).
+        _check_results_files(out, stem(results), results.get("preset"), results.get("device"))
         try:
             table = markdown_table(results)
         except (KeyError, TypeError, ValueError, IndexError) as exc:
@@ -360,6 +411,8 @@ def _train_main(argv: list[str]) -> int:
     if args.task == "digits":
         cu.require("sklearn", "experiments", "TASK", prog=PROG, why="scikit-learn's bundled 8x8 digits")
     device = _check_device(args.device)
+    name = cfg.task if args.suite == "headline" else f"{cfg.task}_{args.suite}"
+    _check_results_files(out, name, cfg.preset, device.partition(":")[0])
 
     import torch
 
@@ -420,6 +473,7 @@ def _train(args, cfg, variants, out, device, should_stop) -> int:
         print(f"{cost_caption(cost)}\n\n{cost_table(cost)}")
         print("\nwrote " + ", ".join(str(p) for p in written.values()))
         return 0
+    _note_runs_elsewhere(out, cfg, variants, device.type)
     runs_per_variant = len(cfg.lrs) * cfg.sweep_seeds + cfg.seeds - cfg.sweep_seeds
     bar = cu.Progress(len(variants) * runs_per_variant, f"{cfg.task} ({cfg.preset})", enabled=not args.no_progress)
     try:

@@ -29,8 +29,30 @@ from ._train import check_run_dir, model_width, run_environment, run_identity, t
 from ._variants import get_variant
 
 
+def run_group(out: Path, cfg: TaskConfig, device_type: str) -> Path:
+    """The folder of ``cfg``'s task and preset's runs on a device type: ``out/runs/TASK-PRESET-DEVICE``."""
+    return out / "runs" / f"{cfg.task}-{cfg.preset}-{device_type}"
+
+
 def run_folder(out: Path, cfg: TaskConfig, device: torch.device, variant: str, lr: float, seed: int) -> Path:
-    return out / "runs" / f"{cfg.task}-{cfg.preset}-{device.type}" / variant / f"lr{lr:g}" / f"seed{seed}"
+    return run_group(out, cfg, device.type) / variant / f"lr{lr:g}" / f"seed{seed}"
+
+
+def runs_by_device(out: Path, cfg: TaskConfig, variants: list[str]) -> dict[str, int]:
+    """How many run folders of ``variants`` (any rate and seed) at ``cfg``'s task and preset hold a
+    result or a checkpoint, per device type (from the folder names, ``run_group``); types with none
+    are left out. Reads no file, so it needs no GPU."""
+    prefix = f"{cfg.task}-{cfg.preset}-"  # task and preset names hold no "-"
+    counts: dict[str, int] = {}
+    for group in sorted((out / "runs").glob(f"{prefix}*")):
+        n = sum(
+            (folder / "result.json").exists() or (folder / "checkpoint.pt").exists()
+            for name in variants
+            for folder in (group / name).glob("lr*/seed*")
+        )
+        if n:
+            counts[group.name[len(prefix) :]] = n
+    return counts
 
 
 def choose_lr(cfg: TaskConfig, sweep: dict[float, list[dict[str, Any]]]) -> float:

@@ -274,3 +274,102 @@ def test_charlm_eval_size_limit_is_the_number_of_distinct_windows():
         assert len(np.unique(np.linspace(0, last_start, count).astype(np.int64))) == distinct
     wins, targets = _data.lm_eval_windows(corpus.val, cfg.seq_len, limit)
     assert wins.shape == (limit, cfg.seq_len, 1) and targets.shape == (limit, cfg.seq_len)
+
+
+# In-process (the CLI's main), small: smoke preset, one variant, one rate and seed, 2 steps, JSON only.
+SMOKE = ["--preset", "smoke", "--seeds", "1", "--lrs", "1e-3", "--max-steps", "2", "--no-plots", "--no-progress"]
+
+
+def _main(args: list[str], capsys) -> tuple[int, str]:
+    from damcha_experiments._cli import main
+
+    code = main(args)
+    return code, capsys.readouterr().err
+
+
+def _results_file(task: str, suite: str, preset: str, device: str, *, cost: bool = False) -> str:
+    from damcha_experiments._tasks import RESULTS_FORMAT
+
+    obj = {"format": RESULTS_FORMAT, "task": task, "suite": suite, "preset": preset, "device": device}
+    return json.dumps(obj | ({"kind": "cost", "variants": {"mha": {}}} if cost else {"variants": {"mha": {}}}))
+
+
+@pytest.mark.parametrize(
+    "file, args, recorded, differing",
+    [
+        ("digits.json", [], {"preset": "large"}, "preset 'large' there, 'smoke' here"),
+        ("digits.json", [], {"device": "cuda"}, "device type 'cuda' there, 'cpu' here"),
+        (
+            "digits.json",
+            [],
+            {"preset": "large", "device": "cuda"},
+            "preset 'large' there, 'smoke' here; device type 'cuda' there, 'cpu' here",
+        ),
+        ("digits_cost.json", [], {"device": "cuda"}, "device type 'cuda' there, 'cpu' here"),
+        ("digits_cost.json", ["--no-cost"], {"preset": "full"}, "preset 'full' there, 'smoke' here"),
+        ("digits.json", ["--cost-only"], {"preset": "large"}, "preset 'large' there, 'smoke' here"),
+        ("digits_ablation.json", ["--suite", "ablation"], {"device": "cuda"}, "device type 'cuda' there, 'cpu' here"),
+        ("digits_ablation_cost.json", ["--suite", "ablation"], {"preset": "default"}, "preset 'default' there"),
+    ],
+    ids=["preset", "device", "both", "cost-file", "cost-file-no-cost", "cost-only", "ablation", "ablation-cost"],
+)
+def test_results_of_another_preset_or_device_are_refused_before_any_work(
+    file, args, recorded, differing, tmp_path, capsys
+):
+    """The results files are named by task (and suite), not by preset or device as the run folders
+    are: a CPU smoke run into a folder holding a CUDA `large` run's digits.json (or its cost file, or
+    the ablation's) silently replaced them. Now it exits 2 before any work, naming the file and the
+    differing fields; nothing in the folder changes."""
+    out = tmp_path / "out"
+    out.mkdir()
+    suite = "ablation" if "ablation" in file else "headline"
+    mine = {"preset": "smoke", "device": "cpu"} | recorded
+    (out / file).write_text(_results_file("digits", suite, mine["preset"], mine["device"], cost="cost" in file))
+    before = _snapshot(tmp_path)
+    code, err = _main(["digits", *SMOKE, "--variants", "mha", *args, "--out", str(out)], capsys)
+    assert code == 2, err
+    (line,) = err.strip().splitlines()
+    assert line.startswith(f"damcha experiment: error: --out: {out / file} holds the results of another run ("), line
+    assert differing in line and "give it another --out" in line
+    assert _snapshot(tmp_path) == before  # no run folder, no results file
+
+
+def test_same_preset_and_device_reruns_and_subsets_still_write_and_from_json_is_checked(tmp_path, capsys):
+    """A rerun on the same preset and device type, or another --variants subset (the project splits
+    its runs over processes so), replaces the results files as before; relabelled as a CUDA `large`
+    run's, the same files are refused, for training and for --from-json alike."""
+    out = tmp_path / "out"
+    code, err = _main(["digits", *SMOKE, "--variants", "mha", "--out", str(out)], capsys)
+    assert code == 0, err
+    first = json.loads((out / "digits.json").read_text())
+    assert (first["preset"], first["device"], list(first["variants"])) == ("smoke", "cpu", ["mha"])
+    assert json.loads((out / "digits_cost.json").read_text())["preset"] == "smoke"
+    code, err = _main(["digits", *SMOKE, "--variants", "talking-heads", "--no-cost", "--out", str(out)], capsys)
+    assert code == 0, err
+    assert list(json.loads((out / "digits.json").read_text())["variants"]) == ["talking-heads"]
+    saved = tmp_path / "smoke-digits.json"
+    saved.write_text(json.dumps(first))
+    (out / "digits.json").write_text(json.dumps(first | {"preset": "large", "device": "cuda"}))
+    before = _snapshot(tmp_path)
+    for args in (["digits", *SMOKE, "--variants", "mha"], ["digits", "--from-json", str(saved), "--no-plots"]):
+        code, err = _main([*args, "--out", str(out)], capsys)
+        assert code == 2 and "preset 'large' there, 'smoke' here; device type 'cuda' there, 'cpu' here" in err, err
+        assert _snapshot(tmp_path) == before
+
+
+def test_a_rerun_on_another_device_type_says_it_starts_over(tmp_path, capsys):
+    """Runs of another device type are never resumed (other numbers): a CPU rerun of a command whose
+    runs are all in runs/digits-smoke-cuda trains afresh, as before, but now says so in one line."""
+    out = tmp_path / "out"
+    cuda = out / "runs" / "digits-smoke-cuda" / "mha" / "lr0.001" / "seed0"
+    cuda.mkdir(parents=True)
+    (cuda / "checkpoint.pt").write_bytes(b"a CUDA run's checkpoint (never read on the CPU)")
+    args = ["digits", *SMOKE, "--variants", "mha", "--no-cost", "--out", str(out)]
+    code, err = _main(args, capsys)
+    assert code == 0, err
+    (line,) = [x for x in err.splitlines() if x.strip()]
+    assert line.startswith(f"damcha experiment: note: no run of digits (smoke) on cpu to resume in {out / 'runs'}")
+    assert "1 on cuda (digits-smoke-cuda)" in line and "starts over on cpu" in line, line
+    assert (out / "runs" / "digits-smoke-cpu" / "mha" / "lr0.001" / "seed0" / "result.json").exists()
+    code, err = _main(args, capsys)  # its own runs now: resumed, no note
+    assert code == 0 and "note" not in err, err
