@@ -333,8 +333,20 @@ def test_use_causal_mask_takes_truthy_values_as_keras_does(flag):
 
 @pytest.mark.parametrize(
     "flag",
-    [None, False, True, 0, 1, np.True_, np.False_, "tensor-True", "tensor-False"],
-    ids=["None", "False", "True", "0", "1", "np.True_", "np.False_", "tensor-True", "tensor-False"],
+    [None, False, True, 0, 1, np.True_, np.False_, np.array(True), np.array(0), "tensor-True", "tensor-False"],
+    ids=[
+        "None",
+        "False",
+        "True",
+        "0",
+        "1",
+        "np.True_",
+        "np.False_",
+        "array-True",
+        "array-0",
+        "tensor-True",
+        "tensor-False",
+    ],
 )
 def test_training_takes_what_keras_takes(flag):
     """None or a truthy flag known at call time, as Keras Dropout reads it: dropout
@@ -348,23 +360,64 @@ def test_training_takes_what_keras_takes(flag):
     assert np.array_equal(out, off) is not truthy
 
 
-@pytest.mark.parametrize("value", ["yes", "False", 1.0, [True]], ids=["yes", "str-False", "float", "list"])
+# What is not a flag, as each is described in the message. NumPy float scalars and
+# 0-d float/str arrays have a shape () and a dtype, and used to be read as truthy
+# concrete scalars (np.float64(0.5), np.array(0.5): dropout on) where 0.5 is refused.
+NOT_FLAGS = {
+    "yes": ("yes", "'yes'"),
+    "str-False": ("False", "'False'"),
+    "float": (1.0, "1.0"),
+    "list": ([True], r"\[True\]"),
+    "np.float64": (np.float64(0.5), "0.5"),
+    "np.float32-0": (np.float32(0.0), "0.0"),
+    "array-float": (np.array(0.5), r"ndarray\(shape=\(\), dtype=float64\)"),
+    "array-str": (np.array("yes"), r"ndarray\(shape=\(\), dtype=<U3\)"),
+    "array-object": (np.array(True, dtype=object), r"ndarray\(shape=\(\), dtype=object\)"),
+    "array-1d-bool": (np.array([True]), r"ndarray\(shape=\(1,\), dtype=bool\)"),
+    "tensor-float": ("tensor-float", r"\w+\(shape=\(\), dtype=[^)]*float32'?>?\)"),
+}
+
+
+def _not_flag(key):
+    value, shown = NOT_FLAGS[key]
+    return (keras.ops.convert_to_tensor(0.5), shown) if key == "tensor-float" else (value, shown)
+
+
+@pytest.mark.parametrize("key", list(NOT_FLAGS))
 @pytest.mark.parametrize("where", ["layer", "encoder"])
-def test_training_refuses_what_is_not_a_flag(value, where):
-    """A string is truthy: training="False" used to switch dropout on; the message
-    names `training` as the other flags' do, in the layer and in the blocks."""
+def test_training_refuses_what_is_not_a_flag(key, where):
+    """A string is truthy: training="False" used to switch dropout on, and so did a
+    NumPy float scalar or 0-d float array (a Python float was refused); the message
+    names `training`, the value and what is expected, in the layer and in the blocks."""
     from damcha_keras import TransformerEncoder
 
+    value, shown = _not_flag(key)
     x = rng(17).normal(size=(B, N, E)).astype("float32")
     match = (
-        r"Invalid argument `training`: expected None or a bool \(or an int / concrete scalar, read as truthy\), "
-        r"known when the layer is called\. Received: training="
+        r"Invalid argument `training`: expected None or a bool \(or an int / a concrete scalar tensor or array "
+        r"of a bool or integer dtype, read as truthy\), known when the layer is called\. "
+        rf"Received: training={shown}(\x1b|\n|$)"  # Keras appends its own context
     )
     with pytest.raises(dc.DamchaTypeError, match=match):
         if where == "layer":
-            DamchaAttention(2, 4)(x, x, training=value)
+            DamchaAttention(2, 4, dropout=0.5)(x, x, training=value)
         else:
-            TransformerEncoder(16, 2)(x, training=value)
+            TransformerEncoder(16, 2, dropout=0.5)(x, training=value)
+
+
+@pytest.mark.parametrize("key", list(NOT_FLAGS))
+@pytest.mark.parametrize("name", ["use_causal_mask", "return_attention_scores"])
+def test_call_flags_refuse_what_is_not_a_flag(key, name):
+    """The other call flags follow the same rule (np.float64(0.5) switched the causal mask on)."""
+    value, shown = _not_flag(key)
+    x = rng(17).normal(size=(B, N, E)).astype("float32")
+    match = (
+        rf"Invalid argument `{name}`: expected a bool \(or an int / a concrete scalar tensor or array "
+        r"of a bool or integer dtype, read as truthy\), known when the layer is called\. "
+        rf"Received: {name}={shown}(\x1b|\n|$)"
+    )
+    with pytest.raises(dc.DamchaTypeError, match=match):
+        DamchaAttention(2, 4)(x, x, **{name: value})
 
 
 def test_training_traced_is_taken_where_keras_mha_takes_it():

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 import damcha_core as dc
+import keras
 from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, describe
 from keras import ops
 
@@ -95,48 +96,86 @@ def check_attention_axes(axes: Any) -> tuple[int, ...] | None:
 # -------------------------------------------------------------------- call
 
 
+# What a flag may be beside the Python/NumPy bools and ints, in the refusals.
+_FLAG_EXPECTED = (
+    "a bool (or an int / a concrete scalar tensor or array of a bool or integer dtype, read as truthy), "
+    "known when the layer is called"
+)
+
+
+def _flag_scalar(value: Any) -> bool:
+    """Whether ``value`` is a scalar tensor or array of a bool or integer dtype.
+
+    The dtype is read, not only the shape: NumPy float scalars (np.float64 is a
+    float subclass with a shape and a dtype) and 0-d float/str arrays would
+    otherwise be read as truthy (np.float64(0.5): dropout on) where the Python
+    float 0.5 is refused. The dtype is static, so this holds for traced values too."""
+    if not (hasattr(value, "shape") and hasattr(value, "dtype")):
+        return False
+    try:
+        shape, dtype = tuple(value.shape), keras.backend.standardize_dtype(value.dtype)
+    except Exception:  # noqa: BLE001 - unknown rank, or a dtype Keras has no name for (str, object): not a flag
+        return False
+    return shape == () and (dtype == "bool" or dtype.startswith(("int", "uint")))
+
+
+def _refuse_flag(name: str, value: Any, expected: str) -> DamchaTypeError:
+    return DamchaTypeError(dc.invalid_argument(name, expected, f"{name}={describe(value)}"))
+
+
 def flag(name: str, value: Any) -> bool:
     """A truthy call flag as Keras takes it: a Python or NumPy bool or int, or a
-    concrete scalar tensor (Keras turns NumPy scalars into tensors before ``call``)."""
+    concrete scalar tensor or array of a bool or integer dtype (Keras turns NumPy
+    scalars into tensors before ``call``)."""
     if isinstance(value, (bool, int, np.bool_, np.integer)):
         return bool(value)
-    if hasattr(value, "shape") and hasattr(value, "dtype") and tuple(value.shape) == ():
+    if _flag_scalar(value):
         try:
             return bool(np.asarray(ops.convert_to_numpy(value)))
         except Exception:  # noqa: BLE001 - traced (each backend raises its own error type): the layer's structure cannot depend on it
             pass
-    raise DamchaTypeError(
-        dc.invalid_argument(
-            name,
-            "a bool (or an int / concrete scalar, read as truthy), known when the layer is called",
-            f"{name}={describe(value)}",
-        )
-    )
+    raise _refuse_flag(name, value, _FLAG_EXPECTED)
 
 
 def training_flag(value: Any) -> Any:
     """``training`` as Keras passes it (None: not given and no outer layer's,
     else what the caller gave; fit/evaluate/predict give Python bools), read
-    by the rule of the other call flags, except that a traced scalar is passed
-    on as it is: Keras MHA takes one under tf.function when it has no dropout,
-    so this layer does too. A string ("no" is truthy), a float or a non-scalar
-    is refused instead of switching dropout on."""
+    by the rule of the other call flags, except that a traced scalar of a bool
+    or integer dtype is passed on as it is: Keras MHA takes one under
+    tf.function when it has no dropout, so this layer does too. A string ("no"
+    is truthy), a float (Python or NumPy, or a float tensor or array) or a
+    non-scalar is refused instead of switching dropout on."""
     if value is None or isinstance(value, bool):  # what Keras itself passes: no other test on the hot path
         return value
     if isinstance(value, (int, np.bool_, np.integer)):
         return bool(value)
-    if hasattr(value, "shape") and hasattr(value, "dtype") and tuple(value.shape) == ():
+    if _flag_scalar(value):
         try:
             return bool(np.asarray(ops.convert_to_numpy(value)))
         except Exception:  # noqa: BLE001 - traced (each backend raises its own error type): passed on, see above
             return value
-    raise DamchaTypeError(
-        dc.invalid_argument(
-            "training",
-            "None or a bool (or an int / concrete scalar, read as truthy), known when the layer is called",
-            f"training={describe(value)}",
-        )
-    )
+    raise _refuse_flag("training", value, f"None or {_FLAG_EXPECTED}")
+
+
+# The call flags' positions in ``call`` (the attention layer's, the blocks').
+ATTENTION_FLAGS = {"return_attention_scores": 7, "training": 8, "use_causal_mask": 9}
+BLOCK_FLAGS = {"training": 3}
+
+
+def check_numpy_flags(positions: Mapping[str, int], args: tuple, kwargs: Mapping[str, Any]) -> None:
+    """The call flags given as NumPy scalars or arrays, checked before Keras's
+    ``__call__`` turns them into tensors: the message then shows the value as
+    given (np.float64(0.5) as 0.5, as the Python float is shown, not as the
+    float32 tensor it becomes), and a str or object array gets this refusal
+    rather than the backend's conversion error. ``call`` checks every flag
+    again (tensors, Python values)."""
+    for name, position in positions.items():
+        value = kwargs[name] if name in kwargs else args[position] if position < len(args) else None
+        if isinstance(value, (np.generic, np.ndarray)):
+            if name == "training":
+                training_flag(value)
+            else:
+                flag(name, value)
 
 
 # ------------------------------------------------------------------ shapes

@@ -11,7 +11,7 @@ import damcha_core as dc
 import keras
 from damcha_core import DamchaValueError, describe
 
-from . import _canonical
+from . import _args, _canonical
 from ._generator import MetricGenerator, serialize_generator
 from ._layer import DamchaAttention
 
@@ -97,6 +97,11 @@ class _Block(keras.layers.Layer):
         }
         self.metric_generator = metric_generator
         self.seed = dc.check_seed("seed", seed)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # A NumPy `training` is checked as given, before Keras makes it a tensor.
+        _args.check_numpy_flags(_args.BLOCK_FLAGS, args, kwargs)
+        return super().__call__(*args, **kwargs)
 
     def build(self, inputs_shape: tuple) -> None:
         hidden = inputs_shape[-1]

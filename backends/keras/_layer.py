@@ -571,6 +571,7 @@ class DamchaAttention(keras.layers.Layer):
                         name, "a tensor or a NumPy array, (batch, length, features)", f"{name}={describe(value)}"
                     )
                 )
+        _args.check_numpy_flags(_args.ATTENTION_FLAGS, args, kwargs)
         return super().__call__(*args, **kwargs)
 
     def call(
