@@ -462,6 +462,62 @@ def test_block_input_errors_name_x(module: str, x: object, error: type, expected
         m(x)
 
 
+@pytest.mark.parametrize("module", ["block", "encoder"])
+@pytest.mark.parametrize(
+    "shape",
+    [(8,), (2, 3, 7), (3, 7), (2, 2, 3, 7), (2, 0, 8), (0, 8), (2, 2, 0, 8), (2, 0, 7)],
+    ids=[
+        "rank-1",
+        "features",
+        "unbatched-features",
+        "two-batch-axes-features",
+        "empty",
+        "unbatched-empty",
+        "two-batch-axes-empty",
+        "empty-and-features",
+    ],
+)
+def test_block_x_is_refused_as_the_attention_refuses_inputs_q(module: str, shape: tuple) -> None:
+    """The blocks' ``x`` and the attention's ``inputs_q`` follow one rule: each
+    refusal of the block is the attention layer's (its own in-module check, an
+    independent caller) with ``x`` for ``inputs_q``."""
+    x = np.zeros(shape, np.float32)
+    m = (
+        dj.DamchaEncoderBlock(8, 2, 16, rngs=nnx.Rngs(0))
+        if module == "block"
+        else dj.DamchaEncoder(1, 8, 2, 16, rngs=nnx.Rngs(0))
+    )
+    with pytest.raises(dc.DamchaValueError) as want:
+        _layer()(x)
+    with pytest.raises(dc.DamchaValueError) as got:
+        m(x)
+    assert "inputs_q" in str(want.value)
+    assert str(got.value) == str(want.value).replace("inputs_q", "x")
+
+
+def test_blocks_and_attention_share_one_token_shape_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The blocks' ``_check_x`` repeated the attention's rank/feature/empty rules
+    in a copy of its own; both now call ``_layer.check_token_shape`` with their
+    argument's name, so the two cannot drift apart."""
+    from damcha_jax import _blocks
+    from damcha_jax import _layer as layer_module
+
+    calls: list[str] = []
+    real = layer_module.check_token_shape
+
+    def spy(name, shape, *args, **kwargs):
+        calls.append(name)
+        return real(name, shape, *args, **kwargs)
+
+    monkeypatch.setattr(layer_module, "check_token_shape", spy)
+    monkeypatch.setattr(_blocks, "check_token_shape", spy)
+    dj.DamchaEncoderBlock(8, 2, 16, rngs=nnx.Rngs(0))(X)
+    assert calls[0] == "x" and "inputs_q" in calls
+    calls.clear()
+    _layer()(X, X[:, :3])
+    assert {"inputs_q", "inputs_k"} <= set(calls)
+
+
 def test_bad_dropout_key_and_block_arguments_are_named() -> None:
     with pytest.raises(dc.DamchaTypeError, match="Invalid argument `dropout_rng`: expected a JAX PRNG key"):
         dj.damcha_attention(PARAMS, CFG.replace(dropout=0.5), X, deterministic=False, dropout_rng=3)

@@ -28,7 +28,7 @@ from damcha_core import (
 from ._canonical import check_compute_fit
 from ._canonical import variables as canonical_variables
 from ._generator import MetricGenerator, make_metric_generators
-from ._layer import DamchaAttention, attention_config
+from ._layer import DamchaAttention, attention_config, check_token_shape
 
 Array = jax.Array
 
@@ -36,17 +36,11 @@ Array = jax.Array
 def _check_x(x: Any, features: int) -> None:
     """The blocks' ``x`` (..., N, E), checked here so that a mistake is named
     ``x`` (the attention inside calls it ``inputs_q``) and is not a LayerNorm
-    reshape error."""
+    reshape error; the shape rules are the attention's own (``check_token_shape``)."""
     shape = getattr(x, "shape", None)
     if shape is None:
         raise DamchaTypeError(invalid_argument("x", "an array (..., N, E)", f"x={describe(x)}"))
-    received = f"x.shape={tuple(shape)}"
-    if len(shape) < 2:
-        raise DamchaValueError(invalid_argument("x", "shape [batch..., length, features] (rank >= 2)", received))
-    if shape[-1] != features:
-        raise DamchaValueError(invalid_argument("x", f"{features} features (in_features)", received))
-    if 0 in shape:
-        raise DamchaValueError(invalid_argument("x", "a non-empty shape (no size-0 dim)", received))
+    check_token_shape("x", shape, features)
 
 
 class DamchaEncoderBlock(nnx.Module):

@@ -181,6 +181,25 @@ def _mask_view(mask_shape: tuple[int, ...], rank: int) -> tuple[int, ...]:
     return mask_shape
 
 
+def check_token_shape(
+    name: str, shape: tuple[int, ...], features: int | None = None, features_arg: str = "in_features"
+) -> None:
+    """The rules on a token array's shape [batch..., length, features], named
+    as the caller names the argument (the attention's ``inputs_q``/``inputs_k``/
+    ``inputs_v``, the blocks' ``x``): rank >= 2, then, when ``features`` is
+    given, that feature size (the constructor argument ``features_arg``) and
+    no size-0 dim. One rule for all, so their refusals cannot drift apart."""
+    received = f"{name}.shape={tuple(shape)}"
+    if len(shape) < 2:
+        raise DamchaValueError(invalid_argument(name, "shape [batch..., length, features] (rank >= 2)", received))
+    if features is None:
+        return
+    if shape[-1] != features:
+        raise DamchaValueError(invalid_argument(name, f"{features} features ({features_arg})", received))
+    if 0 in shape:
+        raise DamchaValueError(invalid_argument(name, "a non-empty shape (no size-0 dim)", received))
+
+
 def _check_inputs(
     config: DamchaConfig, x: Array, k: Array | None, v: Array | None, mask: Array | None, *, keys: int | None = None
 ) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
@@ -190,12 +209,8 @@ def _check_inputs(
     then spans the cache)."""
     names = {"inputs_q": x, "inputs_k": k, "inputs_v": v}
     for name, t in names.items():
-        if t is not None and t.ndim < 2:
-            raise DamchaValueError(
-                invalid_argument(
-                    name, "shape [batch..., length, features] (rank >= 2)", f"{name}.shape={tuple(t.shape)}"
-                )
-            )
+        if t is not None:
+            check_token_shape(name, t.shape)
     lead = tuple(x.shape[:-2])
     for name in ("inputs_k", "inputs_v"):
         t = names[name]
@@ -226,16 +241,8 @@ def _check_inputs(
         ("inputs_k", k, config.context_dim, "in_kv_features"),
         ("inputs_v", v, config.value_input_dim, "in_v_features"),
     ):
-        if t is None:
-            continue
-        if t.shape[-1] != features:
-            raise DamchaValueError(
-                invalid_argument(name, f"{features} features ({arg})", f"{name}.shape={tuple(t.shape)}")
-            )
-        if 0 in t.shape:
-            raise DamchaValueError(
-                invalid_argument(name, "a non-empty shape (no size-0 dim)", f"{name}.shape={tuple(t.shape)}")
-            )
+        if t is not None:
+            check_token_shape(name, t.shape, features, arg)
     B = int(np.prod(lead)) if lead else 1
     N = x.shape[-2]
     M = keys if keys is not None else (x if k is None else k).shape[-2]
