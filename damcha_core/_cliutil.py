@@ -10,7 +10,8 @@ Exit statuses: 0 ok, 1 a check failed (a mismatch), 2 bad arguments.
 - ``usage_error(flag, message, prog=...)``: print one line, exit 2.
 - ``run_main(main, argv)``: a subcommand's ``main`` returning its status.
 - ``int_arg(minimum)``: an argparse ``type=`` for bounded integers.
-- ``check_output_file``/``check_output_dir``/``check_input_file``: path checks.
+- ``check_output_file``/``check_output_dir``/``check_input_file``: path checks;
+  ``writable_dir``: whether a file can be created in a folder (probed with one).
 - ``require(module, extra, flag, prog=...)``: an optional import, with the
   smallest extra that installs it.
 - ``atomic_write``/``atomic_dir``: write a file, or a folder of files, so
@@ -161,8 +162,17 @@ def int_arg(minimum: int | None = None, maximum: int | None = None) -> Callable[
     return parse
 
 
-def _writable_dir(path: Path) -> bool:
-    # Probe with a real file: permission bits do not tell for root, nor for read-only mounts.
+def writable_dir(path: str | os.PathLike[str]) -> bool:
+    """Whether a file can be created in the folder ``path``, found by creating one.
+
+    Permission bits do not tell: os.access says yes to root everywhere, also
+    where no file can be created (/proc, a cgroup folder, some FUSE and
+    network mounts). The probe is a temporary file of its own (O_TMPFILE,
+    which has no name, or else a fresh name opened with O_EXCL, never an
+    existing file) that is removed at once: it leaves nothing behind and
+    touches no file of the user's. Shared by the CLIs' path checks and the
+    ONNX API's ``check_path``."""
+    path = Path(path)
     if not (path.is_dir() and os.access(path, os.W_OK | os.X_OK)):
         return False
     try:
@@ -200,7 +210,7 @@ def check_output_file(
     parent = p.parent if str(p.parent) else Path(".")
     if not parent.is_dir():
         usage_error(flag, f"folder {str(parent)!r} does not exist. Received: {str(p)!r}", prog=prog)
-    if not _writable_dir(parent):
+    if not writable_dir(parent):
         usage_error(flag, f"folder {str(parent)!r} is not writable. Received: {str(p)!r}", prog=prog)
     if p.exists():
         if not overwrite:
@@ -227,7 +237,7 @@ def check_output_dir(path: str | os.PathLike[str] | None, flag: str, *, prog: st
         existing = existing.parent
     if not existing.is_dir():
         usage_error(flag, f"{str(existing)!r} is not a folder. Received: {str(p)!r}", prog=prog)
-    if not _writable_dir(existing):
+    if not writable_dir(existing):
         usage_error(flag, f"folder {str(existing)!r} is not writable. Received: {str(p)!r}", prog=prog)
     return p
 

@@ -41,7 +41,8 @@ def is_onnx_path(path: str) -> bool:
 
 def check_path(path: Any, name: str = "path") -> str | None:
     """``path`` as a ``str`` (or ``None``): a ``.onnx`` file path whose directory
-    exists, not a directory, not a read-only file. Called before any work is done."""
+    exists and takes a new file (probed: one is created and removed), not a
+    directory, not a read-only file. Called before any work is done."""
     if path is None:
         return None
     if not isinstance(path, (str, os.PathLike)):
@@ -60,15 +61,19 @@ def check_path(path: Any, name: str = "path") -> str | None:
         )
     # read_only, not os.access alone: root may write anything, yet a file
     # without write bits was marked by its owner as not to be replaced.
-    from damcha_core._cliutil import read_only
+    from damcha_core._cliutil import read_only, writable_dir
 
     if os.path.isfile(path) and read_only(path):
         raise DamchaValueError(
             invalid_argument(name, "a path that is not a read-only file (it is not replaced)", f"{name}={path!r}")
         )
-    if not os.access(parent, os.W_OK):
+    # A file created and removed there, not os.access (yes for root, also where no
+    # file can be created): else the export fails after its work, with a raw OSError.
+    if not writable_dir(parent):
         raise DamchaValueError(
-            invalid_argument(name, "a path in a writable directory", f"{name}={path!r} ({parent!r} is read-only)")
+            invalid_argument(
+                name, "a path in a writable directory", f"{name}={path!r} (no file can be created in {parent!r})"
+            )
         )
     return path
 

@@ -164,6 +164,21 @@ def test_a_read_only_out_is_refused(params_file, tmp_path):
     assert out.read_bytes() == b"old"
 
 
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs Linux's /proc")
+def test_an_out_where_no_file_can_be_created_is_refused(params_file, tmp_path):
+    """/proc/self/fd takes no file, even from root (for whom os.access always says
+    writable): one line, exit 2, before any work."""
+    line = one_line_usage_error(export("--params", params_file, "--out", "/proc/self/fd/m.onnx"), "--out")
+    assert line == (
+        "damcha export: error: --out: folder '/proc/self/fd' is not writable. Received: '/proc/self/fd/m.onnx'"
+    )
+    line = one_line_usage_error(
+        export("--params", params_file, "--out", str(tmp_path / "m.onnx"), "--ort-dir", "/proc/self/fd"), "--ort-dir"
+    )
+    assert "folder '/proc/self/fd' is not writable" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.safetensors"]
+
+
 # A runtime that computes one output wrong: onnxruntime (run_ort) as the validation calls it, or the
 # sessions of the .ort files (ort_session), which the .onnx validation does not use.
 _MISMATCH = """

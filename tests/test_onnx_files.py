@@ -161,6 +161,25 @@ def test_output_paths_are_checked_before_any_work(tmp_path):
     _check_matches(str(tmp_path / "z.ONNX"), _params())
 
 
+def _refused_before_any_work(monkeypatch, entry, path, match):
+    """``entry`` writing to ``path`` raises DamchaValueError matching ``match``
+    before the model is built and validated."""
+    model = do.build_model(_params(), CONFIG, causal=True)  # quantize_int8's input, built before the spy
+    encoder = do.EncoderConfig(CONFIG, num_layers=1, ffn_dim=8)
+    encoder_params = do.init_encoder_params(encoder, seed=0)
+    checked = []
+    monkeypatch.setattr(onnx.checker, "check_model", lambda *a, **k: checked.append(a))
+    calls = {
+        "export": lambda: do.export(_params(), CONFIG, path, causal=True),
+        "export_encoder": lambda: do.export_encoder(encoder_params, encoder, path),
+        "quantize_int8": lambda: do.quantize_int8(model, path),
+        "save_model": lambda: onnx_io.save_model(model, path),
+    }
+    with pytest.raises(dc.DamchaValueError, match=match):
+        calls[entry]()
+    assert not checked  # refused before the model was built and validated
+
+
 @pytest.mark.parametrize("entry", ["export", "export_encoder", "quantize_int8"])
 def test_a_read_only_file_is_refused_before_any_work_even_for_root(tmp_path, monkeypatch, entry):
     # 0444: root could write it (os.access says yes), but its owner marked it as
@@ -168,20 +187,60 @@ def test_a_read_only_file_is_refused_before_any_work_even_for_root(tmp_path, mon
     read_only = tmp_path / "ro.onnx"
     read_only.write_bytes(b"keep")
     read_only.chmod(0o444)
-    model = do.build_model(_params(), CONFIG, causal=True)  # quantize_int8's input, built before the spy
-    encoder = do.EncoderConfig(CONFIG, num_layers=1, ffn_dim=8)
-    encoder_params = do.init_encoder_params(encoder, seed=0)
-    checked = []
-    monkeypatch.setattr(onnx.checker, "check_model", lambda *a, **k: checked.append(a))
-    calls = {
-        "export": lambda: do.export(_params(), CONFIG, read_only, causal=True),
-        "export_encoder": lambda: do.export_encoder(encoder_params, encoder, read_only),
-        "quantize_int8": lambda: do.quantize_int8(model, read_only),
-    }
-    with pytest.raises(dc.DamchaValueError, match=r"Invalid argument `path`: .*read-only.*ro\.onnx"):
-        calls[entry]()
-    assert not checked  # refused before the model was built and validated
+    _refused_before_any_work(monkeypatch, entry, read_only, r"Invalid argument `path`: .*read-only.*ro\.onnx")
     assert read_only.read_bytes() == b"keep" and _listing(tmp_path) == ["ro.onnx"]
+
+
+# A directory in which no file can be created, even by root: os.access says it is
+# writable (for root it always does), and it is not a read-only mount either.
+UNWRITABLE_DIR = "/proc/self/fd"
+
+
+@pytest.mark.skipif(not os.path.isdir(UNWRITABLE_DIR), reason="needs Linux's /proc")
+@pytest.mark.parametrize("entry", ["export", "export_encoder", "quantize_int8", "save_model"])
+def test_a_directory_where_no_file_can_be_created_is_refused_before_any_work(monkeypatch, entry):
+    """check_path asked os.access, which answers yes for root: the export did all
+    its work, then failed with a raw FileNotFoundError when it wrote. A file is
+    now created (and removed) there first."""
+    with pytest.raises(OSError), open(os.path.join(UNWRITABLE_DIR, "probe.onnx"), "xb"):
+        pass  # the premise: the directory really takes no file
+    match = (
+        r"^Invalid argument `path`: expected a path in a writable directory\. "
+        r"Received: path='/proc/self/fd/m\.onnx' \(no file can be created in '/proc/self/fd'\)$"
+    )
+    _refused_before_any_work(monkeypatch, entry, os.path.join(UNWRITABLE_DIR, "m.onnx"), match)
+
+
+@pytest.mark.parametrize("tmpfile", [True, False], ids=["O_TMPFILE", "named"])
+def test_the_directory_probe_leaves_no_file_and_keeps_the_users(tmp_path, monkeypatch, tmpfile):
+    """check_path creates a file of its own in the directory (a nameless O_TMPFILE
+    one, or where that is not supported a fresh name opened with O_EXCL, never an
+    existing file) and removes it: the directory is as it was, the user's file
+    of the target's name untouched."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "_O_TMPFILE_WORKS", tmpfile and hasattr(os, "O_TMPFILE"))
+    opened = []
+    real = os.open
+
+    def spy(file, flags, *args, **kwargs):
+        name = os.fspath(file)
+        if name == str(tmp_path) or os.path.dirname(name) == str(tmp_path):
+            opened.append((name, flags))
+        return real(file, flags, *args, **kwargs)
+
+    (tmp_path / "mine.onnx").write_bytes(b"keep")
+    monkeypatch.setattr(os, "open", spy)
+    for _ in range(3):
+        assert onnx_io.check_path(tmp_path / "mine.onnx") == str(tmp_path / "mine.onnx")
+        assert onnx_io.check_path(tmp_path / "new.onnx") == str(tmp_path / "new.onnx")
+    monkeypatch.undo()
+    assert _listing(tmp_path) == ["mine.onnx"] and (tmp_path / "mine.onnx").read_bytes() == b"keep"
+    assert len(opened) >= 6, opened  # a file was really created, on each check
+    for name, flags in opened:
+        nameless = name == str(tmp_path) and hasattr(os, "O_TMPFILE") and flags & os.O_TMPFILE == os.O_TMPFILE
+        fresh = flags & os.O_EXCL and os.path.basename(name) not in ("mine.onnx", "new.onnx")
+        assert nameless or fresh, (name, flags)
 
 
 def test_files_get_the_users_umask(tmp_path):
