@@ -227,6 +227,46 @@ def _check_results_files(out: Path, name: str, preset: Any, device_type: Any) ->
             )
 
 
+def _merge_subset(path: Path, results: dict[str, Any], suite: str) -> dict[str, Any]:
+    """``results`` with the variants of the results file at ``path`` that it does not train added back,
+    when that file records the same task, suite, preset, device type and config.
+
+    The project (and users) train a task's variants in several processes, each with a
+    ``--variants`` subset, against one ``--out``: writing each subset's results alone left the file
+    with the subset that finished last, and the report silently dropped the others. Only plain
+    variant entries are merged: the paired comparisons, Holm corrections and tables are computed
+    from the variants when a report or table is drawn, so they cover the merged set. A file of
+    another config (or unreadable) is replaced as before.
+    """
+    from ._tasks import RESULTS_FORMAT
+    from ._variants import SUITES
+
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return results
+    if not isinstance(old, dict) or old.get("format") != RESULTS_FORMAT or old.get("kind") == "cost":
+        return results
+    if not isinstance(old.get("variants"), dict):
+        return results
+    # Compared through JSON: the config's tuples are lists in the file.
+    mine = json.loads(json.dumps({k: results[k] for k in ("task", "suite", "preset", "device", "config")}))
+    if any(old.get(k) != v for k, v in mine.items()):
+        return results
+    kept = {n: v for n, v in old["variants"].items() if n not in results["variants"]}
+    if not kept:
+        return results
+    merged = kept | results["variants"]
+    # The suite's own order (that of a command training all its variants), then any others as found.
+    order = [n for n in SUITES[suite] if n in merged] + [n for n in merged if n not in SUITES[suite]]
+    print(
+        f"{PROG}: note: {path} already holds {', '.join(kept)} of this task, preset, device type and config: "
+        "kept beside this command's variants",
+        file=sys.stderr,
+    )
+    return results | {"variants": {n: merged[n] for n in order}}
+
+
 def _note_runs_elsewhere(out: Path, cfg, variants: list[str], device_type: str) -> None:
     """One line on stderr when ``out`` holds no run of this command on its device type to resume
     but runs of it on another: those are never resumed here (another device gives other numbers),
@@ -497,6 +537,7 @@ def _train(args, cfg, variants, out, device, should_stop) -> int:
         _fail("--out", f"{exc} (every run folder this command could resume is checked before any training)")
     finally:
         bar.close()
+    results = _merge_subset(out / f"{name}.json", results, args.suite)
     run_cost: dict[str, Any] | None = None
     if not args.no_cost:
         run_cost = measure_cost(cfg, variants, device=device) | {"suite": args.suite}

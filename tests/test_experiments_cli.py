@@ -346,7 +346,7 @@ def test_same_preset_and_device_reruns_and_subsets_still_write_and_from_json_is_
     assert json.loads((out / "digits_cost.json").read_text())["preset"] == "smoke"
     code, err = _main(["digits", *SMOKE, "--variants", "talking-heads", "--no-cost", "--out", str(out)], capsys)
     assert code == 0, err
-    assert list(json.loads((out / "digits.json").read_text())["variants"]) == ["talking-heads"]
+    assert list(json.loads((out / "digits.json").read_text())["variants"]) == ["mha", "talking-heads"]
     saved = tmp_path / "smoke-digits.json"
     saved.write_text(json.dumps(first))
     (out / "digits.json").write_text(json.dumps(first | {"preset": "large", "device": "cuda"}))
@@ -355,6 +355,38 @@ def test_same_preset_and_device_reruns_and_subsets_still_write_and_from_json_is_
         code, err = _main([*args, "--out", str(out)], capsys)
         assert code == 2 and "preset 'large' there, 'smoke' here; device type 'cuda' there, 'cpu' here" in err, err
         assert _snapshot(tmp_path) == before
+
+
+def test_subsets_in_sequence_merge_into_the_all_variant_results(tmp_path, capsys):
+    """Two --variants subsets trained one after the other into one --out (the project splits a
+    task's variants over processes so) left digits.json with the last subset only, and the report
+    dropped the other. Now the second keeps the first's variants: the file equals, variant by
+    variant, that of one command training both; a file of another config is replaced as before."""
+    split, whole = tmp_path / "split", tmp_path / "whole"
+    code, err = _main(["digits", *SMOKE, "--variants", "talking-heads", "--no-cost", "--out", str(split)], capsys)
+    assert code == 0, err
+    code, err = _main(["digits", *SMOKE, "--variants", "mha", "--no-cost", "--out", str(split)], capsys)
+    assert code == 0, err
+    (note,) = [line for line in err.splitlines() if "already holds" in line]
+    assert f"{split / 'digits.json'} already holds talking-heads of this task" in note, note
+    code, err = _main(["digits", *SMOKE, "--variants", "mha,talking-heads", "--no-cost", "--out", str(whole)], capsys)
+    assert code == 0, err
+    merged, one = (json.loads((d / "digits.json").read_text()) for d in (split, whole))
+    assert list(merged["variants"]) == list(one["variants"]) == ["mha", "talking-heads"]
+    for name in one["variants"]:
+        for key in ("test", "val", "chosen_lr", "params", "steps"):
+            assert merged["variants"][name][key] == one["variants"][name][key], (name, key)
+    assert merged["config"] == one["config"]
+    from damcha_experiments._report import markdown_table
+
+    assert markdown_table(merged) == markdown_table(one)  # comparisons recomputed over the merged set
+    # A file of another config (here its step limit relabelled): not merged, replaced by this
+    # command's variants alone, as before.
+    (split / "digits.json").write_text(json.dumps(merged | {"config": merged["config"] | {"max_steps": 3}}))
+    code, err = _main(["digits", *SMOKE, "--variants", "mha", "--no-cost", "--out", str(split)], capsys)
+    assert code == 0, err
+    assert "already holds" not in err
+    assert list(json.loads((split / "digits.json").read_text())["variants"]) == ["mha"]
 
 
 def test_a_rerun_on_another_device_type_says_it_starts_over(tmp_path, capsys):
