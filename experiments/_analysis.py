@@ -255,19 +255,29 @@ def values(
     budget: str,
     b: dict[str, Any] | None = None,
     cost: dict[str, Any] | None = None,
-) -> list[float]:
-    """Test metric per seed (seed order) of ``name`` at ``budget`` ("converged", "steps" or "time")."""
-    runs = sorted(results["variants"][name]["runs"], key=lambda r: r["seed"])
+) -> dict[int, float]:
+    """Test metric of ``name`` at ``budget`` ("converged", "steps" or "time"), keyed by seed."""
+    runs = results["variants"][name]["runs"]
     if budget == "converged":
-        return [r["test_metric"] for r in runs]
+        return {r["seed"]: r["test_metric"] for r in runs}
     if b is None:
         raise DamchaValueError(
             invalid_argument("b", f"the budgets() of the results with budget={budget!r}", f"b=None, budget={budget!r}")
         )
     if budget == "steps":
-        return [value_at(results, r, max_step=b["steps"]) for r in runs]
+        return {r["seed"]: value_at(results, r, max_step=b["steps"]) for r in runs}
     sps = _s_per_step(cost, name) if b["time_source"] == "cost" else None
-    return [value_at(results, r, max_time=b["time_s"], s_per_step=sps) for r in runs]
+    return {r["seed"]: value_at(results, r, max_time=b["time_s"], s_per_step=sps) for r in runs}
+
+
+def paired_by_seed(x: dict[int, float], y: dict[int, float]) -> tuple[list[float], list[float]]:
+    """The values of the seeds both ``x`` and ``y`` have, in seed order.
+
+    Pairs by seed, not by position: with a seed missing on one side (a run not
+    finished, a variant trained with fewer seeds) positional pairing would set
+    seed s of one variant against seed s+1 of the other, which share no data order."""
+    common = sorted(set(x) & set(y))
+    return [x[s] for s in common], [y[s] for s in common]
 
 
 def decide(p_adjusted: float | None, mean: float) -> str:
@@ -298,9 +308,8 @@ def compare(
     base_values = values(results, baseline, budget, b, cost)
     rows = []
     for name in names:
-        mine = values(results, name, budget, b, cost)
-        n = min(len(mine), len(base_values))  # pairs by seed; a shorter list (fewer seeds) pairs its prefix
-        stats = paired_difference(mine[:n], base_values[:n], higher_is_better=higher)
+        mine, theirs = paired_by_seed(values(results, name, budget, b, cost), base_values)
+        stats = paired_difference(mine, theirs, higher_is_better=higher)
         rows.append(
             {
                 "variant": name,
@@ -353,10 +362,9 @@ def damcha_names(results: dict[str, Any]) -> list[str]:
     return [n for n, r in results["variants"].items() if r["kind"] == "damcha"]
 
 
-def _steps_to(results: dict[str, Any], name: str, key: str) -> list[float]:
-    """Steps each seed of variant ``name`` took to reach threshold ``key`` (NaN: never), by seed."""
-    runs = sorted(results["variants"][name]["runs"], key=lambda r: r["seed"])
-    return [r["steps_to_threshold"].get(key) or math.nan for r in runs]
+def _steps_to(results: dict[str, Any], name: str, key: str) -> dict[int, float]:
+    """Steps each seed of variant ``name`` took to reach threshold ``key`` (NaN: never), keyed by seed."""
+    return {r["seed"]: r["steps_to_threshold"].get(key) or math.nan for r in results["variants"][name]["runs"]}
 
 
 def threshold_summary(results: dict[str, Any]) -> list[dict[str, Any]]:
@@ -372,7 +380,7 @@ def threshold_summary(results: dict[str, Any]) -> list[dict[str, Any]]:
         base = _steps_to(results, "mha", key) if "mha" in results["variants"] else None
         for name in results["variants"]:
             s = _steps_to(results, name, key)
-            reached = [x for x in s if math.isfinite(x)]
+            reached = [x for x in s.values() if math.isfinite(x)]
             row = {
                 "variant": name,
                 "threshold": thr,
@@ -382,11 +390,10 @@ def threshold_summary(results: dict[str, Any]) -> list[dict[str, Any]]:
             }
             if base is not None and name != "mha":
                 fill = float(cfg["max_steps"])
-                a = [x if math.isfinite(x) else fill for x in s]
-                bb = [x if math.isfinite(x) else fill for x in base]
-                n = min(len(a), len(bb))
+                a, bb = paired_by_seed(s, base)
+                a, bb = [x if math.isfinite(x) else fill for x in a], [x if math.isfinite(x) else fill for x in bb]
                 # Fewer steps is better.
-                row["vs_mha"] = paired_difference(a[:n], bb[:n], higher_is_better=False)
+                row["vs_mha"] = paired_difference(a, bb, higher_is_better=False)
             rows.append(row)
     return rows
 
@@ -456,14 +463,14 @@ def not_learned(results: dict[str, Any], name: str) -> tuple[int, int] | None:
 def spike_rate_difference(results: dict[str, Any], a: str, b: str) -> dict[str, Any]:
     """Paired difference (a - b, by seed) of loss spikes per 1,000 training steps; positive: ``a`` spikes more."""
 
-    def rates(name: str) -> list[float]:
-        runs = sorted(results["variants"][name]["runs"], key=lambda r: r["seed"])
-        return [1000.0 * r["loss_spikes"] / max(int(r["steps"]), 1) for r in runs]
+    def rates(name: str) -> dict[int, float]:
+        return {
+            r["seed"]: 1000.0 * r["loss_spikes"] / max(int(r["steps"]), 1) for r in results["variants"][name]["runs"]
+        }
 
-    x, y = rates(a), rates(b)
-    n = min(len(x), len(y))
+    x, y = paired_by_seed(rates(a), rates(b))
     # higher_is_better=True keeps the sign: gain = a - b.
-    return paired_difference(x[:n], y[:n], higher_is_better=True)
+    return paired_difference(x, y, higher_is_better=True)
 
 
 def stability(results: dict[str, Any]) -> list[dict[str, Any]]:

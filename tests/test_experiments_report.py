@@ -592,3 +592,30 @@ def test_report_lists_runs_whose_environment_changed(tmp_path):
         "runs recorded theirs) |" in text
     )
     assert "Runs that record no environment (written before runs recorded theirs; unknown): 1." in text
+
+
+def _drop_seed(res, name, seed):
+    res["variants"][name]["runs"] = [r for r in res["variants"][name]["runs"] if r["seed"] != seed]
+
+
+def test_comparisons_pair_runs_by_seed_not_by_position():
+    # Seed s shares its data order across variants; a variant missing seed 1 (a run still training,
+    # a smaller --seeds) must be compared on seeds 0, 2, 3, 4, not shifted onto the baseline's 0-3.
+    mha = [0.50, 0.90, 0.55, 0.60, 0.65]
+    tied = [0.52, 0.92, 0.57, 0.63, 0.66]  # +0.02, +0.02, +0.02, +0.03, +0.01 on the same seeds
+    res = _results("crosshead", {"mha": mha, "damcha-heads-tied": tied})
+    _drop_seed(res, "damcha-heads-tied", 1)
+    row = an.compare(res, ["damcha-heads-tied"], "mha")[0]
+    assert row["n"] == 4
+    assert row["mean"] == pytest.approx((0.02 + 0.02 + 0.03 + 0.01) / 4)  # by position it would be -0.1
+    for r, steps in zip(res["variants"]["mha"]["runs"], [500, 900, 600, 700, 800]):
+        r["steps_to_threshold"] = {"0.9": steps}
+    for r, steps in zip(res["variants"]["damcha-heads-tied"]["runs"], [400, 500, 600, 700]):  # seeds 0, 2, 3, 4
+        r["steps_to_threshold"] = {"0.9": steps}
+    res["config"]["thresholds"] = [0.9]
+    rows = {r["variant"]: r for r in an.threshold_summary(res)}
+    assert rows["damcha-heads-tied"]["vs_mha"]["mean"] == pytest.approx((100 + 100 + 100 + 100) / 4)
+    for r, spikes in zip(res["variants"]["mha"]["runs"], [0, 50, 1, 2, 3]):
+        r["loss_spikes"] = spikes
+    spikes = an.spike_rate_difference(res, "damcha-heads-tied", "mha")  # tied has none
+    assert spikes["n"] == 4 and spikes["mean"] == pytest.approx(-1000 * (0 + 1 + 2 + 3) / 4 / 100)
