@@ -531,7 +531,40 @@ def _task_gain(results: dict[str, Any], cost: dict[str, Any] | None = None) -> d
         "no_gain_vs": no_gain_vs,
         "at_ceiling": at_ceiling,
         "baselines": present,
+        "capped": capped_runs(results),
     }
+
+
+def capped_runs(results: dict[str, Any]) -> dict[str, list[int]]:
+    """Per variant, the seeds of its final runs that stopped at ``max_steps`` rather than on the plateau rule.
+
+    Such a run enters the "converged" budget with the value it had at the cap, so a verdict
+    read from it is partly an equal-steps comparison; the verdicts name them (see cap_note)."""
+    out = {}
+    for name, v in results["variants"].items():
+        seeds = sorted(r["seed"] for r in v["runs"] if r.get("stop_reason") == "max_steps")
+        if seeds:
+            out[name] = seeds
+    return out
+
+
+def cap_note(results: dict[str, Any]) -> str | None:
+    """One phrase saying which final runs of a task stopped at the step cap; None when none did."""
+    capped = capped_runs(results)
+    if not capped:
+        return None
+    cap = results["config"].get("max_steps")
+    at = f"the {cap:,}-step cap" if isinstance(cap, int) else "the step cap"
+    counts = {name: len(v["runs"]) for name, v in results["variants"].items()}
+    if sum(len(s) for s in capped.values()) == sum(counts.values()):
+        return f"every final run stopped at {at}: an equal-steps comparison"
+    runs = ", ".join(f"{name} {len(seeds)} of {counts[name]}" for name, seeds in capped.items())
+    return f"final runs stopped at {at}, not converged: {runs}"
+
+
+def _cap_notes(results_by_task: dict[str, dict[str, Any]]) -> str:
+    notes = [f"{t}: {n}" for t, r in results_by_task.items() if (n := cap_note(r)) is not None]
+    return f" (read with care: {'; '.join(notes)})" if notes else ""
 
 
 def headroom(results: dict[str, Any], name: str) -> float:
@@ -587,6 +620,7 @@ def verdicts(
         missing = [t for t in CLAIM1_TASKS if t not in headline]
         if missing and verdict != "supported":
             reason += f"; missing: {missing}"
+        reason += _cap_notes({t: headline[t] for t, _ in gains1})
     out.append(
         {
             "claim": 1,
@@ -618,6 +652,7 @@ def verdicts(
         reason = "; ".join(f"{g['task']}: {g['status']}" for g in gains) + (
             "" if len(gains) == len(CLAIM2_TASKS) else f"; missing: {sorted(set(CLAIM2_TASKS) - set(tasks))}"
         )
+    reason += _cap_notes({t: headline[t] for t in tasks})
     out.append(
         {
             "claim": 2,

@@ -619,3 +619,22 @@ def test_comparisons_pair_runs_by_seed_not_by_position():
         r["loss_spikes"] = spikes
     spikes = an.spike_rate_difference(res, "damcha-heads-tied", "mha")  # tied has none
     assert spikes["n"] == 4 and spikes["mean"] == pytest.approx(-1000 * (0 + 1 + 2 + 3) / 4 / 100)
+
+
+@pytest.mark.parametrize("capped", [{}, {"mha": [3]}, {"mha": [0, 1, 2, 3, 4], "damcha-heads-tied": [0, 1, 2, 3, 4]}])
+def test_verdicts_name_final_runs_stopped_at_the_step_cap(capped):
+    # A run stopped at max_steps enters the converged budget with its value at the cap: the
+    # verdict must say so, or "trained until the plateau" overstates what was compared.
+    res = _results("listops", {"mha": _base(0.8), "damcha-heads-tied": _other(0.81)})
+    for name, seeds in capped.items():
+        for r in res["variants"][name]["runs"]:
+            if r["seed"] in seeds:
+                r["stop_reason"] = "max_steps"
+    claim2 = an.verdicts({"listops": res}, {}, {})[1]
+    assert claim2["claim"] == 2 and claim2["tasks"][0]["capped"] == capped
+    if not capped:
+        assert "cap" not in claim2["reason"]
+    elif len(capped) == 1:
+        assert "listops: final runs stopped at the 1,000-step cap, not converged: mha 1 of 5" in claim2["reason"]
+    else:
+        assert "listops: every final run stopped at the 1,000-step cap: an equal-steps comparison" in claim2["reason"]
