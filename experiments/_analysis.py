@@ -233,9 +233,13 @@ def _s_per_step(cost: dict[str, Any] | None, name: str) -> float | None:
 
 def budgets(results: dict[str, Any], names: list[str], cost: dict[str, Any] | None = None) -> dict[str, Any]:
     """The equal-steps and equal-time budgets of the compared variants (see the module docstring)."""
+    # One clock for every compared run: the cost file's when it times every variant, else each run's
+    # own. Mixing them (a variant missing from the cost file) would set a budget on one clock and read
+    # values on the other (values() follows time_source).
+    source = "cost" if cost is not None and all(_s_per_step(cost, n) is not None for n in names) else "run"
     steps, times = [], []
     for name in names:
-        sps = _s_per_step(cost, name)
+        sps = _s_per_step(cost, name) if source == "cost" else None
         for run in results["variants"][name]["runs"]:
             c = run["curve"]
             if not c["step"] or run["diverged"]:
@@ -245,7 +249,7 @@ def budgets(results: dict[str, Any], names: list[str], cost: dict[str, Any] | No
     return {
         "steps": min(steps) if steps else math.nan,
         "time_s": min(times) if times else math.nan,
-        "time_source": "cost" if cost is not None and all(_s_per_step(cost, n) is not None for n in names) else "run",
+        "time_source": source,
     }
 
 

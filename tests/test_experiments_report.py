@@ -93,6 +93,12 @@ def test_budgets_are_the_largest_every_run_reached():
     cost = {"variants": {"mha": {"s_per_step": 0.01}, "damcha-heads-tied": {"s_per_step": 0.03}}}
     b = an.budgets(res, ["mha", "damcha-heads-tied"], cost)
     assert b["time_source"] == "cost" and b["time_s"] == pytest.approx(1.0)  # mha's 100 steps x 0.01 s
+    # A variant the cost file does not time: every run on its own clock (1.0 s per 100 steps here), not
+    # the budget on a mix of clocks (0.001 s x 100 steps for mha against tied's own 1.0 s) read on another.
+    del cost["variants"]["damcha-heads-tied"]
+    cost["variants"]["mha"]["s_per_step"] = 0.001
+    b = an.budgets(res, ["mha", "damcha-heads-tied"], cost)
+    assert b["time_source"] == "run" and b["time_s"] == pytest.approx(1.0)
 
 
 def test_claim1_supported_when_a_damcha_variant_beats_both_baselines():
