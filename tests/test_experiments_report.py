@@ -452,12 +452,15 @@ def test_report_names_the_json_files_it_skips(tmp_path, capsys):
 
     res = _results("crosshead", {"mha": _base(0.60), "talking-heads": _base(0.62), "damcha-heads-query": _other(0.8)})
     write_json(res, tmp_path / "crosshead.json")
-    (tmp_path / "charlm.json").write_text("garbage")
-    (tmp_path / "listops.json").write_bytes(b"\xff\xfe")
+    # Not named as results files (a damaged one of those exits 2: test_report_refuses_a_damaged_results_file).
+    (tmp_path / "notes.json").write_text("garbage")
+    (tmp_path / "latin1.json").write_bytes(b"\xff\xfe")
+    (tmp_path / "list.json").write_text("[1, 2]")  # valid JSON of another kind: ignored, not named
     assert main(["report", str(tmp_path), "--no-plots"]) == 0
     err = capsys.readouterr().err
-    assert f"skipped {tmp_path / 'charlm.json'}: it is not valid JSON" in err
-    assert f"skipped {tmp_path / 'listops.json'}: it cannot be read (UnicodeDecodeError" in err
+    assert f"skipped {tmp_path / 'notes.json'}: it is not valid JSON" in err
+    assert f"skipped {tmp_path / 'latin1.json'}: it cannot be read (UnicodeDecodeError" in err
+    assert "list.json" not in err
     assert (tmp_path / "report.md").exists()
 
 
