@@ -280,6 +280,74 @@ def _merge_subset(path: Path, results: dict[str, Any], suite: str) -> dict[str, 
     return results | {"variants": {n: merged[n] for n in order}}
 
 
+# What two cost measurements must share for their entries to stand in one TASK_cost.json: the same
+# models and batch, timed on the same schedule, clock and thread count. The training-only settings
+# (seeds, rates, step limits, evaluation sizes) do not change a step's time and are not compared.
+_COST_MATCH = (
+    "format",
+    "kind",
+    "task",
+    "suite",
+    "preset",
+    "device",
+    "cost_format",
+    "schedule",
+    "batch",
+    "cost_rounds",
+    "cost_steps",
+    "torch_threads",
+    "clock",
+)
+
+
+def _merge_cost(path: Path, cost: dict[str, Any], suite: str) -> dict[str, Any]:
+    """``cost`` with the variants of the cost file at ``path`` that it did not measure added back,
+    when that file was measured alike (``_COST_MATCH``); like ``_merge_subset`` for ``TASK.json``.
+
+    Every cost command wrote ``TASK_cost.json`` with its own variants only, so ``--cost-only
+    --variants a b`` after a measurement of all of them dropped the others. A variant's time ratio
+    is the median of its per-round ratios to the MHA rounds of its own interleaved measurement, so
+    entries of separate commands remain valid ratios, provided each keeps those MHA rounds: in a
+    merged file every entry records ``mha_round_s_per_step`` (what ``_analysis.time_ratio`` pairs
+    its rounds with) and ``environment`` (when and where it was measured, load included), so the file
+    does not claim one measurement for all. The file's own ``environment`` and clock fields are the
+    last command's. A file measured otherwise, or whose clock could not time the steps (its
+    ``unusable_clocks`` is file-wide), is replaced as before.
+    """
+    from ._analysis import no_time_ratio
+    from ._variants import SUITES
+
+    old = _read_json_dict(path, "--out", _REDO_COST)
+    if old is None or not isinstance(old.get("variants"), dict) or any(old.get(k) != cost.get(k) for k in _COST_MATCH):
+        return cost
+    if no_time_ratio(old) is not None or no_time_ratio(cost) is not None:
+        return cost
+    kept = [n for n in old["variants"] if n not in cost["variants"]]
+    if not kept:
+        return cost
+
+    def own(file: dict[str, Any], name: str) -> dict[str, Any]:
+        entry = dict(file["variants"][name])
+        entry.setdefault("environment", file.get("environment"))
+        mha = file["variants"].get("mha") or {}
+        if entry.get("time_ratio_vs_mha") is not None and mha.get("round_s_per_step") is not None:
+            entry.setdefault("mha_round_s_per_step", mha["round_s_per_step"])
+        return entry
+
+    merged = {n: own(old, n) for n in kept} | {n: own(cost, n) for n in cost["variants"]}
+    order = [n for n in SUITES[suite] if n in merged] + [n for n in merged if n not in SUITES[suite]]
+    checks = (old.get("params_check") or {}) | (cost.get("params_check") or {})
+    print(
+        f"{PROG}: note: {path} already holds the cost of {', '.join(kept)}, measured alike: kept beside this "
+        "command's variants (each with its own MHA rounds and environment)",
+        file=sys.stderr,
+    )
+    return cost | {
+        "variants": {n: merged[n] for n in order},
+        "params_check": {n: checks[n] for n in order if n in checks},
+    }
+
+
 def _note_runs_elsewhere(out: Path, cfg, variants: list[str], device_type: str) -> None:
     """One line on stderr when ``out`` holds no run of this command on its device type to resume
     but runs of it on another: those are never resumed here (another device gives other numbers),
@@ -525,6 +593,7 @@ def _train(args, cfg, variants, out, device, should_stop) -> int:
     name = cfg.task if args.suite == "headline" else f"{cfg.task}_{args.suite}"
     if args.cost_only:
         cost = measure_cost(cfg, variants, device=device) | {"suite": args.suite}
+        cost = _merge_cost(out / f"{name}_cost.json", cost, args.suite)
         existing = out / f"{name}.json"
 
         def write_cost(folder: Path) -> dict[str, Path]:
@@ -568,6 +637,7 @@ def _train(args, cfg, variants, out, device, should_stop) -> int:
     run_cost: dict[str, Any] | None = None
     if not args.no_cost:
         run_cost = measure_cost(cfg, variants, device=device) | {"suite": args.suite}
+        run_cost = _merge_cost(out / f"{name}_cost.json", run_cost, args.suite)
 
     def write(folder: Path) -> dict[str, Path]:
         paths = {}

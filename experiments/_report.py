@@ -347,6 +347,18 @@ def comparison_table(rows: list[dict[str, Any]]) -> str:
 _CLOCK_NAMES = an.CLOCK_NAMES
 
 
+def _cost_loads(cost: dict[str, Any]) -> str:
+    """The load average before and after the measurement; per measurement (with its variants and
+    date) in a file merging several (``an.cost_environments``)."""
+    groups = an.cost_environments(cost)
+    parts = [f"load average {env.get('loadavg')} before, {env.get('loadavg_after')} after" for _, env in groups]
+    if len(groups) == 1:
+        return parts[0]
+    return "measured in separate commands: " + "; ".join(
+        f"{', '.join(names)} on {env.get('date')}, {part}" for (names, env), part in zip(groups, parts)
+    )
+
+
 def cost_caption(cost: dict[str, Any]) -> str:
     """How a cost file was measured: schedule, rounds x steps, clock, interval, load, MHA's round spread."""
     clock = an.recorded_clock(cost)
@@ -362,7 +374,7 @@ def cost_caption(cost: dict[str, Any]) -> str:
         + ("" if any(e.get("round_statistic") == "median step" for e in cost["variants"].values()) else " (mean)")
         + f"; clock: {_CLOCK_NAMES.get(clock, clock)}; ratio: median of the per-round ratios to MHA, "
         f"{an.RATIO_CONFIDENCE:.0%} bootstrap interval over rounds (seed {an.RATIO_SEED}); "
-        f"load average {cost['environment'].get('loadavg')} before, {cost['environment'].get('loadavg_after')} after"
+        + _cost_loads(cost)
         + ("" if spread is None else f"; MHA's slowest / fastest round {spread:.2f}x (diagnostic)")
         + (f"; **cannot decide: {trouble}**" if trouble else "")
         + (f"; caveat: {caveat}" if caveat else "")

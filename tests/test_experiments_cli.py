@@ -539,3 +539,61 @@ def test_results_files_are_renamed_into_place(digits_results, tmp_path, monkeypa
     assert dst == out / "digits.json" and src.parent.parent == out.parent  # a staging folder beside --out
     assert (out / "digits.json").read_text() == '{"earlier": "good"}\n'
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no staging folder left
+
+
+def test_cost_subsets_merge_into_the_all_variant_cost_file(tmp_path, monkeypatch, capsys):
+    """Each cost command wrote digits_cost.json with its own variants only, so `--cost-only
+    --variants mha damcha-heads-tied` after a measurement of talking-heads dropped it (and the
+    report's claim 3 with it). Now a measurement of the same settings merges: the file holds the
+    variants one all-variant command writes, each ratio still taken against the MHA rounds of its
+    own measurement (equal to that measurement's ratio) and recording its own environment; the
+    report reads it. A file measured otherwise (here: another thread count) is replaced as before."""
+    from damcha_experiments import _analysis as an
+    from damcha_experiments import _cost
+
+    # Commands a second apart can record equal environments (date to the second, load average): number them.
+    calls, environment = [], _cost.environment
+    monkeypatch.setattr(
+        _cost, "environment", lambda d: environment(d) | {"date": f"call {len(calls.append(0) or calls)}"}
+    )
+    split, whole = tmp_path / "split", tmp_path / "whole"
+    three = ["mha", "talking-heads", "damcha-heads-tied"]
+    code, err = _main(["digits", *SMOKE, "--variants", *three, "--no-cost", "--out", str(split)], capsys)
+    assert code == 0, err
+    cost = ["digits", *SMOKE, "--cost-only", "--variants"]
+    code, err = _main([*cost, "mha", "talking-heads", "--out", str(split)], capsys)
+    assert code == 0 and "already holds" not in err, err
+    first = json.loads((split / "digits_cost.json").read_text())
+    code, err = _main([*cost, "mha", "damcha-heads-tied", "--out", str(split)], capsys)
+    assert code == 0, err
+    (note,) = [line for line in err.splitlines() if "already holds" in line]
+    assert f"{split / 'digits_cost.json'} already holds the cost of talking-heads, measured alike" in note, note
+    code, err = _main([*cost, *three, "--out", str(whole)], capsys)
+    assert code == 0, err
+    merged, one = (json.loads((d / "digits_cost.json").read_text()) for d in (split, whole))
+    assert list(merged["variants"]) == list(one["variants"]) == three
+    assert list(merged["params_check"]) == list(one["params_check"]) == three
+    untimed = ("params", "mlp_hidden", "activation_bytes", "param_bytes", "optimizer_bytes", "train_bytes")
+    for name in three:
+        for key in (*untimed, "activation_ratio_vs_mha", "train_bytes_ratio_vs_mha"):
+            assert merged["variants"][name][key] == one["variants"][name][key], (name, key)
+    kept = merged["variants"]["talking-heads"]
+    assert kept["environment"] == first["environment"] != merged["environment"]
+    assert kept["mha_round_s_per_step"] == first["variants"]["mha"]["round_s_per_step"]
+    assert an.time_ratio(merged, "talking-heads") == an.time_ratio(first, "talking-heads")
+    # The report reads the merged file: claim 3 rates the DAMCHA variant, the cost table lists all three.
+    code, err = _main(["report", str(split), "--no-plots"], capsys)
+    assert code == 0, err
+    report = (split / "report.md").read_text()
+    assert "measured in separate commands: mha, damcha-heads-tied on call 3, load average " in report
+    assert "; talking-heads on call 1, load average " in report
+    for name in three:
+        assert sum(line.startswith(f"| {name} | ") for line in report.splitlines()) >= 2, name  # results + cost
+    (claim3,) = [v for v in json.loads((split / "report.json").read_text())["verdicts"] if v["claim"] == 3]
+    assert [r["variant"] for r in claim3["rows"]] == ["damcha-heads-tied"]
+    assert claim3["rows"][0]["time_ratio"] == an.time_ratio(merged, "damcha-heads-tied")["median"]
+    # Measured otherwise: replaced by this command's variants alone.
+    (split / "digits_cost.json").write_text(json.dumps(merged | {"torch_threads": 7}))
+    code, err = _main([*cost, "mha", "--out", str(split)], capsys)
+    assert code == 0 and "already holds" not in err, err
+    assert list(json.loads((split / "digits_cost.json").read_text())["variants"]) == ["mha"]

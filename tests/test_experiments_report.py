@@ -595,3 +595,30 @@ def test_report_lists_runs_whose_environment_changed(tmp_path):
         "runs recorded theirs) |" in text
     )
     assert "Runs that record no environment (written before runs recorded theirs; unknown): 1." in text
+
+
+def test_a_merged_cost_file_pairs_each_ratio_with_its_own_mha_rounds_and_load(tmp_path):
+    """Two cost measurements of separate --variants subsets merged into one file (_cli._merge_cost):
+    the second ran in a phase twice as slow, on a quiet machine; the first on a busy one. Each
+    variant's ratio is the one of its own measurement (paired with its own MHA rounds, not the
+    file's MHA entry, which is the second's), and the first's load still makes claim 3's caveat."""
+    from experiments._cli import _merge_cost
+
+    first = _cost(1.1, load=3.0)
+    second = _cost(1.3, load=0.1)
+    for entry in second["variants"].values():
+        entry["round_s_per_step"] = [2 * x for x in entry["round_s_per_step"]]
+    second["variants"]["damcha-heads-query"] = second["variants"].pop("damcha-heads-tied")
+    write_json(first, tmp_path / "crosshead_cost.json")
+    merged = _merge_cost(tmp_path / "crosshead_cost.json", second, "headline")
+    assert list(merged["variants"]) == ["mha", "damcha-heads-tied", "damcha-heads-query"]
+    assert merged["variants"]["damcha-heads-tied"]["environment"] == first["environment"]
+    assert an.time_ratio(merged, "damcha-heads-tied") == an.time_ratio(first, "damcha-heads-tied")
+    assert an.time_ratio(merged, "damcha-heads-query") == an.time_ratio(second, "damcha-heads-query")
+    res = _results("crosshead", {n: _base(0.6) for n in ("mha", "damcha-heads-tied", "damcha-heads-query")})
+    claim3 = an.verdicts({"crosshead": res}, {}, {"crosshead": merged})[2]
+    assert {r["variant"]: r["status"] for r in claim3["rows"]} == {
+        "damcha-heads-tied": "within",
+        "damcha-heads-query": "over",
+    }
+    assert "caveat" in claim3["reason"] and "load average 3.00 on 2 cores" in claim3["reason"]
