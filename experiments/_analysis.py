@@ -91,14 +91,32 @@ def environment_changes(run: dict[str, Any]) -> list[str] | None:
     return changes
 
 
+def cost_environments(cost: dict[str, Any]) -> list[tuple[list[str], dict[str, Any]]]:
+    """The environments (load average included) a cost file's variants were measured in, each with
+    its variants, in file order: one, the file's ``environment``, unless measurements of separate
+    ``--variants`` subsets were merged into it, whose entries record their own (``_cli._merge_cost``)."""
+    groups: list[tuple[list[str], dict[str, Any]]] = []
+    for name, entry in cost.get("variants", {}).items():
+        env = entry.get("environment", cost.get("environment")) or {}
+        for names, seen in groups:
+            if seen == env:
+                names.append(name)
+                break
+        else:
+            groups.append(([name], env))
+    return groups or [([], cost.get("environment") or {})]
+
+
 def _busy_load(cost: dict[str, Any]) -> str | None:
-    env = cost.get("environment", {})
-    if not env.get("device", "cpu").startswith("cpu"):
-        return None
-    load = max((env.get("loadavg") or [0])[0], (env.get("loadavg_after") or [0])[0])
-    if load > BUSY_LOAD_FRACTION * (env.get("cpu_count") or 1):
-        return f"load average {load:.2f} on {env.get('cpu_count')} cores"
-    return None
+    """The highest load average of a cost file's measurements on the CPU, when above the busy line."""
+    worst = None
+    for _, env in cost_environments(cost):
+        if not env.get("device", "cpu").startswith("cpu"):
+            continue
+        load = max((env.get("loadavg") or [0])[0], (env.get("loadavg_after") or [0])[0])
+        if load > BUSY_LOAD_FRACTION * (env.get("cpu_count") or 1) and (worst is None or load > worst[0]):
+            worst = (load, f"load average {load:.2f} on {env.get('cpu_count')} cores")
+    return None if worst is None else worst[1]
 
 
 CLOCK_NAMES = {"thread_time": "thread CPU time", "perf_counter": "wall time"}
@@ -180,12 +198,16 @@ def time_ratio(cost: dict[str, Any], name: str) -> dict[str, Any] | None:
     Recomputed from the rounds whenever the file has them (old and new
     files alike, by one rule); otherwise the stored ratio and interval (or
     None for the interval). None when the file has no ratio for ``name``.
+    The MHA rounds are those of the entry's own measurement: its
+    ``mha_round_s_per_step`` in a file merging separate measurements
+    (``_cli._merge_cost``), else the file's MHA entry's.
     """
     variants = cost.get("variants", {})
     entry, mha = variants.get(name), variants.get("mha")
     if entry is None or entry.get("time_ratio_vs_mha") is None:
         return None
-    rounds, mha_rounds = entry.get("round_s_per_step"), (mha or {}).get("round_s_per_step")
+    rounds = entry.get("round_s_per_step")
+    mha_rounds = entry.get("mha_round_s_per_step", (mha or {}).get("round_s_per_step"))
     if rounds and mha_rounds and len(rounds) == len(mha_rounds):
         out = ratio_interval(rounds, mha_rounds)
     else:

@@ -15,6 +15,7 @@ import os
 import re
 import signal
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -153,16 +154,35 @@ def _report_parser() -> argparse.ArgumentParser:
 # ------------------------------------------------------------------ checks
 
 
+# What to do about a damaged file, by what it is (``_read_json_dict``).
+_REDO_RESULTS = (
+    "move it away, then rerun the command for every variant it held (finished runs are read back from "
+    "runs/, not retrained)"
+)
+_REDO_COST = "move it away, then measure the cost again (--cost-only)"
+
+
+def _read_json_dict(path: Path, flag: str, remedy: str = "") -> dict[str, Any] | None:
+    """The JSON object in ``path``, or None when there is no such file; exit 2 naming ``flag``, the
+    file and what is wrong (and ``remedy``) when it cannot be read, is not valid JSON or is no object.
+
+    Every results and cost file the command reads goes through here, before any work: a file cut off
+    mid-write (a machine that died, a copy that stopped) was taken for an absent one and silently
+    replaced, and with it the variants or measurements it held.
+    """
+    from ._report import read_json_object
+
+    try:
+        return read_json_object(path)
+    except DamchaValueError as exc:
+        _fail(flag, f"{exc}{'; ' + remedy if remedy else ''}")
+
+
 def _read_results(flag: str, path_text: str, task: str | None) -> dict[str, Any]:
     path = cu.check_input_file(path_text, flag, prog=PROG)
-    try:
-        obj = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError) as exc:
-        _fail(flag, f"cannot read {path_text!r}: {exc}")
-    except ValueError as exc:
-        _fail(flag, f"{path_text!r} is not valid JSON ({exc})")
-    if not isinstance(obj, dict):
-        _fail(flag, f"{path_text!r} holds a JSON {type(obj).__name__}, expected a damcha experiment results object")
+    obj = _read_json_dict(path, flag)
+    if obj is None:  # gone since the check
+        _fail(flag, f"{path_text!r} does not exist")
     from ._tasks import RESULTS_FORMAT
 
     if obj.get("format") != RESULTS_FORMAT or obj.get("kind") == "cost":
@@ -189,11 +209,8 @@ def _sibling_cost(path: Path, results: dict[str, Any]) -> dict[str, Any] | None:
     from ._report import stem
 
     sibling = path.with_name(f"{stem(results)}_cost.json")
-    try:
-        cost = json.loads(sibling.read_text())
-    except (OSError, ValueError):
-        return None
-    ok = isinstance(cost, dict) and cost.get("kind") == "cost" and cost.get("task") == results["task"]
+    cost = _read_json_dict(sibling, "--from-json", "move it away or restore it (the equal-time plot reads it)")
+    ok = cost is not None and cost.get("kind") == "cost" and cost.get("task") == results["task"]
     return cost if ok and isinstance(cost.get("variants"), dict) else None
 
 
@@ -205,14 +222,12 @@ def _check_results_files(out: Path, name: str, preset: Any, device_type: Any) ->
     these files are named by task and suite only: writing them replaced, say, a CUDA ``large``
     run's results with a CPU smoke run's, and a results file beside a cost file of another run
     made the report pair them. The same preset and device type (a rerun, another ``--variants``
-    subset) replace them as before, and so is a file that cannot be read or records neither.
+    subset) replace (or merge into) them as before, and so is a file that records neither. A file
+    that cannot be read, is not valid JSON or holds no object exits 2 too (``_read_json_dict``).
     """
-    for path in (out / f"{name}.json", out / f"{name}_cost.json"):
-        try:
-            obj = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, ValueError):
-            continue
-        if not isinstance(obj, dict):
+    for path, remedy in ((out / f"{name}.json", _REDO_RESULTS), (out / f"{name}_cost.json", _REDO_COST)):
+        obj = _read_json_dict(path, "--out", remedy)
+        if obj is None:
             continue
         differ = [
             f"{label} {obj[key]!r} there, {mine!r} here"
@@ -236,16 +251,14 @@ def _merge_subset(path: Path, results: dict[str, Any], suite: str) -> dict[str, 
     with the subset that finished last, and the report silently dropped the others. Only plain
     variant entries are merged: the paired comparisons, Holm corrections and tables are computed
     from the variants when a report or table is drawn, so they cover the merged set. A file of
-    another config (or unreadable) is replaced as before.
+    another config is replaced as before; one that cannot be read exits 2 (``_read_json_dict``; it
+    was checked before the training, so only a file damaged since gets here).
     """
     from ._tasks import RESULTS_FORMAT
     from ._variants import SUITES
 
-    try:
-        old = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError):
-        return results
-    if not isinstance(old, dict) or old.get("format") != RESULTS_FORMAT or old.get("kind") == "cost":
+    old = _read_json_dict(path, "--out", _REDO_RESULTS)
+    if old is None or old.get("format") != RESULTS_FORMAT or old.get("kind") == "cost":
         return results
     if not isinstance(old.get("variants"), dict):
         return results
@@ -265,6 +278,74 @@ def _merge_subset(path: Path, results: dict[str, Any], suite: str) -> dict[str, 
         file=sys.stderr,
     )
     return results | {"variants": {n: merged[n] for n in order}}
+
+
+# What two cost measurements must share for their entries to stand in one TASK_cost.json: the same
+# models and batch, timed on the same schedule, clock and thread count. The training-only settings
+# (seeds, rates, step limits, evaluation sizes) do not change a step's time and are not compared.
+_COST_MATCH = (
+    "format",
+    "kind",
+    "task",
+    "suite",
+    "preset",
+    "device",
+    "cost_format",
+    "schedule",
+    "batch",
+    "cost_rounds",
+    "cost_steps",
+    "torch_threads",
+    "clock",
+)
+
+
+def _merge_cost(path: Path, cost: dict[str, Any], suite: str) -> dict[str, Any]:
+    """``cost`` with the variants of the cost file at ``path`` that it did not measure added back,
+    when that file was measured alike (``_COST_MATCH``); like ``_merge_subset`` for ``TASK.json``.
+
+    Every cost command wrote ``TASK_cost.json`` with its own variants only, so ``--cost-only
+    --variants a b`` after a measurement of all of them dropped the others. A variant's time ratio
+    is the median of its per-round ratios to the MHA rounds of its own interleaved measurement, so
+    entries of separate commands remain valid ratios, provided each keeps those MHA rounds: in a
+    merged file every entry records ``mha_round_s_per_step`` (what ``_analysis.time_ratio`` pairs
+    its rounds with) and ``environment`` (when and where it was measured, load included), so the file
+    does not claim one measurement for all. The file's own ``environment`` and clock fields are the
+    last command's. A file measured otherwise, or whose clock could not time the steps (its
+    ``unusable_clocks`` is file-wide), is replaced as before.
+    """
+    from ._analysis import no_time_ratio
+    from ._variants import SUITES
+
+    old = _read_json_dict(path, "--out", _REDO_COST)
+    if old is None or not isinstance(old.get("variants"), dict) or any(old.get(k) != cost.get(k) for k in _COST_MATCH):
+        return cost
+    if no_time_ratio(old) is not None or no_time_ratio(cost) is not None:
+        return cost
+    kept = [n for n in old["variants"] if n not in cost["variants"]]
+    if not kept:
+        return cost
+
+    def own(file: dict[str, Any], name: str) -> dict[str, Any]:
+        entry = dict(file["variants"][name])
+        entry.setdefault("environment", file.get("environment"))
+        mha = file["variants"].get("mha") or {}
+        if entry.get("time_ratio_vs_mha") is not None and mha.get("round_s_per_step") is not None:
+            entry.setdefault("mha_round_s_per_step", mha["round_s_per_step"])
+        return entry
+
+    merged = {n: own(old, n) for n in kept} | {n: own(cost, n) for n in cost["variants"]}
+    order = [n for n in SUITES[suite] if n in merged] + [n for n in merged if n not in SUITES[suite]]
+    checks = (old.get("params_check") or {}) | (cost.get("params_check") or {})
+    print(
+        f"{PROG}: note: {path} already holds the cost of {', '.join(kept)}, measured alike: kept beside this "
+        "command's variants (each with its own MHA rounds and environment)",
+        file=sys.stderr,
+    )
+    return cost | {
+        "variants": {n: merged[n] for n in order},
+        "params_check": {n: checks[n] for n in order if n in checks},
+    }
 
 
 def _note_runs_elsewhere(out: Path, cfg, variants: list[str], device_type: str) -> None:
@@ -393,6 +474,12 @@ def _report_main(argv: list[str]) -> int:
     for path, reason in skipped:
         print(f"{PROG} report: warning: skipped {path}: it {reason}", file=sys.stderr)
     text, summary = build_report(folder, args.tolerance or an.OVERHEAD_TOLERANCE)
+    for path, why in summary["damaged_run_results"]:
+        print(
+            f"{PROG} report: note: skipped {path}: it {why}; that run counts as unfinished (its command, rerun, "
+            "resumes or retrains it and rewrites the file)",
+            file=sys.stderr,
+        )
     cu.atomic_write_text(out, text)
     write_json(summary, out.with_suffix(".json"))
     if not args.no_plots:
@@ -471,9 +558,20 @@ def _train_main(argv: list[str]) -> int:
             raise KeyboardInterrupt
         stop["signal"] = signum
 
+    from ._train import UnreadableResultWarning
+
+    def show_warning(message, category, filename, lineno, file=None, line=None):
+        # A damaged result.json is a note on the command's progress, not a warning about code: one line.
+        if issubclass(category, UnreadableResultWarning):
+            print(f"{PROG}: note: {message}", file=sys.stderr)
+        else:
+            shown(message, category, filename, lineno, file, line)
+
     previous = {s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return _train(args, cfg, variants, out, torch.device(device), lambda step: stop["signal"] is not None)
+        with warnings.catch_warnings():
+            shown, warnings.showwarning = warnings.showwarning, show_warning
+            return _train(args, cfg, variants, out, torch.device(device), lambda step: stop["signal"] is not None)
     except KeyboardInterrupt:
         print(
             f"{PROG}: stopped at once; every unfinished run resumes from its last evaluation's checkpoint in "
@@ -495,17 +593,15 @@ def _train(args, cfg, variants, out, device, should_stop) -> int:
     name = cfg.task if args.suite == "headline" else f"{cfg.task}_{args.suite}"
     if args.cost_only:
         cost = measure_cost(cfg, variants, device=device) | {"suite": args.suite}
+        cost = _merge_cost(out / f"{name}_cost.json", cost, args.suite)
         existing = out / f"{name}.json"
 
         def write_cost(folder: Path) -> dict[str, Path]:
             paths = {"cost": write_json(cost, folder / f"{name}_cost.json")}
-            if existing.exists() and not args.no_plots:
+            results = None if args.no_plots else _read_json_dict(existing, "--out", _REDO_RESULTS)
+            if results is not None and isinstance(results.get("variants"), dict) and results["variants"]:
                 from ._report import plot_time_curves
 
-                try:
-                    results = json.loads(existing.read_text())
-                except (OSError, ValueError):
-                    return paths  # not a results file we can redraw: the cost file alone
                 paths["time"] = plot_time_curves(results, folder / f"{stem(results)}_time.png", cost)
             return paths
 
@@ -541,6 +637,7 @@ def _train(args, cfg, variants, out, device, should_stop) -> int:
     run_cost: dict[str, Any] | None = None
     if not args.no_cost:
         run_cost = measure_cost(cfg, variants, device=device) | {"suite": args.suite}
+        run_cost = _merge_cost(out / f"{name}_cost.json", run_cost, args.suite)
 
     def write(folder: Path) -> dict[str, Path]:
         paths = {}

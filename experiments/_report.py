@@ -35,6 +35,43 @@ def _pyplot():
     return plt
 
 
+class NotAJsonObject(DamchaValueError):
+    """``read_json_object``: the file is valid JSON, but not an object (a file of another kind)."""
+
+
+def read_json_object(path: Path) -> dict[str, Any] | None:
+    """The JSON object in ``path``, or None if there is no such file; ``DamchaValueError`` naming the
+    file and what is wrong when it cannot be read, is not valid JSON (say, cut off mid-write) or holds
+    another JSON value.
+
+    One policy for every results, cost and run file the experiments read: a damaged file is named,
+    never taken for an absent one (it was silently replaced, or its task silently left out).
+    """
+    path = Path(path)
+    if not path.exists():
+        return None
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DamchaValueError(f"{path} cannot be read ({type(exc).__name__}: {exc})") from None
+    try:
+        obj = json.loads(text)
+    except ValueError as exc:
+        what = "empty" if not text.strip() else "not valid JSON"
+        raise DamchaValueError(f"{path} is {what} ({exc}; cut off mid-write?)") from None
+    if not isinstance(obj, dict):
+        raise NotAJsonObject(f"{path} holds a JSON {type(obj).__name__}, expected a JSON object")
+    return obj
+
+
+def results_file_names() -> set[str]:
+    """The names ``damcha experiment`` gives its results and cost files: ``TASK.json``,
+    ``TASK_ablation.json``, ``TASK_cost.json``, ``TASK_ablation_cost.json``."""
+    from ._tasks import TASK_NAMES
+
+    return {f"{t}{s}{c}.json" for t in TASK_NAMES for s in ("", "_ablation") for c in ("", "_cost")}
+
+
 def write_json(obj: Any, path: Path) -> Path:
     cu.atomic_write_text(path, json.dumps(obj, indent=1, allow_nan=True) + "\n")
     return path
@@ -310,6 +347,18 @@ def comparison_table(rows: list[dict[str, Any]]) -> str:
 _CLOCK_NAMES = an.CLOCK_NAMES
 
 
+def _cost_loads(cost: dict[str, Any]) -> str:
+    """The load average before and after the measurement; per measurement (with its variants and
+    date) in a file merging several (``an.cost_environments``)."""
+    groups = an.cost_environments(cost)
+    parts = [f"load average {env.get('loadavg')} before, {env.get('loadavg_after')} after" for _, env in groups]
+    if len(groups) == 1:
+        return parts[0]
+    return "measured in separate commands: " + "; ".join(
+        f"{', '.join(names)} on {env.get('date')}, {part}" for (names, env), part in zip(groups, parts)
+    )
+
+
 def cost_caption(cost: dict[str, Any]) -> str:
     """How a cost file was measured: schedule, rounds x steps, clock, interval, load, MHA's round spread."""
     clock = an.recorded_clock(cost)
@@ -325,7 +374,7 @@ def cost_caption(cost: dict[str, Any]) -> str:
         + ("" if any(e.get("round_statistic") == "median step" for e in cost["variants"].values()) else " (mean)")
         + f"; clock: {_CLOCK_NAMES.get(clock, clock)}; ratio: median of the per-round ratios to MHA, "
         f"{an.RATIO_CONFIDENCE:.0%} bootstrap interval over rounds (seed {an.RATIO_SEED}); "
-        f"load average {cost['environment'].get('loadavg')} before, {cost['environment'].get('loadavg_after')} after"
+        + _cost_loads(cost)
         + ("" if spread is None else f"; MHA's slowest / fastest round {spread:.2f}x (diagnostic)")
         + (f"; **cannot decide: {trouble}**" if trouble else "")
         + (f"; caveat: {caveat}" if caveat else "")
@@ -416,11 +465,15 @@ def sweep_threshold_table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def changed_environments(folder: Path, results: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
+def changed_environments(
+    folder: Path, results: list[dict[str, Any]], damaged: list[tuple[str, str]] | None = None
+) -> tuple[list[dict[str, Any]], int]:
     """The runs that ran in more than one environment (resumed from a checkpoint on another
     machine or other versions), from the results files' runs and every ``runs/**/result.json``
     under ``folder`` (the sweep's other rates are only there), each once; and how many runs
-    record no environment (written before runs recorded theirs)."""
+    record no environment (written before runs recorded theirs). A ``result.json`` that is not
+    valid JSON (cut off mid-write) or no object is skipped, and appended to ``damaged`` as
+    (path, why) when that is a list: an unfinished run, which its command recreates."""
     seen: set[tuple] = set()
     rows: list[dict[str, Any]] = []
     unrecorded = 0
@@ -443,8 +496,10 @@ def changed_environments(folder: Path, results: list[dict[str, Any]]) -> tuple[l
                 add(res.get("task"), res.get("preset"), {"variant": name, **run})
     for path in sorted((folder / "runs").glob("**/result.json")):
         try:
-            run = json.loads(path.read_text())
-        except (OSError, ValueError):
+            run = read_json_object(path)
+        except DamchaValueError as exc:
+            if damaged is not None:
+                damaged.append((str(path), str(exc).replace(f"{path} ", "", 1)))
             continue
         config = run.get("identity", {}).get("config", {}) if isinstance(run, dict) else {}
         if isinstance(config, dict) and "task" in config:
@@ -468,22 +523,28 @@ def load_folder(
     """(headline, ablation, cost) results found in ``folder``, keyed by task.
 
     JSON files of other kinds (this report's own ``report.json``, notes) are
-    ignored; a ``*.json`` that cannot be read or parsed is skipped and, when
-    ``skipped`` is a list, appended to it as (path, why). A file of the results
-    format without a task or without variants raises ``DamchaValueError``: a
-    report of it would be an empty table.
+    ignored; such a ``*.json`` that cannot be read or parsed is skipped and, when
+    ``skipped`` is a list, appended to it as (path, why). A file named as a
+    results or cost file (``results_file_names``) that cannot be read, is not
+    valid JSON (cut off mid-write) or holds no JSON object raises
+    ``DamchaValueError``, as does a file of the results format without a task or
+    without variants: the report would silently lack that task, or show an empty
+    table.
     """
     headline, ablation, cost = {}, {}, {}
+    ours = results_file_names()
     for path in sorted(folder.glob("*.json")):
         try:
-            obj = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError) as exc:
-            if skipped is not None:
-                skipped.append((path, f"cannot be read ({type(exc).__name__}: {exc})"))
-            continue
-        except ValueError as exc:
-            if skipped is not None:
-                skipped.append((path, f"is not valid JSON ({exc})"))
+            obj = read_json_object(path)
+        except DamchaValueError as exc:
+            if path.name in ours:
+                raise DamchaValueError(
+                    f"{exc}: the report would lack it; restore it, or rerun the command that writes it "
+                    "(finished runs are read back from runs/)"
+                ) from None
+            # Valid JSON of another kind (notes) is ignored; a damaged file is named.
+            if skipped is not None and not isinstance(exc, NotAJsonObject):
+                skipped.append((path, str(exc).replace(f"{path} ", "", 1)))
             continue
         if not isinstance(obj, dict) or obj.get("format") != RESULTS_FORMAT:
             continue
@@ -522,7 +583,8 @@ def build_report(folder: str | Path, tolerance: float = an.OVERHEAD_TOLERANCE) -
         md.append(f"* Claim {v['claim']}: {v['rule']}")
     md.append("")
     md.append(an.__doc__.split("Decisions (the rules the report states):")[1].strip().replace("\n\n", "\n"))
-    changed, unrecorded = changed_environments(folder, [*headline.values(), *ablation.values()])
+    damaged: list[tuple[str, str]] = []
+    changed, unrecorded = changed_environments(folder, [*headline.values(), *ablation.values()], damaged)
     md += [
         "",
         "## Runs whose environment changed",
@@ -534,10 +596,17 @@ def build_report(folder: str | Path, tolerance: float = an.OVERHEAD_TOLERANCE) -
     ]
     if unrecorded:
         md += ["", f"Runs that record no environment (written before runs recorded theirs; unknown): {unrecorded}."]
+    if damaged:
+        md += [
+            "",
+            f"Run results that could not be read (cut off mid-write?; not listed above, recreated when their "
+            f"command reruns): {', '.join(f'`{Path(p).relative_to(folder)}`' for p, _ in damaged)}.",
+        ]
     summary: dict[str, Any] = {
         "verdicts": verdicts,
         "environment_changes": changed,
         "runs_without_environment": unrecorded,
+        "damaged_run_results": damaged,
         "tasks": {},
     }
     for task, res in headline.items():

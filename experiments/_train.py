@@ -89,9 +89,73 @@ def _mismatch(path: Path, stored: Any, identity: dict[str, Any]) -> RunSettingsM
     )
 
 
+class UnreadableResultWarning(UserWarning):
+    """A run's ``result.json`` is not valid JSON (cut off mid-write) or lacks a field: the run is
+    treated as unfinished (resumed from its checkpoint, else trained again) and the file rewritten."""
+
+
+# The fields of every finished run's result.json (``_result``; ``environment``, ``environments``
+# and ``head_maps`` are optional: older results lack them). A result missing one is not used.
+RESULT_FIELDS = (
+    "identity",
+    "variant",
+    "lr",
+    "seed",
+    "params",
+    "mlp_hidden",
+    "steps",
+    "stop_reason",
+    "lr_decays",
+    "diverged",
+    "best_step",
+    "best_val_metric",
+    "best_val_loss",
+    "test_metric",
+    "test_loss",
+    "steps_to_threshold",
+    "loss_spikes",
+    "spike_steps",
+    "time_per_step_s",
+    "cpu_per_step_s",
+    "train_time_s",
+    "resumed_at_step",
+    "final_params_sha256",
+    "curve",
+)
+
+
+def _read_result(path: Path, identity: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
+    """A finished run's result at ``path`` (which exists) and None, or None and why it is damaged.
+
+    A file cut off mid-write (a machine that died, an interrupted copy) or lacking a field is
+    damaged: it can be recreated, so the caller treats the run as unfinished rather than exit or
+    read a result with missing fields. A readable result of another identity raises
+    ``RunSettingsMismatch``, and so does a file the system cannot read (permissions, I/O error).
+    """
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise RunSettingsMismatch(
+            f"cannot read {path} ({type(exc).__name__}: {exc}); delete that folder to restart the run", path, []
+        ) from None
+    try:
+        done = json.loads(text)
+    except ValueError as exc:
+        return None, f"is not valid JSON ({type(exc).__name__}: {exc}; cut off mid-write?)"
+    if not isinstance(done, dict):
+        return None, f"holds a JSON {type(done).__name__}, not a run's result"
+    if done.get("identity") != _json_roundtrip(identity):
+        raise _mismatch(path, done.get("identity"), identity)
+    missing = [k for k in RESULT_FIELDS if k not in done]
+    if missing:
+        return None, f"lacks {', '.join(missing)}"
+    return done, None
+
+
 def check_run_dir(run_dir: str | Path, identity: dict[str, Any]) -> bool:
     """Whether ``run_dir`` holds a finished run of ``identity``; raises ``RunSettingsMismatch`` if it holds another.
 
+    A ``result.json`` that is not valid JSON or lacks a field counts as no result (``_read_result``).
     Reads only the stored identities (``result.json``, then ``checkpoint.pt``), so a suite can check every
     folder it would resume before it trains anything. The device is no argument: ``identity`` carries the
     device type (``run_identity``), so a folder of a CUDA run checked for a CPU run is refused naming
@@ -101,15 +165,8 @@ def check_run_dir(run_dir: str | Path, identity: dict[str, Any]) -> bool:
     """
     run_dir = Path(run_dir)
     result, ckpt = run_dir / "result.json", run_dir / "checkpoint.pt"
-    if result.exists():
-        try:
-            stored = json.loads(result.read_text()).get("identity")
-        except (OSError, ValueError, AttributeError) as exc:
-            raise RunSettingsMismatch(
-                f"cannot read {result}: {exc}; delete that folder to restart the run", result, []
-            ) from None
-        if stored != _json_roundtrip(identity):
-            raise _mismatch(result, stored, identity)
+    # A damaged result.json (``_read_result``) is an unfinished run: its checkpoint, if any, is checked.
+    if result.exists() and _read_result(result, identity)[0] is not None:
         return True
     if ckpt.exists():
         try:
@@ -403,7 +460,9 @@ def train_run(
         device: where to train; the model is initialised on the CPU first,
             so every device starts from the same weights.
         run_dir: folder for ``checkpoint.pt`` and ``result.json``; a finished
-            run there is returned as is, an unfinished one resumes.
+            run there is returned as is, an unfinished one resumes. A
+            ``result.json`` that is not valid JSON or lacks a field is an
+            unfinished run (``UnreadableResultWarning``).
         should_stop: called with the step number after each step; ``True``
             saves a checkpoint and raises ``RunInterrupted``.
         on_eval: called with (step, validation metric) after each evaluation.
@@ -429,10 +488,16 @@ def train_run(
         run_dir = Path(run_dir)
         paths = {"ckpt": run_dir / "checkpoint.pt", "result": run_dir / "result.json"}
         if paths["result"].exists():
-            done = json.loads(paths["result"].read_text())
-            if done.get("identity") == _json_roundtrip(identity):
+            done, damage = _read_result(paths["result"], identity)
+            if done is not None:
                 return done
-            raise _mismatch(paths["result"], done.get("identity"), identity)
+            warnings.warn(
+                f"{paths['result']} {damage}: the run counts as unfinished and "
+                + ("resumes from its checkpoint" if paths["ckpt"].exists() else "trains again from step 0")
+                + "; the file is rewritten when it finishes",
+                UnreadableResultWarning,
+                stacklevel=2,
+            )
         run_dir.mkdir(parents=True, exist_ok=True)
 
     torch.manual_seed(seed)

@@ -405,3 +405,195 @@ def test_a_rerun_on_another_device_type_says_it_starts_over(tmp_path, capsys):
     assert (out / "runs" / "digits-smoke-cpu" / "mha" / "lr0.001" / "seed0" / "result.json").exists()
     code, err = _main(args, capsys)  # its own runs now: resumed, no note
     assert code == 0 and "note" not in err, err
+
+
+@pytest.fixture(scope="module")
+def digits_results(tmp_path_factory) -> Path:
+    """A real digits results file (one variant, one run of 2 steps), for --from-json."""
+    from damcha_experiments._suite import run_suite
+    from damcha_experiments._tasks import task_config
+
+    cfg = task_config("digits", "smoke", seeds=1, lrs=(1e-3,), max_steps=2)
+    path = tmp_path_factory.mktemp("results") / "digits.json"
+    path.write_text(json.dumps(run_suite(cfg, ["mha"], "headline", out=None)))
+    return path
+
+
+CUT = _results_file("digits", "headline", "smoke", "cpu")[:40]  # a file cut off mid-write
+
+
+@pytest.mark.parametrize(
+    "file, content, args, what",
+    [
+        ("digits.json", CUT, ["--variants", "mha"], "is not valid JSON"),
+        ("digits.json", "", ["--variants", "mha"], "is empty"),
+        ("digits.json", "[1, 2]", ["--variants", "mha"], "holds a JSON list, expected a JSON object"),
+        ("digits_cost.json", CUT, ["--variants", "mha"], "is not valid JSON"),
+        ("digits_cost.json", CUT, ["--variants", "mha", "--no-cost"], "is not valid JSON"),
+        ("digits.json", CUT, ["--variants", "mha", "--cost-only"], "is not valid JSON"),
+        ("digits_cost.json", CUT, ["--variants", "mha", "--cost-only"], "is not valid JSON"),
+        ("digits_ablation.json", CUT, ["--suite", "ablation", "--variants", "mha"], "is not valid JSON"),
+    ],
+    ids=["train-cut", "train-empty", "train-list", "train-cost", "no-cost", "cost-only", "cost-only-cost", "ablation"],
+)
+def test_a_damaged_results_or_cost_file_is_named_before_any_work(file, content, args, what, tmp_path, capsys):
+    """A TASK.json or TASK_cost.json cut off mid-write (or holding no object) was taken for an absent
+    file: training replaced it with its subset alone (dropping the other variants' entries), and
+    --cost-only drew no time plot, all silently. Now: exit 2 before any work, one line naming the
+    file, what is wrong and what to do; nothing in the folder changes."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / file).write_text(content)
+    before = _snapshot(tmp_path)
+    code, err = _main(["digits", *SMOKE, *args, "--out", str(out)], capsys)
+    assert code == 2, err
+    (line,) = err.strip().splitlines()
+    assert line.startswith(f"damcha experiment: error: --out: {out / file} {what}"), line
+    assert "move it away" in line, line
+    assert _snapshot(tmp_path) == before  # no run folder, nothing replaced
+
+
+def test_from_json_names_a_damaged_cost_file_beside_it(digits_results, tmp_path, capsys):
+    """--from-json reads STEM_cost.json beside its file for the equal-time plot; cut off, it was
+    silently ignored (a time plot on each run's own clock). Now exit 2 naming it."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "digits.json").write_text(digits_results.read_text())
+    (src / "digits_cost.json").write_text(CUT)
+    before = _snapshot(tmp_path)
+    code, err = _main(["digits", "--from-json", str(src / "digits.json"), "--out", str(tmp_path / "o")], capsys)
+    assert code == 2, err
+    (line,) = err.strip().splitlines()
+    assert line.startswith(f"damcha experiment: error: --from-json: {src / 'digits_cost.json'} is not valid JSON")
+    assert _snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("file", ["digits.json", "digits_cost.json", "digits_ablation.json"])
+def test_report_refuses_a_damaged_results_file(file, digits_results, tmp_path, capsys):
+    """A results or cost file cut off mid-write was skipped with a warning and the report written
+    without it (claim 2 needs every task, claim 3 the cost files): now exit 2 naming it, no report."""
+    (tmp_path / "digits.json").write_text(digits_results.read_text())
+    (tmp_path / file).write_text(CUT)
+    before = _snapshot(tmp_path)
+    code, err = _main(["report", str(tmp_path), "--no-plots"], capsys)
+    assert code == 2, err
+    (line,) = err.strip().splitlines()
+    assert line.startswith(f"damcha experiment: error: FOLDER: {tmp_path / file} is not valid JSON"), line
+    assert "the report would lack it" in line
+    assert _snapshot(tmp_path) == before
+
+
+def test_a_damaged_run_result_is_rerun_with_a_note_and_the_report_says_so(tmp_path, capsys):
+    """A run's result.json cut off mid-write made the rerun exit 2 ("delete that folder") and the
+    report silently leave the run out. The run can be recreated: the rerun now says so in one line,
+    trains it again and writes the numbers of the first run; the report notes the file it skipped."""
+    out = tmp_path / "out"
+    args = ["digits", *SMOKE, "--variants", "mha", "--no-cost", "--out", str(out)]
+    code, err = _main(args, capsys)
+    assert code == 0, err
+    first = json.loads((out / "digits.json").read_text())
+    result = out / "runs" / "digits-smoke-cpu" / "mha" / "lr0.001" / "seed0" / "result.json"
+    text = result.read_text()
+    result.write_text(text[: len(text) // 2])
+    code, err = _main(["report", str(out), "--no-plots"], capsys)
+    assert code == 0, err
+    (line,) = err.strip().splitlines()
+    assert line.startswith(f"damcha experiment report: note: skipped {result}: it is not valid JSON"), line
+    assert "counts as unfinished" in line
+    assert str(result.relative_to(out)) in (out / "report.md").read_text()
+    assert json.loads((out / "report.json").read_text())["damaged_run_results"][0][0] == str(result)
+    code, err = _main(args, capsys)
+    assert code == 0, err
+    (line,) = err.strip().splitlines()
+    assert line.startswith(f"damcha experiment: note: {result} is not valid JSON"), line
+    assert line.endswith(
+        "the run counts as unfinished and trains again from step 0; the file is rewritten when it finishes"
+    )
+    again = json.loads((out / "digits.json").read_text())
+    for key in ("test", "val", "steps", "chosen_lr"):
+        assert again["variants"]["mha"][key] == first["variants"]["mha"][key], key
+    assert json.loads(result.read_text())["test_metric"] == first["variants"]["mha"]["runs"][0]["test_metric"]
+
+
+def test_results_files_are_renamed_into_place(digits_results, tmp_path, monkeypatch, capsys):
+    """TASK.json is written into a staging folder beside --out (same file system) and renamed over the
+    old file: a command that dies before the rename leaves the earlier file whole and no staging folder."""
+    import os
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "digits.json").write_text('{"earlier": "good"}\n')
+    real, renames = os.replace, []
+
+    def dies(src, dst):
+        renames.append((Path(src), Path(dst)))
+        if Path(dst) == out / "digits.json":
+            raise OSError("the machine died")
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", dies)
+    with pytest.raises(OSError, match="died"):
+        _main(["digits", "--from-json", str(digits_results), "--no-plots", "--out", str(out)], capsys)
+    monkeypatch.setattr(os, "replace", real)
+    src, dst = renames[-1]
+    assert dst == out / "digits.json" and src.parent.parent == out.parent  # a staging folder beside --out
+    assert (out / "digits.json").read_text() == '{"earlier": "good"}\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no staging folder left
+
+
+def test_cost_subsets_merge_into_the_all_variant_cost_file(tmp_path, monkeypatch, capsys):
+    """Each cost command wrote digits_cost.json with its own variants only, so `--cost-only
+    --variants mha damcha-heads-tied` after a measurement of talking-heads dropped it (and the
+    report's claim 3 with it). Now a measurement of the same settings merges: the file holds the
+    variants one all-variant command writes, each ratio still taken against the MHA rounds of its
+    own measurement (equal to that measurement's ratio) and recording its own environment; the
+    report reads it. A file measured otherwise (here: another thread count) is replaced as before."""
+    from damcha_experiments import _analysis as an
+    from damcha_experiments import _cost
+
+    # Commands a second apart can record equal environments (date to the second, load average): number them.
+    calls, environment = [], _cost.environment
+    monkeypatch.setattr(
+        _cost, "environment", lambda d: environment(d) | {"date": f"call {len(calls.append(0) or calls)}"}
+    )
+    split, whole = tmp_path / "split", tmp_path / "whole"
+    three = ["mha", "talking-heads", "damcha-heads-tied"]
+    code, err = _main(["digits", *SMOKE, "--variants", *three, "--no-cost", "--out", str(split)], capsys)
+    assert code == 0, err
+    cost = ["digits", *SMOKE, "--cost-only", "--variants"]
+    code, err = _main([*cost, "mha", "talking-heads", "--out", str(split)], capsys)
+    assert code == 0 and "already holds" not in err, err
+    first = json.loads((split / "digits_cost.json").read_text())
+    code, err = _main([*cost, "mha", "damcha-heads-tied", "--out", str(split)], capsys)
+    assert code == 0, err
+    (note,) = [line for line in err.splitlines() if "already holds" in line]
+    assert f"{split / 'digits_cost.json'} already holds the cost of talking-heads, measured alike" in note, note
+    code, err = _main([*cost, *three, "--out", str(whole)], capsys)
+    assert code == 0, err
+    merged, one = (json.loads((d / "digits_cost.json").read_text()) for d in (split, whole))
+    assert list(merged["variants"]) == list(one["variants"]) == three
+    assert list(merged["params_check"]) == list(one["params_check"]) == three
+    untimed = ("params", "mlp_hidden", "activation_bytes", "param_bytes", "optimizer_bytes", "train_bytes")
+    for name in three:
+        for key in (*untimed, "activation_ratio_vs_mha", "train_bytes_ratio_vs_mha"):
+            assert merged["variants"][name][key] == one["variants"][name][key], (name, key)
+    kept = merged["variants"]["talking-heads"]
+    assert kept["environment"] == first["environment"] != merged["environment"]
+    assert kept["mha_round_s_per_step"] == first["variants"]["mha"]["round_s_per_step"]
+    assert an.time_ratio(merged, "talking-heads") == an.time_ratio(first, "talking-heads")
+    # The report reads the merged file: claim 3 rates the DAMCHA variant, the cost table lists all three.
+    code, err = _main(["report", str(split), "--no-plots"], capsys)
+    assert code == 0, err
+    report = (split / "report.md").read_text()
+    assert "measured in separate commands: mha, damcha-heads-tied on call 3, load average " in report
+    assert "; talking-heads on call 1, load average " in report
+    for name in three:
+        assert sum(line.startswith(f"| {name} | ") for line in report.splitlines()) >= 2, name  # results + cost
+    (claim3,) = [v for v in json.loads((split / "report.json").read_text())["verdicts"] if v["claim"] == 3]
+    assert [r["variant"] for r in claim3["rows"]] == ["damcha-heads-tied"]
+    assert claim3["rows"][0]["time_ratio"] == an.time_ratio(merged, "damcha-heads-tied")["median"]
+    # Measured otherwise: replaced by this command's variants alone.
+    (split / "digits_cost.json").write_text(json.dumps(merged | {"torch_threads": 7}))
+    code, err = _main([*cost, "mha", "--out", str(split)], capsys)
+    assert code == 0 and "already holds" not in err, err
+    assert list(json.loads((split / "digits_cost.json").read_text())["variants"]) == ["mha"]

@@ -458,12 +458,15 @@ def test_report_names_the_json_files_it_skips(tmp_path, capsys):
 
     res = _results("crosshead", {"mha": _base(0.60), "talking-heads": _base(0.62), "damcha-heads-query": _other(0.8)})
     write_json(res, tmp_path / "crosshead.json")
-    (tmp_path / "charlm.json").write_text("garbage")
-    (tmp_path / "listops.json").write_bytes(b"\xff\xfe")
+    # Not named as results files (a damaged one of those exits 2: test_report_refuses_a_damaged_results_file).
+    (tmp_path / "notes.json").write_text("garbage")
+    (tmp_path / "latin1.json").write_bytes(b"\xff\xfe")
+    (tmp_path / "list.json").write_text("[1, 2]")  # valid JSON of another kind: ignored, not named
     assert main(["report", str(tmp_path), "--no-plots"]) == 0
     err = capsys.readouterr().err
-    assert f"skipped {tmp_path / 'charlm.json'}: it is not valid JSON" in err
-    assert f"skipped {tmp_path / 'listops.json'}: it cannot be read (UnicodeDecodeError" in err
+    assert f"skipped {tmp_path / 'notes.json'}: it is not valid JSON" in err
+    assert f"skipped {tmp_path / 'latin1.json'}: it cannot be read (UnicodeDecodeError" in err
+    assert "list.json" not in err
     assert (tmp_path / "report.md").exists()
 
 
@@ -644,3 +647,30 @@ def test_verdicts_name_final_runs_stopped_at_the_step_cap(capped):
         assert "listops: final runs stopped at the 1,000-step cap, not converged: mha 1 of 5" in claim2["reason"]
     else:
         assert "listops: every final run stopped at the 1,000-step cap: an equal-steps comparison" in claim2["reason"]
+
+
+def test_a_merged_cost_file_pairs_each_ratio_with_its_own_mha_rounds_and_load(tmp_path):
+    """Two cost measurements of separate --variants subsets merged into one file (_cli._merge_cost):
+    the second ran in a phase twice as slow, on a quiet machine; the first on a busy one. Each
+    variant's ratio is the one of its own measurement (paired with its own MHA rounds, not the
+    file's MHA entry, which is the second's), and the first's load still makes claim 3's caveat."""
+    from experiments._cli import _merge_cost
+
+    first = _cost(1.1, load=3.0)
+    second = _cost(1.3, load=0.1)
+    for entry in second["variants"].values():
+        entry["round_s_per_step"] = [2 * x for x in entry["round_s_per_step"]]
+    second["variants"]["damcha-heads-query"] = second["variants"].pop("damcha-heads-tied")
+    write_json(first, tmp_path / "crosshead_cost.json")
+    merged = _merge_cost(tmp_path / "crosshead_cost.json", second, "headline")
+    assert list(merged["variants"]) == ["mha", "damcha-heads-tied", "damcha-heads-query"]
+    assert merged["variants"]["damcha-heads-tied"]["environment"] == first["environment"]
+    assert an.time_ratio(merged, "damcha-heads-tied") == an.time_ratio(first, "damcha-heads-tied")
+    assert an.time_ratio(merged, "damcha-heads-query") == an.time_ratio(second, "damcha-heads-query")
+    res = _results("crosshead", {n: _base(0.6) for n in ("mha", "damcha-heads-tied", "damcha-heads-query")})
+    claim3 = an.verdicts({"crosshead": res}, {}, {"crosshead": merged})[2]
+    assert {r["variant"]: r["status"] for r in claim3["rows"]} == {
+        "damcha-heads-tied": "within",
+        "damcha-heads-query": "over",
+    }
+    assert "caveat" in claim3["reason"] and "load average 3.00 on 2 cores" in claim3["reason"]

@@ -11,6 +11,7 @@ import math
 import re
 import shutil
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,10 +27,13 @@ from damcha_experiments._tasks import PRESETS, TASK_NAMES, TaskData, task_config
 from damcha_experiments._train import (
     RunInterrupted,
     RunState,
+    UnreadableResultWarning,
     build_model,
+    check_run_dir,
     model_width,
     param_groups,
     plateau_rule,
+    run_identity,
     train_run,
 )
 from damcha_experiments._variants import ABLATION, HEADLINE, VARIANTS
@@ -466,6 +470,54 @@ def test_resume_after_interruption_is_bitwise_identical(smoke_data, tmp_path):
         train_run(data, v, 3e-3, 1, width, run_dir=tmp_path / "cut")
 
 
+def test_a_damaged_result_json_is_an_unfinished_run(tmp_path, monkeypatch):
+    """A result.json cut off mid-write made a rerun exit 2 ("delete that folder"), and train_run
+    itself raise a JSONDecodeError; one with a field missing was read back as a finished run. Now
+    either is an unfinished run: a note (UnreadableResultWarning), then it resumes from its
+    checkpoint or trains again, giving the uninterrupted numbers, and the file is rewritten."""
+    import os
+
+    data = TaskData(task_config("listops", "smoke", max_steps=7, eval_every=2, patience=5))
+    v = VARIANTS["mha"]
+    width, _ = model_width(data, v)
+    identity = run_identity(data.cfg, v, 1e-3, 0, width, torch.device("cpu"))
+    whole = train_run(data, v, 1e-3, 0, width, run_dir=tmp_path / "whole")
+    result = tmp_path / "whole" / "result.json"
+    text = result.read_text()
+    for damaged, why in ((text[: len(text) // 2], "is not valid JSON"), ("[1]", "holds a JSON list")):
+        result.write_text(damaged)
+        assert check_run_dir(tmp_path / "whole", identity) is False  # no exit before training
+        with pytest.warns(UnreadableResultWarning, match=f"{why}.*trains again from step 0"):
+            again = train_run(data, v, 1e-3, 0, width, run_dir=tmp_path / "whole")
+        assert _strip_timing(again) == _strip_timing(whole) and again["resumed_at_step"] is None
+        assert json.loads(result.read_text()) == again
+    # A checkpoint beside a result lacking a field: resumed from the checkpoint.
+    with pytest.raises(RunInterrupted):
+        train_run(data, v, 1e-3, 0, width, run_dir=tmp_path / "cut", should_stop=lambda s: s == 3)
+    (tmp_path / "cut" / "result.json").write_text(json.dumps({k: x for k, x in whole.items() if k != "curve"}))
+    with pytest.warns(UnreadableResultWarning, match="lacks curve.*resumes from its checkpoint"):
+        resumed = train_run(data, v, 1e-3, 0, width, run_dir=tmp_path / "cut")
+    assert resumed["resumed_at_step"] == 3 and _strip_timing(resumed) == _strip_timing(whole)
+    # Written atomically: a temporary file in the run's folder, renamed over result.json; a
+    # process that dies before the rename leaves no result.json, the checkpoint, and no temporary.
+    real, renames = os.replace, []
+
+    def dies_at_the_result(src, dst):
+        renames.append((Path(src).parent, Path(dst)))
+        if Path(dst).name == "result.json":
+            raise OSError("the machine died")
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", dies_at_the_result)
+    with pytest.raises(OSError, match="died"):
+        train_run(data, v, 1e-3, 0, width, run_dir=tmp_path / "died")
+    monkeypatch.setattr(os, "replace", real)
+    assert (tmp_path / "died" / "result.json") in [dst for _, dst in renames]
+    assert all(src == dst.parent for src, dst in renames)
+    assert sorted(p.name for p in (tmp_path / "died").iterdir()) == ["checkpoint.pt"]
+    assert _strip_timing(train_run(data, v, 1e-3, 0, width, run_dir=tmp_path / "died")) == _strip_timing(whole)
+
+
 def test_suite_resumes_where_it_stopped(smoke_data, tmp_path):
     cfg = smoke_data["crosshead"].cfg
     names = ["mha", "damcha-heads-query"]
@@ -768,7 +820,8 @@ def test_a_run_folder_of_another_device_type_is_refused_naming_device(tmp_path):
     assert info.value.differs == ["device", "torch_threads"] and info.value.path == cut / "checkpoint.pt"
     with pytest.raises(_train.RunSettingsMismatch, match="differing: device, torch_threads"):
         train_run(data, v, 1e-3, 0, width, run_dir=cut)
-    (cut / "result.json").write_text(json.dumps({"identity": on_cuda}))
+    # A finished run's result (every field; one lacking a field is an unfinished run).
+    (cut / "result.json").write_text(json.dumps(dict.fromkeys(_train.RESULT_FIELDS) | {"identity": on_cuda}))
     assert _train.check_run_dir(cut, on_cuda) is True
     with pytest.raises(_train.RunSettingsMismatch, match="differing: device, torch_threads"):
         _train.check_run_dir(cut, on_cpu)
