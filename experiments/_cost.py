@@ -143,8 +143,13 @@ def _tensor_bytes(tensors: Any) -> int:
 def measure_cost(
     cfg: TaskConfig, variants: list[str], *, device: torch.device | str = "cpu", data: TaskData | None = None
 ) -> dict[str, Any]:
-    """Time per training step and memory of each variant's whole model; plain JSON."""
+    """Time per training step and memory of each variant's whole model; plain JSON.
+
+    MHA is timed too when ``variants`` leaves it out: every time ratio is taken round by round
+    against MHA's steps interleaved with it, so a subset without it (``--cost-only --variants X``)
+    would measure no ratio, and merged into an existing cost file it would replace a valid one."""
     device = torch.device(device)
+    variants = list(variants) if "mha" in variants else ["mha", *variants]
     data = data if data is not None else TaskData(cfg)
     env_before = environment(device)
     order = data.order(0)

@@ -272,6 +272,27 @@ def test_a_stalled_step_does_not_move_a_cost_round(monkeypatch):
     assert mha["round_mean_s_per_step"] == pytest.approx([(4 * 0.010 + 0.5) / 5] * 3)  # what a mean would say
 
 
+def test_a_cost_subset_without_mha_still_measures_its_ratio(monkeypatch):
+    """Every ratio is taken against MHA's interleaved steps: a subset that leaves MHA out
+    (``--cost-only --variants damcha-heads-tied``) times MHA too, rather than giving no ratio."""
+    from damcha_experiments import _cost
+
+    cfg = dataclasses.replace(task_config("crosshead", "smoke"), cost_steps=3, cost_rounds=3)
+    clock = {"now": 0.0}
+    real_step = _cost._step
+
+    def timed_step(model, opt, x, y, penalty, clip):
+        real_step(model, opt, x, y, penalty, clip)
+        clock["now"] += 0.015 if any(True for _ in damcha_layers(model)) else 0.010
+
+    monkeypatch.setattr(_cost, "_step", timed_step)
+    monkeypatch.setattr(_cost.time, "perf_counter", lambda: clock["now"])
+    monkeypatch.setattr(_cost.time, "thread_time", lambda: clock["now"])
+    cost = _cost.measure_cost(cfg, ["damcha-heads-tied"])
+    assert list(cost["variants"]) == ["mha", "damcha-heads-tied"]
+    assert cost["variants"]["damcha-heads-tied"]["time_ratio_vs_mha"] == pytest.approx(1.5)
+
+
 def _fake_clocks(monkeypatch, cfg, mha_s, tied_s=0.012, *, thread=None):
     """Fake perf_counter and thread_time advanced by each timed step: an MHA step by ``mha_s``, a
     DAMCHA step by ``tied_s``; ``thread`` (a function of the wall time) replaces thread_time."""
