@@ -558,11 +558,12 @@ def _train_main(argv: list[str]) -> int:
             raise KeyboardInterrupt
         stop["signal"] = signum
 
-    from ._train import UnreadableResultWarning
+    from ._train import ResumedElsewhereWarning, UnreadableResultWarning
 
     def show_warning(message, category, filename, lineno, file=None, line=None):
-        # A damaged result.json is a note on the command's progress, not a warning about code: one line.
-        if issubclass(category, UnreadableResultWarning):
+        # A damaged result.json, or a run resumed on another machine, is a note on the command's
+        # progress, not a warning about code: one line, without Python's file:line and source line.
+        if issubclass(category, (UnreadableResultWarning, ResumedElsewhereWarning)):
             print(f"{PROG}: note: {message}", file=sys.stderr)
         else:
             shown(message, category, filename, lineno, file, line)

@@ -218,8 +218,18 @@ def test_interrupt_then_rerun_gives_the_uninterrupted_numbers(tmp_path):
     assert "run the same command to resume" in err and "Traceback" not in err
     assert (run_dir / "checkpoint.pt").exists() and not (run_dir / "result.json").exists()
     assert not (tmp_path / "cut" / "charlm.json").exists()  # no results file from an unfinished suite
+    import torch
+
+    # As a checkpoint of an earlier version (no environments recorded): it resumes "elsewhere", which the
+    # command says in one note line, not in Python's two-line warning with a file name and source line.
+    payload = torch.load(run_dir / "checkpoint.pt", weights_only=True)
+    del payload["environments"]
+    torch.save(payload, run_dir / "checkpoint.pt")
     done = _run([*args, "--out", "cut"], tmp_path)
     assert done.returncode == 0, done.stderr
+    notes = [line for line in done.stderr.splitlines() if "records no environment" in line]
+    assert len(notes) == 1 and notes[0].startswith("damcha experiment: note: "), done.stderr
+    assert "Warning" not in done.stderr, done.stderr
     resumed = json.loads((tmp_path / "cut" / "charlm.json").read_text())["variants"]["mha"]["runs"][0]
     assert resumed["resumed_at_step"] is not None and resumed["steps"] == 40
     cfg = task_config("charlm", "default", seeds=1, lrs=(1e-3,), max_steps=40, val_size=4, test_size=4)
