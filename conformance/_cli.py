@@ -82,6 +82,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar or lines")
     p.add_argument("--in-process", action="store_true", help="run in this process (one backend or adapter only)")
     p.add_argument("--progress-protocol", action="store_true", help=argparse.SUPPRESS)  # worker mode
+    p.add_argument("--probe-adapter", metavar="SPEC", help=argparse.SUPPRESS)  # build and check SPEC (_probe)
     return p
 
 
@@ -153,6 +154,27 @@ def _validate(args: argparse.Namespace) -> None:
         problem = _not_an_adapter(getattr(module, attr))
         if problem is not None:
             cu.usage_error("--adapter", f"{spec} is not a conformance adapter: {problem}", prog=PROG)
+    if not args.in_process:  # in-process, _main builds the adapter itself and refuses it the same way
+        for spec in dict.fromkeys(args.adapter):
+            _probe(spec)
+
+
+def _probe(spec: str) -> None:
+    """Build the adapter ``spec`` in a short process of its own and check what it is, before any
+    backend runs: a factory that raises, or returns something that is not an adapter, leaves
+    nothing to check, so it is a usage error (exit 2), not a FAILED run. Built apart from this
+    process for the reason the workers are (a constructor may import a framework, pick a Keras
+    backend or take a GPU)."""
+    cmd = [sys.executable, "-m", "damcha_conformance._cli", "--probe-adapter", spec]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode == 0:
+        return
+    head = f"{PROG}: error: --adapter: "
+    said = [line for line in proc.stderr.splitlines() if line.startswith(head)]
+    if proc.returncode == cu.EXIT_USAGE and said:
+        cu.usage_error("--adapter", said[-1][len(head) :], prog=PROG)
+    tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
+    cu.usage_error("--adapter", f"building {spec} ended its process with exit {proc.returncode}: {tail}", prog=PROG)
 
 
 def _not_an_adapter(obj: object) -> str | None:
@@ -200,10 +222,19 @@ def _filters(args: argparse.Namespace) -> list[str]:
     return out
 
 
-def _run_in_process(spec: str, args: argparse.Namespace) -> Report:
+def _build_adapter(spec: str) -> object:
+    """The third-party adapter ``spec``, or exit 2 with ``load_adapter``'s one line (it names the
+    spec, what the factory raised or returned and what an adapter needs)."""
     try:
-        adapter = load_adapter(spec)
-    except Exception as exc:  # noqa: BLE001 - a third party's constructor may raise anything
+        return load_adapter(spec)
+    except DamchaError as exc:
+        cu.usage_error("--adapter", str(exc), prog=PROG)
+
+
+def _run_in_process(spec: str, args: argparse.Namespace, adapter: object = None) -> Report:
+    try:
+        adapter = load_adapter(spec) if adapter is None else adapter
+    except Exception as exc:  # noqa: BLE001 - a built-in adapter's constructor may raise anything
         return Report(notes=[f"FAIL {spec}: the adapter could not be built: {type(exc).__name__}: {exc}"])
     try:
         check_adapter(adapter)
@@ -365,6 +396,9 @@ def _run_backends(specs: list[str], args: argparse.Namespace, report: Report, ti
 
 def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
+    if args.probe_adapter is not None:
+        _build_adapter(args.probe_adapter)
+        return 0
     _validate(args)
     if args.export_vectors is not None:
         from ._vectors import export_vectors
@@ -380,7 +414,8 @@ def _main(argv: list[str] | None) -> int:
         return 0
     specs = list(dict.fromkeys(list(args.backend) + list(args.adapter)))
     if args.in_process:
-        report = _run_in_process(specs[0], args)
+        adapter = _build_adapter(specs[0]) if specs[0] in args.adapter else None
+        report = _run_in_process(specs[0], args, adapter)
     else:
         report = Report()
         timings: list[str] = []

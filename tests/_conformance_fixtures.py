@@ -82,3 +82,8 @@ no_unsupported_instance = NoUnsupported()
 def needs_an_argument(device):
     """A factory ``load_adapter`` cannot call (it calls with no arguments)."""
     return ReferenceAdapter()
+
+
+def make_raises():
+    """A factory that fails to build (a constructor that needs a device the machine lacks)."""
+    raise RuntimeError("no such device: cuda:7")

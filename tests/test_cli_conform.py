@@ -233,18 +233,30 @@ def test_a_terminal_gets_a_progress_bar(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "adapter, says",
+    "spec, says",
     [
-        ("make_dtypes_string", "`adapter.dtypes`: expected a sequence of dtype names"),
-        ("make_no_unsupported", "adapter lacks unsupported"),
+        ("_conformance_fixtures:make_raises", "() with no arguments raised RuntimeError: no such device: cuda:7"),
+        ("os:getcwd", "calling os.getcwd() returned str: adapter lacks name"),
+        ("_conformance_fixtures:make_dtypes_string", "`adapter.dtypes`: expected a sequence of dtype names"),
+        ("_conformance_fixtures:make_no_unsupported", "adapter lacks unsupported"),
     ],
 )
-def test_a_malformed_adapter_is_named_not_a_traceback(adapter, says):
-    # Factories: what they build is only seen in the worker, where a bad one is a FAIL.
-    proc = conform("--adapter", f"_conformance_fixtures:{adapter}", "--case", dcf.CATALOGUE[0].name, "--no-progress")
-    assert proc.returncode == 1, proc.stdout
-    assert f"FAIL _conformance_fixtures:{adapter}: not a usable adapter: " in proc.stdout and says in proc.stdout
-    assert "Traceback" not in proc.stdout + proc.stderr and "File " not in proc.stdout
+@pytest.mark.parametrize("in_process", [False, True])
+def test_a_factory_that_raises_or_builds_no_adapter_is_a_usage_error(spec, says, in_process):
+    # Nothing can be checked: it used to start the run and end in FAILED (exit 1), like a failed port.
+    args = ("--in-process",) if in_process else ()
+    proc = conform(*args, "--adapter", spec, "--case", dcf.CATALOGUE[0].name, "--no-progress")
+    line = one_line_usage_error(proc, "--adapter")
+    assert f"spec={spec!r}" in line and says in line, line
+    assert "expected module:attr naming a conformance adapter (" in line, line
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_bad_factory_stops_the_run_before_any_backend(tmp_path):
+    out = tmp_path / "r.json"
+    proc = conform("--backend", "reference", "--adapter", "os:getcwd", "--json", str(out), "--no-progress")
+    assert "returned str: adapter lacks name" in one_line_usage_error(proc, "--adapter")
+    assert not out.exists()
 
 
 def test_case_and_group_that_select_nothing_exit_2_before_any_work():

@@ -24,7 +24,7 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from damcha_core import DamchaValueError, invalid_argument
+from damcha_core import DamchaTypeError, DamchaValueError, invalid_argument
 
 if TYPE_CHECKING:  # pragma: no cover
     from .._adapter import BackendAdapter
@@ -127,8 +127,12 @@ def load_adapter(spec: str) -> BackendAdapter:
     one asked for is refused rather than reported under the wrong name.
 
     Raises:
-        DamchaValueError: an unknown name, a module that cannot be imported
-            or an attribute it does not have.
+        DamchaValueError: an unknown name, a module that cannot be imported,
+            an attribute it does not have, or a class or factory that raises
+            when called with no arguments (chained from its exception).
+        DamchaTypeError: what ``module:attr`` names or builds is not an
+            adapter (``check_adapter``: a missing attribute or method, or
+            ``dtypes`` given as one string).
     """
     if not isinstance(spec, str) or not spec:
         raise DamchaValueError(
@@ -175,4 +179,41 @@ def load_adapter(spec: str) -> BackendAdapter:
                 f"spec={spec!r} ({module_name} does not have {attr!r})",
             )
         ) from None
-    return obj() if callable(obj) else obj
+    if not callable(obj):
+        return _checked(spec, obj, f"{module_name}.{attr} is")
+    try:
+        adapter = obj()
+    except Exception as exc:  # a third party's constructor may raise anything: said, and chained
+        raise DamchaValueError(
+            invalid_argument(
+                "spec",
+                _EXPECTED,
+                f"spec={spec!r}: calling {module_name}.{attr}() with no arguments raised {type(exc).__name__}: {exc}",
+            )
+        ) from exc
+    return _checked(spec, adapter, f"calling {module_name}.{attr}() returned")
+
+
+_EXPECTED = (
+    "module:attr naming a conformance adapter (a class or factory that builds one when called with no "
+    "arguments, or an instance) with name, dtypes, supports_gradients, unsupported(case) and "
+    "forward(data, dtype) (see damcha_conformance.BackendAdapter)"
+)
+
+
+def _checked(spec: str, adapter: Any, what: str) -> BackendAdapter:
+    """``adapter`` when it is usable, else the error naming ``spec``, what it gave and what it lacks.
+
+    Refused here, before any check, so that the CLI and the pytest plugin report a usage error
+    rather than a failed run (or an AttributeError inside pytest's configuration)."""
+    from .._runner import check_adapter
+
+    try:
+        check_adapter(adapter)
+    except DamchaTypeError as exc:
+        cls = type(adapter)
+        kind = cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+        # "adapter lacks name: a conformance adapter has ...": what it has is said once, in _EXPECTED
+        why = str(exc).split(": a conformance adapter has", 1)[0]
+        raise DamchaTypeError(invalid_argument("spec", _EXPECTED, f"spec={spec!r}: {what} {kind}: {why}")) from None
+    return adapter
