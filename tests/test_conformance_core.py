@@ -4,6 +4,7 @@ implementation check itself."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -153,7 +154,7 @@ def test_error_catalogue_covers_every_corruption_and_each_differs_from_its_base(
     assert {c.corruption for c in dcf.ERROR_CATALOGUE} == set(dcf.CORRUPTIONS)
     for case in dcf.ERROR_CATALOGUE:
         bad, good = dcf.materialise_error(case), dcf.materialise(case.base)
-        changed = [n for n in ("query", "context", "mask") if getattr(bad, n) is not getattr(good, n)]
+        changed = [n for n in ("query", "context", "value", "mask") if getattr(bad, n) is not getattr(good, n)]
         assert changed == [case.argument], (case.name, changed)
         assert getattr(bad, case.argument).shape != getattr(good, case.argument).shape
 
@@ -169,7 +170,7 @@ class _Lenient(dcf.ReferenceAdapter):
         if self.flaw == "fits-input":
             return super().forward(valid, dtype)
         if self.flaw == "vague-error":
-            if any(getattr(data, n) is not getattr(valid, n) for n in ("query", "context", "mask")):
+            if any(getattr(data, n) is not getattr(valid, n) for n in ("query", "context", "value", "mask")):
                 raise ValueError("shape mismatch")
             return super().forward(data, dtype)
         raise AssertionError(self.flaw)
@@ -187,6 +188,30 @@ def test_runner_fails_ports_that_accept_bad_input_or_reject_it_vaguely(flaw):
         failed = {r.case.split(":")[0] for r in rejects if r.status == "fail"}
         assert failed == set(dcf.CORRUPTIONS), report.summary()
         assert all("must name" in r.detail for r in rejects)
+
+
+class _Slicing(dcf.ReferenceAdapter):
+    """Takes the part of each tensor it needs: value[:B, :M, :E_v] and mask[:B, :, :N] (a port
+    written for cache-style masks), so the output of a valid call is right."""
+
+    name = "slicing"
+
+    def forward(self, data, dtype):
+        B, N = data.query.shape[-3], data.query.shape[-2]
+        M = (data.query if data.context is None else data.context).shape[1]
+        value = None if data.value is None else data.value[:B, :M, : data.config.value_input_dim]
+        mask = None if data.mask is None else data.mask[:B, :, :N]
+        return super().forward(dataclasses.replace(data, value=value, mask=mask), dtype)
+
+
+def test_a_port_that_slices_value_tokens_or_mask_rows_fails_the_bad_input_checks():
+    # The catalogue used to corrupt neither the separate value tokens nor the mask's batch and
+    # query axes: this port passed every check while refusing none of them.
+    report = dcf.run_conformance(_Slicing(), cases=[], decoding=False)
+    failed = {r.case.split(":")[0]: r.detail for r in report.failures()}
+    assert set(failed) == {"value-features", "value-length", "mask-queries", "mask-batch"}, report.summary()
+    assert all("bad input accepted" in d for d in failed.values()), failed
+    assert dcf.run_conformance(_Slicing(), cases=[dcf.CATALOGUE[0]], errors=False, decoding=False).passed
 
 
 def test_errors_can_be_switched_off_or_narrowed():
