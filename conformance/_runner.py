@@ -20,6 +20,7 @@ from ._cases import (
     ERROR_CATALOGUE,
     GROUPS,
     Case,
+    CaseData,
     DecodeCase,
     ErrorCase,
     gradient_targets,
@@ -193,8 +194,10 @@ def check_output(adapter: BackendAdapter, case: Case, dtype: str) -> Result:
     reason = adapter.unsupported(case)
     if reason:
         return Result(**base, status="unsupported", detail=reason)
-    data = materialise(case)
-    return _output_result(base, lambda: adapter.forward(data, dtype), data.expected, tolerance(dtype))
+    pristine = materialise(case)
+    data = _private(pristine)
+    result = _output_result(base, lambda: adapter.forward(data, dtype), pristine.expected, tolerance(dtype))
+    return _untouched(result, data, pristine)
 
 
 def check_gradients(adapter: BackendAdapter, case: Case, dtype: str) -> Result:
@@ -210,7 +213,8 @@ def check_gradients(adapter: BackendAdapter, case: Case, dtype: str) -> Result:
             **base, status="unsupported", detail="the adapter declares no gradients (supports_gradients=False)"
         )
     tol = tolerance(dtype)
-    data = materialise(case)
+    pristine = materialise(case)
+    data = _private(pristine)
     try:
         grads = adapter.gradients(data, dtype)
         expected_keys = set(gradient_targets(data))
@@ -227,9 +231,10 @@ def check_gradients(adapter: BackendAdapter, case: Case, dtype: str) -> Result:
             if ratio > worst[1]:  # grad_ratio never returns NaN: a NaN gradient is inf
                 worst = (err, ratio, target)
         status = "pass" if worst[1] <= 1 else "fail"
-        return Result(**base, status=status, max_error=worst[0], ratio=worst[1], detail=f"worst: {worst[2]}")
+        result = Result(**base, status=status, max_error=worst[0], ratio=worst[1], detail=f"worst: {worst[2]}")
     except Exception as exc:  # noqa: BLE001 - a port's crash is a reported error, not the end of the run
-        return Result(**base, status="error", detail=_describe_exc(exc))
+        result = Result(**base, status="error", detail=_describe_exc(exc))
+    return _untouched(result, data, pristine)
 
 
 def check_case(adapter: BackendAdapter, case: Case, dtype: str, gradients: bool = True) -> list[Result]:
@@ -251,9 +256,15 @@ def check_error(adapter: BackendAdapter, case: ErrorCase, dtype: str) -> Result:
     reason = adapter.unsupported(case.base)
     if reason:
         return Result(**base, status="unsupported", detail=reason)
-    data = materialise_error(case)
+    pristine = materialise_error(case)
+    data = _private(pristine)
+    return _untouched(_rejects(base, case, lambda: adapter.forward(data, dtype)), data, pristine)
+
+
+def _rejects(base: dict[str, Any], case: ErrorCase, run: Callable[[], Any]) -> Result:
+    """The verdict of ``check_error`` on what ``run()`` (the adapter's forward) does."""
     try:
-        out = adapter.forward(data, dtype)
+        out = run()
     except ValueError as exc:
         message = str(exc)
         named = any(
@@ -286,8 +297,52 @@ def check_decode(adapter: BackendAdapter, case: DecodeCase, dtype: str) -> Resul
     reason = adapter.unsupported(case)  # type: ignore[arg-type]
     if reason:
         return Result(**base, status="unsupported", detail=reason)
-    data = materialise_decode(case)
-    return _output_result(base, lambda: decode(data, dtype), data.expected, tolerance(dtype))
+    pristine = materialise_decode(case)
+    data = _private(pristine)
+    return _untouched(
+        _output_result(base, lambda: decode(data, dtype), pristine.expected, tolerance(dtype)), data, pristine
+    )
+
+
+_ARRAYS = ("query", "context", "value", "mask", "expected", "cotangent")
+
+
+def _private(data: CaseData) -> CaseData:
+    """A copy of ``data`` with arrays of its own, for one call of the adapter.
+
+    ``materialise`` is cached: an adapter given its arrays and writing into them (an in-place op
+    on ``torch.from_numpy(data.query)``, which shares the memory) would change what every later
+    check in the process compares against, other dtypes' and other adapters' included."""
+    arrays = {n: None if getattr(data, n) is None else np.array(getattr(data, n)) for n in _ARRAYS}
+    return dataclasses.replace(data, params={k: np.array(v) for k, v in data.params.items()}, **arrays)
+
+
+def _untouched(result: Result, given: CaseData, pristine: CaseData) -> Result:
+    """``result``, failed if the adapter wrote into the arrays it was given (``_private``): a port
+    must leave its inputs as they were, as the reference does."""
+    written = [f"data.{n}" for n in _ARRAYS if not _same(getattr(given, n), getattr(pristine, n))]
+    if given.params.keys() != pristine.params.keys():
+        written.append("data.params (its keys)")
+    else:
+        written += [f"data.params[{k!r}]" for k, v in pristine.params.items() if not _same(given.params[k], v)]
+    if not written:
+        return result
+    named = ", ".join(written[:3]) + (f" and {len(written) - 3} more" if len(written) > 3 else "")
+    why = (
+        f"the adapter wrote into {named} in place (a port must leave its inputs unchanged; "
+        "torch.from_numpy shares the array's memory)"
+    )
+    return dataclasses.replace(
+        result,
+        status="fail" if result.status == "pass" else result.status,
+        detail=why + (f"; {result.detail}" if result.detail else ""),
+    )
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return bool(np.array_equal(a, b, equal_nan=a.dtype.kind == "f"))
 
 
 def _output_result(base: dict[str, Any], run: Any, expected: np.ndarray, tol: Any) -> Result:

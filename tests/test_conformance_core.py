@@ -279,6 +279,70 @@ def test_gradient_check_passes_correct_and_fails_wrong_gradients():
     assert missing[1].status == "error" and "key.bias" in missing[1].detail
 
 
+class _WritesInPlace(_FiniteDifferenceGradients):
+    """Returns the right values, then writes into an array it was given, as an in-place op on
+    ``torch.from_numpy(data.query)`` (which shares the array's memory) does."""
+
+    def __init__(self, target, step):
+        super().__init__()
+        self.target, self.step, self.name = target, step, f"writes-{target}"
+
+    def _write(self, data, step):
+        if step == self.step:
+            array = data.params["metric.qk.gate"] if self.target == "params" else getattr(data, self.target)
+            if array.dtype == bool:
+                np.logical_not(array, out=array)  # mask.logical_not_() on a shared tensor
+            else:
+                array *= 1.001
+
+    def forward(self, data, dtype):
+        out = super().forward(data, dtype)
+        self._write(data, "forward")
+        return out
+
+    def gradients(self, data, dtype):
+        grads = super().gradients(data, dtype)
+        self._write(data, "gradients")
+        return grads
+
+    def decode(self, data, dtype):
+        out = super().decode(data, dtype)
+        self._write(data, "decode")
+        return out
+
+
+@pytest.mark.parametrize(
+    "target, step",
+    [("query", "forward"), ("mask", "forward"), ("params", "forward"), ("cotangent", "gradients"), ("query", "decode")],
+)
+def test_a_port_that_writes_into_its_inputs_fails_and_the_catalogue_is_left_intact(target, step):
+    # The adapter used to get the cached arrays of materialise() themselves: a write passed its own check and
+    # changed what every later check (other dtypes, other adapters in the process) compared against.
+    if step == "decode":
+        case = dcf.DecodeCase("tiny-decode-writes", TINY.config, 1, 2, 2, seed=5)
+        pristine = dcf.materialise_decode(case)
+        before = {"query": pristine.query.copy()}
+        result = dcf.check_decode(_WritesInPlace(target, step), case, "float64")
+        assert result.status == "fail" and "wrote into data.query in place" in result.detail, result
+        assert np.array_equal(dcf.materialise_decode(case).query, before["query"])
+        assert dcf.check_decode(dcf.ReferenceAdapter(), case, "float64").status == "pass"
+        return
+    case = dataclasses.replace(TINY, name=f"tiny-writes-{target}", seed=11)  # a cache entry of its own
+    pristine = dcf.materialise(case)
+    before = {n: getattr(pristine, n).copy() for n in ("query", "mask", "cotangent", "expected")}
+    before["params"] = {k: v.copy() for k, v in pristine.params.items()}
+    results = dcf.check_case(_WritesInPlace(target, step), case, "float64")
+    named = "data.params['metric.qk.gate']" if target == "params" else f"data.{target}"
+    by_check = {r.check: r for r in results}
+    wrote = by_check["output" if step == "forward" else "gradients"]
+    assert wrote.status == "fail" and f"wrote into {named} in place" in wrote.detail, results
+    assert all(r.status == "pass" for r in results if r is not wrote), results
+    after = dcf.materialise(case)
+    assert all(np.array_equal(getattr(after, n), before[n]) for n in ("query", "mask", "cotangent", "expected"))
+    assert all(np.array_equal(after.params[k], v) for k, v in before["params"].items())
+    assert [r.status for r in dcf.check_case(_FiniteDifferenceGradients(), case, "float64")] == ["pass", "pass"]
+
+
 def test_exported_vectors_let_a_foreign_port_check_itself(tmp_path):
     """The naive loop implementation stands in for a port in another language:
     it reads only the JSON and safetensors files."""
