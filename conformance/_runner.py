@@ -353,8 +353,29 @@ def _output_result(base: dict[str, Any], run: Any, expected: np.ndarray, tol: An
     except Exception as exc:  # noqa: BLE001 - a port's crash is a reported error, not the end of the run
         return Result(**base, status="error", detail=_describe_exc(exc))
     err, ratio = tol.output_ratio(out, expected)
-    detail = "" if out.shape == expected.shape else f"shape {out.shape} != expected {expected.shape}"
+    if out.shape != expected.shape:
+        detail = f"shape {out.shape} != expected {expected.shape}"
+    else:
+        detail = _where(out, expected, tol) if ratio > 1 else ""
     return Result(**base, status="pass" if ratio <= 1 else "fail", max_error=err, ratio=ratio, detail=detail)
+
+
+def _where(out: np.ndarray, expected: np.ndarray, tol: Any) -> str:
+    """Where a failed output is wrong, for a port's author: the non-finite values and the query
+    rows holding them (a row that sees no key must give 0, not NaN), else how many elements are
+    outside the tolerance and the worst one, with its value and the expected one."""
+    axes = "(b, n, e)" if out.ndim == 3 else "index"
+    bad = ~np.isfinite(out)
+    if bad.any():
+        first = tuple(int(i) for i in np.argwhere(bad)[0])
+        rows = len({tuple(i[:-1]) for i in np.argwhere(bad)}) if out.ndim > 1 else 1
+        return f"{int(bad.sum())} non-finite values (NaN or inf) in {rows} query rows, first at {axes} = {first}"
+    excess = np.abs(out - expected) / (tol.atol + tol.rtol * np.abs(expected))
+    worst = tuple(int(i) for i in np.unravel_index(np.argmax(excess), excess.shape))
+    return (
+        f"{int((excess > 1).sum())} of {out.size} elements outside the tolerance, worst at {axes} = {worst}: "
+        f"{out[worst]:.6g}, expected {expected[worst]:.6g}"
+    )
 
 
 def _real_float64(value: Any, what: str) -> np.ndarray:

@@ -678,3 +678,31 @@ def test_outputs_are_judged_by_the_reference_s_own_real_float_rule():
         else:
             with pytest.raises(dc.DamchaTypeError, match="expected a real floating tensor"):
                 dc.damcha_attention(params, config, x)
+
+
+class _OffAt(dcf.ReferenceAdapter):
+    """The reference's output, wrong at one place: NaN in query row 1 of batch 0 (what a port
+    that divides by a zero softmax sum returns for a row that sees no key), or one element off."""
+
+    def __init__(self, how):
+        self.how, self.name = how, f"off-{how}"
+
+    def forward(self, data, dtype):
+        y = super().forward(data, dtype).copy()
+        if self.how == "nan-row":
+            y[0, 1, :] = np.nan
+        else:
+            y[1, 2, 3] += 1e-3
+        return y
+
+
+def test_a_failed_output_says_where_and_what():
+    # The line used to be "FAIL off-nan-row/float64 tiny [output] err=nan ratio=inf" and nothing more.
+    case = dataclasses.replace(TINY, batch=2, query_len=4, name="tiny-off-at")
+    [nan] = dcf.check_case(_OffAt("nan-row"), case, "float64", gradients=False)
+    assert nan.status == "fail" and nan.detail.startswith("4 non-finite values (NaN or inf) in 1 query rows"), nan
+    assert "first at (b, n, e) = (0, 1, 0)" in nan.detail, nan
+    [off] = dcf.check_case(_OffAt("one"), case, "float64", gradients=False)
+    expected = dcf.materialise(case).expected[1, 2, 3]
+    assert off.status == "fail" and off.detail.startswith("1 of 32 elements outside the tolerance"), off
+    assert f"worst at (b, n, e) = (1, 2, 3): {expected + 1e-3:.6g}, expected {expected:.6g}" in off.detail, off
