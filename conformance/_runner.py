@@ -5,12 +5,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import traceback
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from damcha_core import DamchaTypeError, describe, invalid_argument
+from damcha_core import DamchaTypeError, DamchaValueError, describe, invalid_argument
 from damcha_core._params import is_real_float
 
 from ._adapter import BackendAdapter
@@ -217,6 +217,11 @@ def check_gradients(adapter: BackendAdapter, case: Case, dtype: str) -> Result:
     data = _private(pristine)
     try:
         grads = adapter.gradients(data, dtype)
+        if not isinstance(grads, Mapping):
+            raise TypeError(
+                "gradients(data, dtype) must return a mapping {tensor name: gradient array} "
+                f"(see gradient_targets). Received: {describe(grads)}"
+            )
         expected_keys = set(gradient_targets(data))
         if set(grads) != expected_keys:
             raise KeyError(f"gradients keys {sorted(grads)} != expected {sorted(expected_keys)}")
@@ -445,8 +450,11 @@ def check_adapter(adapter: Any) -> None:
 
     Raises:
         DamchaTypeError: a missing attribute or method (instead of an
-            AttributeError deep in a check), or ``dtypes`` given as one string
+            AttributeError deep in a check; ``gradients`` too when
+            ``supports_gradients``), or ``dtypes`` given as one string
             (iterating "float64" yields letters).
+        DamchaValueError: ``dtypes`` empty or naming a dtype that is not a
+            key of ``TOLERANCES`` (e.g. "fp32").
     """
     for attr in ("name", "dtypes", "supports_gradients", "unsupported", "forward"):
         if not hasattr(adapter, attr):
@@ -470,6 +478,25 @@ def check_adapter(adapter: Any) -> None:
                 f"a sequence of dtype names, e.g. ('float64',), some of {DTYPES}",
                 f"adapter.dtypes={dtypes!r}"
                 + (" (one string, read letter by letter)" if isinstance(dtypes, str) else ""),
+            )
+        )
+    names = list(dtypes)
+    if not names or any(d not in DTYPES for d in names):
+        # Found here, so that the CLI and the pytest plugin refuse it as a usage error, not a worker's traceback.
+        raise DamchaValueError(
+            invalid_argument(
+                "adapter.dtypes",
+                f"a non-empty sequence of dtype names, some of {DTYPES} (the keys of TOLERANCES)",
+                f"adapter.dtypes={tuple(names)!r}",
+            )
+        )
+    if adapter.supports_gradients and not callable(getattr(adapter, "gradients", None)):
+        raise DamchaTypeError(
+            invalid_argument(
+                "adapter.gradients",
+                "a method gradients(data, dtype) when supports_gradients is True (or supports_gradients = False)",
+                f"adapter.gradients={describe(getattr(adapter, 'gradients', None))}"
+                + ("" if hasattr(adapter, "gradients") else " (no such attribute)"),
             )
         )
 

@@ -87,3 +87,20 @@ def needs_an_argument(device):
 def make_raises():
     """A factory that fails to build (a constructor that needs a device the machine lacks)."""
     raise RuntimeError("no such device: cuda:7")
+
+
+class UnknownDtype(ReferenceAdapter):
+    """``dtypes = ("fp32",)``: not a key of TOLERANCES; the worker used to die with a traceback."""
+
+    name = "unknown-dtype"
+    dtypes = ("fp32",)
+
+
+class GradientsWithoutMethod(NoUnsupported):
+    """Claims gradients but has no ``gradients``: every gradient check was an AttributeError."""
+
+    name = "gradients-without-method"
+    supports_gradients = True
+
+    def unsupported(self, case):
+        return None

@@ -239,6 +239,8 @@ def test_a_terminal_gets_a_progress_bar(tmp_path):
         ("os:getcwd", "calling os.getcwd() returned str: adapter lacks name"),
         ("_conformance_fixtures:make_dtypes_string", "`adapter.dtypes`: expected a sequence of dtype names"),
         ("_conformance_fixtures:make_no_unsupported", "adapter lacks unsupported"),
+        ("_conformance_fixtures:UnknownDtype", "`adapter.dtypes`: expected a non-empty sequence of dtype names"),
+        ("_conformance_fixtures:GradientsWithoutMethod", "`adapter.gradients`: expected a method gradients(data"),
     ],
 )
 @pytest.mark.parametrize("in_process", [False, True])

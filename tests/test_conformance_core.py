@@ -706,3 +706,18 @@ def test_a_failed_output_says_where_and_what():
     expected = dcf.materialise(case).expected[1, 2, 3]
     assert off.status == "fail" and off.detail.startswith("1 of 32 elements outside the tolerance"), off
     assert f"worst at (b, n, e) = (1, 2, 3): {expected + 1e-3:.6g}, expected {expected:.6g}" in off.detail, off
+
+
+class _GradientsReturnNothing(dcf.ReferenceAdapter):
+    """The doc's adapter with the body of ``gradients`` left as ``...``."""
+
+    supports_gradients = True
+
+    def gradients(self, data, dtype): ...
+
+
+def test_gradients_that_are_not_a_mapping_are_named():
+    # Used to read "TypeError: 'NoneType' object is not iterable at _runner.py:221".
+    [_, result] = dcf.check_case(_GradientsReturnNothing(), TINY, "float64")
+    assert result.status == "error" and "gradients(data, dtype) must return a mapping" in result.detail, result
+    assert "Received: None" in result.detail, result

@@ -24,7 +24,7 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from damcha_core import DamchaTypeError, DamchaValueError, invalid_argument
+from damcha_core import DamchaError, DamchaTypeError, DamchaValueError, invalid_argument
 
 if TYPE_CHECKING:  # pragma: no cover
     from .._adapter import BackendAdapter
@@ -132,7 +132,8 @@ def load_adapter(spec: str) -> BackendAdapter:
             when called with no arguments (chained from its exception).
         DamchaTypeError: what ``module:attr`` names or builds is not an
             adapter (``check_adapter``: a missing attribute or method, or
-            ``dtypes`` given as one string).
+            ``dtypes`` given as one string); a DamchaValueError when its
+            ``dtypes`` is empty or names an unknown dtype.
     """
     if not isinstance(spec, str) or not spec:
         raise DamchaValueError(
@@ -210,10 +211,11 @@ def _checked(spec: str, adapter: Any, what: str) -> BackendAdapter:
 
     try:
         check_adapter(adapter)
-    except DamchaTypeError as exc:
+    except DamchaError as exc:
         cls = type(adapter)
         kind = cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
         # "adapter lacks name: a conformance adapter has ...": what it has is said once, in _EXPECTED
         why = str(exc).split(": a conformance adapter has", 1)[0]
-        raise DamchaTypeError(invalid_argument("spec", _EXPECTED, f"spec={spec!r}: {what} {kind}: {why}")) from None
+        error = DamchaValueError if isinstance(exc, DamchaValueError) else DamchaTypeError  # e.g. dtypes ("fp32",)
+        raise error(invalid_argument("spec", _EXPECTED, f"spec={spec!r}: {what} {kind}: {why}")) from None
     return adapter
