@@ -318,7 +318,7 @@ def _private(data: CaseData) -> CaseData:
     ``materialise`` is cached: an adapter given its arrays and writing into them (an in-place op
     on ``torch.from_numpy(data.query)``, which shares the memory) would change what every later
     check in the process compares against, other dtypes' and other adapters' included."""
-    arrays = {n: None if getattr(data, n) is None else np.array(getattr(data, n)) for n in _ARRAYS}
+    arrays: dict[str, Any] = {n: None if getattr(data, n) is None else np.array(getattr(data, n)) for n in _ARRAYS}
     return dataclasses.replace(data, params={k: np.array(v) for k, v in data.params.items()}, **arrays)
 
 
@@ -463,6 +463,11 @@ def check_adapter(adapter: Any) -> None:
                 f"unsupported(case) and forward(data, dtype) (see damcha_conformance.BackendAdapter). "
                 f"Received: {type(adapter).__module__}.{type(adapter).__qualname__}"
             )
+    if not isinstance(adapter.name, str) or not adapter.name:
+        # Results are keyed by it (the table's rows, the JSON); None or "" breaks both.
+        raise DamchaTypeError(
+            invalid_argument("adapter.name", "a non-empty string, e.g. 'my-port'", f"adapter.name={adapter.name!r}")
+        )
     for method in ("unsupported", "forward"):
         if not callable(getattr(adapter, method)):
             raise DamchaTypeError(

@@ -104,3 +104,15 @@ class GradientsWithoutMethod(NoUnsupported):
 
     def unsupported(self, case):
         return None
+
+
+class Unnamed(ReferenceAdapter):
+    """A port built on ReferenceAdapter that kept its name: it reports as 'reference'."""
+
+
+class SameNameAsWrongMask(ReferenceAdapter):
+    name = "wrong-mask"
+
+
+class NameNotAString(ReferenceAdapter):
+    name = None  # type: ignore[assignment]

@@ -261,6 +261,30 @@ def test_a_bad_factory_stops_the_run_before_any_backend(tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (
+            ["--backend", "reference", "--adapter", "_conformance_fixtures:Unnamed"],
+            "_conformance_fixtures:Unnamed reports as 'reference', as --backend reference does",
+        ),
+        (
+            ["--adapter", "_conformance_fixtures:WrongMask", "--adapter", "_conformance_fixtures:SameNameAsWrongMask"],
+            "_conformance_fixtures:SameNameAsWrongMask reports as 'wrong-mask', as _conformance_fixtures:WrongMask does",
+        ),
+    ],
+)
+def test_two_adapters_with_one_name_are_refused_before_any_work(args, says):
+    # The table and the JSON key results by the adapter's name: the two runs used to be merged into one row.
+    line = one_line_usage_error(conform(*args, "--no-progress"), "--adapter")
+    assert says in line and "a name of its own" in line, line
+
+
+def test_an_adapter_name_that_is_not_a_string_is_refused():
+    line = one_line_usage_error(conform("--adapter", "_conformance_fixtures:NameNotAString"), "--adapter")
+    assert "`adapter.name`: expected a non-empty string" in line and "Received: adapter.name=None" in line, line
+
+
 def test_case_and_group_that_select_nothing_exit_2_before_any_work():
     case = dcf.CATALOGUE[0]
     other = next(g for g in dcf.GROUPS if g != case.group)
