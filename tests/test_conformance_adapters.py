@@ -88,6 +88,11 @@ def test_load_adapter_knows_every_builtin_and_refuses_bad_specs():
     with pytest.raises(dc.DamchaValueError, match="raised RuntimeError: no such device") as info:
         load_adapter("_conformance_fixtures:make_raises")
     assert isinstance(info.value.__cause__, RuntimeError)
+    with pytest.raises(
+        dc.DamchaValueError, match="spec='_conformance_fixtures_broken:Port': importing it raised"
+    ) as info:
+        load_adapter("_conformance_fixtures_broken:Port")
+    assert isinstance(info.value.__cause__, RuntimeError)
     for spec, says in [
         ("os:getcwd", "returned str: adapter lacks name"),
         ("_conformance_fixtures:make_no_unsupported", "adapter lacks unsupported"),

@@ -131,6 +131,7 @@ def test_a_factory_that_raises_or_builds_no_adapter_is_a_usage_error(tmp_path):
         ("_conformance_fixtures:make_raises", "() with no arguments raised RuntimeError: no such device: cuda:7"),
         ("os:getcwd", "calling os.getcwd() returned str: adapter lacks name"),
         ("_conformance_fixtures:make_no_unsupported", "adapter lacks unsupported"),
+        ("_conformance_fixtures_broken:Port", "importing it raised RuntimeError: this port needs CUDA 13"),
     ]:
         proc = run_pytest(tmp_path, "--damcha-adapter", spec)
         assert proc.returncode == 4, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])

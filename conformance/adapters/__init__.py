@@ -127,7 +127,8 @@ def load_adapter(spec: str) -> BackendAdapter:
     one asked for is refused rather than reported under the wrong name.
 
     Raises:
-        DamchaValueError: an unknown name, a module that cannot be imported,
+        DamchaValueError: an unknown name, a module that cannot be found or
+            fails to import (chained from its exception),
             an attribute it does not have, or a class or factory that raises
             when called with no arguments (chained from its exception).
         DamchaTypeError: what ``module:attr`` names or builds is not an
@@ -169,7 +170,16 @@ def load_adapter(spec: str) -> BackendAdapter:
                 f"spec={spec!r} (not importable: no module named {module_name.split('.')[0]!r})",
             )
         )
-    module = importlib.import_module(module_name)
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # a third party's module may fail to import in any way: said, and chained
+        raise DamchaValueError(
+            invalid_argument(
+                "spec",
+                "module:attr naming an importable module",
+                f"spec={spec!r}: importing it raised {type(exc).__name__}: {exc}",
+            )
+        ) from exc
     try:
         obj = getattr(module, attr)
     except AttributeError:
