@@ -226,17 +226,29 @@ def check_gradients(adapter: BackendAdapter, case: Case, dtype: str) -> Result:
         if set(grads) != expected_keys:
             raise KeyError(f"gradients keys {sorted(grads)} != expected {sorted(expected_keys)}")
         worst = (0.0, 0.0, "")
-        for target, (direction, dd_ref) in reference_directional(case).items():
+        seen: dict[str, tuple[float, float, bool]] = {}  # target -> (dd, dd_ref, all zero), for the detail
+        failed = 0
+        directional = reference_directional(case)
+        for target, (direction, dd_ref) in directional.items():
             g = _real_float64(grads[target], f"the gradient of {target}")
             if g.shape != direction.shape:
                 raise ValueError(f"gradient of {target} has shape {g.shape}, expected {direction.shape}")
-            err, ratio = tol.grad_ratio(
-                float(np.sum(g * direction)), dd_ref, float(np.linalg.norm(g) / np.sqrt(g.size))
-            )
+            dd = float(np.sum(g * direction))
+            err, ratio = tol.grad_ratio(dd, dd_ref, float(np.linalg.norm(g) / np.sqrt(g.size)))
+            seen[target] = (dd, dd_ref, not g.any())
+            failed += ratio > 1
             if ratio > worst[1]:  # grad_ratio never returns NaN: a NaN gradient is inf
                 worst = (err, ratio, target)
         status = "pass" if worst[1] <= 1 else "fail"
-        result = Result(**base, status=status, max_error=worst[0], ratio=worst[1], detail=f"worst: {worst[2]}")
+        detail = f"worst: {worst[2]}"
+        if status == "fail":
+            dd, dd_ref, zero = seen[worst[2]]
+            detail = (
+                f"{failed} of {len(directional)} tensors outside the tolerance, {detail}: "
+                f"directional derivative {dd:.6g}, reference {dd_ref:.6g}"
+                + (" (its gradient is all zero: is it detached from the output?)" if zero else "")
+            )
+        result = Result(**base, status=status, max_error=worst[0], ratio=worst[1], detail=detail)
     except Exception as exc:  # noqa: BLE001 - a port's crash is a reported error, not the end of the run
         result = Result(**base, status="error", detail=_describe_exc(exc))
     return _untouched(result, data, pristine)

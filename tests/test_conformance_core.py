@@ -274,7 +274,9 @@ def test_gradient_check_passes_correct_and_fails_wrong_gradients():
     ok = dcf.check_case(_FiniteDifferenceGradients(), TINY, "float64")
     assert [r.status for r in ok] == ["pass", "pass"], ok
     wrong = dcf.check_case(_FiniteDifferenceGradients(scale=1.01), TINY, "float64")
-    assert wrong[1].status == "fail" and wrong[1].detail == "worst: metric.qk.gate"
+    assert wrong[1].status == "fail" and wrong[1].detail.startswith(
+        "1 of 12 tensors outside the tolerance, worst: metric.qk.gate: "
+    ), wrong
     missing = dcf.check_case(_FiniteDifferenceGradients(drop="key.bias"), TINY, "float64")
     assert missing[1].status == "error" and "key.bias" in missing[1].detail
 
@@ -721,3 +723,21 @@ def test_gradients_that_are_not_a_mapping_are_named():
     [_, result] = dcf.check_case(_GradientsReturnNothing(), TINY, "float64")
     assert result.status == "error" and "gradients(data, dtype) must return a mapping" in result.detail, result
     assert "Received: None" in result.detail, result
+
+
+class _ZeroGradient(_FiniteDifferenceGradients):
+    """A port whose query-side gate is detached from the output: its gradient is all zero."""
+
+    def gradients(self, data, dtype):
+        grads = super().gradients(data, dtype)
+        grads["metric.qk.gate"] = np.zeros_like(grads["metric.qk.gate"])
+        return grads
+
+
+def test_a_failed_gradient_check_gives_the_derivatives_and_says_when_a_gradient_is_zero():
+    # The detail used to be "worst: metric.qk.gate" alone.
+    [_, result] = dcf.check_case(_ZeroGradient(), TINY, "float64")
+    _, dd_ref = dcf.reference_directional(TINY)["metric.qk.gate"]
+    assert result.status == "fail", result
+    assert f"worst: metric.qk.gate: directional derivative 0, reference {dd_ref:.6g}" in result.detail, result
+    assert "its gradient is all zero: is it detached from the output?" in result.detail, result
