@@ -414,7 +414,8 @@ def _main(argv: list[str] | None) -> int:
     if args.probe_adapter is not None:
         print(_NAME, _build_adapter(args.probe_adapter).name, flush=True)
         return 0
-    _validate(args)
+    with _sigterm_raises():  # the probes of _validate build third-party adapters in processes of their own
+        _validate(args)
     if args.export_vectors is not None:
         from ._vectors import export_vectors
 

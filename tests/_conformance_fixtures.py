@@ -116,3 +116,13 @@ class SameNameAsWrongMask(ReferenceAdapter):
 
 class NameNotAString(ReferenceAdapter):
     name = None  # type: ignore[assignment]
+
+
+def make_slowly():
+    """A factory that hangs (a constructor waiting on a device); writes its pid where the test says."""
+    import os
+    import time
+
+    with open(os.environ["DAMCHA_TEST_PID_FILE"], "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(600)

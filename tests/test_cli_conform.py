@@ -6,6 +6,7 @@ time per backend are shown."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -342,6 +343,35 @@ def test_sigterm_to_the_parent_terminates_its_backend_worker_and_exits_143(monke
     assert status == 143
     assert len(started) == 1 and started[0].poll() is not None  # terminated and reaped, not left running
     assert capsys.readouterr().err.strip().splitlines()[-1] == "damcha conform: terminated"
+
+
+def test_sigterm_while_an_adapter_is_built_terminates_the_probe_and_exits_143(tmp_path):
+    """The probe that builds a third party's adapter ran before the SIGTERM handler was set: SIGTERM
+    ended the command at once and left a constructor that hangs running."""
+    import signal
+    import time
+
+    pid_file = tmp_path / "pid"
+    env = {**os.environ, "PYTHONPATH": str(TESTS), "DAMCHA_TEST_PID_FILE": str(pid_file)}
+    cmd = [sys.executable, "-m", "damcha_core._cli", "conform", "--adapter", "_conformance_fixtures:make_slowly"]
+    parent = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    probe = None
+    try:
+        deadline = time.monotonic() + 60
+        while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        probe = int(pid_file.read_text())
+        parent.send_signal(signal.SIGTERM)
+        _, err = parent.communicate(timeout=30)
+        assert parent.returncode == 143, (parent.returncode, err)
+        assert err.strip().splitlines()[-1] == "damcha conform: terminated"
+        with pytest.raises(ProcessLookupError):  # killed and reaped, not left sleeping
+            os.kill(probe, 0)
+    finally:
+        parent.kill()
+        if probe is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(probe, signal.SIGKILL)
 
 
 def test_an_interrupted_parent_terminates_its_backend_worker(monkeypatch):
