@@ -342,6 +342,10 @@ class DecodeCase:
     context_len = None
     self_attention = True
     gradients = False
+    # Read by adapters' unsupported() as on a Case: a cache decodes causally, without a mask.
+    mask = None
+    causal = True
+    inputs = None
 
     @property
     def steps(self) -> tuple[tuple[int, int], ...]:

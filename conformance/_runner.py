@@ -188,12 +188,23 @@ def _cell(results: list[Result]) -> str:
     return text
 
 
+def _declined(adapter: BackendAdapter, case: Any, base: dict[str, Any]) -> Result | None:
+    """The result of a check the adapter does not run, or None: "unsupported" with the reason
+    ``unsupported(case)`` gives, or an error of this check when it raises (a third party's
+    ``unsupported`` reading an attribute some cases lack must not end the run, losing every result)."""
+    try:
+        reason = adapter.unsupported(case)
+    except Exception as exc:  # noqa: BLE001 - reported, and the run goes on
+        return Result(**base, status="error", detail="unsupported(case) raised " + _describe_exc(exc))
+    return Result(**base, status="unsupported", detail=reason) if reason else None
+
+
 def check_output(adapter: BackendAdapter, case: Case, dtype: str) -> Result:
     """The output check of ``case`` on ``adapter`` in ``dtype``."""
     base: dict[str, Any] = dict(backend=adapter.name, case=case.name, group=case.group, dtype=dtype, check="output")
-    reason = adapter.unsupported(case)
-    if reason:
-        return Result(**base, status="unsupported", detail=reason)
+    declined = _declined(adapter, case, base)
+    if declined is not None:
+        return declined
     pristine = materialise(case)
     data = _private(pristine)
     result = _output_result(base, lambda: adapter.forward(data, dtype), pristine.expected, tolerance(dtype))
@@ -205,9 +216,9 @@ def check_gradients(adapter: BackendAdapter, case: Case, dtype: str) -> Result:
     directional derivative of ``sum(output * cotangent)`` against the
     reference's central difference."""
     base: dict[str, Any] = dict(backend=adapter.name, case=case.name, group=case.group, dtype=dtype, check="gradients")
-    reason = adapter.unsupported(case)
-    if reason:
-        return Result(**base, status="unsupported", detail=reason)
+    declined = _declined(adapter, case, base)
+    if declined is not None:
+        return declined
     if not adapter.supports_gradients:
         return Result(
             **base, status="unsupported", detail="the adapter declares no gradients (supports_gradients=False)"
@@ -270,9 +281,9 @@ def check_error(adapter: BackendAdapter, case: ErrorCase, dtype: str) -> Result:
     and what it received. Returning anything, even the right-looking output, fails:
     the input was silently broadcast, sliced or padded."""
     base: dict[str, Any] = dict(backend=adapter.name, case=case.name, group=case.group, dtype=dtype, check="rejects")
-    reason = adapter.unsupported(case.base)
-    if reason:
-        return Result(**base, status="unsupported", detail=reason)
+    declined = _declined(adapter, case.base, base)
+    if declined is not None:
+        return declined
     pristine = materialise_error(case)
     data = _private(pristine)
     return _untouched(_rejects(base, case, lambda: adapter.forward(data, dtype)), data, pristine)
@@ -311,9 +322,9 @@ def check_decode(adapter: BackendAdapter, case: DecodeCase, dtype: str) -> Resul
     decode = getattr(adapter, "decode", None)
     if decode is None:
         return Result(**base, status="unsupported", detail="the adapter has no decode(data, dtype)")
-    reason = adapter.unsupported(case)  # type: ignore[arg-type]
-    if reason:
-        return Result(**base, status="unsupported", detail=reason)
+    declined = _declined(adapter, case, base)
+    if declined is not None:
+        return declined
     pristine = materialise_decode(case)
     data = _private(pristine)
     return _untouched(

@@ -741,3 +741,27 @@ def test_a_failed_gradient_check_gives_the_derivatives_and_says_when_a_gradient_
     assert result.status == "fail", result
     assert f"worst: metric.qk.gate: directional derivative 0, reference {dd_ref:.6g}" in result.detail, result
     assert "its gradient is all zero: is it detached from the output?" in result.detail, result
+
+
+class _PickyUnsupported(dcf.ReferenceAdapter):
+    """Declares per-head masks unsupported by reading ``case.mask``, and its ``unsupported``
+    crashes on the causal cases."""
+
+    name = "picky"
+
+    def unsupported(self, case):
+        if case.causal and not case.self_attention:
+            raise RuntimeError("causal cross-attention: not thought about")
+        return "per-head masks not yet" if case.mask == "per_head" else None
+
+
+def test_unsupported_that_raises_is_an_error_of_that_check_not_the_end_of_the_run():
+    # A raise in unsupported() used to end run_conformance (the CLI's worker died, every result lost), and a
+    # DecodeCase had no .mask, so the adapter above crashed on the decode group.
+    report = dcf.run_conformance(_PickyUnsupported())
+    by_case = {(r.case, r.check): r for r in report.results}
+    wide = by_case[("heads-tied-causal-wide", "output")]
+    assert wide.status == "error" and "unsupported(case) raised RuntimeError: causal cross-attention" in wide.detail
+    assert by_case[("heads-separate-per-head-cross", "output")].status == "unsupported"
+    assert all(r.status == "pass" for r in report.results if r.group == "decode"), report.summary()
+    assert by_case[("heads-tied-self", "output")].status == "pass"
