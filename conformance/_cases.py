@@ -342,6 +342,10 @@ class DecodeCase:
     context_len = None
     self_attention = True
     gradients = False
+    # Read by adapters' unsupported() as on a Case: a cache decodes causally, without a mask.
+    mask = None
+    causal = True
+    inputs = None
 
     @property
     def steps(self) -> tuple[tuple[int, int], ...]:
@@ -388,6 +392,7 @@ def materialise_decode(case: DecodeCase) -> CaseData:
 _NAMES = {
     "query": ("query", "inputs_q"),
     "context": ("context", "key", "value", "inputs_k", "inputs_kv"),
+    "value": ("value", "inputs_v"),  # separate value tokens (torch's value with vdim, Flax's inputs_v)
     "mask": ("mask",),  # also matches attn_mask, attention_mask, key_padding_mask
 }
 CORRUPTIONS: dict[str, str] = {
@@ -398,6 +403,12 @@ CORRUPTIONS: dict[str, str] = {
     "context-batch": "context",  # B + 1 context rows: never broadcast against B queries
     "mask-keys": "mask",  # one key column too many
     "mask-heads": "mask",  # a head axis that is neither 1 nor H
+    # Added later. Separate value tokens (E_v != E_kv) and the other mask axes: a port that takes
+    # value[:, :M], value[..., :E_v], mask[:B] or mask[:, :, :N] computes the right output from them.
+    "value-features": "value",
+    "value-length": "value",  # one value token more than there are keys
+    "mask-queries": "mask",  # a query axis that is neither 1 nor N
+    "mask-batch": "mask",  # a batch axis that is neither 1 nor B
 }
 
 
@@ -447,6 +458,10 @@ def _build_error_catalogue() -> tuple[ErrorCase, ...]:
         ("context-batch", "heads-separate-cross"),
         ("mask-keys", "heads-tied-padding"),
         ("mask-heads", "heads-separate-per-head-cross"),
+        ("value-features", "heads-separate-cross-value-dim"),
+        ("value-length", "heads-separate-cross-value-dim"),
+        ("mask-queries", "heads-separate-per-head-cross"),
+        ("mask-batch", "heads-separate-per-head-cross"),
     ]
     return tuple(ErrorCase(f"{corruption}:{base}", by_name[base], corruption) for corruption, base in plan)
 
@@ -458,7 +473,7 @@ def materialise_error(case: ErrorCase) -> CaseData:
     """The base case's data with one tensor corrupted; ``expected`` is the
     valid output, which a port must *not* return."""
     data = materialise(case.base)
-    query, context, mask = data.query, data.context, data.mask
+    query, context, mask, value = data.query, data.context, data.mask, data.value
     kind = case.corruption
     if kind == "query-features":
         query = np.concatenate([query, query[..., :1]], axis=-1)
@@ -475,7 +490,15 @@ def materialise_error(case: ErrorCase) -> CaseData:
         mask = np.concatenate([mask, mask[..., :1]], axis=-1)  # type: ignore[index]
     elif kind == "mask-heads":
         mask = np.concatenate([mask, mask[:, :1]], axis=1)  # type: ignore[index]
-    return dataclasses.replace(data, query=query, context=context, mask=mask)
+    elif kind == "value-features":
+        value = np.concatenate([value, value[..., :1]], axis=-1)  # type: ignore[index]
+    elif kind == "value-length":
+        value = np.concatenate([value, value[:, :1]], axis=1)  # type: ignore[index]
+    elif kind == "mask-queries":
+        mask = np.concatenate([mask, mask[:, :, :1]], axis=2)  # type: ignore[index]
+    elif kind == "mask-batch":
+        mask = np.concatenate([mask, mask[:1]], axis=0)  # type: ignore[index]
+    return dataclasses.replace(data, query=query, context=context, mask=mask, value=value)
 
 
 _INPUTS = ("query", "context", "value")

@@ -30,6 +30,7 @@ from pathlib import Path
 from damcha_core import DamchaError
 from damcha_core import _cliutil as cu
 
+from ._adapter import BackendAdapter
 from ._cases import CATALOGUE, DECODE_CATALOGUE, GROUPS, catalogue
 from ._runner import Report, Result, check_adapter, run_conformance
 from ._tolerances import DTYPES
@@ -82,6 +83,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar or lines")
     p.add_argument("--in-process", action="store_true", help="run in this process (one backend or adapter only)")
     p.add_argument("--progress-protocol", action="store_true", help=argparse.SUPPRESS)  # worker mode
+    p.add_argument("--probe-adapter", metavar="SPEC", help=argparse.SUPPRESS)  # build and check SPEC (_probe)
     return p
 
 
@@ -153,6 +155,41 @@ def _validate(args: argparse.Namespace) -> None:
         problem = _not_an_adapter(getattr(module, attr))
         if problem is not None:
             cu.usage_error("--adapter", f"{spec} is not a conformance adapter: {problem}", prog=PROG)
+    if not args.in_process:  # in-process, _main builds the adapter itself and refuses it the same way
+        # The report keys results by the adapter's name: two adapters with one name would share a row.
+        names = {b: f"--backend {b}" for b in args.backend}  # a built-in backend reports as its own name
+        for spec in dict.fromkeys(args.adapter):
+            name = _probe(spec)
+            if name in names:
+                cu.usage_error(
+                    "--adapter",
+                    f"{spec} reports as {name!r}, as {names[name]} does: their results would be merged into one "
+                    "row; give each adapter a name of its own (its name attribute)",
+                    prog=PROG,
+                )
+            names[name] = spec
+
+
+_NAME = "@damcha-adapter-name"  # probe -> parent: the name the adapter reports as
+
+
+def _probe(spec: str) -> str:
+    """Build the adapter ``spec`` in a short process of its own and check what it is, before any
+    backend runs: a factory that raises, or returns something that is not an adapter, leaves
+    nothing to check, so it is a usage error (exit 2), not a FAILED run. Built apart from this
+    process for the reason the workers are (a constructor may import a framework, pick a Keras
+    backend or take a GPU). Returns the name the adapter reports as."""
+    cmd = [sys.executable, "-m", "damcha_conformance._cli", "--probe-adapter", spec]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    said_name = [line[len(_NAME) + 1 :] for line in proc.stdout.splitlines() if line.startswith(_NAME + " ")]
+    if proc.returncode == 0 and said_name:
+        return said_name[-1]
+    head = f"{PROG}: error: --adapter: "
+    said = [line for line in proc.stderr.splitlines() if line.startswith(head)]
+    if proc.returncode == cu.EXIT_USAGE and said:
+        cu.usage_error("--adapter", said[-1][len(head) :], prog=PROG)
+    tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
+    cu.usage_error("--adapter", f"building {spec} ended its process with exit {proc.returncode}: {tail}", prog=PROG)
 
 
 def _not_an_adapter(obj: object) -> str | None:
@@ -200,10 +237,19 @@ def _filters(args: argparse.Namespace) -> list[str]:
     return out
 
 
-def _run_in_process(spec: str, args: argparse.Namespace) -> Report:
+def _build_adapter(spec: str) -> BackendAdapter:
+    """The third-party adapter ``spec``, or exit 2 with ``load_adapter``'s one line (it names the
+    spec, what the factory raised or returned and what an adapter needs)."""
     try:
-        adapter = load_adapter(spec)
-    except Exception as exc:  # noqa: BLE001 - a third party's constructor may raise anything
+        return load_adapter(spec)
+    except DamchaError as exc:
+        cu.usage_error("--adapter", str(exc), prog=PROG)
+
+
+def _run_in_process(spec: str, args: argparse.Namespace, adapter: BackendAdapter | None = None) -> Report:
+    try:
+        adapter = load_adapter(spec) if adapter is None else adapter
+    except Exception as exc:  # noqa: BLE001 - a built-in adapter's constructor may raise anything
         return Report(notes=[f"FAIL {spec}: the adapter could not be built: {type(exc).__name__}: {exc}"])
     try:
         check_adapter(adapter)
@@ -365,7 +411,11 @@ def _run_backends(specs: list[str], args: argparse.Namespace, report: Report, ti
 
 def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
-    _validate(args)
+    if args.probe_adapter is not None:
+        print(_NAME, _build_adapter(args.probe_adapter).name, flush=True)
+        return 0
+    with _sigterm_raises():  # the probes of _validate build third-party adapters in processes of their own
+        _validate(args)
     if args.export_vectors is not None:
         from ._vectors import export_vectors
 
@@ -380,7 +430,8 @@ def _main(argv: list[str] | None) -> int:
         return 0
     specs = list(dict.fromkeys(list(args.backend) + list(args.adapter)))
     if args.in_process:
-        report = _run_in_process(specs[0], args)
+        adapter = _build_adapter(specs[0]) if specs[0] in args.adapter else None
+        report = _run_in_process(specs[0], args, adapter)
     else:
         report = Report()
         timings: list[str] = []

@@ -5,12 +5,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import traceback
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from damcha_core import DamchaTypeError, describe, invalid_argument
+from damcha_core import DamchaTypeError, DamchaValueError, describe, invalid_argument
 from damcha_core._params import is_real_float
 
 from ._adapter import BackendAdapter
@@ -20,6 +20,7 @@ from ._cases import (
     ERROR_CATALOGUE,
     GROUPS,
     Case,
+    CaseData,
     DecodeCase,
     ErrorCase,
     gradient_targets,
@@ -187,14 +188,27 @@ def _cell(results: list[Result]) -> str:
     return text
 
 
+def _declined(adapter: BackendAdapter, case: Any, base: dict[str, Any]) -> Result | None:
+    """The result of a check the adapter does not run, or None: "unsupported" with the reason
+    ``unsupported(case)`` gives, or an error of this check when it raises (a third party's
+    ``unsupported`` reading an attribute some cases lack must not end the run, losing every result)."""
+    try:
+        reason = adapter.unsupported(case)
+    except Exception as exc:  # noqa: BLE001 - reported, and the run goes on
+        return Result(**base, status="error", detail="unsupported(case) raised " + _describe_exc(exc))
+    return Result(**base, status="unsupported", detail=reason) if reason else None
+
+
 def check_output(adapter: BackendAdapter, case: Case, dtype: str) -> Result:
     """The output check of ``case`` on ``adapter`` in ``dtype``."""
     base: dict[str, Any] = dict(backend=adapter.name, case=case.name, group=case.group, dtype=dtype, check="output")
-    reason = adapter.unsupported(case)
-    if reason:
-        return Result(**base, status="unsupported", detail=reason)
-    data = materialise(case)
-    return _output_result(base, lambda: adapter.forward(data, dtype), data.expected, tolerance(dtype))
+    declined = _declined(adapter, case, base)
+    if declined is not None:
+        return declined
+    pristine = materialise(case)
+    data = _private(pristine)
+    result = _output_result(base, lambda: adapter.forward(data, dtype), pristine.expected, tolerance(dtype))
+    return _untouched(result, data, pristine)
 
 
 def check_gradients(adapter: BackendAdapter, case: Case, dtype: str) -> Result:
@@ -202,34 +216,53 @@ def check_gradients(adapter: BackendAdapter, case: Case, dtype: str) -> Result:
     directional derivative of ``sum(output * cotangent)`` against the
     reference's central difference."""
     base: dict[str, Any] = dict(backend=adapter.name, case=case.name, group=case.group, dtype=dtype, check="gradients")
-    reason = adapter.unsupported(case)
-    if reason:
-        return Result(**base, status="unsupported", detail=reason)
+    declined = _declined(adapter, case, base)
+    if declined is not None:
+        return declined
     if not adapter.supports_gradients:
         return Result(
             **base, status="unsupported", detail="the adapter declares no gradients (supports_gradients=False)"
         )
     tol = tolerance(dtype)
-    data = materialise(case)
+    pristine = materialise(case)
+    data = _private(pristine)
     try:
         grads = adapter.gradients(data, dtype)
+        if not isinstance(grads, Mapping):
+            raise TypeError(
+                "gradients(data, dtype) must return a mapping {tensor name: gradient array} "
+                f"(see gradient_targets). Received: {describe(grads)}"
+            )
         expected_keys = set(gradient_targets(data))
         if set(grads) != expected_keys:
             raise KeyError(f"gradients keys {sorted(grads)} != expected {sorted(expected_keys)}")
         worst = (0.0, 0.0, "")
-        for target, (direction, dd_ref) in reference_directional(case).items():
+        seen: dict[str, tuple[float, float, bool]] = {}  # target -> (dd, dd_ref, all zero), for the detail
+        failed = 0
+        directional = reference_directional(case)
+        for target, (direction, dd_ref) in directional.items():
             g = _real_float64(grads[target], f"the gradient of {target}")
             if g.shape != direction.shape:
                 raise ValueError(f"gradient of {target} has shape {g.shape}, expected {direction.shape}")
-            err, ratio = tol.grad_ratio(
-                float(np.sum(g * direction)), dd_ref, float(np.linalg.norm(g) / np.sqrt(g.size))
-            )
+            dd = float(np.sum(g * direction))
+            err, ratio = tol.grad_ratio(dd, dd_ref, float(np.linalg.norm(g) / np.sqrt(g.size)))
+            seen[target] = (dd, dd_ref, not g.any())
+            failed += ratio > 1
             if ratio > worst[1]:  # grad_ratio never returns NaN: a NaN gradient is inf
                 worst = (err, ratio, target)
         status = "pass" if worst[1] <= 1 else "fail"
-        return Result(**base, status=status, max_error=worst[0], ratio=worst[1], detail=f"worst: {worst[2]}")
+        detail = f"worst: {worst[2]}"
+        if status == "fail":
+            dd, dd_ref, zero = seen[worst[2]]
+            detail = (
+                f"{failed} of {len(directional)} tensors outside the tolerance, {detail}: "
+                f"directional derivative {dd:.6g}, reference {dd_ref:.6g}"
+                + (" (its gradient is all zero: is it detached from the output?)" if zero else "")
+            )
+        result = Result(**base, status=status, max_error=worst[0], ratio=worst[1], detail=detail)
     except Exception as exc:  # noqa: BLE001 - a port's crash is a reported error, not the end of the run
-        return Result(**base, status="error", detail=_describe_exc(exc))
+        result = Result(**base, status="error", detail=_describe_exc(exc))
+    return _untouched(result, data, pristine)
 
 
 def check_case(adapter: BackendAdapter, case: Case, dtype: str, gradients: bool = True) -> list[Result]:
@@ -248,12 +281,18 @@ def check_error(adapter: BackendAdapter, case: ErrorCase, dtype: str) -> Result:
     and what it received. Returning anything, even the right-looking output, fails:
     the input was silently broadcast, sliced or padded."""
     base: dict[str, Any] = dict(backend=adapter.name, case=case.name, group=case.group, dtype=dtype, check="rejects")
-    reason = adapter.unsupported(case.base)
-    if reason:
-        return Result(**base, status="unsupported", detail=reason)
-    data = materialise_error(case)
+    declined = _declined(adapter, case.base, base)
+    if declined is not None:
+        return declined
+    pristine = materialise_error(case)
+    data = _private(pristine)
+    return _untouched(_rejects(base, case, lambda: adapter.forward(data, dtype)), data, pristine)
+
+
+def _rejects(base: dict[str, Any], case: ErrorCase, run: Callable[[], Any]) -> Result:
+    """The verdict of ``check_error`` on what ``run()`` (the adapter's forward) does."""
     try:
-        out = adapter.forward(data, dtype)
+        out = run()
     except ValueError as exc:
         message = str(exc)
         named = any(
@@ -283,11 +322,55 @@ def check_decode(adapter: BackendAdapter, case: DecodeCase, dtype: str) -> Resul
     decode = getattr(adapter, "decode", None)
     if decode is None:
         return Result(**base, status="unsupported", detail="the adapter has no decode(data, dtype)")
-    reason = adapter.unsupported(case)  # type: ignore[arg-type]
-    if reason:
-        return Result(**base, status="unsupported", detail=reason)
-    data = materialise_decode(case)
-    return _output_result(base, lambda: decode(data, dtype), data.expected, tolerance(dtype))
+    declined = _declined(adapter, case, base)
+    if declined is not None:
+        return declined
+    pristine = materialise_decode(case)
+    data = _private(pristine)
+    return _untouched(
+        _output_result(base, lambda: decode(data, dtype), pristine.expected, tolerance(dtype)), data, pristine
+    )
+
+
+_ARRAYS = ("query", "context", "value", "mask", "expected", "cotangent")
+
+
+def _private(data: CaseData) -> CaseData:
+    """A copy of ``data`` with arrays of its own, for one call of the adapter.
+
+    ``materialise`` is cached: an adapter given its arrays and writing into them (an in-place op
+    on ``torch.from_numpy(data.query)``, which shares the memory) would change what every later
+    check in the process compares against, other dtypes' and other adapters' included."""
+    arrays: dict[str, Any] = {n: None if getattr(data, n) is None else np.array(getattr(data, n)) for n in _ARRAYS}
+    return dataclasses.replace(data, params={k: np.array(v) for k, v in data.params.items()}, **arrays)
+
+
+def _untouched(result: Result, given: CaseData, pristine: CaseData) -> Result:
+    """``result``, failed if the adapter wrote into the arrays it was given (``_private``): a port
+    must leave its inputs as they were, as the reference does."""
+    written = [f"data.{n}" for n in _ARRAYS if not _same(getattr(given, n), getattr(pristine, n))]
+    if given.params.keys() != pristine.params.keys():
+        written.append("data.params (its keys)")
+    else:
+        written += [f"data.params[{k!r}]" for k, v in pristine.params.items() if not _same(given.params[k], v)]
+    if not written:
+        return result
+    named = ", ".join(written[:3]) + (f" and {len(written) - 3} more" if len(written) > 3 else "")
+    why = (
+        f"the adapter wrote into {named} in place (a port must leave its inputs unchanged; "
+        "torch.from_numpy shares the array's memory)"
+    )
+    return dataclasses.replace(
+        result,
+        status="fail" if result.status == "pass" else result.status,
+        detail=why + (f"; {result.detail}" if result.detail else ""),
+    )
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return bool(np.array_equal(a, b, equal_nan=a.dtype.kind == "f"))
 
 
 def _output_result(base: dict[str, Any], run: Any, expected: np.ndarray, tol: Any) -> Result:
@@ -298,8 +381,29 @@ def _output_result(base: dict[str, Any], run: Any, expected: np.ndarray, tol: An
     except Exception as exc:  # noqa: BLE001 - a port's crash is a reported error, not the end of the run
         return Result(**base, status="error", detail=_describe_exc(exc))
     err, ratio = tol.output_ratio(out, expected)
-    detail = "" if out.shape == expected.shape else f"shape {out.shape} != expected {expected.shape}"
+    if out.shape != expected.shape:
+        detail = f"shape {out.shape} != expected {expected.shape}"
+    else:
+        detail = _where(out, expected, tol) if ratio > 1 else ""
     return Result(**base, status="pass" if ratio <= 1 else "fail", max_error=err, ratio=ratio, detail=detail)
+
+
+def _where(out: np.ndarray, expected: np.ndarray, tol: Any) -> str:
+    """Where a failed output is wrong, for a port's author: the non-finite values and the query
+    rows holding them (a row that sees no key must give 0, not NaN), else how many elements are
+    outside the tolerance and the worst one, with its value and the expected one."""
+    axes = "(b, n, e)" if out.ndim == 3 else "index"
+    bad = ~np.isfinite(out)
+    if bad.any():
+        first = tuple(int(i) for i in np.argwhere(bad)[0])
+        rows = len({tuple(i[:-1]) for i in np.argwhere(bad)}) if out.ndim > 1 else 1
+        return f"{int(bad.sum())} non-finite values (NaN or inf) in {rows} query rows, first at {axes} = {first}"
+    excess = np.abs(out - expected) / (tol.atol + tol.rtol * np.abs(expected))
+    worst = tuple(int(i) for i in np.unravel_index(np.argmax(excess), excess.shape))
+    return (
+        f"{int((excess > 1).sum())} of {out.size} elements outside the tolerance, worst at {axes} = {worst}: "
+        f"{out[worst]:.6g}, expected {expected[worst]:.6g}"
+    )
 
 
 def _real_float64(value: Any, what: str) -> np.ndarray:
@@ -369,8 +473,11 @@ def check_adapter(adapter: Any) -> None:
 
     Raises:
         DamchaTypeError: a missing attribute or method (instead of an
-            AttributeError deep in a check), or ``dtypes`` given as one string
+            AttributeError deep in a check; ``gradients`` too when
+            ``supports_gradients``), or ``dtypes`` given as one string
             (iterating "float64" yields letters).
+        DamchaValueError: ``dtypes`` empty or naming a dtype that is not a
+            key of ``TOLERANCES`` (e.g. "fp32").
     """
     for attr in ("name", "dtypes", "supports_gradients", "unsupported", "forward"):
         if not hasattr(adapter, attr):
@@ -379,6 +486,11 @@ def check_adapter(adapter: Any) -> None:
                 f"unsupported(case) and forward(data, dtype) (see damcha_conformance.BackendAdapter). "
                 f"Received: {type(adapter).__module__}.{type(adapter).__qualname__}"
             )
+    if not isinstance(adapter.name, str) or not adapter.name:
+        # Results are keyed by it (the table's rows, the JSON); None or "" breaks both.
+        raise DamchaTypeError(
+            invalid_argument("adapter.name", "a non-empty string, e.g. 'my-port'", f"adapter.name={adapter.name!r}")
+        )
     for method in ("unsupported", "forward"):
         if not callable(getattr(adapter, method)):
             raise DamchaTypeError(
@@ -394,6 +506,25 @@ def check_adapter(adapter: Any) -> None:
                 f"a sequence of dtype names, e.g. ('float64',), some of {DTYPES}",
                 f"adapter.dtypes={dtypes!r}"
                 + (" (one string, read letter by letter)" if isinstance(dtypes, str) else ""),
+            )
+        )
+    names = list(dtypes)
+    if not names or any(d not in DTYPES for d in names):
+        # Found here, so that the CLI and the pytest plugin refuse it as a usage error, not a worker's traceback.
+        raise DamchaValueError(
+            invalid_argument(
+                "adapter.dtypes",
+                f"a non-empty sequence of dtype names, some of {DTYPES} (the keys of TOLERANCES)",
+                f"adapter.dtypes={tuple(names)!r}",
+            )
+        )
+    if adapter.supports_gradients and not callable(getattr(adapter, "gradients", None)):
+        raise DamchaTypeError(
+            invalid_argument(
+                "adapter.gradients",
+                "a method gradients(data, dtype) when supports_gradients is True (or supports_gradients = False)",
+                f"adapter.gradients={describe(getattr(adapter, 'gradients', None))}"
+                + ("" if hasattr(adapter, "gradients") else " (no such attribute)"),
             )
         )
 

@@ -82,3 +82,47 @@ no_unsupported_instance = NoUnsupported()
 def needs_an_argument(device):
     """A factory ``load_adapter`` cannot call (it calls with no arguments)."""
     return ReferenceAdapter()
+
+
+def make_raises():
+    """A factory that fails to build (a constructor that needs a device the machine lacks)."""
+    raise RuntimeError("no such device: cuda:7")
+
+
+class UnknownDtype(ReferenceAdapter):
+    """``dtypes = ("fp32",)``: not a key of TOLERANCES; the worker used to die with a traceback."""
+
+    name = "unknown-dtype"
+    dtypes = ("fp32",)
+
+
+class GradientsWithoutMethod(NoUnsupported):
+    """Claims gradients but has no ``gradients``: every gradient check was an AttributeError."""
+
+    name = "gradients-without-method"
+    supports_gradients = True
+
+    def unsupported(self, case):
+        return None
+
+
+class Unnamed(ReferenceAdapter):
+    """A port built on ReferenceAdapter that kept its name: it reports as 'reference'."""
+
+
+class SameNameAsWrongMask(ReferenceAdapter):
+    name = "wrong-mask"
+
+
+class NameNotAString(ReferenceAdapter):
+    name = None  # type: ignore[assignment]
+
+
+def make_slowly():
+    """A factory that hangs (a constructor waiting on a device); writes its pid where the test says."""
+    import os
+    import time
+
+    with open(os.environ["DAMCHA_TEST_PID_FILE"], "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(600)

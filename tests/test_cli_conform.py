@@ -6,6 +6,7 @@ time per backend are shown."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -233,18 +234,56 @@ def test_a_terminal_gets_a_progress_bar(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "adapter, says",
+    "spec, says",
     [
-        ("make_dtypes_string", "`adapter.dtypes`: expected a sequence of dtype names"),
-        ("make_no_unsupported", "adapter lacks unsupported"),
+        ("_conformance_fixtures:make_raises", "() with no arguments raised RuntimeError: no such device: cuda:7"),
+        ("os:getcwd", "calling os.getcwd() returned str: adapter lacks name"),
+        ("_conformance_fixtures:make_dtypes_string", "`adapter.dtypes`: expected a sequence of dtype names"),
+        ("_conformance_fixtures:make_no_unsupported", "adapter lacks unsupported"),
+        ("_conformance_fixtures:UnknownDtype", "`adapter.dtypes`: expected a non-empty sequence of dtype names"),
+        ("_conformance_fixtures:GradientsWithoutMethod", "`adapter.gradients`: expected a method gradients(data"),
     ],
 )
-def test_a_malformed_adapter_is_named_not_a_traceback(adapter, says):
-    # Factories: what they build is only seen in the worker, where a bad one is a FAIL.
-    proc = conform("--adapter", f"_conformance_fixtures:{adapter}", "--case", dcf.CATALOGUE[0].name, "--no-progress")
-    assert proc.returncode == 1, proc.stdout
-    assert f"FAIL _conformance_fixtures:{adapter}: not a usable adapter: " in proc.stdout and says in proc.stdout
-    assert "Traceback" not in proc.stdout + proc.stderr and "File " not in proc.stdout
+@pytest.mark.parametrize("in_process", [False, True])
+def test_a_factory_that_raises_or_builds_no_adapter_is_a_usage_error(spec, says, in_process):
+    # Nothing can be checked: it used to start the run and end in FAILED (exit 1), like a failed port.
+    args = ("--in-process",) if in_process else ()
+    proc = conform(*args, "--adapter", spec, "--case", dcf.CATALOGUE[0].name, "--no-progress")
+    line = one_line_usage_error(proc, "--adapter")
+    assert f"spec={spec!r}" in line and says in line, line
+    assert "expected module:attr naming a conformance adapter (" in line, line
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_bad_factory_stops_the_run_before_any_backend(tmp_path):
+    out = tmp_path / "r.json"
+    proc = conform("--backend", "reference", "--adapter", "os:getcwd", "--json", str(out), "--no-progress")
+    assert "returned str: adapter lacks name" in one_line_usage_error(proc, "--adapter")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (
+            ["--backend", "reference", "--adapter", "_conformance_fixtures:Unnamed"],
+            "_conformance_fixtures:Unnamed reports as 'reference', as --backend reference does",
+        ),
+        (
+            ["--adapter", "_conformance_fixtures:WrongMask", "--adapter", "_conformance_fixtures:SameNameAsWrongMask"],
+            "_conformance_fixtures:SameNameAsWrongMask reports as 'wrong-mask', as _conformance_fixtures:WrongMask does",
+        ),
+    ],
+)
+def test_two_adapters_with_one_name_are_refused_before_any_work(args, says):
+    # The table and the JSON key results by the adapter's name: the two runs used to be merged into one row.
+    line = one_line_usage_error(conform(*args, "--no-progress"), "--adapter")
+    assert says in line and "a name of its own" in line, line
+
+
+def test_an_adapter_name_that_is_not_a_string_is_refused():
+    line = one_line_usage_error(conform("--adapter", "_conformance_fixtures:NameNotAString"), "--adapter")
+    assert "`adapter.name`: expected a non-empty string" in line and "Received: adapter.name=None" in line, line
 
 
 def test_case_and_group_that_select_nothing_exit_2_before_any_work():
@@ -304,6 +343,35 @@ def test_sigterm_to_the_parent_terminates_its_backend_worker_and_exits_143(monke
     assert status == 143
     assert len(started) == 1 and started[0].poll() is not None  # terminated and reaped, not left running
     assert capsys.readouterr().err.strip().splitlines()[-1] == "damcha conform: terminated"
+
+
+def test_sigterm_while_an_adapter_is_built_terminates_the_probe_and_exits_143(tmp_path):
+    """The probe that builds a third party's adapter ran before the SIGTERM handler was set: SIGTERM
+    ended the command at once and left a constructor that hangs running."""
+    import signal
+    import time
+
+    pid_file = tmp_path / "pid"
+    env = {**os.environ, "PYTHONPATH": str(TESTS), "DAMCHA_TEST_PID_FILE": str(pid_file)}
+    cmd = [sys.executable, "-m", "damcha_core._cli", "conform", "--adapter", "_conformance_fixtures:make_slowly"]
+    parent = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    probe = None
+    try:
+        deadline = time.monotonic() + 60
+        while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        probe = int(pid_file.read_text())
+        parent.send_signal(signal.SIGTERM)
+        _, err = parent.communicate(timeout=30)
+        assert parent.returncode == 143, (parent.returncode, err)
+        assert err.strip().splitlines()[-1] == "damcha conform: terminated"
+        with pytest.raises(ProcessLookupError):  # killed and reaped, not left sleeping
+            os.kill(probe, 0)
+    finally:
+        parent.kill()
+        if probe is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(probe, signal.SIGKILL)
 
 
 def test_an_interrupted_parent_terminates_its_backend_worker(monkeypatch):

@@ -83,3 +83,20 @@ def test_load_adapter_knows_every_builtin_and_refuses_bad_specs():
     ]:
         with pytest.raises(dc.DamchaValueError, match=says):
             load_adapter(spec)
+    # What a factory builds is checked here, so that the CLI and the pytest plugin refuse it as a
+    # usage error naming the spec, instead of a FAILED run or an AttributeError from inside pytest.
+    with pytest.raises(dc.DamchaValueError, match="raised RuntimeError: no such device") as info:
+        load_adapter("_conformance_fixtures:make_raises")
+    assert isinstance(info.value.__cause__, RuntimeError)
+    with pytest.raises(
+        dc.DamchaValueError, match="spec='_conformance_fixtures_broken:Port': importing it raised"
+    ) as info:
+        load_adapter("_conformance_fixtures_broken:Port")
+    assert isinstance(info.value.__cause__, RuntimeError)
+    for spec, says in [
+        ("os:getcwd", "returned str: adapter lacks name"),
+        ("_conformance_fixtures:make_no_unsupported", "adapter lacks unsupported"),
+        ("_conformance_fixtures:no_unsupported_instance", "adapter lacks unsupported"),
+    ]:
+        with pytest.raises(dc.DamchaTypeError, match=f"spec='{spec}'.*{says}"):
+            load_adapter(spec)

@@ -4,6 +4,7 @@ implementation check itself."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -153,7 +154,7 @@ def test_error_catalogue_covers_every_corruption_and_each_differs_from_its_base(
     assert {c.corruption for c in dcf.ERROR_CATALOGUE} == set(dcf.CORRUPTIONS)
     for case in dcf.ERROR_CATALOGUE:
         bad, good = dcf.materialise_error(case), dcf.materialise(case.base)
-        changed = [n for n in ("query", "context", "mask") if getattr(bad, n) is not getattr(good, n)]
+        changed = [n for n in ("query", "context", "value", "mask") if getattr(bad, n) is not getattr(good, n)]
         assert changed == [case.argument], (case.name, changed)
         assert getattr(bad, case.argument).shape != getattr(good, case.argument).shape
 
@@ -169,7 +170,7 @@ class _Lenient(dcf.ReferenceAdapter):
         if self.flaw == "fits-input":
             return super().forward(valid, dtype)
         if self.flaw == "vague-error":
-            if any(getattr(data, n) is not getattr(valid, n) for n in ("query", "context", "mask")):
+            if any(getattr(data, n) is not getattr(valid, n) for n in ("query", "context", "value", "mask")):
                 raise ValueError("shape mismatch")
             return super().forward(data, dtype)
         raise AssertionError(self.flaw)
@@ -187,6 +188,30 @@ def test_runner_fails_ports_that_accept_bad_input_or_reject_it_vaguely(flaw):
         failed = {r.case.split(":")[0] for r in rejects if r.status == "fail"}
         assert failed == set(dcf.CORRUPTIONS), report.summary()
         assert all("must name" in r.detail for r in rejects)
+
+
+class _Slicing(dcf.ReferenceAdapter):
+    """Takes the part of each tensor it needs: value[:B, :M, :E_v] and mask[:B, :, :N] (a port
+    written for cache-style masks), so the output of a valid call is right."""
+
+    name = "slicing"
+
+    def forward(self, data, dtype):
+        B, N = data.query.shape[-3], data.query.shape[-2]
+        M = (data.query if data.context is None else data.context).shape[1]
+        value = None if data.value is None else data.value[:B, :M, : data.config.value_input_dim]
+        mask = None if data.mask is None else data.mask[:B, :, :N]
+        return super().forward(dataclasses.replace(data, value=value, mask=mask), dtype)
+
+
+def test_a_port_that_slices_value_tokens_or_mask_rows_fails_the_bad_input_checks():
+    # The catalogue used to corrupt neither the separate value tokens nor the mask's batch and
+    # query axes: this port passed every check while refusing none of them.
+    report = dcf.run_conformance(_Slicing(), cases=[], decoding=False)
+    failed = {r.case.split(":")[0]: r.detail for r in report.failures()}
+    assert set(failed) == {"value-features", "value-length", "mask-queries", "mask-batch"}, report.summary()
+    assert all("bad input accepted" in d for d in failed.values()), failed
+    assert dcf.run_conformance(_Slicing(), cases=[dcf.CATALOGUE[0]], errors=False, decoding=False).passed
 
 
 def test_errors_can_be_switched_off_or_narrowed():
@@ -249,9 +274,75 @@ def test_gradient_check_passes_correct_and_fails_wrong_gradients():
     ok = dcf.check_case(_FiniteDifferenceGradients(), TINY, "float64")
     assert [r.status for r in ok] == ["pass", "pass"], ok
     wrong = dcf.check_case(_FiniteDifferenceGradients(scale=1.01), TINY, "float64")
-    assert wrong[1].status == "fail" and wrong[1].detail == "worst: metric.qk.gate"
+    assert wrong[1].status == "fail" and wrong[1].detail.startswith(
+        "1 of 12 tensors outside the tolerance, worst: metric.qk.gate: "
+    ), wrong
     missing = dcf.check_case(_FiniteDifferenceGradients(drop="key.bias"), TINY, "float64")
     assert missing[1].status == "error" and "key.bias" in missing[1].detail
+
+
+class _WritesInPlace(_FiniteDifferenceGradients):
+    """Returns the right values, then writes into an array it was given, as an in-place op on
+    ``torch.from_numpy(data.query)`` (which shares the array's memory) does."""
+
+    def __init__(self, target, step):
+        super().__init__()
+        self.target, self.step, self.name = target, step, f"writes-{target}"
+
+    def _write(self, data, step):
+        if step == self.step:
+            array = data.params["metric.qk.gate"] if self.target == "params" else getattr(data, self.target)
+            if array.dtype == bool:
+                np.logical_not(array, out=array)  # mask.logical_not_() on a shared tensor
+            else:
+                array *= 1.001
+
+    def forward(self, data, dtype):
+        out = super().forward(data, dtype)
+        self._write(data, "forward")
+        return out
+
+    def gradients(self, data, dtype):
+        grads = super().gradients(data, dtype)
+        self._write(data, "gradients")
+        return grads
+
+    def decode(self, data, dtype):
+        out = super().decode(data, dtype)
+        self._write(data, "decode")
+        return out
+
+
+@pytest.mark.parametrize(
+    "target, step",
+    [("query", "forward"), ("mask", "forward"), ("params", "forward"), ("cotangent", "gradients"), ("query", "decode")],
+)
+def test_a_port_that_writes_into_its_inputs_fails_and_the_catalogue_is_left_intact(target, step):
+    # The adapter used to get the cached arrays of materialise() themselves: a write passed its own check and
+    # changed what every later check (other dtypes, other adapters in the process) compared against.
+    if step == "decode":
+        case = dcf.DecodeCase("tiny-decode-writes", TINY.config, 1, 2, 2, seed=5)
+        pristine = dcf.materialise_decode(case)
+        before = {"query": pristine.query.copy()}
+        result = dcf.check_decode(_WritesInPlace(target, step), case, "float64")
+        assert result.status == "fail" and "wrote into data.query in place" in result.detail, result
+        assert np.array_equal(dcf.materialise_decode(case).query, before["query"])
+        assert dcf.check_decode(dcf.ReferenceAdapter(), case, "float64").status == "pass"
+        return
+    case = dataclasses.replace(TINY, name=f"tiny-writes-{target}", seed=11)  # a cache entry of its own
+    pristine = dcf.materialise(case)
+    before = {n: getattr(pristine, n).copy() for n in ("query", "mask", "cotangent", "expected")}
+    before["params"] = {k: v.copy() for k, v in pristine.params.items()}
+    results = dcf.check_case(_WritesInPlace(target, step), case, "float64")
+    named = "data.params['metric.qk.gate']" if target == "params" else f"data.{target}"
+    by_check = {r.check: r for r in results}
+    wrote = by_check["output" if step == "forward" else "gradients"]
+    assert wrote.status == "fail" and f"wrote into {named} in place" in wrote.detail, results
+    assert all(r.status == "pass" for r in results if r is not wrote), results
+    after = dcf.materialise(case)
+    assert all(np.array_equal(getattr(after, n), before[n]) for n in ("query", "mask", "cotangent", "expected"))
+    assert all(np.array_equal(after.params[k], v) for k, v in before["params"].items())
+    assert [r.status for r in dcf.check_case(_FiniteDifferenceGradients(), case, "float64")] == ["pass", "pass"]
 
 
 def test_exported_vectors_let_a_foreign_port_check_itself(tmp_path):
@@ -589,3 +680,88 @@ def test_outputs_are_judged_by_the_reference_s_own_real_float_rule():
         else:
             with pytest.raises(dc.DamchaTypeError, match="expected a real floating tensor"):
                 dc.damcha_attention(params, config, x)
+
+
+class _OffAt(dcf.ReferenceAdapter):
+    """The reference's output, wrong at one place: NaN in query row 1 of batch 0 (what a port
+    that divides by a zero softmax sum returns for a row that sees no key), or one element off."""
+
+    def __init__(self, how):
+        self.how, self.name = how, f"off-{how}"
+
+    def forward(self, data, dtype):
+        y = super().forward(data, dtype).copy()
+        if self.how == "nan-row":
+            y[0, 1, :] = np.nan
+        else:
+            y[1, 2, 3] += 1e-3
+        return y
+
+
+def test_a_failed_output_says_where_and_what():
+    # The line used to be "FAIL off-nan-row/float64 tiny [output] err=nan ratio=inf" and nothing more.
+    case = dataclasses.replace(TINY, batch=2, query_len=4, name="tiny-off-at")
+    [nan] = dcf.check_case(_OffAt("nan-row"), case, "float64", gradients=False)
+    assert nan.status == "fail" and nan.detail.startswith("4 non-finite values (NaN or inf) in 1 query rows"), nan
+    assert "first at (b, n, e) = (0, 1, 0)" in nan.detail, nan
+    [off] = dcf.check_case(_OffAt("one"), case, "float64", gradients=False)
+    expected = dcf.materialise(case).expected[1, 2, 3]
+    assert off.status == "fail" and off.detail.startswith("1 of 32 elements outside the tolerance"), off
+    assert f"worst at (b, n, e) = (1, 2, 3): {expected + 1e-3:.6g}, expected {expected:.6g}" in off.detail, off
+
+
+class _GradientsReturnNothing(dcf.ReferenceAdapter):
+    """The doc's adapter with the body of ``gradients`` left as ``...``."""
+
+    supports_gradients = True
+
+    def gradients(self, data, dtype): ...
+
+
+def test_gradients_that_are_not_a_mapping_are_named():
+    # Used to read "TypeError: 'NoneType' object is not iterable at _runner.py:221".
+    [_, result] = dcf.check_case(_GradientsReturnNothing(), TINY, "float64")
+    assert result.status == "error" and "gradients(data, dtype) must return a mapping" in result.detail, result
+    assert "Received: None" in result.detail, result
+
+
+class _ZeroGradient(_FiniteDifferenceGradients):
+    """A port whose query-side gate is detached from the output: its gradient is all zero."""
+
+    def gradients(self, data, dtype):
+        grads = super().gradients(data, dtype)
+        grads["metric.qk.gate"] = np.zeros_like(grads["metric.qk.gate"])
+        return grads
+
+
+def test_a_failed_gradient_check_gives_the_derivatives_and_says_when_a_gradient_is_zero():
+    # The detail used to be "worst: metric.qk.gate" alone.
+    [_, result] = dcf.check_case(_ZeroGradient(), TINY, "float64")
+    _, dd_ref = dcf.reference_directional(TINY)["metric.qk.gate"]
+    assert result.status == "fail", result
+    assert f"worst: metric.qk.gate: directional derivative 0, reference {dd_ref:.6g}" in result.detail, result
+    assert "its gradient is all zero: is it detached from the output?" in result.detail, result
+
+
+class _PickyUnsupported(dcf.ReferenceAdapter):
+    """Declares per-head masks unsupported by reading ``case.mask``, and its ``unsupported``
+    crashes on the causal cases."""
+
+    name = "picky"
+
+    def unsupported(self, case):
+        if case.causal and not case.self_attention:
+            raise RuntimeError("causal cross-attention: not thought about")
+        return "per-head masks not yet" if case.mask == "per_head" else None
+
+
+def test_unsupported_that_raises_is_an_error_of_that_check_not_the_end_of_the_run():
+    # A raise in unsupported() used to end run_conformance (the CLI's worker died, every result lost), and a
+    # DecodeCase had no .mask, so the adapter above crashed on the decode group.
+    report = dcf.run_conformance(_PickyUnsupported())
+    by_case = {(r.case, r.check): r for r in report.results}
+    wide = by_case[("heads-tied-causal-wide", "output")]
+    assert wide.status == "error" and "unsupported(case) raised RuntimeError: causal cross-attention" in wide.detail
+    assert by_case[("heads-separate-per-head-cross", "output")].status == "unsupported"
+    assert all(r.status == "pass" for r in report.results if r.group == "decode"), report.summary()
+    assert by_case[("heads-tied-self", "output")].status == "pass"

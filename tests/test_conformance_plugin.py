@@ -125,6 +125,21 @@ def test_bad_options_are_usage_errors(tmp_path):
     assert proc.returncode == 4 and "--damcha-xfails needs --damcha-adapter" in proc.stderr
 
 
+def test_a_factory_that_raises_or_builds_no_adapter_is_a_usage_error(tmp_path):
+    # Used to end in INTERNALERROR with a traceback from pytest_configure (exit 3).
+    for spec, says in [
+        ("_conformance_fixtures:make_raises", "() with no arguments raised RuntimeError: no such device: cuda:7"),
+        ("os:getcwd", "calling os.getcwd() returned str: adapter lacks name"),
+        ("_conformance_fixtures:make_no_unsupported", "adapter lacks unsupported"),
+        ("_conformance_fixtures_broken:Port", "importing it raised RuntimeError: this port needs CUDA 13"),
+    ]:
+        proc = run_pytest(tmp_path, "--damcha-adapter", spec)
+        assert proc.returncode == 4, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])
+        assert "INTERNALERROR" not in proc.stdout + proc.stderr and "Traceback" not in proc.stderr
+        [line] = [x for x in proc.stderr.splitlines() if x.startswith("ERROR: --damcha-adapter: ")]
+        assert f"spec={spec!r}" in line and says in line, line
+
+
 def test_the_plugin_is_registered_as_a_pytest11_entry_point():
     from importlib.metadata import entry_points
 

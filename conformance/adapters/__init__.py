@@ -24,7 +24,7 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from damcha_core import DamchaValueError, invalid_argument
+from damcha_core import DamchaError, DamchaTypeError, DamchaValueError, invalid_argument
 
 if TYPE_CHECKING:  # pragma: no cover
     from .._adapter import BackendAdapter
@@ -127,8 +127,14 @@ def load_adapter(spec: str) -> BackendAdapter:
     one asked for is refused rather than reported under the wrong name.
 
     Raises:
-        DamchaValueError: an unknown name, a module that cannot be imported
-            or an attribute it does not have.
+        DamchaValueError: an unknown name, a module that cannot be found or
+            fails to import (chained from its exception),
+            an attribute it does not have, or a class or factory that raises
+            when called with no arguments (chained from its exception).
+        DamchaTypeError: what ``module:attr`` names or builds is not an
+            adapter (``check_adapter``: a missing attribute or method, or
+            ``dtypes`` given as one string); a DamchaValueError when its
+            ``dtypes`` is empty or names an unknown dtype.
     """
     if not isinstance(spec, str) or not spec:
         raise DamchaValueError(
@@ -164,7 +170,16 @@ def load_adapter(spec: str) -> BackendAdapter:
                 f"spec={spec!r} (not importable: no module named {module_name.split('.')[0]!r})",
             )
         )
-    module = importlib.import_module(module_name)
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # a third party's module may fail to import in any way: said, and chained
+        raise DamchaValueError(
+            invalid_argument(
+                "spec",
+                "module:attr naming an importable module",
+                f"spec={spec!r}: importing it raised {type(exc).__name__}: {exc}",
+            )
+        ) from exc
     try:
         obj = getattr(module, attr)
     except AttributeError:
@@ -175,4 +190,42 @@ def load_adapter(spec: str) -> BackendAdapter:
                 f"spec={spec!r} ({module_name} does not have {attr!r})",
             )
         ) from None
-    return obj() if callable(obj) else obj
+    if not callable(obj):
+        return _checked(spec, obj, f"{module_name}.{attr} is")
+    try:
+        adapter = obj()
+    except Exception as exc:  # a third party's constructor may raise anything: said, and chained
+        raise DamchaValueError(
+            invalid_argument(
+                "spec",
+                _EXPECTED,
+                f"spec={spec!r}: calling {module_name}.{attr}() with no arguments raised {type(exc).__name__}: {exc}",
+            )
+        ) from exc
+    return _checked(spec, adapter, f"calling {module_name}.{attr}() returned")
+
+
+_EXPECTED = (
+    "module:attr naming a conformance adapter (a class or factory that builds one when called with no "
+    "arguments, or an instance) with name, dtypes, supports_gradients, unsupported(case) and "
+    "forward(data, dtype) (see damcha_conformance.BackendAdapter)"
+)
+
+
+def _checked(spec: str, adapter: Any, what: str) -> BackendAdapter:
+    """``adapter`` when it is usable, else the error naming ``spec``, what it gave and what it lacks.
+
+    Refused here, before any check, so that the CLI and the pytest plugin report a usage error
+    rather than a failed run (or an AttributeError inside pytest's configuration)."""
+    from .._runner import check_adapter
+
+    try:
+        check_adapter(adapter)
+    except DamchaError as exc:
+        cls = type(adapter)
+        kind = cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+        # "adapter lacks name: a conformance adapter has ...": what it has is said once, in _EXPECTED
+        why = str(exc).split(": a conformance adapter has", 1)[0]
+        error = DamchaValueError if isinstance(exc, DamchaValueError) else DamchaTypeError  # e.g. dtypes ("fp32",)
+        raise error(invalid_argument("spec", _EXPECTED, f"spec={spec!r}: {what} {kind}: {why}")) from None
+    return adapter
