@@ -17,7 +17,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 # Modules holding the suite's longest single tests (Keras backends and KerasHub models in
 # subprocesses, the upstream Keras suite, the benchmark scripts, Node.js, the experiments'
-# end-to-end smoke run, torch.compile/Inductor, multi-process torch/JAX), longest first.
+# end-to-end smoke run, torch.compile/Inductor, multi-process torch/JAX, the docs' examples),
+# longest first.
 # They run first: `make test` uses xdist's worksteal scheduler, where each worker starts on
 # half of the collection and an idle worker takes the tail half of the other's queue, so a
 # long test is absorbed when it runs early and adds its whole length to the wall time
@@ -28,6 +29,7 @@ RUN_FIRST = (
     "test_keras_upstream.py",
     "test_models_keras_backends.py",
     "test_keras_backends.py",
+    "test_docs_examples.py",
     "test_benchmarks_quick.py",
     "test_experiments_run.py",
     "test_onnx_js.py",
