@@ -210,8 +210,9 @@ def _sibling_cost(path: Path, results: dict[str, Any]) -> dict[str, Any] | None:
 
     sibling = path.with_name(f"{stem(results)}_cost.json")
     cost = _read_json_dict(sibling, "--from-json", "move it away or restore it (the equal-time plot reads it)")
-    ok = cost is not None and cost.get("kind") == "cost" and cost.get("task") == results["task"]
-    return cost if ok and isinstance(cost.get("variants"), dict) else None
+    if cost is None or cost.get("kind") != "cost" or cost.get("task") != results["task"]:
+        return None
+    return cost if isinstance(cost.get("variants"), dict) else None
 
 
 def _check_results_files(out: Path, name: str, preset: Any, device_type: Any) -> None:

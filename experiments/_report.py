@@ -501,7 +501,9 @@ def changed_environments(
             if damaged is not None:
                 damaged.append((str(path), str(exc).replace(f"{path} ", "", 1)))
             continue
-        config = run.get("identity", {}).get("config", {}) if isinstance(run, dict) else {}
+        if run is None:  # removed since the glob listed it
+            continue
+        config = run.get("identity", {}).get("config", {})
         if isinstance(config, dict) and "task" in config:
             add(config["task"], config.get("preset"), run)
     rows.sort(key=lambda r: tuple(str(r[k]) for k in ("task", "preset", "variant", "lr", "seed")))
