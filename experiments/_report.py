@@ -549,6 +549,14 @@ def load_folder(
                 skipped.append((path, str(exc).replace(f"{path} ", "", 1)))
             continue
         if not isinstance(obj, dict) or obj.get("format") != RESULTS_FORMAT:
+            if path.name in ours:
+                # Named as a results or cost file but of another kind (a hand edit, a file of an older
+                # format): skipping it would silently draw the verdicts without that task.
+                raise DamchaValueError(
+                    f"{path} is named as a results file but holds no {RESULTS_FORMAT} results (format "
+                    f"{obj.get('format') if isinstance(obj, dict) else None!r}): the report would lack it; "
+                    "restore it, or rerun the command that writes it (finished runs are read back from runs/)"
+                )
             continue
         variants = obj.get("variants")
         if not isinstance(obj.get("task"), str) or not isinstance(variants, dict) or not variants:

@@ -493,6 +493,22 @@ def test_report_refuses_a_damaged_results_file(file, digits_results, tmp_path, c
     assert _snapshot(tmp_path) == before
 
 
+@pytest.mark.parametrize("content", [{"hello": 1}, {"format": "damcha-experiment/1", "task": "digits"}])
+@pytest.mark.parametrize("file", ["digits.json", "digits_cost.json"])
+def test_report_refuses_a_results_named_file_of_another_kind(file, content, digits_results, tmp_path, capsys):
+    """Valid JSON under a results or cost file's name that is not of the results format (a hand
+    edit, an older format) was skipped without a word: the verdicts were drawn without it."""
+    (tmp_path / "digits.json").write_text(digits_results.read_text())
+    (tmp_path / file).write_text(json.dumps(content))
+    before = _snapshot(tmp_path)
+    code, err = _main(["report", str(tmp_path), "--no-plots"], capsys)
+    assert code == 2, err
+    (line,) = err.strip().splitlines()
+    assert line.startswith(f"damcha experiment: error: FOLDER: {tmp_path / file} is named as a results file"), line
+    assert repr(content.get("format")) in line and "the report would lack it" in line
+    assert _snapshot(tmp_path) == before
+
+
 def test_a_damaged_run_result_is_rerun_with_a_note_and_the_report_says_so(tmp_path, capsys):
     """A run's result.json cut off mid-write made the rerun exit 2 ("delete that folder") and the
     report silently leave the run out. The run can be recreated: the rerun now says so in one line,
