@@ -16,6 +16,7 @@ import re
 import signal
 import sys
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -243,6 +244,15 @@ def _check_results_files(out: Path, name: str, preset: Any, device_type: Any) ->
             )
 
 
+def _suite_order(names: Iterable[str], suite: str) -> list[str]:
+    """``names`` in the suite's own order (that of a command running all its variants), then any
+    others as found."""
+    from ._variants import SUITES
+
+    names = list(names)
+    return [n for n in SUITES[suite] if n in names] + [n for n in names if n not in SUITES[suite]]
+
+
 def _merge_subset(path: Path, results: dict[str, Any], suite: str) -> dict[str, Any]:
     """``results`` with the variants of the results file at ``path`` that it does not train added back,
     when that file records the same task, suite, preset, device type and config.
@@ -256,7 +266,6 @@ def _merge_subset(path: Path, results: dict[str, Any], suite: str) -> dict[str, 
     was checked before the training, so only a file damaged since gets here).
     """
     from ._tasks import RESULTS_FORMAT
-    from ._variants import SUITES
 
     old = _read_json_dict(path, "--out", _REDO_RESULTS)
     if old is None or old.get("format") != RESULTS_FORMAT or old.get("kind") == "cost":
@@ -271,8 +280,7 @@ def _merge_subset(path: Path, results: dict[str, Any], suite: str) -> dict[str, 
     if not kept:
         return results
     merged = kept | results["variants"]
-    # The suite's own order (that of a command training all its variants), then any others as found.
-    order = [n for n in SUITES[suite] if n in merged] + [n for n in merged if n not in SUITES[suite]]
+    order = _suite_order(merged, suite)
     print(
         f"{PROG}: note: {path} already holds {', '.join(kept)} of this task, preset, device type and config: "
         "kept beside this command's variants",
@@ -316,7 +324,6 @@ def _merge_cost(path: Path, cost: dict[str, Any], suite: str) -> dict[str, Any]:
     ``unusable_clocks`` is file-wide), is replaced as before.
     """
     from ._analysis import no_time_ratio
-    from ._variants import SUITES
 
     old = _read_json_dict(path, "--out", _REDO_COST)
     if old is None or not isinstance(old.get("variants"), dict) or any(old.get(k) != cost.get(k) for k in _COST_MATCH):
@@ -336,7 +343,7 @@ def _merge_cost(path: Path, cost: dict[str, Any], suite: str) -> dict[str, Any]:
         return entry
 
     merged = {n: own(old, n) for n in kept} | {n: own(cost, n) for n in cost["variants"]}
-    order = [n for n in SUITES[suite] if n in merged] + [n for n in merged if n not in SUITES[suite]]
+    order = _suite_order(merged, suite)
     checks = (old.get("params_check") or {}) | (cost.get("params_check") or {})
     print(
         f"{PROG}: note: {path} already holds the cost of {', '.join(kept)}, measured alike: kept beside this "
