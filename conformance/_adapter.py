@@ -19,7 +19,8 @@ class BackendAdapter(Protocol):
     Masks arrive 4-D (B|1, H|1, N|1, M) with True = may attend; the adapter
     converts to its framework's convention at its boundary. ``data.value``,
     when not None, holds value tokens (B, M, E_v) separate from the context
-    (the keys).
+    (the keys). ``data`` is a ``CaseData`` without the expected output (the
+    runner keeps the ``ReferenceData``), so a port cannot return it.
 
     Attributes:
         name: short id shown in the report, e.g. "torch".

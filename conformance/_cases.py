@@ -75,7 +75,9 @@ class Case:
 
 @dataclasses.dataclass(frozen=True)
 class CaseData:
-    """Everything an adapter needs to run a case, as float64/bool NumPy arrays.
+    """Everything an adapter needs to run a case, as float64/bool NumPy arrays,
+    and nothing it is judged by: the expected output stays with the runner
+    (``ReferenceData``), so a port cannot hand it back.
 
     ``mask`` is always 4-D, (B|1, H|1, N|1, M), True = may attend; ``context``
     is ``None`` for self-attention. ``value`` is ``None`` when the context (or,
@@ -90,7 +92,6 @@ class CaseData:
     query: np.ndarray
     context: np.ndarray | None
     mask: np.ndarray | None
-    expected: np.ndarray
     cotangent: np.ndarray
     value: np.ndarray | None = None
 
@@ -101,6 +102,21 @@ class CaseData:
     @property
     def causal(self) -> bool:
         return self.case.causal
+
+
+@dataclasses.dataclass(frozen=True)
+class ReferenceData(CaseData):
+    """A case's ``CaseData`` plus what the reference computes from it: what
+    ``materialise`` returns and the runner keeps. ``expected`` is the reference
+    output; ``reference(...)`` recomputes it with some tensors replaced (the
+    central differences of the gradient check). Adapters are handed
+    ``adapter_data()``, which has neither."""
+
+    expected: np.ndarray = dataclasses.field(kw_only=True)
+
+    def adapter_data(self) -> CaseData:
+        """The ``CaseData`` an adapter receives: the same arrays, without ``expected``."""
+        return CaseData(**{f.name: getattr(self, f.name) for f in dataclasses.fields(CaseData)})
 
     def reference(
         self, params: dict[str, np.ndarray] | None = None, query=None, context=None, value=None
@@ -284,7 +300,7 @@ def _small_and_zero(tokens: np.ndarray) -> np.ndarray:
 
 
 @functools.cache
-def materialise(case: Case) -> CaseData:
+def materialise(case: Case) -> ReferenceData:
     """Params, inputs, mask and the reference output of ``case`` (cached)."""
     cfg = case.config
     rng = np.random.default_rng([case.seed, 2])
@@ -300,7 +316,7 @@ def materialise(case: Case) -> CaseData:
     value = rng.normal(size=(case.batch, M, E_v)) if case.separate_value else None
     expected = dc.damcha_attention(params, cfg, query, context, mask=mask, causal=case.causal, value=value)
     cotangent = rng.normal(size=expected.shape) / np.sqrt(expected.size)
-    return CaseData(case, params, query, context, mask, expected, cotangent, value)
+    return ReferenceData(case, params, query, context, mask, cotangent, value, expected=expected)
 
 
 # ---------------------------------------------------------------- decoding
@@ -372,7 +388,7 @@ DECODE_CATALOGUE: tuple[DecodeCase, ...] = _build_decode_catalogue()
 
 
 @functools.cache
-def materialise_decode(case: DecodeCase) -> CaseData:
+def materialise_decode(case: DecodeCase) -> ReferenceData:
     """Params, the whole sequence as ``query`` (B, P + N, E) and the expected
     outputs of the last N tokens (B, N, E_o), from the reference with
     ``query_offset=P``."""
@@ -382,7 +398,7 @@ def materialise_decode(case: DecodeCase) -> CaseData:
     x = rng.normal(size=(case.batch, case.prefix_len + case.new_len, cfg.query_dim))
     P = case.prefix_len
     expected = dc.damcha_attention(params, cfg, x[:, P:], x, causal=True, query_offset=P)
-    return CaseData(case, params, x, None, None, expected, np.zeros_like(expected))
+    return ReferenceData(case, params, x, None, None, np.zeros_like(expected), expected=expected)
 
 
 # ---------------------------------------------------------------- bad input
@@ -469,7 +485,7 @@ def _build_error_catalogue() -> tuple[ErrorCase, ...]:
 ERROR_CATALOGUE: tuple[ErrorCase, ...] = _build_error_catalogue()
 
 
-def materialise_error(case: ErrorCase) -> CaseData:
+def materialise_error(case: ErrorCase) -> ReferenceData:
     """The base case's data with one tensor corrupted; ``expected`` is the
     valid output, which a port must *not* return."""
     data = materialise(case.base)
@@ -535,7 +551,7 @@ def reference_directional(case: Case, eps: float = 1e-5) -> dict[str, tuple[np.n
     return out
 
 
-def _loss_at(data: CaseData, target: str, moved: np.ndarray) -> float:
+def _loss_at(data: ReferenceData, target: str, moved: np.ndarray) -> float:
     """sum(output * cotangent) of the reference with ``target`` replaced by ``moved``."""
     if target in _INPUTS:
         inputs: dict[str, Any] = {target: moved}

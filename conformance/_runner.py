@@ -23,6 +23,7 @@ from ._cases import (
     CaseData,
     DecodeCase,
     ErrorCase,
+    ReferenceData,
     gradient_targets,
     materialise,
     materialise_decode,
@@ -332,17 +333,20 @@ def check_decode(adapter: BackendAdapter, case: DecodeCase, dtype: str) -> Resul
     )
 
 
-_ARRAYS = ("query", "context", "value", "mask", "expected", "cotangent")
+_ARRAYS = ("query", "context", "value", "mask", "cotangent")
 
 
-def _private(data: CaseData) -> CaseData:
-    """A copy of ``data`` with arrays of its own, for one call of the adapter.
+def _private(data: ReferenceData) -> CaseData:
+    """What one call of the adapter is given: a plain ``CaseData`` (no ``expected``, no
+    ``reference()``: a port must not be able to hand the reference's answer back) with arrays of
+    its own.
 
     ``materialise`` is cached: an adapter given its arrays and writing into them (an in-place op
     on ``torch.from_numpy(data.query)``, which shares the memory) would change what every later
     check in the process compares against, other dtypes' and other adapters' included."""
     arrays: dict[str, Any] = {n: None if getattr(data, n) is None else np.array(getattr(data, n)) for n in _ARRAYS}
-    return dataclasses.replace(data, params={k: np.array(v) for k, v in data.params.items()}, **arrays)
+    view = data.adapter_data()
+    return dataclasses.replace(view, params={k: np.array(v) for k, v in data.params.items()}, **arrays)
 
 
 def _untouched(result: Result, given: CaseData, pristine: CaseData) -> Result:

@@ -96,6 +96,15 @@ def test_golden_file_pins_the_reference():
     assert expected_keys == set(frozen), "golden file and catalogue disagree on cases"
 
 
+def _reference_with(data, **replaced):
+    """The reference output of the adapter's ``data`` with some of ``params``, ``query``, ``context``
+    and ``value`` replaced (the adapter's object no longer has ``reference()``)."""
+    get = lambda name: replaced.get(name, getattr(data, name))  # noqa: E731
+    return dc.damcha_attention(
+        get("params"), data.config, get("query"), get("context"), mask=data.mask, causal=data.causal, value=get("value")
+    )
+
+
 class _Wrong(dcf.ReferenceAdapter):
     """A port with one deliberate bug, to prove the runner can fail."""
 
@@ -256,9 +265,9 @@ class _FiniteDifferenceGradients(dcf.ReferenceAdapter):
                     moved = base.copy()
                     moved[idx] += sign * eps
                     if name in ("query", "context", "value"):
-                        y = data.reference(**{name: moved})
+                        y = _reference_with(data, **{name: moved})
                     else:
-                        y = data.reference(params={**data.params, name: moved})
+                        y = _reference_with(data, params={**data.params, name: moved})
                     vals.append(np.sum(y * data.cotangent))
                 g[idx] = (vals[0] - vals[1]) / (2 * eps)
             grads[name] = g * (self.scale if name == "metric.qk.gate" else 1.0)
@@ -765,3 +774,83 @@ def test_unsupported_that_raises_is_an_error_of_that_check_not_the_end_of_the_ru
     assert by_case[("heads-separate-per-head-cross", "output")].status == "unsupported"
     assert all(r.status == "pass" for r in report.results if r.group == "decode"), report.summary()
     assert by_case[("heads-tied-self", "output")].status == "pass"
+
+
+# ---------------------------------------------------------------- what an adapter is given
+
+
+class _Spy(_FiniteDifferenceGradients):
+    """An honest port that keeps every object it is handed."""
+
+    def __init__(self):
+        super().__init__()
+        self.name, self.seen = "spy", []
+
+    def forward(self, data, dtype):
+        self.seen.append(data)
+        return super().forward(data, dtype)
+
+    def gradients(self, data, dtype):
+        self.seen.append(data)
+        return super().gradients(data, dtype)
+
+    def decode(self, data, dtype):
+        self.seen.append(data)
+        return super().decode(data, dtype)
+
+
+def _arrays(obj, path="data", depth=0):
+    """Every NumPy array reachable from ``obj`` through its public attributes and mappings."""
+    if isinstance(obj, np.ndarray):
+        yield path, obj
+        return
+    if depth > 3 or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
+        return
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            yield from _arrays(value, f"{path}[{key!r}]", depth + 1)
+        return
+    for name in dir(obj):
+        if not name.startswith("_"):
+            value = getattr(obj, name)
+            if not callable(value):
+                yield from _arrays(value, f"{path}.{name}", depth + 1)
+
+
+def test_an_adapter_cannot_reach_the_reference_output_through_what_it_is_given():
+    # CaseData used to carry `expected` (and `reference()`, which recomputes it): a port could return
+    # data.expected and pass every output check.
+    decode, error = dcf.DECODE_CATALOGUE[0], dcf.ERROR_CATALOGUE[0]
+    spy = _Spy()
+    report = dcf.run_conformance(spy, cases=[TINY], errors=[error], decoding=[decode])
+    assert report.passed and [r.check for r in report.results] == ["output", "gradients", "decode", "rejects"]
+    expected = [dcf.materialise(TINY).expected, dcf.materialise_decode(decode).expected]
+    expected.append(dcf.materialise(error.base).expected)
+    assert len(spy.seen) == 4
+    for data in spy.seen:
+        assert type(data) is dcf.CaseData, type(data)
+        assert not hasattr(data, "expected") and not hasattr(data, "reference"), data
+        arrays = dict(_arrays(data))
+        assert "data.query" in arrays and "data.params['output.bias']" in arrays  # the walk sees the inputs
+        for path, array in arrays.items():
+            for ref in expected:
+                assert not (array.shape == ref.shape and np.allclose(array, ref)), path
+
+    class Copier(dcf.ReferenceAdapter):
+        name = "copier"
+
+        def forward(self, data, dtype):
+            return data.expected
+
+    [result] = dcf.check_case(Copier(), TINY, "float64", gradients=False)
+    assert result.status == "error" and "'CaseData' object has no attribute 'expected'" in result.detail
+
+
+def test_materialise_keeps_the_expected_output_and_hands_adapters_a_view_without_it():
+    full = dcf.materialise(TINY)
+    assert isinstance(full, dcf.ReferenceData) and isinstance(full, dcf.CaseData)
+    view = full.adapter_data()
+    assert {f.name for f in dataclasses.fields(view)} == {f.name for f in dataclasses.fields(full)} - {"expected"}
+    assert view.query is full.query and view.config is full.config and view.causal == full.causal
+    # an adapter called with the full object (as the ports' own tests do) computes the same output
+    np.testing.assert_array_equal(dcf.ReferenceAdapter().forward(full, "float64"), full.expected)
