@@ -15,7 +15,9 @@ class BackendAdapter(Protocol):
     """What a port implements to be held to the reference by ``run_conformance``.
 
     An adapter loads the canonical float64 params of a case into its own
-    framework (cast to ``dtype``), runs the layer and hands back NumPy arrays.
+    framework (cast to ``dtype``), runs the layer and hands back NumPy arrays
+    of ``dtype``, or of a wider float holding ``dtype`` values (a float64 copy);
+    values that are not ``dtype`` values fail the check.
     Masks arrive 4-D (B|1, H|1, N|1, M) with True = may attend; the adapter
     converts to its framework's convention at its boundary. ``data.value``,
     when not None, holds value tokens (B, M, E_v) separate from the context

@@ -208,7 +208,7 @@ def check_output(adapter: BackendAdapter, case: Case, dtype: str) -> Result:
         return declined
     pristine = materialise(case)
     data = _private(pristine)
-    result = _output_result(base, lambda: adapter.forward(data, dtype), pristine.expected, tolerance(dtype))
+    result = _output_result(base, lambda: adapter.forward(data, dtype), pristine.expected, dtype, "forward")
     return _untouched(result, data, pristine)
 
 
@@ -240,9 +240,13 @@ def check_gradients(adapter: BackendAdapter, case: Case, dtype: str) -> Result:
         worst = (0.0, 0.0, "")
         seen: dict[str, tuple[float, float, bool]] = {}  # target -> (dd, dd_ref, all zero), for the detail
         failed = 0
+        imprecise: list[str] = []  # why each gradient that is not of the declared precision is not
         directional = reference_directional(case)
         for target, (direction, dd_ref) in directional.items():
             g = _real_float64(grads[target], f"the gradient of {target}")
+            why = _imprecise(np.asarray(grads[target]), g, dtype, f"gradients[{target!r}]")
+            if why:
+                imprecise.append(why)
             if g.shape != direction.shape:
                 raise ValueError(f"gradient of {target} has shape {g.shape}, expected {direction.shape}")
             dd = float(np.sum(g * direction))
@@ -251,15 +255,18 @@ def check_gradients(adapter: BackendAdapter, case: Case, dtype: str) -> Result:
             failed += ratio > 1
             if ratio > worst[1]:  # grad_ratio never returns NaN: a NaN gradient is inf
                 worst = (err, ratio, target)
-        status = "pass" if worst[1] <= 1 else "fail"
+        status = "pass" if worst[1] <= 1 and not imprecise else "fail"
         detail = f"worst: {worst[2]}"
-        if status == "fail":
+        if worst[1] > 1:
             dd, dd_ref, zero = seen[worst[2]]
             detail = (
                 f"{failed} of {len(directional)} tensors outside the tolerance, {detail}: "
                 f"directional derivative {dd:.6g}, reference {dd_ref:.6g}"
                 + (" (its gradient is all zero: is it detached from the output?)" if zero else "")
             )
+        if imprecise:
+            more = f" ({len(imprecise) - 1} more gradients likewise)" if len(imprecise) > 1 else ""
+            detail = f"{imprecise[0]}{more}; {detail}"
         result = Result(**base, status=status, max_error=worst[0], ratio=worst[1], detail=detail)
     except Exception as exc:  # noqa: BLE001 - a port's crash is a reported error, not the end of the run
         result = Result(**base, status="error", detail=_describe_exc(exc))
@@ -329,7 +336,7 @@ def check_decode(adapter: BackendAdapter, case: DecodeCase, dtype: str) -> Resul
     pristine = materialise_decode(case)
     data = _private(pristine)
     return _untouched(
-        _output_result(base, lambda: decode(data, dtype), pristine.expected, tolerance(dtype)), data, pristine
+        _output_result(base, lambda: decode(data, dtype), pristine.expected, dtype, "decode"), data, pristine
     )
 
 
@@ -377,11 +384,14 @@ def _same(a: Any, b: Any) -> bool:
     return bool(np.array_equal(a, b, equal_nan=a.dtype.kind == "f"))
 
 
-def _output_result(base: dict[str, Any], run: Any, expected: np.ndarray, tol: Any) -> Result:
-    """Run ``run()`` and judge its output against ``expected``; a crash is a
+def _output_result(base: dict[str, Any], run: Any, expected: np.ndarray, dtype: str, what: str) -> Result:
+    """Run ``run()`` (the adapter's ``what``: "forward" or "decode") and judge its output against
+    ``expected`` at ``dtype``'s tolerance, and its precision (``_imprecise``); a crash is a
     reported error, not the end of the run."""
+    tol = tolerance(dtype)
     try:
-        out = _real_float64(run(), "the output")
+        returned = run()
+        out = _real_float64(returned, "the output")
     except Exception as exc:  # noqa: BLE001 - a port's crash is a reported error, not the end of the run
         return Result(**base, status="error", detail=_describe_exc(exc))
     err, ratio = tol.output_ratio(out, expected)
@@ -389,7 +399,70 @@ def _output_result(base: dict[str, Any], run: Any, expected: np.ndarray, tol: An
         detail = f"shape {out.shape} != expected {expected.shape}"
     else:
         detail = _where(out, expected, tol) if ratio > 1 else ""
-    return Result(**base, status="pass" if ratio <= 1 else "fail", max_error=err, ratio=ratio, detail=detail)
+    imprecise = _imprecise(np.asarray(returned), out, dtype, what)
+    if imprecise:
+        detail = imprecise + (f"; {detail}" if detail else "")
+    status = "pass" if ratio <= 1 and not imprecise else "fail"
+    return Result(**base, status=status, max_error=err, ratio=ratio, detail=detail)
+
+
+# (significand bits, exponent bits) of the dtypes a port may declare: a returned array of another
+# real float dtype holds every value of the declared one only if it has at least as many of both.
+_BITS = {"float16": (11, 5), "bfloat16": (8, 8), "float32": (24, 8), "float64": (53, 11)}
+
+
+def _bits(dtype: np.dtype) -> tuple[int, int]:
+    if dtype.name in _BITS:
+        return _BITS[dtype.name]
+    info = np.finfo(dtype)  # any other real float is a NumPy one (is_real_float): long double
+    return info.nmant + 1, info.nexp
+
+
+def _imprecise(returned: np.ndarray, values: np.ndarray, dtype: str, what: str) -> str:
+    """Why an array the adapter returned is not of the declared precision ``dtype``, or "".
+
+    The runner only sees NumPy arrays, so "computes in ``dtype``" is checked on what comes back:
+    an array of ``dtype`` itself; or an up-cast (a wider float: NumPy has no bfloat16, and the
+    built-in adapters hand back float64 copies) whose every finite value is exactly a ``dtype``
+    value. A port that declares bfloat16 and computes in float64 returns values that almost never
+    round-trip through bfloat16 (a random float64 value fits float32 with odds of 2**-29): without
+    this it passed, and its report said it conforms in bfloat16. An array narrower than ``dtype``
+    (float32 for float64) cannot hold its values at all. ``values`` is ``returned`` in float64.
+    What this cannot see: a port computing in float64 that rounds only its final result to
+    ``dtype``."""
+    got = returned.dtype
+    if got.name == dtype:
+        return ""
+    if any(g < d for g, d in zip(_bits(got), _BITS[dtype])):
+        return (
+            f"{what} returned a {got.name} array, narrower than {dtype}: the port does not compute in {dtype} "
+            f"(return {dtype} values, or a wider float array holding them)"
+        )
+    finite = np.isfinite(values)
+    with np.errstate(over="ignore", invalid="ignore"):
+        off = finite & (_round_trip(values, dtype) != values)
+    if not off.any():
+        return ""
+    first = tuple(int(i) for i in np.argwhere(off)[0])
+    where = f"element [{', '.join(map(str, first))}]" if first else "its value"
+    return (
+        f"{what} returned {got.name} values not representable in {dtype} ({int(off.sum())} of {off.size}, "
+        f"e.g. {where} = {float(values[first])!r}): the port does not compute in {dtype}"
+    )
+
+
+def _round_trip(values: np.ndarray, dtype: str) -> np.ndarray:
+    """``values`` (float64) rounded to ``dtype`` and back: equal exactly where representable."""
+    if dtype != "bfloat16":
+        return values.astype(dtype).astype(np.float64)
+    try:
+        import ml_dtypes  # installed with JAX
+    except ImportError:
+        # bfloat16 is the upper half of a float32: a value is one iff it is a float32 whose low
+        # 16 bits are 0 (truncating them changes any other value, and any non-float32 value).
+        bits = values.astype(np.float32).view(np.uint32) & np.uint32(0xFFFF0000)
+        return bits.view(np.float32).astype(np.float64)
+    return values.astype(ml_dtypes.bfloat16).astype(np.float64)
 
 
 def _where(out: np.ndarray, expected: np.ndarray, tol: Any) -> str:

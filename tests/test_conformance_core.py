@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -96,6 +97,18 @@ def test_golden_file_pins_the_reference():
     assert expected_keys == set(frozen), "golden file and catalogue disagree on cases"
 
 
+def _rounded(y, dtype):
+    """``y`` rounded to ``dtype`` (a bfloat16 one as ``ml_dtypes.bfloat16``), as a port computing in
+    float64 and rounding its results would return it. The fixtures below declaring float32 or a 16-bit
+    dtype do so, so that they fail (or pass) for their deliberate bug, not the precision check (which
+    cannot tell this rounding from computing in ``dtype``: docs/conformance.md)."""
+    if dtype == "float64":
+        return y
+    import ml_dtypes
+
+    return np.asarray(y).astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
+
+
 def _reference_with(data, **replaced):
     """The reference output of the adapter's ``data`` with some of ``params``, ``query``, ``context``
     and ``value`` replaced (the adapter's object no longer has ``reference()``)."""
@@ -115,6 +128,12 @@ class _Wrong(dcf.ReferenceAdapter):
         self.name = f"wrong-{bug}"
 
     def forward(self, data, dtype):
+        return _rounded(self._forward(data, dtype), dtype)
+
+    def decode(self, data, dtype):
+        return _rounded(super().decode(data, dtype), dtype)
+
+    def _forward(self, data, dtype):
         if self.bug == "ignores-metric":
             cfg = data.config.replace(metric="none", metric_rank=None)
             p = {k: v for k, v in data.params.items() if not k.startswith("metric.")}
@@ -241,14 +260,21 @@ def test_float32_rounding_fails_float64_tolerance_but_passes_float32():
 
 class _FiniteDifferenceGradients(dcf.ReferenceAdapter):
     """Full gradients by per-element central differences of the reference: an
-    honest (slow) port for tiny cases, plus an optional deliberate error."""
+    honest (slow) port for tiny cases, plus an optional deliberate error. Outputs
+    and gradients are rounded to the dtype asked for (``_rounded``)."""
 
     supports_gradients = True
 
     def __init__(self, scale=1.0, drop=None):
         self.scale, self.drop, self.name = scale, drop, "fd"
 
+    def forward(self, data, dtype):
+        return _rounded(super().forward(data, dtype), dtype)
+
     def gradients(self, data, dtype):
+        return {k: _rounded(g, dtype) for k, g in self._float64_gradients(data).items()}
+
+    def _float64_gradients(self, data):
         eps = 1e-6
         targets = {
             "query": data.query,
@@ -491,8 +517,6 @@ class _WrongMath(dcf.ReferenceAdapter):
         self.bug, self.name = bug, f"wrong-{bug}"
 
     def forward(self, data, dtype):
-        from unittest import mock
-
         from damcha_core import _reference as ref
 
         calls = []
@@ -516,7 +540,7 @@ class _WrongMath(dcf.ReferenceAdapter):
         if self.bug == "rms-without-eps":  # t * rsqrt(mean(t^2)): NaN at a zero token
             patches["rms_normalise"] = lambda t: t / np.sqrt(np.mean(t * t, axis=-1, keepdims=True))
         with mock.patch.multiple(ref, **patches), np.errstate(invalid="ignore", divide="ignore"):
-            return super().forward(data, dtype)
+            return _rounded(super().forward(data, dtype), dtype)
 
 
 @pytest.mark.parametrize(
@@ -652,7 +676,9 @@ class _Retyped(dcf.ReferenceAdapter):
 def test_output_must_be_a_real_floating_array(how):
     [result] = dcf.check_case(_Retyped(how), TINY, "float64", gradients=False)
     if how == "float32":
-        assert result.status == "fail" and "dtype" not in result.detail  # float32 rounding misses float64's tolerance
+        # float32 values cannot be float64 results, and float32 rounding misses float64's tolerance
+        assert result.status == "fail" and "forward returned a float32 array, narrower than float64" in result.detail
+        assert "elements outside the tolerance" in result.detail, result
         return
     assert result.status == "error", result
     assert (
@@ -774,6 +800,151 @@ def test_unsupported_that_raises_is_an_error_of_that_check_not_the_end_of_the_ru
     assert by_case[("heads-separate-per-head-cross", "output")].status == "unsupported"
     assert all(r.status == "pass" for r in report.results if r.group == "decode"), report.summary()
     assert by_case[("heads-tied-self", "output")].status == "pass"
+
+
+# ---------------------------------------------------------------- declared precision
+
+
+def _in_float32():
+    """Patches that make the reference's own code compute in float32: its inputs and validated
+    params are cast to float32 instead of float64 (every later step keeps its operands' dtype)."""
+    from damcha_core import _reference as ref
+
+    validate = ref.validate_params
+    return mock.patch.multiple(
+        ref,
+        _as_float64=lambda name, value: np.asarray(value).astype(np.float32),
+        validate_params=lambda params, config: {k: v.astype(np.float32) for k, v in validate(params, config).items()},
+    )
+
+
+class _Precision(dcf.ReferenceAdapter):
+    """Declares ``declared`` and returns the reference's values computed (or rounded) as ``how`` says:
+
+    - "float64": computed in float64 and returned as such, whatever was declared (the planted bug);
+    - "float32": computed in float32 (the reference's code, patched), returned as a float32 array;
+    - "float32-as-float64": the same float32 results, up-cast to float64 before returning (as the
+      built-in adapters return theirs);
+    - "rounded" / "rounded-as-float32": the float64 values rounded to ``declared`` (bfloat16 as
+      ``ml_dtypes.bfloat16``), returned as that dtype or up-cast to float32 (JAX's bfloat16 output).
+    """
+
+    def __init__(self, declared, how):
+        self.dtypes, self.how, self.name = (declared,), how, f"{declared}-{how}"
+
+    def _values(self, compute):
+        if self.how == "float64":
+            return compute()
+        if self.how.startswith("float32"):
+            with _in_float32():
+                y = compute()
+            assert y.dtype == np.float32, y.dtype  # the patched reference did compute in float32
+            return y.astype(np.float64) if self.how == "float32-as-float64" else y
+        y = _rounded(compute(), self.dtypes[0])
+        return y.astype(np.float32) if self.how == "rounded-as-float32" else y
+
+    def forward(self, data, dtype):
+        return self._values(lambda: dcf.ReferenceAdapter.forward(self, data, dtype))
+
+    def decode(self, data, dtype):
+        return self._values(lambda: dcf.ReferenceAdapter.decode(self, data, dtype))
+
+
+_PRECISIONS = [
+    ("bfloat16", "float64", False),
+    ("float16", "float64", False),
+    ("float32", "float64", False),
+    ("float32", "float32", True),
+    ("float32", "float32-as-float64", True),
+    ("bfloat16", "rounded", True),
+    ("bfloat16", "rounded-as-float32", True),
+    ("float16", "rounded", True),
+]
+
+
+@pytest.mark.parametrize(
+    "declared, how, passes",
+    _PRECISIONS,
+    ids=[f"declares-{d}-returns-{h}-{'passes' if ok else 'fails'}" for d, h, ok in _PRECISIONS],
+)
+def test_outputs_must_be_of_the_declared_precision(declared, how, passes):
+    # A port that declared float32 or bfloat16 and computed in float64 passed every check (its
+    # values are closer to the reference than the 16-bit tolerance asks), and its report said
+    # it conforms in that dtype.
+    cases = [dcf.catalogue(["heads-tied-self"])[0], dcf.catalogue(["heads-tied-all-masked-row"])[0]]
+    report = dcf.run_conformance(
+        _Precision(declared, how), cases=cases, errors=False, decoding=dcf.DECODE_CATALOGUE[:1]
+    )
+    assert [r.check for r in report.results] == ["output", "output", "decode"]
+    if passes:
+        assert report.passed, report.summary()
+        return
+    assert all(r.status == "fail" for r in report.results), report.summary()
+    for r in report.results:
+        what = "forward" if r.check == "output" else "decode"
+        assert r.detail.startswith(f"{what} returned float64 values not representable in {declared} ("), r.detail
+        assert r.detail.endswith(f"): the port does not compute in {declared}"), r.detail
+        assert r.ratio <= 1  # the values are within the tolerance: only the precision check fails them
+    # The example element is one the adapter returned, and is not a value of the declared dtype.
+    first = report.results[0].detail
+    index = tuple(int(i) for i in first.split("element [", 1)[1].split("]", 1)[0].split(", "))
+    value = float(first.split("] = ", 1)[1].split(")", 1)[0])
+    expected = dcf.materialise(cases[0]).expected
+    assert value == expected[index] and float(_rounded(value, declared)) != value
+
+
+def test_an_output_narrower_than_the_declared_dtype_fails():
+    [result] = dcf.check_case(_Precision("float64", "float32"), TINY, "float64", gradients=False)
+    assert result.status == "fail", result
+    assert result.detail.startswith("forward returned a float32 array, narrower than float64"), result
+
+
+class _Float64Gradients(_FiniteDifferenceGradients):
+    """Outputs rounded to the declared dtype, gradients computed and returned in float64."""
+
+    dtypes = ("bfloat16", "float32")
+
+    def gradients(self, data, dtype):
+        return self._float64_gradients(data)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_gradients_must_be_of_the_declared_precision(dtype):
+    output, grads = dcf.check_case(_Float64Gradients(), TINY, dtype)
+    assert output.status == "pass", output
+    assert grads.status == "fail" and grads.ratio <= 1, grads
+    assert grads.detail.startswith(f"gradients['query'] returned float64 values not representable in {dtype} ("), grads
+    n = len(dcf.gradient_targets(dcf.materialise(TINY)))
+    assert f"): the port does not compute in {dtype} ({n - 1} more gradients likewise); worst: " in grads.detail, grads
+    honest = dcf.check_case(_FiniteDifferenceGradients(), TINY, dtype)
+    assert [r.status for r in honest] == ["pass", "pass"], honest
+
+
+def test_bfloat16_representability_without_ml_dtypes_agrees_with_it():
+    """The runner's fallback (the low 16 bits of the float32 pattern are 0) and ml_dtypes' round trip
+    agree on which values are bfloat16 values: powers of two, subnormals, float32s, float64s."""
+    import ml_dtypes
+
+    from damcha_conformance import _runner
+
+    rng = np.random.default_rng(0)
+    values = np.concatenate(
+        [
+            rng.normal(size=200),  # float64: almost never bfloat16
+            rng.normal(size=200).astype(np.float32),  # float32: rarely
+            rng.normal(size=200).astype(ml_dtypes.bfloat16),  # bfloat16 values: always
+            2.0 ** np.arange(-140, 128),  # powers of two; bfloat16's smallest subnormal is 2**-133
+            [0.0, -0.0, 1 + 2.0**-7, 1 + 2.0**-8, 3 * 2.0**-133, 3.4e38],
+        ]
+    ).astype(np.float64)
+    with_ml = _runner._round_trip(values, "bfloat16") == values
+    with mock.patch.dict(sys.modules, {"ml_dtypes": None}):  # import ml_dtypes raises ImportError
+        without = _runner._round_trip(values, "bfloat16") == values
+    np.testing.assert_array_equal(with_ml, without)
+    assert not with_ml[:200].any() and with_ml[200:400].sum() < 10 and with_ml[400:600].all()
+    powers = with_ml[600:868]
+    assert not powers[:7].any() and powers[7:].all()  # 2**-140 .. 2**-134 are below bfloat16's range
+    np.testing.assert_array_equal(with_ml[868:], [True, True, True, False, True, False])
 
 
 # ---------------------------------------------------------------- what an adapter is given
