@@ -323,7 +323,9 @@ def stdlib_corpus(max_bytes: int = 1_000_000, val_fraction: float = 0.1, test_fr
     The files are the top-level modules of ``sysconfig.get_paths()["stdlib"]``
     in sorted order, read as bytes until ``max_bytes``. The text is cut in
     order: train, then ``val_fraction`` validation, then ``test_fraction``
-    test (empty by default), so the three are different files' text. The
+    test (empty by default), at byte offsets: the three are different files'
+    text except the one file straddling each cut (a few KB of shared style,
+    no shared window). The
     SHA-256 and Python version are recorded because another Python version
     ships different sources.
     """
