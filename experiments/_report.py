@@ -20,6 +20,7 @@ from damcha_core import DamchaValueError
 from damcha_core import _cliutil as cu
 
 from . import _analysis as an
+from ._jsonfile import JsonFileError, NotAJsonObject, read_json_object
 from ._tasks import RESULTS_FORMAT
 
 # Small figures at low dpi: the PNGs are committed to the repository.
@@ -33,35 +34,6 @@ def _pyplot():
     import matplotlib.pyplot as plt
 
     return plt
-
-
-class NotAJsonObject(DamchaValueError):
-    """``read_json_object``: the file is valid JSON, but not an object (a file of another kind)."""
-
-
-def read_json_object(path: Path) -> dict[str, Any] | None:
-    """The JSON object in ``path``, or None if there is no such file; ``DamchaValueError`` naming the
-    file and what is wrong when it cannot be read, is not valid JSON (say, cut off mid-write) or holds
-    another JSON value.
-
-    One policy for every results, cost and run file the experiments read: a damaged file is named,
-    never taken for an absent one (it was silently replaced, or its task silently left out).
-    """
-    path = Path(path)
-    if not path.exists():
-        return None
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise DamchaValueError(f"{path} cannot be read ({type(exc).__name__}: {exc})") from None
-    try:
-        obj = json.loads(text)
-    except ValueError as exc:
-        what = "empty" if not text.strip() else "not valid JSON"
-        raise DamchaValueError(f"{path} is {what} ({exc}; cut off mid-write?)") from None
-    if not isinstance(obj, dict):
-        raise NotAJsonObject(f"{path} holds a JSON {type(obj).__name__}, expected a JSON object")
-    return obj
 
 
 def results_file_names() -> set[str]:
@@ -497,9 +469,9 @@ def changed_environments(
     for path in sorted((folder / "runs").glob("**/result.json")):
         try:
             run = read_json_object(path)
-        except DamchaValueError as exc:
+        except JsonFileError as exc:
             if damaged is not None:
-                damaged.append((str(path), str(exc).replace(f"{path} ", "", 1)))
+                damaged.append((str(path), exc.reason))
             continue
         if run is None:  # removed since the glob listed it
             continue
@@ -538,7 +510,7 @@ def load_folder(
     for path in sorted(folder.glob("*.json")):
         try:
             obj = read_json_object(path)
-        except DamchaValueError as exc:
+        except JsonFileError as exc:
             if path.name in ours:
                 raise DamchaValueError(
                     f"{exc}: the report would lack it; restore it, or rerun the command that writes it "
@@ -546,7 +518,7 @@ def load_folder(
                 ) from None
             # Valid JSON of another kind (notes) is ignored; a damaged file is named.
             if skipped is not None and not isinstance(exc, NotAJsonObject):
-                skipped.append((path, str(exc).replace(f"{path} ", "", 1)))
+                skipped.append((path, exc.reason))
             continue
         if not isinstance(obj, dict) or obj.get("format") != RESULTS_FORMAT:
             if path.name in ours:

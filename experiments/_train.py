@@ -34,6 +34,7 @@ from damcha_core import DamchaValueError
 from damcha_core import _cliutil as cu
 
 from ._analysis import environment_change
+from ._jsonfile import JsonFileError, UnreadableJsonFile, read_json_object
 from ._models import (
     DigitsViT,
     TinyTransformer,
@@ -127,23 +128,21 @@ RESULT_FIELDS = (
 def _read_result(path: Path, identity: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
     """A finished run's result at ``path`` (which exists) and None, or None and why it is damaged.
 
-    A file cut off mid-write (a machine that died, an interrupted copy) or lacking a field is
-    damaged: it can be recreated, so the caller treats the run as unfinished rather than exit or
-    read a result with missing fields. A readable result of another identity raises
-    ``RunSettingsMismatch``, and so does a file the system cannot read (permissions, I/O error).
+    A file cut off mid-write (a machine that died, an interrupted copy), of bytes that are not
+    UTF-8, holding another JSON value or lacking a field is damaged: it can be recreated, so the
+    caller treats the run as unfinished rather than exit or read a result with missing fields. A
+    readable result of another identity raises ``RunSettingsMismatch``, and so does a file the
+    system cannot read (permissions, I/O error). The parsing is ``read_json_object``'s, the one of
+    every results file; only this policy differs (a damaged results file ends the command).
     """
     try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise RunSettingsMismatch(
-            f"cannot read {path} ({type(exc).__name__}: {exc}); delete that folder to restart the run", path, []
-        ) from None
-    try:
-        done = json.loads(text)
-    except ValueError as exc:
-        return None, f"is not valid JSON ({type(exc).__name__}: {exc}; cut off mid-write?)"
-    if not isinstance(done, dict):
-        return None, f"holds a JSON {type(done).__name__}, not a run's result"
+        done = read_json_object(path)
+    except UnreadableJsonFile as exc:
+        raise RunSettingsMismatch(f"{exc}; delete that folder to restart the run", path, []) from None
+    except JsonFileError as exc:  # InvalidJsonFile, NotAJsonObject: damaged content
+        return None, exc.reason
+    if done is None:  # removed since the caller saw it
+        return None, "was removed while it was read"
     if done.get("identity") != _json_roundtrip(identity):
         raise _mismatch(path, done.get("identity"), identity)
     missing = [k for k in RESULT_FIELDS if k not in done]

@@ -539,6 +539,50 @@ def test_a_damaged_result_json_is_an_unfinished_run(tmp_path, monkeypatch):
     assert _strip_timing(train_run(data, v, 1e-3, 0, width, run_dir=tmp_path / "died")) == _strip_timing(whole)
 
 
+def test_one_json_reader_tells_a_damaged_run_result_from_an_unreadable_one(tmp_path):
+    """The run's result.json and the results/cost files share one parser (``read_json_object``)
+    whose outcomes differ by class, so each caller keeps its policy. A result.json of bytes that
+    are not UTF-8 raised a bare UnicodeDecodeError out of check_run_dir and train_run (the run's
+    own reader caught only OSError and JSON errors); it is damaged content like a cut-off file,
+    so the run counts as unfinished. A file the system cannot read still ends the command."""
+    from damcha_experiments._jsonfile import (
+        InvalidJsonFile,
+        JsonFileError,
+        NotAJsonObject,
+        UnreadableJsonFile,
+        read_json_object,
+    )
+    from damcha_experiments._train import RunSettingsMismatch
+
+    data = TaskData(task_config("listops", "smoke"))
+    v = VARIANTS["mha"]
+    identity = run_identity(data.cfg, v, 1e-3, 0, model_width(data, v)[0], torch.device("cpu"))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    result = run_dir / "result.json"
+    assert read_json_object(result) is None  # missing: no error
+    cases = [
+        (b"\xff\xfe", InvalidJsonFile, "cannot be read (UnicodeDecodeError"),
+        (b"", InvalidJsonFile, "is empty"),
+        (b'{"identity": {', InvalidJsonFile, "is not valid JSON"),
+        (b"[1]", NotAJsonObject, "holds a JSON list"),
+    ]
+    for content, kind, why in cases:
+        result.write_bytes(content)
+        with pytest.raises(kind) as info:
+            read_json_object(result)
+        assert str(info.value) == f"{result} {info.value.reason}" and info.value.reason.startswith(why)
+        assert not isinstance(info.value, UnreadableJsonFile)
+        assert check_run_dir(run_dir, identity) is False, content  # damaged: unfinished, no exit
+    result.unlink()
+    result.mkdir()  # the system cannot read it (IsADirectoryError): named, not taken for damage
+    with pytest.raises(UnreadableJsonFile, match="cannot be read \\(IsADirectoryError") as info:
+        read_json_object(result)
+    assert isinstance(info.value, JsonFileError) and isinstance(info.value, DamchaValueError)
+    with pytest.raises(RunSettingsMismatch, match="IsADirectoryError.*delete that folder"):
+        check_run_dir(run_dir, identity)
+
+
 def test_suite_resumes_where_it_stopped(smoke_data, tmp_path):
     cfg = smoke_data["crosshead"].cfg
     names = ["mha", "damcha-heads-query"]
