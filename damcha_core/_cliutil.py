@@ -15,7 +15,8 @@ Exit statuses: 0 ok, 1 a check failed (a mismatch), 2 bad arguments.
 - ``require(module, extra, flag, prog=...)``: an optional import, with the
   smallest extra that installs it.
 - ``atomic_write``/``atomic_dir``: write a file, or a folder of files, so
-  that the target changes only once everything was written.
+  that the target changes only once everything was written (synced to disk
+  before the renames, their folders after: ``fsync_file``/``fsync_dir``).
 - ``Progress``: a progress bar on a terminal (tqdm, from the ``reports``
   extra), plain lines otherwise.
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import importlib.util
 import os
 import shutil
@@ -301,21 +303,51 @@ def _file_mode(target: Path) -> int:
         return 0o666 & ~umask
 
 
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """Flush the folder ``path`` to disk, so that the names just created or renamed in it survive
+    a power loss (a file's own fsync does not cover its name). Skipped silently where a folder
+    cannot be opened (Windows) or the file system does not sync folders (EINVAL, ENOTSUP)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: str | os.PathLike[str]) -> None:
+    """Flush the data of the file ``path`` to disk (before it is renamed into place)."""
+    try:
+        fd = os.open(path, os.O_RDWR)  # Windows flushes only a handle open for writing
+    except PermissionError:  # a file its writer made read-only: POSIX syncs it read-only too
+        fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 @contextlib.contextmanager
 def atomic_write(path: str | os.PathLike[str], mode: str = "w", encoding: str | None = "utf-8") -> Iterator[IO[Any]]:
     """Open a temporary file next to ``path`` for writing; on a clean exit it
     replaces ``path`` in one rename (with the old file's permissions, or the
     umask's for a new file). On an exception the temporary file is removed
     and ``path`` is untouched. A read-only ``path`` is refused
-    (``PermissionError``), never silently replaced.
+    (``PermissionError``), never silently replaced. The file is synced to disk
+    before the rename and its folder after it (``fsync_dir``), so a power loss
+    leaves the old file or the whole new one under ``path``.
     """
     target = Path(path)
     if target.exists() and read_only(target):
         raise PermissionError(f"{str(target)!r} is read-only; not replacing it")
     binary = "b" in mode
-    fd, tmp = tempfile.mkstemp(
-        prefix=f".{target.name}.", suffix=".tmp", dir=target.parent if str(target.parent) else "."
-    )
+    folder = target.parent if str(target.parent) else Path(".")
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=folder)
     try:
         with os.fdopen(fd, mode, encoding=None if binary else encoding) as f:
             yield f
@@ -323,6 +355,7 @@ def atomic_write(path: str | os.PathLike[str], mode: str = "w", encoding: str | 
             os.fsync(f.fileno())
         os.chmod(tmp, _file_mode(target))
         os.replace(tmp, target)
+        fsync_dir(folder)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
@@ -342,22 +375,39 @@ def atomic_dir(path: str | os.PathLike[str]) -> Iterator[Path]:
     missing) with one rename per file, so files of ``path`` that were not
     rewritten stay, and none is ever half-written. On an exception the
     temporary folder is removed and ``path`` is untouched.
+
+    Durability (a power loss): every file is synced to disk before the first
+    rename, and after the last one every folder that received a name (``path``,
+    its subfolders, and ``path``'s parent when ``path`` was created), so no name
+    survives pointing at data that did not. The temporary folder itself needs no
+    sync: it is removed, and nothing is read from it after a crash.
     """
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
     try:
         yield tmp
+        entries = sorted(tmp.rglob("*"))
+        for src in entries:
+            if not src.is_dir():
+                fsync_file(src)
+        created = not target.exists()
         target.mkdir(exist_ok=True)
-        for src in sorted(tmp.rglob("*")):
+        synced = [target]  # the folders that receive names, synced after the renames
+        for src in entries:
             dest = target / src.relative_to(tmp)
             if src.is_dir():
                 dest.mkdir(exist_ok=True)
+                synced.append(dest)
                 continue
             if dest.exists() and read_only(dest):
                 raise PermissionError(f"{str(dest)!r} is read-only; not replacing it")
             os.chmod(src, _file_mode(dest))
             os.replace(src, dest)
+        for folder in synced:
+            fsync_dir(folder)
+        if created:
+            fsync_dir(target.parent)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

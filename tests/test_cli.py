@@ -236,6 +236,65 @@ def test_atomic_dir_moves_files_in_only_when_everything_was_written(tmp_path):
     assert (fresh / "x").read_text() == "x"
 
 
+def test_atomic_outputs_are_fsynced_before_and_after_their_renames(tmp_path, monkeypatch):
+    """A rename is durable only when the renamed file's data is on disk first and the folder that
+    holds the new name is synced after it: otherwise a power loss after the rename can leave an
+    empty or partial file under the final name, or lose the name. atomic_dir synced nothing and
+    atomic_write not its folder. Recorded through os.fsync/os.replace, keyed by inode (a file
+    keeps it through the rename)."""
+    events: list[tuple[str, object]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        st = os.fstat(fd)
+        events.append(("fsync", (st.st_dev, st.st_ino)))
+        real_fsync(fd)
+
+    def replace(src, dst) -> None:
+        events.append(("replace", Path(dst).name))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+
+    def log(names: dict[Path, str]) -> list[tuple[str, object]]:
+        keys = {(p.stat().st_dev, p.stat().st_ino): name for p, name in names.items()}
+        return [(what, keys.get(k, "other") if what == "fsync" else k) for what, k in events]
+
+    out = tmp_path / "out"  # a new folder: its name in tmp_path must be synced too
+    with cu.atomic_dir(out) as tmp:
+        (tmp / "a.json").write_text("a")
+        (tmp / "sub").mkdir()
+        (tmp / "sub" / "b.json").write_text("b")
+    names = {out / "a.json": "a.json", out / "sub" / "b.json": "b.json", out: "out", out / "sub": "sub"}
+    got = log({**names, tmp_path: "parent"})
+    renames = [i for i, (what, _) in enumerate(got) if what == "replace"]
+    assert sorted(name for what, name in got if what == "replace") == ["a.json", "b.json"], got
+    for name in ("a.json", "b.json"):  # each file's data is on disk before any rename
+        assert got.index(("fsync", name)) < min(renames), got
+    for name in ("out", "sub", "parent"):  # each folder that got new names (parent: out's), after the renames
+        assert ("fsync", name) in got[max(renames) :], got
+
+    events.clear()  # a single file: its data, the rename, then its folder
+    cu.atomic_write_text(out / "c.json", "c")
+    got = log({out / "c.json": "c.json", out: "out"})
+    assert [e for e in got if e != ("fsync", "other")] == [("fsync", "c.json"), ("replace", "c.json"), ("fsync", "out")]
+
+    # Where a folder cannot be opened (Windows), its fsync is skipped silently.
+    real_open = os.open
+
+    def no_folders(path, flags, *args, **kw):
+        if os.path.isdir(path):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, flags, *args, **kw)
+
+    monkeypatch.setattr(os, "open", no_folders)
+    with cu.atomic_dir(tmp_path / "win") as tmp:
+        (tmp / "d.json").write_text("d")
+    cu.atomic_write_text(tmp_path / "win" / "e.json", "e")
+    assert sorted(p.name for p in (tmp_path / "win").iterdir()) == ["d.json", "e.json"]
+
+
 def test_progress_prints_plain_lines_when_not_a_terminal(capsys):
     with cu.Progress(2, "torch") as bar:
         bar.step("case-a")
