@@ -261,8 +261,10 @@ def _merge_subset(path: Path, results: dict[str, Any], suite: str) -> dict[str, 
     ``--variants`` subset, against one ``--out``: writing each subset's results alone left the file
     with the subset that finished last, and the report silently dropped the others. Only plain
     variant entries are merged: the paired comparisons, Holm corrections and tables are computed
-    from the variants when a report or table is drawn, so they cover the merged set. A file of
-    another config is replaced as before; one that cannot be read exits 2 (``_read_json_dict``; it
+    from the variants when a report or table is drawn, so they cover the merged set; ``commands``
+    lists the commands whose variants the file holds and ``wall_s``/``cpu_s`` are their sums
+    (``_merged_commands``), not the last command's time alone. A file of another config is
+    replaced as before; one that cannot be read exits 2 (``_read_json_dict``; it
     was checked before the training, so only a file damaged since gets here).
     """
     from ._tasks import RESULTS_FORMAT
@@ -286,7 +288,39 @@ def _merge_subset(path: Path, results: dict[str, Any], suite: str) -> dict[str, 
         "kept beside this command's variants",
         file=sys.stderr,
     )
-    return results | {"variants": {n: merged[n] for n in order}}
+    commands = _merged_commands(old, kept, results)
+    return results | {"variants": {n: merged[n] for n in order}, "commands": commands} | _summed_times(commands)
+
+
+_TIMES = ("wall_s", "cpu_s")
+
+
+def _merged_commands(old: dict[str, Any], kept: dict[str, Any], results: dict[str, Any]) -> list[dict[str, Any]]:
+    """The commands whose variants a merged results file holds, oldest first: ``{"variants": [...],
+    "wall_s": s, "cpu_s": s}`` each. The old file's own list, or (a file of one command) one entry
+    made of its variants and times; an old command keeps its entry, with the variants it still
+    provides, while any of them is kept, and ``results``' command comes last. A command whose
+    variants were partly retrained keeps its whole time (it was not timed per variant)."""
+    listed = old.get("commands")
+    if not (isinstance(listed, list) and all(isinstance(c, dict) and "variants" in c for c in listed)):
+        listed = [{"variants": list(old["variants"])} | {k: old.get(k) for k in _TIMES}]
+    commands = []
+    for command in listed:
+        still = [n for n in command["variants"] if n in kept]
+        if still:
+            commands.append(command | {"variants": still})
+    return [*commands, {"variants": list(results["variants"])} | {k: results[k] for k in _TIMES}]
+
+
+def _summed_times(commands: list[dict[str, Any]]) -> dict[str, float | None]:
+    """``wall_s``/``cpu_s`` of a merged file: the sums over its commands (None if one was not timed,
+    say a hand-edited file: a partial sum would read as the whole)."""
+    sums: dict[str, float | None] = {}
+    for key in _TIMES:
+        values = [c.get(key) for c in commands]
+        numbers = [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        sums[key] = math.fsum(numbers) if len(numbers) == len(values) else None
+    return sums
 
 
 # What two cost measurements must share for their entries to stand in one TASK_cost.json: the same
@@ -642,6 +676,7 @@ def _train(args, cfg, variants, out, device, should_stop) -> int:
         _fail("--out", f"{exc} (every run folder this command could resume is checked before any training)")
     finally:
         bar.close()
+    own_time = {k: results[k] for k in _TIMES}  # the line printed below is this command's, not the file's
     results = _merge_subset(out / f"{name}.json", results, args.suite)
     run_cost: dict[str, Any] | None = None
     if not args.no_cost:
@@ -664,7 +699,7 @@ def _train(args, cfg, variants, out, device, should_stop) -> int:
         print()
         print(cost_table(run_cost))
     print(
-        f"\nwall time {results['wall_s']:.0f} s (CPU {results['cpu_s']:.0f} s); wrote "
+        f"\nwall time {own_time['wall_s']:.0f} s (CPU {own_time['cpu_s']:.0f} s); wrote "
         + ", ".join(str(p) for p in paths.values())
     )
     return 0

@@ -399,6 +399,47 @@ def test_subsets_in_sequence_merge_into_the_all_variant_results(tmp_path, capsys
     assert list(json.loads((split / "digits.json").read_text())["variants"]) == ["mha"]
 
 
+def test_a_merged_results_file_times_every_command_it_holds(tmp_path, monkeypatch, capsys):
+    """A TASK.json merged from --variants subsets gave as its wall_s/cpu_s the last command's time
+    alone, though they read as the file's. Now the file lists each command whose variants it holds
+    (``commands``: its variants, wall_s, cpu_s) and wall_s/cpu_s are their sums; a command that
+    retrains a subset replaces that subset's entry (no double count). The times are compared with
+    run_suite's own, recorded around the real function."""
+    from damcha_experiments import _suite
+
+    real, timed = _suite.run_suite, []
+
+    def recorded(*args, **kw):
+        res = real(*args, **kw)
+        timed.append({"variants": list(res["variants"]), "wall_s": res["wall_s"], "cpu_s": res["cpu_s"]})
+        return res
+
+    monkeypatch.setattr(_suite, "run_suite", recorded)
+    out = tmp_path / "out"
+
+    def command(variants: str) -> dict:
+        code, err = _main(["digits", *SMOKE, "--variants", variants, "--no-cost", "--out", str(out)], capsys)
+        assert code == 0, err
+        return json.loads((out / "digits.json").read_text())
+
+    first = command("talking-heads")
+    assert "commands" not in first and (first["wall_s"], first["cpu_s"]) == (timed[0]["wall_s"], timed[0]["cpu_s"])
+    merged = command("mha")
+    assert merged["commands"] == timed[:2]
+    for key in ("wall_s", "cpu_s"):
+        assert merged[key] == pytest.approx(timed[0][key] + timed[1][key], rel=1e-12), key
+    again = command("mha")  # mha's runs read back: its entry is replaced, not added
+    assert again["commands"] == [timed[0], timed[2]]
+    assert again["wall_s"] == pytest.approx(timed[0]["wall_s"] + timed[2]["wall_s"], rel=1e-12)
+    whole = command("mha,talking-heads")  # one command holds every variant: its own time, as before
+    assert "commands" not in whole and whole["wall_s"] == timed[3]["wall_s"]
+    # A file without a time (hand-edited): its sum is null, not a partial sum read as the whole.
+    (out / "digits.json").write_text(json.dumps({k: v for k, v in first.items() if k != "cpu_s"}))
+    edited = command("mha")
+    assert edited["cpu_s"] is None and edited["commands"][0]["cpu_s"] is None
+    assert edited["wall_s"] == pytest.approx(timed[0]["wall_s"] + timed[4]["wall_s"], rel=1e-12)
+
+
 def test_a_rerun_on_another_device_type_says_it_starts_over(tmp_path, capsys):
     """Runs of another device type are never resumed (other numbers): a CPU rerun of a command whose
     runs are all in runs/digits-smoke-cuda trains afresh, as before, but now says so in one line."""
