@@ -46,7 +46,7 @@ def read_json_object(path: str | Path) -> dict[str, Any] | None:
     path = Path(path)
     try:
         data = path.read_bytes()
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # no such file (NotADirectory: a parent is a file)
         return None
     except OSError as exc:
         raise UnreadableJsonFile(path, f"cannot be read ({type(exc).__name__}: {exc})") from None
