@@ -230,6 +230,22 @@ def _build_catalogue() -> tuple[Case, ...]:
             7,
             mask="padding",
         ),
+        # Empty shapes, as the frameworks' MHA take them (a dynamic batch with no item, no
+        # query): the empty output, and gradients that are empty for the inputs and 0 for
+        # every parameter. (Queries over no key, M = 0 with N >= 1, are the bad input
+        # "context-empty".)
+        Case("heads-tied-self-empty-batch", "shapes", _cfg(), 0, 6),
+        Case(
+            "heads-separate-cross-empty-batch",
+            "shapes",
+            _cfg(coupling="separate", context_dim=12),
+            0,
+            5,
+            7,
+            mask="padding",
+        ),
+        Case("heads-separate-cross-empty-query", "shapes", _cfg(coupling="separate", context_dim=12), 2, 0, 7),
+        Case("heads-tied-self-empty-query", "shapes", _cfg(), 2, 0),
     ]
     cases = [dataclasses.replace(c, seed=1000 + i) for i, c in enumerate(cases)]
     names = [c.name for c in cases]
@@ -413,7 +429,7 @@ _NAMES = {
 }
 CORRUPTIONS: dict[str, str] = {
     "query-features": "query",  # one feature too many: never silently sliced
-    "query-empty": "query",  # N = 0: nothing to attend from
+    "context-empty": "context",  # M = 0 keys for N >= 1 queries: no row has an output (N = 0 is a valid case)
     "query-rank": "query",  # (1, B, N, E): an extra leading axis, never silently squeezed
     "context-features": "context",
     "context-batch": "context",  # B + 1 context rows: never broadcast against B queries
@@ -468,7 +484,7 @@ def _build_error_catalogue() -> tuple[ErrorCase, ...]:
     by_name = {c.name: c for c in CATALOGUE}
     plan = [
         ("query-features", "heads-tied-self"),
-        ("query-empty", "heads-tied-self"),
+        ("context-empty", "heads-separate-cross"),
         ("query-rank", "heads-tied-self"),
         ("context-features", "heads-separate-cross"),
         ("context-batch", "heads-separate-cross"),
@@ -493,8 +509,8 @@ def materialise_error(case: ErrorCase) -> ReferenceData:
     kind = case.corruption
     if kind == "query-features":
         query = np.concatenate([query, query[..., :1]], axis=-1)
-    elif kind == "query-empty":
-        query = query[:, :0]
+    elif kind == "context-empty":
+        context = context[:, :0]  # type: ignore[index]
     elif kind == "query-rank":
         # Not (N, E): PyTorch's MHA convention reads a 2-D query as one unbatched sequence.
         query = query[None]

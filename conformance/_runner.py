@@ -250,7 +250,8 @@ def check_gradients(adapter: BackendAdapter, case: Case, dtype: str) -> Result:
             if g.shape != direction.shape:
                 raise ValueError(f"gradient of {target} has shape {g.shape}, expected {direction.shape}")
             dd = float(np.sum(g * direction))
-            err, ratio = tol.grad_ratio(dd, dd_ref, float(np.linalg.norm(g) / np.sqrt(g.size)))
+            # max(size, 1): an empty input's gradient is empty (rms 0, not 0/0 = NaN).
+            err, ratio = tol.grad_ratio(dd, dd_ref, float(np.linalg.norm(g) / np.sqrt(max(g.size, 1))))
             seen[target] = (dd, dd_ref, not g.any())
             failed += ratio > 1
             if ratio > worst[1]:  # grad_ratio never returns NaN: a NaN gradient is inf
@@ -511,7 +512,7 @@ CHECKS = ("forward", "gradients", "decode", "errors")
 class Check:
     """One check of a conformance run: a kind (one of ``CHECKS``), a case and a
     dtype. ``id`` is the readable, stable test id (``forward-float32-heads-tied-self``;
-    ``errors-query-empty:heads-tied-self`` for the bad-input checks, which run once)."""
+    ``errors-context-empty:heads-separate-cross`` for the bad-input checks, which run once)."""
 
     kind: str
     case: Any

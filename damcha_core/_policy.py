@@ -47,6 +47,7 @@ __all__ = [
     "check_finite_nonneg",
     "check_generator_arg",
     "check_int",
+    "check_keys",
     "check_layer_args",
     "check_offset",
     "check_rate",
@@ -375,8 +376,11 @@ def _feature_arg(names: Mapping[str, str], canonical: str) -> str:
 
 
 def check_token_shape(name: str, shape: tuple[int, ...], features: int, feature_arg: str) -> None:
-    """Rank-3 (batch, length, features) with the configured feature size, non-empty.
+    """Rank-3 (batch, length, features) with the configured feature size.
 
+    The batch and the length may be 0 (an empty batch, an empty sequence), as
+    in the frameworks' own attention layers; whether a length of 0 has an
+    output is ``check_shapes``'s rule (keys, see ``check_keys``).
     ``feature_arg`` is how the message names the configured size (e.g.
     ``"config.query_dim"`` or a port's ``"embed_dim"``).
     """
@@ -386,8 +390,27 @@ def check_token_shape(name: str, shape: tuple[int, ...], features: int, feature_
         raise DamchaValueError(invalid_argument(name, "rank 3, (batch, length, features)", received))
     if shape[-1] != features:
         raise DamchaValueError(invalid_argument(name, f"{features} features ({feature_arg})", received))
-    if 0 in shape:
-        raise DamchaValueError(invalid_argument(name, "a non-empty shape (no size-0 dim)", received))
+
+
+# Where a port words the rule itself (a cache's length, Keras's attention axes),
+# it reuses this text, so the refusal reads the same in every port.
+NO_KEYS_RULE = "at least one key (M >= 1) when there are queries: a query row with no key has no defined output"
+
+
+def check_keys(name: str, shape: tuple[int, ...], queries: Any, keys: Any) -> None:
+    """Refuse M = 0 keys for N >= 1 queries (whatever the batch size).
+
+    Every other empty shape has an output, the empty one: a batch of 0, or
+    no queries (N = 0, also self-attention's N = M = 0). N queries over no
+    key would each attend to nothing; v1 gives a row with no *visible* key
+    the output 0, but a row with no key at all is refused rather than given
+    a meaning (the frameworks' MHA return their output bias there).
+    ``name``/``shape``: the argument that holds the keys, as passed.
+    """
+    # "!= 0"/"== 0", never "0 in": a symbolic size (torch.export's SymInt,
+    # assumed >= 2) then answers without pinning the dim to its example.
+    if keys == 0 and queries != 0:
+        raise DamchaValueError(invalid_argument(name, NO_KEYS_RULE, f"{name}.shape={tuple(shape)}"))
 
 
 def check_shapes(
@@ -471,6 +494,7 @@ def check_shapes(
     # Returned as given, not int(): a port tracing symbolic sizes (torch.export's
     # SymInts) would otherwise pin a dynamic batch or length to its example value.
     B, N, M = query_shape[0], query_shape[1], context_shape[1]
+    check_keys(context, context_shape, N, M)
     if mask_shape is not None:
         mask_shape = tuple(mask_shape)
         target = (B, config.num_heads, N, M)

@@ -165,7 +165,7 @@ def softmax_attend(logits: np.ndarray, visible: np.ndarray) -> np.ndarray:
     probabilities as 0 instead, so that query's attention output is 0.
     """
     logits = np.where(visible, logits, -np.inf)
-    row_max = np.max(logits, axis=-1, keepdims=True)
+    row_max = np.max(logits, axis=-1, keepdims=True, initial=-np.inf)  # initial: M = 0 (with N = 0) has no key
     row_max = np.where(np.isfinite(row_max), row_max, 0.0)
     e = np.exp(logits - row_max)  # exp(-inf) = 0 at hidden keys
     total = np.sum(e, axis=-1, keepdims=True)
@@ -325,7 +325,7 @@ def damcha_attention(
 def metric_penalty(
     params: Mapping[str, Any], config: DamchaConfig, query: Any, context: Any = None, *, value: Any = None
 ) -> float:
-    """Mean over adapted roles of mean_t ||L(t) - I||_F^2 / (S*d).
+    """Mean over adapted roles of mean_t ||L(t) - I||_F^2 / (S*d) (0 over no token).
 
     Roles are the queries (tokens of ``query``) and, unless coupling is
     "query", the keys (tokens of ``context``); tied coupling adapts both with
@@ -365,4 +365,8 @@ def role_penalty(xp: Any, params: Mapping[str, Any], config: DamchaConfig, side:
         if f"metric.{side}.{leaf}" in params
     }
     S = leaves["gate"].shape[0]
-    return xp.mean(structure(config.metric).penalty_sq(xp, coeff, leaves, d)) / (S * d)
+    sq = structure(config.metric).penalty_sq(xp, coeff, leaves, d)
+    # The mean over the tokens, and 0 over none (an empty batch or sequence), not
+    # 0/0 = NaN: an empty batch adds nothing to a loss. The count is summed rather
+    # than read from the shape, which a traced Keras tensor may leave unknown.
+    return xp.sum(sq) / xp.maximum(xp.sum(xp.ones_like(sq)), 1.0) / (S * d)

@@ -21,6 +21,7 @@ from damcha_core import (
     invalid_argument,
     mask_dtype_error,
 )
+from damcha_core._policy import NO_KEYS_RULE
 
 from ._io import is_large, write_staged
 
@@ -195,6 +196,10 @@ def feeds_for(model: onnx.ModelProto, inputs: Mapping[str, Any]) -> dict[str, np
 
 # A mask dim named mask_<x> broadcasts: it is 1 or the size of dim <x>.
 _MASK_DIMS = {"mask_batch": "batch", "mask_query": "query_len", "mask_heads": "heads"}
+# Dims a feed may give size 0: an empty cache (the first decode step), an empty batch
+# or no query (the empty output, see empty_outputs), and no key when there is no query
+# either (checked with the others: N >= 1 queries over no key are refused).
+_MAY_BE_EMPTY = ("past_len", "batch", "query_len", "context_len")
 
 
 def _model_facts(model: onnx.ModelProto) -> dict[str, int]:
@@ -221,8 +226,8 @@ def check_feed_shapes(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -
 
     Raises:
         DamchaValueError: wrong rank, a fixed dim that differs, a symbolic dim
-            (batch, query_len, past_len, ...) that two inputs disagree on, an
-            empty sequence, a mask dim that is neither 1 nor its target, or
+            (batch, query_len, past_len, ...) that two inputs disagree on, keys
+            of length 0 for queries of length >= 1, a mask dim that is neither 1 nor its target, or
             token ids outside the vocabulary or past the position table.
     """
     declared = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
@@ -251,7 +256,7 @@ def check_feed_shapes(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -
                 )
             if not isinstance(dim, str) or dim in _MASK_DIMS:
                 continue
-            if size == 0 and dim != "past_len":  # an empty cache is the first decode step; nothing else may be empty
+            if size == 0 and dim not in _MAY_BE_EMPTY:
                 raise DamchaValueError(
                     invalid_argument(name, f"a non-empty axis {axis} ({dim} >= 1)", f"{name}.shape={array.shape}")
                 )
@@ -277,6 +282,9 @@ def check_feed_shapes(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -
                     f"{owner}.shape={feeds[owner].shape}",
                 )
             )
+    if sizes.get("context_len", (1, ""))[0] == 0 and sizes.get("query_len", (0, ""))[0] != 0:
+        owner = sizes["context_len"][1]
+        raise DamchaValueError(invalid_argument(owner, NO_KEYS_RULE, f"{owner}.shape={feeds[owner].shape}"))
     known = {dim: size for dim, (size, _) in sizes.items()}
     if "heads" in facts:
         known["heads"] = facts["heads"]
@@ -321,6 +329,54 @@ def check_feed_shapes(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -
             )
 
 
+def empty_outputs(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray] | None:
+    """The outputs of an empty batch or of no query; None when the batch and the
+    query length are both >= 1 (onnxruntime is then run).
+
+    onnxruntime cannot run them (its Attention kernel needs batch and query
+    length >= 1, the decomposed graph's Reshape cannot infer a dim of an empty
+    tensor), and their outputs hold no value to compute: each is the empty
+    array of its declared shape and dtype, as the framework ports return it,
+    except a decode step's ``present_*`` cache, which is its ``past_*`` input
+    when no token is appended (B >= 1, N = 0).
+
+    Raises:
+        DamchaValueError: an output whose size the feeds do not fix, naming
+            the input that is empty.
+    """
+    declared = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
+    sizes: dict[str, int] = {}
+    for name, dims in declared.items():
+        for dim, size in zip(dims, feeds[name].shape):
+            if isinstance(dim, str):
+                sizes.setdefault(dim, int(size))
+    empty = [dim for dim in ("batch", "query_len") if sizes.get(dim) == 0]
+    if not empty:
+        return None
+    if "past_len" in sizes and "query_len" in sizes:
+        sizes["total_len"] = sizes["past_len"] + sizes["query_len"]
+    owner = next(n for n, dims in declared.items() if empty[0] in dims)
+    outputs = []
+    for out in model.graph.output:
+        dims = [d.dim_param or d.dim_value for d in out.type.tensor_type.shape.dim]
+        past = out.name.replace("present_", "past_", 1)
+        if out.name.startswith("present_") and past in feeds and sizes.get("query_len") == 0:
+            outputs.append(np.array(feeds[past]))  # nothing appended: the cache as it was
+            continue
+        if not all(isinstance(d, int) and d > 0 or d in sizes for d in dims):
+            raise DamchaValueError(
+                invalid_argument(
+                    owner,
+                    f"a non-empty {' and '.join(empty)}: onnxruntime cannot run an empty one, and the size of "
+                    f"output `{out.name}` {tuple(dims)} is not fixed by the inputs",
+                    f"{owner}.shape={feeds[owner].shape}",
+                )
+            )
+        shape = tuple(d if isinstance(d, int) else sizes[d] for d in dims)
+        outputs.append(np.zeros(shape, onnx.helper.tensor_dtype_to_np_dtype(out.type.tensor_type.elem_type)))
+    return outputs
+
+
 def _first_or_all(model: onnx.ModelProto, outputs: list, all_outputs: bool) -> np.ndarray | dict[str, np.ndarray]:
     if not all_outputs:
         return outputs[0]
@@ -353,12 +409,18 @@ def run_ort(
     """First output of ``model`` (a ModelProto or an ``.onnx`` path) in onnxruntime's CPU provider.
 
     ``all_outputs=True`` returns every output by name instead (a decode step's
-    ``present_key``/``present_value`` next to ``output``).
+    ``present_key``/``present_value`` next to ``output``). An empty batch or no
+    query gives the empty outputs without running onnxruntime, which refuses
+    them (``empty_outputs``).
     """
     # A path is run from the file (external data stays on disk); its graph is read for the feed checks.
     proto = as_model(model, load_weights=False)
+    feeds = feeds_for(proto, inputs)
+    empty = empty_outputs(proto, feeds)
+    if empty is not None:
+        return _first_or_all(proto, empty, all_outputs)
     session = session or ort_session(model if not isinstance(model, onnx.ModelProto) else proto)
-    return _first_or_all(proto, session.run(None, feeds_for(proto, inputs)), all_outputs)
+    return _first_or_all(proto, session.run(None, feeds), all_outputs)
 
 
 @overload
@@ -390,11 +452,15 @@ def run_reference(
     ``all_outputs`` as for ``run_ort``.
     """
     model = as_model(model)
+    feeds = feeds_for(model, inputs)
+    empty = empty_outputs(model, feeds)  # as run_ort, so the two agree on empty inputs
+    if empty is not None:
+        return _first_or_all(model, empty, all_outputs)
     if evaluator is None:
         from onnx.reference import ReferenceEvaluator
 
         evaluator = ReferenceEvaluator(model)
-    return _first_or_all(model, evaluator.run(None, feeds_for(model, inputs)), all_outputs)
+    return _first_or_all(model, evaluator.run(None, feeds), all_outputs)
 
 
 def empty_kv_cache(model: onnx.ModelProto | str | os.PathLike, batch_size: int) -> dict[str, np.ndarray]:

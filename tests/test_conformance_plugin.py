@@ -54,7 +54,7 @@ def test_each_check_is_a_test_and_k_selects(tmp_path):
     assert len(ids) == 2 * len(dcf.CATALOGUE) - sum(not c.gradients for c in dcf.CATALOGUE) + len(
         dcf.DECODE_CATALOGUE
     ) + len(dcf.ERROR_CATALOGUE)
-    assert "errors-query-empty:heads-tied-self" in ids and "decode-float64-decode-heads-tied" in ids
+    assert "errors-context-empty:heads-separate-cross" in ids and "decode-float64-decode-heads-tied" in ids
 
 
 def test_a_wrong_port_fails_with_the_runners_detail(tmp_path):

@@ -128,7 +128,7 @@ C = np.zeros((2, 5, 6))
         (lambda: dc.damcha_attention(P, CFG, X, C[..., :5]), dc.DamchaValueError, r"Invalid argument `context`: expected 6 features.*context.shape=\(2, 5, 5\)"),
         (lambda: dc.damcha_attention(P, CFG, X, C[:1]), dc.DamchaValueError, r"^Invalid argument `context`: expected the batch size of `query`\. Received: query.shape=\(2, 3, 8\), context.shape=\(1, 5, 6\)$"),
         (lambda: dc.damcha_attention(P, CFG, X), dc.DamchaValueError, r"^Invalid argument `context`: expected a tensor when config.context_dim != config.query_dim .*Received: context=None, query_dim=8, context_dim=6$"),
-        (lambda: dc.damcha_attention(P, CFG, X[:, :0], C), dc.DamchaValueError, r"Invalid argument `query`: expected a non-empty shape"),
+        (lambda: dc.damcha_attention(P, CFG, X, C[:, :0]), dc.DamchaValueError, r"^Invalid argument `context`: expected at least one key \(M >= 1\).*Received: context.shape=\(2, 0, 6\)$"),
         (lambda: dc.damcha_attention(P, CFG, X.astype(int), C), dc.DamchaTypeError, r"Invalid argument `query`: expected a real floating tensor.*dtype=int64"),
         (lambda: dc.damcha_attention(P, CFG, X, C.astype(complex)), dc.DamchaTypeError, r"Invalid argument `context`: expected a real floating"),
         (lambda: dc.damcha_attention(P, CFG, X, C, mask=np.ones((2, 3, 5))), dc.DamchaTypeError, r"Invalid argument `mask`: expected a mask that is boolean.*dtype=float64"),

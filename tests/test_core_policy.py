@@ -410,14 +410,14 @@ SHAPE_CFG = dc.DamchaConfig(query_dim=16, num_heads=4, key_dim=4, context_dim=12
         (((2, 5, 16), (2, 5, 16)), {}, r"^Invalid argument `key`: expected 12 features \(kdim\)\. Received: key\.shape=\(2, 5, 16\)$"),
         (((2, 5, 16), (1, 5, 12)), {}, r"^Invalid argument `key`: expected the batch size of `query`\. Received: query\.shape=\(2, 5, 16\), key\.shape=\(1, 5, 12\)$"),
         (((2, 5, 16),), {}, r"^Invalid argument `key`: expected a tensor when kdim != embed_dim .*Received: key=None, embed_dim=16, kdim=12$"),
-        (((2, 5, 16), (2, 0, 12)), {}, r"^Invalid argument `key`: expected a non-empty shape \(no size-0 dim\)\. Received: key\.shape=\(2, 0, 12\)$"),
+        (((2, 5, 16), (2, 0, 12)), {}, r"^Invalid argument `key`: expected at least one key \(M >= 1\) when there are queries: a query row with no key has no defined output\. Received: key\.shape=\(2, 0, 12\)$"),
         (((2, 5, 16), (2, 7, 12), (2, 5, 7)), {}, r"pass attn_mask\[:, None\]\)\. Received: attn_mask\.shape=\(2, 5, 7\)$"),
         (((2, 5, 16), (2, 7, 12), (2, 4, 5, 6)), {}, r"^Invalid argument `attn_mask`: expected a shape broadcastable to \(B, H, N, M\) = \(2, 4, 5, 7\).*attn_mask\.shape=\(2, 4, 5, 6\)$"),
         (((2, 5, 16), (2, 7, 12)), {"value_shape": (2, 7, 10)}, r"^Invalid argument `value`: expected 12 features \(vdim\)\. Received: value\.shape=\(2, 7, 10\)$"),
         (((2, 5, 16), (2, 7, 12)), {"value_shape": (2, 6, 12)}, r"^Invalid argument `value`: expected the batch size and length of `key`.*key\.shape=\(2, 7, 12\), value\.shape=\(2, 6, 12\)$"),
         (((2, 5, 16), (2, 7, 12)), {"value_shape": (7, 12)}, r"^Invalid argument `value`: expected rank 3"),
     ],
-    ids=["query-features", "key-features", "batch", "key-required", "empty", "mask-3d", "mask-broadcast",
+    ids=["query-features", "key-features", "batch", "key-required", "no-keys", "mask-3d", "mask-broadcast",
          "value-features", "value-length", "value-rank"],
 )
 # fmt: on

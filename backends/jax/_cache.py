@@ -48,7 +48,9 @@ def init_cache(config: DamchaConfig, batch_size: int, max_length: int, dtype: An
     token, so it never has to be recomputed, at no extra size.
     """
     _check_config(config)
-    batch_size = check_int("batch_size", batch_size)
+    # A batch of 0 is an empty cache, as Flax's init_cache((0, L, E)) makes one (its
+    # steps give empty outputs); a cache of no position could hold no token.
+    batch_size = check_int("batch_size", batch_size, minimum=0)
     max_length = check_int("max_length", max_length)
     return _empty_cache(config, (batch_size,), max_length, dtype)
 
@@ -359,7 +361,7 @@ class DecodeCache:
                     f"input_shape={describe(input_shape)}",
                 )
             )
-        batch = tuple(check_int(f"input_shape[{i}]", n) for i, n in enumerate(shape[:-2]))
+        batch = tuple(check_int(f"input_shape[{i}]", n, minimum=0) for i, n in enumerate(shape[:-2]))
         max_length = check_int("max_length (input_shape[-2])", shape[-2])
         cache = _empty_cache(self.config, batch, max_length, dtype)
         self.cached_key = nnx.Cache(cache["key"])

@@ -27,6 +27,7 @@ from damcha_core import (
     DamchaValueError,
     check_bool,
     check_int,
+    check_keys,
     check_shapes,
     config_sizes,
     describe,
@@ -187,8 +188,10 @@ def check_token_shape(
     """The rules on a token array's shape [batch..., length, features], named
     as the caller names the argument (the attention's ``inputs_q``/``inputs_k``/
     ``inputs_v``, the blocks' ``x``): rank >= 2, then, when ``features`` is
-    given, that feature size (the constructor argument ``features_arg``) and
-    no size-0 dim. One rule for all, so their refusals cannot drift apart."""
+    given, that feature size (the constructor argument ``features_arg``). Batch
+    and length axes may be 0, as in Flax's MHA (the empty output); keys without
+    queries are ``check_keys``'s rule. One rule for all, so their refusals
+    cannot drift apart."""
     received = f"{name}.shape={tuple(shape)}"
     if len(shape) < 2:
         raise DamchaValueError(invalid_argument(name, "shape [batch..., length, features] (rank >= 2)", received))
@@ -196,8 +199,6 @@ def check_token_shape(
         return
     if shape[-1] != features:
         raise DamchaValueError(invalid_argument(name, f"{features} features ({features_arg})", received))
-    if 0 in shape:
-        raise DamchaValueError(invalid_argument(name, "a non-empty shape (no size-0 dim)", received))
 
 
 def _check_inputs(
@@ -222,6 +223,9 @@ def _check_inputs(
                     f"inputs_q.shape={tuple(x.shape)}, {name}.shape={tuple(t.shape)}",
                 )
             )
+    if k is not None:
+        # Here, on the shape as passed (check_shapes below may see it folded to (B, M, E)).
+        check_keys("inputs_k", k.shape, x.shape[-2], k.shape[-2])
     mask_shape = None if mask is None else tuple(mask.shape)
     view = None if mask_shape is None else _mask_view(mask_shape, len(lead) + 3)
     if len(lead) == 1 and keys is None and view == mask_shape:

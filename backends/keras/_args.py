@@ -308,7 +308,9 @@ def check_inputs(
     B = next((s for s in (qs[0], vs[0]) if s is not None), 1)
     N, M = _size([qs[a] for a in layout.attention_axes]), _size([vs[a] for a in layout.attention_axes])
     n_, m_ = 1 if N is None else N, 1 if M is None else M
-    dc.check_shapes(config, (B, n_, config.query_dim), (B, m_, E_kv), value_shape=(B, m_, E_v), names=KERAS_NAMES)
+    # Without `key` the keys are `value`'s tokens: a refusal of no keys names it.
+    names = KERAS_NAMES if key is not None else {**KERAS_NAMES, "context": "value"}
+    dc.check_shapes(config, (B, n_, config.query_dim), (B, m_, E_kv), value_shape=(B, m_, E_v), names=names)
     if kv_len is not None:
         M = kv_len  # with a cache, masks span its L slots
     _masks.check_shapes(masks, layout, config.num_heads, query, value, N, M, kv_len)

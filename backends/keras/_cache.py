@@ -57,9 +57,11 @@ def check_layout(config: DamchaConfig) -> None:
 
 def init_cache(config: DamchaConfig, batch_size: int, max_length: int, dtype: str) -> Any:
     """A zero cache (B, 2, L, G, d) of ``dtype``."""
-    for name, value in (("batch_size", batch_size), ("max_length", max_length)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-            raise DamchaValueError(dc.invalid_argument(name, "an int >= 1", f"{name}={describe(value)}"))
+    # A batch of 0 is an empty cache (its steps give empty outputs, as the layer's do on
+    # an empty batch); a cache of no position could hold no token.
+    for name, value, least in (("batch_size", batch_size, 0), ("max_length", max_length, 1)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
+            raise DamchaValueError(dc.invalid_argument(name, f"an int >= {least}", f"{name}={describe(value)}"))
     check_layout(config)
     shape = (int(batch_size), 2, int(max_length), config.num_kv_heads, config.key_dim)
     return ops.zeros(shape, dtype=dtype)

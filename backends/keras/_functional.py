@@ -26,6 +26,18 @@ from damcha_core import RMS_EPS, DamchaConfig
 from keras import ops
 
 
+def _einsum(subscripts: str, *operands: Any) -> Any:
+    """``ops.einsum``, but TensorFlow's own where an operand has a size-0 dim:
+    Keras's TensorFlow einsum reshapes with an inferred (-1) dim, ambiguous at
+    size 0, and returns (1, 0, ...) for an empty batch of no query (the next
+    einsum then fails). A static check: it costs nothing once traced."""
+    if keras.backend.backend() == "tensorflow" and any(0 in tuple(x.shape) for x in operands):
+        import tensorflow as tf
+
+        return tf.einsum(subscripts, *operands)
+    return ops.einsum(subscripts, *operands)
+
+
 def dtype_name(x: Any) -> str:
     return keras.backend.standardize_dtype(x.dtype)
 
@@ -88,9 +100,9 @@ def generator(metric: str, kernel: Any, bias: Any, tokens: Any) -> Any:
     (B, T, S, S) for metric "heads", u(t) (B, T, r) for "lowrank"."""
     phi = rms_normalise(tokens)
     if metric == "heads":
-        return ops.einsum("bte,ehk->bthk", phi, kernel) + bias
+        return _einsum("bte,ehk->bthk", phi, kernel) + bias
     # einsum, not matmul: Keras 3.15's torch matmul returns float32 for float64.
-    return ops.einsum("bte,er->btr", phi, kernel) + bias
+    return _einsum("bte,er->btr", phi, kernel) + bias
 
 
 def apply_map(y: Any, coeff: Any, gate: Any, *, metric: str, u: Any = None, v: Any = None) -> Any:
@@ -100,10 +112,10 @@ def apply_map(y: Any, coeff: Any, gate: Any, *, metric: str, u: Any = None, v: A
     dtype = dtype_name(y)
     coeff, gate = ops.cast(coeff, dtype), ops.cast(gate, dtype)
     if metric == "heads":
-        delta = ops.einsum("btha,btad->bthd", coeff, y)
+        delta = _einsum("btha,btad->bthd", coeff, y)
     else:
-        z = ops.einsum("btad,adr->btr", y, ops.cast(v, dtype))
-        delta = ops.einsum("hdr,btr->bthd", ops.cast(u, dtype), coeff * z)
+        z = _einsum("btad,adr->btr", y, ops.cast(v, dtype))
+        delta = _einsum("hdr,btr->bthd", ops.cast(u, dtype), coeff * z)
     return y + gate[:, None] * delta
 
 
@@ -128,7 +140,7 @@ def map_matrix(tokens: Any, kernel: Any, bias: Any, gate: Any) -> Any:
         return _torch_map_matrix(tokens, kernel, bias, gate, dtype)
     kernel, bias, gate = _as(kernel, dtype), _as(bias, dtype), ops.reshape(_as(gate, dtype), (S, 1))
     if dtype != _wide(dtype):
-        coeff = ops.einsum("bte,ehk->bthk", rms_normalise(tokens), kernel) + bias
+        coeff = _einsum("bte,ehk->bthk", rms_normalise(tokens), kernel) + bias
         return ops.add(coeff * gate, _eye(S, dtype))
     E = tokens.shape[-1]
     weights = kernel * (gate * math.sqrt(E))  # diag(g) W sqrt(E), (E, S, S)
@@ -136,7 +148,7 @@ def map_matrix(tokens: Any, kernel: Any, bias: Any, gate: Any) -> Any:
     if keras.backend.backend() == "jax":
         return _flat_map_matrix(tokens, weights, offset)
     inv_norm = ops.rsqrt(_sum_squares(tokens) + E * RMS_EPS)  # (B, T, 1)
-    return ops.einsum("bte,ehk->bthk", tokens, weights) * ops.expand_dims(inv_norm, -1) + offset
+    return _einsum("bte,ehk->bthk", tokens, weights) * ops.expand_dims(inv_norm, -1) + offset
 
 
 def _flat_map_matrix(tokens: Any, weights: Any, offset: Any) -> Any:
@@ -157,7 +169,7 @@ def _flat_map_matrix(tokens: Any, weights: Any, offset: Any) -> Any:
     E, S = tokens.shape[-1], offset.shape[-1]
     flat = ops.reshape(tokens, (-1, E))
     inv_norm = ops.rsqrt(ops.sum(ops.square(flat), axis=-1, keepdims=True) + E * RMS_EPS)  # (B*T, 1)
-    matrix = ops.einsum("ne,ehk->nhk", flat, weights) * ops.expand_dims(inv_norm, -1) + offset
+    matrix = _einsum("ne,ehk->nhk", flat, weights) * ops.expand_dims(inv_norm, -1) + offset
     return ops.reshape(matrix, (*ops.shape(tokens)[:-1], S, S))
 
 
@@ -261,7 +273,7 @@ def apply_map_matrix(matrix: Any, y: Any) -> Any:
     if keras.backend.backend() == "jax":
         return _jax_mix_heads()(matrix, y)
     if dtype_name(y) == "float64":
-        return ops.einsum("btha,btad->bthd", matrix, y)
+        return _einsum("btha,btad->bthd", matrix, y)
     return ops.matmul(matrix, y)
 
 
@@ -821,10 +833,10 @@ def attend(
         q = _scaled(q, scale)
         if causal_only:
             visible = visibility(ops.shape(q)[1], ops.shape(k)[1], causal=True)
-        probs = softmax_attend(ops.einsum("bnhd,bmhd->bhnm", q, k), visible)
+        probs = softmax_attend(_einsum("bnhd,bmhd->bhnm", q, k), visible)
         probs = ops.cast(probs, q.dtype)
         dropped = dropout(probs) if dropout is not None else probs
-        return ops.einsum("bhnm,bmhd->bnhd", dropped, v), probs
+        return _einsum("bhnm,bmhd->bnhd", dropped, v), probs
     if visible is None:
         return fused_attention(q, k, v, scale=scale, is_causal=causal_only, flash_attention=flash_attention), None
     any_visible = ops.any(visible, axis=-1, keepdims=True)  # (B|1, H|1, N|1, 1)
@@ -1134,7 +1146,7 @@ def metric_penalty(config: DamchaConfig, side: str, coeff: Any, gate: Any, u: An
 
 
 def _project(params: Mapping[str, Any], config: DamchaConfig, name: str, tokens: Any) -> Any:
-    y = ops.einsum("bte,ehd->bthd", tokens, ops.cast(params[f"{name}.kernel"], dtype_name(tokens)))
+    y = _einsum("bte,ehd->bthd", tokens, ops.cast(params[f"{name}.kernel"], dtype_name(tokens)))
     if config.use_bias:
         y = y + ops.cast(params[f"{name}.bias"], dtype_name(tokens))
     return y
@@ -1186,7 +1198,7 @@ def damcha_attention(
         q, k = (y, k) if role == "q" else (q, y)
     visible = visibility(ops.shape(q)[1], ops.shape(k)[1], attention_mask=mask, causal=causal)
     o, weights = attend(q, k, v, visible, scale=config.softmax_scale, explicit=True)
-    y = ops.einsum("bnhd,hde->bne", o, ops.cast(params["output.kernel"], dtype_name(o)))
+    y = _einsum("bnhd,hde->bne", o, ops.cast(params["output.kernel"], dtype_name(o)))
     if config.use_bias:
         y = y + ops.cast(params["output.bias"], dtype_name(o))
     return (y, weights) if return_weights else y

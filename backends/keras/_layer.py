@@ -32,6 +32,17 @@ from ._functional import dtype_name
 from ._generator import MetricGenerator, serialize_generator
 
 
+def _dense(layer: Any, x: Any) -> Any:
+    """``layer(x)`` for an EinsumDense over tokens (B, T, ...). Keras's TensorFlow
+    einsum returns (1, 0, ...) for an empty batch of no token (0, 0, ...) (it
+    reshapes with an inferred dim, ambiguous at size 0): the output then keeps
+    x's batch and length."""
+    y = layer(x)
+    if keras.backend.backend() == "tensorflow" and 0 in static_shape(x)[:2]:
+        y = ops.reshape(y, (*ops.shape(x)[:2], *ops.shape(y)[2:]))
+    return y
+
+
 @keras.saving.register_keras_serializable(package="damcha")
 class DamchaAttention(keras.layers.Layer):
     """Data-Adaptive Mahalanobis Cross-Head Attention, a drop-in for
@@ -609,15 +620,15 @@ class DamchaAttention(keras.layers.Layer):
         layout = self._layout
         q_in, v_in, k_in = layout.fold(query), layout.fold(value), layout.fold(key)
         cfg = self._built_config
-        q = self._query_dense(q_in)  # (B, N, H, d)
+        q = _dense(self._query_dense, q_in)  # (B, N, H, d)
         penalties: list = []
         side_q, side_k = dc.side_of(cfg, "q"), dc.side_of(cfg, "k")
         read_only = cache is not None and cache_update_index is None
         if read_only:
             k, v = _cache.read_cache(cache, dtype_name(q))  # k~ already mapped
         else:
-            k = self._key_dense(k_in)  # (B, M, G, d)
-            v = self._value_dense(v_in)  # (B, M, G, d_v)
+            k = _dense(self._key_dense, k_in)  # (B, M, G, d)
+            v = _dense(self._value_dense, v_in)  # (B, M, G, d_v)
         if side_q and side_q == side_k and k_in is q_in and not read_only and self._fast_map(side_q):
             # Tied self-attention: one map matrix per token for the queries and the keys.
             q, k = F.compiled(F.map_heads_pair, q_in, *self._map_weights(side_q), q, k)
@@ -648,8 +659,8 @@ class DamchaAttention(keras.layers.Layer):
             return_attention_scores=return_attention_scores,
         )
         if self._use_gate:
-            out = out * self._gate_dense(q_in)
-        y = self._output_dense(out)
+            out = out * _dense(self._gate_dense, q_in)
+        y = _dense(self._output_dense, out)
         if poison is not None:
             y = y + ops.cast(ops.where(poison, float("nan"), 0.0), dtype_name(y))
         y = layout.unfold(y, query)

@@ -385,7 +385,9 @@ def _role_penalty(side: SideWeights, tokens: Tensor, dtype: torch.dtype, d: int)
     coeff = _coefficients(side.weight.to(dtype), side.bias.to(dtype), tokens)
     coeff = coeff.unflatten(-1, structure.coefficient_shape(S, coeff.shape[-1]))
     # damcha_core's formula of ||L(t) - I||_F^2, evaluated on torch tensors.
-    return structure.penalty_sq(torch, coeff, _canonical_leaves(side, dtype), d).mean() / (S * d)
+    sq = structure.penalty_sq(torch, coeff, _canonical_leaves(side, dtype), d)
+    # Over no token (an empty batch or sequence) 0, as the reference's role_penalty, not mean()'s NaN.
+    return (sq.mean() if sq.numel() != 0 else sq.sum()) / (S * d)
 
 
 def causal_visibility(n: int, m: int, query_offset: int = 0, device: torch.device | None = None) -> Tensor:
@@ -478,7 +480,11 @@ def _attend(
         # are unhidden for the kernel and zeroed after. Which rows they are is
         # read from the mask alone, never from the logits.
         row_max = None
-        if mask.dtype == torch.bool:
+        if _has_empty_dim(k, (-2,)):
+            # M = 0, only with n == 0 (the shape rules refuse queries without keys): no
+            # row to unhide or zero, and no key to reduce over.
+            mask = mask if mask.dtype == torch.bool else mask.to(q.dtype)
+        elif mask.dtype == torch.bool:
             if not _reads_values(mask) or not bool(mask[..., 0].all()):
                 row_ok = mask.any(dim=-1, keepdim=True)
                 mask = mask | ~row_ok
@@ -654,6 +660,29 @@ def _certainly_finite(q: Tensor, k: Tensor) -> bool:
         return math.isfinite(q.sum().item()) and math.isfinite(k.sum().item())
 
 
+def _has_empty_dim(t: Tensor, dims: tuple[int, ...]) -> bool:
+    """Whether one of ``dims`` of ``t`` has size 0. Never under torch.jit.trace, which
+    records sizes as tensors (a bool of one warns and pins the branch): a traced
+    example has no empty dim worth a branch of its own."""
+    if not torch.compiler.is_compiling() and torch._C._is_tracing():  # dynamo cannot trace _is_tracing
+        return False
+    return any(t.shape[i] == 0 for i in dims)
+
+
+def _abs_max(t: Tensor, dim: tuple[int, ...], keepdim: bool = False) -> Tensor:
+    """max |t| over ``dim``. amax refuses a size-0 dim; one holds no key, and
+    then no query either (the shape rules refuse N >= 1 queries over M = 0
+    keys), so the guard has no row to act on: 0 of the reduced shape serves."""
+    if _has_empty_dim(t, dim):
+        shape = (
+            [1 if i in dim else s for i, s in enumerate(t.shape)]
+            if keepdim
+            else [s for i, s in enumerate(t.shape) if i not in dim]
+        )
+        return t.new_zeros(shape)
+    return t.abs().amax(dim=dim, keepdim=keepdim)
+
+
 def _guard(q: Tensor, k: Tensor, own_keys: bool = False) -> tuple[Tensor, Tensor]:
     """The fused path's NaN guard (a, b): o + 0 * a * b is NaN in every row
     whose query has a NaN or inf, and in every row of a batch with a non-finite
@@ -672,7 +701,7 @@ def _guard(q: Tensor, k: Tensor, own_keys: bool = False) -> tuple[Tensor, Tensor
     if own_keys:
         return q, k
     with torch.no_grad():
-        return q, k.abs().amax(dim=(1, 2, 3), keepdim=True)
+        return q, _abs_max(k, (1, 2, 3), keepdim=True)
 
 
 def _row_guard(q: Tensor, k: Tensor, own_keys: bool, batch_dim: int) -> tuple[Tensor, Tensor]:
@@ -695,7 +724,7 @@ def _row_guard(q: Tensor, k: Tensor, own_keys: bool, batch_dim: int) -> tuple[Te
         if own_keys:
             b = k.abs().amax(dim=(2, 3)).unsqueeze(-1)
         else:
-            b = k.abs().amax(dim=(1 - batch_dim, 2, 3), keepdim=True).squeeze(-1)
+            b = _abs_max(k, (1 - batch_dim, 2, 3), keepdim=True).squeeze(-1)
     return a, b
 
 

@@ -679,11 +679,12 @@ class DamchaAttention(CanonicalIO, nn.Module):
             return None
         # damcha_core's shape rules for this call, written out: with the packed
         # projection (query_dim = context_dim = value_input_dim) they ask a
-        # non-empty (B, N, query_dim), and query_dim is the weight's input
-        # size, which the weight's own guard fixes. Calling the rules would
-        # guard every config field and function they read (about 40 guards,
-        # checked on every compiled call); a call they reject goes on to the
-        # general path, which raises their error.
+        # (B, N, query_dim), and query_dim is the weight's input size, which
+        # the weight's own guard fixes. Calling the rules would guard every
+        # config field and function they read (about 40 guards, checked on
+        # every compiled call); a call they reject goes on to the general
+        # path, which raises their error, and so does an empty one (B or
+        # N = 0), which returns the empty output there.
         B, N, E = x.shape
         if weight.shape[1] != E or B == 0 or N == 0 or B * N > fn._FEW_TOKENS:
             return None
