@@ -202,6 +202,11 @@ _MASK_DIMS = {"mask_batch": "batch", "mask_query": "query_len", "mask_heads": "h
 _MAY_BE_EMPTY = ("past_len", "batch", "query_len", "context_len")
 
 
+def _dims(value: onnx.ValueInfoProto) -> list[str | int]:
+    """A graph input's or output's declared dims: a symbolic one by its name, a fixed one by its size."""
+    return [d.dim_param or d.dim_value for d in value.type.tensor_type.shape.dim]
+
+
 def _model_facts(model: onnx.ModelProto) -> dict[str, int]:
     """Sizes the graph fixes but its input shapes do not show (heads, vocabulary, positions)."""
     props = {p.key: p.value for p in model.metadata_props}
@@ -230,7 +235,7 @@ def check_feed_shapes(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -
             of length 0 for queries of length >= 1, a mask dim that is neither 1 nor its target, or
             token ids outside the vocabulary or past the position table.
     """
-    declared = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
+    declared = {i.name: _dims(i) for i in model.graph.input}
     facts = _model_facts(model)
     sizes: dict[str, tuple[int, str]] = {}
 
@@ -344,7 +349,7 @@ def empty_outputs(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> li
         DamchaValueError: an output whose size the feeds do not fix, naming
             the input that is empty.
     """
-    declared = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
+    declared = {i.name: _dims(i) for i in model.graph.input}
     sizes: dict[str, int] = {}
     for name, dims in declared.items():
         for dim, size in zip(dims, feeds[name].shape):
@@ -358,7 +363,7 @@ def empty_outputs(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> li
     owner = next(n for n, dims in declared.items() if empty[0] in dims)
     outputs = []
     for out in model.graph.output:
-        dims = [d.dim_param or d.dim_value for d in out.type.tensor_type.shape.dim]
+        dims = _dims(out)
         past = out.name.replace("present_", "past_", 1)
         if out.name.startswith("present_") and past in feeds and sizes.get("query_len") == 0:
             outputs.append(np.array(feeds[past]))  # nothing appended: the cache as it was
