@@ -788,15 +788,17 @@ def verdicts(
     # Claim 4
     rule4 = (
         "stack-wise sharing (damcha-heads-tied-shared vs damcha-heads-tied, damcha-heads-query-shared vs "
-        "damcha-heads-query, paired, converged test metric): supported if on every ablation task each shared "
+        "damcha-heads-query, paired, converged test metric): supported if on every ablation task away from the ceiling each shared "
         "variant is non-inferior (lower end of the 95% interval of its gain above -margin) and no less stable "
         "than its unshared reference: no more divergences, no more runs that never reach the task's first "
         "threshold (at the chosen rate and over the sweep), and loss spikes per 1,000 steps not higher (the "
         "paired 95% interval of the difference not above 0: raw spike counts depend on run length and are "
         "noisy near convergence); not supported if a shared variant is 'worse' (Holm over the task's sharing "
-        "comparisons) or diverges more often; inconclusive otherwise, and whenever the unshared reference sits "
-        "within the margin of a perfect accuracy (non-inferiority at the ceiling shows nothing). The other ablations are reported with "
-        "their decisions and carry no claim verdict."
+        "comparisons) or diverges more often; inconclusive otherwise. A comparison whose unshared reference sits "
+        "within the margin of a perfect accuracy is 'ceiling': non-inferiority there shows nothing, so it can "
+        "neither support the claim nor keep another task from supporting it (it can still count against it: a "
+        "'worse' or more divergences); 'supported' needs at least one comparison away from the ceiling. The "
+        "other ablations are reported with their decisions and carry no claim verdict."
     )
     pairs = [("damcha-heads-tied-shared", "damcha-heads-tied"), ("damcha-heads-query-shared", "damcha-heads-query")]
     checks = []
@@ -830,10 +832,25 @@ def verdicts(
                     "gain": row,
                 }
             )
+    # Decided in the nineteenth session, before the digits ablation's seeds 5-9 were trained: until then a
+    # ceiling comparison vetoed "supported" on every other task, so with crosshead's saturated ablation in
+    # the report the claim could never be supported whatever digits showed.
+    informative = [c for c in checks if not c["ceiling"]]
     if not checks:
         verdict, reason = "inconclusive", "no ablation results with a shared variant and its reference"
-    elif all(c["non_inferior"] and c["stability_ok"] and not c["ceiling"] for c in checks):
-        verdict, reason = "supported", "every shared variant non-inferior and no less stable"
+    elif (
+        informative
+        and all(c["non_inferior"] and c["stability_ok"] for c in informative)
+        and not any(c["decision"] == "worse" or c["more_divergences"] for c in checks)
+    ):
+        verdict = "supported"
+        reason = "every shared variant non-inferior and no less stable on " + ", ".join(
+            sorted({c["task"] for c in informative})
+        )
+        if len(informative) < len(checks):
+            reason += (
+                " (at the ceiling, not counted: " + ", ".join(sorted({c["task"] for c in checks if c["ceiling"]})) + ")"
+            )
     elif any(c["decision"] == "worse" or c["more_divergences"] for c in checks):
         verdict = "not supported"
         reason = "; ".join(

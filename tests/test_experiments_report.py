@@ -554,6 +554,33 @@ def test_claim4_at_the_ceiling_is_not_supported_by_non_inferiority():
     assert claim4["verdict"] == "inconclusive" and "ceiling (damcha-heads-tied within the margin" in claim4["reason"]
 
 
+def _sharing(task, ref, shared):
+    res = _results(task, {"mha": _base(0.6), "damcha-heads-tied": ref, "damcha-heads-tied-shared": shared})
+    res["suite"] = "ablation"
+    return res
+
+
+def test_claim4_a_ceiling_task_neither_supports_nor_vetoes_another_task():
+    """Until the nineteenth session a saturated ablation (crosshead's) kept claim 4 from ever being supported,
+    whatever a task with headroom showed; now it is left out of 'supported' but can still count against."""
+    top = [0.999, 0.9985, 0.9995, 0.999, 0.9988]
+    ceiling = _sharing("crosshead", top, top[::-1])
+    digits = _sharing("digits", _base(0.70), _other(0.70))
+    claim4 = an.verdicts({}, {"crosshead": ceiling, "digits": digits}, {})[3]
+    assert claim4["verdict"] == "supported"
+    assert claim4["reason"] == (
+        "every shared variant non-inferior and no less stable on digits (at the ceiling, not counted: crosshead)"
+    )
+    # The task with headroom still decides: a shared variant not shown non-inferior there leaves it open.
+    loose = _sharing("digits", _base(0.70), [x + d for x, d in zip(_base(0.70), (0.03, -0.05, 0.02, -0.04, 0.0))])
+    claim4 = an.verdicts({}, {"crosshead": ceiling, "digits": loose}, {})[3]
+    assert claim4["verdict"] == "inconclusive" and "non-inferior=False" in claim4["reason"]
+    # A ceiling comparison can still count against the claim: a shared variant worse there.
+    worse = _sharing("crosshead", top, [x - d for x, d in zip(top, (0.0005, 0.0007, 0.0006, 0.0008, 0.0004))])
+    claim4 = an.verdicts({}, {"crosshead": worse, "digits": digits}, {})[3]
+    assert claim4["verdict"] == "not supported" and "damcha-heads-tied-shared on crosshead: worse" in claim4["reason"]
+
+
 _ENV = {"python": "3.11.9", "torch": "2.5.1", "numpy": "2.1.0", "cpu_capability": "AVX512", "torch_threads": 1}
 
 
