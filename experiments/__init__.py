@@ -25,7 +25,7 @@ from ._data import (
     make_listops,
     stdlib_corpus,
 )
-from ._stats import describe, holm, median_interval, paired_difference, t_cdf, t_quantile
+from ._stats import describe, holm, mcnemar_exact, median_interval, paired_difference, t_cdf, t_quantile
 from ._tasks import PRESETS, TASK_NAMES, TaskConfig, task_config
 from ._variants import ABLATION, HEADLINE, SUITES, VARIANTS, Variant
 
@@ -55,6 +55,7 @@ __all__ = [
     "listops_tokens",
     "make_crosshead",
     "make_listops",
+    "mcnemar_exact",
     "measure_cost",
     "median_interval",
     "paired_difference",

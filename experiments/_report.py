@@ -564,6 +564,11 @@ def build_report(folder: str | Path, tolerance: float = an.OVERHEAD_TOLERANCE) -
     for v in verdicts:
         md.append(f"* Claim {v['claim']}: {v['rule']}")
     md.append("")
+    secondary = [v for v in verdicts if v.get("secondary")]
+    if secondary:
+        md += ["Secondary analyses (questions a reviewer may ask of the rules; the verdicts above are the rules'):", ""]
+        md += [f"* Claim {v['claim']}, {v['secondary']['question']}: {v['secondary']['text']}." for v in secondary]
+        md.append("")
     md.append(an.__doc__.split("Decisions (the rules the report states):")[1].strip().replace("\n\n", "\n"))
     damaged: list[tuple[str, str]] = []
     changed, unrecorded = changed_environments(folder, [*headline.values(), *ablation.values()], damaged)

@@ -17,6 +17,11 @@ interleaved measurement; ``median_interval`` gives the median of per-round
 values with a percentile bootstrap interval that resamples rounds, from a
 fixed seed so that a report regenerated from the same file prints the same
 interval.
+
+A binary outcome per seed (a run that never learns the task) is compared
+with McNemar's exact test (``mcnemar_exact``): only the seeds where exactly
+one side failed carry information, and under the null each of them is a
+fair coin.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from damcha_core import describe as describe_value  # of a received value; this 
 __all__ = [
     "describe",
     "holm",
+    "mcnemar_exact",
     "median_interval",
     "paired_difference",
     "t_cdf",
@@ -292,6 +298,33 @@ def holm(p_values: Sequence[float | None]) -> list[float | None]:
         running = max(running, min(1.0, (m - rank) * p))
         out[i] = running
     return out
+
+
+def mcnemar_exact(only_a: int, only_b: int) -> float:
+    """Two-sided p-value of McNemar's exact test from the two discordant counts of a paired binary outcome.
+
+    ``only_a``: pairs where the event (say, "failed to learn") happened to
+    side a only; ``only_b``: to side b only; concordant pairs do not enter.
+    Under the null each discordant pair falls either way with probability
+    1/2, so p = min(1, 2 P(X <= min(only_a, only_b))), X ~ Binomial(only_a +
+    only_b, 1/2). With 3 discordant pairs all one way p = 0.25: the smallest
+    count that can reach p < 0.05 is 6 of 6 (p = 0.031). No discordant pair:
+    p = 1.
+    """
+    counts = []
+    for name, value in (("only_a", only_a), ("only_b", only_b)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise DamchaTypeError(
+                invalid_argument(name, "a count (int >= 0)", f"{name}={describe_value(value)} ({type(value).__name__})")
+            )
+        if value < 0:
+            raise DamchaValueError(invalid_argument(name, "a count (int >= 0)", f"{name}={int(value)}"))
+        counts.append(int(value))
+    n, k = sum(counts), min(counts)
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2.0**n
+    return min(1.0, 2.0 * tail)
 
 
 def median_interval(

@@ -701,3 +701,81 @@ def test_a_merged_cost_file_pairs_each_ratio_with_its_own_mha_rounds_and_load(tm
         "damcha-heads-query": "over",
     }
     assert "caveat" in claim3["reason"] and "load average 3.00 on 2 cores" in claim3["reason"]
+
+
+def test_claim2_secondary_analysis_reads_bonferroni_corrected_intervals():
+    """The rule's 95% intervals over 6 task x baseline cases can call 'no gain' where 99.17% ones do not
+    (charlm in the eighteenth session); the report says so beside the verdict without changing it."""
+    good = {"mha": _base(0.6), "talking-heads": _base(0.6), "damcha-heads-tied": _other(0.7)}
+    gains = [0.015, -0.015, 0.01, -0.01, 0.0]  # 95% upper end +0.016 < 0.02; 99.17% upper end above it
+    lm = _results(
+        "charlm",
+        {
+            "mha": _base(2.0),
+            "talking-heads": _base(2.0),
+            "damcha-heads-tied": [2.0 + n - g for n, g in zip(NOISE, gains)],
+        },
+        higher=False,
+    )
+    tasks = {"charlm": lm, "listops": _results("listops", good), "digits": _results("digits", good)}
+    claim2 = an.verdicts(tasks, {}, {})[1]
+    assert claim2["verdict"] == "not supported"
+    second = claim2["secondary"]
+    assert second["cases"] == 6 and second["confidence"] == pytest.approx(1 - 0.05 / 6)
+    assert second["verdict"] == "inconclusive"
+    assert "where the rule says not supported" in second["text"]
+    # The same data far from the margin: both readings agree.
+    clear = {k: v for k, v in tasks.items() if k != "charlm"} | {
+        "charlm": _results(
+            "charlm", {"mha": _base(2.0), "talking-heads": _base(2.0), "damcha-heads-tied": _other(2.05)}, higher=False
+        )
+    }
+    claim2 = an.verdicts(clear, {}, {})[1]
+    assert claim2["verdict"] == claim2["secondary"]["verdict"] == "not supported"
+    assert claim2["secondary"]["text"].endswith(": the same")
+
+
+def _failing(task, failed: dict[str, list[int]], n=15):
+    res = _results(task, {name: _base(0.99)[:1] * n for name in ("mha", "talking-heads", "damcha-heads-query")})
+    res["config"]["thresholds"] = [0.5, 0.95]
+    for name, entry in res["variants"].items():
+        for run in entry["runs"]:
+            stuck = run["seed"] in failed.get(name, [])
+            run["steps_to_threshold"] = {"0.5": None if stuck else 500, "0.95": None if stuck else 1000}
+    return res
+
+
+def test_claim1_secondary_analysis_tests_the_failure_rate_by_seed():
+    # MHA fails on 3 of 15 seeds (crosshead1 in the eighteenth session): 3 discordant seeds give p = 0.25.
+    res = _failing("crosshead1", {"mha": [2, 7, 11], "damcha-heads-query": [4]})
+    rows = an.failure_comparison(res, ["damcha-heads-query"], "mha")
+    assert rows == [
+        {
+            "variant": "damcha-heads-query",
+            "baseline": "mha",
+            "n": 15,
+            "variant_failed": 1,
+            "baseline_failed": 3,
+            "only_baseline_failed": 3,
+            "only_variant_failed": 1,
+            "p": pytest.approx(0.625),  # 2 x P(X <= 1), X ~ Bin(4, 1/2)
+            "p_holm": pytest.approx(0.625),
+        }
+    ]
+    claim1 = an.verdicts({"crosshead1": res}, {}, {})[0]
+    assert "crosshead1 vs mha: mha failed on 3 of 15 seeds, the DAMCHA variants on 1-1" in claim1["secondary"]["text"]
+    assert claim1["secondary"]["better"] == []
+    # Fewer failures than *every* baseline, beyond noise: the failure-rate reading would differ from the rule's.
+    res = _failing("crosshead1", {"mha": list(range(7)), "talking-heads": list(range(8, 15))})
+    second = an.verdicts({"crosshead1": res}, {}, {})[0]["secondary"]
+    assert second["better"] == ["damcha-heads-query on crosshead1"]
+    # Only one baseline failing: not enough (the rule asks for better than both).
+    res = _failing("crosshead1", {"mha": list(range(7))})
+    assert an.verdicts({"crosshead1": res}, {}, {})[0]["secondary"]["better"] == []
+    # A task without thresholds has no failure to count.
+    assert (
+        an.failure_comparison(
+            _results("crosshead1", {"mha": [0.9], "damcha-heads-query": [0.9]}), ["damcha-heads-query"], "mha"
+        )
+        == []
+    )

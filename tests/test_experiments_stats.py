@@ -10,7 +10,7 @@ import pytest
 from scipy import stats
 
 from damcha_core import DamchaTypeError, DamchaValueError
-from damcha_experiments import describe, holm, median_interval, paired_difference, t_cdf, t_quantile
+from damcha_experiments import describe, holm, mcnemar_exact, median_interval, paired_difference, t_cdf, t_quantile
 
 
 @pytest.mark.parametrize(
@@ -268,3 +268,24 @@ def test_stats_functions_take_numpy_scalars_and_arrays():
     assert holm(np.array([0.01, 0.04, 0.03])) == pytest.approx([0.03, 0.06, 0.06])
     assert holm((np.float64(0.01), None, math.nan)) == [pytest.approx(0.01), None, pytest.approx(math.nan, nan_ok=True)]
     assert holm([]) == []
+
+
+@pytest.mark.parametrize(
+    "only_a, only_b",
+    [(3, 0), (0, 3), (6, 0), (5, 2), (4, 4), (1, 0), (12, 3), (0, 0)],
+    ids=["3-0", "0-3", "6-0", "5-2", "4-4", "1-0", "12-3", "none"],
+)
+def test_mcnemar_exact_is_scipys_two_sided_binomial_test_on_the_discordant_pairs(only_a, only_b):
+    n = only_a + only_b
+    expected = 1.0 if n == 0 else stats.binomtest(only_a, n, 0.5).pvalue
+    assert mcnemar_exact(only_a, only_b) == pytest.approx(expected, rel=1e-12)
+    assert mcnemar_exact(only_b, only_a) == mcnemar_exact(only_a, only_b)
+
+
+def test_mcnemar_exact_names_a_bad_count():
+    with pytest.raises(DamchaValueError, match=r"Invalid argument `only_b`: expected a count \(int >= 0\).*only_b=-1"):
+        mcnemar_exact(3, -1)
+    with pytest.raises(DamchaTypeError, match=r"Invalid argument `only_a`: expected a count.*\(float\)"):
+        mcnemar_exact(3.0, 0)
+    with pytest.raises(DamchaTypeError, match=r"`only_a`.*\(bool\)"):
+        mcnemar_exact(True, 0)
