@@ -779,3 +779,26 @@ def test_claim1_secondary_analysis_tests_the_failure_rate_by_seed():
         )
         == []
     )
+
+
+def test_claim4_secondary_analysis_says_up_to_which_confidence_non_inferiority_holds():
+    from scipy import stats
+
+    ref = _base(0.70)
+    shared = [x + d for x, d in zip(ref, (-0.004, 0.002, -0.009, 0.001, -0.005))]
+    res = _sharing("digits", ref, shared)
+    res["config"]["margin"] = 0.01
+    claim4 = an.verdicts({}, {"digits": res}, {})[3]
+    gain = claim4["checks"][0]["gain"]
+    c = an.non_inferiority_confidence(gain)
+    expected = 2 * stats.t.cdf((gain["mean"] + 0.01) / gain["se"], gain["n"] - 1) - 1
+    assert c == pytest.approx(expected, rel=1e-9)
+    # At that confidence the interval's lower end sits exactly on -margin; a little wider fails.
+    row = an.compare(res, ["damcha-heads-tied-shared"], "damcha-heads-tied", confidence=c)[0]
+    assert row["ci"][0] == pytest.approx(-0.01, abs=1e-9)
+    assert 0.95 < c < 0.99 and claim4["verdict"] == "supported"
+    assert f"damcha-heads-tied-shared on digits (5 seeds): up to {c:.1%}" in claim4["secondary"]["text"]
+    # Ceiling comparisons are left out of it, as out of the verdict.
+    top = [0.999, 0.9985, 0.9995, 0.999, 0.9988]
+    only_ceiling = an.verdicts({}, {"crosshead": _sharing("crosshead", top, top[::-1])}, {})[3]
+    assert only_ceiling["secondary"] is None
