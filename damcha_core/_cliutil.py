@@ -17,6 +17,8 @@ Exit statuses: 0 ok, 1 a check failed (a mismatch), 2 bad arguments.
 - ``atomic_write``/``atomic_dir``: write a file, or a folder of files, so
   that the target changes only once everything was written (synced to disk
   before the renames, their folders after: ``fsync_file``/``fsync_dir``).
+  ``replace_synced``: those renames with their syncs, for writers that stage
+  their files themselves (the ONNX exporter's model and data file).
 - ``Progress``: a progress bar on a terminal (tqdm, from the ``reports``
   extra), plain lines otherwise.
 
@@ -330,6 +332,19 @@ def fsync_file(path: str | os.PathLike[str]) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def replace_synced(moves: Sequence[tuple[str | os.PathLike[str], str | os.PathLike[str]]]) -> None:
+    """``os.replace(src, dest)`` for each pair, in the order given, durably: every ``src`` is
+    synced to disk before the first rename and each destination folder after the last, so a
+    power loss leaves under each name the old file or the whole new one (a rename alone can
+    leave an empty file there, or lose the name)."""
+    for src, _ in moves:
+        fsync_file(src)
+    for src, dest in moves:
+        os.replace(src, dest)
+    for folder in dict.fromkeys(os.path.dirname(os.path.abspath(dest)) for _, dest in moves):
+        fsync_dir(folder)
 
 
 @contextlib.contextmanager
