@@ -391,6 +391,12 @@ def atomic_dir(path: str | os.PathLike[str]) -> Iterator[Path]:
     rewritten stay, and none is ever half-written. On an exception the
     temporary folder is removed and ``path`` is untouched.
 
+    Everything that would stop the moves midway (a read-only folder or file,
+    a file where the outputs have a folder) is checked before the first
+    rename and raised as an ``OSError`` naming that path, so a refused write
+    leaves the old outputs whole rather than half old, half new. (Only an
+    I/O error during the renames themselves could still stop them midway.)
+
     Durability (a power loss): every file is synced to disk before the first
     rename, and after the last one every folder that received a name (``path``,
     its subfolders, and ``path``'s parent when ``path`` was created), so no name
@@ -399,32 +405,45 @@ def atomic_dir(path: str | os.PathLike[str]) -> Iterator[Path]:
     """
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
+    if not writable_dir(target.parent):  # else mkdtemp's error names a temporary folder, not this one
+        raise PermissionError(f"{str(target.parent)!r} is not writable; {str(target)!r} was not written")
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
     try:
         yield tmp
         entries = sorted(tmp.rglob("*"))
-        for src in entries:
-            if not src.is_dir():
-                fsync_file(src)
+        folders = [target] + [target / src.relative_to(tmp) for src in entries if src.is_dir()]
+        moves = [(src, target / src.relative_to(tmp)) for src in entries if not src.is_dir()]
+        _check_moves(target, folders, [dest for _, dest in moves])
         created = not target.exists()
-        target.mkdir(exist_ok=True)
-        synced = [target]  # the folders that receive names, synced after the renames
-        for src in entries:
-            dest = target / src.relative_to(tmp)
-            if src.is_dir():
-                dest.mkdir(exist_ok=True)
-                synced.append(dest)
-                continue
-            if dest.exists() and read_only(dest):
-                raise PermissionError(f"{str(dest)!r} is read-only; not replacing it")
+        for folder in folders:
+            folder.mkdir(exist_ok=True)
+        for src, dest in moves:
             os.chmod(src, _file_mode(dest))
-            os.replace(src, dest)
-        for folder in synced:
-            fsync_dir(folder)
+        replace_synced(moves)
+        receivers = {dest.parent for _, dest in moves}  # replace_synced synced these
+        for folder in folders:
+            if folder not in receivers:  # a new folder may hold only (empty) folders
+                fsync_dir(folder)
         if created:
             fsync_dir(target.parent)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _check_moves(target: Path, folders: list[Path], files: list[Path]) -> None:
+    """Raise, naming the path, for anything that would stop ``atomic_dir``'s moves midway."""
+    untouched = f"nothing in {str(target)!r} was replaced"
+    for folder in folders:
+        if folder.exists() or folder.is_symlink():
+            if not folder.is_dir():
+                raise NotADirectoryError(f"{str(folder)!r} exists and is not a folder; {untouched}")
+            if not writable_dir(folder):  # a new folder is made in one checked here or in target's parent
+                raise PermissionError(f"{str(folder)!r} is not writable; {untouched}")
+    for dest in files:
+        if dest.is_dir():
+            raise IsADirectoryError(f"{str(dest)!r} is a folder, not replaced by a file; {untouched}")
+        if dest.exists() and read_only(dest):
+            raise PermissionError(f"{str(dest)!r} is read-only; not replacing it; {untouched}")
 
 
 class Progress:
