@@ -495,7 +495,12 @@ def _attend(
             # One pass over the mask: the row maximum is -inf exactly when every
             # key is hidden, and NaN when the row holds a NaN (which must reach
             # the output, as in nn.MultiheadAttention: it is not "hidden").
-            row_max = mask.amax(dim=-1, keepdim=True)
+            if torch.compiler.is_exporting():
+                # torch.export traces M as >= 2 and drops the M = 0 branch above: one -inf key
+                # more changes no row's maximum and gives amax a key to reduce over at M = 0.
+                row_max = F.pad(mask, (0, 1), value=_NEG_INF).amax(dim=-1, keepdim=True)
+            else:
+                row_max = mask.amax(dim=-1, keepdim=True)
             row_ok = row_max != _NEG_INF
             mask = mask.masked_fill(~row_ok, 0.0).to(q.dtype)
             if guard is not None:
