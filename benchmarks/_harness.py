@@ -307,12 +307,14 @@ class Results:
         self.save()
 
     def save(self) -> None:
+        # The core's atomic writer: the file is synced before its rename and its folder after,
+        # so a crash (or power loss) mid-run leaves the previous entries, never an empty file.
+        from damcha_core._cliutil import atomic_write
+
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        with open(tmp, "w") as fh:
+        with atomic_write(self.path) as fh:
             json.dump(self.data, fh, indent=1, sort_keys=False, allow_nan=True)
             fh.write("\n")
-        os.replace(tmp, self.path)
 
 
 def max_rel_diff(a: Any, b: Any) -> float:

@@ -17,6 +17,8 @@ Exit statuses: 0 ok, 1 a check failed (a mismatch), 2 bad arguments.
 - ``atomic_write``/``atomic_dir``: write a file, or a folder of files, so
   that the target changes only once everything was written (synced to disk
   before the renames, their folders after: ``fsync_file``/``fsync_dir``).
+  ``replace_synced``: those renames with their syncs, for writers that stage
+  their files themselves (the ONNX exporter's model and data file).
 - ``Progress``: a progress bar on a terminal (tqdm, from the ``reports``
   extra), plain lines otherwise.
 
@@ -332,6 +334,19 @@ def fsync_file(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
+def replace_synced(moves: Sequence[tuple[str | os.PathLike[str], str | os.PathLike[str]]]) -> None:
+    """``os.replace(src, dest)`` for each pair, in the order given, durably: every ``src`` is
+    synced to disk before the first rename and each destination folder after the last, so a
+    power loss leaves under each name the old file or the whole new one (a rename alone can
+    leave an empty file there, or lose the name)."""
+    for src, _ in moves:
+        fsync_file(src)
+    for src, dest in moves:
+        os.replace(src, dest)
+    for folder in dict.fromkeys(os.path.dirname(os.path.abspath(dest)) for _, dest in moves):
+        fsync_dir(folder)
+
+
 @contextlib.contextmanager
 def atomic_write(path: str | os.PathLike[str], mode: str = "w", encoding: str | None = "utf-8") -> Iterator[IO[Any]]:
     """Open a temporary file next to ``path`` for writing; on a clean exit it
@@ -376,6 +391,12 @@ def atomic_dir(path: str | os.PathLike[str]) -> Iterator[Path]:
     rewritten stay, and none is ever half-written. On an exception the
     temporary folder is removed and ``path`` is untouched.
 
+    Everything that would stop the moves midway (a read-only folder or file,
+    a file where the outputs have a folder) is checked before the first
+    rename and raised as an ``OSError`` naming that path, so a refused write
+    leaves the old outputs whole rather than half old, half new. (Only an
+    I/O error during the renames themselves could still stop them midway.)
+
     Durability (a power loss): every file is synced to disk before the first
     rename, and after the last one every folder that received a name (``path``,
     its subfolders, and ``path``'s parent when ``path`` was created), so no name
@@ -384,32 +405,45 @@ def atomic_dir(path: str | os.PathLike[str]) -> Iterator[Path]:
     """
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
+    if not writable_dir(target.parent):  # else mkdtemp's error names a temporary folder, not this one
+        raise PermissionError(f"{str(target.parent)!r} is not writable; {str(target)!r} was not written")
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
     try:
         yield tmp
         entries = sorted(tmp.rglob("*"))
-        for src in entries:
-            if not src.is_dir():
-                fsync_file(src)
+        folders = [target] + [target / src.relative_to(tmp) for src in entries if src.is_dir()]
+        moves = [(src, target / src.relative_to(tmp)) for src in entries if not src.is_dir()]
+        _check_moves(target, folders, [dest for _, dest in moves])
         created = not target.exists()
-        target.mkdir(exist_ok=True)
-        synced = [target]  # the folders that receive names, synced after the renames
-        for src in entries:
-            dest = target / src.relative_to(tmp)
-            if src.is_dir():
-                dest.mkdir(exist_ok=True)
-                synced.append(dest)
-                continue
-            if dest.exists() and read_only(dest):
-                raise PermissionError(f"{str(dest)!r} is read-only; not replacing it")
+        for folder in folders:
+            folder.mkdir(exist_ok=True)
+        for src, dest in moves:
             os.chmod(src, _file_mode(dest))
-            os.replace(src, dest)
-        for folder in synced:
-            fsync_dir(folder)
+        replace_synced(moves)
+        receivers = {dest.parent for _, dest in moves}  # replace_synced synced these
+        for folder in folders:
+            if folder not in receivers:  # a new folder may hold only (empty) folders
+                fsync_dir(folder)
         if created:
             fsync_dir(target.parent)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _check_moves(target: Path, folders: list[Path], files: list[Path]) -> None:
+    """Raise, naming the path, for anything that would stop ``atomic_dir``'s moves midway."""
+    untouched = f"nothing in {str(target)!r} was replaced"
+    for folder in folders:
+        if folder.exists() or folder.is_symlink():
+            if not folder.is_dir():
+                raise NotADirectoryError(f"{str(folder)!r} exists and is not a folder; {untouched}")
+            if not writable_dir(folder):  # a new folder is made in one checked here or in target's parent
+                raise PermissionError(f"{str(folder)!r} is not writable; {untouched}")
+    for dest in files:
+        if dest.is_dir():
+            raise IsADirectoryError(f"{str(dest)!r} is a folder, not replaced by a file; {untouched}")
+        if dest.exists() and read_only(dest):
+            raise PermissionError(f"{str(dest)!r} is read-only; not replacing it; {untouched}")
 
 
 class Progress:

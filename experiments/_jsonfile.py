@@ -6,9 +6,11 @@ ends the command naming it; a damaged run ``result.json`` is an unfinished run, 
 - no such file: ``None``;
 - the system cannot read it (permissions, I/O error): ``UnreadableJsonFile``;
 - its bytes are no JSON text (not UTF-8, empty, cut off mid-write): ``InvalidJsonFile``;
-- valid JSON, but not an object (a file of another kind): ``NotAJsonObject``.
+- valid JSON, but not an object (a file of another kind): ``NotAJsonObject``;
+- an object without a field its kind of file always holds (``require_fields``, e.g. a run's
+  ``result.json`` and ``RESULT_FIELDS``): ``IncompleteJsonObject``.
 
-All three are ``JsonFileError`` (a ``DamchaValueError``) whose message starts with the path.
+All four are ``JsonFileError`` (a ``DamchaValueError``) whose message starts with the path.
 """
 
 from __future__ import annotations
@@ -18,6 +20,35 @@ from pathlib import Path
 from typing import Any
 
 from damcha_core import DamchaValueError
+
+#: The fields of every finished run's ``result.json`` (``_train._result``; ``environment``, ``environments``
+#: and ``head_maps`` are optional: older results lack them). A result missing one is not used.
+RESULT_FIELDS = (
+    "identity",
+    "variant",
+    "lr",
+    "seed",
+    "params",
+    "mlp_hidden",
+    "steps",
+    "stop_reason",
+    "lr_decays",
+    "diverged",
+    "best_step",
+    "best_val_metric",
+    "best_val_loss",
+    "test_metric",
+    "test_loss",
+    "steps_to_threshold",
+    "loss_spikes",
+    "spike_steps",
+    "time_per_step_s",
+    "cpu_per_step_s",
+    "train_time_s",
+    "resumed_at_step",
+    "final_params_sha256",
+    "curve",
+)
 
 
 class JsonFileError(DamchaValueError):
@@ -38,6 +69,10 @@ class InvalidJsonFile(JsonFileError):
 
 class NotAJsonObject(JsonFileError):
     """The file is valid JSON, but not an object (a file of another kind)."""
+
+
+class IncompleteJsonObject(JsonFileError):
+    """The file holds a JSON object that lacks a field its kind of file always holds."""
 
 
 def read_json_object(path: str | Path) -> dict[str, Any] | None:
@@ -63,4 +98,14 @@ def read_json_object(path: str | Path) -> dict[str, Any] | None:
         raise InvalidJsonFile(path, f"is {what} ({exc}; cut off mid-write?)") from None
     if not isinstance(obj, dict):
         raise NotAJsonObject(path, f"holds a JSON {type(obj).__name__}, expected a JSON object")
+    return obj
+
+
+def require_fields(path: str | Path, obj: dict[str, Any], fields: tuple[str, ...]) -> dict[str, Any]:
+    """``obj`` (read from ``path``) if it holds every one of ``fields``; ``IncompleteJsonObject``
+    naming the missing ones (``"lacks a, b"``) otherwise. The trainer and the report both check a
+    run's ``result.json`` with it, so both count the same files as damaged."""
+    missing = [k for k in fields if k not in obj]
+    if missing:
+        raise IncompleteJsonObject(Path(path), f"lacks {', '.join(missing)}")
     return obj

@@ -20,7 +20,7 @@ from damcha_core import DamchaValueError
 from damcha_core import _cliutil as cu
 
 from . import _analysis as an
-from ._jsonfile import JsonFileError, NotAJsonObject, read_json_object
+from ._jsonfile import RESULT_FIELDS, JsonFileError, NotAJsonObject, read_json_object, require_fields
 from ._tasks import RESULTS_FORMAT
 
 # Small figures at low dpi: the PNGs are committed to the repository.
@@ -444,8 +444,9 @@ def changed_environments(
     machine or other versions), from the results files' runs and every ``runs/**/result.json``
     under ``folder`` (the sweep's other rates are only there), each once; and how many runs
     record no environment (written before runs recorded theirs). A ``result.json`` that is not
-    valid JSON (cut off mid-write) or no object is skipped, and appended to ``damaged`` as
-    (path, why) when that is a list: an unfinished run, which its command recreates."""
+    valid JSON (cut off mid-write), no object, or an object lacking one of ``RESULT_FIELDS`` is
+    skipped, and appended to ``damaged`` as (path, why) when that is a list: an unfinished run,
+    which its command recreates."""
     seen: set[tuple] = set()
     rows: list[dict[str, Any]] = []
     unrecorded = 0
@@ -469,13 +470,18 @@ def changed_environments(
     for path in sorted((folder / "runs").glob("**/result.json")):
         try:
             run = read_json_object(path)
+            if run is None:  # removed since the glob listed it
+                continue
+            # A field missing: its command treats the run as unfinished (_train._read_result), so
+            # the report must not count it as a whole run either.
+            require_fields(path, run, RESULT_FIELDS)
+            if not isinstance(run["identity"], dict):
+                raise JsonFileError(path, f"holds an identity that is not a JSON object ({run['identity']!r})")
         except JsonFileError as exc:
             if damaged is not None:
                 damaged.append((str(path), exc.reason))
             continue
-        if run is None:  # removed since the glob listed it
-            continue
-        config = run.get("identity", {}).get("config", {})
+        config = run["identity"].get("config", {})
         if isinstance(config, dict) and "task" in config:
             add(config["task"], config.get("preset"), run)
     rows.sort(key=lambda r: tuple(str(r[k]) for k in ("task", "preset", "variant", "lr", "seed")))
@@ -586,8 +592,8 @@ def build_report(folder: str | Path, tolerance: float = an.OVERHEAD_TOLERANCE) -
     if damaged:
         md += [
             "",
-            f"Run results that could not be read (cut off mid-write?; not listed above, recreated when their "
-            f"command reruns): {', '.join(f'`{Path(p).relative_to(folder)}`' for p, _ in damaged)}.",
+            f"Run results that could not be read (cut off mid-write?) or lack a field (not listed above, recreated "
+            f"when their command reruns): {', '.join(f'`{Path(p).relative_to(folder)}` ({why})' for p, why in damaged)}.",
         ]
     summary: dict[str, Any] = {
         "verdicts": verdicts,

@@ -34,7 +34,14 @@ from damcha_core import DamchaValueError
 from damcha_core import _cliutil as cu
 
 from ._analysis import environment_change
-from ._jsonfile import JsonFileError, UnreadableJsonFile, read_json_object
+from ._jsonfile import (  # RESULT_FIELDS: also read here as _train.RESULT_FIELDS
+    RESULT_FIELDS,
+    IncompleteJsonObject,
+    JsonFileError,
+    UnreadableJsonFile,
+    read_json_object,
+    require_fields,
+)
 from ._models import (
     DigitsViT,
     TinyTransformer,
@@ -95,36 +102,6 @@ class UnreadableResultWarning(UserWarning):
     treated as unfinished (resumed from its checkpoint, else trained again) and the file rewritten."""
 
 
-# The fields of every finished run's result.json (``_result``; ``environment``, ``environments``
-# and ``head_maps`` are optional: older results lack them). A result missing one is not used.
-RESULT_FIELDS = (
-    "identity",
-    "variant",
-    "lr",
-    "seed",
-    "params",
-    "mlp_hidden",
-    "steps",
-    "stop_reason",
-    "lr_decays",
-    "diverged",
-    "best_step",
-    "best_val_metric",
-    "best_val_loss",
-    "test_metric",
-    "test_loss",
-    "steps_to_threshold",
-    "loss_spikes",
-    "spike_steps",
-    "time_per_step_s",
-    "cpu_per_step_s",
-    "train_time_s",
-    "resumed_at_step",
-    "final_params_sha256",
-    "curve",
-)
-
-
 def _read_result(path: Path, identity: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
     """A finished run's result at ``path`` (which exists) and None, or None and why it is damaged.
 
@@ -145,10 +122,10 @@ def _read_result(path: Path, identity: dict[str, Any]) -> tuple[dict[str, Any] |
         return None, "was removed while it was read"
     if done.get("identity") != _json_roundtrip(identity):
         raise _mismatch(path, done.get("identity"), identity)
-    missing = [k for k in RESULT_FIELDS if k not in done]
-    if missing:
-        return None, f"lacks {', '.join(missing)}"
-    return done, None
+    try:
+        return require_fields(path, done, RESULT_FIELDS), None
+    except IncompleteJsonObject as exc:
+        return None, exc.reason
 
 
 def check_run_dir(run_dir: str | Path, identity: dict[str, Any]) -> bool:

@@ -356,8 +356,7 @@ def _main(argv: list[str] | None) -> int:
             (n for n in os.listdir(staging) if os.path.isfile(os.path.join(staging, n))),
             key=lambda n: n == os.path.basename(out),
         )  # the data file first
-        for name in written:
-            os.replace(os.path.join(staging, name), os.path.join(os.path.dirname(out), name))
+        cu.replace_synced([(os.path.join(staging, n), os.path.join(os.path.dirname(out), n)) for n in written])
         if data_file_name(out) not in written:
             remove_stale_data(out)
         moved = [os.path.join(os.path.dirname(args.out), n) for n in sorted(written)] + moved

@@ -13,6 +13,7 @@ import numpy as np
 import onnx
 
 from damcha_core import DamchaTypeError, DamchaValueError, describe, invalid_argument
+from damcha_core._cliutil import atomic_write, read_only, replace_synced, writable_dir
 
 #: protobuf refuses to serialise (or even size) one message of 2 GiB or more:
 #: ``onnx.save_model`` raises a raw EncodeError there.
@@ -61,8 +62,6 @@ def check_path(path: Any, name: str = "path") -> str | None:
         )
     # read_only, not os.access alone: root may write anything, yet a file
     # without write bits was marked by its owner as not to be replaced.
-    from damcha_core._cliutil import read_only, writable_dir
-
     if os.path.isfile(path) and read_only(path):
         raise DamchaValueError(
             invalid_argument(name, "a path that is not a read-only file (it is not replaced)", f"{name}={path!r}")
@@ -169,8 +168,7 @@ def save_external(model: onnx.ModelProto, arrays: Sequence[np.ndarray], path: st
         for file in staged:
             os.chmod(file, mode)
         # The data file first: the new .onnx must never point at an old data file.
-        for file, name in zip(reversed(staged), reversed(names)):
-            os.replace(file, os.path.join(directory, name))
+        replace_synced([(file, os.path.join(directory, name)) for file, name in zip(reversed(staged), reversed(names))])
     return [os.path.join(directory, n) for n in names]
 
 
@@ -186,8 +184,6 @@ def save_model(model: onnx.ModelProto, path: str | os.PathLike[str], *, external
     assert target is not None  # None only for path=None, which the annotation excludes
     if not needs_external_data(model_size(model), external_data):
         # One file: the core's atomic writer (a temporary file beside it, then one rename).
-        from damcha_core._cliutil import atomic_write
-
         with atomic_write(target, "wb") as f:
             f.write(model.SerializeToString())
         remove_stale_data(target)
@@ -210,9 +206,9 @@ def save_model(model: onnx.ModelProto, path: str | os.PathLike[str], *, external
             convert_attribute=False,
         )
         staged = [n for n in names if os.path.exists(os.path.join(tmp, n))]
-        for name in reversed(staged):
+        for name in staged:
             os.chmod(os.path.join(tmp, name), mode)
-            os.replace(os.path.join(tmp, name), os.path.join(directory, name))
+        replace_synced([(os.path.join(tmp, name), os.path.join(directory, name)) for name in reversed(staged)])
     return [os.path.join(directory, n) for n in staged]
 
 

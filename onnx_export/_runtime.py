@@ -473,13 +473,14 @@ def empty_kv_cache(model: onnx.ModelProto | str | os.PathLike, batch_size: int) 
 
     Args:
         model: a layer, encoder or token model exported with ``kv_cache=True`` (or its ``.onnx`` path).
-        batch_size: B.
+        batch_size: B; 0 is an empty batch, which ``run_ort``/``run_reference`` decode without running
+            the graph (``empty_outputs``: each step's outputs are empty, the cache (0, G, P, d)).
 
     Returns:
         ``{"past_key[.i]": (B, G, 0, d), "past_value[.i]": (B, G, 0, d_v)}`` in the model's dtype.
     """
-    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
-        raise DamchaValueError(invalid_argument("batch_size", "an int >= 1", f"batch_size={describe(batch_size)}"))
+    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 0:
+        raise DamchaValueError(invalid_argument("batch_size", "an int >= 0", f"batch_size={describe(batch_size)}"))
     model = as_model(model, load_weights=False)
     cache = {}
     for value in model.graph.input:

@@ -236,6 +236,65 @@ def test_atomic_dir_moves_files_in_only_when_everything_was_written(tmp_path):
     assert (fresh / "x").read_text() == "x"
 
 
+def _old_outputs(out: Path) -> dict[str, str]:
+    return {str(p.relative_to(out)): p.read_text() for p in sorted(out.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("obstacle", ["read-only file", "file for a folder"])
+def test_atomic_dir_refuses_before_any_rename_or_completes(tmp_path, obstacle):
+    """atomic_dir renamed file by file and met an obstacle only on reaching it: a read-only file
+    (refused even for root), or a file where the new outputs have a folder, stopped it after
+    the earlier files were replaced, leaving old and new outputs mixed. Every obstacle is now
+    found before the first rename; the error names the path and the old outputs stay whole."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "a.json").write_text("old a")
+    if obstacle == "read-only file":
+        (out / "z.json").write_text("old z")
+        (out / "z.json").chmod(0o444)
+        blocked, new = out / "z.json", "z.json"
+    else:
+        (out / "sub").write_text("a file, not a folder")
+        blocked, new = out / "sub", "sub/b.json"
+    before = _old_outputs(out)
+    with pytest.raises(OSError, match=f"{blocked}.*nothing in .*out.* was replaced"), cu.atomic_dir(out) as tmp:
+        (tmp / "a.json").write_text("new a")
+        (tmp / new).parent.mkdir(exist_ok=True)
+        (tmp / new).write_text("new")
+    assert _old_outputs(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary folder left
+
+
+@pytest.mark.parametrize("read_only_folder", ["sub", "out", "parent"])
+def test_atomic_dir_into_a_read_only_folder_leaves_the_old_outputs(tmp_path, monkeypatch, read_only_folder):
+    """A read-only folder in the way (a subfolder of the target, the target, or the folder that
+    holds it) ended atomic_dir midway (the files before it replaced, the rest not) or with an
+    error about a temporary name. It is now refused before any rename, naming the folder."""
+    parent = tmp_path / "parent"
+    out = parent / "out"
+    (out / "sub").mkdir(parents=True)
+    (out / "a.json").write_text("old a")
+    (out / "sub" / "b.json").write_text("old b")
+    before = _old_outputs(out)
+    blocked = {"sub": out / "sub", "out": out, "parent": parent}[read_only_folder]
+    blocked.chmod(0o555)
+    try:
+        if cu.writable_dir(blocked):
+            # Root (with its capabilities, as on the CI machine) writes there anyway: then the file
+            # system's refusal is simulated at the one probe atomic_dir asks, so the refusal path
+            # still runs here (a normal user gets the real chmod'ed folder).
+            probe = cu.writable_dir
+            monkeypatch.setattr(cu, "writable_dir", lambda p: Path(p) != blocked and probe(p))
+        with pytest.raises(PermissionError, match=f"{blocked}'? is not writable"), cu.atomic_dir(out) as tmp:
+            (tmp / "a.json").write_text("new a")
+            (tmp / "sub").mkdir()
+            (tmp / "sub" / "b.json").write_text("new b")
+        assert _old_outputs(out) == before
+        assert sorted(p.name for p in parent.iterdir()) == ["out"]
+    finally:
+        blocked.chmod(0o755)
+
+
 def test_atomic_outputs_are_fsynced_before_and_after_their_renames(tmp_path, monkeypatch):
     """A rename is durable only when the renamed file's data is on disk first and the folder that
     holds the new name is synced after it: otherwise a power loss after the rename can leave an

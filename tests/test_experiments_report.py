@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -602,14 +603,17 @@ def test_report_lists_runs_whose_environment_changed(tmp_path):
     moved = dict(_ENV, torch="2.6.0", torch_threads=2)
     res["variants"]["damcha-heads-query"]["runs"][3]["environments"].append({"first_step": 1201, "environment": moved})
     write_json(res, tmp_path / "crosshead.json")
-    sweep_run = {
+    from damcha_experiments._train import RESULT_FIELDS
+
+    blank = dict.fromkeys(RESULT_FIELDS)  # a whole result.json (one lacking a field is damaged)
+    sweep_run = blank | {
         "identity": {"config": {"task": "crosshead", "preset": "full"}},
         "variant": "mha",
         "lr": 4e-3,
         "seed": 1,
         "environments": [{"first_step": 1, "environment": None}, {"first_step": 501, "environment": _ENV}],
     }
-    old_run = {"identity": {"config": {"task": "crosshead", "preset": "full"}}, "variant": "mha", "lr": 2e-3, "seed": 0}
+    old_run = blank | {"identity": sweep_run["identity"], "variant": "mha", "lr": 2e-3, "seed": 0}
     for run, where in ((sweep_run, "mha/lr0.004/seed1"), (old_run, "mha/lr0.002/seed0")):
         (tmp_path / "runs" / "crosshead-full-cpu" / where).mkdir(parents=True)
         write_json(run, tmp_path / "runs" / "crosshead-full-cpu" / where / "result.json")
@@ -802,3 +806,39 @@ def test_claim4_secondary_analysis_says_up_to_which_confidence_non_inferiority_h
     top = [0.999, 0.9985, 0.9995, 0.999, 0.9988]
     only_ceiling = an.verdicts({}, {"crosshead": _sharing("crosshead", top, top[::-1])}, {})[3]
     assert only_ceiling["secondary"] is None
+
+
+def test_a_run_result_lacking_a_field_is_listed_as_damaged(tmp_path):
+    """A runs/**/result.json that is valid JSON but lacks a field the trainer writes (its
+    command treats it as unfinished and retrains the run) was used by the report as if whole
+    (a missing "variant" counted as a run of variant None; an "identity" of null crashed it).
+    It is now listed with the damaged run results, naming the missing fields, like a file cut
+    off mid-write; a whole result beside it is still read."""
+    from damcha_experiments._train import RESULT_FIELDS
+
+    res = _results("crosshead", {"mha": _base(0.60), "talking-heads": _base(0.62)})
+    write_json(res, tmp_path / "crosshead.json")
+    identity = {"config": {"task": "crosshead", "preset": "full"}}
+    whole = dict.fromkeys(RESULT_FIELDS) | {"identity": identity, "variant": "mha", "lr": 4e-3, "seed": 1}
+    whole["environments"] = [{"first_step": 1, "environment": None}, {"first_step": 501, "environment": _ENV}]
+    runs = tmp_path / "runs" / "crosshead-full-cpu"
+    files = {
+        "mha/lr0.004/seed1": whole,
+        "mha/lr0.004/seed2": {k: v for k, v in whole.items() if k != "test_metric"},
+        "mha/lr0.004/seed3": {k: v for k, v in whole.items() if k not in ("variant", "curve")},
+        "mha/lr0.004/seed4": whole | {"identity": None, "seed": 4},
+    }
+    for where, run in files.items():
+        (runs / where).mkdir(parents=True)
+        write_json(run, runs / where / "result.json")
+    text, summary = build_report(tmp_path)
+    damaged = {str(Path(p).relative_to(runs)): why for p, why in summary["damaged_run_results"]}
+    assert damaged == {
+        "mha/lr0.004/seed2/result.json": "lacks test_metric",
+        "mha/lr0.004/seed3/result.json": "lacks variant, curve",
+        "mha/lr0.004/seed4/result.json": "holds an identity that is not a JSON object (None)",
+    }
+    # The whole result is read: its environment change is listed.
+    assert [(r["variant"], r["lr"], r["seed"]) for r in summary["environment_changes"]] == [("mha", 4e-3, 1)]
+    listing = text.split("Run results that could not be read", 1)[1].split("\n", 1)[0]
+    assert "`runs/crosshead-full-cpu/mha/lr0.004/seed2/result.json` (lacks test_metric)" in listing

@@ -282,6 +282,34 @@ def test_token_model_decode_matches_full_forward(opset, runtime):
         assert ratio <= 1, (schedule, err, ratio)
 
 
+@pytest.mark.parametrize("runtime", RUNTIMES)
+@pytest.mark.parametrize("opset", OPSETS, ids=_ids("opset"))
+def test_decode_of_an_empty_batch_matches_the_reference(opset, runtime):
+    """empty_kv_cache refused batch_size=0 although run_ort/run_reference give an empty batch its
+    empty outputs (empty_outputs) and every port's cache takes B = 0: a caller decoding a batch
+    that happens to be empty had to special-case it. Now the empty batch decodes step by step
+    like any other, each output of the reference's shape (0, N, ...) and dtype, the cache
+    growing (0, G, P, d)."""
+    config = dc.DamchaConfig(**CONFIGS["heads-query-gqa"])
+    params = case_params(config, 3)
+    x = np.zeros((0, N, config.query_dim))
+    expected = dc.damcha_attention(params, config, x, causal=True)
+    model = do.export(params, config, None, opset=opset, causal=True, kv_cache=True)
+    cache = do.empty_kv_cache(model, 0)
+    G, d, d_v = config.num_kv_heads, config.key_dim, config.value_dim
+    assert {k: v.shape for k, v in cache.items()} == {"past_key": (0, G, 0, d), "past_value": (0, G, 0, d_v)}
+    out, last = _decode(model, runtime, x, SCHEDULES["chunks-3-1-2"])
+    assert out.shape == expected.shape == (0, N, config.query_dim) and out.dtype == np.float32
+    assert last["present_key"].shape == (0, G, N, d) and last["present_value"].shape == (0, G, N, d_v)
+
+    tm = do.TokenModelConfig(_encoder("lowrank-separate-gqa-unshared"), vocab_size=13, max_len=N, num_classes=3)
+    tm_params = do.init_token_model_params(tm, 2)
+    tokens = np.zeros((0, N), np.int64)
+    model = do.export_token_model(tm_params, tm, None, opset=opset, kv_cache=True)
+    out, _ = _decode(model, runtime, tokens, SCHEDULES["tokenwise"], input_name="tokens")
+    assert out.shape == do.token_model_forward(tm_params, tm, tokens).shape
+
+
 def test_token_model_decode_past_max_len_fails():
     config = do.TokenModelConfig(_encoder("heads-tied-shared"), vocab_size=13, max_len=4, num_classes=3)
     model = do.export_token_model(do.init_token_model_params(config, 3), config, None, kv_cache=True)
@@ -363,9 +391,9 @@ CROSS_CFG = dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4, context_dim=6, 
             r"Invalid argument `model`: expected a model with past_key/past_value inputs.*Received: model with inputs \['query'\]",
         ),
         (
-            lambda: do.empty_kv_cache(do.export(dc.init_params(CFG), CFG, None, causal=True, kv_cache=True), 0),
+            lambda: do.empty_kv_cache(do.export(dc.init_params(CFG), CFG, None, causal=True, kv_cache=True), -1),
             dc.DamchaValueError,
-            r"Invalid argument `batch_size`: expected an int >= 1. Received: batch_size=0",
+            r"Invalid argument `batch_size`: expected an int >= 0. Received: batch_size=-1",
         ),
     ],
     ids=[

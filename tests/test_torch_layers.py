@@ -390,7 +390,9 @@ def test_torch_compile_fullgraph_forward_backward(backend):
 def test_torch_export_with_dynamic_batch_and_length():
     """torch.export.export (non-strict, its default) with dynamic B and N, as
     for nn.MultiheadAttention: the shape checks must not pin the example sizes,
-    and the exported program must equal the layer at other sizes."""
+    and the exported program must equal the layer at other sizes, empty ones
+    included (the program failed in amax at N = M = 0 with this float mask:
+    export traces N as >= 2 and dropped the layer's M = 0 branch)."""
     cfg = _config("heads-tied")
     layer = DamchaAttention.from_canonical(case_params(cfg, 4), cfg, batch_first=True).eval()
     batch, length = torch.export.Dim("batch"), torch.export.Dim("length")
@@ -398,7 +400,7 @@ def test_torch_export_with_dynamic_batch_and_length():
     def inputs(b: int, n: int) -> tuple[tuple, dict]:
         x = _x(b, n, 16, seed=b).float()
         pad = torch.zeros(b, n, dtype=torch.bool)
-        pad[-1, -1] = True
+        pad[-1:, -1:] = True  # none in an empty batch or sequence
         # (1, 1, N, N): a 2-D mask with is_causal=True would be the causal hint (not read).
         bias = _x(1, 1, n, n, seed=n).float()
         return (x, x, x), {"key_padding_mask": pad, "attn_mask": bias, "need_weights": False, "is_causal": True}
@@ -419,11 +421,53 @@ def test_torch_export_with_dynamic_batch_and_length():
             "is_causal": None,
         },
     )
-    for b, n in ((2, 5), (3, 7)):
+    for b, n in ((2, 5), (3, 7), (0, 5), (2, 0)):
         args, kwargs = inputs(b, n)
-        torch.testing.assert_close(
-            program.module()(*args, **kwargs)[0], layer(*args, **kwargs)[0], rtol=1e-6, atol=1e-6
-        )
+        got = program.module()(*args, **kwargs)[0]
+        assert got.shape == (b, n, 16)
+        torch.testing.assert_close(got, layer(*args, **kwargs)[0], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("attention", ["self", "cross"])
+def test_torch_export_of_a_gqa_layer_runs_empty_batches_and_sequences(attention):
+    """A GQA layer (G < H: its NaN guard reduces over the keys) exported with dynamic B and N
+    failed when its program was called with N = 0 ("amax(): Expected reduction dim 1 to have
+    non-zero size"), though the eager layer returns the empty output: torch.export traces a
+    dynamic dim as >= 2 and dropped the layer's size-0 branch. The program now gives the eager
+    layer's output at every size, empty ones included, and keeps the guard (a NaN key makes its
+    batch entry NaN, the others stay finite). torch's nn.MultiheadAttention, exported the same
+    way, refuses B = 0 (a guard on 4 * B != M), so the eager layer is the reference."""
+    cfg = _config("lowrank-query-gqa")
+    layer = DamchaAttention.from_canonical(case_params(cfg, 4), cfg, batch_first=True).eval()
+
+    class Attend(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = layer
+
+        def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+            return self.attn(x, c, c, need_weights=False, is_causal=attention == "self")[0]
+
+    def inputs(b: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = _x(b, n, 16, seed=b + n).float()
+        return x, (x if attention == "self" else _x(b, n + 1 if n else 0, 16, seed=n).float())  # M = 0 for N = 0
+
+    batch, length, keys = torch.export.Dim("batch"), torch.export.Dim("length"), torch.export.Dim("keys")
+    program = torch.export.export(
+        Attend(), inputs(2, 5), dynamic_shapes={"x": {0: batch, 1: length}, "c": {0: batch, 1: keys}}
+    ).module()
+    for b, n in ((3, 4), (0, 5), (2, 0), (0, 0)):
+        x, c = inputs(b, n)
+        with torch.no_grad():
+            want = Attend()(x, c)
+        got = program(x, c)
+        assert got.shape == want.shape == (b, n, 16), (b, n)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    x, c = inputs(2, 5)
+    c = c.clone()
+    c[1, 2, 3] = float("nan")
+    got = program(x if attention == "cross" else c, c)
+    assert got[0].isfinite().all() and got[1].isnan().any()
 
 
 def test_recompute_gives_the_same_gradients():

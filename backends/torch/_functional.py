@@ -495,7 +495,12 @@ def _attend(
             # One pass over the mask: the row maximum is -inf exactly when every
             # key is hidden, and NaN when the row holds a NaN (which must reach
             # the output, as in nn.MultiheadAttention: it is not "hidden").
-            row_max = mask.amax(dim=-1, keepdim=True)
+            if torch.compiler.is_exporting():
+                # torch.export traces M as >= 2 and drops the M = 0 branch above: one -inf key
+                # more changes no row's maximum and gives amax a key to reduce over at M = 0.
+                row_max = F.pad(mask, (0, 1), value=_NEG_INF).amax(dim=-1, keepdim=True)
+            else:
+                row_max = mask.amax(dim=-1, keepdim=True)
             row_ok = row_max != _NEG_INF
             mask = mask.masked_fill(~row_ok, 0.0).to(q.dtype)
             if guard is not None:
@@ -672,7 +677,15 @@ def _has_empty_dim(t: Tensor, dims: tuple[int, ...]) -> bool:
 def _abs_max(t: Tensor, dim: tuple[int, ...], keepdim: bool = False) -> Tensor:
     """max |t| over ``dim``. amax refuses a size-0 dim; one holds no key, and
     then no query either (the shape rules refuse N >= 1 queries over M = 0
-    keys), so the guard has no row to act on: 0 of the reduced shape serves."""
+    keys), so the guard has no row to act on: 0 of the reduced shape serves.
+
+    Under torch.export the size-0 branch cannot be kept: export traces a dynamic
+    dim as >= 2 and drops it, so the program failed in amax when called with
+    M = 0. There the guard's value is sum(0 * t) instead, with no branch: 0 where
+    every element is finite, NaN otherwise (all the guard reads of it: 0 * a * b),
+    and 0 over an empty dim."""
+    if torch.compiler.is_exporting():
+        return (t * 0).sum(dim=dim, keepdim=keepdim)
     if _has_empty_dim(t, dim):
         shape = (
             [1 if i in dim else s for i, s in enumerate(t.shape)]
