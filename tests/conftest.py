@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 # Two xdist workers share two cores: one intra-op thread each avoids
 # oversubscription (set before any framework is imported).
 for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
@@ -49,3 +51,25 @@ RUN_FIRST = (
 def pytest_collection_modifyitems(items: list) -> None:
     rank = {name: i for i, name in enumerate(RUN_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
+@pytest.fixture
+def sync_events(monkeypatch):
+    """os.fsync and os.replace recorded, in order, as ("fsync", (dev, inode)) and ("replace", absolute
+    destination): a file keeps its inode through a rename, so a test finds its sync before the rename
+    and its folder's after. Shared by the crash-safe-write tests (CLI, ONNX files, benchmark results)."""
+    events: list[tuple[str, object]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        st = os.fstat(fd)
+        events.append(("fsync", (st.st_dev, st.st_ino)))
+        real_fsync(fd)
+
+    def replace(src, dst) -> None:
+        events.append(("replace", os.path.abspath(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    return events

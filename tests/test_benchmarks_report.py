@@ -9,7 +9,6 @@ runs of different commits are never pooled (the later replaces the earlier).
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -286,25 +285,12 @@ def test_models_report_command_refuses_tiny_and_other_formats(tmp_path: Path) ->
     )
 
 
-def test_the_results_file_is_synced_with_its_folder_and_resumes(tmp_path, monkeypatch):
+def test_the_results_file_is_synced_with_its_folder_and_resumes(tmp_path, monkeypatch, sync_events):
     """Results.save wrote a temporary file and renamed it without a sync: a power loss during a
     long benchmark could leave an empty results file under the final name. Now the file's
     data is on disk before its rename and its folder after (recorded through os.fsync, by
     inode), and a resumed run still reads the entries back."""
-    events: list[tuple[str, object]] = []
-    real_fsync, real_replace = os.fsync, os.replace
-
-    def fsync(fd: int) -> None:
-        st = os.fstat(fd)
-        events.append(("fsync", (st.st_dev, st.st_ino)))
-        real_fsync(fd)
-
-    def replace(src, dst) -> None:
-        events.append(("replace", Path(dst).name))
-        real_replace(src, dst)
-
-    monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(os, "replace", replace)
+    events = sync_events
     path = tmp_path / "runs" / "results.json"
     results = _harness.Results(path, resume=False)
     results.start_run({"commit": "abc"})
@@ -315,7 +301,7 @@ def test_the_results_file_is_synced_with_its_folder_and_resumes(tmp_path, monkey
         st = p.stat()
         return (st.st_dev, st.st_ino)
 
-    assert events[-3:] == [("fsync", inode(path)), ("replace", "results.json"), ("fsync", inode(path.parent))]
+    assert events[-3:] == [("fsync", inode(path)), ("replace", str(path)), ("fsync", inode(path.parent))]
     assert sorted(p.name for p in path.parent.iterdir()) == ["results.json"]  # no temporary file left
     resumed = _harness.Results(path, resume=True)
     assert resumed.data["runs"] == [{"commit": "abc"}] and resumed.has("e1")

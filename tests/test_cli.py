@@ -295,30 +295,17 @@ def test_atomic_dir_into_a_read_only_folder_leaves_the_old_outputs(tmp_path, mon
         blocked.chmod(0o755)
 
 
-def test_atomic_outputs_are_fsynced_before_and_after_their_renames(tmp_path, monkeypatch):
+def test_atomic_outputs_are_fsynced_before_and_after_their_renames(tmp_path, monkeypatch, sync_events):
     """A rename is durable only when the renamed file's data is on disk first and the folder that
     holds the new name is synced after it: otherwise a power loss after the rename can leave an
     empty or partial file under the final name, or lose the name. atomic_dir synced nothing and
     atomic_write not its folder. Recorded through os.fsync/os.replace, keyed by inode (a file
     keeps it through the rename)."""
-    events: list[tuple[str, object]] = []
-    real_fsync, real_replace = os.fsync, os.replace
-
-    def fsync(fd: int) -> None:
-        st = os.fstat(fd)
-        events.append(("fsync", (st.st_dev, st.st_ino)))
-        real_fsync(fd)
-
-    def replace(src, dst) -> None:
-        events.append(("replace", Path(dst).name))
-        real_replace(src, dst)
-
-    monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(os, "replace", replace)
+    events = sync_events
 
     def log(names: dict[Path, str]) -> list[tuple[str, object]]:
         keys = {(p.stat().st_dev, p.stat().st_ino): name for p, name in names.items()}
-        return [(what, keys.get(k, "other") if what == "fsync" else k) for what, k in events]
+        return [(what, keys.get(k, "other") if what == "fsync" else Path(k).name) for what, k in events]
 
     out = tmp_path / "out"  # a new folder: its name in tmp_path must be synced too
     with cu.atomic_dir(out) as tmp:

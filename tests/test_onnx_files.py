@@ -131,39 +131,19 @@ def test_a_failed_write_keeps_the_earlier_file_and_leaves_nothing(tmp_path, monk
     _check_matches(path, _params(0))
 
 
-def _record_syncs(monkeypatch):
-    """os.fsync and os.replace recorded as ("fsync", (dev, inode)) / ("replace", destination):
-    a file keeps its inode through the rename, so its sync is found before it."""
-    events: list[tuple[str, object]] = []
-    real_fsync, real_replace = os.fsync, os.replace
-
-    def fsync(fd):
-        st = os.fstat(fd)
-        events.append(("fsync", (st.st_dev, st.st_ino)))
-        real_fsync(fd)
-
-    def replace(src, dst):
-        events.append(("replace", os.path.abspath(dst)))
-        real_replace(src, dst)
-
-    monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(os, "replace", replace)
-    return events
-
-
 def _inode(path):
     st = os.stat(path)
     return (st.st_dev, st.st_ino)
 
 
 @pytest.mark.parametrize("writer", ["export", "save_model", "cli"])
-def test_external_data_files_and_their_folder_are_synced_around_the_renames(tmp_path, monkeypatch, writer):
+def test_external_data_files_and_their_folder_are_synced_around_the_renames(tmp_path, monkeypatch, sync_events, writer):
     """The model and its data file were staged and renamed into place without a sync: a power
     loss after the rename could leave an empty or partial file under the final name, or lose
     the name. Now each file's data is on disk before its rename and the folder after it."""
     (tmp_path / "out").mkdir()
     path = tmp_path / "out" / "m.onnx"
-    events = _record_syncs(monkeypatch)
+    events = sync_events
     if writer == "export":
         do.export(_params(), CONFIG, path, causal=True, external_data=True)
     elif writer == "save_model":
