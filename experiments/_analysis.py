@@ -723,9 +723,15 @@ def _claim1_failure_rates(headline: dict[str, dict[str, Any]], verdict: str) -> 
             quiet = False
             failed = [r["variant_failed"] for r in table]
             p = min(r["p"] for r in table)
+            if max(failed) == 0:
+                theirs = "none"
+            elif min(failed) == max(failed):
+                theirs = f"{min(failed)} each"
+            else:
+                theirs = f"{min(failed)}-{max(failed)}"
             parts.append(
                 f"{task} vs {b}: {b} failed on {table[0]['baseline_failed']} of {table[0]['n']} seeds, the DAMCHA "
-                f"variants on {min(failed)}-{max(failed)} (smallest p {p:.2g}, Holm "
+                f"variants on {theirs} (smallest p {p:.2g}, Holm "
                 f"{min(r['p_holm'] for r in table):.2g})"
             )
         if quiet and any(by_baseline.values()):
