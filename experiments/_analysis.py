@@ -462,6 +462,19 @@ def sweep_thresholds(results: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def _first_threshold(results: dict[str, Any]) -> str | None:
+    """The key under which runs record the task's first validation threshold (as _train writes it); None
+    where the task declares no thresholds (no level to fail)."""
+    thresholds = results.get("config", {}).get("thresholds") or []
+    return f"{float(thresholds[0]):g}" if thresholds else None
+
+
+def _reached(run: dict[str, Any], key: str) -> bool | None:
+    """Whether ``run`` reached the threshold ``key``; None when it predates the threshold (not judged)."""
+    reached = run.get("steps_to_threshold") or {}
+    return reached[key] is not None if key in reached else None
+
+
 def not_learned(results: dict[str, Any], name: str) -> tuple[int, int] | None:
     """Runs of ``name`` that never reached the task's first validation threshold: (chosen rate, whole sweep).
 
@@ -469,16 +482,13 @@ def not_learned(results: dict[str, Any], name: str) -> tuple[int, int] | None:
     spikes, so without this count the stability columns would call it
     stable. None where the task declares no thresholds (no level to fail).
     """
-    thresholds = results.get("config", {}).get("thresholds") or []
-    if not thresholds:
+    key = _first_threshold(results)
+    if key is None:
         return None
-    key = f"{float(thresholds[0]):g}"  # as _train writes it
     r = results["variants"][name]
 
     def failed(run: dict[str, Any]) -> bool:
-        reached = run.get("steps_to_threshold") or {}
-        # A missing key means the run predates the threshold: not judged.
-        return key in reached and reached[key] is None
+        return _reached(run, key) is False
 
     chosen = sum(failed(run) for run in r["runs"])
     chosen_lr = r.get("chosen_lr")
@@ -496,16 +506,11 @@ def learned_by_seed(results: dict[str, Any], name: str) -> dict[int, bool] | Non
     None where the task declares no thresholds; a run written before the
     thresholds were recorded is left out (not judged), as in ``not_learned``.
     """
-    thresholds = results.get("config", {}).get("thresholds") or []
-    if not thresholds:
+    key = _first_threshold(results)
+    if key is None:
         return None
-    key = f"{float(thresholds[0]):g}"
-    out = {}
-    for run in results["variants"][name]["runs"]:
-        reached = run.get("steps_to_threshold") or {}
-        if key in reached:
-            out[run["seed"]] = reached[key] is not None
-    return out
+    runs = results["variants"][name]["runs"]
+    return {run["seed"]: reached for run in runs if (reached := _reached(run, key)) is not None}
 
 
 def failure_comparison(results: dict[str, Any], names: list[str], baseline: str) -> list[dict[str, Any]]:
@@ -1030,13 +1035,10 @@ def verdicts(
     # ceiling comparison vetoed "supported" on every other task, so with crosshead's saturated ablation in
     # the report the claim could never be supported whatever digits showed.
     informative = [c for c in checks if not c["ceiling"]]
+    against = [c for c in checks if c["decision"] == "worse" or c["more_divergences"]]
     if not checks:
         verdict, reason = "inconclusive", "no ablation results with a shared variant and its reference"
-    elif (
-        informative
-        and all(c["non_inferior"] and c["stability_ok"] for c in informative)
-        and not any(c["decision"] == "worse" or c["more_divergences"] for c in checks)
-    ):
+    elif informative and all(c["non_inferior"] and c["stability_ok"] for c in informative) and not against:
         verdict = "supported"
         reason = "every shared variant non-inferior and no less stable on " + ", ".join(
             sorted({c["task"] for c in informative})
@@ -1045,12 +1047,11 @@ def verdicts(
             reason += (
                 " (at the ceiling, not counted: " + ", ".join(sorted({c["task"] for c in checks if c["ceiling"]})) + ")"
             )
-    elif any(c["decision"] == "worse" or c["more_divergences"] for c in checks):
+    elif against:
         verdict = "not supported"
         reason = "; ".join(
             f"{c['shared']} on {c['task']}: {c['decision']}" + (", more divergences" if c["more_divergences"] else "")
-            for c in checks
-            if c["decision"] == "worse" or c["more_divergences"]
+            for c in against
         )
     else:
         verdict = "inconclusive"
