@@ -120,12 +120,45 @@ def _read_result(path: Path, identity: dict[str, Any]) -> tuple[dict[str, Any] |
         return None, exc.reason
     if done is None:  # removed since the caller saw it
         return None, "was removed while it was read"
-    if done.get("identity") != _json_roundtrip(identity):
-        raise _mismatch(path, done.get("identity"), identity)
+    current = _json_roundtrip(identity)
     try:
-        return require_fields(path, done, RESULT_FIELDS), None
+        require_fields(path, done, RESULT_FIELDS)
     except IncompleteJsonObject as exc:
+        if done.get("identity") != current:
+            raise _mismatch(path, done.get("identity"), identity) from None
         return None, exc.reason
+    if done["identity"] != current:
+        return _ended_before_the_cap(path, done, current), None
+    return done, None
+
+
+def _ended_before_the_cap(path: Path, done: dict[str, Any], identity: dict[str, Any]) -> dict[str, Any]:
+    """``done``, a finished run of another step cap only, as a run of ``identity``'s cap; else refused.
+
+    The cap enters training only as the stop condition (``train_run``): the schedule, the plateau
+    rule, the data order and every draw are the same under any cap, so a run the plateau rule (or
+    a divergence) stopped at step s is, bit for bit, the run of any cap >= s
+    (``test_a_raised_step_cap_reuses_runs_the_plateau_rule_stopped``). Such a result is returned
+    under the new identity, with ``reused_from_max_steps`` naming the cap it was trained under; the
+    file is left as it is. A run that stopped at its cap has more to train: refused, saying so.
+    """
+    stored = done["identity"]
+    if identity_differences(stored, identity) != ["config.max_steps"]:
+        raise _mismatch(path, stored, identity)
+    cap = identity["config"]["max_steps"]
+    if done["stop_reason"] in ("plateau", "diverged") and done["steps"] <= cap:
+        return dict(done, identity=identity, reused_from_max_steps=stored["config"]["max_steps"])
+    why = (
+        f"stopped at its step cap ({done['steps']} steps), so it would train on under the cap of {cap}"
+        if done["stop_reason"] == "max_steps"
+        else f"ran {done['steps']} steps, beyond the cap of {cap}"
+    )
+    raise RunSettingsMismatch(
+        f"{path} belongs to a run with another step cap (differing: config.max_steps) that {why}; "
+        "delete that folder to train it again, or use another --out",
+        path,
+        ["config.max_steps"],
+    )
 
 
 def check_run_dir(run_dir: str | Path, identity: dict[str, Any]) -> bool:

@@ -491,6 +491,48 @@ def test_resume_after_interruption_is_bitwise_identical(smoke_data, tmp_path):
         train_run(data, v, 3e-3, 1, width, run_dir=tmp_path / "cut")
 
 
+def test_a_raised_step_cap_reuses_runs_the_plateau_rule_stopped(tmp_path):
+    """The step cap only stops a run: one the plateau rule stopped under a cap of 12 is, weights
+    and curve, the run a cap of 40 trains (checked here by training both), so a raised cap reads
+    it back under the new identity instead of refusing the folder. A run that stopped at its cap,
+    a lowered cap below a run's stop, or any other difference is still refused, naming why."""
+    from damcha_experiments import _train
+
+    # min_delta 1: no evaluation improves on the first, so the plateau rule stops the run early.
+    low, high = (
+        task_config("listops", "smoke", max_steps=cap, eval_every=1, patience=1, max_decays=1, min_delta=1.0)
+        for cap in (12, 40)
+    )
+    v = VARIANTS["damcha-heads-tied"]
+    data_low, data_high = TaskData(low), TaskData(high)
+    width, _ = model_width(data_low, v)
+    old = train_run(data_low, v, 1e-3, 0, width, run_dir=tmp_path / "old")
+    assert old["stop_reason"] == "plateau" and old["steps"] < 12
+    fresh = train_run(data_high, v, 1e-3, 0, width, run_dir=tmp_path / "fresh")
+    assert fresh["final_params_sha256"] == old["final_params_sha256"]
+    assert _strip_timing(fresh) == dict(_strip_timing(old), identity=fresh["identity"])
+    stored = (tmp_path / "old" / "result.json").read_text()
+    identity = run_identity(high, v, 1e-3, 0, width, torch.device("cpu"))
+    assert check_run_dir(tmp_path / "old", identity) is True
+    reused = train_run(data_high, v, 1e-3, 0, width, run_dir=tmp_path / "old")
+    assert reused == dict(old, identity=fresh["identity"], reused_from_max_steps=12)
+    assert (tmp_path / "old" / "result.json").read_text() == stored  # left as it was
+    # A cap below the run's stop: the new cap would have stopped it sooner.
+    lower = TaskData(dataclasses.replace(low, max_steps=old["steps"] - 1))
+    with pytest.raises(_train.RunSettingsMismatch, match=f"ran {old['steps']} steps, beyond the cap"):
+        train_run(lower, v, 1e-3, 0, width, run_dir=tmp_path / "old")
+    # A run that stopped at its cap has more to train.
+    capped = TaskData(dataclasses.replace(low, max_steps=2))
+    assert train_run(capped, v, 1e-3, 0, width, run_dir=tmp_path / "capped")["stop_reason"] == "max_steps"
+    with pytest.raises(_train.RunSettingsMismatch, match=r"stopped at its step cap \(2 steps\).*cap of 40") as info:
+        check_run_dir(tmp_path / "capped", identity)
+    assert info.value.differs == ["config.max_steps"]
+    # The cap and anything else: refused as before.
+    other = TaskData(dataclasses.replace(high, min_delta=0.5))
+    with pytest.raises(_train.RunSettingsMismatch, match=r"differing: config.max_steps, config.min_delta"):
+        train_run(other, v, 1e-3, 0, width, run_dir=tmp_path / "old")
+
+
 def test_a_damaged_result_json_is_an_unfinished_run(tmp_path, monkeypatch):
     """A result.json cut off mid-write made a rerun exit 2 ("delete that folder"), and train_run
     itself raise a JSONDecodeError; one with a field missing was read back as a finished run. Now
@@ -774,27 +816,37 @@ def test_spike_rule_needs_a_relative_and_an_absolute_jump(value, recent, spike, 
     assert is_spike(value, recent, smoke_data["crosshead"].cfg) is spike
 
 
-def test_saved_runs_still_match_the_identity_this_code_computes():
-    """Every finished run kept in experiments/results/full-in-progress is reused, not retrained.
+# The saved-run folders (experiments/results) and the overrides of the commands that trained
+# them: the convergence extensions raised the step cap.
+SAVED_RUNS = {
+    "full-in-progress": {},
+    "listops30k-in-progress": {"max_steps": 30_000},
+    "charlm30k-in-progress": {"max_steps": 30_000},
+}
+
+
+@pytest.mark.parametrize("folder", list(SAVED_RUNS))
+def test_saved_runs_still_match_the_identity_this_code_computes(folder):
+    """Every finished run kept in experiments/results/FOLDER is reused by its command, not retrained.
 
     A change to what a run's identity holds (a field for every task, not only the task whose
     data changed) would silently orphan these runs; listops' identity alone names a data version.
+    A run of a lower cap that the plateau rule stopped counts (``check_run_dir`` reuses it).
     """
     import pathlib
 
     from damcha_experiments._tasks import DATA_VERSIONS
-    from damcha_experiments._train import run_identity
+    from damcha_experiments._train import check_run_dir, run_identity
 
-    root = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "results" / "full-in-progress" / "runs"
+    root = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "results" / folder / "runs"
     files = sorted(root.glob("*/*/*/*/result.json"))
-    if not files:
-        pytest.skip("no saved runs in this checkout")
+    assert files, f"no saved runs in {root}"
     threads = torch.get_num_threads()
     try:
         for path in files:
             stored = json.loads(path.read_text())["identity"]
             torch.set_num_threads(stored["torch_threads"])
-            cfg = task_config(stored["config"]["task"], stored["config"]["preset"])
+            cfg = task_config(stored["config"]["task"], stored["config"]["preset"], **SAVED_RUNS[folder])
             # A task whose data changed (DATA_VERSIONS) has the version in its identity:
             # runs saved on older data no longer match, runs on the current data do.
             now = run_identity(
@@ -805,7 +857,7 @@ def test_saved_runs_still_match_the_identity_this_code_computes():
                 stored["mlp_hidden"],
                 torch.device(stored["device"]),
             )
-            assert json.loads(json.dumps(now)) == stored, path
+            assert check_run_dir(path.parent, now), path
     finally:
         torch.set_num_threads(threads)
     listops = run_identity(task_config("listops", "smoke"), VARIANTS["mha"], 1e-3, 0, 16, torch.device("cpu"))
