@@ -12,8 +12,6 @@ from hypothesis import strategies as st
 import damcha_core as dc
 from damcha_conformance import case_params
 
-rng = np.random.default_rng(0)
-
 # (metric, coupling, num_kv_heads, context_dim) spanning every structure.
 STRUCTURES = [
     ("none", "tied", 4, 12),
@@ -25,6 +23,8 @@ STRUCTURES = [
     ("lowrank", "query", 2, 8),
 ]
 STRUCTURE_IDS = [f"{m}-{c}-G{g}-Ekv{e}" for m, c, g, e in STRUCTURES]
+# Each test draws from its own seeded generator: a module-level one gave a test data that
+# depended on which tests had run before it in the process (xdist's split, -k).
 
 
 def make(metric="heads", coupling="tied", G=4, E_kv=8, seed=0, **kw):
@@ -56,7 +56,7 @@ def test_matches_independent_naive_implementation(structure, masking):
     x, c = inputs(cfg)
     mask = None
     if masking in ("per-head-mask",):
-        mask = rng.random((2, 4, 4, 5)) < 0.6
+        mask = np.random.default_rng(0).random((2, 4, 4, 5)) < 0.6
         mask[1, 2, 3] = False  # one all-masked row
     if masking == "padding+causal":
         mask = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], bool)[:, None, None, :]
@@ -70,7 +70,7 @@ def test_matches_independent_naive_implementation(structure, masking):
 def test_fast_path_equals_explicit_metric_path(structure):
     cfg, p = make(*structure)
     x, c = inputs(cfg, M=6)
-    mask = rng.random((2, 1, 4, 6)) < 0.7
+    mask = np.random.default_rng(1).random((2, 1, 4, 6)) < 0.7
     fast, w_fast = dc.damcha_attention(p, cfg, x, c, mask=mask, causal=True, return_weights=True)
     explicit, w_explicit = dc.damcha_attention(
         p, cfg, x, c, mask=mask, causal=True, return_weights=True, path="explicit"
@@ -202,10 +202,11 @@ def _permute(p, cfg, perm_kv):
 def test_consistent_head_permutation_leaves_output_unchanged(structure):
     cfg, p = make(*structure)
     x, c = inputs(cfg)
-    perm_kv = np.random.default_rng(5).permutation(cfg.num_kv_heads)
+    r = np.random.default_rng(5)
+    perm_kv = r.permutation(cfg.num_kv_heads)
     if cfg.num_kv_heads > 1:
         while np.all(perm_kv == np.arange(cfg.num_kv_heads)):
-            perm_kv = np.random.default_rng().permutation(cfg.num_kv_heads)
+            perm_kv = r.permutation(cfg.num_kv_heads)
     q = _permute(p, cfg, perm_kv)
     np.testing.assert_allclose(
         dc.damcha_attention(q, cfg, x, c), dc.damcha_attention(p, cfg, x, c), rtol=1e-10, atol=1e-12
@@ -216,6 +217,7 @@ def test_consistent_head_permutation_leaves_output_unchanged(structure):
 def test_causal_outputs_ignore_future_tokens(structure):
     metric, coupling, G, _ = structure
     cfg, p = make(metric, coupling, G, 8)
+    rng = np.random.default_rng(2)
     x = rng.normal(size=(2, 7, 8))
     y = dc.damcha_attention(p, cfg, x, causal=True)
     for i in range(6):
@@ -228,7 +230,7 @@ def test_causal_outputs_ignore_future_tokens(structure):
 
 def test_query_offset_equals_decoding_the_last_tokens():
     cfg, p = make("heads", "tied")
-    x = rng.normal(size=(2, 6, 8))
+    x = np.random.default_rng(3).normal(size=(2, 6, 8))
     full = dc.damcha_attention(p, cfg, x, causal=True)
     for P in range(6):
         step = dc.damcha_attention(p, cfg, x[:, P:], x, causal=True, query_offset=P)
@@ -260,7 +262,7 @@ def test_padding_mask_equals_truncated_context():
 def test_mask_shapes_broadcast_consistently():
     cfg, p = make()
     x, c = inputs(cfg)
-    m2 = rng.random((4, 5)) < 0.7
+    m2 = np.random.default_rng(4).random((4, 5)) < 0.7
     m2[:, 0] = True
     y2 = dc.damcha_attention(p, cfg, x, c, mask=m2)
     y4 = dc.damcha_attention(p, cfg, x, c, mask=np.broadcast_to(m2, (2, 4, 4, 5)).copy())
@@ -287,7 +289,7 @@ def test_tied_metric_is_positive_semidefinite_on_the_diagonal():
     scale * ||L(x_i) q_i||^2 >= 0 for tied coupling (the Mahalanobis form)."""
     cfg, p = make("heads", "tied", use_bias=False)
     p["key.kernel"] = p["query.kernel"].copy()
-    x = rng.normal(size=(3, 6, 8))
+    x = np.random.default_rng(6).normal(size=(3, 6, 8))
     _, w, metric = dc.damcha_attention(p, cfg, x, return_weights=True, return_metric=True)
     q = np.einsum("bne,ehd->bnhd", x, p["query.kernel"])
     Lq = np.einsum("bnha,bnad->bnhd", metric["q"], q)

@@ -49,6 +49,10 @@ def test_quantize_matches_mha_quantized_the_same_way(mode):
     through .call, skipping Keras's quantized_call): output MSE 1e10. Now a
     quantized DAMCHA model equals Keras MHA quantized the same way (gates 0) and
     stays close to its float model with open gates."""
+    # `seed` seeds dropout only: the projections' default initialisers draw from Keras's
+    # global generator, pinned here: over 160 unpinned draws float8's relative MSE below had
+    # a median of 5e-3 and one draw at 4.5e-2, over its bound.
+    keras.utils.set_random_seed(0)
     mha = keras.layers.MultiHeadAttention(2, 4, seed=0)
     x = rng(0).normal(size=(B, N, E)).astype("float32")
     mha(x, x)
@@ -72,9 +76,10 @@ def test_quantize_matches_mha_quantized_the_same_way(mode):
         warnings.simplefilter("ignore")
         quantized.quantize(mode)
     error = np.mean((np_(quantized(x)) - float_out) ** 2) / np.mean(float_out**2)
-    # Relative MSE of honest quantization: int8 stays well under 1e-2; float8 (e4m3, 3
-    # mantissa bits, on weights and activations) measured 0.5-1.1e-2 on this layer across
-    # test orders (Keras's float8 scaling state). A lost scale or a raw int8 kernel gives >= 1.
+    # Relative MSE of honest quantization: int8 stays well under 1e-2 (at most 4e-4 over 60
+    # initialisations); float8 (e4m3, 3 mantissa bits, on weights and activations) measured
+    # 0.5-1.1e-2 on this layer across test orders (Keras's float8 scaling state), and under
+    # 2e-2 for 159 of 160 initialisations. A lost scale or a raw int8 kernel gives >= 1.
     assert error < {"int8": 1e-2, "float8": 3e-2}[mode], error
     with pytest.raises(dc.DamchaValueError, match=r"`to_canonical` needs float projections.*quantized"):
         opened.to_canonical()

@@ -107,6 +107,7 @@ def test_decode_step_ops_stay_within_a_margin_of_a_hand_written_mha_step():
 
 def _python_calls(fn) -> tuple[int, int, Counter[str]]:
     """(Python function frames, builtin calls, frame names) that ``fn()`` runs (sys.setprofile)."""
+    import gc
     import sys
 
     names: Counter[str] = Counter()
@@ -119,11 +120,19 @@ def _python_calls(fn) -> tuple[int, int, Counter[str]]:
         elif event == "c_call":
             counts[1] += 1
 
+    # No garbage collection in the window: a collection runs gc.callbacks, Python functions
+    # that jax and hypothesis install (both imported in every xdist worker), so one landing in
+    # the window counted 2 frames more than the step's own.
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
     sys.setprofile(record)
     try:
         fn()
     finally:
         sys.setprofile(None)
+        if was_enabled:
+            gc.enable()
     return counts[0], counts[1] - 1, names  # less setprofile's own c_call
 
 

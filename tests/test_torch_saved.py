@@ -157,6 +157,17 @@ def _peak_bytes(module: nn.Module, *args, **kwargs) -> int:
     return peak
 
 
+def _median_peaks(ours: nn.Module, theirs: nn.Module, *args, **kwargs) -> tuple[float, float]:
+    """Each module's median peak over three alternating windows. In cross-attention the two
+    peaks are equal (no margin), so one odd window (the test above saw MHA windows count
+    24-27 KB less in CI) would decide alone; a real extra activation shows in all three."""
+    peaks: dict[int, list[int]] = {0: [], 1: []}
+    for _ in range(3):
+        for side, module in enumerate((ours, theirs)):
+            peaks[side].append(_peak_bytes(module, *args, **kwargs))
+    return statistics.median(peaks[0]), statistics.median(peaks[1])
+
+
 def _mha_and_open_layer() -> tuple[nn.MultiheadAttention, DamchaAttention]:
     """An eval nn.MultiheadAttention (seed 0) and its DamchaAttention with every gate at 0.5."""
     torch.manual_seed(0)
@@ -183,8 +194,7 @@ def test_an_inference_call_peaks_no_higher_than_mha(call):
     with torch.inference_mode():
         for module in (mha, layer):  # first calls make constants that stay (phi's sqrt(E * eps))
             module(*args, need_weights=False, **kwargs)
-        ours = _peak_bytes(layer, *args, need_weights=False, **kwargs)
-        theirs = _peak_bytes(mha, *args, need_weights=False, **kwargs)
+        ours, theirs = _median_peaks(layer, mha, *args, need_weights=False, **kwargs)
     assert ours <= theirs, (ours / ACTIVATION, theirs / ACTIVATION)
 
 
@@ -203,6 +213,5 @@ def test_cross_inference_with_joined_generator_gemms_peaks_no_higher_than_mha():
     with torch.inference_mode():
         for module in (mha, layer):
             module(x, c, c, need_weights=False)
-        ours = _peak_bytes(layer, x, c, c, need_weights=False)
-        theirs = _peak_bytes(mha, x, c, c, need_weights=False)
+        ours, theirs = _median_peaks(layer, mha, x, c, c, need_weights=False)
     assert ours <= theirs, (ours / (4 * ACTIVATION), theirs / (4 * ACTIVATION))
