@@ -928,7 +928,7 @@ if BACKEND != "torch":
 
 # Defined only where Keras runs on jax (the jax Keras process's run of test_other_keras_backends_*
 # counts JAX_HLO_TESTS passes), as the torch aten counts above.
-JAX_HLO_TESTS = 3
+JAX_HLO_TESTS = 4
 
 
 def _jax_training_step(attn, x):
@@ -1037,6 +1037,56 @@ def test_jax_hlo_embedding_tokens_are_written_once_as_in_mha():
     _close(np_(y), dc.damcha_attention(params, layer.config, x, mask=mask))
 
 
+def test_jax_hlo_padding_mask_adds_no_n_by_m_array_to_mhas():
+    """Counted, not timed (keras-jax): with ``Embedding(mask_zero=True)``
+    padding (Keras passes it as query and value masks) the compiled forward and
+    training step of DAMCHA write exactly the N x M-sized arrays MHA's do (the
+    logits, their masked fill, the probabilities and, training, their
+    cotangents) and no boolean N x M mask: the key mask reaches the kernel as
+    (B, 1, 1, M) and XLA computes it inside the masked fill from the token ids,
+    as it does MHA's (B, N, M) one. The full-mask path (``hook_mask``) writes a
+    (B, 1, N, M) bool array in both. The output equals the reference."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+
+    b, n, e, h, d, vocab = 2, 48, 64, 8, 8, 50  # n appears in no other dim
+    ids = rng(25).integers(1, vocab, (b, n)).astype("int32")
+    ids[1, n - 7 :] = 0
+    keras.utils.set_random_seed(25)
+    tokens = keras.Input((n,), batch_size=b, dtype="int32")
+    embedded = keras.layers.Embedding(vocab, e, mask_zero=True)(tokens)
+    mha = keras.layers.MultiHeadAttention(h, d)
+    models = {"mha": keras.Model(tokens, mha(embedded, embedded))}
+    _, layer = _opened_from_mha(np.zeros((b, n, e), "float32"), h, d)
+    layer.set_weights(mha.get_weights())
+    models["damcha"] = keras.Model(tokens, layer(embedded, embedded))
+
+    def n_by_m_arrays(model):
+        trainable = [v.value for v in model.trainable_variables]
+        fixed = [v.value for v in model.non_trainable_variables]
+
+        def loss(weights, x):
+            return jnp.mean(jnp.square(model.stateless_call(weights, fixed, x)[0]))
+
+        found = []
+        for fn in (loss, jax.grad(loss)):
+            text = jax.jit(fn).lower(trainable, ids).compile().as_text()
+            shapes = re.findall(r"= (\w+)\[([\d,]*)\]", text[text.index("\nENTRY") :])
+            found.append(sorted(f"{t}[{s}]" for t, s in shapes if s.split(",").count(str(n)) >= 2))
+        return found
+
+    theirs, ours = n_by_m_arrays(models["mha"]), n_by_m_arrays(models["damcha"])
+    assert ours == theirs, (ours, theirs)
+    assert not any(a.startswith("pred") for step in ours for a in step), ours
+    y = models["damcha"](ids)
+    params = {k: v.astype(np.float64) for k, v in layer.to_canonical().items()}
+    x = np_(models["damcha"].layers[1](ids))
+    keep = ids != 0
+    _close(np_(y), dc.damcha_attention(params, layer.config, x, mask=keep[:, None, :, None] & keep[:, None, None, :]))
+
+
 def test_jax_eager_attention_runs_as_one_compiled_call(monkeypatch):
     """Counted, not timed (keras-jax): an eager call runs the fused attention
     as one call of a compiled function (``F._jax_fused_attention``), traced
@@ -1076,4 +1126,5 @@ def test_jax_eager_attention_runs_as_one_compiled_call(monkeypatch):
 if BACKEND != "jax":
     del test_jax_hlo_training_step_maps_heads_with_library_products_only
     del test_jax_hlo_embedding_tokens_are_written_once_as_in_mha
+    del test_jax_hlo_padding_mask_adds_no_n_by_m_array_to_mhas
     del test_jax_eager_attention_runs_as_one_compiled_call
