@@ -985,6 +985,45 @@ def test_jax_hlo_training_step_maps_heads_with_library_products_only(monkeypatch
     _close(np_(y), dc.damcha_attention(params, layer.config, x.astype(np.float64), causal=True))
 
 
+def _embedding_padding_models(b, n, e, h, d, vocab, seed, pad):
+    """Token ids (the last ``pad`` of row 1 padding), an ``Embedding(mask_zero=True)`` model with
+    Keras' MHA and the same with a DAMCHA layer of MHA's weights (gates opened), and that layer."""
+    ids = rng(seed).integers(1, vocab, (b, n)).astype("int32")
+    ids[1, n - pad :] = 0
+    keras.utils.set_random_seed(seed)
+    tokens = keras.Input((n,), batch_size=b, dtype="int32")
+    embedded = keras.layers.Embedding(vocab, e, mask_zero=True)(tokens)
+    mha = keras.layers.MultiHeadAttention(h, d)
+    models = {"mha": keras.Model(tokens, mha(embedded, embedded))}
+    _, layer = _opened_from_mha(np.zeros((b, n, e), "float32"), h, d)
+    layer.set_weights(mha.get_weights())
+    models["damcha"] = keras.Model(tokens, layer(embedded, embedded))
+    return ids, models, layer
+
+
+def _compiled_entries(model, ids):
+    """The ENTRY computation of the compiled (jax) forward loss and of its gradient."""
+    import jax
+    import jax.numpy as jnp
+
+    trainable = [v.value for v in model.trainable_variables]
+    fixed = [v.value for v in model.non_trainable_variables]
+
+    def loss(weights, x):
+        return jnp.mean(jnp.square(model.stateless_call(weights, fixed, x)[0]))
+
+    texts = [jax.jit(fn).lower(trainable, ids).compile().as_text() for fn in (loss, jax.grad(loss))]
+    return [t[t.index("\nENTRY") :] for t in texts]
+
+
+def _padding_output_matches_reference(ids, models, layer):
+    y = models["damcha"](ids)
+    params = {k: v.astype(np.float64) for k, v in layer.to_canonical().items()}
+    x = np_(models["damcha"].layers[1](ids))
+    keep = ids != 0
+    _close(np_(y), dc.damcha_attention(params, layer.config, x, mask=keep[:, None, :, None] & keep[:, None, None, :]))
+
+
 def test_jax_hlo_embedding_tokens_are_written_once_as_in_mha():
     """Counted, not timed (keras-jax): with tokens from ``Embedding(mask_zero=True)``
     (Keras passes the padding as query and value masks), the compiled forward
@@ -995,46 +1034,20 @@ def test_jax_hlo_embedding_tokens_are_written_once_as_in_mha():
     the forward's 152.8). The output equals the reference with the padding mask."""
     import re
 
-    import jax
-    import jax.numpy as jnp
-
     b, n, e, h, d, vocab = 2, 32, 64, 8, 8, 50
-    ids = rng(24).integers(1, vocab, (b, n)).astype("int32")
-    ids[1, n - 5 :] = 0
-    keras.utils.set_random_seed(24)
-    tokens = keras.Input((n,), batch_size=b, dtype="int32")
-    embedded = keras.layers.Embedding(vocab, e, mask_zero=True)(tokens)
-    mha = keras.layers.MultiHeadAttention(h, d)
-    models = {"mha": keras.Model(tokens, mha(embedded, embedded))}
-    _, layer = _opened_from_mha(np.zeros((b, n, e), "float32"), h, d)
-    layer.set_weights(mha.get_weights())
-    models["damcha"] = keras.Model(tokens, layer(embedded, embedded))
+    ids, models, layer = _embedding_padding_models(b, n, e, h, d, vocab, seed=24, pad=5)
 
     def token_writes(model):
-        trainable = [v.value for v in model.trainable_variables]
-        fixed = [v.value for v in model.non_trainable_variables]
-
-        def loss(weights, x):
-            return jnp.mean(jnp.square(model.stateless_call(weights, fixed, x)[0]))
-
         counts = []
-        for fn in (loss, jax.grad(loss)):
-            text = jax.jit(fn).lower(trainable, ids).compile().as_text()
-            shapes = re.findall(
-                r"= f32\[([\d,]+)\]\S* (?:fusion|copy|gather)\(.*embedding", text[text.index("\nENTRY") :]
-            )
+        for text in _compiled_entries(model, ids):
+            shapes = re.findall(r"= f32\[([\d,]+)\]\S* (?:fusion|copy|gather)\(.*embedding", text)
             counts.append(sum(np.prod([int(s) for s in shape.split(",")]) == b * n * e for shape in shapes))
         return counts
 
     # Every (B, N, E)-sized array the embedding's ops write, whatever its shape.
     theirs, ours = token_writes(models["mha"]), token_writes(models["damcha"])
     assert ours[0] <= theirs[0] and ours[1] <= theirs[1] + 1, (ours, theirs)
-    y = models["damcha"](ids)
-    params = {k: v.astype(np.float64) for k, v in layer.to_canonical().items()}
-    x = np_(models["damcha"].layers[1](ids))
-    keep = ids != 0
-    mask = keep[:, None, :, None] & keep[:, None, None, :]
-    _close(np_(y), dc.damcha_attention(params, layer.config, x, mask=mask))
+    _padding_output_matches_reference(ids, models, layer)
 
 
 def test_jax_hlo_padding_mask_adds_no_n_by_m_array_to_mhas():
@@ -1048,43 +1061,20 @@ def test_jax_hlo_padding_mask_adds_no_n_by_m_array_to_mhas():
     (B, 1, N, M) bool array in both. The output equals the reference."""
     import re
 
-    import jax
-    import jax.numpy as jnp
-
     b, n, e, h, d, vocab = 2, 48, 64, 8, 8, 50  # n appears in no other dim
-    ids = rng(25).integers(1, vocab, (b, n)).astype("int32")
-    ids[1, n - 7 :] = 0
-    keras.utils.set_random_seed(25)
-    tokens = keras.Input((n,), batch_size=b, dtype="int32")
-    embedded = keras.layers.Embedding(vocab, e, mask_zero=True)(tokens)
-    mha = keras.layers.MultiHeadAttention(h, d)
-    models = {"mha": keras.Model(tokens, mha(embedded, embedded))}
-    _, layer = _opened_from_mha(np.zeros((b, n, e), "float32"), h, d)
-    layer.set_weights(mha.get_weights())
-    models["damcha"] = keras.Model(tokens, layer(embedded, embedded))
+    ids, models, layer = _embedding_padding_models(b, n, e, h, d, vocab, seed=25, pad=7)
 
     def n_by_m_arrays(model):
-        trainable = [v.value for v in model.trainable_variables]
-        fixed = [v.value for v in model.non_trainable_variables]
-
-        def loss(weights, x):
-            return jnp.mean(jnp.square(model.stateless_call(weights, fixed, x)[0]))
-
         found = []
-        for fn in (loss, jax.grad(loss)):
-            text = jax.jit(fn).lower(trainable, ids).compile().as_text()
-            shapes = re.findall(r"= (\w+)\[([\d,]*)\]", text[text.index("\nENTRY") :])
+        for text in _compiled_entries(model, ids):
+            shapes = re.findall(r"= (\w+)\[([\d,]*)\]", text)
             found.append(sorted(f"{t}[{s}]" for t, s in shapes if s.split(",").count(str(n)) >= 2))
         return found
 
     theirs, ours = n_by_m_arrays(models["mha"]), n_by_m_arrays(models["damcha"])
     assert ours == theirs, (ours, theirs)
     assert not any(a.startswith("pred") for step in ours for a in step), ours
-    y = models["damcha"](ids)
-    params = {k: v.astype(np.float64) for k, v in layer.to_canonical().items()}
-    x = np_(models["damcha"].layers[1](ids))
-    keep = ids != 0
-    _close(np_(y), dc.damcha_attention(params, layer.config, x, mask=keep[:, None, :, None] & keep[:, None, None, :]))
+    _padding_output_matches_reference(ids, models, layer)
 
 
 def test_jax_eager_attention_runs_as_one_compiled_call(monkeypatch):
