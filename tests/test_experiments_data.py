@@ -224,7 +224,7 @@ def test_data_order_is_a_function_of_the_seed_and_resumes_exactly():
     )
 
 
-@pytest.mark.parametrize("task", ["crosshead", "charlm", "listops", "digits"])
+@pytest.mark.parametrize("task", ["crosshead", "charlm", "listops", "listops3", "digits"])
 def test_task_data_is_deterministic_and_splits_differ(task):
     from damcha_experiments._tasks import TaskData, task_config
 
@@ -252,6 +252,41 @@ def test_listops_setting_is_nested_and_not_constant():
     assert np.bincount(data.targets, minlength=10).max() / len(data.targets) < 0.25
 
 
+def _nesting_depths(inputs: np.ndarray) -> np.ndarray:
+    """Each expression's operator nesting depth, read from its prefix tokens (an operator opens, CLOSE closes)."""
+    tokens = inputs[..., 0]
+    opens = np.isin(tokens, np.arange(_data.OP0, _data.OP0 + 4)).astype(int) - (tokens == _data.CLOSE)
+    return np.cumsum(opens, axis=1).max(axis=1)
+
+
+@pytest.mark.parametrize("preset", ["default", "full"])
+def test_listops3_is_listops_one_level_deeper(preset):
+    """listops3 differs from listops only in its data (depth 3, longer windows) and the positions' budget.
+
+    Most of its expressions nest three operators deep, none deeper, and its labels are as spread as
+    depth 2's: the added depth is what a converged comparison measures.
+    """
+    import dataclasses
+
+    from damcha_experiments._tasks import task_config
+
+    two, three = task_config("listops", preset), task_config("listops3", preset)
+    changed = {
+        f.name
+        for f in dataclasses.fields(two)
+        if getattr(two, f.name) != getattr(three, f.name)
+    }
+    assert changed <= {"task", "description", "data", "param_budget", "max_steps"}, changed
+    assert three.data == {"max_depth": 3, "max_args": 3, "max_len": 48}
+    assert three.param_budget - two.param_budget == (48 - two.data["max_len"]) * two.embed_dim
+    d2 = _nesting_depths(make_listops(2000, seed=0, **two.data).inputs)
+    d3 = _nesting_depths(make_listops(2000, seed=0, **three.data).inputs)
+    assert d2.max() == 2 and d3.max() == 3
+    assert (d3 == 3).mean() > 0.8
+    labels = make_listops(2000, seed=0, **three.data).targets
+    assert np.bincount(labels, minlength=10).max() / len(labels) < 0.25
+
+
 def test_importing_the_package_and_the_report_needs_no_torch():
     import subprocess
     import sys
@@ -271,7 +306,7 @@ def _rows(x):
     return [row.tobytes() for row in np.ascontiguousarray(x).reshape(len(x), -1)]
 
 
-@pytest.mark.parametrize("task", ["crosshead", "listops"])
+@pytest.mark.parametrize("task", ["crosshead", "listops", "listops3"])
 def test_task_data_evaluation_sets_share_no_example_with_training(task):
     """No validation or test example occurs verbatim in training, nor a test one in validation.
 
@@ -281,7 +316,7 @@ def test_task_data_evaluation_sets_share_no_example_with_training(task):
     """
     from damcha_experiments._tasks import TaskData, task_config
 
-    sizes = {"crosshead": (1500, 300), "listops": (5000, 500)}[task]
+    sizes = {"crosshead": (1500, 300), "listops": (5000, 500), "listops3": (5000, 500)}[task]
     data = TaskData(task_config(task, "default", train_size=sizes[0], val_size=sizes[1], test_size=sizes[1]))
     train, val, test = set(_rows(data.train_inputs)), _rows(data.val[0]), _rows(data.test[0])
     assert len(val) == len(test) == sizes[1]
