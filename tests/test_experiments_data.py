@@ -271,11 +271,7 @@ def test_listops3_is_listops_one_level_deeper(preset):
     from damcha_experiments._tasks import task_config
 
     two, three = task_config("listops", preset), task_config("listops3", preset)
-    changed = {
-        f.name
-        for f in dataclasses.fields(two)
-        if getattr(two, f.name) != getattr(three, f.name)
-    }
+    changed = {f.name for f in dataclasses.fields(two) if getattr(two, f.name) != getattr(three, f.name)}
     assert changed <= {"task", "description", "data", "param_budget", "max_steps"}, changed
     assert three.data == {"max_depth": 3, "max_args": 3, "max_len": 48}
     assert three.param_budget - two.param_budget == (48 - two.data["max_len"]) * two.embed_dim
