@@ -822,6 +822,7 @@ SAVED_RUNS = {
     "full-in-progress": {},
     "listops30k-in-progress": {"max_steps": 30_000},
     "charlm30k-in-progress": {"max_steps": 30_000},
+    "listops3-probe": {},
 }
 
 
