@@ -24,6 +24,7 @@ from _harness import (
     Session,
     closed_gate_check,
     comparison,
+    compiled_memory,
     decode_entry,
     decode_target,
     each_case,
@@ -377,17 +378,6 @@ class ModelStep:
 
     def memory(self, m: Stack, x: Any) -> dict[str, float]:
         return compiled_memory(self.jitted.lower(m, *self.extra, x).compile())
-
-
-def compiled_memory(compiled: Any) -> dict[str, float]:
-    """XLA's ``memory_analysis()`` of a compiled program in MiB: ``temp`` (the
-    buffers XLA allocates while it runs: activations, saved residuals),
-    ``argument`` and ``output`` (parameters, optimizer state, inputs, results),
-    ``alias`` (outputs that reuse a donated argument) and ``total`` = argument
-    + output + temp - alias, the memory the call needs at its peak."""
-    stats = compiled.memory_analysis()
-    mib = {k: getattr(stats, f"{k}_size_in_bytes") / 2**20 for k in ("temp", "argument", "output", "alias")}
-    return {**mib, "total": mib["argument"] + mib["output"] + mib["temp"] - mib["alias"]}
 
 
 def _model_fns(kind: str, mode: str, model: Stack) -> ModelStep:

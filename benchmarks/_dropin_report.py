@@ -48,10 +48,14 @@ own process, pinned to that many cores). Whole models: DAMCHA layers share
 one metric generator. Peak memory: resident-set high-water mark (VmHWM) of
 one call after a warm-up call, each model in a fresh process, with glibc told
 to unmap freed blocks >= 64 KiB (`MALLOC_MMAP_THRESHOLD_=65536`), the method
-of `bench_torch.py`; Flax: XLA's own estimate for the compiled call
-(`memory_analysis()`: temp + argument + output bytes; "XLA MiB" columns), as
-a jitted JAX call's resident set is set by XLA's allocator (the same rows read
-0.40-2.58 across two runs).
+of `bench_torch.py` (Keras on torch too); Flax and Keras on JAX: XLA's own
+estimate for the compiled call or training step (`memory_analysis()`: temp +
+argument + output bytes; "XLA MiB" columns), as a jitted JAX call's resident
+set is set by XLA's allocator (the same rows read 0.40-2.58 across two runs);
+Keras on TensorFlow: not measured ("-"), as TensorFlow's CPU runtime keeps a
+step's buffers between calls (a warm call's resident-set increase read a few
+MiB for a step whose attention scores alone need 128 MiB) and reports no CPU
+peak of its own.
 
 Targets (issue 12): layer and whole-model time <= 1.05 at N >= 1024 and
 <= 1.10 at N = 256; decode per token <= 1.15 at B=1 (eager) and <= 1.05 at

@@ -174,6 +174,17 @@ def peak_in_subprocess(argv: Sequence[str], *, timeout: float | None = None) -> 
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def compiled_memory(compiled: Any) -> dict[str, float]:
+    """XLA's ``memory_analysis()`` of a compiled program in MiB: ``temp`` (the
+    buffers XLA allocates while it runs: activations, saved residuals),
+    ``argument`` and ``output`` (parameters, optimizer state, inputs, results),
+    ``alias`` (outputs that reuse a donated argument) and ``total`` = argument
+    + output + temp - alias, the memory the call needs at its peak."""
+    stats = compiled.memory_analysis()
+    mib = {k: getattr(stats, f"{k}_size_in_bytes") / 2**20 for k in ("temp", "argument", "output", "alias")}
+    return {**mib, "total": mib["argument"] + mib["output"] + mib["temp"] - mib["alias"]}
+
+
 def measure_peak(call: Callable[[], Any]) -> float:
     """Peak RSS increase (MiB) of one ``call()`` after a warm-up call, in this process."""
     from _memory import peak_rss_bytes, reset_peak_rss, rss_bytes
@@ -550,11 +561,13 @@ class Session:
         check: dict[str, Any],
         memory: str | None = None,
         in_process: Callable[[str], dict[str, Any]] | None = None,
+        memory_in_process: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         """Record a layer or whole-model entry at length ``n``, timed against MHA (a model
         entry's ``case`` is its kind, "encoder" or "lm"). With ``memory`` (how the memory
         workers measure, in words), also the models' peaks (``model_memory``) when memory
-        is measured now."""
+        is measured now; with ``memory_in_process`` instead, the ``memory`` record that
+        function returns (a port whose memory is not a resident set: XLA's estimate)."""
         shape = self.sizes.model_shape(n, case) if section == "model" else self.sizes.layer_shape(n)
         record = entry(
             entry_id,
@@ -570,6 +583,8 @@ class Session:
         )
         if memory is not None and self.memory:
             record["memory"] = self.model_memory(case, n, mode, memory, in_process)
+        elif memory_in_process is not None and self.memory:
+            record["memory"] = memory_in_process()
         self.record(record)
 
     def wanted(self, entry_id: str) -> bool:
