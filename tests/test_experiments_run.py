@@ -823,6 +823,7 @@ SAVED_RUNS = {
     "listops30k-in-progress": {"max_steps": 30_000},
     "charlm30k-in-progress": {"max_steps": 30_000},
     "listops3-probe": {},
+    "charlm30k4-in-progress": {"max_steps": 30_000},
 }
 
 
