@@ -31,8 +31,8 @@ from _harness import (
     each_decode,
     entry,
     interleaved,
-    memory_comparison,
     time_target,
+    xla_memory_record,
 )
 from flax import nnx
 
@@ -469,11 +469,7 @@ def _model_case(ses: Session, kind: str, text: str, n: int, todo: dict[str, str]
         if ses.memory:
             # In this process: XLA's numbers do not depend on what ran before (RSS would).
             mems = {impl: fns[impl].memory(models[impl], x) for impl in ("damcha", "mha")}
-            record["memory"] = {
-                "method": MEMORY_METHOD,
-                **memory_comparison({impl: m["total"] for impl, m in mems.items()}, "damcha", "mha"),
-                "xla_mib": mems,
-            }
+            record["memory"] = xla_memory_record(MEMORY_METHOD, mems)
         ses.record(record)
 
 

@@ -30,7 +30,7 @@ from _harness import (
     each_case,
     each_decode,
     interleaved,
-    memory_comparison,
+    xla_memory_record,
 )
 from keras import ops
 
@@ -504,18 +504,13 @@ def _model_case(ses: Session, kind: str, text: str, n: int, todo: dict[str, str]
     mha, damcha, x, y = m["mha"], m["damcha"], m["x"], m["y"]
     check = _check(damcha.predict_on_batch(x), mha.predict_on_batch(x))
     open_gates(m["layers"])
+    backend = keras.backend.backend()
     for mode, entry_id in todo.items():
         calls = {"damcha": _model_call(damcha, x, y, mode), "mha": _model_call(mha, x, y, mode)}
         times = interleaved(calls, repeats=s.model_repeats(n), warmup=2, sync=_sync)
-        backend = keras.backend.backend()
 
         def xla_memory(mode: str = mode) -> dict[str, Any]:
-            mems = {impl: _xla_memory(m[impl], x, y, mode) for impl in ("damcha", "mha")}
-            return {
-                "method": XLA_METHOD,
-                **memory_comparison({impl: v["total"] for impl, v in mems.items()}, "damcha", "mha"),
-                "xla_mib": mems,
-            }
+            return xla_memory_record(XLA_METHOD, {impl: _xla_memory(m[impl], x, y, mode) for impl in ("damcha", "mha")})
 
         ses.record_timed(
             entry_id,

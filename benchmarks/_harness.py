@@ -185,6 +185,16 @@ def compiled_memory(compiled: Any) -> dict[str, float]:
     return {**mib, "total": mib["argument"] + mib["output"] + mib["temp"] - mib["alias"]}
 
 
+def xla_memory_record(method: str, mems: Mapping[str, dict[str, float]]) -> dict[str, Any]:
+    """A whole-model entry's ``memory`` from XLA's estimates (``compiled_memory``) of the
+    "damcha" and "mha" programs: their totals compared, every part kept (``xla_mib``)."""
+    return {
+        "method": method,
+        **memory_comparison({impl: m["total"] for impl, m in mems.items()}, "damcha", "mha"),
+        "xla_mib": dict(mems),
+    }
+
+
 def measure_peak(call: Callable[[], Any]) -> float:
     """Peak RSS increase (MiB) of one ``call()`` after a warm-up call, in this process."""
     from _memory import peak_rss_bytes, reset_peak_rss, rss_bytes

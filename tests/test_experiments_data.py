@@ -276,11 +276,11 @@ def test_listops3_is_listops_one_level_deeper(preset):
     assert three.data == {"max_depth": 3, "max_args": 3, "max_len": 48}
     assert three.param_budget - two.param_budget == (48 - two.data["max_len"]) * two.embed_dim
     d2 = _nesting_depths(make_listops(2000, seed=0, **two.data).inputs)
-    d3 = _nesting_depths(make_listops(2000, seed=0, **three.data).inputs)
+    deeper = make_listops(2000, seed=0, **three.data)
+    d3 = _nesting_depths(deeper.inputs)
     assert d2.max() == 2 and d3.max() == 3
     assert (d3 == 3).mean() > 0.8
-    labels = make_listops(2000, seed=0, **three.data).targets
-    assert np.bincount(labels, minlength=10).max() / len(labels) < 0.25
+    assert np.bincount(deeper.targets, minlength=10).max() / len(deeper.targets) < 0.25
 
 
 def test_importing_the_package_and_the_report_needs_no_torch():
