@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _aten import top_level_aten_ops
@@ -135,6 +136,30 @@ def check_mixed_precision_fit(r: dict, backend: str) -> None:
         assert got[policy]["norm_scale"] == "accepted", got
 
 
+def check_torch_saved_recipes(r: dict, backend: str) -> None:
+    if backend != "torch":
+        assert r["torch_saved_recipes"] is None, r
+        return
+    got = r["torch_saved_recipes"]
+    # Training: the same outputs and gradients (inputs and every weight, bit for bit) with the
+    # recipe as without, for each coupling, masks, the explicit path and a cache-writing
+    # step; backward made q~ again where the kernel kept it (not for "lowrank": no fast map).
+    for case, diff in got["vs_off"].items():
+        assert diff["made"] == diff["expected"] and diff["made_without"] == 0, (case, diff)
+        assert diff["output"] == 0.0 and diff["grads"] == 0.0 and diff["names"] > 0, (case, diff)
+    # Off without gradient, under the caller's saved-tensor hooks (which the layer's would
+    # displace) and under torch.func; on in plain eager training.
+    assert got["off"] == {"no_grad": False, "callers_hooks": False, "eager_training": True}, got
+    assert got["func_grad"] is False, got
+    assert "modified in place" in got["in_place"], got
+    # What one training call keeps for backward (a tied layer, gates open, against the
+    # Keras MHA it came from): within 5% of MHA's activations (the map matrix); without
+    # the recipe, q~ besides (a (B, N, E) tensor).
+    saved = got["saved_bytes"]
+    assert saved["recipes"] <= 1.05 * saved["mha"], saved
+    assert saved["off"] >= saved["recipes"] + saved["tokens"], saved
+
+
 # Each check on every backend: the export and from_mha checks run on one backend
 # and assert that the others' runs left them out (None, never a silent pass).
 CHECKS = {
@@ -148,6 +173,7 @@ CHECKS = {
     "torch-padding-path": check_torch_padding_path,
     "torch-causal-probe": check_torch_causal_probe,
     "mixed-precision-fit": check_mixed_precision_fit,
+    "torch-saved-recipes": check_torch_saved_recipes,
 }
 
 
@@ -445,6 +471,175 @@ def torch_causal_probe(DamchaAttention, keras, np) -> dict:
     }
 
 
+def torch_saved_recipes(DamchaAttention, keras, np) -> dict:
+    """keras-torch training: attention saves the mapped heads as recipes
+    (``F.saved_as_recipes``): outputs and gradients against the same calls with
+    the recipes off, how many recipes backward made, when they are off, an
+    in-place change caught, and the activations a call saves against MHA's."""
+    import torch
+
+    import damcha_keras._functional as F
+
+    real_keeps, real_make = F.torch_keeps_recipes, F._Recipe.make
+    made = []
+
+    def counting_make(self):
+        made.append(1)
+        return real_make(self)
+
+    def run_layer(layer, inputs, kwargs, recipes: bool):
+        """Output and the gradients of sum(y * w) for the inputs and every trainable weight."""
+        copies: dict[int, Any] = {}  # one leaf per distinct input: self-attention stays `key is query`
+        leaves = [copies.setdefault(id(t), t.detach().clone().requires_grad_(True)) for t in inputs]
+        if not recipes:
+            F.torch_keeps_recipes = lambda: False
+        F._Recipe.make = counting_make
+        try:
+            del made[:]
+            out = layer(*leaves, **kwargs)
+            y = out[0] if isinstance(out, tuple) else out
+            weights = [v.value for v in layer.trainable_variables]
+            w = torch.linspace(-1, 1, y.numel(), dtype=y.dtype).reshape(y.shape)
+            grads = torch.autograd.grad((y * w).sum(), list(copies.values()) + weights, allow_unused=True)
+            n = len(made)
+        finally:
+            F.torch_keeps_recipes, F._Recipe.make = real_keeps, real_make
+        return y.detach(), [None if t is None else t.detach() for t in grads], n
+
+    rng = np.random.default_rng(8)
+    vs_off = {}
+    cases = {  # layer, inputs, call, recipes backward makes (one: q~'s)
+        "tied": (dict(num_heads=2, key_dim=4), "self", {}, 1),
+        "tied-causal": (dict(num_heads=2, key_dim=4), "self", {"use_causal_mask": True}, 1),
+        "separate": (dict(num_heads=2, key_dim=4, coupling="separate"), "cross", {}, 1),
+        "query": (dict(num_heads=2, key_dim=4, coupling="query"), "cross", {}, 1),
+        "gqa-separate": (dict(num_heads=4, key_dim=4, num_kv_heads=2, coupling="separate"), "self", {}, 1),
+        "no-bias-padding": (dict(num_heads=2, key_dim=4, use_bias=False), "self", {"mask": True}, 1),
+        # The explicit path's einsums save permuted copies of q~: no recipe, same numbers.
+        "explicit-scores": (dict(num_heads=2, key_dim=4), "self", {"return_attention_scores": True}, 0),
+        "decode-step": (dict(num_heads=2, key_dim=4), "cache", {"use_causal_mask": True}, 1),
+        "lowrank": (dict(num_heads=2, key_dim=4, metric="lowrank", metric_rank=2), "self", {}, 0),
+    }
+    for name, (kw, kind, call_kwargs, expected) in cases.items():
+        # float32: the kernel path (float64 takes the explicit one, whose einsums save copies)
+        layer = DamchaAttention(**kw, seed=1)
+        q = torch.tensor(rng.normal(size=(2, 5, 8)).astype("float32"))
+        c = torch.tensor(rng.normal(size=(2, 7, 8)).astype("float32"))
+        layer(q, q if kind != "cross" else c)
+        params = layer.to_canonical()
+        layer.load_canonical({k: (np.full_like(v, 0.5) if k.endswith(".gate") else v) for k, v in params.items()})
+        if call_kwargs.pop("mask", False):
+            pad = torch.tensor([[True] * 5, [True] * 3 + [False] * 2])
+            call_kwargs = dict(call_kwargs, query_mask=pad, value_mask=pad)
+        if kind == "cache":
+            token = q[:, :1]
+            inputs = [token, token]
+            call_kwargs = dict(call_kwargs, cache=layer.init_cache(2, 6), cache_update_index=0)
+        else:
+            inputs = [q, q] if kind == "self" else [q, c]
+        a = run_layer(layer, inputs, call_kwargs, recipes=True)
+        b = run_layer(layer, inputs, call_kwargs, recipes=False)
+        pairs = [(u, v) for u, v in zip(a[1], b[1]) if u is not None or v is not None]
+        vs_off[name] = {
+            "output": float((a[0] - b[0]).abs().max()),
+            "grads": max(float((u - v).abs().max()) for u, v in pairs),
+            "names": len(pairs),
+            "made": a[2],
+            "expected": expected,
+            "made_without": b[2],
+        }
+
+    # Off where the layer's hooks would displace a caller's or cannot run.
+    off = {}
+    with torch.no_grad():
+        off["no_grad"] = F.torch_keeps_recipes()
+    with torch.autograd.graph.save_on_cpu():
+        off["callers_hooks"] = F.torch_keeps_recipes()
+    seen = {}
+    torch.func.grad(lambda a: (seen.setdefault("func_grad", F.torch_keeps_recipes()), a.sum())[1])(torch.ones(2))
+    off["eager_training"] = F.torch_keeps_recipes()
+
+    # An in-place change of what a recipe reads, after the forward, fails loudly.
+    m = torch.randn(2, 3, 3, dtype=torch.float64, requires_grad=True)
+    yy = torch.randn(2, 3, 4, dtype=torch.float64) * 1.0
+    yy.requires_grad_(True)
+    base = yy * 1.0
+    block = torch.matmul(m, base)
+    with F.saved_as_recipes([(block, m, base)]):
+        loss = (block * block).sum()
+    with torch.no_grad():
+        base.add_(1.0)
+    try:
+        loss.backward()
+        in_place = "no error"
+    except RuntimeError as e:
+        in_place = str(e)
+
+    # Saved for backward: distinct activations' bytes, one training call (B=2, N=32, E=128, H=4).
+    mha = keras.layers.MultiHeadAttention(4, 32)
+    h = torch.tensor(rng.normal(size=(2, 32, 128)).astype("float32"))
+    mha(h, h)
+    layer = DamchaAttention.from_mha(mha)
+    params = layer.to_canonical()
+    layer.load_canonical({k: (np.full_like(v, 0.5) if k.endswith(".gate") else v) for k, v in params.items()})
+    # Parameters are kept anyway: only the activations count.
+    weights = {v.value.untyped_storage().data_ptr() for v in layer.weights + mha.weights}
+
+    def saved_bytes(fn) -> int:
+        storages = {}
+
+        def record(t) -> None:
+            if t.untyped_storage().data_ptr() not in weights:
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+
+        def pack(t):
+            record(t)
+            return t
+
+        def counted(blocks):  # the layer's hooks, recording what they keep (a recipe: its matrix and y)
+            hooks = real_saved_as_recipes(blocks)
+
+            def pack_recipes(t):
+                kept = hooks.pack_hook(t)
+                for x in (kept.matrix, kept.y) if isinstance(kept, F._Recipe) else (kept,):
+                    record(x)
+                return kept
+
+            return torch.autograd.graph.saved_tensors_hooks(pack_recipes, hooks.unpack_hook)
+
+        # The counting hooks would turn the layer's off (a caller's hooks): it is told there are none.
+        real_top = torch._C._autograd._top_saved_tensors_default_hooks
+        torch._C._autograd._top_saved_tensors_default_hooks = lambda *a: None
+        F.saved_as_recipes = counted
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                fn()
+        finally:
+            torch._C._autograd._top_saved_tensors_default_hooks = real_top
+            F.saved_as_recipes = real_saved_as_recipes
+        return sum(storages.values())
+
+    real_saved_as_recipes = F.saved_as_recipes
+    with_recipes = saved_bytes(lambda: layer(h, h))
+    F.torch_keeps_recipes = lambda: False
+    try:
+        without = saved_bytes(lambda: layer(h, h))
+    finally:
+        F.torch_keeps_recipes = real_keeps
+    return {
+        "vs_off": vs_off,
+        "off": off,
+        "func_grad": seen["func_grad"],
+        "in_place": in_place,
+        "saved_bytes": {
+            "recipes": with_recipes,
+            "off": without,
+            "mha": saved_bytes(lambda: mha(h, h)),
+            "tokens": h.nbytes,
+        },
+    }
+
+
 def mixed_precision_fit(DamchaAttention, keras, np) -> dict:
     """What loading params that fit float32 but not the compute dtype does under each
     mixed policy: the error's text, or "accepted"."""
@@ -578,6 +773,7 @@ def run(backend: str, workdir: str) -> dict:
         "from_mha_copies": from_mha_copies(DamchaAttention, keras, np) if backend == "jax" else None,
         "torch_padding_path": torch_padding_path(DamchaAttention, keras, np) if backend == "torch" else None,
         "torch_causal_probe": torch_causal_probe(DamchaAttention, keras, np) if backend == "torch" else None,
+        "torch_saved_recipes": torch_saved_recipes(DamchaAttention, keras, np) if backend == "torch" else None,
         "saved_model_export_matches": saved_model_ok,
         "onnx_export_matches": onnx_ok,
         "decode_within_float32_tolerance": decode_ratio <= 1.0,

@@ -321,6 +321,84 @@ def map_heads_pair(tokens: Any, kernel: Any, bias: Any, gate: Any, q: Any, k: An
     return apply_map_matrix(matrix, q), apply_map_matrix(matrix, k)
 
 
+def torch_keeps_recipes() -> bool:
+    """Whether a torch call saves its mapped heads for backward as recipes
+    (``saved_as_recipes``): one that records gradients, eager and on plain
+    tensors (no compiler, tracer, torch.func transform or ONNX export), with
+    no saved-tensor hooks of the caller's (gradient checkpointing,
+    ``save_on_cpu``) that the layer's own would displace."""
+    if keras.backend.backend() != "torch" or _onnx_export():
+        return False
+    import torch
+
+    return (
+        torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()
+        and not torch._C._is_tracing()
+        and not torch._C._are_functorch_transforms_active()
+        and torch._C._autograd._top_saved_tensors_default_hooks(True) is None
+    )
+
+
+class _Recipe:
+    """A mapped block L y saved as its recipe: the map matrix and y (which the
+    product's own backward keeps anyway) and the saved view's geometry."""
+
+    __slots__ = ("matrix", "offset", "size", "stride", "versions", "y")
+
+    def __init__(self, matrix: Any, y: Any, view: Any) -> None:
+        self.matrix, self.y = matrix, y
+        self.versions = (matrix._version, y._version)
+        self.size, self.stride, self.offset = view.size(), view.stride(), view.storage_offset()
+
+    def make(self) -> Any:
+        import torch
+
+        if (self.matrix._version, self.y._version) != self.versions:
+            raise RuntimeError(
+                "a map matrix or the heads it maps, saved for backward by DamchaAttention, was modified in place "
+                "after the forward"
+            )
+        return torch.matmul(self.matrix, self.y).as_strided(self.size, self.stride, self.offset)
+
+
+def saved_as_recipes(blocks: list[tuple[Any, Any, Any]]) -> Any:
+    """Saved-tensor hooks (torch) under which attention saves its mapped heads as
+    recipes: a tensor saved for backward that lies in a block L y of ``blocks``
+    (triples of the block, the map matrix and y, from ``apply_map_matrix``)
+    is kept as the matrix and y and made again, with the same product, when
+    backward reads it; any other tensor is saved as autograd saves it.
+
+    Why: the map's product keeps y and the matrix for its own backward, and
+    attention keeps the mapped q~ and k~ for its: as two nodes a training call
+    kept both (19% more activations than Keras MHA's at B=4, N=1024, E=512,
+    H=8; a 6-layer model's training peak 1.06-1.07x MHA's). The layer passes
+    one block (q~): that brings what it keeps to MHA's, and each recipe costs
+    backward the per-token product again, which is not cheap on CPU (a batched
+    product of tiny matrices; docs/keras.md has the measurements)."""
+    import torch
+
+    table = {}
+    for block, matrix, y in blocks:
+        storage = block.untyped_storage()
+        # Not detached (an aten call each): neither holds the attention's node, so no cycle.
+        table[storage.data_ptr()] = (storage.nbytes(), matrix, y)
+
+    def pack(t: Any) -> Any:
+        if type(t) is torch.Tensor:
+            storage = t.untyped_storage()
+            found = table.get(storage.data_ptr())
+            if found is not None and found[0] == storage.nbytes():
+                return _Recipe(found[1], found[2], t)
+        # Detached, as autograd saves it: an op's output kept as is would hold its own node.
+        return t if t.grad_fn is None else t.detach()
+
+    def unpack(packed: Any) -> Any:
+        return packed.make() if isinstance(packed, _Recipe) else packed
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
 def compiled(fn: Callable, *args: Any) -> Any:
     """``fn(*args)``, run eagerly as one call of the backend's compiler
     (``tf.function``, ``jax.jit``) for the small fixed chains of ops of the

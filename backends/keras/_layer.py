@@ -10,6 +10,7 @@ cache (``_cache``), canonical I/O (``_canonical``) and MHA conversion
 
 from __future__ import annotations
 
+import contextlib
 import math
 import string
 import warnings
@@ -406,7 +407,7 @@ class DamchaAttention(keras.layers.Layer):
 
     # ------------------------------------------------------------------ math
 
-    def _apply_map(self, side: str, tokens: Any, y: Any, penalties: list) -> Any:
+    def _apply_map(self, side: str, tokens: Any, y: Any, penalties: list, recipes: list | None = None) -> Any:
         """L(t) y of ``side`` for stacked heads y (B, T, S, d).
 
         Metric "heads" takes the fast form: the generator, its gate and the
@@ -414,12 +415,20 @@ class DamchaAttention(keras.layers.Layer):
         side and tokens (a tied self-attention maps queries and keys with one
         matrix), then one batched product. The penalty (``metric_l2``),
         "lowrank" and a generator with a dtype policy of its own take the
-        coefficient form, through the generator layer.
+        coefficient form, through the generator layer. ``recipes``: where
+        given (torch training) and still empty, the fast form's (L y, matrix,
+        y) is appended (``F.saved_as_recipes``).
         """
         generator = self._generators[side]
         gate = self._gates[side]
         if self._fast_map(side):
-            return F.compiled(F.map_heads, tokens, *self._map_weights(side), y)
+            if recipes is None:
+                return F.compiled(F.map_heads, tokens, *self._map_weights(side), y)
+            matrix = F.map_matrix(tokens, *self._map_weights(side))
+            out = F.apply_map_matrix(matrix, y)
+            if not recipes:  # one block: the first mapped side's (see ``call``)
+                recipes.append((out, matrix, y))
+            return out
         cfg = self._built_config
         coeff = generator(tokens)
         u, v = (generator.u, generator.v) if cfg.metric == "lowrank" else (None, None)
@@ -620,23 +629,31 @@ class DamchaAttention(keras.layers.Layer):
         layout = self._layout
         q_in, v_in, k_in = layout.fold(query), layout.fold(value), layout.fold(key)
         cfg = self._built_config
-        q = _dense(self._query_dense, q_in)  # (B, N, H, d)
         penalties: list = []
         side_q, side_k = dc.side_of(cfg, "q"), dc.side_of(cfg, "k")
         read_only = cache is not None and cache_update_index is None
+        q = _dense(self._query_dense, q_in)  # (B, N, H, d)
         if read_only:
             k, v = _cache.read_cache(cache, dtype_name(q))  # k~ already mapped
         else:
             k = _dense(self._key_dense, k_in)  # (B, M, G, d)
             v = _dense(self._value_dense, v_in)  # (B, M, G, d_v)
+        # Training on torch: attention saves one mapped block, q~ (k~ where the queries are
+        # not mapped), as its recipe (F.saved_as_recipes): what is kept is then MHA's.
+        recipes: list | None = [] if F.torch_keeps_recipes() else None
         if side_q and side_q == side_k and k_in is q_in and not read_only and self._fast_map(side_q):
             # Tied self-attention: one map matrix per token for the queries and the keys.
-            q, k = F.compiled(F.map_heads_pair, q_in, *self._map_weights(side_q), q, k)
+            if recipes is None:
+                q, k = F.compiled(F.map_heads_pair, q_in, *self._map_weights(side_q), q, k)
+            else:
+                matrix = F.map_matrix(q_in, *self._map_weights(side_q))
+                q, y_q, k = F.apply_map_matrix(matrix, q), q, F.apply_map_matrix(matrix, k)
+                recipes.append((q, matrix, y_q))
         else:
             if side_q:
-                q = self._apply_map(side_q, q_in, q, penalties)
+                q = self._apply_map(side_q, q_in, q, penalties, recipes)
             if side_k and not read_only:
-                k = self._apply_map(side_k, k_in, k, penalties)
+                k = self._apply_map(side_k, k_in, k, penalties, recipes)
         if cache is not None and not read_only:
             over = _cache.traced_overflow(cache_update_index, kv_len, static_shape(k)[1])
             if over is not None:
@@ -645,19 +662,20 @@ class DamchaAttention(keras.layers.Layer):
         if penalties:
             self.add_loss(self._metric_l2 * ops.mean(ops.stack(penalties)))
 
-        out, scores = self._attend(
-            q,
-            k,
-            v,
-            q_in,
-            v_in,
-            _masks.fold(layout, masks, mask_values, query, value, self._num_heads),
-            use_causal_mask=use_causal_mask,
-            cache=cache,
-            cache_update_index=cache_update_index,
-            training=training,
-            return_attention_scores=return_attention_scores,
-        )
+        with F.saved_as_recipes(recipes) if recipes else contextlib.nullcontext():
+            out, scores = self._attend(
+                q,
+                k,
+                v,
+                q_in,
+                v_in,
+                _masks.fold(layout, masks, mask_values, query, value, self._num_heads),
+                use_causal_mask=use_causal_mask,
+                cache=cache,
+                cache_update_index=cache_update_index,
+                training=training,
+                return_attention_scores=return_attention_scores,
+            )
         if self._use_gate:
             out = out * _dense(self._gate_dense, q_in)
         y = _dense(self._output_dense, out)
