@@ -561,9 +561,7 @@ def torch_saved_recipes(DamchaAttention, keras, np) -> dict:
 
     # An in-place change of what a recipe reads, after the forward, fails loudly.
     m = torch.randn(2, 3, 3, dtype=torch.float64, requires_grad=True)
-    yy = torch.randn(2, 3, 4, dtype=torch.float64) * 1.0
-    yy.requires_grad_(True)
-    base = yy * 1.0
+    base = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True) * 1.0  # a non-leaf y
     block = torch.matmul(m, base)
     with F.saved_as_recipes([(block, m, base)]):
         loss = (block * block).sum()

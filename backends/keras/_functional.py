@@ -327,16 +327,26 @@ def torch_keeps_recipes() -> bool:
     tensors (no compiler, tracer, torch.func transform or ONNX export), with
     no saved-tensor hooks of the caller's (gradient checkpointing,
     ``save_on_cpu``) that the layer's own would displace."""
-    if keras.backend.backend() != "torch" or _onnx_export():
+    if keras.backend.backend() != "torch":
         return False
     import torch
 
     return (
-        torch.is_grad_enabled()
-        and not torch.compiler.is_compiling()
-        and not torch._C._is_tracing()
-        and not torch._C._are_functorch_transforms_active()
-        and torch._C._autograd._top_saved_tensors_default_hooks(True) is None
+        torch.is_grad_enabled() and _torch_eager() and torch._C._autograd._top_saved_tensors_default_hooks(True) is None
+    )
+
+
+def _torch_eager() -> bool:
+    """Whether torch runs eagerly: no compiler, tracer, torch.func transform or
+    ONNX export, which would bake a branch on values (or saved-tensor hooks)
+    into what they record, or refuse it."""
+    import torch
+
+    return not (
+        torch.compiler.is_compiling()
+        or torch._C._is_tracing()
+        or torch._C._are_functorch_transforms_active()
+        or torch.onnx.is_in_onnx_export()
     )
 
 
@@ -1062,10 +1072,7 @@ def _torch_certainly_finite(q: Any, k: Any) -> bool:
         and type(k) is torch.Tensor
         and q.device.type == "cpu"
         and k.device.type == "cpu"
-        and not torch.compiler.is_compiling()
-        and not torch._C._is_tracing()
-        and not torch._C._are_functorch_transforms_active()
-        and not torch.onnx.is_in_onnx_export()
+        and _torch_eager()
     ):
         return False
     with torch.no_grad():

@@ -640,7 +640,7 @@ class DamchaAttention(keras.layers.Layer):
             v = _dense(self._value_dense, v_in)  # (B, M, G, d_v)
         # Training on torch: attention saves one mapped block, q~ (k~ where the queries are
         # not mapped), as its recipe (F.saved_as_recipes): what is kept is then MHA's.
-        recipes: list | None = [] if F.torch_keeps_recipes() else None
+        recipes: list | None = [] if cfg.metric == "heads" and F.torch_keeps_recipes() else None
         if side_q and side_q == side_k and k_in is q_in and not read_only and self._fast_map(side_q):
             # Tied self-attention: one map matrix per token for the queries and the keys.
             if recipes is None:
