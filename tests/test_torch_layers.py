@@ -295,6 +295,114 @@ def test_replace_mha_on_default_encoder_with_padding_under_inference_mode():
     torch.testing.assert_close(out[keep], expected[keep], rtol=1e-5, atol=1e-5)
 
 
+# Each an encoder layer's activation and the aten op that must run it in place
+# without gradients (None: not one of torch's ReLU/GELU, left as it is).
+_ACTIVATIONS = {
+    "relu": (lambda: "relu", "relu_"),
+    "gelu": (lambda: "gelu", "gelu_"),
+    "F.relu": (lambda: nn.functional.relu, "relu_"),
+    "nn.ReLU": (lambda: nn.ReLU(), "relu_"),
+    "nn.GELU-tanh": (lambda: nn.GELU(approximate="tanh"), "gelu_"),
+    "silu": (lambda: nn.functional.silu, None),
+}
+
+
+def _activation_ops(layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, set[str]]:
+    """The layer's output and the names of the activation ops (relu, gelu, silu; in place or not) it ran."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    names: set[str] = set()
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name.rstrip("_") in ("relu", "gelu", "silu"):
+                names.add(name)
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        out = layer(x)
+    return out, names
+
+
+@pytest.mark.parametrize("norm_first", [False, True], ids=["post-norm", "pre-norm"])
+@pytest.mark.parametrize("source", ["replace_mha", "DamchaTransformerEncoderLayer"])
+@pytest.mark.parametrize("activation", list(_ACTIVATIONS))
+def test_encoder_layer_activation_runs_in_place_only_without_grad(activation, source, norm_first):
+    """In inference the encoder layer's ReLU/GELU overwrites linear1's output (torch's
+    native MHA encoder kernel never keeps both either), giving torch's own output bit
+    for bit; recording gradients it runs as torch's (GELU's backward reads its input)."""
+    make, in_place = _ACTIVATIONS[activation]
+    torch.manual_seed(3)
+    kw = dict(dropout=0.0, activation=make(), batch_first=True, norm_first=norm_first)
+    if source == "replace_mha":
+        mha_layer = nn.TransformerEncoderLayer(16, 4, 32, **kw).eval()
+        x = torch.randn(2, 5, 16)
+        # torch's Python path (recording gradients): its native inference kernel takes
+        # GELU exact even for nn.GELU(approximate="tanh")
+        before = mha_layer(x).detach()
+        layer = replace_mha(nn.Sequential(mha_layer))[0]
+        assert type(layer) is DamchaTransformerEncoderLayer and isinstance(layer, nn.TransformerEncoderLayer)
+    else:
+        layer = DamchaTransformerEncoderLayer(16, 4, 32, **kw).eval()
+        x = torch.randn(2, 5, 16)
+    with torch.inference_mode():
+        if source == "replace_mha":  # closed gates: the MHA layer's output
+            torch.testing.assert_close(layer(x), before, rtol=1e-5, atol=1e-5)
+        layer.self_attn.metric_gates["qk"].fill_(0.5)
+        out, ops_inference = _activation_ops(layer, x)
+    with torch.no_grad():
+        out_no_grad, ops_no_grad = _activation_ops(layer, x)
+    out_grad, ops_grad = _activation_ops(layer, x)
+    plain = (in_place or "silu").rstrip("_")
+    assert ops_grad == {plain}  # torch's own _ff_block
+    assert ops_inference == ops_no_grad == {in_place or plain}
+    assert torch.equal(out, out_grad.detach()) and torch.equal(out_no_grad, out)
+    out_grad.square().sum().backward()  # GELU not overwritten under grad: backward runs
+    assert layer.linear1.weight.grad.abs().max() > 0
+
+
+def test_encoder_layer_hooked_activation_module_stays_a_module_call():
+    """A hooked activation module is called as a module (its hooks run), in inference too."""
+    torch.manual_seed(4)
+    layer = DamchaTransformerEncoderLayer(16, 4, 32, 0.0, activation=nn.GELU(), batch_first=True).eval()
+    calls = []
+    layer.activation.register_forward_hook(lambda module, args, out: calls.append(out.shape))
+    x = torch.randn(2, 5, 16)
+    with torch.inference_mode():
+        out, ops = _activation_ops(layer, x)
+    assert calls == [torch.Size([2, 5, 32])] and ops == {"gelu"}
+    assert torch.equal(out, layer(x).detach())
+    handle = nn.modules.module.register_module_forward_hook(lambda module, args, out: None)
+    try:
+        layer.activation._forward_hooks.clear()
+        with torch.inference_mode():
+            assert _activation_ops(layer, x)[1] == {"gelu"}  # a global module hook: still a module call
+    finally:
+        handle.remove()
+    with torch.inference_mode():
+        assert _activation_ops(layer, x)[1] == {"gelu_"}
+
+
+def test_replace_mha_keeps_encoder_layer_subclasses_and_state_dict_keys():
+    """Only torch's own encoder layer class becomes DamchaTransformerEncoderLayer; a user
+    subclass (which may override the feed-forward) keeps its class; keys are unchanged."""
+
+    class Mine(nn.TransformerEncoderLayer):
+        pass
+
+    model = nn.ModuleList(
+        [nn.TransformerEncoderLayer(16, 4, 32, 0.0, batch_first=True), Mine(16, 4, 32, 0.0, batch_first=True)]
+    )
+    keys = set(model.state_dict())
+    replace_mha(model)
+    assert [type(m) for m in model] == [DamchaTransformerEncoderLayer, Mine]
+    assert set(model.state_dict()) - keys == {k for k in model.state_dict() if "metric" in k}
+    assert all(isinstance(m.self_attn, DamchaAttention) for m in model)
+    clone = copy.deepcopy(model)
+    assert type(clone[0]) is DamchaTransformerEncoderLayer
+
+
 @pytest.mark.parametrize("share", [True, False], ids=["shared", "per-layer"])
 def test_encoder_stack_sharing_and_parameter_count(share):
     E, H, L = 16, 4, 3

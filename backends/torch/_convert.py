@@ -10,6 +10,7 @@ import torch
 from damcha_core import DamchaTypeError, DamchaValueError, describe, invalid_argument
 from torch import nn
 
+from ._blocks import DamchaTransformerEncoderLayer
 from ._generator import MetricGenerator
 from ._layer import DamchaAttention
 
@@ -114,6 +115,13 @@ def replace_mha(model: nn.Module, **kwargs: Any) -> nn.Module:
     ``DamchaValueError`` naming its module path and class, and replaces nothing
     (skipping it would leave plain attention that the caller believes is
     DAMCHA). Subclasses that keep MHA's ``forward`` are converted.
+
+    An ``nn.TransformerEncoderLayer`` (the class itself, not a subclass) whose
+    ``self_attn`` is converted becomes a ``DamchaTransformerEncoderLayer``
+    (same modules, parameters and outputs): in inference torch runs the MHA
+    layer as one native kernel, which a DAMCHA layer cannot use, and the class
+    keeps the feed-forward's memory to that kernel's by running its ReLU or
+    GELU in place when no gradient is recorded.
     """
     if not isinstance(model, nn.Module):
         raise DamchaTypeError(invalid_argument("model", "a torch.nn.Module", f"model={describe(model)}"))
@@ -162,4 +170,9 @@ def replace_mha(model: nn.Module, **kwargs: Any) -> nn.Module:
             # tensors under no_grad; DamchaAttention takes dense tensors only.
             if isinstance(module, nn.TransformerEncoder):
                 module.use_nested_tensor = False
+            # A plain encoder layer that now holds DAMCHA is what build_encoder builds:
+            # its class runs the feed-forward's activation in place in inference, as
+            # torch's native kernel did for the MHA layer (a subclass keeps its class).
+            if type(module) is nn.TransformerEncoderLayer and isinstance(module.self_attn, DamchaAttention):
+                module.__class__ = DamchaTransformerEncoderLayer
     return model
