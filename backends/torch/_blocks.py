@@ -176,10 +176,10 @@ class DamchaTransformerEncoderLayer(nn.TransformerEncoderLayer):
 
 def _in_place_activation(activation: Any) -> Callable[[Tensor], Tensor] | None:
     """The in-place form of an encoder layer's ReLU or GELU (torch's own
-    activations, as functions or plain modules without hooks), else None."""
+    activations, as functions or plain modules without hooks: a hooked module
+    stays a module call), else None."""
     if isinstance(activation, nn.Module):
-        hooked = activation._forward_hooks or activation._forward_pre_hooks
-        if hooked or type(activation) not in (nn.ReLU, nn.GELU) or _global_module_hooks():
+        if type(activation) not in (nn.ReLU, nn.GELU) or not fn.no_hooks(activation):
             return None
         if type(activation) is nn.GELU:
             return functools.partial(torch.ops.aten.gelu_, approximate=activation.approximate)
@@ -189,14 +189,6 @@ def _in_place_activation(activation: Any) -> Callable[[Tensor], Tensor] | None:
     if activation is F.gelu:
         return torch.ops.aten.gelu_
     return None
-
-
-def _global_module_hooks() -> bool:
-    """Whether module hooks registered for every module (``register_module_forward_hook``) exist:
-    an activation module called through them must stay a module call."""
-    from torch.nn.modules import module
-
-    return bool(module._global_forward_hooks or module._global_forward_pre_hooks)
 
 
 class DamchaTransformerDecoderLayer(nn.TransformerDecoderLayer):

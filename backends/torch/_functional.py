@@ -1843,3 +1843,14 @@ def param_entry(module: nn.Module, name: str) -> Any:
     and compute the effective tensor in its place, as the attribute."""
     p = module._parameters
     return p[name] if name in p else getattr(module, name)
+
+
+def no_hooks(*modules: nn.Module) -> bool:
+    """No forward hook or instance-level forward on ``modules``, and no global
+    forward hook: a caller may compute what their calls compute without
+    calling them."""
+    from torch.nn.modules import module as _module
+
+    if _module._global_forward_hooks or _module._global_forward_pre_hooks:
+        return False
+    return not any(m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__ for m in modules)

@@ -514,16 +514,6 @@ def _fused_projection(projection: nn.Module) -> bool | None:
     return None
 
 
-def _no_hooks(*modules: nn.Module) -> bool:
-    """No forward hook or instance-level forward on ``modules`` (called inside
-    a projection the fused node computes itself), and no global forward hook."""
-    from torch.nn.modules import module as _module
-
-    if _module._global_forward_hooks or _module._global_forward_pre_hooks:
-        return False
-    return not any(m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__ for m in modules)
-
-
 def _fused_parts(
     projection: nn.Module,
 ) -> tuple[bool, Tensor, Tensor | None, Tensor | None, Tensor | None, float] | None:
@@ -561,7 +551,7 @@ def _fused_parts(
         or type(dropout) is not nn.Identity
         or not isinstance(scaling, (int, float))
         or any(type(m).forward is not nn.Linear.forward or m.bias is not None for m in (lora_a, lora_b))
-        or not _no_hooks(base, lora_a, lora_b, dropout)
+        or not fn.no_hooks(base, lora_a, lora_b, dropout)
     ):
         return None
     return transposed, base.weight, base.bias, lora_a.weight, lora_b.weight, float(scaling)
