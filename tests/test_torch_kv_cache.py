@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from _devices import TORCH_DEVICES
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import damcha_core as dc
@@ -333,20 +334,38 @@ def test_flat_decode_step_gives_nan_where_the_reference_does(name, where):
     assert torch.isfinite(torch.cat(first, dim=1)).all()
 
 
-def test_flat_decode_step_runs_out_proj_hooks():
-    """The flat step calls F.linear on out_proj's parameters only when the
-    module's call is exactly that: with a forward hook on out_proj the hook
-    runs on every step, and the outputs equal the general path's (autograd
-    on) with the same hook."""
-    layer, _, _ = _layer("heads-tied")
-    x = _x(2, 7, 16, seed=16)
-    calls = []
-
+def _out_proj_hook(layer, calls):
     def hook(module, args, out):
         calls.append(out.shape)
         return out * 2.0 - 1.0
 
-    handle = layer.out_proj.register_forward_hook(hook)
+    return layer.out_proj.register_forward_hook(hook).remove
+
+
+def _out_proj_instance_forward(layer, calls):
+    # An override set on the instance (a wrapper, a monkeypatch): nothing on
+    # the class changes and no hook dict holds it.
+    linear = layer.out_proj
+
+    def forward(t):
+        out = nn.Linear.forward(linear, t)
+        calls.append(out.shape)
+        return out * 2.0 - 1.0
+
+    linear.forward = forward
+    return lambda: delattr(linear, "forward")
+
+
+@pytest.mark.parametrize("wrap", [_out_proj_hook, _out_proj_instance_forward], ids=["forward-hook", "instance-forward"])
+def test_flat_decode_step_calls_a_wrapped_out_proj(wrap):
+    """The flat step calls F.linear on out_proj's parameters only when the
+    module's call is exactly that: with a forward hook on out_proj, or a
+    forward set on the instance, the wrapper runs on every step, and the
+    outputs equal the general path's (autograd on) with the same wrapper."""
+    layer, _, _ = _layer("heads-tied")
+    x = _x(2, 7, 16, seed=16)
+    calls: list = []
+    undo = wrap(layer, calls)
     try:
         outs = {}
         for grad in (False, True):
@@ -357,7 +376,7 @@ def test_flat_decode_step_runs_out_proj_hooks():
         assert len(calls) == 10, calls
         torch.testing.assert_close(outs[False], outs[True], rtol=1e-12, atol=1e-13)
     finally:
-        handle.remove()
+        undo()
     with torch.no_grad():
         plain = layer(x, x, x, is_causal=True, need_weights=False)[0]
     torch.testing.assert_close(outs[False], plain * 2.0 - 1.0, rtol=1e-12, atol=1e-13)

@@ -151,9 +151,13 @@ def _as_passed(error: DamchaValueError, names: tuple[str, ...], seen: tuple, pas
 
 def _linear_params(module: nn.Module) -> tuple[Tensor, Tensor | None] | None:
     """(weight, bias) of a module whose call is exactly ``F.linear`` with them
-    (an ``nn.Linear`` with no hooks, not wrapped or overridden), else None."""
+    (an ``nn.Linear`` with no hooks, not wrapped or overridden on its class or
+    on the instance), else None."""
+    # fn.no_hooks' test spelled out: this runs in every decode step, whose
+    # Python frames are held to a hand-written MHA step's (tests/test_torch_ops.py).
     if (
         type(module).forward is not nn.Linear.forward
+        or "forward" in module.__dict__
         or module._forward_hooks
         or module._forward_pre_hooks
         or nn.modules.module._global_forward_hooks
