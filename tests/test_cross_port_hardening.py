@@ -78,6 +78,37 @@ def test_torch_refuses_mha_subclass_with_own_forward(cls: type, how: str) -> Non
     torch.testing.assert_close(model(x), before, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("how", ["from_mha", "replace_mha", "convert"])
+def test_torch_refuses_mha_with_a_forward_set_on_the_instance(how: str) -> None:
+    """A wrapper that replaces forward on the instance (accelerate's dispatch
+    hooks, a monkeypatch) is neither on the class nor in a hook registry: a
+    converted layer would drop it, so conversion refuses and names it."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(8, 2)
+    plain = nn.MultiheadAttention.forward
+
+    def halved(*args, **kwargs):
+        out, weights = plain(mha, *args, **kwargs)
+        return out * 0.5, weights
+
+    mha.forward = halved
+    model = _Holder(mha).eval()
+    x = torch.randn(3, 2, 8)
+    before = model(x)
+    with pytest.raises(dc.DamchaValueError) as info:
+        if how == "from_mha":
+            dt.DamchaAttention.from_mha(mha)
+        elif how == "replace_mha":
+            dt.replace_mha(model)
+        else:
+            dt.convert(model)
+    text = str(info.value)
+    assert "forward set on the instance" in text and "halved" in text
+    assert ("model.block.1" in text) == (how != "from_mha")
+    assert model.block[1] is mha
+    torch.testing.assert_close(model(x), before, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("how", ["replace_mha", "convert"])
 def test_torch_converts_mha_subclass_keeping_forward(how: str) -> None:
     torch.manual_seed(0)

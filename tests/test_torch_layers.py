@@ -278,6 +278,64 @@ def test_replace_mha_keeps_outputs_then_gates_learn(mode):
         assert attn.metric_gates["qk"].abs().max() > 0
 
 
+def test_replace_mha_moves_the_hooks_of_each_layer_to_its_replacement():
+    """Hooks a user put on an MHA (feature capture, attention-map probes) run
+    on its DAMCHA replacement with the same arguments and outputs, once per
+    call for a layer shared by two parents; the handles returned at
+    registration still remove them; gradient and state-dict hooks move too."""
+    torch.manual_seed(0)
+    shared = nn.MultiheadAttention(8, 2, batch_first=True)
+    model = nn.ModuleDict({"a": shared, "b": nn.Sequential(shared)})
+    seen: dict[str, list] = {"pre": [], "pre-kwargs": [], "post": [], "backward": [], "state": []}
+
+    def pre(module, args):
+        seen["pre"].append((type(module).__name__, len(args)))
+
+    def pre_kwargs(module, args, kwargs):
+        seen["pre-kwargs"].append(sorted(kwargs))
+
+    def post(module, args, out):
+        seen["post"].append(out[0].detach().clone())
+        return out[0] * 3.0, out[1]
+
+    def backward(module, grad_in, grad_out):
+        seen["backward"].append(grad_out[0].shape)
+
+    def state(module, state_dict, prefix, local_metadata):
+        seen["state"].append(prefix)
+
+    handles = [
+        shared.register_forward_pre_hook(pre),
+        shared.register_forward_pre_hook(pre_kwargs, with_kwargs=True),
+        shared.register_forward_hook(post),
+        shared.register_full_backward_hook(backward),
+        shared._register_state_dict_hook(state),
+    ]
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    before = shared(x, x, x, need_weights=False)[0]
+    replace_mha(model)
+    layer = model["a"]
+    assert isinstance(layer, DamchaAttention) and model["b"][0] is layer
+    for values in seen.values():
+        values.clear()
+    after = layer(x, x, x, need_weights=False)[0]
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-6)
+    assert seen["pre"] == [("DamchaAttention", 3)] and seen["pre-kwargs"] == [["need_weights"]]
+    torch.testing.assert_close(after, 3.0 * seen["post"][0])
+    after.sum().backward()
+    assert seen["backward"] == [torch.Size([2, 5, 8])]
+    layer.state_dict()
+    assert seen["state"] == [""]
+    for handle in handles:
+        handle.remove()
+    for values in seen.values():
+        values.clear()
+    plain = layer(x, x, x, need_weights=False)[0]
+    torch.testing.assert_close(plain, before / 3.0, rtol=1e-5, atol=1e-6)
+    layer.state_dict()
+    assert not any(seen.values()), seen
+
+
 def test_replace_mha_on_default_encoder_with_padding_under_inference_mode():
     """torch's default encoder packs padded batches into nested tensors in
     inference; after replace_mha it must keep working and give the same output

@@ -21,6 +21,13 @@ def _class_path(obj: Any) -> str:
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
+def _callable_name(f: Any) -> str:
+    """``f``'s qualified name (a partial's function's), not its repr, which for
+    a bound method prints the whole module."""
+    inner = getattr(f, "func", f)
+    return getattr(inner, "__qualname__", type(f).__name__)
+
+
 def check_own_forward(mha: nn.Module, where: str = "mha") -> None:
     """Refuse an ``nn.MultiheadAttention`` subclass that computes something else.
 
@@ -40,6 +47,31 @@ def check_own_forward(mha: nn.Module, where: str = "mha") -> None:
                 f"{where}={_class_path(mha)}, which overrides forward",
             )
         )
+    if "forward" in mha.__dict__:
+        # Set on the instance by a wrapper (accelerate's dispatch hooks, a
+        # profiler, a monkeypatch): the new layer would silently drop it.
+        raise DamchaValueError(
+            invalid_argument(
+                where,
+                "an nn.MultiheadAttention that runs nn.MultiheadAttention.forward (remove the wrapper that replaced "
+                "its forward, convert, then wrap the converted layer; forward hooks are kept by replace_mha)",
+                f"{where}={_class_path(mha)} with a forward set on the instance ({_callable_name(mha.__dict__['forward'])})",
+            )
+        )
+
+
+# Every hook registry an nn.Module instance holds, read off torch's own
+# constructor so that registries a later torch adds are carried too.
+_HOOK_ATTRIBUTES = tuple(name for name in vars(nn.Module()) if "hook" in name)
+
+
+def _carry_hooks(mha: nn.Module, layer: nn.Module) -> None:
+    """Give ``layer`` the very hook registries of ``mha``: its hooks run on the
+    layer (whose forward takes MHA's arguments and returns MHA's outputs), and
+    the handles the user got when registering them still remove them."""
+    for name in _HOOK_ATTRIBUTES:
+        if name in mha.__dict__:
+            layer.__dict__[name] = mha.__dict__[name]
 
 
 _FROM_MHA_KEYS = ("metric", "metric_rank", "coupling", "metric_generator", "recompute")
@@ -114,7 +146,13 @@ def replace_mha(model: nn.Module, **kwargs: Any) -> nn.Module:
     rescales the output) cannot be converted exactly: ``replace_mha`` raises a
     ``DamchaValueError`` naming its module path and class, and replaces nothing
     (skipping it would leave plain attention that the caller believes is
-    DAMCHA). Subclasses that keep MHA's ``forward`` are converted.
+    DAMCHA). Subclasses that keep MHA's ``forward`` are converted. An instance
+    whose ``forward`` a wrapper replaced (accelerate's dispatch hooks, a
+    monkeypatch) is refused the same way: the new layer would drop the wrapper.
+
+    Hooks registered on a converted layer (forward, pre-forward, backward,
+    state-dict) are moved to its replacement: they run on the DAMCHA layer,
+    and the handles ``register_*_hook`` returned still remove them.
 
     An ``nn.TransformerEncoderLayer`` (the class itself, not a subclass) whose
     ``self_attn`` is converted becomes a ``DamchaTransformerEncoderLayer``
@@ -148,6 +186,7 @@ def replace_mha(model: nn.Module, **kwargs: Any) -> nn.Module:
             if isinstance(child, nn.MultiheadAttention):
                 if id(child) not in done:
                     done[id(child)] = DamchaAttention.from_mha(child, **kwargs)
+                    _carry_hooks(child, done[id(child)])
                 setattr(parent, name, done[id(child)])
             else:
                 visit(child)
