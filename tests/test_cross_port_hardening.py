@@ -78,6 +78,41 @@ def test_torch_refuses_mha_subclass_with_own_forward(cls: type, how: str) -> Non
     torch.testing.assert_close(model(x), before, rtol=0, atol=0)
 
 
+def _take_over(mha: nn.MultiheadAttention, tool: str) -> None:
+    from torch.nn.utils import parametrize, prune
+
+    if tool == "parametrize":
+        parametrize.register_parametrization(mha, "in_proj_weight", nn.Tanh())
+    elif tool == "prune":
+        prune.l1_unstructured(mha, "in_proj_bias", amount=0.5)
+    else:
+        torch.nn.utils.spectral_norm(mha, "in_proj_weight")
+
+
+@pytest.mark.parametrize("tool", ["parametrize", "prune", "spectral_norm"])
+@pytest.mark.parametrize("how", ["replace_mha", "convert"])
+def test_torch_refuses_to_swap_an_mha_whose_weights_a_tool_holds(how: str, tool: str) -> None:
+    """A swap in place would copy the tool's current value into a plain
+    parameter and then train without it: refused before anything changes,
+    naming the layer and the parameter; from_mha (a new layer from the
+    values) still copies exactly."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(8, 2)
+    _take_over(mha, tool)
+    model = _Holder(mha).eval()
+    x = torch.randn(3, 2, 8)
+    before = model(x)
+    with pytest.raises(dc.DamchaValueError) as info:
+        dt.replace_mha(model) if how == "replace_mha" else dt.convert(model)
+    text = str(info.value)
+    taken = "in_proj_bias" if tool == "prune" else "in_proj_weight"
+    assert "model.block.1" in text and f"whose {taken} a weight tool has taken over" in text
+    assert model.block[1] is mha
+    torch.testing.assert_close(model(x), before, rtol=0, atol=0)
+    copy = dt.DamchaAttention.from_mha(mha).eval()
+    torch.testing.assert_close(copy(x, x, x)[0], before, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("how", ["from_mha", "replace_mha", "convert"])
 def test_torch_refuses_mha_with_a_forward_set_on_the_instance(how: str) -> None:
     """A wrapper that replaces forward on the instance (accelerate's dispatch

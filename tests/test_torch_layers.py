@@ -336,6 +336,49 @@ def test_replace_mha_moves_the_hooks_of_each_layer_to_its_replacement():
     assert not any(seen.values()), seen
 
 
+@pytest.mark.parametrize("tool", ["prune", "parametrize", "forward-hook"])
+def test_replace_mha_keeps_the_out_proj_module_and_its_weight_tool(tool):
+    """replace_mha moves the MHA's out_proj itself into the DAMCHA layer, so
+    what a user put on it stays in force: pruned entries stay zero through a
+    training step, a parametrization keeps shaping the weight, a hook runs."""
+    from torch.nn.utils import parametrize, prune
+
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(8, 2, batch_first=True)
+    out_proj = mha.out_proj
+    calls = []
+    if tool == "prune":
+        prune.l1_unstructured(out_proj, "weight", amount=0.5)
+    elif tool == "parametrize":
+        parametrize.register_parametrization(out_proj, "weight", _Symmetric())
+    else:
+        out_proj.register_forward_hook(lambda module, args, out: calls.append(out.shape))
+    model = nn.Sequential(mha)
+    x = torch.randn(2, 5, 8)
+    before = mha(x, x, x, need_weights=False)[0]
+    replace_mha(model)
+    layer = model[0]
+    assert isinstance(layer, DamchaAttention) and layer.out_proj is out_proj
+    torch.testing.assert_close(layer(x, x, x, need_weights=False)[0], before, rtol=1e-5, atol=1e-6)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.5)
+    layer(x, x, x, need_weights=False)[0].square().mean().backward()
+    opt.step()
+    if tool == "prune":
+        mask = out_proj.weight_mask.bool()
+        assert (~mask).sum() == 32 and (out_proj.weight[~mask] == 0).all()
+    elif tool == "parametrize":
+        torch.testing.assert_close(out_proj.weight, out_proj.weight.T)
+    else:
+        # The DAMCHA calls only: nn.MultiheadAttention reads out_proj.weight
+        # and never calls the module, so its hooks never ran there.
+        assert calls == [(2, 5, 8)] * 2
+
+
+class _Symmetric(nn.Module):
+    def forward(self, w):
+        return (w + w.T) / 2
+
+
 def test_replace_mha_on_default_encoder_with_padding_under_inference_mode():
     """torch's default encoder packs padded batches into nested tensors in
     inference; after replace_mha it must keep working and give the same output

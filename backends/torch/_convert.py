@@ -35,7 +35,8 @@ def check_own_forward(mha: nn.Module, where: str = "mha") -> None:
     a subclass with its own ``forward`` (e.g. torch.ao.nn.quantizable's, whose
     weights live in ``linear_Q/K/V`` while ``in_proj_weight`` is stale) would be
     swapped for a layer with different outputs. Subclasses that only add
-    attributes or methods keep MHA's forward and convert exactly.
+    attributes or methods keep MHA's forward and convert exactly. A
+    ``forward`` set on the instance is refused too: the copy would not run it.
     """
     if type(mha).forward is not nn.MultiheadAttention.forward:
         raise DamchaValueError(
@@ -56,6 +57,37 @@ def check_own_forward(mha: nn.Module, where: str = "mha") -> None:
                 "an nn.MultiheadAttention that runs nn.MultiheadAttention.forward (remove the wrapper that replaced "
                 "its forward, convert, then wrap the converted layer; forward hooks are kept by replace_mha)",
                 f"{where}={_class_path(mha)} with a forward set on the instance ({_callable_name(mha.__dict__['forward'])})",
+            )
+        )
+
+
+def _taken_parameters(mha: nn.Module) -> list[str]:
+    """The tensors ``nn.MultiheadAttention.forward`` reads off ``mha`` that
+    are set but no longer its own parameters (a weight tool holds them)."""
+    names = ("in_proj_weight",) if mha._qkv_same_embed_dim else ("q_proj_weight", "k_proj_weight", "v_proj_weight")
+    return [
+        name
+        for name in (*names, "in_proj_bias", "bias_k", "bias_v")
+        if name not in mha._parameters and getattr(mha, name, None) is not None
+    ]
+
+
+def check_replaceable(mha: nn.Module, where: str) -> None:
+    """``check_own_forward``, and refuse an ``nn.MultiheadAttention`` whose
+    own parameters a weight tool holds: swapping it in place for a layer with
+    a copy of their values would silently train without the tool."""
+    check_own_forward(mha, where)
+    taken = _taken_parameters(mha)
+    if taken:
+        # parametrize, prune, weight_norm and spectral_norm each move the
+        # parameter elsewhere and compute it per call.
+        raise DamchaValueError(
+            invalid_argument(
+                where,
+                "an nn.MultiheadAttention whose own parameters are plain (remove the weight tool first, e.g. "
+                "parametrize.remove_parametrizations(mha, name) or prune.remove(mha, name), convert, then apply it to "
+                "the DamchaAttention, which takes the same tools on the same names; tools on out_proj are kept)",
+                f"{where}={_class_path(mha)} whose {', '.join(taken)} a weight tool has taken over",
             )
         )
 
@@ -152,7 +184,11 @@ def replace_mha(model: nn.Module, **kwargs: Any) -> nn.Module:
 
     Hooks registered on a converted layer (forward, pre-forward, backward,
     state-dict) are moved to its replacement: they run on the DAMCHA layer,
-    and the handles ``register_*_hook`` returned still remove them.
+    and the handles ``register_*_hook`` returned still remove them. So is its
+    ``out_proj`` module, with whatever hooks or weight tools it carries. A
+    layer whose own projection weights or biases a weight tool (parametrize,
+    prune, weight_norm, spectral_norm) holds is refused, naming them: remove
+    the tool, convert, then apply it to the DamchaAttention (same names).
 
     An ``nn.TransformerEncoderLayer`` (the class itself, not a subclass) whose
     ``self_attn`` is converted becomes a ``DamchaTransformerEncoderLayer``
@@ -178,15 +214,18 @@ def replace_mha(model: nn.Module, **kwargs: Any) -> nn.Module:
         )
     for path, module in model.named_modules():
         if isinstance(module, nn.MultiheadAttention):
-            check_own_forward(module, f"model.{path}")
+            check_replaceable(module, f"model.{path}")
     done: dict[int, DamchaAttention] = {}
 
     def visit(parent: nn.Module) -> None:
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.MultiheadAttention):
                 if id(child) not in done:
-                    done[id(child)] = DamchaAttention.from_mha(child, **kwargs)
-                    _carry_hooks(child, done[id(child)])
+                    layer = done[id(child)] = DamchaAttention.from_mha(child, **kwargs)
+                    _carry_hooks(child, layer)
+                    # The module itself, not from_mha's copy of its values: its
+                    # hooks, parametrizations or pruning stay in force.
+                    layer.out_proj = child.out_proj
                 setattr(parent, name, done[id(child)])
             else:
                 visit(child)

@@ -684,8 +684,8 @@ def convert(
     matched, mhas, unknown = _find(model)
     for name, mha in mhas:
         # Before anything is converted: a subclass with its own forward would be
-        # swapped for a layer with different outputs.
-        _convert_mod.check_own_forward(mha, f"model.{name}")
+        # swapped for a layer with different outputs, a weight tool dropped.
+        _convert_mod.check_replaceable(mha, f"model.{name}")
     if unknown:
         raise DamchaValueError(
             dc.invalid_argument(
