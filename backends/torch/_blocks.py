@@ -107,6 +107,19 @@ def _torch_layer_args(
     )
 
 
+def _leaf_forward(base: type[nn.Module]) -> Callable[..., Any]:
+    """``base.forward`` (same signature and docstring), except that torch.fx
+    records the call as one node, as it records ``base`` itself (see
+    ``fn.traced_call``)."""
+
+    @functools.wraps(base.forward)
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        traced = fn.traced_call(self, args, kwargs)
+        return base.forward(self, *args, **kwargs) if traced is None else traced
+
+    return forward
+
+
 class DamchaTransformerEncoderLayer(nn.TransformerEncoderLayer):
     """``nn.TransformerEncoderLayer`` whose ``self_attn`` is a ``DamchaAttention``.
 
@@ -160,6 +173,8 @@ class DamchaTransformerEncoderLayer(nn.TransformerEncoderLayer):
             _arg_names=_BLOCK_NAMES,
             **attention,
         )
+
+    forward = _leaf_forward(nn.TransformerEncoderLayer)
 
     def _ff_block(self, x: Tensor) -> Tensor:
         # With nn.MultiheadAttention, torch runs an encoder layer in inference as
@@ -247,6 +262,8 @@ class DamchaTransformerDecoderLayer(nn.TransformerDecoderLayer):
             d_model, nhead, metric_generator=cross_metric_generator, _arg_names=names, **common, **cross
         )
 
+    forward = _leaf_forward(nn.TransformerDecoderLayer)
+
 
 def _check_num_layers(num_layers: Any) -> None:
     # torch's stacks index layers[0] (and sharing points every layer at it).
@@ -301,6 +318,8 @@ class DamchaTransformerEncoder(nn.TransformerEncoder):
         super().__init__(encoder_layer, num_layers, norm=norm, enable_nested_tensor=False)
         self.share_metric = dc.check_bool("share_metric", share_metric)
         self.metric_generators = _share(self.layers, "self_attn") if self.share_metric else nn.ModuleDict()
+
+    forward = _leaf_forward(nn.TransformerEncoder)
 
     # ------------------------------------------------------- canonical I/O
 
@@ -389,6 +408,8 @@ class DamchaTransformerDecoder(nn.TransformerDecoder):
         self.metric_generators = _share(self.layers, "self_attn") if self.share_metric else nn.ModuleDict()
         cross = self.share_metric and isinstance(getattr(decoder_layer, "multihead_attn", None), DamchaAttention)
         self.cross_metric_generators = _share(self.layers, "multihead_attn") if cross else nn.ModuleDict()
+
+    forward = _leaf_forward(nn.TransformerDecoder)
 
 
 def build_encoder(

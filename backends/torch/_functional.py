@@ -1854,3 +1854,41 @@ def no_hooks(*modules: nn.Module) -> bool:
     if _module._global_forward_hooks or _module._global_forward_pre_hooks:
         return False
     return not any(m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__ for m in modules)
+
+
+def traced_call(module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+    """``module``'s call as one ``call_module`` node when torch.fx traces it
+    symbolically (an argument is an ``fx.Proxy``) inside a model, else None.
+
+    torch.fx's tracers record torch.nn's own modules (nn.MultiheadAttention, the
+    Transformer layers and stacks) as leaves: one node, never traced into.
+    DAMCHA's modules live outside torch.nn, so a tracer would trace their
+    forward, whose shape and mask checks no Proxy can pass, and the fx tools a
+    model with MHA works with (torchvision's ``create_feature_extractor``, FX
+    graph-mode quantization) would fail after ``replace_mha``. Recording the
+    call the way torch.nn's modules are recorded keeps them working; the graph
+    calls the module, so its hooks and checks run when the graph runs.
+    """
+    proxy = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.fx.Proxy)), None)
+    if proxy is None:
+        return None
+    tracer = proxy.tracer
+    path = tracer.path_of_module(module)
+    if not path:
+        # The module is the traced root: a node calling the root would call
+        # itself. Its forward is traced, as torch.nn's roots are (and fails
+        # as theirs do).
+        return None
+    for name, value in kwargs.items():
+        if value is not None and not isinstance(value, (Tensor, torch.fx.Proxy, bool, int, float)):
+            # A tracer holds tensors, proxies and plain values as a node's
+            # arguments; an object such as a DamchaKVCache it refuses with
+            # "argument of type ..." and no name.
+            raise DamchaTypeError(
+                dc.invalid_argument(
+                    name,
+                    "None, a tensor or a plain value while torch.fx traces the module",
+                    f"{name}={describe(value)}",
+                )
+            )
+    return tracer.create_proxy("call_module", path, tuple(args), dict(kwargs))

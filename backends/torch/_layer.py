@@ -871,6 +871,22 @@ class DamchaAttention(CanonicalIO, nn.Module):
             out = self._few_tokens_step(query, bool(is_causal), kv_cache, attn_mask)
             if out is not None:
                 return out, None
+        if isinstance(query, torch.fx.Proxy):
+            # torch.fx: one node, as for nn.MultiheadAttention (see fn.traced_call),
+            # with the arguments that differ from their defaults. Tested after the
+            # decode fast path so that path's calls stay as tests/test_torch_ops.py
+            # pins them (that path needs a cache, which a traced call cannot hold).
+            given = {
+                "key_padding_mask": (key_padding_mask, None),
+                "need_weights": (need_weights, True),
+                "attn_mask": (attn_mask, None),
+                "average_attn_weights": (average_attn_weights, True),
+                "is_causal": (is_causal, False),
+                "kv_cache": (kv_cache, None),
+            }
+            return fn.traced_call(
+                self, (query, key, value), {k: v for k, (v, default) in given.items() if v is not default}
+            )
         self_attention = query is key and key is value
         # One tensor for key and value (cross-attention as nn.MultiheadAttention
         # users write it): the core projects k and v with one GEMM. Read before

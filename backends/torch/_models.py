@@ -128,6 +128,21 @@ class _SyncHook:
         self.maps = maps
 
     def __call__(self, module: nn.Module, args: Any) -> None:
+        if torch.fx._symbolic_trace.is_fx_symbolic_tracing():
+            # The first hook of a converted module's call. A symbolic trace runs
+            # these hooks once, while tracing, and records none of them, so the
+            # graph would run the projections' maps without the per-call state
+            # the hooks keep: refused, instead of a graph that may compute wrong.
+            raise DamchaTypeError(
+                dc.invalid_argument(
+                    "model",
+                    "a model torch.fx can trace: a model converted by damcha_torch.convert computes its maps in "
+                    "hooks around each attention call, which a symbolic trace cannot record (torch.compile, "
+                    "torch.export and torch.jit.trace record them; layers made by replace_mha trace with torch.fx)",
+                    f"{type(module).__module__}.{type(module).__qualname__} converted by damcha_torch.convert, "
+                    "under torch.fx symbolic tracing",
+                )
+            )
         self.maps.sync(module)
 
 
