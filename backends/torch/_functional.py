@@ -1873,6 +1873,8 @@ def traced_call(module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, A
     if proxy is None:
         return None
     tracer = proxy.tracer
+    if not isinstance(tracer, torch.fx.Tracer):
+        return None  # proxies of a graph built by hand (fx.Proxy(node)): no module tree to record in
     path = tracer.path_of_module(module)
     if not path:
         # The module is the traced root: a node calling the root would call
