@@ -278,6 +278,39 @@ def test_replace_mha_keeps_outputs_then_gates_learn(mode):
         assert attn.metric_gates["qk"].abs().max() > 0
 
 
+@pytest.mark.parametrize("how", ["from_mha", "replace_mha"])
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "separate-qkv"])
+def test_conversion_keeps_frozen_parameters_frozen(packed, how):
+    """A model frozen (or partly frozen) before conversion stays so: each
+    parameter copied from the MHA keeps its requires_grad (before, from_mha made
+    fresh trainable copies, so "freeze the backbone, train the gates" silently
+    trained the attention projections too); the new gates and generators train."""
+    torch.manual_seed(0)
+    kw = {} if packed else {"kdim": 6, "vdim": 4}
+    mha = nn.MultiheadAttention(8, 2, add_bias_kv=True, **kw)
+    mha.requires_grad_(False)
+    mha.in_proj_bias.requires_grad_(True)  # a partly frozen layer: one MHA parameter trains
+    frozen = {n for n, p in mha.named_parameters() if not p.requires_grad}
+    if how == "from_mha":
+        layer = DamchaAttention.from_mha(mha)
+    else:
+        holder = nn.ModuleDict({"attn": mha})
+        replace_mha(holder)
+        layer = holder["attn"]
+    flags = dict(layer.named_parameters())
+    assert {n for n, p in flags.items() if not p.requires_grad} == frozen
+    new = [n for n in flags if n.startswith("metric_")]
+    assert new and all(flags[n].requires_grad for n in new)
+    q = torch.randn(3, 2, 8)
+    k, v = (q, q) if packed else (torch.randn(4, 2, 6), torch.randn(4, 2, 4))
+    with torch.no_grad():
+        for n in new:
+            if "gates" in n:
+                flags[n].fill_(0.5)
+    layer(q, k, v)[0].square().sum().backward()
+    assert {n for n, p in flags.items() if p.grad is None} == frozen
+
+
 def test_replace_mha_moves_the_hooks_of_each_layer_to_its_replacement():
     """Hooks a user put on an MHA (feature capture, attention-map probes) run
     on its DAMCHA replacement with the same arguments and outputs, once per

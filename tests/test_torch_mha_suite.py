@@ -243,3 +243,85 @@ def test_invalid_shapes_and_nested_tensors_are_damcha_errors():
     for call, error, pattern in cases:
         with pytest.raises(error, match=pattern):
             call()
+
+
+@pytest.fixture
+def swap_on_conversion():
+    # torch's own module tests run .to()/to_empty()/load_state_dict with and without
+    # swapping; swapping is forced for tensor-subclass parameters (DTensor).
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    yield
+    torch.__future__.set_swap_module_params_on_conversion(before)
+
+
+@pytest.mark.parametrize("action", ["to-float64", "float", "to_empty", "load_state_dict"])
+def test_swapping_conversions_work_after_decoding_as_for_mha(action, swap_on_conversion):
+    """After decoding steps (which keep views of the gates between steps),
+    ``.to()``, ``.float()``, ``to_empty`` and ``load_state_dict`` in swap mode
+    work, as they do for nn.MultiheadAttention after a forward (they raised
+    "Couldn't swap" while a kept view used a gate), and decoding afterwards
+    gives what a full pass gives."""
+    from damcha_torch import DamchaKVCache
+
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(E, H, batch_first=True, dtype=torch.float64)
+    layer = DamchaAttention.from_mha(mha)
+    with torch.no_grad():
+        layer.metric_gates["qk"].fill_(0.5)
+    saved = {k: v.clone() for k, v in layer.state_dict().items()}
+
+    def decode(n: int) -> torch.Tensor:
+        x = torch.randn(1, n, E, dtype=layer.out_proj.weight.dtype)
+        cache, steps = DamchaKVCache(), []
+        with torch.inference_mode():
+            for i in range(n):
+                t = x[:, i : i + 1]
+                steps.append(layer(t, t, t, is_causal=True, need_weights=False, kv_cache=cache)[0])
+            full = layer(x, x, x, is_causal=True, need_weights=False)[0]
+        torch.testing.assert_close(torch.cat(steps, 1), full)
+        return full
+
+    decode(3)
+    assert "_gate_columns" in layer.__dict__  # the kept views this is about
+    for module in (mha, layer):
+        if action == "to-float64":
+            module.to(torch.float64)
+        elif action == "float":
+            module.float()
+        elif action == "to_empty":
+            module.to_empty(device="cpu")
+        else:
+            module.load_state_dict(saved if module is layer else mha.state_dict())
+    if action == "to_empty":
+        layer.load_state_dict(saved)  # values were left uninitialised
+    assert layer.out_proj.weight.dtype == (torch.float32 if action == "float" else torch.float64)
+    if action != "float":
+        for name, value in layer.state_dict().items():
+            torch.testing.assert_close(value, saved[name], rtol=0, atol=0)
+    decode(3)
+
+
+def test_meta_device_model_loads_an_mha_checkpoint_after_reset_parameters():
+    """torch's meta-device recipe (build on meta, ``to_empty``, ``reset_parameters``
+    on every module that has one, then load) with a converted model and an MHA
+    checkpoint gives the MHA model's outputs: the gates and generators, absent
+    from the checkpoint, are fresh (gates 0), not uninitialised memory."""
+    torch.manual_seed(0)
+    kw = dict(dim_feedforward=16, dropout=0.0, batch_first=True)
+    reference = nn.TransformerEncoderLayer(E, H, **kw).eval()
+    with torch.device("meta"):
+        model = nn.TransformerEncoderLayer(E, H, **kw)
+    replace_mha(model)
+    model.to_empty(device="cpu")
+    for module in model.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    missing = model.load_state_dict(reference.state_dict(), strict=False).missing_keys
+    assert sorted(missing) == [
+        "self_attn.metric_gates.qk",
+        "self_attn.metric_generators.qk.bias",
+        "self_attn.metric_generators.qk.weight",
+    ]
+    x = torch.randn(B, N, E)
+    torch.testing.assert_close(model.eval()(x), reference(x))

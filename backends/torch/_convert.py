@@ -162,8 +162,22 @@ def from_mha(
         assert layer.bias_k is not None and layer.bias_v is not None and mha.bias_v is not None
         layer.bias_k.copy_(mha.bias_k)
         layer.bias_v.copy_(mha.bias_v)
+    _carry_requires_grad(layer, mha)
     layer.train(mha.training)
     return layer
+
+
+def _carry_requires_grad(layer: DamchaAttention, mha: nn.MultiheadAttention) -> None:
+    """Frozen stays frozen: each copied parameter keeps the ``requires_grad`` of
+    the MHA parameter it was copied from (a model frozen before conversion
+    would otherwise train its attention projections again). Both layers pack
+    q/k/v in one ``in_proj_weight`` exactly when the sizes allow, so the names
+    match one to one. The new DAMCHA parameters (gates, generators) are trainable."""
+    for dst_module, src_module in ((layer, mha), (layer.out_proj, mha.out_proj)):
+        for name, src in src_module._parameters.items():
+            dst = dst_module._parameters.get(name)
+            if dst is not None and src is not None:
+                dst.requires_grad_(src.requires_grad)
 
 
 def replace_mha(model: nn.Module, **kwargs: Any) -> nn.Module:

@@ -430,6 +430,19 @@ class DamchaAttention(CanonicalIO, nn.Module):
         state.pop("_gate_columns", None)  # views of this layer's gates, remade by the next step
         return state
 
+    # The kept gate views (``_gate_column``) are dropped before torch replaces or
+    # refills parameters: with swap_module_params_on_conversion (forced for
+    # tensor subclasses such as DTensor) ``.to()``, ``to_empty`` and
+    # ``load_state_dict`` swap each parameter with torch.utils.swap_tensors,
+    # which refuses a tensor that a view still uses. The next step remakes them.
+    def _apply(self, fn: Any, recurse: bool = True) -> DamchaAttention:
+        self.__dict__.pop("_gate_columns", None)
+        return super()._apply(fn, recurse)
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        self.__dict__.pop("_gate_columns", None)
+        super()._load_from_state_dict(*args, **kwargs)
+
     def extra_repr(self) -> str:
         c = self.config
         parts = [f"embed_dim={c.query_dim}", f"num_heads={c.num_heads}", f"key_dim={c.key_dim}"]
