@@ -348,6 +348,58 @@ def test_sow_weights_match_flax_and_reference() -> None:
     )
 
 
+def test_sow_weights_while_decoding_match_flax_and_reference() -> None:
+    """A decoding step with sow_weights=True records its probabilities over the
+    whole cache [batch..., H, T, L], as Flax's MHA does (it recorded nothing):
+    equal to Flax's at gates 0, and with the gates open to the reference's rows
+    of a causal pass over the tokens so far (zeros beyond them)."""
+    L = 4
+    mha = nnx.MultiHeadAttention(4, E, 16, decode=True, rngs=nnx.Rngs(1))
+    layer = dj.DamchaAttention.from_mha(mha, rngs=nnx.Rngs(2))
+    x = _normal((2, L, E), 4)
+
+    def steps(module):
+        module.init_cache(x.shape)
+        out = []
+        for t in range(L):
+            step = x[:, t : t + 1]
+            _, inter = nnx.capture(lambda m, step=step: m(step, decode=True, sow_weights=True), nnx.Intermediate)(
+                module
+            )
+            out.append(inter["attention_weights"][0])
+        return out
+
+    ours, flax = steps(layer), steps(mha)
+    for t in range(L):
+        assert ours[t].shape == flax[t].shape == (2, 4, 1, L)
+        np.testing.assert_allclose(ours[t], flax[t], rtol=1e-5, atol=1e-6)
+    _open_gates(layer)
+    _, weights = dc.damcha_attention(
+        _np(layer.to_canonical()), layer.config, np.asarray(x), causal=True, return_weights=True
+    )
+    for t, step in enumerate(steps(layer)):
+        np.testing.assert_allclose(np.asarray(step)[:, :, 0], weights[:, :, t], rtol=2e-4, atol=2e-6)
+
+
+@pytest.mark.parametrize("decode", [False, True], ids=["forward", "decode"])
+def test_sown_weights_take_the_computation_dtype_as_in_flax(decode: bool) -> None:
+    """Under dtype=bfloat16 Flax records bfloat16 probabilities (its softmax may
+    run in float32); DAMCHA's were float32."""
+    mha = nnx.MultiHeadAttention(4, E, 16, decode=decode, dtype=jnp.bfloat16, rngs=nnx.Rngs(1))
+    layer = dj.DamchaAttention.from_mha(mha, rngs=nnx.Rngs(2))
+    x = _normal((2, N, E), 4)
+
+    def sown(module):
+        if decode:
+            module.init_cache(x.shape, dtype=jnp.bfloat16)  # Flax's own bfloat16 steps need a bfloat16 cache
+        call = (lambda m: m(x[:, :1], decode=True, sow_weights=True)) if decode else (lambda m: m(x, sow_weights=True))
+        return nnx.capture(call, nnx.Intermediate)(module)[1]["attention_weights"][0]
+
+    ours, flax = sown(layer), sown(mha)
+    assert ours.dtype == flax.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(ours, np.float32), np.asarray(flax, np.float32), atol=1e-2)
+
+
 # ------------------------------------------------------------ attention_fn
 
 

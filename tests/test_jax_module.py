@@ -498,7 +498,8 @@ def test_encoder_to_canonical_is_the_core_stack_format(share: bool) -> None:
 
 def test_module_metric_penalty_and_nnx_view() -> None:
     """The module's metric_penalty equals the reference's (batch axes folded);
-    nnx.view(decode=True, batch_size, max_length) allocates the cache as Flax's set_view does."""
+    nnx.view(decode=True, batch_size, max_length) allocates the cache (Flax 0.12.8's set_view
+    means to, but its check finds the attribute `cached_key = None` and allocates nothing)."""
     layer, params, config = _open_layer("mqa-lowrank")
     x, c = _normal((2, 3, N, E), 8), _normal((2, 3, M, E), 9)
     expected = dc.metric_penalty(params, config, np.asarray(x).reshape(6, N, E), np.asarray(c).reshape(6, M, E))

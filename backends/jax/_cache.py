@@ -127,18 +127,20 @@ def decode_attend(
     broadcast_dropout: bool = False,
     precision: Any = None,
     mask_hint: str | None = None,
+    weights_out: list[Array] | None = None,
 ) -> tuple[Array, dict[str, Array], Array | None]:
     """Write k~ (B, T, G, d) and v (B, T, G, d_v) into ``cache`` at ``index`` and
     attend q~ (B, T, H, d) causally over the cache: query i sits at position
     index + i. Returns o (B, T, H, d_v), the new cache and the mask's NaN flag
-    (the caller checks the room: ``check_room``)."""
+    (the caller checks the room: ``check_room``). With ``weights_out`` the
+    probabilities (B, H, T, L) over the whole cache are appended to it."""
     cached_k, cached_v, index = cache["key"], cache["value"], cache["index"]
     zero = jnp.zeros((), jnp.int32)
     start = (zero, index.astype(jnp.int32), zero, zero)
     keys = jax.lax.dynamic_update_slice(cached_k, k.astype(cached_k.dtype), start)
     values = jax.lax.dynamic_update_slice(cached_v, v.astype(cached_v.dtype), start)
     dt = jnp.result_type(q.dtype, keys.dtype, values.dtype)
-    o, _, flag = attend(
+    o, weights, flag = attend(
         config,
         q.astype(dt),
         keys.astype(dt),
@@ -146,11 +148,15 @@ def decode_attend(
         mask=mask,
         is_causal=True,
         query_offset=index,
+        return_weights=weights_out is not None,
         dropout_rng=dropout_rng,
         broadcast_dropout=broadcast_dropout,
         precision=precision,
         mask_hint=mask_hint,
     )
+    if weights_out is not None:
+        assert weights is not None  # attend returns them when asked
+        weights_out.append(weights)
     return o, {"key": keys, "value": values, "index": index + q.shape[1]}, flag
 
 
@@ -380,9 +386,11 @@ class DecodeCache:
         precision: Any,
         name: str,
         mask_hint: str | None = None,
+        weights_out: list[Array] | None = None,
     ) -> tuple[Array, Array | None]:
         """q~ [batch..., T, H, d], k~, v [batch..., T, G, .] appended to the cache;
-        o [batch..., T, H, d_v] and the mask's NaN flag."""
+        o [batch..., T, H, d_v] and the mask's NaN flag. With ``weights_out``
+        the probabilities [batch..., H, T, L] are appended to it."""
         if self.cached_key is None or self.cached_value is None or self.cache_index is None:
             raise DamchaValueError("The decoding cache is not initialised: call init_cache(input_shape) first.")
         cached_k, cached_v, index = self.cached_key[...], self.cached_value[...], self.cache_index[...]
@@ -401,6 +409,7 @@ class DecodeCache:
         B = int(np.prod(batch)) if batch else 1
         fold = lambda t: jnp.reshape(t, (B, *t.shape[len(batch) :]))  # noqa: E731
         cache = {"key": fold(cached_k), "value": fold(cached_v), "index": index}
+        folded: list[Array] = []
         o, cache, flag = decode_attend(
             self.config,
             cache,
@@ -412,7 +421,10 @@ class DecodeCache:
             broadcast_dropout=broadcast_dropout,
             precision=precision,
             mask_hint=mask_hint,
+            weights_out=None if weights_out is None else folded,
         )
+        if weights_out is not None:
+            weights_out.extend(jnp.reshape(w, (*lead, *w.shape[1:])) for w in folded)
         self.cached_key[...] = jnp.reshape(cache["key"], cached_k.shape)
         self.cached_value[...] = jnp.reshape(cache["value"], cached_v.shape)
         self.cache_index[...] = cache["index"]

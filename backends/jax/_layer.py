@@ -664,6 +664,7 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
                 q, k, v, checked.array, lead, decode, is_causal, deterministic, dropout_rng, sow_weights
             )
         elif decode:
+            sown: list[jax.Array] | None = [] if sow_weights else None
             o, bad = self._decode(
                 q,
                 k,
@@ -674,7 +675,12 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
                 precision=self.precision,
                 name="inputs_q",
                 mask_hint=mask_hint,
+                weights_out=sown,
             )
+            if sown:
+                # Flax records a decoding step's probabilities over the whole cache too,
+                # and in the computation's dtype (its softmax may run in float32).
+                self.sow(nnx.Intermediate, "attention_weights", sown[0].astype(o.dtype))
         else:
             # The maps run here, under mapped_attention's checkpoint (training saves q and k, not q~ and k~).
             o, weights, bad = F.mapped_attention(
@@ -697,7 +703,9 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
             o = jnp.reshape(o, (*lead, *o.shape[1:]))
             if sow_weights:
                 assert weights is not None  # attend returns them when asked
-                self.sow(nnx.Intermediate, "attention_weights", jnp.reshape(weights, (*lead, *weights.shape[1:])))
+                # In the computation's dtype, as Flax records them (bfloat16 under dtype=bfloat16).
+                sown_weights = jnp.reshape(weights, (*lead, *weights.shape[1:])).astype(o.dtype)
+                self.sow(nnx.Intermediate, "attention_weights", sown_weights)
         return F._poison(self.out(o, out_sharding=out_sharding), bad)
 
     def _custom_attention(self, q, k, v, mask, lead, decode, is_causal, deterministic, dropout_rng, sow_weights):
