@@ -43,6 +43,9 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
         torch.save(
             {k: v.detach().clone() for k, v in model.state_dict().items()}, os.path.join(out_dir, f"rank{rank}.pt")
         )
+        # Every rank done before any tears down: a gloo peer that exits while the other
+        # still talks to it can abort ("terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

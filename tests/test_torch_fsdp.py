@@ -62,6 +62,9 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
             for step in range(STEPS):
                 _step(kind, model, opt, x[step, rows], memory[step, rows])
             torch.save(_full(model.state_dict()), os.path.join(out_dir, f"{kind}{rank}.pt"))
+        # Every rank done before any tears down: a gloo peer that exits while the other
+        # still talks to it can abort ("terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
