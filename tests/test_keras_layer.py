@@ -105,6 +105,36 @@ def test_from_mha_keeps_weights_and_names():
     assert np.all(canonical["metric.qk.gate"] == 0)
 
 
+@pytest.mark.parametrize("frozen", ["layer", "query-dense", "key-kernel"])
+def test_from_mha_keeps_frozen_weights_frozen(frozen):
+    """What was frozen before conversion stays frozen (the layer, one projection
+    or one variable); before, from_mha's copies were all trainable, so "freeze
+    the backbone, train the gates" trained the projections too. The new gates
+    and generators are trainable, and a training step leaves the frozen ones."""
+    mha = built_mha(cross=False)
+    if frozen == "layer":
+        mha.trainable = False
+    elif frozen == "query-dense":
+        mha._query_dense.trainable = False
+    else:
+        mha._key_dense.kernel.trainable = False
+    expected = sorted(w.path.split("/", 1)[1] for w in mha.non_trainable_weights)
+    assert expected
+    layer = DamchaAttention.from_mha(mha)
+    assert sorted(w.path.split("/", 1)[1] for w in layer.non_trainable_weights) == expected
+    trainable = {w.path.split("/", 1)[1] for w in layer.trainable_weights}
+    assert {"metric_qk_gate", "metric_qk/kernel", "metric_qk/bias"} <= trainable
+    x = rng(3).normal(size=(B, N, E)).astype("float32")
+    inputs = keras.Input((N, E))
+    model = keras.Model(inputs, layer(inputs, inputs))
+    before = {w.path: np_(w) for w in layer.weights}
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.train_on_batch(x, np.ones((B, N, E + 1), "float32"))
+    moved = {w.path.split("/", 1)[1] for w in layer.weights if not np.array_equal(np_(w), before[w.path])}
+    assert "metric_qk_gate" in moved  # the step trained (the generator moves once the gate is open)
+    assert not moved & set(expected)
+
+
 @pytest.mark.parametrize("metric", ["heads", "none"])
 def test_weights_order_is_the_documented_one(metric):
     """docs/keras.md: layer.weights = the gates (the layer's own variables, which

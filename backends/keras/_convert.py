@@ -169,4 +169,11 @@ def from_mha(cls: type, layer: Any, **kwargs: Any) -> DamchaAttention:
         ours[name].kernel.assign(_copy(dense.kernel, ours[name].kernel))
         if new.use_bias and dense.bias is not None:
             ours[name].bias.assign(_copy(dense.bias, ours[name].bias))
+        # Frozen stays frozen (a model frozen before conversion would otherwise
+        # train these projections again); the new gates and generators train.
+        ours[name].trainable = dense.trainable
+        for attr in ("kernel", "bias"):
+            theirs_var, ours_var = getattr(dense, attr, None), getattr(ours[name], attr, None)
+            if theirs_var is not None and ours_var is not None:
+                ours_var.trainable = theirs_var.trainable
     return new
