@@ -178,6 +178,9 @@ def test_self_attention_projects_q_k_v_with_one_packed_gemm():
     _, layer = _layers()
     x = torch.randn(2, 6, E)
     with torch.no_grad():
+        # A process's first call makes the RMS norm's cached constant (lift_fresh and a
+        # scalar read, two ops the count below would include when this test runs first).
+        layer(x, x, x, need_weights=False)
         ours = _count(lambda: layer(x, x, x, need_weights=False))
     gemms = _gemms(ours)
     assert len([s for s in gemms if (E, 3 * E) in s]) == 1, gemms
@@ -460,6 +463,10 @@ def _train_counts(call: str, batch_first: bool = True) -> tuple[Counter, Counter
 
 @pytest.mark.parametrize("call", list(_TRAIN_CALLS))
 def test_training_step_ops_and_copies_stay_near_mha(call):
+    # Counted the second time, on fresh layers: a process's first step makes cached
+    # constants (the RMS norm's, a few of torch's), ops a count would include when
+    # this test runs first in its process.
+    _train_counts(call)
     base, ours, _, gemms = _train_counts(call)
     total, reference = sum(ours.values()), sum(base.values())
     assert total <= reference + TRAIN_EXTRA_OPS[call], (total, reference, sorted((ours - base).items()))
