@@ -128,12 +128,16 @@ def test_equals_linen_mha_with_the_same_weights(precision, decode: bool, normali
 
 
 @pytest.mark.parametrize(
-    "keep_rngs, broadcast_dropout", [(True, True), (False, False)], ids=["keep_rngs-broadcast", "no_rngs-elementwise"]
+    "keep_rngs, broadcast_dropout, streams",
+    [(True, True, "two"), (False, False, "two"), (True, False, "one")],
+    ids=["keep_rngs-broadcast", "no_rngs-elementwise", "keep_rngs-one-stream"],
 )
-def test_dropout_and_keep_rngs_follow_flax_mha(keep_rngs: bool, broadcast_dropout: bool) -> None:
+def test_dropout_and_keep_rngs_follow_flax_mha(keep_rngs: bool, broadcast_dropout: bool, streams: str) -> None:
     """keep_rngs stores (or not) the dropout stream as Flax does, and with the
     same keys DAMCHA (gates 0) drops the same probabilities as nnx.MultiHeadAttention,
-    in a forward pass and while decoding."""
+    in a forward pass and while decoding; with one stream for everything
+    (``nnx.Rngs(0)``) too, where the layer keeps its dropout stream at the same
+    point of the draws as Flax (it used to keep it after the generators drew)."""
 
     def make(cls, **extra):
         return cls(
@@ -142,7 +146,7 @@ def test_dropout_and_keep_rngs_follow_flax_mha(keep_rngs: bool, broadcast_dropou
             dropout_rate=0.5,
             broadcast_dropout=broadcast_dropout,
             keep_rngs=keep_rngs,
-            rngs=nnx.Rngs(params=0, dropout=1),
+            rngs=nnx.Rngs(params=0, dropout=1) if streams == "two" else nnx.Rngs(0),
             **extra,
         )
 

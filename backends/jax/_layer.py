@@ -489,10 +489,14 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
             bias_metadata=out_bias_metadata or bias_metadata,
         )
 
+        # The dropout stream is kept where Flax's MHA keeps it, after the four
+        # projections and before the generators draw: with one stream
+        # (nnx.Rngs(0)) the same seed then gives Flax's dropout masks.
+        kept = rngs.dropout.fork() if keep_rngs and cfg.dropout > 0 else None
         generators = given or make_metric_generators(cfg, param_dtype=param_dtype, rngs=rngs)
         self.metric = nnx.Dict({s: CrossHeadMap(generators[s], param_dtype=param_dtype) for s in cfg.metric_sides})
 
-        self.rngs = rngs.dropout.fork() if keep_rngs and cfg.dropout > 0 else None
+        self.rngs = kept
         self.cached_key: nnx.Cache | None = nnx.data(None)
         self.cached_value: nnx.Cache | None = nnx.data(None)
         self.cache_index: nnx.Cache | None = nnx.data(None)
