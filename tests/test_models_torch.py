@@ -704,6 +704,55 @@ def test_a_reset_projection_forward_is_reattached():
         assert torch.equal(run(model, "llama", kw), want)
 
 
+@pytest.mark.parametrize("hook", ["noop", "align-devices"])
+def test_an_accelerate_hook_added_after_convert_keeps_one_map(hook):
+    """accelerate wraps a projection's forward (keeping ours as ``_old_forward``,
+    which its hook calls): the attention module's sync hook took that for a
+    reset forward and installed a second map on top, so q was mapped twice
+    (logits off by 3e-4 to 7e-3, silently). Removing the hooks later still
+    leaves one map."""
+    from accelerate.hooks import ModelHook, add_hook_to_module, attach_align_device_hook, remove_hook_from_submodules
+
+    model = open_gates(converted("llama"))
+    kw = inputs("llama", torch.float64)
+    with torch.no_grad():
+        want = run(model, "llama", kw)
+        if hook == "noop":
+            add_hook_to_module(model.model.layers[0].self_attn.q_proj, ModelHook())
+        else:
+            attach_align_device_hook(model, execution_device=torch.device("cpu"))
+        for _ in range(2):  # the sync hook runs on every call
+            torch.testing.assert_close(run(model, "llama", kw), want, rtol=0, atol=1e-12)
+        remove_hook_from_submodules(model)
+        torch.testing.assert_close(run(model, "llama", kw), want, rtol=0, atol=1e-12)
+
+
+def test_peft_modules_to_save_of_the_maps_is_refused_by_name():
+    """PEFT's ``modules_to_save=["damcha"]`` puts trainable copies of the maps
+    where they were, while the projections go on reading the originals: the
+    copies trained and saved while nothing read them (0 DAMCHA tensors moved in
+    3 steps). The first call now raises, naming the module and the way to train them."""
+    import peft
+
+    model = converted("llama", torch.float32)
+    config = peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"], modules_to_save=["damcha"])
+    wrapped = peft.get_peft_model(model, config)
+    with pytest.raises(dc.DamchaTypeError, match=r"`LlamaAttention\.damcha`.*damcha_parameters.*Received: damcha="):
+        run(wrapped, "llama", inputs("llama"))
+
+
+def test_a_model_converted_in_eval_mode_stays_in_eval_mode():
+    """from_pretrained returns eval-mode models: the maps and their generators
+    follow the attention module's mode (they stayed in training mode, so an
+    eval call with gradients enabled took the training paths)."""
+    model = build("llama", torch.float64).eval()
+    dt.convert(model)
+    assert not any(m.training for m in model.modules())
+    model.train()
+    assert all(m.training for m in model.modules())
+    assert not any(m.training for m in dt.convert(build("vit", torch.float64).eval()).modules())
+
+
 # ------------------------------------------------------- compile / export
 
 

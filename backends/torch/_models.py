@@ -119,6 +119,16 @@ class _SiteForward:
         return self.maps._run_site(self, x, args, kwargs)
 
 
+def _carries_site(projection: nn.Module) -> bool:
+    """The projection's forward is its installed map, or a wrapper that a tool
+    added around it since conversion: accelerate's ``add_hook_to_module`` keeps
+    the forward it wrapped as ``_old_forward`` and calls it, so the map runs
+    once inside the hook (installing another would map the output twice)."""
+    return isinstance(projection.__dict__.get("forward"), _SiteForward) or isinstance(
+        projection.__dict__.get("_old_forward"), _SiteForward
+    )
+
+
 class _SyncHook:
     """Forward pre-hook of a converted attention module: if a projection was
     replaced since conversion (PEFT wraps ``q_proj`` in a LoRA layer), move the
@@ -141,6 +151,18 @@ class _SyncHook:
                     "torch.export and torch.jit.trace record them; layers made by replace_mha trace with torch.fx)",
                     f"{type(module).__module__}.{type(module).__qualname__} converted by damcha_torch.convert, "
                     "under torch.fx symbolic tracing",
+                )
+            )
+        if module._modules.get(CONFIG_KEY) is not self.maps:
+            # PEFT's modules_to_save (or other code) put another module where the
+            # maps were: the projections would go on reading these maps, and the
+            # copy would train and save while nothing reads it.
+            raise DamchaTypeError(
+                dc.invalid_argument(
+                    f"{type(module).__qualname__}.{CONFIG_KEY}",
+                    "the DamchaMaps module that convert() registered there (to train DAMCHA's parameters under "
+                    "PEFT, unfreeze them with damcha_parameters(model) instead of listing them in modules_to_save)",
+                    f"{CONFIG_KEY}={describe(module._modules.get(CONFIG_KEY))}",
                 )
             )
         self.maps.sync(module)
@@ -279,7 +301,7 @@ class DamchaMaps(nn.Module):
         for site in self.layout.sites:
             current = attention._modules.get(site.attr)
             installed = self._installed.get(site.attr)
-            if current is not installed or not isinstance(current.__dict__.get("forward"), _SiteForward):
+            if current is None or current is not installed or not _carries_site(current):
                 self._uninstall(site.attr)
                 self._install(site, _child(attention, site.attr))
 
@@ -758,6 +780,8 @@ def convert(
             for side in config.metric_sides:
                 shared.setdefault(side, maps.generator(side))
         module.add_module(CONFIG_KEY, maps)
+        # A model converted in eval mode (from_pretrained returns one) stays in it.
+        maps.train(module.training)
         maps.install(module)
 
     if mhas:
