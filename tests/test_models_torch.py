@@ -299,6 +299,34 @@ def test_generate_with_cache_equals_without(arch, cache):
     assert torch.equal(cached, plain)
 
 
+@pytest.mark.parametrize(
+    "arch,cache,beams",
+    [
+        ("llama", "dynamic", 1),
+        ("llama", "static", 1),
+        ("gpt2", "dynamic", 1),
+        ("qwen3", "static", 1),
+        ("llama", "dynamic", 3),
+    ],
+    ids=["llama-dynamic", "llama-static", "gpt2-dynamic", "qwen3-static", "llama-beam3"],
+)
+def test_left_padded_batched_generate_with_cache_equals_without(arch, cache, beams):
+    """Batched generation as users run it: row 0 left-padded with its attention_mask
+    (greedy, or beam search, whose cache is reordered between steps); the cached
+    steps of the mapped keys give the tokens of uncached generation, and the
+    padded row gives what it gives alone."""
+    model = open_gates(converted(arch, torch.float64), scale=0.8)
+    kw = inputs(arch, padding=True, length=6)
+    opts = {"max_new_tokens": 5, "do_sample": False, "pad_token_id": 0, "num_beams": beams}
+    extra = {"cache_implementation": "static"} if cache == "static" else {}
+    with torch.no_grad():
+        cached = model.generate(**kw, use_cache=True, **extra, **opts)
+        plain = model.generate(**kw, use_cache=False, **opts)
+        alone = model.generate(input_ids=kw["input_ids"][:1, 2:], use_cache=True, **extra, **opts)
+    assert torch.equal(cached, plain)
+    assert torch.equal(cached[0, 2:], alone[0])
+
+
 def test_cache_stores_mapped_keys():
     model = open_gates(converted("llama", torch.float64))
     ids = inputs("llama", padding=False)["input_ids"]
