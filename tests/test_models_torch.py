@@ -769,6 +769,34 @@ def test_peft_modules_to_save_of_the_maps_is_refused_by_name():
         run(wrapped, "llama", inputs("llama"))
 
 
+def test_a_data_parallel_replica_is_refused_naming_data_parallel(monkeypatch):
+    """nn.DataParallel's replicate copies every module but not the maps'
+    installation (the replicas' projections and hooks still read the original's
+    maps): a replica's call is refused, naming DataParallel and the alternative,
+    and the original model is unaffected. Simulated on CPU: torch's replicate
+    with its broadcast replaced by plain copies (what each GPU would hold)."""
+    import importlib
+
+    replicate_module = importlib.import_module("torch.nn.parallel.replicate")  # the module, not its function
+
+    monkeypatch.setattr(
+        replicate_module,
+        "_broadcast_coalesced_reshape",
+        lambda tensors, devices, detach=False: [[t.detach().clone() for t in tensors] for _ in devices],
+    )
+    monkeypatch.setattr(replicate_module, "_get_device_index", lambda device, optional=False: 0)
+    model = open_gates(converted("llama"))
+    kw = inputs("llama", torch.float64)
+    with torch.no_grad():
+        want = run(model, "llama", kw)
+        replica = replicate_module.replicate(model, [0, 1], detach=True)[1]
+        with pytest.raises(
+            dc.DamchaTypeError, match=r"`LlamaAttention\.damcha`.*nn\.DataParallel.*DistributedDataParallel"
+        ):
+            run(replica, "llama", kw)
+        assert torch.equal(run(model, "llama", kw), want)
+
+
 def test_a_model_converted_in_eval_mode_stays_in_eval_mode():
     """from_pretrained returns eval-mode models: the maps and their generators
     follow the attention module's mode (they stayed in training mode, so an

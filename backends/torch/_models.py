@@ -153,16 +153,27 @@ class _SyncHook:
                     "under torch.fx symbolic tracing",
                 )
             )
-        if module._modules.get(CONFIG_KEY) is not self.maps:
-            # PEFT's modules_to_save (or other code) put another module where the
-            # maps were: the projections would go on reading these maps, and the
-            # copy would train and save while nothing reads it.
+        found = module._modules.get(CONFIG_KEY)
+        if found is not self.maps:
+            # Another module sits where the maps were, while the projections go on
+            # reading these maps: PEFT's modules_to_save (its copy would train and
+            # save while nothing reads it), or a replica of the attention module
+            # (nn.DataParallel's replicate copies the module but not the maps'
+            # installation, so a replica would compute with the original's maps).
+            if isinstance(found, DamchaMaps):
+                expected = (
+                    "the DamchaMaps module that convert() registered there; this attention module is a copy "
+                    "that shares the original's installed maps (nn.DataParallel replicas are not supported: use "
+                    "DistributedDataParallel, one model per process; copy.deepcopy copies a converted model whole)"
+                )
+            else:
+                expected = (
+                    "the DamchaMaps module that convert() registered there (to train DAMCHA's parameters under "
+                    "PEFT, unfreeze them with damcha_parameters(model) instead of listing them in modules_to_save)"
+                )
             raise DamchaTypeError(
                 dc.invalid_argument(
-                    f"{type(module).__qualname__}.{CONFIG_KEY}",
-                    "the DamchaMaps module that convert() registered there (to train DAMCHA's parameters under "
-                    "PEFT, unfreeze them with damcha_parameters(model) instead of listing them in modules_to_save)",
-                    f"{CONFIG_KEY}={describe(module._modules.get(CONFIG_KEY))}",
+                    f"{type(module).__qualname__}.{CONFIG_KEY}", expected, f"{CONFIG_KEY}={describe(found)}"
                 )
             )
         self.maps.sync(module)
