@@ -378,7 +378,7 @@ def _grads(model, arch, kw):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen3", "bert", "roberta", "hf-vit", "bert-decoder"])
 def test_recompute_and_gradient_checkpointing_give_identical_gradients(arch):
     base = open_gates(dt.convert(build(arch, torch.float64), recompute=False)).train()
     kw = inputs(arch, torch.float64)
