@@ -24,11 +24,12 @@ from . import _data
 PRESETS = ("smoke", "default", "full", "large")
 # The "format" field of every results and cost JSON this version writes.
 RESULTS_FORMAT = "damcha-experiment/2"
-TASK_NAMES = ("crosshead", "crosshead1", "charlm", "listops", "listops3", "digits")
+TASK_NAMES = ("crosshead", "crosshead1", "charlm", "listops", "listops3", "listops3x3", "digits")
 # Tasks whose verdict is claim 1 (expressive power): the same data, two depths.
 CLAIM1_TASKS = ("crosshead", "crosshead1")
-# The ListOps tasks: the same generator, nesting depth <= 2 (listops) and <= 3 (listops3).
-LISTOPS_TASKS = ("listops", "listops3")
+# The ListOps tasks: the same generator, nesting depth <= 2 (listops) and <= 3 (listops3, and
+# listops3x3 with three layers).
+LISTOPS_TASKS = ("listops", "listops3", "listops3x3")
 
 # Fixed data seeds: a run's seed must never change its data, only its order.
 # Tasks whose data changed after runs of them were saved. A run's identity names the version, so a
@@ -154,6 +155,7 @@ _DESCRIPTIONS = {
     "charlm": "byte-level language model on the Python standard library's own source",
     "listops": "ListOps-style nested MAX/MIN/MED/SM expressions (depth <= 2), classify the value 0-9",
     "listops3": "listops one nesting level deeper: depth <= 3, 2-3 arguments, up to 47 tokens",
+    "listops3x3": "listops3 with three layers (one per nesting level) at a three-layer parameter budget",
     "digits": "scikit-learn's 8x8 digits, a small ViT of nn.TransformerEncoderLayer blocks (replace_mha)",
 }
 
@@ -320,6 +322,24 @@ def _listops3(preset: str) -> TaskConfig:
 
 
 _CONFIGS.update({("listops3", preset): _listops3(preset) for preset in PRESETS})
+
+# listops3x3: listops3 with three layers, one per nesting level (declared in session 26, before any
+# run, in docs/results.md): with two layers depth 3 converged early at about 0.5 (MHA 0.4985, tied
+# 0.516), where depth 2's two-layer models reach 0.995+. The budgets are each preset's widest variant
+# (separate) at the preset's MLP width, as listops3's are at two layers.
+_LISTOPS3X3_BUDGETS = {"smoke": 7_730, "default": 31_300, "full": 111_600, "large": 654_300}
+_CONFIGS.update(
+    {
+        ("listops3x3", preset): dataclasses.replace(
+            _CONFIGS[("listops3", preset)],
+            task="listops3x3",
+            description=_DESCRIPTIONS["listops3x3"],
+            num_layers=3,
+            param_budget=_LISTOPS3X3_BUDGETS[preset],
+        )
+        for preset in PRESETS
+    }
+)
 
 
 def task_config(task: str, preset: str = "default", **overrides: Any) -> TaskConfig:

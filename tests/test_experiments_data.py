@@ -283,6 +283,28 @@ def test_listops3_is_listops_one_level_deeper(preset):
     assert np.bincount(deeper.targets, minlength=10).max() / len(deeper.targets) < 0.25
 
 
+@pytest.mark.parametrize("preset", ["smoke", "default", "full", "large"])
+def test_listops3x3_is_listops3_with_three_layers(preset):
+    """listops3x3 keeps listops3's data, sizes, rates and protocol; only depth of model and budget change.
+
+    Its budget is a three-layer one: the widest variant (separate) at the preset's MLP width meets it.
+    """
+    import dataclasses
+
+    from damcha_experiments._models import count_parameters
+    from damcha_experiments._tasks import TaskData, task_config
+    from damcha_experiments._train import build_model
+    from damcha_experiments._variants import VARIANTS
+
+    two, three = task_config("listops3", preset), task_config("listops3x3", preset)
+    changed = {f.name for f in dataclasses.fields(two) if getattr(two, f.name) != getattr(three, f.name)}
+    assert changed <= {"task", "description", "num_layers", "param_budget"}, changed
+    assert three.num_layers == 3 and three.data == two.data
+    data = TaskData(task_config("listops3x3", preset, train_size=64, val_size=8, test_size=8))
+    widest = count_parameters(build_model(data, VARIANTS["damcha-heads-separate"], three.mlp_hidden))
+    assert abs(widest - three.param_budget) < 0.001 * three.param_budget
+
+
 def test_importing_the_package_and_the_report_needs_no_torch():
     import subprocess
     import sys
