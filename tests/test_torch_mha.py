@@ -171,6 +171,48 @@ def test_unbatched_inputs_equal_mha(attention, mask, need_weights, average):
         assert w is None
 
 
+@pytest.mark.parametrize(
+    "dtypes",
+    [
+        (torch.bool, torch.float32),
+        (torch.float32, torch.bool),
+        (torch.bool, torch.bool),
+        (torch.float32, torch.float32),
+    ],
+    ids=["bool-pad+float-attn", "float-pad+bool-attn", "both-bool", "both-float"],
+)
+def test_mismatched_mask_dtypes_warn_as_mha_does(dtypes):
+    """A bool mask beside a float one: MHA warns (a deprecation) and applies both; so does DAMCHA.
+
+    The message starts as MHA's, so a filter written for MHA's warning silences ours too.
+    """
+    import warnings
+
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(E, H, batch_first=True).eval()
+    layer = DamchaAttention.from_mha(mha).eval()  # zero gates: MHA's outputs
+    x = torch.randn(B, N, E)
+    pad = torch.zeros(B, N, dtype=torch.bool)
+    pad[1, -2:] = True
+    attn = torch.ones(N, N, dtype=torch.bool).triu(1)
+    to = {torch.bool: lambda m: m, torch.float32: lambda m: torch.zeros(m.shape).masked_fill(m, float("-inf"))}
+    kpm, am = to[dtypes[0]](pad), to[dtypes[1]](attn)
+    outs, caught = {}, {}
+    for name, module in (("mha", mha), ("damcha", layer)):
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            outs[name] = module(x, x, x, key_padding_mask=kpm, attn_mask=am, need_weights=False)[0]
+        caught[name] = [str(i.message) for i in w if "mismatched key_padding_mask" in str(i.message)]
+    assert bool(caught["damcha"]) == bool(caught["mha"]) == (dtypes[0] != dtypes[1])
+    if caught["damcha"]:
+        assert f"key_padding_mask.dtype={dtypes[0]}, attn_mask.dtype={dtypes[1]}" in caught["damcha"][0]
+    torch.testing.assert_close(outs["damcha"], outs["mha"], rtol=1e-5, atol=1e-5)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error")
+        warnings.filterwarnings("ignore", "Support for mismatched key_padding_mask")
+        layer(x, x, x, key_padding_mask=kpm, attn_mask=am, need_weights=False)  # MHA's filter applies
+
+
 @pytest.mark.parametrize("batch_first", [True, False], ids=["batch_first", "seq_first"])
 def test_unbatched_equals_batch_of_one_with_open_gates(batch_first):
     """With the map active, unbatched input is the batch-of-one call, gradients included."""
