@@ -224,3 +224,26 @@ def test_a_model_converted_by_convert_is_refused_under_fx_with_a_clear_error() -
     dt.convert(model)
     with pytest.raises(DamchaTypeError, match=r"`model`.*damcha_torch\.convert.*Received: timm\..*Attention converted"):
         torch.fx.symbolic_trace(model)
+
+
+def test_a_graph_traced_before_convert_computes_the_converted_model() -> None:
+    """A graph traced from the model before ``convert`` (a feature extractor made
+    first, say) keeps calling the same projection modules, which compute each
+    token's map from their own input: after conversion the graph gives the
+    converted model's outputs, for inputs the model has not just seen (no map
+    left over from its last call) and at another batch size."""
+    import _models_zoo as zoo
+
+    import damcha_torch as dt
+
+    model = zoo.build("vit", dtype=torch.float64).eval()
+    graph = torch.fx.symbolic_trace(model)
+    g = torch.Generator().manual_seed(0)
+    first, other = (torch.randn(b, 3, 16, 16, generator=g, dtype=torch.float64) for b in (2, 3))
+    plain = graph(other)
+    dt.convert(model)
+    zoo.open_gates(model)
+    model(first)  # the model's last call saw other inputs
+    converted = model(other)
+    assert (converted - plain).abs().max() > 1e-5  # the maps act on these outputs (a tiny model: 3e-4)
+    torch.testing.assert_close(graph(other), converted, rtol=1e-12, atol=1e-12)
