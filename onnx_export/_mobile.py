@@ -90,6 +90,16 @@ def convert_to_ort(
         )
     sources = []
     for i, item in enumerate(paths):
+        if not isinstance(item, (str, os.PathLike)):
+            # A ModelProto has no file name to name its .ort file after (os.fspath raised a raw TypeError).
+            raise DamchaTypeError(
+                invalid_argument(
+                    f"models[{i}]",
+                    "the path of a saved .onnx file (each becomes <output_dir>/<its stem>.ort; save an in-memory "
+                    "model first, e.g. with damcha_onnx.export(..., path))",
+                    f"models[{i}]={describe(item)}",
+                )
+            )
         as_model(item, f"models[{i}]", load_weights=False)  # a clear error for anything unreadable
         sources.append(pathlib.Path(os.fspath(item)).resolve())
     stems = [p.stem for p in sources]

@@ -16,8 +16,8 @@ import onnx
 
 from damcha_core import DamchaTypeError, DamchaValueError, describe, invalid_argument
 
-from ._io import check_path, save_model
-from ._runtime import as_model, describe_value, feeds_for, run_ort
+from ._io import check_path, is_large, save_model, write_staged
+from ._runtime import as_model, check_weights_inline, describe_value, feeds_for, run_ort
 
 #: Activation/weight integer types of ``quantize_static``.
 QUANT_TYPES = ("int8", "uint8")
@@ -40,6 +40,27 @@ def _check_float32(m: onnx.ModelProto) -> None:
         )
 
 
+def _quantizer_input(model: onnx.ModelProto | str | os.PathLike) -> onnx.ModelProto:
+    """The float32 model to quantise, weights in memory (read from beside a path)."""
+    m = as_model(model)
+    check_weights_inline(m)
+    _check_float32(m)
+    return m
+
+
+def _stage(m: onnx.ModelProto, directory: str) -> tuple[str, bool]:
+    """``m`` written to ``directory`` for onnxruntime's quantiser: (its path,
+    whether it uses external data). A model over protobuf's 2 GiB limit, which
+    ``export`` saves with external data, cannot be written as one file
+    (``onnx.save_model`` raises a raw ``EncodeError``): it is written with its
+    weights beside it, and the quantiser is told to do the same."""
+    if is_large(m):
+        return write_staged(m, directory, "model.onnx"), True
+    src = os.path.join(directory, "model.onnx")
+    onnx.save_model(m, src)
+    return src, False
+
+
 def quantize_int8(model: onnx.ModelProto | str | os.PathLike, path: str | os.PathLike | None = None) -> onnx.ModelProto:
     """Dynamic int8 quantisation (int8 weights, activations quantised per batch
     at run time) of the MatMul weights; returns the quantised model.
@@ -56,14 +77,19 @@ def quantize_int8(model: onnx.ModelProto | str | os.PathLike, path: str | os.Pat
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     path = check_path(path)
-    m = as_model(model)
-    _check_float32(m)
+    m = _quantizer_input(model)
     with tempfile.TemporaryDirectory() as tmp:
-        src, dst = os.path.join(tmp, "model.onnx"), os.path.join(tmp, "model.int8.onnx")
-        onnx.save_model(m, src)
+        src, large = _stage(m, tmp)
+        dst = os.path.join(tmp, "model.int8.onnx")
         with _quiet_pre_processing_hint():
-            quantize_dynamic(src, dst, weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul"])
-        out = onnx.load(dst)
+            quantize_dynamic(
+                src,
+                dst,
+                weight_type=QuantType.QInt8,
+                op_types_to_quantize=["MatMul"],
+                use_external_data_format=large,
+            )
+        out = onnx.load(dst)  # weights read into memory (from beside dst with external data)
     if path is not None:
         save_model(out, path)
     return out
@@ -171,8 +197,7 @@ def quantize_static_int8(
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
     path = check_path(path)
-    m = as_model(model)
-    _check_float32(m)
+    m = _quantizer_input(model)
     if isinstance(per_channel, bool) is False:
         raise DamchaTypeError(invalid_argument("per_channel", "a bool", f"per_channel={describe(per_channel)}"))
     if activation_type not in QUANT_TYPES:
@@ -205,8 +230,8 @@ def quantize_static_int8(
     }
     weighted = weight_matmuls(m)
     with tempfile.TemporaryDirectory() as tmp:
-        src, dst = os.path.join(tmp, "model.onnx"), os.path.join(tmp, "model.qdq.onnx")
-        onnx.save_model(m, src)
+        src, large = _stage(m, tmp)
+        dst = os.path.join(tmp, "model.qdq.onnx")
         # The calibrator prints progress on stdout; the pre-processing hint is dropped (see below).
         with contextlib.redirect_stdout(io.StringIO()), _quiet_pre_processing_hint():
             quantize_static(
@@ -220,6 +245,7 @@ def quantize_static_int8(
                 activation_type=quant[activation_type],
                 weight_type=QuantType.QInt8,
                 calibrate_method=methods[method],
+                use_external_data_format=large,
                 # DedicatedQDQPair: a token tensor read by a quantised MatMul and by
                 # a float node (the RMS normalisation, a residual add) gets its own
                 # Q/DQ pair per consumer, so the float nodes read it unrounded.

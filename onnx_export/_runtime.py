@@ -84,6 +84,37 @@ def as_model(model: Any, name: str = "model", *, load_weights: bool = True) -> o
     return proto
 
 
+def check_weights_inline(model: onnx.ModelProto, name: str = "model") -> None:
+    """Refuse an in-memory model whose weights refer to an external data file.
+
+    ``export(..., external_data=True)`` (or a model over 2 GiB) returns such a
+    ModelProto: its tensors name ``<path>.data`` relative to the ``.onnx``
+    file, which an in-memory model cannot locate, so every consumer (a
+    session, the reference evaluator, the quantisers) must be given the path.
+
+    Raises:
+        DamchaValueError: naming ``name``, and the data file the model refers to.
+    """
+    files = sorted(
+        {
+            entry.value
+            for t in model.graph.initializer
+            if t.data_location == onnx.TensorProto.EXTERNAL
+            for entry in t.external_data
+            if entry.key == "location"
+        }
+    )
+    if files:
+        raise DamchaValueError(
+            invalid_argument(
+                name,
+                "the path of the .onnx file of a model with external data (an in-memory model cannot locate "
+                "its external data file)",
+                f"{name}=a ModelProto with external data in {files}",
+            )
+        )
+
+
 def _first_line(exc: BaseException) -> str:
     lines = str(exc).strip().splitlines()
     return lines[0][:300] if lines else ""
@@ -124,15 +155,7 @@ def ort_session(
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     providers = ["CPUExecutionProvider"]
     if isinstance(model, onnx.ModelProto):
-        if any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer):
-            raise DamchaValueError(
-                invalid_argument(
-                    name,
-                    "the path of the .onnx file of a model with external data (an in-memory model cannot locate "
-                    "its external data file)",
-                    f"{name}=a ModelProto with external data",
-                )
-            )
+        check_weights_inline(model, name)
         if not is_large(model):
             return ort.InferenceSession(model.SerializeToString(), options, providers=providers)
         # Over protobuf's 2 GiB limit: onnxruntime reads it from files with external data.
@@ -461,6 +484,7 @@ def run_reference(
     empty = empty_outputs(model, feeds)  # as run_ort, so the two agree on empty inputs
     if empty is not None:
         return _first_or_all(model, empty, all_outputs)
+    check_weights_inline(model)  # as run_ort's session: the evaluator would fail on the missing weights
     if evaluator is None:
         from onnx.reference import ReferenceEvaluator
 

@@ -18,6 +18,14 @@ from ._graph import ATTENTION_OPSET
 from ._io import check_path, save_model, validate_model
 from ._options import check_opset
 
+#: The oldest opset torch.onnx.export(dynamo=True) writes: its op library (torchlib) is
+#: built at opset 18, and an older request came back as an opset-18 model, silently.
+TORCH_MIN_OPSET = 18
+
+
+def _default_opset(proto: onnx.ModelProto) -> int | None:
+    return next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
+
 
 def export_torch(
     model: Any,
@@ -37,7 +45,9 @@ def export_torch(
         model: the module, put in eval mode by the caller.
         args: example positional inputs (tensors).
         path: where to save (checked first, written atomically); ``None`` only returns the model.
-        opset: ONNX opset (>= 17; default 23).
+        opset: ONNX opset (>= 18, torch's oldest; default 23). A request that
+            torch's version converter does not reach (it stops below the
+            newest opset onnx knows) is refused, never exported at another opset.
         dynamic: dims 0 and 1 (batch and sequence) of every tensor input are
             dynamic (``torch.export.Dim.DYNAMIC``), so batch and lengths can
             change after export.
@@ -56,6 +66,15 @@ def export_torch(
         raise DamchaTypeError(invalid_argument("model", "a torch.nn.Module", f"model={describe(model)}"))
     path = check_path(path)
     opset, _ = check_opset(opset)
+    if opset < TORCH_MIN_OPSET:
+        raise DamchaValueError(
+            invalid_argument(
+                "opset",
+                f"an int >= {TORCH_MIN_OPSET} for export_torch (torch.onnx.export's dynamo exporter writes opset "
+                f"{TORCH_MIN_OPSET} at the oldest; damcha_onnx.export builds opsets from 17 without torch)",
+                f"opset={opset}",
+            )
+        )
     args = tuple(args)
     if dynamic_shapes is not None:
         if not dynamic:
@@ -91,6 +110,20 @@ def export_torch(
     if program is None:  # torch.onnx.export returns None only when it writes to a file itself
         raise RuntimeError("torch.onnx.export(dynamo=True) returned no ONNXProgram")
     proto = program.model_proto
+    written = _default_opset(proto)
+    if written != opset:
+        # torch's version converter leaves the model at opset 18 where it cannot
+        # convert an op (the Attention op past opset 25 with torch 2.13): onnx.checker
+        # then failed on that op, with a raw ValidationError.
+        raise DamchaValueError(
+            invalid_argument(
+                "opset",
+                f"an opset torch.onnx.export can convert this model to (torch {torch.__version__} wrote opset "
+                f"{written} instead: its version converter stops at an op it cannot convert; torch 2.13 takes "
+                "DamchaAttention's Attention op to opset 25 at most)",
+                f"opset={opset}",
+            )
+        )
     _name_dynamic_dims(proto)
     validate_model(proto)
     if path is not None:

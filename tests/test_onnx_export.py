@@ -392,3 +392,95 @@ def test_tied_cross_attention_stores_its_generator_once(metric):
         do.run_ort(model, {"query": x, "context": c}), dc.damcha_attention(params, config, x, c)
     )
     assert ratio <= 1
+
+
+# ------------------------------------- opset edges and onnxruntime's graph optimisations
+
+#: The highest opset the exporter accepts (the installed onnx's newest): as tested as the lowest.
+NEWEST_OPSET = onnx.defs.onnx_opset_version()
+ORT_LEVELS = ("ORT_DISABLE_ALL", "ORT_ENABLE_BASIC", "ORT_ENABLE_EXTENDED", "ORT_ENABLE_ALL")
+
+
+def _ort_session(model_or_path, level, optimized_path=None):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level)
+    options.log_severity_level = 3
+    if optimized_path is not None:
+        options.optimized_model_filepath = str(optimized_path)
+    source = model_or_path.SerializeToString() if isinstance(model_or_path, onnx.ModelProto) else str(model_or_path)
+    return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
+
+
+def _edge_exports(opset):
+    """(name, model, run(session) -> output, expected) for each export kind at ``opset``."""
+    rng = np.random.default_rng(opset)
+    config = dc.DamchaConfig(query_dim=16, num_heads=4, key_dim=4, num_kv_heads=2, coupling="query")
+    params = case_params(config, 2)
+    x = rng.normal(size=(2, 6, 16))
+    mask = rng.random((2, 1, 6, 6)) < 0.7
+    mask[1, 0, 2] = False  # a query with no visible key: output.bias, never NaN
+    layer = do.build_model(params, config, opset=opset, causal=True, mask=True)
+
+    step = do.build_model(params, config, opset=opset, causal=True, kv_cache=True)
+
+    def decode(session):
+        cache, out = do.empty_kv_cache(step, 2), []
+        for a, b in [(0, 3), (3, 4), (4, 6)]:  # a prefill, then smaller steps
+            y, key, value = session.run(None, {"query": x[:, a:b].astype(np.float32), **cache})
+            cache = {"past_key": key, "past_value": value}
+            out.append(y)
+        return np.concatenate(out, axis=1)
+
+    enc = dc.EncoderConfig(config, num_layers=2, ffn_dim=24, share_metric=True, causal=True)
+    enc_params = dc.init_encoder_params(enc, 4)
+    padding = np.ones((2, 6), bool)
+    padding[1, 4:] = False
+    encoder = do.export_encoder(enc_params, enc, None, opset=opset, mask="padding")
+    tm = dc.TokenModelConfig(enc, vocab_size=11, max_len=8, num_classes=3)
+    tm_params = dc.init_token_model_params(tm, 5)
+    tokens = rng.integers(0, 11, size=(2, 6))
+    token_model = do.export_token_model(tm_params, tm, None, opset=opset)
+    return [
+        (
+            "layer",
+            layer,
+            lambda s: s.run(None, {"query": x.astype(np.float32), "mask": mask})[0],
+            dc.damcha_attention(params, config, x, mask=mask, causal=True),
+        ),
+        ("decode", step, decode, dc.damcha_attention(params, config, x, causal=True)),
+        (
+            "encoder",
+            encoder,
+            lambda s: s.run(None, {"query": x.astype(np.float32), "mask": padding})[0],
+            dc.encoder_forward(enc_params, enc, x, mask=padding[:, None, None, :]),
+        ),
+        (
+            "token_model",
+            token_model,
+            lambda s: s.run(None, {"tokens": tokens})[0],
+            dc.token_model_forward(tm_params, tm, tokens),
+        ),
+    ]
+
+
+@pytest.mark.parametrize("opset", [do.MIN_OPSET, do.ATTENTION_OPSET, NEWEST_OPSET], ids=lambda o: f"opset{o}")
+def test_every_export_kind_at_the_opset_edges_under_every_ort_optimisation_level(tmp_path, opset):
+    # Users pick a level (ORT_DISABLE_ALL to debug, ORT_ENABLE_ALL in production) and save the
+    # optimised graph (SessionOptions.optimized_model_filepath) to skip optimising at each load:
+    # every level gives the reference's outputs, and the saved graph loads and runs again.
+    for name, model, run, expected in _edge_exports(opset):
+        assert {o.version for o in model.opset_import if o.domain in ("", "ai.onnx")} == {opset}
+        outputs = {}
+        for level in ORT_LEVELS:
+            saved = tmp_path / f"{name}.{level}.onnx" if level != "ORT_DISABLE_ALL" else None
+            outputs[level] = run(_ort_session(model, level, saved))
+            assert np.isfinite(outputs[level]).all(), (name, level)
+            _, ratio = tolerance("float32").output_ratio(outputs[level], expected)
+            assert ratio <= 1, (name, level, ratio)
+            if saved is not None:
+                again = run(_ort_session(saved, "ORT_DISABLE_ALL"))
+                np.testing.assert_allclose(again, outputs[level], rtol=1e-5, atol=1e-6, err_msg=f"{name} {level}")
+        for level in ORT_LEVELS[1:]:  # fusions may reorder float32 sums, nothing more
+            np.testing.assert_allclose(outputs[level], outputs["ORT_DISABLE_ALL"], rtol=1e-4, atol=1e-5)

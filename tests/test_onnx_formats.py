@@ -109,6 +109,21 @@ def test_ort_conversion_errors(tmp_path):
         do.convert_to_ort(tmp_path / "a" / "m.onnx", tmp_path / "out", target_platform="x86")
 
 
+def test_ort_conversion_of_an_in_memory_model_is_refused_by_name(tmp_path):
+    # A ModelProto in the list raised os.fspath's raw TypeError; a bare one is refused as `models`.
+    config = dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4)
+    model = do.build_model(dc.init_params(config), config)
+    do.export(dc.init_params(config), config, tmp_path / "m.onnx")
+    with pytest.raises(
+        dc.DamchaTypeError,
+        match=r"Invalid argument `models\[1\]`: expected the path of a saved \.onnx file.*ModelProto",
+    ):
+        do.convert_to_ort([tmp_path / "m.onnx", model], tmp_path / "out")
+    with pytest.raises(dc.DamchaTypeError, match=r"Invalid argument `models`: expected an \.onnx path"):
+        do.convert_to_ort(model, tmp_path / "out")
+    assert not (tmp_path / "out").exists()  # refused before any work
+
+
 _ROOT_LOGGER_CHECK = """
 import logging, pathlib, sys
 import damcha_core as dc

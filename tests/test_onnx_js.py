@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 from safetensors.numpy import load_file, save_file
 
@@ -383,3 +384,58 @@ def test_the_docs_javascript_example_runs_and_decodes_like_the_reference(tmp_pat
         logits = dc.token_model_forward(params, tm, np.array([expected]))
         expected.append(int(np.argmax(logits[0, -1])))
     assert ids == expected
+
+
+# ------------------------------------------------------------ opsets
+
+#: The newest opset onnxruntime-node/-web 1.30 load (docs/onnx.md, "Opsets"): opset 27 is refused
+#: as "under development" (official support till 26), opset 28 needs IR version 14 (they read 13).
+JS_MAX_OPSET = 26
+
+_LOAD_EVERY_OPSET = """
+import { readFileSync } from 'node:fs';
+const [runtime, manifest] = process.argv.slice(1);
+const ort = runtime === 'node' ? await import('onnxruntime-node') : await import('onnxruntime-web');
+if (runtime === 'web') ort.env.wasm.numThreads = 1;
+const report = {};
+for (const [opset, file] of Object.entries(JSON.parse(readFileSync(manifest, 'utf8')))) {
+  try {
+    const session = await ort.InferenceSession.create(readFileSync(file));
+    const query = new ort.Tensor('float32', Float32Array.from({ length: 2 * 3 * 8 }, (_, i) => Math.sin(i)), [2, 3, 8]);
+    const out = await session.run({ query });
+    report[opset] = { output: Array.from(out.output.data) };
+  } catch (e) {
+    report[opset] = { error: String(e).slice(-400) };
+  }
+}
+console.log(JSON.stringify(report));
+"""
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES, ids=[f"onnxruntime-{r}" for r in RUNTIMES])
+def test_which_opsets_javascript_runtimes_load(tmp_path, runtime):
+    # The exporter accepts opsets up to the installed onnx's newest (28 with onnx 1.23), which
+    # onnxruntime for Python (1.32) runs; the pinned JavaScript runtimes stop at JS_MAX_OPSET.
+    config = dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4)
+    params = dc.init_params(config, 1)
+    params["metric.qk.gate"] = np.full(2, 0.5)
+    newest = onnx.defs.onnx_opset_version()
+    files = {}
+    for opset in range(do.MIN_OPSET, newest + 1):
+        files[str(opset)] = str(tmp_path / f"layer{opset}.onnx")
+        do.export(params, config, files[str(opset)], opset=opset, causal=True)
+    (tmp_path / "opsets.json").write_text(json.dumps(files))
+    proc = _node_run("--input-type=module", "-e", _LOAD_EVERY_OPSET, runtime, tmp_path / "opsets.json", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    x = np.sin(np.arange(2 * 3 * 8)).reshape(2, 3, 8)
+    expected = dc.damcha_attention(params, config, x, causal=True).reshape(-1)
+    loaded = sorted(int(o) for o, r in report.items() if "output" in r)
+    assert loaded == list(range(do.MIN_OPSET, min(newest, JS_MAX_OPSET) + 1)), {
+        o: r.get("error") for o, r in report.items()
+    }
+    for opset in loaded:
+        np.testing.assert_allclose(report[str(opset)]["output"], expected, rtol=1e-4, atol=1e-5, err_msg=str(opset))
+    for opset, result in report.items():
+        if int(opset) > JS_MAX_OPSET:
+            assert re.search(r"opset|IR version", result["error"]), result["error"]

@@ -130,3 +130,31 @@ def test_torch_dim_names_keep_distinct_symbols_distinct():
         "context": ["batch_context", "context_len", 4],
     }
     assert _dims(proto.graph.output) == {"out": ["batch", "batch*query_len", 4]}
+
+
+def test_torch_opset_below_torchs_oldest_is_refused_before_tracing(monkeypatch):
+    # opset=17 came back as an opset-18 model, silently: a runtime limited to opset 17 then refused it.
+    monkeypatch.setattr(torch.onnx, "export", lambda *a, **k: pytest.fail("traced before the opset check"))
+    with pytest.raises(
+        dc.DamchaValueError, match=r"Invalid argument `opset`: expected an int >= 18 for export_torch.*opset=17"
+    ):
+        do.export_torch(torch.nn.Linear(4, 2), (torch.randn(2, 3, 4),), opset=17)
+
+
+def test_torch_opset_past_its_version_converter_is_refused_by_name():
+    # torch 2.13 converts the Attention op to opsets 18-25; at 26-28 it left the model at opset 18
+    # with that op, and onnx.checker raised a raw ValidationError. The newest opset onnx knows
+    # either comes back as asked (a later torch) or is refused naming `opset`, never another opset.
+    newest = onnx.defs.onnx_opset_version()
+    config = dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4)
+    layer = dt.DamchaAttention.from_canonical(case_params(config, 3), config, batch_first=True)
+    model = _Block(layer, causal=False).float().eval()
+    try:
+        proto = do.export_torch(model, (torch.randn(2, 3, 8),), opset=newest, input_names=["x"])
+    except dc.DamchaValueError as exc:
+        assert re.search(rf"Invalid argument `opset`: .*wrote opset \d+ instead.*opset={newest}", str(exc)), exc
+    else:
+        assert {o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")} == {newest}
+        x = torch.randn(1, 5, 8)
+        out = do.run_ort(proto, {"x": x.numpy()})
+        np.testing.assert_allclose(out, model(x).detach().numpy(), rtol=1e-4, atol=1e-5)
