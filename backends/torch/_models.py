@@ -116,7 +116,30 @@ class _SiteForward:
         return type(self.projection).forward(self.projection, x, *args, **kwargs)
 
     def __call__(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        return self.maps._run_site(self, x, args, kwargs)
+        maps = self.maps
+        hooked = maps._offload_hooked()
+        if not hooked:
+            return maps._run_site(self, x, args, kwargs)
+        with _hooks_run(hooked):
+            return maps._run_site(self, x, args, kwargs)
+
+
+@contextlib.contextmanager
+def _hooks_run(hooked: list[nn.Module]) -> Iterator[None]:
+    """Run the accelerate hooks (``ModelHook.pre_forward``/``post_forward``)
+    of ``hooked`` around the block, as accelerate runs them around a module's
+    forward: an offloading ``AlignDevicesHook`` loads the module's parameters
+    onto its execution device before and puts them back on the meta device
+    after."""
+    done: list[nn.Module] = []
+    try:
+        for module in hooked:
+            module.__dict__["_hf_hook"].pre_forward(module)
+            done.append(module)
+        yield
+    finally:
+        for module in reversed(done):
+            module.__dict__["_hf_hook"].post_forward(module, None)
 
 
 def _carries_site(projection: nn.Module) -> bool:
@@ -256,6 +279,17 @@ class DamchaMaps(nn.Module):
         if side in self._borrowed:
             return self._borrowed[side]
         return self.generators[side]  # type: ignore[return-value]
+
+    def _offload_hooked(self) -> list[nn.Module]:
+        """The modules holding this layer's parameters (the gates' dict and the
+        generators, a borrowed one too) that carry an accelerate hook
+        (``accelerate.cpu_offload``, ``disk_offload``, ``dispatch_model`` with
+        an offloading device map: each module with parameters of its own gets
+        a hook that loads them when the module is called). The maps read these
+        parameters inside the projections' forward and never call their
+        modules, so ``_SiteForward`` runs the hooks itself."""
+        holders = [self.gates, *(self.generator(side) for side in self.config.metric_sides)]
+        return [m for m in holders if m.__dict__.get("_hf_hook") is not None]
 
     def extra_repr(self) -> str:
         c = self.config

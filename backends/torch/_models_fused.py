@@ -184,11 +184,19 @@ def _block(flat: Tensor, offset: int, heads: int, head_dim: int) -> Tensor:
     return flat[:, offset : offset + heads * head_dim].unflatten(-1, (heads, head_dim))
 
 
-@functools.lru_cache(maxsize=256)
 def _runs(blocks: SideBlocks) -> tuple[tuple[int, int], ...]:
     """(offset, n) of each run of ``blocks``' blocks that lie side by side in
     the output, in column order (a fused qkv's tied queries and keys: one
-    run of 2 at offset 0)."""
+    run of 2 at offset 0). Memoised in eager mode; under torch.compile the
+    plain function is traced (its result is a constant of the graph), as
+    Dynamo warns on every ``lru_cache``-wrapped function it traces, which
+    every compiled forward of a converted model did."""
+    if torch.compiler.is_compiling():
+        return _find_runs(blocks)
+    return _memo_runs(blocks)
+
+
+def _find_runs(blocks: SideBlocks) -> tuple[tuple[int, int], ...]:
     width = blocks.heads * blocks.head_dim
     runs: list[tuple[int, int]] = []
     for offset in sorted(blocks.offsets):
@@ -197,6 +205,9 @@ def _runs(blocks: SideBlocks) -> tuple[tuple[int, int], ...]:
         else:
             runs.append((offset, 1))
     return tuple(runs)
+
+
+_memo_runs = functools.lru_cache(maxsize=256)(_find_runs)
 
 
 def _run_mix(A: Tensor, gate: Tensor, n: int) -> Tensor:
