@@ -824,6 +824,8 @@ SAVED_RUNS = {
     "charlm30k-in-progress": {"max_steps": 30_000},
     "listops3-probe": {},
     "charlm30k4-in-progress": {"max_steps": 30_000},
+    "charlm30k5-in-progress": {"max_steps": 30_000},
+    "listops3x3-in-progress": {},
 }
 
 
