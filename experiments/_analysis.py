@@ -51,10 +51,15 @@ from damcha_core import DamchaValueError, invalid_argument
 
 from ._stats import _as_real_values, describe, holm, mcnemar_exact, median_interval, paired_difference, t_cdf
 from ._tasks import CLAIM1_TASKS
+from ._variants import HEADLINE
 
 ALPHA = 0.05
 BASELINES = ("mha", "talking-heads")
 CLAIM2_TASKS = ("charlm", "listops", "digits")
+# Claim 2's hierarchical task trained to convergence: depth 3 with three layers, declared in the
+# twenty-sixth session (docs/results.md), takes depth-2 listops' place once its full protocol has
+# finished (every headline variant with all its final seeds); until then depth-2 listops is read.
+LISTOPS_CONVERGED = "listops3x3"
 # Claim 3: DAMCHA time per step and memory within this factor of MHA's count as "comparable".
 OVERHEAD_TOLERANCE = 1.25
 # A timing taken with a load average above this fraction of the cores cannot decide claim 3 on the
@@ -668,14 +673,31 @@ def headroom(results: dict[str, Any], name: str) -> float:
     return 1.0 - mean if math.isfinite(mean) else math.inf
 
 
-def _claim2_verdict(gains: list[dict[str, Any]]) -> tuple[str, str]:
+def protocol_finished(results: dict[str, Any]) -> bool:
+    """Whether a task's results hold every headline variant with all its final seeds."""
+    seeds = results.get("seeds")
+    variants = results.get("variants", {})
+    return isinstance(seeds, int) and all(
+        name in variants and len(variants[name].get("runs", [])) >= seeds for name in HEADLINE
+    )
+
+
+def claim2_slots(headline: dict[str, dict[str, Any]]) -> tuple[str, ...]:
+    """The tasks claim 2 reads: CLAIM2_TASKS, with LISTOPS_CONVERGED in listops' place once finished."""
+    deeper = headline.get(LISTOPS_CONVERGED)
+    if deeper is None or not protocol_finished(deeper):
+        return CLAIM2_TASKS
+    return tuple(LISTOPS_CONVERGED if t == "listops" else t for t in CLAIM2_TASKS)
+
+
+def _claim2_verdict(gains: list[dict[str, Any]], slots: tuple[str, ...] = CLAIM2_TASKS) -> tuple[str, str]:
     if not gains:
         return "inconclusive", "no claim-2 task results"
-    if all(g["status"] == "better" for g in gains) and len(gains) == len(CLAIM2_TASKS):
+    if all(g["status"] == "better" for g in gains) and len(gains) == len(slots):
         return "supported", "better on every task"
     if any(g["status"] == "no gain" for g in gains):
         return "not supported", "no gain on " + ", ".join(g["task"] for g in gains if g["status"] == "no gain")
-    missing = sorted(set(CLAIM2_TASKS) - {g["task"] for g in gains})
+    missing = sorted(set(slots) - {g["task"] for g in gains})
     return "inconclusive", "; ".join(f"{g['task']}: {g['status']}" for g in gains) + (
         f"; missing: {missing}" if missing else ""
     )
@@ -696,7 +718,7 @@ def _claim2_corrected(
         return None
     confidence = 1.0 - ALPHA / k
     gains = [_task_gain(headline[t], costs.get(t), confidence=confidence) for t in tasks]
-    corrected, why = _claim2_verdict(gains)
+    corrected, why = _claim2_verdict(gains, claim2_slots(headline))
     text = (
         f"with {confidence:.2%} intervals (Bonferroni over the {k} task x baseline cases) the verdict would be "
         f"{corrected} ({why})" + (": the same" if corrected == verdict else f", where the rule says {verdict}")
@@ -867,15 +889,17 @@ def verdicts(
     )
     # Claim 2
     rule2 = (
-        "per task (charlm, listops, digits): 'better' if some DAMCHA variant is better than every baseline "
+        "per task (charlm, listops (listops3x3 in its place once its full protocol has finished), digits): "
+        "'better' if some DAMCHA variant is better than every baseline "
         "(same test as claim 1), 'no gain' if against one baseline every DAMCHA variant's 95% interval "
         "excludes a gain of the margin (a baseline within the margin of a perfect accuracy does not count, as in "
         "claim 1). Supported if every task is 'better'; not supported if any task is "
         "'no gain'; inconclusive otherwise (a task without results counts as inconclusive)."
     )
-    tasks = [t for t in CLAIM2_TASKS if t in headline]
+    slots = claim2_slots(headline)
+    tasks = [t for t in slots if t in headline]
     gains = [_task_gain(headline[t], costs.get(t)) for t in tasks]
-    verdict, reason = _claim2_verdict(gains)
+    verdict, reason = _claim2_verdict(gains, slots)
     reason += _cap_notes({t: headline[t] for t in tasks})
     out.append(
         {

@@ -845,3 +845,34 @@ def test_a_run_result_lacking_a_field_is_listed_as_damaged(tmp_path):
     assert [(r["variant"], r["lr"], r["seed"]) for r in summary["environment_changes"]] == [("mha", 4e-3, 1)]
     listing = text.split("Run results that could not be read", 1)[1].split("\n", 1)[0]
     assert "`runs/crosshead-full-cpu/mha/lr0.004/seed2/result.json` (lacks test_metric)" in listing
+
+
+def test_claim2_reads_listops3x3_in_listops_place_once_its_protocol_has_finished():
+    """Declared in the twenty-sixth session: the converged depth-3 task replaces depth-2 listops in
+    claim 2's rule when every headline variant has all its final seeds, and not before."""
+    from damcha_experiments._variants import HEADLINE
+
+    good = {n: _base(0.6) for n in ("mha", "talking-heads")} | {
+        n: _other(0.7) for n in HEADLINE if n.startswith("damcha")
+    }
+    flat = {n: _base(0.6) for n in ("mha", "talking-heads")} | {
+        n: _other(0.6) for n in HEADLINE if n.startswith("damcha")
+    }
+    lm = _results("charlm", {n: [2.0 - (v - 0.6) for v in good[n]] for n in HEADLINE}, higher=False)
+    tasks = {"charlm": lm, "listops": _results("listops", flat), "digits": _results("digits", good)}
+    v = an.verdicts(tasks, {}, {})[1]
+    assert [g["task"] for g in v["tasks"]] == ["charlm", "listops", "digits"]
+    assert v["verdict"] == "not supported" and "no gain on listops" in v["reason"]
+    deeper = _results("listops3x3", good)
+    assert an.verdicts(tasks | {"listops3x3": deeper}, {}, {})[1]["verdict"] == "supported"
+    assert [g["task"] for g in an.verdicts(tasks | {"listops3x3": deeper}, {}, {})[1]["tasks"]] == [
+        "charlm",
+        "listops3x3",
+        "digits",
+    ]
+    # One variant short of its seeds, or one missing: depth-2 listops is still the one read.
+    short = _results("listops3x3", good | {"damcha-lowrank-tied": _other(0.7)[:4]})
+    missing = _results("listops3x3", {n: good[n] for n in HEADLINE if n != "talking-heads"})
+    for partial in (short, missing):
+        v = an.verdicts(tasks | {"listops3x3": partial}, {}, {})[1]
+        assert [g["task"] for g in v["tasks"]] == ["charlm", "listops", "digits"] and v["verdict"] == "not supported"
