@@ -53,6 +53,12 @@ def main(argv: list[str] | None = None) -> int:
         print(_help())
         return 0
     if argv and argv[0] == "--version":
+        if len(argv) > 1:  # `damcha --version conform`: not silently ignored
+            print(
+                f"damcha: error: --version takes no arguments. Received: {' '.join(argv[1:])!r} (see damcha --help)",
+                file=sys.stderr,
+            )
+            return EXIT_USAGE
         print(f"damcha {_version()}")
         return 0
     if not argv:

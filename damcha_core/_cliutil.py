@@ -194,6 +194,13 @@ def read_only(path: str | os.PathLike[str]) -> bool:
     return not os.access(p, os.W_OK) or p.stat().st_mode & 0o222 == 0
 
 
+def _unusable_path(path: Any, flag: str, prog: str, exc: OSError | ValueError) -> NoReturn:
+    """A path the operating system refuses to look at (a name too long, a NUL character, a
+    loop of links) ends the command like any other bad path: exit 2, one line naming ``flag``."""
+    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    usage_error(flag, f"is not a usable path ({reason}). Received: {str(path)!r}", prog=prog)
+
+
 def check_output_file(
     path: str | os.PathLike[str] | None, flag: str, *, prog: str = "damcha", overwrite: bool = True
 ) -> Path:
@@ -208,7 +215,20 @@ def check_output_file(
     """
     if path is None or str(path).strip() == "":
         usage_error(flag, f"needs a file path. Received: {path!r}", prog=prog)
-    p = Path(path)
+    try:
+        return _check_output_file(Path(path), flag, prog, overwrite)
+    except (OSError, ValueError) as exc:
+        _unusable_path(path, flag, prog, exc)
+
+
+def _no_nul(p: Path, flag: str, prog: str) -> None:
+    # pathlib reads a name with a NUL byte as "does not exist"; open() then raises a bare ValueError.
+    if "\0" in str(p):
+        usage_error(flag, f"is not a usable path (it contains a NUL character). Received: {str(p)!r}", prog=prog)
+
+
+def _check_output_file(p: Path, flag: str, prog: str, overwrite: bool) -> Path:
+    _no_nul(p, flag, prog)
     if p.is_dir():
         usage_error(flag, f"is a directory, expected a file path. Received: {str(p)!r}", prog=prog)
     parent = p.parent if str(p.parent) else Path(".")
@@ -233,7 +253,14 @@ def check_output_dir(path: str | os.PathLike[str] | None, flag: str, *, prog: st
     """
     if path is None or str(path).strip() == "":
         usage_error(flag, f"needs a folder path. Received: {path!r}", prog=prog)
-    p = Path(path)
+    try:
+        return _check_output_dir(Path(path), flag, prog)
+    except (OSError, ValueError) as exc:
+        _unusable_path(path, flag, prog, exc)
+
+
+def _check_output_dir(p: Path, flag: str, prog: str) -> Path:
+    _no_nul(p, flag, prog)
     if p.exists() and not p.is_dir():
         usage_error(flag, f"exists and is not a folder. Received: {str(p)!r}", prog=prog)
     existing = p
@@ -254,7 +281,14 @@ def check_input_file(path: str | os.PathLike[str] | None, flag: str, *, prog: st
     """
     if path is None or str(path).strip() == "":
         usage_error(flag, f"needs a file path. Received: {path!r}", prog=prog)
-    p = Path(path)
+    try:
+        return _check_input_file(Path(path), flag, prog)
+    except (OSError, ValueError) as exc:
+        _unusable_path(path, flag, prog, exc)
+
+
+def _check_input_file(p: Path, flag: str, prog: str) -> Path:
+    _no_nul(p, flag, prog)
     if not p.exists():
         usage_error(flag, f"file does not exist. Received: {str(p)!r}", prog=prog)
     if not p.is_file():
@@ -347,6 +381,17 @@ def replace_synced(moves: Sequence[tuple[str | os.PathLike[str], str | os.PathLi
         fsync_dir(folder)
 
 
+def _temp_prefix(target: Path) -> str:
+    """The prefix of the temporary name beside ``target``: its name, cut so that the temporary
+    name (prefix, 8 random characters, ``.tmp``) stays within the usual 255-byte limit on a
+    name whenever ``target``'s own name does (a 250-byte name was accepted by the checks and
+    its write failed only after the work)."""
+    return f".{target.name.encode('utf-8')[:_TEMP_NAME_BYTES].decode('utf-8', 'ignore')}."
+
+
+_TEMP_NAME_BYTES = 200
+
+
 @contextlib.contextmanager
 def atomic_write(path: str | os.PathLike[str], mode: str = "w", encoding: str | None = "utf-8") -> Iterator[IO[Any]]:
     """Open a temporary file next to ``path`` for writing; on a clean exit it
@@ -362,7 +407,7 @@ def atomic_write(path: str | os.PathLike[str], mode: str = "w", encoding: str | 
         raise PermissionError(f"{str(target)!r} is read-only; not replacing it")
     binary = "b" in mode
     folder = target.parent if str(target.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=folder)
+    fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(target), suffix=".tmp", dir=folder)
     try:
         with os.fdopen(fd, mode, encoding=None if binary else encoding) as f:
             yield f
@@ -407,7 +452,7 @@ def atomic_dir(path: str | os.PathLike[str]) -> Iterator[Path]:
     target.parent.mkdir(parents=True, exist_ok=True)
     if not writable_dir(target.parent):  # else mkdtemp's error names a temporary folder, not this one
         raise PermissionError(f"{str(target.parent)!r} is not writable; {str(target)!r} was not written")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=_temp_prefix(target), suffix=".tmp", dir=target.parent))
     try:
         yield tmp
         entries = sorted(tmp.rglob("*"))
@@ -415,11 +460,20 @@ def atomic_dir(path: str | os.PathLike[str]) -> Iterator[Path]:
         moves = [(src, target / src.relative_to(tmp)) for src in entries if not src.is_dir()]
         _check_moves(target, folders, [dest for _, dest in moves])
         created = not target.exists()
-        for folder in folders:
-            folder.mkdir(exist_ok=True)
         for src, dest in moves:
             os.chmod(src, _file_mode(dest))
-        replace_synced(moves)
+            fsync_file(src)  # the slow part, before any folder is made: an interrupt here leaves no trace
+        made = [folder for folder in folders if not folder.exists()]
+        try:
+            for folder in folders:
+                folder.mkdir(exist_ok=True)
+            replace_synced(moves)
+        except BaseException:
+            # Interrupted (Ctrl-C) or failed before a file arrived: no empty new folder is left behind.
+            for folder in reversed(made):
+                with contextlib.suppress(OSError):
+                    folder.rmdir()  # only an empty one
+            raise
         receivers = {dest.parent for _, dest in moves}  # replace_synced synced these
         for folder in folders:
             if folder not in receivers:  # a new folder may hold only (empty) folders

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any, cast
 
 from ._errors import DamchaError, DamchaTypeError, DamchaValueError, describe, invalid_argument
 from ._metrics import METRIC_STRUCTURES, GeneratorSpec, MetricStructure, structure
-from ._validators import CONFIG_NAMES, check_config_fields
+from ._validators import CONFIG_NAMES, check_config_fields, unknown_fields
 
 # Which side(s) carry a metric generator, and which input feeds each side.
 _SIDES = {"tied": ("qk",), "separate": ("q", "k"), "query": ("q",)}
@@ -208,6 +209,42 @@ class DamchaConfig:
             if getattr(probe, name) == getattr(self, name):
                 following[name] = default
         return dataclasses.replace(self, **{**following, **changes})
+
+
+def _checked_init(generated: Any) -> Any:
+    """Wrap the dataclass ``__init__`` so that a call it cannot bind (an unknown keyword, too
+    many positional arguments, a required field missing) raises a DamchaTypeError naming the
+    arguments, as ``make_config`` does, instead of Python's bare TypeError. ``replace`` and
+    ``dataclasses.replace`` build through it too."""
+    names = [f.name for f in dataclasses.fields(DamchaConfig)]
+    required = [f.name for f in dataclasses.fields(DamchaConfig) if f.default is dataclasses.MISSING]
+
+    @functools.wraps(generated)
+    def __init__(self: DamchaConfig, *args: Any, **kwargs: Any) -> None:
+        unknown = sorted(set(kwargs) - set(names))
+        if unknown:
+            raise DamchaTypeError(unknown_fields(unknown, names))
+        if len(args) > len(names):
+            raise DamchaTypeError(
+                invalid_argument(
+                    "DamchaConfig",
+                    f"at most {len(names)} positional arguments, the fields {names} in order",
+                    f"{len(args)} positional arguments",
+                )
+            )
+        given = set(names[: len(args)]) | set(kwargs)
+        twice = sorted(set(names[: len(args)]) & set(kwargs))
+        missing = [name for name in required if name not in given]
+        if twice or missing:
+            name = (twice or missing)[0]
+            rule = "one value (it was passed by position and by keyword)" if twice else "an int >= 1 (it is required)"
+            raise DamchaTypeError(invalid_argument(name, rule, f"{name} {'given twice' if twice else 'not given'}"))
+        generated(self, *args, **kwargs)
+
+    return __init__
+
+
+DamchaConfig.__init__ = _checked_init(DamchaConfig.__init__)  # type: ignore[method-assign]
 
 
 #: The fields whose default is derived from other fields, and that default.

@@ -33,6 +33,11 @@ from ._params import as_numpy, validate_params
 FORMAT = "damcha-v1"
 CHECKSUM_KEY = "damcha_checksum"
 _HEADER_LIMIT = 100_000_000  # safetensors' own bound on the JSON header
+#: The floating dtypes a file may hold (NumPy names); safetensors has no float128.
+_STORABLE = ("float16", "bfloat16", "float32", "float64")
+#: The safetensors dtypes NumPy reads (BF16 is read here, see _read_bf16). Any other (F8_*, F4, ...) is refused
+#: by name before safetensors' NumPy reader fails on it with a bare AttributeError.
+_READABLE = ("BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64", "F16", "BF16", "F32", "F64", "C64")
 
 
 def tensor_checksum(tensors: Mapping[str, np.ndarray]) -> str:
@@ -82,16 +87,14 @@ def _read_bf16(path: Path, header: dict[str, Any]) -> dict[str, tuple[tuple[int,
     with open(path, "rb") as f:
         (length,) = struct.unpack("<Q", f.read(8))
         for name, entry in entries.items():
-            shape, offsets = entry.get("shape"), entry.get("data_offsets")
-            if (
-                not isinstance(shape, list)
-                or not all(isinstance(n, int) and n >= 0 for n in shape)
-                or not isinstance(offsets, list)
-                or len(offsets) != 2
-                or not all(isinstance(o, int) for o in offsets)
-                or offsets[1] - offsets[0] != 2 * math.prod(shape)
-            ):
-                raise _unreadable(path, f"the header entry of {name!r} is malformed ({entry})")
+            # _read_header checked the entry's form (_entry_end); the size must match the shape.
+            shape, offsets = entry["shape"], entry["data_offsets"]
+            if offsets[1] - offsets[0] != 2 * math.prod(shape):
+                raise _unreadable(
+                    path,
+                    f"the header entry of tensor {name!r} is malformed: shape {shape} needs "
+                    f"{2 * math.prod(shape)} bytes of BF16, its data_offsets {offsets} hold {offsets[1] - offsets[0]}",
+                )
             f.seek(8 + length + offsets[0])
             out[name] = (tuple(shape), f.read(offsets[1] - offsets[0]))
     return out
@@ -109,6 +112,10 @@ def _check_path(path: Any, *, argument: str = "path") -> Path:
     text = os.fspath(path)
     if isinstance(text, bytes) or not text.strip():
         raise DamchaValueError(invalid_argument(argument, "a non-empty file path", f"{argument}={describe(path)}"))
+    if "\0" in text:  # the OS refuses it with a bare ValueError ("embedded null byte")
+        raise DamchaValueError(
+            invalid_argument(argument, "a file path without NUL characters", f"{argument}={describe(text)}")
+        )
     return Path(text)
 
 
@@ -141,26 +148,29 @@ def save_params(path: str | os.PathLike[str], params: Mapping[str, Any], config:
     params = {name: _as_numpy(value, name) for name, value in params.items()}
     validate_params(params, config)
     tensors = {name: np.ascontiguousarray(np.asarray(params[name])) for name in config.param_shapes()}
+    for name, array in tensors.items():
+        if array.dtype.name not in _STORABLE:  # e.g. float128: safetensors has no such dtype
+            raise DamchaTypeError(
+                invalid_argument(
+                    f"params[{name!r}]",
+                    f"an array of one of the floating dtypes a safetensors file stores, {list(_STORABLE)} "
+                    "(cast it; nothing is narrowed silently)",
+                    f"params[{name!r}]={describe(array)}",
+                )
+            )
     metadata = {
         "format": FORMAT,
         "damcha_config": json.dumps(config.to_dict(), sort_keys=True),
         CHECKSUM_KEY: tensor_checksum(tensors),
     }
-    if target.is_dir():
-        raise DamchaValueError(invalid_argument("path", "a file path, not a directory", f"path={str(target)!r}"))
-    folder = target.parent if str(target.parent) else Path(".")
-    if not folder.is_dir():
+    try:
+        _check_target(target)
+    except OSError as exc:  # a name too long, a loop of links: Path's checks raise these
         raise DamchaValueError(
             invalid_argument(
-                "path", "a path in an existing folder", f"path={str(target)!r} (folder {str(folder)!r} does not exist)"
+                "path", f"a usable file path; it cannot be checked ({exc.strerror or exc})", f"path={str(target)!r}"
             )
-        )
-    if target.exists() and read_only(target):
-        raise DamchaValueError(
-            invalid_argument(
-                "path", "a path that is not a read-only file (it is not replaced)", f"path={str(target)!r}"
-            )
-        )
+        ) from exc
     data = save(tensors, metadata=metadata)
     try:
         with atomic_write(target, "wb") as f:
@@ -176,10 +186,57 @@ def save_params(path: str | os.PathLike[str], params: Mapping[str, Any], config:
         ) from exc
 
 
+def _check_target(target: Path) -> None:
+    """Refuse a folder, a path in a missing folder and a read-only file as the target of a save."""
+    if target.is_dir():
+        raise DamchaValueError(invalid_argument("path", "a file path, not a directory", f"path={str(target)!r}"))
+    folder = target.parent if str(target.parent) else Path(".")
+    if not folder.is_dir():
+        raise DamchaValueError(
+            invalid_argument(
+                "path", "a path in an existing folder", f"path={str(target)!r} (folder {str(folder)!r} does not exist)"
+            )
+        )
+    if target.exists() and read_only(target):
+        raise DamchaValueError(
+            invalid_argument(
+                "path", "a path that is not a read-only file (it is not replaced)", f"path={str(target)!r}"
+            )
+        )
+
+
 def _unreadable(path: Path, what: str) -> DamchaValueError:
     return DamchaValueError(
         invalid_argument("path", f"a DAMCHA parameter file; this is not one: {what}", f"path={str(path)!r}")
     )
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _entry_end(path: Path, name: str, entry: Any) -> int:
+    """Where the data of tensor ``name`` ends, after checking that its header
+    entry has safetensors' form: a dtype name, a shape of ints >= 0 and
+    ``data_offsets`` [begin, end] with 0 <= begin <= end."""
+    offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+    shape = entry.get("shape") if isinstance(entry, dict) else None
+    if not (
+        isinstance(entry, dict)
+        and isinstance(entry.get("dtype"), str)
+        and isinstance(shape, list)
+        and all(_is_count(n) for n in shape)
+        and isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(_is_count(o) for o in offsets)
+        and offsets[0] <= offsets[1]
+    ):
+        raise _unreadable(
+            path,
+            f"the header entry of tensor {name!r} is malformed (expected dtype, shape and data_offsets [begin, end]): "
+            f"{describe(entry)}",
+        )
+    return int(offsets[1])
 
 
 def _read_header(path: Path) -> dict[str, Any]:
@@ -224,16 +281,14 @@ def _read_header(path: Path) -> dict[str, Any]:
         ) from exc
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):  # RecursionError: "[[[[...]]]]"
         raise _unreadable(path, "its header is not safetensors JSON (not a safetensors file, or corrupted)") from None
     if not isinstance(header, dict):
         raise _unreadable(path, "its header is not a JSON object")
-    ends = [
-        entry.get("data_offsets", [0, 0])[-1]
-        for name, entry in header.items()
-        if name != "__metadata__" and isinstance(entry, dict)
-    ]
-    needed = max((e for e in ends if isinstance(e, int)), default=0)
+    needed = 0
+    for name, entry in header.items():
+        if name != "__metadata__":
+            needed = max(needed, _entry_end(path, name, entry))
     held = size - 8 - length
     if held < needed:
         raise _unreadable(
@@ -270,14 +325,29 @@ def load_params(path: str | os.PathLike[str]) -> tuple[dict[str, np.ndarray], Da
                 f"path={str(path)!r}, metadata keys={keys}",
             )
         )
+    if not isinstance(metadata["damcha_config"], str):  # safetensors metadata values are strings
+        raise _unreadable(path, f"its damcha_config metadata is not a string: {describe(metadata['damcha_config'])}")
     try:
         config = DamchaConfig.from_dict(json.loads(metadata["damcha_config"]))
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         raise _unreadable(path, "its damcha_config metadata is not valid JSON") from None
     except DamchaError as exc:
         raise _unreadable(path, f"its damcha_config metadata is not a valid config ({exc})") from None
+    for name, entry in header.items():
+        if name != "__metadata__" and entry["dtype"] not in _READABLE:
+            argument = f"tensors in {str(path)!r}[{name!r}]"
+            raise DamchaTypeError(
+                invalid_argument(
+                    argument,
+                    "a real floating array (F16, BF16, F32 or F64 in the file)",
+                    f"{argument} of dtype {entry['dtype']!r}, shape={tuple(entry['shape'])}",
+                )
+            )
     try:
-        bf16 = _read_bf16(path, header)
+        bf16 = _read_bf16(path, header)  # its own DamchaErrors name the path: outside the wrapper below
+    except OSError as exc:
+        raise _unreadable(path, f"its tensors cannot be read ({exc.strerror or exc})") from None
+    try:
         with safe_open(os.fspath(path), framework="numpy") as f:
             # safe_open is not iterable
             params = {name: f.get_tensor(name) for name in f.keys() if name not in bf16}  # noqa: SIM118

@@ -162,7 +162,7 @@ def check_params(params: Mapping[str, Any], config: DamchaConfig, *, argument: s
     for name, shape in expected.items():
         value = params[name]
         if not (hasattr(value, "shape") and hasattr(value, "dtype")):
-            value = np.asarray(value)
+            value = as_numpy(value, f"{argument}[{name!r}]")  # a ragged list: a DamchaTypeError, not ValueError
         if not is_real_float(value.dtype):
             raise DamchaTypeError(
                 invalid_argument(

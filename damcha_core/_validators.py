@@ -118,7 +118,17 @@ def check_real(name: str, value: Any) -> float:
     """
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise DamchaTypeError(invalid_argument(name, "a real number", f"{name}={describe(value)}"))
-    return float(value)
+    return _as_float(value)
+
+
+def _as_float(value: Any) -> float:
+    """``float(value)``; an int beyond float's range (``10**400``) is +-inf, as the float it
+    is closest to, where ``float`` raises a bare OverflowError: the callers' range rules
+    (finite, in [0, 1)) then refuse it by name."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
 
 
 def check_bool(name: str, value: Any) -> bool:
@@ -169,7 +179,7 @@ def check_finite_nonneg(name: str, value: Any) -> float:
     message = invalid_argument(name, "a finite number >= 0", f"{name}={describe(value)}")
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise DamchaTypeError(message)
-    number = float(value)
+    number = _as_float(value)
     if not (math.isfinite(number) and number >= 0):
         raise DamchaValueError(message)
     return number

@@ -415,3 +415,73 @@ def test_ctrl_c_while_the_subcommand_imports_is_one_line_and_exit_130(command, m
     assert status == 130
     captured = capsys.readouterr()
     assert captured.err == f"damcha {command}: interrupted\n" and captured.out == ""
+
+
+def test_version_takes_no_arguments():
+    """`damcha --version conform` printed the version and ignored the rest, exit 0."""
+    proc = damcha("--version", "conform")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [
+        "damcha: error: --version takes no arguments. Received: 'conform' (see damcha --help)"
+    ]
+
+
+_TOO_LONG = "n" * 300  # over the 255-byte limit on one name
+
+
+@pytest.mark.parametrize(
+    "check, name, flag, says",
+    [
+        (cu.check_output_file, _TOO_LONG + ".json", "--json", "File name too long"),
+        (cu.check_output_dir, _TOO_LONG, "--export-vectors", "File name too long"),
+        (cu.check_input_file, _TOO_LONG + ".safetensors", "--params", "File name too long"),
+        (cu.check_output_file, "a\0b.json", "--json", "it contains a NUL character"),
+        (cu.check_output_dir, "a\0b", "--export-vectors", "it contains a NUL character"),
+        (cu.check_input_file, "a\0b.json", "--params", "it contains a NUL character"),
+    ],
+    ids=[
+        "output-file-too-long",
+        "output-dir-too-long",
+        "input-file-too-long",
+        "output-file-nul",
+        "output-dir-nul",
+        "input-file-nul",
+    ],
+)
+def test_path_checks_refuse_names_the_os_refuses(tmp_path, capsys, check, name, flag, says):
+    """Path.is_dir()/exists() raise OSError for a name too long (ENAMETOOLONG): the check ended
+    the command with a traceback. A NUL byte passed the output checks (pathlib reads it as "does
+    not exist") and open() raised a bare ValueError after the work."""
+    line = _usage(capsys, check, tmp_path / name, flag)
+    assert line.startswith(f"damcha: error: {flag}: is not a usable path ({says}). Received: ")
+
+
+def test_atomic_outputs_take_a_long_valid_name(tmp_path):
+    """A name of 250 bytes is valid, but the temporary one beside it (".<name>.XXXXXXXX.tmp")
+    was not: the checks passed, the work ran, and only the write failed (ENAMETOOLONG)."""
+    name = "n" * 250
+    cu.check_output_file(tmp_path / name, "--json")
+    cu.atomic_write_text(tmp_path / name, "report")
+    assert (tmp_path / name).read_text() == "report"
+    folder = tmp_path / ("d" * 250)
+    cu.check_output_dir(folder, "--export-vectors")
+    with cu.atomic_dir(folder) as tmp:
+        (tmp / "index.json").write_text("{}")
+    assert (folder / "index.json").read_text() == "{}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([name, folder.name])
+
+
+def test_atomic_dir_interrupted_while_syncing_leaves_no_new_folder(tmp_path, monkeypatch):
+    """Ctrl-C while atomic_dir synced its files (the slow part, 77 files for the test vectors)
+    left the new, empty output folder behind: it was made before the syncs."""
+    calls = []
+
+    def interrupted(path):
+        calls.append(path)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cu, "fsync_file", interrupted)
+    out = tmp_path / "vectors"
+    with pytest.raises(KeyboardInterrupt), cu.atomic_dir(out) as tmp:
+        (tmp / "a.json").write_text("a")
+    assert calls and list(tmp_path.iterdir()) == []  # neither the folder nor a temporary one

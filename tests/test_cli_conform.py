@@ -393,3 +393,18 @@ def test_an_interrupted_parent_terminates_its_backend_worker(monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         ccli._run_subprocess("reference", args, {})
     assert len(started) == 1 and started[0].poll() is not None  # terminated and reaped, not left running
+
+
+def test_json_report_with_a_long_valid_name_is_written(tmp_path):
+    """A 250-byte --json name passed the checks, the backends ran, and the report then failed
+    to be written (its temporary name was over the 255-byte limit): exit 2 after the work."""
+    out = tmp_path / ("r" * 245 + ".json")
+    proc = conform("--backend", "reference", "--case", "heads-tied-self", "--no-progress", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(out.read_text())
+    assert [p.name for p in tmp_path.iterdir()] == [out.name]
+
+
+def test_json_name_too_long_is_refused_before_any_work(tmp_path):
+    line = one_line_usage_error(conform("--json", str(tmp_path / ("r" * 300 + ".json"))), "--json")
+    assert "is not a usable path (File name too long)" in line

@@ -258,3 +258,50 @@ def test_replace_lets_defaulted_fields_follow_the_fields_they_derive_from():
     # Equal configs replace alike, however they were built.
     explicit = dc.DamchaConfig(8, 2, 4, value_dim=4, num_kv_heads=2, context_dim=8, output_dim=8, coupling="tied")
     assert explicit == base and explicit.replace(num_heads=4) == base.replace(num_heads=4)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, pattern",
+    [
+        (dict(scale=10**400), dc.DamchaValueError, r"^Invalid argument `scale`: expected a finite number > 0 or None"),
+        (dict(dropout=10**400), dc.DamchaValueError, r"^Invalid argument `dropout`: expected a number in \[0, 1\)"),
+        (dict(dropout=-(10**400)), dc.DamchaValueError, r"^Invalid argument `dropout`: expected a number in \[0, 1\)"),
+    ],
+    ids=["scale", "dropout", "dropout-negative"],
+)
+def test_ints_beyond_float_range_are_refused_by_name(kwargs, error, pattern):
+    """float(10**400) raised a bare OverflowError from check_real/check_rate."""
+    with pytest.raises(error, match=pattern):
+        dc.DamchaConfig(**{**BASE, **kwargs})
+    with pytest.raises(dc.DamchaValueError, match=r"^Invalid argument `lam`: expected a finite number >= 0"):
+        dc.check_finite_nonneg("lam", 10**400)
+
+
+@pytest.mark.parametrize(
+    "build, pattern",
+    [
+        (lambda: dc.DamchaConfig(**BASE, heads=4), r"^Invalid argument `heads`: expected DamchaConfig fields"),
+        (lambda: dc.DamchaConfig(**BASE).replace(heads=4), r"^Invalid argument `heads`: expected DamchaConfig fields"),
+        (lambda: dc.DamchaConfig(8, 4, 2, *([None] * 12)), r"^Invalid argument `DamchaConfig`: expected at most 14"),
+        (lambda: dc.DamchaConfig(8, 4), r"^Invalid argument `key_dim`: expected an int >= 1 \(it is required\)"),
+        (lambda: dc.DamchaConfig(8, 4, 2, query_dim=8), r"^Invalid argument `query_dim`: expected one value"),
+    ],
+    ids=["unknown-keyword", "replace-unknown", "too-many-positional", "missing-required", "given-twice"],
+)
+def test_config_calls_python_cannot_bind_raise_damcha_type_error(build, pattern):
+    """The dataclass __init__ raised Python's bare TypeError ("unexpected keyword argument"),
+    where make_config names the field with a DamchaTypeError."""
+    with pytest.raises(dc.DamchaTypeError, match=pattern):
+        build()
+
+
+def test_config_init_still_binds_like_the_dataclass():
+    import copy
+    import dataclasses
+    import inspect
+    import pickle
+
+    cfg = dc.DamchaConfig(8, 4, 2, metric="none")
+    assert cfg == dc.DamchaConfig(query_dim=8, num_heads=4, key_dim=2, metric="none")
+    assert pickle.loads(pickle.dumps(cfg)) == cfg == copy.deepcopy(cfg) == dataclasses.replace(cfg)
+    assert list(inspect.signature(dc.DamchaConfig).parameters)[:3] == ["query_dim", "num_heads", "key_dim"]

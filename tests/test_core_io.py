@@ -384,3 +384,146 @@ def test_save_params_widens_torch_bfloat16(tmp_path):
     loaded, _ = dc.load_params(tmp_path / "t.safetensors")
     for k, v in bf16.items():
         np.testing.assert_array_equal(loaded[k], v.detach().float().numpy())
+
+
+# ------------------------------------------------ headers that lie or are not safetensors' form
+
+
+def _raw_file(path, header: dict, data: bytes = b""):
+    """A file with ``header`` as its JSON header, unchecked (what a hostile or broken writer makes)."""
+    import struct
+
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+    return path
+
+
+_META = {"format": "damcha-v1", "damcha_config": json.dumps(CFG.to_dict())}
+
+
+def _entry(**fields):
+    return {"__metadata__": _META, "query.bias": {"dtype": "F64", "shape": [4, 2], "data_offsets": [0, 64], **fields}}
+
+
+@pytest.mark.parametrize(
+    "header, pattern",
+    [
+        (_entry(data_offsets=64), r"the header entry of tensor 'query.bias' is malformed"),
+        (_entry(data_offsets=[]), r"the header entry of tensor 'query.bias' is malformed"),
+        (_entry(data_offsets=None), r"the header entry of tensor 'query.bias' is malformed"),
+        (_entry(data_offsets={"end": 64}), r"the header entry of tensor 'query.bias' is malformed"),
+        (_entry(data_offsets=[64, 0]), r"the header entry of tensor 'query.bias' is malformed"),
+        (_entry(dtype="BF16", data_offsets=[-16, 0]), r"the header entry of tensor 'query.bias' is malformed"),
+        (_entry(dtype="BF16", shape="ab"), r"the header entry of tensor 'query.bias' is malformed"),
+        ({"__metadata__": _META, "query.bias": 5}, r"the header entry of tensor 'query.bias' is malformed"),
+        (
+            {"__metadata__": {"format": "damcha-v1", "damcha_config": 5}},
+            r"its damcha_config metadata is not a string: 5",
+        ),
+        (
+            {"__metadata__": {"format": "damcha-v1", "damcha_config": {"query_dim": 8}}},
+            r"its damcha_config metadata is not a string",
+        ),
+    ],
+    ids=[
+        "offsets-int",
+        "offsets-empty",
+        "offsets-null",
+        "offsets-dict",
+        "offsets-reversed",
+        "bf16-offsets-negative",
+        "bf16-shape-string",
+        "entry-not-object",
+        "config-int",
+        "config-object",
+    ],
+)
+def test_load_rejects_malformed_headers_naming_the_path(tmp_path, header, pattern):
+    """These escaped as TypeError, IndexError or KeyError (or, for BF16, as a message that
+    held a second "Invalid argument `path`" inside the first)."""
+    path = _raw_file(tmp_path / "lies.safetensors", header, b"\0" * 64)
+    with pytest.raises(dc.DamchaValueError, match=pattern) as info:
+        dc.load_params(path)
+    message = str(info.value)
+    assert message.startswith("Invalid argument `path`: expected a DAMCHA parameter file; this is not one: ")
+    assert message.count("Invalid argument") == 1 and message.endswith(f"Received: path={str(path)!r}")
+
+
+def test_load_rejects_a_deeply_nested_header(tmp_path):
+    """json.loads raised RecursionError on "[[[[...]]]]"."""
+    import struct
+
+    text = b"[" * 50_000 + b"]" * 50_000
+    path = tmp_path / "deep.safetensors"
+    path.write_bytes(struct.pack("<Q", len(text)) + text)
+    with pytest.raises(dc.DamchaValueError, match=r"its header is not safetensors JSON"):
+        dc.load_params(path)
+
+
+@pytest.mark.parametrize("dtype", ["F8_E4M3", "F8_E5M2", "F4"])
+def test_load_refuses_dtypes_numpy_cannot_read_by_tensor(tmp_path, dtype):
+    """safetensors' NumPy reader raised a bare AttributeError (numpy has no float8_e4m3fn)."""
+    tensors = {k: v.astype(np.float64) for k, v in dc.init_params(CFG).items()}
+    path = tmp_path / "f8.safetensors"
+    _rewrite(path, tensors)
+    header = json.loads(path.read_bytes()[8 : 8 + int.from_bytes(path.read_bytes()[:8], "little")])
+    header["query.bias"]["dtype"] = dtype
+    begin, _ = header["query.bias"]["data_offsets"]
+    header["query.bias"]["data_offsets"] = [begin, begin + 8]  # 8 one-byte values
+    _raw_file(path, header, b"\0" * max(e["data_offsets"][1] for n, e in header.items() if n != "__metadata__"))
+    with pytest.raises(
+        dc.DamchaTypeError,
+        match=rf"Invalid argument `tensors in {str(path)!r}\['query.bias'\]`: expected a real floating array "
+        rf".*Received: .* of dtype '{dtype}', shape=\(4, 2\)",
+    ):
+        dc.load_params(path)
+
+
+@pytest.mark.skipif(np.dtype(np.longdouble).itemsize <= 8, reason="long double is float64 here")
+def test_save_refuses_float128_naming_the_tensor(tmp_path):
+    """validate_params accepts any real float; safetensors then raised its own SafetensorError."""
+    params = dc.init_params(CFG)
+    params["query.bias"] = params["query.bias"].astype(np.longdouble)
+    with pytest.raises(
+        dc.DamchaTypeError,
+        match=r"`params\['query.bias'\]`: expected an array of one of the floating dtypes a safetensors file stores",
+    ):
+        dc.save_params(tmp_path / "ld.safetensors", params, CFG)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_save_refuses_a_ragged_list_naming_the_tensor(tmp_path):
+    """np.asarray's ValueError ("inhomogeneous shape") escaped from check_params."""
+    params = dict(dc.init_params(CFG))
+    params["query.bias"] = [[0.0], [0.0, 1.0]]
+    for call in (
+        lambda: dc.save_params(tmp_path / "r.safetensors", params, CFG),
+        lambda: dc.validate_params(params, CFG),
+        lambda: dc.check_params(params, CFG),
+    ):
+        with pytest.raises(dc.DamchaTypeError, match=r"`params\['query.bias'\]`: expected an array NumPy can read"):
+            call()
+
+
+@pytest.mark.parametrize(
+    "name, pattern",
+    [
+        ("a\0b.safetensors", r"expected a file path without NUL characters"),
+        ("n" * 300 + ".safetensors", r"expected a usable file path; it cannot be checked \(File name too long\)"),
+    ],
+    ids=["nul", "name-too-long"],
+)
+def test_save_refuses_paths_the_os_refuses(tmp_path, name, pattern):
+    """A NUL byte raised a bare ValueError, a name over 255 bytes a bare OSError."""
+    with pytest.raises(dc.DamchaValueError, match=rf"Invalid argument `path`: {pattern}"):
+        dc.save_params(tmp_path / name, dc.init_params(CFG), CFG)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_save_to_a_long_valid_name(tmp_path):
+    """A 250-byte name is valid, but the temporary name beside it (".<name>.XXXXXXXX.tmp")
+    was not: the write failed after the checks had passed."""
+    path = tmp_path / ("n" * 238 + ".safetensors")
+    dc.save_params(path, dc.init_params(CFG, seed=3), CFG)
+    assert dc.load_params(path)[1] == CFG
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]

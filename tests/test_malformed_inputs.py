@@ -554,3 +554,39 @@ def test_the_expectations_catch_wrong_ports() -> None:
     with pytest.raises(AssertionError, match="does not name 'context'"):
         check(dataclasses.replace(good, run=lambda c: (_ for _ in ()).throw(dc.DamchaValueError("bad shape"))), call)
     check(good, call)  # the reference refuses it, naming context
+
+
+# ------------------------------------------------ canonical loaders: one class, one argument, every port
+
+_LOADERS: dict[str, Callable[[Any, dc.DamchaConfig], Any]] = {
+    "torch": lambda p, c: damcha_torch.DamchaAttention.from_canonical(p, c),
+    "jax": lambda p, c: damcha_jax.DamchaAttention.from_canonical(p, c),
+    "keras": lambda p, c: damcha_keras.DamchaAttention.from_canonical(p, c),
+    "reference": lambda p, c: dc.validate_params(p, c),
+}
+_SELF = CONFIGS["self"]
+
+
+def _with(name: str, value: Any) -> dict[str, Any]:
+    return {**PARAMS["self"], name: value}
+
+
+_BAD_PARAMS: dict[str, tuple[Any, type[dc.DamchaError], str]] = {
+    "ragged-list": (_with("query.bias", [[0.0] * 4, [0.0]]), dc.DamchaTypeError, "params['query.bias']"),
+    "integer": (_with("query.bias", np.zeros((2, 4), np.int32)), dc.DamchaTypeError, "params['query.bias']"),
+    "nan": (_with("query.bias", np.full((2, 4), np.nan)), dc.DamchaValueError, "params['query.bias']"),
+    "shape": (_with("query.bias", np.zeros((4, 2))), dc.DamchaValueError, "params['query.bias']"),
+    "not-a-mapping": ([1, 2], dc.DamchaTypeError, "params"),
+}
+
+
+@pytest.mark.parametrize("bad", list(_BAD_PARAMS))
+@pytest.mark.parametrize("port", list(_LOADERS))
+def test_canonical_loaders_refuse_alike(port: str, bad: str) -> None:
+    """The same bad params give every port's from_canonical the reference's class and argument
+    (a ragged nested list escaped as NumPy's bare ValueError from check_params, in every port)."""
+    params, error, argument = _BAD_PARAMS[bad]
+    with pytest.raises(dc.DamchaError) as info:
+        _LOADERS[port](params, _SELF)
+    assert type(info.value) is error, info.value
+    assert str(info.value).startswith(f"Invalid argument `{argument}`: expected "), info.value
