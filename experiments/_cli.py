@@ -110,7 +110,14 @@ def _train_parser() -> argparse.ArgumentParser:
         "--eval-size", type=_positive_int, default=None, help="validation and test examples (charlm: windows) each"
     )
     p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:N (default cpu)")
-    p.add_argument("--threads", type=_positive_int, default=1, help="torch intra-op threads (default 1)")
+    # Bounded by the CPUs: torch.set_num_threads(100000) crashed the process (a segfault, no message).
+    cpus = os.cpu_count() or 1
+    p.add_argument(
+        "--threads",
+        type=cu.int_arg(minimum=1, maximum=cpus),
+        default=1,
+        help=f"torch intra-op threads, 1 to this machine's {cpus} CPUs (default 1)",
+    )
     p.add_argument(
         "--out",
         default="experiment-results",

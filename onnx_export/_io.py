@@ -148,8 +148,14 @@ def _write_arrays(path: str, arrays: Sequence[np.ndarray]) -> None:
 def _validate_file(path: str) -> None:
     """The checks of ``validate_model``, read from disk (external data beside ``path``)."""
     onnx.checker.check_model(path, full_check=True)
-    onnx.shape_inference.infer_shapes_path(path, path + ".inferred", check_type=True, strict_mode=True, data_prop=True)
-    os.remove(path + ".inferred")
+    # The inferred copy gets a short name of its own beside ``path`` (``path + ".inferred"``
+    # passed the OS's 255-byte name limit for a valid --out of 247 bytes or more).
+    fd, inferred = tempfile.mkstemp(suffix=".inferred.onnx", dir=os.path.dirname(os.path.abspath(path)))
+    os.close(fd)
+    try:
+        onnx.shape_inference.infer_shapes_path(path, inferred, check_type=True, strict_mode=True, data_prop=True)
+    finally:
+        os.remove(inferred)
 
 
 def save_external(model: onnx.ModelProto, arrays: Sequence[np.ndarray], path: str) -> list[str]:

@@ -574,3 +574,25 @@ def test_help_shows_the_required_flags_as_required_and_the_opset_range():
     assert f"--opset OPSET an integer in [17, {onnx.defs.onnx_opset_version()}]" in text
     # Still one line for a missing one.
     assert "the following arguments are required: --params" in one_line_usage_error(export("--out", "x.onnx"), "")
+
+
+@pytest.mark.parametrize("external", ["auto", "always"])
+def test_an_out_name_whose_data_file_name_is_too_long_is_refused_before_any_work(params_file, tmp_path, external):
+    """A valid 251-byte --out: its `<out>.data` name passes the OS's 255-byte limit, which
+    raised a traceback (ENAMETOOLONG from pathlib) before; now one usage line naming --out."""
+    out = tmp_path / ("e" * 246 + ".onnx")
+    proc = export("--params", params_file, "--out", str(out), "--external-data", external)
+    message = one_line_usage_error(proc, "--out")
+    assert "File name too long" in message and ".onnx.data" in message
+    assert not out.exists()
+
+
+def test_external_data_export_to_the_longest_name_its_data_file_allows(params_file, tmp_path):
+    """A 250-byte --out with --external-data always: its data file's name is 255 bytes, and the
+    export is written and validated (the shape-inference copy was named `<out>.inferred`, over
+    the limit: the export failed after its work)."""
+    out = tmp_path / ("e" * 245 + ".onnx")
+    proc = export("--params", params_file, "--out", str(out), "--external-data", "always")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert out.exists() and (tmp_path / (out.name + ".data")).exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([out.name, out.name + ".data", "p.safetensors"])

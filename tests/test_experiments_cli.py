@@ -66,6 +66,7 @@ BAD = [
     (["crosshead", "--eval-size", "100001"], "--eval-size"),
     (["listops", "--eval-size", "100001"], "--eval-size"),
     (["crosshead", "--threads", "0"], "--threads"),
+    (["crosshead", "--threads", "100000"], "--threads"),  # torch.set_num_threads crashed (segfault)
     (["crosshead", "--device", "gpu"], "--device"),
     (["crosshead", "--device", "meta"], "--device"),
     (["crosshead", "--variants", "mha,nope"], "--variants"),
