@@ -201,6 +201,17 @@ def _unusable_path(path: Any, flag: str, prog: str, exc: OSError | ValueError) -
     usage_error(flag, f"is not a usable path ({reason}). Received: {str(path)!r}", prog=prog)
 
 
+def _checked_path(path: Any, flag: str, prog: str, what: str, check: Callable[[Path], Path]) -> Path:
+    """``check(Path(path))``, with an empty path and a path the OS refuses to look at ending
+    the command as every other bad path does (exit 2, one line naming ``flag``)."""
+    if path is None or str(path).strip() == "":
+        usage_error(flag, f"needs a {what}. Received: {path!r}", prog=prog)
+    try:
+        return check(Path(path))
+    except (OSError, ValueError) as exc:
+        _unusable_path(path, flag, prog, exc)
+
+
 def check_output_file(
     path: str | os.PathLike[str] | None, flag: str, *, prog: str = "damcha", overwrite: bool = True
 ) -> Path:
@@ -213,12 +224,7 @@ def check_output_file(
     Returns:
         ``path`` as a ``Path``. Exits 2 (``usage_error``) otherwise.
     """
-    if path is None or str(path).strip() == "":
-        usage_error(flag, f"needs a file path. Received: {path!r}", prog=prog)
-    try:
-        return _check_output_file(Path(path), flag, prog, overwrite)
-    except (OSError, ValueError) as exc:
-        _unusable_path(path, flag, prog, exc)
+    return _checked_path(path, flag, prog, "file path", lambda p: _check_output_file(p, flag, prog, overwrite))
 
 
 def _no_nul(p: Path, flag: str, prog: str) -> None:
@@ -251,12 +257,7 @@ def check_output_dir(path: str | os.PathLike[str] | None, flag: str, *, prog: st
     Returns:
         ``path`` as a ``Path``. Exits 2 (``usage_error``) otherwise.
     """
-    if path is None or str(path).strip() == "":
-        usage_error(flag, f"needs a folder path. Received: {path!r}", prog=prog)
-    try:
-        return _check_output_dir(Path(path), flag, prog)
-    except (OSError, ValueError) as exc:
-        _unusable_path(path, flag, prog, exc)
+    return _checked_path(path, flag, prog, "folder path", lambda p: _check_output_dir(p, flag, prog))
 
 
 def _check_output_dir(p: Path, flag: str, prog: str) -> Path:
@@ -279,12 +280,7 @@ def check_input_file(path: str | os.PathLike[str] | None, flag: str, *, prog: st
     Returns:
         ``path`` as a ``Path``. Exits 2 (``usage_error``) otherwise.
     """
-    if path is None or str(path).strip() == "":
-        usage_error(flag, f"needs a file path. Received: {path!r}", prog=prog)
-    try:
-        return _check_input_file(Path(path), flag, prog)
-    except (OSError, ValueError) as exc:
-        _unusable_path(path, flag, prog, exc)
+    return _checked_path(path, flag, prog, "file path", lambda p: _check_input_file(p, flag, prog))
 
 
 def _check_input_file(p: Path, flag: str, prog: str) -> Path:

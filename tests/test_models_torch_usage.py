@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 from _models_zoo import (
-    VOCAB,
+    _dec,
     build,
     capture,
     inputs,
@@ -100,17 +100,7 @@ def test_assisted_decoding_equals_greedy(arch):
 
 def _mistral(window: int | None, attn: str) -> nn.Module:
     torch.manual_seed(0)
-    config = transformers.MistralConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        sliding_window=window,
-        attn_implementation=attn,
-    )
+    config = _dec(transformers.MistralConfig, sliding_window=window, attn_implementation=attn)
     return transformers.MistralForCausalLM(config).double().eval()
 
 
