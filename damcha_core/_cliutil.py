@@ -371,6 +371,11 @@ def replace_synced(moves: Sequence[tuple[str | os.PathLike[str], str | os.PathLi
     leave an empty file there, or lose the name)."""
     for src, _ in moves:
         fsync_file(src)
+    _replace_synced_files(moves)
+
+
+def _replace_synced_files(moves: Sequence[tuple[str | os.PathLike[str], str | os.PathLike[str]]]) -> None:
+    """``replace_synced`` for sources already synced: the renames, then each destination folder's sync."""
     for src, dest in moves:
         os.replace(src, dest)
     for folder in dict.fromkeys(os.path.dirname(os.path.abspath(dest)) for _, dest in moves):
@@ -463,14 +468,14 @@ def atomic_dir(path: str | os.PathLike[str]) -> Iterator[Path]:
         try:
             for folder in folders:
                 folder.mkdir(exist_ok=True)
-            replace_synced(moves)
+            _replace_synced_files(moves)  # synced above
         except BaseException:
             # Interrupted (Ctrl-C) or failed before a file arrived: no empty new folder is left behind.
             for folder in reversed(made):
                 with contextlib.suppress(OSError):
                     folder.rmdir()  # only an empty one
             raise
-        receivers = {dest.parent for _, dest in moves}  # replace_synced synced these
+        receivers = {dest.parent for _, dest in moves}  # _replace_synced_files synced these
         for folder in folders:
             if folder not in receivers:  # a new folder may hold only (empty) folders
                 fsync_dir(folder)

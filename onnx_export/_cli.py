@@ -243,14 +243,8 @@ def _validate(args: argparse.Namespace) -> tuple[dict[str, np.ndarray], dc.Damch
     if args.ort_dir is not None:
         _check_ort_dir(args)
     if EXTERNAL_DATA[args.external_data] is not False:
-        data = out.with_name(data_file_name(str(out)))
-        try:
-            read_only = data.exists() and cu.read_only(data)
-        except OSError:  # a name the OS refuses (ENAMETOOLONG: longer than --out's): check_output_file says so
-            read_only = False
-        if read_only:
-            cu.usage_error("--out", f"its external data file {str(data)!r} is read-only; it is not replaced", prog=PROG)
-        cu.check_output_file(data, "--out", prog=PROG)
+        # The data file is an output too (read-only, a folder, a name the OS refuses: refused here).
+        cu.check_output_file(out.with_name(data_file_name(str(out))), "--out", prog=PROG)
     try:
         check_opset(args.opset)
     except dc.DamchaError as exc:

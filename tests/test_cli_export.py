@@ -156,6 +156,19 @@ def test_without_onnxruntime_exit_2_naming_the_onnx_extra(params_file, tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.safetensors"]
 
 
+@pytest.mark.parametrize("external", ["auto", "always"])
+def test_a_read_only_external_data_file_is_refused(params_file, tmp_path, external):
+    out = tmp_path / "m.onnx"
+    data = tmp_path / "m.onnx.data"
+    data.write_bytes(b"old")
+    data.chmod(0o444)
+    message = one_line_usage_error(
+        export("--params", params_file, "--out", str(out), "--external-data", external), "--out"
+    )
+    assert "read-only" in message and "m.onnx.data" in message
+    assert data.read_bytes() == b"old" and not out.exists()
+
+
 def test_a_read_only_out_is_refused(params_file, tmp_path):
     out = tmp_path / "m.onnx"
     out.write_bytes(b"old")
