@@ -7,7 +7,6 @@ the functional core's (``_masks``), and hands the math to ``_functional``.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -66,24 +65,6 @@ class _SeparateWeight:
 def _check_float(name: str, value: Any) -> None:
     if not isinstance(value, Tensor) or not value.is_floating_point():
         raise dc.float_dtype_error(name, value)
-
-
-def _warn_mismatched_masks(key_padding_mask: Tensor, attn_mask: Tensor) -> None:
-    """Warn where nn.MultiheadAttention does: a bool mask beside a float one.
-
-    Both are still applied (as MHA applies them); the message starts as MHA's does, so a
-    warning filter written for MHA matches it too.
-    """
-    valid = (torch.bool, torch.float16, torch.bfloat16, torch.float32, torch.float64)
-    # Other dtypes are refused by merge_masks, naming the argument: no warning before the error.
-    if key_padding_mask.dtype != attn_mask.dtype and key_padding_mask.dtype in valid and attn_mask.dtype in valid:
-        warnings.warn(
-            "Support for mismatched key_padding_mask and attn_mask dtypes is deprecated in "
-            "nn.MultiheadAttention, and DamchaAttention follows it; pass both as bool or both as "
-            f"float. Received: key_padding_mask.dtype={key_padding_mask.dtype}, attn_mask.dtype={attn_mask.dtype}",
-            UserWarning,
-            stacklevel=3,
-        )
 
 
 def _add_batch_dim(
@@ -1008,8 +989,6 @@ class DamchaAttention(CanonicalIO, nn.Module):
                 )
             )
         mask = None
-        if isinstance(key_padding_mask, Tensor) and isinstance(attn_mask, Tensor):
-            _warn_mismatched_masks(key_padding_mask, attn_mask)
         if key_padding_mask is not None or attn_mask is not None:
             # The is_causal hint (nn.MultiheadAttention's contract): a 2-D
             # attn_mask is the causal mask, left out so that SDPA's causal

@@ -10,6 +10,7 @@ bool, else one additive float mask.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -78,6 +79,16 @@ def merge_masks(
         masks.append(key_padding_mask[:, None, None, :])
     if attn_mask is not None:
         check_torch_mask("attn_mask", attn_mask)
+        if key_padding_mask is not None and key_padding_mask.dtype != attn_mask.dtype:
+            # Where nn.MultiheadAttention warns (both still apply); the message starts as
+            # MHA's, so a warning filter written for MHA's matches it too.
+            warnings.warn(
+                "Support for mismatched key_padding_mask and attn_mask dtypes is deprecated in "
+                "nn.MultiheadAttention, and DamchaAttention follows it; pass both as bool or both as "
+                f"float. Received: key_padding_mask.dtype={key_padding_mask.dtype}, attn_mask.dtype={attn_mask.dtype}",
+                UserWarning,
+                stacklevel=3,  # the caller of the layer's forward, as before
+            )
         if attn_mask.dim() == 3:
             # nn.MultiheadAttention's (B*H, N, M) layout, batch-major.
             if tuple(attn_mask.shape) != (B * H, N, M):
