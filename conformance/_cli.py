@@ -128,7 +128,7 @@ def _validate(args: argparse.Namespace) -> None:
         if missing:
             cu.usage_error(
                 "--backend",
-                f"{name} needs {', '.join(missing)}, which is not installed: "
+                f"{name} needs {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} not installed: "
                 f"{cu.install_hint(missing[0], builtin.extra)}",
                 prog=PROG,
             )

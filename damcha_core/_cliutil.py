@@ -401,9 +401,13 @@ def atomic_write(path: str | os.PathLike[str], mode: str = "w", encoding: str | 
     and ``path`` is untouched. A read-only ``path`` is refused
     (``PermissionError``), never silently replaced. The file is synced to disk
     before the rename and its folder after it (``fsync_dir``), so a power loss
-    leaves the old file or the whole new one under ``path``.
+    leaves the old file or the whole new one under ``path``. A ``path`` that
+    is a symbolic link is written through, as ``open(path, "w")`` would: the
+    file it points to is replaced and the link stays.
     """
     target = Path(path)
+    if target.is_symlink():  # replacing the link itself would silently cut it from its file
+        target = Path(os.path.realpath(target))
     if target.exists() and read_only(target):
         raise PermissionError(f"{str(target)!r} is read-only; not replacing it")
     binary = "b" in mode

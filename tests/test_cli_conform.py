@@ -408,3 +408,19 @@ def test_json_report_with_a_long_valid_name_is_written(tmp_path):
 def test_json_name_too_long_is_refused_before_any_work(tmp_path):
     line = one_line_usage_error(conform("--json", str(tmp_path / ("r" * 300 + ".json"))), "--json")
     assert "is not a usable path (File name too long)" in line
+
+
+@pytest.mark.parametrize(
+    "absent, says",
+    [(("jax", "flax"), "jax needs jax, flax, which are not installed"), (("flax",), "jax needs flax, which is not installed")],
+    ids=["two-missing", "one-missing"],
+)
+def test_a_backend_whose_modules_are_missing_names_them_in_one_sentence(monkeypatch, capsys, absent, says):
+    from damcha_conformance import _cli as conform_cli
+    from damcha_conformance.adapters import Builtin
+
+    monkeypatch.setattr(Builtin, "missing", lambda self: [m for m in self.requires if m in absent])
+    assert conform_cli.main(["--backend", "jax"]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"damcha conform: error: --backend: {says}: "), line
+    assert 'pip install "damcha[jax]"' in line, line

@@ -289,6 +289,22 @@ def test_save_rejects_unusable_paths(tmp_path, make, error, pattern):
         dc.save_params(make(tmp_path), dc.init_params(CFG), CFG)
 
 
+@pytest.mark.parametrize("existing", [True, False], ids=["link-to-file", "dangling-link"])
+def test_save_through_a_symbolic_link_writes_its_file_and_keeps_the_link(tmp_path, existing):
+    # As open(path, "w") and safetensors' own save_file do: the link is not cut from its file.
+    store = tmp_path / "store"
+    store.mkdir()
+    real = _saved(store, "weights.safetensors") if existing else store / "weights.safetensors"
+    link = tmp_path / "current.safetensors"
+    link.symlink_to(real)
+    params = dc.init_params(CFG, seed=11)
+    dc.save_params(link, params, CFG)
+    assert link.is_symlink() and link.resolve() == real.resolve()
+    assert np.array_equal(dc.load_params(real)[0]["query.kernel"], params["query.kernel"])
+    assert sorted(p.name for p in store.iterdir()) == ["weights.safetensors"]  # no temporary file left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["current.safetensors", "store"]
+
+
 def test_save_refuses_a_read_only_target(tmp_path):
     path = _saved(tmp_path)
     before = path.read_bytes()
