@@ -14,7 +14,8 @@ Exit statuses: 0 ok, 1 a check failed (a mismatch), 2 bad arguments.
   ``writable_dir``: whether a file can be created in a folder (probed with one).
 - ``require(module, extra, flag, prog=...)``: an optional import, with the
   smallest extra that installs it.
-- ``atomic_write``/``atomic_dir``: write a file, or a folder of files, so
+- ``atomic_write``/``atomic_file``/``atomic_dir``: write a file (an open file, or a temporary
+  path for writers that take a name), or a folder of files, so
   that the target changes only once everything was written (synced to disk
   before the renames, their folders after: ``fsync_file``/``fsync_dir``).
   ``replace_synced``: those renames with their syncs, for writers that stage
@@ -394,6 +395,35 @@ _TEMP_NAME_BYTES = 200
 
 
 @contextlib.contextmanager
+def atomic_file(path: str | os.PathLike[str]) -> Iterator[str]:
+    """Yield the path of a new, empty temporary file next to ``path``, for a
+    writer that takes a file name (``safetensors``' ``save_file`` streams the
+    tensors to it, where its in-memory ``save`` builds the whole file as one
+    bytes object first). On a clean exit that file replaces ``path`` as in
+    ``atomic_write``, with the same rules (read-only refused, permissions,
+    syncing, symbolic links written through); on an exception it is removed.
+    """
+    target = Path(path)
+    if target.is_symlink():  # replacing the link itself would silently cut it from its file
+        target = Path(os.path.realpath(target))
+    if target.exists() and read_only(target):
+        raise PermissionError(f"{str(target)!r} is read-only; not replacing it")
+    folder = target.parent if str(target.parent) else Path(".")
+    fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(target), suffix=".tmp", dir=folder)
+    os.close(fd)
+    try:
+        yield tmp
+        fsync_file(tmp)
+        os.chmod(tmp, _file_mode(target))
+        os.replace(tmp, target)
+        fsync_dir(folder)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+@contextlib.contextmanager
 def atomic_write(path: str | os.PathLike[str], mode: str = "w", encoding: str | None = "utf-8") -> Iterator[IO[Any]]:
     """Open a temporary file next to ``path`` for writing; on a clean exit it
     replaces ``path`` in one rename (with the old file's permissions, or the
@@ -405,26 +435,8 @@ def atomic_write(path: str | os.PathLike[str], mode: str = "w", encoding: str | 
     is a symbolic link is written through, as ``open(path, "w")`` would: the
     file it points to is replaced and the link stays.
     """
-    target = Path(path)
-    if target.is_symlink():  # replacing the link itself would silently cut it from its file
-        target = Path(os.path.realpath(target))
-    if target.exists() and read_only(target):
-        raise PermissionError(f"{str(target)!r} is read-only; not replacing it")
-    binary = "b" in mode
-    folder = target.parent if str(target.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(target), suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, mode, encoding=None if binary else encoding) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, _file_mode(target))
-        os.replace(tmp, target)
-        fsync_dir(folder)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    with atomic_file(path) as tmp, open(tmp, mode, encoding=None if "b" in mode else encoding) as f:
+        yield f
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:

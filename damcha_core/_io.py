@@ -25,10 +25,10 @@ from typing import Any
 
 import numpy as np
 
-from ._cliutil import atomic_write, read_only
+from ._cliutil import atomic_file, read_only
 from ._config import DamchaConfig
 from ._errors import DamchaError, DamchaTypeError, DamchaValueError, describe, invalid_argument
-from ._params import as_numpy, validate_params
+from ._params import as_numpy, check_params_finite
 
 FORMAT = "damcha-v1"
 CHECKSUM_KEY = "damcha_checksum"
@@ -47,17 +47,24 @@ def tensor_checksum(tensors: Mapping[str, np.ndarray]) -> str:
     entries = {}
     for name, value in tensors.items():
         array = np.asarray(value)
-        little = np.ascontiguousarray(array.astype(array.dtype.newbyteorder("<"), copy=False))
-        entries[name] = (array.dtype.name, array.shape, little.view(np.uint8).tobytes() if little.size else b"")
+        entries[name] = (array.dtype.name, array.shape, _little_endian_bytes(array))
     return _checksum(entries)
 
 
-def _checksum(entries: Mapping[str, tuple[str, tuple[int, ...], bytes]]) -> str:
+def _little_endian_bytes(array: np.ndarray) -> memoryview:
+    """``array``'s little-endian bytes as a flat view: no copy for a contiguous
+    little-endian array (a multi-GiB layer must not be held twice to be hashed)."""
+    little = np.ascontiguousarray(array.astype(array.dtype.newbyteorder("<"), copy=False))
+    # NumPy's stubs declare the buffer protocol (__buffer__) only for Python >= 3.12.
+    return memoryview(little.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+
+
+def _checksum(entries: Mapping[str, tuple[str, tuple[int, ...], bytes | memoryview]]) -> str:
     """``tensor_checksum`` over (dtype name, shape, little-endian bytes) per name."""
     digest = hashlib.sha256()
 
-    def field(data: bytes) -> None:
-        digest.update(struct.pack("<Q", len(data)))
+    def field(data: bytes | memoryview) -> None:
+        digest.update(struct.pack("<Q", memoryview(data).nbytes))
         digest.update(data)
 
     for name in sorted(entries):
@@ -140,13 +147,14 @@ def save_params(path: str | os.PathLike[str], params: Mapping[str, Any], config:
             ``path`` is not a usable file path (a folder, in a missing folder,
             a read-only file) or cannot be written.
     """
-    from safetensors.numpy import save  # lazy: only I/O needs safetensors
+    from safetensors import SafetensorError  # lazy: only I/O needs safetensors
+    from safetensors.numpy import save_file
 
     target = _check_path(path)
     if not isinstance(params, Mapping):
         raise DamchaTypeError(invalid_argument("params", "a mapping of name -> array", f"params={describe(params)}"))
     params = {name: _as_numpy(value, name) for name, value in params.items()}
-    validate_params(params, config)
+    check_params_finite(params, config)
     tensors = {name: np.ascontiguousarray(np.asarray(params[name])) for name in config.param_shapes()}
     for name, array in tensors.items():
         if array.dtype.name not in _STORABLE:  # e.g. float128: safetensors has no such dtype
@@ -171,15 +179,15 @@ def save_params(path: str | os.PathLike[str], params: Mapping[str, Any], config:
                 "path", f"a usable file path; it cannot be checked ({exc.strerror or exc})", f"path={str(target)!r}"
             )
         ) from exc
-    data = save(tensors, metadata=metadata)
     try:
-        with atomic_write(target, "wb") as f:
-            f.write(data)
-    except OSError as exc:
+        with atomic_file(target) as tmp:
+            # save_file streams the tensors to the file; save() would build it as one bytes object first
+            save_file(tensors, tmp, metadata=metadata)
+    except (OSError, SafetensorError) as exc:
         raise DamchaValueError(
             invalid_argument(
                 "path",
-                f"a writable file path; it could not be written ({exc.strerror or exc}), an earlier file there is "
+                f"a writable file path; it could not be written ({getattr(exc, 'strerror', None) or exc}), an earlier file there is "
                 "unchanged",
                 f"path={str(target)!r}",
             )
@@ -353,10 +361,11 @@ def load_params(path: str | os.PathLike[str]) -> tuple[dict[str, np.ndarray], Da
             params = {name: f.get_tensor(name) for name in f.keys() if name not in bf16}  # noqa: SIM118
     except (SafetensorError, OSError, ValueError, TypeError) as exc:
         raise _unreadable(path, f"its tensors cannot be read ({' '.join(str(exc).split())})") from None
-    entries = {name: ("bfloat16", shape, data) for name, (shape, data) in bf16.items()}
+    entries: dict[str, tuple[str, tuple[int, ...], bytes | memoryview]] = {
+        name: ("bfloat16", shape, data) for name, (shape, data) in bf16.items()
+    }
     for name, array in params.items():
-        little = np.ascontiguousarray(array.astype(array.dtype.newbyteorder("<"), copy=False))
-        entries[name] = (array.dtype.name, array.shape, little.view(np.uint8).tobytes() if little.size else b"")
+        entries[name] = (array.dtype.name, array.shape, _little_endian_bytes(array))
     params.update({name: _widen_bf16(data, shape) for name, (shape, data) in bf16.items()})
     stored = metadata.get(CHECKSUM_KEY)
     if stored is not None and stored != _checksum(entries):
@@ -368,5 +377,5 @@ def load_params(path: str | os.PathLike[str]) -> tuple[dict[str, np.ndarray], Da
                 f"path={str(path)!r}",
             )
         )
-    validate_params(params, config, argument=f"tensors in {str(path)!r}")
+    check_params_finite(params, config, argument=f"tensors in {str(path)!r}")
     return params, config

@@ -188,6 +188,19 @@ def validate_params(
         DamchaTypeError, DamchaValueError: as ``check_params``; also
             DamchaValueError when a value is NaN or infinite.
     """
+    return _checked_params(params, config, argument, keep=True)
+
+
+def check_params_finite(params: Mapping[str, Any], config: DamchaConfig, *, argument: str = "params") -> None:
+    """``validate_params``' checks without its float64 copies, for callers that
+    only refuse bad params (saving, loading): a float64 copy of every tensor at
+    once is twice a float32 layer's memory, here one tensor's at a time."""
+    _checked_params(params, config, argument, keep=False)
+
+
+def _checked_params(
+    params: Mapping[str, Any], config: DamchaConfig, argument: str, *, keep: bool
+) -> dict[str, np.ndarray]:
     if isinstance(params, Mapping):
         # One read per value: a mapping that answers a second read differently
         # (lazy or mutating) must not get a value past the checks below.
@@ -206,7 +219,8 @@ def validate_params(
                     f"entries, shape={array.shape}",
                 )
             )
-        out[name] = array
+        if keep:
+            out[name] = array
     return out
 
 

@@ -320,9 +320,11 @@ def _main(argv: list[str] | None) -> int:
             )
         except dc.DamchaError as exc:  # a combination the exporter refuses: still a bad argument
             cu.usage_error("", str(exc), prog=PROG)
+        nodes = len(model.graph.node)
+        del model  # the checks read the written file: the in-memory copy of the weights is not needed
         inputs = _inputs(args, config, np.random.default_rng(args.seed))
         expected = _reference(args, params, config, inputs)
-        print(f"exported {args.out} (opset {args.opset}, {args.dtype}, {len(model.graph.node)} nodes)")
+        print(f"exported {args.out} (opset {args.opset}, {args.dtype}, {nodes} nodes)")
         print("onnx.checker (full_check) and shape inference: ok")
         ok = _check(staged, args, inputs, expected)
         staged_int8 = os.path.join(staging, os.path.basename(int8_path(out)))

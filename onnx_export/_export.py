@@ -17,14 +17,13 @@ import damcha_core as dc
 from damcha_core import DamchaConfig, DamchaValueError
 
 from . import _io
-from ._graph import ATTENTION_OPSET, GraphBuilder, KVCacheNames, attention_layer
+from ._graph import ATTENTION_OPSET, GraphBuilder, KVCacheNames, attention_layer, checked_arrays
 from ._io import (
     EXTERNAL_DATA_MIN_BYTES,
     check_path,
     data_file_name,
     needs_external_data,
-    save_external,
-    save_model,
+    save_validated,
     validate_model,
 )
 from ._options import PAST_LEN, TOTAL_LEN, ExportOptions
@@ -100,8 +99,9 @@ class Draft:
 
     def model(self, location: str | None = None) -> tuple[onnx.ModelProto, list]:
         """(the ModelProto, the arrays to write to ``location`` in order)."""
-        tensors, external = self.g.tensors(location, EXTERNAL_DATA_MIN_BYTES)
-        graph = helper.make_graph(self.g.nodes, self.name, self.inputs, self.outputs, initializer=tensors)
+        # The initialisers go into the model's own graph one at a time: make_graph and
+        # make_model each copy what they are given, three copies of the weights at once.
+        graph = helper.make_graph(self.g.nodes, self.name, self.inputs, self.outputs)
         model = helper.make_model(
             graph,
             opset_imports=[helper.make_opsetid("", self.g.opset)],
@@ -111,6 +111,7 @@ class Draft:
         )
         model.ir_version = ir_version_for(self.g.opset)
         helper.set_model_props(model, self.props)
+        external = self.g.add_initializers(model.graph, location, EXTERNAL_DATA_MIN_BYTES)
         return model, external
 
     def in_memory(self) -> onnx.ModelProto:
@@ -132,9 +133,11 @@ def finish(draft: Draft, path: str | None, options: ExportOptions) -> onnx.Model
     """
     if not needs_external_data(draft.g.nbytes, options.external_data):
         model = draft.in_memory()
-        validate_model(model)
-        if path is not None:
-            save_model(model, path, external_data=False)
+        draft.g.arrays.clear()  # now held by the ModelProto: one copy of the weights, not two
+        if path is None:
+            validate_model(model)
+        else:
+            save_validated(model, path)  # validated from the written file, before it replaces path
         return model
     if path is None:
         raise DamchaValueError(
@@ -145,13 +148,13 @@ def finish(draft: Draft, path: str | None, options: ExportOptions) -> onnx.Model
             )
         )
     model, arrays = draft.model(data_file_name(path))
-    save_external(model, arrays, path)
+    save_validated(model, path, arrays)
     return model
 
 
 def _layer_model(params: Mapping[str, Any], config: DamchaConfig, options: ExportOptions) -> Draft:
     dc.check_config(config)
-    params = dc.validate_params(params, config)
+    params = checked_arrays(params, config)
     o = options
     dc.check_params_fit(params, o.dtype_name, float(np.finfo(o.dtype_name).max))
     if not o.cross and config.context_dim != config.query_dim:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Mapping, Sequence
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 import onnx
@@ -27,6 +27,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import damcha_core as dc
 from damcha_core import DamchaConfig, DamchaValueError
+from damcha_core._params import as_numpy, check_params_finite
 
 #: First opset with the standard ``Attention`` operator.
 ATTENTION_OPSET = 23
@@ -83,28 +84,30 @@ class GraphBuilder:
         """Bytes of every initialiser: the model's size, give or take the graph itself."""
         return sum(a.nbytes for _, a in self.arrays)
 
-    def tensors(
-        self, location: str | None = None, min_bytes: int = 1024
-    ) -> tuple[list[onnx.TensorProto], list[np.ndarray]]:
-        """The initialisers as TensorProtos: inline (``location=None``), or
+    def add_initializers(
+        self, graph: onnx.GraphProto, location: str | None = None, min_bytes: int = 1024
+    ) -> list[np.ndarray]:
+        """Append the initialisers to ``graph``: inline (``location=None``), or
         those of ``min_bytes`` or more as ONNX external data in the file
-        ``location``, laid end to end in creation order. Returns (tensors,
-        the arrays to write to ``location`` in that order)."""
-        tensors, external = [], []
+        ``location``, laid end to end in creation order. Returns the arrays to
+        write to ``location``, in that order. One tensor's bytes are copied at
+        a time, so a large model is never held twice."""
+        external = []
         offset = 0
         for name, array in self.arrays:
             if location is None or array.nbytes < min_bytes:
-                tensors.append(numpy_helper.from_array(array, name))
+                graph.initializer.append(numpy_helper.from_array(array, name))
                 continue
-            t = onnx.TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(array.dtype), dims=array.shape)
+            t = graph.initializer.add(
+                name=name, data_type=helper.np_dtype_to_tensor_dtype(array.dtype), dims=array.shape
+            )
             t.data_location = TensorProto.EXTERNAL
             for key, value in (("location", location), ("offset", str(offset)), ("length", str(array.nbytes))):
                 entry = t.external_data.add()
                 entry.key, entry.value = key, value
-            tensors.append(t)
             external.append(array)
             offset += array.nbytes
-        return tensors, external
+        return external
 
     def reserve(self, name: str) -> None:
         """Keep ``name`` (a graph input or output) from ever being handed out by ``fresh``."""
@@ -265,27 +268,42 @@ def fold_params(
     ``SIDE.gate_rows``: (S*S,) for "heads" (with ``SIDE.eye``, the flat
     identity) or (S*d,) for "lowrank", applied to the generator's output.
     """
-    p = dc.validate_params(params, config)
+    return _fold(dc.validate_params(params, config), config, fold_gate=fold_gate)
+
+
+def _fold(p: Mapping[str, np.ndarray], config: DamchaConfig, *, fold_gate: bool) -> dict[str, np.ndarray]:
+    """``fold_params`` of checked params (NumPy arrays of any real floating
+    dtype). The products are computed in float64; a weight that needs none
+    (the key, value and output projections) comes back as the caller's array
+    in its own dtype, reshaped, not copied: a large layer is then not held
+    once more in float64 while it is exported. Casting it straight to the
+    graph dtype rounds exactly as casting its float64 copy would (the widening
+    is exact), so the exported weights are the same."""
+
+    def f64(a: np.ndarray) -> np.ndarray:
+        return np.asarray(a, dtype=np.float64)
+
     H, d_v = config.num_heads, cast(int, config.value_dim)
     s = config.softmax_scale
     out: dict[str, np.ndarray] = {}
     for short, name, factor in (("q", "query", s), ("k", "key", 1.0), ("v", "value", 1.0)):
-        kernel = p[f"{name}.kernel"]
-        out[f"{short}.kernel"] = factor * kernel.reshape(kernel.shape[0], -1)
+        kernel = p[f"{name}.kernel"].reshape(p[f"{name}.kernel"].shape[0], -1)
+        out[f"{short}.kernel"] = kernel if factor == 1.0 else factor * f64(kernel)
         if config.use_bias:
-            out[f"{short}.bias"] = factor * p[f"{name}.bias"].reshape(-1)
+            bias = p[f"{name}.bias"].reshape(-1)
+            out[f"{short}.bias"] = bias if factor == 1.0 else factor * f64(bias)
     out["o.kernel"] = p["output.kernel"].reshape(H * d_v, -1)
     if config.use_bias:
         out["o.bias"] = p["output.bias"]
     for side in config.metric_sides:
         pre = f"metric.{side}"
-        g = p[f"{pre}.gate"]
+        g = f64(p[f"{pre}.gate"])
         S = g.shape[0]
         gate = g if fold_gate else np.ones_like(g)
         if config.metric == "heads":
-            kernel = gate[None, :, None] * p[f"{pre}.kernel"]  # (E, S, S): row h scaled by g_h
+            kernel = gate[None, :, None] * f64(p[f"{pre}.kernel"])  # (E, S, S): row h scaled by g_h
             out[f"{side}.gen.kernel"] = kernel.reshape(kernel.shape[0], S * S)
-            bias = gate[:, None] * p[f"{pre}.bias"]
+            bias = gate[:, None] * f64(p[f"{pre}.bias"])
             out[f"{side}.gen.bias"] = ((np.eye(S) + bias) if fold_gate else bias).reshape(S * S)
             if not fold_gate:
                 out[f"{side}.gate_rows"] = np.repeat(g, S)
@@ -295,10 +313,20 @@ def fold_params(
             out[f"{side}.gen.kernel"] = p[f"{pre}.kernel"]
             out[f"{side}.gen.bias"] = p[f"{pre}.bias"]
             out[f"{side}.v"] = p[f"{pre}.v"].reshape(-1, r)
-            out[f"{side}.ut"] = (gate[:, None, None] * p[f"{pre}.u"]).reshape(-1, r).T
+            out[f"{side}.ut"] = (gate[:, None, None] * f64(p[f"{pre}.u"])).reshape(-1, r).T
             if not fold_gate:
                 out[f"{side}.gate_rows"] = np.repeat(g, config.key_dim)
     return out
+
+
+def checked_arrays(params: Mapping[str, Any], config: DamchaConfig) -> dict[str, np.ndarray]:
+    """``validate_params``' checks (names, shapes, dtypes, finiteness), returning
+    the caller's values as NumPy arrays in their own dtypes: no float64 copy of
+    every weight at once (``_fold`` makes the few it multiplies)."""
+    if isinstance(params, Mapping):
+        params = dict(params)  # one read per value, as validate_params
+    check_params_finite(params, config)
+    return {name: as_numpy(params[name], f"params[{name!r}]") for name in config.param_shapes()}
 
 
 def _gen_weight(g: GraphBuilder, f: Mapping[str, np.ndarray], key: str, shared: str | None, prefix: str) -> str:
@@ -391,6 +419,8 @@ def attention_layer(
 ) -> str:
     """Nodes of one DAMCHA layer; returns the name of y (B, N, E_o).
 
+    ``params`` are checked by the caller (``checked_arrays`` or ``validate_params``).
+
     ``query`` is x (B, N, E_q); ``context`` is c (B, M, E_kv) or ``None`` for
     self-attention; ``mask`` is a boolean (B|1, H|1, N|1, M) graph value or
     ``None``; ``form`` is "attention" (standard op, opset >= 23) or
@@ -412,7 +442,7 @@ def attention_layer(
                 "cache", "None unless the attention is causal self-attention", f"context={context!r}, causal={causal}"
             )
         )
-    f = fold_params(params, config, fold_gate=shared is None)
+    f = _fold(params, config, fold_gate=shared is None)
     H, G, d, d_v = config.num_heads, config.side_heads("k"), config.key_dim, cast(int, config.value_dim)
     R = config.group_size
     P = prefix

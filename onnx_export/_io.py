@@ -121,6 +121,14 @@ def _umask_mode() -> int:
     return 0o666 & ~mask
 
 
+def _file_mode(path: str) -> int:
+    """A replaced file keeps its permissions (as atomic_write does); a new one gets the umask's."""
+    try:
+        return os.stat(path).st_mode & 0o7777
+    except FileNotFoundError:
+        return _umask_mode()
+
+
 @contextlib.contextmanager
 def _staging(path: str) -> Iterator[str]:
     """A private directory beside ``path`` (same file system, so os.replace is atomic); removed afterwards."""
@@ -158,23 +166,37 @@ def _validate_file(path: str) -> None:
         os.remove(inferred)
 
 
-def save_external(model: onnx.ModelProto, arrays: Sequence[np.ndarray], path: str) -> list[str]:
-    """Write ``model`` (whose large initialisers refer to ``<path>.data``) and
-    that data file (``arrays`` end to end), validate them from disk, then move
-    both into place, the data file first. Returns the files written."""
+def save_validated(model: onnx.ModelProto, path: str, arrays: Sequence[np.ndarray] | None = None) -> list[str]:
+    """Write ``model`` beside ``path``, validate it from disk (``onnx.checker``
+    full check, strict shape inference), then move it into place; returns the
+    files written. Nothing reaches ``path`` unless the checks pass.
+
+    With ``arrays`` the model's large initialisers refer to ``<path>.data``,
+    written here from ``arrays`` end to end, and moved into place before the
+    ``.onnx`` file (which must never point at an old data file); without,
+    the weights are inline and a stale ``<path>.data`` of an earlier export
+    is removed. Checking the written file, not the ModelProto, keeps the
+    peak memory of a large export near one copy of the weights: the checker
+    and shape inference each serialise a ModelProto they are given.
+    """
     path = check_path(path)  # type: ignore[assignment]
+    if arrays is None and os.path.islink(path):  # written through, as atomic_write does
+        path = os.path.realpath(path)
     directory = os.path.dirname(os.path.abspath(path))
-    names = [os.path.basename(path), data_file_name(path)]
-    mode = _umask_mode()
+    names = [os.path.basename(path)] + ([] if arrays is None else [data_file_name(path)])
+    modes = [_file_mode(os.path.join(directory, name)) for name in names]
     with _staging(path) as tmp:
         staged = [os.path.join(tmp, n) for n in names]
         onnx.save_model(model, staged[0])
-        _write_arrays(staged[1], arrays)
+        if arrays is not None:
+            _write_arrays(staged[1], arrays)
         _validate_file(staged[0])
-        for file in staged:
+        for file, mode in zip(staged, modes):
             os.chmod(file, mode)
         # The data file first: the new .onnx must never point at an old data file.
         replace_synced([(file, os.path.join(directory, name)) for file, name in zip(reversed(staged), reversed(names))])
+    if arrays is None:
+        remove_stale_data(path)
     return [os.path.join(directory, n) for n in names]
 
 

@@ -23,7 +23,7 @@ from damcha_core import (
 )
 from damcha_core._policy import NO_KEYS_RULE
 
-from ._io import is_large, write_staged
+from ._io import EXTERNAL_DATA_MIN_BYTES, is_large, write_staged
 
 
 def describe_value(value: Any) -> str:
@@ -52,7 +52,10 @@ def as_model(model: Any, name: str = "model", *, load_weights: bool = True) -> o
     """``model`` as a ModelProto: a ModelProto itself, or the path of an ``.onnx`` file.
 
     ``load_weights=False`` reads a file's graph and declarations without its
-    external data (enough to check feeds).
+    external data (enough to check feeds), and drops the data of its inline
+    weights once read: that proto is for reading declarations, not for running
+    (a runtime is given the path), and a large model is then not held in
+    memory beside the runtime's own copy.
 
     Raises:
         DamchaValueError: a path that is missing, a directory, or not a
@@ -73,15 +76,30 @@ def as_model(model: Any, name: str = "model", *, load_weights: bool = True) -> o
     if not os.path.isfile(path):
         raise _model_error(name, path, "no such file")
     try:
-        proto = onnx.load(path, load_external_data=False)
         # A truncated file can still parse as a partial message: check it, from
-        # the path, so external data files are looked up beside it.
+        # the path, so external data files are looked up beside it. First: the
+        # checker reads the file itself, best before a copy is held here.
         onnx.checker.check_model(path)
+        proto = onnx.load(path, load_external_data=False)
+        if not load_weights:
+            proto = _declarations_only(proto)
         if load_weights:
             onnx.external_data_helper.load_external_data_for_model(proto, os.path.dirname(os.path.abspath(path)))
     except Exception as exc:
         raise _model_error(name, path, f"{type(exc).__name__}: {_first_line(exc)}") from exc
     return proto
+
+
+def _declarations_only(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of ``model`` without the data of its large inline weights."""
+    for tensor in model.graph.initializer:
+        if len(tensor.raw_data) >= EXTERNAL_DATA_MIN_BYTES:
+            tensor.ClearField("raw_data")
+    # protobuf frees a cleared field's memory only with its whole message (and
+    # any reference to a part of it keeps it all): a copy, so the caller drops it
+    light = onnx.ModelProto()
+    light.CopyFrom(model)
+    return light
 
 
 def check_weights_inline(model: onnx.ModelProto, name: str = "model") -> None:

@@ -412,7 +412,10 @@ def test_json_name_too_long_is_refused_before_any_work(tmp_path):
 
 @pytest.mark.parametrize(
     "absent, says",
-    [(("jax", "flax"), "jax needs jax, flax, which are not installed"), (("flax",), "jax needs flax, which is not installed")],
+    [
+        (("jax", "flax"), "jax needs jax, flax, which are not installed"),
+        (("flax",), "jax needs flax, which is not installed"),
+    ],
     ids=["two-missing", "one-missing"],
 )
 def test_a_backend_whose_modules_are_missing_names_them_in_one_sentence(monkeypatch, capsys, absent, says):

@@ -355,6 +355,24 @@ def test_files_get_the_users_umask(tmp_path):
         assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o644, name
 
 
+def test_a_replaced_model_keeps_its_permissions_and_a_link_is_written_through(tmp_path):
+    store = tmp_path / "store"
+    store.mkdir()
+    real = store / "layer.onnx"
+    do.export(_params(1), CONFIG, real, causal=True)
+    real.chmod(0o600)
+    link = tmp_path / "current.onnx"
+    link.symlink_to(real)
+    do.export(_params(2), CONFIG, link, causal=True)
+    assert link.is_symlink() and link.resolve() == real.resolve()
+    assert stat.S_IMODE(real.stat().st_mode) == 0o600
+    _check_matches(link, _params(2))
+    assert sorted(p.name for p in store.iterdir()) == ["layer.onnx"]  # no staging folder or temporary file left
+    do.export(_params(3), CONFIG, real, causal=True, external_data=True)  # an external-data export too keeps them
+    assert stat.S_IMODE(real.stat().st_mode) == 0o600
+    _check_matches(real, _params(3))
+
+
 # ----------------------------------------------------------- unreadable files
 
 

@@ -16,6 +16,7 @@ import numpy as np
 import damcha_core as dc
 import keras
 from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, describe
+from damcha_core._params import check_params_finite
 
 if TYPE_CHECKING:
     from ._layer import DamchaAttention
@@ -122,7 +123,7 @@ def load_canonical(layer: DamchaAttention, params: Mapping[str, Any]) -> None:
 def from_canonical(cls: type, params: Mapping[str, Any], config: DamchaConfig, **kwargs: Any) -> DamchaAttention:
     """A built ``cls`` holding ``params`` for ``config``."""
     dc.check_config(config)
-    dc.validate_params(params, config)
+    check_params_finite(params, config)
     layer = cls(
         num_heads=config.num_heads,
         key_dim=config.key_dim,
