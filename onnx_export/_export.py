@@ -38,12 +38,35 @@ def cache_value_info(onnx_dtype: int, config: DamchaConfig, batch: str | int, su
     """(inputs, outputs) value infos of one layer's cache: past (B, G, P, d|d_v) -> present (B, G, P+N, d|d_v)."""
     G, d, d_v = config.num_kv_heads, config.key_dim, config.value_dim
     inputs = [
-        helper.make_tensor_value_info(PAST_KEY + suffix, onnx_dtype, [batch, G, PAST_LEN, d]),
-        helper.make_tensor_value_info(PAST_VALUE + suffix, onnx_dtype, [batch, G, PAST_LEN, d_v]),
+        helper.make_tensor_value_info(
+            PAST_KEY + suffix,
+            onnx_dtype,
+            [batch, G, PAST_LEN, d],
+            doc_string="cached keys k~ = L_k(c) k of the past_len earlier tokens, without the softmax scale "
+            "(batch, kv_heads, past_len, key_dim); past_len 0 at the first step",
+        ),
+        helper.make_tensor_value_info(
+            PAST_VALUE + suffix,
+            onnx_dtype,
+            [batch, G, PAST_LEN, d_v],
+            doc_string="cached values of the past_len earlier tokens (batch, kv_heads, past_len, value_dim)",
+        ),
     ]
     outputs = [
-        helper.make_tensor_value_info(PRESENT_KEY + suffix, onnx_dtype, [batch, G, TOTAL_LEN, d]),
-        helper.make_tensor_value_info(PRESENT_VALUE + suffix, onnx_dtype, [batch, G, TOTAL_LEN, d_v]),
+        helper.make_tensor_value_info(
+            PRESENT_KEY + suffix,
+            onnx_dtype,
+            [batch, G, TOTAL_LEN, d],
+            doc_string=f"{PAST_KEY + suffix} with this step's keys appended (batch, kv_heads, past_len + query_len, "
+            f"key_dim): the next step's {PAST_KEY + suffix}",
+        ),
+        helper.make_tensor_value_info(
+            PRESENT_VALUE + suffix,
+            onnx_dtype,
+            [batch, G, TOTAL_LEN, d_v],
+            doc_string=f"{PAST_VALUE + suffix} with this step's values appended (batch, kv_heads, past_len + "
+            f"query_len, value_dim): the next step's {PAST_VALUE + suffix}",
+        ),
     ]
     return inputs, outputs
 
@@ -58,9 +81,12 @@ def mask_value_info(options: ExportOptions, heads: int) -> onnx.ValueInfoProto:
     B, N, M = options.batch_dim, options.query_dim, options.key_dim
     if options.mask == "padding":
         dims = [B, M]
+        doc = "True = a real key token, False = padding (batch, key_len), as a tokenizer's attention mask"
     else:
         dims = ["mask_batch", "mask_heads", "mask_query", M] if options.dynamic else [B, heads, N, M]
-    return helper.make_tensor_value_info(MASK, TensorProto.BOOL, dims)
+        doc = "True = may attend (batch|1, heads|1, query_len|1, key_len), broadcast over the dims of size 1"
+    doc += "; a query that sees no key gets zero attention values"
+    return helper.make_tensor_value_info(MASK, TensorProto.BOOL, dims, doc_string=doc)
 
 
 def mask_node(g: GraphBuilder, options: ExportOptions) -> str | None:
@@ -75,8 +101,24 @@ def mask_node(g: GraphBuilder, options: ExportOptions) -> str | None:
 def weights_value_info(onnx_dtype: int, options: ExportOptions, heads: int, suffix: str = "") -> onnx.ValueInfoProto:
     """The ``weights`` output: attention probabilities (B, H, N, M)."""
     return helper.make_tensor_value_info(
-        WEIGHTS + suffix, onnx_dtype, [options.batch_dim, heads, options.query_dim, options.key_dim]
+        WEIGHTS + suffix,
+        onnx_dtype,
+        [options.batch_dim, heads, options.query_dim, options.key_dim],
+        doc_string="attention probabilities"
+        + (f" of layer {suffix[1:]}" if suffix else "")
+        + " (batch, heads, query_len, key_len)",
     )
+
+
+def option_props(options: ExportOptions) -> dict[str, str]:
+    """The model's metadata that says how it was exported: the dtype, the mask
+    input's kind and whether attention probabilities are an output."""
+    mask = "none" if not options.mask else ("padding" if options.mask == "padding" else "4d")
+    return {
+        "damcha_dtype": options.dtype_name,
+        "damcha_mask": mask,
+        "damcha_return_weights": str(options.return_weights),
+    }
 
 
 def ir_version_for(opset: int) -> int:
@@ -180,12 +222,43 @@ def _layer_model(params: Mapping[str, Any], config: DamchaConfig, options: Expor
         )
     B, N, M = o.batch_dim, o.query_dim, o.key_dim
     g = GraphBuilder(o.dtype_name, o.opset)
-    inputs = [helper.make_tensor_value_info(QUERY, g.onnx_dtype, [B, N, config.query_dim])]
-    outputs = [helper.make_tensor_value_info(OUTPUT, g.onnx_dtype, [B, N, config.output_dim])]
+    query_doc = "query tokens x (batch, query_len, query_dim)"
+    inputs = [
+        helper.make_tensor_value_info(
+            QUERY,
+            g.onnx_dtype,
+            [B, N, config.query_dim],
+            doc_string=query_doc if o.cross else query_doc + "; keys and values are projected from them too",
+        )
+    ]
+    outputs = [
+        helper.make_tensor_value_info(
+            OUTPUT,
+            g.onnx_dtype,
+            [B, N, config.output_dim],
+            doc_string="attention output y (batch, query_len, output_dim)",
+        )
+    ]
     if o.cross:
-        inputs.append(helper.make_tensor_value_info(CONTEXT, g.onnx_dtype, [B, M, config.context_dim]))
+        inputs.append(
+            helper.make_tensor_value_info(
+                CONTEXT,
+                g.onnx_dtype,
+                [B, M, config.context_dim],
+                doc_string="context tokens c (batch, context_len, context_dim) that keys"
+                + (" are" if separate_value else " and values are")
+                + " projected from",
+            )
+        )
     if separate_value:
-        inputs.append(helper.make_tensor_value_info(VALUE, g.onnx_dtype, [B, M, config.value_input_dim]))
+        inputs.append(
+            helper.make_tensor_value_info(
+                VALUE,
+                g.onnx_dtype,
+                [B, M, config.value_input_dim],
+                doc_string="value tokens (batch, context_len, value_input_dim) that values are projected from",
+            )
+        )
     cache = None
     if o.kv_cache:
         cache_in, cache_out = cache_value_info(g.onnx_dtype, config, B)
@@ -227,6 +300,8 @@ def _layer_model(params: Mapping[str, Any], config: DamchaConfig, options: Expor
         "damcha_form": o.form,
         "damcha_causal": str(o.causal),
         "damcha_kv_cache": str(o.kv_cache),
+        "damcha_cross": str(o.cross),
+        **option_props(o),
     }
     return Draft(g, inputs, outputs, "damcha_attention", doc, props)
 

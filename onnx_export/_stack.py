@@ -40,6 +40,7 @@ from ._export import (
     finish,
     mask_node,
     mask_value_info,
+    option_props,
     weights_value_info,
 )
 from ._graph import ATTENTION_OPSET, GraphBuilder, attention_layer
@@ -229,13 +230,23 @@ def _stack_model(kind: str, params: Mapping[str, Any], config: Any, o: ExportOpt
     g = GraphBuilder(o.dtype_name, o.opset)
     inputs = []
     if kind == "encoder":
-        inputs.append(helper.make_tensor_value_info("query", g.onnx_dtype, [B, N, encoder.width]))
+        inputs.append(
+            helper.make_tensor_value_info(
+                "query", g.onnx_dtype, [B, N, encoder.width], doc_string="input tokens (batch, query_len, width)"
+            )
+        )
         x = "query"
         out_name, out_shape = "output", [B, N, encoder.width]
+        out_doc = "the stack's output (batch, query_len, width)"
     else:
-        inputs.append(helper.make_tensor_value_info("tokens", TensorProto.INT64, [B, N]))
+        inputs.append(
+            helper.make_tensor_value_info(
+                "tokens", TensorProto.INT64, [B, N], doc_string="token ids in [0, vocab_size) (batch, query_len)"
+            )
+        )
         out_name, out_shape = "logits", [B, N, config.num_classes]
-    outputs = [helper.make_tensor_value_info(out_name, g.onnx_dtype, out_shape)]
+        out_doc = "class logits per token (batch, query_len, num_classes)"
+    outputs = [helper.make_tensor_value_info(out_name, g.onnx_dtype, out_shape, doc_string=out_doc)]
     if o.kv_cache:
         for i in range(encoder.num_layers):
             cache_in, cache_out = cache_value_info(g.onnx_dtype, encoder.attention, B, f".{i}")
@@ -290,6 +301,7 @@ def _stack_model(kind: str, params: Mapping[str, Any], config: Any, o: ExportOpt
         "damcha_num_layers": str(encoder.num_layers),
         "damcha_causal": str(encoder.causal),
         "damcha_kv_cache": str(o.kv_cache),
+        **option_props(o),
     }
     if kind == "token_model":
         props.update({"damcha_vocab_size": str(config.vocab_size), "damcha_max_len": str(config.max_len)})

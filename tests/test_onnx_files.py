@@ -432,3 +432,90 @@ def test_bad_inputs_are_described_by_shape_never_printed():
         message = str(info.value)
         assert "shape=" in message or "len=" in message, message
         assert "0.25" not in message and "80.25" not in message and len(message) < 400, message
+
+
+# ----------------------------------------------------------- what a model says about itself
+
+
+def _layer_file(tmp_path, **options):
+    # cross-attention with value tokens of their own: every kind of input at once
+    extra = {"context_dim": 6, "value_input_dim": 5} if options.get("cross") else {}
+    cfg = dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4, **extra)
+    path = tmp_path / "m.onnx"
+    do.export(dc.init_params(cfg), cfg, path, **options)
+    return path
+
+
+def _stack_file(tmp_path, kind, **options):
+    attn = dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4)
+    encoder = do.EncoderConfig(attn, num_layers=2, ffn_dim=12, causal=options.pop("causal", False))
+    path = tmp_path / "m.onnx"
+    if kind == "encoder":
+        do.export_encoder(do.init_encoder_params(encoder, 1), encoder, path, **options)
+    else:
+        config = do.TokenModelConfig(encoder, vocab_size=11, max_len=9, num_classes=3)
+        do.export_token_model(do.init_token_model_params(config, 1), config, path, **options)
+    return path
+
+
+@pytest.mark.parametrize(
+    "make, props",
+    [
+        (
+            lambda t: _layer_file(t, dtype="float16", mask="padding", return_weights=True),
+            {
+                "damcha_dtype": "float16",
+                "damcha_mask": "padding",
+                "damcha_return_weights": "True",
+                "damcha_cross": "False",
+            },
+        ),
+        (
+            lambda t: _layer_file(t, cross=True, mask=True),
+            {"damcha_dtype": "float32", "damcha_mask": "4d", "damcha_return_weights": "False", "damcha_cross": "True"},
+        ),
+        (
+            lambda t: _layer_file(t, causal=True, kv_cache=True, dtype="float64"),
+            {"damcha_dtype": "float64", "damcha_mask": "none", "damcha_kv_cache": "True", "damcha_causal": "True"},
+        ),
+        (
+            lambda t: _stack_file(t, "encoder", mask="padding", return_weights=True),
+            {
+                "damcha_dtype": "float32",
+                "damcha_mask": "padding",
+                "damcha_return_weights": "True",
+                "damcha_num_layers": "2",
+            },
+        ),
+        (
+            lambda t: _stack_file(t, "token_model", causal=True, kv_cache=True, mask=True),
+            {"damcha_mask": "4d", "damcha_kv_cache": "True", "damcha_vocab_size": "11"},
+        ),
+    ],
+    ids=[
+        "layer-padding-weights-f16",
+        "layer-cross-4d",
+        "layer-decode-step",
+        "encoder-padding-weights",
+        "token-decode-4d",
+    ],
+)
+def test_every_input_and_output_is_described_and_the_export_options_are_in_the_metadata(tmp_path, make, props):
+    import onnxruntime as ort
+
+    path = make(tmp_path)
+    model = onnx.load(path)
+    for value in [*model.graph.input, *model.graph.output]:
+        assert value.doc_string.strip(), f"{value.name} has no doc_string"
+    for value in model.graph.input:
+        if value.name.startswith("past_"):
+            suffix = (
+                value.name[len("past_key") :] if value.name.startswith("past_key") else value.name[len("past_value") :]
+            )
+            kind = "key" if value.name.startswith("past_key") else "value"
+            present = next(v for v in model.graph.output if v.name == f"present_{kind}{suffix}")
+            assert value.name in present.doc_string  # says which input it feeds at the next step
+    # read by an independent consumer: onnxruntime's model metadata
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    metadata = session.get_modelmeta().custom_metadata_map
+    assert {k: metadata.get(k) for k in props} == props
