@@ -41,19 +41,26 @@ def _check_float32(m: onnx.ModelProto) -> None:
 
 
 def _quantizer_input(model: onnx.ModelProto | str | os.PathLike) -> onnx.ModelProto:
-    """The float32 model to quantise, weights in memory (read from beside a path)."""
-    m = as_model(model)
-    check_weights_inline(m)
+    """The float32 model to quantise, checked: a ModelProto as given (weights
+    in memory), or a path's graph and declarations only (its weights stay in
+    the file, which onnxruntime's quantiser reads itself)."""
+    m = as_model(model, load_weights=False)
+    if isinstance(model, onnx.ModelProto):
+        check_weights_inline(m)
     _check_float32(m)
     return m
 
 
-def _stage(m: onnx.ModelProto, directory: str) -> tuple[str, bool]:
-    """``m`` written to ``directory`` for onnxruntime's quantiser: (its path,
-    whether it uses external data). A model over protobuf's 2 GiB limit, which
-    ``export`` saves with external data, cannot be written as one file
-    (``onnx.save_model`` raises a raw ``EncodeError``): it is written with its
-    weights beside it, and the quantiser is told to do the same."""
+def _stage(model: onnx.ModelProto | str | os.PathLike, m: onnx.ModelProto, directory: str) -> tuple[str, bool]:
+    """The float32 model as a file for onnxruntime's quantiser: (its path,
+    whether it uses external data). A path is used as it is (loading it here
+    would hold its weights beside the quantiser's own copies). An in-memory
+    model is written to ``directory``; one over protobuf's 2 GiB limit, which
+    cannot be written as one file (``onnx.save_model`` raises a raw
+    ``EncodeError``), with its weights beside it, and the quantiser is told to
+    do the same."""
+    if not isinstance(model, onnx.ModelProto):
+        return os.fspath(model), any(t.data_location == onnx.TensorProto.EXTERNAL for t in m.graph.initializer)
     if is_large(m):
         return write_staged(m, directory, "model.onnx"), True
     src = os.path.join(directory, "model.onnx")
@@ -79,7 +86,7 @@ def quantize_int8(model: onnx.ModelProto | str | os.PathLike, path: str | os.Pat
     path = check_path(path)
     m = _quantizer_input(model)
     with tempfile.TemporaryDirectory() as tmp:
-        src, large = _stage(m, tmp)
+        src, large = _stage(model, m, tmp)
         dst = os.path.join(tmp, "model.int8.onnx")
         with _quiet_pre_processing_hint():
             quantize_dynamic(
@@ -230,7 +237,7 @@ def quantize_static_int8(
     }
     weighted = weight_matmuls(m)
     with tempfile.TemporaryDirectory() as tmp:
-        src, large = _stage(m, tmp)
+        src, large = _stage(model, m, tmp)
         dst = os.path.join(tmp, "model.qdq.onnx")
         # The calibrator prints progress on stdout; the pre-processing hint is dropped (see below).
         with contextlib.redirect_stdout(io.StringIO()), _quiet_pre_processing_hint():
