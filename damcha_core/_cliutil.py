@@ -326,10 +326,10 @@ def require(module: str, extra: str | None = None, flag: str = "", *, prog: str 
         usage_error(flag, f"needs {module}{what}, which is not installed: {install_hint(module, extra)}", prog=prog)
 
 
-def _file_mode(target: Path) -> int:
-    """Mode for a new output file: the existing file's, else what the umask gives."""
+def file_mode(target: str | os.PathLike[str]) -> int:
+    """Mode for an output file: the existing file's (a replaced file keeps its permissions), else what the umask gives."""
     try:
-        return target.stat().st_mode & 0o7777
+        return os.stat(target).st_mode & 0o7777
     except FileNotFoundError:
         umask = os.umask(0)
         os.umask(umask)
@@ -395,6 +395,30 @@ _TEMP_NAME_BYTES = 200
 
 
 @contextlib.contextmanager
+def _replacing(path: str | os.PathLike[str]) -> Iterator[tuple[int, str]]:
+    """(descriptor, name) of a new temporary file beside ``path`` (created
+    exclusively by ``mkstemp``); on a clean exit it is synced and renamed over
+    ``path``, on an exception removed. The rules of ``atomic_write``."""
+    target = Path(path)
+    if target.is_symlink():  # replacing the link itself would silently cut it from its file
+        target = Path(os.path.realpath(target))
+    if target.exists() and read_only(target):
+        raise PermissionError(f"{str(target)!r} is read-only; not replacing it")
+    folder = target.parent if str(target.parent) else Path(".")
+    fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(target), suffix=".tmp", dir=folder)
+    try:
+        yield fd, tmp
+        fsync_file(tmp)
+        os.chmod(tmp, file_mode(target))
+        os.replace(tmp, target)
+        fsync_dir(folder)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+@contextlib.contextmanager
 def atomic_file(path: str | os.PathLike[str]) -> Iterator[str]:
     """Yield the path of a new, empty temporary file next to ``path``, for a
     writer that takes a file name (``safetensors``' ``save_file`` streams the
@@ -403,24 +427,9 @@ def atomic_file(path: str | os.PathLike[str]) -> Iterator[str]:
     ``atomic_write``, with the same rules (read-only refused, permissions,
     syncing, symbolic links written through); on an exception it is removed.
     """
-    target = Path(path)
-    if target.is_symlink():  # replacing the link itself would silently cut it from its file
-        target = Path(os.path.realpath(target))
-    if target.exists() and read_only(target):
-        raise PermissionError(f"{str(target)!r} is read-only; not replacing it")
-    folder = target.parent if str(target.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(target), suffix=".tmp", dir=folder)
-    os.close(fd)
-    try:
+    with _replacing(path) as (fd, tmp):
+        os.close(fd)
         yield tmp
-        fsync_file(tmp)
-        os.chmod(tmp, _file_mode(target))
-        os.replace(tmp, target)
-        fsync_dir(folder)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
 
 
 @contextlib.contextmanager
@@ -435,7 +444,8 @@ def atomic_write(path: str | os.PathLike[str], mode: str = "w", encoding: str | 
     is a symbolic link is written through, as ``open(path, "w")`` would: the
     file it points to is replaced and the link stays.
     """
-    with atomic_file(path) as tmp, open(tmp, mode, encoding=None if "b" in mode else encoding) as f:
+    # Written through the descriptor mkstemp created exclusively, never reopened by name.
+    with _replacing(path) as (fd, _), os.fdopen(fd, mode, encoding=None if "b" in mode else encoding) as f:
         yield f
 
 
@@ -478,7 +488,7 @@ def atomic_dir(path: str | os.PathLike[str]) -> Iterator[Path]:
         _check_moves(target, folders, [dest for _, dest in moves])
         created = not target.exists()
         for src, dest in moves:
-            os.chmod(src, _file_mode(dest))
+            os.chmod(src, file_mode(dest))
             fsync_file(src)  # the slow part, before any folder is made: an interrupt here leaves no trace
         made = [folder for folder in folders if not folder.exists()]
         try:

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from ._cliutil import atomic_file, read_only
+from ._cliutil import atomic_file, read_only, writable_dir
 from ._config import DamchaConfig
 from ._errors import DamchaError, DamchaTypeError, DamchaValueError, describe, invalid_argument
 from ._params import as_numpy, check_params_finite
@@ -211,6 +211,16 @@ def _check_target(target: Path) -> None:
                 "path", "a path that is not a read-only file (it is not replaced)", f"path={str(target)!r}"
             )
         )
+    if target.is_symlink():  # the file is written through the link: where it points must take a file
+        real = Path(os.path.realpath(target)).parent
+        if not (real.is_dir() and writable_dir(real)):
+            raise DamchaValueError(
+                invalid_argument(
+                    "path",
+                    "a symbolic link into an existing, writable folder (the file is written through it)",
+                    f"path={str(target)!r} (it points into {str(real)!r}, where no file can be created)",
+                )
+            )
 
 
 def _unreadable(path: Path, what: str) -> DamchaValueError:

@@ -191,16 +191,22 @@ def validate_params(
     return _checked_params(params, config, argument, keep=True)
 
 
-def check_params_finite(params: Mapping[str, Any], config: DamchaConfig, *, argument: str = "params") -> None:
+def check_params_finite(
+    params: Mapping[str, Any], config: DamchaConfig, *, argument: str = "params"
+) -> dict[str, np.ndarray]:
     """``validate_params``' checks without its float64 copies, for callers that
-    only refuse bad params (saving, loading): a float64 copy of every tensor at
-    once is twice a float32 layer's memory, here one tensor's at a time."""
-    _checked_params(params, config, argument, keep=False)
+    only refuse bad params (saving, loading) or cast them themselves (the ONNX
+    exporter): a float64 copy of every tensor at once is twice a float32
+    layer's memory, here one tensor's at a time. Returns each value as the
+    NumPy array that was checked, in its own dtype (no copy of a NumPy array),
+    so a caller never reads a value twice."""
+    return _checked_params(params, config, argument, keep=False)
 
 
 def _checked_params(
     params: Mapping[str, Any], config: DamchaConfig, argument: str, *, keep: bool
 ) -> dict[str, np.ndarray]:
+    """The checks of ``validate_params``; returns float64 copies (``keep``) or the checked arrays as they are."""
     if isinstance(params, Mapping):
         # One read per value: a mapping that answers a second read differently
         # (lazy or mutating) must not get a value past the checks below.
@@ -208,7 +214,8 @@ def _checked_params(
     check_params(params, config, argument=argument)
     out: dict[str, np.ndarray] = {}
     for name in config.param_shapes():
-        array = as_numpy(params[name], f"{argument}[{name!r}]").astype(np.float64)
+        native = as_numpy(params[name], f"{argument}[{name!r}]")
+        array = native.astype(np.float64)
         finite = np.isfinite(array)
         if not np.all(finite):
             raise DamchaValueError(
@@ -219,8 +226,7 @@ def _checked_params(
                     f"entries, shape={array.shape}",
                 )
             )
-        if keep:
-            out[name] = array
+        out[name] = array if keep else native
     return out
 
 

@@ -357,6 +357,8 @@ def _main(argv: list[str] | None) -> int:
             (n for n in os.listdir(staging) if os.path.isfile(os.path.join(staging, n))),
             key=lambda n: n == os.path.basename(out),
         )  # the data file first
+        for n in written:  # a replaced file keeps its permissions, as the library's writers keep them
+            os.chmod(os.path.join(staging, n), cu.file_mode(os.path.join(os.path.dirname(out), n)))
         cu.replace_synced([(os.path.join(staging, n), os.path.join(os.path.dirname(out), n)) for n in written])
         if data_file_name(out) not in written:
             remove_stale_data(out)

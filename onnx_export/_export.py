@@ -79,12 +79,16 @@ def mask_value_info(options: ExportOptions, heads: int) -> onnx.ValueInfoProto:
     """The boolean ``mask`` input, True = may attend: (B|1, H|1, N|1, M), or
     (B, M) for ``mask="padding"``."""
     B, N, M = options.batch_dim, options.query_dim, options.key_dim
+    keys = "past_len + query_len" if options.kv_cache else "key_len"  # a decode step's keys: the cache's and its own
     if options.mask == "padding":
         dims = [B, M]
-        doc = "True = a real key token, False = padding (batch, key_len), as a tokenizer's attention mask"
+        doc = f"True = a real key token, False = padding (batch, {keys}), as a tokenizer's attention mask"
+    elif options.dynamic:
+        dims = ["mask_batch", "mask_heads", "mask_query", M]
+        doc = f"True = may attend (batch|1, heads|1, query_len|1, {keys}), broadcast over the dims of size 1"
     else:
-        dims = ["mask_batch", "mask_heads", "mask_query", M] if options.dynamic else [B, heads, N, M]
-        doc = "True = may attend (batch|1, heads|1, query_len|1, key_len), broadcast over the dims of size 1"
+        dims = [B, heads, N, M]
+        doc = f"True = may attend (batch, heads, query_len, {keys})"
     doc += "; a query that sees no key gets zero attention values"
     return helper.make_tensor_value_info(MASK, TensorProto.BOOL, dims, doc_string=doc)
 

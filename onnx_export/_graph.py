@@ -27,7 +27,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import damcha_core as dc
 from damcha_core import DamchaConfig, DamchaValueError
-from damcha_core._params import as_numpy, check_params_finite
+from damcha_core._params import check_params_finite
 
 #: First opset with the standard ``Attention`` operator.
 ATTENTION_OPSET = 23
@@ -321,12 +321,13 @@ def _fold(p: Mapping[str, np.ndarray], config: DamchaConfig, *, fold_gate: bool)
 
 def checked_arrays(params: Mapping[str, Any], config: DamchaConfig) -> dict[str, np.ndarray]:
     """``validate_params``' checks (names, shapes, dtypes, finiteness), returning
-    the caller's values as NumPy arrays in their own dtypes: no float64 copy of
-    every weight at once (``_fold`` makes the few it multiplies)."""
-    if isinstance(params, Mapping):
-        params = dict(params)  # one read per value, as validate_params
-    check_params_finite(params, config)
-    return {name: as_numpy(params[name], f"params[{name!r}]") for name in config.param_shapes()}
+    the caller's values, each read once, as NumPy arrays in their own dtypes: no
+    float64 copy of every weight at once (``_fold`` makes the few it
+    multiplies). A dtype wider than float64 (``np.longdouble``) is rounded to
+    float64 here, as ``validate_params`` does, so every weight is cast to the
+    graph dtype from the same float64 value as before."""
+    arrays = check_params_finite(params, config)
+    return {n: a.astype(np.float64) if a.dtype.itemsize > 8 else a for n, a in arrays.items()}
 
 
 def _gen_weight(g: GraphBuilder, f: Mapping[str, np.ndarray], key: str, shared: str | None, prefix: str) -> str:

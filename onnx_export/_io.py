@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 
 from damcha_core import DamchaTypeError, DamchaValueError, describe, invalid_argument
-from damcha_core._cliutil import atomic_write, read_only, replace_synced, writable_dir
+from damcha_core._cliutil import atomic_write, file_mode, read_only, replace_synced, writable_dir
 
 #: protobuf refuses to serialise (or even size) one message of 2 GiB or more:
 #: ``onnx.save_model`` raises a raw EncodeError there.
@@ -74,6 +74,16 @@ def check_path(path: Any, name: str = "path") -> str | None:
                 name, "a path in a writable directory", f"{name}={path!r} (no file can be created in {parent!r})"
             )
         )
+    if os.path.islink(path):  # a one-file model is written through the link: where it points must take a file
+        real = os.path.dirname(os.path.realpath(path))
+        if not (os.path.isdir(real) and writable_dir(real)):
+            raise DamchaValueError(
+                invalid_argument(
+                    name,
+                    "a symbolic link into an existing, writable directory (the model is written through it)",
+                    f"{name}={path!r} (it points into {real!r}, where no file can be created)",
+                )
+            )
     return path
 
 
@@ -112,21 +122,6 @@ def needs_external_data(nbytes: int, external_data: bool | None) -> bool:
 def data_file_name(path: str) -> str:
     """The external data file of ``path``: ``<file name>.data`` beside it."""
     return os.path.basename(path) + ".data"
-
-
-def _umask_mode() -> int:
-    # Files get the user's umask, as open() would give them (tempfile uses 0600).
-    mask = os.umask(0)
-    os.umask(mask)
-    return 0o666 & ~mask
-
-
-def _file_mode(path: str) -> int:
-    """A replaced file keeps its permissions (as atomic_write does); a new one gets the umask's."""
-    try:
-        return os.stat(path).st_mode & 0o7777
-    except FileNotFoundError:
-        return _umask_mode()
 
 
 @contextlib.contextmanager
@@ -184,7 +179,7 @@ def save_validated(model: onnx.ModelProto, path: str, arrays: Sequence[np.ndarra
         path = os.path.realpath(path)
     directory = os.path.dirname(os.path.abspath(path))
     names = [os.path.basename(path)] + ([] if arrays is None else [data_file_name(path)])
-    modes = [_file_mode(os.path.join(directory, name)) for name in names]
+    modes = [file_mode(os.path.join(directory, name)) for name in names]
     with _staging(path) as tmp:
         staged = [os.path.join(tmp, n) for n in names]
         onnx.save_model(model, staged[0])
@@ -212,13 +207,14 @@ def save_model(model: onnx.ModelProto, path: str | os.PathLike[str], *, external
     assert target is not None  # None only for path=None, which the annotation excludes
     if not needs_external_data(model_size(model), external_data):
         # One file: the core's atomic writer (a temporary file beside it, then one rename).
+        if os.path.islink(target):  # written through, as atomic_write does: the stale data file is the file's
+            target = os.path.realpath(target)
         with atomic_write(target, "wb") as f:
             f.write(model.SerializeToString())
         remove_stale_data(target)
         return [target]
     directory = os.path.dirname(os.path.abspath(target))
     names = [os.path.basename(target), data_file_name(target)]
-    mode = _umask_mode()
     with _staging(target) as tmp:
         # save_as_external_data rewrites the tensors of the proto it is given:
         # save a copy, so the caller's model keeps its weights in memory.
@@ -235,7 +231,7 @@ def save_model(model: onnx.ModelProto, path: str | os.PathLike[str], *, external
         )
         staged = [n for n in names if os.path.exists(os.path.join(tmp, n))]
         for name in staged:
-            os.chmod(os.path.join(tmp, name), mode)
+            os.chmod(os.path.join(tmp, name), file_mode(os.path.join(directory, name)))
         replace_synced([(os.path.join(tmp, name), os.path.join(directory, name)) for name in reversed(staged)])
     return [os.path.join(directory, n) for n in staged]
 

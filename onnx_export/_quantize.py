@@ -7,6 +7,7 @@ import contextlib
 import io
 import logging
 import os
+import shutil
 import tempfile
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -53,19 +54,60 @@ def _quantizer_input(model: onnx.ModelProto | str | os.PathLike) -> onnx.ModelPr
 
 def _stage(model: onnx.ModelProto | str | os.PathLike, m: onnx.ModelProto, directory: str) -> tuple[str, bool]:
     """The float32 model as a file for onnxruntime's quantiser: (its path,
-    whether it uses external data). A path is used as it is (loading it here
-    would hold its weights beside the quantiser's own copies). An in-memory
+    whether it uses external data). A path is read by the quantiser through
+    symbolic links in ``directory`` (loading it here would hold its weights
+    beside the quantiser's own copies; see ``_linked_into``). An in-memory
     model is written to ``directory``; one over protobuf's 2 GiB limit, which
     cannot be written as one file (``onnx.save_model`` raises a raw
     ``EncodeError``), with its weights beside it, and the quantiser is told to
     do the same."""
     if not isinstance(model, onnx.ModelProto):
-        return os.fspath(model), any(t.data_location == onnx.TensorProto.EXTERNAL for t in m.graph.initializer)
+        external = _linked_into(os.fspath(model), m, directory)
+        if external is not None:
+            return os.path.join(directory, "model.onnx"), external
+        m = as_model(model)  # no symbolic links here: the weights are staged as for an in-memory model
     if is_large(m):
         return write_staged(m, directory, "model.onnx"), True
     src = os.path.join(directory, "model.onnx")
     onnx.save_model(m, src)
     return src, False
+
+
+def _linked_into(path: str, m: onnx.ModelProto, directory: str) -> bool | None:
+    """A symbolic link in ``directory`` to the model file ``path`` (as
+    ``model.onnx``) and a copy of each external data file it names (onnx
+    refuses a data file that is a symbolic or hard link; the copy is made by
+    the OS, file to file, not through memory); returns whether it has any, or
+    ``None`` where the link cannot be made (an OS without symbolic links).
+    The quantiser reads the model there and writes its scratch copy
+    (``<stem>-inferred.onnx``) beside the link, not into the user's folder,
+    which may be read-only or hold a file of that name."""
+    source = os.path.dirname(os.path.abspath(path))
+    locations = sorted(
+        {
+            entry.value
+            for t in m.graph.initializer
+            if t.data_location == onnx.TensorProto.EXTERNAL
+            for entry in t.external_data
+            if entry.key == "location"
+        }
+    )
+    try:
+        os.symlink(os.path.abspath(path), os.path.join(directory, "model.onnx"))
+        for location in locations:  # relative to the model's folder (checked by onnx.checker when it was read)
+            link = os.path.join(directory, location)
+            os.makedirs(os.path.dirname(link), exist_ok=True)
+            shutil.copyfile(os.path.join(source, location), link)
+    except (OSError, NotImplementedError):  # a file system or OS without symbolic links
+        for entry in os.listdir(directory):
+            target = os.path.join(directory, entry)
+            if os.path.isdir(target) and not os.path.islink(target):
+                shutil.rmtree(target, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    os.remove(target)
+        return None
+    return bool(locations)
 
 
 def quantize_int8(model: onnx.ModelProto | str | os.PathLike, path: str | os.PathLike | None = None) -> onnx.ModelProto:

@@ -79,11 +79,17 @@ def as_model(model: Any, name: str = "model", *, load_weights: bool = True) -> o
         # A truncated file can still parse as a partial message: check it, from
         # the path, so external data files are looked up beside it. First: the
         # checker reads the file itself, best before a copy is held here.
-        onnx.checker.check_model(path)
+        try:
+            onnx.checker.check_model(path)
+        except Exception:
+            # A file protobuf cannot parse gets the parser's reason (the checker would
+            # report a missing ir_version); a model that parses, the checker's.
+            onnx.load(path, load_external_data=False)
+            raise
         proto = onnx.load(path, load_external_data=False)
         if not load_weights:
             proto = _declarations_only(proto)
-        if load_weights:
+        else:
             onnx.external_data_helper.load_external_data_for_model(proto, os.path.dirname(os.path.abspath(path)))
     except Exception as exc:
         raise _model_error(name, path, f"{type(exc).__name__}: {_first_line(exc)}") from exc

@@ -5,6 +5,7 @@ nothing and keeps an earlier good file; exit 0 only for a validated model."""
 from __future__ import annotations
 
 import json
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -175,6 +176,17 @@ def test_a_read_only_out_is_refused(params_file, tmp_path):
     out.chmod(0o444)
     assert "read-only" in one_line_usage_error(export("--params", params_file, "--out", str(out)), "--out")
     assert out.read_bytes() == b"old"
+
+
+def test_replaced_outputs_keep_their_permissions(params_file, tmp_path):
+    out = tmp_path / "m.onnx"
+    assert export("--params", params_file, "--out", str(out), "--quantize", "dynamic").returncode == 0
+    for name in ("m.onnx", "m.int8.onnx"):
+        (tmp_path / name).chmod(0o600)
+    proc = export("--params", params_file, "--out", str(out), "--quantize", "dynamic")
+    assert proc.returncode == 0, proc.stderr
+    for name in ("m.onnx", "m.int8.onnx"):
+        assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o600, name
 
 
 @pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs Linux's /proc")

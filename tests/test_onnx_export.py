@@ -484,3 +484,60 @@ def test_every_export_kind_at_the_opset_edges_under_every_ort_optimisation_level
                 np.testing.assert_allclose(again, outputs[level], rtol=1e-5, atol=1e-6, err_msg=f"{name} {level}")
         for level in ORT_LEVELS[1:]:  # fusions may reorder float32 sums, nothing more
             np.testing.assert_allclose(outputs[level], outputs["ORT_DISABLE_ALL"], rtol=1e-4, atol=1e-5)
+
+
+def _initialisers(model: onnx.ModelProto) -> dict[str, tuple[str, bytes]]:
+    return {t.name: (str(onnx.numpy_helper.to_array(t).dtype), t.raw_data) for t in model.graph.initializer}
+
+
+@pytest.mark.parametrize("graph_dtype", ["float64", "float32", "float16"])
+@pytest.mark.parametrize(
+    "param_dtype", ["float64", "float32", "float16", ">f4", "bfloat16", "longdouble", "fortran-float32"]
+)
+@pytest.mark.parametrize("metric", ["heads", "lowrank"])
+def test_weights_cast_from_the_callers_dtype_equal_those_cast_from_float64(metric, param_dtype, graph_dtype):
+    # The exporter casts the weights it does not fold straight from the caller's arrays (no float64
+    # copy of the layer); the graph must hold the very bytes that casting validate_params' float64
+    # copies gives.
+    import ml_dtypes
+
+    config = dc.DamchaConfig(
+        query_dim=8, num_heads=2, key_dim=4, metric=metric, metric_rank=2 if metric == "lowrank" else None
+    )
+    rng = np.random.default_rng(3)
+    base = {k: v + 0.37 * rng.standard_normal(v.shape) for k, v in dc.init_params(config, 2).items()}
+    if param_dtype == "fortran-float32":
+        params = {k: np.asfortranarray(v.astype(np.float32)) for k, v in base.items()}
+    elif param_dtype == "bfloat16":
+        params = {k: v.astype(ml_dtypes.bfloat16) for k, v in base.items()}
+    elif param_dtype == "longdouble":
+        # Past float64's precision, just above a float32 tie: cast straight to float32 such a value
+        # rounds up, through float64 (where it is the tie) to even; it must be rounded as validate_params does.
+        params = {}
+        for k, v in base.items():
+            v32 = v.astype(np.float32).astype(np.longdouble)
+            half = np.spacing(np.abs(v.astype(np.float32))).astype(np.longdouble) / 2
+            params[k] = v32 + half + half * np.longdouble(2.0) ** -30
+    else:
+        params = {k: v.astype(param_dtype) for k, v in base.items()}
+    direct = do.build_model(params, config, dtype=graph_dtype)
+    via_float64 = do.build_model(dc.validate_params(params, config), config, dtype=graph_dtype)
+    assert _initialisers(direct) == _initialisers(via_float64)
+
+
+def test_a_value_is_read_once_by_the_exporter():
+    # A lazy array that answers a second read differently must not get past the finiteness check.
+    class Lazy:
+        def __init__(self, value):
+            self.value, self.reads, self.shape, self.dtype = value, 0, value.shape, value.dtype
+
+        def __array__(self, dtype=None, copy=None):
+            self.reads += 1
+            out = self.value if self.reads == 1 else np.full_like(self.value, np.nan)
+            return out if dtype is None else out.astype(dtype)
+
+    config = dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4)
+    params = dc.init_params(config, 1)
+    params["key.kernel"] = Lazy(params["key.kernel"])
+    model = do.build_model(params, config, dtype="float64")
+    assert all(np.isfinite(onnx.numpy_helper.to_array(t)).all() for t in model.graph.initializer)

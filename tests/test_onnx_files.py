@@ -373,6 +373,18 @@ def test_a_replaced_model_keeps_its_permissions_and_a_link_is_written_through(tm
     _check_matches(real, _params(3))
 
 
+def test_a_link_into_a_missing_folder_is_refused_before_any_work(tmp_path):
+    link = tmp_path / "current.onnx"
+    link.symlink_to(tmp_path / "gone" / "layer.onnx")
+    with pytest.raises(dc.DamchaValueError, match=r"a symbolic link into an existing, writable directory.*gone"):
+        do.export(_params(), CONFIG, link, causal=True)
+    params_link = tmp_path / "current.safetensors"
+    params_link.symlink_to(tmp_path / "gone" / "p.safetensors")
+    with pytest.raises(dc.DamchaValueError, match=r"a symbolic link into an existing, writable folder.*gone"):
+        dc.save_params(params_link, dc.init_params(CONFIG), CONFIG)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["current.onnx", "current.safetensors"]
+
+
 # ----------------------------------------------------------- unreadable files
 
 

@@ -333,3 +333,29 @@ def test_quantisers_drop_only_the_pre_processing_hint_and_restore_root_logging(m
         assert root.handlers == user_handlers and root.filters == filters and root.manager.disable == disabled
         if user_handlers:
             assert records == ["another warning", "another warning"], records
+
+
+@pytest.mark.parametrize("external_data", [False, True], ids=["one-file", "external-data"])
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_quantising_a_path_leaves_its_folder_as_it_was(tmp_path, kind, external_data):
+    # onnxruntime's quantiser writes a scratch "<stem>-inferred.onnx" beside the model it reads and
+    # removes it: given the user's file directly it overwrote and deleted a file of that name there,
+    # and failed in a read-only folder. It reads the model through links in a folder of its own.
+    config = dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4)
+    folder = tmp_path / "models"
+    folder.mkdir()
+    path = folder / "m.onnx"
+    do.export(
+        _open_gates(dc.init_params(config, 3), np.random.default_rng(3)), config, path, external_data=external_data
+    )
+    (folder / "m-inferred.onnx").write_text("the user's own file")
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    x = np.random.default_rng(4).normal(size=(2, 5, 8)).astype(np.float32)
+    out = tmp_path / "m.int8.onnx"
+    if kind == "dynamic":
+        do.quantize_int8(path, out)
+    else:
+        do.quantize_static_int8(path, [{"query": x}], out)
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    errors = do.quantization_error(str(path), str(out), {"query": x})
+    assert errors["rel_rms_vs_float32"] < 0.1, errors
