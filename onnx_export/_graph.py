@@ -319,9 +319,10 @@ def _fold(p: Mapping[str, np.ndarray], config: DamchaConfig, *, fold_gate: bool)
     return out
 
 
-def checked_arrays(params: Mapping[str, Any], config: DamchaConfig) -> dict[str, np.ndarray]:
-    """``validate_params``' checks (names, shapes, dtypes, finiteness), returning
-    the caller's values, each read once, as NumPy arrays in their own dtypes: no
+def checked_arrays(params: Mapping[str, Any], config: Any) -> dict[str, np.ndarray]:
+    """``validate_params``' checks (names, shapes, dtypes, finiteness) against
+    ``config`` (a ``DamchaConfig`` or a stack's config), returning the caller's
+    values, each read once, as NumPy arrays in their own dtypes: no
     float64 copy of every weight at once (``_fold`` makes the few it
     multiplies). A dtype wider than float64 (``np.longdouble``) is rounded to
     float64 here, as ``validate_params`` does, so every weight is cast to the

@@ -43,7 +43,7 @@ from ._export import (
     option_props,
     weights_value_info,
 )
-from ._graph import ATTENTION_OPSET, GraphBuilder, attention_layer
+from ._graph import ATTENTION_OPSET, GraphBuilder, attention_layer, checked_arrays
 from ._io import check_path
 from ._options import ExportOptions
 
@@ -226,7 +226,7 @@ def _stack_model(kind: str, params: Mapping[str, Any], config: Any, o: ExportOpt
                 f"query_len={N}",
             )
         )
-    p = validate_stack_params(params, config)
+    p = checked_arrays(params, config)  # no float64 copy of the stack (see checked_arrays)
     g = GraphBuilder(o.dtype_name, o.opset)
     inputs = []
     if kind == "encoder":

@@ -541,3 +541,21 @@ def test_a_value_is_read_once_by_the_exporter():
     params["key.kernel"] = Lazy(params["key.kernel"])
     model = do.build_model(params, config, dtype="float64")
     assert all(np.isfinite(onnx.numpy_helper.to_array(t)).all() for t in model.graph.initializer)
+
+
+@pytest.mark.parametrize("kind", ["encoder", "token_model"])
+def test_stack_weights_cast_from_float32_equal_those_cast_from_float64(kind):
+    attn = dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4, metric="lowrank", metric_rank=2)
+    encoder = do.EncoderConfig(attn, num_layers=2, ffn_dim=12, share_metric=True)
+    rng = np.random.default_rng(8)
+    if kind == "encoder":
+        config, base = encoder, do.init_encoder_params(encoder, 3)
+        build = do.export_encoder
+    else:
+        config = do.TokenModelConfig(encoder, vocab_size=11, max_len=9, num_classes=3)
+        base, build = do.init_token_model_params(config, 3), do.export_token_model
+    params = {k: (v + 0.37 * rng.standard_normal(v.shape)).astype(np.float32) for k, v in base.items()}
+    for dtype in ("float64", "float32", "float16"):
+        direct = build(params, config, None, dtype=dtype)
+        via_float64 = build(dc.validate_stack_params(params, config), config, None, dtype=dtype)
+        assert _initialisers(direct) == _initialisers(via_float64), dtype
