@@ -212,6 +212,16 @@ def _check_target(target: Path) -> None:
             )
         )
     if target.is_symlink():  # the file is written through the link: where it points must take a file
+        try:
+            os.path.realpath(target, strict=True)
+        except FileNotFoundError:  # a dangling link: its file is created
+            pass
+        except OSError as exc:  # a loop of links
+            raise DamchaValueError(
+                invalid_argument(
+                    "path", "a path that resolves to a file", f"path={str(target)!r} ({exc.strerror or exc})"
+                )
+            ) from None
         real = Path(os.path.realpath(target)).parent
         if not (real.is_dir() and writable_dir(real)):
             raise DamchaValueError(

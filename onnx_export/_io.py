@@ -75,6 +75,14 @@ def check_path(path: Any, name: str = "path") -> str | None:
             )
         )
     if os.path.islink(path):  # a one-file model is written through the link: where it points must take a file
+        try:
+            os.path.realpath(path, strict=True)
+        except FileNotFoundError:  # a dangling link: its file is created
+            pass
+        except OSError as exc:  # a loop of links
+            raise DamchaValueError(
+                invalid_argument(name, "a path that resolves to a file", f"{name}={path!r} ({exc.strerror or exc})")
+            ) from None
         real = os.path.dirname(os.path.realpath(path))
         if not (os.path.isdir(real) and writable_dir(real)):
             raise DamchaValueError(

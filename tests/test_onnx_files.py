@@ -378,6 +378,16 @@ def test_a_link_into_a_missing_folder_is_refused_before_any_work(tmp_path):
     link.symlink_to(tmp_path / "gone" / "layer.onnx")
     with pytest.raises(dc.DamchaValueError, match=r"a symbolic link into an existing, writable directory.*gone"):
         do.export(_params(), CONFIG, link, causal=True)
+    (tmp_path / "a.onnx").symlink_to(tmp_path / "b.onnx")
+    (tmp_path / "b.onnx").symlink_to(tmp_path / "a.onnx")
+    with pytest.raises(dc.DamchaValueError, match=r"a path that resolves to a file.*Too many levels of symbolic links"):
+        do.export(_params(), CONFIG, tmp_path / "a.onnx", causal=True)
+    (tmp_path / "p").symlink_to(tmp_path / "q")
+    (tmp_path / "q").symlink_to(tmp_path / "p")
+    with pytest.raises(dc.DamchaValueError, match=r"a path that resolves to a file.*Too many levels of symbolic links"):
+        dc.save_params(tmp_path / "p", dc.init_params(CONFIG), CONFIG)
+    for name in ("a.onnx", "b.onnx", "p", "q"):
+        (tmp_path / name).unlink()
     params_link = tmp_path / "current.safetensors"
     params_link.symlink_to(tmp_path / "gone" / "p.safetensors")
     with pytest.raises(dc.DamchaValueError, match=r"a symbolic link into an existing, writable folder.*gone"):
