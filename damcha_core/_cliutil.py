@@ -394,6 +394,30 @@ def _temp_prefix(target: Path) -> str:
 _TEMP_NAME_BYTES = 200
 
 
+def link_target_problem(path: str | os.PathLike[str]) -> tuple[str, str] | None:
+    """For a ``path`` that is a symbolic link, which the atomic writers write
+    through: ``(what was expected, what is wrong)`` when its file cannot be
+    written (a loop of links; a target folder that is missing or takes no
+    file), so that callers refuse it by name before any work. ``None`` when it
+    can be, and for a path that is not a link (a dangling link is fine: its
+    file is created)."""
+    if not os.path.islink(path):
+        return None
+    try:
+        os.path.realpath(path, strict=True)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:  # a loop of links
+        return "a path that resolves to a file", str(exc.strerror or exc)
+    real = os.path.dirname(os.path.realpath(path))
+    if not (os.path.isdir(real) and writable_dir(real)):
+        return (
+            "a symbolic link into an existing, writable folder (the file is written through it)",
+            f"it points into {real!r}, where no file can be created",
+        )
+    return None
+
+
 @contextlib.contextmanager
 def _replacing(path: str | os.PathLike[str]) -> Iterator[tuple[int, str]]:
     """(descriptor, name) of a new temporary file beside ``path`` (created

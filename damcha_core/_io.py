@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from ._cliutil import atomic_file, read_only, writable_dir
+from ._cliutil import atomic_file, link_target_problem, read_only
 from ._config import DamchaConfig
 from ._errors import DamchaError, DamchaTypeError, DamchaValueError, describe, invalid_argument
 from ._params import as_numpy, check_params_finite
@@ -211,26 +211,9 @@ def _check_target(target: Path) -> None:
                 "path", "a path that is not a read-only file (it is not replaced)", f"path={str(target)!r}"
             )
         )
-    if target.is_symlink():  # the file is written through the link: where it points must take a file
-        try:
-            os.path.realpath(target, strict=True)
-        except FileNotFoundError:  # a dangling link: its file is created
-            pass
-        except OSError as exc:  # a loop of links
-            raise DamchaValueError(
-                invalid_argument(
-                    "path", "a path that resolves to a file", f"path={str(target)!r} ({exc.strerror or exc})"
-                )
-            ) from None
-        real = Path(os.path.realpath(target)).parent
-        if not (real.is_dir() and writable_dir(real)):
-            raise DamchaValueError(
-                invalid_argument(
-                    "path",
-                    "a symbolic link into an existing, writable folder (the file is written through it)",
-                    f"path={str(target)!r} (it points into {str(real)!r}, where no file can be created)",
-                )
-            )
+    problem = link_target_problem(target)
+    if problem is not None:
+        raise DamchaValueError(invalid_argument("path", problem[0], f"path={str(target)!r} ({problem[1]})"))
 
 
 def _unreadable(path: Path, what: str) -> DamchaValueError:

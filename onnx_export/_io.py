@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 
 from damcha_core import DamchaTypeError, DamchaValueError, describe, invalid_argument
-from damcha_core._cliutil import atomic_write, file_mode, read_only, replace_synced, writable_dir
+from damcha_core._cliutil import atomic_write, file_mode, link_target_problem, read_only, replace_synced, writable_dir
 
 #: protobuf refuses to serialise (or even size) one message of 2 GiB or more:
 #: ``onnx.save_model`` raises a raw EncodeError there.
@@ -74,24 +74,9 @@ def check_path(path: Any, name: str = "path") -> str | None:
                 name, "a path in a writable directory", f"{name}={path!r} (no file can be created in {parent!r})"
             )
         )
-    if os.path.islink(path):  # a one-file model is written through the link: where it points must take a file
-        try:
-            os.path.realpath(path, strict=True)
-        except FileNotFoundError:  # a dangling link: its file is created
-            pass
-        except OSError as exc:  # a loop of links
-            raise DamchaValueError(
-                invalid_argument(name, "a path that resolves to a file", f"{name}={path!r} ({exc.strerror or exc})")
-            ) from None
-        real = os.path.dirname(os.path.realpath(path))
-        if not (os.path.isdir(real) and writable_dir(real)):
-            raise DamchaValueError(
-                invalid_argument(
-                    name,
-                    "a symbolic link into an existing, writable directory (the model is written through it)",
-                    f"{name}={path!r} (it points into {real!r}, where no file can be created)",
-                )
-            )
+    problem = link_target_problem(path)  # a one-file model is written through a link
+    if problem is not None:
+        raise DamchaValueError(invalid_argument(name, problem[0], f"{name}={path!r} ({problem[1]})"))
     return path
 
 

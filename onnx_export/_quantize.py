@@ -18,7 +18,7 @@ import onnx
 from damcha_core import DamchaTypeError, DamchaValueError, describe, invalid_argument
 
 from ._io import check_path, is_large, save_model, write_staged
-from ._runtime import as_model, check_weights_inline, describe_value, feeds_for, run_ort
+from ._runtime import as_model, check_weights_inline, describe_value, external_data_files, feeds_for, run_ort
 
 #: Activation/weight integer types of ``quantize_static``.
 QUANT_TYPES = ("int8", "uint8")
@@ -83,15 +83,7 @@ def _linked_into(path: str, m: onnx.ModelProto, directory: str) -> bool | None:
     (``<stem>-inferred.onnx``) beside the link, not into the user's folder,
     which may be read-only or hold a file of that name."""
     source = os.path.dirname(os.path.abspath(path))
-    locations = sorted(
-        {
-            entry.value
-            for t in m.graph.initializer
-            if t.data_location == onnx.TensorProto.EXTERNAL
-            for entry in t.external_data
-            if entry.key == "location"
-        }
-    )
+    locations = external_data_files(m)
     try:
         os.symlink(os.path.abspath(path), os.path.join(directory, "model.onnx"))
         for location in locations:  # relative to the model's folder (checked by onnx.checker when it was read)

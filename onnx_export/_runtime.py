@@ -108,6 +108,19 @@ def _declarations_only(model: onnx.ModelProto) -> onnx.ModelProto:
     return light
 
 
+def external_data_files(model: onnx.ModelProto) -> list[str]:
+    """The external data files ``model``'s initialisers name (relative to its ``.onnx`` file), sorted."""
+    return sorted(
+        {
+            entry.value
+            for t in model.graph.initializer
+            if t.data_location == onnx.TensorProto.EXTERNAL
+            for entry in t.external_data
+            if entry.key == "location"
+        }
+    )
+
+
 def check_weights_inline(model: onnx.ModelProto, name: str = "model") -> None:
     """Refuse an in-memory model whose weights refer to an external data file.
 
@@ -119,15 +132,7 @@ def check_weights_inline(model: onnx.ModelProto, name: str = "model") -> None:
     Raises:
         DamchaValueError: naming ``name``, and the data file the model refers to.
     """
-    files = sorted(
-        {
-            entry.value
-            for t in model.graph.initializer
-            if t.data_location == onnx.TensorProto.EXTERNAL
-            for entry in t.external_data
-            if entry.key == "location"
-        }
-    )
+    files = external_data_files(model)
     if files:
         raise DamchaValueError(
             invalid_argument(

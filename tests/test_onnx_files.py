@@ -376,7 +376,7 @@ def test_a_replaced_model_keeps_its_permissions_and_a_link_is_written_through(tm
 def test_a_link_into_a_missing_folder_is_refused_before_any_work(tmp_path):
     link = tmp_path / "current.onnx"
     link.symlink_to(tmp_path / "gone" / "layer.onnx")
-    with pytest.raises(dc.DamchaValueError, match=r"a symbolic link into an existing, writable directory.*gone"):
+    with pytest.raises(dc.DamchaValueError, match=r"a symbolic link into an existing, writable folder.*gone"):
         do.export(_params(), CONFIG, link, causal=True)
     (tmp_path / "a.onnx").symlink_to(tmp_path / "b.onnx")
     (tmp_path / "b.onnx").symlink_to(tmp_path / "a.onnx")
