@@ -110,7 +110,7 @@ def weights_value_info(onnx_dtype: int, options: ExportOptions, heads: int, suff
         [options.batch_dim, heads, options.query_dim, options.key_dim],
         doc_string="attention probabilities"
         + (f" of layer {suffix[1:]}" if suffix else "")
-        + " (batch, heads, query_len, key_len)",
+        + f" (batch, heads, query_len, {'past_len + query_len' if options.kv_cache else 'key_len'})",
     )
 
 

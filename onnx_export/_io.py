@@ -74,6 +74,15 @@ def check_path(path: Any, name: str = "path") -> str | None:
                 name, "a path in a writable directory", f"{name}={path!r} (no file can be created in {parent!r})"
             )
         )
+    data = os.path.join(parent, data_file_name(path))
+    if os.path.isfile(data) and read_only(data):  # an external-data export replaces it, a one-file export removes it
+        raise DamchaValueError(
+            invalid_argument(
+                name,
+                "a path whose data file is not read-only (an export replaces or removes <path>.data)",
+                f"{name}={path!r} ({data!r} is read-only)",
+            )
+        )
     problem = link_target_problem(path)  # a one-file model is written through a link
     if problem is not None:
         raise DamchaValueError(invalid_argument(name, problem[0], f"{name}={path!r} ({problem[1]})"))

@@ -395,6 +395,18 @@ def test_a_link_into_a_missing_folder_is_refused_before_any_work(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["current.onnx", "current.safetensors"]
 
 
+@pytest.mark.parametrize("external_data", [False, True], ids=["one-file", "external-data"])
+def test_a_read_only_data_file_beside_path_is_neither_replaced_nor_removed(tmp_path, external_data):
+    # A one-file export removes a stale <path>.data, an external-data export replaces it: a read-only
+    # one is refused by name before any work, as a read-only path is (damcha export refuses it too).
+    data = tmp_path / "layer.onnx.data"
+    data.write_bytes(b"old")
+    data.chmod(0o444)
+    with pytest.raises(dc.DamchaValueError, match=r"data file is not read-only.*layer\.onnx\.data' is read-only"):
+        do.export(_params(), CONFIG, tmp_path / "layer.onnx", causal=True, external_data=external_data)
+    assert data.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == ["layer.onnx.data"]
+
+
 # ----------------------------------------------------------- unreadable files
 
 
