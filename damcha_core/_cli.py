@@ -11,11 +11,14 @@ so none is left partial).
 from __future__ import annotations
 
 import importlib
+import signal
 import sys
+from typing import Any
 
 from ._cliutil import EXIT_USAGE, install_hint
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command stopped by Ctrl-C
+EXIT_TERMINATED = 143  # 128 + SIGTERM
 
 # subcommand -> (module, one-line help)
 SUBCOMMANDS = {
@@ -42,7 +45,7 @@ def _help() -> str:
     lines += [
         "",
         "'damcha COMMAND --help' describes a command's options.",
-        "Exit status: 0 ok, 1 a check failed (mismatch), 2 bad arguments.",
+        "Exit status: 0 ok, 1 a check failed (mismatch), 2 bad arguments, 130 interrupted, 143 terminated.",
     ]
     return "\n".join(lines)
 
@@ -71,12 +74,39 @@ def main(argv: list[str] | None = None) -> int:
         )
         return EXIT_USAGE
     # Ctrl-C while the subcommand's module imports (torch, onnx: seconds) is as
-    # much an interrupt as one while it runs: one line and 130 for both.
+    # much an interrupt as one while it runs: one line and 130 for both. SIGTERM
+    # (a job scheduler, `timeout`, `kill`) unwinds the same way, so that every
+    # command's cleanup runs (damcha export's staging folder, temporary files):
+    # one line and 143. Subcommands with their own handlers (conform's worker
+    # processes, experiment's checkpoints) install them over this one.
+    previous = _catch_sigterm()
     try:
         return _dispatch(argv[0], argv[1:])
     except KeyboardInterrupt:
         print(f"damcha {argv[0]}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except _Terminated:
+        print(f"damcha {argv[0]}: terminated", file=sys.stderr)
+        return EXIT_TERMINATED
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+class _Terminated(BaseException):
+    """SIGTERM, raised where the program is (a BaseException: ``except Exception`` lets it through)."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise _Terminated
+
+
+def _catch_sigterm() -> Any:
+    """Install the SIGTERM handler; returns the previous one (``None`` outside the main thread)."""
+    try:
+        return signal.signal(signal.SIGTERM, _raise_terminated)
+    except ValueError:  # not the main thread (main() called from a thread): leave signals alone
+        return None
 
 
 def _dispatch(command: str, args: list[str]) -> int:

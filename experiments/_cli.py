@@ -234,6 +234,14 @@ def _check_results_files(out: Path, name: str, preset: Any, device_type: Any) ->
     subset) replace (or merge into) them as before, and so is a file that records neither. A file
     that cannot be read, is not valid JSON or holds no object exits 2 too (``_read_json_dict``).
     """
+    # The files this command writes into --out (results, cost, plots): each must be replaceable
+    # (not read-only, not a folder) now, not after hours of training.
+    # (A folder still to be created holds nothing to replace; check_output_dir checked that it can be.)
+    suffixes = ("", "_cost", "_curves", "_final", "_lr", "_time", "_metric")
+    for suffix in suffixes if out.is_dir() else ():
+        cu.check_output_file(
+            out / f"{name}{suffix}{'.json' if suffix in ('', '_cost') else '.png'}", "--out", prog=PROG
+        )
     for path, remedy in ((out / f"{name}.json", _REDO_RESULTS), (out / f"{name}_cost.json", _REDO_COST)):
         obj = _read_json_dict(path, "--out", remedy)
         if obj is None:
@@ -504,6 +512,13 @@ def _report_main(argv: list[str]) -> int:
     if not folder.is_dir():
         _fail("FOLDER", f"is not a folder. Received: {args.folder!r}")
     out = cu.check_output_file(args.out if args.out else folder / "report.md", "--out", prog=PROG)
+    if out.suffix.lower() == ".json":  # the summary goes to <out>.json: it would replace the report itself
+        _fail(
+            "--out", f"names the report's markdown file; its JSON summary is written beside it. Received: {args.out!r}"
+        )
+    cu.check_output_file(out.with_suffix(".json"), "--out", prog=PROG)
+    if not args.no_plots:  # the time plots go into FOLDER
+        cu.check_output_dir(str(folder), "FOLDER", prog=PROG)
     if not args.no_plots:
         cu.require("matplotlib", prog=PROG, why="the plots; or pass --no-plots")
     from . import _analysis as an

@@ -242,9 +242,17 @@ def _validate(args: argparse.Namespace) -> tuple[dict[str, np.ndarray], dc.Damch
         cu.check_output_file(int8_path(args.out), "--quantize", prog=PROG)
     if args.ort_dir is not None:
         _check_ort_dir(args)
+    data = out.with_name(data_file_name(str(out)))
     if EXTERNAL_DATA[args.external_data] is not False:
         # The data file is an output too (read-only, a folder, a name the OS refuses: refused here).
-        cu.check_output_file(out.with_name(data_file_name(str(out))), "--out", prog=PROG)
+        cu.check_output_file(data, "--out", prog=PROG)
+    elif data.is_file() and cu.read_only(data):  # a one-file export removes a stale data file: not a read-only one
+        cu.usage_error(
+            "--out",
+            f"{str(data)!r} is read-only; an export without external data removes the stale data file of an "
+            "earlier one, and a read-only file is never replaced or removed",
+            prog=PROG,
+        )
     try:
         check_opset(args.opset)
     except dc.DamchaError as exc:

@@ -178,6 +178,54 @@ def test_a_read_only_out_is_refused(params_file, tmp_path):
     assert out.read_bytes() == b"old"
 
 
+def test_a_read_only_stale_data_file_is_refused_also_without_external_data(params_file, tmp_path):
+    # --external-data never removes the stale <out>.data of an earlier export: not a read-only one.
+    out = tmp_path / "m.onnx"
+    data = tmp_path / "m.onnx.data"
+    data.write_bytes(b"old")
+    data.chmod(0o444)
+    message = one_line_usage_error(
+        export("--params", params_file, "--out", str(out), "--external-data", "never"), "--out"
+    )
+    assert "read-only" in message and "m.onnx.data" in message
+    assert data.read_bytes() == b"old" and not out.exists()
+
+
+def test_sigterm_while_exporting_cleans_up_and_exits_143(tmp_path):
+    # A scheduler's or `timeout`'s SIGTERM unwinds like Ctrl-C: the staging folder beside --out is
+    # removed (it was left behind, holding the model), one line, 143.
+    import signal
+    import time
+
+    config = dc.DamchaConfig(query_dim=768, num_heads=8, key_dim=96)
+    params = tmp_path / "big.safetensors"
+    dc.save_params(params, dc.init_params(config, 2), config)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "damcha_core._cli",
+            "export",
+            "--params",
+            str(params),
+            "--out",
+            str(tmp_path / "m.onnx"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while not any(p.name.startswith(".damcha-export-") for p in tmp_path.iterdir()):
+        assert proc.poll() is None and time.monotonic() < deadline, "the export ended before it was signalled"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    assert err.strip().splitlines()[-1] == "damcha export: terminated", err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.safetensors"]
+
+
 def test_replaced_outputs_keep_their_permissions(params_file, tmp_path):
     out = tmp_path / "m.onnx"
     assert export("--params", params_file, "--out", str(out), "--quantize", "dynamic").returncode == 0

@@ -42,6 +42,15 @@ def workdir(tmp_path):
     (tmp_path / "noresults" / "crosshead.json").write_text(json.dumps(empty))
     (tmp_path / "garbage").mkdir()
     (tmp_path / "garbage" / "garbage.json").write_text("garbage")
+    # Outputs a command would replace after its work: read-only ones are refused before it.
+    for folder, name in (
+        ("ro_results", "crosshead.json"),
+        ("ro_plot", "crosshead_curves.png"),
+        ("ro_report", "report.json"),
+    ):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / name).write_text("{}" if name.endswith(".json") else "png")
+        (tmp_path / folder / name).chmod(0o444)
     return tmp_path
 
 
@@ -91,6 +100,11 @@ BAD = [
     (["report", "noresults"], "noresults/crosshead.json"),  # the results format, but no variant in it
     (["report", "garbage"], "garbage.json is not valid JSON"),  # the only file is named, not just "no results"
     (["report", "good", "--tolerance", "-1"], "--tolerance"),
+    # Outputs checked before any work (they failed after it, with a traceback and exit 1):
+    (["crosshead", "--preset", "smoke", "--no-plots", "--out", "ro_results"], "--out"),
+    (["crosshead", "--preset", "smoke", "--out", "ro_plot"], "--out"),
+    (["report", "ro_report"], "--out"),  # report.md would be written, then report.json refused
+    (["report", "good", "--out", "good/summary.json"], "--out"),  # the JSON summary would replace the report
     # An unknown option is named even with the task (or folder) missing: argparse checked
     # the required arguments first and said only "required: task".
     (["--bogus"], "unrecognized arguments: --bogus"),
