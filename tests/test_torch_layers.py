@@ -572,6 +572,24 @@ def test_decoder_stack_runs_causal_with_memory():
     assert dec.layers[0].self_attn.metric_generators["qk"] is not cross[0].metric_generators["q"]
 
 
+def test_replace_mha_converts_every_name_of_one_mha_in_one_parent():
+    # A module listed twice in one parent (ModuleList([mha] * k), two add_module names) appears once in
+    # named_children(): its second and later names were left as nn.MultiheadAttention, silently.
+    mha = nn.MultiheadAttention(8, 2, batch_first=True)
+    model = nn.Module()
+    model.blocks = nn.ModuleList([mha, mha, mha])
+    model.add_module("a", mha)
+    model.add_module("b", mha)
+    x = torch.randn(2, 5, 8)
+    before = mha(x, x, x, need_weights=False)[0]
+    replace_mha(model)
+    layer = model.a
+    assert isinstance(layer, DamchaAttention)
+    assert all(m is layer for m in [*model.blocks, model.b])  # still one shared module, under every name
+    assert not any(isinstance(m, nn.MultiheadAttention) for m in model.modules())
+    torch.testing.assert_close(layer(x, x, x, need_weights=False)[0], before, rtol=1e-5, atol=1e-6)
+
+
 def test_shared_generator_must_fit():
     gen = MetricGenerator(16, 4, 4)
     DamchaAttention(16, 4, metric_generator=gen)

@@ -232,7 +232,11 @@ def replace_mha(model: nn.Module, **kwargs: Any) -> nn.Module:
     done: dict[int, DamchaAttention] = {}
 
     def visit(parent: nn.Module) -> None:
-        for name, child in list(parent.named_children()):
+        # _modules, not named_children(): that lists a module once per parent, so a second name
+        # for one MHA in the same parent (ModuleList([mha] * k)) was left unconverted.
+        for name, child in list(parent._modules.items()):
+            if child is None:
+                continue
             if isinstance(child, nn.MultiheadAttention):
                 if id(child) not in done:
                     layer = done[id(child)] = DamchaAttention.from_mha(child, **kwargs)

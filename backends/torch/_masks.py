@@ -80,12 +80,12 @@ def merge_masks(
     if attn_mask is not None:
         check_torch_mask("attn_mask", attn_mask)
         if key_padding_mask is not None and key_padding_mask.dtype != attn_mask.dtype:
-            # Where nn.MultiheadAttention warns (both still apply); the message starts as
-            # MHA's, so a warning filter written for MHA's matches it too.
+            # Where nn.MultiheadAttention warns (both still apply); the message starts with
+            # MHA's whole message, so a warning filter written for MHA's matches it too.
             warnings.warn(
-                "Support for mismatched key_padding_mask and attn_mask dtypes is deprecated in "
-                "nn.MultiheadAttention, and DamchaAttention follows it; pass both as bool or both as "
-                f"float. Received: key_padding_mask.dtype={key_padding_mask.dtype}, attn_mask.dtype={attn_mask.dtype}",
+                "Support for mismatched key_padding_mask and attn_mask is deprecated. Use same type for both "
+                "instead. (nn.MultiheadAttention's deprecation, which DamchaAttention follows.) Received: "
+                f"key_padding_mask.dtype={key_padding_mask.dtype}, attn_mask.dtype={attn_mask.dtype}",
                 UserWarning,
                 stacklevel=3,  # the caller of the layer's forward, as before
             )
