@@ -496,3 +496,14 @@ def test_dtypes_follow_flax_mha(dtype, param_dtype) -> None:
     np.testing.assert_allclose(
         np.asarray(fresh(x, is_causal=True), np.float32), np.asarray(expected, np.float32), rtol=2e-2, atol=2e-2
     )
+
+
+def test_sown_weights_while_decoding_from_a_float32_cache_take_the_computation_dtype() -> None:
+    """DAMCHA (unlike Flax) decodes from a float32 cache under dtype=bfloat16; the recorded
+    probabilities then followed the cache (float32) while the step's output was bfloat16."""
+    layer = dj.DamchaAttention(4, E, 16, dtype=jnp.bfloat16, rngs=nnx.Rngs(2))
+    x = _normal((2, N, E), 4)
+    layer.init_cache(x.shape)  # float32, the default
+    y, state = nnx.capture(lambda m: m(x[:, :1], decode=True, sow_weights=True), nnx.Intermediate)(layer)
+    weights = state["attention_weights"][0]
+    assert y.dtype == weights.dtype == jnp.bfloat16

@@ -238,8 +238,8 @@ def decode_step(
     Returns:
         ``(y (B, T, E_o), new_cache)``. When ``index`` is concrete, writing
         past ``max_length`` raises; under ``jit`` the index is traced and such
-        a write would be clamped by ``dynamic_update_slice``, so size the
-        cache for the whole sequence.
+        a write makes the output NaN (``dynamic_update_slice`` would clamp it
+        silently), so size the cache for the whole sequence.
     """
     config = _check_config(config)
     if not isinstance(cache, Mapping) or set(cache) != {"key", "value", "index"}:

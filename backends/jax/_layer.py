@@ -683,8 +683,9 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
             )
             if sown:
                 # Flax records a decoding step's probabilities over the whole cache too,
-                # and in the computation's dtype (its softmax may run in float32).
-                self.sow(nnx.Intermediate, "attention_weights", sown[0].astype(o.dtype))
+                # and in the computation's dtype (its softmax may run in float32; the
+                # cache, whose dtype o has, may be float32 under dtype=bfloat16).
+                self.sow(nnx.Intermediate, "attention_weights", sown[0].astype(self.dtype or o.dtype))
         else:
             # The maps run here, under mapped_attention's checkpoint (training saves q and k, not q~ and k~).
             o, weights, bad = F.mapped_attention(
