@@ -93,6 +93,25 @@ def test_from_mha_equals_mha(mask_kind, metric):
         assert not seen.all()  # the case really has a row that sees nothing
 
 
+@pytest.mark.parametrize("kind", ["mha", "gqa"])
+def test_from_mha_keeps_the_activity_regularizer(kind):
+    # It was dropped: a converted model silently lost the user's loss term.
+    x = np.random.default_rng(0).random((2, 4, 8)).astype("float32")
+    if kind == "mha":
+        mha = keras.layers.MultiHeadAttention(2, 4, activity_regularizer="l2")
+    else:
+        mha = keras.layers.GroupQueryAttention(
+            head_dim=4, num_query_heads=2, num_key_value_heads=1, activity_regularizer="l2"
+        )
+    mha(x, x)
+    layer = DamchaAttention.from_mha(mha)
+    y = layer(x, x)
+    assert isinstance(layer.activity_regularizer, keras.regularizers.L2)
+    # Keras applies it to the layer's output (MHA applies it to its projections' outputs instead).
+    [loss] = layer.losses
+    np.testing.assert_allclose(float(loss), float(keras.regularizers.L2(0.01)(y)) / 2, rtol=1e-5)
+
+
 def test_from_mha_keeps_weights_and_names():
     mha = built_mha(cross=False)
     layer = DamchaAttention.from_mha(mha)

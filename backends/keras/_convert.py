@@ -32,6 +32,9 @@ def _mha_options(layer: keras.layers.MultiHeadAttention) -> dict[str, Any]:
         bias_regularizer=mha["bias_regularizer"],
         kernel_constraint=mha["kernel_constraint"],
         bias_constraint=mha["bias_constraint"],
+        # MHA applies it to its four projections' outputs, DAMCHA to the layer's output (docs/keras.md):
+        # not the same loss, but dropping it would lose the user's term altogether.
+        activity_regularizer=mha.get("activity_regularizer"),
         seed=mha["seed"],
     )
 
@@ -52,6 +55,7 @@ def _gqa_options(layer: keras.layers.GroupQueryAttention) -> dict[str, Any]:
         bias_regularizer=gqa["bias_regularizer"],
         kernel_constraint=gqa["kernel_constraint"],
         bias_constraint=gqa["bias_constraint"],
+        activity_regularizer=gqa.get("activity_regularizer"),
         seed=gqa["seed"],
     )
 

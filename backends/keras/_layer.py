@@ -916,8 +916,9 @@ class DamchaAttention(keras.layers.Layer):
         for fully masked query rows, where DAMCHA outputs the bias).
 
         Args:
-            layer: a built MHA with rank-3 inputs, no gate, no sliding window
-                and a 1-D ``output_shape``.
+            layer: a built ``MultiHeadAttention`` or ``GroupQueryAttention``
+                (its gate, sliding window, ``output_shape`` and
+                ``attention_axes`` are carried over).
             **kwargs: DAMCHA options and overrides (``metric``, ``coupling``,
                 ``metric_rank``, ``seed``, ``name``, ...).
         """
