@@ -657,7 +657,13 @@ def _train(args, cfg, variants, out, device, should_stop) -> int:
 
     name = cfg.task if args.suite == "headline" else f"{cfg.task}_{args.suite}"
     if args.cost_only:
-        cost = measure_cost(cfg, variants, device=device) | {"suite": args.suite}
+        try:
+            cost = measure_cost(cfg, variants, device=device, should_stop=lambda: should_stop(0)) | {
+                "suite": args.suite
+            }
+        except RunInterrupted:
+            print(f"{PROG}: interrupted while measuring the cost; nothing was written", file=sys.stderr)
+            return 130
         cost = _merge_cost(out / f"{name}_cost.json", cost, args.suite)
         existing = out / f"{name}.json"
 
@@ -702,7 +708,17 @@ def _train(args, cfg, variants, out, device, should_stop) -> int:
     results = _merge_subset(out / f"{name}.json", results, args.suite)
     run_cost: dict[str, Any] | None = None
     if not args.no_cost:
-        run_cost = measure_cost(cfg, variants, device=device) | {"suite": args.suite}
+        try:
+            run_cost = measure_cost(cfg, variants, device=device, should_stop=lambda: should_stop(0)) | {
+                "suite": args.suite
+            }
+        except RunInterrupted:
+            print(
+                f"{PROG}: interrupted while measuring the cost; nothing was written (the finished runs are in "
+                f"{out / 'runs'}: the same command reads them back and measures the cost again)",
+                file=sys.stderr,
+            )
+            return 130
         run_cost = _merge_cost(out / f"{name}_cost.json", run_cost, args.suite)
 
     def write(folder: Path) -> dict[str, Path]:

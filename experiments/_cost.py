@@ -59,6 +59,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -68,7 +69,7 @@ from ._analysis import RATIO_CONFIDENCE, RATIO_RESAMPLES, RATIO_SEED, ratio_inte
 from ._models import count_parameters
 from ._suite import environment
 from ._tasks import RESULTS_FORMAT, TaskConfig, TaskData
-from ._train import _sync, _to_device, build_model, model_width, param_groups
+from ._train import RunInterrupted, _sync, _to_device, build_model, model_width, param_groups
 from ._variants import get_variant
 
 # Written as ``cost_format``; a file without it is the older schedule (see the module docstring).
@@ -141,13 +142,21 @@ def _tensor_bytes(tensors: Any) -> int:
 
 
 def measure_cost(
-    cfg: TaskConfig, variants: list[str], *, device: torch.device | str = "cpu", data: TaskData | None = None
+    cfg: TaskConfig,
+    variants: list[str],
+    *,
+    device: torch.device | str = "cpu",
+    data: TaskData | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> dict[str, Any]:
     """Time per training step and memory of each variant's whole model; plain JSON.
 
     MHA is timed too when ``variants`` leaves it out: every time ratio is taken round by round
     against MHA's steps interleaved with it, so a subset without it (``--cost-only --variants X``)
-    would measure no ratio, and merged into an existing cost file it would replace a valid one."""
+    would measure no ratio, and merged into an existing cost file it would replace a valid one.
+
+    ``should_stop`` is asked between steps (``damcha experiment``'s Ctrl-C / SIGTERM): when it
+    says so, ``RunInterrupted`` is raised and nothing is measured (a cost is never partial)."""
     device = torch.device(device)
     variants = list(variants) if "mha" in variants else ["mha", *variants]
     data = data if data is not None else TaskData(cfg)
@@ -192,6 +201,8 @@ def measure_cost(
             step_s[name]["wall"].append([])
             step_s[name]["cpu"].append([])
         for k in range(cfg.cost_steps):
+            if should_stop is not None and should_stop():
+                raise RunInterrupted("while measuring the cost")
             shift = (r * cfg.cost_steps + k) % n
             for name in variants[shift:] + variants[:shift]:
                 v = get_variant(name)

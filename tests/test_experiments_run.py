@@ -237,6 +237,33 @@ def test_cost_only_measures_without_training(tmp_path):
     assert not (out / "runs").exists() and not (out / "digits.json").exists()
 
 
+def test_a_stop_request_ends_the_cost_measurement_between_steps(monkeypatch):
+    """damcha experiment's Ctrl-C / SIGTERM was recorded but never acted on while the cost was
+    measured (the command ran to its end and exited 0): the measurement asks between steps."""
+    from damcha_experiments import _cost
+    from damcha_experiments._train import RunInterrupted
+
+    cfg = dataclasses.replace(task_config("crosshead", "smoke"), cost_steps=4, cost_rounds=3)
+    timed = {"steps": 0}
+    real_step = _cost._step
+
+    def counted(*args, **kwargs):
+        timed["steps"] += 1
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(_cost, "_step", counted)
+    asked = {"n": 0}
+
+    def stop_after_three():
+        asked["n"] += 1
+        return asked["n"] > 3
+
+    with pytest.raises(RunInterrupted, match="while measuring the cost"):
+        _cost.measure_cost(cfg, ["mha", "damcha-heads-tied"], should_stop=stop_after_three)
+    # two warm-up steps, then three timed rounds of both variants before the fourth question
+    assert timed["steps"] == 2 + 3 * 2
+
+
 def test_a_stalled_step_does_not_move_a_cost_round(monkeypatch):
     """A round's time is the median of its steps: one step stalled 50x (a
     preemption) in every MHA round leaves MHA's rounds, and the ratio, where
