@@ -369,10 +369,17 @@ def replace_synced(moves: Sequence[tuple[str | os.PathLike[str], str | os.PathLi
     """``os.replace(src, dest)`` for each pair, in the order given, durably: every ``src`` is
     synced to disk before the first rename and each destination folder after the last, so a
     power loss leaves under each name the old file or the whole new one (a rename alone can
-    leave an empty file there, or lose the name)."""
-    for src, _ in moves:
-        fsync_file(src)
+    leave an empty file there, or lose the name). Each ``src`` first takes the mode ``dest``
+    has (a replaced file keeps its permissions), or the umask's for a new name."""
+    _prepare_moves(moves)
     _replace_synced_files(moves)
+
+
+def _prepare_moves(moves: Sequence[tuple[str | os.PathLike[str], str | os.PathLike[str]]]) -> None:
+    """Give each source its destination's mode (``file_mode``) and sync it to disk."""
+    for src, dest in moves:
+        os.chmod(src, file_mode(dest))
+        fsync_file(src)
 
 
 def _replace_synced_files(moves: Sequence[tuple[str | os.PathLike[str], str | os.PathLike[str]]]) -> None:
@@ -511,9 +518,7 @@ def atomic_dir(path: str | os.PathLike[str]) -> Iterator[Path]:
         moves = [(src, target / src.relative_to(tmp)) for src in entries if not src.is_dir()]
         _check_moves(target, folders, [dest for _, dest in moves])
         created = not target.exists()
-        for src, dest in moves:
-            os.chmod(src, file_mode(dest))
-            fsync_file(src)  # the slow part, before any folder is made: an interrupt here leaves no trace
+        _prepare_moves(moves)  # the slow part, before any folder is made: an interrupt here leaves no trace
         made = [folder for folder in folders if not folder.exists()]
         try:
             for folder in folders:

@@ -34,7 +34,7 @@ from damcha_core import _cliutil as cu
 
 from ._export import export
 from ._graph import ATTENTION_OPSET, DTYPES, MIN_OPSET
-from ._io import ONNX_PATH_RULE, data_file_name, is_onnx_path, remove_stale_data
+from ._io import ONNX_PATH_RULE, data_file_name, is_onnx_path, read_only_data_file, remove_stale_data
 from ._options import check_opset
 from ._runtime import empty_kv_cache, ort_session, run_ort, run_reference
 
@@ -242,14 +242,13 @@ def _validate(args: argparse.Namespace) -> tuple[dict[str, np.ndarray], dc.Damch
         cu.check_output_file(int8_path(args.out), "--quantize", prog=PROG)
     if args.ort_dir is not None:
         _check_ort_dir(args)
-    data = out.with_name(data_file_name(str(out)))
     if EXTERNAL_DATA[args.external_data] is not False:
         # The data file is an output too (read-only, a folder, a name the OS refuses: refused here).
-        cu.check_output_file(data, "--out", prog=PROG)
-    elif data.is_file() and cu.read_only(data):  # a one-file export removes a stale data file: not a read-only one
+        cu.check_output_file(out.with_name(data_file_name(str(out))), "--out", prog=PROG)
+    elif (data := read_only_data_file(str(out))) is not None:  # a one-file export removes a stale data file
         cu.usage_error(
             "--out",
-            f"{str(data)!r} is read-only; an export without external data removes the stale data file of an "
+            f"{data!r} is read-only; an export without external data removes the stale data file of an "
             "earlier one, and a read-only file is never replaced or removed",
             prog=PROG,
         )
@@ -365,8 +364,6 @@ def _main(argv: list[str] | None) -> int:
             (n for n in os.listdir(staging) if os.path.isfile(os.path.join(staging, n))),
             key=lambda n: n == os.path.basename(out),
         )  # the data file first
-        for n in written:  # a replaced file keeps its permissions, as the library's writers keep them
-            os.chmod(os.path.join(staging, n), cu.file_mode(os.path.join(os.path.dirname(out), n)))
         cu.replace_synced([(os.path.join(staging, n), os.path.join(os.path.dirname(out), n)) for n in written])
         if data_file_name(out) not in written:
             remove_stale_data(out)

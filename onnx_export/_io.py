@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 
 from damcha_core import DamchaTypeError, DamchaValueError, describe, invalid_argument
-from damcha_core._cliutil import atomic_write, file_mode, link_target_problem, read_only, replace_synced, writable_dir
+from damcha_core._cliutil import atomic_write, link_target_problem, read_only, replace_synced, writable_dir
 
 #: protobuf refuses to serialise (or even size) one message of 2 GiB or more:
 #: ``onnx.save_model`` raises a raw EncodeError there.
@@ -74,8 +74,8 @@ def check_path(path: Any, name: str = "path") -> str | None:
                 name, "a path in a writable directory", f"{name}={path!r} (no file can be created in {parent!r})"
             )
         )
-    data = os.path.join(parent, data_file_name(path))
-    if os.path.isfile(data) and read_only(data):  # an external-data export replaces it, a one-file export removes it
+    data = read_only_data_file(path)
+    if data is not None:
         raise DamchaValueError(
             invalid_argument(
                 name,
@@ -124,6 +124,14 @@ def needs_external_data(nbytes: int, external_data: bool | None) -> bool:
 def data_file_name(path: str) -> str:
     """The external data file of ``path``: ``<file name>.data`` beside it."""
     return os.path.basename(path) + ".data"
+
+
+def read_only_data_file(path: str) -> str | None:
+    """``<path>.data`` when it exists and is read-only, else ``None``: an external-data
+    export would replace it and a one-file export removes it, and a read-only file is
+    never replaced or removed. (A data file name the OS refuses exists nowhere: None.)"""
+    data = os.path.join(os.path.dirname(os.path.abspath(path)), data_file_name(path))
+    return data if os.path.isfile(data) and read_only(data) else None
 
 
 @contextlib.contextmanager
@@ -181,15 +189,12 @@ def save_validated(model: onnx.ModelProto, path: str, arrays: Sequence[np.ndarra
         path = os.path.realpath(path)
     directory = os.path.dirname(os.path.abspath(path))
     names = [os.path.basename(path)] + ([] if arrays is None else [data_file_name(path)])
-    modes = [file_mode(os.path.join(directory, name)) for name in names]
     with _staging(path) as tmp:
         staged = [os.path.join(tmp, n) for n in names]
         onnx.save_model(model, staged[0])
         if arrays is not None:
             _write_arrays(staged[1], arrays)
         _validate_file(staged[0])
-        for file, mode in zip(staged, modes):
-            os.chmod(file, mode)
         # The data file first: the new .onnx must never point at an old data file.
         replace_synced([(file, os.path.join(directory, name)) for file, name in zip(reversed(staged), reversed(names))])
     if arrays is None:
@@ -232,8 +237,6 @@ def save_model(model: onnx.ModelProto, path: str | os.PathLike[str], *, external
             convert_attribute=False,
         )
         staged = [n for n in names if os.path.exists(os.path.join(tmp, n))]
-        for name in staged:
-            os.chmod(os.path.join(tmp, name), file_mode(os.path.join(directory, name)))
         replace_synced([(os.path.join(tmp, name), os.path.join(directory, name)) for name in reversed(staged)])
     return [os.path.join(directory, n) for n in staged]
 

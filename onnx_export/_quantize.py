@@ -64,7 +64,7 @@ def _stage(model: onnx.ModelProto | str | os.PathLike, m: onnx.ModelProto, direc
     if not isinstance(model, onnx.ModelProto):
         external = _linked_into(os.fspath(model), m, directory)
         if external is not None:
-            return os.path.join(directory, "model.onnx"), external
+            return os.path.join(directory, "linked", "model.onnx"), external
         m = as_model(model)  # no symbolic links here: the weights are staged as for an in-memory model
     if is_large(m):
         return write_staged(m, directory, "model.onnx"), True
@@ -75,7 +75,8 @@ def _stage(model: onnx.ModelProto | str | os.PathLike, m: onnx.ModelProto, direc
 
 def _linked_into(path: str, m: onnx.ModelProto, directory: str) -> bool | None:
     """A symbolic link in ``directory`` to the model file ``path`` (as
-    ``model.onnx``) and a copy of each external data file it names (onnx
+    ``model.onnx``) and a copy of each external data file it names, in a
+    subfolder of ``directory`` that is removed whole if any fails (onnx
     refuses a data file that is a symbolic or hard link; the copy is made by
     the OS, file to file, not through memory); returns whether it has any, or
     ``None`` where the link cannot be made (an OS without symbolic links).
@@ -84,20 +85,16 @@ def _linked_into(path: str, m: onnx.ModelProto, directory: str) -> bool | None:
     which may be read-only or hold a file of that name."""
     source = os.path.dirname(os.path.abspath(path))
     locations = external_data_files(m)
+    linked = os.path.join(directory, "linked")
     try:
-        os.symlink(os.path.abspath(path), os.path.join(directory, "model.onnx"))
+        os.mkdir(linked)
+        os.symlink(os.path.abspath(path), os.path.join(linked, "model.onnx"))
         for location in locations:  # relative to the model's folder (checked by onnx.checker when it was read)
-            link = os.path.join(directory, location)
-            os.makedirs(os.path.dirname(link), exist_ok=True)
-            shutil.copyfile(os.path.join(source, location), link)
+            copy = os.path.join(linked, location)
+            os.makedirs(os.path.dirname(copy), exist_ok=True)
+            shutil.copyfile(os.path.join(source, location), copy)
     except (OSError, NotImplementedError):  # a file system or OS without symbolic links
-        for entry in os.listdir(directory):
-            target = os.path.join(directory, entry)
-            if os.path.isdir(target) and not os.path.islink(target):
-                shutil.rmtree(target, ignore_errors=True)
-            else:
-                with contextlib.suppress(OSError):
-                    os.remove(target)
+        shutil.rmtree(linked, ignore_errors=True)
         return None
     return bool(locations)
 

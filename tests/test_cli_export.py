@@ -660,6 +660,15 @@ def test_an_out_name_whose_data_file_name_is_too_long_is_refused_before_any_work
     assert not out.exists()
 
 
+def test_without_external_data_an_out_name_whose_data_file_name_is_too_long_is_exported(params_file, tmp_path):
+    """With --external-data never the data file is never written: a --out whose `<out>.data` name
+    the OS refuses is fine (the read-only check of a stale data file raised ENAMETOOLONG there)."""
+    out = tmp_path / ("e" * 246 + ".onnx")
+    proc = export("--params", params_file, "--out", str(out), "--external-data", "never")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([out.name, "p.safetensors"])
+
+
 def test_external_data_export_to_the_longest_name_its_data_file_allows(params_file, tmp_path):
     """A 250-byte --out with --external-data always: its data file's name is 255 bytes, and the
     export is written and validated (the shape-inference copy was named `<out>.inferred`, over
