@@ -214,9 +214,9 @@ def _read_results(flag: str, path_text: str, task: str | None) -> dict[str, Any]
 
 def _sibling_cost(path: Path, results: dict[str, Any]) -> dict[str, Any] | None:
     """The cost file written beside a results JSON (``STEM_cost.json``), for the equal-time plot; None if absent."""
-    from ._report import stem
+    from ._report import output_path, stem
 
-    sibling = path.with_name(f"{stem(results)}_cost.json")
+    sibling = output_path(path.parent, stem(results), "cost")
     cost = _read_json_dict(sibling, "--from-json", "move it away or restore it (the equal-time plot reads it)")
     if cost is None or cost.get("kind") != "cost" or cost.get("task") != results["task"]:
         return None
@@ -234,15 +234,14 @@ def _check_results_files(out: Path, name: str, preset: Any, device_type: Any) ->
     subset) replace (or merge into) them as before, and so is a file that records neither. A file
     that cannot be read, is not valid JSON or holds no object exits 2 too (``_read_json_dict``).
     """
+    from ._report import OUTPUT_SUFFIXES, output_path
+
     # The files this command writes into --out (results, cost, plots): each must be replaceable
     # (not read-only, not a folder) now, not after hours of training.
     # (A folder still to be created holds nothing to replace; check_output_dir checked that it can be.)
-    suffixes = ("", "_cost", "_curves", "_final", "_lr", "_time", "_metric")
-    for suffix in suffixes if out.is_dir() else ():
-        cu.check_output_file(
-            out / f"{name}{suffix}{'.json' if suffix in ('', '_cost') else '.png'}", "--out", prog=PROG
-        )
-    for path, remedy in ((out / f"{name}.json", _REDO_RESULTS), (out / f"{name}_cost.json", _REDO_COST)):
+    for kind in OUTPUT_SUFFIXES if out.is_dir() else ():
+        cu.check_output_file(output_path(out, name, kind), "--out", prog=PROG)
+    for path, remedy in ((output_path(out, name, "json"), _REDO_RESULTS), (output_path(out, name, "cost"), _REDO_COST)):
         obj = _read_json_dict(path, "--out", remedy)
         if obj is None:
             continue
@@ -522,7 +521,7 @@ def _report_main(argv: list[str]) -> int:
     if not args.no_plots:
         cu.require("matplotlib", prog=PROG, why="the plots; or pass --no-plots")
     from . import _analysis as an
-    from ._report import build_report, load_folder, plot_time_curves, stem, write_json
+    from ._report import build_report, load_folder, output_path, plot_time_curves, stem, write_json
 
     skipped: list[tuple[Path, str]] = []
     try:
@@ -548,7 +547,7 @@ def _report_main(argv: list[str]) -> int:
     write_json(summary, out.with_suffix(".json"))
     if not args.no_plots:
         for task, res in headline.items():
-            plot_time_curves(res, folder / f"{stem(res)}_time.png", cost.get(task))
+            plot_time_curves(res, output_path(folder, stem(res), "time"), cost.get(task))
     print(text)
     print(f"wrote {out} and {out.with_suffix('.json')}")
     return 0
@@ -575,7 +574,7 @@ def _train_main(argv: list[str]) -> int:
         cu.require("matplotlib", prog=PROG, why="the plots; or pass --no-plots")
     if args.from_json:
         results = _read_results("--from-json", args.from_json, args.task)
-        from ._report import markdown_table, stem, write_json, write_results
+        from ._report import markdown_table, output_path, stem, write_json, write_results
 
         # This command's preset and device are those of the results it writes (--preset is not read).
         _check_results_files(out, stem(results), results.get("preset"), results.get("device"))
@@ -588,7 +587,7 @@ def _train_main(argv: list[str]) -> int:
             paths = _staged(
                 out,
                 lambda d: (
-                    {"json": write_json(results, d / f"{stem(results)}.json")}
+                    {"json": write_json(results, output_path(d, stem(results), "json"))}
                     if args.no_plots
                     else write_results(results, d, cost)
                 ),
@@ -651,7 +650,7 @@ def _train_main(argv: list[str]) -> int:
 
 def _train(args, cfg, variants, out, device, should_stop) -> int:
     from ._cost import measure_cost
-    from ._report import cost_caption, cost_table, markdown_table, stem, write_json, write_results
+    from ._report import cost_caption, cost_table, markdown_table, output_path, stem, write_json, write_results
     from ._suite import run_suite
     from ._train import RunInterrupted, RunSettingsMismatch
 
@@ -664,16 +663,16 @@ def _train(args, cfg, variants, out, device, should_stop) -> int:
         except RunInterrupted:
             print(f"{PROG}: interrupted while measuring the cost; nothing was written", file=sys.stderr)
             return 130
-        cost = _merge_cost(out / f"{name}_cost.json", cost, args.suite)
-        existing = out / f"{name}.json"
+        cost = _merge_cost(output_path(out, name, "cost"), cost, args.suite)
+        existing = output_path(out, name, "json")
 
         def write_cost(folder: Path) -> dict[str, Path]:
-            paths = {"cost": write_json(cost, folder / f"{name}_cost.json")}
+            paths = {"cost": write_json(cost, output_path(folder, name, "cost"))}
             results = None if args.no_plots else _read_json_dict(existing, "--out", _REDO_RESULTS)
             if results is not None and isinstance(results.get("variants"), dict) and results["variants"]:
                 from ._report import plot_time_curves
 
-                paths["time"] = plot_time_curves(results, folder / f"{stem(results)}_time.png", cost)
+                paths["time"] = plot_time_curves(results, output_path(folder, stem(results), "time"), cost)
             return paths
 
         written = _staged(out, write_cost)
@@ -705,7 +704,7 @@ def _train(args, cfg, variants, out, device, should_stop) -> int:
     finally:
         bar.close()
     own_time = {k: results[k] for k in _TIMES}  # the line printed below is this command's, not the file's
-    results = _merge_subset(out / f"{name}.json", results, args.suite)
+    results = _merge_subset(output_path(out, name, "json"), results, args.suite)
     run_cost: dict[str, Any] | None = None
     if not args.no_cost:
         try:
@@ -719,14 +718,14 @@ def _train(args, cfg, variants, out, device, should_stop) -> int:
                 file=sys.stderr,
             )
             return 130
-        run_cost = _merge_cost(out / f"{name}_cost.json", run_cost, args.suite)
+        run_cost = _merge_cost(output_path(out, name, "cost"), run_cost, args.suite)
 
     def write(folder: Path) -> dict[str, Path]:
         paths = {}
         if run_cost is not None:
-            paths["cost"] = write_json(run_cost, folder / f"{name}_cost.json")
+            paths["cost"] = write_json(run_cost, output_path(folder, name, "cost"))
         if args.no_plots:
-            paths["json"] = write_json(results, folder / f"{stem(results)}.json")
+            paths["json"] = write_json(results, output_path(folder, stem(results), "json"))
         else:
             paths |= write_results(results, folder, run_cost)
         return paths

@@ -36,12 +36,31 @@ def _pyplot():
     return plt
 
 
+# What ``damcha experiment`` writes into its folder for a stem (``TASK`` or ``TASK_SUITE``): the
+# results, the cost measurement and the plots. One table, so that the command's up-front check that
+# each file can be replaced and the writers below cannot drift apart.
+OUTPUT_SUFFIXES: dict[str, str] = {
+    "json": ".json",
+    "cost": "_cost.json",
+    "curves": "_curves.png",
+    "final": "_final.png",
+    "lr": "_lr.png",
+    "time": "_time.png",
+    "metric": "_metric.png",
+}
+
+
+def output_path(folder: Path, file_stem: str, kind: str) -> Path:
+    """``folder / (file_stem + OUTPUT_SUFFIXES[kind])``."""
+    return folder / f"{file_stem}{OUTPUT_SUFFIXES[kind]}"
+
+
 def results_file_names() -> set[str]:
     """The names ``damcha experiment`` gives its results and cost files: ``TASK.json``,
     ``TASK_ablation.json``, ``TASK_cost.json``, ``TASK_ablation_cost.json``."""
     from ._tasks import TASK_NAMES
 
-    return {f"{t}{s}{c}.json" for t in TASK_NAMES for s in ("", "_ablation") for c in ("", "_cost")}
+    return {f"{t}{s}{OUTPUT_SUFFIXES[k]}" for t in TASK_NAMES for s in ("", "_ablation") for k in ("json", "cost")}
 
 
 def write_json(obj: Any, path: Path) -> Path:
@@ -69,16 +88,16 @@ def write_results(results: dict[str, Any], out_dir: str | Path, cost: dict[str, 
     """Write ``STEM.json`` and its plots into ``out_dir`` (which must exist); returns name -> path."""
     out = Path(out_dir)
     s = stem(results)
-    paths = {"json": write_json(results, out / f"{s}.json")}
-    paths["curves"] = plot_curves(results, out / f"{s}_curves.png")
-    paths["final"] = plot_final(results, out / f"{s}_final.png")
+    paths = {"json": write_json(results, output_path(out, s, "json"))}
+    paths["curves"] = plot_curves(results, output_path(out, s, "curves"))
+    paths["final"] = plot_final(results, output_path(out, s, "final"))
     if any(len(r["lr_sweep"]["lrs"]) > 1 for r in results["variants"].values()):
-        paths["lr"] = plot_lr_sweep(results, out / f"{s}_lr.png")
+        paths["lr"] = plot_lr_sweep(results, output_path(out, s, "lr"))
     if cost is not None or any(
         r["runs"] and r["runs"][0]["curve"]["train_time_s"] for r in results["variants"].values()
     ):
-        paths["time"] = plot_time_curves(results, out / f"{s}_time.png", cost)
-    heat = plot_head_maps(results, out / f"{s}_metric.png")
+        paths["time"] = plot_time_curves(results, output_path(out, s, "time"), cost)
+    heat = plot_head_maps(results, output_path(out, s, "metric"))
     if heat is not None:
         paths["metric"] = heat
     return paths
