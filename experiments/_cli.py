@@ -24,10 +24,15 @@ from damcha_core import DamchaValueError
 from damcha_core import _cliutil as cu
 
 PROG = "damcha experiment"
+REPORT_PROG = f"{PROG} report"  # every line of the report subcommand, its parser's errors included
 
 
 def _fail(flag: str, message: str) -> NoReturn:
     cu.usage_error(flag, message, prog=PROG)
+
+
+def _report_fail(flag: str, message: str) -> NoReturn:
+    cu.usage_error(flag, message, prog=REPORT_PROG)
 
 
 def _positive_float(text: str) -> float:
@@ -143,7 +148,7 @@ def _train_parser() -> argparse.ArgumentParser:
 
 def _report_parser() -> argparse.ArgumentParser:
     p = cu.ArgumentParser(
-        prog=f"{PROG} report",
+        prog=REPORT_PROG,
         description="Read every results JSON in FOLDER; write the report's tables and a verdict per claim "
         "(markdown and JSON) and redraw the equal-time plots.",
     )
@@ -509,17 +514,17 @@ def _report_main(argv: list[str]) -> int:
     args = _report_parser().parse_args(argv)
     folder = Path(args.folder)
     if not folder.is_dir():
-        _fail("FOLDER", f"is not a folder. Received: {args.folder!r}")
-    out = cu.check_output_file(args.out if args.out else folder / "report.md", "--out", prog=PROG)
+        _report_fail("FOLDER", f"is not a folder. Received: {args.folder!r}")
+    out = cu.check_output_file(args.out if args.out else folder / "report.md", "--out", prog=REPORT_PROG)
     if out.suffix.lower() == ".json":  # the summary goes to <out>.json: it would replace the report itself
-        _fail(
+        _report_fail(
             "--out", f"names the report's markdown file; its JSON summary is written beside it. Received: {args.out!r}"
         )
-    cu.check_output_file(out.with_suffix(".json"), "--out", prog=PROG)
+    cu.check_output_file(out.with_suffix(".json"), "--out", prog=REPORT_PROG)
     if not args.no_plots:  # the time plots go into FOLDER
-        cu.check_output_dir(str(folder), "FOLDER", prog=PROG)
+        cu.check_output_dir(str(folder), "FOLDER", prog=REPORT_PROG)
     if not args.no_plots:
-        cu.require("matplotlib", prog=PROG, why="the plots; or pass --no-plots")
+        cu.require("matplotlib", prog=REPORT_PROG, why="the plots; or pass --no-plots")
     from . import _analysis as an
     from ._report import build_report, load_folder, output_path, plot_time_curves, stem, write_json
 
@@ -527,19 +532,19 @@ def _report_main(argv: list[str]) -> int:
     try:
         headline, ablation, cost = load_folder(folder, skipped)
     except DamchaValueError as exc:
-        _fail("FOLDER", str(exc))
+        _report_fail("FOLDER", str(exc))
     why = "; ".join(f"{path.name} {reason}" for path, reason in skipped)
     if not (headline or ablation or cost):
-        _fail(
+        _report_fail(
             "FOLDER",
             f"holds no damcha experiment results JSON{f' (skipped: {why})' if why else ''}. Received: {args.folder!r}",
         )
     for path, reason in skipped:
-        print(f"{PROG} report: warning: skipped {path}: it {reason}", file=sys.stderr)
+        print(f"{REPORT_PROG}: warning: skipped {path}: it {reason}", file=sys.stderr)
     text, summary = build_report(folder, args.tolerance or an.OVERHEAD_TOLERANCE)
     for path, why in summary["damaged_run_results"]:
         print(
-            f"{PROG} report: note: skipped {path}: it {why}; that run counts as unfinished (its command, rerun, "
+            f"{REPORT_PROG}: note: skipped {path}: it {why}; that run counts as unfinished (its command, rerun, "
             "resumes or retrains it and rewrites the file)",
             file=sys.stderr,
         )
