@@ -222,7 +222,7 @@ def resolve_generators(
     for side, generator in chosen.items():
         spec = spec_of(generator)
         if not isinstance(spec, GeneratorSpec):
-            raise TypeError(
+            raise DamchaTypeError(
                 invalid_argument(
                     "spec_of", "a callable that returns a damcha_core.GeneratorSpec", f"spec_of(...)={describe(spec)}"
                 )

@@ -47,12 +47,14 @@ def check_names(names: Any) -> dict[str, str]:
     return dict(names)
 
 
-def unknown_fields(unknown: list[str], fields: Any) -> str:
-    """The message for keyword arguments that are not DamchaConfig fields."""
+def unknown_fields(unknown: list[str], fields: Any, expected: str = "DamchaConfig fields", noun: str = "field") -> str:
+    """The message for keyword arguments a callee does not take: DamchaConfig fields by default,
+    or ``expected`` (e.g. "the arguments from_mha takes") with ``noun`` ("keyword argument")."""
     listed = ", ".join(f"`{name}`" for name in unknown)
+    plural = "s" if len(unknown) > 1 else ""
     return (
-        f"Invalid argument{'s' if len(unknown) > 1 else ''} {listed}: expected DamchaConfig fields, a subset of "
-        f"{list(fields)}. Received: unknown field{'s' if len(unknown) > 1 else ''} {unknown}"
+        f"Invalid argument{plural} {listed}: expected {expected}, a subset of {list(fields)}. "
+        f"Received: unknown {noun}{plural} {unknown}"
     )
 
 

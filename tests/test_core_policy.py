@@ -388,6 +388,12 @@ def test_check_generator_arg_leaves_size_rules_and_auto_sides_to_build():
     dc.check_generator_arg(None, metric="none", coupling="separate", generator_type=Gen)
 
 
+def test_spec_of_that_returns_no_generator_spec_is_a_damcha_type_error():
+    """A port's ``spec_of`` returning something else raised a plain TypeError (not a DamchaError)."""
+    with pytest.raises(dc.DamchaTypeError, match=r"^Invalid argument `spec_of`: expected a callable that returns a "):
+        dc.resolve_generators(Gen(8, 4), TIED, generator_type=Gen, spec_of=lambda g: "not a spec")
+
+
 def test_generator_spec_of_a_side_the_config_lacks():
     with pytest.raises(
         dc.DamchaValueError,

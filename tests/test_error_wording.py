@@ -75,6 +75,9 @@ def _literal_text(node: ast.expr) -> str | None:
 # rule ("expected ...") followed by the value ("Received: ..."). State errors
 # ("... needs a built layer. Received: an unbuilt layer") have no rule part.
 _RULE_AND_VALUE = re.compile(r"\b[Ee]xpected\b.*\bReceived:", re.S)
+# Python's own wording for unknown keywords, or a variant of it, spelled by hand: the rule reads
+# another way than ``unknown_fields``' (``Invalid argument `x`: expected ..., a subset of [...]``).
+_UNKNOWN_KEYWORDS = re.compile(r"\bgot (unknown|unexpected) keyword|\b[Uu]nknown\b.*\barguments?\b", re.S)
 
 
 def _hand_written(text: str) -> bool:
@@ -82,6 +85,7 @@ def _hand_written(text: str) -> bool:
         text.startswith(("`", "Invalid argument", "A 3-D `"))
         or text.lower().startswith("expected")
         or _RULE_AND_VALUE.search(text) is not None
+        or _UNKNOWN_KEYWORDS.search(text) is not None
     )
 
 
@@ -98,6 +102,27 @@ def _old_style_messages() -> list[tuple[str, int, str]]:
                 if text is not None and _hand_written(text):
                     found.append((str(path.relative_to(ROOT)), node.lineno, text))
     return found
+
+
+def _builtin_errors_with_policy_messages() -> list[str]:
+    """``TypeError(invalid_argument(...))`` and the like: the policy's message under a class that is
+    not a DamchaError, which ``except DamchaError`` misses."""
+    found = []
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if not (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Call)):
+                    continue
+                name = getattr(node.func, "id", None)
+                inner = node.args[0].func
+                inner_name = inner.attr if isinstance(inner, ast.Attribute) else getattr(inner, "id", None)
+                if name in ("TypeError", "ValueError") and inner_name in ("invalid_argument", "unknown_fields"):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {name}({inner_name}(...))")
+    return found
+
+
+def test_policy_messages_are_raised_as_damcha_errors():
+    assert not _builtin_errors_with_policy_messages()
 
 
 def test_no_hand_written_argument_messages():
@@ -128,6 +153,10 @@ def test_the_audit_finds_a_rule_and_value_spelled_by_hand_under_any_first_word()
     assert not _hand_written(
         text('DamchaValueError("The cache was made under inference_mode. Received: a call outside it")')
     )
+    # Unknown keywords in Python's words or the torch blocks' old ones.
+    assert _hand_written(text('DamchaTypeError(f"replace_mha() got unknown keyword arguments {unknown}")'))
+    assert _hand_written(text('DamchaTypeError(f"Unknown DAMCHA attention arguments {u}. Expected some of {k}")'))
+    assert not _hand_written(text('DamchaTypeError("The layer knows no such argument state")'))
     assert text('DamchaValueError(invalid_argument("n", "an int", f"n={n}"))') is None
     assert text('DamchaValueError(prefix + "expected x. Received: y")') is None
 

@@ -34,7 +34,7 @@ def workdir(tmp_path):
     good = tmp_path / "good"
     good.mkdir()
     (good / "crosshead.json").write_text('{"earlier": "good"}\n')
-    from experiments._tasks import RESULTS_FORMAT
+    from damcha_experiments._tasks import RESULTS_FORMAT
 
     (tmp_path / "noresults").mkdir()
     empty = {"format": RESULTS_FORMAT, "task": "crosshead", "suite": "headline", "variants": {}}
@@ -287,8 +287,8 @@ def test_charlm_eval_size_limit_is_the_number_of_distinct_windows():
     """At the bound every evaluation window starts at its own byte; one more would repeat a window."""
     import numpy as np
 
-    from experiments import _data
-    from experiments._tasks import eval_size_limit, task_config
+    from damcha_experiments import _data
+    from damcha_experiments._tasks import eval_size_limit, task_config
 
     cfg = task_config("charlm", "smoke")
     limit = eval_size_limit("charlm", cfg.train_size, cfg.seq_len)

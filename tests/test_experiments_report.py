@@ -455,7 +455,7 @@ def test_report_of_a_folder(tmp_path):
 
 
 def test_report_names_the_json_files_it_skips(tmp_path, capsys):
-    from experiments._cli import main
+    from damcha_experiments._cli import main
 
     res = _results("crosshead", {"mha": _base(0.60), "talking-heads": _base(0.62), "damcha-heads-query": _other(0.8)})
     write_json(res, tmp_path / "crosshead.json")
@@ -685,7 +685,7 @@ def test_a_merged_cost_file_pairs_each_ratio_with_its_own_mha_rounds_and_load(tm
     the second ran in a phase twice as slow, on a quiet machine; the first on a busy one. Each
     variant's ratio is the one of its own measurement (paired with its own MHA rounds, not the
     file's MHA entry, which is the second's), and the first's load still makes claim 3's caveat."""
-    from experiments._cli import _merge_cost
+    from damcha_experiments._cli import _merge_cost
 
     first = _cost(1.1, load=3.0)
     second = _cost(1.3, load=0.1)

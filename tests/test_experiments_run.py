@@ -113,7 +113,7 @@ def _check_headline(task, out):
             assert (out / f"{task}_{suffix}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", suffix
         # The command checks each file of OUTPUT_SUFFIXES up front (a read-only one is refused before
         # any training): every file of this task's headline suite must be one of them.
-        from experiments._report import OUTPUT_SUFFIXES
+        from damcha_experiments._report import OUTPUT_SUFFIXES
 
         written = {
             p.name for p in out.iterdir() if p.name.startswith((f"{task}.", f"{task}_")) and "_ablation" not in p.name

@@ -188,6 +188,14 @@ def test_old_heads_signature_still_works_with_a_deprecation_warning():
     ).transpose(1, 2)
     torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-12)
     assert w.shape == (2, 4, 5, 7)
+    # Its masks follow softmax_attend's convention; a mask of another dtype is refused saying so
+    # (the message said "boolean" alone, though a float mask is accepted).
+    with pytest.warns(DeprecationWarning), pytest.raises(dc.DamchaTypeError) as info:
+        damcha_attention(q, k, v, mask=torch.ones(5, 7, dtype=torch.int64))
+    assert "Invalid argument `mask`: expected a mask that is boolean (True = may attend) or floating" in str(info.value)
+    with pytest.warns(DeprecationWarning):
+        additive = torch.zeros(5, 7, dtype=torch.float64).masked_fill(torch.ones(5, 7).triu(1).bool(), -torch.inf)
+        torch.testing.assert_close(damcha_attention(q, k, v, mask=additive)[0], out, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize(

@@ -18,6 +18,7 @@ import numpy as np
 import damcha_core as dc
 import torch
 from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, describe
+from damcha_core._validators import unknown_fields
 from torch import Tensor, nn
 from torch.nn import functional as F
 
@@ -48,7 +49,9 @@ def _attention_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     unknown = sorted(set(kwargs) - set(_ATTENTION_KEYS))
     if unknown:
         # A TypeError, as Python raises for any unexpected keyword argument.
-        raise DamchaTypeError(f"Unknown DAMCHA attention arguments {unknown}. Expected some of {list(_ATTENTION_KEYS)}")
+        raise DamchaTypeError(
+            unknown_fields(unknown, _ATTENTION_KEYS, "DAMCHA attention arguments", "keyword argument")
+        )
     return kwargs
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from damcha_core import DamchaTypeError, DamchaValueError, describe, invalid_argument
+from damcha_core._validators import unknown_fields
 from torch import nn
 
 from ._blocks import DamchaTransformerEncoderLayer
@@ -224,7 +225,7 @@ def replace_mha(model: nn.Module, **kwargs: Any) -> nn.Module:
     unknown = sorted(set(kwargs) - set(_FROM_MHA_KEYS))
     if unknown:
         raise DamchaTypeError(
-            f"replace_mha() got unknown keyword arguments {unknown}; it passes {list(_FROM_MHA_KEYS)} to from_mha."
+            unknown_fields(unknown, _FROM_MHA_KEYS, "the arguments replace_mha passes to from_mha", "keyword argument")
         )
     for path, module in model.named_modules():
         if isinstance(module, nn.MultiheadAttention):

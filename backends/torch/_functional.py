@@ -29,6 +29,7 @@ import damcha_core as dc
 import torch
 import torch.nn.functional as F
 from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, config_sizes, describe
+from damcha_core._validators import unknown_fields
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
@@ -1479,6 +1480,9 @@ def _check_mask(mask: Any, config: DamchaConfig, B: int, N: int, M: int) -> Tens
     return mask
 
 
+_KEYWORDS = ("mask", "causal", "query_offset", "kv_cache", "dropout_p", "return_weights", "return_metric", "recompute")
+
+
 def damcha_attention(
     params: Mapping[str, Tensor] | Tensor,
     config: DamchaConfig | Any = None,
@@ -1541,7 +1545,15 @@ def damcha_attention(
             params, config, query, mask=mask, query_offset=query_offset, dropout_p=dropout_p, **deprecated
         )
     if deprecated:
-        raise DamchaTypeError(f"damcha_attention() got unexpected keyword arguments {sorted(deprecated)}")
+        # A typo, or the deprecated projected-heads form's keywords (q_tokens, ...) with params.
+        raise DamchaTypeError(
+            unknown_fields(
+                sorted(deprecated),
+                _KEYWORDS,
+                "keyword arguments of damcha_attention(params, config, query, context, value, ...)",
+                "keyword argument",
+            )
+        )
     config = _check_params(params, config)
     x = _check_float("query", query)
     c = None if context is None else _check_float("context", context)
@@ -1797,7 +1809,7 @@ def _heads_attention(
         )
     if mask is not None:
         if not isinstance(mask, Tensor) or not (mask.dtype == torch.bool or mask.is_floating_point()):
-            raise dc.mask_dtype_error(mask)
+            raise dc.mask_dtype_error(mask, expected="boolean (True = may attend) or floating (added to the scores)")
         if mask.dim() not in (2, 4) or any(s not in (1, t) for s, t in zip(mask.shape[::-1], (B, H, N, M)[::-1])):
             raise DamchaValueError(
                 dc.invalid_argument(
