@@ -7,7 +7,7 @@ import numbers
 import os
 import tempfile
 from collections.abc import Mapping
-from typing import Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import numpy as np
 import onnx
@@ -24,6 +24,9 @@ from damcha_core import (
 from damcha_core._policy import NO_KEYS_RULE
 
 from ._io import EXTERNAL_DATA_MIN_BYTES, is_large, write_staged
+
+if TYPE_CHECKING:  # imported lazily at run time: building a graph needs no runtime
+    import onnxruntime
 
 
 def describe_value(value: Any) -> str:
@@ -156,7 +159,7 @@ def ort_session(
     optimize: bool = True,
     spinning: bool = True,
     name: str = "model",
-):
+) -> onnxruntime.InferenceSession:
     """An ``onnxruntime.InferenceSession`` on the CPU provider.
 
     ``model`` is a ModelProto or a path (``.onnx`` with or without an

@@ -70,6 +70,15 @@ def test_paired_difference_edge_cases():
     # two-sided sign test, not t = inf and p = 0.
     exact = paired_difference([0.5, 0.6], [0.4, 0.5])
     assert exact["p"] == 0.5 and exact["test"] == "sign" and exact["ci"] is None and exact["mean"] == pytest.approx(0.1)
+    # The same +10 correct of 359 on every seed: the float differences agree only to ~1e-17, which
+    # read as t ~ 1e15, p = 0 and a zero-width interval (binomtest: scipy, independent of ours).
+    counts = paired_difference([k / 359 for k in range(300, 341, 10)], [k / 359 for k in range(290, 331, 10)])
+    assert np.std([(k + 10) / 359 - k / 359 for k in range(290, 331, 10)]) > 0  # the case is not exact
+    assert counts["test"] == "sign" and counts["ci"] is None
+    assert counts["p"] == pytest.approx(stats.binomtest(5, 5).pvalue)
+    # Real noise, however small against the gain, is still a t test.
+    noisy = paired_difference([0.5 + 1e-6 * i for i in range(5)], [0.4] * 5)
+    assert noisy["test"] == "t" and noisy["p"] < 1e-6 and noisy["ci"][0] > 0
     grid = paired_difference([1000.0] * 5, [1500.0] * 5, higher_is_better=False)  # +500 steps on every seed
     assert grid["p"] == pytest.approx(stats.binomtest(5, 5).pvalue) == 0.0625
     assert paired_difference([0.5, 0.6], [0.5, 0.6])["p"] == 1.0

@@ -807,7 +807,7 @@ def damcha_attention(
     precision: Any = None,
     dtype: Any = None,
     mask_hint: str | None = None,
-):
+) -> Any:  # y, or a tuple with the weights and/or maps (see Returns), as the reference's
     """DAMCHA forward pass: cross-head maps, then ``jax.nn.dot_product_attention``.
 
     Args:

@@ -741,19 +741,19 @@ class DamchaAttention(keras.layers.Layer):
 
     def compute_output_spec(
         self,
-        query,
-        value,
-        key=None,
-        query_mask=None,
-        value_mask=None,
-        key_mask=None,
-        attention_mask=None,
-        return_attention_scores=False,
-        training=None,
-        use_causal_mask=False,
-        cache=None,
-        cache_update_index=None,
-    ):
+        query: Any,
+        value: Any,
+        key: Any = None,
+        query_mask: Any = None,
+        value_mask: Any = None,
+        key_mask: Any = None,
+        attention_mask: Any = None,
+        return_attention_scores: bool = False,
+        training: bool | None = None,
+        use_causal_mask: bool = False,
+        cache: Any = None,
+        cache_update_index: Any = None,
+    ) -> keras.KerasTensor | tuple[keras.KerasTensor, ...]:
         # Functional models fail at model-building time, not at the first fit.
         return_attention_scores = _args.flag("return_attention_scores", return_attention_scores)
         use_causal_mask = _args.flag("use_causal_mask", use_causal_mask)
