@@ -138,21 +138,31 @@ def _ended_before_the_cap(path: Path, done: dict[str, Any], identity: dict[str, 
     The cap enters training only as the stop condition (``train_run``): the schedule, the plateau
     rule, the data order and every draw are the same under any cap, so a run the plateau rule (or
     a divergence) stopped at step s is, bit for bit, the run of any cap >= s
-    (``test_a_raised_step_cap_reuses_runs_the_plateau_rule_stopped``). Such a result is returned
+    (``test_a_raised_step_cap_reuses_runs_the_plateau_rule_stopped``), unless s is the extra
+    evaluation an off-grid cap adds (s = the old cap, not a multiple of ``eval_every``). Such a result is returned
     under the new identity, with ``reused_from_max_steps`` naming the cap it was trained under; the
     file is left as it is. A run that stopped at its cap has more to train: refused, saying so.
     """
     stored = done["identity"]
     if identity_differences(stored, identity) != ["config.max_steps"]:
         raise _mismatch(path, stored, identity)
-    cap = identity["config"]["max_steps"]
-    if done["stop_reason"] in ("plateau", "diverged") and done["steps"] <= cap:
-        return dict(done, identity=identity, reused_from_max_steps=stored["config"]["max_steps"])
-    why = (
-        f"stopped at its step cap ({done['steps']} steps), so it would train on under the cap of {cap}"
-        if done["stop_reason"] == "max_steps"
-        else f"ran {done['steps']} steps, beyond the cap of {cap}"
-    )
+    cap, old_cap = identity["config"]["max_steps"], stored["config"]["max_steps"]
+    every = stored["config"]["eval_every"]
+    # A cap off the evaluation grid adds one evaluation at the cap itself (train_run), and the plateau
+    # rule reads it: a run it stopped there stopped only because of that cap. A divergence is caught
+    # at the step it happens, before any evaluation of that step.
+    on_grid = done["stop_reason"] == "diverged" or done["steps"] % every == 0
+    if done["stop_reason"] in ("plateau", "diverged") and done["steps"] <= cap and on_grid:
+        return dict(done, identity=identity, reused_from_max_steps=old_cap)
+    if done["steps"] > cap:
+        why = f"ran {done['steps']} steps, beyond the cap of {cap}"
+    elif done["stop_reason"] == "max_steps":
+        why = f"stopped at its step cap ({done['steps']} steps), so it would train on under the cap of {cap}"
+    else:
+        why = (
+            f"the plateau rule stopped at the evaluation its cap of {old_cap} adds off the every-{every}-steps "
+            f"grid (step {done['steps']}), so it would train on under the cap of {cap}"
+        )
     raise RunSettingsMismatch(
         f"{path} belongs to a run with another step cap (differing: config.max_steps) that {why}; "
         "delete that folder to train it again, or use another --out",

@@ -566,6 +566,36 @@ def test_a_raised_step_cap_reuses_runs_the_plateau_rule_stopped(tmp_path):
     other = TaskData(dataclasses.replace(high, min_delta=0.5))
     with pytest.raises(_train.RunSettingsMismatch, match=r"differing: config.max_steps, config.min_delta"):
         train_run(other, v, 1e-3, 0, width, run_dir=tmp_path / "old")
+    # Lowered below a capped run's steps: it ran beyond the new cap (the message said it "would
+    # train on").
+    with pytest.raises(_train.RunSettingsMismatch, match=r"ran 2 steps, beyond the cap of 1"):
+        check_run_dir(
+            tmp_path / "capped",
+            run_identity(dataclasses.replace(low, max_steps=1), v, 1e-3, 0, width, torch.device("cpu")),
+        )
+
+
+def test_a_plateau_at_an_off_grid_cap_is_not_reused_under_a_higher_cap(tmp_path):
+    """A cap off the evaluation grid adds an evaluation at the cap; the plateau rule stopped a run
+    there, which a higher cap never evaluates: it was read back as the higher cap's run (curve
+    [2, 4, 5] where a fresh run evaluates [2, 4, 6])."""
+    from damcha_experiments import _train
+
+    low, high = (
+        task_config("listops", "smoke", max_steps=cap, eval_every=2, patience=1, max_decays=1, min_delta=1.0)
+        for cap in (5, 7)
+    )
+    v = VARIANTS["mha"]
+    data_low, data_high = TaskData(low), TaskData(high)
+    width, _ = model_width(data_low, v)
+    old = train_run(data_low, v, 1e-3, 0, width, run_dir=tmp_path / "old")
+    assert old["stop_reason"] == "plateau" and old["curve"]["step"] == [2, 4, 5]
+    fresh = train_run(data_high, v, 1e-3, 0, width, run_dir=tmp_path / "fresh")
+    assert fresh["curve"]["step"] == [2, 4, 6]
+    identity = run_identity(high, v, 1e-3, 0, width, torch.device("cpu"))
+    with pytest.raises(_train.RunSettingsMismatch, match=r"off the every-2-steps grid \(step 5\)") as info:
+        check_run_dir(tmp_path / "old", identity)
+    assert info.value.differs == ["config.max_steps"]
 
 
 def test_a_damaged_result_json_is_an_unfinished_run(tmp_path, monkeypatch):
