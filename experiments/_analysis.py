@@ -921,7 +921,7 @@ def verdicts(
         f"'over' when the interval's lower end or the memory ratio is above {tolerance:g}, 'uncertain' when the "
         f"interval straddles {tolerance:g} (or there is none). Supported if every headline DAMCHA variant is "
         f"within on every task measured; not supported if every one is over on some task; inconclusive "
-        f"otherwise, or if a timing on the wall clock ran with a load average above {BUSY_LOAD_FRACTION:g} x "
+        f"otherwise, or if a measured task's cost file lacks one of its headline DAMCHA variants, or if a timing on the wall clock ran with a load average above {BUSY_LOAD_FRACTION:g} x "
         f"the cores (on thread CPU time such a load is a stated caveat), or if a cost file has no time ratio "
         f"(its clock could not time the steps)."
     )
@@ -963,6 +963,14 @@ def verdicts(
     tasks3 = sorted({r["task"] for r in rows3})
     all_over = [t for t in tasks3 if all(r["status"] == "over" for r in rows3 if r["task"] == t)]
     untimed = [f"{task} ({why})" for task, cost in costs.items() if (why := no_time_ratio(cost)) is not None]
+    # A cost file of a --variants subset: "every variant within" would be read off the ones measured.
+    unmeasured = [
+        f"{name} ({task})"
+        for task, cost in costs.items()
+        if task in headline
+        for name in damcha_names(headline[task])
+        if name not in cost["variants"]
+    ]
     if not rows3:
         verdict = "inconclusive"
         reason = f"no time ratio: {'; '.join(untimed)}" if untimed else "no cost measurement"
@@ -970,6 +978,9 @@ def verdicts(
         verdict, reason = "inconclusive", f"timing on the wall clock of a busy machine: {'; '.join(busy)}"
     elif untimed:
         verdict, reason = "inconclusive", f"no time ratio: {'; '.join(untimed)}"
+    elif all(r["status"] == "within" for r in rows3) and unmeasured:
+        verdict = "inconclusive"
+        reason = f"every measured DAMCHA variant within the tolerance, but not measured: {', '.join(unmeasured)}"
     elif all(r["status"] == "within" for r in rows3):
         verdict, reason = "supported", "every DAMCHA variant's interval within the tolerance on every task"
     elif all_over:

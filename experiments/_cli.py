@@ -530,11 +530,11 @@ def _report_main(argv: list[str]) -> int:
 
     skipped: list[tuple[Path, str]] = []
     try:
-        headline, ablation, cost = load_folder(folder, skipped)
+        headline, ablation, cost, ablation_cost = load_folder(folder, skipped)
     except DamchaValueError as exc:
         _report_fail("FOLDER", str(exc))
     why = "; ".join(f"{path.name} {reason}" for path, reason in skipped)
-    if not (headline or ablation or cost):
+    if not (headline or ablation or cost or ablation_cost):
         _report_fail(
             "FOLDER",
             f"holds no damcha experiment results JSON{f' (skipped: {why})' if why else ''}. Received: {args.folder!r}",

@@ -245,6 +245,33 @@ def test_claim3_rule(cost, verdict, status):
         assert ("caveat" in claim3["reason"]) == (cost["clock"] == "thread_time")
 
 
+def test_claim3_is_not_supported_off_a_subset_of_the_variants():
+    """A cost file measured with --variants naming some DAMCHA variants only gave "supported" from
+    those: every headline DAMCHA variant of a measured task must be in it."""
+    res = _results("crosshead", {"mha": _base(0.6), "damcha-heads-tied": _base(0.6), "damcha-heads-query": _base(0.6)})
+    claim3 = an.verdicts({"crosshead": res}, {}, {"crosshead": _cost(1.1)})[2]
+    assert claim3["verdict"] == "inconclusive", claim3["reason"]
+    assert "not measured: damcha-heads-query (crosshead)" in claim3["reason"]
+    assert _claim3(_cost(1.1))["verdict"] == "supported"  # the same file, every variant measured
+
+
+def test_report_keeps_an_ablation_cost_file_out_of_claim3(tmp_path):
+    """TASK_ablation_cost.json was filed as the task's cost: claim 3 was decided on the ablation's
+    variants (and the headline cost file, when both were there, was replaced by whichever came later)."""
+    res = _results("crosshead", {"mha": _base(0.6), "damcha-heads-tied": _base(0.6)})
+    write_json(res, tmp_path / "crosshead.json")
+    ablation_cost = dict(_cost(2.0), suite="ablation")
+    ablation_cost["variants"]["damcha-heads-tied-pen1e-3"] = ablation_cost["variants"].pop("damcha-heads-tied")
+    write_json(ablation_cost, tmp_path / "crosshead_ablation_cost.json")
+    _, summary = build_report(tmp_path)
+    assert summary["verdicts"][2]["verdict"] == "inconclusive"
+    assert summary["verdicts"][2]["reason"] == "no cost measurement"
+    write_json(dict(_cost(1.1), suite="headline"), tmp_path / "crosshead_cost.json")
+    _, summary = build_report(tmp_path)
+    assert summary["verdicts"][2]["verdict"] == "supported"
+    assert [r["variant"] for r in summary["verdicts"][2]["rows"]] == ["damcha-heads-tied"]
+
+
 def test_claim3_interval_is_reproducible_and_resamples_rounds():
     cost = _cost(1.2, noise=0.05)
     first, again = an.time_ratio(cost, "damcha-heads-tied"), an.time_ratio(cost, "damcha-heads-tied")
