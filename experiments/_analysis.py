@@ -673,13 +673,28 @@ def headroom(results: dict[str, Any], name: str) -> float:
     return 1.0 - mean if math.isfinite(mean) else math.inf
 
 
+# The presets whose protocol can stand in a verdict: smoke and default are for trying the code.
+_PROTOCOL_PRESETS = ("full", "large")
+
+
 def protocol_finished(results: dict[str, Any]) -> bool:
-    """Whether a task's results hold every headline variant with all its final seeds."""
-    seeds = results.get("seeds")
+    """Whether a task's results hold its declared protocol: a ``full`` or ``large`` preset, every
+    headline variant, each with at least that preset's number of final seeds.
+
+    The file's own ``seeds`` is not enough: a smoke run with one seed, or a full run cut to
+    ``--seeds 2``, held "all its seeds" too, and took listops' place in claim 2.
+    """
+    from ._tasks import task_config
+
+    preset, task = results.get("preset"), results.get("task")
+    if preset not in _PROTOCOL_PRESETS or not isinstance(task, str):
+        return False
+    try:
+        seeds = task_config(task, preset).seeds
+    except DamchaValueError:  # a task this version does not know
+        return False
     variants = results.get("variants", {})
-    return isinstance(seeds, int) and all(
-        name in variants and len(variants[name].get("runs", [])) >= seeds for name in HEADLINE
-    )
+    return all(name in variants and len(variants[name].get("runs", [])) >= seeds for name in HEADLINE)
 
 
 def claim2_slots(headline: dict[str, dict[str, Any]]) -> tuple[str, ...]:

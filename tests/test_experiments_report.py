@@ -900,6 +900,10 @@ def test_claim2_reads_listops3x3_in_listops_place_once_its_protocol_has_finished
     # One variant short of its seeds, or one missing: depth-2 listops is still the one read.
     short = _results("listops3x3", good | {"damcha-lowrank-tied": _other(0.7)[:4]})
     missing = _results("listops3x3", {n: good[n] for n in HEADLINE if n != "talking-heads"})
-    for partial in (short, missing):
+    # Every variant with all the seeds its file asks for, but not the declared protocol: a smoke
+    # run, or a full run cut to --seeds 2 (each took listops' place).
+    smoke = dict(_results("listops3x3", {n: values[:1] for n, values in good.items()}), preset="smoke", seeds=1)
+    cut = dict(_results("listops3x3", {n: values[:2] for n, values in good.items()}), seeds=2)
+    for partial in (short, missing, smoke, cut):
         v = an.verdicts(tasks | {"listops3x3": partial}, {}, {})[1]
         assert [g["task"] for g in v["tasks"]] == ["charlm", "listops", "digits"] and v["verdict"] == "not supported"
