@@ -7,6 +7,7 @@ The layer's methods (``to_canonical``, ``load_canonical``, ``from_canonical``,
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -171,14 +172,14 @@ def _check_file_options(layer: DamchaAttention) -> None:
             )
 
 
-def save(layer: DamchaAttention, path: str) -> None:
+def save(layer: DamchaAttention, path: str | os.PathLike) -> None:
     """Weights and config as DAMCHA safetensors (``damcha_core.save_params``)."""
     config = require_built(layer, "save")
     _check_file_options(layer)
     dc.save_params(path, to_canonical(layer), config)
 
 
-def load(cls: type, path: str, **kwargs: Any) -> DamchaAttention:
+def load(cls: type, path: str | os.PathLike, **kwargs: Any) -> DamchaAttention:
     """``from_canonical`` on a DAMCHA safetensors file."""
     params, config = dc.load_params(path)
     return from_canonical(cls, params, config, **kwargs)

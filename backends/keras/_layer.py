@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import string
 import warnings
 from collections.abc import Mapping
@@ -876,7 +877,7 @@ class DamchaAttention(keras.layers.Layer):
         _canonical.load_canonical(self, params)
         return self
 
-    def save(self, path: str) -> None:
+    def save(self, path: str | os.PathLike) -> None:
         """Write the weights and config as DAMCHA safetensors (``damcha_core.save_params``).
 
         (``keras.Model.save`` writes ``.keras`` files; a layer has no such
@@ -884,7 +885,7 @@ class DamchaAttention(keras.layers.Layer):
         """
         _canonical.save(self, path)
 
-    def save_canonical(self, path: str) -> None:
+    def save_canonical(self, path: str | os.PathLike) -> None:
         """Deprecated alias of ``save``."""
         warnings.warn("DamchaAttention.save_canonical is deprecated; use save", DeprecationWarning, stacklevel=2)
         _canonical.save(self, path)
@@ -903,7 +904,7 @@ class DamchaAttention(keras.layers.Layer):
         return _canonical.from_canonical(cls, params, config, **kwargs)
 
     @classmethod
-    def load(cls, path: str, **kwargs: Any) -> DamchaAttention:
+    def load(cls, path: str | os.PathLike, **kwargs: Any) -> DamchaAttention:
         """``from_canonical`` on a DAMCHA safetensors file."""
         return _canonical.load(cls, path, **kwargs)
 

@@ -9,6 +9,8 @@ import numpy as np
 from damcha_core import DamchaValueError, invalid_argument
 from damcha_onnx import ATTENTION_OPSET, build_model, check_opset, empty_kv_cache, run_ort, run_reference
 
+from .._cases import Case, CaseData
+
 RUNTIMES = ("onnxruntime", "reference")
 
 
@@ -40,12 +42,12 @@ class OnnxAdapter:
         base = "onnxruntime" if runtime == "onnxruntime" else "onnx-reference"
         self.name = base if opset == ATTENTION_OPSET else f"{base}-opset{opset}"
 
-    def unsupported(self, case) -> str | None:
+    def unsupported(self, case: Case) -> str | None:
         if self.runtime == "reference" and max(case.query_len, case.context_len or 0) > 64:
             return "ReferenceEvaluator is pure Python; long cases are left to onnxruntime"
         return None  # every catalogue case (masks, causal, GQA/MQA, cross) is expressible
 
-    def forward(self, data, dtype: str) -> np.ndarray:
+    def forward(self, data: CaseData, dtype: str) -> np.ndarray:
         cross = data.context is not None
         model = build_model(
             data.params,
@@ -57,7 +59,7 @@ class OnnxAdapter:
             dtype=dtype,
         )
         inputs = {"query": data.query}
-        if cross:
+        if data.context is not None:
             inputs["context"] = data.context
         if data.value is not None:
             inputs["value"] = data.value  # value tokens of their own size (E_v != E_kv): a third input
@@ -66,7 +68,7 @@ class OnnxAdapter:
         run = run_ort if self.runtime == "onnxruntime" else run_reference
         return run(model, inputs)
 
-    def decode(self, data, dtype: str) -> np.ndarray:
+    def decode(self, data: CaseData, dtype: str) -> np.ndarray:
         """``data.case.steps`` through a ``kv_cache=True`` export from an empty
         cache, feeding each step's present_* back as past_*."""
         model = build_model(data.params, data.config, opset=self.opset, causal=True, kv_cache=True, dtype=dtype)
@@ -79,5 +81,5 @@ class OnnxAdapter:
             outs.append(step["output"])
         return np.concatenate(outs[1:], axis=1)
 
-    def gradients(self, data, dtype: str) -> dict[str, np.ndarray]:
+    def gradients(self, data: CaseData, dtype: str) -> dict[str, np.ndarray]:
         raise NotImplementedError("exported ONNX inference graphs have no gradients")
