@@ -175,18 +175,26 @@ _REDO_RESULTS = (
 _REDO_COST = "move it away, then measure the cost again (--cost-only)"
 
 
-def _read_json_dict(path: Path, flag: str, remedy: str = "") -> dict[str, Any] | None:
+def _read_json_dict(path: Path, flag: str, remedy: str = "", *, fields: bool = True) -> dict[str, Any] | None:
     """The JSON object in ``path``, or None when there is no such file; exit 2 naming ``flag``, the
     file and what is wrong (and ``remedy``) when it cannot be read, is not valid JSON or is no object.
 
     Every results and cost file the command reads goes through here, before any work: a file cut off
     mid-write (a machine that died, a copy that stopped) was taken for an absent one and silently
-    replaced, and with it the variants or measurements it held.
+    replaced, and with it the variants or measurements it held. A results or cost file must also
+    hold every field the commands read (``check_results_object``) unless ``fields`` is False.
     """
+    from ._jsonfile import check_results_object
     from ._report import read_json_object
+    from ._tasks import RESULTS_FORMAT
 
     try:
-        return read_json_object(path)
+        obj = read_json_object(path)
+        # A results or cost file without a field the command reads: named now, not as a KeyError
+        # traceback after the training.
+        if fields and obj is not None and obj.get("format") == RESULTS_FORMAT:
+            check_results_object(path, obj)
+        return obj
     except DamchaValueError as exc:
         _fail(flag, f"{exc}{'; ' + remedy if remedy else ''}")
 
@@ -198,20 +206,16 @@ def _read_results(flag: str, path_text: str, task: str | None) -> dict[str, Any]
         _fail(flag, f"{path_text!r} does not exist")
     from ._tasks import RESULTS_FORMAT
 
-    if obj.get("format") != RESULTS_FORMAT or obj.get("kind") == "cost":
+    if obj.get("kind") == "cost":
+        _fail(flag, f"{path_text!r} is a cost file (TASK_cost.json), not a results file (TASK.json)")
+    if obj.get("format") != RESULTS_FORMAT:
         _fail(
             flag,
             f"{path_text!r} is not a damcha experiment results file (format {obj.get('format')!r}, "
             f"expected {RESULTS_FORMAT!r})",
         )
-    missing = [
-        k for k in ("task", "suite", "metric", "higher_is_better", "seeds", "config", "variants") if k not in obj
-    ]
-    if missing or not isinstance(obj.get("variants"), dict) or not obj["variants"]:
-        _fail(flag, f"{path_text!r} is missing {missing or ['variants']}")
-    for name, v in obj["variants"].items():
-        if not isinstance(v, dict) or not all(k in v for k in ("runs", "test", "kind", "lr_sweep", "params")):
-            _fail(flag, f"{path_text!r}: variant {name!r} is incomplete")
+    if not obj["variants"]:
+        _fail(flag, f"{path_text!r} holds no variant")
     if task is not None and obj["task"] != task:
         _fail(flag, f"{path_text!r} holds task {obj['task']!r}, not {task!r}")
     return obj
@@ -247,7 +251,7 @@ def _check_results_files(out: Path, name: str, preset: Any, device_type: Any) ->
     for kind in OUTPUT_SUFFIXES if out.is_dir() else ():
         cu.check_output_file(output_path(out, name, kind), "--out", prog=PROG)
     for path, remedy in ((output_path(out, name, "json"), _REDO_RESULTS), (output_path(out, name, "cost"), _REDO_COST)):
-        obj = _read_json_dict(path, "--out", remedy)
+        obj = _read_json_dict(path, "--out", remedy, fields=False)  # another run's file: say that first
         if obj is None:
             continue
         differ = [
@@ -261,6 +265,7 @@ def _check_results_files(out: Path, name: str, preset: Any, device_type: Any) ->
                 f"{path} holds the results of another run ({'; '.join(differ)}); results files are named by task, "
                 "not by preset or device, so this command would replace them: give it another --out",
             )
+        _read_json_dict(path, "--out", remedy)  # merged into after the training: every field it reads now
 
 
 def _suite_order(names: Iterable[str], suite: str) -> list[str]:

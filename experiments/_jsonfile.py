@@ -109,3 +109,80 @@ def require_fields(path: str | Path, obj: dict[str, Any], fields: tuple[str, ...
     if missing:
         raise IncompleteJsonObject(Path(path), f"lacks {', '.join(missing)}")
     return obj
+
+
+# What the report, the merge into --out and --from-json read from a task's results file and from a
+# cost file, at each level: a file a hand edit or an older tool left without one of them ended those
+# commands with a KeyError traceback (after the training, for a results file in --out). The sets are
+# the fields every format of each file has held (the cost format before cost_format 2 included).
+RESULTS_FILE_FIELDS = ("task", "suite", "preset", "metric", "higher_is_better", "seeds", "config", "variants")
+RESULTS_CONFIG_FIELDS = ("margin", "max_steps", "thresholds")
+RESULTS_VARIANT_FIELDS = ("kind", "runs", "params", "chosen_lr", "test", "steps", "lr_sweep", "divergences")
+RESULTS_RUN_FIELDS = (
+    "seed",
+    "diverged",
+    "test_metric",
+    "stop_reason",
+    "steps",
+    "steps_to_threshold",
+    "loss_spikes",
+    "curve",
+)
+RESULTS_CURVE_FIELDS = ("step", "val_metric", "test_metric", "train_time_s")
+COST_FILE_FIELDS = ("task", "batch", "cost_rounds", "cost_steps", "environment", "variants")
+COST_VARIANT_FIELDS = (
+    "params",
+    "activation_bytes",
+    "round_s_per_step",
+    "time_ratio_vs_mha",
+    "train_bytes_ratio_vs_mha",
+    "s_per_step",
+)
+
+
+def _require_at(path: Path, obj: Any, fields: tuple[str, ...], where: str) -> None:
+    if not isinstance(obj, dict):
+        raise IncompleteJsonObject(
+            path, f"holds {where or 'its top level'} as a JSON {type(obj).__name__}, expected an object"
+        )
+    missing = [k for k in fields if k not in obj]
+    if missing:
+        at = f" at {where}" if where else ""
+        raise IncompleteJsonObject(path, f"lacks {', '.join(missing)}{at}")
+
+
+def check_results_object(path: str | Path, obj: dict[str, Any]) -> dict[str, Any]:
+    """``obj``, a task's results file or a cost file (``kind == "cost"``) read from ``path``, if it
+    holds every field the commands read (``RESULTS_*_FIELDS``, ``COST_*_FIELDS``) and a cost file's
+    round times are positive finite numbers; ``IncompleteJsonObject`` naming the file, the field and
+    where it is missing otherwise (``lacks test at variants['mha']``)."""
+    path = Path(path)
+    if obj.get("kind") == "cost":
+        _require_at(path, obj, COST_FILE_FIELDS, "")
+        _require_at(path, obj["variants"], (), "variants")
+        for name, entry in obj["variants"].items():
+            where = f"variants[{name!r}]"
+            _require_at(path, entry, COST_VARIANT_FIELDS, where)
+            rounds = entry["round_s_per_step"]
+            if not isinstance(rounds, list) or not rounds:
+                raise IncompleteJsonObject(path, f"holds {where}['round_s_per_step']={rounds!r}, expected a list")
+            for i, value in enumerate(rounds):
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                    raise IncompleteJsonObject(
+                        path, f"holds {where}['round_s_per_step'][{i}]={value!r}, expected a time > 0 in seconds"
+                    )
+        return obj
+    _require_at(path, obj, RESULTS_FILE_FIELDS, "")
+    _require_at(path, obj["config"], RESULTS_CONFIG_FIELDS, "config")
+    _require_at(path, obj["variants"], (), "variants")
+    for name, variant in obj["variants"].items():
+        where = f"variants[{name!r}]"
+        _require_at(path, variant, RESULTS_VARIANT_FIELDS, where)
+        if not isinstance(variant["runs"], list):
+            raise IncompleteJsonObject(
+                path, f"holds {where}['runs'] as a JSON {type(variant['runs']).__name__}, expected a list"
+            )
+        for i, run in enumerate(variant["runs"]):
+            _require_at(path, run, RESULTS_RUN_FIELDS, f"{where}['runs'][{i}]")
+            _require_at(path, run["curve"], RESULTS_CURVE_FIELDS, f"{where}['runs'][{i}]['curve']")
+    return obj

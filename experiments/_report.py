@@ -20,7 +20,14 @@ from damcha_core import DamchaValueError
 from damcha_core import _cliutil as cu
 
 from . import _analysis as an
-from ._jsonfile import RESULT_FIELDS, JsonFileError, NotAJsonObject, read_json_object, require_fields
+from ._jsonfile import (
+    RESULT_FIELDS,
+    JsonFileError,
+    NotAJsonObject,
+    check_results_object,
+    read_json_object,
+    require_fields,
+)
 from ._tasks import RESULTS_FORMAT
 
 # Small figures at low dpi: the PNGs are committed to the repository.
@@ -566,6 +573,7 @@ def load_folder(
                 f"{len(variants) if isinstance(variants, dict) else 'no'} variants); expected a task and at "
                 "least one variant: delete it or rerun the experiment"
             )
+        check_results_object(path, obj)  # a field the report reads is missing: named, not a KeyError
         if obj.get("kind") == "cost":
             (ablation_cost if obj.get("suite") == "ablation" else cost)[obj["task"]] = obj
         elif obj.get("suite") == "ablation":

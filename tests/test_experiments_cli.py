@@ -186,7 +186,8 @@ def test_good_from_json_replaces_an_earlier_file_atomically(workdir):
     (workdir / "broken.json").write_text(json.dumps(broken))
     before = _snapshot(workdir)
     proc = _run(["crosshead", "--from-json", "broken.json", "--out", "good", "--no-plots"], workdir)
-    assert proc.returncode == 2 and "--from-json" in proc.stderr and "incomplete" in proc.stderr, proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and line.endswith("--from-json: broken.json lacks steps at variants['mha']"), line
     assert _snapshot(workdir) == before
 
 
@@ -681,3 +682,55 @@ def test_cost_subsets_merge_into_the_all_variant_cost_file(tmp_path, monkeypatch
     code, err = _main([*cost, "mha", "--out", str(split)], capsys)
     assert code == 0 and "already holds" not in err, err
     assert list(json.loads((split / "digits_cost.json").read_text())["variants"]) == ["mha"]
+
+
+@pytest.mark.parametrize(
+    "file, damage, message",
+    [
+        (
+            "digits_cost.json",
+            lambda o: o["variants"]["mha"]["round_s_per_step"].__setitem__(0, 0.0),
+            "holds variants['mha']['round_s_per_step'][0]=0.0, expected a time > 0 in seconds",
+        ),
+        ("digits_cost.json", lambda o: o.pop("batch"), "lacks batch"),
+        ("digits.json", lambda o: o.pop("config"), "lacks config"),
+        (
+            "digits.json",
+            lambda o: o["variants"]["mha"]["runs"][0]["curve"].pop("val_metric"),
+            "lacks val_metric at variants['mha']['runs'][0]['curve']",
+        ),
+    ],
+    ids=["zero-round-time", "cost-field", "results-field", "curve-field"],
+)
+def test_a_results_or_cost_file_without_a_field_is_named_in_report_and_training(
+    file, damage, message, tmp_path, capsys
+):
+    """A file of the results format lacking a field the commands read ended the report with a
+    KeyError traceback (exit 1), and training into its folder with one after the training; a cost
+    file's zero round time with a traceback not naming the file. Now exit 2 before any work, naming
+    the file and where the field is missing."""
+    out = tmp_path / "out"
+    code, err = _main(["digits", *SMOKE, "--variants", "mha", "--out", str(out)], capsys)
+    assert code == 0, err
+    obj = json.loads((out / file).read_text())
+    damage(obj)
+    (out / file).write_text(json.dumps(obj))
+    before = _snapshot(tmp_path)
+    for args, prog in (
+        (["report", str(out), "--no-plots"], "damcha experiment report"),
+        (["digits", *SMOKE, "--variants", "mha", "--lrs", "3e-3", "--out", str(out)], "damcha experiment"),
+    ):
+        code, err = _main(args, capsys)
+        assert code == 2, err
+        (line,) = err.strip().splitlines()
+        assert line.startswith(f"{prog}: error: ") and f"{out / file} {message}" in line, line
+        assert _snapshot(tmp_path) == before  # nothing trained, nothing written
+
+
+def test_from_json_of_a_cost_file_says_so(digits_results, tmp_path, capsys):
+    """It said "(format 'damcha-experiment/2', expected 'damcha-experiment/2')"."""
+    out = tmp_path / "out"
+    code, err = _main(["digits", *SMOKE, "--variants", "mha", "--out", str(out)], capsys)
+    assert code == 0, err
+    code, err = _main(["digits", "--from-json", str(out / "digits_cost.json"), "--no-plots"], capsys)
+    assert code == 2 and "is a cost file (TASK_cost.json), not a results file (TASK.json)" in err, err
