@@ -28,7 +28,7 @@ from ._cases import (
     materialise_error,
     reference_directional,
 )
-from ._runner import Report, Result, check_case, check_decode, check_error, run_conformance
+from ._runner import Check, Report, Result, check_case, check_decode, check_error, run_conformance
 from ._tolerances import DTYPES, TOLERANCES, Tolerance, tolerance
 from .adapters import load_adapter
 from .adapters._reference import ReferenceAdapter
@@ -39,6 +39,7 @@ __all__ = [
     "CORRUPTIONS",
     "Case",
     "CaseData",
+    "Check",
     "DECODE_CATALOGUE",
     "DTYPES",
     "DecodeCase",

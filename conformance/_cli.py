@@ -80,7 +80,9 @@ def _parser() -> argparse.ArgumentParser:
         help="a backend that is not installed is a failure, not only a gap "
         "(default when DAMCHA_REQUIRE_ALL_BACKENDS=1)",
     )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar or lines")
+    p.add_argument(
+        "--no-progress", action="store_true", help="no progress bar: one line as each backend starts and one as it ends"
+    )
     p.add_argument("--in-process", action="store_true", help="run in this process (one backend or adapter only)")
     p.add_argument("--progress-protocol", action="store_true", help=argparse.SUPPRESS)  # worker mode
     p.add_argument("--probe-adapter", metavar="SPEC", help=argparse.SUPPRESS)  # build and check SPEC (_probe)

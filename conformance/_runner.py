@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import traceback
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -236,7 +237,13 @@ def check_gradients(adapter: BackendAdapter, case: Case, dtype: str) -> Result:
             )
         expected_keys = set(gradient_targets(data))
         if set(grads) != expected_keys:
-            raise KeyError(f"gradients keys {sorted(grads)} != expected {sorted(expected_keys)}")
+            missing, extra = sorted(expected_keys - set(grads)), sorted(set(grads) - expected_keys)
+            raise KeyError(
+                "gradients(data, dtype) must return one gradient per target of gradient_targets(data): "
+                + "; ".join(
+                    f"{what} {names}" for what, names in (("missing", missing), ("not a target", extra)) if names
+                )
+            )
         worst = (0.0, 0.0, "")
         seen: dict[str, tuple[float, float, bool]] = {}  # target -> (dd, dd_ref, all zero), for the detail
         failed = 0
@@ -304,17 +311,21 @@ def _rejects(base: dict[str, Any], case: ErrorCase, run: Callable[[], Any]) -> R
         out = run()
     except ValueError as exc:
         message = str(exc)
-        named = any(
-            f"`{n}" in message or f"{n}.shape" in message or f"{n}=" in message or f"_{n}" in message
-            for n in case.names
-        )
-        said = "Received" in message or "received" in message
+        # The argument as a word of its own (`query`, query.shape=, key_padding_mask), and what was
+        # received ("Received: ...", Python's "got ..."): a port's own wording passes, a message
+        # that names neither does not.
+        named = any(re.search(rf"(?<![A-Za-z0-9]){re.escape(n)}(?![A-Za-z0-9])", message) for n in case.names)
+        said = re.search(r"\b(received|got)\b", message, re.IGNORECASE) is not None
         status = "pass" if named and said else "fail"
-        why = (
-            ""
-            if status == "pass"
-            else (f"message must name {case.argument!r} (or one of {case.names}) and say what it received: ")
-        )
+        lacks = [
+            what
+            for what, ok in (
+                (f"name {case.argument!r} (or one of {case.names})", named),
+                ("say what it received", said),
+            )
+            if not ok
+        ]
+        why = "" if status == "pass" else f"message must {' and '.join(lacks)}: "
         return Result(**base, status=status, detail=f"{why}{type(exc).__name__}: {message.strip()[:300]}")
     except Exception as exc:  # noqa: BLE001 - a crash deep inside a kernel is a failed case, not a clear error
         return Result(

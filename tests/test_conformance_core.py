@@ -201,7 +201,36 @@ class _Lenient(dcf.ReferenceAdapter):
             if any(getattr(data, n) is not getattr(valid, n) for n in ("query", "context", "value", "mask")):
                 raise ValueError("shape mismatch")
             return super().forward(data, dtype)
-        raise AssertionError(self.flaw)
+        wrong = [
+            n
+            for n in ("query", "context", "value", "mask")
+            if getattr(getattr(data, n), "shape", None) != getattr(getattr(valid, n), "shape", None)
+        ]
+        if not wrong:
+            return super().forward(data, dtype)
+        shape = getattr(data, wrong[0]).shape
+        message = {
+            # A port's own clear wording passes (the rule asked for backticks or name= and "received").
+            "own-words": f"Invalid {wrong[0]}: expected another shape, got {shape}",
+            "names-only": f"`{wrong[0]}` has the wrong shape",
+            "received-only": f"bad shape; received {shape}",
+        }[self.flaw]
+        raise ValueError(message)
+
+
+@pytest.mark.parametrize(
+    "flaw, lacks",
+    [("own-words", None), ("names-only", "say what it received"), ("received-only", "name ")],
+)
+def test_error_rule_reads_the_ports_own_words(flaw, lacks):
+    report = dcf.run_conformance(_Lenient(flaw), cases=[])
+    rejects = [r for r in report.results if r.check == "rejects"]
+    assert len(rejects) == len(dcf.ERROR_CATALOGUE)
+    if lacks is None:
+        assert all(r.status == "pass" for r in rejects), report.summary()
+    else:
+        assert all(r.status == "fail" and f"message must {lacks}" in r.detail for r in rejects), report.summary()
+        assert all(" and " not in r.detail.split(":")[0] for r in rejects)  # only what it lacks
 
 
 @pytest.mark.parametrize("flaw", ["fits-input", "vague-error"])
