@@ -114,7 +114,7 @@ def _train_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--eval-size", type=_positive_int, default=None, help="validation and test examples (charlm: windows) each"
     )
-    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:N (default cpu)")
+    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:N, mps, xpu or xpu:N (default cpu)")
     # Bounded by the CPUs: torch.set_num_threads(100000) crashed the process (a segfault, no message).
     cpus = os.cpu_count() or 1
     p.add_argument(
@@ -300,7 +300,21 @@ def _merge_subset(path: Path, results: dict[str, Any], suite: str) -> dict[str, 
         return results
     # Compared through JSON: the config's tuples are lists in the file.
     mine = json.loads(json.dumps({k: results[k] for k in ("task", "suite", "preset", "device", "config")}))
-    if any(old.get(k) != v for k, v in mine.items()):
+    differ = [k for k, v in mine.items() if old.get(k) != v]
+    if differ:
+        dropped = [n for n in old["variants"] if n not in results["variants"]]
+        if dropped:  # they were replaced without a word; their runs stay in runs/, under their own config
+            fields = ", ".join(
+                sorted({f"config.{c}" for c in mine["config"] if old.get("config", {}).get(c) != mine["config"][c]})
+                if differ == ["config"] and isinstance(old.get("config"), dict)
+                else differ
+            )
+            print(
+                f"{PROG}: note: {path} held {', '.join(dropped)} of another run (differing: {fields}): replaced by "
+                "this command's variants only (the runs of those stay in runs/; the same command with their "
+                "settings writes them back)",
+                file=sys.stderr,
+            )
         return results
     kept = {n: v for n, v in old["variants"].items() if n not in results["variants"]}
     if not kept:
@@ -435,7 +449,7 @@ def _note_runs_elsewhere(out: Path, cfg, variants: list[str], device_type: str) 
 
 def _check_device(text: str) -> str:
     if not re.fullmatch(r"cpu|cuda(:\d+)?|mps|xpu(:\d+)?|meta", text):
-        _fail("--device", f"expected cpu, cuda or cuda:N, got {text!r}")
+        _fail("--device", f"expected cpu, cuda, cuda:N, mps, xpu or xpu:N. Received: {text!r}")
     if text == "meta":
         _fail("--device", "the meta device holds no data, so nothing can train on it")
     if text == "cpu":

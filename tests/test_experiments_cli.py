@@ -413,6 +413,9 @@ def test_subsets_in_sequence_merge_into_the_all_variant_results(tmp_path, capsys
     assert code == 0, err
     assert "already holds" not in err
     assert list(json.loads((split / "digits.json").read_text())["variants"]) == ["mha"]
+    # ... and says so (talking-heads went without a word).
+    (note,) = [line for line in err.splitlines() if "of another run" in line]
+    assert f"{split / 'digits.json'} held talking-heads of another run (differing: config.max_steps)" in note, note
 
 
 def test_a_merged_results_file_times_every_command_it_holds(tmp_path, monkeypatch, capsys):
