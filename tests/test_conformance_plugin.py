@@ -123,6 +123,7 @@ def test_under_xdist_the_controller_gathers_the_results(tmp_path):
 def test_bad_options_are_usage_errors(tmp_path):
     proc = run_pytest(tmp_path, "--damcha-adapter", "nosuchmodule:X")
     assert proc.returncode == 4 and "--damcha-adapter" in proc.stderr and "not importable" in proc.stderr
+    assert "is it on PYTHONPATH?" in proc.stderr  # as damcha conform says
     proc = run_pytest(tmp_path, "--damcha-adapter", "reference", "--damcha-dtype", "bfloat16")
     assert proc.returncode == 4 and "bfloat16 not among the adapter's dtypes (float64)" in proc.stderr
     proc = run_pytest(tmp_path, "--damcha-xfails", "x.txt")

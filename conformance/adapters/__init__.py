@@ -167,7 +167,8 @@ def load_adapter(spec: str) -> BackendAdapter:
             invalid_argument(
                 "spec",
                 "module:attr naming an importable module",
-                f"spec={spec!r} (not importable: no module named {module_name.split('.')[0]!r})",
+                f"spec={spec!r} (not importable: no module named {module_name.split('.')[0]!r}; is it on "
+                "PYTHONPATH? pytest and damcha do not look in the current folder, python -m pytest does)",
             )
         )
     try:
