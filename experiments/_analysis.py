@@ -975,17 +975,23 @@ def verdicts(
         ci = "no interval" if r["time_ci"] is None else f"[{r['time_ci'][0]:.2f}, {r['time_ci'][1]:.2f}]"
         return f"{r['variant']} ({r['task']}: time {r['time_ratio']:.2f} {ci}, memory {r['memory_ratio']:.2f})"
 
-    tasks3 = sorted({r["task"] for r in rows3})
-    all_over = [t for t in tasks3 if all(r["status"] == "over" for r in rows3 if r["task"] == t)]
-    untimed = [f"{task} ({why})" for task, cost in costs.items() if (why := no_time_ratio(cost)) is not None]
     # A cost file of a --variants subset: "every variant within" would be read off the ones measured.
-    unmeasured = [
-        f"{name} ({task})"
+    missing = [
+        (name, task)
         for task, cost in costs.items()
         if task in headline
         for name in damcha_names(headline[task])
         if name not in cost["variants"]
     ]
+    unmeasured = [f"{name} ({task})" for name, task in missing]
+    tasks3 = sorted({r["task"] for r in rows3})
+    # A task whose cost file lacks some headline DAMCHA variant: "every one over" is not known there.
+    all_over = [
+        t
+        for t in tasks3
+        if all(r["status"] == "over" for r in rows3 if r["task"] == t) and t not in {task for _, task in missing}
+    ]
+    untimed = [f"{task} ({why})" for task, cost in costs.items() if (why := no_time_ratio(cost)) is not None]
     if not rows3:
         verdict = "inconclusive"
         reason = f"no time ratio: {'; '.join(untimed)}" if untimed else "no cost measurement"
@@ -1008,7 +1014,7 @@ def verdicts(
             for status, label in (("over", "over the tolerance"), ("uncertain", "interval straddles it"))
             if any(r["status"] == status for r in rows3)
         ]
-        reason = "; ".join(parts)
+        reason = "; ".join(parts + ([f"not measured: {', '.join(unmeasured)}"] if unmeasured else []))
     if caveats and rows3:
         reason += f"; caveat: {'; '.join(caveats)}"
     # Beside the rule: does the accuracy picture survive at equal training time?

@@ -154,7 +154,8 @@ def _require_at(path: Path, obj: Any, fields: tuple[str, ...], where: str) -> No
 def check_results_object(path: str | Path, obj: dict[str, Any]) -> dict[str, Any]:
     """``obj``, a task's results file or a cost file (``kind == "cost"``) read from ``path``, if it
     holds every field the commands read (``RESULTS_*_FIELDS``, ``COST_*_FIELDS``) and a cost file's
-    round times are positive finite numbers; ``IncompleteJsonObject`` naming the file, the field and
+    round times are positive finite numbers wherever it states a time ratio (a clock that could not
+    time the steps writes zero rounds and no ratio: the report says n/a); ``IncompleteJsonObject`` naming the file, the field and
     where it is missing otherwise (``lacks test at variants['mha']``)."""
     path = Path(path)
     if obj.get("kind") == "cost":
@@ -163,14 +164,19 @@ def check_results_object(path: str | Path, obj: dict[str, Any]) -> dict[str, Any
         for name, entry in obj["variants"].items():
             where = f"variants[{name!r}]"
             _require_at(path, entry, COST_VARIANT_FIELDS, where)
-            rounds = entry["round_s_per_step"]
-            if not isinstance(rounds, list) or not rounds:
-                raise IncompleteJsonObject(path, f"holds {where}['round_s_per_step']={rounds!r}, expected a list")
-            for i, value in enumerate(rounds):
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-                    raise IncompleteJsonObject(
-                        path, f"holds {where}['round_s_per_step'][{i}]={value!r}, expected a time > 0 in seconds"
-                    )
+            if entry["time_ratio_vs_mha"] is None:
+                continue  # a clock that could not time the steps: its zero rounds are said as n/a
+            for key in ("round_s_per_step", "mha_round_s_per_step"):
+                rounds = entry.get(key)
+                if key not in entry:
+                    continue
+                if not isinstance(rounds, list) or not rounds:
+                    raise IncompleteJsonObject(path, f"holds {where}[{key!r}]={rounds!r}, expected a list")
+                for i, value in enumerate(rounds):
+                    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                        raise IncompleteJsonObject(
+                            path, f"holds {where}[{key!r}][{i}]={value!r}, expected a time > 0 in seconds"
+                        )
         return obj
     _require_at(path, obj, RESULTS_FILE_FIELDS, "")
     _require_at(path, obj["config"], RESULTS_CONFIG_FIELDS, "config")

@@ -253,6 +253,10 @@ def test_claim3_is_not_supported_off_a_subset_of_the_variants():
     assert claim3["verdict"] == "inconclusive", claim3["reason"]
     assert "not measured: damcha-heads-query (crosshead)" in claim3["reason"]
     assert _claim3(_cost(1.1))["verdict"] == "supported"  # the same file, every variant measured
+    # Every measured one over, but not every one measured: not "not supported" either.
+    claim3 = an.verdicts({"crosshead": res}, {}, {"crosshead": _cost(2.0)})[2]
+    assert claim3["verdict"] == "inconclusive" and "not measured: damcha-heads-query (crosshead)" in claim3["reason"]
+    assert _claim3(_cost(2.0))["verdict"] == "not supported"
 
 
 def test_report_keeps_an_ablation_cost_file_out_of_claim3(tmp_path):

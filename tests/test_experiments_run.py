@@ -405,6 +405,10 @@ def test_clocks_that_cannot_time_a_step_give_no_ratio_and_say_why(bad, read, mon
     assert "no time ratio: thread CPU time" in cost_caption(cost)
     reason = an.no_time_ratio(cost)
     assert reason == f"thread CPU time: {cost['unusable_clocks']['thread_time']}", reason
+    # The commands read such a file (its zero or non-finite rounds state no ratio), not refuse it.
+    from damcha_experiments._jsonfile import check_results_object
+
+    check_results_object("crosshead_cost.json", json.loads(json.dumps(cost)) | {"format": "damcha-experiment/2"})
 
 
 def test_choose_clock_picks_thread_time_only_for_one_cpu_thread():
