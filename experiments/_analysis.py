@@ -657,6 +657,16 @@ def cap_note(results: dict[str, Any]) -> str | None:
 
 def _cap_notes(results_by_task: dict[str, dict[str, Any]]) -> str:
     notes = [f"{t}: {n}" for t, r in results_by_task.items() if (n := cap_note(r)) is not None]
+    # A verdict drawn across tasks of different presets (a smoke file beside full ones), or on a
+    # preset meant for trying the code: said, not silently combined.
+    presets = {t: r.get("preset") for t, r in results_by_task.items()}
+    trial = sorted(t for t, p in presets.items() if p not in _PROTOCOL_PRESETS)
+    if trial:
+        notes.append(
+            "preset " + ", ".join(f"{t} {presets[t]!r}" for t in trial) + " is for trying the code, not a protocol"
+        )
+    elif len(set(presets.values())) > 1:
+        notes.append("presets differ: " + ", ".join(f"{t} {p!r}" for t, p in presets.items()))
     return f" (read with care: {'; '.join(notes)})" if notes else ""
 
 

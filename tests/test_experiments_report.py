@@ -911,3 +911,20 @@ def test_claim2_reads_listops3x3_in_listops_place_once_its_protocol_has_finished
     for partial in (short, missing, smoke, cut):
         v = an.verdicts(tasks | {"listops3x3": partial}, {}, {})[1]
         assert [g["task"] for g in v["tasks"]] == ["charlm", "listops", "digits"] and v["verdict"] == "not supported"
+
+
+def test_verdicts_say_when_tasks_of_different_presets_are_combined():
+    """Claim 2 combined a smoke file with full ones without a word (the verdict read as the protocol's)."""
+    from damcha_experiments._variants import HEADLINE
+
+    good = {n: _base(0.6) for n in ("mha", "talking-heads")} | {
+        n: _other(0.7) for n in HEADLINE if n.startswith("damcha")
+    }
+    lm = _results("charlm", {n: [2.0 - (v - 0.6) for v in good[n]] for n in HEADLINE}, higher=False)
+    tasks = {"charlm": lm, "listops": _results("listops", good), "digits": _results("digits", good)}
+    assert "preset" not in an.verdicts(tasks, {}, {})[1]["reason"]
+    smoke = tasks | {"digits": dict(tasks["digits"], preset="smoke")}
+    assert "preset digits 'smoke' is for trying the code, not a protocol" in an.verdicts(smoke, {}, {})[1]["reason"]
+    mixed = tasks | {"digits": dict(tasks["digits"], preset="large")}
+    reason = an.verdicts(mixed, {}, {})[1]["reason"]
+    assert "presets differ: charlm 'full', listops 'full', digits 'large'" in reason, reason
