@@ -986,20 +986,20 @@ def verdicts(
         return f"{r['variant']} ({r['task']}: time {r['time_ratio']:.2f} {ci}, memory {r['memory_ratio']:.2f})"
 
     # A cost file of a --variants subset: "every variant within" would be read off the ones measured.
-    missing = [
+    lacking = [
         (name, task)
         for task, cost in costs.items()
         if task in headline
         for name in damcha_names(headline[task])
         if name not in cost["variants"]
     ]
-    unmeasured = [f"{name} ({task})" for name, task in missing]
+    unmeasured = [f"{name} ({task})" for name, task in lacking]
     tasks3 = sorted({r["task"] for r in rows3})
     # A task whose cost file lacks some headline DAMCHA variant: "every one over" is not known there.
     all_over = [
         t
         for t in tasks3
-        if all(r["status"] == "over" for r in rows3 if r["task"] == t) and t not in {task for _, task in missing}
+        if all(r["status"] == "over" for r in rows3 if r["task"] == t) and t not in {task for _, task in lacking}
     ]
     untimed = [f"{task} ({why})" for task, cost in costs.items() if (why := no_time_ratio(cost)) is not None]
     if not rows3:

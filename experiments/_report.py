@@ -541,7 +541,10 @@ def load_folder(
     without variants: the report would silently lack that task, or show an empty
     table.
     """
-    headline, ablation, cost, ablation_cost = {}, {}, {}, {}
+    headline: dict[str, dict] = {}
+    ablation: dict[str, dict] = {}
+    cost: dict[str, dict] = {}
+    ablation_cost: dict[str, dict] = {}
     ours = results_file_names()
     for path in sorted(folder.glob("*.json")):
         try:
