@@ -31,7 +31,7 @@ from damcha_core import DamchaError
 from damcha_core import _cliutil as cu
 
 from ._adapter import BackendAdapter
-from ._cases import CATALOGUE, DECODE_CATALOGUE, GROUPS, catalogue
+from ._cases import CATALOGUE, DECODE_CATALOGUE, ERROR_CATALOGUE, GROUPS, catalogue
 from ._runner import Report, Result, check_adapter, run_conformance
 from ._tolerances import DTYPES
 from .adapters import BUILTIN, load_adapter
@@ -422,9 +422,15 @@ def _main(argv: list[str] | None) -> int:
         from ._vectors import export_vectors
 
         with_decode = not args.case and (not args.group or "decode" in args.group)
+        with_errors = not args.case and (not args.group or "errors" in args.group)
         try:
             with cu.atomic_dir(args.export_vectors) as tmp:
-                paths = export_vectors(tmp, catalogue(args.case, args.group), DECODE_CATALOGUE if with_decode else ())
+                paths = export_vectors(
+                    tmp,
+                    catalogue(args.case, args.group),
+                    DECODE_CATALOGUE if with_decode else (),
+                    ERROR_CATALOGUE if with_errors else (),
+                )
         except OSError as exc:  # a full disk, a folder removed meanwhile: the target folder is as it was
             print(f"{PROG}: error: --export-vectors: could not write {args.export_vectors!r}: {exc}", file=sys.stderr)
             return cu.EXIT_USAGE

@@ -18,6 +18,15 @@ A port in any language with a safetensors reader checks itself with them:
    tokens into the port's key/value cache, then the remaining N, causally;
    ``expected.output`` holds the outputs of those N tokens (query i of them
    sits at position P + i and sees keys j <= P + i).
+6. Bad-input cases (``index.json``'s ``error_cases``, file names: the case id
+   with ":" written "--"; their ``error`` is not null): the inputs are those of a valid case with one tensor corrupted
+   (``error.corruption``: one feature too many, an extra leading axis, a mask
+   axis that is neither 1 nor its size, ...). The port must refuse the call
+   with its language's argument error (Python: a ``ValueError``) whose
+   message names the argument (one of ``error.names``, as a word of its own)
+   and says what it received (the word "received" or "got"); returning any
+   output fails: the input was silently sliced, padded or broadcast. There is
+   no ``expected.output``.
 """
 
 from __future__ import annotations
@@ -28,7 +37,15 @@ from pathlib import Path
 
 import numpy as np
 
-from ._cases import Case, DecodeCase, materialise, materialise_decode, reference_directional
+from ._cases import (
+    Case,
+    DecodeCase,
+    ErrorCase,
+    materialise,
+    materialise_decode,
+    materialise_error,
+    reference_directional,
+)
 from ._tolerances import TOLERANCES
 
 FORMAT = "damcha-conformance-vectors-v1"
@@ -52,10 +69,21 @@ def _entry(case: Case | DecodeCase, data, **fields) -> tuple[dict, dict]:
     return tensors, description
 
 
+def _file_stem(name: str) -> str:
+    """A bad-input case's name as a file name: ``query-features:heads-tied-self`` has a colon,
+    which Windows refuses in file names."""
+    return name.replace(":", "--")
+
+
 def export_vectors(
-    directory: str | os.PathLike, cases: list[Case], decode_cases: list[DecodeCase] | tuple[DecodeCase, ...] = ()
+    directory: str | os.PathLike,
+    cases: list[Case],
+    decode_cases: list[DecodeCase] | tuple[DecodeCase, ...] = (),
+    error_cases: list[ErrorCase] | tuple[ErrorCase, ...] = (),
 ) -> list[Path]:
-    """Write ``cases`` (and ``decode_cases``) under ``directory``; returns the JSON paths written."""
+    """Write ``cases`` (and ``decode_cases``, ``error_cases``) under ``directory``; returns the JSON
+    paths written. ``index.json`` lists the bad-input cases apart (``error_cases``), so a runner
+    written for ``cases`` never feeds them to a model."""
     from safetensors.numpy import save_file
 
     out = Path(directory)
@@ -98,12 +126,44 @@ def export_vectors(
             mask_semantics=None,
         )
         entries.append((dcase.name, tensors, description))
+    errors = []
+    for ecase in error_cases:
+        data = materialise_error(ecase)
+        tensors = {f"params.{k}": v for k, v in data.params.items()}
+        tensors["inputs.query"] = data.query
+        for key, value in (("context", data.context), ("value", data.value), ("mask", data.mask)):
+            if value is not None:
+                tensors[f"inputs.{key}"] = value
+        description = {
+            "format": FORMAT,
+            "name": ecase.name,
+            "group": ecase.group,
+            "config": ecase.base.config.to_dict(),
+            "tensors": f"{_file_stem(ecase.name)}.safetensors",
+            "causal": ecase.base.causal,
+            "self_attention": ecase.base.self_attention,
+            "mask_semantics": "bool, True = may attend; 4-D, broadcastable to (B, H, N, M)",
+            "gradients": None,
+            "decode": None,
+            "error": {
+                "corruption": ecase.corruption,
+                "argument": ecase.argument,
+                "names": list(ecase.names),
+                "base_case": ecase.base.name,
+            },
+        }
+        errors.append((_file_stem(ecase.name), tensors, description))
     written = []
-    for name, tensors, description in entries:
+    for name, tensors, description in entries + errors:
         save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(out / f"{name}.safetensors"))
         path = out / f"{name}.json"
         path.write_text(json.dumps(description, indent=1))
         written.append(path)
-    index = {"format": FORMAT, "procedure": __doc__, "cases": [name for name, _, _ in entries]}
+    index = {
+        "format": FORMAT,
+        "procedure": __doc__,
+        "cases": [name for name, _, _ in entries],
+        "error_cases": [name for name, _, _ in errors],
+    }
     (out / "index.json").write_text(json.dumps(index, indent=1))
     return written

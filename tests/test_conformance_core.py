@@ -468,6 +468,47 @@ def test_exported_decode_vectors_let_a_foreign_port_check_its_cache(tmp_path):
         assert np.all(np.abs(y - t["expected.output"]) <= tol["atol"] + tol["rtol"] * np.abs(t["expected.output"]))
 
 
+def test_exported_error_vectors_carry_the_bad_input_and_the_rule(tmp_path):
+    """The bad-input cases were not exported: a port in another language could not check the
+    "errors" group. Read from the files alone, each case's inputs are its base case's with one tensor
+    corrupted as named, and the reference refuses them as the rule asks (a ValueError naming one of
+    error.names and saying what it received)."""
+    import re
+
+    from damcha_conformance._vectors import export_vectors
+
+    export_vectors(tmp_path, [], (), dcf.ERROR_CATALOGUE)
+    index = json.loads((tmp_path / "index.json").read_text())
+    assert index["cases"] == [] and len(index["error_cases"]) == len(dcf.ERROR_CATALOGUE)
+    assert "error.names" in index["procedure"]
+    for stem, case in zip(index["error_cases"], dcf.ERROR_CATALOGUE):
+        desc = json.loads((tmp_path / f"{stem}.json").read_text())
+        assert desc["name"] == case.name and ":" not in stem and desc["error"]["corruption"] == case.corruption
+        t = load_file(str(tmp_path / desc["tensors"]))
+        cfg = dc.DamchaConfig.from_dict(desc["config"])
+        params = {k[len("params.") :]: v for k, v in t.items() if k.startswith("params.")}
+        base = dcf.materialise(case.base)
+        changed = [
+            k
+            for k in ("query", "context", "value", "mask")
+            if t.get(f"inputs.{k}") is not None and t[f"inputs.{k}"].shape != getattr(base, k).shape
+        ]
+        assert changed == [desc["error"]["argument"]], (case.name, changed)
+        with pytest.raises(ValueError) as info:
+            dc.damcha_attention(
+                params,
+                cfg,
+                t["inputs.query"],
+                t.get("inputs.context"),
+                value=t.get("inputs.value"),
+                mask=t.get("inputs.mask"),
+                causal=desc["causal"],
+            )
+        message = str(info.value)
+        assert any(re.search(rf"(?<![A-Za-z0-9]){n}(?![A-Za-z0-9])", message) for n in desc["error"]["names"])
+        assert re.search(r"\b(received|got)\b", message, re.IGNORECASE), message
+
+
 def test_cli_reference_run_and_json(tmp_path):
     out = tmp_path / "report.json"
     proc = subprocess.run(
@@ -513,6 +554,17 @@ def test_cli_export_vectors(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("*.json")) == sorted(
         ["index.json"] + [f"{c.name}.json" for c in dcf.catalogue(groups=["long"])]
     )
+    # The whole catalogue: the bad-input cases too, listed apart from the cases a model runs.
+    everything = tmp_path / "all"
+    proc = subprocess.run(
+        [sys.executable, "-m", "damcha_core._cli", "conform", "--export-vectors", str(everything)],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    index = json.loads((everything / "index.json").read_text())
+    assert len(index["error_cases"]) == len(dcf.ERROR_CATALOGUE)
+    assert index["cases"] == [c.name for c in dcf.CATALOGUE] + [c.name for c in dcf.DECODE_CATALOGUE]
 
 
 def test_case_rejects_unknown_mask_kind():
