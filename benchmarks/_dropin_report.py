@@ -81,7 +81,7 @@ Commands (`make bench` runs the first with the other benchmarks):
     .venv/bin/python benchmarks/bench_dropin.py                      # every port and section
     .venv/bin/python benchmarks/bench_dropin.py --port torch --section decode
     .venv/bin/python benchmarks/bench_dropin.py --resume benchmarks/results/dropin-<stamp>.json
-    .venv/bin/python benchmarks/bench_dropin.py --report             # rewrite this section from the newest results
+    .venv/bin/python benchmarks/bench_dropin.py --report             # rewrite this section from the files it lists
     .venv/bin/python benchmarks/_counts.py --detail                  # aten calls / jaxpr equations, DAMCHA beside MHA
 
 A full run takes about 3 hours on the idle 2-core machine (PyTorch ~55 min,
@@ -357,6 +357,18 @@ def render(runs: list[dict[str, Any]], entries: list[dict[str, Any]]) -> str:
             out.append("")
     out.append(END)
     return "\n".join(out) + "\n"
+
+
+def listed_files(doc: str | Path, *, begin: str = BEGIN, end: str = END) -> list[Path]:
+    """The result files the section in ``doc`` was written from (its run lines' ``--json FILE``),
+    in the order listed; empty when the section is absent or lists none."""
+    path = Path(doc)
+    text = path.read_text() if path.exists() else ""
+    match = re.search(re.escape(begin) + r"(.*?)" + re.escape(end), text, re.S)
+    if match is None:
+        return []
+    names = re.findall(r"--json (\S+?\.json)", match.group(1))
+    return [Path(n) for n in dict.fromkeys(names)]
 
 
 def write_section(doc: str | Path, text: str, *, begin: str = BEGIN, end: str = END) -> None:

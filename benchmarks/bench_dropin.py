@@ -101,7 +101,7 @@ def _parser() -> argparse.ArgumentParser:
         nargs="*",
         type=Path,
         metavar="FILE",
-        help="only rewrite the docs section from these result files (default: the newest)",
+        help="only rewrite the docs section from these result files (default: those the section lists, else the newest)",
     )
     # Internal: one port's worker, and one peak-memory measurement in a fresh process.
     p.add_argument("--worker", choices=PORTS, help=argparse.SUPPRESS)
@@ -118,10 +118,14 @@ def report(paths: list[Path], docs: Path, *, allow_tiny: bool = False) -> int:
     import _dropin_report as rep
 
     if not paths:
-        found = sorted(RESULTS.glob("dropin-*.json"))
-        if not found:
-            print(f"no results in {RESULTS}; writing the 'not yet measured' section", file=sys.stderr)
-        paths = found[-1:]
+        # The files the section was written from: it pools many runs (ports, sections, machines),
+        # and the newest file alone rewrote it as that one run's few rows.
+        paths = rep.listed_files(docs)
+        if not paths:
+            found = sorted(RESULTS.glob("dropin-*.json"))
+            if not found:
+                print(f"no results in {RESULTS}; writing the 'not yet measured' section", file=sys.stderr)
+            paths = found[-1:]
     runs, entries = rep.load(paths)
     if not allow_tiny and any(r.get("tiny") for r in runs):
         print("refusing to write --tiny results into the docs (they measure nothing)", file=sys.stderr)

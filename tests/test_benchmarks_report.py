@@ -82,6 +82,33 @@ def test_runs_of_one_commit_are_pooled(two_runs: tuple[Path, Path, list[float]])
     assert "--json a.json" in text and "--json b.json" in text
 
 
+def test_report_without_files_rewrites_the_section_from_the_files_it_lists(tmp_path: Path) -> None:
+    """`bench_dropin.py --report` with no file took the newest result file alone: run on the real
+    doc it rewrote the pooled section (172 entries from 31 files) as one run's rows, dropping every
+    miss. Now it reads the files the section's run lines list, in their order."""
+    import bench_dropin
+
+    old = _result_file(tmp_path / "a.json", "abc123", [1.2, 1.2, 1.2], [1.0, 1.0, 1.0])
+    other = json.loads(old.read_text())
+    other["entries"]["torch/layer/self/forward/N=256"] = dict(
+        other["entries"].pop(ENTRY_ID), id="torch/layer/self/forward/N=256", case="self"
+    )
+    newest = tmp_path / "b.json"
+    newest.write_text(json.dumps(other))
+    for path in (old, newest):  # the run lines name the files as the command gave them
+        data = json.loads(path.read_text())
+        data["runs"][0]["command"] = f"bench_dropin.py --json {path}"
+        path.write_text(json.dumps(data))
+    doc = tmp_path / "doc.md"
+    doc.write_text("# Benchmarks\n\nkept\n")
+    _dropin_report.write_section(doc, _dropin_report.render(*_dropin_report.load([old, newest])))
+    written = doc.read_text()
+    assert _dropin_report.listed_files(doc) == [old, newest]
+    assert bench_dropin.report([], doc) == 0
+    assert doc.read_text() == written
+    assert _dropin_report.listed_files(tmp_path / "missing.md") == []
+
+
 def test_runs_of_different_commits_are_not_pooled(tmp_path: Path) -> None:
     first = _result_file(tmp_path / "a.json", "abc123", [1.2, 1.2, 1.2], [1.0, 1.0, 1.0])
     second = _result_file(tmp_path / "b.json", "def456", [2.0, 2.0, 2.0], [2.0, 2.0, 2.0])
