@@ -348,7 +348,13 @@ def _decode_case(ses: Session, depth: str, B: int, entry_id: str) -> None:
                 comparison("eager, same cache", times, "damcha", "mha-prealloc", target),
                 # Issue 12 sets the B=1 target for eager steps; B>1 targets hold for any step.
                 comparison("compiled", times, "damcha-compiled", "mha-compiled", None if B == 1 else target),
-                comparison("compiled, same cache", times, "damcha-compiled", "mha-prealloc-compiled", None),
+                comparison(
+                    "compiled, same cache",
+                    times,
+                    "damcha-compiled",
+                    "mha-prealloc-compiled",
+                    None if B == 1 else target,
+                ),
                 comparison("compiled/eager", times, "damcha-compiled", "damcha", 1.0),
                 comparison("mha compiled/eager", times, "mha-prealloc-compiled", "mha-prealloc", None),
             ],
