@@ -64,8 +64,9 @@ B=8; a `torch.compile`d DAMCHA step no slower than the eager one
 ratio above its target.
 
 What is measured (B=4, E=512, H=8, d=64 unless a table says otherwise):
-layer calls at N in {256, 1024, 4096} (Keras on the JAX and torch backends:
-{256, 1024}, a subprocess each); decoding with a KV cache, per token, a
+layer calls at N in {256, 1024} in the tables below (the script's default adds
+4096; every committed layer run passed `--lengths 256 1024`), each Keras backend
+in a subprocess of its own; decoding with a KV cache, per token, a
 512-token prompt then 32 steps, B=1 and 8, one layer fed random token vectors
 and a 4-block LM decoding greedily (PyTorch: eager and `torch.compile`d steps;
 Flax: the module's `decode=True` and the functional `decode_step`, jitted;
