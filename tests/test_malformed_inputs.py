@@ -474,9 +474,30 @@ def check(port: Port, call: Call) -> None:
         f"{port.name}: finite at {np.argwhere(missing)[:3].tolist()} where the reference is NaN/inf on "
         f"{call.what} (reference non-finite: {int(nan_want.sum())}, port: {int(nan_got.sum())})"
     )
+    # Louder only where a bad value came in: with finite tokens and an ordinary mask a NaN or inf the
+    # reference does not have is a wrong output (an all-NaN port passed every call).
+    bad_value_in = _has_non_finite(call)
+    louder = nan_got & ~nan_want
+    assert bad_value_in or not louder.any(), (
+        f"{port.name}: non-finite at {np.argwhere(louder)[:3].tolist()} where the reference is finite, with "
+        f"finite inputs, on {call.what}"
+    )
     tol = max((TOLERANCES[d] for d in (port.dtype, _input_dtype(call))), key=lambda t: t.rtol)
     ok = np.isclose(got, want, rtol=tol.rtol, atol=tol.atol) | nan_got
     assert ok.all(), f"{port.name}: max |error| {np.nanmax(np.abs(got - want)):.3g} on {call.what}"
+
+
+def _has_non_finite(call: Call) -> bool:
+    """Whether a token is NaN/inf or the mask is written with a NaN (the "nan" encoding): the calls
+    where a port may be louder than the reference."""
+    for x in (call.query, call.context):
+        try:
+            array = np.asarray(x)
+        except ValueError:  # a ragged list: refused by every port, nothing to be louder about
+            continue
+        if array.dtype.kind == "f" and not np.isfinite(array).all():
+            return True
+    return call.mask is not None and call.mask.encoding == "nan"
 
 
 # ---------------------------------------------------------------- the tests
@@ -549,6 +570,11 @@ def test_the_expectations_catch_wrong_ports() -> None:
     with pytest.raises(AssertionError, match="max \\|error\\|"):
         check(dataclasses.replace(good, run=wrong_where_finite), late_nan)
     check(dataclasses.replace(good, run=lambda c: np.full_like(run_reference(c), np.nan)), late_nan)  # louder: allowed
+    # ... but not where nothing bad came in: an all-NaN (or inf) port fails a valid call.
+    valid = Call("self", _tokens(np.random.default_rng(2), B, N, 8))
+    for fill in (np.nan, np.inf):
+        with pytest.raises(AssertionError, match="non-finite at .* where the reference is finite, with finite inputs"):
+            check(dataclasses.replace(good, run=lambda c, f=fill: np.full_like(run_reference(c), f)), valid)
     with pytest.raises(AssertionError, match="let IndexError escape"):
         check(dataclasses.replace(good, run=lambda c: [][1]), call)
     with pytest.raises(AssertionError, match="does not name 'context'"):
