@@ -349,7 +349,6 @@ def test_progress_prints_plain_lines_when_not_a_terminal(capsys):
     with cu.Progress(3, "jax", every=3600) as bar:  # throttled: the first, forced and last steps only
         for what in ("a", "b", "c"):
             bar.step(what)
-        assert bar.elapsed >= 0
     assert [line.split(" (")[0] for line in capsys.readouterr().err.splitlines()] == ["jax [1/3] a", "jax [3/3] c"]
     with cu.Progress(1, "quiet", enabled=False) as bar:
         bar.step("x")

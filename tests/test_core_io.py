@@ -42,6 +42,7 @@ def test_float32_tensors_keep_their_dtype(tmp_path):
     dc.save_params(tmp_path / "f32.safetensors", params, CFG)
     loaded, _ = dc.load_params(tmp_path / "f32.safetensors")
     assert all(v.dtype == np.float32 for v in loaded.values())
+    assert set(loaded) == set(params) and all(np.array_equal(loaded[k], params[k]) for k in params)
 
 
 def _rewrite(path, tensors):

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import damcha_core as dc
+from damcha_conformance import case_params
 from damcha_keras import DamchaAttention, TransformerDecoder, TransformerEncoder
 
 E, H, D, E_KV = 8, 2, 4, 6
@@ -86,12 +87,18 @@ def test_layer_masks_causal_and_penalty_on_empty_shapes(shape) -> None:
     B, N, M = shape
     cross = M is not None
     ours = _built(DamchaAttention(num_heads=H, key_dim=D, metric_l2=0.5, dtype="float64"), cross)
+    config = ours._built_config
+    ours.load_canonical(case_params(config, 0))  # open gates, non-zero generators: a penalty to compute
     x, c = _inputs(B, N, M)
     K = N if M is None else M
     for kw in (dict(attention_mask=np.ones((B, N, K), bool)), dict(use_causal_mask=True), dict(training=True)):
         assert tuple(ours(x, c, **kw).shape) == (B, N, E)
-    # The metric penalty over no token adds 0 to the loss, not NaN (the reference's rule).
-    assert float(keras.ops.convert_to_numpy(ours.losses[-1])) == 0.0 or (B != 0 and cross)
+    # The metric penalty is the reference's (x metric_l2): over no token 0, not NaN; with context
+    # tokens and no query (N0-cross) the key side's (the check skipped that case, and the layer's
+    # zero-initialised generators made every penalty 0 anyway).
+    want = 0.5 * dc.metric_penalty(ours.to_canonical(), config, x, c if cross else None)
+    assert float(keras.ops.convert_to_numpy(ours.losses[-1])) == pytest.approx(want, rel=1e-6, abs=1e-12)
+    assert (want > 0) == (B != 0 and cross and M != 0)
 
 
 @pytest.mark.parametrize("shape", [(0, 4), (2, 0)], ids=["B0", "N0"])

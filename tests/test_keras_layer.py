@@ -672,7 +672,7 @@ def test_cache_masks_scores_and_all_hidden_row():
 
 
 def test_cache_in_a_functional_model():
-    layer, _, cfg = _cache_layer("heads-tied")
+    layer, params, cfg = _cache_layer("heads-tied")
     tokens = keras.Input((1, E), batch_size=B, dtype="float64")
     cache_in = keras.Input((2, 4, cfg.num_kv_heads, D), batch_size=B, dtype="float64")
     y, cache_out = layer(tokens, tokens, use_causal_mask=True, cache=cache_in, cache_update_index=0)
@@ -681,6 +681,14 @@ def test_cache_in_a_functional_model():
     t = rng(9).normal(size=(B, 1, E))
     out, cache = model([t, np.zeros((B, 2, 4, cfg.num_kv_heads, D))])
     np.testing.assert_allclose(np_(out), np_(layer(t, t)), rtol=1e-10, atol=1e-12)  # one token sees itself only
+    # The model's cache output is the cache: the next token, decoded from it, sees both tokens as
+    # one causal pass does (a model that dropped or mis-wrote cache_out passed the check above).
+    np.testing.assert_array_equal(np_(cache)[:, :, 1:], 0.0)  # only position 0 written
+    t2 = rng(10).normal(size=(B, 1, E))
+    y2, _ = layer(t2, t2, use_causal_mask=True, cache=cache, cache_update_index=1)
+    both = np.concatenate([t, t2], axis=1)
+    want = dc.damcha_attention(params, cfg, t2, both, causal=True, query_offset=1)
+    np.testing.assert_allclose(np_(y2), want, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize(
