@@ -106,12 +106,18 @@ class Report:
         self.subset.extend(other.subset)
 
     def verdict_line(self) -> str:
-        """One line: the verdict and, for PARTIAL, what was not checked."""
+        """One line: the verdict and, for PARTIAL, what was not checked (for a narrowed PASSED, what
+        was left out); readable on its own, without ``summary()`` above it."""
         verdict = self.verdict
+
+        def listed(items: list[tuple[str, str]]) -> str:
+            shown = "; ".join(f"{backend}: {text}" for backend, text in items[:2])
+            return shown + (f" (and {len(items) - 2} more; summary() lists them)" if len(items) > 2 else "")
+
         if verdict == "PARTIAL":
-            return "PARTIAL: not conformant, not everything asked for was checked (see 'not checked' above)"
+            return f"PARTIAL: not conformant, not everything asked for was checked: {listed(self.gaps)}"
         if verdict == "PASSED" and self.subset:
-            return "PASSED (narrowed as listed under 'subset' above)"
+            return f"PASSED on what was asked for, narrowed: {listed(self.subset)}"
         return verdict
 
     def summary(self) -> str:

@@ -68,13 +68,22 @@ def test_a_dtype_torch_does_not_declare_is_no_key_error():
     assert "KeyError" not in proc.stdout + proc.stderr
     assert "dtype float16: not among the adapter's dtypes (float64, float32, bfloat16)" in proc.stdout
     assert "PARTIAL" in proc.stdout and proc.returncode == 1  # float32 ran and passed; float16 was asked for
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("PARTIAL: not conformant, not everything asked for was checked: ") and "float16" in last, (
+        last
+    )
 
 
 def test_an_explicit_subset_that_passes_exits_0_and_says_so():
     proc = conform("--backend", "reference", "--case", "heads-tied-self", "--no-progress")
     assert proc.returncode == 0, proc.stdout
     assert f"subset: reference: 1 of {len(dcf.CATALOGUE)} catalogue cases" in proc.stdout
-    assert "PASSED (narrowed" in proc.stdout
+    # The last line stands on its own: what the run left out, not "see above".
+    assert (
+        proc.stdout.strip()
+        .splitlines()[-1]
+        .startswith(f"PASSED on what was asked for, narrowed: reference: 1 of {len(dcf.CATALOGUE)} catalogue cases")
+    ), proc.stdout[-500:]
 
 
 def test_json_into_a_missing_folder_is_refused_before_any_work(tmp_path):
