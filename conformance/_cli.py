@@ -190,7 +190,8 @@ def _probe(spec: str) -> str:
     said = [line for line in proc.stderr.splitlines() if line.startswith(head)]
     if proc.returncode == cu.EXIT_USAGE and said:
         cu.usage_error("--adapter", said[-1][len(head) :], prog=PROG)
-    tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
+    # A constructor that calls sys.exit() or is killed may print nothing: say so, not ": ".
+    tail = " | ".join(proc.stderr.strip().splitlines()[-3:]) or "it printed nothing (sys.exit() or a signal?)"
     cu.usage_error("--adapter", f"building {spec} ended its process with exit {proc.returncode}: {tail}", prog=PROG)
 
 

@@ -89,6 +89,13 @@ def make_raises():
     raise RuntimeError("no such device: cuda:7")
 
 
+def make_exits():
+    """A factory that ends its process without a word (a library calling sys.exit on a missing device)."""
+    import sys
+
+    sys.exit(3)
+
+
 class UnknownDtype(ReferenceAdapter):
     """``dtypes = ("fp32",)``: not a key of TOLERANCES; the worker used to die with a traceback."""
 

@@ -264,6 +264,13 @@ def test_a_factory_that_raises_or_builds_no_adapter_is_a_usage_error(spec, says,
     assert "Traceback" not in proc.stderr
 
 
+def test_a_factory_that_exits_silently_is_said_so():
+    """The message ended in ": " (the process's empty stderr)."""
+    proc = conform("--adapter", "_conformance_fixtures:make_exits", "--no-progress")
+    line = one_line_usage_error(proc, "--adapter")
+    assert "ended its process with exit 3: it printed nothing (sys.exit() or a signal?)" in line, line
+
+
 def test_a_bad_factory_stops_the_run_before_any_backend(tmp_path):
     out = tmp_path / "r.json"
     proc = conform("--backend", "reference", "--adapter", "os:getcwd", "--json", str(out), "--no-progress")
