@@ -51,28 +51,33 @@ from ._tolerances import TOLERANCES
 FORMAT = "damcha-conformance-vectors-v1"
 
 
-def _entry(case: Case | DecodeCase, data, **fields) -> tuple[dict, dict]:
-    """The tensors and JSON description every case shares; ``fields`` fill in the rest."""
+def _file_stem(name: str) -> str:
+    """A case's name as a file name: a bad-input case's ``query-features:heads-tied-self`` has a
+    colon, which Windows refuses in file names (no other case has one)."""
+    return name.replace(":", "--")
+
+
+def _entry(name: str, group: str, config, data, *, expected: bool = True, **fields) -> tuple[dict, dict]:
+    """The tensors and JSON description every case shares (the output and its tolerances where the
+    case has an ``expected`` output: a bad-input case has none); ``fields`` fill in the rest."""
     tensors = {f"params.{k}": v for k, v in data.params.items()}
     tensors["inputs.query"] = data.query
-    tensors["expected.output"] = data.expected
+    for key in ("context", "value", "mask"):
+        if getattr(data, key, None) is not None:
+            tensors[f"inputs.{key}"] = getattr(data, key)
     description = {
         "format": FORMAT,
-        "name": case.name,
-        "group": case.group,
-        "config": case.config.to_dict(),
-        "tensors": f"{case.name}.safetensors",
-        "tolerances": {k: vars(v) for k, v in TOLERANCES.items()},
+        "name": name,
+        "group": group,
+        "config": config.to_dict(),
+        "tensors": f"{_file_stem(name)}.safetensors",
         "gradients": None,
         **fields,
     }
+    if expected:
+        tensors["expected.output"] = data.expected
+        description["tolerances"] = {k: vars(v) for k, v in TOLERANCES.items()}
     return tensors, description
-
-
-def _file_stem(name: str) -> str:
-    """A bad-input case's name as a file name: ``query-features:heads-tied-self`` has a colon,
-    which Windows refuses in file names."""
-    return name.replace(":", "--")
 
 
 def export_vectors(
@@ -88,23 +93,20 @@ def export_vectors(
 
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
+    mask_semantics = "bool, True = may attend; 4-D, broadcastable to (B, H, N, M)"
     entries = []
     for case in cases:
         data = materialise(case)
         tensors, description = _entry(
-            case,
+            case.name,
+            case.group,
+            case.config,
             data,
             causal=case.causal,
             self_attention=case.self_attention,
             decode=None,
-            mask_semantics="bool, True = may attend; 4-D, broadcastable to (B, H, N, M)",
+            mask_semantics=mask_semantics,
         )
-        if data.context is not None:
-            tensors["inputs.context"] = data.context
-        if data.value is not None:
-            tensors["inputs.value"] = data.value
-        if data.mask is not None:
-            tensors["inputs.mask"] = data.mask
         if case.gradients:
             tensors["gradients.cotangent"] = data.cotangent
             directional = {}
@@ -118,7 +120,9 @@ def export_vectors(
         entries.append((case.name, tensors, description))
     for dcase in decode_cases:
         tensors, description = _entry(
-            dcase,
+            dcase.name,
+            dcase.group,
+            dcase.config,
             materialise_decode(dcase),
             causal=True,
             self_attention=True,
@@ -128,30 +132,23 @@ def export_vectors(
         entries.append((dcase.name, tensors, description))
     errors = []
     for ecase in error_cases:
-        data = materialise_error(ecase)
-        tensors = {f"params.{k}": v for k, v in data.params.items()}
-        tensors["inputs.query"] = data.query
-        for key, value in (("context", data.context), ("value", data.value), ("mask", data.mask)):
-            if value is not None:
-                tensors[f"inputs.{key}"] = value
-        description = {
-            "format": FORMAT,
-            "name": ecase.name,
-            "group": ecase.group,
-            "config": ecase.base.config.to_dict(),
-            "tensors": f"{_file_stem(ecase.name)}.safetensors",
-            "causal": ecase.base.causal,
-            "self_attention": ecase.base.self_attention,
-            "mask_semantics": "bool, True = may attend; 4-D, broadcastable to (B, H, N, M)",
-            "gradients": None,
-            "decode": None,
-            "error": {
+        tensors, description = _entry(
+            ecase.name,
+            ecase.group,
+            ecase.base.config,
+            materialise_error(ecase),
+            expected=False,
+            causal=ecase.base.causal,
+            self_attention=ecase.base.self_attention,
+            decode=None,
+            mask_semantics=mask_semantics,
+            error={
                 "corruption": ecase.corruption,
                 "argument": ecase.argument,
                 "names": list(ecase.names),
                 "base_case": ecase.base.name,
             },
-        }
+        )
         errors.append((_file_stem(ecase.name), tensors, description))
     written = []
     for name, tensors, description in entries + errors:
