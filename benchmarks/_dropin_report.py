@@ -360,12 +360,16 @@ def render(runs: list[dict[str, Any]], entries: list[dict[str, Any]]) -> str:
     return "\n".join(out) + "\n"
 
 
+def _section(begin: str, end: str) -> re.Pattern[str]:
+    """The section between the markers, its body as group 1 (and the newline after ``end``)."""
+    return re.compile(re.escape(begin) + r"(.*?)" + re.escape(end) + r"\n?", re.S)
+
+
 def listed_files(doc: str | Path, *, begin: str = BEGIN, end: str = END) -> list[Path]:
     """The result files the section in ``doc`` was written from (its run lines' ``--json FILE``),
     in the order listed; empty when the section is absent or lists none."""
     path = Path(doc)
-    text = path.read_text() if path.exists() else ""
-    match = re.search(re.escape(begin) + r"(.*?)" + re.escape(end), text, re.S)
+    match = _section(begin, end).search(path.read_text() if path.exists() else "")
     if match is None:
         return []
     names = re.findall(r"--json (\S+?\.json)", match.group(1))
@@ -377,7 +381,7 @@ def write_section(doc: str | Path, text: str, *, begin: str = BEGIN, end: str = 
     (this section's by default) with ``text``; append it when absent."""
     path = Path(doc)
     old = path.read_text() if path.exists() else ""
-    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end) + r"\n?", re.S)
+    pattern = _section(begin, end)
     if pattern.search(old):
         new = pattern.sub(lambda _: text, old, count=1)
     else:

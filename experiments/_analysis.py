@@ -655,6 +655,10 @@ def cap_note(results: dict[str, Any]) -> str | None:
     return f"final runs stopped at {at}, not converged: {runs}"
 
 
+# The presets whose protocol can stand in a verdict: smoke and default are for trying the code.
+_PROTOCOL_PRESETS = ("full", "large")
+
+
 def _cap_notes(results_by_task: dict[str, dict[str, Any]]) -> str:
     notes = [f"{t}: {n}" for t, r in results_by_task.items() if (n := cap_note(r)) is not None]
     # A verdict drawn across tasks of different presets (a smoke file beside full ones), or on a
@@ -681,10 +685,6 @@ def headroom(results: dict[str, Any], name: str) -> float:
     tests = [run["test_metric"] for run in results["variants"][name]["runs"]]
     mean = float(np.mean(tests)) if tests else math.nan
     return 1.0 - mean if math.isfinite(mean) else math.inf
-
-
-# The presets whose protocol can stand in a verdict: smoke and default are for trying the code.
-_PROTOCOL_PRESETS = ("full", "large")
 
 
 def protocol_finished(results: dict[str, Any]) -> bool:
@@ -946,7 +946,8 @@ def verdicts(
         f"'over' when the interval's lower end or the memory ratio is above {tolerance:g}, 'uncertain' when the "
         f"interval straddles {tolerance:g} (or there is none). Supported if every headline DAMCHA variant is "
         f"within on every task measured; not supported if every one is over on some task; inconclusive "
-        f"otherwise, or if a measured task's cost file lacks one of its headline DAMCHA variants, or if a timing on the wall clock ran with a load average above {BUSY_LOAD_FRACTION:g} x "
+        f"otherwise, or if a measured task's cost file lacks one of its headline DAMCHA variants, or if a "
+        f"timing on the wall clock ran with a load average above {BUSY_LOAD_FRACTION:g} x "
         f"the cores (on thread CPU time such a load is a stated caveat), or if a cost file has no time ratio "
         f"(its clock could not time the steps)."
     )
@@ -1002,6 +1003,7 @@ def verdicts(
         if all(r["status"] == "over" for r in rows3 if r["task"] == t) and t not in {task for _, task in lacking}
     ]
     untimed = [f"{task} ({why})" for task, cost in costs.items() if (why := no_time_ratio(cost)) is not None]
+    all_within = all(r["status"] == "within" for r in rows3)
     if not rows3:
         verdict = "inconclusive"
         reason = f"no time ratio: {'; '.join(untimed)}" if untimed else "no cost measurement"
@@ -1009,10 +1011,10 @@ def verdicts(
         verdict, reason = "inconclusive", f"timing on the wall clock of a busy machine: {'; '.join(busy)}"
     elif untimed:
         verdict, reason = "inconclusive", f"no time ratio: {'; '.join(untimed)}"
-    elif all(r["status"] == "within" for r in rows3) and unmeasured:
+    elif all_within and unmeasured:
         verdict = "inconclusive"
         reason = f"every measured DAMCHA variant within the tolerance, but not measured: {', '.join(unmeasured)}"
-    elif all(r["status"] == "within" for r in rows3):
+    elif all_within:
         verdict, reason = "supported", "every DAMCHA variant's interval within the tolerance on every task"
     elif all_over:
         verdict = "not supported"

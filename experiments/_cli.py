@@ -184,17 +184,27 @@ def _read_json_dict(path: Path, flag: str, remedy: str = "", *, fields: bool = T
     replaced, and with it the variants or measurements it held. A results or cost file must also
     hold every field the commands read (``check_results_object``) unless ``fields`` is False.
     """
-    from ._jsonfile import check_results_object
     from ._report import read_json_object
-    from ._tasks import RESULTS_FORMAT
 
     try:
         obj = read_json_object(path)
-        # A results or cost file without a field the command reads: named now, not as a KeyError
-        # traceback after the training.
-        if fields and obj is not None and obj.get("format") == RESULTS_FORMAT:
-            check_results_object(path, obj)
-        return obj
+    except DamchaValueError as exc:
+        _fail(flag, f"{exc}{'; ' + remedy if remedy else ''}")
+    if fields:
+        _check_fields(path, obj, flag, remedy)
+    return obj
+
+
+def _check_fields(path: Path, obj: dict[str, Any] | None, flag: str, remedy: str) -> None:
+    """Exit 2 when ``obj``, a results or cost file read from ``path``, lacks a field the commands
+    read (``check_results_object``): named now, not as a KeyError traceback after the training."""
+    from ._jsonfile import check_results_object
+    from ._tasks import RESULTS_FORMAT
+
+    if obj is None or obj.get("format") != RESULTS_FORMAT:
+        return
+    try:
+        check_results_object(path, obj)
     except DamchaValueError as exc:
         _fail(flag, f"{exc}{'; ' + remedy if remedy else ''}")
 
@@ -265,7 +275,7 @@ def _check_results_files(out: Path, name: str, preset: Any, device_type: Any) ->
                 f"{path} holds the results of another run ({'; '.join(differ)}); results files are named by task, "
                 "not by preset or device, so this command would replace them: give it another --out",
             )
-        _read_json_dict(path, "--out", remedy)  # merged into after the training: every field it reads now
+        _check_fields(path, obj, "--out", remedy)  # merged into after the training: every field it reads now
 
 
 def _suite_order(names: Iterable[str], suite: str) -> list[str]:
@@ -292,6 +302,7 @@ def _merge_subset(path: Path, results: dict[str, Any], suite: str) -> dict[str, 
     was checked before the training, so only a file damaged since gets here).
     """
     from ._tasks import RESULTS_FORMAT
+    from ._train import identity_differences
 
     old = _read_json_dict(path, "--out", _REDO_RESULTS)
     if old is None or old.get("format") != RESULTS_FORMAT or old.get("kind") == "cost":
@@ -300,18 +311,13 @@ def _merge_subset(path: Path, results: dict[str, Any], suite: str) -> dict[str, 
         return results
     # Compared through JSON: the config's tuples are lists in the file.
     mine = json.loads(json.dumps({k: results[k] for k in ("task", "suite", "preset", "device", "config")}))
-    differ = [k for k, v in mine.items() if old.get(k) != v]
+    differ = identity_differences({k: old.get(k) for k in mine}, mine)
     if differ:
         dropped = [n for n in old["variants"] if n not in results["variants"]]
         if dropped:  # they were replaced without a word; their runs stay in runs/, under their own config
-            fields = ", ".join(
-                sorted({f"config.{c}" for c in mine["config"] if old.get("config", {}).get(c) != mine["config"][c]})
-                if differ == ["config"] and isinstance(old.get("config"), dict)
-                else differ
-            )
             print(
-                f"{PROG}: note: {path} held {', '.join(dropped)} of another run (differing: {fields}): replaced by "
-                "this command's variants only (the runs of those stay in runs/; the same command with their "
+                f"{PROG}: note: {path} held {', '.join(dropped)} of another run (differing: {', '.join(differ)}): "
+                "replaced by this command's variants only (the runs of those stay in runs/; the same command with their "
                 "settings writes them back)",
                 file=sys.stderr,
             )
@@ -542,7 +548,6 @@ def _report_main(argv: list[str]) -> int:
     cu.check_output_file(out.with_suffix(".json"), "--out", prog=REPORT_PROG)
     if not args.no_plots:  # the time plots go into FOLDER
         cu.check_output_dir(str(folder), "FOLDER", prog=REPORT_PROG)
-    if not args.no_plots:
         cu.require("matplotlib", prog=REPORT_PROG, why="the plots; or pass --no-plots")
     from . import _analysis as an
     from ._report import build_report, load_folder, output_path, plot_time_curves, stem, write_json

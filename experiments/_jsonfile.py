@@ -155,8 +155,8 @@ def check_results_object(path: str | Path, obj: dict[str, Any]) -> dict[str, Any
     """``obj``, a task's results file or a cost file (``kind == "cost"``) read from ``path``, if it
     holds every field the commands read (``RESULTS_*_FIELDS``, ``COST_*_FIELDS``) and a cost file's
     round times are positive finite numbers wherever it states a time ratio (a clock that could not
-    time the steps writes zero rounds and no ratio: the report says n/a); ``IncompleteJsonObject`` naming the file, the field and
-    where it is missing otherwise (``lacks test at variants['mha']``)."""
+    time the steps writes zero rounds and no ratio: the report says n/a); ``IncompleteJsonObject``
+    naming the file, the field and where it is missing otherwise (``lacks test at variants['mha']``)."""
     path = Path(path)
     if obj.get("kind") == "cost":
         _require_at(path, obj, COST_FILE_FIELDS, "")
@@ -167,9 +167,9 @@ def check_results_object(path: str | Path, obj: dict[str, Any]) -> dict[str, Any
             if entry["time_ratio_vs_mha"] is None:
                 continue  # a clock that could not time the steps: its zero rounds are said as n/a
             for key in ("round_s_per_step", "mha_round_s_per_step"):
-                rounds = entry.get(key)
-                if key not in entry:
+                if key not in entry:  # mha_round_s_per_step: only in a file merged from several measurements
                     continue
+                rounds = entry[key]
                 if not isinstance(rounds, list) or not rounds:
                     raise IncompleteJsonObject(path, f"holds {where}[{key!r}]={rounds!r}, expected a list")
                 for i, value in enumerate(rounds):

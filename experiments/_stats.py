@@ -204,8 +204,9 @@ def paired_difference(
     higher is better, b - a otherwise. Returns n, mean/std/se of the gain, its
     t interval, the t statistic, the two-sided p-value of H0: mean gain = 0,
     and ``a_mean``/``b_mean``. When every pair differs by the same amount (up
-    to float rounding: a spread below 1e-12 of the values) the p-value is the exact sign test's and the interval is None. Needs n >= 2 pairs for any noise estimate; with
-    one pair the std, interval and p are None. A pair with a NaN (a diverged
+    to float rounding: a spread below 1e-12 of the values) the p-value is the
+    exact sign test's and the interval is None. Needs n >= 2 pairs for any
+    noise estimate; with one pair the std, interval and p are None. A pair with a NaN (a diverged
     run) makes every statistic NaN: divergences are reported, not hidden.
     ``a`` and ``b`` are lists, tuples or arrays of real numbers;
     ``higher_is_better`` a bool (a string such as "False" is truthy, and
