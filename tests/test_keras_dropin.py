@@ -519,6 +519,13 @@ def test_flash_attention_is_honoured_or_refused_never_ignored():
     with pytest.raises(dc.DamchaValueError, match="Returning attention scores is not supported when flash attention"):
         layer(x, x, return_attention_scores=True)
     mha = keras.layers.MultiHeadAttention(2, 4, flash_attention=True)
+    mha.build(x.shape, x.shape)
+    # A converted MHA keeps its flash choice (MHA's get_config does not carry it).
+    converted = DamchaAttention.from_mha(mha)
+    assert converted.get_config()["flash_attention"] is True
+    plain = keras.layers.MultiHeadAttention(2, 4)
+    plain.build(x.shape, x.shape)
+    assert DamchaAttention.from_mha(plain).get_config()["flash_attention"] is None
     try:
         want = mha(x, x)
     except Exception as error:  # noqa: BLE001 - no flash kernel here (the backend's own error type): DAMCHA must fail alike
@@ -526,12 +533,12 @@ def test_flash_attention_is_honoured_or_refused_never_ignored():
         # in a frame naming the layer, so the line that is neither the frame nor blank.
         lines = re.sub(r"\x1b\[[0-9;]*m", "", str(error)).splitlines()
         reason = next(line for line in lines if line.strip() and not line.startswith("Exception encountered"))
-        with pytest.raises(type(error), match=re.escape(reason)):
-            layer(x, x)
+        for ours in (layer, converted):
+            with pytest.raises(type(error), match=re.escape(reason)):
+                ours(x, x)
     else:
         # Flash honoured: MHA's output on the same weights (gates at 0), not only its shape.
-        ours = DamchaAttention.from_mha(mha)
-        np.testing.assert_allclose(np_(ours(x, x)), np_(want), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np_(converted(x, x)), np_(want), rtol=1e-5, atol=1e-6)
 
 
 def test_compute_attention_is_the_override_point():

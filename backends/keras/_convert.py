@@ -158,6 +158,10 @@ def from_mha(cls: type, layer: Any, **kwargs: Any) -> DamchaAttention:
     rank = len(layer._query_dense.equation.split(",")[0])  # the query's rank, from its projection
     # The name too, as a drop-in: weights, checkpoints and model.get_layer() find layers by it.
     options.update(dtype=layer.dtype_policy, name=layer.name)
+    # The flash choice MHA resolved at construction (its get_config drops it):
+    # True asks every call for the flash kernel, False follows
+    # keras.config.disable_flash_attention(), None lets the backend choose.
+    options["flash_attention"] = getattr(layer, "_flash_attention", None)
     options.update(kwargs)
     new = cls(**options)
     dims = (None,) * (rank - 1)

@@ -918,8 +918,8 @@ class DamchaAttention(keras.layers.Layer):
 
         Args:
             layer: a built ``MultiHeadAttention`` or ``GroupQueryAttention``
-                (its gate, sliding window, ``output_shape`` and
-                ``attention_axes`` are carried over).
+                (its gate, sliding window, ``output_shape``,
+                ``attention_axes`` and flash choice are carried over).
             **kwargs: DAMCHA options and overrides (``metric``, ``coupling``,
                 ``metric_rank``, ``seed``, ``name``, ...).
         """
