@@ -509,6 +509,19 @@ def attention_layer(
             # and head dims broadcast): expand that one, nothing else.
             shape = g.op("Concat", [g.ints([1, 1]), g.dim(query, 1, f"{P}aN"), key_len], f"{P}attn_mask_shape", axis=0)
             attn_mask = g.op("Expand", [visible, shape], f"{P}attn_mask")
+        # float16 graphs run the Attention node in float32 (casts around it):
+        # the op forms q k^T in its input type before it applies the mask and
+        # the causal rule, so a hidden key whose logit overflows float16 (from
+        # 65504) came out +inf, and +inf plus the kernel's mask value is +inf
+        # or NaN: the hidden key took all the weight (a future key read through
+        # the causal rule). softmax_precision covers the softmax only. In
+        # float32 no product of float16 values overflows (64 terms of 65504^2
+        # reach 3e11); the decomposed form hides logits with a Where instead.
+        upcast = g.onnx_dtype == TensorProto.FLOAT16
+        if upcast:
+            q, k, v = (
+                g.op("Cast", [t], f"{P}{n}_f32", to=TensorProto.FLOAT) for t, n in ((q, "q"), (k, "k"), (v, "v"))
+            )
         inputs = [q, k, v, attn_mask]
         outputs = [g.fresh(f"{P}attn")]
         if cache is not None:
@@ -517,21 +530,32 @@ def attention_layer(
             # onnxruntime's CPU kernel; checked empirically (onnx 1.23,
             # onnxruntime 1.32) and pinned by tests/test_onnx_kv_cache.py, so
             # no explicit (N, P+N) mask is materialised for the fused kernel.
-            inputs += [cache.past_key, cache.past_value]
-            outputs += [cache.present_key, cache.present_value]
+            if upcast:
+                # The cache keeps the model's dtype at the graph's inputs and outputs.
+                inputs += [
+                    g.op("Cast", [t], f"{P}{n}_f32", to=TensorProto.FLOAT)
+                    for t, n in ((cache.past_key, "past_key"), (cache.past_value, "past_value"))
+                ]
+                outputs += [g.fresh(f"{P}present_key_f32"), g.fresh(f"{P}present_value_f32")]
+            else:
+                inputs += [cache.past_key, cache.past_value]
+                outputs += [cache.present_key, cache.present_value]
         attrs = {}
         if weights is not None:
             # qk_matmul_output_mode=3: the softmax output (B, H, N, M).
             outputs += [""] * (3 - len(outputs)) + [g.fresh(f"{P}probs_raw")]
             attrs["qk_matmul_output_mode"] = 3
-        if g.onnx_dtype == TensorProto.FLOAT16:
-            attrs["softmax_precision"] = int(TensorProto.FLOAT)  # accumulate the softmax in float32
         while inputs[-1] == "":
             inputs.pop()  # trailing optional inputs are omitted, not named ""
         g.named_op(
             "Attention", inputs, outputs, q_num_heads=H, kv_num_heads=G, scale=1.0, is_causal=int(causal), **attrs
         )
         o = outputs[0]  # (B, N, H*d_v); scale already folded into q
+        if upcast:
+            o = g.op("Cast", [o], f"{P}attn_f16", to=TensorProto.FLOAT16)
+            if cache is not None:
+                for temp, name in zip(outputs[1:3], (cache.present_key, cache.present_value)):
+                    g.named_op("Cast", [temp], [name], to=TensorProto.FLOAT16)
         if rows_ok is not None:
             o = _zero_empty_rows_3d(g, o, rows_ok, H, d_v, P)
         if weights is not None:
@@ -547,6 +571,8 @@ def attention_layer(
                 axis=0,
             )
             probs = g.op("Reshape", [outputs[-1], full], f"{P}probs")
+            if upcast:
+                probs = g.op("Cast", [probs], f"{P}probs_f16", to=TensorProto.FLOAT16)
             if rows_ok is not None:
                 probs = g.op("Where", [rows_ok, probs, g.scalar(0.0)], f"{P}probs_safe")
             g.named_op("Identity", [probs], [weights])
