@@ -145,11 +145,13 @@ def check_coupling(coupling: Any) -> str:
         One of ``COUPLINGS``.
 
     Raises:
-        DamchaValueError: any other value.
+        DamchaTypeError: neither a string nor ``None``.
+        DamchaValueError: any other string.
     """
     coupling = "auto" if coupling is None else coupling
-    if coupling not in COUPLINGS:
-        raise DamchaValueError(invalid_argument("coupling", f"one of {COUPLINGS} or None", f"coupling={coupling!r}"))
+    if not isinstance(coupling, str) or coupling not in COUPLINGS:
+        error = DamchaValueError if isinstance(coupling, str) else DamchaTypeError
+        raise error(invalid_argument("coupling", f"one of {COUPLINGS} or None", f"coupling={describe(coupling)}"))
     return coupling
 
 

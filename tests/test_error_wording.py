@@ -268,6 +268,8 @@ CONVERT_COUPLING = (
     r"Invalid argument `coupling`: expected one of \('auto', 'tied', 'separate', 'query'\) or None\. "
     r"Received: coupling='both'"
 )
+# A coupling of another type is a DamchaTypeError (as DamchaConfig's), same wording.
+CONVERT_COUPLING_TYPE = CONVERT_COUPLING.replace("'both'", "3")
 
 
 def _torch_cases() -> dict[str, tuple[Callable[[], Any], type[Exception], str]]:
@@ -323,6 +325,11 @@ def _torch_cases() -> dict[str, tuple[Callable[[], Any], type[Exception], str]]:
             lambda: dt.convert(torch.nn.Linear(2, 2), coupling="both"),
             dc.DamchaValueError,
             CONVERT_COUPLING,
+        ),
+        "coupling-type": (
+            lambda: dt.convert(torch.nn.Linear(2, 2), coupling=3),
+            dc.DamchaTypeError,
+            CONVERT_COUPLING_TYPE,
         ),
         "rank": (
             lambda: dt.MetricGenerator(8, 2, 4, metric="lowrank"),
@@ -409,6 +416,11 @@ def _keras_cases() -> dict[str, tuple[Callable[[], Any], type[Exception], str]]:
             dc.DamchaValueError,
             CONVERT_COUPLING,
         ),
+        "coupling-type": (
+            lambda: dk.convert(keras.layers.Dense(2), coupling=3),
+            dc.DamchaTypeError,
+            CONVERT_COUPLING_TYPE,
+        ),
     }
 
 
@@ -474,10 +486,11 @@ PORT_IDS = {
         "num-layers",
         "model",
         "coupling",
+        "coupling-type",
         "rank",
     ],
     "jax": ["query-dtype", "features", "qkv-features", "inputs-k"],
-    "keras": ["batch", "key-value", "cache-index", "epsilon", "coupling"],
+    "keras": ["batch", "key-value", "cache-index", "epsilon", "coupling", "coupling-type"],
     "onnx": ["form-opset", "fixed-dim", "context-len", "kv-cache"],
     "experiments": ["paired", "task"],
 }
