@@ -867,6 +867,27 @@ def test_unknown_layout_is_refused_and_nothing_converted():
     assert not dt.converted_layers(model)
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: timm.models.beit.Attention(16, num_heads=4, qkv_bias=True),  # qkv bias added with F.linear
+        lambda: timm.models.pvt_v2.Attention(16, num_heads=4),  # separate q and kv, no qkv
+        lambda: timm.models.nest.Attention(16, num_heads=4),  # no head_dim
+        lambda: timm.models.tnt.Attention(16, 16, num_heads=4),
+    ],
+    ids=["beit", "pvt_v2", "nest", "tnt"],
+)
+def test_timm_attention_classes_of_other_layouts_are_refused_by_name(make):
+    """timm names many attention classes ``Attention``: only the ViT layout's
+    (a fused qkv it calls, num_heads, head_dim) is converted; the others are
+    refused as unknown layouts (they raised AttributeError, or, like BEiT, would
+    run without the maps)."""
+    model = nn.Sequential(make())
+    with pytest.raises(dc.DamchaValueError, match=r"layout convert\(\) knows.*Received: .*0 \(timm\.models\.\w+\.Attention\)"):
+        dt.convert(model)
+    assert not dt.converted_layers(model)
+
+
 class RegisteredAttention(MyAttention):
     """Only the registration test teaches convert this class (registration is
     process-wide; MyAttention stays unknown for the other tests)."""

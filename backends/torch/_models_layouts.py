@@ -121,6 +121,19 @@ def _vit_layout(m: Any) -> AttentionLayout:
 # ------------------------------------------------------------------- timm
 
 
+def _timm_vit_like(m: Any) -> bool:
+    """timm names many attention classes ``Attention``; the ViT layout's has a
+    fused ``qkv`` projection it calls, ``num_heads`` and ``head_dim``. The others
+    (BEiT: a qkv bias added with ``F.linear``, bypassing the module; PVTv2, TNT:
+    separate q and kv; LeViT, TinyViT, NesT, EfficientFormer, VOLO: other sizes
+    or no ``head_dim``) stay unmatched, so convert() refuses them by name."""
+    return (
+        _is(m, "timm", frozenset({"Attention"}))
+        and all(hasattr(m, a) for a in ("qkv", "num_heads", "head_dim"))
+        and getattr(m, "q_bias", None) is None
+    )
+
+
 def _timm_layout(m: Any) -> AttentionLayout:
     H, d = int(m.num_heads), int(m.head_dim)
     e, out = _features(m.qkv)
@@ -157,7 +170,7 @@ for _adapter in (
     ModelAdapter(
         "timm-attention",
         "timm Attention of ViTs (fused qkv Linear, with or without qk_norm)",
-        lambda m: _is(m, "timm", frozenset({"Attention"})),
+        _timm_vit_like,
         _timm_layout,
     ),
 ):
