@@ -592,6 +592,51 @@ def test_plain_class_loading_is_loud(tmp_path, caplog):
     assert "damcha" in caplog.text  # the unexpected DAMCHA tensors are reported
 
 
+def test_from_pretrained_initialises_damcha_tensors_the_checkpoint_lacks(tmp_path):
+    """A converted checkpoint without its DAMCHA tensors: transformers reports them
+    "newly initialized" but initialises only module types it knows, so the gates
+    held whatever the memory held (values like -5.7e19). Now gates 0 (the plain
+    model's outputs) and fresh generators."""
+    from safetensors.torch import load_file, save_file
+
+    model = open_gates(converted("llama", torch.float32))
+    model.save_pretrained(tmp_path)
+    file = tmp_path / "model.safetensors"
+    save_file({k: v for k, v in load_file(file).items() if ".damcha." not in k}, file, metadata={"format": "pt"})
+    loaded, info = dt.from_pretrained(transformers.LlamaForCausalLM, tmp_path, output_loading_info=True)
+    assert info["missing_keys"] and all(".damcha." in k for k in info["missing_keys"])
+    gates = [p for n, p in loaded.named_parameters() if ".damcha.gates." in n]
+    assert gates and all(torch.equal(g, torch.zeros_like(g)) for g in gates)
+    generators = [p for n, p in loaded.named_parameters() if ".damcha.generators." in n]
+    assert generators and all(torch.isfinite(p).all() and p.abs().max() < 10 for p in generators)
+    plain = transformers.LlamaForCausalLM.from_pretrained(tmp_path)
+    kw = inputs("llama")
+    with torch.no_grad():
+        assert torch.equal(run(loaded, "llama", kw), run(plain, "llama", kw))
+    assert not isinstance(dt.from_pretrained(transformers.LlamaForCausalLM, tmp_path), tuple)
+
+
+@pytest.mark.parametrize("arch", ["vit"])
+def test_meta_device_recipe_leaves_the_gates_at_zero(arch):
+    """torch's recipe: build on meta, convert, to_empty, reset_parameters() on
+    every module that has one, then load the plain checkpoint. DamchaMaps had no
+    reset_parameters, so its gates kept uninitialised memory. (timm's ViT: the
+    transformers models keep non-persistent buffers, rotary frequencies and
+    position ids, that this recipe does not restore, with or without DAMCHA.)"""
+    plain = build(arch, torch.float32)
+    with torch.device("meta"):
+        model = dt.convert(build(arch, torch.float32))
+    model.to_empty(device="cpu")
+    torch.nn.init.constant_(next(p for n, p in model.named_parameters() if ".damcha.gates." in n), float("nan"))
+    for module in model.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    model.load_state_dict(plain.state_dict(), strict=False)
+    kw = inputs(arch)
+    with torch.no_grad():
+        assert torch.equal(run(model.eval(), arch, kw), run(plain.eval(), arch, kw))
+
+
 def test_from_pretrained_refuses_a_plain_checkpoint(tmp_path):
     build("llama").save_pretrained(tmp_path)
     with pytest.raises(dc.DamchaValueError, match="expected a DAMCHA checkpoint; its config.json records no"):
@@ -886,6 +931,71 @@ def test_timm_attention_classes_of_other_layouts_are_refused_by_name(make):
     with pytest.raises(dc.DamchaValueError, match=r"layout convert\(\) knows.*Received: .*0 \(timm\.models\.\w+\.Attention\)"):
         dt.convert(model)
     assert not dt.converted_layers(model)
+
+
+class _ViTAndMHA(nn.Module):
+    """A timm ViT attention beside an nn.MultiheadAttention (the adapters' layers
+    are planned first, the MHA replaced last)."""
+
+    def __init__(self, mha: nn.MultiheadAttention) -> None:
+        super().__init__()
+        self.attn = timm.layers.Attention(32, num_heads=4)
+        self.cross = mha
+
+
+@pytest.mark.parametrize(
+    "mha, options, pattern",
+    [
+        (
+            lambda: nn.MultiheadAttention(32, 4, kdim=16, vdim=16, batch_first=True),
+            dict(coupling="tied"),
+            r"Cannot convert layer `cross` \(nn\.MultiheadAttention\): .*coupling",
+        ),
+        (
+            lambda: nn.MultiheadAttention(64, 4, batch_first=True),
+            dict(share_metric=True),
+            r"Cannot convert layer `cross` \(nn\.MultiheadAttention\): .*metric_generator",
+        ),
+    ],
+    ids=["tied-coupling-needs-kdim", "shared-generator-sizes"],
+)
+def test_a_layer_that_cannot_be_converted_leaves_the_whole_model_as_it_was(mha, options, pattern):
+    """An nn.MultiheadAttention that cannot take the options failed only after
+    the other layers were converted: the model was left half converted and a
+    second convert() refused it as converted already."""
+    model = _ViTAndMHA(mha())
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(dc.DamchaValueError, match=pattern):
+        dt.convert(model, **options)
+    assert not dt.converted_layers(model)
+    assert type(model.cross) is nn.MultiheadAttention and not hasattr(model.attn, "damcha")
+    assert "forward" not in model.attn.qkv.__dict__  # no map left on the projection
+    assert model.state_dict().keys() == state.keys()
+    dt.convert(model)  # the same model converts with options it can take
+    assert sorted(dt.converted_layers(model)) == ["attn", "cross"]
+
+
+def test_replace_mha_names_the_layer_and_replaces_nothing_when_one_fails():
+    model = nn.Sequential(nn.MultiheadAttention(8, 2), nn.MultiheadAttention(8, 2, kdim=4, vdim=4))
+    with pytest.raises(dc.DamchaValueError, match=r"Cannot convert layer `1` \(nn\.MultiheadAttention\)"):
+        dt.replace_mha(model, coupling="tied")
+    assert all(type(m) is nn.MultiheadAttention for m in model)
+
+
+def test_a_projection_shared_by_two_attention_layers_is_refused_before_anything_is_converted():
+    """Two layers calling one qkv module: its forward can carry one layer's maps,
+    so the other's gates would never act. The install refused the second layer
+    after converting the first ("converted twice?")."""
+    first, second = timm.layers.Attention(32, num_heads=4), timm.layers.Attention(32, num_heads=4)
+    second.qkv = first.qkv
+    model = nn.Sequential(first, second)
+    with pytest.raises(
+        dc.DamchaValueError,
+        match=r"Invalid argument `model`: expected attention layers with projection modules of their own .*"
+        r"Nothing was converted\. Received: one Linear at 0\.qkv and 1\.qkv",
+    ):
+        dt.convert(model)
+    assert not dt.converted_layers(model) and "forward" not in first.qkv.__dict__
 
 
 class RegisteredAttention(MyAttention):

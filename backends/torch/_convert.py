@@ -230,26 +230,8 @@ def replace_mha(model: nn.Module, **kwargs: Any) -> nn.Module:
     for path, module in model.named_modules():
         if isinstance(module, nn.MultiheadAttention):
             check_replaceable(module, f"model.{path}")
-    done: dict[int, DamchaAttention] = {}
-
-    def visit(parent: nn.Module) -> None:
-        # _modules, not named_children(): that lists a module once per parent, so a second name
-        # for one MHA in the same parent (ModuleList([mha] * k)) was left unconverted.
-        for name, child in list(parent._modules.items()):
-            if child is None:
-                continue
-            if isinstance(child, nn.MultiheadAttention):
-                if id(child) not in done:
-                    layer = done[id(child)] = DamchaAttention.from_mha(child, **kwargs)
-                    _carry_hooks(child, layer)
-                    # The module itself, not from_mha's copy of its values: its
-                    # hooks, parametrizations or pruning stay in force.
-                    layer.out_proj = child.out_proj
-                setattr(parent, name, done[id(child)])
-            else:
-                visit(child)
-
-    visit(model)
+    done = build_replacements(model, kwargs)
+    install_replacements(model, done)
     if not done:
         # Most likely the wrong model (or one converted already): training it
         # would silently train plain attention, not DAMCHA.
@@ -260,6 +242,49 @@ def replace_mha(model: nn.Module, **kwargs: Any) -> nn.Module:
             UserWarning,
             stacklevel=2,
         )
+    return model
+
+
+def build_replacements(model: nn.Module, kwargs: Mapping[str, Any]) -> dict[int, DamchaAttention]:
+    """``id(mha)`` -> its ``DamchaAttention.from_mha``, for every ``nn.MultiheadAttention``
+    of ``model`` (a shared instance once), all built before any is installed: a
+    layer that cannot be converted (a coupling its sizes do not allow, a shared
+    generator of other sizes) leaves the model as it was, and the error names
+    the layer's path."""
+    done: dict[int, DamchaAttention] = {}
+    for path, module in model.named_modules():
+        if isinstance(module, nn.MultiheadAttention) and id(module) not in done:
+            try:
+                done[id(module)] = DamchaAttention.from_mha(module, **kwargs)
+            except (DamchaValueError, DamchaTypeError) as exc:
+                raise type(exc)(f"Cannot convert layer `{path}` (nn.MultiheadAttention): {exc}") from None
+    return done
+
+
+def install_replacements(model: nn.Module, done: Mapping[int, DamchaAttention]) -> None:
+    """Put each layer of ``build_replacements`` in its MHA's place(s), with the MHA's
+    hooks and ``out_proj`` module, and adapt the torch containers that held them."""
+    carried: set[int] = set()
+
+    def visit(parent: nn.Module) -> None:
+        # _modules, not named_children(): that lists a module once per parent, so a second name
+        # for one MHA in the same parent (ModuleList([mha] * k)) was left unconverted.
+        for name, child in list(parent._modules.items()):
+            if child is None:
+                continue
+            if isinstance(child, nn.MultiheadAttention) and id(child) in done:
+                layer = done[id(child)]
+                if id(child) not in carried:
+                    carried.add(id(child))
+                    _carry_hooks(child, layer)
+                    # The module itself, not from_mha's copy of its values: its
+                    # hooks, parametrizations or pruning stay in force.
+                    layer.out_proj = child.out_proj
+                setattr(parent, name, layer)
+            else:
+                visit(child)
+
+    visit(model)
     if done:
         for module in model.modules():
             # nn.TransformerEncoder decided at construction, while it still held
@@ -272,4 +297,3 @@ def replace_mha(model: nn.Module, **kwargs: Any) -> nn.Module:
             # torch's native kernel did for the MHA layer (a subclass keeps its class).
             if type(module) is nn.TransformerEncoderLayer and isinstance(module.self_attn, DamchaAttention):
                 module.__class__ = DamchaTransformerEncoderLayer
-    return model

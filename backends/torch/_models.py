@@ -33,10 +33,11 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 # The port's public names (bound in damcha_torch/__init__ before this module loads).
-from . import DamchaAttention, MetricGenerator, replace_mha
+from . import DamchaAttention, MetricGenerator
 from . import _convert as _convert_mod
 from . import _functional as fn
 from . import _models_fused as _fused
+from ._weight_tools import write_initial
 
 __all__ = [
     "AttentionLayout",
@@ -273,6 +274,17 @@ class DamchaMaps(nn.Module):
                 self.generators[side] = MetricGenerator(
                     E, S, config.key_dim, config.metric, config.metric_rank, device=device, dtype=dtype
                 )
+
+    def reset_parameters(self) -> None:
+        """Zero gates: the layer computes what the unconverted one did (torch's
+        meta-device recipe, ``to_empty`` then ``reset_parameters()`` on every
+        module that has one, left them holding whatever the memory held). The
+        generators are left alone, as ``DamchaAttention.reset_parameters``
+        leaves its own: they are modules with their own ``reset_parameters``,
+        and may be shared with other layers."""
+        with torch.no_grad():
+            for side, gate in self.gates.items():
+                write_initial(self.gates, side, torch.zeros_like(gate))
 
     def generator(self, side: str) -> MetricGenerator:
         """The generator of ``side`` ("qk", "q" or "k"), owned or borrowed."""
@@ -819,7 +831,12 @@ def convert(
     shared: dict[str, MetricGenerator] = {}
     if share_metric:
         _layout.check_shareable([(n, c) for n, _, _, _, c in plans])
+    _check_projections_not_shared([(n, m, layout) for n, m, _, layout, _ in plans])
 
+    # Build every new module before installing any (the maps, then the layers
+    # replacing nn.MultiheadAttention, which may borrow the maps' shared
+    # generators): a layer that cannot be converted leaves the model as it was.
+    built = []
     for _name, module, adapter, layout, config in plans:
         ref = next(module.parameters(), None)
         maps = DamchaMaps(
@@ -834,11 +851,8 @@ def convert(
         if share_metric:
             for side in config.metric_sides:
                 shared.setdefault(side, maps.generator(side))
-        module.add_module(CONFIG_KEY, maps)
-        # A model converted in eval mode (from_pretrained returns one) stays in it.
-        maps.train(module.training)
-        maps.install(module)
-
+        built.append((module, maps))
+    replacements = None
     if mhas:
         kwargs: dict[str, Any] = {
             "metric": metric,
@@ -848,10 +862,39 @@ def convert(
         }
         if share_metric:
             kwargs["metric_generator"] = _mha_shared(mhas, metric, metric_rank, kwargs["coupling"], shared)
-        replace_mha(model, **kwargs)
+        replacements = _convert_mod.build_replacements(model, kwargs)
+
+    for module, maps in built:
+        module.add_module(CONFIG_KEY, maps)
+        # A model converted in eval mode (from_pretrained returns one) stays in it.
+        maps.train(module.training)
+        maps.install(module)
+    if replacements:
+        _convert_mod.install_replacements(model, replacements)
 
     _record(model, metric=metric, metric_rank=metric_rank, coupling=coupling, share_metric=share_metric)
     return model
+
+
+def _check_projections_not_shared(layers: list[tuple[str, nn.Module, AttentionLayout]]) -> None:
+    """Refuse a projection module that two converted layers (or two sites of
+    one) would both hook: its one forward can carry one layer's maps, so the
+    other layer's gates and generators would never act."""
+    owner: dict[int, str] = {}
+    for name, module, layout in layers:
+        for site in layout.sites:
+            projection = _child(module, site.attr)
+            where = f"{name or '<model>'}.{site.attr}"
+            first = owner.setdefault(id(projection), where)
+            if first != where:
+                raise DamchaValueError(
+                    dc.invalid_argument(
+                        "model",
+                        "attention layers with projection modules of their own (a projection module called by "
+                        "two converted layers could carry the maps of one only). Nothing was converted",
+                        f"one {type(projection).__name__} at {first} and {where}",
+                    )
+                )
 
 
 def _mha_shared(mhas, metric, metric_rank, coupling, shared):
@@ -1006,6 +1049,32 @@ def from_pretrained(cls: type, path: str | os.PathLike, *, recompute: bool = Tru
     # loader sees the DAMCHA tensors as expected keys; the instance gets its
     # class back afterwards (the subclass adds no state).
     converting: Any = type(host.__name__, (host,), {"__init__": __init__, "__module__": host.__module__})
-    model = converting.from_pretrained(path, **kwargs)
+    wants_info = bool(kwargs.get("output_loading_info", False))
+    model, info = converting.from_pretrained(path, **{**kwargs, "output_loading_info": True})
     model.__class__ = host
-    return model
+    _initialise_missing_maps(model, info.get("missing_keys", ()))
+    return (model, info) if wants_info else model
+
+
+def _initialise_missing_maps(model: nn.Module, missing: Any) -> None:
+    """DAMCHA tensors a checkpoint lacks, given their initial values (transformers
+    reports them "newly initialized" but initialises only the module types it
+    knows, so they held whatever the memory held): gates 0, so the layer computes
+    what the unconverted one did, and a fresh generator."""
+    generators: dict[int, MetricGenerator] = {}
+    for key in missing:
+        head, sep, tail = f".{key}".rpartition(f".{CONFIG_KEY}.")
+        if not sep:
+            continue
+        maps = model.get_submodule(f"{head[1:]}.{CONFIG_KEY}" if head else CONFIG_KEY)
+        kind, _, side = tail.partition(".")
+        side = side.split(".")[0]
+        if not isinstance(maps, DamchaMaps):
+            continue
+        if kind == "gates" and side in maps.gates:
+            with torch.no_grad():
+                write_initial(maps.gates, side, torch.zeros_like(maps.gates[side]))
+        elif kind == "generators" and side in maps.generators:
+            generators.setdefault(id(maps.generators[side]), maps.generators[side])  # type: ignore[arg-type]
+    for generator in generators.values():
+        generator.reset_parameters()
