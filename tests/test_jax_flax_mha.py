@@ -310,6 +310,19 @@ def test_masks_broadcast_as_in_flax(case) -> None:
     np.testing.assert_allclose(ours, flax, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("lead", [(), (2,), (2, 3)], ids=str)
+def test_a_scalar_mask_is_broadcast_as_in_flax(lead) -> None:
+    """A 0-d mask means every key or none whatever the alignment (it was refused):
+    True gives Flax's output; False leaves every row without a key, so the
+    output projection's bias (docs/spec.md, where Flax averages the values)."""
+    mha = nnx.MultiHeadAttention(4, E, 16, decode=False, rngs=nnx.Rngs(1))
+    layer = dj.DamchaAttention.from_mha(mha, rngs=nnx.Rngs(2))
+    x = _normal((*lead, 5, E), 7)
+    np.testing.assert_allclose(layer(x, mask=jnp.array(True)), mha(x), rtol=1e-5, atol=1e-5)
+    hidden = np.asarray(layer(x, mask=jnp.array(False)))
+    np.testing.assert_array_equal(hidden, np.broadcast_to(np.asarray(mha.out.bias[...]), hidden.shape))
+
+
 @pytest.mark.parametrize("case", REFUSED, ids=str)
 def test_ambiguous_masks_are_refused_where_flax_guesses(case) -> None:
     lead, shape = case

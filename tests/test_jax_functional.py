@@ -200,6 +200,22 @@ def test_functional_decode_overflow_under_jit_is_nan() -> None:
     assert np.isnan(np.asarray(steps[:, 3])).all()
 
 
+@pytest.mark.parametrize("used", [0, 2, 3], ids=["empty", "part-used", "full"])
+def test_decode_chunk_longer_than_the_room_left_says_how_much_is_left(used: int) -> None:
+    """The message said "the cache is full" for an empty cache too."""
+    config = CROSS.replace(context_dim=16, coupling="query")
+    params, x = _params(config), _x((2, 4, 16))
+    cache = dj.init_cache(config, 2, 3)
+    if used:
+        _, cache = dj.decode_step(params, config, cache, x[:, :used])
+    state = "the cache is full" if used == 3 else f"the cache has room for {3 - used} more"
+    with pytest.raises(
+        dc.DamchaValueError,
+        match=rf"at most {3 - used} new tokens: {state} \({used} of max_length=3 positions are used\)",
+    ):
+        dj.decode_step(params, config, cache, x[:, : 4 - used + 1 if used < 3 else 1])
+
+
 def test_functional_decode_respects_padding_mask() -> None:
     """The mask spans the cache (B, H|1, T, L); decoding with it equals the full
     masked causal forward; a float 0/1 mask is read as the bool one, an additive
@@ -311,6 +327,22 @@ BAD_DECODING = {
         dc.DamchaTypeError,
         r"Invalid argument `dtype`: expected a floating dtype. Received: dtype=",
         lambda: dj.init_cache(CFG, 2, 6, jnp.int32),
+    ),
+    # A bad precision named the argument only as JAX's internals did, at the first product.
+    "precision-attention": (
+        dc.DamchaValueError,
+        r"Invalid argument `precision`: expected None, a jax\.lax\.Precision .*Received: precision='bogus'",
+        lambda: dj.damcha_attention(_P, CFG, _X, precision="bogus"),
+    ),
+    "precision-decode": (
+        dc.DamchaTypeError,
+        r"Invalid argument `precision`.*Received: precision=3",
+        lambda: dj.decode_step(_P, CFG, dj.init_cache(CFG, 2, 6), _X[:, :1], precision=3),
+    ),
+    "precision-transformed": (
+        dc.DamchaValueError,
+        r"Invalid argument `precision`.*Received: precision=\('highest', 'fast'\)",
+        lambda: dj.transformed_qkv(_P, CFG, _X, precision=("highest", "fast")),
     ),
     "coefficients-metric": (
         dc.DamchaValueError,

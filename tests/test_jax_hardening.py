@@ -340,6 +340,15 @@ BAD_CONSTRUCTOR = {
         dc.DamchaValueError,
         "missing sides",
     ),
+    # Complex parameters computed complex outputs and lost their imaginary parts in save().
+    "param_dtype-complex": (dict(param_dtype=jnp.complex64), dc.DamchaTypeError, "`param_dtype`: expected a real"),
+    "dtype-complex": (dict(dtype=jnp.complex64), dc.DamchaTypeError, "`dtype`: expected a real"),
+    "param_dtype-int": (dict(param_dtype=jnp.int32), dc.DamchaTypeError, "`param_dtype`.*int32"),
+    "dtype-int": (dict(dtype=jnp.int32), dc.DamchaTypeError, "`dtype`.*int32"),
+    "kernel_init": (dict(kernel_init=None), dc.DamchaTypeError, "`kernel_init`: expected an initializer"),
+    "out_bias_init": (dict(out_bias_init="zeros"), dc.DamchaTypeError, "`out_bias_init`"),
+    "precision-name": (dict(precision="bogus"), dc.DamchaValueError, "`precision`.*Received: precision='bogus'"),
+    "precision-type": (dict(precision=3), dc.DamchaTypeError, "`precision`.*Received: precision=3"),
 }
 
 

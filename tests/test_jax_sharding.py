@@ -1,4 +1,5 @@
-"""Data-parallel training step on 2 simulated CPU devices equals the single-device step.
+"""Data-parallel training step on 2 simulated CPU devices equals the single-device step;
+from_mha keeps a sharded layer's sharding.
 
 The device count is fixed when JAX initialises its backend, so this runs in a
 subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=2.
@@ -61,4 +62,63 @@ print("ok", float(loss_1), float(loss_2))
 def test_data_parallel_step_equals_single_device() -> None:
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.startswith("ok"), proc.stdout + proc.stderr[-3000:]
+
+
+_FROM_MHA_SCRIPT = r"""
+import jax, jax.numpy as jnp, numpy as np
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+import damcha_jax as dj
+x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 5, 16)), jnp.float32)
+for kind in ("Auto", "Explicit"):
+    mesh = jax.make_mesh((2,), ("model",), axis_types=(getattr(jax.sharding.AxisType, kind),))
+    with jax.set_mesh(mesh):
+        mha = nnx.MultiHeadAttention(4, 16, decode=False, normalize_qk=True, rngs=nnx.Rngs(0),
+                                     kernel_metadata={"out_sharding": (None, "model", None)},
+                                     out_kernel_metadata={"out_sharding": ("model", None, None)},
+                                     bias_metadata={"out_sharding": ("model", None)}, out_bias_metadata={"out_sharding": (None,)})
+        layer = dj.DamchaAttention.from_mha(mha, rngs=nnx.Rngs(1))
+        theirs, ours = nnx.get_partition_spec(nnx.state(mha)), nnx.get_partition_spec(nnx.state(layer))
+        for name in ("query", "key", "value", "out"):
+            for leaf in ("kernel", "bias"):
+                assert ours[name][leaf] == theirs[name][leaf], (kind, name, leaf, ours[name][leaf], theirs[name][leaf])
+        assert ours["query_ln"]["scale"] == theirs["query_ln"]["scale"]
+        assert layer.query.kernel[...].sharding.spec == mha.query.kernel[...].sharding.spec
+        if kind == "Auto":
+            np.testing.assert_array_equal(np.asarray(layer(x)), np.asarray(mha(x)))
+
+# Heads sharded (docs/jax.md): the maps mix them; an Auto mesh computes the unsharded
+# layer's output, an Explicit one refuses the per-head slicing (as documented).
+ref = dj.DamchaAttention(4, 16, rngs=nnx.Rngs(0))
+for side in ref.metric:
+    ref.metric[side].gate[...] = jnp.full((4,), 0.5)
+want = np.asarray(ref(x))
+kw = dict(kernel_metadata={"out_sharding": (None, "model", None)}, out_kernel_metadata={"out_sharding": ("model", None, None)})
+for kind in ("Auto", "Explicit"):
+    mesh = jax.make_mesh((2,), ("model",), axis_types=(getattr(jax.sharding.AxisType, kind),))
+    with jax.set_mesh(mesh):
+        lay = dj.DamchaAttention(4, 16, rngs=nnx.Rngs(0), **kw)
+        for side in lay.metric:
+            lay.metric[side].gate[...] = jnp.full((4,), 0.5)
+        if kind == "Auto":
+            np.testing.assert_allclose(np.asarray(lay(x)), want, rtol=1e-5, atol=1e-6)
+        else:
+            try:
+                lay(x, out_sharding=P())
+            except Exception as error:
+                assert type(error).__name__ == "ShardingTypeError", error
+            else:
+                raise AssertionError("docs/jax.md says an Explicit mesh refuses sharded heads; update it")
+print("ok")
+"""
+
+
+def test_from_mha_keeps_the_sharding_of_every_parameter() -> None:
+    """from_mha dropped the *_metadata of the layer it copies: the converted
+    layer's partition specs were P() (Flax's sharded-init recipe would replicate
+    it), and under an explicit-sharding mesh copying a sharded kernel into the
+    unsharded one was a raw JAX type error."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", _FROM_MHA_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.startswith("ok"), proc.stdout + proc.stderr[-3000:]

@@ -36,6 +36,7 @@ from ._functional import (
     _prepare,
     _qkv,
     attend,
+    check_precision,
 )
 from ._masks import MaskArg, check_hint, np_dtype, read_mask
 
@@ -172,8 +173,9 @@ def check_room(index: Any, T: int, L: int, name: str, shape: tuple[int, ...]) ->
         raise DamchaValueError(
             invalid_argument(
                 name,
-                f"at most {L - int(index)} new tokens: the cache is full ({int(index)} of max_length={L} "
-                "positions are used)",
+                f"at most {L - int(index)} new tokens: "
+                + ("the cache is full" if int(index) >= L else f"the cache has room for {L - int(index)} more")
+                + f" ({int(index)} of max_length={L} positions are used)",
                 f"{name}.shape={tuple(shape)}",
             )
         )
@@ -242,6 +244,7 @@ def decode_step(
         silently), so size the cache for the whole sequence.
     """
     config = _check_config(config)
+    precision = check_precision("precision", precision)
     if not isinstance(cache, Mapping) or set(cache) != {"key", "value", "index"}:
         raise DamchaValueError(
             invalid_argument(

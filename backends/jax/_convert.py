@@ -6,11 +6,22 @@ from typing import Any
 
 from flax import nnx
 
+import jax.numpy as jnp
 from damcha_core import DamchaTypeError, DamchaValueError, describe, invalid_argument
 
 # Bound once: code that swaps nnx.MultiHeadAttention for DamchaAttention
 # (e.g. to run Flax's own tests against it) still converts real Flax layers.
 _FlaxMHA = nnx.MultiHeadAttention
+
+
+def _metadata(variable: Any) -> dict[str, Any]:
+    """What a variable's constructor was given as ``*_metadata`` (or by
+    ``nnx.with_partitioning``): its metadata less the entries every fresh
+    variable has (the sharding names are what matters: a converted layer keeps
+    its parameters' sharding, and under an explicit-sharding mesh the copy of a
+    sharded kernel into an unsharded one is a JAX type error)."""
+    defaults = nnx.Param(jnp.zeros(())).get_metadata()
+    return {k: v for k, v in variable.get_metadata().items() if k not in defaults or defaults[k] != v}
 
 
 def from_mha(cls: Any, mha: Any, *, metric: str, metric_rank: int | None, coupling: str | None, rngs: nnx.Rngs) -> Any:
@@ -32,6 +43,13 @@ def from_mha(cls: Any, mha: Any, *, metric: str, metric_rank: int | None, coupli
             )
         )
     attention_fn = None if mha.attention_fn is nnx.dot_product_attention else mha.attention_fn
+    metadata = dict(kernel_metadata=_metadata(mha.query.kernel), out_kernel_metadata=_metadata(mha.out.kernel))
+    if mha.use_bias:
+        metadata.update(bias_metadata=_metadata(mha.query.bias), out_bias_metadata=_metadata(mha.out.bias))
+    if mha.normalize_qk:
+        metadata.update(
+            query_ln_scale_metadata=_metadata(mha.query_ln.scale), key_ln_scale_metadata=_metadata(mha.key_ln.scale)
+        )
     layer = cls(
         mha.num_heads,
         mha.in_features,
@@ -61,6 +79,7 @@ def from_mha(cls: Any, mha: Any, *, metric: str, metric_rank: int | None, coupli
         out_dot_general_cls=mha.out_dot_general_cls,
         keep_rngs=mha.rngs is not None,
         rngs=rngs,
+        **metadata,
     )
     for name in ("query", "key", "value", "out"):
         source, target = getattr(mha, name), getattr(layer, name)

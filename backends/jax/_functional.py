@@ -122,6 +122,36 @@ def _check_key(name: str, key: Any) -> Any:
     return key
 
 
+def _one_precision(p: Any) -> bool:
+    if p is None or isinstance(p, (jax.lax.Precision, jax.lax.DotAlgorithm, jax.lax.DotAlgorithmPreset)):
+        return True
+    if isinstance(p, str):
+        try:
+            jax.lax.Precision(p)
+        except ValueError:
+            return False
+        return True
+    return False
+
+
+def check_precision(name: str, value: Any) -> Any:
+    """What ``jax.lax.dot_general`` takes as ``precision``: None, a
+    ``jax.lax.Precision`` or its name ("highest", "float32", ...), a
+    ``DotAlgorithm``/``DotAlgorithmPreset``, or a pair of precisions (one per
+    operand). Checked here so that a bad one names the argument, not a JAX
+    internal at the first product."""
+    pair = isinstance(value, (tuple, list)) and len(value) == 2
+    if _one_precision(value) or (pair and all(p is not None and _one_precision(p) for p in value)):
+        return value
+    expected = (
+        "None, a jax.lax.Precision or its name ('default', 'high', 'highest', 'bfloat16', 'tensorfloat32', "
+        "'float32'), a jax.lax.DotAlgorithm(Preset), or a pair of precisions"
+    )
+    bad_name = isinstance(value, str) or (pair and any(isinstance(p, str) for p in value))
+    error = DamchaValueError if bad_name else DamchaTypeError
+    raise error(invalid_argument(name, expected, f"{name}={describe(value)}"))
+
+
 def _compute_dtype(dtype: Any, *arrays: Any) -> Any:
     if dtype is not None:
         try:
@@ -863,6 +893,7 @@ def damcha_attention(
     deterministic = check_bool("deterministic", deterministic)
     broadcast_dropout = check_bool("broadcast_dropout", broadcast_dropout)
     query_offset = _check_offset(query_offset)
+    precision = check_precision("precision", precision)
     mask_hint = check_hint(mask_hint, mask)
     p, config, x, c, v_tokens, mask = _prepare(params, config, query, context, value, mask, dtype)
     use_dropout = not deterministic and config.dropout > 0.0
@@ -923,6 +954,7 @@ def transformed_qkv(
     the output projection is DAMCHA: feed them to any fused kernel, or cache
     k~ and v for decoding.
     """
+    precision = check_precision("precision", precision)
     p, config, x, c, v_tokens, _ = _prepare(params, config, query, context, value, None, dtype)
     return _qkv(p, config, x, c, v_tokens, precision)
 

@@ -173,8 +173,11 @@ def _mask_view(mask_shape: tuple[int, ...], rank: int) -> tuple[int, ...]:
     with fewer axes whose axes before the last two are all 1 is read as
     (N|1, M) (then no alignment of the axes can change its meaning). Any
     other shape is returned as it is and checked as given (a (B, N, M)
-    mask stays refused: Flax would read its B as the heads)."""
+    mask stays refused: Flax would read its B as the heads). A scalar is
+    read as (1, 1)."""
     n = len(mask_shape)
+    if n == 0:
+        return (1, 1)  # a scalar: every key or none, as Flax broadcasts it
     if n > rank and all(s == 1 for s in mask_shape[: n - rank]):
         return mask_shape[n - rank :]
     if 2 < n < rank and all(s == 1 for s in mask_shape[:-2]):
@@ -415,6 +418,39 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
         for name, option in (("deterministic", deterministic), ("decode", decode)):
             if option is not None:
                 check_bool(name, option)
+        for name, value, optional in (("dtype", dtype, True), ("param_dtype", param_dtype, False)):
+            if value is None and optional:
+                continue
+            try:
+                real = bool(jnp.issubdtype(value, jnp.floating))
+            except TypeError:
+                real = False
+            if not real:
+                # Complex ones too: the maps and the softmax are defined on real numbers,
+                # and the canonical parameters (to_canonical, save) are real.
+                raise DamchaTypeError(
+                    invalid_argument(
+                        name,
+                        "a real floating dtype (float16, bfloat16, float32, float64)"
+                        + (" or None" if optional else ""),
+                        f"{name}={describe(value)}",
+                    )
+                )
+        for name, init, optional in (
+            ("kernel_init", kernel_init, False),
+            ("bias_init", bias_init, False),
+            ("out_kernel_init", out_kernel_init, True),
+            ("out_bias_init", out_bias_init, True),
+        ):
+            if not callable(init) and not (optional and init is None):
+                raise DamchaTypeError(
+                    invalid_argument(
+                        name,
+                        "an initializer (a callable)" + (" or None" if optional else ""),
+                        f"{name}={describe(init)}",
+                    )
+                )
+        F.check_precision("precision", precision)
         if attention_fn is not None and not callable(attention_fn):
             raise DamchaTypeError(
                 invalid_argument("attention_fn", "a callable or None", f"attention_fn={describe(attention_fn)}")
