@@ -255,9 +255,11 @@ def quantize_static_int8(
     feeds = []
     for i, item in enumerate(calibration):
         try:
-            feeds.append(feeds_for(m, item))
+            feed = feeds_for(m, item)
         except (DamchaValueError, DamchaTypeError) as exc:
             raise type(exc)(f"`calibration[{i}]`: {exc}") from exc
+        _check_calibration_batch(i, feed)
+        feeds.append(feed)
     if not feeds:
         raise DamchaValueError(invalid_argument("calibration", "at least one feed dict", "an empty iterable"))
     quant = {"int8": QuantType.QInt8, "uint8": QuantType.QUInt8}
@@ -304,6 +306,27 @@ def quantize_static_int8(
     return out
 
 
+def _check_calibration_batch(i: int, feed: Mapping[str, np.ndarray]) -> None:
+    """A calibration batch must hold tokens (onnxruntime refuses an empty batch
+    inside the calibrator) and finite values (a NaN makes every range NaN: the
+    quantiser fails on an assertion)."""
+    for name, array in feed.items():
+        if array.size == 0 and not name.startswith("past_"):  # an empty cache is a decode step's first state
+            raise DamchaValueError(
+                invalid_argument(
+                    f"calibration[{i}]", "batches with at least one token", f"{name}.shape={tuple(array.shape)}"
+                )
+            )
+        if np.issubdtype(array.dtype, np.floating) and not np.isfinite(array).all():
+            raise DamchaValueError(
+                invalid_argument(
+                    f"calibration[{i}]",
+                    "finite values (a NaN or inf sets no range)",
+                    f"{name} with {int(np.size(array) - np.isfinite(array).sum())} non-finite values",
+                )
+            )
+
+
 def quantization_error(
     float_model: onnx.ModelProto | str,
     int8_model: onnx.ModelProto | str,
@@ -313,13 +336,32 @@ def quantization_error(
     """Accuracy loss of the int8 model: max and relative RMS error against the
     float32 model's output (and against ``reference`` when given)."""
     y32 = np.asarray(run_ort(as_model(float_model, "float_model"), inputs), dtype=np.float64)
-    y8 = np.asarray(run_ort(as_model(int8_model, "int8_model"), inputs), dtype=np.float64)
-    if reference is not None and np.shape(reference) != y32.shape:
+    if y32.size == 0:
+        # Maxima and means of nothing: no error to measure.
         raise DamchaValueError(
-            invalid_argument(
-                "reference", f"the model's output shape {y32.shape}", f"reference.shape={np.shape(reference)}"
-            )
+            invalid_argument("inputs", "a batch with at least one token", f"an empty output of shape {y32.shape}")
         )
+    y8 = np.asarray(run_ort(as_model(int8_model, "int8_model"), inputs), dtype=np.float64)
+    if reference is not None:
+        dtype = getattr(reference, "dtype", np.asarray(reference).dtype)
+        if not (np.issubdtype(dtype, np.floating) or np.issubdtype(dtype, np.integer)) or dtype == np.bool_:
+            raise DamchaTypeError(
+                invalid_argument("reference", "a real numeric array", f"reference={describe_value(reference)}")
+            )
+        if np.shape(reference) != y32.shape:
+            raise DamchaValueError(
+                invalid_argument(
+                    "reference", f"the model's output shape {y32.shape}", f"reference.shape={np.shape(reference)}"
+                )
+            )
+        if not np.isfinite(reference).all():
+            raise DamchaValueError(
+                invalid_argument(
+                    "reference",
+                    "finite values (a NaN would make every error against it NaN)",
+                    f"reference with {int(np.size(reference) - np.isfinite(reference).sum())} non-finite values",
+                )
+            )
     scale = float(np.sqrt(np.mean(y32**2))) or 1.0
     out = {
         "max_abs_vs_float32": float(np.max(np.abs(y8 - y32))),

@@ -244,7 +244,30 @@ def feeds_for(model: onnx.ModelProto, inputs: Mapping[str, Any]) -> dict[str, np
         if np.issubdtype(np_dtype, np.integer) and not np.issubdtype(array.dtype, np.integer):
             raise DamchaTypeError(invalid_argument(name, "an integer array", f"{name}={describe(shown)}"))
         # Float inputs are cast to the graph's dtype (e.g. float64 data into a float32 export).
-        out[name] = array.astype(np_dtype, copy=False)
+        with np.errstate(over="ignore"):  # an overflow is refused below, by name
+            cast = array.astype(np_dtype, copy=False)
+        if np.issubdtype(np_dtype, np.floating) and cast.dtype.itemsize < array.dtype.itemsize and cast.size:
+            # Finite values past the narrower type's range would become inf (all-NaN outputs).
+            overflow = np.isinf(cast) & np.isfinite(array)
+            if overflow.any():
+                limit = float(np.finfo(np_dtype).max)
+                raise DamchaValueError(
+                    invalid_argument(
+                        name,
+                        f"values within {np.dtype(np_dtype).name}'s range (|x| <= {limit:g}), the model's input dtype",
+                        f"{name} with |x| up to {float(np.max(np.abs(array[overflow]))):g} ({describe(shown)})",
+                    )
+                )
+        if np.issubdtype(np_dtype, np.integer) and cast.size and not np.array_equal(cast, array):
+            # A value the model's integer type cannot hold (a uint64 id past int64) would wrap.
+            raise DamchaValueError(
+                invalid_argument(
+                    name,
+                    f"values that {np.dtype(np_dtype).name} holds, the model's input dtype",
+                    f"{name} in [{array.min()}, {array.max()}] ({describe(shown)})",
+                )
+            )
+        out[name] = cast
     check_feed_shapes(model, out)
     return out
 
@@ -479,8 +502,36 @@ def run_ort(
     empty = empty_outputs(proto, feeds)
     if empty is not None:
         return _first_or_all(proto, empty, all_outputs)
-    session = session or ort_session(model if not isinstance(model, onnx.ModelProto) else proto)
+    if session is None:
+        session = ort_session(model if not isinstance(model, onnx.ModelProto) else proto)
+    else:
+        _check_session(session, proto)
     return _first_or_all(proto, session.run(None, feeds), all_outputs)
+
+
+def _check_session(session: Any, proto: onnx.ModelProto) -> None:
+    """``session`` must be an onnxruntime session of ``proto`` (its inputs and
+    outputs by name): one made for another model (an .ort file of another
+    export) would run that model on these feeds."""
+    # Duck-typed: a wrapper around a session (profiling, a test's fault injector) is one too.
+    if not all(callable(getattr(session, m, None)) for m in ("run", "get_inputs", "get_outputs")):
+        raise DamchaTypeError(
+            invalid_argument(
+                "session",
+                "an onnxruntime.InferenceSession (from ort_session) or None",
+                f"session={describe_value(session)}",
+            )
+        )
+    ours = ([i.name for i in proto.graph.input], [o.name for o in proto.graph.output])
+    theirs = ([i.name for i in session.get_inputs()], [o.name for o in session.get_outputs()])
+    if ours != theirs:
+        raise DamchaValueError(
+            invalid_argument(
+                "session",
+                f"a session of this model (inputs {ours[0]}, outputs {ours[1]})",
+                f"a session with inputs {theirs[0]}, outputs {theirs[1]}",
+            )
+        )
 
 
 @overload

@@ -280,6 +280,46 @@ def test_wrong_input_dtypes_are_rejected_by_feeds_helper():
         do.run_ort(model, {"query": x})
 
 
+def test_feeds_a_cast_would_change_are_refused():
+    """run_ort casts feeds to the model's dtype: float16 turned 7e4 into inf (an
+    all-NaN output), int64 turned a uint64 id of 2**64 - 1 into -1 (then reported
+    as the id received)."""
+    model = do.export(dc.init_params(CFG), CFG, None, dtype="float16")
+    with pytest.raises(
+        dc.DamchaValueError,
+        match=r"Invalid argument `query`: expected values within float16's range \(\|x\| <= 65504\).*"
+        r"Received: query with \|x\| up to 70000",
+    ):
+        do.run_ort(model, {"query": np.full((1, 2, 8), 7e4)})
+    do.run_ort(model, {"query": np.full((1, 2, 8), 6e4)})  # within the range: runs
+    config = do.TokenModelConfig(
+        do.EncoderConfig(dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4), num_layers=1, ffn_dim=8),
+        vocab_size=11,
+        max_len=4,
+        num_classes=2,
+    )
+    tokens_model = do.export_token_model(do.init_token_model_params(config, 1), config, None)
+    with pytest.raises(
+        dc.DamchaValueError, match=r"Invalid argument `tokens`: expected values that int64 holds.*\[1, 18446744073709551615\]"
+    ):
+        do.run_ort(tokens_model, {"tokens": np.array([[1, 2**64 - 1, 3]], np.uint64)})
+
+
+def test_run_ort_checks_the_session_it_is_given(tmp_path):
+    """A session that is not one, or one of another model, failed inside onnxruntime."""
+    model = do.export(dc.init_params(CFG), CFG, None, mask=True)
+    other = do.export(dc.init_params(CFG), CFG, None)
+    feeds = {"query": np.zeros((1, 2, 8)), "mask": np.ones((1, 1, 2, 2), bool)}
+    np.testing.assert_array_equal(do.run_ort(model, feeds, session=do.ort_session(model)), do.run_ort(model, feeds))
+    with pytest.raises(dc.DamchaTypeError, match=r"Invalid argument `session`: expected an onnxruntime\.InferenceSession"):
+        do.run_ort(model, feeds, session="not a session")
+    with pytest.raises(
+        dc.DamchaValueError,
+        match=r"`session`: expected a session of this model \(inputs \['query', 'mask'\].*Received: a session with inputs \['query'\]",
+    ):
+        do.run_ort(model, feeds, session=do.ort_session(other))
+
+
 def test_helpers_take_a_saved_model_path(tmp_path):
     # ort_session and quantize_int8 took a path, but run_ort/run_reference/
     # empty_kv_cache crashed on it with AttributeError ('str' has no 'graph').

@@ -288,6 +288,34 @@ def test_static_qdq_int8_errors():
         do.quantize_static_int8(do.export(dc.init_params(config), config, None, dtype="float16"), calibration)
     with pytest.raises(dc.DamchaValueError, match="activation_type"):
         do.quantize_static_int8(model, calibration, activation_type="int4")
+    # An empty or non-finite batch reached onnxruntime's calibrator: its own
+    # "Batch size must be greater than 0", or an AssertionError("scale issue").
+    empty = {k: v[:0] for k, v in calibration[0].items()}
+    with pytest.raises(
+        dc.DamchaValueError, match=r"`calibration\[1\]`: expected batches with at least one token.*query\.shape=\(0, "
+    ):
+        do.quantize_static_int8(model, [calibration[0], empty])
+    nan = {**calibration[0], "query": np.full_like(calibration[0]["query"], np.nan)}
+    with pytest.raises(dc.DamchaValueError, match=r"`calibration\[0\]`: expected finite values.*query with \d+ non-finite"):
+        do.quantize_static_int8(model, [nan])
+
+
+def test_quantization_error_refuses_what_it_cannot_measure():
+    """Empty inputs raised NumPy's reduction error; a NaN reference gave NaN
+    metrics; a reference of another kind was compared as numbers."""
+    _, _, model, calibration, _ = _encoder_case(23)
+    q = do.quantize_int8(model)
+    feeds = calibration[0]
+    y = do.run_ort(model, feeds)
+    assert do.quantization_error(model, q, feeds, y)["max_abs_float32_vs_reference"] == 0.0
+    with pytest.raises(dc.DamchaValueError, match=r"Invalid argument `inputs`: expected a batch with at least one token"):
+        do.quantization_error(model, q, {k: v[:0] for k, v in feeds.items()})
+    with pytest.raises(dc.DamchaValueError, match=r"`reference`: expected finite values.*1 non-finite"):
+        bad = y.copy()
+        bad.flat[3] = np.nan
+        do.quantization_error(model, q, feeds, bad)
+    with pytest.raises(dc.DamchaTypeError, match=r"`reference`: expected a real numeric array"):
+        do.quantization_error(model, q, feeds, y.astype(np.complex64))
 
 
 def test_quantisers_drop_only_the_pre_processing_hint_and_restore_root_logging(monkeypatch):
