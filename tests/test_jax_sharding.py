@@ -120,5 +120,7 @@ def test_from_mha_keeps_the_sharding_of_every_parameter() -> None:
     it), and under an explicit-sharding mesh copying a sharded kernel into the
     unsharded one was a raw JAX type error."""
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", _FROM_MHA_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", _FROM_MHA_SCRIPT], env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0 and proc.stdout.startswith("ok"), proc.stdout + proc.stderr[-3000:]

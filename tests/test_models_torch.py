@@ -928,7 +928,9 @@ def test_timm_attention_classes_of_other_layouts_are_refused_by_name(make):
     refused as unknown layouts (they raised AttributeError, or, like BEiT, would
     run without the maps)."""
     model = nn.Sequential(make())
-    with pytest.raises(dc.DamchaValueError, match=r"layout convert\(\) knows.*Received: .*0 \(timm\.models\.\w+\.Attention\)"):
+    with pytest.raises(
+        dc.DamchaValueError, match=r"layout convert\(\) knows.*Received: .*0 \(timm\.models\.\w+\.Attention\)"
+    ):
         dt.convert(model)
     assert not dt.converted_layers(model)
 

@@ -300,7 +300,8 @@ def test_feeds_a_cast_would_change_are_refused():
     )
     tokens_model = do.export_token_model(do.init_token_model_params(config, 1), config, None)
     with pytest.raises(
-        dc.DamchaValueError, match=r"Invalid argument `tokens`: expected values that int64 holds.*\[1, 18446744073709551615\]"
+        dc.DamchaValueError,
+        match=r"Invalid argument `tokens`: expected values that int64 holds.*\[1, 18446744073709551615\]",
     ):
         do.run_ort(tokens_model, {"tokens": np.array([[1, 2**64 - 1, 3]], np.uint64)})
 
@@ -311,7 +312,9 @@ def test_run_ort_checks_the_session_it_is_given(tmp_path):
     other = do.export(dc.init_params(CFG), CFG, None)
     feeds = {"query": np.zeros((1, 2, 8)), "mask": np.ones((1, 1, 2, 2), bool)}
     np.testing.assert_array_equal(do.run_ort(model, feeds, session=do.ort_session(model)), do.run_ort(model, feeds))
-    with pytest.raises(dc.DamchaTypeError, match=r"Invalid argument `session`: expected an onnxruntime\.InferenceSession"):
+    with pytest.raises(
+        dc.DamchaTypeError, match=r"Invalid argument `session`: expected an onnxruntime\.InferenceSession"
+    ):
         do.run_ort(model, feeds, session="not a session")
     with pytest.raises(
         dc.DamchaValueError,

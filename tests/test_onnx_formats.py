@@ -296,7 +296,9 @@ def test_static_qdq_int8_errors():
     ):
         do.quantize_static_int8(model, [calibration[0], empty])
     nan = {**calibration[0], "query": np.full_like(calibration[0]["query"], np.nan)}
-    with pytest.raises(dc.DamchaValueError, match=r"`calibration\[0\]`: expected finite values.*query with \d+ non-finite"):
+    with pytest.raises(
+        dc.DamchaValueError, match=r"`calibration\[0\]`: expected finite values.*query with \d+ non-finite"
+    ):
         do.quantize_static_int8(model, [nan])
 
 
@@ -308,7 +310,9 @@ def test_quantization_error_refuses_what_it_cannot_measure():
     feeds = calibration[0]
     y = do.run_ort(model, feeds)
     assert do.quantization_error(model, q, feeds, y)["max_abs_float32_vs_reference"] == 0.0
-    with pytest.raises(dc.DamchaValueError, match=r"Invalid argument `inputs`: expected a batch with at least one token"):
+    with pytest.raises(
+        dc.DamchaValueError, match=r"Invalid argument `inputs`: expected a batch with at least one token"
+    ):
         do.quantization_error(model, q, {k: v[:0] for k, v in feeds.items()})
     with pytest.raises(dc.DamchaValueError, match=r"`reference`: expected finite values.*1 non-finite"):
         bad = y.copy()

@@ -47,6 +47,7 @@ def from_mha(cls: Any, mha: Any, *, metric: str, metric_rank: int | None, coupli
     if mha.use_bias:
         metadata.update(bias_metadata=_metadata(mha.query.bias), out_bias_metadata=_metadata(mha.out.bias))
     if mha.normalize_qk:
+        assert mha.query_ln is not None and mha.key_ln is not None  # built by normalize_qk
         metadata.update(
             query_ln_scale_metadata=_metadata(mha.query_ln.scale), key_ln_scale_metadata=_metadata(mha.key_ln.scale)
         )

@@ -23,7 +23,7 @@ import json
 import os
 import weakref
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 import damcha_core as dc
 import torch
@@ -1053,7 +1053,8 @@ def from_pretrained(cls: type, path: str | os.PathLike, *, recompute: bool = Tru
     model, info = converting.from_pretrained(path, **{**kwargs, "output_loading_info": True})
     model.__class__ = host
     _initialise_missing_maps(model, info.get("missing_keys", ()))
-    return (model, info) if wants_info else model
+    # (model, info) on request, as transformers' from_pretrained does (whose annotation also names the model only).
+    return cast(nn.Module, (model, info)) if wants_info else model
 
 
 def _initialise_missing_maps(model: nn.Module, missing: Any) -> None:
