@@ -951,12 +951,12 @@ class _ViTAndMHA(nn.Module):
         (
             lambda: nn.MultiheadAttention(32, 4, kdim=16, vdim=16, batch_first=True),
             dict(coupling="tied"),
-            r"Cannot convert layer `cross` \(nn\.MultiheadAttention\): .*coupling",
+            r"^Invalid argument .*coupling.*\(in layer `cross`, an nn\.MultiheadAttention\)$",
         ),
         (
             lambda: nn.MultiheadAttention(64, 4, batch_first=True),
             dict(share_metric=True),
-            r"Cannot convert layer `cross` \(nn\.MultiheadAttention\): .*metric_generator",
+            r"^Invalid argument `metric_generator`.*\(in layer `cross`, an nn\.MultiheadAttention\)$",
         ),
     ],
     ids=["tied-coupling-needs-kdim", "shared-generator-sizes"],
@@ -979,7 +979,7 @@ def test_a_layer_that_cannot_be_converted_leaves_the_whole_model_as_it_was(mha, 
 
 def test_replace_mha_names_the_layer_and_replaces_nothing_when_one_fails():
     model = nn.Sequential(nn.MultiheadAttention(8, 2), nn.MultiheadAttention(8, 2, kdim=4, vdim=4))
-    with pytest.raises(dc.DamchaValueError, match=r"Cannot convert layer `1` \(nn\.MultiheadAttention\)"):
+    with pytest.raises(dc.DamchaValueError, match=r"^Invalid argument .*\(in layer `1`, an nn\.MultiheadAttention\)$"):
         dt.replace_mha(model, coupling="tied")
     assert all(type(m) is nn.MultiheadAttention for m in model)
 

@@ -257,7 +257,8 @@ def build_replacements(model: nn.Module, kwargs: Mapping[str, Any]) -> dict[int,
             try:
                 done[id(module)] = DamchaAttention.from_mha(module, **kwargs)
             except (DamchaValueError, DamchaTypeError) as exc:
-                raise type(exc)(f"Cannot convert layer `{path}` (nn.MultiheadAttention): {exc}") from None
+                # Named at the end: the message keeps its "Invalid argument `x`: ..." form.
+                raise type(exc)(f"{exc} (in layer `{path}`, an nn.MultiheadAttention)") from None
     return done
 
 
