@@ -37,6 +37,7 @@ from ._functional import (
     _qkv,
     attend,
     check_precision,
+    is_real_floating_dtype,
 )
 from ._masks import MaskArg, check_hint, np_dtype, read_mask
 
@@ -57,11 +58,7 @@ def init_cache(config: DamchaConfig, batch_size: int, max_length: int, dtype: An
 
 
 def _check_cache_dtype(dtype: Any) -> Any:
-    try:
-        floating = bool(jnp.issubdtype(dtype, jnp.floating))
-    except TypeError:
-        floating = False
-    if not floating:
+    if not is_real_floating_dtype(dtype):
         raise DamchaTypeError(invalid_argument("dtype", "a floating dtype", f"dtype={describe(dtype)}"))
     return dtype
 

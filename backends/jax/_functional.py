@@ -152,13 +152,18 @@ def check_precision(name: str, value: Any) -> Any:
     raise error(invalid_argument(name, expected, f"{name}={describe(value)}"))
 
 
+def is_real_floating_dtype(dtype: Any) -> bool:
+    """A real floating dtype (float16/32/64, bfloat16), given as anything
+    ``jnp.issubdtype`` reads; False for complex, integer, bool and non-dtypes."""
+    try:
+        return bool(jnp.issubdtype(dtype, jnp.floating))
+    except TypeError:
+        return False
+
+
 def _compute_dtype(dtype: Any, *arrays: Any) -> Any:
     if dtype is not None:
-        try:
-            floating = bool(jnp.issubdtype(dtype, jnp.floating))
-        except TypeError:
-            floating = False
-        if not floating:
+        if not is_real_floating_dtype(dtype):
             raise DamchaTypeError(invalid_argument("dtype", "a floating dtype or None", f"dtype={describe(dtype)}"))
         return jnp.dtype(dtype)
     # Like flax's promote_dtype: the widest of inputs and parameters.

@@ -421,11 +421,7 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
         for name, value, optional in (("dtype", dtype, True), ("param_dtype", param_dtype, False)):
             if value is None and optional:
                 continue
-            try:
-                real = bool(jnp.issubdtype(value, jnp.floating))
-            except TypeError:
-                real = False
-            if not real:
+            if not F.is_real_floating_dtype(value):
                 # Complex ones too: the maps and the softmax are defined on real numbers,
                 # and the canonical parameters (to_canonical, save) are real.
                 raise DamchaTypeError(
