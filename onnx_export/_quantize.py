@@ -317,12 +317,13 @@ def _check_calibration_batch(i: int, feed: Mapping[str, np.ndarray]) -> None:
                     f"calibration[{i}]", "batches with at least one token", f"{name}.shape={tuple(array.shape)}"
                 )
             )
-        if np.issubdtype(array.dtype, np.floating) and not np.isfinite(array).all():
+        bad = int(np.size(array) - np.isfinite(array).sum()) if np.issubdtype(array.dtype, np.floating) else 0
+        if bad:
             raise DamchaValueError(
                 invalid_argument(
                     f"calibration[{i}]",
                     "finite values (a NaN or inf sets no range)",
-                    f"{name} with {int(np.size(array) - np.isfinite(array).sum())} non-finite values",
+                    f"{name} with {bad} non-finite values",
                 )
             )
 
@@ -342,33 +343,32 @@ def quantization_error(
             invalid_argument("inputs", "a batch with at least one token", f"an empty output of shape {y32.shape}")
         )
     y8 = np.asarray(run_ort(as_model(int8_model, "int8_model"), inputs), dtype=np.float64)
-    if reference is not None:
-        dtype = getattr(reference, "dtype", np.asarray(reference).dtype)
-        if not (np.issubdtype(dtype, np.floating) or np.issubdtype(dtype, np.integer)) or dtype == np.bool_:
+    ref = None if reference is None else np.asarray(reference)
+    if ref is not None:
+        if not (np.issubdtype(ref.dtype, np.floating) or np.issubdtype(ref.dtype, np.integer)):
             raise DamchaTypeError(
                 invalid_argument("reference", "a real numeric array", f"reference={describe_value(reference)}")
             )
-        if np.shape(reference) != y32.shape:
+        if ref.shape != y32.shape:
             raise DamchaValueError(
-                invalid_argument(
-                    "reference", f"the model's output shape {y32.shape}", f"reference.shape={np.shape(reference)}"
-                )
+                invalid_argument("reference", f"the model's output shape {y32.shape}", f"reference.shape={ref.shape}")
             )
-        if not np.isfinite(reference).all():
+        bad = int(ref.size - np.isfinite(ref).sum())
+        if bad:
             raise DamchaValueError(
                 invalid_argument(
                     "reference",
                     "finite values (a NaN would make every error against it NaN)",
-                    f"reference with {int(np.size(reference) - np.isfinite(reference).sum())} non-finite values",
+                    f"reference with {bad} non-finite values",
                 )
             )
+        ref = ref.astype(np.float64)
     scale = float(np.sqrt(np.mean(y32**2))) or 1.0
     out = {
         "max_abs_vs_float32": float(np.max(np.abs(y8 - y32))),
         "rel_rms_vs_float32": float(np.sqrt(np.mean((y8 - y32) ** 2)) / scale),
     }
-    if reference is not None:
-        ref = np.asarray(reference, dtype=np.float64)
+    if ref is not None:
         out["max_abs_float32_vs_reference"] = float(np.max(np.abs(y32 - ref)))
         out["max_abs_int8_vs_reference"] = float(np.max(np.abs(y8 - ref)))
         out["rel_rms_int8_vs_reference"] = float(

@@ -258,7 +258,7 @@ def feeds_for(model: onnx.ModelProto, inputs: Mapping[str, Any]) -> dict[str, np
                         f"{name} with |x| up to {float(np.max(np.abs(array[overflow]))):g} ({describe(shown)})",
                     )
                 )
-        if np.issubdtype(np_dtype, np.integer) and cast.size and not np.array_equal(cast, array):
+        if cast is not array and np.issubdtype(np_dtype, np.integer) and cast.size and not np.array_equal(cast, array):
             # A value the model's integer type cannot hold (a uint64 id past int64) would wrap.
             raise DamchaValueError(
                 invalid_argument(
