@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import numbers
 import os
 import tempfile
 from collections.abc import Mapping
@@ -16,6 +15,7 @@ import onnx.external_data_helper
 from damcha_core import (
     DamchaTypeError,
     DamchaValueError,
+    check_int,
     describe,
     float_dtype_error,
     invalid_argument,
@@ -177,9 +177,7 @@ def ort_session(
     options = ort.SessionOptions()
     options.log_severity_level = 3  # errors surface as exceptions; no stderr noise
     if threads is not None:
-        if isinstance(threads, bool) or not isinstance(threads, numbers.Integral) or threads < 1:
-            raise DamchaValueError(invalid_argument("threads", "an int >= 1 or None", f"threads={describe(threads)}"))
-        options.intra_op_num_threads = int(threads)
+        options.intra_op_num_threads = check_int("threads", threads, optional=True)
         options.inter_op_num_threads = 1
     if not spinning:
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
@@ -586,8 +584,7 @@ def empty_kv_cache(model: onnx.ModelProto | str | os.PathLike, batch_size: int) 
     Returns:
         ``{"past_key[.i]": (B, G, 0, d), "past_value[.i]": (B, G, 0, d_v)}`` in the model's dtype.
     """
-    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 0:
-        raise DamchaValueError(invalid_argument("batch_size", "an int >= 0", f"batch_size={describe(batch_size)}"))
+    batch_size = check_int("batch_size", batch_size, minimum=0)
     model = as_model(model, load_weights=False)
     cache = {}
     for value in model.graph.input:

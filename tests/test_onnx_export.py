@@ -361,8 +361,13 @@ def test_helpers_take_a_saved_model_path(tmp_path):
         ),
         (
             lambda m: do.ort_session(m, threads="2"),
-            dc.DamchaValueError,
+            dc.DamchaTypeError,
             r"Invalid argument `threads`: expected an int >= 1 or None. Received: threads='2'",
+        ),
+        (
+            lambda m: do.ort_session(m, threads=0),
+            dc.DamchaValueError,
+            r"Invalid argument `threads`: expected an int >= 1 or None. Received: threads=0",
         ),
         (
             lambda m: do.quantize_int8(42),
@@ -399,7 +404,8 @@ def test_helpers_take_a_saved_model_path(tmp_path):
         "run-ort-model-type",
         "run-reference-missing-file",
         "inputs-not-mapping",
-        "threads",
+        "threads-type",
+        "threads-zero",
         "quantize-model-type",
         "quantization-error-reference-shape",
         "export-path-type",

@@ -395,6 +395,12 @@ CROSS_CFG = dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4, context_dim=6, 
             dc.DamchaValueError,
             r"Invalid argument `batch_size`: expected an int >= 0. Received: batch_size=-1",
         ),
+        (
+            # A float is a type error here as for every other int argument (it was a DamchaValueError).
+            lambda: do.empty_kv_cache(do.export(dc.init_params(CFG), CFG, None, causal=True, kv_cache=True), 1.5),
+            dc.DamchaTypeError,
+            r"Invalid argument `batch_size`: expected an int >= 0. Received: batch_size=1.5",
+        ),
     ],
     ids=[
         "layer-not-causal",
@@ -405,6 +411,7 @@ CROSS_CFG = dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4, context_dim=6, 
         "token-model-not-causal",
         "empty-cache-no-cache-inputs",
         "empty-cache-batch",
+        "empty-cache-batch-float",
     ],
 )
 def test_kv_cache_errors(make, error, pattern):
