@@ -34,6 +34,7 @@ import errno
 import importlib.util
 import os
 import shutil
+import stat
 import sys
 import tempfile
 import time
@@ -248,6 +249,9 @@ def _check_output_file(p: Path, flag: str, prog: str, overwrite: bool) -> Path:
             usage_error(flag, f"file exists (choose another path or remove it). Received: {str(p)!r}", prog=prog)
         if read_only(p):
             usage_error(flag, f"file exists and is read-only; it is not replaced. Received: {str(p)!r}", prog=prog)
+    problem = link_target_problem(p)  # before the work: the writer would fail (or replace a device) after it
+    if problem is not None:
+        usage_error(flag, f"expected {problem[0]}; {problem[1]}. Received: {str(p)!r}", prog=prog)
     return p
 
 
@@ -265,6 +269,8 @@ def _check_output_dir(p: Path, flag: str, prog: str) -> Path:
     _no_nul(p, flag, prog)
     if p.exists() and not p.is_dir():
         usage_error(flag, f"exists and is not a folder. Received: {str(p)!r}", prog=prog)
+    if p.is_symlink() and not p.exists():  # a dangling link or a loop: no folder can be made at its name
+        usage_error(flag, f"is a symbolic link to no folder ({os.readlink(p)!r}). Received: {str(p)!r}", prog=prog)
     existing = p
     while not existing.exists():
         existing = existing.parent
@@ -401,13 +407,35 @@ def _temp_prefix(target: Path) -> str:
 _TEMP_NAME_BYTES = 200
 
 
+def special_file(path: str | os.PathLike[str]) -> str | None:
+    """What ``path`` is (after following links) when it exists and is neither a
+    regular file nor a folder: ``"a named pipe"``, ``"a device"``, ``"a socket"``;
+    else ``None``. The atomic writers replace their target by a rename, which would
+    turn ``/dev/null`` or a pipe into a regular file, so they refuse these."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return None
+    if stat.S_ISFIFO(mode):
+        return "a named pipe"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return None
+
+
 def link_target_problem(path: str | os.PathLike[str]) -> tuple[str, str] | None:
-    """For a ``path`` that is a symbolic link, which the atomic writers write
-    through: ``(what was expected, what is wrong)`` when its file cannot be
-    written (a loop of links; a target folder that is missing or takes no
-    file), so that callers refuse it by name before any work. ``None`` when it
-    can be, and for a path that is not a link (a dangling link is fine: its
-    file is created)."""
+    """For a ``path`` the atomic writers would replace: ``(what was expected,
+    what is wrong)`` when it is (or links to) a device, pipe or socket, which a
+    rename would replace by a regular file, or a symbolic link, which they write
+    through, whose file cannot be written (a loop of links; a target folder that
+    is missing or takes no file), so that callers refuse it by name before any
+    work. ``None`` when it can be written (a dangling link is fine: its file is
+    created)."""
+    kind = special_file(path)
+    if kind is not None:
+        return "a regular file (it is replaced by a rename)", f"it is {kind}"
     if not os.path.islink(path):
         return None
     try:
@@ -435,6 +463,9 @@ def _replacing(path: str | os.PathLike[str]) -> Iterator[tuple[int, str]]:
         target = Path(os.path.realpath(target))
     if target.exists() and read_only(target):
         raise PermissionError(f"{str(target)!r} is read-only; not replacing it")
+    kind = special_file(target)
+    if kind is not None:  # the rename would leave a regular file where the device or pipe was
+        raise PermissionError(f"{str(target)!r} is {kind}, not a regular file; not replacing it")
     folder = target.parent if str(target.parent) else Path(".")
     fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(target), suffix=".tmp", dir=folder)
     try:

@@ -535,6 +535,32 @@ def main(argv: list[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
 
 
+#: Suffixes of the files ``damcha experiment`` draws: the report's markdown never goes there.
+_IMAGE_SUFFIXES = (".png", ".svg", ".pdf", ".jpg", ".jpeg")
+
+
+def _check_report_outputs(out: Path, given: str | None) -> None:
+    """Refuse an ``--out`` whose markdown or JSON summary would replace the experiment's own files:
+    ``--out exp/crosshead.md`` wrote its summary over ``exp/crosshead.json`` (the results the report
+    reads), ``--out exp/crosshead_curves.png`` wrote markdown over a plot; both exited 0."""
+    from ._jsonfile import JsonFileError, read_json_object
+    from ._tasks import RESULTS_FORMAT
+
+    if out.suffix.lower() in _IMAGE_SUFFIXES:
+        _report_fail("--out", f"names the report's markdown file, not an image. Received: {given!r}")
+    for path in (out, out.with_suffix(".json")):
+        try:
+            obj = read_json_object(path)
+        except JsonFileError:
+            continue  # not a results file; cu.check_output_file judged whether it can be replaced
+        if isinstance(obj, dict) and obj.get("format") == RESULTS_FORMAT:
+            _report_fail(
+                "--out",
+                f"would replace {str(path)!r}, which holds experiment results (the report's JSON summary is "
+                f"written to {str(out.with_suffix('.json'))!r}); choose another name. Received: {given!r}",
+            )
+
+
 def _report_main(argv: list[str]) -> int:
     args = _report_parser().parse_args(argv)
     folder = Path(args.folder)
@@ -546,6 +572,7 @@ def _report_main(argv: list[str]) -> int:
             "--out", f"names the report's markdown file; its JSON summary is written beside it. Received: {args.out!r}"
         )
     cu.check_output_file(out.with_suffix(".json"), "--out", prog=REPORT_PROG)
+    _check_report_outputs(out, args.out)
     if not args.no_plots:  # the time plots go into FOLDER
         cu.check_output_dir(str(folder), "FOLDER", prog=REPORT_PROG)
         cu.require("matplotlib", prog=REPORT_PROG, why="the plots; or pass --no-plots")
@@ -557,6 +584,9 @@ def _report_main(argv: list[str]) -> int:
         headline, ablation, cost, ablation_cost = load_folder(folder, skipped)
     except DamchaValueError as exc:
         _report_fail("FOLDER", str(exc))
+    if not args.no_plots:  # a read-only plot or a folder in its place failed after the report was written
+        for res in headline.values():
+            cu.check_output_file(output_path(folder, stem(res), "time"), "FOLDER", prog=REPORT_PROG)
     why = "; ".join(f"{path.name} {reason}" for path, reason in skipped)
     if not (headline or ablation or cost or ablation_cost):
         _report_fail(

@@ -484,3 +484,53 @@ def test_atomic_dir_interrupted_while_syncing_leaves_no_new_folder(tmp_path, mon
     with pytest.raises(KeyboardInterrupt), cu.atomic_dir(out) as tmp:
         (tmp / "a.json").write_text("a")
     assert calls and list(tmp_path.iterdir()) == []  # neither the folder nor a temporary one
+
+
+def test_writers_refuse_a_named_pipe_instead_of_replacing_it(tmp_path, capsys):
+    """The atomic writers replace their target by a rename: a pipe (or, as root, /dev/null)
+    became a regular file without a word. The checks refuse it up front, the writers (and so
+    every save) refuse it as a last line, and the pipe stays a pipe."""
+    import damcha_core as dc
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    link = tmp_path / "link.json"
+    link.symlink_to(fifo)
+    for target in (fifo, link):
+        line = _usage(capsys, cu.check_output_file, target, "--json")
+        assert (
+            line
+            == f"damcha: error: --json: expected a regular file (it is replaced by a rename); it is a named pipe. Received: {str(target)!r}"
+        )
+        with pytest.raises(PermissionError, match="is a named pipe, not a regular file; not replacing it"):
+            cu.atomic_write_text(target, "x")
+    cfg = dc.DamchaConfig(8, 2, 4)
+    with pytest.raises(
+        dc.DamchaValueError, match=r"Invalid argument `path`: expected a regular file .*it is a named pipe"
+    ):
+        dc.save_params(fifo, dc.init_params(cfg), cfg)
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "link.json"]  # no temporary file left
+
+
+@pytest.mark.parametrize("kind", ["dangling", "loop"])
+def test_output_checks_refuse_links_that_lead_nowhere(tmp_path, capsys, kind):
+    """A link to a missing folder or a loop of links passed both checks: the command did its work
+    and then failed with a traceback (FileExistsError, 'Symlink loop') or a late 'could not write'."""
+    link = tmp_path / "out"
+    if kind == "dangling":
+        link.symlink_to(tmp_path / "missing" / "dir")
+    else:
+        other = tmp_path / "other"
+        link.symlink_to(other)
+        other.symlink_to(link)
+    line = _usage(capsys, cu.check_output_dir, link, "--out")
+    assert line.startswith("damcha: error: --out: is a symbolic link to no folder (")
+    file_link = tmp_path / "r.json"
+    if kind == "dangling":
+        file_link.symlink_to(tmp_path / "missing" / "r.json")
+        says = "expected a symbolic link into an existing, writable folder"
+    else:
+        file_link.symlink_to(link)
+        says = "expected a path that resolves to a file"
+    assert says in _usage(capsys, cu.check_output_file, file_link, "--json")

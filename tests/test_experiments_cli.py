@@ -571,6 +571,50 @@ def test_report_refuses_a_results_named_file_of_another_kind(file, content, digi
     assert _snapshot(tmp_path) == before
 
 
+@pytest.mark.parametrize(
+    "out, says",
+    [
+        ("digits.md", "would replace"),  # its summary went to digits.json: the results themselves
+        ("digits", "would replace"),
+        ("digits_curves.png", "names the report's markdown file, not an image"),
+    ],
+    ids=["md-beside-results", "no-suffix", "plot"],
+)
+def test_report_out_never_replaces_the_experiments_files(out, says, digits_results, tmp_path, capsys):
+    """`--out exp/digits.md` wrote the report's JSON summary over exp/digits.json, exit 0, and the
+    next report refused the folder; `--out exp/digits_curves.png` wrote markdown over a plot."""
+    (tmp_path / "digits.json").write_text(digits_results.read_text())
+    (tmp_path / "digits_curves.png").write_bytes(b"\x89PNG")
+    before = _snapshot(tmp_path)
+    code, err = _main(["report", str(tmp_path), "--out", str(tmp_path / out), "--no-plots"], capsys)
+    assert code == 2, err
+    (line,) = err.strip().splitlines()
+    assert line.startswith("damcha experiment report: error: --out: ") and says in line, line
+    assert _snapshot(tmp_path) == before
+    code, err = _main(["report", str(tmp_path), "--out", str(tmp_path / "summary.md"), "--no-plots"], capsys)
+    assert code == 0, err  # another name in the folder is fine
+    assert json.loads((tmp_path / "digits.json").read_text()) == json.loads(digits_results.read_text())
+
+
+def test_report_checks_its_time_plot_before_writing_anything(digits_results, tmp_path, capsys):
+    """A read-only time plot ended the report with a PermissionError traceback after report.md and
+    report.json were written."""
+    pytest.importorskip("matplotlib")
+    (tmp_path / "digits.json").write_text(digits_results.read_text())
+    plot = tmp_path / "digits_time.png"
+    plot.write_bytes(b"\x89PNG")
+    plot.chmod(0o444)
+    before = _snapshot(tmp_path)
+    code, err = _main(["report", str(tmp_path)], capsys)
+    assert code == 2, err
+    (line,) = err.strip().splitlines()
+    assert (
+        line
+        == f"damcha experiment report: error: FOLDER: file exists and is read-only; it is not replaced. Received: {str(plot)!r}"
+    )
+    assert _snapshot(tmp_path) == before
+
+
 def test_a_damaged_run_result_is_rerun_with_a_note_and_the_report_says_so(tmp_path, capsys):
     """A run's result.json cut off mid-write made the rerun exit 2 ("delete that folder") and the
     report silently leave the run out. The run can be recreated: the rerun now says so in one line,
