@@ -308,7 +308,11 @@ def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     params, config = _validate(args)
     out = os.path.abspath(args.out)
-    staging = tempfile.mkdtemp(prefix=".damcha-export-", dir=os.path.dirname(out))
+    # A one-file model is written through a link to --out, as damcha_onnx.export writes it (the CLI
+    # had replaced the link itself); staged beside the link's file, so that its rename stays on one
+    # file system.
+    through = os.path.realpath(out) if os.path.islink(out) else out
+    staging = tempfile.mkdtemp(prefix=".damcha-export-", dir=os.path.dirname(through))
     try:
         staged = os.path.join(staging, os.path.basename(out))
         try:
@@ -364,9 +368,20 @@ def _main(argv: list[str] | None) -> int:
             (n for n in os.listdir(staging) if os.path.isfile(os.path.join(staging, n))),
             key=lambda n: n == os.path.basename(out),
         )  # the data file first
-        cu.replace_synced([(os.path.join(staging, n), os.path.join(os.path.dirname(out), n)) for n in written])
-        if data_file_name(out) not in written:
-            remove_stale_data(out)
+        # With a data file, the .onnx file finds it beside itself by name: a link at --out is then
+        # replaced; without one, the model is written through it, as the API writes it.
+        one_file = data_file_name(out) not in written
+        cu.replace_synced(
+            [
+                (
+                    os.path.join(staging, n),
+                    through if one_file and n == os.path.basename(out) else os.path.join(os.path.dirname(out), n),
+                )
+                for n in written
+            ]
+        )
+        if one_file:
+            remove_stale_data(through)
         moved = [os.path.join(os.path.dirname(args.out), n) for n in sorted(written)] + moved
         print("wrote " + ", ".join(moved))
         _warn_stale_companions(args, written)

@@ -5,6 +5,7 @@ nothing and keeps an earlier good file; exit 0 only for a validated model."""
 from __future__ import annotations
 
 import json
+import os
 import stat
 import subprocess
 import sys
@@ -569,6 +570,24 @@ def test_out_that_is_an_input_exits_2_and_keeps_it(tmp_path, monkeypatch, how):
     line = one_line_usage_error(export(*args), "--out")
     assert "would overwrite the " + ("--config" if how == "config" else "--params") in line
     assert {p: p.read_bytes() for p in (params, config)} == before
+
+
+def test_out_that_is_a_link_is_written_through_as_the_api_writes(params_file, tmp_path):
+    """`--out lnk.onnx` (a link to real/target.onnx) replaced the link by a file and left the target
+    as it was; damcha_onnx.export writes a one-file model through the link."""
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "target.onnx").write_bytes(b"old")
+    link = tmp_path / "lnk.onnx"
+    link.symlink_to(real / "target.onnx")
+    result = export("--params", params_file, "--out", str(link))
+    assert result.returncode == 0, result.stderr
+    assert link.is_symlink() and os.path.realpath(link) == str(real / "target.onnx")
+    api = tmp_path / "api.onnx"
+    do.export(*dc.load_params(params_file), api)
+    assert (real / "target.onnx").read_bytes() == api.read_bytes()
+    assert sorted(p.name for p in real.iterdir()) == ["target.onnx"]  # no staging folder left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["api.onnx", "lnk.onnx", "p.safetensors", "real"]
 
 
 @pytest.mark.parametrize("name", ["m.ort", "m.json", "m.textproto", "m.onnxtxt", "m.st", ".onnx", ".ONNX"])
