@@ -113,9 +113,12 @@ def _validate(args: argparse.Namespace) -> None:
         cu.check_output_file(args.json, "--json", prog=PROG)
     if args.export_vectors is not None:
         cu.check_output_dir(args.export_vectors, "--export-vectors", prog=PROG)
-        if args.backend or args.adapter or args.dtype or args.no_gradients or args.json:
+        if args.backend or args.adapter or args.dtype or args.no_gradients or args.json or args.in_process:
             cu.usage_error(
-                "--export-vectors", "writes the catalogue and runs nothing; it takes only --case and --group", prog=PROG
+                "--export-vectors",
+                "writes the catalogue and runs nothing; of the options that choose what runs it takes only --case "
+                "and --group (not --backend, --adapter, --dtype, --no-gradients, --json or --in-process)",
+                prog=PROG,
             )
         return
     if args.in_process and len(args.backend) + len(args.adapter) != 1:
@@ -420,10 +423,11 @@ def _main(argv: list[str] | None) -> int:
     with _sigterm_raises():  # the probes of _validate build third-party adapters in processes of their own
         _validate(args)
     if args.export_vectors is not None:
-        from ._vectors import export_vectors
+        from ._vectors import export_vectors, vector_files
 
         with_decode = not args.case and (not args.group or "decode" in args.group)
         with_errors = not args.case and (not args.group or "errors" in args.group)
+        earlier = vector_files(args.export_vectors)
         try:
             with cu.atomic_dir(args.export_vectors) as tmp:
                 paths = export_vectors(
@@ -435,6 +439,11 @@ def _main(argv: list[str] | None) -> int:
         except OSError as exc:  # a full disk, a folder removed meanwhile: the target folder is as it was
             print(f"{PROG}: error: --export-vectors: could not write {args.export_vectors!r}: {exc}", file=sys.stderr)
             return cu.EXIT_USAGE
+        # An earlier export's cases that this one does not hold: a runner that globs the folder
+        # would read them beside an index that does not list them. Only files that index named go.
+        for stale in sorted(earlier - vector_files(args.export_vectors)):
+            with contextlib.suppress(FileNotFoundError):
+                stale.unlink()
         print(f"wrote {len(paths)} cases to {args.export_vectors} (index.json describes the format)")
         return 0
     specs = list(dict.fromkeys(list(args.backend) + list(args.adapter)))

@@ -51,6 +51,20 @@ from ._tolerances import TOLERANCES
 FORMAT = "damcha-conformance-vectors-v1"
 
 
+def vector_files(directory: str | os.PathLike) -> set[Path]:
+    """The case files (``<name>.json``, ``<name>.safetensors``) the ``index.json`` of an export in
+    ``directory`` lists; empty when there is none (or it is of another kind)."""
+    out = Path(directory)
+    try:
+        index = json.loads((out / "index.json").read_text())
+    except (OSError, ValueError):
+        return set()
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        return set()
+    names = [n for key in ("cases", "error_cases") for n in index.get(key) or () if isinstance(n, str)]
+    return {out / f"{_file_stem(n)}{suffix}" for n in names for suffix in (".json", ".safetensors")}
+
+
 def _file_stem(name: str) -> str:
     """A case's name as a file name: a bad-input case's ``query-features:heads-tied-self`` has a
     colon, which Windows refuses in file names (no other case has one)."""

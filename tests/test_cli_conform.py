@@ -167,6 +167,29 @@ def test_export_vectors_failing_part_way_leaves_the_folder_as_it_was(tmp_path):
     assert json.loads((out / "index.json").read_text())["cases"] == [c.name for c in dcf.catalogue(groups=["heads"])]
 
 
+def test_a_narrower_export_removes_the_earlier_exports_other_cases(tmp_path):
+    """A second --export-vectors with --case left all of the first export's files beside an index
+    listing one case: a runner that globs the folder read stale vectors. Files the earlier index
+    did not list (the user's own) stay."""
+    out = tmp_path / "vectors"
+    first = conform("--export-vectors", str(out), "--group", "heads")
+    assert first.returncode == 0, first.stderr
+    (out / "notes.txt").write_text("mine")
+    case = dcf.catalogue(groups=["heads"])[0].name
+    second = conform("--export-vectors", str(out), "--case", case)
+    assert second.returncode == 0, second.stderr
+    assert json.loads((out / "index.json").read_text())["cases"] == [case]
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["index.json", "notes.txt", f"{case}.json", f"{case}.safetensors"]
+    )
+
+
+def test_export_vectors_refuses_in_process(tmp_path):
+    line = one_line_usage_error(conform("--export-vectors", str(tmp_path / "v"), "--in-process"), "--export-vectors")
+    assert "not --backend, --adapter, --dtype, --no-gradients, --json or --in-process" in line
+    assert not (tmp_path / "v").exists()
+
+
 def test_an_interrupted_run_keeps_the_earlier_json_report(tmp_path):
     out = tmp_path / "report.json"
     out.write_text('{"earlier": "good"}')
