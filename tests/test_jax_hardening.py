@@ -6,6 +6,8 @@ NNX module) and compares with the NumPy reference where a result is expected.
 
 from __future__ import annotations
 
+import warnings
+
 import functools
 import re
 
@@ -265,6 +267,23 @@ def test_params_are_checked_against_the_compute_dtype() -> None:
     stack_params["layers.0.ffn.in.kernel"][0, 0] = 1e5
     with pytest.raises(dc.DamchaValueError, match=r"ffn.in.kernel.*float16, the compute dtype"):
         dj.DamchaEncoder.from_canonical(stack_params, stack_cfg, dtype=jnp.float16, param_dtype=jnp.float32)
+
+
+def test_float64_params_without_x64_are_checked_against_float32() -> None:
+    """param_dtype=float64 with jax_enable_x64 off stores float32 (JAX's rule, with its warning): a
+    1e39 bias passed the float64 range check and was stored as inf, every output NaN."""
+    assert not jax.config.jax_enable_x64
+    params = {k: np.asarray(v, np.float64) for k, v in PARAMS.items()}
+    params["query.bias"][0, 0] = 1e39
+    with (
+        warnings.catch_warnings(),
+        pytest.raises(dc.DamchaValueError, match=r"query.bias.*float32 \(float64 without jax_enable_x64\)"),
+    ):
+        warnings.simplefilter("ignore", UserWarning)  # JAX's own "float64 is not available" warning
+        dj.DamchaAttention.from_canonical(params, CFG, param_dtype=jnp.float64)
+    with jax.enable_x64(True):
+        layer = dj.DamchaAttention.from_canonical(params, CFG, param_dtype=jnp.float64)
+        assert layer.to_canonical()["query.bias"][0, 0] == 1e39
 
 
 # -------------------------------------------------------------- error messages

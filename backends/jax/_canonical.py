@@ -54,7 +54,7 @@ def check_compute_fit(params: Mapping[str, Any], dtype: Any) -> None:
     fine and make every output inf or NaN."""
     if dtype is None or not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
         return
-    compute = jnp.dtype(dtype)
+    compute = jax.dtypes.canonicalize_dtype(dtype)  # float64 is float32 unless jax_enable_x64 is on
     dc.check_params_fit(params, f"{compute.name}, the compute dtype (dtype=)", float(jnp.finfo(compute).max))
 
 
@@ -82,8 +82,10 @@ class CanonicalIO:
         A shared generator is shared: loading it here sets it for every layer
         that holds it."""
         checked = dc.validate_params(params, self.config)
-        dtype = jnp.dtype(self.param_dtype)
-        dc.check_params_fit(checked, dtype.name, float(jnp.finfo(dtype).max))
+        # What JAX stores: float64 is float32 unless jax_enable_x64 is on (1e39 loaded as inf, silently).
+        dtype = jax.dtypes.canonicalize_dtype(self.param_dtype)
+        name = dtype.name if dtype == jnp.dtype(self.param_dtype) else f"{dtype.name} (float64 without jax_enable_x64)"
+        dc.check_params_fit(checked, name, float(jnp.finfo(dtype).max))
         check_compute_fit(checked, getattr(self, "dtype", None))
         for name, var in self._variables().items():
             var[...] = jnp.asarray(checked[name], self.param_dtype)
