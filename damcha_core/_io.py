@@ -28,7 +28,7 @@ import numpy as np
 from ._cliutil import atomic_file, link_target_problem, read_only
 from ._config import DamchaConfig
 from ._errors import DamchaError, DamchaTypeError, DamchaValueError, describe, invalid_argument
-from ._params import as_numpy, check_params_finite
+from ._params import as_numpy, check_params_finite, detached
 
 FORMAT = "damcha-v1"
 CHECKSUM_KEY = "damcha_checksum"
@@ -127,9 +127,6 @@ def _check_path(path: Any, *, argument: str = "path") -> Path:
 
 
 def _as_numpy(value: Any, name: str) -> Any:
-    # A framework tensor that tracks gradients refuses NumPy conversion; its values are what is saved.
-    if getattr(value, "requires_grad", False) and callable(getattr(value, "detach", None)):
-        value = value.detach()
     # torch bfloat16 (no NumPy dtype) is saved widened to float32: exact.
     return as_numpy(value, f"params[{name!r}]") if hasattr(value, "shape") else value
 
@@ -153,7 +150,8 @@ def save_params(path: str | os.PathLike[str], params: Mapping[str, Any], config:
     target = _check_path(path)
     if not isinstance(params, Mapping):
         raise DamchaTypeError(invalid_argument("params", "a mapping of name -> array", f"params={describe(params)}"))
-    params = {name: _as_numpy(value, name) for name, value in params.items()}
+    # A framework tensor that tracks gradients refuses NumPy conversion; its values are what is saved.
+    params = {name: _as_numpy(value, name) for name, value in detached(params).items()}
     check_params_finite(params, config)
     tensors = {name: np.ascontiguousarray(np.asarray(params[name])) for name in config.param_shapes()}
     for name, array in tensors.items():

@@ -27,7 +27,7 @@ entries O(1/sqrt(S)) so that Delta(t) y has the scale of y once the gate opens.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -49,6 +49,34 @@ def is_real_float(dtype: Any) -> bool:
         return str(dtype).rsplit(".", 1)[-1] in ("float16", "float32", "float64", "bfloat16", "half", "float", "double")
     # ml_dtypes' bfloat16 is not an np.floating subtype, but it is a real float.
     return bool(np.issubdtype(dtype, np.floating)) or dtype.name == "bfloat16"
+
+
+def check_no_config_kwargs(kwargs: Mapping[str, Any], from_config: Iterable[str]) -> None:
+    """Refuse a ``from_canonical``/``load`` keyword that the config already sets (``key_dim=2``:
+    Python's bare "got multiple values" TypeError, or "unexpected keyword")."""
+    clash = sorted(set(kwargs) & set(from_config))
+    if clash:
+        raise DamchaTypeError(
+            invalid_argument(
+                clash[0],
+                "no keyword the config sets (the params' config fixes it; change the config instead)",
+                ", ".join(f"{k}={describe(kwargs[k])}" for k in clash),
+            )
+        )
+
+
+def detached(params: Any) -> Any:
+    """``params`` with each framework tensor that tracks gradients detached (a mapping is read once;
+    anything else is returned as it is): what a load or a save copies is the values, and torch's
+    port loads such tensors (under ``no_grad``), so every port's ``load_canonical`` does."""
+    if not isinstance(params, Mapping):
+        return params
+    return {
+        name: value.detach()
+        if getattr(value, "requires_grad", False) and callable(getattr(value, "detach", None))
+        else value
+        for name, value in params.items()
+    }
 
 
 def as_numpy(value: Any, argument: str) -> np.ndarray:

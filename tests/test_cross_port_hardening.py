@@ -609,3 +609,41 @@ def test_float_mask_with_nan_or_inf_is_refused_in_every_port(port, bad):
         kw["need_weights"] = False
     with pytest.raises(dc.DamchaValueError, match=f"Invalid argument `{_MASKS[port]}`"):
         _port_call(port, **kw)
+
+
+# ------------------------------------------------------- params from a torch model in training
+
+
+@pytest.mark.parametrize("port", ["torch", "jax", "keras"])
+def test_every_port_loads_torch_tensors_that_require_grad(port: str) -> None:
+    """torch's load_canonical (under no_grad) and save_params took a model's parameters as they
+    are; JAX's and Keras' refused them ("needs .detach().cpu()"): the same params, one port each."""
+    cfg = dc.DamchaConfig(8, 2, 4)
+    params = dc.init_params(cfg, seed=1)
+    live = {k: torch.from_numpy(v).requires_grad_() for k, v in params.items()}
+    if port == "torch":
+        layer = dt.DamchaAttention.from_canonical(live, cfg, dtype=torch.float64)
+    elif port == "jax":
+        with jax.enable_x64(True):
+            layer = dj.DamchaAttention.from_canonical(live, cfg, param_dtype=jax.numpy.float64)
+            got = layer.to_canonical()
+    else:
+        layer = dk.DamchaAttention.from_canonical(live, cfg, dtype="float64")
+    got = got if port == "jax" else layer.to_canonical()
+    for name, value in params.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
+@pytest.mark.parametrize(
+    "port, keyword",
+    [("jax", "key_dim"), ("jax", "in_features"), ("keras", "num_heads"), ("keras", "output_shape")],
+)
+def test_from_canonical_refuses_a_keyword_the_config_sets(port: str, keyword: str) -> None:
+    """A keyword the config already fixes was Python's bare "got multiple values for keyword
+    argument" TypeError. (torch's from_canonical names its keywords: any other is Python's
+    "unexpected keyword argument", as for every function with a fixed signature.)"""
+    cfg = dc.DamchaConfig(8, 2, 4)
+    params = dc.init_params(cfg, seed=1)
+    build = {"jax": dj.DamchaAttention, "keras": dk.DamchaAttention}[port]
+    with pytest.raises(dc.DamchaTypeError, match=rf"Invalid argument `{keyword}`: expected no keyword the config sets"):
+        build.from_canonical(params, cfg, **{keyword: 2})

@@ -530,3 +530,59 @@ def test_reset_parameters_under_a_chain_of_parametrizations(chain: tuple[str, st
     for n, p in layer.named_parameters():
         torch.testing.assert_close(p, want[n], rtol=1e-12, atol=0, msg=n)
     torch.testing.assert_close(layer.in_proj_weight, fresh.in_proj_weight, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("tool", ["weight_norm", "old weight_norm", "prune", "double"])
+@pytest.mark.parametrize("layout, name", WEIGHTS)
+def test_canonical_io_under_a_tool_reads_and_writes_the_effective_weight(layout: str, name: str, tool: str) -> None:
+    """to_canonical, save, load_canonical and canonical_grads read named_parameters() by
+    name and raised a bare KeyError ('q_proj_weight', 'out_proj.weight') under any tool.
+    Now the effective weight is exported (equal to a plain layer holding it, checked against
+    the reference forward) and loaded through the tool as reset_parameters writes it."""
+    import damcha_core as dc
+
+    _, layer = _pair(layout)
+    if tool == "double":
+        parametrize.register_parametrization(layer, name, _Double())
+    else:
+        _apply(tool, layer, name)
+    layer.train(False)
+    _run(layer, layout)  # the old tools and pruning set the effective weight in a pre-hook
+    params = layer.to_canonical()
+    _, plain = _pair(layout)
+    plain = _plain_copy(layer, plain)
+    want = plain.to_canonical()
+    for key in want:
+        assert (params[key] == want[key]).all(), key
+    torch.testing.assert_close(_run(plain, layout), _run(layer, layout), rtol=1e-12, atol=1e-13)
+    # Load other values: the effective weight becomes them (exactly where the tool is invertible).
+    _, other = _pair(layout)
+    g = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.1 * torch.randn(p.shape, dtype=p.dtype, generator=g))
+    new = other.to_canonical()
+    layer.load_canonical(new)
+    _run(layer, layout)
+    got = layer.to_canonical()
+    pruned = {"in_proj_weight": ("query", "key", "value"), "q_proj_weight": ("query",), "k_proj_weight": ("key",)}
+    for key in new:
+        if tool == "prune" and key.endswith(".kernel") and key.split(".")[0] in pruned[name]:
+            assert (got[key][new[key] != got[key]] == 0).all()  # the mask is kept: pruned entries read 0
+            continue
+        torch.testing.assert_close(
+            torch.from_numpy(got[key]), torch.from_numpy(new[key]), rtol=1e-12, atol=1e-14, msg=key
+        )
+    with pytest.raises(dc.DamchaValueError, match=r"canonical_grads reads .* Received: a tool on"):
+        layer.canonical_grads()
+
+
+def test_load_canonical_into_a_meta_layer_is_refused() -> None:
+    """Copying into meta tensors does nothing: load_canonical returned the layer still on meta
+    and its first forward raised torch's own error."""
+    import damcha_core as dc
+
+    cfg = dc.DamchaConfig(8, 2, 4)
+    layer = DamchaAttention(8, 2, device="meta")
+    with pytest.raises(dc.DamchaValueError, match=r"on the meta device and hold no values; materialise them first"):
+        layer.load_canonical(dc.init_params(cfg))

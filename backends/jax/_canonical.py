@@ -17,6 +17,7 @@ import damcha_core as dc
 import jax
 import jax.numpy as jnp
 from damcha_core import DamchaConfig, DamchaValueError
+from damcha_core._params import check_no_config_kwargs, detached
 
 Array = jax.Array
 
@@ -81,7 +82,7 @@ class CanonicalIO:
         shapes, dtypes, finite values), cast to ``param_dtype``; returns self.
         A shared generator is shared: loading it here sets it for every layer
         that holds it."""
-        checked = dc.validate_params(params, self.config)
+        checked = dc.validate_params(detached(params), self.config)
         # What JAX stores: float64 is float32 unless jax_enable_x64 is on (1e39 loaded as inf, silently).
         dtype = jax.dtypes.canonicalize_dtype(self.param_dtype)
         name = dtype.name if dtype == jnp.dtype(self.param_dtype) else f"{dtype.name} (float64 without jax_enable_x64)"
@@ -98,6 +99,26 @@ class CanonicalIO:
         """A layer with ``config``'s shape holding ``params``; ``kwargs`` are
         the non-shape arguments (dtype, param_dtype, decode, deterministic, ...)."""
         dc.check_config(config)
+        check_no_config_kwargs(
+            kwargs,
+            (
+                "num_heads",
+                "in_features",
+                "qkv_features",
+                "out_features",
+                "num_kv_heads",
+                "in_kv_features",
+                "in_v_features",
+                "key_dim",
+                "value_dim",
+                "metric",
+                "metric_rank",
+                "coupling",
+                "scale",
+                "dropout_rate",
+                "use_bias",
+            ),
+        )
         if config.value_input_dim != config.context_dim:
             # Values of their own feature size (E_v != E_kv): the value kernel is
             # (E_v, G, d_v); without this the layer expects (E_kv, ...) and blames the params.

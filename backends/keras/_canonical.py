@@ -17,7 +17,7 @@ import numpy as np
 import damcha_core as dc
 import keras
 from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, describe
-from damcha_core._params import check_params_finite
+from damcha_core._params import check_no_config_kwargs, check_params_finite, detached
 
 if TYPE_CHECKING:
     from ._layer import DamchaAttention
@@ -112,7 +112,7 @@ def _check_fit(name: str, value: Any, variable: Any, layer: Any) -> None:
 
 def load_canonical(layer: DamchaAttention, params: Mapping[str, Any]) -> None:
     """Assign canonical params, validated against ``layer.config``."""
-    checked = dc.validate_params(params, require_built(layer, "load_canonical"))
+    checked = dc.validate_params(detached(params), require_built(layer, "load_canonical"))
     variables = canonical_variables(layer)
     for name, variable in variables.items():  # all checked before any is assigned
         _check_fit(name, checked[name], variable, layer)
@@ -124,8 +124,9 @@ def load_canonical(layer: DamchaAttention, params: Mapping[str, Any]) -> None:
 def from_canonical(cls: type, params: Mapping[str, Any], config: DamchaConfig, **kwargs: Any) -> DamchaAttention:
     """A built ``cls`` holding ``params`` for ``config``."""
     dc.check_config(config)
+    params = detached(params)
     check_params_finite(params, config)
-    layer = cls(
+    from_config = dict(
         num_heads=config.num_heads,
         key_dim=config.key_dim,
         value_dim=config.value_dim,
@@ -137,8 +138,9 @@ def from_canonical(cls: type, params: Mapping[str, Any], config: DamchaConfig, *
         coupling=config.coupling,
         num_kv_heads=config.num_kv_heads,
         scale=config.scale,
-        **kwargs,
     )
+    check_no_config_kwargs(kwargs, from_config)
+    layer = cls(**from_config, **kwargs)
     # Zeros skip the random draws (slow to compile per shape on JAX): the
     # params overwrite every variable right after.
     layer._zero_init = True

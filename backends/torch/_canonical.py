@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 
 import numpy as np
 
@@ -18,8 +18,10 @@ import damcha_core as dc
 import torch
 from damcha_core import DamchaConfig, DamchaValueError, config_sizes, describe
 from torch import Tensor
+from torch.nn.utils import parametrize
 
 from ._generator import TORCH_LEAVES, generator_shapes
+from ._weight_tools import write_initial
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._layer import DamchaAttention
@@ -67,16 +69,50 @@ def canonical_views(config: DamchaConfig, tensors: Mapping[str, Tensor]) -> dict
     return {name: out[name] for name in config.param_shapes()}
 
 
+def _meta_error(t: Tensor) -> DamchaValueError:
+    return DamchaValueError(
+        "The parameters are on the meta device and hold no values; materialise them first "
+        "(module.to_empty(device=...) and load or initialise). Received: a tensor on device 'meta' "
+        f"of shape {tuple(t.shape)}"
+    )
+
+
 def _numpy(t: Tensor) -> np.ndarray:
     # detach() first: .numpy() refuses tensors that require grad. Every torch
     # float widens to float64 exactly.
     if t.is_meta:
-        raise DamchaValueError(
-            "The parameters are on the meta device and hold no values; materialise them first "
-            "(module.to_empty(device=...) and load or initialise). Received: a tensor on device 'meta' "
-            f"of shape {tuple(t.shape)}"
-        )
+        raise _meta_error(t)
     return t.detach().to("cpu", torch.float64).numpy().copy()
+
+
+def _torch_names(module: torch.nn.Module, config: DamchaConfig) -> list[str]:
+    """The nn.MultiheadAttention-style names ``canonical_views`` reads for ``config``."""
+    packed = getattr(module, "in_proj_weight", None) is not None
+    names = ["in_proj_weight"] if packed else ["q_proj_weight", "k_proj_weight", "v_proj_weight"]
+    names.append("out_proj.weight")
+    if config.use_bias:
+        names += ["in_proj_bias", "out_proj.bias"]
+    for side in config.metric_sides:
+        names.append(f"metric_gates.{side}")
+        names += [f"metric_generators.{side}.{layout.attribute}" for layout in TORCH_LEAVES[config.metric].values()]
+    return names
+
+
+def _owner(module: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
+    path, _, attribute = name.rpartition(".")
+    return (module.get_submodule(path) if path else module), attribute
+
+
+def effective_tensors(module: torch.nn.Module, config: DamchaConfig) -> dict[str, Tensor]:
+    """Name -> the tensor the forward uses: the parameter, or under a weight tool (parametrize,
+    prune, the old weight_norm/spectral_norm) its effective weight, which the module's attribute
+    shows (its parameters are then the tool's: ``*_orig``, ``parametrizations.*.original``)."""
+    return {name: getattr(*_owner(module, name)) for name in _torch_names(module, config)}
+
+
+def _is_plain(module: torch.nn.Module, name: str) -> bool:
+    owner, attribute = _owner(module, name)
+    return owner._parameters.get(attribute) is not None and not parametrize.is_parametrized(owner, attribute)
 
 
 class CanonicalIO:
@@ -105,29 +141,67 @@ class CanonicalIO:
         return canonical_views(self.config, tensors)
 
     def to_canonical(self) -> dict[str, np.ndarray]:
-        """Canonical float64 NumPy params (exact: every torch float widens losslessly)."""
-        params = dict(self.named_parameters(remove_duplicate=False))
-        return {n: _numpy(t) for n, t in self._canonical_views(params).items()}
+        """Canonical float64 NumPy params (exact: every torch float widens losslessly). Under a
+        weight tool (parametrize, prune, weight_norm) the effective weights, the ones the forward
+        uses (as ``from_mha`` reads them)."""
+        tensors = effective_tensors(cast(torch.nn.Module, self), self.config)
+        return {n: _numpy(t) for n, t in self._canonical_views(tensors).items()}
 
     def canonical_grads(self) -> dict[str, np.ndarray]:
-        """``.grad`` of every parameter in canonical names/layout (zeros where unset)."""
-        grads = {
-            n: (p.grad if p.grad is not None else torch.zeros_like(p))
-            for n, p in self.named_parameters(remove_duplicate=False)
-        }
+        """``.grad`` of every parameter in canonical names/layout (zeros where unset).
+
+        Raises:
+            DamchaValueError: a weight tool is on a canonical weight: the gradients are then the
+                tool's parameters' (``*_orig``, ``original0``, ...), not the canonical weight's.
+        """
+        module = cast(torch.nn.Module, self)
+        names = _torch_names(module, self.config)
+        tooled = [n for n in names if not _is_plain(module, n)]
+        if tooled:
+            raise DamchaValueError(
+                "canonical_grads reads the canonical weights' .grad; a weight tool (parametrize, prune, "
+                "weight_norm, spectral_norm) trains its own tensors instead, so the canonical weight has no "
+                f"gradient of its own. Remove the tool first. Received: a tool on {', '.join(tooled)}"
+            )
+        grads = {}
+        for n in names:
+            p = getattr(*_owner(module, n))
+            grads[n] = p.grad if p.grad is not None else torch.zeros_like(p)
         return {n: _numpy(t) for n, t in self._canonical_views(grads).items()}
 
     @torch.no_grad()
     def load_canonical(self: _Layer, params: Mapping[str, Any]) -> _Layer:
-        """Copy canonical params (validated against ``self.config``, finite) into this layer; returns self."""
+        """Copy canonical params (validated against ``self.config``, finite) into this layer; returns self.
+
+        Under a weight tool the value is written as ``reset_parameters`` writes it: through the
+        parametrization's ``right_inverse``, into ``*_orig`` (pruning: the mask kept), ``*_g``/``*_v``;
+        the tool then applies on top (a pruned entry reads 0, spectral_norm rescales), as it does to
+        any weight written under it.
+
+        Raises:
+            DamchaValueError: bad params, a value past a float16/bfloat16 parameter's range, or a
+                layer on the meta device (which holds no storage to copy into).
+        """
         checked = dc.validate_params(params, self.config)
-        targets = self._canonical_views(dict(self.named_parameters(remove_duplicate=False)))
+        module = cast(torch.nn.Module, self)
+        effective = effective_tensors(module, self.config)
+        for t in effective.values():
+            if t.is_meta:  # copy_ into a meta tensor does nothing, silently
+                raise _meta_error(t)
+        # The new values in the torch layout: a copy of each effective tensor, written through views.
+        staged = {n: t.detach().clone() for n, t in effective.items()}
+        targets = self._canonical_views(staged)
         for name, value in checked.items():  # all checked before any is copied
             dc.check_params_fit({name: value}, *_fit(targets[name].dtype))
         for name, value in checked.items():
             target = targets[name]
-            # The views share storage with the parameters, so copy_ writes through.
             target.copy_(torch.from_numpy(value).to(target.dtype).reshape(target.shape))
+        for name, value in staged.items():
+            owner, attribute = _owner(module, name)
+            if _is_plain(module, name):
+                owner._parameters[attribute].copy_(value)  # type: ignore[union-attr]
+            else:
+                write_initial(owner, attribute, value)
         return self
 
     @classmethod
@@ -267,7 +341,7 @@ def encoder_load_canonical(encoder: Any, params: Mapping[str, Any]) -> Any:
     # refusal must not leave the first layers loaded and the rest as they were.
     targets: dict[str, torch.dtype] = {}
     for i, layer in enumerate(encoder.layers):
-        views = layer.self_attn._canonical_views(dict(layer.self_attn.named_parameters(remove_duplicate=False)))
+        views = layer.self_attn._canonical_views(effective_tensors(layer.self_attn, layer.self_attn.config))
         for key, value in config.layer_params(checked, i).items():
             name = f"layers.{i}.attention.{key}"
             name = name if name in checked else f"shared.{key}"  # the stack's one generator
