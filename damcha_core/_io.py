@@ -32,6 +32,15 @@ from ._params import as_numpy, check_params_finite, detached
 
 FORMAT = "damcha-v1"
 CHECKSUM_KEY = "damcha_checksum"
+#: ``"sha256:<hex>"`` of the ``damcha_config`` string: the tensors' checksum does not cover it, and a
+#: flipped bit there (dropout 0.0 -> 0.1, another scale) loaded as another layer. Older files lack it.
+CONFIG_CHECKSUM_KEY = "damcha_config_checksum"
+
+
+def _text_checksum(text: str) -> str:
+    return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
 _HEADER_LIMIT = 100_000_000  # safetensors' own bound on the JSON header
 #: The floating dtypes a file may hold (NumPy names); safetensors has no float128.
 _STORABLE = ("float16", "bfloat16", "float32", "float64")
@@ -148,6 +157,14 @@ def save_params(path: str | os.PathLike[str], params: Mapping[str, Any], config:
     from safetensors.numpy import save_file
 
     target = _check_path(path)
+    if not isinstance(config, DamchaConfig):  # an EncoderConfig passed the checks, then failed on to_dict
+        raise DamchaTypeError(
+            invalid_argument(
+                "config",
+                "a DamchaConfig (a file holds one layer; a stack's params have no file format: save each layer's)",
+                f"config={describe(config)}",
+            )
+        )
     if not isinstance(params, Mapping):
         raise DamchaTypeError(invalid_argument("params", "a mapping of name -> array", f"params={describe(params)}"))
     # A framework tensor that tracks gradients refuses NumPy conversion; its values are what is saved.
@@ -164,10 +181,12 @@ def save_params(path: str | os.PathLike[str], params: Mapping[str, Any], config:
                     f"params[{name!r}]={describe(array)}",
                 )
             )
+    config_text = json.dumps(config.to_dict(), sort_keys=True)
     metadata = {
         "format": FORMAT,
-        "damcha_config": json.dumps(config.to_dict(), sort_keys=True),
+        "damcha_config": config_text,
         CHECKSUM_KEY: tensor_checksum(tensors),
+        CONFIG_CHECKSUM_KEY: _text_checksum(config_text),
     }
     try:
         _check_target(target)
@@ -336,6 +355,16 @@ def load_params(path: str | os.PathLike[str]) -> tuple[dict[str, np.ndarray], Da
         )
     if not isinstance(metadata["damcha_config"], str):  # safetensors metadata values are strings
         raise _unreadable(path, f"its damcha_config metadata is not a string: {describe(metadata['damcha_config'])}")
+    stored_config = metadata.get(CONFIG_CHECKSUM_KEY)
+    if stored_config is not None and stored_config != _text_checksum(metadata["damcha_config"]):
+        raise DamchaValueError(
+            invalid_argument(
+                "path",
+                f"an intact file; it is corrupted: its damcha_config does not match the checksum stored when it "
+                f"was saved ({CONFIG_CHECKSUM_KEY})",
+                f"path={str(path)!r}",
+            )
+        )
     try:
         config = DamchaConfig.from_dict(json.loads(metadata["damcha_config"]))
     except (json.JSONDecodeError, RecursionError):

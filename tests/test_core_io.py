@@ -230,6 +230,34 @@ def test_checksum_is_stored_and_files_without_it_still_load(tmp_path):
     assert cfg == CFG and all(np.array_equal(loaded[k], params[k]) for k in params)
 
 
+def test_a_changed_config_in_the_metadata_is_caught_by_its_checksum(tmp_path):
+    """The tensors' checksum does not cover the damcha_config string: a one-byte change there
+    (dropout 0.0 -> 0.1) loaded silently as another layer."""
+    path = _saved(tmp_path)
+    data = bytearray(path.read_bytes())
+    at = data.index(b'dropout\\": 0.0') + len(b'dropout\\": 0.0') - 1  # JSON in the JSON header: escaped quotes
+    data[at] = ord("1")
+    path.write_bytes(bytes(data))
+    with pytest.raises(
+        dc.DamchaValueError,
+        match=r"it is corrupted: its damcha_config does not match the checksum .*damcha_config_checksum",
+    ):
+        dc.load_params(path)
+    old = tmp_path / "old.safetensors"
+    params = dc.init_params(CFG, seed=2)
+    _rewrite(old, params)  # written before the config checksum existed: still loads
+    assert dc.load_params(old)[1] == CFG
+
+
+def test_save_params_refuses_a_stack_config(tmp_path):
+    stack = dc.EncoderConfig(dc.DamchaConfig(8, 2, 4), num_layers=2, ffn_dim=16)
+    with pytest.raises(
+        dc.DamchaTypeError, match=r"Invalid argument `config`: expected a DamchaConfig .*Received: config=EncoderConfig"
+    ):
+        dc.save_params(tmp_path / "s.safetensors", dc.init_encoder_params(stack), stack)
+    assert not list(tmp_path.iterdir())
+
+
 def test_save_uses_the_umask_and_replaces_atomically(tmp_path):
     import os
     import stat
