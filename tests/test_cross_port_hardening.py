@@ -194,9 +194,12 @@ def test_keras_from_mha_refuses_subclass_with_own_call() -> None:
 # ------------------------------------------- 3. Keras options the file lacks
 
 
-@pytest.mark.parametrize("option", [{"sliding_window": 2}, {"attention_axes": (2,)}], ids=lambda o: next(iter(o)))
+@pytest.mark.parametrize(
+    "option", [{"sliding_window": 2}, {"attention_axes": (2,)}, {"output_shape": (2, 4)}], ids=lambda o: next(iter(o))
+)
 def test_keras_save_refuses_options_the_canonical_file_lacks(tmp_path, option):
-    """The file used to load as a layer without the option (outputs differed by 1.68)."""
+    """The file used to load as a layer without the option (outputs differed by 1.68; an
+    output_shape of (2, 4) loaded as (8,))."""
     x = np.random.default_rng(0).normal(size=(2, 3, 4, 8)).astype("float32")
     x = x if "attention_axes" in option else x[:, 0]
     layer = dk.DamchaAttention(num_heads=2, key_dim=4, **option)
@@ -609,6 +612,18 @@ def test_float_mask_with_nan_or_inf_is_refused_in_every_port(port, bad):
         kw["need_weights"] = False
     with pytest.raises(dc.DamchaValueError, match=f"Invalid argument `{_MASKS[port]}`"):
         _port_call(port, **kw)
+
+
+@pytest.mark.parametrize("dtype", ["int32", "bool", "complex64"])
+def test_keras_layer_refuses_a_dtype_that_is_not_floating(dtype: str) -> None:
+    """dtype='int32' failed in the first call with TensorFlow's InvalidArgumentError ('bool': a bare
+    ValueError), where torch and Flax refuse non-float dtypes by name when the layer is built."""
+    with pytest.raises(
+        dc.DamchaTypeError,
+        match=rf"Invalid argument `dtype`: expected a real floating dtype .*Received: dtype='{dtype}'",
+    ):
+        dk.DamchaAttention(num_heads=2, key_dim=4, dtype=dtype)
+    assert dk.DamchaAttention(num_heads=2, key_dim=4, dtype="mixed_bfloat16").compute_dtype == "bfloat16"
 
 
 # ------------------------------------------------------- params from a torch model in training

@@ -159,7 +159,13 @@ def _check_file_options(layer: DamchaAttention) -> None:
         # Every axis but batch and features, for the built rank: the default, which
         # Keras's own MHA writes into its config when it builds (from_mha copies it).
         axes = None
-    options = {"sliding_window": getattr(layer, "_sliding_window", None), "attention_axes": axes}
+    shape = getattr(layer, "_output_shape", None)
+    options = {
+        "sliding_window": getattr(layer, "_sliding_window", None),
+        "attention_axes": axes,
+        # The config holds output_dim only: a (2, 4) output loaded as (8,).
+        "output_shape": shape if shape is not None and len(shape) > 1 else None,
+    }
     for name, value in options.items():
         if value is not None:
             raise DamchaValueError(

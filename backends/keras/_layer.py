@@ -22,7 +22,7 @@ import numpy as np
 
 import damcha_core as dc
 import keras
-from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, describe
+from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, describe, invalid_argument
 from keras import ops
 from keras.src.backend import set_keras_mask  # MHA itself uses it; no public alias in Keras 3.15
 
@@ -178,6 +178,20 @@ class DamchaAttention(keras.layers.Layer):
         **kwargs: Any,
     ) -> None:
         super().__init__(activity_regularizer=activity_regularizer, **kwargs)
+        policy = self.dtype_policy
+        for which in (policy.variable_dtype, policy.compute_dtype):
+            # dtype="int32" or "bool" failed in the first call with TensorFlow's or ml_dtypes' own error,
+            # where torch (dtype) and Flax (param_dtype, dtype) refuse them by name.
+            if keras.backend.standardize_dtype(which) not in _args.FLOAT_DTYPES:
+                raise DamchaTypeError(
+                    invalid_argument(
+                        "dtype",
+                        "a real floating dtype or dtype policy (float16, bfloat16, float32, float64, mixed_float16, "
+                        "...)",
+                        f"dtype={describe(kwargs.get('dtype'))} (variable dtype {policy.variable_dtype}, compute "
+                        f"dtype {policy.compute_dtype})",
+                    )
+                )
         self.supports_masking = True
         self._output_shape = _args.check_output_shape(output_shape)
         self._attention_axes = _args.check_attention_axes(attention_axes)
