@@ -14,7 +14,7 @@ WORKERS ?= 2
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# The pinned CPU build; an unpinned torch would pull a multi-GB CUDA build.
+	# Pinned: on this project's machines 2.13.0 resolves to a CPU build they hold; an unpinned torch (or plain PyPI elsewhere) pulls a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -c constraints.txt -e ".[all,models,dev]"
 	# keras-hub (damcha_keras.convert) without its declared dependencies: its tensorflow-text

@@ -36,7 +36,7 @@ N >= 512.
 
 Results: every entry (model, mode, N) is written, as soon as it is measured,
 to a JSON file (``--json FILE``; default ``benchmarks/results/models-<date>-
-<time>.json``; with ``--tiny`` none unless ``--json`` is given) with the run's
+<time>.json``; with ``--tiny`` a temporary file, removed at exit, unless ``--json`` is given) with the run's
 command, commit, machine, versions, threads and load average (the format of
 bench_dropin.py's files, ``"format": "damcha-models/1"``). After a run (not
 ``--tiny``, not ``--no-docs``) the "Converted third-party models" section of

@@ -78,7 +78,9 @@ def _parser() -> argparse.ArgumentParser:
         epilog="Exit status: 0 written and validated, 1 a validation mismatch (nothing written), 2 bad arguments.",
     )
     p.add_argument(
-        "--config", help="DamchaConfig as a JSON file or inline JSON (default: the config stored in --params)"
+        "--config",
+        help="DamchaConfig as a JSON file or inline JSON: a check, it must equal the config stored in --params "
+        "(which is used without it)",
     )
     required = p.add_argument_group("required")
     required.add_argument("--params", required=True, help="safetensors file written by damcha_core.save_params")
@@ -168,6 +170,12 @@ def _load_config(text: str) -> dc.DamchaConfig:
                 text = f.read()
         except (OSError, UnicodeDecodeError) as exc:
             cu.usage_error("--config", f"cannot read {source!r}: {exc}", prog=PROG)
+    elif os.path.isdir(text):
+        cu.usage_error("--config", f"is a folder, expected a JSON file or inline JSON. Received: {source!r}", prog=PROG)
+    elif os.path.exists(text):  # a device, a pipe: not read, it could block or never end
+        cu.usage_error("--config", f"is not a regular file. Received: {source!r}", prog=PROG)
+    elif text.lstrip().startswith("["):
+        cu.usage_error("--config", f"inline JSON must be an object ('{{...}}'). Received: {source[:200]!r}", prog=PROG)
     elif not text.lstrip().startswith("{"):
         # Neither a file nor inline JSON (an object): a path that does not exist, most likely.
         cu.usage_error("--config", f"no such file {source!r} (inline JSON is an object: '{{...}}')", prog=PROG)

@@ -317,6 +317,15 @@ def test_importing_the_package_and_the_report_needs_no_torch():
     assert proc.returncode == 0, proc.stderr
 
 
+def test_every_public_name_resolves():
+    """docs/experiments.md named as_variant as public; it was only in _models (AttributeError)."""
+    import damcha_experiments as de
+
+    for name in de.__all__:
+        assert getattr(de, name) is not None, name
+    assert de.as_variant.__module__ == "damcha_experiments._models"
+
+
 # ----------------------------------------------------------- disjoint splits
 
 

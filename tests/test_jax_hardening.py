@@ -6,10 +6,9 @@ NNX module) and compares with the NumPy reference where a result is expected.
 
 from __future__ import annotations
 
-import warnings
-
 import functools
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp

@@ -284,8 +284,20 @@ def test_token_model_reference_rejects_ids_outside_the_vocabulary(bad):
         ("config-lacks-fields", r"--config: must be a DamchaConfig as JSON.*Received: --config='\{\"query_dim\": 8\}'"),
         ("config-not-json", r"--config: must be a DamchaConfig as JSON.*Received: --config='.*bad.safetensors'"),
         ("config-missing-file", r"--config: no such file '.*missing.json' \(inline JSON is an object: '\{\.\.\.\}'\)"),
+        # These three read "no such file" too: a folder, a device, a JSON list.
+        ("config-folder", r"--config: is a folder, expected a JSON file or inline JSON. Received: '.*'"),
+        ("config-device", r"--config: is not a regular file. Received: '/dev/null'"),
+        ("config-list", r"--config: inline JSON must be an object \('\{\.\.\.\}'\). Received: '\[\]'"),
     ],
-    ids=["params-not-safetensors", "config-lacks-fields", "config-not-json", "config-missing-file"],
+    ids=[
+        "params-not-safetensors",
+        "config-lacks-fields",
+        "config-not-json",
+        "config-missing-file",
+        "config-folder",
+        "config-device",
+        "config-list",
+    ],
 )
 def test_cli_bad_files_exit_2_not_1(tmp_path, capsys, which, pattern):
     # Exit 1 means "the export does not match the reference"; a file that cannot
@@ -301,6 +313,9 @@ def test_cli_bad_files_exit_2_not_1(tmp_path, capsys, which, pattern):
         "config-lacks-fields": ["--params", str(good), "--config", '{"query_dim": 8}'],
         "config-not-json": ["--params", str(good), "--config", str(bad)],
         "config-missing-file": ["--params", str(good), "--config", str(tmp_path / "missing.json")],
+        "config-folder": ["--params", str(good), "--config", str(tmp_path)],
+        "config-device": ["--params", str(good), "--config", "/dev/null"],
+        "config-list": ["--params", str(good), "--config", "[]"],
     }[which]
     rc = main([*args, "--out", str(tmp_path / "m.onnx")])
     assert rc == 2 and not (tmp_path / "m.onnx").exists()

@@ -547,9 +547,16 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
         at 0: ``mha``'s outputs, ready to fine-tune the metric, except in a
         query row that sees no key (fully masked), where ``mha`` outputs the
         projected mean of all the values and this layer the output bias (the
-        spec's empty-row rule). The generator
-        is fresh; ``coupling=None`` picks it from ``mha``'s shape (tied when
-        num_kv_heads == num_heads and in_kv_features == in_features)."""
+        spec's empty-row rule). The generator is fresh.
+
+        Args:
+            mha: the ``nnx.MultiHeadAttention`` to copy (with its sharding metadata).
+            metric: ``"heads"`` or ``"lowrank"``, as in the constructor.
+            metric_rank: r for ``metric="lowrank"``; None otherwise.
+            coupling: ``"tied"``, ``"separate"``, ``"query"``; None picks it from ``mha``'s
+                shape (tied when num_kv_heads == num_heads and in_kv_features == in_features).
+            rngs: the generator's initialisation keys (and dropout's, as in the constructor).
+        """
         return from_mha(cls, mha, metric=metric, metric_rank=metric_rank, coupling=coupling, rngs=rngs)
 
     # ----------------------------------------------------------------- calls

@@ -99,7 +99,7 @@ class DamchaAttention(keras.layers.Layer):
         num_kv_heads: G, key/value heads; must divide ``num_heads``.
         scale: softmax scale; ``None`` means ``1/sqrt(key_dim)``.
         metric_l2: coefficient of the metric penalty added with ``add_loss``
-            (mean of ||L(t) - I||_F^2 / (S*d) over tokens and sides).
+            (mean of ||L(t) - I||_F^2 / (S*d) over tokens and sides); default 0.0 (no penalty).
         metric_generator: a ``MetricGenerator`` shared with other layers
             (stack-wise sharing), or for ``coupling="separate"`` a dict
             ``{"q": ..., "k": ...}``; ``None`` creates the layer's own.

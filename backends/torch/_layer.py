@@ -212,7 +212,7 @@ class DamchaAttention(CanonicalIO, nn.Module):
             k~ are made again in backward (on CPU from the kept projection
             outputs, by the small map alone; elsewhere, or under the
             caller's saved-tensor hooks, by projecting the q/k rows again),
-            instead of storing q/k and q~/k~ both. See docs/torch.md.
+            instead of storing q/k and q~/k~ both (default True). See docs/torch.md.
 
     Parameters (``nn.MultiheadAttention`` layout, so ``from_mha`` is a copy):
     ``in_proj_weight`` (H*d + G*d + G*d_v, E) when ``kdim == vdim == embed_dim``,
@@ -1143,8 +1143,16 @@ class DamchaAttention(CanonicalIO, nn.Module):
     ) -> DamchaAttention:
         """A DamchaAttention computing exactly what ``mha`` computes (gates at 0).
 
-        Weights are copied (same layout, any dtype/device). ``coupling=None``
-        picks "tied" when ``mha`` has kdim == embed_dim, else "separate".
+        Weights are copied (same layout, any dtype/device).
+
+        Args:
+            mha: the ``nn.MultiheadAttention`` to copy (its effective weights under a weight tool).
+            metric: ``"heads"`` (a full S x S map) or ``"lowrank"``, as in the constructor.
+            metric_rank: r for ``metric="lowrank"``; None otherwise.
+            coupling: ``"tied"``, ``"separate"``, ``"query"``; None picks "tied" when ``mha``
+                has kdim == embed_dim, else "separate".
+            metric_generator: a generator (or one per side) shared with other layers.
+            recompute: as in the constructor (default True).
         """
         from ._convert import from_mha
 
