@@ -612,11 +612,44 @@ def _report_main(argv: list[str]) -> int:
     return 0
 
 
+#: Options that choose how runs train: --from-json trains nothing, --cost-only measures steps only.
+_TRAINING_ONLY = ("--seeds", "--sweep-seeds", "--lrs", "--max-steps", "--steps", "--eval-size")
+_NOT_WITH_FROM_JSON = ("--preset", "--variants", "--suite", "--device", "--threads", *_TRAINING_ONLY)
+
+
+def _given(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """The options ``argv`` gives explicitly (by their first long name), abbreviations included:
+    the same parse with every default suppressed."""
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    given = vars(parser.parse_args(argv))
+    return {a.option_strings[0] for a in parser._actions if a.option_strings and a.dest in given}
+
+
 def _train_main(argv: list[str]) -> int:
     if not argv:
         _train_parser().print_help(sys.stderr)
         return 2
     args = _train_parser().parse_args(argv)
+    given = _given(_train_parser(), argv)
+    # Silently ignored before: `--from-json r.json --seeds 7 --device cuda` exited 0 on a machine
+    # without CUDA, and --cost-only took --lrs without a word.
+    for mode, flag, ignored in (
+        (args.from_json, "--from-json", _NOT_WITH_FROM_JSON),
+        (args.cost_only, "--cost-only", _TRAINING_ONLY),
+    ):
+        clash = [f for f in ignored if f in given]
+        if mode and clash:
+            _fail(
+                clash[0],
+                f"does not apply with {flag}, which "
+                + (
+                    "redraws an earlier results file without training (its runs' settings are in it)"
+                    if flag == "--from-json"
+                    else "measures the time and memory of a step without training"
+                )
+                + f". Received: {' '.join(clash)} with {flag}",
+            )
     if args.steps is not None:
         if args.max_steps is not None:
             _fail("--steps", "is the deprecated name of --max-steps; give only --max-steps")
@@ -662,6 +695,10 @@ def _train_main(argv: list[str]) -> int:
     device = _check_device(args.device)
     name = cfg.task if args.suite == "headline" else f"{cfg.task}_{args.suite}"
     _check_results_files(out, name, cfg.preset, device.partition(":")[0])
+    if not args.cost_only:  # a file named runs there ended the first run with NotADirectoryError
+        from ._suite import run_group
+
+        cu.check_output_dir(run_group(out, cfg, device.partition(":")[0]), "--out", prog=PROG)
 
     import torch
 

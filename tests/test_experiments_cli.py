@@ -50,6 +50,8 @@ def workdir(tmp_path):
         (tmp_path / folder).mkdir()
         (tmp_path / folder / name).write_text("{}" if name.endswith(".json") else "png")
         (tmp_path / folder / name).chmod(0o444)
+    (tmp_path / "runs_is_a_file").mkdir()
+    (tmp_path / "runs_is_a_file" / "runs").write_text("not the runs folder")
     return tmp_path
 
 
@@ -104,6 +106,16 @@ BAD = [
     (["crosshead", "--preset", "smoke", "--out", "ro_plot"], "--out"),
     (["report", "ro_report"], "--out"),  # report.md would be written, then report.json refused
     (["report", "good", "--out", "good/summary.json"], "--out"),  # the JSON summary would replace the report
+    # Options a mode does not read were silently ignored (--from-json --device cuda exited 0 on a
+    # machine without CUDA):
+    (["crosshead", "--from-json", "r.json", "--seeds", "7"], "--seeds: does not apply with --from-json"),
+    (["crosshead", "--from-json", "r.json", "--dev", "cuda"], "--device: does not apply with --from-json"),
+    (["crosshead", "--from-json", "r.json", "--preset=full"], "--preset: does not apply with --from-json"),
+    (["crosshead", "--cost-only", "--lrs", "0.1"], "--lrs: does not apply with --cost-only"),
+    (
+        ["crosshead", "--preset", "smoke", "--no-plots", "--out", "runs_is_a_file"],
+        "--out: 'runs_is_a_file/runs' is not a folder",
+    ),
     # An unknown option is named even with the task (or folder) missing: argparse checked
     # the required arguments first and said only "required: task".
     (["--bogus"], "unrecognized arguments: --bogus"),
