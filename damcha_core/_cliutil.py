@@ -226,6 +226,9 @@ def check_output_file(
     Returns:
         ``path`` as a ``Path``. Exits 2 (``usage_error``) otherwise.
     """
+    if isinstance(path, str) and path.endswith(("/", os.sep)) and path.strip("/" + os.sep):
+        # pathlib drops the slash: `--json out.json/` wrote the file out.json.
+        usage_error(flag, f"ends with a path separator (a folder), expected a file path. Received: {path!r}", prog=prog)
     return _checked_path(path, flag, prog, "file path", lambda p: _check_output_file(p, flag, prog, overwrite))
 
 
@@ -292,6 +295,8 @@ def check_input_file(path: str | os.PathLike[str] | None, flag: str, *, prog: st
 
 def _check_input_file(p: Path, flag: str, prog: str) -> Path:
     _no_nul(p, flag, prog)
+    if not p.exists() and p.is_symlink():
+        usage_error(flag, f"is a symbolic link to no file (dangling, or a loop). Received: {str(p)!r}", prog=prog)
     if not p.exists():
         usage_error(flag, f"file does not exist. Received: {str(p)!r}", prog=prog)
     if not p.is_file():

@@ -534,3 +534,15 @@ def test_output_checks_refuse_links_that_lead_nowhere(tmp_path, capsys, kind):
         file_link.symlink_to(link)
         says = "expected a path that resolves to a file"
     assert says in _usage(capsys, cu.check_output_file, file_link, "--json")
+
+
+def test_path_checks_name_a_trailing_slash_and_a_link_to_nothing(tmp_path, capsys):
+    """`--json out.json/` wrote the file out.json (pathlib drops the slash); an input that is a
+    loop of links read "file does not exist"."""
+    line = _usage(capsys, cu.check_output_file, f"{tmp_path}/out.json/", "--json")
+    assert "ends with a path separator (a folder), expected a file path" in line
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    assert "is a symbolic link to no file (dangling, or a loop)" in _usage(
+        capsys, cu.check_input_file, loop, "--params"
+    )
