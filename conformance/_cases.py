@@ -10,8 +10,8 @@ import numpy as np
 
 import damcha_core as dc
 
-MASK_KINDS = ("padding", "per_head", "all_masked_row")
-INPUT_KINDS = ("small-and-zero",)
+MASK_KINDS = ("padding", "per_head", "all_masked_row", "shared", "per_batch", "per_head_batch1", "per_key")
+INPUT_KINDS = ("small-and-zero", "nan-token")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,8 +25,11 @@ class Case:
         batch, query_len: B and N.
         context_len: M for cross-attention; ``None`` is self-attention.
         mask: ``None``, "padding" ((B, 1, 1, M): some trailing keys hidden per
-            batch row), "per_head" ((B, H, N, M) random) or "all_masked_row"
-            (per-head mask where one query row sees no key at all).
+            batch row), "per_head" ((B, H, N, M) random), "all_masked_row"
+            (per-head mask where one query row sees no key at all), or a random
+            mask with size-1 axes that the port must broadcast: "shared"
+            (1, 1, N, M), "per_batch" (B, 1, N, M), "per_head_batch1" (1, H, N, M),
+            "per_key" (B, H, 1, M).
         causal: top-left causal rule.
         seed: seeds params, inputs, mask and gradient directions.
         gradients: whether the case checks gradients (off only where central
@@ -34,7 +37,10 @@ class Case:
         inputs: ``None`` (standard normal tokens) or "small-and-zero": every
             other token scaled by 3e-3 (mean(t^2) ~ 10 x the RMS eps, so phi depends
             on eps = 1e-6 and on the normalisation itself) and one token of
-            each input exactly 0 (phi(0) = 0, which a port must not turn into NaN).
+            each input exactly 0 (phi(0) = 0, which a port must not turn into NaN);
+            "nan-token": one feature of query token 1 of batch row 0 is NaN, so that
+            query's output row is NaN and every other row finite (NaN in gives NaN
+            out; a port that zeroes it, as CPU SDPA does, fails).
 
     A cross-attention case whose ``config.value_input_dim`` differs from its
     ``context_dim`` has separate value tokens (B, M, E_v): ``CaseData.value``.
@@ -194,7 +200,8 @@ def _build_catalogue() -> tuple[Case, ...]:
             520,
             600,
             mask="padding",
-            gradients=False,
+            # Checked since session 30: a tiled backward wrong past the first 256 keys passed.
+            gradients=True,
         ),
         # Added later: appended so that every earlier case keeps its seed (and golden values).
         # Cross-attention whose context has the query's shape: a port that drives
@@ -246,6 +253,46 @@ def _build_catalogue() -> tuple[Case, ...]:
         ),
         Case("heads-separate-cross-empty-query", "shapes", _cfg(coupling="separate", context_dim=12), 2, 0, 7),
         Case("heads-tied-self-empty-query", "shapes", _cfg(), 2, 0),
+        # From a mutation audit (session 30): each of these caught a wrong port that passed
+        # every case above. key_dim != query_dim / num_heads: a scale taken from the embed dim.
+        Case("heads-tied-key-dim-6", "heads", _cfg(key_dim=6, value_dim=5), 2, 5),
+        # The reference is the inference function: a port must not drop out at inference.
+        Case("heads-tied-dropout-inference", "heads", _cfg(dropout=0.5), 2, 6),
+        # Masks with size-1 axes to broadcast (one sent down a key-padding path, or batch row
+        # 0's mask used for every row), and per-head masks with grouped heads (G < H).
+        Case("heads-tied-mask-shared", "masks", _cfg(), 2, 6, mask="shared"),
+        Case(
+            "heads-separate-mask-per-batch-cross",
+            "masks",
+            _cfg(coupling="separate", context_dim=12),
+            2,
+            5,
+            7,
+            mask="per_batch",
+        ),
+        Case("lowrank-tied-mask-per-head-batch1", "masks", _cfg(**lr), 2, 6, mask="per_head_batch1"),
+        Case("heads-query-gqa-mask-per-key", "masks", _cfg(coupling="query", num_kv_heads=2), 2, 6, mask="per_key"),
+        Case("heads-query-gqa-per-head", "masks", _cfg(coupling="query", num_kv_heads=2), 2, 6, mask="per_head"),
+        Case(
+            "heads-separate-gqa-all-masked-row-cross",
+            "masks",
+            _cfg(coupling="separate", num_kv_heads=2, context_dim=8),
+            2,
+            5,
+            7,
+            mask="all_masked_row",
+        ),
+        # NaN in gives NaN out, in that query's row only (no gradients: they are NaN).
+        Case(
+            "heads-separate-nan-token-cross",
+            "shapes",
+            _cfg(coupling="separate", context_dim=12),
+            2,
+            5,
+            7,
+            gradients=False,
+            inputs="nan-token",
+        ),
     ]
     cases = [dataclasses.replace(c, seed=1000 + i) for i, c in enumerate(cases)]
     names = [c.name for c in cases]
@@ -300,7 +347,13 @@ def _make_mask(case: Case, rng: np.random.Generator, M: int) -> np.ndarray | Non
         # Batch row b keeps its first M - b keys (at least one).
         lengths = np.maximum(M - np.arange(B) * max(1, M // 3), 1)
         return (np.arange(M)[None, :] < lengths[:, None])[:, None, None, :]
-    mask = rng.random((B, H, N, M)) < 0.7
+    shape = {
+        "shared": (1, 1, N, M),
+        "per_batch": (B, 1, N, M),
+        "per_head_batch1": (1, H, N, M),
+        "per_key": (B, H, 1, M),
+    }.get(case.mask, (B, H, N, M))
+    mask = rng.random(shape) < 0.7
     mask[..., 0] |= ~mask.any(-1)  # every row sees a key unless we hide it on purpose
     if case.mask == "all_masked_row":
         mask[0, :, 1, :] = False  # query 1 of batch 0 sees nothing, in every head
@@ -328,6 +381,9 @@ def materialise(case: Case) -> ReferenceData:
     mask = _make_mask(case, rng, M)
     if case.inputs == "small-and-zero":
         query, context = _small_and_zero(query), None if context is None else _small_and_zero(context)
+    if case.inputs == "nan-token":
+        query = query.copy()
+        query[0, 1, 2] = np.nan
     # Drawn after everything else, and only when needed: earlier cases keep their inputs.
     value = rng.normal(size=(case.batch, M, E_v)) if case.separate_value else None
     expected = dc.damcha_attention(params, cfg, query, context, mask=mask, causal=case.causal, value=value)
@@ -441,6 +497,9 @@ CORRUPTIONS: dict[str, str] = {
     "value-length": "value",  # one value token more than there are keys
     "mask-queries": "mask",  # a query axis that is neither 1 nor N
     "mask-batch": "mask",  # a batch axis that is neither 1 nor B
+    # Session 30 (a mutation audit): broadcasts a port could do silently.
+    "context-batch-one": "context",  # a context of batch 1 for B > 1 queries: never broadcast
+    "mask-heads-divisor": "mask",  # G heads (G divides H, G < H): never repeated to H
 }
 
 
@@ -494,6 +553,8 @@ def _build_error_catalogue() -> tuple[ErrorCase, ...]:
         ("value-length", "heads-separate-cross-value-dim"),
         ("mask-queries", "heads-separate-per-head-cross"),
         ("mask-batch", "heads-separate-per-head-cross"),
+        ("context-batch-one", "heads-separate-cross"),
+        ("mask-heads-divisor", "heads-query-gqa-per-head"),
     ]
     return tuple(ErrorCase(f"{corruption}:{base}", by_name[base], corruption) for corruption, base in plan)
 
@@ -530,6 +591,10 @@ def materialise_error(case: ErrorCase) -> ReferenceData:
         mask = np.concatenate([mask, mask[:, :, :1]], axis=2)  # type: ignore[index]
     elif kind == "mask-batch":
         mask = np.concatenate([mask, mask[:1]], axis=0)  # type: ignore[index]
+    elif kind == "context-batch-one":
+        context = context[:1]  # type: ignore[index]
+    elif kind == "mask-heads-divisor":
+        mask = mask[:, : case.base.config.num_kv_heads]  # type: ignore[index]
     return dataclasses.replace(data, query=query, context=context, mask=mask, value=value)
 
 
