@@ -309,6 +309,52 @@ def test_keras_file_round_trip(what, tmp_path):
         dk.convert(loaded)
 
 
+@pytest.mark.parametrize("what", ["llama-causal-lm", "llama-backbone"])
+def test_save_to_preset_of_a_converted_model_is_refused(what, tmp_path):
+    """KerasHub's from_preset loaded a converted task's preset as the plain task (the DAMCHA
+    weights dropped without a word) and refused a converted backbone's: save_to_preset is
+    refused up front and writes nothing; an unconverted model's preset is unchanged."""
+    model = backbone("llama") if "backbone" in what else causal_lm("llama")
+    plain = tmp_path / "plain"
+    model.save_to_preset(str(plain))  # before conversion: KerasHub's own
+    assert (plain / "config.json").exists()
+    dk.convert(model)
+    with pytest.raises(dc.DamchaValueError, match=r"Invalid argument `model`: expected a model KerasHub's from_preset"):
+        model.save_to_preset(str(tmp_path / "converted"))
+    assert not (tmp_path / "converted").exists()
+
+
+def test_from_mha_refuses_lora_projections():
+    """With LoRA on, a projection's kernel is a merged tensor: from_mha failed with a raw
+    AttributeError ('EagerTensor' object has no attribute 'value')."""
+    mha = keras.layers.MultiHeadAttention(2, 4)
+    q = np.ones((1, 3, 8), "float32")
+    mha(q, q)
+    mha._query_dense.enable_lora(2)
+    with pytest.raises(dc.DamchaValueError, match=r"without LoRA on its projections .*LoRA enabled on its query"):
+        dk.DamchaAttention.from_mha(mha)
+
+
+def test_convert_checks_every_layer_for_a_damcha_attribute_before_converting_any():
+    """A layer already holding a `damcha` attribute was refused after the layers before it had
+    been converted: the model was left half converted, and a retry said 'already converted'."""
+
+    class Flagged(keras.layers.MultiHeadAttention):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.damcha = "mine"
+
+    inp = keras.Input((3, 8))
+    h = keras.layers.MultiHeadAttention(2, 4, name="a_first")(inp, inp)
+    out = Flagged(2, 4, name="z_second")(h, h)
+    model = keras.Model(inp, out)
+    with pytest.raises(
+        dc.DamchaValueError, match=r"Cannot convert layer `z_second`.*already has an attribute `damcha`"
+    ):
+        dk.convert(model)
+    assert not dk.converted_layers(model) and not dk.damcha_variables(model)
+
+
 def test_keras_file_of_functional_mha_model(tmp_path):
     """A plain Keras functional model with MultiHeadAttention (self and cross)."""
     q_in, c_in = keras.Input((5, 8)), keras.Input((7, 6))

@@ -145,6 +145,17 @@ def from_mha(cls: type, layer: Any, **kwargs: Any) -> DamchaAttention:
     if options["use_gate"]:
         theirs["gate"] = layer._gate_dense
     for name, dense in theirs.items():
+        if getattr(dense, "lora_enabled", False):
+            # Its kernel is then the merged tensor, not a variable (from_mha failed with a raw
+            # AttributeError), and a copy would drop the LoRA factors the user trains.
+            raise DamchaValueError(
+                invalid_argument(
+                    "layer",
+                    "a layer without LoRA on its projections (damcha_keras.convert(model) converts the layer in "
+                    "place and keeps its LoRA projections)",
+                    f"layer={describe(layer)} with LoRA enabled on its {name} projection",
+                )
+            )
         if dense.quantization_mode is not None:
             raise DamchaValueError(
                 invalid_argument(

@@ -468,6 +468,9 @@ def convert(
         try:
             if not layer.built:
                 raise DamchaValueError("the layer is not built (call the model once)")
+            if CONFIG_KEY in layer.__dict__ or getattr(layer, CONFIG_KEY, None) is not None:
+                # Checked here, not when attaching: the layers before it had been converted already.
+                raise DamchaValueError(f"the layer already has an attribute `{CONFIG_KEY}`")
             layout = adapter.layout(layer)
             _check_sites(layer, layout)
             config = _layout.layout_config(layout, metric=metric, metric_rank=metric_rank, coupling=coupling)
@@ -587,10 +590,10 @@ def _refresh_torch_params(model: keras.layers.Layer) -> None:
 class _ConvertedModel:
     """Mixed into the class of a converted model: its config is the host's
     config plus the ``convert`` options, and ``from_config`` rebuilds the host
-    and converts it, so ``.keras`` files (and KerasHub presets) keep the
-    conversion. An instance of the class without recorded options (what
-    ``keras.models.clone_model`` builds layer by layer: it drops the maps) is
-    a plain model."""
+    and converts it, so ``.keras`` files keep the conversion. KerasHub presets
+    cannot (``save_to_preset`` is refused, below). An instance of the class
+    without recorded options (what ``keras.models.clone_model`` builds layer by
+    layer: it drops the maps) is a plain model."""
 
     # The host Keras class (Keras ships no types: type[Any]); the loader ConvertedModel has none.
     _damcha_host: type[Any] = object
@@ -606,6 +609,26 @@ class _ConvertedModel:
         }
         options = None if self._damcha_convert is None else json.loads(self._damcha_convert)
         return {"host": record, CONFIG_KEY: options}
+
+    def save_to_preset(self, preset_dir: Any, *args: Any, **kwargs: Any) -> None:
+        """Refused: KerasHub's ``from_preset`` loads a task's preset as the unconverted
+        model (it dropped the DAMCHA weights without a word) and refuses a backbone's."""
+        host = type(self)._damcha_host
+        if not hasattr(host, "save_to_preset"):
+            raise AttributeError(f"{host.__name__!r} object has no attribute 'save_to_preset'")
+        if self._damcha_convert is None:  # a plain model (clone_model's): the host's own preset
+            host.save_to_preset(self, preset_dir, *args, **kwargs)
+            return
+        raise DamchaValueError(
+            dc.invalid_argument(
+                "model",
+                "a model KerasHub's from_preset can load back as it is: a converted model cannot be (from_preset "
+                "loads a task's preset as the unconverted model, dropping the DAMCHA weights, and refuses a "
+                "backbone's). Save it with model.save('model.keras') (keras.saving.load_model restores the "
+                "conversion), or save the host's preset before dk.convert and convert again after from_preset",
+                f"save_to_preset of a converted {host.__name__}",
+            )
+        )
 
     @classmethod
     def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> Any:
