@@ -152,7 +152,9 @@ def _report_parser() -> argparse.ArgumentParser:
         description="Read every results JSON in FOLDER; write the report's tables and a verdict per claim "
         "(markdown and JSON) and redraw the equal-time plots.",
     )
-    p.add_argument("folder", metavar="FOLDER", help="folder holding TASK.json, TASK_ablation.json and TASK_cost.json files")
+    p.add_argument(
+        "folder", metavar="FOLDER", help="folder holding TASK.json, TASK_ablation.json and TASK_cost.json files"
+    )
     p.add_argument("--out", default=None, help="markdown file to write (default FOLDER/report.md; JSON beside it)")
     p.add_argument(
         "--tolerance",

@@ -196,12 +196,13 @@ class CanonicalIO:
         for name, value in checked.items():
             target = targets[name]
             target.copy_(torch.from_numpy(value).to(target.dtype).reshape(target.shape))
-        for name, value in staged.items():
+        for name, new in staged.items():
             owner, attribute = _owner(module, name)
-            if _is_plain(module, name):
-                owner._parameters[attribute].copy_(value)  # type: ignore[union-attr]
+            plain = owner._parameters.get(attribute)
+            if plain is not None and _is_plain(module, name):
+                plain.copy_(new)
             else:
-                write_initial(owner, attribute, value)
+                write_initial(owner, attribute, new)
         return self
 
     @classmethod
