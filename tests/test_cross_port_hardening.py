@@ -662,3 +662,18 @@ def test_from_canonical_refuses_a_keyword_the_config_sets(port: str, keyword: st
     build = {"jax": dj.DamchaAttention, "keras": dk.DamchaAttention}[port]
     with pytest.raises(dc.DamchaTypeError, match=rf"Invalid argument `{keyword}`: expected no keyword the config sets"):
         build.from_canonical(params, cfg, **{keyword: 2})
+
+
+@pytest.mark.parametrize("port", ["torch", "keras"])
+def test_damcha_parameter_lists_refuse_a_string_for_a_flag(port: str) -> None:
+    """gates='no' was read as true (the gates were included)."""
+    if port == "torch":
+        model = nn.Sequential(nn.Identity())
+        call = functools.partial(dt.damcha_parameters, model)
+    else:
+        call = functools.partial(dk.damcha_variables, keras.Sequential([keras.layers.Dense(2)]))
+    for flag in ("gates", "generators"):
+        with pytest.raises(
+            dc.DamchaTypeError, match=rf"Invalid argument `{flag}`: expected a bool. Received: {flag}='no'"
+        ):
+            call(**{flag: "no"})

@@ -725,6 +725,8 @@ def damcha_variables(model: keras.layers.Layer, *, gates: bool = True, generator
         generators: include the metric generators' variables.
     """
     _check_model(model)
+    # gates='no' read as true: include the gates.
+    gates, generators = dc.check_bool("gates", gates), dc.check_bool("generators", generators)
     out, seen = [], set()
 
     def add(variable: Any) -> None:

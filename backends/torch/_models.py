@@ -966,6 +966,8 @@ def damcha_parameters(model: nn.Module, *, gates: bool = True, generators: bool 
     """
     if not isinstance(model, nn.Module):
         raise DamchaTypeError(dc.invalid_argument("model", "a torch.nn.Module", f"model={describe(model)}"))
+    # gates='no' read as true: include the gates.
+    gates, generators = dc.check_bool("gates", gates), dc.check_bool("generators", generators)
     out, seen = [], set()
     for name, p in _damcha_named(model):
         is_gate = ".gates." in f".{name}" or ".metric_gates." in f".{name}"
