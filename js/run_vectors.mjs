@@ -103,8 +103,12 @@ function compare(actual, expected, tol) {
   let ratio = 0;
   for (let i = 0; i < got.length; i++) {
     const e = expected.data[i];
+    // NaN in gives NaN out: non-finite exactly where the reference is (the Python runner's rule).
+    if (Number.isFinite(got[i]) !== Number.isFinite(e)) {
+      return { ok: false, error: `output at ${i} is ${got[i]} where the reference is ${e}` };
+    }
+    if (!Number.isFinite(e)) continue;
     const err = Math.abs(got[i] - e);
-    if (!Number.isFinite(got[i])) return { ok: false, error: `non-finite output at ${i}: ${got[i]}` };
     maxErr = Math.max(maxErr, err);
     ratio = Math.max(ratio, err / (tol.atol + tol.rtol * Math.abs(e)));
   }

@@ -106,12 +106,11 @@ BAD = [
     (["crosshead", "--preset", "smoke", "--out", "ro_plot"], "--out"),
     (["report", "ro_report"], "--out"),  # report.md would be written, then report.json refused
     (["report", "good", "--out", "good/summary.json"], "--out"),  # the JSON summary would replace the report
-    # Options a mode does not read were silently ignored (--from-json --device cuda exited 0 on a
-    # machine without CUDA):
+    # Options --from-json does not read were silently ignored (--from-json --device cuda exited 0
+    # on a machine without CUDA):
     (["crosshead", "--from-json", "r.json", "--seeds", "7"], "--seeds: does not apply with --from-json"),
     (["crosshead", "--from-json", "r.json", "--dev", "cuda"], "--device: does not apply with --from-json"),
     (["crosshead", "--from-json", "r.json", "--preset=full"], "--preset: does not apply with --from-json"),
-    (["crosshead", "--cost-only", "--lrs", "0.1"], "--lrs: does not apply with --cost-only"),
     (
         ["crosshead", "--preset", "smoke", "--no-plots", "--out", "runs_is_a_file"],
         "--out: 'runs_is_a_file/runs' is not a folder",
