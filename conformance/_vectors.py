@@ -8,7 +8,9 @@ A port in any language with a safetensors reader checks itself with them:
    tokens, and the value tokens too unless ``inputs.value`` (B, M, E_v) is
    present) with ``inputs.mask`` (bool, True = may attend, 4-D broadcastable
    to (B, H, N, M)) and the ``causal`` flag; compare with ``expected.output``
-   using the dtype's tolerance: ``|y - expected| <= atol + rtol * |expected|``.
+   using the dtype's tolerance: ``|y - expected| <= atol + rtol * |expected|``;
+   where ``expected.output`` is NaN (a case with a NaN input token) ``y`` must be
+   non-finite, and finite everywhere else.
 4. Gradients: with loss = sum(output * ``gradients.cotangent``), the
    directional derivative ``sum(grad_T * gradients.direction.T)`` of each
    listed tensor T must match ``directional_derivatives[T]`` within
