@@ -501,6 +501,23 @@ def test_sublayer_conversion_and_register_adapter():
     finally:
         dk._models._ADAPTERS.remove(adapter)
     assert any(line.startswith("keras-hub-llama") for line in dk.supported_layouts())
+    # An adapter whose layout() returns something else: a raw AttributeError ('int' has no 'sites').
+    fresh = keras.Model(inp, MyAttention(name="other")(inp))
+    bad = dk.register_adapter(
+        dk.ModelAdapter(
+            "test-bad-layout",
+            "returns an int",
+            matches=lambda layer: isinstance(layer, MyAttention),
+            layout=lambda layer: 3,
+        )
+    )
+    try:
+        with pytest.raises(
+            dc.DamchaTypeError, match=r"adapter 'test-bad-layout''s layout\(\) returned 3, expected an AttentionLayout"
+        ):
+            dk.convert(fresh)
+    finally:
+        dk._models._ADAPTERS.remove(bad)
 
 
 # ----------------------------------------------------------------- errors

@@ -472,6 +472,10 @@ def convert(
                 # Checked here, not when attaching: the layers before it had been converted already.
                 raise DamchaValueError(f"the layer already has an attribute `{CONFIG_KEY}`")
             layout = adapter.layout(layer)
+            if not isinstance(layout, AttentionLayout):  # a raw AttributeError ('int' has no 'sites') before
+                raise DamchaTypeError(
+                    f"adapter {adapter.name!r}'s layout() returned {describe(layout)}, expected an AttentionLayout"
+                )
             _check_sites(layer, layout)
             config = _layout.layout_config(layout, metric=metric, metric_rank=metric_rank, coupling=coupling)
         except (DamchaValueError, DamchaTypeError) as exc:
