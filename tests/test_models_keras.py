@@ -355,6 +355,33 @@ def test_convert_checks_every_layer_for_a_damcha_attribute_before_converting_any
     assert not dk.converted_layers(model) and not dk.damcha_variables(model)
 
 
+def test_keras_file_of_a_converted_subclassed_model(tmp_path):
+    """A subclassed model is built by Keras after from_config: the converted model's .keras file
+    did not load ("expected a built model"); the conversion now waits for that build."""
+
+    @keras.saving.register_keras_serializable(package="damcha_tests")
+    class Sub(keras.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.mha = keras.layers.MultiHeadAttention(2, 4)
+            self.dense = keras.layers.Dense(8)
+
+        def call(self, x):
+            return self.dense(self.mha(x, x))
+
+    x = np.random.default_rng(0).normal(size=(2, 3, 8)).astype("float32")
+    model = Sub()
+    model(x)
+    dk.convert(model, coupling="query")
+    open_gates(model)
+    model.save(tmp_path / "s.keras")
+    loaded = keras.saving.load_model(tmp_path / "s.keras")
+    assert isinstance(loaded, Sub) and len(dk.converted_layers(loaded)) == 1
+    np.testing.assert_array_equal(numpy(loaded(x)), numpy(model(x)))
+    assert dk._models.recorded_options(loaded) == dk._models.recorded_options(model)
+    assert dk._models.recorded_options(loaded)["coupling"] == "query"
+
+
 def test_keras_file_of_functional_mha_model(tmp_path):
     """A plain Keras functional model with MultiHeadAttention (self and cross)."""
     q_in, c_in = keras.Input((5, 8)), keras.Input((7, 6))

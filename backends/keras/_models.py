@@ -647,7 +647,21 @@ class _ConvertedModel:
             raise DamchaValueError(
                 f"The recorded DAMCHA conversion is not of format {CONFIG_FORMAT!r}. Received: {config[CONFIG_KEY]!r}"
             )
-        return convert(host, **{k: options[k] for k in ("metric", "metric_rank", "coupling", "share_metric")})
+        options = {k: options[k] for k in ("metric", "metric_rank", "coupling", "share_metric")}
+        if not host.built:
+            # A subclassed model is built by Keras after from_config (build_from_config), and
+            # convert needs it built: the conversion waits for that build (the file did not load).
+            host.__class__ = _converted_class(type(host))
+            host._damcha_pending = options
+            return host
+        return convert(host, **options)
+
+    def build_from_config(self, config: dict[str, Any]) -> None:
+        type(self)._damcha_host.build_from_config(self, config)
+        pending = self.__dict__.pop("_damcha_pending", None)
+        if pending is not None:
+            self.built = True  # as Keras marks it right after this call; convert needs it
+            convert(self, **pending)
 
 
 # The loader: a fresh process finds "damcha>ConvertedModel" once damcha_keras is imported.
