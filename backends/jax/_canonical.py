@@ -99,37 +99,16 @@ class CanonicalIO:
         """A layer with ``config``'s shape holding ``params``; ``kwargs`` are
         the non-shape arguments (dtype, param_dtype, decode, deterministic, ...)."""
         dc.check_config(config)
-        check_no_config_kwargs(
-            kwargs,
-            (
-                "num_heads",
-                "in_features",
-                "qkv_features",
-                "out_features",
-                "num_kv_heads",
-                "in_kv_features",
-                "in_v_features",
-                "key_dim",
-                "value_dim",
-                "metric",
-                "metric_rank",
-                "coupling",
-                "scale",
-                "dropout_rate",
-                "use_bias",
-            ),
-        )
-        if config.value_input_dim != config.context_dim:
-            # Values of their own feature size (E_v != E_kv): the value kernel is
-            # (E_v, G, d_v); without this the layer expects (E_kv, ...) and blames the params.
-            kwargs = {"in_v_features": config.value_input_dim, **kwargs}
-        layer = cls(  # type: ignore[call-arg]
-            config.num_heads,
-            config.query_dim,
-            None,
-            config.output_dim,
-            config.num_kv_heads,
-            config.context_dim,
+        from_config = dict(
+            num_heads=config.num_heads,
+            in_features=config.query_dim,
+            qkv_features=None,
+            out_features=config.output_dim,
+            num_kv_heads=config.num_kv_heads,
+            in_kv_features=config.context_dim,
+            # Values of their own feature size (E_v != E_kv): the value kernel is (E_v, G, d_v);
+            # without it the layer expects (E_kv, ...) and blames the params.
+            in_v_features=config.value_input_dim if config.value_input_dim != config.context_dim else None,
             key_dim=config.key_dim,
             value_dim=config.value_dim,
             metric=config.metric,
@@ -138,9 +117,9 @@ class CanonicalIO:
             scale=config.scale,
             dropout_rate=config.dropout,
             use_bias=config.use_bias,
-            rngs=rngs or nnx.Rngs(0),
-            **kwargs,
         )
+        check_no_config_kwargs(kwargs, from_config)
+        layer = cls(**from_config, rngs=rngs or nnx.Rngs(0), **kwargs)  # type: ignore[call-arg]
         return layer.load_canonical(params)
 
     def save(self, path: str | os.PathLike) -> None:

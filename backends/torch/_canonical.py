@@ -110,9 +110,11 @@ def effective_tensors(module: torch.nn.Module, config: DamchaConfig) -> dict[str
     return {name: getattr(*_owner(module, name)) for name in _torch_names(module, config)}
 
 
-def _is_plain(module: torch.nn.Module, name: str) -> bool:
+def _plain_parameter(module: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str, torch.nn.Parameter | None]:
+    """``(owner, attribute, parameter)`` of ``name``; the parameter is None under a weight tool."""
     owner, attribute = _owner(module, name)
-    return owner._parameters.get(attribute) is not None and not parametrize.is_parametrized(owner, attribute)
+    plain = owner._parameters.get(attribute)
+    return owner, attribute, (None if parametrize.is_parametrized(owner, attribute) else plain)
 
 
 class CanonicalIO:
@@ -155,18 +157,15 @@ class CanonicalIO:
                 tool's parameters' (``*_orig``, ``original0``, ...), not the canonical weight's.
         """
         module = cast(torch.nn.Module, self)
-        names = _torch_names(module, self.config)
-        tooled = [n for n in names if not _is_plain(module, n)]
+        plain = {n: _plain_parameter(module, n)[2] for n in _torch_names(module, self.config)}
+        tooled = [n for n, p in plain.items() if p is None]
         if tooled:
             raise DamchaValueError(
                 "canonical_grads reads the canonical weights' .grad; a weight tool (parametrize, prune, "
                 "weight_norm, spectral_norm) trains its own tensors instead, so the canonical weight has no "
                 f"gradient of its own. Remove the tool first. Received: a tool on {', '.join(tooled)}"
             )
-        grads = {}
-        for n in names:
-            p = getattr(*_owner(module, n))
-            grads[n] = p.grad if p.grad is not None else torch.zeros_like(p)
+        grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in plain.items() if p is not None}
         return {n: _numpy(t) for n, t in self._canonical_views(grads).items()}
 
     @torch.no_grad()
@@ -197,9 +196,8 @@ class CanonicalIO:
             target = targets[name]
             target.copy_(torch.from_numpy(value).to(target.dtype).reshape(target.shape))
         for name, new in staged.items():
-            owner, attribute = _owner(module, name)
-            plain = owner._parameters.get(attribute)
-            if plain is not None and _is_plain(module, name):
+            owner, attribute, plain = _plain_parameter(module, name)
+            if plain is not None:
                 plain.copy_(new)
             else:
                 write_initial(owner, attribute, new)
