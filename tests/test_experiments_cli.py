@@ -611,6 +611,7 @@ def test_report_checks_its_time_plot_before_writing_anything(digits_results, tmp
     """A read-only time plot ended the report with a PermissionError traceback after report.md and
     report.json were written."""
     import matplotlib  # noqa: F401 - the plots need it; a missing reports extra must fail here, not skip
+
     (tmp_path / "digits.json").write_text(digits_results.read_text())
     plot = tmp_path / "digits_time.png"
     plot.write_bytes(b"\x89PNG")
