@@ -56,8 +56,22 @@ ARCHS: dict[str, tuple[Any, Any, dict[str, Any]]] = {
         None,
         dict(image_shape=(8, 8, 3), patch_size=4, num_layers=2, num_heads=2, hidden_dim=8, mlp_dim=16),
     ),
+    # DINOv2's DINOV2Attention wraps a MultiHeadAttention (and a dropout): the MHA is converted.
+    "dinov2": (
+        keras_hub.models.DINOV2Backbone,
+        None,
+        dict(
+            image_shape=(8, 8, 3),
+            position_embedding_shape=(8, 8, 3),
+            patch_size=4,
+            num_layers=2,
+            num_heads=2,
+            hidden_dim=8,
+            intermediate_dim=16,
+        ),
+    ),
 }
-IMAGES = ("vit",)  # archs taking images rather than token ids
+IMAGES = ("vit", "dinov2")  # archs taking images rather than token ids
 CAUSAL = tuple(a for a, (_, lm, _) in ARCHS.items() if lm is not None)
 
 
@@ -96,7 +110,8 @@ def inputs(arch: str, batch: int = 2, length: int = 6, seed: int = 0, padded: bo
     """Token ids and padding mask (the last row right-padded), or images for a vision arch."""
     rng = np.random.default_rng(seed)
     if arch in IMAGES:
-        return rng.normal(size=(batch, *ARCHS[arch][2]["image_shape"])).astype("float32")
+        images = rng.normal(size=(batch, *ARCHS[arch][2]["image_shape"])).astype("float32")
+        return {"images": images} if arch == "dinov2" else images  # DINOv2's functional inputs are a dict
     mask = np.ones((batch, length), bool)
     if padded and batch > 1:
         mask[-1, length - 2 :] = False  # right padding in the last row
@@ -221,7 +236,7 @@ def _output(dense: Any) -> tuple[np.ndarray, np.ndarray]:
 # arch -> attribute names of (query, key, value, output) on its attention layer
 SUBLAYERS = {
     **dict.fromkeys(
-        ("gpt2", "bert", "llama", "mistral", "qwen", "qwen3", "vit"),
+        ("gpt2", "bert", "llama", "mistral", "qwen", "qwen3", "vit", "dinov2"),
         ("_query_dense", "_key_dense", "_value_dense", "_output_dense"),
     ),
     "gemma": ("query_dense", "key_dense", "value_dense", "output_dense"),
@@ -262,7 +277,7 @@ def rotary(arch: str, layer: Any, head_dim: int, **positions: Any) -> dc.Rotary 
 
 def call_layer(arch: str, layer: Any, x: np.ndarray, mask: np.ndarray) -> np.ndarray:
     """The attention layer on tokens x (B, N, E) with a boolean mask (B, N, N)."""
-    if arch in ("gpt2", "bert", "vit"):
+    if arch in ("gpt2", "bert", "vit", "dinov2"):
         return numpy(layer(x, x, attention_mask=mask))
     return numpy(layer(x, attention_mask=mask))
 

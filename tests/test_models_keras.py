@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 
 import keras
 import keras_hub  # noqa: F401  (a missing keras-hub fails collection: CI installs it)
@@ -309,6 +310,47 @@ def test_keras_file_round_trip(what, tmp_path):
         dk.convert(loaded)
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4", "float8"])
+def test_keras_file_of_a_converted_then_quantized_model(mode, tmp_path):
+    """convert, then model.quantize (the documented order), then save: the load refused the
+    quantized projections ("convert the float model, then quantize it", which the user did).
+    Keras rebuilds a quantized layer quantized from the config and loads its integer weights;
+    the loaded model is converted over those projections and equals the quantized model.
+    Quantizing before convert stays refused, and converts nothing."""
+    model = dk.convert(backbone("llama"))
+    open_gates(model)
+    x = inputs("llama")
+    float_output = output(model, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # Keras: "MetricGenerator does not have a `quantize` method"
+        model.quantize(mode)
+    quantized = output(model, x)
+    assert not np.array_equal(quantized, float_output)
+    model.save(tmp_path / "q.keras")
+    loaded = keras.saving.load_model(tmp_path / "q.keras")
+    layers = dk.converted_layers(loaded)
+    assert list(layers) == list(dk.converted_layers(model))
+    assert {layer._query_dense.quantization_mode for layer in layers.values()} == {mode}
+    np.testing.assert_array_equal(output(loaded, x), quantized)
+    # The loaded maps act (their weights were loaded): closing the gates changes the output.
+    for layer in layers.values():
+        for gate in layer.damcha.metric_gates.values():
+            gate.assign(np.zeros(gate.shape, gate.dtype))
+    assert not np.array_equal(output(loaded, x), quantized)
+
+    plain = backbone("llama")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        plain.quantize(mode)
+    with pytest.raises(
+        dc.DamchaValueError,
+        match=rf"Cannot convert layer `transformer_layer_0/self_attention` \(keras-hub-llama\): `_query_dense` is "
+        rf"quantized \({mode}\); convert the float model, then quantize it",
+    ):
+        dk.convert(plain)
+    assert not dk.converted_layers(plain) and not any(isinstance(a, dk.DamchaMaps) for a in plain._flatten_layers())
+
+
 @pytest.mark.parametrize("what", ["llama-causal-lm", "llama-backbone"])
 def test_save_to_preset_of_a_converted_model_is_refused(what, tmp_path):
     """KerasHub's from_preset loaded a converted task's preset as the plain task (the DAMCHA
@@ -545,6 +587,92 @@ def test_sublayer_conversion_and_register_adapter():
             dk.convert(fresh)
     finally:
         dk._models._ADAPTERS.remove(bad)
+
+
+class _WrappedAttention(keras.layers.Layer):
+    """A user's attention layer that only wraps a MultiHeadAttention (and a dropout), as
+    KerasHub's DINOV2Attention does; ``extra`` gives it a weight of its own."""
+
+    def __init__(self, inner, extra=False, **kwargs):
+        super().__init__(**kwargs)
+        self.inner, self.extra = inner, extra
+        self.dropout = keras.layers.Dropout(0.5, dtype=self.dtype_policy)
+
+    def build(self, shape):
+        if self.extra:
+            self.scale = self.add_weight(name="scale", shape=(), initializer="ones")
+        self.built = True
+
+    def call(self, x, training=None):
+        y = self.inner([x, x]) if isinstance(self.inner, keras.layers.Attention) else self.inner(x, x)
+        y = self.dropout(y, training=training)
+        return y * self.scale if self.extra else y
+
+
+def test_a_layer_wrapping_a_supported_attention_is_converted_through_it(tmp_path):
+    """An attention-named layer that only holds a supported attention layer (a user's
+    wrapper; KerasHub's DINOV2Attention) made convert() refuse the whole model as an
+    unknown layout. The inner layer is converted and the wrapper keeps calling it: exact
+    at identity gates, the reference with the gates open. A wrapper with weights of its
+    own, or around a layer no adapter supports, is still refused, naming the layer."""
+    inp = keras.Input((5, 8), dtype="float64")
+    mha = keras.layers.MultiHeadAttention(2, 4, name="inner", dtype="float64")
+    model = keras.Model(inp, _WrappedAttention(mha, name="wrapped", dtype="float64")(inp))
+    x = np.random.default_rng(0).normal(size=(2, 5, 8))
+    before = numpy(model(x))
+    dk.convert(model)
+    np.testing.assert_array_equal(numpy(model(x)), before)
+    assert list(dk.converted_layers(model)) == ["wrapped/inner"]
+    open_gates(model)
+    inner = model.get_layer("wrapped").inner
+    params, config = layer_params("vit", inner)  # the zoo reads any MHA's canonical parameters
+    got = numpy(model(x))
+    assert np.abs(got - before).max() > 1e-2  # the maps act through the wrapper
+    np.testing.assert_array_equal(got, numpy(inner(x, x)))
+    # Keras's unmasked "float64" MHA agrees with the reference to about 1e-7 on torch and on JAX
+    # (float32 there without x64), converted or not (test_layers_equal_reference's ViT too).
+    tol = 1e-12 if keras.backend.backend() == "tensorflow" else 1e-6
+    np.testing.assert_allclose(got, dc.damcha_attention(params, config, x), rtol=0, atol=tol)
+
+    # KerasHub's DINOv2 (test_exact_at_init and test_layers_equal_reference run it too).
+    dino = backbone("dinov2")
+    images = inputs("dinov2")
+    plain = output(dino, images)
+    dk.convert(dino)
+    np.testing.assert_array_equal(output(dino, images), plain)
+    assert sorted(dk.converted_layers(dino)) == [f"encoder/layers_{i}/attention/attention" for i in range(2)]
+    open_gates(dino)
+    assert np.abs(output(dino, images) - plain).max() > 1e-3
+    dino.save(tmp_path / "dino.keras")
+    loaded = keras.saving.load_model(tmp_path / "dino.keras")
+    # (KerasHub's DINOv2 loads under other layer paths, "dinov2_backbone_encoder/...", converted or not.)
+    assert sorted(p.rpartition("encoder/")[2] for p in dk.converted_layers(loaded)) == [
+        f"layers_{i}/attention/attention" for i in range(2)
+    ]
+    np.testing.assert_array_equal(output(loaded, images), output(dino, images))
+
+    own = keras.Model(
+        inp, _WrappedAttention(keras.layers.MultiHeadAttention(2, 4, name="inner"), True, name="scaled")(inp)
+    )
+    with pytest.raises(
+        dc.DamchaValueError,
+        match=r"or layers that only wrap such a layer .*Received: model with layers of unknown layouts: scaled "
+        r"\(.*_WrappedAttention, which wraps the supported scaled/inner but also holds weights that are not that layer's: "
+        r"scaled/scale\)$",
+    ):
+        dk.convert(own)
+    assert not dk.converted_layers(own)
+    # Around an MHA over attention_axes (matched, unsupported): refused naming the inner layer.
+    x4 = keras.Input((3, 5, 8))
+    axes = keras.Model(x4, _WrappedAttention(keras.layers.MultiHeadAttention(2, 4, attention_axes=(2,)), name="w")(x4))
+    with pytest.raises(dc.DamchaValueError, match=r"Cannot convert layer `w/multi_head_attention.*` \(keras-mha\)"):
+        dk.convert(axes)
+    # Around an attention layer no adapter knows: both are unknown.
+    dot = keras.Model(inp, _WrappedAttention(keras.layers.Attention(name="dot"), name="w_dot")(inp))
+    with pytest.raises(
+        dc.DamchaValueError, match=r"unknown layouts: w_dot \(.*_WrappedAttention\), w_dot/dot \(.*Attention\)"
+    ):
+        dk.convert(dot)
 
 
 # ----------------------------------------------------------------- errors

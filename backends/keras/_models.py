@@ -324,12 +324,39 @@ def _find(model: keras.layers.Layer) -> tuple[list[tuple[Any, ModelAdapter]], li
         if adapter is not None:
             matched.append((layer, adapter))
             claimed.update(id(sub) for sub in layer._flatten_layers(include_self=True, recursive=True))
-    unknown = [
-        f"{_name(layer)} ({type(layer).__module__}.{type(layer).__qualname__})"
-        for layer in _walk(model)
-        if id(layer) not in claimed and _is_attention_like(layer)
-    ]
+    supported = [layer for layer, _ in matched] + damcha
+    unknown = []
+    for layer in _walk(model):
+        if id(layer) in claimed or not _is_attention_like(layer):
+            continue
+        problem = _wrapper_problem(layer, supported)
+        if problem is not None:
+            unknown.append(f"{_name(layer)} ({type(layer).__module__}.{type(layer).__qualname__}{problem})")
     return matched, unknown, damcha
+
+
+def _wrapper_problem(layer: Any, supported: list[Any]) -> str | None:
+    """None when ``layer`` only wraps supported attention layers (KerasHub's
+    DINOV2Attention: an MHA and a dropout): converting the inner layers converts
+    what it computes, as it calls them. Otherwise why it is an unknown layout,
+    as a suffix for its entry ("" when it holds no supported layer).
+
+    A wrapper's own weights could be projections of attention it computes
+    itself, which convert() would leave unmapped: such a wrapper is refused.
+    """
+    inside = {id(sub) for sub in layer._flatten_layers(include_self=False, recursive=True)}
+    inner = [sub for sub in supported if id(sub) in inside]
+    if not inner:
+        return ""
+    covered = {id(v) for sub in inner for v in sub.weights}
+    own = [v.path for v in layer.weights if id(v) not in covered]
+    if not own:
+        return None
+    shown = ", ".join(own[:3]) + (f" and {len(own) - 3} more" if len(own) > 3 else "")
+    return (
+        f", which wraps the supported {', '.join(_name(sub) for sub in inner)} but also holds weights "
+        f"that are not that layer's: {shown}"
+    )
 
 
 def _supported_text() -> str:
@@ -383,14 +410,32 @@ def convert(
     Raises:
         DamchaTypeError: ``model`` is not a Keras layer, or a bad option type.
         DamchaValueError: an unbuilt model or one whose optimizer is built, no supported attention layer, an
-            attention layer of a layout no adapter knows (nothing is converted
-            then), or a model already converted.
+            attention layer of a layout no adapter knows (a layer that only wraps a supported one, holding no
+            weights but its, is converted through it; nothing is converted then), quantized query/key
+            projections (convert, then ``model.quantize``), or a model already converted.
 
     Warns:
         UserWarning: ``model`` is a layer but not a ``keras.Model``: a parent
             whose config does not serialise its layers (KerasHub backbones and
             tasks) saves ``.keras`` files without the conversion.
     """
+    return _convert(
+        model, metric=metric, metric_rank=metric_rank, coupling=coupling, share_metric=share_metric, loading=False
+    )
+
+
+def _convert(
+    model: keras.layers.Layer,
+    *,
+    metric: str,
+    metric_rank: int | None,
+    coupling: str | None,
+    share_metric: bool,
+    loading: bool,
+) -> keras.layers.Layer:
+    """``convert``; ``loading``: the model is rebuilt from a ``.keras`` file of a
+    converted model, whose projections may have been quantized after conversion
+    (Keras rebuilds a quantized layer quantized, then loads its integer weights)."""
     if not isinstance(model, keras.layers.Layer):
         raise DamchaTypeError(dc.invalid_argument("model", "a Keras layer or model", f"model={describe(model)}"))
     metric = dc.check_choice("metric", metric, ("heads", "lowrank"))
@@ -438,7 +483,8 @@ def convert(
             dc.invalid_argument(
                 "model",
                 f"attention layers of a layout convert() knows ({_supported_text()}; teach it another with "
-                "damcha_keras.register_adapter). Nothing was converted",
+                "damcha_keras.register_adapter), or layers that only wrap such a layer (holding no weights but "
+                "that layer's). Nothing was converted",
                 f"model with layers of unknown layouts: {', '.join(unknown[:5])}"
                 + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""),
             )
@@ -476,7 +522,7 @@ def convert(
                 raise DamchaTypeError(
                     f"adapter {adapter.name!r}'s layout() returned {describe(layout)}, expected an AttentionLayout"
                 )
-            _check_sites(layer, layout)
+            _check_sites(layer, layout, quantized=loading)
             config = _layout.layout_config(layout, metric=metric, metric_rank=metric_rank, coupling=coupling)
         except (DamchaValueError, DamchaTypeError) as exc:
             raise type(exc)(f"Cannot convert layer `{_name(layer)}` ({adapter.name}): {exc}") from None
@@ -515,12 +561,13 @@ def convert(
             "this layer (functional models do; KerasHub backbones and tasks do not). Convert the model you "
             "save (e.g. the backbone or the task) instead.",
             UserWarning,
-            stacklevel=2,
+            stacklevel=3,  # the caller of convert()
         )
     return model
 
 
-def _check_sites(layer: Any, layout: AttentionLayout) -> None:
+def _check_sites(layer: Any, layout: AttentionLayout, *, quantized: bool) -> None:
+    """Refuse sites convert() cannot map; ``quantized``: accept quantized projections."""
     if not layout.sites:
         raise DamchaValueError("the layout names no projection site")
     roles = [r for site in layout.sites for r, _ in site.roles()]
@@ -535,6 +582,15 @@ def _check_sites(layer: Any, layout: AttentionLayout) -> None:
         for method in ("call", "quantized_call"):
             if isinstance(projection.__dict__.get(method), _SiteCall):
                 raise DamchaValueError(f"`{site.attr}` already carries a DAMCHA map (converted twice?)")
+        mode = getattr(projection, "quantization_mode", None)
+        if mode is not None and not quantized:
+            # The supported (documented, tested) order is convert, then quantize. A .keras file
+            # of a converted model with quantized projections was made in that order: Keras
+            # rebuilds those projections quantized, so its load passes quantized=True.
+            raise DamchaValueError(
+                f"`{site.attr}` is quantized ({mode}); convert the float model, then quantize it "
+                "(model.quantize after dk.convert; its .keras file loads back converted and quantized)."
+            )
         for role, offset in site.roles():
             if offset < 0 or offset % layout.head_dim:
                 raise DamchaValueError(
@@ -654,14 +710,14 @@ class _ConvertedModel:
             host.__class__ = _converted_class(type(host))
             host._damcha_pending = options
             return host
-        return convert(host, **options)
+        return _convert(host, **options, loading=True)
 
     def build_from_config(self, config: dict[str, Any]) -> None:
         type(self)._damcha_host.build_from_config(self, config)
         pending = self.__dict__.pop("_damcha_pending", None)
         if pending is not None:
             self.built = True  # as Keras marks it right after this call; convert needs it
-            convert(self, **pending)
+            _convert(self, **pending, loading=True)
 
 
 # The loader: a fresh process finds "damcha>ConvertedModel" once damcha_keras is imported.

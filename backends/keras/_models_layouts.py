@@ -29,10 +29,6 @@ def _heads(layer: Any, attr: str) -> tuple[int, int, int]:
     dense = getattr(layer, attr, None)
     if not isinstance(dense, keras.layers.EinsumDense):
         raise DamchaValueError(invalid_argument(attr, "a keras.layers.EinsumDense", f"{attr}={describe(dense)}"))
-    if dense.quantization_mode is not None:
-        raise DamchaValueError(
-            f"`{attr}` is quantized ({dense.quantization_mode}); convert the float model, then quantize it."
-        )
     equation = dense.equation.replace(" ", "")
     inputs, _, out = equation.partition("->")
     tokens, _, kernel = inputs.partition(",")
@@ -47,6 +43,9 @@ def _heads(layer: Any, attr: str) -> tuple[int, int, int]:
             f"`{attr}` computes {dense.equation!r}; convert() maps projections of tokens (B, T, E) to "
             "stacked heads (B, T, heads, head_dim) (inputs of rank 3, no attention_axes)."
         )
+    # Keras's `kernel` is the logical kernel in every quantization mode (int4's packed one
+    # unpacked), so a projection quantized after convert() (a .keras file loading) reads as
+    # its float original did; convert() itself refuses quantized projections (_check_sites).
     shape = tuple(int(n) for n in dense.kernel.shape)
     return shape[kernel.index(tokens[2])], shape[kernel.index(out[2])], shape[kernel.index(out[3])]
 
