@@ -1222,12 +1222,14 @@ class Layout:
 
 def metric_penalty(config: DamchaConfig, side: str, coeff: Any, gate: Any, u: Any = None, v: Any = None) -> Any:
     """mean_t ||L(t) - I||_F^2 / (S*d) of one side from its coefficients, in
-    float32 (``damcha_core.role_penalty``'s formula, evaluated with keras.ops)."""
-    params = {f"metric.{side}.gate": ops.cast(gate, "float32")}
+    at least float32 (``damcha_core.role_penalty``'s formula, evaluated with
+    keras.ops): float64 layers keep float64, as the torch and JAX ports do."""
+    wide = _wide(dtype_name(coeff))
+    params = {f"metric.{side}.gate": ops.cast(gate, wide)}
     if config.metric == "lowrank":
-        params[f"metric.{side}.u"] = ops.cast(u, "float32")
-        params[f"metric.{side}.v"] = ops.cast(v, "float32")
-    return dc.role_penalty(ops, params, config, side, ops.cast(coeff, "float32"))
+        params[f"metric.{side}.u"] = ops.cast(u, wide)
+        params[f"metric.{side}.v"] = ops.cast(v, wide)
+    return dc.role_penalty(ops, params, config, side, ops.cast(coeff, wide))
 
 
 def _project(params: Mapping[str, Any], config: DamchaConfig, name: str, tokens: Any) -> Any:

@@ -675,7 +675,8 @@ class DamchaAttention(keras.layers.Layer):
                 poison = over if poison is None else ops.logical_or(poison, over)
             cache, k, v = _cache.update_cache(cache, cache_update_index, k, v)
         if penalties:
-            self.add_loss(self._metric_l2 * ops.mean(ops.stack(penalties)))
+            # sum / count rather than ops.mean: Keras 3.15's torch mean runs float64 in float32.
+            self.add_loss(self._metric_l2 * (ops.sum(ops.stack(penalties)) / len(penalties)))
 
         with F.saved_as_recipes(recipes) if recipes else contextlib.nullcontext():
             out, scores = self._attend(
