@@ -50,8 +50,27 @@ class BackendAdapter(Protocol):
         shaped like that tensor."""
         ...
 
-    # Optional: ``decode(data, dtype) -> np.ndarray``. For a ``DecodeCase``,
+    # Optional methods: an adapter without one reports its checks as
+    # "unsupported" (a gap: the verdict is PARTIAL, never a silent pass).
+    #
+    # ``decode(data, dtype) -> np.ndarray``. For a ``DecodeCase``,
     # ``data.query`` is the whole sequence (B, P + N, E); read its first
     # ``data.case.prefix_len`` tokens into the port's key/value cache, then
-    # the rest, and return the outputs of the rest (B, N, E_o). Adapters
-    # without it report the decode cases as unsupported.
+    # the rest, and return the outputs of every token fed (B, P + N, E_o),
+    # the prefill's first. Returning those of the rest alone (B, N, E_o), as
+    # adapters written before did, still works; the prefill is then unchecked.
+    #
+    # ``weights(data, dtype) -> np.ndarray``: the attention probabilities
+    # (B, H, N, M) of the case (the layer's need_weights /
+    # return_attention_scores / return_weights), one map per query head (not
+    # averaged), after the mask and the causal rule; a query that sees no key
+    # has probabilities 0. Computed in ``dtype`` and returned as ``forward``'s
+    # output is.
+    #
+    # ``metric_penalty(data, dtype) -> float``: the metric penalty of the
+    # case's params and tokens (``damcha_core.metric_penalty``: the values
+    # are never mapped, the mask plays no part), a float or 0-d array.
+    #
+    # ``metric_penalty_gradients(data, dtype) -> dict[str, np.ndarray]``
+    # (asked for when ``supports_gradients``): the gradients of that penalty,
+    # keyed as ``gradients``' (0 for the tensors the penalty does not read).

@@ -10,8 +10,14 @@ import numpy as np
 
 import damcha_core as dc
 
+from ._tolerances import DTYPES
+
 MASK_KINDS = ("padding", "per_head", "all_masked_row", "shared", "per_batch", "per_head_batch1", "per_key")
-INPUT_KINDS = ("small-and-zero", "nan-token")
+INPUT_KINDS = ("small-and-zero", "nan-token", "large")
+# The factor of inputs="large": a power of 2, so a float16 port's inputs are exactly LARGE times
+# float16 values. With it every token's t^2 exceeds float16's max (65504) once |t| >= 256,
+# i.e. for any feature above 0.25 before scaling: a port that squares in float16 gets inf.
+LARGE = 1024.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +46,19 @@ class Case:
             each input exactly 0 (phi(0) = 0, which a port must not turn into NaN);
             "nan-token": one feature of query token 1 of batch row 0 is NaN, so that
             query's output row is NaN and every other row finite (NaN in gives NaN
-            out; a port that zeroes it, as CPU SDPA does, fails).
+            out; a port that zeroes it, as CPU SDPA does, fails);
+            "large": the tokens (query and context, which give the values) times
+            ``LARGE`` (features in the thousands, as the massive activations of
+            large models' residual streams) and the query, key and value kernels
+            divided by it, so q, k, v and the output stay O(1) and every value is
+            finite in float16, while phi (scale-free) sees the same tokens. The
+            statistic mean(t^2) overflows float16 (65504 from |t| = 256): a port
+            that does not compute it in at least float32 (spec section 7) gets
+            inf, phi = 0, and a map that ignores its token.
+        dtypes: the dtypes the case runs in (``None``: every dtype the adapter
+            declares). ``("float16",)`` for the large-activation case: it is
+            the float16 port's upcast it checks, and the runner, ``checks()`` and
+            the vectors leave it out of other dtypes.
 
     A cross-attention case whose ``config.value_input_dim`` differs from its
     ``context_dim`` has separate value tokens (B, M, E_v): ``CaseData.value``.
@@ -57,6 +75,7 @@ class Case:
     seed: int = 0
     gradients: bool = True
     inputs: str | None = None
+    dtypes: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         # _make_mask reads any other string as a random per-head mask: reject typos.
@@ -68,10 +87,23 @@ class Case:
             raise dc.DamchaValueError(
                 dc.invalid_argument("inputs", f"None or one of {INPUT_KINDS}", f"inputs={self.inputs!r}")
             )
+        # A list would make the case unhashable (materialise is cached), a typo would run it nowhere.
+        if self.dtypes is not None and (
+            not isinstance(self.dtypes, tuple) or not self.dtypes or any(d not in DTYPES for d in self.dtypes)
+        ):
+            raise dc.DamchaValueError(
+                dc.invalid_argument(
+                    "dtypes", f"None or a non-empty tuple of dtype names, some of {DTYPES}", f"dtypes={self.dtypes!r}"
+                )
+            )
 
     @property
     def self_attention(self) -> bool:
         return self.context_len is None
+
+    def runs_in(self, dtype: str) -> bool:
+        """Whether the case is checked in ``dtype`` (``dtypes`` is None or names it)."""
+        return self.dtypes is None or dtype in self.dtypes
 
     @property
     def separate_value(self) -> bool:
@@ -293,6 +325,24 @@ def _build_catalogue() -> tuple[Case, ...]:
             gradients=False,
             inputs="nan-token",
         ),
+        # float16 only: features in the thousands (inputs="large"), whose mean square overflows
+        # float16. A port without the float32 statistic the spec asks for (section 7) used to be
+        # caught only when the rounding of some other case happened to exceed the tolerance; here
+        # phi collapses to 0 and the output is off by far more than float16's tolerance. Tied
+        # self-attention (one generator for queries and keys) and lowrank with separate sides
+        # over a large context of its own.
+        Case("heads-tied-large-tokens", "heads", _cfg(), 2, 6, causal=True, inputs="large", dtypes=("float16",)),
+        Case(
+            "lowrank-separate-large-tokens-cross",
+            "lowrank",
+            _cfg(coupling="separate", context_dim=12, **lr),
+            2,
+            5,
+            7,
+            mask="padding",
+            inputs="large",
+            dtypes=("float16",),
+        ),
     ]
     cases = [dataclasses.replace(c, seed=1000 + i) for i, c in enumerate(cases)]
     names = [c.name for c in cases]
@@ -301,7 +351,69 @@ def _build_catalogue() -> tuple[Case, ...]:
 
 
 CATALOGUE: tuple[Case, ...] = _build_catalogue()
-GROUPS: tuple[str, ...] = tuple(dict.fromkeys(c.group for c in CATALOGUE)) + ("decode", "errors")
+GROUPS: tuple[str, ...] = tuple(dict.fromkeys(c.group for c in CATALOGUE)) + ("decode", "weights", "penalty", "errors")
+
+
+def _pick(names: tuple[str, ...]) -> tuple[Case, ...]:
+    by_name = {c.name: c for c in CATALOGUE}
+    return tuple(by_name[n] for n in names)
+
+
+# The catalogue cases whose attention weights (B, H, N, M) are checked, per head (the "weights"
+# group): every mask kind (all-masked rows must be 0, as the reference defines them), the
+# causal rule square, wide and tall, grouped and multi-query heads (head h reads kv head
+# h // (H/G)), cross-attention, a scale of its own, dropout at inference and empty shapes.
+# The long cases are left out (their outputs already check the same softmax at length).
+WEIGHTS_CASES: tuple[Case, ...] = _pick(
+    (
+        "mha-none-gqa-cross",
+        "heads-tied-self",
+        "heads-tied-scale-dims",
+        "heads-separate-cross",
+        "lowrank-separate-mqa",
+        "heads-tied-padding",
+        "heads-separate-per-head-cross",
+        "heads-tied-all-masked-row",
+        "heads-separate-gqa-all-masked-row-cross",
+        "heads-query-gqa-mask-per-key",
+        "lowrank-tied-mask-per-head-batch1",
+        "heads-tied-mask-shared",
+        "heads-tied-causal",
+        "heads-tied-causal-wide",
+        "heads-query-causal-tall",
+        "heads-tied-causal-padding",
+        "heads-separate-cross-value-dim",
+        "heads-tied-dropout-inference",
+        "heads-tied-self-empty-batch",
+        "heads-separate-cross-empty-query",
+    )
+)
+
+# The catalogue cases whose metric penalty (spec: the mean over adapted roles of
+# mean_t ||L(t) - I||_F^2 / (S*d)) is checked (the "penalty" group): each metric and
+# coupling, metric "none" (0), grouped and multi-query key sides (S = G on the key side),
+# cross-attention whose context has the query's shape (the key role reads the context),
+# tokens near the RMS eps and a zero token, value tokens of their own (never mapped), a
+# mask (the penalty ignores it: every token counts) and an empty batch (0, not NaN).
+PENALTY_CASES: tuple[Case, ...] = _pick(
+    (
+        "mha-none-self",
+        "heads-tied-self",
+        "heads-tied-cross-same-shape",
+        "heads-separate-cross",
+        "heads-query-cross",
+        "heads-query-gqa",
+        "lowrank-tied-self",
+        "lowrank-separate-cross",
+        "lowrank-query-nobias",
+        "lowrank-separate-mqa",
+        "lowrank-tied-rank1-small-tokens",
+        "heads-separate-cross-same-shape-small-tokens",
+        "heads-separate-cross-value-dim",
+        "heads-tied-padding",
+        "heads-tied-self-empty-batch",
+    )
+)
 
 
 def catalogue(names: list[str] | None = None, groups: list[str] | None = None) -> list[Case]:
@@ -384,11 +496,48 @@ def materialise(case: Case) -> ReferenceData:
     if case.inputs == "nan-token":
         query = query.copy()
         query[0, 1, 2] = np.nan
+    if case.inputs == "large":
+        # Large tokens into kernels scaled down as much: q, k, v stay what they were.
+        query, context = query * LARGE, None if context is None else context * LARGE
+        params = {**params, **{f"{n}.kernel": params[f"{n}.kernel"] / LARGE for n in ("query", "key", "value")}}
     # Drawn after everything else, and only when needed: earlier cases keep their inputs.
     value = rng.normal(size=(case.batch, M, E_v)) if case.separate_value else None
     expected = dc.damcha_attention(params, cfg, query, context, mask=mask, causal=case.causal, value=value)
     cotangent = rng.normal(size=expected.shape) / np.sqrt(expected.size)
     return ReferenceData(case, params, query, context, mask, cotangent, value, expected=expected)
+
+
+@functools.cache
+def reference_weights(case: Case) -> np.ndarray:
+    """The reference's attention probabilities of ``case`` (B, H, N, M), per head, after the
+    mask and the causal rule; a query that sees no key has probabilities 0 (kept by the runner,
+    like ``expected``)."""
+    data = materialise(case)
+    _, weights = dc.damcha_attention(
+        data.params,
+        case.config,
+        data.query,
+        data.context,
+        mask=data.mask,
+        causal=case.causal,
+        value=data.value,
+        return_weights=True,
+    )
+    return np.asarray(weights)
+
+
+def _penalty_at(data: ReferenceData, target: str, moved: np.ndarray) -> float:
+    """The reference's metric penalty of ``data`` with ``target`` replaced by ``moved``."""
+    get = lambda name: moved if name == target else getattr(data, name)  # noqa: E731
+    params = {**data.params, target: moved} if target in data.params else data.params
+    return dc.metric_penalty(params, data.config, get("query"), get("context"), value=get("value"))
+
+
+@functools.cache
+def reference_penalty(case: Case) -> float:
+    """The reference's ``metric_penalty`` of ``case``'s params and tokens (0.0 for metric "none")."""
+    data = materialise(case)
+    return dc.metric_penalty(data.params, case.config, data.query, data.context, value=data.value)
 
 
 # ---------------------------------------------------------------- decoding
@@ -398,9 +547,11 @@ def materialise(case: Case) -> ReferenceData:
 class DecodeCase:
     """Incremental decoding with a key/value cache: a port reads a prefix of
     P tokens into its cache, then the remaining N tokens, and returns the
-    outputs of those N. They must equal rows P.. of one causal pass over the
-    whole sequence: query i of the second part sits at position P + i and
-    sees keys j <= P + i (the bottom-right rule of the design note).
+    outputs of every token it fed (or, as before, of the N decoded ones).
+    They must equal one causal pass over the whole sequence: the prefill's
+    tokens see the prefix causally, and query i of the second part sits at
+    position P + i and sees keys j <= P + i (the bottom-right rule of the
+    design note).
 
     Args:
         name: unique readable id.
@@ -440,7 +591,8 @@ class DecodeCase:
         """(start, stop) token ranges an adapter feeds in turn: the prefix, one
         new token alone, then the other new tokens as one chunk, so the
         single-token and the multi-token bottom-right paths are both run.
-        The outputs of every step after the first are the decoded ones."""
+        The first step's outputs are the prefill's, every later step's the
+        decoded ones."""
         P, L = self.prefix_len, self.prefix_len + self.new_len
         return tuple((a, b) for a, b in ((0, P), (P, P + 1), (P + 1, L)) if b > a)
 
@@ -457,6 +609,14 @@ def _build_decode_catalogue() -> tuple[DecodeCase, ...]:
 
 
 DECODE_CATALOGUE: tuple[DecodeCase, ...] = _build_decode_catalogue()
+
+
+@functools.cache
+def reference_prefill(case: DecodeCase) -> np.ndarray:
+    """The outputs (B, P, E_o) of the prefill, the first P tokens read into the cache: a causal
+    pass over the prefix alone (kept by the runner, like ``expected``, which holds the rest)."""
+    data = materialise_decode(case)
+    return dc.damcha_attention(data.params, case.config, data.query[:, : case.prefix_len], causal=True)
 
 
 @functools.cache
@@ -616,15 +776,29 @@ def reference_directional(case: Case, eps: float = 1e-5) -> dict[str, tuple[np.n
     Cases with ``inputs="small-and-zero"`` use the fourth-order stencil
     (8 (l(e) - l(-e)) - (l(2e) - l(-2e))) / (12 e): phi curves sharply at tokens
     whose RMS is near sqrt(eps), and the second-order one is off by ~1e-6 there."""
+    return _directional(case, _loss_at, 3, eps)
+
+
+@functools.cache
+def reference_penalty_directional(case: Case, eps: float = 1e-5) -> dict[str, tuple[np.ndarray, float]]:
+    """As ``reference_directional``, for loss = the reference's ``metric_penalty`` (directions
+    of their own seed stream). Its gradient is 0 for the tensors the penalty does not read (the
+    values, the projections), which a port returns as zeros."""
+    return _directional(case, _penalty_at, 5, eps)
+
+
+def _directional(case: Case, loss_at: Any, stream: int, eps: float) -> dict[str, tuple[np.ndarray, float]]:
+    """The directional derivatives of ``loss_at(data, target, moved)`` along seeded unit
+    directions (seed stream ``stream``), for every gradient target of ``case``."""
     data = materialise(case)
-    rng = np.random.default_rng([case.seed, 3])
+    rng = np.random.default_rng([case.seed, stream])
     signs = (1.0, -1.0) if case.inputs is None else (1.0, -1.0, 2.0, -2.0)
     out = {}
     for target in gradient_targets(data):
         base = getattr(data, target) if target in _INPUTS else data.params[target]
         direction = rng.normal(size=base.shape)
         direction /= np.linalg.norm(direction)
-        loss = {s: _loss_at(data, target, base + s * eps * direction) for s in signs}
+        loss = {s: loss_at(data, target, base + s * eps * direction) for s in signs}
         if case.inputs is None:
             out[target] = (direction, (loss[1.0] - loss[-1.0]) / (2 * eps))
         else:

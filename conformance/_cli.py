@@ -24,7 +24,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from damcha_core import DamchaError
@@ -65,7 +65,13 @@ def _parser() -> argparse.ArgumentParser:
         help="a third-party adapter as module:attr (class or factory called with no arguments, or an instance; "
         "checked before anything runs), repeatable",
     )
-    p.add_argument("--dtype", action="append", choices=DTYPES, help="only these dtypes (default: each adapter's own)")
+    p.add_argument(
+        "--dtype",
+        action="append",
+        choices=DTYPES,
+        help="only these dtypes (default: each adapter's own); a --backend or --adapter that declares none of "
+        "them is a usage error",
+    )
     p.add_argument("--case", action="append", metavar="NAME", help="only these catalogue cases")
     p.add_argument("--group", action="append", choices=GROUPS, help="only these case groups")
     p.add_argument("--no-gradients", action="store_true", help="check outputs only")
@@ -139,6 +145,9 @@ def _validate(args: argparse.Namespace) -> None:
             )
     if "torch-cuda" in args.backend and not importlib.import_module("torch").cuda.is_available():
         cu.usage_error("--backend", "torch-cuda was asked for, but torch sees no CUDA device", prog=PROG)
+    for name in args.backend:
+        _refuse_dtypes(f"--backend {name}", BUILTIN[name].dtypes, args.dtype)
+        _refuse_groups(name, args.group)
     for spec in args.adapter:
         module_name, sep, attr = spec.partition(":")
         if not (sep and module_name and attr):
@@ -164,7 +173,8 @@ def _validate(args: argparse.Namespace) -> None:
         # The report keys results by the adapter's name: two adapters with one name would share a row.
         names = {b: f"--backend {b}" for b in args.backend}  # a built-in backend reports as its own name
         for spec in dict.fromkeys(args.adapter):
-            name = _probe(spec)
+            name, dtypes = _probe(spec)
+            _refuse_dtypes(f"--adapter {spec}", dtypes, args.dtype)
             if name in names:
                 cu.usage_error(
                     "--adapter",
@@ -176,19 +186,50 @@ def _validate(args: argparse.Namespace) -> None:
 
 
 _NAME = "@damcha-adapter-name"  # probe -> parent: the name the adapter reports as
+_DTYPES = "@damcha-adapter-dtypes"  # probe -> parent: the dtypes it declares, comma-separated
 
 
-def _probe(spec: str) -> str:
+def _refuse_groups(name: str, asked: Sequence[str] | None) -> None:
+    """Exit 2 when every ``--group`` asked for is one the built-in backend ``name`` declares it
+    cannot have (``--backend onnxruntime --group penalty``: an inference graph computes no
+    training loss), as for ``--dtype``: the run would check nothing and print FAILED."""
+    limits = BUILTIN[name].limits
+    if asked and all(group in limits for group in asked):
+        why = "; ".join(f"{group}: {limits[group]}" for group in dict.fromkeys(asked))
+        cu.usage_error(
+            "--group",
+            f"--backend {name} cannot have the checks asked for ({why}). "
+            f"Received: --group {' --group '.join(dict.fromkeys(asked))}",
+            prog=PROG,
+        )
+
+
+def _refuse_dtypes(what: str, declared: Sequence[str], asked: Sequence[str] | None) -> None:
+    """Exit 2 when ``--dtype`` leaves the backend or adapter ``what`` nothing to run: it declares
+    none of the dtypes asked for (``--backend reference --dtype float16`` used to run, check
+    nothing and print FAILED). A selection it declares in part runs that part, and the rest is a
+    gap (PARTIAL), as before."""
+    if asked and not set(asked) & set(declared):
+        cu.usage_error(
+            "--dtype",
+            f"{what} runs in {', '.join(declared)} only (the dtypes its adapter declares), none of the dtypes "
+            f"asked for. Received: --dtype {' --dtype '.join(dict.fromkeys(asked))}",
+            prog=PROG,
+        )
+
+
+def _probe(spec: str) -> tuple[str, list[str]]:
     """Build the adapter ``spec`` in a short process of its own and check what it is, before any
     backend runs: a factory that raises, or returns something that is not an adapter, leaves
     nothing to check, so it is a usage error (exit 2), not a FAILED run. Built apart from this
     process for the reason the workers are (a constructor may import a framework, pick a Keras
-    backend or take a GPU). Returns the name the adapter reports as."""
+    backend or take a GPU). Returns the name the adapter reports as and the dtypes it declares."""
     cmd = [sys.executable, "-m", "damcha_conformance._cli", "--probe-adapter", spec]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     said_name = [line[len(_NAME) + 1 :] for line in proc.stdout.splitlines() if line.startswith(_NAME + " ")]
-    if proc.returncode == 0 and said_name:
-        return said_name[-1]
+    said_dtypes = [line[len(_DTYPES) + 1 :] for line in proc.stdout.splitlines() if line.startswith(_DTYPES + " ")]
+    if proc.returncode == 0 and said_name and said_dtypes:
+        return said_name[-1], said_dtypes[-1].split(",")
     head = f"{PROG}: error: --adapter: "
     said = [line for line in proc.stderr.splitlines() if line.startswith(head)]
     if proc.returncode == cu.EXIT_USAGE and said:
@@ -262,11 +303,16 @@ def _run_in_process(spec: str, args: argparse.Namespace, adapter: BackendAdapter
     except DamchaError as exc:
         return Report(notes=[f"FAIL {spec}: not a usable adapter: {exc}"])
     cases = catalogue(args.case, args.group)
-    # The bad-input checks are the "errors" group: on unless the run is narrowed to other cases.
-    errors = not args.case and (not args.group or "errors" in args.group)
-    decoding = not args.case and (not args.group or "decode" in args.group)
+    # The bad-input checks are the "errors" group: on unless the run is narrowed to other cases;
+    # likewise the decode, weights and penalty groups.
+    errors, decoding, weights, penalty = (
+        not args.case and (not args.group or group in args.group)
+        for group in ("errors", "decode", "weights", "penalty")
+    )
     limits = dict(BUILTIN[spec].limits) if spec in BUILTIN else {}
     gradients = not args.no_gradients and "gradients" not in limits
+    weights = weights and "weights" not in limits
+    penalty = penalty and "penalty" not in limits
 
     bar = None
 
@@ -282,15 +328,30 @@ def _run_in_process(spec: str, args: argparse.Namespace, adapter: BackendAdapter
 
     try:
         report = run_conformance(
-            adapter, cases, args.dtype, gradients=gradients, errors=errors, decoding=decoding, progress=progress
+            adapter,
+            cases,
+            args.dtype,
+            gradients=gradients,
+            errors=errors,
+            decoding=decoding,
+            progress=progress,
+            weights=weights,
+            penalty=penalty,
         )
     finally:
         if bar is not None:
             bar.close()
-    if "gradients" in limits and not args.no_gradients:
-        report.subset = [
-            (b, f"no gradients: {limits['gradients']}" if how == "no gradients" else how) for b, how in report.subset
-        ]
+    # What the backend cannot have is said with its reason (the run left it out for that reason).
+    reasons = {
+        text: limits[key]
+        for key, text in (
+            ("gradients", "no gradients"),
+            ("weights", "no attention weights"),
+            ("penalty", "no metric penalty"),
+        )
+        if key in limits and not (key == "gradients" and args.no_gradients)
+    }
+    report.subset = [(b, f"{how}: {reasons[how]}" if how in reasons else how) for b, how in report.subset]
     return report
 
 
@@ -418,7 +479,9 @@ def _run_backends(specs: list[str], args: argparse.Namespace, report: Report, ti
 def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     if args.probe_adapter is not None:
-        print(_NAME, _build_adapter(args.probe_adapter).name, flush=True)
+        probed = _build_adapter(args.probe_adapter)
+        print(_NAME, probed.name, flush=True)
+        print(_DTYPES, ",".join(probed.dtypes), flush=True)
         return 0
     with _sigterm_raises():  # the probes of _validate build third-party adapters in processes of their own
         _validate(args)
@@ -449,6 +512,8 @@ def _main(argv: list[str] | None) -> int:
     specs = list(dict.fromkeys(list(args.backend) + list(args.adapter)))
     if args.in_process:
         adapter = _build_adapter(specs[0]) if specs[0] in args.adapter else None
+        if adapter is not None:
+            _refuse_dtypes(f"--adapter {specs[0]}", list(adapter.dtypes), args.dtype)
         report = _run_in_process(specs[0], args, adapter)
     else:
         report = Report()

@@ -20,6 +20,8 @@ from ._cases import (
     DECODE_CATALOGUE,
     ERROR_CATALOGUE,
     GROUPS,
+    PENALTY_CASES,
+    WEIGHTS_CASES,
     Case,
     CaseData,
     DecodeCase,
@@ -30,6 +32,10 @@ from ._cases import (
     materialise_decode,
     materialise_error,
     reference_directional,
+    reference_penalty,
+    reference_penalty_directional,
+    reference_prefill,
+    reference_weights,
 )
 from ._tolerances import DTYPES, tolerance
 
@@ -41,7 +47,9 @@ class Result:
     """One check of one case on one backend in one dtype.
 
     ``check`` is "output", "gradients", "decode" (the outputs of tokens
-    decoded after a cached prefix) or "rejects" (bad input must raise);
+    decoded after a cached prefix), "weights" (the attention probabilities),
+    "penalty" and "penalty-gradients" (the metric penalty and its gradients)
+    or "rejects" (bad input must raise);
     ``ratio`` is the worst error over its allowance (pass iff <= 1);
     ``detail`` names the worst tensor or the error raised.
     """
@@ -150,7 +158,8 @@ class Report:
         out = [fmt(header), fmt(["-" * w for w in widths])] + [fmt(row) for row in body]
         out += [f"note: {n}" for n in self.notes]
         out.append(
-            "cells: checks passed/run (outputs and gradients; 'errors': bad inputs rejected with a clear "
+            "cells: checks passed/run (outputs and gradients; 'weights': attention probabilities per head; "
+            "'penalty': the metric penalty and its gradients; 'errors': bad inputs rejected with a clear "
             "ValueError), worst max |error|; 'unsup' counts cases the backend declares it cannot run"
         )
         return "\n".join(out)
@@ -231,33 +240,50 @@ def check_gradients(adapter: BackendAdapter, case: Case, dtype: str) -> Result:
         return Result(
             **base, status="unsupported", detail="the adapter declares no gradients (supports_gradients=False)"
         )
-    tol = tolerance(dtype)
     pristine = materialise(case)
     data = _private(pristine)
+    result = _gradient_result(
+        base, lambda: adapter.gradients(data, dtype), data, reference_directional(case), dtype, "gradients"
+    )
+    return _untouched(result, data, pristine)
+
+
+def _gradient_result(
+    base: dict[str, Any],
+    run: Callable[[], Any],
+    data: CaseData,
+    directional: Mapping[str, tuple[np.ndarray, float]],
+    dtype: str,
+    method: str,
+) -> Result:
+    """Judge the gradients ``run()`` returns (the adapter's ``method``: "gradients" or
+    "metric_penalty_gradients") against the reference's ``directional`` derivatives, at
+    ``dtype``'s gradient tolerance and precision; a crash is a reported error."""
+    tol = tolerance(dtype)
     try:
-        grads = adapter.gradients(data, dtype)
+        grads = run()
         if not isinstance(grads, Mapping):
             raise TypeError(
-                "gradients(data, dtype) must return a mapping {tensor name: gradient array} "
+                f"{method}(data, dtype) must return a mapping {{tensor name: gradient array}} "
                 f"(see gradient_targets). Received: {describe(grads)}"
             )
         expected_keys = set(gradient_targets(data))
         if set(grads) != expected_keys:
             missing, extra = sorted(expected_keys - set(grads)), sorted(set(grads) - expected_keys)
             raise KeyError(
-                "gradients(data, dtype) must return one gradient per target of gradient_targets(data): "
+                f"{method}(data, dtype) must return one gradient per target of gradient_targets(data): "
                 + "; ".join(
                     f"{what} {names}" for what, names in (("missing", missing), ("not a target", extra)) if names
                 )
             )
+        loss = "output" if method == "gradients" else "penalty"
         worst = (0.0, 0.0, "")
         seen: dict[str, tuple[float, float, bool]] = {}  # target -> (dd, dd_ref, all zero), for the detail
         failed = 0
         imprecise: list[str] = []  # why each gradient that is not of the declared precision is not
-        directional = reference_directional(case)
         for target, (direction, dd_ref) in directional.items():
             g = _real_float64(grads[target], f"the gradient of {target}")
-            why = _imprecise(np.asarray(grads[target]), g, dtype, f"gradients[{target!r}]")
+            why = _imprecise(np.asarray(grads[target]), g, dtype, f"{method}[{target!r}]")
             if why:
                 imprecise.append(why)
             if g.shape != direction.shape:
@@ -276,14 +302,96 @@ def check_gradients(adapter: BackendAdapter, case: Case, dtype: str) -> Result:
             detail = (
                 f"{failed} of {len(directional)} tensors outside the tolerance, {detail}: "
                 f"directional derivative {dd:.6g}, reference {dd_ref:.6g}"
-                + (" (its gradient is all zero: is it detached from the output?)" if zero else "")
+                + (f" (its gradient is all zero: is it detached from the {loss}?)" if zero else "")
             )
         if imprecise:
             more = f" ({len(imprecise) - 1} more gradients likewise)" if len(imprecise) > 1 else ""
             detail = f"{imprecise[0]}{more}; {detail}"
-        result = Result(**base, status=status, max_error=worst[0], ratio=worst[1], detail=detail)
+        return Result(**base, status=status, max_error=worst[0], ratio=worst[1], detail=detail)
     except Exception as exc:  # noqa: BLE001 - a port's crash is a reported error, not the end of the run
-        result = Result(**base, status="error", detail=_describe_exc(exc))
+        return Result(**base, status="error", detail=_describe_exc(exc))
+
+
+def check_weights(adapter: BackendAdapter, case: Case, dtype: str) -> Result:
+    """The attention weights of ``case`` from the adapter's optional ``weights(data, dtype)``:
+    the probabilities (B, H, N, M) of every head, after the mask and the causal rule, against the
+    reference's at ``dtype``'s output tolerance (a query that sees no key has probabilities 0, not
+    NaN or uniform). An adapter without ``weights`` reports the check "unsupported" (a gap, never
+    a pass). For 16-bit dtypes the weights may also be float32 values: the spec keeps the softmax
+    in at least float32 for 16-bit inputs, and a port may hand back its probabilities as computed
+    (damcha_jax does); values finer than float32 still fail, and the forward check holds the
+    port's output to the dtype itself."""
+    base: dict[str, Any] = dict(backend=adapter.name, case=case.name, group="weights", dtype=dtype, check="weights")
+    method = getattr(adapter, "weights", None)
+    if method is None:
+        return Result(**base, status="unsupported", detail="the adapter has no weights(data, dtype)")
+    declined = _declined(adapter, case, base)
+    if declined is not None:
+        return declined
+    pristine = materialise(case)
+    data = _private(pristine)
+    also = "float32" if dtype in ("float16", "bfloat16") else None
+    result = _output_result(base, lambda: method(data, dtype), reference_weights(case), dtype, "weights", also)
+    return _untouched(result, data, pristine)
+
+
+def check_penalty(adapter: BackendAdapter, case: Case, dtype: str) -> Result:
+    """The metric penalty of ``case`` from the adapter's optional ``metric_penalty(data, dtype)``
+    (a scalar: a float or a 0-d array) against the reference's ``metric_penalty`` at ``dtype``'s
+    output tolerance. Its precision is not judged: a penalty is a loss term, which ports keep in
+    at least float32 for 16-bit layers (as mixed-precision losses are). An adapter without
+    ``metric_penalty`` reports the check "unsupported" (a gap, never a pass)."""
+    base: dict[str, Any] = dict(backend=adapter.name, case=case.name, group="penalty", dtype=dtype, check="penalty")
+    method = getattr(adapter, "metric_penalty", None)
+    if method is None:
+        return Result(**base, status="unsupported", detail="the adapter has no metric_penalty(data, dtype)")
+    declined = _declined(adapter, case, base)
+    if declined is not None:
+        return declined
+    pristine = materialise(case)
+    data = _private(pristine)
+    expected = np.float64(reference_penalty(case))
+    try:
+        value = _real_float64(method(data, dtype), "the metric penalty")
+        if value.shape != ():
+            raise ValueError(f"metric_penalty(data, dtype) must return a scalar. Received: shape {value.shape}")
+    except Exception as exc:  # noqa: BLE001 - a port's crash is a reported error, not the end of the run
+        return _untouched(Result(**base, status="error", detail=_describe_exc(exc)), data, pristine)
+    tol = tolerance(dtype)
+    err, ratio = tol.output_ratio(value, expected)
+    # Every digit: a penalty off by float32 rounding reads the same at 6.
+    detail = "" if ratio <= 1 else f"penalty {float(value)!r}, expected {float(expected)!r}"
+    result = Result(**base, status="pass" if ratio <= 1 else "fail", max_error=err, ratio=ratio, detail=detail)
+    return _untouched(result, data, pristine)
+
+
+def check_penalty_gradients(adapter: BackendAdapter, case: Case, dtype: str) -> Result:
+    """The gradients of the metric penalty of ``case`` from the adapter's optional
+    ``metric_penalty_gradients(data, dtype)`` (the targets of ``gradients``; 0 for the tensors
+    the penalty does not read), judged as ``check_gradients`` judges the output's."""
+    base: dict[str, Any] = dict(
+        backend=adapter.name, case=case.name, group="penalty", dtype=dtype, check="penalty-gradients"
+    )
+    declined = _declined(adapter, case, base)
+    if declined is not None:
+        return declined
+    if not adapter.supports_gradients:
+        return Result(
+            **base, status="unsupported", detail="the adapter declares no gradients (supports_gradients=False)"
+        )
+    method = getattr(adapter, "metric_penalty_gradients", None)
+    if method is None:
+        return Result(**base, status="unsupported", detail="the adapter has no metric_penalty_gradients(data, dtype)")
+    pristine = materialise(case)
+    data = _private(pristine)
+    result = _gradient_result(
+        base,
+        lambda: method(data, dtype),
+        data,
+        reference_penalty_directional(case),
+        dtype,
+        "metric_penalty_gradients",
+    )
     return _untouched(result, data, pristine)
 
 
@@ -343,7 +451,11 @@ def _rejects(base: dict[str, Any], case: ErrorCase, run: Callable[[], Any]) -> R
 
 def check_decode(adapter: BackendAdapter, case: DecodeCase, dtype: str) -> Result:
     """Decode ``case`` with the adapter's ``decode`` (prefix into the cache, then
-    the new tokens) and compare the new tokens' outputs with the reference."""
+    the new tokens) and compare its outputs with the reference: every token's,
+    the prefill's first, when it returns (B, P + N, E_o); the new tokens' alone
+    when it returns (B, N, E_o), as adapters written before did (the pass then
+    says the prefill went unchecked: a prefill that ignores the causal rule
+    passes that way)."""
     base: dict[str, Any] = dict(backend=adapter.name, case=case.name, group=case.group, dtype=dtype, check="decode")
     decode = getattr(adapter, "decode", None)
     if decode is None:
@@ -353,9 +465,20 @@ def check_decode(adapter: BackendAdapter, case: DecodeCase, dtype: str) -> Resul
         return declined
     pristine = materialise_decode(case)
     data = _private(pristine)
-    return _untouched(
-        _output_result(base, lambda: decode(data, dtype), pristine.expected, dtype, "decode"), data, pristine
-    )
+    try:
+        returned = decode(data, dtype)
+    except Exception as exc:  # noqa: BLE001 - a port's crash is a reported error, not the end of the run
+        return _untouched(Result(**base, status="error", detail=_describe_exc(exc)), data, pristine)
+    # The two forms differ in length whenever there is a prefix (P >= 1 in every decode case).
+    shape: tuple[int, ...] = tuple(getattr(returned, "shape", ()))
+    whole = len(shape) == 3 and shape[1] == case.prefix_len + case.new_len and case.prefix_len > 0
+    expected = np.concatenate([reference_prefill(case), pristine.expected], axis=1) if whole else pristine.expected
+    result = _output_result(base, lambda: returned, expected, dtype, "decode")
+    if not whole and result.status == "pass":
+        result = dataclasses.replace(
+            result, detail="the prefill's outputs were not returned (B, N, E_o), so they went unchecked"
+        )
+    return _untouched(result, data, pristine)
 
 
 _ARRAYS = ("query", "context", "value", "mask", "cotangent")
@@ -402,10 +525,12 @@ def _same(a: Any, b: Any) -> bool:
     return bool(np.array_equal(a, b, equal_nan=a.dtype.kind == "f"))
 
 
-def _output_result(base: dict[str, Any], run: Any, expected: np.ndarray, dtype: str, what: str) -> Result:
-    """Run ``run()`` (the adapter's ``what``: "forward" or "decode") and judge its output against
-    ``expected`` at ``dtype``'s tolerance, and its precision (``_imprecise``); a crash is a
-    reported error, not the end of the run."""
+def _output_result(
+    base: dict[str, Any], run: Any, expected: np.ndarray, dtype: str, what: str, also: str | None = None
+) -> Result:
+    """Run ``run()`` (the adapter's ``what``: "forward", "decode" or "weights") and judge its output
+    against ``expected`` at ``dtype``'s tolerance, and its precision (``_imprecise``): ``dtype``
+    values, or ``also`` values where given; a crash is a reported error, not the end of the run."""
     tol = tolerance(dtype)
     try:
         returned = run()
@@ -418,6 +543,8 @@ def _output_result(base: dict[str, Any], run: Any, expected: np.ndarray, dtype: 
     else:
         detail = _where(out, expected, tol) if ratio > 1 else ""
     imprecise = _imprecise(np.asarray(returned), out, dtype, what)
+    if imprecise and also is not None and not _imprecise(np.asarray(returned), out, also, what):
+        imprecise = ""
     if imprecise:
         detail = imprecise + (f"; {detail}" if detail else "")
     status = "pass" if ratio <= 1 and not imprecise else "fail"
@@ -487,7 +614,7 @@ def _where(out: np.ndarray, expected: np.ndarray, tol: Any) -> str:
     """Where a failed output is wrong, for a port's author: the non-finite values and the query
     rows holding them (a row that sees no key must give 0, not NaN), else how many elements are
     outside the tolerance and the worst one, with its value and the expected one."""
-    axes = "(b, n, e)" if out.ndim == 3 else "index"
+    axes = {3: "(b, n, e)", 4: "(b, h, n, m)"}.get(out.ndim, "index")
     bad = ~np.isfinite(out)
     if bad.any():
         first = tuple(int(i) for i in np.argwhere(bad)[0])
@@ -522,7 +649,10 @@ def _describe_exc(exc: Exception) -> str:
 
 #: The kinds of check, as the pytest plugin names them (``Result.check`` says
 #: "output" for forward and "rejects" for errors).
-CHECKS = ("forward", "gradients", "decode", "errors")
+CHECKS = ("forward", "gradients", "decode", "weights", "penalty", "penalty-gradients", "errors")
+
+# The kinds whose results form a group of their own (a column of the table), whatever the case's group.
+_OWN_GROUP = {"decode": "decode", "weights": "weights", "penalty": "penalty", "penalty-gradients": "penalty"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -541,14 +671,21 @@ class Check:
             return f"errors-{self.case.name}"
         return f"{self.kind}-{self.dtype}-{self.case.name}"
 
+    @property
+    def group(self) -> str:
+        """The group its result counts towards: "weights" and "penalty" for those checks, else the case's."""
+        return _OWN_GROUP.get(self.kind, self.case.group)
+
     def run(self, adapter: BackendAdapter) -> Result:
-        if self.kind == "forward":
-            return check_output(adapter, self.case, self.dtype)
-        if self.kind == "gradients":
-            return check_gradients(adapter, self.case, self.dtype)
-        if self.kind == "decode":
-            return check_decode(adapter, self.case, self.dtype)
-        return check_error(adapter, self.case, self.dtype)
+        runners: dict[str, Callable[[BackendAdapter, Any, str], Result]] = {
+            "forward": check_output,
+            "gradients": check_gradients,
+            "decode": check_decode,
+            "weights": check_weights,
+            "penalty": check_penalty,
+            "penalty-gradients": check_penalty_gradients,
+        }
+        return runners.get(self.kind, check_error)(adapter, self.case, self.dtype)
 
 
 @dataclasses.dataclass
@@ -631,11 +768,14 @@ def plan_checks(
     gradients: bool = True,
     errors: bool | Iterable[ErrorCase] = True,
     decoding: bool | Iterable[DecodeCase] = True,
+    weights: bool | Iterable[Case] = True,
+    penalty: bool | Iterable[Case] = True,
 ) -> Plan:
     """The checks ``run_conformance`` runs with these arguments (see there).
 
     A dtype the adapter does not declare in ``adapter.dtypes`` is not run: it
-    is one gap, never a row of numbers computed in another dtype.
+    is one gap, never a row of numbers computed in another dtype. A case with
+    ``dtypes`` of its own runs only in those (the float16 large-activation cases).
 
     Raises:
         DamchaValueError: an unknown dtype name.
@@ -649,6 +789,8 @@ def plan_checks(
         tolerance(dtype)  # unknown dtype names fail before any work
     error_cases = list(ERROR_CATALOGUE if errors is True else (errors or ()))
     decode_cases = list(DECODE_CATALOGUE if decoding is True else (decoding or ()))
+    weight_cases = list(WEIGHTS_CASES if weights is True else (weights or ()))
+    penalty_cases = list(PENALTY_CASES if penalty is True else (penalty or ()))
     gaps: list[tuple[str, str]] = []
     subset: list[tuple[str, str]] = []
     run = [d for d in asked if d in declared]
@@ -668,22 +810,39 @@ def plan_checks(
         gaps.append((name, "gradients: the adapter declares none (supports_gradients=False)"))
     if len(decode_cases) != len(DECODE_CATALOGUE):
         subset.append((name, f"{len(decode_cases)} of {len(DECODE_CATALOGUE)} decode cases"))
+    for flag, chosen, every, what in (
+        (weights, weight_cases, WEIGHTS_CASES, "attention weights"),
+        (penalty, penalty_cases, PENALTY_CASES, "metric penalty"),
+    ):
+        if flag is False:
+            subset.append((name, f"no {what}"))  # the CLI adds a built-in backend's reason (Builtin.limits)
+        elif len(chosen) != len(every):
+            subset.append((name, f"{len(chosen)} of {len(every)} {what} cases"))
     if len(error_cases) != len(ERROR_CATALOGUE):
         subset.append((name, f"{len(error_cases)} of {len(ERROR_CATALOGUE)} bad-input cases"))
     checks: list[Check] = []
     for dtype in run:
         for case in cases:
+            if not case.runs_in(dtype):
+                continue
             checks.append(Check("forward", case, dtype))
             if grads and case.gradients:
                 checks.append(Check("gradients", case, dtype))
         checks += [Check("decode", case, dtype) for case in decode_cases]
+        checks += [Check("weights", case, dtype) for case in weight_cases if case.runs_in(dtype)]
+        for case in penalty_cases:
+            if case.runs_in(dtype):
+                checks.append(Check("penalty", case, dtype))
+                if grads and case.gradients:
+                    checks.append(Check("penalty-gradients", case, dtype))
     if run:
         checks += [Check("errors", case, run[0]) for case in error_cases]
     return Plan(checks, gaps, subset)
 
 
 def _unsupported_gaps(name: str, results: list[Result]) -> list[tuple[str, str]]:
-    """One gap per group with cases the adapter declared unsupported."""
+    """One gap per group with cases the adapter declared unsupported (said "<group> gradients"
+    when only gradient checks were: the penalty's values ran, its gradients did not)."""
     gaps = []
     for group in GROUPS:
         mine = [r for r in results if r.group == group]
@@ -691,8 +850,9 @@ def _unsupported_gaps(name: str, results: list[Result]) -> list[tuple[str, str]]
         if skipped:
             cases = sorted({r.case for r in skipped})
             total = len({r.case for r in mine})
+            what = f"{group} gradients" if all(r.check.endswith("gradients") for r in skipped) else group
             gaps.append(
-                (name, f"{group}: {len(cases)} of {total} cases unsupported by the adapter ({skipped[0].detail})")
+                (name, f"{what}: {len(cases)} of {total} cases unsupported by the adapter ({skipped[0].detail})")
             )
     return gaps
 
@@ -705,6 +865,8 @@ def run_conformance(
     errors: bool | Iterable[ErrorCase] = True,
     decoding: bool | Iterable[DecodeCase] = True,
     progress: Callable[[Result, int, int], None] | None = None,
+    weights: bool | Iterable[Case] = True,
+    penalty: bool | Iterable[Case] = True,
 ) -> Report:
     """Run ``cases`` (default: the whole catalogue) on ``adapter`` in each of
     ``dtypes`` (default: ``adapter.dtypes``) and return the report.
@@ -712,6 +874,14 @@ def run_conformance(
     ``decoding``: also run ``DECODE_CATALOGUE`` (or the given decode cases)
     through the adapter's optional ``decode`` method, in every dtype; an
     adapter without one reports them "unsupported".
+
+    ``weights``: also compare the attention probabilities of ``WEIGHTS_CASES``
+    (or the given catalogue cases) through the adapter's optional ``weights``
+    method; ``penalty``: the metric penalty of ``PENALTY_CASES`` (or the given
+    cases) through its optional ``metric_penalty``, and with gradients its
+    ``metric_penalty_gradients``. Like ``decode``, a missing method reports
+    its checks "unsupported" (a gap); ``False`` leaves them out on purpose (a
+    subset).
 
     ``errors``: also feed the bad inputs of ``ERROR_CATALOGUE`` (or the given
     error cases) and require a clear ``ValueError`` for each; they run once,
@@ -725,7 +895,7 @@ def run_conformance(
     unsupported cases (``Report.gaps``, verdict "PARTIAL"); a run that checked
     nothing does not pass.
     """
-    plan = plan_checks(adapter, cases, dtypes, gradients, errors, decoding)
+    plan = plan_checks(adapter, cases, dtypes, gradients, errors, decoding, weights, penalty)
     report = Report(gaps=list(plan.gaps), subset=list(plan.subset))
     dtype_order = list(dict.fromkeys(c.dtype for c in plan.checks if c.kind != "errors"))
     total = len(plan.checks)

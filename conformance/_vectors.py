@@ -10,7 +10,10 @@ A port in any language with a safetensors reader checks itself with them:
    to (B, H, N, M)) and the ``causal`` flag; compare with ``expected.output``
    using the dtype's tolerance: ``|y - expected| <= atol + rtol * |expected|``;
    where ``expected.output`` is NaN (a case with a NaN input token) ``y`` must be
-   non-finite, and finite everywhere else.
+   non-finite, and finite everywhere else. A case whose ``dtypes`` is not null
+   is checked in those dtypes only (the float16 large-activation cases: tokens
+   whose mean square overflows float16, so phi's statistic must be taken in at
+   least float32).
 4. Gradients: with loss = sum(output * ``gradients.cotangent``), the
    directional derivative ``sum(grad_T * gradients.direction.T)`` of each
    listed tensor T must match ``directional_derivatives[T]`` within
@@ -19,7 +22,9 @@ A port in any language with a safetensors reader checks itself with them:
    sequence of P + N tokens, P = ``decode.prefix_len``. Read its first P
    tokens into the port's key/value cache, then the remaining N, causally;
    ``expected.output`` holds the outputs of those N tokens (query i of them
-   sits at position P + i and sees keys j <= P + i).
+   sits at position P + i and sees keys j <= P + i), and the tensor named by
+   ``decode.prefill`` (``expected.prefill``) those of the P prefill tokens
+   (a causal pass over the prefix).
 6. Bad-input cases (``index.json``'s ``error_cases``, file names: the case id
    with ":" written "--"; their ``error`` is not null): the inputs are those of a valid case with one tensor corrupted
    (``error.corruption``: one feature too many, an extra leading axis, a mask
@@ -29,6 +34,17 @@ A port in any language with a safetensors reader checks itself with them:
    and says what it received (the word "received" or "got"); returning any
    output fails: the input was silently sliced, padded or broadcast. There is
    no ``expected.output``.
+7. Attention weights (``weights`` is not null: the name of the tensor,
+   ``expected.weights``): the probabilities (B, H, N, M) of the same call, one
+   map per query head (not averaged), after the mask and the causal rule; a
+   query that sees no key has probabilities 0. Compared as the output is, at
+   the dtype's output tolerance.
+8. Metric penalty (``penalty`` is not null): the mean over adapted roles of
+   mean_t ||L(t) - I||_F^2 / (S*d) of the case's params and tokens (the
+   values are never mapped, the mask plays no part) must match
+   ``penalty.value`` at the dtype's output tolerance; its gradients, along
+   ``penalty.direction.<T>``, must match ``penalty.directional_derivatives[T]``
+   as in step 4 (0 for the tensors the penalty does not read).
 """
 
 from __future__ import annotations
@@ -40,6 +56,8 @@ from pathlib import Path
 import numpy as np
 
 from ._cases import (
+    PENALTY_CASES,
+    WEIGHTS_CASES,
     Case,
     DecodeCase,
     ErrorCase,
@@ -47,6 +65,10 @@ from ._cases import (
     materialise_decode,
     materialise_error,
     reference_directional,
+    reference_penalty,
+    reference_penalty_directional,
+    reference_prefill,
+    reference_weights,
 )
 from ._tolerances import TOLERANCES
 
@@ -87,7 +109,10 @@ def _entry(name: str, group: str, config, data, *, expected: bool = True, **fiel
         "group": group,
         "config": config.to_dict(),
         "tensors": f"{_file_stem(name)}.safetensors",
+        "dtypes": None,
         "gradients": None,
+        "weights": None,
+        "penalty": None,
         **fields,
     }
     if expected:
@@ -133,6 +158,20 @@ def export_vectors(
                 "loss": "sum(output * gradients.cotangent)",
                 "directional_derivatives": directional,
             }
+        if case.dtypes is not None:
+            description["dtypes"] = list(case.dtypes)
+        if case in WEIGHTS_CASES:
+            tensors["expected.weights"] = reference_weights(case)
+            description["weights"] = "expected.weights"
+        if case in PENALTY_CASES:
+            penalty: dict[str, object] = {"value": reference_penalty(case)}
+            if case.gradients:
+                penalty_directional = {}
+                for target, (direction, dd) in reference_penalty_directional(case).items():
+                    tensors[f"penalty.direction.{target}"] = direction
+                    penalty_directional[target] = dd
+                penalty["directional_derivatives"] = penalty_directional
+            description["penalty"] = penalty
         entries.append((case.name, tensors, description))
     for dcase in decode_cases:
         tensors, description = _entry(
@@ -142,9 +181,10 @@ def export_vectors(
             materialise_decode(dcase),
             causal=True,
             self_attention=True,
-            decode={"prefix_len": dcase.prefix_len, "new_len": dcase.new_len},
+            decode={"prefix_len": dcase.prefix_len, "new_len": dcase.new_len, "prefill": "expected.prefill"},
             mask_semantics=None,
         )
+        tensors["expected.prefill"] = reference_prefill(dcase)
         entries.append((dcase.name, tensors, description))
     errors = []
     for ecase in error_cases:

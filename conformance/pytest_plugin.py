@@ -7,9 +7,10 @@ A third party points it at their adapter::
 (the plugin is also registered as a ``pytest11`` entry point, so once damcha
 is installed ``pytest --damcha-adapter ...`` is enough). Each check is one
 test, ``damcha-conformance::<check>-<dtype>-<case>`` (``forward``,
-``gradients``, ``decode``; bad-input checks, which run once, are
-``errors-<case>``), so ``-k`` selects them: ``-k "gradients and bfloat16"``,
-``-k masks`` (a case group is a keyword too). Options:
+``gradients``, ``decode``, ``weights``, ``penalty``, ``penalty-gradients``;
+bad-input checks, which run once, are ``errors-<case>``), so ``-k`` selects
+them: ``-k "gradients and bfloat16"``, ``-k masks`` (a check's group is a
+keyword too: the case's, or ``weights``/``penalty``). Options:
 
 - ``--damcha-adapter SPEC``: ``module:attr`` (a class, factory or instance)
   or a built-in backend name (``torch``, ``jax``, ...).
@@ -61,12 +62,16 @@ def checks(
     gradients: bool = True,
     decoding: bool = True,
     errors: bool = True,
+    weights: bool = True,
+    penalty: bool = True,
 ) -> list[Check]:
     """The checks of the catalogue in ``dtypes``: forward (and gradients, for
-    cases that have them) of every case, the decode cases, then the bad-input
-    cases once, in the first dtype. The order lets adapters reuse a case's
-    forward computation for its gradients."""
-    from ._cases import CATALOGUE, DECODE_CATALOGUE, ERROR_CATALOGUE
+    cases that have them) of every case that runs in the dtype (``Case.dtypes``),
+    the decode cases, the attention weights of ``WEIGHTS_CASES``, the metric
+    penalty of ``PENALTY_CASES`` (and its gradients), then the bad-input cases
+    once, in the first dtype. The order lets adapters reuse a case's forward
+    computation for its gradients."""
+    from ._cases import CATALOGUE, DECODE_CATALOGUE, ERROR_CATALOGUE, PENALTY_CASES, WEIGHTS_CASES
     from ._runner import Check
     from ._tolerances import tolerance
 
@@ -75,11 +80,21 @@ def checks(
     out: list[Check] = []
     for dtype in dtypes:
         for case in CATALOGUE if cases is None else cases:
+            if not case.runs_in(dtype):
+                continue
             out.append(Check("forward", case, dtype))
             if gradients and case.gradients:
                 out.append(Check("gradients", case, dtype))
         if decoding:
             out += [Check("decode", case, dtype) for case in DECODE_CATALOGUE]
+        if weights:
+            out += [Check("weights", case, dtype) for case in WEIGHTS_CASES if case.runs_in(dtype)]
+        if penalty:
+            for case in PENALTY_CASES:
+                if case.runs_in(dtype):
+                    out.append(Check("penalty", case, dtype))
+                    if gradients and case.gradients:
+                        out.append(Check("penalty-gradients", case, dtype))
     if errors and dtypes:
         out += [Check("errors", case, dtypes[0]) for case in ERROR_CATALOGUE]
     return out
@@ -215,7 +230,9 @@ class _Session:
             [
                 Result(**r)
                 for r in self.results
-                if r["check"] != "gradients" or r["status"] != "unsupported" or self.adapter.supports_gradients
+                if not r["check"].endswith("gradients")
+                or r["status"] != "unsupported"
+                or self.adapter.supports_gradients
             ]
         )
         tr, name = terminalreporter, self.adapter.name
@@ -292,7 +309,7 @@ class ConformanceItem(pytest.Item):
         super().__init__(**kwargs)
         self.check = check
         self.add_marker("damcha_conformance")
-        self.extra_keyword_matches.add(check.case.group)  # -k masks selects the group's cases
+        self.extra_keyword_matches.add(check.group)  # -k masks selects the group's cases, -k weights those checks
 
     def runtest(self) -> None:
         session = self.config.pluginmanager.get_plugin("damcha-conformance-session")

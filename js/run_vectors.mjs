@@ -7,11 +7,14 @@
 // the vector case it is checked on (<case>.json + <case>.safetensors, as
 // written by `damcha conform --export-vectors`), its dtype, and for decoding
 // runs the token ranges fed step by step through the key/value cache. The
-// expected values come from the vector files; nothing is computed here but
+// expected values come from the vector files (a decoding run with `prefill`
+// also compares its first step's outputs, the prefill's, with that tensor);
+// nothing is computed here but
 // the model's outputs and their distance to those values:
 // |y - expected| <= atol + rtol |expected| with the case's tolerance for the
-// run's dtype. Each run may list bad inputs, which must make the session
-// throw (never return numbers).
+// run's dtype. A run with `weights` ({output, expected}) compares that output
+// (the attention weights) too, with the same tolerance. Each run may list bad
+// inputs, which must make the session throw (never return numbers).
 import { readFileSync } from 'node:fs';
 import { dirname, join } from 'node:path';
 import { halfToFloat, floatToHalf, readSafetensors } from './safetensors.mjs';
@@ -140,11 +143,17 @@ async function runOne(ort, root, run) {
     }
     const out = await session.run(firstFeeds);
     result = compare({ data: numbers(out[run.output]), dims: out[run.output].dims }, tensors[run.expected], tol);
+    if (run.weights) {
+      const w = out[run.weights.output];
+      const weights = compare({ data: numbers(w), dims: w.dims }, tensors[run.weights.expected], tol);
+      result = { ...result, ok: result.ok && weights.ok, weights };
+    }
   } else {
     // Decoding: each step's present_* become the next step's past_*.
     const source = tensors[run.inputs[run.step_input]];
     let cache = emptyCache(ort, session, source.shape[0], run.dtype);
     const outs = [];
+    let prefill = null;
     for (const [k, [a, b]] of run.steps.entries()) {
       const feeds = { [run.step_input]: toTensor(ort, sliceAxis1(source, a, b), feedType(run.step_input)), ...cache };
       if (k === 0) Object.assign(firstFeeds, feeds);
@@ -154,8 +163,13 @@ async function runOne(ort, root, run) {
         if (name.startsWith('present_')) cache[name.replace('present_', 'past_')] = value;
       }
       if (k >= run.keep_from_step) outs.push(out[run.output]);
+      if (k === 0) prefill = out[run.output];
     }
     result = compare(concatAxis1(outs), tensors[run.expected], tol);
+    if (run.prefill) {
+      const checked = compare({ data: numbers(prefill), dims: prefill.dims }, tensors[run.prefill], tol);
+      result = { ...result, ok: result.ok && checked.ok, prefill: checked };
+    }
   }
   const bad = [];
   for (const spec of run.bad ?? []) {

@@ -55,12 +55,50 @@ def test_an_adapter_without_gradients_is_partial_unless_asked_for_outputs_only()
     assert "subset: no-gradients: no gradients" in asked.stdout and "PASSED" in asked.stdout
 
 
-def test_a_dtype_the_adapter_does_not_declare_is_stated_once_never_computed():
-    proc = conform("--backend", "reference", "--dtype", "bfloat16", "--no-progress")
-    assert proc.returncode == 1
-    assert proc.stdout.count("bfloat16") == 1, proc.stdout  # no table row, one statement
-    assert "dtype bfloat16: not among the adapter's dtypes (float64)" in proc.stdout
-    assert proc.stdout.strip().endswith("FAILED")  # it checked nothing
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--backend", "reference", "--dtype", "float16"], "--backend reference runs in float64 only"),
+        (
+            ["--backend", "reference", "--dtype", "bfloat16", "--dtype", "float16"],
+            "--backend reference runs in float64",
+        ),
+        (
+            ["--backend", "onnxruntime", "--dtype", "bfloat16"],
+            "--backend onnxruntime runs in float32, float64, float16",
+        ),
+        (["--adapter", "_conformance_fixtures:WrongMask", "--dtype", "float32"], "--adapter _conformance_fixtures:Wr"),
+        (
+            ["--in-process", "--adapter", "_conformance_fixtures:Float16NoUpcast", "--dtype", "float64"],
+            "--adapter _conformance_fixtures:Float16NoUpcast runs in float16 only",
+        ),
+    ],
+    ids=["reference-float16", "reference-two-16-bit", "onnxruntime-bfloat16", "adapter", "adapter-in-process"],
+)
+def test_a_dtype_selection_that_leaves_a_backend_nothing_to_run_exits_2_before_any_work(args, says):
+    # `--backend reference --dtype float16` used to run, check nothing and print FAILED (exit 1).
+    line = one_line_usage_error(conform(*args, "--no-progress"), "--dtype")
+    assert says in line and "(the dtypes its adapter declares), none of the dtypes asked for" in line, line
+    assert line.endswith("Received: " + " ".join(a for a in args[args.index("--dtype") :])), line
+
+
+def test_a_group_selection_the_backend_cannot_have_exits_2_before_any_work():
+    # `--backend onnxruntime --group penalty` used to run, check nothing and print FAILED (exit 1).
+    line = one_line_usage_error(conform("--backend", "onnxruntime", "--group", "penalty", "--no-progress"), "--group")
+    assert "--backend onnxruntime cannot have the checks asked for (penalty: " in line, line
+    assert line.endswith("Received: --group penalty"), line
+    # A group it can have beside it runs, and the penalty is a stated gap, as before.
+    proc = conform("--backend", "onnxruntime", "--group", "penalty", "--group", "mha", "--dtype", "float32")
+    assert proc.returncode in (0, 1) and "error:" not in proc.stderr, proc.stderr
+    assert "onnxruntime  float32" in proc.stdout, proc.stdout[-800:]
+
+
+def test_a_dtype_the_adapter_does_not_declare_beside_one_it_does_is_stated_once_never_computed():
+    proc = conform("--backend", "reference", "--dtype", "bfloat16", "--dtype", "float64", "--group", "mha")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "reference  bfloat16" not in proc.stdout and "reference  float64" in proc.stdout  # no row of it
+    assert proc.stdout.count("not checked: reference: dtype bfloat16: not among the adapter's dtypes (float64)") == 1
+    assert proc.stdout.strip().splitlines()[-1].startswith("PARTIAL: ")  # float64 ran; bfloat16 was asked for
 
 
 def test_a_dtype_torch_does_not_declare_is_no_key_error():
@@ -467,3 +505,22 @@ def test_a_backend_whose_modules_are_missing_names_them_in_one_sentence(monkeypa
     [line] = capsys.readouterr().err.strip().splitlines()
     assert line.startswith(f"damcha conform: error: --backend: {says}: "), line
     assert 'pip install "damcha[jax]"' in line, line
+
+
+def test_a_port_with_wrong_attention_weights_fails_the_weights_group():
+    proc = conform("--adapter", "_conformance_fixtures:AveragedWeights", "--group", "weights", "--no-progress")
+    assert proc.returncode == 1 and proc.stdout.strip().endswith("FAILED"), proc.stdout
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("averaged-weights"))
+    # passed/run: only the empty-shape cases (no row to average) pass
+    assert f"FAIL 2/{len(dcf.WEIGHTS_CASES)}" in row, row
+    assert "FAIL averaged-weights/float64 heads-tied-self [weights]" in proc.stdout
+
+
+def test_onnxruntime_states_why_it_has_no_metric_penalty():
+    proc = conform("--backend", "onnxruntime", "--group", "weights", "--dtype", "float32", "--no-progress")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("onnxruntime"))
+    assert f"{len(dcf.WEIGHTS_CASES)}/{len(dcf.WEIGHTS_CASES)}" in row, row
+    assert "subset: onnxruntime: no metric penalty: exported ONNX inference graphs compute no training loss" in (
+        proc.stdout
+    )

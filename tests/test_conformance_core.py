@@ -76,7 +76,9 @@ def test_case_params_open_every_gate():
 def test_reference_passes_through_the_runner():
     report = dcf.run_conformance(dcf.ReferenceAdapter())
     assert report.passed, report.summary()
-    assert len(report.results) == len(dcf.CATALOGUE) + len(dcf.ERROR_CATALOGUE) + len(dcf.DECODE_CATALOGUE)
+    in_float64 = [c for c in dcf.CATALOGUE if c.runs_in("float64")]  # not the float16-only cases
+    checks = (dcf.ERROR_CATALOGUE, dcf.DECODE_CATALOGUE, dcf.WEIGHTS_CASES, dcf.PENALTY_CASES)
+    assert len(report.results) == len(in_float64) + sum(map(len, checks))
     rejects = [r for r in report.results if r.check == "rejects"]
     assert len(rejects) == len(dcf.ERROR_CATALOGUE) and all("DamchaValueError" in r.detail for r in rejects)
 
@@ -132,6 +134,9 @@ class _Wrong(dcf.ReferenceAdapter):
 
     def decode(self, data, dtype):
         return _rounded(super().decode(data, dtype), dtype)
+
+    def weights(self, data, dtype):
+        return _rounded(super().weights(data, dtype), dtype)
 
     def _forward(self, data, dtype):
         if self.bug == "ignores-metric":
@@ -272,8 +277,9 @@ def test_a_port_that_slices_value_tokens_or_mask_rows_fails_the_bad_input_checks
 
 
 def test_errors_can_be_switched_off_or_narrowed():
-    assert dcf.run_conformance(dcf.ReferenceAdapter(), cases=[], errors=False, decoding=False).results == []
-    only = dcf.run_conformance(dcf.ReferenceAdapter(), cases=[], errors=dcf.ERROR_CATALOGUE[:2], decoding=False)
+    none = dict(decoding=False, weights=False, penalty=False)
+    assert dcf.run_conformance(dcf.ReferenceAdapter(), cases=[], errors=False, **none).results == []
+    only = dcf.run_conformance(dcf.ReferenceAdapter(), cases=[], errors=dcf.ERROR_CATALOGUE[:2], **none)
     assert [r.case for r in only.results] == [c.name for c in dcf.ERROR_CATALOGUE[:2]]
     with pytest.raises(
         dc.DamchaValueError, match=r"Invalid argument `corruption`: expected one of .*Received: corruption='typo'"
@@ -288,9 +294,9 @@ def test_float32_rounding_fails_float64_tolerance_but_passes_float32():
 
 
 class _FiniteDifferenceGradients(dcf.ReferenceAdapter):
-    """Full gradients by per-element central differences of the reference: an
-    honest (slow) port for tiny cases, plus an optional deliberate error. Outputs
-    and gradients are rounded to the dtype asked for (``_rounded``)."""
+    """Full gradients by per-element central differences of the reference (of the output's loss
+    and of the metric penalty): an honest (slow) port for tiny cases, plus an optional deliberate
+    error. Outputs, weights and gradients are rounded to the dtype asked for (``_rounded``)."""
 
     supports_gradients = True
 
@@ -300,10 +306,22 @@ class _FiniteDifferenceGradients(dcf.ReferenceAdapter):
     def forward(self, data, dtype):
         return _rounded(super().forward(data, dtype), dtype)
 
+    def weights(self, data, dtype):
+        return _rounded(super().weights(data, dtype), dtype)
+
     def gradients(self, data, dtype):
         return {k: _rounded(g, dtype) for k, g in self._float64_gradients(data).items()}
 
-    def _float64_gradients(self, data):
+    def metric_penalty_gradients(self, data, dtype):
+        return {k: _rounded(g, dtype) for k, g in self._float64_gradients(data, penalty=True).items()}
+
+    def _float64_gradients(self, data, penalty=False):
+        def loss(**replaced):
+            if penalty:
+                get = lambda name: replaced.get(name, getattr(data, name))  # noqa: E731
+                return dc.metric_penalty(get("params"), data.config, get("query"), get("context"), value=get("value"))
+            return np.sum(_reference_with(data, **replaced) * data.cotangent)
+
         eps = 1e-6
         targets = {
             "query": data.query,
@@ -320,10 +338,9 @@ class _FiniteDifferenceGradients(dcf.ReferenceAdapter):
                     moved = base.copy()
                     moved[idx] += sign * eps
                     if name in ("query", "context", "value"):
-                        y = _reference_with(data, **{name: moved})
+                        vals.append(loss(**{name: moved}))
                     else:
-                        y = _reference_with(data, params={**data.params, name: moved})
-                    vals.append(np.sum(y * data.cotangent))
+                        vals.append(loss(params={**data.params, name: moved}))
                 g[idx] = (vals[0] - vals[1]) / (2 * eps)
             grads[name] = g * (self.scale if name == "metric.qk.gate" else 1.0)
         if self.drop:
@@ -343,6 +360,44 @@ def test_gradient_check_passes_correct_and_fails_wrong_gradients():
     ), wrong
     missing = dcf.check_case(_FiniteDifferenceGradients(drop="key.bias"), TINY, "float64")
     assert missing[1].status == "error" and "key.bias" in missing[1].detail
+
+
+# Separate coupling over a context of its own: the penalty reads the context through the keys' map.
+TINY_CROSS = dcf.Case(
+    "tiny-cross",
+    "heads",
+    dc.DamchaConfig(query_dim=4, num_heads=2, key_dim=2, coupling="separate", context_dim=3),
+    1,
+    3,
+    2,
+    seed=4,
+)
+
+
+class _PenaltyDetachesKeys(_FiniteDifferenceGradients):
+    """Right penalty values, but the keys' role detached from the penalty's gradient (a port that
+    builds the key side's generator input under no_grad or stop_gradient)."""
+
+    def metric_penalty_gradients(self, data, dtype):
+        grads = super().metric_penalty_gradients(data, dtype)
+        return {**grads, "context": np.zeros_like(grads["context"])}
+
+
+def test_penalty_gradient_check_passes_correct_and_fails_wrong_gradients():
+    # The metric penalty's gradients were checked by no case: a port training with a wrong
+    # regulariser gradient passed.
+    for case in (TINY, TINY_CROSS):
+        assert dcf.check_penalty(_FiniteDifferenceGradients(), case, "float64").status == "pass"
+        assert dcf.check_penalty_gradients(_FiniteDifferenceGradients(), case, "float64").status == "pass"
+    wrong = dcf.check_penalty_gradients(_FiniteDifferenceGradients(scale=1.01), TINY, "float64")
+    assert wrong.status == "fail" and wrong.detail.startswith(
+        "1 of 12 tensors outside the tolerance, worst: metric.qk.gate: "
+    ), wrong
+    detached = dcf.check_penalty_gradients(_PenaltyDetachesKeys(), TINY_CROSS, "float64")
+    assert detached.status == "fail" and "worst: context" in detached.detail, detached
+    assert detached.detail.endswith("(its gradient is all zero: is it detached from the penalty?)"), detached
+    missing = dcf.check_penalty_gradients(_FiniteDifferenceGradients(drop="key.bias"), TINY, "float64")
+    assert missing.status == "error" and "metric_penalty_gradients(data, dtype) must return" in missing.detail
 
 
 class _WritesInPlace(_FiniteDifferenceGradients):
@@ -466,6 +521,10 @@ def test_exported_decode_vectors_let_a_foreign_port_check_its_cache(tmp_path):
         y = naive_damcha(params, cfg, x[:, P:], x, causal=True, query_offset=P)
         tol = desc["tolerances"]["float64"]
         assert np.all(np.abs(y - t["expected.output"]) <= tol["atol"] + tol["rtol"] * np.abs(t["expected.output"]))
+        # The prefill's outputs: a causal pass over the prefix alone.
+        prefill = t[desc["decode"]["prefill"]]
+        y = naive_damcha(params, cfg, x[:, :P], causal=True)
+        assert prefill.shape == y.shape and np.all(np.abs(y - prefill) <= tol["atol"] + tol["rtol"] * np.abs(prefill))
 
 
 def test_exported_error_vectors_carry_the_bad_input_and_the_rule(tmp_path):
@@ -520,7 +579,9 @@ def test_cli_reference_run_and_json(tmp_path):
     assert "reference" in proc.stdout and "PASSED" in proc.stdout
     report = dcf.Report.from_json(out.read_text())
     assert report.passed
-    assert len(report.results) == len(dcf.CATALOGUE) + len(dcf.ERROR_CATALOGUE) + len(dcf.DECODE_CATALOGUE)
+    in_float64 = [c for c in dcf.CATALOGUE if c.runs_in("float64")]
+    checks = (dcf.ERROR_CATALOGUE, dcf.DECODE_CATALOGUE, dcf.WEIGHTS_CASES, dcf.PENALTY_CASES)
+    assert len(report.results) == len(in_float64) + sum(map(len, checks))
 
 
 def test_cli_third_party_adapter_failure_exits_nonzero(tmp_path):
@@ -662,13 +723,17 @@ def test_gradient_check_scales_with_the_rms_not_the_norm_of_the_gradient():
 
 
 class _WrongDecoder(dcf.ReferenceAdapter):
-    """Decoders with the classic cache bugs."""
+    """Decoders with the classic cache bugs (each returns the decoded tokens' outputs alone, as
+    adapters did before the prefill's were compared; "prefill-not-causal" returns every token's)."""
 
     def __init__(self, bug):
         self.bug, self.name = bug, f"decoder-{bug}"
 
     def decode(self, data, dtype):
         P, x = data.case.prefix_len, data.query
+        if self.bug == "prefill-not-causal":  # the prompt read in one pass that lets it see its future
+            prefill = dc.damcha_attention(data.params, data.config, x[:, :P])
+            return np.concatenate([prefill, super().decode(data, dtype)[:, P:]], axis=1)
         if self.bug == "top-left":  # the new tokens' causal rule restarts at position 0
             return dc.damcha_attention(data.params, data.config, x[:, P:], x, causal=True)
         if self.bug == "forgets-prefix":  # the cache is not read
@@ -686,13 +751,40 @@ def test_decode_cases_catch_cache_bugs(bug):
     assert all(r.status == "fail" for r in decode), report.summary()
 
 
+class _DecodedOnly(_WrongDecoder):
+    """``_WrongDecoder`` returning the decoded tokens' outputs alone, (B, N, E_o), as adapters written
+    before the prefill was compared do."""
+
+    def decode(self, data, dtype):
+        return super().decode(data, dtype)[:, data.case.prefix_len :]
+
+
+def test_a_prefill_that_ignores_the_causal_rule_fails_once_its_outputs_are_returned():
+    # The adapters returned the decoded tokens' outputs alone: a prefill that let the prompt see its
+    # future (its outputs wrong, the cache it leaves right) passed every decode case, as it still does
+    # in that older form, which is accepted and says the prefill went unchecked.
+    old = dcf.run_conformance(_DecodedOnly("prefill-not-causal"), cases=[], errors=False, weights=False, penalty=False)
+    assert old.conformant and all("prefill's outputs were not returned" in r.detail for r in old.results)
+    report = dcf.run_conformance(
+        _WrongDecoder("prefill-not-causal"), cases=[], errors=False, weights=False, penalty=False
+    )
+    assert [r.status for r in report.results] == ["fail"] * len(dcf.DECODE_CATALOGUE), report.summary()
+    # Only prefill rows are wrong: the worst element lies in the first P tokens.
+    for result, case in zip(report.results, dcf.DECODE_CATALOGUE):
+        worst = result.detail.split("worst at (b, n, e) = (", 1)[1]
+        assert int(worst.split(", ")[1]) < case.prefix_len, result.detail
+    # The reference, returning every token's outputs, passes with nothing unchecked.
+    honest = dcf.run_conformance(dcf.ReferenceAdapter(), cases=[], errors=False, weights=False, penalty=False)
+    assert honest.conformant and all(r.detail == "" for r in honest.results), honest.summary()
+
+
 def test_an_adapter_without_decode_reports_the_cases_unsupported():
     class NoDecode:
         name, dtypes, supports_gradients = "no-decode", ("float64",), False
         unsupported = dcf.ReferenceAdapter.unsupported
         forward = dcf.ReferenceAdapter.forward
 
-    report = dcf.run_conformance(NoDecode(), cases=[], errors=False)
+    report = dcf.run_conformance(NoDecode(), cases=[], errors=False, weights=False, penalty=False)
     assert [r.status for r in report.results] == ["unsupported"] * len(dcf.DECODE_CATALOGUE)
     assert all("no decode" in r.detail for r in report.results)
 
@@ -954,7 +1046,12 @@ def test_outputs_must_be_of_the_declared_precision(declared, how, passes):
     # it conforms in that dtype.
     cases = [dcf.catalogue(["heads-tied-self"])[0], dcf.catalogue(["heads-tied-all-masked-row"])[0]]
     report = dcf.run_conformance(
-        _Precision(declared, how), cases=cases, errors=False, decoding=dcf.DECODE_CATALOGUE[:1]
+        _Precision(declared, how),
+        cases=cases,
+        errors=False,
+        decoding=dcf.DECODE_CATALOGUE[:1],
+        weights=False,  # the weights' own precision rule: tests/test_conformance_weights_penalty.py
+        penalty=False,
     )
     assert [r.check for r in report.results] == ["output", "output", "decode"]
     if passes:
@@ -1050,6 +1147,18 @@ class _Spy(_FiniteDifferenceGradients):
         self.seen.append(data)
         return super().decode(data, dtype)
 
+    def weights(self, data, dtype):
+        self.seen.append(data)
+        return super().weights(data, dtype)
+
+    def metric_penalty(self, data, dtype):
+        self.seen.append(data)
+        return super().metric_penalty(data, dtype)
+
+    def metric_penalty_gradients(self, data, dtype):
+        self.seen.append(data)
+        return super().metric_penalty_gradients(data, dtype)
+
 
 def _arrays(obj, path="data", depth=0):
     """Every NumPy array reachable from ``obj`` through its public attributes and mappings."""
@@ -1074,11 +1183,13 @@ def test_an_adapter_cannot_reach_the_reference_output_through_what_it_is_given()
     # data.expected and pass every output check.
     decode, error = dcf.DECODE_CATALOGUE[0], dcf.ERROR_CATALOGUE[0]
     spy = _Spy()
-    report = dcf.run_conformance(spy, cases=[TINY], errors=[error], decoding=[decode])
-    assert report.passed and [r.check for r in report.results] == ["output", "gradients", "decode", "rejects"]
-    expected = [dcf.materialise(TINY).expected, dcf.materialise_decode(decode).expected]
+    report = dcf.run_conformance(spy, cases=[TINY], errors=[error], decoding=[decode], weights=[TINY], penalty=[TINY])
+    kinds = ["output", "gradients", "decode", "weights", "penalty", "penalty-gradients", "rejects"]
+    assert report.conformant and [r.check for r in report.results] == kinds, report.summary()
+    expected = [dcf.materialise(TINY).expected, dcf.materialise_decode(decode).expected, dcf.reference_weights(TINY)]
+    expected.append(dcf.reference_prefill(decode))
     expected.append(dcf.materialise(error.base).expected)
-    assert len(spy.seen) == 4
+    assert len(spy.seen) == len(kinds)
     for data in spy.seen:
         assert type(data) is dcf.CaseData, type(data)
         assert not hasattr(data, "expected") and not hasattr(data, "reference"), data

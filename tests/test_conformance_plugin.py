@@ -53,10 +53,16 @@ def test_each_check_is_a_test_and_k_selects(tmp_path):
     # Listing the ids checks nothing by design: exit 0 (it exited 1, "FAILED: nothing checked").
     assert collected.returncode == 0 and "FAILED" not in collected.stdout, collected.stdout[-2000:]
     ids = {line.split("::", 1)[1] for line in collected.stdout.splitlines() if line.startswith("damcha-conformance::")}
-    assert len(ids) == 2 * len(dcf.CATALOGUE) - sum(not c.gradients for c in dcf.CATALOGUE) + len(
-        dcf.DECODE_CATALOGUE
-    ) + len(dcf.ERROR_CATALOGUE)
+    in_float64 = [c for c in dcf.CATALOGUE if c.runs_in("float64")]  # not the float16-only cases
+    outputs = 2 * len(in_float64) - sum(not c.gradients for c in in_float64)
+    penalty = 2 * len(dcf.PENALTY_CASES) - sum(not c.gradients for c in dcf.PENALTY_CASES)  # values, gradients
+    others = len(dcf.DECODE_CATALOGUE) + len(dcf.ERROR_CATALOGUE) + len(dcf.WEIGHTS_CASES)
+    assert len(ids) == outputs + penalty + others
     assert "errors-context-empty:heads-separate-cross" in ids and "decode-float64-decode-heads-tied" in ids
+    assert "weights-float64-heads-tied-all-masked-row" in ids and "penalty-gradients-float64-heads-tied-self" in ids
+    # The weights and penalty checks are groups of their own: -k weights selects them alone.
+    weights = run_pytest(tmp_path, "--damcha-adapter", "reference", "-k", "weights")
+    assert outcomes(weights) == {f"weights-float64-{c.name}": "PASSED" for c in dcf.WEIGHTS_CASES}, weights.stdout
 
 
 def test_a_wrong_port_fails_with_the_runners_detail(tmp_path):
@@ -113,7 +119,12 @@ def test_a_run_that_checks_nothing_fails(tmp_path):
 def test_gradients_of_an_adapter_without_them_are_skipped_and_said(tmp_path):
     proc = run_pytest(tmp_path, "--damcha-adapter", "_conformance_fixtures:NoGradients", "-k", "mha-none-self")
     assert proc.returncode == 0
-    assert outcomes(proc) == {"forward-float64-mha-none-self": "PASSED", "gradients-float64-mha-none-self": "SKIPPED"}
+    assert outcomes(proc) == {
+        "forward-float64-mha-none-self": "PASSED",
+        "gradients-float64-mha-none-self": "SKIPPED",
+        "penalty-float64-mha-none-self": "PASSED",
+        "penalty-gradients-float64-mha-none-self": "SKIPPED",
+    }
     assert "no gradients (supports_gradients=False)" in proc.stdout
     # ... said once, not counted as unsupported cases in the table (it showed "(1 unsup)").
     assert "unsup)" not in proc.stdout.split("damcha conformance")[-1] and "checks unsupported" not in proc.stdout

@@ -20,8 +20,8 @@ import sys
 import jax
 import pytest
 
-from damcha_conformance import CATALOGUE, Result, materialise, run_conformance
-from damcha_conformance.adapters import JaxAdapter
+from damcha_conformance import CATALOGUE, PENALTY_CASES, WEIGHTS_CASES, Result, materialise, run_conformance
+from damcha_conformance.adapters import BUILTIN, JaxAdapter
 from damcha_conformance.pytest_plugin import assert_check, check_id, checks
 from damcha_core import DamchaValueError
 
@@ -117,10 +117,16 @@ def test_conformance(check, adapter, x64_worker):
 
 def test_the_plan_covers_every_case_with_gradients_and_float64():
     ids = set(BY_ID)
-    for case in CATALOGUE:
-        for dtype in ("float32", "bfloat16", "float64"):
-            assert f"forward-{dtype}-{case.name}" in ids
-            assert (f"gradients-{dtype}-{case.name}" in ids) == case.gradients
+    # The adapter declares what `damcha conform` expects of it (float64 with its x64 worker).
+    assert set(JaxAdapter().dtypes) | {"float64"} == set(BUILTIN["jax"].dtypes)
+    for dtype in ("float32", "bfloat16", "float64"):
+        for case in CATALOGUE:
+            runs = case.runs_in(dtype)  # the float16-only cases are not JAX's
+            assert (f"forward-{dtype}-{case.name}" in ids) == runs
+            assert (f"gradients-{dtype}-{case.name}" in ids) == (runs and case.gradients)
+        assert all(f"weights-{dtype}-{case.name}" in ids for case in WEIGHTS_CASES)
+        for case in PENALTY_CASES:
+            assert f"penalty-{dtype}-{case.name}" in ids and f"penalty-gradients-{dtype}-{case.name}" in ids
 
 
 def test_float64_is_refused_without_x64() -> None:

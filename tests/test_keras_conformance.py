@@ -27,11 +27,18 @@ import threading
 
 import pytest
 
-from damcha_conformance import CATALOGUE, Report, Result
+from damcha_conformance import CATALOGUE, PENALTY_CASES, WEIGHTS_CASES, Report, Result
+from damcha_conformance.adapters import BUILTIN
 from damcha_conformance.pytest_plugin import checks
 
 BACKENDS = {"tensorflow": ("float32", "float64"), "torch": ("float32", "float64"), "jax": ("float32",)}
-PLAN = [(backend, check) for backend, dtypes in BACKENDS.items() for check in checks(dtypes)]
+
+
+PLAN = [
+    pytest.param(backend, check, id=f"{backend}-{check.id}")
+    for backend, dtypes in BACKENDS.items()
+    for check in checks(dtypes)
+]
 TIMEOUT_S = 300  # one check; a whole-catalogue run takes a few minutes per backend
 
 _WORKER = """
@@ -146,7 +153,7 @@ def workers(request):
     pool.close()
 
 
-@pytest.mark.parametrize(("backend", "check"), PLAN, ids=[f"{b}-{c.id}" for b, c in PLAN])
+@pytest.mark.parametrize(("backend", "check"), PLAN)
 def test_conformance(backend, check, workers):
     worker = workers.get(backend)
     assert worker.hello == {"backend": backend, "dtypes": list(BACKENDS[backend])}  # the adapter's own dtypes
@@ -159,9 +166,14 @@ def test_conformance(backend, check, workers):
 
 
 def test_the_plan_covers_every_case_with_gradients_in_every_dtype():
-    ids = {(backend, check.id) for backend, check in PLAN}
+    ids = {(backend, check.id) for backend, check in (p.values for p in PLAN)}
     for backend, dtypes in BACKENDS.items():
-        for case in CATALOGUE:
-            for dtype in dtypes:
-                assert (backend, f"forward-{dtype}-{case.name}") in ids
-                assert ((backend, f"gradients-{dtype}-{case.name}") in ids) == case.gradients
+        # What `damcha conform` expects of each backend (keras-jax: float64 with JAX_ENABLE_X64=1, as it runs it).
+        assert set(dtypes) | ({"float64"} if backend == "jax" else set()) == set(BUILTIN[f"keras-{backend}"].dtypes)
+        for dtype in dtypes:
+            for case in CATALOGUE:
+                runs = case.runs_in(dtype)  # the float16-only cases are not Keras's
+                assert ((backend, f"forward-{dtype}-{case.name}") in ids) == runs
+                assert ((backend, f"gradients-{dtype}-{case.name}") in ids) == (runs and case.gradients)
+            assert all((backend, f"weights-{dtype}-{case.name}") in ids for case in WEIGHTS_CASES)
+            assert all((backend, f"penalty-gradients-{dtype}-{case.name}") in ids for case in PENALTY_CASES)

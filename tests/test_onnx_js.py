@@ -26,7 +26,7 @@ from safetensors.numpy import load_file, save_file
 
 import damcha_core as dc
 import damcha_onnx as do
-from damcha_conformance import CATALOGUE, TOLERANCES
+from damcha_conformance import CATALOGUE, TOLERANCES, WEIGHTS_CASES
 
 ROOT = Path(__file__).resolve().parents[1]
 JS = ROOT / "js"
@@ -34,8 +34,12 @@ FORMAT = "damcha-conformance-vectors-v1"
 RUNTIMES = ["node", "web"]
 PINNED = json.loads((JS / "package.json").read_text())["dependencies"]
 # float16 in JavaScript on one case of each kind (Python checks every case in
-# float16); float32 at opsets 23 and 17 on every case.
+# float16), and on the float16-only large-activation cases (a vector's "dtypes"); float32 at
+# opsets 23 and 17 on every other case. Catalogue runs of a case with attention weights
+# (a vector's "weights") export them too and compare them as well.
 FLOAT16_CASES = {
+    "heads-tied-large-tokens",
+    "lowrank-separate-large-tokens-cross",
     "heads-tied-padding",
     "heads-separate-per-head-cross",
     "heads-tied-all-masked-row",
@@ -99,6 +103,8 @@ def _catalogue_runs(vectors: Path) -> list[dict]:
         for opset, dtype in ((23, "float32"), (17, "float32"), (23, "float16")):
             if dtype == "float16" and name not in FLOAT16_CASES:
                 continue
+            if desc["dtypes"] is not None and dtype not in desc["dtypes"]:
+                continue
             file = f"models/{name}.opset{opset}.{dtype}.onnx"
             run = {
                 "id": f"{name}@opset{opset}/{dtype}",
@@ -112,6 +118,7 @@ def _catalogue_runs(vectors: Path) -> list[dict]:
                 do.export(params, config, vectors / file, opset=opset, causal=True, kv_cache=True, dtype=dtype)
                 P, L = desc["decode"]["prefix_len"], desc["decode"]["prefix_len"] + desc["decode"]["new_len"]
                 run.update(inputs=inputs, step_input="query", steps=[[0, P], [P, P + 1], [P + 1, L]], keep_from_step=1)
+                run["prefill"] = desc["decode"]["prefill"]  # the first step's outputs, compared too
             else:
                 do.export(
                     params,
@@ -122,8 +129,11 @@ def _catalogue_runs(vectors: Path) -> list[dict]:
                     cross=not desc["self_attention"],
                     mask="mask" in inputs,
                     dtype=dtype,
+                    return_weights=desc["weights"] is not None,
                 )
                 run["inputs"] = inputs
+                if desc["weights"] is not None:
+                    run["weights"] = {"output": "weights", "expected": desc["weights"]}
             runs.append(run)
     return runs
 
@@ -329,6 +339,12 @@ def test_exported_models_match_the_vectors_in_javascript(manifest, runtime):
     assert [r["run"] for r in report["results"]] == [r["id"] for r in runs]  # every run reported, none skipped
     failed = [r for r in report["results"] if not r.get("ok")]
     assert not failed, failed[:5]
+    # The attention weights were compared wherever a vector has them, in both dtypes.
+    weighed = {r["run"] for r in report["results"] if r.get("weights", {}).get("ok")}
+    assert weighed == {r["id"] for r in runs if "weights" in r} and len(weighed) >= 2 * len(WEIGHTS_CASES) - 4
+    # ... and the decoding runs' prefill outputs.
+    prefilled = {r["run"] for r in report["results"] if r.get("prefill", {}).get("ok")}
+    assert prefilled == {r["id"] for r in runs if "prefill" in r} and len(prefilled) >= 2 * 4
     assert {r["id"].split("/")[-1] for r in runs if "/" in r["id"]} == {"float32", "float16"}
     kinds = {r["id"].split("@")[0] for r in runs}
     # Only the empty-shape cases are left out of JavaScript, and all of them (see _catalogue_runs).

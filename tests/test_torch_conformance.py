@@ -8,7 +8,7 @@ import pytest
 import torch
 from _devices import TORCH_DEVICES
 
-from damcha_conformance.adapters import TorchAdapter
+from damcha_conformance.adapters import BUILTIN, TorchAdapter
 from damcha_conformance.pytest_plugin import assert_check, check_id, checks
 
 DTYPES = ("float64", "float32", "bfloat16")
@@ -18,8 +18,10 @@ def test_adapter_declares_its_dtypes():
     adapter = TorchAdapter()
     assert adapter.name == "torch"
     assert TorchAdapter(device="meta").name == "torch-meta"  # a non-CPU device is named in the report
-    assert tuple(adapter.dtypes) == DTYPES
+    assert tuple(adapter.dtypes) == DTYPES == BUILTIN["torch"].dtypes == BUILTIN["torch-cuda"].dtypes
     assert adapter.supports_gradients and callable(adapter.decode)
+    # The weights, the metric penalty and its gradients are checked too (tests below).
+    assert all(callable(getattr(adapter, m)) for m in ("weights", "metric_penalty", "metric_penalty_gradients"))
 
 
 @pytest.fixture(scope="module")

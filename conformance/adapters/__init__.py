@@ -79,8 +79,14 @@ class Builtin:
         kwargs: arguments of the adapter class.
         on_request: run only when named (``torch-cuda``: most machines have no GPU).
         limits: checks the backend cannot have, with the reason (an ONNX
-            inference graph has no gradients); ``damcha conform`` states them
+            inference graph has no gradients and no metric penalty): keys
+            "gradients", "weights", "penalty"; ``damcha conform`` states them
             and does not ask for them.
+        dtypes: the dtypes its adapter declares in its worker's environment
+            (JAX's x64 mode on), known without importing the framework:
+            ``damcha conform`` refuses a ``--dtype`` selection that leaves the
+            backend nothing to run (each backend's tests check the adapter
+            declares exactly these).
     """
 
     adapter: str
@@ -90,30 +96,53 @@ class Builtin:
     kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     on_request: bool = False
     limits: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    dtypes: tuple[str, ...] = ()
 
     def missing(self) -> list[str]:
         """The required modules that are not installed."""
         return [m for m in self.requires if importlib.util.find_spec(m) is None]
 
 
+_TORCH_DTYPES = ("float64", "float32", "bfloat16")
+_KERAS_DTYPES = ("float32", "float64")
+
 BUILTIN: dict[str, Builtin] = {
     "reference": Builtin(
-        "ReferenceAdapter", ("numpy",), limits={"gradients": "the reference is what gradients are compared against"}
+        "ReferenceAdapter",
+        ("numpy",),
+        limits={"gradients": "the reference is what gradients are compared against"},
+        dtypes=("float64",),
     ),
-    "torch": Builtin("TorchAdapter", ("torch",), "torch"),
-    "jax": Builtin("JaxAdapter", ("jax", "flax"), "jax", {"JAX_ENABLE_X64": "1"}),
-    "keras-tensorflow": Builtin("KerasAdapter", ("keras", "tensorflow"), "keras", {"KERAS_BACKEND": "tensorflow"}),
+    "torch": Builtin("TorchAdapter", ("torch",), "torch", dtypes=_TORCH_DTYPES),
+    "jax": Builtin(
+        "JaxAdapter", ("jax", "flax"), "jax", {"JAX_ENABLE_X64": "1"}, dtypes=("float32", "bfloat16", "float64")
+    ),
+    "keras-tensorflow": Builtin(
+        "KerasAdapter", ("keras", "tensorflow"), "keras", {"KERAS_BACKEND": "tensorflow"}, dtypes=_KERAS_DTYPES
+    ),
     "keras-jax": Builtin(
-        "KerasAdapter", ("keras", "jax"), "keras,jax", {"KERAS_BACKEND": "jax", "JAX_ENABLE_X64": "1"}
+        "KerasAdapter",
+        ("keras", "jax"),
+        "keras,jax",
+        {"KERAS_BACKEND": "jax", "JAX_ENABLE_X64": "1"},
+        dtypes=_KERAS_DTYPES,
     ),
-    "keras-torch": Builtin("KerasAdapter", ("keras", "torch"), "keras,torch", {"KERAS_BACKEND": "torch"}),
+    "keras-torch": Builtin(
+        "KerasAdapter", ("keras", "torch"), "keras,torch", {"KERAS_BACKEND": "torch"}, dtypes=_KERAS_DTYPES
+    ),
     "onnxruntime": Builtin(
         "OnnxAdapter",
         ("onnx", "onnxruntime"),
         "onnx",
-        limits={"gradients": "exported ONNX inference graphs have no autodiff"},
+        limits={
+            "gradients": "exported ONNX inference graphs have no autodiff",
+            "penalty": "exported ONNX inference graphs compute no training loss",
+        },
+        dtypes=("float32", "float64", "float16"),
     ),
-    "torch-cuda": Builtin("TorchAdapter", ("torch",), "torch", kwargs={"device": "cuda"}, on_request=True),
+    "torch-cuda": Builtin(
+        "TorchAdapter", ("torch",), "torch", kwargs={"device": "cuda"}, on_request=True, dtypes=_TORCH_DTYPES
+    ),
 }
 
 

@@ -23,7 +23,10 @@ class OnnxAdapter:
         runtime: "onnxruntime" (default) or "reference"
             (``onnx.reference.ReferenceEvaluator``; slow, a cross-check).
 
-    ONNX graphs carry no autodiff, so only outputs are checked. float32,
+    ONNX graphs carry no autodiff, so only outputs are checked (and the
+    attention weights, a ``return_weights=True`` export's ``weights`` output;
+    an inference graph computes no metric penalty: ``damcha conform`` states
+    both limits). float32,
     float64 and float16 graphs are exported: the softmax scale is folded into
     the query weights in float64, so no float32 attribute limits float64
     accuracy; float16 graphs accumulate the RMS statistic and the softmax in
@@ -47,7 +50,7 @@ class OnnxAdapter:
             return "ReferenceEvaluator is pure Python; long cases are left to onnxruntime"
         return None  # every catalogue case (masks, causal, GQA/MQA, cross) is expressible
 
-    def forward(self, data: CaseData, dtype: str) -> np.ndarray:
+    def _outputs(self, data: CaseData, dtype: str, weights: bool) -> dict[str, np.ndarray]:
         cross = data.context is not None
         model = build_model(
             data.params,
@@ -57,6 +60,7 @@ class OnnxAdapter:
             cross=cross,
             mask=data.mask is not None,
             dtype=dtype,
+            return_weights=weights,
         )
         inputs = {"query": data.query}
         if data.context is not None:
@@ -66,11 +70,20 @@ class OnnxAdapter:
         if data.mask is not None:
             inputs["mask"] = data.mask
         run = run_ort if self.runtime == "onnxruntime" else run_reference
-        return run(model, inputs)
+        outputs = run(model, inputs, all_outputs=True)
+        assert isinstance(outputs, dict)  # every output by name when all_outputs
+        return outputs
+
+    def forward(self, data: CaseData, dtype: str) -> np.ndarray:
+        return self._outputs(data, dtype, weights=False)["output"]
+
+    def weights(self, data: CaseData, dtype: str) -> np.ndarray:
+        """The ``weights`` output (B, H, N, M) of a ``return_weights=True`` export."""
+        return self._outputs(data, dtype, weights=True)["weights"]
 
     def decode(self, data: CaseData, dtype: str) -> np.ndarray:
         """``data.case.steps`` through a ``kv_cache=True`` export from an empty
-        cache, feeding each step's present_* back as past_*."""
+        cache, feeding each step's present_* back as past_*; every step's outputs."""
         model = build_model(data.params, data.config, opset=self.opset, causal=True, kv_cache=True, dtype=dtype)
         run = run_ort if self.runtime == "onnxruntime" else run_reference
         x = data.query
@@ -79,7 +92,7 @@ class OnnxAdapter:
             step = run(model, {"query": x[:, start:stop], **cache}, all_outputs=True)
             cache = {"past_key": step["present_key"], "past_value": step["present_value"]}
             outs.append(step["output"])
-        return np.concatenate(outs[1:], axis=1)
+        return np.concatenate(outs, axis=1)
 
     def gradients(self, data: CaseData, dtype: str) -> dict[str, np.ndarray]:
         raise NotImplementedError("exported ONNX inference graphs have no gradients")
