@@ -919,8 +919,11 @@ def test_unknown_layout_is_refused_and_nothing_converted():
         lambda: timm.models.pvt_v2.Attention(16, num_heads=4),  # separate q and kv, no qkv
         lambda: timm.models.nest.Attention(16, num_heads=4),  # no head_dim
         lambda: timm.models.tnt.Attention(16, 16, num_heads=4),
+        # a 1x1 Conv2d qkv over channels-first maps: matched once, then failed
+        # with "Cannot read the feature sizes of projection Conv2d"
+        lambda: timm.models.visformer.Attention(16, num_heads=4),
     ],
-    ids=["beit", "pvt_v2", "nest", "tnt"],
+    ids=["beit", "pvt_v2", "nest", "tnt", "visformer"],
 )
 def test_timm_attention_classes_of_other_layouts_are_refused_by_name(make):
     """timm names many attention classes ``Attention``: only the ViT layout's
@@ -933,6 +936,158 @@ def test_timm_attention_classes_of_other_layouts_are_refused_by_name(make):
     ):
         dt.convert(model)
     assert not dt.converted_layers(model)
+
+
+class MHSA(MyAttention):
+    """Attention under a name without "Attention" in it (timm's convit and
+    nextvit, many user models): found by its query/key projections."""
+
+
+class _FusionAttention(nn.Module):
+    """A wrapper around a supported layer that also attends with query/key
+    projections of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = timm.layers.Attention(16, num_heads=2)
+        self.q, self.k, self.v = (nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, x):
+        x = self.inner(x)
+        return x + nn.functional.scaled_dot_product_attention(self.q(x), self.k(x), self.v(x))
+
+
+class _WrapperAttention(nn.Module):
+    """A wrapper whose only attention is the supported layer it holds (an
+    output projection beside it, as transformers' BertAttention)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = timm.layers.Attention(16, num_heads=2)
+        self.out = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.out(self.attention(x))
+
+
+@pytest.mark.parametrize(
+    "make, layer",
+    [
+        (lambda: timm.models.convit.GPSA(16, num_heads=4), r"1 \(timm\.models\.convit\.GPSA\)"),
+        (lambda: timm.models.convit.MHSA(16, num_heads=4), r"1 \(timm\.models\.convit\.MHSA\)"),
+        (lambda: timm.models.xcit.XCA(16, num_heads=4), r"1 \(timm\.models\.xcit\.XCA\)"),
+        (MHSA, r"1 \(test_models_torch\.MHSA\)"),
+        (_FusionAttention, r"1 \(test_models_torch\._FusionAttention\)"),
+    ],
+    ids=["convit-gpsa", "convit-mhsa", "xcit-xca", "user-mhsa", "wrapper-with-own-qk"],
+)
+def test_attention_under_another_name_is_refused_by_name(make, layer):
+    """A layer that attends with query/key projections of its own but whose
+    class name has no "Attention" in it (or a wrapper of a supported layer)
+    was skipped: convert() converted the ViT beside it and returned, leaving
+    that layer without maps, or named no layer at all ("it has no attention
+    layer convert() supports. Received: model=ConVit")."""
+    model = nn.Sequential(timm.layers.Attention(16, num_heads=2), make())
+    with pytest.raises(dc.DamchaValueError, match=rf"layout convert\(\) knows.*Received: .*unknown layouts: {layer}$"):
+        dt.convert(model)
+    assert not dt.converted_layers(model)
+
+
+def test_a_wrapper_of_a_supported_layer_converts_through_it():
+    model = nn.Sequential(_WrapperAttention()).double()
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    with torch.no_grad():
+        before = model(x)
+        dt.convert(model)
+        assert torch.equal(model(x), before)
+    assert list(dt.converted_layers(model)) == ["0.attention"]
+
+
+def _pool_reference(pool, tokens: torch.Tensor) -> np.ndarray:
+    """The reference's attention (with ``proj``) of an AttentionPoolLatent: the
+    latent queries over ``tokens``, each side with its own map."""
+    from _models_zoo import metric_params
+
+    c = pool.damcha.config
+    H, d, E = c.num_heads, c.key_dim, c.query_dim
+
+    def kernel(lin, cols=slice(None)):
+        w, b = lin.weight.detach().numpy().T[:, cols], lin.bias.detach().numpy()[cols]
+        return w.reshape(-1, H, d), b.reshape(H, d)
+
+    p = dict(zip(("query.kernel", "query.bias"), kernel(pool.q)))
+    p.update(zip(("key.kernel", "key.bias"), kernel(pool.kv, slice(0, H * d))))
+    p.update(zip(("value.kernel", "value.bias"), kernel(pool.kv, slice(H * d, None))))
+    p["output.kernel"] = pool.proj.weight.detach().numpy().T.reshape(H, d, -1)
+    p["output.bias"] = pool.proj.bias.detach().numpy()
+    p.update(metric_params(pool.damcha))
+    cfg = dc.DamchaConfig(
+        query_dim=E,
+        context_dim=c.context_dim,
+        num_heads=H,
+        num_kv_heads=H,
+        key_dim=d,
+        output_dim=p["output.bias"].shape[0],
+        use_bias=True,
+        coupling=c.coupling,
+    )
+    latent = np.repeat(pool.latent.detach().numpy(), tokens.shape[0], axis=0)
+    return dc.damcha_attention(p, cfg, latent, tokens.detach().numpy())
+
+
+def test_timm_attention_pool_head_converts():
+    """timm ViTs with global_pool="map" (SigLIP's) were refused whole: the
+    AttentionPoolLatent head is an attention layer no adapter knew. Its latent
+    queries and the tokens' keys get separate maps: exact at init, the
+    reference's attention with the gates open, trained, saved and loaded."""
+
+    def make():
+        torch.manual_seed(0)
+        return timm.create_model(
+            "vit_tiny_patch16_224",
+            pretrained=False,
+            img_size=16,
+            patch_size=8,
+            embed_dim=32,
+            depth=1,
+            num_heads=4,
+            num_classes=5,
+            global_pool="map",
+        ).double()
+
+    model = make().eval()
+    x = torch.randn(2, 3, 16, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = model(x)
+        dt.convert(model)
+        assert torch.equal(model(x), before)
+    assert sorted(dt.converted_layers(model)) == ["attn_pool", "blocks.0.attn"]
+    pool = model.attn_pool
+    assert pool.damcha.config.coupling == "separate"
+    open_gates(model)
+    seen = []
+    pool.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    pool.proj.register_forward_hook(lambda m, args, out: seen.append(out))
+    with torch.no_grad():
+        opened = model(x)
+    tokens, got = seen
+    np.testing.assert_allclose(got.numpy(), _pool_reference(pool, tokens), rtol=0, atol=1e-12)
+    model.train()
+    model(x).square().sum().backward()
+    assert all(p.grad is not None and p.grad.abs().max() > 0 for p in pool.damcha.parameters())
+    model.eval()
+    again = dt.convert(make()).eval()
+    again.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert torch.equal(again(x), opened)
+
+
+def test_timm_attention_pool_without_a_query_projection_is_refused_by_name():
+    model = nn.Sequential(timm.layers.AttentionPoolLatent(16, num_heads=2, q_proj=False))
+    with pytest.raises(
+        dc.DamchaValueError, match=r"unknown layouts: 0 \(timm\.layers\.attention_pool\.AttentionPoolLatent\)$"
+    ):
+        dt.convert(model)
 
 
 class _ViTAndMHA(nn.Module):

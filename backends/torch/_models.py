@@ -682,6 +682,37 @@ def _is_attention_like(module: nn.Module) -> bool:
     return "attention" in name.lower() or name.endswith("Attn")
 
 
+# Child names under which attention layers keep their query and key
+# projections: one fused module, or a query module beside a key (or fused
+# key/value) module. Layers named otherwise than "...Attention" (timm's GPSA,
+# MHSA and XCA, a user's "MHSA") are found by these, so that convert() names
+# them instead of leaving them without maps while converting the rest.
+_FUSED_QK = ("qkv", "qk", "in_proj", "qkv_proj", "Wqkv", "query_key_value")
+_QUERY_KEY = (
+    ("q", "k"),
+    ("q", "kv"),
+    ("q_proj", "k_proj"),
+    ("q_proj", "kv_proj"),
+    ("query", "key"),
+    ("query_proj", "key_proj"),
+    ("to_q", "to_k"),
+    ("to_q", "to_kv"),
+    ("wq", "wk"),
+    ("q_lin", "k_lin"),
+)
+
+
+def _projects_queries_and_keys(module: nn.Module) -> bool:
+    """``module`` holds query/key projections of its own (children with weights
+    under the names above): it computes attention whatever its class is named."""
+
+    def weighted(attr: str) -> bool:
+        child = module._modules.get(attr)
+        return child is not None and next(child.parameters(), None) is not None
+
+    return any(weighted(a) for a in _FUSED_QK) or any(weighted(q) and weighted(k) for q, k in _QUERY_KEY)
+
+
 def _inside(name: str, prefixes: list[str]) -> bool:
     return any(name != p and (p == "" or name.startswith(p + ".")) for p in prefixes)
 
@@ -707,10 +738,12 @@ def _find(model: nn.Module) -> tuple[list[tuple[str, nn.Module, ModelAdapter]], 
                 claimed.append(name)
     unknown = []
     for name, module in model.named_modules():
-        if name in claimed or _inside(name, claimed) or not _is_attention_like(module):
+        if name in claimed or _inside(name, claimed):
             continue
-        if any(_inside(c, [name]) for c in claimed):
-            continue  # a container of converted layers (BertAttention holds BertSelfAttention)
+        if _projects_queries_and_keys(module):
+            pass  # attention of its own, even beside converted layers it holds
+        elif not _is_attention_like(module) or any(_inside(c, [name]) for c in claimed):
+            continue  # not attention, or a container of converted layers (BertAttention holds BertSelfAttention)
         unknown.append(f"{name or '<model>'} ({type(module).__module__}.{type(module).__qualname__})")
     return matched, mhas, unknown
 

@@ -126,12 +126,23 @@ def _timm_vit_like(m: Any) -> bool:
     fused ``qkv`` projection it calls, ``num_heads`` and ``head_dim``. The others
     (BEiT: a qkv bias added with ``F.linear``, bypassing the module; PVTv2, TNT:
     separate q and kv; LeViT, TinyViT, NesT, EfficientFormer, VOLO: other sizes
-    or no ``head_dim``) stay unmatched, so convert() refuses them by name."""
+    or no ``head_dim``; Visformer: a 1x1 ``Conv2d`` qkv over channels-first
+    maps, whose features are not the last dimension) stay unmatched, so
+    convert() refuses them by name."""
     return (
         _is(m, "timm", frozenset({"Attention"}))
         and all(hasattr(m, a) for a in ("qkv", "num_heads", "head_dim"))
         and getattr(m, "q_bias", None) is None
+        and _has_features(m.qkv)
     )
+
+
+def _has_features(projection: Any) -> bool:
+    try:
+        _features(projection)
+    except DamchaValueError:
+        return False
+    return True
 
 
 def _timm_layout(m: Any) -> AttentionLayout:
@@ -139,6 +150,28 @@ def _timm_layout(m: Any) -> AttentionLayout:
     e, out = _features(m.qkv)
     _heads("qkv", out, d, 3 * H)
     return AttentionLayout(H, H, d, e, e, (ProjectionSite("qkv", q=0, k=H * d),))
+
+
+def _timm_pool_like(m: Any) -> bool:
+    """timm's ``AttentionPoolLatent`` (the ``global_pool="map"`` head of SigLIP
+    and other ViTs): a learned latent query attending over the tokens. Without
+    a query projection (``q_proj=False``, ``q`` is an Identity) there is no
+    module to carry the query map, so it stays unmatched and is refused by name."""
+    return (
+        _is(m, "timm", frozenset({"AttentionPoolLatent"}))
+        and all(hasattr(m, a) for a in ("q", "kv", "num_heads", "head_dim"))
+        and _has_features(m.q)
+        and _has_features(m.kv)
+    )
+
+
+def _timm_pool_layout(m: Any) -> AttentionLayout:
+    H, d = int(m.num_heads), int(m.head_dim)
+    (eq, q_out), (ek, kv_out) = _features(m.q), _features(m.kv)
+    _heads("q", q_out, d, H)
+    _heads("kv", kv_out, d, 2 * H)
+    # Queries read the latent, keys the tokens: cross-attention (separate maps).
+    return AttentionLayout(H, H, d, eq, ek, (ProjectionSite("q", q=0), ProjectionSite("kv", k=0)), self_attention=False)
 
 
 for _adapter in (
@@ -172,6 +205,12 @@ for _adapter in (
         "timm Attention of ViTs (fused qkv Linear, with or without qk_norm)",
         _timm_vit_like,
         _timm_layout,
+    ),
+    ModelAdapter(
+        "timm-attention-pool",
+        "timm AttentionPoolLatent (global_pool='map': latent query projection q, fused kv Linear)",
+        _timm_pool_like,
+        _timm_pool_layout,
     ),
 ):
     register_adapter(_adapter)
