@@ -564,3 +564,46 @@ def test_bad_dropout_key_and_block_arguments_are_named() -> None:
     for key in (jax.random.PRNGKey(0), jax.random.key(0)):
         y = dj.damcha_attention(PARAMS, CFG.replace(dropout=0.5), X, deterministic=False, dropout_rng=key)
         assert np.all(np.isfinite(np.asarray(y)))
+
+
+def _custom_attention_fn(q, k, v, **kw):
+    return nnx.dot_product_attention(q, k, v, **kw)
+
+
+@pytest.mark.parametrize("attention", ["default", "custom-attention-fn"])
+@pytest.mark.parametrize(
+    "refused, match",
+    [
+        (lambda layer: layer(X[:1, :1]), "batch axes of the cache"),
+        (lambda layer: layer(X[:, :1], X[:, :2]), "one key token per query token"),
+        (lambda layer: layer(np.concatenate([X, X[:, :1]], axis=1)), "at most 4 new tokens"),
+    ],
+    ids=["batch-axes", "keys-per-query", "no-room"],
+)
+@pytest.mark.parametrize("stream", ["layer-rngs", "call-rngs"])
+def test_a_refused_decode_step_leaves_the_dropout_stream_as_it_was(attention, refused, match, stream) -> None:
+    """The decode checks (cache batch axes, one key per query, room left) ran after the dropout key
+    was drawn: a refused step advanced the rng stream, so the next good step dropped other weights
+    than it would have. Now the stream, the cache and the next step are those of a layer that was
+    never given the bad call."""
+    fn = None if attention == "default" else _custom_attention_fn
+
+    def make() -> tuple[dj.DamchaAttention, nnx.Rngs | None]:
+        layer = dj.DamchaAttention(
+            H, E, dropout_rate=0.5, deterministic=False, decode=True, attention_fn=fn, rngs=nnx.Rngs(0, dropout=1)
+        )
+        layer.init_cache((B, N, E))
+        return layer, (nnx.Rngs(dropout=7) if stream == "call-rngs" else None)
+
+    def counter(layer: dj.DamchaAttention, rngs: nnx.Rngs | None) -> int:
+        return int((layer.rngs if rngs is None else rngs.dropout).count[...])
+
+    refusing, refusing_rngs = make()
+    clean, clean_rngs = make()
+    with pytest.raises(dc.DamchaValueError, match=match):
+        refused(functools.partial(refusing, rngs=refusing_rngs))
+    assert counter(refusing, refusing_rngs) == counter(clean, clean_rngs) == 0
+    assert int(refusing.cache_index[...]) == 0
+    got = refusing(X[:, :2], rngs=refusing_rngs)
+    want = clean(X[:, :2], rngs=clean_rngs)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

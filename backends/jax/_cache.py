@@ -184,16 +184,17 @@ def either_flag(a: Array | None, b: Array | None) -> Array | None:
     return b if a is None else a if b is None else jnp.logical_or(a, b)
 
 
-def check_step_keys(T: int, k: Array, lead: tuple[int, ...], config: DamchaConfig) -> None:
+def check_step_keys(T: int, keys: int, lead: tuple[int, ...], config: DamchaConfig) -> None:
     """A decoding step appends one key per query token (as Flax's MHA
-    requires): keys of another length would fill the cache out of step with
-    ``cache_index`` (slots overwritten next step, or left zero and attended)."""
-    if k.shape[-3] != T:
+    requires): ``keys`` key tokens of another length than the ``T`` queries
+    would fill the cache out of step with ``cache_index`` (slots overwritten
+    next step, or left zero and attended)."""
+    if keys != T:
         raise DamchaValueError(
             invalid_argument(
                 "inputs_k",
                 f"one key token per query token when decoding: {T}, the length of `inputs_q`",
-                f"inputs_k.shape={(*lead, k.shape[-3], config_sizes(config)[0])}, "
+                f"inputs_k.shape={(*lead, keys, config_sizes(config)[0])}, "
                 f"inputs_q.shape={(*lead, T, config.query_dim)}",
             )
         )
@@ -374,6 +375,28 @@ class DecodeCache:
         self.cached_value = nnx.Cache(cache["value"])
         self.cache_index = nnx.Cache(cache["index"])
 
+    def _check_step(self, lead: tuple[int, ...], T: int, keys: int, name: str) -> Array | None:
+        """Refuse a decoding step of ``T`` query and ``keys`` key tokens with batch axes ``lead``
+        that the cache cannot take (not initialised, other batch axes, not one key per query,
+        no room); returns ``check_room``'s flag (None, or the overflow of a traced index).
+
+        Reads shapes and the index only, so a caller runs it before anything with an effect:
+        the layer before it draws its dropout key, whose stream a refused call would advance."""
+        if self.cached_key is None or self.cached_value is None or self.cache_index is None:
+            raise DamchaValueError("The decoding cache is not initialised: call init_cache(input_shape) first.")
+        cached_k = self.cached_key[...]
+        batch, L = tuple(cached_k.shape[:-3]), cached_k.shape[-3]
+        if lead != batch:
+            raise DamchaValueError(
+                invalid_argument(
+                    name,
+                    f"the batch axes of the cache from init_cache, {batch}",
+                    f"{name} with batch axes {lead} (cached_key.shape={tuple(cached_k.shape)})",
+                )
+            )
+        check_step_keys(T, keys, lead, self.config)
+        return check_room(self.cache_index[...], T, L, name, (*lead, T, self.config.query_dim))
+
     def _decode(
         self,
         q: Array,
@@ -391,21 +414,12 @@ class DecodeCache:
         """q~ [batch..., T, H, d], k~, v [batch..., T, G, .] appended to the cache;
         o [batch..., T, H, d_v] and the mask's NaN flag. With ``weights_out``
         the probabilities [batch..., H, T, L] are appended to it."""
-        if self.cached_key is None or self.cached_value is None or self.cache_index is None:
-            raise DamchaValueError("The decoding cache is not initialised: call init_cache(input_shape) first.")
-        cached_k, cached_v, index = self.cached_key[...], self.cached_value[...], self.cache_index[...]
-        batch, L = tuple(cached_k.shape[:-3]), cached_k.shape[-3]
         lead, T = tuple(q.shape[:-3]), q.shape[-3]
-        if lead != batch:
-            raise DamchaValueError(
-                invalid_argument(
-                    name,
-                    f"the batch axes of the cache from init_cache, {batch}",
-                    f"{name} with batch axes {lead} (cached_key.shape={tuple(cached_k.shape)})",
-                )
-            )
-        check_step_keys(T, k, lead, self.config)
-        overflow = check_room(index, T, L, name, (*lead, T, self.config.query_dim))
+        # Normally checked already (before the dropout key was drawn); again here for any other caller.
+        overflow = self._check_step(lead, T, k.shape[-3], name)
+        assert self.cached_key is not None and self.cached_value is not None and self.cache_index is not None
+        cached_k, cached_v, index = self.cached_key[...], self.cached_value[...], self.cache_index[...]
+        batch = lead
         B = int(np.prod(batch)) if batch else 1
         fold = lambda t: jnp.reshape(t, (B, *t.shape[len(batch) :]))  # noqa: E731
         cache = {"key": fold(cached_k), "value": fold(cached_v), "index": index}

@@ -38,7 +38,7 @@ from damcha_core import (
 )
 
 from . import _functional as F
-from ._cache import DecodeCache, check_room, check_step_keys
+from ._cache import DecodeCache
 from ._canonical import CanonicalIO
 from ._convert import from_mha
 from ._generator import CrossHeadMap, MetricGenerator, make_metric_generators, resolve_metric_generators
@@ -674,6 +674,10 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
         lead, view = _check_inputs(self.config, x, k_in, v_in, checked.array, keys=cache_len)
         if view is not None:
             checked = reshape_mask(checked, view)
+        if decode:
+            # Every refusal comes before the dropout key is drawn: drawing advances the layer's (or
+            # the caller's) rng stream, and a refused call must not change the next call's masks.
+            self._check_step(lead, x.shape[-2], (x if k_in is None else k_in).shape[-2], "inputs_q")
         deterministic, dropout_rng = self._dropout_rng(deterministic, rngs)
 
         ctx = x if k_in is None else k_in
@@ -762,8 +766,7 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
             cached_k, cached_v, index = self.cached_key, self.cached_value, self.cache_index
             assert cached_k is not None and cached_v is not None and index is not None  # init_cache set all three
             T = q.shape[-3]
-            check_step_keys(T, k, lead, self.config)
-            overflow = check_room(index[...], T, cached_k.shape[-3], "inputs_q", (*lead, T, self.config.query_dim))
+            overflow = self._check_step(lead, T, k.shape[-3], "inputs_q")
             zero = jnp.zeros((), jnp.int32)
             start = (zero,) * len(lead) + (index[...].astype(jnp.int32), zero, zero)
             cached_k[...] = jax.lax.dynamic_update_slice(cached_k[...], k.astype(cached_k.dtype), start)
