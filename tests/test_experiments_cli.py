@@ -793,3 +793,101 @@ def test_from_json_of_a_cost_file_says_so(digits_results, tmp_path, capsys):
     assert code == 0, err
     code, err = _main(["digits", "--from-json", str(out / "digits_cost.json"), "--no-plots"], capsys)
     assert code == 2 and "is a cost file (TASK_cost.json), not a results file (TASK.json)" in err, err
+
+
+def _damaged_copy(src: Path, folder: Path, damage) -> Path:
+    obj = json.loads(src.read_text())
+    damage(obj)
+    folder.mkdir(exist_ok=True)
+    path = folder / "digits.json"
+    path.write_text(json.dumps(obj, allow_nan=True))
+    return path
+
+
+def _set(*keys_and_value):
+    *keys, last, value = keys_and_value
+
+    def damage(obj):
+        for k in keys:
+            obj = obj[k]
+        obj[last] = value
+
+    return damage
+
+
+MHA_RUN = ("variants", "mha", "runs", 0)
+
+
+@pytest.mark.parametrize(
+    "damage, where, says",
+    [
+        (_set(*MHA_RUN, "test_metric", "0.5"), "variants['mha']['runs'][0]['test_metric']='0.5'", "expected a number"),
+        (_set("variants", "mha", "runs", {"0": {}}), "variants['mha']['runs']={'0': {}}", "expected a list"),
+        (_set("seeds", "3"), "seeds='3'", "expected an int"),
+        (_set("variants", "mha", "test", "mean", None), "variants['mha']['test']['mean']=None", "expected a number"),
+        (_set(*MHA_RUN, "curve", "step", [1.5]), "variants['mha']['runs'][0]['curve']['step']=[1.5]", "list of ints"),
+        (_set(*MHA_RUN, "diverged", 0), "variants['mha']['runs'][0]['diverged']=0", "expected true or false"),
+    ],
+    ids=["test-metric-string", "runs-object", "seeds-string", "mean-null", "curve-step-float", "diverged-int"],
+)
+def test_from_json_names_a_field_of_the_wrong_type(damage, where, says, digits_results, tmp_path, capsys):
+    """A field of another JSON type failed with "incomplete (TypeError: must be real number, not str)",
+    naming no field, or passed unnoticed with --no-plots (exit 0). Now: exit 2 naming the field's
+    path in the file, its value and JSON type, and what was expected."""
+    path = _damaged_copy(digits_results, tmp_path / "in", damage)
+    code, err = _main(["digits", "--from-json", str(path), "--no-plots", "--out", str(tmp_path / "o")], capsys)
+    assert code == 2, err
+    (line,) = err.strip().splitlines()
+    assert line.startswith(f"damcha experiment: error: --from-json: {path} holds {where} (a JSON "), line
+    assert says in line, line
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
+    "damage, says",
+    [
+        (
+            _set("variants", "mha", "test", "mean", float("nan")),
+            "variants['mha']['test']['mean']=nan (a JSON float), expected a finite number: every run's test_metric",
+        ),
+        (
+            _set("variants", "mha", "steps", "mean", float("inf")),
+            "variants['mha']['steps']['mean']=inf (a JSON float), expected a finite number: every run's steps",
+        ),
+        (
+            _set(*MHA_RUN, "test_metric", float("nan")),
+            "variants['mha']['runs'][0]['test_metric']=nan (a JSON float), expected an accuracy in [0, 1] (NaN only "
+            "in a diverged run)",
+        ),
+        (_set(*MHA_RUN, "test_metric", 1.5), "['test_metric']=1.5 (a JSON float), expected an accuracy in [0, 1]"),
+    ],
+    ids=["test-mean-nan", "steps-mean-inf", "run-nan-not-diverged", "accuracy-above-1"],
+)
+def test_from_json_refuses_metrics_no_run_could_have_written(damage, says, digits_results, tmp_path, capsys):
+    """A hand-edited NaN in a finished run's metrics printed "nan +- nan" and exited 0."""
+    path = _damaged_copy(digits_results, tmp_path / "in", damage)
+    code, err = _main(["digits", "--from-json", str(path), "--no-plots", "--out", str(tmp_path / "o")], capsys)
+    assert code == 2, err
+    (line,) = err.strip().splitlines()
+    assert line.startswith(f"damcha experiment: error: --from-json: {path} holds ") and says in line, line
+
+
+def test_from_json_keeps_the_nan_of_a_diverged_run_as_the_trainer_writes_it(tmp_path, monkeypatch, capsys):
+    """The refusals above must not catch what training writes: a run whose first loss is NaN stops as
+    diverged with test_metric NaN, and its summary is NaN; that file redraws, exit 0."""
+    import torch.nn.functional as F
+
+    from damcha_experiments._report import write_json
+    from damcha_experiments._suite import run_suite
+    from damcha_experiments._tasks import task_config
+
+    cross_entropy = F.cross_entropy
+    monkeypatch.setattr(F, "cross_entropy", lambda *a, **k: cross_entropy(*a, **k) * float("nan"))
+    cfg = task_config("digits", "smoke", seeds=1, lrs=(1e-3,), max_steps=2)
+    results = run_suite(cfg, ["mha"], "headline", out=None)
+    monkeypatch.undo()
+    (run,) = results["variants"]["mha"]["runs"]
+    assert run["diverged"] and run["test_metric"] != run["test_metric"]  # NaN, as the trainer writes it
+    path = write_json(results, tmp_path / "digits.json")
+    code, err = _main(["digits", "--from-json", str(path), "--no-plots", "--out", str(tmp_path / "o")], capsys)
+    assert code == 0, err
