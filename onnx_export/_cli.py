@@ -252,7 +252,21 @@ def _validate(args: argparse.Namespace) -> tuple[dict[str, np.ndarray], dc.Damch
         _check_ort_dir(args)
     if EXTERNAL_DATA[args.external_data] is not False:
         # The data file is an output too (read-only, a folder, a name the OS refuses: refused here).
-        cu.check_output_file(out.with_name(data_file_name(str(out))), "--out", prog=PROG)
+        data_path = out.with_name(data_file_name(str(out)))
+        if os.path.isdir(data_path):  # False, not OSError, for a name the OS refuses (checked next)
+            # The generic check said "--out: is a directory ... Received: 'm.onnx.data'", a path the
+            # user never typed: say that the folder sits where --out's data file goes, and the ways out.
+            never = ""
+            if args.external_data == "auto":
+                never = ", or pass --external-data never (the weights in the .onnx file, up to protobuf's 2 GiB)"
+            cu.usage_error(
+                "--out",
+                f"{str(data_path)!r} is a folder, where the external data file of --out goes "
+                f"(<out>.data, --external-data {args.external_data}); expected no folder there: move or rename "
+                f"it, or choose another --out{never}. Received: --out {args.out!r}",
+                prog=PROG,
+            )
+        cu.check_output_file(data_path, "--out", prog=PROG)
     elif (data := read_only_data_file(str(out))) is not None:  # a one-file export removes a stale data file
         cu.usage_error(
             "--out",
@@ -290,6 +304,7 @@ def _validate(args: argparse.Namespace) -> tuple[dict[str, np.ndarray], dc.Damch
             f"differs from the config stored in {args.params!r} in: {fields}. Omit --config to use the stored one",
             prog=PROG,
         )
+    _check_dtype_holds(args, params)
     if not args.cross and config.context_dim != config.query_dim:
         cu.usage_error(
             "--cross",
@@ -305,6 +320,36 @@ def _validate(args: argparse.Namespace) -> tuple[dict[str, np.ndarray], dc.Damch
             prog=PROG,
         )
     return params, config
+
+
+def _check_dtype_holds(args: argparse.Namespace, params: dict[str, np.ndarray]) -> None:
+    """Exit 2 naming ``--dtype`` when a weight would round to inf in it, and the narrowest choice that
+    holds every weight: the exporter's own refusal named ``params[...]`` alone, not the flag that fixes it."""
+
+    def fits(dtype: str) -> dc.DamchaValueError | None:
+        try:
+            dc.check_params_fit(params, dtype, float(np.finfo(dtype).max))
+        except dc.DamchaValueError as exc:
+            return exc
+        return None
+
+    problem = fits(args.dtype)
+    if problem is None:
+        return
+    limit = float(np.finfo(args.dtype).max)
+    wider = sorted((d for d in ATOL if d in DTYPES and float(np.finfo(d).max) > limit), key=lambda d: np.finfo(d).max)
+    holding = next((d for d in wider if fits(d) is None), None)
+    remedy = (
+        f"pass --dtype {holding}, the narrowest choice that holds them"
+        if holding is not None
+        else "no --dtype choice holds them; rescale the weights"
+    )
+    cu.usage_error(
+        "--dtype",
+        f"{args.dtype} cannot hold the weights of --params {args.params!r} ({problem}); {remedy}. "
+        f"Received: --dtype {args.dtype}",
+        prog=PROG,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

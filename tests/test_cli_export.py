@@ -697,3 +697,43 @@ def test_external_data_export_to_the_longest_name_its_data_file_allows(params_fi
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert out.exists() and (tmp_path / (out.name + ".data")).exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([out.name, out.name + ".data", "p.safetensors"])
+
+
+@pytest.mark.parametrize(
+    "value, dtype, holding",
+    [(1e6, "float16", "float32"), (1e39, "float32", "float64"), (1e39, "float16", "float64")],
+    ids=["float16-needs-float32", "float32-needs-float64", "float16-needs-float64"],
+)
+def test_weights_past_the_dtype_name_dtype_and_the_choice_that_holds_them(tmp_path, value, dtype, holding):
+    """Weights that round to inf in --dtype were refused naming `params['query.kernel']` only, not the
+    flag: now --dtype, the value it refuses and the narrowest --dtype that holds every weight."""
+    params = dc.init_params(CONFIG, 1)
+    params["query.kernel"] = params["query.kernel"].copy()
+    params["query.kernel"].flat[3] = -value
+    dc.save_params(tmp_path / "big.safetensors", params, CONFIG)
+    line = one_line_usage_error(
+        export("--params", str(tmp_path / "big.safetensors"), "--out", str(tmp_path / "m.onnx"), "--dtype", dtype),
+        "--dtype",
+    )
+    assert f"--dtype: {dtype} cannot hold the weights of --params" in line, line
+    assert f"params['query.kernel']`: expected values that round to a finite {dtype}" in line, line
+    assert f"max |value| = {value!r}" in line and f"pass --dtype {holding}, the narrowest choice" in line, line
+    assert line.endswith(f"Received: --dtype {dtype}"), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.safetensors"]
+
+
+@pytest.mark.parametrize("external", ["auto", "always"])
+def test_a_folder_where_the_data_file_goes_is_named_as_the_problem(params_file, tmp_path, external):
+    """A folder at `<out>.data` was refused as "--out: is a directory, expected a file path. Received:
+    'm.onnx.data'": a path the user never typed, read as if --out were that folder. Now the folder is
+    named as what stands where the data file goes, with --out as received and the ways out."""
+    out = tmp_path / "m.onnx"
+    (tmp_path / "m.onnx.data").mkdir()
+    line = one_line_usage_error(
+        export("--params", params_file, "--out", str(out), "--external-data", external), "--out"
+    )
+    assert f"--out: {str(tmp_path / 'm.onnx.data')!r} is a folder, where the external data file of --out goes" in line
+    assert f"--external-data {external}); expected no folder there: move or rename it" in line, line
+    assert ("pass --external-data never" in line) == (external == "auto"), line
+    assert line.endswith(f"Received: --out {str(out)!r}"), line
+    assert not out.exists()
