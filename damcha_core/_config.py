@@ -35,6 +35,13 @@ class DamchaConfig:
             mixing per token), ``"lowrank"`` (rank-``metric_rank`` update over
             all S*d coordinates) or ``"none"`` (exactly MHA).
         metric_rank: r, only for ``metric="lowrank"``, where it is required.
+            Any r >= 1 is accepted, also r > S*d: each token's Delta(t) =
+            U diag(u(t)) V^T has rank <= S*d, but the r rank-one terms it
+            mixes span up to (S*d)^2 maps, so up to r = S*d * min(S*d, E + 1)
+            a larger rank reaches maps a smaller one cannot. Past that bound
+            every affine map from phi(t) to Delta is reachable and a larger r
+            only over-parameterises (more weights, another initial scale), as
+            ``key_dim * num_heads > query_dim`` does; it is not refused.
         coupling: ``"tied"`` (one generator for queries and keys; needs
             ``num_kv_heads == num_heads`` and ``context_dim == query_dim``),
             ``"separate"`` (one per side), ``"query"`` (queries only) or

@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import damcha_core as dc
+from damcha_core._reference import dense_map
 
 BASE = dict(query_dim=8, num_heads=4, key_dim=2)
 
@@ -305,3 +306,20 @@ def test_config_init_still_binds_like_the_dataclass():
     assert cfg == dc.DamchaConfig(query_dim=8, num_heads=4, key_dim=2, metric="none")
     assert pickle.loads(pickle.dumps(cfg)) == cfg == copy.deepcopy(cfg) == dataclasses.replace(cfg)
     assert list(inspect.signature(dc.DamchaConfig).parameters)[:3] == ["query_dim", "num_heads", "key_dim"]
+
+
+@pytest.mark.parametrize("rank, span", [(1, 1), (2, 2), (3, 3), (4, 4), (6, 4)], ids=lambda v: str(v))
+def test_a_lowrank_rank_above_s_times_d_is_accepted_because_it_still_adds_maps(rank: int, span: int) -> None:
+    """metric_rank is not bounded by S*d (an audit asked): each Delta(t) = U diag(u(t)) V^T has rank
+    <= S*d = 2 here, but the maps over tokens span min(r, (S*d)^2) dimensions, so r = 3 and 4 reach
+    maps r = 2 cannot; r = 6 adds nothing over 4 (every affine map phi -> Delta is reachable at
+    r = S*d * min(S*d, E + 1) = 4) and is accepted as an over-parameterisation (the config's docs)."""
+    config = dc.DamchaConfig(query_dim=4, num_heads=2, key_dim=1, metric="lowrank", metric_rank=rank)
+    rng = np.random.default_rng(0)
+    params = {k: rng.normal(size=np.shape(v)) for k, v in dc.init_params(config, 0).items()}  # open gates
+    tokens = rng.normal(size=(1, 32, 4))
+    deltas = dense_map(params, config, "qk", tokens).reshape(32, 2, 2) - np.eye(2)
+    assert max(np.linalg.matrix_rank(d) for d in deltas) <= 2  # S*d, whatever the rank
+    assert np.linalg.matrix_rank(deltas.reshape(32, 4)) == span
+    y = dc.damcha_attention(params, config, tokens[:, :5])
+    assert y.shape == (1, 5, 4) and np.all(np.isfinite(y))
