@@ -20,8 +20,14 @@ import timm  # noqa: E402
 import transformers  # noqa: E402
 
 VOCAB = 61
-CAUSAL = ("llama", "llama-mha", "llama-mqa", "mistral", "qwen2", "qwen3", "gpt2", "bert-decoder")
-ARCHS = CAUSAL + ("bert", "roberta", "vit", "vit-qknorm", "hf-vit", "mha")
+CAUSAL = ("llama", "llama-mha", "llama-mqa", "mistral", "qwen2", "qwen3", "gpt2", "bert-decoder", "opt", "clip-text")
+# BERT's self-attention copied into other models ("Copied from ... with Bert->Electra").
+BERT_COPIES = ("electra", "xlm-roberta", "camembert")
+ARCHS = CAUSAL + ("bert", "roberta", *BERT_COPIES, "vit", "vit-qknorm", "hf-vit", "clip-vision", "siglip", "mha")
+# The trailing features of run("siglip", ...): its pooling head's, computed by an nn.MultiheadAttention.
+SIGLIP_HEAD = 32
+# The models whose attention implementation transformers selects (eager or sdpa).
+HOST_ATTN = tuple(a for a in ARCHS if a not in ("vit", "vit-qknorm", "mha"))
 
 
 def _dec(cls_cfg, **kw):
@@ -73,9 +79,16 @@ def build(arch: str, dtype: torch.dtype = torch.float32, attn: str = "sdpa", see
             m = T.BertLMHeadModel(cfg)
         else:
             m = T.BertModel(cfg)
-    elif arch == "roberta":
-        m = T.RobertaModel(
-            T.RobertaConfig(
+    elif arch in ("roberta", *BERT_COPIES):
+        cls, cls_cfg = {
+            "roberta": (T.RobertaModel, T.RobertaConfig),
+            "electra": (T.ElectraModel, T.ElectraConfig),
+            "xlm-roberta": (T.XLMRobertaModel, T.XLMRobertaConfig),
+            "camembert": (T.CamembertModel, T.CamembertConfig),
+        }[arch]
+        extra = {"embedding_size": 16} if arch == "electra" else {}  # ELECTRA projects its embeddings up
+        m = cls(
+            cls_cfg(
                 vocab_size=VOCAB,
                 hidden_size=32,
                 num_hidden_layers=2,
@@ -83,8 +96,42 @@ def build(arch: str, dtype: torch.dtype = torch.float32, attn: str = "sdpa", see
                 intermediate_size=48,
                 max_position_embeddings=70,
                 attn_implementation=attn,
+                **extra,
             )
         )
+    elif arch == "opt":
+        m = T.OPTForCausalLM(
+            T.OPTConfig(
+                vocab_size=VOCAB,
+                hidden_size=32,
+                word_embed_proj_dim=32,
+                ffn_dim=48,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                max_position_embeddings=64,
+                attn_implementation=attn,
+            )
+        )
+    elif arch in ("clip-text", "clip-vision", "siglip"):
+        text = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4)
+        vision = dict(
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            image_size=16,
+            patch_size=8,
+        )
+        if arch == "clip-text":
+            m = T.CLIPTextModel(T.CLIPTextConfig(**text, max_position_embeddings=64, attn_implementation=attn))
+        elif arch == "clip-vision":
+            m = T.CLIPVisionModel(T.CLIPVisionConfig(**vision, attn_implementation=attn))
+        else:  # both towers; the vision tower's pooling head holds an nn.MultiheadAttention (the mha adapter's)
+            m = T.SiglipModel(
+                T.SiglipConfig(
+                    text_config={**text, "max_position_embeddings": 64}, vision_config=vision, attn_implementation=attn
+                )
+            )
     elif arch in ("vit", "vit-qknorm"):
         m = timm.create_model(
             "vit_tiny_patch16_224",
@@ -124,7 +171,7 @@ def inputs(
     g = torch.Generator().manual_seed(seed)
     if arch.startswith("vit"):
         return {"x": torch.randn(batch, 3, 16, 16, generator=g, dtype=dtype)}
-    if arch == "hf-vit":
+    if arch in ("hf-vit", "clip-vision"):
         return {"pixel_values": torch.randn(batch, 3, 16, 16, generator=g, dtype=dtype)}
     ids = torch.randint(1, VOCAB, (batch, length), generator=g)
     if arch == "mha":
@@ -136,6 +183,8 @@ def inputs(
     if padding:
         mask[0, :2] = 0
     out = {"input_ids": ids, "attention_mask": mask}
+    if arch == "siglip":
+        out["pixel_values"] = torch.randn(batch, 3, 16, 16, generator=g, dtype=dtype)
     if arch == "bert-decoder":
         out["encoder_hidden_states"] = torch.randn(batch, 5, 32, generator=g, dtype=dtype)
     return out
@@ -148,6 +197,11 @@ def run(model: nn.Module, arch: str, kw: dict) -> torch.Tensor:
         emb, enc = model
         return enc(emb(kw["input"]), src_key_padding_mask=kw["src_key_padding_mask"])
     out = model(**kw)
+    if arch == "siglip":  # both towers' tokens, then the vision pooling head's output (SIGLIP_HEAD features)
+        text, vision = out.text_model_output, out.vision_model_output
+        return torch.cat(
+            [text.last_hidden_state.flatten(1), vision.last_hidden_state.flatten(1), vision.pooler_output], 1
+        )
     return out.logits if hasattr(out, "logits") else out.last_hidden_state
 
 
@@ -203,12 +257,13 @@ def layer_params(arch: str, module: nn.Module) -> tuple[dict[str, np.ndarray], d
     c = maps.config
     E, Ekv, H, G, d = c.query_dim, c.context_dim, c.num_heads, c.num_kv_heads, c.key_dim
     p: dict[str, np.ndarray] = {}
-    if arch.startswith(("llama", "mistral", "qwen")) or arch == "hf-vit":
+    if arch.startswith(("llama", "mistral", "qwen", "clip")) or arch in ("hf-vit", "siglip", "opt"):
         projs = {"query": (module.q_proj, E, H), "key": (module.k_proj, E, G), "value": (module.v_proj, E, G)}
         for n, (lin, e, s) in projs.items():
             p[f"{n}.kernel"], p[f"{n}.bias"] = _linear(lin, e, s, d)
-        p["output.kernel"] = _np(module.o_proj.weight).T.reshape(H, d, E)
-        p["output.bias"] = np.zeros(E) if module.o_proj.bias is None else _np(module.o_proj.bias)
+        out = module.o_proj if hasattr(module, "o_proj") else module.out_proj
+        p["output.kernel"] = _np(out.weight).T.reshape(H, d, E)
+        p["output.bias"] = np.zeros(E) if out.bias is None else _np(out.bias)
     elif arch == "gpt2":
         if maps.layout.self_attention:
             for i, n in enumerate(("query", "key", "value")):
@@ -223,7 +278,7 @@ def layer_params(arch: str, module: nn.Module) -> tuple[dict[str, np.ndarray], d
                 )
         p["output.kernel"] = _np(module.c_proj.weight).reshape(H, d, E)
         p["output.bias"] = _np(module.c_proj.bias)
-    elif arch.startswith(("bert", "roberta")):
+    elif arch.startswith(("bert", "roberta")) or arch in BERT_COPIES:
         for n, lin, e in (("query", module.query, E), ("key", module.key, Ekv), ("value", module.value, Ekv)):
             p[f"{n}.kernel"], p[f"{n}.bias"] = _linear(lin, e, H, d)
         p["output.kernel"] = np.eye(H * d).reshape(H, d, H * d)

@@ -13,7 +13,11 @@ import pytest
 import torch
 from _models_zoo import (
     ARCHS,
+    BERT_COPIES,
     CAUSAL,
+    HOST_ATTN,
+    SIGLIP_HEAD,
+    VOCAB,
     aten_calls_before_and_after_convert,
     build,
     capture,
@@ -48,9 +52,7 @@ def converted(arch, dtype=torch.float64, attn="sdpa", **kw):
 
 
 # timm and nn.MultiheadAttention choose no attention implementation: one run each.
-INIT_CASES = [
-    (a, i) for a in ARCHS for i in (("eager", "sdpa") if a in CAUSAL + ("bert", "roberta", "hf-vit") else ("sdpa",))
-]
+INIT_CASES = [(a, i) for a in ARCHS for i in (("eager", "sdpa") if a in HOST_ATTN else ("sdpa",))]
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -63,9 +65,11 @@ def test_exact_at_init(arch, dtype, attn):
         dt.convert(model)
         after = run(model, arch, kw)
     assert dt.converted_layers(model)
-    if arch == "mha":  # replaced by DamchaAttention, whose SDPA call differs from MHA's kernel
+    if arch in ("mha", "siglip"):  # replaced by DamchaAttention, whose SDPA call differs from MHA's kernel
         torch.testing.assert_close(after, before, rtol=0, atol=1e-5 if dtype == "float32" else 1e-12)
-    else:  # residual form y + 0 * (Delta y): bit-for-bit
+    if arch == "siglip":  # the towers' tokens (the SigLIP attention layers): bit-for-bit
+        assert same(after[:, :-SIGLIP_HEAD], before[:, :-SIGLIP_HEAD])
+    elif arch != "mha":  # residual form y + 0 * (Delta y): bit-for-bit
         assert same(after, before)
 
 
@@ -181,6 +185,7 @@ def _check_layers_against_reference(arch, **options):
     assert all(
         m.damcha.config.coupling == options.get("coupling", m.damcha.config.coupling)
         for m in dt.converted_layers(model).values()
+        if not isinstance(m, dt.DamchaAttention)
     )
     open_gates(model)
     calls = capture(model)
@@ -190,6 +195,8 @@ def _check_layers_against_reference(arch, **options):
     causal = arch in CAUSAL
     for name, records in calls.items():
         module = dt.converted_layers(model)[name]
+        if isinstance(module, dt.DamchaAttention):  # SigLIP's pooling head: nn.MultiheadAttention, tested as "mha"
+            continue
         ((args, kwargs, output),) = records
         x, ctx = _call_tokens(args, kwargs)
         got = output[0] if isinstance(output, tuple) else output
@@ -273,28 +280,40 @@ def test_metric_penalty_equals_reference():
 # BERT's decoder with cross-attention needs an EncoderDecoderCache (generate
 # builds a plain DynamicCache for it and fails, converted or not), and has no
 # static variant.
-GEN_CASES = [(a, c) for a in ("llama", "llama-mqa", "qwen3", "gpt2") for c in ("dynamic", "static")]
+GEN_CASES = [(a, c) for a in ("llama", "llama-mqa", "qwen3", "gpt2", "opt") for c in ("dynamic", "static")]
 GEN_CASES.append(("bert-decoder", "encoder-decoder"))
 
 
 @pytest.mark.parametrize("arch,cache", GEN_CASES)
 def test_generate_with_cache_equals_without(arch, cache):
-    model = open_gates(converted(arch, torch.float32), scale=0.8)
+    """At gates 0 the converted model's cached generation is the unconverted
+    one's (tokens and logits, bit for bit); with the gates open its cached
+    generation equals its uncached one."""
+    model = build(arch, torch.float32)
     kw = inputs(arch, padding=False, length=5)
     kw.pop("attention_mask")
     opts = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
     if arch == "bert-decoder":
         opts["bos_token_id"] = 1
-    with torch.no_grad():
-        extra = {"cache_implementation": "static"} if cache == "static" else {}
+
+    def extra():  # a fresh cache per call
         if cache == "encoder-decoder":
             from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 
-            extra = {"cache": EncoderDecoderCache(DynamicCache(), DynamicCache())}
-        cached = model.generate(**kw, use_cache=True, **extra, **opts)
+            return {"cache": EncoderDecoderCache(DynamicCache(), DynamicCache())}
+        return {"cache_implementation": "static"} if cache == "static" else {}
+
+    logits = {"return_dict_in_generate": True, "output_logits": True}
+    with torch.no_grad():
+        unconverted = model.generate(**kw, use_cache=True, **extra(), **opts, **logits)
+        closed = dt.convert(model).generate(**kw, use_cache=True, **extra(), **opts, **logits)
+        open_gates(model, scale=0.8)
+        cached = model.generate(**kw, use_cache=True, **extra(), **opts)
         plain = model.generate(**kw, use_cache=False, **opts)
         # The converted model's greedy tokens also differ from the plain model's:
         # the cache really stores mapped keys, not a copy of the original ones.
+    assert torch.equal(closed.sequences, unconverted.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(closed.logits, unconverted.logits, strict=True))
     assert cached.shape[1] == kw["input_ids"].shape[1] + 6
     assert torch.equal(cached, plain)
 
@@ -307,8 +326,9 @@ def test_generate_with_cache_equals_without(arch, cache):
         ("gpt2", "dynamic", 1),
         ("qwen3", "static", 1),
         ("llama", "dynamic", 3),
+        ("opt", "dynamic", 1),
     ],
-    ids=["llama-dynamic", "llama-static", "gpt2-dynamic", "qwen3-static", "llama-beam3"],
+    ids=["llama-dynamic", "llama-static", "gpt2-dynamic", "qwen3-static", "llama-beam3", "opt-dynamic"],
 )
 def test_left_padded_batched_generate_with_cache_equals_without(arch, cache, beams):
     """Batched generation as users run it: row 0 left-padded with its attention_mask
@@ -378,7 +398,10 @@ def _grads(model, arch, kw):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen3", "bert", "roberta", "hf-vit", "bert-decoder"])
+@pytest.mark.parametrize(
+    "arch",
+    ["llama", "gpt2", "qwen3", "bert", "roberta", *BERT_COPIES, "hf-vit", "bert-decoder", "opt", "clip-text", "siglip"],
+)
 def test_recompute_and_gradient_checkpointing_give_identical_gradients(arch):
     base = open_gates(dt.convert(build(arch, torch.float64), recompute=False)).train()
     kw = inputs(arch, torch.float64)
@@ -643,7 +666,7 @@ def test_from_pretrained_refuses_a_plain_checkpoint(tmp_path):
         dt.from_pretrained(transformers.LlamaForCausalLM, tmp_path)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2", "bert", "vit"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "bert", *BERT_COPIES, "vit", "opt", "clip-text", "clip-vision"])
 def test_mha_checkpoint_loads_into_converted_model(arch):
     plain = build(arch, torch.float32)
     state = plain.state_dict()
@@ -933,6 +956,46 @@ def test_timm_attention_classes_of_other_layouts_are_refused_by_name(make):
     model = nn.Sequential(make())
     with pytest.raises(
         dc.DamchaValueError, match=r"layout convert\(\) knows.*Received: .*0 \(timm\.models\.\w+\.Attention\)"
+    ):
+        dt.convert(model)
+    assert not dt.converted_layers(model)
+
+
+def _encoder_decoder(cls, cls_cfg, **extra):
+    sizes = dict(d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2)
+    return cls(cls_cfg(vocab_size=VOCAB, encoder_ffn_dim=16, decoder_ffn_dim=16, pad_token_id=0, **sizes, **extra))
+
+
+@pytest.mark.parametrize(
+    "make, module",
+    [
+        (
+            lambda: _encoder_decoder(transformers.BartModel, transformers.BartConfig, max_position_embeddings=16),
+            "bart.modeling_bart.BartAttention",
+        ),
+        (
+            lambda: _encoder_decoder(
+                transformers.WhisperModel,
+                transformers.WhisperConfig,
+                num_mel_bins=8,
+                max_source_positions=8,
+                max_target_positions=16,
+            ),
+            "whisper.modeling_whisper.WhisperAttention",
+        ),
+    ],
+    ids=["bart", "whisper"],
+)
+def test_encoder_decoder_attention_of_the_clip_layout_is_refused_by_name(make, module):
+    """BART's and Whisper's attention classes have the q_proj/k_proj/v_proj/out_proj
+    layout of the transformers-clip adapter, but also serve as cross-attention
+    over an encoder-decoder cache, which no test verifies: refused, every layer
+    named (the decoder's cross-attention included), nothing converted."""
+    model = make()
+    with pytest.raises(
+        dc.DamchaValueError,
+        match=rf"unknown layouts: encoder\.layers\.0\.self_attn \(transformers\.models\.{module}\), "
+        rf"decoder\.layers\.0\.self_attn .*, decoder\.layers\.0\.encoder_attn \(transformers\.models\.{module}\)$",
     ):
         dt.convert(model)
     assert not dt.converted_layers(model)
@@ -1277,6 +1340,10 @@ def test_errors():
         ("bert-decoder", {"qk", "q", "k"}),
         ("vit", {"qk"}),
         ("hf-vit", {"qk"}),
+        ("electra", {"qk"}),
+        ("opt", {"qk"}),
+        ("clip-text", {"qk"}),
+        ("clip-vision", {"qk"}),
     ],
 )
 def test_auto_coupling(arch, expected):

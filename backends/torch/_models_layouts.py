@@ -76,8 +76,15 @@ def _gpt2_layout(m: Any) -> AttentionLayout:
     return AttentionLayout(H, H, d, e, e, (ProjectionSite("c_attn", q=0, k=E),))
 
 
-_BERT_SELF = frozenset({"BertSelfAttention", "RobertaSelfAttention"})
-_BERT_CROSS = frozenset({"BertCrossAttention", "RobertaCrossAttention"})
+# BERT's self- and cross-attention and transformers' copies of them ("Copied
+# from transformers.models.bert.modeling_bert.BertSelfAttention with
+# Bert->Electra", ...: the same query/key/value layout, cache handling and
+# attention dispatch). Listed by name, not matched by structure: other classes
+# with query/key/value Linear layers (LayoutLM's, relative position variants)
+# compute differently and stay refused.
+_BERT_FAMILY = ("Bert", "Roberta", "Electra", "XLMRoberta", "Camembert")
+_BERT_SELF = frozenset(f"{n}SelfAttention" for n in _BERT_FAMILY)
+_BERT_CROSS = frozenset(f"{n}CrossAttention" for n in _BERT_FAMILY)
 
 
 def _bert_layout(m: Any) -> AttentionLayout:
@@ -112,6 +119,23 @@ _VIT = frozenset(
 
 def _vit_layout(m: Any) -> AttentionLayout:
     H, d = int(m.num_attention_heads), int(m.head_dim)
+    (eq, q_out), (ek, k_out) = _features(m.q_proj), _features(m.k_proj)
+    _heads("q_proj", q_out, d, H)
+    _heads("k_proj", k_out, d, H)
+    return AttentionLayout(H, H, d, eq, ek, (ProjectionSite("q_proj", q=0), ProjectionSite("k_proj", k=0)))
+
+
+# Self-attention with q_proj/k_proj/v_proj/out_proj Linear layers of num_heads
+# heads of head_dim, no RoPE, no GQA: CLIP's (text, causal through the mask
+# CLIPTextTransformer builds, and vision), SigLIP's (text and vision) and OPT's
+# (a causal decoder with a KV cache; OPT scales q_proj's output, after the map).
+# BART's and Whisper's attention classes have this layout too, but serve as
+# cross-attention with an encoder-decoder cache: not listed (refused by name).
+_OUT_PROJ = frozenset({"CLIPAttention", "SiglipAttention", "OPTAttention"})
+
+
+def _out_proj_layout(m: Any) -> AttentionLayout:
+    H, d = int(m.config.num_attention_heads), int(m.head_dim)
     (eq, q_out), (ek, k_out) = _features(m.q_proj), _features(m.k_proj)
     _heads("q_proj", q_out, d, H)
     _heads("k_proj", k_out, d, H)
@@ -189,7 +213,7 @@ for _adapter in (
     ),
     ModelAdapter(
         "transformers-bert",
-        "transformers BERT/RoBERTa self- and cross-attention (query/key/value)",
+        "transformers BERT/RoBERTa/ELECTRA/XLM-RoBERTa/CamemBERT self- and cross-attention (query/key/value)",
         lambda m: _is(m, "transformers", _BERT_SELF | _BERT_CROSS),
         _bert_layout,
     ),
@@ -199,6 +223,12 @@ for _adapter in (
         "ViViT (q_proj/k_proj)",
         lambda m: _is(m, "transformers", _VIT),
         _vit_layout,
+    ),
+    ModelAdapter(
+        "transformers-clip",
+        "transformers CLIP (text and vision), SigLIP and OPT self-attention (q_proj/k_proj/v_proj/out_proj)",
+        lambda m: _is(m, "transformers", _OUT_PROJ),
+        _out_proj_layout,
     ),
     ModelAdapter(
         "timm-attention",
