@@ -106,9 +106,9 @@ def test_a_wrong_mask_hint_reports_the_mask_as_passed(lead, shape) -> None:
 def test_nan_from_a_traced_mask_is_explained_by_the_debug_recipes() -> None:
     """docs/jax.md's recipe: under jit a bad mask can only make the output NaN;
     jax_debug_nans reruns the step op by op, where the mask's values are
-    concrete and the DamchaValueError says what is wrong. A JAX bool mask is
-    never read back, so a wrong hint on one is found with a NumPy copy under
-    jax.disable_jit()."""
+    concrete and the DamchaValueError says what is wrong. A wrong hint on a
+    JAX bool mask is found by both recipes too: with a hint, a concrete bool
+    mask is read back for the check (before, it never was, and gave NaN)."""
     layer = _layer()
     step = nnx.jit(lambda m, x, mask, hint=None: m(x, mask=mask, mask_hint=hint), static_argnames="hint")
     additive = jnp.asarray(np.where(PAD, 0.0, -np.inf), jnp.float32)
@@ -120,11 +120,115 @@ def test_nan_from_a_traced_mask_is_explained_by_the_debug_recipes() -> None:
         step(layer, X, additive)
     not_causal = jnp.ones((N, N), bool).at[0, 3].set(False)
     assert np.isnan(np.asarray(step(layer, X, not_causal, hint="causal"))).all()
-    with (
-        jax.disable_jit(),
-        pytest.raises(dc.DamchaValueError, match=r"expected what mask_hint='causal' says.*mask\.shape=\(4, 4\)"),
-    ):
-        step(layer, X, np.asarray(not_causal), hint="causal")
+    wrong_hint = r"expected what mask_hint='causal' says.*mask\.shape=\(4, 4\), mask_hint='causal', a mask that is"
+    for mask in (not_causal, np.asarray(not_causal)):
+        with jax.disable_jit(), pytest.raises(dc.DamchaValueError, match=wrong_hint):
+            step(layer, X, mask, hint="causal")
+    with jax.debug_nans(True), pytest.raises(dc.DamchaValueError, match=wrong_hint):
+        step(layer, X, not_causal, hint="causal")
+
+
+# A concrete mask that is not what its mask_hint says: (mask (N, N), hint, what the mask is).
+_CAUSAL = np.tril(np.ones((N, N), bool))
+_PADDING = np.ones((N, N), bool)
+_PADDING[:, 3] = False  # key 3 padded: a padding-only mask
+_SCATTERED = _CAUSAL.copy()
+_SCATTERED[3, 1] = False  # neither causal nor padding
+CONTRADICTIONS = {
+    "causal-as-padding": (_CAUSAL, "padding", "the causal rule and padding"),
+    "padding-as-causal": (_PADDING, "causal", "padding only"),
+    "scattered-as-causal": (_SCATTERED, "causal", "neither"),
+    "scattered-as-padding": (_SCATTERED, "padding", "neither"),
+}
+# The kinds a concrete mask comes in: a JAX bool array (before: never read back, so NaN), a
+# Flax-style float 0/1 array and a NumPy bool array (before: refused, but after the dropout draw).
+MASK_KINDS = {
+    "jax-bool": lambda m: jnp.asarray(m),
+    "jax-float": lambda m: jnp.asarray(m, jnp.float32),
+    "numpy-bool": lambda m: m,
+}
+
+
+def _dropout_layer(decode: bool) -> dj.DamchaAttention:
+    layer = dj.DamchaAttention(H, E, dropout_rate=0.5, deterministic=False, decode=decode, rngs=nnx.Rngs(0, dropout=1))
+    layer.load_canonical(PARAMS)
+    if decode:
+        layer.init_cache((B, N, E))
+    return layer
+
+
+@pytest.mark.parametrize("entry", ["module", "module-decode", "damcha_attention", "decode_step"])
+@pytest.mark.parametrize("case", list(CONTRADICTIONS))
+def test_a_concrete_mask_that_contradicts_its_hint_is_refused_before_any_work(
+    entry: str, case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The docstrings promise a DamchaValueError when the mask's values are
+    concrete. A concrete JAX bool mask gave NaN instead (it was never read
+    back), and the masks that were read were refused only after the
+    projections and the dropout draw (a refused call advanced the layer's rng
+    stream). Now every concrete kind is refused at the boundary, naming
+    mask_hint, the hint received and what the mask is."""
+    mask, hint, actual = CONTRADICTIONS[case]
+    from damcha_jax import _cache, _functional
+
+    def no_projection(*args, **kwargs):
+        raise AssertionError("projected before the mask's hint was checked")
+
+    monkeypatch.setattr(_functional, "_qkv", no_projection)
+    monkeypatch.setattr(_cache, "_qkv", no_projection)
+    for kind, make in MASK_KINDS.items():
+        m = make(mask)
+        layer = _dropout_layer(decode=entry == "module-decode") if entry.startswith("module") else None
+        with pytest.raises(dc.DamchaValueError) as err:
+            if layer is not None:  # "module-decode": a prefill of N tokens over the cache of N
+                layer(X, mask=m, mask_hint=hint)
+            elif entry == "damcha_attention":
+                dj.damcha_attention(PARAMS, CFG, X, mask=m, mask_hint=hint)
+            else:
+                dj.decode_step(PARAMS, CFG, dj.init_cache(CFG, B, N), X, mask=m, mask_hint=hint)
+        message = str(err.value)
+        assert message.startswith(f"Invalid argument `mask`: expected what mask_hint='{hint}' says"), (kind, message)
+        received = message.split("Received: ")[1]
+        assert f"mask.shape={(N, N)}, mask_hint='{hint}'" in received, (kind, message)
+        assert f"a mask that is {actual}" in received, (kind, message)
+        if layer is not None:
+            assert int(layer.rngs.count[...]) == 0, kind  # refused before the dropout key was drawn
+            if entry == "module-decode":
+                assert int(layer.cache_index[...]) == 0, kind
+
+
+def test_a_mask_that_agrees_with_its_hint_equals_the_reference() -> None:
+    """A concrete JAX bool mask with a hint it agrees with: the reference's
+    numbers (eager, read on the host), and under jit, traced, the same ones;
+    a traced contradiction still gives NaN (the values are unknown there)."""
+    layer = _layer()
+    padding = jnp.asarray(np.broadcast_to(PAD, (B, 1, N, N)))
+    causal = jnp.asarray(_CAUSAL) & padding
+    step = nnx.jit(lambda m, x, mask, hint: m(x, mask=mask, mask_hint=hint), static_argnames="hint")
+    fn = fast_jit(
+        lambda p, x, mask, hint: dj.damcha_attention(p, CFG, x, mask=mask, mask_hint=hint), static_argnames="hint"
+    )
+    for mask, hint in ((padding, "padding"), (causal, "causal"), (padding, "causal")):
+        if hint == "causal" and mask is padding:
+            for out in (step(layer, X, mask, hint), fn(PARAMS, X, mask, hint)):
+                assert np.all(np.isnan(np.asarray(out))), "a traced contradiction gives NaN"
+            continue
+        expected = dc.damcha_attention(PARAMS, CFG, X, mask=np.asarray(mask), causal=hint == "causal")
+        for out in (
+            layer(X, mask=mask, mask_hint=hint),
+            dj.damcha_attention(PARAMS, CFG, X, mask=mask, mask_hint=hint),
+            step(layer, X, mask, hint),
+            fn(PARAMS, X, mask, hint),
+        ):
+            np.testing.assert_allclose(np.asarray(out), expected, rtol=2e-4, atol=2e-5)
+    # Empty masks (no query, an empty batch) pass the check: the empty output.
+    for x, mask in ((np.ones((B, 0, E), np.float32), jnp.ones((0, 0), bool)), (X[:0], jnp.ones((0, 1, N, N), bool))):
+        for hint in ("causal", "padding"):
+            assert layer(x, mask=mask, mask_hint=hint).shape == x.shape
+            assert dj.damcha_attention(PARAMS, CFG, x, mask=mask, mask_hint=hint).shape == x.shape
+    # A concrete mask closed over by a jitted function is read while tracing: refused, not NaN.
+    with pytest.raises(dc.DamchaValueError, match="mask_hint='causal'"):
+        fast_jit(lambda p, x: dj.damcha_attention(p, CFG, x, mask=padding, mask_hint="causal"))(PARAMS, X)
 
 
 # --------------------------------------------------------------- NaN in, NaN out

@@ -39,7 +39,7 @@ from ._functional import (
     check_precision,
     is_real_floating_dtype,
 )
-from ._masks import MaskArg, check_hint, np_dtype, read_mask
+from ._masks import MaskArg, check_hint, check_hinted, np_dtype, read_mask
 
 
 def init_cache(config: DamchaConfig, batch_size: int, max_length: int, dtype: Any = jnp.float32) -> dict[str, Array]:
@@ -271,12 +271,15 @@ def decode_step(
     if checked.array is not None:
         check_shapes(config, x.shape, (B, L, config_sizes(config)[0]), checked.array.shape)
     overflow = check_room(index, T, L, "query", x.shape)
+    # A concrete mask against its hint, here (not in the compiled step, where it is traced): a
+    # DamchaValueError, not NaN. keep=False: a JAX mask read for it still takes the compiled step.
+    check_hinted(checked, T, L, hint=mask_hint, offset=index, keep=False)
     step: Any
     if _hashable(precision) and (mask_hint is None or checked.host is None):
         # Everything is checked: the math is one compiled program (one dispatch per step when eager).
         step = _compiled_step
     else:
-        # Only a hint on a mask with known values is checked on the host (a DamchaValueError, not NaN).
+        # A hint on a NumPy or numeric mask (values on the host anyway): planned on the host.
         step = functools.partial(_step, host=checked.host)
     return step(
         p,

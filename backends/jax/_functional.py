@@ -49,6 +49,7 @@ from ._masks import (
     MaskArg,
     MaskPlan,
     check_hint,
+    check_hinted,
     host_plan,
     mask4,
     np_dtype,
@@ -602,8 +603,8 @@ def plan_mask(
       numeric masks read for the 0/1 rule): found exactly on the host;
     * under ``jit``, ``mask_hint`` ("causal" or "padding"), checked on the
       device by counting (two reductions over the mask); a mask that is not
-      what the hint says makes the output NaN (a DamchaValueError when its
-      values are known), never a wrong number.
+      what the hint says makes the output NaN, never a wrong number (a
+      concrete one was refused at the boundary: ``check_hinted``).
 
     Any other mask goes to the kernel as it is (as Flax's MHA does). The
     mask's structure is read by ``_masks.host_plan``/``traced_split``; this
@@ -794,8 +795,9 @@ def _head_map(params: Params, config: DamchaConfig, side: str, tokens: Array) ->
     return (identity + leaves["gate"][:, None, None, None] * delta).astype(tokens.dtype)
 
 
-def _prepare(params, config, query, context, value, mask, dtype):
-    """Validate everything once and cast to the computation dtype."""
+def _prepare(params, config, query, context, value, mask, dtype, *, mask_hint=None, query_offset=0):
+    """Validate everything once and cast to the computation dtype (a concrete
+    mask against its ``mask_hint`` too: ``check_hinted``)."""
     config = _check_config(config)
     # Values may be tracers: names, shapes and dtypes only, no finiteness check.
     check_params(params, config)
@@ -810,6 +812,7 @@ def _prepare(params, config, query, context, value, mask, dtype):
         None if mask.array is None else mask.array.shape,
         value_shape=None if v_tokens is None else v_tokens.shape,
     )
+    mask = check_hinted(mask, x.shape[1], (x if c is None else c).shape[1], hint=mask_hint, offset=query_offset)
     # Arrays pass as they are (no per-call conversion of every parameter when eager).
     as_arrays = {n: p if isinstance(p, jax.Array) else jnp.asarray(p) for n, p in params.items()}
     arrays = [x] + [t for t in (c, v_tokens) if t is not None] + list(as_arrays.values())
@@ -883,9 +886,11 @@ def damcha_attention(
             ``is_causal``) or ``"padding"`` (query and key padding only, e.g.
             ``nnx.make_attention_mask(valid_q, valid_k)``). Checked on the
             device by counting (two reductions over the mask): a mask that is
-            not what the hint says makes the output NaN (a DamchaValueError
-            when its values are concrete), never a wrong number. Concrete
-            numeric and NumPy masks need no hint (their values are read anyway).
+            not what the hint says makes the output NaN under ``jit``, never
+            a wrong number; a concrete one (any kind, a JAX bool array
+            included, read back for this) raises a DamchaValueError before
+            any computation. Concrete numeric and NumPy masks need no hint
+            (their values are read anyway).
 
     Returns:
         y (B, N, E_o), or ``(y, weights?, metric?)`` with the asked-for extras
@@ -900,7 +905,9 @@ def damcha_attention(
     query_offset = _check_offset(query_offset)
     precision = check_precision("precision", precision)
     mask_hint = check_hint(mask_hint, mask)
-    p, config, x, c, v_tokens, mask = _prepare(params, config, query, context, value, mask, dtype)
+    p, config, x, c, v_tokens, mask = _prepare(
+        params, config, query, context, value, mask, dtype, mask_hint=mask_hint, query_offset=query_offset
+    )
     use_dropout = not deterministic and config.dropout > 0.0
     if use_dropout and dropout_rng is None:
         raise DamchaValueError(

@@ -42,7 +42,7 @@ from ._cache import DecodeCache
 from ._canonical import CanonicalIO
 from ._convert import from_mha
 from ._generator import CrossHeadMap, MetricGenerator, make_metric_generators, resolve_metric_generators
-from ._masks import check_hint, fold_mask, read_mask, reshape_mask
+from ._masks import check_hint, check_hinted, fold_mask, read_mask, reshape_mask
 
 Array = jax.Array
 Initializer = Callable[..., Array]
@@ -646,8 +646,10 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
         causal rule and padding only, ``nnx.combine_masks(nnx.make_causal_mask(t),
         padding)``) or ``"padding"`` (``nnx.make_attention_mask`` of query and
         key padding only); checked on the device, a mask that is not what the
-        hint says gives NaN (a DamchaValueError when its values are concrete),
-        never a wrong number. Concrete numeric masks need no hint.
+        hint says gives NaN under ``jit`` (a DamchaValueError, before any
+        projection or dropout draw, when its values are concrete: a JAX bool
+        mask is then read back for the check), never a wrong number.
+        Concrete numeric masks need no hint.
         Returns [batch..., N, E_o].
         """
         if inputs_k is None and inputs_v is not None:
@@ -678,6 +680,12 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
             # Every refusal comes before the dropout key is drawn: drawing advances the layer's (or
             # the caller's) rng stream, and a refused call must not change the next call's masks.
             self._check_step(lead, x.shape[-2], (x if k_in is None else k_in).shape[-2], "inputs_q")
+        if mask_hint is not None:
+            # A concrete mask that is not what its hint says: a DamchaValueError here (under jit, NaN).
+            keys, offset = (x if k_in is None else k_in).shape[-2], None
+            if cache_len is not None and self.cache_index is not None:  # decoding: the mask spans the cache
+                keys, offset = cache_len, self.cache_index[...]
+            checked = check_hinted(checked, x.shape[-2], keys, hint=mask_hint, offset=0 if offset is None else offset)
         deterministic, dropout_rng = self._dropout_rng(deterministic, rngs)
 
         ctx = x if k_in is None else k_in

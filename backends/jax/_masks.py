@@ -90,7 +90,8 @@ def read_mask(mask: Any, name: str = "mask") -> MaskArg:
     ):
         raise mask_dtype_error(mask, name, MASK_RULE)
     if dtype == np.bool_:
-        # A bool JAX array is never read back (that would be a device sync); a NumPy one is on the host already.
+        # A bool JAX array is not read back here (a device sync; with a mask_hint check_hinted reads it);
+        # a NumPy one is on the host already.
         host = mask if isinstance(mask, np.ndarray) else None
         return MaskArg(jnp.asarray(mask), host, None, shape=tuple(mask.shape))
     if isinstance(mask, jax.core.Tracer):
@@ -215,6 +216,15 @@ def _host_split(v: np.ndarray, grid: np.ndarray | None) -> tuple[np.ndarray, np.
     return (keys, rows) if np.array_equal(v, recon) else None
 
 
+def _what_mask(full: np.ndarray, grid: np.ndarray) -> str:
+    """What a mask (b, h, N, M) whose hint it contradicts is, for the message."""
+    if _host_split(full, None) is not None:
+        return "a mask that is padding only (mask_hint='padding'; is_causal=True adds the causal rule)"
+    if _host_split(full, grid) is not None:
+        return "a mask that is the causal rule and padding (mask_hint='causal')"
+    return "a mask that is neither the causal rule and padding nor padding only (pass it without mask_hint)"
+
+
 def host_plan(
     host: np.ndarray,
     n: int,
@@ -226,14 +236,16 @@ def host_plan(
     name: str,
     shape: tuple[int, ...] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, bool] | None:
-    """(key_ok, rows, kernel_causal) of a mask whose values are on the host, or
-    None when it is neither causal nor padding; a wrong ``hint`` raises
-    (naming the mask's ``shape`` as passed; default ``host``'s)."""
+    """(key_ok, rows, kernel_causal) of a mask (b, h, N|1, M|1) whose values
+    are on the host, or None when it is neither causal nor padding; a wrong
+    ``hint`` raises (naming the mask's ``shape`` as passed; default ``host``'s,
+    the hint and what the mask is)."""
     full = np.broadcast_to(host, host.shape[:2] + (n, m))
     grid = np.arange(m)[None, :] <= np.arange(n)[:, None] + offset
     if hint is not None:
         split = _host_split(full, grid if hint == "causal" else None)
         if split is None:
+            received = tuple(host.shape) if shape is None else tuple(shape)
             raise DamchaValueError(
                 invalid_argument(
                     name,
@@ -244,7 +256,7 @@ def host_plan(
                         else "padding only (make_attention_mask of query and key padding)"
                     )
                     + "; drop mask_hint for any other mask",
-                    f"{name}.shape={tuple(host.shape) if shape is None else tuple(shape)}",
+                    f"{name}.shape={received}, mask_hint={hint!r}, {_what_mask(full, grid)}",
                 )
             )
         keys, rows = split
@@ -261,6 +273,41 @@ def host_plan(
         if split is not None:
             return split[0], split[1], True
     return None
+
+
+def check_hinted(
+    mask: MaskArg, n: int, m: int, *, hint: str | None, offset: Any, name: str = "mask", keep: bool = True
+) -> MaskArg:
+    """A hinted mask whose values are concrete, checked against its hint at the
+    boundary, before any projection or dropout draw: one that is not what the
+    hint says raises (``host_plan``'s DamchaValueError) where under ``jit``
+    (values unknown) ``traced_split`` makes the output NaN.
+
+    ``mask`` is [..., h|1, N|1, M|1] or fewer axes (its batch axes are
+    flattened: each slice is checked apart); ``offset`` is the causal rule's
+    query offset (the cache index when decoding; a traced one leaves the check
+    to the device). A concrete JAX bool mask, which is otherwise never read
+    back, is read here, only because a hint asks for the check: one transfer of
+    the mask, eager calls (or a constant of a jitted function, while tracing)
+    only; a traced mask costs nothing. With ``keep`` the values read are
+    returned in ``host`` (``plan_mask`` then plans on the host, with no device
+    reductions); ``keep=False`` returns ``mask`` as it was.
+    """
+    array = mask.array
+    if hint is None or array is None or isinstance(offset, jax.core.Tracer):
+        return mask
+    host = mask.host
+    if host is None:
+        if isinstance(array, jax.core.Tracer) or not getattr(array, "is_fully_addressable", True):
+            return mask
+        host = np.asarray(array)
+    shape = np.shape(host)
+    if len(shape) < 4:
+        shape = (1,) * (4 - len(shape)) + shape
+    view = np.reshape(host, (int(np.prod(shape[:-3])), *shape[-3:]))  # not -1: the mask may be empty
+    passed = mask.shape if mask.shape is not None else np.shape(host)
+    host_plan(view, n, m, is_causal=False, offset=int(offset), hint=hint, name=name, shape=passed)
+    return mask._replace(host=host) if keep else mask
 
 
 def traced_split(
