@@ -23,7 +23,12 @@ VOCAB = 61
 CAUSAL = ("llama", "llama-mha", "llama-mqa", "mistral", "qwen2", "qwen3", "gpt2", "bert-decoder", "opt", "clip-text")
 # BERT's self-attention copied into other models ("Copied from ... with Bert->Electra").
 BERT_COPIES = ("electra", "xlm-roberta", "camembert")
+# Encoder-decoders: non-causal encoder self-attention, causal decoder self-attention, cross-attention.
+ENC_DEC = ("bart", "mbart", "whisper")
 ARCHS = CAUSAL + ("bert", "roberta", *BERT_COPIES, "vit", "vit-qknorm", "hf-vit", "clip-vision", "siglip", "mha")
+ARCHS += ENC_DEC
+# Whisper's tiny config: log-mel features of WHISPER_MELS bins over 2 * WHISPER_SOURCE frames.
+WHISPER_MELS, WHISPER_SOURCE = 8, 8
 # The trailing features of run("siglip", ...): its pooling head's, computed by an nn.MultiheadAttention.
 SIGLIP_HEAD = 32
 # The models whose attention implementation transformers selects (eager or sdpa).
@@ -156,6 +161,43 @@ def build(arch: str, dtype: torch.dtype = torch.float32, attn: str = "sdpa", see
                 attn_implementation=attn,
             )
         )
+    elif arch in ENC_DEC:
+        cls, cls_cfg = {
+            "bart": (T.BartForConditionalGeneration, T.BartConfig),
+            "mbart": (T.MBartForConditionalGeneration, T.MBartConfig),
+            "whisper": (T.WhisperForConditionalGeneration, T.WhisperConfig),
+        }[arch]
+        sizes = dict(
+            vocab_size=VOCAB,
+            d_model=32,
+            encoder_layers=2,
+            decoder_layers=2,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            encoder_ffn_dim=48,
+            decoder_ffn_dim=48,
+            # Ids inside the tiny vocabulary (Whisper's defaults, 50256 and up, are not).
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            decoder_start_token_id=1,
+            forced_eos_token_id=None,
+            # 10x the default weights: attention logits far from 0, so maps change
+            # the attention weights (at 0.02 they move the logits by ~1e-4).
+            init_std=0.2,
+            attn_implementation=attn,
+        )
+        if arch == "whisper":
+            sizes.update(
+                num_mel_bins=WHISPER_MELS,
+                max_source_positions=WHISPER_SOURCE,
+                max_target_positions=64,
+                suppress_tokens=None,
+                begin_suppress_tokens=None,
+            )
+        else:
+            sizes.update(max_position_embeddings=64)
+        m = cls(cls_cfg(**sizes))
     elif arch == "mha":
         layer = nn.TransformerEncoderLayer(32, 4, 48, dropout=0.0, batch_first=True)
         m = nn.Sequential(nn.Embedding(VOCAB, 32), nn.TransformerEncoder(layer, 2, enable_nested_tensor=False))
@@ -173,6 +215,11 @@ def inputs(
         return {"x": torch.randn(batch, 3, 16, 16, generator=g, dtype=dtype)}
     if arch in ("hf-vit", "clip-vision"):
         return {"pixel_values": torch.randn(batch, 3, 16, 16, generator=g, dtype=dtype)}
+    if arch == "whisper":
+        return {
+            "input_features": torch.randn(batch, WHISPER_MELS, 2 * WHISPER_SOURCE, generator=g, dtype=dtype),
+            "decoder_input_ids": torch.randint(3, VOCAB, (batch, 4), generator=g),
+        }
     ids = torch.randint(1, VOCAB, (batch, length), generator=g)
     if arch == "mha":
         kpm = torch.zeros(batch, length, dtype=torch.bool)
@@ -185,6 +232,10 @@ def inputs(
     out = {"input_ids": ids, "attention_mask": mask}
     if arch == "siglip":
         out["pixel_values"] = torch.randn(batch, 3, 16, 16, generator=g, dtype=dtype)
+    if arch in ENC_DEC:  # the decoder's prompt, after the start token
+        out["decoder_input_ids"] = torch.cat(
+            [torch.ones(batch, 1, dtype=torch.long), torch.randint(3, VOCAB, (batch, 3), generator=g)], 1
+        )
     if arch == "bert-decoder":
         out["encoder_hidden_states"] = torch.randn(batch, 5, 32, generator=g, dtype=dtype)
     return out
@@ -257,8 +308,8 @@ def layer_params(arch: str, module: nn.Module) -> tuple[dict[str, np.ndarray], d
     c = maps.config
     E, Ekv, H, G, d = c.query_dim, c.context_dim, c.num_heads, c.num_kv_heads, c.key_dim
     p: dict[str, np.ndarray] = {}
-    if arch.startswith(("llama", "mistral", "qwen", "clip")) or arch in ("hf-vit", "siglip", "opt"):
-        projs = {"query": (module.q_proj, E, H), "key": (module.k_proj, E, G), "value": (module.v_proj, E, G)}
+    if arch.startswith(("llama", "mistral", "qwen", "clip")) or arch in ("hf-vit", "siglip", "opt", *ENC_DEC):
+        projs = {"query": (module.q_proj, E, H), "key": (module.k_proj, Ekv, G), "value": (module.v_proj, Ekv, G)}
         for n, (lin, e, s) in projs.items():
             p[f"{n}.kernel"], p[f"{n}.bias"] = _linear(lin, e, s, d)
         out = module.o_proj if hasattr(module, "o_proj") else module.out_proj

@@ -129,8 +129,8 @@ def _vit_layout(m: Any) -> AttentionLayout:
 # heads of head_dim, no RoPE, no GQA: CLIP's (text, causal through the mask
 # CLIPTextTransformer builds, and vision), SigLIP's (text and vision) and OPT's
 # (a causal decoder with a KV cache; OPT scales q_proj's output, after the map).
-# BART's and Whisper's attention classes have this layout too, but serve as
-# cross-attention with an encoder-decoder cache: not listed (refused by name).
+# (BART's, mBART's and Whisper's attention classes have this layout too, but
+# also serve as cross-attention: their own adapter below.)
 _OUT_PROJ = frozenset({"CLIPAttention", "SiglipAttention", "OPTAttention"})
 
 
@@ -140,6 +140,31 @@ def _out_proj_layout(m: Any) -> AttentionLayout:
     _heads("q_proj", q_out, d, H)
     _heads("k_proj", k_out, d, H)
     return AttentionLayout(H, H, d, eq, ek, (ProjectionSite("q_proj", q=0), ProjectionSite("k_proj", k=0)))
+
+
+# Encoder-decoder attention of BART, mBART and Whisper: one class serves the
+# encoder's self-attention (is_decoder False), the decoder's causal
+# self-attention (is_decoder, is_causal) and the decoder's cross-attention
+# over the encoder output (is_decoder, not is_causal; built without
+# is_causal). The cross-attention's k_proj reads the encoder states: its map
+# runs where the host computes the keys, once per encoder output, and the
+# host's EncoderDecoderCache stores those mapped keys and reuses them at later
+# steps without calling k_proj again. Whisper scales q_proj's output, after
+# the map. Sizes come from the module (BART's decoder may have other head
+# counts than its encoder). Other classes "Copied from BartAttention"
+# (Marian, Pegasus, PLBart, Blenderbot, M2M100, ...) are not listed (untested).
+_ENC_DEC = frozenset({"BartAttention", "MBartAttention", "WhisperAttention"})
+
+
+def _enc_dec_layout(m: Any) -> AttentionLayout:
+    H, d = int(m.num_heads), int(m.head_dim)
+    (eq, q_out), (ek, k_out) = _features(m.q_proj), _features(m.k_proj)
+    _heads("q_proj", q_out, d, H)
+    _heads("k_proj", k_out, d, H)
+    cross = bool(m.is_decoder) and not bool(m.is_causal)
+    return AttentionLayout(
+        H, H, d, eq, ek, (ProjectionSite("q_proj", q=0), ProjectionSite("k_proj", k=0)), self_attention=not cross
+    )
 
 
 # ------------------------------------------------------------------- timm
@@ -229,6 +254,13 @@ for _adapter in (
         "transformers CLIP (text and vision), SigLIP and OPT self-attention (q_proj/k_proj/v_proj/out_proj)",
         lambda m: _is(m, "transformers", _OUT_PROJ),
         _out_proj_layout,
+    ),
+    ModelAdapter(
+        "transformers-bart",
+        "transformers BART, mBART and Whisper attention: encoder self-attention, decoder causal self-attention "
+        "with cache, decoder cross-attention over the encoder output (q_proj/k_proj/v_proj/out_proj)",
+        lambda m: _is(m, "transformers", _ENC_DEC),
+        _enc_dec_layout,
     ),
     ModelAdapter(
         "timm-attention",
