@@ -117,12 +117,17 @@ _VIT = frozenset(
 )
 
 
-def _vit_layout(m: Any) -> AttentionLayout:
-    H, d = int(m.num_attention_heads), int(m.head_dim)
+def _q_k_proj_layout(m: Any, H: int, d: int, *, self_attention: bool = True) -> AttentionLayout:
+    """Maps on separate ``q_proj``/``k_proj`` Linear layers of ``H`` heads of ``d``."""
     (eq, q_out), (ek, k_out) = _features(m.q_proj), _features(m.k_proj)
     _heads("q_proj", q_out, d, H)
     _heads("k_proj", k_out, d, H)
-    return AttentionLayout(H, H, d, eq, ek, (ProjectionSite("q_proj", q=0), ProjectionSite("k_proj", k=0)))
+    sites = (ProjectionSite("q_proj", q=0), ProjectionSite("k_proj", k=0))
+    return AttentionLayout(H, H, d, eq, ek, sites, self_attention=self_attention)
+
+
+def _vit_layout(m: Any) -> AttentionLayout:
+    return _q_k_proj_layout(m, int(m.num_attention_heads), int(m.head_dim))
 
 
 # Self-attention with q_proj/k_proj/v_proj/out_proj Linear layers of num_heads
@@ -135,11 +140,7 @@ _OUT_PROJ = frozenset({"CLIPAttention", "SiglipAttention", "OPTAttention"})
 
 
 def _out_proj_layout(m: Any) -> AttentionLayout:
-    H, d = int(m.config.num_attention_heads), int(m.head_dim)
-    (eq, q_out), (ek, k_out) = _features(m.q_proj), _features(m.k_proj)
-    _heads("q_proj", q_out, d, H)
-    _heads("k_proj", k_out, d, H)
-    return AttentionLayout(H, H, d, eq, ek, (ProjectionSite("q_proj", q=0), ProjectionSite("k_proj", k=0)))
+    return _q_k_proj_layout(m, int(m.config.num_attention_heads), int(m.head_dim))
 
 
 # Encoder-decoder attention of BART, mBART and Whisper: one class serves the
@@ -157,14 +158,8 @@ _ENC_DEC = frozenset({"BartAttention", "MBartAttention", "WhisperAttention"})
 
 
 def _enc_dec_layout(m: Any) -> AttentionLayout:
-    H, d = int(m.num_heads), int(m.head_dim)
-    (eq, q_out), (ek, k_out) = _features(m.q_proj), _features(m.k_proj)
-    _heads("q_proj", q_out, d, H)
-    _heads("k_proj", k_out, d, H)
     cross = bool(m.is_decoder) and not bool(m.is_causal)
-    return AttentionLayout(
-        H, H, d, eq, ek, (ProjectionSite("q_proj", q=0), ProjectionSite("k_proj", k=0)), self_attention=not cross
-    )
+    return _q_k_proj_layout(m, int(m.num_heads), int(m.head_dim), self_attention=not cross)
 
 
 # ------------------------------------------------------------------- timm
