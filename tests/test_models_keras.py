@@ -726,6 +726,59 @@ def test_errors():
         dk.convert(two_sizes, share_metric=True)
 
 
+def test_converted_layers_keeps_layers_whose_paths_repeat_in_nested_models():
+    """Keras paths restart in each nested functional model (CLIP's text and vision
+    encoders both hold `encoder_block_0/attention`): every converted layer is listed
+    (a repeated path qualified by its models' names), so damcha_variables and
+    open gates reach all of them; before, one encoder's layers were dropped."""
+
+    def encoder(name):
+        inp = keras.Input((None, 8))
+        block = keras.layers.MultiHeadAttention(2, 4, name="attention")
+        return keras.Model(inp, block(inp, inp), name=name)
+
+    inp = keras.Input((None, 8))
+    model = keras.Model(inp, [encoder("text")(inp), encoder("vision")(inp)])
+    dk.convert(model)
+    layers = dk.converted_layers(model)
+    assert sorted(layers) == ["text/attention", "vision/attention"]
+    assert len({id(layer) for layer in layers.values()}) == 2
+    assert len(dk.damcha_variables(model, generators=False)) == 2
+
+
+def test_relative_or_cross_variants_of_supported_layers():
+    """XLNet's TwoStreamRelativeAttention (a MultiHeadAttention subclass with a
+    relative-position projection `_encoding_dense` the maps would not reach) is
+    refused by name, not half mapped; T5Gemma's cross-attention (a
+    CachedGemmaAttention subclass) gets separate maps under coupling="auto",
+    as every other cross-attention does."""
+    from keras_hub.src.models.t5gemma.t5gemma_attention import T5GemmaAttention
+    from keras_hub.src.models.xlnet.relative_attention import TwoStreamRelativeAttention
+
+    xlnet = TwoStreamRelativeAttention(num_heads=2, key_dim=4, name="relative_attention")
+    xlnet.build((2, 5, 8))
+    with pytest.raises(
+        dc.DamchaValueError,
+        match=r"Cannot convert layer `relative_attention` \(keras-mha\).*relative_attention/encoding/kernel",
+    ):
+        dk.convert(xlnet)
+    assert not dk.converted_layers(xlnet)
+    common = dict(
+        hidden_size=8,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        query_pre_attn_scalar=1.0,
+        attention_bias=False,
+        head_dim=4,
+    )
+    for kind, coupling in (("self", "tied"), ("cross", "separate")):
+        layer = T5GemmaAttention(**common, attention_type=kind, name=f"{kind}_attention")
+        layer.build((2, 5, 8) if kind == "self" else [(2, 5, 8), (2, 7, 8)])
+        with pytest.warns(UserWarning):
+            dk.convert(layer)
+        assert layer.damcha.config.coupling == coupling, kind
+
+
 def test_convert_refuses_a_model_whose_optimizer_is_built():
     """An optimizer built before convert() never trains the new variables (TensorFlow
     silently: the gates stayed 0 after fit). Refused, model untouched; compiled again,

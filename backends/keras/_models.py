@@ -778,13 +778,48 @@ def _maps_of(model: keras.layers.Layer) -> Iterator[tuple[Any, DamchaMaps]]:
 
 def converted_layers(model: keras.layers.Layer) -> dict[str, Any]:
     """Path -> attention layer, for every layer of ``model`` carrying DAMCHA
-    (converted by ``convert``, or a ``DamchaAttention``)."""
+    (converted by ``convert``, or a ``DamchaAttention``). Keras paths restart in
+    each nested functional model: a path found twice (CLIP's text and vision
+    encoders) is prefixed by the names of the models around each layer
+    (``clip_text_encoder/encoder_block_0/attention``)."""
     _check_model(model)
+    found = [
+        (layer, models)
+        for layer, models in _walk_with_models(model)
+        if isinstance(layer, DamchaAttention) or isinstance(getattr(layer, CONFIG_KEY, None), DamchaMaps)
+    ]
+    # Keras paths restart in each nested functional model (CLIP's and SigLIP's text and
+    # vision encoders both hold `encoder_block_0/attention`): a path that repeats is
+    # qualified by the names of the models around the layer, so no layer is dropped.
+    counts: dict[str, int] = {}
+    for layer, _ in found:
+        counts[_name(layer)] = counts.get(_name(layer), 0) + 1
     out: dict[str, Any] = {}
-    for layer in _walk(model):
-        if isinstance(layer, DamchaAttention) or isinstance(getattr(layer, CONFIG_KEY, None), DamchaMaps):
-            out[_name(layer)] = layer
+    for layer, models in found:
+        key = _name(layer)
+        if counts[key] > 1:
+            key = "/".join([*models, key])
+        while key in out:  # the same names all the way up: number them
+            key += "'"
+        out[key] = layer
     return out
+
+
+def _walk_with_models(model: keras.layers.Layer) -> Iterator[tuple[Any, list[str]]]:
+    """Each layer of ``model`` once (as ``_walk``), with the names of the nested
+    ``keras.Model`` objects around it (the root excluded)."""
+    seen: set[int] = set()
+
+    def visit(layer: Any, models: list[str]) -> Iterator[tuple[Any, list[str]]]:
+        if id(layer) in seen:
+            return
+        seen.add(id(layer))
+        yield layer, models
+        inner = [*models, layer.name] if isinstance(layer, keras.Model) and layer is not model else models
+        for sub in layer._flatten_layers(include_self=False, recursive=False):
+            yield from visit(sub, inner)
+
+    yield from visit(model, [])
 
 
 def damcha_variables(model: keras.layers.Layer, *, gates: bool = True, generators: bool = True) -> list[Any]:

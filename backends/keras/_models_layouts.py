@@ -83,7 +83,26 @@ def _qk_layout(
 # ----------------------------------------------------------------- Keras MHA
 
 
+_MHA_SUBLAYERS = ("_query_dense", "_key_dense", "_value_dense", "_output_dense")
+
+
 def _mha_layout(layer: Any) -> AttentionLayout:
+    # A subclass holding weights beyond the four projections computes something more than
+    # MHA from them (XLNet's TwoStreamRelativeAttention: relative-position keys from
+    # `_encoding_dense`, which no map would reach): refused rather than half mapped.
+    covered = {id(v) for attr in _MHA_SUBLAYERS for v in getattr(getattr(layer, attr, None), "weights", [])}
+    extra = [v.path for v in layer.weights if id(v) not in covered]
+    if extra:
+        shown = ", ".join(extra[:3]) + (f" and {len(extra) - 3} more" if len(extra) > 3 else "")
+        raise DamchaValueError(
+            invalid_argument(
+                "layer",
+                "a MultiHeadAttention whose only weights are its query, key, value and output projections "
+                f"({', '.join(_MHA_SUBLAYERS)}); this {type(layer).__name__} also holds weights the maps would "
+                "not reach (relative positions, extra projections)",
+                f"weights {shown}",
+            )
+        )
     # A MultiHeadAttention can be called on one sequence or two; KerasHub names
     # its cross-attention layers "cross_attention" (TransformerDecoder, Whisper).
     cross = "cross" in layer.name.lower()
@@ -117,7 +136,9 @@ def _llama_layout(layer: Any) -> AttentionLayout:
 
 
 def _gemma_layout(layer: Any) -> AttentionLayout:
-    return _qk_layout(layer, "query_dense", "key_dense", ("num_query_heads",), ("num_key_value_heads",), True)
+    # T5Gemma's T5GemmaAttention (a subclass) is self- or cross-attention by `attention_type`.
+    self_attention = getattr(layer, "attention_type", "self") != "cross"
+    return _qk_layout(layer, "query_dense", "key_dense", ("num_query_heads",), ("num_key_value_heads",), self_attention)
 
 
 for _adapter in (
