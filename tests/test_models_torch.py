@@ -1090,6 +1090,32 @@ def test_attention_under_another_name_is_refused_by_name(make, layer):
     assert not dt.converted_layers(model)
 
 
+class _MambaLikeMixer(nn.Module):
+    """A state-space mixer (as transformers' Mamba, Jamba, Zamba): in_proj, a
+    depthwise conv and out_proj, no attention."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_proj = nn.Linear(16, 32)
+        self.conv1d = nn.Conv1d(32, 32, 3, padding=1, groups=32)
+        self.out_proj = nn.Linear(32, 16)
+
+    def forward(self, x):
+        return self.out_proj(self.conv1d(self.in_proj(x).transpose(1, 2)).transpose(1, 2))
+
+
+def test_a_state_space_mixer_beside_attention_is_not_taken_for_attention():
+    """Its in_proj child made convert() refuse the hybrid model ("unknown
+    layouts: 1 (..._MambaLikeMixer)") where it had converted the attention."""
+    model = nn.Sequential(timm.layers.Attention(16, num_heads=2), _MambaLikeMixer()).double()
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    with torch.no_grad():
+        before = model(x)
+        dt.convert(model)
+        assert torch.equal(model(x), before)
+    assert list(dt.converted_layers(model)) == ["0"]
+
+
 def test_a_wrapper_of_a_supported_layer_converts_through_it():
     model = nn.Sequential(_WrapperAttention()).double()
     x = torch.randn(2, 5, 16, dtype=torch.float64)

@@ -687,7 +687,9 @@ def _is_attention_like(module: nn.Module) -> bool:
 # key/value) module. Layers named otherwise than "...Attention" (timm's GPSA,
 # MHSA and XCA, a user's "MHSA") are found by these, so that convert() names
 # them instead of leaving them without maps while converting the rest.
-_FUSED_QK = ("qkv", "qk", "in_proj", "qkv_proj", "Wqkv", "query_key_value")
+# Not "in_proj": state-space mixers (Mamba, Jamba, Zamba, ... in transformers) name their input
+# projection so, and nn.MultiheadAttention keeps its in_proj_weight as a parameter, not a child.
+_FUSED_QK = ("qkv", "qk", "qkv_proj", "Wqkv", "query_key_value")
 _QUERY_KEY = (
     ("q", "k"),
     ("q", "kv"),
