@@ -75,6 +75,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--case", action="append", metavar="NAME", help="only these catalogue cases")
     p.add_argument("--group", action="append", choices=GROUPS, help="only these case groups")
     p.add_argument("--no-gradients", action="store_true", help="check outputs only")
+    p.add_argument(
+        "--no-weights",
+        action="store_true",
+        help="leave out the attention-weights checks (a port that returns no weights: narrowed, not a gap)",
+    )
+    p.add_argument(
+        "--no-penalty",
+        action="store_true",
+        help="leave out the metric-penalty checks (a port that computes no penalty: narrowed, not a gap)",
+    )
     p.add_argument("--json", metavar="PATH", help="also write the full report as JSON")
     p.add_argument(
         "--export-vectors", metavar="DIR", help="write the catalogue as language-neutral test vectors and exit"
@@ -119,14 +129,24 @@ def _validate(args: argparse.Namespace) -> None:
         cu.check_output_file(args.json, "--json", prog=PROG)
     if args.export_vectors is not None:
         cu.check_output_dir(args.export_vectors, "--export-vectors", prog=PROG)
-        if args.backend or args.adapter or args.dtype or args.no_gradients or args.json or args.in_process:
+        run_options = (args.backend, args.adapter, args.dtype, args.no_gradients, args.no_weights, args.no_penalty)
+        if any(run_options) or args.json or args.in_process:
             cu.usage_error(
                 "--export-vectors",
                 "writes the catalogue and runs nothing; of the options that choose what runs it takes only --case "
-                "and --group (not --backend, --adapter, --dtype, --no-gradients, --json or --in-process)",
+                "and --group (not --backend, --adapter, --dtype, --no-gradients, --no-weights, --no-penalty, "
+                "--json or --in-process)",
                 prog=PROG,
             )
         return
+    for flag, group in (("--no-weights", "weights"), ("--no-penalty", "penalty")):
+        if getattr(args, flag[2:].replace("-", "_")) and args.group and group in args.group:
+            cu.usage_error(
+                flag,
+                f"leaves out the {group!r} group, which --group asks for. Received: --group "
+                f"{' --group '.join(args.group)} {flag}",
+                prog=PROG,
+            )
     if args.in_process and len(args.backend) + len(args.adapter) != 1:
         cu.usage_error(
             "--in-process",
@@ -279,8 +299,9 @@ def _filters(args: argparse.Namespace) -> list[str]:
     for flag, values in (("--dtype", args.dtype), ("--case", args.case), ("--group", args.group)):
         for v in values or ():
             out += [flag, v]
-    if args.no_gradients:
-        out.append("--no-gradients")
+    for flag in ("--no-gradients", "--no-weights", "--no-penalty"):
+        if getattr(args, flag[2:].replace("-", "_")):
+            out.append(flag)
     return out
 
 
@@ -311,8 +332,8 @@ def _run_in_process(spec: str, args: argparse.Namespace, adapter: BackendAdapter
     )
     limits = dict(BUILTIN[spec].limits) if spec in BUILTIN else {}
     gradients = not args.no_gradients and "gradients" not in limits
-    weights = weights and "weights" not in limits
-    penalty = penalty and "penalty" not in limits
+    weights = weights and not args.no_weights and "weights" not in limits
+    penalty = penalty and not args.no_penalty and "penalty" not in limits
 
     bar = None
 

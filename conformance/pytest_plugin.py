@@ -17,6 +17,10 @@ keyword too: the case's, or ``weights``/``penalty``). Options:
 - ``--damcha-dtype DTYPE``: only these dtypes (repeatable; default: the
   adapter's ``dtypes``).
 - ``--damcha-no-gradients``: outputs only.
+- ``--damcha-no-weights``, ``--damcha-no-penalty``: leave out the attention
+  weights / metric penalty checks (a port that has neither, or an adapter
+  written before those groups: not collected, rather than failing as
+  unsupported).
 - ``--damcha-xfails FILE``: the checks the port knows it fails, one id (or
   ``fnmatch`` pattern) per line, ``# reason`` optional; they are reported as
   xfail, and a listed check that passes as XPASS (remove it from the file).
@@ -154,6 +158,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     group.addoption("--damcha-no-gradients", action="store_true", default=False, help="check outputs only")
     group.addoption(
+        "--damcha-no-weights", action="store_true", default=False, help="leave out the attention-weights checks"
+    )
+    group.addoption(
+        "--damcha-no-penalty", action="store_true", default=False, help="leave out the metric-penalty checks"
+    )
+    group.addoption(
         "--damcha-xfails",
         metavar="FILE",
         default=None,
@@ -287,7 +297,12 @@ def pytest_configure(config: pytest.Config) -> None:
             f"--damcha-dtype: {', '.join(undeclared)} not among the adapter's dtypes ({', '.join(declared)})"
         )
     planned = checks(
-        list(dict.fromkeys(dtypes)), gradients=not config.getoption("damcha_no_gradients"), decoding=True, errors=True
+        list(dict.fromkeys(dtypes)),
+        gradients=not config.getoption("damcha_no_gradients"),
+        decoding=True,
+        errors=True,
+        weights=not config.getoption("damcha_no_weights"),
+        penalty=not config.getoption("damcha_no_penalty"),
     )
     xfails: dict[str, str] = {}
     path = config.getoption("damcha_xfails")

@@ -38,6 +38,18 @@ class NoGradients(ReferenceAdapter):
     name = "no-gradients"
 
 
+class OutputsOnly:
+    """An honest port written before the weights and penalty groups: forward and decode only, no
+    optional method added since (not a ReferenceAdapter subclass, which has them all)."""
+
+    name = "outputs-only"
+    dtypes = ("float64",)
+    supports_gradients = False
+    unsupported = ReferenceAdapter.unsupported
+    forward = ReferenceAdapter.forward
+    decode = ReferenceAdapter.decode
+
+
 class Interrupted(ReferenceAdapter):
     """Stops the run part-way, as Ctrl-C would."""
 

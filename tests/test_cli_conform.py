@@ -93,6 +93,22 @@ def test_a_group_selection_the_backend_cannot_have_exits_2_before_any_work():
     assert "onnxruntime  float32" in proc.stdout, proc.stdout[-800:]
 
 
+def test_a_port_without_weights_or_penalty_narrows_them_by_flag_instead_of_a_gap():
+    """An adapter written before the weights and penalty groups: PARTIAL (exit 1) by default, since
+    those checks did not run; --no-weights --no-penalty (like --no-gradients) narrow the run on
+    purpose and it passes, saying so."""
+    args = ("--adapter", "_conformance_fixtures:OutputsOnly", "--no-progress", "--group", "mha", "--group", "decode")
+    gaps = conform(*args, "--group", "weights", "--group", "penalty", "--no-gradients")
+    assert gaps.returncode == 1 and gaps.stdout.strip().splitlines()[-1].startswith("PARTIAL"), gaps.stdout[-600:]
+    narrowed = conform(*args, "--no-gradients", "--no-weights", "--no-penalty")
+    last = narrowed.stdout.strip().splitlines()[-1]
+    assert narrowed.returncode == 0 and last.startswith("PASSED on what was asked for, narrowed: "), narrowed.stdout
+    assert "no attention weights" in last + narrowed.stdout and "no metric penalty" in narrowed.stdout, narrowed.stdout
+    # Asking for a group and leaving it out is a contradiction, refused before any work.
+    line = one_line_usage_error(conform(*args, "--group", "weights", "--no-weights"), "--no-weights")
+    assert "leaves out the 'weights' group, which --group asks for" in line, line
+
+
 def test_a_dtype_the_adapter_does_not_declare_beside_one_it_does_is_stated_once_never_computed():
     proc = conform("--backend", "reference", "--dtype", "bfloat16", "--dtype", "float64", "--group", "mha")
     assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -223,9 +239,10 @@ def test_a_narrower_export_removes_the_earlier_exports_other_cases(tmp_path):
 
 
 def test_export_vectors_refuses_in_process(tmp_path):
-    line = one_line_usage_error(conform("--export-vectors", str(tmp_path / "v"), "--in-process"), "--export-vectors")
-    assert "not --backend, --adapter, --dtype, --no-gradients, --json or --in-process" in line
-    assert not (tmp_path / "v").exists()
+    for flag in ("--in-process", "--no-weights", "--no-penalty"):
+        line = one_line_usage_error(conform("--export-vectors", str(tmp_path / "v"), flag), "--export-vectors")
+        assert "(not --backend, --adapter, --dtype, --no-gradients, --no-weights, --no-penalty, --json or" in line
+        assert not (tmp_path / "v").exists()
 
 
 def test_an_interrupted_run_keeps_the_earlier_json_report(tmp_path):

@@ -166,3 +166,23 @@ def test_the_plugin_is_registered_as_a_pytest11_entry_point():
 
     [ep] = [e for e in entry_points(group="pytest11") if e.value == "damcha_conformance.pytest_plugin"]
     assert ep.name == "damcha_conformance.pytest_plugin"  # the name -p uses: loading both ways is one plugin
+
+
+def test_no_weights_and_no_penalty_leave_those_checks_out(tmp_path):
+    """An adapter written before the weights and penalty groups (no weights(), no metric_penalty())
+    can leave them out on purpose, as --damcha-no-gradients does for gradients."""
+
+    def ids(*flags: str) -> set[str]:
+        proc = run_pytest(
+            tmp_path, "--damcha-adapter", "_conformance_fixtures:OutputsOnly", *flags, "--collect-only", "-qq"
+        )
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        return {line.split("::", 1)[1] for line in proc.stdout.splitlines() if line.startswith("damcha-conformance::")}
+
+    every, narrowed = ids(), ids("--damcha-no-weights", "--damcha-no-penalty")
+    left_out = every - narrowed
+    assert left_out and all(i.startswith(("weights-", "penalty-")) for i in left_out), sorted(left_out)[:5]
+    assert not any(i.startswith(("weights-", "penalty-")) for i in narrowed)
+    # Gradient checks are collected (and skipped for an adapter without gradients), so they go too.
+    penalty = len(dcf.PENALTY_CASES) + sum(c.gradients for c in dcf.PENALTY_CASES)
+    assert len(left_out) == len(dcf.WEIGHTS_CASES) + penalty
