@@ -11,7 +11,7 @@ WORKERS ?= 2
 
 .PHONY: install js-deps lint test demo bench clean
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml setup.py constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# Pinned: on this project's machines 2.13.0 resolves to a CPU build they hold; an unpinned torch (or plain PyPI elsewhere) pulls a multi-GB CUDA build.
@@ -23,7 +23,14 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q --no-deps -c constraints.txt keras-hub
 	touch $(STAMP)
 
-install: $(STAMP)
+# The C kernel (setup.py, backends/torch/_headmix.c) is built by the editable install above;
+# rebuilt in place when its source changes in a checkout whose venv is already made.
+KERNEL_STAMP := $(VENV)/.damcha-kernel
+$(KERNEL_STAMP): $(STAMP) setup.py backends/torch/_headmix.c
+	$(PY) -m pip install -q --no-deps --no-build-isolation -c constraints.txt -e .
+	touch $@
+
+install: $(STAMP) $(KERNEL_STAMP)
 
 # onnxruntime-node/-web for the JavaScript checks (tests/test_onnx_js.py): pinned in
 # js/package.json + lockfile. --ignore-scripts: the CPU binaries ship in the npm

@@ -87,6 +87,20 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         sys.modules["keras"].utils.set_random_seed(seed)
 
 
+@pytest.fixture(params=["c-kernel", "torch-ops"])
+def decode_kernel(request, monkeypatch):
+    """A torch decoding step's map by the C kernel (damcha_torch._headmix, the
+    default on CPU where it was built) or by torch ops (CUDA, a build without
+    a C compiler): tests of the flat decoding step hold for both."""
+    from damcha_torch import _functional as fn
+
+    if request.param == "torch-ops":
+        monkeypatch.setattr(fn, "_HEADMIX", None)
+    elif fn._HEADMIX is None:
+        pytest.skip("damcha_torch._headmix not installed (built without a C compiler)")
+    return request.param
+
+
 @pytest.fixture
 def sync_events(monkeypatch):
     """os.fsync and os.replace recorded, in order, as ("fsync", (dev, inode)) and ("replace", absolute

@@ -62,10 +62,11 @@ def test_wheel_holds_the_license_and_py_typed(tmp_path):
     environment, no network, nothing written into the checkout)."""
     src = tmp_path / "src"
     src.mkdir()
-    for name in ("pyproject.toml", "README.md", "LICENSE"):
+    for name in ("pyproject.toml", "setup.py", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, src / name)
     for folder in set(PACKAGE_DIRS.values()):
-        shutil.copytree(ROOT / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__"))
+        # Without the kernel this checkout built in place: the wheel must compile its own.
+        shutil.copytree(ROOT / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.pyd"))
     proc = subprocess.run(
         [
             sys.executable,
@@ -89,6 +90,9 @@ def test_wheel_holds_the_license_and_py_typed(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), names
     assert {f"{p}/py.typed" for p in PACKAGE_DIRS} <= set(names)
+    # The decoding kernel (setup.py), compiled for this platform, with its stub.
+    assert [n for n in names if n.startswith("damcha_torch/_headmix.") and n.endswith((".so", ".pyd"))], names
+    assert "damcha_torch/_headmix.pyi" in names, names
     metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     assert "License-Expression: Apache-2.0" in metadata
     assert f"Project-URL: Homepage, {PROJECT['urls']['Homepage']}" in metadata

@@ -19,6 +19,7 @@ from torch import nn
 import damcha_core as dc
 from damcha_conformance import case_params
 from damcha_torch import DamchaAttention, DamchaKVCache, replace_mha
+from damcha_torch import _functional as fn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import _counts
@@ -307,6 +308,12 @@ def test_transformer_decoder_after_replace_mha_uses_the_causal_kernel(is_causal)
 # derived from the parameters (see the .data tests below) this is the floor
 # of the map: norm, hypot, GEMM, scaling, gate product, batched product.
 DECODE_MARGIN = {"none": 0, "heads-tied": 8, "heads-separate": 12, "heads-query": 8}
+# With the C kernel (damcha_torch._headmix, the default on CPU where it was
+# built) every map of a step is one call outside the dispatcher: no aten op
+# for the map at all, only the kernel's output buffer (empty) and its two
+# views (q~ and k~, or one per mapped side).
+# Measured when written: heads-tied 16, heads-separate 16, heads-query 15.
+KERNEL_MARGIN = {"none": 0, "heads-tied": 2, "heads-separate": 2, "heads-query": 1}
 DECODE_CONFIGS = {
     "none": dict(metric="none"),
     "heads-tied": dict(metric="heads", coupling="tied"),
@@ -332,7 +339,7 @@ def _decode_pair(name: str, dtype: torch.dtype = torch.float32):
 
 
 @pytest.mark.parametrize("name", list(DECODE_CONFIGS))
-def test_decode_step_aten_calls_stay_near_the_mha_step(name):
+def test_decode_step_aten_calls_stay_near_the_mha_step(name, decode_kernel):
     mha, layer, prompt, tokens = _decode_pair(name)
     mha_caches, cache = ([], DamchaKVCache()), DamchaKVCache()
     with torch.inference_mode():
@@ -358,11 +365,18 @@ def test_decode_step_aten_calls_stay_near_the_mha_step(name):
     assert sum(cat.values()) == 10 and cat["aten.cat"] == 2, cat
     assert sum(theirs.values()) == 14 and theirs["aten.copy_"] == 2 and "aten.cat" not in theirs, theirs
     table = _counts.side_by_side({"mha, cat": cat, "mha, preallocated": theirs, "damcha": ours})
-    assert sum(ours.values()) <= sum(theirs.values()) + DECODE_MARGIN[name], table
-    assert sum(ours.values()) <= sum(cat.values()) + 4 + DECODE_MARGIN[name], table
+    margin = KERNEL_MARGIN[name] if decode_kernel == "c-kernel" else DECODE_MARGIN[name]
+    assert sum(ours.values()) <= sum(theirs.values()) + margin, table
+    assert sum(ours.values()) <= sum(cat.values()) + 4 + margin, table
     # Only the new token is copied: no cat, two copies of one position each.
     assert "aten.cat" not in ours and ours["aten.copy_"] == 2, table
     assert ours["aten.scaled_dot_product_attention"] == 1
+    if decode_kernel == "c-kernel":
+        # The map is the kernel's: no generator GEMM, norm, scaling or product in aten.
+        assert ours["aten.linear"] == theirs["aten.linear"], table
+        assert not {"aten.baddbmm", "aten.mul", "aten.addcdiv", "aten.linalg_vector_norm"} & set(ours), table
+        assert ours["aten.empty"] == (name != "none"), table
+        return
     generators = {"none": 0, "heads-tied": 1, "heads-separate": 2, "heads-query": 1}[name]
     assert ours["aten.linear"] == theirs["aten.linear"] + generators  # tied q and k: one generator GEMM
     # The head mix: one batched product (q and k together when tied), one gate product per generator.
@@ -375,7 +389,7 @@ def test_decode_step_aten_calls_stay_near_the_mha_step(name):
 
 
 @pytest.mark.parametrize("name", list(DECODE_CONFIGS))
-def test_decode_fast_step_equals_general_path_and_reference(name):
+def test_decode_fast_step_equals_general_path_and_reference(name, decode_kernel):
     """The flat decoding path (inference, shapes seen) computes what the
     general path computes (autograd on, the hint mask given), and the
     reference's causal forward (float64)."""
@@ -396,7 +410,7 @@ def test_decode_fast_step_equals_general_path_and_reference(name):
 
 @pytest.mark.parametrize("batch_first", [True, False], ids=["batch-first", "seq-first"])
 @pytest.mark.parametrize("name", list(DECODE_CONFIGS))
-def test_decode_fast_step_batched_and_chunks_equal_general_path(name, batch_first):
+def test_decode_fast_step_batched_and_chunks_equal_general_path(name, batch_first, decode_kernel):
     """The flat path's strided reads of q, k, v out of the packed projection
     hold for B > 1 and for chunks of N > 1 tokens (causal on an empty cache,
     then non-causal chunks appended), in both layouts: it is taken (counted)
@@ -435,13 +449,15 @@ def test_decode_fast_step_batched_and_chunks_equal_general_path(name, batch_firs
 
 
 @pytest.mark.parametrize("name", [n for n in DECODE_CONFIGS if n != "none"])
-def test_decode_step_of_several_tokens_gives_every_gemm_its_bias(name):
-    """With B * N > 1 tokens each generator GEMM of the flat step gets a bias
+def test_decode_step_of_several_tokens_gives_every_gemm_its_bias(name, monkeypatch):
+    """On the torch-ops path (CUDA, or a build without the C kernel), with
+    B * N > 1 tokens each generator GEMM of the flat step gets a bias
     (a constant zero; b is added with the phi scaling after), as the
     projections' linears have theirs: on CPU MKL runs a bias-free GEMM of a
     few rows (beta = 0) in two OpenMP parallel regions and one with a bias in
     one, and at 2 threads each region of such a tiny op costs more than the
     op. No op more. Structure only: the values are the batched test's above."""
+    monkeypatch.setattr(fn, "_HEADMIX", None)
     _, layer, prompt, _ = _decode_pair(name, torch.float64)
     cache = DamchaKVCache()
     steps = [_x(3, 1, 32, seed=30 + i) for i in range(3)]  # float64

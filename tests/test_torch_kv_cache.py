@@ -311,7 +311,7 @@ def _flat_steps(layer: DamchaAttention, x: torch.Tensor, cache: DamchaKVCache, s
 
 @pytest.mark.parametrize("name", ["heads-tied", "heads-separate"])
 @pytest.mark.parametrize("where", ["token", "generator", "query-weight", "gate"])
-def test_flat_decode_step_gives_nan_where_the_reference_does(name, where):
+def test_flat_decode_step_gives_nan_where_the_reference_does(name, where, decode_kernel):
     """NaN in gives NaN out on the flat decoding path (inference, shapes seen),
     whose NaN guard is added into SDPA's output in place (SDPA's CPU kernel
     gives 0, not NaN, for some rows whose logits are all NaN): a NaN token

@@ -136,7 +136,7 @@ def _python_calls(fn) -> tuple[int, int, Counter[str]]:
     return counts[0], counts[1] - 1, names  # less setprofile's own c_call
 
 
-def test_decode_step_runs_no_more_python_frames_than_a_hand_written_mha_step():
+def test_decode_step_runs_no_more_python_frames_than_a_hand_written_mha_step(decode_kernel):
     """At B = 1 a step's time is its dispatched ops and its Python: the flat
     step's Python function frames (the layer's own call included) stay at
     the hand-written MHA step's (_counts.mha_decode_step with a
@@ -145,7 +145,15 @@ def test_decode_step_runs_no_more_python_frames_than_a_hand_written_mha_step():
     output projection became F.linear on out_proj's parameters (no module
     call, no nn.Module.__getattr__ for its weight and bias) and the kept gate
     views were checked inline. A hook on out_proj still runs (see
-    tests/test_torch_kv_cache.py)."""
+    tests/test_torch_kv_cache.py).
+
+    With the C kernel (damcha_torch._headmix) the map's six aten ops become
+    one call, and the checks that keep the kernel's pointers in bounds
+    (devices, dtypes, shapes, contiguity) are attribute reads and a few
+    C calls of well under a microsecond each: 47 builtin calls when written,
+    24 more than MHA's step, for a step about 40 us faster at E = 512
+    (docs/benchmarks.md). On the torch-ops path (CUDA, or a build without
+    the kernel) the bound stays 22."""
     import sys
 
     sys.path.insert(0, "benchmarks")
@@ -165,7 +173,7 @@ def test_decode_step_runs_no_more_python_frames_than_a_hand_written_mha_step():
         base_frames, base_builtins, base_names = _python_calls(lambda: _counts.mha_decode_step(mha, t, mha_cache))
     assert names["few_tokens_step"] == 1, names  # the flat path ran
     assert frames <= base_frames, (frames, base_frames, sorted(names.items()), sorted(base_names.items()))
-    assert builtins <= base_builtins + 22, (builtins, base_builtins)
+    assert builtins <= base_builtins + (24 if decode_kernel == "c-kernel" else 22), (builtins, base_builtins)
 
 
 def _gemms(mode: _Ops) -> list[list[tuple[int, ...]]]:

@@ -33,6 +33,13 @@ from damcha_core._validators import unknown_fields
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+_HEADMIX: Any
+try:
+    # The fused CPU map of a decoding step (setup.py; _headmix.c says why).
+    from damcha_torch import _headmix as _HEADMIX
+except ImportError:  # built without a C compiler: the torch ops compute the same step
+    _HEADMIX = None
+
 if TYPE_CHECKING:  # pragma: no cover
     from ._cache import DamchaKVCache
     from ._models_fused import MapRecipes
@@ -1312,7 +1319,12 @@ def few_tokens_step(
     width, at = qkv.shape[-1], 0 if traced else qkv.storage_offset()
     v = qkv.as_strided((B, G, N, dv), (N * width, dv, width, 1), at + (H + G) * d)
     mq, mk = maps
-    if mq is None and mk is None:
+    fused = None
+    if not traced and _HEADMIX is not None and (mq is not None or mk is not None):
+        fused = _fused_maps(x, qkv, at, maps, H, G, d)
+    if fused is not None:
+        q, k = fused
+    elif mq is None and mk is None:
         q = qkv.as_strided((B, H, N, d), (N * width, d, width, 1), at)
         k = qkv.as_strided((B, G, N, d), (N * width, d, width, 1), at + H * d)
     else:
@@ -1415,6 +1427,147 @@ def few_tokens_step(
     if type(output) is tuple:
         return F.linear(o, output[0], output[1])
     return output(o)  # type: ignore[operator]  # the callable form
+
+
+def has_decode_kernel() -> bool:
+    """Whether this install has the C kernel that maps a CPU decoding step's
+    tokens in one call (``damcha_torch._headmix``, built by ``pip install``
+    where a C compiler is found; docs/torch.md, "Decoding"). Without it the
+    same step runs as torch ops: the same outputs, about 40 us more per
+    layer and token at B = 1 (docs/benchmarks.md)."""
+    return _HEADMIX is not None
+
+
+def _fused_maps(
+    x: Tensor,
+    qkv: Tensor,
+    at: Any,
+    maps: tuple[tuple[Tensor, Tensor, Tensor] | None, tuple[Tensor, Tensor, Tensor] | None],
+    H: int,
+    G: int,
+    d: int,
+) -> tuple[Tensor, Tensor] | None:
+    """q~ and k~ (B, H, N, d) and (B, G, N, d) of ``few_tokens_step`` by the C
+    kernel (``_headmix.map``: phi's norm, the generator GEMV, the scaling, the
+    gate and the head mix of each token in one call), or None where it does
+    not apply: a tensor off the CPU, x whose tokens are not rows of one stride
+    (B, N, E) -> (T, E), parameters not contiguous or of another dtype. The
+    caller has checked the rest (float32/64, no autograd, not traced).
+
+    Tied, both sides come out of one call (the same A maps q and k, adjacent
+    in ``qkv``); separate, one call per side; a side without a map is read out
+    of ``qkv`` as on the torch path.
+    """
+    if not x.is_cpu:
+        return None
+    B, N, E = x.shape
+    sb, sn, se = x.stride()
+    if (se != 1 and E > 1) or B * N == 0:
+        return None  # (no tokens: nothing to map, and the kernel takes T >= 1)
+    if N == 1:
+        row = sb
+    elif B == 1 or sb == N * sn:
+        row = sn
+    else:
+        return None
+    mq, mk = maps
+    dtype = x.dtype
+    # Each side's (weight, bias, gate column) as the kernel reads them: CPU,
+    # x's dtype, contiguous, sized for its S heads and E features (the kernel
+    # trusts its pointers: this keeps it in bounds). Inline, not a helper: a
+    # Python frame per step costs as much as a check (tests/test_torch_ops.py).
+    for side, S in ((mq, H), (None if mk is mq else mk, G)):
+        if side is not None and not (
+            side[0].is_cpu
+            and side[1].is_cpu
+            and side[2].is_cpu
+            and side[0].dtype is dtype
+            and side[1].dtype is dtype
+            and side[2].dtype is dtype
+            and side[0].is_contiguous()
+            and side[1].is_contiguous()
+            and side[2].is_contiguous()
+            and side[0].shape == (S * S, E)
+            and side[1].shape == (S * S,)
+            and side[2].shape == (S, 1)
+        ):
+            return None
+    T, width, double = B * N, qkv.shape[-1], dtype is torch.float64
+    xp, yp, item = x.data_ptr(), qkv.data_ptr(), 8 if double else 4
+    kernel = _HEADMIX.map
+    if mk is mq:  # tied (G = H): one A per token maps q and k
+        w, b, g = mq  # type: ignore[misc]
+        out = torch.empty((T, 2, H, d), dtype=dtype, device=x.device)
+        kernel(
+            double,
+            T,
+            E,
+            H,
+            d,
+            xp,
+            row,
+            w.data_ptr(),
+            b.data_ptr(),
+            g.data_ptr(),
+            yp,
+            width,
+            2,
+            out.data_ptr(),
+            dc.RMS_EPS,
+        )
+        strides = (N * 2 * H * d, d, 2 * H * d, 1)
+        return out.as_strided((B, H, N, d), strides, 0), out.as_strided((B, H, N, d), strides, H * d)
+    out = torch.empty(
+        T * ((H if mq is not None else 0) + (G if mk is not None else 0)) * d, dtype=dtype, device=x.device
+    )
+    offset = 0
+    if mq is not None:
+        w, b, g = mq
+        kernel(
+            double,
+            T,
+            E,
+            H,
+            d,
+            xp,
+            row,
+            w.data_ptr(),
+            b.data_ptr(),
+            g.data_ptr(),
+            yp,
+            width,
+            1,
+            out.data_ptr(),
+            dc.RMS_EPS,
+        )
+        q = out.as_strided((B, H, N, d), (N * H * d, d, H * d, 1), 0)
+        offset = T * H * d
+    else:
+        q = qkv.as_strided((B, H, N, d), (N * width, d, width, 1), at)
+    if mk is not None:
+        w, b, g = mk
+        kp = yp + H * d * item
+        kernel(
+            double,
+            T,
+            E,
+            G,
+            d,
+            xp,
+            row,
+            w.data_ptr(),
+            b.data_ptr(),
+            g.data_ptr(),
+            kp,
+            width,
+            1,
+            out.data_ptr() + offset * item,
+            dc.RMS_EPS,
+        )
+        k = out.as_strided((B, G, N, d), (N * G * d, d, G * d, 1), offset)
+    else:
+        k = qkv.as_strided((B, G, N, d), (N * width, d, width, 1), at + H * d)
+    return q, k
 
 
 def _append_keys(

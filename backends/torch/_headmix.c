@@ -1,0 +1,140 @@
+/* damcha_torch._headmix: the cross-head map of a decoding step's few tokens,
+ * fused into one call on the CPU.
+ *
+ * Why a C kernel: at B = 1 a decoding step's map is six tiny torch ops (phi's
+ * norm, hypot, the generator GEMV, the phi scaling, the gate product, the
+ * batched head mix), and on a 2-core CPU each costs 5-8 us in a step (its
+ * dispatch, a new tensor, and caches emptied by the projections' weights
+ * streaming through), about 50 us against the ~8 us their arithmetic needs.
+ * torch.compile's wrapper costs more than it saves at this size
+ * (docs/benchmarks.md), and no library offers this fusion. The torch ops stay
+ * the path everywhere else (CUDA, autograd, 16-bit, compiled graphs) and
+ * wherever this module is missing (a build without a C compiler).
+ *
+ * The math is damcha_core's (spec.md): for each token t with features x_t (E)
+ * and its stacked heads y_t (S heads of size d), with
+ *   A_t = phi(x_t) W^T + b     (S*S; phi(x) = x / sqrt(mean(x^2) + eps))
+ *   z_t^h = y_t^h + sum_a g_h A_t[h, a] y_t^a
+ * computed as sqrt(E) / sqrt(|x|^2 + E eps) times x W^T, then + b (the torch
+ * path's order: x W^T first, so the GEMV reads the weight, not phi(x)).
+ * |x|^2 is summed in double (no overflow of float32 squares, as torch's
+ * hypot avoids it). NaN and inf propagate as in the torch ops: nothing here
+ * tests a value. A gate of 0 gives y bit for bit when A is finite (y + 0).
+ *
+ * Layout (all pointers are element addresses, strides in elements):
+ *   x     T rows of E, row stride x_stride, unit stride within a row
+ *   W     (S*S, E) contiguous;  b (S*S) contiguous;  g (S) contiguous
+ *   y     per token `blocks` consecutive (S, d) blocks (head stride d, unit
+ *         stride within a head) starting at y + t * y_stride: blocks = 2 maps
+ *         q and k of a tied layer with one A (they are adjacent in the packed
+ *         projection's output)
+ *   out   (T, blocks, S, d) contiguous
+ * The caller (few_tokens_step) checks devices, dtypes, shapes and strides;
+ * this file trusts them.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdlib.h>
+
+/* AVX2 + FMA where the machine has them (chosen once at load, glibc ifunc),
+ * baseline x86-64 otherwise: a wheel built here runs on any x86-64. */
+#if defined(__GNUC__) && defined(__x86_64__) && defined(__linux__) && !defined(__clang__)
+#define DAMCHA_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define DAMCHA_CLONES
+#endif
+
+#define DAMCHA_KERNEL(NAME, REAL)                                                                        \
+    DAMCHA_CLONES static void NAME(Py_ssize_t T, Py_ssize_t E, Py_ssize_t S, Py_ssize_t d,               \
+                                   const REAL *x, Py_ssize_t x_stride, const REAL *W, const REAL *b,    \
+                                   const REAL *g, const REAL *y, Py_ssize_t y_stride, Py_ssize_t blocks, \
+                                   REAL *out, double eps, REAL *P, REAL *acc) {                        \
+        const Py_ssize_t SS = S * S;                                                                     \
+        /* x W^T: every row of W once, for every token (the row stays in L1). */                         \
+        for (Py_ssize_t r = 0; r < SS; ++r) {                                                            \
+            const REAL *w = W + r * E;                                                                   \
+            for (Py_ssize_t t = 0; t < T; ++t) {                                                         \
+                const REAL *xt = x + t * x_stride;                                                       \
+                REAL s = 0;                                                                              \
+                _Pragma("omp simd reduction(+ : s)") for (Py_ssize_t e = 0; e < E; ++e) s += w[e] * xt[e]; \
+                P[t * SS + r] = s;                                                                       \
+            }                                                                                            \
+        }                                                                                                \
+        for (Py_ssize_t t = 0; t < T; ++t) {                                                             \
+            const REAL *xt = x + t * x_stride;                                                           \
+            double n2 = 0.0;                                                                             \
+            _Pragma("omp simd reduction(+ : n2)") for (Py_ssize_t e = 0; e < E; ++e) n2 += (double)xt[e] * (double)xt[e]; \
+            const REAL scale = (REAL)(sqrt((double)E) / sqrt(n2 + (double)E * eps));                    \
+            REAL *A = P + t * SS;                                                                        \
+            for (Py_ssize_t h = 0; h < S; ++h)                                                           \
+                for (Py_ssize_t a = 0; a < S; ++a) A[h * S + a] = (scale * A[h * S + a] + b[h * S + a]) * g[h]; \
+            for (Py_ssize_t k = 0; k < blocks; ++k) {                                                    \
+                const REAL *yt = y + t * y_stride + k * S * d;                                           \
+                REAL *z = out + (t * blocks + k) * S * d;                                                \
+                for (Py_ssize_t h = 0; h < S; ++h) {                                                     \
+                    for (Py_ssize_t i = 0; i < d; ++i) acc[i] = 0;                                       \
+                    for (Py_ssize_t a = 0; a < S; ++a) {                                                 \
+                        const REAL c = A[h * S + a];                                                     \
+                        const REAL *ya = yt + a * d;                                                     \
+                        _Pragma("omp simd") for (Py_ssize_t i = 0; i < d; ++i) acc[i] += c * ya[i];       \
+                    }                                                                                    \
+                    const REAL *yh = yt + h * d;                                                         \
+                    _Pragma("omp simd") for (Py_ssize_t i = 0; i < d; ++i) z[h * d + i] = yh[i] + acc[i]; \
+                }                                                                                        \
+            }                                                                                            \
+        }                                                                                                \
+    }
+
+DAMCHA_KERNEL(map_f32, float)
+DAMCHA_KERNEL(map_f64, double)
+
+/* map(double, T, E, S, d, x, x_stride, W, b, g, y, y_stride, blocks, out, eps)
+ * with the pointers as Python ints (Tensor.data_ptr()). */
+static PyObject *damcha_map(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 15) {
+        PyErr_Format(PyExc_TypeError, "map() takes 15 arguments, got %zd", nargs);
+        return NULL;
+    }
+    const int is_double = PyObject_IsTrue(args[0]);
+    Py_ssize_t n[4], strides[3];
+    void *p[6];
+    const int sizes_at[4] = {1, 2, 3, 4}, ptrs_at[6] = {5, 7, 8, 9, 10, 13}, strides_at[3] = {6, 11, 12};
+    for (int i = 0; i < 4; ++i) n[i] = PyLong_AsSsize_t(args[sizes_at[i]]);
+    for (int i = 0; i < 3; ++i) strides[i] = PyLong_AsSsize_t(args[strides_at[i]]);
+    for (int i = 0; i < 6; ++i) p[i] = PyLong_AsVoidPtr(args[ptrs_at[i]]);
+    const double eps = PyFloat_AsDouble(args[14]);
+    if (is_double < 0 || PyErr_Occurred()) return NULL;
+    const Py_ssize_t T = n[0], E = n[1], S = n[2], d = n[3];
+    if (T <= 0 || E <= 0 || S <= 0 || d <= 0 || strides[2] < 1 || strides[2] > 2) {
+        PyErr_SetString(PyExc_ValueError, "map(): sizes must be positive and blocks 1 or 2");
+        return NULL;
+    }
+    const size_t item = is_double ? sizeof(double) : sizeof(float);
+    void *scratch = malloc(((size_t)T * (size_t)(S * S) + (size_t)d) * item);
+    if (scratch == NULL) return PyErr_NoMemory();
+    Py_BEGIN_ALLOW_THREADS
+    if (is_double) {
+        double *P = (double *)scratch;
+        map_f64(T, E, S, d, p[0], strides[0], p[1], p[2], p[3], p[4], strides[1], strides[2], p[5], eps, P,
+                P + T * S * S);
+    } else {
+        float *P = (float *)scratch;
+        map_f32(T, E, S, d, p[0], strides[0], p[1], p[2], p[3], p[4], strides[1], strides[2], p[5], eps, P,
+                P + T * S * S);
+    }
+    Py_END_ALLOW_THREADS
+    free(scratch);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"map", (PyCFunction)(void (*)(void))damcha_map, METH_FASTCALL,
+     "map(is_double, T, E, S, d, x, x_stride, W, b, g, y, y_stride, blocks, out, eps): the head map of T tokens."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_headmix", NULL, -1, methods, NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__headmix(void) { return PyModule_Create(&module); }

@@ -1,0 +1,305 @@
+"""damcha_torch._headmix, the C kernel of a decoding step's cross-head map.
+
+The kernel itself against the spec's formula computed in NumPy float64 (every
+layout it takes: tokens with a row stride, one or two blocks per token), NaN
+and inf carried as the reference carries them, gates at 0 returning y bit for
+bit; then the layer: which decoding steps it takes, which it leaves to the
+torch ops (each refusal gives the same outputs as the torch path), and its
+outputs against damcha_core's reference. The layer tests that run with the
+kernel on and off are in test_torch_fastpath.py and test_torch_kv_cache.py
+(the ``decode_kernel`` fixture).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import damcha_core as dc
+import damcha_torch
+from damcha_torch import DamchaAttention, DamchaKVCache
+from damcha_torch import _functional as fn
+
+if fn._HEADMIX is None:
+    pytest.skip("damcha_torch._headmix not installed (built without a C compiler)", allow_module_level=True)
+
+KERNEL = fn._HEADMIX
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+TOL = {torch.float32: dict(rtol=2e-5, atol=2e-6), torch.float64: dict(rtol=1e-12, atol=1e-13)}
+
+
+def _spec_map(x, W, b, g, y, blocks):
+    """z = y + diag(g) (phi(x) W^T + b) y per token, float64 (spec.md: generator and map); y (T, blocks, S, d)."""
+    x, W, b, g, y = (np.asarray(t, dtype=np.float64) for t in (x, W, b, g, y))
+    T, E = x.shape
+    S = g.shape[0]
+    phi = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + dc.RMS_EPS)
+    A = (phi @ W.T + b).reshape(T, S, S) * g[None, :, None]
+    return y + np.einsum("tha,tkad->tkhd", A, y)
+
+
+def _run(x, W, b, g, y, d, blocks, row_stride, y_stride):
+    T, E, S = x.shape[0], W.shape[1], g.shape[0]
+    out = torch.empty((T, blocks, S, d), dtype=x.dtype)
+    KERNEL.map(
+        x.dtype is torch.float64,
+        T,
+        E,
+        S,
+        d,
+        x.data_ptr(),
+        row_stride,
+        W.data_ptr(),
+        b.data_ptr(),
+        g.data_ptr(),
+        y.data_ptr(),
+        y_stride,
+        blocks,
+        out.data_ptr(),
+        dc.RMS_EPS,
+    )
+    return out
+
+
+def _inputs(T, E, S, d, blocks, dtype, seed, x_pad=0, y_pad=0):
+    g = torch.Generator().manual_seed(seed)
+    xs = torch.randn(T, E + x_pad, generator=g, dtype=dtype) * 3
+    ys = torch.randn(T, blocks * S * d + y_pad, generator=g, dtype=dtype)
+    W = torch.randn(S * S, E, generator=g, dtype=dtype) / math.sqrt(E)
+    b = torch.randn(S * S, generator=g, dtype=dtype) * 0.1
+    gate = torch.rand(S, generator=g, dtype=dtype) * 2 - 1
+    return xs, ys, W, b, gate
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize(
+    "T,E,S,d,blocks,x_pad,y_pad",
+    [
+        (1, 32, 4, 8, 2, 0, 0),  # one token, tied: q and k blocks
+        (1, 512, 8, 64, 2, 0, 0),  # the benchmarks' layer
+        (3, 17, 3, 5, 1, 7, 9),  # odd sizes, rows with a stride wider than the row
+        (16, 40, 5, 3, 2, 0, 11),  # the most tokens the flat step takes
+        (2, 1, 1, 1, 1, 0, 0),  # one feature, one head
+    ],
+    ids=["tied-1", "E512", "odd-strided", "16-tokens", "tiny"],
+)
+def test_kernel_computes_the_spec_map(T, E, S, d, blocks, x_pad, y_pad, dtype):
+    xs, ys, W, b, gate = _inputs(T, E, S, d, blocks, dtype, seed=T * 100 + E, x_pad=x_pad, y_pad=y_pad)
+    out = _run(xs, W, b, gate, ys, d, blocks, E + x_pad, blocks * S * d + y_pad)
+    want = _spec_map(xs[:, :E], W, b, gate, ys[:, : blocks * S * d].reshape(T, blocks, S, d), blocks)
+    np.testing.assert_allclose(out.numpy(), want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_kernel_with_gates_at_zero_returns_y_bit_for_bit(dtype):
+    xs, ys, W, b, gate = _inputs(4, 24, 4, 6, 2, dtype, seed=3)
+    out = _run(xs, W, b, torch.zeros_like(gate), ys, 6, 2, 24, 48)
+    assert torch.equal(out.reshape(4, 48), ys)
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("where", ["x-nan", "x-inf", "y-nan", "weight-nan", "gate-inf"])
+def test_kernel_carries_non_finite_values_as_the_spec_does(where, dtype):
+    """NaN and inf reach exactly the outputs the formula sends them to (the
+    kernel tests no value): a token's own x or y touches only its own rows;
+    a weight, every token."""
+    xs, ys, W, b, gate = _inputs(3, 16, 4, 5, 1, dtype, seed=11)
+    if where == "x-nan":
+        xs[1, 3] = float("nan")
+    elif where == "x-inf":
+        xs[1, 3] = float("inf")
+    elif where == "y-nan":
+        ys[1, 7] = float("nan")
+    elif where == "weight-nan":
+        W[2, 5] = float("nan")
+    else:
+        gate[0] = float("inf")
+    out = _run(xs, W, b, gate, ys, 5, 1, 16, 20).numpy()
+    with np.errstate(invalid="ignore", over="ignore"):
+        want = _spec_map(xs, W, b, gate, ys.reshape(3, 1, 4, 5), 1)
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(want))
+    np.testing.assert_array_equal(np.isinf(out), np.isinf(want))
+    finite = np.isfinite(want)
+    assert not finite.all()
+    np.testing.assert_allclose(out[finite], want[finite], **TOL[dtype])
+
+
+def test_kernel_refuses_malformed_calls():
+    args = [False, 1, 4, 2, 2, 0, 4, 0, 0, 0, 0, 8, 1, 0, 1e-6]
+    with pytest.raises(TypeError, match="15 arguments"):
+        KERNEL.map(*args[:-1])
+    with pytest.raises(ValueError, match="blocks 1 or 2"):
+        KERNEL.map(*args[:12], 3, *args[13:])
+    with pytest.raises(ValueError, match="positive"):
+        KERNEL.map(args[0], 0, *args[2:])
+    with pytest.raises(TypeError):
+        KERNEL.map(*args[:5], "0", *args[6:])
+
+
+# ------------------------------------------------------------------ the layer
+
+CONFIGS = {
+    "heads-tied": dict(metric="heads", coupling="tied"),
+    "heads-separate": dict(metric="heads", coupling="separate"),
+    "heads-query": dict(metric="heads", coupling="query"),
+    "heads-query-gqa": dict(metric="heads", coupling="query", num_kv_heads=2),
+}
+
+
+def _layer(name, dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    kw = dict(CONFIGS[name])
+    if "num_kv_heads" in kw:
+        layer = DamchaAttention(32, 4, batch_first=True, dtype=dtype, **kw).eval()
+    else:
+        layer = DamchaAttention.from_mha(nn.MultiheadAttention(32, 4, batch_first=True, dtype=dtype), **kw).eval()
+    with torch.no_grad():
+        for gate in layer.metric_gates.values():
+            gate.uniform_(-1.0, 1.0)
+    return layer
+
+
+class _Recorder:
+    """fn._HEADMIX's stand-in: counts the kernel's calls and forwards them."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def map(self, *args):
+        self.calls += 1
+        return KERNEL.map(*args)
+
+
+def _decode(layer, x, steps, monkeypatch=None, kernel=True):
+    """A causal prompt of 3 tokens, then one-token steps (inference): outputs and kernel calls."""
+    recorder = _Recorder()
+    if monkeypatch is not None:
+        monkeypatch.setattr(fn, "_HEADMIX", recorder if kernel else None)
+    cache, outs = DamchaKVCache(), []
+    with torch.inference_mode():
+        outs.append(layer(x[:, :3], x[:, :3], x[:, :3], is_causal=True, need_weights=False, kv_cache=cache)[0])
+        for i in range(3, 3 + steps):
+            t = x[:, i : i + 1]
+            outs.append(layer(t, t, t, is_causal=True, need_weights=False, kv_cache=cache)[0])
+    return torch.cat(outs, dim=1), recorder.calls
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_layer_decoding_takes_the_kernel_and_matches_the_reference(name, dtype, monkeypatch):
+    """Every one-token step after the first (which records the shapes) maps
+    through the kernel: one call per step when tied (q and k together) or
+    with one mapped side, two when separate. The outputs equal the torch-ops
+    path and damcha_core's causal forward."""
+    layer = _layer(name, dtype)
+    x = torch.randn(2, 9, 32, dtype=dtype, generator=torch.Generator().manual_seed(4))
+    got, calls = _decode(layer, x, 6, monkeypatch)
+    per_step = 2 if name == "heads-separate" else 1
+    assert calls == per_step * 5, calls
+    torch_ops, none = _decode(layer, x, 6, monkeypatch, kernel=False)
+    assert none == 0
+    torch.testing.assert_close(got, torch_ops, **TOL[dtype])
+    want = dc.damcha_attention(layer.to_canonical(), layer.config, x.to(torch.float64).numpy(), causal=True)
+    np.testing.assert_allclose(
+        got.to(torch.float64).numpy(), want, **(TOL[dtype] if dtype is torch.float64 else dict(rtol=1e-4, atol=1e-5))
+    )
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["generator-not-contiguous", "gate-not-contiguous", "tokens-not-rows"],
+)
+def test_layer_leaves_what_the_kernel_cannot_read_to_the_torch_ops(change, monkeypatch):
+    """Parameters the kernel cannot read as contiguous arrays (a generator
+    weight stored transposed, a gate that is a strided view) and tokens that
+    are not rows of one stride (seq-first, B > 1, N > 1: x is (B, N, E) with
+    the batch stride E) take the torch ops, with the same outputs."""
+    layer = _layer("heads-tied", torch.float64)
+    x = torch.randn(2, 9, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    want, _ = _decode(layer, x, 6, monkeypatch, kernel=False)
+    if change == "generator-not-contiguous":
+        gen = layer.metric_generators["qk"]
+        gen.weight.data = gen.weight.data.t().contiguous().t()
+        assert not gen.weight.is_contiguous()
+    elif change == "gate-not-contiguous":
+        gate = layer.metric_gates["qk"]
+        gate.data = torch.stack([gate.data, gate.data], dim=1)[:, 0]
+        assert not gate.is_contiguous()
+    if change != "tokens-not-rows":
+        got, calls = _decode(layer, x, 6, monkeypatch)
+        assert calls == 0
+        torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-14)
+        return
+    seq_first = DamchaAttention.from_mha(
+        nn.MultiheadAttention(32, 4, dtype=torch.float64), metric="heads", coupling="tied"
+    ).eval()
+    seq_first.load_state_dict(layer.state_dict())
+    recorder = _Recorder()
+    monkeypatch.setattr(fn, "_HEADMIX", recorder)
+    xs = x.transpose(0, 1)  # (N, B, E): the layer's x is (B, N, E) with strides (E, B * E, 1)
+    cache, outs = DamchaKVCache(), []
+    with torch.inference_mode():
+        outs.append(seq_first(xs[:3], xs[:3], xs[:3], is_causal=True, need_weights=False, kv_cache=cache)[0])
+        for i in (3, 5, 7):  # two-token chunks after the prompt: B = 2, N = 2
+            t = xs[i : i + 2]
+            outs.append(seq_first(t, t, t, is_causal=False, need_weights=False, kv_cache=cache)[0])
+    assert recorder.calls == 0
+    got = torch.cat(outs).transpose(0, 1)
+    cache, ref = DamchaKVCache(), []
+    with torch.enable_grad():  # the general path
+        ref.append(layer(x[:, :3], x[:, :3], x[:, :3], is_causal=True, need_weights=False, kv_cache=cache)[0])
+        for i in (3, 5, 7):
+            t = x[:, i : i + 2]
+            ref.append(layer(t, t, t, is_causal=False, need_weights=False, kv_cache=cache)[0])
+    torch.testing.assert_close(got, torch.cat(ref, dim=1).detach(), rtol=1e-13, atol=1e-14)
+
+
+def test_layer_sees_a_generator_replaced_between_steps(monkeypatch):
+    """The kernel reads the parameters' storage afresh every step: a generator
+    weight replaced by ``.data =`` with another tensor between steps is used,
+    and one of another shape is never read (the torch ops raise their own
+    shape error, as without the kernel)."""
+    layer = _layer("heads-tied", torch.float64)
+    ref = _layer("heads-tied", torch.float64)
+    x = torch.randn(1, 9, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    recorder = _Recorder()
+    monkeypatch.setattr(fn, "_HEADMIX", recorder)
+    caches = DamchaKVCache(), DamchaKVCache()
+    with torch.inference_mode():
+        for model, cache in zip((layer, ref), caches):
+            model(x[:, :3], x[:, :3], x[:, :3], is_causal=True, need_weights=False, kv_cache=cache)
+            for i in (3, 4):
+                model(
+                    x[:, i : i + 1],
+                    x[:, i : i + 1],
+                    x[:, i : i + 1],
+                    is_causal=True,
+                    need_weights=False,
+                    kv_cache=cache,
+                )
+    new = torch.randn_like(layer.metric_generators["qk"].weight)
+    for model in (layer, ref):
+        model.metric_generators["qk"].weight.data = new.clone()
+    t = x[:, 5:6]
+    before = recorder.calls
+    with torch.inference_mode():
+        fast = layer(t, t, t, is_causal=True, need_weights=False, kv_cache=caches[0])[0]
+    assert recorder.calls == before + 1
+    with torch.enable_grad():
+        general = ref(t, t, t, is_causal=True, need_weights=False, kv_cache=caches[1])[0]
+    torch.testing.assert_close(fast, general.detach(), rtol=1e-13, atol=1e-14)
+    layer.metric_generators["qk"].weight.data = torch.zeros(3, 32, dtype=torch.float64)
+    t = x[:, 6:7]
+    with torch.inference_mode(), pytest.raises(RuntimeError):
+        layer(t, t, t, is_causal=True, need_weights=False, kv_cache=caches[0])
+    assert recorder.calls == before + 1
+
+
+def test_has_decode_kernel_reports_the_build(monkeypatch):
+    assert damcha_torch.has_decode_kernel() is True
+    monkeypatch.setattr(fn, "_HEADMIX", None)
+    assert damcha_torch.has_decode_kernel() is False
