@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -489,9 +490,17 @@ SECTIONS = {"layer": layer_section, "decode": decode_section, "model": model_sec
 
 def setup(threads: int) -> dict[str, Any]:
     torch.set_num_threads(threads)
+    from damcha_torch import _functional as fn
+
+    if os.environ.get("DAMCHA_BENCH_TORCH_OPS") == "1":
+        # The decoding step's map by torch ops, as without the C kernel: the
+        # before/after comparison on one machine (docs/benchmarks.md).
+        fn._HEADMIX = None
     return {
         "torch_threads": torch.get_num_threads(),
         "torch_interop_threads": torch.get_num_interop_threads(),
         "dtype": "float32",
         "device": "cpu",
+        # Which path mapped the decoding steps (damcha_torch.has_decode_kernel()).
+        "decode_kernel": "c" if fn._HEADMIX is not None else "torch-ops",
     }
