@@ -181,8 +181,10 @@ def test_query_coupling_equals_reference(arch):
     _check_layers_against_reference(arch, coupling="query")
 
 
-def _check_layers_against_reference(arch, **options):
-    model = converted(arch, **options)
+def _check_layers_against_reference(arch, model=None, **options):
+    """``model``: a float64 model of ``arch``'s layout converted with ``options``
+    (default: the zoo's ``arch``)."""
+    model = converted(arch, **options) if model is None else model
     assert all(
         m.damcha.config.coupling == options.get("coupling", m.damcha.config.coupling)
         for m in dt.converted_layers(model).values()
@@ -410,6 +412,87 @@ def test_cross_attention_cache_holds_keys_mapped_once(arch):
             assert torch.equal(cached, mapped)
             assert not torch.allclose(cached, plain.view(B, M, -1, layer.head_dim).transpose(1, 2))
     torch.testing.assert_close(step.logits[:, -1], full[:, -1], rtol=0, atol=1e-12)
+
+
+# The encoder-decoders whose attention transformers copied from BART's ("Copied
+# from BartAttention", the same source line for line) and the transformers-bart
+# adapter lists: one compact test each, not in the zoo's ARCHS (every test over
+# ARCHS would run them). Built with the zoo's "bart" sizes; checked with its
+# layout ("bart" for inputs, run and layer_params).
+BART_COPIES = {  # model class, config class, the attention class each of its layers holds
+    "marian": ("MarianMTModel", "MarianConfig", "MarianAttention"),
+    "pegasus": ("PegasusForConditionalGeneration", "PegasusConfig", "PegasusAttention"),
+    "m2m100": ("M2M100ForConditionalGeneration", "M2M100Config", "M2M100Attention"),
+    "plbart": ("PLBartForConditionalGeneration", "PLBartConfig", "PLBartAttention"),
+    "blenderbot": ("BlenderbotForConditionalGeneration", "BlenderbotConfig", "BlenderbotAttention"),
+    "blenderbot-small": (
+        "BlenderbotSmallForConditionalGeneration",
+        "BlenderbotSmallConfig",
+        "BlenderbotSmallAttention",
+    ),
+}
+
+
+def _bart_copy(name, dtype):
+    cls, cls_cfg = (getattr(transformers, n) for n in BART_COPIES[name][:2])
+    torch.manual_seed(0)
+    cfg = cls_cfg(
+        vocab_size=VOCAB,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=48,
+        decoder_ffn_dim=48,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        decoder_start_token_id=1,
+        forced_eos_token_id=None,
+        init_std=0.2,  # as the zoo's "bart": attention logits far from 0
+        attn_implementation="sdpa",
+    )
+    return cls(cfg).to(dtype).eval()
+
+
+@pytest.mark.parametrize("name", list(BART_COPIES))
+def test_bart_copies_convert(name):
+    """Every attention layer converted (encoder self-attention and decoder
+    self-attention tied, decoder cross-attention separate), exact at init bit
+    for bit, each layer equal to the reference with the gates open, and cached
+    greedy generation equal to uncached generation with the gates open."""
+    model = _bart_copy(name, torch.float32)
+    # The copy itself (its own class, no subclass of BartAttention), in every layer.
+    attention = {n: m for n, m in model.named_modules() if type(m).__name__ == BART_COPIES[name][2]}
+    assert all(c.__name__ != "BartAttention" for m in attention.values() for c in type(m).__mro__)
+    kw = inputs("bart")
+    gen = inputs("bart", padding=False, length=5)
+    gen.pop("attention_mask")
+    opts = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0, "return_dict_in_generate": True}
+    opts["output_logits"] = True
+    with torch.no_grad():
+        before = run(model, "bart", kw)
+        unconverted = model.generate(**gen, use_cache=True, **opts)
+        dt.convert(model)
+        after = run(model, "bart", kw)
+    layers = dt.converted_layers(model)
+    assert len(attention) == 6 and set(layers) == set(attention)  # 2 encoder, 2 + 2 decoder
+    for n, m in layers.items():
+        cross = n.endswith("encoder_attn")
+        assert set(m.damcha.config.metric_sides) == ({"q", "k"} if cross else {"qk"}), n
+    assert same(after, before)
+    open_gates(model, scale=0.8)
+    with torch.no_grad():
+        cached = model.generate(**gen, use_cache=True, **opts)
+        plain = model.generate(**gen, use_cache=False, **opts)
+    assert cached.sequences.shape[1] == gen["decoder_input_ids"].shape[1] + 6
+    assert torch.equal(cached.sequences, plain.sequences)
+    for a, b, c in zip(cached.logits, plain.logits, unconverted.logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+        assert (a - c).abs().max() > 1e-3
+    _check_layers_against_reference("bart", model=dt.convert(_bart_copy(name, torch.float64)))
 
 
 # ---------------------------------------------------------------- training
@@ -1010,22 +1093,15 @@ def test_timm_attention_classes_of_other_layouts_are_refused_by_name(make):
 
 
 def test_an_unlisted_copy_of_bart_attention_is_refused_by_name():
-    """Classes "Copied from BartAttention" under other names (Marian, Pegasus,
-    PLBart, ...) have the layout of the transformers-bart adapter but are not
-    listed (untested): refused, every layer named (the decoder's
-    cross-attention included), nothing converted."""
+    """Classes "Copied from BartAttention" under names the transformers-bart
+    adapter does not list (TimeSeriesTransformer, BioGPT, PegasusX, Informer,
+    ...) have its layout but are untested: refused, every layer named (the
+    decoder's cross-attention included), nothing converted."""
     sizes = dict(d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2)
-    model = transformers.MarianModel(
-        transformers.MarianConfig(
-            vocab_size=VOCAB,
-            encoder_ffn_dim=16,
-            decoder_ffn_dim=16,
-            pad_token_id=0,
-            max_position_embeddings=16,
-            **sizes,
-        )
+    model = transformers.TimeSeriesTransformerModel(
+        transformers.TimeSeriesTransformerConfig(prediction_length=4, encoder_ffn_dim=16, decoder_ffn_dim=16, **sizes)
     )
-    module = "marian.modeling_marian.MarianAttention"
+    module = "time_series_transformer.modeling_time_series_transformer.TimeSeriesTransformerAttention"
     with pytest.raises(
         dc.DamchaValueError,
         match=rf"unknown layouts: encoder\.layers\.0\.self_attn \(transformers\.models\.{module}\), "

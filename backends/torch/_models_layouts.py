@@ -134,7 +134,7 @@ def _vit_layout(m: Any) -> AttentionLayout:
 # heads of head_dim, no RoPE, no GQA: CLIP's (text, causal through the mask
 # CLIPTextTransformer builds, and vision), SigLIP's (text and vision) and OPT's
 # (a causal decoder with a KV cache; OPT scales q_proj's output, after the map).
-# (BART's, mBART's and Whisper's attention classes have this layout too, but
+# (BART's, its copies' and Whisper's attention classes have this layout too, but
 # also serve as cross-attention: their own adapter below.)
 _OUT_PROJ = frozenset({"CLIPAttention", "SiglipAttention", "OPTAttention"})
 
@@ -143,7 +143,7 @@ def _out_proj_layout(m: Any) -> AttentionLayout:
     return _q_k_proj_layout(m, int(m.config.num_attention_heads), int(m.head_dim))
 
 
-# Encoder-decoder attention of BART, mBART and Whisper: one class serves the
+# Encoder-decoder attention of BART and its copies, and of Whisper: one class serves the
 # encoder's self-attention (is_decoder False), the decoder's causal
 # self-attention (is_decoder, is_causal) and the decoder's cross-attention
 # over the encoder output (is_decoder, not is_causal; built without
@@ -152,9 +152,24 @@ def _out_proj_layout(m: Any) -> AttentionLayout:
 # host's EncoderDecoderCache stores those mapped keys and reuses them at later
 # steps without calling k_proj again. Whisper scales q_proj's output, after
 # the map. Sizes come from the module (BART's decoder may have other head
-# counts than its encoder). Other classes "Copied from BartAttention"
-# (Marian, Pegasus, PLBart, Blenderbot, M2M100, ...) are not listed (untested).
-_ENC_DEC = frozenset({"BartAttention", "MBartAttention", "WhisperAttention"})
+# counts than its encoder). The copies listed (mBART, Marian, Pegasus, M2M100,
+# PLBart, Blenderbot, BlenderbotSmall: "Copied from BartAttention") have BART's
+# source line for line, and their layers build and call them as BART's do;
+# other copies (BioGPT, PegasusX, Informer, TimeSeriesTransformer, ...) are not
+# listed (untested): refused by name.
+_ENC_DEC = frozenset(
+    {
+        "BartAttention",
+        "MBartAttention",
+        "MarianAttention",
+        "PegasusAttention",
+        "M2M100Attention",
+        "PLBartAttention",
+        "BlenderbotAttention",
+        "BlenderbotSmallAttention",
+        "WhisperAttention",
+    }
+)
 
 
 def _enc_dec_layout(m: Any) -> AttentionLayout:
@@ -252,8 +267,9 @@ for _adapter in (
     ),
     ModelAdapter(
         "transformers-bart",
-        "transformers BART, mBART and Whisper attention: encoder self-attention, decoder causal self-attention "
-        "with cache, decoder cross-attention over the encoder output (q_proj/k_proj/v_proj/out_proj)",
+        "transformers BART, mBART, Marian, Pegasus, M2M100, PLBart, Blenderbot, BlenderbotSmall and Whisper "
+        "attention: encoder self-attention, decoder causal self-attention with cache, decoder cross-attention "
+        "over the encoder output (q_proj/k_proj/v_proj/out_proj)",
         lambda m: _is(m, "transformers", _ENC_DEC),
         _enc_dec_layout,
     ),
