@@ -60,6 +60,7 @@ def _run(x, W, b, g, y, d, blocks, row_stride, y_stride):
         y_stride,
         blocks,
         out.data_ptr(),
+        0,
         dc.RMS_EPS,
     )
     return out
@@ -129,13 +130,15 @@ def test_kernel_carries_non_finite_values_as_the_spec_does(where, dtype):
 
 
 def test_kernel_refuses_malformed_calls():
-    args = [False, 1, 4, 2, 2, 0, 4, 0, 0, 0, 0, 8, 1, 0, 1e-6]
-    with pytest.raises(TypeError, match="15 arguments"):
+    args = [False, 1, 4, 2, 2, 0, 4, 0, 0, 0, 0, 8, 1, 0, 0, 1e-6]
+    with pytest.raises(TypeError, match="16 arguments"):
         KERNEL.map(*args[:-1])
-    with pytest.raises(ValueError, match="blocks 1 or 2"):
-        KERNEL.map(*args[:12], 3, *args[13:])
+    with pytest.raises(ValueError, match="blocks must be positive"):
+        KERNEL.map(*args[:12], 0, *args[13:])
     with pytest.raises(ValueError, match="positive"):
         KERNEL.map(args[0], 0, *args[2:])
+    with pytest.raises(ValueError, match="non-negative"):
+        KERNEL.map(*args[:6], -4, *args[7:])
     with pytest.raises(TypeError):
         KERNEL.map(*args[:5], "0", *args[6:])
 
@@ -303,3 +306,71 @@ def test_has_decode_kernel_reports_the_build(monkeypatch):
     assert damcha_torch.has_decode_kernel() is True
     monkeypatch.setattr(fn, "_HEADMIX", None)
     assert damcha_torch.has_decode_kernel() is False
+
+
+# ------------------------------------------------------- converted models
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "vit"])
+def test_converted_model_in_eval_maps_few_tokens_with_the_kernel(arch, monkeypatch):
+    """A converted model in eval mode without a graph (``generate``, inference)
+    maps each projection site's output in place with the kernel when it holds
+    at most 16 tokens: Llama's separate q_proj and k_proj (one call each),
+    GPT-2's fused c_attn and timm's fused qkv (tied q and k: one call for the
+    run of two blocks). The outputs equal the torch ops' and the reference
+    model's layers (tests/test_models_torch.py compares every architecture's
+    layers with the reference on this path)."""
+    import _models_zoo as zoo
+
+    model = zoo.open_gates(damcha_torch.convert(zoo.build(arch, torch.float64)))
+    kw = zoo.inputs(arch, torch.float64, batch=2, length=7)  # 14 tokens; ViT: 2 x 5
+    recorder = _Recorder()
+    monkeypatch.setattr(fn, "_HEADMIX", recorder)
+    with torch.no_grad():
+        got = zoo.run(model, arch, kw)
+    sites = {"llama": 2, "gpt2": 1, "vit": 1}[arch] * 2  # per layer, two layers
+    assert recorder.calls == sites, recorder.calls
+    monkeypatch.setattr(fn, "_HEADMIX", None)
+    with torch.no_grad():
+        want = zoo.run(model, arch, kw)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert not torch.equal(got, zoo.run(zoo.build(arch, torch.float64), arch, kw).detach())  # the maps are on
+
+
+def test_converted_model_keeps_the_torch_ops_in_training_and_for_many_tokens(monkeypatch):
+    """In training mode a no-grad forward may be a reentrant checkpoint's,
+    whose recomputation (the fused node, torch ops) must give the same bits:
+    the kernel is not used there; nor for more than 16 tokens (a prompt),
+    where the torch ops' multi-threaded GEMM is the faster."""
+    import _models_zoo as zoo
+
+    model = zoo.open_gates(damcha_torch.convert(zoo.build("llama", torch.float64)))
+    recorder = _Recorder()
+    monkeypatch.setattr(fn, "_HEADMIX", recorder)
+    with torch.no_grad():
+        model.train()
+        zoo.run(model, "llama", zoo.inputs("llama", torch.float64, batch=2, length=7))
+        model.eval()
+        zoo.run(model, "llama", zoo.inputs("llama", torch.float64, batch=3, length=6))  # 18 tokens
+    assert recorder.calls == 0
+
+
+def test_converted_llama_generates_the_same_with_and_without_the_kernel(monkeypatch):
+    """Greedy generation of a converted Llama (float32, gates open): the
+    prompt through the torch ops (more than 16 tokens), every later token
+    through the kernel; tokens equal and logits close to the torch ops' run."""
+    import _models_zoo as zoo
+
+    model = zoo.open_gates(damcha_torch.convert(zoo.build("llama", torch.float32)), scale=0.8)
+    ids = torch.randint(3, zoo.VOCAB, (1, 20), generator=torch.Generator().manual_seed(2))
+    opts = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+    runs = {}
+    for kernel in (True, False):
+        recorder = _Recorder()
+        monkeypatch.setattr(fn, "_HEADMIX", recorder if kernel else None)
+        with torch.no_grad():
+            runs[kernel] = model.generate(ids, **opts)
+        assert (recorder.calls > 0) == kernel
+    assert torch.equal(runs[True].sequences, runs[False].sequences)
+    for a, b in zip(runs[True].logits, runs[False].logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

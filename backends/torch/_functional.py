@@ -1429,6 +1429,10 @@ def few_tokens_step(
     return output(o)  # type: ignore[operator]  # the callable form
 
 
+_PLAIN = (Tensor, nn.Parameter)
+_STRIDED = torch.strided
+
+
 def has_decode_kernel() -> bool:
     """Whether this install has the C kernel that maps a CPU decoding step's
     tokens in one call (``damcha_torch._headmix``, built by ``pip install``
@@ -1458,7 +1462,7 @@ def _fused_maps(
     in ``qkv``); separate, one call per side; a side without a map is read out
     of ``qkv`` as on the torch path.
     """
-    if not x.is_cpu:
+    if not x.is_cpu or x.layout is not _STRIDED or qkv.__class__ is not Tensor:
         return None
     B, N, E = x.shape
     sb, sn, se = x.stride()
@@ -1478,9 +1482,16 @@ def _fused_maps(
     # Python frame per step costs as much as a check (tests/test_torch_ops.py).
     for side, S in ((mq, H), (None if mk is mq else mk, G)):
         if side is not None and not (
-            side[0].is_cpu
+            # Plain tensors (a subclass, DTensor say, may have no storage) in CPU memory.
+            side[0].__class__ in _PLAIN
+            and side[1].__class__ in _PLAIN
+            and side[2].__class__ in _PLAIN
+            and side[0].is_cpu
             and side[1].is_cpu
             and side[2].is_cpu
+            and side[0].layout is _STRIDED
+            and side[1].layout is _STRIDED
+            and side[2].layout is _STRIDED
             and side[0].dtype is dtype
             and side[1].dtype is dtype
             and side[2].dtype is dtype
@@ -1513,6 +1524,7 @@ def _fused_maps(
             width,
             2,
             out.data_ptr(),
+            0,  # out is (T, blocks, S, d)
             dc.RMS_EPS,
         )
         strides = (N * 2 * H * d, d, 2 * H * d, 1)
@@ -1538,6 +1550,7 @@ def _fused_maps(
             width,
             1,
             out.data_ptr(),
+            0,  # out is (T, blocks, S, d)
             dc.RMS_EPS,
         )
         q = out.as_strided((B, H, N, d), (N * H * d, d, H * d, 1), 0)
@@ -1562,6 +1575,7 @@ def _fused_maps(
             width,
             1,
             out.data_ptr() + offset * item,
+            0,
             dc.RMS_EPS,
         )
         k = out.as_strided((B, G, N, d), (N * G * d, d, G * d, 1), offset)

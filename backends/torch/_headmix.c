@@ -25,11 +25,14 @@
  *   x     T rows of E, row stride x_stride, unit stride within a row
  *   W     (S*S, E) contiguous;  b (S*S) contiguous;  g (S) contiguous
  *   y     per token `blocks` consecutive (S, d) blocks (head stride d, unit
- *         stride within a head) starting at y + t * y_stride: blocks = 2 maps
- *         q and k of a tied layer with one A (they are adjacent in the packed
- *         projection's output)
- *   out   (T, blocks, S, d) contiguous
- * The caller (few_tokens_step) checks devices, dtypes, shapes and strides;
+ *         stride within a head) starting at y + t * y_stride, all mapped by
+ *         the token's one A: q and k of a tied layer (adjacent in the packed
+ *         projection's output), or a run of a converted model's fused
+ *         projection
+ *   out   (T, blocks, S, d) contiguous (out_stride 0), or rows of out_stride
+ *         elements holding the blocks from each row's start: out may be y
+ *         itself (in place; a block's heads are mixed into scratch first)
+ * The callers (few_tokens_step, _models_fused.map_blocks_) check devices, dtypes, shapes and strides;
  * this file trusts them.
  */
 #define PY_SSIZE_T_CLEAN
@@ -45,11 +48,16 @@
 #define DAMCHA_CLONES
 #endif
 
+/* Token t's block k of S heads of size d in out: rows of out_stride elements
+ * (out_stride 0: out is (T, blocks, S, d) contiguous). */
+#define out_at(out, out_stride, t, blocks, k, S, d) \
+    ((out) + ((out_stride) ? (t) * (out_stride) : (t) * (blocks) * (S) * (d)) + (k) * (S) * (d))
+
 #define DAMCHA_KERNEL(NAME, REAL)                                                                        \
     DAMCHA_CLONES static void NAME(Py_ssize_t T, Py_ssize_t E, Py_ssize_t S, Py_ssize_t d,               \
                                    const REAL *x, Py_ssize_t x_stride, const REAL *W, const REAL *b,    \
                                    const REAL *g, const REAL *y, Py_ssize_t y_stride, Py_ssize_t blocks, \
-                                   REAL *out, double eps, REAL *P, REAL *acc) {                        \
+                                   REAL *out, Py_ssize_t out_stride, double eps, REAL *P, REAL *acc) {  \
         const Py_ssize_t SS = S * S;                                                                     \
         /* x W^T: every row of W once, for every token (the row stays in L1). */                         \
         for (Py_ssize_t r = 0; r < SS; ++r) {                                                            \
@@ -71,16 +79,20 @@
                 for (Py_ssize_t a = 0; a < S; ++a) A[h * S + a] = (scale * A[h * S + a] + b[h * S + a]) * g[h]; \
             for (Py_ssize_t k = 0; k < blocks; ++k) {                                                    \
                 const REAL *yt = y + t * y_stride + k * S * d;                                           \
-                REAL *z = out + (t * blocks + k) * S * d;                                                \
+                REAL *z = out_at(out, out_stride, t, blocks, k, S, d);                                   \
+                /* The block's heads into acc first: z may be y itself (in place). */                     \
                 for (Py_ssize_t h = 0; h < S; ++h) {                                                     \
-                    for (Py_ssize_t i = 0; i < d; ++i) acc[i] = 0;                                       \
+                    REAL *ah = acc + h * d;                                                              \
+                    for (Py_ssize_t i = 0; i < d; ++i) ah[i] = 0;                                        \
                     for (Py_ssize_t a = 0; a < S; ++a) {                                                 \
                         const REAL c = A[h * S + a];                                                     \
                         const REAL *ya = yt + a * d;                                                     \
-                        _Pragma("omp simd") for (Py_ssize_t i = 0; i < d; ++i) acc[i] += c * ya[i];       \
+                        _Pragma("omp simd") for (Py_ssize_t i = 0; i < d; ++i) ah[i] += c * ya[i];        \
                     }                                                                                    \
-                    const REAL *yh = yt + h * d;                                                         \
-                    _Pragma("omp simd") for (Py_ssize_t i = 0; i < d; ++i) z[h * d + i] = yh[i] + acc[i]; \
+                }                                                                                        \
+                for (Py_ssize_t h = 0; h < S; ++h) {                                                     \
+                    const REAL *yh = yt + h * d, *ah = acc + h * d;                                      \
+                    _Pragma("omp simd") for (Py_ssize_t i = 0; i < d; ++i) z[h * d + i] = yh[i] + ah[i];  \
                 }                                                                                        \
             }                                                                                            \
         }                                                                                                \
@@ -89,39 +101,41 @@
 DAMCHA_KERNEL(map_f32, float)
 DAMCHA_KERNEL(map_f64, double)
 
-/* map(double, T, E, S, d, x, x_stride, W, b, g, y, y_stride, blocks, out, eps)
+/* map(is_double, T, E, S, d, x, x_stride, W, b, g, y, y_stride, blocks, out, out_stride, eps)
  * with the pointers as Python ints (Tensor.data_ptr()). */
 static PyObject *damcha_map(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 15) {
-        PyErr_Format(PyExc_TypeError, "map() takes 15 arguments, got %zd", nargs);
+    if (nargs != 16) {
+        PyErr_Format(PyExc_TypeError, "map() takes 16 arguments, got %zd", nargs);
         return NULL;
     }
     const int is_double = PyObject_IsTrue(args[0]);
-    Py_ssize_t n[4], strides[3];
-    void *p[6];
-    const int sizes_at[4] = {1, 2, 3, 4}, ptrs_at[6] = {5, 7, 8, 9, 10, 13}, strides_at[3] = {6, 11, 12};
-    for (int i = 0; i < 4; ++i) n[i] = PyLong_AsSsize_t(args[sizes_at[i]]);
-    for (int i = 0; i < 3; ++i) strides[i] = PyLong_AsSsize_t(args[strides_at[i]]);
-    for (int i = 0; i < 6; ++i) p[i] = PyLong_AsVoidPtr(args[ptrs_at[i]]);
-    const double eps = PyFloat_AsDouble(args[14]);
+    enum { NSIZES = 8, NPTRS = 6 };
+    /* T, E, S, d, x_stride, y_stride, blocks, out_stride; x, W, b, g, y, out */
+    const int sizes_at[NSIZES] = {1, 2, 3, 4, 6, 11, 12, 14}, ptrs_at[NPTRS] = {5, 7, 8, 9, 10, 13};
+    Py_ssize_t n[NSIZES];
+    void *p[NPTRS];
+    for (int i = 0; i < NSIZES; ++i) n[i] = PyLong_AsSsize_t(args[sizes_at[i]]);
+    for (int i = 0; i < NPTRS; ++i) p[i] = PyLong_AsVoidPtr(args[ptrs_at[i]]);
+    const double eps = PyFloat_AsDouble(args[15]);
     if (is_double < 0 || PyErr_Occurred()) return NULL;
     const Py_ssize_t T = n[0], E = n[1], S = n[2], d = n[3];
-    if (T <= 0 || E <= 0 || S <= 0 || d <= 0 || strides[2] < 1 || strides[2] > 2) {
-        PyErr_SetString(PyExc_ValueError, "map(): sizes must be positive and blocks 1 or 2");
+    const Py_ssize_t x_stride = n[4], y_stride = n[5], blocks = n[6], out_stride = n[7];
+    if (T <= 0 || E <= 0 || S <= 0 || d <= 0 || blocks <= 0 || x_stride < 0 || y_stride < 0 || out_stride < 0) {
+        PyErr_SetString(PyExc_ValueError, "map(): sizes and blocks must be positive, strides non-negative");
         return NULL;
     }
     const size_t item = is_double ? sizeof(double) : sizeof(float);
-    void *scratch = malloc(((size_t)T * (size_t)(S * S) + (size_t)d) * item);
+    void *scratch = malloc(((size_t)T * (size_t)(S * S) + (size_t)(S * d)) * item);
     if (scratch == NULL) return PyErr_NoMemory();
     Py_BEGIN_ALLOW_THREADS
     if (is_double) {
         double *P = (double *)scratch;
-        map_f64(T, E, S, d, p[0], strides[0], p[1], p[2], p[3], p[4], strides[1], strides[2], p[5], eps, P,
+        map_f64(T, E, S, d, p[0], x_stride, p[1], p[2], p[3], p[4], y_stride, blocks, p[5], out_stride, eps, P,
                 P + T * S * S);
     } else {
         float *P = (float *)scratch;
-        map_f32(T, E, S, d, p[0], strides[0], p[1], p[2], p[3], p[4], strides[1], strides[2], p[5], eps, P,
+        map_f32(T, E, S, d, p[0], x_stride, p[1], p[2], p[3], p[4], y_stride, blocks, p[5], out_stride, eps, P,
                 P + T * S * S);
     }
     Py_END_ALLOW_THREADS
@@ -131,7 +145,8 @@ static PyObject *damcha_map(PyObject *self, PyObject *const *args, Py_ssize_t na
 
 static PyMethodDef methods[] = {
     {"map", (PyCFunction)(void (*)(void))damcha_map, METH_FASTCALL,
-     "map(is_double, T, E, S, d, x, x_stride, W, b, g, y, y_stride, blocks, out, eps): the head map of T tokens."},
+     "map(is_double, T, E, S, d, x, x_stride, W, b, g, y, y_stride, blocks, out, out_stride, eps): the head map "
+     "of T tokens."},
     {NULL, NULL, 0, NULL},
 };
 

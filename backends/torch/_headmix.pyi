@@ -14,6 +14,7 @@ def map(
     y_stride: int,
     blocks: int,
     out: int,
+    out_stride: int,
     eps: float,
     /,
 ) -> None: ...

@@ -462,7 +462,17 @@ class DamchaMaps(nn.Module):
                 # (16-bit outputs, autocast's included, get float32 corrections).
                 y = fwd.project(x, *args, **kwargs)
                 if y.is_contiguous() and y.is_floating_point():
-                    return _fused.map_blocks_(y, x, list(zip(blocks, weights)), merge=True, norm=self._shared_norm(x))
+                    # The C kernel in eval mode only: in training a no-grad forward may be a
+                    # reentrant checkpoint's, whose recomputation with a graph (the fused
+                    # node, torch ops) must give the same bits.
+                    return _fused.map_blocks_(
+                        y,
+                        x,
+                        list(zip(blocks, weights)),
+                        merge=True,
+                        norm=self._shared_norm(x),
+                        kernel=not self.training,
+                    )
                 return self.apply_maps(fwd.site, x, y)
             leaves = [t for w in weights for t in _fused.side_leaves(w)]
             # The fused training node: float32/float64 outside autocast only. Under

@@ -66,6 +66,7 @@ import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import damcha_core as dc
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -247,6 +248,7 @@ def map_blocks_(
     *,
     merge: bool = False,
     norm: SharedNorm | None = None,
+    kernel: bool = False,
 ) -> Tensor:
     """Map the blocks of y (..., F) in place; y must be contiguous. Returns y.
 
@@ -262,7 +264,14 @@ def map_blocks_(
     with one ``bmm`` (``_run_mix``; the converted models' fused qkv), as
     ``_remap``, ``OutputRecipe`` and the fused node's backward do. ``norm``:
     the tokens' RMS denominator shared with the module's other sites (else
-    computed here, once for all sides)."""
+    computed here, once for all sides).
+
+    ``kernel``: a call outside any autograd node (not the fused node's
+    forward, whose backward remakes the mix with these ops, bit for bit) may
+    map a few CPU tokens with the C kernel (``_kernel_map_``): a converted
+    model's decoding step at small batch, where these ops' count is its cost."""
+    if kernel and _kernel_map_(y, tokens, sides):
+        return y
     dtype = torch.float32 if y.dtype in _HALF else y.dtype
     device = y.device.type
     if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
@@ -272,6 +281,81 @@ def map_blocks_(
 
 
 _HALF = (torch.float16, torch.bfloat16)
+
+
+_PLAIN = (Tensor, torch.nn.Parameter)
+_STRIDED = torch.strided
+
+
+def _kernel_map_(y: Tensor, tokens: Tensor, sides: Sequence[tuple[SideBlocks, fn.SideWeights]]) -> bool:
+    """``map_blocks_`` by the C kernel (damcha_torch._headmix, as the flat
+    decoding step uses it): every run of adjacent "heads" blocks of a side in
+    one call, in place, for at most ``fn._FEW_TOKENS`` CPU tokens in y's
+    float32/float64 dtype with contiguous weights of that dtype. False (and
+    y untouched) where any of that does not hold: the torch ops map it then.
+    The kernel trusts its pointers: these checks keep it in bounds."""
+    kernel = fn._HEADMIX
+    if (
+        kernel is None
+        or y.__class__ is not Tensor  # a subclass (DTensor, vmap's batched tensors) may have no storage
+        or tokens.__class__ is not Tensor
+        or not y.is_cpu
+        or torch.compiler.is_compiling()
+        or torch._C._are_functorch_transforms_active()
+    ):
+        return False
+    dtype = y.dtype
+    if dtype is not torch.float32 and dtype is not torch.float64:
+        return False
+    F_ = y.shape[-1]
+    E = tokens.shape[-1]
+    T = y.numel() // F_ if F_ else 0
+    if not 0 < T <= fn._FEW_TOKENS or tokens.dtype is not dtype or not tokens.is_cpu or tokens.numel() != T * E:
+        return False
+    t = tokens.reshape(T, E)
+    if t.stride(1) != 1 and E > 1:
+        return False
+    calls = []
+    for blocks, w in sides:
+        S, d = blocks.heads, blocks.head_dim
+        if not (
+            blocks.metric == "heads"
+            and all(
+                v.__class__ in _PLAIN and v.is_cpu and v.dtype is dtype and v.layout is _STRIDED and v.is_contiguous()
+                for v in (w.weight, w.bias, w.gate)
+            )
+            and w.weight.shape == (S * S, E)
+            and w.bias.shape == (S * S,)
+            and w.gate.shape == (S,)
+        ):
+            return False
+        for offset, n in _runs(blocks):
+            if offset < 0 or offset + n * S * d > F_:
+                return False
+            calls.append((S, d, offset, n, w))
+    double, item = dtype is torch.float64, 8 if dtype is torch.float64 else 4
+    base, xp, row = y.data_ptr(), t.data_ptr(), t.stride(0)
+    for S, d, offset, n, w in calls:
+        at = base + offset * item
+        kernel.map(
+            double,
+            T,
+            E,
+            S,
+            d,
+            xp,
+            row,
+            w.weight.data_ptr(),
+            w.bias.data_ptr(),
+            w.gate.data_ptr(),
+            at,
+            F_,
+            n,
+            at,
+            F_,
+            dc.RMS_EPS,
+        )
+    return True
 
 
 def _map_blocks(
