@@ -96,6 +96,27 @@ def test_kernel_computes_the_spec_map(T, E, S, d, blocks, x_pad, y_pad, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_kernel_maps_in_place(dtype):
+    """out = y (out_stride = y's row stride): each row's blocks replaced by
+    their map, every other element of the row untouched; three adjacent
+    blocks after an offset, as a converted model's fused projection holds
+    them."""
+    T, E, S, d, blocks, lead, tail = 5, 20, 3, 4, 3, 7, 5
+    xs, _, W, b, gate = _inputs(T, E, S, d, blocks, dtype, seed=21)
+    rows = torch.randn(T, lead + blocks * S * d + tail, dtype=dtype, generator=torch.Generator().manual_seed(22))
+    before = rows.clone()
+    at = rows.data_ptr() + lead * rows.element_size()
+    width = rows.shape[1]
+    KERNEL.map(dtype is torch.float64, T, E, S, d, xs.data_ptr(), E, W.data_ptr(), b.data_ptr(), gate.data_ptr(),
+               at, width, blocks, at, width, dc.RMS_EPS)  # fmt: skip
+    want = _spec_map(xs, W, b, gate, before[:, lead : lead + blocks * S * d].reshape(T, blocks, S, d), blocks)
+    np.testing.assert_allclose(
+        rows[:, lead : lead + blocks * S * d].reshape(T, blocks, S, d).numpy(), want, **TOL[dtype]
+    )
+    assert torch.equal(rows[:, :lead], before[:, :lead]) and torch.equal(rows[:, -tail:], before[:, -tail:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_kernel_with_gates_at_zero_returns_y_bit_for_bit(dtype):
     xs, ys, W, b, gate = _inputs(4, 24, 4, 6, 2, dtype, seed=3)
     out = _run(xs, W, b, torch.zeros_like(gate), ys, 6, 2, 24, 48)
