@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml setup.py constraints.txt
 	# needs the full tensorflow package, which clashes with tensorflow-cpu; what keras_hub
 	# imports comes with the extras above (docs/models.md, "Installing keras-hub").
 	$(PY) -m pip install -q --no-deps -c constraints.txt keras-hub
-	touch $(STAMP)
+	touch $(STAMP) $(KERNEL_STAMP)
 
 # The C kernel (setup.py, backends/torch/_headmix.c) is built by the editable install above;
 # rebuilt in place when its source changes in a checkout whose venv is already made.
@@ -71,4 +71,4 @@ bench: install js-deps
 	$(PY) benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info js/node_modules
+	rm -rf $(VENV) build *.egg-info js/node_modules backends/torch/_headmix*.so backends/torch/_headmix*.pyd

@@ -3,7 +3,8 @@ plain C extension (Python's headers only, no torch headers) that fuses a
 decoding step's cross-head map on the CPU. Everything else, the metadata
 included, is in pyproject.toml. The extension is optional: where it cannot
 be built (no C compiler) the install goes on and damcha_torch computes the
-same step with torch ops (damcha_torch.has_fused_decode_kernel() says which)."""
+same step with torch ops (damcha_torch.has_decode_kernel() says which; docs/torch.md,
+"Incremental decoding")."""
 
 from __future__ import annotations
 

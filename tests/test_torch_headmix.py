@@ -24,8 +24,11 @@ import damcha_torch
 from damcha_torch import DamchaAttention, DamchaKVCache
 from damcha_torch import _functional as fn
 
-if fn._HEADMIX is None:
-    pytest.skip("damcha_torch._headmix not installed (built without a C compiler)", allow_module_level=True)
+# A mark, not a module-level skip: each test's skip is a report that
+# DAMCHA_REQUIRE_ALL_BACKENDS=1 (CI) turns into a failure (tests/_require_all.py).
+pytestmark = pytest.mark.skipif(
+    fn._HEADMIX is None, reason="damcha_torch._headmix not installed (built without a C compiler)"
+)
 
 KERNEL = fn._HEADMIX
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -150,8 +153,34 @@ def test_kernel_carries_non_finite_values_as_the_spec_does(where, dtype):
     np.testing.assert_allclose(out[finite], want[finite], **TOL[dtype])
 
 
+def test_kernel_keeps_the_spec_statistic_for_huge_float32_tokens():
+    """|x|^2 in double, as the spec's float64 statistic: float32 tokens of
+    norm 1e20-1e30 (whose float32 square overflows) are mapped as the spec
+    maps them, phi(x) finite."""
+    xs, ys, W, b, gate = _inputs(3, 16, 4, 5, 1, torch.float32, seed=13)
+    xs = xs * torch.tensor([[1e20], [1e25], [1e30]])
+    out = _run(xs, W, b, gate, ys, 5, 1, 16, 20)
+    want = _spec_map(xs, W, b, gate, ys.reshape(3, 1, 4, 5), 1)
+    np.testing.assert_allclose(out.numpy(), want, rtol=2e-5, atol=2e-5)
+
+
+def test_kernel_refuses_a_stale_build(monkeypatch):
+    """A build whose calling convention (ABI) is not the code's is not used."""
+    import importlib
+
+    monkeypatch.setattr(fn._HEADMIX, "ABI", fn._HEADMIX_ABI + 1)
+    try:
+        importlib.reload(fn)
+        assert fn._HEADMIX is None and not damcha_torch.has_decode_kernel()
+    finally:
+        monkeypatch.undo()
+        importlib.reload(fn)
+    assert fn._HEADMIX is not None
+
+
 def test_kernel_refuses_malformed_calls():
-    args = [False, 1, 4, 2, 2, 0, 4, 0, 0, 0, 0, 8, 1, 0, 0, 1e-6]
+    # Pointers 8 (never read: each call below is refused before the kernel runs).
+    args = [False, 1, 4, 2, 2, 8, 4, 8, 8, 8, 8, 8, 1, 8, 0, 1e-6]
     with pytest.raises(TypeError, match="16 arguments"):
         KERNEL.map(*args[:-1])
     with pytest.raises(ValueError, match="blocks must be positive"):
@@ -162,6 +191,8 @@ def test_kernel_refuses_malformed_calls():
         KERNEL.map(*args[:6], -4, *args[7:])
     with pytest.raises(TypeError):
         KERNEL.map(*args[:5], "0", *args[6:])
+    with pytest.raises(ValueError, match="null pointer"):
+        KERNEL.map(*args[:7], 0, *args[8:])
 
 
 # ------------------------------------------------------------------ the layer
@@ -198,13 +229,13 @@ class _Recorder:
         return KERNEL.map(*args)
 
 
-def _decode(layer, x, steps, monkeypatch=None, kernel=True):
+def _decode(layer, x, steps, monkeypatch=None, kernel=True, mode=torch.inference_mode):
     """A causal prompt of 3 tokens, then one-token steps (inference): outputs and kernel calls."""
     recorder = _Recorder()
     if monkeypatch is not None:
         monkeypatch.setattr(fn, "_HEADMIX", recorder if kernel else None)
     cache, outs = DamchaKVCache(), []
-    with torch.inference_mode():
+    with mode():
         outs.append(layer(x[:, :3], x[:, :3], x[:, :3], is_causal=True, need_weights=False, kv_cache=cache)[0])
         for i in range(3, 3 + steps):
             t = x[:, i : i + 1]
@@ -280,6 +311,73 @@ def test_layer_leaves_what_the_kernel_cannot_read_to_the_torch_ops(change, monke
             t = x[:, i : i + 2]
             ref.append(layer(t, t, t, is_causal=False, need_weights=False, kv_cache=cache)[0])
     torch.testing.assert_close(got, torch.cat(ref, dim=1).detach(), rtol=1e-13, atol=1e-14)
+
+
+class _Wrapped(torch.Tensor):
+    """A wrapper subclass (as DTensor is): its data_ptr() is 0, no storage of its own."""
+
+    @staticmethod
+    def __new__(cls, inner):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device)
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        unwrap = lambda t: t.inner if isinstance(t, _Wrapped) else t  # noqa: E731
+        out = func(*torch.utils._pytree.tree_map(unwrap, args), **torch.utils._pytree.tree_map(unwrap, kwargs or {}))
+        # Every tensor result wrapped again, as DTensor's are (views of it, products with it).
+        wrap = lambda t: _Wrapped(t) if isinstance(t, torch.Tensor) and not isinstance(t, _Wrapped) else t  # noqa: E731
+        return torch.utils._pytree.tree_map(wrap, out)
+
+
+@pytest.mark.parametrize("which", ["generator", "gate", "in_proj"])
+def test_layer_never_hands_a_tensor_subclass_to_the_kernel(which, monkeypatch):
+    """A parameter that is a tensor subclass (DTensor under tensor
+    parallelism; here a wrapper with no storage, data_ptr() 0) is left to
+    the torch ops, which compute the step: before, the kernel read address 0."""
+    layer = _layer("heads-tied", torch.float64)
+    x = torch.randn(1, 9, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
+    want, _ = _decode(layer, x, 6, monkeypatch, kernel=False)
+    owner, name = {
+        "generator": (layer.metric_generators["qk"], "weight"),
+        "gate": (layer.metric_gates, "qk"),
+        "in_proj": (layer, "in_proj_weight"),
+    }[which]
+    setattr(owner, name, nn.Parameter(_Wrapped(getattr(owner, name).detach().clone()), requires_grad=False))
+    got, calls = _decode(layer, x, 6, monkeypatch, mode=torch.no_grad)  # (a wrapper cannot be an inference tensor)
+    assert calls == 0
+    torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-14)
+
+
+def test_layer_chunks_and_strided_tokens(monkeypatch):
+    """B = 1 with chunks of N = 4 tokens (one row stride: the sequence's)
+    takes the kernel; tokens whose features are not adjacent (a stride-2
+    view) take the torch ops. Both equal the general path."""
+    layer = _layer("heads-tied", torch.float64)
+    x = torch.randn(1, 11, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+    for strided in (False, True):
+        recorder = _Recorder()
+        monkeypatch.setattr(fn, "_HEADMIX", recorder)
+        src = torch.stack([x, x], dim=-1)[..., 0] if strided else x  # stride 2 between features
+        assert (src.stride(-1) == 2) == strided
+        cache, outs = DamchaKVCache(), []
+        with torch.inference_mode():
+            outs.append(
+                layer(src[:, :3], src[:, :3], src[:, :3], is_causal=True, need_weights=False, kv_cache=cache)[0]
+            )
+            for i in (3, 7):  # the first chunk records the shape, the second takes the flat step
+                t = src[:, i : i + 4]
+                outs.append(layer(t, t, t, is_causal=False, need_weights=False, kv_cache=cache)[0])
+        assert recorder.calls == (0 if strided else 1), (strided, recorder.calls)
+        cache, ref = DamchaKVCache(), []
+        with torch.enable_grad():
+            ref.append(layer(x[:, :3], x[:, :3], x[:, :3], is_causal=True, need_weights=False, kv_cache=cache)[0])
+            for i in (3, 7):
+                t = x[:, i : i + 4]
+                ref.append(layer(t, t, t, is_causal=False, need_weights=False, kv_cache=cache)[0])
+        torch.testing.assert_close(torch.cat(outs, 1), torch.cat(ref, 1).detach(), rtol=1e-13, atol=1e-14)
 
 
 def test_layer_sees_a_generator_replaced_between_steps(monkeypatch):

@@ -33,12 +33,16 @@ from damcha_core._validators import unknown_fields
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+# The calling convention of the C kernel this code calls (_headmix.c's DAMCHA_HEADMIX_ABI).
+_HEADMIX_ABI = 2
 _HEADMIX: Any
 try:
     # The fused CPU map of a decoding step (setup.py; _headmix.c says why).
     from damcha_torch import _headmix as _HEADMIX
 except ImportError:  # built without a C compiler: the torch ops compute the same step
     _HEADMIX = None
+if getattr(_HEADMIX, "ABI", None) != _HEADMIX_ABI:
+    _HEADMIX = None  # a stale build of an older source: not called (CI fails on a missing kernel)
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._cache import DamchaKVCache

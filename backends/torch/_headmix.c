@@ -17,9 +17,11 @@
  *   z_t^h = y_t^h + sum_a g_h A_t[h, a] y_t^a
  * computed as sqrt(E) / sqrt(|x|^2 + E eps) times x W^T, then + b (the torch
  * path's order: x W^T first, so the GEMV reads the weight, not phi(x)).
- * |x|^2 is summed in double (no overflow of float32 squares, as torch's
- * hypot avoids it). NaN and inf propagate as in the torch ops: nothing here
- * tests a value. A gate of 0 gives y bit for bit when A is finite (y + 0).
+ * |x|^2 is summed in double, as the spec's float64 statistic: for float32
+ * tokens with |x| above about 1.8e19 the torch ops' float32 norm overflows
+ * (phi = 0, A = b) where this stays finite (tested against the spec). NaN and
+ * inf propagate as in the torch ops: nothing here tests a value. A gate of 0
+ * gives y bit for bit when A is finite (y + 0; -0.0 becomes +0.0, as there).
  *
  * Layout (all pointers are element addresses, strides in elements):
  *   x     T rows of E, row stride x_stride, unit stride within a row
@@ -42,7 +44,9 @@
 
 /* AVX2 + FMA where the machine has them (chosen once at load, glibc ifunc),
  * baseline x86-64 otherwise: a wheel built here runs on any x86-64. */
-#if defined(__GNUC__) && defined(__x86_64__) && defined(__linux__) && !defined(__clang__)
+/* GCC 11 or later (arch=x86-64-v3) with glibc's ifunc; elsewhere (older GCC,
+ * musl, clang) one baseline build, so the extension still compiles. */
+#if defined(__GNUC__) && __GNUC__ >= 11 && defined(__x86_64__) && defined(__GLIBC__) && !defined(__clang__)
 #define DAMCHA_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
 #else
 #define DAMCHA_CLONES
@@ -115,10 +119,20 @@ static PyObject *damcha_map(PyObject *self, PyObject *const *args, Py_ssize_t na
     const int sizes_at[NSIZES] = {1, 2, 3, 4, 6, 11, 12, 14}, ptrs_at[NPTRS] = {5, 7, 8, 9, 10, 13};
     Py_ssize_t n[NSIZES];
     void *p[NPTRS];
-    for (int i = 0; i < NSIZES; ++i) n[i] = PyLong_AsSsize_t(args[sizes_at[i]]);
-    for (int i = 0; i < NPTRS; ++i) p[i] = PyLong_AsVoidPtr(args[ptrs_at[i]]);
+    if (is_double < 0) return NULL;
+    for (int i = 0; i < NSIZES; ++i) {
+        n[i] = PyLong_AsSsize_t(args[sizes_at[i]]);
+        if (n[i] == -1 && PyErr_Occurred()) return NULL;
+    }
+    for (int i = 0; i < NPTRS; ++i) {
+        p[i] = PyLong_AsVoidPtr(args[ptrs_at[i]]);
+        if (p[i] == NULL) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "map(): a null pointer");
+            return NULL;
+        }
+    }
     const double eps = PyFloat_AsDouble(args[15]);
-    if (is_double < 0 || PyErr_Occurred()) return NULL;
+    if (eps == -1.0 && PyErr_Occurred()) return NULL;
     const Py_ssize_t T = n[0], E = n[1], S = n[2], d = n[3];
     const Py_ssize_t x_stride = n[4], y_stride = n[5], blocks = n[6], out_stride = n[7];
     if (T <= 0 || E <= 0 || S <= 0 || d <= 0 || blocks <= 0 || x_stride < 0 || y_stride < 0 || out_stride < 0) {
@@ -152,4 +166,16 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_headmix", NULL, -1, methods, NULL, NULL, NULL, NULL};
 
-PyMODINIT_FUNC PyInit__headmix(void) { return PyModule_Create(&module); }
+/* The calling convention's version: damcha_torch uses the module only when
+ * it matches its own (a stale build of an older source is ignored, not
+ * called with arguments it reads otherwise). */
+#define DAMCHA_HEADMIX_ABI 2
+
+PyMODINIT_FUNC PyInit__headmix(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddIntConstant(m, "ABI", DAMCHA_HEADMIX_ABI) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

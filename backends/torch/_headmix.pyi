@@ -1,4 +1,6 @@
 # The C kernel's signature (backends/torch/_headmix.c): pointers are Tensor.data_ptr() values.
+ABI: int
+
 def map(
     is_double: bool,
     T: int,
