@@ -45,7 +45,11 @@ output (relative difference <= 1e-4, float32; a failed check is marked
 **check failed**); then every gate is opened to 0.5, so the maps do their
 full work (a trained model's cost). "forward" is eval mode under
 `torch.inference_mode`; "fwd+bwd" is one training step without the
-optimizer (train mode, backward of the mean logit). The two models are
+optimizer (train mode, backward of the mean logit); "generate" (GPT-2 and
+Llama) is greedy `generate` with the host's KV cache in eval mode under
+`torch.inference_mode`: the N-token prompt, then 32 new tokens, B as above
+(every step after the prompt maps B tokens per site, with the C kernel
+where it is built: docs/torch.md). The two models are
 built in one process and called alternately (A B, then B A) after a warm-up
 call; a cell shows the median of the per-round ratios DAMCHA / original and,
 in brackets, their quartiles. Runs of the same commit and thread count are

@@ -23,7 +23,9 @@ Each entry first checks that the converted model with closed gates gives the
 original's output (``_harness.closed_gate_check``), then opens every gate to
 0.5 (an open map costs the same, but is honest). "forward" is eval mode under
 ``torch.inference_mode``; "fwd+bwd" is train mode with a backward of the mean
-of the output (the logits).
+of the output (the logits); "generate" (GPT-2 and Llama) is eval mode under
+``torch.inference_mode``, ``generate`` greedy with the host's KV cache: the
+N-token prompt, then 32 new tokens (4 with --tiny).
 
 Times: both models are built in this process and called alternately (A B,
 then B A: ``_harness.interleaved``), ``--repeats`` rounds after a warm-up;
@@ -67,7 +69,15 @@ import _models_report as rep  # noqa: E402
 RESULTS = HERE / "results"
 DOCS = h.REPO / "docs" / "benchmarks.md"
 IMPLS = ("original", "damcha")
-MODES = ("forward", "fwd+bwd")
+MODES = ("forward", "fwd+bwd", "generate")
+# "generate": greedy decoding with the host's KV cache after an N-token prompt (the language models).
+GENERATE_TOKENS = {False: 32, True: 4}  # new tokens per call: full, --tiny
+
+
+def _modes(model: str, given: list[str] | None = None) -> list[str]:
+    return [m for m in (given or MODES) if m != "generate" or model != "vit"]
+
+
 DESCRIPTIONS = {
     "gpt2": "transformers `GPT2LMHeadModel` (fused `c_attn` Conv1D), sdpa attention, dropout 0",
     "llama": "transformers `LlamaForCausalLM`, GQA (separate query and key maps), RoPE, sdpa attention",
@@ -176,9 +186,13 @@ def _timed(fn: Any, module: Any, x: Any, mode: str):
     import torch
 
     module.train(mode == "fwd+bwd")
+    new = GENERATE_TOKENS[x.shape[-1] < 64]  # the tiny runs' prompts are short
 
     def call() -> None:
-        if mode == "forward":
+        if mode == "generate":
+            with torch.inference_mode():
+                module.generate(x, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+        elif mode == "forward":
             with torch.inference_mode():
                 fn(module, x)
         else:
@@ -302,6 +316,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--models", nargs="+", default=list(rep.MODEL_ORDER), choices=list(rep.MODEL_ORDER))
     parser.add_argument("--lengths", type=int, nargs="+", default=[576, 1024])
+    parser.add_argument(
+        "--modes", nargs="+", choices=MODES, help="the modes to measure (default all; ViT has no generate)"
+    )
     parser.add_argument("--repeats", type=int, default=9, help="timed rounds per entry (each calls both models)")
     parser.add_argument("--tiny", action="store_true", help="tiny models, N=16, 2 repeats: a smoke run")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads (and cores) of the process")
@@ -350,6 +367,10 @@ def report(paths: list[Path], docs: Path) -> int:
 def run(args: argparse.Namespace, argv: list[str], path: Path, threads: dict[str, Any]) -> int:
     import torch
 
+    from damcha_torch import _functional as fn
+
+    if os.environ.get("DAMCHA_BENCH_TORCH_OPS") == "1":
+        fn._HEADMIX = None  # the maps by torch ops, as without the C kernel: a before/after on one machine
     results = h.Results(path, resume=False, file_format=rep.FORMAT)
     index = results.start_run(
         {
@@ -366,6 +387,8 @@ def run(args: argparse.Namespace, argv: list[str], path: Path, threads: dict[str
             "versions": h.versions(),
             "git": h.git_commit(),
             "loadavg_start": h.loadavg(),
+            # Which path mapped a few tokens per site (damcha_torch.has_decode_kernel()).
+            "decode_kernel": "c" if fn._HEADMIX is not None else "torch-ops",
         }
     )
     env = {**threads, "torch_threads": torch.get_num_threads(), "pid": os.getpid()}
@@ -374,9 +397,9 @@ def run(args: argparse.Namespace, argv: list[str], path: Path, threads: dict[str
     ses = h.Session(port="torch", sizes=h.Sizes(args.tiny), results=results, run=index, env=env)
     for model in args.models:
         for n in args.lengths:
-            for mode in MODES:
+            for mode in _modes(model, args.modes):
                 # Tiny measures nothing: one worker process checks that path, the rest run here.
-                first = (model, n, mode) == (args.models[0], args.lengths[0], MODES[0])
+                first = (model, n, mode) == (args.models[0], args.lengths[0], _modes(args.models[0], args.modes)[0])
                 fresh = {"original": first, "damcha": False} if args.tiny else None
                 entry_id = f"models/{model}/{mode}/N={n}"
                 with ses.attempt([entry_id], section="model", case=model, mode=mode):
@@ -407,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.counts:
         for model in args.models:
-            for mode in MODES:
+            for mode in _modes(model, args.modes):
                 extra = op_counts(model, args.lengths[0], mode, args.tiny)
                 print(
                     f"{model} {mode}: per converted layer, vs the original: "
