@@ -92,7 +92,7 @@ def test_wheel_holds_the_license_and_py_typed(tmp_path):
     assert {f"{p}/py.typed" for p in PACKAGE_DIRS} <= set(names)
     # The decoding kernel (setup.py), compiled for this platform, with its stub.
     assert [n for n in names if n.startswith("damcha_torch/_headmix.") and n.endswith((".so", ".pyd"))], names
-    assert "damcha_torch/_headmix.pyi" in names, names
+    assert "damcha_torch/_headmix.pyi" in names and "damcha_torch/_headmix.c" not in names, names
     metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     assert "License-Expression: Apache-2.0" in metadata
     assert f"Project-URL: Homepage, {PROJECT['urls']['Homepage']}" in metadata
