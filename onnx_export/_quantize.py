@@ -100,8 +100,8 @@ def _linked_into(path: str, m: onnx.ModelProto, directory: str) -> bool | None:
 
 
 def quantize_int8(model: onnx.ModelProto | str | os.PathLike, path: str | os.PathLike | None = None) -> onnx.ModelProto:
-    """Dynamic int8 quantisation (int8 weights, activations quantised per batch
-    at run time) of the MatMul weights; returns the quantised model.
+    """Dynamic int8 quantisation (int8 weights of 7 bits, activations quantised
+    per batch at run time) of the MatMul weights; returns the quantised model.
 
     Only float32 models: onnxruntime quantises float32 weights. The cross-head
     maps multiply activations by activations, so they stay float32; only
@@ -126,6 +126,8 @@ def quantize_int8(model: onnx.ModelProto | str | os.PathLike, path: str | os.Pat
                 weight_type=QuantType.QInt8,
                 op_types_to_quantize=["MatMul"],
                 use_external_data_format=large,
+                # 7-bit weights: no saturation of VPMADDUBSW on AVX2-only CPUs (docs/onnx.md).
+                reduce_range=True,
             )
         out = onnx.load(dst)  # weights read into memory (from beside dst with external data)
     if path is not None:
@@ -284,6 +286,7 @@ def quantize_static_int8(
                 per_channel=per_channel,
                 activation_type=quant[activation_type],
                 weight_type=QuantType.QInt8,
+                reduce_range=True,  # as quantize_int8's
                 calibrate_method=methods[method],
                 use_external_data_format=large,
                 # DedicatedQDQPair: a token tensor read by a quantised MatMul and by
