@@ -115,7 +115,7 @@ def _build(model: str, n: int, tiny: bool):
             num_hidden_layers=sizes["layers"],
             num_attention_heads=sizes["heads"],
             num_key_value_heads=sizes["kv"],
-            max_position_embeddings=max(n, 64),
+            max_position_embeddings=max(n, 64) + GENERATE_TOKENS[False],  # room for generate's tokens
             attn_implementation="sdpa",
         )
         module = LlamaForCausalLM(cfg)
@@ -129,7 +129,7 @@ def _build(model: str, n: int, tiny: bool):
             n_embd=sizes["hidden"],
             n_layer=sizes["layers"],
             n_head=sizes["heads"],
-            n_positions=max(n, 64),
+            n_positions=max(n, 64) + GENERATE_TOKENS[False],  # GPT-2's position table ends there
             resid_pdrop=0.0,
             embd_pdrop=0.0,
             attn_pdrop=0.0,
