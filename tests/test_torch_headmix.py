@@ -493,3 +493,20 @@ def test_converted_llama_generates_the_same_with_and_without_the_kernel(monkeypa
     assert torch.equal(runs[True].sequences, runs[False].sequences)
     for a, b in zip(runs[True].logits, runs[False].logits, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_maps_refuses_what_the_kernel_would_read_out_of_bounds():
+    """_fused_maps' own checks, which the layer's make redundant today: a
+    packed projection narrower than q's and k's blocks, a dtype other than
+    x's, a tied pair of sides with other head counts, a 16-bit x. Each gives
+    None (the torch ops), never a kernel call."""
+    E, H, d = 8, 2, 4
+    x = torch.randn(1, 1, E)
+    side = (torch.randn(H * H, E), torch.randn(H * H), torch.rand(H, 1))
+    good = torch.randn(1, 1, 3 * H * d)
+    assert fn._fused_maps(x, good, 0, (side, side), H, H, d) is not None
+    assert fn._fused_maps(x, good[..., : 2 * H * d - 1], 0, (side, side), H, H, d) is None
+    assert fn._fused_maps(x, good.double(), 0, (side, side), H, H, d) is None
+    assert fn._fused_maps(x, good, 0, (side, side), H, 1, d) is None
+    half = (side[0].half(), side[1].half(), side[2].half())
+    assert fn._fused_maps(x.half(), good.half(), 0, (half, half), H, H, d) is None

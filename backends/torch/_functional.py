@@ -1480,6 +1480,13 @@ def _fused_maps(
         return None
     mq, mk = maps
     dtype = x.dtype
+    if (
+        (dtype is not torch.float32 and dtype is not torch.float64)
+        or qkv.dtype is not dtype  # (contiguous: few_tokens_step made it so)
+        or qkv.shape[-1] < (H + G) * d  # q's and k's blocks lie in each row (v's follow)
+        or (mk is mq and G != H)  # tied: both sides' S heads from one A
+    ):
+        return None  # what the layer's checks imply today, kept here because the kernel trusts it
     # Each side's (weight, bias, gate column) as the kernel reads them: CPU,
     # x's dtype, contiguous, sized for its S heads and E features (the kernel
     # trusts its pointers: this keeps it in bounds). Inline, not a helper: a
