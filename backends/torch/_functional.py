@@ -1516,82 +1516,49 @@ def _fused_maps(
             return None
     T, width, double = B * N, qkv.shape[-1], dtype is torch.float64
     xp, yp, item = x.data_ptr(), qkv.data_ptr(), 8 if double else 4
-    kernel = _HEADMIX.map
-    if mk is mq:  # tied (G = H): one A per token maps q and k
-        w, b, g = mq  # type: ignore[misc]
+    # (side, S, the side's blocks in qkv, blocks per call, element offset in out)
+    calls: list[tuple[Any, int, int, int, int]]
+    if mk is mq:  # tied (G = H): one A per token maps q and k, adjacent in qkv
         out = torch.empty((T, 2, H, d), dtype=dtype, device=x.device)
-        kernel(
+        calls = [(mq, H, yp, 2, 0)]
+    else:
+        out = torch.empty(
+            T * ((H if mq is not None else 0) + (G if mk is not None else 0)) * d, dtype=dtype, device=x.device
+        )
+        calls = [] if mq is None else [(mq, H, yp, 1, 0)]
+        if mk is not None:
+            calls.append((mk, G, yp + H * d * item, 1, 0 if mq is None else T * H * d))
+    base = out.data_ptr()
+    for (w, b, g), S, y_at, blocks, offset in calls:  # a loop, not a helper: no Python frame per call
+        _HEADMIX.map(
             double,
             T,
             E,
-            H,
+            S,
             d,
             xp,
             row,
             w.data_ptr(),
             b.data_ptr(),
             g.data_ptr(),
-            yp,
+            y_at,
             width,
-            2,
-            out.data_ptr(),
-            0,  # out is (T, blocks, S, d)
+            blocks,
+            base + offset * item,
+            0,  # out holds (T, blocks, S, d) at each offset
             dc.RMS_EPS,
         )
+    if mk is mq:
         strides = (N * 2 * H * d, d, 2 * H * d, 1)
         return out.as_strided((B, H, N, d), strides, 0), out.as_strided((B, H, N, d), strides, H * d)
-    out = torch.empty(
-        T * ((H if mq is not None else 0) + (G if mk is not None else 0)) * d, dtype=dtype, device=x.device
-    )
-    offset = 0
-    if mq is not None:
-        w, b, g = mq
-        kernel(
-            double,
-            T,
-            E,
-            H,
-            d,
-            xp,
-            row,
-            w.data_ptr(),
-            b.data_ptr(),
-            g.data_ptr(),
-            yp,
-            width,
-            1,
-            out.data_ptr(),
-            0,  # out is (T, blocks, S, d)
-            dc.RMS_EPS,
-        )
-        q = out.as_strided((B, H, N, d), (N * H * d, d, H * d, 1), 0)
-        offset = T * H * d
-    else:
+    if mq is None:
         q = qkv.as_strided((B, H, N, d), (N * width, d, width, 1), at)
-    if mk is not None:
-        w, b, g = mk
-        kp = yp + H * d * item
-        kernel(
-            double,
-            T,
-            E,
-            G,
-            d,
-            xp,
-            row,
-            w.data_ptr(),
-            b.data_ptr(),
-            g.data_ptr(),
-            kp,
-            width,
-            1,
-            out.data_ptr() + offset * item,
-            0,
-            dc.RMS_EPS,
-        )
-        k = out.as_strided((B, G, N, d), (N * G * d, d, G * d, 1), offset)
     else:
+        q = out.as_strided((B, H, N, d), (N * H * d, d, H * d, 1), 0)
+    if mk is None:
         k = qkv.as_strided((B, G, N, d), (N * width, d, width, 1), at + H * d)
+    else:
+        k = out.as_strided((B, G, N, d), (N * G * d, d, G * d, 1), calls[-1][4])
     return q, k
 
 
