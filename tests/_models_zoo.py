@@ -27,6 +27,16 @@ BERT_COPIES = ("electra", "xlm-roberta", "camembert")
 ENC_DEC = ("bart", "mbart", "whisper")
 ARCHS = CAUSAL + ("bert", "roberta", *BERT_COPIES, "vit", "vit-qknorm", "hf-vit", "clip-vision", "siglip", "mha")
 ARCHS += ENC_DEC
+# Encoder-decoders whose attention is a copy of BART's (transformers-bart): built as "bart" is,
+# tested by one compact test each (tests/test_models_torch.py), not over ARCHS.
+BART_COPY_MODELS = {
+    "marian": ("MarianMTModel", "MarianConfig"),
+    "pegasus": ("PegasusForConditionalGeneration", "PegasusConfig"),
+    "m2m100": ("M2M100ForConditionalGeneration", "M2M100Config"),
+    "plbart": ("PLBartForConditionalGeneration", "PLBartConfig"),
+    "blenderbot": ("BlenderbotForConditionalGeneration", "BlenderbotConfig"),
+    "blenderbot-small": ("BlenderbotSmallForConditionalGeneration", "BlenderbotSmallConfig"),
+}
 # Whisper's tiny config: log-mel features of WHISPER_MELS bins over 2 * WHISPER_SOURCE frames.
 WHISPER_MELS, WHISPER_SOURCE = 8, 8
 # The trailing features of run("siglip", ...): its pooling head's, computed by an nn.MultiheadAttention.
@@ -161,11 +171,12 @@ def build(arch: str, dtype: torch.dtype = torch.float32, attn: str = "sdpa", see
                 attn_implementation=attn,
             )
         )
-    elif arch in ENC_DEC:
+    elif arch in ENC_DEC or arch in BART_COPY_MODELS:
         cls, cls_cfg = {
             "bart": (T.BartForConditionalGeneration, T.BartConfig),
             "mbart": (T.MBartForConditionalGeneration, T.MBartConfig),
             "whisper": (T.WhisperForConditionalGeneration, T.WhisperConfig),
+            **{name: (getattr(T, model), getattr(T, config)) for name, (model, config) in BART_COPY_MODELS.items()},
         }[arch]
         sizes = dict(
             vocab_size=VOCAB,

@@ -18,7 +18,6 @@ from _models_zoo import (
     ENC_DEC,
     HOST_ATTN,
     SIGLIP_HEAD,
-    VOCAB,
     aten_calls_before_and_after_convert,
     build,
     capture,
@@ -419,42 +418,14 @@ def test_cross_attention_cache_holds_keys_mapped_once(arch):
 # adapter lists: one compact test each, not in the zoo's ARCHS (every test over
 # ARCHS would run them). Built with the zoo's "bart" sizes; checked with its
 # layout ("bart" for inputs, run and layer_params).
-BART_COPIES = {  # model class, config class, the attention class each of its layers holds
-    "marian": ("MarianMTModel", "MarianConfig", "MarianAttention"),
-    "pegasus": ("PegasusForConditionalGeneration", "PegasusConfig", "PegasusAttention"),
-    "m2m100": ("M2M100ForConditionalGeneration", "M2M100Config", "M2M100Attention"),
-    "plbart": ("PLBartForConditionalGeneration", "PLBartConfig", "PLBartAttention"),
-    "blenderbot": ("BlenderbotForConditionalGeneration", "BlenderbotConfig", "BlenderbotAttention"),
-    "blenderbot-small": (
-        "BlenderbotSmallForConditionalGeneration",
-        "BlenderbotSmallConfig",
-        "BlenderbotSmallAttention",
-    ),
+BART_COPIES = {  # the attention class each layer of the zoo's model holds (_models_zoo.BART_COPY_MODELS)
+    "marian": "MarianAttention",
+    "pegasus": "PegasusAttention",
+    "m2m100": "M2M100Attention",
+    "plbart": "PLBartAttention",
+    "blenderbot": "BlenderbotAttention",
+    "blenderbot-small": "BlenderbotSmallAttention",
 }
-
-
-def _bart_copy(name, dtype):
-    cls, cls_cfg = (getattr(transformers, n) for n in BART_COPIES[name][:2])
-    torch.manual_seed(0)
-    cfg = cls_cfg(
-        vocab_size=VOCAB,
-        d_model=32,
-        encoder_layers=2,
-        decoder_layers=2,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=48,
-        decoder_ffn_dim=48,
-        max_position_embeddings=64,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-        decoder_start_token_id=1,
-        forced_eos_token_id=None,
-        init_std=0.2,  # as the zoo's "bart": attention logits far from 0
-        attn_implementation="sdpa",
-    )
-    return cls(cfg).to(dtype).eval()
 
 
 @pytest.mark.parametrize("name", list(BART_COPIES))
@@ -463,9 +434,9 @@ def test_bart_copies_convert(name):
     self-attention tied, decoder cross-attention separate), exact at init bit
     for bit, each layer equal to the reference with the gates open, and cached
     greedy generation equal to uncached generation with the gates open."""
-    model = _bart_copy(name, torch.float32)
+    model = build(name, torch.float32)
     # The copy itself (its own class, no subclass of BartAttention), in every layer.
-    attention = {n: m for n, m in model.named_modules() if type(m).__name__ == BART_COPIES[name][2]}
+    attention = {n: m for n, m in model.named_modules() if type(m).__name__ == BART_COPIES[name]}
     assert all(c.__name__ != "BartAttention" for m in attention.values() for c in type(m).__mro__)
     kw = inputs("bart")
     gen = inputs("bart", padding=False, length=5)
@@ -492,7 +463,7 @@ def test_bart_copies_convert(name):
     for a, b, c in zip(cached.logits, plain.logits, unconverted.logits, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
         assert (a - c).abs().max() > 1e-3
-    _check_layers_against_reference("bart", model=dt.convert(_bart_copy(name, torch.float64)))
+    _check_layers_against_reference("bart", model=dt.convert(build(name, torch.float64)))
 
 
 # ---------------------------------------------------------------- training
