@@ -1433,6 +1433,8 @@ def few_tokens_step(
     return output(o)  # type: ignore[operator]  # the callable form
 
 
+# What the C kernel may read by pointer (here and in _models_fused._kernel_map_):
+# plain tensors (a subclass, DTensor say, may have no storage), strided.
 _PLAIN = (Tensor, nn.Parameter)
 _STRIDED = torch.strided
 
@@ -1440,7 +1442,7 @@ _STRIDED = torch.strided
 def has_decode_kernel() -> bool:
     """Whether this install has the C kernel that maps a CPU decoding step's
     tokens in one call (``damcha_torch._headmix``, built by ``pip install``
-    where a C compiler is found; docs/torch.md, "Decoding"). Without it the
+    where a C compiler is found; docs/torch.md, "Incremental decoding"). Without it the
     same step runs as torch ops: the same outputs, about 40 us more per
     layer and token at B = 1 (docs/benchmarks.md)."""
     return _HEADMIX is not None
@@ -1458,9 +1460,10 @@ def _fused_maps(
     """q~ and k~ (B, H, N, d) and (B, G, N, d) of ``few_tokens_step`` by the C
     kernel (``_headmix.map``: phi's norm, the generator GEMV, the scaling, the
     gate and the head mix of each token in one call), or None where it does
-    not apply: a tensor off the CPU, x whose tokens are not rows of one stride
-    (B, N, E) -> (T, E), parameters not contiguous or of another dtype. The
-    caller has checked the rest (float32/64, no autograd, not traced).
+    not apply: a tensor off the CPU or not a plain strided one, x whose tokens
+    are not rows of one stride (B, N, E) -> (T, E), a dtype other than
+    float32/64, parameters not contiguous, of another dtype or size. The
+    caller has checked the rest (no autograd, not traced).
 
     Tied, both sides come out of one call (the same A maps q and k, adjacent
     in ``qkv``); separate, one call per side; a side without a map is read out

@@ -283,10 +283,6 @@ def map_blocks_(
 _HALF = (torch.float16, torch.bfloat16)
 
 
-_PLAIN = (Tensor, torch.nn.Parameter)
-_STRIDED = torch.strided
-
-
 def _kernel_map_(y: Tensor, tokens: Tensor, sides: Sequence[tuple[SideBlocks, fn.SideWeights]]) -> bool:
     """``map_blocks_`` by the C kernel (damcha_torch._headmix, as the flat
     decoding step uses it): every run of adjacent "heads" blocks of a side in
@@ -321,7 +317,11 @@ def _kernel_map_(y: Tensor, tokens: Tensor, sides: Sequence[tuple[SideBlocks, fn
         if not (
             blocks.metric == "heads"
             and all(
-                v.__class__ in _PLAIN and v.is_cpu and v.dtype is dtype and v.layout is _STRIDED and v.is_contiguous()
+                v.__class__ in fn._PLAIN
+                and v.is_cpu
+                and v.dtype is dtype
+                and v.layout is fn._STRIDED
+                and v.is_contiguous()
                 for v in (w.weight, w.bias, w.gate)
             )
             and w.weight.shape == (S * S, E)
