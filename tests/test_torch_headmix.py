@@ -295,22 +295,25 @@ def test_layer_leaves_what_the_kernel_cannot_read_to_the_torch_ops(change, monke
     seq_first.load_state_dict(layer.state_dict())
     recorder = _Recorder()
     monkeypatch.setattr(fn, "_HEADMIX", recorder)
-    xs = x.transpose(0, 1)  # (N, B, E): the layer's x is (B, N, E) with strides (E, B * E, 1)
-    cache, outs = DamchaKVCache(), []
-    with torch.inference_mode():
-        outs.append(seq_first(xs[:3], xs[:3], xs[:3], is_causal=True, need_weights=False, kv_cache=cache)[0])
-        for i in (3, 5, 7):  # two-token chunks after the prompt: B = 2, N = 2
-            t = xs[i : i + 2]
-            outs.append(seq_first(t, t, t, is_causal=False, need_weights=False, kv_cache=cache)[0])
+    # (N, B, E) in: the layer's x is (B, N, E) with strides (E, B * E, 1); two-token chunks, B = 2, N = 2.
+    got = _chunked(seq_first, x, (3, 5, 7), 2, torch.inference_mode, seq_first=True)
     assert recorder.calls == 0
-    got = torch.cat(outs).transpose(0, 1)
-    cache, ref = DamchaKVCache(), []
-    with torch.enable_grad():  # the general path
-        ref.append(layer(x[:, :3], x[:, :3], x[:, :3], is_causal=True, need_weights=False, kv_cache=cache)[0])
-        for i in (3, 5, 7):
-            t = x[:, i : i + 2]
-            ref.append(layer(t, t, t, is_causal=False, need_weights=False, kv_cache=cache)[0])
-    torch.testing.assert_close(got, torch.cat(ref, dim=1).detach(), rtol=1e-13, atol=1e-14)
+    want = _chunked(layer, x, (3, 5, 7), 2, torch.enable_grad)  # the general path
+    torch.testing.assert_close(got, want.detach(), rtol=1e-13, atol=1e-14)
+
+
+def _chunked(layer, x, starts, width, mode, seq_first=False):
+    """A causal prompt of 3 tokens, then non-causal chunks of ``width`` tokens
+    at ``starts``, under ``mode``: the outputs (B, ., E) of x (B, N, E),
+    passed as (N, B, E) when ``seq_first``."""
+    src = x.transpose(0, 1) if seq_first else x
+    cut = (lambda a, b: src[a:b]) if seq_first else (lambda a, b: src[:, a:b])
+    cache, outs = DamchaKVCache(), []
+    with mode():
+        for i, (a, b) in enumerate([(0, 3)] + [(start, start + width) for start in starts]):
+            t = cut(a, b)
+            outs.append(layer(t, t, t, is_causal=i == 0, need_weights=False, kv_cache=cache)[0])
+    return torch.cat(outs, 0).transpose(0, 1) if seq_first else torch.cat(outs, 1)
 
 
 class _Wrapped(torch.Tensor):
@@ -362,22 +365,11 @@ def test_layer_chunks_and_strided_tokens(monkeypatch):
         monkeypatch.setattr(fn, "_HEADMIX", recorder)
         src = torch.stack([x, x], dim=-1)[..., 0] if strided else x  # stride 2 between features
         assert (src.stride(-1) == 2) == strided
-        cache, outs = DamchaKVCache(), []
-        with torch.inference_mode():
-            outs.append(
-                layer(src[:, :3], src[:, :3], src[:, :3], is_causal=True, need_weights=False, kv_cache=cache)[0]
-            )
-            for i in (3, 7):  # the first chunk records the shape, the second takes the flat step
-                t = src[:, i : i + 4]
-                outs.append(layer(t, t, t, is_causal=False, need_weights=False, kv_cache=cache)[0])
+        # The first chunk records the shape, the second takes the flat step.
+        got = _chunked(layer, src, (3, 7), 4, torch.inference_mode)
         assert recorder.calls == (0 if strided else 1), (strided, recorder.calls)
-        cache, ref = DamchaKVCache(), []
-        with torch.enable_grad():
-            ref.append(layer(x[:, :3], x[:, :3], x[:, :3], is_causal=True, need_weights=False, kv_cache=cache)[0])
-            for i in (3, 7):
-                t = x[:, i : i + 4]
-                ref.append(layer(t, t, t, is_causal=False, need_weights=False, kv_cache=cache)[0])
-        torch.testing.assert_close(torch.cat(outs, 1), torch.cat(ref, 1).detach(), rtol=1e-13, atol=1e-14)
+        want = _chunked(layer, x, (3, 7), 4, torch.enable_grad)
+        torch.testing.assert_close(got, want.detach(), rtol=1e-13, atol=1e-14)
 
 
 def test_layer_sees_a_generator_replaced_between_steps(monkeypatch):
