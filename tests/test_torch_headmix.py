@@ -85,11 +85,12 @@ def _inputs(T, E, S, d, blocks, dtype, seed, x_pad=0, y_pad=0):
     [
         (1, 32, 4, 8, 2, 0, 0),  # one token, tied: q and k blocks
         (1, 512, 8, 64, 2, 0, 0),  # the benchmarks' layer
+        (8, 512, 8, 64, 2, 0, 0),  # its B = 8 step: token pairs by row quads only
         (3, 17, 3, 5, 1, 7, 9),  # odd sizes, rows with a stride wider than the row
         (16, 40, 5, 3, 2, 0, 11),  # the most tokens the flat step takes
         (2, 1, 1, 1, 1, 0, 0),  # one feature, one head
     ],
-    ids=["tied-1", "E512", "odd-strided", "16-tokens", "tiny"],
+    ids=["tied-1", "E512", "E512-8-tokens", "odd-strided", "16-tokens", "tiny"],
 )
 def test_kernel_computes_the_spec_map(T, E, S, d, blocks, x_pad, y_pad, dtype):
     xs, ys, W, b, gate = _inputs(T, E, S, d, blocks, dtype, seed=T * 100 + E, x_pad=x_pad, y_pad=y_pad)
