@@ -410,7 +410,7 @@ def test_compiled_decode_step_is_the_flat_step_in_one_graph():
     8.7 us per evaluation, RootGuardManager.check); the hand-written MHA
     step (_counts.mha_decode_step) compiled the same way has 48."""
     layer, params, cfg = _layer("heads-tied")
-    x = _x(1, 11, 16, seed=17)
+    x = _x(1, 30, 16, seed=17)
     graphs: list[dict[str, int]] = []
     guards: list[list[str]] = []
 
@@ -433,13 +433,18 @@ def test_compiled_decode_step_is_the_flat_step_in_one_graph():
     with torch.no_grad():
         cache = DamchaKVCache()
         outs.append(step(x[:, :3], x[:, :3], x[:, :3], is_causal=True, need_weights=False, kv_cache=cache)[0])
-        for i in range(3, 11):
+        for i in range(3, 30):
             t = x[:, i : i + 1]
             outs.append(step(t, t, t, is_causal=True, need_weights=False, kv_cache=cache)[0])
-            made.append(len(graphs))
+            made.append((len(graphs), cache.capacity))
         eager = DamchaKVCache()
-        want = [_step(layer, x[:, :3], eager)] + [_step(layer, x[:, i : i + 1], eager) for i in range(3, 11)]
-    assert made[2] == made[-1] <= 4, made  # the prompt, the first token sizes, then one dynamic length
+        want = [_step(layer, x[:, :3], eager)] + [_step(layer, x[:, i : i + 1], eager) for i in range(3, 30)]
+    # The storage holds 6, then 12, 24 and 48 positions (tokens 5, 11 and 23 grow it):
+    # graphs for the prompt, the first token's sizes, a dynamic length, its first
+    # growth, then a dynamic storage size and its growth (Dynamo makes a size dynamic
+    # once it has changed); none after, through the third growth.
+    assert [c for _, c in made] == [6] * 2 + [12] * 6 + [24] * 12 + [48] * 7, made
+    assert made[8][0] == made[-1][0] <= 6, made
     for ops in graphs[1:]:  # the one-token graphs
         assert ops.get("baddbmm") == 1 and ops.get("linear") == 3, ops
         assert not ops.get("amax") and not ops.get("abs") and not ops.get("bmm"), ops
