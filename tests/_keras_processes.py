@@ -25,6 +25,7 @@ started, then waits, so no worker idles while a backend is left.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -173,10 +174,15 @@ def _run_parts(backend: str, parts: list[str], workdir: str) -> dict[str, Any]:
     import importlib
     import time
 
+    import keras  # noqa: F401  (imported here, so that the freeze below covers it)
+
     results: dict[str, Any] = {}
     for part in parts:
         path = Path(workdir) / part
         path.mkdir(exist_ok=True)
+        # What is imported by now lives for the process: out of the collector's sight,
+        # as in conftest.py (Keras's gc.collect calls walked it all each time).
+        gc.freeze()
         start = time.process_time()
         try:
             if part in PYTEST_PARTS:
@@ -214,6 +220,11 @@ def run_pytest(args: list[str], plugins: tuple = ()) -> dict[str, Any]:
                     "outcome": "failed",
                     "message": str(report.longrepr)[-4000:],
                 }
+
+        def pytest_collection_finish(self, session: Any) -> None:
+            # As conftest.py's hook of that name: Keras's test cases call clear_session,
+            # which runs gc.collect, before every test; the modules imported by now stay.
+            gc.freeze()
 
         def pytest_deselected(self, items: list) -> None:
             self.deselected += len(items)
