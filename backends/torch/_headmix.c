@@ -208,5 +208,14 @@ PyMODINIT_FUNC PyInit__headmix(void) {
         Py_DECREF(m);
         return NULL;
     }
+#ifdef Py_GIL_DISABLED
+    /* A free-threaded build (3.13t) would re-enable the GIL for a module that does not
+     * say otherwise: map() keeps no state between calls and touches no Python object
+     * once its arguments are read. */
+    if (m != NULL && PyUnstable_Module_SetGIL(m, Py_MOD_GIL_NOT_USED) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+#endif
     return m;
 }
