@@ -146,10 +146,6 @@ def _run_process(backend: str, parts: list[str], shared: Path, out: Path) -> Non
         out.write_text(json.dumps(_run_parts(backend, parts, str(workdir))))
         return
     env = {**os.environ, "KERAS_BACKEND": backend}
-    if backend == "jax":
-        # Every case is a fresh XLA compilation of tiny shapes: compile time, not
-        # run time, dominates, and cheaper codegen cuts it by about a third.
-        env.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
     partial = out.with_suffix(".partial")
     try:
         proc = subprocess.run(

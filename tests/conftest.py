@@ -20,6 +20,14 @@ import pytest
 for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
     os.environ.setdefault(var, "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# XLA's cheaper CPU code generation (LLVM without its expensive passes; XLA's own
+# graph passes, which decide fusions and what cost_analysis reports, are unchanged):
+# JAX tests compile hundreds of tiny programs, and compile time dominates them
+# (tests/test_jax_*.py: 231 -> 201 s wall on two workers, every test passing either
+# way). Every subprocess the tests start inherits them (Keras's JAX process, the
+# benchmark scripts' tiny runs, the docs' examples);
+# `damcha conform` run by hand and the benchmarks keep XLA's defaults. Set XLA_FLAGS to override.
+os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
 
 from hypothesis import HealthCheck, settings  # noqa: E402 - after the thread settings above
 

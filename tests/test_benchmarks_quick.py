@@ -32,8 +32,7 @@ import run_all  # noqa: E402
 
 def _run(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
-    # Tiny JAX runs are mostly XLA compile time: cheaper codegen cuts it by about a third.
-    env.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
+    # (XLA_FLAGS, conftest.py's cheaper codegen, is inherited: tiny JAX runs are compile time.)
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 

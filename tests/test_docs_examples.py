@@ -209,9 +209,7 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def _run_all(shared: Path) -> dict[str, Any]:
     env = {**os.environ, "KERAS_BACKEND": KERAS_BACKEND}
-    # Every example compiles fresh XLA programs of small shapes: compile time, not
-    # run time, dominates, and cheaper codegen cuts it (as tests/_keras_processes.py).
-    env.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
+    # (XLA_FLAGS, conftest.py's cheaper codegen, is inherited: the examples are compile time.)
     running = []
     for i, pages in enumerate(PROCESSES):
         out, log = shared / f"docs-examples-{i}.json", shared / f"docs-examples-{i}.log"

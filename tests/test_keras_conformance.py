@@ -60,10 +60,6 @@ class Worker:
 
     def __init__(self, backend: str) -> None:
         env = {**os.environ, "KERAS_BACKEND": backend}
-        if backend == "jax":
-            # Every case is a fresh XLA compilation of tiny shapes: compile time, not
-            # run time, dominates, and cheaper codegen cuts it by about a third.
-            env.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
         self.backend = backend
         # A file, not a pipe: framework logs could fill a pipe and block the worker.
         self.stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed in close()
