@@ -275,11 +275,13 @@ def decode_step(
     # DamchaValueError, not NaN. keep=False: a JAX mask read for it still takes the compiled step.
     check_hinted(checked, T, L, hint=mask_hint, offset=index, keep=False)
     step: Any
-    if _hashable(precision) and (mask_hint is None or checked.host is None):
-        # Everything is checked: the math is one compiled program (one dispatch per step when eager).
+    if _hashable(precision):
+        # Everything is checked (a concrete mask against its hint just above): the math is
+        # one compiled program, one dispatch per step when eager. A NumPy mask with a hint
+        # took the op-by-op step here once: 15.7 ms a step against 2.9 (E=512, H=8, B=1,
+        # 512 cached keys), for no difference in what it computes.
         step = _compiled_step
     else:
-        # A hint on a NumPy or numeric mask (values on the host anyway): planned on the host.
         step = functools.partial(_step, host=checked.host)
     return step(
         p,
