@@ -274,15 +274,11 @@ def decode_step(
     # A concrete mask against its hint, here (not in the compiled step, where it is traced): a
     # DamchaValueError, not NaN. keep=False: a JAX mask read for it still takes the compiled step.
     check_hinted(checked, T, L, hint=mask_hint, offset=index, keep=False)
-    step: Any
-    if _hashable(precision):
-        # Everything is checked (a concrete mask against its hint just above): the math is
-        # one compiled program, one dispatch per step when eager. A NumPy mask with a hint
-        # took the op-by-op step here once: 15.7 ms a step against 2.9 (E=512, H=8, B=1,
-        # 512 cached keys), for no difference in what it computes.
-        step = _compiled_step
-    else:
-        step = functools.partial(_step, host=checked.host)
+    # Everything is checked (a concrete mask against its hint just above): the math is one
+    # compiled program, one dispatch per step when eager (op by op only for a precision jit
+    # cannot hash). A NumPy mask with a hint took the op-by-op step here once: 15.7 ms a
+    # step against 2.9 (E=512, H=8, B=1, 512 cached keys), computing the same.
+    step: Any = _compiled_step if _hashable(precision) else functools.partial(_step, host=checked.host)
     return step(
         p,
         config,
