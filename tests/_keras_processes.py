@@ -59,6 +59,18 @@ TIMEOUT_S = 2400  # a hung process, not a slow one: jax runs ~300 s of CPU, 2-5x
 _RESULTS: dict[str, dict[str, Any]] = {}
 
 
+def freeze_long_lived() -> None:
+    """Collect, then move every object left out of the garbage collector's sight
+    (``gc.freeze``): what is alive now (the frameworks' modules, millions of
+    objects) lives for the process, and every later full collection would walk
+    it again, about 0.2 s each. Keras collects whenever a layer drops a variable
+    (``model.quantize``, once per quantized layer) and in ``clear_session``
+    (before each test of its own suite). Collecting first keeps garbage that is
+    still waiting (a previous test's models) from being frozen with it."""
+    gc.collect()
+    gc.freeze()
+
+
 def parts_of(backend: str) -> list[str]:
     return [part for part, (_, backends) in PARTS.items() if backend in backends]
 
@@ -176,9 +188,7 @@ def _run_parts(backend: str, parts: list[str], workdir: str) -> dict[str, Any]:
     for part in parts:
         path = Path(workdir) / part
         path.mkdir(exist_ok=True)
-        # What is imported by now lives for the process: out of the collector's sight,
-        # as in conftest.py (Keras's gc.collect calls walked it all each time).
-        gc.freeze()
+        freeze_long_lived()  # what the earlier parts imported
         start = time.process_time()
         try:
             if part in PYTEST_PARTS:
@@ -218,9 +228,7 @@ def run_pytest(args: list[str], plugins: tuple = ()) -> dict[str, Any]:
                 }
 
         def pytest_collection_finish(self, session: Any) -> None:
-            # As conftest.py's hook of that name: Keras's test cases call clear_session,
-            # which runs gc.collect, before every test; the modules imported by now stay.
-            gc.freeze()
+            freeze_long_lived()  # as conftest.py's hook: what collection imported
 
         def pytest_deselected(self, items: list) -> None:
             self.deselected += len(items)

@@ -7,7 +7,6 @@ skipped backend test would hide a gap.
 
 from __future__ import annotations
 
-import gc
 import os
 import random
 import sys
@@ -29,6 +28,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # `damcha conform` run by hand and the benchmarks keep XLA's defaults. Set XLA_FLAGS to override.
 os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
 
+from _keras_processes import freeze_long_lived  # noqa: E402 - after the environment above
 from hypothesis import HealthCheck, settings  # noqa: E402 - after the thread settings above
 
 # Hypothesis draws a fresh set of examples on every run unless derandomized, so the same
@@ -77,14 +77,12 @@ def pytest_collection_modifyitems(items: list) -> None:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Hide the objects that exist once the test modules are imported from the
-    garbage collector (``gc.freeze``): torch, TensorFlow, JAX and Keras make
-    millions of them and keep them for the whole run, and every full collection
-    walked them all, about 0.2 s each in a worker. Keras collects each time a
-    layer drops a variable (``model.quantize`` does it once per quantized
-    layer: 7.6 of a quantize test's 9 s were ``gc.collect``). Objects the tests
-    make are collected as before; only garbage already left at import stays."""
-    gc.freeze()
+    """What the test modules imported (torch, TensorFlow, JAX, Keras) lives for
+    the whole run: out of the garbage collector's sight from here
+    (``_keras_processes.freeze_long_lived``; 7.6 of a Keras quantize test's 9 s
+    were ``gc.collect`` walking it). Objects the tests make are collected as
+    before."""
+    freeze_long_lived()
 
 
 @pytest.hookimpl(tryfirst=True)

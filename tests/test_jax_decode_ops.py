@@ -131,9 +131,8 @@ def test_compiled_decode_equals_op_by_op_and_jit(coupling: str) -> None:
 def test_a_numpy_mask_with_a_hint_takes_the_compiled_step(kind: str, hint: str, monkeypatch) -> None:
     """A NumPy mask with ``mask_hint`` (checked on the host against its hint) runs the
     one compiled program, as a JAX mask does: it took the op-by-op step once (about
-    5x slower at E=512). The steps equal those without a mask and the reference's
-    causal forward; a padding mask hides one cached key, against the reference with
-    that mask."""
+    5x slower at E=512). The steps equal the reference's causal forward (the causal
+    masks) or its causal forward with one key hidden (the padding mask)."""
     from damcha_jax import _cache
 
     config = dc.DamchaConfig(query_dim=E, num_heads=H, key_dim=D)
