@@ -14,13 +14,19 @@ test process's own backend (tensorflow unless KERAS_BACKEND says otherwise)
 runs its parts in the test process, which has Keras loaded already. Each check
 is its own pytest item that asserts on its part's results.
 
+The processes start in the background when the session starts
+(``start_in_background``, conftest.py's session fixture: the first xdist worker
+to claim a backend starts it, under a small supervisor process that records how
+it ended), and the items that read their results run last
+(``reads_a_process``, conftest.py's ordering), so the workers run the rest of
+the suite while Keras runs beside them rather than waiting on it. The test
+process's own backend runs its parts when its first item asks (under a file
+lock in the directory the workers share: the first worker runs them, the others
+read its JSON).
+
 A part that raises is recorded with its traceback and the other parts still run;
 a process that dies is recorded with its output. Either way every item of the
-failed part fails with that message, and nothing runs twice. Under pytest-xdist
-every worker asks for the results: the first one runs the process under a file
-lock in the directory the workers share; the others read its JSON. A worker that
-finds the backend it needs already running first runs a backend nobody has
-started, then waits, so no worker idles while a backend is left.
+failed part fails with that message, and nothing runs twice.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -75,19 +82,45 @@ def parts_of(backend: str) -> list[str]:
     return [part for part, (_, backends) in PARTS.items() if backend in backends]
 
 
+def shared_dir(tmp_path_factory: Any) -> Path:
+    """The folder every xdist worker of this session sees (the base temporary
+    folder without xdist)."""
+    base = tmp_path_factory.getbasetemp()
+    return Path(base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base)
+
+
+def reads_a_process(item: Any) -> bool:
+    """Whether ``item`` asserts on the results of a Keras process of another
+    backend than the test process's: conftest.py runs those items last, when the
+    process started in the background has long finished."""
+    part_of = {module: part for part, (module, _) in PARTS.items()}
+    backend = getattr(getattr(item, "callspec", None), "params", {}).get("backend")
+    return item.path.stem in part_of and backend in BACKENDS and backend != _own_backend()
+
+
+def start_in_background(session: Any, shared: Path) -> None:
+    """Start the Keras process of every backend some collected item reads, but
+    the test process's own, unless another worker has (``_launch``)."""
+    for backend, parts in _needed(session).items():
+        if backend != _own_backend():
+            _launch(backend, shared, parts)
+
+
 def part_results(backend: str, part: str, tmp_path_factory: Any, request: Any) -> dict[str, Any]:
     """The results of ``part`` on ``backend``, computed once per test session."""
     assert part in parts_of(backend), (backend, part)
-    base = tmp_path_factory.getbasetemp()
-    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # xdist: the workers' common root
+    shared = shared_dir(tmp_path_factory)
     if backend not in _RESULTS:
-        needed = _needed(request.session)
-        if not _run_once(backend, shared, needed[backend], wait=False):
-            for other, parts in needed.items():
-                if other != backend:
-                    _run_once(other, shared, parts, wait=False)
-            _run_once(backend, shared, needed[backend], wait=True)
-        _RESULTS[backend] = json.loads((shared / f"keras-process-{backend}.json").read_text())
+        parts = _needed(request.session)[backend]
+        out = shared / f"keras-process-{backend}.json"
+        if backend == _own_backend():
+            run_once_locked(
+                out, shared / f"keras-process-{backend}.lock", lambda: _run_process(backend, parts, shared, out)
+            )
+        else:
+            _launch(backend, shared, parts)  # started already, unless the session fixture did not run
+            _wait_for(out)
+        _RESULTS[backend] = json.loads(out.read_text())
     results = _RESULTS[backend]
     assert "crashed" not in results, f"the {backend} Keras process failed:\n{results.get('crashed')}"
     assert part in results, f"the {backend} Keras process did not run {part}: ran {sorted(results)}"
@@ -110,58 +143,76 @@ def _needed(session: Any) -> dict[str, list[str]]:
     return {b: [p for p in PARTS if p in needed[b]] for b in BACKENDS if b in needed}
 
 
-def _run_once(backend: str, shared: Path, parts: list[str], *, wait: bool) -> bool:
-    """Run ``backend``'s process (``parts``) unless its results exist; False when
-    another worker holds its lock and ``wait`` is False."""
+def _own_backend() -> str:
+    """The backend of this process's Keras (KERAS_BACKEND, else Keras's config
+    file, else tensorflow): its parts run here, without starting Keras again
+    (asked only where a collected test module has imported Keras already)."""
+    import keras
+
+    return str(keras.backend.backend())
+
+
+_LAUNCHED: list[subprocess.Popen] = []  # held, so no Popen is collected (and warns) while its process runs
+
+
+def _launch(backend: str, shared: Path, parts: list[str]) -> None:
+    """Start ``backend``'s process under its supervisor (``_supervise``) unless
+    some worker of this session has: the first to create the marker file
+    starts it. Not waited for: the supervisor writes the results file, which
+    the items read (``_wait_for``)."""
+    try:
+        os.close(os.open(shared / f"keras-process-{backend}.started", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return
+    workdir = shared / f"keras-process-{backend}"
+    workdir.mkdir(exist_ok=True)
     out = shared / f"keras-process-{backend}.json"
-    return run_once_locked(
-        out, shared / f"keras-process-{backend}.lock", lambda: _run_process(backend, parts, shared, out), wait=wait
-    )
+    cmd = [sys.executable, __file__, "--supervise", backend, str(out), str(workdir), *parts]
+    _LAUNCHED.append(subprocess.Popen(cmd, cwd=TESTS, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL))
 
 
-def run_once_locked(out: Path, lock: Path, run: Any, *, wait: bool) -> bool:
+def _wait_for(out: Path) -> None:
+    """Wait until ``out`` exists (the supervisor writes it whole, with a rename,
+    however the process ended)."""
+    deadline = time.monotonic() + TIMEOUT_S + 120
+    while not out.exists():
+        assert time.monotonic() < deadline, f"no {out.name} {TIMEOUT_S + 120} s after the Keras process started"
+        time.sleep(0.2)
+
+
+def run_once_locked(out: Path, lock: Path, run: Any) -> None:
     """Call ``run`` (which writes ``out``) unless ``out`` exists, under an
-    exclusive lock on ``lock`` shared by the xdist workers; False when another
-    worker holds the lock and ``wait`` is False."""
+    exclusive lock on ``lock`` shared by the xdist workers (a worker that finds
+    it held waits, then reads what the holder wrote)."""
     if out.exists():
-        return True
+        return
     with open(lock, "w") as handle:
         try:
             import fcntl
         except ImportError:  # not POSIX: no sharing between workers
             fcntl = None  # type: ignore[assignment]
         if fcntl is not None:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-            except BlockingIOError:
-                return False
+            fcntl.flock(handle, fcntl.LOCK_EX)
         if not out.exists():
             run()
-    return True
-
-
-def _in_this_process(backend: str) -> bool:
-    """Whether this process's Keras runs on ``backend`` (tensorflow unless
-    KERAS_BACKEND says otherwise): then its parts run here, without starting
-    Keras again (the test process imports Keras for its own Keras tests anyway)."""
-    if backend != os.environ.get("KERAS_BACKEND", "tensorflow"):
-        return False
-    import keras
-
-    return bool(keras.backend.backend() == backend)
 
 
 def _run_process(backend: str, parts: list[str], shared: Path, out: Path) -> None:
+    """This process's own backend's parts, here."""
     workdir = shared / f"keras-process-{backend}"
     workdir.mkdir(exist_ok=True)
-    if _in_this_process(backend):
-        out.write_text(json.dumps(_run_parts(backend, parts, str(workdir))))
-        return
+    out.write_text(json.dumps(_run_parts(backend, parts, str(workdir))))
+
+
+def _supervise(backend: str, out: Path, workdir: str, parts: list[str]) -> None:
+    """Run ``backend``'s process (``parts``) and write ``out``: its results, or
+    how it failed. A process of its own, so that a crash of the Keras process
+    (or the worker that started it ending first) still leaves ``out``."""
     env = {**os.environ, "KERAS_BACKEND": backend}
     partial = out.with_suffix(".partial")
     try:
         proc = subprocess.run(
-            [sys.executable, __file__, backend, str(partial), str(workdir), *parts],
+            [sys.executable, __file__, backend, str(partial), workdir, *parts],
             env=env,
             capture_output=True,
             text=True,
@@ -174,8 +225,9 @@ def _run_process(backend: str, parts: list[str], shared: Path, out: Path) -> Non
         crashed = f"exit status {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     except subprocess.TimeoutExpired as exc:
         crashed = f"timed out after {TIMEOUT_S} s\n{exc.stdout!r:.2000}\n{exc.stderr!r:.4000}"
-    # Recorded, so the other items fail with this message instead of running it again.
-    out.write_text(json.dumps({"crashed": crashed}))
+    # Recorded, so the items fail with this message (written whole, then renamed: the items poll for the name).
+    partial.write_text(json.dumps({"crashed": crashed}))
+    partial.replace(out)
 
 
 def _run_parts(backend: str, parts: list[str], workdir: str) -> dict[str, Any]:
@@ -254,6 +306,9 @@ def _main(backend: str, out: str, workdir: str, parts: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1] == "--supervise":
+        _supervise(sys.argv[2], Path(sys.argv[3]), sys.argv[4], sys.argv[5:])
+        sys.exit()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ.setdefault(var, "1")

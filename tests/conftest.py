@@ -19,16 +19,39 @@ import pytest
 for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
     os.environ.setdefault(var, "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-# XLA's cheaper CPU code generation (LLVM without its expensive passes; XLA's own
-# graph passes, which decide fusions and what cost_analysis reports, are unchanged):
-# JAX tests compile hundreds of tiny programs, and compile time dominates them
-# (tests/test_jax_*.py: 231 -> 201 s wall on two workers, every test passing either
-# way). Every subprocess the tests start inherits them (Keras's JAX process, the
-# benchmark scripts' tiny runs, the docs' examples);
-# `damcha conform` run by hand and the benchmarks keep XLA's defaults. Set XLA_FLAGS to override.
-os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
 
-from _keras_processes import freeze_long_lived  # noqa: E402 - after the environment above
+
+def _cheap_xla_flags() -> str:
+    """XLA's cheaper CPU code generation (LLVM without its expensive passes; XLA's own
+    graph passes, which decide fusions and what cost_analysis reports, are unchanged):
+    JAX tests compile hundreds of tiny programs, and compile time dominates them
+    (tests/test_jax_*.py on two workers: 231 -> 201 s wall with the first two flags,
+    208 -> 157 s on a later machine when the third joined them; every test passes
+    each way). The third emits XLA's
+    fusions through its older LLVM emitters, without the MLIR ones (a jnp.sin
+    compile 30 -> 18 ms, most of it MLIR context and pattern set-up); it is a flag
+    that a later jaxlib may drop, and XLA aborts on a flag it does not know, so it
+    is given only to the jaxlib that constraints.txt pins (where it was measured)."""
+    flags = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+    from importlib import metadata
+    from pathlib import Path
+
+    try:
+        installed = metadata.version("jaxlib")
+    except metadata.PackageNotFoundError:
+        return flags
+    pins = (Path(__file__).resolve().parents[1] / "constraints.txt").read_text().split()
+    if f"jaxlib=={installed}" in pins:
+        flags += " --xla_cpu_use_fusion_emitters=false"
+    return flags
+
+
+# Every subprocess the tests start inherits these (Keras's JAX process, the benchmark
+# scripts' tiny runs, the docs' examples); `damcha conform` run by hand and the
+# benchmarks keep XLA's defaults. Set XLA_FLAGS to override.
+os.environ.setdefault("XLA_FLAGS", _cheap_xla_flags())
+
+from _keras_processes import freeze_long_lived, reads_a_process, shared_dir, start_in_background  # noqa: E402 - after the environment above
 from hypothesis import HealthCheck, settings  # noqa: E402 - after the thread settings above
 
 # Hypothesis draws a fresh set of examples on every run unless derandomized, so the same
@@ -40,19 +63,20 @@ from hypothesis import HealthCheck, settings  # noqa: E402 - after the thread se
 settings.register_profile("explore", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("ci")
 
-# Modules holding the suite's longest single tests (Keras backends and KerasHub models in
-# subprocesses, the upstream Keras suite, the benchmark scripts, Node.js, the experiments'
+# Modules holding the suite's longest single tests (the upstream Keras suite and the Keras
+# layer checks on this process's backend, the benchmark scripts, Node.js, the experiments'
 # end-to-end smoke run, torch.compile/Inductor, multi-process torch/JAX, the docs' examples),
 # longest first.
 # They run first: `make test` uses xdist's worksteal scheduler, where each worker starts on
 # half of the collection and an idle worker takes the tail half of the other's queue, so a
 # long test is absorbed when it runs early and adds its whole length to the wall time
 # when it lands on one worker at the end. Whole modules move, in their own order, so
-# module-scoped fixtures are still set up once per worker; xdist already runs the tests
-# in varying order across workers, so no test may depend on which module ran before it.
+# module-scoped fixtures are still set up once per worker (but for the items that read a
+# Keras process, which go last; their modules have no module-scoped fixtures); xdist
+# already runs the tests in varying order across workers, so no test may depend on which
+# module ran before it.
 RUN_FIRST = (
     "test_keras_upstream.py",
-    "test_models_keras_backends.py",
     "test_keras_backends.py",
     "test_docs_examples.py",
     "test_benchmarks_quick.py",
@@ -72,8 +96,19 @@ RUN_FIRST = (
 
 
 def pytest_collection_modifyitems(items: list) -> None:
+    """RUN_FIRST's modules first; the items that read a Keras process's results
+    (tests/_keras_processes.py, started in the background by the fixture below)
+    last, where the process has long finished and no worker waits on it."""
     rank = {name: i for i, name in enumerate(RUN_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+    # stable: the rest keep their order
+    items.sort(key=lambda item: (reads_a_process(item), rank.get(item.path.name, len(rank))))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _keras_processes_in_background(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The Keras processes of the other backends start with the session, beside
+    the workers (the first worker to claim each starts it)."""
+    start_in_background(request.session, shared_dir(tmp_path_factory))
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

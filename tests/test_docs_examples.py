@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
-from _keras_processes import run_once_locked
+from _keras_processes import run_once_locked, shared_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
@@ -200,10 +200,9 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Block id -> outcome of every process, run once per test session (the
     first xdist worker runs them under a lock in the workers' common folder;
     the others read its file)."""
-    base = tmp_path_factory.getbasetemp()
-    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    shared = shared_dir(tmp_path_factory)
     out = shared / "docs-examples.json"
-    run_once_locked(out, shared / "docs-examples.lock", lambda: out.write_text(json.dumps(_run_all(shared))), wait=True)
+    run_once_locked(out, shared / "docs-examples.lock", lambda: out.write_text(json.dumps(_run_all(shared))))
     return json.loads(out.read_text())
 
 

@@ -59,8 +59,14 @@ print("ok", float(loss_1), float(loss_2))
 """
 
 
+def _two_devices_env() -> dict[str, str]:
+    """Two host devices, on top of the XLA flags the test process has (conftest.py's cheaper codegen)."""
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2".strip()
+    return {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+
+
 def test_data_parallel_step_equals_single_device() -> None:
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    env = _two_devices_env()
     proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.startswith("ok"), proc.stdout + proc.stderr[-3000:]
 
@@ -119,7 +125,7 @@ def test_from_mha_keeps_the_sharding_of_every_parameter() -> None:
     layer's partition specs were P() (Flax's sharded-init recipe would replicate
     it), and under an explicit-sharding mesh copying a sharded kernel into the
     unsharded one was a raw JAX type error."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    env = _two_devices_env()
     proc = subprocess.run(
         [sys.executable, "-c", _FROM_MHA_SCRIPT], env=env, capture_output=True, text=True, timeout=300
     )
