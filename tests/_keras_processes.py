@@ -17,9 +17,10 @@ is its own pytest item that asserts on its part's results.
 The processes start in the background when the session starts
 (``start_in_background``, conftest.py's session fixture: the first xdist worker
 to claim a backend starts it, under a small supervisor process that records how
-it ended), and the items that read their results run last
-(``reads_a_process``, conftest.py's ordering), so the workers run the rest of
-the suite while Keras runs beside them rather than waiting on it. The test
+it ended, and ends it if the test run ends first), and the items that read
+their results run last (``reads_a_process``, conftest.py's ordering), so the
+workers run the rest of the suite while Keras runs beside them rather than
+waiting on it. The test
 process's own backend runs its parts when its first item asks (under a file
 lock in the directory the workers share: the first worker runs them, the others
 read its JSON).
@@ -167,7 +168,9 @@ def _launch(backend: str, shared: Path, parts: list[str]) -> None:
     workdir = shared / f"keras-process-{backend}"
     workdir.mkdir(exist_ok=True)
     out = shared / f"keras-process-{backend}.json"
-    cmd = [sys.executable, __file__, "--supervise", backend, str(out), str(workdir), *parts]
+    # The test run's own process: the xdist controller (a worker's parent) or pytest itself.
+    run_pid = os.getppid() if os.environ.get("PYTEST_XDIST_WORKER") else os.getpid()
+    cmd = [sys.executable, __file__, "--supervise", backend, str(out), str(workdir), str(run_pid), *parts]
     _LAUNCHED.append(subprocess.Popen(cmd, cwd=TESTS, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL))
 
 
@@ -204,30 +207,60 @@ def _run_process(backend: str, parts: list[str], shared: Path, out: Path) -> Non
     out.write_text(json.dumps(_run_parts(backend, parts, str(workdir))))
 
 
-def _supervise(backend: str, out: Path, workdir: str, parts: list[str]) -> None:
+def _supervise(backend: str, out: Path, workdir: str, parts: list[str], run_pid: int) -> None:
     """Run ``backend``'s process (``parts``) and write ``out``: its results, or
     how it failed. A process of its own, so that a crash of the Keras process
-    (or the worker that started it ending first) still leaves ``out``."""
+    (or the worker that started it ending first) still leaves ``out``. When the
+    test run ends before the process does (``run_pid``, the pytest process or
+    the xdist controller, is gone: a run stopped by ``-x``, a failed collection,
+    a killed CI job), it ends the process and writes nothing: no one is left
+    to read it."""
     env = {**os.environ, "KERAS_BACKEND": backend}
     partial = out.with_suffix(".partial")
-    try:
-        proc = subprocess.run(
+    # A file, not a pipe: the process never blocks on its output while this one polls.
+    with open(Path(workdir) / "process.log", "w+") as log:
+        proc = subprocess.Popen(
             [sys.executable, __file__, backend, str(partial), workdir, *parts],
             env=env,
-            capture_output=True,
-            text=True,
-            timeout=TIMEOUT_S,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
             cwd=TESTS,
         )
-        if proc.returncode == 0 and partial.exists():
-            partial.replace(out)
-            return
-        crashed = f"exit status {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-    except subprocess.TimeoutExpired as exc:
-        crashed = f"timed out after {TIMEOUT_S} s\n{exc.stdout!r:.2000}\n{exc.stderr!r:.4000}"
+        deadline = time.monotonic() + TIMEOUT_S
+        returncode: int | None = None
+        while returncode is None:
+            try:
+                returncode = proc.wait(timeout=1)
+            except subprocess.TimeoutExpired:
+                if _alive(run_pid) and time.monotonic() < deadline:
+                    continue
+                proc.kill()
+                proc.wait()
+                if not _alive(run_pid):
+                    return
+                break
+        log.seek(0)
+        output = log.read()[-8000:]
+    if returncode == 0 and partial.exists():
+        partial.replace(out)
+        return
+    ended = f"timed out after {TIMEOUT_S} s" if returncode is None else f"exit status {returncode}"
     # Recorded, so the items fail with this message (written whole, then renamed: the items poll for the name).
-    partial.write_text(json.dumps({"crashed": crashed}))
+    partial.write_text(json.dumps({"crashed": f"{ended}\n{output}"}))
     partial.replace(out)
+
+
+def _alive(pid: int) -> bool:
+    if os.name == "nt":  # os.kill would end the process there: assume the run lasts
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a process of another user holds the pid
+        pass
+    return True
 
 
 def _run_parts(backend: str, parts: list[str], workdir: str) -> dict[str, Any]:
@@ -307,7 +340,7 @@ def _main(backend: str, out: str, workdir: str, parts: list[str]) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1] == "--supervise":
-        _supervise(sys.argv[2], Path(sys.argv[3]), sys.argv[4], sys.argv[5:])
+        _supervise(sys.argv[2], Path(sys.argv[3]), sys.argv[4], sys.argv[6:], run_pid=int(sys.argv[5]))
         sys.exit()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):

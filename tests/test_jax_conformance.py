@@ -3,7 +3,9 @@ gradients, decode, bad input) and dtype, through the suite's pytest
 parametrisation.
 
 float32 and bfloat16 run in-process; float64 needs JAX's x64 mode, which is
-process-wide, so its checks run in one x64 worker process per pytest process.
+process-wide, so its checks run in one x64 worker process per pytest process,
+compiled with XLA's default code generation (the suite's other JAX programs take
+conftest.py's cheaper one).
 Without xdist the worker is handed every selected float64 check at once and
 computes them while the in-process checks run (each is mostly single-threaded
 compiling); under xdist each float64 test asks for its own check, so no check
@@ -47,9 +49,12 @@ class X64Worker:
     """A JAX_ENABLE_X64=1 process that runs float64 checks by id, in order."""
 
     def __init__(self) -> None:
+        env = {**os.environ, "JAX_ENABLE_X64": "1"}
+        if env.get("XLA_FLAGS") == env.get("DAMCHA_TESTS_XLA_FLAGS"):
+            del env["XLA_FLAGS"]  # XLA's default code generation, not conftest.py's cheaper one: see there
         self.proc = subprocess.Popen(
             [sys.executable, "-c", _X64_WORKER],
-            env={**os.environ, "JAX_ENABLE_X64": "1"},
+            env=env,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
