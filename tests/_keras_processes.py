@@ -171,7 +171,11 @@ def _launch(backend: str, shared: Path, parts: list[str]) -> None:
     # The test run's own process: the xdist controller (a worker's parent) or pytest itself.
     run_pid = os.getppid() if os.environ.get("PYTEST_XDIST_WORKER") else os.getpid()
     cmd = [sys.executable, __file__, "--supervise", backend, str(out), str(workdir), str(run_pid), *parts]
-    _LAUNCHED.append(subprocess.Popen(cmd, cwd=TESTS, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL))
+    try:
+        _LAUNCHED.append(subprocess.Popen(cmd, cwd=TESTS, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL))
+    except BaseException:
+        (shared / f"keras-process-{backend}.started").unlink()  # unclaimed: the next to ask starts it (or fails alike)
+        raise
 
 
 def _wait_for(out: Path) -> None:
