@@ -20,10 +20,9 @@ to claim a backend starts it, under a small supervisor process that records how
 it ended, and ends it if the test run ends first), and the items that read
 their results run last (``reads_a_process``, conftest.py's ordering), so the
 workers run the rest of the suite while Keras runs beside them rather than
-waiting on it. The test
-process's own backend runs its parts when its first item asks (under a file
-lock in the directory the workers share: the first worker runs them, the others
-read its JSON).
+waiting on it. The test process's own backend runs its parts when its first
+item asks (under a file lock in the directory the workers share: the first
+worker runs them, the others read its JSON).
 
 A part that raises is recorded with its traceback and the other parts still run;
 a process that dies is recorded with its output. Either way every item of the

@@ -27,11 +27,11 @@ def _cheap_xla_flags() -> str:
     JAX tests compile hundreds of tiny programs, and compile time dominates them
     (tests/test_jax_*.py on two workers: 231 -> 201 s wall with the first two flags,
     208 -> 157 s on a later machine when the third joined them; every test passes
-    each way). The third emits XLA's
-    fusions through its older LLVM emitters, without the MLIR ones (a jnp.sin
-    compile 30 -> 18 ms, most of it MLIR context and pattern set-up); it is a flag
-    that a later jaxlib may drop, and XLA aborts on a flag it does not know, so it
-    is given only to the jaxlib that constraints.txt pins (where it was measured)."""
+    each way). The third emits XLA's fusions through its older LLVM emitters,
+    without the MLIR ones (a jnp.sin compile 30 -> 18 ms, most of it MLIR context
+    and pattern set-up); it is a flag that a later jaxlib may drop, and XLA aborts
+    on a flag it does not know, so it is given only to the jaxlib that
+    constraints.txt pins (where it was measured)."""
     flags = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
     from importlib import metadata
     from pathlib import Path
@@ -40,7 +40,8 @@ def _cheap_xla_flags() -> str:
         installed = metadata.version("jaxlib")
     except metadata.PackageNotFoundError:
         return flags
-    pins = (Path(__file__).resolve().parents[1] / "constraints.txt").read_text().split()
+    constraints = Path(__file__).resolve().parents[1] / "constraints.txt"
+    pins = constraints.read_text().split() if constraints.exists() else []
     if f"jaxlib=={installed}" in pins:
         flags += " --xla_cpu_use_fusion_emitters=false"
     return flags
