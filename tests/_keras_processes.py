@@ -93,9 +93,8 @@ def reads_a_process(item: Any) -> bool:
     """Whether ``item`` asserts on the results of a Keras process of another
     backend than the test process's: conftest.py runs those items last, when the
     process started in the background has long finished."""
-    part_of = {module: part for part, (module, _) in PARTS.items()}
-    backend = getattr(getattr(item, "callspec", None), "params", {}).get("backend")
-    return item.path.stem in part_of and backend in BACKENDS and backend != _own_backend()
+    asks = _asks_for(item)
+    return asks is not None and asks[0] != _own_backend()
 
 
 def start_in_background(session: Any, shared: Path) -> None:
@@ -134,13 +133,20 @@ def _needed(session: Any) -> dict[str, list[str]]:
     """backend -> the parts some collected item asks for on it (in PARTS' order):
     a process runs only those, so ``pytest tests/test_keras_fastpath.py`` does
     not run Keras's suite too. Every xdist worker collects the same items."""
-    part_of = {module: part for part, (module, _) in PARTS.items()}
     needed: dict[str, set[str]] = {}
-    for item in session.items:
-        params = getattr(getattr(item, "callspec", None), "params", {})
-        if item.path.stem in part_of and "backend" in params:
-            needed.setdefault(params["backend"], set()).add(part_of[item.path.stem])
+    for asks in filter(None, map(_asks_for, session.items)):
+        needed.setdefault(asks[0], set()).add(asks[1])
     return {b: [p for p in PARTS if p in needed[b]] for b in BACKENDS if b in needed}
+
+
+_PART_OF = {module: part for part, (module, _) in PARTS.items()}
+
+
+def _asks_for(item: Any) -> tuple[str, str] | None:
+    """(backend, part) whose results ``item`` asserts on, or None for any other item."""
+    backend = getattr(getattr(item, "callspec", None), "params", {}).get("backend")
+    part = _PART_OF.get(item.path.stem)
+    return (backend, part) if part is not None and backend in BACKENDS else None
 
 
 def _own_backend() -> str:
@@ -160,8 +166,9 @@ def _launch(backend: str, shared: Path, parts: list[str]) -> None:
     some worker of this session has: the first to create the marker file
     starts it. Not waited for: the supervisor writes the results file, which
     the items read (``_wait_for``)."""
+    claim = shared / f"keras-process-{backend}.started"
     try:
-        os.close(os.open(shared / f"keras-process-{backend}.started", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
     except FileExistsError:
         return
     workdir = shared / f"keras-process-{backend}"
@@ -173,7 +180,7 @@ def _launch(backend: str, shared: Path, parts: list[str]) -> None:
     try:
         _LAUNCHED.append(subprocess.Popen(cmd, cwd=TESTS, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL))
     except BaseException:
-        (shared / f"keras-process-{backend}.started").unlink()  # unclaimed: the next to ask starts it (or fails alike)
+        claim.unlink()  # unclaimed: the next to ask starts it (or fails alike)
         raise
 
 
@@ -236,11 +243,12 @@ def _supervise(backend: str, out: Path, workdir: str, parts: list[str], run_pid:
             try:
                 returncode = proc.wait(timeout=1)
             except subprocess.TimeoutExpired:
-                if _alive(run_pid) and time.monotonic() < deadline:
+                run_ended = not _alive(run_pid)
+                if not run_ended and time.monotonic() < deadline:
                     continue
                 proc.kill()
                 proc.wait()
-                if not _alive(run_pid):
+                if run_ended:
                     return
                 break
         log.seek(0)
