@@ -89,8 +89,9 @@ Commands (`make bench` runs the first with the other benchmarks):
     .venv/bin/python benchmarks/bench_dropin.py --report             # rewrite this section from the files it lists
     .venv/bin/python benchmarks/_counts.py --detail                  # aten calls / jaxpr equations, DAMCHA beside MHA
 
-A full run takes about 3 hours on the idle 2-core machine (PyTorch ~55 min,
-Flax ~35 min, Keras ~30 min per backend). Each run writes
+A full run takes about 3 hours 20 minutes on the idle 2-core machine
+(PyTorch ~60 min, Flax ~35 min, Keras ~35 min per backend; the decoding
+sections about 30 min of it). Each run writes
 `benchmarks/results/dropin-<date>-<time>.json` with the machine, versions,
 thread count, command line and every raw timing, entry by entry, so an
 interrupted run continues with `--resume`; `--only REGEX` selects entries by
