@@ -276,7 +276,6 @@ def _alive(pid: int) -> bool:
 
 def _run_parts(backend: str, parts: list[str], workdir: str) -> dict[str, Any]:
     import importlib
-    import time
 
     import keras  # noqa: F401  (imported here, so that the freeze below covers it)
 
