@@ -143,20 +143,12 @@ def map_matrix(tokens: Any, kernel: Any, bias: Any, gate: Any) -> Any:
         coeff = _einsum("bte,ehk->bthk", rms_normalise(tokens), kernel) + bias
         return ops.add(coeff * gate, _eye(S, dtype))
     E = tokens.shape[-1]
-    weights, offset = _folded_map_weights(kernel, bias, gate, E, dtype)
+    weights = kernel * (gate * math.sqrt(E))  # diag(g) W sqrt(E), (E, S, S)
+    offset = ops.add(bias * gate, _eye(S, dtype))  # I + diag(g) b
     if keras.backend.backend() == "jax":
         return _flat_map_matrix(tokens, weights, offset)
     inv_norm = ops.rsqrt(_sum_squares(tokens) + E * RMS_EPS)  # (B, T, 1)
     return _einsum("bte,ehk->bthk", tokens, weights) * ops.expand_dims(inv_norm, -1) + offset
-
-
-def _folded_map_weights(kernel: Any, bias: Any, gate: Any, E: int, dtype: str) -> tuple[Any, Any]:
-    """``map_matrix``'s weights diag(g) W sqrt(E) (E, S, S) and constant
-    I + diag(g) b (S, S), from the generator's kernel and bias and the gate
-    (S, 1), all in ``dtype``."""
-    weights = kernel * (gate * math.sqrt(E))
-    offset = ops.add(bias * gate, _eye(gate.shape[0], dtype))
-    return weights, offset
 
 
 def _flat_map_matrix(tokens: Any, weights: Any, offset: Any) -> Any:
@@ -318,62 +310,6 @@ def _jax_mix_heads() -> Callable[[Any, Any], Any]:
     return mix
 
 
-def packed_self_heads(
-    tokens: Any,
-    kernel: Any,
-    bias: Any,
-    gate: Any,
-    q_kernel: Any,
-    q_bias: Any,
-    k_kernel: Any,
-    k_bias: Any,
-    v_kernel: Any,
-    v_bias: Any,
-) -> tuple[Any, Any, Any]:
-    """A tied self-attention's q~ (B, T, H, d), k~ (B, T, G, d) and v (B, T, G, d_v)
-    from one product of the tokens (B, T, E) with the query, key and value
-    kernels (E, H|G, d|d_v) and the map's folded generator weights joined
-    side by side (E, H*d + G*d + G*d_v + S*S); biases (H|G, d|d_v) or None.
-
-    Why (JAX, float32/float64): the three projections and the generator are
-    four products of the same tokens, and in a training step four more for
-    the tokens' gradient and four for the weights'. Joined, each is one
-    product (MHA makes three), and XLA:CPU has fewer small steps to order:
-    measured at B=4, E=512, H=8 (one process, interleaved rounds), the
-    ``Embedding(mask_zero=True)`` training step at N=256 0.92-0.93x the four
-    products' time (1.11-1.14x -> 1.03-1.05x MHA's), its eager forward 0.90x,
-    and at N=1024 0.98x. XLA:CPU computes the joined weights' gradient
-    (tokens^T times the output's cotangent) as a native product, not a
-    library one; a derivative rule that materialises the tokens' transpose
-    for the library measured slower (0.97x). Joining the weights copies them
-    once per call (E x 1600 floats at E=512), small next to the products. The
-    map is ``map_matrix``'s float form: phi is never formed
-    (``_flat_map_matrix``).
-    """
-    dtype = dtype_name(tokens)
-    E, S = tokens.shape[-1], gate.shape[0]
-    kernel, bias, gate = _as(kernel, dtype), _as(bias, dtype), ops.reshape(_as(gate, dtype), (S, 1))
-    weights, offset = _folded_map_weights(kernel, bias, gate, E, dtype)
-    blocks = [q_kernel, k_kernel, v_kernel]
-    widths = [int(np.prod(w.shape[1:])) for w in blocks]
-    columns = [ops.reshape(_as(w, dtype), (E, n)) for w, n in zip(blocks, widths)]
-    joined = ops.concatenate([*columns, ops.reshape(weights, (E, S * S))], axis=1)
-    flat = ops.reshape(tokens, (-1, E))
-    out = ops.matmul(flat, joined)
-    lead = tuple(ops.shape(tokens)[:-1])
-    heads, start = [], 0
-    for w, b, n in zip(blocks, (q_bias, k_bias, v_bias), widths):
-        y = out[:, start : start + n]
-        if b is not None:
-            y = y + ops.reshape(_as(b, dtype), (n,))
-        heads.append(ops.reshape(y, (*lead, *w.shape[1:])))
-        start += n
-    inv_norm = ops.rsqrt(ops.sum(ops.square(flat), axis=-1, keepdims=True) + E * RMS_EPS)  # (B*T, 1)
-    matrix = ops.reshape(out[:, start:] * inv_norm + ops.reshape(offset, (S * S,)), (*lead, S, S))
-    q, k, v = heads
-    return apply_map_matrix(matrix, q), apply_map_matrix(matrix, k), v
-
-
 def map_heads(tokens: Any, kernel: Any, bias: Any, gate: Any, y: Any) -> Any:
     """L(t) y for metric "heads": ``map_matrix`` then ``apply_map_matrix``."""
     return apply_map_matrix(map_matrix(tokens, kernel, bias, gate), y)
@@ -481,8 +417,7 @@ def compiled(fn: Callable, *args: Any) -> Any:
     as it is. Compiled once per layer geometry and dtypes (jax: and per shape).
     ``args``: tokens (B, T, E), the generator's kernel and bias, the gate
     (tensors, or on TensorFlow the ``tf.Variable``s from ``map_weights``), then
-    heads (B, T, S, d), or (``packed_self_heads``, jax only) the projections'
-    kernels and biases, None for a bias the layer does not have."""
+    heads (B, T, S, d)."""
     backend = keras.backend.backend()
     if backend == "torch":
         return fn(*args)
@@ -504,10 +439,7 @@ def compiled(fn: Callable, *args: Any) -> Any:
     key = (
         fn,
         backend,
-        tuple(
-            None if a is None else (tuple(a.shape[2:] if v else a.shape), dtype_name(a), _is_tf_variable(a))
-            for a, v in zip(args, varying)
-        ),
+        tuple((tuple(a.shape[2:] if v else a.shape), dtype_name(a), _is_tf_variable(a)) for a, v in zip(args, varying)),
     )
     call: Any = _COMPILED.get(key)
     if call is None:
@@ -557,8 +489,7 @@ def map_weights(variables: tuple[Any, ...]) -> tuple[Any, ...]:
     recording, the ``tf.Variable``s themselves: the compiled function reads
     them, where reading them first costs an eager ``ReadVariableOp`` each per
     call. Otherwise (a tape, a trace, another backend, a dtype policy that
-    casts the variables) their values as tensors. None (a bias a layer does
-    not have) stays None."""
+    casts the variables) their values as tensors."""
     if keras.backend.backend() == "tensorflow":
         import tensorflow as tf
 
@@ -568,12 +499,12 @@ def map_weights(variables: tuple[Any, ...]) -> tuple[Any, ...]:
             values = tuple(getattr(v, "value", v) for v in variables)
             if not _tape_may_record() and all(isinstance(v, tf.Variable) for v in values):
                 return values
-            return tuple(None if v is None else tf.convert_to_tensor(v) for v in values)
+            return tuple(tf.convert_to_tensor(v) for v in values)
     if keras.backend.backend() == "torch":
         # The variables' tensors (under a dtype policy's autocast, cast), without
         # convert_to_tensor's device move and its aten call per weight.
         return tuple(getattr(v, "value", v) for v in variables)
-    return tuple(None if v is None else ops.convert_to_tensor(v) for v in variables)
+    return tuple(ops.convert_to_tensor(v) for v in variables)
 
 
 _COMPILED: dict = {}
