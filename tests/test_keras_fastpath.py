@@ -454,6 +454,11 @@ def test_cache_decode_fast_path_equals_explicit_and_reference(chunks, kernel_cal
         _close(np.concatenate(ys, axis=1), full, path)
 
 
+# The function that maps a tied self-attention's queries and keys, by backend (jax: with
+# at least as many tokens as features).
+MAPS_PAIR = {"tensorflow": "map_heads_pair", "jax": "packed_self_heads", "torch": "map_matrix"}
+
+
 def test_eager_decode_maps_with_one_compiled_call_per_step(monkeypatch):
     """Counted, not timed: an eager decoding step maps its queries and keys with
     one call of a compiled function (tf.function / jax.jit; torch runs the ops),
@@ -464,7 +469,8 @@ def test_eager_decode_maps_with_one_compiled_call_per_step(monkeypatch):
     runs = []
     # The compiled function (a new one: compiled once per function) or, on torch, the
     # matrix: one per step whether the pair is mapped by map_heads_pair or, recording
-    # gradients, with q~ kept as a recipe (F.saved_as_recipes).
+    # gradients, with q~ kept as a recipe (F.saved_as_recipes). A step's few tokens keep
+    # the projections apart on jax too (F.packed_self_heads needs B*T >= E).
     name = "map_matrix" if BACKEND == "torch" else "map_heads_pair"
     real = getattr(F, name)
 
@@ -496,7 +502,7 @@ def test_eager_calls_of_growing_length_do_not_trace_the_map_per_length(monkeypat
     import damcha_keras._functional as F
 
     runs = []
-    name = "map_matrix" if BACKEND == "torch" else "map_heads_pair"  # as in the decoding test above
+    name = MAPS_PAIR[BACKEND]  # as in the decoding test above
     real = getattr(F, name)
     monkeypatch.setattr(F, name, lambda *a: runs.append(1) or real(*a))
     layer, params, cfg = _layer(cross=False)
@@ -934,7 +940,7 @@ if BACKEND != "torch":
 
 # Defined only where Keras runs on jax (the jax Keras process's run of test_other_keras_backends_*
 # counts JAX_HLO_TESTS passes), as the torch aten counts above.
-JAX_HLO_TESTS = 4
+JAX_HLO_TESTS = 5
 
 
 def _jax_training_step(attn, x):
@@ -959,6 +965,13 @@ def test_jax_hlo_training_step_maps_heads_with_library_products_only(monkeypatch
     as a product over l^T's minor axis (``F._jax_mix_heads``' derivative
     rule); plain autodiff left it as two native per-token ``dot`` loops
     (measured at B=4, N=256, E=512 under load: the step 1.15x MHA's -> 0.94-1.08x).
+    The one native ``dot`` left is the weight gradient of the projections and
+    the generator joined into one product (``F.packed_self_heads``): tokens^T
+    times the joined output's cotangent, which XLA:CPU keeps native rather than
+    copy a transpose for the library; routed to the library (a custom
+    derivative with the tokens' transpose materialised) the step measured
+    slower (0.97x the unjoined step's time at N=256 against 0.92x, measured with
+    the product's plain derivative).
     The gradients equal plain autodiff's (the rule is exact) and the output
     the reference."""
     import re
@@ -975,9 +988,11 @@ def test_jax_hlo_training_step_maps_heads_with_library_products_only(monkeypatch
     def native_dots(attn):
         step, weights = _jax_training_step(attn, x)
         text = step.lower(weights, x).compile().as_text()
-        return len(re.findall(r" dot\(", text[text.index("\nENTRY") :]))  # products outside any fusion
+        return re.findall(r"= (\S+) dot\(", text[text.index("\nENTRY") :])  # products outside any fusion
 
-    assert native_dots(layer) <= native_dots(mha), (native_dots(layer), native_dots(mha))
+    joined = f"f32[{e},{3 * h * d + h * h}]{{1,0}}"  # (E, q, k, v and the generator's S*S columns)
+    ours, theirs = native_dots(layer), native_dots(mha)
+    assert ours == [joined] and theirs == [], (ours, theirs)
     step, weights = _jax_training_step(layer, x)
     ours = step(weights, x)
     monkeypatch.setattr(F, "_jax_mix_heads", lambda: jnp.matmul)  # plain autodiff of the same product
@@ -1119,8 +1134,91 @@ def test_jax_eager_attention_runs_as_one_compiled_call(monkeypatch):
     assert seen == [True, True], seen  # traced once per shape and masks, never run eagerly
 
 
+def test_jax_packed_projections_equal_the_sublayers_path(monkeypatch):
+    """keras-jax: a tied self-attention (query is value, no key) computes its
+    query, key and value projections and its map's generator as one product
+    (``F.packed_self_heads``); a cross-attention keeps one sublayer call per
+    projection. The output and every trainable weight's gradient (jit(grad)
+    of a causal call) equal the sublayers' path (``_packs_projections`` off)
+    and the output the reference (float32; float64 runs in the conformance
+    suite's x64 JAX process): biases on and off,
+    value_dim != key_dim, and with LoRA enabled on the query and value
+    sublayers (the joined product uses their ``kernel``, LoRA update
+    included; the reference knows no LoRA, so there the sublayers' path is
+    the check). Forward mode (``jax.jvp``) gives the same derivative as the
+    sublayers' path. Fewer tokens than features (a decoding step, an empty
+    batch) keep the sublayers."""
+    import jax
+    import jax.numpy as jnp
+
+    import damcha_keras._functional as F
+
+    packed = []
+    real = F.packed_self_heads
+    monkeypatch.setattr(F, "packed_self_heads", lambda *a: packed.append(1) or real(*a))
+
+    def run(layer, x, c):
+        """Output, every trainable weight's gradient, and the derivative along
+        one direction in every weight and the tokens (forward mode)."""
+        trainable = [v.value for v in layer.trainable_variables]
+        fixed = [v.value for v in layer.non_trainable_variables]
+
+        def loss(weights, tokens):
+            context = tokens if c is x else c  # self-attention: one traced tensor for query and value
+            y, _ = layer.stateless_call(weights, fixed, tokens, context, use_causal_mask=c is x)
+            return jnp.sum(jnp.square(y)), y
+
+        (_, y), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(trainable, x)
+        dw, dt = [np.full(w.shape, 0.01, w.dtype) for w in trainable], np.full(x.shape, 0.01, x.dtype)
+        along = jax.jit(lambda w, t: jax.jvp(lambda w_, t_: loss(w_, t_)[0], (w, t), (dw, dt))[1])(trainable, x)
+        return np_(y), [np_(g) for g in grads], float(along)
+
+    cases = [
+        ("float32", dict(), False, False),
+        ("float32", dict(use_bias=False), False, False),
+        ("float32", dict(value_dim=3, output_dim=5), False, False),
+        ("float32", dict(), True, False),
+        ("float32", dict(context_dim=E + 2, coupling="separate"), False, True),
+    ]
+    for dtype, extra, lora, cross in cases:
+        what = f"{dtype} {extra} lora={lora}"
+        cfg = dc.DamchaConfig(query_dim=E, num_heads=H, key_dim=D, **extra)
+        params = case_params(cfg, 31)
+        layer = DamchaAttention.from_canonical(params, cfg, dtype=dtype)
+        x = rng(32).normal(size=(B, N, E)).astype(dtype)
+        c = rng(33).normal(size=(B, M, E + 2)).astype(dtype) if cross else x
+        if lora:
+            for dense in (layer.query_dense, layer.value_dense):
+                dense.enable_lora(2)
+                dense.lora_kernel_b.assign(rng(34).normal(size=dense.lora_kernel_b.shape).astype(dtype))
+        before = len(packed)
+        y, grads, along = run(layer, x, c)
+        assert len(packed) == before + (0 if cross else 2), what  # traced for grad and for jvp
+        with monkeypatch.context() as m:
+            m.setattr(DamchaAttention, "_packs_projections", lambda self, tokens: False)
+            y_sub, grads_sub, along_sub = run(layer, x, c)
+        assert len(packed) == before + (0 if cross else 2), what
+        rtol = 2e-5
+        np.testing.assert_allclose(y, y_sub, rtol=rtol, atol=rtol * np.abs(y_sub).max(), err_msg=what)
+        for g, want, var in zip(grads, grads_sub, layer.trainable_variables, strict=True):
+            np.testing.assert_allclose(g, want, rtol=rtol, atol=rtol * np.abs(want).max(), err_msg=f"{what} {var.path}")
+        np.testing.assert_allclose(along, along_sub, rtol=1e-4, err_msg=f"{what} jvp")
+        if not lora:
+            expected = dc.damcha_attention(params, cfg, x.astype(np.float64), c.astype(np.float64), causal=c is x)
+            _close(y, expected, what)
+    cfg = dc.DamchaConfig(query_dim=E, num_heads=H, key_dim=D)
+    layer = DamchaAttention.from_canonical(case_params(cfg, 35), cfg)
+    before = len(packed)
+    for b in (0, 1):  # fewer tokens than features (E=8): the sublayers' path
+        t = keras.ops.convert_to_tensor(x[:b, :4])
+        y = layer(t, t, use_causal_mask=True)
+        assert tuple(y.shape) == (b, 4, E), b
+    assert len(packed) == before
+
+
 if BACKEND != "jax":
     del test_jax_hlo_training_step_maps_heads_with_library_products_only
+    del test_jax_packed_projections_equal_the_sublayers_path
     del test_jax_hlo_embedding_tokens_are_written_once_as_in_mha
     del test_jax_hlo_padding_mask_adds_no_n_by_m_array_to_mhas
     del test_jax_eager_attention_runs_as_one_compiled_call

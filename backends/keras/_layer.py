@@ -647,28 +647,22 @@ class DamchaAttention(keras.layers.Layer):
         penalties: list = []
         side_q, side_k = dc.side_of(cfg, "q"), dc.side_of(cfg, "k")
         read_only = cache is not None and cache_update_index is None
-        q = _dense(self._query_dense, q_in)  # (B, N, H, d)
-        if read_only:
-            k, v = _cache.read_cache(cache, dtype_name(q))  # k~ already mapped
-        else:
-            k = _dense(self._key_dense, k_in)  # (B, M, G, d)
-            v = _dense(self._value_dense, v_in)  # (B, M, G, d_v)
         # Training on torch: attention saves one mapped block, q~ (k~ where the queries are
         # not mapped), as its recipe (F.saved_as_recipes): what is kept is then MHA's.
         recipes: list | None = [] if cfg.metric == "heads" and F.torch_keeps_recipes() else None
-        if side_q and side_q == side_k and k_in is q_in and not read_only and self._fast_map(side_q):
-            # Tied self-attention: one map matrix per token for the queries and the keys.
-            if recipes is None:
-                q, k = F.compiled(F.map_heads_pair, q_in, *self._map_weights(side_q), q, k)
-            else:
-                matrix = F.map_matrix(q_in, *self._map_weights(side_q))
-                q, y_q, k = F.apply_map_matrix(matrix, q), q, F.apply_map_matrix(matrix, k)
-                recipes.append((q, matrix, y_q))
+        # Tied self-attention: one map matrix per token for the queries and the keys.
+        tied = (
+            side_q
+            if side_q and side_q == side_k and k_in is q_in and not read_only and self._fast_map(side_q)
+            else None
+        )
+        if tied and v_in is q_in and recipes is None and self._packs_projections(q_in):
+            # One product for the projections and the generator (F.packed_self_heads).
+            weights = (self._query_dense, self._key_dense, self._value_dense)
+            projections = F.map_weights(tuple(x for layer in weights for x in (layer.kernel, layer.bias)))
+            q, k, v = F.compiled(F.packed_self_heads, q_in, *self._map_weights(tied), *projections)
         else:
-            if side_q:
-                q = self._apply_map(side_q, q_in, q, penalties, recipes)
-            if side_k and not read_only:
-                k = self._apply_map(side_k, k_in, k, penalties, recipes)
+            q, k, v = self._project_and_map(q_in, k_in, v_in, cache, read_only, tied, penalties, recipes)
         if cache is not None and not read_only:
             over = _cache.traced_overflow(cache_update_index, kv_len, static_shape(k)[1])
             if over is not None:
@@ -703,6 +697,67 @@ class DamchaAttention(keras.layers.Layer):
         if cache is not None:
             result = result + (cache,)
         return result if len(result) > 1 else y
+
+    def _project_and_map(
+        self,
+        q_in: Any,
+        k_in: Any,
+        v_in: Any,
+        cache: Any,
+        read_only: bool,
+        tied: str | None,
+        penalties: list,
+        recipes: list | None,
+    ) -> tuple[Any, Any, Any]:
+        """q~ (B, N, H, d), k~ (B, M, G, d) and v (B, M, G, d_v): each projection
+        by its sublayer, then the maps (``tied``: the side whose one map matrix
+        per token maps both the queries and the keys). With a read-only
+        ``cache``, k~ and v are the cache's (k~ already mapped)."""
+        side_q, side_k = dc.side_of(self._built_config, "q"), dc.side_of(self._built_config, "k")
+        q = _dense(self._query_dense, q_in)  # (B, N, H, d)
+        if read_only:
+            k, v = _cache.read_cache(cache, dtype_name(q))
+        else:
+            k = _dense(self._key_dense, k_in)  # (B, M, G, d)
+            v = _dense(self._value_dense, v_in)  # (B, M, G, d_v)
+        if tied:
+            if recipes is None:
+                q, k = F.compiled(F.map_heads_pair, q_in, *self._map_weights(tied), q, k)
+            else:
+                matrix = F.map_matrix(q_in, *self._map_weights(tied))
+                q, y_q, k = F.apply_map_matrix(matrix, q), q, F.apply_map_matrix(matrix, k)
+                recipes.append((q, matrix, y_q))
+        else:
+            if side_q:
+                q = self._apply_map(side_q, q_in, q, penalties, recipes)
+            if side_k and not read_only:
+                k = self._apply_map(side_k, k_in, k, penalties, recipes)
+        return q, k, v
+
+    def _packs_projections(self, tokens: Any) -> bool:
+        """Whether a tied self-attention's projections and map may run as one
+        product (``F.packed_self_heads``): on JAX (where it was measured), with
+        float32/float64 tokens in the compute dtype of the query, key and value
+        sublayers, each a plain float ``EinsumDense`` (not quantized, no
+        activity regularizer, ``call`` not overridden), whose ``kernel`` (with
+        its LoRA update where enabled) and ``bias`` are then all its call uses;
+        and at least as many tokens (B*T, known when traced) as features E, so
+        that the joined weights' copy (E x the product's width) is no larger than
+        the product's output: a decoding step of a few tokens keeps the
+        sublayers, where the copy would cost more than the product."""
+        if keras.backend.backend() != "jax" or dtype_name(tokens) not in ("float32", "float64"):
+            return False
+        dims = static_shape(tokens)
+        if not all(isinstance(n, int) for n in dims) or math.prod(dims[:-1]) < dims[-1]:
+            return False
+        return all(
+            type(layer).call is keras.layers.EinsumDense.call
+            and layer.quantization_mode is None
+            and layer.activity_regularizer is None
+            and layer.activation in (None, keras.activations.linear)
+            and layer.compute_dtype == dtype_name(tokens)
+            for layer in (self._query_dense, self._key_dense, self._value_dense)
+        )
 
     def _check_inputs(self, query: Any, value: Any, key: Any, masks: dict[str, Any], kv_len: int | None) -> None:
         """``_args.check_inputs``, once per input signature (shapes and dtypes)."""
