@@ -998,3 +998,34 @@ def test_stack_to_canonical_names_what_does_not_fit():
         dk_stack_to_canonical(blocks)
     with pytest.raises(dc.DamchaTypeError, match="one kind"):
         dk_stack_to_canonical([blocks[1], TransformerDecoder(16, 2)])
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_one_array_as_query_and_value_is_a_self_attention(monkeypatch, dtype):
+    """``layer(x, x)`` with one NumPy array maps its queries and keys with one map
+    matrix per token, as with one tensor: Keras converts (and casts: float64 into a
+    float32 layer) each argument on its own, so ``call`` got two tensors and took
+    the untied path (two map matrices). The output equals the reference."""
+    import damcha_keras._functional as F
+
+    calls = {"map_heads_pair": 0, "map_heads": 0}
+
+    def counted(name):
+        real = getattr(F, name)
+
+        def run(*args):
+            calls[name] += 1
+            return real(*args)
+
+        return run
+
+    for name in calls:
+        monkeypatch.setattr(F, name, counted(name))
+    cfg = dc.DamchaConfig(query_dim=E, num_heads=H, key_dim=D)
+    params = case_params(cfg, 41)
+    layer = DamchaAttention.from_canonical(params, cfg)
+    x = np.random.default_rng(42).normal(size=(B, 3, E)).astype(dtype)  # 6 tokens < E: the sublayers' path
+    y = layer(x, x, use_causal_mask=True)
+    assert calls["map_heads_pair"] >= 1 and calls["map_heads"] == 0, calls
+    expected = dc.damcha_attention(params, cfg, x.astype(np.float64), causal=True)
+    np.testing.assert_allclose(np_(y), expected, rtol=1e-5, atol=1e-6)

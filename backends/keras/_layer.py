@@ -24,7 +24,7 @@ import damcha_core as dc
 import keras
 from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, describe, invalid_argument
 from keras import ops
-from keras.src.backend import set_keras_mask  # MHA itself uses it; no public alias in Keras 3.15
+from keras.src.backend import get_keras_mask, set_keras_mask  # MHA itself uses them; no public alias in Keras 3.15
 
 from . import _args, _cache, _canonical, _convert, _masks
 from . import _functional as F
@@ -42,6 +42,19 @@ def _dense(layer: Any, x: Any) -> Any:
     y = layer(x)
     if keras.backend.backend() == "tensorflow" and 0 in static_shape(x)[:2]:
         y = ops.reshape(y, (*ops.shape(x)[:2], *ops.shape(y)[2:]))
+    return y
+
+
+def _converted(layer: keras.layers.Layer, x: Any) -> Any:
+    """x as Keras's ``Layer.__call__`` converts an argument for ``layer`` (an
+    array to a tensor, a float cast to the layer's input dtype), with its Keras
+    mask kept; a symbolic tensor as it is."""
+    if keras.backend.is_keras_tensor(x) or not (keras.ops.is_tensor(x) or hasattr(x, "__array__")):
+        return x
+    mask = get_keras_mask(x) if keras.ops.is_tensor(x) else None
+    y = layer.dtype_policy.convert_input(x, layer.autocast, layer.input_dtype)
+    if mask is not None:
+        set_keras_mask(y, mask)
     return y
 
 
@@ -607,6 +620,16 @@ class DamchaAttention(keras.layers.Layer):
                     )
                 )
         _args.check_numpy_flags(_args.ATTENTION_FLAGS, args, kwargs)
+        query, value = named.get("query"), named.get("value")
+        if query is value and query is not None and "key" not in named and self._convert_input_args:
+            # One array given as query and value (``layer(x, x)``): Keras converts (and
+            # casts) each argument on its own, so ``call`` would get two tensors and not
+            # see a self-attention (one map matrix for queries and keys). Converted once,
+            # as Keras converts it, it reaches ``call`` as one tensor.
+            one = _converted(self, query)
+            if one is not query:
+                args = tuple(one if a is query else a for a in args)
+                kwargs = {k: (one if v is query else v) for k, v in kwargs.items()}
         return super().__call__(*args, **kwargs)
 
     def call(
