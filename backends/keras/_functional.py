@@ -176,9 +176,15 @@ def _flat_map_matrix(tokens: Any, weights: Any, offset: Any) -> Any:
     gradient left YNNPACK for a native XLA ``dot``."""
     E, S = tokens.shape[-1], offset.shape[-1]
     flat = ops.reshape(tokens, (-1, E))
-    inv_norm = ops.rsqrt(ops.sum(ops.square(flat), axis=-1, keepdims=True) + E * RMS_EPS)  # (B*T, 1)
+    inv_norm = _flat_inv_norm(flat)
     matrix = _einsum("ne,ehk->nhk", flat, weights) * ops.expand_dims(inv_norm, -1) + offset
     return ops.reshape(matrix, (*ops.shape(tokens)[:-1], S, S))
+
+
+def _flat_inv_norm(flat: Any) -> Any:
+    """1 / sqrt(sum(t^2) + E eps) of each row t of the (B*T, E) tokens, (B*T, 1):
+    phi(t) = sqrt(E) t times it."""
+    return ops.rsqrt(ops.sum(ops.square(flat), axis=-1, keepdims=True) + flat.shape[-1] * RMS_EPS)
 
 
 def _torch_map_matrix(tokens: Any, kernel: Any, bias: Any, gate: Any, dtype: str) -> Any:
@@ -349,8 +355,8 @@ def packed_self_heads(
     step and not kept for backward. XLA's estimate of a 6-layer encoder's
     compiled steps at N=256 (MHA 102.2 and 624.7 MiB): predict 102.8 ->
     102.3 MiB, training 652.7 -> 649.3 MiB; without the two measures below
-    (``_zero_of``, ``_jax_joined_product``) 115.9 and 662.1. The map is ``map_matrix``'s float form: phi is never
-    formed (``_flat_map_matrix``).
+    (``_zero_of``, ``_jax_joined_product``) 115.9 and 662.1. The map is
+    ``map_matrix``'s float form: phi is never formed (``_flat_map_matrix``).
     """
     dtype = dtype_name(tokens)
     E, S = tokens.shape[-1], gate.shape[0]
@@ -360,7 +366,7 @@ def packed_self_heads(
     widths = [int(np.prod(w.shape[1:])) for w in blocks]
     columns = [ops.reshape(_as(w, dtype), (E, n)) for w, n in zip(blocks, widths)]
     flat = ops.reshape(tokens, (-1, E))
-    inv_norm = ops.rsqrt(ops.sum(ops.square(flat), axis=-1, keepdims=True) + E * RMS_EPS)  # (B*T, 1)
+    inv_norm = _flat_inv_norm(flat)
     # The zero comes from the statistic, which reads the tokens anyway: taken from the
     # tokens themselves it made XLA write an Embedding's looked-up tokens twice.
     out = _jax_joined_product()(flat, _zero_of(inv_norm), *columns, ops.reshape(weights, (E, S * S)))
@@ -382,8 +388,7 @@ def _zero_of(t: Any) -> Any:
     makes it finite first, so it is 0 for any value), or a constant 0 where t
     is empty; no gradient flows through it. ``_jax_joined_product`` adds it to
     the weights it joins so that joining them depends on the layer's tokens
-    (through t, their RMS statistic):
-    XLA:CPU schedules a computation of parameters alone at the start of a
+    (through t, their RMS statistic): XLA:CPU schedules a computation of parameters alone at the start of a
     step, where every layer's joined weights then stayed alive under the
     attention's peak (an optimization barrier is no help: XLA:CPU removes
     barriers before it schedules)."""

@@ -49,9 +49,10 @@ def _converted(layer: keras.layers.Layer, x: Any) -> Any:
     """x as Keras's ``Layer.__call__`` converts an argument for ``layer`` (an
     array to a tensor, a float cast to the layer's input dtype), with its Keras
     mask kept; a symbolic tensor as it is."""
-    if keras.backend.is_keras_tensor(x) or not (keras.ops.is_tensor(x) or hasattr(x, "__array__")):
+    tensor = keras.ops.is_tensor(x)
+    if keras.backend.is_keras_tensor(x) or not (tensor or hasattr(x, "__array__")):
         return x
-    mask = get_keras_mask(x) if keras.ops.is_tensor(x) else None
+    mask = get_keras_mask(x) if tensor else None
     y = layer.dtype_policy.convert_input(x, layer.autocast, layer.input_dtype)
     if mask is not None:
         set_keras_mask(y, mask)
