@@ -18,6 +18,7 @@ from _models_zoo import (
     ENC_DEC,
     HOST_ATTN,
     SIGLIP_HEAD,
+    VOCAB,
     aten_calls_before_and_after_convert,
     build,
     capture,
@@ -180,9 +181,10 @@ def test_query_coupling_equals_reference(arch):
     _check_layers_against_reference(arch, coupling="query")
 
 
-def _check_layers_against_reference(arch, model=None, **options):
+def _check_layers_against_reference(arch, model=None, call=None, **options):
     """``model``: a float64 model of ``arch``'s layout converted with ``options``
-    (default: the zoo's ``arch``)."""
+    (default: the zoo's ``arch``); ``call(model)`` runs it once (default: the
+    zoo's inputs of ``arch``, unpadded)."""
     model = converted(arch, **options) if model is None else model
     assert all(
         m.damcha.config.coupling == options.get("coupling", m.damcha.config.coupling)
@@ -192,7 +194,10 @@ def _check_layers_against_reference(arch, model=None, **options):
     open_gates(model)
     calls = capture(model)
     with torch.no_grad():
-        run(model, arch, inputs(arch, torch.float64, padding=False))
+        if call is None:
+            run(model, arch, inputs(arch, torch.float64, padding=False))
+        else:
+            call(model)
     assert set(calls) == set(dt.converted_layers(model))
     for name, records in calls.items():
         module = dt.converted_layers(model)[name]
@@ -464,6 +469,98 @@ def test_bart_copies_convert(name):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
         assert (a - c).abs().max() > 1e-3
     _check_layers_against_reference("bart", model=dt.convert(build(name, torch.float64)))
+
+
+def _biogpt(dtype):
+    """A tiny random-weight ``BioGptForCausalLM`` (transformers' decoder-only copy of BART's attention)."""
+    torch.manual_seed(0)
+    config = transformers.BioGptConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=48,
+        max_position_embeddings=64,
+        initializer_range=0.2,  # logits far from 0, as the zoo's "bart" (init_std=0.2)
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return transformers.BioGptForCausalLM(config).to(dtype).eval()
+
+
+def test_biogpt_converts():
+    """BioGPT (a causal decoder built from BART's attention with
+    ``is_causal=True``): every self-attention converted with tied maps, exact
+    at init bit for bit (left-padded batch), each layer equal to the
+    reference (causal) with the gates open, and cached greedy generation equal
+    to uncached generation, away from the unconverted model's."""
+    model = _biogpt(torch.float32)
+    kw = inputs("llama")
+    prompt = {"input_ids": kw["input_ids"][1:]}
+    opts = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0, "return_dict_in_generate": True}
+    opts["output_logits"] = True
+    with torch.no_grad():
+        before = model(**kw).logits
+        unconverted = model.generate(**prompt, use_cache=True, **opts)
+        dt.convert(model)
+        after = model(**kw).logits
+    layers = dt.converted_layers(model)
+    assert sorted(layers) == [f"biogpt.layers.{i}.self_attn" for i in range(2)]
+    assert all(m.damcha.config.metric_sides == ("qk",) for m in layers.values())
+    assert same(after, before)
+    open_gates(model, scale=0.8)
+    with torch.no_grad():
+        cached = model.generate(**prompt, use_cache=True, **opts)
+        plain = model.generate(**prompt, use_cache=False, **opts)
+    assert torch.equal(cached.sequences, plain.sequences)
+    for a, b, c in zip(cached.logits, plain.logits, unconverted.logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+        assert (a - c).abs().max() > 1e-3
+    ids = inputs("llama", torch.float64, padding=False)["input_ids"]
+    _check_layers_against_reference("bart", model=dt.convert(_biogpt(torch.float64)), call=lambda m: m(input_ids=ids))
+
+
+def test_time_series_transformer_converts():
+    """TimeSeriesTransformer (an encoder-decoder over a series, built from
+    BART's attention as BART builds it): encoder and decoder self-attention
+    tied, cross-attention separate, exact at init bit for bit, and each layer
+    equal to the reference with the gates open (the decoder's self-attention
+    causal)."""
+    sizes = dict(d_model=16, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2, decoder_attention_heads=2)
+    config = transformers.TimeSeriesTransformerConfig(
+        prediction_length=4,
+        context_length=6,
+        lags_sequence=[1, 2],
+        num_time_features=2,
+        encoder_ffn_dim=16,
+        decoder_ffn_dim=16,
+        init_std=0.2,
+        **sizes,
+    )
+    g = torch.Generator().manual_seed(1)
+    past, future = config.context_length + max(config.lags_sequence), config.prediction_length
+    kw = {
+        "past_values": torch.randn(2, past, generator=g, dtype=torch.float64),
+        "past_time_features": torch.randn(2, past, 2, generator=g, dtype=torch.float64),
+        "past_observed_mask": torch.ones(2, past, dtype=torch.float64),
+        "future_values": torch.randn(2, future, generator=g, dtype=torch.float64),
+        "future_time_features": torch.randn(2, future, 2, generator=g, dtype=torch.float64),
+    }
+    torch.manual_seed(0)
+    model = transformers.TimeSeriesTransformerModel(config).double().eval()
+    with torch.no_grad():
+        before = model(**kw).last_hidden_state
+        dt.convert(model)
+        after = model(**kw).last_hidden_state
+    assert same(after, before)
+    sides = {n: m.damcha.config.metric_sides for n, m in dt.converted_layers(model).items()}
+    assert sides == {
+        **{f"encoder.layers.{i}.self_attn": ("qk",) for i in range(2)},
+        **{f"decoder.layers.{i}.self_attn": ("qk",) for i in range(2)},
+        **{f"decoder.layers.{i}.encoder_attn": ("q", "k") for i in range(2)},
+    }
+    _check_layers_against_reference("bart", model=model, call=lambda m: m(**kw))
 
 
 # ---------------------------------------------------------------- training
@@ -1064,19 +1161,25 @@ def test_timm_attention_classes_of_other_layouts_are_refused_by_name(make):
 
 
 def test_an_unlisted_copy_of_bart_attention_is_refused_by_name():
-    """Classes "Copied from BartAttention" under names the transformers-bart
-    adapter does not list (TimeSeriesTransformer, BioGPT, PegasusX, Informer,
-    ...) have its layout but are untested: refused, every layer named (the
-    decoder's cross-attention included), nothing converted."""
+    """Informer's attention is "Copied from BartAttention" (its full-attention
+    variant), but its decoder builds the self-attention without
+    ``is_causal`` (causal through the mask), which the transformers-bart
+    adapter's flags would take for a cross-attention: not listed, so refused,
+    every layer named (the decoder's cross-attention included), nothing
+    converted."""
     sizes = dict(d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2)
-    model = transformers.TimeSeriesTransformerModel(
-        transformers.TimeSeriesTransformerConfig(prediction_length=4, encoder_ffn_dim=16, decoder_ffn_dim=16, **sizes)
+    model = transformers.InformerModel(
+        transformers.InformerConfig(
+            prediction_length=4, attention_type="full", encoder_ffn_dim=16, decoder_ffn_dim=16, **sizes
+        )
     )
-    module = "time_series_transformer.modeling_time_series_transformer.TimeSeriesTransformerAttention"
+    decoder_self = model.decoder.layers[0].self_attn
+    assert decoder_self.is_decoder and not decoder_self.is_causal  # why it is not listed
+    module = "informer.modeling_informer.InformerAttention"
     with pytest.raises(
         dc.DamchaValueError,
         match=rf"unknown layouts: encoder\.layers\.0\.self_attn \(transformers\.models\.{module}\), "
-        rf"decoder\.layers\.0\.self_attn .*, decoder\.layers\.0\.encoder_attn \(transformers\.models\.{module}\)$",
+        rf"decoder\.layers\.0\.encoder_attn .*, decoder\.layers\.0\.self_attn \(transformers\.models\.{module}\)$",
     ):
         dt.convert(model)
     assert not dt.converted_layers(model)

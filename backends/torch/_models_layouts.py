@@ -153,10 +153,14 @@ def _out_proj_layout(m: Any) -> AttentionLayout:
 # steps without calling k_proj again. Whisper scales q_proj's output, after
 # the map. Sizes come from the module (BART's decoder may have other head
 # counts than its encoder). The copies listed (mBART, Marian, Pegasus, M2M100,
-# PLBart, Blenderbot, BlenderbotSmall: "Copied from BartAttention") have BART's
-# source line for line, and their layers build and call them as BART's do;
-# other copies (BioGPT, PegasusX, Informer, TimeSeriesTransformer, ...) are not
-# listed (untested): refused by name.
+# PLBart, Blenderbot, BlenderbotSmall, BioGPT (a decoder only) and
+# TimeSeriesTransformer: "Copied from BartAttention") have BART's source line
+# for line, and their layers build and call them as BART's do, a decoder's
+# self-attention with is_causal=True; each is tested. The other copies are
+# refused by name: Informer's decoder builds its self-attention without
+# is_causal (causal through its mask), which the rule above would take for a
+# cross-attention; PegasusX, BigBirdPegasus and PPFormulaNet pair theirs with
+# encoder attention of other layouts.
 _ENC_DEC = frozenset(
     {
         "BartAttention",
@@ -167,6 +171,8 @@ _ENC_DEC = frozenset(
         "PLBartAttention",
         "BlenderbotAttention",
         "BlenderbotSmallAttention",
+        "BioGptAttention",
+        "TimeSeriesTransformerAttention",
         "WhisperAttention",
     }
 )
@@ -267,9 +273,9 @@ for _adapter in (
     ),
     ModelAdapter(
         "transformers-bart",
-        "transformers BART, mBART, Marian, Pegasus, M2M100, PLBart, Blenderbot, BlenderbotSmall and Whisper "
-        "attention: encoder self-attention, decoder causal self-attention with cache, decoder cross-attention "
-        "over the encoder output (q_proj/k_proj/v_proj/out_proj)",
+        "transformers BART, mBART, Marian, Pegasus, M2M100, PLBart, Blenderbot, BlenderbotSmall, BioGPT, "
+        "TimeSeriesTransformer and Whisper attention: encoder self-attention, decoder causal self-attention with "
+        "cache, decoder cross-attention over the encoder output (q_proj/k_proj/v_proj/out_proj)",
         lambda m: _is(m, "transformers", _ENC_DEC),
         _enc_dec_layout,
     ),
