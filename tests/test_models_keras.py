@@ -779,6 +779,26 @@ def test_relative_or_cross_variants_of_supported_layers():
         assert layer.damcha.config.coupling == coupling, kind
 
 
+def test_a_refusal_names_the_known_layers_that_cannot_be_converted_too():
+    """A model with a layer of no known layout and a layer of a known layout
+    that cannot be converted is refused naming both: XLNet's backbone, whose
+    attention-named mask layer (it holds a mask embedding) has no layout and
+    whose relative attention (a MultiHeadAttention subclass with a relative
+    position projection) the keras-mha adapter refuses; named before was only
+    the mask layer, which hid the attention layer that stops the conversion."""
+    from keras_hub.src.models.xlnet.xlnet_backbone import XLNetBackbone
+
+    model = XLNetBackbone(vocabulary_size=50, num_layers=1, num_heads=2, hidden_dim=8, intermediate_dim=16)
+    with pytest.raises(
+        dc.DamchaValueError,
+        match=r"unknown layouts: encoder_block_attn_mask_layer \(keras_hub\.\S+\.XLNetAttentionMaskLayer\); and "
+        r"layers of known layouts that cannot be converted: Cannot convert layer `xlnet_encoder_0/rel_attn` "
+        r"\(keras-mha\): .*Received: weights xlnet_encoder_0/rel_attn/encoding/kernel$",
+    ):
+        dk.convert(model)
+    assert not dk.converted_layers(model)
+
+
 def test_convert_refuses_a_model_whose_optimizer_is_built():
     """An optimizer built before convert() never trains the new variables (TensorFlow
     silently: the gates stayed 0 after fit). Refused, model untouched; compiled again,

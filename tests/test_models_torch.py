@@ -1134,6 +1134,21 @@ def test_unknown_layout_is_refused_and_nothing_converted():
     assert not dt.converted_layers(model)
 
 
+def test_a_refusal_names_the_known_layers_that_cannot_be_converted_too():
+    """A layer of no known layout beside layers of a known one that cannot take
+    the options (tied maps on Llama's GQA): the refusal names both kinds (it
+    named only the unknown one), as the Keras converter's does."""
+    model = nn.Sequential(build("llama"), MyAttention())
+    with pytest.raises(
+        dc.DamchaValueError,
+        match=r"Received: model with layers of unknown layouts: 1 \(test_models_torch\.MyAttention\); and layers "
+        r"of known layouts that cannot be converted: Cannot convert layer `0\.model\.layers\.0\.self_attn` "
+        r"\(transformers-llama\): .*coupling.*; Cannot convert layer `0\.model\.layers\.1\.self_attn`",
+    ):
+        dt.convert(model, coupling="tied")
+    assert not dt.converted_layers(model)
+
+
 @pytest.mark.parametrize(
     "make",
     [

@@ -335,6 +335,34 @@ def _find(model: keras.layers.Layer) -> tuple[list[tuple[Any, ModelAdapter]], li
     return matched, unknown, damcha
 
 
+def _plans(
+    matched: list[tuple[Any, ModelAdapter]], metric: str, metric_rank: int | None, coupling: str, loading: bool
+) -> tuple[list[tuple[Any, ModelAdapter, AttentionLayout, Any]], list[Exception]]:
+    """(layer, adapter, layout, config) of each matched layer, and the errors of
+    those that cannot be converted ("Cannot convert layer `path` (adapter): why"),
+    without changing any layer."""
+    plans, failures = [], []
+    for layer, adapter in matched:
+        try:
+            if not layer.built:
+                raise DamchaValueError("the layer is not built (call the model once)")
+            if CONFIG_KEY in layer.__dict__ or getattr(layer, CONFIG_KEY, None) is not None:
+                # Checked here, not when attaching: the layers before it had been converted already.
+                raise DamchaValueError(f"the layer already has an attribute `{CONFIG_KEY}`")
+            layout = adapter.layout(layer)
+            if not isinstance(layout, AttentionLayout):  # a raw AttributeError ('int' has no 'sites') before
+                raise DamchaTypeError(
+                    f"adapter {adapter.name!r}'s layout() returned {describe(layout)}, expected an AttentionLayout"
+                )
+            _check_sites(layer, layout, quantized=loading)
+            config = _layout.layout_config(layout, metric=metric, metric_rank=metric_rank, coupling=coupling)
+        except (DamchaValueError, DamchaTypeError) as exc:
+            failures.append(type(exc)(f"Cannot convert layer `{_name(layer)}` ({adapter.name}): {exc}"))
+            continue
+        plans.append((layer, adapter, layout, config))
+    return plans, failures
+
+
 def _wrapper_problem(layer: Any, supported: list[Any]) -> str | None:
     """None when ``layer`` only wraps supported attention layers (KerasHub's
     DINOV2Attention: an MHA and a dropout): converting the inner layers converts
@@ -478,7 +506,16 @@ def _convert(
             )
         )
     matched, unknown, damcha = _find(model)
+    # Validate every layer before touching any: a failure leaves the model as it was.
+    plans, failures = _plans(matched, metric, metric_rank, coupling, loading)
     if unknown:
+        # The known layers that cannot be converted too: a refusal naming only an
+        # attention-named helper (XLNet's mask layer) would hide them.
+        also = (
+            f"; and layers of known layouts that cannot be converted: {'; '.join(str(e) for e in failures[:3])}"
+            if failures
+            else ""
+        )
         raise DamchaValueError(
             dc.invalid_argument(
                 "model",
@@ -486,9 +523,12 @@ def _convert(
                 "damcha_keras.register_adapter), or layers that only wrap such a layer (holding no weights but "
                 "that layer's). Nothing was converted",
                 f"model with layers of unknown layouts: {', '.join(unknown[:5])}"
-                + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""),
+                + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
+                + also,
             )
         )
+    if failures:
+        raise failures[0]
     if not matched:
         if damcha:
             raise DamchaValueError(
@@ -508,25 +548,6 @@ def _convert(
             )
         )
 
-    # Validate every layer before touching any: a failure leaves the model as it was.
-    plans = []
-    for layer, adapter in matched:
-        try:
-            if not layer.built:
-                raise DamchaValueError("the layer is not built (call the model once)")
-            if CONFIG_KEY in layer.__dict__ or getattr(layer, CONFIG_KEY, None) is not None:
-                # Checked here, not when attaching: the layers before it had been converted already.
-                raise DamchaValueError(f"the layer already has an attribute `{CONFIG_KEY}`")
-            layout = adapter.layout(layer)
-            if not isinstance(layout, AttentionLayout):  # a raw AttributeError ('int' has no 'sites') before
-                raise DamchaTypeError(
-                    f"adapter {adapter.name!r}'s layout() returned {describe(layout)}, expected an AttentionLayout"
-                )
-            _check_sites(layer, layout, quantized=loading)
-            config = _layout.layout_config(layout, metric=metric, metric_rank=metric_rank, coupling=coupling)
-        except (DamchaValueError, DamchaTypeError) as exc:
-            raise type(exc)(f"Cannot convert layer `{_name(layer)}` ({adapter.name}): {exc}") from None
-        plans.append((layer, adapter, layout, config))
     if share_metric:
         _layout.check_shareable([(_name(layer), c) for layer, _, _, c in plans])
 

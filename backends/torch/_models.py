@@ -835,16 +835,28 @@ def convert(
         # Before anything is converted: a subclass with its own forward would be
         # swapped for a layer with different outputs, a weight tool dropped.
         _convert_mod.check_replaceable(mha, f"model.{name}")
+    # Validate every layer before touching any: a failure leaves the model as it was.
+    plans, failures = _plans(matched, metric, metric_rank, coupling)
     if unknown:
+        # The known layers that cannot be converted too: a refusal naming only
+        # some attention-named module would hide them.
+        also = (
+            f"; and layers of known layouts that cannot be converted: {'; '.join(str(e) for e in failures[:3])}"
+            if failures
+            else ""
+        )
         raise DamchaValueError(
             dc.invalid_argument(
                 "model",
                 f"attention layers of a layout convert() knows ({_supported_text()}; teach it another with "
                 "damcha_torch.register_adapter). Nothing was converted",
                 f"model with layers of unknown layouts: {', '.join(unknown[:5])}"
-                + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""),
+                + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
+                + also,
             )
         )
+    if failures:
+        raise failures[0]
     if not matched and not mhas:
         already = [n for n, m in model.named_modules() if isinstance(m, DamchaAttention)]
         if already:
@@ -864,15 +876,6 @@ def convert(
             )
         )
 
-    # Validate every layer before touching any: a failure leaves the model as it was.
-    plans = []
-    for name, module, adapter in matched:
-        try:
-            layout = adapter.layout(module)
-            config = _layout.layout_config(layout, metric=metric, metric_rank=metric_rank, coupling=coupling)
-        except (DamchaValueError, DamchaTypeError) as exc:
-            raise type(exc)(f"Cannot convert layer `{name}` ({adapter.name}): {exc}") from None
-        plans.append((name, module, adapter, layout, config))
     shared: dict[str, MetricGenerator] = {}
     if share_metric:
         _layout.check_shareable([(n, c) for n, _, _, _, c in plans])
@@ -919,6 +922,24 @@ def convert(
 
     _record(model, metric=metric, metric_rank=metric_rank, coupling=coupling, share_metric=share_metric)
     return model
+
+
+def _plans(
+    matched: list[tuple[str, nn.Module, ModelAdapter]], metric: str, metric_rank: int | None, coupling: str | None
+) -> tuple[list[tuple[str, nn.Module, ModelAdapter, AttentionLayout, DamchaConfig]], list[Exception]]:
+    """(name, module, adapter, layout, config) of each matched layer, and the
+    errors of those that cannot be converted ("Cannot convert layer `name`
+    (adapter): why"), without changing any module."""
+    plans, failures = [], []
+    for name, module, adapter in matched:
+        try:
+            layout = adapter.layout(module)
+            config = _layout.layout_config(layout, metric=metric, metric_rank=metric_rank, coupling=coupling)
+        except (DamchaValueError, DamchaTypeError) as exc:
+            failures.append(type(exc)(f"Cannot convert layer `{name}` ({adapter.name}): {exc}"))
+            continue
+        plans.append((name, module, adapter, layout, config))
+    return plans, failures
 
 
 def _check_projections_not_shared(layers: list[tuple[str, nn.Module, AttentionLayout]]) -> None:
