@@ -779,6 +779,74 @@ def test_relative_or_cross_variants_of_supported_layers():
         assert layer.damcha.config.coupling == coupling, kind
 
 
+def test_moonshine_converts():
+    """KerasHub's Moonshine (an audio encoder-decoder whose attention,
+    MoonshineMultiHeadAttention, is a CachedMultiHeadAttention subclass that
+    applies RoPE to the projected heads, after the maps) was refused over its
+    ComputeAttentionMask, a layer without weights that builds masks. Every
+    attention layer converts: the encoder's and the decoder's self-attention
+    tied, the decoder's cross-attention (the one built without rotary
+    embeddings; KerasHub gives it a default name) separate. Exact at init bit
+    for bit; with the gates open each query/key projection's output equals the
+    reference's map of its heads, the model's outputs move, and the task's
+    cached decoding steps equal the full forward."""
+    from keras_hub.src.models.moonshine.moonshine_backbone import MoonshineBackbone
+
+    model = MoonshineBackbone(
+        vocabulary_size=50,
+        filter_dim=16,
+        encoder_num_layers=1,
+        decoder_num_layers=1,
+        hidden_dim=16,
+        intermediate_dim=16,
+        encoder_num_heads=2,
+        decoder_num_heads=2,
+        dtype="float64",
+    )
+    rng = np.random.default_rng(4)
+    x = {
+        "encoder_input_values": rng.normal(size=(2, 2000, 1)),
+        "encoder_padding_mask": np.ones((2, 2000), bool),
+        "decoder_token_ids": rng.integers(1, 50, (2, 5)).astype("int32"),
+        "decoder_padding_mask": np.ones((2, 5), bool),
+    }
+
+    def outputs():
+        return [numpy(y) for y in keras.tree.flatten(model(x))]
+
+    before = outputs()
+    dk.convert(model)
+    for got, want in zip(outputs(), before, strict=True):
+        np.testing.assert_array_equal(got, want)
+    layers = dk.converted_layers(model)
+    assert {type(layer).__name__ for layer in layers.values()} == {"MoonshineMultiHeadAttention"}
+    ties = {path: (layer.apply_rotary_embedding, layer.damcha.config.metric_sides) for path, layer in layers.items()}
+    assert sorted(ties.values()) == [(False, ("q", "k")), (True, ("qk",)), (True, ("qk",))], ties
+    open_gates(model)
+    for layer in layers.values():
+        params, config = layer_params("gpt2", layer)  # the four MultiHeadAttention sublayers
+        t = rng.normal(size=(2, 5, config.query_dim))
+        for role, attr, name in (("q", "_query_dense", "query"), ("k", "_key_dense", "key")):
+            y0 = np.einsum("bte,ehd->bthd", t, params[f"{name}.kernel"]) + params[f"{name}.bias"]
+            expected = reference_map(params, config, dc.side_of(config, role), t, y0)
+            assert np.abs(expected - y0).max() > 1e-3  # the maps are open
+            np.testing.assert_allclose(numpy(getattr(layer, attr)(t)), expected, rtol=0, atol=1e-12)
+    assert all(np.abs(got - want).max() > 1e-6 for got, want in zip(outputs()[:1], before[:1]))
+    # Decoding with the task's caches (the cross-attention's keys mapped once, where the
+    # task projects the encoder states) equals the full forward, token by token.
+    from keras_hub.src.models.moonshine.moonshine_audio_to_text import MoonshineAudioToText
+
+    task = MoonshineAudioToText(backbone=model)
+    out = model(x)
+    want = numpy(model.token_embedding(out["decoder_sequence_output"], reverse=True))
+    ids, inputs_ = x["decoder_token_ids"], (x["encoder_input_values"], x["encoder_padding_mask"])
+    _, self_cache, cross_cache, states, mask = task._build_cache(*inputs_, ids, x["decoder_padding_mask"])
+    for i in range(ids.shape[1]):
+        step = task.call_decoder_with_cache(states, mask, ids[:, i : i + 1], self_cache, i, cross_cache)
+        logits, self_cache = numpy(step[0])[:, 0], step[2]
+        np.testing.assert_allclose(logits, want[:, i], rtol=0, atol=1e-12 * np.abs(want).max())
+
+
 def test_a_refusal_names_the_known_layers_that_cannot_be_converted_too():
     """A model with a layer of no known layout and a layer of a known layout
     that cannot be converted is refused naming both: XLNet's backbone, whose

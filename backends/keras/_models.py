@@ -292,7 +292,11 @@ class DamchaMaps(keras.layers.Layer):
 
 
 def _is_attention_like(layer: Any) -> bool:
-    return "attention" in type(layer).__name__.lower()
+    """A layer whose class name says attention, except one without weights that
+    builds masks (Moonshine's ``ComputeAttentionMask``): it attends nothing, and
+    refusing a model over it hid that its attention layers convert."""
+    name = type(layer).__name__.lower()
+    return "attention" in name and not ("mask" in name and not layer.weights)
 
 
 def _walk(model: keras.layers.Layer) -> list[keras.layers.Layer]:

@@ -84,6 +84,7 @@ def _qk_layout(
 
 
 _MHA_SUBLAYERS = ("_query_dense", "_key_dense", "_value_dense", "_output_dense")
+_MOONSHINE = frozenset({"MoonshineMultiHeadAttention"})
 
 
 def _mha_layout(layer: Any) -> AttentionLayout:
@@ -105,7 +106,11 @@ def _mha_layout(layer: Any) -> AttentionLayout:
         )
     # A MultiHeadAttention can be called on one sequence or two; KerasHub names
     # its cross-attention layers "cross_attention" (TransformerDecoder, Whisper).
-    cross = "cross" in layer.name.lower()
+    # Moonshine's decoder leaves its cross-attention a default name, but builds it
+    # (alone) without rotary embeddings.
+    cross = "cross" in layer.name.lower() or (
+        _is(layer, "keras_hub", _MOONSHINE) and not getattr(layer, "apply_rotary_embedding", True)
+    )
     if isinstance(layer, keras.layers.GroupQueryAttention):
         return _qk_layout(
             layer,
@@ -145,8 +150,9 @@ for _adapter in (
     ModelAdapter(
         "keras-mha",
         "keras.layers.MultiHeadAttention and GroupQueryAttention, and subclasses: KerasHub's "
-        "CachedMultiHeadAttention (GPT-2, OPT, BART, ...) and the MHA of its TransformerEncoder/Decoder "
-        "(BERT, RoBERTa, ...) and of its ViT encoder blocks, rank-3 inputs (_query_dense/_key_dense)",
+        "CachedMultiHeadAttention (GPT-2, OPT, BART, ...; Moonshine's, with RoPE) and the MHA of its "
+        "TransformerEncoder/Decoder (BERT, RoBERTa, ...) and of its ViT encoder blocks, rank-3 inputs "
+        "(_query_dense/_key_dense)",
         lambda layer: isinstance(layer, (keras.layers.MultiHeadAttention, keras.layers.GroupQueryAttention)),
         _mha_layout,
     ),
