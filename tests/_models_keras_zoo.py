@@ -50,6 +50,31 @@ ARCHS: dict[str, tuple[Any, Any, dict[str, Any]]] = {
         keras_hub.models.GemmaCausalLM,
         dict(num_layers=2, num_query_heads=4, num_key_value_heads=2, head_dim=4, hidden_dim=16, intermediate_dim=32),
     ),
+    "mixtral": (
+        keras_hub.models.MixtralBackbone,
+        keras_hub.models.MixtralCausalLM,
+        dict(num_layers=2, num_query_heads=4, num_key_value_heads=2, hidden_dim=16, intermediate_dim=32, num_experts=2),
+    ),
+    "phi3": (
+        keras_hub.models.Phi3Backbone,
+        keras_hub.models.Phi3CausalLM,
+        dict(num_layers=2, num_query_heads=4, num_key_value_heads=2, hidden_dim=16, intermediate_dim=32),
+    ),
+    # Gemma 3 (text only: image_size is required, no vision encoder): per-head q/k RMS
+    # norms between the maps and RoPE, global layers' RoPE at wavelength 1e6.
+    "gemma3": (
+        keras_hub.models.Gemma3Backbone,
+        keras_hub.models.Gemma3CausalLM,
+        dict(
+            num_layers=2,
+            num_query_heads=4,
+            num_key_value_heads=2,
+            head_dim=4,
+            hidden_dim=16,
+            intermediate_dim=32,
+            image_size=16,
+        ),
+    ),
     # Images (B, 8, 8, 3) in 4x4 patches: 4 patches and the class token.
     "vit": (
         keras_hub.models.ViTBackbone,
@@ -82,6 +107,7 @@ CAUSAL = tuple(a for a, (_, lm, _) in ARCHS.items() if lm is not None)
 # repeats its last token, which makes a weak generation test.
 ACTIVE = {
     "mistral": dict(sliding_window=3),
+    "mixtral": dict(sliding_window=3),
     "qwen": dict(tie_word_embeddings=False),
     "qwen3": dict(tie_word_embeddings=False),
     "gemma": dict(
@@ -239,9 +265,12 @@ SUBLAYERS = {
         ("gpt2", "bert", "llama", "mistral", "qwen", "qwen3", "vit", "dinov2"),
         ("_query_dense", "_key_dense", "_value_dense", "_output_dense"),
     ),
-    "gemma": ("query_dense", "key_dense", "value_dense", "output_dense"),
+    **dict.fromkeys(
+        ("gemma", "gemma3", "mixtral", "phi3"), ("query_dense", "key_dense", "value_dense", "output_dense")
+    ),
 }
-ROTARY = ("llama", "mistral", "qwen", "qwen3", "gemma")
+ROTARY = ("llama", "mistral", "qwen", "qwen3", "gemma", "gemma3", "mixtral", "phi3")
+NORMED = ("qwen3", "gemma3")  # per-head q/k norms between the maps and RoPE
 
 
 def layer_params(arch: str, layer: Any) -> tuple[dict[str, np.ndarray], dc.DamchaConfig]:
@@ -271,7 +300,10 @@ def rotary(arch: str, layer: Any, head_dim: int, **positions: Any) -> dc.Rotary 
     """The host's RoPE as a damcha_core.Rotary (KerasHub computes inv_freq in float32)."""
     if arch not in ROTARY:
         return None
-    inv = 1.0 / (np.float32(10000.0) ** (np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)))
+    # Gemma 3's layers carry their own wavelength (1e6 global, 1e4 sliding-window layers).
+    wavelength = np.float32(layer.rope_wavelength if arch == "gemma3" else 10000.0)
+    assert getattr(layer, "rope_scaling_factor", 1.0) == 1.0
+    inv = 1.0 / (wavelength ** (np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)))
     return dc.Rotary(inv.astype(np.float64), **positions)
 
 

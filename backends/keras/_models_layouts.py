@@ -126,7 +126,11 @@ def _mha_layout(layer: Any) -> AttentionLayout:
 # ------------------------------------------------------------------ KerasHub
 
 _LLAMA = frozenset({"LlamaAttention", "CachedMistralAttention", "QwenAttention", "Qwen3Attention"})
-_GEMMA = frozenset({"CachedGemmaAttention"})
+_GEMMA = frozenset({"CachedGemmaAttention", "CachedGemma3Attention"})
+# Llama's layout under public sublayer names: Mixtral's attention is Mistral's source with
+# them (and its sliding window), Phi-3's the same projections and RoPE (its "su" scaling
+# acts on the rotation, after the maps).
+_PUBLIC_QK = frozenset({"CachedMixtralAttention", "Phi3Attention"})
 
 
 def _llama_layout(layer: Any) -> AttentionLayout:
@@ -138,6 +142,10 @@ def _llama_layout(layer: Any) -> AttentionLayout:
         ("num_key_value_heads", "_num_key_value_heads"),
         True,
     )
+
+
+def _public_qk_layout(layer: Any) -> AttentionLayout:
+    return _qk_layout(layer, "query_dense", "key_dense", ("num_query_heads",), ("num_key_value_heads",), True)
 
 
 def _gemma_layout(layer: Any) -> AttentionLayout:
@@ -165,9 +173,17 @@ for _adapter in (
     ),
     ModelAdapter(
         "keras-hub-gemma",
-        "KerasHub CachedGemmaAttention (Gemma; RoPE; MHA, GQA, MQA) (query_dense/key_dense, kernels (heads, E, d))",
+        "KerasHub CachedGemmaAttention (Gemma, Gemma 2) and CachedGemma3Attention (Gemma 3; per-head q/k "
+        "norms) (RoPE; MHA, GQA, MQA) (query_dense/key_dense, kernels (heads, E, d))",
         lambda layer: _is(layer, "keras_hub", _GEMMA),
         _gemma_layout,
+    ),
+    ModelAdapter(
+        "keras-hub-mixtral-phi3",
+        "KerasHub CachedMixtralAttention (Mixtral; sliding window) and Phi3Attention (Phi-3) (RoPE; MHA, GQA, "
+        "MQA) (query_dense/key_dense)",
+        lambda layer: _is(layer, "keras_hub", _PUBLIC_QK),
+        _public_qk_layout,
     ),
 ):
     register_adapter(_adapter)
