@@ -471,6 +471,70 @@ def test_bart_copies_convert(name):
     _check_layers_against_reference("bart", model=dt.convert(build(name, torch.float64)))
 
 
+# transformers' copies of Llama's (or Mistral's) attention that the transformers-llama
+# adapter lists: one compact test each, not in the zoo's ARCHS. Sizes as the zoo's "llama".
+LLAMA_COPIES = {
+    # The experts' eager loop: the default grouped product has no float64 kernel on CPU.
+    "mixtral": (
+        "MixtralForCausalLM",
+        "MixtralConfig",
+        dict(num_local_experts=2, num_experts_per_tok=1, experts_implementation="eager"),
+    ),
+    "gemma": ("GemmaForCausalLM", "GemmaConfig", dict(head_dim=8)),
+}
+
+
+def _llama_copy(name, dtype):
+    model, config, extra = LLAMA_COPIES[name]
+    torch.manual_seed(0)
+    cfg = getattr(transformers, config)(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        initializer_range=0.2,  # logits far from 0: the maps move the greedy tokens
+        pad_token_id=0,
+        **extra,
+    )
+    return getattr(transformers, model)(cfg).to(dtype).eval()
+
+
+@pytest.mark.parametrize("name", list(LLAMA_COPIES))
+def test_llama_copies_convert(name):
+    """Every attention layer converted (GQA: separate maps), exact at init bit
+    for bit (left-padded batch), each layer equal to the reference with RoPE
+    and the gates open, and cached greedy generation equal to uncached,
+    away from the unconverted model's."""
+    model = _llama_copy(name, torch.float32)
+    kw = inputs("llama")
+    prompt = {"input_ids": kw["input_ids"][1:]}
+    opts = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0, "return_dict_in_generate": True}
+    opts["output_logits"] = True
+    with torch.no_grad():
+        before = model(**kw).logits
+        unconverted = model.generate(**prompt, use_cache=True, **opts)
+        dt.convert(model)
+        after = model(**kw).logits
+    layers = dt.converted_layers(model)
+    assert sorted(layers) == [f"model.layers.{i}.self_attn" for i in range(2)]
+    assert all(m.damcha.config.metric_sides == ("q", "k") for m in layers.values())
+    assert same(after, before)
+    open_gates(model, scale=0.8)
+    with torch.no_grad():
+        cached = model.generate(**prompt, use_cache=True, **opts)
+        plain = model.generate(**prompt, use_cache=False, **opts)
+    assert torch.equal(cached.sequences, plain.sequences)
+    for a, b, c in zip(cached.logits, plain.logits, unconverted.logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+        assert (a - c).abs().max() > 1e-3
+    ids = inputs("llama", torch.float64, padding=False)["input_ids"]
+    model = dt.convert(_llama_copy(name, torch.float64))
+    _check_layers_against_reference("llama", model=model, call=lambda m: m(input_ids=ids))
+
+
 def _biogpt(dtype):
     """A tiny random-weight ``BioGptForCausalLM`` (transformers' decoder-only copy of BART's attention)."""
     torch.manual_seed(0)
