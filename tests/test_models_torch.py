@@ -5,6 +5,7 @@ open, generation with a cache, training, checkpoints, tracing and errors."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
 import logging
 
@@ -217,6 +218,8 @@ def _check_layers_against_reference(arch, model=None, call=None, **options):
             tol = 1e-6 if arch == "qwen3" else 1e-12
         else:
             p, cfg = layer_params(arch, module)
+            if arch == "llama" and module.scaling != cfg.softmax_scale:
+                cfg = dataclasses.replace(cfg, scale=float(module.scaling))  # Granite's attention_multiplier
             is_cross = not module.damcha.layout.self_attention
             rotary = _rotary(model, x.shape[1]) if arch.startswith(("llama", "mistral", "qwen")) else None
             want = dc.damcha_attention(
@@ -481,6 +484,13 @@ LLAMA_COPIES = {
         dict(num_local_experts=2, num_experts_per_tok=1, experts_implementation="eager"),
     ),
     "gemma": ("GemmaForCausalLM", "GemmaConfig", dict(head_dim=8)),
+    # Granite's softmax scale is its attention_multiplier (the reference takes it as the scale).
+    "granite": ("GraniteForCausalLM", "GraniteConfig", dict(attention_multiplier=0.2)),
+    "granitemoe": (
+        "GraniteMoeForCausalLM",
+        "GraniteMoeConfig",
+        dict(attention_multiplier=0.2, num_local_experts=2, num_experts_per_tok=1, experts_implementation="eager"),
+    ),
 }
 
 

@@ -52,9 +52,19 @@ def _heads(name: str, out: int, head_dim: int, expected: int) -> int:
 
 # Llama's attention and the copies of it (or of Mistral's) that transformers builds and calls
 # as Llama's: Mixtral's is Mistral's source line for line; Gemma's differs in one flag
-# (is_causal off under its bidirectional option), which the maps do not see. Each is tested.
+# (is_causal off under its bidirectional option), Granite's and GraniteMoe's in the softmax
+# scale (their attention_multiplier), none of which the maps see. Each is tested.
 _LLAMA = frozenset(
-    {"LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention", "MixtralAttention", "GemmaAttention"}
+    {
+        "LlamaAttention",
+        "MistralAttention",
+        "Qwen2Attention",
+        "Qwen3Attention",
+        "MixtralAttention",
+        "GemmaAttention",
+        "GraniteAttention",
+        "GraniteMoeAttention",
+    }
 )
 
 
@@ -247,8 +257,8 @@ def _timm_pool_layout(m: Any) -> AttentionLayout:
 for _adapter in (
     ModelAdapter(
         "transformers-llama",
-        "transformers Llama/Mistral/Qwen2/Qwen3/Mixtral/Gemma attention (q_proj/k_proj; MHA, GQA, MQA; Qwen3 "
-        "per-head q/k norms)",
+        "transformers Llama/Mistral/Qwen2/Qwen3/Mixtral/Gemma/Granite/GraniteMoe attention (q_proj/k_proj; MHA, "
+        "GQA, MQA; Qwen3 per-head q/k norms)",
         lambda m: _is(m, "transformers", _LLAMA),
         _llama_layout,
     ),
