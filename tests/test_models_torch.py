@@ -109,9 +109,13 @@ def _rope_call(model, module, x):
     angles = torch.arange(x.shape[1], dtype=torch.float64)[:, None] * emb.inv_freq.double()[None]
     angles = torch.cat([angles, angles], dim=-1)[None]
     scaling = float(emb.attention_scaling)
+    mask = None
+    if model.config._attn_implementation == "eager":  # causal through the mask only (Gemma 2 has no SDPA path)
+        n = x.shape[1]
+        mask = torch.full((n, n), float("-inf"), dtype=x.dtype).triu(1)[None, None]
     with torch.no_grad():
         return module(
-            hidden_states=x, position_embeddings=(angles.cos() * scaling, angles.sin() * scaling), attention_mask=None
+            hidden_states=x, position_embeddings=(angles.cos() * scaling, angles.sin() * scaling), attention_mask=mask
         )[0]
 
 
@@ -225,7 +229,8 @@ def _check_layers_against_reference(arch, model=None, call=None, **options):
             want = dc.damcha_attention(
                 p, cfg, x, None if not is_cross else ctx.double().numpy(), causal=causal and not is_cross, rotary=rotary
             )
-            tol = 1e-12
+            # transformers' eager attention (Gemma 2's only one) takes its softmax in float32.
+            tol = 1e-6 if getattr(getattr(model, "config", None), "_attn_implementation", None) == "eager" else 1e-12
         np.testing.assert_allclose(got, want, rtol=0, atol=tol, err_msg=name)
 
 
@@ -484,6 +489,13 @@ LLAMA_COPIES = {
         dict(num_local_experts=2, num_experts_per_tok=1, experts_implementation="eager"),
     ),
     "gemma": ("GemmaForCausalLM", "GemmaConfig", dict(head_dim=8)),
+    # Gemma 2: scale query_pre_attn_scalar**-0.5; its logit soft-capping (the host's, after the
+    # maps) off, which the reference does not compute; its sliding window wider than the tokens.
+    "gemma2": (
+        "Gemma2ForCausalLM",
+        "Gemma2Config",
+        dict(head_dim=8, query_pre_attn_scalar=16, attn_logit_softcapping=None),
+    ),
     # Granite's softmax scale is its attention_multiplier (the reference takes it as the scale).
     "granite": ("GraniteForCausalLM", "GraniteConfig", dict(attention_multiplier=0.2)),
     "granitemoe": (

@@ -53,7 +53,8 @@ def _heads(name: str, out: int, head_dim: int, expected: int) -> int:
 # Llama's attention and the copies of it (or of Mistral's) that transformers builds and calls
 # as Llama's: Mixtral's is Mistral's source line for line; Gemma's differs in one flag
 # (is_causal off under its bidirectional option), Granite's and GraniteMoe's in the softmax
-# scale (their attention_multiplier), none of which the maps see. Each is tested.
+# scale (their attention_multiplier), Gemma 2's in its scale, logit soft-capping and sliding
+# window, all after the maps. Each is tested.
 _LLAMA = frozenset(
     {
         "LlamaAttention",
@@ -62,6 +63,7 @@ _LLAMA = frozenset(
         "Qwen3Attention",
         "MixtralAttention",
         "GemmaAttention",
+        "Gemma2Attention",
         "GraniteAttention",
         "GraniteMoeAttention",
     }
@@ -257,8 +259,8 @@ def _timm_pool_layout(m: Any) -> AttentionLayout:
 for _adapter in (
     ModelAdapter(
         "transformers-llama",
-        "transformers Llama/Mistral/Qwen2/Qwen3/Mixtral/Gemma/Granite/GraniteMoe attention (q_proj/k_proj; MHA, "
-        "GQA, MQA; Qwen3 per-head q/k norms)",
+        "transformers Llama/Mistral/Qwen2/Qwen3/Mixtral/Gemma/Gemma2/Granite/GraniteMoe attention (q_proj/k_proj; "
+        "MHA, GQA, MQA; Qwen3 per-head q/k norms)",
         lambda m: _is(m, "transformers", _LLAMA),
         _llama_layout,
     ),
