@@ -557,6 +557,101 @@ def test_llama_copies_convert(name):
     _check_layers_against_reference("llama", model=model, call=lambda m: m(input_ids=ids))
 
 
+def _gemma3(dtype):
+    """A tiny random-weight ``Gemma3ForCausalLM`` (text): a sliding-window and a global layer."""
+    torch.manual_seed(0)
+    config = transformers.Gemma3TextConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        query_pre_attn_scalar=16,
+        max_position_embeddings=64,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=4,
+        initializer_range=0.2,
+        pad_token_id=0,
+        attn_implementation="sdpa",
+    )
+    return transformers.Gemma3ForCausalLM(config).to(dtype).eval()
+
+
+def test_gemma3_converts():
+    """Gemma 3 (Llama's layout with per-head q/k RMS norms, Gemma's scale and
+    a sliding-window layer beside a global one, each with its own RoPE): both
+    layers converted with separate maps (GQA), exact at init bit for bit,
+    cached greedy generation equal to uncached and away from the unconverted
+    model's, and each layer equal to an independent NumPy forward with the
+    gates open: the reference's maps, then Gemma's norm y / rms(y) * (1 + w),
+    the host's own rotation angles, a causal softmax attention inside the
+    window, the output projection."""
+    model = _gemma3(torch.float32)
+    kw = inputs("llama", length=7)
+    prompt = {"input_ids": kw["input_ids"][1:]}
+    opts = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0, "return_dict_in_generate": True}
+    opts["output_logits"] = True
+    with torch.no_grad():
+        before = model(**kw).logits
+        unconverted = model.generate(**prompt, use_cache=True, **opts)
+        dt.convert(model)
+        after = model(**kw).logits
+    layers = dt.converted_layers(model)
+    assert sorted(layers) == [f"model.layers.{i}.self_attn" for i in range(2)]
+    assert all(m.damcha.config.metric_sides == ("q", "k") for m in layers.values())
+    assert same(after, before)
+    open_gates(model, scale=0.8)
+    with torch.no_grad():
+        cached = model.generate(**prompt, use_cache=True, **opts)
+        plain = model.generate(**prompt, use_cache=False, **opts)
+    assert torch.equal(cached.sequences, plain.sequences)
+    for a, b, c in zip(cached.logits, plain.logits, unconverted.logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+        assert (a - c).abs().max() > 1e-3
+
+    model = open_gates(dt.convert(_gemma3(torch.float64)))
+    calls = capture(model)
+    ids = inputs("llama", torch.float64, padding=False, length=7)["input_ids"]
+    with torch.no_grad():
+        model(input_ids=ids)
+    assert set(calls) == set(dt.converted_layers(model))
+    for name, (((args, kwargs, output),)) in calls.items():
+        module = dt.converted_layers(model)[name]
+        x = kwargs["hidden_states"].double().numpy()
+        cos, sin = (t.double().numpy()[:, :, None] for t in kwargs["position_embeddings"])  # (B, N, 1, d)
+        p, cfg = layer_params("llama", module)
+        _, metric = dc.damcha_attention(p, cfg, x, return_metric=True)
+        q, k, v = (np.einsum("bte,ehd->bthd", x, p[f"{r}.kernel"]) + p[f"{r}.bias"] for r in ("query", "key", "value"))
+        q, k = np.einsum("btha,btad->bthd", metric["q"], q), np.einsum("btha,btad->bthd", metric["k"], k)
+
+        def norm(y, mod):
+            w = mod.weight.detach().double().numpy()
+            return y / np.sqrt(np.mean(y * y, -1, keepdims=True) + mod.eps) * (1 + w)
+
+        def rotate(y):
+            half = y.shape[-1] // 2
+            return y * cos + np.concatenate([-y[..., half:], y[..., :half]], -1) * sin
+
+        q, k = rotate(norm(q, module.q_norm)), rotate(norm(k, module.k_norm))
+        group = q.shape[2] // k.shape[2]
+        k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
+        logits = module.scaling * np.einsum("bnhd,bmhd->bhnm", q, k)
+        n = logits.shape[-1]
+        keep = np.arange(n)[None] <= np.arange(n)[:, None]
+        if module.sliding_window is not None:  # the sliding layer: the last `window` keys only
+            keep &= np.arange(n)[:, None] - np.arange(n)[None] < module.sliding_window
+        logits = np.where(keep, logits, -np.inf)
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+        o = np.einsum("bhnm,bmhd->bnhd", probs / probs.sum(-1, keepdims=True), v)
+        want = np.einsum("bnhd,hde->bne", o, p["output.kernel"]) + p["output.bias"]
+        got = output[0].double().numpy()
+        # Gemma's norms compute in float32 whatever the model's dtype.
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * np.abs(want).max(), err_msg=name)
+    assert {m.sliding_window for m in dt.converted_layers(model).values()} == {4, None}
+
+
 def _biogpt(dtype):
     """A tiny random-weight ``BioGptForCausalLM`` (transformers' decoder-only copy of BART's attention)."""
     torch.manual_seed(0)

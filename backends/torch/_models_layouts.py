@@ -54,7 +54,8 @@ def _heads(name: str, out: int, head_dim: int, expected: int) -> int:
 # as Llama's: Mixtral's is Mistral's source line for line; Gemma's differs in one flag
 # (is_causal off under its bidirectional option), Granite's and GraniteMoe's in the softmax
 # scale (their attention_multiplier), Gemma 2's in its scale, logit soft-capping and sliding
-# window, all after the maps. Each is tested.
+# window, Gemma 3's in those and per-head q/k norms (as Qwen3's), all after the maps. Each
+# is tested.
 _LLAMA = frozenset(
     {
         "LlamaAttention",
@@ -64,6 +65,7 @@ _LLAMA = frozenset(
         "MixtralAttention",
         "GemmaAttention",
         "Gemma2Attention",
+        "Gemma3Attention",
         "GraniteAttention",
         "GraniteMoeAttention",
     }
@@ -259,8 +261,8 @@ def _timm_pool_layout(m: Any) -> AttentionLayout:
 for _adapter in (
     ModelAdapter(
         "transformers-llama",
-        "transformers Llama/Mistral/Qwen2/Qwen3/Mixtral/Gemma/Gemma2/Granite/GraniteMoe attention (q_proj/k_proj; "
-        "MHA, GQA, MQA; Qwen3 per-head q/k norms)",
+        "transformers Llama/Mistral/Qwen2/Qwen3/Mixtral/Gemma/Gemma2/Gemma3/Granite/GraniteMoe attention "
+        "(q_proj/k_proj; MHA, GQA, MQA; Qwen3's and Gemma3's per-head q/k norms)",
         lambda m: _is(m, "transformers", _LLAMA),
         _llama_layout,
     ),
