@@ -617,7 +617,16 @@ def test_gemma3_converts():
     with torch.no_grad():
         model(input_ids=ids)
     assert set(calls) == set(dt.converted_layers(model))
-    for name, (((args, kwargs, output),)) in calls.items():
+
+    def norm(y, mod):  # Gemma's RMS norm
+        w = mod.weight.detach().double().numpy()
+        return y / np.sqrt(np.mean(y * y, -1, keepdims=True) + mod.eps) * (1 + w)
+
+    def rotate(y, cos, sin):
+        half = y.shape[-1] // 2
+        return y * cos + np.concatenate([-y[..., half:], y[..., :half]], -1) * sin
+
+    for name, (((_, kwargs, output),)) in calls.items():
         module = dt.converted_layers(model)[name]
         x = kwargs["hidden_states"].double().numpy()
         cos, sin = (t.double().numpy()[:, :, None] for t in kwargs["position_embeddings"])  # (B, N, 1, d)
@@ -625,16 +634,7 @@ def test_gemma3_converts():
         _, metric = dc.damcha_attention(p, cfg, x, return_metric=True)
         q, k, v = (np.einsum("bte,ehd->bthd", x, p[f"{r}.kernel"]) + p[f"{r}.bias"] for r in ("query", "key", "value"))
         q, k = np.einsum("btha,btad->bthd", metric["q"], q), np.einsum("btha,btad->bthd", metric["k"], k)
-
-        def norm(y, mod):
-            w = mod.weight.detach().double().numpy()
-            return y / np.sqrt(np.mean(y * y, -1, keepdims=True) + mod.eps) * (1 + w)
-
-        def rotate(y):
-            half = y.shape[-1] // 2
-            return y * cos + np.concatenate([-y[..., half:], y[..., :half]], -1) * sin
-
-        q, k = rotate(norm(q, module.q_norm)), rotate(norm(k, module.k_norm))
+        q, k = rotate(norm(q, module.q_norm), cos, sin), rotate(norm(k, module.k_norm), cos, sin)
         group = q.shape[2] // k.shape[2]
         k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
         logits = module.scaling * np.einsum("bnhd,bmhd->bhnm", q, k)
