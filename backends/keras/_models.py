@@ -341,11 +341,12 @@ def _find(model: keras.layers.Layer) -> tuple[list[tuple[Any, ModelAdapter]], li
 
 def _plans(
     matched: list[tuple[Any, ModelAdapter]], metric: str, metric_rank: int | None, coupling: str, loading: bool
-) -> tuple[list[tuple[Any, ModelAdapter, AttentionLayout, Any]], list[Exception]]:
+) -> tuple[list[tuple[Any, ModelAdapter, AttentionLayout, Any]], list[DamchaValueError | DamchaTypeError]]:
     """(layer, adapter, layout, config) of each matched layer, and the errors of
     those that cannot be converted ("Cannot convert layer `path` (adapter): why"),
     without changing any layer."""
-    plans, failures = [], []
+    plans: list = []
+    failures: list[DamchaValueError | DamchaTypeError] = []
     for layer, adapter in matched:
         try:
             if not layer.built:

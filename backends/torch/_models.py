@@ -925,12 +925,15 @@ def convert(
 
 
 def _plans(
-    matched: list[tuple[str, nn.Module, ModelAdapter]], metric: str, metric_rank: int | None, coupling: str | None
-) -> tuple[list[tuple[str, nn.Module, ModelAdapter, AttentionLayout, DamchaConfig]], list[Exception]]:
+    matched: list[tuple[str, nn.Module, ModelAdapter]], metric: str, metric_rank: int | None, coupling: str
+) -> tuple[
+    list[tuple[str, nn.Module, ModelAdapter, AttentionLayout, DamchaConfig]], list[DamchaValueError | DamchaTypeError]
+]:
     """(name, module, adapter, layout, config) of each matched layer, and the
     errors of those that cannot be converted ("Cannot convert layer `name`
     (adapter): why"), without changing any module."""
-    plans, failures = [], []
+    plans: list = []
+    failures: list[DamchaValueError | DamchaTypeError] = []
     for name, module, adapter in matched:
         try:
             layout = adapter.layout(module)
