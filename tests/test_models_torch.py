@@ -496,6 +496,19 @@ LLAMA_COPIES = {
         "Gemma2Config",
         dict(head_dim=8, query_pre_attn_scalar=16, attn_logit_softcapping=None),
     ),
+    "qwen2-moe": (
+        "Qwen2MoeForCausalLM",
+        "Qwen2MoeConfig",
+        dict(
+            num_experts=2,
+            num_experts_per_tok=1,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=16,
+            experts_implementation="eager",
+        ),
+    ),
+    "ministral": ("MinistralForCausalLM", "MinistralConfig", dict(head_dim=8)),
+    "starcoder2": ("Starcoder2ForCausalLM", "Starcoder2Config", dict(residual_dropout=0.0)),
     # Granite's softmax scale is its attention_multiplier (the reference takes it as the scale).
     "granite": ("GraniteForCausalLM", "GraniteConfig", dict(attention_multiplier=0.2)),
     "granitemoe": (

@@ -54,8 +54,9 @@ def _heads(name: str, out: int, head_dim: int, expected: int) -> int:
 # as Llama's: Mixtral's is Mistral's source line for line; Gemma's differs in one flag
 # (is_causal off under its bidirectional option), Granite's and GraniteMoe's in the softmax
 # scale (their attention_multiplier), Gemma 2's in its scale, logit soft-capping and sliding
-# window, Gemma 3's in those and per-head q/k norms (as Qwen3's), all after the maps. Each
-# is tested.
+# window, Gemma 3's in those and per-head q/k norms (as Qwen3's), Qwen2-MoE's, Ministral's and
+# Starcoder2's in their biases and sliding windows (Starcoder2's residual dropout), all after
+# the maps. Each is tested.
 _LLAMA = frozenset(
     {
         "LlamaAttention",
@@ -68,6 +69,9 @@ _LLAMA = frozenset(
         "Gemma3Attention",
         "GraniteAttention",
         "GraniteMoeAttention",
+        "Qwen2MoeAttention",
+        "MinistralAttention",
+        "Starcoder2Attention",
     }
 )
 
@@ -261,8 +265,8 @@ def _timm_pool_layout(m: Any) -> AttentionLayout:
 for _adapter in (
     ModelAdapter(
         "transformers-llama",
-        "transformers Llama/Mistral/Qwen2/Qwen3/Mixtral/Gemma/Gemma2/Gemma3/Granite/GraniteMoe attention "
-        "(q_proj/k_proj; MHA, GQA, MQA; Qwen3's and Gemma3's per-head q/k norms)",
+        "transformers Llama/Mistral/Ministral/Mixtral/Qwen2/Qwen2-MoE/Qwen3/Gemma/Gemma2/Gemma3/Granite/"
+        "GraniteMoe/Starcoder2 attention (q_proj/k_proj; MHA, GQA, MQA; Qwen3's and Gemma3's per-head q/k norms)",
         lambda m: _is(m, "transformers", _LLAMA),
         _llama_layout,
     ),
