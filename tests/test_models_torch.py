@@ -479,6 +479,34 @@ def test_bart_copies_convert(name):
     _check_layers_against_reference("bart", model=dt.convert(build(name, torch.float64)))
 
 
+def _check_converted_lm(model, names, sides):
+    """convert() of a float32 causal LM: the layers ``names`` (sorted) converted,
+    each with the metric ``sides``; exact at init bit for bit (left-padded
+    batch); with the gates open, cached greedy generation equal to uncached
+    and away from the unconverted model's."""
+    kw = inputs("llama")
+    prompt = {"input_ids": kw["input_ids"][1:]}
+    opts = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0, "return_dict_in_generate": True}
+    opts["output_logits"] = True
+    with torch.no_grad():
+        before = model(**kw).logits
+        unconverted = model.generate(**prompt, use_cache=True, **opts)
+        dt.convert(model)
+        after = model(**kw).logits
+    layers = dt.converted_layers(model)
+    assert sorted(layers) == names
+    assert all(m.damcha.config.metric_sides == sides for m in layers.values())
+    assert same(after, before)
+    open_gates(model, scale=0.8)
+    with torch.no_grad():
+        cached = model.generate(**prompt, use_cache=True, **opts)
+        plain = model.generate(**prompt, use_cache=False, **opts)
+    assert torch.equal(cached.sequences, plain.sequences)
+    for a, b, c in zip(cached.logits, plain.logits, unconverted.logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+        assert (a - c).abs().max() > 1e-3
+
+
 # transformers' copies of Llama's (or Mistral's) attention that the transformers-llama
 # adapter lists: one compact test each, not in the zoo's ARCHS. Sizes as the zoo's "llama".
 LLAMA_COPIES = {
@@ -544,27 +572,7 @@ def test_llama_copies_convert(name):
     and the gates open, and cached greedy generation equal to uncached,
     away from the unconverted model's."""
     model = _llama_copy(name, torch.float32)
-    kw = inputs("llama")
-    prompt = {"input_ids": kw["input_ids"][1:]}
-    opts = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0, "return_dict_in_generate": True}
-    opts["output_logits"] = True
-    with torch.no_grad():
-        before = model(**kw).logits
-        unconverted = model.generate(**prompt, use_cache=True, **opts)
-        dt.convert(model)
-        after = model(**kw).logits
-    layers = dt.converted_layers(model)
-    assert sorted(layers) == [f"model.layers.{i}.self_attn" for i in range(2)]
-    assert all(m.damcha.config.metric_sides == ("q", "k") for m in layers.values())
-    assert same(after, before)
-    open_gates(model, scale=0.8)
-    with torch.no_grad():
-        cached = model.generate(**prompt, use_cache=True, **opts)
-        plain = model.generate(**prompt, use_cache=False, **opts)
-    assert torch.equal(cached.sequences, plain.sequences)
-    for a, b, c in zip(cached.logits, plain.logits, unconverted.logits, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
-        assert (a - c).abs().max() > 1e-3
+    _check_converted_lm(model, [f"model.layers.{i}.self_attn" for i in range(2)], ("q", "k"))
     ids = inputs("llama", torch.float64, padding=False)["input_ids"]
     model = dt.convert(_llama_copy(name, torch.float64))
     _check_layers_against_reference("llama", model=model, call=lambda m: m(input_ids=ids))
@@ -602,27 +610,7 @@ def test_gemma3_converts():
     the host's own rotation angles, a causal softmax attention inside the
     window, the output projection."""
     model = _gemma3(torch.float32)
-    kw = inputs("llama", length=7)
-    prompt = {"input_ids": kw["input_ids"][1:]}
-    opts = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0, "return_dict_in_generate": True}
-    opts["output_logits"] = True
-    with torch.no_grad():
-        before = model(**kw).logits
-        unconverted = model.generate(**prompt, use_cache=True, **opts)
-        dt.convert(model)
-        after = model(**kw).logits
-    layers = dt.converted_layers(model)
-    assert sorted(layers) == [f"model.layers.{i}.self_attn" for i in range(2)]
-    assert all(m.damcha.config.metric_sides == ("q", "k") for m in layers.values())
-    assert same(after, before)
-    open_gates(model, scale=0.8)
-    with torch.no_grad():
-        cached = model.generate(**prompt, use_cache=True, **opts)
-        plain = model.generate(**prompt, use_cache=False, **opts)
-    assert torch.equal(cached.sequences, plain.sequences)
-    for a, b, c in zip(cached.logits, plain.logits, unconverted.logits, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
-        assert (a - c).abs().max() > 1e-3
+    _check_converted_lm(model, [f"model.layers.{i}.self_attn" for i in range(2)], ("q", "k"))
 
     model = open_gates(dt.convert(_gemma3(torch.float64)))
     calls = capture(model)
@@ -690,27 +678,7 @@ def test_biogpt_converts():
     reference (causal) with the gates open, and cached greedy generation equal
     to uncached generation, away from the unconverted model's."""
     model = _biogpt(torch.float32)
-    kw = inputs("llama")
-    prompt = {"input_ids": kw["input_ids"][1:]}
-    opts = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0, "return_dict_in_generate": True}
-    opts["output_logits"] = True
-    with torch.no_grad():
-        before = model(**kw).logits
-        unconverted = model.generate(**prompt, use_cache=True, **opts)
-        dt.convert(model)
-        after = model(**kw).logits
-    layers = dt.converted_layers(model)
-    assert sorted(layers) == [f"biogpt.layers.{i}.self_attn" for i in range(2)]
-    assert all(m.damcha.config.metric_sides == ("qk",) for m in layers.values())
-    assert same(after, before)
-    open_gates(model, scale=0.8)
-    with torch.no_grad():
-        cached = model.generate(**prompt, use_cache=True, **opts)
-        plain = model.generate(**prompt, use_cache=False, **opts)
-    assert torch.equal(cached.sequences, plain.sequences)
-    for a, b, c in zip(cached.logits, plain.logits, unconverted.logits, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
-        assert (a - c).abs().max() > 1e-3
+    _check_converted_lm(model, [f"biogpt.layers.{i}.self_attn" for i in range(2)], ("qk",))
     ids = inputs("llama", torch.float64, padding=False)["input_ids"]
     _check_layers_against_reference("bart", model=dt.convert(_biogpt(torch.float64)), call=lambda m: m(input_ids=ids))
 
