@@ -210,10 +210,10 @@ def _check_layers_against_reference(arch, model=None, call=None, **options):
             continue
         ((args, kwargs, output),) = records
         # Encoder-decoders: the decoder's self-attention is causal, the encoder's is not.
-        causal = bool(module.is_causal) if arch in ENC_DEC else arch in CAUSAL
+        causal = bool(module.is_causal) if arch in ENC_DEC else arch in (*CAUSAL, "phi3")
         x, ctx = _call_tokens(args, kwargs)
         got = output[0] if isinstance(output, tuple) else output
-        if arch.startswith(("llama", "mistral", "qwen")):
+        if arch.startswith(("llama", "mistral", "qwen", "phi3")):
             got = _rope_call(model, module, x)
         got, x = got.double().numpy(), x.double().numpy()
         if arch in ("qwen3", "vit-qknorm"):
@@ -225,7 +225,7 @@ def _check_layers_against_reference(arch, model=None, call=None, **options):
             if arch == "llama" and module.scaling != cfg.softmax_scale:
                 cfg = dataclasses.replace(cfg, scale=float(module.scaling))  # Granite's attention_multiplier
             is_cross = not module.damcha.layout.self_attention
-            rotary = _rotary(model, x.shape[1]) if arch.startswith(("llama", "mistral", "qwen")) else None
+            rotary = _rotary(model, x.shape[1]) if arch.startswith(("llama", "mistral", "qwen", "phi3")) else None
             want = dc.damcha_attention(
                 p, cfg, x, None if not is_cross else ctx.double().numpy(), causal=causal and not is_cross, rotary=rotary
             )
@@ -536,6 +536,8 @@ LLAMA_COPIES = {
         ),
     ),
     "ministral": ("MinistralForCausalLM", "MinistralConfig", dict(head_dim=8)),
+    # Phi-3 (and Phi-4, the same class): q, k and v from one fused qkv_proj.
+    "phi3": ("Phi3ForCausalLM", "Phi3Config", {}),
     "starcoder2": ("Starcoder2ForCausalLM", "Starcoder2Config", dict(residual_dropout=0.0)),
     # Granite's softmax scale is its attention_multiplier (the reference takes it as the scale).
     "granite": ("GraniteForCausalLM", "GraniteConfig", dict(attention_multiplier=0.2)),
@@ -575,7 +577,8 @@ def test_llama_copies_convert(name):
     _check_converted_lm(model, [f"model.layers.{i}.self_attn" for i in range(2)], ("q", "k"))
     ids = inputs("llama", torch.float64, padding=False)["input_ids"]
     model = dt.convert(_llama_copy(name, torch.float64))
-    _check_layers_against_reference("llama", model=model, call=lambda m: m(input_ids=ids))
+    arch = "phi3" if name == "phi3" else "llama"  # the zoo's parameter layout of its projections
+    _check_layers_against_reference(arch, model=model, call=lambda m: m(input_ids=ids))
 
 
 def _gemma3(dtype):

@@ -85,6 +85,16 @@ def _llama_layout(m: Any) -> AttentionLayout:
     return AttentionLayout(H, G, d, eq, ek, (ProjectionSite("q_proj", q=0), ProjectionSite("k_proj", k=0)))
 
 
+def _phi3_layout(m: Any) -> AttentionLayout:
+    """Phi-3's (and Phi-4's) attention: q, k and v from one fused ``qkv_proj``
+    Linear, H query heads then G key and G value heads of ``head_dim``."""
+    d, cfg = int(m.head_dim), m.config
+    H, G = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
+    e, out = _features(m.qkv_proj)
+    _heads("qkv_proj", out, d, H + 2 * G)
+    return AttentionLayout(H, G, d, e, e, (ProjectionSite("qkv_proj", q=0, k=H * d),))
+
+
 def _gpt2_layout(m: Any) -> AttentionLayout:
     H, d, E = int(m.num_heads), int(m.head_dim), int(m.embed_dim)
     if getattr(m, "is_cross_attention", False):
@@ -269,6 +279,12 @@ for _adapter in (
         "GraniteMoe/Starcoder2 attention (q_proj/k_proj; MHA, GQA, MQA; Qwen3's and Gemma3's per-head q/k norms)",
         lambda m: _is(m, "transformers", _LLAMA),
         _llama_layout,
+    ),
+    ModelAdapter(
+        "transformers-phi3",
+        "transformers Phi-3 and Phi-4 attention (fused qkv_proj Linear; MHA, GQA; RoPE)",
+        lambda m: _is(m, "transformers", frozenset({"Phi3Attention"})),
+        _phi3_layout,
     ),
     ModelAdapter(
         "transformers-gpt2",
