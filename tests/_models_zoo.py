@@ -326,6 +326,12 @@ def layer_params(arch: str, module: nn.Module) -> tuple[dict[str, np.ndarray], d
         out = module.o_proj if hasattr(module, "o_proj") else module.out_proj
         p["output.kernel"] = _np(out.weight).T.reshape(H, d, E)
         p["output.bias"] = np.zeros(E) if out.bias is None else _np(out.bias)
+    elif arch == "distilbert":
+        projs = {"query": module.q_lin, "key": module.k_lin, "value": module.v_lin}
+        for n, lin in projs.items():
+            p[f"{n}.kernel"], p[f"{n}.bias"] = _linear(lin, E, H, d)
+        p["output.kernel"] = _np(module.out_lin.weight).T.reshape(H, d, E)
+        p["output.bias"] = _np(module.out_lin.bias)
     elif arch == "phi3":  # one fused qkv_proj: H query heads, then G key and G value heads
         for i, (n, s) in enumerate((("query", H), ("key", G), ("value", G))):
             start = (0, H * d, (H + G) * d)[i]

@@ -686,6 +686,40 @@ def test_biogpt_converts():
     _check_layers_against_reference("bart", model=dt.convert(_biogpt(torch.float64)), call=lambda m: m(input_ids=ids))
 
 
+def test_distilbert_converts():
+    """DistilBERT (an encoder; its self-attention has q_lin/k_lin/v_lin/out_lin):
+    every layer converted with tied maps, exact at init bit for bit (padded
+    batch), each layer equal to the reference (not causal) with the gates
+    open, and the outputs move."""
+    config = transformers.DistilBertConfig(
+        vocab_size=VOCAB,
+        dim=32,
+        n_layers=2,
+        n_heads=4,
+        hidden_dim=48,
+        max_position_embeddings=64,
+        initializer_range=0.2,
+    )
+    torch.manual_seed(0)
+    model = transformers.DistilBertModel(config).eval()
+    kw = inputs("bert")
+    with torch.no_grad():
+        before = model(**kw).last_hidden_state
+        dt.convert(model)
+        after = model(**kw).last_hidden_state
+    layers = dt.converted_layers(model)
+    assert sorted(layers) == [f"transformer.layer.{i}.attention" for i in range(2)]
+    assert all(m.damcha.config.metric_sides == ("qk",) for m in layers.values())
+    assert same(after, before)
+    open_gates(model)
+    with torch.no_grad():
+        assert (model(**kw).last_hidden_state - before).abs().max() > 1e-3
+    torch.manual_seed(0)
+    model = dt.convert(transformers.DistilBertModel(config).double().eval())
+    ids = inputs("bert", torch.float64, padding=False)["input_ids"]
+    _check_layers_against_reference("distilbert", model=model, call=lambda m: m(input_ids=ids))
+
+
 def test_time_series_transformer_converts():
     """TimeSeriesTransformer (an encoder-decoder over a series, built from
     BART's attention as BART builds it): encoder and decoder self-attention

@@ -120,6 +120,15 @@ _BERT_SELF = frozenset(f"{n}SelfAttention" for n in _BERT_FAMILY)
 _BERT_CROSS = frozenset(f"{n}CrossAttention" for n in _BERT_FAMILY)
 
 
+def _distilbert_layout(m: Any) -> AttentionLayout:
+    """DistilBERT's self-attention: q_lin/k_lin/v_lin/out_lin Linear layers of n_heads heads."""
+    H, d = int(m.n_heads), int(m.attention_head_size)
+    (eq, q_out), (ek, k_out) = _features(m.q_lin), _features(m.k_lin)
+    _heads("q_lin", q_out, d, H)
+    _heads("k_lin", k_out, d, H)
+    return AttentionLayout(H, H, d, eq, ek, (ProjectionSite("q_lin", q=0), ProjectionSite("k_lin", k=0)))
+
+
 def _bert_layout(m: Any) -> AttentionLayout:
     H, d = int(m.num_attention_heads), int(m.attention_head_size)
     (eq, q_out), (ek, k_out) = _features(m.query), _features(m.key)
@@ -297,6 +306,12 @@ for _adapter in (
         "transformers BERT/RoBERTa/ELECTRA/XLM-RoBERTa/CamemBERT self- and cross-attention (query/key/value)",
         lambda m: _is(m, "transformers", _BERT_SELF | _BERT_CROSS),
         _bert_layout,
+    ),
+    ModelAdapter(
+        "transformers-distilbert",
+        "transformers DistilBERT self-attention (q_lin/k_lin/v_lin/out_lin)",
+        lambda m: _is(m, "transformers", frozenset({"DistilBertSelfAttention"})),
+        _distilbert_layout,
     ),
     ModelAdapter(
         "transformers-vit",
