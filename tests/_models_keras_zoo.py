@@ -20,6 +20,12 @@ ARCHS: dict[str, tuple[Any, Any, dict[str, Any]]] = {
         keras_hub.models.GPT2CausalLM,
         dict(num_layers=2, num_heads=2, hidden_dim=8, intermediate_dim=16, max_sequence_length=32),
     ),
+    # OPT: KerasHub's CachedMultiHeadAttention with learned positions (no RoPE).
+    "opt": (
+        keras_hub.models.OPTBackbone,
+        keras_hub.models.OPTCausalLM,
+        dict(num_layers=2, num_heads=2, hidden_dim=8, intermediate_dim=16, max_sequence_length=32),
+    ),
     "bert": (
         keras_hub.models.BertBackbone,
         None,
@@ -262,7 +268,7 @@ def _output(dense: Any) -> tuple[np.ndarray, np.ndarray]:
 # arch -> attribute names of (query, key, value, output) on its attention layer
 SUBLAYERS = {
     **dict.fromkeys(
-        ("gpt2", "bert", "llama", "mistral", "qwen", "qwen3", "vit", "dinov2"),
+        ("gpt2", "opt", "bert", "llama", "mistral", "qwen", "qwen3", "vit", "dinov2"),
         ("_query_dense", "_key_dense", "_value_dense", "_output_dense"),
     ),
     **dict.fromkeys(
@@ -309,7 +315,7 @@ def rotary(arch: str, layer: Any, head_dim: int, **positions: Any) -> dc.Rotary 
 
 def call_layer(arch: str, layer: Any, x: np.ndarray, mask: np.ndarray) -> np.ndarray:
     """The attention layer on tokens x (B, N, E) with a boolean mask (B, N, N)."""
-    if arch in ("gpt2", "bert", "vit", "dinov2"):
+    if arch in ("gpt2", "opt", "bert", "vit", "dinov2"):
         return numpy(layer(x, x, attention_mask=mask))
     return numpy(layer(x, attention_mask=mask))
 

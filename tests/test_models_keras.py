@@ -186,7 +186,7 @@ def test_rope_shift_invariance(metric):
 
 # CachedMHA, RoPE + GQA, per-head norms, (H, E, d) kernels, public sublayer names. (Gemma 3's generate() fails without a
 # preprocessor in KerasHub 0.32, converted or not; its cache is tested by call_with_cache above.)
-GENERATE = ("gpt2", "llama", "qwen3", "gemma", "mixtral", "phi3")
+GENERATE = ("gpt2", "opt", "llama", "qwen3", "gemma", "mixtral", "phi3")
 
 
 @pytest.mark.parametrize("arch", CAUSAL)

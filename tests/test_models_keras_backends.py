@@ -34,7 +34,7 @@ from _keras_processes import part_results
 BACKENDS = ("jax", "torch")
 # Every KerasHub causal LM convert() knows but Gemma 3, whose generate() fails without a
 # preprocessor in KerasHub 0.32 (tested on TensorFlow: tests/test_models_keras.py).
-CAUSAL = ("gpt2", "llama", "mistral", "qwen", "qwen3", "gemma", "mixtral", "phi3")
+CAUSAL = ("gpt2", "opt", "llama", "mistral", "qwen", "qwen3", "gemma", "mixtral", "phi3")
 ALL = ("bert", "vit", *CAUSAL)
 # Bound on the mixed model's logits error, relative to the logits' scale: 8
 # machine epsilons of the compute dtype (bfloat16 2**-7, float16 2**-10). Any
