@@ -616,15 +616,30 @@ def test_gemma3_converts():
     _check_converted_lm(model, [f"model.layers.{i}.self_attn" for i in range(2)], ("q", "k"))
 
     model = open_gates(dt.convert(_gemma3(torch.float64)))
+
+    def norms(q, k, module):  # Gemma's RMS norm of each head, y / rms(y) * (1 + w)
+        def norm(y, mod):
+            w = mod.weight.detach().double().numpy()
+            return y / np.sqrt(np.mean(y * y, -1, keepdims=True) + mod.eps) * (1 + w)
+
+        return norm(q, module.q_norm), norm(k, module.k_norm)
+
+    _check_normed_layers(model, norms)
+    assert {m.sliding_window for m in dt.converted_layers(model).values()} == {4, None}
+
+
+def _check_normed_layers(model, norms):
+    """Each converted layer of a float64 causal LM (gates open) against an
+    independent NumPy forward: project, the reference's maps, ``norms(q, k,
+    module)`` (the host's q/k norm, written out), the host's own rotation
+    angles, a causal softmax attention (inside ``module.sliding_window``
+    where the layer has one) at the host's scale, the output projection; to
+    1e-6 (the hosts' norms compute in float32 whatever the model's dtype)."""
     calls = capture(model)
     ids = inputs("llama", torch.float64, padding=False, length=7)["input_ids"]
     with torch.no_grad():
         model(input_ids=ids)
     assert set(calls) == set(dt.converted_layers(model))
-
-    def norm(y, mod):  # Gemma's RMS norm
-        w = mod.weight.detach().double().numpy()
-        return y / np.sqrt(np.mean(y * y, -1, keepdims=True) + mod.eps) * (1 + w)
 
     def rotate(y, cos, sin):
         half = y.shape[-1] // 2
@@ -638,22 +653,56 @@ def test_gemma3_converts():
         _, metric = dc.damcha_attention(p, cfg, x, return_metric=True)
         q, k, v = (np.einsum("bte,ehd->bthd", x, p[f"{r}.kernel"]) + p[f"{r}.bias"] for r in ("query", "key", "value"))
         q, k = np.einsum("btha,btad->bthd", metric["q"], q), np.einsum("btha,btad->bthd", metric["k"], k)
-        q, k = rotate(norm(q, module.q_norm), cos, sin), rotate(norm(k, module.k_norm), cos, sin)
+        q, k = norms(q, k, module)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         group = q.shape[2] // k.shape[2]
         k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
         logits = module.scaling * np.einsum("bnhd,bmhd->bhnm", q, k)
         n = logits.shape[-1]
         keep = np.arange(n)[None] <= np.arange(n)[:, None]
-        if module.sliding_window is not None:  # the sliding layer: the last `window` keys only
-            keep &= np.arange(n)[:, None] - np.arange(n)[None] < module.sliding_window
+        window = getattr(module, "sliding_window", None)
+        if window is not None:  # a sliding layer: the last `window` keys only
+            keep &= np.arange(n)[:, None] - np.arange(n)[None] < window
         logits = np.where(keep, logits, -np.inf)
         probs = np.exp(logits - logits.max(-1, keepdims=True))
         o = np.einsum("bhnm,bmhd->bnhd", probs / probs.sum(-1, keepdims=True), v)
         want = np.einsum("bnhd,hde->bne", o, p["output.kernel"]) + p["output.bias"]
         got = output[0].double().numpy()
-        # Gemma's norms compute in float32 whatever the model's dtype.
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * np.abs(want).max(), err_msg=name)
-    assert {m.sliding_window for m in dt.converted_layers(model).values()} == {4, None}
+
+
+def test_olmo2_converts():
+    """OLMo 2 (Llama's layout with an RMS norm over all the query heads' and all
+    the key heads' features, after the maps, before RoPE): both layers
+    converted with separate maps (GQA), exact at init, cached greedy
+    generation equal to uncached and away from the unconverted model's, and
+    each layer against an independent NumPy forward."""
+    config = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        initializer_range=0.2,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**config)).eval()
+    _check_converted_lm(model, [f"model.layers.{i}.self_attn" for i in range(2)], ("q", "k"))
+    torch.manual_seed(0)
+    model = open_gates(dt.convert(transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**config)).double().eval()))
+
+    def norms(q, k, module):  # one RMS norm over the features of all the heads
+        def norm(y, mod):
+            flat = y.reshape(*y.shape[:2], -1)
+            w = mod.weight.detach().double().numpy()
+            return (flat / np.sqrt(np.mean(flat * flat, -1, keepdims=True) + mod.variance_epsilon) * w).reshape(y.shape)
+
+        return norm(q, module.q_norm), norm(k, module.k_norm)
+
+    _check_normed_layers(model, norms)
 
 
 def _biogpt(dtype):

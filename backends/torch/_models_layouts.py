@@ -55,8 +55,8 @@ def _heads(name: str, out: int, head_dim: int, expected: int) -> int:
 # (is_causal off under its bidirectional option), Granite's and GraniteMoe's in the softmax
 # scale (their attention_multiplier), Gemma 2's in its scale, logit soft-capping and sliding
 # window, Gemma 3's in those and per-head q/k norms (as Qwen3's), Qwen2-MoE's, Ministral's and
-# Starcoder2's in their biases and sliding windows (Starcoder2's residual dropout), all after
-# the maps. Each is tested.
+# Starcoder2's in their biases and sliding windows (Starcoder2's residual dropout), OLMo 2's
+# in an RMS norm over all the heads' features, all after the maps. Each is tested.
 _LLAMA = frozenset(
     {
         "LlamaAttention",
@@ -72,6 +72,7 @@ _LLAMA = frozenset(
         "Qwen2MoeAttention",
         "MinistralAttention",
         "Starcoder2Attention",
+        "Olmo2Attention",
     }
 )
 
@@ -285,7 +286,8 @@ for _adapter in (
     ModelAdapter(
         "transformers-llama",
         "transformers Llama/Mistral/Ministral/Mixtral/Qwen2/Qwen2-MoE/Qwen3/Gemma/Gemma2/Gemma3/Granite/"
-        "GraniteMoe/Starcoder2 attention (q_proj/k_proj; MHA, GQA, MQA; Qwen3's and Gemma3's per-head q/k norms)",
+        "GraniteMoe/Starcoder2/OLMo2 attention (q_proj/k_proj; MHA, GQA, MQA; Qwen3's and Gemma3's per-head q/k "
+        "norms, OLMo2's over all heads)",
         lambda m: _is(m, "transformers", _LLAMA),
         _llama_layout,
     ),
