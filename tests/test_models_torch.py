@@ -536,6 +536,11 @@ LLAMA_COPIES = {
         ),
     ),
     "ministral": ("MinistralForCausalLM", "MinistralConfig", dict(head_dim=8)),
+    "phimoe": (
+        "PhimoeForCausalLM",
+        "PhimoeConfig",
+        dict(num_local_experts=2, num_experts_per_tok=1, experts_implementation="eager"),
+    ),
     # Phi-3 (and Phi-4, the same class): q, k and v from one fused qkv_proj.
     "phi3": ("Phi3ForCausalLM", "Phi3Config", {}),
     "starcoder2": ("Starcoder2ForCausalLM", "Starcoder2Config", dict(residual_dropout=0.0)),
