@@ -541,6 +541,8 @@ LLAMA_COPIES = {
         "PhimoeConfig",
         dict(num_local_experts=2, num_experts_per_tok=1, experts_implementation="eager"),
     ),
+    "arcee": ("ArceeForCausalLM", "ArceeConfig", {}),
+    "jais2": ("Jais2ForCausalLM", "Jais2Config", {}),
     # Phi-3 (and Phi-4, the same class): q, k and v from one fused qkv_proj.
     "phi3": ("Phi3ForCausalLM", "Phi3Config", {}),
     "starcoder2": ("Starcoder2ForCausalLM", "Starcoder2Config", dict(residual_dropout=0.0)),

@@ -51,7 +51,8 @@ def _heads(name: str, out: int, head_dim: int, expected: int) -> int:
 # --------------------------------------------------------- transformers decoders
 
 # Llama's attention and the copies of it (or of Mistral's) that transformers builds and calls
-# as Llama's: Mixtral's is Mistral's source line for line, PhiMoE's (Phi-3.5-MoE) Llama's;
+# as Llama's: Mixtral's is Mistral's source line for line, PhiMoE's (Phi-3.5-MoE), Arcee's
+# (AFM) and Jais 2's Llama's;
 # Gemma's differs in one flag
 # (is_causal off under its bidirectional option), Granite's and GraniteMoe's in the softmax
 # scale (their attention_multiplier), Gemma 2's in its scale, logit soft-capping and sliding
@@ -75,6 +76,8 @@ _LLAMA = frozenset(
         "Starcoder2Attention",
         "Olmo2Attention",
         "PhimoeAttention",
+        "ArceeAttention",
+        "Jais2Attention",
     }
 )
 
@@ -288,8 +291,8 @@ for _adapter in (
     ModelAdapter(
         "transformers-llama",
         "transformers Llama/Mistral/Ministral/Mixtral/Qwen2/Qwen2-MoE/Qwen3/Gemma/Gemma2/Gemma3/Granite/"
-        "GraniteMoe/Starcoder2/OLMo2/PhiMoE attention (q_proj/k_proj; MHA, GQA, MQA; Qwen3's and Gemma3's per-head q/k "
-        "norms, OLMo2's over all heads)",
+        "GraniteMoe/Starcoder2/OLMo2/PhiMoE/Arcee/Jais2 attention (q_proj/k_proj; MHA, GQA, MQA; Qwen3's and "
+        "Gemma3's per-head q/k norms, OLMo2's over all heads)",
         lambda m: _is(m, "transformers", _LLAMA),
         _llama_layout,
     ),
