@@ -12,7 +12,7 @@ import re
 import warnings
 
 import keras
-import keras_hub  # noqa: F401  (a missing keras-hub fails collection: CI installs it)
+import keras_hub  # (a missing keras-hub fails collection: CI installs it)
 import numpy as np
 import pytest
 from _models_keras_zoo import (
@@ -856,6 +856,51 @@ def test_moonshine_converts():
         step = task.call_decoder_with_cache(states, mask, ids[:, i : i + 1], self_cache, i, cross_cache)
         logits, self_cache = numpy(step[0])[:, 0], step[2]
         np.testing.assert_allclose(logits, want[:, i], rtol=0, atol=1e-12 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("arch", ["bart", "whisper"])
+def test_encoder_decoder_backbones_convert(arch):
+    """KerasHub's BART and Whisper backbones (CachedMultiHeadAttention and
+    Whisper's subclass of it; the decoders' cross-attention layers are named
+    "cross_attention"): exact at init bit for bit, the encoder's and the
+    decoder's self-attention tied and the cross-attention separate, each
+    query/key projection equal to the reference's map with the gates open,
+    and the outputs move."""
+    rng = np.random.default_rng(5)
+    sizes = dict(vocabulary_size=50, num_layers=1, num_heads=2, hidden_dim=8, intermediate_dim=16, dtype="float64")
+    ids = rng.integers(1, 50, (2, 5)).astype("int32")
+    x = {"decoder_token_ids": ids, "decoder_padding_mask": np.ones((2, 5), bool)}
+    if arch == "bart":
+        model = keras_hub.models.BartBackbone(max_sequence_length=32, dropout=0.0, **sizes)
+        x.update(encoder_token_ids=ids[:, ::-1].copy(), encoder_padding_mask=np.ones((2, 5), bool))
+    else:
+        model = keras_hub.models.WhisperBackbone(
+            num_mels=8, max_encoder_sequence_length=16, max_decoder_sequence_length=16, **sizes
+        )
+        x.update(encoder_features=rng.normal(size=(2, 16, 8)))
+
+    def outputs():
+        return [numpy(y) for y in keras.tree.flatten(model(x))]
+
+    before = outputs()
+    dk.convert(model)
+    for got, want in zip(outputs(), before, strict=True):
+        np.testing.assert_array_equal(got, want)
+    layers = dk.converted_layers(model)
+    sides = sorted(
+        (path.endswith("cross_attention"), layer.damcha.config.metric_sides) for path, layer in layers.items()
+    )
+    assert sides == [(False, ("qk",)), (False, ("qk",)), (True, ("q", "k"))], sides
+    open_gates(model)
+    for layer in layers.values():
+        params, config = layer_params("gpt2", layer)  # the four MultiHeadAttention sublayers
+        t = rng.normal(size=(2, 5, config.query_dim))
+        for role, attr, name in (("q", "_query_dense", "query"), ("k", "_key_dense", "key")):
+            y0 = np.einsum("bte,ehd->bthd", t, params[f"{name}.kernel"]) + params[f"{name}.bias"]
+            expected = reference_map(params, config, dc.side_of(config, role), t, y0)
+            assert np.abs(expected - y0).max() > 1e-3  # the maps are open
+            np.testing.assert_allclose(numpy(getattr(layer, attr)(t)), expected, rtol=0, atol=1e-12)
+    assert max(np.abs(got - want).max() for got, want in zip(outputs(), before)) > 1e-6
 
 
 def test_a_refusal_names_the_known_layers_that_cannot_be_converted_too():
