@@ -110,13 +110,7 @@ def test_layers_equal_reference(arch, metric):
     for layer in dk.converted_layers(model).values():
         params, config = layer_params(arch, layer)
         x = rng.normal(size=(2, 5, config.query_dim))
-        for role, attr in (("q", SUBLAYERS[arch][0]), ("k", SUBLAYERS[arch][1])):
-            y0 = np.einsum("bte,ehd->bthd", x, params[f"{'query' if role == 'q' else 'key'}.kernel"])
-            y0 = y0 + params[f"{'query' if role == 'q' else 'key'}.bias"]
-            expected = reference_map(params, config, dc.side_of(config, role), x, y0)
-            got = numpy(getattr(layer, attr)(x))
-            assert np.abs(expected - y0).max() > 1e-2  # the maps are open
-            np.testing.assert_allclose(got, expected, rtol=0, atol=1e-12)
+        check_maps(arch, layer, params, config, x, opened=1e-2)
         mask = causal_mask(2, 5)
         got = call_layer(arch, layer, x, mask)
         if arch in NORMED:
@@ -129,6 +123,17 @@ def test_layers_equal_reference(arch, metric):
         # even in a float64 model: those layers agree to float32 rounding.
         tol = 1e-6 if arch in ROTARY else 1e-12
         np.testing.assert_allclose(got, expected, rtol=0, atol=tol * max(1.0, np.abs(expected).max()))
+
+
+def check_maps(arch, layer, params, config, x, opened):
+    """The query and key projection sublayers of a converted layer (gates
+    open) on tokens x equal the reference's maps of their heads to 1e-12, and
+    each map moves its heads by more than ``opened``."""
+    for role, attr, name in (("q", SUBLAYERS[arch][0], "query"), ("k", SUBLAYERS[arch][1], "key")):
+        y0 = np.einsum("bte,ehd->bthd", x, params[f"{name}.kernel"]) + params[f"{name}.bias"]
+        expected = reference_map(params, config, dc.side_of(config, role), x, y0)
+        assert np.abs(expected - y0).max() > opened  # the maps are open
+        np.testing.assert_allclose(numpy(getattr(layer, attr)(x)), expected, rtol=0, atol=1e-12)
 
 
 def normed_reference(arch, layer, params, config, x, mask):
@@ -836,12 +841,7 @@ def test_moonshine_converts():
     open_gates(model)
     for layer in layers.values():
         params, config = layer_params("gpt2", layer)  # the four MultiHeadAttention sublayers
-        t = rng.normal(size=(2, 5, config.query_dim))
-        for role, attr, name in (("q", "_query_dense", "query"), ("k", "_key_dense", "key")):
-            y0 = np.einsum("bte,ehd->bthd", t, params[f"{name}.kernel"]) + params[f"{name}.bias"]
-            expected = reference_map(params, config, dc.side_of(config, role), t, y0)
-            assert np.abs(expected - y0).max() > 1e-3  # the maps are open
-            np.testing.assert_allclose(numpy(getattr(layer, attr)(t)), expected, rtol=0, atol=1e-12)
+        check_maps("gpt2", layer, params, config, rng.normal(size=(2, 5, config.query_dim)), opened=1e-3)
     assert all(np.abs(got - want).max() > 1e-6 for got, want in zip(outputs()[:1], before[:1]))
     # Decoding with the task's caches (the cross-attention's keys mapped once, where the
     # task projects the encoder states) equals the full forward, token by token.
@@ -894,12 +894,7 @@ def test_encoder_decoder_backbones_convert(arch):
     open_gates(model)
     for layer in layers.values():
         params, config = layer_params("gpt2", layer)  # the four MultiHeadAttention sublayers
-        t = rng.normal(size=(2, 5, config.query_dim))
-        for role, attr, name in (("q", "_query_dense", "query"), ("k", "_key_dense", "key")):
-            y0 = np.einsum("bte,ehd->bthd", t, params[f"{name}.kernel"]) + params[f"{name}.bias"]
-            expected = reference_map(params, config, dc.side_of(config, role), t, y0)
-            assert np.abs(expected - y0).max() > 1e-3  # the maps are open
-            np.testing.assert_allclose(numpy(getattr(layer, attr)(t)), expected, rtol=0, atol=1e-12)
+        check_maps("gpt2", layer, params, config, rng.normal(size=(2, 5, config.query_dim)), opened=1e-3)
     assert max(np.abs(got - want).max() for got, want in zip(outputs(), before)) > 1e-6
 
 

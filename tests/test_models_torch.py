@@ -20,6 +20,7 @@ from _models_zoo import (
     HOST_ATTN,
     SIGLIP_HEAD,
     VOCAB,
+    _dec,
     aten_calls_before_and_after_convert,
     build,
     capture,
@@ -556,22 +557,18 @@ LLAMA_COPIES = {
 }
 
 
+def _tiny_lm(model, config, dtype, **extra):
+    """A tiny random-weight transformers causal LM ``model`` of ``config``, the
+    zoo's decoder sizes (``_dec``) and ``extra``; logits far from 0 (the maps
+    move the greedy tokens)."""
+    torch.manual_seed(0)
+    cfg = _dec(getattr(transformers, config), initializer_range=0.2, pad_token_id=0, **extra)
+    return getattr(transformers, model)(cfg).to(dtype).eval()
+
+
 def _llama_copy(name, dtype):
     model, config, extra = LLAMA_COPIES[name]
-    torch.manual_seed(0)
-    cfg = getattr(transformers, config)(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        initializer_range=0.2,  # logits far from 0: the maps move the greedy tokens
-        pad_token_id=0,
-        **extra,
-    )
-    return getattr(transformers, model)(cfg).to(dtype).eval()
+    return _tiny_lm(model, config, dtype, **extra)
 
 
 @pytest.mark.parametrize("name", list(LLAMA_COPIES))
@@ -590,24 +587,16 @@ def test_llama_copies_convert(name):
 
 def _gemma3(dtype):
     """A tiny random-weight ``Gemma3ForCausalLM`` (text): a sliding-window and a global layer."""
-    torch.manual_seed(0)
-    config = transformers.Gemma3TextConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+    return _tiny_lm(
+        "Gemma3ForCausalLM",
+        "Gemma3TextConfig",
+        dtype,
         head_dim=8,
         query_pre_attn_scalar=16,
-        max_position_embeddings=64,
         layer_types=["sliding_attention", "full_attention"],
         sliding_window=4,
-        initializer_range=0.2,
-        pad_token_id=0,
         attn_implementation="sdpa",
     )
-    return transformers.Gemma3ForCausalLM(config).to(dtype).eval()
 
 
 def test_gemma3_converts():
@@ -684,22 +673,9 @@ def test_olmo2_converts():
     converted with separate maps (GQA), exact at init, cached greedy
     generation equal to uncached and away from the unconverted model's, and
     each layer against an independent NumPy forward."""
-    config = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        initializer_range=0.2,
-        pad_token_id=0,
-    )
-    torch.manual_seed(0)
-    model = transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**config)).eval()
+    model = _tiny_lm("Olmo2ForCausalLM", "Olmo2Config", torch.float32)
     _check_converted_lm(model, [f"model.layers.{i}.self_attn" for i in range(2)], ("q", "k"))
-    torch.manual_seed(0)
-    model = open_gates(dt.convert(transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**config)).double().eval()))
+    model = open_gates(dt.convert(_tiny_lm("Olmo2ForCausalLM", "Olmo2Config", torch.float64)))
 
     def norms(q, k, module):  # one RMS norm over the features of all the heads
         def norm(y, mod):
