@@ -48,21 +48,79 @@ class ProjectionSite:
     ``EinsumDense`` does in Keras and KerasHub); offsets count features of the
     flattened heads either way.
 
+    Some fused projections interleave the roles: GPT-NeoX's and BLOOM's
+    ``query_key_value`` holds, for each head in turn, its query, key and value
+    (F = H * 3d), and Falcon's (new decoder architecture) holds, for each of
+    its G key/value groups, the group's H/G queries, then its key and its
+    value. ``groups`` describes them: the output is ``groups`` equal runs of
+    F / groups features, each holding ``1/groups`` of the query heads at
+    offset ``q`` and of the key heads at offset ``k`` (offsets within a run),
+    in head order (run g holds query heads g*H/groups, ...). GPT-NeoX is
+    ``ProjectionSite("query_key_value", q=0, k=d, groups=H)``.
+
     Args:
         attr: attribute name of the projection on the attention module or
             layer (``"q_proj"``, ``"c_attn"``, ``"qkv"``, ``"_query_dense"``).
-        q: feature offset of the H query heads in the projection's output, or
-            ``None`` when it projects no queries.
+        q: feature offset of the H query heads in the projection's output (in
+            each run, with ``groups``), or ``None`` when it projects no queries.
         k: feature offset of the G key heads, or ``None``.
+        groups: how many runs the output is cut into (default 1: the whole
+            output, the heads of each role consecutive).
     """
 
     attr: str
     q: int | None = None
     k: int | None = None
+    groups: int = 1
 
     def roles(self) -> list[tuple[str, int]]:
-        """(role, offset) pairs, in output order."""
+        """(role, offset) pairs, in output order (within a run with ``groups``)."""
         return sorted(((r, o) for r, o in (("q", self.q), ("k", self.k)) if o is not None), key=lambda t: t[1])
+
+    def blocks(self, num_heads: int, num_kv_heads: int, head_dim: int, features: int) -> list[tuple[str | None, int]]:
+        """One run of the output as consecutive blocks: (role or None, width
+        in features), widths summing to ``features / groups``; ``features`` is
+        the projection's output size F.
+
+        Raises:
+            DamchaValueError: ``groups`` is not a positive int dividing F, H
+                and G, or the roles' blocks overlap or leave the run.
+        """
+        groups = self.groups
+        if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1:
+            raise DamchaValueError(
+                invalid_argument("groups", "a positive int", f"groups={describe(groups)} for `{self.attr}`")
+            )
+        if features % groups or num_heads % groups or num_kv_heads % groups:
+            raise DamchaValueError(
+                invalid_argument(
+                    "groups",
+                    "a divisor of the projection's output features and of the query and key head counts",
+                    f"groups={groups} for `{self.attr}` with {features} features, {num_heads} query heads and "
+                    f"{num_kv_heads} key heads",
+                )
+            )
+        run = features // groups
+        blocks: list[tuple[str | None, int]] = []
+        pos = 0
+        for role, offset in self.roles():
+            width = (num_heads if role == "q" else num_kv_heads) // groups * head_dim
+            if not isinstance(offset, int) or isinstance(offset, bool) or offset < pos or offset + width > run:
+                where = "the run of features each group holds" if groups > 1 else "the projection's output"
+                raise DamchaValueError(
+                    invalid_argument(
+                        role,
+                        f"an offset whose {width} features lie in {where} ({run} features) after the other role's",
+                        f"{role}={describe(offset)} for `{self.attr}`",
+                    )
+                )
+            if offset > pos:
+                blocks.append((None, offset - pos))
+            blocks.append((role, width))
+            pos = offset + width
+        if pos < run:
+            blocks.append((None, run - pos))
+        return blocks
 
 
 @dataclasses.dataclass(frozen=True)

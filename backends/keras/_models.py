@@ -26,6 +26,7 @@ instead of returning a plain model.
 from __future__ import annotations
 
 import json
+import math
 import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -192,35 +193,41 @@ class DamchaMaps(keras.layers.Layer):
     # ---------------------------------------------------------------- math
 
     def map_site(self, site: ProjectionSite, tokens: Any, y: Any) -> Any:
-        """Map the query/key heads of a projection output ``y`` (B, T, heads, d)
-        or (B, T, F) computed from ``tokens`` (B, T, E)."""
+        """Map the query/key heads of a projection output ``y`` (B, T, heads, d),
+        (B, T, F) or any (B, T, ...) holding F features (GPT-NeoX's (B, T, H, 3d))
+        computed from ``tokens`` (B, T, E)."""
         cfg = self.config
         d = cfg.key_dim
-        flat = len(y.shape) == len(tokens.shape)
-        heads = ops.reshape(y, (*ops.shape(y)[:-1], y.shape[-1] // d, d)) if flat else y
-        total = heads.shape[-2]
-        # The output as consecutive blocks of heads: (role or None, count).
-        blocks: list[tuple[str | None, int]] = []
-        pos = 0
-        for role, offset in site.roles():
-            start, count = offset // d, (cfg.num_heads if role == "q" else dc.config_sizes(cfg)[3])
-            if start > pos:
-                blocks.append((None, start - pos))
-            blocks.append((role, count))
-            pos = start + count
-        if pos < total:
-            blocks.append((None, total - pos))
+        rank = len(tokens.shape)
+        # (B, T, heads, d) as EinsumDense gives it, else the output's features as heads
+        # (a flat (B, T, F), or GPT-NeoX's (B, T, H, 3d)).
+        stacked = len(y.shape) == rank + 1 and y.shape[-1] == d
+        features = math.prod(y.shape[rank - 1 :])
+        groups = site.groups
+        # One run of the output per group (see ProjectionSite) as consecutive blocks of heads.
+        blocks = [(role, width // d) for role, width in site.blocks(cfg.num_heads, cfg.side_heads("k"), d, features)]
+        lead = ops.shape(y)[: rank - 1]
+        heads = y if stacked and groups == 1 else ops.reshape(y, (*lead, features // d, d))
+        if groups > 1:
+            heads = ops.reshape(heads, (*lead, groups, features // d // groups, d))
         if len(blocks) == 1:
             parts = [heads]
         else:
             cuts = list(np.cumsum([n for _, n in blocks])[:-1])
             parts = ops.split(heads, cuts, axis=-2)
         out = []
-        for (owner, _), part in zip(blocks, parts):
+        for (owner, count), part in zip(blocks, parts):
             side = None if owner is None else dc.side_of(cfg, owner)
-            out.append(part if side is None else self._map(side, tokens, part))
+            if side is None:
+                out.append(part)
+            elif groups == 1:
+                out.append(self._map(side, tokens, part))
+            else:
+                # The role's heads of all runs, (..., groups, S/groups, d) -> (..., S, d) in head order.
+                whole = self._map(side, tokens, ops.reshape(part, (*lead, groups * count, d)))
+                out.append(ops.reshape(whole, (*lead, groups, count, d)))
         mapped = out[0] if len(out) == 1 else ops.concatenate(out, axis=-2)
-        return ops.reshape(mapped, ops.shape(y)) if flat else mapped
+        return mapped if stacked and groups == 1 else ops.reshape(mapped, ops.shape(y))
 
     def _map(self, side: str, tokens: Any, y: Any) -> Any:
         cfg = self.config
@@ -623,6 +630,17 @@ def _check_sites(layer: Any, layout: AttentionLayout, *, quantized: bool) -> Non
                     f"the {role} offset of `{site.attr}` must be a multiple of head_dim={layout.head_dim} (whole "
                     f"heads). Received: {role}={offset}"
                 )
+        features = _out_features(projection)
+        if features is not None:
+            site.blocks(layout.num_heads, layout.num_kv_heads, layout.head_dim, features)
+
+
+def _out_features(projection: Any) -> int | None:
+    """The output size F of a ``Dense`` projection (its ``units``); None for
+    others (an ``EinsumDense``'s output axes depend on its equation: the maps
+    check its output on the first call)."""
+    units = getattr(projection, "units", None) if isinstance(projection, keras.layers.Dense) else None
+    return units if isinstance(units, int) else None
 
 
 def _build_in_scope(layer: Any, maps: DamchaMaps) -> None:

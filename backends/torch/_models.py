@@ -85,7 +85,7 @@ def supported_layouts() -> list[str]:
 
 
 def _load_builtin_adapters() -> None:
-    from . import _models_layouts  # noqa: F401  (registers on first import)
+    from . import _models_layouts, _models_layouts_qkv  # noqa: F401  (register on first import)
 
 
 # ---------------------------------------------------------------- the maps
@@ -440,7 +440,9 @@ class DamchaMaps(nn.Module):
             return cached
         cfg = self.config
         blocks: tuple[_fused.SideBlocks, ...] | None = None
-        if cfg.metric in ("heads", "lowrank"):
+        # The fast paths read each side's heads as one block of S*d features:
+        # an interleaved site (groups > 1) keeps the general path.
+        if cfg.metric in ("heads", "lowrank") and site.groups == 1:
             by_side: dict[str, list[int]] = {}
             for role, offset in site.roles():
                 side = dc.side_of(cfg, role)
@@ -549,21 +551,14 @@ class DamchaMaps(nn.Module):
     def apply_maps(self, site: ProjectionSite, tokens: Tensor, y: Tensor) -> Tensor:
         """Map the query/key heads of a projection output y (..., F) of ``tokens`` (..., E)."""
         cfg = self.config
-        d = cfg.key_dim
-        # The output as consecutive blocks: (role or None, width). One split (whose
-        # backward is one cat) rather than slices (each slice's backward fills a
-        # zero tensor of the whole output).
-        blocks: list[tuple[str | None, int]] = []
-        pos = 0
-        for role, offset in site.roles():
-            width = cfg.side_heads(role) * d  # role "q" or "k": H or G heads
-            if offset > pos:
-                blocks.append((None, offset - pos))
-            blocks.append((role, width))
-            pos = offset + width
-        if pos < y.shape[-1]:
-            blocks.append((None, y.shape[-1] - pos))
-        out = list(y.split([w for _, w in blocks], dim=-1)) if len(blocks) > 1 else [y]
+        # The output (one run of it per group, see ProjectionSite) as consecutive
+        # blocks: (role or None, width). One split (whose backward is one cat)
+        # rather than slices (each slice's backward fills a zero tensor of the
+        # whole output).
+        blocks = site.blocks(cfg.num_heads, cfg.side_heads("k"), cfg.key_dim, y.shape[-1])
+        groups = site.groups
+        runs = y if groups == 1 else y.unflatten(-1, (groups, y.shape[-1] // groups))
+        out = list(runs.split([w for _, w in blocks], dim=-1)) if len(blocks) > 1 else [runs]
         # The parts each side maps, so that a side's generator runs once for
         # all of them (tied q and k of one projection: one A(t)).
         by_side: dict[str, list[int]] = {}
@@ -574,15 +569,18 @@ class DamchaMaps(nn.Module):
                 by_side.setdefault(side, []).append(i)
         with _no_autocast(y):
             for side, indices in by_side.items():
-                mapped = self.apply_map(side, tokens, tuple(out[i] for i in indices))
+                # A role's heads of all runs, (..., groups, S/groups * d) -> (..., S * d) in head order.
+                parts = tuple(out[i] if groups == 1 else out[i].flatten(-2) for i in indices)
+                mapped = self.apply_map(side, tokens, parts)
                 for i, part in zip(indices, mapped):
-                    out[i] = part.to(y.dtype)
+                    out[i] = (part if groups == 1 else part.unflatten(-1, (groups, -1))).to(y.dtype)
                 if self.track_metric_penalty:
                     for i in indices:
                         mapped_role = blocks[i][0]
                         assert mapped_role is not None  # by_side holds mapped blocks only
                         self._penalty_terms[mapped_role] = self.generator(side).penalty(tokens, self.gates[side])
-        return out[0] if len(out) == 1 else torch.cat(out, dim=-1)
+        joined = out[0] if len(out) == 1 else torch.cat(out, dim=-1)
+        return joined if groups == 1 else joined.flatten(-2)
 
     def apply_map(self, side: str, tokens: Tensor, parts: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
         """L(t) y for each y of ``parts``, heads flattened to (..., S*d): the
@@ -682,6 +680,17 @@ def _child(module: nn.Module, attr: str) -> nn.Module:
             )
         )
     return child
+
+
+def _out_features(projection: nn.Module) -> int | None:
+    """The output size of a projection: an ``nn.Linear`` (or a wrapper exposing
+    ``out_features``, PEFT's LoRA layers), transformers' ``Conv1D`` (``nf``);
+    None for anything else."""
+    for attr in ("out_features", "nf"):
+        value = getattr(projection, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
 
 
 # ------------------------------------------------------------------ convert
@@ -938,6 +947,12 @@ def _plans(
         try:
             layout = adapter.layout(module)
             config = _layout.layout_config(layout, metric=metric, metric_rank=metric_rank, coupling=coupling)
+            for site in layout.sites:
+                # The blocks the maps read, checked against the projection's size
+                # where it tells it (apply_maps checks every call's output anyway).
+                features = _out_features(_child(module, site.attr))
+                if features is not None:
+                    site.blocks(layout.num_heads, layout.num_kv_heads, layout.head_dim, features)
         except (DamchaValueError, DamchaTypeError) as exc:
             failures.append(type(exc)(f"Cannot convert layer `{name}` ({adapter.name}): {exc}"))
             continue

@@ -1,0 +1,411 @@
+"""damcha_torch.convert on transformers models whose attention has one fused
+qkv projection (backends/torch/_models_layouts_qkv.py): GPT-NeoX, Persimmon,
+BLOOM, Falcon (its three splits), GPTBigCode (multi-query and per head), MPT,
+DBRX, ModernBERT.
+
+Each host's split of its projection's output is written out here from the
+host's own code (``_split_heads``, ``view(..., H, 3 * d)``), independently of
+the adapters' ``ProjectionSite``s, and every check reads the heads through it:
+- exact at init, bit for bit;
+- with the gates open, the query and key heads each layer's projection gives
+  are the NumPy reference's maps of the unconverted heads, to 1e-12, and the
+  value heads are untouched;
+- causal LMs: cached greedy generation equals uncached and moves away from
+  the unconverted model's;
+- GPT-NeoX (partial RoPE) and Falcon's grouped split (GQA, RoPE): each whole
+  layer equals ``damcha_core.damcha_attention`` with the host's weights read
+  through the split, so the heads the maps mix are the heads attention uses.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from _models_zoo import VOCAB, metric_params, open_gates
+
+import damcha_core as dc
+import damcha_torch as dt
+from damcha_core._layout import ProjectionSite
+from damcha_core._reference import apply_map
+
+dt.ensure_torchvision_importable()
+transformers = pytest.importorskip("transformers")
+
+E, H = 32, 4
+D = E // H
+
+
+def _per_head(y, H, G):
+    """(..., H, 3, d): each head's query, key, value (GPT-NeoX, Persimmon, BLOOM, ...)."""
+    heads = y.reshape(*y.shape[:-1], H, 3, D)
+    return heads[..., 0, :], heads[..., 1, :], heads[..., 2, :]
+
+
+def _by_role(y, H, G):
+    """The H query heads, then G key heads, then G value heads (MPT, DBRX, ModernBERT, multi-query)."""
+    q, k, v = np.split(y, [H * D, (H + G) * D], axis=-1)
+    return (t.reshape(*t.shape[:-1], -1, D) for t in (q, k, v))
+
+
+def _per_group(y, H, G):
+    """Falcon's new decoder architecture: per key/value group, its H/G queries, its key, its value."""
+    heads = y.reshape(*y.shape[:-1], G, H // G + 2, D)
+    q = heads[..., : H // G, :].reshape(*y.shape[:-1], H, D)
+    return q, heads[..., H // G, :], heads[..., H // G + 1, :]
+
+
+def _falcon(**kw):
+    return transformers.FalconForCausalLM(
+        transformers.FalconConfig(
+            vocab_size=VOCAB, hidden_size=E, num_hidden_layers=2, num_attention_heads=H, pad_token_id=0, **kw
+        )
+    )
+
+
+def _bigcode(multi_query):
+    cfg = transformers.GPTBigCodeConfig(
+        vocab_size=VOCAB, n_embd=E, n_layer=2, n_head=H, multi_query=multi_query, pad_token_id=0
+    )
+    cfg.bos_token_id = cfg.eos_token_id = 1
+    return transformers.GPTBigCodeForCausalLM(cfg)
+
+
+# name -> (build, projection attribute, split, key/value heads, causal LM)
+HOSTS = {
+    "gpt-neox": (
+        lambda: transformers.GPTNeoXForCausalLM(
+            transformers.GPTNeoXConfig(
+                vocab_size=VOCAB,
+                hidden_size=E,
+                num_hidden_layers=2,
+                num_attention_heads=H,
+                intermediate_size=37,
+                rotary_pct=0.5,  # Pythia's 0.25 would leave one channel pair of 8
+                pad_token_id=0,
+            )
+        ),
+        "query_key_value",
+        _per_head,
+        H,
+        True,
+    ),
+    "persimmon": (
+        lambda: transformers.PersimmonForCausalLM(
+            transformers.PersimmonConfig(
+                vocab_size=VOCAB,
+                hidden_size=E,
+                num_hidden_layers=2,
+                num_attention_heads=H,
+                intermediate_size=37,
+                qk_layernorm=True,
+                pad_token_id=0,
+            )
+        ),
+        "query_key_value",
+        _per_head,
+        H,
+        True,
+    ),
+    "bloom": (
+        lambda: transformers.BloomForCausalLM(
+            transformers.BloomConfig(vocab_size=VOCAB, hidden_size=E, n_layer=2, n_head=H, pad_token_id=0)
+        ),
+        "query_key_value",
+        _per_head,
+        H,
+        True,
+    ),
+    "falcon": (lambda: _falcon(new_decoder_architecture=True, num_kv_heads=2), "query_key_value", _per_group, 2, True),
+    "falcon-mqa": (
+        lambda: _falcon(new_decoder_architecture=False, multi_query=True),
+        "query_key_value",
+        _by_role,
+        1,
+        True,
+    ),
+    "falcon-alibi": (
+        lambda: _falcon(new_decoder_architecture=False, multi_query=False, alibi=True),
+        "query_key_value",
+        _per_head,
+        H,
+        True,
+    ),
+    "gpt-bigcode-mqa": (lambda: _bigcode(True), "c_attn", _by_role, 1, True),
+    "gpt-bigcode": (lambda: _bigcode(False), "c_attn", _per_head, H, True),
+    "mpt": (
+        lambda: transformers.MptForCausalLM(
+            transformers.MptConfig(
+                vocab_size=VOCAB, d_model=E, n_layers=2, n_heads=H, attn_config={"clip_qkv": 0.6}, pad_token_id=0
+            )
+        ),
+        "Wqkv",
+        _by_role,
+        H,
+        True,
+    ),
+    "dbrx": (
+        lambda: transformers.DbrxForCausalLM(
+            transformers.DbrxConfig(
+                vocab_size=VOCAB,
+                d_model=E,
+                n_layers=2,
+                n_heads=H,
+                attn_config={"kv_n_heads": 2, "clip_qkv": 8.0, "rope_theta": 10000.0},
+                ffn_config={"ffn_hidden_size": 16, "moe_num_experts": 2, "moe_top_k": 1},
+                pad_token_id=0,
+            )
+        ),
+        "Wqkv",
+        _by_role,
+        2,
+        True,
+    ),
+    "modernbert": (
+        lambda: transformers.ModernBertModel(
+            transformers.ModernBertConfig(
+                vocab_size=VOCAB,
+                hidden_size=E,
+                num_hidden_layers=2,
+                num_attention_heads=H,
+                intermediate_size=37,
+                global_attn_every_n_layers=2,
+                local_attention=4,  # the first layer's sliding window is narrower than the tokens
+                pad_token_id=0,
+                bos_token_id=1,
+                eos_token_id=2,
+                cls_token_id=1,
+                sep_token_id=2,
+            )
+        ),
+        "Wqkv",
+        _by_role,
+        H,
+        False,
+    ),
+}
+
+
+def _build(name, dtype):
+    torch.manual_seed(0)
+    model = HOSTS[name][0]()
+    with torch.no_grad():  # weights far from 0, so that the maps move the greedy tokens
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+    return model.to(dtype).eval()
+
+
+def _ids(batch=2, n=9):
+    return torch.randint(1, VOCAB, (batch, n), generator=torch.Generator().manual_seed(3))
+
+
+def _out(model, **kw):
+    out = model(**kw)
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+@pytest.mark.parametrize("name", list(HOSTS))
+def test_fused_qkv_hosts_convert(name):
+    """Exact at init bit for bit (a padded batch); with the gates open each
+    layer's query and key heads are the reference's maps of the unconverted
+    ones, its value heads untouched; causal LMs: cached greedy generation
+    equal to uncached, away from the unconverted model's."""
+    _, attr, split, G, causal = HOSTS[name]
+    model = _build(name, torch.float64)
+    ids = _ids()
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding
+    with torch.no_grad():
+        before = _out(model, input_ids=ids, attention_mask=mask)
+        if causal:
+            opts = {"max_new_tokens": 5, "do_sample": False, "pad_token_id": 0}
+            opts |= {"return_dict_in_generate": True, "output_logits": True}
+            unconverted = _build(name, torch.float32).generate(ids[:1], use_cache=True, **opts)
+        dt.convert(model)
+        # (ALiBi hosts give the padded rows NaN, converted or not.)
+        torch.testing.assert_close(
+            _out(model, input_ids=ids, attention_mask=mask), before, rtol=0, atol=0, equal_nan=True
+        )
+    layers = dt.converted_layers(model)
+    assert len(layers) == 2
+    open_gates(model)
+
+    seen = {}
+    for layer_name, module in layers.items():
+        projection = getattr(module, attr)
+
+        def hook(mod, args, output, layer_name=layer_name):
+            seen[layer_name] = (args[0], output)
+
+        projection.register_forward_hook(hook)
+    with torch.no_grad():
+        after = _out(model, input_ids=ids)
+    assert set(seen) == set(layers)
+    for layer_name, (x, y) in seen.items():
+        module = layers[layer_name]
+        projection, maps = getattr(module, attr), module.damcha
+        cfg, params = maps.config, metric_params(maps)
+        assert (cfg.num_heads, cfg.num_kv_heads) == (H, G)
+        # The unconverted projection: the host's Linear (Falcon's FalconLinear) computed plainly.
+        y0 = torch.nn.functional.linear(x, projection.weight, projection.bias).detach().numpy()
+        x = x.numpy()
+        q0, k0, v0 = split(y0, H, G)
+        q, k, v = split(y.numpy(), H, G)
+        want_q = apply_map(params, cfg, dc.side_of(cfg, "q"), x, q0)
+        want_k = apply_map(params, cfg, dc.side_of(cfg, "k"), x, k0)
+        assert np.abs(want_q - q0).max() > 1e-3 and np.abs(want_k - k0).max() > 1e-3  # the maps are open
+        np.testing.assert_allclose(q, want_q, rtol=0, atol=1e-12, err_msg=layer_name)
+        np.testing.assert_allclose(k, want_k, rtol=0, atol=1e-12, err_msg=layer_name)
+        np.testing.assert_array_equal(v, v0)
+    assert (after - _out_unconverted(name, ids)).abs().max() > 1e-3
+    if causal:
+        model = model.float()
+        with torch.no_grad():
+            cached = model.generate(ids[:1], use_cache=True, **opts)
+            plain = model.generate(ids[:1], use_cache=False, **opts)
+        assert torch.equal(cached.sequences, plain.sequences)
+        for a, b, c in zip(cached.logits, plain.logits, unconverted.logits, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+            assert (a - c).abs().max() > 1e-3
+
+
+def _out_unconverted(name, ids):
+    with torch.no_grad():
+        return _out(_build(name, torch.float64), input_ids=ids)
+
+
+def _canonical(module, attr, split, G):
+    """The layer's weights as the reference's parameters, read through the host's split."""
+    projection, maps = getattr(module, attr), module.damcha
+    w = projection.weight.detach().double().numpy().T  # (E, F)
+    b = projection.bias.detach().double().numpy() if projection.bias is not None else np.zeros(w.shape[1])
+    p = {}
+    for role, kernel, bias in zip(("query", "key", "value"), split(w, H, G), split(b, H, G)):
+        p[f"{role}.kernel"], p[f"{role}.bias"] = kernel, bias
+    dense = module.dense
+    p["output.kernel"] = dense.weight.detach().double().numpy().T.reshape(H, D, E)
+    p["output.bias"] = dense.bias.detach().double().numpy() if dense.bias is not None else np.zeros(E)
+    cfg = maps.config
+    config = dc.DamchaConfig(
+        query_dim=E, num_heads=H, num_kv_heads=G, key_dim=D, use_bias=True, metric=cfg.metric, coupling=cfg.coupling
+    )
+    p.update(metric_params(maps))
+    return p, config
+
+
+@pytest.mark.parametrize("name", ["gpt-neox", "falcon"])
+def test_fused_qkv_layers_equal_reference(name):
+    """Each whole layer (gates open) equals the reference's DAMCHA attention
+    with the host's weights read through its split, causal, rotated by the
+    host's (partial) RoPE after the maps."""
+    _, attr, split, G, _ = HOSTS[name]
+    model = dt.convert(_build(name, torch.float64))
+    open_gates(model)
+    core = model.gpt_neox if name == "gpt-neox" else model.transformer
+    emb = core.rotary_emb
+    n = 7
+    x = torch.randn(2, n, E, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    # The angles in float64 (the host's rotary module computes them in float32).
+    angles = torch.arange(n, dtype=torch.float64)[:, None] * emb.inv_freq.double()[None]
+    angles = torch.cat([angles, angles], dim=-1)[None]
+    cos, sin = angles.cos(), angles.sin()
+    rotary = dc.Rotary(emb.inv_freq.double().numpy())
+    for layer_name, module in dt.converted_layers(model).items():
+        with torch.no_grad():
+            if name == "gpt-neox":
+                got = module(x, attention_mask=None, position_embeddings=(cos, sin))[0]
+            else:
+                got = module(x, alibi=None, attention_mask=None, position_embeddings=(cos, sin))[0]
+        p, cfg = _canonical(module, attr, split, G)
+        want = dc.damcha_attention(p, cfg, x.numpy(), causal=True, rotary=rotary)
+        np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=1e-12, err_msg=layer_name)
+
+
+def test_a_wrong_split_fails_the_reference_check():
+    """The check above is not blind to the head order: reading Falcon's grouped
+    output as if it were laid out role by role breaks it."""
+    _, attr, _, G, _ = HOSTS["falcon"]
+    model = open_gates(dt.convert(_build("falcon", torch.float64)))
+    module = next(iter(dt.converted_layers(model).values()))
+    x = torch.randn(1, 5, E, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    emb = model.transformer.rotary_emb
+    angles = torch.arange(5, dtype=torch.float64)[:, None] * emb.inv_freq.double()[None]
+    angles = torch.cat([angles, angles], dim=-1)[None]
+    with torch.no_grad():
+        got = module(x, alibi=None, attention_mask=None, position_embeddings=(angles.cos(), angles.sin()))[0]
+    p, cfg = _canonical(module, attr, _by_role, G)
+    want = dc.damcha_attention(p, cfg, x.numpy(), causal=True, rotary=dc.Rotary(emb.inv_freq.double().numpy()))
+    assert np.abs(got.numpy() - want).max() > 1e-3
+
+
+def test_fused_qkv_training_step_moves_the_gates():
+    """A training step of a converted GPT-NeoX (its interleaved site on the
+    general path, recomputed in backward) reaches every gate, and its
+    gradients equal those of the same step without recompute."""
+    grads = []
+    for recompute in (True, False):
+        model = open_gates(dt.convert(_build("gpt-neox", torch.float64).train(), recompute=recompute))
+        ids = _ids()
+        model(input_ids=ids, labels=ids).loss.backward()
+        gates = {n: p.grad for n, p in model.named_parameters() if ".gates." in n}
+        assert len(gates) == 2 and all(g is not None and g.abs().max() > 0 for g in gates.values())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for n in grads[0]:
+        torch.testing.assert_close(grads[0][n], grads[1][n], rtol=0, atol=1e-12, msg=n)
+
+
+def test_gpt_bigcode_cross_attention_is_refused_by_name():
+    """GPTBigCode's cross-attention (its c_attn split gives one key and one value
+    head) is refused, naming the layer and why, and nothing is converted."""
+    cfg = transformers.GPTBigCodeConfig(vocab_size=VOCAB, n_embd=E, n_layer=1, n_head=H, multi_query=False)
+    module = transformers.models.gpt_bigcode.modeling_gpt_bigcode.GPTBigCodeAttention(
+        cfg, is_cross_attention=True, layer_idx=0
+    )
+    holder = torch.nn.Sequential(module)
+    with pytest.raises(dc.DamchaValueError, match=r"Cannot convert layer `0` \(transformers-gpt-bigcode\).*one key"):
+        dt.convert(holder)
+    assert not dt.converted_layers(holder)
+
+
+@pytest.mark.parametrize(
+    ("site", "pattern"),
+    [
+        (ProjectionSite("qkv", q=0, k=D, groups=3), r"groups=3 for `qkv` with 96 features, 4 query heads"),
+        (ProjectionSite("qkv", q=0, k=D, groups=0), r"expected a positive int.*groups=0"),
+        (ProjectionSite("qkv", q=0, k=3 * D, groups=H), r"Invalid argument `k`.*\(24 features\).*k=24"),
+        (ProjectionSite("qkv", q=0, k=D // 2, groups=H), r"Invalid argument `k`.*after the other role's.*k=4"),
+    ],
+    ids=["groups-not-dividing", "groups-zero", "k-outside-run", "overlap"],
+)
+def test_a_grouped_site_that_does_not_fit_is_refused_before_converting(site, pattern):
+    """An adapter's grouped site that does not fit its projection is refused at
+    convert(), naming the argument and the value, and nothing is converted."""
+
+    class Attention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = torch.nn.Linear(E, 3 * E)
+
+        def forward(self, x):
+            return self.qkv(x)
+
+    name = f"grouped-test-{site.groups}-{site.q}-{site.k}"
+    dt.register_adapter(
+        dt.ModelAdapter(
+            name,
+            "a test layout",
+            lambda m: type(m) is Attention,
+            lambda m: dt.AttentionLayout(H, H, D, E, E, (site,)),
+        )
+    )
+    try:
+        model = torch.nn.Sequential(Attention())
+        with pytest.raises(dc.DamchaValueError, match=pattern):
+            dt.convert(model)
+        assert not dt.converted_layers(model)
+    finally:
+        from damcha_torch import _models
+
+        _models._ADAPTERS[:] = [a for a in _models._ADAPTERS if a.name != name]
