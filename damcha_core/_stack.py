@@ -26,7 +26,8 @@ import numpy as np
 from ._config import DamchaConfig
 from ._errors import DamchaTypeError, DamchaValueError, describe, invalid_argument
 from ._params import init_params, validate_params
-from ._reference import damcha_attention
+from ._policy import check_token_shape
+from ._reference import _as_float64, damcha_attention
 from ._validators import check_bool, check_choice, check_int, check_real, check_seed
 
 #: Name prefix of the stack-wise shared metric generator's parameters.
@@ -292,7 +293,10 @@ def encoder_forward(
         raise DamchaTypeError(invalid_argument("config", "an EncoderConfig", f"config={describe(config)}"))
     return_weights = check_bool("return_weights", return_weights)
     p = validate_stack_params(params, config)
-    h = np.asarray(x, dtype=np.float64)
+    # Tokens as damcha_attention takes them (real floating, (B, N, E)), checked
+    # here so that a mistake is named `x`, not a LayerNorm broadcast error.
+    h = _as_float64("x", x)
+    check_token_shape("x", h.shape, config.attention.query_dim, "config.attention.query_dim")
     eps, act = config.norm_eps, ACTIVATION_FNS[config.activation]
     weights = []
 

@@ -190,12 +190,16 @@ def check_finite_nonneg(name: str, value: Any) -> float:
 def check_offset(name: str, value: Any) -> int:
     """A position offset (e.g. ``query_offset``): an int >= 0, never a bool.
 
-    One class for every bad offset, DamchaValueError (a float or a negative
-    int alike): the JAX port, whose offset may be a traced array, raises this
-    same error for the values it can inspect.
+    One class for every bad number, DamchaValueError (a float, a bool or a
+    negative int alike): the JAX port, whose offset may be a traced array,
+    raises this same error for the values it can inspect. What is no number
+    at all (a string, None, a list) is a DamchaTypeError, as everywhere.
     """
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) or value < 0:
-        raise DamchaValueError(invalid_argument(name, "an int >= 0", f"{name}={describe(value)}"))
+        message = invalid_argument(name, "an int >= 0", f"{name}={describe(value)}")
+        if not isinstance(value, (numbers.Real, np.ndarray, np.generic)):
+            raise DamchaTypeError(message)
+        raise DamchaValueError(message)
     return int(value)
 
 

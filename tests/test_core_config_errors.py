@@ -323,3 +323,35 @@ def test_a_lowrank_rank_above_s_times_d_is_accepted_because_it_still_adds_maps(r
     assert np.linalg.matrix_rank(deltas.reshape(32, 4)) == span
     y = dc.damcha_attention(params, config, tokens[:, :5])
     assert y.shape == (1, 5, 4) and np.all(np.isfinite(y))
+
+
+@pytest.mark.parametrize(
+    ("x", "error", "pattern"),
+    [
+        (np.zeros((2, 5, 4)), dc.DamchaValueError, r"expected 8 features \(config\.attention\.query_dim\)\. Received: x\.shape=\(2, 5, 4\)"),
+        (np.zeros((5, 8)), dc.DamchaValueError, r"expected rank 3, \(batch, length, features\)\. Received: x\.shape=\(5, 8\)"),
+        (np.zeros((2, 5, 8), np.int64), dc.DamchaTypeError, r"expected a real floating.*dtype=int64"),
+        ("tokens", dc.DamchaTypeError, r"expected a real floating.*Received: x='tokens'"),
+    ],
+    ids=["features", "rank-2", "int", "string"],
+)
+def test_encoder_forward_checks_x(x, error, pattern):
+    """encoder_forward names its tokens `x` as damcha_attention names its query:
+    not a NumPy broadcast error, and int tokens are not silently cast."""
+    ec = dc.EncoderConfig(attention=dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4), num_layers=1, ffn_dim=16)
+    params = dc.init_encoder_params(ec, seed=0)
+    with pytest.raises(error, match=r"Invalid argument `x`: " + pattern):
+        dc.encoder_forward(params, ec, x)
+
+
+@pytest.mark.parametrize(
+    ("offset", "error"),
+    [(-1, dc.DamchaValueError), (1.5, dc.DamchaValueError), (True, dc.DamchaValueError), ("2", dc.DamchaTypeError)],
+    ids=["negative", "float", "bool", "string"],
+)
+def test_check_offset_classes(offset, error):
+    """Numbers that are no offset are value errors (the JAX port's traced offsets
+    give the same); what is no number at all is a type error."""
+    with pytest.raises(error, match=r"Invalid argument `query_offset`: expected an int >= 0"):
+        dc.check_offset("query_offset", offset)
+    assert dc.check_offset("query_offset", np.int64(3)) == 3

@@ -349,6 +349,29 @@ BAD_DECODING = {
         r"Invalid argument `metric`: expected one of .*Received: metric='none'",
         lambda: dj.coefficients("none", _P["metric.qk.kernel"], _P["metric.qk.bias"], _X),
     ),
+    # The generator's leaves were not checked: a bias of one row broadcast, a kernel
+    # of one head gave coefficients of another shape, a wrong E an einsum error.
+    "coefficients-bias": (
+        dc.DamchaValueError,
+        r"Invalid argument `bias`: expected shape \(S, S\) for metric 'heads' with S=4\. Received: bias\.shape=\(1, 4\)",
+        lambda: dj.coefficients("heads", _P["metric.qk.kernel"], _P["metric.qk.bias"][:1], _X),
+    ),
+    "coefficients-kernel": (
+        dc.DamchaValueError,
+        r"Invalid argument `kernel`: expected shape \(E, S, S\) for metric 'heads' with E=16\. "
+        r"Received: kernel\.shape=\(16, 1, 4\)",
+        lambda: dj.coefficients("heads", _P["metric.qk.kernel"][:, :1], _P["metric.qk.bias"], _X),
+    ),
+    "coefficients-tokens": (
+        dc.DamchaValueError,
+        r"Invalid argument `kernel`: expected shape \(E, S, S\) for metric 'heads' with E=8\.",
+        lambda: dj.coefficients("heads", _P["metric.qk.kernel"], _P["metric.qk.bias"], _X[..., :8]),
+    ),
+    "coefficients-int-tokens": (
+        dc.DamchaTypeError,
+        r"Invalid argument `tokens`: expected a real floating array \(\.\.\., E\)",
+        lambda: dj.coefficients("heads", _P["metric.qk.kernel"], _P["metric.qk.bias"], _X.astype(np.int32)),
+    ),
 }
 
 

@@ -572,8 +572,11 @@ def test_bad_dropout_and_cache_arguments_are_named() -> None:
         ),
         (np.zeros((8,), np.float32), dc.DamchaValueError, r"rank >= 2\)\. Received: x\.shape=\(8,\)"),
         ([1.0, 2.0], dc.DamchaTypeError, r"expected an array.*Received: x=\[1\.0, 2\.0\]"),
+        # Int and bool tokens were silently promoted by the block's LayerNorm.
+        (np.ones((2, 3, 8), np.int32), dc.DamchaTypeError, r"expected a real floating.*dtype=int32"),
+        (np.ones((2, 3, 8), bool), dc.DamchaTypeError, r"expected a real floating.*dtype=bool"),
     ],
-    ids=["features", "rank-1", "list"],
+    ids=["features", "rank-1", "list", "int", "bool"],
 )
 def test_block_input_errors_name_x(module: str, x: object, error: type, expected: str) -> None:
     """The blocks' argument is ``x``: its mistakes are named so (not ``inputs_q``,

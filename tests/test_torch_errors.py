@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from damcha_core import DamchaTypeError, DamchaValueError
+import damcha_core as dc
+from damcha_core import DamchaNotIntegerError, DamchaTypeError, DamchaValueError
 from damcha_torch import (
     DamchaAttention,
     DamchaTransformerDecoderLayer,
@@ -320,14 +323,23 @@ def test_kv_cache_without_is_causal_appends_any_number_of_keys():
     torch.testing.assert_close(out, full, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("num_layers", [0, 2.0])
-def test_stack_builders_reject_bad_num_layers(num_layers):
+@pytest.mark.parametrize(
+    ("num_layers", "error"),
+    [(0, DamchaValueError), (2.0, DamchaNotIntegerError), ("2", DamchaTypeError)],
+    ids=["zero", "float", "string"],
+)
+def test_stack_builders_reject_bad_num_layers(num_layers, error):
+    """The core's classes for the same values (EncoderConfig, damcha_jax's stacks)."""
     for build in (build_encoder, build_decoder):
         with pytest.raises(
-            DamchaValueError,
-            match=rf"Invalid argument `num_layers`: expected an int >= 1\. Received: num_layers={num_layers}",
+            error,
+            match=rf"Invalid argument `num_layers`: expected an int >= 1\. Received: num_layers={num_layers!r}",
         ):
             build(16, 4, num_layers, dim_feedforward=8)
+    with pytest.raises(error, match=r"`num_layers`"):
+        dc.EncoderConfig(
+            attention=dc.DamchaConfig(query_dim=16, num_heads=4, key_dim=4), num_layers=num_layers, ffn_dim=8
+        )
 
 
 # ---------------------------------------------------------- blocks and builders (issue 11)
@@ -784,3 +796,74 @@ def test_shape_errors_print_the_shapes_as_passed():
     for call, pattern in cases:
         with pytest.raises(DamchaValueError, match=pattern):
             call()
+
+
+def _blocks():
+    torch.manual_seed(0)
+    enc_layer = DamchaTransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True).eval()
+    dec_layer = DamchaTransformerDecoderLayer(8, 2, 16, dropout=0.0, batch_first=True).eval()
+    for layer in (enc_layer, dec_layer):
+        for gate in layer.self_attn.metric_gates.values():
+            nn.init.constant_(gate, 0.5)
+    return {
+        "encoder-layer": (enc_layer, 1, "is_causal", ("src_mask", "src_key_padding_mask")),
+        "encoder": (
+            build_encoder(8, 2, 2, dim_feedforward=16, dropout=0.0, batch_first=True).eval(),
+            1,
+            "is_causal",
+            ("mask", "src_key_padding_mask"),
+        ),
+        "decoder-layer": (
+            dec_layer,
+            2,
+            "tgt_is_causal",
+            ("tgt_mask", "memory_mask", "tgt_key_padding_mask", "memory_key_padding_mask"),
+        ),
+        "decoder": (
+            build_decoder(8, 2, 2, dim_feedforward=16, dropout=0.0, batch_first=True).eval(),
+            2,
+            "tgt_is_causal",
+            ("tgt_mask", "memory_mask", "tgt_key_padding_mask", "memory_key_padding_mask"),
+        ),
+    }
+
+
+@pytest.mark.parametrize("block", ["encoder-layer", "encoder", "decoder-layer", "decoder"])
+def test_block_causal_flags_and_masks_follow_the_layers_rules(block):
+    """The blocks' causal flags take the layer's rule (a NumPy bool is the bool;
+    torch's own forward tests `is True`, so np.True_ was silently not causal),
+    other values are refused naming the block's argument, keyword or
+    positional; a mask neither boolean nor floating is a DamchaTypeError
+    naming it (torch's forward asserted, a bare AssertionError)."""
+    module, n_inputs, flag, masks = _blocks()[block]
+    x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(1))
+    inputs = (x,) * n_inputs
+    with torch.no_grad():
+        causal, plain = module(*inputs, **{flag: True}), module(*inputs, **{flag: False})
+        assert (causal - plain).abs().max() > 1e-3  # the flag changes the output
+        assert torch.equal(module(*inputs, **{flag: np.True_}), causal)
+        assert torch.equal(module(*inputs, **{flag: np.False_}), plain)
+    names = list(inspect.signature(type(module).forward).parameters)[1:]
+    for bad in (1, "yes", torch.tensor(True)):
+        with pytest.raises(DamchaTypeError, match=rf"Invalid argument `{flag}`: expected a bool"):
+            module(*inputs, **{flag: bad})
+        positional = [None] * names.index(flag)
+        positional[:n_inputs] = inputs
+        with pytest.raises(DamchaTypeError, match=rf"Invalid argument `{flag}`"):
+            module(*positional, bad)
+    for name in masks:
+        shape = (2, 5) if "padding" in name else (5, 5)
+        with pytest.raises(DamchaTypeError, match=rf"Invalid argument `{name}`: expected a mask that is boolean"):
+            module(*inputs, **{name: torch.zeros(shape, dtype=torch.int64)})
+
+
+@pytest.mark.parametrize("enabled", ["False", 0, None], ids=["string", "int", "none"])
+def test_track_metric_penalty_takes_a_bool(enabled):
+    """bool("False") is True: a string turned the tracking on; now refused, and nothing changes."""
+    from damcha_torch import track_metric_penalty
+
+    layer = _layer()
+    with pytest.raises(DamchaTypeError, match=r"Invalid argument `enabled`: expected a bool"):
+        track_metric_penalty(layer, enabled)
+    assert layer.track_metric_penalty is False
+    assert track_metric_penalty(layer, np.True_).track_metric_penalty is True

@@ -247,11 +247,6 @@ def test_old_heads_signature_still_works_with_a_deprecation_warning():
             r"Invalid argument `kv_cache`: expected a Damcha",
         ),
         (
-            lambda p, c, x: damcha_attention(p, c, x, value=x),
-            dc.DamchaValueError,
-            r"Invalid argument `value`: expected None when `context` is None",
-        ),
-        (
             lambda p, c, x: damcha_attention(p, c, x, x, x[:, :3]),
             dc.DamchaValueError,
             r"Invalid argument `value`: expected the batch size and length of `context`",
@@ -273,7 +268,6 @@ def test_old_heads_signature_still_works_with_a_deprecation_warning():
         "offset",
         "causal-type",
         "cache-type",
-        "value-without-context",
         "value-shape",
         "side",
         "tokens-int",
@@ -339,3 +333,52 @@ def test_mixed_dtypes_compute_in_the_promoted_dtype():
         rtol=1e-10,
         atol=1e-12,
     )
+
+
+def test_value_without_context_equals_the_reference():
+    """context=None with value= (keys from the query, values of their own
+    size) computes what the reference computes for the same call, as
+    damcha_jax.damcha_attention does; refused here before."""
+    cfg = dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4, value_input_dim=5, metric="heads")
+    params = case_params(cfg, 0)
+    for k in params:
+        if k.endswith(".gate"):
+            params[k] = np.full_like(params[k], 0.6)  # the maps open
+    rng = np.random.default_rng(0)
+    x, v = rng.normal(size=(2, 5, 8)), rng.normal(size=(2, 5, 5))
+    want = ref.damcha_attention(params, cfg, x, value=v, causal=True)
+    got = damcha_attention(_torch(params), cfg, torch.from_numpy(x), value=torch.from_numpy(v), causal=True)
+    np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=1e-12)
+    # The values matter: the same call with other values differs.
+    assert np.abs(ref.damcha_attention(params, cfg, x, value=v[::-1].copy(), causal=True) - want).max() > 1e-3
+
+
+@pytest.mark.parametrize(
+    ("dropout_p", "error"),
+    [("0.1", dc.DamchaTypeError), (True, dc.DamchaTypeError), (1.0, dc.DamchaValueError)],
+    ids=["string", "bool", "one"],
+)
+def test_dropout_p_errors_follow_the_core_rule(dropout_p, error):
+    """dc.check_rate's classes: not a number is a type error, outside [0, 1) a value error."""
+    cfg = _config("heads-tied")
+    with pytest.raises(error, match=r"Invalid argument `dropout_p`"):
+        damcha_attention(
+            _torch(case_params(cfg, 0)), cfg, torch.randn(2, 5, 16, dtype=torch.float64), dropout_p=dropout_p
+        )
+
+
+@pytest.mark.parametrize(
+    "shapes",
+    [
+        ((2, 4, 5, 8), (2, 2, 6, 8), (2, 2, 4, 3)),  # values of another length: SDPA on CPU read them silently
+        ((2, 4, 5, 8), (2, 2, 6, 8), (1, 2, 6, 3)),
+        ((2, 4, 5, 8), (2, 3, 6, 8), (2, 3, 6, 3)),
+        ((2, 4, 5, 8), (2, 2, 6, 7), (2, 2, 6, 3)),
+        ((4, 5, 8), (2, 6, 8), (2, 6, 3)),
+    ],
+    ids=["value-length", "value-batch", "heads-not-dividing", "key-dim", "rank-3"],
+)
+def test_softmax_attend_refuses_shapes_that_do_not_fit(shapes):
+    q, k, v = (torch.randn(s) for s in shapes)
+    with pytest.raises(dc.DamchaValueError, match=r"Invalid argument `q, k, v`: expected shapes \(B, H, N, d\)"):
+        softmax_attend(q, k, v)

@@ -21,12 +21,14 @@ from damcha_core import (
     check_rate,
     check_real,
     describe,
+    float_dtype_error,
     invalid_argument,
     validate_stack_params,
 )
 
 from ._canonical import check_compute_fit
 from ._canonical import variables as canonical_variables
+from ._functional import is_real_floating_dtype
 from ._generator import MetricGenerator, make_metric_generators
 from ._layer import DamchaAttention, attention_config, check_token_shape
 
@@ -40,6 +42,10 @@ def _check_x(x: Any, features: int) -> None:
     shape = getattr(x, "shape", None)
     if shape is None:
         raise DamchaTypeError(invalid_argument("x", "an array (..., N, E)", f"x={describe(x)}"))
+    # Int or bool tokens would be silently promoted by the norm (the attention
+    # and every other port's stack refuse them).
+    if not is_real_floating_dtype(getattr(x, "dtype", None)):
+        raise float_dtype_error("x", x)
     check_token_shape("x", shape, features)
 
 

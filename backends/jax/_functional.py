@@ -251,7 +251,37 @@ def coefficients(metric: str, kernel: Array, bias: Array, tokens: Array, *, prec
     "heads", u(t) (B, T, r) for "lowrank", in at least float32 (16-bit inputs
     keep float32 intermediates: rounding q and k twice would double their error)."""
     metric = check_choice("metric", metric, tuple(METRIC_STRUCTURES))
-    return _affine_coefficients(METRIC_STRUCTURES[metric], tokens, {"kernel": kernel, "bias": bias}, precision)
+    structure = METRIC_STRUCTURES[metric]
+    # The leaves' shapes in the table's symbols (E, S, r), bound by what is given:
+    # a bias of another size would broadcast, a kernel of another one give other coefficients.
+    dims = {leaf.name: leaf.dims for leaf in structure.leaves}
+    sizes: dict[str, int] = {}
+    for name, value, symbols in (
+        ("tokens", tokens, ("...", "E")),
+        ("kernel", kernel, dims["kernel"]),
+        ("bias", bias, dims["bias"]),
+    ):
+        shape = getattr(value, "shape", None)
+        if shape is None or not is_real_floating_dtype(getattr(value, "dtype", None)):
+            raise DamchaTypeError(
+                invalid_argument(name, f"a real floating array ({', '.join(symbols)})", f"{name}={describe(value)}")
+            )
+        fixed = symbols[1:] if symbols[0] == "..." else symbols
+        known = ", ".join(f"{k}={v}" for k, v in sizes.items() if k in fixed)  # from the arguments before
+        ok = len(shape) >= len(fixed) if symbols[0] == "..." else len(shape) == len(fixed)
+        if ok:
+            for symbol, n in zip(fixed, shape[len(shape) - len(fixed) :]):
+                ok = ok and sizes.setdefault(symbol, int(n)) == int(n)
+        if not ok:
+            written = ", ".join(symbols) + ("," if len(symbols) == 1 else "")
+            raise DamchaValueError(
+                invalid_argument(
+                    name,
+                    f"shape ({written}) for metric {metric!r}" + (f" with {known}" if known else ""),
+                    f"{name}.shape={tuple(shape)}",
+                )
+            )
+    return _affine_coefficients(structure, tokens, {"kernel": kernel, "bias": bias}, precision)
 
 
 def generator(params: Params, config: DamchaConfig, side: str, tokens: Array, *, precision: Any = None) -> Array:

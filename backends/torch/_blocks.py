@@ -10,6 +10,7 @@ cannot use, never holds the feed-forward's intermediates either).
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -110,13 +111,47 @@ def _torch_layer_args(
     )
 
 
+_MASK_KINDS = "boolean (True = masked out) or floating (additive)"
+
+
+def _call_checks(base: type[nn.Module]) -> tuple[tuple[str, ...], dict[str, str]]:
+    """(the parameter names of ``base.forward`` after self, name -> "flag" or
+    "mask" for the arguments ``_leaf_forward`` checks)."""
+    names = tuple(inspect.signature(base.forward).parameters)[1:]
+    kinds = {n: "flag" for n in names if n.endswith("is_causal")}
+    kinds.update((n, "mask") for n in names if n.endswith("mask"))
+    return names, kinds
+
+
+def _checked(name: str, kind: str, value: Any) -> Any:
+    """A block's flag as a Python bool (the layer's rule: a bool or a NumPy
+    bool; None, torch's "detect it", passes), or its mask, refused unless
+    boolean or floating, naming the block's own argument."""
+    if kind == "flag":
+        return value if value is None or value.__class__ is bool else dc.check_bool(name, value)
+    if isinstance(value, Tensor) and value.dtype != torch.bool and not value.is_floating_point():
+        raise dc.mask_dtype_error(value, name, expected=_MASK_KINDS)
+    return value
+
+
 def _leaf_forward(base: type[nn.Module]) -> Callable[..., Any]:
     """``base.forward`` (same signature and docstring), except that torch.fx
     records the call as one node, as it records ``base`` itself (see
-    ``fn.traced_call``)."""
+    ``fn.traced_call``), and that the causal flags and masks are checked first
+    with the layer's rules, under the block's own argument names: torch's
+    forward tests ``is_causal is True`` (a NumPy ``True`` or a ``1`` would
+    silently mean "not causal") and asserts a mask's dtype (a bare
+    ``AssertionError``, gone under ``python -O``)."""
+    names, kinds = _call_checks(base)
 
     @functools.wraps(base.forward)
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if len(args) > 1 or kwargs:
+            args = tuple(
+                _checked(names[i], kinds[names[i]], a) if i < len(names) and names[i] in kinds else a
+                for i, a in enumerate(args)
+            )
+            kwargs = {k: _checked(k, kinds[k], v) if k in kinds else v for k, v in kwargs.items()}
         traced = fn.traced_call(self, args, kwargs)
         return base.forward(self, *args, **kwargs) if traced is None else traced
 
@@ -269,9 +304,9 @@ class DamchaTransformerDecoderLayer(nn.TransformerDecoderLayer):
 
 
 def _check_num_layers(num_layers: Any) -> None:
-    # torch's stacks index layers[0] (and sharing points every layer at it).
-    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
-        raise DamchaValueError(dc.invalid_argument("num_layers", "an int >= 1", f"num_layers={describe(num_layers)}"))
+    # torch's stacks index layers[0] (and sharing points every layer at it). The
+    # core's rule: 2.0 is a DamchaNotIntegerError, "2" a DamchaTypeError, 0 a DamchaValueError.
+    dc.check_int("num_layers", num_layers)
 
 
 def _check_norm(norm: Any) -> None:

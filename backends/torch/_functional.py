@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import numbers
 import warnings
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -787,7 +786,28 @@ def softmax_attend(
         sees no key gets probabilities 0 and output 0, in value and gradient.
         A NaN or inf in q, k or a float mask gives NaN in the rows it reaches
         (the fused kernel alone would return 0 for some of them).
+
+    Raises:
+        DamchaValueError: q, k, v not (B, H, N, d), (B, G, M, d), (B, G, M, d_v)
+            with G dividing H (the fused kernel reads values of another
+            length without complaint on CPU).
     """
+    qs, ks, vs = tuple(q.shape), tuple(k.shape), tuple(v.shape)
+    if not (
+        len(qs) == len(ks) == len(vs) == 4
+        and qs[0] == ks[0] == vs[0]
+        and ks[1:3] == vs[1:3]
+        and qs[3] == ks[3]
+        and ks[1] > 0
+        and qs[1] % ks[1] == 0
+    ):
+        raise DamchaValueError(
+            dc.invalid_argument(
+                "q, k, v",
+                "shapes (B, H, N, d), (B, G, M, d), (B, G, M, d_v) with G dividing H",
+                f"q.shape={qs}, k.shape={ks}, v.shape={vs}",
+            )
+        )
     o, weights, _ = _attend(
         q,
         k,
@@ -1705,15 +1725,8 @@ def damcha_attention(
     config = _check_params(params, config)
     x = _check_float("query", query)
     c = None if context is None else _check_float("context", context)
+    # With context None, as in the reference: keys from the query, values from ``value``.
     vt = None if value is None else _check_float("value", value)
-    if vt is not None and c is None:
-        raise DamchaValueError(
-            dc.invalid_argument(
-                "value",
-                "None when `context` is None (self-attention takes keys and values from the query)",
-                f"context=None, value={describe(value)}",
-            )
-        )
     B, N, M = dc.check_shapes(
         config,
         tuple(x.shape),
@@ -1725,10 +1738,7 @@ def damcha_attention(
     return_metric = _check_bool("return_metric", return_metric)
     recompute = _check_bool("recompute", recompute)
     dc.check_offset("query_offset", query_offset)
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p < 1.0:
-        raise DamchaValueError(
-            dc.invalid_argument("dropout_p", "a number in [0, 1)", f"dropout_p={describe(dropout_p)}")
-        )
+    dc.check_rate("dropout_p", dropout_p)
     if kv_cache is not None:
         from ._cache import DamchaKVCache
 
@@ -1737,7 +1747,9 @@ def damcha_attention(
                 dc.invalid_argument("kv_cache", "a DamchaKVCache or None", f"kv_cache={describe(kv_cache)}")
             )
     mask = _check_mask(mask, config, B, N, M + (0 if kv_cache is None or mask is None else len(kv_cache)))
-    params, (x, c, vt) = _promote(params, x, c, vt)
+    params, (promoted, c, vt) = _promote(params, x, c, vt)
+    assert promoted is not None  # (the query is always there)
+    x = promoted
     w = weights_from_canonical(params, config)
     y, weights = attend_weights(
         w,

@@ -1068,9 +1068,10 @@ def track_metric_penalty(model: nn.Module, enabled: bool = True) -> nn.Module:
     forward, ``damcha_torch.metric_penalty(model)`` averages what they recorded."""
     if not isinstance(model, nn.Module):
         raise DamchaTypeError(dc.invalid_argument("model", "a torch.nn.Module", f"model={describe(model)}"))
+    enabled = dc.check_bool("enabled", enabled)  # bool("False") would be True
     for m in model.modules():
         if isinstance(m, (DamchaMaps, DamchaAttention)):
-            m.track_metric_penalty = bool(enabled)
+            m.track_metric_penalty = enabled
     return model
 
 
