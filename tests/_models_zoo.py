@@ -75,6 +75,8 @@ def build(arch: str, dtype: torch.dtype = torch.float32, attn: str = "sdpa", see
         m = T.Qwen2ForCausalLM(_dec(T.Qwen2Config, attn_implementation=attn))
     elif arch == "qwen3":
         m = T.Qwen3ForCausalLM(_dec(T.Qwen3Config, head_dim=8, attn_implementation=attn))
+    elif arch == "olmo-clip":  # OLMo clamps q, k and v to +-clip_qkv: a third of them at these sizes
+        m = T.OlmoForCausalLM(_dec(T.OlmoConfig, clip_qkv=0.1, attn_implementation=attn))
     elif arch == "gpt2":
         m = T.GPT2LMHeadModel(
             T.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, attn_implementation=attn)
@@ -323,7 +325,7 @@ def layer_params(arch: str, module: nn.Module) -> tuple[dict[str, np.ndarray], d
         projs = {"query": (module.q_proj, E, H), "key": (module.k_proj, Ekv, G), "value": (module.v_proj, Ekv, G)}
         for n, (lin, e, s) in projs.items():
             p[f"{n}.kernel"], p[f"{n}.bias"] = _linear(lin, e, s, d)
-        out = module.o_proj if hasattr(module, "o_proj") else module.out_proj
+        out = next(getattr(module, a) for a in ("o_proj", "out_proj", "dense") if hasattr(module, a))  # Phi: dense
         p["output.kernel"] = _np(out.weight).T.reshape(H, d, E)
         p["output.bias"] = np.zeros(E) if out.bias is None else _np(out.bias)
     elif arch == "distilbert":

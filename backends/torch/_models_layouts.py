@@ -91,6 +91,41 @@ def _llama_layout(m: Any) -> AttentionLayout:
     return AttentionLayout(H, G, d, eq, ek, (ProjectionSite("q_proj", q=0), ProjectionSite("k_proj", k=0)))
 
 
+# Llama's q_proj/k_proj layout under other rotations and pre-attention steps, each read in its
+# transformers source: what these classes do between the projections and the attention kernel
+# acts on every head alike or on each head by itself, so it acts on the mapped heads as it acted
+# on the plain ones: the converted layer is the host with q := L(t) q, k := L(t) k, the maps
+# before the rotation as in Llama's (where RoPE's relative positions survive both metrics).
+# Phi's (phi-1, phi-1.5, phi-2) and StableLM's rotate the first partial_rotary_factor of each
+# head's features in halves; GPT-J's its first rotary_dim features in interleaved pairs; Cohere's,
+# Cohere 2's (sliding-window layers only: its global layers have no positions) and Helium's all
+# of them in interleaved pairs. Phi's optional q/k LayerNorm (one weight for all heads),
+# StableLM's (a LayerNorm per head) and Cohere's (weights per head and feature) normalise the
+# mapped heads, before the rotation. OLMo's clamps q, k and v in place to +-clip_qkv when that is
+# set: the mapped q and k then, so the bound holds for what enters attention, as in the host
+# (clamping before the map would let the map move them past it). No path of the maps keeps its
+# output for backward, so the in-place clamp is safe; the tests check the gradients of a
+# clip_qkv model with and without recompute and checkpointing.
+_ROTARY = frozenset(
+    {
+        "PhiAttention",
+        "StableLmAttention",
+        "GPTJAttention",
+        "CohereAttention",
+        "Cohere2Attention",
+        "HeliumAttention",
+        "OlmoAttention",
+    }
+)
+
+
+def _rotary_layout(m: Any) -> AttentionLayout:
+    if _is(m, "transformers", frozenset({"GPTJAttention"})):
+        # No GQA: q_proj and k_proj of num_attention_heads heads each (its config has no kv heads).
+        return _q_k_proj_layout(m, int(m.num_attention_heads), int(m.head_dim))
+    return _llama_layout(m)
+
+
 def _phi3_layout(m: Any) -> AttentionLayout:
     """Phi-3's (and Phi-4's) attention: q, k and v from one fused ``qkv_proj``
     Linear, H query heads then G key and G value heads of ``head_dim``."""
@@ -295,6 +330,13 @@ for _adapter in (
         "Gemma3's per-head q/k norms, OLMo2's over all heads)",
         lambda m: _is(m, "transformers", _LLAMA),
         _llama_layout,
+    ),
+    ModelAdapter(
+        "transformers-rotary",
+        "transformers Phi (phi-1/phi-2), StableLM, GPT-J, Cohere, Cohere2, Helium and OLMo attention (q_proj/k_proj; "
+        "MHA, GQA; partial or interleaved RoPE, per-head q/k norms and OLMo's clip_qkv after the maps)",
+        lambda m: _is(m, "transformers", _ROTARY),
+        _rotary_layout,
     ),
     ModelAdapter(
         "transformers-phi3",
