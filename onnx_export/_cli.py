@@ -296,9 +296,16 @@ def _validate(args: argparse.Namespace) -> tuple[dict[str, np.ndarray], dc.Damch
             prog=PROG,
         )
     config = stored if args.config is None else _load_config(args.config)
-    if config != stored:
+    # Compared as computed: scale None is 1/sqrt(key_dim), so a --config that
+    # writes that number out describes the stored layer.
+    if config.replace(scale=config.softmax_scale) != stored.replace(scale=stored.softmax_scale):
         given, kept = config.to_dict(), stored.to_dict()
-        fields = ", ".join(f"{k}={given[k]!r} (stored {kept[k]!r})" for k in given if given[k] != kept[k])
+        # The fields written differently (scale only where the numbers differ too).
+        fields = ", ".join(
+            f"{k}={given[k]!r} (stored {kept[k]!r})"
+            for k in given
+            if given[k] != kept[k] and (k != "scale" or config.softmax_scale != stored.softmax_scale)
+        )
         cu.usage_error(
             "--config",
             f"differs from the config stored in {args.params!r} in: {fields}. Omit --config to use the stored one",

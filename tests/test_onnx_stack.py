@@ -320,3 +320,21 @@ def test_cli_bad_files_exit_2_not_1(tmp_path, capsys, which, pattern):
     rc = main([*args, "--out", str(tmp_path / "m.onnx")])
     assert rc == 2 and not (tmp_path / "m.onnx").exists()
     assert re.search(pattern, capsys.readouterr().err)
+
+
+def test_config_check_compares_the_scale_as_computed(tmp_path, capsys):
+    import json
+
+    from damcha_onnx._cli import main
+
+    """--config with scale written out as 1/sqrt(key_dim) describes a layer stored
+    with scale None (the same scale): accepted; another scale is named."""
+    config = dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4)
+    dc.save_params(tmp_path / "p.safetensors", dc.init_params(config, 0), config)
+    common = ["--params", str(tmp_path / "p.safetensors"), "--out", str(tmp_path / "m.onnx"), "--opset", "18"]
+    for scale, ok in ((0.5, True), (0.25, False)):
+        rc = main(["--config", json.dumps({**config.to_dict(), "scale": scale}), *common])
+        err = capsys.readouterr().err
+        assert (rc == 0) == ok, err
+        if not ok:
+            assert "in: scale=0.25 (stored None). Omit --config" in err, err

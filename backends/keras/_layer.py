@@ -976,6 +976,12 @@ class DamchaAttention(keras.layers.Layer):
 
         (``keras.Model.save`` writes ``.keras`` files; a layer has no such
         method, so ``save`` here is the canonical file, as in every port.)
+        The file holds what computes the outputs: options that change them
+        and that the canonical config has no field for are refused
+        (``sliding_window``, ``attention_axes``, a multi-axis
+        ``output_shape``); training-only options are not written (the
+        penalty's ``metric_l2``, initialisers, regularisers): pass them to
+        ``load`` (``DamchaAttention.load(path, metric_l2=1e-3)``).
         """
         _canonical.save(self, path)
 
