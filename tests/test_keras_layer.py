@@ -529,6 +529,23 @@ def test_block_rejects_bad_num_heads_at_construction(block, num_heads, error, me
         block(16, num_heads)
 
 
+@pytest.mark.parametrize(
+    ("block", "name", "shape"),
+    [
+        (TransformerEncoder, "padding_mask", (2, 4)),
+        (TransformerEncoder, "padding_mask", (2, 5, 5)),
+        (TransformerDecoder, "decoder_padding_mask", (3, 5)),
+    ],
+    ids=["encoder-length", "encoder-rank", "decoder-batch"],
+)
+def test_block_padding_mask_errors_name_the_blocks_argument(block, name, shape):
+    """A padding mask that does not fit is named as the block's caller passed it
+    (the attention inside named it `query_mask`)."""
+    x = np.zeros((2, 5, 8), "float32")
+    with pytest.raises(dc.DamchaValueError, match=rf"Invalid argument `{name}`: expected shape \(B, N\) = \(2, 5\)"):
+        block(16, 2)(x, **{name: np.ones(shape, bool)})
+
+
 def test_incompatible_shared_generator_is_rejected():
     gen = MetricGenerator(3)
     with pytest.raises(dc.DamchaValueError, match="metric_generator"):

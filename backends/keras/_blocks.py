@@ -198,7 +198,18 @@ class _Block(keras.layers.Layer):
         training: Any,
         cache: Any = None,
         cache_update_index: Any = None,
+        pad_name: str = "padding_mask",
     ) -> Any:
+        if padding_mask is not None:
+            # Checked here, named as the caller passed it (the attention inside
+            # would name it `query_mask`): (B, N), the tokens' own batch and length.
+            got, want = tuple(padding_mask.shape), tuple(x.shape[:2])
+            if len(got) != 2 or any(isinstance(a, int) and isinstance(b, int) and a != b for a, b in zip(got, want)):
+                raise DamchaValueError(
+                    dc.invalid_argument(
+                        pad_name, f"shape (B, N) = {want}, the inputs' batch and length", f"{pad_name}.shape={got}"
+                    )
+                )
         residual = x
         if self.normalize_first:
             x = self._attention_norm(x)
@@ -299,7 +310,10 @@ class TransformerEncoder(_Block):
     def call(
         self, inputs: Any, padding_mask: Any = None, attention_mask: Any = None, training: Any = None, mask: Any = None
     ) -> Any:
-        return self._forward(inputs, mask if padding_mask is None else padding_mask, attention_mask, training)
+        pad_name = "mask" if padding_mask is None else "padding_mask"
+        return self._forward(
+            inputs, mask if padding_mask is None else padding_mask, attention_mask, training, pad_name=pad_name
+        )
 
 
 @keras.saving.register_keras_serializable(package="damcha")
@@ -342,7 +356,8 @@ class TransformerDecoder(_Block):
                         f"self_attention_cache_update_index={describe(self_attention_cache_update_index)}",
                     )
                 )
-            return self._forward(decoder_sequence, pad, decoder_attention_mask, training)
+            pad_name = "mask" if decoder_padding_mask is None else "decoder_padding_mask"
+            return self._forward(decoder_sequence, pad, decoder_attention_mask, training, pad_name=pad_name)
         if self_attention_cache_update_index is None:
             raise DamchaValueError(
                 dc.invalid_argument(
