@@ -37,6 +37,28 @@ BART_COPY_MODELS = {
     "blenderbot": ("BlenderbotForConditionalGeneration", "BlenderbotConfig"),
     "blenderbot-small": ("BlenderbotSmallForConditionalGeneration", "BlenderbotSmallConfig"),
 }
+# Encoder-decoders with T5's attention or a copy of it (transformers-t5): built with the zoo's
+# "bart" sizes (T5's names) and d_kv=6, so that n_heads * d_kv (24) differs from d_model as in
+# T5-11B (Pix2Struct, transformers-pix2struct: d_kv=8, its text attention's heads fill its
+# hidden size); tested by one compact test each (tests/test_models_torch.py), not over ARCHS.
+T5_MODELS = {
+    "t5": ("T5ForConditionalGeneration", "T5Config", {}),
+    "mt5": ("MT5ForConditionalGeneration", "MT5Config", {}),
+    "umt5": ("UMT5ForConditionalGeneration", "UMT5Config", {}),
+    "switch-transformers": (
+        "SwitchTransformersForConditionalGeneration",
+        "SwitchTransformersConfig",
+        # One sparse (mixture-of-experts) block in each stack; capacity for every token.
+        dict(num_experts=2, expert_capacity=64, num_sparse_encoder_layers=1, num_sparse_decoder_layers=1),
+    ),
+    "pop2piano": ("Pop2PianoForConditionalGeneration", "Pop2PianoConfig", dict(composer_vocab_size=2)),
+    # Text and layout (bounding boxes) only: its image patches change the encoder's tokens, not its attention.
+    "udop": ("UdopForConditionalGeneration", "UdopConfig", dict(image_size=16, patch_size=8)),
+    # A vision encoder over flattened patches (its own attention class) and T5's text decoder under other names.
+    "pix2struct": ("Pix2StructForConditionalGeneration", "Pix2StructConfig", {}),
+}
+# Pix2Struct's patches: a row and a column index, then PIX2STRUCT_PATCH features.
+PIX2STRUCT_PATCH = 12
 # Whisper's tiny config: log-mel features of WHISPER_MELS bins over 2 * WHISPER_SOURCE frames.
 WHISPER_MELS, WHISPER_SOURCE = 8, 8
 # The trailing features of run("siglip", ...): its pooling head's, computed by an nn.MultiheadAttention.
@@ -211,6 +233,45 @@ def build(arch: str, dtype: torch.dtype = torch.float32, attn: str = "sdpa", see
         else:
             sizes.update(max_position_embeddings=64)
         m = cls(cls_cfg(**sizes))
+    elif arch == "pix2struct":
+        text = dict(vocab_size=VOCAB, hidden_size=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4)
+        text.update(pad_token_id=0, eos_token_id=2, decoder_start_token_id=1)
+        vision = dict(hidden_size=32, patch_embed_hidden_size=PIX2STRUCT_PATCH, d_ff=48, d_kv=8, seq_len=16)
+        vision.update(num_hidden_layers=2, num_attention_heads=4)
+        config = T.Pix2StructConfig(text_config=text, vision_config=vision, attn_implementation=attn)
+        m = T.Pix2StructForConditionalGeneration(config)
+    elif arch in T5_MODELS:
+        model, config, extra = T5_MODELS[arch]
+        m = getattr(T, model)(
+            getattr(T, config)(
+                vocab_size=VOCAB,
+                d_model=32,
+                d_kv=6,
+                d_ff=48,
+                num_layers=2,
+                num_decoder_layers=2,
+                num_heads=4,
+                pad_token_id=0,
+                eos_token_id=2,
+                decoder_start_token_id=1,
+                attn_implementation="eager" if arch == "switch-transformers" else attn,  # its only one
+                **extra,
+            )
+        )
+    elif arch == "albert":  # one attention module, shared by the 3 layers it is called for
+        m = T.AlbertModel(
+            T.AlbertConfig(
+                vocab_size=VOCAB,
+                embedding_size=16,
+                hidden_size=32,
+                num_hidden_layers=3,
+                num_attention_heads=4,
+                intermediate_size=48,
+                max_position_embeddings=64,
+                initializer_range=0.2,  # attention logits far from 0: the maps move the outputs
+                attn_implementation=attn,
+            )
+        )
     elif arch == "mha":
         layer = nn.TransformerEncoderLayer(32, 4, 48, dropout=0.0, batch_first=True)
         m = nn.Sequential(nn.Embedding(VOCAB, 32), nn.TransformerEncoder(layer, 2, enable_nested_tensor=False))
@@ -233,6 +294,14 @@ def inputs(
             "input_features": torch.randn(batch, WHISPER_MELS, 2 * WHISPER_SOURCE, generator=g, dtype=dtype),
             "decoder_input_ids": torch.randint(3, VOCAB, (batch, 4), generator=g),
         }
+    if arch == "pix2struct":  # patches in rows of 4 (indices from 1), row 0's last two padding
+        n = torch.arange(length, dtype=dtype)
+        where = torch.stack([n // 4 + 1, n % 4 + 1], -1).expand(batch, length, 2)
+        patches = torch.cat([where, torch.randn(batch, length, PIX2STRUCT_PATCH, generator=g, dtype=dtype)], -1)
+        mask = torch.ones(batch, length, dtype=dtype)
+        if padding:
+            patches[0, -2:], mask[0, -2:] = 0, 0
+        return {"flattened_patches": patches, "attention_mask": mask, "decoder_input_ids": _prompt(batch, g)}
     ids = torch.randint(1, VOCAB, (batch, length), generator=g)
     if arch == "mha":
         kpm = torch.zeros(batch, length, dtype=torch.bool)
@@ -245,13 +314,19 @@ def inputs(
     out = {"input_ids": ids, "attention_mask": mask}
     if arch == "siglip":
         out["pixel_values"] = torch.randn(batch, 3, 16, 16, generator=g, dtype=dtype)
-    if arch in ENC_DEC:  # the decoder's prompt, after the start token
-        out["decoder_input_ids"] = torch.cat(
-            [torch.ones(batch, 1, dtype=torch.long), torch.randint(3, VOCAB, (batch, 3), generator=g)], 1
-        )
+    if arch in ENC_DEC or arch in T5_MODELS:
+        out["decoder_input_ids"] = _prompt(batch, g)
+    if arch == "udop":  # a box (x0, y0, x1, y1) in [0, 1] per token
+        out["bbox"] = torch.rand(batch, length, 2, generator=g, dtype=dtype).repeat(1, 1, 2)
+        out["bbox"][..., 2:] += 0.1
     if arch == "bert-decoder":
         out["encoder_hidden_states"] = torch.randn(batch, 5, 32, generator=g, dtype=dtype)
     return out
+
+
+def _prompt(batch: int, g: torch.Generator) -> torch.Tensor:
+    """An encoder-decoder's decoder prompt: the start token (1), then 3 tokens."""
+    return torch.cat([torch.ones(batch, 1, dtype=torch.long), torch.randint(3, VOCAB, (batch, 3), generator=g)], 1)
 
 
 def run(model: nn.Module, arch: str, kw: dict) -> torch.Tensor:
@@ -328,6 +403,18 @@ def layer_params(arch: str, module: nn.Module) -> tuple[dict[str, np.ndarray], d
         out = next(getattr(module, a) for a in ("o_proj", "out_proj", "dense") if hasattr(module, a))  # Phi: dense
         p["output.kernel"] = _np(out.weight).T.reshape(H, d, E)
         p["output.bias"] = np.zeros(E) if out.bias is None else _np(out.bias)
+    elif arch in T5_MODELS:  # q, k, v and o without biases (Pix2Struct: query, key, value and output)
+        names = ("query", "key", "value", "output") if arch == "pix2struct" else ("q", "k", "v", "o")
+        q, k, v, o = (getattr(module, a) for a in names)
+        for n, lin, e in (("query", q, E), ("key", k, Ekv), ("value", v, Ekv)):
+            p[f"{n}.kernel"], p[f"{n}.bias"] = _linear(lin, e, H, d)
+        p["output.kernel"] = _np(o.weight).T.reshape(H, d, E)
+        p["output.bias"] = np.zeros(E)
+    elif arch == "albert":  # BERT's names; its output projection (dense) is part of the module
+        for n, lin in (("query", module.query), ("key", module.key), ("value", module.value)):
+            p[f"{n}.kernel"], p[f"{n}.bias"] = _linear(lin, E, H, d)
+        p["output.kernel"] = _np(module.dense.weight).T.reshape(H, d, E)
+        p["output.bias"] = _np(module.dense.bias)
     elif arch == "distilbert":
         projs = {"query": module.q_lin, "key": module.k_lin, "value": module.v_lin}
         for n, lin in projs.items():

@@ -19,6 +19,7 @@ from _models_zoo import (
     ENC_DEC,
     HOST_ATTN,
     SIGLIP_HEAD,
+    T5_MODELS,
     VOCAB,
     _dec,
     _np,
@@ -361,6 +362,7 @@ GEN_CASES.append(("bert-decoder", "encoder-decoder"))
 # BART and Whisper: generate builds their EncoderDecoderCache (dynamic or static
 # self-attention cache) and reuses the cross-attention keys computed at step 1.
 GEN_CASES += [("bart", "dynamic"), ("bart", "static"), ("whisper", "dynamic"), ("whisper", "static")]
+GEN_CASES.append(("t5", "static"))  # dynamic: test_t5_family_converts
 
 
 @pytest.mark.parametrize("arch,cache", GEN_CASES)
@@ -397,7 +399,7 @@ def test_generate_with_cache_equals_without(arch, cache):
     assert all(torch.equal(a, b) for a, b in zip(closed.logits, unconverted.logits, strict=True))
     assert cached.sequences.shape[1] == prompt.shape[1] + 6
     assert torch.equal(cached.sequences, plain.sequences)
-    if arch in ENC_DEC:  # cached cross-attention keys carry the map once, as recomputed ones do
+    if arch in ENC_DEC or arch in T5_MODELS:  # cached cross-attention keys carry the map once, as recomputed ones do
         for a, b, c in zip(cached.logits, plain.logits, unconverted.logits, strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
             assert (a - c).abs().max() > 1e-3
@@ -664,13 +666,14 @@ def test_gemma3_converts():
     layers converted with separate maps (GQA), exact at init bit for bit,
     cached greedy generation equal to uncached and away from the unconverted
     model's, and each layer equal to an independent NumPy forward with the
-    gates open: the reference's maps, then Gemma's norm y / rms(y) * (1 + w),
-    the host's own rotation angles, a causal softmax attention inside the
+    gates open: the reference's maps, then Gemma's norm y / rms(y) * (1 + w)
+    (random w, as for every norm below), the host's own rotation angles, a causal softmax attention inside the
     window, the output projection."""
     model = _gemma3(torch.float32)
     _check_converted_lm(model, [f"model.layers.{i}.self_attn" for i in range(2)], ("q", "k"))
 
     model = open_gates(dt.convert(_gemma3(torch.float64)))
+    _randomise_qk_norms(model)
 
     def norms(q, k, module):  # Gemma's RMS norm of each head, y / rms(y) * (1 + w)
         def norm(y, mod):
@@ -681,6 +684,19 @@ def test_gemma3_converts():
 
     _check_normed_layers(model, norms)
     assert {m.sliding_window for m in dt.converted_layers(model).values()} == {4, None}
+
+
+def _randomise_qk_norms(model, seed=2):
+    """Random weights (and biases) for the q/k norms of every converted layer: they start
+    equal in every head and feature (ones, zero biases; Gemma's zeros, used as 1 + w), where a
+    check against a NumPy forward could not tell one head's or feature's weight from another's,
+    nor the q norm's from the k norm's, nor a weight from none."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in dt.converted_layers(model).values():
+            for attr in ("q_layernorm", "k_layernorm", "q_norm", "k_norm"):
+                for p in getattr(layer, attr).parameters() if hasattr(layer, attr) else ():
+                    p.copy_(1 + 0.5 * torch.randn(p.shape, generator=g, dtype=p.dtype))
 
 
 def _check_normed_layers(model, norms, *, clip=None, rotated=None):
@@ -753,10 +769,11 @@ def test_olmo2_converts():
     the key heads' features, after the maps, before RoPE): both layers
     converted with separate maps (GQA), exact at init, cached greedy
     generation equal to uncached and away from the unconverted model's, and
-    each layer against an independent NumPy forward."""
+    each layer against an independent NumPy forward (random norm weights)."""
     model = _tiny_lm("Olmo2ForCausalLM", "Olmo2Config", torch.float32)
     _check_converted_lm(model, [f"model.layers.{i}.self_attn" for i in range(2)], ("q", "k"))
     model = open_gates(dt.convert(_tiny_lm("Olmo2ForCausalLM", "Olmo2Config", torch.float64)))
+    _randomise_qk_norms(model)
 
     def norms(q, k, module):  # one RMS norm over the features of all the heads
         def norm(y, mod):
@@ -859,14 +876,7 @@ def test_rotary_variants_convert(name):
         ids = inputs("llama", torch.float64, padding=False)["input_ids"]
         _check_layers_against_reference("llama", model=model, call=lambda m: m(input_ids=ids))
         return
-    # The norms' weights start equal in every head (ones, zero biases): random ones instead, so
-    # that the check tells each head's weights apart and includes them.
-    g = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        for layer in dt.converted_layers(model).values():
-            for attr in ("q_layernorm", "k_layernorm", "q_norm", "k_norm"):
-                for p in getattr(layer, attr).parameters() if hasattr(layer, attr) else ():
-                    p.copy_(1 + 0.5 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    _randomise_qk_norms(model)
     # Cohere 2 rotates in its sliding-window layers only: its global layers have no positions.
     rotated = (lambda module: module.sliding_window is not None) if name == "cohere2" else None
     _check_normed_layers(open_gates(model), norms, clip=getattr(model.config, "clip_qkv", None), rotated=rotated)
@@ -980,6 +990,173 @@ def test_time_series_transformer_converts():
     _check_layers_against_reference("bart", model=model, call=lambda m: m(**kw))
 
 
+def test_albert_converts():
+    """ALBERT (its one attention module called at each of the 3 depths, weights
+    shared): that module converted once with tied maps, shared by every depth
+    as its weights are; exact at init bit for bit (padded batch), the outputs
+    move with the gates open, and every call, one per depth, equal to the
+    reference inside ALBERT's LayerNorm(x + attention(x)), with the gates open."""
+    model = build("albert", torch.float32)
+    kw = inputs("albert")
+    with torch.no_grad():
+        before = run(model, "albert", kw)
+        dt.convert(model)
+        after = run(model, "albert", kw)
+    layers = dt.converted_layers(model)
+    assert list(layers) == ["encoder.albert_layer_groups.0.albert_layers.0.attention"]
+    assert layers[next(iter(layers))].damcha.config.metric_sides == ("qk",)
+    assert same(after, before)
+    with torch.no_grad():
+        assert (run(open_gates(model), "albert", kw) - before).abs().max() > 1e-3
+    model = open_gates(dt.convert(build("albert", torch.float64)))
+    calls = capture(model)
+    with torch.no_grad():
+        run(model, "albert", inputs("albert", torch.float64, padding=False))
+    ((name, records),) = calls.items()
+    module = dt.converted_layers(model)[name]
+    assert len(records) == 3  # one call per depth
+    p, cfg = layer_params("albert", module)
+    for depth, (args, kwargs, output) in enumerate(records):
+        x = _call_tokens(args, kwargs)[0].double().numpy()
+        want = _layer_norm(x + dc.damcha_attention(p, cfg, x), module.LayerNorm)
+        np.testing.assert_allclose(output[0].double().numpy(), want, rtol=0, atol=1e-12, err_msg=f"depth {depth}")
+
+
+# T5's attention and transformers' copies of it (the transformers-t5 adapter) and Pix2Struct's
+# (transformers-pix2struct), one compact test each, not in the zoo's ARCHS: name -> the attention
+# classes the layers of the zoo's model hold.
+T5_FAMILY = {
+    "t5": ("T5Attention",),
+    "mt5": ("MT5Attention",),
+    "umt5": ("UMT5Attention",),
+    "switch-transformers": ("SwitchTransformersAttention",),
+    "pop2piano": ("Pop2PianoAttention",),
+    "udop": ("UdopAttention",),
+    "pix2struct": ("Pix2StructVisionAttention", "Pix2StructTextAttention"),
+}
+assert set(T5_FAMILY) == set(T5_MODELS)
+# The names under which the decoders' layers hold their cross-attention.
+T5_CROSS = ("EncDecAttention", "encoder_decoder_attention.attention")
+
+
+def _t5_key(module):
+    return module.key if hasattr(module, "key") else module.k  # Pix2Struct's names, T5's
+
+
+def _t5_generate(model, name, kw, **opts):
+    if name == "pop2piano":
+        # Its own generate() prepends a composer token to audio features (a generation config the tiny
+        # model lacks), then runs transformers' loop, called here directly on token ids.
+        return super(type(model), model).generate(**kw, **opts)
+    return model.generate(**kw, **opts)
+
+
+def _check_t5_layers(model, name, call):
+    """Each converted layer of a float64 T5-family model (gates open) against an
+    independent NumPy forward: project, the reference's maps (a cross-attention's
+    keys mapped by the encoder output's; each layer's role checked first, so a
+    cross-attention converted as self-attention fails), unscaled logits plus the host's relative
+    position bias (the one it returns, or for UMT5, which returns none, its
+    compute_bias), causal in the decoder's self-attention (by the layer's
+    place, not its flags), the output projection."""
+    open_gates(model)
+    calls = capture(model)
+    with torch.no_grad():
+        call(model)
+    assert set(calls) == set(dt.converted_layers(model))
+    for layer, ((args, kwargs, output),) in calls.items():
+        module = dt.converted_layers(model)[layer]
+        x, ctx = _call_tokens(args, kwargs)
+        cross = ctx is not None
+        assert cross == (module.damcha.layout.self_attention is False), layer
+        x = x.double().numpy()
+        c = x if ctx is None else ctx.double().numpy()
+        p, cfg = layer_params(name, module)
+        _, metric = dc.damcha_attention(p, cfg, x, None if ctx is None else c, return_metric=True)
+        q = np.einsum("btha,btad->bthd", metric["q"], np.einsum("bte,ehd->bthd", x, p["query.kernel"]))
+        k = np.einsum("btha,btad->bthd", metric["k"], np.einsum("bte,ehd->bthd", c, p["key.kernel"]))
+        v = np.einsum("bte,ehd->bthd", c, p["value.kernel"])
+        n, m = x.shape[1], c.shape[1]
+        if len(output) == 3:  # (output, position bias, weights)
+            bias = _np(output[1])
+        elif getattr(module, "has_relative_attention_bias", False):
+            bias = _np(module.compute_bias(n, m))
+        else:
+            bias = np.zeros((1, 1, n, m))
+        logits = np.einsum("bnhd,bmhd->bhnm", q, k) + bias  # T5 does not scale q.k
+        if layer.startswith("decoder.") and not cross:
+            logits = np.where(np.arange(m)[None] <= np.arange(n)[:, None], logits, -np.inf)
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+        o = np.einsum("bhnm,bmhd->bnhd", probs / probs.sum(-1, keepdims=True), v)
+        want = np.einsum("bnhd,hde->bne", o, p["output.kernel"])
+        np.testing.assert_allclose(output[0].double().numpy(), want, rtol=0, atol=1e-12, err_msg=layer)
+
+
+@pytest.mark.parametrize("name", list(T5_FAMILY))
+def test_t5_family_converts(name):
+    """Every attention layer converted (encoder and decoder self-attention tied,
+    decoder cross-attention separate), exact at init bit for bit (padded
+    batch), cached greedy generation equal to uncached with the gates open and
+    away from the unconverted model's, a cached step reusing the
+    cross-attention keys mapped once, and each layer against an independent
+    NumPy forward with the host's relative position bias."""
+    model = build(name, torch.float32)
+    attention = {n: m for n, m in model.named_modules() if type(m).__name__ in T5_FAMILY[name]}
+    kw = inputs(name)
+    gen = inputs(name, padding=False, length=5)
+    gen.pop("attention_mask")
+    opts = {"max_new_tokens": 6, "do_sample": False, "return_dict_in_generate": True, "output_logits": True}
+    with torch.no_grad():
+        before = run(model, name, kw)
+        unconverted = _t5_generate(model, name, gen, use_cache=True, **opts)
+        dt.convert(model)
+        after = run(model, name, kw)
+    layers = dt.converted_layers(model)
+    assert len(attention) == 6 and set(layers) == set(attention)  # 2 encoder, 2 + 2 decoder
+    for n, m in layers.items():
+        cross = n.endswith(T5_CROSS)
+        assert m.damcha.config.metric_sides == (("q", "k") if cross else ("qk",)), n
+    assert same(after, before)
+    open_gates(model, scale=0.8)
+    with torch.no_grad():
+        cached = _t5_generate(model, name, gen, use_cache=True, **opts)
+        plain = _t5_generate(model, name, gen, use_cache=False, **opts)
+    assert cached.sequences.shape[1] == gen["decoder_input_ids"].shape[1] + 6
+    assert torch.equal(cached.sequences, plain.sequences)
+    for a, b, c in zip(cached.logits, plain.logits, unconverted.logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+        assert (a - c).abs().max() > 1e-3
+
+    model = dt.convert(build(name, torch.float64))
+    kw = inputs(name, torch.float64, padding=False)
+    _check_t5_layers(model, name, lambda m: m(**kw))
+    # A cached step: the cross-attention keys of the encoder output, projected and mapped at the
+    # first step, come from the cache (no k call), mapped once.
+    ids = kw.pop("decoder_input_ids")
+    cross = [m for n, m in dt.converted_layers(model).items() if n.endswith(T5_CROSS)]
+    with torch.no_grad():
+        full = model(**kw, decoder_input_ids=ids).logits
+        # The encoder once, as generate runs it (SwitchTransformers would pass use_cache on to it).
+        encoded = model.get_encoder()(**kw)
+        mask = {"attention_mask": kw["attention_mask"]}
+        first = model(**mask, encoder_outputs=encoded, decoder_input_ids=ids[:, :-1], use_cache=True)
+        enc, cache = encoded.last_hidden_state, first.past_key_values
+        calls = []
+        hooks = [_t5_key(m).register_forward_hook(lambda m, a, o: calls.append(m)) for m in cross]
+        step = model(**mask, encoder_outputs=encoded, decoder_input_ids=ids[:, -1:], cache=cache)
+        for h in hooks:
+            h.remove()
+        assert calls == []
+        for layer in cross:
+            B, M = enc.shape[:2]
+            mapped = _t5_key(layer)(enc).view(B, M, layer.n_heads, -1).transpose(1, 2)
+            plain_keys = nn.functional.linear(enc, _t5_key(layer).weight).view(B, M, layer.n_heads, -1).transpose(1, 2)
+            cached_keys = cache.cross_attention_cache.layers[layer.layer_idx].keys
+            assert torch.equal(cached_keys, mapped)
+            assert not torch.allclose(cached_keys, plain_keys)
+    torch.testing.assert_close(step.logits[:, -1], full[:, -1], rtol=0, atol=1e-12)
+
+
 # ---------------------------------------------------------------- training
 
 
@@ -1012,7 +1189,9 @@ def _grads(model, arch, kw):
     "arch",
     [
         *("llama", "gpt2", "qwen3", "bert", "roberta", *BERT_COPIES, "hf-vit", "bert-decoder", "opt", "clip-text"),
-        *("siglip", "bart", "whisper"),
+        *("siglip", "bart", "whisper", "t5"),
+        # ALBERT calls its one attention module at every depth.
+        "albert",
         # OLMo clamps the mapped q and k in place (clip_qkv): no path may keep them for backward.
         "olmo-clip",
     ],
@@ -1025,7 +1204,8 @@ def test_recompute_and_gradient_checkpointing_give_identical_gradients(arch):
         if isinstance(m, dt.DamchaMaps):
             m.recompute = True
     got = _grads(base, arch, kw)
-    base.activation_checkpointing_enable()
+    if arch != "albert":  # ALBERT's layers do not support activation checkpointing
+        base.activation_checkpointing_enable()
     got_ckpt = _grads(base, arch, kw)
     assert set(got) == set(want) == set(got_ckpt)
     for n in want:
@@ -1614,6 +1794,51 @@ def test_an_unlisted_copy_of_bart_attention_is_refused_by_name():
         dc.DamchaValueError,
         match=rf"unknown layouts: encoder\.layers\.0\.self_attn \(transformers\.models\.{module}\), "
         rf"decoder\.layers\.0\.encoder_attn .*, decoder\.layers\.0\.self_attn \(transformers\.models\.{module}\)$",
+    ):
+        dt.convert(model)
+    assert not dt.converted_layers(model)
+
+
+@pytest.mark.parametrize("flag", ["missing", "contradicted"])
+def test_a_t5_decoder_whose_is_causal_cannot_tell_its_role_is_refused(flag):
+    """Before transformers 5.15, T5's layers built the decoder's self- and
+    cross-attention alike, without ``is_causal`` ("missing"); a decoder layer
+    whose flag contradicts its relative bias (only the first self-attention
+    has one) is not read either ("contradicted"). Refused, naming the layer,
+    the flag and why; nothing converted. An encoder (no decoder) converts
+    without the flag."""
+    model = build("t5", torch.float32)
+    first = model.decoder.block[0].layer[0].SelfAttention
+    if flag == "missing":
+        for m in model.decoder.modules():
+            if isinstance(m, transformers.models.t5.modeling_t5.T5Attention):
+                del m.is_causal
+    else:
+        first.is_causal = False
+    received = "no is_causal attribute" if flag == "missing" else "is_causal=False"
+    with pytest.raises(
+        dc.DamchaValueError,
+        match=r"`decoder\.block\.0\.layer\.0\.SelfAttention` \(transformers-t5\): Invalid argument `is_causal`",
+    ) as error:
+        dt.convert(model)
+    assert "cross-attention needs maps of its own" in str(error.value)
+    assert str(error.value).endswith(f"has_relative_attention_bias=True and {received}")
+    assert not dt.converted_layers(model)
+    encoder = transformers.T5EncoderModel(model.config)
+    for m in encoder.modules():
+        if isinstance(m, transformers.models.t5.modeling_t5.T5Attention):
+            del m.is_causal
+    assert len(dt.converted_layers(dt.convert(encoder))) == 2
+
+
+def test_a_pix2struct_text_model_that_is_no_decoder_is_refused():
+    """Pix2Struct's text layers build the self-attention with
+    is_causal=config.is_decoder: with is_decoder False it would read as a
+    cross-attention, so the text attention is refused naming the config flag."""
+    model = build("pix2struct", torch.float32)
+    model.decoder.config.is_decoder = False  # the text attention modules' config
+    with pytest.raises(
+        dc.DamchaValueError, match=r"\(transformers-pix2struct\): Invalid argument `config\.is_decoder`"
     ):
         dt.convert(model)
     assert not dt.converted_layers(model)

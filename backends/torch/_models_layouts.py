@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from damcha_core import DamchaValueError
+from damcha_core import DamchaValueError, invalid_argument
 from torch import nn
 
 from ._models import AttentionLayout, ModelAdapter, ProjectionSite, register_adapter
@@ -202,10 +202,15 @@ _VIT = frozenset(
 
 def _q_k_proj_layout(m: Any, H: int, d: int, *, self_attention: bool = True) -> AttentionLayout:
     """Maps on separate ``q_proj``/``k_proj`` Linear layers of ``H`` heads of ``d``."""
-    (eq, q_out), (ek, k_out) = _features(m.q_proj), _features(m.k_proj)
-    _heads("q_proj", q_out, d, H)
-    _heads("k_proj", k_out, d, H)
-    sites = (ProjectionSite("q_proj", q=0), ProjectionSite("k_proj", k=0))
+    return _separate_q_k_layout(m, "q_proj", "k_proj", H, d, self_attention=self_attention)
+
+
+def _separate_q_k_layout(m: Any, q: str, k: str, H: int, d: int, *, self_attention: bool = True) -> AttentionLayout:
+    """Maps on separate query and key Linear layers ``q`` and ``k`` of ``H`` heads of ``d`` each."""
+    (eq, q_out), (ek, k_out) = _features(getattr(m, q)), _features(getattr(m, k))
+    _heads(q, q_out, d, H)
+    _heads(k, k_out, d, H)
+    sites = (ProjectionSite(q, q=0), ProjectionSite(k, k=0))
     return AttentionLayout(H, H, d, eq, ek, sites, self_attention=self_attention)
 
 
@@ -264,6 +269,104 @@ _ENC_DEC = frozenset(
 def _enc_dec_layout(m: Any) -> AttentionLayout:
     cross = bool(m.is_decoder) and not bool(m.is_causal)
     return _q_k_proj_layout(m, int(m.num_heads), int(m.head_dim), self_attention=not cross)
+
+
+# ALBERT's attention: BERT's query/key/value layout (num_attention_heads heads of
+# attention_head_size, scale 1/sqrt(d)), self-attention only, its output projection, residual and
+# LayerNorm inside the module, after the attention. ALBERT shares its layers' weights across depth:
+# one AlbertAttention (per layer group and inner layer) is called at every depth it serves, so its
+# maps are shared the same way, one gate and generator for all those calls (DAMCHA's stack-wise
+# sharing of the metric generator, here along with ALBERT's own). Each call maps the tokens it is
+# given, as any attention call: the maps keep nothing from one call to the next.
+def _albert_layout(m: Any) -> AttentionLayout:
+    return _separate_q_k_layout(m, "query", "key", int(m.num_attention_heads), int(m.attention_head_size))
+
+
+# T5's attention (T5, mT5, ByT5 and Flan-T5 checkpoints: T5's or mT5's classes) and transformers'
+# copies of it, each read in its source: MT5's, SwitchTransformers', Pop2Piano's and Udop's are
+# T5's line for line under their names; UMT5's computes the same (its own forward signature, a
+# relative bias in every self-attention). q, k, v and o Linear layers without bias, n_heads heads
+# of key_value_proj_dim (n_heads * d_kv need not be d_model), logits q.k unscaled plus a relative
+# position bias that depends on the positions only: added after the maps, the converted layer is
+# the host with q := L(t) q, k := L(t) k. One class serves the encoder's self-attention, the
+# decoder's causal self-attention (a cache) and the decoder's cross-attention over the encoder
+# output (keys projected and mapped once, then kept by the EncoderDecoderCache, as BART's), and its
+# forward tells them apart by its arguments only. Since transformers 5.15 the layers build the
+# self-attention with is_causal=config.is_decoder and the cross-attention with is_causal=False,
+# and the host's SDPA path relies on that flag (the decoder's causal mask may be left to it): a
+# decoder module with is_causal False is the cross-attention. Before 5.15 both are built alike and
+# no attribute tells them apart, so decoder layers are refused there (the encoder's, is_decoder
+# False, are self-attention in every version). UMT5's layers give every self-attention a relative
+# bias of its own and the cross-attention none, in every transformers 5 (its is_causal came later
+# than T5's): that tells UMT5's apart. LongT5Attention, also T5's line for line, is not listed:
+# LongT5's encoder attends with other classes (local and transient-global blocks), so listing the
+# decoder's alone would convert no LongT5 model.
+_T5 = frozenset(
+    {
+        "T5Attention",
+        "MT5Attention",
+        "SwitchTransformersAttention",
+        "Pop2PianoAttention",
+        "UdopAttention",
+        "UMT5Attention",
+    }
+)
+
+
+def _t5_cross(m: Any, is_decoder: bool) -> bool:
+    """Whether a T5-family attention module, of a decoder if ``is_decoder``, is its cross-attention (see above)."""
+    if not is_decoder:
+        return False
+    if _is(m, "transformers", frozenset({"UMT5Attention"})):
+        return not bool(m.has_relative_attention_bias)
+    is_causal = getattr(m, "is_causal", None)
+    relative = bool(m.has_relative_attention_bias)
+    # A decoder module with a relative bias is the first self-attention, never the cross-attention:
+    # is_causal False there means the flag does not say what this adapter reads it for.
+    if not isinstance(is_causal, bool) or (relative and not is_causal):
+        flag = "no is_causal attribute" if is_causal is None else f"is_causal={is_causal!r}"
+        raise DamchaValueError(
+            invalid_argument(
+                "is_causal",
+                "True on a decoder's self-attention and False on its cross-attention, as transformers >= 5.15 "
+                "builds T5's layers (nothing else on the module tells the two apart, and the cross-attention needs "
+                "maps of its own, its keys projected from the encoder output: upgrade transformers to convert T5 "
+                "decoders)",
+                f"{type(m).__name__} of a decoder, with has_relative_attention_bias={relative} and {flag}",
+            )
+        )
+    return not is_causal
+
+
+def _t5_layout(m: Any) -> AttentionLayout:
+    cross = _t5_cross(m, bool(m.is_decoder))
+    return _separate_q_k_layout(m, "q", "k", int(m.n_heads), int(m.key_value_proj_dim), self_attention=not cross)
+
+
+# Pix2Struct's attention. Its text decoder's is T5's forward under other names (query, key, value
+# and output Linear layers without bias, n_heads heads of key_value_proj_dim filling hidden_size),
+# its relative bias one-way, and no is_decoder of its own: its layers build the self-attention with
+# is_causal=config.is_decoder (True by default: the text model is a decoder) and the
+# cross-attention over the image encoder with is_causal=False, read as T5's are (transformers >=
+# 5.15; with config.is_decoder False the self-attention's flag would read as a cross-attention's,
+# refused). Its vision encoder's: unscaled self-attention over the patches, the same names, no bias.
+_PIX2STRUCT_TEXT = frozenset({"Pix2StructTextAttention"})
+
+
+def _pix2struct_layout(m: Any) -> AttentionLayout:
+    H, d = int(m.n_heads), int(m.key_value_proj_dim)
+    if not _is(m, "transformers", _PIX2STRUCT_TEXT):
+        return _separate_q_k_layout(m, "query", "key", H, d)
+    if not bool(m.config.is_decoder):
+        raise DamchaValueError(
+            invalid_argument(
+                "config.is_decoder",
+                "True (a Pix2Struct text model is a decoder: its layers build the self-attention with "
+                "is_causal=config.is_decoder, which must tell it from the cross-attention, built with is_causal=False)",
+                f"{type(m).__name__} with config.is_decoder={m.config.is_decoder!r}",
+            )
+        )
+    return _separate_q_k_layout(m, "query", "key", H, d, self_attention=not _t5_cross(m, True))
 
 
 # ------------------------------------------------------------------- timm
@@ -382,6 +485,29 @@ for _adapter in (
         "cache, decoder cross-attention over the encoder output (q_proj/k_proj/v_proj/out_proj)",
         lambda m: _is(m, "transformers", _ENC_DEC),
         _enc_dec_layout,
+    ),
+    ModelAdapter(
+        "transformers-albert",
+        "transformers ALBERT self-attention (query/key/value; one module called at every depth it serves, "
+        "its maps shared as its weights are)",
+        lambda m: _is(m, "transformers", frozenset({"AlbertAttention"})),
+        _albert_layout,
+    ),
+    ModelAdapter(
+        "transformers-t5",
+        "transformers T5 (T5, mT5, ByT5, Flan-T5), UMT5, SwitchTransformers, Pop2Piano and Udop attention: "
+        "encoder self-attention, decoder causal self-attention with cache, decoder cross-attention over the "
+        "encoder output (q/k/v/o, relative position bias after the maps; decoders need transformers >= 5.15)",
+        lambda m: _is(m, "transformers", _T5),
+        _t5_layout,
+    ),
+    ModelAdapter(
+        "transformers-pix2struct",
+        "transformers Pix2Struct attention: the vision encoder's self-attention, the text decoder's causal "
+        "self-attention with cache and cross-attention over the image (query/key/value/output, the text's relative "
+        "position bias after the maps; the decoder needs transformers >= 5.15)",
+        lambda m: _is(m, "transformers", _PIX2STRUCT_TEXT | {"Pix2StructVisionAttention"}),
+        _pix2struct_layout,
     ),
     ModelAdapter(
         "timm-attention",
