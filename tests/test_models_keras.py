@@ -18,7 +18,9 @@ import pytest
 from _models_keras_zoo import (
     ARCHS,
     CAUSAL,
+    HOSTED,
     NORMED,
+    POSITIONAL,
     ROTARY,
     SUBLAYERS,
     backbone,
@@ -30,9 +32,12 @@ from _models_keras_zoo import (
     greedy_without_cache,
     inputs,
     layer_params,
+    lm_inputs,
     numpy,
     open_gates,
     output,
+    positional_reference,
+    reference_maps,
     rotary,
 )
 
@@ -63,16 +68,18 @@ def test_exact_at_init(arch, dtype):
     x = inputs(arch)  # the last row is right-padded
     before = output(model, x)
     n_weights = len(model.weights)
+    host_paths = {v.path for v in model.weights}
     assert dk.convert(model) is model
     after = output(model, x)
     np.testing.assert_array_equal(after, before)  # residual form y + 0 * (Delta y): bit for bit
     layers = dk.converted_layers(model)
     assert len(layers) == ARCHS[arch][2]["num_layers"]
     # Only DAMCHA variables were added, each under its attention layer's path,
-    # and no path repeats (the old variables are the host's, untouched).
+    # and none repeats a path (the old variables are the host's, untouched; SmolLM3's
+    # host repeats two paths of its own: sublayers made outside its layers' name scopes).
     added = [v for v in model.weights if "/damcha/" in v.path]
     assert len(model.weights) == n_weights + len(added) and added
-    assert len({v.path for v in model.weights}) == len(model.weights)
+    assert len({v.path for v in model.weights}) == len(host_paths) + len(added)
     for path, layer in layers.items():
         assert all(v.path.startswith(f"{path}/damcha/") for v in layer.damcha.weights)
     assert all(float(np.abs(numpy(g)).max()) == 0.0 for g in dk.damcha_variables(model, generators=False))
@@ -105,46 +112,63 @@ def test_layers_equal_reference(arch, metric):
     host's per-head norms applied between the maps and RoPE, spec section 10)."""
     model = backbone(arch, "float64")
     dk.convert(model, metric=metric, metric_rank=3 if metric == "lowrank" else None)
+    closed = output(model, inputs(arch))
     open_gates(model)
     rng = np.random.default_rng(3)
     for layer in dk.converted_layers(model).values():
         params, config = layer_params(arch, layer)
-        x = rng.normal(size=(2, 5, config.query_dim))
+        n = 6 if arch == "dinov3" else 5  # DINOv3: class, register and 4 patch tokens
+        x = rng.normal(size=(2, n, config.query_dim))
         check_maps(arch, layer, params, config, x, opened=1e-2)
-        mask = causal_mask(2, 5)
+        if arch in HOSTED:
+            continue  # the whole model against its host with the reference's maps, below
+        mask = np.ones((2, n, n), bool) if arch in ("esm", "dinov3") else causal_mask(2, n)
         got = call_layer(arch, layer, x, mask)
         if arch in NORMED:
             expected = normed_reference(arch, layer, params, config, x, mask)
+        elif arch in POSITIONAL:
+            expected = positional_reference(arch, layer, params, config, x, mask)
         else:
             expected = dc.damcha_attention(
                 params, config, x, mask=mask[:, None], rotary=rotary(arch, layer, config.key_dim)
             )
         # KerasHub computes RoPE's angles (and Llama-style softmaxes) in float32
         # even in a float64 model: those layers agree to float32 rounding.
-        tol = 1e-6 if arch in ROTARY else 1e-12
+        tol = 1e-6 if arch in ROTARY or arch in ("bloom", "falcon") else 1e-12
         np.testing.assert_allclose(got, expected, rtol=0, atol=tol * max(1.0, np.abs(expected).max()))
+    if arch in HOSTED:
+        # GPT-OSS, Gemma 4: attention of their own (sinks and YaRN RoPE; q/k and value norms,
+        # scale 1). The converted model equals its host with each query/key projection followed
+        # by the reference's map (the definition), and the maps move its output.
+        x = inputs(arch)
+        got = output(model, x)
+        with reference_maps(arch, model):
+            expected = output(model, x)
+        np.testing.assert_allclose(got, expected, rtol=0, atol=1e-12 * max(1.0, np.abs(expected).max()))
+        assert np.abs(got - closed).max() > 1e-6
 
 
-def check_maps(arch, layer, params, config, x, opened):
+def check_maps(arch, layer, params, config, x, opened, atol=1e-12):
     """The query and key projection sublayers of a converted layer (gates
-    open) on tokens x equal the reference's maps of their heads to 1e-12, and
-    each map moves its heads by more than ``opened``."""
+    open) on tokens x equal the reference's maps of their heads to ``atol``
+    (1e-12: float64 models), and each map moves its heads by more than ``opened``."""
     for role, attr, name in (("q", SUBLAYERS[arch][0], "query"), ("k", SUBLAYERS[arch][1], "key")):
         y0 = np.einsum("bte,ehd->bthd", x, params[f"{name}.kernel"]) + params[f"{name}.bias"]
         expected = reference_map(params, config, dc.side_of(config, role), x, y0)
         assert np.abs(expected - y0).max() > opened  # the maps are open
-        np.testing.assert_allclose(numpy(getattr(layer, attr)(x)), expected, rtol=0, atol=1e-12)
+        got = numpy(getattr(layer, attr)(x))  # Dense projections: flat features, split head by head
+        np.testing.assert_allclose(got.reshape(expected.shape), expected, rtol=0, atol=atol)
 
 
 def normed_reference(arch, layer, params, config, x, mask):
-    """Qwen3 or Gemma 3 attention from the reference's maps, the host's
+    """Qwen3 (and Qwen3-MoE) or Gemma 3 attention from the reference's maps, the host's
     per-head RMS norms (its own sublayers, its weights and eps), the
     reference's rotary and a NumPy softmax attention (Gemma 3: its query
     scale, 1/sqrt(head_dim) or 1/sqrt(hidden_dim / heads))."""
     q0 = np.einsum("bte,ehd->bthd", x, params["query.kernel"])
     k0 = np.einsum("bte,ehd->bthd", x, params["key.kernel"])
     v = np.einsum("bte,ehd->bthd", x, params["value.kernel"])
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3_moe"):
         norms, scale = (layer._query_dense_layer_norm, layer._key_dense_layer_norm), 1 / np.sqrt(config.key_dim)
     else:
         norms = (layer.query_norm, layer.key_norm)
@@ -191,7 +215,10 @@ def test_rope_shift_invariance(metric):
 
 # CachedMHA, RoPE + GQA, per-head norms, (H, E, d) kernels, public sublayer names. (Gemma 3's generate() fails without a
 # preprocessor in KerasHub 0.32, converted or not; its cache is tested by call_with_cache above.)
-GENERATE = ("gpt2", "opt", "llama", "qwen3", "gemma", "mixtral", "phi3")
+# ALiBi from Falcon's decoder block, SmolLM3's Dense projections and NoPE layer. (Bloom and
+# Gemma 4 repeat one token from this prompt, a weak check, and GPT-OSS's generate() takes
+# ~9 s: the caches of the three are tested by call_with_cache.)
+GENERATE = ("gpt2", "opt", "llama", "qwen3", "gemma", "mixtral", "phi3", "falcon", "smollm3")
 
 
 @pytest.mark.parametrize("arch", CAUSAL)
@@ -200,7 +227,7 @@ def test_call_with_cache_equals_full_forward(arch):
     dk.convert(lm)
     open_gates(lm)
     ids = inputs(arch, batch=2, length=6, padded=False)["token_ids"]
-    full = numpy(lm({"token_ids": ids, "padding_mask": np.ones_like(ids, bool)}))
+    full = numpy(lm(lm_inputs(lm, ids, np.ones_like(ids, bool))))
     np.testing.assert_allclose(cached_logits(lm, ids), full, rtol=0, atol=1e-5 * max(1.0, np.abs(full).max()))
 
 
@@ -896,6 +923,251 @@ def test_encoder_decoder_backbones_convert(arch):
         params, config = layer_params("gpt2", layer)  # the four MultiHeadAttention sublayers
         check_maps("gpt2", layer, params, config, rng.normal(size=(2, 5, config.query_dim)), opened=1e-3)
     assert max(np.abs(got - want).max() for got, want in zip(outputs(), before)) > 1e-6
+
+
+def _t5_backbone(arch):
+    if arch == "t5":
+        return keras_hub.models.T5Backbone(
+            vocabulary_size=50,
+            num_layers=2,
+            num_heads=2,
+            hidden_dim=8,
+            intermediate_dim=16,
+            dropout=0.0,
+            dtype="float64",
+        )
+    sizes = dict(hidden_dim=8, intermediate_dim=16, num_layers=1, num_attention_heads=2, num_key_value_heads=2)
+    sizes.update(head_dim=4, layer_types=["full_attention"])
+    return keras_hub.models.T5GemmaBackbone(
+        vocabulary_size=50,
+        dtype="float64",
+        **{f"{side}_{k}": v for side in ("encoder", "decoder") for k, v in sizes.items()},
+    )
+
+
+@pytest.mark.filterwarnings("ignore:Layer .* does not support masking:UserWarning")  # T5's layers, KerasHub's
+@pytest.mark.parametrize("arch", ["t5", "t5gemma"])
+def test_t5_backbones_convert(arch):
+    """KerasHub's T5 (T5MultiHeadAttention: Dense projections, a relative position bias
+    added to the logits, one class for self- and cross-attention, told apart by the names
+    its transformer layers give them) and T5Gemma (T5GemmaAttention, by its attention_type)
+    encoder-decoder backbones: exact at init bit for bit, the encoder's and the decoder's
+    self-attention tied and the cross-attention separate, each query/key projection equal
+    to the reference's map with the gates open, T5's layers equal the NumPy attention with
+    its own bias table (positional_reference), the outputs move, and T5's cached decoding
+    steps (the cross-attention's keys mapped once, where the task projects the encoder
+    states) equal the full forward."""
+    model = _t5_backbone(arch)
+    rng = np.random.default_rng(6)
+    ids = rng.integers(1, 50, (2, 5)).astype("int32")
+    x = {
+        "encoder_token_ids": ids[:, ::-1].copy(),
+        "encoder_padding_mask": np.ones((2, 5), bool),
+        "decoder_token_ids": ids,
+        "decoder_padding_mask": np.ones((2, 5), bool),
+    }
+
+    def outputs():
+        return [numpy(y) for y in keras.tree.flatten(model(x))]
+
+    before = outputs()
+    dk.convert(model)
+    for got, want in zip(outputs(), before, strict=True):
+        np.testing.assert_array_equal(got, want)
+    layers = dk.converted_layers(model)
+    sides = sorted(
+        (
+            getattr(layer, "attention_type", None) == "cross" or path.endswith("cross_attention"),
+            layer.damcha.config.metric_sides,
+        )
+        for path, layer in layers.items()
+    )
+    self_layers = 4 if arch == "t5" else 2
+    assert sides == [(False, ("qk",))] * self_layers + [(True, ("q", "k"))] * (self_layers // 2), sides
+    open_gates(model)
+    sublayers = "t5" if arch == "t5" else "gemma"
+    for layer in layers.values():
+        params, config = layer_params(sublayers, layer)
+        x_layer = rng.normal(size=(2, 5, config.query_dim))
+        check_maps(sublayers, layer, params, config, x_layer, opened=1e-3)
+        if arch == "t5":
+            mask = causal_mask(2, 5)
+            expected = positional_reference("t5", layer, params, config, x_layer, mask)
+            got = call_layer("t5", layer, x_layer, mask)
+            np.testing.assert_allclose(got, expected, rtol=0, atol=1e-12 * max(1.0, np.abs(expected).max()))
+    assert max(np.abs(got - want).max() for got, want in zip(outputs(), before)) > 1e-6
+    if arch != "t5":
+        return
+    task = keras_hub.models.T5Seq2SeqLM(backbone=model, preprocessor=None)
+    want = numpy(task._logits(model(x)["decoder_sequence_output"]))
+    encoded = task.call_encoder(x["encoder_token_ids"], x["encoder_padding_mask"])
+    self_cache, cross_cache = task._initialize_cache(x["encoder_token_ids"], ids)
+    for i in range(ids.shape[1]):
+        logits, _, self_cache, cross_cache = task.call_decoder_with_cache(
+            encoded, x["encoder_padding_mask"], ids[:, i : i + 1], self_cache, i, cross_cache, 0 if i == 0 else None
+        )
+        np.testing.assert_allclose(numpy(logits)[:, 0], want[:, i], rtol=0, atol=1e-12 * np.abs(want).max())
+
+
+def test_gemma4_vision_encoder_converts():
+    """Gemma 4's vision encoder (Gemma4VisionAttention: projections by
+    Gemma4ClippableEinsumDense, which clips around an einsum with its inner
+    EinsumDense's kernel; per-head q/k norms, value norm, 2-D RoPE), standalone,
+    in float32 (it computes in float32 whatever dtype it is given): exact at init
+    bit for bit, each query/key projection (its output clip included) equal to the
+    reference's map with the gates open, and the encoder equal to its host with
+    the reference's maps after those projections, to float32 rounding."""
+    from keras_hub.src.models.gemma4.gemma4_vision_encoder import Gemma4VisionEncoder
+
+    # float32: the encoder computes in float32 whatever dtype it is given (KerasHub 0.32).
+    encoder = Gemma4VisionEncoder(
+        image_size=16,
+        patch_size=4,
+        hidden_dim=8,
+        num_layers=2,
+        num_heads=2,
+        num_key_value_heads=2,
+        head_dim=4,
+        intermediate_dim=16,
+        output_dim=8,
+        position_embedding_size=16,
+        pool_size=2,
+    )
+    rng = np.random.default_rng(7)
+    grid = np.stack(np.meshgrid(np.arange(4), np.arange(4), indexing="ij"), -1).reshape(1, 1, 16, 2)
+    x = {
+        "pixel_values": rng.normal(size=(2, 1, 16, 48)).astype("float32"),
+        "pixel_position_ids": grid.repeat(2, 0).astype("int32"),
+    }
+    before = numpy(encoder(x))
+    dk.convert(encoder)
+    np.testing.assert_array_equal(numpy(encoder(x)), before)
+    layers = dk.converted_layers(encoder)
+    assert [type(layer).__name__ for layer in layers.values()] == ["Gemma4VisionAttention"] * 2
+    open_gates(encoder)
+    for layer in layers.values():
+        params, config = layer_params("gemma4", layer)
+        tokens = rng.normal(size=(2, 5, config.query_dim)).astype("float32")
+        check_maps("gemma4", layer, params, config, tokens, opened=1e-2, atol=1e-5)
+    got = numpy(encoder(x))
+    with reference_maps("gemma4", encoder):
+        expected = numpy(encoder(x))
+    # float32 rounding of the maps (the reference's in float64), against maps that move the output by O(1e-1).
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5 * max(1.0, np.abs(expected).max()))
+    assert np.abs(got - before).max() > 1e-2
+
+
+def test_more_kerashub_backbones_convert():
+    """Backbones whose attention classes the zoo covers under other models: RoFormer V2
+    (RoformerAttention, ESM's base class; interleaved RoPE), Qwen-MoE (QwenMoeAttention:
+    Qwen's source under public sublayer names), Llama 3 (LlamaAttention), CLIP's text and
+    vision encoders and SigLIP's text encoder (Keras MultiHeadAttention): every attention
+    layer converts, exact at init bit for bit."""
+    rng = np.random.default_rng(8)
+    tokens = rng.integers(1, 50, (2, 5)).astype("int32")
+    mask = np.ones((2, 5), bool)
+    images = rng.normal(size=(2, 8, 8, 3)).astype("float32")
+    lm = dict(vocabulary_size=50, num_layers=2, num_query_heads=4, num_key_value_heads=2, hidden_dim=16)
+    text = dict(vocabulary_size=50, embedding_dim=8, hidden_dim=8, num_layers=2, num_heads=2, intermediate_dim=16)
+    vision = dict(patch_size=4, hidden_dim=8, num_layers=2, num_heads=2, intermediate_dim=16, image_shape=(8, 8, 3))
+    cases = {
+        "RoformerAttention": (
+            keras_hub.models.RoformerV2Backbone(
+                vocabulary_size=50,
+                num_layers=2,
+                num_heads=2,
+                hidden_dim=8,
+                intermediate_dim=16,
+                head_size=4,
+                dropout=0.0,
+            ),
+            {"token_ids": tokens, "segment_ids": np.zeros_like(tokens)},
+        ),
+        "QwenMoeAttention": (
+            keras_hub.models.QwenMoeBackbone(
+                **lm,
+                intermediate_dim=32,
+                moe_intermediate_dim=8,
+                shared_expert_intermediate_dim=8,
+                num_experts=2,
+                top_k=1,
+            ),
+            {"token_ids": tokens, "padding_mask": mask},
+        ),
+        "LlamaAttention": (
+            keras_hub.models.Llama3Backbone(**lm, intermediate_dim=32),
+            {"token_ids": tokens, "padding_mask": mask},
+        ),
+        "MultiHeadAttention": (keras_hub.models.CLIPTextEncoder(**text, max_sequence_length=8), {"token_ids": tokens}),
+        "MultiHeadAttention ": (keras_hub.models.CLIPVisionEncoder(**vision), {"images": images}),
+        # SigLIP's text encoder takes exactly max_sequence_length tokens.
+        "MultiHeadAttention  ": (
+            keras_hub.models.SigLIPTextEncoder(**text, max_sequence_length=5),
+            {"token_ids": tokens},
+        ),
+    }
+    for name, (model, x) in cases.items():
+        before = [numpy(y) for y in keras.tree.flatten(model(x))]
+        dk.convert(model)
+        for got, want in zip([numpy(y) for y in keras.tree.flatten(model(x))], before, strict=True):
+            np.testing.assert_array_equal(got, want)
+        assert [type(layer).__name__ for layer in dk.converted_layers(model).values()] == [name.strip()] * 2, name
+
+
+def test_kerashub_layouts_that_are_refused():
+    """Refused naming the layer and why, nothing converted: DeBERTa V3 (its query and key
+    projections also project the relative position embeddings), GPT-NeoX (one fused qkv
+    projection with each head's q, k and v side by side), Gemma 4's KV-shared layers (no key
+    projection) and layers whose key projection gives their values too (attention_k_eq_v),
+    SigLIP's vision encoder (its attention pooling head holds a probe, a norm and an MLP
+    beside its MultiHeadAttention)."""
+    small = dict(vocabulary_size=50, num_layers=2, num_heads=2, hidden_dim=8, intermediate_dim=16)
+    gemma4 = dict(
+        vocabulary_size=50,
+        image_size=16,
+        num_layers=2,
+        num_query_heads=2,
+        num_key_value_heads=1,
+        hidden_dim=8,
+        intermediate_dim=16,
+        head_dim=4,
+    )
+    cases = [
+        (
+            keras_hub.models.DebertaV3Backbone(**small, max_sequence_length=32, bucket_size=8),
+            r"Cannot convert layer `disentangled_attention_encoder_layer_0` \(keras-hub-deberta-v3\): Invalid argument "
+            r"`layer`: expected an attention layer whose query and key projections project tokens only; .*relative "
+            r"position embeddings",
+        ),
+        (
+            keras_hub.models.GPTNeoXBackbone(**small),
+            r"Cannot convert layer `transformer_layer_0/self_attention` \(keras-hub-gpt-neox\): .*GPT-NeoX's fused "
+            r"`_qkv_dense` .* outputs \(B, T, heads, 3 \* head_dim\).*Received: GPTNeoXAttention 'self_attention' "
+            r"with 2 heads of 4 features",
+        ),
+        (
+            keras_hub.models.Gemma4Backbone(**gemma4, num_kv_shared_layers=1),
+            r"Cannot convert layer `decoder_block_1/attention` \(keras-hub-gemma4\): .*this KV-shared layer "
+            r"\(is_kv_shared_layer=True",
+        ),
+        (
+            keras_hub.models.Gemma4Backbone(**gemma4, sliding_window_pattern=2, num_global_key_value_heads=1),
+            r"Cannot convert layer `decoder_block_1/attention` \(keras-hub-gemma4\): .*key projection also gives "
+            r"its values \(attention_k_eq_v=True",
+        ),
+        (
+            keras_hub.models.SigLIPVisionEncoder(
+                patch_size=4, hidden_dim=8, num_layers=1, num_heads=2, intermediate_dim=16, image_shape=(8, 8, 3)
+            ),
+            r"unknown layouts: head \(keras_hub\.\S+\.SigLIPMultiHeadAttentionPooling, which wraps the supported "
+            r"head/attention but also holds weights",
+        ),
+    ]
+    for model, message in cases:
+        n = len(model.weights)
+        with pytest.raises(dc.DamchaValueError, match=message):
+            dk.convert(model)
+        assert len(model.weights) == n and not dk.converted_layers(model)
 
 
 def test_a_refusal_names_the_known_layers_that_cannot_be_converted_too():

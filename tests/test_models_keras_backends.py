@@ -9,13 +9,15 @@ BACKEND TMPDIR`` (with ``KERAS_BACKEND=BACKEND``) prints them.
 tests/test_models_keras.py covers tensorflow (in process) in more depth.
 
 Per backend: every converted architecture (GPT-2, BERT, Llama, Mistral, Qwen,
-Qwen3, Gemma, ViT) exact at init (bit for bit; the causal LMs with Mistral's
-sliding window and Gemma 2's soft-capping, query scaling and sliding window
-active); with the gates open, every converted layer of GPT-2 and BERT equals the
-reference damcha_attention and every mapped q/k of Llama the reference's maps
-(float64; jax in x64 mode for that part), the whole Llama layer within float32
-RoPE rounding; for every causal LM greedy generate() with the cache equals
-greedy decoding without it and call_with_cache step by step the full forward;
+Qwen3, Gemma, ViT, ESM, DINOv3, Bloom, Falcon, SmolLM3, Gemma 4) exact at init
+(bit for bit; the causal LMs with Mistral's sliding window and Gemma 2's
+soft-capping, query scaling and sliding window active); with the gates open,
+every converted layer of GPT-2 and BERT equals the reference damcha_attention
+and every mapped q/k of Llama and ESM (Dense projections) the reference's maps
+(float64; jax in x64 mode for that part), the whole Llama and ESM layers within
+float32 RoPE rounding; for the causal LMs of CAUSAL greedy generate() with the
+cache equals greedy decoding without it, and for those and CACHED's
+call_with_cache step by step equals the full forward;
 one mixed-precision model (jax: Gemma in mixed_bfloat16, torch: Qwen3 in
 mixed_float16) exact at init and close to its float32 twin with the gates open;
 fit moves the gates; convert() refuses a model whose optimizer is built; .weights.h5 and .keras files round-trip; the docs' Keras
@@ -32,10 +34,16 @@ import pytest
 from _keras_processes import part_results
 
 BACKENDS = ("jax", "torch")
-# Every KerasHub causal LM convert() knows but Gemma 3, whose generate() fails without a
+# KerasHub causal LMs convert() knows, but Gemma 3, whose generate() fails without a
 # preprocessor in KerasHub 0.32 (tested on TensorFlow: tests/test_models_keras.py).
 CAUSAL = ("gpt2", "opt", "llama", "mistral", "qwen", "qwen3", "gemma", "mixtral", "phi3")
-ALL = ("bert", "vit", *CAUSAL)
+# Causal LMs of the other layouts: exact at init and call_with_cache step by step against
+# the full forward, without generate() (its compilation, per model, costs more than the
+# cache check): ALiBi in the layer (Bloom) and from the decoder block (Falcon), Dense
+# projections and a NoPE layer (SmolLM3), Gemma 4's norms. GPT-OSS (~15 s per backend) and
+# Qwen3-MoE (Qwen3's attention) run on TensorFlow only (tests/test_models_keras.py).
+CACHED = ("bloom", "falcon", "smollm3", "gemma4")
+ALL = ("bert", "vit", "esm", "dinov3", *CAUSAL, *CACHED)
 # Bound on the mixed model's logits error, relative to the logits' scale: 8
 # machine epsilons of the compute dtype (bfloat16 2**-7, float16 2**-10). Any
 # path to the logits rounds about 8 times per layer to the compute dtype
@@ -58,7 +66,8 @@ def check_exact_at_init(r: dict, backend: str) -> None:
 def check_layers_equal_reference(r: dict, backend: str) -> None:
     assert r["maps_open"], r
     assert max(r["reference_error_exact"].values()) <= 1e-12, r["reference_error_exact"]
-    assert r["reference_error_llama_layer"] <= 1e-6, r["reference_error_llama_layer"]
+    errors = r["reference_error_rotary_layers"]
+    assert sorted(errors) == ["esm", "llama"] and max(errors.values()) <= 1e-6, errors
 
 
 def check_generate_equals_greedy(r: dict, backend: str) -> None:
@@ -67,7 +76,7 @@ def check_generate_equals_greedy(r: dict, backend: str) -> None:
 
 def check_call_with_cache(r: dict, backend: str) -> None:
     errors = r["call_with_cache_error"]
-    assert max(errors.values()) <= 1e-5 and len(errors) == len(CAUSAL), errors
+    assert max(errors.values()) <= 1e-5 and sorted(errors) == sorted(CAUSAL + CACHED), errors
 
 
 def check_mixed_precision(r: dict, backend: str) -> None:
@@ -147,6 +156,7 @@ def run(backend: str, tmp: str) -> dict:
         greedy_mismatches,
         inputs,
         layer_params,
+        lm_inputs,
         numpy,
         open_gates,
         output,
@@ -162,7 +172,7 @@ def run(backend: str, tmp: str) -> dict:
     r: dict = {"backend": backend}
 
     r["exact_at_init"] = {}
-    for arch in ("bert", "vit"):
+    for arch in ("bert", "vit", "esm", "dinov3"):
         model = backbone(arch)
         x = inputs(arch)
         before = output(model, x)
@@ -189,6 +199,18 @@ def run(backend: str, tmp: str) -> dict:
         r["call_with_cache_error"][arch] = float(
             np.abs(cached_logits(lm, generated) - full).max() / max(1.0, np.abs(full).max())
         )
+    for arch in CACHED:
+        lm = causal_lm(arch, **ACTIVE.get(arch, {}))
+        x = inputs(arch)
+        before = numpy(lm(x))
+        dk.convert(lm)
+        r["exact_at_init"][arch] = bool(np.array_equal(numpy(lm(x)), before))
+        open_gates(lm)
+        ids = inputs(arch, padded=False)["token_ids"]
+        full = numpy(lm(lm_inputs(lm, ids, np.ones_like(ids, bool))))
+        r["call_with_cache_error"][arch] = float(
+            np.abs(cached_logits(lm, ids) - full).max() / max(1.0, np.abs(full).max())
+        )
 
     # Mixed precision, one case per backend: the converted model under a mixed
     # policy, exact at init, then given the gates-open float32 model's weights,
@@ -209,10 +231,10 @@ def run(backend: str, tmp: str) -> dict:
         gate.assign(np.zeros(gate.shape, "float32"))
     r["mixed_map_effect"] = float(np.abs(numpy(lms[arch](x)) - reference).max() / scale)
 
-    r["reference_error_exact"], r["maps_open"] = {}, True
+    r["reference_error_exact"], r["reference_error_rotary_layers"], r["maps_open"] = {}, {}, True
     x64 = _jax_x64(backend, True)  # float64 layers on jax; KerasHub's generate() needs it off again
     rng = np.random.default_rng(3)
-    for arch in ("gpt2", "bert", "llama"):
+    for arch in ("gpt2", "bert", "llama", "esm"):  # ESM: Dense projections (flat features)
         model = backbone(arch, "float64")
         dk.convert(model, metric="lowrank" if arch == "bert" else "heads", metric_rank=2 if arch == "bert" else None)
         open_gates(model)
@@ -220,15 +242,24 @@ def run(backend: str, tmp: str) -> dict:
         for layer in dk.converted_layers(model).values():
             params, config = layer_params(arch, layer)
             x = rng.normal(size=(2, 5, config.query_dim))
+            projection = getattr(layer, SUBLAYERS[arch][0])
             y0 = np.einsum("bte,ehd->bthd", x, params["query.kernel"]) + params["query.bias"]
+            if arch == "esm":
+                # The map of the host's own projection: Keras's float64 Dense rounds to about
+                # 1e-7 on torch (its EinsumDense does not), which is the host's, not the map's.
+                y0 = numpy(type(projection).call(projection, x)).reshape(y0.shape)
             expected = reference_map(params, config, dc.side_of(config, "q"), x, y0)
             r["maps_open"] &= bool(np.abs(expected - y0).max() > 1e-2)
-            errors.append(float(np.abs(numpy(getattr(layer, SUBLAYERS[arch][0])(x)) - expected).max()))
-            mask = np.tril(np.ones((5, 5), bool))[None].repeat(2, 0)
+            got = numpy(projection(x)).reshape(expected.shape)
+            errors.append(float(np.abs(got - expected).max()))
+            # ESM's layers are bidirectional (its mask hides padded queries, none here).
+            mask = np.ones((2, 5, 5), bool) if arch == "esm" else np.tril(np.ones((5, 5), bool))[None].repeat(2, 0)
             ref = dc.damcha_attention(params, config, x, mask=mask[:, None], rotary=rotary(arch, layer, config.key_dim))
             err = float(np.abs(call_layer(arch, layer, x, mask) - ref).max() / max(1.0, np.abs(ref).max()))
-            if arch == "llama":  # KerasHub's RoPE angles are float32 even in float64 models
-                r["reference_error_llama_layer"] = max(r.get("reference_error_llama_layer", 0.0), err)
+            # KerasHub's RoPE angles are float32 in float64 models (and so is Keras's Dense on torch).
+            if arch in ("llama", "esm"):
+                rotary_errors = r["reference_error_rotary_layers"]
+                rotary_errors[arch] = max(rotary_errors.get(arch, 0.0), err)
             else:
                 errors.append(err)
         r["reference_error_exact"][arch] = max(errors)

@@ -26,7 +26,10 @@ def _is(layer: Any, library: str, names: frozenset[str]) -> bool:
 def _heads(layer: Any, attr: str) -> tuple[int, int, int]:
     """(E, heads, head_dim) of a projection of tokens (B, T, E) to stacked
     heads (B, T, heads, head_dim), read from its EinsumDense equation and kernel."""
-    dense = getattr(layer, attr, None)
+    return _einsum_heads(attr, getattr(layer, attr, None))
+
+
+def _einsum_heads(attr: str, dense: Any) -> tuple[int, int, int]:
     if not isinstance(dense, keras.layers.EinsumDense):
         raise DamchaValueError(invalid_argument(attr, "a keras.layers.EinsumDense", f"{attr}={describe(dense)}"))
     equation = dense.equation.replace(" ", "")
@@ -50,6 +53,23 @@ def _heads(layer: Any, attr: str) -> tuple[int, int, int]:
     return shape[kernel.index(tokens[2])], shape[kernel.index(out[2])], shape[kernel.index(out[3])]
 
 
+def _dense_heads(layer: Any, attr: str, heads: int | None) -> tuple[int, int, int]:
+    """(E, heads, head_dim) of a ``keras.layers.Dense`` projecting tokens (B, T, E)
+    to flat features (B, T, heads * head_dim), which its host reshapes to
+    (B, T, heads, head_dim): the kernel gives E and the features, the host's
+    declared head count the split (a flat output cannot tell it)."""
+    dense = getattr(layer, attr, None)
+    if not isinstance(dense, keras.layers.Dense):
+        raise DamchaValueError(invalid_argument(attr, "a keras.layers.Dense", f"{attr}={describe(dense)}"))
+    E, F = (int(n) for n in dense.kernel.shape)
+    if heads is None or heads < 1 or F % heads:
+        raise DamchaValueError(
+            f"`{attr}` projects {F} features, which the layer's declared head count ({heads}) does not split "
+            "into whole heads (a variant with another head layout, which this adapter does not know)."
+        )
+    return E, heads, F // heads
+
+
 def _declared(layer: Any, *names: str) -> int | None:
     for name in names:
         value = getattr(layer, name, None)
@@ -59,10 +79,32 @@ def _declared(layer: Any, *names: str) -> int | None:
 
 
 def _qk_layout(
-    layer: Any, q_attr: str, k_attr: str, heads: tuple[str, ...], kv_heads: tuple[str, ...], self_attention: bool | None
+    layer: Any,
+    q_attr: str,
+    k_attr: str,
+    heads: tuple[str, ...],
+    kv_heads: tuple[str, ...],
+    self_attention: bool | None,
+    *,
+    flat: bool = False,
+    inner: str | None = None,
 ) -> AttentionLayout:
-    eq, H, d = _heads(layer, q_attr)
-    ek, G, dk = _heads(layer, k_attr)
+    """The layout of a layer projecting queries and keys with two sublayers.
+
+    ``flat``: the projections are ``Dense`` (flat features; the head counts are
+    the layer's declared ones). ``inner``: the projections are wrappers whose
+    kernel is the EinsumDense held under that attribute (Gemma 4's clippable
+    projections, whose own ``call`` uses that kernel); the maps go on the
+    wrappers, after everything their ``call`` does."""
+    if flat:
+        eq, H, d = _dense_heads(layer, q_attr, _declared(layer, *heads))
+        ek, G, dk = _dense_heads(layer, k_attr, _declared(layer, *kv_heads))
+    elif inner is not None:
+        eq, H, d = _einsum_heads(f"{q_attr}.{inner}", getattr(getattr(layer, q_attr, None), inner, None))
+        ek, G, dk = _einsum_heads(f"{k_attr}.{inner}", getattr(getattr(layer, k_attr, None), inner, None))
+    else:
+        eq, H, d = _heads(layer, q_attr)
+        ek, G, dk = _heads(layer, k_attr)
     if dk != d:
         raise DamchaValueError(
             f"query and key heads must have one size. Received: {q_attr} head_dim={d}, {k_attr} head_dim={dk}"
@@ -125,12 +167,32 @@ def _mha_layout(layer: Any) -> AttentionLayout:
 
 # ------------------------------------------------------------------ KerasHub
 
-_LLAMA = frozenset({"LlamaAttention", "CachedMistralAttention", "QwenAttention", "Qwen3Attention"})
+# Qwen3-MoE's Qwen3MoeAttention is Qwen3's source (per-head q/k norms) under another class name.
+_LLAMA = frozenset({"LlamaAttention", "CachedMistralAttention", "QwenAttention", "Qwen3Attention", "Qwen3MoeAttention"})
 _GEMMA = frozenset({"CachedGemmaAttention", "CachedGemma3Attention"})
 # Llama's layout under public sublayer names: Mixtral's attention is Mistral's source with
 # them (and its sliding window), Phi-3's the same projections and RoPE (its "su" scaling
-# acts on the rotation, after the maps).
-_PUBLIC_QK = frozenset({"CachedMixtralAttention", "Phi3Attention"})
+# acts on the rotation, after the maps); Qwen-MoE's QwenMoeAttention is Qwen's source with them.
+_PUBLIC_QK = frozenset({"CachedMixtralAttention", "Phi3Attention", "QwenMoeAttention"})
+# ALiBi: the bias is added to the logits of the mapped heads, per head (Bloom adds it in the
+# layer, Falcon receives it from its decoder block).
+_ALIBI = frozenset({"BloomAttention", "FalconAttention"})
+_GPT_OSS = frozenset({"GptOssAttention"})
+# Projections by Dense (flat features, reshaped by the host to (B, T, heads, head_dim), head
+# by head): attr of the query and key projections, the attributes declaring the query and
+# key head counts. Everything after the reshape is per head: DINOv3's 2-D RoPE on the patch
+# tokens, RoFormer V2's and ESM's RoPE, T5's relative position bias added to the logits,
+# SmolLM3's RoPE (off in its NoPE layers).
+_FLAT = {
+    "DINOV3Attention": ("query_dense", "key_dense", ("num_heads",), ("num_heads",)),
+    "RoformerAttention": ("q_dense", "k_dense", ("heads",), ("heads",)),  # and ESM's EsmSelfAttention
+    "T5MultiHeadAttention": ("query_projector", "key_projector", ("num_heads",), ("num_heads",)),
+    "SmolLM3Attention": ("q_proj", "k_proj", ("num_attention_heads",), ("num_key_value_heads",)),
+}
+_GEMMA4_TEXT = frozenset({"Gemma4TextAttention"})
+_GEMMA4_VISION = frozenset({"Gemma4VisionAttention"})
+_DEBERTA = frozenset({"DisentangledSelfAttention", "DisentangledAttentionEncoder"})
+_GPT_NEOX = frozenset({"GPTNeoXAttention"})
 
 
 def _llama_layout(layer: Any) -> AttentionLayout:
@@ -154,6 +216,98 @@ def _gemma_layout(layer: Any) -> AttentionLayout:
     return _qk_layout(layer, "query_dense", "key_dense", ("num_query_heads",), ("num_key_value_heads",), self_attention)
 
 
+def _alibi_layout(layer: Any) -> AttentionLayout:
+    q_attr, k_attr = ("_query_dense", "_key_dense") if hasattr(layer, "_query_dense") else ("query_dense", "key_dense")
+    return _qk_layout(layer, q_attr, k_attr, ("num_heads",), ("num_heads",), True)
+
+
+def _flat_class(layer: Any) -> str | None:
+    """The name of the class in ``layer``'s MRO that _FLAT describes, or None."""
+    return next(
+        (c.__name__ for c in type(layer).__mro__ if c.__name__ in _FLAT and c.__module__.split(".")[0] == "keras_hub"),
+        None,
+    )
+
+
+def _flat_layout(layer: Any) -> AttentionLayout:
+    name = _flat_class(layer) or ""
+    if name not in _FLAT:  # matches() accepted the layer: only a class changed since would get here
+        raise DamchaValueError(
+            invalid_argument("layer", f"a KerasHub layer of {sorted(_FLAT)}", f"{type(layer).__name__} {layer.name!r}")
+        )
+    q_attr, k_attr, heads, kv_heads = _FLAT[name]
+    self_attention: bool | None = True
+    if name == "T5MultiHeadAttention":
+        # One class serves T5's self- and cross-attention (keys from the encoder states, a
+        # call argument); its transformer layers name them "self_attention"/"cross_attention".
+        lowered = layer.name.lower()
+        self_attention = False if "cross" in lowered else True if "self" in lowered else None
+    return _qk_layout(layer, q_attr, k_attr, heads, kv_heads, self_attention, flat=True)
+
+
+def _gemma4_text_layout(layer: Any) -> AttentionLayout:
+    if getattr(layer, "is_kv_shared_layer", False):
+        raise DamchaValueError(
+            invalid_argument(
+                "layer",
+                "a layer that projects its own keys; this KV-shared layer (is_kv_shared_layer=True, Gemma 4's "
+                "num_kv_shared_layers) has no key projection and attends over the keys and values of an earlier "
+                "layer's cache, and convert() maps a layer's queries and keys together",
+                f"{type(layer).__name__} {layer.name!r} with key_dense=None",
+            )
+        )
+    if getattr(layer, "attention_k_eq_v", False):
+        raise DamchaValueError(
+            invalid_argument(
+                "layer",
+                "a layer whose values have a projection of their own; this layer's key projection also gives its "
+                "values (attention_k_eq_v=True, Gemma 4's global layers with num_global_key_value_heads), so a map "
+                "on its keys would map its values too",
+                f"{type(layer).__name__} {layer.name!r} with value_dense=None",
+            )
+        )
+    return _qk_layout(
+        layer, "query_dense", "key_dense", ("num_query_heads",), ("effective_num_kv_heads", "num_key_value_heads"), True
+    )
+
+
+def _gemma4_vision_layout(layer: Any) -> AttentionLayout:
+    # Gemma4ClippableEinsumDense clips its input and output around an einsum with the kernel
+    # of its EinsumDense `dense` (which it never calls): the maps go on the clippable layer,
+    # after the output clip, before the per-head q/k norms and the 2-D RoPE.
+    return _qk_layout(
+        layer, "query_dense", "key_dense", ("num_query_heads",), ("num_key_value_heads",), True, inner="dense"
+    )
+
+
+def _deberta_layout(layer: Any) -> AttentionLayout:
+    raise DamchaValueError(
+        invalid_argument(
+            "layer",
+            "an attention layer whose query and key projections project tokens only; DeBERTa V3's "
+            "DisentangledSelfAttention also passes the relative position embeddings through its query and key "
+            "projections (the content-to-position and position-to-content scores), where the maps would act with "
+            "maps generated from position embeddings rather than from the tokens (a model the DAMCHA definition, "
+            "one map per token on that token's query and key heads, does not cover; the metric penalty would "
+            "count them as tokens too)",
+            f"{type(layer).__name__} {layer.name!r}",
+        )
+    )
+
+
+def _gpt_neox_layout(layer: Any) -> AttentionLayout:
+    raise DamchaValueError(
+        invalid_argument(
+            "layer",
+            "query and key heads in contiguous blocks of a projection's output; GPT-NeoX's fused "
+            "`_qkv_dense` (EinsumDense 'abc,cde->abde') outputs (B, T, heads, 3 * head_dim), each head's query, "
+            "key and value side by side, which a ProjectionSite (offsets of blocks of whole heads) cannot express",
+            f"{type(layer).__name__} {layer.name!r} with {getattr(layer, 'num_heads', '?')} heads of "
+            f"{getattr(layer, 'attn_head_size', '?')} features",
+        )
+    )
+
+
 for _adapter in (
     ModelAdapter(
         "keras-mha",
@@ -166,8 +320,8 @@ for _adapter in (
     ),
     ModelAdapter(
         "keras-hub-llama",
-        "KerasHub LlamaAttention, CachedMistralAttention, QwenAttention, Qwen3Attention (RoPE; MHA, GQA, "
-        "MQA; Qwen3's per-head q/k norms) (_query_dense/_key_dense)",
+        "KerasHub LlamaAttention, CachedMistralAttention, QwenAttention, Qwen3Attention, Qwen3MoeAttention (RoPE; "
+        "MHA, GQA, MQA; Qwen3's per-head q/k norms) (_query_dense/_key_dense)",
         lambda layer: _is(layer, "keras_hub", _LLAMA),
         _llama_layout,
     ),
@@ -180,10 +334,56 @@ for _adapter in (
     ),
     ModelAdapter(
         "keras-hub-mixtral-phi3",
-        "KerasHub CachedMixtralAttention (Mixtral; sliding window) and Phi3Attention (Phi-3) (RoPE; MHA, GQA, "
-        "MQA) (query_dense/key_dense)",
+        "KerasHub CachedMixtralAttention (Mixtral; sliding window), Phi3Attention (Phi-3) and QwenMoeAttention "
+        "(Qwen-MoE) (RoPE; MHA, GQA, MQA) (query_dense/key_dense)",
         lambda layer: _is(layer, "keras_hub", _PUBLIC_QK),
         _public_qk_layout,
+    ),
+    ModelAdapter(
+        "keras-hub-gpt-oss",
+        "KerasHub GptOssAttention (GPT-OSS: YaRN RoPE, attention sinks, sliding window; MHA, GQA, MQA) "
+        "(query_dense/key_dense)",
+        lambda layer: _is(layer, "keras_hub", _GPT_OSS),
+        _public_qk_layout,
+    ),
+    ModelAdapter(
+        "keras-hub-alibi",
+        "KerasHub BloomAttention (_query_dense/_key_dense) and FalconAttention (query_dense/key_dense) (ALiBi "
+        "biases on the logits)",
+        lambda layer: _is(layer, "keras_hub", _ALIBI),
+        _alibi_layout,
+    ),
+    ModelAdapter(
+        "keras-hub-dense-qk",
+        "KerasHub attention projecting with Dense (flat features): DINOV3Attention (2-D RoPE; query_dense/"
+        "key_dense), RoformerAttention and ESM's EsmSelfAttention (RoPE; q_dense/k_dense), T5MultiHeadAttention "
+        "(relative position bias; query_projector/key_projector), SmolLM3Attention (RoPE or NoPE; GQA; "
+        "q_proj/k_proj)",
+        lambda layer: _flat_class(layer) is not None,
+        _flat_layout,
+    ),
+    ModelAdapter(
+        "keras-hub-gemma4",
+        "KerasHub Gemma4TextAttention (per-head q/k norms, RoPE, partial RoPE; MHA, GQA, MQA; not its "
+        "KV-shared layers nor those whose keys are their values) and Gemma4VisionAttention (clipped "
+        "projections, 2-D RoPE) (query_dense/key_dense)",
+        lambda layer: _is(layer, "keras_hub", _GEMMA4_TEXT | _GEMMA4_VISION),
+        lambda layer: (
+            _gemma4_vision_layout(layer) if _is(layer, "keras_hub", _GEMMA4_VISION) else _gemma4_text_layout(layer)
+        ),
+    ),
+    ModelAdapter(
+        "keras-hub-deberta-v3",
+        "KerasHub DeBERTa V3's DisentangledSelfAttention and its encoder layer: refused (relative positions "
+        "projected through the query and key projections)",
+        lambda layer: _is(layer, "keras_hub", _DEBERTA),
+        _deberta_layout,
+    ),
+    ModelAdapter(
+        "keras-hub-gpt-neox",
+        "KerasHub GPTNeoXAttention: refused (one fused qkv projection, heads interleaved)",
+        lambda layer: _is(layer, "keras_hub", _GPT_NEOX),
+        _gpt_neox_layout,
     ),
 ):
     register_adapter(_adapter)
