@@ -1114,10 +1114,51 @@ def test_more_kerashub_backbones_convert():
         assert [type(layer).__name__ for layer in dk.converted_layers(model).values()] == [name.strip()] * 2, name
 
 
+def test_gpt_neox_converts():
+    """KerasHub GPT-NeoX's fused _qkv_dense, (B, T, H, 3d) with each head's query,
+    key and value side by side (ProjectionSite groups=H): exact at init bit for bit
+    on a padded batch; with the gates open each layer's query and key heads, read
+    as the host slices them, are the reference's maps of the unmapped heads (to
+    1e-12), its values untouched, and the output moves. (KerasHub's own cached
+    GPT-NeoX differs from its full forward, converted or not: no cache check.)"""
+    keras.utils.set_random_seed(0)
+    model = keras_hub.models.GPTNeoXBackbone(
+        vocabulary_size=50,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=8,
+        intermediate_dim=16,
+        max_sequence_length=32,
+        rotary_percentage=0.5,  # d = 4: a rotary size of 2
+        dtype="float64",
+    )
+    ids = np.array([[1, 5, 7, 9, 3, 2], [4, 4, 8, 1, 0, 0]])
+    x = {"token_ids": ids, "padding_mask": ids != 0}
+    before = output(model, x)
+    dk.convert(model)
+    np.testing.assert_array_equal(output(model, x), before)
+    layers = dk.converted_layers(model)
+    assert len(layers) == 2 and all(layer.damcha.config.metric_sides == ("qk",) for layer in layers.values())
+    open_gates(model)
+    rng = np.random.default_rng(3)
+    for layer in layers.values():
+        cfg, d = layer.damcha.config, layer.attn_head_size
+        dense = layer._qkv_dense
+        tokens = rng.normal(size=(2, 5, cfg.query_dim))
+        y0 = np.einsum("bte,ehf->bthf", tokens, numpy(dense.kernel)) + numpy(dense.bias)
+        y = numpy(dense(tokens))
+        params = layer.damcha.to_canonical()
+        for role, cut in (("q", slice(0, d)), ("k", slice(d, 2 * d))):
+            want = reference_map(params, cfg, dc.side_of(cfg, role), tokens, y0[..., cut])
+            assert np.abs(want - y0[..., cut]).max() > 1e-2  # the maps are open
+            np.testing.assert_allclose(y[..., cut], want, rtol=0, atol=1e-12, err_msg=role)
+        np.testing.assert_allclose(y[..., 2 * d :], y0[..., 2 * d :], rtol=0, atol=1e-12)
+    assert np.abs(output(model, x) - before).max() > 1e-3
+
+
 def test_kerashub_layouts_that_are_refused():
     """Refused naming the layer and why, nothing converted: DeBERTa V3 (its query and key
-    projections also project the relative position embeddings), GPT-NeoX (one fused qkv
-    projection with each head's q, k and v side by side), Gemma 4's KV-shared layers (no key
+    projections also project the relative position embeddings), Gemma 4's KV-shared layers (no key
     projection) and layers whose key projection gives their values too (attention_k_eq_v),
     SigLIP's vision encoder (its attention pooling head holds a probe, a norm and an MLP
     beside its MultiHeadAttention)."""
@@ -1138,12 +1179,6 @@ def test_kerashub_layouts_that_are_refused():
             r"Cannot convert layer `disentangled_attention_encoder_layer_0` \(keras-hub-deberta-v3\): Invalid argument "
             r"`layer`: expected an attention layer whose query and key projections project tokens only; .*relative "
             r"position embeddings",
-        ),
-        (
-            keras_hub.models.GPTNeoXBackbone(**small),
-            r"Cannot convert layer `transformer_layer_0/self_attention` \(keras-hub-gpt-neox\): .*GPT-NeoX's fused "
-            r"`_qkv_dense` .* outputs \(B, T, heads, 3 \* head_dim\).*Received: GPTNeoXAttention 'self_attention' "
-            r"with 2 heads of 4 features",
         ),
         (
             keras_hub.models.Gemma4Backbone(**gemma4, num_kv_shared_layers=1),

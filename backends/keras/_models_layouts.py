@@ -296,16 +296,18 @@ def _deberta_layout(layer: Any) -> AttentionLayout:
 
 
 def _gpt_neox_layout(layer: Any) -> AttentionLayout:
-    raise DamchaValueError(
-        invalid_argument(
-            "layer",
-            "query and key heads in contiguous blocks of a projection's output; GPT-NeoX's fused "
-            "`_qkv_dense` (EinsumDense 'abc,cde->abde') outputs (B, T, heads, 3 * head_dim), each head's query, "
-            "key and value side by side, which a ProjectionSite (offsets of blocks of whole heads) cannot express",
-            f"{type(layer).__name__} {layer.name!r} with {getattr(layer, 'num_heads', '?')} heads of "
-            f"{getattr(layer, 'attn_head_size', '?')} features",
+    """KerasHub GPT-NeoX's fused ``_qkv_dense`` (EinsumDense 'abc,cde->abde', output
+    (B, T, H, 3d)): per head its query, key and value side by side (the host slices
+    [..., :d], [..., d:2d], [..., 2d:]), one run of features per head. Its partial
+    RoPE acts on the mapped heads."""
+    E, H, width = _heads(layer, "_qkv_dense")
+    d = _declared(layer, "attn_head_size")
+    if d is None or width != 3 * d or H != _declared(layer, "num_heads"):
+        raise DamchaValueError(
+            f"`_qkv_dense` outputs {H} heads of {width} features; GPT-NeoX's layout is num_heads="
+            f"{_declared(layer, 'num_heads')} heads of 3 * attn_head_size={d} (a variant this adapter does not know)."
         )
-    )
+    return AttentionLayout(H, H, d, E, E, (ProjectionSite("_qkv_dense", q=0, k=d, groups=H),))
 
 
 for _adapter in (
@@ -381,7 +383,8 @@ for _adapter in (
     ),
     ModelAdapter(
         "keras-hub-gpt-neox",
-        "KerasHub GPTNeoXAttention: refused (one fused qkv projection, heads interleaved)",
+        "KerasHub GPTNeoXAttention (one fused qkv projection, each head's query, key and value side by side; "
+        "partial RoPE) (_qkv_dense)",
         lambda layer: _is(layer, "keras_hub", _GPT_NEOX),
         _gpt_neox_layout,
     ),
