@@ -1677,7 +1677,8 @@ def damcha_attention(
         config: the layer's ``damcha_core.DamchaConfig``.
         query: x (B, N, E_q).
         context: c (B, M, E_kv); ``None`` for self-attention (c = x).
-        value: value tokens (B, M, E_kv); default ``context``.
+        value: value tokens (B, M, E_v) (``config.value_input_dim``); default
+            ``context`` (the query with ``context=None``, whose keys it then pairs with).
         mask: bool, True = may attend (the reference's convention), or an
             additive float mask (-inf hides); shape (N, M) or (B, H, N, M) with
             size-1 dims allowed. With ``kv_cache``, M counts the cached keys.
