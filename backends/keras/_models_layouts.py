@@ -302,7 +302,7 @@ def _gpt_neox_layout(layer: Any) -> AttentionLayout:
     RoPE acts on the mapped heads."""
     E, H, width = _heads(layer, "_qkv_dense")
     d = _declared(layer, "attn_head_size")
-    if d is None or width != 3 * d or H != _declared(layer, "num_heads"):
+    if d is None or width != 3 * d or _declared(layer, "num_heads") != H:
         raise DamchaValueError(
             f"`_qkv_dense` outputs {H} heads of {width} features; GPT-NeoX's layout is num_heads="
             f"{_declared(layer, 'num_heads')} heads of 3 * attn_head_size={d} (a variant this adapter does not know)."
