@@ -304,8 +304,12 @@ def _gpt_neox_layout(layer: Any) -> AttentionLayout:
     d = _declared(layer, "attn_head_size")
     if d is None or width != 3 * d or _declared(layer, "num_heads") != H:
         raise DamchaValueError(
-            f"`_qkv_dense` outputs {H} heads of {width} features; GPT-NeoX's layout is num_heads="
-            f"{_declared(layer, 'num_heads')} heads of 3 * attn_head_size={d} (a variant this adapter does not know)."
+            invalid_argument(
+                "_qkv_dense",
+                f"GPT-NeoX's layout, num_heads={_declared(layer, 'num_heads')} heads of 3 * attn_head_size={d} "
+                "features (a variant this adapter does not know)",
+                f"{H} heads of {width} features",
+            )
         )
     return AttentionLayout(H, H, d, E, E, (ProjectionSite("_qkv_dense", q=0, k=d, groups=H),))
 
