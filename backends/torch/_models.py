@@ -595,7 +595,11 @@ class DamchaMaps(nn.Module):
     @property
     def last_metric_penalty(self) -> Tensor | None:
         """Mean over the roles mapped in the last forward of ||L(t) - I||_F^2 / (S*d)
-        (recorded only while ``track_metric_penalty`` is True)."""
+        (recorded only while ``track_metric_penalty`` is True). Each role's term
+        is the one its projection's last call recorded: a module called several
+        times per model forward (ALBERT's, one per depth) holds its last call's,
+        and a cross-attention whose keys a cache holds keeps the key term of the
+        call that projected them."""
         if not self._penalty_terms:
             return None
         return torch.stack(list(self._penalty_terms.values())).mean()
