@@ -7,6 +7,7 @@ torch backends, each in a subprocess."""
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import warnings
@@ -156,6 +157,21 @@ def test_layers_equal_reference(arch, metric):
             expected = output(model, x)
         np.testing.assert_allclose(got, expected, rtol=0, atol=1e-12 * max(1.0, np.abs(expected).max()))
         assert np.abs(got - closed).max() > 1e-6
+
+
+def all_outputs(model, x):
+    """Every output of ``model(x)`` (an encoder-decoder's several), as NumPy arrays."""
+    return [numpy(y) for y in keras.tree.flatten(model(x))]
+
+
+def convert_exactly(model, x):
+    """convert() ``model``, asserting each of its outputs on ``x`` bit for bit
+    unchanged; (the outputs before, the converted layers)."""
+    before = all_outputs(model, x)
+    dk.convert(model)
+    for got, want in zip(all_outputs(model, x), before, strict=True):
+        np.testing.assert_array_equal(got, want)
+    return before, dk.converted_layers(model)
 
 
 def check_maps(arch, layer, params, config, x, opened, atol=1e-12):
@@ -864,14 +880,8 @@ def test_moonshine_converts():
         "decoder_padding_mask": np.ones((2, 5), bool),
     }
 
-    def outputs():
-        return [numpy(y) for y in keras.tree.flatten(model(x))]
-
-    before = outputs()
-    dk.convert(model)
-    for got, want in zip(outputs(), before, strict=True):
-        np.testing.assert_array_equal(got, want)
-    layers = dk.converted_layers(model)
+    outputs = functools.partial(all_outputs, model, x)
+    before, layers = convert_exactly(model, x)
     assert {type(layer).__name__ for layer in layers.values()} == {"MoonshineMultiHeadAttention"}
     ties = {path: (layer.apply_rotary_embedding, layer.damcha.config.metric_sides) for path, layer in layers.items()}
     assert sorted(ties.values()) == [(False, ("q", "k")), (True, ("qk",)), (True, ("qk",))], ties
@@ -916,14 +926,8 @@ def test_encoder_decoder_backbones_convert(arch):
         )
         x.update(encoder_features=rng.normal(size=(2, 16, 8)))
 
-    def outputs():
-        return [numpy(y) for y in keras.tree.flatten(model(x))]
-
-    before = outputs()
-    dk.convert(model)
-    for got, want in zip(outputs(), before, strict=True):
-        np.testing.assert_array_equal(got, want)
-    layers = dk.converted_layers(model)
+    outputs = functools.partial(all_outputs, model, x)
+    before, layers = convert_exactly(model, x)
     sides = sorted(
         (path.endswith("cross_attention"), layer.damcha.config.metric_sides) for path, layer in layers.items()
     )
@@ -977,14 +981,8 @@ def test_t5_backbones_convert(arch):
         "decoder_padding_mask": np.ones((2, 5), bool),
     }
 
-    def outputs():
-        return [numpy(y) for y in keras.tree.flatten(model(x))]
-
-    before = outputs()
-    dk.convert(model)
-    for got, want in zip(outputs(), before, strict=True):
-        np.testing.assert_array_equal(got, want)
-    layers = dk.converted_layers(model)
+    outputs = functools.partial(all_outputs, model, x)
+    before, layers = convert_exactly(model, x)
     sides = sorted(
         (
             getattr(layer, "attention_type", None) == "cross" or path.endswith("cross_attention"),
@@ -1117,11 +1115,8 @@ def test_more_kerashub_backbones_convert():
         ),
     }
     for name, (model, x) in cases.items():
-        before = [numpy(y) for y in keras.tree.flatten(model(x))]
-        dk.convert(model)
-        for got, want in zip([numpy(y) for y in keras.tree.flatten(model(x))], before, strict=True):
-            np.testing.assert_array_equal(got, want)
-        assert [type(layer).__name__ for layer in dk.converted_layers(model).values()] == [name.strip()] * 2, name
+        _, layers = convert_exactly(model, x)
+        assert [type(layer).__name__ for layer in layers.values()] == [name.strip()] * 2, name
 
 
 def test_gpt_neox_converts():
