@@ -110,6 +110,11 @@ ROPE_LAYOUTS = {
     "cohere2": ("repeat", True),
     "helium": ("cat", True),  # it repeats each angle of the first half of its cat(angles, angles)
     "gptj": ("gptj", True),
+    # GLM's, GLM-4's and ERNIE 4.5's: as Helium's (GLM's over its first partial_rotary_factor).
+    "glm": ("cat", True),
+    "glm4": ("cat", True),
+    "ernie4_5": ("cat", True),
+    "ernie4_5_moe": ("cat", True),
 }
 
 
@@ -694,18 +699,19 @@ def _randomise_qk_norms(model, seed=2):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for layer in dt.converted_layers(model).values():
-            for attr in ("q_layernorm", "k_layernorm", "q_norm", "k_norm"):
+            for attr in ("q_layernorm", "k_layernorm", "q_norm", "k_norm", "query_layernorm", "key_layernorm"):
                 for p in getattr(layer, attr).parameters() if hasattr(layer, attr) else ():
                     p.copy_(1 + 0.5 * torch.randn(p.shape, generator=g, dtype=p.dtype))
 
 
-def _check_normed_layers(model, norms, *, clip=None, rotated=None):
+def _check_normed_layers(model, norms, *, clip=None, rotated=None, rotate_first=False):
     """Each converted layer of a float64 causal LM (gates open) against an
     independent NumPy forward: project, the reference's maps, q, k and v
     clamped to +-``clip`` if given (OLMo's clip_qkv), ``norms(q, k, module)``
     (the host's q/k norm, written out), the host's own rotation angles
     (pairs and width as ``ROPE_LAYOUTS`` says; only in the layers where
-    ``rotated(module)``, default all), a causal softmax attention (inside
+    ``rotated(module)``, default all; before the norms if ``rotate_first``, as
+    HunYuan's), a causal softmax attention (inside
     ``module.sliding_window`` where the layer has one) at the host's scale,
     the output projection; to 1e-6 (the hosts' norms compute in float32
     whatever the model's dtype)."""
@@ -744,10 +750,13 @@ def _check_normed_layers(model, norms, *, clip=None, rotated=None):
         q, k = np.einsum("btha,btad->bthd", metric["q"], q), np.einsum("btha,btad->bthd", metric["k"], k)
         if clip is not None:
             q, k, v = (np.clip(t, -clip, clip) for t in (q, k, v))
-        q, k = norms(q, k, module)
+        if not rotate_first:
+            q, k = norms(q, k, module)
         if rotated is None or rotated(module):
             cos, sin = angles(kwargs["position_embeddings"])
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        if rotate_first:
+            q, k = norms(q, k, module)
         group = q.shape[2] // k.shape[2]
         k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
         logits = module.scaling * np.einsum("bnhd,bmhd->bhnm", q, k)
@@ -882,6 +891,181 @@ def test_rotary_variants_convert(name):
     _check_normed_layers(open_gates(model), norms, clip=getattr(model.config, "clip_qkv", None), rotated=rotated)
     if name == "cohere2":
         assert {m.sliding_window for m in dt.converted_layers(model).values()} == {4, None}
+
+
+def _rms_norms(q, k, module):  # an RMS norm of each head (Qwen3's; HunYuan's under other names)
+    def norm(y, mod):
+        eps = getattr(mod, "variance_epsilon", getattr(mod, "eps", None))
+        return y / np.sqrt(np.mean(y * y, -1, keepdims=True) + eps) * _np(mod.weight)
+
+    if hasattr(module, "query_layernorm"):
+        return norm(q, module.query_layernorm), norm(k, module.key_layernorm)
+    return norm(q, module.q_norm), norm(k, module.k_norm)
+
+
+def _rms_norms_all_heads(q, k, module):  # one RMS norm over the features of all the heads (OLMo 2's)
+    def norm(y, mod):
+        flat = y.reshape(*y.shape[:2], -1)
+        eps = getattr(mod, "variance_epsilon", getattr(mod, "eps", None))
+        return (flat / np.sqrt(np.mean(flat * flat, -1, keepdims=True) + eps) * _np(mod.weight)).reshape(y.shape)
+
+    return norm(q, module.q_norm), norm(k, module.k_norm)
+
+
+_GRANITE_MOE = dict(num_local_experts=2, num_experts_per_tok=1, experts_implementation="eager")
+_MOE = dict(num_experts=2, num_experts_per_tok=1, moe_intermediate_size=16, experts_implementation="eager")
+
+# More copies of Llama's attention (_LLAMA_MORE and the GLM, ERNIE 4.5 and Nemotron entries of _ROTARY in
+# _models_layouts.py), checked at one float64 forward each (generation is the listed classes'
+# own, tested above): name -> (model, config, extra config, q/k norms, layers that rotate).
+# Without norms against the reference with the host's rotation (ROPE_LAYOUTS), with them (or
+# ERNIE's float32 rotation, or layers without positions) against _check_normed_layers.
+MORE_LLAMA_COPIES = {
+    "aria-text": (
+        "AriaTextForCausalLM",
+        "AriaTextConfig",
+        dict(moe_num_experts=2, moe_topk=1, experts_implementation="eager"),
+        None,
+        None,
+    ),
+    "emu3": ("Emu3ForCausalLM", "Emu3TextConfig", {}, None, None),
+    "solar-open": (
+        "SolarOpenForCausalLM",
+        "SolarOpenConfig",
+        dict(
+            head_dim=8,
+            n_routed_experts=2,
+            num_experts_per_tok=1,
+            moe_intermediate_size=16,
+            experts_implementation="eager",
+        ),
+        None,
+        None,
+    ),
+    "cwm": ("CwmForCausalLM", "CwmConfig", {}, None, None),
+    "seed-oss": ("SeedOssForCausalLM", "SeedOssConfig", dict(head_dim=8, attention_bias=True), None, None),
+    "granitemoeshared": (
+        "GraniteMoeSharedForCausalLM",
+        "GraniteMoeSharedConfig",
+        dict(attention_multiplier=0.2, num_local_experts=2, num_experts_per_tok=1, experts_implementation="eager"),
+        None,
+        None,
+    ),
+    "hyperclovax": ("HyperCLOVAXForCausalLM", "HyperCLOVAXConfig", dict(attention_multiplier=0.2), None, None),
+    "vaultgemma": (
+        "VaultGemmaForCausalLM",
+        "VaultGemmaConfig",
+        dict(head_dim=8, query_pre_attn_scalar=16, attn_logit_softcapping=None),
+        None,
+        None,
+    ),
+    "qwen3-moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(head_dim=8, **_MOE), _rms_norms, None),
+    "mellum": ("MellumForCausalLM", "MellumConfig", dict(head_dim=8, **_MOE), _rms_norms, None),
+    "dots1": (
+        "Dots1ForCausalLM",
+        "Dots1Config",
+        dict(head_dim=8, n_routed_experts=2, n_shared_experts=1, **_MOE),
+        _rms_norms,
+        None,
+    ),
+    "hunyuan-dense": ("HunYuanDenseV1ForCausalLM", "HunYuanDenseV1Config", dict(head_dim=8), _rms_norms, None),
+    "hunyuan-moe": ("HunYuanMoEV1ForCausalLM", "HunYuanMoEV1Config", dict(head_dim=8, **_MOE), _rms_norms, None),
+    "apertus": ("ApertusForCausalLM", "ApertusConfig", {}, _rms_norms, None),
+    # Rotates in its sliding-window layers only (window wider than the tokens).
+    "exaone4": (
+        "Exaone4ForCausalLM",
+        "Exaone4Config",
+        dict(head_dim=8, sliding_window=16, layer_types=["sliding_attention", "full_attention"]),
+        _rms_norms,
+        lambda module: module.is_sliding,
+    ),
+    "olmo3": ("Olmo3ForCausalLM", "Olmo3Config", {}, _rms_norms_all_heads, None),
+    "flex-olmo": ("FlexOlmoForCausalLM", "FlexOlmoConfig", dict(**_MOE), _rms_norms_all_heads, None),
+    "olmoe": ("OlmoeForCausalLM", "OlmoeConfig", dict(**_MOE), _rms_norms_all_heads, None),
+    # A NoPE layer beside a rotating one.
+    "smollm3": ("SmolLM3ForCausalLM", "SmolLM3Config", dict(no_rope_layers=[1, 0]), _no_norms, lambda m: m.use_rope),
+    "glm": ("GlmForCausalLM", "GlmConfig", dict(head_dim=8, partial_rotary_factor=0.5), None, None),
+    "glm4": ("Glm4ForCausalLM", "Glm4Config", dict(head_dim=8, partial_rotary_factor=0.5), None, None),
+    "glm4-moe": (
+        "Glm4MoeForCausalLM",
+        "Glm4MoeConfig",
+        dict(head_dim=8, partial_rotary_factor=0.5, use_qk_norm=True, n_routed_experts=2, **_MOE),
+        _rms_norms,
+        None,
+    ),
+    "ernie4.5": ("Ernie4_5ForCausalLM", "Ernie4_5Config", dict(head_dim=8), _no_norms, None),
+    "nemotron": ("NemotronForCausalLM", "NemotronConfig", dict(partial_rotary_factor=0.5), None, None),
+    # Attention layers only (no Mamba): GraniteMoeHybrid's with RoPE, then without; Jamba's have none.
+    "granitemoehybrid": (
+        "GraniteMoeHybridForCausalLM",
+        "GraniteMoeHybridConfig",
+        dict(
+            layer_types=["attention", "attention"],
+            attention_multiplier=0.2,
+            mamba_n_heads=4,
+            position_embedding_type="rope",
+            **_GRANITE_MOE,
+        ),
+        None,
+        None,
+    ),
+    "granitemoehybrid-nope": (
+        "GraniteMoeHybridForCausalLM",
+        "GraniteMoeHybridConfig",
+        dict(
+            layer_types=["attention", "attention"],
+            attention_multiplier=0.2,
+            mamba_n_heads=4,
+            position_embedding_type="nope",
+            **_GRANITE_MOE,
+        ),
+        _no_norms,
+        lambda m: False,
+    ),
+    "jamba": (
+        "JambaForCausalLM",
+        "JambaConfig",
+        dict(attn_layer_period=1, attn_layer_offset=0, num_experts=1, use_mamba_kernels=False),
+        _no_norms,
+        lambda m: False,
+    ),
+    "ernie4.5-moe": ("Ernie4_5_MoeForCausalLM", "Ernie4_5_MoeConfig", dict(head_dim=8, **_MOE), _no_norms, None),
+}
+
+
+def _more_llama_copy(name):
+    model, config, extra, _, _ = MORE_LLAMA_COPIES[name]
+    return _tiny_lm(model, config, torch.float64, **extra)
+
+
+@pytest.mark.parametrize("name", list(MORE_LLAMA_COPIES))
+def test_more_llama_copies_convert(name):
+    """Both attention layers converted (GQA: separate maps), exact at init bit for
+    bit (float64, left-padded batch), and each layer (gates open, random norm
+    weights) equal to the reference with the host's rotation, or to an
+    independent NumPy forward with its norms, windows and unrotated layers."""
+    model = _more_llama_copy(name)
+    names = sorted(n for n, m in model.named_modules() if type(m).__name__.endswith("Attention"))
+    assert len(names) == 2
+    kw = inputs("llama")
+    with torch.no_grad():
+        before = model(**kw).logits
+        dt.convert(model)
+        after = model(**kw).logits
+    layers = dt.converted_layers(model)
+    assert sorted(layers) == names
+    assert all(m.damcha.config.metric_sides == ("q", "k") for m in layers.values())
+    assert same(after, before)
+    _, _, _, norms, rotated = MORE_LLAMA_COPIES[name]
+    if norms is None:
+        ids = inputs("llama", torch.float64, padding=False)["input_ids"]
+        _check_layers_against_reference("llama", model=model, call=lambda m: m(input_ids=ids))
+        return
+    _randomise_qk_norms(model)
+    rotate_first = name.startswith("hunyuan")  # HunYuan normalises the rotated heads
+    _check_normed_layers(open_gates(model), norms, rotated=rotated, rotate_first=rotate_first)
+    if rotated is not None and name in ("exaone4", "smollm3"):  # one layer rotates, the other not
+        assert sorted(bool(rotated(m)) for m in layers.values()) == [False, True]
 
 
 def _biogpt(dtype):

@@ -82,6 +82,46 @@ _LLAMA = frozenset(
 )
 
 
+# More copies of Llama's (or Mistral's, Qwen2's, Qwen3's) attention, each read against it in its
+# transformers source (5.x): q_proj/k_proj as Llama's, and what differs acts after the maps on
+# every head alike or on each head by itself. Aria's text, Emu3's and Solar Open's are Llama's
+# line for line (Solar Open's o_proj without bias); Cwm's is Qwen2's without biases; Seed-OSS's
+# differs in its biases and residual dropout; GraniteMoeShared's and HyperCLOVAX's in the
+# softmax scale (attention_multiplier); VaultGemma's in Gemma 2's scale, soft-cap and sliding
+# window; Qwen3-MoE's, Mellum's and Dots1's are Qwen3's (per-head q/k RMS norms, sliding
+# windows); HunYuan's (dense and MoE; on the rotated heads), Apertus's and EXAONE 4's add per-head
+# q/k RMS norms (EXAONE 4's rotating in its sliding-window layers only, where it has those);
+# OLMo 3's, FlexOlmo's and OLMoE's an RMS norm over all the heads' features as OLMo 2's (OLMoE's
+# then OLMo's clip_qkv, see _ROTARY; untested here); SmolLM3's leaves out the rotation in its
+# NoPE layers, GraniteMoeHybrid's attention layers (scale: attention_multiplier) where its
+# position_embedding_type is "nope", Jamba's attention layers (Mistral's) always. Each is tested.
+_LLAMA_MORE = frozenset(
+    {
+        "AriaTextAttention",
+        "Emu3Attention",
+        "SolarOpenAttention",
+        "CwmAttention",
+        "SeedOssAttention",
+        "GraniteMoeSharedAttention",
+        "HyperCLOVAXAttention",
+        "VaultGemmaAttention",
+        "Qwen3MoeAttention",
+        "MellumAttention",
+        "Dots1Attention",
+        "HunYuanDenseV1Attention",
+        "HunYuanMoEV1Attention",
+        "ApertusAttention",
+        "Exaone4Attention",
+        "Olmo3Attention",
+        "FlexOlmoAttention",
+        "OlmoeAttention",
+        "SmolLM3Attention",
+        "GraniteMoeHybridAttention",
+        "JambaAttention",
+    }
+)
+
+
 def _llama_layout(m: Any) -> AttentionLayout:
     d = int(m.head_dim)
     cfg = m.config
@@ -99,8 +139,11 @@ def _llama_layout(m: Any) -> AttentionLayout:
 # Phi's (phi-1, phi-1.5, phi-2) and StableLM's rotate the first partial_rotary_factor of each
 # head's features in halves; GPT-J's its first rotary_dim features in interleaved pairs; Cohere's,
 # Cohere 2's (sliding-window layers only: its global layers have no positions) and Helium's all
-# of them in interleaved pairs. Phi's optional q/k LayerNorm (one weight for all heads),
-# StableLM's (a LayerNorm per head) and Cohere's (weights per head and feature) normalise the
+# of them in interleaved pairs; GLM's and GLM-4's the first partial_rotary_factor in interleaved
+# pairs, GLM-4-MoE's in halves (its optional per-head q/k RMS norms before), ERNIE 4.5's (dense
+# and MoE) all of them in interleaved pairs, in float32; Nemotron's its first partial_rotary_factor
+# in halves. Phi's optional q/k LayerNorm (one weight
+# for all heads), StableLM's (a LayerNorm per head) and Cohere's (weights per head and feature) normalise the
 # mapped heads, before the rotation. OLMo's clamps q, k and v in place to +-clip_qkv when that is
 # set: the mapped q and k then, so the bound holds for what enters attention, as in the host
 # (clamping before the map would let the map move them past it). No path of the maps keeps its
@@ -115,6 +158,12 @@ _ROTARY = frozenset(
         "Cohere2Attention",
         "HeliumAttention",
         "OlmoAttention",
+        "GlmAttention",
+        "Glm4Attention",
+        "Glm4MoeAttention",
+        "Ernie4_5Attention",
+        "Ernie4_5_MoeAttention",
+        "NemotronAttention",
     }
 )
 
@@ -429,14 +478,17 @@ for _adapter in (
     ModelAdapter(
         "transformers-llama",
         "transformers Llama/Mistral/Ministral/Mixtral/Qwen2/Qwen2-MoE/Qwen3/Gemma/Gemma2/Gemma3/Granite/"
-        "GraniteMoe/Starcoder2/OLMo2/PhiMoE/Arcee/Jais2 attention (q_proj/k_proj; MHA, GQA, MQA; Qwen3's and "
-        "Gemma3's per-head q/k norms, OLMo2's over all heads)",
-        lambda m: _is(m, "transformers", _LLAMA),
+        "GraniteMoe/Starcoder2/OLMo2/PhiMoE/Arcee/Jais2 attention and their copies in Aria (text), Emu3, Solar Open, "
+        "CWM, Seed-OSS, GraniteMoeShared, HyperCLOVAX, VaultGemma, Qwen3-MoE, Mellum, dots.llm1, HunYuan (dense, MoE), "
+        "Apertus, EXAONE 4, OLMo3, FlexOlmo, OLMoE, SmolLM3, GraniteMoeHybrid and Jamba (q_proj/k_proj; MHA, GQA, MQA; per-head q/k norms, "
+        "OLMo2's over all heads; NoPE layers)",
+        lambda m: _is(m, "transformers", _LLAMA | _LLAMA_MORE),
         _llama_layout,
     ),
     ModelAdapter(
         "transformers-rotary",
-        "transformers Phi (phi-1/phi-2), StableLM, GPT-J, Cohere, Cohere2, Helium and OLMo attention (q_proj/k_proj; "
+        "transformers Phi (phi-1/phi-2), StableLM, GPT-J, Cohere, Cohere2, Helium, OLMo, GLM, GLM-4, GLM-4-MoE and "
+        "ERNIE 4.5 (dense, MoE) and Nemotron attention (q_proj/k_proj; "
         "MHA, GQA; partial or interleaved RoPE, per-head q/k norms and OLMo's clip_qkv after the maps)",
         lambda m: _is(m, "transformers", _ROTARY),
         _rotary_layout,
