@@ -266,6 +266,23 @@ def test_generate_equals_greedy_without_cache(arch):
     assert greedy_generate(lm, prompt, 9) == greedy_without_cache(lm, prompt, 9)
 
 
+def test_convert_after_generate_and_predict_retraces_them():
+    """On TensorFlow generate() and predict() keep the tf.functions they traced:
+    converted after them, the model went on generating and predicting without
+    its maps (a user's report, reproduced). Now both follow the converted model."""
+    lm = causal_lm("falcon")  # a zoo LM whose greedy tokens the open maps change
+    x = lm_inputs(lm, np.array([[5, 7, 9, 0, 0, 0, 0, 0, 0]]), np.array([[True] * 3 + [False] * 6]))
+    prompt = [5, 7, 9]
+    before, predicted = greedy_generate(lm, prompt, 9), numpy(lm.predict(x, verbose=0))
+    dk.convert(lm)
+    open_gates(lm, scale=2.0)
+    called = numpy(lm(x))
+    assert np.abs(called - predicted).max() > 1e-2  # the maps move the logits
+    np.testing.assert_allclose(numpy(lm.predict(x, verbose=0)), called, rtol=0, atol=1e-5)
+    after = greedy_generate(lm, prompt, 9)
+    assert after == greedy_without_cache(lm, prompt, 9) and after != before
+
+
 # ---------------------------------------------------------------- training
 
 

@@ -429,7 +429,11 @@ def convert(
     earlier does not see the new variables, so a ``model`` whose optimizer is
     built (after a ``fit``/``evaluate``, or loaded compiled) is refused; a
     model compiled but not yet run (KerasHub tasks compile at construction)
-    is fine.
+    is fine. The functions Keras and KerasHub traced on ``model`` and on the
+    models inside it (``predict``, ``evaluate``, ``generate``) are dropped, to
+    be traced again with the maps at their next call (on TensorFlow they kept
+    running the unconverted projections); a task around a converted backbone
+    keeps its own: convert the model you call.
 
     Args:
         model: a built Keras layer or model, e.g. a KerasHub ``GPT2Backbone``,
@@ -582,6 +586,7 @@ def _convert(
             _install(maps, site, getattr(layer, site.attr))
     if keras.backend.backend() == "torch":
         _refresh_torch_params(model)
+    _forget_traced_functions(model)
     _record(model, metric=metric, metric_rank=metric_rank, coupling=coupling, share_metric=share_metric)
     if not isinstance(model, keras.Model):
         # The conversion is recorded in this layer's config, which a parent saves only if its
@@ -597,6 +602,23 @@ def _convert(
             stacklevel=3,  # the caller of convert()
         )
     return model
+
+
+# The functions Keras (predict, evaluate, fit) and KerasHub (generate) trace once and keep
+# on a model: on TensorFlow a tf.function traced before convert() keeps running the
+# projections without their maps. Reset, they are traced again at the next call, as
+# compile() resets them.
+_TRACED_FUNCTIONS = ("train_function", "test_function", "predict_function", "generate_function")
+
+
+def _forget_traced_functions(model: Any) -> None:
+    """Drop the traced functions of ``model`` and of every model nested in it."""
+    models = [model] if isinstance(model, keras.Model) else []
+    models += [m for m in model._flatten_layers(include_self=False) if isinstance(m, keras.Model)]
+    for m in models:
+        for attr in _TRACED_FUNCTIONS:
+            if getattr(m, attr, None) is not None:
+                setattr(m, attr, None)
 
 
 def _check_sites(layer: Any, layout: AttentionLayout, *, quantized: bool) -> None:
