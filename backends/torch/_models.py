@@ -686,14 +686,18 @@ def _child(module: nn.Module, attr: str) -> nn.Module:
     return child
 
 
-def _out_features(projection: nn.Module) -> int | None:
-    """The output size of a projection: an ``nn.Linear`` (or a wrapper exposing
-    ``out_features``, PEFT's LoRA layers), transformers' ``Conv1D`` (``nf``);
-    None for anything else."""
-    for attr in ("out_features", "nf"):
-        value = getattr(projection, attr, None)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
+def _projection_features(projection: Any) -> tuple[int, int] | None:
+    """(in, out) features of a projection: nn.Linear, transformers' Conv1D
+    (weight (in, out)), or a wrapper exposing them (PEFT's LoRA layers); None
+    when it tells neither. The adapters (``_models_layouts._features``) and
+    ``convert``'s site check read them here."""
+    if hasattr(projection, "in_features") and hasattr(projection, "out_features"):
+        return int(projection.in_features), int(projection.out_features)
+    if hasattr(projection, "nx") and hasattr(projection, "nf"):
+        return int(projection.nx), int(projection.nf)
+    base = getattr(projection, "get_base_layer", None)
+    if callable(base) and base() is not projection:
+        return _projection_features(base())
     return None
 
 
@@ -954,9 +958,9 @@ def _plans(
             for site in layout.sites:
                 # The blocks the maps read, checked against the projection's size
                 # where it tells it (apply_maps checks every call's output anyway).
-                features = _out_features(_child(module, site.attr))
+                features = _projection_features(_child(module, site.attr))
                 if features is not None:
-                    site.blocks(layout.num_heads, layout.num_kv_heads, layout.head_dim, features)
+                    site.blocks(layout.num_heads, layout.num_kv_heads, layout.head_dim, features[1])
         except (DamchaValueError, DamchaTypeError) as exc:
             failures.append(type(exc)(f"Cannot convert layer `{name}` ({adapter.name}): {exc}"))
             continue

@@ -14,7 +14,7 @@ from typing import Any
 from damcha_core import DamchaValueError, invalid_argument
 from torch import nn
 
-from ._models import AttentionLayout, ModelAdapter, ProjectionSite, register_adapter
+from ._models import AttentionLayout, ModelAdapter, ProjectionSite, _projection_features, register_adapter
 
 
 def _is(module: nn.Module, library: str, names: frozenset[str]) -> bool:
@@ -27,16 +27,11 @@ def _is(module: nn.Module, library: str, names: frozenset[str]) -> bool:
 
 
 def _features(projection: Any) -> tuple[int, int]:
-    """(in, out) features of a projection: nn.Linear, transformers' Conv1D, or a
-    wrapper exposing them (PEFT's LoRA layers)."""
-    if hasattr(projection, "in_features") and hasattr(projection, "out_features"):
-        return int(projection.in_features), int(projection.out_features)
-    if hasattr(projection, "nx") and hasattr(projection, "nf"):  # Conv1D, weight (in, out)
-        return int(projection.nx), int(projection.nf)
-    base = getattr(projection, "get_base_layer", None)
-    if callable(base) and base() is not projection:
-        return _features(base())
-    raise DamchaValueError(f"Cannot read the feature sizes of projection {type(projection).__name__}.")
+    """(in, out) features of a projection (``_projection_features``), or refused."""
+    features = _projection_features(projection)
+    if features is None:
+        raise DamchaValueError(f"Cannot read the feature sizes of projection {type(projection).__name__}.")
+    return features
 
 
 def _heads(name: str, out: int, head_dim: int, expected: int) -> int:
