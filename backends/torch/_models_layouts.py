@@ -207,22 +207,13 @@ _BERT_CROSS = frozenset(f"{n}CrossAttention" for n in _BERT_FAMILY)
 
 def _distilbert_layout(m: Any) -> AttentionLayout:
     """DistilBERT's self-attention: q_lin/k_lin/v_lin/out_lin Linear layers of n_heads heads."""
-    H, d = int(m.n_heads), int(m.attention_head_size)
-    (eq, q_out), (ek, k_out) = _features(m.q_lin), _features(m.k_lin)
-    _heads("q_lin", q_out, d, H)
-    _heads("k_lin", k_out, d, H)
-    return AttentionLayout(H, H, d, eq, ek, (ProjectionSite("q_lin", q=0), ProjectionSite("k_lin", k=0)))
+    return _separate_q_k_layout(m, "q_lin", "k_lin", int(m.n_heads), int(m.attention_head_size))
 
 
 def _bert_layout(m: Any) -> AttentionLayout:
-    H, d = int(m.num_attention_heads), int(m.attention_head_size)
-    (eq, q_out), (ek, k_out) = _features(m.query), _features(m.key)
-    _heads("query", q_out, d, H)
-    _heads("key", k_out, d, H)
     cross = _is(m, "transformers", _BERT_CROSS)
-    return AttentionLayout(
-        H, H, d, eq, ek, (ProjectionSite("query", q=0), ProjectionSite("key", k=0)), self_attention=not cross
-    )
+    H, d = int(m.num_attention_heads), int(m.attention_head_size)
+    return _separate_q_k_layout(m, "query", "key", H, d, self_attention=not cross)
 
 
 # The ViT family of transformers 5 (one attention class, copied per model):
