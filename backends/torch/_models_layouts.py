@@ -170,14 +170,20 @@ def _rotary_layout(m: Any) -> AttentionLayout:
     return _llama_layout(m)
 
 
+def _by_role(attr: str, projection: Any, H: int, G: int, d: int) -> AttentionLayout:
+    """A self-attention whose fused ``attr`` output is the H query heads, then
+    the G key heads, then the G value heads (Phi-3's; MPT's, DBRX's, ... in
+    _models_layouts_qkv)."""
+    e, out = _features(projection)
+    _heads(attr, out, d, H + 2 * G)
+    return AttentionLayout(H, G, d, e, e, (ProjectionSite(attr, q=0, k=H * d),))
+
+
 def _phi3_layout(m: Any) -> AttentionLayout:
     """Phi-3's (and Phi-4's) attention: q, k and v from one fused ``qkv_proj``
     Linear, H query heads then G key and G value heads of ``head_dim``."""
-    d, cfg = int(m.head_dim), m.config
-    H, G = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
-    e, out = _features(m.qkv_proj)
-    _heads("qkv_proj", out, d, H + 2 * G)
-    return AttentionLayout(H, G, d, e, e, (ProjectionSite("qkv_proj", q=0, k=H * d),))
+    cfg = m.config
+    return _by_role("qkv_proj", m.qkv_proj, int(cfg.num_attention_heads), int(cfg.num_key_value_heads), int(m.head_dim))
 
 
 def _gpt2_layout(m: Any) -> AttentionLayout:

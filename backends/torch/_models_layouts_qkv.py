@@ -22,7 +22,7 @@ from typing import Any
 from damcha_core import DamchaValueError
 
 from ._models import AttentionLayout, ModelAdapter, ProjectionSite, register_adapter
-from ._models_layouts import _features, _heads, _is
+from ._models_layouts import _by_role, _features, _heads, _is
 
 
 def _per_head(attr: str, projection: Any, H: int, d: int) -> AttentionLayout:
@@ -32,14 +32,6 @@ def _per_head(attr: str, projection: Any, H: int, d: int) -> AttentionLayout:
     e, out = _features(projection)
     _heads(attr, out, d, 3 * H)
     return AttentionLayout(H, H, d, e, e, (ProjectionSite(attr, q=0, k=d, groups=H),))
-
-
-def _by_role(attr: str, projection: Any, H: int, G: int, d: int) -> AttentionLayout:
-    """A self-attention whose ``attr`` output is the H query heads, then the G
-    key heads, then the G value heads."""
-    e, out = _features(projection)
-    _heads(attr, out, d, H + 2 * G)
-    return AttentionLayout(H, G, d, e, e, (ProjectionSite(attr, q=0, k=H * d),))
 
 
 def _gpt_neox_layout(m: Any) -> AttentionLayout:
