@@ -294,49 +294,43 @@ def _canonical(module, attr, split, G):
     return p, config
 
 
+def _layer_and_reference(name, model, module, split, x):
+    """(the converted RoPE layer ``module`` of ``model`` on x, the reference's
+    damcha_attention on x with the layer's weights read through ``split``):
+    causal, rotated by the host's (partial) RoPE after the maps, the angles in
+    float64 (the host's rotary module computes them in float32)."""
+    _, attr, _, G, _ = HOSTS[name]
+    emb = (model.gpt_neox if name == "gpt-neox" else model.transformer).rotary_emb
+    angles = torch.arange(x.shape[1], dtype=torch.float64)[:, None] * emb.inv_freq.double()[None]
+    angles = torch.cat([angles, angles], dim=-1)[None]
+    positions = {"position_embeddings": (angles.cos(), angles.sin()), "attention_mask": None}
+    with torch.no_grad():
+        got = module(x, **positions)[0] if name == "gpt-neox" else module(x, alibi=None, **positions)[0]
+    p, cfg = _canonical(module, attr, split, G)
+    want = dc.damcha_attention(p, cfg, x.numpy(), causal=True, rotary=dc.Rotary(emb.inv_freq.double().numpy()))
+    return got.numpy(), want
+
+
 @pytest.mark.parametrize("name", ["gpt-neox", "falcon"])
 def test_fused_qkv_layers_equal_reference(name):
     """Each whole layer (gates open) equals the reference's DAMCHA attention
     with the host's weights read through its split, causal, rotated by the
     host's (partial) RoPE after the maps."""
-    _, attr, split, G, _ = HOSTS[name]
-    model = dt.convert(_build(name, torch.float64))
-    open_gates(model)
-    core = model.gpt_neox if name == "gpt-neox" else model.transformer
-    emb = core.rotary_emb
-    n = 7
-    x = torch.randn(2, n, E, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    # The angles in float64 (the host's rotary module computes them in float32).
-    angles = torch.arange(n, dtype=torch.float64)[:, None] * emb.inv_freq.double()[None]
-    angles = torch.cat([angles, angles], dim=-1)[None]
-    cos, sin = angles.cos(), angles.sin()
-    rotary = dc.Rotary(emb.inv_freq.double().numpy())
+    model = open_gates(dt.convert(_build(name, torch.float64)))
+    x = torch.randn(2, 7, E, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     for layer_name, module in dt.converted_layers(model).items():
-        with torch.no_grad():
-            if name == "gpt-neox":
-                got = module(x, attention_mask=None, position_embeddings=(cos, sin))[0]
-            else:
-                got = module(x, alibi=None, attention_mask=None, position_embeddings=(cos, sin))[0]
-        p, cfg = _canonical(module, attr, split, G)
-        want = dc.damcha_attention(p, cfg, x.numpy(), causal=True, rotary=rotary)
-        np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=1e-12, err_msg=layer_name)
+        got, want = _layer_and_reference(name, model, module, HOSTS[name][2], x)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-12, err_msg=layer_name)
 
 
 def test_a_wrong_split_fails_the_reference_check():
     """The check above is not blind to the head order: reading Falcon's grouped
     output as if it were laid out role by role breaks it."""
-    _, attr, _, G, _ = HOSTS["falcon"]
     model = open_gates(dt.convert(_build("falcon", torch.float64)))
     module = next(iter(dt.converted_layers(model).values()))
     x = torch.randn(1, 5, E, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    emb = model.transformer.rotary_emb
-    angles = torch.arange(5, dtype=torch.float64)[:, None] * emb.inv_freq.double()[None]
-    angles = torch.cat([angles, angles], dim=-1)[None]
-    with torch.no_grad():
-        got = module(x, alibi=None, attention_mask=None, position_embeddings=(angles.cos(), angles.sin()))[0]
-    p, cfg = _canonical(module, attr, _by_role, G)
-    want = dc.damcha_attention(p, cfg, x.numpy(), causal=True, rotary=dc.Rotary(emb.inv_freq.double().numpy()))
-    assert np.abs(got.numpy() - want).max() > 1e-3
+    got, want = _layer_and_reference("falcon", model, module, _by_role, x)
+    assert np.abs(got - want).max() > 1e-3
 
 
 def test_fused_qkv_training_step_moves_the_gates():
