@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import re
 
 import numpy as np
 import pytest
@@ -855,6 +856,72 @@ def test_block_causal_flags_and_masks_follow_the_layers_rules(block):
         shape = (2, 5) if "padding" in name else (5, 5)
         with pytest.raises(DamchaTypeError, match=rf"Invalid argument `{name}`: expected a mask that is boolean"):
             module(*inputs, **{name: torch.zeros(shape, dtype=torch.int64)})
+
+
+@pytest.mark.parametrize("block", ["encoder-layer", "encoder", "decoder-layer", "decoder"])
+def test_block_shape_errors_name_the_blocks_arguments(block):
+    """Tokens and masks of the wrong shape are refused naming the block's
+    argument (`src`, `memory`, `tgt_mask`, ...), with the tokens it was held
+    to; the attention layers inside name their own (`query`, `attn_mask`), and
+    with norm_first torch's LayerNorm failed first. Every layout the attention
+    takes still runs: (N, M), (B*H, N, M) and broadcastable 4-D masks, unbatched
+    tokens with (M,) padding."""
+    module, n_inputs, _, masks = _blocks()[block]
+    tokens = ("src",) if n_inputs == 1 else ("tgt", "memory")
+    g = torch.Generator().manual_seed(2)
+    x, memory = torch.randn(2, 5, 8, generator=g), torch.randn(2, 7, 8, generator=g)
+    inputs = (x,) if n_inputs == 1 else (x, memory)
+    lengths = {"src": 5, "tgt": 5, "memory": 7}
+    with torch.no_grad():
+        for name in masks:
+            if "padding" in name:
+                of = tokens[0] if name.startswith(tokens[0]) else "memory"
+                good, bad = torch.zeros(2, lengths[of], dtype=torch.bool), torch.zeros(2, 4, dtype=torch.bool)
+                module(*inputs, **{name: good})
+                with pytest.raises(
+                    DamchaValueError,
+                    match=rf"^Invalid argument `{name}`: expected shape \(B, M\) = \(2, {lengths[of]}\)\. Received: {name}\.shape=\(2, 4\), {of}\.shape=",
+                ):
+                    module(*inputs, **{name: bad})
+                continue
+            N, M = 5, 7 if name == "memory_mask" else 5
+            for good in (torch.zeros(N, M), torch.zeros(4, N, M), torch.zeros(2, 1, N, M), torch.zeros(1, 2, 1, M)):
+                module(*inputs, **{name: good})
+            for bad in (torch.zeros(N, 4), torch.zeros(3, N, M), torch.zeros(2, 3, N, M), torch.zeros(N, M, 1)):
+                with pytest.raises(
+                    DamchaValueError,
+                    match=rf"^Invalid argument `{name}`: expected shape .* Received: {name}\.shape={re.escape(str(tuple(bad.shape)))}, ",
+                ):
+                    module(*inputs, **{name: bad})
+        for i, name in enumerate(tokens):
+            wrong = list(inputs)
+            wrong[i] = torch.randn(2, lengths[name], 9)
+            with pytest.raises(
+                DamchaValueError,
+                match=rf"^Invalid argument `{name}`: expected 8 features \(d_model\)\. Received: {name}\.shape=\(2, {lengths[name]}, 9\)$",
+            ):
+                module(*wrong)
+            wrong[i] = torch.randn(2, lengths[name], 8, 1)
+            with pytest.raises(DamchaValueError, match=rf"^Invalid argument `{name}`: expected a batched"):
+                module(*wrong)
+            wrong[i] = torch.ones(2, lengths[name], 8, dtype=torch.int64)
+            with pytest.raises(DamchaTypeError, match=rf"Invalid argument `{name}`"):
+                module(*wrong)
+        if n_inputs == 2:
+            with pytest.raises(DamchaValueError, match=r"^Invalid argument `memory`: expected the batch size of `tgt`"):
+                module(x, torch.randn(3, 7, 8))
+            with pytest.raises(DamchaValueError, match=r"^Invalid argument `memory`: expected the batch size of `tgt`"):
+                module(x, memory[0])
+        unbatched = tuple(t[0] for t in inputs)
+        padding = masks[-1]
+        M = 7 if padding.startswith("memory") else 5
+        expected = module(*inputs, **{padding: torch.zeros(2, M, dtype=torch.bool)})[0]
+        torch.testing.assert_close(module(*unbatched, **{padding: torch.zeros(M, dtype=torch.bool)}), expected)
+        with pytest.raises(
+            DamchaValueError,
+            match=rf"^Invalid argument `{padding}`: expected shape \(M,\) = \({M},\) with an unbatched",
+        ):
+            module(*unbatched, **{padding: torch.zeros(2, M, dtype=torch.bool)})
 
 
 @pytest.mark.parametrize("enabled", ["False", 0, None], ids=["string", "int", "none"])

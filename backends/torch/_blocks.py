@@ -134,13 +134,111 @@ def _checked(name: str, kind: str, value: Any) -> Any:
     return value
 
 
+# The blocks' masks: attention masks as (its queries' tokens, its keys' tokens),
+# key padding masks by the tokens they pad.
+_ATTN_MASKS = {"src_mask": ("src", "src"), "mask": ("src", "src"), "tgt_mask": ("tgt", "tgt")}
+_ATTN_MASKS["memory_mask"] = ("tgt", "memory")
+_PADDING_MASKS = {"src_key_padding_mask": "src", "tgt_key_padding_mask": "tgt", "memory_key_padding_mask": "memory"}
+
+
+def _check_block_shapes(block: nn.Module, given: Mapping[str, Any]) -> None:
+    """The tokens' and masks' shapes, checked with the block's argument names
+    (``src``, ``memory``, ``src_key_padding_mask``, ...) before torch's forward
+    runs: its norms would fail first on the wrong features (norm_first), and
+    the attention layers name their own arguments (``query``, ``attn_mask``).
+    The layouts are the attention layer's (a 2-D, (B*H, N, M) or broadcastable
+    (B, H, N, M) attention mask; (B, M) padding, (M,) unbatched)."""
+    layer = block.layers[0] if isinstance(block, (nn.TransformerEncoder, nn.TransformerDecoder)) else block
+    attention = layer.self_attn
+    E, H, batch_first = attention.embed_dim, attention.num_heads, attention.batch_first
+    tokens: dict[str, Tensor] = {}
+    for name in ("src", "tgt", "memory"):
+        t = given.get(name)
+        if name not in given or not isinstance(t, Tensor):
+            if name in given and not isinstance(t, torch.fx.Proxy):
+                raise dc.float_dtype_error(name, t)
+            continue
+        if not t.is_floating_point():
+            raise dc.float_dtype_error(name, t)
+        if t.is_nested:
+            continue  # the attention layers refuse nested tensors, naming them
+        layout = "(B, L, E)" if batch_first else "(L, B, E)"
+        if t.dim() not in (2, 3):
+            raise DamchaValueError(
+                dc.invalid_argument(
+                    name, f"a batched {layout} or unbatched (L, E) tensor", f"{name}.shape={tuple(t.shape)}"
+                )
+            )
+        features = E if name != "memory" else getattr(layer.multihead_attn, "kdim", E)
+        if t.shape[-1] != features:
+            size = "d_model" if features == E else "the cross-attention's kdim"
+            raise DamchaValueError(
+                dc.invalid_argument(name, f"{features} features ({size})", f"{name}.shape={tuple(t.shape)}")
+            )
+        tokens[name] = t
+    if "tgt" in tokens and "memory" in tokens:
+        tgt, memory = tokens["tgt"], tokens["memory"]
+        axis = 0 if batch_first else 1
+        if tgt.dim() != memory.dim() or (tgt.dim() == 3 and tgt.shape[axis] != memory.shape[axis]):
+            raise DamchaValueError(
+                dc.invalid_argument(
+                    "memory",
+                    "the batch size of `tgt` (both batched, or both unbatched)",
+                    f"tgt.shape={tuple(tgt.shape)}, memory.shape={tuple(memory.shape)}",
+                )
+            )
+
+    def length_and_batch(name: str) -> tuple[int, int | None]:
+        t = tokens[name]
+        if t.dim() == 2:
+            return t.shape[0], None
+        return (t.shape[1], t.shape[0]) if batch_first else (t.shape[0], t.shape[1])
+
+    for name, of in _PADDING_MASKS.items():
+        mask = given.get(name)
+        if isinstance(mask, Tensor) and of in tokens:
+            M, B = length_and_batch(of)
+            expected = (M,) if B is None else (B, M)
+            if tuple(mask.shape) != expected:
+                what = (
+                    f"shape (M,) = {expected} with an unbatched `{of}`" if B is None else f"shape (B, M) = {expected}"
+                )
+                raise DamchaValueError(
+                    dc.invalid_argument(
+                        name, what, f"{name}.shape={tuple(mask.shape)}, {of}.shape={tuple(tokens[of].shape)}"
+                    )
+                )
+    for name, (queries, keys) in _ATTN_MASKS.items():
+        mask = given.get(name)
+        if not (isinstance(mask, Tensor) and queries in tokens and keys in tokens):
+            continue
+        (N, B), M = length_and_batch(queries), length_and_batch(keys)[0]
+        B = 1 if B is None else B
+        shape = tuple(mask.shape)
+        if mask.dim() == 3:
+            ok, what = shape == (B * H, N, M), f"shape (B*H, N, M) = {(B * H, N, M)} for a 3-D mask"
+        else:
+            target = (B, H, N, M)
+            ok = mask.dim() in (2, 4) and all(s in (1, t) for s, t in zip(shape[::-1], target[::-1]))
+            what = f"shape (N, M) = {(N, M)}, (B*H, N, M) = {(B * H, N, M)} or one broadcastable to (B, H, N, M) = {target}"
+        if not ok:
+            raise DamchaValueError(
+                dc.invalid_argument(
+                    name,
+                    what,
+                    f"{name}.shape={shape}, {queries}.shape={tuple(tokens[queries].shape)}"
+                    + ("" if keys == queries else f", {keys}.shape={tuple(tokens[keys].shape)}"),
+                )
+            )
+
+
 def _leaf_forward(base: type[nn.Module]) -> Callable[..., Any]:
     """``base.forward`` (same signature and docstring), except that torch.fx
     records the call as one node, as it records ``base`` itself (see
-    ``fn.traced_call``), and that the causal flags and masks are checked first
-    with the layer's rules, under the block's own argument names: torch's
-    forward tests ``is_causal is True`` (a NumPy ``True`` or a ``1`` would
-    silently mean "not causal") and asserts a mask's dtype (a bare
+    ``fn.traced_call``), and that the causal flags, masks and shapes are
+    checked first with the layer's rules, under the block's own argument
+    names: torch's forward tests ``is_causal is True`` (a NumPy ``True`` or a
+    ``1`` would silently mean "not causal") and asserts a mask's dtype (a bare
     ``AssertionError``, gone under ``python -O``)."""
     names, kinds = _call_checks(base)
 
@@ -153,7 +251,10 @@ def _leaf_forward(base: type[nn.Module]) -> Callable[..., Any]:
             )
             kwargs = {k: _checked(k, kinds[k], v) if k in kinds else v for k, v in kwargs.items()}
         traced = fn.traced_call(self, args, kwargs)
-        return base.forward(self, *args, **kwargs) if traced is None else traced
+        if traced is not None:
+            return traced
+        _check_block_shapes(self, {**dict(zip(names, args)), **kwargs})
+        return base.forward(self, *args, **kwargs)
 
     return forward
 
