@@ -85,7 +85,7 @@ def mask_value_info(options: ExportOptions, heads: int) -> onnx.ValueInfoProto:
         doc = f"True = a real key token, False = padding (batch, {keys}), as a tokenizer's attention mask"
     elif options.dynamic:
         dims = ["mask_batch", "mask_heads", "mask_query", M]
-        doc = f"True = may attend (batch|1, heads|1, query_len|1, {keys}), broadcast over the dims of size 1"
+        doc = f"True = may attend (batch|1, heads|1, query_len|1, {keys}|1), broadcast over the dims of size 1"
     else:
         dims = [B, heads, N, M]
         doc = f"True = may attend (batch, heads, query_len, {keys})"

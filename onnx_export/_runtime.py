@@ -337,6 +337,8 @@ def check_feed_shapes(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -
                 )
             if not isinstance(dim, str) or dim in _MASK_DIMS:
                 continue
+            if name == "mask" and len(dims) == 4 and axis == 3 and size == 1:
+                continue  # broadcast over the keys (the reference's rule: any dim of a 4-D mask may be 1)
             if size == 0 and dim not in _MAY_BE_EMPTY:
                 raise DamchaValueError(
                     invalid_argument(name, f"a non-empty axis {axis} ({dim} >= 1)", f"{name}.shape={array.shape}")

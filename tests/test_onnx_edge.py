@@ -471,6 +471,42 @@ def test_a_mask_of_the_wrong_shape_fails_in_the_graph_itself():
                 session.run(None, {"query": x, "mask": np.ones(bad, bool)})
 
 
+@pytest.mark.parametrize("kind", ["self-causal", "cross", "decode"])
+def test_a_mask_broadcast_over_the_keys_runs_through_run_ort(kind):
+    # A 4-D mask whose key axis is 1 (the reference's rule: any dim may be 1):
+    # the graph's own check takes it, and run_ort/run_reference used to refuse
+    # it because the declared key dim is the context's. Same answer as the
+    # mask expanded over the keys, and as the reference.
+    config = dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4, coupling="separate")
+    params = dc.init_params(config, 5)
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(2, 3, 8)).astype(np.float32)
+    rows = np.array([True, False, True]).reshape(1, 1, 3, 1)  # query 1 sees no key
+    if kind == "decode":
+        model = do.export(params, config, None, causal=True, kv_cache=True, mask=True)
+        past = rng.normal(size=(2, 2, 2, 4)).astype(np.float32)
+        feeds = {"query": x, "past_key": past, "past_value": past}
+        M = 5
+    else:
+        model = do.export(params, config, None, causal=kind == "self-causal", cross=kind == "cross", mask=True)
+        feeds = {"query": x}
+        if kind == "cross":
+            feeds["context"] = rng.normal(size=(2, 4, 8)).astype(np.float32)
+        M = 4 if kind == "cross" else 3
+    full = {**feeds, "mask": np.broadcast_to(rows, (1, 1, 3, M)).copy()}
+    narrow = {**feeds, "mask": rows}
+    expected = do.run_ort(model, full)
+    got = do.run_ort(model, narrow)
+    for a, b in zip(got, expected) if kind == "decode" else [(got, expected)]:
+        np.testing.assert_array_equal(a, b)
+    if kind != "decode":
+        reference = dc.damcha_attention(
+            params, config, x, feeds.get("context"), mask=rows, causal=kind == "self-causal"
+        )
+        assert tolerance("float32").output_ratio(expected, reference)[1] <= 1
+        np.testing.assert_allclose(do.run_reference(model, narrow), reference, atol=1e-5)
+
+
 # ------------------------------------------------- value tokens of their own size
 
 
