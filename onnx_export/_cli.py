@@ -278,13 +278,19 @@ def _validate(args: argparse.Namespace) -> tuple[dict[str, np.ndarray], dc.Damch
         check_opset(args.opset)
     except dc.DamchaError as exc:
         cu.usage_error("--opset", str(exc), prog=PROG)
+    cu.require("onnxruntime", prog=PROG, why="the validation, --quantize and --ort-dir")
+    if args.quantize == "static":
+        from ._quantize import static_opset_rule
+
+        rule = static_opset_rule(args.opset, dynamic="--quantize dynamic")
+        if rule is not None:
+            cu.usage_error("--quantize", f"static needs {rule}. Received: --opset {args.opset}", prog=PROG)
     if args.kv_cache and not args.causal:
         cu.usage_error("--kv-cache", "needs --causal (a decode step is causal)", prog=PROG)
     if args.kv_cache and args.cross:
         cu.usage_error(
             "--kv-cache", "cannot be combined with --cross (the cache holds the layer's own tokens)", prog=PROG
         )
-    cu.require("onnxruntime", prog=PROG, why="the validation, --quantize and --ort-dir")
     cu.check_input_file(args.params, "--params", prog=PROG)
     _check_not_an_input(args)
     try:

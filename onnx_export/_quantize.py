@@ -4,6 +4,7 @@ calibrated on data the caller passes."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import logging
 import os
@@ -17,6 +18,7 @@ import onnx
 
 from damcha_core import DamchaTypeError, DamchaValueError, describe, invalid_argument
 
+from ._export import ir_version_for
 from ._io import check_path, is_large, save_model, write_staged
 from ._runtime import as_model, check_weights_inline, describe_value, external_data_files, feeds_for, run_ort
 
@@ -39,6 +41,62 @@ def _check_float32(m: onnx.ModelProto) -> None:
                 f"a float64/float16 model (inputs {others})",
             )
         )
+
+
+@functools.cache
+def static_opset_runs(opset: int) -> bool:
+    """Whether this onnxruntime's CPU provider runs QuantizeLinear and
+    DequantizeLinear at ``opset``, the ops a static (QDQ) model holds at its
+    export's opset: onnxruntime 1.32 has none at 28, so a QDQ model of an
+    opset-28 export could be written but never loaded. Asked of onnxruntime
+    itself (a two-node model, about a millisecond), so a release that adds
+    them is taken as it comes."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    nodes = [
+        helper.make_node("QuantizeLinear", ["x", "scale", "zero"], ["q"]),
+        helper.make_node("DequantizeLinear", ["q", "scale", "zero"], ["y"]),
+    ]
+    constants = [
+        numpy_helper.from_array(np.array(1.0, np.float32), "scale"),
+        numpy_helper.from_array(np.array(0, np.int8), "zero"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "qdq_probe",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+        constants,
+    )
+    probe = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    probe.ir_version = ir_version_for(opset)  # as the exports declare it
+    try:
+        ort.InferenceSession(probe.SerializeToString(), providers=["CPUExecutionProvider"])
+    except Exception:  # noqa: BLE001 - NOT_IMPLEMENTED (or an opset it does not know): it cannot run them
+        return False
+    return True
+
+
+def static_opset_rule(opset: int, dynamic: str = "quantize_int8") -> str | None:
+    """Why a static (QDQ) quantisation of an export at ``opset`` would not
+    run here, or None when it would; ``dynamic`` names the dynamic quantiser
+    as the caller knows it (the CLI's ``--quantize dynamic``)."""
+    if static_opset_runs(opset):
+        return None
+    import onnxruntime as ort
+
+    runs = [o for o in range(opset - 1, 16, -1) if static_opset_runs(o)]
+    fallback = f"; opset {runs[0]} and below run" if runs else ""
+    return (
+        f"an export at an opset whose QuantizeLinear/DequantizeLinear onnxruntime {ort.__version__} runs on CPU "
+        f"(the static model holds them at its export's opset{fallback}); export at a lower opset, or quantise "
+        f"dynamically ({dynamic})"
+    )
+
+
+def _default_opset(m: onnx.ModelProto) -> int:
+    return next((o.version for o in m.opset_import if o.domain in ("", "ai.onnx")), 0)
 
 
 def _quantizer_input(model: onnx.ModelProto | str | os.PathLike) -> onnx.ModelProto:
@@ -238,6 +296,10 @@ def quantize_static_int8(
 
     path = check_path(path)
     m = _quantizer_input(model)
+    opset = _default_opset(m)
+    rule = static_opset_rule(opset)
+    if rule is not None:
+        raise DamchaValueError(invalid_argument("model", rule, f"a model at opset {opset}"))
     if isinstance(per_channel, bool) is False:
         raise DamchaTypeError(invalid_argument("per_channel", "a bool", f"per_channel={describe(per_channel)}"))
     if activation_type not in QUANT_TYPES:

@@ -344,6 +344,22 @@ def test_quantize_writes_a_validated_int8_model_beside_the_float_one(params_file
     assert ({"DynamicQuantizeLinear", "MatMulInteger"} & ops) if how == "dynamic" else ("QuantizeLinear" in ops)
 
 
+def test_static_quantize_at_an_opset_onnxruntime_cannot_run_is_refused_before_any_work(params_file, tmp_path):
+    from damcha_onnx._quantize import static_opset_runs
+
+    newest = onnx.defs.onnx_opset_version()
+    if static_opset_runs(newest):
+        pytest.fail(f"onnxruntime now runs QDQ at opset {newest}: pick an opset it cannot run, or drop this test")
+    proc = export(
+        "--params", params_file, "--out", str(tmp_path / "m.onnx"), "--quantize", "static", "--opset", str(newest)
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    assert "--quantize: static needs an export at an opset whose QuantizeLinear/DequantizeLinear" in proc.stderr
+    assert f"or quantise dynamically (--quantize dynamic). Received: --opset {newest}" in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.safetensors"]
+
+
 @pytest.mark.parametrize("how", ["dynamic", "static"])
 def test_quantize_a_decode_step_judged_through_its_cache(params_file, tmp_path, how):
     # The API quantises decode steps (it only needs float32); the CLI refused --kv-cache with --quantize.

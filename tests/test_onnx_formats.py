@@ -323,6 +323,38 @@ def test_static_qdq_int8_errors():
         do.quantize_static_int8(model, [nan])
 
 
+def test_static_qdq_int8_is_refused_exactly_at_the_opsets_onnxruntime_cannot_run(monkeypatch):
+    # onnxruntime 1.32 has no QuantizeLinear/DequantizeLinear kernel at opset 28:
+    # the QDQ model of an opset-28 export was written, then failed to load (in
+    # the CLI a traceback blaming a staged path). The rule is asked of
+    # onnxruntime; here it must agree with what a quantised model really does.
+    from damcha_onnx import _quantize
+
+    config = dc.DamchaConfig(query_dim=8, num_heads=2, key_dim=4)
+    params = dc.init_params(config, 0)
+    x = np.random.default_rng(0).normal(size=(2, 5, 8)).astype(np.float32)
+    for opset in sorted({17, 27, onnx.defs.onnx_opset_version()}):
+        model = do.export(params, config, None, opset=opset)
+        with monkeypatch.context() as m:
+            m.setattr(_quantize, "static_opset_rule", lambda opset, dynamic="": None)
+            quantised = do.quantize_static_int8(model, [{"query": x}])
+        try:
+            do.ort_session(quantised)
+            loads = True
+        except Exception:  # noqa: BLE001 - onnxruntime's NOT_IMPLEMENTED
+            loads = False
+        assert _quantize.static_opset_runs(opset) is loads, opset
+        if loads:
+            do.quantize_static_int8(model, [{"query": x}])
+        else:
+            with pytest.raises(
+                dc.DamchaValueError,
+                match=rf"Invalid argument `model`: expected an export at an opset whose QuantizeLinear/DequantizeLinear "
+                rf"onnxruntime .* dynamically \(quantize_int8\)\. Received: a model at opset {opset}$",
+            ):
+                do.quantize_static_int8(model, [{"query": x}])
+
+
 def test_quantization_error_refuses_what_it_cannot_measure():
     """Empty inputs raised NumPy's reduction error; a NaN reference gave NaN
     metrics; a reference of another kind was compared as numbers."""
