@@ -432,6 +432,44 @@ def catalogue(names: list[str] | None = None, groups: list[str] | None = None) -
     return [c for c in CATALOGUE if (not names or c.name in names) and (not groups or c.group in groups)]
 
 
+def resolve_cases(cases: Any, known: tuple[Any, ...], argument: str) -> list[Any]:
+    """``cases`` as case objects: each item one of ``known`` or its name (as
+    ``damcha conform --case`` takes them), checked by ``argument``'s name.
+
+    Raises:
+        DamchaTypeError: ``cases`` is one string (read letter by letter) or
+            not iterable, or an item is neither a case nor a string.
+        DamchaValueError: a name that is not one of ``known``'s.
+    """
+    if isinstance(cases, (str, bytes)) or not hasattr(cases, "__iter__"):
+        raise dc.DamchaTypeError(
+            dc.invalid_argument(
+                argument,
+                "an iterable of cases or case names, e.g. ['heads-tied-self']",
+                f"{argument}={dc.describe(cases)}"
+                + (" (one string, read letter by letter)" if isinstance(cases, str) else ""),
+            )
+        )
+    by_name = {c.name: c for c in known}
+    kind = type(known[0]).__name__ if known else "Case"
+    out = []
+    for i, case in enumerate(cases):
+        if isinstance(case, str):
+            if case not in by_name:
+                raise dc.DamchaValueError(
+                    dc.invalid_argument(
+                        f"{argument}[{i}]", f"the name of one of the {len(by_name)} {kind}s it takes", f"{case!r}"
+                    )
+                )
+            case = by_name[case]
+        elif not isinstance(case, type(known[0]) if known else Case):
+            raise dc.DamchaTypeError(
+                dc.invalid_argument(f"{argument}[{i}]", f"a {kind} or its name", f"{dc.describe(case)}")
+            )
+        out.append(case)
+    return out
+
+
 def case_params(config: dc.DamchaConfig, seed: int) -> dict[str, np.ndarray]:
     """Parameters that exercise every term: open gates, non-zero biases.
 

@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import importlib
 import inspect
+import json
 import os
 import signal
 import subprocess
@@ -341,7 +342,8 @@ def _run_in_process(spec: str, args: argparse.Namespace, adapter: BackendAdapter
         nonlocal bar
         what = f"{result.dtype} {result.case} [{result.check}] {result.status}"
         if args.progress_protocol:
-            print(f"{_PROGRESS} {done} {total} {what}", flush=True)
+            # The result rides along (tab-separated JSON): a worker that dies later keeps it.
+            print(f"{_PROGRESS} {done} {total} {what}\t{json.dumps(result.to_dict())}", flush=True)
             return
         if bar is None:
             bar = cu.Progress(total, adapter.name, enabled=not args.no_progress, every=5.0)
@@ -393,6 +395,8 @@ def _run_subprocess(spec: str, args: argparse.Namespace, env_extra: dict[str, st
             str(out),
         ] + _filters(args)
         bar: cu.Progress | None = None
+        arrived: list[Result] = []
+        total = 0
         with open(Path(tmp) / "stderr.txt", "w+") as err:
             proc = subprocess.Popen(cmd, env={**os.environ, **env_extra}, stdout=subprocess.PIPE, stderr=err, text=True)
             try:
@@ -400,10 +404,14 @@ def _run_subprocess(spec: str, args: argparse.Namespace, env_extra: dict[str, st
                 for line in proc.stdout:
                     if not line.startswith(_PROGRESS):
                         continue
-                    _, done, total, what = line.rstrip("\n").split(" ", 3)
+                    _, done, count, rest = line.rstrip("\n").split(" ", 3)
+                    what, _, result = rest.partition("\t")
+                    total = int(count)
+                    if result:
+                        arrived.append(Result(**json.loads(result)))
                     if bar is None:
-                        bar = cu.Progress(int(total), spec, enabled=not args.no_progress, every=5.0)
-                    bar.total = int(total)
+                        bar = cu.Progress(total, spec, enabled=not args.no_progress, every=5.0)
+                    bar.total = total
                     bar.step(what, force=what.endswith((" fail", " error")))
                 returncode = proc.wait()
             finally:
@@ -424,8 +432,31 @@ def _run_subprocess(spec: str, args: argparse.Namespace, env_extra: dict[str, st
             stderr = err.read()
         if out.exists():
             return Report.from_json(out.read_text())
-        tail = stderr.strip().splitlines()[-8:]
-        return Report(notes=[f"FAIL {spec}: worker exited {returncode}: " + " | ".join(tail)])
+        return Report(results=arrived, notes=[_died(spec, returncode, stderr, arrived, total)])
+
+
+def _died(spec: str, returncode: int, stderr: str, arrived: list[Result], total: int) -> str:
+    """The note of a worker that ended without its report (a crash in the
+    backend's native code, os.abort(), sys.exit()): how it ended, the check it
+    was running (the one after the last that arrived), and its stderr's tail.
+    The results that arrived are kept in the report."""
+    how = f"exit status {returncode}"
+    if returncode < 0:
+        try:
+            how = f"signal {signal.Signals(-returncode).name}"
+        except ValueError:
+            how = f"signal {-returncode}"
+    if arrived:
+        last = arrived[-1]
+        where = (
+            f"after {len(arrived)} of {total} checks, in the check after "
+            f"{last.dtype} {last.case} [{last.check}] (its results so far are kept)"
+        )
+    else:
+        where = "before its first check finished"
+    tail = stderr.strip().splitlines()[-8:]
+    said = ": " + " | ".join(tail) if tail else " (nothing on stderr)"
+    return f"FAIL {spec}: the worker ended without its report ({how}) {where}{said}"
 
 
 # 128 + SIGTERM, what a shell reports for a process that SIGTERM ended.

@@ -36,6 +36,7 @@ from ._cases import (
     reference_penalty_directional,
     reference_prefill,
     reference_weights,
+    resolve_cases,
 )
 from ._tolerances import DTYPES, tolerance
 
@@ -615,11 +616,30 @@ def _where(out: np.ndarray, expected: np.ndarray, tol: Any) -> str:
     rows holding them (a row that sees no key must give 0, not NaN), else how many elements are
     outside the tolerance and the worst one, with its value and the expected one."""
     axes = {3: "(b, n, e)", 4: "(b, h, n, m)"}.get(out.ndim, "index")
-    bad = ~np.isfinite(out)
+
+    def at(where: np.ndarray) -> tuple[int, int, tuple[int, ...]]:
+        found = np.argwhere(where)
+        rows = len({tuple(i[:-1]) for i in found}) if out.ndim > 1 else 1
+        return int(where.sum()), rows, tuple(int(i) for i in found[0])
+
+    reference_bad = ~np.isfinite(expected)
+    bad = ~np.isfinite(out) & ~reference_bad
     if bad.any():
-        first = tuple(int(i) for i in np.argwhere(bad)[0])
-        rows = len({tuple(i[:-1]) for i in np.argwhere(bad)}) if out.ndim > 1 else 1
-        return f"{int(bad.sum())} non-finite values (NaN or inf) in {rows} query rows, first at {axes} = {first}"
+        count, rows, first = at(bad)
+        return (
+            f"{count} non-finite values (NaN or inf) where the reference is finite, in {rows} query rows, "
+            f"first at {axes} = {first}"
+        )
+    quiet = np.isfinite(out) & reference_bad
+    if quiet.any():
+        # A port that zeroes (or otherwise fills) a NaN row: "0 elements outside the tolerance" said nothing.
+        count, rows, first = at(quiet)
+        return (
+            f"{count} finite values where the reference is NaN or inf (NaN in must give NaN out), in {rows} "
+            f"query rows, first at {axes} = {first}: {out[first]:.6g}, expected {expected[first]:.6g}"
+        )
+    both = np.isfinite(expected)
+    out, expected = np.where(both, out, 0.0), np.where(both, expected, 0.0)
     excess = np.abs(out - expected) / (tol.atol + tol.rtol * np.abs(expected))
     worst = tuple(int(i) for i in np.unravel_index(np.argmax(excess), excess.shape))
     return (
@@ -718,7 +738,7 @@ def check_adapter(adapter: Any) -> None:
                 f"unsupported(case) and forward(data, dtype) (see damcha_conformance.BackendAdapter). "
                 f"Received: {type(adapter).__module__}.{type(adapter).__qualname__}"
             )
-    if not isinstance(adapter.name, str) or not adapter.name:
+    if not isinstance(adapter.name, str) or not adapter.name.strip():
         # Results are keyed by it (the table's rows, the JSON); None or "" breaks both.
         raise DamchaTypeError(
             invalid_argument("adapter.name", "a non-empty string, e.g. 'my-port'", f"adapter.name={adapter.name!r}")
@@ -741,6 +761,11 @@ def check_adapter(adapter: Any) -> None:
             )
         )
     names = list(dtypes)
+    if len(set(names)) != len(names):
+        # Each would run every check again, counted twice in the table.
+        raise DamchaValueError(
+            invalid_argument("adapter.dtypes", "each dtype name once", f"adapter.dtypes={tuple(names)!r}")
+        )
     if not names or any(d not in DTYPES for d in names):
         # Found here, so that the CLI and the pytest plugin refuse it as a usage error, not a worker's traceback.
         raise DamchaValueError(
@@ -748,6 +773,13 @@ def check_adapter(adapter: Any) -> None:
                 "adapter.dtypes",
                 f"a non-empty sequence of dtype names, some of {DTYPES} (the keys of TOLERANCES)",
                 f"adapter.dtypes={tuple(names)!r}",
+            )
+        )
+    if not isinstance(adapter.supports_gradients, (bool, np.bool_)):
+        # A string such as "no" is truthy: the gradient checks would run (and error).
+        raise DamchaTypeError(
+            invalid_argument(
+                "adapter.supports_gradients", "a bool", f"adapter.supports_gradients={adapter.supports_gradients!r}"
             )
         )
     if adapter.supports_gradients and not callable(getattr(adapter, "gradients", None)):
@@ -759,6 +791,19 @@ def check_adapter(adapter: Any) -> None:
                 + ("" if hasattr(adapter, "gradients") else " (no such attribute)"),
             )
         )
+
+
+def check_dtype_names(dtypes: Any, argument: str = "dtypes") -> list[str]:
+    """``dtypes`` as a list of names; one string (iterated, its letters) is refused with the hint."""
+    if isinstance(dtypes, (str, bytes)) or not hasattr(dtypes, "__iter__"):
+        raise DamchaTypeError(
+            invalid_argument(
+                argument,
+                f"a sequence of dtype names, e.g. ('float64',), some of {DTYPES}",
+                f"{argument}={dtypes!r}" + (" (one string, read letter by letter)" if isinstance(dtypes, str) else ""),
+            )
+        )
+    return list(dtypes)
 
 
 def plan_checks(
@@ -782,15 +827,22 @@ def plan_checks(
     """
     check_adapter(adapter)
     name = adapter.name
-    cases = list(CATALOGUE if cases is None else cases)
+    cases = list(CATALOGUE) if cases is None else resolve_cases(cases, CATALOGUE, "cases")
     declared = list(adapter.dtypes)
-    asked = list(declared if dtypes is None else dict.fromkeys(dtypes))
+    asked = list(declared if dtypes is None else dict.fromkeys(check_dtype_names(dtypes)))
     for dtype in asked:
         tolerance(dtype)  # unknown dtype names fail before any work
-    error_cases = list(ERROR_CATALOGUE if errors is True else (errors or ()))
-    decode_cases = list(DECODE_CATALOGUE if decoding is True else (decoding or ()))
-    weight_cases = list(WEIGHTS_CASES if weights is True else (weights or ()))
-    penalty_cases = list(PENALTY_CASES if penalty is True else (penalty or ()))
+
+    def chosen(flag: Any, every: tuple[Any, ...], known: tuple[Any, ...], argument: str) -> list[Any]:
+        # True: every case of its kind; False/None: none; else cases or their names.
+        if flag is True:
+            return list(every)
+        return [] if flag is False or flag is None else resolve_cases(flag, known, argument)
+
+    error_cases = chosen(errors, ERROR_CATALOGUE, ERROR_CATALOGUE, "errors")
+    decode_cases = chosen(decoding, DECODE_CATALOGUE, DECODE_CATALOGUE, "decoding")
+    weight_cases = chosen(weights, WEIGHTS_CASES, CATALOGUE, "weights")
+    penalty_cases = chosen(penalty, PENALTY_CASES, CATALOGUE, "penalty")
     gaps: list[tuple[str, str]] = []
     subset: list[tuple[str, str]] = []
     run = [d for d in asked if d in declared]

@@ -75,15 +75,17 @@ def checks(
     penalty of ``PENALTY_CASES`` (and its gradients), then the bad-input cases
     once, in the first dtype. The order lets adapters reuse a case's forward
     computation for its gradients."""
-    from ._cases import CATALOGUE, DECODE_CATALOGUE, ERROR_CATALOGUE, PENALTY_CASES, WEIGHTS_CASES
-    from ._runner import Check
+    from ._cases import CATALOGUE, DECODE_CATALOGUE, ERROR_CATALOGUE, PENALTY_CASES, WEIGHTS_CASES, resolve_cases
+    from ._runner import Check, check_dtype_names
     from ._tolerances import tolerance
 
+    dtypes = check_dtype_names(dtypes)
     for dtype in dtypes:
         tolerance(dtype)
+    chosen = CATALOGUE if cases is None else resolve_cases(cases, CATALOGUE, "cases")
     out: list[Check] = []
     for dtype in dtypes:
-        for case in CATALOGUE if cases is None else cases:
+        for case in chosen:
             if not case.runs_in(dtype):
                 continue
             out.append(Check("forward", case, dtype))

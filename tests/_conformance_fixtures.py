@@ -137,6 +137,38 @@ class NameNotAString(ReferenceAdapter):
     name = None  # type: ignore[assignment]
 
 
+class DtypesTwice(ReferenceAdapter):
+    """``dtypes = ("float64", "float64")``: every check ran twice, counted twice in the table."""
+
+    name = "dtypes-twice"
+    dtypes = ("float64", "float64")
+
+
+class BlankName(ReferenceAdapter):
+    name = "   "
+
+
+class SupportsGradientsString(ReferenceAdapter):
+    """``supports_gradients = "no"``: a truthy string ran the gradient checks."""
+
+    name = "gradients-string"
+    supports_gradients = "no"  # type: ignore[assignment]
+
+
+class CrashesOnCross(ReferenceAdapter):
+    """An honest port whose native kernel dies (here os.abort()) on cross-attention cases:
+    the worker ends without its report."""
+
+    name = "crashes-on-cross"
+
+    def forward(self, data, dtype):
+        if data.context is not None:
+            import os
+
+            os.abort()
+        return super().forward(data, dtype)
+
+
 def make_slowly():
     """A factory that hangs (a constructor waiting on a device); writes its pid where the test says."""
     import os

@@ -381,6 +381,49 @@ def test_an_adapter_name_that_is_not_a_string_is_refused():
     assert "`adapter.name`: expected a non-empty string" in line and "Received: adapter.name=None" in line, line
 
 
+@pytest.mark.parametrize(
+    "spec, says",
+    [
+        (
+            "DtypesTwice",
+            "`adapter.dtypes`: expected each dtype name once. Received: adapter.dtypes=('float64', 'float64')",
+        ),
+        ("BlankName", "`adapter.name`: expected a non-empty string, e.g. 'my-port'. Received: adapter.name='"),
+        (
+            "SupportsGradientsString",
+            "`adapter.supports_gradients`: expected a bool. Received: adapter.supports_gradients='no'",
+        ),
+    ],
+)
+def test_malformed_adapter_attributes_exit_2_before_any_work(spec, says):
+    # Each ran before: every check twice, a blank table column, gradient checks that errored.
+    line = one_line_usage_error(conform("--adapter", f"_conformance_fixtures:{spec}"), "--adapter")
+    assert says in line, line
+
+
+def test_a_worker_that_dies_keeps_its_results_and_says_where_it_died(tmp_path):
+    # Read "worker exited -6: " with nothing after it, 0 checks, and the JSON held no result.
+    out = tmp_path / "r.json"
+    proc = conform(
+        "--adapter", "_conformance_fixtures:CrashesOnCross", "--group", "mha", "--no-progress", "--json", str(out)
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    kept = [r for r in report["results"] if r["status"] == "pass"]
+    assert kept and all(r["case"].endswith("-self") for r in kept), report["results"]
+    assert report["verdict"] == "FAILED"
+    last = kept[-1]
+    said = (
+        "FAIL _conformance_fixtures:CrashesOnCross: the worker ended without its report (signal SIGABRT) "
+        f"after {len(kept)} of "
+    )
+    assert said in proc.stdout, proc.stdout
+    assert (
+        f"in the check after {last['dtype']} {last['case']} [{last['check']}] (its results so far are kept)"
+        in proc.stdout
+    )
+
+
 def test_case_and_group_that_select_nothing_exit_2_before_any_work():
     case = dcf.CATALOGUE[0]
     other = next(g for g in dcf.GROUPS if g != case.group)

@@ -910,12 +910,94 @@ def test_a_failed_output_says_where_and_what():
     # The line used to be "FAIL off-nan-row/float64 tiny [output] err=nan ratio=inf" and nothing more.
     case = dataclasses.replace(TINY, batch=2, query_len=4, name="tiny-off-at")
     [nan] = dcf.check_case(_OffAt("nan-row"), case, "float64", gradients=False)
-    assert nan.status == "fail" and nan.detail.startswith("4 non-finite values (NaN or inf) in 1 query rows"), nan
+    assert nan.status == "fail" and nan.detail.startswith(
+        "4 non-finite values (NaN or inf) where the reference is finite, in 1 query rows"
+    ), nan
     assert "first at (b, n, e) = (0, 1, 0)" in nan.detail, nan
     [off] = dcf.check_case(_OffAt("one"), case, "float64", gradients=False)
     expected = dcf.materialise(case).expected[1, 2, 3]
     assert off.status == "fail" and off.detail.startswith("1 of 32 elements outside the tolerance"), off
     assert f"worst at (b, n, e) = (1, 2, 3): {expected + 1e-3:.6g}, expected {expected:.6g}" in off.detail, off
+
+
+def test_cases_may_be_named_as_the_cli_names_them():
+    # run_conformance(cases=["heads-tied-self"]) raised AttributeError: 'str' object has no attribute 'gradients'.
+    names = ["mha-none-self", "heads-tied-self"]
+    by_name = dcf.run_conformance(
+        dcf.ReferenceAdapter(),
+        names,
+        ("float64",),
+        errors=False,
+        decoding=False,
+        weights=False,
+        penalty=False,
+    )
+    by_case = dcf.run_conformance(
+        dcf.ReferenceAdapter(),
+        [c for c in dcf.CATALOGUE if c.name in names],
+        ("float64",),
+        errors=False,
+        decoding=False,
+        weights=False,
+        penalty=False,
+    )
+    assert [(r.case, r.check, r.status) for r in by_name.results] == [
+        (r.case, r.check, r.status) for r in by_case.results
+    ]
+    assert {r.case for r in by_name.results} == set(names) and by_name.passed
+    from damcha_conformance.pytest_plugin import checks
+
+    assert [
+        (c.kind, c.case.name)
+        for c in checks(("float64",), cases=names, decoding=False, errors=False, weights=False, penalty=False)
+    ] == [
+        (c.kind, c.case.name)
+        for c in checks(
+            ("float64",),
+            cases=[c for c in dcf.CATALOGUE if c.name in names],
+            decoding=False,
+            errors=False,
+            weights=False,
+            penalty=False,
+        )
+    ]
+    with pytest.raises(
+        dc.DamchaValueError,
+        match=r"Invalid argument `cases\[1\]`: expected the name of one of the \d+ Cases it takes\. Received: 'no-such-case'",
+    ):
+        dcf.run_conformance(dcf.ReferenceAdapter(), ["mha-none-self", "no-such-case"])
+    with pytest.raises(
+        dc.DamchaTypeError, match=r"`cases`: .*Received: cases='heads-tied-self' \(one string, read letter by letter\)"
+    ):
+        dcf.run_conformance(dcf.ReferenceAdapter(), "heads-tied-self")
+    with pytest.raises(dc.DamchaTypeError, match=r"`cases\[0\]`: expected a Case or its name\. Received: 3"):
+        checks(("float64",), cases=[3])
+    for call in (lambda: dcf.run_conformance(dcf.ReferenceAdapter(), dtypes="float64"), lambda: checks("float64")):
+        with pytest.raises(
+            dc.DamchaTypeError, match=r"`dtypes`: .*Received: dtypes='float64' \(one string, read letter by letter\)"
+        ):
+            call()
+
+
+class _Quiet(dcf.ReferenceAdapter):
+    """The reference's output with its NaN rows zeroed (what a kernel that guards
+    every row with no visible key does, here to a row NaN by its own token)."""
+
+    name = "quiet"
+
+    def forward(self, data, dtype):
+        return np.nan_to_num(super().forward(data, dtype), nan=0.0)
+
+
+def test_a_quiet_port_is_told_where_it_dropped_the_nan():
+    # Read "0 of 160 elements outside the tolerance, worst ...: 0, expected nan" (a reviewer's repro).
+    case = next(c for c in dcf.CATALOGUE if c.name == "heads-separate-nan-token-cross")
+    [quiet] = dcf.check_case(_Quiet(), case, "float64", gradients=False)
+    assert quiet.status == "fail", quiet
+    assert quiet.detail.startswith(
+        "16 finite values where the reference is NaN or inf (NaN in must give NaN out), in 1 query rows"
+    ), quiet
+    assert "first at (b, n, e) = (0, 1, 0): 0, expected nan" in quiet.detail, quiet
 
 
 class _GradientsReturnNothing(dcf.ReferenceAdapter):
