@@ -116,7 +116,9 @@ class ExportOptions:
         cross: a ``context`` input (layers only).
         mask: a boolean ``mask`` input, True = may attend: ``True`` for a 4-D
             (B|1, H|1, N|1, M) mask, ``"padding"`` for a 2-D (B, M) key
-            padding mask (as a tokenizer's attention mask), ``False`` for none.
+            padding mask (as a tokenizer's attention mask), ``False`` for none
+            (``"4d"`` and ``"none"`` too: the names of the CLI's ``--mask`` and
+            of the model's ``damcha_mask`` metadata).
         dynamic: symbolic batch and sequence dims; ``False`` fixes them to
             ``batch_size``, ``query_len`` (and ``context_len``).
         batch_size, query_len, context_len: the fixed sizes with ``dynamic=False``.
@@ -175,12 +177,28 @@ class ExportOptions:
         set_("dtype", check_dtype(self.dtype))
         for name in ("causal", "cross", "dynamic", "kv_cache", "return_weights"):
             set_(name, check_bool(name, getattr(self, name)))
-        if self.mask != "padding":
-            if isinstance(self.mask, str):
-                raise DamchaValueError(invalid_argument("mask", "a bool or 'padding'", f"mask={self.mask!r}"))
-            set_("mask", check_bool("mask", self.mask))
+        # The names the CLI's --mask and the model's damcha_mask metadata use are taken too.
+        mask = {"4d": True, "none": False}.get(self.mask, self.mask) if isinstance(self.mask, str) else self.mask
+        if mask != "padding":
+            if not isinstance(mask, (bool, np.bool_)):
+                raise (DamchaValueError if isinstance(mask, str) else DamchaTypeError)(
+                    invalid_argument(
+                        "mask",
+                        "True or '4d' (a 4-D mask input), 'padding' (a (B, M) key padding mask) or False/'none'",
+                        f"mask={describe(self.mask)}",
+                    )
+                )
+            set_("mask", bool(mask))
         if self.external_data is not None:
-            set_("external_data", check_bool("external_data", self.external_data))
+            if not isinstance(self.external_data, (bool, np.bool_)):
+                raise DamchaTypeError(
+                    invalid_argument(
+                        "external_data",
+                        "True, False or None (external only for a model past protobuf's 2 GiB)",
+                        f"external_data={describe(self.external_data)}",
+                    )
+                )
+            set_("external_data", bool(self.external_data))
         stack = self.kind != "layer"
         if stack and self.cross:
             raise DamchaValueError(

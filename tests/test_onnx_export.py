@@ -165,6 +165,18 @@ def test_opset_out_of_range_is_rejected(opset):
             dc.DamchaValueError,
             r"Invalid argument `batch_size`: expected None with dynamic=True \(it fixes a dimension, so it needs dynamic=False\)",
         ),
+        (
+            dict(mask=None),
+            dc.DamchaTypeError,
+            r"Invalid argument `mask`: expected True or '4d' \(a 4-D mask input\), 'padding' \(a \(B, M\) key padding "
+            r"mask\) or False/'none'\. Received: mask=None$",
+        ),
+        (dict(mask="4D"), dc.DamchaValueError, r"Invalid argument `mask`: expected True or '4d'.*Received: mask='4D'$"),
+        (
+            dict(external_data=1),
+            dc.DamchaTypeError,
+            r"Invalid argument `external_data`: expected True, False or None .*Received: external_data=1$",
+        ),
     ],
     ids=[
         "opset-type",
@@ -174,11 +186,23 @@ def test_opset_out_of_range_is_rejected(opset):
         "causal-type",
         "static-needs-sizes",
         "sizes-need-static",
+        "mask-none",
+        "mask-unknown-name",
+        "external-data-int",
     ],
 )
 def test_bad_export_options_are_rejected(kwargs, error, pattern):
     with pytest.raises(error, match=pattern):
         do.export(dc.init_params(CFG), CFG, None, **kwargs)
+
+
+def test_mask_takes_the_names_the_cli_and_the_metadata_use():
+    # The CLI's --mask 4d / none and the model's damcha_mask metadata ("4d", "none", "padding") were refused by the API.
+    params = dc.init_params(CFG)
+    for name, value in (("4d", True), ("none", False), ("padding", "padding")):
+        model = do.export(params, CFG, None, mask=name)
+        assert model.SerializeToString() == do.export(params, CFG, None, mask=value).SerializeToString()
+        assert {p.key: p.value for p in model.metadata_props}["damcha_mask"] == name
 
 
 def test_self_attention_export_needs_equal_dims():
