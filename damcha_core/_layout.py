@@ -56,7 +56,11 @@ class ProjectionSite:
     F / groups features, each holding ``1/groups`` of the query heads at
     offset ``q`` and of the key heads at offset ``k`` (offsets within a run),
     in head order (run g holds query heads g*H/groups, ...). GPT-NeoX is
-    ``ProjectionSite("query_key_value", q=0, k=d, groups=H)``.
+    ``ProjectionSite("query_key_value", q=0, k=d, groups=H)``. A site of one
+    role needs ``groups`` to divide that role's head count only: Qwen3-Next's
+    ``q_proj`` holds, for each query head in turn, its query and then its
+    output gate (F = H * 2d): ``ProjectionSite("q_proj", q=0, groups=H)``,
+    where H need not divide the G key heads of the ``k_proj`` beside it.
 
     Args:
         attr: attribute name of the projection on the attention module or
@@ -83,19 +87,25 @@ class ProjectionSite:
         the projection's output size F.
 
         Raises:
-            DamchaValueError: ``groups`` is not a positive int dividing F, H
-                and G, or the roles' blocks overlap or leave the run.
+            DamchaValueError: ``groups`` is not a positive int dividing F and
+                the head count of each role the site holds (H for ``q``, G for
+                ``k``: a query-only site, as Qwen3-Next's q_proj of H runs of a
+                query head and its gate, need not divide G), or the roles'
+                blocks overlap or leave the run.
         """
         groups = self.groups
         if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1:
             raise DamchaValueError(
                 invalid_argument("groups", "a positive int", f"groups={describe(groups)} for `{self.attr}`")
             )
-        if features % groups or num_heads % groups or num_kv_heads % groups:
+        roles = self.roles()
+        heads = {"q": num_heads, "k": num_kv_heads}
+        if features % groups or any(heads[role] % groups for role, _ in roles):
             raise DamchaValueError(
                 invalid_argument(
                     "groups",
-                    "a divisor of the projection's output features and of the query and key head counts",
+                    "a divisor of the projection's output features and of the head count of each role the site "
+                    "holds (the query heads for q, the key heads for k)",
                     f"groups={groups} for `{self.attr}` with {features} features, {num_heads} query heads and "
                     f"{num_kv_heads} key heads",
                 )
@@ -103,7 +113,7 @@ class ProjectionSite:
         run = features // groups
         blocks: list[tuple[str | None, int]] = []
         pos = 0
-        for role, offset in self.roles():
+        for role, offset in roles:
             width = (num_heads if role == "q" else num_kv_heads) // groups * head_dim
             if not isinstance(offset, int) or isinstance(offset, bool) or offset < pos or offset + width > run:
                 where = "the run of features each group holds" if groups > 1 else "the projection's output"

@@ -380,7 +380,7 @@ def metric_params(maps: dt.DamchaMaps) -> dict[str, np.ndarray]:
     return out
 
 
-def _linear(lin, E: int, S: int, d: int, cols: slice | None = None, conv1d: bool = False):
+def _linear(lin, E: int, S: int, d: int, cols: slice | np.ndarray | None = None, conv1d: bool = False):
     w = _np(lin.weight)
     w = w if conv1d else w.T  # (in, out)
     b = None if lin.bias is None else _np(lin.bias)
@@ -399,10 +399,14 @@ def layer_params(arch: str, module: nn.Module) -> tuple[dict[str, np.ndarray], d
     if arch.startswith(("llama", "mistral", "qwen", "clip")) or arch in ("hf-vit", "siglip", "opt", *ENC_DEC):
         projs = {"query": (module.q_proj, E, H), "key": (module.k_proj, Ekv, G), "value": (module.v_proj, Ekv, G)}
         for n, (lin, e, s) in projs.items():
-            p[f"{n}.kernel"], p[f"{n}.bias"] = _linear(lin, e, s, d)
+            # Qwen3-Next's q_proj holds, per head, its query and then d features of its output gate.
+            gated = n == "query" and lin.out_features == 2 * H * d
+            cols = np.arange(2 * H * d).reshape(H, 2, d)[:, 0].ravel() if gated else None
+            p[f"{n}.kernel"], p[f"{n}.bias"] = _linear(lin, e, s, d, cols)
         out = next(getattr(module, a) for a in ("o_proj", "out_proj", "dense") if hasattr(module, a))  # Phi: dense
-        p["output.kernel"] = _np(out.weight).T.reshape(H, d, E)
-        p["output.bias"] = np.zeros(E) if out.bias is None else _np(out.bias)
+        # (Zamba2's attention reads 2 * hidden_size features and gives hidden_size.)
+        p["output.kernel"] = _np(out.weight).T.reshape(H, d, -1)
+        p["output.bias"] = np.zeros(out.out_features) if out.bias is None else _np(out.bias)
     elif arch in T5_MODELS:  # q, k, v and o without biases (Pix2Struct: query, key, value and output)
         names = ("query", "key", "value", "output") if arch == "pix2struct" else ("q", "k", "v", "o")
         q, k, v, o = (getattr(module, a) for a in names)

@@ -115,7 +115,10 @@ ROPE_LAYOUTS = {
     "glm4": ("cat", True),
     "ernie4_5": ("cat", True),
     "ernie4_5_moe": ("cat", True),
+    "cohere2_moe": ("repeat", True),
 }
+# Hosts that turn each pair by minus its angle (NanoChat's rotate_half flips the signs).
+ROPE_REVERSED = frozenset({"nanochat"})
 
 
 def _rope_layout(model):
@@ -704,7 +707,7 @@ def _randomise_qk_norms(model, seed=2):
                     p.copy_(1 + 0.5 * torch.randn(p.shape, generator=g, dtype=p.dtype))
 
 
-def _check_normed_layers(model, norms, *, clip=None, rotated=None, rotate_first=False):
+def _check_normed_layers(model, norms, *, clip=None, rotated=None, rotate_first=False, call=None):
     """Each converted layer of a float64 causal LM (gates open) against an
     independent NumPy forward: project, the reference's maps, q, k and v
     clamped to +-``clip`` if given (OLMo's clip_qkv), ``norms(q, k, module)``
@@ -713,13 +716,19 @@ def _check_normed_layers(model, norms, *, clip=None, rotated=None, rotate_first=
     ``rotated(module)``, default all; before the norms if ``rotate_first``, as
     HunYuan's), a causal softmax attention (inside
     ``module.sliding_window`` where the layer has one) at the host's scale,
-    the output projection; to 1e-6 (the hosts' norms compute in float32
-    whatever the model's dtype)."""
+    the host's output gate if it has one (``_output_gate``) or BitNet's norm
+    of the attention output, the output projection; to 1e-6 (the hosts' norms compute in float32 whatever the
+    model's dtype). ``call(model)`` runs the model (default: 7 tokens, no
+    padding); layers without a ``q_proj`` (Qwen-VL's vision towers) are
+    checked by ``_check_qwen_vision_call``."""
     calls = capture(model)
     ids = inputs("llama", torch.float64, padding=False, length=7)["input_ids"]
     with torch.no_grad():
-        model(input_ids=ids)
+        model(input_ids=ids) if call is None else call(model)
     assert set(calls) == set(dt.converted_layers(model))
+    for name in [n for n in calls if not hasattr(dt.converted_layers(model)[n], "q_proj")]:
+        ((args, kwargs, output),) = calls.pop(name)
+        _check_qwen_vision_call(dt.converted_layers(model)[name], args, kwargs, output, name=name)
     layout, interleaved = _rope_layout(model)
 
     def angles(position_embeddings):  # cos and sin of each token's R angles, (B, N, 1, R)
@@ -729,7 +738,8 @@ def _check_normed_layers(model, norms, *, clip=None, rotated=None, rotate_first=
             cos, sin = position_embeddings
             R = cos.shape[-1] // 2
             cos, sin = (cos[..., ::2], sin[..., ::2]) if layout == "repeat" else (cos[..., :R], sin[..., :R])
-        return cos.double().numpy()[:, :, None], sin.double().numpy()[:, :, None]
+        sign = -1 if model.config.model_type in ROPE_REVERSED else 1
+        return cos.double().numpy()[:, :, None], sign * sin.double().numpy()[:, :, None]
 
     def rotate(y, cos, sin):  # the first 2R features of each head, in interleaved pairs or in halves
         R = cos.shape[-1]
@@ -741,10 +751,10 @@ def _check_normed_layers(model, norms, *, clip=None, rotated=None, rotate_first=
             turned = np.concatenate([a * cos - b * sin, b * cos + a * sin], -1)
         return np.concatenate([turned, y[..., 2 * R :]], -1)
 
-    for name, (((_, kwargs, output),)) in calls.items():
+    for name, (((args, kwargs, output),)) in calls.items():
         module = dt.converted_layers(model)[name]
-        x = kwargs["hidden_states"].double().numpy()
-        p, cfg = layer_params("llama", module)
+        x = _call_tokens(args, kwargs)[0].double().numpy()
+        p, cfg = layer_params("llama", module)  # a gated q_proj's query columns (the zoo reads them)
         _, metric = dc.damcha_attention(p, cfg, x, return_metric=True)
         q, k, v = (np.einsum("bte,ehd->bthd", x, p[f"{r}.kernel"]) + p[f"{r}.bias"] for r in ("query", "key", "value"))
         q, k = np.einsum("btha,btad->bthd", metric["q"], q), np.einsum("btha,btad->bthd", metric["k"], k)
@@ -768,9 +778,69 @@ def _check_normed_layers(model, norms, *, clip=None, rotated=None, rotate_first=
         logits = np.where(keep, logits, -np.inf)
         probs = np.exp(logits - logits.max(-1, keepdims=True))
         o = np.einsum("bhnm,bmhd->bnhd", probs / probs.sum(-1, keepdims=True), v)
+        o = o * _output_gate(module, x, o.shape)
+        if hasattr(module, "attn_sub_norm"):  # BitNet's RMS norm of the attention output, all heads together
+            flat, norm = o.reshape(*o.shape[:2], -1), module.attn_sub_norm
+            flat = flat / np.sqrt(np.mean(flat * flat, -1, keepdims=True) + norm.variance_epsilon) * _np(norm.weight)
+            o = flat.reshape(o.shape)
         want = np.einsum("bnhd,hde->bne", o, p["output.kernel"]) + p["output.bias"]
         got = output[0].double().numpy()
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * np.abs(want).max(), err_msg=name)
+
+
+def _check_qwen_vision_call(module, args, kwargs, output, *, name):
+    """A Qwen-VL vision attention call (gates open) against an independent NumPy
+    forward: the fused qkv's q, k and v blocks, the reference's maps, the
+    host's 2D rotation angles (halves of the whole head), a softmax attention
+    inside each image (or window) that ``cu_seqlens`` delimits, the output
+    projection; to 1e-6 (the host rotates in float32)."""
+    x = _call_tokens(args, kwargs)[0].double().numpy()[None]  # (1, N, E): the patches of every image in a row
+    p, cfg = layer_params("vit", module)  # q, k and v blocks of qkv, proj
+    _, metric = dc.damcha_attention(p, cfg, x, return_metric=True)
+    q, k, v = (np.einsum("bte,ehd->bthd", x, p[f"{r}.kernel"]) + p[f"{r}.bias"] for r in ("query", "key", "value"))
+    q, k = np.einsum("btha,btad->bthd", metric["q"], q), np.einsum("btha,btad->bthd", metric["k"], k)
+    cos, sin = (t.double().numpy()[None, :, None] for t in kwargs["position_embeddings"])
+    R = cos.shape[-1] // 2
+    cos, sin = cos[..., :R], sin[..., :R]
+    assert q.shape[-1] == 2 * R
+
+    def rotate(y):
+        a, b = y[..., :R], y[..., R:]
+        return np.concatenate([a * cos - b * sin, b * cos + a * sin], -1)
+
+    q, k = rotate(q), rotate(k)
+    logits = module.scaling * np.einsum("bnhd,bmhd->bhnm", q, k)
+    bounds = kwargs["cu_seqlens"].tolist()
+    segment = np.zeros(x.shape[1], dtype=int)
+    for i, (start, stop) in enumerate(zip(bounds[:-1], bounds[1:])):
+        segment[start:stop] = i
+    assert len(bounds) > 2  # more than one image (or window): the attention is block-diagonal
+    logits = np.where(segment[:, None] == segment[None], logits, -np.inf)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    o = np.einsum("bhnm,bmhd->bnhd", probs / probs.sum(-1, keepdims=True), v)
+    want = (np.einsum("bnhd,hde->bne", o, p["output.kernel"]) + p["output.bias"])[0]
+    got = (output[0] if isinstance(output, tuple) else output).double().numpy()
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * np.abs(want).max(), err_msg=name)
+
+
+def _output_gate(module, x, shape):
+    """The host's gate on the attention output o (B, N, H, d) of tokens x, written
+    out (1 where it has none): Qwen3-Next's sigmoid of the gate features of
+    its q_proj (per head, after its query's d features), LFM3's sigmoid of
+    g_proj (one per head), Laguna's softplus of g_proj (per head or per
+    feature)."""
+    B, N, H, d = shape
+    if module.q_proj.out_features == 2 * H * d:
+        w, b = _np(module.q_proj.weight).reshape(H, 2, d, -1)[:, 1], module.q_proj.bias
+        gate = np.einsum("bte,hde->bthd", x, w) + (0 if b is None else _np(b).reshape(H, 2, d)[:, 1])
+        return 1 / (1 + np.exp(-gate))
+    g_proj = getattr(module, "g_proj", None)
+    if g_proj is None:
+        return np.ones(1)
+    gate = (x @ _np(g_proj.weight).T).reshape(B, N, H, -1)
+    if type(module).__name__ == "LagunaAttention":
+        return np.logaddexp(0, gate)  # softplus
+    return 1 / (1 + np.exp(-gate))
 
 
 def test_olmo2_converts():
@@ -893,13 +963,29 @@ def test_rotary_variants_convert(name):
         assert {m.sliding_window for m in dt.converted_layers(model).values()} == {4, None}
 
 
-def _rms_norms(q, k, module):  # an RMS norm of each head (Qwen3's; HunYuan's under other names)
+def _rms_norms(q, k, module):  # an RMS norm of each head (Qwen3's; HunYuan's and LFM2's under other names)
     def norm(y, mod):
         eps = getattr(mod, "variance_epsilon", getattr(mod, "eps", None))
         return y / np.sqrt(np.mean(y * y, -1, keepdims=True) + eps) * _np(mod.weight)
 
-    if hasattr(module, "query_layernorm"):
-        return norm(q, module.query_layernorm), norm(k, module.key_layernorm)
+    for q_norm, k_norm in (("query_layernorm", "key_layernorm"), ("q_layernorm", "k_layernorm"), ("q_norm", "k_norm")):
+        if hasattr(module, q_norm):
+            return norm(q, getattr(module, q_norm)), norm(k, getattr(module, k_norm))
+    raise AssertionError(type(module).__name__)
+
+
+def _rms_norms_no_weight(q, k, module):  # an RMS norm of each head without a weight (NanoChat's)
+    def norm(y, mod):
+        assert not list(mod.parameters())
+        return y / np.sqrt(np.mean(y * y, -1, keepdims=True) + mod.eps)
+
+    return norm(q, module.q_norm), norm(k, module.k_norm)
+
+
+def _rms_norms_one_plus(q, k, module):  # an RMS norm of each head, y / rms(y) * (1 + w) (Qwen3-Next's)
+    def norm(y, mod):
+        return y / np.sqrt(np.mean(y * y, -1, keepdims=True) + mod.eps) * (1 + _np(mod.weight))
+
     return norm(q, module.q_norm), norm(k, module.k_norm)
 
 
@@ -1030,6 +1116,200 @@ MORE_LLAMA_COPIES = {
         lambda m: False,
     ),
     "ernie4.5-moe": ("Ernie4_5_MoeForCausalLM", "Ernie4_5_MoeConfig", dict(head_dim=8, **_MOE), _no_norms, None),
+    # The second survey (_LLAMA_SURVEY_2, Cohere 2 MoE in _ROTARY, _models_layouts_more.py). Hybrids keep a
+    # layer of their other mixer (Mamba, short convolution, linear attention), which convert() leaves as it is.
+    "minimax": (
+        "MiniMaxForCausalLM",
+        "MiniMaxConfig",
+        dict(head_dim=8, layer_types=["full_attention"] * 2, num_local_experts=2, **_MOE),
+        _no_norms,
+        None,
+    ),
+    # Attention layers 0 and 2 (partial RoPE), a Mamba 2 mixer between.
+    "bamba": (
+        "BambaForCausalLM",
+        "BambaConfig",
+        dict(num_hidden_layers=3, attn_layer_indices=[0, 2], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8),
+        _no_norms,
+        None,
+    ),
+    "lfm2": (
+        "Lfm2ForCausalLM",
+        "Lfm2Config",
+        dict(num_hidden_layers=3, layer_types=["full_attention", "conv", "full_attention"]),
+        _rms_norms,
+        None,
+    ),
+    "lfm2-moe": (
+        "Lfm2MoeForCausalLM",
+        "Lfm2MoeConfig",
+        dict(layer_types=["full_attention"] * 2, num_dense_layers=1, **_MOE),
+        _rms_norms,
+        None,
+    ),
+    # A sigmoid gate per head on the attention output (g_proj), a sliding window.
+    "lfm3": (
+        "Lfm3ForCausalLM",
+        "Lfm3Config",
+        dict(head_dim=8, layer_types=["sliding_attention", "full_attention"], sliding_window=4),
+        _rms_norms,
+        None,
+    ),
+    # Cohere 2's rotation in its sliding-window layer, and in the global layer of a dense MLP (force_rope).
+    "cohere2-moe": (
+        "Cohere2MoeForCausalLM",
+        "Cohere2MoeConfig",
+        dict(head_dim=8, layer_types=["sliding_attention", "full_attention"], sliding_window=4, **_MOE),
+        _no_norms,
+        lambda m: m.sliding_window is not None or m.force_rope,
+    ),
+    "cohere2-moe-dense": (
+        "Cohere2MoeForCausalLM",
+        "Cohere2MoeConfig",
+        dict(
+            head_dim=8,
+            layer_types=["sliding_attention", "full_attention"],
+            sliding_window=4,
+            first_k_dense_replace=2,
+            **_MOE,
+        ),
+        _no_norms,
+        lambda m: m.sliding_window is not None or m.force_rope,
+    ),
+    # Gated queries (q_proj: per head its query, then its output gate), a linear-attention layer first.
+    "qwen3-next": (
+        "Qwen3NextForCausalLM",
+        "Qwen3NextConfig",
+        dict(
+            head_dim=8,
+            num_hidden_layers=3,
+            layer_types=["linear_attention", "full_attention", "full_attention"],
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            shared_expert_intermediate_size=16,
+            **_MOE,
+        ),
+        _rms_norms_one_plus,
+        None,
+    ),
+    "qwen3.5": (
+        "Qwen3_5ForCausalLM",
+        "Qwen3_5TextConfig",
+        dict(head_dim=8, layer_types=["full_attention"] * 2, attention_bias=True),
+        _rms_norms_one_plus,
+        None,
+    ),
+    # As many key heads as query heads: tied maps, one generator for the q_proj and k_proj sites.
+    "qwen3.5-mha": (
+        "Qwen3_5ForCausalLM",
+        "Qwen3_5TextConfig",
+        dict(head_dim=8, num_key_value_heads=4, layer_types=["full_attention"] * 2),
+        _rms_norms_one_plus,
+        None,
+    ),
+    "qwen3.5-moe": (
+        "Qwen3_5MoeForCausalLM",
+        "Qwen3_5MoeTextConfig",
+        dict(head_dim=8, layer_types=["full_attention"] * 2, shared_expert_intermediate_size=16, **_MOE),
+        _rms_norms_one_plus,
+        None,
+    ),
+    # 4 query heads in its sliding-window layer, 8 in its global one (2 key heads); a softplus gate per head.
+    "laguna": (
+        "LagunaForCausalLM",
+        "LagunaConfig",
+        dict(
+            head_dim=8,
+            num_attention_heads_per_layer=[4, 8],
+            layer_types=["sliding_attention", "full_attention"],
+            sliding_window=4,
+            **_MOE,
+        ),
+        _rms_norms,
+        None,
+    ),
+    "laguna-gate-per-feature": (
+        "LagunaForCausalLM",
+        "LagunaConfig",
+        dict(head_dim=8, layer_types=["full_attention"] * 2, gating="per-element", **_MOE),
+        _rms_norms,
+        None,
+    ),
+    # Two hybrid layers (a Mamba 2 layer and a shared transformer block each), their blocks' weights tied; no RoPE.
+    "zamba2": (
+        "Zamba2ForCausalLM",
+        "Zamba2Config",
+        dict(layers_block_type=["hybrid"] * 2, mamba_d_state=8, mamba_headdim=8, n_mamba_heads=8, chunk_size=8),
+        _no_norms,
+        lambda m: False,
+    ),
+    "zamba": (
+        "ZambaForCausalLM",
+        "ZambaConfig",
+        dict(layers_block_type=["hybrid"] * 2, mamba_d_state=8, n_mamba_heads=2),
+        _no_norms,
+        lambda m: False,
+    ),
+    "zamba2-rope": (
+        "Zamba2ForCausalLM",
+        "Zamba2Config",
+        dict(
+            layers_block_type=["hybrid"] * 2,
+            use_mem_rope=True,
+            mamba_d_state=8,
+            mamba_headdim=8,
+            n_mamba_heads=8,
+            chunk_size=8,
+        ),
+        _no_norms,
+        None,
+    ),
+    # Attention layers (no positions) around a Mamba 2 layer.
+    "nemotron-h": (
+        "NemotronHForCausalLM",
+        "NemotronHConfig",
+        dict(
+            num_hidden_layers=3,
+            layers_block_type=["attention", "mamba", "attention"],
+            mamba_num_heads=4,
+            mamba_head_dim=16,
+            ssm_state_size=8,
+            n_groups=1,
+            chunk_size=8,
+        ),
+        _no_norms,
+        lambda m: False,
+    ),
+    "apertus1.5": ("Apertus1p5TextForCausalLM", "Apertus1p5TextConfig", {}, _rms_norms, None),
+    "exaone-moe": (
+        "ExaoneMoeForCausalLM",
+        "ExaoneMoeConfig",
+        dict(head_dim=8, sliding_window=16, layer_types=["sliding_attention", "full_attention"], **_MOE),
+        _rms_norms,
+        lambda module: module.is_sliding,
+    ),
+    "hy-v3": ("HYV3ForCausalLM", "HYV3Config", dict(head_dim=8, **_MOE), _rms_norms, None),
+    "kolibri1": (
+        "Kolibri1ForCausalLM",
+        "Kolibri1Config",
+        dict(head_dim=8, sliding_window=16, layer_types=["sliding_attention", "full_attention"], **_MOE),
+        _rms_norms,
+        lambda module: module.is_sliding,
+    ),
+    # Rotates in its sliding-window layers only (its global layers get no positions).
+    "lara-mini": (
+        "LaraMiniForCausalLM",
+        "LaraMiniConfig",
+        dict(head_dim=8, sliding_window=4, layer_types=["sliding_attention", "full_attention"], **_MOE),
+        _rms_norms,
+        lambda module: module.sliding_window is not None,
+    ),
+    # Rotates, then normalises each head (an RMS norm without a weight).
+    "nanochat": ("NanoChatForCausalLM", "NanoChatConfig", {}, _rms_norms_no_weight, None),
+    # An RMS norm of the attention output before o_proj.
+    "bitnet": ("BitNetForCausalLM", "BitNetConfig", {}, _no_norms, None),
 }
 
 
@@ -1040,10 +1320,12 @@ def _more_llama_copy(name):
 
 @pytest.mark.parametrize("name", list(MORE_LLAMA_COPIES))
 def test_more_llama_copies_convert(name):
-    """Both attention layers converted (GQA: separate maps), exact at init bit for
-    bit (float64, left-padded batch), and each layer (gates open, random norm
-    weights) equal to the reference with the host's rotation, or to an
-    independent NumPy forward with its norms, windows and unrotated layers."""
+    """Both attention layers converted (GQA: separate maps; MHA: tied), exact at
+    init bit for bit (float64, left-padded batch), and each layer (gates open,
+    random norm weights) equal to the reference with the host's rotation, or
+    to an independent NumPy forward with its norms, windows, unrotated layers
+    and output gates (Qwen3-Next's from its q_proj, LFM3's and Laguna's
+    g_proj), hybrids' other mixers left as they are."""
     model = _more_llama_copy(name)
     names = sorted(n for n, m in model.named_modules() if type(m).__name__.endswith("Attention"))
     assert len(names) == 2
@@ -1054,7 +1336,8 @@ def test_more_llama_copies_convert(name):
         after = model(**kw).logits
     layers = dt.converted_layers(model)
     assert sorted(layers) == names
-    assert all(m.damcha.config.metric_sides == ("q", "k") for m in layers.values())
+    sides = ("qk",) if name.endswith("-mha") else ("q", "k")
+    assert all(m.damcha.config.metric_sides == sides for m in layers.values())
     assert same(after, before)
     _, _, _, norms, rotated = MORE_LLAMA_COPIES[name]
     if norms is None:
@@ -1062,10 +1345,307 @@ def test_more_llama_copies_convert(name):
         _check_layers_against_reference("llama", model=model, call=lambda m: m(input_ids=ids))
         return
     _randomise_qk_norms(model)
-    rotate_first = name.startswith("hunyuan")  # HunYuan normalises the rotated heads
+    rotate_first = name.startswith(("hunyuan", "nanochat"))  # they normalise the rotated heads
     _check_normed_layers(open_gates(model), norms, rotated=rotated, rotate_first=rotate_first)
-    if rotated is not None and name in ("exaone4", "smollm3"):  # one layer rotates, the other not
+    if rotated is not None and name in ("exaone4", "smollm3", "exaone-moe", "cohere2-moe", "kolibri1", "lara-mini"):
         assert sorted(bool(rotated(m)) for m in layers.values()) == [False, True]
+    # The variants these cases are for: each is there.
+    if name == "cohere2-moe-dense":  # the global layer rotates too (force_rope)
+        assert all(rotated(m) for m in layers.values()) and any(m.sliding_window is None for m in layers.values())
+    if name.startswith("laguna"):
+        heads = sorted(m.damcha.config.num_heads for m in layers.values())
+        assert heads == ([4, 8] if name == "laguna" else [4, 4])
+        assert {m.gate_per_head for m in layers.values()} == {name == "laguna"}
+    if name.startswith(("qwen3-next", "qwen3.5")):  # q_proj: H runs of a query head and its gate
+        assert all(m.damcha.layout.sites[0].groups == 4 for m in layers.values())
+
+
+# Qwen's vision-language models (transformers-llama's mrope language models, transformers-gated-query's
+# Qwen3.5, transformers-qwen-vision's towers): name -> (model, config, text config, vision config, q/k
+# norms). Text as the zoo's decoders (head_dim 8, multimodal RoPE sections 2 + 1 + 1 angles), a vision
+# tower of 2 blocks over 2x2 patches merged 2x2 (Qwen2.5-VL's first block attends in windows of 2x2
+# merged patches, its second over each whole image).
+_VL_TEXT = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=64,
+    initializer_range=0.2,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]},
+)
+_VL_VISION = dict(depth=2, num_heads=4, patch_size=2, spatial_merge_size=2, temporal_patch_size=2)
+_VL_VISION.update(hidden_size=32, intermediate_size=48, out_hidden_size=32, initializer_range=0.2)
+_QWEN3_VISION = dict(_VL_VISION, num_position_embeddings=16, deepstack_visual_indexes=[0])
+_INTERLEAVED = {"rope_parameters": {**_VL_TEXT["rope_parameters"], "mrope_interleaved": True}}
+_QWEN3_5_TEXT = dict(layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2, **_INTERLEAVED)
+_QWEN3_5_TEXT.update(linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8)
+_VL_MOE = dict(num_experts=2, num_experts_per_tok=1, moe_intermediate_size=16)
+QWEN_VL = {
+    "qwen2-vl": (
+        "Qwen2VLForConditionalGeneration",
+        "Qwen2VLConfig",
+        {},
+        dict(_VL_VISION, embed_dim=32, mlp_ratio=2),
+        _no_norms,
+    ),
+    "qwen2.5-vl": (
+        "Qwen2_5_VLForConditionalGeneration",
+        "Qwen2_5_VLConfig",
+        {},
+        dict(_VL_VISION, window_size=4, fullatt_block_indexes=[1]),
+        _no_norms,
+    ),
+    "qwen3-vl": ("Qwen3VLForConditionalGeneration", "Qwen3VLConfig", _INTERLEAVED, _QWEN3_VISION, _rms_norms),
+    "qwen3-vl-moe": (
+        "Qwen3VLMoeForConditionalGeneration",
+        "Qwen3VLMoeConfig",
+        dict(_INTERLEAVED, **_VL_MOE),
+        _QWEN3_VISION,
+        _rms_norms,
+    ),
+    "qwen3.5": ("Qwen3_5ForConditionalGeneration", "Qwen3_5Config", _QWEN3_5_TEXT, _QWEN3_VISION, _rms_norms_one_plus),
+    "qwen3.5-moe": (
+        "Qwen3_5MoeForConditionalGeneration",
+        "Qwen3_5MoeConfig",
+        dict(_QWEN3_5_TEXT, shared_expert_intermediate_size=16, **_VL_MOE),
+        _QWEN3_VISION,
+        _rms_norms_one_plus,
+    ),
+}
+# Special tokens of the tiny vocabulary: image, video, vision start and end.
+_VL_IDS = dict(image_token_id=60, video_token_id=59, vision_start_token_id=58, vision_end_token_id=57)
+
+
+def _qwen_vl(name):
+    model, config, text, vision, _ = QWEN_VL[name]
+    torch.manual_seed(0)
+    cfg = getattr(transformers, config)(
+        text_config={**_VL_TEXT, **text}, vision_config=vision, experts_implementation="eager", **_VL_IDS
+    )
+    return getattr(transformers, model)(cfg).to(torch.float64).eval()
+
+
+def _qwen_vl_inputs(padding):
+    """Two prompts of 12 tokens, each with an image between its vision start and end
+    tokens: a 4x4-patch image (4 merged tokens) after two tokens that are padding
+    in row 0 if ``padding``, a 2x4-patch one (2 tokens) in row 1."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.tensor([[1, 2, 58, *[60] * 4, 57, 5, 6, 7, 8], [3, 4, 58, 60, 60, 57, 9, 10, 11, 12, 13, 14]])
+    mask = torch.ones_like(ids)
+    if padding:
+        ids[0, :2], mask[0, :2] = 0, 0
+    # 16 + 8 patches of 3 channels x 2 frames x 2 x 2 pixels.
+    pixels = torch.randn(24, 24, generator=g, dtype=torch.float64)
+    grid = torch.tensor([[1, 4, 4], [1, 2, 4]])
+    return dict(
+        input_ids=ids,
+        attention_mask=mask,
+        pixel_values=pixels,
+        image_grid_thw=grid,
+        mm_token_type_ids=(ids == 60).int(),
+    )
+
+
+@pytest.mark.parametrize("name", list(QWEN_VL))
+def test_qwen_vl_family_converts(name):
+    """Every attention layer of the vision tower (tied maps on its fused qkv) and
+    of the language model (separate maps; Qwen3.5's on its gated q_proj)
+    converted, exact at init bit for bit on a left-padded batch of images and
+    text; with the gates open (random q/k norm weights) each vision layer
+    equal to a NumPy forward with the host's 2D angles inside each image or
+    window, each language layer to one with the host's multimodal RoPE angles
+    (image tokens at their 3D positions)."""
+    model = _qwen_vl(name)
+    names = sorted(n for n, m in model.named_modules() if type(m).__name__.endswith("Attention"))
+    kw = _qwen_vl_inputs(padding=True)
+    with torch.no_grad():
+        before = model(**kw).logits
+        dt.convert(model)
+        after = model(**kw).logits
+    layers = dt.converted_layers(model)
+    assert sorted(layers) == names and len(names) == (3 if name.startswith("qwen3.5") else 4)
+    sides = {n: m.damcha.config.metric_sides for n, m in layers.items()}
+    assert sides == {n: ("qk",) if ".visual." in n else ("q", "k") for n in names}
+    assert same(after, before)
+    _randomise_qk_norms(model)
+    kw = _qwen_vl_inputs(padding=False)
+    _check_normed_layers(open_gates(model), QWEN_VL[name][4], call=lambda m: m(**kw))
+
+
+# Copies of CLIP's and SigLIP's attention (transformers-clip): name -> (model, config, what it runs on,
+# the zoo's layout whose reference each tower's layers follow). CLIPSeg: its text tower (causal), its
+# vision tower and its decoder layer (neither causal), each checked by itself.
+_CLIP_TEXT = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4)
+_CLIP_TEXT.update(max_position_embeddings=64, bos_token_id=1, eos_token_id=2)
+_CLIP_VISION = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4)
+CLIP_COPIES = {
+    "metaclip2-text": ("MetaClip2TextModel", "MetaClip2TextConfig", _CLIP_TEXT, "text"),
+    "metaclip2-vision": (
+        "MetaClip2VisionModel",
+        "MetaClip2VisionConfig",
+        dict(_CLIP_VISION, image_size=16, patch_size=8),
+        "image",
+    ),
+    "siglip2-text": ("Siglip2TextModel", "Siglip2TextConfig", _CLIP_TEXT, "text"),
+    # Variable resolution: 16 patches of 4x4 pixels per image (row 0's last 4 are padding).
+    "siglip2-vision": (
+        "Siglip2VisionModel",
+        "Siglip2VisionConfig",
+        dict(_CLIP_VISION, patch_size=4, num_patches=16),
+        "patches",
+    ),
+    "clipseg": (
+        "CLIPSegForImageSegmentation",
+        "CLIPSegConfig",
+        dict(
+            text_config=_CLIP_TEXT,
+            vision_config=dict(_CLIP_VISION, image_size=16, patch_size=8),
+            projection_dim=16,
+            reduce_dim=16,
+            extract_layers=[1],
+            decoder_num_attention_heads=4,
+            decoder_intermediate_size=32,
+        ),
+        "text and image",
+    ),
+}
+
+
+def _clip_copy_inputs(name, padding):
+    """Keyword inputs of a ``CLIP_COPIES`` model: 7 tokens (row 0 left-padded by two if
+    ``padding``), 16x16 images, or 16 patches (row 0's last 4 padding)."""
+    g = torch.Generator().manual_seed(1)
+    kw = {}
+    runs_on = CLIP_COPIES[name][3]
+    if "text" in runs_on:
+        kw["input_ids"] = torch.randint(1, VOCAB, (2, 7), generator=g)
+        kw["attention_mask"] = torch.ones(2, 7, dtype=torch.long)
+        if padding:
+            kw["attention_mask"][0, :2] = 0
+    if "image" in runs_on:
+        kw["pixel_values"] = torch.randn(2, 3, 16, 16, generator=g, dtype=torch.float64)
+    if runs_on == "patches":
+        kw["pixel_values"] = torch.randn(2, 16, 3 * 4 * 4, generator=g, dtype=torch.float64)
+        kw["pixel_attention_mask"] = torch.ones(2, 16, dtype=torch.long)
+        if padding:
+            kw["pixel_attention_mask"][0, -4:] = 0
+        kw["spatial_shapes"] = torch.tensor([[4, 4], [4, 4]])
+    return kw
+
+
+def _clip_copy(name):
+    model, config, sizes, _ = CLIP_COPIES[name]
+    torch.manual_seed(0)
+    return getattr(transformers, model)(getattr(transformers, config)(**sizes)).to(torch.float64).eval()
+
+
+@pytest.mark.parametrize("name", list(CLIP_COPIES))
+def test_clip_and_siglip_copies_convert(name):
+    """Every attention layer converted (tied maps; SigLIP 2's pooling head's
+    nn.MultiheadAttention replaced), exact at init bit for bit on a padded batch,
+    and each layer (gates open) equal to the reference: causal in the text
+    towers of CLIP's kind, not in SigLIP's, vision towers and CLIPSeg's decoder."""
+    model = _clip_copy(name)
+    kw = _clip_copy_inputs(name, padding=True)
+
+    def hidden(out):
+        return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+    with torch.no_grad():
+        before = hidden(model(**kw))
+        dt.convert(model)
+        after = hidden(model(**kw))
+    layers = dt.converted_layers(model)
+    assert sorted(layers) == sorted(n for n, m in model.named_modules() if type(m).__name__.endswith("Attention"))
+    assert all(
+        m.damcha.config.metric_sides == ("qk",) for m in layers.values() if not isinstance(m, dt.DamchaAttention)
+    )
+    assert len(layers) == {"clipseg": 5, "siglip2-vision": 3}.get(name, 2)
+    assert same(after, before)
+    kw = _clip_copy_inputs(name, padding=False)
+    if name == "clipseg":
+        towers = [("clip-text", model.clip.text_model), ("clip-vision", model.clip.vision_model)]
+        towers.append(("clip-vision", model.decoder))
+    else:
+        towers = [("clip-text" if name == "metaclip2-text" else "siglip", model)]
+    for arch, tower in towers:
+        _check_layers_against_reference(arch, model=tower, call=lambda m: model(**kw))
+
+
+def test_gated_query_maps_train_alike_with_and_without_recompute():
+    """The maps of Qwen3.5's gated q_proj (a query-only site of H runs of a
+    query head and its gate, which the fused paths leave to the general one)
+    train: a loss's gradients with recompute equal those without, and every
+    gate gets one."""
+    grads = []
+    for recompute in (True, False):
+        model = open_gates(dt.convert(_more_llama_copy("qwen3.5"), recompute=recompute)).train()
+        kw = inputs("llama", torch.float64)
+        model(**kw, labels=kw["input_ids"]).loss.backward()
+        gates = {n: p.grad for n, p in model.named_parameters() if ".gates." in n}
+        assert len(gates) == 4 and all(g is not None and g.abs().max() > 0 for g in gates.values())
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for n in grads[0]:
+        torch.testing.assert_close(grads[0][n], grads[1][n], rtol=0, atol=1e-12, msg=n)
+
+
+@pytest.mark.parametrize("name", ["zamba", "zamba2"])
+def test_zamba_blocks_with_tied_weights_keep_maps_of_their_own(tmp_path, name):
+    """Zamba's hybrid layers each hold a transformer block whose host weights are
+    tied to the first's (_tied_weights_keys): each block's attention gets maps
+    of its own, which save_pretrained and from_pretrained keep apart (the tie
+    does not reach them), the converted model loading back bit for bit."""
+    model = open_gates(dt.convert(_more_llama_copy(name)))
+    first, second = dt.converted_layers(model).values()
+    assert first.q_proj.weight is second.q_proj.weight and first.damcha is not second.damcha
+    model.save_pretrained(tmp_path)
+    loaded = dt.from_pretrained(type(model), tmp_path, dtype=torch.float64).eval()
+    first, second = dt.converted_layers(loaded).values()
+    assert first.q_proj.weight is second.q_proj.weight
+    assert not torch.equal(first.damcha.gates["q"], second.damcha.gates["q"])
+    kw = inputs("llama")
+    with torch.no_grad():
+        assert torch.equal(loaded(**kw).logits, model(**kw).logits)
+
+
+def test_minimax_lightning_attention_is_refused_by_name():
+    """MiniMax's lightning-attention layers are linear attention (no softmax of q k^T)
+    and no layout convert() knows: a model with one is refused, naming it, and
+    nothing is converted (a MiniMax of full-attention layers only converts:
+    test_more_llama_copies_convert)."""
+    model = _tiny_lm(
+        "MiniMaxForCausalLM",
+        "MiniMaxConfig",
+        torch.float32,
+        **dict(MORE_LLAMA_COPIES["minimax"][2], layer_types=["linear_attention", "full_attention"]),
+    )
+    pattern = r"unknown layouts: model\.layers\.0\.self_attn \(transformers\.\S+\.MiniMaxLightningAttention\)"
+    with pytest.raises(dc.DamchaValueError, match=pattern):
+        dt.convert(model)
+    assert not dt.converted_layers(model)
+
+
+def test_zamba2_with_shared_attention_adapters_is_refused_by_name():
+    """Zamba2's use_shared_attention_adapter adds a low-rank adapter of the tokens to
+    the queries and keys after q_proj and k_proj: refused, naming the layer and
+    the flag, and nothing is converted."""
+    extra = dict(MORE_LLAMA_COPIES["zamba2"][2], use_shared_attention_adapter=True, adapter_rank=4)
+    model = _tiny_lm("Zamba2ForCausalLM", "Zamba2Config", torch.float32, **extra)
+    pattern = (
+        r"Cannot convert layer `model\.layers\.0\.shared_transformer\.self_attn` \(transformers-zamba\): "
+        r"Invalid argument `config\.use_shared_attention_adapter`: expected False"
+    )
+    with pytest.raises(dc.DamchaValueError, match=pattern):
+        dt.convert(model)
+    assert not dt.converted_layers(model)
 
 
 def _biogpt(dtype):

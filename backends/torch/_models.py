@@ -85,7 +85,7 @@ def supported_layouts() -> list[str]:
 
 
 def _load_builtin_adapters() -> None:
-    from . import _models_layouts, _models_layouts_qkv  # noqa: F401  (register on first import)
+    from . import _models_layouts, _models_layouts_more, _models_layouts_qkv  # noqa: F401  (register on first import)
 
 
 # ---------------------------------------------------------------- the maps

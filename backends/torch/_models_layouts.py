@@ -116,13 +116,55 @@ _LLAMA_MORE = frozenset(
     }
 )
 
+# A second survey (transformers 5.24), each class read against the one it copies: MiniMax's full-attention
+# layers are Mistral's (its lightning-attention layers are linear attention, without softmax: refused),
+# Bamba's attention layers Llama's with a partial rotation (its Mamba mixers are no attention);
+# Qwen2-VL's and Qwen2.5-VL's language models Qwen2's, Qwen3-VL's (dense and MoE) Qwen3's, all four
+# under multimodal RoPE (mrope: the sections of each head's angles read the temporal, height and width
+# positions of its token; text tokens have the three equal, ordinary RoPE), which still turns every
+# head of a token alike; LFM2's (dense and MoE) add per-head q/k RMS norms (q_layernorm, k_layernorm),
+# LFM3's Qwen3's with a float32 rotation, a sliding window and a sigmoid gate per head on the
+# attention output (g_proj of the tokens, after the attention); Apertus 1.5's text model's and HY-V3's
+# are Apertus's line for line, EXAONE-MoE's and Kolibri 1's EXAONE 4's; Nemotron-H's attention layers
+# Jamba's (no positions); LaraMini's is Qwen3's rotating only where its model gives it positions (its
+# sliding-window layers); NanoChat's rotates each head (by minus the angles) and then normalises it (an RMS
+# norm without weights); BitNet's is Llama's with an RMS norm of the attention output before o_proj (its
+# checkpoints' quantized BitLinear projections untested). Each is tested.
+_LLAMA_SURVEY_2 = frozenset(
+    {
+        "MiniMaxAttention",
+        "BambaAttention",
+        "Qwen2VLAttention",
+        "Qwen2_5_VLAttention",
+        "Qwen3VLTextAttention",
+        "Qwen3VLMoeTextAttention",
+        "Lfm2Attention",
+        "Lfm2MoeAttention",
+        "Lfm3Attention",
+        "Apertus1p5TextAttention",
+        "ExaoneMoeAttention",
+        "HYV3Attention",
+        "NemotronHAttention",
+        "Kolibri1Attention",
+        "LaraMiniAttention",
+        "NanoChatAttention",
+        "BitNetAttention",
+    }
+)
+
 
 def _llama_layout(m: Any) -> AttentionLayout:
-    d = int(m.head_dim)
     cfg = m.config
+    H = int(cfg.num_attention_heads)
+    return _gqa_layout(m, H, int(getattr(cfg, "num_key_value_heads", None) or H))
+
+
+def _gqa_layout(m: Any, H: int, G: int) -> AttentionLayout:
+    """Maps on ``q_proj`` (H heads of ``m.head_dim``) and ``k_proj`` (G heads), each checked against its size."""
+    d = int(m.head_dim)
     (eq, q_out), (ek, k_out) = _features(m.q_proj), _features(m.k_proj)
-    H = _heads("q_proj", q_out, d, int(cfg.num_attention_heads))
-    G = _heads("k_proj", k_out, d, int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads))
+    _heads("q_proj", q_out, d, H)
+    _heads("k_proj", k_out, d, G)
     return AttentionLayout(H, G, d, eq, ek, (ProjectionSite("q_proj", q=0), ProjectionSite("k_proj", k=0)))
 
 
@@ -137,7 +179,8 @@ def _llama_layout(m: Any) -> AttentionLayout:
 # of them in interleaved pairs; GLM's and GLM-4's the first partial_rotary_factor in interleaved
 # pairs, GLM-4-MoE's in halves (its optional per-head q/k RMS norms before), ERNIE 4.5's (dense
 # and MoE) all of them in interleaved pairs, in float32; Nemotron's its first partial_rotary_factor
-# in halves. Phi's optional q/k LayerNorm (one weight
+# in halves; Cohere 2 MoE's as Cohere 2's, and in the layers its force_rope names (dense MLP layers under
+# prefix_dense_sliding_window_pattern 1) whatever their window. Phi's optional q/k LayerNorm (one weight
 # for all heads), StableLM's (a LayerNorm per head) and Cohere's (weights per head and feature) normalise the
 # mapped heads, before the rotation. OLMo's clamps q, k and v in place to +-clip_qkv when that is
 # set: the mapped q and k then, so the bound holds for what enters attention, as in the host
@@ -159,6 +202,7 @@ _ROTARY = frozenset(
         "Ernie4_5Attention",
         "Ernie4_5_MoeAttention",
         "NemotronAttention",
+        "Cohere2MoeAttention",
     }
 )
 
@@ -265,7 +309,10 @@ def _vit_layout(m: Any) -> AttentionLayout:
 # (a causal decoder with a KV cache; OPT scales q_proj's output, after the map).
 # (BART's, its copies' and Whisper's attention classes have this layout too, but
 # also serve as cross-attention: their own adapter below.)
-_OUT_PROJ = frozenset({"CLIPAttention", "SiglipAttention", "OPTAttention"})
+# MetaCLIP 2's and CLIPSeg's are CLIP's line for line (CLIPSeg's decoder layers too), SigLIP 2's SigLIP's.
+_OUT_PROJ = frozenset(
+    {"CLIPAttention", "SiglipAttention", "OPTAttention", "MetaClip2Attention", "CLIPSegAttention", "Siglip2Attention"}
+)
 
 
 def _out_proj_layout(m: Any) -> AttentionLayout:
@@ -472,15 +519,17 @@ for _adapter in (
         "transformers Llama/Mistral/Ministral/Mixtral/Qwen2/Qwen2-MoE/Qwen3/Gemma/Gemma2/Gemma3/Granite/"
         "GraniteMoe/Starcoder2/OLMo2/PhiMoE/Arcee/Jais2 attention and their copies in Aria (text), Emu3, Solar Open, "
         "CWM, Seed-OSS, GraniteMoeShared, HyperCLOVAX, VaultGemma, Qwen3-MoE, Mellum, dots.llm1, HunYuan (dense, MoE), "
-        "Apertus, EXAONE 4, OLMo3, FlexOlmo, OLMoE, SmolLM3, GraniteMoeHybrid and Jamba (q_proj/k_proj; MHA, GQA, MQA; per-head q/k norms, "
-        "OLMo2's over all heads; NoPE layers)",
-        lambda m: _is(m, "transformers", _LLAMA | _LLAMA_MORE),
+        "Apertus, EXAONE 4, OLMo3, FlexOlmo, OLMoE, SmolLM3, GraniteMoeHybrid, Jamba, MiniMax (full-attention "
+        "layers), Bamba, Qwen2-VL, Qwen2.5-VL and Qwen3-VL (dense, MoE) language models (multimodal RoPE), LFM2 "
+        "(dense, MoE), LFM3, Apertus 1.5 (text), EXAONE-MoE, HY-V3, Nemotron-H, Kolibri 1, LaraMini, NanoChat and "
+        "BitNet (q_proj/k_proj; MHA, GQA, MQA; per-head q/k norms, OLMo2's over all heads; NoPE layers; output gates)",
+        lambda m: _is(m, "transformers", _LLAMA | _LLAMA_MORE | _LLAMA_SURVEY_2),
         _llama_layout,
     ),
     ModelAdapter(
         "transformers-rotary",
-        "transformers Phi (phi-1/phi-2), StableLM, GPT-J, Cohere, Cohere2, Helium, OLMo, GLM, GLM-4, GLM-4-MoE and "
-        "ERNIE 4.5 (dense, MoE) and Nemotron attention (q_proj/k_proj; "
+        "transformers Phi (phi-1/phi-2), StableLM, GPT-J, Cohere, Cohere2, Cohere2-MoE, Helium, OLMo, GLM, GLM-4, "
+        "GLM-4-MoE, ERNIE 4.5 (dense, MoE) and Nemotron attention (q_proj/k_proj; "
         "MHA, GQA; partial or interleaved RoPE, per-head q/k norms and OLMo's clip_qkv after the maps)",
         lambda m: _is(m, "transformers", _ROTARY),
         _rotary_layout,
@@ -518,7 +567,8 @@ for _adapter in (
     ),
     ModelAdapter(
         "transformers-clip",
-        "transformers CLIP (text and vision), SigLIP and OPT self-attention (q_proj/k_proj/v_proj/out_proj)",
+        "transformers CLIP (text and vision), MetaCLIP 2, CLIPSeg, SigLIP, SigLIP 2 and OPT self-attention "
+        "(q_proj/k_proj/v_proj/out_proj)",
         lambda m: _is(m, "transformers", _OUT_PROJ),
         _out_proj_layout,
     ),
