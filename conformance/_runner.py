@@ -833,16 +833,16 @@ def plan_checks(
     for dtype in asked:
         tolerance(dtype)  # unknown dtype names fail before any work
 
-    def chosen(flag: Any, every: tuple[Any, ...], known: tuple[Any, ...], argument: str) -> list[Any]:
+    def selected(flag: Any, every: tuple[Any, ...], known: tuple[Any, ...], argument: str) -> list[Any]:
         # True: every case of its kind; False/None: none; else cases or their names.
         if flag is True:
             return list(every)
         return [] if flag is False or flag is None else resolve_cases(flag, known, argument)
 
-    error_cases = chosen(errors, ERROR_CATALOGUE, ERROR_CATALOGUE, "errors")
-    decode_cases = chosen(decoding, DECODE_CATALOGUE, DECODE_CATALOGUE, "decoding")
-    weight_cases = chosen(weights, WEIGHTS_CASES, CATALOGUE, "weights")
-    penalty_cases = chosen(penalty, PENALTY_CASES, CATALOGUE, "penalty")
+    error_cases = selected(errors, ERROR_CATALOGUE, ERROR_CATALOGUE, "errors")
+    decode_cases = selected(decoding, DECODE_CATALOGUE, DECODE_CATALOGUE, "decoding")
+    weight_cases = selected(weights, WEIGHTS_CASES, CATALOGUE, "weights")
+    penalty_cases = selected(penalty, PENALTY_CASES, CATALOGUE, "penalty")
     gaps: list[tuple[str, str]] = []
     subset: list[tuple[str, str]] = []
     run = [d for d in asked if d in declared]

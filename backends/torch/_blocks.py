@@ -148,9 +148,9 @@ def _check_block_shapes(block: nn.Module, given: Mapping[str, Any]) -> None:
     the attention layers name their own arguments (``query``, ``attn_mask``).
     The layouts are the attention layer's (a 2-D, (B*H, N, M) or broadcastable
     (B, H, N, M) attention mask; (B, M) padding, (M,) unbatched)."""
-    layer = block.layers[0] if isinstance(block, (nn.TransformerEncoder, nn.TransformerDecoder)) else block
-    attention = layer.self_attn
-    E, H, batch_first = attention.embed_dim, attention.num_heads, attention.batch_first
+    layer: Any = block.layers[0] if isinstance(block, (nn.TransformerEncoder, nn.TransformerDecoder)) else block
+    attention: DamchaAttention = layer.self_attn
+    E, H, batch_first = int(attention.embed_dim), int(attention.num_heads), bool(attention.batch_first)
     tokens: dict[str, Tensor] = {}
     for name in ("src", "tgt", "memory"):
         t = given.get(name)
