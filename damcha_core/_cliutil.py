@@ -33,6 +33,7 @@ import contextlib
 import errno
 import importlib.util
 import os
+import re
 import shutil
 import stat
 import sys
@@ -95,6 +96,12 @@ def run_main(main: Callable[[Any], int], argv: Any = None) -> int:
 class ArgumentParser(argparse.ArgumentParser):
     """``argparse.ArgumentParser`` whose errors are one line (plus a pointer
     to ``--help``) and exit 2, like ``usage_error``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # argparse reads "-1e-3" as an unknown option (its rule knows "-1" and "-0.5", not exponents), so
+        # `--lrs -1e-3` said "expected at least one argument" instead of the value's own error.
+        self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 
     def error(self, message: str) -> NoReturn:
         # argparse words it "argument --seed: invalid int value: 'x'": the flag comes first.

@@ -346,11 +346,13 @@ def load_params(path: str | os.PathLike[str]) -> tuple[dict[str, np.ndarray], Da
     metadata = header.get("__metadata__") or {}
     if not isinstance(metadata, dict) or metadata.get("format") != FORMAT or "damcha_config" not in metadata:
         keys = sorted(metadata) if isinstance(metadata, dict) else describe(metadata)
+        # The format it does hold says what the file is (transformers' "pt", another version's).
+        given = f", format={metadata['format']!r}" if isinstance(metadata, dict) and "format" in metadata else ""
         raise DamchaValueError(
             invalid_argument(
                 "path",
                 f"a DAMCHA parameter file, whose metadata has format={FORMAT!r} and damcha_config",
-                f"path={str(path)!r}, metadata keys={keys}",
+                f"path={str(path)!r}, metadata keys={keys}{given}",
             )
         )
     if not isinstance(metadata["damcha_config"], str):  # safetensors metadata values are strings

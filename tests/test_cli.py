@@ -133,6 +133,17 @@ def test_argument_parser_errors_are_one_line_naming_the_flag(capsys):
         assert line.startswith("damcha test: error: --seed: ") and says in line
 
 
+def test_negative_numbers_in_exponent_notation_are_values_not_options(capsys):
+    # argparse's own rule knows "-1" and "-0.5": "--lrs -1e-3" said "expected at least one argument".
+    p = cu.ArgumentParser(prog="damcha test")
+    p.add_argument("--lrs", type=float, nargs="+")
+    p.add_argument("--seed", type=int)
+    assert p.parse_args(["--lrs", "-1e-3", "2E+2", "-.5", "-3.", "--seed", "-2"]).lrs == [-1e-3, 200.0, -0.5, -3.0]
+    with pytest.raises(SystemExit):
+        p.parse_args(["--lrs", "1", "-e3"])  # not a number: still an (unknown) option
+    assert "unrecognized arguments: -e3" in capsys.readouterr().err
+
+
 def test_argument_parser_names_an_unknown_option_before_a_missing_argument(capsys):
     """argparse checks the required arguments first: ``--bogus`` alone was reported as
     "the following arguments are required: task, --out"."""

@@ -82,6 +82,10 @@ def test_load_rejects_files_without_damcha_metadata(tmp_path):
         dc.DamchaValueError, match=r"Invalid argument `path`: expected a DAMCHA parameter file.*metadata keys=\[\]"
     ):
         dc.load_params(path)
+    # A file of another format (transformers writes format="pt") says which one it holds.
+    save_file({"x": np.zeros(2)}, str(path), metadata={"format": "pt"})
+    with pytest.raises(dc.DamchaValueError, match=r"metadata keys=\['format'\], format='pt'$"):
+        dc.load_params(path)
 
 
 def test_save_rejects_params_that_do_not_match_config(tmp_path):
