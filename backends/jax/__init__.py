@@ -16,7 +16,7 @@ from ._blocks import DamchaEncoder, DamchaEncoderBlock
 from ._cache import decode_step, init_cache
 from ._functional import coefficients, damcha_attention, metric_penalty, transformed_qkv
 from ._generator import CrossHeadMap, MetricGenerator, make_metric_generators
-from ._layer import DamchaAttention, attention_config
+from ._layer import DamchaAttention, attention_config, replace_mha
 
 __all__ = [
     "CrossHeadMap",
@@ -31,6 +31,7 @@ __all__ = [
     "init_cache",
     "make_metric_generators",
     "metric_penalty",
+    "replace_mha",
     "transformed_qkv",
 ]
 

@@ -94,3 +94,117 @@ def from_mha(cls: Any, mha: Any, *, metric: str, metric_rank: int | None, coupli
             assert source_ln.scale is not None and target_ln.scale is not None
             target_ln.scale[...] = source_ln.scale[...]
     return layer
+
+
+# --------------------------------------------------------------- whole models
+
+_REPLACE_KEYS = ("metric", "metric_rank", "coupling")
+
+
+def _children(node: Any) -> list[tuple[Any, Any]]:
+    """(key, child) of a graph node whose children may hold attention layers:
+    a Module's attributes, a list's or tuple's items, a dict's values."""
+    # The containers first: nnx.List and nnx.Dict are Modules too, whose attributes are their items.
+    if isinstance(node, (list, tuple, nnx.List)):
+        return list(enumerate(node))
+    if isinstance(node, (dict, nnx.Dict)):
+        return list(node.items())
+    if isinstance(node, nnx.Module):
+        return list(vars(node).items())
+    return []
+
+
+def _label(path: tuple[Any, ...]) -> str:
+    return "model" + "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in path)
+
+
+def _find_mhas(model: Any) -> dict[int, tuple[str, Any]]:
+    """id -> (first path, layer) of every nnx.MultiHeadAttention in ``model``'s graph."""
+    found: dict[int, tuple[str, Any]] = {}
+    seen: set[int] = set()
+
+    def walk(node: Any, path: tuple[Any, ...]) -> None:
+        if isinstance(node, _FlaxMHA):
+            found.setdefault(id(node), (_label(path), node))
+            return
+        if id(node) in seen:
+            return
+        seen.add(id(node))
+        for key, child in _children(node):
+            walk(child, (*path, key))
+
+    walk(model, ())
+    return found
+
+
+def _install(node: Any, done: dict[int, Any], seen: set[int]) -> Any:
+    """``node`` with every reference to a converted layer replaced (in place;
+    a tuple, immutable, comes back rebuilt for its parent to hold)."""
+    if isinstance(node, _FlaxMHA):
+        return done[id(node)]
+    if id(node) in seen:
+        return node
+    seen.add(id(node))
+    replaced = [(key, child, _install(child, done, seen)) for key, child in _children(node)]
+    changed = [(key, new) for key, child, new in replaced if new is not child]
+    if not changed:
+        return node
+    if isinstance(node, tuple):
+        items = list(node)
+        for key, new in changed:
+            items[key] = new
+        return type(node)(*items) if hasattr(node, "_fields") else type(node)(items)
+    for key, new in changed:
+        if isinstance(node, (list, dict, nnx.List, nnx.Dict)):
+            node[key] = new
+        else:
+            setattr(node, key, new)
+    return node
+
+
+def replace_mha(cls: Any, model: Any, *, rngs: nnx.Rngs, **kwargs: Any) -> Any:
+    """Swap every ``nnx.MultiHeadAttention`` in ``model`` for ``cls.from_mha``; see
+    ``damcha_jax.replace_mha``."""
+    from damcha_core._validators import unknown_fields
+
+    if not isinstance(model, nnx.Module):
+        raise DamchaTypeError(invalid_argument("model", "a flax.nnx.Module", f"model={describe(model)}"))
+    if isinstance(model, _FlaxMHA):
+        raise DamchaValueError(
+            invalid_argument(
+                "model",
+                "a model that contains nnx.MultiHeadAttention layers; it is itself one (use "
+                "DamchaAttention.from_mha(model, rngs=...))",
+                f"model={describe(model)}",
+            )
+        )
+    unknown = sorted(set(kwargs) - set(_REPLACE_KEYS))
+    if unknown:
+        raise DamchaTypeError(
+            unknown_fields(unknown, _REPLACE_KEYS, "the arguments replace_mha passes to from_mha", "keyword argument")
+        )
+    if not isinstance(rngs, nnx.Rngs):
+        raise DamchaTypeError(invalid_argument("rngs", "an nnx.Rngs", f"rngs={describe(rngs)}"))
+    found = _find_mhas(model)
+    done: dict[int, Any] = {}
+    # Every layer is built before any is installed: one that cannot be converted
+    # (a subclass with its own __call__, a coupling its sizes refuse) leaves the
+    # model as it was, and the error names its path.
+    for key, (path, mha) in found.items():
+        try:
+            done[key] = cls.from_mha(mha, rngs=rngs, **kwargs)
+        except (DamchaValueError, DamchaTypeError) as exc:
+            raise type(exc)(f"{exc} (at {path})") from None
+    if not done:
+        import warnings
+
+        already = sum(isinstance(node, cls) for _, node in nnx.iter_graph(model))
+        warnings.warn(
+            f"replace_mha found no nnx.MultiHeadAttention in {type(model).__name__}: nothing was replaced"
+            + (f" (it holds {already} DamchaAttention layers already)." if already else "."),
+            UserWarning,
+            stacklevel=3,
+        )
+        return model
+    _install(model, done, set())
+    return model

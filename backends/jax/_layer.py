@@ -841,3 +841,39 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
                     )
                 batch = (batch_size,) if isinstance(batch_size, (int, np.integer)) else tuple(batch_size)
                 self.init_cache((*batch, max_length, self.in_features), self.dtype or jnp.float32)
+
+
+def replace_mha(
+    model: nnx.Module,
+    *,
+    rngs: nnx.Rngs,
+    metric: str = "heads",
+    metric_rank: int | None = None,
+    coupling: str | None = None,
+) -> nnx.Module:
+    """Swap every ``nnx.MultiHeadAttention`` inside ``model`` for
+    ``DamchaAttention.from_mha``, in place; returns ``model``.
+
+    The layers are found wherever Flax NNX holds modules: attributes,
+    ``nnx.List``/``nnx.Dict`` and the lists, tuples and dicts a module keeps
+    (``nnx.data``). A layer held in several places (an attribute aliasing a
+    block's attention) stays one layer, held in all of them. Outputs are
+    unchanged (gates at 0; a fully masked query row gives the output bias, the
+    spec's rule, where Flax averages the values), and ``nnx.jit``, ``nnx.grad``
+    and optimizers see the new parameters as any others.
+
+    Every layer is converted before any is installed: one that cannot be (a
+    subclass with its own ``__call__``, a ``coupling`` its sizes refuse)
+    raises a ``DamchaError`` naming its path, and the model is left as it was.
+    A model without ``nnx.MultiHeadAttention`` warns (most likely the wrong
+    model, or one converted already) and is returned unchanged.
+
+    Args:
+        model: an ``nnx.Module`` holding ``nnx.MultiHeadAttention`` layers.
+        rngs: the generators' initialisation keys (one draw per layer).
+        metric, metric_rank, coupling: as in ``DamchaAttention.from_mha``
+            (``coupling=None`` picks each layer's from its shape).
+    """
+    from ._convert import replace_mha as _replace
+
+    return _replace(DamchaAttention, model, rngs=rngs, metric=metric, metric_rank=metric_rank, coupling=coupling)
