@@ -202,8 +202,70 @@ ARCHS: dict[str, tuple[Any, Any, dict[str, Any]]] = {
             num_register_tokens=1,
         ),
     ),
+    # Gemma 3n's text model (Gemma3nTextAttention: Dense projections, per-head q/k norms, RoPE,
+    # value norm, scale 1; AltUp and Laurel around it); layer 0 sliding-window (3), layer 1 global.
+    "gemma3n": (
+        keras_hub.models.Gemma3nBackbone,
+        None,
+        dict(
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=4,
+            text_hidden_size=16,
+            intermediate_size=[32, 32],
+            pad_token_id=0,
+            hidden_activation="gelu_approximate",
+            layer_types=["sliding_attention", "full_attention"],
+            sliding_window=3,
+            rope_theta=10000.0,
+            max_position_embeddings=32,
+            vocab_size_per_layer_input=V,
+            hidden_size_per_layer_input=2,
+            altup_num_inputs=2,
+            laurel_rank=1,
+        ),
+    ),
+    # Qwen3.5: a linear-attention layer (Gated DeltaNet, no softmax: left as it is), then a
+    # full-attention layer whose query projection holds each head's query and output gate.
+    "qwen3_5": (
+        keras_hub.models.Qwen3_5Backbone,
+        None,
+        dict(
+            num_layers=2,
+            num_query_heads=4,
+            num_key_value_heads=2,
+            head_dim=4,
+            hidden_dim=16,
+            intermediate_dim=32,
+            layer_types=["linear_attention", "full_attention"],
+            partial_rotary_factor=0.5,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=4,
+            linear_value_head_dim=4,
+            linear_conv_kernel_dim=4,
+        ),
+    ),
+    # MiT (SegFormer's encoder), (B, 16, 16, 3) images: stage 0 of 4x4 patches whose keys are
+    # reduced to 2x2 (sr_ratio 2: keys of other tokens than the queries), stage 1 of 2x2 (sr_ratio 1).
+    "mit": (
+        keras_hub.models.MiTBackbone,
+        None,
+        dict(
+            image_shape=(16, 16, 3),
+            layerwise_depths=[1, 1],
+            hidden_dims=[8, 8],
+            num_layers=2,
+            layerwise_num_heads=[2, 2],
+            layerwise_sr_ratios=[2, 1],
+            max_drop_path_rate=0.0,
+            layerwise_patch_sizes=[7, 3],
+            layerwise_strides=[4, 2],
+        ),
+    ),
 }
-IMAGES = ("vit", "dinov2", "dinov3")  # archs taking images rather than token ids
+IMAGES = ("vit", "dinov2", "dinov3", "mit")  # archs taking images rather than token ids
 CAUSAL = tuple(a for a, (_, lm, _) in ARCHS.items() if lm is not None)
 
 
@@ -228,14 +290,28 @@ ACTIVE = {
 
 def backbone(arch: str, dtype: str | None = None, **overrides: Any) -> Any:
     cls, _, cfg = ARCHS[arch]
-    if arch in IMAGES:
-        return cls(dtype=dtype, **cfg, **overrides)
-    if arch == "smollm3" and dtype is not None:
+    if arch in ("smollm3", "mit") and dtype is not None:
         # SmolLM3's attention builds its projections with the global dtype policy, not the
-        # model's (KerasHub 0.32): a float64 SmolLM3 needs float64 as the global policy too.
+        # model's, and MiT all its layers (KerasHub 0.32): float64 needs it as the global policy too.
         with global_dtype_policy(dtype):
-            return cls(vocabulary_size=V, dtype=dtype, **{**cfg, **overrides})
-    return cls(vocabulary_size=V, dtype=dtype, **{**cfg, **overrides})
+            return _build(arch, cls, dtype, {**cfg, **overrides})
+    return _build(arch, cls, dtype, {**cfg, **overrides})
+
+
+def _build(arch: str, cls: Any, dtype: str | None, cfg: dict[str, Any]) -> Any:
+    if arch in IMAGES:
+        return cls(dtype=dtype, **cfg)
+    return cls(**{"text_vocab_size" if arch == "gemma3n" else "vocabulary_size": V}, dtype=dtype, **cfg)
+
+
+def attention_layers(arch: str) -> int:
+    """How many attention layers convert() converts in ``backbone(arch)``."""
+    cfg = ARCHS[arch][2]
+    if arch == "qwen3_5":  # its full-attention layers only
+        return cfg["layer_types"].count("full_attention")
+    if arch == "mit":
+        return sum(cfg["layerwise_depths"])
+    return cfg["num_hidden_layers" if arch == "gemma3n" else "num_layers"]
 
 
 @contextlib.contextmanager
@@ -405,6 +481,12 @@ def _projection(dense: Any, heads: int) -> tuple[np.ndarray, np.ndarray]:
     return k, _bias(dense, k.shape[1:])
 
 
+def projection(dense: Any, heads: int) -> tuple[np.ndarray, np.ndarray]:
+    """(kernel (E, heads, d), bias (heads, d)) of a query/key/value projection, as
+    ``layer_params`` reads them."""
+    return _projection(dense, heads)
+
+
 def _output(dense: Any, heads: int) -> tuple[np.ndarray, np.ndarray]:
     """(kernel (H, d_v, E_o), bias (E_o,)) of an attention output projection: an
     EinsumDense, or a Dense of the flat heads (H * d_v, E_o)."""
@@ -428,6 +510,12 @@ SUBLAYERS = {
         ("query_dense", "key_dense", "value_dense", "output_dense"),
     ),
     "smollm3": ("q_proj", "k_proj", "v_proj", "o_proj"),
+    "gemma3n": ("q_proj", "k_proj", "v_proj", "o_proj"),
+    "qwen3_5": ("_query_dense", "_key_dense", "_value_dense", "_output_dense"),
+    "mit": ("q", "k", "v", "proj"),
+    # PaliGemma's PaliGemmaVitAttention, Gemma 3's Gemma3VisionAttention (CLIP's layout).
+    "clip_vit": ("query_proj", "key_proj", "value_proj", "out_proj"),
+    "videoprism": ("query_dense", "key_dense", "value_dense", "output_dense"),
     "esm": ("q_dense", "k_dense", "v_dense", "o_dense"),
     "t5": ("query_projector", "key_projector", "value_projector", "output_projector"),
 }
@@ -436,8 +524,16 @@ NORMED = ("qwen3", "gemma3", "qwen3_moe")  # per-head q/k norms between the maps
 # Layers with the host's own position scheme, checked against the host itself with its query
 # and key projections followed by the reference's maps (host_with_reference_maps):
 # GPT-OSS's sinks and YaRN RoPE, Gemma 4's norms and value norm (both EinsumDense
-# projections, whose equations fix the heads).
-HOSTED = ("gpt_oss", "gemma4")
+# projections, whose equations fix the heads), Gemma 3n's norms, value norm and sliding window,
+# Qwen3.5's norms, partial RoPE and output gate, MiT's sequence reduction (its keys and values
+# project the tokens after a strided convolution and a norm).
+HOSTED = ("gpt_oss", "gemma4", "gemma3n", "qwen3_5", "mit")
+# The couplings convert(coupling="auto") gives each converted layer, in layer order, where a
+# layout's rule decides them: MiT's stage-0 keys project the sequence-reduced tokens (separate).
+COUPLINGS = {"mit": ["separate", "tied"], "qwen3_5": ["separate"]}
+# Query projections that emit, for each query head, its query then its output gate (H, 2d):
+# the maps act on the queries, the gates pass as they are.
+GATED = ("qwen3_5",)
 # Position terms of their own that depend on positions only (positional_reference): ALiBi,
 # T5's bucketed bias, DINOv3's 2-D RoPE of the patch tokens.
 POSITIONAL = ("bloom", "falcon", "t5", "dinov3")
@@ -452,6 +548,9 @@ def layer_params(arch: str, layer: Any) -> tuple[dict[str, np.ndarray], dc.Damch
         ("query", "key", "value"), SUBLAYERS[arch][:3], (cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads)
     ):
         params[f"{name}.kernel"], params[f"{name}.bias"] = _projection(getattr(layer, attr), heads)
+        if name == "query" and arch in GATED:  # the query half of each head's (query, gate)
+            params["query.kernel"] = params["query.kernel"][..., : cfg.key_dim]
+            params["query.bias"] = params["query.bias"][..., : cfg.key_dim]
     params["output.kernel"], params["output.bias"] = _output(getattr(layer, SUBLAYERS[arch][3]), cfg.num_heads)
     params.update(layer.damcha.to_canonical())
     config = dc.DamchaConfig(
@@ -590,14 +689,17 @@ def reference_maps(arch: str, model: Any) -> Iterator[None]:
                 _side: Any = side,
                 _params: Any = params,
                 _config: Any = config,
+                _gated: bool = arch in GATED and role == "q",
                 **kwargs: Any,
             ) -> Any:
                 y0 = type(_p).call(_p, tokens, *args, **kwargs)
                 y = numpy(y0).astype(np.float64)
-                heads = y.reshape(*y.shape[:2], -1, _config.key_dim)
+                d = _config.key_dim
+                heads = y[..., :d] if _gated else y.reshape(*y.shape[:2], -1, d)
                 if _side is not None:
                     heads = reference_map(_params, _config, _side, numpy(tokens).astype(np.float64), heads)
-                return keras.ops.convert_to_tensor(heads.reshape(y.shape), dtype=y0.dtype)
+                out = np.concatenate([heads, y[..., d:]], axis=-1) if _gated else heads.reshape(y.shape)
+                return keras.ops.convert_to_tensor(out, dtype=y0.dtype)
 
             installed.append((projection, projection.__dict__["call"]))
             projection.call = site

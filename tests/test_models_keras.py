@@ -19,11 +19,14 @@ import pytest
 from _models_keras_zoo import (
     ARCHS,
     CAUSAL,
+    COUPLINGS,
+    GATED,
     HOSTED,
     NORMED,
     POSITIONAL,
     ROTARY,
     SUBLAYERS,
+    attention_layers,
     backbone,
     cached_logits,
     call_layer,
@@ -38,6 +41,7 @@ from _models_keras_zoo import (
     open_gates,
     output,
     positional_reference,
+    projection,
     reference_maps,
     rotary,
 )
@@ -74,7 +78,9 @@ def test_exact_at_init(arch, dtype):
     after = output(model, x)
     np.testing.assert_array_equal(after, before)  # residual form y + 0 * (Delta y): bit for bit
     layers = dk.converted_layers(model)
-    assert len(layers) == ARCHS[arch][2]["num_layers"]
+    assert len(layers) == attention_layers(arch)
+    if arch in COUPLINGS:
+        assert [layer.damcha.config.coupling for layer in layers.values()] == COUPLINGS[arch]
     # Only DAMCHA variables were added, each under its attention layer's path,
     # and none repeats a path (the old variables are the host's, untouched; SmolLM3's
     # host repeats two paths of its own: sublayers made outside its layers' name scopes).
@@ -107,8 +113,8 @@ def test_exact_at_init_mixed_precision():
 # "lowrank" on one architecture of each kind of layout (the maps' code is the same for
 # every host; make test's time budget): MHA and Keras MHA (gpt2, bert), GQA with RoPE
 # (llama), per-head norms (qwen3, gemma3), images (vit), ALiBi (bloom), Dense
-# projections (esm), a host attention of its own (gpt_oss).
-LOWRANK = ("gpt2", "bert", "llama", "qwen3", "gemma3", "vit", "bloom", "esm", "gpt_oss")
+# projections (esm), a host attention of its own (gpt_oss), queries interleaved with gates (qwen3_5).
+LOWRANK = ("gpt2", "bert", "llama", "qwen3", "gemma3", "vit", "bloom", "esm", "gpt_oss", "qwen3_5")
 
 
 @pytest.mark.parametrize(
@@ -183,6 +189,11 @@ def check_maps(arch, layer, params, config, x, opened, atol=1e-12):
         expected = reference_map(params, config, dc.side_of(config, role), x, y0)
         assert np.abs(expected - y0).max() > opened  # the maps are open
         got = numpy(getattr(layer, attr)(x))  # Dense projections: flat features, split head by head
+        if role == "q" and arch in GATED:  # each head's query, then its output gate, untouched
+            dense = getattr(layer, attr)
+            plain = numpy(type(dense).call(dense, x))
+            np.testing.assert_array_equal(got[..., config.key_dim :], plain[..., config.key_dim :])
+            got = got[..., : config.key_dim]
         np.testing.assert_allclose(got.reshape(expected.shape), expected, rtol=0, atol=atol)
 
 
@@ -1178,13 +1189,305 @@ def test_gpt_neox_converts():
     assert np.abs(output(model, x) - before).max() > 1e-3
 
 
+def _reference_config(cfg):
+    """The reference's config of a converted layer's DamchaConfig, with projection biases."""
+    return dc.DamchaConfig(
+        query_dim=cfg.query_dim,
+        context_dim=cfg.context_dim,
+        num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads,
+        key_dim=cfg.key_dim,
+        metric=cfg.metric,
+        metric_rank=cfg.metric_rank,
+        coupling=cfg.coupling,
+        use_bias=True,
+    )
+
+
+def test_paligemma_and_gemma3_vision_attention_converts():
+    """PaliGemma's vision tower (PaliGemmaVitAttention) and Gemma 3's vision encoder
+    (Gemma3VisionAttention), CLIP's layout (Dense query_proj/key_proj, softmax attention at
+    1/sqrt(d)), were refused as unknown layouts. float64: exact at init bit for bit (PaliGemma's
+    Gemma decoder converted with it: separate maps for its MQA), each vision layer equal to the
+    reference's damcha_attention with the gates open (its projections to its maps), the outputs move."""
+    rng = np.random.default_rng(9)
+    ids = rng.integers(1, 50, (2, 5)).astype("int32")
+    cases = [
+        (
+            keras_hub.models.PaliGemmaBackbone(
+                vocabulary_size=50,
+                image_size=8,
+                num_layers=1,
+                num_query_heads=2,
+                num_key_value_heads=1,
+                hidden_dim=8,
+                intermediate_dim=16,
+                head_dim=4,
+                vit_patch_size=4,
+                vit_num_layers=1,
+                vit_num_heads=2,
+                vit_hidden_dim=8,
+                vit_intermediate_dim=16,
+                dtype="float64",
+            ),
+            {
+                "images": rng.normal(size=(2, 8, 8, 3)),
+                "token_ids": ids,
+                "padding_mask": np.ones((2, 5), "int32"),
+                "response_mask": np.zeros((2, 5), "int32"),
+            },
+            {"PaliGemmaVitAttention": "tied", "CachedGemmaAttention": "separate"},
+        ),
+        (
+            keras_hub.models.Gemma3VisionEncoder(
+                image_size=8,
+                patch_size=4,
+                num_heads=2,
+                hidden_dim=8,
+                num_layers=2,
+                intermediate_dim=16,
+                output_dim=8,
+                pool_size=1,
+                dtype="float64",
+            ),
+            rng.normal(size=(2, 1, 8, 8, 3)),
+            {"Gemma3VisionAttention": "tied"},
+        ),
+    ]
+    for model, x, couplings in cases:
+        before, layers = convert_exactly(model, x)
+        assert {type(layer).__name__: layer.damcha.config.coupling for layer in layers.values()} == couplings
+        open_gates(model)
+        for layer in layers.values():
+            if type(layer).__name__ not in ("PaliGemmaVitAttention", "Gemma3VisionAttention"):
+                continue
+            params, config = layer_params("clip_vit", layer)
+            tokens = rng.normal(size=(2, 5, config.query_dim))
+            check_maps("clip_vit", layer, params, config, tokens, opened=1e-3)
+            expected = dc.damcha_attention(params, config, tokens)
+            np.testing.assert_allclose(numpy(layer(tokens)[0]), expected, rtol=0, atol=1e-12)
+        assert max(np.abs(got - want).max() for got, want in zip(all_outputs(model, x), before)) > 1e-3
+
+
+@pytest.mark.filterwarnings("ignore:Layer 'attn' .* does not support masking:UserWarning")  # Swin's, KerasHub's
+def test_swin_window_attention_converts():
+    """Swin's WindowAttention (one qkv Dense the host views (B, N, 3, H, d): the query heads,
+    the key heads, the value heads; a learned relative position bias per head on the logits;
+    shifted windows, masked, in every second block) was refused as an unknown layout. float64:
+    exact at init bit for bit; with the gates open each layer's query and key heads are the
+    reference's maps of the unmapped heads (to 1e-12), its values untouched, the layer equals
+    softmax attention of those heads plus its bias table, and the output moves."""
+    rng = np.random.default_rng(10)
+    model = keras_hub.models.SwinTransformerBackbone(
+        image_shape=(8, 8, 3), embed_dim=8, depths=(2,), num_heads=(2,), window_size=2, patch_size=2, dtype="float64"
+    )
+    images = rng.normal(size=(2, 8, 8, 3))
+    (before,), layers = convert_exactly(model, images)
+    assert len(layers) == 2 and {layer.damcha.config.coupling for layer in layers.values()} == {"tied"}
+    open_gates(model)
+    for layer in layers.values():
+        cfg, H, d = layer.damcha.config, layer.num_heads, layer.head_dim
+        config = _reference_config(cfg)
+        kernel = numpy(layer.qkv.kernel).reshape(cfg.query_dim, 3, H, d)
+        bias = numpy(layer.qkv.bias).reshape(3, H, d)
+        params = {
+            **{f"{r}.kernel": kernel[:, i] for i, r in enumerate(("query", "key", "value"))},
+            **{f"{r}.bias": bias[i] for i, r in enumerate(("query", "key", "value"))},
+            "output.kernel": numpy(layer.proj.kernel).reshape(H, d, -1),
+            "output.bias": numpy(layer.proj.bias),
+            **layer.damcha.to_canonical(),
+        }
+        tokens = rng.normal(size=(3, 4, cfg.query_dim))  # 3 windows of 2x2 tokens
+        q0, k0, v = (np.einsum("bte,ehd->bthd", tokens, kernel[:, i]) + bias[i] for i in range(3))
+        q, k = (reference_map(params, config, "qk", tokens, y0) for y0 in (q0, k0))
+        assert min(np.abs(q - q0).max(), np.abs(k - k0).max()) > 1e-2  # the maps are open
+        y = numpy(layer.qkv(tokens)).reshape(3, 4, 3, H, d)
+        for got, want in ((y[:, :, 0], q), (y[:, :, 1], k), (y[:, :, 2], v)):
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
+        logits = np.einsum("bnhd,bmhd->bhnm", q * layer.scale, k) + numpy(layer._get_rel_pos_bias())[None]
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        o = np.einsum("bhnm,bmhd->bnhd", probs, v)
+        expected = np.einsum("bnhd,hde->bne", o, params["output.kernel"]) + params["output.bias"]
+        np.testing.assert_allclose(numpy(layer(tokens)), expected, rtol=0, atol=1e-12)
+    assert np.abs(output(model, images) - before).max() > 1e-3
+
+
+def test_videoprism_converts():
+    """VideoPrism (VideoPrismAttention: EinsumDense query_dense/key_dense; its spatial, temporal,
+    auxiliary and text encoders' self-attention, its pooler's attention of a learned query probe
+    with a per-dimension query scale) was refused as an unknown layout. float64: exact at init bit
+    for bit, the pooler's maps separate and the others tied, each projection equal to the
+    reference's map with the gates open, the self-attention layers equal to the reference's
+    damcha_attention, and both outputs move."""
+    rng = np.random.default_rng(11)
+    model = keras_hub.models.VideoPrismBackbone(
+        image_shape=(8, 8, 3),
+        num_frames=2,
+        patch_size=4,
+        hidden_dim=8,
+        intermediate_dim=16,
+        num_heads=2,
+        num_spatial_layers=1,
+        num_temporal_layers=1,
+        num_auxiliary_layers=1,
+        vocabulary_size=50,
+        num_text_layers=1,
+        dtype="float64",
+    )
+    x = {
+        "pixel_values": rng.normal(size=(2, 2, 8, 8, 3)),
+        "token_ids": rng.integers(1, 50, (2, 5)).astype("int32"),
+        "padding_mask": np.ones((2, 5), "int32"),
+    }
+    before, layers = convert_exactly(model, x)
+    sides = sorted((layer.name, layer.damcha.config.coupling) for layer in layers.values())
+    assert sides == [("mha", "tied")] * 4 + [("pooling_attention", "separate")], sides
+    open_gates(model)
+    for layer in layers.values():
+        params, config = layer_params("videoprism", layer)
+        tokens = rng.normal(size=(2, 5, config.query_dim))
+        check_maps("videoprism", layer, params, config, tokens, opened=1e-3)
+        if not layer.use_per_dim_scale:  # (its softmax in float32, whatever its dtype)
+            expected = dc.damcha_attention(params, config, tokens)
+            np.testing.assert_allclose(numpy(layer(tokens, tokens)), expected, rtol=0, atol=1e-6)
+    assert all(np.abs(got - want).max() > 1e-3 for got, want in zip(all_outputs(model, x), before))
+
+
+def test_t5gemma2_merged_attention_gets_separate_maps():
+    """T5Gemma 2's decoder attention (T5Gemma2MergedAttention, a CachedGemma3Attention subclass)
+    attends over its own keys and the encoder's, both projected by its key_dense: keys of other
+    tokens than its queries, so coupling="auto" gives it separate maps, as every cross-attention
+    (it tied them, as self-attention, where its query and key heads matched); the encoder's
+    self-attention stays tied. Exact at init bit for bit, and the maps move both outputs."""
+    sizes = dict(hidden_dim=8, intermediate_dim=16, num_layers=1, num_attention_heads=2, num_key_value_heads=2)
+    sizes.update(head_dim=4, layer_types=["full_attention"])
+    model = keras_hub.models.T5Gemma2Backbone(
+        vocabulary_size=50,
+        dtype="float64",
+        **{f"{side}_{k}": v for side in ("encoder", "decoder") for k, v in sizes.items()},
+    )
+    rng = np.random.default_rng(12)
+    x = {
+        "encoder_token_ids": rng.integers(1, 50, (2, 5)).astype("int32"),
+        "encoder_padding_mask": np.ones((2, 5), "int32"),
+        "decoder_token_ids": rng.integers(1, 50, (2, 4)).astype("int32"),
+        "decoder_padding_mask": np.ones((2, 4), "int32"),
+    }
+    before, layers = convert_exactly(model, x)
+    couplings = {type(layer).__name__: layer.damcha.config.coupling for layer in layers.values()}
+    assert couplings == {"T5Gemma2Attention": "tied", "T5Gemma2MergedAttention": "separate"}, couplings
+    open_gates(model)
+    assert all(np.abs(got - want).max() > 1e-3 for got, want in zip(all_outputs(model, x), before))
+
+
+def test_attention_layers_of_refused_models_convert_alone():
+    """SAM 3's SAM3Attention (Dense q_proj/k_proj; self- or cross-attention as its name says) and
+    D-FINE's DFineMultiheadAttention (EinsumDense q_proj/k_proj), the attention of models refused
+    as a whole (SAM 3's vision encoder, D-FINE's deformable attention), convert on their own: each
+    projection equals the reference's map of its heads with the gates open."""
+    from keras_hub.src.models.d_fine.d_fine_attention import DFineMultiheadAttention
+    from keras_hub.src.models.sam3.sam3_layers import SAM3Attention
+
+    rng = np.random.default_rng(13)
+    q, c = rng.normal(size=(2, 5, 8)), rng.normal(size=(2, 3, 8))
+    cases = []
+    for name, coupling in (("self_attn", "tied"), ("text_cross_attn", "separate")):
+        layer = SAM3Attention(8, 2, name=name, dtype="float64")
+        layer(q, c, c)
+        cases.append((layer, coupling))
+    layer = DFineMultiheadAttention(8, 2, name="self_attn", dtype="float64")
+    layer(q)
+    cases.append((layer, "tied"))
+    for layer, coupling in cases:
+        with pytest.warns(UserWarning, match="not a keras.Model"):
+            dk.convert(layer)
+        cfg = layer.damcha.config
+        assert cfg.coupling == coupling, layer.name
+        open_gates(layer)
+        params = layer.damcha.to_canonical()
+        for role, heads in (("query", cfg.num_heads), ("key", cfg.num_kv_heads)):
+            params[f"{role}.kernel"], params[f"{role}.bias"] = projection(getattr(layer, f"{role[0]}_proj"), heads)
+        SUBLAYERS["_alone"] = ("q_proj", "k_proj")
+        try:
+            check_maps("_alone", layer, params, _reference_config(cfg), q, opened=1e-3)
+        finally:
+            del SUBLAYERS["_alone"]
+
+
 def test_kerashub_layouts_that_are_refused():
     """Refused naming the layer and why, nothing converted: DeBERTa V3 (its query and key
     projections also project the relative position embeddings), Gemma 4's KV-shared layers (no key
     projection) and layers whose key projection gives their values too (attention_k_eq_v),
     SigLIP's vision encoder (its attention pooling head holds a probe, a norm and an MLP
-    beside its MultiHeadAttention)."""
+    beside its MultiHeadAttention); by the keras-hub-refused adapter: Stable Diffusion 3's MMDiT
+    (its MMDiTBlock attends jointly over two streams and is not attention-named: a model with it
+    and other attention layers converted those and skipped it without a word), ViTDet (image
+    tokens, relative positions from the queries), MobileNetV5's attention block (convolutions of
+    feature maps), Qwen3.5's vision attention (tokens (N, E)), Gemma 3n's audio conformer
+    (relative positions projected apart from the keys); Gemma 3n's KV-shared layers."""
+    from keras_hub.src.models.gemma3n.gemma3n_audio_encoder import Gemma3nAudioEncoder
+    from keras_hub.src.models.qwen3_5.qwen3_5_vision_encoder import Qwen3_5VisionEncoder
+    from keras_hub.src.models.stable_diffusion_3.mmdit import MMDiT
+
     small = dict(vocabulary_size=50, num_layers=2, num_heads=2, hidden_dim=8, intermediate_dim=16)
+    gemma3n = dict(
+        text_vocab_size=10,
+        text_hidden_size=8,
+        pad_token_id=0,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=4,
+        hidden_activation="gelu_approximate",
+        sliding_window=4,
+        rope_theta=10000.0,
+        max_position_embeddings=8,
+        vocab_size_per_layer_input=10,
+        hidden_size_per_layer_input=2,
+        altup_num_inputs=2,
+        laurel_rank=1,
+    )
+    audio = Gemma3nAudioEncoder(
+        hidden_size=4,
+        input_feat_size=16,
+        sscp_conv_channel_size=[2, 4],
+        sscp_conv_kernel_size=[(1, 1), (1, 1)],
+        sscp_conv_stride_size=[(2, 2), (2, 2)],
+        sscp_conv_group_norm_eps=1e-5,
+        num_hidden_layers=1,
+        rms_norm_eps=1e-6,
+        gradient_clipping=1.0,
+        residual_weight=0.5,
+        num_attention_heads=1,
+        attention_chunk_size=2,
+        num_attention_context_right=1,
+        num_attention_context_left=1,
+        attention_logit_cap=50.0,
+        conv_kernel_size=3,
+        reduction_factor=1,
+    )
+    mobilenetv5 = {
+        f"stackwise_{k}": v
+        for k, v in dict(
+            block_types=[["er"], ["mqa"]],
+            num_blocks=[1, 1],
+            num_filters=[[8], [8]],
+            strides=[[2], [1]],
+            act_layers=[["relu"], ["relu"]],
+            exp_ratios=[[2.0], [2.0]],
+            se_ratios=[[0.0], [0.0]],
+            dw_kernel_sizes=[[0], [0]],
+            dw_start_kernel_sizes=[[0], [0]],
+            dw_end_kernel_sizes=[[0], [0]],
+            exp_kernel_sizes=[[3], [0]],
+            pw_kernel_sizes=[[1], [0]],
+            num_heads=[[0], [2]],
+            key_dims=[[0], [4]],
+            value_dims=[[0], [4]],
+            kv_strides=[[0], [1]],
+            use_cpe=[[False], [False]],
+        ).items()
+    }
     gemma4 = dict(
         vocabulary_size=50,
         image_size=16,
@@ -1218,6 +1521,73 @@ def test_kerashub_layouts_that_are_refused():
             ),
             r"unknown layouts: head \(keras_hub\.\S+\.SigLIPMultiHeadAttentionPooling, which wraps the supported "
             r"head/attention but also holds weights",
+        ),
+        (
+            MMDiT(2, 8, 1, 2, 4, latent_shape=(4, 4, 4), context_shape=(3, 8), pooled_projection_shape=(8,)),
+            r"Cannot convert layer `joint_block_0` \(keras-hub-refused\): Invalid argument `layer`: expected an "
+            r"attention layer that projects its queries and keys once each; Stable Diffusion 3's MMDiTBlock attends "
+            r"jointly over its text and image streams",
+        ),
+        (
+            keras_hub.models.ViTDetBackbone(
+                image_shape=(8, 8, 3),
+                patch_size=4,
+                hidden_size=8,
+                num_layers=1,
+                global_attention_layer_indices=[0],
+                intermediate_dim=16,
+                num_heads=2,
+                num_output_channels=4,
+                window_size=2,
+            ),
+            r"\(keras-hub-refused\): Invalid argument `layer`: expected projections of token sequences \(B, T, E\), "
+            r"which convert\(\)'s maps take; ViTDet's attention .* relative-position tables",
+        ),
+        (
+            keras_hub.models.MobileNetV5Backbone(**mobilenetv5, image_shape=(16, 16, 3), stem_size=8, use_msfa=False),
+            r"Cannot convert layer `mobile_attention` \(keras-hub-refused\): .*MobileNetV5's multi-query attention "
+            r"projects feature maps \(B, H, W, C\)",
+        ),
+        (
+            keras_hub.models.Qwen3_5Backbone(
+                vocabulary_size=50,
+                num_layers=1,
+                num_query_heads=2,
+                num_key_value_heads=1,
+                head_dim=4,
+                hidden_dim=8,
+                intermediate_dim=16,
+                layer_types=["full_attention"],
+                vision_encoder=Qwen3_5VisionEncoder(
+                    depth=1, hidden_size=8, num_heads=2, intermediate_size=16, patch_size=4, out_hidden_size=8
+                ),
+            ),
+            r"Cannot convert layer `\S+/blocks_0/attn` \(keras-hub-refused\): .*Qwen3.5's vision attention projects "
+            r"the patches of all its images as one sequence \(N, E\) without a batch axis",
+        ),
+        (
+            keras_hub.models.Gemma3nBackbone(
+                **gemma3n,
+                num_hidden_layers=1,
+                intermediate_size=[16],
+                layer_types=["full_attention"],
+                audio_encoder_config=audio.get_config(),
+                audio_hidden_size=4,
+            ),
+            r"Cannot convert layer `\S+/conformer_block_0/attention` \(keras-hub-refused\): Invalid argument `layer`: "
+            r"expected an attention layer whose logits compare its queries with its keys \(plus terms of positions "
+            r"only\); Gemma 3n's audio attention",
+        ),
+        (
+            keras_hub.models.Gemma3nBackbone(
+                **gemma3n,
+                num_hidden_layers=2,
+                intermediate_size=[16, 16],
+                layer_types=["full_attention"] * 2,
+                num_kv_shared_layers=1,
+            ),
+            r"Cannot convert layer `text_model/decoder_block_1/attention` \(keras-hub-dense-qk\): .*this KV-shared "
+            r"layer \(is_kv_shared_layer=True, Gemma 3n's num_kv_shared_layers\)",
         ),
     ]
     for model, message in cases:

@@ -11,6 +11,7 @@ mis-mapped.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import keras
@@ -170,6 +171,7 @@ def _mha_layout(layer: Any) -> AttentionLayout:
 # Qwen3-MoE's Qwen3MoeAttention is Qwen3's source (per-head q/k norms) under another class name.
 _LLAMA = frozenset({"LlamaAttention", "CachedMistralAttention", "QwenAttention", "Qwen3Attention", "Qwen3MoeAttention"})
 _GEMMA = frozenset({"CachedGemmaAttention", "CachedGemma3Attention"})
+_MERGED = frozenset({"T5Gemma2MergedAttention"})
 # Llama's layout under public sublayer names: Mixtral's attention is Mistral's source with
 # them (and its sliding window), Phi-3's the same projections and RoPE (its "su" scaling
 # acts on the rotation, after the maps); Qwen-MoE's QwenMoeAttention is Qwen's source with them.
@@ -182,13 +184,100 @@ _GPT_OSS = frozenset({"GptOssAttention"})
 # by head): attr of the query and key projections, the attributes declaring the query and
 # key head counts. Everything after the reshape is per head: DINOv3's 2-D RoPE on the patch
 # tokens, RoFormer V2's and ESM's RoPE, T5's relative position bias added to the logits,
-# SmolLM3's RoPE (off in its NoPE layers).
+# SmolLM3's RoPE (off in its NoPE layers), Gemma 3n's per-head q/k norms, RoPE and value norm
+# (scale 1), SAM 3's additive box bias. PaliGemma's and Gemma 3's vision attention: plain
+# softmax attention at 1/sqrt(d) (CLIP's). SegFormer's (MiT's): its keys and values project
+# the tokens after a strided convolution and a norm (sequence reduction, sr_ratio > 1): the
+# key maps act on those tokens, as a cross-attention's on its context.
 _FLAT = {
     "DINOV3Attention": ("query_dense", "key_dense", ("num_heads",), ("num_heads",)),
     "RoformerAttention": ("q_dense", "k_dense", ("heads",), ("heads",)),  # and ESM's EsmSelfAttention
     "T5MultiHeadAttention": ("query_projector", "key_projector", ("num_heads",), ("num_heads",)),
     "SmolLM3Attention": ("q_proj", "k_proj", ("num_attention_heads",), ("num_key_value_heads",)),
+    "Gemma3nTextAttention": ("q_proj", "k_proj", ("num_attention_heads",), ("num_key_value_heads",)),
+    "PaliGemmaVitAttention": ("query_proj", "key_proj", ("num_heads",), ("num_heads",)),
+    "Gemma3VisionAttention": ("query_proj", "key_proj", ("num_heads",), ("num_heads",)),
+    "SegFormerMultiheadAttention": ("q", "k", ("num_heads",), ("num_heads",)),
+    "SAM3Attention": ("q_proj", "k_proj", ("num_heads",), ("num_heads",)),
 }
+# Projections by EinsumDense to (B, T, heads, head_dim) under public names, as _FLAT: VideoPrism's
+# attention (per-dimension query scale, the same for every head, and logit soft-cap, after the
+# maps; its pooler's queries are a learned probe), D-FINE's encoder and decoder self-attention
+# (positions added to the tokens its query and key projections see).
+_EINSUM_QK = {
+    "VideoPrismAttention": ("query_dense", "key_dense", ("num_heads",), ("num_heads",)),
+    "DFineMultiheadAttention": ("q_proj", "k_proj", ("num_heads",), ("num_heads",)),
+}
+# Qwen3.5's full-attention layers: `_query_dense` (EinsumDense, (B, T, H, 2d)) holds, for each
+# query head in turn, its query and then its output gate (the host slices [..., :d] and
+# [..., d:]); per-head (1 + w) RMS norms, partial RoPE (or M-RoPE), softmax attention, then the
+# output times sigmoid(gate): all after the maps. Its linear-attention layers (Gated DeltaNet) are
+# no softmax attention and are left as they are (as damcha_torch leaves them).
+_GATED_QUERY = frozenset({"Qwen3_5Attention"})
+# Swin's WindowAttention: one Dense `qkv` whose output the host views (B, N, 3, H, d): the H
+# query heads, then the H key heads; a learned relative position bias per head on the logits
+# (positions only) and the shifted-window mask, after the maps.
+_FUSED_QKV = frozenset({"WindowAttention"})
+# Refused by name, with the reason (the expected part of the message; the layer is named after
+# it): layers that compute attention convert() cannot map faithfully. Matching a block claims its
+# sublayers, so a block whose attention is not attention-named (Stable Diffusion 3's MMDiTBlock)
+# is refused rather than skipped while the model's other attention layers convert.
+_SEQUENCES = "projections of token sequences (B, T, E), which convert()'s maps take"
+_RELATIVE = "an attention layer whose logits compare its queries with its keys (plus terms of positions only); "
+_REFUSED = {
+    "MMDiTBlock": (
+        "an attention layer that projects its queries and keys once each; Stable Diffusion 3's MMDiTBlock "
+        "attends jointly over its text and image streams, each projected by a qkv Dense of its own (in its "
+        "DismantledBlocks), and convert() maps one query and one key projection per attention layer"
+    ),
+    "DoubleStreamBlock": (
+        "an attention layer that projects its queries and keys once each; Flux's DoubleStreamBlock attends "
+        "jointly over its text and image streams, each projected by a qkv Dense of its own, and convert() "
+        "maps one query and one key projection per attention layer"
+    ),
+    "DFineMultiscaleDeformableAttention": (
+        "softmax attention of queries against keys; D-FINE's multi-scale deformable attention has no keys: "
+        "it samples the values at offsets from reference points and weighs them by a softmax of a "
+        "projection of the queries alone, so there is no q k^T for the maps to act on"
+    ),
+    "MultiHeadAttentionWithRelativePE": (
+        f"{_SEQUENCES}; ViTDet's attention (SAM's image encoder) projects image tokens (B, H, W, E) with one "
+        "qkv Dense and, with use_rel_pos=True, adds to its logits its queries' products with learned "
+        "relative-position tables (decomposed relative positions), which no key map would reach (as "
+        "XLNet's relative attention)"
+    ),
+    "SAM3RoPEAttention": (
+        f"{_SEQUENCES}; SAM 3's vision encoder attention projects image tokens (B, H, W, E) (windowed and "
+        "global attention with 2-D RoPE)"
+    ),
+    "MultiQueryAttention2d": (
+        f"{_SEQUENCES}; MobileNetV5's multi-query attention projects feature maps (B, H, W, C) with "
+        "convolutions (after pooling the queries and strided depthwise convolutions of the keys, when set)"
+    ),
+    "Conv2DMultiHeadAttention": (
+        f"{_SEQUENCES}; the VAE's attention (Stable Diffusion 3, Flux) projects feature maps (B, H, W, C) "
+        "with 1x1 convolutions"
+    ),
+    "Qwen3_5VisionAttention": (
+        f"{_SEQUENCES}; Qwen3.5's vision attention projects the patches of all its images as one sequence "
+        "(N, E) without a batch axis, with one qkv Dense"
+    ),
+    "Gemma3nAudioAttention": (
+        f"{_RELATIVE}Gemma 3n's audio attention adds its queries' products with relative-position "
+        "embeddings projected by its own pos_proj (Transformer-XL's relative attention, over chunked local "
+        "context), which no key map would reach (as XLNet's relative attention)"
+    ),
+    "Gemma4AudioAttention": (
+        f"{_RELATIVE}Gemma 4's audio attention adds its queries' products with relative-position "
+        "embeddings projected by its own pos_proj (Transformer-XL's relative attention, over chunked local "
+        "context), which no key map would reach (as XLNet's relative attention)"
+    ),
+}
+# The blocks of norms around some of them (attention-named, holding them): matched first, they
+# claim them and are refused with their reason, rather than listed as unknown layouts beside them.
+_REFUSED["Gemma3nAudioConformerAttention"] = _REFUSED["Gemma3nAudioAttention"]
+_REFUSED["Gemma4AudioConformerAttention"] = _REFUSED["Gemma4AudioAttention"]
+_REFUSED["MobileAttention"] = _REFUSED["MultiQueryAttention2d"]  # MobileNetV5's norm around it
 _GEMMA4_TEXT = frozenset({"Gemma4TextAttention"})
 _GEMMA4_VISION = frozenset({"Gemma4VisionAttention"})
 _DEBERTA = frozenset({"DisentangledSelfAttention", "DisentangledAttentionEncoder"})
@@ -211,8 +300,10 @@ def _public_qk_layout(layer: Any) -> AttentionLayout:
 
 
 def _gemma_layout(layer: Any) -> AttentionLayout:
-    # T5Gemma's T5GemmaAttention (a subclass) is self- or cross-attention by `attention_type`.
-    self_attention = getattr(layer, "attention_type", "self") != "cross"
+    # T5Gemma's T5GemmaAttention (a subclass) is self- or cross-attention by `attention_type`;
+    # T5Gemma 2's decoder attention (T5Gemma2MergedAttention) attends over its own keys and the
+    # encoder's, both projected by its key_dense: keys of other tokens than its queries.
+    self_attention = getattr(layer, "attention_type", "self") != "cross" and not _is(layer, "keras_hub", _MERGED)
     return _qk_layout(layer, "query_dense", "key_dense", ("num_query_heads",), ("num_key_value_heads",), self_attention)
 
 
@@ -221,28 +312,124 @@ def _alibi_layout(layer: Any) -> AttentionLayout:
     return _qk_layout(layer, q_attr, k_attr, ("num_heads",), ("num_heads",), True)
 
 
-def _flat_class(layer: Any) -> str | None:
-    """The name of the class in ``layer``'s MRO that _FLAT describes, or None."""
+def _table_class(layer: Any, table: Mapping[str, Any] | frozenset[str]) -> str | None:
+    """The name of the first KerasHub class in ``layer``'s MRO that ``table`` names, or None."""
     return next(
-        (c.__name__ for c in type(layer).__mro__ if c.__name__ in _FLAT and c.__module__.split(".")[0] == "keras_hub"),
+        (c.__name__ for c in type(layer).__mro__ if c.__name__ in table and c.__module__.split(".")[0] == "keras_hub"),
         None,
     )
 
 
-def _flat_layout(layer: Any) -> AttentionLayout:
-    name = _flat_class(layer) or ""
-    if name not in _FLAT:  # matches() accepted the layer: only a class changed since would get here
+def _flat_class(layer: Any) -> str | None:
+    """The name of the class in ``layer``'s MRO that _FLAT describes, or None."""
+    return _table_class(layer, _FLAT)
+
+
+def _named_side(layer: Any) -> bool | None:
+    """Self- (True) or cross-attention (False) as the layer's name says ("self_attn",
+    "cross_attn", "text_cross_attn", "pooling_attention"), None when it says neither."""
+    lowered = layer.name.lower()
+    return False if "cross" in lowered or "pool" in lowered else True if "self" in lowered else None
+
+
+_Entry = tuple[str, str, tuple[str, ...], tuple[str, ...]]
+
+
+def _table_layout(layer: Any, table: Mapping[str, _Entry]) -> tuple[str, str, str, tuple[str, ...], tuple[str, ...]]:
+    name = _table_class(layer, table) or ""
+    if name not in table:  # matches() accepted the layer: only a class changed since would get here
         raise DamchaValueError(
-            invalid_argument("layer", f"a KerasHub layer of {sorted(_FLAT)}", f"{type(layer).__name__} {layer.name!r}")
+            invalid_argument("layer", f"a KerasHub layer of {sorted(table)}", f"{type(layer).__name__} {layer.name!r}")
         )
-    q_attr, k_attr, heads, kv_heads = _FLAT[name]
+    return (name, *table[name])
+
+
+def _flat_layout(layer: Any) -> AttentionLayout:
+    name, q_attr, k_attr, heads, kv_heads = _table_layout(layer, _FLAT)
     self_attention: bool | None = True
-    if name == "T5MultiHeadAttention":
-        # One class serves T5's self- and cross-attention (keys from the encoder states, a
-        # call argument); its transformer layers name them "self_attention"/"cross_attention".
-        lowered = layer.name.lower()
-        self_attention = False if "cross" in lowered else True if "self" in lowered else None
+    if name in ("T5MultiHeadAttention", "SAM3Attention"):
+        # One class serves self- and cross-attention (keys from another sequence, a call
+        # argument); T5's transformer layers name them "self_attention"/"cross_attention",
+        # SAM 3's encoders and decoders "self_attn", "cross_attn", "text_cross_attn", ...
+        self_attention = _named_side(layer)
+    elif name == "SegFormerMultiheadAttention":
+        # sr_ratio > 1: keys and values project the tokens reduced by a strided convolution.
+        self_attention = int(getattr(layer, "sr_ratio", 1)) <= 1
+    elif name == "Gemma3nTextAttention":
+        _refuse_kv_shared(layer, "Gemma 3n", "its k_proj is not called")
     return _qk_layout(layer, q_attr, k_attr, heads, kv_heads, self_attention, flat=True)
+
+
+def _einsum_qk_layout(layer: Any) -> AttentionLayout:
+    name, q_attr, k_attr, heads, kv_heads = _table_layout(layer, _EINSUM_QK)
+    # VideoPrism's pooler calls its attention on a learned query probe ("pooling_attention");
+    # D-FINE's layer is self-attention only.
+    self_attention = _named_side(layer) if name == "VideoPrismAttention" else True
+    return _qk_layout(layer, q_attr, k_attr, heads, kv_heads, self_attention)
+
+
+def _refuse_kv_shared(layer: Any, model: str, projection: str) -> None:
+    if getattr(layer, "is_kv_shared_layer", False):
+        raise DamchaValueError(
+            invalid_argument(
+                "layer",
+                f"a layer that projects its own keys; this KV-shared layer (is_kv_shared_layer=True, {model}'s "
+                "num_kv_shared_layers) attends over the keys and values of an earlier layer's cache, and "
+                "convert() maps a layer's queries and keys together",
+                f"{type(layer).__name__} {layer.name!r} ({projection})",
+            )
+        )
+
+
+def _gated_query_layout(layer: Any) -> AttentionLayout:
+    """Qwen3.5's ``_query_dense`` (B, T, H, 2d): per query head its query, then its
+    output gate; the maps read the queries as a site of H runs (``groups=H``)."""
+    E, H, width = _heads(layer, "_query_dense")
+    d, declared = _declared(layer, "head_dim"), _declared(layer, "num_query_heads")
+    if d is None or width != 2 * d or declared != H:
+        raise DamchaValueError(
+            invalid_argument(
+                "_query_dense",
+                f"Qwen3.5's layout, num_query_heads={declared} heads of a query and its output gate, "
+                f"2 * head_dim={None if d is None else 2 * d} features each (a variant this adapter does not know)",
+                f"{H} heads of {width} features",
+            )
+        )
+    ek, G, dk = _heads(layer, "_key_dense")
+    if dk != d or _declared(layer, "num_key_value_heads") != G or H % G:
+        raise DamchaValueError(
+            invalid_argument(
+                "_key_dense",
+                f"num_key_value_heads={_declared(layer, 'num_key_value_heads')} key heads of head_dim={d} "
+                f"features, dividing the {H} query heads",
+                f"{G} heads of {dk} features",
+            )
+        )
+    sites = (ProjectionSite("_query_dense", q=0, groups=H), ProjectionSite("_key_dense", k=0))
+    return AttentionLayout(H, G, d, E, ek, sites, self_attention=True)
+
+
+def _fused_qkv_layout(layer: Any) -> AttentionLayout:
+    """Swin's ``qkv`` Dense, viewed (B, N, 3, H, d) by the host: queries, keys, values."""
+    heads, d = _declared(layer, "num_heads"), _declared(layer, "head_dim")
+    E, parts, width = _dense_heads(layer, "qkv", None if heads is None else 3 * heads)
+    if width != d:
+        raise DamchaValueError(
+            invalid_argument(
+                "qkv",
+                f"Swin's layout, 3 * num_heads={parts} heads of head_dim={d} features (a variant this adapter does "
+                "not know)",
+                f"{parts} heads of {width} features",
+            )
+        )
+    H = parts // 3  # the query heads, then the key heads, then the value heads
+    return AttentionLayout(H, H, width, E, E, (ProjectionSite("qkv", q=0, k=H * width),), self_attention=True)
+
+
+def _refused_layout(layer: Any) -> AttentionLayout:
+    name = _table_class(layer, _REFUSED) or ""
+    expected = _REFUSED.get(name, f"a KerasHub layer of {sorted(_REFUSED)}")  # matches() checked the name
+    raise DamchaValueError(invalid_argument("layer", expected, f"{type(layer).__name__} {layer.name!r}"))
 
 
 def _gemma4_text_layout(layer: Any) -> AttentionLayout:
@@ -334,7 +521,8 @@ for _adapter in (
     ModelAdapter(
         "keras-hub-gemma",
         "KerasHub CachedGemmaAttention (Gemma, Gemma 2) and CachedGemma3Attention (Gemma 3; per-head q/k "
-        "norms) (RoPE; MHA, GQA, MQA) (query_dense/key_dense, kernels (heads, E, d))",
+        "norms; T5Gemma's and T5Gemma 2's, whose decoder attends over its own and the encoder's keys) (RoPE; "
+        "MHA, GQA, MQA) (query_dense/key_dense, kernels (heads, E, d))",
         lambda layer: _is(layer, "keras_hub", _GEMMA),
         _gemma_layout,
     ),
@@ -364,7 +552,10 @@ for _adapter in (
         "KerasHub attention projecting with Dense (flat features): DINOV3Attention (2-D RoPE; query_dense/"
         "key_dense), RoformerAttention and ESM's EsmSelfAttention (RoPE; q_dense/k_dense), T5MultiHeadAttention "
         "(relative position bias; query_projector/key_projector), SmolLM3Attention (RoPE or NoPE; GQA; "
-        "q_proj/k_proj)",
+        "q_proj/k_proj), Gemma 3n's Gemma3nTextAttention (per-head q/k norms, RoPE; GQA; not its KV-shared layers; "
+        "q_proj/k_proj), PaliGemma's PaliGemmaVitAttention and Gemma 3's Gemma3VisionAttention (query_proj/"
+        "key_proj), SegFormer's (MiT's) SegFormerMultiheadAttention (keys of the sequence-reduced tokens; q/k), "
+        "SAM 3's SAM3Attention (q_proj/k_proj)",
         lambda layer: _flat_class(layer) is not None,
         _flat_layout,
     ),
@@ -384,6 +575,39 @@ for _adapter in (
         "projected through the query and key projections)",
         lambda layer: _is(layer, "keras_hub", _DEBERTA),
         _deberta_layout,
+    ),
+    ModelAdapter(
+        "keras-hub-einsum-qk",
+        "KerasHub attention projecting with EinsumDense under public names: VideoPrismAttention (per-dimension "
+        "query scale, logit soft-cap; its pooler's learned query probe) (query_dense/key_dense) and D-FINE's "
+        "DFineMultiheadAttention (q_proj/k_proj)",
+        lambda layer: _table_class(layer, _EINSUM_QK) is not None,
+        _einsum_qk_layout,
+    ),
+    ModelAdapter(
+        "keras-hub-gated-query",
+        "KerasHub Qwen3_5Attention (Qwen3.5's full-attention layers: each query head followed by its output gate "
+        "in _query_dense; per-head q/k norms, partial RoPE; MHA, GQA, MQA) (_query_dense/_key_dense); its "
+        "linear-attention layers (Gated DeltaNet) are no softmax attention and stay as they are",
+        lambda layer: _is(layer, "keras_hub", _GATED_QUERY),
+        _gated_query_layout,
+    ),
+    ModelAdapter(
+        "keras-hub-fused-qkv",
+        "KerasHub Swin WindowAttention (one qkv Dense, the query heads then the key heads; relative position "
+        "bias, shifted windows) (qkv)",
+        lambda layer: _is(layer, "keras_hub", _FUSED_QKV),
+        _fused_qkv_layout,
+    ),
+    ModelAdapter(
+        "keras-hub-refused",
+        "KerasHub layers refused with the reason: Stable Diffusion 3's MMDiTBlock and Flux's DoubleStreamBlock "
+        "(joint attention over two streams, each projected by its own qkv), D-FINE's deformable attention (no "
+        "keys), the attention of ViTDet (SAM), SAM 3's vision encoder, MobileNetV5 and the VAE (image tokens "
+        "(B, H, W, E); ViTDet's relative positions), Qwen3.5's vision attention (tokens (N, E)), the audio "
+        "attention of Gemma 3n and Gemma 4 (relative positions projected apart from the keys)",
+        lambda layer: _table_class(layer, _REFUSED) is not None,
+        _refused_layout,
     ),
     ModelAdapter(
         "keras-hub-gpt-neox",
