@@ -772,6 +772,70 @@ def test_a_layer_wrapping_a_supported_attention_is_converted_through_it(tmp_path
         dk.convert(dot)
 
 
+class _NormedAttention(keras.layers.Layer):
+    """A post-norm block around an MHA (BLIP-2's QFormerAttention's shape): the residual's
+    LayerNorm, or, with ``dense``, a projection of its own besides."""
+
+    def __init__(self, inner, dense=False, **kwargs):
+        super().__init__(**kwargs)
+        self.inner = inner
+        self.norm = keras.layers.LayerNormalization(dtype=self.dtype_policy)
+        self.dense = keras.layers.Dense(8, dtype=self.dtype_policy) if dense else None
+
+    def call(self, x):
+        y = self.norm(x + self.inner(x, x))
+        return self.dense(y) if self.dense is not None else y
+
+
+def test_a_wrapper_whose_own_weights_are_norms_converts_through_its_attention():
+    """A LayerNorm projects nothing: BLIP-2's QFormerAttention (an MHA, a dropout and the
+    residual's LayerNorm) was refused as a wrapper holding weights of its own, and so was
+    the whole BLIP-2 model. A projection of its own is still refused."""
+    from keras_hub.src.models.blip2.blip2_qformer import BLIP2QFormer
+
+    qformer = BLIP2QFormer(
+        num_query_tokens=4,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=8,
+        intermediate_dim=16,
+        vision_dim=6,
+        cross_attention_frequency=2,
+        dropout=0.0,
+        layer_norm_epsilon=1e-6,
+        dtype="float64",
+    )
+    rng = np.random.default_rng(0)
+    [tokens] = qformer.get_layer("query_tokens_layer").weights  # zeros at init: every query alike
+    tokens.assign(rng.normal(size=tokens.shape))
+    vision = rng.normal(size=(2, 5, 6))
+    before = numpy(qformer(vision))
+    dk.convert(qformer)
+    converted = sorted(dk.converted_layers(qformer))
+    assert len(converted) == 3 and all(p.endswith("/attention") for p in converted), converted  # 2 self, 1 cross
+    np.testing.assert_array_equal(numpy(qformer(vision)), before)
+    open_gates(qformer)
+    assert np.abs(numpy(qformer(vision)) - before).max() > 1e-3
+
+    inp = keras.Input((5, 8), dtype="float64")
+    x = np.random.default_rng(1).normal(size=(2, 5, 8))
+    block = _NormedAttention(keras.layers.MultiHeadAttention(2, 4, dtype="float64"), name="block", dtype="float64")
+    model = keras.Model(inp, block(inp))
+    plain = numpy(model(x))
+    dk.convert(model)
+    np.testing.assert_array_equal(numpy(model(x)), plain)
+    open_gates(model)
+    got = numpy(model(x))
+    np.testing.assert_array_equal(got, numpy(block.norm(x + block.inner(x, x))))  # the maps act through it
+    assert np.abs(got - plain).max() > 1e-3
+    projected = keras.Model(inp, _NormedAttention(keras.layers.MultiHeadAttention(2, 4), dense=True, name="p")(inp))
+    with pytest.raises(
+        dc.DamchaValueError,
+        match=r"which wraps the supported p/multi_head_attention.* but also holds weights that are not that layer's: p/dense/kernel, p/dense/bias\)$",
+    ):
+        dk.convert(projected)
+
+
 # ----------------------------------------------------------------- errors
 
 

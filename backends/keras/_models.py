@@ -375,6 +375,16 @@ def _plans(
     return plans, failures
 
 
+# Layers whose weights scale and shift features one by one: a wrapper holding them beside a
+# supported attention layer computes no projection of its own.
+_NORMS = (
+    keras.layers.LayerNormalization,
+    keras.layers.RMSNormalization,
+    keras.layers.BatchNormalization,
+    keras.layers.GroupNormalization,
+)
+
+
 def _wrapper_problem(layer: Any, supported: list[Any]) -> str | None:
     """None when ``layer`` only wraps supported attention layers (KerasHub's
     DINOV2Attention: an MHA and a dropout): converting the inner layers converts
@@ -382,13 +392,19 @@ def _wrapper_problem(layer: Any, supported: list[Any]) -> str | None:
     as a suffix for its entry ("" when it holds no supported layer).
 
     A wrapper's own weights could be projections of attention it computes
-    itself, which convert() would leave unmapped: such a wrapper is refused.
+    itself, which convert() would leave unmapped: such a wrapper is refused,
+    unless they are all normalisation layers' (BLIP-2's QFormerAttention: an
+    MHA, a dropout and the residual's LayerNorm), which project nothing: the
+    queries and keys are still the inner layer's projections of what it is
+    given.
     """
-    inside = {id(sub) for sub in layer._flatten_layers(include_self=False, recursive=True)}
+    sublayers = layer._flatten_layers(include_self=False, recursive=True)
+    inside = {id(sub) for sub in sublayers}
     inner = [sub for sub in supported if id(sub) in inside]
     if not inner:
         return ""
     covered = {id(v) for sub in inner for v in sub.weights}
+    covered |= {id(v) for sub in sublayers if isinstance(sub, _NORMS) for v in sub.weights}
     own = [v.path for v in layer.weights if id(v) not in covered]
     if not own:
         return None
