@@ -320,6 +320,28 @@ def test_compiled_training_gradients_equal_eager(arch, recompute):
     assert all(want[n].abs().max() > 0 for n in own)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_query_coupling_trains_with_recompute(arch):
+    """coupling="query" maps no key: Llama's k_proj site then holds no mapped block, and
+    training with recompute (the default) failed in backward (min() of no block). Its
+    gradients now equal recompute=False's, the gates' included; the keys stay the host's."""
+    kw = inputs(arch, torch.float64, padding=False)
+    grads = {}
+    for recompute in (True, False):
+        model = _no_dropout(open_gates(dt.convert(build(arch, torch.float64), coupling="query", recompute=recompute)))
+        grads[recompute] = _grads(model.train(), lambda: run(model, arch, kw))
+    assert set(grads[True]) == set(grads[False]) and any(".gates.q" in n for n in grads[True])
+    assert not any(".gates.k" in n or ".gates.qk" in n for n in grads[True])
+    for n, g in grads[False].items():
+        torch.testing.assert_close(grads[True][n], g, rtol=0, atol=1e-12, msg=n)
+    if arch == "llama":
+        attention = model.model.layers[0].self_attn
+        x = torch.randn(2, 3, attention.k_proj.in_features, dtype=torch.float64)
+        torch.testing.assert_close(
+            attention.k_proj(x), nn.functional.linear(x, attention.k_proj.weight), rtol=0, atol=0
+        )
+
+
 # ------------------------------------------------------------------ PEFT
 
 

@@ -457,6 +457,10 @@ class DamchaMaps(nn.Module):
 
     def _run_site(self, fwd: _SiteForward, x: Tensor, args: tuple, kwargs: dict) -> Tensor:
         blocks = self._site_blocks(fwd.site)
+        if blocks == ():
+            # No role of this site is mapped (the keys under coupling "query"): the host's
+            # projection as it is (the fused training node had no block to write and failed).
+            return fwd.project(x, *args, **kwargs)
         if blocks is not None and not self.track_metric_penalty and x.is_floating_point():
             weights = [self.generator(b.side).side(self.gates[b.side]) for b in blocks]
             if not torch.is_grad_enabled():
