@@ -1598,22 +1598,38 @@ def test_gated_query_maps_train_alike_with_and_without_recompute():
 
 
 @pytest.mark.parametrize("name", ["zamba", "zamba2"])
-def test_zamba_blocks_with_tied_weights_keep_maps_of_their_own(tmp_path, name):
+def test_zamba_blocks_with_tied_weights_share_their_maps(tmp_path, name):
     """Zamba's hybrid layers each hold a transformer block whose host weights are
-    tied to the first's (_tied_weights_keys): each block's attention gets maps
-    of its own, which save_pretrained and from_pretrained keep apart (the tie
-    does not reach them), the converted model loading back bit for bit."""
+    tied to the first's (_tied_weights_keys): their maps are tied too, the same
+    gate and generator parameters registered in each block, as the host's. The
+    host re-ties by module prefix in tie_weights() and resize_token_embeddings(),
+    which used to merge maps that had been kept apart (and trained apart) into
+    the first block's, changing the logits silently; now it finds them tied. The
+    checkpoint loads back bit for bit, still tied."""
     model = open_gates(dt.convert(_more_llama_copy(name)))
     first, second = dt.converted_layers(model).values()
     assert first.q_proj.weight is second.q_proj.weight and first.damcha is not second.damcha
-    model.save_pretrained(tmp_path)
-    loaded = dt.from_pretrained(type(model), tmp_path, dtype=torch.float64).eval()
-    first, second = dt.converted_layers(loaded).values()
-    assert first.q_proj.weight is second.q_proj.weight
-    assert not torch.equal(first.damcha.gates["q"], second.damcha.gates["q"])
+    for side, gate in first.damcha.gates.items():
+        assert second.damcha.gates[side] is gate and second.damcha.generator(side) is first.damcha.generator(side)
+    with torch.no_grad():
+        for gate in first.damcha.gates.values():
+            gate.copy_(torch.linspace(-0.6, 0.7, gate.numel(), dtype=gate.dtype))  # not the open_gates value
     kw = inputs("llama")
     with torch.no_grad():
-        assert torch.equal(loaded(**kw).logits, model(**kw).logits)
+        before = model(**kw).logits
+        model.resize_token_embeddings(VOCAB + 3)
+        torch.testing.assert_close(model(**kw).logits[..., :VOCAB], before, rtol=0, atol=1e-12)
+    model.save_pretrained(tmp_path)
+    loaded, info = dt.from_pretrained(type(model), tmp_path, dtype=torch.float64, output_loading_info=True)
+    assert not info["missing_keys"], info  # the later block's maps come back tied, not "newly initialized"
+    loaded_first, second = dt.converted_layers(loaded.eval()).values()
+    assert (
+        loaded_first.q_proj.weight is second.q_proj.weight
+        and second.damcha.gates["q"] is loaded_first.damcha.gates["q"]
+    )
+    assert torch.equal(loaded_first.damcha.gates["q"], first.damcha.gates["q"])
+    with torch.no_grad():  # (the resized embeddings reload to within a rounding)
+        torch.testing.assert_close(loaded(**kw).logits, model(**kw).logits, rtol=0, atol=1e-12)
 
 
 def test_minimax_lightning_attention_is_refused_by_name():

@@ -921,6 +921,7 @@ def convert(
             for side in config.metric_sides:
                 shared.setdefault(side, maps.generator(side))
         built.append((module, maps))
+    _share_tied(model, plans, built)
     replacements = None
     if mhas:
         kwargs: dict[str, Any] = {
@@ -940,6 +941,7 @@ def convert(
         maps.install(module)
     if replacements:
         _convert_mod.install_replacements(model, replacements)
+    _register_host_ties(model)
 
     _record(model, metric=metric, metric_rank=metric_rank, coupling=coupling, share_metric=share_metric)
     return model
@@ -970,6 +972,64 @@ def _plans(
             continue
         plans.append((name, module, adapter, layout, config))
     return plans, failures
+
+
+def _share_tied(model: nn.Module, plans: list, built: list[tuple[nn.Module, DamchaMaps]]) -> None:
+    """Layers whose projections are the same parameters (the host ties them:
+    transformers builds Zamba's and Zamba2's shared transformer block once per
+    hybrid layer and ties their weights) share their maps' gates and
+    generators too, registered in each as the host registers its tied
+    weights. One block applied at several depths gets one set of maps, as
+    ALBERT's one module does; and the host's own tying, which
+    ``tie_weights()`` and ``resize_token_embeddings()`` re-apply by module
+    prefix, then finds them tied already (it used to tie every block's maps to
+    the first's, silently merging maps trained apart)."""
+    # Tied by the host's rules (target -> source parameter names) as well as by identity:
+    # from_pretrained builds the model with its blocks untied and ties them after loading.
+    rules = model.__dict__.get("all_tied_weights_keys")
+    rules = rules if isinstance(rules, dict) else {}
+    named: dict[int, str] = {}  # a parameter object -> the first name it was seen under
+
+    def source(full: str, p: nn.Parameter) -> str:
+        return rules.get(full) or named.setdefault(id(p), full)
+
+    first: dict[tuple[str, ...], tuple[DamchaMaps, DamchaConfig]] = {}
+    for (name, module, _adapter, layout, config), (_, maps) in zip(plans, built):
+        key = tuple(
+            source(".".join(part for part in (name, site.attr, pname) if part), p)
+            for site in layout.sites
+            for pname, p in _child(module, site.attr).named_parameters()
+        )
+        if not key:
+            continue
+        owner, owner_config = first.setdefault(key, (maps, config))
+        if owner is maps or owner_config != config:
+            continue
+        for side in config.metric_sides:
+            maps.gates[side] = owner.gates[side]
+            if side in owner._borrowed:  # share_metric: both borrow the one shared generator already
+                continue
+            # Registered where the owner registers it (share_metric's first layer registers the shared
+            # generator, the others borrow it): the host's prefix rule pairs the blocks' tensors by name.
+            maps._borrowed.pop(side, None)
+            maps.generators[side] = owner.generators[side]
+
+
+def _register_host_ties(model: nn.Module) -> None:
+    """Tell transformers that the maps of tied blocks are tied (``_share_tied``):
+    it expands a module-prefix tie rule (Zamba's ``"layers.2.shared_transformer":
+    "layers.0.shared_transformer"``) into parameter names at ``post_init``, before
+    ``convert``, and from that list ``save_pretrained`` drops the tied copies and
+    ``from_pretrained`` ties them again (a converted checkpoint loaded the later
+    blocks' maps as "newly initialized" zeros, untied). Only DAMCHA's own names
+    are added; the host's entries are left as they are."""
+    for module in model.modules():
+        tied = module.__dict__.get("all_tied_weights_keys")
+        expand = getattr(module, "get_expanded_tied_weights_keys", None)
+        if not isinstance(tied, dict) or not callable(expand):
+            continue
+        expanded = expand(all_submodels=True)
+        tied.update({k: v for k, v in expanded.items() if f".{CONFIG_KEY}." in f".{k}"})
 
 
 def _check_projections_not_shared(layers: list[tuple[str, nn.Module, AttentionLayout]]) -> None:
