@@ -329,7 +329,7 @@ def test_query_coupling_trains_with_recompute(arch):
     grads = {}
     for recompute in (True, False):
         model = _no_dropout(open_gates(dt.convert(build(arch, torch.float64), coupling="query", recompute=recompute)))
-        grads[recompute] = _grads(model.train(), lambda: run(model, arch, kw))
+        grads[recompute] = _grads(model.train(), lambda m=model: run(m, arch, kw))
     assert set(grads[True]) == set(grads[False]) and any(".gates.q" in n for n in grads[True])
     assert not any(".gates.k" in n or ".gates.qk" in n for n in grads[True])
     for n, g in grads[False].items():
@@ -340,6 +340,31 @@ def test_query_coupling_trains_with_recompute(arch):
         torch.testing.assert_close(
             attention.k_proj(x), nn.functional.linear(x, attention.k_proj.weight), rtol=0, atol=0
         )
+
+
+@pytest.mark.parametrize("share", [False, True], ids=["own", "share_metric"])
+def test_siglip_pooling_head_maps_its_probe_and_patches_apart(share):
+    """SigLIP's vision pooling head is an nn.MultiheadAttention whose query is a
+    learned probe over the patch tokens: tied maps put the probe and the patches
+    through one generator (the mha rule ties when kdim == embed_dim); it now gets
+    separate maps, as timm's AttentionPoolLatent. Exact at init to rounding; the
+    key gate alone moves the output."""
+    T = transformers
+    torch.manual_seed(0)
+    config = T.SiglipVisionConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4, image_size=16, patch_size=4
+    )
+    model = T.SiglipVisionModel(config).double().eval()
+    pixels = torch.randn(2, 3, 16, 16, dtype=torch.float64)
+    with torch.no_grad():
+        before = model(pixel_values=pixels).pooler_output
+    dt.convert(model, share_metric=share)
+    head = model.get_submodule("head.attention")
+    assert isinstance(head, dt.DamchaAttention) and head.config.coupling == "separate"
+    with torch.no_grad():
+        torch.testing.assert_close(model(pixel_values=pixels).pooler_output, before, rtol=0, atol=1e-12)
+        head.metric_gates["k"].fill_(0.5)
+        assert (model(pixel_values=pixels).pooler_output - before).abs().max() > 1e-3
 
 
 # ------------------------------------------------------------------ PEFT

@@ -245,17 +245,20 @@ def replace_mha(model: nn.Module, **kwargs: Any) -> nn.Module:
     return model
 
 
-def build_replacements(model: nn.Module, kwargs: Mapping[str, Any]) -> dict[int, DamchaAttention]:
+def build_replacements(
+    model: nn.Module, kwargs: Mapping[str, Any], overrides: Mapping[int, Mapping[str, Any]] | None = None
+) -> dict[int, DamchaAttention]:
     """``id(mha)`` -> its ``DamchaAttention.from_mha``, for every ``nn.MultiheadAttention``
     of ``model`` (a shared instance once), all built before any is installed: a
     layer that cannot be converted (a coupling its sizes do not allow, a shared
     generator of other sizes) leaves the model as it was, and the error names
-    the layer's path."""
+    the layer's path. ``overrides``: ``id(mha)`` -> arguments of its own."""
     done: dict[int, DamchaAttention] = {}
     for path, module in model.named_modules():
         if isinstance(module, nn.MultiheadAttention) and id(module) not in done:
             try:
-                done[id(module)] = DamchaAttention.from_mha(module, **kwargs)
+                own = {**kwargs, **(overrides or {}).get(id(module), {})}
+                done[id(module)] = DamchaAttention.from_mha(module, **own)
             except (DamchaValueError, DamchaTypeError) as exc:
                 # Named at the end: the message keeps its "Invalid argument `x`: ..." form.
                 raise type(exc)(f"{exc} (in layer `{path}`, an nn.MultiheadAttention)") from None

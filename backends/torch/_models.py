@@ -930,9 +930,11 @@ def convert(
             "recompute": recompute,
             "coupling": None if coupling == "auto" else coupling,
         }
+        overrides = _probe_heads(model, mhas) if coupling == "auto" else {}
         if share_metric:
-            kwargs["metric_generator"] = _mha_shared(mhas, metric, metric_rank, kwargs["coupling"], shared)
-        replacements = _convert_mod.build_replacements(model, kwargs)
+            first = overrides.get(id(mhas[0][1]), {}).get("coupling", kwargs["coupling"])
+            kwargs["metric_generator"] = _mha_shared(mhas, metric, metric_rank, first, shared)
+        replacements = _convert_mod.build_replacements(model, kwargs, overrides)
 
     for module, maps in built:
         module.add_module(CONFIG_KEY, maps)
@@ -1051,6 +1053,21 @@ def _check_projections_not_shared(layers: list[tuple[str, nn.Module, AttentionLa
                         f"one {type(projection).__name__} at {first} and {where}",
                     )
                 )
+
+
+def _probe_heads(model: nn.Module, mhas: list[tuple[str, nn.Module]]) -> dict[int, dict[str, Any]]:
+    """The nn.MultiheadAttention layers of attention-pooling heads, with coupling
+    "separate": a learned ``probe`` of their parent is the query, the tokens the
+    keys (transformers' SigLIP and SigLIP 2 pooling heads), so queries and keys
+    read other tokens, as in timm's ``AttentionPoolLatent`` (its own adapter
+    maps them apart too). Other MHA layers keep ``from_mha``'s rule (tied when
+    ``kdim == embed_dim``): how they are called is not known before they are."""
+    out: dict[int, dict[str, Any]] = {}
+    for name, mha in mhas:
+        parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+        if isinstance(getattr(parent, "probe", None), nn.Parameter):
+            out[id(mha)] = {"coupling": "separate"}
+    return out
 
 
 def _mha_shared(mhas, metric, metric_rank, coupling, shared):
