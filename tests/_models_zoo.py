@@ -36,6 +36,8 @@ BART_COPY_MODELS = {
     "plbart": ("PLBartForConditionalGeneration", "PLBartConfig"),
     "blenderbot": ("BlenderbotForConditionalGeneration", "BlenderbotConfig"),
     "blenderbot-small": ("BlenderbotSmallForConditionalGeneration", "BlenderbotSmallConfig"),
+    # SeamlessM4T's text-to-text model (its text encoder and decoder; its config names d_model hidden_size).
+    "seamless-m4t": ("SeamlessM4TForTextToText", "SeamlessM4TConfig"),
 }
 # Encoder-decoders with T5's attention or a copy of it (transformers-t5): built with the zoo's
 # "bart" sizes (T5's names) and d_kv=6, so that n_heads * d_kv (24) differs from d_model as in
@@ -232,6 +234,10 @@ def build(arch: str, dtype: torch.dtype = torch.float32, attn: str = "sdpa", see
             )
         else:
             sizes.update(max_position_embeddings=64)
+        if arch == "seamless-m4t":
+            sizes["hidden_size"], sizes["initializer_range"] = sizes.pop("d_model"), sizes.pop("init_std")
+            del sizes["forced_eos_token_id"]
+            sizes.update(dropout=0.0, attention_dropout=0.0, encoder_layerdrop=0.0, decoder_layerdrop=0.0)
         m = cls(cls_cfg(**sizes))
     elif arch == "pix2struct":
         text = dict(vocab_size=VOCAB, hidden_size=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4)
@@ -450,6 +456,16 @@ def layer_params(arch: str, module: nn.Module) -> tuple[dict[str, np.ndarray], d
             p[f"{n}.kernel"], p[f"{n}.bias"] = _linear(lin, e, H, d)
         p["output.kernel"] = np.eye(H * d).reshape(H, d, H * d)
         p["output.bias"] = np.zeros(H * d)
+    elif arch == "vl-vision":  # Qwen-VL-like vision towers: a fused qkv (H query, G key, G value heads) or q, k, v
+        if hasattr(module, "qkv"):
+            starts = np.cumsum([0, H * d, G * d])
+            for n, s, start in zip(("query", "key", "value"), (H, G, G), starts):
+                p[f"{n}.kernel"], p[f"{n}.bias"] = _linear(module.qkv, E, s, d, slice(start, start + s * d))
+        else:
+            for n, lin in (("query", module.q), ("key", module.k), ("value", module.v)):
+                p[f"{n}.kernel"], p[f"{n}.bias"] = _linear(lin, E, lin.out_features // d, d)
+        p["output.kernel"] = _np(module.proj.weight).T.reshape(H, d, -1)
+        p["output.bias"] = np.zeros(module.proj.out_features) if module.proj.bias is None else _np(module.proj.bias)
     elif arch.startswith("vit"):
         for i, n in enumerate(("query", "key", "value")):
             p[f"{n}.kernel"], p[f"{n}.bias"] = _linear(module.qkv, E, H, d, slice(i * H * d, (i + 1) * H * d))

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib
 import io
 import logging
+import operator
 
 import numpy as np
 import pytest
@@ -21,6 +23,8 @@ from _models_zoo import (
     SIGLIP_HEAD,
     T5_MODELS,
     VOCAB,
+    WHISPER_MELS,
+    WHISPER_SOURCE,
     _dec,
     _np,
     aten_calls_before_and_after_convert,
@@ -116,6 +120,12 @@ ROPE_LAYOUTS = {
     "ernie4_5": ("cat", True),
     "ernie4_5_moe": ("cat", True),
     "cohere2_moe": ("repeat", True),
+    # GLM-4V's and GLM-OCR's multimodal RoPE (each angle repeated, interleaved pairs over the first
+    # partial_rotary_factor; GLM-4V-MoE's in halves, the default), ERNIE-4.5-VL's text model's (interleaved
+    # pairs over the whole head).
+    "glm4v": ("repeat", True),
+    "glm_ocr": ("repeat", True),
+    "ernie4_5_vl_moe_text": ("repeat", True),
 }
 # Hosts that turn each pair by minus its angle (NanoChat's rotate_half flips the signs).
 ROPE_REVERSED = frozenset({"nanochat"})
@@ -508,6 +518,7 @@ BART_COPIES = {  # the attention class each layer of the zoo's model holds (_mod
     "plbart": "PLBartAttention",
     "blenderbot": "BlenderbotAttention",
     "blenderbot-small": "BlenderbotSmallAttention",
+    "seamless-m4t": "SeamlessM4TAttention",  # its decoder layers' cross_attention, named so
 }
 
 
@@ -534,7 +545,7 @@ def test_bart_copies_convert(name):
     layers = dt.converted_layers(model)
     assert len(attention) == 6 and set(layers) == set(attention)  # 2 encoder, 2 + 2 decoder
     for n, m in layers.items():
-        cross = n.endswith("encoder_attn")
+        cross = n.endswith(("encoder_attn", "cross_attention"))
         assert set(m.damcha.config.metric_sides) == ({"q", "k"} if cross else {"qk"}), n
     assert same(after, before)
     open_gates(model, scale=0.8)
@@ -547,6 +558,88 @@ def test_bart_copies_convert(name):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
         assert (a - c).abs().max() > 1e-3
     _check_layers_against_reference("bart", model=dt.convert(build(name, torch.float64)))
+
+
+def test_voxtral_realtime_converts():
+    """Voxtral-Realtime (a causal audio encoder and a text decoder, both Llama's attention with a
+    sliding window wider than these tokens; the audio embeddings added to the text tokens', one
+    per token): the encoder's layers converted with tied maps (MHA), the decoder's with separate
+    ones (GQA), exact at init bit for bit on a left-padded batch, and each layer (gates open)
+    equal to an independent NumPy forward with the host's rotation angles, causal."""
+    text = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, head_dim=8)
+    text.update(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0)
+    audio = dict(text, num_key_value_heads=4, num_mel_bins=WHISPER_MELS, sliding_window=32)
+    del audio["vocab_size"], audio["pad_token_id"]
+    torch.manual_seed(0)
+    config = transformers.VoxtralRealtimeConfig(text_config=text, audio_config=audio, default_num_delay_tokens=2)
+    model = transformers.VoxtralRealtimeForConditionalGeneration(config).to(torch.float64).eval()
+    kw = inputs("llama", torch.float64)  # 7 tokens: 7 audio embeddings of 8 frames each (conv stride 2, 4 per token)
+    kw["input_features"] = torch.randn(
+        2, WHISPER_MELS, 56, generator=torch.Generator().manual_seed(1), dtype=torch.float64
+    )
+    with torch.no_grad():
+        before = model(**kw).logits
+        dt.convert(model)
+        after = model(**kw).logits
+    layers = dt.converted_layers(model)
+    assert sorted(layers) == sorted(n for n, m in model.named_modules() if type(m).__name__.endswith("Attention"))
+    sides = {n: m.damcha.config.metric_sides for n, m in layers.items()}
+    assert len(sides) == 4 and sides == {n: ("qk",) if ".audio_tower." in n else ("q", "k") for n in sides}
+    assert same(after, before)
+    kw["attention_mask"][0] = 1
+    _check_normed_layers(open_gates(model), _no_norms, call=lambda m: m(**kw))
+
+
+# Audio-language models whose audio encoder is Whisper's (transformers-bart: encoder self-attention only)
+# and whose language model is a supported decoder: name -> (model, config, audio config beyond the zoo's
+# Whisper sizes, text model type, audio tokens per clip of 16 frames, the name of its frame mask).
+AUDIO_ENCODER_COPIES = {
+    "qwen2-audio": ("Qwen2AudioForConditionalGeneration", "Qwen2AudioConfig", {}, "qwen2", 4, "feature_attention_mask"),
+    "audioflamingo3": (
+        "AudioFlamingo3ForConditionalGeneration",
+        "AudioFlamingo3Config",
+        {},
+        "qwen2",
+        4,
+        "input_features_mask",
+    ),
+    # Its projector reads the encoder output in runs of 4 frames (4 * d_model = encoder_ffn_dim).
+    "voxtral": ("VoxtralForConditionalGeneration", "VoxtralConfig", dict(encoder_ffn_dim=128), "llama", 2, None),
+}
+
+
+@pytest.mark.parametrize("name", list(AUDIO_ENCODER_COPIES))
+def test_audio_encoder_copies_convert(name):
+    """Every attention layer converted (the audio encoder's self-attention tied, the
+    language model's separate: GQA), exact at init bit for bit on a batch of two clips
+    and prompts (row 0's first token padding), and each audio encoder layer equal to
+    the reference (not causal) with the gates open."""
+    model, config, audio, text, tokens, frames_mask = AUDIO_ENCODER_COPIES[name]
+    whisper = dict(d_model=32, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=48, init_std=0.2)
+    whisper.update(num_mel_bins=WHISPER_MELS, max_source_positions=WHISPER_SOURCE, **audio)
+    text_config = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, head_dim=8)
+    text_config.update(num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, model_type=text)
+    torch.manual_seed(0)
+    cfg = getattr(transformers, config)(text_config=text_config, audio_config=whisper, audio_token_id=60)
+    model = getattr(transformers, model)(cfg).to(torch.float64).eval()
+    g = torch.Generator().manual_seed(1)
+    kw = {"input_ids": torch.randint(1, 57, (2, 9), generator=g), "attention_mask": torch.ones(2, 9, dtype=torch.long)}
+    kw["input_ids"][:, 2 : 2 + tokens] = 60
+    kw["input_features"] = torch.randn(2, WHISPER_MELS, 2 * WHISPER_SOURCE, generator=g, dtype=torch.float64)
+    if frames_mask is not None:
+        kw[frames_mask] = torch.ones(2, 2 * WHISPER_SOURCE, dtype=torch.long)
+    padded = dict(kw, attention_mask=kw["attention_mask"].clone())
+    padded["attention_mask"][0, 0] = 0
+    with torch.no_grad():
+        before = model(**padded).logits
+        dt.convert(model)
+        after = model(**padded).logits
+    layers = dt.converted_layers(model)
+    assert sorted(layers) == sorted(n for n, m in model.named_modules() if type(m).__name__.endswith("Attention"))
+    sides = {n: m.damcha.config.metric_sides for n, m in layers.items()}
+    assert len(sides) == 4 and sides == {n: ("qk",) if ".audio_tower." in n else ("q", "k") for n in sides}
+    assert same(after, before)
+    _check_layers_against_reference("bart", model=model.model.audio_tower, call=lambda m: model(**kw))
 
 
 def _check_converted_lm(model, names, sides):
@@ -707,7 +800,7 @@ def _randomise_qk_norms(model, seed=2):
                     p.copy_(1 + 0.5 * torch.randn(p.shape, generator=g, dtype=p.dtype))
 
 
-def _check_normed_layers(model, norms, *, clip=None, rotated=None, rotate_first=False, call=None):
+def _check_normed_layers(model, norms, *, clip=None, rotated=None, rotate_first=False, call=None, causal=True):
     """Each converted layer of a float64 causal LM (gates open) against an
     independent NumPy forward: project, the reference's maps, q, k and v
     clamped to +-``clip`` if given (OLMo's clip_qkv), ``norms(q, k, module)``
@@ -718,7 +811,7 @@ def _check_normed_layers(model, norms, *, clip=None, rotated=None, rotate_first=
     ``module.sliding_window`` where the layer has one) at the host's scale,
     the host's output gate if it has one (``_output_gate``) or BitNet's norm
     of the attention output, the output projection; to 1e-6 (the hosts' norms compute in float32 whatever the
-    model's dtype). ``call(model)`` runs the model (default: 7 tokens, no
+    model's dtype). Not causal where ``causal`` is False (an encoder's). ``call(model)`` runs the model (default: 7 tokens, no
     padding); layers without a ``q_proj`` (Qwen-VL's vision towers) are
     checked by ``_check_qwen_vision_call``."""
     calls = capture(model)
@@ -771,7 +864,7 @@ def _check_normed_layers(model, norms, *, clip=None, rotated=None, rotate_first=
         k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
         logits = module.scaling * np.einsum("bnhd,bmhd->bhnm", q, k)
         n = logits.shape[-1]
-        keep = np.arange(n)[None] <= np.arange(n)[:, None]
+        keep = np.arange(n)[None] <= np.arange(n)[:, None] if causal else np.ones((n, n), dtype=bool)
         window = getattr(module, "sliding_window", None)
         if window is not None:  # a sliding layer: the last `window` keys only
             keep &= np.arange(n)[:, None] - np.arange(n)[None] < window
@@ -790,15 +883,19 @@ def _check_normed_layers(model, norms, *, clip=None, rotated=None, rotate_first=
 
 def _check_qwen_vision_call(module, args, kwargs, output, *, name):
     """A Qwen-VL vision attention call (gates open) against an independent NumPy
-    forward: the fused qkv's q, k and v blocks, the reference's maps, the
-    host's 2D rotation angles (halves of the whole head), a softmax attention
-    inside each image (or window) that ``cu_seqlens`` delimits, the output
-    projection; to 1e-6 (the host rotates in float32)."""
+    forward: the fused qkv's q, k and v blocks (H query heads, G key and G value
+    heads: EXAONE 4.5's GQA), or Qwen2.5-Omni's q, k and v Linear layers, the
+    reference's maps, the host's per-head q/k RMS norms where it has them
+    (GLM-OCR's), the host's 2D rotation angles (halves of the whole head), a
+    softmax attention inside each image (or window) that ``cu_seqlens``
+    delimits, the output projection; to 1e-6 (the host rotates in float32)."""
     x = _call_tokens(args, kwargs)[0].double().numpy()[None]  # (1, N, E): the patches of every image in a row
-    p, cfg = layer_params("vit", module)  # q, k and v blocks of qkv, proj
+    p, cfg = layer_params("vl-vision", module)  # q, k and v blocks of qkv (or q, k, v), proj
     _, metric = dc.damcha_attention(p, cfg, x, return_metric=True)
     q, k, v = (np.einsum("bte,ehd->bthd", x, p[f"{r}.kernel"]) + p[f"{r}.bias"] for r in ("query", "key", "value"))
     q, k = np.einsum("btha,btad->bthd", metric["q"], q), np.einsum("btha,btad->bthd", metric["k"], k)
+    if hasattr(module, "q_norm"):
+        q, k = _rms_norms(q, k, module)
     cos, sin = (t.double().numpy()[None, :, None] for t in kwargs["position_embeddings"])
     R = cos.shape[-1] // 2
     cos, sin = cos[..., :R], sin[..., :R]
@@ -809,6 +906,7 @@ def _check_qwen_vision_call(module, args, kwargs, output, *, name):
         return np.concatenate([a * cos - b * sin, b * cos + a * sin], -1)
 
     q, k = rotate(q), rotate(k)
+    k, v = (np.repeat(t, q.shape[2] // k.shape[2], axis=2) for t in (k, v))
     logits = module.scaling * np.einsum("bnhd,bmhd->bhnm", q, k)
     bounds = kwargs["cu_seqlens"].tolist()
     segment = np.zeros(x.shape[1], dtype=int)
@@ -1310,7 +1408,61 @@ MORE_LLAMA_COPIES = {
     "nanochat": ("NanoChatForCausalLM", "NanoChatConfig", {}, _rms_norms_no_weight, None),
     # An RMS norm of the attention output before o_proj.
     "bitnet": ("BitNetForCausalLM", "BitNetConfig", {}, _no_norms, None),
+    # The third survey (_LLAMA_SURVEY_3, GLM-4V's and ERNIE-4.5-VL's text entries of _ROTARY): text models
+    # (their last hidden states) where the model is multimodal. EuroBERT: an encoder (not causal).
+    "eurobert": ("EuroBertForMaskedLM", "EuroBertConfig", {}, _no_norms, None),
+    "cosmos3-edge-text": ("Cosmos3EdgeTextModel", "Cosmos3EdgeTextConfig", {}, _no_norms, None),
+    "deepseek-ocr2-text": (
+        "DeepseekOcr2TextModel",
+        "DeepseekOcr2TextConfig",
+        dict(mlp_layer_types=["dense"] * 2),
+        _no_norms,
+        None,
+    ),
+    # CSM's depth decoder (over one frame's codebooks; its backbone's layers are the same class).
+    "csm-depth-decoder": (
+        "CsmDepthDecoderForCausalLM",
+        "CsmDepthDecoderConfig",
+        dict(backbone_hidden_size=32, num_codebooks=8),
+        _no_norms,
+        None,
+    ),
+    "higgs-audio-v2": ("HiggsAudioV2ForConditionalGeneration", "HiggsAudioV2Config", {}, _no_norms, None),
+    "granite4-vision-text": (
+        "Granite4VisionTextModel",
+        "Granite4VisionTextConfig",
+        dict(attention_multiplier=0.2),
+        _no_norms,
+        None,
+    ),
+    "granite-docling-text": (
+        "GraniteDoclingTextModel",
+        "GraniteDoclingTextConfig",
+        dict(attention_multiplier=0.2),
+        _no_norms,
+        None,
+    ),
+    "qwen3-omni-thinker-text": (
+        "Qwen3OmniMoeThinkerTextModel",
+        "Qwen3OmniMoeTextConfig",
+        dict(head_dim=8, **_MOE),
+        _rms_norms,
+        None,
+    ),
+    # Text tokens: the three axes of its 3D RoPE (sections of 1, 1 and 2 angles) at the same positions.
+    "ernie4.5-vl-text": (
+        "Ernie4_5_VLMoeTextModel",
+        "Ernie4_5_VLMoeTextConfig",
+        dict(
+            mlp_layer_types=["dense"] * 2,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]},
+        ),
+        _no_norms,
+        None,
+    ),
 }
+# Encoders among them: no causal mask.
+BIDIRECTIONAL = frozenset({"eurobert"})
 
 
 def _more_llama_copy(name):
@@ -1321,19 +1473,24 @@ def _more_llama_copy(name):
 @pytest.mark.parametrize("name", list(MORE_LLAMA_COPIES))
 def test_more_llama_copies_convert(name):
     """Both attention layers converted (GQA: separate maps; MHA: tied), exact at
-    init bit for bit (float64, left-padded batch), and each layer (gates open,
-    random norm weights) equal to the reference with the host's rotation, or
-    to an independent NumPy forward with its norms, windows, unrotated layers
-    and output gates (Qwen3-Next's from its q_proj, LFM3's and Laguna's
-    g_proj), hybrids' other mixers left as they are."""
+    init bit for bit (float64, left-padded batch; a text model's last hidden
+    states), and each layer (gates open, random norm weights) equal to the
+    reference with the host's rotation, or to an independent NumPy forward with
+    its norms, windows, unrotated layers and output gates (Qwen3-Next's from its
+    q_proj, LFM3's and Laguna's g_proj), not causal in an encoder's
+    (``BIDIRECTIONAL``), hybrids' other mixers left as they are."""
     model = _more_llama_copy(name)
     names = sorted(n for n, m in model.named_modules() if type(m).__name__.endswith("Attention"))
     assert len(names) == 2
     kw = inputs("llama")
+
+    def hidden(out):  # a text model's last hidden states
+        return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
     with torch.no_grad():
-        before = model(**kw).logits
+        before = hidden(model(**kw))
         dt.convert(model)
-        after = model(**kw).logits
+        after = hidden(model(**kw))
     layers = dt.converted_layers(model)
     assert sorted(layers) == names
     sides = ("qk",) if name.endswith("-mha") else ("q", "k")
@@ -1346,7 +1503,8 @@ def test_more_llama_copies_convert(name):
         return
     _randomise_qk_norms(model)
     rotate_first = name.startswith(("hunyuan", "nanochat"))  # they normalise the rotated heads
-    _check_normed_layers(open_gates(model), norms, rotated=rotated, rotate_first=rotate_first)
+    causal = name not in BIDIRECTIONAL
+    _check_normed_layers(open_gates(model), norms, rotated=rotated, rotate_first=rotate_first, causal=causal)
     if rotated is not None and name in ("exaone4", "smollm3", "exaone-moe", "cohere2-moe", "kolibri1", "lara-mini"):
         assert sorted(bool(rotated(m)) for m in layers.values()) == [False, True]
     # The variants these cases are for: each is there.
@@ -1387,6 +1545,10 @@ _INTERLEAVED = {"rope_parameters": {**_VL_TEXT["rope_parameters"], "mrope_interl
 _QWEN3_5_TEXT = dict(layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2, **_INTERLEAVED)
 _QWEN3_5_TEXT.update(linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8)
 _VL_MOE = dict(num_experts=2, num_experts_per_tok=1, moe_intermediate_size=16)
+# GLM-4V's text heads are hidden_size / num_attention_heads wide: 16 here, half of them rotated.
+_GLM_TEXT = dict(hidden_size=64, intermediate_size=96, head_dim=16, partial_rotary_factor=0.5)
+_GLM_VISION = dict(_VL_VISION, out_hidden_size=64, image_size=8)
+_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 QWEN_VL = {
     "qwen2-vl": (
         "Qwen2VLForConditionalGeneration",
@@ -1418,16 +1580,39 @@ QWEN_VL = {
         _QWEN3_VISION,
         _rms_norms_one_plus,
     ),
+    # The third survey's: GLM-4V (dense, MoE) and GLM-OCR, whose text models rotate the first half of each
+    # head (16 features: the 2 + 1 + 1 angles of the sections; in interleaved pairs, GLM-4V-MoE's in halves), whose vision
+    # towers are Qwen2.5-VL's (GLM-OCR's with per-head q/k norms) over 8x8-pixel images; EXAONE 4.5 (EXAONE
+    # 4's text model, rotating in its sliding-window layers, here both; a vision tower with GQA, 2 key heads).
+    "glm4v": ("Glm4vForConditionalGeneration", "Glm4vConfig", _GLM_TEXT, _GLM_VISION, _no_norms),
+    "glm4v-moe": (
+        "Glm4vMoeForConditionalGeneration",
+        "Glm4vMoeConfig",
+        dict(_GLM_TEXT, n_routed_experts=2, first_k_dense_replace=1, **_VL_MOE),
+        _GLM_VISION,
+        _no_norms,
+    ),
+    "glm-ocr": ("GlmOcrForConditionalGeneration", "GlmOcrConfig", _GLM_TEXT, _GLM_VISION, _no_norms),
+    "exaone4.5": (
+        "Exaone4_5_ForConditionalGeneration",
+        "Exaone4_5_Config",
+        dict(model_type="exaone4", sliding_window=16, layer_types=["sliding_attention"] * 2, rope_parameters=_ROPE),
+        dict(_VL_VISION, num_key_value_heads=2, window_size=4, fullatt_block_indexes=[1]),
+        _rms_norms,
+    ),
 }
-# Special tokens of the tiny vocabulary: image, video, vision start and end.
+# Special tokens of the tiny vocabulary: image, video, vision start and end (GLM's: image start and end).
 _VL_IDS = dict(image_token_id=60, video_token_id=59, vision_start_token_id=58, vision_end_token_id=57)
+_GLM_IDS = dict(image_token_id=60, video_token_id=59, image_start_token_id=58, image_end_token_id=57)
+_GLM_IDS.update(video_start_token_id=56, video_end_token_id=55)
 
 
 def _qwen_vl(name):
     model, config, text, vision, _ = QWEN_VL[name]
     torch.manual_seed(0)
+    ids = _GLM_IDS if name.startswith("glm") else _VL_IDS
     cfg = getattr(transformers, config)(
-        text_config={**_VL_TEXT, **text}, vision_config=vision, experts_implementation="eager", **_VL_IDS
+        text_config={**_VL_TEXT, **text}, vision_config=vision, experts_implementation="eager", **ids
     )
     return getattr(transformers, model)(cfg).to(torch.float64).eval()
 
@@ -1472,19 +1657,90 @@ def test_qwen_vl_family_converts(name):
     layers = dt.converted_layers(model)
     assert sorted(layers) == names and len(names) == (3 if name.startswith("qwen3.5") else 4)
     sides = {n: m.damcha.config.metric_sides for n, m in layers.items()}
-    assert sides == {n: ("qk",) if ".visual." in n else ("q", "k") for n in names}
+    tied = ("qk",) if name != "exaone4.5" else ("q", "k")  # EXAONE 4.5's vision tower: GQA
+    assert sides == {n: tied if ".visual." in n else ("q", "k") for n in names}
     assert same(after, before)
     _randomise_qk_norms(model)
     kw = _qwen_vl_inputs(padding=False)
     _check_normed_layers(open_gates(model), QWEN_VL[name][4], call=lambda m: m(**kw))
 
 
-# Copies of CLIP's and SigLIP's attention (transformers-clip): name -> (model, config, what it runs on,
-# the zoo's layout whose reference each tower's layers follow). CLIPSeg: its text tower (causal), its
-# vision tower and its decoder layer (neither causal), each checked by itself.
+# Vision towers of the third survey whose models hold attention of other layouts (Qwen2.5-Omni's and
+# Qwen3-Omni's audio encoders) or take other inputs (ERNIE-4.5-VL's resampler), built by themselves:
+# name -> (the tower's module and class, config, config sizes, features per patch). Qwen2.5-Omni's
+# projects q, k and v with three Linear layers and attends in windows (its first block) as Qwen2.5-VL's,
+# Qwen3-Omni's is Qwen3-VL's, ERNIE-4.5-VL's Qwen2.5-VL's (whole images, patches of one frame).
+QWEN_VISION_TOWERS = {
+    "qwen2.5-omni": (
+        "qwen2_5_omni.modeling_qwen2_5_omni.Qwen2_5OmniVisionEncoder",
+        "Qwen2_5OmniVisionEncoderConfig",
+        dict(_VL_VISION, window_size=4, fullatt_block_indexes=[1]),
+        24,
+    ),
+    "qwen3-omni": (
+        "qwen3_omni_moe.modeling_qwen3_omni_moe.Qwen3OmniMoeVisionEncoder",
+        "Qwen3OmniMoeVisionEncoderConfig",
+        _QWEN3_VISION,
+        24,
+    ),
+    "ernie4.5-vl": (
+        "ernie4_5_vl_moe.modeling_ernie4_5_vl_moe.Ernie4_5_VLMoeVisionTransformerPretrainedModel",
+        "Ernie4_5_VLMoeVisionConfig",
+        {k: v for k, v in _VL_VISION.items() if k not in ("temporal_patch_size", "out_hidden_size")},
+        12,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(QWEN_VISION_TOWERS))
+def test_qwen_vision_towers_convert(name):
+    """Both blocks of a vision tower converted with tied maps, exact at init bit
+    for bit on two images of 4x4 and 2x4 patches, and each block (gates open)
+    equal to a NumPy forward with the host's 2D angles inside each image or
+    window (``_check_qwen_vision_call``)."""
+    path, config, sizes, features = QWEN_VISION_TOWERS[name]
+    module, cls = path.rsplit(".", 1)
+    torch.manual_seed(0)
+    tower = getattr(importlib.import_module(f"transformers.models.{module}"), cls)
+    model = tower(getattr(transformers, config)(**sizes)).to(torch.float64).eval()
+    pixels = torch.randn(24, features, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    kw = {"hidden_states": pixels, "grid_thw": torch.tensor([[1, 4, 4], [1, 2, 4]])}
+
+    def hidden(out):
+        return out if isinstance(out, torch.Tensor) else out.last_hidden_state
+
+    with torch.no_grad():
+        before = hidden(model(**kw))
+        dt.convert(model)
+        after = hidden(model(**kw))
+    layers = dt.converted_layers(model)
+    assert sorted(layers) == ["blocks.0.attn", "blocks.1.attn"]
+    assert all(m.damcha.config.metric_sides == ("qk",) for m in layers.values())
+    assert same(after, before)
+    open_gates(model)
+    calls = capture(model)
+    with torch.no_grad():
+        model(**kw)
+    for layer, ((args, kwargs, output),) in calls.items():
+        _check_qwen_vision_call(layers[layer], args, kwargs, output, name=layer)
+
+
+# Copies of CLIP's and SigLIP's attention (transformers-clip) and of Dinov2's (transformers-vit): name ->
+# (model, config, what it runs on, the zoo's layout whose reference each tower's layers follow). CLIPSeg:
+# its text tower (causal), its vision tower and its decoder layer (neither causal), each checked by
+# itself. A model of a module path (under transformers.models) is its class there; ``CLIP_PARTS`` names
+# the tower converted and run where the model holds attention of other layouts (Idefics2's perceiver,
+# Kosmos-2's text decoder).
 _CLIP_TEXT = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4)
 _CLIP_TEXT.update(max_position_embeddings=64, bos_token_id=1, eos_token_id=2)
 _CLIP_VISION = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4)
+# Idefics-style models: 16x16 images of 4x4-pixel patches, shuffled 2x2 into 4 image tokens.
+_IDEFICS = dict(
+    text_config=dict(_CLIP_VISION, vocab_size=VOCAB, num_key_value_heads=2, pad_token_id=0, model_type="llama"),
+    vision_config=dict(_CLIP_VISION, image_size=16, patch_size=4),
+    scale_factor=2,
+    image_token_id=60,
+)
 CLIP_COPIES = {
     "metaclip2-text": ("MetaClip2TextModel", "MetaClip2TextConfig", _CLIP_TEXT, "text"),
     "metaclip2-vision": (
@@ -1515,22 +1771,89 @@ CLIP_COPIES = {
         ),
         "text and image",
     ),
+    # The third survey's: SmolVLM's and Idefics3's vision towers (SigLIP's) in their whole models (a
+    # Llama text model), Idefics2's and Kosmos-2's by themselves, AIMv2's two towers (the text tower causal
+    # through its mask; the CLIP-style model needs the vision tower's pooling head), GIT's and Chinese-CLIP's vision towers (CLIP's), Pixio, TIPSv2's vision tower and
+    # RF-DETR's backbone (Dinov2's; RF-DETR's first block attends inside 2x2 windows of the patches).
+    "smolvlm": ("SmolVLMForConditionalGeneration", "SmolVLMConfig", _IDEFICS, "text and images"),
+    "idefics3": ("Idefics3ForConditionalGeneration", "Idefics3Config", _IDEFICS, "text and images"),
+    "idefics2-vision": (
+        "Idefics2ForConditionalGeneration",
+        "Idefics2Config",
+        dict(
+            text_config=dict(_IDEFICS["text_config"], model_type="mistral"),
+            vision_config=_IDEFICS["vision_config"],
+            perceiver_config=dict(hidden_size=32, resampler_n_latents=4, resampler_depth=1, num_key_value_heads=2),
+        ),
+        "patch mask",
+    ),
+    "kosmos2-vision": (
+        "Kosmos2Model",
+        "Kosmos2Config",
+        dict(
+            text_config=dict(vocab_size=VOCAB, embed_dim=32, layers=1, attention_heads=4, ffn_dim=48),
+            vision_config=dict(_CLIP_VISION, image_size=16, patch_size=8),
+            latent_query_num=4,
+        ),
+        "image",
+    ),
+    # Eager: its model leaves the causal mask out where no token is padding, and its layers pass the kernel
+    # is_causal=False, so under SDPA an unpadded batch attends both ways (the host's, maps or not).
+    "aimv2-text": ("Aimv2TextModel", "Aimv2TextConfig", dict(_CLIP_TEXT, attn_implementation="eager"), "text"),
+    # Without its pooling head (a learned query without projection, refused as timm's AttentionPoolLatent is).
+    "aimv2-vision": (
+        "Aimv2VisionModel",
+        "Aimv2VisionConfig",
+        dict(_CLIP_VISION, image_size=16, patch_size=8, use_head=False),
+        "image",
+    ),
+    "git-vision": ("GitVisionModel", "GitVisionConfig", dict(_CLIP_VISION, image_size=16, patch_size=8), "image"),
+    "chinese-clip-vision": (
+        "ChineseCLIPVisionModel",
+        "ChineseCLIPVisionConfig",
+        dict(_CLIP_VISION, image_size=16, patch_size=8),
+        "image",
+    ),
+    "pixio": ("PixioModel", "PixioConfig", dict(_CLIP_VISION, image_size=16, patch_size=8), "image"),
+    "tipsv2-vision": (
+        "Tipsv2VisionModel",
+        "Tipsv2VisionConfig",
+        dict(_CLIP_VISION, image_size=16, patch_size=8),
+        "image",
+    ),
+    "rf-detr-backbone": (
+        "rf_detr.modeling_rf_detr.RfDetrDinov2Backbone",
+        "RfDetrDinov2Config",
+        dict(_CLIP_VISION, image_size=16, patch_size=4, num_windows=2, window_block_indexes=[0], out_indices=[2]),
+        "image",
+    ),
 }
+# The towers converted and run by themselves, by attribute path.
+CLIP_PARTS = {"idefics2-vision": "model.vision_model", "kosmos2-vision": "vision_model"}
 
 
 def _clip_copy_inputs(name, padding):
     """Keyword inputs of a ``CLIP_COPIES`` model: 7 tokens (row 0 left-padded by two if
-    ``padding``), 16x16 images, or 16 patches (row 0's last 4 padding)."""
+    ``padding``), 16x16 images, or 16 patches (row 0's last 4 padding); with images
+    (Idefics-style), an image of 4 image tokens in each row's tokens 3 to 6; a patch
+    mask (row 0's last row of 4x4-pixel patches padding)."""
     g = torch.Generator().manual_seed(1)
     kw = {}
     runs_on = CLIP_COPIES[name][3]
     if "text" in runs_on:
-        kw["input_ids"] = torch.randint(1, VOCAB, (2, 7), generator=g)
+        kw["input_ids"] = torch.randint(1, 57, (2, 7), generator=g)
         kw["attention_mask"] = torch.ones(2, 7, dtype=torch.long)
         if padding:
             kw["attention_mask"][0, :2] = 0
-    if "image" in runs_on:
+    if runs_on.endswith("image") or runs_on == "patch mask":
         kw["pixel_values"] = torch.randn(2, 3, 16, 16, generator=g, dtype=torch.float64)
+    if runs_on == "patch mask":
+        kw["patch_attention_mask"] = torch.ones(2, 4, 4, dtype=torch.bool)
+        if padding:
+            kw["patch_attention_mask"][0, -1] = False
+    if runs_on.endswith("images"):
+        kw["input_ids"][:, 3:7] = CLIP_COPIES[name][2]["image_token_id"]
+        kw["pixel_values"] = torch.randn(2, 1, 3, 16, 16, generator=g, dtype=torch.float64)
     if runs_on == "patches":
         kw["pixel_values"] = torch.randn(2, 16, 3 * 4 * 4, generator=g, dtype=torch.float64)
         kw["pixel_attention_mask"] = torch.ones(2, 16, dtype=torch.long)
@@ -1543,7 +1866,13 @@ def _clip_copy_inputs(name, padding):
 def _clip_copy(name):
     model, config, sizes, _ = CLIP_COPIES[name]
     torch.manual_seed(0)
-    return getattr(transformers, model)(getattr(transformers, config)(**sizes)).to(torch.float64).eval()
+    if "." in model:
+        module, model = model.rsplit(".", 1)
+        build = getattr(importlib.import_module(f"transformers.models.{module}"), model)
+    else:
+        build = getattr(transformers, model)
+    built = build(getattr(transformers, config)(**sizes)).to(torch.float64).eval()
+    return operator.attrgetter(CLIP_PARTS[name])(built) if name in CLIP_PARTS else built
 
 
 @pytest.mark.parametrize("name", list(CLIP_COPIES))
@@ -1556,6 +1885,8 @@ def test_clip_and_siglip_copies_convert(name):
     kw = _clip_copy_inputs(name, padding=True)
 
     def hidden(out):
+        if hasattr(out, "feature_maps"):  # a backbone's
+            return out.feature_maps[-1]
         return out.logits if hasattr(out, "logits") else out.last_hidden_state
 
     with torch.no_grad():
@@ -1564,17 +1895,22 @@ def test_clip_and_siglip_copies_convert(name):
         after = hidden(model(**kw))
     layers = dt.converted_layers(model)
     assert sorted(layers) == sorted(n for n, m in model.named_modules() if type(m).__name__.endswith("Attention"))
+    # Tied maps but in the Idefics-style models' Llama text layers (GQA: separate).
     assert all(
-        m.damcha.config.metric_sides == ("qk",) for m in layers.values() if not isinstance(m, dt.DamchaAttention)
+        m.damcha.config.metric_sides == (("q", "k") if n.startswith("model.text_model.") else ("qk",))
+        for n, m in layers.items()
+        if not isinstance(m, dt.DamchaAttention)
     )
-    assert len(layers) == {"clipseg": 5, "siglip2-vision": 3}.get(name, 2)
+    assert len(layers) == {"clipseg": 5, "siglip2-vision": 3, "smolvlm": 4, "idefics3": 4}.get(name, 2)
     assert same(after, before)
     kw = _clip_copy_inputs(name, padding=False)
     if name == "clipseg":
         towers = [("clip-text", model.clip.text_model), ("clip-vision", model.clip.vision_model)]
         towers.append(("clip-vision", model.decoder))
+    elif name in ("smolvlm", "idefics3"):
+        towers = [("siglip", model.model.vision_model)]
     else:
-        towers = [("clip-text" if name == "metaclip2-text" else "siglip", model)]
+        towers = [("clip-text" if name in ("metaclip2-text", "aimv2-text") else "siglip", model)]
     for arch, tower in towers:
         _check_layers_against_reference(arch, model=tower, call=lambda m: model(**kw))
 
@@ -1935,6 +2271,204 @@ def test_t5_family_converts(name):
             assert torch.equal(cached_keys, mapped)
             assert not torch.allclose(cached_keys, plain_keys)
     torch.testing.assert_close(step.logits[:, -1], full[:, -1], rtol=0, atol=1e-12)
+
+
+def _t5gemma(dtype):
+    """A tiny random-weight ``T5GemmaForConditionalGeneration``: encoder and decoder of 2 layers (a
+    sliding-window layer of 4 tokens, then a global one), MHA (4 heads of 8), Gemma 2's scale
+    (query_pre_attn_scalar 16), no soft-capping."""
+    stack = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, head_dim=8)
+    stack.update(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, max_position_embeddings=64)
+    stack.update(query_pre_attn_scalar=16, sliding_window=4, layer_types=["sliding_attention", "full_attention"])
+    stack.update(attn_logit_softcapping=None, final_logit_softcapping=None, initializer_range=0.2)
+    ids = dict(pad_token_id=0, eos_token_id=2, bos_token_id=1, decoder_start_token_id=1)
+    config = transformers.T5GemmaConfig(encoder=stack, decoder=dict(stack), vocab_size=VOCAB, **ids)
+    torch.manual_seed(0)
+    return transformers.T5GemmaForConditionalGeneration(config).to(dtype).eval()
+
+
+def test_t5gemma_converts():
+    """T5Gemma (Gemma 2's self-attention in an encoder and a decoder, a cross-attention class of its own):
+    the self-attention layers converted with tied maps, the cross-attention layers (told apart by
+    their class) with separate maps; exact at init bit for bit on a padded batch; cached greedy
+    generation equal to uncached with the gates open and away from the unconverted model's (the
+    cross-attention keys mapped once, then cached); and each layer against an independent NumPy forward:
+    the reference's maps (a cross-attention's keys mapped by the encoder output's), the host's rotation
+    angles (self-attention only), the host's scale, the encoder's two-way window (|i - j| <= 4) or the
+    decoder's causal one (i - j < 4) in the sliding layers, the output projection."""
+    model = _t5gemma(torch.float32)
+    kw = inputs("t5")
+    gen = inputs("t5", padding=False, length=5)
+    gen.pop("attention_mask")
+    opts = {"max_new_tokens": 5, "do_sample": False, "return_dict_in_generate": True, "output_logits": True}
+    with torch.no_grad():
+        before = model(**kw).logits
+        unconverted = model.generate(**gen, use_cache=True, **opts)
+        dt.convert(model)
+        after = model(**kw).logits
+    layers = dt.converted_layers(model)
+    assert sorted(layers) == sorted(n for n, m in model.named_modules() if type(m).__name__.endswith("Attention"))
+    sides = {n: m.damcha.config.metric_sides for n, m in layers.items()}
+    assert len(sides) == 6 and sides == {n: ("q", "k") if n.endswith("cross_attn") else ("qk",) for n in sides}
+    assert same(after, before)
+    open_gates(model, scale=0.8)
+    with torch.no_grad():
+        cached = model.generate(**gen, use_cache=True, **opts)
+        plain = model.generate(**gen, use_cache=False, **opts)
+    assert torch.equal(cached.sequences, plain.sequences)
+    for a, b, c in zip(cached.logits, plain.logits, unconverted.logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+        assert (a - c).abs().max() > 1e-3
+
+    model = open_gates(dt.convert(_t5gemma(torch.float64)))
+    calls = capture(model)
+    with torch.no_grad():
+        model(**inputs("t5", torch.float64, padding=False))
+    assert set(calls) == set(dt.converted_layers(model))
+    for layer, ((args, kwargs, output),) in calls.items():
+        module = dt.converted_layers(model)[layer]
+        x, ctx = _call_tokens(args, kwargs)
+        cross = ctx is not None
+        assert cross == layer.endswith("cross_attn") == (module.damcha.layout.self_attention is False), layer
+        x = x.double().numpy()
+        c = x if ctx is None else ctx.double().numpy()
+        p, cfg = layer_params("llama", module)
+        _, metric = dc.damcha_attention(p, cfg, x, None if ctx is None else c, return_metric=True)
+        q = np.einsum("bte,ehd->bthd", x, p["query.kernel"]) + p["query.bias"]
+        k = np.einsum("bte,ehd->bthd", c, p["key.kernel"]) + p["key.bias"]
+        v = np.einsum("bte,ehd->bthd", c, p["value.kernel"]) + p["value.bias"]
+        q, k = np.einsum("btha,btad->bthd", metric["q"], q), np.einsum("btha,btad->bthd", metric["k"], k)
+        n, m = x.shape[1], c.shape[1]
+        keep = np.ones((n, m), dtype=bool)
+        if not cross:  # RoPE in halves, the host's angles
+            cos, sin = (t.double().numpy()[:, :, None] for t in kwargs["position_embeddings"])
+            R = cos.shape[-1] // 2
+            cos, sin = cos[..., :R], sin[..., :R]
+
+            def rotate(y, cos=cos, sin=sin, R=R):
+                return np.concatenate([y[..., :R] * cos - y[..., R:] * sin, y[..., R:] * cos + y[..., :R] * sin], -1)
+
+            q, k = rotate(q), rotate(k)
+            distance = np.arange(n)[:, None] - np.arange(m)[None]
+            decoder = layer.startswith("model.decoder.")
+            if decoder:
+                keep &= distance >= 0
+            if module.sliding_window is not None:
+                keep &= (distance < module.sliding_window) if decoder else (np.abs(distance) <= module.sliding_window)
+        logits = np.where(keep, module.scaling * np.einsum("bnhd,bmhd->bhnm", q, k), -np.inf)
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+        o = np.einsum("bhnm,bmhd->bnhd", probs / probs.sum(-1, keepdims=True), v)
+        want = np.einsum("bnhd,hde->bne", o, p["output.kernel"]) + p["output.bias"]
+        # The host's eager attention (its default) takes its softmax in float32.
+        np.testing.assert_allclose(
+            output[0].double().numpy(), want, rtol=0, atol=1e-6 * np.abs(want).max(), err_msg=layer
+        )
+    assert {getattr(m, "sliding_window", None) for m in dt.converted_layers(model).values()} == {4, None}
+
+
+def _t5gemma2(dtype):
+    """A tiny random-weight ``T5Gemma2ForConditionalGeneration``: a text encoder and a decoder of 2
+    layers (a sliding-window layer, wider than these tokens, with its own RoPE, then a global one),
+    MHA (4 heads of 8), per-head q/k norms, Gemma 3's scale (query_pre_attn_scalar 16); the
+    encoder's SigLIP vision tower of one layer, without its pooling head."""
+    stack = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, head_dim=8)
+    stack.update(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, max_position_embeddings=64)
+    stack.update(query_pre_attn_scalar=16, sliding_window=16, layer_types=["sliding_attention", "full_attention"])
+    stack.update(initializer_range=0.2)
+    vision = dict(_CLIP_VISION, num_hidden_layers=1, image_size=16, patch_size=8, vision_use_head=False)
+    image = dict(mm_tokens_per_image=1, boi_token_index=57, eoi_token_index=58, image_token_index=59)
+    encoder = dict(text_config=stack, vision_config=vision, **image)
+    ids = dict(pad_token_id=0, eos_token_id=2, bos_token_id=1, decoder_start_token_id=1, image_token_index=59)
+    config = transformers.T5Gemma2Config(encoder=encoder, decoder=dict(stack), vocab_size=VOCAB, **ids)
+    torch.manual_seed(0)
+    return transformers.T5Gemma2ForConditionalGeneration(config).to(dtype).eval()
+
+
+def test_t5gemma2_converts():
+    """T5Gemma 2: the text encoder's self-attention (Gemma 3's, not causal) and the SigLIP tower's
+    converted with tied maps, the decoder's merged attention (its own keys and the encoder
+    output's, from one k_proj) with separate maps; exact at init bit for bit on a padded batch;
+    cached greedy generation equal to uncached with the gates open and away from the unconverted
+    model's; and each text layer against an independent NumPy forward: the reference's maps (in the
+    decoder, the queries and its own keys mapped by the decoder tokens, the encoder output's keys by
+    the encoder's), Gemma's per-head norms y / rms(y) * (1 + w) (random w) on the queries and on both
+    kinds of keys, the host's rotation angles on the queries and the decoder's own keys only, a
+    softmax over the decoder's keys (causal) and the encoder's together, the output projection."""
+    model = _t5gemma2(torch.float32)
+    kw = inputs("t5")
+    gen = inputs("t5", padding=False, length=5)
+    gen.pop("attention_mask")
+    opts = {"max_new_tokens": 5, "do_sample": False, "return_dict_in_generate": True, "output_logits": True}
+    with torch.no_grad():
+        before = model(**kw).logits
+        unconverted = model.generate(**gen, use_cache=True, **opts)
+        dt.convert(model)
+        after = model(**kw).logits
+    layers = dt.converted_layers(model)
+    assert sorted(layers) == sorted(n for n, m in model.named_modules() if type(m).__name__.endswith("Attention"))
+    sides = {n: m.damcha.config.metric_sides for n, m in layers.items()}
+    assert len(sides) == 5 and sides == {n: ("q", "k") if n.startswith("model.decoder.") else ("qk",) for n in sides}
+    assert same(after, before)
+    open_gates(model, scale=0.8)
+    with torch.no_grad():
+        cached = model.generate(**gen, use_cache=True, **opts)
+        plain = model.generate(**gen, use_cache=False, **opts)
+    assert torch.equal(cached.sequences, plain.sequences)
+    for a, b, c in zip(cached.logits, plain.logits, unconverted.logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+        assert (a - c).abs().max() > 1e-3
+
+    model = open_gates(dt.convert(_t5gemma2(torch.float64)))
+    _randomise_qk_norms(model)
+    calls = capture(model)
+    with torch.no_grad():
+        model(**inputs("t5", torch.float64, padding=False))
+    assert set(calls) == set(layers) - {"model.encoder.vision_tower.encoder.layers.0.self_attn"}  # no image
+
+    def norm(y, mod):
+        return y / np.sqrt(np.mean(y * y, -1, keepdims=True) + mod.eps) * (1 + _np(mod.weight))
+
+    for layer, ((args, kwargs, output),) in calls.items():
+        module = dt.converted_layers(model)[layer]
+        x, ctx = _call_tokens(args, kwargs)
+        decoder = layer.startswith("model.decoder.")
+        assert (ctx is not None) == decoder == (module.damcha.layout.self_attention is False), layer
+        x = x.double().numpy()
+        p, cfg = layer_params("llama", module)
+
+        def project(tokens, role, side, p=p, cfg=cfg, x=x):  # a role's heads of the tokens, mapped by the tokens
+            _, metric = dc.damcha_attention(p, cfg, x, tokens, return_metric=True)
+            y = np.einsum("bte,ehd->bthd", tokens, p[f"{role}.kernel"]) + p[f"{role}.bias"]
+            return y if side is None else np.einsum("btha,btad->bthd", metric[side], y)
+
+        q, k, v = (
+            norm(project(x, "query", "q"), module.q_norm),
+            norm(project(x, "key", "k"), module.k_norm),
+            project(x, "value", None),
+        )
+        cos, sin = (t.double().numpy()[:, :, None] for t in kwargs["position_embeddings"])
+        R = cos.shape[-1] // 2
+        cos, sin = cos[..., :R], sin[..., :R]
+
+        def rotate(y, cos=cos, sin=sin, R=R):
+            return np.concatenate([y[..., :R] * cos - y[..., R:] * sin, y[..., R:] * cos + y[..., :R] * sin], -1)
+
+        q, k = rotate(q), rotate(k)
+        n = x.shape[1]
+        keep = np.arange(n)[None] <= np.arange(n)[:, None] if decoder else np.ones((n, n), dtype=bool)
+        if decoder:  # then the encoder output's keys (not rotated) and values, all visible
+            c = ctx.double().numpy()
+            k = np.concatenate([k, norm(project(c, "key", "k"), module.k_norm)], 1)
+            v = np.concatenate([v, project(c, "value", None)], 1)
+            keep = np.concatenate([keep, np.ones((n, c.shape[1]), dtype=bool)], 1)
+        logits = np.where(keep, module.scaling * np.einsum("bnhd,bmhd->bhnm", q, k), -np.inf)
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+        o = np.einsum("bhnm,bmhd->bnhd", probs / probs.sum(-1, keepdims=True), v)
+        want = np.einsum("bnhd,hde->bne", o, p["output.kernel"]) + p["output.bias"]
+        # Gemma's norms compute in float32 whatever the model's dtype.
+        np.testing.assert_allclose(
+            output[0].double().numpy(), want, rtol=0, atol=1e-6 * np.abs(want).max(), err_msg=layer
+        )
 
 
 # ---------------------------------------------------------------- training

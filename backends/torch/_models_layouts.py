@@ -152,6 +152,30 @@ _LLAMA_SURVEY_2 = frozenset(
     }
 )
 
+# A third survey (transformers 5.24), each class read against the one it copies (its forward, the
+# rotation it calls, the layers that build and call it): EuroBERT's is Llama's built with is_causal
+# False (an encoder: its model gives it a bidirectional mask); Qwen3-Omni's thinker text model's is
+# Qwen3-MoE's without a sliding window; Cosmos3-Edge's and DeepSeek-OCR2's text models', CSM's (backbone
+# and depth decoder) and Higgs-Audio-v2's Llama's line for line; Granite4-Vision's and Granite-Docling's
+# text models' Granite's (attention_multiplier); Voxtral-Realtime's text decoder's and causal audio
+# encoder's Llama's with the config's sliding window (the encoder's q_proj with a bias, its k_proj
+# without). Each is tested. (EXAONE 4.5's Exaone4_5_Attention, EXAONE 4's line for line, is built by no
+# model: EXAONE 4.5 builds its language model as an Exaone4Model, whose Exaone4Attention is listed above.)
+_LLAMA_SURVEY_3 = frozenset(
+    {
+        "EuroBertAttention",
+        "Qwen3OmniMoeThinkerTextAttention",
+        "Cosmos3EdgeTextAttention",
+        "DeepseekOcr2TextAttention",
+        "CsmAttention",
+        "HiggsAudioV2Attention",
+        "Granite4VisionTextAttention",
+        "GraniteDoclingTextAttention",
+        "VoxtralRealtimeTextAttention",
+        "VoxtralRealtimeAttention",
+    }
+)
+
 
 def _llama_layout(m: Any) -> AttentionLayout:
     cfg = m.config
@@ -203,6 +227,16 @@ _ROTARY = frozenset(
         "Ernie4_5_MoeAttention",
         "NemotronAttention",
         "Cohere2MoeAttention",
+        # The third survey's (transformers 5.24): GLM-4V's and GLM-OCR's text models' are GLM-4's
+        # forward (biased q/k/v in GLM-4V's), GLM-4V-MoE's GLM-4-MoE's without q/k norms, all three
+        # rotating the first partial_rotary_factor of each head under multimodal RoPE (GLM-4V's and
+        # GLM-OCR's in interleaved pairs, GLM-4V-MoE's in halves); ERNIE-4.5-VL's text model's is ERNIE
+        # 4.5's line for line under its 3D RoPE (interleaved pairs, float32). Every head of a token turned
+        # alike, after the maps; each is tested.
+        "Glm4vTextAttention",
+        "Glm4vMoeTextAttention",
+        "GlmOcrTextAttention",
+        "Ernie4_5_VLMoeTextAttention",
     }
 )
 
@@ -281,6 +315,10 @@ _VIT = frozenset(
         "IJepaAttention",
         "ASTAttention",
         "VivitAttention",
+        # Dinov2's line for line (transformers 5.24): Pixio's, RF-DETR's backbone's and TIPSv2's vision tower's.
+        "PixioAttention",
+        "RfDetrDinov2Attention",
+        "Tipsv2VisionAttention",
     }
 )
 
@@ -310,8 +348,29 @@ def _vit_layout(m: Any) -> AttentionLayout:
 # (BART's, its copies' and Whisper's attention classes have this layout too, but
 # also serve as cross-attention: their own adapter below.)
 # MetaCLIP 2's and CLIPSeg's are CLIP's line for line (CLIPSeg's decoder layers too), SigLIP 2's SigLIP's.
+# The vision towers of Idefics2, Idefics3 and SmolVLM are SigLIP's (its line for line, an attribute in
+# another place), AIMv2's SigLIP's with its qkv_bias option (its text tower's too, causal through the
+# mask its model builds: a mask it leaves out where no token is padding while the layers pass the kernel
+# is_causal=False, so under SDPA an unpadded batch attends both ways, the host's doing, maps or not; its
+# vision tower's pooling head, Aimv2AttentionPoolingHead, a learned query without projection, is refused
+# as an unknown layout); Kosmos-2's, GIT's and Chinese-CLIP's vision towers are CLIP's, passing its
+# is_causal (False) to the kernel (transformers 5.24).
 _OUT_PROJ = frozenset(
-    {"CLIPAttention", "SiglipAttention", "OPTAttention", "MetaClip2Attention", "CLIPSegAttention", "Siglip2Attention"}
+    {
+        "CLIPAttention",
+        "SiglipAttention",
+        "OPTAttention",
+        "MetaClip2Attention",
+        "CLIPSegAttention",
+        "Siglip2Attention",
+        "Idefics2VisionAttention",
+        "Idefics3VisionAttention",
+        "SmolVLMVisionAttention",
+        "Aimv2Attention",
+        "Kosmos2VisionAttention",
+        "GitVisionAttention",
+        "ChineseCLIPVisionAttention",
+    }
 )
 
 
@@ -350,6 +409,16 @@ _ENC_DEC = frozenset(
         "BioGptAttention",
         "TimeSeriesTransformerAttention",
         "WhisperAttention",
+        # Whisper's line for line (transformers 5.24): AudioFlamingo3's audio encoder's; Qwen2-Audio's and
+        # Voxtral's audio encoders' without the cache and cross-attention paths (the encoder's self-attention
+        # only, built with is_decoder False); SeamlessM4T's (v1) text encoder's and decoders' BART's, the
+        # context named encoder_hidden_states (its speech encoder's conformer attention is another layout,
+        # refused; SeamlessM4T v2's text-to-unit decoder builds its self-attention with is_decoder=True and
+        # no is_causal, which the rule above would read as a cross-attention: not listed).
+        "AudioFlamingo3Attention",
+        "Qwen2AudioAttention",
+        "VoxtralAttention",
+        "SeamlessM4TAttention",
     }
 )
 
@@ -521,15 +590,18 @@ for _adapter in (
         "CWM, Seed-OSS, GraniteMoeShared, HyperCLOVAX, VaultGemma, Qwen3-MoE, Mellum, dots.llm1, HunYuan (dense, MoE), "
         "Apertus, EXAONE 4, OLMo3, FlexOlmo, OLMoE, SmolLM3, GraniteMoeHybrid, Jamba, MiniMax (full-attention "
         "layers), Bamba, Qwen2-VL, Qwen2.5-VL and Qwen3-VL (dense, MoE) language models (multimodal RoPE), LFM2 "
-        "(dense, MoE), LFM3, Apertus 1.5 (text), EXAONE-MoE, HY-V3, Nemotron-H, Kolibri 1, LaraMini, NanoChat and "
-        "BitNet (q_proj/k_proj; MHA, GQA, MQA; per-head q/k norms, OLMo2's over all heads; NoPE layers; output gates)",
-        lambda m: _is(m, "transformers", _LLAMA | _LLAMA_MORE | _LLAMA_SURVEY_2),
+        "(dense, MoE), LFM3, Apertus 1.5 (text), EXAONE-MoE, HY-V3, Nemotron-H, Kolibri 1, LaraMini, NanoChat, "
+        "BitNet, EuroBERT (an encoder), Qwen3-Omni (thinker text), Cosmos3-Edge (text), DeepSeek-OCR2 (text), CSM, "
+        "Higgs-Audio-v2, Granite4-Vision (text), Granite-Docling (text) and Voxtral-Realtime (audio encoder, text) "
+        "(q_proj/k_proj; MHA, GQA, MQA; per-head q/k norms, OLMo2's over all heads; NoPE layers; output gates)",
+        lambda m: _is(m, "transformers", _LLAMA | _LLAMA_MORE | _LLAMA_SURVEY_2 | _LLAMA_SURVEY_3),
         _llama_layout,
     ),
     ModelAdapter(
         "transformers-rotary",
         "transformers Phi (phi-1/phi-2), StableLM, GPT-J, Cohere, Cohere2, Cohere2-MoE, Helium, OLMo, GLM, GLM-4, "
-        "GLM-4-MoE, ERNIE 4.5 (dense, MoE) and Nemotron attention (q_proj/k_proj; "
+        "GLM-4-MoE, ERNIE 4.5 (dense, MoE), Nemotron, GLM-4V (text; dense, MoE), GLM-OCR (text) and ERNIE-4.5-VL "
+        "(text) attention (q_proj/k_proj; "
         "MHA, GQA; partial or interleaved RoPE, per-head q/k norms and OLMo's clip_qkv after the maps)",
         lambda m: _is(m, "transformers", _ROTARY),
         _rotary_layout,
@@ -561,13 +633,14 @@ for _adapter in (
     ModelAdapter(
         "transformers-vit",
         "transformers ViT-family attention: ViT, DeiT, ViTMAE, ViTMSN, Dinov2 (with registers), I-JEPA, AST, "
-        "ViViT (q_proj/k_proj)",
+        "ViViT, Pixio, RF-DETR (backbone), TIPSv2 (vision) (q_proj/k_proj)",
         lambda m: _is(m, "transformers", _VIT),
         _vit_layout,
     ),
     ModelAdapter(
         "transformers-clip",
-        "transformers CLIP (text and vision), MetaCLIP 2, CLIPSeg, SigLIP, SigLIP 2 and OPT self-attention "
+        "transformers CLIP (text and vision), MetaCLIP 2, CLIPSeg, SigLIP, SigLIP 2, OPT, AIMv2 and the vision "
+        "towers of Idefics2, Idefics3, SmolVLM, Kosmos-2, GIT and Chinese-CLIP: self-attention "
         "(q_proj/k_proj/v_proj/out_proj)",
         lambda m: _is(m, "transformers", _OUT_PROJ),
         _out_proj_layout,
@@ -575,8 +648,9 @@ for _adapter in (
     ModelAdapter(
         "transformers-bart",
         "transformers BART, mBART, Marian, Pegasus, M2M100, PLBart, Blenderbot, BlenderbotSmall, BioGPT, "
-        "TimeSeriesTransformer and Whisper attention: encoder self-attention, decoder causal self-attention with "
-        "cache, decoder cross-attention over the encoder output (q_proj/k_proj/v_proj/out_proj)",
+        "TimeSeriesTransformer, Whisper and SeamlessM4T (text) attention and the audio encoders of Qwen2-Audio, "
+        "Voxtral and AudioFlamingo3: encoder self-attention, decoder causal self-attention with cache, decoder "
+        "cross-attention over the encoder output (q_proj/k_proj/v_proj/out_proj)",
         lambda m: _is(m, "transformers", _ENC_DEC),
         _enc_dec_layout,
     ),

@@ -29,9 +29,10 @@ layers that build and call it:
   the hidden states and the embeddings (2 * hidden_size features), in each
   hybrid layer's shared transformer block. transformers 5 builds one block
   per hybrid layer and ties their weights (``_tied_weights_keys``; Zamba2's
-  every ``num_mem_blocks`` layers): each block is a module of its own, so each
-  gets maps of its own (the tie covers the host's tensors only;
-  save_pretrained and from_pretrained keep every block's maps). With Zamba2's
+  every ``num_mem_blocks`` layers): the tied blocks' maps are tied too
+  (``_models._share_tied``: the same gates and generators in each block, as
+  the host's weights, so one block applied at several depths has one set of
+  maps, and transformers' own re-tying finds them tied). With Zamba2's
   ``use_shared_attention_adapter`` the host adds a per-layer low-rank adapter
   of the tokens to the projected queries and keys after ``q_proj`` and
   ``k_proj``: the maps would act on a part of each query and key only, so
@@ -40,13 +41,14 @@ layers that build and call it:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from damcha_core import DamchaValueError, invalid_argument
 from torch import nn
 
 from ._models import AttentionLayout, ModelAdapter, ProjectionSite, register_adapter
-from ._models_layouts import _by_role, _features, _gqa_layout, _heads, _is
+from ._models_layouts import _by_role, _features, _gqa_layout, _heads, _is, _separate_q_k_layout
 
 
 def _gated_query_layout(m: Any) -> AttentionLayout:
@@ -79,6 +81,18 @@ _QWEN_VISION = frozenset(
         "Qwen3VLMoeVisionAttention",
         "Qwen3_5VisionAttention",
         "Qwen3_5MoeVisionAttention",
+        # The third survey's (transformers 5.24): Qwen3-Omni's vision encoder's is Qwen3-VL's line for
+        # line, ERNIE-4.5-VL's Qwen2.5-VL's; GLM-4V's (dense, MoE) differ in their biases (attention_bias,
+        # no bias on proj), GLM-OCR's also in per-head q/k RMS norms after the maps, before the rotation;
+        # EXAONE 4.5's in GQA (the H query heads, then G key and G value heads; its kernel repeats the key
+        # heads); Qwen2.5-Omni's projects q, k and v with three Linear layers (q, k, v) of H heads each.
+        "Qwen3OmniMoeVisionAttention",
+        "Ernie4_5_VLMoeVisionAttention",
+        "Glm4vVisionAttention",
+        "Glm4vMoeVisionAttention",
+        "GlmOcrVisionAttention",
+        "Exaone4_5_VisionAttention",
+        "Qwen2_5OmniVisionAttention",
     }
 )
 
@@ -90,8 +104,35 @@ def _is_qwen_vision(m: nn.Module) -> bool:
 
 
 def _qwen_vision_layout(m: Any) -> AttentionLayout:
-    H = int(m.num_heads)
-    return _by_role("qkv", m.qkv, H, H, int(m.head_dim))
+    H, d = int(m.num_heads), int(m.head_dim)
+    if _is(m, "transformers", frozenset({"Qwen2_5OmniVisionAttention"})):
+        return _separate_q_k_layout(m, "q", "k", H, d)
+    return _by_role("qkv", m.qkv, H, int(getattr(m, "num_key_value_heads", H)), d)
+
+
+# T5Gemma's (transformers 5.24): its encoder's and decoder's self-attention is Gemma 2's (scale
+# query_pre_attn_scalar^-0.5, logit soft-capping, a sliding window in its sliding layers, RoPE) built with
+# is_causal=config.is_decoder; its decoder's cross-attention is a class of its own, T5GemmaCrossAttention:
+# Gemma 2's q_proj over the decoder tokens, k_proj and v_proj over the encoder output
+# (cross_attention_hidden_size features), no rotation, no window, and BART's cache (the keys projected, so
+# mapped, once per encoder output; the EncoderDecoderCache keeps them). The class tells the two apart: the
+# cross-attention gets maps of its own under coupling "auto" (separate), as BART's and T5's. T5Gemma 2's
+# encoder self-attention is Gemma 3's (per-head q/k RMS norms after the maps, before RoPE) with is_causal
+# False; its decoder attends once, with T5Gemma2MergedAttention, over its own keys (causal, rotated) and the
+# encoder output's (not rotated) together, both from one k_proj and k_norm: each key is mapped by the token
+# it is projected from (the encoder's once, then cached), the queries by the decoder's, so the layer is
+# DAMCHA's over the joined context; its keys come partly from another sequence, so it is a cross-attention
+# for coupling "auto" (separate maps), as the Keras converter takes it.
+_T5GEMMA_CROSS = frozenset({"T5GemmaCrossAttention", "T5Gemma2MergedAttention"})
+_T5GEMMA = frozenset({"T5GemmaSelfAttention", "T5Gemma2SelfAttention"}) | _T5GEMMA_CROSS
+
+
+def _t5gemma_layout(m: Any) -> AttentionLayout:
+    cfg = m.config
+    layout = _gqa_layout(m, int(cfg.num_attention_heads), int(cfg.num_key_value_heads))
+    if _is(m, "transformers", _T5GEMMA_CROSS):
+        return dataclasses.replace(layout, self_attention=False)
+    return layout
 
 
 def _laguna_layout(m: Any) -> AttentionLayout:
@@ -122,10 +163,21 @@ for _adapter in (
     ),
     ModelAdapter(
         "transformers-qwen-vision",
-        "transformers Qwen2-VL, Qwen2.5-VL, Qwen3-VL (dense, MoE) and Qwen3.5 (dense, MoE) vision attention "
-        "(fused qkv Linear, q, k, v blocks; 2D RoPE; attention inside each image or window)",
+        "transformers Qwen2-VL, Qwen2.5-VL, Qwen3-VL (dense, MoE), Qwen3.5 (dense, MoE), Qwen2.5-Omni, "
+        "Qwen3-Omni, GLM-4V (dense, MoE), GLM-OCR, ERNIE-4.5-VL and EXAONE 4.5 vision attention (fused qkv "
+        "Linear, q, k, v blocks, EXAONE 4.5's with GQA; Qwen2.5-Omni's q/k/v Linear layers; 2D RoPE; attention "
+        "inside each image or window)",
         _is_qwen_vision,
         _qwen_vision_layout,
+    ),
+    ModelAdapter(
+        "transformers-t5gemma",
+        "transformers T5Gemma and T5Gemma 2 attention: encoder self-attention, decoder causal self-attention "
+        "with cache (Gemma 2's; T5Gemma 2's encoder Gemma 3's), decoder cross-attention over the encoder output "
+        "(T5GemmaCrossAttention) and T5Gemma 2's merged decoder attention over its own and the encoder's keys "
+        "(q_proj/k_proj; GQA; separate maps for the cross-attention)",
+        lambda m: _is(m, "transformers", _T5GEMMA),
+        _t5gemma_layout,
     ),
     ModelAdapter(
         "transformers-laguna",
@@ -137,7 +189,7 @@ for _adapter in (
     ModelAdapter(
         "transformers-zamba",
         "transformers Zamba and Zamba2 attention of the hybrid layers' shared blocks (q_proj/k_proj; GQA; RoPE or "
-        "none; maps of their own in each block, whose host weights are tied; not with use_shared_attention_adapter)",
+        "none; the blocks whose host weights are tied share their maps; not with use_shared_attention_adapter)",
         lambda m: _is(m, "transformers", frozenset({"ZambaAttention", "Zamba2Attention"})),
         _zamba2_layout,
     ),
