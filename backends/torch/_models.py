@@ -1030,7 +1030,12 @@ def _register_host_ties(model: nn.Module) -> None:
         expand = getattr(module, "get_expanded_tied_weights_keys", None)
         if not isinstance(tied, dict) or not callable(expand):
             continue
-        expanded = expand(all_submodels=True)
+        try:
+            expanded = expand(all_submodels=True)
+        except ValueError:
+            # A rule whose source and target no longer pair up (a module of one converted, of the
+            # other not): the host's own list stays as it was, as its own re-tying will find it.
+            continue
         tied.update({k: v for k, v in expanded.items() if f".{CONFIG_KEY}." in f".{k}"})
 
 
