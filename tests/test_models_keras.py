@@ -1377,6 +1377,48 @@ def test_swin_window_attention_converts():
     assert np.abs(output(model, images) - before).max() > 1e-3
 
 
+def test_qwen3_5_vision_attention_converts():
+    """Qwen3.5's vision attention (one qkv Dense over the patches of all the images as one
+    sequence (N, E), no batch axis; 2-D RoPE and attention inside each frame after the maps)
+    was refused: the maps took tokens (B, T, E) only, and now read any leading axes. Exact at
+    init bit for bit; with the gates open each layer's query and key heads are the reference's
+    maps of the unmapped heads (float64 reference; the encoder's blocks compute in float32
+    whatever its dtype), its values untouched; the output moves."""
+    from keras_hub.src.models.qwen3_5.qwen3_5_vision_encoder import Qwen3_5VisionEncoder
+
+    rng = np.random.default_rng(11)
+    encoder = Qwen3_5VisionEncoder(
+        depth=2, hidden_size=8, num_heads=2, intermediate_size=16, patch_size=4, out_hidden_size=8, dtype="float64"
+    )
+    grid = np.array([[1, 4, 4], [1, 2, 4]], "int32")  # two images: two frames of attention
+    patches = rng.normal(size=(24, encoder.temporal_patch_size, 4, 4, encoder.in_channels))
+    before = numpy(encoder(patches, grid))
+    dk.convert(encoder)
+    layers = dk.converted_layers(encoder)
+    assert len(layers) == 2 and {layer.damcha.config.coupling for layer in layers.values()} == {"tied"}
+    np.testing.assert_array_equal(numpy(encoder(patches, grid)), before)
+    open_gates(encoder)
+    for layer in layers.values():
+        cfg, H, d = layer.damcha.config, layer.num_heads, layer.head_dim
+        kernel = numpy(layer.qkv.kernel).reshape(cfg.query_dim, 3, H, d)
+        bias = numpy(layer.qkv.bias).reshape(3, H, d)
+        params = {
+            **{f"{r}.kernel": kernel[:, i] for i, r in enumerate(("query", "key", "value"))},
+            **{f"{r}.bias": bias[i] for i, r in enumerate(("query", "key", "value"))},
+            "output.kernel": numpy(layer.proj.kernel).reshape(H, d, -1),
+            "output.bias": numpy(layer.proj.bias),
+            **layer.damcha.to_canonical(),
+        }
+        tokens = rng.normal(size=(5, cfg.query_dim))  # (N, E), as the encoder calls it
+        q0, k0, v = (np.einsum("te,ehd->thd", tokens, kernel[:, i]) + bias[i] for i in range(3))
+        q, k = (reference_map(params, _reference_config(cfg), "qk", tokens[None], y0[None])[0] for y0 in (q0, k0))
+        assert min(np.abs(q - q0).max(), np.abs(k - k0).max()) > 1e-2  # the maps are open
+        y = numpy(layer.qkv(tokens)).reshape(5, 3, H, d)
+        for got, want in ((y[:, 0], q), (y[:, 1], k), (y[:, 2], v)):
+            np.testing.assert_allclose(got, want, rtol=0, atol=2e-6)
+    assert np.abs(numpy(encoder(patches, grid)) - before).max() > 1e-3
+
+
 def test_videoprism_converts():
     """VideoPrism (VideoPrismAttention: EinsumDense query_dense/key_dense; its spatial, temporal,
     auxiliary and text encoders' self-attention, its pooler's attention of a learned query probe
@@ -1488,10 +1530,9 @@ def test_kerashub_layouts_that_are_refused():
     (its MMDiTBlock attends jointly over two streams and is not attention-named: a model with it
     and other attention layers converted those and skipped it without a word), ViTDet (image
     tokens, relative positions from the queries), MobileNetV5's attention block (convolutions of
-    feature maps), Qwen3.5's vision attention (tokens (N, E)), Gemma 3n's audio conformer
+    feature maps), Gemma 3n's audio conformer
     (relative positions projected apart from the keys); Gemma 3n's KV-shared layers."""
     from keras_hub.src.models.gemma3n.gemma3n_audio_encoder import Gemma3nAudioEncoder
-    from keras_hub.src.models.qwen3_5.qwen3_5_vision_encoder import Qwen3_5VisionEncoder
     from keras_hub.src.models.stable_diffusion_3.mmdit import MMDiT
 
     small = dict(vocabulary_size=50, num_layers=2, num_heads=2, hidden_dim=8, intermediate_dim=16)
@@ -1611,23 +1652,6 @@ def test_kerashub_layouts_that_are_refused():
             keras_hub.models.MobileNetV5Backbone(**mobilenetv5, image_shape=(16, 16, 3), stem_size=8, use_msfa=False),
             r"Cannot convert layer `mobile_attention` \(keras-hub-refused\): .*MobileNetV5's multi-query attention "
             r"projects feature maps \(B, H, W, C\)",
-        ),
-        (
-            keras_hub.models.Qwen3_5Backbone(
-                vocabulary_size=50,
-                num_layers=1,
-                num_query_heads=2,
-                num_key_value_heads=1,
-                head_dim=4,
-                hidden_dim=8,
-                intermediate_dim=16,
-                layer_types=["full_attention"],
-                vision_encoder=Qwen3_5VisionEncoder(
-                    depth=1, hidden_size=8, num_heads=2, intermediate_size=16, patch_size=4, out_hidden_size=8
-                ),
-            ),
-            r"Cannot convert layer `\S+/blocks_0/attn` \(keras-hub-refused\): .*Qwen3.5's vision attention projects "
-            r"the patches of all its images as one sequence \(N, E\) without a batch axis",
         ),
         (
             keras_hub.models.Gemma3nBackbone(

@@ -199,6 +199,12 @@ class DamchaMaps(keras.layers.Layer):
         cfg = self.config
         d = cfg.key_dim
         rank = len(tokens.shape)
+        if rank != 3:
+            # Tokens without a batch axis (Qwen3.5's vision patches, (N, E)) or with more leading
+            # axes: one sequence of them, as each token's map reads that token alone.
+            flat = ops.reshape(tokens, (1, -1, tokens.shape[-1]))
+            mapped = self.map_site(site, flat, ops.reshape(y, (1, -1, *y.shape[rank - 1 :])))
+            return ops.reshape(mapped, ops.shape(y))
         # (B, T, heads, d) as EinsumDense gives it, else the output's features as heads
         # (a flat (B, T, F), or GPT-NeoX's (B, T, H, 3d)).
         stacked = len(y.shape) == rank + 1 and y.shape[-1] == d

@@ -217,7 +217,10 @@ _GATED_QUERY = frozenset({"Qwen3_5Attention"})
 # Swin's WindowAttention: one Dense `qkv` whose output the host views (B, N, 3, H, d): the H
 # query heads, then the H key heads; a learned relative position bias per head on the logits
 # (positions only) and the shifted-window mask, after the maps.
-_FUSED_QKV = frozenset({"WindowAttention"})
+# Qwen3.5's vision attention: the same fused `qkv` over the patches of all its images as one
+# sequence (N, E) without a batch axis (the maps read each patch token alone); 2-D RoPE and
+# attention inside each frame (cu_seqlens) after the maps.
+_FUSED_QKV = frozenset({"WindowAttention", "Qwen3_5VisionAttention"})
 # Refused by name, with the reason (the expected part of the message; the layer is named after
 # it): layers that compute attention convert() cannot map faithfully. Matching a block claims its
 # sublayers, so a block whose attention is not attention-named (Stable Diffusion 3's MMDiTBlock)
@@ -257,10 +260,6 @@ _REFUSED = {
     "Conv2DMultiHeadAttention": (
         f"{_SEQUENCES}; the VAE's attention (Stable Diffusion 3, Flux) projects feature maps (B, H, W, C) "
         "with 1x1 convolutions"
-    ),
-    "Qwen3_5VisionAttention": (
-        f"{_SEQUENCES}; Qwen3.5's vision attention projects the patches of all its images as one sequence "
-        "(N, E) without a batch axis, with one qkv Dense"
     ),
     "Gemma3nAudioAttention": (
         f"{_RELATIVE}Gemma 3n's audio attention adds its queries' products with relative-position "
