@@ -1521,6 +1521,38 @@ def test_attention_layers_of_refused_models_convert_alone():
             del SUBLAYERS["_alone"]
 
 
+def test_sam3_vision_attention_converts():
+    """SAM 3's vision encoder attention (SAM3RoPEAttention: Dense q_proj/k_proj on image tokens
+    (B, H, W, E), 2-D RoPE, windowed or global self-attention) was refused for its token rank;
+    the maps now read tokens with any leading axes. Exact at init bit for bit; with the gates open
+    its q_proj/k_proj outputs are the reference's maps of each token's heads, and the layer's
+    output moves."""
+    from keras_hub.src.models.sam3.sam3_layers import SAM3RoPEAttention
+
+    rng = np.random.default_rng(14)
+    tokens = rng.normal(size=(2, 3, 4, 8))  # (B, H, W, E)
+    angles = rng.normal(size=(12, 4))
+    rope = (np.cos(angles), np.sin(angles))
+    layer = SAM3RoPEAttention(8, 2, name="attention", dtype="float64")
+    before = numpy(layer(tokens, rope))
+    with pytest.warns(UserWarning, match="not a keras.Model"):
+        dk.convert(layer)
+    np.testing.assert_array_equal(numpy(layer(tokens, rope)), before)
+    cfg = layer.damcha.config
+    assert cfg.coupling == "tied"
+    open_gates(layer)
+    params = layer.damcha.to_canonical()
+    flat = tokens.reshape(1, -1, 8)
+    for attr in ("q_proj", "k_proj"):
+        kernel, bias = numpy(getattr(layer, attr).kernel), numpy(getattr(layer, attr).bias)
+        unmapped = (flat @ kernel + bias).reshape(1, -1, 2, 4)
+        want = reference_map(params, _reference_config(cfg), "qk", flat, unmapped)
+        assert np.abs(want - unmapped).max() > 1e-2  # the maps are open
+        got = numpy(getattr(layer, attr)(tokens)).reshape(1, -1, 2, 4)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
+    assert np.abs(numpy(layer(tokens, rope)) - before).max() > 1e-3
+
+
 def test_kerashub_layouts_that_are_refused():
     """Refused naming the layer and why, nothing converted: DeBERTa V3 (its query and key
     projections also project the relative position embeddings), Gemma 4's KV-shared layers (no key

@@ -199,6 +199,9 @@ _FLAT = {
     "Gemma3VisionAttention": ("query_proj", "key_proj", ("num_heads",), ("num_heads",)),
     "SegFormerMultiheadAttention": ("q", "k", ("num_heads",), ("num_heads",)),
     "SAM3Attention": ("q_proj", "k_proj", ("num_heads",), ("num_heads",)),
+    # SAM 3's vision encoder attention: image tokens (B, H, W, E) (the maps read each alone),
+    # 2-D RoPE, windowed or global self-attention, after the maps.
+    "SAM3RoPEAttention": ("q_proj", "k_proj", ("num_heads",), ("num_heads",)),
 }
 # Projections by EinsumDense to (B, T, heads, head_dim) under public names, as _FLAT: VideoPrism's
 # attention (per-dimension query scale, the same for every head, and logit soft-cap, after the
@@ -248,10 +251,6 @@ _REFUSED = {
         "qkv Dense and, with use_rel_pos=True, adds to its logits its queries' products with learned "
         "relative-position tables (decomposed relative positions), which no key map would reach (as "
         "XLNet's relative attention)"
-    ),
-    "SAM3RoPEAttention": (
-        f"{_SEQUENCES}; SAM 3's vision encoder attention projects image tokens (B, H, W, E) (windowed and "
-        "global attention with 2-D RoPE)"
     ),
     "MultiQueryAttention2d": (
         f"{_SEQUENCES}; MobileNetV5's multi-query attention projects feature maps (B, H, W, C) with "
