@@ -228,7 +228,7 @@ _FUSED_QKV = frozenset({"WindowAttention", "Qwen3_5VisionAttention"})
 # it): layers that compute attention convert() cannot map faithfully. Matching a block claims its
 # sublayers, so a block whose attention is not attention-named (Stable Diffusion 3's MMDiTBlock)
 # is refused rather than skipped while the model's other attention layers convert.
-_SEQUENCES = "projections of token sequences (B, T, E), which convert()'s maps take"
+_TOKENWISE = "query and key projections of each token by a Dense or EinsumDense layer, which convert()'s maps wrap"
 _RELATIVE = "an attention layer whose logits compare its queries with its keys (plus terms of positions only); "
 _REFUSED = {
     "MMDiTBlock": (
@@ -247,17 +247,17 @@ _REFUSED = {
         "projection of the queries alone, so there is no q k^T for the maps to act on"
     ),
     "MultiHeadAttentionWithRelativePE": (
-        f"{_SEQUENCES}; ViTDet's attention (SAM's image encoder) projects image tokens (B, H, W, E) with one "
+        f"{_RELATIVE}ViTDet's attention (SAM's image encoder) projects image tokens (B, H, W, E) with one "
         "qkv Dense and, with use_rel_pos=True, adds to its logits its queries' products with learned "
         "relative-position tables (decomposed relative positions), which no key map would reach (as "
         "XLNet's relative attention)"
     ),
     "MultiQueryAttention2d": (
-        f"{_SEQUENCES}; MobileNetV5's multi-query attention projects feature maps (B, H, W, C) with "
+        f"{_TOKENWISE}; MobileNetV5's multi-query attention projects feature maps (B, H, W, C) with "
         "convolutions (after pooling the queries and strided depthwise convolutions of the keys, when set)"
     ),
     "Conv2DMultiHeadAttention": (
-        f"{_SEQUENCES}; the VAE's attention (Stable Diffusion 3, Flux) projects feature maps (B, H, W, C) "
+        f"{_TOKENWISE}; the VAE's attention (Stable Diffusion 3, Flux) projects feature maps (B, H, W, C) "
         "with 1x1 convolutions"
     ),
     "Gemma3nAudioAttention": (
@@ -601,9 +601,9 @@ for _adapter in (
         "keras-hub-refused",
         "KerasHub layers refused with the reason: Stable Diffusion 3's MMDiTBlock and Flux's DoubleStreamBlock "
         "(joint attention over two streams, each projected by its own qkv), D-FINE's deformable attention (no "
-        "keys), the attention of ViTDet (SAM), SAM 3's vision encoder, MobileNetV5 and the VAE (image tokens "
-        "(B, H, W, E); ViTDet's relative positions), Qwen3.5's vision attention (tokens (N, E)), the audio "
-        "attention of Gemma 3n and Gemma 4 (relative positions projected apart from the keys)",
+        "keys), the attention of ViTDet (SAM: relative positions from the queries), MobileNetV5 and the VAE "
+        "(convolutions of feature maps), the audio attention of Gemma 3n and Gemma 4 (relative positions "
+        "projected apart from the keys)",
         lambda layer: _table_class(layer, _REFUSED) is not None,
         _refused_layout,
     ),
