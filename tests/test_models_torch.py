@@ -2287,16 +2287,10 @@ def _t5gemma(dtype):
     return transformers.T5GemmaForConditionalGeneration(config).to(dtype).eval()
 
 
-def test_t5gemma_converts():
-    """T5Gemma (Gemma 2's self-attention in an encoder and a decoder, a cross-attention class of its own):
-    the self-attention layers converted with tied maps, the cross-attention layers (told apart by
-    their class) with separate maps; exact at init bit for bit on a padded batch; cached greedy
-    generation equal to uncached with the gates open and away from the unconverted model's (the
-    cross-attention keys mapped once, then cached); and each layer against an independent NumPy forward:
-    the reference's maps (a cross-attention's keys mapped by the encoder output's), the host's rotation
-    angles (self-attention only), the host's scale, the encoder's two-way window (|i - j| <= 4) or the
-    decoder's causal one (i - j < 4) in the sliding layers, the output projection."""
-    model = _t5gemma(torch.float32)
+def _converts_exactly_and_generates(model, count, sides_of):
+    """An encoder-decoder converted: every attention-named module, ``count`` of them, with the
+    metric sides ``sides_of(name)``; exact at init bit for bit on a padded batch; with the gates
+    open, cached greedy generation equal to uncached and away from the unconverted model's."""
     kw = inputs("t5")
     gen = inputs("t5", padding=False, length=5)
     gen.pop("attention_mask")
@@ -2309,7 +2303,7 @@ def test_t5gemma_converts():
     layers = dt.converted_layers(model)
     assert sorted(layers) == sorted(n for n, m in model.named_modules() if type(m).__name__.endswith("Attention"))
     sides = {n: m.damcha.config.metric_sides for n, m in layers.items()}
-    assert len(sides) == 6 and sides == {n: ("q", "k") if n.endswith("cross_attn") else ("qk",) for n in sides}
+    assert len(sides) == count and sides == {n: sides_of(n) for n in sides}
     assert same(after, before)
     open_gates(model, scale=0.8)
     with torch.no_grad():
@@ -2319,6 +2313,20 @@ def test_t5gemma_converts():
     for a, b, c in zip(cached.logits, plain.logits, unconverted.logits, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
         assert (a - c).abs().max() > 1e-3
+
+
+def test_t5gemma_converts():
+    """T5Gemma (Gemma 2's self-attention in an encoder and a decoder, a cross-attention class of its own):
+    the self-attention layers converted with tied maps, the cross-attention layers (told apart by
+    their class) with separate maps; exact at init bit for bit on a padded batch; cached greedy
+    generation equal to uncached with the gates open and away from the unconverted model's (the
+    cross-attention keys mapped once, then cached); and each layer against an independent NumPy forward:
+    the reference's maps (a cross-attention's keys mapped by the encoder output's), the host's rotation
+    angles (self-attention only), the host's scale, the encoder's two-way window (|i - j| <= 4) or the
+    decoder's causal one (i - j < 4) in the sliding layers, the output projection."""
+    _converts_exactly_and_generates(
+        _t5gemma(torch.float32), 6, lambda n: ("q", "k") if n.endswith("cross_attn") else ("qk",)
+    )
 
     model = open_gates(dt.convert(_t5gemma(torch.float64)))
     calls = capture(model)
@@ -2394,36 +2402,17 @@ def test_t5gemma2_converts():
     the encoder's), Gemma's per-head norms y / rms(y) * (1 + w) (random w) on the queries and on both
     kinds of keys, the host's rotation angles on the queries and the decoder's own keys only, a
     softmax over the decoder's keys (causal) and the encoder's together, the output projection."""
-    model = _t5gemma2(torch.float32)
-    kw = inputs("t5")
-    gen = inputs("t5", padding=False, length=5)
-    gen.pop("attention_mask")
-    opts = {"max_new_tokens": 5, "do_sample": False, "return_dict_in_generate": True, "output_logits": True}
-    with torch.no_grad():
-        before = model(**kw).logits
-        unconverted = model.generate(**gen, use_cache=True, **opts)
-        dt.convert(model)
-        after = model(**kw).logits
-    layers = dt.converted_layers(model)
-    assert sorted(layers) == sorted(n for n, m in model.named_modules() if type(m).__name__.endswith("Attention"))
-    sides = {n: m.damcha.config.metric_sides for n, m in layers.items()}
-    assert len(sides) == 5 and sides == {n: ("q", "k") if n.startswith("model.decoder.") else ("qk",) for n in sides}
-    assert same(after, before)
-    open_gates(model, scale=0.8)
-    with torch.no_grad():
-        cached = model.generate(**gen, use_cache=True, **opts)
-        plain = model.generate(**gen, use_cache=False, **opts)
-    assert torch.equal(cached.sequences, plain.sequences)
-    for a, b, c in zip(cached.logits, plain.logits, unconverted.logits, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
-        assert (a - c).abs().max() > 1e-3
+    _converts_exactly_and_generates(
+        _t5gemma2(torch.float32), 5, lambda n: ("q", "k") if n.startswith("model.decoder.") else ("qk",)
+    )
 
     model = open_gates(dt.convert(_t5gemma2(torch.float64)))
     _randomise_qk_norms(model)
     calls = capture(model)
     with torch.no_grad():
         model(**inputs("t5", torch.float64, padding=False))
-    assert set(calls) == set(layers) - {"model.encoder.vision_tower.encoder.layers.0.self_attn"}  # no image
+    # The vision tower's layer is not called: no image.
+    assert set(calls) == set(dt.converted_layers(model)) - {"model.encoder.vision_tower.encoder.layers.0.self_attn"}
 
     def norm(y, mod):
         return y / np.sqrt(np.mean(y * y, -1, keepdims=True) + mod.eps) * (1 + _np(mod.weight))
