@@ -799,7 +799,7 @@ def test_a_wrapper_whose_own_weights_are_norms_converts_through_its_attention():
         num_heads=2,
         hidden_dim=8,
         intermediate_dim=16,
-        vision_dim=6,
+        vision_dim=8,  # as the Q-Former's: the sizes alone would let its cross-attention be tied
         cross_attention_frequency=2,
         dropout=0.0,
         layer_norm_epsilon=1e-6,
@@ -808,11 +808,16 @@ def test_a_wrapper_whose_own_weights_are_norms_converts_through_its_attention():
     rng = np.random.default_rng(0)
     [tokens] = qformer.get_layer("query_tokens_layer").weights  # zeros at init: every query alike
     tokens.assign(rng.normal(size=tokens.shape))
-    vision = rng.normal(size=(2, 5, 6))
+    vision = rng.normal(size=(2, 5, 8))
     before = numpy(qformer(vision))
     dk.convert(qformer)
-    converted = sorted(dk.converted_layers(qformer))
-    assert len(converted) == 3 and all(p.endswith("/attention") for p in converted), converted  # 2 self, 1 cross
+    couplings = {path: layer.damcha.config.coupling for path, layer in dk.converted_layers(qformer).items()}
+    # 2 self, 1 cross: the MHA named "attention" inside "cross_attention" gets separate maps (was tied).
+    assert couplings == {
+        "transformer_layer_0/self_attention/attention": "tied",
+        "transformer_layer_0/cross_attention/attention": "separate",
+        "transformer_layer_1/self_attention/attention": "tied",
+    }, couplings
     np.testing.assert_array_equal(numpy(qformer(vision)), before)
     open_gates(qformer)
     assert np.abs(numpy(qformer(vision)) - before).max() > 1e-3

@@ -25,6 +25,7 @@ instead of returning a plain model.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import warnings
@@ -373,6 +374,11 @@ def _plans(
                     f"adapter {adapter.name!r}'s layout() returned {describe(layout)}, expected an AttentionLayout"
                 )
             _check_sites(layer, layout, quantized=loading)
+            if layout.self_attention is None and "cross" in _name(layer).rpartition("/")[0].rpartition("/")[2].lower():
+                # A layer that can serve either (an MHA) inside a wrapper named as a cross-attention
+                # (BLIP-2's Q-Former: "cross_attention" holding an MHA named "attention"): the wrapper
+                # passes it other tokens' keys, so coupling "auto" maps them apart.
+                layout = dataclasses.replace(layout, self_attention=False)
             config = _layout.layout_config(layout, metric=metric, metric_rank=metric_rank, coupling=coupling)
         except (DamchaValueError, DamchaTypeError) as exc:
             failures.append(type(exc)(f"Cannot convert layer `{_name(layer)}` ({adapter.name}): {exc}"))

@@ -593,7 +593,8 @@ for _adapter in (
     ModelAdapter(
         "keras-hub-fused-qkv",
         "KerasHub Swin WindowAttention (one qkv Dense, the query heads then the key heads; relative position "
-        "bias, shifted windows) (qkv)",
+        "bias, shifted windows) and Qwen3.5's Qwen3_5VisionAttention (the same over patch tokens (N, E); 2-D "
+        "RoPE, attention per frame) (qkv)",
         lambda layer: _is(layer, "keras_hub", _FUSED_QKV),
         _fused_qkv_layout,
     ),
