@@ -126,3 +126,44 @@ def test_bad_calls_are_refused():
         "replace_mha found no nnx.MultiHeadAttention in Model: nothing was replaced (it holds 5 DamchaAttention "
         "layers already)."
     ]
+
+
+def test_a_tuple_held_twice_gets_the_one_converted_layer_in_both_places():
+    # The second holder kept the old tuple (and so the unconverted MHA): after training, two layers.
+    class Twice(nnx.Module):
+        def __init__(self, rngs):
+            self.attns = nnx.data((nnx.MultiHeadAttention(2, E, qkv_features=E, decode=False, rngs=rngs),))
+            self.same = nnx.data(self.attns)
+
+    model = Twice(nnx.Rngs(0))
+    dj.replace_mha(model, rngs=nnx.Rngs(1))
+    assert isinstance(model.attns[0], dj.DamchaAttention) and model.same[0] is model.attns[0]
+
+
+def test_stacked_layers_and_missing_dropout_streams_are_refused_by_name():
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.attn = nnx.MultiHeadAttention(2, E, qkv_features=E, decode=False, dropout_rate=0.1, rngs=rngs)
+
+    class Stacked(nnx.Module):
+        def __init__(self, rngs):
+            @nnx.split_rngs(splits=3)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def make(r):
+                return Block(r)
+
+            self.blocks = make(rngs)
+
+    stacked = Stacked(nnx.Rngs(0))
+    # Was a raw ValueError from the kernel copy ("Cannot broadcast to shape with fewer dimensions").
+    with pytest.raises(
+        dc.DamchaValueError,
+        match=r"`mha`: expected an nnx.MultiHeadAttention of one layer.*nnx.vmap or nnx.scan.*"
+        r"Received: mha.query.kernel.shape=\(3, 8, 2, 4\) \(at model.blocks.attn\)$",
+    ):
+        dj.replace_mha(stacked, rngs=nnx.Rngs(1))
+    assert isinstance(stacked.blocks.attn, nnx.MultiHeadAttention)
+    # Was a raw AttributeError ("No RngStream named 'dropout'"), naming no layer.
+    with pytest.raises(dc.DamchaValueError, match=r"`rngs`: expected an nnx.Rngs with a 'dropout'.*\(at model.attn\)$"):
+        dj.replace_mha(Block(nnx.Rngs(0)), rngs=nnx.Rngs(params=1))
+    assert isinstance(dj.replace_mha(Block(nnx.Rngs(0)), rngs=nnx.Rngs(params=1, dropout=2)).attn, dj.DamchaAttention)

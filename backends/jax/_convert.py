@@ -42,6 +42,29 @@ def from_mha(cls: Any, mha: Any, *, metric: str, metric_rank: int | None, coupli
                 f"mha={type(mha).__module__}.{type(mha).__qualname__}, which overrides __call__",
             )
         )
+    kernel_shape = tuple(mha.query.kernel.shape)
+    if len(kernel_shape) != 3:
+        # nnx.vmap/nnx.scan over layers stacks each parameter with a leading layer axis.
+        raise DamchaValueError(
+            invalid_argument(
+                "mha",
+                "an nnx.MultiHeadAttention of one layer, its query kernel (in_features, num_heads, head_dim); "
+                "layers stacked by nnx.vmap or nnx.scan are not converted (convert each layer before stacking)",
+                f"mha.query.kernel.shape={kernel_shape}",
+            )
+        )
+    if mha.rngs is not None and mha.dropout_rate > 0:
+        try:
+            rngs.dropout  # noqa: B018 - the stream the layer keeps for its dropout, as mha kept one
+        except AttributeError:
+            raise DamchaValueError(
+                invalid_argument(
+                    "rngs",
+                    f"an nnx.Rngs with a 'dropout' (or default) stream: mha has dropout_rate={mha.dropout_rate} "
+                    "and keeps its rngs, so the converted layer keeps a dropout stream too",
+                    f"rngs with streams {sorted(k for k in vars(rngs) if not k.startswith('_'))}",
+                )
+            ) from None
     attention_fn = None if mha.attention_fn is nnx.dot_product_attention else mha.attention_fn
     metadata = dict(kernel_metadata=_metadata(mha.query.kernel), out_kernel_metadata=_metadata(mha.out.kernel))
     if mha.use_bias:
@@ -137,14 +160,16 @@ def _find_mhas(model: Any) -> dict[int, tuple[str, Any]]:
     return found
 
 
-def _install(node: Any, done: dict[int, Any], seen: set[int]) -> Any:
+def _install(node: Any, done: dict[int, Any], seen: dict[int, Any]) -> Any:
     """``node`` with every reference to a converted layer replaced (in place;
-    a tuple, immutable, comes back rebuilt for its parent to hold)."""
+    a tuple, immutable, comes back rebuilt for its parent to hold). ``seen``:
+    id -> what a node visited before became, so a tuple held twice is rebuilt
+    once and both holders get the rebuilt one."""
     if isinstance(node, _FlaxMHA):
         return done[id(node)]
     if id(node) in seen:
-        return node
-    seen.add(id(node))
+        return seen[id(node)]
+    seen[id(node)] = node  # (a cycle back to a tuple being rebuilt finds the old one: tuples hold no cycle)
     replaced = [(key, child, _install(child, done, seen)) for key, child in _children(node)]
     changed = [(key, new) for key, child, new in replaced if new is not child]
     if not changed:
@@ -153,7 +178,9 @@ def _install(node: Any, done: dict[int, Any], seen: set[int]) -> Any:
         items = list(node)
         for key, new in changed:
             items[key] = new
-        return type(node)(*items) if hasattr(node, "_fields") else type(node)(items)
+        rebuilt = type(node)(*items) if hasattr(node, "_fields") else type(node)(items)
+        seen[id(node)] = rebuilt
+        return rebuilt
     for key, new in changed:
         if isinstance(node, (list, dict, nnx.List, nnx.Dict)):
             node[key] = new
@@ -206,5 +233,5 @@ def replace_mha(cls: Any, model: Any, *, rngs: nnx.Rngs, **kwargs: Any) -> Any:
             stacklevel=3,
         )
         return model
-    _install(model, done, set())
+    _install(model, done, {})
     return model

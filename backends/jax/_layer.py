@@ -870,7 +870,10 @@ def replace_mha(
 
     Args:
         model: an ``nnx.Module`` holding ``nnx.MultiHeadAttention`` layers.
-        rngs: the generators' initialisation keys (one draw per layer).
+        rngs: the generators' initialisation keys (one draw per layer), and the
+            dropout stream a layer with ``dropout_rate > 0`` keeps, as in
+            ``from_mha``. Layers stacked by ``nnx.vmap``/``nnx.scan`` (a leading
+            layer axis on every parameter) are refused: convert before stacking.
         metric, metric_rank, coupling: as in ``DamchaAttention.from_mha``
             (``coupling=None`` picks each layer's from its shape).
     """
