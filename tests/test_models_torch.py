@@ -1216,6 +1216,14 @@ MORE_LLAMA_COPIES = {
     "ernie4.5-moe": ("Ernie4_5_MoeForCausalLM", "Ernie4_5_MoeConfig", dict(head_dim=8, **_MOE), _no_norms, None),
     # The second survey (_LLAMA_SURVEY_2, Cohere 2 MoE in _ROTARY, _models_layouts_more.py). Hybrids keep a
     # layer of their other mixer (Mamba, short convolution, linear attention), which convert() leaves as it is.
+    # RMS norms over all the query heads' and all the key heads' features, as OLMo 2's.
+    "minimax-m2": (
+        "MiniMaxM2ForCausalLM",
+        "MiniMaxM2Config",
+        dict(head_dim=8, num_local_experts=2, **_MOE),
+        _rms_norms_all_heads,
+        None,
+    ),
     "minimax": (
         "MiniMaxForCausalLM",
         "MiniMaxConfig",

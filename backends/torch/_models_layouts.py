@@ -129,7 +129,8 @@ _LLAMA_MORE = frozenset(
 # Jamba's (no positions); LaraMini's is Qwen3's rotating only where its model gives it positions (its
 # sliding-window layers); NanoChat's rotates each head (by minus the angles) and then normalises it (an RMS
 # norm without weights); BitNet's is Llama's with an RMS norm of the attention output before o_proj (its
-# checkpoints' quantized BitLinear projections untested). Each is tested.
+# checkpoints' quantized BitLinear projections untested); MiniMax-M2's normalises all the query heads'
+# and all the key heads' features (OLMo 2's norms: on the mapped heads, before RoPE). Each is tested.
 _LLAMA_SURVEY_2 = frozenset(
     {
         "MiniMaxAttention",
@@ -149,6 +150,7 @@ _LLAMA_SURVEY_2 = frozenset(
         "LaraMiniAttention",
         "NanoChatAttention",
         "BitNetAttention",
+        "MiniMaxM2Attention",
     }
 )
 
