@@ -553,7 +553,12 @@ def layer_params(arch: str, layer: Any) -> tuple[dict[str, np.ndarray], dc.Damch
             params["query.bias"] = params["query.bias"][..., : cfg.key_dim]
     params["output.kernel"], params["output.bias"] = _output(getattr(layer, SUBLAYERS[arch][3]), cfg.num_heads)
     params.update(layer.damcha.to_canonical())
-    config = dc.DamchaConfig(
+    return params, reference_config(cfg)
+
+
+def reference_config(cfg: dc.DamchaConfig) -> dc.DamchaConfig:
+    """The reference's config of a converted layer's DamchaConfig, with projection biases."""
+    return dc.DamchaConfig(
         query_dim=cfg.query_dim,
         context_dim=cfg.context_dim,
         num_heads=cfg.num_heads,
@@ -564,7 +569,6 @@ def layer_params(arch: str, layer: Any) -> tuple[dict[str, np.ndarray], dc.Damch
         coupling=cfg.coupling,
         use_bias=True,
     )
-    return params, config
 
 
 def rotary(arch: str, layer: Any, head_dim: int, **positions: Any) -> dc.Rotary | None:

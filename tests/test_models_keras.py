@@ -42,6 +42,7 @@ from _models_keras_zoo import (
     output,
     positional_reference,
     projection,
+    reference_config,
     reference_maps,
     rotary,
 )
@@ -1258,21 +1259,6 @@ def test_gpt_neox_converts():
     assert np.abs(output(model, x) - before).max() > 1e-3
 
 
-def _reference_config(cfg):
-    """The reference's config of a converted layer's DamchaConfig, with projection biases."""
-    return dc.DamchaConfig(
-        query_dim=cfg.query_dim,
-        context_dim=cfg.context_dim,
-        num_heads=cfg.num_heads,
-        num_kv_heads=cfg.num_kv_heads,
-        key_dim=cfg.key_dim,
-        metric=cfg.metric,
-        metric_rank=cfg.metric_rank,
-        coupling=cfg.coupling,
-        use_bias=True,
-    )
-
-
 def test_paligemma_and_gemma3_vision_attention_converts():
     """PaliGemma's vision tower (PaliGemmaVitAttention) and Gemma 3's vision encoder
     (Gemma3VisionAttention), CLIP's layout (Dense query_proj/key_proj, softmax attention at
@@ -1356,7 +1342,7 @@ def test_swin_window_attention_converts():
     open_gates(model)
     for layer in layers.values():
         cfg, H, d = layer.damcha.config, layer.num_heads, layer.head_dim
-        config = _reference_config(cfg)
+        config = reference_config(cfg)
         kernel = numpy(layer.qkv.kernel).reshape(cfg.query_dim, 3, H, d)
         bias = numpy(layer.qkv.bias).reshape(3, H, d)
         params = {
@@ -1416,7 +1402,7 @@ def test_qwen3_5_vision_attention_converts():
         }
         tokens = rng.normal(size=(5, cfg.query_dim))  # (N, E), as the encoder calls it
         q0, k0, v = (np.einsum("te,ehd->thd", tokens, kernel[:, i]) + bias[i] for i in range(3))
-        q, k = (reference_map(params, _reference_config(cfg), "qk", tokens[None], y0[None])[0] for y0 in (q0, k0))
+        q, k = (reference_map(params, reference_config(cfg), "qk", tokens[None], y0[None])[0] for y0 in (q0, k0))
         assert min(np.abs(q - q0).max(), np.abs(k - k0).max()) > 1e-2  # the maps are open
         y = numpy(layer.qkv(tokens)).reshape(5, 3, H, d)
         for got, want in ((y[:, 0], q), (y[:, 1], k), (y[:, 2], v)):
@@ -1521,7 +1507,7 @@ def test_attention_layers_of_refused_models_convert_alone():
             params[f"{role}.kernel"], params[f"{role}.bias"] = projection(getattr(layer, f"{role[0]}_proj"), heads)
         SUBLAYERS["_alone"] = ("q_proj", "k_proj")
         try:
-            check_maps("_alone", layer, params, _reference_config(cfg), q, opened=1e-3)
+            check_maps("_alone", layer, params, reference_config(cfg), q, opened=1e-3)
         finally:
             del SUBLAYERS["_alone"]
 
@@ -1551,7 +1537,7 @@ def test_sam3_vision_attention_converts():
     for attr in ("q_proj", "k_proj"):
         kernel, bias = numpy(getattr(layer, attr).kernel), numpy(getattr(layer, attr).bias)
         unmapped = (flat @ kernel + bias).reshape(1, -1, 2, 4)
-        want = reference_map(params, _reference_config(cfg), "qk", flat, unmapped)
+        want = reference_map(params, reference_config(cfg), "qk", flat, unmapped)
         assert np.abs(want - unmapped).max() > 1e-2  # the maps are open
         got = numpy(getattr(layer, attr)(tokens)).reshape(1, -1, 2, 4)
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
