@@ -750,17 +750,7 @@ def check_adapter(adapter: Any) -> None:
                     f"adapter.{method}", "a method", f"adapter.{method}={describe(getattr(adapter, method))}"
                 )
             )
-    dtypes = adapter.dtypes
-    if isinstance(dtypes, (str, bytes)) or not isinstance(dtypes, Iterable):
-        raise DamchaTypeError(
-            invalid_argument(
-                "adapter.dtypes",
-                f"a sequence of dtype names, e.g. ('float64',), some of {DTYPES}",
-                f"adapter.dtypes={dtypes!r}"
-                + (" (one string, read letter by letter)" if isinstance(dtypes, str) else ""),
-            )
-        )
-    names = list(dtypes)
+    names = check_dtype_names(adapter.dtypes, "adapter.dtypes")
     if len(set(names)) != len(names):
         # Each would run every check again, counted twice in the table.
         raise DamchaValueError(
@@ -795,7 +785,7 @@ def check_adapter(adapter: Any) -> None:
 
 def check_dtype_names(dtypes: Any, argument: str = "dtypes") -> list[str]:
     """``dtypes`` as a list of names; one string (iterated, its letters) is refused with the hint."""
-    if isinstance(dtypes, (str, bytes)) or not hasattr(dtypes, "__iter__"):
+    if isinstance(dtypes, (str, bytes)) or not isinstance(dtypes, Iterable):
         raise DamchaTypeError(
             invalid_argument(
                 argument,
