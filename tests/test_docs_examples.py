@@ -58,6 +58,10 @@ task_loss = torch.tensor(0.0)
     ("README.md", "import damcha_jax as dj"): """
 from flax import nnx
 trained_mha = nnx.MultiHeadAttention(8, 512, decode=False, rngs=nnx.Rngs(2))
+class _Model(nnx.Module):
+    def __init__(self, rngs):
+        self.attention = nnx.MultiHeadAttention(8, 512, decode=False, rngs=rngs)
+flax_model = _Model(nnx.Rngs(4))
 """,
     ("README.md", "from damcha_keras import"): """
 import keras
