@@ -1,6 +1,8 @@
 """``damcha_jax.replace_mha``: every ``nnx.MultiHeadAttention`` of a Flax NNX
 model swapped for ``DamchaAttention.from_mha`` in one call, wherever NNX holds
-modules, shared layers kept shared, atomic on refusal."""
+modules, shared layers kept shared, atomic on refusal; layers stacked by
+``nnx.vmap``/``nnx.scan`` converted stacked, checked against the same layers
+sliced out and run one after another."""
 
 from __future__ import annotations
 
@@ -140,30 +142,320 @@ def test_a_tuple_held_twice_gets_the_one_converted_layer_in_both_places():
     assert isinstance(model.attns[0], dj.DamchaAttention) and model.same[0] is model.attns[0]
 
 
-def test_stacked_layers_and_missing_dropout_streams_are_refused_by_name():
+def test_missing_dropout_streams_are_refused_by_name():
     class Block(nnx.Module):
         def __init__(self, rngs):
             self.attn = nnx.MultiHeadAttention(2, E, qkv_features=E, decode=False, dropout_rate=0.1, rngs=rngs)
 
-    class Stacked(nnx.Module):
-        def __init__(self, rngs):
-            @nnx.split_rngs(splits=3)
-            @nnx.vmap(in_axes=(0,), out_axes=0)
-            def make(r):
-                return Block(r)
-
-            self.blocks = make(rngs)
-
-    stacked = Stacked(nnx.Rngs(0))
-    # Was a raw ValueError from the kernel copy ("Cannot broadcast to shape with fewer dimensions").
-    with pytest.raises(
-        dc.DamchaValueError,
-        match=r"`mha`: expected an nnx.MultiHeadAttention of one layer.*nnx.vmap or nnx.scan.*"
-        r"Received: mha.query.kernel.shape=\(3, 8, 2, 4\) \(at model.blocks.attn\)$",
-    ):
-        dj.replace_mha(stacked, rngs=nnx.Rngs(1))
-    assert isinstance(stacked.blocks.attn, nnx.MultiHeadAttention)
     # Was a raw AttributeError ("No RngStream named 'dropout'"), naming no layer.
     with pytest.raises(dc.DamchaValueError, match=r"`rngs`: expected an nnx.Rngs with a 'dropout'.*\(at model.attn\)$"):
         dj.replace_mha(Block(nnx.Rngs(0)), rngs=nnx.Rngs(params=1))
     assert isinstance(dj.replace_mha(Block(nnx.Rngs(0)), rngs=nnx.Rngs(params=1, dropout=2)).attn, dj.DamchaAttention)
+    stacked = _stack(lambda r: Block(r), 2, nnx.Rngs(0))
+    with pytest.raises(dc.DamchaValueError, match=r"`rngs`: expected an nnx.Rngs with a 'dropout'.*\(at model.attn\)$"):
+        dj.replace_mha(stacked, rngs=nnx.Rngs(params=1))
+    assert isinstance(stacked.attn, nnx.MultiHeadAttention)
+
+
+# ------------------------------------------------- layers stacked by nnx.vmap / nnx.scan
+
+SE, SL = 16, 3  # the stacked models' feature size and layer count
+
+
+def _stack(factory, splits, rngs, out_axes=0, **vmap_kwargs):
+    """``factory(rngs)`` built once per layer, stacked on leading axes ``splits``
+    (an int, or a tuple for nested vmaps), the Flax NNX LM recipe."""
+    splits_tuple = (splits,) if isinstance(splits, int) else tuple(splits)
+    build = factory
+    for _ in splits_tuple:
+        build = nnx.vmap(build, in_axes=0, out_axes=out_axes, **vmap_kwargs)
+    with nnx.split_rngs(rngs, splits=splits_tuple):
+        return build(rngs)
+
+
+class SBlock(nnx.Module):
+    """A pre-LN-free residual block: attention, then a dense layer."""
+
+    def __init__(self, rngs: nnx.Rngs, **mha_kwargs) -> None:
+        self.attn = nnx.MultiHeadAttention(2, SE, decode=False, rngs=rngs, **mha_kwargs)
+        self.mlp = nnx.Linear(SE, SE, rngs=rngs)
+
+    def __call__(self, x, mask, deterministic):
+        return x + self.mlp(self.attn(x, mask=mask, deterministic=deterministic))
+
+
+class StackedLM(nnx.Module):
+    """``SL`` blocks stacked by ``nnx.vmap``, run by ``nnx.scan`` (the user's forward, untouched by conversion)."""
+
+    def __init__(self, rngs: nnx.Rngs, **mha_kwargs) -> None:
+        self.blocks = _stack(lambda r: SBlock(r, **mha_kwargs), SL, rngs)
+
+    def __call__(self, x, mask=None, deterministic=True):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def run(h, block):
+            return block(h, mask, deterministic)
+
+        return run(x, self.blocks)
+
+
+def _layer_by_layer(stacked, indices, x, apply):
+    """The independent computation a stacked forward must equal: for each index
+    in turn (a tuple for nested axes), the stacked module's state sliced there,
+    merged into an unstacked module and applied, ``x = apply(module, x)``: a
+    Python loop of one-layer modules (compiled as one program, for speed)."""
+    graphdef, state = nnx.split(stacked)
+
+    @jax.jit
+    def run(state, x):
+        for index in indices:
+            one = nnx.merge(graphdef, jax.tree.map(lambda a, i=index: a[i], state))
+            x = apply(one, x)
+        return x
+
+    return run(state, x)
+
+
+def _open_gates(model, value=0.5):
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, dj.DamchaAttention):
+            for side in node.metric:
+                gate = node.metric[side].gate
+                gate[...] = jnp.full(gate.shape, value, gate.dtype)
+
+
+def _stacked_inputs():
+    x = jax.random.normal(jax.random.key(1), (2, 5, SE))
+    # A padded key in the second row: the mask reaches every layer of the scan.
+    mask = jnp.asarray(np.arange(5)[None, None, None, :] < np.array([5, 3])[:, None, None, None])
+    return x, mask
+
+
+STACKED_CASES = {
+    "self-attention": ({}, {}),
+    # Separate maps, the lowrank generator, the norms' scales and a stacked dropout stream.
+    "gqa-normalize_qk-dropout-lowrank": (
+        dict(num_kv_heads=1, normalize_qk=True, dropout_rate=0.3),
+        dict(metric="lowrank", metric_rank=2),
+    ),
+}
+
+
+@pytest.mark.parametrize("mha_kwargs, convert_kwargs", list(STACKED_CASES.values()), ids=list(STACKED_CASES))
+def test_stacked_layers_convert_in_one_call_and_the_scanned_forward_runs_them(mha_kwargs, convert_kwargs):
+    model = StackedLM(nnx.Rngs(0), **mha_kwargs)
+    mha = model.blocks.attn
+    x, mask = _stacked_inputs()
+    before = model(x, mask)
+    dj.replace_mha(model, rngs=nnx.Rngs(params=3, dropout=4), **convert_kwargs)
+    layer = model.blocks.attn
+    assert isinstance(layer, dj.DamchaAttention) and layer.decode is False
+    for path, param in nnx.to_flat_state(nnx.state(layer, nnx.Param)):
+        assert param.shape[0] == SL, path  # projections, norms, gates and generators alike
+    if mha_kwargs.get("dropout_rate"):
+        assert layer.rngs is not None and layer.rngs.count.shape == mha.rngs.count.shape == (SL,)
+    for name in ("query", "key", "value", "out"):
+        np.testing.assert_array_equal(np.asarray(getattr(layer, name).kernel[...]), getattr(mha, name).kernel[...])
+    if mha_kwargs.get("normalize_qk"):
+        np.testing.assert_array_equal(np.asarray(layer.key_ln.scale[...]), mha.key_ln.scale[...])
+    # Gates closed, as converted: the scanned model is the original one (float32 rounding aside:
+    # a layer with dropout runs the einsum attention).
+    np.testing.assert_allclose(np.asarray(model(x, mask)), np.asarray(before), rtol=1e-5, atol=1e-5)
+
+    _open_gates(model)
+    # Copies taken before the forward advances the dropout streams: each runs the same draws.
+    reference, again = nnx.clone(model.blocks), nnx.clone(model)
+    deterministic = not mha_kwargs.get("dropout_rate")
+    eager = model(x, mask, deterministic)
+
+    def block(one, h):
+        assert isinstance(one.attn, dj.DamchaAttention) and one.attn.query.kernel.shape == (SE, 2, 8)
+        return one(h, mask, deterministic)
+
+    expected = _layer_by_layer(reference, range(SL), x, block)
+    np.testing.assert_allclose(np.asarray(eager), np.asarray(expected), rtol=1e-5, atol=1e-5)
+    assert float(jnp.abs(eager - before).max()) > 1e-3  # the maps act
+    jitted = nnx.jit(lambda m, x, mask: m(x, mask, deterministic))(again, x, mask)
+    np.testing.assert_allclose(np.asarray(jitted), np.asarray(expected), rtol=1e-5, atol=1e-5)
+
+
+def test_stacked_generators_draw_per_layer_and_per_stack():
+    class TwoStacks(nnx.Module):
+        def __init__(self, rngs):
+            self.encoder = _stack(lambda r: SBlock(r), SL, rngs)
+            self.decoder = _stack(lambda r: SBlock(r), SL, rngs)
+
+    model = TwoStacks(nnx.Rngs(0))
+    dj.replace_mha(model, rngs=nnx.Rngs(5))
+    kernels = [np.asarray(s.attn.metric["qk"].generator.kernel[...]) for s in (model.encoder, model.decoder)]
+    draws = [k[index] for k in kernels for index in range(SL)]
+    assert all(float(np.abs(draws[i] - draws[j]).max()) > 1e-3 for i in range(len(draws)) for j in range(i))
+    # Each layer's draw is an initialisation, not a zero or a copy: the stack's spread is the generator's.
+    fresh = dj.DamchaAttention(2, SE, rngs=nnx.Rngs(9)).metric["qk"].generator.kernel[...]
+    np.testing.assert_allclose(np.std(kernels[0]), float(jnp.std(fresh)), rtol=0.5)
+
+
+def test_nested_layer_axes_convert_and_a_vmapped_scan_runs_them():
+    K = 2  # an ensemble of K stacks of SL layers: nested nnx.vmap, axes (K, SL) on every parameter
+    blocks = _stack(lambda r: SBlock(r), (K, SL), nnx.Rngs(0))
+    assert blocks.attn.query.kernel.shape == (K, SL, SE, 2, 8)
+    x, mask = _stacked_inputs()
+
+    @nnx.vmap(in_axes=(0, None))
+    def forward(stack, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def run(h, block):
+            return block(h, mask, True)
+
+        return run(x, stack)
+
+    before = forward(blocks, x)
+    layer = dj.DamchaAttention.from_mha(blocks.attn, rngs=nnx.Rngs(3))
+    blocks.attn = layer
+    for path, param in nnx.to_flat_state(nnx.state(layer, nnx.Param)):
+        assert param.shape[:2] == (K, SL), path
+    np.testing.assert_allclose(np.asarray(forward(blocks, x)), np.asarray(before), atol=1e-6)
+    _open_gates(blocks)
+    opened = forward(blocks, x)
+    for member in range(K):
+        indices = [(member, index) for index in range(SL)]
+        expected = _layer_by_layer(blocks, indices, x, lambda one, h: one(h, mask, True))
+        np.testing.assert_allclose(np.asarray(opened[member]), np.asarray(expected), rtol=1e-5, atol=1e-5)
+    kernel = np.asarray(layer.metric["qk"].generator.kernel[...]).reshape(K * SL, -1)
+    assert min(float(np.abs(kernel[i] - kernel[j]).max()) for i in range(K * SL) for j in range(i)) > 1e-3
+
+
+def test_stacked_gradients_reach_every_layer_as_an_unrolled_loop_computes_them():
+    model = StackedLM(nnx.Rngs(0))
+    dj.replace_mha(model, rngs=nnx.Rngs(3))
+    _open_gates(model)
+    x, mask = _stacked_inputs()
+    graphdef, params, rest = nnx.split(model.blocks, nnx.Param, ...)
+
+    def unrolled(params):
+        h = x
+        for index in range(SL):
+            sliced = jax.tree.map(lambda a, i=index: a[i], (params, rest))
+            h = nnx.merge(graphdef, *sliced)(h, mask, True)
+        return jnp.mean(h**2)
+
+    expected = dict(nnx.to_flat_state(jax.jit(jax.grad(unrolled))(params)))
+    got = nnx.jit(nnx.grad(lambda m: jnp.mean(m(x, mask) ** 2)))(model)
+    metric = {path[1:]: g for path, g in nnx.to_flat_state(got) if "metric" in path}
+    assert len(metric) == 3  # gate, generator kernel and bias of the tied map
+    for path, g in metric.items():
+        g = np.asarray(g[...])
+        assert np.isfinite(g).all() and all(np.abs(g[i]).max() > 0 for i in range(SL)), path
+        np.testing.assert_allclose(g, np.asarray(expected[path][...]), rtol=1e-4, atol=1e-6)
+
+
+def test_stacked_decode_layers_decode_under_scan_as_mha_and_as_a_causal_forward_per_layer():
+    # Converted as one layer is (a cache is not copied): the converted layer's cache is initialised
+    # as the MHA's, under nnx.vmap, and the user's scan decodes the stacked layers token by token.
+    B, T = 2, 4
+    x = jax.random.normal(jax.random.key(2), (B, T, SE))
+
+    @nnx.jit
+    def step(stack, token):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def run(h, one):
+            return h + one(h)
+
+        return run(token, stack)
+
+    def decode(stack):
+        nnx.vmap(lambda m: m.init_cache((B, T, SE)), in_axes=0)(stack)
+        return jnp.concatenate([step(stack, x[:, t : t + 1]) for t in range(T)], axis=1)
+
+    mha = _stack(lambda r: nnx.MultiHeadAttention(2, SE, decode=True, rngs=r), SL, nnx.Rngs(0))
+    layer = dj.DamchaAttention.from_mha(mha, rngs=nnx.Rngs(1))
+    assert layer.decode is True and layer.query.kernel.shape == (SL, SE, 2, 8)
+    opened = nnx.clone(layer)
+    _open_gates(opened)
+    reference = nnx.clone(opened)  # without a cache: the reference runs the plain causal forward
+    np.testing.assert_allclose(np.asarray(decode(layer)), np.asarray(decode(mha)), rtol=1e-5, atol=1e-5)
+    decoded = decode(opened)
+    assert opened.cached_key.shape == (SL, B, T, 2, 8)
+    np.testing.assert_array_equal(np.asarray(opened.cache_index[...]), [T] * SL)
+    expected = _layer_by_layer(reference, range(SL), x, lambda one, h: h + one(h, decode=False, is_causal=True))
+    np.testing.assert_allclose(np.asarray(decoded), np.asarray(expected), rtol=1e-5, atol=1e-5)
+
+
+def test_stacked_layers_keep_their_partition_names():
+    # nnx.vmap's transform_metadata puts the layer axis's name in front of each sharded
+    # parameter's names; the converted layer keeps them, and a scan that removes it runs.
+    mesh = jax.make_mesh((1,), ("model",), axis_types=(jax.sharding.AxisType.Auto,))
+    layers = {nnx.PARTITION_NAME: "layers"}
+    sharded = dict(
+        kernel_metadata={"out_sharding": (None, "model", None)},
+        out_kernel_metadata={"out_sharding": ("model", None, None)},
+    )
+    x, _ = _stacked_inputs()
+    with jax.set_mesh(mesh):
+        mha = _stack(
+            lambda r: nnx.MultiHeadAttention(2, SE, decode=False, rngs=r, **sharded),
+            SL,
+            nnx.Rngs(0),
+            transform_metadata=layers,
+        )
+
+        def forward(stack):
+            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata=layers)
+            def run(h, one):
+                return h + one(h)
+
+            return run(x, stack)
+
+        before = forward(mha)
+        layer = dj.DamchaAttention.from_mha(mha, rngs=nnx.Rngs(1))
+        theirs, ours = nnx.get_partition_spec(nnx.state(mha)), nnx.get_partition_spec(nnx.state(layer))
+        assert ours["query"]["kernel"].get_metadata()["out_sharding"] == ("layers", None, "model", None)
+        for name in ("query", "key", "value", "out"):
+            for leaf in ("kernel", "bias"):
+                assert ours[name][leaf] == theirs[name][leaf], (name, leaf)
+        np.testing.assert_allclose(np.asarray(forward(layer)), np.asarray(before), atol=1e-6)
+
+
+def _layer_axis_second(rngs):
+    return _stack(lambda r: SBlock(r), SL, rngs, out_axes=1)
+
+
+def _leading_axes_disagree(rngs):
+    model = _stack(lambda r: SBlock(r), SL, rngs)
+    model.attn.out.bias = nnx.Param(jnp.zeros((2, SE)))  # two layers' biases under three layers' kernels
+    return model
+
+
+@pytest.mark.parametrize(
+    "make, shown",
+    [
+        (
+            _layer_axis_second,
+            r"\(query.kernel \(16, 2, 8\), key.kernel \(16, 2, 8\), .*out.bias \(16,\)\), all behind the same "
+            r".*Received: mha.query.kernel.shape=\(16, 3, 2, 8\), .*mha.out.bias.shape=\(16, 3\)",
+        ),
+        (
+            _leading_axes_disagree,
+            r"\(query.kernel \(16, 2, 8\), out.bias \(16,\)\), all behind the same .*"
+            r"Received: mha.query.kernel.shape=\(3, 16, 2, 8\), mha.out.bias.shape=\(2, 16\)",
+        ),
+    ],
+    ids=["layer-axis-not-first", "leading-axes-disagree"],
+)
+def test_stacked_layouts_that_are_not_layer_axes_in_front_are_refused_by_name(make, shown):
+    model = make(nnx.Rngs(0))
+    with pytest.raises(
+        dc.DamchaValueError,
+        match=r"^Invalid argument `mha`: expected an nnx.MultiHeadAttention whose parameters have the one-layer "
+        r"shapes its sizes give " + shown + r" \(at model.attn\)$",
+    ):
+        dj.replace_mha(model, rngs=nnx.Rngs(1))
+    assert isinstance(model.attn, nnx.MultiHeadAttention)
+
+
+def test_a_stacked_layer_its_options_refuse_is_refused_before_any_draw():
+    model = _stack(lambda r: SBlock(r, num_kv_heads=1), SL, nnx.Rngs(0))
+    rngs = nnx.Rngs(1)
+    with pytest.raises(dc.DamchaValueError, match=r"^Invalid argument `coupling`: .*\(at model.attn\)$"):
+        dj.replace_mha(model, rngs=rngs, coupling="tied")
+    assert isinstance(model.attn, nnx.MultiHeadAttention)
+    assert int(rngs.params.count[...]) == 0 and rngs.params.key.shape == ()  # not split, nothing drawn

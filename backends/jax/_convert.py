@@ -24,11 +24,151 @@ def _metadata(variable: Any) -> dict[str, Any]:
     return {k: v for k, v in variable.get_metadata().items() if k not in defaults or defaults[k] != v}
 
 
+def _unstacked_shapes(mha: Any) -> dict[tuple[str, str], tuple[int, ...]]:
+    """(submodule, leaf) -> shape of one layer's copy of that parameter, from
+    ``mha``'s static attributes (as nnx.MultiHeadAttention builds them): the
+    shapes every leading axis of a stacked ``mha`` sits in front of."""
+    H, G, d = mha.num_heads, mha.num_kv_heads, mha.head_dim
+    E_q, E_kv, E_o = mha.in_features, mha.in_kv_features, mha.out_features
+    shapes: dict[tuple[str, str], tuple[int, ...]] = {
+        ("query", "kernel"): (E_q, H, d),
+        ("key", "kernel"): (E_kv, G, d),
+        ("value", "kernel"): (E_kv, G, d),
+        ("out", "kernel"): (H, d, E_o),
+    }
+    if mha.use_bias:
+        shapes.update(
+            {("query", "bias"): (H, d), ("key", "bias"): (G, d), ("value", "bias"): (G, d), ("out", "bias"): (E_o,)}
+        )
+    if mha.normalize_qk:
+        shapes.update({("query_ln", "scale"): (d,), ("key_ln", "scale"): (d,)})
+    return shapes
+
+
+def _layer_axes(mha: Any) -> tuple[int, ...]:
+    """The leading axes ``nnx.vmap``/``nnx.scan`` (``out_axes=0``, nested or
+    not) put in front of every parameter of ``mha``: () for one layer.
+    Refuses a layout with the layer axes elsewhere (``out_axes=1``), or
+    leading axes that differ between parameters: no vmap over them rebuilds
+    the layers."""
+    shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
+        f"{name}.{leaf}": (tuple(getattr(getattr(mha, name), leaf).shape), one)
+        for (name, leaf), one in _unstacked_shapes(mha).items()
+    }
+    if mha.rngs is not None:
+        # The dropout stream mha keeps: the converted layer's is split over the layer axes like
+        # its parameters, so a forward that slices every variable of the block (scan or vmap with
+        # in_axes=0) must have found mha's stacked the same way.
+        shapes["rngs.count"] = (tuple(mha.rngs.count.shape), ())
+    leads: dict[str, tuple[int, ...] | None] = {
+        path: shape[: len(shape) - len(one)]
+        if len(shape) >= len(one) and shape[len(shape) - len(one) :] == one
+        else None
+        for path, (shape, one) in shapes.items()
+    }
+    distinct = set(leads.values())
+    if len(distinct) == 1 and None not in distinct:
+        lead = leads[next(iter(leads))]
+        assert lead is not None
+        return lead
+    # Name what breaks the rule: the shapes that do not end with their one-layer shape, or else
+    # one shape for each leading axes found.
+    shown = [path for path, lead in leads.items() if lead is None]
+    if not shown:
+        first: dict[tuple[int, ...] | None, str] = {}
+        for path, lead in leads.items():
+            first.setdefault(lead, path)
+        shown = list(first.values())
+    raise DamchaValueError(
+        invalid_argument(
+            "mha",
+            "an nnx.MultiHeadAttention whose parameters have the one-layer shapes its sizes give ("
+            + ", ".join(f"{path} {shapes[path][1]}" for path in shown)
+            + "), all behind the same leading layer axes when the layers are stacked (nnx.vmap or nnx.scan "
+            "with the layer axis first, out_axes=0, nested or not; a dropout stream it keeps, rngs.count, too)",
+            ", ".join(f"mha.{path}.shape={shapes[path][0]}" for path in shown),
+        )
+    )
+
+
+def _options(mha: Any, *, metric: str, metric_rank: int | None, coupling: str | None) -> dict[str, Any]:
+    """``cls``'s constructor arguments that rebuild ``mha`` (less ``rngs`` and the metadata)."""
+    return dict(
+        num_heads=mha.num_heads,
+        in_features=mha.in_features,
+        qkv_features=mha.qkv_features,
+        out_features=mha.out_features,
+        num_kv_heads=mha.num_kv_heads,
+        in_kv_features=mha.in_kv_features,
+        metric=metric,
+        metric_rank=metric_rank,
+        coupling=coupling,
+        dtype=mha.dtype,
+        param_dtype=mha.param_dtype,
+        broadcast_dropout=mha.broadcast_dropout,
+        dropout_rate=mha.dropout_rate,
+        deterministic=mha.deterministic,
+        precision=mha.precision,
+        use_bias=mha.use_bias,
+        attention_fn=None if mha.attention_fn is nnx.dot_product_attention else mha.attention_fn,
+        decode=mha.decode,
+        normalize_qk=mha.normalize_qk,
+        qkv_promote_dtype=mha.qkv_promote_dtype,
+        out_promote_dtype=mha.out_promote_dtype,
+        ln_promote_dtype=mha.ln_promote_dtype,
+        qkv_dot_general=mha.qkv_dot_general,
+        out_dot_general=mha.out_dot_general,
+        qkv_dot_general_cls=mha.qkv_dot_general_cls,
+        out_dot_general_cls=mha.out_dot_general_cls,
+        keep_rngs=mha.rngs is not None,
+    )
+
+
+def _metadata_options(mha: Any) -> dict[str, Any]:
+    """The ``*_metadata`` constructor arguments that give the copies ``mha``'s metadata."""
+    metadata = dict(kernel_metadata=_metadata(mha.query.kernel), out_kernel_metadata=_metadata(mha.out.kernel))
+    if mha.use_bias:
+        metadata.update(bias_metadata=_metadata(mha.query.bias), out_bias_metadata=_metadata(mha.out.bias))
+    if mha.normalize_qk:
+        assert mha.query_ln is not None and mha.key_ln is not None  # built by normalize_qk
+        metadata.update(
+            query_ln_scale_metadata=_metadata(mha.query_ln.scale), key_ln_scale_metadata=_metadata(mha.key_ln.scale)
+        )
+    return metadata
+
+
+def _from_stacked(cls: Any, mha: Any, axes: tuple[int, ...], options: dict[str, Any], rngs: nnx.Rngs) -> Any:
+    """``from_mha`` of layers stacked on leading ``axes``: the constructor
+    vmapped over them, each layer with its own keys (so its own generator
+    draws and dropout stream), then ``mha``'s parameters installed whole."""
+
+    def build(layer_rngs: nnx.Rngs) -> Any:
+        return cls(**options, rngs=layer_rngs)
+
+    # One layer built abstractly first: what the constructor refuses (a coupling the sizes
+    # refuse, a missing metric_rank) is refused before the split below draws from rngs.
+    nnx.eval_shape(lambda: build(nnx.Rngs(0)))
+
+    for _ in axes:  # nested vmaps stack nested axes, outermost first
+        build = nnx.vmap(build, in_axes=0, out_axes=0)
+    # Every stream split to the layer axes, then restored, each advanced by one draw (so two
+    # stacks converted with one rngs draw differently, as two single layers do).
+    with nnx.split_rngs(rngs, splits=axes):
+        layer = build(rngs)
+    for name, leaf in _unstacked_shapes(mha):
+        # The variable itself, not its value copied into the one built: built under vmap it has
+        # no metadata, while mha's carries the partition names nnx.vmap's transform_metadata may
+        # have put in front (and its arrays their shardings), which a scan over the layers reads.
+        setattr(getattr(layer, name), leaf, getattr(getattr(mha, name), leaf).copy())
+    return layer
+
+
 def from_mha(cls: Any, mha: Any, *, metric: str, metric_rank: int | None, coupling: str | None, rngs: nnx.Rngs) -> Any:
     """``cls`` (``DamchaAttention``) with ``mha``'s projections (and q/k norms)
     and every option it has, gates at 0: ``mha``'s outputs (except in rows
     that see no key, see ``DamchaAttention.from_mha``), ready to fine-tune
-    the metric. The generator is fresh; ``coupling=None`` is automatic."""
+    the metric. The generator is fresh; ``coupling=None`` is automatic. Layers
+    stacked by ``nnx.vmap``/``nnx.scan`` give a layer stacked the same way."""
     if not isinstance(mha, _FlaxMHA):
         raise DamchaTypeError(invalid_argument("mha", "an nnx.MultiHeadAttention", f"mha={describe(mha)}"))
     if type(mha).__call__ is not _FlaxMHA.__call__:
@@ -42,17 +182,7 @@ def from_mha(cls: Any, mha: Any, *, metric: str, metric_rank: int | None, coupli
                 f"mha={type(mha).__module__}.{type(mha).__qualname__}, which overrides __call__",
             )
         )
-    kernel_shape = tuple(mha.query.kernel.shape)
-    if len(kernel_shape) != 3:
-        # nnx.vmap/nnx.scan over layers stacks each parameter with a leading layer axis.
-        raise DamchaValueError(
-            invalid_argument(
-                "mha",
-                "an nnx.MultiHeadAttention of one layer, its query kernel (in_features, num_heads, head_dim); "
-                "layers stacked by nnx.vmap or nnx.scan are not converted (convert each layer before stacking)",
-                f"mha.query.kernel.shape={kernel_shape}",
-            )
-        )
+    axes = _layer_axes(mha)
     if mha.rngs is not None and mha.dropout_rate > 0:
         try:
             rngs.dropout  # noqa: B018 - the stream the layer keeps for its dropout, as mha kept one
@@ -65,57 +195,12 @@ def from_mha(cls: Any, mha: Any, *, metric: str, metric_rank: int | None, coupli
                     f"rngs with streams {sorted(k for k in vars(rngs) if not k.startswith('_'))}",
                 )
             ) from None
-    attention_fn = None if mha.attention_fn is nnx.dot_product_attention else mha.attention_fn
-    metadata = dict(kernel_metadata=_metadata(mha.query.kernel), out_kernel_metadata=_metadata(mha.out.kernel))
-    if mha.use_bias:
-        metadata.update(bias_metadata=_metadata(mha.query.bias), out_bias_metadata=_metadata(mha.out.bias))
-    if mha.normalize_qk:
-        assert mha.query_ln is not None and mha.key_ln is not None  # built by normalize_qk
-        metadata.update(
-            query_ln_scale_metadata=_metadata(mha.query_ln.scale), key_ln_scale_metadata=_metadata(mha.key_ln.scale)
-        )
-    layer = cls(
-        mha.num_heads,
-        mha.in_features,
-        mha.qkv_features,
-        mha.out_features,
-        mha.num_kv_heads,
-        mha.in_kv_features,
-        metric=metric,
-        metric_rank=metric_rank,
-        coupling=coupling,
-        dtype=mha.dtype,
-        param_dtype=mha.param_dtype,
-        broadcast_dropout=mha.broadcast_dropout,
-        dropout_rate=mha.dropout_rate,
-        deterministic=mha.deterministic,
-        precision=mha.precision,
-        use_bias=mha.use_bias,
-        attention_fn=attention_fn,
-        decode=mha.decode,
-        normalize_qk=mha.normalize_qk,
-        qkv_promote_dtype=mha.qkv_promote_dtype,
-        out_promote_dtype=mha.out_promote_dtype,
-        ln_promote_dtype=mha.ln_promote_dtype,
-        qkv_dot_general=mha.qkv_dot_general,
-        out_dot_general=mha.out_dot_general,
-        qkv_dot_general_cls=mha.qkv_dot_general_cls,
-        out_dot_general_cls=mha.out_dot_general_cls,
-        keep_rngs=mha.rngs is not None,
-        rngs=rngs,
-        **metadata,
-    )
-    for name in ("query", "key", "value", "out"):
-        source, target = getattr(mha, name), getattr(layer, name)
-        target.kernel[...] = source.kernel[...]
-        if layer.use_bias:
-            target.bias[...] = source.bias[...]
-    if mha.normalize_qk:
-        # normalize_qk builds both LayerNorms, with a scale (as the layer's, built from mha's flags).
-        for ln in ("query_ln", "key_ln"):
-            source_ln, target_ln = getattr(mha, ln), getattr(layer, ln)
-            assert source_ln.scale is not None and target_ln.scale is not None
-            target_ln.scale[...] = source_ln.scale[...]
+    options = _options(mha, metric=metric, metric_rank=metric_rank, coupling=coupling)
+    if axes:
+        return _from_stacked(cls, mha, axes, options, rngs)
+    layer = cls(**options, rngs=rngs, **_metadata_options(mha))
+    for name, leaf in _unstacked_shapes(mha):
+        getattr(getattr(layer, name), leaf)[...] = getattr(getattr(mha, name), leaf)[...]
     return layer
 
 

@@ -549,13 +549,33 @@ class DamchaAttention(CanonicalIO, DecodeCache, nnx.Module):
         projected mean of all the values and this layer the output bias (the
         spec's empty-row rule). The generator is fresh.
 
+        Layers stacked by ``nnx.vmap``/``nnx.scan`` (built under
+        ``nnx.split_rngs(splits=L)`` with ``out_axes=0``, nested or not: every
+        parameter has the same leading axes in front of its one-layer shape,
+        which ``mha``'s sizes give) convert to one ``DamchaAttention`` stacked
+        the same way: the construction is vmapped over those axes, so every
+        parameter (projections, norms, gates, generators) and the dropout
+        stream it keeps carry them, each layer's generator is drawn from its
+        own key, and a forward that scans or vmaps over the layers runs the
+        converted ones unchanged. ``mha``'s parameters are taken whole, with
+        their metadata (the partition names ``nnx.vmap``'s
+        ``transform_metadata`` put in front included); the new ones carry none.
+        Any other layout (the layer axes elsewhere, as ``out_axes=1`` puts
+        them, or leading axes that differ between parameters) raises a
+        ``DamchaValueError`` naming the shapes. As for one layer, a decoding
+        cache is not copied: initialise the converted layer's (under
+        ``nnx.vmap`` when stacked).
+
         Args:
-            mha: the ``nnx.MultiHeadAttention`` to copy (with its sharding metadata).
+            mha: the ``nnx.MultiHeadAttention`` to copy (with its sharding metadata),
+                one layer or layers stacked on leading axes.
             metric: ``"heads"`` or ``"lowrank"``, as in the constructor.
             metric_rank: r for ``metric="lowrank"``; None otherwise.
             coupling: ``"tied"``, ``"separate"``, ``"query"``; None picks it from ``mha``'s
                 shape (tied when num_kv_heads == num_heads and in_kv_features == in_features).
-            rngs: the generator's initialisation keys (and dropout's, as in the constructor).
+            rngs: the generator's initialisation keys (and dropout's, as in the
+                constructor); for stacked layers every stream is split over the
+                layer axes (``nnx.split_rngs``: one draw from each stream).
         """
         return from_mha(cls, mha, metric=metric, metric_rank=metric_rank, coupling=coupling, rngs=rngs)
 
@@ -863,17 +883,21 @@ def replace_mha(
     and optimizers see the new parameters as any others.
 
     Every layer is converted before any is installed: one that cannot be (a
-    subclass with its own ``__call__``, a ``coupling`` its sizes refuse)
-    raises a ``DamchaError`` naming its path, and the model is left as it was.
-    A model without ``nnx.MultiHeadAttention`` warns (most likely the wrong
-    model, or one converted already) and is returned unchanged.
+    subclass with its own ``__call__``, a ``coupling`` its sizes refuse, a
+    stacked layer whose layer axes are not in front) raises a ``DamchaError``
+    naming its path, and the model is left as it was. A model without
+    ``nnx.MultiHeadAttention`` warns (most likely the wrong model, or one
+    converted already) and is returned unchanged.
 
     Args:
         model: an ``nnx.Module`` holding ``nnx.MultiHeadAttention`` layers.
         rngs: the generators' initialisation keys (one draw per layer), and the
             dropout stream a layer with ``dropout_rate > 0`` keeps, as in
-            ``from_mha``. Layers stacked by ``nnx.vmap``/``nnx.scan`` (a leading
-            layer axis on every parameter) are refused: convert before stacking.
+            ``from_mha``. Layers stacked by ``nnx.vmap``/``nnx.scan`` (the same
+            leading layer axes on every parameter) are converted in one piece,
+            stacked the same way, each layer with its own generator draw (see
+            ``DamchaAttention.from_mha``), so the model's scan or vmap over its
+            blocks runs the converted layers unchanged.
         metric, metric_rank, coupling: as in ``DamchaAttention.from_mha``
             (``coupling=None`` picks each layer's from its shape).
     """
