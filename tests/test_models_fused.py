@@ -472,15 +472,19 @@ def _reference_maps(sides, transposed, x, weight, bias, *leaves):
         k += n
         S, d = blocks.heads, blocks.head_dim
         A = phi @ w_gen.t() + b_gen
+        # Head h of the block at o: columns o + h*d, or o + h*F/groups on an interleaved output.
+        step = d if blocks.groups == 1 else y.shape[-1] // blocks.groups
         for o in blocks.offsets:
-            yb = y[..., o : o + S * d].unflatten(-1, (S, d))
+            columns = [o + h * step + j for h in range(S) for j in range(d)]
+            yb = torch.stack([cols[c] for c in columns], -1).unflatten(-1, (S, d))
             if blocks.metric == "heads":
                 out = yb + torch.einsum("i,...ij,...jd->...id", gate, A.unflatten(-1, (S, S)), yb)
             else:
                 u, v = uv
                 z = torch.einsum("...jd,jdr->...r", yb, v) * A
                 out = yb + torch.einsum("...r,idr,i->...id", z, u, gate)
-            cols[o : o + S * d] = out.flatten(-2).unbind(-1)
+            for c, value in zip(columns, out.flatten(-2).unbind(-1)):
+                cols[c] = value
     return torch.stack(cols, -1)
 
 
@@ -534,6 +538,57 @@ def test_fused_node_with_unmapped_columns_between_blocks(metric, transposed, lay
     assert len(got_grads) == 3 + len(leaves)
     for i, (a, b) in enumerate(zip(got_grads, want_grads)):
         # rtol too: the "runs" layout has weight gradients of a few hundred.
+        torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-13, msg=lambda m, i=i: f"input {i}: {m}")
+
+
+# Interleaved outputs (SideBlocks.groups = S runs, one head of each block per
+# run; offsets within a run of F/S columns): GPT-NeoX's tied queries and keys
+# beside each head's value, its separate query and key maps, Qwen3-Next's
+# query beside each head's output gate.
+INTERLEAVED = {
+    "neox-tied": ((("qk", (0, 3)),), 9),
+    "neox-separate": ((("q", (0,)), ("k", (3,))), 9),
+    "gated-query": ((("q", (0,)),), 6),
+}
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["linear", "conv1d"])
+@pytest.mark.parametrize("probe", ["dense", "expanded"])
+@pytest.mark.parametrize("layout", list(INTERLEAVED))
+def test_fused_node_on_an_interleaved_output(layout, probe, transposed):
+    """FusedProjectionMaps on an interleaved projection output (the heads of
+    each block F/groups columns apart, unmapped columns between them): outputs
+    and every gradient equal the einsum reference's in float64, with a dense
+    incoming gradient and with a sum's expanded one (the node reads the
+    gradient's heads through its strides)."""
+    from damcha_torch._models_fused import FusedProjectionMaps, SideBlocks
+
+    torch.manual_seed(1)
+    E, S, d = 8, 4, 3
+    spec, run = INTERLEAVED[layout]
+    features = S * run
+    sides = tuple(SideBlocks(side, S, d, offsets, "heads", S) for side, offsets in spec)
+    f64 = {"dtype": torch.float64}
+    x = torch.randn(2, 5, E, **f64)
+    weight = torch.randn(*((E, features) if transposed else (features, E)), **f64)
+    bias = torch.randn(features, **f64)
+    leaves = []
+    for _ in sides:
+        leaves += [torch.randn(S * S, E, **f64) / 3, torch.randn(S * S, **f64) / 3, torch.rand(S, **f64)]
+    inputs_ = [x, weight, bias, *leaves]
+    for t in inputs_:
+        t.requires_grad_(True)
+    got = FusedProjectionMaps.apply(sides, transposed, 1.0, None, x, weight, bias, None, None, *leaves)
+    want = _reference_maps(sides, transposed, x, weight, bias, *leaves)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-13)
+    weights = torch.randn(2, 5, features, **f64)
+
+    def loss(out):
+        return (out * weights).sum() if probe == "dense" else out.sum()  # sum's gradient: ones, expanded
+
+    got_grads = torch.autograd.grad(loss(got), inputs_)
+    want_grads = torch.autograd.grad(loss(want), inputs_)
+    for i, (a, b) in enumerate(zip(got_grads, want_grads)):
         torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-13, msg=lambda m, i=i: f"input {i}: {m}")
 
 

@@ -333,17 +333,48 @@ def test_a_wrong_split_fails_the_reference_check():
     assert np.abs(got - want).max() > 1e-3
 
 
-def test_fused_qkv_training_step_moves_the_gates():
-    """A training step of a converted GPT-NeoX (its interleaved site on the
-    general path, recomputed in backward) reaches every gate, and its
-    gradients equal those of the same step without recompute."""
+# Hosts whose query_key_value holds each head's query, key and value in turn
+# (groups = H), and Falcon's two: its FalconLinear (a matmul, then the bias
+# added: not F.linear's bits) keeps the general path, as does a group of
+# several query heads (its new decoder architecture, GQA: separate maps).
+INTERLEAVED = [
+    ("gpt-neox", "auto"),
+    ("gpt-neox", "separate"),
+    ("bloom", "auto"),
+    ("persimmon", "auto"),
+    ("falcon-alibi", "auto"),
+    ("falcon", "auto"),
+]
+
+
+@pytest.mark.parametrize(("name", "coupling"), INTERLEAVED, ids=[f"{n}-{c}" for n, c in INTERLEAVED])
+def test_fused_qkv_training_step_moves_the_gates(name, coupling):
+    """A training step of a converted host with an interleaved qkv: each
+    projection and its maps are one fused node where each run of the output
+    holds one head of each role (with recompute; the general path
+    checkpointed the projection and every op of the maps), the step reaches
+    every gate, and its gradients equal those of the same step without
+    recompute (the general path's autograd), every parameter, to 1e-12."""
     grads = []
     for recompute in (True, False):
-        model = open_gates(dt.convert(_build("gpt-neox", torch.float64).train(), recompute=recompute))
+        model = _build(name, torch.float64).train()
+        model = open_gates(dt.convert(model, recompute=recompute, coupling=coupling))
+        nodes: list[str] = []
+        hooks = [
+            layer.query_key_value.register_forward_hook(
+                lambda m, a, out, nodes=nodes: nodes.append(type(out.grad_fn).__name__)
+            )
+            for layer in dt.converted_layers(model).values()
+        ]
         ids = _ids()
         model(input_ids=ids, labels=ids).loss.backward()
+        for hook in hooks:
+            hook.remove()
+        fused = recompute and not name.startswith("falcon")
+        assert (nodes == ["FusedProjectionMapsBackward"] * 2) == fused, nodes
         gates = {n: p.grad for n, p in model.named_parameters() if ".gates." in n}
-        assert len(gates) == 2 and all(g is not None and g.abs().max() > 0 for g in gates.values())
+        assert len(gates) == 2 * (2 if coupling == "separate" or name == "falcon" else 1)
+        assert all(g is not None and g.abs().max() > 0 for g in gates.values())
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
     assert grads[0].keys() == grads[1].keys()
     for n in grads[0]:

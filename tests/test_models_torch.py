@@ -1925,14 +1925,22 @@ def test_clip_and_siglip_copies_convert(name):
 
 def test_gated_query_maps_train_alike_with_and_without_recompute():
     """The maps of Qwen3.5's gated q_proj (a query-only site of H runs of a
-    query head and its gate, which the fused paths leave to the general one)
-    train: a loss's gradients with recompute equal those without, and every
-    gate gets one."""
+    query head and its gate: with recompute, the fused node's interleaved
+    blocks) train: a loss's gradients with recompute equal those without (the
+    general path's autograd), and every gate gets one."""
     grads = []
     for recompute in (True, False):
         model = open_gates(dt.convert(_more_llama_copy("qwen3.5"), recompute=recompute)).train()
         kw = inputs("llama", torch.float64)
+        nodes: list[str] = []
+        hooks = [
+            layer.q_proj.register_forward_hook(lambda m, a, out, nodes=nodes: nodes.append(type(out.grad_fn).__name__))
+            for layer in dt.converted_layers(model).values()
+        ]
         model(**kw, labels=kw["input_ids"]).loss.backward()
+        for hook in hooks:
+            hook.remove()
+        assert nodes and all((n == "FusedProjectionMapsBackward") == recompute for n in nodes), nodes
         gates = {n: p.grad for n, p in model.named_parameters() if ".gates." in n}
         assert len(gates) == 4 and all(g is not None and g.abs().max() > 0 for g in gates.values())
         grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})

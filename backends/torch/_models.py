@@ -440,16 +440,23 @@ class DamchaMaps(nn.Module):
             return cached
         cfg = self.config
         blocks: tuple[_fused.SideBlocks, ...] | None = None
-        # The fast paths read each side's heads as one block of S*d features:
-        # an interleaved site (groups > 1) keeps the general path.
-        if cfg.metric in ("heads", "lowrank") and site.groups == 1:
+        # The fast paths read each side's heads as one block of S*d features,
+        # or, on an interleaved site (groups > 1), as one head per run
+        # (GPT-NeoX's and BLOOM's query_key_value, Qwen3-Next's gated q_proj:
+        # SideBlocks.groups). Several heads of a role per run (Falcon's new
+        # decoder architecture) and "lowrank" there keep the general path.
+        heads = {"q": cfg.num_heads, "k": cfg.num_kv_heads}
+        interleaved = site.groups > 1
+        if cfg.metric in ("heads", "lowrank") and (
+            not interleaved or (cfg.metric == "heads" and all(heads[role] == site.groups for role, _ in site.roles()))
+        ):
             by_side: dict[str, list[int]] = {}
             for role, offset in site.roles():
                 side = dc.side_of(cfg, role)
                 if side is not None:  # the keys under coupling "query" keep the identity map
                     by_side.setdefault(side, []).append(offset)
             blocks = tuple(
-                _fused.SideBlocks(side, cfg.side_heads(side), cfg.key_dim, tuple(offsets), cfg.metric)
+                _fused.SideBlocks(side, cfg.side_heads(side), cfg.key_dim, tuple(offsets), cfg.metric, site.groups)
                 for side, offsets in by_side.items()
             )
         cache[site.attr] = blocks
@@ -500,7 +507,8 @@ class DamchaMaps(nn.Module):
                 if parts is not None and all(t is None or t.dtype == x.dtype for t in parts[1:5]):
                     # One autograd node for the projection and its maps, saving what the projection saves.
                     transposed, weight, bias, lora_a, lora_b, scaling = parts
-                    if "_store" in self.__dict__:
+                    # Store mode's recipes read blocks of consecutive heads only.
+                    if "_store" in self.__dict__ and fwd.site.groups == 1:
                         recipe = _fused.OutputRecipe()
                         out = _fused.StoredProjectionMaps.apply(
                             recipe,

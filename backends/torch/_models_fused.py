@@ -95,13 +95,21 @@ class SideBlocks(NamedTuple):
     """The blocks of a projection's output that one metric side maps: one
     block at each feature offset of ``offsets``, each ``heads`` heads of
     ``head_dim`` features (the tied queries and keys of a fused qkv are two
-    blocks of side "qk"), and the side's metric ("heads" or "lowrank")."""
+    blocks of side "qk"), and the side's metric ("heads" or "lowrank").
+
+    ``groups`` > 1: an interleaved output (``ProjectionSite.groups``) of
+    ``groups`` equal runs of F / groups features, each holding one head of
+    each block (``heads == groups``), the offsets counted within a run: head
+    h of the block at offset o starts at feature h * F / groups + o
+    (GPT-NeoX's query_key_value: offsets (0, d) for its tied queries and
+    keys). Metric "heads" only."""
 
     side: str
     heads: int
     head_dim: int
     offsets: tuple[int, ...]
     metric: str = "heads"
+    groups: int = 1
 
 
 # The tensors of a side that the fused node takes, in SideWeights' order:
@@ -183,6 +191,42 @@ def lowrank_factors(side: fn.SideWeights) -> tuple[Tensor, Tensor]:
 def _block(flat: Tensor, offset: int, heads: int, head_dim: int) -> Tensor:
     """The (T, S, d) strided view of one block of a (T, F) output."""
     return flat[:, offset : offset + heads * head_dim].unflatten(-1, (heads, head_dim))
+
+
+def _interleaved(flat: Tensor, offset: int, heads: int, width: int, stride: int) -> Tensor:
+    """The (T, S, width) view of ``heads`` heads of a (T, F) output, head h's
+    ``width`` features at column offset + h * stride (an interleaved run of
+    ``SideBlocks``: the heads of one or more blocks adjacent within a run)."""
+    step = flat.stride(1)  # 0 for an expanded gradient (a mean's), 1 for an output
+    return flat[:, offset:].as_strided((flat.shape[0], heads, width), (flat.stride(0), stride * step, step))
+
+
+def _interleaved_runs(blocks: SideBlocks) -> tuple[tuple[int, int], ...]:
+    """(offset, n) of each run of an interleaved side's blocks adjacent
+    within a run of the output (GPT-NeoX's tied query and key of each head:
+    one run of 2 at offset 0), in column order: each is one (T, S, n*d) view
+    that the side's (T, S, S) mix maps at once (the same mix multiplies every
+    feature of a head)."""
+    runs: list[tuple[int, int]] = []
+    for offset in sorted(blocks.offsets):
+        if runs and runs[-1][0] + runs[-1][1] * blocks.head_dim == offset:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((offset, 1))
+    return tuple(runs)
+
+
+def _map_interleaved_(flat: Tensor, blocks: SideBlocks, mix: Tensor, same: bool = True) -> None:
+    """Map an interleaved side's blocks of ``flat`` (T, F) in place by its mix
+    (T, S, S): each run's heads gathered into one contiguous (T, S, n*d)
+    operand (a batched product of strided heads ran several times slower
+    than the gather and the product together), the product added back in
+    place. ``same``: flat is in the mix's dtype, else (16 bits) the heads are
+    read in it and the correction added with one rounding."""
+    stride = flat.shape[1] // blocks.groups
+    for offset, n in _interleaved_runs(blocks):
+        part = _interleaved(flat, offset, blocks.heads, n * blocks.head_dim, stride)
+        part.add_(torch.bmm(mix, part.contiguous() if same else part.to(mix.dtype)))
 
 
 def _runs(blocks: SideBlocks) -> tuple[tuple[int, int], ...]:
@@ -316,6 +360,7 @@ def _kernel_map_(y: Tensor, tokens: Tensor, sides: Sequence[tuple[SideBlocks, fn
         S, d = blocks.heads, blocks.head_dim
         if not (
             blocks.metric == "heads"
+            and blocks.groups == 1  # the kernel reads each block's heads consecutive
             and all(
                 v.__class__ in fn._PLAIN
                 and v.is_cpu
@@ -373,7 +418,9 @@ def _map_blocks(
     r = fn._rms_denominator(t) if norm is None else norm.forward(t, reader=False)
     for blocks, weights in sides:
         weights = _cast_side(weights, dtype)
-        if blocks.metric == "heads" and merge and same:
+        if blocks.groups > 1:
+            _map_interleaved_(flat, blocks, _run_mix(coefficients(weights, t, r), weights.gate, 1), same)
+        elif blocks.metric == "heads" and merge and same:
             _map_runs_(flat, blocks, coefficients(weights, t, r), weights.gate)
         elif blocks.metric == "heads":
             S = weights.gate.shape[0]
@@ -512,7 +559,7 @@ def _mapped_copy(
     in-place add passed over the mapped columns twice more), and kept the
     generator's (r, [P = t W^T per side]) it was mapped with; "lowrank":
     ``_map_out`` on a clone, None."""
-    if any(b.metric != "heads" for b in sides) or not y.is_contiguous():
+    if any(b.metric != "heads" or b.groups > 1 for b in sides) or not y.is_contiguous():
         return _map_out(y.clone(), x, sides, leaves, r), None
     out = torch.empty_like(y)
     flat, out_flat = y.view(-1, y.shape[-1]), out.view(-1, y.shape[-1])
@@ -604,7 +651,7 @@ def _fused_backward(ctx: Any, grad: Tensor, first: int) -> tuple[Tensor | None, 
     else:
         # The rows of the projection that hold mapped heads: one GEMM on them.
         starts = [o for b in sides for o in b.offsets]
-        ends = [o + b.heads * b.head_dim for b in sides for o in b.offsets]
+        ends = [_block_end(b, o, features) for b in sides for o in b.offsets]
         lo, hi = min(starts), max(ends)
         rows = weight[:, lo:hi] if transposed else weight[lo:hi]  # a strided view: BLAS reads it in place
         y = project(t, rows, None if bias is None else bias[lo:hi], transposed)
@@ -617,6 +664,8 @@ def _fused_backward(ctx: Any, grad: Tensor, first: int) -> tuple[Tensor | None, 
     # below (dx, dW, db, LoRA) take the pieces one by one, so dL/dy is never
     # assembled: no copy of the (T, F) gradient (a clone, or a cat of blocks).
     pieces: list[tuple[int, Tensor]] = []
+    # An interleaved site's dL/dy, one tensor (its mapped heads' columns alternate with the others').
+    dy: Tensor | None = None
     leaf_grads: list[Tensor | None] = [None] * len(leaves)
     through_generator: list[tuple[Tensor, Tensor, Tensor]] = []  # (dP, generator weight, c): dL/dt += dP W + c t
     # The generator's products: those the recipe made the output again with
@@ -631,7 +680,13 @@ def _fused_backward(ctx: Any, grad: Tensor, first: int) -> tuple[Tensor | None, 
         else:
             P = F.linear(t, w_gen)
             A = fn.coefficients_of(P, r, b_gen, t.shape[-1])
-        if blocks.metric == "heads":
+        if blocks.groups > 1:
+            if dy is None:
+                dy = g.clone(memory_format=torch.contiguous_format)
+            dA, leaf_grads[k + 2] = _heads_mix_grads(
+                _interleaved_backward(blocks, _run_mix(A, gate, 1), g, y, lo, dy), A, gate, need[2]
+            )
+        elif blocks.metric == "heads":
             # One baddbmm per run of adjacent blocks (the run's dL/dy, fresh),
             # as the forward mapped it (_run_mix); dL/d(mix) one bmm per block
             # (a run's (T, n*S, n*S) product g y^T measured slower than n
@@ -656,6 +711,8 @@ def _fused_backward(ctx: Any, grad: Tensor, first: int) -> tuple[Tensor | None, 
         leaf_grads[k], leaf_grads[k + 1] = _generator_grads(
             dA, P, r, t, w_gen, need[0], need[1], need_x, through_generator
         )
+    if dy is not None:
+        pieces.append((0, dy))
     pieces = _tile(pieces, g)
     dx = dW = db = d_la = d_lb = None
     # The LoRA update's gradients: dL/d(x A^T) = s dy B.
@@ -681,6 +738,32 @@ def _fused_backward(ctx: Any, grad: Tensor, first: int) -> tuple[Tensor | None, 
     if need_b:
         db = _joined_sum(pieces)
     return (*[None] * (first + 4), dx, dW, db, d_la, d_lb, *leaf_grads)
+
+
+def _block_end(blocks: SideBlocks, offset: int, features: int) -> int:
+    """The column after the last of the block at ``offset`` of an output of ``features`` columns."""
+    if blocks.groups > 1:
+        return offset + (blocks.heads - 1) * (features // blocks.groups) + blocks.head_dim
+    return offset + blocks.heads * blocks.head_dim
+
+
+def _interleaved_backward(blocks: SideBlocks, mix: Tensor, g: Tensor, y: Tensor, lo: int, dy: Tensor) -> Tensor:
+    """An interleaved side's part of the fused node's backward: adds mix^T g_b
+    to each run's heads of dL/dy ``dy`` (T, F; g already in it) and returns
+    dL/d(mix) (T, S, S) = sum of g_b y_b^T over the runs, y the projection's
+    columns from ``lo`` on. The heads are gathered contiguous for the batched
+    products, as in ``_map_interleaved_``."""
+    S, stride = blocks.heads, g.shape[1] // blocks.groups
+    mix_t = mix.transpose(1, 2)
+    dmix: Tensor | None = None
+    for offset, n in _interleaved_runs(blocks):
+        width = n * blocks.head_dim
+        gb = _interleaved(g, offset, S, width, stride).contiguous()
+        _interleaved(dy, offset, S, width, stride).add_(torch.bmm(mix_t, gb))
+        part = torch.bmm(gb, _interleaved(y, offset - lo, S, width, stride).contiguous().transpose(1, 2))
+        dmix = part if dmix is None else dmix.add_(part)
+    assert dmix is not None  # a side has at least one block
+    return dmix
 
 
 def _tile(pieces: list[tuple[int, Tensor]], g: Tensor) -> list[tuple[int, Tensor]]:
