@@ -26,15 +26,18 @@ HEADING = "## Converted third-party models (PyTorch)"
 TARGET_TIME = 1.10
 TARGET_MEMORY = 1.05
 TARGET_MIN_N = 512
-MODEL_ORDER = ("gpt2", "llama", "vit")
+MODEL_ORDER = ("gpt2", "llama", "gptneox", "vit")
 
 METHOD = """\
 Whole models built from configs with random weights: GPT-2 (transformers
 `GPT2LMHeadModel`, 4 layers, hidden 512, 8 heads of 64, fused `c_attn`
 Conv1D, vocabulary 4096, B=2), a Llama-style LM (`LlamaForCausalLM`, 4
 layers, hidden 512, 8 query / 4 key-value heads of 64: GQA, so separate
-query and key maps; RoPE, MLP 1376, vocabulary 4096, B=2), both with sdpa
-attention and dropout 0, and ViT-Tiny (timm `vit_tiny_patch16_224`: 12
+query and key maps; RoPE, MLP 1376, vocabulary 4096, B=2), a GPT-NeoX
+(`GPTNeoXForCausalLM`, Pythia's layout: 4 layers, hidden 512, 8 heads of 64
+in one `query_key_value` holding each head's query, key and value in turn,
+an interleaved site; rotary on a quarter of each head, MLP 2048, vocabulary
+4096, B=2), all three with sdpa attention and dropout 0, and ViT-Tiny (timm `vit_tiny_patch16_224`: 12
 blocks, 192 features, 3 heads, patch 16, at an image size giving N patches,
 N=576: 384x384; B=4). Each is measured against itself
 before conversion: "original" is the model as built, "DAMCHA" the same model
@@ -45,8 +48,8 @@ output (relative difference <= 1e-4, float32; a failed check is marked
 **check failed**); then every gate is opened to 0.5, so the maps do their
 full work (a trained model's cost). "forward" is eval mode under
 `torch.inference_mode`; "fwd+bwd" is one training step without the
-optimizer (train mode, backward of the mean logit); "generate" (GPT-2 and
-Llama) is greedy `generate` with the host's KV cache in eval mode under
+optimizer (train mode, backward of the mean logit); "generate" (the three
+LMs) is greedy `generate` with the host's KV cache in eval mode under
 `torch.inference_mode`: the N-token prompt, then 32 new tokens, B as above
 (every step after the prompt maps B tokens per site, with the C kernel
 where it is built: docs/torch.md). The two models are
@@ -68,7 +71,7 @@ target.
 
 Commands (`make bench` runs the first with the other benchmarks):
 
-    .venv/bin/python benchmarks/bench_models.py                  # gpt2, llama, vit at N = 576, 1024; 9 rounds
+    .venv/bin/python benchmarks/bench_models.py                  # gpt2, llama, gptneox, vit at N = 576, 1024; 9 rounds
     .venv/bin/python benchmarks/bench_models.py --report         # rewrite this section from the result files
     .venv/bin/python benchmarks/bench_models.py --counts --lengths 64   # aten ops and copies per converted layer
     .venv/bin/python benchmarks/bench_models.py --tiny           # checks the script; measures nothing

@@ -1,7 +1,7 @@
 """Whole converted models vs the originals on CPU: time and peak memory ratios (issue 13).
 
 Usage:
-    .venv/bin/python benchmarks/bench_models.py            # gpt2, llama, vit at N=576, 1024, 9 rounds (idle machine)
+    .venv/bin/python benchmarks/bench_models.py            # gpt2, llama, gptneox, vit at N=576, 1024, 9 rounds (idle machine)
     .venv/bin/python benchmarks/bench_models.py --models vit --lengths 576 --json FILE
     .venv/bin/python benchmarks/bench_models.py --report [FILE...]   # rewrite the docs section only
     .venv/bin/python benchmarks/bench_models.py --tiny     # seconds: checks the script, measures nothing
@@ -11,6 +11,10 @@ Models (random weights, built from configs):
 - "llama": a 4-layer Llama-style causal LM, hidden 512, 8 query heads of 64,
   4 key/value heads (GQA, so separate query/key maps), MLP 1376, vocab 4096,
   B=2, N tokens; sdpa attention.
+- "gptneox": a 4-layer GPT-NeoX (transformers ``GPTNeoXForCausalLM``, Pythia's
+  layout: one ``query_key_value`` holding each head's query, key and value in
+  turn, an interleaved site; rotary on a quarter of each head), hidden 512, 8
+  heads of 64, MLP 2048, vocab 4096, B=2, N tokens; sdpa attention, dropout 0.
 - "gpt2": a 4-layer GPT-2 (transformers ``GPT2LMHeadModel``: fused ``c_attn``
   Conv1D, weight (in, out)), hidden 512, 8 heads of 64, vocab 4096, B=2, N
   tokens; sdpa attention, dropout 0 (the same masks in both models).
@@ -81,17 +85,20 @@ def _modes(model: str, given: list[str] | None = None) -> list[str]:
 DESCRIPTIONS = {
     "gpt2": "transformers `GPT2LMHeadModel` (fused `c_attn` Conv1D), sdpa attention, dropout 0",
     "llama": "transformers `LlamaForCausalLM`, GQA (separate query and key maps), RoPE, sdpa attention",
+    "gptneox": "transformers `GPTNeoXForCausalLM` (per-head interleaved `query_key_value`), partial RoPE, sdpa",
     "vit": "timm `vit_tiny_patch16_224` at an image size giving N patches (N=576: 384x384)",
 }
 MEMORY_METHOD = "peak RSS increase (VmHWM) of one call after a warm-up call, a fresh process each"
 TINY = {
     "llama": dict(hidden=32, heads=4, kv=2, mlp=64, vocab=64, layers=1, batch=2),
     "gpt2": dict(hidden=32, heads=4, vocab=64, layers=1, batch=2),
+    "gptneox": dict(hidden=32, heads=4, mlp=64, vocab=64, layers=1, batch=2),
     "vit": dict(embed=24, depth=1, heads=3, batch=2),
 }
 FULL = {
     "llama": dict(hidden=512, heads=8, kv=4, mlp=1376, vocab=4096, layers=4, batch=2),
     "gpt2": dict(hidden=512, heads=8, vocab=4096, layers=4, batch=2),
+    "gptneox": dict(hidden=512, heads=8, mlp=2048, vocab=4096, layers=4, batch=2),
     "vit": dict(embed=192, depth=12, heads=3, batch=4),
 }
 
@@ -138,6 +145,26 @@ def _build(model: str, n: int, tiny: bool):
             attn_implementation="sdpa",
         )
         module = GPT2LMHeadModel(cfg)
+        ids = torch.randint(0, sizes["vocab"], (sizes["batch"], n))
+        return (lambda m, x: m(input_ids=x, use_cache=False).logits), module, ids
+    if model == "gptneox":
+        from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+        cfg = GPTNeoXConfig(
+            vocab_size=sizes["vocab"],
+            hidden_size=sizes["hidden"],
+            intermediate_size=sizes["mlp"],
+            num_hidden_layers=sizes["layers"],
+            num_attention_heads=sizes["heads"],
+            rotary_pct=0.25,  # Pythia's
+            max_position_embeddings=max(n, 64) + GENERATE_TOKENS[False],
+            attention_dropout=0.0,
+            hidden_dropout=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+            attn_implementation="sdpa",
+        )
+        module = GPTNeoXForCausalLM(cfg)
         ids = torch.randint(0, sizes["vocab"], (sizes["batch"], n))
         return (lambda m, x: m(input_ids=x, use_cache=False).logits), module, ids
     import timm

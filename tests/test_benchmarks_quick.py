@@ -137,7 +137,7 @@ def test_models_tiny_writes_every_round(tmp_path: Path) -> None:
     assert {"cpu", "cpu_count"} <= set(run["machine"]) and {"torch", "transformers", "timm"} <= set(run["versions"])
     entries = data["entries"]
     modes = ("forward", "fwd+bwd", "generate")  # the ViT has no generate
-    want = {f"models/{m}/{mode}/N=16" for m in ("gpt2", "llama", "vit") for mode in modes} - {
+    want = {f"models/{m}/{mode}/N=16" for m in ("gpt2", "llama", "gptneox", "vit") for mode in modes} - {
         "models/vit/generate/N=16"
     }
     assert set(entries) == want
