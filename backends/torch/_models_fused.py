@@ -648,10 +648,29 @@ def _fused_backward(ctx: Any, grad: Tensor, first: int) -> tuple[Tensor | None, 
             made = _coefficient_products(x, sides, leaves, state.kept)
         state.kept = None
         made_mixes, state.mixes = state.mixes, {}
+    elif sides[0].groups > 1:
+        # An interleaved output (one site: every side has its groups): the
+        # columns lo:hi of each run that hold mapped heads (GPT-NeoX's queries
+        # and keys, not its values; Qwen3-Next's queries, not its gates), one
+        # GEMM on those rows of the weight, gathered (a copy of them, small
+        # next to the product, which then skips every unmapped row).
+        groups = sides[0].groups
+        run = features // groups
+        lo = min(o for b in sides for o in b.offsets)
+        hi = max(o + b.head_dim for b in sides for o in b.offsets)
+
+        def pick(m: Tensor, dim: int) -> Tensor:
+            """Columns lo:hi of every run, along m's dimension ``dim`` of F entries."""
+            return m.unflatten(dim, (groups, run)).narrow(dim + 1, lo, hi - lo).flatten(dim, dim + 1)
+
+        y = project(t, pick(weight, 1 if transposed else 0), None if bias is None else pick(bias, 0), transposed)
+        if h is not None:
+            assert lora_b is not None
+            y = y + F.linear(h, pick(lora_b, 0)) * scaling
     else:
         # The rows of the projection that hold mapped heads: one GEMM on them.
         starts = [o for b in sides for o in b.offsets]
-        ends = [_block_end(b, o, features) for b in sides for o in b.offsets]
+        ends = [o + b.heads * b.head_dim for b in sides for o in b.offsets]
         lo, hi = min(starts), max(ends)
         rows = weight[:, lo:hi] if transposed else weight[lo:hi]  # a strided view: BLAS reads it in place
         y = project(t, rows, None if bias is None else bias[lo:hi], transposed)
@@ -740,27 +759,20 @@ def _fused_backward(ctx: Any, grad: Tensor, first: int) -> tuple[Tensor | None, 
     return (*[None] * (first + 4), dx, dW, db, d_la, d_lb, *leaf_grads)
 
 
-def _block_end(blocks: SideBlocks, offset: int, features: int) -> int:
-    """The column after the last of the block at ``offset`` of an output of ``features`` columns."""
-    if blocks.groups > 1:
-        return offset + (blocks.heads - 1) * (features // blocks.groups) + blocks.head_dim
-    return offset + blocks.heads * blocks.head_dim
-
-
 def _interleaved_backward(blocks: SideBlocks, mix: Tensor, g: Tensor, y: Tensor, lo: int, dy: Tensor) -> Tensor:
     """An interleaved side's part of the fused node's backward: adds mix^T g_b
     to each run's heads of dL/dy ``dy`` (T, F; g already in it) and returns
     dL/d(mix) (T, S, S) = sum of g_b y_b^T over the runs, y the projection's
-    columns from ``lo`` on. The batched products read the heads' strided
-    views in place, as in ``_map_interleaved_``."""
-    S, stride = blocks.heads, g.shape[1] // blocks.groups
+    columns lo:hi of each run (``groups`` runs of hi - lo). The batched
+    products read the heads' strided views in place, as in ``_map_interleaved_``."""
+    S, stride, y_stride = blocks.heads, g.shape[1] // blocks.groups, y.shape[1] // blocks.groups
     mix_t = mix.transpose(1, 2)
     dmix: Tensor | None = None
     for offset, n in _interleaved_runs(blocks):
         width = n * blocks.head_dim
         gb = _interleaved(g, offset, S, width, stride)
         _interleaved(dy, offset, S, width, stride).add_(torch.bmm(mix_t, gb))
-        part = torch.bmm(gb, _interleaved(y, offset - lo, S, width, stride).transpose(1, 2))
+        part = torch.bmm(gb, _interleaved(y, offset - lo, S, width, y_stride).transpose(1, 2))
         dmix = part if dmix is None else dmix.add_(part)
     assert dmix is not None  # a side has at least one block
     return dmix
