@@ -434,3 +434,19 @@ def test_a_grouped_site_that_does_not_fit_is_refused_before_converting(site, pat
         from damcha_torch import _models
 
         _models._ADAPTERS[:] = [a for a in _models._ADAPTERS if a.name != name]
+
+
+def test_interleaved_site_compiles_with_its_in_place_map():
+    """torch.compile (fullgraph, AOTAutograd's functionalised graph) of a
+    converted GPT-NeoX without a graph: the in-place map of its interleaved
+    query_key_value (strided head views of the output) traces, and the
+    compiled logits equal the eager ones. A view made by ``as_strided`` was
+    refused there (AOTAutograd cannot functionalise a write through it)."""
+    model = open_gates(dt.convert(_build("gpt-neox", torch.float32)))
+    ids = _ids()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        want = model(input_ids=ids, use_cache=False).logits
+        got = compiled(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

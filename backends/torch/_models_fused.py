@@ -194,11 +194,12 @@ def _block(flat: Tensor, offset: int, heads: int, head_dim: int) -> Tensor:
 
 
 def _interleaved(flat: Tensor, offset: int, heads: int, width: int, stride: int) -> Tensor:
-    """The (T, S, width) view of ``heads`` heads of a (T, F) output, head h's
-    ``width`` features at column offset + h * stride (an interleaved run of
-    ``SideBlocks``: the heads of one or more blocks adjacent within a run)."""
-    step = flat.stride(1)  # 0 for an expanded gradient (a mean's), 1 for an output
-    return flat[:, offset:].as_strided((flat.shape[0], heads, width), (flat.stride(0), stride * step, step))
+    """The (T, S, width) view of ``heads`` heads of a (T, S * stride) output,
+    head h's ``width`` features at column offset + h * stride (an interleaved
+    run of ``SideBlocks``: the heads of one or more blocks adjacent within a
+    run). Made by unflatten and a slice, not ``as_strided``: torch.compile
+    refuses an in-place write through an ``as_strided`` view."""
+    return flat.unflatten(-1, (heads, stride))[:, :, offset : offset + width]
 
 
 def _interleaved_runs(blocks: SideBlocks) -> tuple[tuple[int, int], ...]:
