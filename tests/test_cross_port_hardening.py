@@ -651,15 +651,22 @@ def test_every_port_loads_torch_tensors_that_require_grad(port: str) -> None:
 
 @pytest.mark.parametrize(
     "port, keyword",
-    [("jax", "key_dim"), ("jax", "in_features"), ("keras", "num_heads"), ("keras", "output_shape")],
+    [
+        ("jax", "key_dim"),
+        ("jax", "in_features"),
+        ("keras", "num_heads"),
+        ("keras", "output_shape"),
+        ("torch", "num_heads"),
+        ("torch", "kdim"),
+    ],
 )
 def test_from_canonical_refuses_a_keyword_the_config_sets(port: str, keyword: str) -> None:
     """A keyword the config already fixes was Python's bare "got multiple values for keyword
-    argument" TypeError. (torch's from_canonical names its keywords: any other is Python's
-    "unexpected keyword argument", as for every function with a fixed signature.)"""
+    argument" (JAX, Keras) or "unexpected keyword argument" (torch) TypeError; every port
+    now names it with the same wording."""
     cfg = dc.DamchaConfig(8, 2, 4)
     params = dc.init_params(cfg, seed=1)
-    build = {"jax": dj.DamchaAttention, "keras": dk.DamchaAttention}[port]
+    build = {"jax": dj.DamchaAttention, "keras": dk.DamchaAttention, "torch": dt.DamchaAttention}[port]
     with pytest.raises(dc.DamchaTypeError, match=rf"Invalid argument `{keyword}`: expected no keyword the config sets"):
         build.from_canonical(params, cfg, **{keyword: 2})
 

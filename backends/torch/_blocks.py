@@ -466,15 +466,23 @@ class DamchaTransformerEncoder(nn.TransformerEncoder):
         """The stack in damcha_core's format: ``(params, EncoderConfig)``, float64.
 
         ``causal`` is recorded in the config (torch passes it per call, as
-        ``is_causal``). A shared generator is stored once. Raises a
+        ``is_causal``). A shared generator is stored once. The weights are
+        the effective ones, the ones the forward uses (under a weight tool,
+        or PEFT LoRA, as the layer's ``to_canonical`` reads them). Raises a
         DamchaValueError naming what does not fit the format (mixed
         activations, norms or attention configs, an activation other than
-        ReLU/GELU, ``bias=False``).
+        ReLU/GELU, a feed-forward layer or LayerNorm without its weight or
+        bias, a quantized feed-forward layer).
         """
         return encoder_to_canonical(self, causal=causal)
 
     def load_canonical(self, params: Mapping[str, Any]) -> DamchaTransformerEncoder:
-        """Copy stack params (validated against this stack's config) in; returns self."""
+        """Copy stack params (validated against this stack's config) in; returns self.
+
+        Under a weight tool the values go through the tool, as the layer's ``load_canonical``
+        writes them; a PEFT layer is refused by name (``merge_and_unload()`` first). Everything
+        is checked before anything is written: a refused load leaves the stack as it was.
+        """
         return encoder_load_canonical(self, params)
 
     @classmethod
@@ -488,7 +496,11 @@ class DamchaTransformerEncoder(nn.TransformerEncoder):
         dtype: torch.dtype | None = None,
         recompute: bool = True,
     ) -> DamchaTransformerEncoder:
-        """An encoder built for ``config`` (a ``damcha_core.EncoderConfig``) holding ``params``."""
+        """An encoder built for ``config`` (a ``damcha_core.EncoderConfig``) holding ``params``.
+
+        The feed-forward and norms have biases, as the stack format stores them; the attention has
+        them where ``config.attention.use_bias`` says (False: none, as in the other ports).
+        """
         if not isinstance(config, dc.EncoderConfig):
             raise DamchaTypeError(
                 dc.invalid_argument("config", "a damcha_core.EncoderConfig", f"config={describe(config)}")
@@ -504,7 +516,7 @@ class DamchaTransformerEncoder(nn.TransformerEncoder):
             config.norm_eps,
             batch_first,
             config.norm_first,
-            a.use_bias,
+            True,  # the format's feed-forward and norms always have biases; the attention's follow use_bias
             device,
             dtype,
             key_dim=a.key_dim,
@@ -516,6 +528,10 @@ class DamchaTransformerEncoder(nn.TransformerEncoder):
             scale=a.scale,
             recompute=recompute,
         )
+        if not a.use_bias:  # torch's bias=False would take the feed-forward's and norms' too
+            layer.self_attn = DamchaAttention._from_config(  # type: ignore[assignment]
+                a, batch_first=batch_first, device=device, dtype=dtype, recompute=recompute
+            )
         norm = nn.LayerNorm(a.query_dim, eps=config.norm_eps, device=device, dtype=dtype) if config.final_norm else None
         return cls(layer, config.num_layers, norm, share_metric=config.share_metric).load_canonical(params)
 

@@ -8,15 +8,18 @@ between that layout and damcha_core's names and shapes.
 
 from __future__ import annotations
 
+import inspect
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 
 import numpy as np
 
 import damcha_core as dc
 import torch
-from damcha_core import DamchaConfig, DamchaValueError, config_sizes, describe
+from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, config_sizes, describe
+from damcha_core._params import check_no_config_kwargs
+from damcha_core._validators import unknown_fields
 from torch import Tensor
 from torch.nn.utils import parametrize
 
@@ -29,6 +32,24 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["CanonicalIO", "canonical_views"]
 
 _Layer = TypeVar("_Layer", bound="CanonicalIO")
+
+# The constructor's arguments that a DamchaConfig sets (``_from_config`` passes them).
+_CONFIG_KWARGS = (
+    "embed_dim",
+    "num_heads",
+    "dropout",
+    "bias",
+    "kdim",
+    "vdim",
+    "key_dim",
+    "value_dim",
+    "num_kv_heads",
+    "output_dim",
+    "metric",
+    "metric_rank",
+    "coupling",
+    "scale",
+)
 
 
 def canonical_views(config: DamchaConfig, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -103,11 +124,118 @@ def _owner(module: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
     return (module.get_submodule(path) if path else module), attribute
 
 
-def effective_tensors(module: torch.nn.Module, config: DamchaConfig) -> dict[str, Tensor]:
+# ---------------------------------------------------------------- PEFT
+
+
+def _is_peft(module: torch.nn.Module) -> bool:
+    """A module of PEFT's in the place of the layer's own: a tuner layer (LoRA's ``Linear``, ...)
+    or a ``modules_to_save`` wrapper. Its ``weight`` attribute reads the base layer's (the
+    original module's), not what its forward computes with."""
+    return type(module).__module__.partition(".")[0] == "peft"
+
+
+def _is_lora_linear(module: torch.nn.Module) -> bool:
+    """PEFT's LoRA ``Linear``, whose forward is the base layer's output plus, for each active adapter,
+    ``lora_B(lora_A(x)) * scaling`` (its subclasses, such as the quantized bitsandbytes ones, excluded)."""
+    forward = getattr(type(module), "forward", None)
+    return (getattr(forward, "__module__", None), getattr(forward, "__qualname__", None)) == (
+        "peft.tuners.lora.layer",
+        "Linear.forward",
+    )
+
+
+def _peft_refusal(path: str, module: torch.nn.Module, expected: str) -> DamchaValueError:
+    return DamchaValueError(
+        dc.invalid_argument(
+            path,
+            f"{expected}; call merge_and_unload() on the PEFT model first (it writes into the base weights "
+            "what the forward uses)",
+            f"{path}={describe(module)}",
+        )
+    )
+
+
+def _unreadable(path: str, module: torch.nn.Module, why: str) -> DamchaValueError:
+    return _peft_refusal(
+        path,
+        module,
+        f"a module whose effective weight canonical I/O can read (a PEFT LoRA Linear without variants); "
+        f"{describe(type(module))}: {why}",
+    )
+
+
+def _lora_adapters(module: torch.nn.Module, path: str) -> list[str]:
+    """The adapters whose update ``module`` (a PEFT LoRA layer) adds to its base layer's output in its
+    forward (none when merged, the update then being in the base weight, or disabled); refused where
+    the effective weight is not base + sum of B @ A * scaling."""
+    if not _is_lora_linear(module):
+        raise _unreadable(path, module, "this PEFT module's weight attribute is not the weight its forward uses")
+    lora: Any = module
+    if lora.merged:
+        if lora.disable_adapters:  # its forward unmerges first: the base weight holds an update it will not use
+            raise _unreadable(path, module, "its adapters are merged and disabled (its forward unmerges them)")
+        return []
+    if lora.disable_adapters:
+        return []
+    adapters = [a for a in lora.active_adapters if a in lora.lora_A]
+    variants = [a for a in adapters if a in getattr(lora, "lora_variant", {}) or getattr(lora, "use_dora", {}).get(a)]
+    if variants:
+        raise _unreadable(path, module, f"adapter {variants[0]!r} is a LoRA variant (DoRA, ...)")
+    return adapters
+
+
+def _lora_effective(module: torch.nn.Module, attribute: str, path: str) -> Tensor | None:
+    """The ``weight`` or ``bias`` that a PEFT LoRA layer's forward computes with: its base layer's
+    (under a weight tool its effective one) plus each active adapter's update, in float64."""
+    lora: Any = module
+    adapters = _lora_adapters(module, path)
+    base = lora.get_base_layer()
+    value = getattr(base, attribute)
+    biased = [a for a in adapters if getattr(lora, "lora_bias", {}).get(a)]  # lora_bias: B has a bias too
+    if attribute == "weight":
+        if biased and getattr(base, "bias", None) is None:
+            raise _unreadable(path, module, f"adapter {biased[0]!r} adds a bias (lora_bias) to a layer without one")
+        updates = [lora.lora_B[a].weight.double() @ lora.lora_A[a].weight.double() * lora.scaling[a] for a in adapters]
+    else:
+        updates = [lora.lora_B[a].bias.double() * lora.scaling[a] for a in biased]
+    if not updates or value is None:
+        return value
+    return value.double() + sum(updates)
+
+
+def _effective(module: torch.nn.Module, name: str, where: str = "") -> Any:
+    """The tensor the forward uses for ``module``'s ``name`` (``out_proj.weight``): the parameter, its
+    effective weight under a weight tool (the attribute shows it), or a PEFT LoRA layer's base weight
+    plus its adapters' update. ``where`` prefixes module paths in errors."""
+    owner, attribute = _owner(module, name)
+    if _is_peft(owner):
+        return _lora_effective(owner, attribute, where + name.rpartition(".")[0])
+    return getattr(owner, attribute)
+
+
+def effective_tensors(module: torch.nn.Module, config: DamchaConfig, where: str = "") -> dict[str, Tensor]:
     """Name -> the tensor the forward uses: the parameter, or under a weight tool (parametrize,
     prune, the old weight_norm/spectral_norm) its effective weight, which the module's attribute
-    shows (its parameters are then the tool's: ``*_orig``, ``parametrizations.*.original``)."""
-    return {name: getattr(*_owner(module, name)) for name in _torch_names(module, config)}
+    shows (its parameters are then the tool's: ``*_orig``, ``parametrizations.*.original``), or
+    under PEFT LoRA the base weight plus the active adapters' update (float64)."""
+    return {name: _effective(module, name, where) for name in _torch_names(module, config)}
+
+
+def _check_writable(module: torch.nn.Module, names: Iterable[str], where: str = "") -> None:
+    """Refuse a load into ``names`` before anything is written: a PEFT layer (its value is its base
+    weight plus its adapters', which a load cannot split) or storage on the meta device."""
+    for name in names:
+        owner, attribute = _owner(module, name)
+        if _is_peft(owner):
+            raise _peft_refusal(
+                where + name.rpartition(".")[0],
+                owner,
+                f"a module that load_canonical can write, not a PEFT layer ({describe(type(owner))} computes with "
+                "its adapters as well as its base weight, which a load cannot split)",
+            )
+        t = getattr(owner, attribute)
+        if t.is_meta:  # copy_ into a meta tensor does nothing, silently
+            raise _meta_error(t)
 
 
 def _plain_parameter(module: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str, torch.nn.Parameter | None]:
@@ -115,6 +243,16 @@ def _plain_parameter(module: torch.nn.Module, name: str) -> tuple[torch.nn.Modul
     owner, attribute = _owner(module, name)
     plain = owner._parameters.get(attribute)
     return owner, attribute, (None if parametrize.is_parametrized(owner, attribute) else plain)
+
+
+def _write(module: torch.nn.Module, name: str, value: Tensor) -> None:
+    """Write ``value`` (torch layout) as ``module``'s ``name``: into the parameter, or under a weight
+    tool through it (``write_initial``), as ``reset_parameters`` writes. Under ``torch.no_grad()``."""
+    owner, attribute, plain = _plain_parameter(module, name)
+    if plain is not None:
+        plain.copy_(value)
+    else:
+        write_initial(owner, attribute, value)
 
 
 class CanonicalIO:
@@ -145,7 +283,8 @@ class CanonicalIO:
     def to_canonical(self) -> dict[str, np.ndarray]:
         """Canonical float64 NumPy params (exact: every torch float widens losslessly). Under a
         weight tool (parametrize, prune, weight_norm) the effective weights, the ones the forward
-        uses (as ``from_mha`` reads them)."""
+        uses (as ``from_mha`` reads them); under PEFT LoRA (``out_proj``) the base weight plus the
+        active adapters' update, B @ A * scaling (a LoRA variant such as DoRA is refused by name)."""
         tensors = effective_tensors(cast(torch.nn.Module, self), self.config)
         return {n: _numpy(t) for n, t in self._canonical_views(tensors).items()}
 
@@ -178,15 +317,15 @@ class CanonicalIO:
         any weight written under it.
 
         Raises:
-            DamchaValueError: bad params, a value past a float16/bfloat16 parameter's range, or a
-                layer on the meta device (which holds no storage to copy into).
+            DamchaValueError: bad params, a value past a float16/bfloat16 parameter's range, a
+                layer on the meta device (which holds no storage to copy into), or a PEFT layer on a
+                canonical weight (call ``merge_and_unload()`` first: a load cannot split a value
+                into base weight and adapters).
         """
         checked = dc.validate_params(params, self.config)
         module = cast(torch.nn.Module, self)
+        _check_writable(module, _torch_names(module, self.config))
         effective = effective_tensors(module, self.config)
-        for t in effective.values():
-            if t.is_meta:  # copy_ into a meta tensor does nothing, silently
-                raise _meta_error(t)
         # The new values in the torch layout: a copy of each effective tensor, written through views.
         staged = {n: t.detach().clone() for n, t in effective.items()}
         targets = self._canonical_views(staged)
@@ -196,11 +335,7 @@ class CanonicalIO:
             target = targets[name]
             target.copy_(torch.from_numpy(value).to(target.dtype).reshape(target.shape))
         for name, new in staged.items():
-            owner, attribute, plain = _plain_parameter(module, name)
-            if plain is not None:
-                plain.copy_(new)
-            else:
-                write_initial(owner, attribute, new)
+            _write(module, name, new)
         return self
 
     @classmethod
@@ -208,9 +343,19 @@ class CanonicalIO:
         """A layer with ``config`` whose parameters are the canonical ``params``.
 
         Keyword arguments are the constructor's that a config does not hold:
-        ``batch_first``, ``device``, ``dtype``, ``metric_generator``, ``recompute``.
+        ``batch_first``, ``device``, ``dtype``, ``metric_generator``, ``recompute``; one the
+        config sets (``num_heads``, ``metric``, ...) is a DamchaTypeError, as in the other ports.
         """
         dc.check_config(config)
+        check_no_config_kwargs(kwargs, _CONFIG_KWARGS)
+        accepted = [n for n in inspect.signature(cls._from_config).parameters if n != "config"]
+        unknown = [n for n in kwargs if n not in accepted]
+        if unknown:  # as Python's TypeError, naming from_canonical's own keywords (not _from_config's)
+            raise DamchaTypeError(
+                unknown_fields(
+                    unknown, accepted, "the keywords from_canonical takes besides the config", "keyword argument"
+                )
+            )
         layer = cls._from_config(config, **kwargs)
         return layer.load_canonical(params)
 
@@ -246,6 +391,17 @@ def _activation_name(fn: Any) -> str | None:
     return None
 
 
+def _quantized(module: Any) -> bool:
+    """A quantized module (torch.ao's dynamic or static ``Linear``): packed weights behind a method."""
+    weight = getattr(module, "weight", None)
+    return ".quantized" in type(module).__module__ or (callable(weight) and not isinstance(weight, Tensor))
+
+
+def _missing(module: Any, attributes: tuple[str, ...]) -> list[str]:
+    """The ``attributes`` of ``module`` that hold no tensor (``bias=False``, ``elementwise_affine=False``)."""
+    return [a for a in attributes if not isinstance(getattr(module, a, None), Tensor)]
+
+
 def encoder_config(encoder: Any, *, causal: bool = False) -> dc.EncoderConfig:
     """The ``damcha_core.EncoderConfig`` a ``DamchaTransformerEncoder`` computes,
     or a DamchaValueError listing what does not fit the stack format."""
@@ -256,8 +412,13 @@ def encoder_config(encoder: Any, *, causal: bool = False) -> dc.EncoderConfig:
     first = layers[0]
     eps, act = first.norm1.eps, _activation_name(first.activation)
     problems = []
-    if encoder.norm is not None and (not isinstance(encoder.norm, nn.LayerNorm) or encoder.norm.eps != eps):
-        problems.append("no final norm, or a final LayerNorm with the layers' epsilon")
+    if encoder.norm is not None:
+        if not isinstance(encoder.norm, nn.LayerNorm) or encoder.norm.eps != eps:
+            problems.append("no final norm, or a final LayerNorm with the layers' epsilon")
+        elif missing := _missing(encoder.norm, ("weight", "bias")):
+            problems.append(
+                f"a final LayerNorm with a scale and a bias (norm has {', '.join(f'{a}=None' for a in missing)})"
+            )
     for i, layer in enumerate(layers):
         name = _activation_name(layer.activation)
         if name is None:
@@ -266,8 +427,20 @@ def encoder_config(encoder: Any, *, causal: bool = False) -> dc.EncoderConfig:
             )
         elif name != act or layer.norm_first != first.norm_first:
             problems.append(f"one activation and norm placement (layer {i} differs)")
-        if layer.linear1.bias is None or layer.norm1.bias is None:
-            problems.append(f"biases in the feed-forward and norms (layer {i} has bias=False)")
+        missing = []
+        for module in ("linear1", "linear2", "norm1", "norm2"):
+            if module.startswith("linear") and _quantized(getattr(layer, module)):
+                problems.append(
+                    f"float feed-forward layers (quantized feed-forward layers.{i}.{module}, "
+                    f"{describe(type(getattr(layer, module)))}: take canonical weights before quantizing)"
+                )
+                continue
+            missing += [f"{module}.{a}=None" for a in _missing(getattr(layer, module), ("weight", "bias"))]
+        if missing:
+            problems.append(
+                "a weight and a bias in every feed-forward layer and LayerNorm, as the format stores them "
+                f"(layers.{i} has {', '.join(missing)})"
+            )
         if layer.norm1.eps != eps or layer.norm2.eps != eps:
             problems.append(f"one LayerNorm epsilon (layer {i} differs)")
         if layer.self_attn.config != first.self_attn.config:
@@ -294,18 +467,34 @@ def encoder_config(encoder: Any, *, causal: bool = False) -> dc.EncoderConfig:
     )
 
 
-def _block_tensors(layer: Any) -> dict[str, Tensor]:
-    """Stack names of one block's norm and feed-forward tensors -> views of its parameters."""
-    return {
-        "norm1.scale": layer.norm1.weight,
-        "norm1.bias": layer.norm1.bias,
-        "norm2.scale": layer.norm2.weight,
-        "norm2.bias": layer.norm2.bias,
-        "ffn.in.kernel": layer.linear1.weight.T,
-        "ffn.in.bias": layer.linear1.bias,
-        "ffn.out.kernel": layer.linear2.weight.T,
-        "ffn.out.bias": layer.linear2.bias,
-    }
+# One block's norm and feed-forward tensors: stack name -> the torch name in the block. A kernel is
+# the transpose of nn.Linear's (out, in) weight.
+_BLOCK_NAMES = {
+    "norm1.scale": "norm1.weight",
+    "norm1.bias": "norm1.bias",
+    "norm2.scale": "norm2.weight",
+    "norm2.bias": "norm2.bias",
+    "ffn.in.kernel": "linear1.weight",
+    "ffn.in.bias": "linear1.bias",
+    "ffn.out.kernel": "linear2.weight",
+    "ffn.out.bias": "linear2.bias",
+}
+
+
+def _stack_tensors(encoder: Any) -> list[tuple[str, torch.nn.Module, str, str]]:
+    """The stack's tensors other than the attention's: ``(stack name, module, its torch name, the
+    module's path in the stack)``, in the stack's order (layer by layer, then the final norm)."""
+    out = []
+    for i, layer in enumerate(encoder.layers):
+        out += [(f"layers.{i}.{key}", layer, name, f"layers.{i}.") for key, name in _BLOCK_NAMES.items()]
+    if encoder.norm is not None:
+        out += [("final_norm.scale", encoder, "norm.weight", ""), ("final_norm.bias", encoder, "norm.bias", "")]
+    return out
+
+
+def _stack_layout(name: str, t: Tensor) -> Tensor:
+    """The canonical layout of a stack tensor from the torch one (and back: a transpose)."""
+    return t.T if name.endswith(".kernel") else t
 
 
 def encoder_to_canonical(encoder: Any, *, causal: bool = False) -> tuple[dict[str, np.ndarray], dc.EncoderConfig]:
@@ -314,15 +503,16 @@ def encoder_to_canonical(encoder: Any, *, causal: bool = False) -> tuple[dict[st
     shapes = config.param_shapes()
     params: dict[str, np.ndarray] = {}
     for i, layer in enumerate(encoder.layers):
-        for key, value in layer.self_attn.to_canonical().items():
+        attention = layer.self_attn
+        tensors = effective_tensors(attention, attention.config, f"layers.{i}.self_attn.")
+        for key, t in attention._canonical_views(tensors).items():
             name = f"layers.{i}.attention.{key}"
             if name in shapes:
-                params[name] = value
-            else:  # a generator the stack shares: stored once, under "shared." (damcha_core's stack format)
-                params.setdefault(f"shared.{key}", value)
-        params.update({f"layers.{i}.{key}": _numpy(t) for key, t in _block_tensors(layer).items()})
-    if encoder.norm is not None:
-        params["final_norm.scale"], params["final_norm.bias"] = _numpy(encoder.norm.weight), _numpy(encoder.norm.bias)
+                params[name] = _numpy(t)
+            elif f"shared.{key}" not in params:  # a generator the stack shares: stored once (the stack format)
+                params[f"shared.{key}"] = _numpy(t)
+    for name, module, torch_name, where in _stack_tensors(encoder):
+        params[name] = _numpy(_stack_layout(name, _effective(module, torch_name, where)))
     return {name: params[name] for name in shapes}, config  # the core's order: files and diffs agree
 
 
@@ -333,28 +523,28 @@ def _fit(dtype: torch.dtype) -> tuple[str, float]:
 
 @torch.no_grad()
 def encoder_load_canonical(encoder: Any, params: Mapping[str, Any]) -> Any:
-    """Copy stack params (validated, finite) into ``encoder``; returns it."""
+    """Copy stack params (validated, finite) into ``encoder``; returns it. Written as the layer's
+    ``load_canonical`` writes: under a weight tool through the tool (``write_initial``)."""
     config = encoder_config(encoder)
     checked = dc.validate_stack_params(params, config)
-    # Every tensor is checked against its target dtype before anything is copied: a
-    # refusal must not leave the first layers loaded and the rest as they were.
-    targets: dict[str, torch.dtype] = {}
+    # Everything is checked before anything is written (PEFT layers, the meta device, each value
+    # against its target's dtype): a refusal must not leave the first layers loaded and the rest as they were.
     for i, layer in enumerate(encoder.layers):
-        views = layer.self_attn._canonical_views(effective_tensors(layer.self_attn, layer.self_attn.config))
+        attention = layer.self_attn
+        _check_writable(attention, _torch_names(attention, attention.config), f"layers.{i}.self_attn.")
+        views = attention._canonical_views(effective_tensors(attention, attention.config))
         for key, value in config.layer_params(checked, i).items():
             name = f"layers.{i}.attention.{key}"
             name = name if name in checked else f"shared.{key}"  # the stack's one generator
             dc.check_params_fit({name: value}, *_fit(views[key].dtype))
-        targets.update({f"layers.{i}.{key}": t.dtype for key, t in _block_tensors(layer).items()})
-    if encoder.norm is not None:
-        targets.update({"final_norm.scale": encoder.norm.weight.dtype, "final_norm.bias": encoder.norm.bias.dtype})
-    for name, dtype in targets.items():
-        dc.check_params_fit({name: checked[name]}, *_fit(dtype))
+    stack = _stack_tensors(encoder)
+    for name, module, torch_name, where in stack:
+        _check_writable(module, [torch_name], where)
+        dc.check_params_fit({name: checked[name]}, *_fit(getattr(*_owner(module, torch_name)).dtype))
     for i, layer in enumerate(encoder.layers):
         layer.self_attn.load_canonical(config.layer_params(checked, i))
-        for key, target in _block_tensors(layer).items():
-            target.copy_(torch.from_numpy(checked[f"layers.{i}.{key}"]).to(target.dtype))
-    if encoder.norm is not None:
-        encoder.norm.weight.copy_(torch.from_numpy(checked["final_norm.scale"]).to(encoder.norm.weight.dtype))
-        encoder.norm.bias.copy_(torch.from_numpy(checked["final_norm.bias"]).to(encoder.norm.bias.dtype))
+    for name, module, torch_name, _ in stack:
+        target = getattr(*_owner(module, torch_name))
+        new = torch.from_numpy(checked[name]).to(device=target.device, dtype=target.dtype)
+        _write(module, torch_name, _stack_layout(name, new))
     return encoder

@@ -1106,7 +1106,7 @@ class DamchaAttention(CanonicalIO, nn.Module):
         return layer
 
     @classmethod
-    def from_canonical(  # type: ignore[override]  # names the keywords the mixin's **kwargs forwards
+    def from_canonical(  # names the keywords the mixin's **kwargs forwards
         cls,
         params: Mapping[str, Any],
         config: DamchaConfig,
@@ -1116,8 +1116,10 @@ class DamchaAttention(CanonicalIO, nn.Module):
         dtype: torch.dtype | None = None,
         metric_generator: MetricGenerator | Mapping[str, MetricGenerator] | None = None,
         recompute: bool = True,
+        **kwargs: Any,
     ) -> DamchaAttention:
-        """A layer with ``config`` whose parameters are the canonical ``params``."""
+        """A layer with ``config`` whose parameters are the canonical ``params``; a keyword that
+        the config sets (``num_heads=...``) is a DamchaTypeError naming it."""
         return super().from_canonical(
             params,
             config,
@@ -1126,6 +1128,7 @@ class DamchaAttention(CanonicalIO, nn.Module):
             dtype=dtype,
             metric_generator=metric_generator,
             recompute=recompute,
+            **kwargs,
         )
 
     # ------------------------------------------------------------ from MHA
