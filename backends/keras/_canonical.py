@@ -92,20 +92,34 @@ def to_canonical(layer: DamchaAttention) -> dict[str, np.ndarray]:
     return {name: np.asarray(keras.ops.convert_to_numpy(out[name])).reshape(shapes[name]) for name in shapes}
 
 
+def _held_dtype(dtype: Any) -> tuple[str, str]:
+    """``(dtype the backend holds, its name for messages)`` of a Keras dtype:
+    on JAX without ``jax_enable_x64`` a float64 variable (or computation) is
+    float32, and a value past float32's range would be stored as inf."""
+    declared = keras.backend.standardize_dtype(dtype)
+    if keras.backend.backend() != "jax":
+        return declared, declared
+    import jax
+
+    held = jax.dtypes.canonicalize_dtype(declared).name
+    return held, held if held == declared else f"{held} ({declared} without jax_enable_x64)"
+
+
 def _check_fit(name: str, value: Any, variable: Any, layer: Any) -> None:
-    """``check_params_fit`` of one value against a Keras variable's dtype and,
-    where ``layer`` casts the variable when it computes (a mixed precision
-    policy: float32 variables, float16 compute), against ``layer``'s compute
-    dtype: a value that fits float32 but not float16 would be inf in every call."""
-    dtype = keras.backend.standardize_dtype(variable.dtype)
-    dc.check_params_fit({name: value}, dtype, float(ml_dtypes.finfo(dtype).max))
-    compute = keras.backend.standardize_dtype(layer.compute_dtype)
+    """``check_params_fit`` of one value against the dtype a Keras variable
+    holds and, where ``layer`` casts the variable when it computes (a mixed
+    precision policy: float32 variables, float16 compute), against ``layer``'s
+    compute dtype: a value that fits float32 but not float16 would be inf in
+    every call."""
+    dtype, label = _held_dtype(variable.dtype)
+    dc.check_params_fit({name: value}, label, float(ml_dtypes.finfo(dtype).max))
+    compute, compute_label = _held_dtype(layer.compute_dtype)
     # A variable made with autocast=False (LayerNormalization's) is read in its own dtype.
     casts = layer.autocast and getattr(variable, "_autocast", True)
     if compute != dtype and casts and keras.backend.is_float_dtype(compute):
         dc.check_params_fit(
             {name: value},
-            f"{compute}, the compute dtype of dtype policy {layer.dtype_policy.name!r}",
+            f"{compute_label}, the compute dtype of dtype policy {layer.dtype_policy.name!r}",
             float(ml_dtypes.finfo(compute).max),
         )
 
@@ -230,6 +244,11 @@ def _split_stack(layers: Any, argument: str) -> tuple[list[Any], Any]:
     return layers, final
 
 
+# Set by stack_from_canonical on the blocks of a share_metric=True stack without
+# generators (metric="none"), whose sharing no generator object can show.
+_SHARE_FLAG = "_damcha_share_metric"
+
+
 def _sharing(blocks: list[Any]) -> bool:
     """True when every block uses block 0's generator objects (stack-wise sharing).
 
@@ -240,7 +259,9 @@ def _sharing(blocks: list[Any]) -> bool:
     """
     first = blocks[0]._attention.metric_generators
     if not first:
-        return False
+        # metric="none": no generator to share, yet the flag round-trips (as in torch and
+        # JAX): stack_from_canonical records it on the blocks it builds.
+        return all(getattr(b, _SHARE_FLAG, False) for b in blocks)
     if len(blocks) == 1:
         return blocks[0].metric_generator is not None
     return all(all(b._attention.metric_generators.get(side) is g for side, g in first.items()) for b in blocks[1:])
@@ -275,6 +296,14 @@ def stack_config(layers: Sequence[Any], *, causal: bool | None = None) -> dc.Enc
                 problems.append(f"one layer_norm_epsilon (block {i} differs)")
             if b._attention.config != first._attention.config:
                 problems.append(f"one attention config (block {i} differs)")
+            for dense in (b._ffn_in, b._ffn_out):
+                if dense.quantization_mode is not None:
+                    # Its kernel holds integer codes (scaled when it computes): canonical
+                    # weights exist for float kernels only, as for the attention's projections.
+                    problems.append(
+                        f"float feed-forward Dense layers: take canonical weights before quantize() (block {i}'s "
+                        f"{dense.name!r} is quantized, {dense.quantization_mode})"
+                    )
         if final is not None and (
             not final.built or final.epsilon != first.layer_norm_epsilon or not (final.center and final.scale)
         ):
@@ -303,8 +332,23 @@ def stack_config(layers: Sequence[Any], *, causal: bool | None = None) -> dc.Enc
     )
 
 
-def _block_variables(block: Any) -> dict[str, Any]:
-    """Stack names of one block's norm and feed-forward variables."""
+def _block_variables(block: Any, *, assign: bool = False) -> dict[str, Any]:
+    """Stack names of one block's norm and feed-forward weights: variables, but
+    a feed-forward kernel under LoRA is the merged kernel (a tensor), which
+    ``to_canonical`` reads as the attention's own merges its projections; with
+    ``assign`` (loading) such a kernel is refused, as the attention's load
+    refuses one: it is a sum, with no one variable to assign."""
+    for dense in (block._ffn_in, block._ffn_out):
+        if assign and dense.lora_enabled:
+            raise DamchaValueError(
+                dc.invalid_argument(
+                    "blocks",
+                    "feed-forward Dense layers without LoRA to load canonical weights into (a LoRA kernel is "
+                    "kernel + lora_a @ lora_b: no one variable to assign). Load before enable_lora, or into a "
+                    "stack without LoRA; stack_to_canonical reads the merged kernels",
+                    f"block {block.name!r} with LoRA enabled on {dense.name!r}",
+                )
+            )
     return {
         "norm1.scale": block._attention_norm.gamma,
         "norm1.bias": block._attention_norm.beta,
@@ -358,7 +402,7 @@ def stack_load_canonical(layers: Sequence[Any], params: Mapping[str, Any]) -> Se
     for i, block in enumerate(blocks):
         attention = block._attention
         targets.update({f"layers.{i}.attention.{k}": (v, attention) for k, v in canonical_variables(attention).items()})
-        targets.update({f"layers.{i}.{key}": (v, block) for key, v in _block_variables(block).items()})
+        targets.update({f"layers.{i}.{key}": (v, block) for key, v in _block_variables(block, assign=True).items()})
     if final is not None:
         targets.update({"final_norm.scale": (final.gamma, final), "final_norm.bias": (final.beta, final)})
     for name, (variable, owner) in targets.items():
@@ -443,6 +487,8 @@ def stack_from_canonical(params: Mapping[str, Any], config: dc.EncoderConfig, **
     ]
     for block in blocks:
         block.build((None, None, a.query_dim))
+        if config.share_metric and not a.metric_sides:
+            setattr(block, _SHARE_FLAG, True)  # nothing shared to show it: _sharing reads this
     if config.final_norm:
         final = keras.layers.LayerNormalization(epsilon=config.norm_eps, dtype=dtype, name="final_norm")
         final.build((None, None, a.query_dim))

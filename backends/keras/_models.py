@@ -38,6 +38,7 @@ import damcha_core as dc
 import keras
 from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, _layout, describe
 from damcha_core._layout import AttentionLayout, ModelAdapter, ProjectionSite
+from damcha_core._params import check_params_finite, detached
 from keras import ops
 
 from ._canonical import _check_fit
@@ -64,6 +65,8 @@ __all__ = [
 CONFIG_KEY = "damcha"
 CONFIG_FORMAT = "damcha-v1-convert"
 REGISTERED_NAME = "ConvertedModel"  # registered as "damcha>ConvertedModel"
+# The entry of each DamchaMaps in a weights file that records share_metric (1 or 0).
+SHARE_KEY = "damcha_share_metric"
 
 
 # ------------------------------------------------------------------ layouts
@@ -94,6 +97,17 @@ def _load_builtin_adapters() -> None:
 
 
 # ---------------------------------------------------------------- the maps
+
+
+class _Shapes:
+    """A config for ``damcha_core.check_params``: the canonical shapes of a
+    converted layer's metric weights (its projections stay the host's)."""
+
+    def __init__(self, shapes: Mapping[str, tuple[int, ...]]) -> None:
+        self._shapes = dict(shapes)
+
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        return dict(self._shapes)
 
 
 class _SiteCall:
@@ -168,6 +182,9 @@ class DamchaMaps(keras.layers.Layer):
         # track_metric_penalty: add weight * this layer's penalty / layers to the losses.
         self._penalty_weight = 0.0
         self._penalty_layers = 1
+        # convert(share_metric=True) hands every layer the dict of shared generators (empty
+        # for the first, which makes them). Recorded in weights files: see save_own_variables.
+        self._shares_metric = shared is not None
 
     def build(self, input_shape: Any = None) -> None:
         cfg = self.config
@@ -180,6 +197,39 @@ class DamchaMaps(keras.layers.Layer):
                 name=f"metric_{side}_gate", shape=(cfg.side_heads(side),), initializer="zeros"
             )
         self.built = True
+
+    def save_own_variables(self, store: Any) -> None:
+        """The gates, as Keras saves them, and the sharing layout (``share_metric``).
+
+        Keras saves a shared generator once, under the first layer that holds it,
+        and loads each object once: a file saved with ``share_metric=False`` would
+        load into a model converted with ``share_metric=True`` without a word (the
+        other layers' generators ignored, other outputs). The layout recorded here
+        lets ``load_own_variables`` refuse that file.
+        """
+        super().save_own_variables(store)
+        store[SHARE_KEY] = np.asarray(self._shares_metric, dtype=np.int8)
+
+    def load_own_variables(self, store: Any) -> None:
+        """The gates; a file recording another ``share_metric`` than this model's
+        conversion is refused (before this layer's gates are assigned). A file
+        saved before the layout was recorded loads as before."""
+        keys = list(store.keys())
+        if SHARE_KEY in keys:
+            saved = bool(np.asarray(store[SHARE_KEY]))
+            if saved != self._shares_metric:
+                layout = {True: "one generator per side for all converted layers", False: "one per layer"}
+                raise DamchaValueError(
+                    dc.invalid_argument(
+                        "share_metric",
+                        f"the sharing the weights were saved with: share_metric={saved} ({layout[saved]}). Convert "
+                        f"the model with dk.convert(model, share_metric={saved}) before loading them",
+                        f"layer {self.path!r} converted with share_metric={self._shares_metric} "
+                        f"({layout[self._shares_metric]})",
+                    )
+                )
+            store = {key: store[key] for key in keys if key != SHARE_KEY}
+        super().load_own_variables(store)
 
     @property
     def metric_gates(self) -> dict[str, Any]:
@@ -269,12 +319,13 @@ class DamchaMaps(keras.layers.Layer):
 
     def load_canonical(self, params: Mapping[str, Any]) -> DamchaMaps:
         """Assign canonical metric weights (exactly this layer's metric names,
-        finite, in the canonical shapes); returns the maps."""
+        real floating, finite, in the canonical shapes); returns the maps."""
         variables = self.canonical_variables()
         if not isinstance(params, Mapping):
             raise DamchaTypeError(
                 dc.invalid_argument("params", "a mapping of canonical names", f"params={describe(params)}")
             )
+        params = detached(params)  # read once: a dict of the values, torch's detached
         missing, extra = sorted(set(variables) - set(params)), sorted(set(params) - set(variables))
         if missing or extra:
             raise DamchaValueError(
@@ -284,19 +335,13 @@ class DamchaMaps(keras.layers.Layer):
                     f"{len(params)} names",
                 )
             )
-        values = {}
-        for name, variable in variables.items():
-            value = np.asarray(params[name])
-            if value.shape != tuple(variable.shape):
-                raise DamchaValueError(
-                    dc.invalid_argument(
-                        f"params[{name!r}]", f"shape {tuple(variable.shape)}", f"params[{name!r}].shape={value.shape}"
-                    )
-                )
-            if not np.all(np.isfinite(value)):
-                raise DamchaValueError(dc.invalid_argument(f"params[{name!r}]", "finite values", "a non-finite value"))
-            _check_fit(name, value, variable, self)
-            values[name] = value
+        # The rules of every other load_canonical (damcha_core's): real floating arrays (a
+        # complex, bool or integer one refused, not cast), the shapes, finite values; torch
+        # tensors that require grad are read detached, bfloat16 ones widened.
+        shapes = {name: tuple(variable.shape) for name, variable in variables.items()}
+        values = check_params_finite(params, _Shapes(shapes))  # type: ignore[arg-type]  # duck-typed on param_shapes()
+        for name, variable in variables.items():  # all checked before any is assigned
+            _check_fit(name, values[name], variable, self)
         for name, variable in variables.items():
             variable.assign(values[name].astype(keras.backend.standardize_dtype(variable.dtype)))
         return self
