@@ -459,3 +459,36 @@ def test_a_stacked_layer_its_options_refuse_is_refused_before_any_draw():
         dj.replace_mha(model, rngs=rngs, coupling="tied")
     assert isinstance(model.attn, nnx.MultiHeadAttention)
     assert int(rngs.params.count[...]) == 0 and rngs.params.key.shape == ()  # not split, nothing drawn
+
+
+@pytest.mark.parametrize("call", ["to_canonical", "arrays", "load_canonical", "save"])
+def test_a_stacked_layer_refuses_canonical_io_and_one_sliced_out_takes_it(call, tmp_path):
+    """Canonical params are one layer's. A stacked layer's to_canonical/arrays
+    returned (L, ...) arrays under canonical names, and load_canonical of one
+    layer's params wrote them into every layer, silently: each call is now
+    refused naming the layer axes (nothing written), and the recipe the error
+    gives (layer i's state sliced out and merged) reads that layer's params,
+    whose reference forward is the stacked layer's own at index i."""
+    mha = _stack(lambda r: nnx.MultiHeadAttention(2, SE, decode=False, rngs=r), SL, nnx.Rngs(0))
+    layer = dj.DamchaAttention.from_mha(mha, rngs=nnx.Rngs(1))
+    _open_gates(layer)
+    before = jax.tree.map(np.asarray, nnx.state(layer))
+    one = dc.init_params(layer.config, seed=5)
+    run = {
+        "to_canonical": lambda: layer.to_canonical(),
+        "arrays": lambda: layer.arrays(),
+        "load_canonical": lambda: layer.load_canonical(one),
+        "save": lambda: layer.save(tmp_path / "stacked.safetensors"),
+    }[call]
+    with pytest.raises(
+        dc.DamchaValueError,
+        match=r"Invalid argument `self`: expected one layer.*query\.kernel has shape \(3, 16, 2, 8\)",
+    ):
+        run()
+    after = jax.tree.map(np.asarray, nnx.state(layer))
+    assert jax.tree.all(jax.tree.map(np.array_equal, before, after))
+    graphdef, state = nnx.split(layer)
+    second = nnx.merge(graphdef, jax.tree.map(lambda a: a[1], state))
+    x = np.asarray(jax.random.normal(jax.random.key(2), (2, 5, SE)), dtype=np.float64)
+    want = dc.damcha_attention(second.to_canonical(), second.config, x)
+    np.testing.assert_allclose(np.asarray(second(jnp.asarray(x, jnp.float32))), want, rtol=1e-4, atol=1e-5)

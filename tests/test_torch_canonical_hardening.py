@@ -133,6 +133,28 @@ def test_peft_lora_variant_is_refused_by_name() -> None:
         attn.to_canonical()
 
 
+@pytest.mark.parametrize("target", ["norm1", "norm"], ids=["layer-norm1", "final-norm"])
+@pytest.mark.parametrize("call", ["to_canonical", "encoder_from_torch", "load_canonical"])
+def test_peft_ln_tuning_on_a_stack_norm_is_refused_by_name(target: str, call: str) -> None:
+    """PEFT's LN tuning wraps a norm whose forward uses the adapter's copy:
+    refused naming the wrapped norm (a raw AttributeError on norm1 before, a
+    message blaming the epsilon on the final norm), and a load writes nothing."""
+    peft = _peft()
+    enc = _encoder(final_norm=True)
+    params, _ = enc.to_canonical()
+    peft.get_peft_model(enc, peft.LNTuningConfig(target_modules=[target]))
+    before = _state(enc)
+    run = {
+        "to_canonical": lambda: enc.to_canonical(),
+        "encoder_from_torch": lambda: do.encoder_from_torch(enc),
+        "load_canonical": lambda: enc.load_canonical(params),
+    }[call]
+    path = "layers.0.norm1" if target == "norm1" else "norm"
+    with pytest.raises(dc.DamchaValueError, match=rf"`{path}`.*a LayerNorm, not a PEFT wrapper.*merge_and_unload"):
+        run()
+    _assert_unchanged(enc, before)
+
+
 Target = tuple[nn.Module, Callable[[Any], Any], dict[str, np.ndarray], str]
 
 

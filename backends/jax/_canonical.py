@@ -67,7 +67,24 @@ class CanonicalIO:
     param_dtype: Any
 
     def _variables(self) -> dict[str, nnx.Variable]:
-        return variables(self)
+        found = variables(self)
+        shapes = self.config.param_shapes()
+        for name, var in found.items():
+            shape = tuple(var.shape)
+            if shape != shapes[name]:
+                # Layers stacked by nnx.vmap/nnx.scan (what replace_mha/from_mha make of a stacked
+                # MHA): every variable carries the layer axes, and one layer's params would load
+                # into all of them (or read as arrays of no canonical shape).
+                raise DamchaValueError(
+                    dc.invalid_argument(
+                        "self",
+                        "one layer: canonical params are one layer's, in damcha_core's shapes (for layers "
+                        "stacked by nnx.vmap/nnx.scan, take layer i's first: graphdef, state = nnx.split(layer); "
+                        "nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state)))",
+                        f"a layer whose {name} has shape {shape}, where one layer's is {shapes[name]}",
+                    )
+                )
+        return found
 
     def arrays(self) -> dict[str, Array]:
         """The canonical params as JAX arrays in ``param_dtype`` (what ``damcha_attention`` takes)."""

@@ -409,6 +409,16 @@ def encoder_config(encoder: Any, *, causal: bool = False) -> dc.EncoderConfig:
 
     causal = dc.check_bool("causal", causal)
     layers = list(encoder.layers)
+    norms = [(f"layers.{i}.{n}", getattr(layer, n)) for i, layer in enumerate(layers) for n in ("norm1", "norm2")]
+    for path, module in norms + ([("norm", encoder.norm)] if encoder.norm is not None else []):
+        # A PEFT wrapper on a norm (LN tuning): its forward uses the adapter's copy of the
+        # norm, and it has none of the norm's attributes read below.
+        if _is_peft(module):
+            raise _peft_refusal(
+                path,
+                module,
+                f"a LayerNorm, not a PEFT wrapper ({describe(type(module))} computes with its adapter's copy)",
+            )
     first = layers[0]
     eps, act = first.norm1.eps, _activation_name(first.activation)
     problems = []
