@@ -37,9 +37,10 @@ query and key maps; RoPE, MLP 1376, vocabulary 4096, B=2), a GPT-NeoX
 (`GPTNeoXForCausalLM`, Pythia's layout: 4 layers, hidden 512, 8 heads of 64
 in one `query_key_value` holding each head's query, key and value in turn,
 an interleaved site; rotary on a quarter of each head, MLP 2048, vocabulary
-4096, B=2), all three with sdpa attention and dropout 0, and ViT-Tiny (timm `vit_tiny_patch16_224`: 12
-blocks, 192 features, 3 heads, patch 16, at an image size giving N patches,
-N=576: 384x384; B=4). Each is measured against itself
+4096, B=2), all three with sdpa attention and dropout 0, and ViT-Tiny
+(timm `vit_tiny_patch16_224`: 12 blocks, 192 features, 3 heads, patch 16, at
+an image size giving N patches, N=576: 384x384; B=4). Each is measured
+against itself
 before conversion: "original" is the model as built, "DAMCHA" the same model
 (same weights, same inputs) after `damcha_torch.convert(model)` (metric
 "heads", coupling auto, `recompute=True`). Before it is timed, the converted
