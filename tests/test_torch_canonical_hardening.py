@@ -345,3 +345,27 @@ def test_stack_from_canonical_with_attention_without_biases(arch: dict[str, Any]
         np.testing.assert_array_equal(back[name], value)
     twin = copy.deepcopy(enc)
     twin.load_canonical(back)  # and it loads into its own kind
+
+
+def test_a_wrapper_in_place_of_the_metric_generator_is_named() -> None:
+    """PEFT's target_parameters on a generator's weight puts a wrapper in the
+    generator's place; the layer reads its generator's weights itself, so the
+    wrapper would not apply: the call is refused naming the generator (a bare
+    AssertionError before)."""
+    peft = _peft()
+    torch.manual_seed(0)
+    attn = DamchaAttention(E, H, batch_first=True, dtype=torch.float64)
+
+    class Holder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = attn
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.attn(x, x, x, need_weights=False)[0]
+
+    config = peft.LoraConfig(r=2, target_modules=[], target_parameters=["attn.metric_generators.qk.weight"])
+    model = peft.get_peft_model(Holder(), config)
+    assert not isinstance(attn.metric_generators["qk"], dt.MetricGenerator)
+    with pytest.raises(dc.DamchaTypeError, match=r"`metric_generators\.qk`.*MetricGenerator.*not applied"):
+        model(_x())

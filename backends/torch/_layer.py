@@ -477,7 +477,17 @@ class DamchaAttention(CanonicalIO, nn.Module):
         sides = {}
         for side in self.config.metric_sides:
             gen, gate = gens._modules[side], gates[side]
-            assert isinstance(gen, MetricGenerator) and gate is not None  # one of each per metric side
+            if not isinstance(gen, MetricGenerator):
+                # A module put in its place (PEFT's target_parameters wraps the generator's owner).
+                raise DamchaTypeError(
+                    dc.invalid_argument(
+                        f"metric_generators.{side}",
+                        "the layer's MetricGenerator (it reads the generator's weights itself: a wrapper in its "
+                        "place, such as PEFT's target_parameters, is not applied; train the generator directly)",
+                        f"metric_generators.{side}={describe(gen)}",
+                    )
+                )
+            assert gate is not None  # one per metric side
             sides[side] = gen.side(gate)
         bias: Tensor | None = fn.param_entry(self, "in_proj_bias")
         packed = fn.param_entry(self, "in_proj_weight")
