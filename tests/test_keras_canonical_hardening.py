@@ -19,7 +19,10 @@
    stacks, as in torch and JAX;
 5. a converted model's ``.weights.h5`` records its ``share_metric``: a file
    loaded into a model converted the other way is refused by name (one saved
-   with share_metric=False loaded silently into a shared model).
+   with share_metric=False loaded silently into a shared model);
+6. so does each ``DamchaAttention`` (whether its generator was handed in as
+   ``metric_generator``, as in shared stacks, or is its own): the same silent
+   load, of layers or ``stack_from_canonical`` blocks, is refused by name.
 """
 
 from __future__ import annotations
@@ -384,6 +387,82 @@ def test_weights_file_records_share_metric(case: str, tmp_path: Path) -> None:
         if not record:
             _strip_sharing_records(path)
         fresh = _converted_model(saved, seed=3)
+        fresh.load_weights(path)
+        np.testing.assert_array_equal(np_(fresh(x)), np_(model(x)))
+
+
+# ------------------------- 6. .weights.h5 and a DamchaAttention's shared generator
+
+
+def _attention_model(share: bool, seed: int, builder: str) -> Any:
+    """Two DamchaAttention layers (``builder="layers"``) or two stack blocks
+    (``"stack"``, ``stack_from_canonical``), one generator handed to both when
+    ``share``; every weight random."""
+    inp = keras.Input((None, E))
+    h = inp
+    if builder == "stack":
+        config = stack_config(share_metric=share)
+        for block in dk.stack_from_canonical(dc.init_encoder_params(config, seed=seed), config):
+            h = block(h)
+    else:
+        shared = dk.MetricGenerator(H, name="shared_metric_qk") if share else None
+        for i in range(2):
+            h = dk.DamchaAttention(H, E // H, metric_generator=shared, name=f"att{i}", seed=i)(h, h)
+    model = keras.Model(inp, h)
+    rng = np.random.default_rng(seed)
+    for v in model.weights:
+        v.assign(np_(v) + 0.5 * rng.normal(size=v.shape))
+    return model
+
+
+def _generator_records(path: Path, strip: bool = False) -> list[int]:
+    """The recorded layout of each attention layer in the file (1: shared), in
+    file order; ``strip`` deletes them (the file as saved before they were)."""
+    import h5py
+
+    with h5py.File(path, "a" if strip else "r") as f:
+        found: list[str] = []
+        f.visit(lambda name: found.append(name) if name.endswith("/damcha_shared_generator") else None)
+        records = [int(np.asarray(f[name])) for name in found]
+        if strip:
+            for name in found:
+                del f[name]
+    return records
+
+
+ATTENTION_SHARING = ["unshared-into-shared", "shared-into-unshared", "matching", "old-format"]
+
+
+# Keras's own note when a refused layer leaves the model's container of operations unvisited.
+@pytest.mark.filterwarnings("ignore:Skipping nested container:UserWarning")
+@pytest.mark.parametrize("builder", ["layers", "stack"])
+@pytest.mark.parametrize("case", ATTENTION_SHARING)
+def test_attention_weights_file_records_shared_generator(case: str, builder: str, tmp_path: Path) -> None:
+    """A file saved from layers with their own generators loaded silently into
+    layers sharing one (Keras loads the shared generator once, from the first
+    layer's entry, and ignores the others': other outputs); the other way Keras
+    refused without naming why. Each layer records its layout and a mismatch is
+    refused by name (Keras wraps the error in its own ValueError); layers built
+    as saved load bit for bit, and so does a file saved before the record."""
+    x = np.random.default_rng(1).normal(size=(2, 5, E)).astype("float32")
+    path = tmp_path / "m.weights.h5"
+    if case in ("unshared-into-shared", "shared-into-unshared"):
+        saved = case == "shared-into-unshared"
+        _attention_model(saved, seed=0, builder=builder).save_weights(path)
+        word = "a generator handed in as metric_generator" if saved else "its own generator"
+        with pytest.raises(
+            ValueError,
+            match=rf"Invalid argument `metric_generator`: expected the generator layout the weights were saved with: "
+            rf"{word}",
+        ):
+            _attention_model(not saved, seed=3, builder=builder).load_weights(path)
+        return
+    for share in (False, True):
+        model = _attention_model(share, seed=0, builder=builder)
+        model.save_weights(path)
+        records = _generator_records(path, strip=case == "old-format")
+        assert records == [int(share)] * 2, records  # one per attention layer
+        fresh = _attention_model(share, seed=3, builder=builder)
         fresh.load_weights(path)
         np.testing.assert_array_equal(np_(fresh(x)), np_(model(x)))
 

@@ -33,6 +33,11 @@ from ._cache import static_shape
 from ._functional import dtype_name
 from ._generator import MetricGenerator, serialize_generator
 
+# The entry of each DamchaAttention with a metric in a weights file that records
+# whether its generator was handed in (1: ``metric_generator``, as shared stacks
+# do) or is its own (0): see DamchaAttention.save_own_variables.
+SHARED_GENERATOR_KEY = "damcha_shared_generator"
+
 
 def _dense(layer: Any, x: Any) -> Any:
     """``layer(x)`` for an EinsumDense over tokens (B, T, ...). Keras's TensorFlow
@@ -939,6 +944,57 @@ class DamchaAttention(keras.layers.Layer):
                 )
         for variable, value in zip(projections, weights):
             variable.assign(value)
+
+    @property
+    def _shares_generator(self) -> bool:
+        """Whether the metric generator was handed in (``metric_generator``, as
+        stacks with ``share_metric=True`` hand one to each layer) rather than made
+        by the layer; a layer rebuilt from its config keeps the answer."""
+        return self._metric_generator_arg is not None
+
+    def save_own_variables(self, store: Any) -> None:
+        """The gates, as Keras saves them, and whether the generator is shared.
+
+        Keras saves a shared generator once, under the first layer that holds
+        it, and loads each object once: a file saved from layers with their own
+        generators would load into layers that share one without a word (the
+        other layers' generators ignored, other outputs). The layout recorded
+        here lets ``load_own_variables`` refuse that file. A layer without a
+        metric (no generator) records nothing.
+        """
+        super().save_own_variables(store)
+        if self._generators:
+            store[SHARED_GENERATOR_KEY] = np.asarray(self._shares_generator, dtype=np.int8)
+
+    def load_own_variables(self, store: Any) -> None:
+        """The gates; a file recording the other generator layout (shared vs the
+        layer's own) is refused before this layer's gates are assigned. A file
+        saved before the layout was recorded loads as before."""
+        keys = list(store.keys())
+        if SHARED_GENERATOR_KEY in keys:
+            saved, mine = bool(np.asarray(store[SHARED_GENERATOR_KEY])), self._shares_generator
+            if saved != mine:
+                layout = {
+                    True: "a generator handed in as metric_generator (shared, as stacks built with share_metric=True "
+                    "share one)",
+                    False: "its own generator (metric_generator=None)",
+                }
+                build = (
+                    "pass the shared generator as metric_generator, share_metric=True for a stack"
+                    if saved
+                    else "without metric_generator, share_metric=False for a stack"
+                )
+                raise DamchaValueError(
+                    dc.invalid_argument(
+                        "metric_generator",
+                        f"the generator layout the weights were saved with: {layout[saved]}. Keras saves a shared "
+                        "generator once, under the first layer that holds it, so a file saved one way does not fit "
+                        f"layers built the other way: build the layers as saved ({build}) before loading it",
+                        f"layer {self.path!r} built with {layout[mine]}",
+                    )
+                )
+            store = {key: store[key] for key in keys if key != SHARED_GENERATOR_KEY}
+        super().load_own_variables(store)
 
     def _mha_sublayers(self) -> list[keras.layers.EinsumDense]:
         gate = [self._gate_dense] if self._use_gate else []
