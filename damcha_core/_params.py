@@ -43,6 +43,9 @@ def is_real_float(dtype: Any) -> bool:
     """Whether ``dtype`` is a real floating dtype: float16/32/64 or bfloat16, a
     NumPy dtype or a framework's (``torch.float32``, ``jnp.bfloat16``). Not
     in ``__all__``; the conformance runner judges the ports' outputs with it."""
+    # TensorFlow's DType names its NumPy type (np.dtype(tf.float32) raises, and its
+    # text is "<dtype: 'float32'>"): a float32 tf.Tensor was refused as not a float.
+    dtype = getattr(dtype, "as_numpy_dtype", dtype)
     try:
         dtype = np.dtype(dtype)
     except TypeError:  # a framework dtype NumPy does not know, e.g. torch.float32

@@ -288,27 +288,37 @@ def test_maps_load_canonical_refuses_non_real_float_values(kind: str) -> None:
     assert_unchanged(maps, before)
 
 
-TORCH_VALUES = {
-    "requires-grad": lambda torch, v: torch.tensor(v, requires_grad=True),
-    "bfloat16": lambda torch, v: torch.tensor(v).to(torch.bfloat16),
+def _tf_value(v: np.ndarray, dtype: str, variable: bool) -> Any:
+    import tensorflow as tf
+
+    value = tf.constant(v, getattr(tf, dtype))
+    return tf.Variable(value) if variable else value
+
+
+FRAMEWORK_VALUES = {
+    "torch-requires-grad": lambda v: __import__("torch").tensor(v, requires_grad=True),
+    "torch-bfloat16": lambda v: __import__("torch").tensor(v).to(__import__("torch").bfloat16),
+    # A tf.DType is not a NumPy dtype (np.dtype(tf.float32) raises): these were refused as not floats.
+    "tf-float32": lambda v: _tf_value(v, "float32", False),
+    "tf-variable": lambda v: _tf_value(v, "float32", True),
+    "tf-bfloat16": lambda v: _tf_value(v, "bfloat16", False),
 }
 
 
-@pytest.mark.parametrize("kind", list(TORCH_VALUES))
-def test_maps_load_canonical_reads_torch_tensors_as_the_layer_does(kind: str) -> None:
-    """A torch gate that requires grad (RuntimeError) or is bfloat16 (TypeError) loads
-    as DamchaAttention.load_canonical loads it: detached, bfloat16 widened."""
-    import torch
-
+@pytest.mark.parametrize("kind", list(FRAMEWORK_VALUES))
+def test_maps_load_canonical_reads_framework_tensors_as_the_layer_does(kind: str) -> None:
+    """A torch gate that requires grad (RuntimeError) or is bfloat16 (TypeError), and
+    TensorFlow tensors and variables (refused as not real floats), load as
+    DamchaAttention.load_canonical loads them: detached, 16-bit widened."""
     maps = _converted_maps()
     params = maps.to_canonical()
     gate = np.array([0.5, -0.25])
-    maps.load_canonical({**params, "metric.qk.gate": TORCH_VALUES[kind](torch, gate)})
+    maps.load_canonical({**params, "metric.qk.gate": FRAMEWORK_VALUES[kind](gate)})
     layer = dk.DamchaAttention.from_canonical(
         dc.init_params(dc.DamchaConfig(query_dim=E, num_heads=H, key_dim=E // H)),
         dc.DamchaConfig(query_dim=E, num_heads=H, key_dim=E // H),
     )
-    layer.load_canonical({**layer.to_canonical(), "metric.qk.gate": TORCH_VALUES[kind](torch, gate)})
+    layer.load_canonical({**layer.to_canonical(), "metric.qk.gate": FRAMEWORK_VALUES[kind](gate)})
     np.testing.assert_array_equal(maps.to_canonical()["metric.qk.gate"], gate)
     np.testing.assert_array_equal(layer.to_canonical()["metric.qk.gate"], gate)
 
@@ -337,11 +347,11 @@ def test_metric_none_stack_keeps_share_metric(layers: int) -> None:
 # --------------------------------------- 5. .weights.h5 and share_metric
 
 
-def _converted_model(share: bool, seed: int) -> Any:
-    """Two converted MultiHeadAttention layers, their DAMCHA weights random."""
+def _converted_model(share: bool, seed: int, layers: int = 2) -> Any:
+    """``layers`` converted MultiHeadAttention layers, their DAMCHA weights random."""
     inp = keras.Input((None, E))
     h = inp
-    for i in range(2):
+    for i in range(layers):
         h = keras.layers.MultiHeadAttention(H, E // H, name=f"att{i}", seed=i)(h, h)
     model = dk.convert(keras.Model(inp, h), share_metric=share)
     rng = np.random.default_rng(seed)
@@ -378,9 +388,9 @@ def test_weights_file_records_share_metric(case: str, tmp_path: Path) -> None:
     x = np.random.default_rng(1).normal(size=(2, 5, E)).astype("float32")
     path = tmp_path / "m.weights.h5"
     model.save_weights(path)
+    word = "generators shared by the converted layers" if saved else "generators of each layer's own"
     with pytest.raises(
-        ValueError,
-        match=rf"Invalid argument `share_metric`: expected the sharing the weights were saved with: share_metric={saved}",
+        ValueError, match=rf"Invalid argument `share_metric`: expected the sharing the weights were saved with: {word}"
     ):
         _converted_model(loaded, seed=3).load_weights(path)
     for record in (True, False):
@@ -449,7 +459,7 @@ def test_attention_weights_file_records_shared_generator(case: str, builder: str
     if case in ("unshared-into-shared", "shared-into-unshared"):
         saved = case == "shared-into-unshared"
         _attention_model(saved, seed=0, builder=builder).save_weights(path)
-        word = "a generator handed in as metric_generator" if saved else "its own generator"
+        word = "a generator shared with other layers" if saved else "a generator of its own"
         with pytest.raises(
             ValueError,
             match=rf"Invalid argument `metric_generator`: expected the generator layout the weights were saved with: "
@@ -465,6 +475,50 @@ def test_attention_weights_file_records_shared_generator(case: str, builder: str
         fresh = _attention_model(share, seed=3, builder=builder)
         fresh.load_weights(path)
         np.testing.assert_array_equal(np_(fresh(x)), np_(model(x)))
+
+
+def _single_attention(handed: bool, seed: int) -> Any:
+    """One DamchaAttention, handed a generator of its own (``handed``) or making one."""
+    inp = keras.Input((None, E))
+    generator = dk.MetricGenerator(H, name="given_metric_qk") if handed else None
+    model = keras.Model(inp, dk.DamchaAttention(H, E // H, metric_generator=generator, name="att0", seed=0)(inp, inp))
+    rng = np.random.default_rng(seed)
+    for v in model.weights:
+        v.assign(np_(v) + 0.5 * rng.normal(size=v.shape))
+    return model
+
+
+@pytest.mark.filterwarnings("ignore:Skipping nested container:UserWarning")
+def test_the_record_is_whether_another_layer_maps_with_the_generator(tmp_path: Path) -> None:
+    """The record says whether another layer maps with the generator (what decides
+    where Keras saves it), not whether one was handed in: a single layer handed a
+    generator loads a file of one that made its own and back, and a one-layer model
+    converted with share_metric=True one converted without it, bit for bit (both
+    were refused); a clone of a shared pair, whose layers each hold a copy, no
+    longer loads silently into the shared original."""
+    x = np.random.default_rng(1).normal(size=(2, 5, E)).astype("float32")
+    path = tmp_path / "m.weights.h5"
+    builders = {
+        "single-layer": lambda flag, seed: _single_attention(flag, seed),
+        "one-converted-layer": lambda flag, seed: _converted_model(flag, seed, layers=1),
+    }
+    for build in builders.values():
+        for saved in (True, False):
+            model = build(saved, 0)
+            model.save_weights(path)
+            fresh = build(not saved, 3)
+            fresh.load_weights(path)
+            np.testing.assert_array_equal(np_(fresh(x)), np_(model(x)))
+    shared = _attention_model(True, seed=0, builder="layers")
+    clone = keras.models.clone_model(shared)
+    gens = {id(layer._generators["qk"]) for layer in clone.layers if isinstance(layer, dk.DamchaAttention)}
+    assert len(gens) == 2  # the clone's layers each hold a copy
+    rng = np.random.default_rng(5)
+    for v in clone.weights:
+        v.assign(np_(v) + 0.5 * rng.normal(size=v.shape))
+    clone.save_weights(path)
+    with pytest.raises(ValueError, match=r"`metric_generator`.*saved with: a generator of its own"):
+        shared.load_weights(path)
 
 
 if __name__ == "__main__":  # the JAX process of test_jax_float64_without_x64_is_checked_against_float32

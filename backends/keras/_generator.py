@@ -7,6 +7,7 @@ weights; the layer's canonical I/O reads the leaves through it.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import damcha_core as dc
@@ -15,7 +16,23 @@ from damcha_core import DamchaValueError, GeneratorSpec
 
 from ._functional import generator, rms_normalise
 
-__all__ = ["KERAS_LEAVES", "MetricGenerator", "rms_normalise", "serialize_generator"]
+__all__ = ["KERAS_LEAVES", "MetricGenerator", "held_by_others", "hold", "rms_normalise", "serialize_generator"]
+
+# generator -> the layers that use it (DamchaAttention, a converted model's
+# DamchaMaps), weakly: whether a weights file holds the generator under one
+# layer's path for several layers (Keras saves a shared object once).
+_HOLDERS: weakref.WeakKeyDictionary[Any, weakref.WeakSet[Any]] = weakref.WeakKeyDictionary()
+
+
+def hold(generator: Any, holder: Any) -> None:
+    """Record that ``holder`` (a layer) maps with ``generator``."""
+    _HOLDERS.setdefault(generator, weakref.WeakSet()).add(holder)
+
+
+def held_by_others(generator: Any, holder: Any) -> bool:
+    """Whether a live layer other than ``holder`` maps with ``generator`` (it is shared)."""
+    return any(other is not holder for other in _HOLDERS.get(generator, ()))
+
 
 # metric -> generator leaf -> seed offset of its initialiser (None: the table's
 # std is 0, zeros). A generator's weights are named as the leaves, in the

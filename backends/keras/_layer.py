@@ -31,7 +31,7 @@ from . import _functional as F
 from ._args import KERAS_NAMES
 from ._cache import static_shape
 from ._functional import dtype_name
-from ._generator import MetricGenerator, serialize_generator
+from ._generator import MetricGenerator, held_by_others, hold, serialize_generator
 
 # The entry of each DamchaAttention with a metric in a weights file that records
 # whether its generator was handed in (1: ``metric_generator``, as shared stacks
@@ -435,6 +435,7 @@ class DamchaAttention(keras.layers.Layer):
                     )
                 )
             self._generators[side] = generator
+            hold(generator, self)
             # The gate is per layer even when the generator is shared; 0 = exactly MHA.
             self._gates[side] = self.add_weight(name=f"metric_{side}_gate", shape=(S,), initializer="zeros")
         self.built = True
@@ -947,10 +948,11 @@ class DamchaAttention(keras.layers.Layer):
 
     @property
     def _shares_generator(self) -> bool:
-        """Whether the metric generator was handed in (``metric_generator``, as
-        stacks with ``share_metric=True`` hand one to each layer) rather than made
-        by the layer; a layer rebuilt from its config keeps the answer."""
-        return self._metric_generator_arg is not None
+        """Whether another live layer maps with this layer's generator (a stack
+        built with ``share_metric=True``, blocks handed one ``metric_generator``):
+        then Keras saves it once, under the first layer's path. A generator handed
+        to one layer only is not shared, and a clone's copy is its own."""
+        return any(held_by_others(g, self) for g in self._generators.values())
 
     def save_own_variables(self, store: Any) -> None:
         """The gates, as Keras saves them, and whether the generator is shared.
@@ -973,16 +975,18 @@ class DamchaAttention(keras.layers.Layer):
         keys = list(store.keys())
         if SHARED_GENERATOR_KEY in keys:
             saved, mine = bool(np.asarray(store[SHARED_GENERATOR_KEY])), self._shares_generator
-            if saved != mine:
+            # A layer without a metric has no generator to compare: Keras's own count of
+            # the entries reports that mismatch.
+            if self._generators and saved != mine:
                 layout = {
-                    True: "a generator handed in as metric_generator (shared, as stacks built with share_metric=True "
-                    "share one)",
-                    False: "its own generator (metric_generator=None)",
+                    True: "a generator shared with other layers (handed to each as metric_generator, as stacks "
+                    "built with share_metric=True share one)",
+                    False: "a generator of its own",
                 }
                 build = (
-                    "pass the shared generator as metric_generator, share_metric=True for a stack"
+                    "pass one generator as metric_generator to every layer, share_metric=True for a stack"
                     if saved
-                    else "without metric_generator, share_metric=False for a stack"
+                    else "each with its own generator, share_metric=False for a stack"
                 )
                 raise DamchaValueError(
                     dc.invalid_argument(

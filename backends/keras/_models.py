@@ -44,7 +44,7 @@ from keras import ops
 from ._canonical import _check_fit
 from ._functional import apply_map
 from ._functional import metric_penalty as _side_penalty
-from ._generator import MetricGenerator
+from ._generator import MetricGenerator, held_by_others, hold
 from ._layer import DamchaAttention
 
 __all__ = [
@@ -182,9 +182,14 @@ class DamchaMaps(keras.layers.Layer):
         # track_metric_penalty: add weight * this layer's penalty / layers to the losses.
         self._penalty_weight = 0.0
         self._penalty_layers = 1
-        # convert(share_metric=True) hands every layer the dict of shared generators (empty
-        # for the first, which makes them). Recorded in weights files: see save_own_variables.
-        self._shares_metric = shared is not None
+        for generator in self._generators.values():
+            hold(generator, self)  # convert(share_metric=True) hands every layer the first's
+
+    @property
+    def _shares_metric(self) -> bool:
+        """Whether another live layer maps with this layer's generators (``share_metric=True``
+        over two or more layers): Keras then saves them once, under the first layer's path."""
+        return any(held_by_others(g, self) for g in self._generators.values())
 
     def build(self, input_shape: Any = None) -> None:
         cfg = self.config
@@ -208,7 +213,8 @@ class DamchaMaps(keras.layers.Layer):
         lets ``load_own_variables`` refuse that file.
         """
         super().save_own_variables(store)
-        store[SHARE_KEY] = np.asarray(self._shares_metric, dtype=np.int8)
+        if self._generators:
+            store[SHARE_KEY] = np.asarray(self._shares_metric, dtype=np.int8)
 
     def load_own_variables(self, store: Any) -> None:
         """The gates; a file recording another ``share_metric`` than this model's
@@ -216,16 +222,18 @@ class DamchaMaps(keras.layers.Layer):
         saved before the layout was recorded loads as before."""
         keys = list(store.keys())
         if SHARE_KEY in keys:
-            saved = bool(np.asarray(store[SHARE_KEY]))
-            if saved != self._shares_metric:
-                layout = {True: "one generator per side for all converted layers", False: "one per layer"}
+            saved, mine = bool(np.asarray(store[SHARE_KEY])), self._shares_metric
+            if self._generators and saved != mine:
+                layout = {
+                    True: "generators shared by the converted layers (share_metric=True)",
+                    False: "generators of each layer's own (share_metric=False, or a single converted layer)",
+                }
                 raise DamchaValueError(
                     dc.invalid_argument(
                         "share_metric",
-                        f"the sharing the weights were saved with: share_metric={saved} ({layout[saved]}). Convert "
-                        f"the model with dk.convert(model, share_metric={saved}) before loading them",
-                        f"layer {self.path!r} converted with share_metric={self._shares_metric} "
-                        f"({layout[self._shares_metric]})",
+                        f"the sharing the weights were saved with: {layout[saved]}. Convert the model with "
+                        f"dk.convert(model, share_metric={saved}) before loading them",
+                        f"layer {self.path!r} with {layout[mine]}",
                     )
                 )
             store = {key: store[key] for key in keys if key != SHARE_KEY}
