@@ -8,7 +8,10 @@ weights; the layer's canonical I/O reads the leaves through it.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Mapping
 from typing import Any
+
+import numpy as np
 
 import damcha_core as dc
 import keras
@@ -16,7 +19,16 @@ from damcha_core import DamchaValueError, GeneratorSpec
 
 from ._functional import generator, rms_normalise
 
-__all__ = ["KERAS_LEAVES", "MetricGenerator", "held_by_others", "hold", "rms_normalise", "serialize_generator"]
+__all__ = [
+    "KERAS_LEAVES",
+    "MetricGenerator",
+    "hold",
+    "read_sharing",
+    "record_sharing",
+    "rms_normalise",
+    "serialize_generator",
+    "shared_with_others",
+]
 
 # generator -> the layers that use it (DamchaAttention, a converted model's
 # DamchaMaps), weakly: whether a weights file holds the generator under one
@@ -29,9 +41,32 @@ def hold(generator: Any, holder: Any) -> None:
     _HOLDERS.setdefault(generator, weakref.WeakSet()).add(holder)
 
 
-def held_by_others(generator: Any, holder: Any) -> bool:
-    """Whether a live layer other than ``holder`` maps with ``generator`` (it is shared)."""
-    return any(other is not holder for other in _HOLDERS.get(generator, ()))
+def shared_with_others(generators: Mapping[str, Any], holder: Any) -> bool:
+    """Whether a live layer other than ``holder`` maps with one of ``generators``:
+    Keras then saves that generator once, under the first holder's path."""
+    return any(other is not holder for g in generators.values() for other in _HOLDERS.get(g, ()))
+
+
+def record_sharing(store: Any, key: str, generators: Mapping[str, Any], holder: Any) -> None:
+    """Write into a layer's weights ``store`` whether its ``generators`` are shared
+    (nothing for a layer without a generator)."""
+    if generators:
+        store[key] = np.asarray(shared_with_others(generators, holder), dtype=np.int8)
+
+
+def read_sharing(
+    store: Any, key: str, generators: Mapping[str, Any], holder: Any
+) -> tuple[Any, tuple[bool, bool] | None]:
+    """(``store`` less the record ``record_sharing`` wrote, (saved, mine) where the
+    record disagrees with ``holder``'s sharing, else None). A file saved before
+    the record existed has none; a layer without a generator compares nothing
+    (Keras's own count of the entries reports that mismatch)."""
+    keys = list(store.keys())
+    if key not in keys:
+        return store, None
+    saved, mine = bool(np.asarray(store[key])), shared_with_others(generators, holder)
+    rest = {k: store[k] for k in keys if k != key}
+    return rest, ((saved, mine) if generators and saved != mine else None)
 
 
 # metric -> generator leaf -> seed offset of its initialiser (None: the table's

@@ -31,7 +31,7 @@ from . import _functional as F
 from ._args import KERAS_NAMES
 from ._cache import static_shape
 from ._functional import dtype_name
-from ._generator import MetricGenerator, held_by_others, hold, serialize_generator
+from ._generator import MetricGenerator, hold, read_sharing, record_sharing, serialize_generator
 
 # The entry of each DamchaAttention with a metric in a weights file that records
 # whether its generator was handed in (1: ``metric_generator``, as shared stacks
@@ -946,58 +946,46 @@ class DamchaAttention(keras.layers.Layer):
         for variable, value in zip(projections, weights):
             variable.assign(value)
 
-    @property
-    def _shares_generator(self) -> bool:
-        """Whether another live layer maps with this layer's generator (a stack
-        built with ``share_metric=True``, blocks handed one ``metric_generator``):
-        then Keras saves it once, under the first layer's path. A generator handed
-        to one layer only is not shared, and a clone's copy is its own."""
-        return any(held_by_others(g, self) for g in self._generators.values())
-
     def save_own_variables(self, store: Any) -> None:
-        """The gates, as Keras saves them, and whether the generator is shared.
+        """The gates, as Keras saves them, and whether another layer maps with the
+        generator (``record_sharing``).
 
         Keras saves a shared generator once, under the first layer that holds
         it, and loads each object once: a file saved from layers with their own
         generators would load into layers that share one without a word (the
         other layers' generators ignored, other outputs). The layout recorded
-        here lets ``load_own_variables`` refuse that file. A layer without a
-        metric (no generator) records nothing.
+        here lets ``load_own_variables`` refuse that file. A generator handed to
+        one layer only is not shared, and a clone's copy is its own.
         """
         super().save_own_variables(store)
-        if self._generators:
-            store[SHARED_GENERATOR_KEY] = np.asarray(self._shares_generator, dtype=np.int8)
+        record_sharing(store, SHARED_GENERATOR_KEY, self._generators, self)
 
     def load_own_variables(self, store: Any) -> None:
         """The gates; a file recording the other generator layout (shared vs the
         layer's own) is refused before this layer's gates are assigned. A file
         saved before the layout was recorded loads as before."""
-        keys = list(store.keys())
-        if SHARED_GENERATOR_KEY in keys:
-            saved, mine = bool(np.asarray(store[SHARED_GENERATOR_KEY])), self._shares_generator
-            # A layer without a metric has no generator to compare: Keras's own count of
-            # the entries reports that mismatch.
-            if self._generators and saved != mine:
-                layout = {
-                    True: "a generator shared with other layers (handed to each as metric_generator, as stacks "
-                    "built with share_metric=True share one)",
-                    False: "a generator of its own",
-                }
-                build = (
-                    "pass one generator as metric_generator to every layer, share_metric=True for a stack"
-                    if saved
-                    else "each with its own generator, share_metric=False for a stack"
+        store, mismatch = read_sharing(store, SHARED_GENERATOR_KEY, self._generators, self)
+        if mismatch is not None:
+            saved, mine = mismatch
+            layout = {
+                True: "a generator shared with other layers (handed to each as metric_generator, as stacks "
+                "built with share_metric=True share one)",
+                False: "a generator of its own",
+            }
+            build = (
+                "pass one generator as metric_generator to every layer, share_metric=True for a stack"
+                if saved
+                else "each with its own generator, share_metric=False for a stack"
+            )
+            raise DamchaValueError(
+                dc.invalid_argument(
+                    "metric_generator",
+                    f"the generator layout the weights were saved with: {layout[saved]}. Keras saves a shared "
+                    "generator once, under the first layer that holds it, so a file saved one way does not fit "
+                    f"layers built the other way: build the layers as saved ({build}) before loading it",
+                    f"layer {self.path!r} built with {layout[mine]}",
                 )
-                raise DamchaValueError(
-                    dc.invalid_argument(
-                        "metric_generator",
-                        f"the generator layout the weights were saved with: {layout[saved]}. Keras saves a shared "
-                        "generator once, under the first layer that holds it, so a file saved one way does not fit "
-                        f"layers built the other way: build the layers as saved ({build}) before loading it",
-                        f"layer {self.path!r} built with {layout[mine]}",
-                    )
-                )
-            store = {key: store[key] for key in keys if key != SHARED_GENERATOR_KEY}
+            )
         super().load_own_variables(store)
 
     def _mha_sublayers(self) -> list[keras.layers.EinsumDense]:

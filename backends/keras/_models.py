@@ -44,7 +44,7 @@ from keras import ops
 from ._canonical import _check_fit
 from ._functional import apply_map
 from ._functional import metric_penalty as _side_penalty
-from ._generator import MetricGenerator, held_by_others, hold
+from ._generator import MetricGenerator, hold, read_sharing, record_sharing
 from ._layer import DamchaAttention
 
 __all__ = [
@@ -185,12 +185,6 @@ class DamchaMaps(keras.layers.Layer):
         for generator in self._generators.values():
             hold(generator, self)  # convert(share_metric=True) hands every layer the first's
 
-    @property
-    def _shares_metric(self) -> bool:
-        """Whether another live layer maps with this layer's generators (``share_metric=True``
-        over two or more layers): Keras then saves them once, under the first layer's path."""
-        return any(held_by_others(g, self) for g in self._generators.values())
-
     def build(self, input_shape: Any = None) -> None:
         cfg = self.config
         for side in cfg.metric_sides:
@@ -204,7 +198,9 @@ class DamchaMaps(keras.layers.Layer):
         self.built = True
 
     def save_own_variables(self, store: Any) -> None:
-        """The gates, as Keras saves them, and the sharing layout (``share_metric``).
+        """The gates, as Keras saves them, and whether other converted layers map
+        with these generators (``record_sharing``: ``share_metric=True`` over two
+        or more layers).
 
         Keras saves a shared generator once, under the first layer that holds it,
         and loads each object once: a file saved with ``share_metric=False`` would
@@ -213,30 +209,27 @@ class DamchaMaps(keras.layers.Layer):
         lets ``load_own_variables`` refuse that file.
         """
         super().save_own_variables(store)
-        if self._generators:
-            store[SHARE_KEY] = np.asarray(self._shares_metric, dtype=np.int8)
+        record_sharing(store, SHARE_KEY, self._generators, self)
 
     def load_own_variables(self, store: Any) -> None:
-        """The gates; a file recording another ``share_metric`` than this model's
+        """The gates; a file recording another sharing than this model's
         conversion is refused (before this layer's gates are assigned). A file
         saved before the layout was recorded loads as before."""
-        keys = list(store.keys())
-        if SHARE_KEY in keys:
-            saved, mine = bool(np.asarray(store[SHARE_KEY])), self._shares_metric
-            if self._generators and saved != mine:
-                layout = {
-                    True: "generators shared by the converted layers (share_metric=True)",
-                    False: "generators of each layer's own (share_metric=False, or a single converted layer)",
-                }
-                raise DamchaValueError(
-                    dc.invalid_argument(
-                        "share_metric",
-                        f"the sharing the weights were saved with: {layout[saved]}. Convert the model with "
-                        f"dk.convert(model, share_metric={saved}) before loading them",
-                        f"layer {self.path!r} with {layout[mine]}",
-                    )
+        store, mismatch = read_sharing(store, SHARE_KEY, self._generators, self)
+        if mismatch is not None:
+            saved, mine = mismatch
+            layout = {
+                True: "generators shared by the converted layers (share_metric=True)",
+                False: "generators of each layer's own (share_metric=False, or a single converted layer)",
+            }
+            raise DamchaValueError(
+                dc.invalid_argument(
+                    "share_metric",
+                    f"the sharing the weights were saved with: {layout[saved]}. Convert the model with "
+                    f"dk.convert(model, share_metric={saved}) before loading them",
+                    f"layer {self.path!r} with {layout[mine]}",
                 )
-            store = {key: store[key] for key in keys if key != SHARE_KEY}
+            )
         super().load_own_variables(store)
 
     @property
