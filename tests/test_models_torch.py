@@ -560,6 +560,22 @@ def test_bart_copies_convert(name):
     _check_layers_against_reference("bart", model=dt.convert(build(name, torch.float64)))
 
 
+def _converts_audio_lm_exactly(model, kw):
+    """convert() of an audio-language model (two audio encoder and two decoder
+    layers): every attention layer converted, the audio tower's with tied maps,
+    the language model's separate (GQA), and the logits on ``kw`` unchanged bit
+    for bit."""
+    with torch.no_grad():
+        before = model(**kw).logits
+        dt.convert(model)
+        after = model(**kw).logits
+    layers = dt.converted_layers(model)
+    assert sorted(layers) == sorted(n for n, m in model.named_modules() if type(m).__name__.endswith("Attention"))
+    sides = {n: m.damcha.config.metric_sides for n, m in layers.items()}
+    assert len(sides) == 4 and sides == {n: ("qk",) if ".audio_tower." in n else ("q", "k") for n in sides}
+    assert same(after, before)
+
+
 def test_voxtral_realtime_converts():
     """Voxtral-Realtime (a causal audio encoder and a text decoder, both Llama's attention with a
     sliding window wider than these tokens; the audio embeddings added to the text tokens', one
@@ -577,15 +593,7 @@ def test_voxtral_realtime_converts():
     kw["input_features"] = torch.randn(
         2, WHISPER_MELS, 56, generator=torch.Generator().manual_seed(1), dtype=torch.float64
     )
-    with torch.no_grad():
-        before = model(**kw).logits
-        dt.convert(model)
-        after = model(**kw).logits
-    layers = dt.converted_layers(model)
-    assert sorted(layers) == sorted(n for n, m in model.named_modules() if type(m).__name__.endswith("Attention"))
-    sides = {n: m.damcha.config.metric_sides for n, m in layers.items()}
-    assert len(sides) == 4 and sides == {n: ("qk",) if ".audio_tower." in n else ("q", "k") for n in sides}
-    assert same(after, before)
+    _converts_audio_lm_exactly(model, kw)
     kw["attention_mask"][0] = 1
     _check_normed_layers(open_gates(model), _no_norms, call=lambda m: m(**kw))
 
@@ -630,15 +638,7 @@ def test_audio_encoder_copies_convert(name):
         kw[frames_mask] = torch.ones(2, 2 * WHISPER_SOURCE, dtype=torch.long)
     padded = dict(kw, attention_mask=kw["attention_mask"].clone())
     padded["attention_mask"][0, 0] = 0
-    with torch.no_grad():
-        before = model(**padded).logits
-        dt.convert(model)
-        after = model(**padded).logits
-    layers = dt.converted_layers(model)
-    assert sorted(layers) == sorted(n for n, m in model.named_modules() if type(m).__name__.endswith("Attention"))
-    sides = {n: m.damcha.config.metric_sides for n, m in layers.items()}
-    assert len(sides) == 4 and sides == {n: ("qk",) if ".audio_tower." in n else ("q", "k") for n in sides}
-    assert same(after, before)
+    _converts_audio_lm_exactly(model, padded)
     _check_layers_against_reference("bart", model=model.model.audio_tower, call=lambda m: model(**kw))
 
 
