@@ -488,6 +488,24 @@ def _reference_maps(sides, transposed, x, weight, bias, *leaves):
     return torch.stack(cols, -1)
 
 
+def _node_inputs(sides, E, features, transposed, r=2):
+    """Random float64 tokens (2, 5, E), projection weight and bias, and the
+    ``side_leaves`` of each of ``sides`` (generator weight, bias, gate; u, v
+    for "lowrank" of rank r), for a FusedProjectionMaps call."""
+    f64 = {"dtype": torch.float64}
+    x = torch.randn(2, 5, E, **f64)
+    weight = torch.randn(*((E, features) if transposed else (features, E)), **f64)
+    bias = torch.randn(features, **f64)
+    leaves = []
+    for blocks in sides:
+        S, d = blocks.heads, blocks.head_dim
+        out = S * S if blocks.metric == "heads" else r
+        leaves += [torch.randn(out, E, **f64) / 3, torch.randn(out, **f64) / 3, torch.rand(S, **f64)]
+        if blocks.metric == "lowrank":
+            leaves += [torch.randn(S, d, r, **f64), torch.randn(S, d, r, **f64)]
+    return x, weight, bias, leaves
+
+
 GAP_CASES = [(m, tr, lay) for m in ("heads", "lowrank") for tr in (False, True) for lay in ("apart", "runs")]
 # Block offsets of the two sides ((S*d = 6 columns each) in 40 columns:
 # "apart", every block alone; "runs", side q three adjacent blocks and side
@@ -514,15 +532,7 @@ def test_fused_node_with_unmapped_columns_between_blocks(metric, transposed, lay
     q_offsets, k_offsets = GAP_LAYOUTS[layout]
     sides = (SideBlocks("q", S, d, q_offsets, metric), SideBlocks("k", S, d, k_offsets, metric))
     f64 = {"dtype": torch.float64}
-    x = torch.randn(2, 5, E, **f64)
-    weight = torch.randn(*((E, features) if transposed else (features, E)), **f64)
-    bias = torch.randn(features, **f64)
-    leaves = []
-    for _ in sides:
-        out = S * S if metric == "heads" else r
-        leaves += [torch.randn(out, E, **f64) / 3, torch.randn(out, **f64) / 3, torch.rand(S, **f64)]
-        if metric == "lowrank":
-            leaves += [torch.randn(S, d, r, **f64), torch.randn(S, d, r, **f64)]
+    x, weight, bias, leaves = _node_inputs(sides, E, features, transposed, r)
     inputs_ = [x, weight, bias, *leaves]
     for t in inputs_:
         t.requires_grad_(True)
@@ -572,12 +582,7 @@ def test_fused_node_on_an_interleaved_output(layout, probe, transposed, lora):
     features = S * run
     sides = tuple(SideBlocks(side, S, d, offsets, "heads", S) for side, offsets in spec)
     f64 = {"dtype": torch.float64}
-    x = torch.randn(2, 5, E, **f64)
-    weight = torch.randn(*((E, features) if transposed else (features, E)), **f64)
-    bias = torch.randn(features, **f64)
-    leaves = []
-    for _ in sides:
-        leaves += [torch.randn(S * S, E, **f64) / 3, torch.randn(S * S, **f64) / 3, torch.rand(S, **f64)]
+    x, weight, bias, leaves = _node_inputs(sides, E, features, transposed)
     lora_a, lora_b, scaling = (torch.randn(2, E, **f64), torch.randn(features, 2, **f64), 0.5) if lora else (None,) * 3
     inputs_ = [x, weight, bias, *leaves, *([lora_a, lora_b] if lora else [])]
     for t in inputs_:
