@@ -209,6 +209,44 @@ def test_peft_lora_on_out_proj() -> None:
     assert lora.lora_B["default"].weight.grad is not None and lora.lora_B["default"].weight.grad.abs().max() > 0
 
 
+# Not ("encoder", "eval"): torch's own encoder layer fails there under this wrapper
+# (its fast-path check reads self_attn.batch_first), and the converted layer runs torch's forward.
+@pytest.mark.parametrize(("kind", "mode"), [("encoder", "train"), ("decoder", "train"), ("decoder", "eval")])
+def test_peft_target_parameters_in_a_converted_transformer_layer(kind: str, mode: str) -> None:
+    """PEFT's ``target_parameters=[..."in_proj_weight"]`` replaces the layer's
+    ``self_attn`` (and ``multihead_attn``) by a wrapper holding the attention as
+    its base layer; torch's own layer runs that way, so the converted layer
+    must too (its shape checks read the attention's sizes through the wrapper:
+    a raw AttributeError before), with the same result as torch's layer."""
+    from damcha_torch import ensure_torchvision_importable, replace_mha
+
+    ensure_torchvision_importable()
+    peft = pytest.importorskip("peft")
+    cls = nn.TransformerEncoderLayer if kind == "encoder" else nn.TransformerDecoderLayer
+    targets = ["0.self_attn.in_proj_weight"] + (["0.multihead_attn.in_proj_weight"] if kind == "decoder" else [])
+    g = torch.Generator().manual_seed(3)
+    x, memory = torch.randn(2, 5, E, generator=g), torch.randn(2, 4, E, generator=g)
+    outs = {}
+    for impl in ("mha", "damcha"):
+        torch.manual_seed(0)
+        model = nn.Sequential(cls(E, H, 16, dropout=0.0, batch_first=True))
+        if impl == "damcha":
+            model = replace_mha(model)
+        torch.manual_seed(1)  # the same adapter weights on both sides
+        config = peft.LoraConfig(r=2, target_modules=[], target_parameters=targets, init_lora_weights=False)
+        wrapped = getattr(peft.get_peft_model(model, config), mode)()
+        layer = wrapped.base_model.model[0]
+        assert type(layer.self_attn).__name__ == "ParamWrapper"
+        out = layer(x) if kind == "encoder" else layer(x, memory)
+        outs[impl] = out
+        if mode == "train":
+            out.sum().backward()
+            grads = [p.grad for n, p in wrapped.named_parameters() if "lora_B" in n]
+            assert len(grads) == len(targets) and all(g is not None and g.abs().max() > 0 for g in grads)
+    assert isinstance(layer.self_attn.get_base_layer(), DamchaAttention)  # the converted side ran DAMCHA
+    torch.testing.assert_close(outs["damcha"], outs["mha"], rtol=1e-5, atol=1e-6)
+
+
 # ------------------------------------------------ each tool on each projection weight, against MHA
 # Small sizes of their own; kdim/vdim differ from embed_dim in the "separate" layout, so
 # q/k/v_proj_weight are the registered parameters (as in nn.MultiheadAttention).

@@ -141,6 +141,13 @@ _ATTN_MASKS["memory_mask"] = ("tgt", "memory")
 _PADDING_MASKS = {"src_key_padding_mask": "src", "tgt_key_padding_mask": "tgt", "memory_key_padding_mask": "memory"}
 
 
+def _unwrapped(attention: nn.Module) -> Any:
+    """The attention layer a PEFT wrapper holds (``target_parameters``' ParamWrapper
+    replaces ``self_attn`` and runs the layer as its ``base_layer``), else itself."""
+    base = getattr(attention, "get_base_layer", None)
+    return base() if callable(base) else attention
+
+
 def _check_block_shapes(block: nn.Module, given: Mapping[str, Any]) -> None:
     """The tokens' and masks' shapes, checked with the block's argument names
     (``src``, ``memory``, ``src_key_padding_mask``, ...) before torch's forward
@@ -149,7 +156,7 @@ def _check_block_shapes(block: nn.Module, given: Mapping[str, Any]) -> None:
     The layouts are the attention layer's (a 2-D, (B*H, N, M) or broadcastable
     (B, H, N, M) attention mask; (B, M) padding, (M,) unbatched)."""
     layer: Any = block.layers[0] if isinstance(block, (nn.TransformerEncoder, nn.TransformerDecoder)) else block
-    attention: DamchaAttention = layer.self_attn
+    attention: DamchaAttention = _unwrapped(layer.self_attn)
     E, H, batch_first = int(attention.embed_dim), int(attention.num_heads), bool(attention.batch_first)
     tokens: dict[str, Tensor] = {}
     for name in ("src", "tgt", "memory"):
@@ -169,7 +176,7 @@ def _check_block_shapes(block: nn.Module, given: Mapping[str, Any]) -> None:
                     name, f"a batched {layout} or unbatched (L, E) tensor", f"{name}.shape={tuple(t.shape)}"
                 )
             )
-        features = E if name != "memory" else getattr(layer.multihead_attn, "kdim", E)
+        features = E if name != "memory" else getattr(_unwrapped(layer.multihead_attn), "kdim", E)
         if t.shape[-1] != features:
             size = "d_model" if features == E else "the cross-attention's kdim"
             raise DamchaValueError(
