@@ -381,6 +381,58 @@ def test_fused_qkv_training_step_moves_the_gates(name, coupling):
         torch.testing.assert_close(grads[0][n], grads[1][n], rtol=0, atol=1e-12, msg=n)
 
 
+
+class _KernelCalls:
+    """fn._HEADMIX's stand-in: counts the C kernel's calls and forwards them."""
+
+    def __init__(self, kernel):
+        self.kernel, self.calls = kernel, 0
+
+    def map(self, *args):
+        self.calls += 1
+        return self.kernel.map(*args)
+
+
+# (host, coupling, kernel calls per layer): Falcon's new decoder architecture has
+# several query heads in each run, which the kernel's one head per run does not read.
+INTERLEAVED_KERNEL = [
+    ("gpt-neox", "auto", 1),
+    ("gpt-neox", "separate", 2),
+    ("bloom", "auto", 1),
+    ("persimmon", "auto", 1),
+    ("falcon-alibi", "auto", 1),
+    ("gpt-bigcode", "auto", 1),
+    ("falcon", "auto", 0),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "coupling", "calls"), INTERLEAVED_KERNEL, ids=[f"{n}-{c}" for n, c, _ in INTERLEAVED_KERNEL]
+)
+def test_interleaved_site_maps_few_tokens_with_the_kernel(name, coupling, calls, monkeypatch):
+    """In eval mode without a graph (a generate step), an interleaved site's
+    few tokens (at most 16) are mapped in place by the C kernel with the heads
+    a run apart, one call per side (a tied query and key: one call for both
+    blocks), where the torch ops mapped them; the outputs equal the torch
+    ops' (float64, 1e-12)."""
+    from damcha_torch import _functional as fn
+
+    if fn._HEADMIX is None:
+        pytest.skip("damcha_torch._headmix not installed (built without a C compiler)")
+    model = open_gates(dt.convert(_build(name, torch.float64), coupling=coupling))
+    ids = _ids(batch=1, n=7)
+    recorder = _KernelCalls(fn._HEADMIX)
+    monkeypatch.setattr(fn, "_HEADMIX", recorder)
+    with torch.no_grad():
+        got = _out(model, input_ids=ids)
+    assert recorder.calls == 2 * calls  # two layers
+    monkeypatch.setattr(fn, "_HEADMIX", None)
+    with torch.no_grad():
+        want = _out(model, input_ids=ids)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    assert (got - _out_unconverted(name, ids)).abs().max() > 1e-3  # the maps are on
+
+
 def test_gpt_bigcode_cross_attention_is_refused_by_name():
     """GPTBigCode's cross-attention (its c_attn split gives one key and one value
     head) is refused, naming the layer and why, and nothing is converted."""

@@ -65,6 +65,8 @@ def _run(x, W, b, g, y, d, blocks, row_stride, y_stride):
         out.data_ptr(),
         0,
         dc.RMS_EPS,
+        d,
+        S * d,
     )
     return out
 
@@ -112,12 +114,45 @@ def test_kernel_maps_in_place(dtype):
     at = rows.data_ptr() + lead * rows.element_size()
     width = rows.shape[1]
     KERNEL.map(dtype is torch.float64, T, E, S, d, xs.data_ptr(), E, W.data_ptr(), b.data_ptr(), gate.data_ptr(),
-               at, width, blocks, at, width, dc.RMS_EPS)  # fmt: skip
+               at, width, blocks, at, width, dc.RMS_EPS, d, S * d)  # fmt: skip
     want = _spec_map(xs, W, b, gate, before[:, lead : lead + blocks * S * d].reshape(T, blocks, S, d), blocks)
     np.testing.assert_allclose(
         rows[:, lead : lead + blocks * S * d].reshape(T, blocks, S, d).numpy(), want, **TOL[dtype]
     )
     assert torch.equal(rows[:, :lead], before[:, :lead]) and torch.equal(rows[:, -tail:], before[:, -tail:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize(
+    "S,d,roles,blocks,lead",
+    [(4, 8, 3, 2, 0), (3, 5, 3, 1, 5), (2, 4, 2, 1, 0), (5, 3, 4, 3, 1)],
+    ids=["neox-tied", "one-block-offset", "gated-query", "three-blocks"],
+)
+def test_kernel_maps_interleaved_heads_in_place(S, d, roles, blocks, lead, dtype):
+    """Heads a run apart (an interleaved projection: each head's ``roles``
+    blocks of d in turn, GPT-NeoX's q, k, v; Qwen3.5's query, gate): head
+    stride roles * d, block stride d, the mapped blocks from ``lead`` within
+    each run, in place in rows of the output. Each mapped block equals the
+    spec's map, every other element is untouched."""
+    T, E = 3, 24
+    run = roles * d
+    xs, _, W, b, gate = _inputs(T, E, S, d, blocks, dtype, seed=31 + S)
+    rows = torch.randn(T, S * run, dtype=dtype, generator=torch.Generator().manual_seed(32))
+    before = rows.clone()
+    at = rows.data_ptr() + lead * rows.element_size()
+    width = rows.shape[1]
+    KERNEL.map(dtype is torch.float64, T, E, S, d, xs.data_ptr(), E, W.data_ptr(), b.data_ptr(), gate.data_ptr(),
+               at, width, blocks, at, width, dc.RMS_EPS, run, d)  # fmt: skip
+    flat = before.reshape(T, S, run)
+    y = np.stack([flat[:, :, lead + k * d : lead + (k + 1) * d].numpy() for k in range(blocks)], axis=1)
+    want = _spec_map(xs, W, b, gate, y, blocks)  # (T, blocks, S, d)
+    got = rows.reshape(T, S, run)
+    mapped = np.zeros((S, run), dtype=bool)
+    for k in range(blocks):
+        cut = slice(lead + k * d, lead + (k + 1) * d)
+        np.testing.assert_allclose(got[:, :, cut].numpy(), want[:, k], **TOL[dtype])
+        mapped[:, cut] = True
+    assert torch.equal(got[:, torch.from_numpy(~mapped)], flat[:, torch.from_numpy(~mapped)])
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
@@ -181,9 +216,13 @@ def test_kernel_refuses_a_stale_build(monkeypatch):
 
 def test_kernel_refuses_malformed_calls():
     # Pointers 8 (never read: each call below is refused before the kernel runs).
-    args = [False, 1, 4, 2, 2, 8, 4, 8, 8, 8, 8, 8, 1, 8, 0, 1e-6]
-    with pytest.raises(TypeError, match="16 arguments"):
+    args = [False, 1, 4, 2, 2, 8, 4, 8, 8, 8, 8, 8, 1, 8, 0, 1e-6, 2, 4]
+    with pytest.raises(TypeError, match="18 arguments"):
         KERNEL.map(*args[:-1])
+    with pytest.raises(ValueError, match="non-negative"):
+        KERNEL.map(*args[:16], -2, 4)
+    with pytest.raises(ValueError, match="non-negative"):
+        KERNEL.map(*args[:17], -4)
     with pytest.raises(ValueError, match="blocks must be positive"):
         KERNEL.map(*args[:12], 0, *args[13:])
     with pytest.raises(ValueError, match="positive"):

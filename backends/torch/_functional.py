@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 # The calling convention of the C kernel this code calls (_headmix.c's DAMCHA_HEADMIX_ABI).
-_HEADMIX_ABI = 2
+_HEADMIX_ABI = 3
 _HEADMIX: Any
 try:
     # The fused CPU map of a decoding step (setup.py; _headmix.c says why).
@@ -1570,6 +1570,8 @@ def _fused_maps(
             base + offset * item,
             0,  # out holds (T, blocks, S, d) at each offset
             dc.RMS_EPS,
+            d,  # y's heads consecutive
+            S * d,  # and its blocks (q's then k's, tied)
         )
     if mk is mq:
         strides = (N * 2 * H * d, d, 2 * H * d, 1)

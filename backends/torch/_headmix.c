@@ -26,14 +26,17 @@
  * Layout (all pointers are element addresses, strides in elements):
  *   x     T rows of E, row stride x_stride, unit stride within a row
  *   W     (S*S, E) contiguous;  b (S*S) contiguous;  g (S) contiguous
- *   y     per token `blocks` consecutive (S, d) blocks (head stride d, unit
- *         stride within a head) starting at y + t * y_stride, all mapped by
- *         the token's one A: q and k of a tied layer (adjacent in the packed
- *         projection's output), or a run of a converted model's fused
- *         projection
+ *   y     per token `blocks` blocks of S heads of d (unit stride within a
+ *         head), head a of block k at y + t * y_stride + k * block_stride +
+ *         a * head_stride, all mapped by the token's one A: q and k of a tied
+ *         layer (adjacent in the packed projection's output: head stride d,
+ *         block stride S d), a run of a converted model's fused projection,
+ *         or the heads of an interleaved one (GPT-NeoX's query_key_value, each
+ *         head's q, k and v in turn: head stride 3 d, block stride d)
  *   out   (T, blocks, S, d) contiguous (out_stride 0), or rows of out_stride
- *         elements holding the blocks from each row's start: out may be y
- *         itself (in place; a block's heads are mixed into scratch first)
+ *         elements holding the blocks at y's head and block strides from each
+ *         row's start: out may be y itself (in place; a block's heads are
+ *         mixed into scratch first)
  * The callers (few_tokens_step, _models_fused.map_blocks_) check devices, dtypes, shapes and strides;
  * this file trusts them.
  */
@@ -52,17 +55,17 @@
 #define DAMCHA_CLONES
 #endif
 
-/* Token t's block k of S heads of size d in out: rows of out_stride elements
- * (out_stride 0: out is (T, blocks, S, d) contiguous). */
-#define out_at(out, out_stride, t, blocks, k, S, d) \
-    ((out) + ((out_stride) ? (t) * (out_stride) : (t) * (blocks) * (S) * (d)) + (k) * (S) * (d))
 
 #define DAMCHA_KERNEL(NAME, REAL)                                                                        \
     DAMCHA_CLONES static void NAME(Py_ssize_t T, Py_ssize_t E, Py_ssize_t S, Py_ssize_t d,               \
                                    const REAL *x, Py_ssize_t x_stride, const REAL *W, const REAL *b,    \
                                    const REAL *g, const REAL *y, Py_ssize_t y_stride, Py_ssize_t blocks, \
-                                   REAL *out, Py_ssize_t out_stride, double eps, REAL *P, REAL *acc) {  \
+                                   REAL *out, Py_ssize_t out_stride, double eps, Py_ssize_t hs,         \
+                                   Py_ssize_t bs, REAL *P, REAL *acc) {                                 \
         const Py_ssize_t SS = S * S;                                                                     \
+        /* out's head and block strides: y's in rows of out_stride, else (T, blocks, S, d). */          \
+        const Py_ssize_t ohs = out_stride ? hs : d, obs = out_stride ? bs : S * d;                      \
+        const Py_ssize_t orow = out_stride ? out_stride : blocks * S * d;                               \
         /* x W^T, four rows of W by two tokens at a time: eight independent sums, where one    \
          * dot product at a time waits on its one accumulator's FMA latency (about 6x slower     \
          * at E = 512), and each row loaded once per token pair. */                               \
@@ -113,21 +116,22 @@
             for (Py_ssize_t h = 0; h < S; ++h)                                                           \
                 for (Py_ssize_t a = 0; a < S; ++a) A[h * S + a] = (scale * A[h * S + a] + b[h * S + a]) * g[h]; \
             for (Py_ssize_t k = 0; k < blocks; ++k) {                                                    \
-                const REAL *yt = y + t * y_stride + k * S * d;                                           \
-                REAL *z = out_at(out, out_stride, t, blocks, k, S, d);                                   \
+                const REAL *yt = y + t * y_stride + k * bs;                                              \
+                REAL *z = out + t * orow + k * obs;                                                      \
                 /* The block's heads into acc first: z may be y itself (in place). */                     \
                 for (Py_ssize_t h = 0; h < S; ++h) {                                                     \
                     REAL *ah = acc + h * d;                                                              \
                     for (Py_ssize_t i = 0; i < d; ++i) ah[i] = 0;                                        \
                     for (Py_ssize_t a = 0; a < S; ++a) {                                                 \
                         const REAL c = A[h * S + a];                                                     \
-                        const REAL *ya = yt + a * d;                                                     \
+                        const REAL *ya = yt + a * hs;                                                    \
                         _Pragma("omp simd") for (Py_ssize_t i = 0; i < d; ++i) ah[i] += c * ya[i];        \
                     }                                                                                    \
                 }                                                                                        \
                 for (Py_ssize_t h = 0; h < S; ++h) {                                                     \
-                    const REAL *yh = yt + h * d, *ah = acc + h * d;                                      \
-                    _Pragma("omp simd") for (Py_ssize_t i = 0; i < d; ++i) z[h * d + i] = yh[i] + ah[i];  \
+                    const REAL *yh = yt + h * hs, *ah = acc + h * d;                                     \
+                    REAL *zh = z + h * ohs;                                                              \
+                    _Pragma("omp simd") for (Py_ssize_t i = 0; i < d; ++i) zh[i] = yh[i] + ah[i];        \
                 }                                                                                        \
             }                                                                                            \
         }                                                                                                \
@@ -136,18 +140,18 @@
 DAMCHA_KERNEL(map_f32, float)
 DAMCHA_KERNEL(map_f64, double)
 
-/* map(is_double, T, E, S, d, x, x_stride, W, b, g, y, y_stride, blocks, out, out_stride, eps)
- * with the pointers as Python ints (Tensor.data_ptr()). */
+/* map(is_double, T, E, S, d, x, x_stride, W, b, g, y, y_stride, blocks, out, out_stride, eps,
+ * head_stride, block_stride) with the pointers as Python ints (Tensor.data_ptr()). */
 static PyObject *damcha_map(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 16) {
-        PyErr_Format(PyExc_TypeError, "map() takes 16 arguments, got %zd", nargs);
+    if (nargs != 18) {
+        PyErr_Format(PyExc_TypeError, "map() takes 18 arguments, got %zd", nargs);
         return NULL;
     }
     const int is_double = PyObject_IsTrue(args[0]);
-    enum { NSIZES = 8, NPTRS = 6 };
-    /* T, E, S, d, x_stride, y_stride, blocks, out_stride; x, W, b, g, y, out */
-    const int sizes_at[NSIZES] = {1, 2, 3, 4, 6, 11, 12, 14}, ptrs_at[NPTRS] = {5, 7, 8, 9, 10, 13};
+    enum { NSIZES = 10, NPTRS = 6 };
+    /* T, E, S, d, x_stride, y_stride, blocks, out_stride, head_stride, block_stride; x, W, b, g, y, out */
+    const int sizes_at[NSIZES] = {1, 2, 3, 4, 6, 11, 12, 14, 16, 17}, ptrs_at[NPTRS] = {5, 7, 8, 9, 10, 13};
     Py_ssize_t n[NSIZES];
     void *p[NPTRS];
     if (is_double < 0) return NULL;
@@ -165,8 +169,9 @@ static PyObject *damcha_map(PyObject *self, PyObject *const *args, Py_ssize_t na
     const double eps = PyFloat_AsDouble(args[15]);
     if (eps == -1.0 && PyErr_Occurred()) return NULL;
     const Py_ssize_t T = n[0], E = n[1], S = n[2], d = n[3];
-    const Py_ssize_t x_stride = n[4], y_stride = n[5], blocks = n[6], out_stride = n[7];
-    if (T <= 0 || E <= 0 || S <= 0 || d <= 0 || blocks <= 0 || x_stride < 0 || y_stride < 0 || out_stride < 0) {
+    const Py_ssize_t x_stride = n[4], y_stride = n[5], blocks = n[6], out_stride = n[7], hs = n[8], bs = n[9];
+    if (T <= 0 || E <= 0 || S <= 0 || d <= 0 || blocks <= 0 || x_stride < 0 || y_stride < 0 || out_stride < 0 ||
+        hs < 0 || bs < 0) {
         PyErr_SetString(PyExc_ValueError, "map(): sizes and blocks must be positive, strides non-negative");
         return NULL;
     }
@@ -176,12 +181,12 @@ static PyObject *damcha_map(PyObject *self, PyObject *const *args, Py_ssize_t na
     Py_BEGIN_ALLOW_THREADS
     if (is_double) {
         double *P = (double *)scratch;
-        map_f64(T, E, S, d, p[0], x_stride, p[1], p[2], p[3], p[4], y_stride, blocks, p[5], out_stride, eps, P,
-                P + T * S * S);
+        map_f64(T, E, S, d, p[0], x_stride, p[1], p[2], p[3], p[4], y_stride, blocks, p[5], out_stride, eps, hs,
+                bs, P, P + T * S * S);
     } else {
         float *P = (float *)scratch;
-        map_f32(T, E, S, d, p[0], x_stride, p[1], p[2], p[3], p[4], y_stride, blocks, p[5], out_stride, eps, P,
-                P + T * S * S);
+        map_f32(T, E, S, d, p[0], x_stride, p[1], p[2], p[3], p[4], y_stride, blocks, p[5], out_stride, eps, hs,
+                bs, P, P + T * S * S);
     }
     Py_END_ALLOW_THREADS
     free(scratch);
@@ -190,8 +195,8 @@ static PyObject *damcha_map(PyObject *self, PyObject *const *args, Py_ssize_t na
 
 static PyMethodDef methods[] = {
     {"map", (PyCFunction)(void (*)(void))damcha_map, METH_FASTCALL,
-     "map(is_double, T, E, S, d, x, x_stride, W, b, g, y, y_stride, blocks, out, out_stride, eps): the head map "
-     "of T tokens."},
+     "map(is_double, T, E, S, d, x, x_stride, W, b, g, y, y_stride, blocks, out, out_stride, eps, head_stride, "
+     "block_stride): the head map of T tokens."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -200,7 +205,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_headmix", NULL, -1,
 /* The calling convention's version: damcha_torch uses the module only when
  * it matches its own (a stale build of an older source is ignored, not
  * called with arguments it reads otherwise). */
-#define DAMCHA_HEADMIX_ABI 2
+#define DAMCHA_HEADMIX_ABI 3
 
 PyMODINIT_FUNC PyInit__headmix(void) {
     PyObject *m = PyModule_Create(&module);

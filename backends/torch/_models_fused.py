@@ -331,10 +331,11 @@ _HALF = (torch.float16, torch.bfloat16)
 def _kernel_map_(y: Tensor, tokens: Tensor, sides: Sequence[tuple[SideBlocks, fn.SideWeights]]) -> bool:
     """``map_blocks_`` by the C kernel (damcha_torch._headmix, as the flat
     decoding step uses it): every run of adjacent "heads" blocks of a side in
-    one call, in place, for at most ``fn._FEW_TOKENS`` CPU tokens in y's
-    float32/float64 dtype with contiguous weights of that dtype. False (and
-    y untouched) where any of that does not hold: the torch ops map it then.
-    The kernel trusts its pointers: these checks keep it in bounds."""
+    one call (an interleaved side's blocks, ``groups`` > 1: one call with the
+    heads a run apart), in place, for at most ``fn._FEW_TOKENS`` CPU tokens in
+    y's float32/float64 dtype with contiguous weights of that dtype. False
+    (and y untouched) where any of that does not hold: the torch ops map it
+    then. The kernel trusts its pointers: these checks keep it in bounds."""
     kernel = fn._HEADMIX
     if (
         kernel is None
@@ -356,12 +357,12 @@ def _kernel_map_(y: Tensor, tokens: Tensor, sides: Sequence[tuple[SideBlocks, fn
     t = tokens.reshape(T, E)
     if t.stride(1) != 1 and E > 1:
         return False
-    calls = []
+    # (S, d, offset, blocks, head stride, block stride, weights) of each kernel call
+    calls: list[tuple[int, int, int, int, int, int, fn.SideWeights]] = []
     for blocks, w in sides:
-        S, d = blocks.heads, blocks.head_dim
+        S, d, groups = blocks.heads, blocks.head_dim, blocks.groups
         if not (
             blocks.metric == "heads"
-            and blocks.groups == 1  # the kernel reads each block's heads consecutive
             and all(
                 v.__class__ in fn._PLAIN
                 and v.is_cpu
@@ -375,13 +376,23 @@ def _kernel_map_(y: Tensor, tokens: Tensor, sides: Sequence[tuple[SideBlocks, fn
             and w.gate.shape == (S,)
         ):
             return False
-        for offset, n in _runs(blocks):
-            if offset < 0 or offset + n * S * d > F_:
-                return False
-            calls.append((S, d, offset, n, w))
+        if groups == 1:
+            for offset, n in _runs(blocks):
+                if offset < 0 or offset + n * S * d > F_:
+                    return False
+                calls.append((S, d, offset, n, d, S * d, w))
+            continue
+        # Interleaved: head h of the block at offset o (within a run) starts at h * run + o.
+        run, offsets = F_ // groups, sorted(blocks.offsets)
+        if S != groups or F_ % groups or offsets[0] < 0 or offsets[-1] + d > run:
+            return False
+        step = offsets[1] - offsets[0] if len(offsets) > 1 else 0
+        if any(b - a != step for a, b in zip(offsets, offsets[1:])) or (len(offsets) > 1 and step < d):
+            return False  # blocks not evenly spaced or overlapping: not one call's layout
+        calls.append((S, d, offsets[0], len(offsets), run, step, w))
     double, item = dtype is torch.float64, 8 if dtype is torch.float64 else 4
     base, xp, row = y.data_ptr(), t.data_ptr(), t.stride(0)
-    for S, d, offset, n, w in calls:
+    for S, d, offset, n, head_stride, block_stride, w in calls:
         at = base + offset * item
         kernel.map(
             double,
@@ -400,6 +411,8 @@ def _kernel_map_(y: Tensor, tokens: Tensor, sides: Sequence[tuple[SideBlocks, fn
             at,
             F_,
             dc.RMS_EPS,
+            head_stride,
+            block_stride,
         )
     return True
 
