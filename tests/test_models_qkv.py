@@ -381,7 +381,6 @@ def test_fused_qkv_training_step_moves_the_gates(name, coupling):
         torch.testing.assert_close(grads[0][n], grads[1][n], rtol=0, atol=1e-12, msg=n)
 
 
-
 class _KernelCalls:
     """fn._HEADMIX's stand-in: counts the C kernel's calls and forwards them."""
 

@@ -384,7 +384,7 @@ def _kernel_map_(y: Tensor, tokens: Tensor, sides: Sequence[tuple[SideBlocks, fn
             continue
         # Interleaved: head h of the block at offset o (within a run) starts at h * run + o.
         run, offsets = F_ // groups, sorted(blocks.offsets)
-        if S != groups or F_ % groups or offsets[0] < 0 or offsets[-1] + d > run:
+        if groups != S or F_ % groups or offsets[0] < 0 or offsets[-1] + d > run:
             return False
         step = offsets[1] - offsets[0] if len(offsets) > 1 else 0
         if any(b - a != step for a, b in zip(offsets, offsets[1:])) or (len(offsets) > 1 and step < d):
