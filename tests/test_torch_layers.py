@@ -496,6 +496,39 @@ def test_encoder_layer_activation_runs_in_place_only_without_grad(activation, so
     assert layer.linear1.weight.grad.abs().max() > 0
 
 
+@pytest.mark.parametrize("linear1", ["hooked", "subclass"])
+def test_encoder_layer_activation_leaves_what_linear1_hands_out_alone(linear1):
+    """The in-place activation overwrites linear1's output only where nothing
+    else holds it: a forward hook on linear1 keeps what it saw (torch's layer
+    does not overwrite it), and a linear1 whose output aliases its input (a
+    subclass of nn.Linear returning a view) keeps the residual input intact. Each case equals torch's own
+    layer, whose Python path runs the activation out of place (a reviewer's
+    find: min(captured) 0.0 against -1.56, and an output off by 1.58)."""
+    torch.manual_seed(5)
+    mha_layer = nn.TransformerEncoderLayer(16, 4, 16, dropout=0.0, batch_first=True).eval()
+
+    class Aliasing(nn.Linear):
+        def forward(self, x):
+            return x.view_as(x)
+
+    seen = []
+    if linear1 == "subclass":
+        mha_layer.linear1 = Aliasing(16, 16)
+    layer = replace_mha(nn.Sequential(copy.deepcopy(mha_layer)))[0]
+    if linear1 == "hooked":
+        layer.linear1.register_forward_hook(lambda module, args, out: seen.append(out))
+    x = torch.randn(2, 5, 16)
+    want = mha_layer(x).detach()  # torch's Python path (gradients recorded): out of place
+    with torch.no_grad():
+        got = layer(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    if linear1 == "hooked":
+        kept = nn.functional.linear(
+            layer.norm1(x + layer._sa_block(x, None, None)), layer.linear1.weight, layer.linear1.bias
+        )
+        assert seen[0].min() < 0 and torch.equal(seen[0], kept)
+
+
 def test_encoder_layer_hooked_activation_module_stays_a_module_call():
     """A hooked activation module is called as a module (its hooks run), in inference too."""
     torch.manual_seed(4)

@@ -329,7 +329,12 @@ class DamchaTransformerEncoderLayer(nn.TransformerEncoderLayer):
         # out-of-place activation kept both (a 6-layer encoder's inference peak at
         # N=256, B=4, FFN 2048: 1.23x the MHA model's; in place 0.89x). Recording
         # gradients, the activation runs as torch's: GELU's backward reads its input.
-        in_place = None if torch.is_grad_enabled() else _in_place_activation(self.activation)
+        # Only over a plain nn.Linear's fresh output that no hook has seen: a hook
+        # keeping it, or a linear1 whose output aliases its input (a subclass, a
+        # wrapper), would see it overwritten.
+        in_place = None
+        if not torch.is_grad_enabled() and type(self.linear1) is nn.Linear and fn.no_hooks(self.linear1):
+            in_place = _in_place_activation(self.activation)
         if in_place is None:
             return super()._ff_block(x)
         return self.dropout2(self.linear2(self.dropout(in_place(self.linear1(x)))))
