@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -50,6 +51,9 @@ TOOLS = {
     "prune(in_proj_bias)": lambda a: prune.l1_unstructured(a, "in_proj_bias", 0.3),
     "weight_norm(in_proj_weight)": lambda a: weight_norm(a, "in_proj_weight"),
     "prune(generator)": lambda a: prune.l1_unstructured(a.metric_generators["qk"], "weight", 0.3),
+    # A gate bounded by a parametrization, or pruned (a raw KeyError before: the layer read the registry).
+    "tanh(gate)": lambda a: parametrize.register_parametrization(a.metric_gates, "qk", nn.Tanh()),
+    "prune(gate)": lambda a: prune.l1_unstructured(a.metric_gates, "qk", 0.5),
 }
 
 
@@ -161,6 +165,24 @@ def test_gradients_reach_parametrization_and_pruning_parameters() -> None:
 
     inputs = (x, *(t.detach().clone().requires_grad_(True) for t in leaves.values()))
     assert torch.autograd.gradcheck(f, inputs)
+
+
+@pytest.mark.parametrize("tool", ["tanh(gate)", "prune(gate)"])
+def test_gradients_reach_a_gate_tools_parameter(tool: str) -> None:
+    """A gate under a parametrization or pruning trains through the tool's own
+    parameter (gradcheck in float64, training's fused node), and canonical
+    I/O reads the effective gate."""
+    layer = _layer().train()
+    TOOLS[tool](layer)
+    leaf = "metric_gates.parametrizations.qk.original" if tool == "tanh(gate)" else "metric_gates.qk_orig"
+    original = layer.get_parameter(leaf)
+    x = torch.randn(1, 3, E, dtype=torch.float64, requires_grad=True)
+
+    def f(x: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(layer, {leaf: value}, (x, x, x), {"need_weights": False})[0]
+
+    assert torch.autograd.gradcheck(f, (x, original.detach().clone().requires_grad_(True)))
+    np.testing.assert_array_equal(layer.to_canonical()["metric.qk.gate"], layer.metric_gates["qk"].detach().numpy())
 
 
 def test_quantize_dynamic_leaves_out_proj_as_multihead_attention_does() -> None:

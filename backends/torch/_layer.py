@@ -476,7 +476,8 @@ class DamchaAttention(CanonicalIO, nn.Module):
         gates = gate_dict._parameters
         sides = {}
         for side in self.config.metric_sides:
-            gen, gate = gens._modules[side], gates[side]
+            # (A parametrized or pruned gate is no registry entry: its effective tensor, as fn.param_entry reads.)
+            gen, gate = gens._modules[side], gates[side] if side in gates else getattr(gate_dict, side)
             if not isinstance(gen, MetricGenerator):
                 # A module put in its place (PEFT's target_parameters wraps the generator's owner).
                 raise DamchaTypeError(
@@ -651,9 +652,10 @@ class DamchaAttention(CanonicalIO, nn.Module):
             for side in (sq, sk):
                 if side is None or side in flat:
                     continue  # no map on this side, or tied: one tuple, one generator GEMM
-                g, gate, kept = gens[side]._parameters, gates[side], columns.get(side)  # type: ignore[union-attr]
-                if "weight" not in g or "bias" not in g:
+                g, kept = gens[side]._parameters, columns.get(side)  # type: ignore[union-attr]
+                if "weight" not in g or "bias" not in g or side not in gates:
                     return None  # parametrized or pruned (see fn.param_entry)
+                gate = gates[side]
                 column = (
                     kept[2]
                     if kept is not None
@@ -746,9 +748,10 @@ class DamchaAttention(CanonicalIO, nn.Module):
                 if i == 1 and side == sq:
                     maps[1] = maps[0]  # tied: the same tuple, one generator GEMM
                     continue
-                g, gate = gens[side]._parameters, gates[side]  # type: ignore[union-attr]
-                if "weight" not in g or "bias" not in g:
+                g = gens[side]._parameters  # type: ignore[union-attr]
+                if "weight" not in g or "bias" not in g or side not in gates:
                     return None  # parametrized or pruned (see fn.param_entry)
+                gate = gates[side]
                 w_g, b_g = g["weight"], g["bias"]
                 if w_g.dtype != dtype or b_g.dtype != dtype or gate.dtype != dtype:  # type: ignore[union-attr]
                     return None
