@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -492,3 +493,45 @@ def test_torch_jit_trace_works_and_script_is_refused_by_torchscript():
     # from its annotation parser, a RuntimeError from its compiler in other torch versions
     with pytest.raises((ValueError, RuntimeError)):
         torch.jit.script(layer)
+
+
+@pytest.mark.parametrize("coupling", ["tied", "separate"])
+def test_torch_jit_trace_of_a_training_layer_checks_saves_and_trains(coupling, tmp_path):
+    """A layer in training mode traces as MHA does: torch.jit.trace's check
+    (a second trace under no_grad) passes (the layer took its fused training
+    node only with gradients on, so the graphs differed: TracingCheckError, a
+    reviewer's find), torch.jit.save/load writes the graph, and the traced and
+    loaded graphs give the eager layer's outputs and gradients (float64)."""
+    torch.manual_seed(15)
+    layer = DamchaAttention(E, H, batch_first=True, coupling=coupling, dtype=torch.float64).train()
+    with torch.no_grad():
+        for gate in layer.metric_gates.values():
+            gate.normal_()
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = layer
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.attn(x, x, x, need_weights=False)[0]
+
+    block = Block()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        traced = torch.jit.trace(block, (torch.randn(B, N, E, dtype=torch.float64),))
+    torch.jit.save(traced, tmp_path / "block.pt")
+    loaded = torch.jit.load(tmp_path / "block.pt")
+    other = torch.randn(3, 7, E, dtype=torch.float64)
+
+    def run(module: nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        params = list(module.parameters())
+        out = module(other)
+        return out.detach(), list(torch.autograd.grad(out.square().sum(), params))
+
+    want, want_grads = run(block)
+    for module in (traced, loaded):
+        got, got_grads = run(module)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        for a, b in zip(got_grads, want_grads, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)

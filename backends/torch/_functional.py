@@ -957,12 +957,16 @@ def _project(
     ``recipes``: a list where the fused nodes may run in store mode (see
     ``_project_fused``); the ``MapRecipes`` of each are appended to it."""
     # torch.func's grad/vjp/jacrev reject the saved-tensor hooks checkpoint
-    # uses, so under a functorch transform the maps are stored instead.
+    # uses, so under a functorch transform the maps are stored instead. Under
+    # torch.jit.trace too: its check traces again under no_grad and needs one
+    # graph for every grad mode (and a traced fused node would be a Python op,
+    # which torch.jit.save cannot write). Dynamo cannot trace _is_tracing.
     recompute = (
         recompute
         and torch.is_grad_enabled()
         and config.metric != "none"
         and not torch._C._are_functorch_transforms_active()
+        and (torch.compiler.is_compiling() or not torch._C._is_tracing())
     )
     if recompute and _fusable(w, config, x):
         return _project_fused(w, config, x, c, value, self_attention, recipes)
