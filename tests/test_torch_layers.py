@@ -594,6 +594,44 @@ def test_encoder_stack_sharing_and_parameter_count(share):
     assert gens[0].weight.grad is not None and gens[0].weight.grad.abs().max() > 0
 
 
+def _randomised_metric(model: nn.Module, seed: int) -> nn.Module:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "metric" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+    return model
+
+
+@pytest.mark.parametrize("target", ["replace_mha", "stack"])
+def test_per_layer_generators_do_not_load_silently_into_a_shared_one(target):
+    """A checkpoint of layers with generators of their own, loaded into a model
+    whose layers share one generator, put every layer's values in turn into the
+    one generator (the last layer's won, "All keys matched", a reviewer's find):
+    refused naming the state dict and the two paths. A checkpoint of the shared
+    model loads (twice in a row, other values the second time: one load is not
+    mistaken for the next) and gives the saved model's outputs."""
+    E, H, L = 16, 4, 3
+
+    def build(shared: bool) -> nn.Module:
+        torch.manual_seed(0)
+        if target == "stack":
+            return build_encoder(E, H, L, dim_feedforward=32, dropout=0.0, share_metric=shared).eval()
+        host = nn.TransformerEncoder(
+            nn.TransformerEncoderLayer(E, H, 32, 0.0, batch_first=True), L, enable_nested_tensor=False
+        ).eval()
+        return replace_mha(host, metric_generator=MetricGenerator(E, H, E // H) if shared else None)
+
+    per_layer, shared = _randomised_metric(build(False), 1), build(True)
+    with pytest.raises(dc.DamchaValueError, match=r"`state_dict`.*layers\.0\..*layers\.1\..*one MetricGenerator"):
+        shared.load_state_dict(per_layer.state_dict(), strict=target == "replace_mha")
+    x = torch.randn(2, 5, E)
+    for seed in (2, 3):
+        saved = _randomised_metric(build(True), seed)
+        assert shared.load_state_dict(saved.state_dict()) is not None
+        torch.testing.assert_close(shared(x), saved(x), rtol=0, atol=0)
+
+
 def test_decoder_stack_runs_causal_with_memory():
     dec = build_decoder(16, 4, 2, dim_feedforward=32, dropout=0.0, cross_coupling="separate")
     tgt, memory = torch.randn(2, 5, 16), torch.randn(2, 7, 16)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
+from typing import Any
 
 import damcha_core as dc
 import torch
@@ -20,6 +22,13 @@ from . import _functional as fn
 from ._weight_tools import write_initial
 
 __all__ = ["TORCH_LEAVES", "MetricGenerator", "TorchLeaf", "check_param_dtype", "generator_shapes"]
+
+# Generator -> (the missing_keys list of the load that last read it, the path it
+# was read under, weak references to the tensors read there): see
+# MetricGenerator._load_from_state_dict.
+_LOADS: weakref.WeakKeyDictionary[nn.Module, tuple[list[str], str, dict[str, weakref.ref[Tensor]]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,6 +187,46 @@ class MetricGenerator(nn.Module):
                 else:
                     fresh.normal_(0.0, stds[name])
                 write_initial(self, leaf.attribute, fresh)  # also under a weight tool (pruning, parametrize)
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        # A generator that several layers share is loaded once per path by one
+        # load_state_dict, each path's tensors copied in turn: the last path
+        # would win silently. Values that differ between paths come from a
+        # checkpoint whose layers had generators of their own: refused by name.
+        # One load is told from the next by its missing_keys list, the one
+        # object torch hands every module of a load (held here while it is the
+        # last seen, so its id is not reused).
+        own = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix) and isinstance(v, Tensor)}
+        seen = _LOADS.get(self)
+        if own and seen is not None and seen[0] is missing_keys and seen[1] != prefix:
+            first_prefix, first = seen[1], seen[2]
+            for name, value in own.items():
+                kept = first.get(name)
+                other = None if kept is None else kept()
+                if other is not None and not (other.shape == value.shape and torch.equal(other, value)):
+                    raise DamchaValueError(
+                        dc.invalid_argument(
+                            "state_dict",
+                            f"one value for a metric generator shared by several layers ({first_prefix!r} and "
+                            f"{prefix!r} are one MetricGenerator; a checkpoint of layers with generators of their "
+                            "own loads into a model built without sharing)",
+                            f"state_dict[{prefix + name!r}] differs from state_dict[{first_prefix + name!r}]",
+                        )
+                    )
+        elif own:
+            _LOADS[self] = (missing_keys, prefix, {k: weakref.ref(v) for k, v in own.items()})
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
 
     def extra_repr(self) -> str:
         rank = f", rank={self.rank}" if self.metric == "lowrank" else ""
