@@ -51,6 +51,8 @@ import damcha_core as dc
 import damcha_core._layout
 import damcha_keras as dk
 from damcha_core._reference import apply_map as reference_map
+from damcha_core._reference import generator as reference_generator
+from damcha_core._reference import role_penalty
 from damcha_core._rotary import apply_rotary
 
 DOCS = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "models.md")
@@ -1257,6 +1259,59 @@ def test_gpt_neox_converts():
             np.testing.assert_allclose(y[..., cut], want, rtol=0, atol=1e-12, err_msg=role)
         np.testing.assert_allclose(y[..., 2 * d :], y0[..., 2 * d :], rtol=0, atol=1e-12)
     assert np.abs(output(model, x) - before).max() > 1e-3
+
+
+def test_a_tied_fused_projection_makes_its_map_once(monkeypatch):
+    """GPT-NeoX's fused _qkv_dense holds a tied query and key as two blocks of one
+    side: one forward calls each layer's generator once (it called it for each
+    block), and the metric penalty, added per block with its share, still
+    equals the reference's, once per layer."""
+    keras.utils.set_random_seed(0)
+    model = keras_hub.models.GPTNeoXBackbone(
+        vocabulary_size=50,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=8,
+        intermediate_dim=16,
+        max_sequence_length=32,
+        rotary_percentage=0.5,
+        dtype="float64",
+    )
+    ids = np.array([[1, 5, 7, 9, 3, 2]])
+    x = {"token_ids": ids, "padding_mask": ids != 0}
+    dk.convert(model)
+    open_gates(model)
+    dk.track_metric_penalty(model)
+    layers = dk.converted_layers(model)
+    tokens = {}
+    for path, layer in layers.items():
+        site = layer._qkv_dense.call
+
+        def spy(t, *a, _site=site, _path=path, **k):
+            tokens[_path] = numpy(t)
+            return _site(t, *a, **k)
+
+        layer._qkv_dense.call = spy
+    calls = []
+    original = dk.MetricGenerator.call
+
+    def counted(self, *args, **kwargs):
+        calls.append(id(self))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(dk.MetricGenerator, "call", counted)
+    model(x)
+    assert sorted(calls) == sorted(id(layer.damcha.metric_generators["qk"]) for layer in layers.values())
+    # Self-attention with a tied map: each layer's penalty is its one side's.
+    expected = np.mean(
+        [
+            role_penalty(np, params, cfg, "qk", reference_generator(params, cfg, "qk", tokens[path]))
+            for path, layer in layers.items()
+            for params, cfg in [(layer.damcha.to_canonical(), layer.damcha.config)]
+        ]
+    )
+    np.testing.assert_allclose(float(numpy(dk.metric_penalty(model))), expected, rtol=1e-6)
+    assert expected > 1e-4
 
 
 def test_paligemma_and_gemma3_vision_attention_converts():

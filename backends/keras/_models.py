@@ -274,23 +274,28 @@ class DamchaMaps(keras.layers.Layer):
             cuts = list(np.cumsum([n for _, n in blocks])[:-1])
             parts = ops.split(heads, cuts, axis=-2)
         out = []
+        # Each side's A(tokens), made once per call: a tied query and key of one
+        # projection (GPT-2's, GPT-NeoX's fused qkv) are two blocks of one side.
+        coeffs: dict[str, Any] = {}
         for (owner, count), part in zip(blocks, parts):
             side = None if owner is None else dc.side_of(cfg, owner)
             if side is None:
                 out.append(part)
             elif groups == 1:
-                out.append(self._map(side, tokens, part))
+                out.append(self._map(side, tokens, part, coeffs))
             else:
                 # The role's heads of all runs, (..., groups, S/groups, d) -> (..., S, d) in head order.
-                whole = self._map(side, tokens, ops.reshape(part, (*lead, groups * count, d)))
+                whole = self._map(side, tokens, ops.reshape(part, (*lead, groups * count, d)), coeffs)
                 out.append(ops.reshape(whole, (*lead, groups, count, d)))
         mapped = out[0] if len(out) == 1 else ops.concatenate(out, axis=-2)
         return mapped if stacked and groups == 1 else ops.reshape(mapped, ops.shape(y))
 
-    def _map(self, side: str, tokens: Any, y: Any) -> Any:
+    def _map(self, side: str, tokens: Any, y: Any, coeffs: dict[str, Any]) -> Any:
         cfg = self.config
         generator, gate = self._generators[side], self._gates[side]
-        coeff = generator(tokens)
+        coeff = coeffs.get(side)
+        if coeff is None:
+            coeff = coeffs[side] = generator(tokens)
         u, v = getattr(generator, "u", None), getattr(generator, "v", None)
         if self._penalty_weight:
             roles = sum(dc.side_of(cfg, r) is not None for r in ("q", "k"))
