@@ -246,6 +246,25 @@ def test_forward_errors(call, error, pattern):
         call(_layer())
 
 
+@pytest.mark.parametrize("name", ["attn_mask", "key_padding_mask"])
+def test_a_mask_on_another_device_names_the_mask(name):
+    """A mask on another device than the inputs (the meta device here; a CPU
+    mask beside CUDA inputs alike) names the mask and both devices, where
+    torch's own error named neither; the causal hint's mask, never read, is
+    not checked (nn.MultiheadAttention drops it too)."""
+    mask = torch.zeros((2, 5) if name == "key_padding_mask" else (5, 5), device="meta")
+    if name == "key_padding_mask":
+        mask = mask.bool()
+    layer = _layer()
+    with pytest.raises(
+        DamchaValueError, match=rf"`{name}`: expected a tensor on the inputs' device \(cpu\).*{name}.device=meta"
+    ):
+        layer(x, x, x, **{name: mask})
+    if name == "attn_mask":
+        hinted = layer(x, x, x, attn_mask=mask, is_causal=True, need_weights=False)[0]
+        torch.testing.assert_close(hinted, layer(x, x, x, is_causal=True, need_weights=False)[0])
+
+
 def test_separate_coupling_rejects_wrong_context_size():
     layer = DamchaAttention(16, 4, kdim=12, vdim=12, coupling="separate", batch_first=True)
     with pytest.raises(

@@ -1019,6 +1019,7 @@ class DamchaAttention(CanonicalIO, nn.Module):
                 query.dtype,
                 names=_FORWARD_NAMES,
                 causal_hint=is_causal,
+                device=query.device,
             )
         if seq_first:
             query, key, value = given

@@ -35,6 +35,14 @@ def check_torch_mask(name: str, value: Any) -> None:
         )
 
 
+def _check_device(name: str, mask: Tensor, device: torch.device | None) -> None:
+    """A mask that applies is on the inputs' device (torch's own error names neither)."""
+    if device is not None and mask.device != device:
+        raise DamchaValueError(
+            dc.invalid_argument(name, f"a tensor on the inputs' device ({device})", f"{name}.device={mask.device}")
+        )
+
+
 def as_additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
     """A bool *visible* mask (True = may attend) as an additive float mask."""
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
@@ -51,6 +59,7 @@ def merge_masks(
     *,
     names: Mapping[str, str],
     causal_hint: bool = False,
+    device: torch.device | None = None,
 ) -> Tensor | None:
     """One mask broadcastable to (B, H, N, M): bool True = may attend, or additive float.
 
@@ -61,7 +70,8 @@ def merge_masks(
     causal rule, SDPA's fused causal kernel where it can). Only its shape
     is checked, never its values: no device sync, and eager, compiled and
     exported calls agree. A mask of any other shape (per batch, per head)
-    carries more than the causal rule and still applies.
+    carries more than the causal rule and still applies. ``device``: the
+    inputs' device, where a mask that applies must be (the hint's is not read).
     """
     H = config.num_heads
     masks: list[Tensor] = []
@@ -75,6 +85,7 @@ def merge_masks(
                     f"key_padding_mask.shape={tuple(key_padding_mask.shape)}",
                 )
             )
+        _check_device("key_padding_mask", key_padding_mask, device)
         check_mask_values("key_padding_mask", key_padding_mask)
         masks.append(key_padding_mask[:, None, None, :])
     if attn_mask is not None:
@@ -118,6 +129,7 @@ def merge_masks(
                 ) from None
         if not (causal_hint and attn_mask.dim() == 2 and tuple(attn_mask.shape) == (N, M)):
             # The hint's mask is never read, so only a mask that applies has its values checked.
+            _check_device("attn_mask", attn_mask, device)
             check_mask_values("attn_mask", attn_mask)
             masks.append(attn_mask)
     if not masks:
