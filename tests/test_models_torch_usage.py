@@ -320,6 +320,48 @@ def test_compiled_training_gradients_equal_eager(arch, recompute):
     assert all(want[n].abs().max() > 0 for n in own)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "vit"])
+def test_jit_trace_in_training_checks_saves_and_trains(arch, tmp_path):
+    """torch.jit.trace of a converted model in training mode passes the tracer's
+    check (a second trace under no_grad: the sites took the fused node with
+    gradients and the in-place map without, so the graphs differed, as the
+    unconverted model's do not), torch.jit.save/load writes it, and the traced
+    and loaded graphs give the eager model's outputs and every gradient
+    (float64)."""
+    model = _no_dropout(open_gates(dt.convert(build(arch, torch.float64)))).train()
+    kw = inputs(arch, torch.float64, padding=False)
+    names = list(kw)
+
+    class Positional(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, *args: torch.Tensor) -> torch.Tensor:
+            return run(self.model, arch, dict(zip(names, args)))
+
+    wrapper = Positional()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        traced = torch.jit.trace(wrapper, tuple(kw.values()))
+    torch.jit.save(traced, tmp_path / "model.pt")
+    loaded = torch.jit.load(tmp_path / "model.pt")
+
+    def outputs_and_grads(module: torch.nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        params = list(module.parameters())
+        out = module(*kw.values())
+        return out.detach(), list(torch.autograd.grad(out.square().mean(), params))
+
+    want, want_grads = outputs_and_grads(wrapper)
+    for module in (traced, loaded):
+        got, got_grads = outputs_and_grads(module)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+        for a, b in zip(got_grads, want_grads, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    unconverted = run(build(arch, torch.float64).train(), arch, kw).detach()
+    assert (want - unconverted).abs().max() > 1e-4  # the maps are on (ViT's tiny logits: 5e-4)
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_query_coupling_trains_with_recompute(arch):
     """coupling="query" maps no key: Llama's k_proj site then holds no mapped block, and

@@ -381,6 +381,7 @@ class DamchaMaps(nn.Module):
             and self.training
             and torch.is_grad_enabled()
             and not torch._C._are_functorch_transforms_active()
+            and not _jit_tracing()
         )
 
     def _open_store(self) -> None:
@@ -395,7 +396,7 @@ class DamchaMaps(nn.Module):
         is not put in store mode again, its outputs' copies would buy nothing."""
         if torch.compiler.is_compiling():
             return
-        if not (self.recompute and self.training and torch.is_grad_enabled()) or self.track_metric_penalty:
+        if not self._recompute_now() or self.track_metric_penalty:
             return
         if self.__dict__.get("_store_pays", True) is False or "_store" in self.__dict__:
             return
@@ -470,7 +471,7 @@ class DamchaMaps(nn.Module):
             return fwd.project(x, *args, **kwargs)
         if blocks is not None and not self.track_metric_penalty and x.is_floating_point():
             weights = [self.generator(b.side).side(self.gates[b.side]) for b in blocks]
-            if not torch.is_grad_enabled():
+            if not torch.is_grad_enabled() and not _jit_tracing():
                 # No graph: map the projection's fresh output in place, no copies
                 # (16-bit outputs, autocast's included, get float32 corrections).
                 y = fwd.project(x, *args, **kwargs)
@@ -615,6 +616,14 @@ class DamchaMaps(nn.Module):
         if not self._penalty_terms:
             return None
         return torch.stack(list(self._penalty_terms.values())).mean()
+
+
+def _jit_tracing() -> bool:
+    """Under torch.jit.trace, whose check traces again under no_grad: a
+    converted site then takes one path for every grad mode (the plain
+    projection and maps, neither the in-place map nor the fused node, a Python
+    op that torch.jit.save cannot write). Dynamo cannot trace _is_tracing."""
+    return not torch.compiler.is_compiling() and torch._C._is_tracing()
 
 
 def _plain_dtype(x: Tensor) -> bool:
