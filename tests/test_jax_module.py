@@ -511,3 +511,37 @@ def test_module_metric_penalty_and_nnx_view() -> None:
         match="Invalid argument `batch_size`: expected a value with decode=True.*both batch_size and max_length",
     ):
         nnx.view(layer, decode=True)
+
+
+@pytest.mark.parametrize(
+    "call",
+    ["plain", "is_causal", "mask-2d", "mask-batched", "lead-axes"],
+)
+def test_exports_with_a_symbolic_batch_size(call):
+    """jax.export with a symbolic batch size, as nnx.MultiHeadAttention exports:
+    the layer folded its batch axes with int(), which a symbolic size refuses
+    (InconclusiveDimensionOperation, a reviewer's find). The exported program,
+    called at two batch sizes, equals the jitted layer."""
+    from jax import export
+
+    (b,) = export.symbolic_shape("b")
+    layer = build(lambda: dj.DamchaAttention(4, E, rngs=nnx.Rngs(0)))
+    layer.metric["qk"].gate[...] = jnp.full((4,), 0.5)  # open: the maps run
+    graphdef, state = nnx.split(layer)
+    causal = jnp.tril(jnp.ones((N, N), bool))
+    lead = (b, 3) if call == "lead-axes" else (b,)
+    masks = {"mask-2d": lambda B: causal, "mask-batched": lambda B: jnp.broadcast_to(causal, (B, 1, N, N))}
+
+    def f(state, x, *mask):
+        return nnx.merge(graphdef, state)(x, mask=mask[0] if mask else None, is_causal=call == "is_causal")
+
+    specs = [jax.ShapeDtypeStruct((*lead, N, E), jnp.float32)]
+    if call == "mask-batched":
+        specs.append(jax.ShapeDtypeStruct((b, 1, N, N), jnp.bool_))
+    elif call == "mask-2d":
+        specs.append(jax.ShapeDtypeStruct((N, N), jnp.bool_))
+    exported = export.export(jax.jit(f))(state, *specs)
+    for B in (2, 5):
+        x = jax.random.normal(jax.random.key(B), (B, 3, N, E) if call == "lead-axes" else (B, N, E))
+        args = (masks[call](B),) if call in masks else ()
+        np.testing.assert_allclose(exported.call(state, x, *args), run(f, state, x, *args), rtol=1e-6, atol=1e-6)

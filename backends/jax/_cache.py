@@ -8,6 +8,7 @@ only on the key's own token, so it is never recomputed, at no extra size.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -421,7 +422,7 @@ class DecodeCache:
         assert self.cached_key is not None and self.cached_value is not None and self.cache_index is not None
         cached_k, cached_v, index = self.cached_key[...], self.cached_value[...], self.cache_index[...]
         batch = lead
-        B = int(np.prod(batch)) if batch else 1
+        B = math.prod(batch)  # not int(): a symbolic batch size (jax.export) stays symbolic
         fold = lambda t: jnp.reshape(t, (B, *t.shape[len(batch) :]))  # noqa: E731
         cache = {"key": fold(cached_k), "value": fold(cached_v), "index": index}
         folded: list[Array] = []

@@ -11,6 +11,7 @@ reading and folding the masks in ``_masks``, conversion from Flax's MHA in
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any, overload
@@ -250,7 +251,7 @@ def _check_inputs(
     ):
         if t is not None:
             check_token_shape(name, t.shape, features, arg)
-    B = int(np.prod(lead)) if lead else 1
+    B = math.prod(lead)  # not int(): a symbolic batch size (jax.export) stays symbolic
     N = x.shape[-2]
     M = keys if keys is not None else (x if k is None else k).shape[-2]
     folded = lambda t: None if t is None else (B, *t.shape[-2:])  # noqa: E731
@@ -290,7 +291,7 @@ def _fold(t: Array | None, lead: tuple[int, ...], keep: int) -> Array | None:
     """[batch..., *rest] -> (B, *rest) with ``keep`` trailing axes kept."""
     if t is None:
         return None
-    B = int(np.prod(lead)) if lead else 1
+    B = math.prod(lead)  # not int(): a symbolic batch size (jax.export) stays symbolic
     return jnp.reshape(t, (B, *t.shape[t.ndim - keep :]))
 
 

@@ -14,6 +14,7 @@ on the device (``traced_split``). This module imports nothing from
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -147,7 +148,7 @@ def fold_mask(mask: MaskArg, lead: tuple[int, ...]) -> MaskArg:
     if array is None or array.ndim != len(lead) + 3 or len(lead) == 1:
         return mask
     tail = tuple(array.shape[-3:])
-    B = int(np.prod(lead)) if lead else 1
+    B = math.prod(lead)  # not int(): a symbolic batch size (jax.export) stays symbolic
     host = None if mask.host is None else np.reshape(np.broadcast_to(mask.host, (*lead, *tail)), (B, *tail))
     rows = mask.rows
     if rows is not None:
