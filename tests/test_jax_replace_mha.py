@@ -142,6 +142,29 @@ def test_a_tuple_held_twice_gets_the_one_converted_layer_in_both_places():
     assert isinstance(model.attns[0], dj.DamchaAttention) and model.same[0] is model.attns[0]
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bfloat16", "float16"])
+def test_a_model_cast_after_construction_keeps_its_dtype(dtype):
+    """An MHA whose arrays were cast after construction (param_dtype still
+    float32: a model cast for inference) converts with its arrays in their
+    dtype, and gives MHA's output dtype and values with closed gates, alone
+    and through replace_mha (the arrays were written into new float32
+    variables: float32 outputs, twice the memory, a reviewer's find)."""
+    model = Block(nnx.Rngs(0))
+    nnx.update(model, jax.tree.map(lambda a: a.astype(dtype), nnx.state(model, nnx.Param)))
+    x = jax.random.normal(jax.random.key(1), (2, 5, E), dtype)
+    want, want_attn = model(x), model.attn(x)
+    layer = dj.DamchaAttention.from_mha(model.attn, rngs=nnx.Rngs(1))
+    got = layer(x)
+    assert layer.query.kernel[...].dtype == layer.out.kernel[...].dtype == dtype
+    assert got.dtype == want_attn.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want_attn, np.float32))
+    dj.replace_mha(model, rngs=nnx.Rngs(1))
+    assert isinstance(model.attn, dj.DamchaAttention) and model.attn.query.kernel[...].dtype == dtype
+    out = model(x)
+    assert out.dtype == want.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
+
+
 def test_missing_dropout_streams_are_refused_by_name():
     class Block(nnx.Module):
         def __init__(self, rngs):

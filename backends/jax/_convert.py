@@ -200,7 +200,10 @@ def from_mha(cls: Any, mha: Any, *, metric: str, metric_rank: int | None, coupli
         return _from_stacked(cls, mha, axes, options, rngs)
     layer = cls(**options, rngs=rngs, **_metadata_options(mha))
     for name, leaf in _unstacked_shapes(mha):
-        getattr(getattr(layer, name), leaf)[...] = getattr(getattr(mha, name), leaf)[...]
+        # The variable itself (a copy), as _from_stacked installs it: its arrays keep
+        # their dtype (an MHA cast to bfloat16 after construction stays bfloat16, where
+        # writing into the new variable cast them to param_dtype) and their metadata.
+        setattr(getattr(layer, name), leaf, getattr(getattr(mha, name), leaf).copy())
     return layer
 
 
