@@ -408,3 +408,52 @@ def test_hint_check_is_exact_for_wrong_values(dtype, n, m, offset, hint) -> None
                 np.testing.assert_array_equal(got[1], rows)
             tried += 1
         assert tried > 2 * n
+
+
+def test_an_eager_call_skips_the_maps_checkpoint_and_a_traced_one_keeps_it(monkeypatch):
+    """``mapped_attention`` wraps the maps in ``jax.checkpoint`` so that training
+    recomputes q~ and k~ (tests/test_jax_compiled_cost.py). An eager module call
+    (concrete arrays: nothing differentiates it) calls the maps directly, where
+    the checkpoint traced its body again on every call (a reviewer measured an
+    eager call at 3-4x MHA's, most of it that trace); under jax.grad or jit the
+    checkpoint is there. The eager output equals the jitted one, and the
+    gradients through the checkpoint equal the reference's."""
+    calls = []
+    original = jax.checkpoint
+
+    def counted(fun, *args, **kwargs):
+        calls.append(fun)
+        return original(fun, *args, **kwargs)
+
+    monkeypatch.setattr(F.jax, "checkpoint", counted)
+    with jax.enable_x64(True):
+        layer = dj.DamchaAttention(4, 16, rngs=nnx.Rngs(0), dtype=jnp.float64, param_dtype=jnp.float64)
+        layer.metric["qk"].gate[...] = jnp.full((4,), 0.5)
+        x = jax.random.normal(jax.random.key(3), (2, 5, 16), jnp.float64)
+        eager = layer(x, is_causal=True)
+        assert calls == []
+        graphdef, state = nnx.split(layer)
+        jitted = fast_jit(lambda s, x: nnx.merge(graphdef, s)(x, is_causal=True))(state, x)
+        assert len(calls) == 1
+        np.testing.assert_allclose(eager, jitted, rtol=1e-12, atol=1e-12)
+        params, cfg = layer.to_canonical(), layer.config
+        grad = jax.grad(lambda x: layer(x, is_causal=True).sum())(x)
+        assert len(calls) == 2
+        want = _reference_grad(params, cfg, np.array(x))
+        np.testing.assert_allclose(grad, want, rtol=1e-6, atol=1e-8)
+        assert np.abs(np.asarray(eager) - dc.damcha_attention(params, cfg, np.asarray(x), causal=True)).max() < 1e-12
+
+
+def _reference_grad(params, cfg, x, eps=1e-6):
+    """d sum(damcha_attention(x, causal)) / dx by central differences, float64."""
+    g = np.zeros_like(x)
+    flat, gflat = x.reshape(-1), g.reshape(-1)
+    for i in range(flat.size):
+        keep = flat[i]
+        flat[i] = keep + eps
+        up = dc.damcha_attention(params, cfg, x, causal=True).sum()
+        flat[i] = keep - eps
+        down = dc.damcha_attention(params, cfg, x, causal=True).sum()
+        flat[i] = keep
+        gflat[i] = (up - down) / (2 * eps)
+    return g

@@ -554,7 +554,13 @@ def mapped_attention(
             return not (avals[0].shape == q.shape and tuple(kw.get("new_sizes", ())) == grouped)
         return True
 
-    return jax.checkpoint(run, policy=policy)(params, x, c, q, k, v, q_bias)
+    args = (params, x, c, q, k, v, q_bias)
+    if not any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(args)):
+        # Concrete arrays: no transformation is running, so nothing differentiates this
+        # call and the checkpoint has nothing to save; called eagerly, jax.checkpoint
+        # traces its body again on every call (about 70% of an eager module call).
+        return run(*args)
+    return jax.checkpoint(run, policy=policy)(*args)
 
 
 def _project(
