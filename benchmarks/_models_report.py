@@ -114,8 +114,10 @@ def _started(path: Path) -> tuple[float, str]:
 
 def result_files(folder: str | Path) -> list[Path]:
     """Every ``models-*.json`` in ``folder``, oldest run first (the order ``load`` needs
-    for a newer commit's rows to replace an older one's)."""
-    return sorted(Path(folder).glob("models-*.json"), key=_started)
+    for a newer commit's rows to replace an older one's), except bench_models_keras.py's
+    ``models-keras-*.json``, which the glob matches too and ``load`` would refuse."""
+    found = (p for p in Path(folder).glob("models-*.json") if not p.name.startswith("models-keras-"))
+    return sorted(found, key=_started)
 
 
 def _order(entry: dict[str, Any]) -> tuple:

@@ -26,6 +26,7 @@ sys.path.insert(0, str(BENCH))
 
 import _counts  # noqa: E402
 import _dropin_report  # noqa: E402
+import _models_keras_report  # noqa: E402
 import _models_report  # noqa: E402
 import run_all  # noqa: E402
 
@@ -36,8 +37,11 @@ def _run(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-# bench_dropin.py and bench_models.py get their own tests below; the others print their tables.
-TABLE_SCRIPTS = [s for s in run_all.scripts() if s not in ("bench_dropin.py", "bench_models.py")]
+# bench_dropin.py, bench_models.py and bench_models_keras.py get their own tests below; the others
+# print their tables.
+TABLE_SCRIPTS = [
+    s for s in run_all.scripts() if s not in ("bench_dropin.py", "bench_models.py", "bench_models_keras.py")
+]
 
 
 @pytest.mark.parametrize("script", TABLE_SCRIPTS)
@@ -154,6 +158,43 @@ def test_models_tiny_writes_every_round(tmp_path: Path) -> None:
     runs, loaded = _models_report.load([path])
     text = _models_report.render(runs, loaded)
     assert run["command"] in text and text.count("| vit |") == 2
+
+
+def test_models_keras_tiny_on_tensorflow(tmp_path: Path) -> None:
+    """bench_models_keras.py --tiny --backends tensorflow --json: every KerasHub model and mode
+    is timed in the TensorFlow worker, checked (closed gates reproduce the original model, and
+    its greedy tokens; opened gates move the output), with the run's metadata. (JAX and torch:
+    `benchmarks/run_all.py --quick`, a few minutes.)"""
+    path = tmp_path / "models-keras.json"
+    argv = ["--tiny", "--backends", "tensorflow", "--threads", "1", "--json", str(path)]
+    out = _run([str(BENCH / "bench_models_keras.py"), *argv])
+    assert out.returncode == 0, f"bench_models_keras --tiny failed:\n{out.stdout[-3000:]}\n{out.stderr[-4000:]}"
+    assert "| llama | train | 16 |" in out.stdout  # the table of this run is printed too
+    data = json.loads(path.read_text())
+    assert data["format"] == _models_keras_report.FORMAT
+    (run,) = data["runs"]
+    assert run["command"] == ".venv/bin/python benchmarks/bench_models_keras.py " + " ".join(argv)
+    assert run["tiny"] is True and run["threads"] == 1 and run["backends"] == ["tensorflow"]
+    assert run["finished"] and run["failed"] == [] and run["git"] and len(run["loadavg_end"]) == 3
+    assert {"cpu", "cpu_count"} <= set(run["machine"]) and {"keras", "keras-hub"} <= set(run["versions"])
+    entries = data["entries"]
+    modes = ("predict", "train", "generate")  # BERT has no generate
+    want = {f"keras-tensorflow/models/{m}/{mode}/N=16" for m in ("gpt2", "llama", "gptneox", "bert") for mode in modes}
+    assert set(entries) == want - {"keras-tensorflow/models/bert/generate/N=16"}
+    for entry_id, e in entries.items():
+        assert "error" not in e, f"{entry_id}: {e['error']}"
+        assert e["check"]["ok"], f"{entry_id}: the converted model with closed gates differs: {e['check']}"
+        assert e["check"]["open_gates_rel_diff"] > 0 and e["check"].get("tokens_differing", 0) == 0
+        assert e["port"] == "keras-tensorflow" and e["backend"] == "tensorflow" and e["jit_compile"] is False
+        assert e["env"]["threads"] == 1 and e["env"]["tf_intra_op_threads"] == 1 and e["run"] == 0
+        assert set(e["times"]) == {"original", "damcha"}
+        assert all(len(t[k]) == 2 and min(t[k]) > 0 for t in e["times"].values() for k in ("wall", "cpu"))
+        (c,) = e["comparisons"]
+        assert (c["num"], c["den"], c["target"], c["met"]) == ("damcha", "original", None, None)  # N < 512
+        assert "memory" not in e  # TensorFlow: not measured (see the script's docstring)
+    runs, loaded = _models_keras_report.load([path])
+    text = _models_keras_report.render(runs, loaded)
+    assert run["command"] in text and "### TensorFlow backend" in text and text.count("| bert |") == 2
 
 
 def test_dropin_report_writes_only_its_section(tmp_path: Path) -> None:

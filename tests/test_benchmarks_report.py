@@ -20,8 +20,10 @@ sys.path.insert(0, str(BENCH))
 
 import _dropin_report  # noqa: E402
 import _harness  # noqa: E402
+import _models_keras_report  # noqa: E402
 import _models_report  # noqa: E402
 import bench_models  # noqa: E402  (light: torch is imported only when something is measured)
+import bench_models_keras  # noqa: E402  (light: Keras is imported only in its per-backend workers)
 
 ENTRY_ID = "torch/layer/cross/forward/N=256"
 
@@ -310,6 +312,134 @@ def test_models_report_command_refuses_tiny_and_other_formats(tmp_path: Path) ->
         doc.read_text().startswith("# Benchmarks\n\n" + _models_report.BEGIN)
         and "| vit | forward | 576 |" in doc.read_text()
     )
+
+
+# ------------------------------------------ bench_models_keras.py's report (issue 13)
+
+
+def _keras_entry(
+    backend: str,
+    model: str,
+    mode: str,
+    n: int,
+    damcha: list[float],
+    original: list[float],
+    *,
+    xla: tuple[float, float] | None = None,
+    check_ok: bool = True,
+) -> dict:
+    """A bench_models_keras.py entry built the way its worker builds one (``xla``: XLA's
+    estimated totals, DAMCHA's and the original's, as the JAX worker records them)."""
+    times = {"original": {"wall": original, "cpu": original}, "damcha": {"wall": damcha, "cpu": damcha}}
+    entry = _harness.entry(
+        f"keras-{backend}/models/{model}/{mode}/N={n}",
+        "models",
+        model,
+        mode,
+        shape={"B": 2, "N": n, "hidden": 32},
+        call=bench_models_keras.DESCRIPTIONS[model],
+        baseline="the same KerasHub model before `damcha_keras.convert`",
+        backend=backend,
+        times=times,
+        check={"ok": check_ok, "max_rel_diff": 0.0 if check_ok else 0.5},
+        comparisons=[_harness.comparison("time", times, "damcha", "original", _models_keras_report.time_target(n))],
+    )
+    entry = {**entry, "port": f"keras-{backend}", "run": 0}
+    if xla is not None:
+        parts = {
+            impl: {"temp": t, "argument": 0.0, "output": 0.0, "alias": 0.0, "total": t}
+            for impl, t in zip(("damcha", "original"), xla)
+        }
+        totals = {impl: p["total"] for impl, p in parts.items()}
+        memory = _harness.memory_comparison(totals, "damcha", "original", _models_keras_report.memory_target(n))
+        entry["memory"] = {"method": bench_models_keras.XLA_METHOD, **memory, "xla_mib": parts}
+    return entry
+
+
+def _keras_file(path: Path, commit: str, entries: list[dict], *, tiny: bool = False) -> Path:
+    run = {
+        "command": f".venv/bin/python benchmarks/bench_models_keras.py --json {path.name}",
+        "git": commit,
+        "threads": 2,
+        "tiny": tiny,
+        "started": "2026-12-01T20:00:00+00:00",
+        "versions": {"keras": "3.15.1", "keras-hub": "0.32.0", "jax": "0.10.2"},
+    }
+    data = {"format": _models_keras_report.FORMAT, "runs": [run], "entries": {e["id"]: e for e in entries}}
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_models_keras_report_renders_a_table_per_backend(tmp_path: Path) -> None:
+    entries = [
+        # JAX: XLA's memory estimate; N=1024 is held to the targets, N=256 is informative.
+        _keras_entry("jax", "llama", "train", 1024, [1.2] * 3, [1.0] * 3, xla=(110.0, 100.0)),
+        _keras_entry("jax", "llama", "predict", 256, [1.5] * 3, [1.0] * 3, xla=(100.0, 100.0)),
+        # TensorFlow: no memory record, so no memory columns; listed after GPT-2 and predict.
+        _keras_entry("tensorflow", "bert", "predict", 1024, [1.0] * 3, [1.0] * 3, check_ok=False),
+        _keras_entry("tensorflow", "gpt2", "generate", 1024, [1.05] * 3, [1.0] * 3),
+        _keras_entry("tensorflow", "gpt2", "predict", 1024, [1.05] * 3, [1.0] * 3),
+        {
+            "id": "keras-torch/models/gptneox/train/N=256",
+            "port": "keras-torch",
+            "section": "models",
+            "case": "gptneox",
+            "mode": "train",
+            "run": 0,
+            "error": "RuntimeError: boom",
+            "error_kind": "other",
+        },
+    ]
+    path = _keras_file(tmp_path / "models-keras-20261201-200000.json", "abc123", entries)
+    text = _models_keras_report.render(*_models_keras_report.load([path]))
+    assert text.startswith(_models_keras_report.BEGIN + "\n## Converted KerasHub models (Keras 3)\n")
+    assert text.rstrip().endswith(_models_keras_report.END)
+    assert "--json models-keras-20261201-200000.json" in text and "keras-hub 0.32.0." in text
+    assert "5 measurements; targets missed: 2; equality checks failed: 1." in text  # llama's time and memory
+    lines = text.splitlines()
+    tf, jax = lines.index("### TensorFlow backend"), lines.index("### JAX backend")
+    assert tf < jax and "### PyTorch backend" not in text  # the failed backend has no table, only its error
+    tf_rows = [x for x in lines[tf:jax] if x.startswith("| ")]
+    assert tf_rows[0].startswith("| model | mode | N | original ms | DAMCHA ms |") and "MiB" not in tf_rows[0]
+    order = [r.split(" | ")[:2] for r in tf_rows[1:]]  # (the "|---|" line does not start with "| ")
+    assert order == [["| gpt2", "predict"], ["| gpt2", "generate"], ["| bert", "predict"]]
+    assert "**check failed**" in tf_rows[3] and tf_rows[1].endswith("| <= 1.10 |")
+    jax_rows = [x for x in lines[jax:] if x.startswith("| ")]
+    assert "original XLA MiB | DAMCHA XLA MiB" in jax_rows[0]
+    assert jax_rows[1].startswith("| llama | predict | 256 |") and jax_rows[1].count("| - |") == 2
+    assert "| 100.0 | 110.0 | 1.10 | <= 1.05 **missed** |" in jax_rows[2] and "<= 1.10 **missed**" in jax_rows[2]
+    assert "- `keras-torch/models/gptneox/train/N=256`: RuntimeError: boom" in text
+    # The section replaces itself in the doc; the rest stays.
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("# Benchmarks\n\nkept\n")
+    _models_keras_report.write_section(doc, text)
+    _models_keras_report.write_section(doc, text)
+    assert doc.read_text() == "# Benchmarks\n\nkept\n\n" + text
+
+
+def test_models_keras_files_and_torch_model_files_stay_apart(tmp_path: Path) -> None:
+    """Both benchmarks' default files start with "models-": each report reads only its own
+    (the PyTorch one refused the whole directory once a Keras file was there)."""
+    keras_file = _keras_file(
+        tmp_path / "models-keras-20261201-200000.json",
+        "abc",
+        [_keras_entry("jax", "gpt2", "predict", 1024, [1.0] * 2, [1.0] * 2)],
+    )
+    torch_file = _models_file(
+        tmp_path / "models-20261201-200000.json", "abc", [_model_entry("vit", "forward", 576, [1.0] * 2, [1.0] * 2)]
+    )
+    assert _models_report.result_files(tmp_path) == [torch_file]
+    assert _models_keras_report.result_files(tmp_path) == [keras_file]
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("# Benchmarks\n")
+    assert bench_models_keras.main(["--report", str(torch_file), "--docs", str(doc)]) == 2  # another format
+    tiny = _keras_file(
+        tmp_path / "tiny.json", "abc", [_keras_entry("jax", "gpt2", "predict", 16, [1.0] * 2, [1.0] * 2)], tiny=True
+    )
+    assert bench_models_keras.main(["--report", str(tiny), "--docs", str(doc)]) == 2
+    assert doc.read_text() == "# Benchmarks\n"
+    assert bench_models_keras.main(["--report", str(keras_file), "--docs", str(doc)]) == 0
+    assert "| gpt2 | predict | 1024 |" in doc.read_text() and _models_keras_report.BEGIN in doc.read_text()
 
 
 def test_the_results_file_is_synced_with_its_folder_and_resumes(tmp_path, monkeypatch, sync_events):
