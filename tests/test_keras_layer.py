@@ -485,6 +485,9 @@ BAD_CALL = {
         dc.DamchaTypeError,
         r"Invalid argument `value`: expected a tensor",
     ),
+    # A built layer read None's shape (a raw AttributeError); key=None is value's default.
+    "none-query": (dict(query=None), dc.DamchaTypeError, r"Invalid argument `query`: expected a tensor.*query=None"),
+    "none-value": (dict(value=None), dc.DamchaTypeError, r"Invalid argument `value`: expected a tensor.*value=None"),
     # The layer's argument names, not damcha_core's (`context`), and the received shape.
     "value-features-changed": (
         dict(value=np.zeros((2, 5, 6), "float32")),

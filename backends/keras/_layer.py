@@ -620,7 +620,9 @@ class DamchaAttention(keras.layers.Layer):
         named = dict(zip(("query", "value", "key"), args))
         named.update({k: kwargs[k] for k in ("query", "value", "key") if k in kwargs})
         for name, value in named.items():
-            if isinstance(value, (list, tuple)):
+            # None: only key may be left out (it defaults to value); a built layer read
+            # None's shape (a raw AttributeError), Keras's MHA names the input.
+            if isinstance(value, (list, tuple)) or (value is None and name != "key"):
                 raise DamchaTypeError(
                     dc.invalid_argument(
                         name, "a tensor or a NumPy array, (batch, length, features)", f"{name}={describe(value)}"
