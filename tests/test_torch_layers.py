@@ -632,6 +632,25 @@ def test_per_layer_generators_do_not_load_silently_into_a_shared_one(target):
         torch.testing.assert_close(shared(x), saved(x), rtol=0, atol=0)
 
 
+def test_a_shared_generators_own_state_dict_reloads_with_nan_and_on_meta():
+    """The shared-generator check judges values, not bits it cannot compare: a
+    stack's own state dict reloads when its generator holds a NaN (a diverged
+    run reloaded to debug: torch.equal says NaN != NaN), cloned or not, and a
+    meta stack's state dict loads with assign=True (meta tensors have no values
+    to compare; torch.equal raised NotImplementedError). Reviewers' finds."""
+    build = lambda: build_encoder(8, 2, 2, dim_feedforward=16, dropout=0.0, share_metric=True)  # noqa: E731
+    enc = build()
+    with torch.no_grad():
+        enc.metric_generators["qk"].weight[0, 0] = float("nan")
+    enc.load_state_dict(enc.state_dict())
+    enc.load_state_dict({k: v.clone() for k, v in enc.state_dict().items()})
+    assert torch.isnan(enc.layers[1].self_attn.metric_generators["qk"].weight[0, 0])
+    with torch.device("meta"):
+        meta = build()
+    meta.load_state_dict(meta.state_dict(), assign=True)
+    assert meta.layers[0].self_attn.metric_generators["qk"].weight.is_meta
+
+
 def test_decoder_stack_runs_causal_with_memory():
     dec = build_decoder(16, 4, 2, dim_feedforward=32, dropout=0.0, cross_coupling="separate")
     tgt, memory = torch.randn(2, 5, 16), torch.randn(2, 7, 16)

@@ -16,6 +16,7 @@ from torch.nn.utils import parametrize, prune
 from torch.nn.utils.parametrizations import spectral_norm, weight_norm
 
 from damcha_torch import DamchaAttention
+from damcha_torch import _functional as fn
 
 E, H = 16, 4
 
@@ -38,7 +39,9 @@ def _plain_copy(layer: nn.Module, template: DamchaAttention) -> DamchaAttention:
     for name in template.state_dict():
         owner, _, leaf = name.rpartition(".")
         module = layer.get_submodule(owner) if owner else layer
-        effective[name] = getattr(module, leaf).detach().clone()
+        # (The effective tensor as the layer reads it: a pruned tensor's attribute is
+        # remade only when its module is called, which the gates and generators never are.)
+        effective[name] = fn.param_entry(module, leaf).detach().clone()
     template.load_state_dict(effective)
     return template
 
@@ -167,14 +170,24 @@ def test_gradients_reach_parametrization_and_pruning_parameters() -> None:
     assert torch.autograd.gradcheck(f, inputs)
 
 
-@pytest.mark.parametrize("tool", ["tanh(gate)", "prune(gate)"])
-def test_gradients_reach_a_gate_tools_parameter(tool: str) -> None:
-    """A gate under a parametrization or pruning trains through the tool's own
-    parameter (gradcheck in float64, training's fused node), and canonical
-    I/O reads the effective gate."""
+@pytest.mark.parametrize("tool", ["tanh(gate)", "prune(gate)", "prune(generator)"])
+def test_gradients_reach_a_gate_or_generator_tools_parameter(tool: str) -> None:
+    """A gate or generator weight under a parametrization or pruning trains
+    through the tool's own parameter: gradcheck in float64 (training's fused
+    node), a gradient that is not zero, two training steps in a row, and an
+    update of that parameter reaches the next forward, which equals a plain
+    layer holding the effective weights. Pruning makes the effective tensor
+    in a forward pre-hook of the module holding it, which the layer never
+    calls for the gates' ParameterDict or a generator: the pruned tensor was
+    read as of the pruning, frozen (the second backward raised, a reviewer's
+    find), and canonical I/O reads the effective gate."""
     layer = _layer().train()
     TOOLS[tool](layer)
-    leaf = "metric_gates.parametrizations.qk.original" if tool == "tanh(gate)" else "metric_gates.qk_orig"
+    leaf = {
+        "tanh(gate)": "metric_gates.parametrizations.qk.original",
+        "prune(gate)": "metric_gates.qk_orig",
+        "prune(generator)": "metric_generators.qk.weight_orig",
+    }[tool]
     original = layer.get_parameter(leaf)
     x = torch.randn(1, 3, E, dtype=torch.float64, requires_grad=True)
 
@@ -182,7 +195,19 @@ def test_gradients_reach_a_gate_tools_parameter(tool: str) -> None:
         return torch.func.functional_call(layer, {leaf: value}, (x, x, x), {"need_weights": False})[0]
 
     assert torch.autograd.gradcheck(f, (x, original.detach().clone().requires_grad_(True)))
-    np.testing.assert_array_equal(layer.to_canonical()["metric.qk.gate"], layer.metric_gates["qk"].detach().numpy())
+    y = torch.randn(2, 5, E, dtype=torch.float64)
+    for _ in range(2):  # two steps: nothing of the first graph is reused
+        layer.zero_grad()
+        layer(y, y, y, need_weights=False)[0].square().sum().backward()
+        assert original.grad is not None and original.grad.abs().max() > 0
+        with torch.no_grad():
+            original.sub_(0.1 * original.grad)
+    got = layer(y, y, y, need_weights=False)[0]
+    want = _plain_copy(layer, _layer(seed=1))(y, y, y, need_weights=False)[0]
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    if "gate" in tool:
+        effective = fn.param_entry(layer.metric_gates, "qk").detach().numpy()
+        np.testing.assert_array_equal(layer.to_canonical()["metric.qk.gate"], effective)
 
 
 def test_quantize_dynamic_leaves_out_proj_as_multihead_attention_does() -> None:

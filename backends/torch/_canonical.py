@@ -23,6 +23,7 @@ from damcha_core._validators import unknown_fields
 from torch import Tensor
 from torch.nn.utils import parametrize
 
+from . import _functional as fn
 from ._generator import TORCH_LEAVES, generator_shapes
 from ._weight_tools import write_initial
 
@@ -210,7 +211,7 @@ def _effective(module: torch.nn.Module, name: str, where: str = "") -> Any:
     owner, attribute = _owner(module, name)
     if _is_peft(owner):
         return _lora_effective(owner, attribute, where + name.rpartition(".")[0])
-    return getattr(owner, attribute)
+    return fn.param_entry(owner, attribute)  # (a pruned gate's or generator's product made afresh)
 
 
 def effective_tensors(module: torch.nn.Module, config: DamchaConfig, where: str = "") -> dict[str, Tensor]:

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, config_sizes, describe
 from damcha_core._validators import unknown_fields
 from torch import Tensor, nn
+from torch.nn.utils.prune import BasePruningMethod as _BasePruningMethod
 from torch.utils.checkpoint import checkpoint
 
 # The calling convention of the C kernel this code calls (_headmix.c's DAMCHA_HEADMIX_ABI).
@@ -2017,11 +2018,20 @@ def _heads_attention(
 
 def param_entry(module: nn.Module, name: str) -> Any:
     """``module``'s parameter ``name``: its registry entry (one dict read, the
-    common case), else the attribute. Parametrizations (weight_norm,
-    spectral_norm, torch.nn.utils.parametrize) and pruning remove the entry
-    and compute the effective tensor in its place, as the attribute."""
+    common case), else the effective tensor. Parametrizations (weight_norm,
+    spectral_norm, torch.nn.utils.parametrize) remove the entry and compute
+    the effective tensor as the attribute. Pruning keeps ``name_orig`` and
+    ``name_mask`` and sets the attribute to their product in a forward
+    pre-hook of ``module``, which runs only when ``module`` itself is called:
+    a generator or the gates' ParameterDict never are (the layer reads their
+    tensors), so their product is made here, by the pruning method itself."""
     p = module._parameters
-    return p[name] if name in p else getattr(module, name)
+    if name in p:
+        return p[name]
+    for hook in module._forward_pre_hooks.values():
+        if isinstance(hook, _BasePruningMethod) and hook._tensor_name == name:
+            return hook.apply_mask(module)
+    return getattr(module, name)
 
 
 def no_hooks(*modules: nn.Module) -> bool:

@@ -23,6 +23,25 @@ from ._weight_tools import write_initial
 
 __all__ = ["TORCH_LEAVES", "MetricGenerator", "TorchLeaf", "check_param_dtype", "generator_shapes"]
 
+
+def _same_values(a: Tensor, b: Tensor) -> bool:
+    """Whether two paths' tensors hold one value: the same tensor or storage view,
+    equal values (NaN equal to NaN: a diverged run's own state dict reloads), or
+    tensors whose values cannot be read (meta, fake, a subclass such as DTensor,
+    whose comparison would be a collective): not judged."""
+    if a is b:
+        return True
+    if type(a) not in (Tensor, nn.Parameter) or type(b) not in (Tensor, nn.Parameter) or a.is_meta or b.is_meta:
+        return True
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.device == b.device:
+        return True
+    return bool(torch.equal(a, b)) or (
+        a.is_floating_point() and bool(torch.allclose(a, b, rtol=0, atol=0, equal_nan=True))
+    )
+
+
 # Generator -> (the missing_keys list of the load that last read it, the path it
 # was read under, weak references to the tensors read there): see
 # MetricGenerator._load_from_state_dict.
@@ -212,7 +231,7 @@ class MetricGenerator(nn.Module):
             for name, value in own.items():
                 kept = first.get(name)
                 other = None if kept is None else kept()
-                if other is not None and not (other.shape == value.shape and torch.equal(other, value)):
+                if other is not None and not _same_values(other, value):
                     raise DamchaValueError(
                         dc.invalid_argument(
                             "state_dict",

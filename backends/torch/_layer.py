@@ -477,7 +477,7 @@ class DamchaAttention(CanonicalIO, nn.Module):
         sides = {}
         for side in self.config.metric_sides:
             # (A parametrized or pruned gate is no registry entry: its effective tensor, as fn.param_entry reads.)
-            gen, gate = gens._modules[side], gates[side] if side in gates else getattr(gate_dict, side)
+            gen, gate = gens._modules[side], gates[side] if side in gates else fn.param_entry(gate_dict, side)
             if not isinstance(gen, MetricGenerator):
                 # A module put in its place (PEFT's target_parameters wraps the generator's owner).
                 raise DamchaTypeError(
