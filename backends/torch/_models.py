@@ -591,7 +591,9 @@ class DamchaMaps(nn.Module):
                     for i in indices:
                         mapped_role = blocks[i][0]
                         assert mapped_role is not None  # by_side holds mapped blocks only
-                        self._penalty_terms[mapped_role] = self.generator(side).penalty(tokens, fn.param_entry(self.gates, side))
+                        self._penalty_terms[mapped_role] = self.generator(side).penalty(
+                            tokens, fn.param_entry(self.gates, side)
+                        )
         joined = out[0] if len(out) == 1 else torch.cat(out, dim=-1)
         return joined if groups == 1 else joined.flatten(-2)
 
