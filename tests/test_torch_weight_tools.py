@@ -41,7 +41,7 @@ def _plain_copy(layer: nn.Module, template: DamchaAttention) -> DamchaAttention:
         module = layer.get_submodule(owner) if owner else layer
         # (The effective tensor as the layer reads it: a pruned tensor's attribute is
         # remade only when its module is called, which the gates and generators never are.)
-        effective[name] = fn.param_entry(module, leaf).detach().clone()
+        effective[name] = fn.tool_entry(module, leaf, power_iteration=False).detach().clone()
     template.load_state_dict(effective)
     return template
 
@@ -57,7 +57,16 @@ TOOLS = {
     # A gate bounded by a parametrization, or pruned (a raw KeyError before: the layer read the registry).
     "tanh(gate)": lambda a: parametrize.register_parametrization(a.metric_gates, "qk", nn.Tanh()),
     "prune(gate)": lambda a: prune.l1_unstructured(a.metric_gates, "qk", 0.5),
+    # The old hook-based tools, whose hooks a call of the generator would run (the layer makes no call).
+    "old_weight_norm(generator)": lambda a: _old_tool(torch.nn.utils.weight_norm, a.metric_generators["qk"]),
+    "old_spectral_norm(generator)": lambda a: _old_tool(torch.nn.utils.spectral_norm, a.metric_generators["qk"]),
 }
+
+
+def _old_tool(tool, module: nn.Module) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch deprecates them for the parametrizations
+        tool(module, "weight")
 
 
 @pytest.mark.parametrize("tool", sorted(TOOLS))
@@ -170,7 +179,7 @@ def test_gradients_reach_parametrization_and_pruning_parameters() -> None:
     assert torch.autograd.gradcheck(f, inputs)
 
 
-@pytest.mark.parametrize("tool", ["tanh(gate)", "prune(gate)", "prune(generator)"])
+@pytest.mark.parametrize("tool", ["tanh(gate)", "prune(gate)", "prune(generator)", "old_weight_norm(generator)"])
 def test_gradients_reach_a_gate_or_generator_tools_parameter(tool: str) -> None:
     """A gate or generator weight under a parametrization or pruning trains
     through the tool's own parameter: gradcheck in float64 (training's fused
@@ -180,13 +189,15 @@ def test_gradients_reach_a_gate_or_generator_tools_parameter(tool: str) -> None:
     in a forward pre-hook of the module holding it, which the layer never
     calls for the gates' ParameterDict or a generator: the pruned tensor was
     read as of the pruning, frozen (the second backward raised, a reviewer's
-    find), and canonical I/O reads the effective gate."""
+    find; the old hook-based weight_norm alike), and canonical I/O reads the
+    effective gate."""
     layer = _layer().train()
     TOOLS[tool](layer)
     leaf = {
         "tanh(gate)": "metric_gates.parametrizations.qk.original",
         "prune(gate)": "metric_gates.qk_orig",
         "prune(generator)": "metric_generators.qk.weight_orig",
+        "old_weight_norm(generator)": "metric_generators.qk.weight_v",
     }[tool]
     original = layer.get_parameter(leaf)
     x = torch.randn(1, 3, E, dtype=torch.float64, requires_grad=True)
@@ -206,7 +217,7 @@ def test_gradients_reach_a_gate_or_generator_tools_parameter(tool: str) -> None:
     want = _plain_copy(layer, _layer(seed=1))(y, y, y, need_weights=False)[0]
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     if "gate" in tool:
-        effective = fn.param_entry(layer.metric_gates, "qk").detach().numpy()
+        effective = fn.tool_entry(layer.metric_gates, "qk").detach().numpy()
         np.testing.assert_array_equal(layer.to_canonical()["metric.qk.gate"], effective)
 
 
@@ -671,3 +682,29 @@ def test_load_canonical_into_a_meta_layer_is_refused() -> None:
     layer = DamchaAttention(8, 2, device="meta")
     with pytest.raises(dc.DamchaValueError, match=r"on the meta device and hold no values; materialise them first"):
         layer.load_canonical(dc.init_params(cfg))
+
+
+def test_old_spectral_norm_on_a_generator_trains_its_original() -> None:
+    """The old hook-based spectral_norm on a generator weight: its hook would
+    normalise the weight on a call of the generator, which the layer never
+    makes, so the forward read the weight as of the tool's application and
+    weight_orig got no gradient (a reviewer's find). The layer computes the
+    normalised weight itself, with the hook's power iteration in training:
+    weight_orig trains, and the output equals a plain layer holding W / sigma."""
+    layer = _layer().train()
+    TOOLS["old_spectral_norm(generator)"](layer)
+    generator = layer.metric_generators["qk"]
+    x = torch.randn(2, 5, E, dtype=torch.float64)
+    for _ in range(2):
+        layer.zero_grad()
+        layer(x, x, x, need_weights=False)[0].square().sum().backward()
+        assert generator.weight_orig.grad is not None and generator.weight_orig.grad.abs().max() > 0
+        with torch.no_grad():
+            generator.weight_orig.sub_(0.1 * generator.weight_orig.grad)
+    layer.eval()  # no power iteration: W / sigma with sigma = u . (W v), the tool's definition
+    with torch.no_grad():
+        sigma = torch.dot(generator.weight_u, generator.weight_orig @ generator.weight_v)
+        plain = _plain_copy(layer, _layer(seed=1).eval())
+        plain.metric_generators["qk"].weight.copy_(generator.weight_orig / sigma)
+    want = plain(x, x, x, need_weights=False)[0]
+    torch.testing.assert_close(layer(x, x, x, need_weights=False)[0], want, rtol=1e-12, atol=1e-12)

@@ -211,7 +211,7 @@ def _effective(module: torch.nn.Module, name: str, where: str = "") -> Any:
     owner, attribute = _owner(module, name)
     if _is_peft(owner):
         return _lora_effective(owner, attribute, where + name.rpartition(".")[0])
-    return fn.param_entry(owner, attribute)  # (a pruned gate's or generator's product made afresh)
+    return fn.tool_entry(owner, attribute, power_iteration=False)  # what the next forward uses
 
 
 def effective_tensors(module: torch.nn.Module, config: DamchaConfig, where: str = "") -> dict[str, Tensor]:

@@ -31,6 +31,8 @@ from damcha_core import DamchaConfig, DamchaTypeError, DamchaValueError, config_
 from damcha_core._validators import unknown_fields
 from torch import Tensor, nn
 from torch.nn.utils.prune import BasePruningMethod as _BasePruningMethod
+from torch.nn.utils.spectral_norm import SpectralNorm as _SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm as _WeightNorm
 from torch.utils.checkpoint import checkpoint
 
 # The calling convention of the C kernel this code calls (_headmix.c's DAMCHA_HEADMIX_ABI).
@@ -2018,19 +2020,39 @@ def _heads_attention(
 
 def param_entry(module: nn.Module, name: str) -> Any:
     """``module``'s parameter ``name``: its registry entry (one dict read, the
-    common case), else the effective tensor. Parametrizations (weight_norm,
-    spectral_norm, torch.nn.utils.parametrize) remove the entry and compute
-    the effective tensor as the attribute. Pruning keeps ``name_orig`` and
-    ``name_mask`` and sets the attribute to their product in a forward
-    pre-hook of ``module``, which runs only when ``module`` itself is called:
-    a generator or the gates' ParameterDict never are (the layer reads their
-    tensors), so their product is made here, by the pruning method itself."""
+    common case), else the attribute. For a module the layer calls (the layer
+    itself, ``out_proj``): parametrizations (weight_norm, spectral_norm,
+    torch.nn.utils.parametrize) remove the entry and compute the effective
+    tensor as the attribute, and the hook-based tools (pruning, the old
+    torch.nn.utils.weight_norm/spectral_norm) set the attribute in a forward
+    pre-hook of the module, run by its call. See ``tool_entry`` for modules
+    the layer reads but never calls."""
+    p = module._parameters
+    return p[name] if name in p else getattr(module, name)
+
+
+def tool_entry(module: nn.Module, name: str, *, power_iteration: bool | None = None) -> Any:
+    """``module``'s tensor ``name`` as a call of ``module`` would make it, for a
+    module the layer reads but never calls (the gates' ParameterDict, a
+    MetricGenerator) and for canonical reads (the values the next forward
+    uses). The registry entry; else a hook-based tool's tensor made here, as
+    its forward pre-hook would make it on a call, which never comes: pruning's
+    ``orig * mask``, the old weight_norm's ``g v / |v|``, the old
+    spectral_norm's ``W / sigma`` (with its power iteration when
+    ``power_iteration``, by default in training, as its hook); else the
+    attribute (parametrizations compute it on access). The attribute of a
+    hook-based tool holds the value as of the tool's last hook run."""
     p = module._parameters
     if name in p:
         return p[name]
     for hook in module._forward_pre_hooks.values():
         if isinstance(hook, _BasePruningMethod) and hook._tensor_name == name:
             return hook.apply_mask(module)
+        if isinstance(hook, _WeightNorm) and hook.name == name:
+            return hook.compute_weight(module)
+        if isinstance(hook, _SpectralNorm) and hook.name == name:
+            iterate = module.training if power_iteration is None else power_iteration
+            return hook.compute_weight(module, do_power_iteration=iterate)
     return getattr(module, name)
 
 

@@ -259,7 +259,7 @@ class MetricGenerator(nn.Module):
         """This generator's parameters with a layer's ``gate``, as the functional core takes them."""
         # Runs on every forward: parameters read from the registry, in
         # SideWeights' order (kernel, bias, then "lowrank"'s u, v).
-        kernel, bias, *rest = (fn.param_entry(self, name) for name in _SIDE_ATTRIBUTES[self.metric])
+        kernel, bias, *rest = (fn.tool_entry(self, name) for name in _SIDE_ATTRIBUTES[self.metric])
         return fn.SideWeights(self.metric, kernel, bias, gate, *rest)
 
     def canonical_views(self, gate: Tensor, side: str = "qk") -> dict[str, Tensor]:
@@ -267,7 +267,9 @@ class MetricGenerator(nn.Module):
         out = {f"metric.{side}.gate": gate}
         shapes = generator_shapes(self.metric, self.features, self.heads, self.head_dim, self.rank)
         for name, leaf in TORCH_LEAVES[self.metric].items():
-            out[f"metric.{side}.{name}"] = leaf.to_canonical(getattr(self, leaf.attribute), shapes[name])
+            out[f"metric.{side}.{name}"] = leaf.to_canonical(
+                fn.tool_entry(self, leaf.attribute, power_iteration=False), shapes[name]
+            )
         return out
 
     def head_map(self, tokens: Tensor, gate: Tensor) -> Tensor:

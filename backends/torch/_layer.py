@@ -476,8 +476,8 @@ class DamchaAttention(CanonicalIO, nn.Module):
         gates = gate_dict._parameters
         sides = {}
         for side in self.config.metric_sides:
-            # (A parametrized or pruned gate is no registry entry: its effective tensor, as fn.param_entry reads.)
-            gen, gate = gens._modules[side], gates[side] if side in gates else fn.param_entry(gate_dict, side)
+            # (A gate under a weight tool is no registry entry: its effective tensor, fn.tool_entry.)
+            gen, gate = gens._modules[side], gates[side] if side in gates else fn.tool_entry(gate_dict, side)
             if not isinstance(gen, MetricGenerator):
                 # A module put in its place (PEFT's target_parameters wraps the generator's owner).
                 raise DamchaTypeError(

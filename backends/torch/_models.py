@@ -470,7 +470,7 @@ class DamchaMaps(nn.Module):
             # projection as it is (the fused training node had no block to write and failed).
             return fwd.project(x, *args, **kwargs)
         if blocks is not None and not self.track_metric_penalty and x.is_floating_point():
-            weights = [self.generator(b.side).side(fn.param_entry(self.gates, b.side)) for b in blocks]
+            weights = [self.generator(b.side).side(fn.tool_entry(self.gates, b.side)) for b in blocks]
             if not torch.is_grad_enabled() and not _jit_tracing():
                 # No graph: map the projection's fresh output in place, no copies
                 # (16-bit outputs, autocast's included, get float32 corrections).
@@ -592,7 +592,7 @@ class DamchaMaps(nn.Module):
                         mapped_role = blocks[i][0]
                         assert mapped_role is not None  # by_side holds mapped blocks only
                         self._penalty_terms[mapped_role] = self.generator(side).penalty(
-                            tokens, fn.param_entry(self.gates, side)
+                            tokens, fn.tool_entry(self.gates, side)
                         )
         joined = out[0] if len(out) == 1 else torch.cat(out, dim=-1)
         return joined if groups == 1 else joined.flatten(-2)
@@ -601,7 +601,7 @@ class DamchaMaps(nn.Module):
         """L(t) y for each y of ``parts``, heads flattened to (..., S*d): the
         layer's own map (``_functional.apply_map_weights``: residual form,
         16-bit inputs computed in float32), so both integrations run one code."""
-        gate = fn.param_entry(self.gates, side)
+        gate = fn.tool_entry(self.gates, side)
         S, d = gate.shape[0], self.config.key_dim
         heads = tuple(part.unflatten(-1, (S, d)) for part in parts)
         mapped = fn.apply_map_weights(self.generator(side).side(gate), tokens, heads)
