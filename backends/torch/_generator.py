@@ -35,7 +35,14 @@ def _same_values(a: Tensor, b: Tensor) -> bool:
         return True
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
-    if a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.device == b.device:
+    if (
+        a.layout is torch.strided
+        and b.layout is torch.strided
+        and a.device == b.device
+        and a.device.type in ("cpu", "cuda")  # (storage-less tensors, lazy or XLA ones, have no data_ptr)
+        and a.data_ptr() == b.data_ptr()
+        and a.stride() == b.stride()
+    ):
         return True
     return bool(torch.equal(a, b)) or (
         a.is_floating_point() and bool(torch.allclose(a, b, rtol=0, atol=0, equal_nan=True))
