@@ -11,6 +11,7 @@ how repeated runs become one number.
 
 from __future__ import annotations
 
+import datetime
 import json
 import re
 from collections.abc import Iterable, Sequence
@@ -154,6 +155,19 @@ def _pool(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     pooled_entry = {**new, "times": times, "comparisons": comparisons, "check": check}
     pooled_entry["runs"] = old.get("runs", [old["run"]]) + [new["run"]]
     return pooled_entry
+
+
+def started_order(path: Path) -> tuple[float, str]:
+    """A result file's sort key, oldest run first (the order ``load`` needs for a
+    newer commit's rows to replace an older one's): its first run's start, then
+    its name."""
+    try:
+        with open(path) as fh:
+            runs = json.load(fh).get("runs") or [{}]
+        stamp = datetime.datetime.fromisoformat(runs[0]["started"]).timestamp()
+    except (OSError, ValueError, KeyError, TypeError):
+        stamp = float("inf")  # unreadable or unstamped: last; load() reports what is wrong with it
+    return stamp, path.name
 
 
 def load(

@@ -9,8 +9,6 @@ section's markers, method text and one table per Keras backend.
 
 from __future__ import annotations
 
-import datetime
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -111,20 +109,10 @@ def load(paths: Sequence[str | Path], *, pool: bool = True) -> tuple[list[dict[s
     return dr.load(paths, pool=pool, file_format=FORMAT)
 
 
-def _started(path: Path) -> tuple[float, str]:
-    try:
-        with open(path) as fh:
-            runs = json.load(fh).get("runs") or [{}]
-        stamp = datetime.datetime.fromisoformat(runs[0]["started"]).timestamp()
-    except (OSError, ValueError, KeyError, TypeError):
-        stamp = float("inf")  # unreadable or unstamped: last; load() reports what is wrong with it
-    return stamp, path.name
-
-
 def result_files(folder: str | Path) -> list[Path]:
     """Every ``models-keras-*.json`` in ``folder``, oldest run first (the order ``load``
     needs for a newer commit's rows to replace an older one's)."""
-    return sorted(Path(folder).glob(f"{PREFIX}*.json"), key=_started)
+    return sorted(Path(folder).glob(f"{PREFIX}*.json"), key=dr.started_order)
 
 
 def _rank(value: str, order: Sequence[str]) -> int:

@@ -9,8 +9,6 @@ The hand-written history below the end marker is left as it is.
 
 from __future__ import annotations
 
-import datetime
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -102,22 +100,12 @@ def load(paths: Sequence[str | Path], *, pool: bool = True) -> tuple[list[dict[s
     return dr.load(paths, pool=pool, file_format=FORMAT)
 
 
-def _started(path: Path) -> tuple[float, str]:
-    try:
-        with open(path) as fh:
-            runs = json.load(fh).get("runs") or [{}]
-        stamp = datetime.datetime.fromisoformat(runs[0]["started"]).timestamp()
-    except (OSError, ValueError, KeyError, TypeError):
-        stamp = float("inf")  # unreadable or unstamped: last; load() reports what is wrong with it
-    return stamp, path.name
-
-
 def result_files(folder: str | Path) -> list[Path]:
     """Every ``models-*.json`` in ``folder``, oldest run first (the order ``load`` needs
     for a newer commit's rows to replace an older one's), except bench_models_keras.py's
     ``models-keras-*.json``, which the glob matches too and ``load`` would refuse."""
     found = (p for p in Path(folder).glob("models-*.json") if not p.name.startswith("models-keras-"))
-    return sorted(found, key=_started)
+    return sorted(found, key=dr.started_order)
 
 
 def _order(entry: dict[str, Any]) -> tuple:
