@@ -1219,15 +1219,10 @@ def test_more_kerashub_backbones_convert():
         assert [type(layer).__name__ for layer in layers.values()] == [name.strip()] * 2, name
 
 
-def test_gpt_neox_converts():
-    """KerasHub GPT-NeoX's fused _qkv_dense, (B, T, H, 3d) with each head's query,
-    key and value side by side (ProjectionSite groups=H): exact at init bit for bit
-    on a padded batch; with the gates open each layer's query and key heads, read
-    as the host slices them, are the reference's maps of the unmapped heads (to
-    1e-12), its values untouched, and the output moves. (KerasHub's own cached
-    GPT-NeoX differs from its full forward, converted or not: no cache check.)"""
+def _gpt_neox():
+    """A tiny float64 KerasHub GPT-NeoX (its fused, interleaved _qkv_dense), seeded."""
     keras.utils.set_random_seed(0)
-    model = keras_hub.models.GPTNeoXBackbone(
+    return keras_hub.models.GPTNeoXBackbone(
         vocabulary_size=50,
         num_layers=2,
         num_heads=2,
@@ -1237,6 +1232,16 @@ def test_gpt_neox_converts():
         rotary_percentage=0.5,  # d = 4: a rotary size of 2
         dtype="float64",
     )
+
+
+def test_gpt_neox_converts():
+    """KerasHub GPT-NeoX's fused _qkv_dense, (B, T, H, 3d) with each head's query,
+    key and value side by side (ProjectionSite groups=H): exact at init bit for bit
+    on a padded batch; with the gates open each layer's query and key heads, read
+    as the host slices them, are the reference's maps of the unmapped heads (to
+    1e-12), its values untouched, and the output moves. (KerasHub's own cached
+    GPT-NeoX differs from its full forward, converted or not: no cache check.)"""
+    model = _gpt_neox()
     ids = np.array([[1, 5, 7, 9, 3, 2], [4, 4, 8, 1, 0, 0]])
     x = {"token_ids": ids, "padding_mask": ids != 0}
     before = output(model, x)
@@ -1266,17 +1271,7 @@ def test_a_tied_fused_projection_makes_its_map_once(monkeypatch):
     side: one forward calls each layer's generator once (it called it for each
     block), and the metric penalty, added per block with its share, still
     equals the reference's, once per layer."""
-    keras.utils.set_random_seed(0)
-    model = keras_hub.models.GPTNeoXBackbone(
-        vocabulary_size=50,
-        num_layers=2,
-        num_heads=2,
-        hidden_dim=8,
-        intermediate_dim=16,
-        max_sequence_length=32,
-        rotary_percentage=0.5,
-        dtype="float64",
-    )
+    model = _gpt_neox()
     ids = np.array([[1, 5, 7, 9, 3, 2]])
     x = {"token_ids": ids, "padding_mask": ids != 0}
     dk.convert(model)
