@@ -653,8 +653,9 @@ class DamchaAttention(CanonicalIO, nn.Module):
                 if side is None or side in flat:
                     continue  # no map on this side, or tied: one tuple, one generator GEMM
                 g, kept = gens[side]._parameters, columns.get(side)  # type: ignore[union-attr]
+                # (in and [], not .get: no builtin call per step, tests/test_torch_ops.py counts them)
                 if "weight" not in g or "bias" not in g or side not in gates:
-                    return None  # parametrized or pruned (see fn.param_entry)
+                    return None  # under a weight tool, no registry entry (see fn.tool_entry)
                 gate = gates[side]
                 column = (
                     kept[2]
@@ -748,10 +749,10 @@ class DamchaAttention(CanonicalIO, nn.Module):
                 if i == 1 and side == sq:
                     maps[1] = maps[0]  # tied: the same tuple, one generator GEMM
                     continue
-                g = gens[side]._parameters  # type: ignore[union-attr]
-                if "weight" not in g or "bias" not in g or side not in gates:
-                    return None  # parametrized or pruned (see fn.param_entry)
-                gate = gates[side]
+                # (.get, not in and []: one guard fewer, tests/test_torch_kv_cache.py counts them)
+                g, gate = gens[side]._parameters, gates.get(side)  # type: ignore[union-attr]
+                if "weight" not in g or "bias" not in g or gate is None:
+                    return None  # under a weight tool, no registry entry (see fn.tool_entry)
                 w_g, b_g = g["weight"], g["bias"]
                 if w_g.dtype != dtype or b_g.dtype != dtype or gate.dtype != dtype:  # type: ignore[union-attr]
                     return None
