@@ -756,7 +756,7 @@ class DamchaAttention(CanonicalIO, nn.Module):
                 w_g, b_g = g["weight"], g["bias"]
                 if w_g.dtype != dtype or b_g.dtype != dtype or gate.dtype != dtype:  # type: ignore[union-attr]
                     return None
-                maps[i] = (w_g, b_g, gate.view(-1, 1))  # type: ignore[assignment,union-attr]
+                maps[i] = (w_g, b_g, gate.view(-1, 1))  # type: ignore[assignment]
         # The module itself: traced, its call is the same F.linear in the graph,
         # and dynamo checks its hooks as it does for any module call
         # (_linear_params' reads would be guarded besides).
