@@ -265,28 +265,34 @@ class DamchaMaps(keras.layers.Layer):
         # One run of the output per group (see ProjectionSite) as consecutive blocks of heads.
         blocks = [(role, width // d) for role, width in site.blocks(cfg.num_heads, cfg.side_heads("k"), d, features)]
         lead = ops.shape(y)[: rank - 1]
-        heads = y if stacked and groups == 1 else ops.reshape(y, (*lead, features // d, d))
         if groups > 1:
-            heads = ops.reshape(heads, (*lead, groups, features // d // groups, d))
-        if len(blocks) == 1:
-            parts = [heads]
+            heads = ops.reshape(y, (*lead, groups, features // d // groups, d))
         else:
-            cuts = list(np.cumsum([n for _, n in blocks])[:-1])
-            parts = ops.split(heads, cuts, axis=-2)
+            heads = y if stacked else ops.reshape(y, (*lead, features // d, d))
+        # Blocks by slicing, not ops.split, and as few reshapes as the layout allows: in
+        # eager Keras on torch each op call costs 25-60 us (a decoding step maps every
+        # layer's site), a slice a few. Runs of one head per block (GPT-NeoX's q, k, v
+        # of each head): each block is heads[..., i, :], (..., groups, d), no reshape.
+        single = groups > 1 and all(n == 1 for _, n in blocks)
+        starts = np.cumsum([0] + [n for _, n in blocks])[:-1].tolist()
         out = []
         # Each side's A(tokens), made once per call: a tied query and key of one
         # projection (GPT-2's, GPT-NeoX's fused qkv) are two blocks of one side.
         coeffs: dict[str, Any] = {}
-        for (owner, count), part in zip(blocks, parts):
+        for (owner, count), start in zip(blocks, starts):
+            whole_run = len(blocks) == 1
+            part = heads[..., start, :] if single else (heads if whole_run else heads[..., start : start + count, :])
             side = None if owner is None else dc.side_of(cfg, owner)
             if side is None:
                 out.append(part)
-            elif groups == 1:
+            elif groups == 1 or single:
                 out.append(self._map(side, tokens, part, coeffs))
             else:
                 # The role's heads of all runs, (..., groups, S/groups, d) -> (..., S, d) in head order.
                 whole = self._map(side, tokens, ops.reshape(part, (*lead, groups * count, d)), coeffs)
                 out.append(ops.reshape(whole, (*lead, groups, count, d)))
+        if single:
+            out = [ops.stack(out, axis=-2)]  # (..., groups, blocks, d)
         mapped = out[0] if len(out) == 1 else ops.concatenate(out, axis=-2)
         return mapped if stacked and groups == 1 else ops.reshape(mapped, ops.shape(y))
 
