@@ -235,18 +235,22 @@ def _run_line(run: dict[str, Any]) -> str:
     )
 
 
+def time_cells(e: dict[str, Any]) -> str:
+    """An entry's row up to its time target, from its first comparison: case, mode, N,
+    baseline ms, DAMCHA ms, ratio (quartiles), target (each table appends its own cells)."""
+    c = e["comparisons"][0]
+    return (
+        f"| {e['case']} | {e['mode']} | {_n_of(e)} | {c['ms'][c['den']]:.1f} | {c['ms'][c['num']]:.1f} "
+        f"| {_fmt_ratio(c)}{_check_mark(e)} | {_fmt_target(c['target'], c['met'])} |"
+    )
+
+
 def _table_layer(entries: list[dict[str, Any]]) -> list[str]:
     lines = [
         "| case | mode | N | MHA ms | DAMCHA ms | DAMCHA/MHA (quartiles) | target |",
         "|---|---|---:|---:|---:|---|---|",
     ]
-    for e in entries:
-        c = e["comparisons"][0]
-        lines.append(
-            f"| {e['case']} | {e['mode']} | {_n_of(e)} | {c['ms'][c['den']]:.1f} | {c['ms'][c['num']]:.1f} "
-            f"| {_fmt_ratio(c)}{_check_mark(e)} | {_fmt_target(c['target'], c['met'])} |"
-        )
-    return lines
+    return lines + [time_cells(e) for e in entries]
 
 
 def _table_decode(entries: list[dict[str, Any]]) -> list[str]:
@@ -293,10 +297,7 @@ def _table_model(entries: list[dict[str, Any]], baseline: str = "MHA") -> list[s
             )
         else:
             mcells = "- | - | - | -"
-        lines.append(
-            f"| {e['case']} | {e['mode']} | {_n_of(e)} | {c['ms'][c['den']]:.1f} | {c['ms'][c['num']]:.1f} "
-            f"| {_fmt_ratio(c)}{_check_mark(e)} | {_fmt_target(c['target'], c['met'])} | {mcells} |"
-        )
+        lines.append(f"{time_cells(e)} {mcells} |")
     return lines
 
 
@@ -369,14 +370,25 @@ def render(runs: list[dict[str, Any]], entries: list[dict[str, Any]]) -> str:
             out.append("")
         # A call pattern the run could not measure (the port refused it, or the benchmark
         # broke) has no times: it is listed, never dropped and never put in a table.
-        failed = sorted((e["id"], e["error"]) for e in entries if e["port"] == port and "error" in e)
-        if failed:
-            out.append("Not measured (the run raised):")
-            out.append("")
-            out += [f"- `{i}`: {message}" for i, message in failed]
-            out.append("")
+        out += failed_block(sorted((e for e in entries if e["port"] == port and "error" in e), key=lambda e: e["id"]))
     out.append(END)
     return "\n".join(out) + "\n"
+
+
+def failed_block(failed: list[dict[str, Any]]) -> list[str]:
+    """The entries a run could not measure (the port refused the call, or the
+    benchmark broke), listed in the given order: never dropped, never in a table."""
+    if not failed:
+        return []
+    return ["Not measured (the run raised):", "", *(f"- `{e['id']}`: {e['error']}" for e in failed), ""]
+
+
+def sizes_line(measured: list[dict[str, Any]]) -> list[str]:
+    """ "Measured sizes: ..." of the measured entries' models, each model's shape but N, in order."""
+    shapes: dict[str, str] = {}
+    for e in measured:
+        shapes.setdefault(e["case"], ", ".join(f"{k}={v}" for k, v in e["shape"].items() if k != "N"))
+    return ["Measured sizes: " + "; ".join(f"`{case}` {shape}" for case, shape in shapes.items()) + ".", ""]
 
 
 def _section(begin: str, end: str) -> re.Pattern[str]:

@@ -140,13 +140,7 @@ def table(entries: list[dict[str, Any]]) -> list[str]:
         "| model | mode | N | original ms | DAMCHA ms | time ratio (quartiles) | target |",
         "|---|---|---:|---:|---:|---|---|",
     ]
-    for e in measured:
-        c = e["comparisons"][0]
-        lines.append(
-            f"| {e['case']} | {e['mode']} | {dr._n_of(e)} | {c['ms'][c['den']]:.1f} | {c['ms'][c['num']]:.1f} "
-            f"| {dr._fmt_ratio(c)}{dr._check_mark(e)} | {dr._fmt_target(c['target'], c['met'])} |"
-        )
-    return lines
+    return lines + [dr.time_cells(e) for e in measured]
 
 
 def render(runs: list[dict[str, Any]], entries: list[dict[str, Any]]) -> str:
@@ -165,21 +159,12 @@ def render(runs: list[dict[str, Any]], entries: list[dict[str, Any]]) -> str:
         hub = sorted({runs[r]["versions"]["keras-hub"] for r in used if "keras-hub" in runs[r].get("versions", {})})
         if hub:
             out += ["keras-hub " + ", ".join(hub) + ".", ""]
-        shapes: dict[str, str] = {}
-        for e in measured:
-            shapes.setdefault(e["case"], ", ".join(f"{k}={v}" for k, v in e["shape"].items() if k != "N"))
-        out.append("Measured sizes: " + "; ".join(f"`{case}` {shape}" for case, shape in shapes.items()) + ".")
-        out.append("")
+        out += dr.sizes_line(measured)
         for port in backends_of(measured):
             out += [f"### {BACKEND_TITLES.get(port, port)}", ""]
             out += table([e for e in measured if e.get("port") == port])
             out.append("")
-    failed = sorted((e for e in entries if "error" in e), key=lambda e: (e.get("port", ""), *_order(e)))
-    if failed:
-        out.append("Not measured (the run raised):")
-        out.append("")
-        out += [f"- `{e['id']}`: {e['error']}" for e in failed]
-        out.append("")
+    out += dr.failed_block(sorted((e for e in entries if "error" in e), key=lambda e: (e.get("port", ""), *_order(e))))
     out.append(END)
     return "\n".join(out) + "\n"
 

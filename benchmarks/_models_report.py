@@ -132,19 +132,10 @@ def render(runs: list[dict[str, Any]], entries: list[dict[str, Any]]) -> str:
         ]
     else:
         out += dr.runs_block(runs, measured)
-        shapes: dict[str, str] = {}
-        for e in measured:
-            shapes.setdefault(e["case"], ", ".join(f"{k}={v}" for k, v in e["shape"].items() if k != "N"))
-        out.append("Measured sizes: " + "; ".join(f"`{case}` {shape}" for case, shape in shapes.items()) + ".")
-        out.append("")
+        out += dr.sizes_line(measured)
         out += table(measured)
         out.append("")
-    failed = sorted((e for e in entries if "error" in e), key=_order)
-    if failed:
-        out.append("Not measured (the run raised):")
-        out.append("")
-        out += [f"- `{e['id']}`: {e['error']}" for e in failed]
-        out.append("")
+    out += dr.failed_block(sorted((e for e in entries if "error" in e), key=_order))
     out.append(END)
     return "\n".join(out) + "\n"
 
