@@ -740,3 +740,27 @@ def memory_comparison(
         "target": target,
         "met": None if target is None or ratio is None else bool(ratio <= target),
     }
+
+
+def write_report(rep: Any, paths: list[Path], docs: Path, results: Path, files: str, what: str) -> int:
+    """Rewrite the section of ``docs`` that the report module ``rep`` writes (its
+    ``result_files``, ``load``, ``render``, ``write_section``) from the result files
+    ``paths`` (none: every one in ``results``, ``files`` naming them in the message),
+    refusing --tiny runs (they measure nothing); ``what`` names the section. 0, or 2
+    for files the report cannot take."""
+    if not paths:
+        paths = rep.result_files(results)
+        if not paths:
+            print(f"no {files} in {results}; writing the 'not yet measured' section", file=sys.stderr)
+    try:
+        runs, entries = rep.load(paths)
+    except ValueError as exc:
+        print(f"--report: {exc}", file=sys.stderr)
+        return 2
+    tiny = sorted({r["file"] for r in runs if r.get("tiny")})
+    if tiny:
+        print(f"refusing to write --tiny results into the docs (they measure nothing): {tiny}", file=sys.stderr)
+        return 2
+    rep.write_section(docs, rep.render(runs, entries))
+    print(f"wrote the {what} section of {docs} from {len(entries)} entries ({len(paths)} files)")
+    return 0

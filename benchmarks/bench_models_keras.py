@@ -438,22 +438,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def report(paths: list[Path], docs: Path) -> int:
     """Rewrite the section of ``docs`` from ``paths`` (none: every results file)."""
-    if not paths:
-        paths = rep.result_files(RESULTS)
-        if not paths:
-            print(f"no {rep.PREFIX}*.json in {RESULTS}; writing the 'not yet measured' section", file=sys.stderr)
-    try:
-        runs, entries = rep.load(paths)
-    except ValueError as exc:
-        print(f"--report: {exc}", file=sys.stderr)
-        return 2
-    tiny = sorted({r["file"] for r in runs if r.get("tiny")})
-    if tiny:
-        print(f"refusing to write --tiny results into the docs (they measure nothing): {tiny}", file=sys.stderr)
-        return 2
-    rep.write_section(docs, rep.render(runs, entries))
-    print(f"wrote the converted-KerasHub-models section of {docs} from {len(entries)} entries ({len(paths)} files)")
-    return 0
+    return h.write_report(rep, paths, docs, RESULTS, f"{rep.PREFIX}*.json", "converted-KerasHub-models")
 
 
 def _worker_argv(args: argparse.Namespace, backend: str, path: Path, run: int) -> list[str]:
