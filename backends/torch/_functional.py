@@ -679,11 +679,17 @@ def _certainly_finite(q: Tensor, k: Tensor) -> bool:
         return math.isfinite(q.sum().item()) and math.isfinite(k.sum().item())
 
 
+def jit_tracing() -> bool:
+    """Whether torch.jit.trace records this call (never true under torch.compile:
+    Dynamo cannot trace ``_is_tracing``, so it is not asked there)."""
+    return not torch.compiler.is_compiling() and torch._C._is_tracing()
+
+
 def _has_empty_dim(t: Tensor, dims: tuple[int, ...]) -> bool:
     """Whether one of ``dims`` of ``t`` has size 0. Never under torch.jit.trace, which
     records sizes as tensors (a bool of one warns and pins the branch): a traced
     example has no empty dim worth a branch of its own."""
-    if not torch.compiler.is_compiling() and torch._C._is_tracing():  # dynamo cannot trace _is_tracing
+    if jit_tracing():
         return False
     return any(t.shape[i] == 0 for i in dims)
 
@@ -963,13 +969,13 @@ def _project(
     # uses, so under a functorch transform the maps are stored instead. Under
     # torch.jit.trace too: its check traces again under no_grad and needs one
     # graph for every grad mode (and a traced fused node would be a Python op,
-    # which torch.jit.save cannot write). Dynamo cannot trace _is_tracing.
+    # which torch.jit.save cannot write).
     recompute = (
         recompute
         and torch.is_grad_enabled()
         and config.metric != "none"
         and not torch._C._are_functorch_transforms_active()
-        and (torch.compiler.is_compiling() or not torch._C._is_tracing())
+        and not jit_tracing()
     )
     if recompute and _fusable(w, config, x):
         return _project_fused(w, config, x, c, value, self_attention, recipes)

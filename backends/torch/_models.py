@@ -376,12 +376,14 @@ class DamchaMaps(nn.Module):
 
     def _recompute_now(self) -> bool:
         # torch.func transforms reject checkpoint's saved-tensor hooks; store instead.
+        # Under torch.jit.trace a site takes the plain projection and maps in every grad
+        # mode (its check traces again under no_grad; a fused node would be a Python op).
         return (
             self.recompute
             and self.training
             and torch.is_grad_enabled()
             and not torch._C._are_functorch_transforms_active()
-            and not _jit_tracing()
+            and not fn.jit_tracing()
         )
 
     def _open_store(self) -> None:
@@ -471,7 +473,7 @@ class DamchaMaps(nn.Module):
             return fwd.project(x, *args, **kwargs)
         if blocks is not None and not self.track_metric_penalty and x.is_floating_point():
             weights = [self.generator(b.side).side(fn.tool_entry(self.gates, b.side)) for b in blocks]
-            if not torch.is_grad_enabled() and not _jit_tracing():
+            if not torch.is_grad_enabled() and not fn.jit_tracing():  # (traced: see _recompute_now)
                 # No graph: map the projection's fresh output in place, no copies
                 # (16-bit outputs, autocast's included, get float32 corrections).
                 y = fwd.project(x, *args, **kwargs)
@@ -618,14 +620,6 @@ class DamchaMaps(nn.Module):
         if not self._penalty_terms:
             return None
         return torch.stack(list(self._penalty_terms.values())).mean()
-
-
-def _jit_tracing() -> bool:
-    """Under torch.jit.trace, whose check traces again under no_grad: a
-    converted site then takes one path for every grad mode (the plain
-    projection and maps, neither the in-place map nor the fused node, a Python
-    op that torch.jit.save cannot write). Dynamo cannot trace _is_tracing."""
-    return not torch.compiler.is_compiling() and torch._C._is_tracing()
 
 
 def _plain_dtype(x: Tensor) -> bool:
