@@ -22,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from _kernel import KernelCalls
 from _models_zoo import VOCAB, metric_params, open_gates
 
 import damcha_core as dc
@@ -381,17 +382,6 @@ def test_fused_qkv_training_step_moves_the_gates(name, coupling):
         torch.testing.assert_close(grads[0][n], grads[1][n], rtol=0, atol=1e-12, msg=n)
 
 
-class _KernelCalls:
-    """fn._HEADMIX's stand-in: counts the C kernel's calls and forwards them."""
-
-    def __init__(self, kernel):
-        self.kernel, self.calls = kernel, 0
-
-    def map(self, *args):
-        self.calls += 1
-        return self.kernel.map(*args)
-
-
 # (host, coupling, kernel calls per layer): Falcon's new decoder architecture has
 # several query heads in each run, which the kernel's one head per run does not read.
 INTERLEAVED_KERNEL = [
@@ -420,7 +410,7 @@ def test_interleaved_site_maps_few_tokens_with_the_kernel(name, coupling, calls,
         pytest.skip("damcha_torch._headmix not installed (built without a C compiler)")
     model = open_gates(dt.convert(_build(name, torch.float64), coupling=coupling))
     ids = _ids(batch=1, n=7)
-    recorder = _KernelCalls(fn._HEADMIX)
+    recorder = KernelCalls()
     monkeypatch.setattr(fn, "_HEADMIX", recorder)
     with torch.no_grad():
         got = _out(model, input_ids=ids)

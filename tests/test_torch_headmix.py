@@ -17,6 +17,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from _kernel import KERNEL, KernelCalls
 from torch import nn
 
 import damcha_core as dc
@@ -30,7 +31,6 @@ pytestmark = pytest.mark.skipif(
     fn._HEADMIX is None, reason="damcha_torch._headmix not installed (built without a C compiler)"
 )
 
-KERNEL = fn._HEADMIX
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 TOL = {torch.float32: dict(rtol=2e-5, atol=2e-6), torch.float64: dict(rtol=1e-12, atol=1e-13)}
 
@@ -258,20 +258,9 @@ def _layer(name, dtype=torch.float32, seed=0):
     return layer
 
 
-class _Recorder:
-    """fn._HEADMIX's stand-in: counts the kernel's calls and forwards them."""
-
-    def __init__(self):
-        self.calls = 0
-
-    def map(self, *args):
-        self.calls += 1
-        return KERNEL.map(*args)
-
-
 def _decode(layer, x, steps, monkeypatch=None, kernel=True, mode=torch.inference_mode):
     """A causal prompt of 3 tokens, then one-token steps (inference): outputs and kernel calls."""
-    recorder = _Recorder()
+    recorder = KernelCalls()
     if monkeypatch is not None:
         monkeypatch.setattr(fn, "_HEADMIX", recorder if kernel else None)
     cache, outs = DamchaKVCache(), []
@@ -333,7 +322,7 @@ def test_layer_leaves_what_the_kernel_cannot_read_to_the_torch_ops(change, monke
         nn.MultiheadAttention(32, 4, dtype=torch.float64), metric="heads", coupling="tied"
     ).eval()
     seq_first.load_state_dict(layer.state_dict())
-    recorder = _Recorder()
+    recorder = KernelCalls()
     monkeypatch.setattr(fn, "_HEADMIX", recorder)
     # (N, B, E) in: the layer's x is (B, N, E) with strides (E, B * E, 1); two-token chunks, B = 2, N = 2.
     got = _chunked(seq_first, x, (3, 5, 7), 2, torch.inference_mode, seq_first=True)
@@ -401,7 +390,7 @@ def test_layer_chunks_and_strided_tokens(monkeypatch):
     layer = _layer("heads-tied", torch.float64)
     x = torch.randn(1, 11, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
     for strided in (False, True):
-        recorder = _Recorder()
+        recorder = KernelCalls()
         monkeypatch.setattr(fn, "_HEADMIX", recorder)
         src = torch.stack([x, x], dim=-1)[..., 0] if strided else x  # stride 2 between features
         assert (src.stride(-1) == 2) == strided
@@ -420,7 +409,7 @@ def test_layer_sees_a_generator_replaced_between_steps(monkeypatch):
     layer = _layer("heads-tied", torch.float64)
     ref = _layer("heads-tied", torch.float64)
     x = torch.randn(1, 9, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
-    recorder = _Recorder()
+    recorder = KernelCalls()
     monkeypatch.setattr(fn, "_HEADMIX", recorder)
     caches = DamchaKVCache(), DamchaKVCache()
     with torch.inference_mode():
@@ -475,7 +464,7 @@ def test_converted_model_in_eval_maps_few_tokens_with_the_kernel(arch, monkeypat
 
     model = zoo.open_gates(damcha_torch.convert(zoo.build(arch, torch.float64)))
     kw = zoo.inputs(arch, torch.float64, batch=2, length=7)  # 14 tokens; ViT: 2 x 5
-    recorder = _Recorder()
+    recorder = KernelCalls()
     monkeypatch.setattr(fn, "_HEADMIX", recorder)
     with torch.no_grad():
         got = zoo.run(model, arch, kw)
@@ -496,7 +485,7 @@ def test_converted_model_keeps_the_torch_ops_in_training_and_for_many_tokens(mon
     import _models_zoo as zoo
 
     model = zoo.open_gates(damcha_torch.convert(zoo.build("llama", torch.float64)))
-    recorder = _Recorder()
+    recorder = KernelCalls()
     monkeypatch.setattr(fn, "_HEADMIX", recorder)
     with torch.no_grad():
         model.train()
@@ -517,7 +506,7 @@ def test_converted_llama_generates_the_same_with_and_without_the_kernel(monkeypa
     opts = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
     runs = {}
     for kernel in (True, False):
-        recorder = _Recorder()
+        recorder = KernelCalls()
         monkeypatch.setattr(fn, "_HEADMIX", recorder if kernel else None)
         with torch.no_grad():
             runs[kernel] = model.generate(ids, **opts)
