@@ -279,8 +279,8 @@ class DamchaMaps(keras.layers.Layer):
         # Each side's A(tokens), made once per call: a tied query and key of one
         # projection (GPT-2's, GPT-NeoX's fused qkv) are two blocks of one side.
         coeffs: dict[str, Any] = {}
+        whole_run = len(blocks) == 1
         for (owner, count), start in zip(blocks, starts):
-            whole_run = len(blocks) == 1
             part = heads[..., start, :] if single else (heads if whole_run else heads[..., start : start + count, :])
             side = None if owner is None else dc.side_of(cfg, owner)
             if side is None:
