@@ -18,5 +18,7 @@ def map(
     out: int,
     out_stride: int,
     eps: float,
+    head_stride: int,
+    block_stride: int,
     /,
 ) -> None: ...
