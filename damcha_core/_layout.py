@@ -16,6 +16,7 @@ imports NumPy at most.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,6 +30,7 @@ __all__ = [
     "ModelAdapter",
     "ProjectionSite",
     "check_coupling",
+    "check_layout",
     "check_shareable",
     "layout_config",
     "register",
@@ -76,6 +78,29 @@ class ProjectionSite:
     q: int | None = None
     k: int | None = None
     groups: int = 1
+
+    def __post_init__(self) -> None:
+        # Checked here, where a custom adapter builds it: convert() would
+        # otherwise fail far from the cause (getattr with a non-str name, a
+        # site mapping neither role).
+        where = "ProjectionSite"
+        if not isinstance(self.attr, str) or not self.attr:
+            raise DamchaTypeError(
+                invalid_argument(
+                    "attr", "the projection's attribute name, a non-empty str", f"attr={describe(self.attr)}"
+                )
+            )
+        for field in ("q", "k"):
+            _set_int(self, where, field, minimum=0, optional=True)
+        if self.q is None and self.k is None:
+            raise DamchaValueError(
+                invalid_argument(
+                    "q",
+                    "the feature offset of the queries (q) or of the keys (k) the site projects, or both",
+                    f"{where}({self.attr!r}, q=None, k=None)",
+                )
+            )
+        _set_int(self, where, "groups", minimum=1)
 
     def roles(self) -> list[tuple[str, int]]:
         """(role, offset) pairs, in output order (within a run with ``groups``)."""
@@ -159,6 +184,23 @@ class AttentionLayout:
     sites: tuple[ProjectionSite, ...]
     self_attention: bool | None = True
 
+    def __post_init__(self) -> None:
+        where = "AttentionLayout"
+        for field in ("num_heads", "num_kv_heads", "head_dim", "query_features", "key_features"):
+            _set_int(self, where, field, minimum=1)
+        sites = self.sites
+        if not isinstance(sites, (tuple, list)) or not all(isinstance(s, ProjectionSite) for s in sites):
+            raise DamchaTypeError(
+                invalid_argument("sites", "a tuple of ProjectionSite", f"{where}(sites={describe(sites)})")
+            )
+        object.__setattr__(self, "sites", tuple(sites))
+        if self.self_attention not in (True, False, None):
+            raise DamchaTypeError(
+                invalid_argument(
+                    "self_attention", "True, False or None", f"{where}(self_attention={describe(self.self_attention)})"
+                )
+            )
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelAdapter:
@@ -178,6 +220,77 @@ class ModelAdapter:
     description: str
     matches: Callable[[Any], bool]
     layout: Callable[[Any], AttentionLayout]
+
+    def __post_init__(self) -> None:
+        # An adapter joins a process-wide registry that every convert() asks:
+        # a bad one refused here, not in every later conversion.
+        for field, expected in (("name", "a non-empty str"), ("description", "a str")):
+            value = getattr(self, field)
+            if not isinstance(value, str) or (field == "name" and not value):
+                raise DamchaTypeError(invalid_argument(field, expected, f"ModelAdapter({field}={describe(value)})"))
+        for field, expected in (
+            ("matches", "a callable module -> bool"),
+            ("layout", "a callable module -> AttentionLayout"),
+        ):
+            value = getattr(self, field)
+            if not callable(value):
+                raise DamchaTypeError(
+                    invalid_argument(field, expected, f"ModelAdapter({self.name!r}, {field}={describe(value)})")
+                )
+
+
+def _set_int(obj: Any, where: str, field: str, *, minimum: int, optional: bool = False) -> None:
+    """Check the int field ``field`` of the frozen dataclass ``obj`` (>= ``minimum``,
+    or None where ``optional``) and store it as a plain int (a NumPy integer
+    read off a config is one)."""
+    value = getattr(obj, field)
+    if value is None and optional:
+        return
+    expected = f"an int >= {minimum}" + (" or None" if optional else "")
+    received = f"{where}({field}={describe(value)})"
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise DamchaTypeError(invalid_argument(field, expected, received))
+    if value < minimum:
+        raise DamchaValueError(invalid_argument(field, expected, received))
+    object.__setattr__(obj, field, int(value))
+
+
+def check_layout(adapter: ModelAdapter, layout: Any) -> AttentionLayout:
+    """What ``adapter.layout(...)`` returned, checked before ``convert`` reads it
+    (both ports): an ``AttentionLayout`` whose sites project the queries and
+    the keys once each, at whole-head offsets.
+
+    Raises:
+        DamchaTypeError: ``layout`` is not an ``AttentionLayout``.
+        DamchaValueError: a role is projected by no site or by two, or an
+            offset is not a multiple of ``head_dim``.
+    """
+    if not isinstance(layout, AttentionLayout):
+        raise DamchaTypeError(
+            invalid_argument(
+                "layout", "an AttentionLayout", f"adapter {adapter.name!r}'s layout() returned {describe(layout)}"
+            )
+        )
+    roles = sorted(r for site in layout.sites for r, _ in site.roles())
+    if roles != ["k", "q"]:
+        raise DamchaValueError(
+            invalid_argument(
+                "sites",
+                "sites that project the queries (q) and the keys (k) once each",
+                f"roles {roles} in {[site.attr for site in layout.sites]}",
+            )
+        )
+    for site in layout.sites:
+        for role, offset in site.roles():
+            if offset % layout.head_dim:
+                raise DamchaValueError(
+                    invalid_argument(
+                        role,
+                        f"a multiple of head_dim={layout.head_dim} (whole heads)",
+                        f"{role}={offset} for `{site.attr}`",
+                    )
+                )
+    return layout
 
 
 def register(registry: list[ModelAdapter], adapter: ModelAdapter, *, port: str) -> ModelAdapter:

@@ -1,14 +1,17 @@
-"""ProjectionSite.blocks (damcha_core._layout), which both ports' converters read:
+"""damcha_core._layout, which both ports' converters read. ProjectionSite.blocks:
 a grouped site needs ``groups`` to divide the head count of each role it holds,
 and only those (Qwen3-Next's q_proj: H runs of a query head and its output
-gate, beside a k_proj of G key heads that H runs need not divide)."""
+gate, beside a k_proj of G key heads that H runs need not divide). The three
+classes check their fields where a custom adapter builds them, and
+``check_layout`` what an adapter's ``layout()`` returned."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import damcha_core as dc
-from damcha_core._layout import ProjectionSite
+from damcha_core._layout import AttentionLayout, ModelAdapter, ProjectionSite, check_layout
 
 
 def test_a_grouped_site_of_one_role_need_not_divide_the_other_roles_heads():
@@ -36,3 +39,99 @@ def test_a_grouped_site_of_one_role_need_not_divide_the_other_roles_heads():
 def test_a_grouped_site_whose_roles_do_not_split_is_refused(site, heads, features, pattern):
     with pytest.raises(dc.DamchaValueError, match=r"Invalid argument `groups`: expected a divisor.*" + pattern):
         site.blocks(*heads, 8, features)
+
+
+def _site(**kw):
+    return ProjectionSite(**{"attr": "qkv", "q": 0, "k": 8, **kw})
+
+
+def _layout(**kw):
+    fields = {"num_heads": 2, "num_kv_heads": 2, "head_dim": 4, "query_features": 8, "key_features": 8}
+    return AttentionLayout(**{**fields, "sites": (_site(),), **kw})
+
+
+def _adapter(**kw):
+    return ModelAdapter(**{"name": "a", "description": "d", "matches": bool, "layout": _layout, **kw})
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "pattern"),
+    [
+        (lambda: _site(attr=""), dc.DamchaTypeError, r"`attr`: expected the projection's attribute name.*attr=''"),
+        (lambda: _site(attr=3), dc.DamchaTypeError, r"`attr`.*attr=3"),
+        (lambda: _site(q=None, k=None), dc.DamchaValueError, r"`q`: expected the feature offset.*q=None, k=None"),
+        (lambda: _site(q=-4), dc.DamchaValueError, r"`q`: expected an int >= 0 or None.*ProjectionSite\(q=-4\)"),
+        (lambda: _site(k=8.0), dc.DamchaTypeError, r"`k`: expected an int >= 0 or None.*k=8\.0"),
+        (lambda: _site(groups=0), dc.DamchaValueError, r"`groups`: expected an int >= 1.*groups=0"),
+        (lambda: _site(groups=True), dc.DamchaTypeError, r"`groups`: expected an int >= 1.*groups=True"),
+        (lambda: _layout(num_heads=0), dc.DamchaValueError, r"`num_heads`: expected an int >= 1.*num_heads=0"),
+        (lambda: _layout(head_dim="4"), dc.DamchaTypeError, r"`head_dim`: expected an int >= 1.*head_dim='4'"),
+        (lambda: _layout(sites=_site()), dc.DamchaTypeError, r"`sites`: expected a tuple of ProjectionSite"),
+        (lambda: _layout(sites=("qkv",)), dc.DamchaTypeError, r"`sites`: expected a tuple of ProjectionSite"),
+        (lambda: _layout(self_attention="yes"), dc.DamchaTypeError, r"`self_attention`: expected True, False or None"),
+        (lambda: _adapter(name=""), dc.DamchaTypeError, r"`name`: expected a non-empty str"),
+        (lambda: _adapter(description=None), dc.DamchaTypeError, r"`description`: expected a str"),
+        (lambda: _adapter(matches=True), dc.DamchaTypeError, r"`matches`: expected a callable.*matches=True"),
+        (lambda: _adapter(layout="x"), dc.DamchaTypeError, r"`layout`: expected a callable.*layout='x'"),
+    ],
+    ids=[
+        "site-attr-empty",
+        "site-attr-int",
+        "site-no-role",
+        "site-negative-offset",
+        "site-float-offset",
+        "site-groups-zero",
+        "site-groups-bool",
+        "layout-no-heads",
+        "layout-head-dim-str",
+        "layout-sites-not-a-tuple",
+        "layout-site-not-a-site",
+        "layout-self-attention-str",
+        "adapter-name-empty",
+        "adapter-description-none",
+        "adapter-matches-not-callable",
+        "adapter-layout-not-callable",
+    ],
+)
+def test_a_bad_field_is_refused_where_it_is_built(make, error, pattern):
+    with pytest.raises(error, match=r"Invalid argument " + pattern):
+        make()
+
+
+def test_integer_fields_are_stored_as_ints():
+    # Sizes read off a config as NumPy integers are accepted and stored as plain ints.
+    layout = _layout(num_heads=np.int64(2), sites=[_site(k=np.int32(8), groups=np.int64(1))])
+    assert type(layout.num_heads) is int and isinstance(layout.sites, tuple)
+    assert type(layout.sites[0].k) is int and type(layout.sites[0].groups) is int
+
+
+@pytest.mark.parametrize(
+    ("layout", "error", "pattern"),
+    [
+        (
+            None,
+            dc.DamchaTypeError,
+            r"`layout`: expected an AttentionLayout\. Received: adapter 'a''s layout\(\) returned None",
+        ),
+        (
+            _layout(sites=(_site(k=None),)),
+            dc.DamchaValueError,
+            r"`sites`: expected sites that project the queries \(q\) and the keys \(k\) once each.*roles \['q'\]",
+        ),
+        (
+            _layout(sites=(_site(), ProjectionSite("k2", k=0))),
+            dc.DamchaValueError,
+            r"`sites`: .*once each.*roles \['k', 'k', 'q'\] in \['qkv', 'k2'\]",
+        ),
+        (_layout(sites=(_site(k=6),)), dc.DamchaValueError, r"`k`: expected a multiple of head_dim=4.*k=6 for `qkv`"),
+    ],
+    ids=["not-a-layout", "no-key-site", "two-key-sites", "part-of-a-head"],
+)
+def test_check_layout_refuses_what_convert_cannot_map(layout, error, pattern):
+    with pytest.raises(error, match=r"Invalid argument " + pattern):
+        check_layout(_adapter(), layout)
+
+
+def test_check_layout_returns_a_layout_that_fits():
+    layout = _layout()
+    assert check_layout(_adapter(), layout) is layout

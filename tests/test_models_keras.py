@@ -633,7 +633,8 @@ def test_sublayer_conversion_and_register_adapter():
     model = keras.Model(inp, MyAttention(name="mine")(inp))
     with pytest.raises(
         dc.DamchaValueError,
-        match=r"knows \(keras-mha.*Received: model with layers of unknown layouts: mine \(.*MyAttention\)",
+        match=r"knows \(one of the \d+ that damcha_keras\.supported_layouts\(\) lists;.*Received: model with layers of "
+        r"unknown layouts: mine \(.*MyAttention\)",
     ):
         dk.convert(model)
     adapter = dk.register_adapter(
@@ -682,7 +683,9 @@ def test_sublayer_conversion_and_register_adapter():
     )
     try:
         with pytest.raises(
-            dc.DamchaTypeError, match=r"adapter 'test-bad-layout''s layout\(\) returned 3, expected an AttentionLayout"
+            dc.DamchaTypeError,
+            match=r"Invalid argument `layout`: expected an AttentionLayout\. Received: adapter 'test-bad-layout''s "
+            r"layout\(\) returned 3",
         ):
             dk.convert(fresh)
     finally:

@@ -2782,6 +2782,30 @@ def test_from_pretrained_refuses_a_plain_checkpoint(tmp_path):
 
 
 @pytest.mark.parametrize(
+    "case, error, pattern",
+    [
+        ("none", dc.DamchaTypeError, r"`path`: expected a folder path \(str or os\.PathLike\)\. Received: path=None"),
+        ("int", dc.DamchaTypeError, r"`path`: expected a folder path.*Received: path=123"),
+        (
+            "missing",
+            dc.DamchaValueError,
+            r"`path`: expected a local folder written by save_pretrained.*\(no such folder\)",
+        ),
+        ("empty-folder", dc.DamchaValueError, r"holding config\.json.*\(a folder without config\.json\)"),
+        ("bad-json", dc.DamchaValueError, r"`path`: expected a folder whose config\.json is JSON"),
+    ],
+)
+def test_from_pretrained_names_a_bad_path(tmp_path, case, error, pattern):
+    """None or an int raised a raw TypeError; a folder that does not exist (or a
+    Hub id) was told its config.json "records no 'damcha' conversion"."""
+    path = {"none": None, "int": 123, "missing": tmp_path / "nothing"}.get(case, tmp_path)
+    if case == "bad-json":
+        (tmp_path / "config.json").write_text("{not json", encoding="utf-8")
+    with pytest.raises(error, match=pattern):
+        dt.from_pretrained(transformers.LlamaForCausalLM, path)
+
+
+@pytest.mark.parametrize(
     "arch", ["llama", "gpt2", "bert", *BERT_COPIES, "vit", "opt", "clip-text", "clip-vision", "bart", "whisper"]
 )
 def test_mha_checkpoint_loads_into_converted_model(arch):
@@ -3046,10 +3070,13 @@ def test_unknown_layout_is_refused_and_nothing_converted():
     model = nn.Sequential(build("vit"), MyAttention())
     with pytest.raises(
         dc.DamchaValueError,
-        match=r"expected attention layers of a layout convert\(\) knows \(transformers-llama.*register_adapter\).*Received: .*MyAttention",
-    ):
+        match=r"expected attention layers of a layout convert\(\) knows \(one of the \d+ that "
+        r"damcha_torch\.supported_layouts\(\) lists; .*register_adapter\).*Received: .*MyAttention",
+    ) as refused:
         dt.convert(model)
     assert not dt.converted_layers(model)
+    # The layer is named near the start: the layouts' descriptions (~6,000 characters) came first.
+    assert str(refused.value).index("MyAttention") < 500, str(refused.value)
 
 
 def test_a_refusal_names_the_known_layers_that_cannot_be_converted_too():
@@ -3437,6 +3464,95 @@ def test_register_adapter_for_another_layout():
         open_gates(model)
         assert not torch.equal(model(x), before)
     assert model[0].damcha.config.coupling == "tied"
+
+
+class _Checked(MyAttention):
+    """Taught to convert() by a test's own adapter (one class per layout under test)."""
+
+
+_CHECKED_LAYOUTS = {
+    # A custom adapter's layout that does not fit its module: refused at convert(), naming the field.
+    "query-features-not-the-projections": (
+        lambda m: dt.AttentionLayout(2, 2, 8, 32, 16, (dt.ProjectionSite("wq", q=0), dt.ProjectionSite("wk", k=0))),
+        dc.DamchaValueError,
+        r"Invalid argument `query_features`: expected the input features of `wq`.*query_features=32 with "
+        r"wq\.in_features=16",
+    ),
+    "no-key-site": (
+        lambda m: dt.AttentionLayout(2, 2, 8, 16, 16, (dt.ProjectionSite("wq", q=0),)),
+        dc.DamchaValueError,
+        r"Invalid argument `sites`: expected sites that project the queries \(q\) and the keys \(k\) once each.*"
+        r"roles \['q'\] in \['wq'\]",
+    ),
+    "a-site-of-no-role": (
+        lambda m: dt.AttentionLayout(2, 2, 8, 16, 16, (dt.ProjectionSite("wq"), dt.ProjectionSite("wk", k=0))),
+        dc.DamchaValueError,
+        r"Invalid argument `q`: expected the feature offset of the queries.*ProjectionSite\('wq', q=None, k=None\)",
+    ),
+    "layout-not-a-layout": (
+        lambda m: None,
+        dc.DamchaTypeError,
+        r"Invalid argument `layout`: expected an AttentionLayout",
+    ),
+    "attr-not-a-str": (
+        lambda m: dt.AttentionLayout(2, 2, 8, 16, 16, (dt.ProjectionSite(0, q=0), dt.ProjectionSite("wk", k=0))),
+        dc.DamchaTypeError,
+        r"Invalid argument `attr`: expected the projection's attribute name.*attr=0",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(_CHECKED_LAYOUTS))
+def test_a_custom_layout_that_does_not_fit_its_module_is_refused(case):
+    """Accepted before: a query_features other than the projection's input
+    converted and failed in the forward with a raw shape error; a layout
+    without a key site (or with a site of no role) converted "tied" and mapped
+    one side only; a layout() returning None or a site named by an int raised
+    raw AttributeError/TypeError."""
+    layout, error, pattern = _CHECKED_LAYOUTS[case]
+    cls = type(f"_Checked_{case.replace('-', '_')}", (_Checked,), {})
+    name = f"test-checked-{case}"
+    if name not in " ".join(dt.supported_layouts()):
+        dt.register_adapter(dt.ModelAdapter(name, case, lambda m, c=cls: type(m) is c, layout))
+    model = nn.Sequential(cls())
+    with pytest.raises(error, match=rf"Cannot convert layer `0` \({name}\): {pattern}"):
+        dt.convert(model)
+    assert not dt.converted_layers(model)
+
+
+def test_a_bad_adapter_is_refused_at_construction_and_leaves_convert_working():
+    """A ModelAdapter with a non-callable `matches` was registered, and every
+    convert() in the process then failed with "'bool' object is not callable"."""
+    with pytest.raises(dc.DamchaTypeError, match=r"Invalid argument `matches`: expected a callable.*matches=True"):
+        dt.ModelAdapter("test-bad-matches", "bad", True, lambda m: None)
+    model = nn.Sequential(nn.MultiheadAttention(16, 2, batch_first=True))
+    dt.convert(model)
+    assert isinstance(model[0], dt.DamchaAttention)
+
+
+@pytest.mark.parametrize("pool", ["avg", "map"])
+def test_timm_parallel_scaling_blocks_are_refused_by_name(pool):
+    """timm's ParallelScalingBlock computes attention and MLP from one fused
+    `in_proj`: with an attention-pool head (global_pool="map") convert()
+    converted the head alone and left every block's attention without maps;
+    with "avg" it said the model had no attention layer."""
+    model = timm.create_model(
+        "vit_base_patch16_xp_224",
+        pretrained=False,
+        global_pool=pool,
+        img_size=32,
+        patch_size=8,
+        embed_dim=32,
+        depth=2,
+        num_heads=4,
+        num_classes=5,
+    )
+    with pytest.raises(
+        dc.DamchaValueError,
+        match=r"unknown layouts: blocks\.0 \(timm\.models\.vision_transformer\.ParallelScalingBlock\)",
+    ):
+        dt.convert(model)
+    assert not dt.converted_layers(model)
 
 
 class FlaggedAttention(MyAttention):

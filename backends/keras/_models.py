@@ -436,11 +436,7 @@ def _plans(
             if CONFIG_KEY in layer.__dict__ or getattr(layer, CONFIG_KEY, None) is not None:
                 # Checked here, not when attaching: the layers before it had been converted already.
                 raise DamchaValueError(f"the layer already has an attribute `{CONFIG_KEY}`")
-            layout = adapter.layout(layer)
-            if not isinstance(layout, AttentionLayout):  # a raw AttributeError ('int' has no 'sites') before
-                raise DamchaTypeError(
-                    f"adapter {adapter.name!r}'s layout() returned {describe(layout)}, expected an AttentionLayout"
-                )
+            layout = _layout.check_layout(adapter, adapter.layout(layer))
             _check_sites(layer, layout, quantized=loading)
             if layout.self_attention is None and "cross" in _name(layer).rpartition("/")[0].rpartition("/")[2].lower():
                 # A layer that can serve either (an MHA) inside a wrapper named as a cross-attention
@@ -496,7 +492,9 @@ def _wrapper_problem(layer: Any, supported: list[Any]) -> str | None:
 
 
 def _supported_text() -> str:
-    return "; ".join(supported_layouts())
+    # A pointer, not the list: inlined, the layouts' descriptions (~6,000
+    # characters) came before the part that names the user's layer.
+    return f"one of the {len(supported_layouts())} that damcha_keras.supported_layouts() lists"
 
 
 def _is_converted(model: Any) -> bool:
@@ -718,12 +716,8 @@ def _forget_traced_functions(model: Any) -> None:
 
 
 def _check_sites(layer: Any, layout: AttentionLayout, *, quantized: bool) -> None:
-    """Refuse sites convert() cannot map; ``quantized``: accept quantized projections."""
-    if not layout.sites:
-        raise DamchaValueError("the layout names no projection site")
-    roles = [r for site in layout.sites for r, _ in site.roles()]
-    if sorted(roles) != ["k", "q"]:
-        raise DamchaValueError(f"the sites must project the queries and the keys once each. Received: roles {roles}")
+    """Refuse sites convert() cannot map (their roles and offsets are checked
+    already: ``_layout.check_layout``); ``quantized``: accept quantized projections."""
     for site in layout.sites:
         projection = getattr(layer, site.attr, None)
         if not isinstance(projection, keras.layers.Layer):
@@ -742,12 +736,6 @@ def _check_sites(layer: Any, layout: AttentionLayout, *, quantized: bool) -> Non
                 f"`{site.attr}` is quantized ({mode}); convert the float model, then quantize it "
                 "(model.quantize after dk.convert; its .keras file loads back converted and quantized)."
             )
-        for role, offset in site.roles():
-            if offset < 0 or offset % layout.head_dim:
-                raise DamchaValueError(
-                    f"the {role} offset of `{site.attr}` must be a multiple of head_dim={layout.head_dim} (whole "
-                    f"heads). Received: {role}={offset}"
-                )
         features = _out_features(projection)
         if features is not None:
             site.blocks(layout.num_heads, layout.num_kv_heads, layout.head_dim, features)

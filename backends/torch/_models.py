@@ -748,15 +748,27 @@ _QUERY_KEY = (
 )
 
 
+# Per-head query and key norms (children even where they are nn.Identity): timm's
+# ParallelScalingBlock computes attention and MLP from one fused `in_proj` (not a
+# name above) and was left without maps while an attention-pool head beside it converted.
+_QK_NORMS = (("q_norm", "k_norm"), ("query_norm", "key_norm"), ("q_layernorm", "k_layernorm"))
+
+
 def _projects_queries_and_keys(module: nn.Module) -> bool:
     """``module`` holds query/key projections of its own (children with weights
-    under the names above): it computes attention whatever its class is named."""
+    under the names above) or query/key norms: it computes attention whatever
+    its class is named."""
 
     def weighted(attr: str) -> bool:
         child = module._modules.get(attr)
         return child is not None and next(child.parameters(), None) is not None
 
-    return any(weighted(a) for a in _FUSED_QK) or any(weighted(q) and weighted(k) for q, k in _QUERY_KEY)
+    children = module._modules
+    return (
+        any(weighted(a) for a in _FUSED_QK)
+        or any(weighted(q) and weighted(k) for q, k in _QUERY_KEY)
+        or any(children.get(q) is not None and children.get(k) is not None for q, k in _QK_NORMS)
+    )
 
 
 def _inside(name: str, prefixes: list[str]) -> bool:
@@ -795,7 +807,9 @@ def _find(model: nn.Module) -> tuple[list[tuple[str, nn.Module, ModelAdapter]], 
 
 
 def _supported_text() -> str:
-    return "; ".join(supported_layouts())
+    # A pointer, not the list: inlined, the layouts' descriptions (~6,000
+    # characters) came before the part that names the user's layer.
+    return f"one of the {len(supported_layouts())} that damcha_torch.supported_layouts() lists"
 
 
 def convert(
@@ -974,14 +988,26 @@ def _plans(
     failures: list[DamchaValueError | DamchaTypeError] = []
     for name, module, adapter in matched:
         try:
-            layout = adapter.layout(module)
+            layout = _layout.check_layout(adapter, adapter.layout(module))
             config = _layout.layout_config(layout, metric=metric, metric_rank=metric_rank, coupling=coupling)
             for site in layout.sites:
-                # The blocks the maps read, checked against the projection's size
-                # where it tells it (apply_maps checks every call's output anyway).
+                # The blocks the maps read and the tokens the generators read, checked
+                # against the projection's sizes where it tells them (apply_maps checks
+                # every call's output anyway).
                 features = _projection_features(_child(module, site.attr))
-                if features is not None:
-                    site.blocks(layout.num_heads, layout.num_kv_heads, layout.head_dim, features[1])
+                if features is None:
+                    continue
+                site.blocks(layout.num_heads, layout.num_kv_heads, layout.head_dim, features[1])
+                for role, _ in site.roles():
+                    field = "query_features" if role == "q" else "key_features"
+                    if getattr(layout, field) != features[0]:
+                        raise DamchaValueError(
+                            dc.invalid_argument(
+                                field,
+                                f"the input features of `{site.attr}`, which projects the {role} heads",
+                                f"{field}={getattr(layout, field)} with {site.attr}.in_features={features[0]}",
+                            )
+                        )
         except (DamchaValueError, DamchaTypeError) as exc:
             failures.append(type(exc)(f"Cannot convert layer `{name}` ({adapter.name}): {exc}"))
             continue
@@ -1211,12 +1237,34 @@ def from_pretrained(cls: type, path: str | os.PathLike, *, recompute: bool = Tru
         **kwargs: passed to ``cls.from_pretrained``.
 
     Raises:
-        DamchaValueError: the checkpoint records no DAMCHA conversion (load it
-            with ``cls.from_pretrained`` and call ``convert``).
+        DamchaTypeError: ``cls`` is not a model class, ``path`` not a path.
+        DamchaValueError: ``path`` is not a local folder holding
+            ``config.json``, or the checkpoint records no DAMCHA conversion
+            (load it with ``cls.from_pretrained`` and call ``convert``).
     """
     if not isinstance(cls, type) or not hasattr(cls, "from_pretrained"):
         raise DamchaTypeError(dc.invalid_argument("cls", "a transformers model class", f"cls={describe(cls)}"))
-    options = recorded_options(path)
+    if not isinstance(path, (str, os.PathLike)):
+        raise DamchaTypeError(
+            dc.invalid_argument("path", "a folder path (str or os.PathLike)", f"path={describe(path)}")
+        )
+    if not os.path.isfile(os.path.join(os.fspath(path), "config.json")):
+        # The options are read from the folder before transformers sees it: a Hub id is not one.
+        found = "a folder without config.json" if os.path.isdir(path) else "no such folder"
+        raise DamchaValueError(
+            dc.invalid_argument(
+                "path",
+                "a local folder written by save_pretrained, holding config.json (a Hub checkpoint: download it "
+                "first, e.g. huggingface_hub.snapshot_download)",
+                f"path={os.fspath(path)!r} ({found})",
+            )
+        )
+    try:
+        options = recorded_options(path)
+    except (ValueError, UnicodeDecodeError) as exc:  # json.JSONDecodeError is a ValueError
+        raise DamchaValueError(
+            dc.invalid_argument("path", "a folder whose config.json is JSON", f"path={os.fspath(path)!r} ({exc})")
+        ) from exc
     if options is None or options.get("format") != CONFIG_FORMAT:
         raise DamchaValueError(
             dc.invalid_argument(
