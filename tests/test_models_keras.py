@@ -671,6 +671,26 @@ def test_sublayer_conversion_and_register_adapter():
     finally:
         dk._models._ADAPTERS.remove(adapter)
     assert any(line.startswith("keras-hub-llama") for line in dk.supported_layouts())
+    # One whose sizes do not fit the Dense it names: converted, then failed in the first call.
+    wrong = dk.register_adapter(
+        dk.ModelAdapter(
+            "test-wrong-features",
+            "query_features 16 for an 8-feature qk",
+            matches=lambda layer: isinstance(layer, MyAttention) and layer.name == "wrong",
+            layout=lambda layer: dk.AttentionLayout(2, 2, 4, 16, 16, (dk.ProjectionSite("qk", q=0, k=8),)),
+        )
+    )
+    try:
+        wrong_model = keras.Model(inp, MyAttention(name="wrong")(inp))
+        with pytest.raises(
+            dc.DamchaValueError,
+            match=r"Cannot convert layer `wrong` \(test-wrong-features\): Invalid argument `query_features`: expected "
+            r"the input features of `qk`.*query_features=16 with `qk` built for 8 input features",
+        ):
+            dk.convert(wrong_model)
+        assert not dk.converted_layers(wrong_model)
+    finally:
+        dk._models._ADAPTERS.remove(wrong)
     # An adapter whose layout() returns something else: a raw AttributeError ('int' has no 'sites').
     fresh = keras.Model(inp, MyAttention(name="other")(inp))
     bad = dk.register_adapter(

@@ -739,6 +739,28 @@ def _check_sites(layer: Any, layout: AttentionLayout, *, quantized: bool) -> Non
         features = _out_features(projection)
         if features is not None:
             site.blocks(layout.num_heads, layout.num_kv_heads, layout.head_dim, features)
+        # The tokens the generators read are the projection's input: a layout whose
+        # query_features differ converted, then failed in the first call.
+        inputs = _in_features(projection)
+        for role, _ in site.roles():
+            field = "query_features" if role == "q" else "key_features"
+            if inputs is not None and getattr(layout, field) != inputs:
+                raise DamchaValueError(
+                    dc.invalid_argument(
+                        field,
+                        f"the input features of `{site.attr}`, which projects the {role} heads",
+                        f"{field}={getattr(layout, field)} with `{site.attr}` built for {inputs} input features",
+                    )
+                )
+
+
+def _in_features(projection: Any) -> int | None:
+    """The input size of a built ``Dense`` projection (its input spec's last axis); None for others."""
+    if not isinstance(projection, keras.layers.Dense):
+        return None
+    axes = getattr(getattr(projection, "input_spec", None), "axes", None)
+    value = axes.get(-1) if isinstance(axes, dict) else None
+    return value if isinstance(value, int) else None
 
 
 def _out_features(projection: Any) -> int | None:
