@@ -16,6 +16,7 @@ whether an earlier export or their owner wrote them.
 from __future__ import annotations
 
 import argparse
+import errno
 import functools
 import json
 import os
@@ -33,7 +34,7 @@ import damcha_core as dc
 from damcha_core import _cliutil as cu
 
 from ._export import export
-from ._graph import ATTENTION_OPSET, DTYPES, MIN_OPSET
+from ._graph import ATTENTION_OPSET, DTYPES, MIN_OPSET, check_scaled_query
 from ._io import ONNX_PATH_RULE, data_file_name, is_onnx_path, read_only_data_file, remove_stale_data
 from ._options import check_opset
 from ._runtime import empty_kv_cache, ort_session, run_ort, run_reference
@@ -266,6 +267,24 @@ def _validate(args: argparse.Namespace) -> tuple[dict[str, np.ndarray], dc.Damch
                 f"it, or choose another --out{never}. Received: --out {args.out!r}",
                 prog=PROG,
             )
+        try:
+            os.lstat(data_path)
+        except OSError as exc:
+            # A name the OS refuses (a 248-byte --out stem: its data file's name passes 255 bytes) was
+            # reported as "--out: is not a usable path ... Received: '<out>.data'", a path the user never
+            # typed: name it as --out's data file, when it is written, and the ways out.
+            if exc.errno not in (errno.ENOENT, errno.ENOTDIR):
+                never = ""
+                if args.external_data == "auto":
+                    never = ", or pass --external-data never (the weights in the .onnx file, up to protobuf's 2 GiB)"
+                when = "written for a model past 2 GiB" if args.external_data == "auto" else "always written"
+                cu.usage_error(
+                    "--out",
+                    f"its external data file {str(data_path)!r} (<out>.data, --external-data {args.external_data}: "
+                    f"{when}) is not a usable path ({exc.strerror}); expected a --out whose data file the OS "
+                    f"takes: choose a shorter --out{never}. Received: --out {args.out!r}",
+                    prog=PROG,
+                )
         cu.check_output_file(data_path, "--out", prog=PROG)
     elif (data := read_only_data_file(str(out))) is not None:  # a one-file export removes a stale data file
         cu.usage_error(
@@ -317,7 +336,7 @@ def _validate(args: argparse.Namespace) -> tuple[dict[str, np.ndarray], dc.Damch
             f"differs from the config stored in {args.params!r} in: {fields}. Omit --config to use the stored one",
             prog=PROG,
         )
-    _check_dtype_holds(args, params)
+    _check_dtype_holds(args, params, config)
     if not args.cross and config.context_dim != config.query_dim:
         cu.usage_error(
             "--cross",
@@ -335,13 +354,16 @@ def _validate(args: argparse.Namespace) -> tuple[dict[str, np.ndarray], dc.Damch
     return params, config
 
 
-def _check_dtype_holds(args: argparse.Namespace, params: dict[str, np.ndarray]) -> None:
+def _check_dtype_holds(args: argparse.Namespace, params: dict[str, np.ndarray], config: dc.DamchaConfig) -> None:
     """Exit 2 naming ``--dtype`` when a weight would round to inf in it, and the narrowest choice that
-    holds every weight: the exporter's own refusal named ``params[...]`` alone, not the flag that fixes it."""
+    holds every weight: the exporter's own refusal named ``params[...]`` alone, not the flag that fixes it.
+    The query weights count as the export folds them, times the config's ``scale`` (a large one took them
+    past the dtype's range, and the exporter named its internal weight ``q.kernel``)."""
 
     def fits(dtype: str) -> dc.DamchaValueError | None:
         try:
             dc.check_params_fit(params, dtype, float(np.finfo(dtype).max))
+            check_scaled_query(params, config, dtype)
         except dc.DamchaValueError as exc:
             return exc
         return None

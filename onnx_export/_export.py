@@ -17,13 +17,24 @@ import damcha_core as dc
 from damcha_core import DamchaConfig, DamchaValueError
 
 from . import _io
-from ._graph import ATTENTION_OPSET, GraphBuilder, KVCacheNames, attention_layer, checked_arrays
+from ._graph import (
+    ATTENTION_OPSET,
+    GraphBuilder,
+    KVCacheNames,
+    attention_layer,
+    checked_arrays,
+    checked_padding_mask,
+)
 from ._io import (
+    DIGEST_KEY,
     EXTERNAL_DATA_MIN_BYTES,
+    check_data_file,
     check_path,
+    content_digest,
     data_file_name,
     needs_external_data,
     save_validated,
+    set_metadata,
     validate_model,
 )
 from ._options import PAST_LEN, TOTAL_LEN, ExportOptions
@@ -93,12 +104,21 @@ def mask_value_info(options: ExportOptions, heads: int) -> onnx.ValueInfoProto:
     return helper.make_tensor_value_info(MASK, TensorProto.BOOL, dims, doc_string=doc)
 
 
-def mask_node(g: GraphBuilder, options: ExportOptions) -> str | None:
-    """The graph value of the mask as (B|1, H|1, N|1, M), or ``None``."""
+def mask_node(g: GraphBuilder, options: ExportOptions, tokens: str, keys: str, past: str | None) -> str | None:
+    """The graph value of the mask as (B|1, H|1, N|1, M), or ``None``.
+
+    ``tokens`` is the input whose dim 0 is the batch, ``keys`` the one whose
+    dim 1 counts the step's keys (the query or token ids, or the context),
+    ``past`` the cache input whose dim 2 counts the cached keys, if any: a
+    padding mask must be exactly (B, M) of these.
+    """
     if not options.mask:
         return None
     if options.mask == "padding":
-        return g.op("Unsqueeze", [MASK, g.ints([1, 2])], "mask_4d")  # (B, 1, 1, M)
+        key_len = g.dim(keys, 1, "padding_keys")
+        if past is not None:
+            key_len = g.op("Add", [g.dim(past, 2, "padding_past"), key_len], "padding_total")
+        return checked_padding_mask(g, MASK, g.dim(tokens, 0, "padding_batch"), key_len)  # (B, 1, 1, M)
     return MASK
 
 
@@ -157,6 +177,9 @@ class Draft:
         )
         model.ir_version = ir_version_for(self.g.opset)
         helper.set_model_props(model, self.props)
+        # The identity of exactly this graph and these weights, so that a session
+        # of another export with the same input names is told apart (run_ort).
+        set_metadata(model, DIGEST_KEY, content_digest(model.SerializeToString(), self.g.arrays))
         external = self.g.add_initializers(model.graph, location, EXTERNAL_DATA_MIN_BYTES)
         return model, external
 
@@ -168,6 +191,13 @@ class Draft:
                 "export it to a file instead (export(..., path), saved with external data)."
             )
         return self.model()[0]
+
+
+def check_paths(path: str | None, options: ExportOptions) -> None:
+    """The data file of an export that asked for external data, before any work
+    (``check_path`` has checked ``path`` itself)."""
+    if path is not None and options.external_data:
+        check_data_file(path)
 
 
 def finish(draft: Draft, path: str | None, options: ExportOptions) -> onnx.ModelProto:
@@ -193,6 +223,7 @@ def finish(draft: Draft, path: str | None, options: ExportOptions) -> onnx.Model
                 f"path=None, external_data={options.external_data} ({draft.g.nbytes} bytes of weights)",
             )
         )
+    check_data_file(path)  # before the file is written and validated (external_data=None decides here)
     model, arrays = draft.model(data_file_name(path))
     save_validated(model, path, arrays)
     return model
@@ -281,7 +312,7 @@ def _layer_model(params: Mapping[str, Any], config: DamchaConfig, options: Expor
         config,
         QUERY,
         CONTEXT if o.cross else None,
-        mask=mask_node(g, o),
+        mask=mask_node(g, o, QUERY, CONTEXT if o.cross else QUERY, PAST_KEY if o.kv_cache else None),
         causal=o.causal,
         form=o.form,
         prefix="",
@@ -422,4 +453,5 @@ def export(
     """
     path = check_path(path)
     options = ExportOptions.resolve(options, "layer", **ExportOptions.keywords(locals()))
+    check_paths(path, options)
     return finish(_layer_model(params, config, options), path, options)

@@ -319,6 +319,38 @@ def _fold(p: Mapping[str, np.ndarray], config: DamchaConfig, *, fold_gate: bool)
     return out
 
 
+def check_scaled_query(params: Mapping[str, Any], config: DamchaConfig, dtype: str) -> None:
+    """Refuse a softmax scale that takes the query projection past ``dtype``'s
+    range: the export folds the scale into ``query.kernel``/``query.bias``, and
+    the folded weight's own check named that internal weight (``q.kernel``)
+    rather than the config's ``scale`` at fault.
+
+    Raises:
+        DamchaValueError: naming ``config.scale``, the largest scaled weight and ``dtype``.
+    """
+    scale = abs(float(config.softmax_scale))
+    limit = np.finfo(dtype).max
+    for name in ("query.kernel", "query.bias"):
+        if name not in params or not np.size(params[name]):
+            continue
+        largest = float(np.max(np.abs(np.asarray(params[name], dtype=np.float64))))
+        with np.errstate(over="ignore"):
+            # The product is monotonic in each factor: the largest weight gives the largest folded one.
+            scaled = np.float64(scale) * np.float64(largest)
+            overflows = bool(np.isinf(np.asarray(scaled).astype(dtype)))
+        if overflows:
+            raise DamchaValueError(
+                dc.invalid_argument(
+                    "config.scale",
+                    f"a softmax scale whose product with the query projection rounds to a finite {dtype} "
+                    f"(|x| <= {float(limit):g}): the export folds the scale into query.kernel and query.bias; "
+                    "use a smaller scale or a wider dtype",
+                    f"config.scale={config.scale!r} and max |{name}| = {largest:g}: scaled weights up to "
+                    f"{float(scaled):g} in dtype {dtype}",
+                )
+            )
+
+
 def checked_arrays(params: Mapping[str, Any], config: Any) -> dict[str, np.ndarray]:
     """``validate_params``' checks (names, shapes, dtypes, finiteness) against
     ``config`` (a ``DamchaConfig`` or a stack's config), returning the caller's
@@ -444,6 +476,7 @@ def attention_layer(
                 "cache", "None unless the attention is causal self-attention", f"context={context!r}, causal={causal}"
             )
         )
+    check_scaled_query(params, config, g.np_dtype.name)
     f = _fold(params, config, fold_gate=shared is None)
     H, G, d, d_v = config.num_heads, config.side_heads("k"), config.key_dim, cast(int, config.value_dim)
     R = config.group_size
@@ -599,16 +632,40 @@ def _checked_mask(g: GraphBuilder, mask: str, target: Sequence[str], P: str) -> 
         [g.op("Equal", [shape, g.ints([1, 1, 1, 1])], f"{P}mask_dim1"), g.op("Equal", [shape, full], f"{P}mask_dimeq")],
         f"{P}mask_fits",
     )
+    return _fail_unless(g, mask, shape, fits, f"{P}mask")
+
+
+def checked_padding_mask(g: GraphBuilder, mask: str, batch: str, key_len: str) -> str:
+    """A (B, M) key padding mask as (B, 1, 1, M), after a check that fails in
+    the runtime unless its two dims are exactly the batch and the key count
+    (1-element int64 tensors read from the other inputs' shapes).
+
+    The 4-D check of each layer lets any dim be 1, so a (1, M) or (B, 1)
+    padding mask would pass it once unsqueezed and be broadcast: a tokenizer's
+    mask of the wrong batch or length is a caller's bug, never a broadcast.
+    Checked here, on the 2-D feed, whatever dims the input declares.
+    """
+    shape = g.op("Shape", [mask], "padding_mask_dims")
+    full = g.op("Concat", [batch, key_len], "padding_mask_target", axis=0)
+    fits = g.op("Equal", [shape, full], "padding_mask_fits")
+    checked = _fail_unless(g, mask, shape, fits, "padding_mask")
+    return g.op("Unsqueeze", [checked, g.ints([1, 2])], "mask_4d")
+
+
+def _fail_unless(g: GraphBuilder, x: str, shape: str, fits: str, hint: str) -> str:
+    """``x`` reshaped to its own ``shape``, with an empty vector appended to the
+    target shape that only has length 0 when every entry of ``fits`` is True:
+    the Reshape fails in any runtime otherwise, and changes nothing when it passes."""
     bad = g.op(
         "ReduceSum",
-        [g.op("Cast", [g.op("Not", [fits], f"{P}mask_unfit")], f"{P}mask_unfit_i", to=TensorProto.INT64)],
-        f"{P}mask_bad",
+        [g.op("Cast", [g.op("Not", [fits], f"{hint}_unfit")], f"{hint}_unfit_i", to=TensorProto.INT64)],
+        f"{hint}_bad",
         keepdims=1,
     )  # (1,): how many dims do not fit
     # A vector of `bad` zeros, reshaped to length 0: fails unless bad == 0.
-    zeros = g.op("ConstantOfShape", [bad], f"{P}mask_bad_zeros", value=numpy_helper.from_array(np.zeros(1, np.int64)))
-    empty = g.op("Reshape", [zeros, g.ints([0])], f"{P}mask_check", allowzero=1)
-    return g.op("Reshape", [mask, g.op("Concat", [shape, empty], f"{P}mask_shape", axis=0)], f"{P}mask_checked")
+    zeros = g.op("ConstantOfShape", [bad], f"{hint}_bad_zeros", value=numpy_helper.from_array(np.zeros(1, np.int64)))
+    empty = g.op("Reshape", [zeros, g.ints([0])], f"{hint}_check", allowzero=1)
+    return g.op("Reshape", [x, g.op("Concat", [shape, empty], f"{hint}_shape", axis=0)], f"{hint}_checked")
 
 
 def _rows_with_key(g: GraphBuilder, visible: str, causal: bool, query: str, offset: str | None, P: str) -> str:

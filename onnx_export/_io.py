@@ -4,15 +4,17 @@ work, large models with external data, every file replaced atomically."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import onnx
+import onnx.external_data_helper
 
-from damcha_core import DamchaTypeError, DamchaValueError, describe, invalid_argument
+from damcha_core import DamchaTypeError, DamchaValueError, check_bool, describe, invalid_argument
 from damcha_core._cliutil import atomic_write, link_target_problem, read_only, replace_synced, writable_dir
 
 #: protobuf refuses to serialise (or even size) one message of 2 GiB or more:
@@ -89,6 +91,38 @@ def check_path(path: Any, name: str = "path") -> str | None:
     return path
 
 
+#: Metadata key of a model's identity: a SHA-256 digest of its graph, metadata
+#: and weights, which ``run_ort(..., session=)`` compares with the session's
+#: (onnxruntime keeps ``metadata_props``, also in ``.ort`` files).
+DIGEST_KEY = "damcha_model_digest"
+
+
+def content_digest(head: bytes, arrays: Iterable[tuple[str, np.ndarray]]) -> str:
+    """SHA-256 of ``head`` (a graph without its weights, serialised) and of each
+    weight's name, dtype, shape and bytes, read in place (no copy of a large model)."""
+    digest = hashlib.sha256(head)
+    for name, array in arrays:
+        digest.update(f"\0{name}\0{array.dtype.str}\0{array.shape}\0".encode())
+        digest.update(np.ascontiguousarray(array))  # type: ignore[arg-type]
+    return digest.hexdigest()
+
+
+def derived_digest(model: onnx.ModelProto, how: str) -> str | None:
+    """The identity of a model made from ``model`` by a deterministic step
+    ``how`` (a quantiser and its settings), or None when ``model`` has none."""
+    source = next((p.value for p in model.metadata_props if p.key == DIGEST_KEY), None)
+    return None if source is None else hashlib.sha256(f"{source}\0{how}".encode()).hexdigest()
+
+
+def set_metadata(model: onnx.ModelProto, key: str, value: str | None) -> None:
+    """Set ``key`` in ``model.metadata_props`` (``None``: remove it), keeping the other entries."""
+    kept = [(p.key, p.value) for p in model.metadata_props if p.key != key]
+    del model.metadata_props[:]
+    for k, v in kept + ([] if value is None else [(key, value)]):
+        entry = model.metadata_props.add()
+        entry.key, entry.value = k, v
+
+
 def model_size(model: onnx.ModelProto) -> int:
     """Serialised size in bytes; protobuf's limit + 1 for a message too large to size."""
     try:
@@ -132,6 +166,29 @@ def read_only_data_file(path: str) -> str | None:
     never replaced or removed. (A data file name the OS refuses exists nowhere: None.)"""
     data = os.path.join(os.path.dirname(os.path.abspath(path)), data_file_name(path))
     return data if os.path.isfile(data) and read_only(data) else None
+
+
+def check_data_file(path: str, name: str = "path") -> None:
+    """Refuse a ``path`` whose external data file ``<path>.data`` cannot be
+    written because a folder sits there: called before any work when the
+    weights will go there, since the rename that puts the data file in place
+    would fail after the export's whole work.
+
+    Raises:
+        DamchaValueError: naming ``name``, the path and the data file.
+    """
+    data = os.path.join(os.path.dirname(os.path.abspath(path)), data_file_name(path))
+    # A rename replaces a file, a link (even to a folder) or a special file, never a folder.
+    if os.path.isdir(data) and not os.path.islink(data):
+        raise DamchaValueError(
+            invalid_argument(
+                name,
+                "a path whose external data file <path>.data can be written (with external data the weights go "
+                "there): move or rename what is there, choose another path, or pass external_data=False "
+                "(weights in the .onnx file, up to protobuf's 2 GiB)",
+                f"{name}={path!r} ({data!r} is a folder)",
+            )
+        )
 
 
 @contextlib.contextmanager
@@ -185,6 +242,8 @@ def save_validated(model: onnx.ModelProto, path: str, arrays: Sequence[np.ndarra
     and shape inference each serialise a ModelProto they are given.
     """
     path = check_path(path)  # type: ignore[assignment]
+    if arrays is not None:
+        check_data_file(path)
     if arrays is None and os.path.islink(path):  # written through, as atomic_write does
         path = os.path.realpath(path)
     directory = os.path.dirname(os.path.abspath(path))
@@ -212,6 +271,8 @@ def save_model(model: onnx.ModelProto, path: str | os.PathLike[str], *, external
     """
     target = check_path(path)
     assert target is not None  # None only for path=None, which the annotation excludes
+    if external_data is not None:
+        external_data = check_bool("external_data", external_data)
     if not needs_external_data(model_size(model), external_data):
         # One file: the core's atomic writer (a temporary file beside it, then one rename).
         if os.path.islink(target):  # written through, as atomic_write does: the stale data file is the file's
@@ -220,6 +281,7 @@ def save_model(model: onnx.ModelProto, path: str | os.PathLike[str], *, external
             f.write(model.SerializeToString())
         remove_stale_data(target)
         return [target]
+    check_data_file(target)
     directory = os.path.dirname(os.path.abspath(target))
     names = [os.path.basename(target), data_file_name(target)]
     with _staging(target) as tmp:
@@ -249,13 +311,54 @@ def remove_stale_data(path: str) -> None:
             os.remove(stale)
 
 
-def validate_model(model: onnx.ModelProto) -> onnx.ModelProto:
+def validate_model(model: onnx.ModelProto | str | os.PathLike[str]) -> onnx.ModelProto:
     """``onnx.checker`` (full check) and strict shape inference; returns the inferred model.
 
-    Raises ``onnx.checker.ValidationError`` or ``onnx.shape_inference.InferenceError``.
+    ``model`` is a ModelProto or, as for the other helpers, the path of an
+    ``.onnx`` file, checked from the file (an external data file beside it is
+    read there; the returned model holds its weights in memory).
+
+    Raises:
+        DamchaTypeError: ``model`` is neither a ModelProto nor a path.
+        DamchaValueError: a path that is missing, a directory, or not an ONNX
+            model protobuf can parse, naming the path.
+        onnx.checker.ValidationError / onnx.shape_inference.InferenceError:
+            a model that breaks the ONNX rules.
     """
-    onnx.checker.check_model(model, full_check=True)
-    return onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True, data_prop=True)
+    if isinstance(model, onnx.ModelProto):
+        onnx.checker.check_model(model, full_check=True)
+        return onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True, data_prop=True)
+    path = _model_file(model)
+    onnx.checker.check_model(path, full_check=True)
+    with tempfile.TemporaryDirectory(prefix="damcha-validate-") as tmp:
+        # From the file: the checker and shape inference then read external data
+        # beside it, and a model over 2 GiB is never one protobuf in memory here.
+        inferred = os.path.join(tmp, "inferred.onnx")
+        onnx.shape_inference.infer_shapes_path(path, inferred, check_type=True, strict_mode=True, data_prop=True)
+        proto = onnx.load(inferred, load_external_data=False)
+    onnx.external_data_helper.load_external_data_for_model(proto, os.path.dirname(os.path.abspath(path)))
+    return proto
+
+
+def _model_file(model: Any, name: str = "model") -> str:
+    """``model`` as the path of a file protobuf parses as a ModelProto."""
+    expected = "an onnx.ModelProto or the path of a readable .onnx file"
+    if not isinstance(model, (str, os.PathLike)):
+        raise DamchaTypeError(invalid_argument(name, expected, f"{name}={describe(model)}"))
+    path = os.fspath(model)
+    if not isinstance(path, str):
+        raise DamchaTypeError(invalid_argument(name, expected, f"{name}={describe(path)}"))
+    if not os.path.isfile(path):
+        what = "a directory" if os.path.isdir(path) else "no such file"
+        raise DamchaValueError(invalid_argument(name, expected, f"{name}={path!r} ({what})"))
+    try:
+        onnx.load(path, load_external_data=False)
+    except Exception as exc:  # DecodeError, OSError: the file is not a model
+        reason = (str(exc).strip().splitlines() or [""])[0][:300]
+        raise DamchaValueError(
+            invalid_argument(name, expected, f"{name}={path!r} ({type(exc).__name__}: {reason})")
+        ) from exc
+    return path
 
 
 def write_staged(model: onnx.ModelProto, directory: str, file_name: str) -> str:

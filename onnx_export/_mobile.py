@@ -12,7 +12,8 @@ import shutil
 import tempfile
 from collections.abc import Sequence
 
-from damcha_core import DamchaTypeError, DamchaValueError, describe, invalid_argument
+from damcha_core import DamchaTypeError, DamchaValueError, check_bool, describe, invalid_argument
+from damcha_core._cliutil import writable_dir
 
 from ._io import data_file_name
 from ._runtime import as_model
@@ -113,14 +114,8 @@ def convert_to_ort(
         raise DamchaValueError(
             invalid_argument("target_platform", f"one of {PLATFORMS}", f"target_platform={target_platform!r}")
         )
-    if not isinstance(type_reduction, bool):
-        raise DamchaTypeError(
-            invalid_argument("type_reduction", "a bool", f"type_reduction={describe(type_reduction)}")
-        )
-    out = pathlib.Path(os.fspath(output_dir))
-    if out.exists() and not out.is_dir():
-        raise DamchaValueError(invalid_argument("output_dir", "a directory", f"output_dir={str(out)!r} (a file)"))
-    out.mkdir(parents=True, exist_ok=True)
+    type_reduction = check_bool("type_reduction", type_reduction)
+    out = _output_dir(output_dir)
     with tempfile.TemporaryDirectory(prefix="damcha-ort-") as tmp:
         # A folder of exactly these models (the tool converts every .onnx of a
         # folder, and writes one config for all of them).
@@ -149,6 +144,39 @@ def convert_to_ort(
         raise DamchaValueError(f"onnxruntime did not write {missing}; its log: {log.getvalue()[-500:]}")
     config = out / ("required_operators_and_types.config" if type_reduction else "required_operators.config")
     return OrtConversion(converted, config, _parse_config(config))
+
+
+#: What ``convert_to_ort``'s ``output_dir`` must be.
+OUTPUT_DIR_RULE = "the path of a writable directory, existing or one that can be created (str or os.PathLike)"
+
+
+def _output_dir(output_dir: object) -> pathlib.Path:
+    """``output_dir`` as an existing directory a file can be created in (made
+    with its parents when missing): checked before onnxruntime's converter
+    runs, which otherwise failed after its work with a raw OSError or TypeError."""
+    if not isinstance(output_dir, (str, os.PathLike)):
+        raise DamchaTypeError(invalid_argument("output_dir", OUTPUT_DIR_RULE, f"output_dir={describe(output_dir)}"))
+    path = os.fspath(output_dir)
+    if not isinstance(path, str):  # a PathLike of bytes: the .ort names are str
+        raise DamchaTypeError(invalid_argument("output_dir", OUTPUT_DIR_RULE, f"output_dir={describe(path)}"))
+    if not path:
+        raise DamchaValueError(invalid_argument("output_dir", OUTPUT_DIR_RULE, "output_dir=''"))
+    out = pathlib.Path(path)
+    if out.exists() and not out.is_dir():
+        raise DamchaValueError(invalid_argument("output_dir", OUTPUT_DIR_RULE, f"output_dir={path!r} (a file)"))
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except (OSError, ValueError) as exc:  # a file on the way, /proc, no permission, a NUL byte, a name too long
+        reason = getattr(exc, "strerror", None) or str(exc)
+        raise DamchaValueError(
+            invalid_argument("output_dir", OUTPUT_DIR_RULE, f"output_dir={path!r} (it cannot be created: {reason})")
+        ) from exc
+    # Probed by creating a file, as the export paths are: permission bits say yes to root also in /proc.
+    if not writable_dir(out):
+        raise DamchaValueError(
+            invalid_argument("output_dir", OUTPUT_DIR_RULE, f"output_dir={path!r} (no file can be created in it)")
+        )
+    return out
 
 
 @contextlib.contextmanager

@@ -18,7 +18,14 @@ import numpy as np
 import numpy.typing as npt
 import onnx
 
-from damcha_core import DamchaTypeError, DamchaValueError, check_bool, describe, invalid_argument
+from damcha_core import (
+    DamchaNotIntegerError,
+    DamchaTypeError,
+    DamchaValueError,
+    check_bool,
+    describe,
+    invalid_argument,
+)
 
 from ._graph import ATTENTION_OPSET, DTYPES, MIN_OPSET
 
@@ -29,11 +36,20 @@ KINDS = ("layer", "encoder", "token_model")
 PAST_LEN, TOTAL_LEN = "past_len", "total_len"
 
 
+def _not_an_int(value: Any) -> type[DamchaTypeError]:
+    """The error class of an int argument given ``value``, which is no int: a
+    real number (2.0, 1.5) is ``DamchaNotIntegerError`` (a ``DamchaTypeError``
+    and a ``ValueError``, as damcha_core's ``check_int`` raises it), anything
+    else a ``DamchaTypeError``."""
+    real = isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+    return DamchaNotIntegerError if real else DamchaTypeError
+
+
 def check_opset(opset: Any, form: str = "auto") -> tuple[int, str]:
     """Validate ``opset``/``form``; returns (opset, resolved form)."""
     newest = onnx.defs.onnx_opset_version()
-    if isinstance(opset, bool) or not isinstance(opset, numbers.Integral):
-        raise DamchaTypeError(
+    if isinstance(opset, (bool, np.bool_)) or not isinstance(opset, numbers.Integral):
+        raise _not_an_int(opset)(
             invalid_argument("opset", f"an int in [{MIN_OPSET}, {newest}]", f"opset={describe(opset)}")
         )
     opset = int(opset)
@@ -94,8 +110,12 @@ def _dim(dynamic: bool, name: str, symbol: str, value: Any) -> str | int:
                 )
             )
         return symbol
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise DamchaValueError(invalid_argument(name, "an int >= 1 with dynamic=False", f"{name}={describe(value)}"))
+    message = invalid_argument(name, "an int >= 1 with dynamic=False", f"{name}={describe(value)}")
+    # None is a size not given, which dynamic=False needs: a value missing, not a wrong type.
+    if value is not None and (isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral)):
+        raise _not_an_int(value)(message)
+    if value is None or value < 1:
+        raise DamchaValueError(message)
     return int(value)
 
 

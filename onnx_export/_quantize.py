@@ -16,10 +16,19 @@ from typing import Any
 import numpy as np
 import onnx
 
-from damcha_core import DamchaTypeError, DamchaValueError, describe, invalid_argument
+from damcha_core import DamchaTypeError, DamchaValueError, check_bool, invalid_argument
 
 from ._export import ir_version_for
-from ._io import check_path, is_large, save_model, write_staged
+from ._io import (
+    DIGEST_KEY,
+    check_path,
+    content_digest,
+    derived_digest,
+    is_large,
+    save_model,
+    set_metadata,
+    write_staged,
+)
 from ._runtime import as_model, check_weights_inline, describe_value, external_data_files, feeds_for, run_ort
 
 #: Activation/weight integer types of ``quantize_static``.
@@ -188,6 +197,9 @@ def quantize_int8(model: onnx.ModelProto | str | os.PathLike, path: str | os.Pat
                 reduce_range=True,
             )
         out = onnx.load(dst)  # weights read into memory (from beside dst with external data)
+    # The quantiser copies the float model's metadata, its identity too: the int8
+    # model gets its own, so neither model's session passes for the other's (run_ort).
+    set_metadata(out, DIGEST_KEY, derived_digest(m, "quantize_int8 reduce_range=True"))
     if path is not None:
         save_model(out, path)
     return out
@@ -300,8 +312,7 @@ def quantize_static_int8(
     rule = static_opset_rule(opset)
     if rule is not None:
         raise DamchaValueError(invalid_argument("model", rule, f"a model at opset {opset}"))
-    if isinstance(per_channel, bool) is False:
-        raise DamchaTypeError(invalid_argument("per_channel", "a bool", f"per_channel={describe(per_channel)}"))
+    per_channel = check_bool("per_channel", per_channel)
     if activation_type not in QUANT_TYPES:
         raise DamchaValueError(
             invalid_argument("activation_type", f"one of {QUANT_TYPES}", f"activation_type={activation_type!r}")
@@ -366,9 +377,17 @@ def quantize_static_int8(
                 },
             )
         out = onnx.load(dst)
+    how = f"quantize_static_int8 {per_channel=} {activation_type=} {method=} calibration={_feeds_digest(feeds)}"
+    set_metadata(out, DIGEST_KEY, derived_digest(m, how))
     if path is not None:
         save_model(out, path)
     return out
+
+
+def _feeds_digest(feeds: list[dict[str, np.ndarray]]) -> str:
+    """SHA-256 of the calibration data (names, dtypes, shapes, values): another
+    calibration gives another static model, so another identity."""
+    return content_digest(b"", ((f"{i}.{name}", feed[name]) for i, feed in enumerate(feeds) for name in sorted(feed)))
 
 
 def _check_calibration_batch(i: int, feed: Mapping[str, np.ndarray]) -> None:

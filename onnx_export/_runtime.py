@@ -15,15 +15,15 @@ import onnx.external_data_helper
 from damcha_core import (
     DamchaTypeError,
     DamchaValueError,
+    check_bool,
     check_int,
     describe,
-    float_dtype_error,
     invalid_argument,
     mask_dtype_error,
 )
 from damcha_core._policy import NO_KEYS_RULE
 
-from ._io import EXTERNAL_DATA_MIN_BYTES, is_large, write_staged
+from ._io import DIGEST_KEY, EXTERNAL_DATA_MIN_BYTES, is_large, write_staged
 
 if TYPE_CHECKING:  # imported lazily at run time: building a graph needs no runtime
     import onnxruntime
@@ -174,6 +174,7 @@ def ort_session(
     """
     import onnxruntime as ort  # lazy: building a graph needs no runtime
 
+    optimize, spinning = check_bool("optimize", optimize), check_bool("spinning", spinning)
     options = ort.SessionOptions()
     options.log_severity_level = 3  # errors surface as exceptions; no stderr noise
     if threads is not None:
@@ -238,7 +239,16 @@ def feeds_for(model: onnx.ModelProto, inputs: Mapping[str, Any]) -> dict[str, np
         if np_dtype == np.bool_ and array.dtype != np.bool_:
             raise mask_dtype_error(shown, name)
         if np.issubdtype(np_dtype, np.floating) and not np.issubdtype(array.dtype, np.floating):
-            raise float_dtype_error(name, shown)
+            # Not damcha_core's float_dtype_error: it lists bfloat16, which the frameworks take
+            # and onnxruntime's feeds do not (ml_dtypes' bfloat16 is no np.floating either).
+            raise DamchaTypeError(
+                invalid_argument(
+                    name,
+                    f"a real floating tensor: float16, float32 or float64 (cast to the model's "
+                    f"{np.dtype(np_dtype).name}; onnxruntime takes no bfloat16 feeds, cast one to float32 first)",
+                    f"{name}={describe(shown)}",
+                )
+            )
         if np.issubdtype(np_dtype, np.integer) and not np.issubdtype(array.dtype, np.integer):
             raise DamchaTypeError(invalid_argument(name, "an integer array", f"{name}={describe(shown)}"))
         # Float inputs are cast to the graph's dtype (e.g. float64 data into a float32 export).
@@ -496,6 +506,7 @@ def run_ort(
     query gives the empty outputs without running onnxruntime, which refuses
     them (``empty_outputs``).
     """
+    all_outputs = check_bool("all_outputs", all_outputs)
     # A path is run from the file (external data stays on disk); its graph is read for the feed checks.
     proto = as_model(model, load_weights=False)
     feeds = feeds_for(proto, inputs)
@@ -510,9 +521,12 @@ def run_ort(
 
 
 def _check_session(session: Any, proto: onnx.ModelProto) -> None:
-    """``session`` must be an onnxruntime session of ``proto`` (its inputs and
-    outputs by name): one made for another model (an .ort file of another
-    export) would run that model on these feeds."""
+    """``session`` must be an onnxruntime session of ``proto``: the same inputs
+    and outputs (names, element types, dims) and, where ``proto`` records its
+    identity (``damcha_model_digest``), the same one in the session's metadata.
+    A session made for another model (an .ort file of another export, with the
+    same names) would run that model on these feeds and return its outputs as
+    this model's."""
     # Duck-typed: a wrapper around a session (profiling, a test's fault injector) is one too.
     if not all(callable(getattr(session, m, None)) for m in ("run", "get_inputs", "get_outputs")):
         raise DamchaTypeError(
@@ -522,16 +536,47 @@ def _check_session(session: Any, proto: onnx.ModelProto) -> None:
                 f"session={describe_value(session)}",
             )
         )
-    ours = ([i.name for i in proto.graph.input], [o.name for o in proto.graph.output])
-    theirs = ([i.name for i in session.get_inputs()], [o.name for o in session.get_outputs()])
+    ours = [_signature(v) for v in proto.graph.input], [_signature(v) for v in proto.graph.output]
+    theirs = (
+        [(a.name, a.type, list(a.shape)) for a in session.get_inputs()],
+        [(a.name, a.type, list(a.shape)) for a in session.get_outputs()],
+    )
     if ours != theirs:
         raise DamchaValueError(
             invalid_argument(
                 "session",
-                f"a session of this model (inputs {ours[0]}, outputs {ours[1]})",
-                f"a session with inputs {theirs[0]}, outputs {theirs[1]}",
+                f"a session of this model ({_signature_text(ours)})",
+                f"a session with {_signature_text(theirs)}",
             )
         )
+    digest = next((p.value for p in proto.metadata_props if p.key == DIGEST_KEY), None)
+    meta = getattr(session, "get_modelmeta", None)
+    if digest is None or not callable(meta):
+        return  # a model without a recorded identity (or a wrapper without metadata): its signature was checked
+    other = dict(getattr(meta(), "custom_metadata_map", {}) or {}).get(DIGEST_KEY)
+    if other != digest:
+        raise DamchaValueError(
+            invalid_argument(
+                "session",
+                f"a session of this model ({DIGEST_KEY} {digest[:16]}..., the digest of its graph and weights)",
+                "a session of another model with the same inputs and outputs ("
+                + (f"{DIGEST_KEY} {other[:16]}...)" if other else f"no {DIGEST_KEY} in its metadata)"),
+            )
+        )
+
+
+def _signature(value: onnx.ValueInfoProto) -> tuple[str, str, list[str | int | None]]:
+    """A graph input's or output's (name, type, dims) as onnxruntime's ``NodeArg`` reports them."""
+    t = value.type.tensor_type
+    dims = [d.dim_param if d.dim_param else d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim]
+    return value.name, f"tensor({onnx.TensorProto.DataType.Name(t.elem_type).lower()})", dims
+
+
+def _signature_text(signature: tuple[list, list]) -> str:
+    """inputs [names], outputs [names]: each as name type (dims)."""
+    inputs, outputs = signature
+    detail = "; ".join(f"{n} {t} ({', '.join(str(d) for d in dims)})" for n, t, dims in inputs + outputs)
+    return f"inputs {[v[0] for v in inputs]}, outputs {[v[0] for v in outputs]}: {detail}"
 
 
 @overload
@@ -562,6 +607,7 @@ def run_reference(
     ``evaluator`` reuses a ``ReferenceEvaluator(model)`` across calls;
     ``all_outputs`` as for ``run_ort``.
     """
+    all_outputs = check_bool("all_outputs", all_outputs)
     model = as_model(model)
     feeds = feeds_for(model, inputs)
     empty = empty_outputs(model, feeds)  # as run_ort, so the two agree on empty inputs
@@ -593,6 +639,15 @@ def empty_kv_cache(model: onnx.ModelProto | str | os.PathLike, batch_size: int) 
         if value.name.startswith(("past_key", "past_value")):
             t = value.type.tensor_type
             dims = [d.dim_value for d in t.shape.dim]
+            if dims[0] > 0 and batch_size != dims[0]:  # a dynamic=False export fixes B
+                raise DamchaValueError(
+                    invalid_argument(
+                        "batch_size",
+                        f"the model's fixed batch size {dims[0]} (it was exported with dynamic=False; "
+                        f"{value.name} is declared ({', '.join(str(d or '?') for d in _dims(value))}))",
+                        f"batch_size={batch_size}",
+                    )
+                )
             cache[value.name] = np.zeros(
                 (int(batch_size), dims[1], 0, dims[3]), onnx.helper.tensor_dtype_to_np_dtype(t.elem_type)
             )

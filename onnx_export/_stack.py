@@ -37,6 +37,7 @@ from ._export import (
     Draft,
     cache_names,
     cache_value_info,
+    check_paths,
     finish,
     mask_node,
     mask_value_info,
@@ -82,17 +83,19 @@ def _encoder_nodes(
     eps = float(config.norm_eps)
 
     def norm(h: str, name: str) -> str:
-        return g.op(
-            "LayerNormalization",
-            [
-                h,
-                g.weight(f"{prefix}{name}.scale", p[f"{name}.scale"]),
-                g.weight(f"{prefix}{name}.bias", p[f"{name}.bias"]),
-            ],
-            f"{prefix}{name}",
-            axis=-1,
-            epsilon=eps,
-        )
+        scale = g.weight(f"{prefix}{name}.scale", p[f"{name}.scale"])
+        bias = g.weight(f"{prefix}{name}.bias", p[f"{name}.bias"])
+        hint = f"{prefix}{name}"
+        if g.onnx_dtype != TensorProto.DOUBLE:
+            return g.op("LayerNormalization", [h, scale, bias], hint, axis=-1, epsilon=eps)
+        # LayerNormalization's epsilon is a float32 attribute: 1e-5 becomes
+        # 9.9999997e-06, an error far above float64's. float64 graphs spell the
+        # reference's formula out instead, with epsilon a float64 constant.
+        centred = g.op("Sub", [h, g.reduce_mean_last(h, f"{hint}_mean")], f"{hint}_centred")
+        var = g.reduce_mean_last(g.op("Mul", [centred, centred], f"{hint}_sq"), f"{hint}_var")
+        std = g.op("Sqrt", [g.op("Add", [var, g.scalar(eps)], f"{hint}_vareps")], f"{hint}_std")
+        normed = g.op("Div", [centred, std], f"{hint}_normed")
+        return g.op("Add", [g.op("Mul", [normed, scale], f"{hint}_scaled"), bias], hint)
 
     h = x
     for i in range(config.num_layers):
@@ -260,7 +263,8 @@ def _stack_model(kind: str, params: Mapping[str, Any], config: Any, o: ExportOpt
         ]
     for value in inputs + outputs:
         g.reserve(value.name)
-    mask = mask_node(g, o)
+    tokens = "query" if kind == "encoder" else "tokens"
+    mask = mask_node(g, o, tokens, tokens, f"{PAST_KEY}.0" if o.kv_cache else None)
     if kind == "token_model":
         # Gather reads a negative id as counted from the end (-1: the last
         # row), a silent wrong answer in a runtime that does not check feeds
@@ -329,7 +333,7 @@ def export_encoder(
     path: str | os.PathLike | None,
     *,
     opset: int = ATTENTION_OPSET,
-    mask: bool = False,
+    mask: bool | str = False,
     dynamic: bool = True,
     dtype: npt.DTypeLike = "float32",
     form: str = "auto",
@@ -357,6 +361,7 @@ def export_encoder(
     path = check_path(path)
     keywords = ExportOptions.keywords(locals())
     options = _stack_options("encoder", config.causal, options, keywords)
+    check_paths(path, options)
     return finish(_stack_model("encoder", params, config, options), path, options)
 
 
@@ -366,7 +371,7 @@ def export_token_model(
     path: str | os.PathLike | None,
     *,
     opset: int = ATTENTION_OPSET,
-    mask: bool = False,
+    mask: bool | str = False,
     dynamic: bool = True,
     dtype: npt.DTypeLike = "float32",
     form: str = "auto",
@@ -390,4 +395,5 @@ def export_token_model(
     path = check_path(path)
     keywords = ExportOptions.keywords(locals())
     options = _stack_options("token_model", config.encoder.causal, options, keywords)
+    check_paths(path, options)
     return finish(_stack_model("token_model", params, config, options), path, options)

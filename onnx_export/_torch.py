@@ -12,10 +12,10 @@ from typing import Any
 
 import onnx
 
-from damcha_core import DamchaTypeError, DamchaValueError, describe, invalid_argument
+from damcha_core import DamchaTypeError, DamchaValueError, check_bool, describe, invalid_argument
 
 from ._graph import ATTENTION_OPSET
-from ._io import check_path, save_model, validate_model
+from ._io import DIGEST_KEY, check_path, content_digest, is_large, save_model, set_metadata, validate_model
 from ._options import check_opset
 
 #: The oldest opset torch.onnx.export(dynamo=True) writes: its op library (torchlib) is
@@ -29,13 +29,13 @@ def _default_opset(proto: onnx.ModelProto) -> int | None:
 
 def export_torch(
     model: Any,
-    args: Sequence[Any],
+    args: Sequence[Any] | Any,
     path: str | os.PathLike | None = None,
     *,
     opset: int = ATTENTION_OPSET,
     dynamic: bool = True,
-    input_names: Sequence[str] | None = None,
-    output_names: Sequence[str] | None = None,
+    input_names: str | Sequence[str] | None = None,
+    output_names: str | Sequence[str] | None = None,
     dynamic_shapes: Any = None,
 ) -> onnx.ModelProto:
     """Export a ``torch.nn.Module`` (e.g. one containing ``damcha_torch.DamchaAttention``)
@@ -43,15 +43,20 @@ def export_torch(
 
     Args:
         model: the module, put in eval mode by the caller.
-        args: example positional inputs (tensors).
+        args: example positional inputs (tensors), a tuple or list; one tensor
+            is one input (as ``torch.onnx.export`` takes it).
         path: where to save (checked first, written atomically); ``None`` only returns the model.
         opset: ONNX opset (>= 18, torch's oldest; default 23). A request that
             torch's version converter does not reach (it stops below the
             newest opset onnx knows) is refused, never exported at another opset.
         dynamic: dims 0 and 1 (batch and sequence) of every tensor input are
             dynamic (``torch.export.Dim.DYNAMIC``), so batch and lengths can
-            change after export.
-        input_names, output_names: graph input/output names.
+            change after export. A model that fixes one of them (an input
+            such as a (B, 1, N, M) mask, whose dim 1 is 1 and whose static N
+            fixes the query's length) is refused with a ``DamchaValueError``
+            naming ``dynamic``: pass ``dynamic_shapes`` or ``dynamic=False``.
+        input_names, output_names: graph input/output names, in order; a str
+            is one name (the first input's or output's).
         dynamic_shapes: ``torch.export``'s own spec (one entry per positional
             input), used instead of the default above, e.g. to make a mask's
             key-length dim dynamic: ``({0: Dim.DYNAMIC, 1: Dim.DYNAMIC},
@@ -65,6 +70,7 @@ def export_torch(
     if not isinstance(model, torch.nn.Module):
         raise DamchaTypeError(invalid_argument("model", "a torch.nn.Module", f"model={describe(model)}"))
     path = check_path(path)
+    dynamic = check_bool("dynamic", dynamic)
     opset, _ = check_opset(opset)
     if opset < TORCH_MIN_OPSET:
         raise DamchaValueError(
@@ -75,7 +81,21 @@ def export_torch(
                 f"opset={opset}",
             )
         )
+    # One tensor is one input, as torch.onnx.export takes it; tuple(tensor) would
+    # have split it along its batch into one input per row.
+    if isinstance(args, torch.Tensor):
+        args = (args,)
+    if not isinstance(args, (tuple, list)):
+        raise DamchaTypeError(
+            invalid_argument(
+                "args",
+                "a tuple (or list) of the example positional inputs, or one tensor",
+                f"args={describe(args)}",
+            )
+        )
     args = tuple(args)
+    input_names = _names("input_names", input_names)
+    output_names = _names("output_names", output_names)
     if dynamic_shapes is not None:
         if not dynamic:
             raise DamchaValueError(
@@ -92,21 +112,40 @@ def export_torch(
                 )
             )
         dynamic_shapes = tuple(dynamic_shapes)
-    elif dynamic:
+    default_dims = dynamic_shapes is None and dynamic
+    if default_dims:
         Dim = torch.export.Dim
         dynamic_shapes = tuple(
             {0: Dim.DYNAMIC, 1: Dim.DYNAMIC} if isinstance(a, torch.Tensor) and a.ndim >= 2 else None for a in args
         )
-    program = torch.onnx.export(
-        model,
-        args,
-        dynamo=True,
-        opset_version=opset,
-        dynamic_shapes=dynamic_shapes,
-        input_names=list(input_names) if input_names else None,
-        output_names=list(output_names) if output_names else None,
-        verbose=False,
-    )
+    try:
+        program = torch.onnx.export(
+            model,
+            args,
+            dynamo=True,
+            opset_version=opset,
+            dynamic_shapes=dynamic_shapes,
+            input_names=input_names,
+            output_names=output_names,
+            verbose=False,
+        )
+    except Exception as exc:
+        conflict = _dim_conflict(exc) if default_dims else None
+        if conflict is None:
+            raise
+        # The default marks dims 0 and 1 of every tensor input dynamic; a model that
+        # ties one of them to a fixed size (a (B, 1, N, M) mask: its head dim is 1,
+        # and its static N fixes the query's length) cannot keep that promise.
+        raise DamchaValueError(
+            invalid_argument(
+                "dynamic",
+                "dynamic=True only for a model whose tensor inputs all have variable dims 0 and 1 (batch and "
+                "length; the default marks exactly those dynamic); for other inputs, such as a (B, 1, N, M) mask, "
+                "pass dynamic_shapes= (torch.export's spec, one entry per input, e.g. {0: Dim.DYNAMIC, "
+                "2: Dim.DYNAMIC, 3: Dim.DYNAMIC} for that mask) or dynamic=False (every dim fixed at the example's)",
+                f"dynamic=True, inputs {[describe(a) for a in args]}; torch.export: {conflict}",
+            )
+        ) from exc
     if program is None:  # torch.onnx.export returns None only when it writes to a file itself
         raise RuntimeError("torch.onnx.export(dynamo=True) returned no ONNXProgram")
     proto = program.model_proto
@@ -126,9 +165,42 @@ def export_torch(
         )
     _name_dynamic_dims(proto)
     validate_model(proto)
+    if not is_large(proto):  # the identity run_ort(..., session=) compares; a model past 2 GiB goes without
+        set_metadata(proto, DIGEST_KEY, content_digest(proto.SerializeToString(), ()))
     if path is not None:
         save_model(proto, path)  # atomic: a failure keeps an earlier file at path
     return proto
+
+
+def _names(name: str, names: Any) -> list[str] | None:
+    """``input_names``/``output_names`` as a list: a str is one name (``list("query")``
+    named the input "q"), a sequence of non-empty, distinct strs as given."""
+    if names is None:
+        return None
+    if isinstance(names, str):
+        names = [names]
+    expected = "a str (one name), a sequence of distinct non-empty strs, or None"
+    if not isinstance(names, Sequence) or not all(isinstance(n, str) for n in names):
+        raise DamchaTypeError(invalid_argument(name, expected, f"{name}={describe(names)}"))
+    if not all(names) or len(set(names)) != len(names):
+        raise DamchaValueError(invalid_argument(name, expected, f"{name}={list(names)!r}"))
+    return list(names) or None
+
+
+def _dim_conflict(exc: BaseException) -> str | None:
+    """torch.export's report that a dim marked dynamic is fixed by the model, from
+    the causes of ``exc`` (torch.onnx wraps it in a TorchExportError), or None."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        text = str(cause)
+        for marker in ("Found the following conflicts", "Constraints violated"):
+            if marker in text:
+                lines = [line.strip() for line in text[text.index(marker) :].splitlines() if line.strip()]
+                return " ".join(lines[:4])[:600]
+        cause = cause.__cause__ or cause.__context__
+    return None
 
 
 #: torch.export's own symbols for dynamic dims (s77, s27): named after the input they size instead.

@@ -211,7 +211,10 @@ def _stack_vectors(vectors: Path) -> list[dict]:
                 "output": "output",
                 "expected": "expected.output",
                 "bad": [
-                    {"name": "padding-mask-keys", "feeds": {"mask": {"dtype": "bool", "shape": [2, 10], "fill": 1}}}
+                    {"name": "padding-mask-keys", "feeds": {"mask": {"dtype": "bool", "shape": [2, 10], "fill": 1}}},
+                    # Size-1 dims a 4-D mask may have: a (B, M) padding mask must not broadcast them.
+                    {"name": "padding-mask-batch-1", "feeds": {"mask": {"dtype": "bool", "shape": [1, 9], "fill": 1}}},
+                    {"name": "padding-mask-one-key", "feeds": {"mask": {"dtype": "bool", "shape": [2, 1], "fill": 1}}},
                 ],
             }
         )
