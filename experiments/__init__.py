@@ -25,7 +25,16 @@ from ._data import (
     make_listops,
     stdlib_corpus,
 )
-from ._stats import describe, holm, mcnemar_exact, median_interval, paired_difference, t_cdf, t_quantile
+from ._stats import (
+    describe,
+    holm,
+    mcnemar_exact,
+    median_interval,
+    paired_difference,
+    sign_flip_test,
+    t_cdf,
+    t_quantile,
+)
 from ._tasks import PRESETS, TASK_NAMES, TaskConfig, task_config
 from ._variants import ABLATION, HEADLINE, SUITES, VARIANTS, Variant
 
@@ -62,6 +71,7 @@ __all__ = [
     "paired_difference",
     "run_experiment",
     "run_suite",
+    "sign_flip_test",
     "stdlib_corpus",
     "t_cdf",
     "t_quantile",

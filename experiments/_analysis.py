@@ -21,7 +21,17 @@ Decisions (the rules the report states):
   v_s - b_s (b_s - v_s when lower is better). The paired t test's two-sided
   p-values of a family (all DAMCHA variants against one baseline on one
   task) are Holm-adjusted. "better" / "worse": adjusted p < 0.05 with the
-  sign of the mean gain; otherwise "within noise".
+  sign of the mean gain; otherwise "within noise". Every decision and
+  verdict reads this t test (the rule as registered).
+* ``sign-flip`` (beside the rule, deciding nothing): the exact two-sided
+  paired sign-flip permutation test of the same gains (every one of the
+  2**n sign patterns; a seeded Monte Carlo of 100,000 patterns above 20
+  seeds), Holm-adjusted over the same family. It does not assume a normal
+  mean gain, which a difference that is large on a few seeds and about 0 on
+  the rest (a baseline that fails on some seeds) is not; its p cannot go
+  below 2 / 2**n, so with 5 seeds (0.0625) it can never reach 0.05, and a
+  "better" or "worse" there rests on the t test's normality alone. The
+  tables print its p and Holm p, and say where its reading differs.
 * "no gain": the upper end of the 95% t interval of the mean gain is below
   the task's margin (a gain that large is excluded by the data).
 * claim 3 (cost): a DAMCHA variant's time ratio to MHA is the median of its
@@ -49,7 +59,16 @@ import numpy as np
 
 from damcha_core import DamchaValueError, invalid_argument
 
-from ._stats import _as_real_values, describe, holm, mcnemar_exact, median_interval, paired_difference, t_cdf
+from ._stats import (
+    _as_real_values,
+    describe,
+    holm,
+    mcnemar_exact,
+    median_interval,
+    paired_difference,
+    sign_flip_test,
+    t_cdf,
+)
 from ._tasks import CLAIM1_TASKS
 from ._variants import HEADLINE
 
@@ -352,6 +371,7 @@ def compare(
                 "budget": budget,
                 "budget_value": (b["steps"] if budget == "steps" else b["time_s"]) if b else None,
                 **stats,
+                "sign_flip": sign_flip_summary(mine, theirs, higher),
             }
         )
     for row, p in zip(rows, holm([r["p"] for r in rows])):
@@ -360,7 +380,25 @@ def compare(
         hi = row["ci"][1] if row["ci"] is not None else math.nan
         row["no_gain"] = bool(math.isfinite(hi) and hi < margin)
         row["margin"] = margin
+    adjust_sign_flip(rows)
     return rows
+
+
+def sign_flip_summary(mine: list[float], theirs: list[float], higher_is_better: bool) -> dict[str, Any]:
+    """``sign_flip_test`` of the paired gains ``mine - theirs`` (``theirs - mine`` when lower is better);
+    ``p_holm`` and ``decision`` are filled in over the family by ``adjust_sign_flip``."""
+    if not mine:
+        return {"n": 0, "p": None, "method": "exact", "resamples": None, "seed": None, "floor": 1.0}
+    x, y = np.asarray(mine, dtype=np.float64), np.asarray(theirs, dtype=np.float64)
+    return sign_flip_test([float(g) for g in ((x - y) if higher_is_better else (y - x))])
+
+
+def adjust_sign_flip(rows: list[dict[str, Any]]) -> None:
+    """Holm over ``rows``' sign-flip p-values (the family the t test's Holm covers), and the decision
+    the rule's threshold would take on them: ``row["sign_flip"]["p_holm"]`` and ``["decision"]``."""
+    for row, p in zip(rows, holm([r["sign_flip"]["p"] for r in rows])):
+        row["sign_flip"]["p_holm"] = p
+        row["sign_flip"]["decision"] = decide(p, row["mean"])
 
 
 def fresh_seeds(results: dict[str, Any]) -> dict[str, Any] | None:
@@ -593,15 +631,26 @@ def stability(results: dict[str, Any]) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------- verdicts
 
 
-def _task_gain(results: dict[str, Any], cost: dict[str, Any] | None = None, confidence: float = 0.95) -> dict[str, Any]:
-    """Headline verdict of one task: does some DAMCHA variant beat every baseline present?"""
+def _decision(row: dict[str, Any], test: str) -> str:
+    """A comparison row's decision on the rule's paired t test (``test="t"``) or on the sign-flip test."""
+    return row["decision"] if test == "t" else row["sign_flip"]["decision"]
+
+
+def _task_gain(
+    results: dict[str, Any], cost: dict[str, Any] | None = None, confidence: float = 0.95, test: str = "t"
+) -> dict[str, Any]:
+    """Headline verdict of one task: does some DAMCHA variant beat every baseline present?
+
+    ``test``: which test's Holm-adjusted decision counts as "better": "t" (the rule) or "sign-flip"
+    (the secondary analysis ``_sign_flip_reading``)."""
     names = damcha_names(results)
     present = [b for b in BASELINES if b in results["variants"]]
     tables = {b: compare(results, names, b, cost=cost, confidence=confidence) for b in present}
     better = [
         n
         for n in names
-        if present and all(next(r for r in tables[b] if r["variant"] == n)["decision"] == "better" for b in present)
+        if present
+        and all(_decision(next(r for r in tables[b] if r["variant"] == n), test) == "better" for b in present)
     ]
     at_ceiling = [b for b in present if headroom(results, b) < results["config"]["margin"]]
     # Against a baseline with less headroom than the margin no variant can show a gain of the
@@ -713,6 +762,78 @@ def claim2_slots(headline: dict[str, dict[str, Any]]) -> tuple[str, ...]:
     if deeper is None or not protocol_finished(deeper):
         return CLAIM2_TASKS
     return tuple(LISTOPS_CONVERGED if t == "listops" else t for t in CLAIM2_TASKS)
+
+
+def _claim1_verdict(gains: list[dict[str, Any]]) -> str:
+    """Claim 1 from the crosshead configurations' ``_task_gain``s (at least one)."""
+    if any(g["status"] == "better" for g in gains):
+        return "supported"
+    if len(gains) == len(CLAIM1_TASKS) and all(g["status"] == "no gain" for g in gains):
+        return "not supported"
+    return "inconclusive"
+
+
+def _sign_flip_reading(
+    headline: dict[str, dict[str, Any]], costs: dict[str, dict[str, Any]], tasks: list[str], verdict: str, *, claim: int
+) -> dict[str, Any] | None:
+    """Claim 1 or 2 read with the exact sign-flip test in the t test's place: a secondary analysis, not the rule.
+
+    Lists every converged comparison of the claim's tasks where the two tests' Holm-adjusted decisions
+    differ, names the tasks whose seeds are too few for the sign-flip test to reach ALPHA at all (its
+    floor 2 / 2**n; there a t-test "better"/"worse" has no distribution-free support), and says what
+    the verdict would be if "better" read the sign-flip test.
+    """
+    if not tasks:
+        return None
+    rows: list[dict[str, Any]] = []
+    for task in tasks:
+        res = headline[task]
+        names = damcha_names(res)
+        for b in BASELINES:
+            if b in res["variants"] and names:
+                rows += [dict(r, task=task) for r in compare(res, names, b, cost=costs.get(task))]
+    if not rows:
+        return None
+    differ = [r for r in rows if r["decision"] != r["sign_flip"]["decision"]]
+    parts = [
+        f"{r['task']}: {r['variant']} vs {r['baseline']} t Holm {_p(r['p_holm'])} ({r['decision']}), sign-flip Holm "
+        f"{_p(r['sign_flip']['p_holm'])} ({r['sign_flip']['decision']})"
+        for r in differ
+    ]
+    floors = []
+    for task in tasks:
+        mine = [r for r in rows if r["task"] == task]
+        floor = min(r["sign_flip"]["floor"] for r in mine)
+        if floor >= ALPHA:
+            labelled = [f"{r['variant']} vs {r['baseline']}" for r in mine if r["decision"] in ("better", "worse")]
+            floors.append(
+                f"{task} ({mine[0]['sign_flip']['n']} seeds: no sign-flip p below {floor:.4g}"
+                + (f"; t-test-only labels: {', '.join(labelled)}" if labelled else "")
+                + ")"
+            )
+    gains = [_task_gain(headline[t], costs.get(t), test="sign-flip") for t in tasks]
+    if claim == 1:
+        other = _claim1_verdict(gains)
+    else:
+        other, _ = _claim2_verdict(gains, claim2_slots(headline))
+    text = "converged comparisons where the tests' Holm-adjusted decisions differ: " + (
+        "; ".join(parts) if parts else "none"
+    )
+    if floors:
+        text += "; too few seeds for the sign-flip test to reach p < 0.05: " + "; ".join(floors)
+    text += f". A rule reading the sign-flip test would say {other}" + (
+        ": the same" if other == verdict else f", where the rule (paired t test) says {verdict}"
+    )
+    return {
+        "question": "the exact sign-flip permutation test in the paired t test's place",
+        "rows": differ,
+        "verdict": other,
+        "text": text,
+    }
+
+
+def _p(p: float | None) -> str:
+    return "n/a" if p is None or not math.isfinite(p) else f"{p:.2g}"
 
 
 def _claim2_verdict(gains: list[dict[str, Any]], slots: tuple[str, ...] = CLAIM2_TASKS) -> tuple[str, str]:
@@ -884,12 +1005,7 @@ def verdicts(
     if not gains1:
         verdict, reason = "inconclusive", "no crosshead results"
     else:
-        if any(g["status"] == "better" for _, g in gains1):
-            verdict = "supported"
-        elif len(gains1) == len(CLAIM1_TASKS) and all(g["status"] == "no gain" for _, g in gains1):
-            verdict = "not supported"
-        else:
-            verdict = "inconclusive"
+        verdict = _claim1_verdict([g for _, g in gains1])
         reason = "; ".join(
             f"{t}: better than {', '.join(g['baselines'])}: {', '.join(g['better_variants'])}"
             if g["better_variants"]
@@ -910,6 +1026,7 @@ def verdicts(
             "reason": reason,
             "rule": rule1,
             "secondary": _claim1_failure_rates(headline, verdict),
+            "sign_flip": _sign_flip_reading(headline, costs, [t for t, _ in gains1], verdict, claim=1),
         }
     )
     # Claim 2
@@ -935,6 +1052,7 @@ def verdicts(
             "rule": rule2,
             "tasks": gains,
             "secondary": _claim2_corrected(headline, costs, tasks, verdict),
+            "sign_flip": _sign_flip_reading(headline, costs, tasks, verdict, claim=2),
         }
     )
     # Claim 3
@@ -1076,6 +1194,7 @@ def verdicts(
         for row, p in zip(rows, holm([r["p"] for r in rows])):
             row["p_holm"] = p
             row["decision"] = decide(p, row["mean"])
+        adjust_sign_flip(rows)
         for (shared, ref), row in zip(present_pairs, rows):
             lo = row["ci"][0] if row["ci"] is not None else math.nan
             s, r_ = res["variants"][shared], res["variants"][ref]

@@ -339,23 +339,29 @@ def _merge_subset(path: Path, results: dict[str, Any], suite: str) -> dict[str, 
 
 
 _TIMES = ("wall_s", "cpu_s")
+# Which code ran a command and when (``run_suite``): kept per command in a merged file's ``commands``.
+_PROVENANCE = ("code_version", "started_utc", "finished_utc")
 
 
 def _merged_commands(old: dict[str, Any], kept: dict[str, Any], results: dict[str, Any]) -> list[dict[str, Any]]:
     """The commands whose variants a merged results file holds, oldest first: ``{"variants": [...],
-    "wall_s": s, "cpu_s": s}`` each. The old file's own list, or (a file of one command) one entry
-    made of its variants and times; an old command keeps its entry, with the variants it still
-    provides, while any of them is kept, and ``results``' command comes last. A command whose
-    variants were partly retrained keeps its whole time (it was not timed per variant)."""
+    "wall_s": s, "cpu_s": s}`` each, with its ``code_version``, ``started_utc`` and ``finished_utc``
+    (None, or absent from an old file's own list, for commands run before they were recorded). The
+    old file's own list, or (a file of one command) one entry made of its variants, times and
+    provenance; an old command keeps its entry, with the variants it still provides, while any of
+    them is kept, and ``results``' command comes last. A command whose variants were partly
+    retrained keeps its whole time (it was not timed per variant). The merged file's own
+    provenance fields are the last command's."""
     listed = old.get("commands")
     if not (isinstance(listed, list) and all(isinstance(c, dict) and "variants" in c for c in listed)):
-        listed = [{"variants": list(old["variants"])} | {k: old.get(k) for k in _TIMES}]
+        listed = [{"variants": list(old["variants"])} | {k: old.get(k) for k in (*_TIMES, *_PROVENANCE)}]
     commands = []
     for command in listed:
         still = [n for n in command["variants"] if n in kept]
         if still:
             commands.append(command | {"variants": still})
-    return [*commands, {"variants": list(results["variants"])} | {k: results[k] for k in _TIMES}]
+    last = {"variants": list(results["variants"])} | {k: results[k] for k in _TIMES}
+    return [*commands, last | {k: results.get(k) for k in _PROVENANCE}]
 
 
 def _summed_times(commands: list[dict[str, Any]]) -> dict[str, float | None]:
@@ -398,10 +404,11 @@ def _merge_cost(path: Path, cost: dict[str, Any], suite: str) -> dict[str, Any]:
     is the median of its per-round ratios to the MHA rounds of its own interleaved measurement, so
     entries of separate commands remain valid ratios, provided each keeps those MHA rounds: in a
     merged file every entry records ``mha_round_s_per_step`` (what ``_analysis.time_ratio`` pairs
-    its rounds with) and ``environment`` (when and where it was measured, load included), so the file
-    does not claim one measurement for all. The file's own ``environment`` and clock fields are the
-    last command's. A file measured otherwise, or whose clock could not time the steps (its
-    ``unusable_clocks`` is file-wide), is replaced as before.
+    its rounds with) and ``environment`` (when and where it was measured, load included), and the
+    ``code_version``/``started_utc``/``finished_utc`` of its measurement where that recorded them, so
+    the file does not claim one measurement for all. The file's own ``environment``, provenance and
+    clock fields are the last command's. A file measured otherwise, or whose clock could not time
+    the steps (its ``unusable_clocks`` is file-wide), is replaced as before.
     """
     from ._analysis import no_time_ratio
 
@@ -417,6 +424,9 @@ def _merge_cost(path: Path, cost: dict[str, Any], suite: str) -> dict[str, Any]:
     def own(file: dict[str, Any], name: str) -> dict[str, Any]:
         entry = dict(file["variants"][name])
         entry.setdefault("environment", file.get("environment"))
+        for key in _PROVENANCE:  # which code measured it, and when (a file from before: none recorded)
+            if key in file:
+                entry.setdefault(key, file[key])
         mha = file["variants"].get("mha") or {}
         if entry.get("time_ratio_vs_mha") is not None and mha.get("round_s_per_step") is not None:
             entry.setdefault("mha_round_s_per_step", mha["round_s_per_step"])

@@ -67,6 +67,7 @@ from torch.nn import functional as F
 
 from ._analysis import RATIO_CONFIDENCE, RATIO_RESAMPLES, RATIO_SEED, ratio_interval
 from ._models import count_parameters
+from ._provenance import code_version, utc_now
 from ._suite import environment
 from ._tasks import RESULTS_FORMAT, TaskConfig, TaskData
 from ._train import RunInterrupted, _sync, _to_device, build_model, model_width, param_groups
@@ -160,6 +161,7 @@ def measure_cost(
     device = torch.device(device)
     variants = list(variants) if "mha" in variants else ["mha", *variants]
     data = data if data is not None else TaskData(cfg)
+    started_utc, code = utc_now(), code_version()
     env_before = environment(device)
     order = data.order(0)
     x_np, y_np = data.batch(order)
@@ -283,4 +285,7 @@ def measure_cost(
         "variants": entries,
         "environment": env_before | {"loadavg_after": environment(device).get("loadavg")},
         "params_check": {name: count_parameters(models[name]) for name in variants},
+        "code_version": code,
+        "started_utc": started_utc,
+        "finished_utc": utc_now(),
     }

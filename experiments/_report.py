@@ -291,6 +291,34 @@ def _ci(c: dict[str, Any], digits: int = 4) -> str:
     return "n/a" if c.get("ci") is None else f"[{c['ci'][0]:+.{digits}f}, {c['ci'][1]:+.{digits}f}]"
 
 
+def sign_flip_cell(row: dict[str, Any]) -> str:
+    """A comparison row's sign-flip test: "p [Holm p]", "(floor F)" when its seeds are too few for it to reach
+    the rule's alpha, and "-> D" when its Holm-adjusted decision differs from the t test's (the rule's)."""
+    sf = row.get("sign_flip")
+    if sf is None or sf.get("p") is None:
+        return "n/a"
+    cell = f"{_f3(sf['p'])} [{_f3(sf.get('p_holm'))}]"
+    if sf["method"] != "exact":
+        cell += f" (MC {sf['resamples']:,})"
+    if sf["floor"] >= an.ALPHA:
+        cell += f" (floor {sf['floor']:.3g})"
+    if sf.get("decision") is not None and sf["decision"] != row["decision"]:
+        cell += f" -> {sf['decision']}"
+    return cell
+
+
+def _f3(p: float | None) -> str:
+    return "n/a" if p is None else format(p, ".3g")
+
+
+# What the sign-flip column of every comparison table holds (the analysis module's docstring has the detail).
+SIGN_FLIP_NOTE = (
+    "sign-flip: the exact paired sign-flip permutation test's two-sided p [Holm over the same family], "
+    "deciding nothing; '(floor F)': with these few seeds it cannot go below F, and '-> D' where its Holm p "
+    "would decide D"
+)
+
+
 def markdown_table(results: dict[str, Any], cost: dict[str, Any] | None = None) -> str:
     """Per variant: params, chosen lr, test metric (mean +- std, 95% CI), steps, stops, and the paired gain vs MHA."""
     vs = {}
@@ -305,8 +333,8 @@ def markdown_table(results: dict[str, Any], cost: dict[str, Any] | None = None) 
     m = results["metric"]
     lines = [
         f"| variant | params | lr | test {m} mean +- std | 95% CI | steps (mean) | plateau/max/div | "
-        "gain vs mha [95% CI] | Holm p | decision |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | :---: | ---: | ---: | :---: |",
+        "gain vs mha [95% CI] | Holm p (t) | decision (t) | sign-flip p [Holm] |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | :---: | ---: | ---: | :---: | ---: |",
     ]
     for name, r in results["variants"].items():
         t = r["test"]
@@ -317,27 +345,28 @@ def markdown_table(results: dict[str, Any], cost: dict[str, Any] | None = None) 
         gain = "-" if c is None else f"{c['mean']:+.4f} {_ci(c)}"
         p = "-" if c is None or c["p_holm"] is None else f"{c['p_holm']:.3g}"
         dec = "-" if c is None else c["decision"]
+        flip = "-" if c is None else sign_flip_cell(c)
         edge = an.at_grid_edge(results, name)
         lr = f"{r['chosen_lr']:g}" + (f" ({edge} of the grid)" if edge else "")
         lines.append(
             f"| {name} | {r['params']:,} | {lr} | {_f(t['mean'])} +- {_f(t['std'])} | {_ci(t)} | "
-            f"{r['steps']['mean']:.0f} | {stops} | {gain} | {p} | {dec} |"
+            f"{r['steps']['mean']:.0f} | {stops} | {gain} | {p} | {dec} | {flip} |"
         )
     return "\n".join(lines)
 
 
 def comparison_table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| variant | vs | budget | gain mean +- std | 95% CI | p | Holm p | decision | no gain (< margin) |",
-        "| --- | --- | --- | ---: | ---: | ---: | ---: | :---: | :---: |",
+        "| variant | vs | budget | gain mean +- std | 95% CI | p (t) | Holm p (t) | decision (t) | "
+        "no gain (< margin) | sign-flip p [Holm] |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | :---: | :---: | ---: |",
     ]
     for r in rows:
         budget = r["budget"] if r["budget_value"] is None else f"{r['budget']} = {r['budget_value']:.4g}"
         lines.append(
             f"| {r['variant']} | {r['baseline']} | {budget} | {r['mean']:+.4f} +- {_f(r['std'])} | {_ci(r)} | "
-            f"{'n/a' if r['p'] is None else format(r['p'], '.3g')} | "
-            f"{'n/a' if r['p_holm'] is None else format(r['p_holm'], '.3g')} | {r['decision']} | "
-            f"{'yes' if r['no_gain'] else 'no'} |"
+            f"{_f3(r['p'])} | {_f3(r['p_holm'])} | {r['decision']} | "
+            f"{'yes' if r['no_gain'] else 'no'} | {sign_flip_cell(r)} |"
         )
     return "\n".join(lines)
 
@@ -604,10 +633,10 @@ def build_report(folder: str | Path, tolerance: float = an.OVERHEAD_TOLERANCE) -
     for v in verdicts:
         md.append(f"* Claim {v['claim']}: {v['rule']}")
     md.append("")
-    secondary = [v for v in verdicts if v.get("secondary")]
+    secondary = [(v["claim"], v[key]) for v in verdicts for key in ("secondary", "sign_flip") if v.get(key)]
     if secondary:
         md += ["Secondary analyses (questions a reviewer may ask of the rules; the verdicts above are the rules'):", ""]
-        md += [f"* Claim {v['claim']}, {v['secondary']['question']}: {v['secondary']['text']}." for v in secondary]
+        md += [f"* Claim {claim}, {s['question']}: {s['text']}." for claim, s in secondary]
         md.append("")
     md.append(an.__doc__.split("Decisions (the rules the report states):")[1].strip().replace("\n\n", "\n"))
     damaged: list[tuple[str, str]] = []
@@ -657,7 +686,13 @@ def build_report(folder: str | Path, tolerance: float = an.OVERHEAD_TOLERANCE) -
                 for budget in ("converged", "steps", "time"):
                     rows += an.compare(res, names, base, budget=budget, cost=c)
         if rows:
-            md += ["Paired comparisons (converged, equal steps, equal training time):", "", comparison_table(rows), ""]
+            md += [
+                "Paired comparisons (converged, equal steps, equal training time; the decision is the paired t "
+                f"test's, Holm-adjusted, as the rules read it; {SIGN_FLIP_NOTE}):",
+                "",
+                comparison_table(rows),
+                "",
+            ]
         fresh = an.fresh_seeds(res)
         fresh_rows = []
         if fresh is not None:

@@ -22,6 +22,14 @@ A binary outcome per seed (a run that never learns the task) is compared
 with McNemar's exact test (``mcnemar_exact``): only the seeds where exactly
 one side failed carry information, and under the null each of them is a
 fair coin.
+
+The paired t test assumes the mean gain is roughly normal; with a handful
+of seeds and a two-humped difference (a baseline that fails on a few seeds
+and matches on the rest) it can be far off. ``sign_flip_test`` is the
+distribution-free counterpart the report prints beside it: the exact paired
+sign-flip permutation test of the mean gain (under the null each gain is as
+likely negated, so every one of the 2**n sign patterns is equally likely).
+Its two-sided p-value cannot go below 2 / 2**n (0.0625 with 5 seeds).
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ __all__ = [
     "mcnemar_exact",
     "median_interval",
     "paired_difference",
+    "sign_flip_test",
     "t_cdf",
     "t_quantile",
 ]
@@ -275,6 +284,80 @@ def paired_difference(
         out["ci"] = None
     else:
         out["p"] = math.nan
+    return out
+
+
+# Up to this many pairs ``sign_flip_test`` enumerates every sign pattern (2**(n-1) sums, 4 MiB at
+# n = 20); above it, a seeded Monte Carlo sample of patterns.
+SIGN_FLIP_EXACT_MAX_N = 20
+SIGN_FLIP_RESAMPLES = 100_000
+SIGN_FLIP_SEED = 0
+
+
+def sign_flip_test(
+    gains: Sequence[float],
+    *,
+    exact_max_n: int = SIGN_FLIP_EXACT_MAX_N,
+    resamples: int = SIGN_FLIP_RESAMPLES,
+    seed: int = SIGN_FLIP_SEED,
+) -> dict[str, Any]:
+    """Two-sided paired sign-flip permutation test of H0: the gains are symmetric about 0.
+
+    ``gains`` are the paired differences d_s (one per seed). The statistic is
+    |sum d| (equivalently |mean d|); the p-value is the share of sign
+    patterns e in {-1, +1}**n with |sum e_s d_s| >= |sum d_s| (ties within a
+    relative 1e-12 of sum |d| count as reaching it: quantised metrics give
+    exact ties that float rounding would split). Up to ``exact_max_n`` pairs
+    every pattern is enumerated ("exact"); above, ``resamples`` patterns are
+    drawn (numpy's PCG64 from ``seed``) and p = (1 + hits) / (1 + resamples)
+    ("monte carlo"). ``floor``: the smallest p the exact test can give with n
+    pairs, 2 / 2**n (the observed pattern and its mirror image). With fewer
+    than 2 gains p is None (as the t test's); a NaN or infinite gain (a
+    diverged run) makes it NaN; all gains 0 give p = 1.
+    """
+    arr = _as_real_values("gains", gains)
+    for name, value, low in (("exact_max_n", exact_max_n, 1), ("resamples", resamples, 1), ("seed", seed, 0)):
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+            raise DamchaTypeError(
+                invalid_argument(name, f"an int >= {low}", f"{name}={describe_value(value)} ({type(value).__name__})")
+            )
+        if value < low:
+            raise DamchaValueError(invalid_argument(name, f"an int >= {low}", f"{name}={value}"))
+    n = int(arr.size)
+    exact = n <= exact_max_n
+    out: dict[str, Any] = {
+        "n": n,
+        "p": None,
+        "method": "exact" if exact else "monte carlo",
+        "resamples": None if exact else int(resamples),
+        "seed": None if exact else int(seed),
+        "floor": min(1.0, 2.0 / 2.0**n),
+    }
+    if n < 2:
+        return out
+    if not np.isfinite(arr).all():
+        out["p"] = math.nan
+        return out
+    observed = abs(float(arr.sum()))
+    tol = _SAME_GAIN_RTOL * float(np.abs(arr).sum())
+    if observed <= tol:
+        out["p"] = 1.0
+        return out
+    if exact:
+        # |sum| is the same for a pattern and its mirror image: fix the first sign, enumerate the rest.
+        sums = np.array([arr[0]])
+        for d in arr[1:]:
+            sums = np.concatenate([sums + d, sums - d])
+        out["p"] = float(np.count_nonzero(np.abs(sums) >= observed - tol)) / sums.size
+        return out
+    rng = np.random.default_rng(seed)
+    hits, left = 0, int(resamples)
+    while left:  # in chunks: resamples x n signs at once could be large
+        k = min(left, 10_000)
+        signs = rng.integers(0, 2, size=(k, n)) * 2 - 1
+        hits += int(np.count_nonzero(np.abs(signs @ arr) >= observed - tol))
+        left -= k
+    out["p"] = (1.0 + hits) / (1.0 + resamples)
     return out
 
 

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from ._models import Variant
+from ._provenance import code_version, utc_now
 from ._stats import describe
 from ._tasks import RESULTS_FORMAT, TaskConfig, TaskData
 from ._train import check_run_dir, model_width, run_environment, run_identity, train_run
@@ -198,9 +199,13 @@ def run_suite(
     should_stop: Callable[[int], bool] | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Train ``variants`` on ``cfg``'s task; returns the plain-JSON results of the suite."""
+    """Train ``variants`` on ``cfg``'s task; returns the plain-JSON results of the suite.
+
+    Beside the results: ``code_version`` (git commit and dirty flag of this package's checkout, or
+    None; ``_provenance``) and ``started_utc``/``finished_utc`` of this call."""
     device = torch.device(device)
     started, cpu_started = time.perf_counter(), time.process_time()
+    started_utc, code = utc_now(), code_version()
     env = environment(device)
     data = TaskData(cfg)
     if out is not None:
@@ -224,6 +229,10 @@ def run_suite(
         "wall_s": time.perf_counter() - started,
         "cpu_s": time.process_time() - cpu_started,
         "environment": env,
+        # Provenance of this command (each run records its own too): docs/experiments.md, "Provenance".
+        "code_version": code,
+        "started_utc": started_utc,
+        "finished_utc": utc_now(),
     }
 
 

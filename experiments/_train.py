@@ -54,6 +54,7 @@ from ._models import (
     metric_parameter_names,
     prepare_model,
 )
+from ._provenance import code_version, utc_now
 from ._tasks import DATA_VERSIONS, TaskConfig, TaskData
 
 CHECKPOINT_FORMAT = 1
@@ -417,6 +418,7 @@ def _save_checkpoint(
     state: RunState,
     device: torch.device,
     environments: list[dict[str, Any]],
+    stretches: list[dict[str, Any]],
 ) -> None:
     payload = {
         "format": CHECKPOINT_FORMAT,
@@ -429,6 +431,8 @@ def _save_checkpoint(
         "state": json.dumps(dataclasses.asdict(state)),
         # Not part of the identity: a checkpoint resumes anywhere, the result says where each stretch ran.
         "environments": json.dumps(environments),
+        # Each process's stretch of the run: its first step, start time and code version.
+        "stretches": json.dumps(stretches),
     }
     with cu.atomic_write(path, "wb") as f:  # never a half-written checkpoint
         torch.save(payload, f)
@@ -436,7 +440,7 @@ def _save_checkpoint(
 
 def _load_checkpoint(
     path: Path, identity: dict[str, Any], model: nn.Module, opt: torch.optim.Optimizer, order: Any, device: torch.device
-) -> tuple[RunState, list[dict[str, Any]]]:
+) -> tuple[RunState, list[dict[str, Any]], list[dict[str, Any]]]:
     try:
         payload = torch.load(path, map_location=device, weights_only=True)
         stored = payload["identity"]
@@ -454,7 +458,9 @@ def _load_checkpoint(
     order.load_state_dict(json.loads(payload["order"]))
     # A checkpoint written before environments were recorded: its steps ran somewhere unknown.
     environments = json.loads(payload.get("environments", '[{"first_step": 1, "environment": null}]'))
-    return RunState(**json.loads(payload["state"])), environments
+    # One written before stretches were recorded: when its steps started and on which code is unknown.
+    stretches = json.loads(payload.get("stretches", '[{"first_step": 1, "started_utc": null, "code_version": null}]'))
+    return RunState(**json.loads(payload["state"])), environments, stretches
 
 
 def train_run(
@@ -497,7 +503,13 @@ def train_run(
     ``environments`` every environment it ran in, ``{"first_step": s,
     "environment": {...}}`` in order (one entry unless it resumed from a
     checkpoint written elsewhere; ``null`` for steps of a checkpoint that
-    recorded none). Results written before these fields lack them.
+    recorded none). Provenance (``_provenance``): ``code_version``
+    (``{"commit", "dirty"}`` of the git checkout this process runs, or
+    ``null`` outside one), ``started_utc`` (when the run's first step
+    started; ``null`` when it resumed from a checkpoint that predates the
+    record), ``finished_utc``, and ``stretches``: one ``{"first_step",
+    "started_utc", "code_version"}`` per process that trained part of it.
+    Results written before these fields lack them.
     """
     cfg = data.cfg
     device = torch.device(device)
@@ -527,9 +539,12 @@ def train_run(
     resumed_at = None
     environment = _json_roundtrip(run_environment(device))
     environments = [{"first_step": 1, "environment": environment}]
+    stretch = {"first_step": 1, "started_utc": utc_now(), "code_version": code_version()}
+    stretches = [stretch]
     if paths is not None and paths["ckpt"].exists():
-        state, environments = _load_checkpoint(paths["ckpt"], identity, model, opt, order, device)
+        state, environments, stretches = _load_checkpoint(paths["ckpt"], identity, model, opt, order, device)
         resumed_at = state.step
+        stretches.append(dict(stretch, first_step=resumed_at + 1))
         if environments[-1]["environment"] != environment:
             warnings.warn(
                 f"{paths['ckpt']}: resuming at step {resumed_at} in another environment than the checkpoint's "
@@ -583,15 +598,20 @@ def train_run(
             if step >= cfg.max_steps and state.stop_reason is None:
                 state.stop_reason = "max_steps"
             if paths is not None and state.stop_reason is None:
-                _save_checkpoint(paths["ckpt"], identity, model, opt, order, state, device, environments)
+                _save_checkpoint(paths["ckpt"], identity, model, opt, order, state, device, environments, stretches)
         if state.stop_reason is None and should_stop is not None and should_stop(step):
             if paths is not None:
-                _save_checkpoint(paths["ckpt"], identity, model, opt, order, state, device, environments)
+                _save_checkpoint(paths["ckpt"], identity, model, opt, order, state, device, environments, stretches)
             raise RunInterrupted(f"stopped at step {step}")
 
     result = _result(cfg, identity, state, model, resumed_at)
     result["environment"] = environment
     result["environments"] = environments
+    # Provenance: the code that finished the run, when its first step started and when it ended.
+    result["code_version"] = stretch["code_version"]
+    result["started_utc"] = stretches[0]["started_utc"]
+    result["finished_utc"] = utc_now()
+    result["stretches"] = stretches
     if head_maps:
         result["head_maps"] = head_map_means(model, data, device)
     if paths is not None:

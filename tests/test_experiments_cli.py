@@ -441,7 +441,10 @@ def test_a_merged_results_file_times_every_command_it_holds(tmp_path, monkeypatc
 
     def recorded(*args, **kw):
         res = real(*args, **kw)
-        timed.append({"variants": list(res["variants"]), "wall_s": res["wall_s"], "cpu_s": res["cpu_s"]})
+        timed.append(
+            {"variants": list(res["variants"])}
+            | {k: res[k] for k in ("wall_s", "cpu_s", "code_version", "started_utc", "finished_utc")}
+        )
         return res
 
     monkeypatch.setattr(_suite, "run_suite", recorded)
@@ -455,9 +458,12 @@ def test_a_merged_results_file_times_every_command_it_holds(tmp_path, monkeypatc
     first = command("talking-heads")
     assert "commands" not in first and (first["wall_s"], first["cpu_s"]) == (timed[0]["wall_s"], timed[0]["cpu_s"])
     merged = command("mha")
-    assert merged["commands"] == timed[:2]
+    assert merged["commands"] == timed[:2]  # each command's provenance too: which code ran it, when
     for key in ("wall_s", "cpu_s"):
         assert merged[key] == pytest.approx(timed[0][key] + timed[1][key], rel=1e-12), key
+    for key in ("code_version", "started_utc", "finished_utc"):  # the file's own: the last command's
+        assert merged[key] == timed[1][key], key
+    assert timed[0]["started_utc"] is not None and timed[1]["finished_utc"] is not None
     again = command("mha")  # mha's runs read back: its entry is replaced, not added
     assert again["commands"] == [timed[0], timed[2]]
     assert again["wall_s"] == pytest.approx(timed[0]["wall_s"] + timed[2]["wall_s"], rel=1e-12)
@@ -467,6 +473,7 @@ def test_a_merged_results_file_times_every_command_it_holds(tmp_path, monkeypatc
     (out / "digits.json").write_text(json.dumps({k: v for k, v in first.items() if k != "cpu_s"}))
     edited = command("mha")
     assert edited["cpu_s"] is None and edited["commands"][0]["cpu_s"] is None
+    assert edited["commands"][0]["started_utc"] == first["started_utc"]
     assert edited["wall_s"] == pytest.approx(timed[0]["wall_s"] + timed[4]["wall_s"], rel=1e-12)
 
 
@@ -723,6 +730,10 @@ def test_cost_subsets_merge_into_the_all_variant_cost_file(tmp_path, monkeypatch
             assert merged["variants"][name][key] == one["variants"][name][key], (name, key)
     kept = merged["variants"]["talking-heads"]
     assert kept["environment"] == first["environment"] != merged["environment"]
+    # Which code measured each entry, and when: its own measurement's (the file's: the last one's).
+    for key in ("code_version", "started_utc", "finished_utc"):
+        assert kept[key] == first[key] and merged["variants"]["damcha-heads-tied"][key] == merged[key], key
+    assert first["started_utc"] <= first["finished_utc"] <= merged["started_utc"]
     assert kept["mha_round_s_per_step"] == first["variants"]["mha"]["round_s_per_step"]
     assert an.time_ratio(merged, "talking-heads") == an.time_ratio(first, "talking-heads")
     # The report reads the merged file: claim 3 rates the DAMCHA variant, the cost table lists all three.

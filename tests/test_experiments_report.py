@@ -928,3 +928,80 @@ def test_verdicts_say_when_tasks_of_different_presets_are_combined():
     mixed = tasks | {"digits": dict(tasks["digits"], preset="large")}
     reason = an.verdicts(mixed, {}, {})[1]["reason"]
     assert "presets differ: charlm 'full', listops 'full', digits 'large'" in reason, reason
+
+
+def _exact_sign_flip(gains):
+    """Every sign pattern as a row of a matrix (itertools, not the library's doubling): the two-sided p."""
+    import itertools
+
+    g = np.asarray(gains, dtype=float)
+    signs = np.array(list(itertools.product((1.0, -1.0), repeat=len(g))))
+    return float(np.mean(np.abs(signs @ g) >= abs(g.sum()) - 1e-12))
+
+
+def _holm_by_hand(ps):
+    order = sorted(range(len(ps)), key=lambda i: ps[i])
+    out, running = [0.0] * len(ps), 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (len(ps) - rank) * ps[i]))
+        out[i] = running
+    return out
+
+
+def test_the_report_prints_the_sign_flip_test_beside_the_t_test_on_crosshead1(tmp_path):
+    """crosshead1 as published: MHA fails on 3 of 15 seeds, so the DAMCHA gains over it are about +0.6 on
+    3 seeds and near 0 elsewhere. The paired t test (the rule) reads Holm 0.19, within noise; the exact
+    sign-flip test, recomputed here from every sign pattern, reads Holm <= 0.0015. The rule's decision and
+    verdict stay; the report prints both and says where they disagree."""
+    import json
+    import shutil
+
+    published = Path(__file__).resolve().parents[1] / "docs" / "results" / "full" / "crosshead1.json"
+    res = json.loads(published.read_text())
+    names = an.damcha_names(res)
+    rows = an.compare(res, names, "mha")
+    mha = {r["seed"]: r["test_metric"] for r in res["variants"]["mha"]["runs"]}
+    expected = []
+    for name in names:
+        mine = {r["seed"]: r["test_metric"] for r in res["variants"][name]["runs"]}
+        expected.append(_exact_sign_flip([mine[s] - mha[s] for s in sorted(mha)]))
+    assert [r["sign_flip"]["p"] for r in rows] == pytest.approx(expected, rel=1e-12)
+    assert [r["sign_flip"]["p_holm"] for r in rows] == pytest.approx(_holm_by_hand(expected), rel=1e-12)
+    assert max(r["sign_flip"]["p_holm"] for r in rows) == pytest.approx(0.0015, abs=5e-5)
+    assert all(r["decision"] == "within noise" and r["p_holm"] == pytest.approx(0.188, abs=1e-3) for r in rows)
+    assert all(r["sign_flip"]["decision"] == "better" and r["sign_flip"]["method"] == "exact" for r in rows)
+    claim1 = an.verdicts({"crosshead1": res}, {}, {})[0]
+    assert claim1["verdict"] == "inconclusive"  # the rule reads the t test: unchanged
+    text = claim1["sign_flip"]["text"]
+    assert "crosshead1: damcha-heads-tied vs mha t Holm 0.19 (within noise), sign-flip Holm 0.0015 (better)" in text
+    # Against talking-heads (at the ceiling) the t test's two 'better' do not survive the sign-flip test.
+    assert "crosshead1: damcha-heads-separate vs talking-heads t Holm 0.042 (better), sign-flip Holm 0.063" in text
+    assert claim1["sign_flip"]["verdict"] == "inconclusive" and text.endswith("would say inconclusive: the same")
+    shutil.copy(published, tmp_path / "crosshead1.json")
+    md, summary = build_report(tmp_path)
+    # The first such row is the paired-comparisons table's (the selection-bias check's follows).
+    row = next(line for line in md.splitlines() if line.startswith("| damcha-heads-tied | mha | converged |"))
+    assert "| within noise | no | 0.00146 [0.00146] -> better |" in row
+    assert "sign-flip p [Holm]" in md and "Claim 1, the exact sign-flip permutation test" in md
+    assert summary["verdicts"][0]["sign_flip"]["verdict"] == "inconclusive"
+
+
+def test_the_sign_flip_test_flags_t_test_only_labels_with_five_seeds():
+    """With 5 seeds no sign pattern test can reach p < 0.05 (its floor is 2 / 32): a t-test 'better'
+    there (charlm's) is labelled t-test-only, in the table and in claim 2's secondary analysis."""
+    from damcha_experiments._report import sign_flip_cell
+
+    lm = _results(
+        "charlm",
+        {"mha": _base(2.06), "talking-heads": _base(2.06), "damcha-heads-tied": _other(2.03)},
+        higher=False,
+    )
+    (row,) = an.compare(lm, ["damcha-heads-tied"], "mha")
+    assert row["decision"] == "better" and row["p_holm"] < 0.05
+    assert row["sign_flip"]["p"] == row["sign_flip"]["floor"] == 0.0625 == _exact_sign_flip([0.03] * 5)
+    assert sign_flip_cell(row) == "0.0625 [0.0625] (floor 0.0625) -> within noise"
+    claim2 = [v for v in an.verdicts({"charlm": lm}, {}, {}) if v["claim"] == 2][0]
+    assert (
+        "charlm (5 seeds: no sign-flip p below 0.0625; t-test-only labels: damcha-heads-tied vs mha, "
+        "damcha-heads-tied vs talking-heads)" in claim2["sign_flip"]["text"]
+    )

@@ -39,12 +39,14 @@ from damcha_experiments._train import (
 from damcha_experiments._variants import ABLATION, HEADLINE, VARIANTS
 
 TIMING_KEYS = {"time_per_step_s", "cpu_per_step_s", "train_time_s", "resumed_at_step"}
+# Which code ran a run and when (``_provenance``): a record, like the timings, never a number of the run.
+PROVENANCE_KEYS = {"code_version", "started_utc", "finished_utc", "stretches"}
 
 
 def _strip_timing(obj):
-    """A result without its wall/CPU measurements (the only numbers a resumed run may change)."""
+    """A result without its wall/CPU measurements and provenance (the only fields a resumed run may change)."""
     if isinstance(obj, dict):
-        return {k: _strip_timing(v) for k, v in obj.items() if k not in TIMING_KEYS}
+        return {k: _strip_timing(v) for k, v in obj.items() if k not in TIMING_KEYS | PROVENANCE_KEYS}
     if isinstance(obj, list):
         return [_strip_timing(v) for v in obj]
     return obj
@@ -1037,3 +1039,150 @@ def test_a_checkpoint_or_result_written_before_environments_were_recorded_still_
     old = _without_environment(resumed)
     (cut / "result.json").write_text(json.dumps(old))
     assert train_run(data, v, 1e-3, 1, width, run_dir=cut) == old
+
+
+# ------------------------------------------------------------ provenance
+
+
+def _git_cli(folder, *args):
+    import subprocess
+
+    return subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+        cwd=folder,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_code_version_reads_the_commit_and_dirty_flag_and_never_fails(tmp_path, monkeypatch):
+    """The commit and dirty flag of the checkout holding a folder, compared with git's own answer;
+    None (never an exception) outside a repository, in an untracked folder inside one (a virtual
+    environment), in a repository without a commit, without git, or when git fails."""
+    import subprocess
+
+    from damcha_experiments import _provenance
+
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    assert _provenance.code_version(plain) is None
+    repo = tmp_path / "repo"
+    (repo / "pkg").mkdir(parents=True)
+    _git_cli(repo, "init", "-q")
+    assert _provenance.code_version(repo) is None  # no commit yet
+    (repo / "pkg" / "mod.py").write_text("x = 1\n")
+    _git_cli(repo, "add", "pkg/mod.py")
+    _git_cli(repo, "commit", "-q", "-m", "first")
+    head = _git_cli(repo, "rev-parse", "HEAD")
+    assert re.fullmatch(r"[0-9a-f]{40}", head)
+    assert _provenance.code_version(repo / "pkg") == {"commit": head, "dirty": False}
+    (repo / "pkg" / "new_untracked.py").write_text("")  # untracked files do not make it dirty
+    assert _provenance.code_version(repo / "pkg") == {"commit": head, "dirty": False}
+    (repo / "pkg" / "mod.py").write_text("x = 2\n")
+    assert _provenance.code_version(repo / "pkg") == {"commit": head, "dirty": True}
+    (repo / "venv").mkdir()  # an installed copy in an untracked folder is not this repository's code
+    (repo / "venv" / "mod.py").write_text("x = 1\n")
+    assert _provenance.code_version(repo / "venv") is None
+    # This package, asked once per process: the same commit git reports for its folder.
+    package = Path(_provenance.__file__).resolve().parent
+    try:
+        expected = _git_cli(package, "rev-parse", "HEAD")
+        tracked = subprocess.run(["git", "ls-files", "--error-unmatch", "--", "."], cwd=package).returncode == 0
+    except subprocess.CalledProcessError:
+        expected, tracked = None, False
+    mine = _provenance.code_version()
+    if tracked:
+        assert mine is not None and mine["commit"] == expected and isinstance(mine["dirty"], bool)
+    else:
+        assert mine is None
+    # No git on the PATH, or git failing or hanging: None.
+    monkeypatch.setenv("PATH", str(plain))
+    assert _provenance.code_version(repo / "pkg") is None
+    monkeypatch.undo()
+
+    def hangs(*args, **kwargs):
+        raise subprocess.TimeoutExpired(args[0], 10)
+
+    monkeypatch.setattr(_provenance.subprocess, "run", hangs)
+    assert _provenance.code_version(repo / "pkg") is None
+
+
+def test_a_result_records_its_code_version_and_utc_times_per_stretch(tmp_path, monkeypatch):
+    """Each result.json records the code that ran it (per process stretch, the last one's as
+    ``code_version``) and when its first step started and it finished, in UTC; a checkpoint written
+    before this was recorded resumes with that stretch unknown (null), never refused."""
+    from datetime import datetime, timezone
+
+    from damcha_experiments import _train
+
+    def parse(stamp):
+        return datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+
+    data = TaskData(task_config("listops", "smoke", max_steps=7, eval_every=2, patience=5))
+    v = VARIANTS["mha"]
+    width, _ = model_width(data, v)
+    first = {"commit": "a" * 40, "dirty": False}
+    second = {"commit": "b" * 40, "dirty": True}
+    monkeypatch.setattr(_train, "code_version", lambda: dict(first))
+    before = datetime.now(timezone.utc).replace(microsecond=0)
+    cut = tmp_path / "cut"
+    with pytest.raises(RunInterrupted):
+        train_run(data, v, 1e-3, 1, width, run_dir=cut, should_stop=lambda s: s == 3)
+    payload = torch.load(cut / "checkpoint.pt", weights_only=True)
+    (stored,) = json.loads(payload["stretches"])
+    assert stored["first_step"] == 1 and stored["code_version"] == first
+    monkeypatch.setattr(_train, "code_version", lambda: dict(second))
+    resumed = train_run(data, v, 1e-3, 1, width, run_dir=cut)
+    after = datetime.now(timezone.utc)
+    assert resumed["code_version"] == second  # the code that finished it
+    assert [(s["first_step"], s["code_version"]) for s in resumed["stretches"]] == [(1, first), (4, second)]
+    assert resumed["started_utc"] == stored["started_utc"] == resumed["stretches"][0]["started_utc"]
+    assert before <= parse(resumed["started_utc"]) <= parse(resumed["stretches"][1]["started_utc"])
+    assert parse(resumed["stretches"][1]["started_utc"]) <= parse(resumed["finished_utc"]) <= after
+    assert json.loads((cut / "result.json").read_text()) == resumed
+    # Uninterrupted, with the real code_version: one stretch, the package's own answer.
+    monkeypatch.undo()
+    from damcha_experiments._provenance import code_version
+
+    whole = train_run(data, v, 1e-3, 1, width, run_dir=tmp_path / "whole")
+    assert whole["code_version"] == code_version()
+    assert [s["first_step"] for s in whole["stretches"]] == [1]
+    assert _strip_timing(resumed) == _strip_timing(whole)  # provenance changes no number
+    # A checkpoint from before stretches were recorded.
+    old = tmp_path / "old"
+    with pytest.raises(RunInterrupted):
+        train_run(data, v, 1e-3, 1, width, run_dir=old, should_stop=lambda s: s == 3)
+    payload = torch.load(old / "checkpoint.pt", weights_only=True)
+    del payload["stretches"]
+    torch.save(payload, old / "checkpoint.pt")
+    legacy = train_run(data, v, 1e-3, 1, width, run_dir=old)
+    assert legacy["started_utc"] is None and legacy["stretches"][0] == {
+        "first_step": 1,
+        "started_utc": None,
+        "code_version": None,
+    }
+    assert legacy["stretches"][1]["first_step"] == 4 and parse(legacy["finished_utc"]) <= datetime.now(timezone.utc)
+
+
+def test_a_suite_and_a_cost_measurement_record_their_code_version_and_utc_times(monkeypatch):
+    from datetime import datetime, timezone
+
+    from damcha_experiments import _cost, _suite
+
+    def parse(stamp):
+        return datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+
+    code = {"commit": "c" * 40, "dirty": False}
+    monkeypatch.setattr(_suite, "code_version", lambda: dict(code))
+    monkeypatch.setattr(_cost, "code_version", lambda: dict(code))
+    cfg = task_config("crosshead", "smoke", max_steps=4, eval_every=2, seeds=1, sweep_seeds=1, lrs=(1e-3,))
+    before = datetime.now(timezone.utc).replace(microsecond=0)
+    res = run_suite(cfg, ["mha"], "headline", out=None)
+    cost = _cost.measure_cost(dataclasses.replace(cfg, cost_rounds=2, cost_steps=1), ["mha"])
+    after = datetime.now(timezone.utc)
+    for obj in (res, cost):
+        assert obj["code_version"] == code
+        assert before <= parse(obj["started_utc"]) <= parse(obj["finished_utc"]) <= after
+    assert parse(res["finished_utc"]) <= parse(cost["started_utc"])

@@ -3,6 +3,7 @@ comparison and Holm's adjustment against hand-computed cases."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -10,7 +11,16 @@ import pytest
 from scipy import stats
 
 from damcha_core import DamchaTypeError, DamchaValueError
-from damcha_experiments import describe, holm, mcnemar_exact, median_interval, paired_difference, t_cdf, t_quantile
+from damcha_experiments import (
+    describe,
+    holm,
+    mcnemar_exact,
+    median_interval,
+    paired_difference,
+    sign_flip_test,
+    t_cdf,
+    t_quantile,
+)
 
 
 @pytest.mark.parametrize(
@@ -298,3 +308,89 @@ def test_mcnemar_exact_names_a_bad_count():
         mcnemar_exact(3.0, 0)
     with pytest.raises(DamchaTypeError, match=r"`only_a`.*\(bool\)"):
         mcnemar_exact(True, 0)
+
+
+# ------------------------------------------------------------- sign-flip permutation test
+
+
+def _brute_force_sign_flip(gains):
+    """Every one of the 2**n sign patterns, one at a time: the share whose |sum| reaches the observed one."""
+    g = np.asarray(gains, dtype=float)
+    observed = abs(g.sum())
+    hits = sum(abs(float(np.dot(signs, g))) >= observed - 1e-12 for signs in itertools.product((1, -1), repeat=len(g)))
+    return hits / 2 ** len(g)
+
+
+# crosshead1's damcha-heads-tied - mha by seed (docs/results/full/crosshead1.json): MHA stuck at 0.39 on 3
+# of 15 seeds, capped at 0.82 and 0.955 on two more, level elsewhere; accuracies count 2,000 test examples.
+_BIMODAL = [0.0025, 0.0005, 0.604, 0.045, -0.002, 0.002, -0.0005, 0.6045]
+_BIMODAL += [0.0035, 0.0, 0.6055, 0.0025, 0.0105, 0.006, 0.182]
+
+
+@pytest.mark.parametrize(
+    "gains",
+    [
+        [0.03, 0.01, 0.02, 0.05, 0.04],
+        [0.03, -0.01, 0.02, 0.05, -0.04, 0.0],
+        list(np.random.default_rng(3).normal(0.2, 1.0, 9)),
+        [k / 2000 for k in (3, 0, 0, -1, 2, 2, 5, 0, -3, 1, 4)],  # quantised: ties and zeros
+        _BIMODAL,
+    ],
+    ids=["five-positive", "mixed", "normal-9", "quantised-11", "bimodal-15"],
+)
+def test_sign_flip_test_is_the_exact_enumeration_and_scipys_permutation_test(gains):
+    r = sign_flip_test(gains)
+    assert r["method"] == "exact" and r["n"] == len(gains) and r["resamples"] is None
+    assert r["p"] == pytest.approx(_brute_force_sign_flip(gains), abs=1e-15)
+    # SciPy's exact one-sample ("samples": sign flips) permutation test of the mean, an independent implementation.
+    ref = stats.permutation_test(
+        (np.asarray(gains),), np.mean, permutation_type="samples", alternative="two-sided", n_resamples=np.inf
+    )
+    assert r["p"] == pytest.approx(min(1.0, ref.pvalue), rel=1e-9)
+    assert r["floor"] == 2 / 2 ** len(gains)
+
+
+def test_sign_flip_test_hand_checked_and_edge_cases():
+    # Five gains of one sign: only the observed pattern and its mirror image reach it, p = 2 / 32.
+    five = sign_flip_test([0.03, 0.01, 0.02, 0.05, 0.04])
+    assert five["p"] == 0.0625 == five["floor"] == stats.binomtest(5, 5).pvalue
+    # The crosshead1 difference whose t test p is 0.048: 12 of 15 gains positive, the 3 largest far out.
+    bimodal = sign_flip_test(_BIMODAL)
+    assert stats.ttest_1samp(_BIMODAL, 0).pvalue == pytest.approx(0.0479, abs=5e-4)
+    assert bimodal["p"] == pytest.approx(0.00146, abs=1e-5) and bimodal["p"] == 48 / 2**15
+    # The same +10 of 359 on every seed (float differences in the last bits) is one gain: the sign test's p.
+    counts = [(k + 10) / 359 - k / 359 for k in range(290, 331, 10)]
+    assert sign_flip_test(counts)["p"] == pytest.approx(stats.binomtest(5, 5).pvalue)
+    assert sign_flip_test([0.0, 0.0, 0.0])["p"] == 1.0
+    assert sign_flip_test([0.1, -0.1])["p"] == 1.0
+    assert sign_flip_test([0.5])["p"] is None  # one pair: no test, as the t test's
+    assert math.isnan(sign_flip_test([0.1, math.nan, 0.2])["p"])  # a diverged run is never hidden
+
+
+def test_sign_flip_test_samples_patterns_beyond_the_exact_limit_reproducibly():
+    gains = list(np.random.default_rng(7).normal(0.25, 1.0, 14))
+    exact = sign_flip_test(gains)["p"]
+    mc = sign_flip_test(gains, exact_max_n=10, resamples=40_000, seed=5)
+    assert mc["method"] == "monte carlo" and mc["resamples"] == 40_000 and mc["seed"] == 5
+    assert mc == sign_flip_test(gains, exact_max_n=10, resamples=40_000, seed=5)  # the same seed, the same p
+    se = math.sqrt(exact * (1 - exact) / 40_000)
+    assert abs(mc["p"] - exact) < 4 * se + 1 / 40_001
+    # Never 0: the observed pattern counts, p = (1 + hits) / (1 + resamples).
+    far = sign_flip_test([1.0 + 0.01 * i for i in range(30)], resamples=1_000)
+    assert far["method"] == "monte carlo" and far["p"] == pytest.approx(1 / 1_001)
+
+
+@pytest.mark.parametrize(
+    "kwargs, name, error, received",
+    [
+        ({"gains": "0.1 0.2"}, "gains", DamchaTypeError, "(str)"),
+        ({"gains": [0.1, None]}, "gains", DamchaTypeError, "gains[1]=None (NoneType)"),
+        ({"gains": [0.1, 0.2], "resamples": 0}, "resamples", DamchaValueError, "resamples=0"),
+        ({"gains": [0.1, 0.2], "seed": -1}, "seed", DamchaValueError, "seed=-1"),
+        ({"gains": [0.1, 0.2], "exact_max_n": True}, "exact_max_n", DamchaTypeError, "exact_max_n=True (bool)"),
+    ],
+)
+def test_sign_flip_test_refuses_bad_arguments_naming_them(kwargs, name, error, received):
+    with pytest.raises(error, match=f"argument `{name}`") as info:
+        sign_flip_test(**kwargs)
+    assert received in str(info.value)
