@@ -13,7 +13,7 @@ import damcha_core as dc
 from ._tolerances import DTYPES
 
 MASK_KINDS = ("padding", "per_head", "all_masked_row", "shared", "per_batch", "per_head_batch1", "per_key")
-INPUT_KINDS = ("small-and-zero", "nan-token", "large")
+INPUT_KINDS = ("small-and-zero", "nan-token", "large", "nan-context")
 # The factor of inputs="large": a power of 2, so a float16 port's inputs are exactly LARGE times
 # float16 values. With it every token's t^2 exceeds float16's max (65504) once |t| >= 256,
 # i.e. for any feature above 0.25 before scaling: a port that squares in float16 gets inf.
@@ -54,7 +54,13 @@ class Case:
             finite in float16, while phi (scale-free) sees the same tokens. The
             statistic mean(t^2) overflows float16 (65504 from |t| = 256): a port
             that does not compute it in at least float32 (spec section 7) gets
-            inf, phi = 0, and a map that ignores its token.
+            inf, phi = 0, and a map that ignores its token;
+            "nan-context": one feature of context token 3 of batch row 0 is NaN (cross-attention,
+            no mask, not causal), so that key and value, which every query of that row sees,
+            make all of batch row 0's output NaN and batch row 1's finite (a port that zeroes
+            NaN in keys or values, or lets a fused kernel read it as "masked", fails). Hidden
+            from some query it would let a fused kernel be louder than the reference (spec
+            section 9), which the exact non-finite check would fail: hence visible to all.
         dtypes: the dtypes the case runs in (``None``: every dtype the adapter
             declares). ``("float16",)`` for the large-activation case: it is
             the float16 port's upcast it checks, and the runner, ``checks()`` and
@@ -86,6 +92,17 @@ class Case:
         if self.inputs is not None and self.inputs not in INPUT_KINDS:
             raise dc.DamchaValueError(
                 dc.invalid_argument("inputs", f"None or one of {INPUT_KINDS}", f"inputs={self.inputs!r}")
+            )
+        if self.inputs == "nan-context" and (self.context_len is None or self.mask is not None or self.causal):
+            # A NaN key hidden from some query lets a port be louder than the reference there (spec
+            # section 9), which the exact non-finite check would fail; without a context it has no key.
+            raise dc.DamchaValueError(
+                dc.invalid_argument(
+                    "inputs",
+                    'inputs="nan-context" in cross-attention (context_len set) without a mask and not causal',
+                    f"inputs={self.inputs!r}, context_len={self.context_len!r}, mask={self.mask!r}, "
+                    f"causal={self.causal!r}",
+                )
             )
         # A list would make the case unhashable (materialise is cached), a typo would run it nowhere.
         if self.dtypes is not None and (
@@ -343,6 +360,20 @@ def _build_catalogue() -> tuple[Case, ...]:
             inputs="large",
             dtypes=("float16",),
         ),
+        # Session 32 (a review): NaN in a context token every query sees (spec section 9, NaN in
+        # gives NaN out). The query-token case above left a port that zeroes NaN keys or values
+        # passing. Grouped key heads with a key-side map of their own, so the NaN reaches the
+        # generator, the keys and the values.
+        Case(
+            "heads-separate-gqa-nan-context-cross",
+            "shapes",
+            _cfg(coupling="separate", num_kv_heads=2, context_dim=12),
+            2,
+            5,
+            7,
+            gradients=False,
+            inputs="nan-context",
+        ),
     ]
     cases = [dataclasses.replace(c, seed=1000 + i) for i, c in enumerate(cases)]
     names = [c.name for c in cases]
@@ -534,6 +565,9 @@ def materialise(case: Case) -> ReferenceData:
     if case.inputs == "nan-token":
         query = query.copy()
         query[0, 1, 2] = np.nan
+    if case.inputs == "nan-context":
+        context = np.array(context)  # a cross-attention case (Case.__post_init__ refuses self-attention)
+        context[0, 3, 2] = np.nan
     if case.inputs == "large":
         # Large tokens into kernels scaled down as much: q, k, v stay what they were.
         query, context = query * LARGE, None if context is None else context * LARGE
@@ -698,6 +732,10 @@ CORRUPTIONS: dict[str, str] = {
     # Session 30 (a mutation audit): broadcasts a port could do silently.
     "context-batch-one": "context",  # a context of batch 1 for B > 1 queries: never broadcast
     "mask-heads-divisor": "mask",  # G heads (G divides H, G < H): never repeated to H
+    # Session 32 (a review): the value tokens' batch, as the context's. A port that checks their
+    # length and features but not their batch let einsum broadcast batch 1 over B, or took value[:B].
+    "value-batch": "value",  # B + 1 value rows: never sliced to B
+    "value-batch-one": "value",  # value tokens of batch 1 for B > 1 queries: never broadcast
 }
 
 
@@ -753,6 +791,8 @@ def _build_error_catalogue() -> tuple[ErrorCase, ...]:
         ("mask-batch", "heads-separate-per-head-cross"),
         ("context-batch-one", "heads-separate-cross"),
         ("mask-heads-divisor", "heads-query-gqa-per-head"),
+        ("value-batch", "heads-separate-cross-value-dim"),
+        ("value-batch-one", "heads-separate-cross-value-dim"),
     ]
     return tuple(ErrorCase(f"{corruption}:{base}", by_name[base], corruption) for corruption, base in plan)
 
@@ -793,6 +833,10 @@ def materialise_error(case: ErrorCase) -> ReferenceData:
         context = context[:1]  # type: ignore[index]
     elif kind == "mask-heads-divisor":
         mask = mask[:, : case.base.config.num_kv_heads]  # type: ignore[index]
+    elif kind == "value-batch":
+        value = np.concatenate([value, value[:1]], axis=0)  # type: ignore[index]
+    elif kind == "value-batch-one":
+        value = value[:1]  # type: ignore[index]
     return dataclasses.replace(data, query=query, context=context, mask=mask, value=value)
 
 

@@ -2,8 +2,9 @@
 
 Each backend runs in its own subprocess: Keras fixes its backend at import
 (one per process), and frameworks that bundle different OpenMP runtimes are
-kept apart. A worker streams its progress on stdout and writes its report as
-JSON; the parent shows the progress, then prints one table and the verdict.
+kept apart. A worker streams its progress into a file of its own (never its
+stdout, where an adapter may print anything) and writes its report as JSON;
+the parent shows the progress, then prints one table and the verdict.
 
 Exit status: 0 every backend checked everything asked for and passed;
 1 a check failed, or the run was PARTIAL (something asked for was not
@@ -40,7 +41,10 @@ from .adapters import BUILTIN, load_adapter
 PROG = "damcha conform"
 BACKENDS = [name for name, b in BUILTIN.items() if not b.on_request]
 ON_REQUEST = [name for name, b in BUILTIN.items() if b.on_request]
-_PROGRESS = "@damcha-progress"  # worker -> parent protocol on the worker's stdout
+# Worker -> parent: one JSON object per line ({"done", "total", "what", "result"}) in the file that
+# --progress-file names. It was a "@damcha-progress" prefix on the worker's stdout, where an adapter
+# printing a line that started so crashed the parent: nothing an adapter prints can reach this file.
+_POLL_S = 0.05
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -101,7 +105,7 @@ def _parser() -> argparse.ArgumentParser:
         "--no-progress", action="store_true", help="no progress bar: one line as each backend starts and one as it ends"
     )
     p.add_argument("--in-process", action="store_true", help="run in this process (one backend or adapter only)")
-    p.add_argument("--progress-protocol", action="store_true", help=argparse.SUPPRESS)  # worker mode
+    p.add_argument("--progress-file", metavar="PATH", help=argparse.SUPPRESS)  # worker mode: _POLL_S's protocol
     p.add_argument("--probe-adapter", metavar="SPEC", help=argparse.SUPPRESS)  # build and check SPEC (_probe)
     return p
 
@@ -190,6 +194,8 @@ def _validate(args: argparse.Namespace) -> None:
         problem = _not_an_adapter(getattr(module, attr))
         if problem is not None:
             cu.usage_error("--adapter", f"{spec} is not a conformance adapter: {problem}", prog=PROG)
+    if args.json is not None:  # after the --adapter modules were imported above
+        _check_not_a_source(args.json)
     if not args.in_process:  # in-process, _main builds the adapter itself and refuses it the same way
         # The report keys results by the adapter's name: two adapters with one name would share a row.
         names = {b: f"--backend {b}" for b in args.backend}  # a built-in backend reports as its own name
@@ -204,6 +210,32 @@ def _validate(args: argparse.Namespace) -> None:
                     prog=PROG,
                 )
             names[name] = spec
+
+
+def _check_not_a_source(path: str) -> None:
+    """Exit 2 when ``--json`` names the source file of a module this process has imported: an
+    ``--adapter``'s own module (``--json myport.py`` replaced the port's code with the report), or
+    any other, as ``damcha export`` refuses an output that is one of its inputs. Compared by device
+    and inode (``os.path.samefile``), so ``./m.py``, an absolute path and a link are the same."""
+    try:
+        written = os.stat(path)
+    except (OSError, ValueError):
+        return  # no file there yet: nothing of anyone's to replace
+    for name, module in list(sys.modules.items()):
+        source = getattr(module, "__file__", None)
+        if not isinstance(source, str):
+            continue
+        try:
+            same = os.path.samestat(written, os.stat(source))
+        except (OSError, ValueError):
+            continue
+        if same:
+            cu.usage_error(
+                "--json",
+                f"would overwrite {source!r}, the source of the module {name!r} (imported to run the adapters); "
+                f"expected a path other than a module's file. Received: --json {path!r}",
+                prog=PROG,
+            )
 
 
 _NAME = "@damcha-adapter-name"  # probe -> parent: the name the adapter reports as
@@ -337,13 +369,20 @@ def _run_in_process(spec: str, args: argparse.Namespace, adapter: BackendAdapter
     penalty = penalty and not args.no_penalty and "penalty" not in limits
 
     bar = None
+    stack = contextlib.ExitStack()
+    channel = None
+    if args.progress_file is not None:
+        channel = stack.enter_context(open(args.progress_file, "a", encoding="utf-8"))  # noqa: SIM115 - closed below
 
     def progress(result: Result, done: int, total: int) -> None:
         nonlocal bar
         what = f"{result.dtype} {result.case} [{result.check}] {result.status}"
-        if args.progress_protocol:
-            # The result rides along (tab-separated JSON): a worker that dies later keeps it.
-            print(f"{_PROGRESS} {done} {total} {what}\t{json.dumps(result.to_dict())}", flush=True)
+        if channel is not None:
+            # The result rides along: a worker that dies later keeps it. ASCII (json.dumps escapes the
+            # rest), so a line the parent reads in two parts never splits a character.
+            line = {"done": done, "total": total, "what": what, "result": result.to_dict()}
+            channel.write(json.dumps(line) + "\n")
+            channel.flush()
             return
         if bar is None:
             bar = cu.Progress(total, adapter.name, enabled=not args.no_progress, every=5.0)
@@ -362,6 +401,7 @@ def _run_in_process(spec: str, args: argparse.Namespace, adapter: BackendAdapter
             penalty=penalty,
         )
     finally:
+        stack.close()
         if bar is not None:
             bar.close()
     # What the backend cannot have is said with its reason (the run left it out for that reason).
@@ -378,17 +418,48 @@ def _run_in_process(spec: str, args: argparse.Namespace, adapter: BackendAdapter
     return report
 
 
+def _follow(path: Path, proc: subprocess.Popen[bytes]) -> Iterator[str]:
+    """The complete lines appended to ``path`` while ``proc`` runs, as they arrive, then the rest
+    (read after ``proc`` ended, so nothing it wrote is missed); a last line without its newline (a
+    worker killed while writing it) is dropped."""
+    pending = ""
+    with open(path, encoding="utf-8", errors="replace") as stream:
+        while True:
+            ended = proc.poll() is not None
+            chunk = stream.read()
+            *lines, pending = (pending + chunk).split("\n")
+            yield from lines
+            if ended:
+                return
+            if not chunk:
+                time.sleep(_POLL_S)
+
+
+def _progress_line(line: str) -> tuple[int, str, Result | None] | None:
+    """(checks planned, what was checked, its result) from one line of the worker's progress file,
+    or None for a line that is not one (defensive: only the worker writes that file)."""
+    try:
+        item = json.loads(line)
+        result = item.get("result")
+        return int(item["total"]), str(item["what"]), None if result is None else Result(**result)
+    except (ValueError, TypeError, KeyError):
+        return None
+
+
 def _run_subprocess(spec: str, args: argparse.Namespace, env_extra: dict[str, str]) -> Report:
     """One backend in a worker process, its progress shown as it streams in."""
     flag = "--backend" if spec in BUILTIN else "--adapter"
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "report.json"
+        channel = Path(tmp) / "progress.jsonl"
+        channel.touch()
         cmd = [
             sys.executable,
             "-m",
             "damcha_conformance._cli",
             "--in-process",
-            "--progress-protocol",
+            "--progress-file",
+            str(channel),
             flag,
             spec,
             "--json",
@@ -398,17 +469,16 @@ def _run_subprocess(spec: str, args: argparse.Namespace, env_extra: dict[str, st
         arrived: list[Result] = []
         total = 0
         with open(Path(tmp) / "stderr.txt", "w+") as err:
-            proc = subprocess.Popen(cmd, env={**os.environ, **env_extra}, stdout=subprocess.PIPE, stderr=err, text=True)
+            # What an adapter prints is not shown (as before): the command's output is the report.
+            proc = subprocess.Popen(cmd, env={**os.environ, **env_extra}, stdout=subprocess.DEVNULL, stderr=err)
             try:
-                assert proc.stdout is not None
-                for line in proc.stdout:
-                    if not line.startswith(_PROGRESS):
+                for line in _follow(channel, proc):
+                    parsed = _progress_line(line)
+                    if parsed is None:
                         continue
-                    _, done, count, rest = line.rstrip("\n").split(" ", 3)
-                    what, _, result = rest.partition("\t")
-                    total = int(count)
-                    if result:
-                        arrived.append(Result(**json.loads(result)))
+                    total, what, result = parsed
+                    if result is not None:
+                        arrived.append(result)
                     if bar is None:
                         bar = cu.Progress(total, spec, enabled=not args.no_progress, every=5.0)
                     bar.total = total
@@ -424,8 +494,6 @@ def _run_subprocess(spec: str, args: argparse.Namespace, env_extra: dict[str, st
                     except subprocess.TimeoutExpired:
                         proc.kill()
                         proc.wait()
-                if proc.stdout is not None:
-                    proc.stdout.close()
                 if bar is not None:
                     bar.close()
             err.seek(0)
@@ -580,7 +648,7 @@ def _main(argv: list[str] | None) -> int:
         except OSError as exc:  # the folder vanished or filled up during the run
             print(f"{PROG}: error: --json: could not write {args.json!r}: {exc}", file=sys.stderr)
             return cu.EXIT_USAGE
-    if not args.in_process or not args.progress_protocol:
+    if not args.in_process or args.progress_file is None:
         print(report.summary())
         print(report.verdict_line())
     return 0 if report.conformant else 1

@@ -76,7 +76,8 @@ class Report:
     ``passed``: at least one check ran and none failed (nor did any backend:
     a note starting with "FAIL"). ``gaps``: (backend, what) that was asked for
     but not checked (a dtype the adapter does not declare, gradients it does
-    not support, cases it declares unsupported, a backend not installed);
+    not support, cases it declares unsupported, decode cases whose prefill it
+    did not return, a backend not installed);
     ``subset``: (backend, how) the run was narrowed on purpose. ``verdict``
     is "FAILED", "PARTIAL" (passed, with gaps) or "PASSED".
     """
@@ -450,13 +451,18 @@ def _rejects(base: dict[str, Any], case: ErrorCase, run: Callable[[], Any]) -> R
     return Result(**base, status="fail", detail=f"bad input accepted ({case.corruption}); returned shape {shape}")
 
 
+#: The detail of a decode check that passed on the decoded tokens alone: ``run_conformance`` makes
+#: each such check a gap (PARTIAL), as it does an unsupported case.
+PREFILL_UNCHECKED = "the prefill's outputs were not returned (B, N, E_o), so they went unchecked"
+
+
 def check_decode(adapter: BackendAdapter, case: DecodeCase, dtype: str) -> Result:
     """Decode ``case`` with the adapter's ``decode`` (prefix into the cache, then
     the new tokens) and compare its outputs with the reference: every token's,
     the prefill's first, when it returns (B, P + N, E_o); the new tokens' alone
     when it returns (B, N, E_o), as adapters written before did (the pass then
     says the prefill went unchecked: a prefill that ignores the causal rule
-    passes that way)."""
+    passes that way: ``run_conformance`` reports it as a gap, PARTIAL)."""
     base: dict[str, Any] = dict(backend=adapter.name, case=case.name, group=case.group, dtype=dtype, check="decode")
     decode = getattr(adapter, "decode", None)
     if decode is None:
@@ -476,9 +482,7 @@ def check_decode(adapter: BackendAdapter, case: DecodeCase, dtype: str) -> Resul
     expected = np.concatenate([reference_prefill(case), pristine.expected], axis=1) if whole else pristine.expected
     result = _output_result(base, lambda: returned, expected, dtype, "decode")
     if not whole and result.status == "pass":
-        result = dataclasses.replace(
-            result, detail="the prefill's outputs were not returned (B, N, E_o), so they went unchecked"
-        )
+        result = dataclasses.replace(result, detail=PREFILL_UNCHECKED)
     return _untouched(result, data, pristine)
 
 
@@ -678,8 +682,8 @@ _OWN_GROUP = {"decode": "decode", "weights": "weights", "penalty": "penalty", "p
 @dataclasses.dataclass(frozen=True)
 class Check:
     """One check of a conformance run: a kind (one of ``CHECKS``), a case and a
-    dtype. ``id`` is the readable, stable test id (``forward-float32-heads-tied-self``;
-    ``errors-context-empty:heads-separate-cross`` for the bad-input checks, which run once)."""
+    dtype. ``id`` is the readable, stable test id (``forward-float32-heads-tied-self``,
+    ``errors-float32-context-empty:heads-separate-cross``)."""
 
     kind: str
     case: Any
@@ -687,8 +691,6 @@ class Check:
 
     @property
     def id(self) -> str:
-        if self.kind == "errors":
-            return f"errors-{self.case.name}"
         return f"{self.kind}-{self.dtype}-{self.case.name}"
 
     @property
@@ -877,8 +879,11 @@ def plan_checks(
                 checks.append(Check("penalty", case, dtype))
                 if grads and case.gradients:
                     checks.append(Check("penalty-gradients", case, dtype))
-    if run:
-        checks += [Check("errors", case, run[0]) for case in error_cases]
+    # Last, after every dtype's other checks: run_conformance leaves out the bad input of a dtype the
+    # adapter refused outright. Every dtype, not the first alone: a port's float32 path that skipped
+    # the mask's validation passed when they ran in float64 only (they cost well under a second).
+    for dtype in run:
+        checks += [Check("errors", case, dtype) for case in error_cases]
     return Plan(checks, gaps, subset)
 
 
@@ -897,6 +902,25 @@ def _unsupported_gaps(name: str, results: list[Result]) -> list[tuple[str, str]]
                 (name, f"{what}: {len(cases)} of {total} cases unsupported by the adapter ({skipped[0].detail})")
             )
     return gaps
+
+
+def prefill_gaps(name: str, results: Iterable[Result]) -> list[tuple[str, str]]:
+    """One gap when decode checks passed on the decoded tokens' outputs alone (``PREFILL_UNCHECKED``):
+    half of what the check asks for went unchecked (a prefill that lets the prompt see its future
+    passes that way), so the verdict must not be a plain PASSED. The detail of a passing result
+    was the only place that said so."""
+    unchecked = [r for r in results if r.check == "decode" and r.status == "pass" and r.detail == PREFILL_UNCHECKED]
+    if not unchecked:
+        return []
+    cases = sorted({r.case for r in unchecked})
+    dtypes = ", ".join(dict.fromkeys(r.dtype for r in unchecked))
+    return [
+        (
+            name,
+            f"decode prefill: {len(cases)} decode cases ({dtypes}) returned the decoded tokens' outputs alone "
+            "(B, N, E_o), so the prefill's went unchecked; return every token's (B, P + N, E_o), the prefill's first",
+        )
+    ]
 
 
 def run_conformance(
@@ -926,9 +950,10 @@ def run_conformance(
     subset).
 
     ``errors``: also feed the bad inputs of ``ERROR_CATALOGUE`` (or the given
-    error cases) and require a clear ``ValueError`` for each; they run once,
-    in the first dtype the adapter ran any case in (the rules are about
-    shapes, not precision).
+    error cases) and require a clear ``ValueError`` for each, in every dtype
+    (a port's paths per dtype may validate differently); not in a dtype
+    whose every other check ended in an error (the adapter refuses that
+    dtype outright, which says nothing about bad input: a gap).
 
     ``progress``: called after each check with (result, checks done, checks planned).
 
@@ -939,31 +964,37 @@ def run_conformance(
     """
     plan = plan_checks(adapter, cases, dtypes, gradients, errors, decoding, weights, penalty)
     report = Report(gaps=list(plan.gaps), subset=list(plan.subset))
-    dtype_order = list(dict.fromkeys(c.dtype for c in plan.checks if c.kind != "errors"))
+    other_dtypes = {c.dtype for c in plan.checks if c.kind != "errors"}
     total = len(plan.checks)
     done = 0
-    usable: list[str] | None = None
+    refused: list[str] = []  # dtypes whose bad-input checks were left out
     for check in plan.checks:
-        if check.kind == "errors":
-            if usable is None:
-                # A dtype the adapter refuses outright (every case an error) says nothing about bad input.
-                usable = [d for d in dtype_order if any(r.dtype == d and r.status != "error" for r in report.results)]
-                usable = usable or ([] if dtype_order else [check.dtype])
-            if not usable:
-                total -= 1
-                continue
-            check = dataclasses.replace(check, dtype=usable[0])
+        # A dtype the adapter refuses outright (every other check an error) says nothing about bad
+        # input: each of its error cases would fail for that refusal alone.
+        if (
+            check.kind == "errors"
+            and check.dtype in other_dtypes
+            and check.dtype not in refused
+            and not any(r.dtype == check.dtype and r.status != "error" for r in report.results)
+        ):
+            refused.append(check.dtype)
+        if check.kind == "errors" and check.dtype in refused:
+            total -= 1
+            continue
         result = check.run(adapter)
         report.results.append(result)
         done += 1
         if progress is not None:
             progress(result, done, total)
-    planned_errors = [c for c in plan.checks if c.kind == "errors"]
-    if planned_errors and not any(r.check == "rejects" for r in report.results):
+    if refused:
         report.gaps.append(
-            (adapter.name, "errors: the bad-input checks did not run, every other check ended in an error")
+            (
+                adapter.name,
+                f"errors in {', '.join(refused)}: the bad-input checks did not run, every other check in "
+                f"{'that dtype' if len(refused) == 1 else 'those dtypes'} ended in an error",
+            )
         )
-    report.gaps += _unsupported_gaps(adapter.name, report.results)
+    report.gaps += _unsupported_gaps(adapter.name, report.results) + prefill_gaps(adapter.name, report.results)
     if not any(r.status != "unsupported" for r in report.results):
         why = "see 'not checked'" if report.gaps else "no check was asked for"
         report.notes.append(f"FAIL {adapter.name}: nothing checked ({why})")

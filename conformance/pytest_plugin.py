@@ -7,8 +7,8 @@ A third party points it at their adapter::
 (the plugin is also registered as a ``pytest11`` entry point, so once damcha
 is installed ``pytest --damcha-adapter ...`` is enough). Each check is one
 test, ``damcha-conformance::<check>-<dtype>-<case>`` (``forward``,
-``gradients``, ``decode``, ``weights``, ``penalty``, ``penalty-gradients``;
-bad-input checks, which run once, are ``errors-<case>``), so ``-k`` selects
+``gradients``, ``decode``, ``weights``, ``penalty``, ``penalty-gradients``,
+``errors`` for the bad-input checks), so ``-k`` selects
 them: ``-k "gradients and bfloat16"``, ``-k masks`` (a check's group is a
 keyword too: the case's, or ``weights``/``penalty``). Options:
 
@@ -24,6 +24,8 @@ keyword too: the case's, or ``weights``/``penalty``). Options:
 - ``--damcha-xfails FILE``: the checks the port knows it fails, one id (or
   ``fnmatch`` pattern) per line, ``# reason`` optional; they are reported as
   xfail, and a listed check that passes as XPASS (remove it from the file).
+  ``errors-<case>``, the id of the bad-input checks when they ran in the
+  first dtype only, still matches that case's checks in every dtype.
 
 Cases the adapter declares unsupported, and gradients of an adapter with
 ``supports_gradients=False``, are skipped with the reason. A session in
@@ -73,8 +75,8 @@ def checks(
     cases that have them) of every case that runs in the dtype (``Case.dtypes``),
     the decode cases, the attention weights of ``WEIGHTS_CASES``, the metric
     penalty of ``PENALTY_CASES`` (and its gradients), then the bad-input cases
-    once, in the first dtype. The order lets adapters reuse a case's forward
-    computation for its gradients."""
+    in every dtype, after all the others (as ``run_conformance`` orders them). The
+    order lets adapters reuse a case's forward computation for its gradients."""
     from ._cases import CATALOGUE, DECODE_CATALOGUE, ERROR_CATALOGUE, PENALTY_CASES, WEIGHTS_CASES, resolve_cases
     from ._runner import Check, check_dtype_names
     from ._tolerances import tolerance
@@ -101,8 +103,8 @@ def checks(
                     out.append(Check("penalty", case, dtype))
                     if gradients and case.gradients:
                         out.append(Check("penalty-gradients", case, dtype))
-    if errors and dtypes:
-        out += [Check("errors", case, dtypes[0]) for case in ERROR_CATALOGUE]
+    if errors:
+        out += [Check("errors", case, dtype) for dtype in dtypes for case in ERROR_CATALOGUE]
     return out
 
 
@@ -138,6 +140,17 @@ def read_xfails(path: str | Path) -> dict[str, str]:
         if text:
             entries[text] = reason.strip() or "listed in the xfails file"
     return entries
+
+
+def _xfail_ids(check: Check) -> tuple[str, ...]:
+    """The ids an xfails entry may name ``check`` by: its short and full id and, for a bad-input
+    check, ``errors-<case>``, its id when those checks ran in the first dtype only (an xfails file
+    written then keeps matching, now in every dtype)."""
+    ids: tuple[str, ...] = (check.id, f"damcha-conformance::{check.id}")
+    if check.kind == "errors":
+        old = f"errors-{check.case.name}"
+        ids += (old, f"damcha-conformance::{old}")
+    return ids
 
 
 # ---------------------------------------------------------------- the hooks
@@ -195,10 +208,15 @@ class _Session:
             for pattern, reason in self.xfails.items():
                 # The short id or the full one (as --collect-only prints it), as a pattern or, for
                 # ids whose brackets fnmatch reads as character classes, exactly.
-                if pattern == item.nodeid or any(fnmatch.fnmatchcase(i, pattern) for i in (check.id, item.nodeid)):
+                if pattern == item.nodeid or any(fnmatch.fnmatchcase(i, pattern) for i in _xfail_ids(check)):
                     item.add_marker(pytest.mark.xfail(reason=reason, strict=False))
                     matched.add(pattern)
             items.append(item)
+        # pytest counts what its collectors report, and these items come from no collector:
+        # --collect-only said "no tests collected" under the ids it had just listed.
+        reporter = config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None and isinstance(getattr(reporter, "_numcollected", None), int):
+            reporter._numcollected += len(self.checks)
         unknown = [p for p in self.xfails if p not in matched]
         if unknown:
             warnings.warn(
@@ -234,7 +252,7 @@ class _Session:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED  # a run that checked nothing does not pass
 
     def pytest_terminal_summary(self, terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
-        from ._runner import Report, Result
+        from ._runner import Report, Result, prefill_gaps
 
         # Gradients of an adapter without them are said once below, not counted in the table as
         # unsupported cases (its legend: 'unsup' counts cases the backend declares it cannot run).
@@ -270,6 +288,7 @@ class _Session:
             gaps.append(f"{skipped} checks unsupported by the adapter")
         if not self.adapter.supports_gradients:
             gaps.append("no gradients (supports_gradients=False)")
+        gaps += [what for _, what in prefill_gaps(name, report.results)]
         if gaps:
             tr.write_line(f"not conformant: {name}: " + "; ".join(gaps))
         else:

@@ -437,17 +437,50 @@ def special_file(path: str | os.PathLike[str]) -> str | None:
     return None
 
 
+_STREAMS = ((1, "standard output"), (2, "standard error"), (0, "standard input"))
+
+
+def standard_stream(path: str | os.PathLike[str]) -> str | None:
+    """Which of this process's standard streams ``path`` is the file of (after following links),
+    e.g. ``"standard output (fd 1)"``, else ``None``: ``/dev/stdout``, ``/proc/self/fd/1`` or
+    ``/dev/fd/2``, and ``log.txt`` itself while ``> log.txt`` sends standard output there. The
+    atomic writers replace a file by a rename; renaming over the stream's file takes that name from
+    the stream, and what the command prints there (``damcha conform``'s table) is lost with the
+    old file. Compared by device and inode, so every spelling of the path is found."""
+    try:
+        target = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    for fd, name in _STREAMS:
+        try:
+            stream = os.fstat(fd)
+        except OSError:  # closed
+            continue
+        if (stream.st_dev, stream.st_ino) == (target.st_dev, target.st_ino):
+            return f"{name} (fd {fd})"
+    return None
+
+
 def link_target_problem(path: str | os.PathLike[str]) -> tuple[str, str] | None:
     """For a ``path`` the atomic writers would replace: ``(what was expected,
     what is wrong)`` when it is (or links to) a device, pipe or socket, which a
-    rename would replace by a regular file, or a symbolic link, which they write
-    through, whose file cannot be written (a loop of links; a target folder that
-    is missing or takes no file), so that callers refuse it by name before any
-    work. ``None`` when it can be written (a dangling link is fine: its file is
-    created)."""
+    rename would replace by a regular file, or the file of one of this process's
+    standard streams (``standard_stream``: ``--json /dev/stdout > log.txt``), or a
+    symbolic link, which they write through, whose file cannot be written (a loop
+    of links; a target folder that is missing or takes no file), so that callers
+    refuse it by name before any work. ``None`` when it can be written (a dangling
+    link is fine: its file is created)."""
     kind = special_file(path)
     if kind is not None:
         return "a regular file (it is replaced by a rename)", f"it is {kind}"
+    stream = standard_stream(path)
+    if stream is not None:
+        # Refused, not written in place: the command's own output goes to that file too, so in
+        # place the two would be interleaved, and a rename loses what the stream writes.
+        return (
+            "a file of its own, not the file of one of this process's standard streams (it is replaced by a rename)",
+            f"it is the file of {stream}, whose output would be lost; write to another path",
+        )
     if not os.path.islink(path):
         return None
     try:
@@ -478,6 +511,9 @@ def _replacing(path: str | os.PathLike[str]) -> Iterator[tuple[int, str]]:
     kind = special_file(target)
     if kind is not None:  # the rename would leave a regular file where the device or pipe was
         raise PermissionError(f"{str(target)!r} is {kind}, not a regular file; not replacing it")
+    stream = standard_stream(target)
+    if stream is not None:  # the rename would lose what the process writes to that stream
+        raise PermissionError(f"{str(path)!r} is the file of this process's {stream}; not replacing it")
     folder = target.parent if str(target.parent) else Path(".")
     fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(target), suffix=".tmp", dir=folder)
     try:
@@ -597,6 +633,9 @@ def _check_moves(target: Path, folders: list[Path], files: list[Path]) -> None:
             raise IsADirectoryError(f"{str(dest)!r} is a folder, not replaced by a file; {untouched}")
         if dest.exists() and read_only(dest):
             raise PermissionError(f"{str(dest)!r} is read-only; not replacing it; {untouched}")
+        stream = standard_stream(dest)
+        if stream is not None:
+            raise PermissionError(f"{str(dest)!r} is the file of this process's {stream}; {untouched}")
 
 
 class Progress:

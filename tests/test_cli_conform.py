@@ -440,9 +440,9 @@ def _sleeping_workers(monkeypatch) -> list:
     real_popen = subprocess.Popen
 
     def worker(cmd, **kw):
-        code = (
-            f"print({ccli._PROGRESS!r} + ' 1 2 float64 case [output] pass', flush=True); import time; time.sleep(600)"
-        )
+        channel = cmd[cmd.index("--progress-file") + 1]
+        line = json.dumps({"done": 1, "total": 2, "what": "float64 case [output] pass", "result": None})
+        code = f"open({channel!r}, 'a').write({line!r} + '\\n'); import time; time.sleep(600)"
         proc = real_popen([sys.executable, "-c", code], **kw)
         started.append(proc)
         return proc

@@ -58,7 +58,7 @@ def test_each_check_is_a_test_and_k_selects(tmp_path):
     penalty = 2 * len(dcf.PENALTY_CASES) - sum(not c.gradients for c in dcf.PENALTY_CASES)  # values, gradients
     others = len(dcf.DECODE_CATALOGUE) + len(dcf.ERROR_CATALOGUE) + len(dcf.WEIGHTS_CASES)
     assert len(ids) == outputs + penalty + others
-    assert "errors-context-empty:heads-separate-cross" in ids and "decode-float64-decode-heads-tied" in ids
+    assert "errors-float64-context-empty:heads-separate-cross" in ids and "decode-float64-decode-heads-tied" in ids
     assert "weights-float64-heads-tied-all-masked-row" in ids and "penalty-gradients-float64-heads-tied-self" in ids
     # The weights and penalty checks are groups of their own: -k weights selects them alone.
     weights = run_pytest(tmp_path, "--damcha-adapter", "reference", "-k", "weights")
