@@ -712,6 +712,49 @@ def test_sublayer_conversion_and_register_adapter():
         dk._models._ADAPTERS.remove(bad)
 
 
+def test_a_layout_whose_features_do_not_fit_its_einsum_dense_projections_is_refused():
+    """The same input-size check for EinsumDense sites (KerasHub's kind): the
+    kernel axis named by the input's last letter; a fitting layout converts."""
+
+    class EinsumAttention(keras.layers.Layer):
+        def build(self, shape):
+            self.q = keras.layers.EinsumDense("btc,chd->bthd", output_shape=(None, 2, 4), name="q")
+            self.k = keras.layers.EinsumDense("btc,chd->bthd", output_shape=(None, 2, 4), name="k")
+            self.q.build(shape)
+            self.k.build(shape)
+            self.built = True
+
+        def call(self, x):
+            return keras.ops.einsum("bnhd,bmhd->bhnm", self.q(x), self.k(x))
+
+    def layout(features):
+        return lambda layer: dk.AttentionLayout(
+            2, 2, 4, features, features, (dk.ProjectionSite("q", q=0), dk.ProjectionSite("k", k=0))
+        )
+
+    inp = keras.Input((5, 8))
+    for features, refused in ((12, True), (8, False)):
+        name = f"test-einsum-features-{features}"
+        adapter = dk.register_adapter(
+            dk.ModelAdapter(name, "EinsumAttention", lambda layer: isinstance(layer, EinsumAttention), layout(features))
+        )
+        try:
+            model = keras.Model(inp, EinsumAttention(name="mine")(inp))
+            if refused:
+                with pytest.raises(
+                    dc.DamchaValueError,
+                    match=r"Invalid argument `query_features`: expected the input features of `q`.*"
+                    r"query_features=12 with `q` built for 8 input features",
+                ):
+                    dk.convert(model)
+                assert not dk.converted_layers(model)
+            else:
+                dk.convert(model)
+                assert list(dk.converted_layers(model)) == ["mine"]
+        finally:
+            dk._models._ADAPTERS.remove(adapter)
+
+
 class _WrappedAttention(keras.layers.Layer):
     """A user's attention layer that only wraps a MultiHeadAttention (and a dropout), as
     KerasHub's DINOV2Attention does; ``extra`` gives it a weight of its own."""

@@ -755,12 +755,23 @@ def _check_sites(layer: Any, layout: AttentionLayout, *, quantized: bool) -> Non
 
 
 def _in_features(projection: Any) -> int | None:
-    """The input size of a built ``Dense`` projection (its input spec's last axis); None for others."""
-    if not isinstance(projection, keras.layers.Dense):
-        return None
-    axes = getattr(getattr(projection, "input_spec", None), "axes", None)
-    value = axes.get(-1) if isinstance(axes, dict) else None
-    return value if isinstance(value, int) else None
+    """The input size of a built projection: a ``Dense``'s input spec's last axis,
+    an unquantized ``EinsumDense``'s kernel axis named by its input's last letter
+    (``abc,cde->abde``: c, the kernel's first axis); None for others."""
+    if isinstance(projection, keras.layers.Dense):
+        axes = getattr(getattr(projection, "input_spec", None), "axes", None)
+        value = axes.get(-1) if isinstance(axes, dict) else None
+        return value if isinstance(value, int) else None
+    if isinstance(projection, keras.layers.EinsumDense) and getattr(projection, "quantization_mode", None) is None:
+        inputs, _, rest = str(getattr(projection, "equation", "")).partition(",")
+        kernel_axes = rest.partition("->")[0]
+        letter = inputs[-1:] if inputs[-1:].isalpha() else ""
+        kernel = getattr(projection, "_kernel", None)
+        shape = getattr(kernel, "shape", None)
+        if letter and kernel_axes.count(letter) == 1 and shape is not None and len(shape) == len(kernel_axes):
+            value = shape[kernel_axes.index(letter)]
+            return value if isinstance(value, int) else None
+    return None
 
 
 def _out_features(projection: Any) -> int | None:
