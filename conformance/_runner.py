@@ -952,7 +952,8 @@ def run_conformance(
     ``errors``: also feed the bad inputs of ``ERROR_CATALOGUE`` (or the given
     error cases) and require a clear ``ValueError`` for each, in every dtype
     (a port's paths per dtype may validate differently); not in a dtype
-    whose every other check ended in an error (the adapter refuses that
+    whose every other check ended in an error or is one the adapter does not
+    support (the adapter refuses that
     dtype outright, which says nothing about bad input: a gap).
 
     ``progress``: called after each check with (result, checks done, checks planned).
@@ -969,13 +970,14 @@ def run_conformance(
     done = 0
     refused: list[str] = []  # dtypes whose bad-input checks were left out
     for check in plan.checks:
-        # A dtype the adapter refuses outright (every other check an error) says nothing about bad
+        # A dtype the adapter refuses outright (every other check an error, or a check it does not
+        # support: weights, penalty, decode of a forward-only port) says nothing about bad
         # input: each of its error cases would fail for that refusal alone.
         if (
             check.kind == "errors"
             and check.dtype in other_dtypes
             and check.dtype not in refused
-            and not any(r.dtype == check.dtype and r.status != "error" for r in report.results)
+            and not any(r.dtype == check.dtype and r.status not in ("error", "unsupported") for r in report.results)
         ):
             refused.append(check.dtype)
         if check.kind == "errors" and check.dtype in refused:
@@ -991,7 +993,7 @@ def run_conformance(
             (
                 adapter.name,
                 f"errors in {', '.join(refused)}: the bad-input checks did not run, every other check in "
-                f"{'that dtype' if len(refused) == 1 else 'those dtypes'} ended in an error",
+                f"{'that dtype' if len(refused) == 1 else 'those dtypes'} ended in an error or is unsupported",
             )
         )
     report.gaps += _unsupported_gaps(adapter.name, report.results) + prefill_gaps(adapter.name, report.results)

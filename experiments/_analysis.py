@@ -803,6 +803,8 @@ def _sign_flip_reading(
     floors = []
     for task in tasks:
         mine = [r for r in rows if r["task"] == task]
+        if not mine:
+            continue  # a task with no baseline or no DAMCHA variant yet (a partly trained file)
         floor = min(r["sign_flip"]["floor"] for r in mine)
         if floor >= ALPHA:
             labelled = [f"{r['variant']} vs {r['baseline']}" for r in mine if r["decision"] in ("better", "worse")]

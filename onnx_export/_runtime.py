@@ -541,7 +541,7 @@ def _check_session(session: Any, proto: onnx.ModelProto) -> None:
         [(a.name, a.type, list(a.shape)) for a in session.get_inputs()],
         [(a.name, a.type, list(a.shape)) for a in session.get_outputs()],
     )
-    if ours != theirs:
+    if not (_same_values(ours[0], theirs[0]) and _same_values(ours[1], theirs[1])):
         raise DamchaValueError(
             invalid_argument(
                 "session",
@@ -565,17 +565,45 @@ def _check_session(session: Any, proto: onnx.ModelProto) -> None:
         )
 
 
-def _signature(value: onnx.ValueInfoProto) -> tuple[str, str, list[str | int | None]]:
-    """A graph input's or output's (name, type, dims) as onnxruntime's ``NodeArg`` reports them."""
+def _signature(value: onnx.ValueInfoProto) -> tuple[str, str, list[str | int | None] | None]:
+    """A graph input's or output's (name, type, dims) as onnxruntime's ``NodeArg`` reports them
+    (dims None: the graph declares no shape)."""
     t = value.type.tensor_type
-    dims = [d.dim_param if d.dim_param else d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim]
+    dims = (
+        [d.dim_param if d.dim_param else d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim]
+        if t.HasField("shape")
+        else None
+    )
     return value.name, f"tensor({onnx.TensorProto.DataType.Name(t.elem_type).lower()})", dims
+
+
+def _same_values(ours: list, theirs: list) -> bool:
+    """The same names and types in order, and no dim fixed to different sizes on the
+    two sides. A symbolic dim may be fixed in a session (onnxruntime's free-dimension
+    overrides) and a session reports the inferred shape of an output the graph
+    declares without one: neither makes it another model's session."""
+    if len(ours) != len(theirs):
+        return False
+    for (name, kind, dims), (other_name, other_kind, other_dims) in zip(ours, theirs):
+        if name != other_name or kind != other_kind:
+            return False
+        if dims is None or other_dims is None:
+            continue
+        if len(dims) != len(other_dims) or any(
+            isinstance(a, int) and isinstance(b, int) and a != b for a, b in zip(dims, other_dims)
+        ):
+            return False
+    return True
 
 
 def _signature_text(signature: tuple[list, list]) -> str:
     """inputs [names], outputs [names]: each as name type (dims)."""
     inputs, outputs = signature
-    detail = "; ".join(f"{n} {t} ({', '.join(str(d) for d in dims)})" for n, t, dims in inputs + outputs)
+
+    def shape(dims: list | None) -> str:
+        return "shape not declared" if dims is None else ", ".join(str(d) for d in dims)
+
+    detail = "; ".join(f"{n} {t} ({shape(dims)})" for n, t, dims in inputs + outputs)
     return f"inputs {[v[0] for v in inputs]}, outputs {[v[0] for v in outputs]}: {detail}"
 
 

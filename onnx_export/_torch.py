@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import onnx
@@ -85,11 +85,13 @@ def export_torch(
     # have split it along its batch into one input per row.
     if isinstance(args, torch.Tensor):
         args = (args,)
-    if not isinstance(args, (tuple, list)):
+    # Any other iterable of inputs (dict.values() of one's feeds) as a tuple, as tuple(args) took it;
+    # not a str or a mapping, whose iteration gives characters or keys.
+    if not isinstance(args, Iterable) or isinstance(args, (str, bytes, Mapping)):
         raise DamchaTypeError(
             invalid_argument(
                 "args",
-                "a tuple (or list) of the example positional inputs, or one tensor",
+                "a tuple, list or other iterable of the example positional inputs, or one tensor",
                 f"args={describe(args)}",
             )
         )
@@ -179,8 +181,11 @@ def _names(name: str, names: Any) -> list[str] | None:
         return None
     if isinstance(names, str):
         names = [names]
-    expected = "a str (one name), a sequence of distinct non-empty strs, or None"
-    if not isinstance(names, Sequence) or not all(isinstance(n, str) for n in names):
+    expected = "a str (one name), an iterable of distinct non-empty strs (a list, dict.keys()), or None"
+    if not isinstance(names, Iterable) or isinstance(names, (bytes, Mapping)):
+        raise DamchaTypeError(invalid_argument(name, expected, f"{name}={describe(names)}"))
+    names = list(names)
+    if not all(isinstance(n, str) for n in names):
         raise DamchaTypeError(invalid_argument(name, expected, f"{name}={describe(names)}"))
     if not all(names) or len(set(names)) != len(names):
         raise DamchaValueError(invalid_argument(name, expected, f"{name}={list(names)!r}"))

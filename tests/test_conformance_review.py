@@ -194,13 +194,30 @@ class _RefusesFloat32(dcf.ReferenceAdapter):
         return super().forward(data, dtype)
 
 
-def test_a_dtype_refused_outright_leaves_its_bad_input_unchecked_and_says_so():
-    report = dcf.run_conformance(_RefusesFloat32(), cases=[dcf.CATALOGUE[0]], **ONLY)
+class _ForwardOnlyRefusesFloat32(_RefusesFloat32):
+    """Most third-party ports: no weights(), metric_penalty() or decode(), so their
+    checks are "unsupported" in every dtype, the refused one too (which counted as
+    a usable dtype: its 15 bad-input checks ran and failed)."""
+
+    weights = None
+    metric_penalty = None
+    metric_penalty_gradients = None
+    decode = None
+
+
+@pytest.mark.parametrize(
+    "adapter, flags",
+    [(_RefusesFloat32, ONLY), (_ForwardOnlyRefusesFloat32, {})],
+    ids=["forward-checks-only", "forward-only-port-default-run"],
+)
+def test_a_dtype_refused_outright_leaves_its_bad_input_unchecked_and_says_so(adapter, flags):
+    report = dcf.run_conformance(adapter(), cases=[dcf.CATALOGUE[0]], **flags)
     assert {r.dtype for r in report.results if r.check == "rejects"} == {"float64"}
     assert report.verdict == "FAILED"  # its float32 output check errored
     assert (
         "refuses-float32",
-        "errors in float32: the bad-input checks did not run, every other check in that dtype ended in an error",
+        "errors in float32: the bad-input checks did not run, every other check in that dtype ended in an error or "
+        "is unsupported",
     ) in report.gaps, report.gaps
 
 

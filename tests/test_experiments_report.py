@@ -119,6 +119,18 @@ def test_claim1_supported_when_a_damcha_variant_beats_both_baselines():
     assert rows[0]["p_holm"] >= rows[0]["p"]
 
 
+def test_verdicts_of_a_partly_trained_task_file():
+    """A task whose file holds DAMCHA variants only (the state between the documented
+    --variants subset commands against one --out) made the sign-flip reading's
+    min() run over no rows: the whole report crashed. Its verdicts are those of
+    the complete task beside it."""
+    full = _results("crosshead", {"mha": _base(0.6), "talking-heads": _base(0.6), "damcha-heads-tied": _other(0.9)})
+    partial = _results("crosshead1", {"damcha-heads-tied": _other(0.9)})
+    alone = {x["claim"]: x["verdict"] for x in an.verdicts({"crosshead": full}, {}, {})}
+    both = {x["claim"]: x["verdict"] for x in an.verdicts({"crosshead": full, "crosshead1": partial}, {}, {})}
+    assert both[1] == alone[1] == "supported", (alone, both)
+
+
 def test_claim1_not_supported_when_the_interval_excludes_a_meaningful_gain():
     res = _results(
         "crosshead",

@@ -184,6 +184,40 @@ def test_run_ort_refuses_a_session_of_another_export_with_the_same_names(tmp_pat
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
 
 
+def test_run_ort_takes_a_session_of_the_model_that_fixes_a_symbolic_dim_or_infers_an_output_shape(tmp_path):
+    """The session check compared dims exactly: a session with onnxruntime's free
+    dimension overrides (batch and query_len fixed for serving) and a session of
+    a graph whose output declares no shape (onnxruntime reports the inferred one)
+    were refused as another model's."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    p = _params(CFG, 1)
+    path = tmp_path / "a.onnx"
+    model = do.export(p, CFG, path)
+    x = np.random.default_rng(0).normal(size=(2, 3, 8)).astype(np.float32)
+    options = ort.SessionOptions()
+    options.add_free_dimension_override_by_name("batch", 2)
+    options.add_free_dimension_override_by_name("query_len", 3)
+    fixed = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    assert fixed.get_inputs()[0].shape == [2, 3, 8]
+    got = do.run_ort(model, {"query": x}, session=fixed)
+    np.testing.assert_allclose(got, dc.damcha_attention(p, CFG, x), rtol=1e-4, atol=1e-5)
+    # A fixed size that differs from the graph's still tells another model apart.
+    small = dc.DamchaConfig(query_dim=6, num_heads=2, key_dim=3)
+    with pytest.raises(dc.DamchaValueError, match=r"`session`: expected a session of this model"):
+        do.run_ort(model, {"query": x}, session=do.ort_session(do.export(_params(small, 3), small, None)))
+    inp = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])
+    out = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g", [inp], [out])
+    relu = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    relu.ir_version = 8
+    session = ort.InferenceSession(relu.SerializeToString(), providers=["CPUExecutionProvider"])
+    assert session.get_outputs()[0].shape == ["batch", 4]  # inferred, where the graph declares none
+    feed = np.array([[-1.0, 2.0, -3.0, 4.0]], np.float32)
+    np.testing.assert_array_equal(do.run_ort(relu, {"x": feed}, session=session), np.maximum(feed, 0))
+
+
 def test_the_model_digest_is_deterministic_and_tells_weights_apart():
     digest = lambda m: {p.key: p.value for p in m.metadata_props}[_io.DIGEST_KEY]  # noqa: E731
     p = _params(CFG, 1)
@@ -345,9 +379,16 @@ def test_export_torch_takes_one_tensor_and_a_str_as_one_name():
             do.export_torch(model, (torch.randn(2, 5, 8),), **bad)
     with pytest.raises(dc.DamchaTypeError, match=r"Invalid argument `args`: expected a tuple"):
         do.export_torch(model, 5)
+    with pytest.raises(dc.DamchaTypeError, match=r"Invalid argument `args`: expected a tuple"):
+        do.export_torch(model, {"q": torch.randn(2, 5, 8)})  # a mapping iterates its keys
     proto = do.export_torch(model, torch.randn(2, 5, 8), input_names="query", output_names="y")
     assert [i.name for i in proto.graph.input] == ["query"] and [o.name for o in proto.graph.output] == ["y"]
     x = np.random.default_rng(1).normal(size=(3, 4, 8))
+    np.testing.assert_allclose(do.run_ort(proto, {"query": x}), dc.damcha_attention(p, CFG, x), rtol=1e-4, atol=1e-5)
+    # Other iterables, as list()/tuple() took them before the checks: one's feeds' keys and values.
+    feeds = {"query": torch.randn(2, 5, 8)}
+    proto = do.export_torch(model, feeds.values(), input_names=feeds.keys())
+    assert [i.name for i in proto.graph.input] == ["query"]
     np.testing.assert_allclose(do.run_ort(proto, {"query": x}), dc.damcha_attention(p, CFG, x), rtol=1e-4, atol=1e-5)
 
 
