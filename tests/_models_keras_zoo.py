@@ -744,7 +744,21 @@ def convert_after_fit() -> dict[str, Any]:
     recompiled_moved = gates_moved(dk.convert(fitted))
     compiled_only = model()
     compiled_only.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    # A model inside a fitted one (KerasHub's `lm.backbone` after `lm.fit()`): accepted before,
+    # and TensorFlow's fit then never trained the new variables.
+    inner = model()
+    outer_in = keras.Input((None, 8))
+    outer = keras.Model(outer_in, inner(outer_in))
+    outer.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    outer.fit(x, x, verbose=0)
+    try:
+        dk.convert(inner)
+        inner_refused = ""
+    except dc.DamchaValueError as exc:
+        inner_refused = str(exc)
     return {
+        "inner_refused": inner_refused,
+        "inner_unchanged": not dk.converted_layers(inner),
         "refused": refused,
         "unchanged": unchanged,
         "recompiled_moved": recompiled_moved,

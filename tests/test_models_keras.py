@@ -322,6 +322,28 @@ def test_fit_moves_gates_llama_with_penalty():
     np.testing.assert_allclose(total - float(numpy(loss(y, y_pred))), 50.0 * penalty, rtol=1e-2)
 
 
+def test_a_saved_model_keeps_its_metric_penalty(tmp_path):
+    """track_metric_penalty was not saved: a reloaded model tracked no penalty
+    (resumed training dropped the regulariser) and mapped in the other form
+    (outputs 1e-8 apart). Turned off (weight 0), the file records none."""
+    model = backbone("llama")
+    dk.convert(model)
+    dk.track_metric_penalty(model, 2.0)
+    open_gates(model)
+    x = inputs("llama", padded=False)
+    out, penalty, losses = numpy(model(x)), float(numpy(dk.metric_penalty(model))), len(model.losses)
+    model.save(tmp_path / "m.keras")
+    again = keras.saving.load_model(tmp_path / "m.keras")
+    np.testing.assert_array_equal(numpy(again(x)), out)
+    assert len(again.losses) == losses > 0
+    assert float(numpy(dk.metric_penalty(again))) == penalty > 0
+    dk.track_metric_penalty(again, 0.0)
+    again.save(tmp_path / "off.keras")
+    off = keras.saving.load_model(tmp_path / "off.keras")
+    off(x)
+    assert not off.losses
+
+
 def test_fit_moves_gates_bert_classifier():
     bert = backbone("bert")
     dk.convert(bert)
@@ -464,6 +486,12 @@ def test_save_to_preset_of_a_converted_model_is_refused(what, tmp_path):
     with pytest.raises(dc.DamchaValueError, match=r"Invalid argument `model`: expected a model KerasHub's from_preset"):
         model.save_to_preset(str(tmp_path / "converted"))
     assert not (tmp_path / "converted").exists()
+    if "causal" in what:
+        # The task's backbone, which holds the converted layers: its preset loaded back as a plain
+        # backbone, without a word.
+        with pytest.raises(dc.DamchaValueError, match=r"holds converted layers of a converted LlamaCausalLM"):
+            model.backbone.save_to_preset(str(tmp_path / "inner"))
+        assert not (tmp_path / "inner").exists()
 
 
 def test_from_mha_refuses_lora_projections():
@@ -1853,6 +1881,9 @@ def test_convert_refuses_a_model_whose_optimizer_is_built():
     assert r["refused"].startswith("Invalid argument `model`: expected a model whose optimizer is not built"), r
     assert "compiled with optimizer Adam, already built for 8 variables" in r["refused"], r
     assert r["unchanged"] and r["recompiled_moved"] and r["compiled_only_moved"], r
+    # A model inside a fitted one (a task's backbone): refused, naming both.
+    assert r["inner_refused"].startswith("Invalid argument `model`: expected a model whose optimizer is not built"), r
+    assert "inside Functional" in r["inner_refused"] and r["inner_unchanged"], r
 
 
 @pytest.mark.parametrize("policy", ["float16", "mixed_float16"])

@@ -96,6 +96,9 @@ def check_convert_after_fit(r: dict, backend: str) -> None:
     assert refused.startswith("Invalid argument `model`: expected a model whose optimizer is not built"), r
     assert "compiled with optimizer Adam, already built for 8 variables" in refused, r
     assert all(r["convert_after_fit"][k] for k in ("unchanged", "recompiled_moved", "compiled_only_moved")), r
+    inner = r["convert_after_fit"]["inner_refused"]
+    assert inner.startswith("Invalid argument `model`: expected a model whose optimizer is not built"), r
+    assert "inside Functional" in inner and r["convert_after_fit"]["inner_unchanged"], r
 
 
 def check_file_round_trips(r: dict, backend: str) -> None:
