@@ -740,6 +740,38 @@ def test_sublayer_conversion_and_register_adapter():
         dk._models._ADAPTERS.remove(bad)
 
 
+def test_attention_under_another_name_is_refused_by_name():
+    """A user's layer with query and key projections of its own, not named "...Attention"
+    (as damcha_torch finds them): it was left unconverted beside the converted MHA, without
+    a word. A layer holding a query projection alone is not attention."""
+
+    class SelfAttn(keras.layers.Layer):
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            self.q, self.k = keras.layers.Dense(8), keras.layers.Dense(8)
+
+        def call(self, x):
+            return keras.ops.softmax(self.q(x) @ keras.ops.transpose(self.k(x), (0, 2, 1))) @ x
+
+    class QueryOnly(keras.layers.Layer):
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            self.q = keras.layers.Dense(8)
+
+        def call(self, x):
+            return self.q(x)
+
+    inp = keras.Input((5, 8))
+    h = keras.layers.MultiHeadAttention(2, 4, name="mha")(inp, inp)
+    model = keras.Model(inp, SelfAttn(name="my_self_attn")(h))
+    with pytest.raises(dc.DamchaValueError, match=r"Received: model with layers of unknown layouts: my_self_attn \("):
+        dk.convert(model)
+    assert not dk.converted_layers(model)
+    fine = keras.Model(inp, QueryOnly(name="query_only")(keras.layers.MultiHeadAttention(2, 4, name="mha")(inp, inp)))
+    dk.convert(fine)
+    assert list(dk.converted_layers(fine)) == ["mha"]
+
+
 def test_a_layout_whose_features_do_not_fit_its_einsum_dense_projections_is_refused():
     """The same input-size check for EinsumDense sites (KerasHub's kind): the
     kernel axis named by the input's last letter; a fitting layout converts."""

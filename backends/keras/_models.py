@@ -382,6 +382,33 @@ def _is_attention_like(layer: Any) -> bool:
     return "attention" in name and not ("mask" in name and not layer.weights)
 
 
+# Attribute names under which a layer keeps query and key projections of its own (one fused
+# projection, or a query beside a key projection), as damcha_torch's convert reads child modules:
+# a user's `SelfAttn` computes attention whatever its class is named, and was left unconverted
+# beside the converted layers without a word.
+_FUSED_QK = ("qkv", "qk", "qkv_proj", "query_key_value")
+_QUERY_KEY = (
+    ("q", "k"),
+    ("q", "kv"),
+    ("q_proj", "k_proj"),
+    ("query", "key"),
+    ("query_dense", "key_dense"),
+    ("_query_dense", "_key_dense"),
+    ("to_q", "to_k"),
+    ("wq", "wk"),
+)
+
+
+def _projects_queries_and_keys(layer: Any) -> bool:
+    """``layer`` holds query/key projections (sublayers with weights) under the names above."""
+
+    def weighted(attr: str) -> bool:
+        sub = layer.__dict__.get(attr)
+        return isinstance(sub, keras.layers.Layer) and bool(sub.weights)
+
+    return any(weighted(a) for a in _FUSED_QK) or any(weighted(q) and weighted(k) for q, k in _QUERY_KEY)
+
+
 def _walk(model: keras.layers.Layer) -> list[keras.layers.Layer]:
     # Keras has no public recursive sublayer iterator; _flatten_layers is the
     # one Keras's own quantize() and weights use.
@@ -414,7 +441,7 @@ def _find(model: keras.layers.Layer) -> tuple[list[tuple[Any, ModelAdapter]], li
     supported = [layer for layer, _ in matched] + damcha
     unknown = []
     for layer in _walk(model):
-        if id(layer) in claimed or not _is_attention_like(layer):
+        if id(layer) in claimed or not (_is_attention_like(layer) or _projects_queries_and_keys(layer)):
             continue
         problem = _wrapper_problem(layer, supported)
         if problem is not None:
