@@ -412,13 +412,19 @@ class DamchaAttention(CanonicalIO, nn.Module):
             if self.in_proj_bias is not None:
                 write_initial(self, "in_proj_bias", torch.zeros_like(self.in_proj_bias))
                 write_initial(self.out_proj, "bias", torch.zeros_like(self.out_proj.bias))
+            for name in ("bias_k", "bias_v"):
+                # add_bias_kv: MHA's own initialiser, as at construction. Left out, a
+                # layer built on the meta device kept to_empty's memory here.
+                if getattr(self, name, None) is not None:
+                    write_initial(self, name, nn.init.xavier_normal_(torch.empty_like(getattr(self, name))))
             for name, gate in self.metric_gates.items():
                 write_initial(self.metric_gates, name, torch.zeros_like(gate))
 
     def reset_parameters(self) -> None:
-        """Fresh projections and zero gates (a fresh layer is exactly MHA). The
-        metric generators are left alone: they may be shared with other layers
-        (call their own ``reset_parameters``)."""
+        """Fresh projections (``bias_k``/``bias_v`` too, with ``add_bias_kv``) and
+        zero gates (a fresh layer is exactly MHA). The metric generators are left
+        alone: they may be shared with other layers (call their own
+        ``reset_parameters``)."""
         self._reset_projections()
 
     def __getstate__(self) -> dict[str, Any]:
