@@ -26,18 +26,45 @@ from ._policy import resolve_coupling
 
 __all__ = [
     "COUPLINGS",
+    "FUSED_QK_NAMES",
+    "QUERY_KEY_NAMES",
     "AttentionLayout",
     "ModelAdapter",
     "ProjectionSite",
     "check_coupling",
     "check_layout",
     "check_shareable",
+    "check_site_sizes",
     "layout_config",
     "register",
 ]
 
 # The converters' ``coupling`` values; "auto" is resolved per layer by ``layout_config``.
 COUPLINGS = ("auto", "tied", "separate", "query")
+
+# Names under which attention layers keep their query and key projections: one fused
+# projection, or a query projection beside a key (or fused key/value) one. Both
+# converters count a module or layer holding such projections (with weights) as
+# attention whatever its class is named (timm's GPSA, MHSA and XCA; a user's
+# "SelfAttn"), so that convert() names it instead of leaving it without maps while
+# converting the rest. Not "in_proj": state-space mixers (Mamba, Jamba, Zamba in
+# transformers) name their input projection so, and nn.MultiheadAttention keeps its
+# in_proj_weight as a parameter. A query projection alone is not attention.
+FUSED_QK_NAMES = ("qkv", "qk", "qkv_proj", "Wqkv", "query_key_value")
+QUERY_KEY_NAMES = (
+    ("q", "k"),
+    ("q", "kv"),
+    ("q_proj", "k_proj"),
+    ("q_proj", "kv_proj"),
+    ("query", "key"),
+    ("query_proj", "key_proj"),
+    ("query_dense", "key_dense"),
+    ("_query_dense", "_key_dense"),
+    ("to_q", "to_k"),
+    ("to_q", "to_kv"),
+    ("wq", "wk"),
+    ("q_lin", "k_lin"),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,6 +318,35 @@ def check_layout(adapter: ModelAdapter, layout: Any) -> AttentionLayout:
                     )
                 )
     return layout
+
+
+def check_site_sizes(
+    layout: AttentionLayout, site: ProjectionSite, *, in_features: int | None, out_features: int | None
+) -> None:
+    """The sizes a site's projection reports, checked against ``layout`` before
+    ``convert`` changes anything (both ports; either size may be unknown: None).
+    Its output must hold the blocks the site describes (``ProjectionSite.blocks``);
+    its input is the tokens the generators read, so it must be the layout's
+    ``query_features``/``key_features`` for each role it projects (a mismatch
+    converted, then failed in the first call with a raw shape error).
+
+    Raises:
+        DamchaValueError: naming the layout field and the projection's size.
+    """
+    if out_features is not None:
+        site.blocks(layout.num_heads, layout.num_kv_heads, layout.head_dim, out_features)
+    if in_features is None:
+        return
+    for role, _ in site.roles():
+        field = "query_features" if role == "q" else "key_features"
+        if getattr(layout, field) != in_features:
+            raise DamchaValueError(
+                invalid_argument(
+                    field,
+                    f"the input features of `{site.attr}`, which projects the {role} heads",
+                    f"{field}={getattr(layout, field)} with `{site.attr}` taking {in_features} input features",
+                )
+            )
 
 
 def register(registry: list[ModelAdapter], adapter: ModelAdapter, *, port: str) -> ModelAdapter:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import damcha_core as dc
-from damcha_core._layout import AttentionLayout, ModelAdapter, ProjectionSite, check_layout
+from damcha_core._layout import AttentionLayout, ModelAdapter, ProjectionSite, check_layout, check_site_sizes
 
 
 def test_a_grouped_site_of_one_role_need_not_divide_the_other_roles_heads():
@@ -135,3 +135,37 @@ def test_check_layout_refuses_what_convert_cannot_map(layout, error, pattern):
 def test_check_layout_returns_a_layout_that_fits():
     layout = _layout()
     assert check_layout(_adapter(), layout) is layout
+
+
+_SIZED = AttentionLayout(
+    2, 1, 4, 12, 10, (ProjectionSite("q_proj", q=0), ProjectionSite("kv", k=0)), self_attention=False
+)
+
+
+@pytest.mark.parametrize(
+    "site, in_features, out_features, pattern",
+    [
+        (
+            0,
+            10,
+            None,
+            r"`query_features`: expected the input features of `q_proj`.*query_features=12 with `q_proj` "
+            r"taking 10 input features",
+        ),
+        (1, 12, None, r"`key_features`: expected the input features of `kv`.*key_features=10 with `kv` taking 12"),
+        (0, None, 7, r"q_proj"),
+    ],
+    ids=["query-input", "key-input", "query-output"],
+)
+def test_check_site_sizes_names_the_field_a_projection_contradicts(site, in_features, out_features, pattern):
+    """Both converters' one check of a site's projection sizes: the input against the
+    layout's query_features/key_features for each role it projects, the output
+    against the blocks the site describes."""
+    with pytest.raises(dc.DamchaValueError, match=pattern):
+        check_site_sizes(_SIZED, _SIZED.sites[site], in_features=in_features, out_features=out_features)
+
+
+def test_check_site_sizes_takes_fitting_and_unknown_sizes():
+    for site, features in ((0, 12), (1, 10)):
+        check_site_sizes(_SIZED, _SIZED.sites[site], in_features=features, out_features=8 if site == 0 else 4)
+        check_site_sizes(_SIZED, _SIZED.sites[site], in_features=None, out_features=None)

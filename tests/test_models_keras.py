@@ -713,7 +713,7 @@ def test_sublayer_conversion_and_register_adapter():
         with pytest.raises(
             dc.DamchaValueError,
             match=r"Cannot convert layer `wrong` \(test-wrong-features\): Invalid argument `query_features`: expected "
-            r"the input features of `qk`.*query_features=16 with `qk` built for 8 input features",
+            r"the input features of `qk`.*query_features=16 with `qk` taking 8 input features",
         ):
             dk.convert(wrong_model)
         assert not dk.converted_layers(wrong_model)
@@ -740,36 +740,43 @@ def test_sublayer_conversion_and_register_adapter():
         dk._models._ADAPTERS.remove(bad)
 
 
-def test_attention_under_another_name_is_refused_by_name():
+class _NamedProjections(keras.layers.Layer):
+    """A user's attention under a class name without "Attention", its projections
+    (Dense sublayers) under ``names``."""
+
+    def __init__(self, names, **kw):
+        super().__init__(**kw)
+        self.names = tuple(names)
+        for name in self.names:
+            setattr(self, name, keras.layers.Dense(8))
+
+    def call(self, x):
+        out = x
+        for name in self.names:
+            out = out + getattr(self, name)(x)
+        return out
+
+
+_PROJECTION_NAMES = [(n,) for n in dc._layout.FUSED_QK_NAMES] + list(dc._layout.QUERY_KEY_NAMES)
+
+
+@pytest.mark.parametrize("names", _PROJECTION_NAMES, ids=["+".join(n) for n in _PROJECTION_NAMES])
+def test_attention_under_another_name_is_refused_by_name(names):
     """A user's layer with query and key projections of its own, not named "...Attention"
-    (as damcha_torch finds them): it was left unconverted beside the converted MHA, without
-    a word. A layer holding a query projection alone is not attention."""
-
-    class SelfAttn(keras.layers.Layer):
-        def __init__(self, **kw):
-            super().__init__(**kw)
-            self.q, self.k = keras.layers.Dense(8), keras.layers.Dense(8)
-
-        def call(self, x):
-            return keras.ops.softmax(self.q(x) @ keras.ops.transpose(self.k(x), (0, 2, 1))) @ x
-
-    class QueryOnly(keras.layers.Layer):
-        def __init__(self, **kw):
-            super().__init__(**kw)
-            self.q = keras.layers.Dense(8)
-
-        def call(self, x):
-            return self.q(x)
-
+    (as damcha_torch finds them, from one table in damcha_core._layout): it was left
+    unconverted beside the converted MHA, without a word. A layer holding a query
+    projection alone is not attention."""
     inp = keras.Input((5, 8))
     h = keras.layers.MultiHeadAttention(2, 4, name="mha")(inp, inp)
-    model = keras.Model(inp, SelfAttn(name="my_self_attn")(h))
+    model = keras.Model(inp, _NamedProjections(names, name="my_self_attn")(h))
     with pytest.raises(dc.DamchaValueError, match=r"Received: model with layers of unknown layouts: my_self_attn \("):
         dk.convert(model)
     assert not dk.converted_layers(model)
-    fine = keras.Model(inp, QueryOnly(name="query_only")(keras.layers.MultiHeadAttention(2, 4, name="mha")(inp, inp)))
-    dk.convert(fine)
-    assert list(dk.converted_layers(fine)) == ["mha"]
+    if len(names) == 2:
+        one = _NamedProjections(names[:1], name="query_only")
+        fine = keras.Model(inp, one(keras.layers.MultiHeadAttention(2, 4, name="mha")(inp, inp)))
+        dk.convert(fine)
+        assert list(dk.converted_layers(fine)) == ["mha"]
 
 
 def test_a_layout_whose_features_do_not_fit_its_einsum_dense_projections_is_refused():
@@ -804,7 +811,7 @@ def test_a_layout_whose_features_do_not_fit_its_einsum_dense_projections_is_refu
                 with pytest.raises(
                     dc.DamchaValueError,
                     match=r"Invalid argument `query_features`: expected the input features of `q`.*"
-                    r"query_features=12 with `q` built for 8 input features",
+                    r"query_features=12 with `q` taking 8 input features",
                 ):
                     dk.convert(model)
                 assert not dk.converted_layers(model)

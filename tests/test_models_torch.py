@@ -3245,6 +3245,36 @@ def test_attention_under_another_name_is_refused_by_name(make, layer):
     assert not dt.converted_layers(model)
 
 
+class _NamedProjections(nn.Module):
+    """Attention under a class name without "Attention", its projections under ``names``."""
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        super().__init__()
+        for name in names:
+            self.add_module(name, nn.Linear(16, 16))
+
+    def forward(self, x):
+        return x + sum(getattr(self, name)(x) for name in self._modules)
+
+
+_PROJECTION_NAMES = [(n,) for n in dc._layout.FUSED_QK_NAMES] + list(dc._layout.QUERY_KEY_NAMES)
+
+
+@pytest.mark.parametrize("names", _PROJECTION_NAMES, ids=["+".join(n) for n in _PROJECTION_NAMES])
+def test_every_query_key_projection_name_marks_attention(names):
+    """Each name damcha_core._layout lists for query/key projections (one table for
+    both converters) makes a module attention: refused by name beside a supported
+    layer; a query projection alone does not."""
+    model = nn.Sequential(timm.layers.Attention(16, num_heads=2), _NamedProjections(names))
+    with pytest.raises(dc.DamchaValueError, match=r"unknown layouts: 1 \(test_models_torch\._NamedProjections\)$"):
+        dt.convert(model)
+    assert not dt.converted_layers(model)
+    if len(names) == 2:
+        fine = nn.Sequential(timm.layers.Attention(16, num_heads=2), _NamedProjections(names[:1]))
+        dt.convert(fine)
+        assert list(dt.converted_layers(fine)) == ["0"]
+
+
 class _MambaLikeMixer(nn.Module):
     """A state-space mixer (as transformers' Mamba, Jamba, Zamba): in_proj, a
     depthwise conv and out_proj, no attention."""
@@ -3476,7 +3506,7 @@ _CHECKED_LAYOUTS = {
         lambda m: dt.AttentionLayout(2, 2, 8, 32, 16, (dt.ProjectionSite("wq", q=0), dt.ProjectionSite("wk", k=0))),
         dc.DamchaValueError,
         r"Invalid argument `query_features`: expected the input features of `wq`.*query_features=32 with "
-        r"wq\.in_features=16",
+        r"`wq` taking 16 input features",
     ),
     "no-key-site": (
         lambda m: dt.AttentionLayout(2, 2, 8, 16, 16, (dt.ProjectionSite("wq", q=0),)),

@@ -382,31 +382,18 @@ def _is_attention_like(layer: Any) -> bool:
     return "attention" in name and not ("mask" in name and not layer.weights)
 
 
-# Attribute names under which a layer keeps query and key projections of its own (one fused
-# projection, or a query beside a key projection), as damcha_torch's convert reads child modules:
-# a user's `SelfAttn` computes attention whatever its class is named, and was left unconverted
-# beside the converted layers without a word.
-_FUSED_QK = ("qkv", "qk", "qkv_proj", "query_key_value")
-_QUERY_KEY = (
-    ("q", "k"),
-    ("q", "kv"),
-    ("q_proj", "k_proj"),
-    ("query", "key"),
-    ("query_dense", "key_dense"),
-    ("_query_dense", "_key_dense"),
-    ("to_q", "to_k"),
-    ("wq", "wk"),
-)
-
-
 def _projects_queries_and_keys(layer: Any) -> bool:
-    """``layer`` holds query/key projections (sublayers with weights) under the names above."""
+    """``layer`` holds query/key projections (sublayers with weights) under the names
+    ``_layout.FUSED_QK_NAMES``/``QUERY_KEY_NAMES`` list, as damcha_torch's convert reads
+    child modules: a user's `SelfAttn` computes attention whatever its class is named."""
 
     def weighted(attr: str) -> bool:
         sub = layer.__dict__.get(attr)
         return isinstance(sub, keras.layers.Layer) and bool(sub.weights)
 
-    return any(weighted(a) for a in _FUSED_QK) or any(weighted(q) and weighted(k) for q, k in _QUERY_KEY)
+    return any(weighted(a) for a in _layout.FUSED_QK_NAMES) or any(
+        weighted(q) and weighted(k) for q, k in _layout.QUERY_KEY_NAMES
+    )
 
 
 def _walk(model: keras.layers.Layer) -> list[keras.layers.Layer]:
@@ -775,22 +762,9 @@ def _check_sites(layer: Any, layout: AttentionLayout, *, quantized: bool) -> Non
                 f"`{site.attr}` is quantized ({mode}); convert the float model, then quantize it "
                 "(model.quantize after dk.convert; its .keras file loads back converted and quantized)."
             )
-        features = _out_features(projection)
-        if features is not None:
-            site.blocks(layout.num_heads, layout.num_kv_heads, layout.head_dim, features)
-        # The tokens the generators read are the projection's input: a layout whose
-        # query_features differ converted, then failed in the first call.
-        inputs = _in_features(projection)
-        for role, _ in site.roles():
-            field = "query_features" if role == "q" else "key_features"
-            if inputs is not None and getattr(layout, field) != inputs:
-                raise DamchaValueError(
-                    dc.invalid_argument(
-                        field,
-                        f"the input features of `{site.attr}`, which projects the {role} heads",
-                        f"{field}={getattr(layout, field)} with `{site.attr}` built for {inputs} input features",
-                    )
-                )
+        _layout.check_site_sizes(
+            layout, site, in_features=_in_features(projection), out_features=_out_features(projection)
+        )
 
 
 def _in_features(projection: Any) -> int | None:
@@ -901,16 +875,7 @@ class _ConvertedModel:
         if self._damcha_convert is None:  # a plain model (clone_model's): the host's own preset
             host.save_to_preset(self, preset_dir, *args, **kwargs)
             return
-        raise DamchaValueError(
-            dc.invalid_argument(
-                "model",
-                "a model KerasHub's from_preset can load back as it is: a converted model cannot be (from_preset "
-                "loads a task's preset as the unconverted model, dropping the DAMCHA weights, and refuses a "
-                "backbone's). Save it with model.save('model.keras') (keras.saving.load_model restores the "
-                "conversion), or save the host's preset before dk.convert and convert again after from_preset",
-                f"save_to_preset of a converted {host.__name__}",
-            )
-        )
+        raise _preset_refusal(f"save_to_preset of a converted {host.__name__}")
 
     @classmethod
     def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> Any:
@@ -988,15 +953,24 @@ class _InnerPresetRefusal:
         self.owner = owner
 
     def __call__(self, *args: Any, **kwargs: Any) -> None:
-        raise DamchaValueError(
-            dc.invalid_argument(
-                "model",
-                "a model KerasHub's from_preset can load back as it is: this one holds converted layers of "
-                f"a converted {self.owner}, and its preset would load as the unconverted model. Save the "
-                "converted model with model.save('model.keras'), or save the preset before dk.convert",
-                f"save_to_preset of a {self.owner}'s inner model",
-            )
+        raise _preset_refusal(
+            f"save_to_preset of a {self.owner}'s inner model, which holds converted layers of a converted {self.owner}"
         )
+
+
+def _preset_refusal(received: str) -> DamchaValueError:
+    """save_to_preset's refusal, for a converted model and for a KerasHub model inside one."""
+    return DamchaValueError(
+        dc.invalid_argument(
+            "model",
+            "a model KerasHub's from_preset can load back as it is: a converted model, or one holding its "
+            "converted layers, cannot be (from_preset loads a task's preset as the unconverted model, dropping "
+            "the DAMCHA weights, and refuses a converted backbone's). Save the converted model with "
+            "model.save('model.keras') (keras.saving.load_model restores the conversion), or save the host's "
+            "preset before dk.convert and convert again after from_preset",
+            received,
+        )
+    )
 
 
 def _refuse_inner_presets(model: Any) -> None:

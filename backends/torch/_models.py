@@ -726,28 +726,6 @@ def _is_attention_like(module: nn.Module) -> bool:
     return "attention" in name.lower() or name.endswith("Attn")
 
 
-# Child names under which attention layers keep their query and key
-# projections: one fused module, or a query module beside a key (or fused
-# key/value) module. Layers named otherwise than "...Attention" (timm's GPSA,
-# MHSA and XCA, a user's "MHSA") are found by these, so that convert() names
-# them instead of leaving them without maps while converting the rest.
-# Not "in_proj": state-space mixers (Mamba, Jamba, Zamba, ... in transformers) name their input
-# projection so, and nn.MultiheadAttention keeps its in_proj_weight as a parameter, not a child.
-_FUSED_QK = ("qkv", "qk", "qkv_proj", "Wqkv", "query_key_value")
-_QUERY_KEY = (
-    ("q", "k"),
-    ("q", "kv"),
-    ("q_proj", "k_proj"),
-    ("q_proj", "kv_proj"),
-    ("query", "key"),
-    ("query_proj", "key_proj"),
-    ("to_q", "to_k"),
-    ("to_q", "to_kv"),
-    ("wq", "wk"),
-    ("q_lin", "k_lin"),
-)
-
-
 # Per-head query and key norms (children even where they are nn.Identity): timm's
 # ParallelScalingBlock computes attention and MLP from one fused `in_proj` (not a
 # name above) and was left without maps while an attention-pool head beside it converted.
@@ -756,7 +734,7 @@ _QK_NORMS = (("q_norm", "k_norm"), ("query_norm", "key_norm"), ("q_layernorm", "
 
 def _projects_queries_and_keys(module: nn.Module) -> bool:
     """``module`` holds query/key projections of its own (children with weights
-    under the names above) or query/key norms: it computes attention whatever
+    under ``_layout.FUSED_QK_NAMES``/``QUERY_KEY_NAMES``) or query/key norms: it computes attention whatever
     its class is named."""
 
     def weighted(attr: str) -> bool:
@@ -765,8 +743,8 @@ def _projects_queries_and_keys(module: nn.Module) -> bool:
 
     children = module._modules
     return (
-        any(weighted(a) for a in _FUSED_QK)
-        or any(weighted(q) and weighted(k) for q, k in _QUERY_KEY)
+        any(weighted(a) for a in _layout.FUSED_QK_NAMES)
+        or any(weighted(q) and weighted(k) for q, k in _layout.QUERY_KEY_NAMES)
         or any(children.get(q) is not None and children.get(k) is not None for q, k in _QK_NORMS)
     )
 
@@ -995,19 +973,8 @@ def _plans(
                 # against the projection's sizes where it tells them (apply_maps checks
                 # every call's output anyway).
                 features = _projection_features(_child(module, site.attr))
-                if features is None:
-                    continue
-                site.blocks(layout.num_heads, layout.num_kv_heads, layout.head_dim, features[1])
-                for role, _ in site.roles():
-                    field = "query_features" if role == "q" else "key_features"
-                    if getattr(layout, field) != features[0]:
-                        raise DamchaValueError(
-                            dc.invalid_argument(
-                                field,
-                                f"the input features of `{site.attr}`, which projects the {role} heads",
-                                f"{field}={getattr(layout, field)} with {site.attr}.in_features={features[0]}",
-                            )
-                        )
+                if features is not None:
+                    _layout.check_site_sizes(layout, site, in_features=features[0], out_features=features[1])
         except (DamchaValueError, DamchaTypeError) as exc:
             failures.append(type(exc)(f"Cannot convert layer `{name}` ({adapter.name}): {exc}"))
             continue
