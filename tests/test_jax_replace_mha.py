@@ -100,6 +100,33 @@ def test_the_replaced_layers_train_and_their_maps_act():
             assert float(jnp.abs(g[...]).max()) > 0, path
 
 
+def test_an_optimizer_built_after_replace_mha_trains_the_maps_and_one_built_before_fails():
+    """docs/jax.md: build nnx.Optimizer after replace_mha. After: Adam moves the gates
+    and generators with the projections; before: its state lacks the new parameters
+    and its first update fails (optax's pytree ValueError: Flax's optimizer keeps no
+    link to the model that replace_mha could follow)."""
+    import optax
+
+    x, mask = _inputs()
+
+    def loss(m):
+        return jnp.mean(m(x, mask) ** 2)
+
+    model = Model(nnx.Rngs(0))
+    dj.replace_mha(model, rngs=nnx.Rngs(3))
+    opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    gate = model.blocks[1].attn.metric["qk"].gate
+    before = np.asarray(gate[...]).copy()
+    opt.update(model, nnx.grad(loss)(model))
+    assert float(np.abs(np.asarray(gate[...]) - before).max()) > 1e-4
+
+    stale = Model(nnx.Rngs(0))
+    early = nnx.Optimizer(stale, optax.adam(1e-2), wrt=nnx.Param)
+    dj.replace_mha(stale, rngs=nnx.Rngs(3))
+    with pytest.raises(ValueError, match="pytree structure"):
+        early.update(stale, nnx.grad(loss)(stale))
+
+
 class OwnCall(nnx.MultiHeadAttention):
     def __call__(self, inputs_q, *args, **kwargs):
         return 2.0 * super().__call__(inputs_q, *args, **kwargs)
