@@ -38,8 +38,11 @@ after warm-up calls, so that load drifts hit both. A cell shows the median of
 the per-round ratios and, in brackets, their quartiles. Where the same
 commit was measured in several runs, their rounds are pooled: the median and
 quartiles are over every round, and `[k runs: ...]` lists each run's own
-median (idle runs of unchanged code have moved by up to 0.2 on this machine,
-more than one run's quartiles show). DAMCHA layers are
+median (idle runs of unchanged code differ by up to {spread} in these tables,
+more than one run's quartiles show; a cell whose runs fall on both sides of
+its target says so: its verdict is the pooled median's, and another run may
+turn it). Runs are pooled only when they measured the same commit on the same
+machine (its platform string names the VM) with the same thread count. DAMCHA layers are
 made from the MHA the way a user makes them (`from_mha`, `replace_mha`; same
 weights), are checked to reproduce MHA's output with closed gates (relative
 difference <= 1e-4; a failed check is marked **check failed**), and are
@@ -51,7 +54,9 @@ one call after a warm-up call, each model in a fresh process, with glibc told
 to unmap freed blocks >= 64 KiB (`MALLOC_MMAP_THRESHOLD_=65536`), the method
 of `bench_torch.py` (Keras on torch too); Flax and Keras on JAX: XLA's own
 estimate for the compiled call or training step (`memory_analysis()`: temp +
-argument + output bytes; "XLA MiB" columns), as a jitted JAX call's resident
+argument + output - alias bytes, so the parameters, which the resident-set
+method leaves out, count on both sides and dilute the ratio; "XLA MiB"
+columns, every part kept in the result files), as a jitted JAX call's resident
 set is set by XLA's allocator (the same rows read 0.40-2.58 across two runs);
 Keras on TensorFlow: not measured ("-"), as TensorFlow's CPU runtime keeps a
 step's buffers between calls (a warm call's resident-set increase read a few
@@ -105,7 +110,24 @@ def _fmt_ratio(c: dict[str, Any]) -> str:
     text = f"{r['median']:.3f} ({r['q1']:.2f}-{r['q3']:.2f})"
     if c.get("per_run"):
         text += f" [{len(c['per_run'])} runs: " + ", ".join(f"{m:.2f}" for m in c["per_run"]) + "]"
+    if straddles(c):
+        text += " (runs on both sides of the target)"
     return text
+
+
+def straddles(c: dict[str, Any]) -> bool:
+    """A pooled comparison whose runs' own medians fall strictly on both sides of its
+    target: the pooled verdict stands, but the runs disagree on it."""
+    per_run, target = c.get("per_run") or [], c.get("target")
+    return target is not None and any(m > target for m in per_run) and any(m < target for m in per_run)
+
+
+def run_spread(entries: Iterable[dict[str, Any]]) -> float:
+    """The largest difference between two runs' medians of one pooled cell."""
+    return max(
+        (max(c["per_run"]) - min(c["per_run"]) for e in entries for c in e.get("comparisons", []) if c.get("per_run")),
+        default=0.0,
+    )
 
 
 def _fmt_target(target: float | None, met: bool | None) -> str:
@@ -123,6 +145,13 @@ def _check_mark(entry: dict[str, Any]) -> str:
 
 def _n_of(entry: dict[str, Any]) -> int:
     return int(entry.get("shape", {}).get("N", entry.get("shape", {}).get("B", 0)))
+
+
+def _machine(run: dict[str, Any]) -> str:
+    """The machine a run measured: its platform string (the kernel release names
+    the VM image: three "AMD EPYC" VMs measured these tables) and CPU name."""
+    m = run.get("machine", {})
+    return f"{m.get('platform', '?')}/{m.get('cpu', '?')}"
 
 
 def _commit(run: dict[str, Any]) -> str:
@@ -176,7 +205,8 @@ def load(
     """(runs, entries) of several result files, in the order given.
 
     A later file's entry replaces an earlier one's, unless both runs measured the
-    same commit with the same timing setup (rounds' shapes, threads): then, with
+    same commit on the same machine with the same timing setup (rounds' shapes,
+    threads): then, with
     ``pool``, the two are pooled (see ``_pool``), so repeated idle runs of one
     code state report one median over all their rounds. Memory is the later
     run's (it is one measurement, not a sample). With ``file_format``, a file
@@ -200,6 +230,7 @@ def load(
                 and "times" in old
                 and "times" in entry
                 and _commit(runs[old["run"]]) == _commit(runs[entry["run"]])
+                and _machine(runs[old["run"]]) == _machine(runs[entry["run"]])
                 and runs[old["run"]].get("threads") == runs[entry["run"]].get("threads")
                 and set(old["times"]) == set(entry["times"])
                 and [c["label"] for c in old["comparisons"]] == [c["label"] for c in entry["comparisons"]]
@@ -230,7 +261,9 @@ def _run_line(run: dict[str, Any]) -> str:
     load_ = run.get("loadavg_start"), run.get("loadavg_end")
     return (
         f"{run.get('started', '?')} to {run.get('finished', '?')} on {m.get('cpu', '?')} "
-        f"({m.get('cpu_count', '?')} CPUs), {run.get('threads', '?')} threads per process; {versions}; "
+        f"({m.get('cpu_count', '?')} CPUs; {m.get('platform', '?')}"
+        + (f"; {' '.join(m['cpu_flags'])}" if m.get("cpu_flags") else "")
+        + f"), {run.get('threads', '?')} threads per process; {versions}; "
         f"load average at start {load_[0]}, at end {load_[1]}; commit {run.get('git', '?')}"
     )
 
@@ -319,8 +352,10 @@ def runs_block(runs: list[dict[str, Any]], entries: list[dict[str, Any]]) -> lis
     missed = [(e["id"], c["label"]) for e in entries for c in e.get("comparisons", []) if c.get("met") is False]
     missed += [(e["id"], "memory") for e in entries if e.get("memory", {}).get("met") is False]
     failed = [e["id"] for e in entries if not e.get("check", {}).get("ok", True)]
+    split = [(e["id"], c["label"]) for e in entries for c in e.get("comparisons", []) if straddles(c)]
     out.append(
         f"{len(entries)} measurements; targets missed: {len(missed)}"
+        + (f"; time cells whose runs fall on both sides of their target: {len(split)}" if split else "")
         + (f"; equality checks failed: {len(failed)}" if failed else "")
         + "."
     )
@@ -330,7 +365,7 @@ def runs_block(runs: list[dict[str, Any]], entries: list[dict[str, Any]]) -> lis
 
 def render(runs: list[dict[str, Any]], entries: list[dict[str, Any]]) -> str:
     """The whole section (between and including the markers)."""
-    out = [BEGIN, HEADING, "", METHOD, ""]
+    out = [BEGIN, HEADING, "", METHOD.replace("{spread}", f"{run_spread(entries):.2f}"), ""]
     if not entries:
         out += [
             "**Not yet measured on an idle machine.** The tables appear here after",

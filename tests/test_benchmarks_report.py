@@ -84,6 +84,39 @@ def test_runs_of_one_commit_are_pooled(two_runs: tuple[Path, Path, list[float]])
     assert "--json a.json" in text and "--json b.json" in text
 
 
+def test_runs_on_two_machines_are_not_pooled(two_runs: tuple[Path, Path, list[float]]) -> None:
+    """Three "AMD EPYC" VMs (one with AVX-512) measured these tables: runs of one commit
+    on different machines (platform strings) are not pooled; the later replaces the
+    earlier, as for another commit."""
+    first, second, _ = two_runs
+    for path, platform in ((first, "Linux-6.18-fc-v1045"), (second, "Linux-6.18-fc-v1300")):
+        data = json.loads(path.read_text())
+        data["runs"][0]["machine"] = {"platform": platform, "cpu": "AMD EPYC", "cpu_count": 2}
+        path.write_text(json.dumps(data))
+    runs, (entry,) = _dropin_report.load([first, second])
+    c = entry["comparisons"][0]
+    assert len(entry["times"]["damcha"]["wall"]) == 3 and c["ratio"]["median"] == pytest.approx(1.0)
+    assert "per_run" not in c
+    assert "Linux-6.18-fc-v1300" in _dropin_report.render(runs, [entry])
+
+
+def test_a_cell_whose_runs_disagree_on_its_target_says_so(two_runs: tuple[Path, Path, list[float]]) -> None:
+    """Pooled runs reading 1.20 and 1.00 against a 1.10 target: the cell keeps the pooled
+    median's verdict and says its runs fall on both sides; the count line counts it and
+    the method text gives the largest spread between runs (0.20); runs on one side
+    (1.20 and 1.15) are not marked."""
+    first, second, _ = two_runs
+    runs, entries = _dropin_report.load([first, second])
+    text = _dropin_report.render(runs, entries)
+    assert "[2 runs: 1.20, 1.00] (runs on both sides of the target)" in text
+    assert "time cells whose runs fall on both sides of their target: 1" in text
+    assert "differ by up to 0.20 in these tables" in text
+    same_side = _result_file(second.parent / "c.json", "abc123", [2.3, 2.3, 2.3], [2.0, 2.0, 2.0])
+    runs, entries = _dropin_report.load([first, same_side])
+    text = _dropin_report.render(runs, entries)
+    assert "[2 runs: 1.20, 1.15] |" in text and "both sides" not in text.split("Runs:", 1)[1]
+
+
 def test_report_without_files_rewrites_the_section_from_the_files_it_lists(tmp_path: Path) -> None:
     """`bench_dropin.py --report` with no file took the newest result file alone: run on the real
     doc it rewrote the pooled section (172 entries from 31 files) as one run's rows, dropping every
@@ -462,3 +495,22 @@ def test_the_results_file_is_synced_with_its_folder_and_resumes(tmp_path, monkey
     assert sorted(p.name for p in path.parent.iterdir()) == ["results.json"]  # no temporary file left
     resumed = _harness.Results(path, resume=True)
     assert resumed.data["runs"] == [{"commit": "abc"}] and resumed.has("e1")
+
+
+@pytest.mark.parametrize(
+    "report", [_dropin_report, _models_report, _models_keras_report], ids=["dropin", "models", "models-keras"]
+)
+def test_the_committed_sections_are_what_their_reports_write_from_the_files_they_list(report) -> None:
+    """docs/benchmarks.md's generated sections equal a fresh render of the result files
+    their run lines list (paths relative to the repository, as the commands gave them):
+    no hand edit inside the markers, no report change left unapplied, no listed file
+    missing from benchmarks/results/."""
+    root = BENCH.parent
+    doc = root / "docs" / "benchmarks.md"
+    begin, end = report.BEGIN, report.END
+    paths = [root / p for p in _dropin_report.listed_files(doc, begin=begin, end=end)]
+    assert paths and all(p.is_file() for p in paths), [str(p) for p in paths if not p.is_file()]
+    text = report.render(*report.load(paths))
+    real = doc.read_text()
+    committed = real[real.index(begin) : real.index(end) + len(end)] + "\n"
+    assert committed == text
