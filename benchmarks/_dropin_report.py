@@ -155,9 +155,12 @@ def _machine(run: dict[str, Any]) -> str:
 
 
 def _commit(run: dict[str, Any]) -> str:
-    """The code a run measured: its commit without the "+dirty" mark (docs and result
-    files are what make a benchmark checkout dirty)."""
-    return str(run.get("git", "?")).split("+", 1)[0]
+    """The code a run measured: its commit without the "+dirty" mark where the files
+    that differ are docs and result files only (what makes a benchmark checkout dirty;
+    runs before the list was recorded are taken so), else the commit and those files."""
+    commit = str(run.get("git", "?")).split("+", 1)[0]
+    code = [f for f in run.get("git_dirty") or [] if not f.startswith(("docs/", "benchmarks/results/"))]
+    return commit + ("+" + ",".join(sorted(code)) if code else "")
 
 
 def _pool(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
@@ -278,12 +281,50 @@ def time_cells(e: dict[str, Any]) -> str:
     )
 
 
+# Further baselines of a layer or model entry (``record_timed(also=...)``), by their
+# comparison's label: the column heading of their time.
+BASELINE_HEADS = {"time, MHA fast path off": "MHA, fast path off"}
+# ... and of their memory, by implementation.
+IMPL_HEADS = {"mha-nofast": "MHA, fast path off"}
+
+
+def _extra_labels(entries: list[dict[str, Any]]) -> list[str]:
+    """The labels of the further baselines any entry of a table has, in order."""
+    labels: list[str] = []
+    for e in entries:
+        for c in e["comparisons"][1:]:
+            if c["label"] not in labels:
+                labels.append(c["label"])
+    return labels
+
+
+def _extra_heads(labels: list[str]) -> tuple[str, str]:
+    heads = "".join(f" {BASELINE_HEADS.get(lb, lb)} ms | DAMCHA/it (quartiles) | target |" for lb in labels)
+    return heads, "---:|---|---|" * len(labels)
+
+
+def _extra_cells(e: dict[str, Any], labels: list[str]) -> str:
+    """The cells of each further baseline (``-`` where the entry was not measured against it:
+    a mode without that baseline, or a run before it was added)."""
+    by_label = {c["label"]: c for c in e["comparisons"][1:]}
+    cells = ""
+    for label in labels:
+        c = by_label.get(label)
+        if c is None:
+            cells += " - | - | - |"
+        else:
+            cells += f" {c['ms'][c['den']]:.1f} | {_fmt_ratio(c)} | {_fmt_target(c['target'], c['met'])} |"
+    return cells
+
+
 def _table_layer(entries: list[dict[str, Any]]) -> list[str]:
+    labels = _extra_labels(entries)
+    heads, rule = _extra_heads(labels)
     lines = [
-        "| case | mode | N | MHA ms | DAMCHA ms | DAMCHA/MHA (quartiles) | target |",
-        "|---|---|---:|---:|---:|---|---|",
+        "| case | mode | N | MHA ms | DAMCHA ms | DAMCHA/MHA (quartiles) | target |" + heads,
+        "|---|---|---:|---:|---:|---|---|" + rule,
     ]
-    return lines + [time_cells(e) for e in entries]
+    return lines + [time_cells(e) + _extra_cells(e, labels) for e in entries]
 
 
 def _table_decode(entries: list[dict[str, Any]]) -> list[str]:
@@ -312,10 +353,15 @@ def _table_model(entries: list[dict[str, Any]], baseline: str = "MHA") -> list[s
     ``num``) against ``baseline`` (its ``den``: MHA here, the original model in
     bench_models.py's report)."""
     unit = _memory_unit(entries)
+    labels = _extra_labels(entries)
+    heads, rule = _extra_heads(labels)
+    also_mem = sorted({impl for e in entries for impl in e.get("memory", {}).get("also", {})})
     lines = [
         f"| model | mode | N | {baseline} ms | DAMCHA ms | time ratio (quartiles) | target | {baseline} {unit} | "
-        f"DAMCHA {unit} | memory ratio | target |",
-        "|---|---|---:|---:|---:|---|---|---:|---:|---:|---|",
+        f"DAMCHA {unit} | memory ratio | target |"
+        + heads
+        + "".join(f" {IMPL_HEADS.get(impl, impl)} {unit} | memory ratio | target |" for impl in also_mem),
+        "|---|---|---:|---:|---:|---|---|---:|---:|---:|---|" + rule + "---:|---:|---|" * len(also_mem),
     ]
     for e in entries:
         c = e["comparisons"][0]
@@ -330,7 +376,15 @@ def _table_model(entries: list[dict[str, Any]], baseline: str = "MHA") -> list[s
             )
         else:
             mcells = "- | - | - | -"
-        lines.append(f"{time_cells(e)} {mcells} |")
+        extra = _extra_cells(e, labels)
+        for impl in also_mem:
+            m = (mem or {}).get("also", {}).get(impl)
+            if m is None:
+                extra += " - | - | - |"
+            else:
+                r = "-" if m["ratio"] is None else f"{m['ratio']:.2f}"
+                extra += f" {m['mib'][impl]:.1f} | {r} | {_fmt_target(m['target'], m['met'])} |"
+        lines.append(f"{time_cells(e)} {mcells} |{extra}")
     return lines
 
 
@@ -351,6 +405,12 @@ def runs_block(runs: list[dict[str, Any]], entries: list[dict[str, Any]]) -> lis
     out.append("")
     missed = [(e["id"], c["label"]) for e in entries for c in e.get("comparisons", []) if c.get("met") is False]
     missed += [(e["id"], "memory") for e in entries if e.get("memory", {}).get("met") is False]
+    missed += [
+        (e["id"], f"memory/{impl}")
+        for e in entries
+        for impl, m in e.get("memory", {}).get("also", {}).items()
+        if m.get("met") is False
+    ]
     failed = [e["id"] for e in entries if not e.get("check", {}).get("ok", True)]
     split = [(e["id"], c["label"]) for e in entries for c in e.get("comparisons", []) if straddles(c)]
     out.append(

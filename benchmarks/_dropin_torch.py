@@ -48,6 +48,31 @@ def open_gates(model: nn.Module, value: float = 0.5) -> None:
         raise RuntimeError(f"no DAMCHA gate found in {type(model).__name__}")
 
 
+def without_mha_fastpath(call: Callable[[], Any]) -> Callable[[], Any]:
+    """``call`` with torch's MHA fast path off (``torch.backends.mha.set_fastpath_enabled``).
+
+    In eval without gradients nn.MultiheadAttention and nn.TransformerEncoderLayer
+    take torch's fused inference path, which drops ``is_causal`` and builds the
+    (B, H, N, N) weights on CPU: slower than their SDPA path at every length
+    measured here. DAMCHA has no such path, so its inference rows are also
+    compared with MHA on its SDPA path (the faster of the two), where a ratio
+    below 1 cannot come from MHA's slow default."""
+
+    def off() -> Any:
+        before = torch.backends.mha.get_fastpath_enabled()
+        torch.backends.mha.set_fastpath_enabled(False)
+        try:
+            return call()
+        finally:
+            torch.backends.mha.set_fastpath_enabled(before)
+
+    return off
+
+
+# The second baseline of the forward/inference rows, its comparison's label.
+NOFAST, NOFAST_LABEL = "mha-nofast", "time, MHA fast path off"
+
+
 def _check(a: torch.Tensor, b: torch.Tensor) -> dict[str, Any]:
     return closed_gate_check(a.detach().float().numpy(), b.detach().float().numpy())
 
@@ -78,6 +103,16 @@ LAYER_CASES = {
         "call": "attn(x, c, c, attn_mask=rect_causal_bool (N, N/2), is_causal=True, need_weights=False)",
         "baseline": "the same call",
     },
+    "encoder-mask-only": {
+        "call": "nn.TransformerEncoder(2 pre-norm layers)(x, mask=square_subsequent_mask), after replace_mha "
+        "(no is_causal: the encoder's own causal-mask detection sets the hint)",
+        "baseline": "the same encoder before replace_mha",
+    },
+    "decoder": {
+        "call": "nn.TransformerDecoder(2 pre-norm layers)(x, c, tgt_mask=square_subsequent_mask, "
+        "tgt_is_causal=True), c of N/2 tokens, after replace_mha (self- and cross-attention)",
+        "baseline": "the same decoder before replace_mha",
+    },
 }
 LAYER_MODES = ("forward", "fwd+bwd")
 
@@ -89,16 +124,28 @@ def _layer_models(case: str, n: int, s: Any) -> tuple[nn.Module, nn.Module, Call
     g = torch.Generator().manual_seed(n)
     x = torch.randn(B, n, E, generator=g)
     causal = torch.ones(n, n, dtype=torch.bool).triu(1)  # True = masked out (nn.MultiheadAttention)
-    if case == "encoder":
+    if case in ("encoder", "encoder-mask-only"):
         layer = nn.TransformerEncoderLayer(E, H, s.ffn, dropout=0.0, batch_first=True, norm_first=True)
         mha = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
         damcha = dt.replace_mha(copy.deepcopy(mha))
         square = nn.Transformer.generate_square_subsequent_mask(n)
+        hint = True if case == "encoder" else None
 
         def enc(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
-            return m(x, mask=square, is_causal=True)
+            return m(x, mask=square, is_causal=hint)
 
         return mha, damcha, enc, enc, (x,)
+    if case == "decoder":
+        layer = nn.TransformerDecoderLayer(E, H, s.ffn, dropout=0.0, batch_first=True, norm_first=True)
+        mha = nn.TransformerDecoder(layer, 2)
+        damcha = dt.replace_mha(copy.deepcopy(mha))
+        square = nn.Transformer.generate_square_subsequent_mask(n)
+        c = torch.randn(B, max(1, n // 2), E, generator=g)
+
+        def dec(m: nn.Module, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+            return m(x, c, tgt_mask=square, tgt_is_causal=True)
+
+        return mha, damcha, dec, dec, (x, c)
     mha = nn.MultiheadAttention(E, H, batch_first=True)
     damcha = dt.DamchaAttention.from_mha(mha)
     if case == "cross":
@@ -169,6 +216,8 @@ def _layer_case(ses: Session, case: str, info: dict[str, str], n: int, todo: dic
             "damcha": _runner(damcha, f_damcha, inputs, mode),
             "mha": _runner(mha, f_mha, inputs, mode),
         }
+        if mode == "forward":
+            calls[NOFAST] = without_mha_fastpath(_runner(mha, f_mha, inputs, mode))
         times = interleaved(calls, repeats=s.repeats(n), warmup=1)
         ses.record_timed(
             entry_id,
@@ -180,6 +229,7 @@ def _layer_case(ses: Session, case: str, info: dict[str, str], n: int, todo: dic
             baseline=info["baseline"],
             times=times,
             check=check,
+            also=[(NOFAST_LABEL, NOFAST)] if mode == "forward" else [],
         )
 
 
@@ -437,13 +487,15 @@ def _model_call(model: nn.Module, x: torch.Tensor, kind: str, mode: str) -> Call
 
 
 def memory_worker(kind: str, impl: str, n: int, mode: str, s: Any) -> dict[str, Any]:
-    """Peak RSS increase of one call of one model, in this fresh process."""
+    """Peak RSS increase of one call of one model, in this fresh process (``NOFAST``:
+    the MHA model with torch's MHA fast path off)."""
     from _harness import measure_peak
 
-    model, x = _model(kind, impl, n, s)
+    model, x = _model(kind, "mha" if impl == NOFAST else impl, n, s)
     if impl == "damcha":
         open_gates(model)
-    return {"peak_mib": measure_peak(_model_call(model, x, kind, mode))}
+    call = _model_call(model, x, kind, mode)
+    return {"peak_mib": measure_peak(without_mha_fastpath(call) if impl == NOFAST else call)}
 
 
 def model_section(ses: Session) -> None:
@@ -461,6 +513,8 @@ def _model_case(ses: Session, kind: str, text: str, n: int, todo: dict[str, str]
     open_gates(damcha)
     for mode, entry_id in todo.items():
         calls = {"damcha": _model_call(damcha, x, kind, mode), "mha": _model_call(mha, x, kind, mode)}
+        if mode == "inference":
+            calls[NOFAST] = without_mha_fastpath(_model_call(mha, x, kind, mode))
         times = interleaved(calls, repeats=s.model_repeats(n), warmup=1)
         ses.record_timed(
             entry_id,
@@ -482,6 +536,7 @@ def _model_case(ses: Session, kind: str, text: str, n: int, todo: dict[str, str]
             "fresh process, MALLOC_MMAP_THRESHOLD_=65536",
             # --tiny measures nothing: one worker process checks that path.
             in_process=functools.partial(memory_worker, kind, n=n, mode=mode, s=s) if s.tiny else None,
+            also=[(NOFAST_LABEL, NOFAST)] if mode == "inference" else [],
         )
 
 

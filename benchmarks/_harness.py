@@ -17,6 +17,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -249,12 +250,40 @@ def machine() -> dict[str, Any]:
         "cpu": cpu,
         "cpu_count": os.cpu_count(),
     }
+    # VMs sold under one CPU name differ in these (AVX2 only, or AVX-512 with VNNI), and
+    # CPU kernels' speeds with them: a run line says which the run had.
+    flags = _cpu_flags()
+    if flags is not None:
+        info["cpu_flags"] = sorted(flags & {"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile"})
     try:
         with open("/proc/meminfo") as fh:
             info["mem_total_gib"] = round(int(fh.readline().split()[1]) / 2**20, 1)
     except (OSError, ValueError, IndexError):
         pass
     return info
+
+
+def _cpu_flags() -> set[str] | None:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return None
+
+
+def git_dirty_files() -> list[str] | None:
+    """The tracked files that differ from HEAD (a "+dirty" run's difference, by name:
+    docs and result files only, or code)."""
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(REPO), "diff", "HEAD", "--name-only"], capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.split() if out.returncode == 0 else None
 
 
 def git_commit() -> str | None:
@@ -275,6 +304,36 @@ def git_commit() -> str | None:
 
 def now() -> str:
     return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+def run_metadata(
+    script: str,
+    argv: Sequence[str],
+    *,
+    tiny: bool,
+    threads: int,
+    env: Mapping[str, str] | None = None,
+    **settings: Any,
+) -> dict[str, Any]:
+    """A run's record, as bench_models.py writes it: the command that reproduces the run
+    (``env``: variables it needs, written before the interpreter, e.g. KERAS_BACKEND), its
+    arguments, start time, ``--tiny``, thread count, the script's own ``settings``, then the
+    machine, package versions, git commit ("+dirty" when the tracked files differ from it)
+    and load average at the start. The caller adds ``finished`` and ``loadavg_end``."""
+    prefix = [f"{k}={v}" for k, v in (env or {}).items()]
+    return {
+        "command": shlex.join([*prefix, ".venv/bin/python", f"benchmarks/{script}", *argv]),
+        "argv": list(argv),
+        "started": now(),
+        "tiny": tiny,
+        "threads": threads,
+        **settings,
+        "machine": machine(),
+        "versions": versions(),
+        "git": git_commit(),
+        "git_dirty": git_dirty_files(),
+        "loadavg_start": loadavg(),
+    }
 
 
 def loadavg() -> list[float] | None:
@@ -542,9 +601,11 @@ class Session:
         mode: str,
         method: str,
         in_process: Callable[[str], dict[str, Any]] | None = None,
+        also: Sequence[str] = (),
     ) -> dict[str, Any]:
         """The ``memory`` of a whole-model entry: the peak of one call of each model
-        ("damcha", "mha"), each in a fresh ``--memory-worker`` process.
+        ("damcha", "mha", and the baselines in ``also``, each compared with DAMCHA
+        under ``also``), each in a fresh ``--memory-worker`` process.
 
         Args:
             kind, n, mode: the entry's model, length and mode (the worker's arguments).
@@ -554,13 +615,17 @@ class Session:
                 process checks the subprocess path).
         """
         peaks = {}
-        for impl in ("damcha", "mha"):
+        for impl in ("damcha", "mha", *also):
             if in_process is not None and impl != "damcha":
                 peaks[impl] = in_process(impl)["peak_mib"]
             else:
                 argv = [self.script, "--memory-worker", self.port, kind, impl, str(n), mode]
                 peaks[impl] = peak_in_subprocess(argv + (["--tiny"] if self.tiny else []))["peak_mib"]
-        return {"method": method, **memory_comparison(peaks, "damcha", "mha")}
+        record = {"method": method, **memory_comparison({k: peaks[k] for k in ("damcha", "mha")}, "damcha", "mha")}
+        if also:
+            record["mib"] = dict(peaks)
+            record["also"] = {impl: memory_comparison(peaks, "damcha", impl) for impl in also}
+        return record
 
     def record_timed(
         self,
@@ -577,12 +642,16 @@ class Session:
         memory: str | None = None,
         in_process: Callable[[str], dict[str, Any]] | None = None,
         memory_in_process: Callable[[], dict[str, Any]] | None = None,
+        also: Sequence[tuple[str, str]] = (),
     ) -> None:
         """Record a layer or whole-model entry at length ``n``, timed against MHA (a model
         entry's ``case`` is its kind, "encoder" or "lm"). With ``memory`` (how the memory
         workers measure, in words), also the models' peaks (``model_memory``) when memory
         is measured now; with ``memory_in_process`` instead, the ``memory`` record that
-        function returns (a port whose memory is not a resident set: XLA's estimate)."""
+        function returns (a port whose memory is not a resident set: XLA's estimate).
+        ``also``: (label, implementation) of further baselines timed in ``times``,
+        each compared with DAMCHA against the same target (and, with ``memory``,
+        measured by the memory workers too)."""
         shape = self.sizes.model_shape(n, case) if section == "model" else self.sizes.layer_shape(n)
         record = entry(
             entry_id,
@@ -594,10 +663,11 @@ class Session:
             baseline=baseline,
             times=times,
             check=check,
-            comparisons=[comparison("time", times, "damcha", "mha", time_target(n))],
+            comparisons=[comparison("time", times, "damcha", "mha", time_target(n))]
+            + [comparison(label, times, "damcha", impl, time_target(n)) for label, impl in also],
         )
         if memory is not None and self.memory:
-            record["memory"] = self.model_memory(case, n, mode, memory, in_process)
+            record["memory"] = self.model_memory(case, n, mode, memory, in_process, also=[i for _, i in also])
         elif memory_in_process is not None and self.memory:
             record["memory"] = memory_in_process()
         self.record(record)

@@ -217,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
             "machine": h.machine(),
             "versions": h.versions(),
             "git": h.git_commit(),
+            "git_dirty": h.git_dirty_files(),
             "loadavg_start": h.loadavg(),
         }
     )

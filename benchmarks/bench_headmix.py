@@ -2,6 +2,7 @@
 
 Usage:
     .venv/bin/python benchmarks/bench_headmix.py [--lengths 512 2048 8192] [--repeats 3]
+    .venv/bin/python benchmarks/bench_headmix.py --report [FILE...]   # rewrite the docs table only
     .venv/bin/python benchmarks/bench_headmix.py --tiny   # seconds: checks the script, measures nothing
 
 Self-attention training step (forward + backward of sum(output)), float32,
@@ -19,27 +20,36 @@ warm-up) minus the resident size before the timed steps: the step's own
 activations and gradients. glibc is told to mmap blocks >= 64 KiB so freed
 tensors leave the RSS at once.
 Times are the median of ``--repeats`` calls after one warm-up.
+
+Each run writes ``benchmarks/results/headmix-<date>-<time>.json`` (``--json
+FILE``; ``--tiny``: a temporary file unless ``--json`` is given) with the
+machine, versions, command, commit, load, every step's wall and CPU time and
+each worker's resident sizes, then (not with ``--tiny`` or ``--no-docs``)
+rewrites its block of docs/benchmarks.md from that file (``_ports_report``).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
+import contextlib
 import json
 import os
-import platform
-import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
+from typing import Any
 
-from _memory import peak_rss_bytes, reset_peak_rss, rss_bytes  # benchmarks/ is sys.path[0]
+import _harness as h  # benchmarks/ is sys.path[0]
+import _ports_report as pr
+from _memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 
 B, E, H = 1, 128, 4
 IMPLS = ("mha", "damcha", "talking-heads")
 
 
-def worker(impl: str, n: int, repeats: int) -> dict:
+def worker(impl: str, n: int, repeats: int) -> dict[str, Any]:
+    """Every timed step's wall and CPU seconds and the resident sizes around them, in this process."""
     import torch
     from torch import nn
 
@@ -75,16 +85,92 @@ def worker(impl: str, n: int, repeats: int) -> dict:
     # measure from the steady state, with the kernel's high-water mark reset.
     base = rss_bytes()
     reset_peak_rss()
-    times = []
+    wall, cpu = [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        c0, w0 = time.process_time(), time.perf_counter()
         step()
-        times.append(time.perf_counter() - t0)
+        wall.append(time.perf_counter() - w0)
+        cpu.append(time.process_time() - c0)
     peak = peak_rss_bytes()
-    return {"impl": impl, "n": n, "ms": 1000 * statistics.median(times), "peak_mb": max(0, peak - base) / 2**20}
+    return {"wall": wall, "cpu": cpu, "base_bytes": base, "peak_bytes": peak}
 
 
-def main() -> None:
+def measure(impl: str, n: int, repeats: int, *, in_process: bool) -> dict[str, Any]:
+    """One entry: a worker's rounds and resident sizes (in a fresh process unless ``in_process``),
+    or the error that stopped it (talking-heads can run out of memory at long N)."""
+    entry: dict[str, Any] = {
+        "id": f"headmix/{impl}/N={n}",
+        "section": "headmix",
+        "impl": impl,
+        "N": n,
+        "shape": {"B": B, "N": n, "E": E, "H": H},
+        "rounds": repeats,
+    }
+    if in_process:
+        out = worker(impl, n, repeats)
+    else:
+        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
+        proc = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), "--worker", impl, str(n), "--repeats", str(repeats)],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
+        if proc.returncode != 0:
+            return {**entry, "error": (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]}
+        out = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {
+        **entry,
+        "times": {"wall": out["wall"], "cpu": out["cpu"]},
+        "memory": {"base_bytes": out["base_bytes"], "peak_bytes": out["peak_bytes"]},
+    }
+
+
+def step_ms(entry: dict[str, Any]) -> float:
+    return pr.median_ms(entry["times"]["wall"])
+
+
+def peak_mib(entry: dict[str, Any]) -> float:
+    """The step's own memory: the high-water mark above the resident size before the steps."""
+    m = entry["memory"]
+    return max(0, m["peak_bytes"] - m["base_bytes"]) / 2**20
+
+
+def table(run: dict[str, Any], entries: list[dict[str, Any]]) -> list[str]:
+    """One run's table: median step time, its ratio to MHA's and growth from the previous N; peak memory."""
+    shape = entries[0]["shape"]
+    rows = {(e["impl"], e["N"]): e for e in entries}
+    lengths = sorted({e["N"] for e in entries})
+    lines = [
+        f"B={shape['B']}, E={shape['E']}, H={shape['H']}, float32, forward+backward, torch 1 thread, each cell a "
+        f"fresh process; median of {entries[0]['rounds']} steps after a warm-up step; peak: resident high-water "
+        "mark of the timed steps above the resident size before them.",
+        "",
+        "| N | impl | fwd+bwd ms | x MHA time | growth vs previous N | peak MiB | x MHA memory |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for i, n in enumerate(lengths):
+        ref = rows.get(("mha", n))
+        ref_ok = ref is not None and "error" not in ref
+        for impl in IMPLS:
+            r = rows.get((impl, n))
+            if r is None:
+                continue
+            if "error" in r:
+                lines.append(f"| {n} | {impl} | failed: {r['error'][:60]} | | | | |")
+                continue
+            prev = rows.get((impl, lengths[i - 1])) if i else None
+            growth = f"{step_ms(r) / step_ms(prev):.1f}x" if prev and "error" not in prev else "-"
+            t_ratio = f"{step_ms(r) / step_ms(ref):.2f}" if ref_ok else "-"
+            m_ratio = f"{peak_mib(r) / peak_mib(ref):.1f}" if ref_ok and peak_mib(ref) > 0 else "-"
+            lines.append(f"| {n} | {impl} | {step_ms(r):.1f} | {t_ratio} | {growth} | {peak_mib(r):.1f} | {m_ratio} |")
+    return lines
+
+
+PORT = pr.Port("headmix", "bench_headmix.py", [pr.Block("headmix", "head-mixing peers", table)])
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192])
     parser.add_argument("--repeats", type=int, default=3)
@@ -93,54 +179,60 @@ def main() -> None:
         action="store_true",
         help="tiny lengths, 1 repeat, any failed worker fails the script: checks it, measures nothing",
     )
+    parser.add_argument("--json", type=Path, help="results file (default benchmarks/results/headmix-<time>.json)")
+    parser.add_argument("--docs", type=Path, default=pr.DOCS, help="the Markdown file whose table is rewritten")
+    parser.add_argument("--no-docs", action="store_true", help="do not rewrite the docs table after the run")
+    parser.add_argument(
+        "--report",
+        nargs="*",
+        type=Path,
+        metavar="FILE",
+        help="only rewrite the docs table from these result files (default: the newest headmix-*.json)",
+    )
     parser.add_argument("--worker", nargs=2, metavar=("IMPL", "N"), help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = _parser().parse_args(argv)
+    if args.report is not None:
+        return PORT.report(args.report, args.docs)
     if args.tiny:
         args.lengths, args.repeats = [16], 1
     if args.worker:
         print(json.dumps(worker(args.worker[0], int(args.worker[1]), args.repeats)))
-        return
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
-    rows: dict[tuple[str, int], dict] = {}
-    for n in args.lengths:
-        for impl in IMPLS:
-            if args.tiny and impl != IMPLS[0]:
+        return 0
+    with contextlib.ExitStack() as stack:
+        path = PORT.output_path(args.json, args.tiny, stack)
+        if path is None:
+            return 2
+        results = h.Results(path, resume=False, file_format=PORT.file_format)
+        # One torch thread in every worker (OMP_NUM_THREADS=1, torch.set_num_threads(1)).
+        run = PORT.start(
+            results,
+            argv,
+            tiny=args.tiny,
+            threads=1,
+            shape={"B": B, "E": E, "H": H},
+            lengths=args.lengths,
+            repeats=args.repeats,
+        )
+        failed = []
+        for n in args.lengths:
+            for impl in IMPLS:
                 # Tiny measures nothing: one worker process checks that path, the rest run here.
-                rows[(impl, n)] = worker(impl, n, args.repeats)
-                continue
-            proc = subprocess.run(
-                [sys.executable, __file__, "--worker", impl, str(n), "--repeats", str(args.repeats)],
-                capture_output=True,
-                text=True,
-                env=env,
-            )
-            if proc.returncode != 0:
-                rows[(impl, n)] = {"error": (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]}
-            else:
-                rows[(impl, n)] = json.loads(proc.stdout.strip().splitlines()[-1])
-            print(f"# {impl} N={n}: {rows[(impl, n)]}", file=sys.stderr, flush=True)
-    print(
-        f"_{datetime.date.today()}, {platform.machine()} {os.cpu_count()} CPUs, torch 1 thread, "
-        f"B={B}, E={E}, H={H}, float32, forward+backward, median of {args.repeats}_\n"
-    )
-    print("| N | impl | fwd+bwd ms | x MHA time | growth vs previous N | peak MB | x MHA memory |")
-    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: |")
-    for i, n in enumerate(args.lengths):
-        ref = rows[("mha", n)]
-        for impl in IMPLS:
-            r = rows[(impl, n)]
-            if "error" in r:
-                print(f"| {n} | {impl} | failed: {r['error'][:60]} | | | | |")
-                continue
-            prev = rows.get((impl, args.lengths[i - 1])) if i else None
-            growth = f"{r['ms'] / prev['ms']:.1f}x" if prev and "ms" in prev else "-"
-            t_ratio = f"{r['ms'] / ref['ms']:.2f}" if "ms" in ref else "-"
-            m_ratio = f"{r['peak_mb'] / ref['peak_mb']:.1f}" if "peak_mb" in ref and ref["peak_mb"] > 0 else "-"
-            print(f"| {n} | {impl} | {r['ms']:.1f} | {t_ratio} | {growth} | {r['peak_mb']:.1f} | {m_ratio} |")
-    failed = [key for key, r in rows.items() if "error" in r]
+                entry = measure(impl, n, args.repeats, in_process=args.tiny and impl != IMPLS[0])
+                PORT.record(results, run, entry)
+                print(f"  {entry['id']}: " + entry.get("error", "done"), file=sys.stderr, flush=True)
+                if "error" in entry:
+                    failed.append(entry["id"])
+        rc = PORT.finish(results, run, docs=args.docs, write_docs=not (args.tiny or args.no_docs), failed=failed)
     if args.tiny and failed:
-        sys.exit(f"failed workers: {failed}")
+        print(f"failed workers: {failed}", file=sys.stderr)
+        return 1
+    return rc
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -5,33 +5,44 @@ no mask, float32, on whatever JAX's default backend is (CPU here). Both layers
 end in jax.nn.dot_product_attention, so the ratio is DAMCHA's per-token extra
 cost (RMS norm, generator, head mixing) against the attention itself.
 
-    .venv/bin/python benchmarks/bench_jax.py [--sizes 256 1024 4096] [--reps 5 3 2]
+    .venv/bin/python benchmarks/bench_jax.py [--sizes 256 1024 4096] [--reps 7 5 3] [--threads T]
+    .venv/bin/python benchmarks/bench_jax.py --report [FILE...]   # rewrite the docs table only
     .venv/bin/python benchmarks/bench_jax.py --tiny   # seconds: checks the script, measures nothing
 
-Prints a markdown table: median and best (min) time over interleaved runs, and
-the DAMCHA / MHA ratio of each. On a shared, loaded machine the min ratio is
+The two jitted calls alternate (A B, then B A: ``_harness.interleaved``) after a
+compiling warm-up call. The table gives the median and best (min) time of each
+and the DAMCHA / MHA ratio of each; on a shared, loaded machine the min ratio is
 the steadier estimate of the intrinsic cost.
+
+Each run writes ``benchmarks/results/jax-<date>-<time>.json`` (``--json FILE``;
+``--tiny``: a temporary file unless ``--json`` is given) with the machine,
+versions, threads, command, commit, load and every round's wall and CPU time,
+then (not with ``--tiny`` or ``--no-docs``) rewrites its block of
+docs/benchmarks.md from that file (``_ports_report``).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import platform
-import statistics
-import time
+import contextlib
+import os
+import sys
+from pathlib import Path
+from typing import Any
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from flax import nnx
-
-import damcha_jax as dj
+import _harness as h  # benchmarks/ is sys.path[0]
+import _ports_report as pr
 
 B, E, H = 4, 512, 8
+PASSES = ("fwd", "fwd+bwd")
+TARGET = 1.10  # this script's own target at N=4096 (median ratio)
 
 
-def _compiled(module: nnx.Module, backward: bool):
+def _compiled(module: Any, backward: bool):
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
     graphdef, state = nnx.split(module)
 
     def forward(state, x):
@@ -46,56 +57,134 @@ def _compiled(module: nnx.Module, backward: bool):
     return jax.jit(jax.grad(loss, argnums=(0, 1))), state
 
 
-def _time(fn, state, x) -> float:
-    start = time.perf_counter()
-    jax.block_until_ready(fn(state, x))
-    return time.perf_counter() - start
+def layers() -> dict[str, Any]:
+    """The MHA and DAMCHA converted from it, every gate open at 0.5 (a trained layer's work)."""
+    import jax.numpy as jnp
+    from flax import nnx
 
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", type=int, nargs="+", default=[256, 1024, 4096])
-    parser.add_argument("--reps", type=int, nargs="+", default=[7, 5, 3], help="timed runs per size")
-    parser.add_argument("--tiny", action="store_true", help="tiny sizes, 1 run: checks the script, measures nothing")
-    args = parser.parse_args(argv)
-    if args.tiny:
-        global B, E, H
-        B, E, H = 2, 32, 4
-        args.sizes, args.reps = [16], [1]
-    reps = args.reps + [args.reps[-1]] * (len(args.sizes) - len(args.reps))
+    import damcha_jax as dj
 
     mha = nnx.MultiHeadAttention(H, E, decode=False, rngs=nnx.Rngs(0))
     damcha = dj.DamchaAttention.from_mha(mha, rngs=nnx.Rngs(1))  # metric "heads", tied
-    for cross in damcha.metric.values():  # open gates: the same work as a trained layer
+    for cross in damcha.metric.values():
         cross.gate[...] = jnp.full(cross.gate.shape, 0.5)
+    return {"mha": mha, "damcha": damcha}
 
-    print(
-        f"date: {datetime.date.today()}, machine: {platform.machine()} {platform.processor() or ''}"
-        f" ({jax.default_backend()}, {jax.device_count()} device(s), {__import__('os').cpu_count()} cpus),"
-        f" jax {jax.__version__}"
+
+def measure(modules: dict[str, Any], n: int, backward: bool, repeats: int) -> dict[str, Any]:
+    """One entry: every round's wall and CPU seconds of both jitted calls at length ``n``."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    x = jnp.asarray(np.random.default_rng(n).normal(size=(B, n, E)), jnp.float32)
+    calls = {}
+    for name, module in modules.items():
+        fn, state = _compiled(module, backward)
+        calls[name] = lambda fn=fn, state=state: fn(state, x)
+    times = h.interleaved(calls, repeats=repeats, warmup=1, sync=jax.block_until_ready)
+    name = PASSES[backward]
+    return {
+        "id": f"jax/{name}/N={n}",
+        "section": "layer",
+        "N": n,
+        "pass": name,
+        "shape": {"B": B, "N": n, "E": E, "H": H},
+        "rounds": repeats,
+        "times": times,
+    }
+
+
+def table(run: dict[str, Any], entries: list[dict[str, Any]]) -> list[str]:
+    """One run's table: median and min of each layer's rounds and the DAMCHA / MHA ratios of both."""
+    shape = entries[0]["shape"]
+    lines = [
+        f"B={shape['B']}, E={shape['E']}, H={shape['H']}, float32, {run.get('jax_backend', '?')}, "
+        f"{run['threads']} threads; the rounds of both jitted calls alternate after a compiling warm-up call.",
+        "",
+        "| N | pass | rounds | MHA ms (median) | DAMCHA ms (median) | ratio (median) | ratio (min) |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    at_target = []
+    for e in sorted(entries, key=lambda e: (e["N"], PASSES.index(e["pass"]))):
+        t = e["times"]
+        ratio = pr.ratio_of_medians(t, "damcha", "mha")
+        best = min(t["damcha"]["wall"]) / min(t["mha"]["wall"])
+        lines.append(
+            f"| {e['N']} | {e['pass']} | {len(t['mha']['wall'])} | {pr.median_ms(t['mha']['wall']):.1f} | "
+            f"{pr.median_ms(t['damcha']['wall']):.1f} | {ratio:.3f} | {best:.3f} |"
+        )
+        if e["N"] == 4096:
+            at_target.append(f"{e['pass']} {ratio:.3f} ({pr.verdict(ratio, TARGET)})")
+    lines.append("")
+    if at_target:
+        lines.append(f"This script's target at N=4096 (median ratio <= {TARGET:.2f}): " + "; ".join(at_target) + ".")
+    else:
+        lines.append(f"This script's target (<= {TARGET:.2f}) applies at N=4096, which this run did not measure.")
+    return lines
+
+
+PORT = pr.Port("jax", "bench_jax.py", [pr.Block("jax", "JAX layer", table)])
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[256, 1024, 4096])
+    parser.add_argument("--reps", type=int, nargs="+", default=[7, 5, 3], help="timed runs per size")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads (and cores) of the process")
+    parser.add_argument("--tiny", action="store_true", help="tiny sizes, 1 run: checks the script, measures nothing")
+    parser.add_argument("--json", type=Path, help="results file (default benchmarks/results/jax-<time>.json)")
+    parser.add_argument("--docs", type=Path, default=pr.DOCS, help="the Markdown file whose table is rewritten")
+    parser.add_argument("--no-docs", action="store_true", help="do not rewrite the docs table after the run")
+    parser.add_argument(
+        "--report",
+        nargs="*",
+        type=Path,
+        metavar="FILE",
+        help="only rewrite the docs table from these result files (default: the newest jax-*.json)",
     )
-    print()
-    print("| N | pass | MHA ms (median) | DAMCHA ms (median) | ratio (median) | ratio (min) |")
-    print("| ---: | --- | ---: | ---: | ---: | ---: |")
-    for n, r in zip(args.sizes, reps):
-        x = jnp.asarray(np.random.default_rng(n).normal(size=(B, n, E)), jnp.float32)
-        for backward in (False, True):
-            fm, sm = _compiled(mha, backward)
-            fd, sd = _compiled(damcha, backward)
-            _time(fm, sm, x), _time(fd, sd, x)  # compile and warm up
-            tm, td = [], []
-            for i in range(r):  # interleaved, alternating order, against load drift
-                if i % 2:
-                    td.append(_time(fd, sd, x))
-                    tm.append(_time(fm, sm, x))
-                else:
-                    tm.append(_time(fm, sm, x))
-                    td.append(_time(fd, sd, x))
-            m, d = statistics.median(tm) * 1e3, statistics.median(td) * 1e3
-            name = "fwd+bwd" if backward else "fwd"
-            best = min(td) / min(tm)
-            print(f"| {n} | {name} | {m:.1f} | {d:.1f} | {d / m:.3f} | {best:.3f} |", flush=True)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    global B, E, H
+    argv = sys.argv[1:] if argv is None else argv
+    args = _parser().parse_args(argv)
+    if args.report is not None:
+        return PORT.report(args.report, args.docs)
+    threads = h.fix_threads(args.threads)  # before jax is imported (XLA's pool follows the affinity)
+    if args.tiny:
+        B, E, H = 2, 32, 4
+        args.sizes, args.reps = [16], [1]
+    reps = args.reps + [args.reps[-1]] * (len(args.sizes) - len(args.reps))
+    with contextlib.ExitStack() as stack:
+        path = PORT.output_path(args.json, args.tiny, stack)
+        if path is None:
+            return 2
+        import jax
+
+        results = h.Results(path, resume=False, file_format=PORT.file_format)
+        run = PORT.start(
+            results,
+            argv,
+            tiny=args.tiny,
+            threads=args.threads,
+            affinity=threads.get("affinity"),
+            jax_backend=jax.default_backend(),
+            devices=jax.device_count(),
+            xla_flags=os.environ.get("XLA_FLAGS", ""),
+            shape={"B": B, "E": E, "H": H},
+            sizes=args.sizes,
+            reps=reps[: len(args.sizes)],
+        )
+        modules = layers()
+        for n, r in zip(args.sizes, reps):
+            for backward in (False, True):
+                entry = measure(modules, n, backward, r)
+                PORT.record(results, run, entry)
+                print(f"  {entry['id']}: done", flush=True)
+        return PORT.finish(results, run, docs=args.docs, write_docs=not (args.tiny or args.no_docs))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -398,6 +398,7 @@ def run(args: argparse.Namespace, argv: list[str], path: Path, threads: dict[str
             "machine": h.machine(),
             "versions": h.versions(),
             "git": h.git_commit(),
+            "git_dirty": h.git_dirty_files(),
             "loadavg_start": h.loadavg(),
             # Which path mapped a few tokens per site (damcha_torch.has_decode_kernel()).
             "decode_kernel": "c" if fn._HEADMIX is not None else "torch-ops",

@@ -470,6 +470,7 @@ def run(args: argparse.Namespace, argv: list[str], path: Path) -> int:
             "machine": h.machine(),
             "versions": h.versions(),
             "git": h.git_commit(),
+            "git_dirty": h.git_dirty_files(),
             "loadavg_start": h.loadavg(),
         }
     )

@@ -5,54 +5,62 @@ and static QDQ int8, in onnxruntime CPU (Python) and onnxruntime-web (WASM,
 under Node.js), DAMCHA vs MHA, with model sizes and accuracy.
 
 Run: .venv/bin/python benchmarks/bench_onnx.py [--threads 2] [--repeats 7] [--section all|encoder|edge]
+     .venv/bin/python benchmarks/bench_onnx.py --report [FILE...]   # rewrite the docs tables only
      .venv/bin/python benchmarks/bench_onnx.py --tiny   # a seconds-long check of the script itself
-Prints markdown tables. Ratios compare runs made in the same process; the
-onnxruntime sessions are timed interleaved with each other, then the torch
-models with each other; the WASM sessions interleaved in one Node process.
-The edge section needs Node.js and js/node_modules (`make js-deps`).
+
+Ratios compare runs made in the same process: the onnxruntime sessions are
+timed alternately with each other (A B C, then C B A: ``_harness.interleaved``,
+after two warm-up rounds), then the torch models with each other; the WASM
+sessions interleaved in one Node process (js/bench.mjs, which reports each
+session's median only). The tables give medians and ratios of medians. The
+edge section needs Node.js and js/node_modules (`make js-deps`).
+
+Each run writes ``benchmarks/results/onnx-<date>-<time>.json`` (``--json
+FILE``; ``--tiny``: a temporary file unless ``--json`` is given) with the
+machine, versions, threads, command, commit, load, every round's time of every
+onnxruntime session and torch model, the WASM medians, the model sizes and the
+errors, then (not with ``--tiny`` or ``--no-docs``) rewrites the two blocks of
+docs/benchmarks.md it measured from that file (``_ports_report``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
-import os
-import platform
 import shutil
-import statistics
 import subprocess
+import sys
 import tempfile
-import time
 from pathlib import Path
+from typing import Any
 
-import numpy as np
+import _harness as h  # benchmarks/ is sys.path[0]
+import _ports_report as pr
 
-import damcha_core as dc
-import damcha_onnx as do
-
-
-def _time_interleaved(fns: dict, repeats: int) -> dict:
-    """Median ms per callable. Rounds alternate between the callables so a
-    load change on a shared machine hits every variant alike."""
-    for fn in fns.values():
-        fn()  # warm-up (allocations, kernel selection)
-        fn()
-    times: dict = {k: [] for k in fns}
-    for _ in range(repeats):
-        for key, fn in fns.items():
-            t = time.perf_counter()
-            fn()
-            times[key].append(time.perf_counter() - t)
-    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
+TARGET = 1.15  # this script's own target: DAMCHA/MHA at every shape
+FORMATS = ("float32", "float16", "int8-dynamic", "int8-static")
+KINDS = ("layer", "stack")
+JS = Path(__file__).resolve().parents[1] / "js"
+# The encoder section's sessions and models, in the order they are timed and tabled.
+ORT_KEYS = ("ort/heads/23", "ort/none/23", "ort/heads/18", "ort/none/18", "ort/heads-int8/23")
+TORCH_KEYS = ("torch/heads", "torch/none", "torch/nn.MHA")
 
 
-def _encoder(metric: str, args) -> do.EncoderConfig:
+def _encoder(metric: str, args):
+    import damcha_core as dc
+    import damcha_onnx as do
+
     attn = dc.DamchaConfig(query_dim=args.width, num_heads=args.heads, key_dim=args.width // args.heads, metric=metric)
     return do.EncoderConfig(attn, num_layers=args.layers, ffn_dim=args.ffn, share_metric=True)
 
 
-def _params(config: do.EncoderConfig, seed: int) -> dict[str, np.ndarray]:
+def _params(config, seed: int) -> dict[str, Any]:
+    import numpy as np
+
+    import damcha_onnx as do
+
     params = do.init_encoder_params(config, seed)
     for name in params:
         if name.endswith(".gate"):
@@ -60,28 +68,15 @@ def _params(config: do.EncoderConfig, seed: int) -> dict[str, np.ndarray]:
     return params
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--width", type=int, default=256)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--ffn", type=int, default=1024)
-    p.add_argument("--no-torch", action="store_true")
-    p.add_argument("--section", choices=("all", "encoder", "edge"), default="all")
-    p.add_argument("--tiny", action="store_true", help="tiny sizes and 2 repeats: checks the script, measures nothing")
-    args = p.parse_args()
-    if args.tiny:
-        args.width, args.heads, args.ffn, args.repeats = 32, 4, 64, 2
-    if args.section in ("all", "encoder"):
-        encoder_section(args)
-    if args.section in ("all", "edge"):
-        edge_section(args)
+def encoder_shapes(tiny: bool) -> list[tuple[int, int]]:
+    return [(1, 16)] if tiny else [(B, N) for B in (1, 8) for N in (128, 512)]
 
 
-def encoder_section(args) -> None:
+def encoder_section(args, record) -> None:
+    import numpy as np
     import torch
+
+    import damcha_onnx as do
 
     torch.set_num_threads(args.threads)
     configs = {m: _encoder(m, args) for m in ("heads", "none")}
@@ -90,16 +85,16 @@ def encoder_section(args) -> None:
     for m in configs:
         for opset in (23, 18):
             model = do.export_encoder(params[m], configs[m], None, opset=opset)
-            sessions[(m, opset)] = do.ort_session(model, threads=args.threads, spinning=False)
+            sessions[f"ort/{m}/{opset}"] = do.ort_session(model, threads=args.threads, spinning=False)
     q_model = do.quantize_int8(do.export_encoder(params["heads"], configs["heads"], None))
-    sessions[("heads-int8", 23)] = do.ort_session(q_model, threads=args.threads, spinning=False)
+    sessions["ort/heads-int8/23"] = do.ort_session(q_model, threads=args.threads, spinning=False)
 
     torch_models = {}
     if not args.no_torch:
         import damcha_torch as dt
 
         for m in ("heads", "none"):
-            net = dt.build_encoder(
+            torch_models[f"torch/{m}"] = dt.build_encoder(
                 args.width,
                 args.heads,
                 args.layers,
@@ -110,8 +105,7 @@ def encoder_section(args) -> None:
                 final_norm=True,
                 metric=m,
             ).eval()
-            torch_models[m] = net
-        torch_models["nn.MHA"] = torch.nn.TransformerEncoder(
+        torch_models["torch/nn.MHA"] = torch.nn.TransformerEncoder(
             torch.nn.TransformerEncoderLayer(
                 args.width, args.heads, args.ffn, 0.0, "gelu", batch_first=True, norm_first=True
             ),
@@ -120,48 +114,39 @@ def encoder_section(args) -> None:
             enable_nested_tensor=False,
         ).eval()
 
-    print(
-        f"E={args.width}, H={args.heads}, d={args.width // args.heads}, layers={args.layers}, FFN={args.ffn}, "
-        f"threads={args.threads}, median of {args.repeats} (x4 when B*N <= 1024); {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} CPUs; onnxruntime CPU provider\n"
-    )
-    print(
-        "| B | N | ORT DAMCHA (Attention op, opset 23) ms | ORT MHA ms | DAMCHA/MHA | "
-        "ORT decomposed (opset 18) DAMCHA/MHA | ORT int8 DAMCHA ms | torch eager DAMCHA ms | torch eager nn.MHA ms | "
-        "ORT DAMCHA / torch eager DAMCHA |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|")
     rng = np.random.default_rng(0)
-    for B in (1,) if args.tiny else (1, 8):
-        for N in (16,) if args.tiny else (128, 512):
-            x = rng.normal(size=(B, N, args.width)).astype(np.float32)
-            xt = torch.from_numpy(x)
-            # Small shapes take a few ms: more rounds for a stable median.
-            repeats = args.repeats * (4 if B * N <= 1024 else 1)
-            # onnxruntime and torch are timed in separate phases: interleaving
-            # them put a torch call (and its OpenMP threads winding down) right
-            # before some ORT sessions, which skewed the N=128 ratios.
-            t = _time_interleaved(
-                {key: functools.partial(sess.run, None, {"query": x}) for key, sess in sessions.items()}, repeats
-            )
+    for B, N in encoder_shapes(args.tiny):
+        x = rng.normal(size=(B, N, args.width)).astype(np.float32)
+        xt = torch.from_numpy(x)
+        # Small shapes take a few ms: more rounds for a stable median.
+        repeats = args.repeats * (4 if B * N <= 1024 else 1)
+        # onnxruntime and torch are timed in separate phases: interleaving
+        # them put a torch call (and its OpenMP threads winding down) right
+        # before some ORT sessions, which skewed the N=128 ratios.
+        times = h.interleaved(
+            {key: functools.partial(sess.run, None, {"query": x}) for key, sess in sessions.items()},
+            repeats=repeats,
+            warmup=2,
+        )
+        if torch_models:
             with torch.inference_mode():
-                row_t = _time_interleaved(
-                    {key: functools.partial(net, xt) for key, net in torch_models.items()}, repeats
+                times.update(
+                    h.interleaved(
+                        {key: functools.partial(net, xt) for key, net in torch_models.items()},
+                        repeats=repeats,
+                        warmup=2,
+                    )
                 )
-            fmt = lambda v: f"{v:.1f}"  # noqa: E731
-            cells = [
-                B,
-                N,
-                fmt(t[("heads", 23)]),
-                fmt(t[("none", 23)]),
-                f"{t[('heads', 23)] / t[('none', 23)]:.2f}",
-                f"{t[('heads', 18)] / t[('none', 18)]:.2f}",
-                fmt(t[("heads-int8", 23)]),
-                fmt(row_t.get("heads", float("nan"))),
-                fmt(row_t.get("nn.MHA", float("nan"))),
-                f"{t[('heads', 23)] / row_t.get('heads', float('nan')):.2f}",
-            ]
-            print("| " + " | ".join(str(c) for c in cells) + " |", flush=True)
+        record(
+            {
+                "id": f"encoder/B={B}/N={N}",
+                "section": "encoder",
+                "B": B,
+                "N": N,
+                "rounds": repeats,
+                "times": times,
+            }
+        )
 
     # int8 accuracy on a small input (float64 reference).
     x = rng.normal(size=(2, 64, args.width))
@@ -171,20 +156,82 @@ def encoder_section(args) -> None:
         {"query": x},
         do.encoder_forward(params["heads"], configs["heads"], x),
     )
-    print("\nint8 dynamic quantisation (B=2, N=64), errors vs float32 ORT and the float64 reference:\n")
-    print("| metric | value |\n|---|---|")
-    for k, v in err.items():
-        print(f"| {k} | {v:.3g} |")
+    record(
+        {
+            "id": "encoder/int8-error",
+            "section": "encoder",
+            "B": 2,
+            "N": 64,
+            "errors": {k: float(v) for k, v in err.items()},
+        }
+    )
+
+
+def encoder_table(run: dict[str, Any], entries: list[dict[str, Any]]) -> list[str]:
+    """One run's encoder tables: medians of every session's rounds, ratios of medians; the int8 errors."""
+    s = run["model"]
+    lines = [
+        f"E={s['width']}, H={s['heads']}, d={s['width'] // s['heads']}, layers={s['layers']}, FFN={s['ffn']}, "
+        f"{run['threads']} threads each (onnxruntime CPU provider, spinning off; torch); median of the rounds.",
+        "",
+        "| B | N | rounds | ORT DAMCHA (Attention op, opset 23) ms | ORT MHA ms | DAMCHA/MHA | "
+        "ORT decomposed (opset 18) DAMCHA/MHA | ORT int8 DAMCHA ms | torch eager DAMCHA ms | torch eager nn.MHA ms | "
+        "ORT DAMCHA / torch eager DAMCHA |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    timed = sorted((e for e in entries if "errors" not in e), key=lambda e: (e["B"], e["N"]))
+    ratios = []
+    for e in timed:
+        t = e["times"]
+        r23, r18 = (
+            pr.ratio_of_medians(t, "ort/heads/23", "ort/none/23"),
+            pr.ratio_of_medians(t, "ort/heads/18", "ort/none/18"),
+        )
+        ratios += [r23, r18]
+        torch_cells = "- | - | -"
+        if "torch/heads" in t:
+            torch_cells = (
+                f"{pr.median_ms(t['torch/heads']['wall']):.1f} | {pr.median_ms(t['torch/nn.MHA']['wall']):.1f} | "
+                f"{pr.ratio_of_medians(t, 'ort/heads/23', 'torch/heads'):.2f}"
+            )
+        lines.append(
+            f"| {e['B']} | {e['N']} | {len(t['ort/heads/23']['wall'])} | {pr.median_ms(t['ort/heads/23']['wall']):.1f} | "
+            f"{pr.median_ms(t['ort/none/23']['wall']):.1f} | {r23:.2f} | {r18:.2f} | "
+            f"{pr.median_ms(t['ort/heads-int8/23']['wall']):.1f} | {torch_cells} |"
+        )
+    if ratios:
+        lines += [
+            "",
+            f"This script's target (DAMCHA/MHA <= {TARGET:.2f} at every shape, opsets 23 and 18): "
+            f"{pr.verdict(max(ratios), TARGET)} (highest {max(ratios):.2f}).",
+        ]
+    for e in entries:
+        if "errors" in e:
+            lines += [
+                "",
+                f"int8 dynamic quantisation (B={e['B']}, N={e['N']}), errors vs float32 ORT and the float64 reference:",
+                "",
+                "| measure | value |",
+                "|---|---|",
+                *(f"| {k} | {v:.3g} |" for k, v in e["errors"].items()),
+            ]
+    return lines
 
 
 # ------------------------------------------------------------ ONNX at the edge
 
-FORMATS = ("float32", "float16", "int8-dynamic", "int8-static")
-JS = Path(__file__).resolve().parents[1] / "js"
+
+def edge_shapes(tiny: bool) -> list[tuple[int, int]]:
+    return [(1, 16)] if tiny else [(1, 128), (1, 512), (8, 128)]
 
 
 def _edge_models(args, directory: Path) -> tuple[dict, dict, dict]:
     """Exports {(kind, metric, fmt): path}, with the configs and params per (kind, metric)."""
+    import numpy as np
+
+    import damcha_core as dc
+    import damcha_onnx as do
+
     rng = np.random.default_rng(3)
     files, configs, params = {}, {}, {}
     for metric in ("heads", "none"):
@@ -198,7 +245,7 @@ def _edge_models(args, directory: Path) -> tuple[dict, dict, dict]:
         enc = _encoder(metric, args)
         configs[("layer", metric)], params[("layer", metric)] = attn, layer_params
         configs[("stack", metric)], params[("stack", metric)] = enc, _params(enc, 0)
-        for kind in ("layer", "stack"):
+        for kind in KINDS:
             for dtype in ("float32", "float16"):
                 path = directory / f"{kind}-{metric}-{dtype}.onnx"
                 if kind == "layer":
@@ -215,13 +262,15 @@ def _edge_models(args, directory: Path) -> tuple[dict, dict, dict]:
     return files, configs, params
 
 
+WASM_NEEDS = "Node.js and js/node_modules (`make js-deps`)"
+
+
 def _wasm_times(files: dict, shapes: list, args, directory: Path) -> dict | None:
     node = shutil.which("node")
     if node is None or not (JS / "node_modules" / "onnxruntime-web").is_dir():
-        print("\n(onnxruntime-web skipped: needs Node.js and js/node_modules, `make js-deps`)\n")
         return None
     groups = []
-    for kind in ("layer", "stack"):
+    for kind in KINDS:
         for B, N in shapes:
             models = [
                 {
@@ -245,93 +294,228 @@ def _wasm_times(files: dict, shapes: list, args, directory: Path) -> dict | None
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def edge_section(args) -> None:
-    shapes = [(1, 16)] if args.tiny else [(1, 128), (1, 512), (8, 128)]
+def edge_section(args, record) -> None:
+    import numpy as np
+
+    import damcha_core as dc
+    import damcha_onnx as do
+
+    shapes = edge_shapes(args.tiny)
     with tempfile.TemporaryDirectory(prefix="damcha-bench-") as tmp:
         directory = Path(tmp)
         files, configs, params = _edge_models(args, directory)
-        print(
-            f"\n### ONNX at the edge\n\nE={args.width}, H={args.heads}, d={args.width // args.heads}; layer: one causal "
-            f'self-attention layer; stack: {args.layers} pre-norm layers, FFN {args.ffn}; DAMCHA = metric "heads" '
-            f'(tied, gates 0.5) vs MHA = the same exported with metric "none". Median ms of {args.repeats} rounds, '
-            f"the 16 sessions of a (model, shape) interleaved. onnxruntime CPU: {args.threads} threads, spinning off; "
-            f"onnxruntime-web: WASM, 1 thread, under Node.js {_node_version()}.\n"
-        )
-        # Latency, onnxruntime CPU (Python).
-        ort_times = {}
+        # Latency, onnxruntime CPU (Python): the 8 sessions of a (model, shape) interleaved.
         rng = np.random.default_rng(0)
-        for kind in ("layer", "stack"):
+        for kind in KINDS:
             sessions = {
-                (metric, fmt): do.ort_session(files[(kind, metric, fmt)], threads=args.threads, spinning=False)
+                f"{metric}|{fmt}": do.ort_session(files[(kind, metric, fmt)], threads=args.threads, spinning=False)
                 for metric in ("heads", "none")
                 for fmt in FORMATS
             }
             for B, N in shapes:
                 x = rng.normal(size=(B, N, args.width))
-                feeds = {k: {"query": x.astype(np.float16 if k[1] == "float16" else np.float32)} for k in sessions}
-                ort_times[(kind, B, N)] = _time_interleaved(
-                    {k: (lambda s=sess, f=feeds[k]: s.run(None, f)) for k, sess in sessions.items()}, args.repeats
+                feeds = {k: {"query": x.astype(np.float16 if k.endswith("float16") else np.float32)} for k in sessions}
+                times = h.interleaved(
+                    {k: (lambda s=sess, f=feeds[k]: s.run(None, f)) for k, sess in sessions.items()},
+                    repeats=args.repeats,
+                    warmup=2,
+                )
+                record(
+                    {
+                        "id": f"edge/ort/{kind}/B={B}/N={N}",
+                        "section": "edge",
+                        "runtime": "ort",
+                        "kind": kind,
+                        "B": B,
+                        "N": N,
+                        "rounds": args.repeats,
+                        "times": times,
+                    }
                 )
         wasm = _wasm_times(files, shapes, args, directory)
-        for title, times in (("onnxruntime CPU (Python)", ort_times), ("onnxruntime-web WASM (Node.js)", wasm)):
-            if times is None:
-                continue
-            print(f"Latency, {title}: DAMCHA ms (DAMCHA/MHA)\n")
-            print("| model | B | N | " + " | ".join(FORMATS) + " |")
-            print("|---|---|---|" + "---|" * len(FORMATS))
-            for kind in ("layer", "stack"):
+        if wasm is None:
+            record({"id": "edge/wasm", "section": "edge", "runtime": "wasm", "skipped": f"needs {WASM_NEEDS}"})
+        else:
+            for kind in KINDS:
                 for B, N in shapes:
-                    if title.startswith("onnxruntime CPU"):
-                        row = {
-                            fmt: (times[(kind, B, N)][("heads", fmt)], times[(kind, B, N)][("none", fmt)])
-                            for fmt in FORMATS
+                    record(
+                        {
+                            "id": f"edge/wasm/{kind}/B={B}/N={N}",
+                            "section": "edge",
+                            "runtime": "wasm",
+                            "kind": kind,
+                            "B": B,
+                            "N": N,
+                            "rounds": args.repeats,
+                            # js/bench.mjs reports each session's median, not its rounds.
+                            "median_ms": wasm["groups"][f"{kind}|{B}|{N}"],
+                            "ort_versions": wasm.get("versions"),
                         }
-                    else:
-                        group = times["groups"][f"{kind}|{B}|{N}"]
-                        row = {fmt: (group[f"heads|{fmt}"], group[f"none|{fmt}"]) for fmt in FORMATS}
-                    cells = [f"{d:.2f} ({d / m:.2f})" for d, m in row.values()]
-                    print(f"| {kind} | {B} | {N} | " + " | ".join(cells) + " |")
-            print()
-        # Model sizes.
-        print("Model size, KiB (DAMCHA / MHA)\n")
-        print("| model | " + " | ".join(FORMATS) + " |")
-        print("|---|" + "---|" * len(FORMATS))
-        for kind in ("layer", "stack"):
-            cells = [
-                f"{files[(kind, 'heads', f)].stat().st_size / 1024:.0f} / {files[(kind, 'none', f)].stat().st_size / 1024:.0f}"
-                for f in FORMATS
-            ]
-            print(f"| {kind} | " + " | ".join(cells) + " |")
+                    )
+        sizes = {
+            kind: {f"{m}|{f}": files[(kind, m, f)].stat().st_size for m in ("heads", "none") for f in FORMATS}
+            for kind in KINDS
+        }
+        record({"id": "edge/sizes", "section": "edge", "bytes": sizes})
         # Accuracy against the float64 reference (DAMCHA models).
-        print(
-            "\nAccuracy of DAMCHA (B=2, N=64, fresh normal inputs; static int8 calibrated on 8 other batches): "
-            "relative RMS error vs the float64 reference (max abs error)\n"
-        )
-        print("| model | " + " | ".join(FORMATS) + " |")
-        print("|---|" + "---|" * len(FORMATS))
         x = np.random.default_rng(99).normal(size=(2, 64, args.width))
-        for kind in ("layer", "stack"):
+        errors: dict[str, dict[str, dict[str, float]]] = {}
+        for kind in KINDS:
             cfg, prm = configs[(kind, "heads")], params[(kind, "heads")]
             ref = dc.damcha_attention(prm, cfg, x, causal=True) if kind == "layer" else dc.encoder_forward(prm, cfg, x)
-            cells = []
+            errors[kind] = {}
             for fmt in FORMATS:
                 y = np.asarray(do.run_ort(files[(kind, "heads", fmt)], {"query": x}), dtype=np.float64)
-                rel = np.sqrt(np.mean((y - ref) ** 2)) / np.sqrt(np.mean(ref**2))
-                cells.append(f"{rel:.2e} ({np.max(np.abs(y - ref)):.1e})")
-            print(f"| {kind} | " + " | ".join(cells) + " |")
-        print(f"\nonnxruntime {_ort_version()}; {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs")
+                rel = float(np.sqrt(np.mean((y - ref) ** 2)) / np.sqrt(np.mean(ref**2)))
+                errors[kind][fmt] = {"rel_rms": rel, "max_abs": float(np.max(np.abs(y - ref)))}
+        record({"id": "edge/accuracy", "section": "edge", "B": 2, "N": 64, "errors": errors})
 
 
-def _node_version() -> str:
+def _latency(title: str, rows: list[dict[str, Any]], cell) -> list[str]:
+    lines = [f"Latency, {title}: DAMCHA ms (DAMCHA/MHA)", ""]
+    lines += ["| model | B | N | " + " | ".join(FORMATS) + " |", "|---|---:|---:|" + "---:|" * len(FORMATS)]
+    for e in sorted(rows, key=lambda e: (KINDS.index(e["kind"]), e["B"], e["N"])):
+        lines.append(f"| {e['kind']} | {e['B']} | {e['N']} | " + " | ".join(cell(e, f) for f in FORMATS) + " |")
+    return lines + [""]
+
+
+def _ort_cell(e: dict[str, Any], fmt: str) -> str:
+    t = e["times"]
+    return (
+        f"{pr.median_ms(t[f'heads|{fmt}']['wall']):.2f} ({pr.ratio_of_medians(t, f'heads|{fmt}', f'none|{fmt}'):.2f})"
+    )
+
+
+def _wasm_cell(e: dict[str, Any], fmt: str) -> str:
+    ms = e["median_ms"]
+    return f"{ms[f'heads|{fmt}']:.2f} ({ms[f'heads|{fmt}'] / ms[f'none|{fmt}']:.2f})"
+
+
+def edge_table(run: dict[str, Any], entries: list[dict[str, Any]]) -> list[str]:
+    """One run's edge tables: latency in onnxruntime CPU (medians of the rounds) and in
+    onnxruntime-web (js/bench.mjs's medians), model sizes, accuracy."""
+    s = run["model"]
+    by_id = {e["id"]: e for e in entries}
+    ort = [e for e in entries if e.get("runtime") == "ort"]
+    wasm = [e for e in entries if e.get("runtime") == "wasm" and "skipped" not in e]
+    lines = [
+        f"E={s['width']}, H={s['heads']}, d={s['width'] // s['heads']}; layer: one causal self-attention layer; "
+        f'stack: {s["layers"]} pre-norm layers, FFN {s["ffn"]}; DAMCHA = metric "heads" (tied, gates 0.5) vs '
+        f'MHA = the same exported with metric "none". onnxruntime CPU: {run["threads"]} threads, spinning off, '
+        "the 8 sessions of a (model, shape) alternating, median of the rounds; onnxruntime-web: WASM, 1 thread, "
+        f"under Node.js {run.get('node') or '(absent)'}, the 8 sessions interleaved, the medians js/bench.mjs "
+        "reports (it keeps no per-round times).",
+        "",
+    ]
+    if ort:
+        lines += _latency(f"onnxruntime CPU (Python), {ort[0]['rounds']} rounds", ort, _ort_cell)
+    if wasm:
+        lines += _latency(f"onnxruntime-web WASM (Node.js), {wasm[0]['rounds']} rounds", wasm, _wasm_cell)
+    if "edge/wasm" in by_id:
+        lines += [f"onnxruntime-web: not measured ({by_id['edge/wasm']['skipped']}).", ""]
+    if "edge/sizes" in by_id:
+        sizes = by_id["edge/sizes"]["bytes"]
+        lines += ["Model size, KiB (DAMCHA / MHA)", "", "| model | " + " | ".join(FORMATS) + " |"]
+        lines.append("|---|" + "---:|" * len(FORMATS))
+        for kind in KINDS:
+            cells = [f"{sizes[kind][f'heads|{f}'] / 1024:.0f} / {sizes[kind][f'none|{f}'] / 1024:.0f}" for f in FORMATS]
+            lines.append(f"| {kind} | " + " | ".join(cells) + " |")
+        lines.append("")
+    if "edge/accuracy" in by_id:
+        acc = by_id["edge/accuracy"]
+        lines += [
+            f"Accuracy of DAMCHA (B={acc['B']}, N={acc['N']}, fresh normal inputs; static int8 calibrated on 8 other "
+            "batches): relative RMS error vs the float64 reference (max abs error)",
+            "",
+            "| model | " + " | ".join(FORMATS) + " |",
+            "|---|" + "---:|" * len(FORMATS),
+        ]
+        for kind in KINDS:
+            err = acc["errors"][kind]
+            cells = [f"{err[f]['rel_rms']:.2e} ({err[f]['max_abs']:.1e})" for f in FORMATS]
+            lines.append(f"| {kind} | " + " | ".join(cells) + " |")
+    while lines and not lines[-1]:
+        lines.pop()
+    return lines
+
+
+PORT = pr.Port(
+    "onnx",
+    "bench_onnx.py",
+    [
+        pr.Block("onnx", "ONNX Runtime encoder", encoder_table, section="encoder"),
+        pr.Block("onnx-edge", "ONNX at the edge", edge_table, section="edge"),
+    ],
+    versions=("onnx", "onnxruntime"),
+)
+
+
+def _node_version() -> str | None:
     node = shutil.which("node")
-    return subprocess.run([node, "--version"], capture_output=True, text=True).stdout.strip() if node else "(absent)"
+    return subprocess.run([node, "--version"], capture_output=True, text=True).stdout.strip() if node else None
 
 
-def _ort_version() -> str:
-    import onnxruntime
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--width", type=int, default=256)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--ffn", type=int, default=1024)
+    p.add_argument("--no-torch", action="store_true")
+    p.add_argument("--section", choices=("all", "encoder", "edge"), default="all")
+    p.add_argument("--tiny", action="store_true", help="tiny sizes and 2 repeats: checks the script, measures nothing")
+    p.add_argument("--json", type=Path, help="results file (default benchmarks/results/onnx-<time>.json)")
+    p.add_argument("--docs", type=Path, default=pr.DOCS, help="the Markdown file whose tables are rewritten")
+    p.add_argument("--no-docs", action="store_true", help="do not rewrite the docs tables after the run")
+    p.add_argument(
+        "--report",
+        nargs="*",
+        type=Path,
+        metavar="FILE",
+        help="only rewrite the docs tables from these result files "
+        "(default: each block from the newest onnx-*.json that measured it)",
+    )
+    return p
 
-    return onnxruntime.__version__
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = _parser().parse_args(argv)
+    if args.report is not None:
+        return PORT.report(args.report, args.docs)
+    threads = h.fix_threads(args.threads)  # before numpy, onnxruntime and torch are imported
+    if args.tiny:
+        args.width, args.heads, args.ffn, args.repeats = 32, 4, 64, 2
+    with contextlib.ExitStack() as stack:
+        path = PORT.output_path(args.json, args.tiny, stack)
+        if path is None:
+            return 2
+        results = h.Results(path, resume=False, file_format=PORT.file_format)
+        run = PORT.start(
+            results,
+            argv,
+            tiny=args.tiny,
+            threads=args.threads,
+            affinity=threads.get("affinity"),
+            section=args.section,
+            model={"width": args.width, "heads": args.heads, "layers": args.layers, "ffn": args.ffn},
+            repeats=args.repeats,
+            torch=not args.no_torch,
+            node=_node_version(),
+        )
+
+        def record(entry: dict[str, Any]) -> None:
+            PORT.record(results, run, entry)
+            print(f"  {entry['id']}: done", flush=True)
+
+        if args.section in ("all", "encoder"):
+            encoder_section(args, record)
+        if args.section in ("all", "edge"):
+            edge_section(args, record)
+        return PORT.finish(results, run, docs=args.docs, write_docs=not (args.tiny or args.no_docs))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,7 +1,8 @@
 """DamchaAttention vs nn.MultiheadAttention on CPU: time and peak memory ratios.
 
 Usage:
-    .venv/bin/python benchmarks/bench_torch.py [--lengths 256 1024 4096] [--repeats 5]
+    .venv/bin/python benchmarks/bench_torch.py [--lengths 256 1024 4096] [--repeats 5] [--threads T]
+    .venv/bin/python benchmarks/bench_torch.py --report [FILE...]   # rewrite the docs table only
     .venv/bin/python benchmarks/bench_torch.py --tiny   # seconds: checks the script, measures nothing
 
 Self-attention, float32, B=4, E=512, H=8 (d=64), need_weights=False on both
@@ -10,32 +11,42 @@ in training) and DamchaAttention its single SDPA call. "forward" is eval mode
 under ``torch.inference_mode``; "fwd+bwd" is train mode (dropout 0) with a
 backward of sum(output).
 
-Times: both layers are built in this process and called alternately
-(``--repeats`` rounds after a warm-up; half as many, at least 3, at N=4096),
-so load drifts on a shared machine hit both; the medians of wall time and of
-process CPU time (all threads) are reported.
+Times: both layers are built in this process and called alternately (A B,
+then B A: ``_harness.interleaved``), ``--repeats`` rounds after a warm-up
+(half as many, at least 3, at N=4096), so load drifts on a shared machine hit
+both; the table gives the medians of wall time and of process CPU time (all
+threads) and their ratios DAMCHA / MHA.
 Peak memory: each (implementation, N, mode) runs once more in a fresh
 subprocess; after a warm-up call the kernel's high-water mark (VmHWM) is reset
 and the RSS noted, then one call runs. glibc is told to mmap every block >=
 64 KiB, so freed tensors leave the RSS at once and the high-water mark tracks
 the peak of live memory.
+
+Each run writes ``benchmarks/results/torch-<date>-<time>.json`` (``--json FILE``;
+``--tiny``: a temporary file unless ``--json`` is given) with the machine,
+versions, threads, command, commit, load and every round's times and every
+peak, then (not with ``--tiny`` or ``--no-docs``) rewrites its block of
+docs/benchmarks.md from that file (``_ports_report``).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
+import contextlib
 import json
 import os
-import platform
-import statistics
-import subprocess
 import sys
-import time
+from pathlib import Path
+from typing import Any
 
-from _memory import peak_rss_bytes, reset_peak_rss, rss_bytes  # benchmarks/ is sys.path[0]
+import _harness as h  # benchmarks/ is sys.path[0]
+import _ports_report as pr
 
 B, E, H = 4, 512, 8
+MODES = ("forward", "fwd+bwd")
+IMPLS = ("mha", "damcha")
+TARGET = 1.10  # this script's own targets at N=4096: time and memory ratios
+MEMORY_METHOD = "peak RSS increase of one call after a warm-up call, in a fresh process (MALLOC_MMAP_THRESHOLD_=65536)"
 
 
 def _make(impl: str, n: int, mode: str):
@@ -68,92 +79,152 @@ def _make(impl: str, n: int, mode: str):
     return call
 
 
-def peak_memory(impl: str, n: int, mode: str) -> float:
-    """Peak RSS increase (MiB) of one call after a warm-up, in this (fresh) process."""
-    call = _make(impl, n, mode)
-    call()  # warm-up: lazy library loading and first-touch pages stay out of the peak
-    reset_peak_rss()
-    base = rss_bytes()
-    call()
-    return (peak_rss_bytes() - base) / 2**20
+def rounds(n: int, repeats: int) -> int:
+    """Timed rounds at length ``n``: N=4096 calls take seconds, so half as many (at least 3)."""
+    return repeats if n < 4096 else max(3, repeats // 2)
 
 
-def time_pair(n: int, mode: str, repeats: int) -> dict[str, dict[str, float]]:
-    """Median wall and CPU ms of MHA and DAMCHA, calls alternating so that load
-    drifts hit both. CPU time (all threads of this process) is the steadier
-    measure on a shared machine: waiting for a core is not counted."""
-    calls = {impl: _make(impl, n, mode) for impl in ("mha", "damcha")}
-    wall: dict[str, list[float]] = {impl: [] for impl in calls}
-    cpu: dict[str, list[float]] = {impl: [] for impl in calls}
-    for call in calls.values():
-        call()  # warm-up
-    for _ in range(repeats):
-        for impl, call in calls.items():
-            w0, c0 = time.perf_counter(), time.process_time()
-            call()
-            wall[impl].append(time.perf_counter() - w0)
-            cpu[impl].append(time.process_time() - c0)
-    return {
-        impl: {"wall": 1e3 * statistics.median(wall[impl]), "cpu": 1e3 * statistics.median(cpu[impl])} for impl in calls
+def measure(n: int, mode: str, repeats: int, *, tiny: bool, threads: int, memory: bool = True) -> dict[str, Any]:
+    """One entry: every round's wall and CPU seconds of both layers and, with ``memory``,
+    each layer's peak (``--tiny``: MHA's in a worker process, DAMCHA's here, a check of
+    both paths)."""
+    r = rounds(n, repeats)
+    times = h.interleaved({impl: _make(impl, n, mode) for impl in IMPLS}, repeats=r, warmup=1)
+    entry: dict[str, Any] = {
+        "id": f"torch/{mode}/N={n}",
+        "section": "layer",
+        "N": n,
+        "mode": mode,
+        "shape": {"B": B, "N": n, "E": E, "H": H},
+        "rounds": r,
+        "times": times,
     }
+    if memory:
+        peaks = {}
+        for impl in IMPLS:
+            if tiny and impl != "mha":
+                peaks[impl] = h.measure_peak(_make(impl, n, mode))
+                continue
+            argv = [os.path.abspath(__file__), "--worker", impl, str(n), mode, "--threads", str(threads)]
+            peaks[impl] = float(h.peak_in_subprocess(argv + (["--tiny"] if tiny else []))["peak_mib"])
+        entry["memory"] = {"method": MEMORY_METHOD, "mib": peaks}
+    return entry
 
 
-def main(argv: list[str] | None = None) -> int:
+def _memory_ratio(entry: dict[str, Any]) -> float | None:
+    mib = entry.get("memory", {}).get("mib")
+    return mib["damcha"] / mib["mha"] if mib and mib["mha"] > 0 else None  # (tiny sizes can peak at 0 MiB)
+
+
+def table(run: dict[str, Any], entries: list[dict[str, Any]]) -> list[str]:
+    """One run's table: medians of each layer's rounds, the ratios of the medians, the peaks."""
+    shape = entries[0]["shape"]
+    lines = [
+        f"B={shape['B']}, E={shape['E']}, H={shape['H']}, float32, CPU, {run['threads']} threads; time: median of "
+        "the rounds (both layers called alternately after a warm-up call); peak: RSS increase of one call "
+        "in a fresh process.",
+        "",
+        "| N | mode | rounds | MHA wall ms | DAMCHA wall ms | wall ratio | MHA CPU ms | DAMCHA CPU ms | CPU ratio "
+        "| MHA peak MiB | DAMCHA peak MiB | memory ratio |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    at_target = []
+    for e in sorted(entries, key=lambda e: (e["N"], MODES.index(e["mode"]))):
+        t = e["times"]
+        wall, cpu, mem = pr.ratio_of_medians(t, "damcha", "mha"), pr.ratio_of_medians(t, "damcha", "mha", "cpu"), None
+        peaks = "- | - | -"
+        if "memory" in e:
+            mem = _memory_ratio(e)
+            mib = e["memory"]["mib"]
+            peaks = f"{mib['mha']:.1f} | {mib['damcha']:.1f} | " + ("-" if mem is None else f"{mem:.2f}")
+        lines.append(
+            f"| {e['N']} | {e['mode']} | {len(t['mha']['wall'])} | {pr.median_ms(t['mha']['wall']):.0f} | "
+            f"{pr.median_ms(t['damcha']['wall']):.0f} | {wall:.2f} | {pr.median_ms(t['mha']['cpu']):.0f} | "
+            f"{pr.median_ms(t['damcha']['cpu']):.0f} | {cpu:.2f} | {peaks} |"
+        )
+        if e["N"] == 4096:
+            at_target.append(
+                f"{e['mode']} wall {wall:.2f} ({pr.verdict(wall, TARGET)}), memory "
+                + ("-" if mem is None else f"{mem:.2f}")
+                + f" ({pr.verdict(mem, TARGET)})"
+            )
+    lines.append("")
+    if at_target:
+        lines.append(
+            f"This script's target at N=4096 (wall and memory ratios <= {TARGET:.2f}): " + "; ".join(at_target) + "."
+        )
+    else:
+        lines.append(
+            f"This script's target (ratios <= {TARGET:.2f}) applies at N=4096, which this run did not measure."
+        )
+    return lines
+
+
+PORT = pr.Port("torch", "bench_torch.py", [pr.Block("torch", "PyTorch layer", table)])
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 4096])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads (and cores) of the process")
     parser.add_argument(
         "--tiny", action="store_true", help="tiny sizes, 2 repeats: checks the script, measures nothing"
     )
+    parser.add_argument("--json", type=Path, help="results file (default benchmarks/results/torch-<time>.json)")
+    parser.add_argument("--docs", type=Path, default=pr.DOCS, help="the Markdown file whose table is rewritten")
+    parser.add_argument("--no-docs", action="store_true", help="do not rewrite the docs table after the run")
+    parser.add_argument(
+        "--report",
+        nargs="*",
+        type=Path,
+        metavar="FILE",
+        help="only rewrite the docs table from these result files (default: the newest torch-*.json)",
+    )
     parser.add_argument("--worker", nargs=3, metavar=("IMPL", "N", "MODE"), help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    global B, E, H
+    argv = sys.argv[1:] if argv is None else argv
+    args = _parser().parse_args(argv)
+    if args.report is not None:
+        return PORT.report(args.report, args.docs)
+    threads = h.fix_threads(args.threads)  # before torch is imported
     if args.tiny:
-        global B, E, H
         B, E, H = 2, 32, 4
         args.lengths, args.repeats = [16], 2
     if args.worker:
         impl, n, mode = args.worker
-        print(json.dumps({"peak_mb": peak_memory(impl, int(n), mode)}))
+        print(json.dumps({"peak_mib": h.measure_peak(_make(impl, int(n), mode))}))
         return 0
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-    import torch  # only for the header
+    with contextlib.ExitStack() as stack:
+        path = PORT.output_path(args.json, args.tiny, stack)
+        if path is None:
+            return 2
+        import torch
 
-    print(
-        f"<!-- {datetime.date.today()} {platform.machine()} {os.cpu_count()} CPUs, torch {torch.__version__}, "
-        f"threads {torch.get_num_threads()} -->"
-    )
-    print(
-        f"B={B}, E={E}, H={H}, float32, CPU; time: median of {args.repeats} alternating calls "
-        f"({max(3, args.repeats // 2)} at N=4096); "
-        "peak: RSS increase of one call in a fresh process\n"
-    )
-    print(
-        "| N | mode | MHA wall ms | DAMCHA wall ms | wall ratio | MHA CPU ms | DAMCHA CPU ms | CPU ratio "
-        "| MHA peak MiB | DAMCHA peak MiB | memory ratio |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for n in args.lengths:
-        for mode in ("forward", "fwd+bwd"):
-            peak = {"mha": float("nan"), "damcha": float("nan")}
-            for impl in () if args.tiny and mode != "forward" else ("mha", "damcha"):  # tiny: one pair
-                if args.tiny and impl != "mha":
-                    # Tiny measures nothing: one worker process checks that path, the rest run here.
-                    peak[impl] = peak_memory(impl, n, mode)
-                    continue
-                cmd = [sys.executable, os.path.abspath(__file__), "--worker", impl, str(n), mode]
-                cmd += ["--tiny"] if args.tiny else []
-                out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
-                peak[impl] = json.loads(out.stdout.strip().splitlines()[-1])["peak_mb"]
-            t = time_pair(n, mode, args.repeats if n < 4096 else max(3, args.repeats // 2))
-            m, d = t["mha"], t["damcha"]
-            print(
-                f"| {n} | {mode} | {m['wall']:.0f} | {d['wall']:.0f} | {d['wall'] / m['wall']:.2f} | "
-                f"{m['cpu']:.0f} | {d['cpu']:.0f} | {d['cpu'] / m['cpu']:.2f} | "
-                f"{peak['mha']:.1f} | {peak['damcha']:.1f} | "
-                + (f"{peak['damcha'] / peak['mha']:.2f} |" if peak["mha"] > 0 else "- |"),
-                flush=True,
-            )
-    return 0
+        results = h.Results(path, resume=False, file_format=PORT.file_format)
+        run = PORT.start(
+            results,
+            argv,
+            tiny=args.tiny,
+            threads=args.threads,
+            torch_threads=torch.get_num_threads(),
+            affinity=threads.get("affinity"),
+            shape={"B": B, "E": E, "H": H},
+            lengths=args.lengths,
+            repeats=args.repeats,
+        )
+        for n in args.lengths:
+            for mode in MODES:
+                # Tiny measures nothing: one pair of peaks checks both memory paths.
+                memory = not args.tiny or mode == MODES[0]
+                entry = measure(n, mode, args.repeats, tiny=args.tiny, threads=args.threads, memory=memory)
+                PORT.record(results, run, entry)
+                print(f"  {entry['id']}: done", flush=True)
+        return PORT.finish(results, run, docs=args.docs, write_docs=not (args.tiny or args.no_docs))
 
 
 if __name__ == "__main__":

@@ -5,15 +5,19 @@
     .venv/bin/python benchmarks/run_all.py --only bench_dropin.py
 
 Every ``benchmarks/bench_*.py`` is run (a new script joins by existing; each
-must accept ``--tiny``). Most scripts print markdown tables of ratios against
-their framework's MHA measured in the same run: copy them into
-docs/benchmarks.md with the command, the date and the machine load.
-``bench_dropin.py`` and ``bench_models.py`` write their JSON results to
-``benchmarks/results/`` and their own sections of docs/benchmarks.md
-(``bench_models.py`` pools every run of the same commit found there, so
-running ``make bench`` twice on unchanged code reports both runs' rounds). Run
-on an otherwise idle machine: the ratios are robust to a steady load, not to a
-fluctuating one.
+must accept ``--tiny``). Each writes its JSON results to ``benchmarks/results/``
+(``<name>-<date>-<time>.json``: the machine, versions, thread count, command
+line, commit, load average and every raw timing) and rewrites its own
+section of docs/benchmarks.md from them, with the command, date, machine and
+load of the run above each table; ``--report`` rewrites a section from the
+stored files without measuring. ``bench_dropin.py``, ``bench_models.py`` and
+``bench_models_keras.py`` pool every run of the same commit found there (so
+running ``make bench`` twice on unchanged code reports both runs' rounds);
+the per-port scripts (``bench_torch.py``, ``bench_decode.py``,
+``bench_jax.py``, ``bench_keras.py``, ``bench_onnx.py``, ``bench_headmix.py``:
+``_ports_report.py``) table their newest run. With ``--quick`` nothing is
+written to either place. Run on an otherwise idle machine: the ratios are
+robust to a steady load, not to a fluctuating one.
 """
 
 from __future__ import annotations

@@ -38,17 +38,31 @@ def _run(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
 
 
 # bench_dropin.py, bench_models.py and bench_models_keras.py get their own tests below; the others
-# print their tables.
+# are the per-port scripts of benchmarks/_ports_report.py (tests/test_benchmarks_ports.py).
 TABLE_SCRIPTS = [
     s for s in run_all.scripts() if s not in ("bench_dropin.py", "bench_models.py", "bench_models_keras.py")
 ]
 
 
+def _listing(folder: Path) -> list[tuple[str, int]]:
+    return sorted((p.name, p.stat().st_mtime_ns) for p in folder.iterdir()) if folder.is_dir() else []
+
+
 @pytest.mark.parametrize("script", TABLE_SCRIPTS)
-def test_script_runs_tiny(script: str) -> None:
-    out = _run([str(BENCH / script), "--tiny"])
+def test_script_runs_tiny(script: str, tmp_path: Path) -> None:
+    """Each per-port script at its --tiny sizes writes its run's metadata and every round to
+    --json's file, whose rounds give the ratios of the tables it prints (recomputed by
+    test_benchmarks_ports.check_result_file), and touches neither the results folder nor the docs."""
+    from test_benchmarks_ports import SCRIPTS, check_result_file
+
+    assert set(TABLE_SCRIPTS) == set(SCRIPTS)  # a new table script gets a result file and its checks
+    path = tmp_path / "results.json"
+    docs, results = (ROOT / "docs" / "benchmarks.md").read_bytes(), _listing(BENCH / "results")
+    out = _run([str(BENCH / script), "--tiny", "--json", str(path)])
     assert out.returncode == 0, f"{script} --tiny failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}"
-    assert out.stdout.strip(), f"{script} --tiny printed nothing"
+    assert f"results: {path}" in out.stdout
+    check_result_file(script, path, tiny=True, printed=out.stdout)
+    assert (ROOT / "docs" / "benchmarks.md").read_bytes() == docs and _listing(BENCH / "results") == results
 
 
 def test_run_all_lists_every_script() -> None:
@@ -62,7 +76,9 @@ def test_run_all_lists_every_script() -> None:
 # without the full --tiny sweep (`benchmarks/run_all.py --quick` runs that, and the
 # Keras JAX/torch backends).
 DROPIN_PORTS = {
-    "torch": ([r"^torch/(layer/mask\+hint/fwd\+bwd/|decode/layer/B=1$|model/lm/train/)"], True),
+    # Both modes of torch's layer and model (the forward/inference rows add MHA with its fast path
+    # off); --tiny measures memory in the first model entry only (lm inference).
+    "torch": ([r"^torch/(layer/mask\+hint/|decode/layer/B=1$|model/lm/)"], True),
     # Flax's model memory is XLA's memory_analysis() in the worker process (two small compilations).
     "jax": ([r"^jax/(layer/combined-mask/forward/|decode/stack/B=1$|model/encoder/inference/)"], True),
     # TensorFlow's CPU runtime keeps a step's buffers between calls: no model memory is recorded there.
@@ -102,7 +118,20 @@ def test_dropin_tiny(port: str, tmp_path: Path) -> None:
             assert c["met"] is None or c["met"] == (r["median"] <= c["target"])
         assert e["env"]["threads"] == run["threads"]
     peaks = [e["memory"] for e in entries.values() if "memory" in e]
-    assert len(peaks) == memory and all(set(p["mib"]) == {"damcha", "mha"} for p in peaks)
+    assert len(peaks) == memory
+    for e in entries.values():
+        if "memory" not in e:
+            continue
+        nofast = port == "torch" and e["mode"] == "inference"
+        assert set(e["memory"]["mib"]) == ({"damcha", "mha", "mha-nofast"} if nofast else {"damcha", "mha"})
+        assert set(e["memory"].get("also", {})) == ({"mha-nofast"} if nofast else set())
+    if port == "torch":  # the forward/inference rows, and only they, also compare with MHA's fast path off
+        for e in entries.values():
+            labels = [c["label"] for c in e["comparisons"]]
+            off = e["section"] in ("layer", "model") and e["mode"] in ("forward", "inference")
+            if e["section"] != "decode":
+                assert labels == (["time", "time, MHA fast path off"] if off else ["time"]), (e["id"], labels)
+                assert ("mha-nofast" in e["times"]) == off
     if port in ("jax", "keras-jax") and peaks:  # XLA's parts add up to the recorded total, for both models
         parts = peaks[0]["xla_mib"]
         assert all(

@@ -514,3 +514,55 @@ def test_the_committed_sections_are_what_their_reports_write_from_the_files_they
     real = doc.read_text()
     committed = real[real.index(begin) : real.index(end) + len(end)] + "\n"
     assert committed == text
+
+
+def test_the_fast_path_off_baseline_runs_mha_through_sdpa() -> None:
+    """The drop-in benchmark's second PyTorch baseline (MHA with torch's fast path off):
+    in eval without gradients nn.MultiheadAttention takes torch's fused inference kernel
+    (which builds the weights); with the switch off it calls SDPA, and the switch is
+    restored after the call."""
+    import torch
+    from _dropin_torch import without_mha_fastpath
+
+    mha = torch.nn.MultiheadAttention(16, 2, batch_first=True).eval()
+    x = torch.randn(2, 8, 16)
+    causal = torch.ones(8, 8, dtype=torch.bool).triu(1)
+
+    def call():
+        with torch.inference_mode():
+            return mha(x, x, x, attn_mask=causal, is_causal=True, need_weights=False)[0]
+
+    def ops(fn) -> set[str]:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            fn()
+        return {e.key for e in prof.key_averages()}
+
+    assert "aten::_native_multi_head_attention" in ops(call)
+    off = ops(without_mha_fastpath(call))
+    assert "aten::_native_multi_head_attention" not in off and "aten::scaled_dot_product_attention" in off
+    assert torch.backends.mha.get_fastpath_enabled()
+    torch.testing.assert_close(without_mha_fastpath(call)(), call(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_further_baseline_gets_its_own_columns_and_verdicts(tmp_path: Path) -> None:
+    """An entry timed against a second baseline (record_timed(also=...)) shows its ms,
+    ratio and target in columns of their own, entries without it '-', and a miss
+    against it (time or memory) counts with the others."""
+    path = _result_file(tmp_path / "a.json", "abc", [1.0, 1.0, 1.0], [1.0, 1.0, 1.0])
+    data = json.loads(path.read_text())
+    entry = data["entries"][ENTRY_ID]
+    entry["times"]["mha-nofast"] = {"wall": [0.8, 0.8, 0.8], "cpu": [0.8, 0.8, 0.8]}
+    entry["comparisons"].append(
+        _harness.comparison("time, MHA fast path off", entry["times"], "damcha", "mha-nofast", 1.10)
+    )
+    other = dict(entry, id="torch/layer/cross/fwd+bwd/N=256", mode="fwd+bwd", comparisons=entry["comparisons"][:1])
+    data["entries"][other["id"]] = other
+    path.write_text(json.dumps(data))
+    runs, entries = _dropin_report.load([path])
+    text = _dropin_report.render(runs, entries)
+    assert "| MHA, fast path off ms | DAMCHA/it (quartiles) | target |" in text
+    assert "| 800.0 | 1.250 (1.25-1.25) | <= 1.10 **missed** |" in text
+    assert "| fwd+bwd | 256 |" in text and text.split("| fwd+bwd | 256 |", 1)[1].split("\n", 1)[0].endswith(
+        " - | - | - |"
+    )
+    assert "targets missed: 1" in text
