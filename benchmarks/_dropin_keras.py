@@ -459,7 +459,8 @@ RSS_METHOD = (
 )
 XLA_METHOD = (
     "XLA's estimate for the compiled step, jax.jit(model.train_step or predict_step).lower(state, data)"
-    ".compile().memory_analysis(): temp + argument + output - alias bytes (Keras on JAX; its resident set is "
+    ".compile().memory_analysis(): temp + output - alias bytes, what the step allocates beyond its arguments "
+    "(Keras on JAX; its resident set is "
     "XLA's allocator's: one run read 0.04 and 27 for two training rows)"
 )
 

@@ -53,10 +53,12 @@ one metric generator. Peak memory: resident-set high-water mark (VmHWM) of
 one call after a warm-up call, each model in a fresh process, with glibc told
 to unmap freed blocks >= 64 KiB (`MALLOC_MMAP_THRESHOLD_=65536`), the method
 of `bench_torch.py` (Keras on torch too); Flax and Keras on JAX: XLA's own
-estimate for the compiled call or training step (`memory_analysis()`: temp +
-argument + output - alias bytes, so the parameters, which the resident-set
-method leaves out, count on both sides and dilute the ratio; "XLA MiB"
-columns, every part kept in the result files), as a jitted JAX call's resident
+estimate of what the compiled call or training step allocates beyond its
+arguments (`memory_analysis()`: temp + output - alias bytes; the arguments,
+parameters and inputs, exist before the call, as they do before a torch
+call whose resident-set increase is measured; "XLA MiB" columns, every part
+kept in the result files, and runs stored before the forty-fourth session,
+which compared temp + argument + output - alias, re-rendered this way), as a jitted JAX call's resident
 set is set by XLA's allocator (the same rows read 0.40-2.58 across two runs);
 Keras on TensorFlow: not measured ("-"), as TensorFlow's CPU runtime keeps a
 step's buffers between calls (a warm call's resident-set increase read a few
@@ -189,6 +191,18 @@ def _pool(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     return pooled_entry
 
 
+def xla_own_memory(memory: dict[str, Any]) -> dict[str, Any]:
+    """A memory record holding XLA's parts (``xla_mib``), compared by what each
+    program allocates beyond its arguments (``_harness.xla_own``), whichever
+    definition the run recorded: one definition across ports and runs."""
+    from _harness import memory_comparison, xla_own
+
+    parts = memory["xla_mib"]
+    den = "mha" if "mha" in parts else "original"
+    own = {impl: xla_own(p) for impl, p in parts.items()}
+    return {**memory, **memory_comparison(own, "damcha", den, memory.get("target"))}
+
+
 def started_order(path: Path) -> tuple[float, str]:
     """A result file's sort key, oldest run first (the order ``load`` needs for a
     newer commit's rows to replace an older one's): its first run's start, then
@@ -226,6 +240,8 @@ def load(
             runs.append({**run, "file": str(path)})
         for entry_id, entry in data["entries"].items():
             entry = {**entry, "run": entry["run"] + offset}
+            if entry.get("memory", {}).get("xla_mib"):
+                entry["memory"] = xla_own_memory(entry["memory"])
             old = entries.get(entry_id)
             if (
                 pool

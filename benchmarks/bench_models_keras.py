@@ -129,7 +129,7 @@ MODE_TEXT = {
 }
 XLA_METHOD = (
     "XLA's estimate for the compiled step, jax.jit(model.predict_step or model.train_step).lower(state, data)"
-    ".compile().memory_analysis(): argument + output + temp - alias bytes"
+    ".compile().memory_analysis(): temp + output - alias bytes (what the step allocates beyond its arguments)"
 )
 TINY = {
     "gpt2": dict(hidden=32, heads=4, mlp=64, vocab=64, layers=1, batch=2),
@@ -309,10 +309,10 @@ def _xla_memory(pair: dict[str, Any], mode: str, n: int) -> dict[str, Any]:
     from _dropin_keras import _xla_memory as lowered  # the drop-in's lowering of Keras's JAX step
 
     mems = {impl: lowered(pair[impl], pair["x"], pair["y"], mode) for impl in IMPLS}
-    totals = {impl: m["total"] for impl, m in mems.items()}
+    own = {impl: h.xla_own(m) for impl, m in mems.items()}
     return {
         "method": XLA_METHOD,
-        **h.memory_comparison(totals, "damcha", "original", rep.memory_target(n)),
+        **h.memory_comparison(own, "damcha", "original", rep.memory_target(n)),
         "xla_mib": mems,
     }
 

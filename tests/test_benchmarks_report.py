@@ -566,3 +566,29 @@ def test_a_further_baseline_gets_its_own_columns_and_verdicts(tmp_path: Path) ->
         " - | - | - |"
     )
     assert "targets missed: 1" in text
+
+
+def test_xla_memory_is_compared_by_what_the_call_allocates(tmp_path: Path) -> None:
+    """XLA's estimates (Flax, Keras on JAX) are compared by temp + output - alias, what the
+    call allocates beyond its arguments, as a torch call's resident-set increase leaves out
+    the parameters; a run stored with the total (arguments counted) renders the same way."""
+    path = _result_file(tmp_path / "a.json", "abc", [1.0] * 3, [1.0] * 3)
+    data = json.loads(path.read_text())
+    entry = data["entries"][ENTRY_ID]
+    parts = {
+        "damcha": {"temp": 105.0, "argument": 900.0, "output": 0.0, "alias": 0.0, "total": 1005.0},
+        "mha": {"temp": 100.0, "argument": 900.0, "output": 0.0, "alias": 0.0, "total": 1000.0},
+    }
+    # As the runs before the change recorded it: the totals compared (1.005, met).
+    entry["memory"] = {
+        "method": "XLA",
+        **_harness.memory_comparison({"damcha": 1005.0, "mha": 1000.0}, "damcha", "mha"),
+    }
+    entry["memory"]["xla_mib"] = parts
+    path.write_text(json.dumps(data))
+    _, (loaded,) = _dropin_report.load([path])
+    assert loaded["memory"]["ratio"] == pytest.approx(1.05) and loaded["memory"]["mib"] == {
+        "damcha": 105.0,
+        "mha": 100.0,
+    }
+    assert _harness.xla_memory_record("XLA", parts)["ratio"] == pytest.approx(1.05)
