@@ -45,7 +45,10 @@ turn it). Runs are pooled only when they measured the same commit on the same
 machine (its platform string names the VM) with the same thread count. DAMCHA layers are
 made from the MHA the way a user makes them (`from_mha`, `replace_mha`; same
 weights), are checked to reproduce MHA's output with closed gates (relative
-difference <= 1e-4; a failed check is marked **check failed**), and are
+difference <= 1e-4; a failed check is marked **check failed**; PyTorch's layer
+and model rows, in runs after the forty-fourth session's, check what each row
+times: the training rows' outputs and input or parameter gradients, and the
+second baseline's output, the `check` of each entry in the result files), and are
 timed with every gate opened to 0.5 so the cross-head map does its full work
 (a trained layer's cost). float32, CPU, fixed thread count (each port in its
 own process, pinned to that many cores). Whole models: DAMCHA layers share

@@ -77,6 +77,33 @@ def _check(a: torch.Tensor, b: torch.Tensor) -> dict[str, Any]:
     return closed_gate_check(a.detach().float().numpy(), b.detach().float().numpy())
 
 
+def _checks(**parts: dict[str, Any]) -> dict[str, Any]:
+    """One entry's ``check`` from several (output, gradients, a second baseline): the
+    largest difference, ok only if every part is, and what was compared."""
+    return {
+        "max_rel_diff": max(c["max_rel_diff"] for c in parts.values()),
+        "ok": all(c["ok"] for c in parts.values()),
+        "checked": {name: c["max_rel_diff"] for name, c in parts.items()},
+    }
+
+
+def _train_check(damcha: nn.Module, mha: nn.Module, f_damcha: Callable, f_mha: Callable, inputs: tuple) -> dict:
+    """What the fwd+bwd rows time, checked with closed gates: training-mode outputs and
+    the gradients of every input equal MHA's."""
+    results = []
+    for model, fn in ((damcha, f_damcha), (mha, f_mha)):
+        model.train()
+        leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
+        out = fn(model, *leaves)
+        results.append((out.detach(), torch.autograd.grad(out.sum(), leaves)))
+        model.zero_grad(set_to_none=True)
+    (out_d, grads_d), (out_m, grads_m) = results
+    return {
+        "train output": _check(out_d, out_m),
+        **{f"input {i} gradient": _check(a, b) for i, (a, b) in enumerate(zip(grads_d, grads_m))},
+    }
+
+
 # ------------------------------------------------------------------ layer
 
 
@@ -207,9 +234,19 @@ def layer_section(ses: Session) -> None:
 def _layer_case(ses: Session, case: str, info: dict[str, str], n: int, todo: dict[str, str]) -> None:
     s = ses.sizes
     mha, damcha, f_mha, f_damcha, inputs = _layer_models(case, n, s)
+    # Each timed callable checked with closed gates on the inputs it is timed on.
     mha.eval(), damcha.eval()
-    with torch.no_grad():
-        check = _check(f_damcha(damcha, *inputs), f_mha(mha, *inputs))
+    with torch.inference_mode():
+        expected = f_mha(mha, *inputs)
+        checks = {
+            "forward": _checks(
+                output=_check(f_damcha(damcha, *inputs), expected),
+                # The second baseline computes what MHA's default path does.
+                **{"mha fast path off": _check(without_mha_fastpath(lambda: f_mha(mha, *inputs))(), expected)},
+            )
+        }
+    if "fwd+bwd" in todo:
+        checks["fwd+bwd"] = _checks(**_train_check(damcha, mha, f_damcha, f_mha, inputs))
     open_gates(damcha)
     for mode, entry_id in todo.items():
         calls = {
@@ -228,7 +265,7 @@ def _layer_case(ses: Session, case: str, info: dict[str, str], n: int, todo: dic
             call=info["call"],
             baseline=info["baseline"],
             times=times,
-            check=check,
+            check=checks[mode],
             also=[(NOFAST_LABEL, NOFAST)] if mode == "forward" else [],
         )
 
@@ -486,6 +523,31 @@ def _model_call(model: nn.Module, x: torch.Tensor, kind: str, mode: str) -> Call
     return step
 
 
+def _model_train_check(damcha: nn.Module, mha: nn.Module, x: torch.Tensor, kind: str) -> dict[str, Any]:
+    """What the train rows time, checked with closed gates: the loss and the gradient of
+    every MHA parameter (by name; DAMCHA keeps MHA's names) equal MHA's."""
+    grads, losses = [], []
+    for model in (damcha, mha):
+        model.train()
+        model.zero_grad(set_to_none=True)
+        out = model(x)
+        if kind == "lm":
+            V = out.shape[-1]
+            loss = F.cross_entropy(out[:, :-1].reshape(-1, V), x[:, 1:].reshape(-1))
+        else:
+            loss = out.pow(2).mean()
+        loss.backward()
+        losses.append(loss.detach().reshape(1))
+        grads.append({k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None})
+        model.zero_grad(set_to_none=True)
+    names = sorted(grads[1])
+    missing = [k for k in names if k not in grads[0]]
+    if missing:
+        raise RuntimeError(f"DAMCHA model lacks MHA's parameters {missing[:3]}")
+    flat = [torch.cat([g[k].flatten() for k in names]) for g in grads]
+    return {"loss": _check(losses[0], losses[1]), "parameter gradients": _check(flat[0], flat[1])}
+
+
 def memory_worker(kind: str, impl: str, n: int, mode: str, s: Any) -> dict[str, Any]:
     """Peak RSS increase of one call of one model, in this fresh process (``NOFAST``:
     the MHA model with torch's MHA fast path off)."""
@@ -508,14 +570,23 @@ def _model_case(ses: Session, kind: str, text: str, n: int, todo: dict[str, str]
     damcha, _ = _model(kind, "damcha", n, s)
     damcha.load_state_dict(mha.state_dict(), strict=False)  # MHA's weights; gates 0, fresh generator
     mha.eval(), damcha.eval()
-    with torch.no_grad():
-        check = _check(damcha(x), mha(x))
+    with torch.inference_mode():
+        expected = mha(x)
+        checks = {
+            "inference": _checks(
+                output=_check(damcha(x), expected),
+                **{"mha fast path off": _check(without_mha_fastpath(lambda: mha(x))(), expected)},
+            )
+        }
+    if "train" in todo:
+        checks["train"] = _checks(**_model_train_check(damcha, mha, x, kind))
     open_gates(damcha)
     for mode, entry_id in todo.items():
         calls = {"damcha": _model_call(damcha, x, kind, mode), "mha": _model_call(mha, x, kind, mode)}
         if mode == "inference":
             calls[NOFAST] = without_mha_fastpath(_model_call(mha, x, kind, mode))
         times = interleaved(calls, repeats=s.model_repeats(n), warmup=1)
+        check = checks[mode]
         ses.record_timed(
             entry_id,
             "model",

@@ -132,6 +132,15 @@ def test_dropin_tiny(port: str, tmp_path: Path) -> None:
             if e["section"] != "decode":
                 assert labels == (["time", "time, MHA fast path off"] if off else ["time"]), (e["id"], labels)
                 assert ("mha-nofast" in e["times"]) == off
+                # Each timed callable checked with closed gates on its own inputs: the second
+                # baseline's output, the training rows' gradients.
+                checked = set(e["check"]["checked"])
+                if off:
+                    assert checked == {"output", "mha fast path off"}, (e["id"], checked)
+                elif e["section"] == "layer":
+                    assert {"train output", "input 0 gradient"} <= checked, (e["id"], checked)
+                else:
+                    assert checked == {"loss", "parameter gradients"}, (e["id"], checked)
     if port in ("jax", "keras-jax") and peaks:  # XLA's parts add up to the recorded total, for both models
         parts = peaks[0]["xla_mib"]
         assert all(
