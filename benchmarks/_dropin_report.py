@@ -68,6 +68,13 @@ step's buffers between calls (a warm call's resident-set increase read a few
 MiB for a step whose attention scores alone need 128 MiB) and reports no CPU
 peak of its own.
 
+Keras's `forward` rows call the model eagerly: on JAX, DAMCHA's layer compiles
+its maps and attention (`jax.jit`) inside the eager call while Keras's MHA runs
+op by op, so those rows (0.5 at N=1024) measure MHA's dispatch as much as
+DAMCHA; the `predict` and `train` rows compare both models compiled, as
+`model.predict`/`fit` run them. Keras decoding is timed with eager steps;
+KerasHub's `generate` compiles its step, which these tables do not time.
+
 Targets (issue 12): layer and whole-model time <= 1.05 at N >= 1024 and
 <= 1.10 at N = 256; decode per token <= 1.15 at B=1 (eager) and <= 1.05 at
 B=8; a `torch.compile`d DAMCHA step no slower than the eager one
