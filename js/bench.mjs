@@ -1,5 +1,6 @@
 // Latency of exported models in one onnxruntime for JavaScript (used by
-// benchmarks/bench_onnx.py): median milliseconds per session.run, the models
+// benchmarks/bench_onnx.py): median milliseconds per session.run ("groups") and
+// every round's milliseconds ("rounds", which bench_onnx.py stores), the models
 // of a group timed interleaved round by round so a load change hits all alike.
 //
 //   node bench.mjs --runtime node|web <manifest.json>
@@ -38,7 +39,7 @@ function feed(spec) {
 }
 
 const median = (xs) => [...xs].sort((a, b) => a - b)[Math.floor(xs.length / 2)];
-const report = { runtime, versions: ort.env.versions, groups: {} };
+const report = { runtime, versions: ort.env.versions, groups: {}, rounds: {} };
 for (const group of manifest.groups) {
   const runs = [];
   for (const model of group.models) {
@@ -55,5 +56,6 @@ for (const group of manifest.groups) {
     }
   }
   report.groups[group.id] = Object.fromEntries(runs.map((r) => [r.id, median(r.times)]));
+  report.rounds[group.id] = Object.fromEntries(runs.map((r) => [r.id, r.times]));
 }
 console.log(JSON.stringify(report));
