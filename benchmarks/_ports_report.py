@@ -27,6 +27,7 @@ markers ``_dropin_report.write_section``'s, and refusing ``--tiny`` runs
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime
 import json
@@ -142,6 +143,22 @@ class Port:
         self.file_format = f"damcha-bench-{name}/1"
         for block in self.blocks:
             block.port = self
+
+    def add_output_arguments(self, parser: argparse.ArgumentParser) -> None:
+        """The options every port script shares: ``--json``, ``--docs``, ``--no-docs``, ``--report``."""
+        parser.add_argument(
+            "--json", type=Path, help=f"results file (default benchmarks/results/{self.name}-<time>.json)"
+        )
+        parser.add_argument("--docs", type=Path, default=DOCS, help="the Markdown file whose blocks are rewritten")
+        parser.add_argument("--no-docs", action="store_true", help="do not rewrite the docs blocks after the run")
+        parser.add_argument(
+            "--report",
+            nargs="*",
+            type=Path,
+            metavar="FILE",
+            help=f"only rewrite the docs blocks from these result files (default: the newest {self.name}-*.json "
+            "that measured each)",
+        )
 
     # ------------------------------------------------------------------ writing a run
 

@@ -43,7 +43,6 @@ import contextlib
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import _harness as h  # benchmarks/ is sys.path[0]
@@ -160,16 +159,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--compile", action="store_true", help="compiled steps only (--modes compiled)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads (and cores) of the process")
     parser.add_argument("--tiny", action="store_true", help="tiny sizes, 1 repeat: checks the script, measures nothing")
-    parser.add_argument("--json", type=Path, help="results file (default benchmarks/results/decode-<time>.json)")
-    parser.add_argument("--docs", type=Path, default=pr.DOCS, help="the Markdown file whose table is rewritten")
-    parser.add_argument("--no-docs", action="store_true", help="do not rewrite the docs table after the run")
-    parser.add_argument(
-        "--report",
-        nargs="*",
-        type=Path,
-        metavar="FILE",
-        help="only rewrite the docs table from these result files (default: the newest decode-*.json)",
-    )
+    PORT.add_output_arguments(parser)
     return parser
 
 

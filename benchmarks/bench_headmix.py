@@ -37,7 +37,6 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import _harness as h  # benchmarks/ is sys.path[0]
@@ -179,16 +178,7 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="tiny lengths, 1 repeat, any failed worker fails the script: checks it, measures nothing",
     )
-    parser.add_argument("--json", type=Path, help="results file (default benchmarks/results/headmix-<time>.json)")
-    parser.add_argument("--docs", type=Path, default=pr.DOCS, help="the Markdown file whose table is rewritten")
-    parser.add_argument("--no-docs", action="store_true", help="do not rewrite the docs table after the run")
-    parser.add_argument(
-        "--report",
-        nargs="*",
-        type=Path,
-        metavar="FILE",
-        help="only rewrite the docs table from these result files (default: the newest headmix-*.json)",
-    )
+    PORT.add_output_arguments(parser)
     parser.add_argument("--worker", nargs=2, metavar=("IMPL", "N"), help=argparse.SUPPRESS)
     return parser
 

@@ -472,17 +472,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-torch", action="store_true")
     p.add_argument("--section", choices=("all", "encoder", "edge"), default="all")
     p.add_argument("--tiny", action="store_true", help="tiny sizes and 2 repeats: checks the script, measures nothing")
-    p.add_argument("--json", type=Path, help="results file (default benchmarks/results/onnx-<time>.json)")
-    p.add_argument("--docs", type=Path, default=pr.DOCS, help="the Markdown file whose tables are rewritten")
-    p.add_argument("--no-docs", action="store_true", help="do not rewrite the docs tables after the run")
-    p.add_argument(
-        "--report",
-        nargs="*",
-        type=Path,
-        metavar="FILE",
-        help="only rewrite the docs tables from these result files "
-        "(default: each block from the newest onnx-*.json that measured it)",
-    )
+    PORT.add_output_arguments(p)
     return p
 
 

@@ -36,7 +36,6 @@ import contextlib
 import json
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
 import _harness as h  # benchmarks/ is sys.path[0]
@@ -171,16 +170,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--tiny", action="store_true", help="tiny sizes, 2 repeats: checks the script, measures nothing"
     )
-    parser.add_argument("--json", type=Path, help="results file (default benchmarks/results/torch-<time>.json)")
-    parser.add_argument("--docs", type=Path, default=pr.DOCS, help="the Markdown file whose table is rewritten")
-    parser.add_argument("--no-docs", action="store_true", help="do not rewrite the docs table after the run")
-    parser.add_argument(
-        "--report",
-        nargs="*",
-        type=Path,
-        metavar="FILE",
-        help="only rewrite the docs table from these result files (default: the newest torch-*.json)",
-    )
+    PORT.add_output_arguments(parser)
     parser.add_argument("--worker", nargs=3, metavar=("IMPL", "N", "MODE"), help=argparse.SUPPRESS)
     return parser
 
