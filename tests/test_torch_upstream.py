@@ -29,10 +29,17 @@ import damcha_torch as dt
 # suite sets them only inside `with flags(...)`); this worker's other tests may set
 # them directly, so the freeze is undone once the module database is read.
 _frozen = torch.backends.flags_frozen()
+# ... and wrap TorchScript's call methods in a profiling shim: put back as well.
+_script_calls = (torch._C.ScriptFunction.__call__, torch._C.ScriptMethod.__call__)
 from torch.testing._internal.common_modules import module_db  # noqa: E402
 
+torch._C.ScriptFunction.__call__, torch._C.ScriptMethod.__call__ = _script_calls  # type: ignore[method-assign]
+
 if not _frozen:
-    setattr(torch.backends, "__allow_nonbracketed_mutation_flag", True)
+    # The flag is a global of torch.backends' functions (the module object itself may be
+    # wrapped): set where flags_frozen() reads it, and checked.
+    torch.backends.flags_frozen.__globals__["__allow_nonbracketed_mutation_flag"] = True
+    assert not torch.backends.flags_frozen()
 
 INFO = next(m for m in module_db if m.module_cls is nn.MultiheadAttention)
 
@@ -263,3 +270,12 @@ def test_non_contiguous_inputs_and_output_gradients(device):
         torch.testing.assert_close(o2, o1, rtol=1e-12, atol=1e-13, msg=lambda m, i=i: f"{IDS[i]} output: {m}")
         for a, b in zip(gi2 + gp2, gi1 + gp1):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13, msg=lambda m, i=i: f"{IDS[i]} gradient: {m}")
+
+
+def test_reading_torchs_test_helpers_leaves_this_process_as_it_was():
+    """torch.testing._internal freezes torch.backends' flags and wraps TorchScript's
+    call methods when imported: both are put back (a frozen flag made another test's
+    `torch.backends.mkldnn` setting raise in the same pytest-xdist worker)."""
+    assert torch.backends.flags_frozen() is _frozen
+    assert (torch._C.ScriptFunction.__call__, torch._C.ScriptMethod.__call__) == _script_calls
+    torch.backends.mkldnn.enabled = torch.backends.mkldnn.enabled  # raised RuntimeError while frozen
