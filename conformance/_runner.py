@@ -122,7 +122,7 @@ class Report:
 
         def listed(items: list[tuple[str, str]]) -> str:
             shown = "; ".join(f"{backend}: {text}" for backend, text in items[:2])
-            return shown + (f" (and {len(items) - 2} more; summary() lists them)" if len(items) > 2 else "")
+            return shown + (f" (and {len(items) - 2} more, listed above in the summary)" if len(items) > 2 else "")
 
         if verdict == "PARTIAL":
             return f"PARTIAL: not conformant, not everything asked for was checked: {listed(self.gaps)}"

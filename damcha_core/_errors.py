@@ -65,7 +65,13 @@ def describe(value: Any) -> str:
         return value.__qualname__ if module == "builtins" else f"{module}.{value.__qualname__}"
     if isinstance(value, np.generic):  # a NumPy scalar reads as the number it is
         value = value.item()
-    shape = getattr(value, "shape", None)
+    try:
+        shape = getattr(value, "shape", None)
+    except RuntimeError:  # torch's strided nested tensor raises RuntimeError for .shape
+        shape = None
+        with contextlib.suppress(RuntimeError, AttributeError, TypeError):
+            if getattr(value, "is_nested", False):
+                return f"{type(value).__name__}(nested, dim={value.dim()}, dtype={value.dtype})"
     dtype = getattr(value, "dtype", None)
     if shape is not None and dtype is not None:
         with contextlib.suppress(TypeError):  # a symbolic shape that cannot be iterated

@@ -331,10 +331,16 @@ def check_feed_shapes(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -
     for name, dims in declared.items():
         array = feeds[name]
         if array.ndim != len(dims):
+            # A tokenizer's (B, M) mask fed to a 4-D mask input: the padding export takes it.
+            hint = (
+                "; a (B, M) key padding mask needs a model exported with mask='padding' (--mask padding)"
+                if name == "mask" and len(dims) == 4 and array.ndim == 2
+                else ""
+            )
             raise DamchaValueError(
                 invalid_argument(
                     name,
-                    f"rank {len(dims)}, shape {shape_text(dims)} as the model declares",
+                    f"rank {len(dims)}, shape {shape_text(dims)} as the model declares{hint}",
                     f"{name}.shape={array.shape}",
                 )
             )

@@ -1307,3 +1307,12 @@ def test_materialise_keeps_the_expected_output_and_hands_adapters_a_view_without
     assert view.query is full.query and view.config is full.config and view.causal == full.causal
     # an adapter called with the full object (as the ports' own tests do) computes the same output
     np.testing.assert_array_equal(dcf.ReferenceAdapter().forward(full, "float64"), full.expected)
+
+
+def test_a_long_narrowed_verdict_points_to_the_summary_printed_above_it():
+    """The CLI prints the summary, then this line: it pointed a CLI user to a Python
+    method ("summary() lists them"); it now says the rest is listed above."""
+    report = dcf.Report(results=[dcf.Result("torch", "mha-self", "mha", "float32", "output", "pass")])
+    report.subset.extend(("torch", f"narrowing {i}") for i in range(4))
+    line = report.verdict_line()
+    assert "(and 2 more, listed above in the summary)" in line and "summary()" not in line

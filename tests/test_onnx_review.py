@@ -504,3 +504,16 @@ def test_export_names_a_data_file_name_the_os_refuses_as_the_data_file_of_out(tm
     assert "(File name too long)" in line and "pass --external-data never" in line, line
     assert line.endswith(f"Received: --out {str(out)!r}"), line
     assert sorted(x.name for x in tmp_path.iterdir()) == ["p.safetensors"]
+
+
+def test_a_two_d_mask_fed_to_a_four_d_mask_input_points_to_the_padding_export():
+    """A tokenizer's (B, M) mask fed to a model exported with a 4-D mask input: the
+    refusal names the input and says which export takes it (a new user's review)."""
+    p = _params(CFG, 1)
+    model = do.export(p, CFG, None, mask=True)
+    x = np.random.default_rng(0).normal(size=(2, 3, 8)).astype(np.float32)
+    with pytest.raises(dc.DamchaValueError, match=r"Invalid argument `mask`: expected rank 4.*mask='padding'"):
+        do.run_ort(model, {"query": x, "mask": np.ones((2, 3), bool)})
+    with pytest.raises(dc.DamchaValueError, match=r"expected rank 4") as info:
+        do.run_ort(model, {"query": x, "mask": np.ones((2, 3, 3), bool)})
+    assert "padding" not in str(info.value)  # a 3-D mask is not a padding mask

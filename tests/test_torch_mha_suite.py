@@ -332,3 +332,23 @@ def test_meta_device_model_loads_an_mha_checkpoint_after_reset_parameters():
     ]
     x = torch.randn(B, N, E)
     torch.testing.assert_close(model.eval()(x), reference(x))
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage:UserWarning")
+def test_a_strided_nested_tensor_is_refused_by_name_also_from_a_hand_built_encoder():
+    """torch's default (strided) nested tensor raises RuntimeError for .shape: describe()
+    crashed inside the error message ('NestedTensorImpl doesn't support sizes'). A user who
+    replaces self_attn by hand in an eval nn.TransformerEncoder with a padding mask gets
+    them from torch; the refusal names the argument and says what to do."""
+    nested = torch.nested.nested_tensor([torch.randn(3, 8), torch.randn(5, 8)])
+    layer = DamchaAttention(8, 2, batch_first=True).eval()
+    with pytest.raises(dc.DamchaTypeError, match=r"Invalid argument `query`.*enable_nested_tensor=False.*nested"):
+        layer(nested, nested, nested)
+    enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), 2).eval()
+    for block in enc.layers:
+        block.self_attn = DamchaAttention.from_mha(block.self_attn)
+    pad = torch.zeros(2, 5, dtype=torch.bool)
+    pad[0, 3:] = True
+    with torch.no_grad(), pytest.raises(dc.DamchaTypeError, match=r"replace_mha"):
+        enc(torch.randn(2, 5, 8), src_key_padding_mask=pad)
+    assert "nested" in dc.describe(nested)

@@ -931,7 +931,9 @@ class DamchaAttention(CanonicalIO, nn.Module):
                 raise DamchaTypeError(
                     dc.invalid_argument(
                         name,
-                        "a dense (padded) tensor with a key_padding_mask; DamchaAttention takes no nested tensors",
+                        "a dense (padded) tensor with a key_padding_mask; DamchaAttention takes no nested tensors "
+                        "(an nn.TransformerEncoder whose self_attn was replaced by hand makes them in eval: build it "
+                        "with enable_nested_tensor=False, or convert it with replace_mha, which does)",
                         f"{name}={describe(t)} (nested)",
                     )
                 )
