@@ -169,10 +169,11 @@ def _machine(run: dict[str, Any]) -> str:
 def _commit(run: dict[str, Any]) -> str:
     """The code a run measured: its commit without the "+dirty" mark where the files
     that differ are docs and result files only (what makes a benchmark checkout dirty;
-    runs before the list was recorded are taken so), else the commit and those files."""
+    runs before the list was recorded are taken so); a run whose code differed from its
+    commit is its own (the same files may hold other edits in another run): never pooled."""
     commit = str(run.get("git", "?")).split("+", 1)[0]
     code = [f for f in run.get("git_dirty") or [] if not f.startswith(("docs/", "benchmarks/results/"))]
-    return commit + ("+" + ",".join(sorted(code)) if code else "")
+    return commit + (f"+code-dirty@{run.get('started', '?')}" if code else "")
 
 
 def _pool(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
@@ -451,7 +452,14 @@ def runs_block(runs: list[dict[str, Any]], entries: list[dict[str, Any]]) -> lis
 
 def render(runs: list[dict[str, Any]], entries: list[dict[str, Any]]) -> str:
     """The whole section (between and including the markers)."""
-    out = [BEGIN, HEADING, "", METHOD.replace("{spread}", f"{run_spread(entries):.2f}"), ""]
+    spread = run_spread(entries)
+    method = METHOD.replace(
+        "idle runs of unchanged code differ by up to {spread} in these tables",
+        f"idle runs of unchanged code differ by up to {spread:.2f} in these tables"
+        if spread
+        else "no cell here pools several runs; idle runs of unchanged code have differed by 0.2 and more",
+    )
+    out = [BEGIN, HEADING, "", method, ""]
     if not entries:
         out += [
             "**Not yet measured on an idle machine.** The tables appear here after",

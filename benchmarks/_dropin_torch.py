@@ -497,6 +497,16 @@ def _model(kind: str, impl: str, n: int, s: Any) -> tuple[nn.Module, torch.Tenso
     return model, x
 
 
+def _loss(model: nn.Module, x: torch.Tensor, kind: str) -> torch.Tensor:
+    """The train rows' loss (timed, and checked with closed gates): next-token
+    cross-entropy for the LM, mean(y^2) for the encoder."""
+    out = model(x)
+    if kind == "lm":
+        V = out.shape[-1]
+        return F.cross_entropy(out[:, :-1].reshape(-1, V), x[:, 1:].reshape(-1))
+    return out.pow(2).mean()
+
+
 def _model_call(model: nn.Module, x: torch.Tensor, kind: str, mode: str) -> Callable[[], Any]:
     if mode == "inference":
         model.eval()
@@ -511,13 +521,7 @@ def _model_call(model: nn.Module, x: torch.Tensor, kind: str, mode: str) -> Call
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
-        out = model(x)
-        if kind == "lm":
-            V = out.shape[-1]
-            loss = F.cross_entropy(out[:, :-1].reshape(-1, V), x[:, 1:].reshape(-1))
-        else:
-            loss = out.pow(2).mean()
-        loss.backward()
+        _loss(model, x, kind).backward()
         opt.step()
 
     return step
@@ -530,12 +534,7 @@ def _model_train_check(damcha: nn.Module, mha: nn.Module, x: torch.Tensor, kind:
     for model in (damcha, mha):
         model.train()
         model.zero_grad(set_to_none=True)
-        out = model(x)
-        if kind == "lm":
-            V = out.shape[-1]
-            loss = F.cross_entropy(out[:, :-1].reshape(-1, V), x[:, 1:].reshape(-1))
-        else:
-            loss = out.pow(2).mean()
+        loss = _loss(model, x, kind)
         loss.backward()
         losses.append(loss.detach().reshape(1))
         grads.append({k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None})

@@ -53,8 +53,9 @@ torch 5, its generate 3) after two warm-up rounds (compilation, then first
 touch; one for generate, whose token check was the first call); every
 round's wall and process CPU time is kept, and the ratios DAMCHA / original are taken per round
 (median and quartiles). Memory, JAX only: XLA's ``memory_analysis()`` of
-the step Keras compiles (``_dropin_keras._xla_memory``: argument + output
-+ temp - alias). Not on TensorFlow (its CPU runtime keeps a step's buffers
+the step Keras compiles (``_dropin_keras._xla_memory``), compared by what
+the step allocates beyond its arguments: temp + output - alias
+(``_harness.xla_own``). Not on TensorFlow (its CPU runtime keeps a step's buffers
 between calls, so a warm call's RSS increase is not its footprint, and it
 reports no CPU peak), not on torch (the fresh-process RSS method would
 double the run), not for "generate". Targets (issue 13): time ratio <= 1.10,

@@ -399,7 +399,8 @@ def _wasm_cell(e: dict[str, Any], fmt: str) -> str:
 
 def edge_table(run: dict[str, Any], entries: list[dict[str, Any]]) -> list[str]:
     """One run's edge tables: latency in onnxruntime CPU (medians of the rounds) and in
-    onnxruntime-web (js/bench.mjs's medians), model sizes, accuracy."""
+    onnxruntime-web (medians of the rounds js/bench.mjs reports; a run before it reported
+    them holds its medians only), model sizes, accuracy."""
     s = run["model"]
     by_id = {e["id"]: e for e in entries}
     ort = [e for e in entries if e.get("runtime") == "ort"]
@@ -409,8 +410,12 @@ def edge_table(run: dict[str, Any], entries: list[dict[str, Any]]) -> list[str]:
         f'stack: {s["layers"]} pre-norm layers, FFN {s["ffn"]}; DAMCHA = metric "heads" (tied, gates 0.5) vs '
         f'MHA = the same exported with metric "none". onnxruntime CPU: {run["threads"]} threads, spinning off, '
         "the 8 sessions of a (model, shape) alternating, median of the rounds; onnxruntime-web: WASM, 1 thread, "
-        f"under Node.js {run.get('node') or '(absent)'}, the 8 sessions interleaved, the medians js/bench.mjs "
-        "reports (it keeps no per-round times).",
+        f"under Node.js {run.get('node') or '(absent)'}, the 8 sessions interleaved, "
+        + (
+            "median of the rounds."
+            if any(e.get("times_ms") for e in wasm)
+            else "the medians js/bench.mjs reported (this run stored no per-round times)."
+        ),
         "",
     ]
     if ort:

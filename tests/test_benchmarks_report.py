@@ -592,3 +592,30 @@ def test_xla_memory_is_compared_by_what_the_call_allocates(tmp_path: Path) -> No
         "mha": 100.0,
     }
     assert _harness.xla_memory_record("XLA", parts)["ratio"] == pytest.approx(1.05)
+
+
+def test_runs_whose_code_differed_from_their_commit_are_never_pooled(
+    two_runs: tuple[Path, Path, list[float]],
+) -> None:
+    """Two runs at one commit with the same code file edited (perhaps differently) are
+    each their own: the later replaces the earlier; docs-only differences still pool."""
+    first, second, _ = two_runs
+    for path, dirty in ((first, ["backends/torch/_layer.py"]), (second, ["backends/torch/_layer.py", "docs/x.md"])):
+        data = json.loads(path.read_text())
+        data["runs"][0].update(git_dirty=dirty, started=path.name)
+        path.write_text(json.dumps(data))
+    _, (entry,) = _dropin_report.load([first, second])
+    assert "per_run" not in entry["comparisons"][0] and len(entry["times"]["damcha"]["wall"]) == 3
+    for path in (first, second):
+        data = json.loads(path.read_text())
+        data["runs"][0]["git_dirty"] = ["docs/benchmarks.md", "benchmarks/results/a.json"]
+        path.write_text(json.dumps(data))
+    _, (entry,) = _dropin_report.load([first, second])
+    assert entry["comparisons"][0]["per_run"] == pytest.approx([1.2, 1.0])
+
+
+def test_a_section_without_pooled_cells_claims_no_spread(tmp_path: Path) -> None:
+    """One run: the method text said 'differ by up to 0.00'; it now says no cell pools runs."""
+    runs, entries = _dropin_report.load([_result_file(tmp_path / "a.json", "abc", [1.0] * 3, [1.0] * 3)])
+    text = _dropin_report.render(runs, entries)
+    assert "up to 0.00" not in text and "no cell here pools several runs" in text

@@ -153,7 +153,12 @@ _SIZED = AttentionLayout(
             r"taking 10 input features",
         ),
         (1, 12, None, r"`key_features`: expected the input features of `kv`.*key_features=10 with `kv` taking 12"),
-        (0, None, 7, r"q_proj"),
+        (
+            0,
+            None,
+            7,
+            r"`q`: expected an offset whose 8 features lie in the projection's output \(7 features\).*q=0 for `q_proj`",
+        ),
     ],
     ids=["query-input", "key-input", "query-output"],
 )

@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import io
 
+import hypothesis
 import pytest
 import torch
 from _devices import TORCH_DEVICES
@@ -31,9 +32,14 @@ import damcha_torch as dt
 _frozen = torch.backends.flags_frozen()
 # ... and wrap TorchScript's call methods in a profiling shim: put back as well.
 _script_calls = (torch._C.ScriptFunction.__call__, torch._C.ScriptMethod.__call__)
+# ... and load hypothesis's "dev" profile (10 examples where this suite's profile asks
+# 100) for every @given decorated after it in the process: put back too.
+_hypothesis_profile = hypothesis.settings._current_profile
 from torch.testing._internal.common_modules import module_db  # noqa: E402
 
 torch._C.ScriptFunction.__call__, torch._C.ScriptMethod.__call__ = _script_calls  # type: ignore[method-assign]
+if _hypothesis_profile is not None:
+    hypothesis.settings.load_profile(_hypothesis_profile)
 
 if not _frozen:
     # The flag is a global of torch.backends' functions (the module object itself may be
@@ -149,6 +155,9 @@ GRADGRAD = [
 ]
 
 
+assert set(GRADGRAD) <= set(IDS), sorted(set(GRADGRAD) - set(IDS))
+
+
 @pytest.mark.parametrize("device", TORCH_DEVICES)
 @pytest.mark.parametrize("index", INDEX, ids=IDS)
 def test_gradients_by_finite_differences(device, index):
@@ -198,6 +207,9 @@ def test_factory_kwargs_meta_device_and_to_empty(device, dtype):
             assert t.device.type == torch.device(device).type, f"{IDS[i]}: {name} on {t.device}"
             if t.is_floating_point():
                 assert t.dtype == dtype, f"{IDS[i]}: {name} is {t.dtype}"
+        if c.kwargs["add_bias_kv"]:  # drawn at construction (MHA's xavier_normal_), not left as memory held
+            for t in (layer.bias_k, layer.bias_v):
+                assert torch.isfinite(t).all() and 1e-3 < float(t.detach().abs().max()) < 100, IDS[i]
         with torch.device("meta"):
             meta = dt.DamchaAttention(*c.args, **c.kwargs, dtype=dtype)
         assert all(p.is_meta for p in meta.parameters()), IDS[i]
@@ -273,9 +285,10 @@ def test_non_contiguous_inputs_and_output_gradients(device):
 
 
 def test_reading_torchs_test_helpers_leaves_this_process_as_it_was():
-    """torch.testing._internal freezes torch.backends' flags and wraps TorchScript's
-    call methods when imported: both are put back (a frozen flag made another test's
+    """torch.testing._internal freezes torch.backends' flags, wraps TorchScript's call
+    methods and loads a hypothesis profile when imported: all are put back (a frozen flag made another test's
     `torch.backends.mkldnn` setting raise in the same pytest-xdist worker)."""
     assert torch.backends.flags_frozen() is _frozen
+    assert hypothesis.settings._current_profile == _hypothesis_profile
     assert (torch._C.ScriptFunction.__call__, torch._C.ScriptMethod.__call__) == _script_calls
     torch.backends.mkldnn.enabled = torch.backends.mkldnn.enabled  # raised RuntimeError while frozen

@@ -320,7 +320,9 @@ class DamchaAttention(CanonicalIO, nn.Module):
             d, (G, dv) = cfg.key_dim, fn.config_sizes(cfg)[3:]
             self.bias_k = nn.Parameter(torch.empty(1, 1, G * d, device=device, dtype=dtype))
             self.bias_v = nn.Parameter(torch.empty(1, 1, G * dv, device=device, dtype=dtype))
-            nn.init.xavier_normal_(self.bias_k)  # nn.MultiheadAttention's initialiser
+            # Drawn here: _init_from_config's reset ran before they existed (reset_parameters
+            # draws them again, as MHA's own initialiser does).
+            nn.init.xavier_normal_(self.bias_k)
             nn.init.xavier_normal_(self.bias_v)
         else:
             self.bias_k = self.bias_v = None

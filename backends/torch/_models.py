@@ -728,7 +728,7 @@ def _is_attention_like(module: nn.Module) -> bool:
 
 # Per-head query and key norms (children even where they are nn.Identity): timm's
 # ParallelScalingBlock computes attention and MLP from one fused `in_proj` (not a
-# name above) and was left without maps while an attention-pool head beside it converted.
+# name in damcha_core._layout's tables) and was left without maps while an attention-pool head beside it converted.
 _QK_NORMS = (("q_norm", "k_norm"), ("query_norm", "key_norm"), ("q_layernorm", "k_layernorm"))
 
 
