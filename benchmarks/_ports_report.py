@@ -67,6 +67,15 @@ def verdict(value: float | None, target: float) -> str:
     return "met" if value <= target else "**missed**"
 
 
+def target_sentence(target: float, measured: list[str], *, met: str, unmeasured: str) -> str:
+    """The line under a table saying how the run did against the script's own target at
+    N=4096: ``met`` names the ratio (``measured``: its values and verdicts), ``unmeasured``
+    the bound's words when the run did not measure N=4096."""
+    if measured:
+        return f"This script's target at N=4096 ({met} <= {target:.2f}): " + "; ".join(measured) + "."
+    return f"This script's target ({unmeasured}<= {target:.2f}) applies at N=4096, which this run did not measure."
+
+
 class Block:
     """One generated block of the doc: the entries of ``section`` (every entry when None)
     of a script's runs, each run's rendered by ``table``. ``what`` names it in messages."""
@@ -176,6 +185,12 @@ class Port:
             return Path(folder) / f"{self.name}.json"
         return RESULTS / f"{self.name}-{datetime.datetime.now():%Y%m%d-%H%M%S}.json"
 
+    def open(self, args: argparse.Namespace, stack: contextlib.ExitStack) -> h.Results | None:
+        """The run's results file (``output_path`` of ``args.json`` and ``args.tiny``), or
+        None (with a message) when ``--json`` names a file that exists."""
+        path = self.output_path(args.json, args.tiny, stack)
+        return None if path is None else h.Results(path, resume=False, file_format=self.file_format)
+
     def start(
         self,
         results: h.Results,
@@ -201,9 +216,10 @@ class Port:
         results.add(entry)
         return entry
 
-    def finish(self, results: h.Results, run: int, *, docs: Path, write_docs: bool, **fields: Any) -> int:
-        """Close the run's record, print its tables (the lines the doc gets) and, with
-        ``write_docs``, rewrite this script's blocks of ``docs`` from the file."""
+    def finish(self, results: h.Results, run: int, args: argparse.Namespace, **fields: Any) -> int:
+        """Close the run's record, print its tables (the lines the doc gets) and, unless
+        ``args.tiny`` or ``args.no_docs``, rewrite this script's blocks of ``args.docs``
+        from the file."""
         results.update_run(run, finished=h.now(), loadavg_end=h.loadavg(), **fields)
         record = {**results.data["runs"][run], "file": str(results.path)}
         entries = [e for e in results.data["entries"].values() if e["run"] == run]
@@ -212,7 +228,7 @@ class Port:
             if rows:
                 print("\n" + "\n".join(block.table(record, rows)), flush=True)
         print(f"\nresults: {results.path}", flush=True)
-        return self.report([results.path], docs) if write_docs else 0
+        return 0 if args.tiny or args.no_docs else self.report([results.path], args.docs)
 
     # ------------------------------------------------------------------ reading results
 

@@ -179,12 +179,11 @@ def main(argv: list[str] | None = None) -> int:
         E, H = 32, 4
         args.batch, args.prompt, args.steps, args.repeats = [1], 8, 2, 1
     with contextlib.ExitStack() as stack:
-        path = PORT.output_path(args.json, args.tiny, stack)
-        if path is None:
+        results = PORT.open(args, stack)
+        if results is None:
             return 2
         import torch
 
-        results = h.Results(path, resume=False, file_format=PORT.file_format)
         run = PORT.start(
             results,
             argv,
@@ -205,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                 entry = measure(layers, mode, batch, args.prompt, args.steps, args.repeats)
                 PORT.record(results, run, entry)
                 print(f"  {entry['id']}: done", flush=True)
-        return PORT.finish(results, run, docs=args.docs, write_docs=not (args.tiny or args.no_docs))
+        return PORT.finish(results, run, args)
 
 
 if __name__ == "__main__":

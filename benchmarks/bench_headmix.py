@@ -39,7 +39,6 @@ import sys
 import time
 from typing import Any
 
-import _harness as h  # benchmarks/ is sys.path[0]
 import _ports_report as pr
 from _memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 
@@ -194,10 +193,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(worker(args.worker[0], int(args.worker[1]), args.repeats)))
         return 0
     with contextlib.ExitStack() as stack:
-        path = PORT.output_path(args.json, args.tiny, stack)
-        if path is None:
+        results = PORT.open(args, stack)
+        if results is None:
             return 2
-        results = h.Results(path, resume=False, file_format=PORT.file_format)
         # One torch thread in every worker (OMP_NUM_THREADS=1, torch.set_num_threads(1)).
         run = PORT.start(
             results,
@@ -217,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {entry['id']}: " + entry.get("error", "done"), file=sys.stderr, flush=True)
                 if "error" in entry:
                     failed.append(entry["id"])
-        rc = PORT.finish(results, run, docs=args.docs, write_docs=not (args.tiny or args.no_docs), failed=failed)
+        rc = PORT.finish(results, run, args, failed=failed)
     if args.tiny and failed:
         print(f"failed workers: {failed}", file=sys.stderr)
         return 1

@@ -116,10 +116,7 @@ def table(run: dict[str, Any], entries: list[dict[str, Any]]) -> list[str]:
         if e["N"] == 4096:
             at_target.append(f"{e['pass']} {ratio:.3f} ({pr.verdict(ratio, TARGET)})")
     lines.append("")
-    if at_target:
-        lines.append(f"This script's target at N=4096 (median ratio <= {TARGET:.2f}): " + "; ".join(at_target) + ".")
-    else:
-        lines.append(f"This script's target (<= {TARGET:.2f}) applies at N=4096, which this run did not measure.")
+    lines.append(pr.target_sentence(TARGET, at_target, met="median ratio", unmeasured=""))
     return lines
 
 
@@ -148,12 +145,11 @@ def main(argv: list[str] | None = None) -> int:
         args.sizes, args.reps = [16], [1]
     reps = args.reps + [args.reps[-1]] * (len(args.sizes) - len(args.reps))
     with contextlib.ExitStack() as stack:
-        path = PORT.output_path(args.json, args.tiny, stack)
-        if path is None:
+        results = PORT.open(args, stack)
+        if results is None:
             return 2
         import jax
 
-        results = h.Results(path, resume=False, file_format=PORT.file_format)
         run = PORT.start(
             results,
             argv,
@@ -173,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
                 entry = measure(modules, n, backward, r)
                 PORT.record(results, run, entry)
                 print(f"  {entry['id']}: done", flush=True)
-        return PORT.finish(results, run, docs=args.docs, write_docs=not (args.tiny or args.no_docs))
+        return PORT.finish(results, run, args)
 
 
 if __name__ == "__main__":

@@ -85,10 +85,7 @@ def table(run: dict[str, Any], entries: list[dict[str, Any]]) -> list[str]:
         if e["N"] == 4096:
             at_target.append(f"{ratio:.3f} ({pr.verdict(ratio, TARGET)})")
     lines.append("")
-    if at_target:
-        lines.append(f"This script's target at N=4096 (ratio <= {TARGET:.2f}): " + "; ".join(at_target) + ".")
-    else:
-        lines.append(f"This script's target (<= {TARGET:.2f}) applies at N=4096, which this run did not measure.")
+    lines.append(pr.target_sentence(TARGET, at_target, met="ratio", unmeasured=""))
     return lines
 
 
@@ -124,10 +121,9 @@ def main(argv: list[str] | None = None) -> int:
         B, E, H = 2, 32, 4
         args.sizes, args.repeats = [16], 1
     with contextlib.ExitStack() as stack:
-        path = PORT.output_path(args.json, args.tiny, stack)
-        if path is None:
+        results = PORT.open(args, stack)
+        if results is None:
             return 2
-        results = h.Results(path, resume=False, file_format=PORT.file_format)
         run = PORT.start(
             results,
             argv,
@@ -146,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             entry = measure(n, args.repeats, args.metric)
             PORT.record(results, run, entry)
             print(f"  {entry['id']}: done", flush=True)
-        return PORT.finish(results, run, docs=args.docs, write_docs=not (args.tiny or args.no_docs))
+        return PORT.finish(results, run, args)
 
 
 if __name__ == "__main__":

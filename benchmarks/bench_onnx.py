@@ -490,10 +490,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.tiny:
         args.width, args.heads, args.ffn, args.repeats = 32, 4, 64, 2
     with contextlib.ExitStack() as stack:
-        path = PORT.output_path(args.json, args.tiny, stack)
-        if path is None:
+        results = PORT.open(args, stack)
+        if results is None:
             return 2
-        results = h.Results(path, resume=False, file_format=PORT.file_format)
         run = PORT.start(
             results,
             argv,
@@ -515,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
             encoder_section(args, record)
         if args.section in ("all", "edge"):
             edge_section(args, record)
-        return PORT.finish(results, run, docs=args.docs, write_docs=not (args.tiny or args.no_docs))
+        return PORT.finish(results, run, args)
 
 
 if __name__ == "__main__":

@@ -148,14 +148,7 @@ def table(run: dict[str, Any], entries: list[dict[str, Any]]) -> list[str]:
                 + f" ({pr.verdict(mem, TARGET)})"
             )
     lines.append("")
-    if at_target:
-        lines.append(
-            f"This script's target at N=4096 (wall and memory ratios <= {TARGET:.2f}): " + "; ".join(at_target) + "."
-        )
-    else:
-        lines.append(
-            f"This script's target (ratios <= {TARGET:.2f}) applies at N=4096, which this run did not measure."
-        )
+    lines.append(pr.target_sentence(TARGET, at_target, met="wall and memory ratios", unmeasured="ratios "))
     return lines
 
 
@@ -190,12 +183,11 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"peak_mib": h.measure_peak(_make(impl, int(n), mode))}))
         return 0
     with contextlib.ExitStack() as stack:
-        path = PORT.output_path(args.json, args.tiny, stack)
-        if path is None:
+        results = PORT.open(args, stack)
+        if results is None:
             return 2
         import torch
 
-        results = h.Results(path, resume=False, file_format=PORT.file_format)
         run = PORT.start(
             results,
             argv,
@@ -214,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                 entry = measure(n, mode, args.repeats, tiny=args.tiny, threads=args.threads, memory=memory)
                 PORT.record(results, run, entry)
                 print(f"  {entry['id']}: done", flush=True)
-        return PORT.finish(results, run, docs=args.docs, write_docs=not (args.tiny or args.no_docs))
+        return PORT.finish(results, run, args)
 
 
 if __name__ == "__main__":

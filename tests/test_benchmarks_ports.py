@@ -13,6 +13,7 @@ or a --tiny run is refused by name. The scripts' --tiny runs, checked with the s
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import json
@@ -358,7 +359,8 @@ def synthetic(script: str, path: Path, *, tiny: bool = False, seed: int = 0) -> 
         run = port.start(results, ["--json", str(path)], tiny=tiny, threads=2, **settings)
         for entry in entries:
             port.record(results, run, entry)
-        assert port.finish(results, run, docs=path.with_suffix(".md"), write_docs=False) == 0
+        args = argparse.Namespace(docs=path.with_suffix(".md"), tiny=tiny, no_docs=True)
+        assert port.finish(results, run, args) == 0
     return path
 
 
