@@ -246,15 +246,20 @@ def versions() -> dict[str, str]:
 
 def machine() -> dict[str, Any]:
     """What the numbers were measured on."""
-    cpu = platform.processor() or ""
+    name: str | None = None
+    flags: set[str] | None = None
     try:
         with open("/proc/cpuinfo") as fh:
             for line in fh:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
+                if line.startswith("model name") and name is None:
+                    name = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and flags is None:
+                    flags = set(line.split(":", 1)[1].split())
+                if name is not None and flags is not None:
                     break
     except OSError:
         pass
+    cpu = name if name is not None else platform.processor() or ""
     info: dict[str, Any] = {
         "platform": platform.platform(),
         "machine": platform.machine(),
@@ -263,7 +268,6 @@ def machine() -> dict[str, Any]:
     }
     # VMs sold under one CPU name differ in these (AVX2 only, or AVX-512 with VNNI), and
     # CPU kernels' speeds with them: a run line says which the run had.
-    flags = _cpu_flags()
     if flags is not None:
         info["cpu_flags"] = sorted(flags & {"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile"})
     try:
@@ -272,17 +276,6 @@ def machine() -> dict[str, Any]:
     except (OSError, ValueError, IndexError):
         pass
     return info
-
-
-def _cpu_flags() -> set[str] | None:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return None
 
 
 def git_dirty_files() -> list[str] | None:
@@ -302,15 +295,10 @@ def git_commit() -> str | None:
         head = subprocess.run(
             ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
         ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
-    return (head + ("+dirty" if dirty else "")) or None
+    # "+dirty": tracked files differ from HEAD, the files git_dirty_files lists.
+    return (head + ("+dirty" if git_dirty_files() else "")) or None
 
 
 def now() -> str:
