@@ -309,28 +309,26 @@ def time_cells(e: dict[str, Any]) -> str:
 
 
 # Further baselines of a layer or model entry (``record_timed(also=...)``), by their
-# comparison's label: the column heading of their time.
-BASELINE_HEADS = {"time, MHA fast path off": "MHA, fast path off"}
-# ... and of their memory, by implementation.
+# implementation's name: the column heading of their time and memory.
 IMPL_HEADS = {"mha-nofast": "MHA, fast path off"}
 
 
-def _extra_labels(entries: list[dict[str, Any]]) -> list[str]:
-    """The labels of the further baselines any entry of a table has, in order."""
-    labels: list[str] = []
+def _extra_labels(entries: list[dict[str, Any]]) -> dict[str, str]:
+    """The further baselines any entry of a table has, in order: comparison label ->
+    implementation."""
+    labels: dict[str, str] = {}
     for e in entries:
         for c in e["comparisons"][1:]:
-            if c["label"] not in labels:
-                labels.append(c["label"])
+            labels.setdefault(c["label"], c["den"])
     return labels
 
 
-def _extra_heads(labels: list[str]) -> tuple[str, str]:
-    heads = "".join(f" {BASELINE_HEADS.get(lb, lb)} ms | DAMCHA/it (quartiles) | target |" for lb in labels)
+def _extra_heads(labels: dict[str, str]) -> tuple[str, str]:
+    heads = "".join(f" {IMPL_HEADS.get(impl, impl)} ms | DAMCHA/it (quartiles) | target |" for impl in labels.values())
     return heads, "---:|---|---|" * len(labels)
 
 
-def _extra_cells(e: dict[str, Any], labels: list[str]) -> str:
+def _extra_cells(e: dict[str, Any], labels: dict[str, str]) -> str:
     """The cells of each further baseline (``-`` where the entry was not measured against it:
     a mode without that baseline, or a run before it was added)."""
     by_label = {c["label"]: c for c in e["comparisons"][1:]}
