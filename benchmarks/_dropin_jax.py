@@ -23,6 +23,7 @@ import optax
 from _harness import (
     Session,
     closed_gate_check,
+    combined_check,
     comparison,
     compiled_memory,
     decode_entry,
@@ -34,7 +35,7 @@ from _harness import (
     time_target,
     xla_memory_record,
 )
-from flax import nnx
+from flax import nnx, traverse_util
 
 import damcha_jax as dj
 
@@ -63,6 +64,29 @@ def copy_projections(src: nnx.Module, dst: nnx.Module) -> None:
         b.kernel[...] = a.kernel[...]
         if a.bias is not None:
             b.bias[...] = a.bias[...]
+
+
+def _flat(tree: Any) -> dict[tuple, np.ndarray]:
+    """An nnx.State (parameters or their gradients) as path -> NumPy array."""
+    return {path: np.asarray(v) for path, v in traverse_util.flatten_dict(nnx.to_pure_dict(tree)).items()}
+
+
+def gradient_check(damcha: tuple[Any, Any], mha: tuple[Any, Any]) -> dict[str, Any]:
+    """``(loss, gradients)`` of DAMCHA and of MHA, checked with closed gates: the losses
+    equal, and so do the gradients of every MHA parameter (by path: DAMCHA keeps the
+    ``query``/``key``/``value``/``out`` names; its generator and gates have no counterpart)."""
+    ours, theirs = _flat(damcha[1]), _flat(mha[1])
+    missing = [path for path in theirs if path not in ours]
+    if missing:
+        raise RuntimeError(f"DAMCHA lacks MHA's parameters {missing[:3]}")
+    return {
+        "loss": closed_gate_check(np.reshape(damcha[0], 1), np.reshape(mha[0], 1)),
+        "parameter gradients": closed_gate_check(
+            np.concatenate([ours[p].ravel() for p in theirs]),
+            np.concatenate([theirs[p].ravel() for p in theirs]),
+            nonzero=True,
+        ),
+    }
 
 
 # ------------------------------------------------------------------ layer
@@ -131,11 +155,21 @@ def _layer_case(ses: Session, case: str, call: str, n: int, todo: dict[str, str]
     damcha = dj.DamchaAttention.from_mha(mha, rngs=nnx.Rngs(1))
     x = jnp.asarray(np.random.default_rng(n).normal(size=(s.B, n, s.E)), jnp.float32)
     mask, rows = _masks(case, s.B, n)
-    check = closed_gate_check(
-        _layer_fns(case, "forward", True)(damcha, x, mask),
-        _layer_fns(case, "forward", False)(mha, x, mask),
-        rows,
-    )
+    # Each timed call checked with closed gates (mean(y**2) over every row: an all-masked
+    # row would differ, and these masks leave none).
+    checks = {
+        "forward": closed_gate_check(
+            _layer_fns(case, "forward", True)(damcha, x, mask),
+            _layer_fns(case, "forward", False)(mha, x, mask),
+            rows,
+        ),
+    }
+    if "grad" in todo:
+        checks["grad"] = combined_check(
+            **gradient_check(
+                _layer_fns(case, "grad", True)(damcha, x, mask), _layer_fns(case, "grad", False)(mha, x, mask)
+            )
+        )
     open_gates(damcha)
     for mode, entry_id in todo.items():
         calls = {
@@ -152,7 +186,7 @@ def _layer_case(ses: Session, case: str, call: str, n: int, todo: dict[str, str]
             call=call + (" under nnx.jit" if mode == "forward" else "; nnx.jit(nnx.value_and_grad(mean(y**2)))"),
             baseline="nnx.MultiHeadAttention, the same call",
             times=times,
-            check=check,
+            check=checks[mode],
         )
 
 
@@ -234,20 +268,21 @@ def _cached_module(depth: str, impl: str, s: Any, B: int, max_len: int) -> nnx.M
     return module
 
 
-def _decoder(depth: str, impl: str, s: Any, B: int, max_len: int) -> tuple[Callable, Any, Any]:
+def _decoder(depth: str, impl: str, s: Any, B: int, max_len: int, gate: float = 0.5) -> tuple[Callable, Any, Any]:
     """A jitted decode step ``step(cache, x) -> (out, cache)`` (cache donated), the
     parameters closed over, and a fresh cache. ``impl``: mha, damcha (module decode),
-    damcha-fn (the functional ``decode_step``, one layer only)."""
+    damcha-fn (the functional ``decode_step``, one layer only); DAMCHA's gates set to
+    ``gate`` (0: closed, for the check)."""
     if impl == "damcha-fn":
         layer = _attentions("damcha", 1, s)[0]
-        open_gates(layer)
+        open_gates(layer, gate)
         params, config = layer.arrays(), layer.config
         cache = dj.init_cache(config, B, max_len, jnp.float32)
         fn = jax.jit(lambda c, x, p: dj.decode_step(p, config, c, x), donate_argnums=0)
         return (lambda c, x: fn(c, x, params)), cache, layer
     module = _cached_module(depth, impl, s, B, max_len)
     if impl != "mha":
-        open_gates(module)
+        open_gates(module, gate)
     graphdef, cache, params = nnx.split(module, nnx.Cache, ...)
 
     def step(cache: Any, x: Any, params: Any) -> tuple[Any, Any]:
@@ -313,8 +348,7 @@ def _decode_case(ses: Session, depth: str, B: int, entry_id: str) -> None:
         cache, out = _prefilled(step, cache, prompt, one_by_one=impl == "mha")
         firsts[impl] = out
         calls[impl] = _decode_call(step, cache, out, tokens, s.steps, greedy)
-    # Gates are open while decoding: compare the closed-gate layer separately.
-    check = _decode_check(depth, s, B, max_len, prompt)
+    check = _decode_check(depth, impls, s, B, max_len, prompt, tokens)
     times = interleaved(calls, repeats=s.decode_repeats(), warmup=1, self_timed=True)
     target = decode_target(B)
     comps = [comparison("module", times, "damcha", "mha", target)]
@@ -342,17 +376,20 @@ def _decode_case(ses: Session, depth: str, B: int, entry_id: str) -> None:
     )
 
 
-def _decode_check(depth: str, s: Any, B: int, max_len: int, prompt: Any) -> dict[str, Any]:
-    """Closed gates: DAMCHA's cached step equals the Flax MHA's (prompt, then 2 steps)."""
+def _decode_check(
+    depth: str, impls: list[str], s: Any, B: int, max_len: int, prompt: Any, tokens: Any
+) -> dict[str, Any]:
+    """The timed steps (the same jitted code, the same weights) with DAMCHA's gates
+    closed: each DAMCHA step's output equals the Flax MHA's after the prompt (prefilled
+    as timed) and 2 steps, the same tokens fed to both."""
     outs = {}
-    for impl in ("mha", "damcha"):
-        module = _cached_module(depth, impl, s, B, max_len)
-        kw = {} if depth == "layer" else {"positions": False}
-        out = None
-        for i in range(min(prompt.shape[1], 4)):
-            out = module(prompt[:, i : i + 1], decode=True, **kw)
+    for impl in impls:
+        step, cache, _ = _decoder(depth, impl, s, B, max_len, gate=0.0)
+        cache, out = _prefilled(step, cache, prompt, one_by_one=impl == "mha")
+        for i in range(2):
+            out, cache = step(cache, prompt[:, i : i + 1] if tokens is None else tokens[:, i : i + 1])
         outs[impl] = out
-    return closed_gate_check(outs["damcha"], outs["mha"])
+    return combined_check(**{impl: closed_gate_check(outs[impl], outs["mha"]) for impl in impls if impl != "mha"})
 
 
 # ------------------------------------------------------------------ model
@@ -380,14 +417,19 @@ class ModelStep:
         return compiled_memory(self.jitted.lower(m, *self.extra, x).compile())
 
 
-def _model_fns(kind: str, mode: str, model: Stack) -> ModelStep:
+def _apply_model(kind: str) -> Callable:
     def apply(m: Stack, x: Any) -> Any:
         if kind == "lm":
             return m(x, mask=nnx.make_causal_mask(x))
         return m(x)
 
-    if mode == "inference":
-        return ModelStep(nnx.jit(apply))
+    return apply
+
+
+def _model_loss(kind: str) -> Callable:
+    """The train rows' loss (timed, and checked with closed gates): next-token
+    cross-entropy for the LM, mean(y**2) for the encoder."""
+    apply = _apply_model(kind)
 
     def loss(m: Stack, x: Any) -> Any:
         out = apply(m, x)
@@ -395,6 +437,13 @@ def _model_fns(kind: str, mode: str, model: Stack) -> ModelStep:
             return optax.softmax_cross_entropy_with_integer_labels(out[:, :-1], x[:, 1:]).mean()
         return jnp.mean(out**2)
 
+    return loss
+
+
+def _model_fns(kind: str, mode: str, model: Stack) -> ModelStep:
+    if mode == "inference":
+        return ModelStep(nnx.jit(_apply_model(kind)))
+    loss = _model_loss(kind)
     optimizer = nnx.Optimizer(model, optax.sgd(1e-4), wrt=nnx.Param)
 
     @nnx.jit
@@ -443,7 +492,11 @@ def _model_case(ses: Session, kind: str, text: str, n: int, todo: dict[str, str]
     models["mha"], x = _model(kind, "mha", n, s)
     # Same projections; the blocks' other weights come from the same seeds.
     infer = {impl: _model_fns(kind, "inference", m) for impl, m in models.items()}
-    check = closed_gate_check(infer["damcha"](models["damcha"], x), infer["mha"](models["mha"], x))
+    checks = {"inference": closed_gate_check(infer["damcha"](models["damcha"], x), infer["mha"](models["mha"], x))}
+    if "train" in todo:
+        # The train step's loss and gradients (its update is optax.sgd's, the same for both).
+        grad = nnx.jit(nnx.value_and_grad(_model_loss(kind)))
+        checks["train"] = combined_check(**gradient_check(grad(models["damcha"], x), grad(models["mha"], x)))
     open_gates(models["damcha"])
     for mode, entry_id in todo.items():
         fns = infer if mode == "inference" else {impl: _model_fns(kind, mode, m) for impl, m in models.items()}
@@ -464,7 +517,7 @@ def _model_case(ses: Session, kind: str, text: str, n: int, todo: dict[str, str]
             baseline="the same model with nnx.MultiHeadAttention (DAMCHA layers: same projections, one "
             "generator shared by all layers)",
             times=times,
-            check=check,
+            check=checks[mode],
             comparisons=[comparison("time", times, "damcha", "mha", time_target(n))],
         )
         if ses.memory:

@@ -23,6 +23,7 @@ import numpy as np
 from _harness import (
     Session,
     closed_gate_check,
+    combined_check,
     comparison,
     compiled_memory,
     decode_entry,
@@ -69,6 +70,58 @@ def _np(x: Any) -> np.ndarray:
 def _check(a: Any, b: Any, rows: Any = None) -> dict[str, Any]:
     # rows: those that see a key (Keras MHA gives an all-masked row uniform weights, DAMCHA 0)
     return closed_gate_check(_np(a), _np(b), rows)
+
+
+def _compile(model: keras.Model, loss: Any, learning_rate: float = 1e-4) -> None:
+    """The timed training steps' compile: plain SGD (learning rate 1 for the check)."""
+    model.compile(optimizer=keras.optimizers.SGD(learning_rate), loss=loss)
+
+
+def _copied_variables(pairs: list[tuple[Any, DamchaAttention]]) -> dict[int, Any]:
+    """id of each MHA projection variable -> the DAMCHA variable ``from_mha`` copied it into."""
+    copied = {}
+    for mha, damcha in pairs:
+        ours = damcha._projections()
+        theirs = {"query": mha._query_dense, "key": mha._key_dense, "value": mha._value_dense}
+        theirs["output"] = mha._output_dense
+        for name, dense in theirs.items():
+            for attr in ("kernel", "bias"):
+                if getattr(dense, attr, None) is not None:
+                    copied[id(getattr(dense, attr))] = getattr(ours[name], attr)
+    return copied
+
+
+def _train_check(
+    damcha: keras.Model, mha: keras.Model, pairs: list, inputs: Any, target: Any, loss: Any
+) -> dict[str, Any]:
+    """What the train rows time (``train_on_batch``), checked with closed gates.
+
+    One SGD step of each model from the same weights, with learning rate 1 so that a
+    weight's change is its gradient: the losses equal, and every trainable variable of
+    the MHA model changes as DAMCHA's copy of it does (layers both models share: the
+    same variable). Every variable is put back afterwards; the caller compiles again.
+    """
+    copied = _copied_variables(pairs)
+    variables = {id(v): v for model in (damcha, mha) for v in model.variables}
+    saved = {key: _np(v.value).copy() for key, v in variables.items()}
+    ours = {id(v) for v in damcha.trainable_variables}
+    matched = [(copied.get(id(v), v), v) for v in mha.trainable_variables]
+    strays = [v.path for d, v in matched if id(d) not in ours]
+    if strays:
+        raise RuntimeError(f"no DAMCHA counterpart of the MHA model's trainable {strays[:3]}")
+    losses, changes = [], []
+    for model in (damcha, mha):
+        _compile(model, loss, learning_rate=1.0)
+        losses.append(np.asarray(model.train_on_batch(inputs, target), np.float64).reshape(1))
+        changes.append({key: _np(v.value) - saved[key] for key, v in variables.items()})
+        for key, v in variables.items():
+            v.assign(saved[key])
+    flat_damcha = np.concatenate([changes[0][id(d)].ravel() for d, _ in matched])
+    flat_mha = np.concatenate([changes[1][id(v)].ravel() for _, v in matched])
+    return {
+        "train loss": closed_gate_check(losses[0], losses[1]),
+        "weight updates": closed_gate_check(flat_damcha, flat_mha, nonzero=True),
+    }
 
 
 def _sync(out: Any) -> Any:
@@ -141,17 +194,23 @@ def _layer_models(case: str, n: int, s: Any) -> dict[str, Any]:
     model_mha = build(mha)  # builds the MHA
     damcha = from_mha(mha)
     model_damcha = build(damcha)
-    return {"mha": model_mha, "damcha": model_damcha, "layer": damcha, "inputs": inputs, "rows": rows}
+    return {
+        "mha": model_mha,
+        "damcha": model_damcha,
+        "pairs": [(mha, damcha)],
+        "inputs": inputs,
+        "rows": rows,
+        "target": np.zeros(model_mha.output.shape, "float32"),
+    }
 
 
-def _mode_call(model: keras.Model, inputs: Any, mode: str) -> Callable[[], Any]:
+def _mode_call(model: keras.Model, inputs: Any, target: Any, mode: str) -> Callable[[], Any]:
     if mode == "forward":
         tensor = ops.convert_to_tensor(inputs)
         return lambda: model(tensor, training=False)
     if mode == "predict":
         return lambda: model.predict_on_batch(inputs)
-    target = np.zeros(model.output.shape, "float32")
-    model.compile(optimizer=keras.optimizers.SGD(1e-4), loss="mse")
+    _compile(model, "mse")
     return lambda: model.train_on_batch(inputs, target)
 
 
@@ -163,13 +222,17 @@ def layer_section(ses: Session) -> None:
 def _layer_case(ses: Session, case: str, call: str, n: int, todo: dict[str, str]) -> None:
     s = ses.sizes
     m = _layer_models(case, n, s)
-    check = _check(m["damcha"](m["inputs"], training=False), m["mha"](m["inputs"], training=False), m["rows"])
-    open_gates([m["layer"]])
+    inputs, rows = m["inputs"], m["rows"]
+    # Each timed call checked with closed gates on the inputs it is timed on.
+    checks = {
+        "forward": _check(m["damcha"](inputs, training=False), m["mha"](inputs, training=False), rows),
+        "predict": _check(m["damcha"].predict_on_batch(inputs), m["mha"].predict_on_batch(inputs), rows),
+    }
+    if "train" in todo:
+        checks["train"] = combined_check(**_train_check(m["damcha"], m["mha"], m["pairs"], inputs, m["target"], "mse"))
+    open_gates([d for _, d in m["pairs"]])
     for mode, entry_id in todo.items():
-        calls = {
-            "damcha": _mode_call(m["damcha"], m["inputs"], mode),
-            "mha": _mode_call(m["mha"], m["inputs"], mode),
-        }
+        calls = {impl: _mode_call(m[impl], inputs, m["target"], mode) for impl in ("damcha", "mha")}
         times = interleaved(calls, repeats=s.repeats(n), warmup=2, sync=_sync)
         ses.record_timed(
             entry_id,
@@ -180,7 +243,7 @@ def _layer_case(ses: Session, case: str, call: str, n: int, todo: dict[str, str]
             call=f"{call}; {MODE_TEXT[mode]}",
             baseline="keras.layers.MultiHeadAttention(H, E // H), the same model",
             times=times,
-            check=check,
+            check=checks[mode],
         )
 
 
@@ -424,6 +487,8 @@ def _models(kind: str, n: int, s: Any) -> dict[str, Any]:
     fc1 = [keras.layers.Dense(s.ffn, activation="gelu") for _ in range(L)]
     fc2 = [keras.layers.Dense(E) for _ in range(L)]
 
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True) if kind == "lm" else "mse"
+
     def build(attns: list) -> keras.Model:
         if kind == "lm":
             inp = keras.Input((n,), batch_size=s.B, dtype="int32")
@@ -436,15 +501,14 @@ def _models(kind: str, n: int, s: Any) -> dict[str, Any]:
             h = h + fc2[i](fc1[i](ln2[i](h)))
         h = final(h)
         model = keras.Model(inp, head(h) if kind == "lm" else h)
-        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True) if kind == "lm" else "mse"
-        model.compile(optimizer=keras.optimizers.SGD(1e-4), loss=loss)
+        _compile(model, loss)
         return model
 
     mhas = [keras.layers.MultiHeadAttention(H, E // H) for _ in range(L)]
     mha = build(mhas)
     shared = MetricGenerator(H)
     damchas = [from_mha(m, metric_generator=shared) for m in mhas]
-    return {"mha": mha, "damcha": build(damchas), "layers": damchas, "x": x, "y": y}
+    return {"mha": mha, "damcha": build(damchas), "pairs": list(zip(mhas, damchas)), "x": x, "y": y, "loss": loss}
 
 
 def _model_call(model: keras.Model, x: Any, y: Any, mode: str) -> Callable[[], Any]:
@@ -490,7 +554,7 @@ def memory_worker(kind: str, impl: str, n: int, mode: str, s: Any) -> dict[str, 
 
     m = _models(kind, n, s)
     if impl == "damcha":
-        open_gates(m["layers"])
+        open_gates([d for _, d in m["pairs"]])
     call = _model_call(m[impl], m["x"], m["y"], mode)
     return {"peak_mib": measure_peak(lambda: _sync(call()))}
 
@@ -503,8 +567,12 @@ def _model_case(ses: Session, kind: str, text: str, n: int, todo: dict[str, str]
     s = ses.sizes
     m = _models(kind, n, s)
     mha, damcha, x, y = m["mha"], m["damcha"], m["x"], m["y"]
-    check = _check(damcha.predict_on_batch(x), mha.predict_on_batch(x))
-    open_gates(m["layers"])
+    checks = {"inference": _check(damcha.predict_on_batch(x), mha.predict_on_batch(x))}
+    if "train" in todo:
+        checks["train"] = combined_check(**_train_check(damcha, mha, m["pairs"], x, y, m["loss"]))
+        for model in (damcha, mha):
+            _compile(model, m["loss"])  # the timed step's learning rate again
+    open_gates([d for _, d in m["pairs"]])
     backend = keras.backend.backend()
     for mode, entry_id in todo.items():
         calls = {"damcha": _model_call(damcha, x, y, mode), "mha": _model_call(mha, x, y, mode)}
@@ -524,7 +592,7 @@ def _model_case(ses: Session, kind: str, text: str, n: int, todo: dict[str, str]
             baseline="the same model with keras.layers.MultiHeadAttention (DAMCHA: from_mha of each, "
             "one MetricGenerator shared by all layers)",
             times=times,
-            check=check,
+            check=checks[mode],
             # TensorFlow's CPU runtime keeps a step's buffers between calls, so a warm call's
             # RSS increase is not its footprint (one run read 1.2x-2.2x on a few MiB) and TF
             # reports no CPU peak: not measured there. JAX: XLA's estimate, as for Flax.

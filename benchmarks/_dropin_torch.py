@@ -22,6 +22,7 @@ from _counts import mha_decode_step
 from _harness import (
     Session,
     closed_gate_check,
+    combined_check,
     comparison,
     decode_entry,
     decode_target,
@@ -73,18 +74,8 @@ def without_mha_fastpath(call: Callable[[], Any]) -> Callable[[], Any]:
 NOFAST, NOFAST_LABEL = "mha-nofast", "time, MHA fast path off"
 
 
-def _check(a: torch.Tensor, b: torch.Tensor) -> dict[str, Any]:
-    return closed_gate_check(a.detach().float().numpy(), b.detach().float().numpy())
-
-
-def _checks(**parts: dict[str, Any]) -> dict[str, Any]:
-    """One entry's ``check`` from several (output, gradients, a second baseline): the
-    largest difference, ok only if every part is, and what was compared."""
-    return {
-        "max_rel_diff": max(c["max_rel_diff"] for c in parts.values()),
-        "ok": all(c["ok"] for c in parts.values()),
-        "checked": {name: c["max_rel_diff"] for name, c in parts.items()},
-    }
+def _check(a: torch.Tensor, b: torch.Tensor, *, nonzero: bool = False) -> dict[str, Any]:
+    return closed_gate_check(a.detach().float().numpy(), b.detach().float().numpy(), nonzero=nonzero)
 
 
 def _train_check(damcha: nn.Module, mha: nn.Module, f_damcha: Callable, f_mha: Callable, inputs: tuple) -> dict:
@@ -100,7 +91,7 @@ def _train_check(damcha: nn.Module, mha: nn.Module, f_damcha: Callable, f_mha: C
     (out_d, grads_d), (out_m, grads_m) = results
     return {
         "train output": _check(out_d, out_m),
-        **{f"input {i} gradient": _check(a, b) for i, (a, b) in enumerate(zip(grads_d, grads_m))},
+        **{f"input {i} gradient": _check(a, b, nonzero=True) for i, (a, b) in enumerate(zip(grads_d, grads_m))},
     }
 
 
@@ -239,14 +230,14 @@ def _layer_case(ses: Session, case: str, info: dict[str, str], n: int, todo: dic
     with torch.inference_mode():
         expected = f_mha(mha, *inputs)
         checks = {
-            "forward": _checks(
+            "forward": combined_check(
                 output=_check(f_damcha(damcha, *inputs), expected),
                 # The second baseline computes what MHA's default path does.
                 **{"mha fast path off": _check(without_mha_fastpath(lambda: f_mha(mha, *inputs))(), expected)},
             )
         }
     if "fwd+bwd" in todo:
-        checks["fwd+bwd"] = _checks(**_train_check(damcha, mha, f_damcha, f_mha, inputs))
+        checks["fwd+bwd"] = combined_check(**_train_check(damcha, mha, f_damcha, f_mha, inputs))
     open_gates(damcha)
     for mode, entry_id in todo.items():
         calls = {
@@ -353,20 +344,24 @@ def _decode_call(
     return call
 
 
-def _decode_check(
-    models: dict[str, Any], prompt: torch.Tensor, tokens: torch.Tensor | None, greedy: bool
-) -> dict[str, Any]:
-    """With closed gates DAMCHA's decode must reproduce MHA's (prompt + 2 steps, the same tokens fed)."""
+def _decode_outputs(
+    steps: dict[str, Callable],
+    caches: dict[str, Callable],
+    prompt: torch.Tensor,
+    tokens: torch.Tensor | None,
+    greedy: bool,
+) -> dict[str, torch.Tensor]:
+    """Each step function's output after the prompt and 2 steps, the same tokens fed to all."""
     outs = {}
     with torch.inference_mode():
-        for impl in ("mha", "damcha"):
-            step, caches = models["steps"][impl], models["caches"][impl]()
-            out = step(prompt, caches)
+        for impl, step in steps.items():
+            cache = caches[impl.removesuffix("-compiled")]()
+            out = step(prompt, cache)
             for i in range(2):
                 nxt = prompt[:, i : i + 1] if greedy else tokens[:, i : i + 1]  # type: ignore[index]
-                out = step(nxt, caches)
+                out = step(nxt, cache)
             outs[impl] = out
-    return _check(outs["damcha"], outs["mha"])
+    return outs
 
 
 def decode_section(ses: Session) -> None:
@@ -383,10 +378,6 @@ def _decode_case(ses: Session, depth: str, B: int, entry_id: str) -> None:
     else:
         prompt = torch.randn(B, s.prompt, s.E, generator=g)
         tokens = torch.randn(B, s.steps, s.E, generator=g)
-    check = _decode_check(models, prompt, tokens, models["greedy"])
-    for m in models["modules"]:
-        if isinstance(m, dt.DamchaAttention):
-            open_gates(m)
     # The eager steps and their torch.compile'd versions (the cache length becomes
     # a dynamic dim after two sizes, so the steps do not recompile per token).
     # --tiny compiles with the "eager" backend: dynamo's tracing without inductor.
@@ -399,14 +390,23 @@ def _decode_case(ses: Session, depth: str, B: int, entry_id: str) -> None:
     # DamchaKVCache (a few graphs each while the storage grows): room for both,
     # so neither falls back to eager at dynamo's default limit of 8.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
-    calls = {}
-    for impl in ("mha", "mha-prealloc", "damcha"):
-        step = models["steps"][impl]
-        calls[impl] = _decode_call(step, models["caches"][impl], prompt, tokens, s.steps, models["greedy"])
-        compiled = torch.compile(step, backend=backend)
-        calls[f"{impl}-compiled"] = _decode_call(
-            compiled, models["caches"][impl], prompt, tokens, s.steps, models["greedy"]
+    steps = dict(models["steps"])
+    steps.update({f"{impl}-compiled": torch.compile(step, backend=backend) for impl, step in models["steps"].items()})
+    # Every timed step (eager and compiled, both caches) checked with closed gates: DAMCHA's
+    # decode reproduces MHA's, and each MHA baseline the plain one.
+    outs = _decode_outputs(steps, models["caches"], prompt, tokens, models["greedy"])
+    check = combined_check(
+        **{impl: _check(out, outs["mha"]) for impl, out in outs.items() if impl != "mha"},
+    )
+    for m in models["modules"]:
+        if isinstance(m, dt.DamchaAttention):
+            open_gates(m)
+    calls = {
+        impl: _decode_call(
+            step, models["caches"][impl.removesuffix("-compiled")], prompt, tokens, s.steps, models["greedy"]
         )
+        for impl, step in steps.items()
+    }
     times = interleaved(calls, repeats=s.decode_repeats(), warmup=1, self_timed=True)
     compile_stats = {k: dict(v) for k, v in torch._dynamo.utils.counters.items() if k in ("stats", "frames")}
     target = decode_target(B)
@@ -544,7 +544,7 @@ def _model_train_check(damcha: nn.Module, mha: nn.Module, x: torch.Tensor, kind:
     if missing:
         raise RuntimeError(f"DAMCHA model lacks MHA's parameters {missing[:3]}")
     flat = [torch.cat([g[k].flatten() for k in names]) for g in grads]
-    return {"loss": _check(losses[0], losses[1]), "parameter gradients": _check(flat[0], flat[1])}
+    return {"loss": _check(losses[0], losses[1]), "parameter gradients": _check(flat[0], flat[1], nonzero=True)}
 
 
 def memory_worker(kind: str, impl: str, n: int, mode: str, s: Any) -> dict[str, Any]:
@@ -572,13 +572,13 @@ def _model_case(ses: Session, kind: str, text: str, n: int, todo: dict[str, str]
     with torch.inference_mode():
         expected = mha(x)
         checks = {
-            "inference": _checks(
+            "inference": combined_check(
                 output=_check(damcha(x), expected),
                 **{"mha fast path off": _check(without_mha_fastpath(lambda: mha(x))(), expected)},
             )
         }
     if "train" in todo:
-        checks["train"] = _checks(**_model_train_check(damcha, mha, x, kind))
+        checks["train"] = combined_check(**_model_train_check(damcha, mha, x, kind))
     open_gates(damcha)
     for mode, entry_id in todo.items():
         calls = {"damcha": _model_call(damcha, x, kind, mode), "mha": _model_call(mha, x, kind, mode)}

@@ -411,13 +411,15 @@ def max_rel_diff(a: Any, b: Any) -> float:
 EQUAL_TOL = 1e-4  # float32: DAMCHA with closed gates must compute MHA's output to rounding
 
 
-def closed_gate_check(damcha: Any, mha: Any, rows: Any = None) -> dict[str, Any]:
+def closed_gate_check(damcha: Any, mha: Any, rows: Any = None, *, nonzero: bool = False) -> dict[str, Any]:
     """The ``check`` of an entry: DAMCHA's output with closed gates against MHA's.
 
     Args:
         damcha, mha: the two outputs, as NumPy arrays (or what ``np.asarray`` reads).
         rows: optional boolean index of the query rows that see some key; only those
             are compared (an all-masked row: MHA averages uniformly, DAMCHA gives 0).
+        nonzero: MHA's values must not be all zero (gradients, weight changes: a step
+            that changed nothing would otherwise pass as equal).
     """
     import numpy as np
 
@@ -425,7 +427,20 @@ def closed_gate_check(damcha: Any, mha: Any, rows: Any = None) -> dict[str, Any]
     if rows is not None:
         a, b = a[rows], b[rows]
     diff = max_rel_diff(a, b)
+    if nonzero and not np.any(b):
+        return {"max_rel_diff": diff, "ok": False, "note": "MHA's values are all zero: nothing was compared"}
     return {"max_rel_diff": diff, "ok": diff <= EQUAL_TOL}
+
+
+def combined_check(**parts: dict[str, Any]) -> dict[str, Any]:
+    """One entry's ``check`` from several ``closed_gate_check`` results (output,
+    gradients, a second baseline): the largest difference, ok only if every part is,
+    and what was compared (``checked``: part name -> its difference)."""
+    return {
+        "max_rel_diff": max(c["max_rel_diff"] for c in parts.values()),
+        "ok": all(c["ok"] for c in parts.values()),
+        "checked": {name: c["max_rel_diff"] for name, c in parts.items()},
+    }
 
 
 # --------------------------------------------------------------------- sizes

@@ -79,11 +79,12 @@ DROPIN_PORTS = {
     # Both modes of torch's layer and model (the forward/inference rows add MHA with its fast path
     # off); --tiny measures memory in the first model entry only (lm inference).
     "torch": ([r"^torch/(layer/mask\+hint/|decode/layer/B=1$|model/lm/)"], True),
-    # Flax's model memory is XLA's memory_analysis() in the worker process (two small compilations).
-    "jax": ([r"^jax/(layer/combined-mask/forward/|decode/stack/B=1$|model/encoder/inference/)"], True),
+    # Flax's model memory is XLA's memory_analysis() in the worker process (two small compilations);
+    # the grad and train rows check their gradients.
+    "jax": ([r"^jax/(layer/combined-mask/|decode/stack/B=1$|model/encoder/)"], True),
     # TensorFlow's CPU runtime keeps a step's buffers between calls: no model memory is recorded there.
     "keras-tensorflow": (
-        [r"^keras-tensorflow/(layer/embedding-padding/train/|decode/stack/B=1$|model/lm/inference/)"],
+        [r"^keras-tensorflow/(layer/embedding-padding/train/|decode/stack/B=1$|model/lm/)"],
         False,
     ),
     # Keras on JAX: XLA's memory_analysis() of the train step Keras compiles, as for Flax.
@@ -141,6 +142,17 @@ def test_dropin_tiny(port: str, tmp_path: Path) -> None:
                     assert {"train output", "input 0 gradient"} <= checked, (e["id"], checked)
                 else:
                     assert checked == {"loss", "parameter gradients"}, (e["id"], checked)
+    # Every training row checks the step it times: Flax the loss and every MHA parameter's
+    # gradient, Keras one train_on_batch's loss and weight changes (SGD, learning rate 1).
+    trained = {"jax": {"loss", "parameter gradients"}}.get(port, {"train loss", "weight updates"})
+    for e in entries.values():
+        if port != "torch" and e["mode"] in ("grad", "train"):
+            assert set(e["check"]["checked"]) == trained, (e["id"], e["check"])
+    assert port == "torch" or any(e["mode"] in ("grad", "train") for e in entries.values())
+    if port in ("torch", "jax"):  # every timed decode step (compiled ones too) against the plain MHA step
+        for e in entries.values():
+            if e["section"] == "decode":
+                assert set(e["check"]["checked"]) == set(e["times"]) - {"mha"}, (e["id"], e["check"])
     if port in ("jax", "keras-jax") and peaks:  # XLA's parts add up to the recorded total, for both models
         parts = peaks[0]["xla_mib"]
         assert all(
