@@ -33,7 +33,16 @@ from damcha_core import DamchaError
 from damcha_core import _cliutil as cu
 
 from ._adapter import BackendAdapter
-from ._cases import CATALOGUE, DECODE_CATALOGUE, ERROR_CATALOGUE, GROUPS, catalogue
+from ._cases import (
+    CATALOGUE,
+    DECODE_CATALOGUE,
+    ERROR_CATALOGUE,
+    GROUPS,
+    PENALTY_CASES,
+    WEIGHTS_CASES,
+    Case,
+    catalogue,
+)
 from ._runner import Report, Result, check_adapter, run_conformance
 from ._tolerances import DTYPES
 from .adapters import BUILTIN, load_adapter
@@ -77,7 +86,9 @@ def _parser() -> argparse.ArgumentParser:
         help="only these dtypes (default: each adapter's own); a --backend or --adapter that declares none of "
         "them is a usage error",
     )
-    p.add_argument("--case", action="append", metavar="NAME", help="only these catalogue cases")
+    p.add_argument(
+        "--case", action="append", metavar="NAME", help="only these catalogue cases (--list-cases lists them)"
+    )
     p.add_argument("--group", action="append", choices=GROUPS, help="only these case groups")
     p.add_argument("--no-gradients", action="store_true", help="check outputs only")
     p.add_argument(
@@ -89,6 +100,12 @@ def _parser() -> argparse.ArgumentParser:
         "--no-penalty",
         action="store_true",
         help="leave out the metric-penalty checks (a port that computes no penalty: narrowed, not a gap)",
+    )
+    p.add_argument(
+        "--list-cases",
+        action="store_true",
+        help="print the cases of each group (the names --case and --group take) and exit; --case and --group "
+        "narrow the list",
     )
     p.add_argument("--json", metavar="PATH", help="also write the full report as JSON")
     p.add_argument(
@@ -117,8 +134,8 @@ def _validate(args: argparse.Namespace) -> None:
         if name not in known:
             cu.usage_error(
                 "--case",
-                f"unknown case {name!r}; expected catalogue case names (see "
-                f"damcha_conformance.CATALOGUE), e.g. {', '.join(sorted(known)[:3])}, ...",
+                f"unknown case {name!r}; expected catalogue case names (damcha conform --list-cases lists them), "
+                f"e.g. {', '.join(sorted(known)[:3])}, ...",
                 prog=PROG,
             )
     if args.case and args.group and not catalogue(args.case, args.group):
@@ -130,6 +147,28 @@ def _validate(args: argparse.Namespace) -> None:
             f"{' --group '.join(args.group)}",
             prog=PROG,
         )
+    if args.list_cases:
+        others = (
+            ("--backend", args.backend),
+            ("--adapter", args.adapter),
+            ("--dtype", args.dtype),
+            ("--no-gradients", args.no_gradients),
+            ("--no-weights", args.no_weights),
+            ("--no-penalty", args.no_penalty),
+            ("--json", args.json is not None),
+            ("--export-vectors", args.export_vectors is not None),
+            ("--in-process", args.in_process),
+        )
+        received = [flag for flag, given in others if given]
+        if received:
+            cu.usage_error(
+                "--list-cases",
+                "prints the catalogue and runs nothing; of the options that choose what runs it takes only --case "
+                "and --group, which narrow the list. "
+                f"Received: {' '.join(received)}",
+                prog=PROG,
+            )
+        return
     if args.json is not None:
         cu.check_output_file(args.json, "--json", prog=PROG)
     if args.export_vectors is not None:
@@ -210,6 +249,73 @@ def _validate(args: argparse.Namespace) -> None:
                     prog=PROG,
                 )
             names[name] = spec
+
+
+def _case_line(case: Case) -> str:
+    """One catalogue case in a line: its sizes, metric and inputs."""
+    cfg = case.config
+    what = [f"B={case.batch} N={case.query_len}"]
+    what.append("self-attention" if case.context_len is None else f"cross-attention M={case.context_len}")
+    what.append(f"E={cfg.query_dim} H={cfg.num_heads}")
+    if cfg.num_kv_heads not in (None, cfg.num_heads):
+        what.append(f"kv heads {cfg.num_kv_heads}")
+    what.append(f"metric {cfg.metric}" + ("" if cfg.metric == "none" else f", coupling {cfg.coupling}"))
+    if case.mask is not None:
+        what.append(f"mask {case.mask}")
+    if case.causal:
+        what.append("causal")
+    if case.inputs is not None:
+        what.append(f"inputs {case.inputs}")
+    if case.dtypes is not None:
+        what.append("only " + ", ".join(case.dtypes))
+    if not case.gradients:
+        what.append("outputs only")
+    return ", ".join(what)
+
+
+def list_cases(names: Sequence[str] | None = None, groups: Sequence[str] | None = None) -> str:
+    """What ``damcha conform --list-cases`` prints: each group's cases, one per line,
+    narrowed as ``--case`` and ``--group`` narrow a run (a run given ``--case`` checks
+    those catalogue cases only: no decoding, weights, penalty or bad-input checks)."""
+    width = max(
+        len(name)
+        for name in [c.name for c in CATALOGUE] + [c.name for c in DECODE_CATALOGUE] + [c.name for c in ERROR_CATALOGUE]
+    )
+    blocks = []
+    for group in dict.fromkeys(groups or GROUPS):
+        if group == "decode":
+            head, rows = (
+                "cached decoding: a prefix, then new tokens",
+                [
+                    (
+                        c.name,
+                        f"B={c.batch}, {c.prefix_len} + {c.new_len} tokens, E={c.config.query_dim} "
+                        f"H={c.config.num_heads}, metric {c.config.metric}, coupling {c.config.coupling}",
+                    )
+                    for c in DECODE_CATALOGUE
+                ],
+            )
+        elif group == "errors":
+            head, rows = (
+                "bad input: a valid case with one input corrupted; the error must name the argument",
+                [(c.name, f"{c.corruption} of {c.base.name}") for c in ERROR_CATALOGUE],
+            )
+        elif group in ("weights", "penalty"):
+            picked = WEIGHTS_CASES if group == "weights" else PENALTY_CASES
+            head = "attention weights" if group == "weights" else "metric penalty"
+            head, rows = f"the {head} checked on these cases", [(c.name, f"group {c.group}") for c in picked]
+        else:
+            head, rows = "", [(c.name, _case_line(c)) for c in catalogue(list(names or ()), [group])]
+        if names and group in ("decode", "errors", "weights", "penalty"):
+            continue  # --case runs the catalogue cases named, and none of these checks
+        if rows:
+            title = f"{group} ({len(rows)}{', ' + head if head else ''}):"
+            blocks.append("\n".join([title, *(f"  {name:<{width}}  {text}" for name, text in rows)]))
+    lead = (
+        f"{len(CATALOGUE)} catalogue cases in {len(GROUPS) - 4} groups (--case takes their names), and the "
+        "groups decode, weights, penalty and errors (--group takes every group's name):"
+    )
+    return "\n\n".join([lead, *blocks])
 
 
 def _check_not_a_source(path: str) -> None:
@@ -605,6 +711,9 @@ def _main(argv: list[str] | None) -> int:
         return 0
     with _sigterm_raises():  # the probes of _validate build third-party adapters in processes of their own
         _validate(args)
+    if args.list_cases:
+        print(list_cases(args.case, args.group))
+        return 0
     if args.export_vectors is not None:
         from ._vectors import export_vectors, vector_files
 

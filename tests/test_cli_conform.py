@@ -149,6 +149,7 @@ def test_unknown_case_backend_and_group_are_one_line_errors():
     line = one_line_usage_error(conform("--case", "nosuch"), "--case")
     first = sorted(c.name for c in dcf.CATALOGUE)[0]
     assert "unknown case 'nosuch'" in line and f"e.g. {first}, " in line and "{" not in line, line
+    assert "damcha conform --list-cases lists them" in line
     assert "invalid choice: 'nosuch'" in one_line_usage_error(conform("--backend", "nosuch"), "--backend")
     assert "invalid choice: 'nosuch'" in one_line_usage_error(conform("--group", "nosuch"), "--group")
     assert "invalid choice: 'float8'" in one_line_usage_error(conform("--dtype", "float8"), "--dtype")
@@ -584,3 +585,62 @@ def test_onnxruntime_states_why_it_has_no_metric_penalty():
     assert "subset: onnxruntime: no metric penalty: exported ONNX inference graphs compute no training loss" in (
         proc.stdout
     )
+
+
+def _listed(text: str) -> dict[str, list[str]]:
+    """--list-cases's output as group -> the case names listed under it."""
+    blocks = text.strip().split("\n\n")
+    assert blocks[0].startswith(f"{len(dcf.CATALOGUE)} catalogue cases in "), blocks[0]
+    out = {}
+    for block in blocks[1:]:
+        title, *rows = block.splitlines()
+        group = title.split(" (", 1)[0]
+        assert title.startswith(f"{group} ({len(rows)}") and group not in out, title
+        out[group] = [row.split()[0] for row in rows]
+    return out
+
+
+def test_list_cases_lists_every_case_by_group_and_runs_nothing():
+    """Every name --case accepts, under the group --group selects it by, and each special
+    group's cases (decoding, bad inputs, the weights and penalty picks), read from the
+    catalogue itself; every line describes its case."""
+    from damcha_conformance._cases import PENALTY_CASES, WEIGHTS_CASES
+
+    proc = conform("--list-cases")
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    listed = _listed(proc.stdout)
+    assert list(listed) == list(dcf.GROUPS)
+    for group in dict.fromkeys(c.group for c in dcf.CATALOGUE):
+        assert listed[group] == [c.name for c in dcf.CATALOGUE if c.group == group], group
+    assert listed["decode"] == [c.name for c in dcf.DECODE_CATALOGUE]
+    assert listed["errors"] == [c.name for c in dcf.ERROR_CATALOGUE]
+    assert listed["weights"] == [c.name for c in WEIGHTS_CASES]
+    assert listed["penalty"] == [c.name for c in PENALTY_CASES]
+    # Each case's first line: its catalogue group's (the weights and penalty blocks name it again).
+    lines: dict[str, str] = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("  "):
+            lines.setdefault(line.split()[0], line)
+    cross = next(c for c in dcf.CATALOGUE if c.context_len is not None and c.mask is None and not c.causal)
+    assert f"B={cross.batch} N={cross.query_len}, cross-attention M={cross.context_len}" in lines[cross.name]
+    causal = next(c for c in dcf.CATALOGUE if c.causal)
+    assert "causal" in lines[causal.name] and f"metric {causal.config.metric}" in lines[causal.name]
+
+
+def test_list_cases_is_narrowed_by_case_and_group():
+    masks = _listed(conform("--list-cases", "--group", "masks", "--group", "decode", "--group", "masks").stdout)
+    assert list(masks) == ["masks", "decode"]
+    assert masks["masks"] == [c.name for c in dcf.CATALOGUE if c.group == "masks"]
+    # A run given --case checks those catalogue cases only: no decoding, weights or error group.
+    first, last = dcf.CATALOGUE[0], dcf.CATALOGUE[-1]
+    named = _listed(conform("--list-cases", "--case", last.name, "--case", first.name).stdout)
+    assert named == {first.group: [first.name], last.group: [last.name]} or named == {
+        first.group: [first.name, last.name]
+    }
+
+
+def test_list_cases_refuses_the_options_of_a_run(tmp_path):
+    for args in (["--backend", "reference"], ["--json", str(tmp_path / "r.json")], ["--no-gradients"]):
+        line = one_line_usage_error(conform("--list-cases", *args), "--list-cases")
+        assert f"Received: {args[0]}" in line and "it takes only --case and --group" in line
+    assert not (tmp_path / "r.json").exists()
