@@ -542,3 +542,25 @@ def test_a_stacked_layer_refuses_canonical_io_and_one_sliced_out_takes_it(call, 
     x = np.asarray(jax.random.normal(jax.random.key(2), (2, 5, SE)), dtype=np.float64)
     want = dc.damcha_attention(second.to_canonical(), second.config, x)
     np.testing.assert_allclose(np.asarray(second(jnp.asarray(x, jnp.float32))), want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["one-layer", "stacked"])
+def test_a_converted_layer_owns_its_arrays_so_donating_its_state_keeps_the_originals(stacked):
+    """from_mha copied each Variable with ``Variable.copy``, which shares the array: a jitted
+    step that donates the converted layer's state (as training loops do) deleted the
+    original MHA's weights too ("Array has been deleted") where a user kept both."""
+    if stacked:
+        model = StackedLM(nnx.Rngs(0))
+        mha = model.blocks.attn
+        dj.replace_mha(model, rngs=nnx.Rngs(3))
+        layer = model.blocks.attn
+    else:
+        mha = nnx.MultiHeadAttention(num_heads=2, in_features=E, qkv_features=E, decode=False, rngs=nnx.Rngs(0))
+        layer = dj.DamchaAttention.from_mha(mha, rngs=nnx.Rngs(1))
+    names = ("query", "key", "value", "out")
+    before = {n: np.asarray(getattr(mha, n).kernel[...]).copy() for n in names}
+    step = jax.jit(lambda state: jax.tree.map(lambda a: a + 1, state), donate_argnums=0)
+    stepped = jax.block_until_ready(step(nnx.state(layer, nnx.Param)))
+    for n in names:  # the original's arrays are alive and unchanged
+        np.testing.assert_array_equal(np.asarray(getattr(mha, n).kernel[...]), before[n])
+    np.testing.assert_array_equal(np.asarray(stepped[names[0]]["kernel"][...]), before[names[0]] + 1)

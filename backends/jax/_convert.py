@@ -137,6 +137,17 @@ def _metadata_options(mha: Any) -> dict[str, Any]:
     return metadata
 
 
+def _own_copy(variable: Any) -> Any:
+    """``variable`` copied with its metadata and a buffer of its own.
+
+    ``Variable.copy`` shares the array: a jitted step that donates one layer's
+    state (``donate_argnums``) would then delete the other's weights ("Array
+    has been deleted") when a user trains the converted layer and keeps the
+    original. ``jnp.copy`` keeps the array's dtype and sharding.
+    """
+    return variable.copy(jnp.copy(variable[...]))
+
+
 def _from_stacked(cls: Any, mha: Any, axes: tuple[int, ...], options: dict[str, Any], rngs: nnx.Rngs) -> Any:
     """``from_mha`` of layers stacked on leading ``axes``: the constructor
     vmapped over them, each layer with its own keys (so its own generator
@@ -159,7 +170,7 @@ def _from_stacked(cls: Any, mha: Any, axes: tuple[int, ...], options: dict[str, 
         # The variable itself, not its value copied into the one built: built under vmap it has
         # no metadata, while mha's carries the partition names nnx.vmap's transform_metadata may
         # have put in front (and its arrays their shardings), which a scan over the layers reads.
-        setattr(getattr(layer, name), leaf, getattr(getattr(mha, name), leaf).copy())
+        setattr(getattr(layer, name), leaf, _own_copy(getattr(getattr(mha, name), leaf)))
     return layer
 
 
@@ -203,7 +214,7 @@ def from_mha(cls: Any, mha: Any, *, metric: str, metric_rank: int | None, coupli
         # The variable itself (a copy), as _from_stacked installs it: its arrays keep
         # their dtype (an MHA cast to bfloat16 after construction stays bfloat16, where
         # writing into the new variable cast them to param_dtype) and their metadata.
-        setattr(getattr(layer, name), leaf, getattr(getattr(mha, name), leaf).copy())
+        setattr(getattr(layer, name), leaf, _own_copy(getattr(getattr(mha, name), leaf)))
     return layer
 
 
