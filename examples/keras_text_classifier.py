@@ -62,7 +62,8 @@ def main(epochs: int = 8, export_dir: str | None = None, samples: int = 2048) ->
     print(f"test accuracy: {accuracy:.3f}")
 
     export_dir = export_dir or os.path.join(tempfile.mkdtemp(), "damcha_classifier")
-    model.export(export_dir, format="tf_saved_model")
+    # verbose=False: Keras would print the endpoint and a TensorSpec line per captured variable.
+    model.export(export_dir, format="tf_saved_model", verbose=False)
     reloaded = keras.layers.TFSMLayer(export_dir, call_endpoint="serve")
     expected = keras.ops.convert_to_numpy(model(x_test[:8]))
     served = keras.ops.convert_to_numpy(reloaded(x_test[:8]))

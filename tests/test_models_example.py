@@ -25,10 +25,11 @@ def test_convert_llama_vit_example(tmp_path):
     assert os.path.isfile(tmp_path / "llama.onnx") and os.path.isfile(tmp_path / "vit.onnx")
 
 
-def test_keras_text_classifier_example(tmp_path):
+def test_keras_text_classifier_example(tmp_path, capsys):
     """examples/keras_text_classifier.py (linked from README.md) at a tiny size: it trains,
     exports a TensorFlow SavedModel and checks the reloaded model's predictions against
-    the Keras model's (assert_allclose inside main); the export folder exists."""
+    the Keras model's (assert_allclose inside main); the export folder exists, and the
+    example's output is its own lines (model.export printed a TensorSpec per variable)."""
     path = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "keras_text_classifier.py")
     spec = importlib.util.spec_from_file_location("keras_text_classifier", path)
     module = importlib.util.module_from_spec(spec)
@@ -36,3 +37,5 @@ def test_keras_text_classifier_example(tmp_path):
     accuracy = module.main(epochs=1, export_dir=str(tmp_path / "saved"), samples=256)
     assert 0.0 <= accuracy <= 1.0
     assert os.path.isfile(tmp_path / "saved" / "saved_model.pb")
+    out = capsys.readouterr().out
+    assert "predictions match" in out and "TensorSpec" not in out, out[-2000:]
