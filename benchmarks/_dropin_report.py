@@ -45,10 +45,25 @@ turn it). Runs are pooled only when they measured the same commit on the same
 machine (its platform string names the VM) with the same thread count. DAMCHA layers are
 made from the MHA the way a user makes them (`from_mha`, `replace_mha`; same
 weights), are checked to reproduce MHA's output with closed gates (relative
-difference <= 1e-4; a failed check is marked **check failed**; PyTorch's layer
-and model rows, in runs after the forty-fourth session's, check what each row
-times: the training rows' outputs and input or parameter gradients, and the
-second baseline's output, the `check` of each entry in the result files), and are
+difference <= 1e-4; a failed check is marked **check failed**). Since the
+forty-fourth session (PyTorch's layer and model rows) and the forty-fifth
+(125925c: the Keras and Flax rows, and PyTorch's and Flax's decoding steps)
+a run checks what each row times, listed per entry under `check.checked`
+in the result files: PyTorch the training rows' outputs and input or parameter
+gradients and the second baseline's output; Flax the grad and train rows'
+loss and the gradient of every MHA parameter; Keras `predict_on_batch`'s
+output and one `train_on_batch` step per model (SGD with learning rate 1, so a
+weight's change is its gradient; every weight put back after) giving MHA's
+loss and changing each MHA weight as it changes DAMCHA's copy of it; a whole
+model's attention layers' gradients also on their own scale; every timed
+decoding step, `torch.compile`d and jitted ones included, against the plain
+MHA step (gradients or weight changes that are zero everywhere fail the
+check). The losses: next-token cross-entropy, the encoder's distance to its
+input (the forty-fourth session's PyTorch runs used mean(y^2) of the final
+LayerNorm's output, about 1 whatever the layers do, which tested the
+attention's gradients little), mean(y^2) of the layer's output over the rows
+that see a key. Runs stored before then checked the forward or inference
+output only. The layers are
 timed with every gate opened to 0.5 so the cross-head map does its full work
 (a trained layer's cost). float32, CPU, fixed thread count (each port in its
 own process, pinned to that many cores). Whole models: DAMCHA layers share

@@ -141,12 +141,18 @@ def test_dropin_tiny(port: str, tmp_path: Path) -> None:
                 elif e["section"] == "layer":
                     assert {"train output", "input 0 gradient"} <= checked, (e["id"], checked)
                 else:
-                    assert checked == {"loss", "parameter gradients"}, (e["id"], checked)
+                    assert checked == {"loss", "parameter gradients", "attention gradients"}, (e["id"], checked)
     # Every training row checks the step it times: Flax the loss and every MHA parameter's
-    # gradient, Keras one train_on_batch's loss and weight changes (SGD, learning rate 1).
-    trained = {"jax": {"loss", "parameter gradients"}}.get(port, {"train loss", "weight updates"})
+    # gradient (a model's attention layers' also on their own scale), Keras one
+    # train_on_batch's loss and weight changes (SGD, learning rate 1).
     for e in entries.values():
         if port != "torch" and e["mode"] in ("grad", "train"):
+            if port == "jax":
+                trained = {"loss", "parameter gradients"} | (
+                    {"attention gradients"} if e["section"] == "model" else set()
+                )
+            else:
+                trained = {"train loss", "weight updates", "attention weight updates"}
             assert set(e["check"]["checked"]) == trained, (e["id"], e["check"])
     assert port == "torch" or any(e["mode"] in ("grad", "train") for e in entries.values())
     if port in ("torch", "jax"):  # every timed decode step (compiled ones too) against the plain MHA step
@@ -346,3 +352,54 @@ def test_jax_eqn_counts_inlines_nested_jaxprs() -> None:
     counts = _counts.jax_eqn_counts(lambda x: inner(x) + jnp.cos(x), jnp.ones(3))
     assert counts == Counter({"sin": 1, "mul": 1, "cos": 1, "add": 1})
     assert _counts.jax_hlo_op_count(lambda x: jnp.sin(x) * 2.0, jnp.ones(3)) >= 1
+
+
+def test_the_keras_train_check_fails_when_one_copied_weight_differs():
+    """The drop-in Keras train check compares one train_on_batch's weight changes: a DAMCHA
+    model whose copy of one MHA weight is off (its gradient then differs) fails it, and
+    every weight of both models is put back afterwards."""
+    import _dropin_keras as dk
+    import numpy as np
+    from _harness import Sizes
+
+    m = dk._layer_models("mask-float", 16, Sizes(tiny=True))
+    weights = {id(v): np.array(v.numpy()) for model in (m["damcha"], m["mha"]) for v in model.variables}
+    passed = dk._train_check(m["damcha"], m["mha"], m["pairs"], m["inputs"], m["target"], "mse")
+    assert all(part["ok"] for part in passed.values()), passed
+    _, damcha = m["pairs"][0]
+    value = damcha._projections()["value"].kernel
+    value.assign(value.numpy() * 1.5)
+    weights[id(value)] = value.numpy()
+    failed = dk._train_check(m["damcha"], m["mha"], m["pairs"], m["inputs"], m["target"], "mse")
+    assert not failed["attention weight updates"]["ok"] and not failed["train loss"]["ok"], failed
+    for model in (m["damcha"], m["mha"]):
+        for v in model.variables:
+            np.testing.assert_array_equal(v.numpy(), weights[id(v)], err_msg=v.path)
+
+
+def test_the_flax_gradient_check_fails_when_one_copied_weight_differs():
+    """The drop-in Flax grad check compares every MHA parameter's gradient: a DAMCHA layer
+    whose copy of MHA's value kernel is off fails it; an all-zero gradient fails too."""
+    import _dropin_jax as dj_bench
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    import damcha_jax as dj
+
+    mha = nnx.MultiHeadAttention(2, 8, decode=False, rngs=nnx.Rngs(0))
+    damcha = dj.DamchaAttention.from_mha(mha, rngs=nnx.Rngs(1))
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 5, 8)), jnp.float32)
+    mask, rows = dj_bench._masks("combined-mask", 2, 5)
+    grad = dj_bench._layer_fns("combined-mask", "grad", True), dj_bench._layer_fns("combined-mask", "grad", False)
+    args = (x, mask, jnp.asarray(rows))
+    assert not rows.all()  # a padded row: its all-masked query rows are left out of the loss
+    ok = dj_bench.gradient_check(grad[0](damcha, *args), grad[1](mha, *args))
+    assert all(part["ok"] for part in ok.values()), ok
+    damcha.value.kernel[...] = damcha.value.kernel[...] * 1.5
+    off = dj_bench.gradient_check(grad[0](damcha, *args), grad[1](mha, *args))
+    assert not off["parameter gradients"]["ok"], off
+    loss, grads = grad[1](mha, *args)
+    zero = dj_bench.gradient_check((loss, grads), (loss, jax.tree.map(jnp.zeros_like, grads)))
+    assert not zero["parameter gradients"]["ok"] and "all zero" in zero["parameter gradients"]["note"]
