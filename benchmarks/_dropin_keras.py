@@ -74,7 +74,7 @@ def _check(a: Any, b: Any, rows: Any = None) -> dict[str, Any]:
 
 
 def _compile(model: keras.Model, loss: Any, learning_rate: float = 1e-4) -> None:
-    """The timed training steps' compile: plain SGD (learning rate 1 for the check)."""
+    """The timed training steps' compile: plain SGD (a large one for the check)."""
     model.compile(optimizer=keras.optimizers.SGD(learning_rate), loss=loss)
 
 
@@ -97,8 +97,10 @@ def _train_check(
 ) -> dict[str, Any]:
     """What the train rows time (``train_on_batch``), checked with closed gates.
 
-    One SGD step of each model from the same weights, with learning rate 1 so that a
-    weight's change is its gradient: the losses equal, and every trainable variable of
+    One SGD step of each model from the same weights, with learning rate 2**16 so that a
+    weight's change is its gradient times a power of two (with 1, the change carried the
+    float32 rounding of the weight itself: 1e-5 of the largest change in a layer, more
+    for a model's attention layers, whose gradients are smaller): the losses equal, and every trainable variable of
     the MHA model changes as DAMCHA's copy of it does (layers both models share: the
     same variable). Every variable is put back afterwards; the caller compiles again.
     """
@@ -112,7 +114,7 @@ def _train_check(
         raise RuntimeError(f"no DAMCHA counterpart of the MHA model's trainable {strays[:3]}")
     losses, changes = [], []
     for model in (damcha, mha):
-        _compile(model, loss, learning_rate=1.0)
+        _compile(model, loss, learning_rate=2.0**16)
         losses.append(np.asarray(model.train_on_batch(inputs, target), np.float64).reshape(1))
         changes.append({key: _np(v.value) - saved[key] for key, v in variables.items()})
         for key, v in variables.items():

@@ -52,18 +52,24 @@ a run checks what each row times, listed per entry under `check.checked`
 in the result files: PyTorch the training rows' outputs and input or parameter
 gradients and the second baseline's output; Flax the grad and train rows'
 loss and the gradient of every MHA parameter; Keras `predict_on_batch`'s
-output and one `train_on_batch` step per model (SGD with learning rate 1, so a
-weight's change is its gradient; every weight put back after) giving MHA's
-loss and changing each MHA weight as it changes DAMCHA's copy of it; a whole
-model's attention layers' gradients also on their own scale; every timed
-decoding step, `torch.compile`d and jitted ones included, against the plain
-MHA step (gradients or weight changes that are zero everywhere fail the
-check). The losses: next-token cross-entropy, the encoder's distance to its
-input (the forty-fourth session's PyTorch runs used mean(y^2) of the final
+output and one `train_on_batch` step per model (plain SGD, every weight put
+back after) giving MHA's loss and changing each MHA weight as it changes
+DAMCHA's copy of it (a learning rate of 2^16, so that a weight's change is
+its gradient scaled; the layer runs of 289f34f used 1, whose changes carry
+the weights' own float32 rounding, up to 1e-5 of the largest change there);
+since 289f34f a whole model's attention layers' gradients (Keras: weight
+changes) also on their own scale; every timed decoding step,
+`torch.compile`d and jitted ones included, against the plain MHA step
+(gradients or weight changes that are zero everywhere fail the check). The
+training losses: whole models, next-token cross-entropy (LM) and the
+encoder's distance to its input (until 289f34f mean(y^2) of the final
 LayerNorm's output, about 1 whatever the layers do, which tested the
-attention's gradients little), mean(y^2) of the layer's output over the rows
-that see a key. Runs stored before then checked the forward or inference
-output only. The layers are
+attention's gradients little: the forty-fourth session's PyTorch model
+runs); layers, PyTorch the sum of the output (its gradients with respect to
+the inputs), Flax mean(y^2) over the query rows that see a key, Keras the
+mean squared output (the mask Keras propagates keeps padded rows out of it).
+Runs stored before then checked the forward or inference output only. The
+layers are
 timed with every gate opened to 0.5 so the cross-head map does its full work
 (a trained layer's cost). float32, CPU, fixed thread count (each port in its
 own process, pinned to that many cores). Whole models: DAMCHA layers share

@@ -29,6 +29,7 @@ from _harness import (
     each_case,
     each_decode,
     interleaved,
+    padded,
 )
 from torch import nn
 
@@ -176,14 +177,14 @@ def _layer_models(case: str, n: int, s: Any) -> tuple[nn.Module, nn.Module, Call
 
         return mha, damcha, cross, cross, (x, c)
     if case == "padding+causal":
-        # Each sequence pads its last 0..12% of keys; no query row loses every key.
-        lengths = [n - (n * (i % 4)) // 32 for i in range(B)]
+        # Each sequence pads its last few keys; no query row loses every key.
+        lengths = [n - padded(n, i) for i in range(B)]
         pad = torch.arange(n)[None, :] >= torch.tensor(lengths)[:, None]
 
-        def padded(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        def with_padding(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
             return mod(x, x, x, key_padding_mask=pad, attn_mask=causal, is_causal=True, need_weights=False)[0]
 
-        return mha, damcha, padded, padded, (x,)
+        return mha, damcha, with_padding, with_padding, (x,)
 
     def hinted(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return mod(x, x, x, attn_mask=causal, is_causal=True, need_weights=False)[0]
@@ -605,7 +606,7 @@ def _model_case(ses: Session, kind: str, text: str, n: int, todo: dict[str, str]
             n,
             call=text.format(L=s.model_layers, F=s.ffn, V=s.vocab)
             + (
-                "; train: SGD step on " + ("next-token cross-entropy" if kind == "lm" else "mean(y^2)")
+                "; train: SGD step on " + ("next-token cross-entropy" if kind == "lm" else "mean((y - x)^2)")
                 if mode == "train"
                 else "; inference: eval() under torch.inference_mode"
             ),

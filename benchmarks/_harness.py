@@ -433,8 +433,8 @@ def closed_gate_check(damcha: Any, mha: Any, rows: Any = None, *, nonzero: bool 
 
 
 def padded(n: int, row: int) -> int:
-    """How many trailing tokens batch row ``row`` of ``n`` pads: 0 to 12% of them by
-    row (0, 3%, 6%, 9%), at least one where the share is not 0 (--tiny's rows pad too)."""
+    """How many trailing tokens batch row ``row`` of ``n`` pads: 0, 3%, 6% or 9% of
+    them by row, at least one where the share is not 0 (--tiny's rows pad too)."""
     share = row % 4
     return max((n * share) // 32, 1) if share else 0
 
