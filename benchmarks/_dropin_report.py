@@ -56,7 +56,7 @@ output and one `train_on_batch` step per model (plain SGD, every weight put
 back after) giving MHA's loss and changing each MHA weight as it changes
 DAMCHA's copy of it (a learning rate of 2^16, so that a weight's change is
 its gradient scaled; the layer runs of 289f34f used 1, whose changes carry
-the weights' own float32 rounding, up to 1e-5 of the largest change there);
+the weights' own float32 rounding, up to 1.8e-5 of the largest change there);
 since 289f34f a whole model's attention layers' gradients (Keras: weight
 changes) also on their own scale; every timed decoding step,
 `torch.compile`d and jitted ones included, against the plain MHA step
