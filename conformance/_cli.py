@@ -277,10 +277,8 @@ def list_cases(names: Sequence[str] | None = None, groups: Sequence[str] | None 
     """What ``damcha conform --list-cases`` prints: each group's cases, one per line,
     narrowed as ``--case`` and ``--group`` narrow a run (a run given ``--case`` checks
     those catalogue cases only: no decoding, weights, penalty or bad-input checks)."""
-    width = max(
-        len(name)
-        for name in [c.name for c in CATALOGUE] + [c.name for c in DECODE_CATALOGUE] + [c.name for c in ERROR_CATALOGUE]
-    )
+    # One column width for the catalogue's blocks (they read as one table); the others their own.
+    width = max(len(c.name) for c in CATALOGUE)
     blocks = []
     for group in dict.fromkeys(groups or GROUPS):
         if group == "decode":
@@ -310,7 +308,8 @@ def list_cases(names: Sequence[str] | None = None, groups: Sequence[str] | None 
             continue  # --case runs the catalogue cases named, and none of these checks
         if rows:
             title = f"{group} ({len(rows)}{', ' + head if head else ''}):"
-            blocks.append("\n".join([title, *(f"  {name:<{width}}  {text}" for name, text in rows)]))
+            w = max(width, *(len(name) for name, _ in rows))
+            blocks.append("\n".join([title, *(f"  {name:<{w}}  {text}" for name, text in rows)]))
     lead = (
         f"{len(CATALOGUE)} catalogue cases in {len(GROUPS) - 4} groups (--case takes their names), and the "
         "groups decode, weights, penalty and errors (--group takes every group's name):"
