@@ -33,6 +33,7 @@ from _harness import (
     entry,
     interleaved,
     padded,
+    parameter_check,
     time_target,
     xla_memory_record,
 )
@@ -79,23 +80,12 @@ def gradient_check(damcha: tuple[Any, Any], mha: tuple[Any, Any], attention: str
     with ``attention`` (the attribute holding the attention layers in a model) also the
     attention layers' own gradients, on their own scale."""
     ours, theirs = _flat(damcha[1]), _flat(mha[1])
-    missing = [path for path in theirs if path not in ours]
-    if missing:
-        raise RuntimeError(f"DAMCHA lacks MHA's parameters {missing[:3]}")
-
-    def compared(paths: list) -> dict[str, Any]:
-        a, b = (np.concatenate([flat[p].ravel() for p in paths]) for flat in (ours, theirs))
-        return closed_gate_check(a, b, nonzero=True)
-
     parts = {
         "loss": closed_gate_check(np.reshape(damcha[0], 1), np.reshape(mha[0], 1)),
-        "parameter gradients": compared(list(theirs)),
+        "parameter gradients": parameter_check(ours, theirs),
     }
     if attention is not None:
-        own = [p for p in theirs if attention in p]
-        if not own:
-            raise RuntimeError(f"no parameter under {attention!r} among {list(theirs)[:3]}")
-        parts["attention gradients"] = compared(own)
+        parts["attention gradients"] = parameter_check(ours, theirs, [p for p in theirs if attention in p])
     return parts
 
 
@@ -171,8 +161,8 @@ def _layer_case(ses: Session, case: str, call: str, n: int, todo: dict[str, str]
     args = {"forward": (x, mask), "grad": (x, mask, jnp.asarray(rows))}
     checks = {
         "forward": closed_gate_check(
-            _layer_fns(case, "forward", True)(damcha, x, mask),
-            _layer_fns(case, "forward", False)(mha, x, mask),
+            _layer_fns(case, "forward", True)(damcha, *args["forward"]),
+            _layer_fns(case, "forward", False)(mha, *args["forward"]),
             rows,
         ),
     }

@@ -32,6 +32,7 @@ from _harness import (
     each_decode,
     interleaved,
     padded,
+    parameter_check,
     xla_memory_record,
 )
 from keras import ops
@@ -79,16 +80,14 @@ def _compile(model: keras.Model, loss: Any, learning_rate: float = 1e-4) -> None
 
 
 def _copied_variables(pairs: list[tuple[Any, DamchaAttention]]) -> dict[int, Any]:
-    """id of each MHA projection variable -> the DAMCHA variable ``from_mha`` copied it into."""
+    """id of each MHA projection variable -> the DAMCHA variable ``from_mha`` copied it into
+    (DamchaAttention keeps MHA's projection sublayers' attribute names)."""
     copied = {}
     for mha, damcha in pairs:
-        ours = damcha._projections()
-        theirs = {"query": mha._query_dense, "key": mha._key_dense, "value": mha._value_dense}
-        theirs["output"] = mha._output_dense
-        for name, dense in theirs.items():
+        for name in ("_query_dense", "_key_dense", "_value_dense", "_output_dense"):
             for attr in ("kernel", "bias"):
-                if getattr(dense, attr, None) is not None:
-                    copied[id(getattr(dense, attr))] = getattr(ours[name], attr)
+                if getattr(getattr(mha, name), attr, None) is not None:
+                    copied[id(getattr(getattr(mha, name), attr))] = getattr(getattr(damcha, name), attr)
     return copied
 
 
@@ -99,10 +98,11 @@ def _train_check(
 
     One SGD step of each model from the same weights, with learning rate 2**16 so that a
     weight's change is its gradient times a power of two (with 1, the change carried the
-    float32 rounding of the weight itself: 1e-5 of the largest change in a layer, more
-    for a model's attention layers, whose gradients are smaller): the losses equal, and every trainable variable of
-    the MHA model changes as DAMCHA's copy of it does (layers both models share: the
-    same variable). Every variable is put back afterwards; the caller compiles again.
+    float32 rounding of the weight itself: up to 1.8e-5 of the largest change in a
+    layer, more for a model's attention layers, whose gradients are smaller): the losses
+    equal, and every trainable variable of the MHA model changes as DAMCHA's copy of it
+    does (layers both models share: the same variable). Every variable is put back
+    afterwards; the caller compiles again.
     """
     copied = _copied_variables(pairs)
     variables = {id(v): v for model in (damcha, mha) for v in model.variables}
@@ -119,17 +119,14 @@ def _train_check(
         changes.append({key: _np(v.value) - saved[key] for key, v in variables.items()})
         for key, v in variables.items():
             v.assign(saved[key])
-
-    def compared(pairs: list) -> dict[str, Any]:
-        flat_damcha = np.concatenate([changes[0][id(d)].ravel() for d, _ in pairs])
-        flat_mha = np.concatenate([changes[1][id(v)].ravel() for _, v in pairs])
-        return closed_gate_check(flat_damcha, flat_mha, nonzero=True)
-
+    # Keyed by the MHA variable: DAMCHA's change is its counterpart's.
+    ours = {id(v): changes[0][id(d)] for d, v in matched}
+    theirs = {id(v): changes[1][id(v)] for _, v in matched}
     return {
         "train loss": closed_gate_check(losses[0], losses[1]),
-        "weight updates": compared(matched),
+        "weight updates": parameter_check(ours, theirs),
         # The attention layers' own, on their own scale (the other layers' may be larger).
-        "attention weight updates": compared([(d, v) for d, v in matched if id(v) in copied]),
+        "attention weight updates": parameter_check(ours, theirs, [k for k in theirs if k in copied]),
     }
 
 

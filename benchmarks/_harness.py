@@ -432,6 +432,22 @@ def closed_gate_check(damcha: Any, mha: Any, rows: Any = None, *, nonzero: bool 
     return {"max_rel_diff": diff, "ok": diff <= EQUAL_TOL}
 
 
+def parameter_check(damcha: dict, mha: dict, keys: list | None = None) -> dict[str, Any]:
+    """Gradients (or weight changes) of MHA's parameters, ``mha``: key -> array, against
+    DAMCHA's under the same keys, compared as one vector (``closed_gate_check`` with
+    ``nonzero``); ``keys``: only those (default: all of ``mha``'s)."""
+    import numpy as np
+
+    keys = list(mha) if keys is None else keys
+    if not keys:
+        raise RuntimeError("no parameters to compare")
+    missing = [k for k in keys if k not in damcha]
+    if missing:
+        raise RuntimeError(f"DAMCHA lacks MHA's parameters {missing[:3]}")
+    a, b = (np.concatenate([np.asarray(side[k]).ravel() for k in keys]) for side in (damcha, mha))
+    return closed_gate_check(a, b, nonzero=True)
+
+
 def padded(n: int, row: int) -> int:
     """How many trailing tokens batch row ``row`` of ``n`` pads: 0, 3%, 6% or 9% of
     them by row, at least one where the share is not 0 (--tiny's rows pad too)."""
